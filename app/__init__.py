@@ -1,0 +1,1 @@
+"""moedesk front ends: the Textual app and the command line."""

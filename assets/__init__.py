@@ -1,0 +1,1 @@
+"""Data files shipped with moedesk: stylesheet, calibration prompts, example batch."""

@@ -1,0 +1,1 @@
+"""moedesk engine: everything that computes."""

@@ -1,0 +1,135 @@
+"""Finding and opening a model: a Hugging Face folder, a .gguf file, a cached repo id, or the demo.
+
+Every kind of checkpoint presents the same face: `config` (a config.json dict), `keys()` and
+`get_tensor(name)` under Hugging Face tensor names, `tokenizer` and `tokenizer_config`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import tokenizers
+import torch
+from safetensors import SafetensorError, safe_open
+
+from engine.errors import CheckpointError, MoedeskError
+
+
+class SafetensorsCheckpoint:
+    """A Hugging Face model folder: config.json, one or many *.safetensors, optional tokenizer files."""
+
+    def __init__(self, folder):
+        self.path = Path(folder)
+        config_path = self.path / "config.json"
+        if not config_path.is_file():
+            raise CheckpointError(self.path, "no config.json in this folder")
+        self.config = _read_json(config_path)
+        self._where = self._index_tensors()
+        self._open = {}
+
+    def _index_tensors(self) -> dict[str, Path]:
+        index_path = self.path / "model.safetensors.index.json"
+        if index_path.is_file():
+            weight_map = _read_json(index_path).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(index_path, "no weight_map in the index")
+            for shard in sorted(set(weight_map.values())):
+                if not (self.path / shard).is_file():
+                    raise CheckpointError(self.path / shard, "shard listed in model.safetensors.index.json is missing")
+            files = sorted({self.path / s for s in weight_map.values()})
+        else:
+            files = sorted(self.path.glob("*.safetensors"))
+            if not files:
+                raise CheckpointError(self.path, "no *.safetensors files (moedesk never loads pickled .bin weights)")
+        where = {}
+        for f in files:
+            for name in self._handle(f).keys():
+                where[name] = f
+        return where
+
+    def _handle(self, file: Path):
+        try:
+            return safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(file, f"truncated or corrupt safetensors file ({_first_line(e)})") from None
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        file = self._where[name]
+        if file not in self._open:
+            self._open[file] = self._handle(file)
+        try:
+            return self._open[file].get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
+
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer | None:
+        path = self.path / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            return tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+            raise CheckpointError(path, f"unreadable tokenizer ({_first_line(e)})") from None
+
+    @property
+    def tokenizer_config(self) -> dict:
+        path = self.path / "tokenizer_config.json"
+        config = _read_json(path) if path.is_file() else {}
+        template_file = self.path / "chat_template.jinja"  # where newer transformers save it
+        if "chat_template" not in config and template_file.is_file():
+            config["chat_template"] = template_file.read_text()
+        return config
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(path, f"unreadable JSON ({_first_line(e)})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(path, "expected a JSON object")
+    return value
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0]
+
+
+def open_checkpoint(model: str):
+    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
+    if model == "demo":
+        from engine.demo import demo_checkpoint_dir
+        return SafetensorsCheckpoint(demo_checkpoint_dir())
+    path = Path(os.path.expanduser(model))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CheckpointError(path, "no such file")
+        from engine.gguf_checkpoint import GGUFCheckpoint
+        return GGUFCheckpoint(path)
+    if path.is_dir():
+        return SafetensorsCheckpoint(path)
+    if path.exists():
+        raise CheckpointError(path, "not a model folder or .gguf file")
+    cached = _cached_repo(model)
+    if cached is not None:
+        return SafetensorsCheckpoint(cached)
+    raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
+                       f"(download it first: moedesk download {model})")
+
+
+def _cached_repo(repo_id: str) -> Path | None:
+    if repo_id.count("/") != 1:
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None

@@ -1,0 +1,48 @@
+"""Preallocated key/value cache: one row per sequence slot, written at each token's position."""
+from __future__ import annotations
+
+import torch
+
+from engine.config import ModelConfig
+
+
+class KVCache:
+    """Keys and values of every layer, [rows, positions, kv_heads, head_dim] each.
+
+    Allocated once per batch shape; `ensure` grows it (rarely: only when a longer request
+    arrives), never per token.
+    """
+
+    def __init__(self, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.rows, self.length = 0, 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.ensure(rows, length)
+
+    def ensure(self, rows: int, length: int) -> None:
+        """Make room for `rows` sequences of `length` positions, keeping what is stored."""
+        if rows <= self.rows and length <= self.length:
+            return
+        rows, length = max(rows, self.rows), max(length, self.length)
+        shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
+        old_k, old_v = self.k, self.v
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
+        for new, old in zip(self.k + self.v, old_k + old_v):
+            new[: old.shape[0], : old.shape[1]] = old
+        self.rows, self.length = rows, length
+
+    def bytes_per_position(self) -> int:
+        return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
+
+    def write_and_read(self, layer: int, k, v, rows, positions, kv_len: int):
+        """Store k/v [B, T, kv_heads, D] at `positions` [B, T] of `rows`; return keys/values [B, kv_len, ...]."""
+        cache_k, cache_v = self.k[layer], self.v[layer]
+        B = k.shape[0]
+        index_rows = (rows if rows is not None else torch.arange(B, device=k.device)).unsqueeze(1)
+        cache_k[index_rows, positions] = k
+        cache_v[index_rows, positions] = v
+        if rows is None:
+            return cache_k[:B, :kv_len], cache_v[:B, :kv_len]
+        return cache_k[rows, :kv_len], cache_v[rows, :kv_len]

@@ -1,0 +1,219 @@
+"""The decoder-only transformer every supported architecture runs through.
+
+One module tree for dense and MoE models; `ModelConfig` switches the differences on.
+Routed experts are computed by an `ExpertExecutor` (engine.executor) so that where an expert
+runs (GPU, CPU, copied over PCIe) is decided outside the model.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig, RopeConfig
+from engine.kv_cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, as the reference implementations do,
+    # so that 16-bit runs round at the same places.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.kind == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.kind == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth blend between.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class Rotary(nn.Module):
+    """cos/sin tables for every position up to the context length, gathered per token."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, heads, D]; cos/sin: [B, T, D]. Half-split rotation (the Hugging Face layout).
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.wq = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        self.wk = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.wv = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(q_out, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
+
+    def forward(self, x, rope, cache: KVCache, layer: int, step: "Step"):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        keys, values = cache.write_and_read(layer, k, v, step.rows, step.positions, step.kv_len)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=step.mask, enable_gqa=cfg.num_kv_heads != cfg.num_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: a dense layer's MLP, one routed expert, or a shared expert."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, width, bias=False)
+        self.up = nn.Linear(hidden, width, bias=False)
+        self.down = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.shared_expert_intermediate_size:
+            self.shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [N, K] and their weights [N, K] (in x's dtype) for tokens x [N, H]."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor, step: "Step") -> torch.Tensor:
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)
+        weights, ids = self.route(flat)
+        out = step.executor.run_experts(self, flat, weights, ids)
+        if self.cfg.shared_expert_intermediate_size:
+            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return out.view(B, T, H)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe_layer(layer):
+            self.moe = MoE(cfg, layer)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, rope, cache, step):
+        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
+        h = self.mlp_norm(x)
+        return x + (self.moe(h, step) if hasattr(self, "moe") else self.mlp(h))
+
+
+class Step:
+    """What one forward pass shares across layers: which cache rows, positions, mask, executor."""
+
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor):
+        self.positions = positions  # [B, T] absolute position of every token
+        self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
+        self.executor = executor
+        self.kv_len = int(positions.max()) + 1
+        keys = torch.arange(self.kv_len, device=positions.device)
+        # A token sees every cache entry at or before its own position. Rows are right-padded
+        # with positions that run on, so stale entries past a row's end are never visible.
+        self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = Rotary(cfg, max_positions)
+
+    def moe_blocks(self) -> list[MoE]:
+        return [b.moe for b in self.layers if hasattr(b, "moe")]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, executor,
+                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (float32) for tokens [B, T] at positions [B, T].
+
+        logits_at [B] picks one position per row (the last real token of a right-padded
+        prompt); None returns logits for every position.
+        """
+        step = Step(positions, rows, executor)
+        x = self.embed(tokens)
+        rope = self.rotary(positions, x.dtype)
+        for block in self.layers:
+            x = block(x, rope, cache, step)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
+        return self.lm_head(self.norm(x)).float()

@@ -1,0 +1,58 @@
+"""What callers hand the engine and what they get back: plain data, no behaviour."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one sequence. temperature 0 means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 0.7
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass
+class Request:
+    """One sequence to complete. `tag` is the caller's handle, returned untouched."""
+
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tag: Any = None
+
+
+@dataclass
+class Completion:
+    """A finished sequence. token_ids never include the end-of-sequence token; text stops before a stop string."""
+
+    tag: Any
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class StreamChunk:
+    """A piece of a streamed reply: new text (may be empty while a multi-byte character is incomplete)."""
+
+    text: str
+    token_ids: list[int]
+    completion: Completion | None = None  # set on the last chunk only

@@ -1,0 +1,89 @@
+"""`Engine`: the one object front ends talk to. Load a model, then generate or stream."""
+from __future__ import annotations
+
+import threading
+from typing import Iterable, Iterator
+
+from engine.checkpoint import open_checkpoint
+from engine.executor import LocalExecutor
+from engine.generate import Decoder
+from engine.kv_cache import KVCache
+from engine.loader import load_model, resolve_device, resolve_dtype
+from engine.requests import Completion, Request, SamplingParams, StreamChunk
+from engine.tokenizer import Tokenizer
+
+DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
+
+
+class Engine:
+    def __init__(self, model, cfg, tokenizer: Tokenizer | None, device, dtype, context_length: int, name: str):
+        self.model, self.config, self.tokenizer = model, cfg, tokenizer
+        self.device, self.dtype = device, dtype
+        self.context_length = context_length
+        self.vocab_size = cfg.vocab_size
+        self.name = name
+        self.executor = LocalExecutor()
+        self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
+        self._lock = threading.Lock()  # one generation at a time shares the cache
+
+    @classmethod
+    def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
+             context_length: int | None = None, progress=None) -> "Engine":
+        """Open and load `model` (see engine.checkpoint.open_checkpoint). Errors are MoedeskError, one line."""
+        checkpoint = open_checkpoint(model)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
+        context = context_length or DEFAULT_CONTEXT
+        net, cfg = load_model(checkpoint, torch_dtype, torch_device, context, progress)
+        context = min(context, cfg.max_position_embeddings)
+        tok_model = checkpoint.tokenizer
+        tokenizer = None
+        if tok_model is not None:
+            tokenizer = Tokenizer(tok_model, checkpoint.tokenizer_config, cfg.eos_token_ids, source=str(checkpoint.path))
+        return cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
+
+    @property
+    def description(self) -> str:
+        cfg = self.config
+        shape = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.is_moe else "dense"
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on {self.device.type} {dtype}"
+
+    def _decoder(self) -> Decoder:
+        return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length, self.config.eos_token_ids)
+
+    def generate(self, requests: Iterable[Request], batch_size: int = 8) -> Iterator[Completion]:
+        """Complete every request; yield each as soon as it finishes (not in input order)."""
+        with self._lock:
+            decoder = self._decoder()
+            for seq, _ in decoder.run(requests, batch_size):
+                if seq.finish_reason:
+                    yield decoder.completion(seq)
+
+    def stream(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
+               cancel: threading.Event | None = None) -> Iterator[StreamChunk]:
+        """Yield text as it is generated; the last chunk carries the Completion. `cancel` stops early."""
+        with self._lock:
+            decoder = self._decoder()
+            shown = ""
+            for seq, token in decoder.run([Request(list(prompt_ids), params)], batch_size=1, cancel=cancel):
+                new_ids = [] if token is None else [token]
+                if seq.finish_reason:
+                    done = decoder.completion(seq)
+                    yield StreamChunk(done.text[len(shown):] if done.text.startswith(shown) else "", new_ids, done)
+                    return
+                text = self.tokenizer.decode(seq.tokens) if self.tokenizer else ""
+                # Hold back a trailing partial character and anything a stop string might begin.
+                safe = _safe_prefix(text, params.stop)
+                delta, shown = (safe[len(shown):], safe) if safe.startswith(shown) else ("", shown)
+                yield StreamChunk(delta, new_ids)
+
+
+def _safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    end = len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[:end].endswith(stop[:k]):
+                end -= k
+                break
+    return text[:end]

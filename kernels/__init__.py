@@ -1,0 +1,1 @@
+"""Hand-written compute kernels with pure-torch fallbacks."""

@@ -1,0 +1,27 @@
+import pytest
+import torch
+
+from tests import tiny_models
+
+
+def pytest_collection_modifyitems(config, items):
+    # GPU tests run on the GPU box; elsewhere they skip with the reason in the report.
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on the GPU box)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch) -> folder of a tiny transformers checkpoint, built once per session."""
+    built = {}
+
+    def get(arch: str):
+        if arch not in built:
+            built[arch] = tiny_models.build(arch, tmp_path_factory.mktemp(arch))
+        return built[arch]
+
+    return get

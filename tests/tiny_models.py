@@ -1,0 +1,73 @@
+"""Tiny random-initialised checkpoints of every supported architecture, written by transformers.
+
+transformers is the reference nobody here wrote: these folders are what save_pretrained
+produces, with a small byte-level BPE tokenizer and a ChatML template beside them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB = 384
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Mixture of experts models route every token to a few experts out of many.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "Experts live in RAM; the most popular ones live on the GPU.",
+    "Hello, world! How are you today? 1234567890 + - * / = ( ) [ ] { }",
+]
+
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.08,
+              tie_word_embeddings=False, bos_token_id=0, eos_token_id=2, pad_token_id=0)
+MOE = dict(num_experts_per_tok=2, moe_intermediate_size=48)
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
+    "smollm": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True, rope_theta=100000.0)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(rope_theta=1000000.0)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                             intermediate_size=48, rope_theta=1e6)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(MOE, num_experts=6, shared_expert_intermediate_size=80,
+                                                                mlp_only_layers=[1], norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=8, norm_topk_prob=True, head_dim=16)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(MOE, num_experts=8, norm_topk_prob=False)),
+}
+
+
+def train_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def build(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it."""
+    import transformers
+
+    config_name, model_name, extra = ARCHS[arch]
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tok = train_tokenizer()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+    }))
+    return folder
