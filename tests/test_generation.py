@@ -1,0 +1,104 @@
+"""Sampling, stop conditions, streaming and chat templates on a tiny real model."""
+import threading
+
+import pytest
+import torch
+
+from engine.requests import Request, SamplingParams
+from engine.runtime import Engine
+from engine.sampling import sample_token
+from tests.tiny_models import CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+
+
+def complete(engine, prompt, batch_size=4, **params):
+    ids = engine.tokenizer.encode(prompt)
+    return next(engine.generate([Request(ids, SamplingParams(**params))], batch_size=batch_size))
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_batch(engine):
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9, seed=7)
+    alone = complete(engine, "The quick brown fox", temperature=1.0, top_p=0.9, seed=7, max_new_tokens=16)
+    ids = engine.tokenizer.encode("The quick brown fox")
+    others = [Request(engine.tokenizer.encode("Hello"), SamplingParams(max_new_tokens=9, temperature=1.0, seed=s), tag=s)
+              for s in range(3)]
+    batch = {c.tag: c for c in engine.generate(others + [Request(ids, params, tag="me")], batch_size=4)}
+    assert batch["me"].token_ids == alone.token_ids
+    other_seed = complete(engine, "The quick brown fox", temperature=1.0, top_p=0.9, seed=8, max_new_tokens=16)
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_sampler_respects_top_k_and_top_p():
+    logits = torch.tensor([5.0, 4.0, 1.0, 0.0, -1.0])
+    g = torch.Generator().manual_seed(0)
+    seen_k = {sample_token(logits, SamplingParams(temperature=5.0, top_k=2), g) for _ in range(300)}
+    assert seen_k == {0, 1}
+    seen_p = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(300)}
+    assert seen_p == {0}  # token 0 alone holds > 50% of the mass
+    assert sample_token(logits, SamplingParams(temperature=0), None) == 0
+
+
+def test_max_tokens_and_ignore_eos(engine):
+    c = complete(engine, "Hello", temperature=0, max_new_tokens=5, ignore_eos=True)
+    assert len(c.token_ids) == 5 and c.finish_reason == "length"
+
+
+def test_eos_stops_generation(engine, monkeypatch):
+    greedy = complete(engine, "Hello", temperature=0, max_new_tokens=12, ignore_eos=True)
+    first = greedy.token_ids[3]
+    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({first}))
+    stopped = complete(engine, "Hello", temperature=0, max_new_tokens=12)
+    cut = greedy.token_ids.index(first)
+    assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[:cut]
+
+
+def test_stop_string_truncates_text(engine):
+    full = complete(engine, "The quick", temperature=0, max_new_tokens=16, ignore_eos=True)
+    stop = full.text[len(full.text) // 2:][:3]
+    assert stop.strip(), "the tiny model should produce some text"
+    cut = complete(engine, "The quick", temperature=0, max_new_tokens=16, ignore_eos=True, stop=(stop,))
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.find(stop)]
+
+
+def test_context_limit_ends_with_length(tiny_checkpoint):
+    small = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", context_length=12)
+    ids = small.tokenizer.encode("The quick brown fox")
+    c = next(small.generate([Request(ids, SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))]))
+    assert c.finish_reason == "length" and len(ids) + len(c.token_ids) == 12 + 1
+
+
+def test_stream_yields_the_same_text_as_generate(engine):
+    params = SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)
+    ids = engine.tokenizer.encode("def add(a, b):")
+    chunks = list(engine.stream(ids, params))
+    whole = next(engine.generate([Request(ids, params)]))
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.token_ids] == whole.token_ids
+    assert chunks[-1].completion is not None and all(c.completion is None for c in chunks[:-1])
+
+
+def test_stream_cancel(engine):
+    cancel = threading.Event()
+    got = []
+    for chunk in engine.stream(engine.tokenizer.encode("Hello"), SamplingParams(max_new_tokens=200, temperature=0,
+                                                                             ignore_eos=True), cancel):
+        got.append(chunk)
+        if len(got) == 3:
+            cancel.set()
+    assert got[-1].completion.finish_reason == "cancelled"
+    assert len(got[-1].completion.token_ids) == 3
+
+
+def test_chat_template_matches_transformers(engine, tiny_checkpoint):
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(tiny_checkpoint("qwen3_moe")))
+    hf.chat_template = CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, fox!"}]
+    assert engine.tokenizer.chat_prompt(messages) == hf.apply_chat_template(messages, add_generation_prompt=True,
+                                                                            tokenize=True, return_dict=False)
