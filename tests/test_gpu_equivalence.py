@@ -1,0 +1,69 @@
+"""On CUDA in bfloat16, greedy tokens equal transformers' unless the reference itself was within rounding.
+
+bf16 keeps 8 significant bits: two candidate tokens whose logits differ by less than a few
+bf16 steps can swap places under any change of summation order. The test finds the first
+differing token and checks that the reference's own top-2 logits there are that close.
+"""
+import pytest
+import torch
+
+from engine.requests import Request, SamplingParams
+from engine.runtime import Engine
+from tests.reference import hf_greedy, hf_last_logits, hf_model
+from tests.tiny_models import ARCHS
+
+pytestmark = pytest.mark.gpu
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) Experts"]
+BF16_STEPS = 4  # how many bf16 rounding steps of the larger logit count as a tie
+
+
+def within_bf16_rounding(logits: torch.Tensor) -> bool:
+    top = torch.topk(logits.float(), 2).values
+    step = 2.0 ** -7 * max(top[0].abs().item(), 1.0)
+    return (top[0] - top[1]).item() <= BF16_STEPS * step
+
+
+def check_greedy(engine, ref, prompts_ids, new_tokens=24):
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
+    eos = (engine.tokenizer.eos_token_ids if engine.tokenizer else frozenset()) | set(engine.config.eos_token_ids)
+    done = {c.tag: c for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts_ids)], 4)}
+    for i, prompt in enumerate(prompts_ids):
+        ours, theirs = done[i].token_ids, hf_greedy(ref, prompt, new_tokens, eos)
+        diverge = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if diverge is None:
+            assert len(ours) == len(theirs) or min(len(ours), len(theirs)) == new_tokens
+            continue
+        logits = hf_last_logits(ref, prompt + theirs[:diverge])
+        assert within_bf16_rounding(logits), f"prompt {i}: token {diverge} differs and the reference was not tied"
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_bf16_greedy_on_cuda(arch, tiny_checkpoint):
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cuda", dtype="bfloat16")
+    ref = hf_model(folder, torch.bfloat16, "cuda")
+    check_greedy(engine, ref, [engine.tokenizer.encode(p) for p in PROMPTS])
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_float32_logits_on_cuda(arch, tiny_checkpoint):
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cuda", dtype="float32")
+    ref = hf_model(folder, torch.float32, "cuda")
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    from engine.kv_cache import KVCache
+    cache = KVCache(engine.config, 1, len(ids), torch.float32, "cuda")
+    ours = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache,
+                        engine.executor)[0, -1].cpu()
+    theirs = hf_last_logits(ref, ids)
+    assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4
+
+
+def test_demo_bf16_on_cuda_matches_dense_gguf():
+    from engine.demo import source_gguf
+
+    engine = Engine.load("demo", device="cuda", dtype="bfloat16")
+    gguf = source_gguf()
+    ref = hf_model(gguf.parent, torch.bfloat16, "cuda", gguf_file=gguf.name)
+    chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about RAM.")]
+    check_greedy(engine, ref, [engine.tokenizer.chat_prompt(m) for m in chats], new_tokens=32)
