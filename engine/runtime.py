@@ -49,6 +49,15 @@ class Engine:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on {self.device.type} {dtype}"
 
+    def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
+        """Per MoE layer and expert: is its weight on a GPU, and how often it has been selected so far."""
+        on_gpu, popularity = [], []
+        for moe in self.model.moe_blocks():
+            on_gpu.append([e.gate.weight.is_cuda for e in moe.experts])
+            counts = self.executor.selections.get(moe.layer)
+            popularity.append([0] * len(moe.experts) if counts is None else counts.tolist())
+        return on_gpu, popularity
+
     def _decoder(self) -> Decoder:
         return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length, self.config.eos_token_ids)
 
