@@ -1,0 +1,136 @@
+"""`moedesk batch` end to end on real tiny models: exact greedy tokens, bad lines, exit codes, resume."""
+import json
+
+import pytest
+
+from app.cli import main
+from engine.runtime import Engine
+from tests.reference import hf_greedy, hf_model
+from tests.tiny_models import ARCHS
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) Experts"]
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_batch_greedy_equals_transformers(arch, tiny_checkpoint, tmp_path, capsys):
+    folder = tiny_checkpoint(arch)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt": p} for i, p in enumerate(PROMPTS)])
+    out = tmp_path / "out.jsonl"
+    code = main(["batch", str(src), "-o", str(out), "--model", str(folder), "--temperature", "0",
+                 "--dtype", "float32", "--max-new-tokens", "24", "--device", "cpu", "--batch-size", "2"])
+    assert code == 0
+    results = read_jsonl(out)
+    assert [r["id"] for r in results] == ["p0", "p1", "p2"]
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    for r, prompt in zip(results, PROMPTS):
+        ids = engine.tokenizer.encode(prompt)
+        assert r["token_ids"] == hf_greedy(hf_model(folder), ids, 24, eos)
+        assert r["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(r["token_ids"])}
+        assert r["text"] == engine.tokenizer.decode(r["token_ids"])
+
+
+@pytest.fixture
+def model(tiny_checkpoint):
+    return str(tiny_checkpoint("qwen3_moe"))
+
+
+def run(model, src, out, *extra):
+    return main(["batch", str(src), "-o", str(out), "--model", model, "--device", "cpu", "--temperature", "0",
+                 "--max-new-tokens", "6", *extra])
+
+
+def test_bad_lines_are_reported_and_skipped(model, tmp_path, capsys):
+    long_prompt = "fox " * 200
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": "a", "prompt": "Hello"},
+        '{"id": "broken", "prompt": ',
+        {"prompt": "no id here"},
+        {"id": "empty", "prompt": ""},
+        {"id": "long", "prompt": long_prompt},
+        {"id": "range", "prompt_ids": [1, 2, 99999]},
+        {"id": "both", "prompt": "x", "prompt_ids": [1]},
+        {"id": "param", "prompt": "x", "temperature": "hot"},
+        {"id": "a", "prompt": "duplicate"},
+        {"id": "chat", "messages": [{"role": "user", "content": "Hi"}]},
+        {"id": "ids", "prompt_ids": [5, 6, 7], "max_new_tokens": 3},
+    ])
+    out = tmp_path / "out.jsonl"
+    assert run(model, src, out, "--context", "64") == 1
+    results = read_jsonl(out)
+    assert [r.get("id") for r in results] == ["a", None, None, "empty", "long", "range", "both", "param", "a",
+                                              "chat", "ids"]
+    errors = {i: r["error"] for i, r in enumerate(results) if "error" in r}
+    assert set(errors) == {1, 2, 3, 4, 5, 6, 7, 8}
+    assert "line 2: malformed JSON" in errors[1]
+    assert "missing or non-string id" in errors[2]
+    assert "empty prompt" in errors[3]
+    assert "the model's context is 64" in errors[4]
+    assert "outside the vocabulary" in errors[5]
+    assert "exactly one of" in errors[6]
+    assert "temperature" in errors[7]
+    assert "duplicate id" in errors[8]
+    assert len(results[10]["token_ids"]) <= 3
+    assert all("\n" not in e for e in errors.values())
+
+
+def test_usage_errors_exit_2(model, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}])
+    assert run(model, tmp_path / "missing.jsonl", tmp_path / "out.jsonl") == 2
+    assert "no such input file" in capsys.readouterr().err
+    assert run(str(tmp_path / "no-model"), src, tmp_path / "out.jsonl") == 2
+    assert "no such model" in capsys.readouterr().err
+    assert run(model, src, tmp_path / "nodir" / "out.jsonl") == 2
+    with pytest.raises(SystemExit) as e:
+        main(["batch", str(src)])  # -o is required
+    assert e.value.code == 2
+
+
+def test_killed_run_resumes_without_duplicates_or_losses(model, tmp_path, monkeypatch, capsys):
+    lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 4 + i % 3} for i in range(7)]
+    lines.insert(3, "{not json")
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    reference = tmp_path / "reference.jsonl"
+    assert run(model, src, reference) == 1
+    expected = read_jsonl(reference)
+
+    out = tmp_path / "out.jsonl"
+    real_generate = Engine.generate
+
+    def dies_after_three(self, requests, batch_size=8):
+        for n, completion in enumerate(real_generate(self, requests, batch_size)):
+            if n == 3:
+                raise KeyboardInterrupt
+            yield completion
+
+    monkeypatch.setattr(Engine, "generate", dies_after_three)
+    assert run(model, src, out, "--batch-size", "3") == 130
+    monkeypatch.setattr(Engine, "generate", real_generate)
+    partial = read_jsonl(out)
+    assert 0 < len(partial) < len(expected)
+    with open(out, "a") as f:
+        f.write('{"id": "q9", "text": "half a li')  # a crash in the middle of writing a line
+    assert run(model, src, out, "--batch-size", "3") == 1
+    resumed = read_jsonl(out)
+    strip = [{k: v for k, v in r.items() if k != "stats"} for r in resumed]
+    assert strip == [{k: v for k, v in r.items() if k != "stats"} for r in expected]
+    assert run(model, src, out) == 1  # a third run has nothing left to do and writes nothing
+    assert len(read_jsonl(out)) == len(expected)
+
+
+def test_all_good_exits_0_and_reports_stats(model, tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt_ids": [3, 4]}])
+    out = tmp_path / "out.jsonl"
+    assert run(model, src, out) == 0
+    err = capsys.readouterr().err
+    assert "2 ok, 0 failed" in err and "max_new_tokens=6" in err
+    assert all(r["finish_reason"] in ("stop", "length") and "ttft_s" in r["stats"] for r in read_jsonl(out))
