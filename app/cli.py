@@ -27,6 +27,20 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Complete every line of IN.jsonl into OUT.jsonl; rerun to resume.")
     add_batch_arguments(batch)
     add_model_arguments(batch)
+
+    bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
+                           description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
+                                       "the bound the measured bandwidths allow.")
+    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b, qwen3-30b-a3b or tiny-moe")
+    bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers")
+    bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB", help="GPU memory for experts")
+    bench.add_argument("--policy", choices=["balanced", "fiddler"], default="balanced",
+                       help="how offloaded experts are split between CPU and copy-to-GPU")
+    bench.add_argument("--batch", type=int, default=16, help="sequences in the batched-decode run (1 skips it)")
+    bench.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], metavar="N")
+    bench.add_argument("--decode-tokens", type=int, default=64, metavar="N")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--json", action="store_true", help="print the full report as JSON")
     return parser
 
 
@@ -45,6 +59,18 @@ def run_batch_command(args) -> int:
     return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
 
 
+def run_bench_command(args) -> int:
+    import json
+
+    from engine.bench import format_results, run_bench
+
+    log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens,
+                       tuple(args.prefill), args.batch, args.policy, log=log)
+    print(json.dumps(report, indent=1) if args.json else format_results(report))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -52,7 +78,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     try:
-        return {"batch": run_batch_command}[args.command](args)
+        return {"batch": run_batch_command, "bench": run_bench_command}[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)
         return 2

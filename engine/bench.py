@@ -1,0 +1,188 @@
+"""`moedesk bench`: decode, prefill and batched decode on synthetic models of real shapes.
+
+Each figure comes with the bound the measured bandwidths allow for the same placement, so a
+result reads as "% of what this machine could do", not only as tokens per second.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.generate import Decoder
+from engine.kv_cache import KVCache
+from engine.requests import Request, SamplingParams
+
+
+@dataclass
+class BenchResult:
+    mode: str  # decode | prefill | batched_decode
+    tokens: int  # prompt tokens for prefill, generated tokens otherwise
+    batch: int
+    seconds: float
+    tok_s: float
+    bound_tok_s: float | None = None
+
+    @property
+    def pct_of_bound(self) -> float | None:
+        return None if not self.bound_tok_s else 100 * self.tok_s / self.bound_tok_s
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["pct_of_bound"] = None if self.pct_of_bound is None else round(self.pct_of_bound, 1)
+        return d
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: int = 64, prompt: int = 32,
+                   seed: int = 0) -> BenchResult:
+    """Generated tokens per second over all sequences, timed from the first to the last decode step."""
+    cache = KVCache(cfg, batch, prompt + new_tokens + 1, dtype, device)
+    decoder = Decoder(model, cache, executor, None, context_length=prompt + new_tokens + 1)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    requests = [Request(random_prompt(prompt, cfg.vocab_size, seed + i), params) for i in range(batch)]
+    steps = 0
+    start = None
+    for seq, token in decoder.run(requests, batch_size=batch):
+        if start is None and len(seq.tokens) == 1 and seq.row == batch - 1:
+            _sync(device)
+            start = time.perf_counter()  # every sequence has its first token: decoding starts now
+        steps += 1
+    _sync(device)
+    seconds = time.perf_counter() - start
+    generated = batch * (new_tokens - 1)
+    return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds)
+
+
+def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
+    cache = KVCache(cfg, 1, length, dtype, device)
+    tokens = torch.tensor([random_prompt(length, cfg.vocab_size, seed)], device=device)
+    positions = torch.arange(length, device=device)[None]
+    last = torch.tensor([length - 1], device=device)
+    best = float("inf")
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        model(tokens, positions, cache, executor, logits_at=last)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return BenchResult("prefill", length, 1, best, length / best)
+
+
+def interpolate(points: dict[int, float]):
+    """Piecewise-linear latency in tokens through measured points, extended linearly past the ends."""
+    xs = sorted(points)
+
+    def at(n: int) -> float:
+        if len(xs) == 1:
+            return points[xs[0]]
+        lo = max([x for x in xs if x <= n], default=xs[0])
+        hi = min([x for x in xs if x > lo], default=xs[-1])
+        if hi == lo:
+            lo = xs[-2]
+        slope = (points[hi] - points[lo]) / (hi - lo)
+        return max(points[xs[0]] if n <= xs[0] else 0.0, points[lo] + slope * (n - lo))
+
+    return at
+
+
+def costs_from_profile(profile: dict):
+    from engine.placement import Costs
+
+    return Costs(cpu_ms=interpolate(profile["cpu_expert_ms"]), gpu_ms=interpolate(profile["gpu_expert_ms"]),
+                 copy_ms=profile["copy_expert_ms"])
+
+
+def expected_offloaded_bytes(on_gpu, share, batch_tokens: int, expert_bytes: int) -> float:
+    """Bytes of offloaded experts one step must read: each expert counts once if any token picks it.
+
+    share[layer][e] is the chance that one token selects expert e (popularity / tokens).
+    """
+    total = 0.0
+    for flags, row in zip(on_gpu, share):
+        for resident, p in zip(flags, row):
+            if not resident:
+                total += 1 - (1 - min(p, 1.0)) ** batch_tokens
+    return total * expert_bytes
+
+
+def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
+              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print) -> dict:
+    """Build the synthetic model, profile, place, measure; return every figure and its bound."""
+    from engine.offload import OffloadExecutor
+    from engine.placement import assign_offloaded, fiddler_rule, plan_placement
+    from engine.profiler import profile_expert
+    from engine.synthetic import shape_config, synthetic_model
+
+    device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if device == "auto" else device))
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        # Leave one core to the thread that drives the GPU (DESIGN: a busy pool starves launches).
+        import psutil
+        torch.set_num_threads(max(1, (psutil.cpu_count(logical=False) or 2) - 1))
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    cfg = shape_config(shape, layers)
+    t0 = time.perf_counter()
+    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(prefill + (256,)) + decode_tokens)
+    log(f"built {shape} x{cfg.num_layers} layers in {time.perf_counter() - t0:.1f}s")
+    gate_up, down = banks[0]
+    profile = profile_expert(gate_up[0], down[0], device)
+    costs = costs_from_profile(profile)
+    expert_bytes = profile["expert_bytes"]
+    log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
+        f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
+
+    # Popularity from a calibration pass of random tokens, all experts on the CPU.
+    nothing = [[False] * cfg.num_experts for _ in banks]
+    calib = OffloadExecutor(banks, nothing, device, decide=lambda loads: (sorted(loads), []))
+    calib_tokens = 64
+    measure_prefill(model, calib, cfg, device, dtype, calib_tokens, seed=99, repeat=1)
+    popularity = [calib.selections[layer].tolist() for layer in sorted(banks)]
+    share = [[c / calib_tokens for c in row] for row in popularity]
+    budget = int(gpu_budget_gib * 2**30)
+    on_gpu = plan_placement(popularity, expert_bytes, budget)
+    rule = assign_offloaded if policy == "balanced" else fiddler_rule
+    executor = OffloadExecutor(banks, on_gpu, device, decide=lambda loads: rule(loads, costs))
+    del calib
+    resident = sum(map(sum, on_gpu))
+    log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU ({policy} policy)")
+
+    read_bps = profile["cpu_read_gbs"] * 1e9
+    results = []
+    r = measure_decode(model, executor, cfg, device, dtype, 1, decode_tokens)
+    r.bound_tok_s = 1 / (expected_offloaded_bytes(on_gpu, share, 1, expert_bytes) / read_bps)
+    results.append(r)
+    for n in prefill:
+        r = measure_prefill(model, executor, cfg, device, dtype, n)
+        pcie_s = expected_offloaded_bytes(on_gpu, share, n, expert_bytes) / (profile["h2d_gbs"] * 1e9)
+        r.bound_tok_s = n / pcie_s if pcie_s else None
+        results.append(r)
+    if batch > 1:
+        r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens)
+        r.bound_tok_s = batch / (expected_offloaded_bytes(on_gpu, share, batch, expert_bytes) / read_bps)
+        results.append(r)
+    executor.stats = type(executor.stats)()
+    return {"shape": shape, "layers": cfg.num_layers, "gpu_budget_gib": gpu_budget_gib, "device": str(device),
+            "dtype": str(dtype), "policy": policy, "experts_on_gpu": resident, "threads": torch.get_num_threads(),
+            "profile": {k: v for k, v in profile.items()}, "results": [x.as_dict() for x in results]}
+
+
+def format_results(report: dict) -> str:
+    lines = [f"{report['shape']} x{report['layers']} layers, budget {report['gpu_budget_gib']} GiB, "
+             f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
+             f"{'mode':<16}{'tokens':>8}{'batch':>7}{'tok/s':>10}{'bound':>10}{'% bound':>9}"]
+    for r in report["results"]:
+        bound = f"{r['bound_tok_s']:.1f}" if r["bound_tok_s"] else "-"
+        pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"
+        lines.append(f"{r['mode']:<16}{r['tokens']:>8}{r['batch']:>7}{r['tok_s']:>10.1f}{bound:>10}{pct:>9}")
+    return "\n".join(lines)

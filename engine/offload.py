@@ -1,0 +1,184 @@
+"""Experts split between GPU memory and (pinned) CPU memory, and the executor that runs them.
+
+Every expert lives in host memory, stacked per layer ([E, 2F, H] gate+up, [E, H, F] down),
+pinned when a GPU exists so that copies run at full PCIe speed. The experts a placement puts
+on the GPU are copied there once. For each layer step the executor runs resident experts on
+the GPU, and for each offloaded expert with tokens either computes it on the CPU or copies it
+into a GPU staging slot and computes it there, as `decide` says; CPU work runs while the GPU
+works. Outputs are summed in ascending expert order wherever they were computed, so the
+result does not depend on the placement beyond each expert's own arithmetic.
+
+With `device` = cpu the "GPU" tier is simulated on the CPU: placement, decisions, staging
+copies and the ordered sum all run for real, which is how CI tests them without a GPU.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+@dataclass
+class LayerBank:
+    gate_up: torch.Tensor  # [E, 2F, H] in host memory
+    down: torch.Tensor  # [E, H, F] in host memory
+    gpu_slot: list  # expert -> row of gpu_gate_up / gpu_down, or None when offloaded
+    gpu_gate_up: torch.Tensor | None = None
+    gpu_down: torch.Tensor | None = None
+
+
+@dataclass
+class StepStats:
+    """Counts and host-side times of the expert work, summed over the layers of the steps seen."""
+
+    gpu_experts: int = 0  # resident on the GPU, computed there
+    copied_experts: int = 0  # copied over PCIe, computed on the GPU
+    cpu_experts: int = 0  # computed on the CPU
+    cpu_ms: float = 0.0
+    layer_ms: float = 0.0
+    selections: int = 0  # (token, expert) pairs routed
+    gpu_hits: int = 0  # of those, served by a resident expert
+
+    def as_dict(self) -> dict:
+        total = self.gpu_experts + self.copied_experts + self.cpu_experts
+        return {
+            "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
+            "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
+            "cpu_expert_ms": round(self.cpu_ms, 3), "moe_ms": round(self.layer_ms, 3), "active_experts": total,
+        }
+
+
+def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Banks for a loaded model: per MoE layer, its experts stacked into two host tensors.
+
+    Stacking pins a layer's experts in two allocations (not thousands) and gives the CPU and
+    copy paths contiguous [2F, H] and [H, F] blocks. The expert modules are pointed at views of
+    the stacks, so the weights exist once.
+    """
+    banks = {}
+    for moe in model.moe_blocks():
+        experts = moe.experts
+        F_, H = experts[0].gate.weight.shape
+        dtype = experts[0].gate.weight.dtype
+        gate_up = torch.empty((len(experts), 2 * F_, H), dtype=dtype, pin_memory=pinned)
+        down = torch.empty((len(experts), H, F_), dtype=dtype, pin_memory=pinned)
+        for e, expert in enumerate(experts):
+            views = ((expert.gate, gate_up[e, :F_]), (expert.up, gate_up[e, F_:]), (expert.down, down[e]))
+            for linear, view in views:
+                view.copy_(linear.weight)
+                linear.weight = torch.nn.Parameter(view, requires_grad=False)
+        banks[moe.layer] = (gate_up, down)
+    return banks
+
+
+class OffloadExecutor:
+    """Runs each layer's experts where a placement and a per-step decision say."""
+
+    def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None):
+        """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
+        decide(loads: {expert: tokens}) -> (cpu experts, experts to copy)."""
+        self.device = torch.device(device)
+        self.decide = decide
+        self.simulated = self.device.type == "cpu"
+        self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
+        self.selections: dict[int, torch.Tensor] = {}
+        self.stats = StepStats()
+        self.set_placement(on_gpu)
+        any_bank = next(iter(self.banks.values()))
+        slots = staging_slots or any_bank.gate_up.shape[0]
+        self.staging = [(torch.empty_like(any_bank.gate_up[0], device=self.device),
+                         torch.empty_like(any_bank.down[0], device=self.device)) for _ in range(slots)]
+        self.copy_stream = None if self.simulated else torch.cuda.Stream(self.device)
+        self.slot_free = [None] * slots  # CUDA event: the last compute that read this staging slot
+
+    def set_placement(self, on_gpu) -> None:
+        """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
+        for (layer, bank), row in zip(sorted(self.banks.items()), on_gpu):
+            resident = [e for e, flag in enumerate(row) if flag]
+            bank.gpu_gate_up = bank.gpu_down = None  # free the old copies before making new ones
+            bank.gpu_slot = [None] * len(row)
+            if resident:
+                index = torch.tensor(resident)
+                bank.gpu_gate_up = bank.gate_up[index].to(self.device)
+                bank.gpu_down = bank.down[index].to(self.device)
+                for slot, e in enumerate(resident):
+                    bank.gpu_slot[e] = slot
+
+    def on_gpu(self) -> list[list[bool]]:
+        return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
+
+    def run_experts(self, moe, x, weights, ids):
+        started = time.perf_counter()
+        bank = self.banks[moe.layer]
+        ids_host = ids.cpu()
+        counts = torch.bincount(ids_host.flatten(), minlength=len(bank.gpu_slot))
+        seen = self.selections.get(moe.layer)
+        self.selections[moe.layer] = counts if seen is None else seen + counts
+        active = torch.nonzero(counts).flatten().tolist()
+        resident = [e for e in active if bank.gpu_slot[e] is not None]
+        offloaded = {e: int(counts[e]) for e in active if bank.gpu_slot[e] is None}
+        on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
+        assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
+        # Fetch activations before any GPU work is queued: the copy waits for the stream to drain.
+        x_host = x.cpu() if on_cpu else None
+
+        outputs: dict[int, torch.Tensor] = {}
+        where = {e: torch.where(ids_host == e) for e in active}  # (token, top-k slot) pairs per expert
+        on_device = {e: (where[e][0].to(self.device, non_blocking=True)) for e in active}
+        # GPU work first: it is queued asynchronously and runs while the CPU computes below.
+        copies = self._start_copies(bank, to_copy)
+        for e in resident:
+            s = bank.gpu_slot[e]
+            outputs[e] = expert_forward(x[on_device[e]], bank.gpu_gate_up[s], bank.gpu_down[s])
+        for e, (slot, ready) in copies.items():
+            if ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(ready)
+            gate_up, down = self.staging[slot]
+            outputs[e] = expert_forward(x[on_device[e]], gate_up, down)
+            if not self.simulated:
+                self.slot_free[slot] = torch.cuda.current_stream(self.device).record_event()
+        if on_cpu:
+            cpu_started = time.perf_counter()
+            for e in on_cpu:
+                y = expert_forward(x_host[where[e][0]], bank.gate_up[e], bank.down[e])
+                outputs[e] = y.to(self.device, non_blocking=True)
+            self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
+
+        out = torch.zeros_like(x)
+        for e in sorted(outputs):
+            token, slot = on_device[e], where[e][1].to(self.device, non_blocking=True)
+            out.index_add_(0, token, outputs[e] * weights[token, slot].unsqueeze(-1))
+        s = self.stats
+        s.gpu_experts += len(resident)
+        s.copied_experts += len(to_copy)
+        s.cpu_experts += len(on_cpu)
+        s.selections += int(counts.sum())
+        s.gpu_hits += int(sum(counts[e] for e in resident))
+        s.layer_ms += (time.perf_counter() - started) * 1e3
+        return out
+
+    def _start_copies(self, bank: LayerBank, experts) -> dict:
+        """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event)."""
+        started = {}
+        for i, e in enumerate(experts):
+            slot = i % len(self.staging)
+            gate_up, down = self.staging[slot]
+            if self.simulated:
+                gate_up.copy_(bank.gate_up[e])
+                down.copy_(bank.down[e])
+                started[e] = (slot, None)
+                continue
+            with torch.cuda.stream(self.copy_stream):
+                if self.slot_free[slot] is not None:
+                    self.copy_stream.wait_event(self.slot_free[slot])
+                gate_up.copy_(bank.gate_up[e], non_blocking=True)
+                down.copy_(bank.down[e], non_blocking=True)
+                started[e] = (slot, self.copy_stream.record_event())
+        return started

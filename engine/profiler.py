@@ -1,0 +1,103 @@
+"""Start-up measurements that the expert decisions rest on, cached per machine, model shape and dtype.
+
+What is measured: one expert's latency on the CPU for 1..256 tokens and on the GPU for
+1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, and the
+CPU's read bandwidth. Without a GPU the "GPU" tier is the CPU (the simulated tier CI runs).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from engine.offload import expert_forward
+
+CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+def _timed_ms(fn, device: torch.device, repeat: int) -> float:
+    """Median wall time of fn() in ms, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def cpu_read_gbs(megabytes: int = 1024) -> float:
+    """Bandwidth of a parallel read over a buffer far larger than the caches (a sum, as the DESIGN measured)."""
+    buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
+    ms = _timed_ms(lambda: buf.sum(), torch.device("cpu"), 5)
+    return buf.numel() * 4 / ms / 1e6
+
+
+def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens=CPU_TOKENS,
+                   gpu_tokens=GPU_TOKENS, repeat: int = 5) -> dict:
+    """Raw measurements for one expert given as host tensors ([2F, H], [H, F])."""
+    device = torch.device(device)
+    hidden = gate_up.shape[1]
+    dtype = gate_up.dtype
+    expert_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
+    cpu = {}
+    for n in cpu_tokens:
+        x = torch.randn(n, hidden, dtype=dtype)
+        cpu[n] = _timed_ms(lambda: expert_forward(x, gate_up, down), torch.device("cpu"), repeat)
+    g_gate_up, g_down = gate_up.to(device), down.to(device)
+    gpu = {}
+    for n in gpu_tokens:
+        x = torch.randn(n, hidden, dtype=dtype, device=device)
+        gpu[n] = _timed_ms(lambda: expert_forward(x, g_gate_up, g_down), device, repeat)
+    staging_gu, staging_d = torch.empty_like(g_gate_up), torch.empty_like(g_down)
+
+    def copy():
+        staging_gu.copy_(gate_up, non_blocking=True)
+        staging_d.copy_(down, non_blocking=True)
+
+    copy_ms = _timed_ms(copy, device, repeat)
+    act = torch.randn(1, hidden, dtype=dtype, device=device)
+    roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
+    return {
+        "cpu_expert_ms": cpu, "gpu_expert_ms": gpu, "copy_expert_ms": copy_ms,
+        "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
+        "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
+        "threads": torch.get_num_threads(), "device": str(device), "pinned": gate_up.is_pinned(),
+    }
+
+
+def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:
+    raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads()])
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
+def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) -> dict:
+    """The profile stored under key, or measure() now and store it (atomically)."""
+    path = Path(cache_dir) / f"profile-{key}.json"
+    if path.is_file() and not reprofile:
+        try:
+            return _with_int_keys(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            pass  # a damaged cache file is measured again
+    points = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(points, indent=1))
+    os.replace(tmp, path)
+    return points
+
+
+def _with_int_keys(points: dict) -> dict:
+    # JSON turns the token-count keys into strings.
+    for key in ("cpu_expert_ms", "gpu_expert_ms"):
+        points[key] = {int(n): ms for n, ms in points[key].items()}
+    return points

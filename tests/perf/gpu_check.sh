@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU box, from the repo root: the GPU test subset, then the benchmarks of the offload engine.
+# Usage: bash tests/perf/gpu_check.sh [quick]   (needs $OUT; wheels in .whl when packages are missing)
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:.
+fi
+export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_equivalence.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+run() { name=$1; shift; python3 -m app.cli bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
+run mixtral_cpu_balanced --shape mixtral-8x7b --layers 8 --gpu-budget 0
+run mixtral_cpu_fiddler --shape mixtral-8x7b --layers 8 --gpu-budget 0 --policy fiddler --batch 1 --prefill 512
+run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget 5.3 --batch 1 --prefill 512
+run qwen3_cpu --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --prefill 512
+python3 - "$OUT" <<'PY'
+import json, sys, glob, os
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+    d = json.load(open(f))
+    for r in d["results"]:
+        b = r["bound_tok_s"]
+        print(f"{os.path.basename(f)[:-5]:<22}{r['mode']:<15}{r['tokens']:>6}{r['batch']:>4}{r['tok_s']:>9.1f}"
+              f"{(b or 0):>9.1f}{(r['pct_of_bound'] or 0):>6.0f}%")
+PY
