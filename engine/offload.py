@@ -117,7 +117,7 @@ class OffloadExecutor:
     def run_experts(self, moe, x, weights, ids):
         started = time.perf_counter()
         bank = self.banks[moe.layer]
-        ids_host = ids.cpu()
+        ids_host = ids.cpu()  # the one wait per layer: decisions need the routing
         counts = torch.bincount(ids_host.flatten(), minlength=len(bank.gpu_slot))
         seen = self.selections.get(moe.layer)
         self.selections[moe.layer] = counts if seen is None else seen + counts
@@ -129,31 +129,49 @@ class OffloadExecutor:
         # Fetch activations before any GPU work is queued: the copy waits for the stream to drain.
         x_host = x.cpu() if on_cpu else None
 
+        # (token, top-k slot) pairs grouped by expert: one sort on the host, one small copy to the device.
+        k = ids_host.shape[1]
+        order = torch.argsort(ids_host.flatten(), stable=True)
+        routing_host = torch.stack([order // k, order % k])
+        routing = routing_host.to(self.device, non_blocking=True)
+        ends = torch.cumsum(counts, 0).tolist()
+        span = {e: (ends[e] - int(counts[e]), ends[e]) for e in active}
+
         outputs: dict[int, torch.Tensor] = {}
-        where = {e: torch.where(ids_host == e) for e in active}  # (token, top-k slot) pairs per expert
-        on_device = {e: (where[e][0].to(self.device, non_blocking=True)) for e in active}
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         copies = self._start_copies(bank, to_copy)
         for e in resident:
+            a, b = span[e]
             s = bank.gpu_slot[e]
-            outputs[e] = expert_forward(x[on_device[e]], bank.gpu_gate_up[s], bank.gpu_down[s])
+            outputs[e] = expert_forward(x[routing[0, a:b]], bank.gpu_gate_up[s], bank.gpu_down[s])
         for e, (slot, ready) in copies.items():
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
             gate_up, down = self.staging[slot]
-            outputs[e] = expert_forward(x[on_device[e]], gate_up, down)
+            a, b = span[e]
+            outputs[e] = expert_forward(x[routing[0, a:b]], gate_up, down)
             if not self.simulated:
                 self.slot_free[slot] = torch.cuda.current_stream(self.device).record_event()
         if on_cpu:
             cpu_started = time.perf_counter()
+            rows = sum(span[e][1] - span[e][0] for e in on_cpu)
+            host_out = self._host_buffer(rows, x.shape[1], x.dtype)
+            row = 0
+            placed = {}
             for e in on_cpu:
-                y = expert_forward(x_host[where[e][0]], bank.gate_up[e], bank.down[e])
-                outputs[e] = y.to(self.device, non_blocking=True)
+                a, b = span[e]
+                host_out[row:row + b - a] = expert_forward(x_host[routing_host[0, a:b]], bank.gate_up[e], bank.down[e])
+                placed[e] = (row, row + b - a)
+                row += b - a
+            back = host_out.to(self.device, non_blocking=True)  # one copy back for all CPU experts
+            for e, (a, b) in placed.items():
+                outputs[e] = back[a:b]
             self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
 
         out = torch.zeros_like(x)
-        for e in sorted(outputs):
-            token, slot = on_device[e], where[e][1].to(self.device, non_blocking=True)
+        for e in sorted(outputs):  # ascending expert order wherever each was computed
+            a, b = span[e]
+            token, slot = routing[0, a:b], routing[1, a:b]
             out.index_add_(0, token, outputs[e] * weights[token, slot].unsqueeze(-1))
         s = self.stats
         s.gpu_experts += len(resident)
@@ -163,6 +181,17 @@ class OffloadExecutor:
         s.gpu_hits += int(sum(counts[e] for e in resident))
         s.layer_ms += (time.perf_counter() - started) * 1e3
         return out
+
+    def _host_buffer(self, rows: int, hidden: int, dtype) -> torch.Tensor:
+        """A reused (pinned, with a GPU) buffer for CPU expert outputs; it grows, never shrinks.
+
+        Safe to reuse: the next layer begins by waiting for the stream, so last layer's copy is done.
+        """
+        buf = getattr(self, "_host_out", None)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != hidden or buf.dtype != dtype:
+            buf = torch.empty((max(rows, 64), hidden), dtype=dtype, pin_memory=not self.simulated)
+            self._host_out = buf
+        return buf[:rows]
 
     def _start_copies(self, bank: LayerBank, experts) -> dict:
         """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event)."""
