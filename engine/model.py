@@ -78,14 +78,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 # On CUDA, SDPA with a boolean mask picks cuDNN's kernel, which measured 4.5 ms per decode call on
-# an H100 (tests/perf/profile_decode.py); memory-efficient attention takes masks and is fast.
-_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# an H100 (tests/perf/profile_decode.py). Memory-efficient attention takes masks and is fast, but
+# not enable_gqa (that falls back to the bf16 math path, which lost greedy equivalence in the GPU
+# tests), so key/value heads are repeated for it.
+_CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
 
 
 def attention(q, k, v, mask, gqa: bool):
     if q.is_cuda:
+        if gqa:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with sdpa_kernel(_CUDA_BACKENDS):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
