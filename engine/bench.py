@@ -78,30 +78,6 @@ def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int 
     return BenchResult("prefill", length, 1, best, length / best)
 
 
-def interpolate(points: dict[int, float]):
-    """Piecewise-linear latency in tokens through measured points, extended linearly past the ends."""
-    xs = sorted(points)
-
-    def at(n: int) -> float:
-        if len(xs) == 1:
-            return points[xs[0]]
-        lo = max([x for x in xs if x <= n], default=xs[0])
-        hi = min([x for x in xs if x > lo], default=xs[-1])
-        if hi == lo:
-            lo = xs[-2]
-        slope = (points[hi] - points[lo]) / (hi - lo)
-        return max(points[xs[0]] if n <= xs[0] else 0.0, points[lo] + slope * (n - lo))
-
-    return at
-
-
-def costs_from_profile(profile: dict):
-    from engine.placement import Costs
-
-    return Costs(cpu_ms=interpolate(profile["cpu_expert_ms"]), gpu_ms=interpolate(profile["gpu_expert_ms"]),
-                 copy_ms=profile["copy_expert_ms"])
-
-
 def expected_offloaded_bytes(on_gpu, share, batch_tokens: int, expert_bytes: int) -> float:
     """Bytes of offloaded experts one step must read: each expert counts once if any token picks it.
 
@@ -118,8 +94,9 @@ def expected_offloaded_bytes(on_gpu, share, batch_tokens: int, expert_bytes: int
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
               prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print) -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound."""
+    from engine.latency_model import fit_latency_model
     from engine.offload import OffloadExecutor
-    from engine.placement import assign_offloaded, fiddler_rule, plan_placement
+    from engine.placement import assign_offloaded, fiddler_assign, plan_placement
     from engine.profiler import profile_expert
     from engine.synthetic import shape_config, synthetic_model
 
@@ -137,7 +114,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     log(f"built {shape} x{cfg.num_layers} layers in {time.perf_counter() - t0:.1f}s")
     gate_up, down = banks[0]
     profile = profile_expert(gate_up[0], down[0], device)
-    costs = costs_from_profile(profile)
+    costs = fit_latency_model(profile)
     expert_bytes = profile["expert_bytes"]
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
         f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
@@ -150,8 +127,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     popularity = [calib.selections[layer].tolist() for layer in sorted(banks)]
     share = [[c / calib_tokens for c in row] for row in popularity]
     budget = int(gpu_budget_gib * 2**30)
-    on_gpu = plan_placement(popularity, expert_bytes, budget)
-    rule = assign_offloaded if policy == "balanced" else fiddler_rule
+    on_gpu = plan_placement(expert_bytes, len(popularity), cfg.num_experts, popularity, budget, 0).as_lists()
+    rule = assign_offloaded if policy == "balanced" else fiddler_assign
     executor = OffloadExecutor(banks, on_gpu, device, decide=lambda loads: rule(loads, costs))
     del calib
     resident = sum(map(sum, on_gpu))

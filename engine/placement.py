@@ -1,91 +1,434 @@
 """Pure decisions: which experts live on the GPU, and where each offloaded expert runs this step.
 
 No tensors and no devices here, so every rule is unit-tested on hand-made numbers.
+
+Placement (once, at load time): non-expert weights first, then experts in order of measured
+popularity until the GPU budget is spent (Fiddler).
+
+Assignment (every layer step): an offloaded expert with tokens either runs on the CPU (its
+tokens' activations travel instead of its weights) or is copied over PCIe and runs on the GPU.
+Fiddler decides expert by expert (`fiddler_rule`); `assign_offloaded` instead splits the set
+so that the CPU queue and the copy→GPU pipeline, which run at the same time, end together.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable
+from itertools import accumulate
+from typing import Callable, Iterable, Literal, Protocol, Sequence
+
+import numpy as np
 
 from engine.errors import MoedeskError
+
+# Subsets an exact assignment search may cover: every set of up to 16 offloaded experts, and
+# larger ones whose loads repeat enough (experts with equal loads are interchangeable).
+EXACT_LIMIT = 1 << 16
+_EPS = 1e-12
 
 
 class BudgetError(MoedeskError):
     """The GPU budget cannot even hold the weights that must live there."""
 
 
-def plan_placement(popularity: list[list[int]], expert_bytes: int, budget_bytes: int) -> list[list[bool]]:
-    """on_gpu[layer][expert]: the most popular experts, one by one across all layers, until the budget is spent.
+# ---------------------------------------------------------------------------------------------
+# Placement
 
-    Per expert, not per layer: a popular expert of any layer beats an unpopular one of another.
-    Ties break by (layer, expert) so the plan is deterministic.
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Which experts are resident on the GPU, and what that costs in GPU memory."""
+
+    on_gpu: np.ndarray  # bool [layers, experts], read-only
+    expert_bytes: int
+    non_expert_bytes: int
+    reserve_bytes: int
+    budget_bytes: int
+
+    @property
+    def experts_on_gpu(self) -> int:
+        return int(self.on_gpu.sum())
+
+    @property
+    def expert_bytes_used(self) -> int:
+        return self.experts_on_gpu * self.expert_bytes
+
+    @property
+    def bytes_used(self) -> int:
+        """GPU bytes taken: non-expert weights, the reserve (cache, activations) and resident experts."""
+        return self.non_expert_bytes + self.reserve_bytes + self.expert_bytes_used
+
+    def gpu_hit_rate(self, popularity) -> float:
+        """Expected share of expert selections served by GPU-resident experts, if spread like `popularity`."""
+        counts = np.asarray(popularity, dtype=float)
+        if counts.shape != self.on_gpu.shape:
+            raise ValueError(f"popularity has shape {counts.shape}, the placement {self.on_gpu.shape}")
+        total = counts.sum()
+        return float(counts[self.on_gpu].sum() / total) if total > 0 else 0.0
+
+    def as_lists(self) -> list[list[bool]]:
+        """on_gpu[layer][expert] as plain lists (what `OffloadExecutor.set_placement` and JSON take)."""
+        return self.on_gpu.tolist()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popularity, budget_bytes: int,
+                   non_expert_bytes: int, reserve_bytes: int = 0) -> Placement:
+    """The most popular experts on the GPU, one by one across all layers, until the budget is spent.
+
+    budget_bytes is the whole GPU budget. Non-expert weights (attention, norms, router,
+    embeddings) and the reserve (KV cache, activations, staging) come first: every token
+    needs them. Experts are ranked per expert, not per layer: a popular expert of any layer
+    beats an unpopular one of another. All experts have the same size, so taking them by
+    descending count maximises the expected hit rate for that many bytes. Ties break by
+    (layer, expert), so the plan is deterministic. Experts never selected still fill leftover
+    budget: they cost nothing there and may be picked by other prompts.
     """
-    order = sorted(((-count, layer, e) for layer, row in enumerate(popularity) for e, count in enumerate(row)))
-    on_gpu = [[False] * len(row) for row in popularity]
-    fits = max(0, budget_bytes) // expert_bytes if expert_bytes else 0
-    for _, layer, e in order[:fits]:
-        on_gpu[layer][e] = True
-    return on_gpu
+    counts = np.asarray(popularity, dtype=float)
+    if counts.shape != (num_layers, num_experts):
+        raise ValueError(f"popularity has shape {counts.shape}, expected ({num_layers}, {num_experts})")
+    if np.any(counts < 0) or not np.all(np.isfinite(counts)):
+        raise ValueError("popularity counts must be finite and >= 0")
+    if expert_bytes <= 0:
+        raise ValueError("expert_bytes must be > 0")
+    fixed = non_expert_bytes + reserve_bytes
+    if fixed > budget_bytes:
+        raise BudgetError(f"GPU budget {_gib(budget_bytes)} cannot hold the non-expert weights "
+                          f"({_gib(non_expert_bytes)}) and the reserve for cache and activations "
+                          f"({_gib(reserve_bytes)}); raise --gpu-budget")
+    fits = min((budget_bytes - fixed) // expert_bytes, num_layers * num_experts)
+    # Stable sort of row-major flat indices by descending count: ties stay in (layer, expert) order.
+    order = np.argsort(-counts.ravel(), kind="stable")[:fits]
+    on_gpu = np.zeros(num_layers * num_experts, dtype=bool)
+    on_gpu[order] = True
+    on_gpu = on_gpu.reshape(num_layers, num_experts)
+    on_gpu.flags.writeable = False
+    return Placement(on_gpu, int(expert_bytes), int(non_expert_bytes), int(reserve_bytes), int(budget_bytes))
 
 
-def expert_budget(gpu_budget_bytes: int, non_expert_bytes: int, reserve_bytes: int) -> int:
-    """What is left for experts once non-expert weights and the KV cache/activations reserve are in."""
-    left = gpu_budget_bytes - non_expert_bytes - reserve_bytes
-    if left < 0:
-        raise BudgetError(f"GPU budget {gpu_budget_bytes / 2**30:.1f} GiB cannot hold the non-expert weights and "
-                          f"cache ({(non_expert_bytes + reserve_bytes) / 2**30:.1f} GiB)")
-    return left
+# ---------------------------------------------------------------------------------------------
+# Per-step assignment of offloaded experts
 
 
-def gpu_hit_rate(on_gpu: list[list[bool]], popularity: list[list[int]]) -> float:
-    """Expected share of expert selections served by GPU-resident experts."""
-    total = sum(sum(row) for row in popularity)
-    hits = sum(c for flags, row in zip(on_gpu, popularity) for flag, c in zip(flags, row) if flag)
-    return hits / total if total else 0.0
+class ExpertCosts(Protocol):
+    """What the assignment reads from a latency model (engine.latency_model.LatencyModel has it)."""
+
+    copy_expert_ms: float
+
+    def cpu_expert_ms(self, tokens: int) -> float: ...
+
+    def gpu_expert_ms(self, tokens: int) -> float: ...
+
+    def activation_roundtrip_ms(self, tokens: int) -> float: ...
 
 
 @dataclass(frozen=True)
 class Costs:
-    """Latency model in ms: CPU compute of one expert on n tokens, GPU compute, one expert's copy."""
+    """ExpertCosts from plain callables: hand-made tables in tests, interpolated profiles in benchmarks."""
 
     cpu_ms: Callable[[int], float]
     gpu_ms: Callable[[int], float]
     copy_ms: float
+    roundtrip_ms: float = 0.0
+
+    @property
+    def copy_expert_ms(self) -> float:
+        return self.copy_ms
+
+    def cpu_expert_ms(self, tokens: int) -> float:
+        return self.cpu_ms(tokens)
+
+    def gpu_expert_ms(self, tokens: int) -> float:
+        return self.gpu_ms(tokens)
+
+    def activation_roundtrip_ms(self, tokens: int) -> float:
+        return self.roundtrip_ms
 
 
-def finish_times(cpu: list[int], copy: list[int], loads: dict[int, int], costs: Costs) -> tuple[float, float]:
-    """When the CPU queue and the copy+GPU pipeline end, both starting now.
+@dataclass(frozen=True)
+class Assignment:
+    """Where the offloaded experts of one layer step run, and when each side is predicted to finish.
 
-    CPU experts run one after another on the whole pool. Copies are sequential on the link; the
-    GPU computes a copied expert as soon as its copy lands and the previous one is done.
+    Unpacks as (cpu, copy) lists, the `decide` contract of `engine.offload.OffloadExecutor`;
+    `copy` is in the order the copies should be issued.
     """
-    cpu_end = sum(costs.cpu_ms(loads[e]) for e in cpu)
-    link = gpu = 0.0
+
+    cpu: tuple[int, ...]  # computed on the CPU, ascending expert id
+    copy: tuple[int, ...]  # copied over PCIe and computed on the GPU, in copy order
+    cpu_finish_ms: float
+    gpu_finish_ms: float
+    method: str  # "exact", "greedy", "fiddler" or "given"
+
+    @property
+    def makespan_ms(self) -> float:
+        return max(self.cpu_finish_ms, self.gpu_finish_ms)
+
+    def __iter__(self):
+        return iter((list(self.cpu), list(self.copy)))
+
+
+def cpu_path_ms(tokens: int, model: ExpertCosts) -> float:
+    """One offloaded expert on the CPU: compute plus its activations' round trip."""
+    return model.cpu_expert_ms(tokens) + model.activation_roundtrip_ms(tokens)
+
+
+def copy_order(loads: dict[int, int], copy: Iterable[int], model: ExpertCosts) -> list[int]:
+    """The order that lets the copied experts finish earliest: descending GPU time.
+
+    Copy then compute is a two-machine flow shop (the PCIe link, then the GPU). Johnson's
+    rule is optimal for it: jobs whose copy is no longer than their compute first, by
+    ascending copy time, then the rest by descending compute time. Every expert of a model
+    copies the same bytes, so both groups reduce to descending compute time. Ties: heavier
+    load first, then lower id (the order `assign_offloaded` returns).
+    """
+    return sorted(copy, key=lambda e: (-model.gpu_expert_ms(loads[e]), -loads[e], e))
+
+
+def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
+                 gpu_busy_ms: float = 0.0) -> tuple[float, float]:
+    """(CPU finish, GPU finish) in ms from now: `copy` copied in that order, every other expert with tokens on the CPU.
+
+    The CPU pool runs its experts one after another. Copies are sequential on the link; the
+    GPU starts a copied expert once its copy has landed and the GPU is free, and it is busy
+    for `gpu_busy_ms` first (the resident experts, which the executor queues before them).
+    """
+    copied = set(copy)
+    cpu = sum(cpu_path_ms(n, model) for e, n in loads.items() if n > 0 and e not in copied)
+    link, gpu = 0.0, gpu_busy_ms
     for e in copy:
-        link += costs.copy_ms
-        gpu = max(gpu, link) + costs.gpu_ms(loads[e])
-    return cpu_end, gpu
+        link += model.copy_expert_ms
+        gpu = max(gpu, link) + model.gpu_expert_ms(loads[e])
+    return cpu, gpu
 
 
-def assign_offloaded(loads: dict[int, int], costs: Costs) -> tuple[list[int], list[int]]:
-    """Split offloaded experts with tokens into (run on CPU, copy to GPU) to minimise the later finish.
+def assignment_for(loads: dict[int, int], copy: Iterable[int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
+                   method: str = "given") -> Assignment:
+    """The Assignment that copies exactly `copy` (in the best order) and runs the other active experts on the CPU."""
+    active = {e: n for e, n in loads.items() if n > 0}
+    order = copy_order(active, [e for e in copy if e in active], model)
+    cpu, gpu = finish_times(active, order, model, gpu_busy_ms)
+    return Assignment(tuple(sorted(set(active) - set(order))), tuple(order), cpu, gpu, method)
 
-    A copy costs the same whatever the load, while CPU cost grows with it, so the experts worth
-    copying are the most loaded: sort by load, try every split point, keep the best. This is exact
-    when GPU compute does not grow with the load (decode-sized loads on a GPU); otherwise a
-    close approximation (tests compare it with brute force).
+
+def fiddler_rule(tokens: int, model: ExpertCosts) -> Literal["cpu", "gpu"]:
+    """Fiddler's per-expert rule: copy the weights when cpu_lat(s) > gpu_lat(s) + transfer_lat."""
+    return "gpu" if model.cpu_expert_ms(tokens) > model.gpu_expert_ms(tokens) + model.copy_expert_ms else "cpu"
+
+
+def fiddler_assign(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float = 0.0) -> Assignment:
+    """Fiddler's rule applied to every expert of a step, for comparison with `assign_offloaded`."""
+    copy = [e for e, n in loads.items() if n > 0 and fiddler_rule(n, model) == "gpu"]
+    return assignment_for(loads, copy, model, gpu_busy_ms, method="fiddler")
+
+
+@dataclass
+class _Groups:
+    """Offloaded experts grouped by load: experts with equal loads cost the same and are interchangeable.
+
+    Groups are in copy order (descending GPU time), so copying x[k] experts of each group k
+    in group order is the Johnson-optimal pipeline for that choice.
     """
-    ranked = sorted(loads, key=lambda e: (-loads[e], e))
-    best = None
-    for k in range(len(ranked) + 1):
-        copy, cpu = ranked[:k], ranked[k:]
-        makespan = max(finish_times(cpu, copy, loads, costs))
-        if best is None or makespan < best[0] - 1e-12:
-            best = (makespan, sorted(cpu), sorted(copy))
-    return best[1], best[2]
+
+    ids: list[list[int]]  # per group, ascending expert ids (the lowest are the ones copied)
+    cpu: list[float]  # per expert of the group
+    gpu: list[float]
+    copy_ms: float
+    gpu_busy_ms: float
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(ids) for ids in self.ids]
+
+    def finish(self, x: Sequence[int]) -> tuple[float, float]:
+        """(CPU finish, GPU finish) when x[k] experts of group k are copied, in group order."""
+        cpu = sum((len(ids) - xk) * c for ids, xk, c in zip(self.ids, x, self.cpu))
+        d, link, gpu = self.copy_ms, 0.0, self.gpu_busy_ms
+        for xk, g in zip(x, self.gpu):
+            if xk:
+                # xk equal jobs through the link→GPU pipeline, in closed form: the GPU is the
+                # bottleneck from the first copy on (g >= d) or waits for the last (g < d).
+                gpu = max(gpu + xk * g, link + max(d + xk * g, xk * d + g))
+                link += xk * d
+        return cpu, gpu
+
+    def makespan(self, x: Sequence[int]) -> float:
+        return max(self.finish(x))
+
+    def counts_of(self, copy: set[int]) -> list[int]:
+        """x for a set of experts (only its size per group matters)."""
+        return [sum(e in copy for e in ids) for ids in self.ids]
+
+    def assignment(self, x: Sequence[int], method: str) -> Assignment:
+        copy = [e for ids, xk in zip(self.ids, x) for e in ids[:xk]]
+        cpu = sorted(e for ids, xk in zip(self.ids, x) for e in ids[xk:])
+        cpu_ms, gpu_ms = self.finish(x)
+        return Assignment(tuple(cpu), tuple(copy), cpu_ms, gpu_ms, method)
 
 
-def fiddler_rule(loads: dict[int, int], costs: Costs) -> tuple[list[int], list[int]]:
-    """Fiddler's per-expert rule, for comparison: copy when CPU compute is slower than copy + GPU compute."""
-    copy = sorted(e for e, n in loads.items() if costs.cpu_ms(n) > costs.gpu_ms(n) + costs.copy_ms)
-    return sorted(set(loads) - set(copy)), copy
+def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float) -> _Groups:
+    by_load: dict[int, list[int]] = {}
+    for e, n in loads.items():
+        by_load.setdefault(n, []).append(e)
+    costs = {n: (cpu_path_ms(n, model), model.gpu_expert_ms(n)) for n in by_load}
+    order = sorted(by_load, key=lambda n: (-costs[n][1], -n))
+    return _Groups(ids=[sorted(by_load[n]) for n in order], cpu=[costs[n][0] for n in order],
+                   gpu=[costs[n][1] for n in order], copy_ms=model.copy_expert_ms, gpu_busy_ms=gpu_busy_ms)
+
+
+def _greedy(groups: _Groups, fiddler: list[int]) -> list[int]:
+    """A good split fast: the best of every prefix split and Fiddler's, then single moves while they help.
+
+    Prefixes rank experts by what copying saves, CPU time minus GPU time (each copy costs the
+    same link time); prefix 0 is all-CPU and the last is all-GPU. So the result is never worse
+    than all-CPU, all-GPU or Fiddler's rule.
+    """
+    sizes = groups.sizes
+    K = len(sizes)
+    rank = sorted(range(K), key=lambda k: (-(groups.cpu[k] - groups.gpu[k]), k))
+    candidates = [list(fiddler)]
+    x = [0] * K
+    candidates.append(list(x))
+    for k in rank:
+        for _ in range(sizes[k]):
+            x[k] += 1
+            candidates.append(list(x))
+    best = min(candidates, key=groups.makespan)  # min keeps the first of equal ones
+    best_ms = groups.makespan(best)
+    for _ in range(sum(sizes)):  # every pass must improve; the cap only bounds the time
+        moves = []
+        for k in range(K):
+            for step in (1, -1):
+                if 0 <= best[k] + step <= sizes[k]:
+                    y = list(best)
+                    y[k] += step
+                    moves.append((groups.makespan(y), k, -step, y))
+        if not moves:
+            break
+        ms, *_, y = min(moves, key=lambda m: m[:3])
+        if ms >= best_ms - _EPS:
+            break
+        best, best_ms = y, ms
+    return best
+
+
+def _suffix_sums(values: list[float]) -> list[float]:
+    """s[k] = sum(values[k:]), with s[len(values)] = 0."""
+    return list(accumulate(reversed(values), initial=0.0))[::-1]
+
+
+def _pareto(states: list[tuple[float, float, tuple[int, ...]]]) -> list[tuple[float, float, tuple[int, ...]]]:
+    """The states no other state beats on both CPU and GPU finish."""
+    kept, lowest_gpu = [], float("inf")
+    for state in sorted(states):
+        if state[1] < lowest_gpu:
+            kept.append(state)
+            lowest_gpu = state[1]
+    return kept
+
+
+def _balanced_bound(cpu: float, other: float, rest: list[tuple[float, float, int]]) -> float:
+    """min over fractional splits of max(CPU finish, other finish): a lower bound on any integer split.
+
+    cpu has every remaining expert on it; moving one expert of (c, w, m) off the CPU takes c
+    from the CPU and adds w to the other side. `rest` is sorted by c/w, best first, so moving
+    whole groups in that order until the two sides cross, then a fraction, is the optimum of
+    this relaxation (a fractional knapsack).
+    """
+    for c, w, m in rest:
+        if cpu <= other:
+            break
+        if cpu - m * c > other + m * w:
+            cpu, other = cpu - m * c, other + m * w
+        else:
+            return cpu - (cpu - other) / (c + w) * c
+    return max(cpu, other)
+
+
+def _exact(groups: _Groups, start: list[int]) -> list[int]:
+    """The optimal counts: dynamic programming over the load groups in copy order, with dominance and bounds.
+
+    After deciding the first groups, a partial split is a state (copies so far, CPU finish,
+    GPU finish); the link finish is copies × copy time. Groups come in Johnson order, so later
+    copies only extend the pipeline, and the rest of the step depends on the state alone:
+    the CPU adds the same, and the GPU recurrence max(gpu, link) + g is monotone in gpu. So of
+    two states with as many copies, one no later on either side does at least as well, and
+    the other is dropped (exact). States that cannot beat the best split found are dropped
+    too: each remaining expert adds its CPU time to the CPU queue or, copied, at least its GPU
+    time to the GPU and its copy time to the link, which the GPU finish never precedes. So
+    the fractional balance of CPU against link, and of CPU against GPU (`_balanced_bound`),
+    bound any completion from below. `start` (the greedy split) is the first best.
+    """
+    K = len(groups.ids)
+    sizes, cpu_k, gpu_k, d = groups.sizes, groups.cpu, groups.gpu, groups.copy_ms
+    rest_cpu = _suffix_sums([m * c for m, c in zip(sizes, cpu_k)])
+
+    def by_ratio(k: int, w: list[float]) -> list[tuple[float, float, int]]:
+        rest = [(cpu_k[j], w[j], sizes[j]) for j in range(k, K)]
+        return sorted(rest, key=lambda r: -r[0] / r[1] if r[1] > 0 else -float("inf"))
+
+    rest_link = [by_ratio(k, [d] * K) for k in range(K + 1)]
+    rest_gpu = [by_ratio(k, gpu_k) for k in range(K + 1)]
+    best_x, best = tuple(start), groups.makespan(start)
+    states: dict[int, list] = {0: [(0.0, groups.gpu_busy_ms, ())]}
+    for k in range(K):
+        grown: dict[int, list] = {}
+        for copies, frontier in states.items():
+            m, c, g = sizes[k], cpu_k[k], gpu_k[k]
+            for cpu0, gpu0, x in frontier:
+                link0 = copies * d
+                # CPU finish falls and GPU finish rises with the copies taken from this group:
+                # start where the CPU side can beat the best, stop where the GPU side cannot.
+                lo = 0 if c <= 0 else max(0, math.floor(m - (best - cpu0) / c))
+                for xk in range(lo, m + 1):
+                    link = link0 + xk * d
+                    gpu = max(gpu0 + xk * g, link0 + max(d + xk * g, xk * d + g)) if xk else gpu0
+                    if gpu >= best - _EPS:
+                        break
+                    cpu = cpu0 + (m - xk) * c
+                    all_cpu = cpu + rest_cpu[k + 1]
+                    if (cpu >= best - _EPS
+                            or _balanced_bound(all_cpu, link, rest_link[k + 1]) >= best - _EPS
+                            or _balanced_bound(all_cpu, gpu, rest_gpu[k + 1]) >= best - _EPS):
+                        continue
+                    # Every remaining expert on the CPU completes this state: a cheap incumbent.
+                    done = max(all_cpu, gpu)
+                    if done < best - _EPS:
+                        best, best_x = done, x + (xk,) + (0,) * (K - k - 1)
+                    grown.setdefault(copies + xk, []).append((cpu, gpu, x + (xk,)))
+        states = {copies: _pareto(frontier) for copies, frontier in grown.items()}
+    return list(best_x)
+
+
+def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
+                     exact_limit: int = EXACT_LIMIT) -> Assignment:
+    """Split the offloaded experts active in one layer step between the CPU and copy-to-GPU, minimising the makespan.
+
+    loads: expert id → tokens routed to it, for the CPU-resident experts of the layer (experts
+    with 0 tokens are ignored). The CPU queue and the copy→GPU pipeline run at the same time
+    (`finish_times`); the step ends when the later of the two does, so the best split makes
+    them end as close together as the experts' sizes allow.
+
+    Exact (method "exact") when the choices, at most 2^(experts) and fewer when loads repeat,
+    number at most `exact_limit`; this covers every step with up to 16 offloaded experts.
+    The problem contains PARTITION (CPU and GPU times equal, no copy time), so no sort order
+    with prefix splits is exact in general; dynamic programming over load groups with
+    dominance and bounds is, and stays fast (`_exact`). Larger steps (prefill over many
+    experts) take the greedy split, which is never worse than all-CPU, all-GPU or Fiddler's
+    rule. `gpu_busy_ms`: how long the GPU is still busy with resident experts before it can
+    compute a copied one.
+
+    Assumed, as in Fiddler: enough staging slots for every copy of the step, and CPU reads
+    and PCIe copies not slowing each other down (they share DRAM bandwidth).
+    """
+    active = {e: int(n) for e, n in loads.items() if n > 0}
+    groups = _group(active, model, gpu_busy_ms)
+    if not active:
+        return groups.assignment([], "exact")
+    fiddler = groups.counts_of({e for e, n in active.items() if fiddler_rule(n, model) == "gpu"})
+    x = _greedy(groups, fiddler)
+    if math.prod(m + 1 for m in groups.sizes) <= exact_limit:
+        return groups.assignment(_exact(groups, x), "exact")
+    return groups.assignment(x, "greedy")

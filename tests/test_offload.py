@@ -33,7 +33,8 @@ def test_every_budget_and_policy_generates_the_reference_tokens(arch, tiny_check
     expert_bytes = banks[next(iter(banks))][0][0].nbytes * 3 // 2
     total = sum(map(len, popularity))
     for fits in (0, 1, total // 2, total):
-        on_gpu = plan_placement(popularity, expert_bytes, fits * expert_bytes)
+        on_gpu = plan_placement(expert_bytes, len(popularity), len(popularity[0]), popularity,
+                                fits * expert_bytes, 0).as_lists()
         assert sum(map(sum, on_gpu)) == fits
         for name, decide in POLICIES.items():
             engine.executor = OffloadExecutor(banks, on_gpu, "cpu", decide)

@@ -1,73 +1,270 @@
-"""Placement and per-step scheduling are pure functions: checked on hand-made numbers and brute force."""
+"""Placement by popularity and the per-step CPU/GPU split of offloaded experts, on hand-made numbers."""
 import itertools
 import random
 
+import numpy as np
 import pytest
 
-from engine.placement import (BudgetError, Costs, assign_offloaded, expert_budget, finish_times, fiddler_rule,
-                              gpu_hit_rate, plan_placement)
+from engine.errors import MoedeskError
+from engine.latency_model import fit_latency_model
+from engine.placement import (
+    Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
+    finish_times, plan_placement,
+)
 
-MB = 2**20
-
-
-def test_placement_respects_budget_and_popularity_across_layers():
-    popularity = [[5, 50, 1, 0], [40, 2, 30, 7]]
-    on_gpu = plan_placement(popularity, expert_bytes=10 * MB, budget_bytes=35 * MB)  # room for 3
-    assert on_gpu == [[False, True, False, False], [True, False, True, False]]
-    assert sum(map(sum, on_gpu)) * 10 * MB <= 35 * MB
-    assert plan_placement(popularity, 10 * MB, 0) == [[False] * 4, [False] * 4]
-    assert plan_placement(popularity, 10 * MB, 10**12) == [[True] * 4, [True] * 4]
-    assert gpu_hit_rate(on_gpu, popularity) == pytest.approx(120 / 135)
+MiB = 2**20
 
 
-def test_placement_ties_are_deterministic():
-    popularity = [[3, 3], [3, 3]]
-    assert plan_placement(popularity, 1, 2) == [[True, True], [False, False]]
+# --- placement -------------------------------------------------------------------------------
+
+def place(popularity, budget, expert_bytes=100, non_expert=0, reserve=0):
+    pop = np.asarray(popularity)
+    return plan_placement(expert_bytes, pop.shape[0], pop.shape[1], pop, budget, non_expert, reserve)
 
 
-def test_expert_budget_refuses_a_budget_below_the_fixed_weights():
-    assert expert_budget(10 * MB, 4 * MB, 1 * MB) == 5 * MB
-    with pytest.raises(BudgetError, match="cannot hold"):
-        expert_budget(4 * MB, 4 * MB, 1 * MB)
+def test_zero_budget_places_nothing():
+    p = place([[5, 1], [3, 9]], budget=0)
+    assert not p.on_gpu.any() and p.bytes_used == 0
 
 
-def mixtral_like(cpu_per_token=0.05, gpu_flat=True):
-    return Costs(cpu_ms=lambda n: 5.9 + cpu_per_token * n,
-                 gpu_ms=(lambda n: 0.18) if gpu_flat else (lambda n: 0.18 + 0.0005 * n), copy_ms=6.7)
+def test_budget_that_only_holds_the_fixed_part_places_no_expert():
+    p = place([[5, 1], [3, 9]], budget=350, non_expert=300, reserve=50)
+    assert p.experts_on_gpu == 0 and p.bytes_used == 350
 
 
-def brute_force(loads, costs):
-    experts = sorted(loads)
-    return min(max(finish_times([e for e in experts if e not in copy], list(copy), loads, costs))
-               for k in range(len(experts) + 1) for copy in itertools.combinations(experts, k))
+def test_huge_budget_places_everything():
+    p = place(np.arange(12).reshape(3, 4), budget=10**15, non_expert=10**6)
+    assert p.on_gpu.all() and p.experts_on_gpu == 12
 
 
-def test_decode_step_puts_one_expert_on_each_path():
-    cpu, copy = assign_offloaded({3: 1, 6: 1}, mixtral_like())
-    assert len(cpu) == 1 and len(copy) == 1  # 5.95 ms vs 6.9 ms in parallel beats 11.9 ms on the CPU alone
-    assert fiddler_rule({3: 1, 6: 1}, mixtral_like()) == ([3, 6], [])  # Fiddler keeps both on the CPU
+def test_budget_is_filled_but_never_exceeded():
+    rng = np.random.default_rng(0)
+    pop = rng.integers(0, 100, size=(6, 8))
+    for budget in (0, 99, 100, 1234, 4799, 4800, 10**6):
+        p = place(pop, budget=budget + 700, non_expert=500, reserve=200)
+        assert p.bytes_used <= p.budget_bytes
+        assert p.experts_on_gpu == min(budget // 100, 48)  # one more would not fit
+        assert p.expert_bytes_used == 100 * p.experts_on_gpu
 
 
-def test_prefill_copies_the_heavily_loaded_experts():
-    cpu, copy = assign_offloaded({e: 128 for e in range(8)}, mixtral_like(cpu_per_token=0.2))
-    assert len(copy) > len(cpu)
+def test_non_expert_weights_that_do_not_fit_raise_a_moedesk_error():
+    with pytest.raises(BudgetError, match="non-expert weights") as err:
+        place([[1, 2]], budget=1000, non_expert=900, reserve=200)
+    assert isinstance(err.value, MoedeskError)
+    assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("gpu_flat", [True, False])
-def test_balanced_assignment_against_brute_force(gpu_flat):
-    rng = random.Random(0)
+def test_most_popular_experts_win_across_layers_not_per_layer():
+    # Layer 1 holds the three hottest experts: they all go, layer 0 gets none.
+    p = place([[10, 20, 30], [90, 80, 70]], budget=300)
+    assert p.on_gpu.tolist() == [[False, False, False], [True, True, True]]
+    # And in general every resident expert is at least as popular as every offloaded one.
+    pop = np.random.default_rng(1).integers(0, 50, size=(5, 7))
+    q = place(pop, budget=1300)
+    assert pop[q.on_gpu].min() >= pop[~q.on_gpu].max()
+
+
+def test_ties_break_by_layer_then_expert():
+    p = place([[5, 5, 5], [5, 5, 5]], budget=400)
+    assert p.on_gpu.tolist() == [[True, True, True], [True, False, False]]
+    q = place([[1, 7, 7], [7, 0, 7]], budget=300)
+    assert q.on_gpu.tolist() == [[False, True, True], [True, False, False]]
+
+
+def test_placement_is_deterministic_and_read_only():
+    pop = np.random.default_rng(2).integers(0, 3, size=(4, 16))  # many ties
+    a, b = place(pop, budget=2000), place(pop.tolist(), budget=2000)
+    assert (a.on_gpu == b.on_gpu).all()
+    with pytest.raises(ValueError):
+        a.on_gpu[0, 0] = not a.on_gpu[0, 0]
+    assert a.as_lists() == a.on_gpu.tolist() and isinstance(a.as_lists()[0][0], bool)
+
+
+def test_hit_rate_is_the_share_of_selections_on_the_gpu():
+    pop = [[10, 0, 30], [40, 15, 5]]
+    p = place(pop, budget=200)  # 40 and 30
+    assert p.gpu_hit_rate(pop) == pytest.approx(70 / 100)
+    assert place(pop, budget=0).gpu_hit_rate(pop) == 0.0
+    assert place(pop, budget=10**9).gpu_hit_rate(pop) == 1.0
+    assert p.gpu_hit_rate(np.zeros((2, 3))) == 0.0
+
+
+def test_popularity_placement_beats_any_other_of_the_same_size():
+    rng = np.random.default_rng(3)
+    pop = rng.zipf(1.5, size=(4, 8)).astype(float)
+    best = place(pop, budget=1000)
     for _ in range(200):
-        costs = Costs(cpu_ms=(lambda a, b: lambda n: a + b * n)(rng.uniform(0.1, 8), rng.uniform(0.01, 0.5)),
-                      gpu_ms=(lambda c, d: lambda n: c + d * n)(rng.uniform(0.05, 0.3), 0.0 if gpu_flat else 0.001),
-                      copy_ms=rng.uniform(0.1, 8))
-        loads = {e: rng.randint(1, 64) for e in rng.sample(range(16), rng.randint(1, 9))}
-        cpu, copy = assign_offloaded(loads, costs)
-        assert sorted(cpu + copy) == sorted(loads)
-        ours = max(finish_times(cpu, copy, loads, costs))
-        best = brute_force(loads, costs)
-        if gpu_flat:
-            assert ours == pytest.approx(best)
-        else:
-            assert ours <= best * 1.05 + 1e-9
-        baselines = [fiddler_rule(loads, costs), (sorted(loads), []), ([], sorted(loads))]
-        assert all(ours <= max(finish_times(c, g, loads, costs)) + 1e-9 for c, g in baselines)
+        other = np.zeros(32, dtype=bool)
+        other[rng.choice(32, 10, replace=False)] = True
+        assert best.gpu_hit_rate(pop) >= pop.ravel()[other].sum() / pop.sum() - 1e-12
+
+
+def test_popularity_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match="shape"):
+        plan_placement(100, 2, 3, np.ones((3, 2)), 1000, 0)
+    with pytest.raises(ValueError):
+        place([[1, -1]], budget=1000)
+
+
+# --- per-step assignment ----------------------------------------------------------------------
+
+def Table(cpu: dict, gpu: dict, copy_expert_ms: float, roundtrip_ms: float = 0.0) -> Costs:
+    """Hand-made latencies by token count, not necessarily monotone: the rules must not rely on shapes."""
+    return Costs(cpu.__getitem__, gpu.__getitem__, copy_expert_ms, roundtrip_ms)
+
+
+def random_case(rng: random.Random, n_experts: int, max_tokens: int):
+    table = Table(cpu={n: rng.uniform(0.1, 10) for n in range(1, max_tokens + 1)},
+                  gpu={n: rng.uniform(0.0, 6) for n in range(1, max_tokens + 1)},
+                  copy_expert_ms=rng.choice([0.0, rng.uniform(0.1, 6)]), roundtrip_ms=rng.uniform(0, 0.3))
+    loads = {e: rng.randint(1, max_tokens) for e in rng.sample(range(64), n_experts)}
+    busy = rng.choice([0.0, rng.uniform(0, 8)])
+    return loads, table, busy
+
+
+def brute_force(loads, model, busy, all_orders: bool) -> float:
+    """Best makespan over every subset to copy, and every copy order when all_orders."""
+    experts, best = list(loads), float("inf")
+    for r in range(len(experts) + 1):
+        for subset in itertools.combinations(experts, r):
+            orders = itertools.permutations(subset) if all_orders else [copy_order(loads, subset, model)]
+            for order in orders:
+                best = min(best, max(finish_times(loads, order, model, busy)))
+    return best
+
+
+def test_exact_split_equals_brute_force_over_subsets_and_copy_orders():
+    # Also checks that Johnson's order (descending GPU time) is the best copy order.
+    rng = random.Random(0)
+    for _ in range(400):
+        loads, table, busy = random_case(rng, rng.randint(1, 6), rng.randint(1, 6))
+        got = assign_offloaded(loads, table, busy)
+        assert got.method == "exact"
+        assert got.makespan_ms == pytest.approx(brute_force(loads, table, busy, all_orders=True), abs=1e-9)
+
+
+def test_exact_split_equals_brute_force_on_larger_steps():
+    rng = random.Random(1)
+    for _ in range(40):
+        loads, table, busy = random_case(rng, rng.randint(7, 12), rng.randint(2, 12))
+        got = assign_offloaded(loads, table, busy)
+        assert got.method == "exact"
+        assert got.makespan_ms == pytest.approx(brute_force(loads, table, busy, all_orders=False), abs=1e-9)
+
+
+def test_reported_times_are_those_of_the_returned_split():
+    rng = random.Random(2)
+    for limit in (None, 0):  # exact, then greedy
+        for _ in range(100):
+            loads, table, busy = random_case(rng, rng.randint(1, 30), rng.randint(1, 8))
+            got = assign_offloaded(loads, table, busy, **({} if limit is None else {"exact_limit": limit}))
+            assert sorted(got.cpu + got.copy) == sorted(loads) and not set(got.cpu) & set(got.copy)
+            assert list(got.cpu) == sorted(got.cpu)
+            cpu, gpu = finish_times(loads, got.copy, table, busy)
+            assert (got.cpu_finish_ms, got.gpu_finish_ms) == (pytest.approx(cpu), pytest.approx(gpu))
+
+
+def test_the_best_split_need_not_copy_the_most_loaded_experts():
+    # Prefix splits by load miss it: copying the 3-token expert {A} or {A, B} gives 11 / 10.1,
+    # copying the two small ones gives 10.
+    table = Table(cpu={3: 10.0, 2: 6.0, 1: 5.0}, gpu={3: 9.0, 2: 0.1, 1: 0.1}, copy_expert_ms=1.0)
+    got = assign_offloaded({0: 3, 1: 2, 2: 1}, table)
+    assert got.cpu == (0,) and set(got.copy) == {1, 2}
+    assert got.makespan_ms == pytest.approx(10.0)
+
+
+def test_partition_instance_is_solved_exactly():
+    # CPU and GPU times equal and free copies: the best split halves the total (3+1+1+2+2+1 = 10 -> 5).
+    sizes = {1: 3.0, 2: 1.0, 3: 1.0, 4: 2.0, 5: 2.0, 6: 1.0}
+    table = Table(cpu=sizes, gpu=sizes, copy_expert_ms=0.0)
+    got = assign_offloaded({e: e for e in sizes}, table)
+    assert got.makespan_ms == pytest.approx(5.0)
+
+
+def test_never_worse_than_fiddler_all_cpu_or_all_gpu():
+    rng = random.Random(3)
+    for limit in (None, 0):
+        for _ in range(150):
+            loads, table, busy = random_case(rng, rng.randint(1, 40), rng.randint(1, 10))
+            got = assign_offloaded(loads, table, busy, **({} if limit is None else {"exact_limit": limit}))
+            for other in (fiddler_assign(loads, table, busy), assignment_for(loads, [], table, busy),
+                          assignment_for(loads, list(loads), table, busy)):
+                assert got.makespan_ms <= other.makespan_ms + 1e-9
+
+
+def test_greedy_only_above_the_exact_limit():
+    table = Table(cpu={n: 1.0 + n for n in range(1, 41)}, gpu={n: 0.5 for n in range(1, 41)}, copy_expert_ms=2.0)
+    sixteen_distinct = {e: e + 1 for e in range(16)}
+    assert assign_offloaded(sixteen_distinct, table).method == "exact"
+    assert assign_offloaded({e: e + 1 for e in range(40)}, table).method == "greedy"
+    # 60 experts with only two loads are 31 x 31 choices: still exact.
+    assert assign_offloaded({e: 1 + e % 2 for e in range(60)}, table).method == "exact"
+
+
+def test_balanced_split_beats_fiddler_at_decode():
+    # DESIGN.md's Mixtral numbers: 5 ms on the CPU, 6.5 ms copy, 0.17 ms on the GPU. Fiddler
+    # keeps both 1-token experts on the CPU (10 ms); copying one while the CPU runs the other
+    # ends at 6.67 ms.
+    table = Table(cpu={1: 5.0}, gpu={1: 0.17}, copy_expert_ms=6.5)
+    assert fiddler_rule(1, table) == "cpu"
+    fiddler = fiddler_assign({3: 1, 5: 1}, table)
+    got = assign_offloaded({3: 1, 5: 1}, table)
+    assert fiddler.copy == () and fiddler.makespan_ms == pytest.approx(10.0)
+    assert len(got.copy) == 1 and got.makespan_ms == pytest.approx(6.67)
+
+
+def test_fiddler_rule_copies_only_when_the_cpu_is_slower_than_copy_plus_gpu():
+    table = Table(cpu={1: 5.0, 2: 7.0, 3: 9.0}, gpu={1: 1.0, 2: 1.0, 3: 1.0}, copy_expert_ms=6.0)
+    assert [fiddler_rule(n, table) for n in (1, 2, 3)] == ["cpu", "cpu", "gpu"]  # 7 == 1 + 6 stays
+
+
+def test_copies_are_issued_by_descending_gpu_time():
+    table = Table(cpu={n: 100.0 for n in range(1, 5)}, gpu={1: 0.5, 2: 3.0, 3: 1.0, 4: 3.0}, copy_expert_ms=2.0)
+    got = assign_offloaded({10: 1, 11: 2, 12: 3, 13: 4}, table)
+    assert got.copy == (13, 11, 12, 10)  # 3.0 ms twice (heavier load first), then 1.0, then 0.5
+    assert list(got.copy) == copy_order({10: 1, 11: 2, 12: 3, 13: 4}, [10, 11, 12, 13], table)
+
+
+def test_busy_gpu_pushes_work_to_the_cpu():
+    table = Table(cpu={4: 3.0}, gpu={4: 0.2}, copy_expert_ms=1.0)
+    assert len(assign_offloaded({0: 4, 1: 4, 2: 4}, table).copy) == 2
+    late = assign_offloaded({0: 4, 1: 4, 2: 4}, table, gpu_busy_ms=100.0)
+    assert late.copy == () and late.gpu_finish_ms == 100.0
+
+
+def test_cpu_path_pays_the_activation_round_trip():
+    table = Table(cpu={2: 3.0}, gpu={2: 0.2}, copy_expert_ms=3.2, roundtrip_ms=0.5)
+    assert finish_times({0: 2, 1: 2}, [1], table) == (pytest.approx(3.5), pytest.approx(3.4))
+    # 3.0 + 0.5 on the CPU path loses to 3.2 + 0.2 copied; without the round trip the CPU's 3.0 wins.
+    assert assign_offloaded({0: 2}, table).copy == (0,)
+    assert assign_offloaded({0: 2}, Table(cpu={2: 3.0}, gpu={2: 0.2}, copy_expert_ms=3.2)).copy == ()
+
+
+def test_experts_without_tokens_are_ignored():
+    table = Table(cpu={2: 3.0}, gpu={2: 0.2}, copy_expert_ms=1.0)
+    assert assign_offloaded({}, table).makespan_ms == 0.0
+    got = assign_offloaded({0: 0, 1: 2, 2: 0}, table)
+    assert set(got.cpu + got.copy) == {1}
+
+
+def test_assignment_is_deterministic_and_unpacks_for_the_executor():
+    rng = random.Random(4)
+    loads, table, busy = random_case(rng, 12, 3)  # many equal loads: many equally good splits
+    a = assign_offloaded(loads, table, busy)
+    b = assign_offloaded(dict(reversed(list(loads.items()))), table, busy)
+    assert a == b
+    cpu, copy = a  # OffloadExecutor's decide() contract
+    assert cpu == list(a.cpu) and copy == list(a.copy) and isinstance(a, Assignment)
+
+
+def test_works_on_a_fitted_latency_model():
+    model = fit_latency_model({
+        "cpu_expert_ms": {1: 5.0, 4: 5.0, 16: 5.2, 64: 19.0, 256: 77.0},
+        "gpu_expert_ms": {1: 0.17, 512: 0.32, 4096: 2.1}, "copy_expert_ms": 6.5,
+        "activation_roundtrip_ms": 0.045, "expert_bytes": 352 * MiB, "cpu_read_gbs": 102.0,
+    })
+    loads = {e: 128 for e in range(8)}  # 128 tokens each: ~38 ms on the CPU, 6.5 ms to copy
+    prefill = assign_offloaded(loads, model)
+    assert len(prefill.copy) >= 6 and prefill.makespan_ms <= fiddler_assign(loads, model).makespan_ms + 1e-9
+    decode = assign_offloaded({2: 1, 6: 1}, model)
+    assert decode.makespan_ms < 2 * model.cpu_expert_ms(1)

@@ -7,7 +7,8 @@ import time
 
 import torch
 
-from engine.bench import costs_from_profile, measure_decode
+from engine.bench import measure_decode
+from engine.latency_model import fit_latency_model
 from engine.offload import OffloadExecutor
 from engine.placement import assign_offloaded
 from engine.profiler import profile_expert
@@ -20,7 +21,7 @@ device = torch.device("cuda")
 cfg = shape_config(shape, layers)
 model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=512)
 prof = profile_expert(banks[0][0][0], banks[0][1][0], device, cpu_tokens=(1, 2, 4), gpu_tokens=(1, 4))
-costs = costs_from_profile(prof)
+costs = fit_latency_model(prof)
 print("cpu_ms", prof["cpu_expert_ms"], "copy", round(prof["copy_expert_ms"], 2))
 on_gpu = [[False] * cfg.num_experts for _ in banks]
 for name, decide in [("cpu-only", lambda loads: (sorted(loads), [])),

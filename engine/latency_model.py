@@ -1,0 +1,210 @@
+"""Latency of one expert on the CPU and on the GPU, of copying it over PCIe, and of an activation round trip.
+
+Fitted once per machine, model shape and dtype from the profiler's measurements (see
+`engine.profiler.profile_expert`) and cached as JSON; the per-step decisions in
+`engine.placement` read it hundreds of times per token, so evaluating it is plain arithmetic.
+
+The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
+
+- CPU: an expert is a weight read plus arithmetic. It can never take less than reading its
+  bytes (the floor), and above that grows about linearly in tokens:
+  cpu(n) = max(a + b·n, floor). The floor is the read time at the bandwidth measured, the
+  lower of two: the machine's streaming read bandwidth, and the one the expert kernel itself
+  reached in its fastest measured call (a bf16 kernel often reads at 75%, flat up to ~16
+  tokens, which one line cannot follow). The first also corrects profiles taken with a small
+  expert hot in the last-level cache, which a real step, streaming experts from DRAM, never
+  sees.
+- GPU: memory-bound and nearly constant up to hundreds of tokens, then compute-bound; the
+  measured points are interpolated piecewise-linearly instead of forcing a formula on them.
+- Copy: one expert's weights host-to-device, independent of tokens.
+- Activation round trip: the tokens' hidden states to the CPU and the expert's output back.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from engine.errors import MoedeskError
+
+FORMAT_VERSION = 1
+
+
+class ProfileError(MoedeskError):
+    """Measurements (or a cached model) that a latency model cannot be built from."""
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Milliseconds for one expert of one model on this machine; see the module docstring for the shapes."""
+
+    cpu_intercept_ms: float  # a in max(a + b·n, floor)
+    cpu_per_token_ms: float  # b
+    cpu_floor_ms: float  # expert bytes at the measured read bandwidth (module docstring)
+    gpu_tokens: tuple[float, ...]  # measured token counts, increasing
+    gpu_ms: tuple[float, ...]  # GPU time at those counts, made non-decreasing
+    copy_expert_ms: float  # host-to-device copy of one expert's weights (pinned)
+    roundtrip_base_ms: float = 0.0
+    roundtrip_per_token_ms: float = 0.0
+    expert_bytes: int = 0
+
+    def __post_init__(self):
+        # Tuples, so that a model read back from JSON compares equal and stays hashable.
+        object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
+        object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
+        scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
+                   self.roundtrip_base_ms, self.roundtrip_per_token_ms)
+        if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms):
+            raise ProfileError("latency model: every time and count must be finite and >= 0")
+        if not self.gpu_tokens or len(self.gpu_tokens) != len(self.gpu_ms):
+            raise ProfileError("latency model: GPU needs at least one (tokens, ms) point")
+        if any(b <= a for a, b in zip(self.gpu_tokens, self.gpu_tokens[1:])):
+            raise ProfileError("latency model: GPU token counts must be strictly increasing")
+
+    def cpu_expert_ms(self, tokens: int) -> float:
+        """One expert on the whole CPU pool for `tokens` tokens (0 tokens: nothing to run)."""
+        if tokens <= 0:
+            return 0.0
+        return max(self.cpu_intercept_ms + self.cpu_per_token_ms * tokens, self.cpu_floor_ms)
+
+    def gpu_expert_ms(self, tokens: int) -> float:
+        """One expert already in GPU memory: measured points joined by straight lines.
+
+        Below the first point it stays at the first point's time (a memory-bound kernel does
+        not get faster with fewer rows); past the last it continues the last segment's slope.
+        """
+        if tokens <= 0:
+            return 0.0
+        xs, ys = self.gpu_tokens, self.gpu_ms
+        if tokens <= xs[0]:
+            return ys[0]
+        i = bisect_right(xs, tokens)
+        if i == len(xs):
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+            return ys[-1] + slope * (tokens - xs[-1])
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def activation_roundtrip_ms(self, tokens: int) -> float:
+        """Hidden states of `tokens` tokens GPU→CPU and the expert's output back."""
+        if tokens <= 0:
+            return 0.0
+        return self.roundtrip_base_ms + self.roundtrip_per_token_ms * tokens
+
+    def to_dict(self) -> dict:
+        """JSON-ready; `from_dict` reads it back."""
+        d = asdict(self)
+        d["gpu_tokens"], d["gpu_ms"] = list(self.gpu_tokens), list(self.gpu_ms)
+        return {"version": FORMAT_VERSION, **d}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LatencyModel:
+        if not isinstance(d, dict) or d.get("version") != FORMAT_VERSION:
+            raise ProfileError(f"latency model: expected format version {FORMAT_VERSION}, "
+                               f"got {d.get('version') if isinstance(d, dict) else type(d).__name__}")
+        fields = {k: v for k, v in d.items() if k != "version"}
+        try:
+            return cls(**fields)
+        except TypeError as e:  # a missing or unknown field
+            raise ProfileError(f"latency model: {e}") from None
+
+
+def _points(profile: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, ms) sorted by tokens; JSON turns the token keys into strings, so both are accepted."""
+    raw = profile.get(key)
+    if not isinstance(raw, dict) or not raw:
+        raise ProfileError(f"profile: '{key}' needs at least one {{tokens: ms}} point")
+    try:
+        pairs = sorted((int(n), float(ms)) for n, ms in raw.items())
+    except (TypeError, ValueError):
+        raise ProfileError(f"profile: '{key}' must map token counts to milliseconds") from None
+    n, y = (np.array(v, dtype=float) for v in zip(*pairs))
+    if np.any(n <= 0) or np.any(y <= 0) or not np.all(np.isfinite(y)):
+        raise ProfileError(f"profile: '{key}' needs token counts >= 1 and times > 0")
+    return n, y
+
+
+def _relative_affine(n: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """a, b >= 0 minimising Σ((a + b·n - y) / y)²: relative error, so 1-token times count as much as 256-token ones.
+
+    Decode lives at a few tokens per expert; an absolute fit would be ruled by the largest,
+    slowest points and get exactly the decode region wrong.
+    """
+    w = 1.0 / y
+    (a, b), *_ = np.linalg.lstsq(np.column_stack([w, n * w]), np.ones_like(y), rcond=None)
+    if b < 0:  # noise on a flat curve: more tokens never take less time
+        return float(np.sum(w) / np.sum(w * w)), 0.0
+    if a < 0:  # a line through the large-n points only; keep small-n predictions positive
+        return 0.0, float(np.sum(n * w) / np.sum((n * w) ** 2))
+    return float(a), float(b)
+
+
+def fit_cpu(n: np.ndarray, y: np.ndarray, floor_ms: float) -> tuple[float, float]:
+    """a, b of cpu(n) = max(a + b·n, floor_ms), least squares in relative error.
+
+    Points the floor explains carry no information about the line, so the line is fitted to
+    each suffix of the points sorted by tokens (the points above the floor are always a
+    suffix, the line being non-decreasing) and the suffix whose max(line, floor) explains all
+    points best wins; ties go to the longer suffix.
+    """
+    order = np.argsort(n)
+    n, y = n[order], y[order]
+    if len(n) == 1:
+        return float(y[0]), 0.0
+    best = None
+    for start in range(len(n) - 1):
+        a, b = _relative_affine(n[start:], y[start:])
+        err = float(np.sum(((np.maximum(a + b * n, floor_ms) - y) / y) ** 2))
+        if best is None or err < best[0] * (1 - 1e-9):
+            best = (err, a, b)
+    return best[1], best[2]
+
+
+def _roundtrip(profile: dict) -> tuple[float, float]:
+    """(base, per token): a dict of points gets an affine fit; the profiler's single 1-token number a constant."""
+    raw = profile.get("activation_roundtrip_ms", 0.0)
+    if isinstance(raw, dict):
+        n, y = _points(profile, "activation_roundtrip_ms")
+        if len(n) == 1:
+            return float(y[0]), 0.0
+        b, a = np.polyfit(n, y, 1)
+        return (float(a), float(b)) if a >= 0 and b >= 0 else (float(np.mean(y)), 0.0)
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ProfileError("profile: 'activation_roundtrip_ms' must be a number or {tokens: ms}") from None
+    return value, 0.0
+
+
+def fit_latency_model(profile_points: dict) -> LatencyModel:
+    """Build the model from the profiler's raw measurements.
+
+    Keys read: cpu_expert_ms {tokens: ms}, gpu_expert_ms {tokens: ms}, copy_expert_ms (ms),
+    expert_bytes, cpu_read_gbs (GB/s, for the CPU floor; missing → the kernel's fastest call
+    alone sets it) and optionally
+    activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
+    activation copies under 1% of the time). Other keys are ignored.
+    """
+    if not isinstance(profile_points, dict):
+        raise ProfileError("profile: expected a dict of measurements")
+    expert_bytes = int(profile_points.get("expert_bytes") or 0)
+    read_gbs = float(profile_points.get("cpu_read_gbs") or 0.0)
+    dram_floor_ms = expert_bytes / (read_gbs * 1e6) if expert_bytes > 0 and read_gbs > 0 else 0.0
+    cpu_n, cpu_y = _points(profile_points, "cpu_expert_ms")
+    # Bytes at the lower of the two bandwidths (module docstring): the kernel's own fastest
+    # call when it never reached the machine's read bandwidth, else the DRAM read time.
+    floor_ms = max(dram_floor_ms, float(cpu_y.min()))
+    a, b = fit_cpu(cpu_n, cpu_y, floor_ms)
+    gpu_n, gpu_y = _points(profile_points, "gpu_expert_ms")
+    # Running maximum: a noisy dip would make the GPU look cheaper with more tokens.
+    gpu_y = np.maximum.accumulate(gpu_y)
+    if "copy_expert_ms" not in profile_points:
+        raise ProfileError("profile: 'copy_expert_ms' is missing")
+    base, per_token = _roundtrip(profile_points)
+    return LatencyModel(
+        cpu_intercept_ms=a, cpu_per_token_ms=b, cpu_floor_ms=floor_ms,
+        gpu_tokens=tuple(gpu_n), gpu_ms=tuple(gpu_y), copy_expert_ms=float(profile_points["copy_expert_ms"]),
+        roundtrip_base_ms=base, roundtrip_per_token_ms=per_token, expert_bytes=expert_bytes,
+    )

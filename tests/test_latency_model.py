@@ -1,0 +1,142 @@
+"""The latency model: fits of CPU/GPU expert time, its JSON form, and its refusals."""
+import json
+
+import numpy as np
+import pytest
+
+from engine.errors import MoedeskError
+from engine.latency_model import LatencyModel, ProfileError, fit_latency_model
+
+MiB = 2**20
+CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def profile(cpu, gpu=None, **extra):
+    """Raw measurements in the shape engine.profiler.profile_expert returns."""
+    points = {
+        "cpu_expert_ms": {n: float(cpu(n)) for n in CPU_TOKENS},
+        "gpu_expert_ms": gpu or {1: 0.17, 4: 0.18, 16: 0.2, 64: 0.25, 256: 0.32, 1024: 0.6, 4096: 2.1},
+        "copy_expert_ms": 6.5, "activation_roundtrip_ms": 0.045,
+        "threads": 16, "device": "cuda", "pinned": True,  # other keys are ignored
+    }
+    points.update(extra)
+    return points
+
+
+def test_affine_cpu_times_are_recovered():
+    model = fit_latency_model(profile(lambda n: 2.0 + 0.1 * n))
+    assert model.cpu_intercept_ms == pytest.approx(2.0) and model.cpu_per_token_ms == pytest.approx(0.1)
+    for n in (1, 3, 100, 1000):
+        assert model.cpu_expert_ms(n) == pytest.approx(2.0 + 0.1 * n)
+
+
+def test_bandwidth_floor_then_linear_is_recovered_exactly():
+    # 352 MiB at 102 GB/s is 3.62 ms; compute overtakes the read beyond ~70 tokens.
+    floor = 352 * MiB / 102e6
+    model = fit_latency_model(profile(lambda n: max(floor, 0.1 + 0.05 * n), expert_bytes=352 * MiB,
+                                      cpu_read_gbs=102.0))
+    assert model.cpu_floor_ms == pytest.approx(floor)
+    for n in (1, 5, 16, 50, 70, 71, 90, 256, 400):
+        assert model.cpu_expert_ms(n) == pytest.approx(max(floor, 0.1 + 0.05 * n))
+
+
+def test_kernel_slower_than_the_read_bandwidth_sets_the_floor():
+    # A bf16 kernel that reads at ~70% of the bandwidth, flat up to 16 tokens (DESIGN.md): one
+    # line through all points would be 20-40% off; the kernel's own floor makes it exact.
+    model = fit_latency_model(profile(lambda n: max(5.0, 0.3 * n), expert_bytes=352 * MiB, cpu_read_gbs=102.0))
+    for n in CPU_TOKENS + (3, 20, 300):
+        assert model.cpu_expert_ms(n) == pytest.approx(max(5.0, 0.3 * n), rel=1e-6)
+
+
+def test_cache_hot_profile_is_held_to_the_dram_read_time():
+    # A small expert profiled in a loop sits in the last-level cache; a real step streams it from DRAM.
+    floor = 9 * MiB / 50e6
+    model = fit_latency_model(profile(lambda n: 0.02 + 0.004 * n, expert_bytes=9 * MiB, cpu_read_gbs=50.0))
+    assert model.cpu_expert_ms(1) == pytest.approx(floor)
+    assert model.cpu_expert_ms(256) == pytest.approx(max(floor, 0.02 + 0.004 * 256), rel=0.02)
+
+
+def test_noisy_times_keep_small_loads_accurate():
+    # Relative least squares: the 1-token point weighs as much as the 256-token one.
+    rng = np.random.default_rng(0)
+    noise = dict(zip(CPU_TOKENS, rng.uniform(0.97, 1.03, len(CPU_TOKENS))))
+    model = fit_latency_model(profile(lambda n: (1.0 + 0.2 * n) * noise[n]))
+    for n in CPU_TOKENS:
+        assert model.cpu_expert_ms(n) == pytest.approx(1.0 + 0.2 * n, rel=0.06)
+
+
+def test_cpu_time_never_falls_with_more_tokens():
+    model = fit_latency_model(profile(lambda n: 6.0 - 0.001 * n))  # noise on a flat curve
+    assert model.cpu_per_token_ms == 0.0
+    times = [model.cpu_expert_ms(n) for n in range(1, 300)]
+    assert times == sorted(times) and min(times) > 0
+
+
+def test_gpu_points_are_interpolated_and_extended():
+    model = fit_latency_model(profile(lambda n: 5.0, gpu={1: 0.2, 64: 0.25, 256: 0.5, 1024: 1.0}))
+    assert model.gpu_expert_ms(1) == pytest.approx(0.2) and model.gpu_expert_ms(256) == pytest.approx(0.5)
+    assert model.gpu_expert_ms(160) == pytest.approx(0.375)  # halfway between 64 and 256
+    assert model.gpu_expert_ms(0.5) == pytest.approx(0.2)  # flat below the first point
+    assert model.gpu_expert_ms(2048) == pytest.approx(1.0 + 0.5 / 768 * 1024)  # last slope continues
+
+
+def test_gpu_dip_in_measurements_is_smoothed_out():
+    model = fit_latency_model(profile(lambda n: 5.0, gpu={1: 0.3, 4: 0.2, 16: 0.35}))
+    assert model.gpu_ms == (0.3, 0.3, 0.35)
+    times = [model.gpu_expert_ms(n) for n in range(1, 40)]
+    assert times == sorted(times)
+
+
+def test_no_tokens_cost_nothing():
+    model = fit_latency_model(profile(lambda n: 5.0))
+    assert model.cpu_expert_ms(0) == model.gpu_expert_ms(0) == model.activation_roundtrip_ms(0) == 0.0
+
+
+def test_copy_and_activation_round_trip():
+    model = fit_latency_model(profile(lambda n: 5.0))
+    assert model.copy_expert_ms == 6.5
+    assert model.activation_roundtrip_ms(1) == model.activation_roundtrip_ms(64) == pytest.approx(0.045)
+    scaled = fit_latency_model(profile(lambda n: 5.0, activation_roundtrip_ms={1: 0.05, 64: 0.1, 512: 0.5}))
+    assert scaled.activation_roundtrip_ms(1) < scaled.activation_roundtrip_ms(64) < scaled.activation_roundtrip_ms(512)
+    assert scaled.activation_roundtrip_ms(512) == pytest.approx(0.5, rel=0.1)
+    assert fit_latency_model({k: v for k, v in profile(lambda n: 5.0).items()
+                              if k != "activation_roundtrip_ms"}).activation_roundtrip_ms(8) == 0.0
+
+
+def test_json_round_trip_gives_the_same_model():
+    model = fit_latency_model(profile(lambda n: max(5.0, 0.3 * n), expert_bytes=352 * MiB, cpu_read_gbs=102.0))
+    back = LatencyModel.from_dict(json.loads(json.dumps(model.to_dict())))
+    assert back == model
+    for n in (1, 7, 100, 5000):
+        assert back.cpu_expert_ms(n) == model.cpu_expert_ms(n) and back.gpu_expert_ms(n) == model.gpu_expert_ms(n)
+
+
+def test_measurements_read_back_from_json_fit_the_same():
+    # JSON turns the token-count keys into strings.
+    raw = profile(lambda n: 2.0 + 0.1 * n)
+    assert fit_latency_model(json.loads(json.dumps(raw))) == fit_latency_model(raw)
+
+
+@pytest.mark.parametrize("broken", [
+    {"version": 99},
+    {"version": 1, "cpu_intercept_ms": 1.0},  # fields missing
+    {**LatencyModel(1.0, 0.1, 0.5, (1, 8), (0.2, 0.3), 6.5).to_dict(), "gpu_tokens": [8, 1]},
+    {**LatencyModel(1.0, 0.1, 0.5, (1, 8), (0.2, 0.3), 6.5).to_dict(), "copy_expert_ms": -1.0},
+    [1, 2, 3],
+])
+def test_a_damaged_cached_model_is_refused(broken):
+    with pytest.raises(ProfileError):
+        LatencyModel.from_dict(broken)
+
+
+@pytest.mark.parametrize("drop, change", [
+    ("cpu_expert_ms", None), ("gpu_expert_ms", None), ("copy_expert_ms", None),
+    (None, {"cpu_expert_ms": {}}), (None, {"cpu_expert_ms": {1: 0.0}}), (None, {"gpu_expert_ms": {"x": 1.0}}),
+])
+def test_incomplete_measurements_are_refused(drop, change):
+    raw = profile(lambda n: 5.0)
+    raw.pop(drop, None)
+    raw.update(change or {})
+    with pytest.raises(ProfileError) as err:
+        fit_latency_model(raw)
+    assert isinstance(err.value, MoedeskError)
