@@ -118,6 +118,10 @@ def open_checkpoint(model: str):
         raise CheckpointError(path, "not a model folder or .gguf file")
     cached = _cached_repo(model)
     if cached is not None:
+        ggufs = sorted(cached.rglob("*.gguf"))
+        if not list(cached.glob("*.safetensors")) and len(ggufs) == 1:  # a downloaded GGUF quantisation
+            from engine.gguf_checkpoint import GGUFCheckpoint
+            return GGUFCheckpoint(ggufs[0])
         return SafetensorsCheckpoint(cached)
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")
@@ -127,9 +131,12 @@ def _cached_repo(repo_id: str) -> Path | None:
     if repo_id.count("/") != 1:
         return None
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import errors
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
-    except (LocalEntryNotFoundError, ValueError, OSError):
+    except getattr(errors, "IncompleteSnapshotError", ()) as e:
+        # Part of a repo (one GGUF quantisation, say) is a complete model for us.
+        return Path(e.snapshot_path)
+    except (errors.LocalEntryNotFoundError, ValueError, OSError):
         return None
