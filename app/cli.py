@@ -23,6 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(prog="moedesk", description="Run Mixture-of-Experts language models locally.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    chat = sub.add_parser("chat", help="open the chat app (the default command)",
+                          description="Open the Textual chat app on a model.")
+    add_model_arguments(chat)
+    download = sub.add_parser("download", help="download a model from the Hugging Face Hub (resumable)",
+                              description="Download a model repo into the local Hugging Face cache; rerun to resume.")
+    from app.download import add_download_arguments
+
+    add_download_arguments(download)
     batch = sub.add_parser("batch", help="complete every line of a JSONL file (offline batch mode)",
                            description="Complete every line of IN.jsonl into OUT.jsonl; rerun to resume.")
     add_batch_arguments(batch)
@@ -71,14 +79,28 @@ def run_bench_command(args) -> int:
     return 0
 
 
+def run_download_command(args) -> int:
+    from app.download import run_download_command as download
+
+    return download(args)
+
+
+def run_chat_command(args) -> int:
+    from app.tui import run_app
+
+    return run_app(args.model, args.device, args.dtype)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["chat", *argv]  # `moedesk [--model M]` opens the app
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help(sys.stderr)
-        return 2
     try:
-        return {"batch": run_batch_command, "bench": run_bench_command}[args.command](args)
+        commands = {"chat": run_chat_command, "download": run_download_command, "batch": run_batch_command,
+                    "bench": run_bench_command}
+        return commands[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)
         return 2

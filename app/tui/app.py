@@ -1,0 +1,158 @@
+"""`MoedeskApp`: holds the engine, the settings and the conversation store; screens do the rest.
+
+The app starts on the loading screen (the engine loads in a thread worker) unless it was given
+an engine already, then lives on the chat screen; settings and models are pushed on top.
+"""
+from __future__ import annotations
+
+import gc
+from importlib import resources
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from textual.app import App, SystemCommand
+from textual.binding import Binding
+from textual.screen import Screen
+
+from app.tui.screens.chat import ChatScreen
+from app.tui.screens.loading import LoadingScreen
+from app.tui.settings import Settings, load_settings
+from app.tui.storage import ConversationStore
+
+ProgressFn = Callable[[str, float], None]
+EngineFactory = Callable[[str, ProgressFn], Any]  # (model, progress) -> Engine
+
+
+def stylesheet_path() -> str:
+    return str(Path(str(resources.files("assets").joinpath("moedesk.tcss"))))
+
+
+def default_factory(device: str = "auto", dtype: str | None = None, context_length: int | None = None) -> EngineFactory:
+    """Engine.load with fixed device, dtype and context; the model and progress callback vary."""
+
+    def load(model: str, progress: ProgressFn):
+        from engine.runtime import Engine
+
+        return Engine.load(model, device=device, dtype=dtype, context_length=context_length, progress=progress)
+
+    return load
+
+
+def _is_engine(value) -> bool:
+    return hasattr(value, "stream") and hasattr(value, "expert_map")
+
+
+class MoedeskApp(App[int]):
+    """The moedesk terminal app.
+
+    `engine` is an Engine that is loaded already, or an engine factory `(model, progress) -> Engine`
+    (the models screen loads others through it), or None for `Engine.load` with `device`/`dtype`.
+    """
+
+    CSS_PATH = stylesheet_path()
+    TITLE = "moedesk"
+    BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
+
+    def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
+                 settings: Settings | None = None, store: ConversationStore | None = None):
+        super().__init__()
+        if engine is not None and _is_engine(engine):
+            self.engine = engine
+            self.engine_factory: EngineFactory = default_factory(
+                engine.device.type if hasattr(engine, "device") else device,
+                str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype)
+            self.model = engine.name
+        else:
+            self.engine = None
+            self.engine_factory = engine if engine is not None else default_factory(device, dtype)
+            self.model = model
+        self.settings_problems: list[str] = []
+        self.settings = settings if settings is not None else load_settings(problems=self.settings_problems)
+        self.store = store if store is not None else ConversationStore()
+        self.chat: ChatScreen | None = None
+
+    def on_mount(self) -> None:
+        for problem in self.settings_problems:
+            self.notify(problem, title="settings", severity="warning", timeout=8)
+        if self.engine is not None:
+            self.engine_ready(self.engine)
+        else:
+            self.push_screen(LoadingScreen(self.model))
+
+    # -------------------------------------------------------------- the engine
+
+    def engine_ready(self, engine) -> None:
+        """A loaded engine: open the chat, or tell the open chat about the new model."""
+        if engine is None:  # a models screen left without loading
+            if self.chat is not None:
+                self.chat.engine_changed()
+            return
+        self.engine = engine
+        self.model = engine.name
+        if self.chat is None:
+            self.chat = ChatScreen()
+            if isinstance(self.screen, LoadingScreen):
+                self.switch_screen(self.chat)
+            else:
+                self.push_screen(self.chat)
+        else:
+            self.chat.engine_changed()
+
+    def release_engine(self) -> None:
+        """Drop the loaded model (before loading another): stop any reply, free its memory."""
+        if self.chat is not None:
+            self.chat.stop_generation()
+        self.engine = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 - freeing is best effort
+            pass
+        if self.chat is not None:
+            self.chat.engine_changed()
+
+    # -------------------------------------------------------------- screens
+
+    def action_settings(self) -> None:
+        from app.tui.screens.settings import SettingsScreen
+
+        self.push_screen(SettingsScreen(self.settings), self._settings_closed)
+
+    def _settings_closed(self, settings: Settings | None) -> None:
+        if settings is not None:
+            self.settings = settings
+            self.notify("Settings saved.")
+
+    def action_models(self) -> None:
+        from app.tui.screens.models import ModelsScreen
+
+        if isinstance(self.screen, ModelsScreen):
+            return
+        self.push_screen(ModelsScreen(current=self.model if self.engine is not None else None), self.engine_ready)
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Settings", "Sampling, system prompt, GPU budget (F2)", self.action_settings)
+        yield SystemCommand("Models", "List local models and load one (F3)", self.action_models)
+        if self.chat is not None and screen is self.chat:
+            yield SystemCommand("New chat", "Start an empty conversation (ctrl+n)", self.chat.action_new_chat)
+            yield SystemCommand("Conversations", "Open an older conversation (ctrl+o)", self.chat.action_conversations)
+            yield SystemCommand("Toggle stats", "Show or hide the stats panel (ctrl+t)", self.chat.action_toggle_stats)
+
+    async def action_quit(self) -> None:
+        if self.chat is not None:
+            self.chat.stop_generation()
+        for screen in self.screen_stack:
+            for panel in screen.query("LoadPanel"):
+                panel.cancel()
+        self.exit(0)
+
+
+def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None) -> int:
+    """Run the terminal app until the user quits; returns the exit status."""
+    app = MoedeskApp(model=model, device=device, dtype=dtype)
+    app.run()
+    return app.return_code or 0

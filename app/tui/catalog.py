@@ -1,0 +1,195 @@
+"""Models on this computer that moedesk can open: the demo, the user's models folder, the HF cache.
+
+Nothing is loaded here; only small files (config.json, a GGUF header) are read, so listing is
+quick even for huge models. No Textual here.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from app.tui.storage import models_dir, read_json
+
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
+
+
+@dataclass(frozen=True)
+class LocalModel:
+    spec: str  # what Engine.load / --model takes
+    name: str  # what a person reads
+    source: str  # "demo" | "folder" | "gguf" | "hf cache"
+    size_bytes: int | None  # on disk; None when not there yet (the demo before its first use)
+    arch: str = "?"  # config.json model_type or GGUF general.architecture
+    num_experts: int = 0
+    top_k: int = 0
+    supported: bool | None = None  # None: unknown
+    note: str = ""
+
+    @property
+    def experts(self) -> str:
+        if self.arch == "?":
+            return "?"
+        if not self.num_experts:
+            return "dense"
+        return f"{self.num_experts} × top-{self.top_k}" if self.top_k else f"{self.num_experts}"
+
+
+def human_size(n: int | None) -> str:
+    if n is None:
+        return "—"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def folder_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size  # follows HF cache symlinks to blobs
+            except OSError:
+                pass
+    return total
+
+
+def supported_architectures() -> set[str]:
+    try:
+        from engine.architectures import ARCHITECTURES
+        return set(ARCHITECTURES)
+    except Exception:  # the engine is being edited elsewhere; a listing must not fail for it
+        return set()
+
+
+def describe_config(config: dict) -> tuple[str, int, int]:
+    """(model_type, routed experts, experts per token) from a config.json dict."""
+    arch = str(config.get("model_type") or "?")
+    experts = next((config[k] for k in EXPERT_COUNT_KEYS if isinstance(config.get(k), int)), 0)
+    top_k = next((config[k] for k in TOP_K_KEYS if isinstance(config.get(k), int)), 0)
+    return arch, experts, top_k
+
+
+def folder_model(path: Path, source: str, spec: str | None = None, name: str | None = None,
+                 size: int | None = None, known: set[str] | None = None) -> LocalModel:
+    try:
+        config = read_json(path / "config.json")
+        arch, experts, top_k = describe_config(config if isinstance(config, dict) else {})
+        note = "" if any(path.glob("*.safetensors")) else "no .safetensors files"
+    except (OSError, ValueError):
+        arch, experts, top_k, note = "?", 0, 0, "unreadable config.json"
+    known = supported_architectures() if known is None else known
+    return LocalModel(spec or str(path), name or path.name, source, folder_size(path) if size is None else size,
+                      arch, experts, top_k, (arch in known) if known and arch != "?" else None, note)
+
+
+def gguf_model(path: Path) -> LocalModel:
+    arch, experts, top_k, note = "?", 0, 0, ""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch = _gguf_value(reader, "general.architecture") or "?"
+        experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
+        top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
+    except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
+        note = f"unreadable header ({type(e).__name__})"
+    # GGUF architecture names differ from config.json's (Mixtral is "llama" with experts): support is
+    # left unknown here, and loading says what is wrong.
+    size = path.stat().st_size if path.exists() else None
+    return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note)
+
+
+def _gguf_value(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    if hasattr(field, "contents"):
+        return field.contents()
+    part = field.parts[field.data[0]]
+    try:
+        return bytes(part).decode("utf-8")
+    except (TypeError, UnicodeDecodeError):
+        return part[0] if len(part) else None
+
+
+def demo_model() -> LocalModel:
+    try:
+        from engine.demo import cache_root, recipe
+
+        r = recipe()
+        folder = cache_root() / f"{r['name']}-v{r['version']}"
+        built = (folder / "config.json").is_file()
+        return LocalModel("demo", "demo (SmolLM2-135M as an MoE)", "demo", folder_size(folder) if built else None,
+                          "mixtral", int(r.get("num_experts", 0)), int(r.get("num_experts_per_tok", 0)), True,
+                          "" if built else "built on first use")
+    except Exception:
+        return LocalModel("demo", "demo", "demo", None, "mixtral", 0, 0, True, "")
+
+
+def scan_models_dir(folder: Path, known: set[str] | None = None) -> list[LocalModel]:
+    """Model folders (with config.json) and .gguf files in `folder`, up to two levels down (org/name)."""
+    found = []
+    if not folder.is_dir():
+        return found
+    known = supported_architectures() if known is None else known
+
+    def visit(directory: Path, depth: int):
+        try:
+            entries = sorted(directory.iterdir(), key=lambda p: p.name.lower())
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue
+            if entry.is_file() and entry.suffix == ".gguf":
+                found.append(gguf_model(entry))
+            elif entry.is_dir():
+                if (entry / "config.json").is_file():
+                    found.append(folder_model(entry, "folder", name=str(entry.relative_to(folder)), known=known))
+                elif depth < 2:
+                    visit(entry, depth + 1)
+
+    visit(folder, 1)
+    return found
+
+
+def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = None) -> list[LocalModel]:
+    """Model repos in the local Hugging Face cache that hold a config.json (their newest snapshot)."""
+    try:
+        from huggingface_hub import scan_cache_dir
+
+        info = scan_cache_dir(cache_dir)
+    except Exception:  # no cache yet (CacheNotFound) or an unreadable one
+        return []
+    known = supported_architectures() if known is None else known
+    out = []
+    for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
+        if repo.repo_type != "model" or not repo.revisions:
+            continue
+        main = [r for r in repo.revisions if "main" in r.refs]
+        revision = main[0] if main else max(repo.revisions, key=lambda r: r.last_modified)
+        snapshot = Path(revision.snapshot_path)
+        if (snapshot / "config.json").is_file():
+            out.append(folder_model(snapshot, "hf cache", spec=repo.repo_id, name=repo.repo_id,
+                                    size=repo.size_on_disk, known=known))
+        else:
+            for gguf in sorted(snapshot.glob("*.gguf")):
+                m = gguf_model(gguf)
+                out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.name}", "hf cache", m.size_bytes, m.arch,
+                                      m.num_experts, m.top_k, m.supported, m.note))
+    return out
+
+
+def find_models(folder: Path | None = None, hf_cache: bool = True) -> list[LocalModel]:
+    """Everything the models screen lists: the demo first, then the models folder, then the HF cache."""
+    known = supported_architectures()
+    models = [demo_model()]
+    models += scan_models_dir(models_dir() if folder is None else Path(folder), known)
+    if hf_cache:
+        models += scan_hf_cache(known=known)
+    return models

@@ -1,0 +1,1 @@
+"""The app's screens: loading, chat, settings, models, conversations."""

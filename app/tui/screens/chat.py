@@ -1,0 +1,475 @@
+"""The chat: messages, the input box, the stats panel; replies stream from a thread worker.
+
+The engine's `stream` is a blocking generator, so it runs in a thread worker. The worker folds
+the text of tokens that arrive within `STREAM_INTERVAL_S` into one `ReplyDelta` message (posting
+is thread-safe and does not wait for the UI), and the reply widget's MarkdownStream folds any
+backlog once more, so a fast model never makes the UI re-parse Markdown once per token. Every
+message carries its generation's number; messages of a generation that was replaced are dropped.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, Static
+
+from app.tui.storage import Conversation
+from app.tui.widgets.load_panel import one_line, short_model_name
+from app.tui.widgets.messages import AssistantMessage, UserMessage
+from app.tui.widgets.stats import StatsPanel
+
+MAP_REFRESH_S = 0.5
+
+
+class ReplyDelta(Message):
+    def __init__(self, generation: int, text: str, tokens: int):
+        super().__init__()
+        self.generation, self.text, self.tokens = generation, text, tokens
+
+
+class ReplyDone(Message):
+    def __init__(self, generation: int, completion, tail: str):
+        super().__init__()
+        self.generation, self.completion, self.tail = generation, completion, tail
+
+
+class ReplyFailed(Message):
+    def __init__(self, generation: int, error: str):
+        super().__init__()
+        self.generation, self.error = generation, error
+
+
+@dataclass
+class Generation:
+    number: int
+    cancel: threading.Event
+    widget: AssistantMessage
+    prompt_tokens: int
+    started: float
+    tokens: int = 0
+    map_shown_at: float = 0.0
+    fragments: list[str] = field(default_factory=list)
+
+
+def model_summary(engine) -> str:
+    cfg = engine.config
+    experts = f"{cfg.num_experts} experts, {cfg.num_experts_per_tok} per token" if cfg.is_moe else "dense"
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return f"{short_model_name(engine.name)}\n{cfg.arch} · {cfg.num_layers} layers\n{experts}\n" \
+           f"{engine.device.type} · {dtype} · context {engine.context_length:,}"
+
+
+def moe_layer_labels(engine) -> list[str]:
+    cfg = engine.config
+    return [f"L{i}" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+
+
+class ChatScreen(Screen):
+    """One conversation with the loaded model."""
+
+    STREAM_INTERVAL_S = 1 / 30  # the worker posts at most this often (tests set 0: one message per token)
+
+    BINDINGS = [
+        Binding("escape", "stop", "Stop"),
+        Binding("ctrl+r", "regenerate", "Redo"),
+        Binding("ctrl+n", "new_chat", "New"),
+        Binding("ctrl+y", "copy_reply", "Copy"),
+        Binding("ctrl+o", "conversations", "Chats"),
+        Binding("ctrl+t", "toggle_stats", "Stats"),
+        Binding("f4", "maximize_stats", "Stats full screen", show=False),
+        Binding("f2", "app.settings", "Settings"),
+        Binding("f3", "app.models", "Models"),
+    ]
+
+    def __init__(self):
+        super().__init__()
+        self.conversation = Conversation()
+        self.generation: Generation | None = None
+        self._numbers = 0
+        self._when_idle: list = []
+        self.last_fragments: list[str] = []  # what the last reply's stream delivered, for tests
+        self.ready = False  # the saved conversation is on screen
+
+    # ------------------------------------------------------------------ layout
+
+    def compose(self) -> ComposeResult:
+        # Set before the header mounts: a change while it mounts can reach it after a quick exit.
+        self.sub_title = short_model_name(self.engine.name) if self.engine is not None else ""
+        yield Header()
+        with Horizontal(id="chat-body"):
+            with Vertical(id="chat-column"):
+                with VerticalScroll(id="messages"):
+                    yield Static(self._empty_text(), id="empty-hint")
+                yield Static("", id="chat-status", markup=False)
+                yield Input(placeholder="Message the model — Enter sends", id="prompt")
+            yield StatsPanel(id="stats")
+        yield Footer(compact=True)
+
+    def _empty_text(self) -> Group:
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold", justify="right")
+        keys.add_column(style="dim")
+        for key, what in (("Enter", "send"), ("Esc", "stop the reply"), ("ctrl+r", "write the last reply again"),
+                          ("ctrl+n", "new chat"), ("ctrl+o", "older chats"), ("ctrl+y", "copy the last reply"),
+                          ("ctrl+t / F4", "show or hide stats / stats full screen"),
+                          ("F2 / F3", "settings / models")):
+            keys.add_row(key, what)
+        return Group(Text("Ask the model anything.\n", style="bold"), keys)
+
+    @property
+    def engine(self):
+        return self.app.engine
+
+    @property
+    def messages(self) -> VerticalScroll:
+        return self.query_one("#messages", VerticalScroll)
+
+    @property
+    def stats(self) -> StatsPanel:
+        return self.query_one(StatsPanel)
+
+    async def on_mount(self) -> None:
+        self.engine_changed()
+        latest = self.app.store.latest()
+        await self.show_conversation(latest or Conversation())
+        self.query_one("#prompt", Input).focus()
+        self.ready = True
+
+    def engine_changed(self) -> None:
+        """A model was loaded (or released): refresh what depends on it."""
+        engine = self.engine
+        if engine is None:
+            self.stats.set_model("no model loaded\nF3: choose one", 0, None)
+            self.stats.update_map([], [])
+            self.sub_title = ""
+            return
+        self.sub_title = short_model_name(engine.name)
+        self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine))
+        self.refresh_map()
+
+    def refresh_map(self) -> None:
+        if self.engine is None:
+            return
+        try:
+            on_gpu, popularity = self.engine.expert_map()
+        except Exception as e:  # noqa: BLE001 - a map is not worth a crash
+            self.set_status(f"expert map unavailable: {one_line(e)}", error=True)
+            return
+        self.stats.update_map(on_gpu, popularity)
+
+    def set_status(self, text: str, error: bool = False) -> None:
+        status = self.query_one("#chat-status", Static)
+        status.update(text)
+        status.set_class(error, "-error")
+        status.set_class(bool(text), "-shown")
+
+    # ------------------------------------------------------------------ conversations
+
+    async def show_conversation(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+        widgets = []
+        for m in conversation.messages:
+            if m.role == "user":
+                widgets.append(UserMessage(m.content))
+            elif m.role == "assistant":
+                widgets.append(AssistantMessage(m.content, m.meta, title=self._reply_title(m.meta)))
+        messages = self.messages
+        with self.app.batch_update():
+            await messages.query("UserMessage, AssistantMessage").remove()
+            if widgets:
+                await messages.mount_all(widgets)
+        self._update_empty()
+        last = conversation.last("assistant")
+        self.stats.show_reply(last.meta if last else None, self._context_used(last))
+        self.stats.set_speed_history(self._speed_history())
+        self.set_status("")
+        messages.anchor()  # stay on the newest message while replies stream in
+
+    def _reply_title(self, meta: dict) -> str:
+        model = meta.get("model")
+        return short_model_name(model) if model else "assistant"
+
+    def _context_used(self, last) -> int:
+        if last is None:
+            return 0
+        return int(last.meta.get("prompt_tokens") or 0) + int(last.meta.get("tokens") or 0)
+
+    def _speed_history(self) -> list[float]:
+        speeds = []
+        for m in self.conversation.messages:
+            speed = (m.meta.get("stats") or {}).get("decode_tok_s") if m.role == "assistant" else None
+            if isinstance(speed, (int, float)):
+                speeds.append(float(speed))
+        return speeds
+
+    def _update_empty(self) -> None:
+        self.query_one("#empty-hint").display = not self.conversation.messages
+
+    def save(self) -> None:
+        if not self.conversation.messages:
+            return
+        if self.engine is not None and not self.conversation.model:
+            self.conversation.model = self.engine.name
+        try:
+            self.app.store.save(self.conversation)
+            self.app.store.remember(self.conversation.id)
+        except OSError as e:
+            self.set_status(f"could not save the conversation: {one_line(e)}", error=True)
+
+    # ------------------------------------------------------------------ sending and streaming
+
+    @on(Input.Submitted, "#prompt")
+    async def send_from_input(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.generation is not None:
+            self.notify("A reply is still being written: Esc stops it.", severity="warning")
+            return
+        if self.engine is None:
+            self.set_status("No model loaded: press F3 to choose one.", error=True)
+            return
+        event.input.value = ""
+        await self.send(text)
+
+    async def send(self, text: str) -> None:
+        """Add the user's message and start the reply."""
+        self.conversation.add("user", text)
+        self.save()
+        await self._drop_failed_replies()
+        await self.messages.mount(UserMessage(text))
+        self._update_empty()
+        await self.start_reply()
+
+    async def _drop_failed_replies(self) -> None:
+        await self.messages.query("AssistantMessage.-error").remove()
+
+    def _prompt_ids(self, engine) -> tuple[list[int], int]:
+        """Token ids of the conversation through the chat template; the oldest turns are left out
+        when it would not leave room for the reply. Returns (ids, number of messages left out)."""
+        if engine.tokenizer is None:
+            from engine.errors import MoedeskError
+            raise MoedeskError(f"{engine.name}: the model has no tokenizer, so it cannot chat")
+        settings = self.app.settings
+        history = self.conversation.messages
+        system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt.strip() else []
+        limit = engine.context_length - min(settings.max_new_tokens, engine.context_length // 2)
+        start = 0
+        while True:
+            turns = [{"role": m.role, "content": m.content} for m in history[start:]]
+            ids = engine.tokenizer.chat_prompt(system + turns)
+            if len(ids) <= limit:
+                return ids, start
+            later = next((i for i in range(start + 1, len(history)) if history[i].role == "user"), None)
+            if later is None:
+                break
+            start = later
+        if len(ids) >= engine.context_length:
+            from engine.errors import MoedeskError
+            raise MoedeskError(f"the message is {len(ids):,} tokens; the model's context holds "
+                               f"{engine.context_length:,}")
+        return ids, start
+
+    async def start_reply(self) -> None:
+        engine = self.engine
+        if engine is None:
+            self.set_status("No model loaded: press F3 to choose one.", error=True)
+            return
+        try:
+            prompt_ids, left_out = self._prompt_ids(engine)
+        except Exception as e:  # noqa: BLE001 - MoedeskError from the template, or anything else: one line
+            self.set_status(one_line(e), error=True)
+            return
+        settings = self.app.settings
+        try:
+            params = settings.sampling_params(seed=random.randrange(2**31))
+        except ValueError as e:
+            self.set_status(f"settings: {e}", error=True)
+            return
+        widget = AssistantMessage(title=short_model_name(engine.name), streaming=True)
+        self._numbers += 1
+        generation = Generation(self._numbers, threading.Event(), widget, len(prompt_ids), time.monotonic())
+        self.generation = generation
+        self.last_fragments = generation.fragments
+        self.messages.anchor()
+        await self.messages.mount(widget)
+        note = f" · {left_out} oldest messages left out to fit the context" if left_out else ""
+        self.set_status(f"writing… Esc stops{note}")
+        self.stats.show_live(0, 0.0, len(prompt_ids))
+        self.refresh_bindings()
+        self._generate(generation.number, engine, prompt_ids, params, generation.cancel)
+
+    @work(thread=True, group="generate", exit_on_error=False)
+    def _generate(self, number: int, engine, prompt_ids: list[int], params, cancel: threading.Event) -> None:
+        pending: list[str] = []
+        tokens = 0
+        posted_at = 0.0
+        try:
+            for chunk in engine.stream(prompt_ids, params, cancel=cancel):
+                tokens += len(chunk.token_ids)
+                if chunk.text:
+                    pending.append(chunk.text)
+                if chunk.completion is not None:
+                    self.post_message(ReplyDone(number, chunk.completion, "".join(pending)))
+                    return
+                now = time.monotonic()
+                if pending and now - posted_at >= self.STREAM_INTERVAL_S:
+                    self.post_message(ReplyDelta(number, "".join(pending), tokens))
+                    pending.clear()
+                    posted_at = now
+            self.post_message(ReplyFailed(number, "the engine ended the reply without a result"))
+        except BaseException as e:  # noqa: BLE001 - shown as one line; the UI goes on
+            self.post_message(ReplyFailed(number, one_line(e)))
+
+    def _current(self, number: int) -> Generation | None:
+        g = self.generation
+        return g if g is not None and g.number == number else None
+
+    async def on_reply_delta(self, message: ReplyDelta) -> None:
+        g = self._current(message.generation)
+        if g is None:
+            return
+        g.fragments.append(message.text)
+        g.tokens = message.tokens
+        await g.widget.append(message.text)
+        now = time.monotonic()
+        self.stats.show_live(g.tokens, now - g.started, g.prompt_tokens + g.tokens)
+        if now - g.map_shown_at >= MAP_REFRESH_S:
+            g.map_shown_at = now
+            self.refresh_map()
+
+    async def on_reply_done(self, message: ReplyDone) -> None:
+        g = self._current(message.generation)
+        if g is None:
+            return
+        if message.tail:
+            g.fragments.append(message.tail)
+        c = message.completion
+        meta = {"finish_reason": c.finish_reason, "tokens": len(c.token_ids), "prompt_tokens": c.prompt_tokens,
+                "stats": dict(c.stats or {}), "model": self.engine.name if self.engine is not None else ""}
+        if c.finish_reason == "cancelled" and not c.text:
+            await g.widget.remove()  # stopped before the first word: nothing worth keeping
+        else:
+            await g.widget.finish(c.text, meta)
+            self.conversation.add("assistant", c.text, **meta)
+            self.save()
+            self.stats.show_reply(meta, c.prompt_tokens + len(c.token_ids))
+            self.stats.set_speed_history(self._speed_history())
+        self._finished("stopped" if c.finish_reason == "cancelled" else "")
+
+    async def on_reply_failed(self, message: ReplyFailed) -> None:
+        g = self._current(message.generation)
+        if g is None:
+            return
+        await g.widget.finish("", {"error": message.error})
+        self._finished(message.error, error=True)
+
+    def _finished(self, status: str, error: bool = False) -> None:
+        self.generation = None
+        self.refresh_map()
+        self.set_status(status, error=error)
+        self.refresh_bindings()
+        actions, self._when_idle = self._when_idle, []
+        for action in actions:
+            self.call_later(action)
+
+    def stop_generation(self, then=None) -> bool:
+        """Ask the running reply to stop; `then` runs once it has. False when nothing was running."""
+        if self.generation is None:
+            if then is not None:
+                self.call_later(then)
+            return False
+        self.generation.cancel.set()
+        if then is not None:
+            self._when_idle.append(then)
+        return True
+
+    # ------------------------------------------------------------------ actions
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        if action == "stop":
+            return True if self.generation is not None else None  # shown dimmed while idle
+        return True
+
+    def action_stop(self) -> None:
+        if self.stop_generation():
+            self.set_status("stopping…")
+
+    async def action_regenerate(self) -> None:
+        if self.generation is not None:
+            self.stop_generation(then=self.action_regenerate)
+            return
+        history = self.conversation.messages
+        if history and history[-1].role == "assistant":
+            history.pop()
+            replies = self.messages.query(AssistantMessage)
+            if replies:
+                await replies.last().remove()
+        await self._drop_failed_replies()
+        if not history or history[-1].role != "user":
+            self.notify("Nothing to regenerate yet.", severity="warning")
+            return
+        self.save()
+        await self.start_reply()
+
+    async def action_new_chat(self) -> None:
+        if self.generation is not None:
+            self.stop_generation(then=self.action_new_chat)
+            return
+        self.app.store.remember(None)
+        await self.show_conversation(Conversation())
+        self.query_one("#prompt", Input).focus()
+
+    def action_copy_reply(self) -> None:
+        last = self.conversation.last("assistant")
+        if last is None or not last.content:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.app.copy_to_clipboard(last.content)
+        self.notify(f"Copied the last reply ({len(last.content):,} characters).")
+
+    def action_toggle_stats(self) -> None:
+        if self.maximized is not None:
+            self.minimize()
+        self.stats.toggle_class("-hidden")
+
+    def action_maximize_stats(self) -> None:
+        if self.maximized is self.stats:
+            self.minimize()
+        else:
+            self.stats.remove_class("-hidden")
+            self.maximize(self.stats, container=False)
+
+    def action_conversations(self) -> None:
+        from app.tui.screens.conversations import ConversationsScreen
+
+        self.app.push_screen(ConversationsScreen(self.app.store, self.conversation.id), self._open_chosen)
+
+    async def _open_chosen(self, conversation_id: str | None) -> None:
+        if conversation_id is not None:
+            await self.open_conversation(conversation_id)
+        elif self.conversation.messages and not self.app.store.path(self.conversation.id).exists():
+            await self.action_new_chat()  # the open chat was deleted in the picker
+
+    async def open_conversation(self, conversation_id: str) -> None:
+        if self.generation is not None:
+            self.stop_generation(then=lambda: self.open_conversation(conversation_id))
+            return
+        try:
+            conversation = self.app.store.load(conversation_id)
+        except (OSError, ValueError) as e:
+            self.set_status(f"cannot open that conversation: {one_line(e)}", error=True)
+            return
+        self.app.store.remember(conversation.id)
+        await self.show_conversation(conversation)

@@ -1,0 +1,143 @@
+"""Local models: the demo, the user's models folder, the Hugging Face cache. Enter loads one.
+
+Listing runs in a thread worker (sizes need a walk over files); loading goes through a
+`LoadPanel`. Dismisses with the new engine, or None when left without loading.
+"""
+from __future__ import annotations
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Header, Input, Static
+
+from app.tui.catalog import LocalModel, find_models, human_size
+from app.tui.storage import models_dir
+from app.tui.widgets.load_panel import LoadPanel, one_line
+
+
+def preflight(model: str) -> None:
+    """Refuse quickly (MoedeskError, one line) what Engine.load would refuse after the old model is gone:
+    a missing file, an unreadable checkpoint, an unsupported architecture. Reads headers only."""
+    if model == "demo":
+        return  # built on first use; nothing to check cheaply
+    from engine.checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(model)
+    try:
+        from engine.architectures import parse_config
+    except ImportError:
+        return
+    parse_config(checkpoint.config, checkpoint.path)
+
+
+class ModelsFound(Message):
+    def __init__(self, models: list[LocalModel] | None, error: str = ""):
+        super().__init__()
+        self.models, self.error = models, error
+
+
+class ModelsScreen(Screen):
+    BINDINGS = [
+        Binding("escape", "back", "Back"),
+        Binding("f5,ctrl+r", "rescan", "Rescan"),
+        Binding("ctrl+l", "focus_path", "Path…"),
+    ]
+
+    def __init__(self, current: str | None = None):
+        super().__init__()
+        self.current = current
+        self.models: list[LocalModel] = []
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Vertical(id="models-body"):
+            yield Input(placeholder="a model folder, a .gguf file or a cached repo id — Enter loads it",
+                        id="model-path")
+            yield DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="models-status", markup=False)
+            yield LoadPanel(id="models-load")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "models"
+        table = self.query_one(DataTable)
+        table.add_column("", key="mark", width=1)
+        table.add_column("model", key="name")
+        table.add_column("from", key="source")
+        table.add_column("architecture", key="arch")
+        table.add_column("experts", key="experts")
+        table.add_column("size", key="size")
+        table.add_column("note", key="note")
+        table.focus()
+        self.query_one("#models-status", Static).update(f"looking in {models_dir()} and the Hugging Face cache…")
+        self.scan()
+
+    @work(thread=True, exclusive=True, group="scan", exit_on_error=False)
+    def scan(self) -> None:
+        try:
+            self.post_message(ModelsFound(find_models()))
+        except Exception as e:  # noqa: BLE001
+            self.post_message(ModelsFound(None, one_line(e)))
+
+    def on_models_found(self, message: ModelsFound) -> None:
+        status = self.query_one("#models-status", Static)
+        if message.models is None:
+            status.update(f"could not list models: {message.error}")
+            return
+        self.models = message.models
+        table = self.query_one(DataTable)
+        table.clear()
+        for n, m in enumerate(self.models):
+            note = m.note or ("architecture not supported" if m.supported is False else "")
+            table.add_row("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts,
+                          human_size(m.size_bytes), note, key=str(n))
+        count = f"{len(self.models)} model{'s' if len(self.models) != 1 else ''}"
+        status.update(f"{count} · put model folders or .gguf files in {models_dir()}")
+
+    # -------------------------------------------------------------- loading
+
+    @on(DataTable.RowSelected)
+    def row_chosen(self, event: DataTable.RowSelected) -> None:
+        index = int(event.row_key.value)
+        model = self.models[index]
+        if model.supported is False:
+            self._fail(f"{model.name}: architecture {model.arch!r} is not supported")
+            return
+        self.load(model.spec)
+
+    @on(Input.Submitted, "#model-path")
+    def path_entered(self, event: Input.Submitted) -> None:
+        if event.value.strip():
+            self.load(event.value.strip())
+
+    def _fail(self, error: str) -> None:
+        panel = self.query_one(LoadPanel)
+        panel.add_class("-failed")
+        panel.query_one(".load-error", Static).update(error)
+
+    def load(self, spec: str) -> None:
+        panel = self.query_one(LoadPanel)
+        if panel.busy:
+            self.notify("A model is loading already.", severity="warning")
+            return
+        # Big models do not fit twice: the loaded one goes once the new one has passed a quick check.
+        panel.start(spec, preflight=preflight, before_load=self.app.release_engine)
+
+    def on_load_panel_loaded(self, message: LoadPanel.Loaded) -> None:
+        self.dismiss(message.engine)
+
+    def action_back(self) -> None:
+        panel = self.query_one(LoadPanel)
+        if panel.busy:
+            panel.cancel()
+            return
+        self.dismiss(None)
+
+    def action_rescan(self) -> None:
+        self.scan()
+
+    def action_focus_path(self) -> None:
+        self.query_one("#model-path", Input).focus()

@@ -1,0 +1,154 @@
+"""The settings form, built from `app.tui.settings.FIELDS`: one row per field, checked as you type.
+
+Dismisses with the saved `Settings`, or None when cancelled.
+"""
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widget import Widget
+from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
+
+from app.tui.settings import FIELDS, FIELDS_BY_NAME, SettingField, Settings, save_settings, settings_path
+
+
+def editor_for(field: SettingField, value) -> Widget:
+    """The widget that edits one field; its id is `setting-<name>`."""
+    wid = f"setting-{field.name}"
+    kind = field.kind
+    if kind == "bool":
+        return Switch(value=bool(value), id=wid)
+    if kind == "choice":
+        return Select([(str(c), c) for c in field.choices], value=value, allow_blank=field.optional, id=wid,
+                      compact=True)
+    if kind == "text":
+        return TextArea(field.format(value), id=wid, soft_wrap=True, classes="setting-text", compact=True)
+    placeholder = "blank: automatic" if field.optional else field.format(field.default)
+    restrict = {"int": r"[0-9]*", "float": r"[0-9.eE+\-]*"}.get(kind)
+    return Input(field.format(value), placeholder=placeholder, id=wid, restrict=restrict, compact=True)
+
+
+class SettingsScreen(Screen[Settings | None]):
+    BINDINGS = [
+        Binding("ctrl+s", "save", "Save"),
+        Binding("escape", "cancel", "Cancel"),
+        Binding("ctrl+d", "defaults", "Defaults"),
+    ]
+
+    def __init__(self, settings: Settings, path=None):
+        super().__init__()
+        self.initial = settings
+        self.path = path
+        self.errors: dict[str, str] = {}
+
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with VerticalScroll(id="settings-form"):
+            for field in FIELDS:
+                with Horizontal(classes="setting-row", id=f"row-{field.name}"):
+                    yield Label(field.label, classes="setting-label")
+                    with Vertical(classes="setting-body"):
+                        yield editor_for(field, getattr(self.initial, field.name))
+                        yield Static(field.help, classes="setting-help", markup=False)
+                        yield Static("", classes="setting-error", id=f"error-{field.name}", markup=False)
+        with Horizontal(id="settings-buttons"):
+            yield Static(f"saved in {self.path or settings_path()}", classes="setting-help", markup=False)
+            yield Button("Save", variant="primary", id="save", compact=True)
+            yield Button("Cancel", id="cancel", compact=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "settings"
+        first = self.query_one(f"#setting-{FIELDS[0].name}")
+        first.focus()
+
+    # -------------------------------------------------------------- reading the form
+
+    def raw_value(self, field: SettingField):
+        widget = self.query_one(f"#setting-{field.name}")
+        if isinstance(widget, Switch):
+            return widget.value
+        if isinstance(widget, Select):
+            return None if widget.is_blank() else widget.value
+        if isinstance(widget, TextArea):
+            return widget.text
+        return widget.value
+
+    def check(self, field: SettingField):
+        """Parse one field, show or clear its error; returns (ok, value)."""
+        raw = self.raw_value(field)
+        try:
+            value = field.parse(raw) if isinstance(raw, str) else field.coerce(raw)
+            self.errors.pop(field.name, None)
+            ok = True
+        except ValueError as e:
+            self.errors[field.name] = str(e)
+            value, ok = None, False
+        error = self.query_one(f"#error-{field.name}", Static)
+        error.update(self.errors.get(field.name, ""))
+        error.display = not ok
+        self.query_one(f"#row-{field.name}").set_class(not ok, "-invalid")
+        return ok, value
+
+    def collect(self) -> Settings | None:
+        values = {}
+        for field in FIELDS:
+            ok, value = self.check(field)
+            if ok:
+                values[field.name] = value
+        if self.errors:
+            return None
+        return Settings(**values)
+
+    @on(Input.Changed)
+    @on(TextArea.Changed)
+    @on(Switch.Changed)
+    @on(Select.Changed)
+    def field_changed(self, event) -> None:
+        widget = getattr(event, "input", None) or getattr(event, "text_area", None) \
+            or getattr(event, "switch", None) or getattr(event, "select", None) or event.control
+        name = (widget.id or "").removeprefix("setting-")
+        if name in FIELDS_BY_NAME:
+            self.check(FIELDS_BY_NAME[name])
+
+    # -------------------------------------------------------------- actions
+
+    def action_save(self) -> None:
+        settings = self.collect()
+        if settings is None:
+            name = next(iter(self.errors))
+            self.notify(f"{FIELDS_BY_NAME[name].label}: {self.errors[name]}", severity="error")
+            self.query_one(f"#setting-{name}").focus()
+            return
+        try:
+            save_settings(settings, self.path)
+        except OSError as e:
+            self.notify(f"could not save settings: {e}", severity="error")
+            return
+        self.dismiss(settings)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def action_defaults(self) -> None:
+        defaults = Settings()
+        for field in FIELDS:
+            widget = self.query_one(f"#setting-{field.name}")
+            value = getattr(defaults, field.name)
+            if isinstance(widget, (Switch, Select)):
+                widget.value = value
+            elif isinstance(widget, TextArea):
+                widget.text = field.format(value)
+            else:
+                widget.value = field.format(value)
+
+    @on(Button.Pressed, "#save")
+    def _save_pressed(self) -> None:
+        self.action_save()
+
+    @on(Button.Pressed, "#cancel")
+    def _cancel_pressed(self) -> None:
+        self.action_cancel()

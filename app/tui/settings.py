@@ -1,0 +1,239 @@
+"""User settings: one plain dataclass whose fields describe themselves. No Textual here.
+
+Every setting is one line in `Settings`: its type comes from the annotation (``X | None`` means
+blank is allowed), and `setting(...)` gives its default, label, help, allowed choices and check.
+The settings screen, the JSON file and (later) `moedesk batch` all read `FIELDS`, so a new
+feature adds one field and nothing else::
+
+    speculative: str = setting("off", "Speculative decoding", "...", choices=("off", "greedy", "beam"))
+
+The file is ``<config dir>/settings.json`` (see `app.tui.storage.config_dir`), written atomically.
+Unknown keys in it are kept on save, so an older moedesk does not erase a newer one's settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from app.tui.storage import atomic_write_json, config_dir, read_json
+
+SETTINGS_FILE = "settings.json"
+
+Check = Callable[[Any], "str | None"]  # returns an error message, or None when the value is fine
+
+
+def between(low: float, high: float, *, low_open: bool = False) -> Check:
+    def check(value):
+        if value < low or (low_open and value == low) or value > high:
+            return f"must be {'>' if low_open else '≥'} {low:g} and ≤ {high:g}"
+        return None
+    return check
+
+
+def setting(default, label: str, help: str = "", *, choices: tuple = (), multiline: bool = False,
+            check: Check | None = None):
+    """A dataclass field that carries what the settings screen and the loader need."""
+    meta = {"label": label, "help": help, "choices": tuple(choices), "multiline": multiline, "check": check}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclass
+class Settings:
+    system_prompt: str = setting(
+        "You are a helpful assistant.", "System prompt",
+        "Sent first in every conversation, through the model's chat template. Blank: none.", multiline=True)
+    temperature: float = setting(
+        0.7, "Temperature", "0 always picks the most likely token (greedy, repeatable); higher is more varied.",
+        check=between(0, 5))
+    top_p: float = setting(
+        0.95, "Top-p", "Sample only from the most likely tokens that together hold this much probability.",
+        check=between(0, 1, low_open=True))
+    top_k: int = setting(
+        0, "Top-k", "Sample only from this many most likely tokens; 0 = no limit.", check=between(0, 1_000_000))
+    max_new_tokens: int = setting(
+        1024, "Max new tokens", "Longest reply, in tokens.", check=between(1, 1_000_000))
+    seed: int | None = setting(
+        None, "Seed", "Random seed for sampling. Blank: a new seed for every reply.", check=between(0, 2**63 - 1))
+    gpu_budget_gib: float | None = setting(
+        None, "GPU budget (GiB)", "GPU memory moedesk may use for experts. Blank: decide automatically. "
+                                  "Takes effect when a model is loaded.", check=between(0, 100_000))
+
+    def sampling_params(self, seed: int | None = None, **overrides):
+        """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
+        from engine.requests import SamplingParams
+
+        chosen = self.seed if self.seed is not None else (seed or 0)
+        return SamplingParams(**{"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                                 "top_p": self.top_p, "top_k": self.top_k, "seed": chosen, **overrides})
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in FIELDS}
+
+    def problems(self) -> dict[str, str]:
+        """Field name -> what is wrong with its value; empty when every value is acceptable."""
+        out = {}
+        for f in FIELDS:
+            try:
+                f.coerce(getattr(self, f.name))
+            except ValueError as e:
+                out[f.name] = str(e)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict, problems: list[str] | None = None) -> "Settings":
+        """Settings from a JSON object; a missing or invalid value falls back to its default (noted in problems)."""
+        values = {}
+        for f in FIELDS:
+            if f.name not in data:
+                continue
+            try:
+                values[f.name] = f.coerce(data[f.name])
+            except ValueError as e:
+                if problems is not None:
+                    problems.append(f"{f.name}: {e}; using {f.format(f.default) or 'blank'}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class SettingField:
+    """One setting as the settings screen sees it."""
+
+    name: str
+    label: str
+    help: str
+    type: type  # bool, int, float or str
+    optional: bool  # blank (None) allowed
+    default: Any
+    choices: tuple = ()
+    multiline: bool = False
+    check: Check | None = None
+
+    @property
+    def kind(self) -> str:
+        """How to edit it: 'bool', 'choice', 'text' (several lines), 'str', 'int' or 'float'."""
+        if self.type is bool:
+            return "bool"
+        if self.choices:
+            return "choice"
+        if self.type is str:
+            return "text" if self.multiline else "str"
+        return self.type.__name__
+
+    def parse(self, raw: str) -> Any:
+        """The value a person typed; ValueError with a short message when it is not acceptable."""
+        if self.type is str:
+            return self.coerce(raw)
+        raw = raw.strip()
+        if raw == "":
+            if self.optional:
+                return None
+            raise ValueError("required")
+        if self.type is bool:
+            lowered = raw.lower()
+            if lowered not in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+                raise ValueError("must be yes or no")
+            return self.coerce(lowered in ("true", "yes", "on", "1"))
+        try:
+            value = self.type(raw)
+        except ValueError:
+            raise ValueError("must be a whole number" if self.type is int else "must be a number") from None
+        return self.coerce(value)
+
+    def coerce(self, value: Any) -> Any:
+        """A value read from JSON (or parsed), converted and checked; ValueError when it is not acceptable."""
+        if value is None:
+            if self.optional:
+                return None
+            raise ValueError("required")
+        if self.type is bool:
+            if not isinstance(value, bool):
+                raise ValueError("must be true or false")
+        elif self.type is int:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise ValueError("must be a whole number")
+            value = int(value)
+        elif self.type is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError("must be a number")
+            value = float(value)
+        elif self.type is str:
+            if not isinstance(value, str):
+                raise ValueError("must be text")
+        if self.choices and value not in self.choices:
+            raise ValueError(f"must be one of {', '.join(map(str, self.choices))}")
+        if self.check is not None:
+            problem = self.check(value)
+            if problem:
+                raise ValueError(problem)
+        return value
+
+    def format(self, value: Any) -> str:
+        """The text an input box shows for a value."""
+        if value is None:
+            return ""
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:g}" if abs(value) < 1e15 else repr(value)
+        return str(value)
+
+
+def _fields() -> tuple[SettingField, ...]:
+    hints = typing.get_type_hints(Settings)
+    out = []
+    for f in dataclasses.fields(Settings):
+        hint = hints[f.name]
+        args = typing.get_args(hint)
+        optional = (typing.get_origin(hint) in (typing.Union, types.UnionType)) and type(None) in args
+        base = next(a for a in args if a is not type(None)) if optional else hint
+        if base not in (bool, int, float, str):
+            raise TypeError(f"Settings.{f.name}: unsupported type {hint}")
+        meta = f.metadata
+        out.append(SettingField(f.name, meta.get("label", f.name), meta.get("help", ""), base, optional, f.default,
+                                meta.get("choices", ()), meta.get("multiline", False), meta.get("check")))
+    return tuple(out)
+
+
+FIELDS: tuple[SettingField, ...] = _fields()
+FIELDS_BY_NAME: dict[str, SettingField] = {f.name: f for f in FIELDS}
+
+
+def settings_path() -> Path:
+    return config_dir() / SETTINGS_FILE
+
+
+def load_settings(path: Path | None = None, problems: list[str] | None = None) -> Settings:
+    """The saved settings; defaults when there is no file. A bad file or value is noted in `problems`, not raised."""
+    path = Path(path) if path is not None else settings_path()
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        return Settings()
+    except (OSError, ValueError) as e:
+        if problems is not None:
+            problems.append(f"{path}: unreadable ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+                            f"using defaults")
+        return Settings()
+    if not isinstance(data, dict):
+        if problems is not None:
+            problems.append(f"{path}: expected a JSON object; using defaults")
+        return Settings()
+    return Settings.from_dict(data, problems)
+
+
+def save_settings(settings: Settings, path: Path | None = None) -> Path:
+    """Write the settings atomically, keeping keys this version does not know."""
+    path = Path(path) if path is not None else settings_path()
+    try:
+        existing = read_json(path)
+    except (OSError, ValueError):
+        existing = {}
+    data = dict(existing) if isinstance(existing, dict) else {}
+    data.update(settings.to_dict())
+    atomic_write_json(path, data)
+    return path

@@ -1,0 +1,222 @@
+"""Where the app keeps its files, atomic JSON writes, and saved conversations. No Textual here.
+
+Folders (each overridable by an environment variable, which the tests use):
+
+- data: ``platformdirs.user_data_dir("moedesk")`` or ``MOEDESK_DATA_DIR``; conversations live in
+  ``<data>/conversations/<id>.json``;
+- config: ``platformdirs.user_config_dir("moedesk")`` or ``MOEDESK_CONFIG_DIR``;
+- models: ``<data>/models`` or ``MOEDESK_MODELS_DIR``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import platformdirs
+
+
+def data_dir() -> Path:
+    return Path(os.environ.get("MOEDESK_DATA_DIR") or platformdirs.user_data_dir("moedesk"))
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("MOEDESK_CONFIG_DIR") or platformdirs.user_config_dir("moedesk"))
+
+
+def models_dir() -> Path:
+    return Path(os.environ.get("MOEDESK_MODELS_DIR") or data_dir() / "models")
+
+
+def atomic_write_json(path: Path, value) -> None:
+    """Write `value` as JSON so that `path` holds either the old or the new content, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(value, f, ensure_ascii=False, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def read_json(path: Path):
+    """The JSON value in `path`; OSError or ValueError (json.JSONDecodeError) when it cannot be read."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
+
+
+# --------------------------------------------------------------------------- conversations
+
+TITLE_LENGTH = 60
+
+
+@dataclass
+class Message:
+    """One turn. `meta` holds what the engine reported for a reply: finish_reason, tokens, stats, model."""
+
+    role: str  # "user" | "assistant"
+    content: str
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        out = {"role": self.role, "content": self.content}
+        if self.meta:
+            out["meta"] = self.meta
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Message":
+        if not isinstance(d, dict) or d.get("role") not in ("user", "assistant", "system") \
+                or not isinstance(d.get("content"), str):
+            raise ValueError(f"not a message: {str(d)[:80]}")
+        meta = d.get("meta")
+        return cls(d["role"], d["content"], meta if isinstance(meta, dict) else {})
+
+
+@dataclass
+class Conversation:
+    id: str = field(default_factory=lambda: new_conversation_id())
+    title: str = ""
+    created: str = field(default_factory=now_iso)
+    updated: str = ""
+    model: str = ""
+    messages: list[Message] = field(default_factory=list)
+
+    def add(self, role: str, content: str, **meta) -> Message:
+        message = Message(role, content, dict(meta))
+        self.messages.append(message)
+        if not self.title and role == "user":
+            self.title = make_title(content)
+        return message
+
+    def last(self, role: str) -> Message | None:
+        return next((m for m in reversed(self.messages) if m.role == role), None)
+
+    def chat_messages(self, system_prompt: str = "") -> list[dict]:
+        """What the model's chat template gets: the system prompt (if any) and every turn, role and content only."""
+        out = [{"role": "system", "content": system_prompt}] if system_prompt.strip() else []
+        out += [{"role": m.role, "content": m.content} for m in self.messages]
+        return out
+
+    def to_dict(self) -> dict:
+        return {"version": 1, "id": self.id, "title": self.title, "created": self.created,
+                "updated": self.updated, "model": self.model, "messages": [m.to_dict() for m in self.messages]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Conversation":
+        if not isinstance(d, dict) or not isinstance(d.get("id"), str) or not isinstance(d.get("messages"), list):
+            raise ValueError("not a conversation")
+        return cls(id=d["id"], title=str(d.get("title") or ""), created=str(d.get("created") or ""),
+                   updated=str(d.get("updated") or ""), model=str(d.get("model") or ""),
+                   messages=[Message.from_dict(m) for m in d["messages"]])
+
+
+def new_conversation_id() -> str:
+    # Sorts by creation time; the random tail keeps two chats started in the same second apart.
+    return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def make_title(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1] + "…"
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    id: str
+    title: str
+    updated: str
+    model: str
+    turns: int
+
+
+class ConversationStore:
+    """Conversations as one JSON file each in a folder; unreadable files are skipped, never deleted.
+
+    `state.json` beside the folder remembers which conversation was open last, so a restart
+    returns to it even when an older one was reopened.
+    """
+
+    def __init__(self, folder: Path | None = None):
+        self.folder = Path(folder) if folder is not None else data_dir() / "conversations"
+        self.state_path = self.folder.parent / "state.json"
+
+    def remember(self, conversation_id: str | None) -> None:
+        """Note the conversation on screen now (None: a new, still empty chat)."""
+        try:
+            atomic_write_json(self.state_path, {"last_conversation": conversation_id})
+        except OSError:
+            pass  # losing the pointer only costs the choice of chat on the next start
+
+    def path(self, conversation_id: str) -> Path:
+        if not conversation_id or "/" in conversation_id or "\\" in conversation_id or conversation_id.startswith("."):
+            raise ValueError(f"bad conversation id {conversation_id!r}")
+        return self.folder / f"{conversation_id}.json"
+
+    def save(self, conversation: Conversation) -> None:
+        conversation.updated = now_iso()
+        atomic_write_json(self.path(conversation.id), conversation.to_dict())
+
+    def load(self, conversation_id: str) -> Conversation:
+        return Conversation.from_dict(read_json(self.path(conversation_id)))
+
+    def delete(self, conversation_id: str) -> None:
+        try:
+            self.path(conversation_id).unlink()
+        except FileNotFoundError:
+            pass
+
+    def list(self) -> list[ConversationInfo]:
+        """Every readable conversation, most recently updated first."""
+        infos = []
+        if not self.folder.is_dir():
+            return infos
+        for file in self.folder.glob("*.json"):
+            try:
+                c = Conversation.from_dict(read_json(file))
+            except (OSError, ValueError):
+                continue
+            if c.id != file.stem:
+                continue
+            infos.append(ConversationInfo(c.id, c.title or "(untitled)", c.updated or c.created, c.model,
+                                          sum(m.role == "user" for m in c.messages)))
+        infos.sort(key=lambda i: (i.updated, i.id), reverse=True)
+        return infos
+
+    def latest(self) -> Conversation | None:
+        """The conversation open when the app last ran, else the most recently updated one."""
+        try:
+            state = read_json(self.state_path)
+        except (OSError, ValueError):
+            state = {}
+        if isinstance(state, dict) and "last_conversation" in state:
+            remembered = state["last_conversation"]
+            if remembered is None:
+                return None  # the app was left on a new, empty chat
+            try:
+                return self.load(str(remembered))
+            except (OSError, ValueError):
+                pass
+        for info in self.list():
+            try:
+                return self.load(info.id)
+            except (OSError, ValueError):
+                continue
+        return None

@@ -1,0 +1,1 @@
+"""Widgets the screens share: chat messages, the stats panel and its expert heat map, the load panel."""

@@ -1,0 +1,158 @@
+"""Layer × expert heat map: how often each expert was picked, and whether it lives on the GPU or in RAM.
+
+Each cell is one expert (or a bin of neighbouring experts when a row would not fit). Popularity
+is a five-step colour ramp relative to the most-picked expert of the whole model; placement is a
+colour family (blue on the GPU, orange in RAM: apart for colour-blind eyes too) and a glyph
+(GPU cells carry a ◆, RAM cells are plain), so either cue alone tells them apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rich.text import Text
+from textual.geometry import Size
+from textual.widget import Widget
+
+GPU_RAMP = ("#173f73", "#1f5fa8", "#2f86d8", "#62b4f5", "#b9e3ff")
+RAM_RAMP = ("#5e2c0c", "#8f4511", "#c86614", "#f4942c", "#ffd27a")
+UNUSED_STYLE = "#5c5c5c"
+GPU_MARK, UNUSED_GLYPH = "◆", "·"
+LABEL_WIDTH = 4  # "L12 "
+MAX_CELL_WIDTH = 4
+
+
+@dataclass(frozen=True)
+class Cell:
+    experts: range  # which experts this cell stands for
+    count: int  # selections summed over them
+    on_gpu: bool  # most of them are on the GPU
+    level: int  # 0 never picked, 1..5 popularity
+
+
+@dataclass(frozen=True)
+class HeatMapLayout:
+    rows: list[list[Cell]]
+    labels: list[str]
+    cell_width: int  # characters per cell: 1 to MAX_CELL_WIDTH
+    bin_size: int  # experts per cell
+    max_count: int
+
+
+def level_of(count: int, max_count: int) -> int:
+    if count <= 0 or max_count <= 0:
+        return 0
+    return min(5, 1 + int(5 * count / max_count - 1e-9))
+
+
+def layout(on_gpu: list[list[bool]], popularity: list[list[int]], width: int,
+           labels: list[str] | None = None) -> HeatMapLayout:
+    """Cells for a map `width` characters wide: up to MAX_CELL_WIDTH characters per expert, at least 1;
+    when even 1 does not fit, neighbouring experts share a cell."""
+    num_experts = max((len(row) for row in popularity), default=0)
+    room = max(1, width - LABEL_WIDTH)
+    if 2 * num_experts <= room:
+        cell_width, bin_size = min(MAX_CELL_WIDTH, room // max(1, num_experts)), 1
+    elif num_experts <= room:
+        cell_width, bin_size = 1, 1
+    else:
+        cell_width, bin_size = 1, math.ceil(num_experts / room)
+    binned = []
+    for gpu_row, pop_row in zip(on_gpu, popularity):
+        cells = []
+        for start in range(0, len(pop_row), bin_size):
+            experts = range(start, min(start + bin_size, len(pop_row)))
+            gpu = sum(bool(gpu_row[e]) for e in experts if e < len(gpu_row))
+            cells.append((experts, sum(int(pop_row[e]) for e in experts), 2 * gpu >= len(experts) and gpu > 0))
+        binned.append(cells)
+    max_count = max((count for row in binned for _, count, _ in row), default=0)
+    rows = [[Cell(experts, count, gpu, level_of(count, max_count)) for experts, count, gpu in row] for row in binned]
+    labels = labels if labels is not None else [f"L{i}" for i in range(len(rows))]
+    return HeatMapLayout(rows, labels, cell_width, bin_size, max_count)
+
+
+def cell_text(cell: Cell, width: int) -> Text:
+    """A cell: its background is the heat; GPU cells also carry a mark."""
+    if cell.level == 0:
+        return Text(UNUSED_GLYPH * width, style=UNUSED_STYLE)
+    ramp = GPU_RAMP if cell.on_gpu else RAM_RAMP
+    ink = "#000000" if cell.level >= 4 else "#ffffff"
+    glyphs = (GPU_MARK + " " * (width - 1)) if cell.on_gpu else " " * width
+    return Text(glyphs, style=f"{ink} on {ramp[cell.level - 1]}")
+
+
+def render_lines(hm: HeatMapLayout, legend: bool = True) -> list[Text]:
+    """The map as lines of styled text: an expert-number header, one line per layer, then the legend."""
+    lines = []
+    if hm.rows:
+        cells = len(hm.rows[0])
+        header = Text(" " * LABEL_WIDTH, style="dim")
+        step = {1: 8, 2: 4}.get(hm.cell_width, 2)  # column numbers every few cells, never overlapping
+        col = 0
+        while col < cells:
+            tag = str(col * hm.bin_size)
+            span = step * hm.cell_width
+            header.append(tag.ljust(span)[:span], style="dim")
+            col += step
+        lines.append(header)
+    for label, row in zip(hm.labels, hm.rows):
+        line = Text(label[: LABEL_WIDTH - 1].rjust(LABEL_WIDTH - 1) + " ", style="dim")
+        for cell in row:
+            line.append_text(cell_text(cell, hm.cell_width))
+        lines.append(line)
+    if legend:
+        lines.extend(legend_lines(hm))
+    return lines
+
+
+def legend_lines(hm: HeatMapLayout) -> list[Text]:
+    gpu = Text()
+    gpu.append_text(cell_text(Cell(range(1), 1, True, 4), 2)).append(" on GPU  ")
+    gpu.append_text(cell_text(Cell(range(1), 1, False, 4), 2)).append(" in RAM  ")
+    gpu.append(UNUSED_GLYPH * 2, style=UNUSED_STYLE).append(" unused")
+    ramp = Text("picked ")
+    for level in range(1, 6):
+        ramp.append(" ", style=f"on {GPU_RAMP[level - 1]}")
+    ramp.append(" ")
+    for level in range(1, 6):
+        ramp.append(" ", style=f"on {RAM_RAMP[level - 1]}")
+    ramp.append(f" few → {hm.max_count:,}")
+    lines = [gpu, ramp]
+    if hm.bin_size > 1:
+        lines.append(Text(f"one cell = {hm.bin_size} experts", style="dim"))
+    return lines
+
+
+class ExpertHeatMap(Widget):
+    """The heat map for one model. Call `update_map` with Engine.expert_map()'s two lists."""
+
+    DEFAULT_CSS = """
+    ExpertHeatMap { height: auto; width: 1fr; }
+    """
+
+    def __init__(self, *, name: str | None = None, id: str | None = None, classes: str | None = None):
+        super().__init__(name=name, id=id, classes=classes)
+        self.on_gpu: list[list[bool]] = []
+        self.popularity: list[list[int]] = []
+        self.labels: list[str] | None = None
+
+    def update_map(self, on_gpu: list[list[bool]], popularity: list[list[int]],
+                   labels: list[str] | None = None) -> None:
+        changed = (on_gpu, popularity, labels) != (self.on_gpu, self.popularity, self.labels)
+        self.on_gpu, self.popularity, self.labels = on_gpu, popularity, labels
+        if changed:
+            self.refresh(layout=True)
+
+    def current_layout(self, width: int | None = None) -> HeatMapLayout:
+        return layout(self.on_gpu, self.popularity, self.content_size.width if width is None else width, self.labels)
+
+    def _lines(self, width: int) -> list[Text]:
+        if not self.popularity:
+            return [Text("dense model: no experts to map", style="dim")]
+        return render_lines(self.current_layout(width))
+
+    def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
+        return len(self._lines(width))
+
+    def render(self) -> Text:
+        return Text("\n").join(self._lines(self.content_size.width))

@@ -1,0 +1,122 @@
+"""The stats panel beside the chat: the last reply's numbers, speed per reply, context use, the expert map.
+
+The panel only shows what it is given (no engine, no clock), so a test can give it fixed numbers.
+"""
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Label, Sparkline, Static
+
+from app.tui.widgets.heatmap import ExpertHeatMap
+
+BAR_WIDTH = 20
+
+
+def fmt(value, unit: str = "", digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:,.{digits}f}{unit}"
+    return f"{value:,}{unit}"
+
+
+def context_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
+    frac = 0.0 if total <= 0 else min(1.0, used / total)
+    filled = round(frac * width)
+    style = "green" if frac < 0.7 else ("yellow" if frac < 0.9 else "red")
+    bar = Text("▰" * filled, style=style)
+    bar.append("▱" * (width - filled), style="dim")
+    bar.append(f" {frac:.0%}")
+    return bar
+
+
+class StatsPanel(VerticalScroll):
+    """Numbers of the last reply, a sparkline of decode speed per reply, context use, and the heat map."""
+
+    ALLOW_MAXIMIZE = True
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None):
+        super().__init__(id=id, classes=classes)
+        self.border_title = "stats"
+        self.reply: dict = {}
+        self.live: tuple[int, float] | None = None  # tokens so far, seconds so far
+        self.context_length = 0
+        self.context_used = 0
+        self.number_rows: list[tuple[str, str]] = []  # what the numbers table shows, as text
+
+    def compose(self) -> ComposeResult:
+        yield Static("no model", id="stats-model", markup=False)
+        yield Static(id="stats-numbers")
+        with Vertical(id="stats-speed-box"):
+            yield Label("decode speed per reply", classes="stats-heading")
+            yield Sparkline([], id="stats-speed")
+        yield Static(id="stats-context")
+        yield Label("experts picked · layer × expert", classes="stats-heading")
+        yield ExpertHeatMap(id="heatmap")
+
+    def on_mount(self) -> None:
+        self._show_numbers()
+        self._show_context()
+
+    @property
+    def heatmap(self) -> ExpertHeatMap:
+        return self.query_one(ExpertHeatMap)
+
+    def set_model(self, summary: str, context_length: int, layer_labels: list[str] | None) -> None:
+        self.query_one("#stats-model", Static).update(summary)
+        self.context_length = context_length
+        self.heatmap.labels = layer_labels
+        self._show_context()
+
+    def show_reply(self, meta: dict | None, context_used: int | None = None) -> None:
+        """The finished reply's numbers (its saved meta); None clears them."""
+        self.reply = dict(meta or {})
+        self.live = None
+        if context_used is not None:
+            self.context_used = context_used
+        self._show_numbers()
+        self._show_context()
+
+    def show_live(self, tokens: int, seconds: float, context_used: int | None = None) -> None:
+        self.live = (tokens, seconds)
+        if context_used is not None:
+            self.context_used = context_used
+        self._show_numbers()
+        self._show_context()
+
+    def set_speed_history(self, speeds: list[float]) -> None:
+        sparkline = self.query_one(Sparkline)
+        sparkline.data = list(speeds) if speeds else []
+        self.query_one("#stats-speed-box").set_class(len(speeds) < 2, "-empty")
+
+    def update_map(self, on_gpu, popularity) -> None:
+        self.heatmap.update_map(on_gpu, popularity, self.heatmap.labels)
+
+    def _show_numbers(self) -> None:
+        if self.live is not None:
+            tokens, seconds = self.live
+            rows = [("generating", f"{fmt(tokens)} tokens"),
+                    ("speed", fmt(tokens / seconds if seconds > 0 else None, " tok/s"))]
+        else:
+            stats = self.reply.get("stats") or {}
+            rows = [("speed", fmt(stats.get("decode_tok_s"), " tok/s")),
+                    ("first token", fmt(stats.get("ttft_s"), " s", 2)),
+                    ("tokens", fmt(self.reply.get("tokens"))),
+                    ("prompt", fmt(self.reply.get("prompt_tokens"))),
+                    ("total time", fmt(stats.get("total_s"), " s", 2))]
+        self.number_rows = rows
+        table = Table.grid(padding=(0, 1))
+        table.add_column(style="dim", no_wrap=True)
+        table.add_column(justify="right", no_wrap=True)
+        for n, (label, value) in enumerate(rows):
+            table.add_row(label, Text(value, style="bold" if n < 1 else ""))
+        self.query_one("#stats-numbers", Static).update(table)
+
+    def _show_context(self) -> None:
+        text = Text("context ", style="dim")
+        text.append_text(context_bar(self.context_used, self.context_length))
+        text.append(f"\n{self.context_used:,} of {self.context_length:,} tokens", style="dim")
+        self.query_one("#stats-context", Static).update(text)

@@ -1,0 +1,46 @@
+"""Helpers for driving the app in tests."""
+from __future__ import annotations
+
+import time
+
+
+def greedy_settings(**changes):
+    from app.tui.settings import Settings
+
+    values = dict(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=24, system_prompt="Be brief.")
+    values.update(changes)
+    return Settings(**values)
+
+
+async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "condition"):
+    """Let the app run until condition() holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+    await pilot.pause()  # let what the change queued run (Textual queues header title updates on the app)
+
+
+async def wait_idle(pilot, app, timeout: float = 20.0):
+    """Until the chat has no reply running, then one more pause so the UI settles."""
+    await wait_for(pilot, lambda: app.chat is not None and app.chat.generation is None, timeout, "the reply")
+    await pilot.pause()
+
+
+def slow_down(engine, seconds_per_token: float = 0.01):
+    """Make the real engine's stream pause after each token, so a test can act while a reply is running."""
+    real_stream = engine.stream
+
+    def stream(*args, **kwargs):
+        for chunk in real_stream(*args, **kwargs):
+            time.sleep(seconds_per_token)
+            yield chunk
+
+    engine.stream = stream
+    return engine
+
+
+def chat_ready(app) -> bool:
+    """The chat screen is the one showing and has put the saved conversation on screen."""
+    return app.chat is not None and app.screen is app.chat and app.chat.ready

@@ -1,0 +1,111 @@
+"""Settings: the dataclass, its JSON file, and the screen built from its fields."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.tui import MoedeskApp
+from app.tui.settings import FIELDS, FIELDS_BY_NAME, Settings, load_settings, save_settings, settings_path
+from tests.tui.helpers import chat_ready, wait_for
+
+
+def test_fields_describe_themselves():
+    names = [f.name for f in FIELDS]
+    assert names[:1] == ["system_prompt"]
+    assert {"temperature", "top_p", "max_new_tokens", "gpu_budget_gib"} <= set(names)
+    assert FIELDS_BY_NAME["gpu_budget_gib"].optional and FIELDS_BY_NAME["gpu_budget_gib"].kind == "float"
+    assert FIELDS_BY_NAME["max_new_tokens"].kind == "int" and not FIELDS_BY_NAME["max_new_tokens"].optional
+    assert FIELDS_BY_NAME["system_prompt"].kind == "text"
+    assert all(f.label and f.help for f in FIELDS)
+    assert Settings().problems() == {}
+
+
+def test_parse_and_validate():
+    t = FIELDS_BY_NAME["temperature"]
+    assert t.parse(" 0.25 ") == 0.25
+    for bad, message in (("abc", "number"), ("-1", "≥ 0"), ("", "required"), ("nan", "number")):
+        with pytest.raises(ValueError, match=message):
+            t.parse(bad)
+    with pytest.raises(ValueError, match="> 0"):
+        FIELDS_BY_NAME["top_p"].parse("0")
+    with pytest.raises(ValueError, match="whole number"):
+        FIELDS_BY_NAME["max_new_tokens"].parse("1.5")
+    assert FIELDS_BY_NAME["gpu_budget_gib"].parse("") is None
+    assert FIELDS_BY_NAME["gpu_budget_gib"].parse("12") == 12.0
+    assert FIELDS_BY_NAME["seed"].parse("7") == 7
+    assert Settings(temperature=9.0).problems() == {"temperature": "must be ≥ 0 and ≤ 5"}
+
+
+def test_save_load_round_trip_keeps_unknown_keys_and_leaves_no_temp_files(tui_dirs):
+    path = settings_path()
+    assert path.parent == tui_dirs["config"]
+    assert load_settings() == Settings()  # no file yet: defaults
+    path.write_text(json.dumps({"from_a_newer_moedesk": [1, 2]}))
+    chosen = Settings(temperature=0.0, top_p=0.5, max_new_tokens=64, system_prompt="Be terse.", gpu_budget_gib=6.5)
+    save_settings(chosen)
+    assert load_settings() == chosen
+    data = json.loads(path.read_text())
+    assert data["from_a_newer_moedesk"] == [1, 2] and data["gpu_budget_gib"] == 6.5
+    assert sorted(p.name for p in path.parent.iterdir()) == ["settings.json"]
+
+
+def test_bad_file_or_values_fall_back_to_defaults_with_a_note(tui_dirs):
+    path = settings_path()
+    path.write_text("{not json")
+    problems = []
+    assert load_settings(problems=problems) == Settings()
+    assert len(problems) == 1 and "unreadable" in problems[0]
+    path.write_text(json.dumps({"temperature": "hot", "top_p": 2, "max_new_tokens": 100, "top_k": True}))
+    problems = []
+    loaded = load_settings(problems=problems)
+    assert loaded.max_new_tokens == 100 and loaded.temperature == Settings().temperature
+    assert loaded.top_p == Settings().top_p and loaded.top_k == 0
+    assert len(problems) == 3 and all("using" in p for p in problems)
+
+
+def test_sampling_params():
+    s = Settings(temperature=0.0, top_p=0.9, top_k=5, max_new_tokens=12)
+    p = s.sampling_params(seed=42)
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens, p.seed) == (0.0, 0.9, 5, 12, 42)
+    assert Settings(seed=3).sampling_params(seed=42).seed == 3
+
+
+@pytest.mark.anyio
+async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
+    app = MoedeskApp(engine, settings=Settings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        screen = app.screen
+        # one row per field
+        assert len(screen.query(".setting-row")) == len(FIELDS)
+
+        screen.query_one("#setting-temperature").value = "9"
+        await pilot.pause()
+        assert "≤ 5" in str(screen.query_one("#error-temperature").render())
+        assert screen.query_one("#row-temperature").has_class("-invalid")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is screen and not settings_path().exists()  # refused to save
+
+        screen.query_one("#setting-temperature").value = "0.3"
+        screen.query_one("#setting-max_new_tokens").value = "77"
+        screen.query_one("#setting-gpu_budget_gib").value = ""
+        screen.query_one("#setting-system_prompt").text = "You are terse."
+        await pilot.pause()
+        assert not screen.query_one("#row-temperature").has_class("-invalid")
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
+        assert app.settings.temperature == 0.3 and app.settings.max_new_tokens == 77
+        assert app.settings.system_prompt == "You are terse." and app.settings.gpu_budget_gib is None
+        assert load_settings() == app.settings
+
+        # Esc leaves without saving.
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        app.screen.query_one("#setting-max_new_tokens").value = "5"
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
+        assert app.settings.max_new_tokens == 77 and load_settings().max_new_tokens == 77

@@ -1,0 +1,75 @@
+"""The stats panel and its layer × expert heat map."""
+from __future__ import annotations
+
+import pytest
+
+from app.tui import MoedeskApp
+from app.tui.widgets.heatmap import GPU_MARK, LABEL_WIDTH, ExpertHeatMap, layout, level_of, render_lines
+from app.tui.widgets.stats import StatsPanel
+from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
+
+
+def test_layout_one_cell_per_expert_then_bins():
+    on_gpu = [[e < 2 for e in range(8)] for _ in range(3)]
+    popularity = [[e * (layer + 1) for e in range(8)] for layer in range(3)]
+    wide = layout(on_gpu, popularity, width=40)
+    assert len(wide.rows) == 3 and all(len(row) == 8 for row in wide.rows)
+    assert wide.cell_width == 4 and wide.bin_size == 1 and wide.max_count == 21
+    assert layout(on_gpu, popularity, width=LABEL_WIDTH + 16).cell_width == 2
+    assert [c.on_gpu for c in wide.rows[0]] == [True, True] + [False] * 6
+    assert wide.rows[0][0].level == 0 and wide.rows[2][7].level == 5  # never picked / the most picked
+
+    narrow = layout(on_gpu, popularity, width=LABEL_WIDTH + 8)
+    assert narrow.cell_width == 1 and all(len(row) == 8 for row in narrow.rows)
+
+    binned = layout(on_gpu, popularity, width=LABEL_WIDTH + 3)
+    assert binned.bin_size == 3 and all(len(row) == 3 for row in binned.rows)
+    assert sum(c.count for c in binned.rows[1]) == sum(popularity[1])
+
+
+def test_render_lines_marks_gpu_cells_and_has_a_legend():
+    on_gpu = [[True, False], [False, True]]
+    popularity = [[4, 1], [0, 2]]
+    hm = layout(on_gpu, popularity, width=LABEL_WIDTH + 4, labels=["L0", "L3"])
+    lines = render_lines(hm)
+    assert len(lines) == 1 + 2 + 2  # header, two layers, two legend lines
+    assert lines[1].plain.startswith(" L0 ") and lines[2].plain.startswith(" L3 ")
+    assert lines[1].plain[LABEL_WIDTH:] == GPU_MARK + "   "  # GPU cell marked, RAM cell plain
+    assert lines[2].plain[LABEL_WIDTH:] == "··" + GPU_MARK + " "  # unused expert as dots
+    assert "on GPU" in lines[3].plain and "in RAM" in lines[3].plain and "4" in lines[4].plain
+    assert [level_of(c, 10) for c in (0, 1, 2, 5, 10)] == [0, 1, 1, 3, 5]
+
+
+@pytest.mark.anyio
+async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        heatmap = app.screen.query_one(ExpertHeatMap)
+        cfg = engine.config
+        hm = heatmap.current_layout()
+        assert len(hm.rows) == cfg.num_layers and all(len(r) == cfg.num_experts for r in hm.rows)
+        assert hm.max_count == 0  # nothing generated yet
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")
+        await wait_idle(pilot, app)
+        hm = heatmap.current_layout()
+        on_gpu, popularity = engine.expert_map()
+        assert [[c.count for c in row] for row in hm.rows] == popularity
+        assert hm.max_count > 0 and not any(c.on_gpu for row in hm.rows for c in row)  # CPU only here
+        rendered = heatmap.render().plain.splitlines()
+        assert len(rendered) == 1 + cfg.num_layers + 2
+        assert [line.split()[0] for line in rendered[1:1 + cfg.num_layers]] == ["L0", "L1", "L2"]
+
+        panel = app.screen.query_one(StatsPanel)
+        reply = app.chat.conversation.messages[-1]
+        assert panel.reply["tokens"] == reply.meta["tokens"] > 0
+        numbers = dict(panel.number_rows)
+        assert numbers["speed"].endswith(" tok/s") and numbers["tokens"] == str(reply.meta["tokens"])
+        assert panel.context_used == reply.meta["prompt_tokens"] + reply.meta["tokens"]
+
+        await pilot.press("ctrl+t")
+        assert not panel.display or panel.has_class("-hidden")
+        await pilot.press("ctrl+t")
+        await pilot.press("f4")
+        assert app.screen.maximized is panel
