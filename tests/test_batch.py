@@ -132,5 +132,5 @@ def test_all_good_exits_0_and_reports_stats(model, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert run(model, src, out) == 0
     err = capsys.readouterr().err
-    assert "2 ok, 0 failed" in err and "max_new_tokens=6" in err
+    assert "2 ok, 0 failed" in err
     assert all(r["finish_reason"] in ("stop", "length") and "ttft_s" in r["stats"] for r in read_jsonl(out))

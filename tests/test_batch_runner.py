@@ -1,0 +1,476 @@
+"""`app.batch.run_batch` against the batch file contract (DESIGN.md), with a fake engine.
+
+The fake engine is a test double for the file contract only: it "generates" the prompt's ids
+reversed, finishes short sequences first (so completions come back out of input order), and
+honours max_new_tokens, context_length, lazy pulling and batch_size like the real one must.
+Real-model tests live in tests/test_batch.py.
+"""
+import argparse
+import io
+import json
+
+import pytest
+
+from app.batch import BatchSettings, BatchUsageError, add_batch_arguments, check_batch_paths, run_batch, \
+    settings_from_args
+from engine.errors import MoedeskError
+from engine.requests import Completion
+
+BOS = 1
+
+
+class FakeTokenizer:
+    """One token per character (ord % 90 + 10), BOS first; chat adds role markers."""
+
+    def __init__(self, chat_template=True):
+        self.chat_template = chat_template
+
+    def encode(self, text):
+        return [BOS] + [ord(c) % 90 + 10 for c in text]
+
+    def chat_prompt(self, messages):
+        if not self.chat_template:
+            raise MoedeskError("fake/tokenizer_config.json: the model has no chat template")
+        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class FakeEngine:
+    """Echoes each prompt's ids reversed; one token per sequence per step, up to batch_size at once.
+
+    `die_after=k` raises KeyboardInterrupt once k completions were yielded, as a Ctrl-C would.
+    """
+
+    description = "fake-moe (test double) on cpu float32"
+
+    def __init__(self, tokenizer=FakeTokenizer(), context_length=64, vocab_size=100, die_after=None):
+        self.tokenizer, self.context_length, self.vocab_size = tokenizer, context_length, vocab_size
+        self.die_after = die_after
+        self.requests = []  # every Request pulled, in pull order
+        self.finish_order = []  # tags in the order their completions were yielded
+        self.max_active = 0
+
+    def generate(self, requests, batch_size=8):
+        source = iter(requests)
+        active, exhausted, yielded = [], False, 0
+        while active or not exhausted:
+            while not exhausted and len(active) < batch_size:  # pull lazily, only to fill free slots
+                request = next(source, None)
+                if request is None:
+                    exhausted = True
+                else:
+                    self.requests.append(request)
+                    active.append([request, []])
+            self.max_active = max(self.max_active, len(active))
+            for seq in active:  # one decode step
+                request, out = seq
+                out.append(request.prompt_ids[-1 - len(out) % len(request.prompt_ids)])
+            for seq in list(active):
+                completion = self._finished(*seq)
+                if completion is not None:
+                    active.remove(seq)
+                    if self.die_after is not None and yielded == self.die_after:
+                        raise KeyboardInterrupt
+                    self.finish_order.append(completion.tag)
+                    yielded += 1
+                    yield completion
+
+    def _finished(self, request, out):
+        prompt = request.prompt_ids
+        if len(out) == len(prompt) and not request.params.ignore_eos:  # the whole prompt echoed: "eos"
+            reason = "stop"
+        elif len(out) >= request.params.max_new_tokens or len(prompt) + len(out) >= self.context_length:
+            reason = "length"
+        else:
+            return None
+        text = self.tokenizer.decode(out) if self.tokenizer else ""
+        return Completion(request.tag, list(out), text, reason, len(prompt), {"steps": len(out), "fake": True})
+
+
+def write_jsonl(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def read_jsonl(path):
+    text = path.read_text()
+    assert text == "" or text.endswith("\n"), "output must be whole lines"
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def batch(tmp_path, lines, engine=None, settings=None, out="out.jsonl", **kwargs):
+    """Run a batch over `lines`; returns (exit code, output records, engine, stderr text)."""
+    src = write_jsonl(tmp_path / "in.jsonl", lines) if lines is not None else tmp_path / "in.jsonl"
+    engine = engine or FakeEngine()
+    stderr = io.StringIO()
+    kwargs.setdefault("progress", False)
+    code = run_batch(src, tmp_path / out, engine, settings or BatchSettings(temperature=0), stderr=stderr, **kwargs)
+    return code, read_jsonl(tmp_path / out), engine, stderr.getvalue()
+
+
+def error_of(records, record_id):
+    [record] = [r for r in records if r.get("id") == record_id]
+    return record["error"]
+
+
+# --- happy path -------------------------------------------------------------------------------
+
+def test_all_three_input_kinds(tmp_path):
+    code, records, engine, err = batch(tmp_path, [
+        {"id": "raw", "prompt": "abc"},
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "ids", "prompt_ids": [5, 6, 7]},
+    ])
+    assert code == 0
+    assert [r["id"] for r in records] == ["raw", "chat", "ids"]
+    tok = FakeTokenizer()
+    prompts = [tok.encode("abc"), tok.chat_prompt([{"role": "user", "content": "hi"}]), [5, 6, 7]]
+    for record, prompt in zip(records, prompts):
+        assert set(record) == {"id", "text", "token_ids", "finish_reason", "usage", "stats"}
+        expected = list(reversed(prompt))[:256]
+        assert record["token_ids"] == expected
+        assert record["text"] == tok.decode(expected)
+        assert record["finish_reason"] == "stop"
+        assert record["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(expected)}
+        assert record["stats"] == {"steps": len(expected), "fake": True}  # passed through untouched
+    assert [r.prompt_ids for r in engine.requests] == prompts
+    [summary] = err.splitlines()
+    assert summary.startswith("3 ok, 0 failed, 0 skipped, ") and summary.endswith(" tok/s")
+
+
+def test_output_is_in_input_order_when_completions_finish_out_of_order(tmp_path):
+    lengths = [30, 3, 12, 1, 7, 20, 2, 5, 9, 4]
+    lines = [{"id": f"s{i}", "prompt_ids": list(range(10, 10 + n))} for i, n in enumerate(lengths)]
+    code, records, engine, _ = batch(tmp_path, lines, settings=BatchSettings(temperature=0, batch_size=4))
+    assert code == 0
+    assert engine.finish_order != sorted(engine.finish_order)  # the fake really did finish out of order
+    assert [r["id"] for r in records] == [f"s{i}" for i in range(len(lengths))]
+    assert [len(r["token_ids"]) for r in records] == lengths
+    assert engine.max_active == 4
+
+
+def test_input_is_fed_lazily_and_each_line_written_at_once(tmp_path):
+    """The engine pulls lines as slots free up; results reach the file before the input is used up."""
+    out = tmp_path / "out.jsonl"
+    seen_on_disk = []
+
+    class Watching(FakeEngine):
+        def generate(self, requests, batch_size=8):
+            for completion in super().generate(requests, batch_size):
+                seen_on_disk.append((len(self.requests), len(out.read_text().splitlines()) if out.exists() else 0))
+                yield completion
+
+    lines = [{"id": f"l{i}", "prompt_ids": [20, 21]} for i in range(50)]
+    code, records, _, _ = batch(tmp_path, lines, engine=Watching(), settings=BatchSettings(temperature=0, batch_size=2))
+    assert code == 0 and len(records) == 50
+    # When the 10th completion comes back, the engine has pulled only a few lines beyond it, and
+    # the 9 earlier results are already in the file (flushed line by line).
+    pulled, on_disk = seen_on_disk[9]
+    assert pulled <= 12
+    assert on_disk == 9
+
+
+def test_blank_lines_and_a_byte_order_mark_are_ignored(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt_ids": [3]}\n\n   \n{"id": "b", "prompt_ids": [4]}')  # no final \n
+    code, records, _, _ = batch(tmp_path, None)
+    assert code == 0 and [r["id"] for r in records] == ["a", "b"]
+
+
+# --- per-line parameters ----------------------------------------------------------------------
+
+def test_per_line_overrides_reach_the_sampling_params(tmp_path):
+    settings = BatchSettings(max_new_tokens=50, temperature=0.7, top_p=0.9, top_k=40, seed=3, ignore_eos=True)
+    code, records, engine, _ = batch(tmp_path, [
+        {"id": "default", "prompt_ids": [11]},
+        {"id": "custom", "prompt_ids": [12], "max_new_tokens": 4, "temperature": 0, "top_p": 0.5, "seed": 99},
+        {"id": "float", "prompt_ids": [13], "temperature": 1.5, "top_p": 1},
+    ], settings=settings)
+    assert code == 0
+    params = {r.prompt_ids[0]: r.params for r in engine.requests}
+    assert (params[11].max_new_tokens, params[11].temperature, params[11].top_p, params[11].seed) == (50, 0.7, 0.9, 3)
+    assert (params[12].max_new_tokens, params[12].temperature, params[12].top_p, params[12].seed) == (4, 0, 0.5, 99)
+    assert (params[13].temperature, params[13].top_p) == (1.5, 1)
+    assert all(p.top_k == 40 and p.ignore_eos for p in params.values())  # not per line: always the settings'
+    # With ignore_eos the fake runs to max_new_tokens.
+    assert [len(r["token_ids"]) for r in records] == [50, 4, 50]
+    assert [r["finish_reason"] for r in records] == ["length"] * 3
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"temperature": "hot"}, "temperature must be a finite number"),
+    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": float("nan")}, "temperature must be a finite number"),
+    ({"top_p": 0}, "top_p must be in (0, 1]"),
+    ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer"),
+    ({"max_new_tokens": True}, "max_new_tokens must be an integer"),
+    ({"seed": -1}, "seed must be in [0, 2**64)"),
+    ({"seed": 2**64}, "seed must be in [0, 2**64)"),
+    ({"seed": "7"}, "seed must be an integer"),
+])
+def test_bad_per_line_parameters_are_error_lines(tmp_path, override, words):
+    code, records, engine, _ = batch(tmp_path, [{"id": "x", "prompt_ids": [5], **override},
+                                                {"id": "ok", "prompt_ids": [6]}])
+    assert code == 1
+    assert [r["id"] for r in records] == ["x", "ok"]
+    assert error_of(records, "x").startswith("line 1: ")
+    assert words in error_of(records, "x")
+    assert "text" in records[1]
+    assert [r.prompt_ids for r in engine.requests] == [[6]]
+
+
+# --- bad lines --------------------------------------------------------------------------------
+
+def test_bad_lines_become_error_lines_and_the_run_goes_on(tmp_path):
+    lines = [
+        {"id": "good1", "prompt": "hello"},
+        '{"id": "broken", "prompt": ',
+        '[1, 2, 3]',
+        {"prompt": "no id"},
+        {"id": 7, "prompt": "numeric id"},
+        {"id": "empty", "prompt": ""},
+        {"id": "empty_ids", "prompt_ids": []},
+        {"id": "none"},
+        {"id": "two", "prompt": "x", "prompt_ids": [3]},
+        {"id": "long", "prompt": "y" * 70},
+        {"id": "range", "prompt_ids": [1, 2, 100]},
+        {"id": "negative", "prompt_ids": [-1]},
+        {"id": "not_ints", "prompt_ids": [1, "2"]},
+        {"id": "bad_messages", "messages": [{"role": "user"}]},
+        {"id": "good1", "prompt": "duplicate"},
+        {"id": "good2", "prompt_ids": [9, 8]},
+    ]
+    code, records, engine, _ = batch(tmp_path, lines)
+    assert code == 1
+    assert [r["id"] for r in records] == ["good1", None, None, None, None, "empty", "empty_ids", "none", "two", "long",
+                                          "range", "negative", "not_ints", "bad_messages", "good1", "good2"]
+    errors = [r.get("error") for r in records]
+    assert errors[0] is None and errors[-1] is None
+    for number, error in enumerate(errors[1:-1], start=2):
+        assert error.startswith(f"line {number}: ") and "\n" not in error
+        assert set(records[number - 1]) == {"id", "error"}
+    assert "malformed JSON" in errors[1]
+    assert "expected a JSON object, got an array" in errors[2]
+    assert "missing or non-string id" in errors[3]
+    assert "missing or non-string id (got 7)" in errors[4]
+    assert errors[5] == "line 6: empty prompt"
+    assert errors[6] == "line 7: empty prompt_ids"
+    assert "exactly one of prompt, messages, prompt_ids" in errors[7]
+    assert "exactly one of prompt, messages, prompt_ids (found prompt and prompt_ids)" in errors[8]
+    assert errors[9] == "line 10: prompt has 71 tokens; the model's context is 64"
+    assert "100 is outside the vocabulary [0, 100)" in errors[10]
+    assert "-1 is outside the vocabulary" in errors[11]
+    assert "prompt_ids must be a list of integers" in errors[12]
+    assert "messages must be a list" in errors[13]
+    assert errors[14] == 'line 15: duplicate id "good1" (first on line 1)'
+    tok = FakeTokenizer()
+    assert [r.prompt_ids for r in engine.requests] == [tok.encode("hello"), [9, 8]]  # only the good lines
+
+
+def test_prompt_at_the_context_limit(tmp_path):
+    code, records, _, _ = batch(tmp_path, [
+        {"id": "fits", "prompt_ids": [5] * 63, "max_new_tokens": 10},  # one token of room
+        {"id": "full", "prompt_ids": [5] * 64},
+    ], settings=BatchSettings(temperature=0, ignore_eos=True))
+    assert code == 1
+    assert records[0]["finish_reason"] == "length" and len(records[0]["token_ids"]) == 1
+    assert records[1]["error"] == "line 2: prompt has 64 tokens; the model's context is 64"
+
+
+def test_text_prompts_need_a_tokenizer(tmp_path):
+    code, records, _, _ = batch(tmp_path, [
+        {"id": "text", "prompt": "hi"},
+        {"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "ids", "prompt_ids": [4, 5]},
+    ], engine=FakeEngine(tokenizer=None))
+    assert code == 1
+    assert "no tokenizer; give prompt_ids instead of prompt" in records[0]["error"]
+    assert "no tokenizer; give prompt_ids instead of messages" in records[1]["error"]
+    assert records[2]["token_ids"] == [5, 4] and records[2]["text"] == ""
+
+
+def test_a_model_without_a_chat_template(tmp_path):
+    code, records, _, _ = batch(tmp_path, [{"id": "chat", "messages": [{"role": "user", "content": "hi"}]},
+                                           {"id": "raw", "prompt": "hi"}],
+                                engine=FakeEngine(tokenizer=FakeTokenizer(chat_template=False)))
+    assert code == 1
+    assert records[0]["error"] == "line 1: fake/tokenizer_config.json: the model has no chat template"
+    assert "text" in records[1]
+
+
+def test_invalid_utf8_and_lone_surrogates(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"id": "latin1", "prompt": "caf\xe9"}\n{"id": "sur\\ud800", "prompt_ids": [3]}\n')
+    code, records, _, _ = batch(tmp_path, None)
+    assert code == 1
+    assert records[0] == {"id": None, "error": "line 1: not valid UTF-8 (byte 32)"}
+    assert records[1]["id"] == "sur\ud800" and records[1]["token_ids"] == [3]  # written, escaped, still JSON
+
+
+# --- exit codes and usage errors --------------------------------------------------------------
+
+def test_exit_codes(tmp_path):
+    assert batch(tmp_path, [{"id": "a", "prompt_ids": [3]}], out="ok.jsonl")[0] == 0
+    assert batch(tmp_path, [{"id": "a", "prompt_ids": [3]}, {"id": "b"}], out="bad.jsonl")[0] == 1
+    assert batch(tmp_path, [], out="empty.jsonl")[0] == 0
+
+
+def test_usage_errors(tmp_path):
+    engine = FakeEngine()
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_ids": [3]}])
+    with pytest.raises(BatchUsageError, match="no such input file"):
+        run_batch(tmp_path / "missing.jsonl", tmp_path / "out.jsonl", engine, BatchSettings())
+    with pytest.raises(BatchUsageError, match="output folder .* does not exist"):
+        run_batch(src, tmp_path / "nodir" / "out.jsonl", engine, BatchSettings())
+    with pytest.raises(BatchUsageError, match="is a folder"):
+        run_batch(tmp_path, tmp_path / "out.jsonl", engine, BatchSettings())
+    with pytest.raises(BatchUsageError, match="must not be the input file"):
+        run_batch(src, src, engine, BatchSettings())
+    assert issubclass(BatchUsageError, MoedeskError)  # the CLI turns it into exit 2
+    assert not (tmp_path / "out.jsonl").exists() and engine.requests == []
+    check_batch_paths(src, tmp_path / "out.jsonl")  # fine, and creates nothing
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_command_line_flags():
+    parser = argparse.ArgumentParser()
+    add_batch_arguments(parser)
+    args = parser.parse_args(["in.jsonl", "-o", "out.jsonl", "--max-new-tokens", "12", "--temperature", "0",
+                              "--top-p", "0.8", "--top-k", "5", "--seed", "4", "--ignore-eos", "--batch-size", "3"])
+    assert (args.input, args.output) == ("in.jsonl", "out.jsonl")
+    assert settings_from_args(args) == BatchSettings(max_new_tokens=12, temperature=0, top_p=0.8, top_k=5, seed=4,
+                                                     ignore_eos=True, batch_size=3)
+    assert settings_from_args(parser.parse_args(["in.jsonl", "-o", "o"])) == BatchSettings()
+    for flag, value in [("--batch-size", "0"), ("--top-p", "2"), ("--top-k", "-1"), ("--max-new-tokens", "0"),
+                        ("--temperature", "-1"), ("--seed", "-3"), ("--temperature", "nan")]:
+        with pytest.raises(BatchUsageError, match=f"^{flag}: "):
+            settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", flag, value]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["in.jsonl"])  # -o is required
+
+
+# --- kill and resume --------------------------------------------------------------------------
+
+RESUME_LINES = [{"id": f"q{i}", "prompt_ids": list(range(10, 10 + (i * 7) % 11 + 1))} for i in range(12)]
+RESUME_LINES[4] = "{not json"
+RESUME_LINES[8] = {"id": "q8", "prompt": ""}
+RESUME_LINES.insert(10, {"id": "q3", "prompt_ids": [5]})  # duplicate id: an error line keyed by its line number
+
+
+def reference_output(tmp_path):
+    code, records, _, _ = batch(tmp_path, RESUME_LINES, out="reference.jsonl")
+    assert code == 1
+    return records
+
+
+@pytest.mark.parametrize("die_after", range(10))
+def test_killed_run_resumes_without_duplicates_or_losses(tmp_path, die_after):
+    expected = reference_output(tmp_path)
+    settings = BatchSettings(temperature=0, batch_size=3)
+    with pytest.raises(KeyboardInterrupt):
+        batch(tmp_path, RESUME_LINES, engine=FakeEngine(die_after=die_after), settings=settings)
+    partial = read_jsonl(tmp_path / "out.jsonl")
+    assert partial == expected[:len(partial)]  # a prefix, in order, every line whole
+    assert len(partial) < len(expected)
+
+    code, resumed, engine, err = batch(tmp_path, RESUME_LINES, settings=settings)
+    assert code == 1
+    assert resumed == expected
+    ids = [r["id"] for r in resumed if "error" not in r]
+    assert len(ids) == len(set(ids))
+    assert f"{len(partial)} skipped" in err
+    # Only what was missing is asked of the engine again.
+    assert len(engine.requests) == len([r for r in expected[len(partial):] if "error" not in r])
+
+    code, again, engine, err = batch(tmp_path, RESUME_LINES, settings=settings)  # nothing left to do
+    assert code == 1 and again == expected and engine.requests == []
+    assert err.startswith(f"0 ok, 0 failed, {len(expected)} skipped")
+
+
+def test_partial_last_line_is_cut_off_and_redone(tmp_path):
+    expected = reference_output(tmp_path)
+    out = tmp_path / "out.jsonl"
+    text = (tmp_path / "reference.jsonl").read_text().splitlines(keepends=True)
+    out.write_text("".join(text[:5]) + text[5][:17])  # a crash in the middle of writing line 6
+    code, resumed, engine, _ = batch(tmp_path, RESUME_LINES)
+    assert code == 1
+    assert resumed == expected
+    assert out.read_text().count("\n") == len(expected)
+
+
+def test_resume_after_a_clean_run_with_only_good_lines_exits_0(tmp_path):
+    lines = [{"id": f"g{i}", "prompt_ids": [i + 3]} for i in range(5)]
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        batch(tmp_path, lines, engine=FakeEngine(die_after=2))
+    with open(out, "ab") as f:
+        f.write(b'{"id": "g2", "te')
+    code, records, _, err = batch(tmp_path, lines)
+    assert code == 0 and [r["id"] for r in records] == [f"g{i}" for i in range(5)]
+    assert err.startswith("3 ok, 0 failed, 2 skipped")
+
+
+def test_rerun_exit_code_remembers_earlier_failures(tmp_path):
+    lines = [{"id": "a", "prompt_ids": [3]}, {"id": "b", "prompt": ""}]
+    assert batch(tmp_path, lines)[0] == 1
+    code, records, engine, err = batch(tmp_path, lines)
+    assert code == 1 and len(records) == 2 and engine.requests == []
+    assert "1 of the skipped lines had failed before" in err
+
+    # Also when the earlier failure is a line without a usable id (recognised by its line number).
+    lines = [{"id": "a", "prompt_ids": [3]}, "{not json"]
+    assert batch(tmp_path, lines, out="null.jsonl")[0] == 1
+    code, records, engine, err = batch(tmp_path, lines, out="null.jsonl")
+    assert code == 1 and len(records) == 2 and engine.requests == []
+    assert err.startswith("0 ok, 0 failed, 2 skipped")
+
+
+def test_engine_error_mid_run_leaves_valid_output(tmp_path):
+    class Broken(FakeEngine):
+        def generate(self, requests, batch_size=8):
+            for n, completion in enumerate(super().generate(requests, batch_size)):
+                if n == 2:
+                    raise RuntimeError("CUDA out of memory")
+                yield completion
+
+    lines = [{"id": f"e{i}", "prompt_ids": [3] * (i + 1)} for i in range(6)]
+    with pytest.raises(RuntimeError, match="out of memory"):
+        batch(tmp_path, lines, engine=Broken(), settings=BatchSettings(temperature=0, batch_size=2))
+    code, records, _, _ = batch(tmp_path, lines)
+    assert code == 0 and [r["id"] for r in records] == [f"e{i}" for i in range(6)]
+
+
+# --- what goes to stderr ----------------------------------------------------------------------
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_on_a_terminal(tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt_ids": [4, 5]} for i in range(4)])
+    write_jsonl(tmp_path / "out.jsonl", [{"id": "p0", "text": "", "token_ids": [], "finish_reason": "stop",
+                                          "usage": {"prompt_tokens": 2, "completion_tokens": 0}}])
+    terminal = FakeTerminal()
+    code = run_batch(src, tmp_path / "out.jsonl", FakeEngine(), BatchSettings(temperature=0, max_new_tokens=9),
+                     stderr=terminal, progress=True)
+    assert code == 0
+    shown = terminal.getvalue()
+    assert "fake-moe (test double) on cpu float32" in shown
+    assert "max_new_tokens=9" in shown and "temperature=0" in shown
+    assert "4 lines in" in shown and "out.jsonl: 1 (skipped)" in shown
+    assert "3/3" in shown and "tok/s" in shown and "ETA" in shown  # rich's bar: this run's lines only
+    assert "3 ok, 0 failed, 1 skipped, " in shown.rstrip().splitlines()[-1]  # after rich's show-cursor code
+
+
+def test_no_terminal_means_one_summary_line(tmp_path):
+    for progress in (True, False):  # StringIO is not a terminal: no bar even when asked for one
+        code, _, _, err = batch(tmp_path, [{"id": "a", "prompt_ids": [3, 4]}, {"id": "b"}],
+                                out=f"out{progress}.jsonl", progress=progress)
+        assert code == 1
+        [line] = err.splitlines()
+        assert line.startswith("1 ok, 1 failed, 0 skipped, ") and line.endswith(" tok/s")
