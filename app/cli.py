@@ -36,6 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_batch_arguments(batch)
     add_model_arguments(batch)
 
+    profile = sub.add_parser("profile", help="hardware, expert latency profile and placement",
+                             description="Print this machine's hardware, profile one expert of the model on CPU and "
+                                         "GPU (cached per machine, model shape and dtype), count expert popularity on "
+                                         "the calibration prompts and show the placement for the GPU budget.")
+    add_model_arguments(profile)
+    from app.profile_command import add_profile_arguments
+
+    add_profile_arguments(profile)
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
@@ -85,6 +93,12 @@ def run_download_command(args) -> int:
     return download(args)
 
 
+def run_profile_command(args) -> int:
+    from app.profile_command import run_profile
+
+    return run_profile(args, load_engine)
+
+
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
@@ -99,6 +113,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         commands = {"chat": run_chat_command, "download": run_download_command, "batch": run_batch_command,
+                    "profile": run_profile_command,
                     "bench": run_bench_command}
         return commands[args.command](args)
     except MoedeskError as e:

@@ -1,0 +1,47 @@
+"""Expert popularity: how often the router picks each (layer, expert) on the calibration prompts.
+
+The prompts ship in assets/calibration.txt (never the evaluation sets); counts are cached with
+the model's profile, so placement is decided once per model and machine.
+"""
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+from engine.requests import Request, SamplingParams
+
+
+def calibration_prompts() -> list[str]:
+    text = resources.files("assets").joinpath("calibration.txt").read_text()
+    return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+
+
+def measure_popularity(engine, new_tokens: int = 16) -> list[list[int]]:
+    """Route the calibration prompts (chat-formatted when the model has a template) and count selections."""
+    tok = engine.tokenizer
+    if tok is None:
+        raise ValueError("popularity needs a tokenizer")
+    prompts = [tok.chat_prompt([{"role": "user", "content": p}]) if tok.chat_template else tok.encode(p)
+               for p in calibration_prompts()]
+    engine.executor.selections.clear()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    list(engine.generate([Request(p, params) for p in prompts], batch_size=4))
+    counts = engine.executor.selections
+    return [counts[layer].tolist() for layer in sorted(counts)]
+
+
+def cached_popularity(cache_dir: Path, key: str, engine, refresh: bool = False) -> list[list[int]]:
+    path = Path(cache_dir) / f"popularity-{key}.json"
+    if path.is_file() and not refresh:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            pass
+    counts = measure_popularity(engine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(counts))
+    os.replace(tmp, path)
+    return counts
