@@ -1,8 +1,17 @@
-"""A .gguf file presented as a Hugging Face checkpoint: config dict, tensors under HF names, tokenizer.
+"""A .gguf file read as if it were a Hugging Face checkpoint folder.
 
-Tensors are read lazily from the memory-mapped file and dequantized one at a time by the
-`gguf` package. llama.cpp stores llama-family q/k projections permuted for its interleaved
-RoPE; that permutation is undone here so the model code sees the Hugging Face layout.
+`GGUFCheckpoint` shows the same face as `engine.checkpoint.SafetensorsCheckpoint`: a config.json
+dict, tensors under the Hub's names and in its layout, a `tokenizers.Tokenizer` and a
+tokenizer_config dict. Everything llama.cpp's converter changed on the way into GGUF is undone
+here, so the rest of the engine never knows the model came from a GGUF file:
+
+- names: `blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`;
+- dims: GGUF lists them fastest-first, torch slowest-first;
+- experts: stacked into one [E, F, H] tensor per projection; the Hub keeps one per expert;
+- llama q/k rows: permuted for llama.cpp's interleaved RoPE; the Hub uses half-split RoPE;
+- quantization: blocks are dequantized by the `gguf` package, one tensor at a time.
+
+The file stays memory-mapped (GGUFReader); nothing is read until `get_tensor` asks for it.
 """
 from __future__ import annotations
 
@@ -12,273 +21,397 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from engine.errors import CheckpointError, UnsupportedModelError
 
-# GGUF architecture -> (HF model_type for dense, for MoE)
-_ARCHS = {
+# general.architecture -> Hugging Face model_type (without experts, with experts).
+_MODEL_TYPES = {
     "llama": ("llama", "mixtral"),
     "qwen2": ("qwen2", None),
     "qwen2moe": (None, "qwen2_moe"),
     "qwen3moe": (None, "qwen3_moe"),
     "olmoe": (None, "olmoe"),
 }
-_PERMUTED_QK = {"llama"}  # architectures whose converter permutes q/k for interleaved RoPE
+_HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
+# rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
+_PERMUTED_QK_ARCHS = {"llama"}
 
-# Pre-tokenizer splits for byte-level vocabularies, keyed by tokenizer.ggml.pre.
+# GGUF tensor names -> Hub names. "{moe}" is the MoE module: Mixtral calls it block_sparse_moe.
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
+_DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+# blk.{layer}.{leaf}[.{expert}].{weight|bias}; a numbered expert is how older Mixtral files store them.
+_LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
+_STACKED_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps")
+
+# Byte-level BPE splits, keyed by tokenizer.ggml.pre: the regex the vocabulary's merges were
+# learned with (the model's tokenizer.json; llama.cpp's llama-vocab.cpp holds the same list).
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
-           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",
-    "attn_k_norm.weight": "self_attn.k_norm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-}
-for _gguf, _hf in (("attn_q", "q_proj"), ("attn_k", "k_proj"), ("attn_v", "v_proj"), ("attn_output", "o_proj")):
-    for _kind in ("weight", "bias"):
-        _LAYER_NAMES[f"{_gguf}.{_kind}"] = f"self_attn.{_hf}.{_kind}"
-_EXPERT_PROJ = {"gate": ("w1", "gate_proj"), "up": ("w3", "up_proj"), "down": ("w2", "down_proj")}
+_LLAMA3_PRE = {"llama3", "llama-v3", "llama-bpe"}
+_QWEN2_PRE = {"qwen2", "deepseek-r1-qwen"}
+_DIGITS_PRE = {"smollm", "starcoder", "refact"}  # each digit alone, then GPT-2's split
 
 
 class GGUFCheckpoint:
+    """A .gguf file: `config`, `keys()`, `get_tensor(name)`, `tokenizer`, `tokenizer_config`."""
+
     def __init__(self, path):
         self.path = Path(path)
-        try:
-            self._reader = GGUFReader(str(self.path))
-        except Exception as e:  # gguf raises ValueError, struct errors, numpy errors on bad files
-            text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(self.path, f"not a readable GGUF file ({text})") from None
-        self._fields = self._reader.fields
-        self.arch = self._str("general.architecture")
-        if self.arch not in _ARCHS:
-            raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
-                                                   f"(supported: {', '.join(sorted(_ARCHS))})")
+        self._reader = _open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self.config = self._config()
-        self._names = self._hf_names()
+        self.arch = self._meta("general.architecture", str)
+        if self.arch not in _MODEL_TYPES:
+            raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
+                                                   f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+        self.config = self._build_config()
+        self._index = self._build_index()
 
-    # metadata -----------------------------------------------------------------------------------
-    def _value(self, key, default=...):
-        field = self._fields.get(key)
+    # metadata ----------------------------------------------------------------------------------
+
+    def _meta(self, key: str, kind: type, default=...):
+        """One metadata value, checked to be of `kind`; a missing key without a default is an error."""
+        field = self._reader.fields.get(key)
         if field is None:
             if default is ...:
                 raise CheckpointError(self.path, f"GGUF metadata has no {key!r}")
             return default
-        return field.contents()
+        value = field.contents()
+        if field.types[0] == GGUFValueType.FLOAT32:
+            # Stored as float32: 1e-5 reads back as 9.99999974e-06. The shortest decimal that is the
+            # same float32 is what the model's config.json said, and computes identically.
+            value = float(str(np.float32(value)))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise CheckpointError(self.path, f"GGUF metadata {key!r} is {type(value).__name__}, "
+                                             f"expected {kind.__name__}")
+        return value
 
-    def _str(self, key, default=...):
-        return self._value(key, default)
+    def _arch_meta(self, key: str, kind: type, default=...):
+        return self._meta(f"{self.arch}.{key}", kind, default)
 
-    def _arch_value(self, key, default=...):
-        return self._value(f"{self.arch}.{key}", default)
-
-    def _config(self) -> dict:
-        experts = self._arch_value("expert_count", 0) or 0
-        dense_type, moe_type = _ARCHS[self.arch]
-        model_type = moe_type if experts else dense_type
+    def _build_config(self) -> dict:
+        experts = self._arch_meta("expert_count", int, 0)
+        model_type = _MODEL_TYPES[self.arch][1 if experts else 0]
         if model_type is None:
             raise UnsupportedModelError(self.path, f"GGUF architecture {self.arch!r} without experts is not supported")
-        hidden = self._arch_value("embedding_length")
-        heads = self._arch_value("attention.head_count")
-        tokens = self._value("tokenizer.ggml.tokens", None)
-        cfg = {
-            "model_type": model_type,
-            "vocab_size": self._arch_value("vocab_size", None) or (len(tokens) if tokens else None),
-            "hidden_size": hidden,
-            "intermediate_size": self._arch_value("feed_forward_length", 0),
-            "num_hidden_layers": self._arch_value("block_count"),
-            "num_attention_heads": heads,
-            "num_key_value_heads": self._arch_value("attention.head_count_kv", heads),
-            "rms_norm_eps": self._arch_value("attention.layer_norm_rms_epsilon", 1e-6),
-            "rope_theta": self._arch_value("rope.freq_base", 10000.0),
-            "max_position_embeddings": self._arch_value("context_length", 4096),
-            "tie_word_embeddings": "output.weight" not in self._tensors,
-            "bos_token_id": self._value("tokenizer.ggml.bos_token_id", None),
-            "eos_token_id": self._value("tokenizer.ggml.eos_token_id", None),
-        }
-        head_dim = self._arch_value("attention.key_length", None)
-        if head_dim and head_dim != hidden // heads:
-            cfg["head_dim"] = head_dim
-        scaling = self._arch_value("rope.scaling.type", None)
-        if scaling and scaling != "none":
-            cfg["rope_scaling"] = {"type": scaling, "factor": self._arch_value("rope.scaling.factor", 1.0)}
-        if experts:
-            cfg["num_local_experts" if model_type == "mixtral" else "num_experts"] = experts
-            cfg["num_experts_per_tok"] = self._arch_value("expert_used_count")
-            width = self._arch_value("expert_feed_forward_length", None)
-            if model_type in ("mixtral", "olmoe"):
-                cfg["intermediate_size"] = width or cfg["intermediate_size"]
-            else:
-                cfg["moe_intermediate_size"] = width or cfg["intermediate_size"]
-            if model_type == "qwen2_moe":
-                cfg["shared_expert_intermediate_size"] = self._arch_value("expert_shared_feed_forward_length", 0)
-            if model_type != "mixtral":
-                # llama.cpp normalises top-k weights for Qwen3-MoE, not for Qwen2-MoE or OLMoE.
-                cfg["norm_topk_prob"] = self._arch_value("expert_weights_norm", model_type == "qwen3_moe")
-        return cfg
+        hidden = self._arch_meta("embedding_length", int)
+        heads = self._arch_meta("attention.head_count", int)
+        kv_heads = self._arch_meta("attention.head_count_kv", int, heads)
+        head_dim = self._arch_meta("attention.key_length", int, hidden // heads)
+        if self._arch_meta("attention.value_length", int, head_dim) != head_dim:
+            raise UnsupportedModelError(self.path, "attention.value_length differs from attention.key_length")
+        embeddings = self._tensors.get("token_embd.weight")
+        vocab_size = self._arch_meta("vocab_size", int, None)
+        if vocab_size is None:  # older files: the vocabulary's length, or the embedding's rows
+            tokens = self._meta("tokenizer.ggml.tokens", list, None)
+            vocab_size = len(tokens) if tokens else int(embeddings.shape[-1]) if embeddings is not None else None
+        if vocab_size is None:
+            raise CheckpointError(self.path, "GGUF file states no vocabulary size and has no token_embd.weight")
 
-    # tensors ------------------------------------------------------------------------------------
-    def _hf_names(self) -> dict[str, tuple[str, int | None]]:
-        """HF name -> (GGUF tensor name, expert index within a stacked tensor or None)."""
-        moe_block = "block_sparse_moe" if self.config["model_type"] == "mixtral" else "mlp"
-        expert_style = 0 if moe_block == "block_sparse_moe" else 1
-        names = {}
+        config = {
+            "architectures": [_HF_CLASSES[model_type]],
+            "model_type": model_type,
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": self._arch_meta("feed_forward_length", int, 0),
+            "num_hidden_layers": self._arch_meta("block_count", int),
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": self._arch_meta("attention.layer_norm_rms_epsilon", float),
+            "rope_theta": self._arch_meta("rope.freq_base", float, 10000.0),
+            "max_position_embeddings": self._arch_meta("context_length", int),
+            # llama.cpp writes output.weight only when it is not the embedding matrix.
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "bos_token_id": self._meta("tokenizer.ggml.bos_token_id", int, None),
+            "eos_token_id": self._meta("tokenizer.ggml.eos_token_id", int, None),
+        }
+        if (pad := self._meta("tokenizer.ggml.padding_token_id", int, None)) is not None:
+            config["pad_token_id"] = pad
+        if head_dim != hidden // heads:
+            config["head_dim"] = head_dim
+        rotary = self._arch_meta("rope.dimension_count", int, head_dim)
+        if rotary != head_dim:  # stated so that a loader that cannot run partial RoPE refuses it
+            config["partial_rotary_factor"] = rotary / head_dim
+        if (scaling := self._rope_scaling()) is not None:
+            config["rope_scaling"] = scaling
+        if (clip := self._arch_meta("attention.clamp_kqv", float, None)) is not None:
+            config["clip_qkv"] = clip  # OLMoE
+        if experts:
+            config.update(self._moe_config(model_type, experts))
+        return config
+
+    def _rope_scaling(self) -> dict | None:
+        if "rope_freqs.weight" in self._tensors:
+            # Llama 3.1-style scaling is stored only as per-dimension factors, not as the parameters
+            # a config.json needs; running without them would silently change every position.
+            factors = self._read(self._tensors["rope_freqs.weight"], None)
+            if not torch.all(factors == 1):
+                raise UnsupportedModelError(self.path, "RoPE scaling stored as rope_freqs factors "
+                                                       "(Llama 3.1 style) is not supported for GGUF files")
+        kind = self._arch_meta("rope.scaling.type", str, None)
+        factor = self._arch_meta("rope.scaling.factor", float, None)
+        if kind is None and self._arch_meta("rope.scale_linear", float, 1.0) != 1.0:  # older files
+            kind, factor = "linear", self._arch_meta("rope.scale_linear", float)
+        if kind in (None, "none"):
+            return None
+        scaling = {"rope_type": kind, "factor": factor}
+        if (original := self._arch_meta("rope.scaling.original_context_length", int, None)) is not None:
+            scaling["original_max_position_embeddings"] = original
+        return scaling
+
+    def _moe_config(self, model_type: str, experts: int) -> dict:
+        moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
+               "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
+        width = self._arch_meta("expert_feed_forward_length", int, None) or self._arch_meta("feed_forward_length", int)
+        if model_type in ("mixtral", "olmoe"):  # their configs call the expert width intermediate_size
+            moe["intermediate_size"] = width
+        else:
+            moe["moe_intermediate_size"] = width
+        if model_type == "qwen2_moe":
+            moe["shared_expert_intermediate_size"] = self._arch_meta("expert_shared_feed_forward_length", int)
+        if model_type != "mixtral":
+            # Whether llama.cpp renormalises the top-k weights: an explicit key where the file has
+            # one, else what llama.cpp hard-codes per architecture (only Qwen3-MoE does).
+            moe["norm_topk_prob"] = self._arch_meta("expert_weights_norm", bool, model_type == "qwen3_moe")
+        if model_type in ("qwen2_moe", "qwen3_moe"):
+            # A layer without a router is a dense MLP layer.
+            layers = range(self._arch_meta("block_count", int))
+            if dense := [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors]:
+                moe["mlp_only_layers"] = dense
+        return moe
+
+    # tensors -----------------------------------------------------------------------------------
+
+    def _build_index(self) -> dict[str, tuple[str, int | None]]:
+        """Hub name -> (GGUF tensor name, expert index inside a stacked tensor, or None)."""
+        model_type = self.config["model_type"]
+        moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+        expert_proj = _EXPERT_PROJ.get(model_type, _DEFAULT_EXPERT_PROJ)
+        index = {}
         for name, tensor in self._tensors.items():
-            if name == "token_embd.weight":
-                names["model.embed_tokens.weight"] = (name, None)
-            elif name == "output_norm.weight":
-                names["model.norm.weight"] = (name, None)
-            elif name == "output.weight":
-                names["lm_head.weight"] = (name, None)
-            elif name.startswith("blk."):
-                _, layer, rest = name.split(".", 2)
-                prefix = f"model.layers.{layer}."
-                stacked = re.fullmatch(r"ffn_(gate|up|down)_exps\.weight", rest)
-                single = re.fullmatch(r"ffn_(gate|up|down)\.(\d+)\.weight", rest)  # older Mixtral files
-                if rest in _LAYER_NAMES:
-                    names[prefix + _LAYER_NAMES[rest]] = (name, None)
-                elif rest == "ffn_gate_inp.weight":
-                    names[prefix + f"{moe_block}.gate.weight"] = (name, None)
-                elif stacked:
-                    proj = _EXPERT_PROJ[stacked.group(1)][expert_style]
-                    for e in range(int(tensor.shape[-1])):
-                        names[prefix + f"{moe_block}.experts.{e}.{proj}.weight"] = (name, e)
-                elif single:
-                    proj = _EXPERT_PROJ[single.group(1)][expert_style]
-                    names[prefix + f"{moe_block}.experts.{single.group(2)}.{proj}.weight"] = (name, None)
-                else:
-                    raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
-            elif name.startswith("rope_freqs"):
-                continue  # llama3 rope factors; recomputed from the config
+            stem, _, kind = name.rpartition(".")
+            if stem in _GLOBAL_TENSORS:
+                index[f"{_GLOBAL_TENSORS[stem]}.{kind}"] = (name, None)
+                continue
+            if name == "rope_freqs.weight":
+                continue  # all ones (anything else was refused in the config): plain RoPE
+            m = _LAYER_TENSOR_NAME.fullmatch(name)
+            if m is None:
+                raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
+            layer, leaf, expert, kind = m.groups()
+            prefix = f"model.layers.{layer}."
+            if stacked := _STACKED_EXPERTS.fullmatch(leaf):
+                proj = expert_proj[stacked.group(1)]
+                for e in range(int(tensor.shape[-1])):  # GGUF dims are reversed: experts come last
+                    index[f"{prefix}{moe}.experts.{e}.{proj}.{kind}"] = (name, e)
+            elif expert is not None and leaf in ("ffn_gate", "ffn_up", "ffn_down"):
+                proj = expert_proj[leaf.removeprefix("ffn_")]
+                index[f"{prefix}{moe}.experts.{expert}.{proj}.{kind}"] = (name, None)
+            elif expert is None and leaf in _LAYER_TENSORS:
+                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe)}.{kind}"] = (name, None)
             else:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
-        return names
+        return index
 
     def keys(self) -> list[str]:
-        return list(self._names)
+        return list(self._index)
 
     def get_tensor(self, name: str) -> torch.Tensor:
-        gguf_name, expert = self._names[name]
-        array = self._read(gguf_name, expert)
-        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
-            array = array.reshape(1, -1)
-        if self.arch in _PERMUTED_QK and (".attn_q." in gguf_name or ".attn_k." in gguf_name):
-            heads = self.config["num_attention_heads" if ".attn_q." in gguf_name else "num_key_value_heads"]
-            array = _unpermute(array, heads)
-        return torch.from_numpy(np.array(array, copy=True, order="C"))  # the file is mapped read-only
+        """One tensor in Hub layout: float32 if it was quantized, else its stored dtype."""
+        gguf_name, expert = self._index[name]
+        tensor = self._read(self._tensors[gguf_name], expert)
+        leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if self.arch in _PERMUTED_QK_ARCHS and leaf in ("attn_q", "attn_k"):
+            heads = self.config["num_attention_heads" if leaf == "attn_q" else "num_key_value_heads"]
+            tensor = _undo_rope_permutation(tensor, heads)
+        if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
+            tensor = tensor.reshape(1, -1)  # the Hub's Linear(hidden, 1); llama.cpp drops the 1
+        return tensor
 
-    def _read(self, gguf_name: str, expert: int | None) -> np.ndarray:
-        tensor = self._tensors[gguf_name]
+    def _read(self, tensor, expert: int | None) -> torch.Tensor:
+        """Read (and dequantize) one GGUF tensor, or one expert's slice of a stacked one."""
         data = tensor.data if expert is None else tensor.data[expert]
-        # GGUF lists dimensions fastest-first; torch wants them slowest-first.
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if expert is not None:
-            shape = shape[1:]
+        shape = [int(d) for d in reversed(tensor.shape)][0 if expert is None else 1:]
         qtype = tensor.tensor_type
+        if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the reader hands out raw bytes
+            return torch.from_numpy(np.array(data)).view(torch.bfloat16).reshape(shape)
+        if data.dtype != np.uint8:  # F32, F16, F64 and integer types come typed; copy out of the read-only map
+            return torch.from_numpy(np.array(data)).reshape(shape)
         try:
-            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                array = np.asarray(data)
-            else:
-                array = dequantize(np.asarray(data), qtype)
-            return array.reshape(shape)
+            values = dequantize(data, qtype)
         except NotImplementedError:
-            raise CheckpointError(self.path, f"tensor {gguf_name} has type {qtype.name}, which the gguf "
+            raise CheckpointError(self.path, f"tensor {tensor.name} is of type {qtype.name}, which the gguf "
                                              f"package cannot dequantize") from None
-        except (ValueError, IndexError, OSError) as e:
-            raise CheckpointError(self.path, f"cannot read tensor {gguf_name} ({e}); is the file truncated?") from None
+        return torch.from_numpy(values.astype(np.float32, copy=False)).reshape(shape)
 
-    # tokenizer ----------------------------------------------------------------------------------
+    # tokenizer ---------------------------------------------------------------------------------
+
     @property
     def tokenizer(self) -> tokenizers.Tokenizer | None:
-        kind = self._value("tokenizer.ggml.model", None)
-        if kind is None:
+        """The vocabulary rebuilt as a `tokenizers.Tokenizer`; None when the file has none."""
+        model = self._meta("tokenizer.ggml.model", str, None)
+        if model is None:
             return None
-        tokens = list(self._value("tokenizer.ggml.tokens"))
-        types = list(self._value("tokenizer.ggml.token_type", [1] * len(tokens)))
-        if kind == "gpt2":
-            tok = _byte_level_bpe(tokens, list(self._value("tokenizer.ggml.merges")),
-                                  self._value("tokenizer.ggml.pre", "default"))
-            byte_alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-            control = [t for t, kind_ in zip(tokens, types) if kind_ == 3 and set(t) <= byte_alphabet]
-        elif kind == "llama":
-            tok = _sentencepiece_bpe(tokens, list(self._value("tokenizer.ggml.scores")),
-                                     self._value("tokenizer.ggml.add_space_prefix", True))
-            control = [t for t, kind_ in zip(tokens, types) if kind_ == 3]
+        tokens = self._meta("tokenizer.ggml.tokens", list)
+        types = self._meta("tokenizer.ggml.token_type", list, [TokenType.NORMAL] * len(tokens))
+        if model == "gpt2":
+            tok = _byte_level_bpe(_byte_level_spelling(tokens), self._meta("tokenizer.ggml.merges", list),
+                                  self._meta("tokenizer.ggml.pre", str, "default"))
+        elif model == "llama":
+            unknown = self._meta("tokenizer.ggml.unknown_token_id", int, None)
+            tok = _sentencepiece_bpe(tokens, self._meta("tokenizer.ggml.scores", list),
+                                     tokens[unknown] if unknown is not None else None,
+                                     self._meta("tokenizer.ggml.add_space_prefix", bool, True))
         else:
-            raise UnsupportedModelError(self.path, f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
-        user = [t for t, kind_ in zip(tokens, types) if kind_ == 4]
-        if user:
-            tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
+            raise UnsupportedModelError(self.path, f"unsupported GGUF tokenizer model {model!r} (supported: gpt2, llama)")
+        _add_special_tokens(tok, tokens, types)
         return tok
 
     @property
     def tokenizer_config(self) -> dict:
-        tokens = self._value("tokenizer.ggml.tokens", None) or []
-        kind = self._value("tokenizer.ggml.model", None)
+        tokens = self._meta("tokenizer.ggml.tokens", list, [])
+        model = self._meta("tokenizer.ggml.model", str, None)
 
         def token(key):
-            index = self._value(f"tokenizer.ggml.{key}", None)
-            return tokens[index] if index is not None and index < len(tokens) else None
+            index = self._meta(f"tokenizer.ggml.{key}", int, None)
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
 
-        config = {"bos_token": token("bos_token_id"), "eos_token": token("eos_token_id"),
-                  "add_bos_token": bool(self._value("tokenizer.ggml.add_bos_token", kind == "llama"))}
-        template = self._value("tokenizer.chat_template", None)
-        if template:
+        config = {
+            "bos_token": token("bos_token_id"),
+            "eos_token": token("eos_token_id"),
+            # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise.
+            "add_bos_token": self._meta("tokenizer.ggml.add_bos_token", bool, model == "llama"),
+        }
+        if (template := self._meta("tokenizer.chat_template", str, None)) is not None:
             config["chat_template"] = template
         return config
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row permutation (pairs interleaved per head) back to half-split rows."""
+def _open_reader(path: Path) -> GGUFReader:
+    """GGUFReader, with whatever it raises on a bad file turned into one line about the file."""
+    try:
+        return GGUFReader(path)
+    except OSError as e:
+        raise CheckpointError(path, f"cannot read the file ({e.strerror or e})") from None
+    except Exception as e:  # ValueError, IndexError, numpy errors: the reader validates by failing
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head != b"GGUF":
+            raise CheckpointError(path, "not a GGUF file (bad magic)" if head else "empty file") from None
+        detail = (str(e).strip() or type(e).__name__).splitlines()[0]
+        raise CheckpointError(path, f"truncated or corrupt GGUF file ({detail})") from None
+
+
+def _undo_rope_permutation(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp stores each head's rows as interleaved pairs (r0, r_half, r1, r_half+1, ...); the
+    Hub stores the first half then the second half. Undo it (works for biases too)."""
     half = w.shape[0] // heads // 2
-    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _byte_level_bpe(tokens, merges, pre: str) -> tokenizers.Tokenizer:
+def _byte_level_spelling(tokens: list[str]) -> list[str]:
+    """Every token spelled in GPT-2's byte alphabet. llama.cpp writes a few (added tokens) as raw
+    text; respelling keeps the vocabulary one key per id, as transformers' GGUF loader does."""
+    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
+    byte_char = _gpt2_byte_chars()
+    return [t if set(t) <= alphabet else "".join(byte_char[b] for b in t.encode("utf-8")) for t in tokens]
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=False))
-    split = _SPLITS.get(pre)
-    if split:
+    # Llama 3's tokenizer takes a word that is itself a token whole, before any merge (llama.cpp
+    # sets the same flag for these vocabularies).
+    tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre in _LLAMA3_PRE))
+    if pre in _LLAMA3_PRE or pre in _QWEN2_PRE:
+        split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    else:
+    elif pre in _DIGITS_PRE:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    else:  # "gpt2", "default" and names we do not know: GPT-2's own split, as transformers does
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     return tok
 
 
-def _sentencepiece_bpe(tokens, scores, add_space_prefix: bool) -> tokenizers.Tokenizer:
-    """SentencePiece BPE: merges are the vocabulary's own pieces, ranked by score."""
+def _sentencepiece_bpe(tokens: list[str], scores: list[float], unk: str | None,
+                       add_space_prefix: bool) -> tokenizers.Tokenizer:
+    """SentencePiece BPE as llama.cpp runs it: the pair whose joined piece scores highest merges
+    first, text falls back to <0xXX> byte tokens, spaces are ▁, and every run of text (at the start
+    and after each special token) gets a leading space when add_space_prefix is set."""
     vocab = {t: i for i, t in enumerate(tokens)}
+    # GGUF stores no merges for these vocabularies: every way to cut a piece in two known pieces is a
+    # merge, ranked by the score of the piece it makes.
     merges = []
-    for piece, score in sorted(zip(tokens, scores), key=lambda p: -p[1]):
+    for piece, score in zip(tokens, scores):
         for cut in range(1, len(piece)):
             left, right = piece[:cut], piece[cut:]
             if left in vocab and right in vocab:
-                merges.append((score, vocab[left], vocab[right], left, right))
-    merges.sort(key=lambda m: (-m[0], m[1], m[2]))
+                merges.append((-score, vocab[piece], vocab[left], left, right))
+    merges.sort()
     tok = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[(m[3], m[4]) for m in merges],
-                                          byte_fallback=True, fuse_unk=True, unk_token=tokens[0]))
-    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
-    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
-                                    + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
+                                          unk_token=unk, fuse_unk=True, byte_fallback=True))
+    # A normalizer, not Metaspace: it runs on every piece of text between added tokens, which is
+    # where llama.cpp prepends its space too.
+    spaces = [normalizers.Replace(" ", "\u2581")]
+    tok.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if add_space_prefix else []) + spaces)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
     return tok
+
+
+def _add_special_tokens(tok: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control (and unknown) tokens become special added tokens, user-defined ones plain added
+    tokens: both are then matched whole in text, as llama.cpp does. User-defined tokens (<think>,
+    <tool_call>) stay non-special, as in the models' tokenizer.json, so decoding keeps them."""
+    vocab = tok.get_vocab()  # a control token llama.cpp left outside the byte alphabet has no id here
+    special = [t for t, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN) and t in vocab]
+    user = [t for t, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED and t in vocab]
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

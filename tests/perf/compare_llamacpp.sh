@@ -11,12 +11,12 @@ OUT=${OUT:-$W/out}; mkdir -p "$OUT"
 case "${1:-}" in
 llama)
   (cd "$SRC" && cmake -B build -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA=OFF \
-     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF \
+     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF \
      -DGGML_NATIVE=ON > "$W/cfg.log" 2>&1 && cmake --build build --target llama-bench llama-batched-bench -j 15 \
      > "$W/build.log" 2>&1) &
   build=$!
   [ -f "$W/mix.gguf" ] || GGUF_PY="$SRC/gguf-py" python3 "$TOOLS/make_gguf.py" "$W/mix.gguf" "$L"
-  wait $build || { tail -20 "$W/cfg.log" "$W/build.log"; exit 1; }
+  wait $build || { tail -n 20 "$W/cfg.log" "$W/build.log"; exit 1; }
   bin="$SRC/build/bin"
   for ncm in "$L" $((L - 2)); do
     "$bin/llama-bench" -m "$W/mix.gguf" -ngl 99 -ncmoe "$ncm" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llama_ncmoe$ncm.json"
