@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.demo import cache_root
-
 
 def add_profile_arguments(parser) -> None:
     parser.add_argument("--gpu-budget", type=float, default=None, metavar="GiB",
@@ -14,6 +12,7 @@ def add_profile_arguments(parser) -> None:
 
 def run_profile(args, engine_loader, out=print) -> int:
     from engine.calibration import cached_popularity
+    from engine.demo import cache_root
     from engine.hardware import detect_hardware, format_hardware, machine_fingerprint
     from engine.latency_model import fit_latency_model
     from engine.placement import plan_placement

@@ -284,7 +284,7 @@ class GGUFCheckpoint:
         tokens = self._meta("tokenizer.ggml.tokens", list)
         types = self._meta("tokenizer.ggml.token_type", list, [TokenType.NORMAL] * len(tokens))
         if model == "gpt2":
-            tok = _byte_level_bpe(_byte_level_spelling(tokens), self._meta("tokenizer.ggml.merges", list),
+            tok = _byte_level_bpe(tokens, self._meta("tokenizer.ggml.merges", list),
                                   self._meta("tokenizer.ggml.pre", str, "default"))
         elif model == "llama":
             unknown = self._meta("tokenizer.ggml.unknown_token_id", int, None)
@@ -338,28 +338,9 @@ def _undo_rope_permutation(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _byte_level_spelling(tokens: list[str]) -> list[str]:
-    """Every token spelled in GPT-2's byte alphabet. llama.cpp writes a few (added tokens) as raw
-    text; respelling keeps the vocabulary one key per id, as transformers' GGUF loader does."""
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    byte_char = _gpt2_byte_chars()
-    return [t if set(t) <= alphabet else "".join(byte_char[b] for b in t.encode("utf-8")) for t in tokens]
-
-
-def _gpt2_byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
-    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizers.Tokenizer:
+    # Tokens as the file spells them: normal ones in GPT-2's byte alphabet, added ones (control,
+    # user-defined) as raw text, which is how they are matched in text and shown when decoded.
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     # Llama 3's tokenizer takes a word that is itself a token whole, before any merge (llama.cpp
@@ -408,10 +389,10 @@ def _sentencepiece_bpe(tokens: list[str], scores: list[float], unk: str | None,
 
 def _add_special_tokens(tok: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Control (and unknown) tokens become special added tokens, user-defined ones plain added
-    tokens: both are then matched whole in text, as llama.cpp does. User-defined tokens (<think>,
-    <tool_call>) stay non-special, as in the models' tokenizer.json, so decoding keeps them."""
-    vocab = tok.get_vocab()  # a control token llama.cpp left outside the byte alphabet has no id here
-    special = [t for t, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN) and t in vocab]
-    user = [t for t, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED and t in vocab]
+    tokens: both are then matched whole in text, as llama.cpp does, and keep their own ids. User-
+    defined tokens (<think>, <tool_call>) stay non-special, as in the models' tokenizer.json, so
+    decoding with skip_special_tokens keeps them."""
+    special = [t for t, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.UNKNOWN)]
+    user = [t for t, kind in zip(tokens, types) if kind == TokenType.USER_DEFINED]
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])

@@ -107,19 +107,20 @@ def test_smollm_tokenizer_matches_llama_cpp():
 
 def write_byte_level_vocab(path, pre):
     """A llama-architecture file whose gpt2 vocabulary makes each pre-tokenizer visible: digit merges
-    ("12", "123", "Ġ12"), and "Ġworld", a token no merge makes (only Llama 3's ignore_merges finds it)."""
+    ("12", "123", "Ġ12"), and "Ġworld", a token no merge makes (only Llama 3's ignore_merges finds it).
+    Added tokens are raw text, as llama.cpp writes them, one of them outside the byte alphabet."""
     from tokenizers import pre_tokenizers
 
     merges = [("1", "2"), ("Ġ", "1"), ("Ġ1", "2"), ("12", "3"), ("4", "5"), ("h", "e"), ("l", "l"), ("he", "ll"),
               ("hell", "o"), ("Ġ", "w"), ("Ġw", "o"), ("Ġwo", "r"), ("'", "t"), ("Ġ", "d"), ("o", "n"),
               ("Ġd", "on"), ("Ċ", "Ċ"), ("Ġ", "Ġ")]
     tokens = ["<|endoftext|>", *sorted(pre_tokenizers.ByteLevel.alphabet()), *(a + b for a, b in merges),
-              "Ġworld", "<think>"]
+              "Ġworld", "<think>", "<｜end▁of▁sentence｜>"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(1); w.add_context_length(64); w.add_embedding_length(32); w.add_feed_forward_length(32)
     w.add_head_count(2); w.add_layer_norm_rms_eps(1e-5)
     w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre(pre); w.add_token_list(tokens)
-    w.add_token_types([3] + [1] * (len(tokens) - 2) + [4]); w.add_token_merges([f"{a} {b}" for a, b in merges])
+    w.add_token_types([3] + [1] * (len(tokens) - 3) + [4, 3]); w.add_token_merges([f"{a} {b}" for a, b in merges])
     w.add_bos_token_id(0); w.add_eos_token_id(0)
     w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), np.float32))
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
@@ -133,10 +134,12 @@ def test_byte_level_pre_tokenizers_match_llama_cpp(tmp_path, pre):
     tok = GGUFCheckpoint(path).tokenizer
     reference = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     for text in ["x123 4567 12345", " 12 apples", "hello world", "Hello  world!!\n\n\n", "don't DON'T",
-                 "naïve 日本語", "a1b2c3 ", " world hello<think>x<|endoftext|>"]:
+                 "naïve 日本語", "a1b2c3 ", " world hello<think>x<|endoftext|>", "end<｜end▁of▁sentence｜>"]:
         ids = tok.encode(text).ids
         assert ids == reference.tokenize(text.encode(), add_bos=False, special=True), text
         assert tok.decode(ids, skip_special_tokens=False) == text
+    # Control tokens are dropped when decoding for people; user-defined ones are text the model wrote.
+    assert tok.decode(tok.encode("<think>hi<｜end▁of▁sentence｜><|endoftext|>").ids) == "<think>hi"
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -25,11 +25,15 @@ llama)
     -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' | tee "$W/llama_batched.txt"
   cp "$W"/llama_* "$OUT"/ ;;
 moedesk)
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
   export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
   # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
   cp "$W"/ours_* "$OUT"/
+  [ -f "$W/llama_batched.txt" ] || { echo "no llama.cpp results in $W: run the llama phase first"; exit 1; }
   python3 - "$W" <<'PY'
 import json, re, sys
 w = sys.argv[1]
