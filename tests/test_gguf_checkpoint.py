@@ -48,11 +48,11 @@ def quiet_transformers():
 def smollm():
     transformers = quiet_transformers()
     ours = GGUFCheckpoint(SMOLLM)
-    config = transformers.AutoConfig.from_pretrained(str(SMOLLM.parent), gguf_file=SMOLLM.name)
     model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOLLM.parent), gguf_file=SMOLLM.name,
                                                               dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(SMOLLM.parent), gguf_file=SMOLLM.name)
-    return ours, config, model.state_dict(), tokenizer
+    # model.config is AutoConfig.from_pretrained(dir, gguf_file=name): from_pretrained builds it that way.
+    return ours, model.config, model.state_dict(), tokenizer
 
 
 def test_smollm_config_matches_transformers(smollm):
@@ -408,6 +408,25 @@ def test_olmoe_names_and_config(tmp_path):
     assert ours.get_tensor("model.layers.0.self_attn.q_proj.weight").shape == (H, H)
 
 
+def test_older_mixtral_files_with_one_tensor_per_expert(tmp_path):
+    """Files converted before llama.cpp stacked experts name them blk.N.ffn_gate.E.weight."""
+    rng = np.random.default_rng(3)
+    tensors = {"token_embd.weight": (np.zeros((8, 32), np.float32), None),
+               "blk.0.ffn_gate_inp.weight": (rng.standard_normal((2, 32)).astype(np.float32), None)}
+    for e in range(2):
+        for proj, shape in (("gate", (64, 32)), ("up", (64, 32)), ("down", (32, 64))):
+            tensors[f"blk.0.ffn_{proj}.{e}.weight"] = (rng.standard_normal(shape).astype(np.float32), None)
+    path = write_minimal(tmp_path / "old-mixtral.gguf", tensors=tensors, expert_count=2, expert_used_count=2,
+                         feed_forward_length=64)
+    ours = GGUFCheckpoint(path)
+    assert ours.config["model_type"] == "mixtral" and ours.config["tie_word_embeddings"] is True
+    assert sorted(ours.keys()) == sorted(
+        ["model.embed_tokens.weight", "model.layers.0.block_sparse_moe.gate.weight"]
+        + [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(2) for w in ("w1", "w2", "w3")])
+    assert torch.equal(ours.get_tensor("model.layers.0.block_sparse_moe.experts.1.w2.weight"),
+                       torch.from_numpy(tensors["blk.0.ffn_down.1.weight"][0]))
+
+
 # --- bad files -------------------------------------------------------------------------------------
 
 
@@ -418,10 +437,11 @@ def assert_one_line(error, path, *fragments):
         assert fragment in message, message
 
 
-def write_minimal(path, arch="llama", skip=(), tensors=None):
+def write_minimal(path, arch="llama", skip=(), tensors=None, **extra):
+    """A file with just enough metadata for a config; `extra` adds more, e.g. expert_count=2."""
     w = gguf.GGUFWriter(str(path), arch)
     metadata = {"block_count": 1, "context_length": 32, "embedding_length": 32, "attention.head_count": 2,
-                "attention.layer_norm_rms_epsilon": 1e-5}
+                "attention.layer_norm_rms_epsilon": 1e-5, **extra}
     for key, value in metadata.items():
         if key not in skip:
             (w.add_float32 if isinstance(value, float) else w.add_uint32)(f"{arch}.{key}", value)
