@@ -351,7 +351,7 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> tokenizer
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    elif False:
+    elif pre in _DIGITS_PRE:
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Digits(individual_digits=True),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
