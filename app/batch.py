@@ -41,12 +41,13 @@ class BatchUsageError(MoedeskError):
 class BatchSettings:
     """Sampling defaults for lines that do not override them, and how many sequences run together."""
 
-    max_new_tokens: int = 256
-    temperature: float = 0.7
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    ignore_eos: bool = False
+    # The engine's sampling defaults, so the two never drift apart.
+    max_new_tokens: int = SamplingParams.max_new_tokens
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    top_k: int = SamplingParams.top_k
+    seed: int = SamplingParams.seed
+    ignore_eos: bool = SamplingParams.ignore_eos
     batch_size: int = 8
 
     def describe(self) -> str:

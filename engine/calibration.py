@@ -5,11 +5,10 @@ the model's profile, so placement is decided once per model and machine.
 """
 from __future__ import annotations
 
-import json
-import os
 from importlib import resources
 from pathlib import Path
 
+from engine.json_cache import cached_json
 from engine.requests import Request, SamplingParams
 
 
@@ -33,15 +32,4 @@ def measure_popularity(engine, new_tokens: int = 16) -> list[list[int]]:
 
 
 def cached_popularity(cache_dir: Path, key: str, engine, refresh: bool = False) -> list[list[int]]:
-    path = Path(cache_dir) / f"popularity-{key}.json"
-    if path.is_file() and not refresh:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            pass
-    counts = measure_popularity(engine)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(counts))
-    os.replace(tmp, path)
-    return counts
+    return cached_json(Path(cache_dir) / f"popularity-{key}.json", lambda: measure_popularity(engine), refresh)

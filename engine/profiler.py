@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from engine.json_cache import cached_json
 from engine.offload import expert_forward
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -81,19 +81,8 @@ def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> s
 
 
 def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) -> dict:
-    """The profile stored under key, or measure() now and store it (atomically)."""
-    path = Path(cache_dir) / f"profile-{key}.json"
-    if path.is_file() and not reprofile:
-        try:
-            return _with_int_keys(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            pass  # a damaged cache file is measured again
-    points = measure()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(points, indent=1))
-    os.replace(tmp, path)
-    return points
+    """The profile stored under key, or measure() now and store it."""
+    return _with_int_keys(cached_json(Path(cache_dir) / f"profile-{key}.json", measure, reprofile))
 
 
 def _with_int_keys(points: dict) -> dict:

@@ -133,23 +133,18 @@ def brute_force(loads, model, busy, all_orders: bool) -> float:
     return best
 
 
-def test_exact_split_equals_brute_force_over_subsets_and_copy_orders():
-    # Also checks that Johnson's order (descending GPU time) is the best copy order.
-    rng = random.Random(0)
-    for _ in range(400):
-        loads, table, busy = random_case(rng, rng.randint(1, 6), rng.randint(1, 6))
+@pytest.mark.parametrize("seed, cases, experts, all_orders", [
+    (0, 400, (1, 6), True),  # every subset and every copy order: Johnson's order (descending GPU time) is best
+    (1, 40, (7, 12), False),  # larger steps: every subset, in the chosen order
+])
+def test_exact_split_equals_brute_force(seed, cases, experts, all_orders):
+    rng = random.Random(seed)
+    for _ in range(cases):
+        n = rng.randint(*experts)
+        loads, table, busy = random_case(rng, n, rng.randint(1, 6) if all_orders else rng.randint(2, 12))
         got = assign_offloaded(loads, table, busy)
         assert got.method == "exact"
-        assert got.makespan_ms == pytest.approx(brute_force(loads, table, busy, all_orders=True), abs=1e-9)
-
-
-def test_exact_split_equals_brute_force_on_larger_steps():
-    rng = random.Random(1)
-    for _ in range(40):
-        loads, table, busy = random_case(rng, rng.randint(7, 12), rng.randint(2, 12))
-        got = assign_offloaded(loads, table, busy)
-        assert got.method == "exact"
-        assert got.makespan_ms == pytest.approx(brute_force(loads, table, busy, all_orders=False), abs=1e-9)
+        assert got.makespan_ms == pytest.approx(brute_force(loads, table, busy, all_orders=all_orders), abs=1e-9)
 
 
 def test_reported_times_are_those_of_the_returned_split():
