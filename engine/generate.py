@@ -11,6 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from engine.errors import MoedeskError
 from engine.requests import Completion, Request
 from engine.sampling import sample_token
 
@@ -26,6 +27,7 @@ class Sequence:
     generator: torch.Generator | None = None
     started: float = 0.0
     first_token_at: float = 0.0
+    expert_stats_at_start: object = None  # a copy of the executor's StepStats when the sequence began
 
     @property
     def params(self):
@@ -35,8 +37,11 @@ class Sequence:
 class Decoder:
     """Runs requests through a model and cache. Tokenizer is optional (prompt_ids-only models)."""
 
-    def __init__(self, model, cache, executor, tokenizer, context_length: int, eos_token_ids=()):
+    def __init__(self, model, cache, executor, tokenizer, context_length: int, eos_token_ids=(), on_oom=None):
+        """on_oom() is called when the GPU runs out of memory in a step: it frees memory (moves experts
+        off the GPU) and returns True to retry the step, or False to give up (the error propagates)."""
         self.model, self.cache, self.executor = model, cache, executor
+        self.on_oom = on_oom
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.eos_token_ids = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
@@ -59,6 +64,8 @@ class Decoder:
                     exhausted = True
                     break
                 seq = Sequence(request, free.pop(0), started=time.perf_counter())
+                if hasattr(self.executor, "stats"):
+                    seq.expert_stats_at_start = self.executor.stats.copy()
                 if request.params.temperature > 0:
                     seq.generator = torch.Generator().manual_seed(request.params.seed)
                 slots[seq.row] = seq
@@ -80,7 +87,7 @@ class Decoder:
         lengths = [len(s.request.prompt_ids) for s in seqs]
         longest = max(lengths)
         need = max(min(self.context_length, n + s.params.max_new_tokens) for n, s in zip(lengths, seqs))
-        self.cache.ensure(len(slots), need)
+        self._retrying_oom(lambda: self.cache.ensure(len(slots), need))
         tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
         for i, s in enumerate(seqs):
             tokens[i, : lengths[i]] = torch.tensor(s.request.prompt_ids)
@@ -88,8 +95,9 @@ class Decoder:
         # where the row's own later tokens overwrite it before anything can attend to it.
         positions = torch.arange(longest).expand(len(seqs), -1)
         rows = torch.tensor([s.row for s in seqs])
-        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
-                            rows=rows.to(self.device), logits_at=torch.tensor(lengths, device=self.device) - 1)
+        logits = self._retrying_oom(lambda: self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
+            rows=rows.to(self.device), logits_at=torch.tensor(lengths, device=self.device) - 1))
         for s, n in zip(seqs, lengths):
             s.position = n
         yield from self._accept(seqs, logits[:, -1], slots)
@@ -98,11 +106,26 @@ class Decoder:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
         positions = torch.tensor([[s.position] for s in seqs])
         rows = None if [s.row for s in seqs] == list(range(len(seqs))) else torch.tensor([s.row for s in seqs])
-        logits = self.model(tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
-                            rows=None if rows is None else rows.to(self.device))
+        logits = self._retrying_oom(lambda: self.model(
+            tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
+            rows=None if rows is None else rows.to(self.device)))
         for s in seqs:
             s.position += 1
         yield from self._accept(seqs, logits[:, -1], slots)
+
+    def _retrying_oom(self, step):
+        """Run step(); after a GPU out-of-memory error let on_oom free memory and run it again.
+
+        A step may run twice: it writes the same keys and values at the same positions, so
+        the retry computes what the first attempt would have.
+        """
+        while True:
+            try:
+                return step()
+            except torch.OutOfMemoryError as error:
+                if self.on_oom is None or not self.on_oom():
+                    raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
+                                       "use a shorter context or a smaller batch") from error
 
     def _accept(self, seqs, logits: torch.Tensor, slots) -> Iterator[tuple[Sequence, int | None]]:
         greedy = torch.argmax(logits, dim=-1).tolist()
@@ -148,5 +171,8 @@ class Decoder:
             "decode_tok_s": round((len(s.tokens) - 1) / decode_time, 2) if len(s.tokens) > 1 and decode_time > 0 else None,
             "total_s": round(end - s.started, 4),
         }
+        if s.expert_stats_at_start is not None:
+            # Steps are shared: these count the expert work of every step this sequence took part in.
+            stats["experts"] = self.executor.stats.since(s.expert_stats_at_start).as_dict()
         return Completion(tag=s.request.tag, token_ids=list(s.tokens), text=s.text, finish_reason=s.finish_reason,
                           prompt_tokens=len(s.request.prompt_ids), stats=stats)

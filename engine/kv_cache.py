@@ -26,11 +26,12 @@ class KVCache:
             return
         rows, length = max(rows, self.rows), max(length, self.length)
         shape = (rows, length, self.cfg.num_kv_heads, self.cfg.head_dim)
-        old_k, old_v = self.k, self.v
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
-        for new, old in zip(self.k + self.v, old_k + old_v):
+        # Built aside and swapped in at the end: an out-of-memory error here leaves the cache as it was.
+        k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
+        v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.cfg.num_layers)]
+        for new, old in zip(k + v, self.k + self.v):
             new[: old.shape[0], : old.shape[1]] = old
+        self.k, self.v = k, v
         self.rows, self.length = rows, length
 
     def bytes_per_position(self) -> int:

@@ -32,13 +32,19 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_length: int | None = None,
-               progress=None) -> tuple[Transformer, ModelConfig]:
-    """Build the model on the meta device, then fill it with the checkpoint's tensors one at a time."""
+               progress=None, expert_banks=None) -> tuple[Transformer, ModelConfig, dict]:
+    """Build the model on the meta device, then fill it with the checkpoint's tensors one at a time.
+
+    expert_banks(model) -> banks, when given, allocates host stacks for the routed experts
+    (engine.offload.allocate_banks): expert tensors are written straight into them and only the
+    rest goes to `device`. Returns (model, config, banks); banks is {} without expert_banks.
+    """
     path = checkpoint.path
     cfg = parse_config(checkpoint.config, path)
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = Transformer(cfg, max_positions)
+    banks = expert_banks(model) if expert_banks and cfg.is_moe else {}
     expected = dict(model.named_parameters())
     rules = weight_name_map(cfg)
     names = [n for n in checkpoint.keys() if not is_ignored_tensor(n)]
@@ -53,7 +59,11 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         if tuple(tensor.shape) != tuple(expected[ours].shape):
             raise CheckpointError(path, f"tensor {name} has shape {tuple(tensor.shape)}, "
                                         f"the config implies {tuple(expected[ours].shape)}")
-        _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+        target = expected[ours]
+        if target.device.type == "meta":
+            _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+        else:  # a view into a host expert bank
+            target.copy_(tensor)
         loaded.add(ours)
         if progress:
             progress("load", (i + 1) / len(names))
@@ -65,7 +75,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
     model.rotary = Rotary(cfg, max_positions).to(device)
-    return model.eval(), cfg
+    return model.eval(), cfg, banks
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -14,7 +14,7 @@ copies and the ordered sum all run for real, which is how CI tests them without 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,13 @@ class StepStats:
     selections: int = 0  # (token, expert) pairs routed
     gpu_hits: int = 0  # of those, served by a resident expert
 
+    def since(self, earlier: "StepStats") -> "StepStats":
+        """What was counted between `earlier` (a copy taken then) and now."""
+        return StepStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name) for f in fields(self)})
+
+    def copy(self) -> "StepStats":
+        return replace(self)
+
     def as_dict(self) -> dict:
         total = self.gpu_experts + self.copied_experts + self.cpu_experts
         return {
@@ -55,26 +62,41 @@ class StepStats:
         }
 
 
-def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Banks for a loaded model: per MoE layer, its experts stacked into two host tensors.
+def allocate_banks(model, dtype: torch.dtype, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Empty host stacks per MoE layer, each expert's parameters made views of them.
 
     Stacking pins a layer's experts in two allocations (not thousands) and gives the CPU and
-    copy paths contiguous [2F, H] and [H, F] blocks. The expert modules are pointed at views of
-    the stacks, so the weights exist once.
+    copy paths contiguous [2F, H] and [H, F] blocks; a loader then writes each checkpoint
+    tensor straight into its view, so a model larger than the GPU never passes through it.
     """
     banks = {}
     for moe in model.moe_blocks():
         experts = moe.experts
         F_, H = experts[0].gate.weight.shape
-        dtype = experts[0].gate.weight.dtype
         gate_up = torch.empty((len(experts), 2 * F_, H), dtype=dtype, pin_memory=pinned)
         down = torch.empty((len(experts), H, F_), dtype=dtype, pin_memory=pinned)
         for e, expert in enumerate(experts):
-            views = ((expert.gate, gate_up[e, :F_]), (expert.up, gate_up[e, F_:]), (expert.down, down[e]))
-            for linear, view in views:
-                view.copy_(linear.weight)
+            for linear, view in zip((expert.gate, expert.up, expert.down), _expert_views(gate_up[e], down[e])):
                 linear.weight = torch.nn.Parameter(view, requires_grad=False)
         banks[moe.layer] = (gate_up, down)
+    return banks
+
+
+def _expert_views(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate, up, down of one expert as views of its rows in the stacks."""
+    half = gate_up.shape[0] // 2
+    return gate_up[:half], gate_up[half:], down
+
+
+def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Banks for a model whose experts are already loaded: their weights move into the stacks."""
+    old = {moe.layer: [(e.gate.weight, e.up.weight, e.down.weight) for e in moe.experts] for moe in model.moe_blocks()}
+    dtype = next(iter(old.values()))[0][0].dtype
+    banks = allocate_banks(model, dtype, pinned)
+    for layer, (gate_up, down) in banks.items():
+        for e, weights in enumerate(old[layer]):
+            for view, weight in zip(_expert_views(gate_up[e], down[e]), weights):
+                view.copy_(weight)
     return banks
 
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Iterator
 
+import torch
+
 from engine.checkpoint import open_checkpoint
+from engine.errors import MoedeskError
 from engine.executor import LocalExecutor
 from engine.generate import Decoder
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_device, resolve_dtype
+from engine.orchestration import GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
 from engine.tokenizer import Tokenizer
 
@@ -23,24 +27,74 @@ class Engine:
         self.vocab_size = cfg.vocab_size
         self.name = name
         self.executor = LocalExecutor()
+        self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
+        self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
         self._lock = threading.Lock()  # one generation at a time shares the cache
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
-             context_length: int | None = None, progress=None) -> "Engine":
-        """Open and load `model` (see engine.checkpoint.open_checkpoint). Errors are MoedeskError, one line."""
+             context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
+             reprofile: bool = False, progress=None) -> "Engine":
+        """Open and load `model` (see engine.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
+
+        offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
+        of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
+        tier (how tests run the orchestration without a GPU). gpu_budget None: what the GPU has
+        free after the other weights, a KV cache reserve and a margin.
+        """
         checkpoint = open_checkpoint(model)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
+        if gpu_budget is not None and gpu_budget < 0:
+            raise MoedeskError(f"--gpu-budget {gpu_budget}: must be >= 0 GiB")
         context = context_length or DEFAULT_CONTEXT
-        net, cfg = load_model(checkpoint, torch_dtype, torch_device, context, progress)
+        offload = torch_device.type == "cuda" if offload is None else offload
+        warnings: list[str] = []
+        allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
+        net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator)
         context = min(context, cfg.max_position_embeddings)
         tok_model = checkpoint.tokenizer
         tokenizer = None
         if tok_model is not None:
             tokenizer = Tokenizer(tok_model, checkpoint.tokenizer_config, cfg.eos_token_ids, source=str(checkpoint.path))
-        return cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
+        engine = cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
+        engine.warnings = warnings
+        if banks:
+            engine._orchestrate(banks, gpu_budget, reprofile, progress)
+        return engine
+
+    def _orchestrate(self, banks: dict, gpu_budget: float | None, reprofile: bool, progress) -> None:
+        """Profile one expert, count expert popularity (both cached), place the most popular on the GPU."""
+        from engine.calibration import cached_popularity
+        from engine.demo import cache_root
+        from engine.hardware import machine_fingerprint
+
+        cfg = self.config
+        shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+        key_parts = (machine_fingerprint(), shape)
+        self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, key_parts, cache_root(), reprofile,
+                                                           self.warnings)
+        self.executor = orchestra.executor
+        if progress:
+            progress("profile", 1.0)
+        popularity = None
+        if self.tokenizer is not None:
+            key = f"{orchestra.profile_key}-{self.name.replace('/', '_')[-40:]}"
+            popularity = cached_popularity(cache_root(), key, self, reprofile)
+        if progress:
+            progress("calibrate", 1.0)
+        if gpu_budget is not None:
+            budget = int(gpu_budget * GIB)
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = default_expert_budget(free, KV_ROWS_RESERVED * self.context_length * self.cache.bytes_per_position())
+        else:
+            budget = 0
+        orchestra.place(budget, popularity)
+        self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
+        if progress:
+            progress("place", 1.0)
 
     @property
     def description(self) -> str:
@@ -52,14 +106,26 @@ class Engine:
     def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
         """Per MoE layer and expert: is its weight on a GPU, and how often it has been selected so far."""
         on_gpu, popularity = [], []
-        for moe in self.model.moe_blocks():
-            on_gpu.append([e.gate.weight.is_cuda for e in moe.experts])
+        resident = self.executor.on_gpu() if self.orchestra else None
+        for i, moe in enumerate(self.model.moe_blocks()):
+            on_gpu.append(resident[i] if resident else [e.gate.weight.is_cuda for e in moe.experts])
             counts = self.executor.selections.get(moe.layer)
             popularity.append([0] * len(moe.experts) if counts is None else counts.tolist())
         return on_gpu, popularity
 
     def _decoder(self) -> Decoder:
-        return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length, self.config.eos_token_ids)
+        return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length,
+                       self.config.eos_token_ids, on_oom=self._on_oom)
+
+    def _on_oom(self) -> bool:
+        """Free GPU memory after an out-of-memory error in a step: experts leave the GPU, half at a time."""
+        return self.orchestra is not None and self.orchestra.back_off()
+
+    def expert_stats(self) -> dict:
+        """Expert work so far (where experts ran, GPU hit rate, time) and the placement; {} without offload."""
+        if self.orchestra is None:
+            return {}
+        return {**self.orchestra.summary(), **self.executor.stats.as_dict()}
 
     def generate(self, requests: Iterable[Request], batch_size: int = 8) -> Iterator[Completion]:
         """Complete every request; yield each as soon as it finishes (not in input order)."""

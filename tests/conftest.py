@@ -25,3 +25,9 @@ def tiny_checkpoint(tmp_path_factory):
         return built[arch]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _no_user_settings(tmp_path_factory, monkeypatch):
+    # The CLI reads the app's saved settings; tests must never see the developer's own.
+    monkeypatch.setenv("MOEDESK_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))

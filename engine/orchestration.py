@@ -1,0 +1,138 @@
+"""Experts of a loaded model put to work across GPU and CPU: profile, popularity, placement, back-off.
+
+`ExpertOrchestra` owns the `OffloadExecutor` of one loaded MoE model and the decisions around
+it: the latency model (profiled once per machine, shape and dtype, cached), the popularity
+(counted once per model on the calibration prompts, cached), and the placement under a GPU
+budget. When the GPU runs out of memory, at load or while generating, the budget shrinks and
+the placement is redone with a warning; it never ends the program while experts can still
+leave the GPU.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.latency_model import LatencyModel, fit_latency_model
+from engine.offload import OffloadExecutor, allocate_banks
+from engine.placement import Placement, assign_offloaded, plan_placement
+from engine.profiler import cached_profile, profile_expert, profile_key
+
+log = logging.getLogger("moedesk")
+
+GIB = 2**30
+# Kept free on the GPU besides the KV cache and staging: activations, allocator slack, cuBLAS
+# workspaces, and whatever else the desktop has open.
+SAFETY_MARGIN = 0.10
+MIN_MARGIN_BYTES = GIB
+KV_ROWS_RESERVED = 4  # sequences whose full-context KV cache the default budget leaves room for
+
+
+def host_bank_allocator(dtype: torch.dtype, pinned: bool, warnings: list[str]):
+    """The loader's `expert_banks`: pinned stacks when a GPU will copy from them, pageable if pinning fails."""
+
+    def allocate(model):
+        if pinned:
+            try:
+                return allocate_banks(model, dtype, pinned=True)
+            except RuntimeError as error:  # cudaHostAlloc refuses: too much locked memory asked for
+                _warn(warnings, f"could not pin {_expert_gib(model, dtype):.1f} GiB of experts in RAM "
+                                f"({str(error).splitlines()[0]}); copies to the GPU will be slower")
+        return allocate_banks(model, dtype, pinned=False)
+
+    return allocate
+
+
+def _expert_gib(model, dtype) -> float:
+    n = sum(p.numel() for moe in model.moe_blocks() for p in moe.experts.parameters())
+    return n * torch.empty((), dtype=dtype).element_size() / GIB
+
+
+def _warn(warnings: list[str], message: str) -> None:
+    warnings.append(message)
+    log.warning(message)
+
+
+def default_expert_budget(free_bytes: int, kv_bytes: int) -> int:
+    """GPU bytes for resident experts when the user names no budget: what is free once the KV cache
+    and a margin are set aside (non-expert weights and staging slots are allocated before this is asked)."""
+    margin = max(int(free_bytes * SAFETY_MARGIN), MIN_MARGIN_BYTES)
+    return max(0, free_bytes - kv_bytes - margin)
+
+
+@dataclass
+class ExpertOrchestra:
+    executor: OffloadExecutor
+    costs: LatencyModel
+    expert_bytes: int
+    popularity: list[list[int]]
+    budget_bytes: int
+    placement: Placement | None = None
+    warnings: list[str] = field(default_factory=list)
+    profile_key: str = ""  # names this machine, expert shape and dtype in the measurement cache
+    profile: dict = field(default_factory=dict)  # the raw measurements the latency model was fitted to
+
+    @classmethod
+    def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
+              reprofile: bool = False, warnings: list[str] | None = None) -> "ExpertOrchestra":
+        """Profile one expert (cached) and build the executor with no expert resident yet."""
+        gate_up, down = next(iter(banks.values()))
+        key = profile_key(*profile_key_parts, gate_up.dtype, device)
+        points = cached_profile(cache_dir, key, lambda: profile_expert(gate_up[0], down[0], device), reprofile)
+        costs = fit_latency_model(points)
+        nothing = [[False] * gate_up.shape[0] for _ in banks]
+        executor = OffloadExecutor(banks, nothing, device, decide=lambda loads: assign_offloaded(loads, costs))
+        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        uniform = [[0] * gate_up.shape[0] for _ in banks]
+        return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
+                   profile_key=key, profile=points)
+
+    def place(self, budget_bytes: int, popularity: list[list[int]] | None = None) -> Placement:
+        """Make the most popular experts that fit `budget_bytes` resident; shrink the budget on GPU OOM."""
+        if popularity is not None:
+            self.popularity = popularity
+        layers, experts = len(self.popularity), len(self.popularity[0])
+        while True:
+            plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0)
+            try:
+                self.executor.set_placement(plan.as_lists())
+            except torch.OutOfMemoryError:
+                self.executor.set_placement([[False] * experts for _ in range(layers)])
+                _empty_device_cache(self.executor.device)
+                if plan.experts_on_gpu == 0:
+                    raise
+                budget_bytes = plan.expert_bytes_used * 3 // 4
+                _warn(self.warnings, f"GPU out of memory placing {plan.experts_on_gpu} experts; "
+                                     f"GPU budget lowered to {budget_bytes / GIB:.2f} GiB")
+                continue
+            self.placement, self.budget_bytes = plan, budget_bytes
+            return plan
+
+    def back_off(self) -> bool:
+        """After a GPU OOM while generating: halve the resident experts. False when none were left to move."""
+        resident = self.placement.experts_on_gpu if self.placement else 0
+        if resident == 0:
+            return False
+        budget = (resident // 2) * self.expert_bytes
+        _warn(self.warnings, f"GPU out of memory while generating; moving {resident - resident // 2} experts "
+                             f"to RAM (GPU budget now {budget / GIB:.2f} GiB)")
+        self.executor.set_placement([[False] * len(row) for row in self.popularity])
+        _empty_device_cache(self.executor.device)
+        self.place(budget)
+        return True
+
+    def summary(self) -> dict:
+        plan = self.placement
+        total = len(self.popularity) * len(self.popularity[0])
+        return {
+            "experts_on_gpu": plan.experts_on_gpu if plan else 0, "experts_total": total,
+            "gpu_budget_gib": round(self.budget_bytes / GIB, 3),
+            "expected_gpu_hit_rate": round(plan.gpu_hit_rate(self.popularity), 4) if plan and any(map(any, self.popularity)) else None,
+        }
+
+
+def _empty_device_cache(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

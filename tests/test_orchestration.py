@@ -1,0 +1,139 @@
+"""Engine.load with experts offloaded: loader straight into host banks, cached profile and popularity,
+placement under a budget, per-request expert stats, and GPU out-of-memory back-off.
+
+The "GPU" tier is simulated on the CPU here (offload=True on a CPU engine); the same code runs on a GPU.
+"""
+import pytest
+import torch
+
+from engine import calibration
+from engine.errors import MoedeskError
+from engine.requests import Request, SamplingParams
+from engine.runtime import Engine
+from tests.reference import hf_greedy, hf_model
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b"]
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _expert_bytes(engine) -> int:
+    return engine.orchestra.expert_bytes
+
+
+def _generate(engine, prompts=PROMPTS, batch_size=2):
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    done = {c.tag: c for c in engine.generate([Request(p, GREEDY, tag=i) for i, p in enumerate(ids)], batch_size)}
+    return [done[i] for i in range(len(ids))]
+
+
+def _reference(folder, engine, prompts=PROMPTS):
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    return [hf_greedy(hf_model(folder), engine.tokenizer.encode(p), GREEDY.max_new_tokens, eos) for p in prompts]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_offloaded_engine_matches_transformers_at_every_budget(arch, tiny_checkpoint):
+    folder = tiny_checkpoint(arch)
+    probe = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    expected = _reference(folder, probe)
+    total = sum(map(len, probe.expert_map()[0]))
+    for fits in (0, 1, total // 2, total):
+        engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
+                             gpu_budget=fits * _expert_bytes(probe) / 2**30)
+        on_gpu, _ = engine.expert_map()
+        assert sum(map(sum, on_gpu)) == fits
+        assert [c.token_ids for c in _generate(engine)] == expected, fits
+
+
+def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_checkpoint, cache_dir, monkeypatch):
+    folder = str(tiny_checkpoint("mixtral"))
+    engine = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    bank_gate_up, _ = engine.executor.banks[0].gate_up, engine.executor.banks[0].down
+    expert = engine.model.moe_blocks()[0].experts[1]
+    # The module's weights are views of the bank, not copies: the weights exist once.
+    assert expert.gate.weight.data_ptr() == bank_gate_up[1].data_ptr()
+    assert sorted(p.name.split("-")[0] for p in cache_dir.glob("*.json")) == ["popularity", "profile"]
+
+    # A second load reads popularity and profile from the cache instead of measuring again.
+    monkeypatch.setattr(calibration, "measure_popularity", lambda *_: pytest.fail("calibrated twice"))
+    three = 3 * _expert_bytes(engine) / 2**30
+    placed = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=three)
+    popularity = placed.orchestra.popularity
+    on_gpu = placed.expert_map()[0]
+    chosen = sorted(((popularity[l][e], -l, -e) for l, row in enumerate(on_gpu) for e, g in enumerate(row) if g))
+    left = [popularity[l][e] for l, row in enumerate(on_gpu) for e, g in enumerate(row) if not g]
+    assert len(chosen) == 3 and min(c[0] for c in chosen) >= max(left)
+    assert placed.expert_stats()["experts_on_gpu"] == 3
+
+
+def test_completions_report_the_expert_work_of_their_steps(tiny_checkpoint):
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    before = engine.expert_stats()
+    assert before["experts_cpu"] + before["experts_copied"] + before["experts_gpu"] == 0  # calibration not counted
+    first, *_ = _generate(engine, PROMPTS[:1], batch_size=1)
+    experts = first.stats["experts"]
+    moe_layers = len(engine.model.moe_blocks())
+    steps = len(first.token_ids)  # a prefill step and one decode step per further token
+    assert experts["gpu_hit_rate"] == 0.0 and experts["experts_gpu"] == 0
+    assert moe_layers * steps <= experts["active_experts"] <= moe_layers * steps * engine.config.num_experts_per_tok * 8
+    assert engine.expert_stats()["active_experts"] == experts["active_experts"]  # one request: all the work is its own
+
+
+def test_gpu_oom_while_generating_moves_experts_to_ram_and_gives_the_same_tokens(tiny_checkpoint):
+    folder = tiny_checkpoint("mixtral")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=1.0)
+    resident = engine.expert_stats()["experts_on_gpu"]
+    assert resident == 12
+    run = engine.executor.run_experts
+    failures = iter([True, False, False, True])  # the first call, and a later one after the retry went through
+
+    def flaky(*args):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return run(*args)
+
+    engine.executor.run_experts = flaky
+    assert [c.token_ids for c in _generate(engine)] == _reference(folder, engine)
+    assert engine.expert_stats()["experts_on_gpu"] == resident // 4
+    assert len(engine.warnings) == 2 and all("out of memory" in w for w in engine.warnings)
+
+
+def test_gpu_oom_with_no_experts_left_is_one_clear_error(tiny_checkpoint):
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+
+    def no_memory(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    engine.executor.run_experts = no_memory
+    with pytest.raises(MoedeskError, match="GPU out of memory with nothing left to move to RAM"):
+        _generate(engine, PROMPTS[:1])
+
+
+def test_oom_while_placing_lowers_the_budget_with_a_warning(tiny_checkpoint, monkeypatch):
+    from engine.offload import OffloadExecutor
+
+    place = OffloadExecutor.set_placement
+
+    def at_most_four(self, on_gpu):
+        if sum(map(sum, on_gpu)) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        place(self, on_gpu)
+
+    monkeypatch.setattr(OffloadExecutor, "set_placement", at_most_four)
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=1.0)
+    resident = engine.expert_stats()["experts_on_gpu"]
+    assert 0 < resident <= 4
+    assert engine.warnings and "GPU budget lowered" in engine.warnings[0]
+
+
+def test_dense_models_and_negative_budgets(tiny_checkpoint):
+    dense = Engine.load(str(tiny_checkpoint("llama")), device="cpu", dtype="float32", offload=True)
+    assert dense.orchestra is None and dense.expert_stats() == {}
+    with pytest.raises(MoedeskError, match="--gpu-budget"):
+        Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", gpu_budget=-1)
