@@ -49,9 +49,13 @@ class BatchSettings:
     seed: int = SamplingParams.seed
     ignore_eos: bool = SamplingParams.ignore_eos
     batch_size: int = 8
+    gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
+    from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
 
     def describe(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+        shown = [f for f in fields(self) if f.name != "from_app"]
+        text = ", ".join(f"{f.name}={getattr(self, f.name)}{'*' if f.name in self.from_app else ''}" for f in shown)
+        return text + (" (* from the app's settings)" if self.from_app else "")
 
     def sampling_params(self, line: dict | None = None) -> SamplingParams:
         """These settings with the line's own `max_new_tokens`, `temperature`, `top_p`, `seed`.
@@ -94,37 +98,56 @@ def _check_param(key: str, value) -> None:
 
 # --- command line -----------------------------------------------------------------------------
 
+# Flags whose default is the app's setting of the same meaning (the settings screen), when one is given.
+APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
+                "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib"}
+
+
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    """The batch job's own flags; the model/device/dtype flags are added by the CLI."""
+    """The batch job's own flags; the model/device/dtype/GPU-budget flags are added by the CLI.
+
+    Sampling flags default to None here: the CLI fills them from the app's saved settings.
+    """
     defaults = BatchSettings()
     parser.add_argument("input", metavar="IN.jsonl",
                         help="one JSON object per line: id plus one of prompt, messages, prompt_ids")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",
                         help="results in input order, appended; ids already there are skipped (resume)")
-    parser.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, metavar="N",
-                        help=f"per line, unless the line sets max_new_tokens (default: {defaults.max_new_tokens})")
-    parser.add_argument("--temperature", type=float, default=defaults.temperature, metavar="T",
-                        help=f"0 = greedy (default: {defaults.temperature})")
-    parser.add_argument("--top-p", type=float, default=defaults.top_p, metavar="P",
-                        help=f"nucleus sampling (default: {defaults.top_p})")
-    parser.add_argument("--top-k", type=int, default=defaults.top_k, metavar="K", help="0 = off (default: 0)")
-    parser.add_argument("--seed", type=int, default=defaults.seed, metavar="S",
-                        help="seed of each line's own generator, unless the line sets seed (default: 0)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                        help="per line, unless the line sets max_new_tokens (default: the app's setting)")
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help="0 = greedy (default: the app's setting)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P",
+                        help="nucleus sampling (default: the app's setting)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="0 = off (default: the app's setting)")
+    parser.add_argument("--seed", type=int, default=None, metavar="S",
+                        help="seed of each line's own generator, unless the line sets seed "
+                             "(default: the app's setting, or 0 when that is blank)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="N",
                         help=f"sequences decoded together (default: {defaults.batch_size})")
 
 
-def settings_from_args(args: argparse.Namespace) -> BatchSettings:
-    settings = BatchSettings(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
-                             batch_size=args.batch_size)
-    for f in fields(settings):
-        if f.name != "ignore_eos":
-            try:
-                _check_param(f.name, getattr(settings, f.name))
-            except ValueError as e:
-                raise BatchUsageError(f"--{f.name.replace('_', '-')}: {e}") from None
+def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSettings:
+    """Flags first, then the app's settings (an app.tui.settings.Settings), then BatchSettings' own defaults."""
+    values, from_app = {}, []
+    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gpu_budget_gib"):
+        flag = getattr(args, name.removesuffix("_gib"), None)
+        app_value = getattr(app_settings, APP_SETTINGS[name], None) if app_settings is not None else None
+        if flag is not None:
+            values[name] = flag
+        elif app_value is not None:
+            values[name] = app_value
+            from_app.append(name)
+    settings = BatchSettings(**values, ignore_eos=args.ignore_eos, batch_size=args.batch_size,
+                             from_app=tuple(from_app))
+    for name in _RANGES:
+        try:
+            _check_param(name, getattr(settings, name))
+        except ValueError as e:
+            raise BatchUsageError(f"--{name.replace('_', '-')}: {e}") from None
+    if settings.gpu_budget_gib is not None and settings.gpu_budget_gib < 0:
+        raise BatchUsageError(f"--gpu-budget: must be >= 0 GiB, got {settings.gpu_budget_gib}")
     return settings
 
 

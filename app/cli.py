@@ -16,6 +16,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
+    parser.add_argument("--gpu-budget", type=float, default=None, metavar="GiB",
+                        help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
+                             "has free after the other weights, a KV cache reserve and a 10%% margin)")
+    parser.add_argument("--reprofile", action="store_true",
+                        help="measure expert latency and popularity again instead of using the cached ones")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,9 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
                                          "GPU (cached per machine, model shape and dtype), count expert popularity on "
                                          "the calibration prompts and show the placement for the GPU budget.")
     add_model_arguments(profile)
-    from app.profile_command import add_profile_arguments
-
-    add_profile_arguments(profile)
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
@@ -60,18 +62,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_engine(args):
+def load_engine(args, **overrides):
     from engine.runtime import Engine
 
-    return Engine.load(args.model, device=args.device, dtype=args.dtype, context_length=args.context)
+    options = dict(device=args.device, dtype=args.dtype, context_length=args.context, gpu_budget=args.gpu_budget,
+                   reprofile=args.reprofile, progress=_load_progress())
+    return Engine.load(args.model, **{**options, **overrides})
+
+
+def _load_progress():
+    """Say on stderr when a slow start-up phase (expert profile, calibration) finishes, for the impatient."""
+    import time
+
+    started = time.perf_counter()
+
+    def progress(phase: str, fraction: float) -> None:
+        if phase != "load" and fraction >= 1.0:
+            print(f"moedesk: {phase} done ({time.perf_counter() - started:.1f}s)", file=sys.stderr)
+
+    return progress
 
 
 def run_batch_command(args) -> int:
     from app.batch import check_batch_paths, run_batch, settings_from_args
 
-    settings = settings_from_args(args)
+    from app.tui.settings import load_settings
+
+    problems: list[str] = []
+    app_settings = load_settings(problems=problems)
+    for problem in problems:
+        print(f"moedesk: settings: {problem}", file=sys.stderr)
+    settings = settings_from_args(args, app_settings)
     check_batch_paths(args.input, args.output)  # before the slow model load
-    engine = load_engine(args)
+    engine = load_engine(args, gpu_budget=settings.gpu_budget_gib)
     return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
 
 

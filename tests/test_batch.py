@@ -39,6 +39,21 @@ def test_batch_greedy_equals_transformers(arch, tiny_checkpoint, tmp_path, capsy
         assert r["text"] == engine.tokenizer.decode(r["token_ids"])
 
 
+def test_batch_takes_its_defaults_from_the_app_settings(tiny_checkpoint, tmp_path, capsys):
+    from app.tui.settings import Settings, save_settings
+
+    save_settings(Settings(temperature=0, max_new_tokens=5, gpu_budget_gib=0.5))  # in the test's config dir
+    folder = tiny_checkpoint("mixtral")
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "p0", "prompt": PROMPTS[1]}])
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(src), "-o", str(out), "--model", str(folder), "--dtype", "float32",
+                 "--device", "cpu"]) == 0
+    [result] = read_jsonl(out)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    assert result["token_ids"] == hf_greedy(hf_model(folder), engine.tokenizer.encode(PROMPTS[1]), 5, eos)
+
+
 @pytest.fixture
 def model(tiny_checkpoint):
     return str(tiny_checkpoint("qwen3_moe"))

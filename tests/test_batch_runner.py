@@ -353,6 +353,23 @@ def test_command_line_flags():
         parser.parse_args(["in.jsonl"])  # -o is required
 
 
+def test_flags_override_the_app_settings_which_override_the_defaults():
+    from app.tui.settings import Settings
+
+    parser = argparse.ArgumentParser()
+    add_batch_arguments(parser)
+    parser.add_argument("--gpu-budget", type=float, default=None)  # the CLI adds it with the model flags
+    app = Settings(temperature=0.3, top_p=0.9, top_k=7, max_new_tokens=40, seed=None, gpu_budget_gib=2.5)
+    merged = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--top-k", "2"]), app)
+    assert merged == BatchSettings(max_new_tokens=40, temperature=0.3, top_p=0.9, top_k=2, seed=0, gpu_budget_gib=2.5,
+                                   from_app=("max_new_tokens", "temperature", "top_p", "gpu_budget_gib"))
+    shown = merged.describe()
+    assert "temperature=0.3*" in shown and "top_k=2," in shown and "seed=0," in shown
+    assert shown.endswith("(* from the app's settings)")
+    with pytest.raises(BatchUsageError, match="^--gpu-budget: "):
+        settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--gpu-budget", "-1"]), app)
+
+
 # --- kill and resume --------------------------------------------------------------------------
 
 RESUME_LINES = [{"id": f"q{i}", "prompt_ids": list(range(10, 10 + (i * 7) % 11 + 1))} for i in range(12)]
