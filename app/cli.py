@@ -125,7 +125,7 @@ def run_profile_command(args) -> int:
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
-    return run_app(args.model, args.device, args.dtype)
+    return run_app(args.model, args.device, args.dtype, args.gpu_budget)
 
 
 def main(argv=None) -> int:

@@ -27,13 +27,18 @@ def stylesheet_path() -> str:
     return str(Path(str(resources.files("assets").joinpath("moedesk.tcss"))))
 
 
-def default_factory(device: str = "auto", dtype: str | None = None, context_length: int | None = None) -> EngineFactory:
-    """Engine.load with fixed device, dtype and context; the model and progress callback vary."""
+def default_factory(device: str = "auto", dtype: str | None = None, context_length: int | None = None,
+                    gpu_budget=lambda: None) -> EngineFactory:
+    """Engine.load with fixed device, dtype and context; the model and progress callback vary.
+
+    gpu_budget() is asked at each load, so a budget changed in the settings applies to the next model loaded.
+    """
 
     def load(model: str, progress: ProgressFn):
         from engine.runtime import Engine
 
-        return Engine.load(model, device=device, dtype=dtype, context_length=context_length, progress=progress)
+        return Engine.load(model, device=device, dtype=dtype, context_length=context_length,
+                           gpu_budget=gpu_budget(), progress=progress)
 
     return load
 
@@ -54,17 +59,20 @@ class MoedeskApp(App[int]):
     BINDINGS = [Binding("ctrl+q", "quit", "Quit", priority=True)]
 
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
-                 settings: Settings | None = None, store: ConversationStore | None = None):
+                 settings: Settings | None = None, store: ConversationStore | None = None,
+                 gpu_budget: float | None = None):
+        """gpu_budget (GiB) overrides the GPU budget setting for this run (the --gpu-budget flag)."""
         super().__init__()
+        budget = lambda: gpu_budget if gpu_budget is not None else self.settings.gpu_budget_gib  # noqa: E731
         if engine is not None and _is_engine(engine):
             self.engine = engine
             self.engine_factory: EngineFactory = default_factory(
                 engine.device.type if hasattr(engine, "device") else device,
-                str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype)
+                str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype, gpu_budget=budget)
             self.model = engine.name
         else:
             self.engine = None
-            self.engine_factory = engine if engine is not None else default_factory(device, dtype)
+            self.engine_factory = engine if engine is not None else default_factory(device, dtype, gpu_budget=budget)
             self.model = model
         self.settings_problems: list[str] = []
         self.settings = settings if settings is not None else load_settings(problems=self.settings_problems)
@@ -151,8 +159,9 @@ class MoedeskApp(App[int]):
         self.exit(0)
 
 
-def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None) -> int:
+def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None,
+            gpu_budget: float | None = None) -> int:
     """Run the terminal app until the user quits; returns the exit status."""
-    app = MoedeskApp(model=model, device=device, dtype=dtype)
+    app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget)
     app.run()
     return app.return_code or 0

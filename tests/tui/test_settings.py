@@ -109,3 +109,18 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
         assert app.settings.max_new_tokens == 77 and load_settings().max_new_tokens == 77
+
+
+def test_gpu_budget_setting_reaches_the_engine_at_each_load(monkeypatch):
+    from app.tui import MoedeskApp
+    from app.tui.settings import Settings
+    from engine.runtime import Engine
+
+    asked = []
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: asked.append(kw["gpu_budget"])))
+    app = MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5))
+    app.engine_factory("demo", None)
+    app.settings = Settings(gpu_budget_gib=None)  # changed on the settings screen: the next load decides itself
+    app.engine_factory("demo", None)
+    MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5), gpu_budget=0.25).engine_factory("demo", None)
+    assert asked == [1.5, None, 0.25]

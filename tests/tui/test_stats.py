@@ -6,6 +6,7 @@ import pytest
 from app.tui import MoedeskApp
 from app.tui.widgets.heatmap import GPU_MARK, LABEL_WIDTH, ExpertHeatMap, layout, level_of, render_lines
 from app.tui.widgets.stats import StatsPanel
+from engine.runtime import Engine
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
 
@@ -73,3 +74,28 @@ async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
         await pilot.press("ctrl+t")
         await pilot.press("f4")
         assert app.screen.maximized is panel
+
+
+def test_expert_rows_per_generated_token():
+    from app.tui.widgets.stats import expert_rows
+
+    assert expert_rows(None, 5) == [] and expert_rows({}, 5) == []
+    rows = dict(expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "gpu_hit_rate": 0.625}, 5))
+    assert rows == {"GPU hit rate": "62%", "experts/token": "GPU 2.0 · CPU 1.0 · copied 0.0"}
+
+
+@pytest.mark.anyio
+async def test_offloaded_engine_shows_resident_experts_and_where_experts_ran(tiny_folder):
+    engine = Engine.load(str(tiny_folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    resident = engine.expert_stats()["experts_on_gpu"]
+    assert resident > 0
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        await pilot.click("#prompt")
+        await pilot.press(*"Hi", "enter")
+        await wait_idle(pilot, app)
+        hm = app.screen.query_one(ExpertHeatMap).current_layout()
+        assert sum(c.on_gpu for row in hm.rows for c in row) == resident
+        numbers = dict(app.screen.query_one(StatsPanel).number_rows)
+        assert numbers["GPU hit rate"].endswith("%") and numbers["experts/token"].startswith("GPU ")

@@ -33,6 +33,17 @@ def context_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
     return bar
 
 
+def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str]]:
+    """Where the reply's experts ran (engine stats under "experts"), per generated token; none without offload."""
+    if not experts:
+        return []
+    steps = max(1, tokens or 1)
+    hit = experts.get("gpu_hit_rate")
+    per_step = " · ".join(f"{name} {experts.get(key, 0) / steps:.1f}"
+                          for name, key in (("GPU", "experts_gpu"), ("CPU", "experts_cpu"), ("copied", "experts_copied")))
+    return [("GPU hit rate", "—" if hit is None else f"{hit:.0%}"), ("experts/token", per_step)]
+
+
 class StatsPanel(VerticalScroll):
     """Numbers of the last reply, a sparkline of decode speed per reply, context use, and the heat map."""
 
@@ -107,6 +118,7 @@ class StatsPanel(VerticalScroll):
                     ("tokens", fmt(self.reply.get("tokens"))),
                     ("prompt", fmt(self.reply.get("prompt_tokens"))),
                     ("total time", fmt(stats.get("total_s"), " s", 2))]
+            rows += expert_rows(stats.get("experts"), self.reply.get("tokens"))
         self.number_rows = rows
         table = Table.grid(padding=(0, 1))
         table.add_column(style="dim", no_wrap=True)
