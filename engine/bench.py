@@ -96,6 +96,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     """Build the synthetic model, profile, place, measure; return every figure and its bound."""
     from engine.latency_model import fit_latency_model
     from engine.offload import OffloadExecutor
+    from engine.orchestration import leave_a_core_to_the_gpu_thread
     from engine.placement import assign_offloaded, fiddler_assign, plan_placement
     from engine.profiler import profile_expert
     from engine.synthetic import shape_config, synthetic_model
@@ -104,9 +105,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
                           ("cpu" if device == "auto" else device))
     on_cuda = device.type == "cuda"
     if on_cuda:
-        # Leave one core to the thread that drives the GPU (DESIGN: a busy pool starves launches).
-        import psutil
-        torch.set_num_threads(max(1, (psutil.cpu_count(logical=False) or 2) - 1))
+        leave_a_core_to_the_gpu_thread()
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = shape_config(shape, layers)
     t0 = time.perf_counter()

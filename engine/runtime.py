@@ -12,7 +12,8 @@ from engine.executor import LocalExecutor
 from engine.generate import Decoder
 from engine.kv_cache import KVCache
 from engine.loader import load_model, resolve_device, resolve_dtype
-from engine.orchestration import GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator
+from engine.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
+                                  leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
 from engine.tokenizer import Tokenizer
 
@@ -71,6 +72,8 @@ class Engine:
         from engine.hardware import machine_fingerprint
 
         cfg = self.config
+        if self.device.type == "cuda":
+            leave_a_core_to_the_gpu_thread()
         shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
         key_parts = (machine_fingerprint(), shape)
         self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, key_parts, cache_root(), reprofile,

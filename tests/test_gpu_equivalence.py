@@ -69,3 +69,48 @@ def test_demo_bf16_on_cuda_matches_dense_gguf():
     ref = hf_model(gguf.parent, torch.bfloat16, "cuda", gguf_file=gguf.name)
     chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Write a haiku about RAM.")]
     check_greedy(engine, ref, [engine.tokenizer.chat_prompt(m) for m in chats], new_tokens=32)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_offloaded_float32_greedy_on_cuda_at_every_budget(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    # Experts in pinned RAM, some resident, the rest computed on the CPU or copied: tokens stay transformers'.
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    ref = hf_model(folder, torch.float32, "cuda")
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    probe = Engine.load(str(folder), device="cuda", dtype="float32", gpu_budget=0)
+    assert probe.orchestra is not None and probe.executor.banks[next(iter(probe.executor.banks))].gate_up.is_pinned()
+    prompts = [probe.tokenizer.encode(p) for p in PROMPTS]
+    eos = probe.tokenizer.eos_token_ids | set(probe.config.eos_token_ids)
+    expected = [hf_greedy(ref, p, 16, eos) for p in prompts]
+    total = probe.expert_stats()["experts_total"]
+    for fits in (0, total // 2, total):
+        engine = Engine.load(str(folder), device="cuda", dtype="float32",
+                             gpu_budget=fits * probe.orchestra.expert_bytes / 2**30)
+        assert engine.expert_stats()["experts_on_gpu"] == fits
+        done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)], 2)}
+        assert [done[i] for i in range(len(prompts))] == expected, fits
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
+    offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    assert offloaded.expert_stats()["experts_on_gpu"] == 0
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    for prompt in PROMPTS:
+        ids = resident.tokenizer.encode(prompt)
+        [ours] = offloaded.generate([Request(ids, params)])
+        [theirs] = resident.generate([Request(ids, params)])
+        k = next((k for k, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
+        if k is None:
+            assert ours.token_ids == theirs.token_ids
+            continue
+        from engine.kv_cache import KVCache
+        prefix = ids + theirs.token_ids[:k]
+        cache = KVCache(resident.config, 1, len(prefix), torch.bfloat16, "cuda")
+        logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
+                                cache, resident.executor)[0, -1]
+        assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
