@@ -94,11 +94,8 @@ def expected_offloaded_bytes(on_gpu, share, batch_tokens: int, expert_bytes: int
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
               prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print) -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound."""
-    from engine.latency_model import fit_latency_model
-    from engine.offload import OffloadExecutor
-    from engine.orchestration import leave_a_core_to_the_gpu_thread
-    from engine.placement import assign_offloaded, fiddler_assign, plan_placement
-    from engine.profiler import profile_expert
+    from engine.demo import cache_root
+    from engine.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from engine.synthetic import shape_config, synthetic_model
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
@@ -111,25 +108,20 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     t0 = time.perf_counter()
     model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(prefill + (256,)) + decode_tokens)
     log(f"built {shape} x{cfg.num_layers} layers in {time.perf_counter() - t0:.1f}s")
-    gate_up, down = banks[0]
-    profile = profile_expert(gate_up[0], down[0], device)
-    costs = fit_latency_model(profile)
-    expert_bytes = profile["expert_bytes"]
+    # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
+    shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+    orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy)
+    profile, executor = orchestra.profile, orchestra.executor
+    expert_bytes = orchestra.expert_bytes
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
         f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
 
     # Popularity from a calibration pass of random tokens, all experts on the CPU.
-    nothing = [[False] * cfg.num_experts for _ in banks]
-    calib = OffloadExecutor(banks, nothing, device, decide=lambda loads: (sorted(loads), []))
     calib_tokens = 64
-    measure_prefill(model, calib, cfg, device, dtype, calib_tokens, seed=99, repeat=1)
-    popularity = [calib.selections[layer].tolist() for layer in sorted(banks)]
+    measure_prefill(model, executor, cfg, device, dtype, calib_tokens, seed=99, repeat=1)
+    popularity = [executor.selections[layer].tolist() for layer in sorted(banks)]
     share = [[c / calib_tokens for c in row] for row in popularity]
-    budget = int(gpu_budget_gib * 2**30)
-    on_gpu = plan_placement(expert_bytes, len(popularity), cfg.num_experts, popularity, budget, 0).as_lists()
-    rule = assign_offloaded if policy == "balanced" else fiddler_assign
-    executor = OffloadExecutor(banks, on_gpu, device, decide=lambda loads: rule(loads, costs))
-    del calib
+    on_gpu = orchestra.place(int(gpu_budget_gib * 2**30), popularity).as_lists()
     resident = sum(map(sum, on_gpu))
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU ({policy} policy)")
 

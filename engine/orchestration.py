@@ -17,7 +17,7 @@ import torch
 
 from engine.latency_model import LatencyModel, fit_latency_model
 from engine.offload import OffloadExecutor, allocate_banks
-from engine.placement import Placement, assign_offloaded, plan_placement
+from engine.placement import Placement, assign_offloaded, fiddler_assign, plan_placement
 from engine.profiler import cached_profile, profile_expert, profile_key
 
 log = logging.getLogger("moedesk")
@@ -86,14 +86,19 @@ class ExpertOrchestra:
 
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
-              reprofile: bool = False, warnings: list[str] | None = None) -> "ExpertOrchestra":
-        """Profile one expert (cached) and build the executor with no expert resident yet."""
+              reprofile: bool = False, warnings: list[str] | None = None, policy: str = "balanced") -> "ExpertOrchestra":
+        """Profile one expert (cached) and build the executor with no expert resident yet.
+
+        policy: "balanced" splits offloaded experts so the CPU and the copies finish together;
+        "fiddler" decides expert by expert (kept for comparison).
+        """
         gate_up, down = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, gate_up.dtype, device)
         points = cached_profile(cache_dir, key, lambda: profile_expert(gate_up[0], down[0], device), reprofile)
         costs = fit_latency_model(points)
         nothing = [[False] * gate_up.shape[0] for _ in banks]
-        executor = OffloadExecutor(banks, nothing, device, decide=lambda loads: assign_offloaded(loads, costs))
+        rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
+        executor = OffloadExecutor(banks, nothing, device, decide=lambda loads: rule(loads, costs))
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
         uniform = [[0] * gate_up.shape[0] for _ in banks]
         return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
