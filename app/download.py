@@ -78,11 +78,17 @@ class DownloadChoice:
     include: tuple[str, ...]  # --include globs that select exactly these files (short globs when they are exact)
 
     @property
+    def label(self) -> str:
+        return "safetensors checkpoint" if self.kind == "safetensors" else f"GGUF {self.name}"
+
+    @property
+    def file_count(self) -> str:
+        return f"{len(self.files)} file" + ("s" if len(self.files) != 1 else "")
+
+    @property
     def description(self) -> str:
         """"safetensors checkpoint (6 files, 61.1 GB)" or "GGUF Q4_K_M (1 file, 18.6 GB)"."""
-        label = "safetensors checkpoint" if self.kind == "safetensors" else f"GGUF {self.name}"
-        count = f"{len(self.files)} file" + ("s" if len(self.files) != 1 else "")
-        return f"{label} ({count}, {format_bytes(self.total_bytes)})"
+        return f"{self.label} ({self.file_count}, {format_bytes(self.total_bytes)})"
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ Errors carry the `X-Error-Code` header that `hf_raise_for_status` turns into typ
 `RevisionNotFound`, `EntryNotFound`, and `GatedRepo` (401 without a token, 403 with one) for gated repos.
 
 `cut_once(repo_id, path, after)` makes the next GET of that file send its headers and `after` bytes of the
-body, then close the socket: the client sees the connection drop mid-file. Every request is recorded in
-`requests` so tests can assert what the client asked for (Range headers above all).
+body, then close the socket: the client sees the connection drop mid-file. `hold_once(repo_id, path, after)`
+makes it send `after` bytes and then stall until the test sets the event it returns, so a test can act (cancel)
+while a download is certainly mid-file. Every request is recorded in `requests` so tests can assert what the
+client asked for (Range headers above all).
 
 No Xet headers are ever sent, so the client always downloads over plain HTTP.
 """
@@ -73,6 +75,8 @@ class FakeHub:
     repos: dict[str, FakeRepo] = field(default_factory=dict)
     requests: list[RecordedRequest] = field(default_factory=list)
     _cuts: dict[tuple[str, str], int] = field(default_factory=dict)
+    _holds: dict[tuple[str, str], tuple[int, threading.Event]] = field(default_factory=dict)
+    _releases: list[threading.Event] = field(default_factory=list)  # every hold's, taken or not, for stop()
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add_repo(self, repo_id: str, files: dict[str, bytes], gated: bool = False) -> FakeRepo:
@@ -88,6 +92,15 @@ class FakeHub:
         """The next GET of this file sends `after` bytes of its body and then drops the connection."""
         with self._lock:
             self._cuts[(repo_id, path)] = after
+
+    def hold_once(self, repo_id: str, path: str, after: int) -> threading.Event:
+        """The next GET of this file sends `after` bytes of its body, then waits until the returned event is set
+        (or the server stops) before sending the rest."""
+        release = threading.Event()
+        with self._lock:
+            self._holds[(repo_id, path)] = (after, release)
+            self._releases.append(release)
+        return release
 
     def gets(self, repo_id: str, path: str) -> list[RecordedRequest]:
         """The GETs that fetched this file's bytes (from the hub for small files, from the CDN for LFS files)."""
@@ -116,6 +129,9 @@ class FakeHub:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        with self._lock:
+            for release in self._releases:
+                release.set()  # a stalled handler thread must not outlive the server
         self._timer.cancel()
         for server in (self._hub, self._cdn):
             server.shutdown()
@@ -145,6 +161,10 @@ class FakeHub:
     def _take_cut(self, repo_id: str, path: str) -> int | None:
         with self._lock:
             return self._cuts.pop((repo_id, path), None)
+
+    def _take_hold(self, repo_id: str, path: str) -> tuple[int, threading.Event] | None:
+        with self._lock:
+            return self._holds.pop((repo_id, path), None)
 
     def _find_blob(self, sha256: str) -> tuple[FakeRepo, str] | None:
         for repo in self.repos.values():
@@ -316,6 +336,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             self.close_connection = True
             self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        hold = self.server.hub._take_hold(repo.repo_id, path)
+        if hold is not None:
+            after, release = hold
+            self.wfile.write(body[:after])
+            self.wfile.flush()
+            release.wait(timeout=60)
+            self.wfile.write(body[after:])  # a client that gave up meanwhile makes this raise; _dispatch expects it
             return
         self.wfile.write(body)
 

@@ -141,10 +141,23 @@ class MoedeskApp(App[int]):
             return
         self.push_screen(ModelsScreen(current=self.model if self.engine is not None else None), self.engine_ready)
 
+    def action_download(self) -> None:
+        """The download wizard, over the models screen: that is where a finished download is loaded."""
+        from app.tui.screens.download import DownloadScreen
+        from app.tui.screens.models import ModelsScreen
+
+        if isinstance(self.screen, DownloadScreen):
+            return
+        self.action_models()
+        if isinstance(self.screen, ModelsScreen):
+            self.screen.action_download()
+
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("Settings", "Sampling, system prompt, GPU budget (F2)", self.action_settings)
         yield SystemCommand("Models", "List local models and load one (F3)", self.action_models)
+        yield SystemCommand("Download a model", "From the Hugging Face Hub into its cache (F3, then F6)",
+                            self.action_download)
         if self.chat is not None and screen is self.chat:
             yield SystemCommand("New chat", "Start an empty conversation (ctrl+n)", self.chat.action_new_chat)
             yield SystemCommand("Conversations", "Open an older conversation (ctrl+o)", self.chat.action_conversations)

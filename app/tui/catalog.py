@@ -161,9 +161,10 @@ def scan_models_dir(folder: Path, known: set[str] | None = None) -> list[LocalMo
 def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = None) -> list[LocalModel]:
     """Model repos in the local Hugging Face cache that hold a config.json (their newest snapshot)."""
     try:
-        from huggingface_hub import scan_cache_dir
+        from huggingface_hub import constants, scan_cache_dir
 
-        info = scan_cache_dir(cache_dir)
+        # scan_cache_dir's own default is HF_HUB_CACHE as it was when its module was first imported.
+        info = scan_cache_dir(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
     except Exception:  # no cache yet (CacheNotFound) or an unreadable one
         return []
     known = supported_architectures() if known is None else known

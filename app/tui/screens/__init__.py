@@ -1,1 +1,1 @@
-"""The app's screens: loading, chat, settings, models, conversations."""
+"""The app's screens: loading, chat, settings, models, download, conversations."""

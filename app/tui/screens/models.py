@@ -1,7 +1,8 @@
 """Local models: the demo, the user's models folder, the Hugging Face cache. Enter loads one.
 
 Listing runs in a thread worker (sizes need a walk over files); loading goes through a
-`LoadPanel`. Dismisses with the new engine, or None when left without loading.
+`LoadPanel`. F6 opens the download wizard over it, and a download finished there loads from
+here. Dismisses with the new engine, or None when left without loading.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class ModelsScreen(Screen):
         Binding("escape", "back", "Back"),
         Binding("f5,ctrl+r", "rescan", "Rescan"),
         Binding("ctrl+l", "focus_path", "Path…"),
+        Binding("f6", "download", "Download…"),
     ]
 
     def __init__(self, current: str | None = None):
@@ -141,3 +143,13 @@ class ModelsScreen(Screen):
 
     def action_focus_path(self) -> None:
         self.query_one("#model-path", Input).focus()
+
+    def action_download(self) -> None:
+        from app.tui.screens.download import DownloadScreen
+
+        self.app.push_screen(DownloadScreen(), self._download_closed)
+
+    def _download_closed(self, spec: str | None) -> None:
+        self.scan()  # a finished download joins the HF cache list
+        if spec:
+            self.load(spec)

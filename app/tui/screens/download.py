@@ -1,0 +1,314 @@
+"""The download wizard: a Hub repo id → its download choices with sizes → one choice into the HF cache.
+
+`app.download` does the work and knows nothing of Textual; here it runs in thread workers. Listing
+answers with a message; download progress comes back through `call_from_thread`; every failure is
+one line in the status. Cancelling keeps the partial files, and downloading the same choice again
+resumes them, as it does after a crash or a dropped connection.
+
+Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
+download finished and the person chose to load it; None otherwise.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressBar, Static
+from textual.widgets.option_list import Option
+
+from app import download as dl
+from app.tui.widgets.fit_view import FitView
+from app.tui.widgets.load_panel import one_line
+
+
+def choice_label(choice: dl.DownloadChoice) -> Text:
+    text = Text(choice.label.ljust(26), style="bold")
+    text.append(choice.file_count.rjust(9), style="dim")
+    text.append(dl.format_bytes(choice.total_bytes).rjust(12))
+    return text
+
+
+def model_spec(listing: dl.RepoListing, choice: dl.DownloadChoice, snapshot: Path) -> str:
+    """What `--model` takes for a finished download, as `moedesk download` prints it."""
+    if choice.kind == "gguf":
+        return str(snapshot / sorted(p for p in choice.files if p.endswith(".gguf"))[0])
+    # A repo id finds the default branch's snapshot; another revision is only reachable by its folder.
+    return listing.repo_id if listing.revision in (None, "main") else str(snapshot)
+
+
+class DownloadScreen(Screen[str | None]):
+    BINDINGS = [
+        Binding("escape", "back", "Back / cancel download"),
+        Binding("ctrl+l", "focus_repo", "Repo id"),
+    ]
+
+    class Listed(Message):
+        def __init__(self, serial: int, listing: dl.RepoListing | None, fits: dict[str, dl.FitReport],
+                     error: str = ""):
+            super().__init__()
+            self.serial, self.listing, self.fits, self.error = serial, listing, fits, error
+
+    class Finished(Message):
+        def __init__(self, choice: dl.DownloadChoice, spec: str, snapshot: Path):
+            super().__init__()
+            self.choice, self.spec, self.snapshot = choice, spec, snapshot
+
+    class Stopped(Message):
+        def __init__(self, error: str, cancelled: bool):
+            super().__init__()
+            self.error, self.cancelled = error, cancelled
+
+    def __init__(self, repo_id: str = "", revision: str = ""):
+        super().__init__()
+        self.initial = (repo_id, revision)
+        self.listing: dl.RepoListing | None = None
+        self.fits: dict[str, dl.FitReport] = {}
+        self.downloading = False
+        self.spec: str | None = None  # set when a download finished: what "Load model" hands on
+        self._cancel = threading.Event()
+        self._serial = 0  # of the last listing asked for: an older one arriving late is dropped
+
+    def compose(self) -> ComposeResult:
+        repo_id, revision = self.initial
+        yield Header()
+        with Vertical(id="download-body"):
+            with Horizontal(id="download-repo-row"):
+                yield Input(repo_id, placeholder="repo id on the Hugging Face Hub, e.g. Qwen/Qwen3-30B-A3B",
+                            id="download-repo")
+                yield Input(revision, placeholder="revision: main", id="download-revision")
+                yield Button("List files", id="download-list")
+            yield OptionList(id="download-choices")
+            yield FitView(id="download-fit")
+            yield ProgressBar(total=None, show_eta=False, id="download-bar")
+            yield Static("", id="download-status", markup=False)
+            with Horizontal(id="download-buttons"):
+                yield Button("Download", variant="primary", id="download-start", disabled=True)
+                yield Button("Cancel", id="download-cancel", disabled=True)
+                yield Button("Load model", variant="success", id="download-load", disabled=True)
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.sub_title = "download"
+        self.query_one("#download-choices", OptionList).border_title = "choices"
+        self.query_one("#download-repo", Input).focus()
+        self._status(f"Enter lists the repo's files; downloads go to {dl.hf_cache_dir()}")
+
+    def on_unmount(self) -> None:
+        # Leaving (or quitting the app) stops a download at its next chunk; the partial file stays for next time.
+        self._cancel.set()
+
+    # -------------------------------------------------------------- helpers
+
+    def _status(self, text: str, kind: str = "") -> None:
+        status = self.query_one("#download-status", Static)
+        status.update(text)
+        for name in ("error", "warning", "ok"):
+            status.set_class(kind == name, f"-{name}")
+
+    @property
+    def choices(self) -> OptionList:
+        return self.query_one("#download-choices", OptionList)
+
+    def highlighted_choice(self) -> dl.DownloadChoice | None:
+        index = self.choices.highlighted
+        if self.listing is None or index is None or not 0 <= index < len(self.listing.choices):
+            return None
+        return self.listing.choices[index]
+
+    def _set_buttons(self) -> None:
+        cancelling = self._cancel.is_set()
+        self.query_one("#download-start", Button).disabled = self.downloading or self.highlighted_choice() is None
+        self.query_one("#download-cancel", Button).disabled = not self.downloading or cancelling
+        load = self.query_one("#download-load", Button)
+        load.disabled = self.downloading or self.spec is None
+        load.set_class(self.spec is not None, "-ready")
+        for wid in ("#download-repo", "#download-revision", "#download-list"):
+            self.query_one(wid).disabled = self.downloading
+
+    def _forget_listing(self) -> None:
+        self.listing, self.fits = None, {}
+        self.choices.clear_options()
+        self.query_one(FitView).clear()
+        self.query_one("#download-bar", ProgressBar).remove_class("-started")
+        self._set_buttons()
+
+    # -------------------------------------------------------------- listing
+
+    @on(Input.Submitted, "#download-repo, #download-revision")
+    @on(Button.Pressed, "#download-list")
+    def list_files(self) -> None:
+        if self.downloading:
+            return
+        repo_id = self.query_one("#download-repo", Input).value.strip()
+        revision = self.query_one("#download-revision", Input).value.strip() or None
+        if not repo_id:
+            self._status("type a repo id first: OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B", "error")
+            self.query_one("#download-repo", Input).focus()
+            return
+        self._serial += 1
+        self.spec = None
+        self._forget_listing()
+        self._status(f"listing the files of {repo_id}…")
+        self._list(self._serial, repo_id, revision)
+
+    @work(thread=True, exclusive=True, group="download-list", exit_on_error=False)
+    def _list(self, serial: int, repo_id: str, revision: str | None) -> None:
+        try:
+            listing = dl.list_repo_files_with_sizes(repo_id, revision)
+            fits = {}
+            if listing.choices:
+                # Disk, RAM and VRAM are measured once; only the size differs between choices.
+                base = dl.check_fits(listing.choices[0].total_bytes)
+                fits = {c.name: replace(base, needed_bytes=c.total_bytes, margin_bytes=dl.disk_margin(c.total_bytes))
+                        for c in listing.choices}
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line on screen
+            self.post_message(self.Listed(serial, None, {}, one_line(e)))
+            return
+        self.post_message(self.Listed(serial, listing, fits))
+
+    def on_download_screen_listed(self, message: Listed) -> None:
+        if message.serial != self._serial:
+            return
+        if message.listing is None:
+            self._status(message.error, "error")
+            self.query_one("#download-repo", Input).focus()
+            return
+        listing = self.listing = message.listing
+        self.fits = message.fits
+        where = f"{listing.repo_id} @ {listing.commit[:12]}"
+        if not listing.choices:
+            self._status(f"{where}: no .safetensors or .gguf weights to download", "error")
+            self._set_buttons()
+            return
+        self.choices.add_options(Option(choice_label(c), id=c.name) for c in listing.choices)
+        default = listing.default_choice()
+        self.choices.highlighted = listing.choices.index(default) if default is not None else 0
+        self.choices.focus()
+        self._set_buttons()
+        count = f"{len(listing.choices)} choice" + ("s" if len(listing.choices) != 1 else "")
+        if listing.gated:
+            self._status(f"{where}: {count} · gated model: accept its licence on the Hub and log in with "
+                         "`hf auth login` first, or the download is refused", "warning")
+        else:
+            self._status(f"{where}: {count} · ↑↓ pick one, Enter downloads it")
+
+    @on(OptionList.OptionHighlighted, "#download-choices")
+    def choice_highlighted(self) -> None:
+        choice = self.highlighted_choice()
+        if choice is not None and choice.name in self.fits:
+            self.query_one(FitView).show(choice, self.fits[choice.name])
+        self._set_buttons()
+
+    # -------------------------------------------------------------- downloading
+
+    @on(OptionList.OptionSelected, "#download-choices")
+    @on(Button.Pressed, "#download-start")
+    def start_download(self) -> None:
+        choice = self.highlighted_choice()
+        if self.downloading:
+            self.notify("A download is running: Esc cancels it.", severity="warning")
+            return
+        if self.listing is None or choice is None:
+            return
+        self.downloading = True
+        self.spec = None
+        self._cancel = threading.Event()
+        self.choices.focus()  # not the buttons: they turn disabled, and a second Enter must not cancel
+        self._set_buttons()
+        bar = self.query_one("#download-bar", ProgressBar)
+        bar.update(total=None, progress=0)
+        bar.add_class("-started")
+        self._status(f"downloading {choice.description}…")
+        self._download(self.listing, choice, self._cancel)
+
+    @work(thread=True, exclusive=True, group="download", exit_on_error=False)
+    def _download(self, listing: dl.RepoListing, choice: dl.DownloadChoice, cancel: threading.Event) -> None:
+        first: tuple[float, int] | None = None  # (time, bytes) of the first report: bytes found on disk are no speed
+
+        def progress(done: int, total: int) -> None:
+            nonlocal first
+            if cancel.is_set():
+                return  # the screen may be going away; download() raises DownloadCancelled at the next chunk
+            now = time.monotonic()
+            if first is None:
+                first = (now, done)
+            rate = (done - first[1]) / (now - first[0]) if now > first[0] else 0.0
+            self.app.call_from_thread(self._show_progress, done, total, first[1], rate)
+
+        try:
+            snapshot = dl.download(listing.repo_id, listing.revision, list(choice.include), progress=progress,
+                                   cancel=cancel)
+        except dl.DownloadCancelled as e:
+            self.post_message(self.Stopped(str(e), cancelled=True))
+            return
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line on screen
+            self.post_message(self.Stopped(one_line(e), cancelled=False))
+            return
+        self.post_message(self.Finished(choice, model_spec(listing, choice, snapshot), snapshot))
+
+    def _show_progress(self, done: int, total: int, on_disk_before: int, rate: float) -> None:
+        if not self.downloading or self._cancel.is_set():
+            return
+        self.query_one("#download-bar", ProgressBar).update(total=max(total, 1), progress=done)
+        text = f"{dl.format_bytes(done)} of {dl.format_bytes(total)}"
+        if rate > 0:
+            text += f" · {dl.format_bytes(rate)}/s"
+        if on_disk_before:
+            text += f" · resumed: {dl.format_bytes(on_disk_before)} were on disk already"
+        self._status(text + " · Esc cancels")
+
+    def on_download_screen_finished(self, message: Finished) -> None:
+        self.downloading = False
+        self.spec = message.spec
+        bar = self.query_one("#download-bar", ProgressBar)
+        bar.update(total=max(message.choice.total_bytes, 1), progress=max(message.choice.total_bytes, 1))
+        self._set_buttons()
+        self.query_one("#download-load", Button).focus()
+        self._status(f"downloaded {message.choice.description} · Enter loads it, Esc goes back · files in "
+                     f"{message.snapshot}", "ok")
+
+    def on_download_screen_stopped(self, message: Stopped) -> None:
+        self.downloading = False
+        bar = self.query_one("#download-bar", ProgressBar)
+        if bar.total is None:
+            bar.remove_class("-started")  # stopped before a byte was counted: nothing to show
+        self._set_buttons()
+        self.query_one("#download-start", Button).focus()
+        self._status(message.error, "warning" if message.cancelled else "error")
+
+    def action_cancel_download(self) -> None:
+        if not self.downloading or self._cancel.is_set():
+            return
+        self._cancel.set()
+        self._set_buttons()
+        self._status("cancelling… (the download stops after the chunk in flight)", "warning")
+
+    @on(Button.Pressed, "#download-cancel")
+    def cancel_pressed(self) -> None:
+        self.choices.focus()
+        self.action_cancel_download()
+
+    # -------------------------------------------------------------- leaving
+
+    @on(Button.Pressed, "#download-load")
+    def load_pressed(self) -> None:
+        if self.spec is not None and not self.downloading:
+            self.dismiss(self.spec)
+
+    def action_back(self) -> None:
+        if self.downloading:
+            self.action_cancel_download()  # a second Esc, once it stopped, leaves
+            return
+        self.dismiss(None)
+
+    def action_focus_repo(self) -> None:
+        self.query_one("#download-repo", Input).focus()

@@ -1,0 +1,389 @@
+"""The download wizard, driven through Pilot, with the real huggingface_hub client talking to tests/fake_hub.py."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from app import download as dl
+from app.tui import MoedeskApp
+from app.tui.screens.download import DownloadScreen
+from app.tui.screens.models import ModelsScreen
+from tests.fake_hub import FakeHub
+from tests.tui.helpers import chat_ready, wait_for
+
+pytestmark = pytest.mark.timeout(90)
+
+CHUNK = 16 * 1024  # huggingface_hub reads 10 MB at a time; small chunks let a 1 MB file arrive in pieces
+REPO = "moe/tiny-moe"
+WEIGHTS = "model.safetensors"
+
+
+def blob(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+GGUFS = {"tiny-moe-Q4_K_M.gguf": blob(3, 60_000), "tiny-moe-Q8_0.gguf": blob(4, 110_000)}
+FIXED = {  # bytes that never change, so the snapshot's commit hash and sizes never do
+    "config.json": b'{"model_type": "qwen3_moe", "num_experts": 8}',
+    "tokenizer.json": b'{"version": "1.0"}',
+    "model-00001-of-00002.safetensors": blob(1, 3_000_000),
+    "model-00002-of-00002.safetensors": blob(2, 2_000_000),
+    "README.md": b"# snap\n",
+    "snap-Q4_K_M.gguf": blob(5, 1_200_000),
+    "snap-Q8_0.gguf": blob(6, 2_400_000),
+}
+
+
+@pytest.fixture
+def hub(tui_dirs, tiny_folder, monkeypatch):
+    """A fake Hub serving the tiny test model (loadable) plus GGUF files, and huggingface_hub pointed at it.
+
+    huggingface_hub reads HF_ENDPOINT / HF_HOME / HF_HUB_CACHE when it is imported, so its constants are patched
+    (tests/test_download.py covers the environment route in a fresh process); the cache is tui_dirs' empty one.
+    """
+    from huggingface_hub import constants
+    from huggingface_hub.utils import close_session
+
+    fake = FakeHub()
+    files = {p.name: p.read_bytes() for p in tiny_folder.iterdir() if p.is_file()}
+    fake.add_repo(REPO, {**files, "README.md": b"# tiny\n", **GGUFS})
+    fake.add_repo("moe/gated", {"config.json": b"{}", "model.safetensors": blob(10, 20_000)}, gated=True)
+    fake.add_repo("moe/snap", FIXED)
+    fake.start()
+    home = tui_dirs["cache"] / "hf-home"
+    for name, value in {
+        "ENDPOINT": fake.endpoint,
+        "HUGGINGFACE_CO_URL_TEMPLATE": fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(tui_dirs["hf-cache"]),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+        "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_XET": True,
+        "DOWNLOAD_CHUNK_SIZE": CHUNK,
+    }.items():
+        monkeypatch.setattr(constants, name, value)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    yield fake
+    fake.stop()
+    close_session()  # drop pooled keep-alive connections to this server
+
+
+def repo_dir(repo_id: str = REPO) -> Path:
+    return Path(dl.hf_cache_dir()) / ("models--" + repo_id.replace("/", "--"))
+
+
+def partials(repo_id: str = REPO) -> list[Path]:
+    return sorted((repo_dir(repo_id) / "blobs").glob("*.incomplete"))
+
+
+def status(screen) -> str:
+    return str(screen.query_one("#download-status").render())
+
+
+def option_texts(screen) -> list[str]:
+    choices = screen.query_one("#download-choices")
+    return [str(choices.get_option_at_index(i).prompt) for i in range(choices.option_count)]
+
+
+async def open_wizard(pilot) -> DownloadScreen:
+    """From the chat, with keys only: F3 (models), F6 (download)."""
+    app = pilot.app
+    await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+    await pilot.press("f3")
+    await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen), what="the models screen")
+    await pilot.press("f6")
+    await wait_for(pilot, lambda: isinstance(app.screen, DownloadScreen), what="the wizard")
+    assert app.screen.focused is app.screen.query_one("#download-repo")
+    return app.screen
+
+
+async def list_repo(pilot, screen: DownloadScreen, repo_id: str) -> None:
+    """Type the repo id (replacing what is there) and press Enter; wait for choices or an error."""
+    screen.query_one("#download-repo").focus()
+    screen.query_one("#download-repo").value = ""
+    await pilot.press(*repo_id, "enter")
+    failed = lambda: "-error" in screen.query_one("#download-status").classes  # noqa: E731
+    await wait_for(pilot, lambda: screen.listing is not None or failed(), what=f"the listing of {repo_id}")
+
+
+async def wait_stopped(pilot, screen: DownloadScreen, what: str = "the download to stop") -> None:
+    await wait_for(pilot, lambda: not screen.downloading, what=what)
+
+
+# -- listing ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine):
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+
+        listing = screen.listing
+        assert [c.name for c in listing.choices] == ["safetensors", "Q4_K_M", "Q8_0"]
+        safetensors = listing.choices[0]
+        assert WEIGHTS in safetensors.files and "README.md" not in safetensors.files
+        texts = option_texts(screen)
+        assert texts[0].startswith("safetensors checkpoint") and f"{len(safetensors.files)} files" in texts[0]
+        assert texts[0].endswith(dl.format_bytes(safetensors.total_bytes))
+        assert texts[1].startswith("GGUF Q4_K_M") and "1 file" in texts[1] and texts[1].endswith("60.0 KB")
+        assert texts[2].startswith("GGUF Q8_0") and texts[2].endswith("110.0 KB")
+        assert f"{REPO} @ {hub.repos[REPO].commit[:12]}: 3 choices" in status(screen)
+
+        # The default (the safetensors checkpoint) is highlighted, with its fit; moving shows the next one's.
+        assert screen.focused is screen.query_one("#download-choices")
+        fit = screen.query_one("FitView")
+        size_line = lambda: str(fit.query_one(".fit-size").render())  # noqa: E731
+        assert size_line() == f"safetensors checkpoint · {len(safetensors.files)} files · " \
+                              f"{dl.format_bytes(safetensors.total_bytes)} to download"
+        assert "fits" in str(fit.query_one(".fit-disk").render()) and "-no-room" not in fit.classes
+        assert "RAM " in str(fit.query_one(".fit-memory").render())
+        await pilot.press("down")
+        assert size_line() == "GGUF Q4_K_M · 1 file · 60.0 KB to download"
+        assert not screen.query_one("#download-start").disabled
+        # Listing fetched metadata only: not one file's bytes.
+        assert not any("/resolve/" in r.path and r.method == "GET" or r.server == "cdn" for r in hub.requests)
+
+
+@pytest.mark.anyio
+async def test_app_action_opens_the_wizard_over_the_models_screen(hub, engine):
+    """The command palette's "Download a model": Esc from the wizard lands where a download is loaded."""
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        app.action_download()
+        await wait_for(pilot, lambda: isinstance(app.screen, DownloadScreen), what="the wizard")
+        assert [type(s).__name__ for s in app.screen_stack][-3:] == ["ChatScreen", "ModelsScreen", "DownloadScreen"]
+        await pilot.press("escape")
+        assert isinstance(app.screen, ModelsScreen)
+
+
+# -- downloading -----------------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_keyboard_only_download_then_load(hub, engine):
+    """Type, Enter, Tab to Download, Enter, and Enter again on "Load model": the downloaded model is the engine."""
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await pilot.press(*REPO, "enter")
+        await wait_for(pilot, lambda: screen.listing is not None, what="the listing")
+        await pilot.press("tab")
+        assert screen.focused is screen.query_one("#download-start")
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == REPO, status(screen)
+        assert "downloaded safetensors checkpoint" in status(screen)
+        bar = screen.query_one("#download-bar")
+        assert bar.progress == bar.total == screen.listing.choices[0].total_bytes
+
+        # huggingface_hub's cache layout: refs/main → snapshots/<commit>/ with links into blobs/.
+        commit = hub.repos[REPO].commit
+        assert (repo_dir() / "refs" / "main").read_text() == commit
+        snapshot = repo_dir() / "snapshots" / commit
+        assert sorted(p.name for p in snapshot.iterdir()) == sorted(screen.listing.choices[0].files)
+        assert (snapshot / WEIGHTS).is_symlink()
+        assert (snapshot / WEIGHTS).read_bytes() == hub.repos[REPO].files[WEIGHTS]
+        assert not partials()
+
+        assert screen.focused is screen.query_one("#download-load")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: chat_ready(app) and app.engine is not engine, what="the downloaded model")
+        assert app.model == REPO and app.engine.name == REPO
+
+
+@pytest.mark.anyio
+async def test_gguf_choice_shows_up_in_the_models_list(hub, engine):
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("down", "enter")  # GGUF Q4_K_M, Enter on the list downloads it
+        await wait_stopped(pilot, screen)
+        gguf = repo_dir() / "snapshots" / hub.repos[REPO].commit / "tiny-moe-Q4_K_M.gguf"
+        assert screen.spec == str(gguf) and gguf.read_bytes() == GGUFS["tiny-moe-Q4_K_M.gguf"]
+
+        await pilot.press("escape")  # back to the models screen, which looks again
+        models = app.screen
+        assert isinstance(models, ModelsScreen)
+        await wait_for(pilot, lambda: any(m.spec == str(gguf) for m in models.models), what="the rescan")
+        table = models.query_one("#models-table")
+        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        assert f"{REPO}/tiny-moe-Q4_K_M.gguf" in names
+
+
+@pytest.mark.anyio
+async def test_connection_cut_mid_file_then_the_download_resumes(hub, engine):
+    hub.cut_once(REPO, WEIGHTS, after=5 * CHUNK + 100)
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == REPO, status(screen)
+
+    gets = hub.gets(REPO, WEIGHTS)
+    assert len(gets) == 2 and gets[0].range is None
+    assert gets[1].range == f"bytes={5 * CHUNK}-"  # from the last whole chunk that arrived
+    snapshot = repo_dir() / "snapshots" / hub.repos[REPO].commit
+    assert (snapshot / WEIGHTS).read_bytes() == hub.repos[REPO].files[WEIGHTS]
+
+
+@pytest.mark.anyio
+async def test_cancel_keeps_the_partial_file_and_the_next_download_resumes_it(hub, engine):
+    weights = hub.repos[REPO].files[WEIGHTS]
+    release = hub.hold_once(REPO, WEIGHTS, after=4 * CHUNK)  # the transfer stalls there until released
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        choice = screen.listing.choices[0]
+        small = choice.total_bytes - len(weights)  # the other files come first, smallest first
+        await pilot.press("enter")
+        bar = screen.query_one("#download-bar")
+        await wait_for(pilot, lambda: bar.progress == small + 4 * CHUNK, what="the stalled transfer")
+        assert "Esc cancels" in status(screen) and not screen.query_one("#download-cancel").disabled
+
+        await pilot.press("escape")  # cancels; it does not leave while a download runs
+        assert isinstance(app.screen, DownloadScreen) and "cancelling" in status(screen)
+        release.set()
+        await wait_stopped(pilot, screen)
+        assert "partial files are kept" in status(screen) and "resumes" in status(screen)
+        assert "\n" not in status(screen) and screen.spec is None
+
+        [partial] = partials()
+        assert partial.name == f"{hub.repos[REPO].sha256(WEIGHTS)}.incomplete"
+        kept = partial.stat().st_size
+        assert kept == 4 * CHUNK and partial.read_bytes() == weights[:kept]
+        assert not (repo_dir() / "refs" / "main").exists()  # a half-done snapshot is not the model yet
+
+        statuses = []
+        show = screen._status
+        screen._status = lambda text, kind="": (statuses.append(text), show(text, kind))
+        assert screen.focused is screen.query_one("#download-start")
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == REPO, status(screen)
+        assert any(f"resumed: {dl.format_bytes(small + kept)} were on disk already" in s for s in statuses)
+
+    second = hub.gets(REPO, WEIGHTS)[-1]
+    assert len(hub.gets(REPO, WEIGHTS)) == 2 and second.range == f"bytes={kept}-"  # only the rest was served
+    assert (repo_dir() / "snapshots" / hub.repos[REPO].commit / WEIGHTS).read_bytes() == weights
+    assert not partials()
+
+
+@pytest.mark.anyio
+async def test_quitting_mid_download_stops_it_and_a_new_app_resumes(hub, engine, monkeypatch):
+    """Quitting (or a crash) mid-file: the download thread stops, and the next run picks up the partial file."""
+    import threading
+
+    returned = threading.Event()
+    real_download = dl.download
+
+    def download(*args, **kwargs):
+        try:
+            return real_download(*args, **kwargs)
+        finally:
+            returned.set()
+
+    monkeypatch.setattr(dl, "download", download)
+    release = hub.hold_once(REPO, WEIGHTS, after=3 * CHUNK)
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: any(p.stat().st_size == 3 * CHUNK for p in partials()),
+                       what="the stalled transfer")
+        await pilot.press("ctrl+q")
+    release.set()  # the next chunk reaches a download that was told to stop
+    assert returned.wait(20)
+    assert [p.stat().st_size for p in partials()] == [3 * CHUNK]
+    assert not (repo_dir() / "refs" / "main").exists()
+
+    returned.clear()
+    again = MoedeskApp(engine)
+    async with again.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == REPO, status(screen)
+    assert hub.gets(REPO, WEIGHTS)[-1].range == f"bytes={3 * CHUNK}-"
+
+
+# -- errors: one line each -------------------------------------------------------------------------------------
+
+@pytest.mark.anyio
+async def test_errors_are_one_line(hub, engine, monkeypatch):
+    from huggingface_hub import constants
+
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+
+        await list_repo(pilot, screen, "moe/nope")
+        assert "moe/nope: no such model on the Hugging Face Hub" in status(screen)
+        assert "\n" not in status(screen) and "-error" in screen.query_one("#download-status").classes
+        assert screen.query_one("#download-choices").option_count == 0
+        assert screen.query_one("#download-start").disabled
+
+        await list_repo(pilot, screen, "moe/gated")  # its file list is public; its files are not
+        assert "gated model" in status(screen)
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert "moe/gated is a gated model: accept its licence" in status(screen) and "\n" not in status(screen)
+
+        # Not enough disk: the fit says so before anything is fetched, and downloading stops with one line.
+        monkeypatch.setattr(dl.shutil, "disk_usage", lambda path: _Usage(free=200_000))
+        await list_repo(pilot, screen, REPO)
+        fit = screen.query_one("FitView")
+        assert "-no-room" in fit.classes and "NOT enough" in str(fit.query_one(".fit-disk").render())
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert status(screen).startswith("not enough disk space") and "\n" not in status(screen)
+        assert not hub.gets(REPO, WEIGHTS)
+
+        # No network: the Hub's address answers nothing.
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        monkeypatch.setattr(constants, "ENDPOINT", dead)
+        await list_repo(pilot, screen, REPO)
+        assert status(screen).startswith(f"cannot reach {dead}") and "\n" not in status(screen)
+
+        await pilot.press("escape")
+        assert isinstance(app.screen, ModelsScreen)
+
+
+class _Usage:
+    def __init__(self, free: int):
+        self.total, self.used, self.free = free * 2, free, free
+
+
+# -- how it looks ----------------------------------------------------------------------------------------------
+
+def fixed_fit(needed: int, target=None) -> dl.FitReport:
+    """This machine's disk, RAM and VRAM would change the picture from run to run."""
+    return dl.FitReport(needed, Path("/hf"), 500 * dl.GB, dl.disk_margin(needed), 64 * dl.GB, 48 * dl.GB,
+                        80 * dl.GB, 70 * dl.GB)
+
+
+def test_download_wizard_snapshot(snap_compare, hub, engine, monkeypatch):
+    monkeypatch.setattr(dl, "check_fits", fixed_fit)
+    engine.name = "tiny-qwen3-moe"
+
+    async def run_before(pilot):
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, "moe/snap")
+        await pilot.pause()
+
+    assert snap_compare(MoedeskApp(engine), terminal_size=(100, 30), run_before=run_before)
