@@ -5,24 +5,25 @@ pinned when a GPU exists so that copies run at full PCIe speed. The experts a pl
 on the GPU are copied there once. For each layer step the executor runs resident experts on
 the GPU, and for each offloaded expert with tokens either computes it on the CPU or copies it
 into a GPU staging slot and computes it there, as `decide` says; CPU work runs while the GPU
-works. Outputs are summed in ascending expert order wherever they were computed, so the
-result does not depend on the placement beyond each expert's own arithmetic.
+works. All of a layer's CPU experts go to `kernels.cpu_experts` in one call: one parallel
+region streams their weights, where torch would run one small matmul after another. Outputs
+are summed in ascending expert order wherever they were computed, so the result does not
+depend on the placement beyond each expert's own arithmetic.
 
 With `device` = cpu the "GPU" tier is simulated on the CPU: placement, decisions, staging
 copies and the ordered sum all run for real, which is how CI tests them without a GPU.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, fields, replace
 
 import torch
-import torch.nn.functional as F
 
+from kernels.cpu_experts import expert_forward, experts_forward
 
-def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+__all__ = ["expert_forward", "experts_forward", "OffloadExecutor", "allocate_banks", "stack_experts"]
 
 
 @dataclass
@@ -176,17 +177,13 @@ class OffloadExecutor:
                 self.slot_free[slot] = torch.cuda.current_stream(self.device).record_event()
         if on_cpu:
             cpu_started = time.perf_counter()
-            rows = sum(span[e][1] - span[e][0] for e in on_cpu)
-            host_out = self._host_buffer(rows, x.shape[1], x.dtype)
-            row = 0
-            placed = {}
-            for e in on_cpu:
-                a, b = span[e]
-                host_out[row:row + b - a] = expert_forward(x_host[routing_host[0, a:b]], bank.gate_up[e], bank.down[e])
-                placed[e] = (row, row + b - a)
-                row += b - a
+            groups = [span[e] for e in on_cpu]
+            rows = torch.cat([routing_host[0, a:b] for a, b in groups])
+            offsets = torch.tensor([0, *itertools.accumulate(b - a for a, b in groups)])
+            host_out = self._host_buffer(rows.shape[0], x.shape[1], x.dtype)
+            experts_forward(x_host, rows, torch.tensor(on_cpu), offsets, bank.gate_up, bank.down, out=host_out)
             back = host_out.to(self.device, non_blocking=True)  # one copy back for all CPU experts
-            for e, (a, b) in placed.items():
+            for e, a, b in zip(on_cpu, offsets[:-1].tolist(), offsets[1:].tolist()):
                 outputs[e] = back[a:b]
             self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
 

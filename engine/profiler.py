@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from engine.json_cache import cached_json
-from engine.offload import expert_forward
+from engine.offload import expert_forward, experts_forward
+from kernels import cpu_experts
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -50,9 +51,13 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
     dtype = gate_up.dtype
     expert_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
     cpu = {}
+    one = torch.tensor([0])  # the CPU tier computes experts through experts_forward: time that path
+    stacked_gate_up, stacked_down = gate_up.unsqueeze(0), down.unsqueeze(0)
     for n in cpu_tokens:
         x = torch.randn(n, hidden, dtype=dtype)
-        cpu[n] = _timed_ms(lambda: expert_forward(x, gate_up, down), torch.device("cpu"), repeat)
+        rows, offsets = torch.arange(n), torch.tensor([0, n])
+        cpu[n] = _timed_ms(lambda: experts_forward(x, rows, one, offsets, stacked_gate_up, stacked_down),
+                           torch.device("cpu"), repeat)
     g_gate_up, g_down = gate_up.to(device), down.to(device)
     gpu = {}
     for n in gpu_tokens:
@@ -71,12 +76,14 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         "cpu_expert_ms": cpu, "gpu_expert_ms": gpu, "copy_expert_ms": copy_ms,
         "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
         "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
-        "threads": torch.get_num_threads(), "device": str(device), "pinned": gate_up.is_pinned(),
+        "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
+        "pinned": gate_up.is_pinned(),
     }
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:
-    raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads()])
+    raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads(),
+                      cpu_experts.describe()])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 

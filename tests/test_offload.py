@@ -58,3 +58,30 @@ def test_bench_runs_on_the_simulated_tier():
     assert modes == ["decode", "prefill", "batched_decode"]
     assert all(r["tok_s"] > 0 and r["bound_tok_s"] > 0 for r in report["results"])
     assert 0 < report["experts_on_gpu"] < 16
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny_checkpoint, monkeypatch):
+    """In bf16 every CPU expert of a layer goes through one native kernel call; greedy tokens are those of
+    the all-resident run (torch's bf16 arithmetic on the simulated GPU tier)."""
+    from kernels import cpu_experts
+
+    if not cpu_experts.available():
+        pytest.skip(f"native kernel unavailable here: {cpu_experts.unavailable_reason()}")
+    calls = []
+    native = cpu_experts._native
+    monkeypatch.setattr(cpu_experts, "_native", lambda *a, **k: calls.append(a[3].shape[0]) or native(*a, **k))
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="bfloat16")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    banks = stack_experts(engine.model, pinned=False)
+    shape = [len(bank[0]) for _, bank in sorted(banks.items())]
+    runs = {}
+    for name, resident in (("resident", True), ("cpu", False)):
+        engine.executor = OffloadExecutor(banks, [[resident] * n for n in shape], "cpu", POLICIES["all-cpu"])
+        done = {c.tag: c.token_ids for c in engine.generate(
+            [Request(p, params, tag=i) for i, p in enumerate(prompts)], batch_size=2)}
+        runs[name] = [done[i] for i in range(len(prompts))]
+        assert (engine.executor.stats.cpu_experts > 0) == (not resident)
+    assert runs["cpu"] == runs["resident"]
+    assert calls and max(calls) > 1  # called, and with several experts per call

@@ -1,0 +1,584 @@
+/*
+ * All CPU-resident experts of one MoE layer for one step, in one parallel region.
+ *
+ * Decode puts 1..32 tokens on each expert, so the work is memory-bound: every weight byte
+ * should cross the memory bus once per call, with all cores pulling at once. Phase 1 hands out
+ * (group, block of F rows) items and computes gate and up rows together into
+ * act = bf16(bf16(silu(bf16(gate))) * bf16(up)), the same roundings torch's bf16 path makes;
+ * phase 2 hands out (group, block of H rows) items of the down projection. A phase-2 item waits
+ * only for its own group's phase-1 items, not for a global barrier. Items come from one atomic
+ * counter, so groups with more tokens simply take more items.
+ *
+ * Inner loop (dot4): 4 weight rows x up to 6 tokens of fp32 accumulators live in registers;
+ * each 64-byte weight chunk is loaded once and used for every token of the tile, and all tiles
+ * of a group run while the 4 rows are still in L1/L2, so DRAM sees the weights once whatever
+ * the number of tokens. bf16 weights become fp32 with a shift or a mask and go through FMAs:
+ * on Sapphire Rapids vdpbf16ps issues at half the rate of vfmadd (1.7 vs 7.1 G/s per core,
+ * measured), which made the FMA form twice as fast at 4 tokens and 1.3x at 16. So the kernel
+ * needs only AVX512F/BW/VL, not AVX512_BF16.
+ *
+ * Threads: a small persistent pool instead of OpenMP. The caller works as thread 0; workers
+ * spin briefly after a call (layers follow each other closely in decode) and then sleep.
+ * A worker that wakes after the work is done never joins, so a slow wake-up does not delay
+ * the call (OpenMP's closing barrier would wait for it). libgomp also keeps one team per
+ * calling thread and spins for milliseconds after each region, colliding with torch's team.
+ *
+ * The Python side checks the CPU before loading this; moe_cpu_supported() checks again,
+ * including the OS's support for the zmm state.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <cpuid.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef uint16_t bf16;
+
+#define TILE 6          /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
+#define MAX_WORKERS 1023
+/* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next
+ * iteration reads, past the tensor's end it is harmless. 1 KiB gave +15% on one core (DRAM-bound
+ * decode shapes; 256 B: +6%, 2 KiB: same as 1 KiB). */
+#define PREFETCH 1024
+#define ITEM_BYTES (256 * 1024) /* weight bytes per work item: small enough to balance, large enough to amortise */
+
+/* ---------------------------------------------------------------- arithmetic */
+
+static inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline __m512 bf16_odd(__m512i v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
+}
+
+/* Round to the nearest bfloat16 (ties to even), kept in fp32: torch's float -> bfloat16 rounding,
+ * denormals and NaNs included, so the act values match its bf16 path. */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+/* exp(x) to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, Taylor polynomial of degree 6, times 2^n. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-100.f), _mm512_min_ps(_mm512_set1_ps(100.f), x)); /* NaN passes */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 silu16(__m512 x) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+}
+
+/* act = bf16(bf16(silu(bf16(gate))) * bf16(up)), as torch's bf16 F.silu(gate) * up rounds it. */
+static inline __m512 act16(__m512 gate, __m512 up) {
+    return round_bf16(_mm512_mul_ps(round_bf16(silu16(round_bf16(gate))), round_bf16(up)));
+}
+
+/* The horizontal sums of 4 vectors, together: a transpose-and-add tree instead of 4 separate reductions. */
+static inline __m128 sum4(const __m512 a[4]) {
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    __m512 y = _mm512_add_ps(_mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x01, x23, _MM_SHUFFLE(3, 2, 3, 2)));
+    y = _mm512_add_ps(y, _mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(1, 0, 3, 2)));
+    y = _mm512_add_ps(y, _mm512_shuffle_f32x4(y, y, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(y);
+}
+
+static inline __attribute__((always_inline)) void
+dot4_step(__m512 acc[TILE][4], const __m512i v[4], const float *const *xs, const int T, int64_t k) {
+    __m512 wc[4];
+    for (int r = 0; r < 4; r++) wc[r] = bf16_even(v[r]);
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++) {
+        const __m512 xe = _mm512_loadu_ps(xs[t] + k);
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_fmadd_ps(wc[r], xe, acc[t][r]);
+    }
+    for (int r = 0; r < 4; r++) wc[r] = bf16_odd(v[r]);
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++) {
+        const __m512 xo = _mm512_loadu_ps(xs[t] + k + 16);
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_fmadd_ps(wc[r], xo, acc[t][r]);
+    }
+}
+
+/*
+ * out[t*4 + r] = dot(w[r][0:K], x_t) for T tokens and 4 bf16 weight rows, in fp32.
+ * x_t is "split" fp32: for every 32 elements of the row, first the 16 at even positions, then
+ * the 16 at odd ones, zero-padded to a multiple of 32. A 64-byte weight chunk becomes its even
+ * and odd halves with one shift and one mask, each then an FMA against every token: two FMAs
+ * per 32 multiply-adds where vdpbf16ps needs one instruction at half the rate (measured).
+ * Products of two bf16 are exact in fp32, so this is torch's bf16 matmul arithmetic up to the
+ * order of the fp32 sum. Always inlined with a constant T so the accumulators stay in registers.
+ */
+static inline __attribute__((always_inline)) void
+dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, float *out) {
+    __m512 acc[TILE][4];
+    __m512i v[4];
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[r] + k) + PREFETCH, _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) v[r] = _mm512_loadu_si512(w[r] + k);
+        dot4_step(acc, v, xs, T, k);
+    }
+    if (k < K) { /* tail: read nothing past the row; x is zero-padded there */
+        const __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+        for (int r = 0; r < 4; r++) v[r] = _mm512_maskz_loadu_epi16(m, w[r] + k);
+        dot4_step(acc, v, xs, T, k);
+    }
+#pragma GCC unroll 6
+    for (int t = 0; t < T; t++) _mm_storeu_ps(out + t * 4, sum4(acc[t]));
+}
+
+/* dot4 for 1..TILE tokens. */
+static void dot4_tile(const bf16 *const w[4], const float *const *xs, int n, int64_t K, float *out) {
+    switch (n) {
+    case 1: dot4(w, xs, 1, K, out); break;
+    case 2: dot4(w, xs, 2, K, out); break;
+    case 3: dot4(w, xs, 3, K, out); break;
+    case 4: dot4(w, xs, 4, K, out); break;
+    case 5: dot4(w, xs, 5, K, out); break;
+    default: dot4(w, xs, TILE, K, out); break;
+    }
+}
+
+/* A bf16 row of n elements into split fp32 (see dot4), zero-padded to a multiple of 32. */
+static void split_row(const bf16 *src, int64_t n, float *dst) {
+    for (int64_t k = 0; k < n; k += 32, dst += 32) {
+        const __mmask32 m = n - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (n - k)) - 1);
+        const __m512i v = _mm512_maskz_loadu_epi16(m, src + k);
+        _mm512_storeu_ps(dst, bf16_even(v));
+        _mm512_storeu_ps(dst + 16, bf16_odd(v));
+    }
+}
+
+/* ---------------------------------------------------------------- one call's work */
+
+typedef struct {
+    const bf16 *gate_up, *down;
+    bf16 *out;
+    /* Scratch rows count only the native groups' rows: natively computed row t of native group k
+     * is scratch row first[k] + t. */
+    float *act;           /* [rows][Fp] split fp32, holding bf16 values */
+    float *gu;            /* [rows][2F] fp32 gate and up sums before rounding */
+    const float *x;       /* [rows][Hp] split fp32 copies of the x rows */
+    const int64_t *off, *eid;
+    const int32_t *groups; /* native groups, in order */
+    const int64_t *first;  /* per native group: its first scratch row */
+    _Atomic int32_t *done1; /* per native group: phase-1 items finished */
+    int64_t H, F, Fp, out_stride, n1, total, FB, HB, nb1, nb2;
+    _Alignas(64) _Atomic int64_t next; /* its own cache line: every item bumps it */
+    char pad[56];
+} Job;
+
+/*
+ * Token tiles are the outer loop: the first tile streams the item's rows from DRAM and later
+ * tiles find them in L2 (an item is ITEM_BYTES), while the tile's x rows stay in L1. Rows outer
+ * would instead re-read every token's x (fp32, twice the bytes) from L2 for each 4 rows, which
+ * measured slower from 8 tokens up.
+ */
+static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], H = j->H, F = j->F;
+    const int64_t Hp = (H + 31) / 32 * 32;
+    const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
+    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    float *gu = j->gu + r0 * 2 * F, s[4 * TILE];
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
+        const float *xs[TILE];
+        for (int t = 0; t < tn; t++) xs[t] = j->x + (r0 + t0 + t) * Hp;
+        for (int64_t f = f0; f < f1; f += 2) {
+            const int64_t f2 = f + 1 < F ? f + 1 : f; /* an odd last row is computed twice, kept once */
+            const bf16 *w[4] = {gate + f * H, gate + f2 * H, up + f * H, up + f2 * H};
+            dot4_tile(w, xs, tn, H, s);
+            for (int t = 0; t < tn; t++) {
+                float *row = gu + (t0 + t) * 2 * F;
+                row[f] = s[t * 4 + 0];
+                row[F + f] = s[t * 4 + 2];
+                if (f2 != f) {
+                    row[f + 1] = s[t * 4 + 1];
+                    row[F + f + 1] = s[t * 4 + 3];
+                }
+            }
+        }
+    }
+    /* act in split layout: blocks start at multiples of 32, so each 32-chunk is this item's own */
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t t = 0; t < n; t++) {
+        const float *g_row = gu + t * 2 * F, *u_row = g_row + F;
+        float *act = j->act + (r0 + t) * j->Fp;
+        for (int64_t f = f0; f < f1; f += 32) {
+            const int64_t left = f1 - f;
+            const __mmask16 lo = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+            const __mmask16 hi = left >= 32 ? (__mmask16)0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+            const __m512 a0 = act16(_mm512_maskz_loadu_ps(lo, g_row + f), _mm512_maskz_loadu_ps(lo, u_row + f));
+            const __m512 a1 = act16(_mm512_maskz_loadu_ps(hi, g_row + f + 16), _mm512_maskz_loadu_ps(hi, u_row + f + 16));
+            _mm512_storeu_ps(act + f, _mm512_permutex2var_ps(a0, even, a1));
+            _mm512_storeu_ps(act + f + 16, _mm512_permutex2var_ps(a0, odd, a1));
+        }
+    }
+}
+
+static void phase2_item(const Job *j, int64_t gi, int64_t blk) {
+    const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H, F = j->F;
+    const bf16 *down = j->down + j->eid[g] * H * F;
+    const int64_t h0 = blk * j->HB, h1 = h0 + j->HB < H ? h0 + j->HB : H;
+    float s[4 * TILE];
+    for (int64_t t0 = 0; t0 < n; t0 += TILE) {
+        const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
+        const float *xs[TILE];
+        for (int t = 0; t < tn; t++) xs[t] = j->act + (r0 + t0 + t) * j->Fp;
+        for (int64_t h = h0; h < h1; h += 4) {
+            const bf16 *w[4];
+            for (int r = 0; r < 4; r++) w[r] = down + (h + r < H ? h + r : H - 1) * F;
+            dot4_tile(w, xs, tn, F, s);
+            const int64_t rn = h1 - h < 4 ? h1 - h : 4;
+            for (int t = 0; t < tn; t++) {
+                bf16 *o = j->out + (a + t0 + t) * j->out_stride + h;
+                for (int64_t r = 0; r < rn; r++) o[r] = f32_to_bf16(s[t * 4 + r]);
+            }
+        }
+    }
+}
+
+static inline void relax(unsigned *spins) {
+    if (++*spins < 4096) _mm_pause();
+    else sched_yield(); /* the thread we wait for may have been preempted */
+}
+
+static void run_job(Job *j) {
+    for (;;) {
+        const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->total) return;
+        if (i < j->n1) {
+            phase1_item(j, i / j->nb1, i % j->nb1);
+            atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
+        } else {
+            const int64_t k = i - j->n1, gi = k / j->nb2;
+            unsigned spins = 0;
+            while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
+            phase2_item(j, gi, k % j->nb2);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- thread pool */
+
+/* state: generation (32 bits) | closed (1) | worker limit (15) | workers joined (16) */
+#define ST_GEN(s) ((uint32_t)((s) >> 32))
+#define ST_CLOSED (1ull << 31)
+#define ST_LIMIT(s) ((uint32_t)(((s) >> 16) & 0x7fff))
+#define ST_JOINED(s) ((uint32_t)((s) & 0xffff))
+
+static struct {
+    pthread_mutex_t call;    /* one call at a time, whichever thread makes it */
+    pthread_mutex_t sleep;
+    pthread_cond_t wake;
+    _Atomic uint64_t state;
+    _Atomic uint32_t left;   /* joined workers that finished the current job */
+    _Atomic int sleepers;
+    _Atomic int64_t spin_ns;
+    _Atomic int linger;      /* whether workers spin after the current call */
+    _Atomic int threads;     /* participants per call, caller included */
+    int workers;             /* worker threads started */
+    Job job;
+    /* scratch, grown on demand, owned by whoever holds `call` */
+    void *scratch;
+    size_t scratch_bytes;
+} pool = {
+    .call = PTHREAD_MUTEX_INITIALIZER,
+    .sleep = PTHREAD_MUTEX_INITIALIZER,
+    .wake = PTHREAD_COND_INITIALIZER,
+    .state = ST_CLOSED,
+    .spin_ns = 200000,
+    .linger = 1,
+    .threads = 1,
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Wait for a generation other than `seen`: spin for spin_ns (if asked to), then sleep on the condition. */
+static uint64_t wait_new_job(uint32_t seen, int may_spin) {
+    uint64_t s = atomic_load(&pool.state);
+    if (ST_GEN(s) != seen) return s;
+    const int64_t spin = may_spin && atomic_load(&pool.linger) ? atomic_load(&pool.spin_ns) : 0;
+    if (spin > 0) {
+        const int64_t until = now_ns() + spin;
+        for (unsigned i = 1;; i++) {
+            _mm_pause();
+            s = atomic_load_explicit(&pool.state, memory_order_acquire);
+            if (ST_GEN(s) != seen) return s;
+            if ((i & 63) == 0 && now_ns() > until) break;
+        }
+    }
+    pthread_mutex_lock(&pool.sleep);
+    atomic_fetch_add(&pool.sleepers, 1);
+    while (ST_GEN(s = atomic_load(&pool.state)) == seen) pthread_cond_wait(&pool.wake, &pool.sleep);
+    atomic_fetch_sub(&pool.sleepers, 1);
+    pthread_mutex_unlock(&pool.sleep);
+    return s;
+}
+
+/* Worker `index` joins calls that use more than `index` workers; the others (after a smaller
+ * thread count was set) do not spin, so they leave those cores alone. */
+static void *worker_main(void *arg) {
+    const uint32_t index = (uint32_t)(uintptr_t)arg;
+    uint32_t seen = 0, limit = 0;
+    for (;;) {
+        uint64_t s = wait_new_job(seen, index < limit);
+        limit = ST_LIMIT(s);
+        int joined = 0;
+        for (;;) {
+            if ((s & ST_CLOSED) || index >= ST_LIMIT(s) || ST_JOINED(s) >= ST_LIMIT(s)) break;
+            if (atomic_compare_exchange_weak(&pool.state, &s, s + 1)) {
+                joined = 1;
+                break;
+            }
+        }
+        seen = ST_GEN(s);
+        if (!joined) continue;
+        run_job(&pool.job);
+        atomic_fetch_add_explicit(&pool.left, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int grow_pool(int workers) {
+    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
+    if (pool.workers >= workers) return 0;
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the interpreter's threads */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    int rc = 0;
+    while (pool.workers < workers) {
+        pthread_t t;
+        if (pthread_create(&t, &attr, worker_main, (void *)(uintptr_t)pool.workers) != 0) {
+            rc = -1;
+            break;
+        }
+        pthread_setname_np(t, "moedesk-experts");
+        pool.workers++;
+    }
+    pthread_attr_destroy(&attr);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return rc;
+}
+
+/* The child of a fork has none of the workers: start from an empty pool. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.sleep, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    atomic_store(&pool.state, ST_CLOSED);
+    atomic_store(&pool.left, 0);
+    atomic_store(&pool.sleepers, 0);
+    pool.workers = 0;
+}
+
+__attribute__((constructor)) static void install_fork_handler(void) {
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+/* Run pool.job on `participants` threads (the caller included); returns when all of it is done. */
+static void run_parallel(int participants, int linger) {
+    const int limit = participants - 1;
+    if (limit > 0 && grow_pool(limit) != 0 && pool.workers == 0) participants = 1;
+    const int workers = participants - 1 < pool.workers ? participants - 1 : pool.workers;
+    if (workers == 0) {
+        run_job(&pool.job);
+        return;
+    }
+    atomic_store(&pool.linger, linger);
+    atomic_store_explicit(&pool.left, 0, memory_order_relaxed);
+    const uint64_t prev = atomic_load(&pool.state);
+    atomic_store(&pool.state, ((uint64_t)(ST_GEN(prev) + 1) << 32) | ((uint64_t)workers << 16));
+    if (atomic_load(&pool.sleepers) > 0) {
+        pthread_mutex_lock(&pool.sleep);
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.sleep);
+    }
+    run_job(&pool.job);
+    /* No one joins from now on; wait only for those who did. */
+    const uint64_t closed = atomic_fetch_or(&pool.state, ST_CLOSED);
+    const uint32_t joined = ST_JOINED(closed);
+    unsigned spins = 0;
+    while (atomic_load_explicit(&pool.left, memory_order_acquire) < joined) relax(&spins);
+}
+
+/* ---------------------------------------------------------------- API */
+
+static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+/* Rows per item: about ITEM_BYTES of weights, a multiple of `align`, and at least 4 items per
+ * thread where the rows allow it, so that dynamic hand-out can even out the threads' finish. */
+static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, int64_t groups, int threads) {
+    int64_t b = ITEM_BYTES / bytes_per_row / align * align;
+    if (b < align) b = align;
+    while (b > align && groups * ((rows + b - 1) / b) < 4 * (int64_t)threads) b -= align;
+    return b < round_up(rows, align) ? b : round_up(rows, align);
+}
+
+static void *scratch(size_t bytes) {
+    if (pool.scratch_bytes < bytes) {
+        free(pool.scratch);
+        bytes = round_up((int64_t)bytes + (bytes >> 2), 4096);
+        pool.scratch = aligned_alloc(64, bytes);
+        pool.scratch_bytes = pool.scratch ? bytes : 0;
+    }
+    return pool.scratch;
+}
+
+enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4 };
+
+/*
+ * out[i, :] = down_e @ act(gate_e @ x[rows[i]], up_e @ x[rows[i]]) for i in group g, e = expert_ids[g].
+ * Groups with more than max_tokens entries are left untouched for the caller (torch's matmuls
+ * win there); their count goes to *skipped. Returns OK or a negative error code.
+ */
+int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
+                        const int64_t *rows, int64_t M, const int64_t *expert_ids,
+                        const int64_t *offsets, int64_t G, const bf16 *gate_up, const bf16 *down,
+                        int64_t E, int64_t F, bf16 *out, int64_t out_stride, int64_t max_tokens,
+                        int64_t *skipped) {
+    *skipped = 0;
+    if (G < 0 || (G == 0 ? M != 0 : offsets[0] != 0 || offsets[G] != M)) return BAD_OFFSETS;
+    int64_t ng = 0, rows_n = 0; /* native groups and their rows */
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t n = offsets[g + 1] - offsets[g];
+        if (n < 0) return BAD_OFFSETS;
+        if (n > 0 && (expert_ids[g] < 0 || expert_ids[g] >= E)) return BAD_EXPERT;
+        if (n > max_tokens) (*skipped)++;
+        else if (n > 0) {
+            ng++;
+            rows_n += n;
+        }
+    }
+    for (int64_t i = 0; i < M; i++)
+        if (rows[i] < 0 || rows[i] >= N) return BAD_ROW;
+    if (ng == 0 || H <= 0 || F <= 0) return OK; /* the caller handles empty shapes */
+
+    pthread_mutex_lock(&pool.call);
+    int threads = atomic_load(&pool.threads);
+    /* phase-1 blocks start at multiples of 32 so that each 32-chunk of split act has one writer */
+    const int64_t FB = block_rows(F, 4 * H, 32, ng, threads), HB = block_rows(H, 2 * F, 16, ng, threads);
+    const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
+    const int64_t Hp = round_up(H, 32), Fp = round_up(F, 32);
+    if (threads > total) threads = (int)total;
+    const size_t sizes[] = {
+        (size_t)rows_n * 2 * F * sizeof(float),  /* gu */
+        (size_t)rows_n * Fp * sizeof(float),     /* act */
+        (size_t)rows_n * Hp * sizeof(float),     /* split x rows */
+        (size_t)ng * sizeof(int64_t),            /* first */
+        (size_t)ng * sizeof(int32_t),            /* groups */
+        (size_t)ng * sizeof(_Atomic int32_t)};   /* done1 */
+    size_t at[6], bytes = 0;
+    for (int i = 0; i < 6; i++) {
+        at[i] = bytes;
+        bytes += (size_t)round_up((int64_t)sizes[i], 64);
+    }
+    char *base = scratch(bytes);
+    if (!base) {
+        pthread_mutex_unlock(&pool.call);
+        return NO_MEMORY;
+    }
+    Job *j = &pool.job;
+    j->gate_up = gate_up;
+    j->down = down;
+    j->out = out;
+    j->gu = (float *)(base + at[0]);
+    j->act = (float *)(base + at[1]);
+    float *xs = (float *)(base + at[2]);
+    j->x = xs;
+    int64_t *first = (int64_t *)(base + at[3]);
+    int32_t *groups = (int32_t *)(base + at[4]);
+    j->done1 = (_Atomic int32_t *)(base + at[5]);
+    /* A few rows per call (tokens x top-k): converting them here costs well under 1% of the call. */
+    for (int64_t g = 0, k = 0, r = 0; g < G; g++) {
+        const int64_t n = offsets[g + 1] - offsets[g];
+        if (n > 0 && n <= max_tokens) {
+            groups[k] = (int32_t)g;
+            first[k] = r;
+            atomic_init(&j->done1[k], 0);
+            k++;
+            for (int64_t i = offsets[g]; i < offsets[g + 1]; i++, r++) split_row(x + rows[i] * x_stride, H, xs + r * Hp);
+        }
+    }
+    j->first = first;
+    j->groups = groups;
+    j->off = offsets;
+    j->eid = expert_ids;
+    j->H = H;
+    j->F = F;
+    j->Fp = Fp;
+    j->out_stride = out_stride;
+    j->FB = FB;
+    j->HB = HB;
+    j->nb1 = nb1;
+    j->nb2 = nb2;
+    j->n1 = ng * nb1;
+    j->total = total;
+    atomic_store_explicit(&j->next, 0, memory_order_relaxed);
+    /* Torch works next on the skipped groups: spinning workers would only get in its way. */
+    run_parallel(threads, *skipped == 0);
+    if (pool.scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
+        free(pool.scratch);
+        pool.scratch = NULL;
+        pool.scratch_bytes = 0;
+    }
+    pthread_mutex_unlock(&pool.call);
+    return OK;
+}
+
+void moe_set_threads(int n) { atomic_store(&pool.threads, n < 1 ? 1 : n > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : n); }
+int moe_get_threads(void) { return atomic_load(&pool.threads); }
+void moe_set_spin_us(int64_t us) { atomic_store(&pool.spin_ns, us < 0 ? 0 : us * 1000); }
+
+/* AVX512F/BW/VL present and the OS saves the opmask and zmm registers. */
+int moe_cpu_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & 0xe6) != 0xe6) return 0; /* XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    const unsigned need = (1u << 16) | (1u << 30) | (1u << 31); /* F, BW, VL */
+    return (b & need) == need;
+}

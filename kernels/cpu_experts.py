@@ -1,0 +1,258 @@
+"""All CPU-resident experts of one MoE layer for one step, in one native call.
+
+Decoding puts a handful of tokens on each expert, so computing them is a matter of streaming
+the experts' weights from RAM once at full bandwidth. torch runs one matmul after another, each
+its own parallel region (0.2-0.5 ms of overhead per small expert, and never the whole memory
+bandwidth); cpu_experts.c computes every group of one call in one parallel region.
+
+Layout of a call: `rows` lists indices into `x`, grouped by expert; group g is
+rows[offsets[g]:offsets[g+1]] and uses expert expert_ids[g]; result row i is
+down_e @ (silu(gate_e @ x[rows[i]]) * (up_e @ x[rows[i]])) with gate_up[e] = [gate; up].
+
+Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, for
+groups of at most NATIVE_MAX_TOKENS tokens; everything else goes to `reference_experts_forward`,
+the engine's per-expert torch arithmetic. Why 32: the kernel's FMAs do about 60 G multiply-adds
+per second per core (measured), i.e. 120/T GB/s of weights per core for T tokens; with 15 cores
+that stays above the ~95 GB/s the memory gives up to T = 16-20 and falls to ~55 GB/s at 32,
+where torch's AMX matmuls run a whole Mixtral expert at 50-76 GB/s (4.6-7 ms on the GPU box) and
+keep that up with more tokens. tests/perf/bench_cpu_experts.py prints the crossover measured.
+Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import psutil
+import torch
+import torch.nn.functional as F
+
+from kernels.native_build import BuildError, build_library, find_compiler
+
+NATIVE_MAX_TOKENS = 32
+SOURCE = Path(__file__).with_name("cpu_experts.c")
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
+         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+_ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
+           -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
+           -4: "out of memory for the kernel's scratch buffers"}
+
+
+def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """One SwiGLU expert with gate and up stacked in one [2F, H] weight: the engine's expert arithmetic
+    on every device, and the native kernel's reference."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
+
+
+def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, groups=None):
+    """The pure-torch path: one expert after another, as the engine computes a single expert.
+
+    groups: only these group indices (the others' rows of `out` are left as they are).
+    """
+    _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
+    if out is None:
+        out = x.new_empty((rows.shape[0], x.shape[1]))
+    bounds = offsets.tolist()
+    ids = expert_ids.tolist()
+    for g in range(len(ids)) if groups is None else groups:
+        a, b = bounds[g], bounds[g + 1]
+        if b > a:
+            out[a:b] = expert_forward(x[rows[a:b]], gate_up[ids[g]], down[ids[g]])
+    return out
+
+
+def experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, native_max_tokens=None):
+    """Result [len(rows), H] in x's dtype: the native kernel where it applies, torch elsewhere."""
+    lib = _state.get("lib") if not _disabled() else None
+    if lib is None and available():
+        lib = _state["lib"]
+    if (lib is not None and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and gate_up.device.type == "cpu" and down.device.type == "cpu"):
+        return _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens)
+    return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out)
+
+
+def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, native_max_tokens=None):
+    """The native kernel for groups of at most native_max_tokens (default NATIVE_MAX_TOKENS), torch for
+    larger ones; raises RuntimeError where the kernel is unavailable."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"native CPU experts kernel unavailable: {reason}")
+    if not (x.dtype == gate_up.dtype == down.dtype == torch.bfloat16):
+        raise TypeError("the native kernel takes bfloat16 x, gate_up and down")
+    if not (x.device.type == gate_up.device.type == down.device.type == "cpu"):
+        raise TypeError("the native kernel takes CPU tensors")
+    return _native(_state["lib"], x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens)
+
+
+def _index(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous():
+        return t
+    return t.to("cpu", torch.int64).contiguous()
+
+
+def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens):
+    _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
+    if gate_up.shape[1] == 0 or x.shape[1] == 0:  # degenerate experts: nothing to stream
+        return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out)
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("gate_up and down must be contiguous")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    rows, expert_ids, offsets = _index(rows), _index(expert_ids), _index(offsets)
+    M, H = rows.shape[0], x.shape[1]
+    if out is not None and tuple(out.shape) != (M, H):
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(M, H)}")
+    target = out
+    if out is None or out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(1) != 1:
+        out = torch.empty((M, H), dtype=torch.bfloat16)
+    limit = NATIVE_MAX_TOKENS if native_max_tokens is None else native_max_tokens
+    skipped = ctypes.c_int64(0)
+    E, two_f = gate_up.shape[0], gate_up.shape[1]
+    rc = lib.moe_experts_forward(
+        x.data_ptr(), x.shape[0], x.stride(0), H, rows.data_ptr(), M, expert_ids.data_ptr(),
+        offsets.data_ptr(), expert_ids.shape[0], gate_up.data_ptr(), down.data_ptr(), E, two_f // 2,
+        out.data_ptr(), out.stride(0), limit, ctypes.byref(skipped))
+    if rc != 0:
+        raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
+    if skipped.value:
+        big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
+        reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big)
+    if target is not None and target is not out:
+        target.copy_(out)
+        return target
+    return out
+
+
+def _check_shapes(x, rows, expert_ids, offsets, gate_up, down) -> None:
+    if x.dim() != 2 or rows.dim() != 1 or expert_ids.dim() != 1 or offsets.shape != (expert_ids.shape[0] + 1,):
+        raise ValueError("expected x [N, H], rows [M], expert_ids [G], offsets [G+1]")
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise ValueError("expected gate_up [E, 2F, H] and down [E, H, F]")
+    E, two_f, H = gate_up.shape
+    if two_f % 2 or H != x.shape[1] or tuple(down.shape) != (E, H, two_f // 2):
+        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, gate_up {tuple(gate_up.shape)}, "
+                         f"down {tuple(down.shape)}")
+
+
+# ---------------------------------------------------------------- availability and settings
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib" or "reason", once the library was loaded or found impossible
+_threads: int | None = None
+_spin_us: int | None = None
+
+
+def _disabled() -> bool:
+    return os.environ.get("MOEDESK_NO_NATIVE_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+
+
+@lru_cache(maxsize=1)
+def cpu_reason() -> str | None:
+    """Why this CPU cannot run the kernel, or None when it can."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU with AVX-512 (this is {machine})"
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return "cannot read /proc/cpuinfo to confirm AVX-512"
+    common = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            flags = set(value.split())
+            common = flags if common is None else common & flags
+    missing = [f for f in CPU_FLAGS if f not in (common or set())]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def unavailable_reason() -> str | None:
+    """One line saying why the native kernel is not used, or None when it is."""
+    if _disabled():
+        return "disabled by MOEDESK_NO_NATIVE_KERNELS"
+    if "lib" not in _state and "reason" not in _state:
+        _load()
+    return _state.get("reason")
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def describe() -> str:
+    """What computes CPU experts here, for profiles' cache keys and `moedesk profile`."""
+    reason = unavailable_reason()
+    if reason is None:
+        return f"native AVX-512 kernel, {get_num_threads()} threads (bf16, up to {NATIVE_MAX_TOKENS} tokens per expert)"
+    return f"torch ({reason})"
+
+
+def _load() -> None:
+    with _lock:
+        if _state:
+            return
+        reason = cpu_reason()
+        if reason is None and find_compiler() is None:
+            reason = "no C compiler found (install gcc or set CC)"
+        if reason is None:
+            try:
+                lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS)))
+            except BuildError as e:
+                reason = str(e)
+            except OSError as e:
+                reason = f"cannot load the built kernel: {e}"
+        if reason is None and not lib.moe_cpu_supported():
+            reason = "the OS does not enable AVX-512 state (XCR0)"
+        if reason is not None:
+            _state["reason"] = reason
+            return
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.moe_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+                                            ptr, i64, i64, ctypes.POINTER(i64)]
+        lib.moe_experts_forward.restype = ctypes.c_int
+        lib.moe_set_threads.argtypes = [ctypes.c_int]
+        lib.moe_set_spin_us.argtypes = [i64]
+        lib.moe_set_threads(_threads or default_num_threads())
+        if _spin_us is not None:
+            lib.moe_set_spin_us(_spin_us)
+        _state["lib"] = lib
+
+
+def default_num_threads() -> int:
+    """Physical cores (of those this process may use) minus one, left to the thread that drives the GPU."""
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    try:
+        allowed = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        allowed = os.cpu_count() or physical
+    return max(1, min(physical, allowed) - 1)
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads per call, the calling thread included; None restores the default."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError("thread count must be at least 1")
+    _threads = n
+    if "lib" in _state:
+        _state["lib"].moe_set_threads(n or default_num_threads())
+
+
+def get_num_threads() -> int:
+    return _threads or default_num_threads()
+
+
+def set_spin_us(us: int) -> None:
+    """How long idle workers keep spinning for the next call before they sleep (default 200 µs):
+    long enough to bridge the GPU work between two layers, short enough not to hold cores for long."""
+    global _spin_us
+    _spin_us = int(us)
+    if "lib" in _state:
+        _state["lib"].moe_set_spin_us(_spin_us)

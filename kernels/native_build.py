@@ -1,0 +1,94 @@
+"""Compile a C source shipped with this package into a shared library once, cached on disk.
+
+The system C compiler builds it at first use (about a second); torch.utils.cpp_extension would
+pull in the C++ toolchain, torch's headers and ninja for what is one plain C file. The library is
+keyed by a hash of the source, the flags and the compiler's version, so an edit, a new compiler
+or other flags give a new file, and it is built into a temporary file and renamed into place,
+so two processes building at once both end with a complete library.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+class BuildError(RuntimeError):
+    """The library could not be built; the message is one line meant for users."""
+
+
+def cache_root() -> Path:
+    """engine.demo.cache_root's rule (kernels may not import engine). Without platformdirs (a bare
+    benchmark machine) the folder it would pick on Linux."""
+    if os.environ.get("MOEDESK_CACHE_DIR"):
+        return Path(os.environ["MOEDESK_CACHE_DIR"])
+    try:
+        import platformdirs
+    except ImportError:
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moedesk"
+    return Path(platformdirs.user_cache_dir("moedesk"))
+
+
+def find_compiler() -> list[str] | None:
+    """The C compiler command: $CC if set (it may carry arguments, e.g. "ccache gcc"), else cc, gcc or clang."""
+    cc = os.environ.get("CC")
+    if cc:
+        parts = shlex.split(cc)
+        return parts if parts and shutil.which(parts[0]) else None
+    for name in ("cc", "gcc", "clang"):
+        path = shutil.which(name)
+        if path:
+            return [path]
+    return None
+
+
+def _compiler_identity(compiler: list[str]) -> str:
+    try:
+        done = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise BuildError(f"{compiler[0]} --version failed: {e}") from None
+    return done.stdout.strip() or done.stderr.strip()
+
+
+def build_library(source: Path, flags: list[str], compiler: list[str] | None = None) -> Path:
+    """Path of the shared library built from `source` with `flags`, building it if it is not cached yet."""
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise BuildError("no C compiler found (install gcc or set CC)")
+    text = Path(source).read_bytes()
+    key = hashlib.sha256(b"\0".join([text, " ".join(flags).encode(), " ".join(compiler).encode(),
+                                     _compiler_identity(compiler).encode(), platform.machine().encode()]))
+    folder = cache_root() / "kernels"
+    target = folder / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.stem}-", suffix=".so")
+        os.close(fd)
+    except OSError as e:
+        raise BuildError(f"cannot write the kernel cache {folder} ({e}); set MOEDESK_CACHE_DIR") from None
+    command = [*compiler, *flags, str(source), "-o", tmp]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise BuildError(f"running {compiler[0]} failed: {e}") from None
+    if done.returncode != 0:
+        Path(tmp).unlink(missing_ok=True)
+        log = folder / f"{target.stem}.log"
+        try:
+            log.write_text(shlex.join(command) + "\n\n" + done.stdout + done.stderr)
+        except OSError:
+            log = None
+        lines = (done.stderr or done.stdout).splitlines()
+        first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
+        where = f" (full log: {log})" if log else ""
+        raise BuildError(f"compiling {Path(source).name} failed: {first.strip()}{where}")
+    os.replace(tmp, target)
+    return target

@@ -1,0 +1,314 @@
+"""kernels/cpu_experts: the native kernel against float32 and torch's bf16 path, and the fallback.
+
+The native tests skip only where the kernel cannot exist (a CPU without AVX-512, no C compiler);
+a build failure on a machine that should build it fails them.
+"""
+import os
+import select
+import threading
+
+import psutil
+import pytest
+import torch
+
+from engine.offload import expert_forward
+from kernels import cpu_experts as ce
+from kernels.native_build import BuildError, build_library, find_compiler
+
+
+def make_case(E, H, F, counts, extra_rows=3, repeat=False, seed=0, dtype=torch.bfloat16):
+    """Inputs of one call: random x/weights scaled so activations stay O(1), groups of `counts` rows."""
+    g = torch.Generator().manual_seed(seed)
+    M = sum(counts)
+    N = max(M, 1) + extra_rows
+    x = torch.randn(N, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(dtype)
+    down = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(dtype)
+    rows = torch.randint(0, N, (M,), generator=g)
+    if repeat and M > 1:
+        rows[1::2] = rows[0]  # the same x row several times, also within one group
+    expert_ids = torch.randperm(E, generator=g)[:len(counts)] if len(counts) <= E else torch.randint(0, E, (len(counts),), generator=g)
+    offsets = torch.tensor([0, *torch.tensor(counts, dtype=torch.long).cumsum(0).tolist()], dtype=torch.long)
+    return x, rows, expert_ids, offsets, gate_up, down
+
+
+def per_expert_loop(x, rows, expert_ids, offsets, gate_up, down):
+    """The engine's CPU path before the kernel: expert_forward on each group's rows."""
+    out = x.new_empty((rows.shape[0], x.shape[1]))
+    b = offsets.tolist()
+    for g, e in enumerate(expert_ids.tolist()):
+        if b[g + 1] > b[g]:
+            out[b[g]:b[g + 1]] = expert_forward(x[rows[b[g]:b[g + 1]]], gate_up[e], down[e])
+    return out
+
+
+def rel_err(a, ref):
+    return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
+        mp.setenv("MOEDESK_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        reason = ce.cpu_reason()
+        if reason is not None:
+            pytest.skip(f"the native kernel needs AVX-512: {reason}")
+        if find_compiler() is None:
+            pytest.skip("no C compiler (cc, gcc, clang or $CC) to build the native kernel")
+        assert ce.available(), ce.unavailable_reason()  # a failed build fails the tests, never skips them
+        yield
+        ce.set_num_threads(None)
+
+
+# bf16 rounds act to 8 bits before the down projection: relative errors of a few 1e-3 are what
+# torch's own bf16 path shows against float32 on these shapes.
+SHAPES = {
+    "aligned": (4, 64, 32, [1, 2]),
+    "tails": (6, 72, 40, [1, 2, 5]),          # H, F not multiples of 16 or 32
+    "odd": (5, 33, 17, [16, 1, 2]),            # odd F: a last gate/up row alone
+    "below-one-vector": (3, 16, 8, [2, 5]),
+    "group-of-33": (8, 100, 300, [33, 1, 2, 16]),
+    "single-group": (1, 96, 64, [5]),
+    "many-groups": (64, 48, 80, [1, 2, 1, 3, 1, 1, 2, 5, 1, 1] * 4 + [0, 16]),
+    "larger": (4, 1024, 352, [1, 4, 16]),
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_native_close_to_float32_and_to_torch_bf16(native, name, threads):
+    E, H, F, counts = SHAPES[name]
+    args = make_case(E, H, F, counts, repeat=name in ("tails", "many-groups"))
+    ce.set_num_threads(threads)
+    got = ce.native_experts_forward(*args, native_max_tokens=64)
+    x, rows, ids, offsets, gate_up, down = args
+    exact = ce.reference_experts_forward(x.float(), rows, ids, offsets, gate_up.float(), down.float())
+    torch_bf16 = ce.reference_experts_forward(*args)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows.shape[0], H)
+    err, torch_err = rel_err(got, exact), rel_err(torch_bf16, exact)
+    assert err < 1e-2, (err, torch_err)
+    assert err <= 1.5 * torch_err + 1e-4, (err, torch_err)
+    assert float((got.float() - exact).abs().max()) <= 0.03 * float(exact.abs().max())
+
+
+def test_result_does_not_depend_on_thread_count(native):
+    args = make_case(8, 200, 136, [3, 1, 9, 2])
+    ce.set_num_threads(1)
+    one = ce.native_experts_forward(*args)
+    ce.set_num_threads(2)
+    assert torch.equal(ce.native_experts_forward(*args), one)
+
+
+def test_empty_calls(native):
+    x, _, _, _, gate_up, down = make_case(4, 40, 24, [1])
+    none = torch.empty(0, dtype=torch.long)
+    for ids, offsets in [(none, torch.zeros(1, dtype=torch.long)), (torch.tensor([1, 2]), torch.zeros(3, dtype=torch.long))]:
+        for fn in (ce.experts_forward, ce.reference_experts_forward):
+            out = fn(x, none, ids, offsets, gate_up, down)
+            assert out.shape == (0, 40) and out.dtype == x.dtype
+
+
+def test_groups_above_threshold_take_torch_path(native):
+    args = make_case(4, 64, 48, [2, ce.NATIVE_MAX_TOKENS + 1, 1])
+    got = ce.experts_forward(*args)
+    ref = ce.reference_experts_forward(*args)
+    a, b = 2, 2 + ce.NATIVE_MAX_TOKENS + 1
+    assert torch.equal(got[a:b], ref[a:b])  # computed by torch itself
+    assert rel_err(got, ref.float()) < 1e-2
+
+
+def test_out_argument(native):
+    args = make_case(4, 64, 48, [2, 3])
+    want = ce.native_experts_forward(*args)
+    out = torch.full((5, 64), float("nan"), dtype=torch.bfloat16)
+    assert ce.experts_forward(*args, out=out) is out
+    assert torch.equal(out, want)
+    wide = torch.zeros(5, 80, dtype=torch.bfloat16)
+    view = wide[:, 8:72]  # rows with a stride other than H
+    assert ce.experts_forward(*args, out=view) is view
+    assert torch.equal(view, want) and not wide[:, :8].any() and not wide[:, 72:].any()
+    transposed = torch.empty(64, 5, dtype=torch.bfloat16).t()  # columns not contiguous: computed aside, copied
+    assert torch.equal(ce.experts_forward(*args, out=transposed), want)
+
+
+def test_strided_x_and_narrow_index_types(native):
+    x, rows, ids, offsets, gate_up, down = make_case(4, 64, 48, [2, 3])
+    want = ce.native_experts_forward(x, rows, ids, offsets, gate_up, down)
+    wide = torch.zeros(x.shape[0], 100, dtype=torch.bfloat16)
+    wide[:, 20:84] = x
+    got = ce.experts_forward(wide[:, 20:84], rows.int(), ids.int(), offsets.int(), gate_up, down)
+    assert torch.equal(got, want)
+
+
+def test_many_calls_sleeping_spinning_and_changing_threads(native):
+    """Workers that sleep between calls, spin between calls, or sit out after a smaller thread count."""
+    case = make_case(8, 96, 64, [1, 3, 2, 6])
+    ce.set_num_threads(1)
+    want = ce.native_experts_forward(*case)
+    try:
+        for spin in (0, 200, 5):
+            ce.set_spin_us(spin)
+            for i in range(60):
+                ce.set_num_threads(1 + i % 3)
+                assert torch.equal(ce.native_experts_forward(*case), want)
+    finally:
+        ce.set_spin_us(200)
+
+
+def test_bad_inputs_raise(native):
+    x, rows, ids, offsets, gate_up, down = make_case(4, 32, 16, [2, 2])
+    with pytest.raises(ValueError, match="rows"):
+        ce.native_experts_forward(x, rows + 100, ids, offsets, gate_up, down)
+    with pytest.raises(ValueError, match="expert_ids"):
+        ce.native_experts_forward(x, rows, ids + 4, offsets, gate_up, down)
+    with pytest.raises(ValueError, match="offsets"):
+        ce.native_experts_forward(x, rows, ids, offsets - 1, gate_up, down)
+    with pytest.raises(ValueError, match="shapes"):
+        ce.experts_forward(x[:, :16], rows, ids, offsets, gate_up, down)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fallback_equals_per_expert_loop(dtype):
+    args = make_case(5, 48, 40, [1, 3, 0, 7], dtype=dtype)
+    assert torch.equal(ce.experts_forward(*args), per_expert_loop(*args))
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    assert not ce.available()
+    assert "MOEDESK_NO_NATIVE_KERNELS" in ce.unavailable_reason()
+    args = make_case(5, 48, 40, [1, 3, 7])
+    assert torch.equal(ce.experts_forward(*args), per_expert_loop(*args))
+    with pytest.raises(RuntimeError, match="unavailable"):
+        ce.native_experts_forward(*args)
+
+
+def test_kernel_interleaved_with_torch_and_from_other_threads(native):
+    """One process: torch's OpenMP matmuls, the kernel's own pool, several calling threads."""
+    cases = [make_case(8, 256, 160, [1, 4, 2], seed=s) for s in range(3)]
+    ce.set_num_threads(2)
+    want = [ce.native_experts_forward(*c) for c in cases]
+    a = torch.randn(256, 256)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(3):
+            for c, w in zip(cases, want):
+                a = torch.tanh(a @ a.T / 256)
+                assert torch.equal(ce.native_experts_forward(*c), w)
+        errors = []
+
+        def worker(k):
+            try:
+                for _ in range(5):
+                    _ = a @ a
+                    assert torch.equal(ce.native_experts_forward(*cases[k % 3]), want[k % 3])
+            except BaseException as e:  # reported by the main thread
+                errors.append(e)
+
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(3)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join(timeout=60)
+        assert not any(t.is_alive() for t in pool), "a calling thread hangs"
+        assert not errors, errors
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def pool_threads() -> list[str]:
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_forked_child_can_call_the_kernel(native):
+    """The child of a fork has none of the parent's pool threads; the kernel must start new ones."""
+    case = make_case(8, 128, 96, [2, 3])
+    ce.set_num_threads(2)
+    want = ce.native_experts_forward(*case)
+    assert "moedesk-experts" in pool_threads()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report 1 for a correct result from a restarted pool, then leave without teardown
+        try:
+            ok = torch.equal(ce.native_experts_forward(*case), want) and "moedesk-experts" in pool_threads()
+            os.write(write, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    ready, _, _ = select.select([read], [], [], 30)
+    answer = os.read(read, 1) if ready else b""
+    os.close(read)
+    if not ready:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    assert answer == b"1", "the forked child hung or computed a wrong result"
+
+
+def test_build_failure_is_a_reason_not_a_crash(monkeypatch, tmp_path):
+    if find_compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return missing_symbol; }\n")
+    with pytest.raises(BuildError, match="compiling broken.c failed"):
+        build_library(broken, ["-shared", "-fPIC"])
+    monkeypatch.setattr(ce, "SOURCE", broken)
+    monkeypatch.setattr(ce, "_state", {})
+    if ce.cpu_reason() is None:
+        assert not ce.available()
+        assert "broken.c" in ce.unavailable_reason() and "\n" not in ce.unavailable_reason()
+    args = make_case(3, 32, 16, [2, 1])
+    assert torch.equal(ce.experts_forward(*args), per_expert_loop(*args))
+
+
+def test_missing_compiler_is_a_reason(monkeypatch, tmp_path):
+    monkeypatch.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setattr(ce, "_state", {})
+    assert find_compiler() is None
+    assert not ce.available()
+    assert ce.unavailable_reason() in ("no C compiler found (install gcc or set CC)", ce.cpu_reason())
+
+
+def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
+    if find_compiler() is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    src = tmp_path / "one.c"
+    src.write_text("int one(void) { return 1; }\n")
+    first = build_library(src, ["-shared", "-fPIC"])
+    assert build_library(src, ["-shared", "-fPIC"]) == first
+    assert build_library(src, ["-shared", "-fPIC", "-O2"]) != first
+    src.write_text("int one(void) { return 2; }\n")
+    assert build_library(src, ["-shared", "-fPIC"]) != first
+    src.write_text("int one(void) { return 3; }\n")
+    built, threads = [], [threading.Thread(target=lambda: built.append(build_library(src, ["-shared", "-fPIC"])))
+                          for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(built) == 3 and len(set(built)) == 1 and built[0].is_file()  # racing builds end with one library
+    assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temporary files left
+
+
+def test_thread_count_setting():
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    expected = max(1, min(psutil.cpu_count(logical=False) or os.cpu_count(), allowed) - 1)
+    assert ce.default_num_threads() == expected
+    ce.set_num_threads(3)
+    assert ce.get_num_threads() == 3
+    ce.set_num_threads(None)
+    assert ce.get_num_threads() == expected
+    with pytest.raises(ValueError):
+        ce.set_num_threads(0)
