@@ -43,6 +43,7 @@ class StepStats:
     copied_experts: int = 0  # copied over PCIe, computed on the GPU
     cpu_experts: int = 0  # computed on the CPU
     cpu_ms: float = 0.0
+    wait_ms: float = 0.0  # blocked on the GPU for the routing (the attention and router work before it)
     layer_ms: float = 0.0
     selections: int = 0  # (token, expert) pairs routed
     gpu_hits: int = 0  # of those, served by a resident expert
@@ -59,7 +60,8 @@ class StepStats:
         return {
             "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
-            "cpu_expert_ms": round(self.cpu_ms, 3), "moe_ms": round(self.layer_ms, 3), "active_experts": total,
+            "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
+            "moe_ms": round(self.layer_ms, 3), "active_experts": total,
         }
 
 
@@ -99,6 +101,23 @@ def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Te
             for view, weight in zip(_expert_views(gate_up[e], down[e]), weights):
                 view.copy_(weight)
     return banks
+
+
+def combine_in_expert_order(y: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, n: int, k: int):
+    """Sum over each token's experts of weight * output, adding in ascending expert order.
+
+    y: the outputs of every (token, slot) pair, grouped by expert in ascending order; routing: rows
+    token, slot and dest (the pair's index in a [token, rank] layout). The sequential adds round
+    exactly as an index_add_ per expert in ascending order would (the reference's loop), in K
+    launches instead of a few per expert.
+    """
+    weighted = torch.empty((n * k, y.shape[1]), dtype=y.dtype, device=y.device)
+    weighted.index_copy_(0, routing[2], y * weights[routing[0], routing[1]].unsqueeze(-1))
+    weighted = weighted.view(n, k, -1)
+    out = weighted[:, 0].clone()
+    for j in range(1, k):
+        out += weighted[:, j]
+    return out
 
 
 class OffloadExecutor:
@@ -141,6 +160,7 @@ class OffloadExecutor:
         started = time.perf_counter()
         bank = self.banks[moe.layer]
         ids_host = ids.cpu()  # the one wait per layer: decisions need the routing
+        self.stats.wait_ms += (time.perf_counter() - started) * 1e3
         counts = torch.bincount(ids_host.flatten(), minlength=len(bank.gpu_slot))
         seen = self.selections.get(moe.layer)
         self.selections[moe.layer] = counts if seen is None else seen + counts
@@ -153,9 +173,13 @@ class OffloadExecutor:
         x_host = x.cpu() if on_cpu else None
 
         # (token, top-k slot) pairs grouped by expert: one sort on the host, one small copy to the device.
-        k = ids_host.shape[1]
+        # dest: where each pair's output goes in a [token, rank] layout, rank = its expert's place among
+        # the token's experts in ascending id order, so the sum below runs in expert order.
+        n, k = ids_host.shape
         order = torch.argsort(ids_host.flatten(), stable=True)
-        routing_host = torch.stack([order // k, order % k])
+        token, slot = order // k, order % k
+        rank = (ids_host.unsqueeze(-1) > ids_host.unsqueeze(-2)).sum(-1)
+        routing_host = torch.stack([token, slot, token * k + rank[token, slot]])
         routing = routing_host.to(self.device, non_blocking=True)
         ends = torch.cumsum(counts, 0).tolist()
         span = {e: (ends[e] - int(counts[e]), ends[e]) for e in active}
@@ -187,11 +211,7 @@ class OffloadExecutor:
                 outputs[e] = back[a:b]
             self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
 
-        out = torch.zeros_like(x)
-        for e in sorted(outputs):  # ascending expert order wherever each was computed
-            a, b = span[e]
-            token, slot = routing[0, a:b], routing[1, a:b]
-            out.index_add_(0, token, outputs[e] * weights[token, slot].unsqueeze(-1))
+        out = combine_in_expert_order(torch.cat([outputs[e] for e in active]), routing, weights, n, k)
         s = self.stats
         s.gpu_experts += len(resident)
         s.copied_experts += len(to_copy)

@@ -321,7 +321,7 @@ static struct {
     .sleep = PTHREAD_MUTEX_INITIALIZER,
     .wake = PTHREAD_COND_INITIALIZER,
     .state = ST_CLOSED,
-    .spin_ns = 200000,
+    .spin_ns = 20000000, /* 20 ms: see set_spin_us in cpu_experts.py */
     .linger = 1,
     .threads = 1,
 };

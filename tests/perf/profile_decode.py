@@ -1,38 +1,86 @@
-"""Where does a decode step's time go? torch.profiler over a few steps of a synthetic model, experts on the CPU.
+"""Where does a decode step's time go? Synthetic models of real shapes, one variant after another.
 
-Usage (GPU box): python3 tests/perf/profile_decode.py SHAPE LAYERS [THREADS]
+Usage (GPU box, repo root): python3 tests/perf/profile_decode.py [SHAPE:LAYERS ...] [--variants a,b]
+[--spin US,US] [--no-trace]   (default qwen3-30b-a3b:12 mixtral-8x7b:8, every variant, the kernel's default spin). Per variant: tok/s and, per token, the executor's MoE time, time blocked on the GPU for the
+routing, CPU expert time, and what is left (attention, router, sampling, Python). Variants: every expert
+resident on the GPU (the floor the non-expert work sets), all on the CPU through the native kernel, all on the
+CPU through torch, and the balanced CPU/copy split. Then a torch.profiler table of the native CPU variant;
+its trace goes to $OUT.
 """
-import sys
+import argparse
+import os
 import time
 
 import torch
 
 from engine.bench import measure_decode
 from engine.latency_model import fit_latency_model
-from engine.offload import OffloadExecutor
+from engine.offload import OffloadExecutor, StepStats
+from engine.orchestration import leave_a_core_to_the_gpu_thread
 from engine.placement import assign_offloaded
 from engine.profiler import profile_expert
 from engine.synthetic import shape_config, synthetic_model
+from kernels import cpu_experts
 
-shape, layers = sys.argv[1], int(sys.argv[2])
-threads = int(sys.argv[3]) if len(sys.argv) > 3 else 15
-torch.set_num_threads(threads)
+parser = argparse.ArgumentParser()
+parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12", "mixtral-8x7b:8"])
+parser.add_argument("--variants", default="gpu,native,torch,balanced")
+parser.add_argument("--spin", default="", help="kernel worker spin times (µs) to try, comma-separated")
+parser.add_argument("--no-trace", action="store_true")
+args = parser.parse_args()
+spins = [int(v) for v in args.spin.split(",") if v] or [None]
+out = os.environ.get("OUT", "/tmp")
 device = torch.device("cuda")
-cfg = shape_config(shape, layers)
-model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=512)
-prof = profile_expert(banks[0][0][0], banks[0][1][0], device, cpu_tokens=(1, 2, 4), gpu_tokens=(1, 4))
-costs = fit_latency_model(prof)
-print("cpu_ms", prof["cpu_expert_ms"], "copy", round(prof["copy_expert_ms"], 2))
-on_gpu = [[False] * cfg.num_experts for _ in banks]
-for name, decide in [("cpu-only", lambda loads: (sorted(loads), [])),
-                     ("balanced", lambda loads: assign_offloaded(loads, costs))]:
-    ex = OffloadExecutor(banks, on_gpu, device, decide)
-    r = measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 24)
-    tokens = 23
-    print(f"{name:<10} threads={threads} decode {r.tok_s:.2f} tok/s  per token {1000 / r.tok_s:.1f} ms;",
-          {k: (round(v / tokens, 2) if isinstance(v, float) else v) for k, v in ex.stats.as_dict().items()})
-ex = OffloadExecutor(banks, on_gpu, device, lambda loads: (sorted(loads), []))
-measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 4)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-    measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 6)
-print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=22, max_name_column_width=40))
+leave_a_core_to_the_gpu_thread()
+print("torch threads", torch.get_num_threads(), "| cpu experts:", cpu_experts.describe())
+rows = []
+for spec in args.shapes:
+    shape, layers = spec.split(":")
+    cfg = shape_config(shape, int(layers))
+    t0 = time.perf_counter()
+    model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
+    prof = profile_expert(banks[0][0][0], banks[0][1][0], device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
+    costs = fit_latency_model(prof)
+    print(f"{spec}: built+profiled in {time.perf_counter() - t0:.0f}s; cpu ms {prof['cpu_expert_ms']} "
+          f"copy {prof['copy_expert_ms']:.2f} ms")
+    n_layers, n_exp = len(banks), cfg.num_experts
+    cpu_only = lambda loads: (sorted(loads), [])  # noqa: E731
+    variants = {"gpu": ("all on GPU", True, cpu_only, False), "native": ("CPU native", False, cpu_only, False),
+                "torch": ("CPU torch", False, cpu_only, True),
+                "balanced": ("balanced", False, lambda loads: assign_offloaded(loads, costs), False)}
+    runs = [(variants[v], spin) for v in args.variants.split(",") for spin in (spins if v != "gpu" else [None])]
+    for (name, resident, decide, no_native), spin in runs:
+        os.environ["MOEDESK_NO_NATIVE_KERNELS"] = "1" if no_native else ""
+        if spin is not None:
+            cpu_experts.set_spin_us(spin)
+            name = f"{name} {spin}"
+        ex = OffloadExecutor(banks, [[resident] * n_exp for _ in range(n_layers)], device, decide)
+        for batch in (1, 16):
+            measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 4)  # warm-up
+            ex.stats = StepStats()
+            r = measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 24)
+            steps = 24 + 1  # the prefill's MoE calls are counted too; close enough for per-step shares
+            s = ex.stats
+            step_ms = 1000 * batch / r.tok_s
+            rows.append((spec, name, batch, r.tok_s, step_ms, s.layer_ms / steps, s.wait_ms / steps, s.cpu_ms / steps,
+                         step_ms - s.layer_ms / steps + s.wait_ms / steps, s.copied_experts / steps))
+        del ex
+        torch.cuda.empty_cache()
+    os.environ["MOEDESK_NO_NATIVE_KERNELS"] = ""
+    if args.no_trace:
+        continue
+    ex = OffloadExecutor(banks, [[False] * n_exp for _ in range(n_layers)], device, cpu_only)
+    measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 4)
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as p:
+        measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 6)
+    p.export_chrome_trace(os.path.join(out, f"trace-{shape}.json"))
+    print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=36))
+    del model, banks, ex
+    torch.cuda.empty_cache()
+
+print(f"\n{'shape':<18}{'variant':<18}{'batch':>6}{'tok/s':>8}{'step ms':>9}{'moe ms':>8}{'wait ms':>8}"
+      f"{'cpu ms':>8}{'rest ms':>8}{'copied':>7}")
+for spec, name, batch, tok_s, step, moe, wait, cpu, rest, copied in rows:
+    print(f"{spec:<18}{name:<18}{batch:>6}{tok_s:>8.1f}{step:>9.2f}{moe:>8.2f}{wait:>8.2f}{cpu:>8.2f}{rest:>8.2f}"
+          f"{copied:>7.1f}")
