@@ -22,6 +22,11 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from kernels.cpu_experts import expert_forward, experts_forward
+from kernels.gpu_experts import grouped_experts_forward, grouped_supported
+
+# Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's
+# savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
+GROUPED_MAX_TOKENS = 64
 
 __all__ = ["expert_forward", "experts_forward", "OffloadExecutor", "allocate_banks", "stack_experts"]
 
@@ -187,10 +192,8 @@ class OffloadExecutor:
         outputs: dict[int, torch.Tensor] = {}
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         copies = self._start_copies(bank, to_copy)
-        for e in resident:
-            a, b = span[e]
-            s = bank.gpu_slot[e]
-            outputs[e] = expert_forward(x[routing[0, a:b]], bank.gpu_gate_up[s], bank.gpu_down[s])
+        if resident:
+            outputs.update(self._run_resident(bank, x, routing, resident, span))
         for e, (slot, ready) in copies.items():
             if ready is not None:
                 torch.cuda.current_stream(self.device).wait_event(ready)
@@ -220,6 +223,28 @@ class OffloadExecutor:
         s.gpu_hits += int(sum(counts[e] for e in resident))
         s.layer_ms += (time.perf_counter() - started) * 1e3
         return out
+
+    def _run_resident(self, bank: LayerBank, x, routing, resident: list[int], span: dict) -> dict:
+        """Outputs of the GPU-resident experts: one grouped launch per projection while every expert has
+        at most GROUPED_MAX_TOKENS tokens (decode), else one GEMM per expert (prefill's large loads)."""
+        sizes = [span[e][1] - span[e][0] for e in resident]
+        if max(sizes) > GROUPED_MAX_TOKENS or not grouped_supported(x, bank.gpu_gate_up):
+            outputs = {}
+            for e in resident:
+                a, b = span[e]
+                s = bank.gpu_slot[e]
+                outputs[e] = expert_forward(x[routing[0, a:b]], bank.gpu_gate_up[s], bank.gpu_down[s])
+            return outputs
+        # Slots hold the resident experts in ascending id order, so groups follow the slots.
+        tokens = [0] * bank.gpu_gate_up.shape[0]
+        for e, n in zip(resident, sizes):
+            tokens[bank.gpu_slot[e]] = n
+        pairs = torch.cat([torch.arange(*span[e]) for e in resident])
+        index = torch.cat([pairs, torch.tensor(tokens).cumsum(0)]).to(self.device, non_blocking=True)
+        pairs, ends = index[:len(pairs)], index[len(pairs):].to(torch.int32)
+        y = grouped_experts_forward(x[routing[0, pairs]], bank.gpu_gate_up, bank.gpu_down, ends)
+        starts = itertools.accumulate(sizes, initial=0)
+        return {e: y[a:a + n] for e, a, n in zip(resident, starts, sizes)}
 
     def _host_buffer(self, rows: int, hidden: int, dtype) -> torch.Tensor:
         """A reused (pinned, with a GPU) buffer for CPU expert outputs; it grows, never shrinks.

@@ -37,10 +37,23 @@ def _timed_ms(fn, device: torch.device, repeat: int) -> float:
 
 
 def cpu_read_gbs(megabytes: int = 1024) -> float:
-    """Bandwidth of a parallel read over a buffer far larger than the caches (a sum, as the DESIGN measured)."""
+    """The CPU's read bandwidth over a buffer far larger than the caches: the faster of a parallel
+    torch sum (as DESIGN.md measured it) and, where it runs, the native experts kernel streaming one
+    expert of that size for one token, which is how decode reads experts (and often the faster)."""
     buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     ms = _timed_ms(lambda: buf.sum(), torch.device("cpu"), 5)
-    return buf.numel() * 4 / ms / 1e6
+    best = buf.numel() * 4 / ms / 1e6
+    del buf
+    if cpu_experts.available():
+        hidden = 4096
+        width = megabytes * 2**20 // (3 * hidden * 2)  # gate, up and down in bf16
+        gate_up = torch.zeros((1, 2 * width, hidden), dtype=torch.bfloat16)
+        down = torch.zeros((1, hidden, width), dtype=torch.bfloat16)
+        x, one, rows, offsets = torch.zeros(1, hidden, dtype=torch.bfloat16), *map(torch.tensor, ([0], [0], [0, 1]))
+        ms = _timed_ms(lambda: cpu_experts.experts_forward(x, rows, one, offsets, gate_up, down),
+                       torch.device("cpu"), 5)
+        best = max(best, (gate_up.numel() + down.numel()) * 2 / ms / 1e6)
+    return best
 
 
 def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens=CPU_TOKENS,
