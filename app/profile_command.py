@@ -21,6 +21,9 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"\none expert ({orchestra.expert_bytes / 2**20:.1f} MiB), {tier}; "
         f"CPU read {orchestra.profile['cpu_read_gbs']:.0f} GB/s, "
         f"copy {costs.copy_expert_ms:.2f} ms")
+    out(f"CPU experts: {orchestra.profile.get('cpu_experts', 'torch')}")
+    if costs.cpu_slowdown > 1 or costs.copy_slowdown > 1:
+        out(f"CPU experts and copies at once: CPU x{costs.cpu_slowdown:.2f} slower, copies x{costs.copy_slowdown:.2f}")
     out(f"{'tokens':>8}{'CPU ms':>10}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_expert_ms(n):>10.3f}{costs.gpu_expert_ms(n):>10.3f}")

@@ -18,6 +18,8 @@ The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
   measured points are interpolated piecewise-linearly instead of forcing a formula on them.
 - Copy: one expert's weights host-to-device, independent of tokens.
 - Activation round trip: the tokens' hidden states to the CPU and the expert's output back.
+- Contention: CPU experts and PCIe copies both read host memory, so while both run each is
+  slower than alone; the profiler measures the two slowdown factors with both running.
 """
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class LatencyModel:
     roundtrip_base_ms: float = 0.0
     roundtrip_per_token_ms: float = 0.0
     expert_bytes: int = 0
+    cpu_slowdown: float = 1.0  # CPU expert time while copies run, over its time alone
+    copy_slowdown: float = 1.0  # copy time while CPU experts run, over its time alone
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
@@ -58,6 +62,8 @@ class LatencyModel:
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms)
         if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
+        if not all(math.isfinite(x) and x >= 1 for x in (self.cpu_slowdown, self.copy_slowdown)):
+            raise ProfileError("latency model: slowdown factors must be finite and >= 1")
         if not self.gpu_tokens or len(self.gpu_tokens) != len(self.gpu_ms):
             raise ProfileError("latency model: GPU needs at least one (tokens, ms) point")
         if any(b <= a for a, b in zip(self.gpu_tokens, self.gpu_tokens[1:])):
@@ -185,7 +191,8 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     expert_bytes, cpu_read_gbs (GB/s, for the CPU floor; missing → the kernel's fastest call
     alone sets it) and optionally
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
-    activation copies under 1% of the time). Other keys are ignored.
+    activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
+    (missing → 1). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -207,4 +214,17 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         cpu_intercept_ms=a, cpu_per_token_ms=b, cpu_floor_ms=floor_ms,
         gpu_tokens=tuple(gpu_n), gpu_ms=tuple(gpu_y), copy_expert_ms=float(profile_points["copy_expert_ms"]),
         roundtrip_base_ms=base, roundtrip_per_token_ms=per_token, expert_bytes=expert_bytes,
+        cpu_slowdown=_slowdown(profile_points, "cpu_slowdown_during_copy"),
+        copy_slowdown=_slowdown(profile_points, "copy_slowdown_during_cpu"),
     )
+
+
+def _slowdown(profile: dict, key: str) -> float:
+    """A measured slowdown factor; missing (older profiles, the simulated tier) → 1. Noise below 1 → 1."""
+    try:
+        value = float(profile.get(key, 1.0))
+    except (TypeError, ValueError):
+        raise ProfileError(f"profile: '{key}' must be a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ProfileError(f"profile: '{key}' must be a positive number")
+    return max(1.0, value)

@@ -149,6 +149,31 @@ class Costs:
 
 
 @dataclass(frozen=True)
+class Contended:
+    """A model's costs while the CPU experts and the copies run at the same time: each side slowed by
+    the factor the profiler measured with both running (1 where a model has none)."""
+
+    model: ExpertCosts
+
+    @property
+    def factors(self) -> tuple[float, float]:
+        return getattr(self.model, "cpu_slowdown", 1.0), getattr(self.model, "copy_slowdown", 1.0)
+
+    @property
+    def copy_expert_ms(self) -> float:
+        return self.model.copy_expert_ms * self.factors[1]
+
+    def cpu_expert_ms(self, tokens: int) -> float:
+        return self.model.cpu_expert_ms(tokens) * self.factors[0]
+
+    def gpu_expert_ms(self, tokens: int) -> float:
+        return self.model.gpu_expert_ms(tokens)
+
+    def activation_roundtrip_ms(self, tokens: int) -> float:
+        return self.model.activation_roundtrip_ms(tokens)
+
+
+@dataclass(frozen=True)
 class Assignment:
     """Where the offloaded experts of one layer step run, and when each side is predicted to finish.
 
@@ -420,13 +445,25 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     rule. `gpu_busy_ms`: how long the GPU is still busy with resident experts before it can
     compute a copied one.
 
-    Assumed, as in Fiddler: enough staging slots for every copy of the step, and CPU reads
-    and PCIe copies not slowing each other down (they share DRAM bandwidth).
+    Both read host memory, so a split is costed with the slowdowns measured while both run
+    (`Contended`) and kept only when it beats running everything on one side, uncontended.
+    Assumed, as in Fiddler: enough staging slots for every copy of the step.
     """
     active = {e: int(n) for e, n in loads.items() if n > 0}
-    groups = _group(active, model, gpu_busy_ms)
     if not active:
-        return groups.assignment([], "exact")
+        return _group(active, model, gpu_busy_ms).assignment([], "exact")
+    split = _best_split(active, Contended(model), gpu_busy_ms, exact_limit)
+    if Contended(model).factors == (1.0, 1.0):
+        return split
+    # A split was costed as if the CPU and the copies ran side by side all the step long, which
+    # over-charges it; running everything on one side has no contention at all.
+    sides = [assignment_for(active, [], model, gpu_busy_ms, split.method),
+             assignment_for(active, list(active), model, gpu_busy_ms, split.method)]
+    return min([split, *sides], key=lambda a: a.makespan_ms)
+
+
+def _best_split(active: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, exact_limit: int) -> Assignment:
+    groups = _group(active, model, gpu_busy_ms)
     fiddler = groups.counts_of({e for e, n in active.items() if fiddler_rule(n, model) == "gpu"})
     x = _greedy(groups, fiddler)
     if math.prod(m + 1 for m in groups.sizes) <= exact_limit:

@@ -1,13 +1,15 @@
 """Start-up measurements that the expert decisions rest on, cached per machine, model shape and dtype.
 
 What is measured: one expert's latency on the CPU for 1..256 tokens and on the GPU for
-1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, and the
-CPU's read bandwidth. Without a GPU the "GPU" tier is the CPU (the simulated tier CI runs).
+1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, the
+CPU's read bandwidth, and how much CPU expert reads and copies slow each other down when they
+run together. Without a GPU the "GPU" tier is the CPU (the simulated tier CI runs).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -83,6 +85,7 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         staging_d.copy_(down, non_blocking=True)
 
     copy_ms = _timed_ms(copy, device, repeat)
+    slowdowns = contention(device) if device.type == "cuda" else {}
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -90,8 +93,51 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
         "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
         "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
-        "pinned": gate_up.is_pinned(),
+        "pinned": gate_up.is_pinned(), **slowdowns,
     }
+
+
+def contention(device, megabytes: int = 256, calls: int = 6) -> dict:
+    """How much CPU expert reads and host-to-GPU copies slow each other down when they run at the same time.
+
+    Both stream host memory, so this is a property of the machine, measured on buffers far
+    larger than the caches: a one-token CPU expert call over `megabytes` of bf16 weights, and
+    copies of as many pinned bytes, first each alone, then the copies queued on a side stream
+    while the CPU calls run one after another until the copies are done.
+    """
+    hidden = 4096
+    width = megabytes * 2**20 // (3 * hidden * 2)
+    gate_up = torch.zeros((1, 2 * width, hidden), dtype=torch.bfloat16)
+    down = torch.zeros((1, hidden, width), dtype=torch.bfloat16)
+    x, one, rows, offsets = torch.zeros(1, hidden, dtype=torch.bfloat16), *map(torch.tensor, ([0], [0], [0, 1]))
+    source = torch.zeros(megabytes * 2**20, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty_like(source, device=device)
+
+    def cpu_call():
+        cpu_experts.experts_forward(x, rows, one, offsets, gate_up, down)
+
+    cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), calls)
+    copy_ms = _timed_ms(lambda: target.copy_(source, non_blocking=True), device, calls)
+    n = max(2, math.ceil(calls * cpu_ms / copy_ms))
+    stream = torch.cuda.Stream(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    with torch.cuda.stream(stream):
+        start.record()
+        for _ in range(n):
+            target.copy_(source, non_blocking=True)
+        end.record()
+    times = []
+    while not end.query():
+        t = time.perf_counter()
+        cpu_call()
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize(device)
+    times = times[:-1]  # the last call may have outlived the copies
+    if len(times) < 2:  # the copies were too quick to overlap with: nothing learnt
+        return {}
+    return {"cpu_slowdown_during_copy": sorted(times)[len(times) // 2] / cpu_ms,
+            "copy_slowdown_during_cpu": start.elapsed_time(end) / n / copy_ms}
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:

@@ -140,3 +140,16 @@ def test_incomplete_measurements_are_refused(drop, change):
     with pytest.raises(ProfileError) as err:
         fit_latency_model(raw)
     assert isinstance(err.value, MoedeskError)
+
+
+def test_contention_factors_are_read_clipped_at_one_and_kept_through_json():
+    assert (fit_latency_model(profile(lambda n: 5.0)).cpu_slowdown, 1.0) == (1.0, 1.0)  # older profiles
+    model = fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy=1.7, copy_slowdown_during_cpu=0.96))
+    assert (model.cpu_slowdown, model.copy_slowdown) == (1.7, 1.0)  # a copy measured faster is noise
+    assert LatencyModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+@pytest.mark.parametrize("bad", ["fast", -1.0, 0.0, float("nan")])
+def test_a_bad_contention_factor_is_refused(bad):
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy=bad))

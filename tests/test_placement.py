@@ -263,3 +263,42 @@ def test_works_on_a_fitted_latency_model():
     assert len(prefill.copy) >= 6 and prefill.makespan_ms <= fiddler_assign(loads, model).makespan_ms + 1e-9
     decode = assign_offloaded({2: 1, 6: 1}, model)
     assert decode.makespan_ms < 2 * model.cpu_expert_ms(1)
+
+
+def _slowed(costs: Costs, cpu_slowdown: float, copy_slowdown: float):
+    """Costs plus the contention factors a fitted LatencyModel carries."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Slowed(Costs):
+        cpu_slowdown: float = 1.0
+        copy_slowdown: float = 1.0
+
+    return Slowed(costs.cpu_ms, costs.gpu_ms, costs.copy_ms, costs.roundtrip_ms, cpu_slowdown, copy_slowdown)
+
+
+def test_contention_turns_a_split_into_all_copied():
+    # Eight one-token experts: 1 ms each on the CPU, 0.2 ms to copy, 0.1 ms on the GPU.
+    costs = Costs(lambda n: 1.0, lambda n: 0.1, 0.2)
+    loads = {e: 1 for e in range(8)}
+    free = assign_offloaded(loads, costs)  # copy 7: max(CPU 1, link 1.4 + GPU 0.1) = 1.5
+    assert len(free.copy) == 7 and free.makespan_ms == pytest.approx(1.5)
+    # Both sides twice as slow while both run: the best split, copy 7, takes max(2, 2.9); copying all
+    # 8 runs nothing on the CPU, so nothing slows the link: 8 x 0.2 + 0.1.
+    slowed = assign_offloaded(loads, _slowed(costs, 2.0, 2.0))
+    assert set(slowed.copy) == set(loads) and slowed.makespan_ms == pytest.approx(1.7)
+
+
+def test_contention_turns_a_split_into_all_cpu():
+    costs = Costs(lambda n: 3.0, lambda n: 0.2, 4.0)
+    loads = {0: 1, 1: 1}
+    free = assign_offloaded(loads, costs)  # split: max(3, 4.2); all-CPU 6; all-copied 8.2
+    assert len(free.copy) == 1 and free.makespan_ms == pytest.approx(4.2)
+    slowed = assign_offloaded(loads, _slowed(costs, 2.0, 1.5))  # split: max(6, 6.2)
+    assert slowed.copy == () and slowed.makespan_ms == pytest.approx(6.0)
+
+
+def test_mild_contention_keeps_the_split_at_its_contended_cost():
+    costs = Costs(lambda n: 3.0, lambda n: 0.2, 4.0)
+    slowed = assign_offloaded({0: 1, 1: 1}, _slowed(costs, 1.2, 1.1))  # split: max(3.6, 4.6) < all-CPU 6
+    assert len(slowed.copy) == 1 and slowed.makespan_ms == pytest.approx(4.6)

@@ -11,6 +11,7 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "RAM" in out and "CPU" in out
+    assert "CPU experts: " in out  # which code computes CPU experts here
     assert re.search(r"^\s+256\s+\d", out, re.M)  # latency table reaches 256 tokens
     placed = re.search(r"(\d+) of 12 experts on the GPU", out)
     expert_bytes = 3 * 64 * 48 * 4
