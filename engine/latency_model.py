@@ -20,6 +20,8 @@ The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
 - Activation round trip: the tokens' hidden states to the CPU and the expert's output back.
 - Contention: CPU experts and PCIe copies both read host memory, so while both run each is
   slower than alone; the profiler measures the two slowdown factors with both running.
+- Copy launch: the host thread queues each copy and its GPU compute before it joins the CPU
+  experts, so every copy delays the CPU side by that much host time.
 """
 from __future__ import annotations
 
@@ -53,13 +55,14 @@ class LatencyModel:
     expert_bytes: int = 0
     cpu_slowdown: float = 1.0  # CPU expert time while copies run, over its time alone
     copy_slowdown: float = 1.0  # copy time while CPU experts run, over its time alone
+    copy_launch_ms: float = 0.0  # host time to queue one expert's copy and GPU compute (the CPU side pays it)
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
         object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
-                   self.roundtrip_base_ms, self.roundtrip_per_token_ms)
+                   self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms)
         if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if not all(math.isfinite(x) and x >= 1 for x in (self.cpu_slowdown, self.copy_slowdown)):
@@ -192,7 +195,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     alone sets it) and optionally
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
-    (missing → 1). Other keys are ignored.
+    (missing → 1), copy_launch_ms (missing → 0). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -216,7 +219,19 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         roundtrip_base_ms=base, roundtrip_per_token_ms=per_token, expert_bytes=expert_bytes,
         cpu_slowdown=_slowdown(profile_points, "cpu_slowdown_during_copy"),
         copy_slowdown=_slowdown(profile_points, "copy_slowdown_during_cpu"),
+        copy_launch_ms=_milliseconds(profile_points, "copy_launch_ms"),
     )
+
+
+def _milliseconds(profile: dict, key: str) -> float:
+    """An optional time; missing (older profiles, the simulated tier) → 0."""
+    try:
+        value = float(profile.get(key, 0.0))
+    except (TypeError, ValueError):
+        raise ProfileError(f"profile: '{key}' must be a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise ProfileError(f"profile: '{key}' must be a time >= 0")
+    return value
 
 
 def _slowdown(profile: dict, key: str) -> float:

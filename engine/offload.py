@@ -108,6 +108,27 @@ def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Te
     return banks
 
 
+def queue_copy(stream, gate_up, down, staging_gate_up, staging_down, after=None):
+    """Queue one expert's host-to-GPU copy on `stream` (after the event `after`); the event that marks it done."""
+    with torch.cuda.stream(stream):
+        if after is not None:
+            stream.wait_event(after)
+        staging_gate_up.copy_(gate_up, non_blocking=True)
+        staging_down.copy_(down, non_blocking=True)
+        return stream.record_event()
+
+
+def compute_copied(x, rows, staging_gate_up, staging_down, ready=None):
+    """A copied expert's output once its copy (event `ready`) landed, and the event after which its
+    staging slot may be overwritten (None on the simulated tier, where everything is synchronous)."""
+    if ready is None:
+        return expert_forward(x[rows], staging_gate_up, staging_down), None
+    current = torch.cuda.current_stream(x.device)
+    current.wait_event(ready)
+    out = expert_forward(x[rows], staging_gate_up, staging_down)
+    return out, current.record_event()
+
+
 def combine_in_expert_order(y: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, n: int, k: int):
     """Sum over each token's experts of weight * output, adding in ascending expert order.
 
@@ -195,13 +216,8 @@ class OffloadExecutor:
         if resident:
             outputs.update(self._run_resident(bank, x, routing, resident, span))
         for e, (slot, ready) in copies.items():
-            if ready is not None:
-                torch.cuda.current_stream(self.device).wait_event(ready)
-            gate_up, down = self.staging[slot]
             a, b = span[e]
-            outputs[e] = expert_forward(x[routing[0, a:b]], gate_up, down)
-            if not self.simulated:
-                self.slot_free[slot] = torch.cuda.current_stream(self.device).record_event()
+            outputs[e], self.slot_free[slot] = compute_copied(x, routing[0, a:b], *self.staging[slot], ready)
         if on_cpu:
             cpu_started = time.perf_counter()
             groups = [span[e] for e in on_cpu]
@@ -268,10 +284,6 @@ class OffloadExecutor:
                 down.copy_(bank.down[e])
                 started[e] = (slot, None)
                 continue
-            with torch.cuda.stream(self.copy_stream):
-                if self.slot_free[slot] is not None:
-                    self.copy_stream.wait_event(self.slot_free[slot])
-                gate_up.copy_(bank.gate_up[e], non_blocking=True)
-                down.copy_(bank.down[e], non_blocking=True)
-                started[e] = (slot, self.copy_stream.record_event())
+            started[e] = (slot, queue_copy(self.copy_stream, bank.gate_up[e], bank.down[e], gate_up, down,
+                                           after=self.slot_free[slot]))
         return started

@@ -13,7 +13,7 @@ so that the CPU queue and the copy→GPU pipeline, which run at the same time, e
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Callable, Iterable, Literal, Protocol, Sequence
 
@@ -163,6 +163,10 @@ class Contended:
     def copy_expert_ms(self) -> float:
         return self.model.copy_expert_ms * self.factors[1]
 
+    @property
+    def copy_launch_ms(self) -> float:
+        return copy_launch_ms(self.model)
+
     def cpu_expert_ms(self, tokens: int) -> float:
         return self.model.cpu_expert_ms(tokens) * self.factors[0]
 
@@ -195,6 +199,11 @@ class Assignment:
         return iter((list(self.cpu), list(self.copy)))
 
 
+def copy_launch_ms(model: ExpertCosts) -> float:
+    """Host time to queue one expert's copy and its GPU compute; 0 where a model has no such measurement."""
+    return getattr(model, "copy_launch_ms", 0.0)
+
+
 def cpu_path_ms(tokens: int, model: ExpertCosts) -> float:
     """One offloaded expert on the CPU: compute plus its activations' round trip."""
     return model.cpu_expert_ms(tokens) + model.activation_roundtrip_ms(tokens)
@@ -216,12 +225,14 @@ def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
                  gpu_busy_ms: float = 0.0) -> tuple[float, float]:
     """(CPU finish, GPU finish) in ms from now: `copy` copied in that order, every other expert with tokens on the CPU.
 
-    The CPU pool runs its experts one after another. Copies are sequential on the link; the
+    The CPU pool runs its experts one after another, after the host thread (which then joins it)
+    has queued each copy and its GPU compute (`copy_launch_ms` each). Copies are sequential on the link; the
     GPU starts a copied expert once its copy has landed and the GPU is free, and it is busy
     for `gpu_busy_ms` first (the resident experts, which the executor queues before them).
     """
     copied = set(copy)
     cpu = sum(cpu_path_ms(n, model) for e, n in loads.items() if n > 0 and e not in copied)
+    cpu += len(copied) * copy_launch_ms(model)
     link, gpu = 0.0, gpu_busy_ms
     for e in copy:
         link += model.copy_expert_ms
@@ -262,6 +273,7 @@ class _Groups:
     gpu: list[float]
     copy_ms: float
     gpu_busy_ms: float
+    cpu_base: float = 0.0  # CPU-side time whatever the split (see _group)
 
     @property
     def sizes(self) -> list[int]:
@@ -269,7 +281,7 @@ class _Groups:
 
     def finish(self, x: Sequence[int]) -> tuple[float, float]:
         """(CPU finish, GPU finish) when x[k] experts of group k are copied, in group order."""
-        cpu = sum((len(ids) - xk) * c for ids, xk, c in zip(self.ids, x, self.cpu))
+        cpu = self.cpu_base + sum((len(ids) - xk) * c for ids, xk, c in zip(self.ids, x, self.cpu))
         d, link, gpu = self.copy_ms, 0.0, self.gpu_busy_ms
         for xk, g in zip(x, self.gpu):
             if xk:
@@ -294,13 +306,19 @@ class _Groups:
 
 
 def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float) -> _Groups:
+    """Group by load. Each copy costs the CPU side `copy_launch_ms` of host time, so a CPU expert
+    costs its CPU time minus that, on top of a base of one launch per expert (copied or not):
+    the CPU finish stays a sum over the experts left on the CPU, as the solvers need. Callers
+    leave out experts whose CPU time does not exceed a launch: copying them can never help."""
+    launch = copy_launch_ms(model)
     by_load: dict[int, list[int]] = {}
     for e, n in loads.items():
         by_load.setdefault(n, []).append(e)
-    costs = {n: (cpu_path_ms(n, model), model.gpu_expert_ms(n)) for n in by_load}
+    costs = {n: (cpu_path_ms(n, model) - launch, model.gpu_expert_ms(n)) for n in by_load}
     order = sorted(by_load, key=lambda n: (-costs[n][1], -n))
     return _Groups(ids=[sorted(by_load[n]) for n in order], cpu=[costs[n][0] for n in order],
-                   gpu=[costs[n][1] for n in order], copy_ms=model.copy_expert_ms, gpu_busy_ms=gpu_busy_ms)
+                   gpu=[costs[n][1] for n in order], copy_ms=model.copy_expert_ms, gpu_busy_ms=gpu_busy_ms,
+                   cpu_base=launch * len(loads))
 
 
 def _greedy(groups: _Groups, fiddler: list[int]) -> list[int]:
@@ -397,7 +415,7 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
     rest_link = [by_ratio(k, [d] * K) for k in range(K + 1)]
     rest_gpu = [by_ratio(k, gpu_k) for k in range(K + 1)]
     best_x, best = tuple(start), groups.makespan(start)
-    states: dict[int, list] = {0: [(0.0, groups.gpu_busy_ms, ())]}
+    states: dict[int, list] = {0: [(groups.cpu_base, groups.gpu_busy_ms, ())]}
     for k in range(K):
         grown: dict[int, list] = {}
         for copies, frontier in states.items():
@@ -463,9 +481,15 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
 
 
 def _best_split(active: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, exact_limit: int) -> Assignment:
-    groups = _group(active, model, gpu_busy_ms)
-    fiddler = groups.counts_of({e for e, n in active.items() if fiddler_rule(n, model) == "gpu"})
+    launch = copy_launch_ms(model)
+    stay = {e: n for e, n in active.items() if cpu_path_ms(n, model) <= launch}  # copying costs the CPU more
+    movable = {e: n for e, n in active.items() if e not in stay}
+    groups = _group(movable, model, gpu_busy_ms)
+    groups.cpu_base += sum(cpu_path_ms(n, model) for n in stay.values())
+    fiddler = groups.counts_of({e for e, n in movable.items() if fiddler_rule(n, model) == "gpu"})
     x = _greedy(groups, fiddler)
+    method = "greedy"
     if math.prod(m + 1 for m in groups.sizes) <= exact_limit:
-        return groups.assignment(_exact(groups, x), "exact")
-    return groups.assignment(x, "greedy")
+        x, method = _exact(groups, x), "exact"
+    split = groups.assignment(x, method)
+    return replace(split, cpu=tuple(sorted(split.cpu + tuple(stay)))) if stay else split

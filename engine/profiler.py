@@ -85,7 +85,8 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         staging_d.copy_(down, non_blocking=True)
 
     copy_ms = _timed_ms(copy, device, repeat)
-    slowdowns = contention(device) if device.type == "cuda" else {}
+    extra = {**contention(device), "copy_launch_ms": copy_launch_ms(g_gate_up, staging_gu, staging_d, device)} \
+        if device.type == "cuda" else {}
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -93,8 +94,30 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
         "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
         "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
-        "pinned": gate_up.is_pinned(), **slowdowns,
+        "pinned": gate_up.is_pinned(), **extra,
     }
+
+
+def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> float:
+    """Host time the executor spends queueing one copied expert: its copy on a side stream and its
+    GPU compute, through the executor's own two calls (median; the GPU is drained between tries
+    so that nothing blocks)."""
+    from engine.offload import compute_copied, queue_copy
+
+    x = torch.randn(4, gate_up.shape[-1], dtype=gate_up.dtype, device=device)
+    rows = torch.tensor([1, 2], device=device)
+    host_gu = torch.empty(staging_gu.shape, dtype=staging_gu.dtype, pin_memory=True)
+    host_d = torch.empty(staging_d.shape, dtype=staging_d.dtype, pin_memory=True)
+    side = torch.cuda.Stream(device)
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        compute_copied(x, rows, staging_gu, staging_d, queue_copy(side, host_gu, host_d, staging_gu, staging_d))
+        times.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize(device)
+    times = sorted(times[1:])
+    return times[len(times) // 2]
 
 
 def contention(device, megabytes: int = 256, calls: int = 6) -> dict:

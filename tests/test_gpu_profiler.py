@@ -15,3 +15,17 @@ def test_contention_measures_both_sides_while_they_overlap():
     assert set(factors) == {"cpu_slowdown_during_copy", "copy_slowdown_during_cpu"}
     # Reading host memory on both sides can only slow each down, within reason (noise allowed below 1).
     assert all(math.isfinite(v) and 0.7 < v < 6 for v in factors.values()), factors
+
+
+@pytest.mark.gpu
+def test_copy_launch_time_is_host_time_only():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.profiler import copy_launch_ms
+
+    staging = torch.empty(2 * 1024, 2048, dtype=torch.bfloat16, device="cuda")
+    down = torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda")
+    ms = copy_launch_ms(staging, staging, down, torch.device("cuda"))
+    # A few dozen API calls: well above zero, far below the copy itself (8 MiB at PCIe speed is ~0.2 ms
+    # only when it is not waited for; a launch that waited would take about that).
+    assert 0.005 < ms < 2.0

@@ -153,3 +153,10 @@ def test_contention_factors_are_read_clipped_at_one_and_kept_through_json():
 def test_a_bad_contention_factor_is_refused(bad):
     with pytest.raises(ProfileError):
         fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy=bad))
+
+
+def test_copy_launch_time_is_read_and_checked():
+    assert fit_latency_model(profile(lambda n: 5.0)).copy_launch_ms == 0.0  # older profiles, simulated tier
+    assert fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=0.12)).copy_launch_ms == 0.12
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=-0.1))

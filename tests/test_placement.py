@@ -9,7 +9,7 @@ from engine.errors import MoedeskError
 from engine.latency_model import fit_latency_model
 from engine.placement import (
     Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
-    finish_times, plan_placement,
+    cpu_path_ms, finish_times, plan_placement,
 )
 
 MiB = 2**20
@@ -265,16 +265,42 @@ def test_works_on_a_fitted_latency_model():
     assert decode.makespan_ms < 2 * model.cpu_expert_ms(1)
 
 
-def _slowed(costs: Costs, cpu_slowdown: float, copy_slowdown: float):
-    """Costs plus the contention factors a fitted LatencyModel carries."""
+def _slowed(costs: Costs, cpu_slowdown: float = 1.0, copy_slowdown: float = 1.0, copy_launch_ms: float = 0.0):
+    """Costs plus the contention factors and the copy launch time a fitted LatencyModel carries."""
     import dataclasses
 
     @dataclasses.dataclass(frozen=True)
     class Slowed(Costs):
         cpu_slowdown: float = 1.0
         copy_slowdown: float = 1.0
+        copy_launch_ms: float = 0.0
 
-    return Slowed(costs.cpu_ms, costs.gpu_ms, costs.copy_ms, costs.roundtrip_ms, cpu_slowdown, copy_slowdown)
+    return Slowed(costs.cpu_ms, costs.gpu_ms, costs.copy_ms, costs.roundtrip_ms, cpu_slowdown, copy_slowdown,
+                  copy_launch_ms)
+
+
+def test_exact_split_with_copy_launch_cost_equals_brute_force():
+    """Each copy costs the host thread time before it joins the CPU pool; experts cheaper than that stay."""
+    rng = random.Random(5)
+    stayed = 0
+    for _ in range(150):
+        loads, table, busy = random_case(rng, rng.randint(1, 9), rng.randint(1, 6))
+        model = _slowed(table, copy_launch_ms=rng.choice([0.05, rng.uniform(0, 4)]))
+        got = assign_offloaded(loads, model, busy)
+        assert got.method == "exact" and sorted(got.cpu + got.copy) == sorted(loads)
+        assert got.makespan_ms == pytest.approx(brute_force(loads, model, busy, all_orders=False), abs=1e-9)
+        assert (got.cpu_finish_ms, got.gpu_finish_ms) == tuple(map(pytest.approx, finish_times(loads, got.copy, model, busy)))
+        stayed += any(cpu_path_ms(n, model) <= model.copy_launch_ms for n in loads.values())
+    assert stayed > 10  # the experts-that-stay path ran
+
+
+def test_launch_cost_keeps_small_experts_on_the_cpu():
+    # Qwen3-like decode step: 0.1 ms per expert on the CPU, copying is quick but each costs 0.2 ms to queue.
+    costs = Costs(lambda n: 0.1, lambda n: 0.08, 0.19)
+    loads = {e: 1 for e in range(8)}
+    assert assign_offloaded(loads, costs).copy  # free launches: a split
+    got = assign_offloaded(loads, _slowed(costs, copy_launch_ms=0.2))
+    assert got.copy == () and got.makespan_ms == pytest.approx(0.8)
 
 
 def test_contention_turns_a_split_into_all_copied():
