@@ -203,6 +203,9 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     read_gbs = float(profile_points.get("cpu_read_gbs") or 0.0)
     dram_floor_ms = expert_bytes / (read_gbs * 1e6) if expert_bytes > 0 and read_gbs > 0 else 0.0
     cpu_n, cpu_y = _points(profile_points, "cpu_expert_ms")
+    # More tokens are more work, so a count cannot take longer than a larger one: a spike at few
+    # tokens (the first point measured often is one) is noise, capped by the larger counts' times.
+    cpu_y = np.minimum.accumulate(cpu_y[::-1])[::-1]
     # Bytes at the lower of the two bandwidths (module docstring): the kernel's own fastest
     # call when it never reached the machine's read bandwidth, else the DRAM read time.
     floor_ms = max(dram_floor_ms, float(cpu_y.min()))
