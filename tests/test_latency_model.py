@@ -167,4 +167,4 @@ def test_a_spike_at_few_tokens_is_capped_by_larger_counts():
     # a step with one-token experts look a fifth slower on the CPU than it is.
     times = {1: 3.6, 2: 2.95, 4: 2.99, 8: 4.09, 16: 6.67, 32: 12.5, 64: 10.2, 128: 17.7, 256: 32.0}
     model = fit_latency_model(profile(lambda n: times[n], expert_bytes=352 * MiB, cpu_read_gbs=131.0))
-    assert model.cpu_expert_ms(1) <= 2.99 + 1e-9
+    assert model.cpu_expert_ms(1) < 1.05 * 2.95
