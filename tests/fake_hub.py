@@ -367,3 +367,28 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+def point_client_at(fake: FakeHub, monkeypatch, home, hub_cache, chunk: int) -> None:
+    """Point the huggingface_hub client of this process at `fake`, with its home and cache in the given folders.
+
+    The client reads HF_ENDPOINT / HF_HOME / HF_HUB_CACHE when it is imported, so its constants are
+    patched; tokens from the environment are dropped, and Xet is off (the fake serves plain HTTP).
+    """
+    from huggingface_hub import constants
+
+    for name, value in {
+        "ENDPOINT": fake.endpoint,
+        "HUGGINGFACE_CO_URL_TEMPLATE": fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(hub_cache),
+        "HF_TOKEN_PATH": str(home / "token"),
+        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
+        "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
+        "HF_HUB_OFFLINE": False,
+        "HF_HUB_DISABLE_XET": True,
+        "DOWNLOAD_CHUNK_SIZE": chunk,
+    }.items():
+        monkeypatch.setattr(constants, name, value)
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)

@@ -16,7 +16,7 @@ import pytest
 from app import download as dl
 from app.download import DownloadCancelled, DownloadError, check_fits, download, gguf_quant, list_repo_files_with_sizes
 from engine.errors import MoedeskError
-from tests.fake_hub import FakeHub
+from tests.fake_hub import FakeHub, point_client_at
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -58,7 +58,6 @@ def hub(tmp_path, monkeypatch):
     environment here would be too late for this process: the constants it computed are patched instead (the
     subprocess test below covers the environment route that `moedesk download` users take).
     """
-    from huggingface_hub import constants
     from huggingface_hub.utils import close_session
 
     fake = FakeHub()
@@ -68,21 +67,7 @@ def hub(tmp_path, monkeypatch):
     fake.add_repo("moe/gated", {"config.json": b"{}", "model.safetensors": blob(10, 20_000)}, gated=True)
     fake.start()
     home = tmp_path / "hf-home"
-    for name, value in {
-        "ENDPOINT": fake.endpoint,
-        "HUGGINGFACE_CO_URL_TEMPLATE": fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(home / "hub"),
-        "HF_TOKEN_PATH": str(home / "token"),
-        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-        "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
-        "HF_HUB_OFFLINE": False,
-        "HF_HUB_DISABLE_XET": True,
-        "DOWNLOAD_CHUNK_SIZE": CHUNK,
-    }.items():
-        monkeypatch.setattr(constants, name, value)
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    point_client_at(fake, monkeypatch, home, home / "hub", CHUNK)
     yield fake
     fake.stop()
     close_session()  # drop pooled keep-alive connections to this server

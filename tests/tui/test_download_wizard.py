@@ -10,7 +10,7 @@ from app import download as dl
 from app.tui import MoedeskApp
 from app.tui.screens.download import DownloadScreen
 from app.tui.screens.models import ModelsScreen
-from tests.fake_hub import FakeHub
+from tests.fake_hub import FakeHub, point_client_at
 from tests.tui.helpers import chat_ready, wait_for
 
 pytestmark = pytest.mark.timeout(90)
@@ -43,7 +43,6 @@ def hub(tui_dirs, tiny_folder, monkeypatch):
     huggingface_hub reads HF_ENDPOINT / HF_HOME / HF_HUB_CACHE when it is imported, so its constants are patched
     (tests/test_download.py covers the environment route in a fresh process); the cache is tui_dirs' empty one.
     """
-    from huggingface_hub import constants
     from huggingface_hub.utils import close_session
 
     fake = FakeHub()
@@ -53,21 +52,7 @@ def hub(tui_dirs, tiny_folder, monkeypatch):
     fake.add_repo("moe/snap", FIXED)
     fake.start()
     home = tui_dirs["cache"] / "hf-home"
-    for name, value in {
-        "ENDPOINT": fake.endpoint,
-        "HUGGINGFACE_CO_URL_TEMPLATE": fake.endpoint + "/{repo_id}/resolve/{revision}/{filename}",
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(tui_dirs["hf-cache"]),
-        "HF_TOKEN_PATH": str(home / "token"),
-        "HF_STORED_TOKENS_PATH": str(home / "stored_tokens"),
-        "AGENT_HARNESSES_PATH": str(home / ".agent_harnesses.json"),
-        "HF_HUB_OFFLINE": False,
-        "HF_HUB_DISABLE_XET": True,
-        "DOWNLOAD_CHUNK_SIZE": CHUNK,
-    }.items():
-        monkeypatch.setattr(constants, name, value)
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    point_client_at(fake, monkeypatch, home, tui_dirs["hf-cache"], CHUNK)
     yield fake
     fake.stop()
     close_session()  # drop pooled keep-alive connections to this server
