@@ -37,10 +37,13 @@ class Sequence:
 class Decoder:
     """Runs requests through a model and cache. Tokenizer is optional (prompt_ids-only models)."""
 
-    def __init__(self, model, cache, executor, tokenizer, context_length: int, eos_token_ids=(), on_oom=None):
+    def __init__(self, model, cache, executor, tokenizer, context_length: int, eos_token_ids=(), on_oom=None,
+                 graphs=None):
         """on_oom() is called when the GPU runs out of memory in a step: it frees memory (moves experts
-        off the GPU) and returns True to retry the step, or False to give up (the error propagates)."""
+        off the GPU) and returns True to retry the step, or False to give up (the error propagates).
+        graphs: an engine.cuda_graphs.GraphedDecode for the same model and cache, or None (eager decode)."""
         self.model, self.cache, self.executor = model, cache, executor
+        self.graphs = graphs
         self.on_oom = on_oom
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -106,12 +109,17 @@ class Decoder:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
         positions = torch.tensor([[s.position] for s in seqs])
         rows = None if [s.row for s in seqs] == list(range(len(seqs))) else torch.tensor([s.row for s in seqs])
-        logits = self._retrying_oom(lambda: self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
-            rows=None if rows is None else rows.to(self.device)))
+        logits = self._retrying_oom(lambda: self._step(tokens.to(self.device), positions.to(self.device),
+                                                       None if rows is None else rows.to(self.device)))
         for s in seqs:
             s.position += 1
         yield from self._accept(seqs, logits[:, -1], slots)
+
+    def _step(self, tokens, positions, rows):
+        logits = self.graphs.decode(tokens, positions, self.executor, rows) if self.graphs is not None else None
+        if logits is None:
+            logits = self.model(tokens, positions, self.cache, self.executor, rows=rows)
+        return logits
 
     def _retrying_oom(self, step):
         """Run step(); after a GPU out-of-memory error let on_oom free memory and run it again.

@@ -166,10 +166,13 @@ class MoE(nn.Module):
         B, T, H = x.shape
         flat = x.reshape(-1, H)
         weights, ids = self.route(flat)
-        out = step.executor.run_experts(self, flat, weights, ids)
+        return self.finish(flat, step.executor.run_experts(self, flat, weights, ids)).view(B, T, H)
+
+    def finish(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The layer's output from the routed experts' sum: plus the shared expert, where there is one."""
         if self.cfg.shared_expert_intermediate_size:
-            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return out.view(B, T, H)
+            return routed + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return routed
 
 
 class Block(nn.Module):
@@ -189,15 +192,29 @@ class Block(nn.Module):
         h = self.mlp_norm(x)
         return x + (self.moe(h, step) if hasattr(self, "moe") else self.mlp(h))
 
+    def before_experts(self, x, rope, cache, step):
+        """An MoE block up to its routing: (residual, normalised tokens [N, H], weights, ids); the experts
+        and `after_experts` complete it. CUDA graphs capture this part (engine.cuda_graphs)."""
+        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
+        flat = self.mlp_norm(x).reshape(-1, x.shape[-1])
+        return x, flat, *self.moe.route(flat)
+
+    def after_experts(self, x, flat, routed):
+        return x + self.moe.finish(flat, routed).view(x.shape)
+
 
 class Step:
-    """What one forward pass shares across layers: which cache rows, positions, mask, executor."""
+    """What one forward pass shares across layers: which cache rows, positions, mask, executor.
 
-    def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor):
+    kv_len: how many cache positions attention reads; by default up to the furthest position
+    (read from the device), or a fixed length, which CUDA graphs need (the mask hides the rest).
+    """
+
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None):
         self.positions = positions  # [B, T] absolute position of every token
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
         self.executor = executor
-        self.kv_len = int(positions.max()) + 1
+        self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         keys = torch.arange(self.kv_len, device=positions.device)
         # A token sees every cache entry at or before its own position. Rows are right-padded
         # with positions that run on, so stale entries past a row's end are never visible.

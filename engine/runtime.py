@@ -7,6 +7,7 @@ from typing import Iterable, Iterator
 import torch
 
 from engine.checkpoint import open_checkpoint
+from engine.cuda_graphs import GraphedDecode, graphs_wanted
 from engine.errors import MoedeskError
 from engine.executor import LocalExecutor
 from engine.generate import Decoder
@@ -31,6 +32,7 @@ class Engine:
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
+        self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
         self._lock = threading.Lock()  # one generation at a time shares the cache
 
     @classmethod
@@ -118,7 +120,7 @@ class Engine:
 
     def _decoder(self) -> Decoder:
         return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length,
-                       self.config.eos_token_ids, on_oom=self._on_oom)
+                       self.config.eos_token_ids, on_oom=self._on_oom, graphs=self.graphs)
 
     def _on_oom(self) -> bool:
         """Free GPU memory after an out-of-memory error in a step: experts leave the GPU, half at a time."""

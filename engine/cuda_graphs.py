@@ -1,0 +1,153 @@
+"""Decode steps replayed from CUDA graphs: the GPU work between two MoE layers' experts, one graph each.
+
+Eager decode launches every small kernel of attention, norms and router from Python: on the
+H100 box that took 16-29 ms of a 37-54 ms Qwen3 step with all experts on the CPU
+(tests/perf/profile_decode.py), more than the experts. The work from one layer's experts to
+the next layer's routing is the same every step of a batch size, so it is captured once and
+replayed. The experts stay outside the graphs: the executor needs the routing on the host
+and decides afresh each step. A graph needs fixed shapes, so attention reads the cache's
+whole allocated length and the mask hides what is past each row's position.
+
+Captured per (batch size, explicit cache rows or not), again when the cache is reallocated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.model import Step, Transformer
+
+log = logging.getLogger("moedesk")
+
+
+def graphs_wanted(device: torch.device) -> bool:
+    """CUDA graphs for decode: on CUDA, unless MOEDESK_NO_CUDA_GRAPHS is set."""
+    disabled = os.environ.get("MOEDESK_NO_CUDA_GRAPHS", "").strip().lower() not in ("", "0", "false", "no")
+    return device.type == "cuda" and not disabled
+
+
+class GraphedDecode:
+    """`decode(tokens, positions, executor, rows)` → logits [B, 1, vocab], as `Transformer.forward` gives them."""
+
+    def __init__(self, model: Transformer, cache: KVCache, capture: bool = True):
+        """capture=False runs the same segments eagerly, on any device: how CI checks the split and the
+        fixed-length attention that the graphs replay."""
+        self.model, self.cache, self.capture = model, cache, capture
+        self.captured: dict[tuple[int, bool], _Captured] = {}
+        self.pool = None  # one memory pool for every graph
+        self.broken: str | None = None  # why capturing failed; decode is eager from then on
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None):
+        """Logits, or None when graphs cannot be used (the caller runs the step eagerly)."""
+        if self.broken is not None:
+            return None
+        key = (tokens.shape[0], rows is not None)
+        captured = self.captured.get(key)
+        if captured is None or captured.stale(self.cache):
+            self.captured.pop(key, None)
+            captured = _Captured(self.model, self.cache, tokens.shape[0], rows is not None)
+            try:
+                if self.capture:
+                    captured.capture(tokens, positions, rows, executor, self.pool)
+            except torch.OutOfMemoryError:
+                raise  # the decoder's out-of-memory handling frees memory and retries
+            except RuntimeError as e:
+                self.broken = str(e).splitlines()[0] if str(e) else type(e).__name__
+                log.warning("CUDA graphs off, decoding eagerly: %s", self.broken)
+                return None
+            self.pool = captured.pool
+            self.captured[key] = captured
+        return captured.replay(tokens, positions, rows, executor)
+
+
+class _Captured:
+    """The graphs of one batch shape: segment 0 runs embedding to the first MoE layer's routing,
+    segment j the j-th MoE layer's residual to the next one's routing, the last to the logits."""
+
+    def __init__(self, model: Transformer, cache: KVCache, batch: int, with_rows: bool):
+        self.model, self.cache = model, cache
+        self.cache_key = (cache.k[0].data_ptr(), cache.length)
+        device = cache.device
+        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.rows = torch.arange(batch, device=device) if with_rows else None
+        self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe")]
+        dtype = model.embed.weight.dtype
+        self.routed = [torch.zeros(batch, model.cfg.hidden_size, dtype=dtype, device=device) for _ in self.moe_at]
+        self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.pool = None
+
+    def stale(self, cache: KVCache) -> bool:
+        return (cache.k[0].data_ptr(), cache.length) != self.cache_key
+
+    def _segment(self, j: int):
+        model, cache = self.model, self.cache
+        blocks = model.layers
+        if j == 0:
+            self.step = Step(self.positions, self.rows, None, kv_len=cache.length)
+            x = model.embed(self.tokens)
+            self.rope = model.rotary(self.positions, x.dtype)
+            start = 0
+        else:
+            prev = self.moe_at[j - 1]
+            x_prev, flat_prev, _, _ = self.outputs[j - 1]
+            x = blocks[prev].after_experts(x_prev, flat_prev, self.routed[j - 1])
+            start = prev + 1
+        end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
+        for block in blocks[start:end]:  # dense layers between MoE layers
+            x = block(x, self.rope, cache, self.step)
+        if j < len(self.moe_at):
+            return blocks[end].before_experts(x, self.rope, cache, self.step)
+        return model.lm_head(model.norm(x)).float()
+
+    def _experts(self, j: int, executor) -> None:
+        _, flat, weights, ids = self.outputs[j]
+        self.routed[j].copy_(executor.run_experts(self.model.layers[self.moe_at[j]].moe, flat, weights, ids))
+
+    def capture(self, tokens, positions, rows, executor, pool) -> None:
+        """Run the step once eagerly on a side stream (it warms the kernels up and computes the step
+        exactly as the graphs will, writing the same keys and values), then capture each segment."""
+        self._load(tokens, positions, rows)
+        stream = torch.cuda.Stream(self.cache.device)
+        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(stream):
+            self.outputs = []
+            for j in range(len(self.moe_at) + 1):
+                self.outputs.append(self._segment(j))
+                if j < len(self.moe_at):
+                    self._experts(j, executor)
+        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
+        self.outputs, self.pool = [], pool
+        for j in range(len(self.moe_at) + 1):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs.append(self._segment(j))
+            self.pool = graph.pool()
+            self.graphs.append(graph)
+        log.info("captured %d CUDA graphs for decode at batch %d", len(self.graphs), tokens.shape[0])
+
+    def _load(self, tokens, positions, rows) -> None:
+        self.tokens.copy_(tokens)
+        self.positions.copy_(positions)
+        if self.rows is not None:
+            self.rows.copy_(rows)
+
+    def replay(self, tokens, positions, rows, executor) -> torch.Tensor:
+        self._load(tokens, positions, rows)
+        if not self.graphs:  # nothing captured: the segments themselves, eagerly
+            self.outputs = []
+            for j in range(len(self.moe_at) + 1):
+                self.outputs.append(self._segment(j))
+                if j < len(self.moe_at):
+                    self._experts(j, executor)
+            return self.outputs[-1]
+        for j, graph in enumerate(self.graphs):
+            graph.replay()
+            if j < len(self.moe_at):
+                self._experts(j, executor)
+        return self.outputs[-1].clone()  # the next replay overwrites the static logits

@@ -1,0 +1,49 @@
+"""Decode through the graph segments: the same tokens as eager decode and as transformers.
+
+On the CPU the segments run eagerly (capture=False): that checks the split at MoE layers (dense
+layers between, shared experts), the fixed-length attention under the mask, and explicit cache
+rows. Capture and replay themselves are checked on the GPU box (tests/test_gpu_equivalence.py).
+"""
+import pytest
+
+from engine.cuda_graphs import GraphedDecode, graphs_wanted
+from engine.generate import Decoder
+from engine.requests import Request, SamplingParams
+from engine.runtime import Engine
+from tests.reference import hf_greedy, hf_model
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b", "Once"]
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama"])
+def test_segments_decode_the_reference_tokens(arch, tiny_checkpoint, monkeypatch):
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    lengths = [12, 5, 12, 3]  # row 1 frees first, then the last prompt (row 0) ends before the third (row 1)
+    expected = [hf_greedy(hf_model(folder), p, n, eos) for p, n in zip(prompts, lengths)]
+    graphs = GraphedDecode(engine.model, engine.cache, capture=False)
+    calls = []
+    decode = graphs.decode
+    monkeypatch.setattr(graphs, "decode", lambda *a, **k: calls.append(a[3] is not None) or decode(*a, **k))
+    engine.graphs = graphs
+    # Batch 2 over 4 prompts: later prompts take freed rows, and at the end row 1 decodes alone
+    # (explicit cache rows).
+    requests = [Request(p, SamplingParams(max_new_tokens=n, temperature=0), tag=i)
+                for i, (p, n) in enumerate(zip(prompts, lengths))]
+    done = {c.tag: c.token_ids for c in engine.generate(requests, batch_size=2)}
+    assert [done[i] for i in range(len(prompts))] == expected
+    assert calls and graphs.broken is None
+    assert any(calls) and not all(calls)  # steps with and without explicit rows went through the segments
+    assert len(graphs.captured) >= 2  # one per batch shape seen
+
+
+def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
+    import torch
+
+    assert not graphs_wanted(torch.device("cpu"))
+    assert graphs_wanted(torch.device("cuda"))
+    monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
+    assert not graphs_wanted(torch.device("cuda"))
+    assert Decoder.__init__.__defaults__[-1] is None  # eager unless given graphs
