@@ -24,7 +24,7 @@ from kernels import cpu_experts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12", "mixtral-8x7b:8"])
-parser.add_argument("--variants", default="gpu,native,torch,balanced")
+parser.add_argument("--variants", default="gpu,native,native-eager,torch,balanced,balanced-eager")
 parser.add_argument("--spin", default="", help="kernel worker spin times (µs) to try, comma-separated")
 parser.add_argument("--no-trace", action="store_true")
 args = parser.parse_args()
@@ -45,20 +45,22 @@ for spec in args.shapes:
           f"copy {prof['copy_expert_ms']:.2f} ms")
     n_layers, n_exp = len(banks), cfg.num_experts
     cpu_only = lambda loads: (sorted(loads), [])  # noqa: E731
-    variants = {"gpu": ("all on GPU", True, cpu_only, False), "native": ("CPU native", False, cpu_only, False),
-                "torch": ("CPU torch", False, cpu_only, True),
-                "balanced": ("balanced", False, lambda loads: assign_offloaded(loads, costs), False)}
+    balanced = lambda loads: assign_offloaded(loads, costs)  # noqa: E731
+    variants = {"gpu": ("all on GPU", True, cpu_only, False, None), "native": ("CPU native", False, cpu_only, False, None),
+                "native-eager": ("CPU native eager", False, cpu_only, False, False),
+                "torch": ("CPU torch", False, cpu_only, True, None), "balanced": ("balanced", False, balanced, False, None),
+                "balanced-eager": ("balanced eager", False, balanced, False, False)}
     runs = [(variants[v], spin) for v in args.variants.split(",") for spin in (spins if v != "gpu" else [None])]
-    for (name, resident, decide, no_native), spin in runs:
+    for (name, resident, decide, no_native, graphs), spin in runs:
         os.environ["MOEDESK_NO_NATIVE_KERNELS"] = "1" if no_native else ""
         if spin is not None:
             cpu_experts.set_spin_us(spin)
             name = f"{name} {spin}"
         ex = OffloadExecutor(banks, [[resident] * n_exp for _ in range(n_layers)], device, decide)
         for batch in (1, 16):
-            measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 4)  # warm-up
+            measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 4, graphs=graphs)  # warm-up
             ex.stats = StepStats()
-            r = measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 24)
+            r = measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 24, graphs=graphs)
             steps = 24 + 1  # the prefill's MoE calls are counted too; close enough for per-step shares
             s = ex.stats
             step_ms = 1000 * batch / r.tok_s
