@@ -470,6 +470,11 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     active = {e: int(n) for e, n in loads.items() if n > 0}
     if not active:
         return _group(active, model, gpu_busy_ms).assignment([], "exact")
+    launch = copy_launch_ms(model)
+    if launch and all(cpu_path_ms(n, model) <= launch for n in active.values()):
+        # Every expert is cheaper on the CPU than queueing its copy (small experts at decode): no search.
+        # This runs for every layer of every step, where the search's Python would cost more than it saves.
+        return assignment_for(active, [], model, gpu_busy_ms, "exact")
     split = _best_split(active, Contended(model), gpu_busy_ms, exact_limit)
     if Contended(model).factors == (1.0, 1.0):
         return split

@@ -328,3 +328,11 @@ def test_mild_contention_keeps_the_split_at_its_contended_cost():
     costs = Costs(lambda n: 3.0, lambda n: 0.2, 4.0)
     slowed = assign_offloaded({0: 1, 1: 1}, _slowed(costs, 1.2, 1.1))  # split: max(3.6, 4.6) < all-CPU 6
     assert len(slowed.copy) == 1 and slowed.makespan_ms == pytest.approx(4.6)
+
+
+def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
+    import engine.placement as placement
+
+    monkeypatch.setattr(placement, "_best_split", lambda *a: pytest.fail("searched"))
+    got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
+    assert got.cpu == (3, 9) and got.copy == () and got.makespan_ms == pytest.approx(0.15)
