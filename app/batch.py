@@ -50,6 +50,7 @@ class BatchSettings:
     ignore_eos: bool = SamplingParams.ignore_eos
     batch_size: int = 8
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
+    dtype: str | None = None  # None: the engine's default for the device
     from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
 
     def describe(self) -> str:
@@ -100,7 +101,7 @@ def _check_param(key: str, value) -> None:
 
 # Flags whose default is the app's setting of the same meaning (the settings screen), when one is given.
 APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
-                "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib"}
+                "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib", "dtype": "dtype"}
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,9 +132,11 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSettings:
     """Flags first, then the app's settings (an app.tui.settings.Settings), then BatchSettings' own defaults."""
     values, from_app = {}, []
-    for name in ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "gpu_budget_gib"):
+    for name in APP_SETTINGS:
         flag = getattr(args, name.removesuffix("_gib"), None)
         app_value = getattr(app_settings, APP_SETTINGS[name], None) if app_settings is not None else None
+        if name == "dtype" and app_value == "auto":
+            app_value = None  # the engine's default, as if unset
         if flag is not None:
             values[name] = flag
         elif app_value is not None:

@@ -13,7 +13,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: demo)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weights and activations (default: float32 on CPU, bfloat16 on GPU)")
+                        help="weights and activations (default: the app's setting; auto: float32 on CPU, "
+                             "bfloat16 on GPU)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
     parser.add_argument("--gpu-budget", type=float, default=None, metavar="GiB",
@@ -94,7 +95,7 @@ def run_batch_command(args) -> int:
         print(f"moedesk: settings: {problem}", file=sys.stderr)
     settings = settings_from_args(args, app_settings)
     check_batch_paths(args.input, args.output)  # before the slow model load
-    engine = load_engine(args, gpu_budget=settings.gpu_budget_gib)
+    engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype)
     return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
 
 

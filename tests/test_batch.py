@@ -42,7 +42,7 @@ def test_batch_greedy_equals_transformers(arch, tiny_checkpoint, tmp_path, capsy
 def test_batch_takes_its_defaults_from_the_app_settings(tiny_checkpoint, tmp_path, capsys):
     from app.tui.settings import Settings, save_settings
 
-    save_settings(Settings(temperature=0, max_new_tokens=5, gpu_budget_gib=0.5))  # in the test's config dir
+    save_settings(Settings(temperature=0, max_new_tokens=5, gpu_budget_gib=0.5, dtype="bfloat16"))  # test's config dir
     folder = tiny_checkpoint("mixtral")
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "p0", "prompt": PROMPTS[1]}])
     out = tmp_path / "out.jsonl"

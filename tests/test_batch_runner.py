@@ -358,13 +358,20 @@ def test_flags_override_the_app_settings_which_override_the_defaults():
 
     parser = argparse.ArgumentParser()
     add_batch_arguments(parser)
-    parser.add_argument("--gpu-budget", type=float, default=None)  # the CLI adds it with the model flags
-    app = Settings(temperature=0.3, top_p=0.9, top_k=7, max_new_tokens=40, seed=None, gpu_budget_gib=2.5)
+    parser.add_argument("--gpu-budget", type=float, default=None)  # the CLI adds these with the model flags
+    parser.add_argument("--dtype", default=None)
+    app = Settings(temperature=0.3, top_p=0.9, top_k=7, max_new_tokens=40, seed=None, gpu_budget_gib=2.5,
+                   dtype="float16")
     merged = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--top-k", "2"]), app)
     assert merged == BatchSettings(max_new_tokens=40, temperature=0.3, top_p=0.9, top_k=2, seed=0, gpu_budget_gib=2.5,
-                                   from_app=("max_new_tokens", "temperature", "top_p", "gpu_budget_gib"))
+                                   dtype="float16",
+                                   from_app=("max_new_tokens", "temperature", "top_p", "gpu_budget_gib", "dtype"))
     shown = merged.describe()
-    assert "temperature=0.3*" in shown and "top_k=2," in shown and "seed=0," in shown
+    assert "temperature=0.3*" in shown and "top_k=2," in shown and "seed=0," in shown and "dtype=float16*" in shown
+    flagged = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--dtype", "float32"]), app)
+    assert flagged.dtype == "float32" and "dtype" not in flagged.from_app
+    auto = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o"]), Settings(dtype="auto"))
+    assert auto.dtype is None and "dtype" not in auto.from_app
     assert shown.endswith("(* from the app's settings)")
     with pytest.raises(BatchUsageError, match="^--gpu-budget: "):
         settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--gpu-budget", "-1"]), app)

@@ -27,18 +27,17 @@ def stylesheet_path() -> str:
     return str(Path(str(resources.files("assets").joinpath("moedesk.tcss"))))
 
 
-def default_factory(device: str = "auto", dtype: str | None = None, context_length: int | None = None,
-                    gpu_budget=lambda: None) -> EngineFactory:
-    """Engine.load with fixed device, dtype and context; the model and progress callback vary.
+def default_factory(device: str = "auto", context_length: int | None = None, options=dict) -> EngineFactory:
+    """Engine.load with a fixed device and context; the model and progress callback vary.
 
-    gpu_budget() is asked at each load, so a budget changed in the settings applies to the next model loaded.
+    options() gives the other Engine.load options (GPU budget, dtype) and is asked at each load, so
+    settings changed in the app apply to the next model loaded.
     """
 
     def load(model: str, progress: ProgressFn):
         from engine.runtime import Engine
 
-        return Engine.load(model, device=device, dtype=dtype, context_length=context_length,
-                           gpu_budget=gpu_budget(), progress=progress)
+        return Engine.load(model, device=device, context_length=context_length, progress=progress, **options())
 
     return load
 
@@ -61,18 +60,24 @@ class MoedeskApp(App[int]):
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
                  settings: Settings | None = None, store: ConversationStore | None = None,
                  gpu_budget: float | None = None):
-        """gpu_budget (GiB) overrides the GPU budget setting for this run (the --gpu-budget flag)."""
+        """gpu_budget (GiB) and dtype override the settings of the same meaning for this run (the
+        --gpu-budget and --dtype flags)."""
         super().__init__()
-        budget = lambda: gpu_budget if gpu_budget is not None else self.settings.gpu_budget_gib  # noqa: E731
+        if engine is not None and _is_engine(engine):
+            device = engine.device.type if hasattr(engine, "device") else device
+            dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype
+        flags = {"gpu_budget": gpu_budget, "dtype": dtype}
+
+        def load_options() -> dict:
+            return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
+
         if engine is not None and _is_engine(engine):
             self.engine = engine
-            self.engine_factory: EngineFactory = default_factory(
-                engine.device.type if hasattr(engine, "device") else device,
-                str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype, gpu_budget=budget)
+            self.engine_factory: EngineFactory = default_factory(device, options=load_options)
             self.model = engine.name
         else:
             self.engine = None
-            self.engine_factory = engine if engine is not None else default_factory(device, dtype, gpu_budget=budget)
+            self.engine_factory = engine if engine is not None else default_factory(device, options=load_options)
             self.model = model
         self.settings_problems: list[str] = []
         self.settings = settings if settings is not None else load_settings(problems=self.settings_problems)

@@ -62,6 +62,10 @@ class Settings:
     gpu_budget_gib: float | None = setting(
         None, "GPU budget (GiB)", "GPU memory moedesk may use for experts. Blank: decide automatically. "
                                   "Takes effect when a model is loaded.", check=between(0, 100_000))
+    dtype: str = setting(
+        "auto", "Weights dtype", "What weights, experts included, are held and computed in. auto: bfloat16 on a "
+                                 "GPU, float32 on the CPU. Takes effect when a model is loaded.",
+        choices=("auto", "bfloat16", "float16", "float32"))
 
     def sampling_params(self, seed: int | None = None, **overrides):
         """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
@@ -70,6 +74,10 @@ class Settings:
         chosen = self.seed if self.seed is not None else (seed or 0)
         return SamplingParams(**{"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                  "top_p": self.top_p, "top_k": self.top_k, "seed": chosen, **overrides})
+
+    def load_options(self) -> dict:
+        """The settings that shape a model load, as `Engine.load` takes them."""
+        return {"gpu_budget": self.gpu_budget_gib, "dtype": None if self.dtype == "auto" else self.dtype}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -93,6 +93,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         screen.query_one("#setting-temperature").value = "0.3"
         screen.query_one("#setting-max_new_tokens").value = "77"
         screen.query_one("#setting-gpu_budget_gib").value = ""
+        screen.query_one("#setting-dtype").value = "float16"
         screen.query_one("#setting-system_prompt").text = "You are terse."
         await pilot.pause()
         assert not screen.query_one("#row-temperature").has_class("-invalid")
@@ -100,6 +101,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
         assert app.settings.temperature == 0.3 and app.settings.max_new_tokens == 77
         assert app.settings.system_prompt == "You are terse." and app.settings.gpu_budget_gib is None
+        assert app.settings.dtype == "float16"
         assert load_settings() == app.settings
 
         # Esc leaves without saving.
@@ -111,16 +113,17 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         assert app.settings.max_new_tokens == 77 and load_settings().max_new_tokens == 77
 
 
-def test_gpu_budget_setting_reaches_the_engine_at_each_load(monkeypatch):
+def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
     from app.tui import MoedeskApp
     from app.tui.settings import Settings
     from engine.runtime import Engine
 
     asked = []
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: asked.append(kw["gpu_budget"])))
-    app = MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5))
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: asked.append((kw["gpu_budget"], kw["dtype"]))))
+    app = MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5, dtype="float16"))
     app.engine_factory("demo", None)
     app.settings = Settings(gpu_budget_gib=None)  # changed on the settings screen: the next load decides itself
     app.engine_factory("demo", None)
-    MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5), gpu_budget=0.25).engine_factory("demo", None)
-    assert asked == [1.5, None, 0.25]
+    MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5, dtype="float16"), gpu_budget=0.25,
+               dtype="float32").engine_factory("demo", None)
+    assert asked == [(1.5, "float16"), (None, None), (0.25, "float32")]
