@@ -87,6 +87,15 @@ async def open_wizard(pilot) -> DownloadScreen:
     return app.screen
 
 
+async def download_default_choice(pilot, repo_id: str) -> DownloadScreen:
+    """Open the wizard, list the repo, download the highlighted choice, wait until it stopped."""
+    screen = await open_wizard(pilot)
+    await list_repo(pilot, screen, repo_id)
+    await pilot.press("enter")
+    await wait_stopped(pilot, screen)
+    return screen
+
+
 async def list_repo(pilot, screen: DownloadScreen, repo_id: str) -> None:
     """Type the repo id (replacing what is there) and press Enter; wait for choices or an error."""
     screen.query_one("#download-repo").focus()
@@ -207,10 +216,7 @@ async def test_connection_cut_mid_file_then_the_download_resumes(hub, engine):
     hub.cut_once(REPO, WEIGHTS, after=5 * CHUNK + 100)
     app = MoedeskApp(engine)
     async with app.run_test(size=(100, 30)) as pilot:
-        screen = await open_wizard(pilot)
-        await list_repo(pilot, screen, REPO)
-        await pilot.press("enter")
-        await wait_stopped(pilot, screen)
+        screen = await download_default_choice(pilot, REPO)
         assert screen.spec == REPO, status(screen)
 
     gets = hub.gets(REPO, WEIGHTS)
@@ -295,10 +301,7 @@ async def test_quitting_mid_download_stops_it_and_a_new_app_resumes(hub, engine,
     returned.clear()
     again = MoedeskApp(engine)
     async with again.run_test(size=(100, 30)) as pilot:
-        screen = await open_wizard(pilot)
-        await list_repo(pilot, screen, REPO)
-        await pilot.press("enter")
-        await wait_stopped(pilot, screen)
+        screen = await download_default_choice(pilot, REPO)
         assert screen.spec == REPO, status(screen)
     assert hub.gets(REPO, WEIGHTS)[-1].range == f"bytes={3 * CHUNK}-"
 
