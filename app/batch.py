@@ -101,7 +101,8 @@ def _check_param(key: str, value) -> None:
 
 # Flags whose default is the app's setting of the same meaning (the settings screen), when one is given.
 APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
-                "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib", "dtype": "dtype"}
+                "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib",
+                "dtype": "engine_dtype"}  # auto is None: the engine's default, as if unset
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -135,8 +136,6 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
     for name in APP_SETTINGS:
         flag = getattr(args, name.removesuffix("_gib"), None)
         app_value = getattr(app_settings, APP_SETTINGS[name], None) if app_settings is not None else None
-        if name == "dtype" and app_value == "auto":
-            app_value = None  # the engine's default, as if unset
         if flag is not None:
             values[name] = flag
         elif app_value is not None:

@@ -13,8 +13,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: demo)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                        help="weights and activations (default: the app's setting; auto: float32 on CPU, "
-                             "bfloat16 on GPU)")
+                        help="weights and activations (default: the app's weights dtype setting for chat and batch, "
+                             "else float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--context", type=int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
     parser.add_argument("--gpu-budget", type=float, default=None, metavar="GiB",

@@ -39,19 +39,29 @@ def test_batch_greedy_equals_transformers(arch, tiny_checkpoint, tmp_path, capsy
         assert r["text"] == engine.tokenizer.decode(r["token_ids"])
 
 
-def test_batch_takes_its_defaults_from_the_app_settings(tiny_checkpoint, tmp_path, capsys):
+def test_batch_takes_its_defaults_from_the_app_settings(tiny_checkpoint, tmp_path, capsys, monkeypatch):
     from app.tui.settings import Settings, save_settings
 
     save_settings(Settings(temperature=0, max_new_tokens=5, gpu_budget_gib=0.5, dtype="bfloat16"))  # test's config dir
+    load, dtypes = Engine.load, []
+
+    def spy(cls, model, **kw):  # what each run's model load was asked for
+        dtypes.append(kw["dtype"])
+        return load(model, **kw)
+
+    monkeypatch.setattr(Engine, "load", classmethod(spy))
     folder = tiny_checkpoint("mixtral")
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "p0", "prompt": PROMPTS[1]}])
     out = tmp_path / "out.jsonl"
     assert main(["batch", str(src), "-o", str(out), "--model", str(folder), "--dtype", "float32",
                  "--device", "cpu"]) == 0
     [result] = read_jsonl(out)
-    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    engine = load(str(folder), device="cpu", dtype="float32")
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
     assert result["token_ids"] == hf_greedy(hf_model(folder), engine.tokenizer.encode(PROMPTS[1]), 5, eos)
+    # Without --dtype the saved setting is the one loaded.
+    assert main(["batch", str(src), "-o", str(tmp_path / "bf16.jsonl"), "--model", str(folder), "--device", "cpu"]) == 0
+    assert dtypes == ["float32", "bfloat16"] and len(read_jsonl(tmp_path / "bf16.jsonl")[0]["token_ids"]) <= 5
 
 
 @pytest.fixture

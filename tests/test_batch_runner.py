@@ -480,12 +480,12 @@ def test_progress_bar_on_a_terminal(tmp_path):
     write_jsonl(tmp_path / "out.jsonl", [{"id": "p0", "text": "", "token_ids": [], "finish_reason": "stop",
                                           "usage": {"prompt_tokens": 2, "completion_tokens": 0}}])
     terminal = FakeTerminal()
-    code = run_batch(src, tmp_path / "out.jsonl", FakeEngine(), BatchSettings(temperature=0, max_new_tokens=9),
-                     stderr=terminal, progress=True)
+    settings = BatchSettings(temperature=0, max_new_tokens=9, dtype="bfloat16", from_app=("dtype",))
+    code = run_batch(src, tmp_path / "out.jsonl", FakeEngine(), settings, stderr=terminal, progress=True)
     assert code == 0
     shown = terminal.getvalue()
     assert "fake-moe (test double) on cpu float32" in shown
-    assert "max_new_tokens=9" in shown and "temperature=0" in shown
+    assert "max_new_tokens=9," in shown and "temperature=0," in shown and "dtype=bfloat16*" in shown
     assert "4 lines in" in shown and "out.jsonl: 1 (skipped)" in shown
     assert "3/3" in shown and "tok/s" in shown and "ETA" in shown  # rich's bar: this run's lines only
     assert "3 ok, 0 failed, 1 skipped, " in shown.rstrip().splitlines()[-1]  # after rich's show-cursor code

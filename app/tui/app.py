@@ -63,9 +63,6 @@ class MoedeskApp(App[int]):
         """gpu_budget (GiB) and dtype override the settings of the same meaning for this run (the
         --gpu-budget and --dtype flags)."""
         super().__init__()
-        if engine is not None and _is_engine(engine):
-            device = engine.device.type if hasattr(engine, "device") else device
-            dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.") or dtype
         flags = {"gpu_budget": gpu_budget, "dtype": dtype}
 
         def load_options() -> dict:
@@ -73,7 +70,9 @@ class MoedeskApp(App[int]):
 
         if engine is not None and _is_engine(engine):
             self.engine = engine
-            self.engine_factory: EngineFactory = default_factory(device, options=load_options)
+            # Later loads keep its device; its dtype is not carried over, or the dtype setting could never apply.
+            self.engine_factory: EngineFactory = default_factory(
+                engine.device.type if hasattr(engine, "device") else device, options=load_options)
             self.model = engine.name
         else:
             self.engine = None

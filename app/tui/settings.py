@@ -75,9 +75,14 @@ class Settings:
         return SamplingParams(**{"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
                                  "top_p": self.top_p, "top_k": self.top_k, "seed": chosen, **overrides})
 
+    @property
+    def engine_dtype(self) -> str | None:
+        """`dtype` as `Engine.load` takes it: None (the device's own default) for auto."""
+        return None if self.dtype == "auto" else self.dtype
+
     def load_options(self) -> dict:
         """The settings that shape a model load, as `Engine.load` takes them."""
-        return {"gpu_budget": self.gpu_budget_gib, "dtype": None if self.dtype == "auto" else self.dtype}
+        return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -65,7 +65,7 @@ def test_find_models_lists_demo_folders_gguf_and_hf_cache(models_folder, tui_dir
 
 @pytest.mark.anyio
 async def test_models_screen_lists_and_loads_a_model(models_folder, engine):
-    app = MoedeskApp(engine)  # the factory follows the engine: cpu, float32
+    app = MoedeskApp(engine)  # the factory follows the engine's device: cpu, so float32 (the auto dtype)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
         await pilot.press("f3")

@@ -17,6 +17,9 @@ def test_fields_describe_themselves():
     assert FIELDS_BY_NAME["gpu_budget_gib"].optional and FIELDS_BY_NAME["gpu_budget_gib"].kind == "float"
     assert FIELDS_BY_NAME["max_new_tokens"].kind == "int" and not FIELDS_BY_NAME["max_new_tokens"].optional
     assert FIELDS_BY_NAME["system_prompt"].kind == "text"
+    dtype = FIELDS_BY_NAME["dtype"]
+    assert (dtype.kind, dtype.default, dtype.choices) == ("choice", "auto", ("auto", "bfloat16", "float16", "float32"))
+    assert names.index("dtype") == names.index("gpu_budget_gib") + 1  # the load-time settings sit together
     assert all(f.label and f.help for f in FIELDS)
     assert Settings().problems() == {}
 
@@ -56,12 +59,13 @@ def test_bad_file_or_values_fall_back_to_defaults_with_a_note(tui_dirs):
     problems = []
     assert load_settings(problems=problems) == Settings()
     assert len(problems) == 1 and "unreadable" in problems[0]
-    path.write_text(json.dumps({"temperature": "hot", "top_p": 2, "max_new_tokens": 100, "top_k": True}))
+    path.write_text(json.dumps({"temperature": "hot", "top_p": 2, "max_new_tokens": 100, "top_k": True,
+                                "dtype": "int8"}))
     problems = []
     loaded = load_settings(problems=problems)
     assert loaded.max_new_tokens == 100 and loaded.temperature == Settings().temperature
-    assert loaded.top_p == Settings().top_p and loaded.top_k == 0
-    assert len(problems) == 3 and all("using" in p for p in problems)
+    assert loaded.top_p == Settings().top_p and loaded.top_k == 0 and loaded.dtype == "auto"
+    assert len(problems) == 4 and all("using" in p for p in problems)
 
 
 def test_sampling_params():
@@ -72,7 +76,9 @@ def test_sampling_params():
 
 
 @pytest.mark.anyio
-async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
+async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, monkeypatch):
+    from engine.runtime import Engine
+
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
@@ -81,6 +87,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         screen = app.screen
         # one row per field
         assert len(screen.query(".setting-row")) == len(FIELDS)
+        assert "auto" in str(screen.query_one("#setting-dtype #label").render())
 
         screen.query_one("#setting-temperature").value = "9"
         await pilot.pause()
@@ -93,20 +100,28 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs):
         screen.query_one("#setting-temperature").value = "0.3"
         screen.query_one("#setting-max_new_tokens").value = "77"
         screen.query_one("#setting-gpu_budget_gib").value = ""
-        screen.query_one("#setting-dtype").value = "float16"
         screen.query_one("#setting-system_prompt").text = "You are terse."
+        screen.query_one("#setting-dtype").focus()
+        await pilot.press("enter", "down", "down", "enter")  # the list opens on auto: bfloat16, float16
         await pilot.pause()
+        assert screen.query_one("#setting-dtype").value == "float16"
         assert not screen.query_one("#row-temperature").has_class("-invalid")
         await pilot.press("ctrl+s")
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
         assert app.settings.temperature == 0.3 and app.settings.max_new_tokens == 77
         assert app.settings.system_prompt == "You are terse." and app.settings.gpu_budget_gib is None
         assert app.settings.dtype == "float16"
-        assert load_settings() == app.settings
+        assert load_settings() == app.settings and json.loads(settings_path().read_text())["dtype"] == "float16"
+        # The next model loaded gets it, though this app started on an engine loaded in float32.
+        asked = []
+        monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: asked.append(kw["dtype"])))
+        app.engine_factory("demo", None)
+        assert asked == ["float16"]
 
         # Esc leaves without saving.
         await pilot.press("f2")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        assert "float16" in str(app.screen.query_one("#setting-dtype #label").render())
         app.screen.query_one("#setting-max_new_tokens").value = "5"
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
@@ -119,7 +134,8 @@ def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
     from engine.runtime import Engine
 
     asked = []
-    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: asked.append((kw["gpu_budget"], kw["dtype"]))))
+    monkeypatch.setattr(Engine, "load",
+                        classmethod(lambda cls, model, **kw: asked.append((kw["gpu_budget"], kw["dtype"]))))
     app = MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5, dtype="float16"))
     app.engine_factory("demo", None)
     app.settings = Settings(gpu_budget_gib=None)  # changed on the settings screen: the next load decides itself
