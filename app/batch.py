@@ -21,7 +21,7 @@ import re
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -48,14 +48,21 @@ class BatchSettings:
     top_k: int = SamplingParams.top_k
     seed: int = SamplingParams.seed
     ignore_eos: bool = SamplingParams.ignore_eos
-    batch_size: int = 8
+    batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
     dtype: str | None = None  # None: the engine's default for the device
     from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
+    batch_size_from_memory: bool = False  # batch_size was chosen from free memory
 
     def describe(self) -> str:
-        shown = [f for f in fields(self) if f.name != "from_app"]
-        text = ", ".join(f"{f.name}={getattr(self, f.name)}{'*' if f.name in self.from_app else ''}" for f in shown)
+        shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory")]
+
+        def mark(name: str) -> str:
+            if name == "batch_size" and self.batch_size_from_memory:
+                return " (what free memory holds)"
+            return "*" if name in self.from_app else ""
+
+        text = ", ".join(f"{f.name}={getattr(self, f.name)}{mark(f.name)}" for f in shown)
         return text + (" (* from the app's settings)" if self.from_app else "")
 
     def sampling_params(self, line: dict | None = None) -> SamplingParams:
@@ -105,12 +112,43 @@ APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature"
                 "dtype": "engine_dtype"}  # auto is None: the engine's default, as if unset
 
 
+AUTO_BATCH_CAP = 16  # the batched decode measured on the GPU box (README, "Speed, measured")
+PROMPT_ALLOWANCE = 512  # prompt tokens assumed per line when sizing the batch, before any line is read
+
+
+def batch_size_for_memory(free_bytes: int, bytes_per_sequence: int, share: float = 0.5,
+                          cap: int = AUTO_BATCH_CAP) -> int:
+    """How many sequences' KV caches fit in `share` of the free memory, from 1 to `cap`.
+
+    Half, not all: the cache grows to the longest line in flight, and the rest of the step
+    (activations, the experts copied to the GPU) needs room too.
+    """
+    if bytes_per_sequence <= 0:
+        return cap
+    return max(1, min(cap, int(free_bytes * share) // bytes_per_sequence))
+
+
+def free_memory_bytes(device) -> int:
+    """Free memory where the KV cache lives: the GPU's, or the RAM available."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def auto_batch_size(engine, settings: BatchSettings) -> int:
+    positions = min(engine.context_length, settings.max_new_tokens + PROMPT_ALLOWANCE)
+    return batch_size_for_memory(free_memory_bytes(engine.device), engine.cache.bytes_per_position() * positions)
+
+
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     """The batch job's own flags; the model/device/dtype/GPU-budget flags are added by the CLI.
 
     Sampling flags default to None here: the CLI fills them from the app's saved settings.
     """
-    defaults = BatchSettings()
     parser.add_argument("input", metavar="IN.jsonl",
                         help="one JSON object per line: id plus one of prompt, messages, prompt_ids")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",
@@ -126,8 +164,9 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seed of each line's own generator, unless the line sets seed "
                              "(default: the app's setting, or 0 when that is blank)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
-    parser.add_argument("--batch-size", type=int, default=defaults.batch_size, metavar="N",
-                        help=f"sequences decoded together (default: {defaults.batch_size})")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        help=f"sequences decoded together (default: as many as half the free GPU memory, or RAM "
+                             f"without a GPU, holds KV caches for, at most {AUTO_BATCH_CAP})")
 
 
 def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSettings:
@@ -144,6 +183,8 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
     settings = BatchSettings(**values, ignore_eos=args.ignore_eos, batch_size=args.batch_size,
                              from_app=tuple(from_app))
     for name in _RANGES:
+        if name == "batch_size" and settings.batch_size is None:
+            continue  # chosen from memory once the model is loaded
         try:
             _check_param(name, getattr(settings, name))
         except ValueError as e:
@@ -513,6 +554,8 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
     """
     in_path, out_path = Path(in_path), Path(out_path)
     check_batch_paths(in_path, out_path)
+    if settings.batch_size is None:
+        settings = replace(settings, batch_size=auto_batch_size(engine, settings), batch_size_from_memory=True)
     written = _read_written(out_path)
     total = _count_lines(in_path)
     report = _Report(stderr, total, live=progress and _is_terminal(stderr))

@@ -8,8 +8,10 @@ Real-model tests live in tests/test_batch.py.
 import argparse
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from app.batch import BatchSettings, BatchUsageError, add_batch_arguments, check_batch_paths, run_batch, \
     settings_from_args
@@ -44,6 +46,8 @@ class FakeEngine:
     """
 
     description = "fake-moe (test double) on cpu float32"
+    device = torch.device("cpu")
+    cache = SimpleNamespace(bytes_per_position=lambda: 1 << 20)  # what run_batch sizes an automatic batch from
 
     def __init__(self, tokenizer=FakeTokenizer(), context_length=64, vocab_size=100, die_after=None):
         self.tokenizer, self.context_length, self.vocab_size = tokenizer, context_length, vocab_size
@@ -498,3 +502,31 @@ def test_no_terminal_means_one_summary_line(tmp_path):
         assert code == 1
         [line] = err.splitlines()
         assert line.startswith("1 ok, 1 failed, 0 skipped, ") and line.endswith(" tok/s")
+
+
+# --- batch size from memory -------------------------------------------------------------------
+
+def test_batch_size_for_memory_fits_half_the_free_memory_within_bounds():
+    from app.batch import AUTO_BATCH_CAP, batch_size_for_memory
+
+    assert batch_size_for_memory(free_bytes=10 * 2**30, bytes_per_sequence=2**30) == 5
+    assert batch_size_for_memory(free_bytes=2**30, bytes_per_sequence=2**31) == 1  # never below one
+    assert batch_size_for_memory(free_bytes=2**40, bytes_per_sequence=2**20) == AUTO_BATCH_CAP
+    assert batch_size_for_memory(free_bytes=8, bytes_per_sequence=1, share=0.25, cap=100) == 2
+
+
+def test_run_without_a_batch_size_takes_what_free_memory_holds(tmp_path, monkeypatch):
+    import app.batch as batch_module
+
+    # FakeEngine: 1 MiB of KV per position, context 64 → 64 MiB per sequence; 640 MiB free → 5 at half.
+    monkeypatch.setattr(batch_module, "free_memory_bytes", lambda device: 640 * 2**20)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"l{i}", "prompt_ids": [1, 2, 3]} for i in range(12)])
+    terminal, engine = FakeTerminal(), FakeEngine()
+    assert run_batch(src, tmp_path / "out.jsonl", engine, BatchSettings(temperature=0, max_new_tokens=4),
+                     stderr=terminal, progress=True) == 0
+    assert engine.max_active == 5
+    assert "batch_size=5 (what free memory holds)" in terminal.getvalue()
+    flagged = FakeEngine()  # a batch size given is kept
+    assert run_batch(src, tmp_path / "again.jsonl", flagged, BatchSettings(temperature=0, max_new_tokens=4,
+                                                                          batch_size=3), stderr=io.StringIO()) == 0
+    assert flagged.max_active == 3
