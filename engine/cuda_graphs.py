@@ -109,6 +109,14 @@ class _Captured:
         _, flat, weights, ids = self.outputs[j]
         self.routed[j].copy_(executor.run_experts(self.model.layers[self.moe_at[j]].moe, flat, weights, ids))
 
+    def _run_eagerly(self, executor) -> torch.Tensor:
+        self.outputs = []
+        for j in range(len(self.moe_at) + 1):
+            self.outputs.append(self._segment(j))
+            if j < len(self.moe_at):
+                self._experts(j, executor)
+        return self.outputs[-1]
+
     def capture(self, tokens, positions, rows, executor, pool) -> None:
         """Run the step once eagerly on a side stream (it warms the kernels up and computes the step
         exactly as the graphs will, writing the same keys and values), then capture each segment."""
@@ -116,11 +124,7 @@ class _Captured:
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
-            self.outputs = []
-            for j in range(len(self.moe_at) + 1):
-                self.outputs.append(self._segment(j))
-                if j < len(self.moe_at):
-                    self._experts(j, executor)
+            self._run_eagerly(executor)
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         self.outputs, self.pool = [], pool
         for j in range(len(self.moe_at) + 1):
@@ -140,12 +144,7 @@ class _Captured:
     def replay(self, tokens, positions, rows, executor) -> torch.Tensor:
         self._load(tokens, positions, rows)
         if not self.graphs:  # nothing captured: the segments themselves, eagerly
-            self.outputs = []
-            for j in range(len(self.moe_at) + 1):
-                self.outputs.append(self._segment(j))
-                if j < len(self.moe_at):
-                    self._experts(j, executor)
-            return self.outputs[-1]
+            return self._run_eagerly(executor)
         for j, graph in enumerate(self.graphs):
             graph.replay()
             if j < len(self.moe_at):

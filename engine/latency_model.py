@@ -228,21 +228,19 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
 
 def _milliseconds(profile: dict, key: str) -> float:
     """An optional time; missing (older profiles, the simulated tier) → 0."""
-    try:
-        value = float(profile.get(key, 0.0))
-    except (TypeError, ValueError):
-        raise ProfileError(f"profile: '{key}' must be a number") from None
-    if not math.isfinite(value) or value < 0:
-        raise ProfileError(f"profile: '{key}' must be a time >= 0")
-    return value
+    return _optional_number(profile, key, 0.0, "a time >= 0", lambda v: v >= 0)
 
 
 def _slowdown(profile: dict, key: str) -> float:
     """A measured slowdown factor; missing (older profiles, the simulated tier) → 1. Noise below 1 → 1."""
+    return max(1.0, _optional_number(profile, key, 1.0, "a positive number", lambda v: v > 0))
+
+
+def _optional_number(profile: dict, key: str, default: float, what: str, valid) -> float:
     try:
-        value = float(profile.get(key, 1.0))
+        value = float(profile.get(key, default))
     except (TypeError, ValueError):
         raise ProfileError(f"profile: '{key}' must be a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ProfileError(f"profile: '{key}' must be a positive number")
-    return max(1.0, value)
+    if not math.isfinite(value) or not valid(value):
+        raise ProfileError(f"profile: '{key}' must be {what}")
+    return value

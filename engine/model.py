@@ -162,12 +162,6 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
 
-    def forward(self, x: torch.Tensor, step: "Step") -> torch.Tensor:
-        B, T, H = x.shape
-        flat = x.reshape(-1, H)
-        weights, ids = self.route(flat)
-        return self.finish(flat, step.executor.run_experts(self, flat, weights, ids)).view(B, T, H)
-
     def finish(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The layer's output from the routed experts' sum: plus the shared expert, where there is one."""
         if self.cfg.shared_expert_intermediate_size:
@@ -188,13 +182,16 @@ class Block(nn.Module):
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x, rope, cache, step):
+        if hasattr(self, "moe"):
+            x, flat, weights, ids = self.before_experts(x, rope, cache, step)
+            return self.after_experts(x, flat, step.executor.run_experts(self.moe, flat, weights, ids))
         x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
-        h = self.mlp_norm(x)
-        return x + (self.moe(h, step) if hasattr(self, "moe") else self.mlp(h))
+        return x + self.mlp(self.mlp_norm(x))
 
     def before_experts(self, x, rope, cache, step):
-        """An MoE block up to its routing: (residual, normalised tokens [N, H], weights, ids); the experts
-        and `after_experts` complete it. CUDA graphs capture this part (engine.cuda_graphs)."""
+        """An MoE block up to its routing: (residual, normalised tokens [N, H], weights, ids); the
+        executor's experts and `after_experts` complete it. CUDA graphs capture the two parts apart
+        (engine.cuda_graphs), with the experts between them outside the graphs."""
         x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
         flat = self.mlp_norm(x).reshape(-1, x.shape[-1])
         return x, flat, *self.moe.route(flat)

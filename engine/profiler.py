@@ -47,15 +47,24 @@ def cpu_read_gbs(megabytes: int = 1024) -> float:
     best = buf.numel() * 4 / ms / 1e6
     del buf
     if cpu_experts.available():
-        hidden = 4096
-        width = megabytes * 2**20 // (3 * hidden * 2)  # gate, up and down in bf16
-        gate_up = torch.zeros((1, 2 * width, hidden), dtype=torch.bfloat16)
-        down = torch.zeros((1, hidden, width), dtype=torch.bfloat16)
-        x, one, rows, offsets = torch.zeros(1, hidden, dtype=torch.bfloat16), *map(torch.tensor, ([0], [0], [0, 1]))
-        ms = _timed_ms(lambda: cpu_experts.experts_forward(x, rows, one, offsets, gate_up, down),
-                       torch.device("cpu"), 5)
-        best = max(best, (gate_up.numel() + down.numel()) * 2 / ms / 1e6)
+        call, nbytes = _one_token_expert_call(megabytes)
+        best = max(best, nbytes / _timed_ms(call, torch.device("cpu"), 5) / 1e6)
     return best
+
+
+def _one_token_expert_call(megabytes: int):
+    """(call, bytes): one CPU experts call for one token over a bf16 expert of about `megabytes`,
+    which streams its weights once from memory, as decode does."""
+    hidden = 4096
+    width = megabytes * 2**20 // (3 * hidden * 2)  # gate, up and down in bf16
+    gate_up = torch.zeros((1, 2 * width, hidden), dtype=torch.bfloat16)
+    down = torch.zeros((1, hidden, width), dtype=torch.bfloat16)
+    x, one, rows, offsets = torch.zeros(1, hidden, dtype=torch.bfloat16), *map(torch.tensor, ([0], [0], [0, 1]))
+
+    def call():
+        cpu_experts.experts_forward(x, rows, one, offsets, gate_up, down)
+
+    return call, (gate_up.numel() + down.numel()) * 2
 
 
 def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens=CPU_TOKENS,
@@ -128,16 +137,9 @@ def contention(device, megabytes: int = 256, calls: int = 6) -> dict:
     copies of as many pinned bytes, first each alone, then the copies queued on a side stream
     while the CPU calls run one after another until the copies are done.
     """
-    hidden = 4096
-    width = megabytes * 2**20 // (3 * hidden * 2)
-    gate_up = torch.zeros((1, 2 * width, hidden), dtype=torch.bfloat16)
-    down = torch.zeros((1, hidden, width), dtype=torch.bfloat16)
-    x, one, rows, offsets = torch.zeros(1, hidden, dtype=torch.bfloat16), *map(torch.tensor, ([0], [0], [0, 1]))
+    cpu_call, _ = _one_token_expert_call(megabytes)
     source = torch.zeros(megabytes * 2**20, dtype=torch.uint8, pin_memory=True)
     target = torch.empty_like(source, device=device)
-
-    def cpu_call():
-        cpu_experts.experts_forward(x, rows, one, offsets, gate_up, down)
 
     cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), 2 * calls)
     copy_ms = _timed_ms(lambda: target.copy_(source, non_blocking=True), device, calls)
