@@ -5,8 +5,12 @@ H100 box that took 16-29 ms of a 37-54 ms Qwen3 step with all experts on the CPU
 (tests/perf/profile_decode.py), more than the experts. The work from one layer's experts to
 the next layer's routing is the same every step of a batch size, so it is captured once and
 replayed. The experts stay outside the graphs: the executor needs the routing on the host
-and decides afresh each step. A graph needs fixed shapes, so attention reads the cache's
-whole allocated length and the mask hides what is past each row's position.
+and decides afresh each step. So each graph ends by copying its routing (tokens and expert
+ids) to pinned host memory, and the next one begins by weighting and summing the expert
+outputs the executor left in a fixed device buffer: between two replays the host only waits
+for that copy, runs the experts, and queues their outputs' copy back. A graph needs fixed
+shapes, so attention reads the cache's whole allocated length and the mask hides what is
+past each row's position.
 
 Captured per (batch size, explicit cache rows or not), again when the cache is reallocated.
 """
@@ -17,6 +21,7 @@ import os
 
 import torch
 
+from engine.executor import HostRouting
 from engine.kv_cache import KVCache
 from engine.model import Step, Transformer
 
@@ -76,8 +81,13 @@ class _Captured:
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device) if with_rows else None
         self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe")]
-        dtype = model.embed.weight.dtype
-        self.routed = [torch.zeros(batch, model.cfg.hidden_size, dtype=dtype, device=device) for _ in self.moe_at]
+        dtype, hidden, top_k = model.embed.weight.dtype, model.cfg.hidden_size, model.cfg.num_experts_per_tok
+        # The executor writes each MoE layer's expert outputs here and the next segment reads them.
+        self.expert_out = torch.zeros(batch * top_k, hidden, dtype=dtype, device=device)
+        self.host: HostRouting | None = None  # where captured segments leave the routing for the host
+        if device.type == "cuda" and self.moe_at:
+            self.host = HostRouting(torch.zeros(batch, hidden, dtype=dtype, pin_memory=True),
+                                    torch.zeros(batch, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.pool = None
@@ -95,19 +105,25 @@ class _Captured:
             start = 0
         else:
             prev = self.moe_at[j - 1]
-            x_prev, flat_prev, _, _ = self.outputs[j - 1]
-            x = blocks[prev].after_experts(x_prev, flat_prev, self.routed[j - 1])
+            x_prev, flat_prev, weights, _ = self.outputs[j - 1]
+            x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(self.expert_out, weights))
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
         for block in blocks[start:end]:  # dense layers between MoE layers
             x = block(x, self.rope, cache, self.step)
-        if j < len(self.moe_at):
-            return blocks[end].before_experts(x, self.rope, cache, self.step)
-        return model.lm_head(model.norm(x)).float()
+        if j == len(self.moe_at):
+            return model.lm_head(model.norm(x)).float()
+        x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.step)
+        if self.host is not None:
+            self.host.x.copy_(flat, non_blocking=True)
+            self.host.ids.copy_(ids, non_blocking=True)
+        return x, flat, weights, ids
 
     def _experts(self, j: int, executor) -> None:
-        _, flat, weights, ids = self.outputs[j]
-        self.routed[j].copy_(executor.run_experts(self.model.layers[self.moe_at[j]].moe, flat, weights, ids))
+        _, flat, _, ids = self.outputs[j]
+        if self.host is not None:
+            self.host.ready.record()
+        executor.expert_outputs(self.model.layers[self.moe_at[j]].moe, flat, ids, out=self.expert_out, host=self.host)
 
     def _run_eagerly(self, executor) -> torch.Tensor:
         self.outputs = []

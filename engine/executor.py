@@ -1,19 +1,34 @@
 """Where routed experts run. The model hands every MoE layer's tokens to an executor.
 
-`LocalExecutor` runs each expert on the device that holds its weights, one expert after
-another; the CPU-GPU orchestration (placement, copies, parallel CPU work) plugs in here as
-another executor with the same one method.
+An executor computes each (token, expert) pair's output; the model weights and sums them
+(`MoE.combine`). `LocalExecutor` runs each expert on the device that holds its weights, one
+expert after another; the CPU-GPU orchestration (placement, copies, parallel CPU work) plugs
+in as `engine.offload.OffloadExecutor`, with the same one method.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 
+@dataclass
+class HostRouting:
+    """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
+    there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+
 class ExpertExecutor(Protocol):
-    def run_experts(self, moe, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Sum over each token's top-k experts of weight * expert(token); x [N, H], weights/ids [N, K]."""
+    def expert_outputs(self, moe, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor | None = None,
+                       host: HostRouting | None = None) -> torch.Tensor:
+        """[N*K, H]: row t*K + r is expert ids[t, r] applied to x[t], for x [N, H] and ids [N, K] (each row
+        in ascending expert order, as MoE.route gives them). out: where to write it; host: the same routing
+        already copied to the host, for executors that need it there."""
 
 
 class LocalExecutor:
@@ -25,13 +40,15 @@ class LocalExecutor:
     def __init__(self):
         self.selections: dict[int, torch.Tensor] = {}
 
-    def run_experts(self, moe, x, weights, ids):
-        out = torch.zeros_like(x)
-        counts = torch.bincount(ids.flatten(), minlength=len(moe.experts)).cpu()
+    def expert_outputs(self, moe, x, ids, out=None, host=None):
+        k = ids.shape[1]
+        pair_expert = ids.flatten()
+        counts = torch.bincount(pair_expert, minlength=len(moe.experts)).cpu()
         seen = self.selections.get(moe.layer)
         self.selections[moe.layer] = counts if seen is None else seen + counts
+        if out is None:
+            out = x.new_empty((pair_expert.shape[0], x.shape[1]))
         for e in torch.nonzero(counts).flatten().tolist():
-            token, slot = torch.where(ids == e)
-            y = moe.experts[e](x[token]) * weights[token, slot].unsqueeze(-1)
-            out.index_add_(0, token, y)
+            pairs = torch.nonzero(pair_expert == e).flatten()
+            out[pairs] = moe.experts[e](x[pairs // k])
         return out

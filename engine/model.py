@@ -155,12 +155,26 @@ class MoE(nn.Module):
             self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [N, K] and their weights [N, K] (in x's dtype) for tokens x [N, H]."""
+        """Weights [N, K] (in x's dtype) and top-k expert ids [N, K] for tokens x [N, H], each row in
+        ascending expert order: the order `combine` adds in."""
         probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        ids, rank = ids.sort(dim=-1)
+        return weights.gather(-1, rank).to(x.dtype), ids
+
+    @staticmethod
+    def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's experts of weight * output; y [N*K, H] holds the pairs as an executor
+        returns them. bf16 sums depend on their order: adding in ascending expert order rounds exactly
+        as the reference's loop of one index_add_ per expert does, in K adds whatever N is."""
+        n, k = weights.shape
+        weighted = y.view(n, k, -1) * weights.unsqueeze(-1)
+        out = weighted[:, 0].clone()
+        for j in range(1, k):
+            out += weighted[:, j]
+        return out
 
     def finish(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The layer's output from the routed experts' sum: plus the shared expert, where there is one."""
@@ -184,7 +198,8 @@ class Block(nn.Module):
     def forward(self, x, rope, cache, step):
         if hasattr(self, "moe"):
             x, flat, weights, ids = self.before_experts(x, rope, cache, step)
-            return self.after_experts(x, flat, step.executor.run_experts(self.moe, flat, weights, ids))
+            y = step.executor.expert_outputs(self.moe, flat, ids)
+            return self.after_experts(x, flat, self.moe.combine(y, weights))
         x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
         return x + self.mlp(self.mlp_norm(x))
 

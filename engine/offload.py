@@ -6,21 +6,25 @@ on the GPU are copied there once. For each layer step the executor runs resident
 the GPU, and for each offloaded expert with tokens either computes it on the CPU or copies it
 into a GPU staging slot and computes it there, as `decide` says; CPU work runs while the GPU
 works. All of a layer's CPU experts go to `kernels.cpu_experts` in one call: one parallel
-region streams their weights, where torch would run one small matmul after another. Outputs
-are summed in ascending expert order wherever they were computed, so the result does not
-depend on the placement beyond each expert's own arithmetic.
+region streams their weights, where torch would run one small matmul after another. Each
+(token, expert) pair's output lands in one row of the result wherever it was computed, and
+the model sums them in ascending expert order (`MoE.combine`), so the result does not depend
+on the placement beyond each expert's own arithmetic. The per-layer bookkeeping runs in
+numpy on the host: it sits between the GPU's segments of every decode step, so its
+microseconds add up across layers.
 
 With `device` = cpu the "GPU" tier is simulated on the CPU: placement, decisions, staging
 copies and the ordered sum all run for real, which is how CI tests them without a GPU.
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, fields, replace
 
+import numpy as np
 import torch
 
+from engine.executor import HostRouting
 from kernels.cpu_experts import expert_forward, experts_forward
 from kernels.gpu_experts import grouped_experts_forward, grouped_supported
 
@@ -118,32 +122,36 @@ def queue_copy(stream, gate_up, down, staging_gate_up, staging_down, after=None)
         return stream.record_event()
 
 
-def compute_copied(x, rows, staging_gate_up, staging_down, ready=None):
-    """A copied expert's output once its copy (event `ready`) landed, and the event after which its
-    staging slot may be overwritten (None on the simulated tier, where everything is synchronous)."""
+def compute_copied(xs, staging_gate_up, staging_down, ready=None):
+    """A copied expert's output for its tokens xs once its copy (event `ready`) landed, and the event after
+    which its staging slot may be overwritten (None on the simulated tier, where everything is synchronous)."""
     if ready is None:
-        return expert_forward(x[rows], staging_gate_up, staging_down), None
-    current = torch.cuda.current_stream(x.device)
+        return expert_forward(xs, staging_gate_up, staging_down), None
+    current = torch.cuda.current_stream(xs.device)
     current.wait_event(ready)
-    out = expert_forward(x[rows], staging_gate_up, staging_down)
+    out = expert_forward(xs, staging_gate_up, staging_down)
     return out, current.record_event()
 
 
-def combine_in_expert_order(y: torch.Tensor, routing: torch.Tensor, weights: torch.Tensor, n: int, k: int):
-    """Sum over each token's experts of weight * output, adding in ascending expert order.
+class _Pairs:
+    """A step's (token, rank) pairs grouped by expert: `order` lists pair indices (token * K + rank),
+    ascending by expert; `count[e]` is expert e's number of pairs."""
 
-    y: the outputs of every (token, slot) pair, grouped by expert in ascending order; routing: rows
-    token, slot and dest (the pair's index in a [token, rank] layout). The sequential adds round
-    exactly as an index_add_ per expert in ascending order would (the reference's loop), in K
-    launches instead of a few per expert.
-    """
-    weighted = torch.empty((n * k, y.shape[1]), dtype=y.dtype, device=y.device)
-    weighted.index_copy_(0, routing[2], y * weights[routing[0], routing[1]].unsqueeze(-1))
-    weighted = weighted.view(n, k, -1)
-    out = weighted[:, 0].clone()
-    for j in range(1, k):
-        out += weighted[:, j]
-    return out
+    def __init__(self, order: np.ndarray, expert_of_order: np.ndarray, counts: np.ndarray):
+        self.order, self.expert_of_order = order, expert_of_order
+        self.count = counts.tolist()
+        self.num_experts = len(counts)
+
+    def of(self, experts: list[int], everyone: bool = False) -> np.ndarray:
+        """Pair indices of `experts`, grouped expert by expert in ascending id (`everyone`: all active ones)."""
+        if everyone:
+            return self.order
+        if len(experts) == 1:
+            start = sum(self.count[:experts[0]])
+            return self.order[start:start + self.count[experts[0]]]
+        chosen = np.zeros(self.num_experts, dtype=bool)
+        chosen[experts] = True
+        return self.order[chosen[self.expert_of_order]]
 
 
 class OffloadExecutor:
@@ -165,6 +173,7 @@ class OffloadExecutor:
                          torch.empty_like(any_bank.down[0], device=self.device)) for _ in range(slots)]
         self.copy_stream = None if self.simulated else torch.cuda.Stream(self.device)
         self.slot_free = [None] * slots  # CUDA event: the last compute that read this staging slot
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def set_placement(self, on_gpu) -> None:
         """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
@@ -182,96 +191,116 @@ class OffloadExecutor:
     def on_gpu(self) -> list[list[bool]]:
         return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
 
-    def run_experts(self, moe, x, weights, ids):
+    def expert_outputs(self, moe, x, ids, out=None, host: HostRouting | None = None):
+        """Row t*K + r of the result: expert ids[t, r] applied to x[t] (see engine.executor).
+
+        The host does the bookkeeping of a step in numpy on the routing it fetched (or that CUDA
+        graphs copied to pinned memory, `host`), queues the GPU's share, runs the CPU's share in
+        one kernel call that writes each result at its pair's row, sends those rows to the device
+        in one copy, and scatters the GPU's results over them.
+        """
         started = time.perf_counter()
         bank = self.banks[moe.layer]
-        ids_host = ids.cpu()  # the one wait per layer: decisions need the routing
+        if host is None:
+            ids_host, x_host = ids.cpu(), None  # the one wait per layer: decisions need the routing
+        else:
+            if host.ready is not None:
+                host.ready.synchronize()
+            ids_host, x_host = host.ids, host.x
         self.stats.wait_ms += (time.perf_counter() - started) * 1e3
-        counts = torch.bincount(ids_host.flatten(), minlength=len(bank.gpu_slot))
-        seen = self.selections.get(moe.layer)
-        self.selections[moe.layer] = counts if seen is None else seen + counts
-        active = torch.nonzero(counts).flatten().tolist()
+        n, k = ids_host.shape
+        pair_expert = ids_host.numpy().reshape(-1)
+        counts = np.bincount(pair_expert, minlength=len(bank.gpu_slot))
+        self._count(moe.layer, counts)
+        order = np.argsort(pair_expert, kind="stable")  # pairs grouped by expert, ascending
+        pairs = _Pairs(order, pair_expert[order], counts)
+        active = np.flatnonzero(counts).tolist()
         resident = [e for e in active if bank.gpu_slot[e] is not None]
-        offloaded = {e: int(counts[e]) for e in active if bank.gpu_slot[e] is None}
+        offloaded = {e: pairs.count[e] for e in active if bank.gpu_slot[e] is None}
         on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
-        # Fetch activations before any GPU work is queued: the copy waits for the stream to drain.
-        x_host = x.cpu() if on_cpu else None
+        if on_cpu and x_host is None:
+            x_host = x.cpu()  # before any GPU work is queued: this copy waits for the stream to drain
+        if out is None:
+            out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=self.device)
 
-        # (token, top-k slot) pairs grouped by expert: one sort on the host, one small copy to the device.
-        # dest: where each pair's output goes in a [token, rank] layout, rank = its expert's place among
-        # the token's experts in ascending id order, so the sum below runs in expert order.
-        n, k = ids_host.shape
-        order = torch.argsort(ids_host.flatten(), stable=True)
-        token, slot = order // k, order % k
-        rank = (ids_host.unsqueeze(-1) > ids_host.unsqueeze(-2)).sum(-1)
-        routing_host = torch.stack([token, slot, token * k + rank[token, slot]])
-        routing = routing_host.to(self.device, non_blocking=True)
-        ends = torch.cumsum(counts, 0).tolist()
-        span = {e: (ends[e] - int(counts[e]), ends[e]) for e in active}
-
-        outputs: dict[int, torch.Tensor] = {}
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
-        copies = self._start_copies(bank, to_copy)
-        if resident:
-            outputs.update(self._run_resident(bank, x, routing, resident, span))
-        for e, (slot, ready) in copies.items():
-            a, b = span[e]
-            outputs[e], self.slot_free[slot] = compute_copied(x, routing[0, a:b], *self.staging[slot], ready)
+        gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy) if resident or to_copy else None
         if on_cpu:
             cpu_started = time.perf_counter()
-            groups = [span[e] for e in on_cpu]
-            rows = torch.cat([routing_host[0, a:b] for a, b in groups])
-            offsets = torch.tensor([0, *itertools.accumulate(b - a for a, b in groups)])
-            host_out = self._host_buffer(rows.shape[0], x.shape[1], x.dtype)
-            experts_forward(x_host, rows, torch.tensor(on_cpu), offsets, bank.gate_up, bank.down, out=host_out)
-            back = host_out.to(self.device, non_blocking=True)  # one copy back for all CPU experts
-            for e, a, b in zip(on_cpu, offsets[:-1].tolist(), offsets[1:].tolist()):
-                outputs[e] = back[a:b]
+            dest = pairs.of(on_cpu, len(on_cpu) == len(active))  # each result's row in `out`
+            m, g = len(dest), len(on_cpu)
+            packed = torch.from_numpy(np.concatenate([dest, dest // k, on_cpu, [0], np.cumsum(counts[on_cpu])]))
+            out_rows, rows, experts, offsets = packed[:m], packed[m:2 * m], packed[2 * m:2 * m + g], packed[2 * m + g:]
+            host_y = self._buffer("cpu_out", n * k * x.shape[1], x.dtype, pinned=not self.simulated).view(n * k, -1)
+            experts_forward(x_host, rows, experts, offsets, bank.gate_up, bank.down, out=host_y, out_rows=out_rows)
+            # One copy back for all CPU experts. The buffer may be reused once the next layer's routing is
+            # in: that wait comes after this copy on the same stream.
+            out.copy_(host_y, non_blocking=True)
             self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
+        if gpu is not None:
+            out.index_copy_(0, *gpu)
 
-        out = combine_in_expert_order(torch.cat([outputs[e] for e in active]), routing, weights, n, k)
         s = self.stats
         s.gpu_experts += len(resident)
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
-        s.selections += int(counts.sum())
-        s.gpu_hits += int(sum(counts[e] for e in resident))
+        s.selections += n * k
+        s.gpu_hits += sum(pairs.count[e] for e in resident)
         s.layer_ms += (time.perf_counter() - started) * 1e3
         return out
 
-    def _run_resident(self, bank: LayerBank, x, routing, resident: list[int], span: dict) -> dict:
-        """Outputs of the GPU-resident experts: one grouped launch per projection while every expert has
-        at most GROUPED_MAX_TOKENS tokens (decode), else one GEMM per expert (prefill's large loads)."""
-        sizes = [span[e][1] - span[e][0] for e in resident]
-        if max(sizes) > GROUPED_MAX_TOKENS or not grouped_supported(x, bank.gpu_gate_up):
-            outputs = {}
-            for e in resident:
-                a, b = span[e]
-                s = bank.gpu_slot[e]
-                outputs[e] = expert_forward(x[routing[0, a:b]], bank.gpu_gate_up[s], bank.gpu_down[s])
-            return outputs
-        # Slots hold the resident experts in ascending id order, so groups follow the slots.
-        tokens = [0] * bank.gpu_gate_up.shape[0]
-        for e, n in zip(resident, sizes):
-            tokens[bank.gpu_slot[e]] = n
-        pairs = torch.cat([torch.arange(*span[e]) for e in resident])
-        index = torch.cat([pairs, torch.tensor(tokens).cumsum(0)]).to(self.device, non_blocking=True)
-        pairs, ends = index[:len(pairs)], index[len(pairs):].to(torch.int32)
-        y = grouped_experts_forward(x[routing[0, pairs]], bank.gpu_gate_up, bank.gpu_down, ends)
-        starts = itertools.accumulate(sizes, initial=0)
-        return {e: y[a:a + n] for e, a, n in zip(resident, starts, sizes)}
+    def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy) -> tuple:
+        """Queue the resident experts (one grouped launch per projection while every expert has at most
+        GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
+        Returns (pair rows on the device, their outputs) for the caller to scatter."""
+        sizes = [pairs.count[e] for e in resident]
+        grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu_gate_up)
+        parts = [pairs.of(resident)] + [pairs.of([e]) for e in to_copy]
+        if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
+            tokens = np.zeros(bank.gpu_gate_up.shape[0], dtype=np.int64)
+            tokens[[bank.gpu_slot[e] for e in resident]] = sizes
+            parts.append(np.cumsum(tokens))
+        packed = np.concatenate(parts)
+        index = self._buffer("gpu_index", len(packed), torch.int64, pinned=not self.simulated)
+        index.numpy()[:] = packed
+        index = index.to(self.device, non_blocking=True)
+        m = sum(sizes) + sum(pairs.count[e] for e in to_copy)
+        rows = index[:m]
+        xs = x[rows // k]
+        copies = self._start_copies(bank, to_copy)
+        ys, at = [], 0
+        if grouped:
+            at = sum(sizes)
+            ys.append(grouped_experts_forward(xs[:at], bank.gpu_gate_up, bank.gpu_down, index[m:].to(torch.int32)))
+        else:
+            for e, n in zip(resident, sizes):
+                slot = bank.gpu_slot[e]
+                ys.append(expert_forward(xs[at:at + n], bank.gpu_gate_up[slot], bank.gpu_down[slot]))
+                at += n
+        for e, (slot, ready) in copies.items():
+            n = pairs.count[e]
+            y, self.slot_free[slot] = compute_copied(xs[at:at + n], *self.staging[slot], ready)
+            ys.append(y)
+            at += n
+        return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
 
-    def _host_buffer(self, rows: int, hidden: int, dtype) -> torch.Tensor:
-        """A reused (pinned, with a GPU) buffer for CPU expert outputs; it grows, never shrinks.
+    def _count(self, layer: int, counts: np.ndarray) -> None:
+        seen = self.selections.get(layer)
+        if seen is None:
+            seen = self.selections[layer] = torch.zeros(len(counts), dtype=torch.int64)
+        view = seen.numpy()
+        view += counts
 
-        Safe to reuse: the next layer begins by waiting for the stream, so last layer's copy is done.
-        """
-        buf = getattr(self, "_host_out", None)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != hidden or buf.dtype != dtype:
-            buf = torch.empty((max(rows, 64), hidden), dtype=dtype, pin_memory=not self.simulated)
-            self._host_out = buf
-        return buf[:rows]
+    def _buffer(self, name: str, numel: int, dtype, pinned: bool) -> torch.Tensor:
+        """A reused flat host buffer of at least `numel` elements (pinned when copies leave from it); it grows,
+        never shrinks. Reuse is safe because each layer starts by waiting for the stream, which orders it after
+        the previous layer's copies out of these buffers."""
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=pinned)
+            self._buffers[name] = buf
+        return buf[:numel]
 
     def _start_copies(self, bank: LayerBank, experts) -> dict:
         """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event)."""

@@ -122,7 +122,7 @@ def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> 
     for _ in range(repeat + 1):
         torch.cuda.synchronize(device)
         t = time.perf_counter()
-        compute_copied(x, rows, staging_gu, staging_d, queue_copy(side, host_gu, host_d, staging_gu, staging_d))
+        compute_copied(x[rows], staging_gu, staging_d, queue_copy(side, host_gu, host_d, staging_gu, staging_d))
         times.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize(device)
     times = sorted(times[1:])
@@ -144,13 +144,30 @@ def contention(device, megabytes: int = 256, calls: int = 6) -> dict:
     cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), 2 * calls)
     copy_ms = _timed_ms(lambda: target.copy_(source, non_blocking=True), device, calls)
     n = max(2, math.ceil(calls * cpu_ms / copy_ms))
+    for _ in range(3):  # too few CPU calls fitted beside the copies (the CPU slowed more than guessed): longer
+        times, copies_ms = _overlapped(cpu_call, lambda: target.copy_(source, non_blocking=True), n, device)
+        if len(times) >= 2:
+            break
+        n *= 4
+    else:
+        return {}
+    # Alone again, right after: the faster of the two is the time alone (a first series can run
+    # slow while the CPU clocks up, which would make contention look like a speed-up).
+    cpu_ms = min(cpu_ms, _timed_ms(cpu_call, torch.device("cpu"), 2 * calls))
+    return {"cpu_slowdown_during_copy": sorted(times)[len(times) // 2] / cpu_ms,
+            "copy_slowdown_during_cpu": copies_ms / n / copy_ms}
+
+
+def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
+    """Queue n copies on a side stream, time CPU calls one after another until they are done: (the CPU
+    calls' times in ms, leaving out the last, which may have outlived the copies; the copies' total ms)."""
     stream = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(device)
     with torch.cuda.stream(stream):
         start.record()
         for _ in range(n):
-            target.copy_(source, non_blocking=True)
+            copy()
         end.record()
     times = []
     while not end.query():
@@ -158,14 +175,7 @@ def contention(device, megabytes: int = 256, calls: int = 6) -> dict:
         cpu_call()
         times.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize(device)
-    times = times[:-1]  # the last call may have outlived the copies
-    if len(times) < 2:  # the copies were too quick to overlap with: nothing learnt
-        return {}
-    # Alone again, right after: the faster of the two is the time alone (a first series can run
-    # slow while the CPU clocks up, which would make contention look like a speed-up).
-    cpu_ms = min(cpu_ms, _timed_ms(cpu_call, torch.device("cpu"), 2 * calls))
-    return {"cpu_slowdown_during_copy": sorted(times)[len(times) // 2] / cpu_ms,
-            "copy_slowdown_during_cpu": start.elapsed_time(end) / n / copy_ms}
+    return times[:-1], start.elapsed_time(end)
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:

@@ -187,6 +187,7 @@ static void split_row(const bf16 *src, int64_t n, float *dst) {
 typedef struct {
     const bf16 *gate_up, *down;
     bf16 *out;
+    const int64_t *out_rows; /* where result row i goes in out; NULL: row i */
     /* Scratch rows count only the native groups' rows: natively computed row t of native group k
      * is scratch row first[k] + t. */
     float *act;           /* [rows][Fp] split fp32, holding bf16 values */
@@ -265,7 +266,8 @@ static void phase2_item(const Job *j, int64_t gi, int64_t blk) {
             dot4_tile(w, xs, tn, F, s);
             const int64_t rn = h1 - h < 4 ? h1 - h : 4;
             for (int t = 0; t < tn; t++) {
-                bf16 *o = j->out + (a + t0 + t) * j->out_stride + h;
+                const int64_t i = a + t0 + t;
+                bf16 *o = j->out + (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
                 for (int64_t r = 0; r < rn; r++) o[r] = f32_to_bf16(s[t * 4 + r]);
             }
         }
@@ -466,18 +468,20 @@ static void *scratch(size_t bytes) {
     return pool.scratch;
 }
 
-enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4 };
+enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5 };
 
 /*
- * out[i, :] = down_e @ act(gate_e @ x[rows[i]], up_e @ x[rows[i]]) for i in group g, e = expert_ids[g].
+ * out[o(i), :] = down_e @ act(gate_e @ x[rows[i]], up_e @ x[rows[i]]) for i in group g, e = expert_ids[g],
+ * where o(i) = out_rows[i] (each in [0, out_len)), or i when out_rows is NULL: the executor has each
+ * result land where its (token, rank) pair belongs, so no scatter follows the call.
  * Groups with more than max_tokens entries are left untouched for the caller (torch's matmuls
  * win there); their count goes to *skipped. Returns OK or a negative error code.
  */
 int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
                         const int64_t *rows, int64_t M, const int64_t *expert_ids,
                         const int64_t *offsets, int64_t G, const bf16 *gate_up, const bf16 *down,
-                        int64_t E, int64_t F, bf16 *out, int64_t out_stride, int64_t max_tokens,
-                        int64_t *skipped) {
+                        int64_t E, int64_t F, bf16 *out, int64_t out_stride, const int64_t *out_rows,
+                        int64_t out_len, int64_t max_tokens, int64_t *skipped) {
     *skipped = 0;
     if (G < 0 || (G == 0 ? M != 0 : offsets[0] != 0 || offsets[G] != M)) return BAD_OFFSETS;
     int64_t ng = 0, rows_n = 0; /* native groups and their rows */
@@ -491,8 +495,10 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
             rows_n += n;
         }
     }
-    for (int64_t i = 0; i < M; i++)
+    for (int64_t i = 0; i < M; i++) {
         if (rows[i] < 0 || rows[i] >= N) return BAD_ROW;
+        if (out_rows && (out_rows[i] < 0 || out_rows[i] >= out_len)) return BAD_OUT_ROW;
+    }
     if (ng == 0 || H <= 0 || F <= 0) return OK; /* the caller handles empty shapes */
 
     pthread_mutex_lock(&pool.call);
@@ -523,6 +529,7 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     j->gate_up = gate_up;
     j->down = down;
     j->out = out;
+    j->out_rows = out_rows;
     j->gu = (float *)(base + at[0]);
     j->act = (float *)(base + at[1]);
     float *xs = (float *)(base + at[2]);

@@ -40,7 +40,7 @@ FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
            -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
-           -4: "out of memory for the kernel's scratch buffers"}
+           -4: "out of memory for the kernel's scratch buffers", -5: "out_rows holds an index outside out"}
 
 
 def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -50,35 +50,57 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     return F.linear(F.silu(gate) * up, down)
 
 
-def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, groups=None):
+def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, groups=None, out_rows=None):
     """The pure-torch path: one expert after another, as the engine computes a single expert.
 
     groups: only these group indices (the others' rows of `out` are left as they are).
     """
     _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
-    if out is None:
-        out = x.new_empty((rows.shape[0], x.shape[1]))
+    out = _output(out, out_rows, rows, x)
+    if out_rows is not None and out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max()) < out.shape[0]:
+        raise ValueError(_ERRORS[-5])
     bounds = offsets.tolist()
     ids = expert_ids.tolist()
     for g in range(len(ids)) if groups is None else groups:
         a, b = bounds[g], bounds[g + 1]
         if b > a:
-            out[a:b] = expert_forward(x[rows[a:b]], gate_up[ids[g]], down[ids[g]])
+            at = slice(a, b) if out_rows is None else out_rows[a:b]
+            out[at] = expert_forward(x[rows[a:b]], gate_up[ids[g]], down[ids[g]])
     return out
 
 
-def experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, native_max_tokens=None):
-    """Result [len(rows), H] in x's dtype: the native kernel where it applies, torch elsewhere."""
+def _output(out, out_rows, rows, x):
+    """The result tensor: `out` checked, or a new [len(rows), H] one."""
+    if out_rows is not None:
+        if out is None:
+            raise ValueError("out_rows needs out")
+        if out_rows.shape != rows.shape:
+            raise ValueError(f"out_rows has shape {tuple(out_rows.shape)}, expected {tuple(rows.shape)}")
+    elif out is None:
+        return x.new_empty((rows.shape[0], x.shape[1]))
+    elif out.shape[0] != rows.shape[0]:
+        raise ValueError(f"out has {out.shape[0]} rows, expected {rows.shape[0]}")
+    if out.dim() != 2 or out.shape[1] != x.shape[1]:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected [*, {x.shape[1]}]")
+    return out
+
+
+def experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None, native_max_tokens=None):
+    """Result [len(rows), H] in x's dtype: the native kernel where it applies, torch elsewhere.
+
+    out_rows: where each result row goes in `out` (then required), instead of row i at row i.
+    """
     lib = _state.get("lib") if not _disabled() else None
     if lib is None and available():
         lib = _state["lib"]
     if (lib is not None and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and x.device.type == "cpu"
             and gate_up.device.type == "cpu" and down.device.type == "cpu"):
-        return _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens)
-    return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out)
+        return _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens)
+    return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, out_rows=out_rows)
 
 
-def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, native_max_tokens=None):
+def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None,
+                           native_max_tokens=None):
     """The native kernel for groups of at most native_max_tokens (default NATIVE_MAX_TOKENS), torch for
     larger ones; raises RuntimeError where the kernel is unavailable."""
     reason = unavailable_reason()
@@ -88,7 +110,7 @@ def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None
         raise TypeError("the native kernel takes bfloat16 x, gate_up and down")
     if not (x.device.type == gate_up.device.type == down.device.type == "cpu"):
         raise TypeError("the native kernel takes CPU tensors")
-    return _native(_state["lib"], x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens)
+    return _native(_state["lib"], x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens)
 
 
 def _index(t: torch.Tensor) -> torch.Tensor:
@@ -97,37 +119,39 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", torch.int64).contiguous()
 
 
-def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, native_max_tokens):
+def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens):
     _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
+    target = _output(out, out_rows, rows, x)
     if gate_up.shape[1] == 0 or x.shape[1] == 0:  # degenerate experts: nothing to stream
-        return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out)
+        return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, target, out_rows=out_rows)
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("gate_up and down must be contiguous")
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, expert_ids, offsets = _index(rows), _index(expert_ids), _index(offsets)
-    M, H = rows.shape[0], x.shape[1]
-    if out is not None and tuple(out.shape) != (M, H):
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {(M, H)}")
-    target = out
-    if out is None or out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(1) != 1:
-        out = torch.empty((M, H), dtype=torch.bfloat16)
+    if out_rows is not None:
+        out_rows = _index(out_rows)
+    out = target
+    if out.dtype != torch.bfloat16 or out.device.type != "cpu" or out.stride(1) != 1:
+        # A bf16 stand-in; with out_rows it starts as a copy, since only the listed rows are written.
+        out = (torch.empty(target.shape, dtype=torch.bfloat16) if out_rows is None
+               else target.to("cpu", torch.bfloat16, copy=True).contiguous())
     limit = NATIVE_MAX_TOKENS if native_max_tokens is None else native_max_tokens
     skipped = ctypes.c_int64(0)
     E, two_f = gate_up.shape[0], gate_up.shape[1]
     rc = lib.moe_experts_forward(
-        x.data_ptr(), x.shape[0], x.stride(0), H, rows.data_ptr(), M, expert_ids.data_ptr(),
+        x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], rows.data_ptr(), rows.shape[0], expert_ids.data_ptr(),
         offsets.data_ptr(), expert_ids.shape[0], gate_up.data_ptr(), down.data_ptr(), E, two_f // 2,
-        out.data_ptr(), out.stride(0), limit, ctypes.byref(skipped))
+        out.data_ptr(), out.stride(0), None if out_rows is None else out_rows.data_ptr(), out.shape[0], limit,
+        ctypes.byref(skipped))
     if rc != 0:
         raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
     if skipped.value:
         big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
-        reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big)
-    if target is not None and target is not out:
+        reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows)
+    if target is not out:
         target.copy_(out)
-        return target
-    return out
+    return target
 
 
 def _check_shapes(x, rows, expert_ids, offsets, gate_up, down) -> None:
@@ -215,7 +239,7 @@ def _load() -> None:
             return
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         lib.moe_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-                                            ptr, i64, i64, ctypes.POINTER(i64)]
+                                            ptr, i64, ptr, i64, i64, ctypes.POINTER(i64)]
         lib.moe_experts_forward.restype = ctypes.c_int
         lib.moe_set_threads.argtypes = [ctypes.c_int]
         lib.moe_set_spin_us.argtypes = [i64]

@@ -132,6 +132,30 @@ def test_out_argument(native):
     assert torch.equal(ce.experts_forward(*args, out=transposed), want)
 
 
+@pytest.mark.parametrize("fn", ["native", "torch"])
+def test_out_rows_scatter_results(native, fn):
+    """out_rows puts result i at out[out_rows[i]] and leaves the other rows alone, also for a group
+    above the native limit (computed by torch inside the same call)."""
+    args = make_case(5, 64, 48, [2, ce.NATIVE_MAX_TOKENS + 1, 3])
+    want = ce.reference_experts_forward(*args) if fn == "torch" else ce.experts_forward(*args)
+    M = want.shape[0]
+    dest = torch.randperm(M + 4, generator=torch.Generator().manual_seed(1))[:M]
+    out = torch.full((M + 4, 64), 7.0, dtype=torch.bfloat16)
+    call = ce.reference_experts_forward if fn == "torch" else ce.experts_forward
+    assert call(*args, out=out, out_rows=dest) is out
+    assert torch.equal(out[dest], want)
+    untouched = torch.ones(M + 4, dtype=torch.bool)
+    untouched[dest] = False
+    assert (out[untouched] == 7.0).all()
+    as_float = torch.full((M + 4, 64), 7.0)  # not bf16: computed aside; the unlisted rows must survive
+    ce.experts_forward(*args, out=as_float, out_rows=dest)
+    assert torch.equal(as_float[dest], want.float()) and (as_float[untouched] == 7.0).all()
+    with pytest.raises(ValueError, match="out_rows"):
+        call(*args, out=out, out_rows=dest + 4)
+    with pytest.raises(ValueError, match="out_rows"):
+        ce.experts_forward(*args, out_rows=dest)
+
+
 def test_strided_x_and_narrow_index_types(native):
     x, rows, ids, offsets, gate_up, down = make_case(4, 64, 48, [2, 3])
     want = ce.native_experts_forward(x, rows, ids, offsets, gate_up, down)

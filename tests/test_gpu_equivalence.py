@@ -116,15 +116,20 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
         assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
 
 
+@pytest.mark.parametrize("resident_share", [0, 0.5])
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-def test_cuda_graphs_replay_what_the_segments_compute(arch, tiny_checkpoint, tmp_path, monkeypatch):
+def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny_checkpoint, tmp_path, monkeypatch):
     """Offloaded bf16 decode through captured graphs gives the tokens of the same segments run eagerly
-    (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes."""
+    (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
+    expert resident, and with half of them (grouped GPU launches beside CPU and copied experts)."""
     from engine.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    total = engine.expert_stats()["experts_total"]
+    engine.orchestra.place(int(total * resident_share) * engine.orchestra.expert_bytes)
+    assert engine.expert_stats()["experts_on_gpu"] == int(total * resident_share)
     assert isinstance(engine.graphs, GraphedDecode) and engine.graphs.capture
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     lengths = [20, 6, 9]
@@ -135,6 +140,8 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, tiny_checkpoint, tmp
         return {c.tag: c.token_ids for c in engine.generate(requests, 2)}
 
     replayed = run()
+    stats = engine.executor.stats
+    assert stats.cpu_experts > 0 and (stats.gpu_experts > 0) == (resident_share > 0)
     assert engine.graphs.broken is None and engine.graphs.captured
     assert all(c.graphs for c in engine.graphs.captured.values())
     engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)

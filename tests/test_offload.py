@@ -89,31 +89,24 @@ def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny
 
 @pytest.mark.parametrize("k", [1, 2, 8])
 def test_combine_rounds_as_index_add_in_expert_order(k):
-    """bf16 sums are order-sensitive: the K-add combine must equal the reference's per-expert index_add_ loop."""
+    """bf16 sums are order-sensitive: MoE.combine's K adds over routing sorted by expert id must equal
+    the reference's loop of one index_add_ per expert, in ascending expert order."""
     import torch
 
-    from engine.offload import combine_in_expert_order
+    from engine.model import MoE
 
     g = torch.Generator().manual_seed(k)
     n, experts, hidden = 13, 16, 64
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])  # top-k order, unsorted
     weights = torch.rand(n, k, generator=g).to(torch.bfloat16)
-    order = torch.argsort(ids.flatten(), stable=True)
-    token, slot = order // k, order % k
-    y = (torch.randn(n * k, hidden, generator=g) * 100).to(torch.bfloat16)  # pair outputs, grouped by expert
+    outputs = (torch.randn(n, experts, hidden, generator=g) * 100).to(torch.bfloat16)  # expert e on token t
     expected = torch.zeros(n, hidden, dtype=torch.bfloat16)
-    ids_sorted = ids.flatten()[order]
-    for e in ids_sorted.unique().tolist():
-        at = ids_sorted == e
-        expected.index_add_(0, token[at], y[at] * weights[token[at], slot[at]].unsqueeze(-1))
-    rank = (ids.unsqueeze(-1) > ids.unsqueeze(-2)).sum(-1)
-    routing = torch.stack([token, slot, token * k + rank[token, slot]])
-    got = combine_in_expert_order(y, routing, weights, n, k)
-    assert torch.equal(got, expected)
-    if k > 2:  # the test can tell orders apart (two terms commute): summing in slot order gives other bits
-        by_slot = torch.zeros(n, hidden, dtype=torch.bfloat16)
-        placed = torch.empty_like(y)
-        placed[token * k + slot] = y * weights[token, slot].unsqueeze(-1)
-        for j in range(k):
-            by_slot += placed.view(n, k, -1)[:, j]
-        assert not torch.equal(by_slot, expected)
+    for e in range(experts):
+        token, slot = torch.where(ids == e)
+        expected.index_add_(0, token, outputs[token, e] * weights[token, slot].unsqueeze(-1))
+    sorted_ids, rank = ids.sort(dim=-1)  # what MoE.route returns
+    y = outputs[torch.arange(n).unsqueeze(-1), sorted_ids].reshape(n * k, hidden)
+    assert torch.equal(MoE.combine(y, weights.gather(-1, rank)), expected)
+    if k > 2:  # the test can tell orders apart (two terms commute): summing in top-k order gives other bits
+        in_topk_order = MoE.combine(outputs[torch.arange(n).unsqueeze(-1), ids].reshape(n * k, hidden), weights)
+        assert not torch.equal(in_topk_order, expected)

@@ -90,15 +90,15 @@ def test_gpu_oom_while_generating_moves_experts_to_ram_and_gives_the_same_tokens
     engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=1.0)
     resident = engine.expert_stats()["experts_on_gpu"]
     assert resident == 12
-    run = engine.executor.run_experts
+    run = engine.executor.expert_outputs
     failures = iter([True, False, False, True])  # the first call, and a later one after the retry went through
 
-    def flaky(*args):
+    def flaky(*args, **kwargs):
         if next(failures, False):
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return run(*args)
+        return run(*args, **kwargs)
 
-    engine.executor.run_experts = flaky
+    engine.executor.expert_outputs = flaky
     assert [c.token_ids for c in _generate(engine)] == _reference(folder, engine)
     assert engine.expert_stats()["experts_on_gpu"] == resident // 4
     assert len(engine.warnings) == 2 and all("out of memory" in w for w in engine.warnings)
@@ -107,10 +107,10 @@ def test_gpu_oom_while_generating_moves_experts_to_ram_and_gives_the_same_tokens
 def test_gpu_oom_with_no_experts_left_is_one_clear_error(tiny_checkpoint):
     engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
 
-    def no_memory(*args):
+    def no_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    engine.executor.run_experts = no_memory
+    engine.executor.expert_outputs = no_memory
     with pytest.raises(MoedeskError, match="GPU out of memory with nothing left to move to RAM"):
         _generate(engine, PROMPTS[:1])
 
