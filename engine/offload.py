@@ -256,23 +256,27 @@ class OffloadExecutor:
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         sizes = [pairs.count[e] for e in resident]
         grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu_gate_up)
-        parts = [pairs.of(resident)] + [pairs.of([e]) for e in to_copy]
+        rows = np.concatenate([pairs.of(resident)] + [pairs.of([e]) for e in to_copy])
+        m = len(rows)
+        ends = np.zeros(0, dtype=np.int32)
         if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
             tokens = np.zeros(bank.gpu_gate_up.shape[0], dtype=np.int64)
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
-            parts.append(np.cumsum(tokens))
-        packed = np.concatenate(parts)
-        index = self._buffer("gpu_index", len(packed), torch.int64, pinned=not self.simulated)
-        index.numpy()[:] = packed
+            ends = np.cumsum(tokens)
+        # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host 10-50 µs
+        # on the GPU box): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
+        index = self._buffer("gpu_index", 4 * m + len(ends), torch.int32, pinned=not self.simulated)
+        words = index.numpy()
+        words[:4 * m].view(np.int64)[:] = np.concatenate([rows // k, rows])
+        words[4 * m:] = ends
         index = index.to(self.device, non_blocking=True)
-        m = sum(sizes) + sum(pairs.count[e] for e in to_copy)
-        rows = index[:m]
-        xs = x[rows // k]
+        token_rows, rows = index[:4 * m].view(torch.int64).split(m)
+        xs = x.index_select(0, token_rows)
         copies = self._start_copies(bank, to_copy)
         ys, at = [], 0
         if grouped:
             at = sum(sizes)
-            ys.append(grouped_experts_forward(xs[:at], bank.gpu_gate_up, bank.gpu_down, index[m:].to(torch.int32)))
+            ys.append(grouped_experts_forward(xs[:at], bank.gpu_gate_up, bank.gpu_down, index[4 * m:]))
         else:
             for e, n in zip(resident, sizes):
                 slot = bank.gpu_slot[e]
