@@ -60,6 +60,17 @@ def test_bench_runs_on_the_simulated_tier():
     assert 0 < report["experts_on_gpu"] < 16
 
 
+def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
+    from engine.bench import traffic_bound
+    from engine.offload import StepStats
+
+    # 10 steps that computed 30 experts on the CPU and copied 10: 4 expert reads per step.
+    stats = StepStats(gpu_experts=50, cpu_experts=30, copied_experts=10)
+    assert traffic_bound(stats, 10, 1, expert_bytes=2e9, bytes_per_s=100e9) == pytest.approx(12.5)
+    assert traffic_bound(stats, 10, 16, expert_bytes=2e9, bytes_per_s=100e9) == pytest.approx(200)
+    assert traffic_bound(StepStats(gpu_experts=8), 4, 1, 2e9, 100e9) is None  # nothing offloaded: no bound
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny_checkpoint, monkeypatch):
     """In bf16 every CPU expert of a layer goes through one native kernel call; greedy tokens are those of

@@ -1,8 +1,9 @@
 """Where does a decode step's time go? Synthetic models of real shapes, one variant after another.
 
 Usage (GPU box, repo root): python3 tests/perf/profile_decode.py [SHAPE:LAYERS ...] [--variants a,b]
-[--spin US,US] [--no-trace]   (default qwen3-30b-a3b:12 mixtral-8x7b:8, every variant, the kernel's default spin). Per variant: tok/s and, per token, the executor's MoE time, time blocked on the GPU for the
-routing, CPU expert time, and what is left (attention, router, sampling, Python). Variants: every expert
+[--spin US,US] [--no-trace]   (default qwen3-30b-a3b:12 mixtral-8x7b:8, every variant, the kernel's default spin).
+Per variant: tok/s and, per decode step, the executor's MoE time split into the wait for the GPU's routing,
+the CPU experts' call and the host's bookkeeping, and the time outside the executor. Variants: every expert
 resident on the GPU (the floor the non-expert work sets), all on the CPU through the native kernel, all on the
 CPU through torch, and the balanced CPU/copy split. Then a torch.profiler table of the native CPU variant;
 its trace goes to $OUT.
@@ -61,11 +62,12 @@ for spec in args.shapes:
             measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 4, graphs=graphs)  # warm-up
             ex.stats = StepStats()
             r = measure_decode(model, ex, cfg, device, torch.bfloat16, batch, 24, graphs=graphs)
-            steps = 24 + 1  # the prefill's MoE calls are counted too; close enough for per-step shares
+            steps = 24 - 2  # measure_decode times (and restarts the stats for) all steps but the first
             s = ex.stats
             step_ms = 1000 * batch / r.tok_s
-            rows.append((spec, name, batch, r.tok_s, step_ms, s.layer_ms / steps, s.wait_ms / steps, s.cpu_ms / steps,
-                         step_ms - s.layer_ms / steps + s.wait_ms / steps, s.copied_experts / steps))
+            moe, wait, cpu = s.layer_ms / steps, s.wait_ms / steps, s.cpu_ms / steps
+            rows.append((spec, name, batch, r.tok_s, step_ms, moe, wait, cpu, moe - wait - cpu, step_ms - moe,
+                         s.copied_experts / steps))
         del ex
         torch.cuda.empty_cache()
     os.environ["MOEDESK_NO_NATIVE_KERNELS"] = ""
@@ -81,8 +83,10 @@ for spec in args.shapes:
     del model, banks, ex
     torch.cuda.empty_cache()
 
-print(f"\n{'shape':<18}{'variant':<18}{'batch':>6}{'tok/s':>8}{'step ms':>9}{'moe ms':>8}{'wait ms':>8}"
-      f"{'cpu ms':>8}{'rest ms':>8}{'copied':>7}")
-for spec, name, batch, tok_s, step, moe, wait, cpu, rest, copied in rows:
-    print(f"{spec:<18}{name:<18}{batch:>6}{tok_s:>8.1f}{step:>9.2f}{moe:>8.2f}{wait:>8.2f}{cpu:>8.2f}{rest:>8.2f}"
-          f"{copied:>7.1f}")
+# Per decode step, in ms: moe = in the executor, of which wait (for the GPU's routing), cpu (the CPU experts'
+# call) and host (bookkeeping, queueing GPU work); outside = the rest of the step (graph launches, sampling).
+print(f"\n{'shape':<18}{'variant':<18}{'batch':>6}{'tok/s':>8}{'step':>8}{'moe':>8}{'wait':>8}"
+      f"{'cpu':>8}{'host':>8}{'outside':>8}{'copied':>7}")
+for spec, name, batch, tok_s, step, moe, wait, cpu, host, outside, copied in rows:
+    print(f"{spec:<18}{name:<18}{batch:>6}{tok_s:>8.1f}{step:>8.2f}{moe:>8.2f}{wait:>8.2f}{cpu:>8.2f}{host:>8.2f}"
+          f"{outside:>8.2f}{copied:>7.1f}")
