@@ -4,9 +4,10 @@
 #   SRC=.llamacpp TOOLS=.llamacpp-tools bash tests/perf/compare_llamacpp.sh llama     (build ~4 min + bench)
 #   bash tests/perf/compare_llamacpp.sh moedesk                                        (our benches + ratios)
 # SRC is the slim llama.cpp source from ../shared/tools/llamacpp/prepare.sh; TOOLS a copy of that
-# folder's make_gguf.py. Mixtral-8x7B shape, first 8 layers, 16-bit weights, 16 threads.
+# folder's make_gguf.py. Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
+# (tests/perf/make_qwen3_gguf.py), 16-bit weights, 16 threads.
 set -uo pipefail
-SRC=${SRC:-.llamacpp}; TOOLS=${TOOLS:-.llamacpp-tools}; L=${L:-8}; W=/tmp/compare; mkdir -p "$W"
+SRC=${SRC:-.llamacpp}; TOOLS=${TOOLS:-.llamacpp-tools}; L=${L:-8}; QL=${QL:-12}; W=/tmp/compare; mkdir -p "$W"
 OUT=${OUT:-$W/out}; mkdir -p "$OUT"
 case "${1:-}" in
 llama)
@@ -16,6 +17,7 @@ llama)
      > "$W/build.log" 2>&1) &
   build=$!
   [ -f "$W/mix.gguf" ] || GGUF_PY="$SRC/gguf-py" python3 "$TOOLS/make_gguf.py" "$W/mix.gguf" "$L"
+  [ -f "$W/qwen3.gguf" ] || GGUF_PY="$SRC/gguf-py" python3 tests/perf/make_qwen3_gguf.py "$W/qwen3.gguf" "$QL"
   wait $build || { tail -n 20 "$W/cfg.log" "$W/build.log"; exit 1; }
   bin="$SRC/build/bin"
   for ncm in "$L" $((L - 2)); do
@@ -23,6 +25,11 @@ llama)
   done
   "$bin/llama-batched-bench" -m "$W/mix.gguf" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 \
     -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' | tee "$W/llama_batched.txt"
+  for ncm in "$QL" $((QL * 3 / 4)); do
+    "$bin/llama-bench" -m "$W/qwen3.gguf" -ngl 99 -ncmoe "$ncm" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llama_qwen3_ncmoe$ncm.json"
+  done
+  "$bin/llama-batched-bench" -m "$W/qwen3.gguf" -ngl 99 -ncmoe "$QL" -t 16 -c 8192 -b 2048 -ub 512 \
+    -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' | tee "$W/llama_qwen3_batched.txt"
   cp "$W"/llama_* "$OUT"/ ;;
 moedesk)
   if ls .whl/*.whl >/dev/null 2>&1; then
@@ -32,27 +39,40 @@ moedesk)
   # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
+  # A quarter of the 12 layers' experts: 3 x 128 experts of 9 MiB (0.00879 GiB each) = 3.375 GiB.
+  python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
+  python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
+    > "$W/ours_qwen3_quarter.json"
   cp "$W"/ours_* "$OUT"/
   [ -f "$W/llama_batched.txt" ] || { echo "no llama.cpp results in $W: run the llama phase first"; exit 1; }
   python3 - "$W" <<'PY'
-import json, re, sys
+import json, os, re, sys
 w = sys.argv[1]
 def llama(path):
     rows = json.load(open(path))
     return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
 def ours(path):
     return {r["mode"]: r for r in json.load(open(path))["results"]}
-batched = [l for l in open(f"{w}/llama_batched.txt") if re.match(r"\|\s+128", l)]
-llama_b16 = float(batched[-1].split("|")[8]) if batched else None  # S_TG t/s column
-rows = [("decode, all experts in RAM", ours(f"{w}/ours_cpu.json")["decode"], llama(f"{w}/llama_ncmoe8.json")["decode"]),
-        ("decode, 2 of 8 layers on GPU", ours(f"{w}/ours_2layers.json")["decode"], llama(f"{w}/llama_ncmoe6.json")["decode"]),
-        ("prefill 512, all in RAM", ours(f"{w}/ours_cpu.json")["prefill"], llama(f"{w}/llama_ncmoe8.json")["prefill"]),
-        ("prefill 512, 2 of 8 layers on GPU", ours(f"{w}/ours_2layers.json")["prefill"], llama(f"{w}/llama_ncmoe6.json")["prefill"]),
-        ("batched decode x16, all in RAM", ours(f"{w}/ours_cpu.json")["batched_decode"], llama_b16)]
-print(f"{'case':<36}{'moedesk':>9}{'llama.cpp':>11}{'ratio':>7}{'bound':>8}{'% bound':>9}")
+def batched16(path):  # llama-batched-bench's S_TG t/s column on the 16-sequence row
+    rows = [l for l in open(path) if re.match(r"\|\s+128", l)]
+    return float(rows[-1].split("|")[8]) if rows else None
+cpu, two = ours(f"{w}/ours_cpu.json"), ours(f"{w}/ours_2layers.json")
+q_cpu, q_quarter = ours(f"{w}/ours_qwen3_cpu.json"), ours(f"{w}/ours_qwen3_quarter.json")
+ql = max(int(re.search(r"ncmoe(\d+)", p).group(1)) for p in os.listdir(w) if p.startswith("llama_qwen3_ncmoe"))
+q_all, q_part = llama(f"{w}/llama_qwen3_ncmoe{ql}.json"), llama(f"{w}/llama_qwen3_ncmoe{ql * 3 // 4}.json")
+rows = [("Mixtral decode, all experts in RAM", cpu["decode"], llama(f"{w}/llama_ncmoe8.json")["decode"]),
+        ("Mixtral decode, 2 of 8 layers on GPU", two["decode"], llama(f"{w}/llama_ncmoe6.json")["decode"]),
+        ("Mixtral prefill 512, all in RAM", cpu["prefill"], llama(f"{w}/llama_ncmoe8.json")["prefill"]),
+        ("Mixtral prefill 512, 2 layers on GPU", two["prefill"], llama(f"{w}/llama_ncmoe6.json")["prefill"]),
+        ("Mixtral batched x16, all in RAM", cpu["batched_decode"], batched16(f"{w}/llama_batched.txt")),
+        ("Qwen3 decode, all experts in RAM", q_cpu["decode"], q_all["decode"]),
+        ("Qwen3 decode, 1/4 of layers on GPU", q_quarter["decode"], q_part["decode"]),
+        ("Qwen3 prefill 512, all in RAM", q_cpu["prefill"], q_all["prefill"]),
+        ("Qwen3 batched x16, all in RAM", q_cpu["batched_decode"], batched16(f"{w}/llama_qwen3_batched.txt"))]
+print(f"{'case':<38}{'moedesk':>9}{'llama.cpp':>11}{'ratio':>7}{'bound':>8}{'% bound':>9}")
 for name, r, ref in rows:
     ratio = f"{r['tok_s'] / ref:.2f}" if ref else "-"
-    print(f"{name:<36}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{ratio:>7}{r['bound_tok_s']:>8.1f}{r['pct_of_bound'] or 0:>8.0f}%")
+    print(f"{name:<38}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{ratio:>7}{r['bound_tok_s']:>8.1f}{r['pct_of_bound'] or 0:>8.0f}%")
 PY
   ;;
 *) echo "usage: $0 llama|moedesk"; exit 2 ;;
