@@ -22,11 +22,13 @@ llama)
   bin="$SRC/build/bin"
   for ncm in "$L" $((L - 2)); do
     "$bin/llama-bench" -m "$W/mix.gguf" -ngl 99 -ncmoe "$ncm" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llama_ncmoe$ncm.json"
+    cp "$W"/llama_* "$OUT"/  # as they come: a run cut short keeps what it measured
   done
   "$bin/llama-batched-bench" -m "$W/mix.gguf" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 \
     -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' | tee "$W/llama_batched.txt"
   for ncm in "$QL" $((QL * 3 / 4)); do
     "$bin/llama-bench" -m "$W/qwen3.gguf" -ngl 99 -ncmoe "$ncm" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llama_qwen3_ncmoe$ncm.json"
+    cp "$W"/llama_* "$OUT"/
   done
   "$bin/llama-batched-bench" -m "$W/qwen3.gguf" -ngl 99 -ncmoe "$QL" -t 16 -c 8192 -b 2048 -ub 512 \
     -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' | tee "$W/llama_qwen3_batched.txt"
