@@ -157,11 +157,14 @@ class _Pairs:
 class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
-    def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None):
+    def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None):
         """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
-        decide(loads: {expert: tokens}) -> (cpu experts, experts to copy)."""
+        decide(loads: {expert: tokens}) -> (cpu experts, experts to copy); resident_to_cpu(loads of the resident
+        experts) -> those the CPU should compute from their host copies this step, asked only when the CPU
+        computes experts of the layer anyway (None: never)."""
         self.device = torch.device(device)
         self.decide = decide
+        self.resident_to_cpu = resident_to_cpu
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
         self.selections: dict[int, torch.Tensor] = {}
@@ -219,6 +222,11 @@ class OffloadExecutor:
         offloaded = {e: pairs.count[e] for e in active if bank.gpu_slot[e] is None}
         on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
+        if on_cpu and resident and self.resident_to_cpu is not None:
+            moved = self.resident_to_cpu({e: pairs.count[e] for e in resident})
+            if moved:
+                on_cpu = sorted([*on_cpu, *moved])
+                resident = [e for e in resident if e not in set(moved)]
         if on_cpu and x_host is None:
             x_host = x.cpu()  # before any GPU work is queued: this copy waits for the stream to drain
         if out is None:
@@ -228,7 +236,7 @@ class OffloadExecutor:
         gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy) if resident or to_copy else None
         if on_cpu:
             cpu_started = time.perf_counter()
-            dest = pairs.of(on_cpu, len(on_cpu) == len(active))  # each result's row in `out`
+            dest = pairs.of(on_cpu, everyone=len(on_cpu) == len(active))  # each result's row in `out`
             m, g = len(dest), len(on_cpu)
             packed = torch.from_numpy(np.concatenate([dest, dest // k, on_cpu, [0], np.cumsum(counts[on_cpu])]))
             out_rows, rows, experts, offsets = packed[:m], packed[m:2 * m], packed[2 * m:2 * m + g], packed[2 * m + g:]

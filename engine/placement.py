@@ -249,6 +249,23 @@ def assignment_for(loads: dict[int, int], copy: Iterable[int], model: ExpertCost
     return Assignment(tuple(sorted(set(active) - set(order))), tuple(order), cpu, gpu, method)
 
 
+def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
+    """GPU-resident experts of one layer step to compute on the CPU instead, from their host copy: all of
+    them when the CPU computes experts of this layer anyway and taking these on costs it less than
+    queueing the GPU's share would (the measured `resident_launch_ms`, which the same host thread pays
+    before the CPU call), else none (moving some would not save the launch).
+
+    Small experts with a token each, the decode of a model whose few resident experts per layer come from
+    a flat popularity, are where this wins: a Qwen3-30B-A3B expert costs the CPU ~0.06-0.1 ms, the GPU
+    share's launches ~0.2 ms. Call it only for layers with CPU work.
+    """
+    launch = getattr(model, "resident_launch_ms", 0.0)
+    active = {e: n for e, n in loads.items() if n > 0}
+    if not active or sum(model.cpu_expert_ms(n) for n in active.values()) >= launch:
+        return []
+    return sorted(active)
+
+
 def fiddler_rule(tokens: int, model: ExpertCosts) -> Literal["cpu", "gpu"]:
     """Fiddler's per-expert rule: copy the weights when cpu_lat(s) > gpu_lat(s) + transfer_lat."""
     return "gpu" if model.cpu_expert_ms(tokens) > model.gpu_expert_ms(tokens) + model.copy_expert_ms else "cpu"

@@ -30,3 +30,15 @@ def test_copy_launch_time_is_host_time_only():
     # A few dozen API calls: well above zero, far below the copy itself (8 MiB at PCIe speed is ~0.2 ms
     # only when it is not waited for; a launch that waited would take about that).
     assert 0.005 < ms < 2.0
+
+
+@pytest.mark.gpu
+def test_resident_launch_time_is_host_time_only():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.profiler import resident_launch_ms
+
+    gate_up = torch.randn(2 * 768, 2048).to(torch.bfloat16)
+    down = torch.randn(2048, 768).to(torch.bfloat16)
+    ms = resident_launch_ms(gate_up, down, torch.device("cuda"))
+    assert 0.005 < ms < 5.0  # a handful of launches and a small copy, never the experts' GPU time waited for

@@ -162,6 +162,13 @@ def test_copy_launch_time_is_read_and_checked():
         fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=-0.1))
 
 
+def test_resident_launch_time_is_read_and_checked():
+    assert fit_latency_model(profile(lambda n: 5.0)).resident_launch_ms == 0.0
+    assert fit_latency_model(profile(lambda n: 5.0, resident_launch_ms=0.2)).resident_launch_ms == 0.2
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 5.0, resident_launch_ms=float("nan")))
+
+
 def test_a_spike_at_few_tokens_is_capped_by_larger_counts():
     # Measured on the GPU box: one token slower than two (the first point taken), which would make
     # a step with one-token experts look a fifth slower on the CPU than it is.

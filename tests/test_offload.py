@@ -50,6 +50,38 @@ def test_every_budget_and_policy_generates_the_reference_tokens(arch, tiny_check
                 assert (stats.cpu_experts == 0) == (name == "all-copy")
 
 
+def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkpoint):
+    """When the executor has the CPU compute resident experts from their host copies, the tokens stay
+    transformers' and the stats say where the work ran."""
+    folder = tiny_checkpoint("mixtral")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    expected = [hf_greedy(hf_model(folder), p, 12, eos) for p in prompts]
+    banks = stack_experts(engine.model, pinned=False)
+    half = [[e % 2 == 0 for e in range(bank[0].shape[0])] for bank in banks.values()]
+    asked = []
+
+    def take_all(loads):
+        asked.append(dict(loads))
+        return sorted(loads)
+
+    stats = {}
+    for name, hook in (("gpu", None), ("moved", take_all)):
+        engine.executor = OffloadExecutor(banks, half, "cpu", POLICIES["all-cpu"], resident_to_cpu=hook)
+        done = {c.tag: c.token_ids for c in engine.generate(
+            [Request(p, params, tag=i) for i, p in enumerate(prompts)], batch_size=2)}
+        assert [done[i] for i in range(len(prompts))] == expected, name
+        stats[name] = engine.executor.stats
+    # Asked only about resident (even) experts, in steps with CPU work; each one it took moved from GPU to CPU.
+    moved = sum(len(loads) for loads in asked)
+    assert moved > 0 and all(e % 2 == 0 for loads in asked for e in loads)
+    assert stats["moved"].cpu_experts == stats["gpu"].cpu_experts + moved
+    assert stats["moved"].gpu_experts == stats["gpu"].gpu_experts - moved
+    assert stats["moved"].gpu_hits < stats["gpu"].gpu_hits
+
+
 def test_bench_runs_on_the_simulated_tier():
     from engine.bench import run_bench
 

@@ -336,3 +336,23 @@ def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
     monkeypatch.setattr(placement, "_best_split", lambda *a: pytest.fail("searched"))
     got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
     assert got.cpu == (3, 9) and got.copy == () and got.makespan_ms == pytest.approx(0.15)
+
+
+class _WithResidentLaunch:
+    def __init__(self, costs: Costs, resident_launch_ms: float):
+        self.costs, self.resident_launch_ms = costs, resident_launch_ms
+
+    def cpu_expert_ms(self, tokens: int) -> float:
+        return self.costs.cpu_expert_ms(tokens)
+
+
+def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_share():
+    from engine.placement import resident_on_cpu
+
+    model = _WithResidentLaunch(Costs(lambda n: 0.05 * n, lambda n: 0.01, 1.0), resident_launch_ms=0.2)
+    assert resident_on_cpu({7: 1, 3: 1}, model) == [3, 7]  # 0.1 ms of CPU work < 0.2 ms of launches
+    assert resident_on_cpu({7: 1, 3: 1, 5: 0}, model) == [3, 7]  # no tokens: not active
+    assert resident_on_cpu({1: 1, 2: 1, 3: 1, 4: 1}, model) == []  # 0.2 ms: not cheaper, all stay
+    assert resident_on_cpu({1: 5}, model) == []  # more tokens, more CPU work
+    assert resident_on_cpu({}, model) == []
+    assert resident_on_cpu({1: 1}, Costs(lambda n: 0.05, lambda n: 0.01, 1.0)) == []  # nothing measured: stay
