@@ -159,9 +159,9 @@ class OffloadExecutor:
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None):
         """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
-        decide(loads: {expert: tokens}) -> (cpu experts, experts to copy); resident_to_cpu(loads of the resident
-        experts) -> those the CPU should compute from their host copies this step, asked only when the CPU
-        computes experts of the layer anyway (None: never)."""
+        decide(loads: {expert: tokens}) -> (cpu experts in ascending id, experts to copy);
+        resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
+        this step, asked only when the CPU computes experts of the layer anyway (None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
@@ -224,7 +224,7 @@ class OffloadExecutor:
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
         if on_cpu and resident and self.resident_to_cpu is not None:
             moved = self.resident_to_cpu({e: pairs.count[e] for e in resident})
-            if moved:
+            if moved:  # ascending, as the kernel's groups follow `pairs.of`
                 on_cpu = sorted([*on_cpu, *moved])
                 resident = [e for e in resident if e not in set(moved)]
         if on_cpu and x_host is None:
