@@ -28,6 +28,7 @@ class Sequence:
     started: float = 0.0
     first_token_at: float = 0.0
     expert_stats_at_start: object = None  # a copy of the executor's StepStats when the sequence began
+    detokenizer: object = None  # the tokenizer's StreamDecoder: `text` grows by a token's text, not re-decoded
 
     @property
     def params(self):
@@ -66,7 +67,8 @@ class Decoder:
                 if request is None:
                     exhausted = True
                     break
-                seq = Sequence(request, free.pop(0), started=time.perf_counter())
+                seq = Sequence(request, free.pop(0), started=time.perf_counter(),
+                               detokenizer=self.tokenizer.stream_decoder() if self.tokenizer else None)
                 if hasattr(self.executor, "stats"):
                     seq.expert_stats_at_start = self.executor.stats.copy()
                 if request.params.temperature > 0:
@@ -153,15 +155,19 @@ class Decoder:
                 yield s, None
                 continue
             s.tokens.append(token)
-            self._check_stop(s)
+            added = s.detokenizer.step(token) if s.detokenizer is not None else ""
+            s.text += added
+            self._check_stop(s, len(added))
             if s.finish_reason:
                 slots[s.row] = None
             yield s, token
 
-    def _check_stop(self, s: Sequence) -> None:
-        if s.params.stop and self.tokenizer is not None:
-            s.text = self.tokenizer.decode(s.tokens)
-            cut = min((i for i in (s.text.find(stop) for stop in s.params.stop) if i >= 0), default=-1)
+    def _check_stop(self, s: Sequence, added: int) -> None:
+        """added: characters the last token appended to s.text. Earlier text held no stop string, so only
+        an occurrence ending in those characters can be new: the search starts where the longest could."""
+        if s.params.stop and s.detokenizer is not None:
+            start = max(0, len(s.text) - added - max(map(len, s.params.stop)) + 1)
+            cut = min((i for i in (s.text.find(stop, start) for stop in s.params.stop) if i >= 0), default=-1)
             if cut >= 0:
                 s.text = s.text[:cut]
                 s.finish_reason = "stop"

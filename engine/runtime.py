@@ -152,7 +152,7 @@ class Engine:
                     done = decoder.completion(seq)
                     yield StreamChunk(done.text[len(shown):] if done.text.startswith(shown) else "", new_ids, done)
                     return
-                text = self.tokenizer.decode(seq.tokens) if self.tokenizer else ""
+                text = seq.text  # grown token by token by the decoder
                 # Hold back a trailing partial character and anything a stop string might begin.
                 safe = _safe_prefix(text, params.stop)
                 delta, shown = (safe[len(shown):], safe) if safe.startswith(shown) else ("", shown)

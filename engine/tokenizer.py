@@ -8,6 +8,7 @@ from functools import cached_property
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers.decoders import DecodeStream
 
 from engine.errors import MoedeskError
 
@@ -57,6 +58,10 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def stream_decoder(self) -> "StreamDecoder":
+        """Text of ids that arrive one at a time, without decoding all of them again for each."""
+        return StreamDecoder(self._tok)
+
     @cached_property
     def _template(self):
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -82,3 +87,14 @@ class Tokenizer:
         """Token ids of a conversation, formatted by the model's own chat template."""
         # The template writes any BOS itself; adding special tokens again would double it.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class StreamDecoder:
+    """tokenizers' DecodeStream: `step(id)` gives the text that id completes ('' while a character split
+    over byte tokens is still partial). Concatenated, it is decode(ids) wherever the ids spell valid UTF-8."""
+
+    def __init__(self, tok: tokenizers.Tokenizer):
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._tok, token_id) or ""

@@ -82,6 +82,29 @@ def test_stream_yields_the_same_text_as_generate(engine):
     assert chunks[-1].completion is not None and all(c.completion is None for c in chunks[:-1])
 
 
+def test_streaming_and_stop_checks_decode_each_token_once(engine, monkeypatch):
+    """Text grows token by token: the whole reply is decoded once, for the completion, not after every token."""
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True, stop=("never appears \u2603",))
+    ids = engine.tokenizer.encode("The quick brown fox")
+    whole = next(engine.generate([Request(ids, params)]))
+    decode, calls = engine.tokenizer.decode, []
+    monkeypatch.setattr(engine.tokenizer, "decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    chunks = list(engine.stream(ids, params))
+    assert "".join(c.text for c in chunks) == whole.text and len(whole.token_ids) == 40
+    assert len(calls) <= 1
+
+
+def test_stop_string_found_across_token_boundaries(engine):
+    """A stop string that a later token completes ends the text where it starts."""
+    full = complete(engine, "The quick", temperature=0, max_new_tokens=24, ignore_eos=True)
+    for start in range(0, len(full.text) - 4, 3):
+        stop = full.text[start:start + 4]
+        if not stop.strip():
+            continue
+        cut = complete(engine, "The quick", temperature=0, max_new_tokens=24, ignore_eos=True, stop=(stop, "zzzzzzzz"))
+        assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)], stop
+
+
 def test_stream_cancel(engine):
     cancel = threading.Event()
     got = []
