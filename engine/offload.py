@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields, replace
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -135,21 +136,28 @@ def compute_copied(xs, staging_gate_up, staging_down, ready=None):
 
 class _Pairs:
     """A step's (token, rank) pairs grouped by expert: `order` lists pair indices (token * K + rank),
-    ascending by expert; `count[e]` is expert e's number of pairs."""
+    ascending by expert; `count[e]` is expert e's number of pairs, `active` the experts with any."""
 
-    def __init__(self, order: np.ndarray, expert_of_order: np.ndarray, counts: np.ndarray):
-        self.order, self.expert_of_order = order, expert_of_order
-        self.count = counts.tolist()
-        self.num_experts = len(counts)
+    def __init__(self, pair_expert: np.ndarray, num_experts: int):
+        self.order = np.argsort(pair_expert, kind="stable")
+        self.expert_of_order = pair_expert[self.order]
+        counts = np.bincount(pair_expert, minlength=num_experts)
+        self.counts, self.count = counts, counts.tolist()
+        self.active = np.flatnonzero(counts).tolist()
 
-    def of(self, experts: list[int], everyone: bool = False) -> np.ndarray:
-        """Pair indices of `experts`, grouped expert by expert in ascending id (`everyone`: all active ones)."""
-        if everyone:
+    @cached_property
+    def start(self) -> list[int]:
+        """Where each expert's pairs begin in `order` (only copied experts ask, one at a time)."""
+        return (np.cumsum(self.counts) - self.counts).tolist()
+
+    def of(self, experts: list[int]) -> np.ndarray:
+        """Pair indices of distinct active `experts`, grouped expert by expert in ascending id."""
+        if len(experts) == len(self.active):
             return self.order
         if len(experts) == 1:
-            start = sum(self.count[:experts[0]])
+            start = self.start[experts[0]]
             return self.order[start:start + self.count[experts[0]]]
-        chosen = np.zeros(self.num_experts, dtype=bool)
+        chosen = np.zeros(len(self.count), dtype=bool)
         chosen[experts] = True
         return self.order[chosen[self.expert_of_order]]
 
@@ -212,21 +220,18 @@ class OffloadExecutor:
             ids_host, x_host = host.ids, host.x
         self.stats.wait_ms += (time.perf_counter() - started) * 1e3
         n, k = ids_host.shape
-        pair_expert = ids_host.numpy().reshape(-1)
-        counts = np.bincount(pair_expert, minlength=len(bank.gpu_slot))
-        self._count(moe.layer, counts)
-        order = np.argsort(pair_expert, kind="stable")  # pairs grouped by expert, ascending
-        pairs = _Pairs(order, pair_expert[order], counts)
-        active = np.flatnonzero(counts).tolist()
+        pairs = _Pairs(ids_host.numpy().reshape(-1), len(bank.gpu_slot))
+        self._count(moe.layer, pairs.counts)
+        active = pairs.active
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: pairs.count[e] for e in active if bank.gpu_slot[e] is None}
         on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
         if on_cpu and resident and self.resident_to_cpu is not None:
-            moved = self.resident_to_cpu({e: pairs.count[e] for e in resident})
+            moved = set(self.resident_to_cpu({e: pairs.count[e] for e in resident}))
             if moved:  # ascending, as the kernel's groups follow `pairs.of`
                 on_cpu = sorted([*on_cpu, *moved])
-                resident = [e for e in resident if e not in set(moved)]
+                resident = [e for e in resident if e not in moved]
         if on_cpu and x_host is None:
             x_host = x.cpu()  # before any GPU work is queued: this copy waits for the stream to drain
         if out is None:
@@ -236,9 +241,10 @@ class OffloadExecutor:
         gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy) if resident or to_copy else None
         if on_cpu:
             cpu_started = time.perf_counter()
-            dest = pairs.of(on_cpu, everyone=len(on_cpu) == len(active))  # each result's row in `out`
+            dest = pairs.of(on_cpu)  # each result's row in `out`
             m, g = len(dest), len(on_cpu)
-            packed = torch.from_numpy(np.concatenate([dest, dest // k, on_cpu, [0], np.cumsum(counts[on_cpu])]))
+            group_ends = np.cumsum(pairs.counts[on_cpu])
+            packed = torch.from_numpy(np.concatenate([dest, dest // k, on_cpu, [0], group_ends]))
             out_rows, rows, experts, offsets = packed[:m], packed[m:2 * m], packed[2 * m:2 * m + g], packed[2 * m + g:]
             host_y = self._buffer("cpu_out", n * k * x.shape[1], x.dtype, pinned=not self.simulated).view(n * k, -1)
             experts_forward(x_host, rows, experts, offsets, bank.gate_up, bank.down, out=host_y, out_rows=out_rows)
@@ -264,8 +270,8 @@ class OffloadExecutor:
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         sizes = [pairs.count[e] for e in resident]
         grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu_gate_up)
-        rows = np.concatenate([pairs.of(resident)] + [pairs.of([e]) for e in to_copy])
-        m = len(rows)
+        pair_rows = np.concatenate([pairs.of(resident)] + [pairs.of([e]) for e in to_copy])
+        m = len(pair_rows)
         ends = np.zeros(0, dtype=np.int32)
         if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
             tokens = np.zeros(bank.gpu_gate_up.shape[0], dtype=np.int64)
@@ -275,7 +281,7 @@ class OffloadExecutor:
         # on the GPU box): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
         index = self._buffer("gpu_index", 4 * m + len(ends), torch.int32, pinned=not self.simulated)
         words = index.numpy()
-        words[:4 * m].view(np.int64)[:] = np.concatenate([rows // k, rows])
+        words[:4 * m].view(np.int64)[:] = np.concatenate([pair_rows // k, pair_rows])
         words[4 * m:] = ends
         index = index.to(self.device, non_blocking=True)
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)

@@ -119,15 +119,8 @@ def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> 
     host_gu = torch.empty(staging_gu.shape, dtype=staging_gu.dtype, pin_memory=True)
     host_d = torch.empty(staging_d.shape, dtype=staging_d.dtype, pin_memory=True)
     side = torch.cuda.Stream(device)
-    times = []
-    for _ in range(repeat + 1):
-        torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        compute_copied(x[rows], staging_gu, staging_d, queue_copy(side, host_gu, host_d, staging_gu, staging_d))
-        times.append((time.perf_counter() - t) * 1e3)
-    torch.cuda.synchronize(device)
-    times = sorted(times[1:])
-    return times[len(times) // 2]
+    return _host_ms(lambda: compute_copied(x[rows], staging_gu, staging_d,
+                                           queue_copy(side, host_gu, host_d, staging_gu, staging_d)), device, repeat)
 
 
 def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
@@ -146,11 +139,18 @@ def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
     ids = torch.tensor([[0, 1]])
     host = HostRouting(x.cpu(), ids, None)
     out = torch.empty(2, x.shape[1], dtype=x.dtype, device=device)
+    ids_on_device = ids.to(device)
+    return _host_ms(lambda: executor.expert_outputs(moe, x, ids_on_device, out=out, host=host), device, repeat)
+
+
+def _host_ms(call, device, repeat: int) -> float:
+    """Median host time of call() in ms, the GPU drained before each try so that nothing blocks; the
+    first try (warm-up) is left out."""
     times = []
     for _ in range(repeat + 1):
         torch.cuda.synchronize(device)
         t = time.perf_counter()
-        executor.expert_outputs(moe, x, ids.to(device), out=out, host=host)
+        call()
         times.append((time.perf_counter() - t) * 1e3)
     torch.cuda.synchronize(device)
     times = sorted(times[1:])
