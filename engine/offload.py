@@ -18,6 +18,7 @@ copies and the ordered sum all run for real, which is how CI tests them without 
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields, replace
 from functools import cached_property
@@ -26,14 +27,14 @@ import numpy as np
 import torch
 
 from engine.executor import HostRouting
-from kernels.cpu_experts import expert_forward, experts_forward
+from kernels.cpu_experts import expert_forward, experts_forward, experts_forward_routed
 from kernels.gpu_experts import grouped_experts_forward, grouped_supported
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's
 # savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
 GROUPED_MAX_TOKENS = 64
 
-__all__ = ["expert_forward", "experts_forward", "OffloadExecutor", "allocate_banks", "stack_experts"]
+__all__ = ["expert_forward", "experts_forward", "experts_forward_routed", "OffloadExecutor", "allocate_banks", "stack_experts"]
 
 
 @dataclass
@@ -138,10 +139,10 @@ class _Pairs:
     """A step's (token, rank) pairs grouped by expert: `order` lists pair indices (token * K + rank),
     ascending by expert; `count[e]` is expert e's number of pairs, `active` the experts with any."""
 
-    def __init__(self, pair_expert: np.ndarray, num_experts: int):
+    def __init__(self, pair_expert: np.ndarray, counts: np.ndarray):
+        """counts: np.bincount of pair_expert over all experts."""
         self.order = np.argsort(pair_expert, kind="stable")
         self.expert_of_order = pair_expert[self.order]
-        counts = np.bincount(pair_expert, minlength=num_experts)
         self.counts, self.count = counts, counts.tolist()
         self.active = np.flatnonzero(counts).tolist()
 
@@ -185,6 +186,8 @@ class OffloadExecutor:
         self.copy_stream = None if self.simulated else torch.cuda.Stream(self.device)
         self.slot_free = [None] * slots  # CUDA event: the last compute that read this staging slot
         self._buffers: dict[str, torch.Tensor] = {}
+        self._views: dict[tuple, torch.Tensor] = {}
+        self._selection_counts: dict[int, tuple] = {}  # layer -> (its `selections` tensor, a numpy view)
 
     def set_placement(self, on_gpu) -> None:
         """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
@@ -220,17 +223,19 @@ class OffloadExecutor:
             ids_host, x_host = host.ids, host.x
         self.stats.wait_ms += (time.perf_counter() - started) * 1e3
         n, k = ids_host.shape
-        pairs = _Pairs(ids_host.numpy().reshape(-1), len(bank.gpu_slot))
-        self._count(moe.layer, pairs.counts)
-        active = pairs.active
+        pair_expert = ids_host.view(-1)
+        experts_of = pair_expert.numpy()
+        counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
+        self._count(moe.layer, counts)
+        count, active = counts.tolist(), np.flatnonzero(counts).tolist()
         resident = [e for e in active if bank.gpu_slot[e] is not None]
-        offloaded = {e: pairs.count[e] for e in active if bank.gpu_slot[e] is None}
+        offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
         on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
         if on_cpu and resident and self.resident_to_cpu is not None:
-            moved = set(self.resident_to_cpu({e: pairs.count[e] for e in resident}))
-            if moved:  # ascending, as the kernel's groups follow `pairs.of`
-                on_cpu = sorted([*on_cpu, *moved])
+            moved = set(self.resident_to_cpu({e: count[e] for e in resident}))
+            if moved:
+                on_cpu = [*on_cpu, *moved]
                 resident = [e for e in resident if e not in moved]
         if on_cpu and x_host is None:
             x_host = x.cpu()  # before any GPU work is queued: this copy waits for the stream to drain
@@ -238,16 +243,16 @@ class OffloadExecutor:
             out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=self.device)
 
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
-        gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy) if resident or to_copy else None
+        if resident or to_copy:
+            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy)
+        else:
+            gpu = None
         if on_cpu:
             cpu_started = time.perf_counter()
-            dest = pairs.of(on_cpu)  # each result's row in `out`
-            m, g = len(dest), len(on_cpu)
-            group_ends = np.cumsum(pairs.counts[on_cpu])
-            packed = torch.from_numpy(np.concatenate([dest, dest // k, on_cpu, [0], group_ends]))
-            out_rows, rows, experts, offsets = packed[:m], packed[m:2 * m], packed[2 * m:2 * m + g], packed[2 * m + g:]
-            host_y = self._buffer("cpu_out", n * k * x.shape[1], x.dtype, pinned=not self.simulated).view(n * k, -1)
-            experts_forward(x_host, rows, experts, offsets, bank.gate_up, bank.down, out=host_y, out_rows=out_rows)
+            host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
+            index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
+            chosen = None if len(on_cpu) == len(active) else on_cpu  # None: every pair
+            experts_forward_routed(x_host, pair_expert, k, chosen, bank.gate_up, bank.down, host_y, index)
             # One copy back for all CPU experts. The buffer may be reused once the next layer's routing is
             # in: that wait comes after this copy on the same stream.
             out.copy_(host_y, non_blocking=True)
@@ -260,7 +265,7 @@ class OffloadExecutor:
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
         s.selections += n * k
-        s.gpu_hits += sum(pairs.count[e] for e in resident)
+        s.gpu_hits += sum(count[e] for e in resident)
         s.layer_ms += (time.perf_counter() - started) * 1e3
         return out
 
@@ -279,7 +284,7 @@ class OffloadExecutor:
             ends = np.cumsum(tokens)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host 10-50 µs
         # on the GPU box): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
-        index = self._buffer("gpu_index", 4 * m + len(ends), torch.int32, pinned=not self.simulated)
+        index = self._buffer("gpu_index", (4 * m + len(ends),), torch.int32, pinned=not self.simulated)
         words = index.numpy()
         words[:4 * m].view(np.int64)[:] = np.concatenate([pair_rows // k, pair_rows])
         words[4 * m:] = ends
@@ -304,21 +309,32 @@ class OffloadExecutor:
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _count(self, layer: int, counts: np.ndarray) -> None:
-        seen = self.selections.get(layer)
-        if seen is None:
-            seen = self.selections[layer] = torch.zeros(len(counts), dtype=torch.int64)
-        view = seen.numpy()
+        tensor, known = self.selections.get(layer), self._selection_counts.get(layer)
+        if known is None or known[0] is not tensor:  # first count, or `selections` was cleared
+            if tensor is None:
+                tensor = self.selections[layer] = torch.zeros(len(counts), dtype=torch.int64)
+            known = self._selection_counts[layer] = (tensor, tensor.numpy())
+        view = known[1]
         view += counts
 
-    def _buffer(self, name: str, numel: int, dtype, pinned: bool) -> torch.Tensor:
-        """A reused flat host buffer of at least `numel` elements (pinned when copies leave from it); it grows,
-        never shrinks. Reuse is safe because each layer starts by waiting for the stream, which orders it after
-        the previous layer's copies out of these buffers."""
+    def _buffer(self, name: str, shape: tuple, dtype, pinned: bool) -> torch.Tensor:
+        """A reused host buffer of this shape (pinned when copies leave from it), a view of one flat allocation
+        per name that grows, never shrinks. Reuse is safe because each layer starts by waiting for the stream,
+        which orders it after the previous layer's copies out of these buffers. Views are kept: slicing a
+        tensor costs microseconds, and this runs for every layer of every token."""
+        key = (name, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        numel = math.prod(shape)
         buf = self._buffers.get(name)
         if buf is None or buf.numel() < numel or buf.dtype != dtype:
-            buf = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=pinned)
-            self._buffers[name] = buf
-        return buf[:numel]
+            buf = self._buffers[name] = torch.empty(max(numel, 1024), dtype=dtype, pin_memory=pinned)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        if len(self._views) > 256:  # prefill's many shapes: keep the map small
+            self._views.clear()
+        view = self._views[key] = buf[:numel].view(shape)
+        return view
 
     def _start_copies(self, bank: LayerBank, experts) -> dict:
         """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.json_cache import cached_json
-from engine.offload import expert_forward, experts_forward
+from engine.offload import expert_forward, experts_forward_routed
 from kernels import cpu_experts
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -76,12 +76,12 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
     dtype = gate_up.dtype
     expert_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
     cpu = {}
-    one = torch.tensor([0])  # the CPU tier computes experts through experts_forward: time that path
+    # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on expert 0.
     stacked_gate_up, stacked_down = gate_up.unsqueeze(0), down.unsqueeze(0)
     for n in cpu_tokens:
-        x = torch.randn(n, hidden, dtype=dtype)
-        rows, offsets = torch.arange(n), torch.tensor([0, n])
-        cpu[n] = _timed_ms(lambda: experts_forward(x, rows, one, offsets, stacked_gate_up, stacked_down),
+        x, out = torch.randn(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
+        to_expert_0 = torch.zeros(n, dtype=torch.int64)
+        cpu[n] = _timed_ms(lambda: experts_forward_routed(x, to_expert_0, 1, None, stacked_gate_up, stacked_down, out),
                            torch.device("cpu"), repeat)
     g_gate_up, g_down = gate_up.to(device), down.to(device)
     gpu = {}
@@ -212,8 +212,9 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 
 
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
-# cached before are measured again rather than read without it (2: resident_launch_ms).
-PROFILE_FORMAT = 2
+# cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
+# through the routed call the executor now makes).
+PROFILE_FORMAT = 3
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:

@@ -192,6 +192,63 @@ def test_bad_inputs_raise(native):
         ce.experts_forward(x[:, :16], rows, ids, offsets, gate_up, down)
 
 
+def routed_case(N, k, E, H=64, F=48, seed=0):
+    """x, routing [N, k] (distinct experts per token, as a router gives them) and stacks; expert 0 takes
+    every token, so with N > NATIVE_MAX_TOKENS one group goes to torch inside the call."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    gate_up = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(torch.bfloat16)
+    down = (torch.randn(E, H, F, generator=g) / F ** 0.5).to(torch.bfloat16)
+    ids = torch.stack([torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(E - 1, generator=g)[:k - 1]])
+                       for _ in range(N)]).sort(dim=1).values
+    return x, ids, gate_up, down
+
+
+def grouped_by_hand(ids, chosen):
+    """The calls experts_forward would get: pairs of the chosen experts grouped by expert, ascending pair."""
+    flat = ids.flatten().tolist()
+    experts = sorted({e for e in flat if chosen is None or e in chosen})
+    pairs = [p for e in experts for p in range(len(flat)) if flat[p] == e]
+    sizes = [flat.count(e) for e in experts]
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    pairs = torch.tensor(pairs, dtype=torch.long)
+    return pairs // ids.shape[1], torch.tensor(experts, dtype=torch.long), offsets, pairs
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("chosen", [None, [0, 2, 5], [3]])
+def test_routed_call_computes_the_chosen_pairs_at_their_rows(native, monkeypatch, kernel, chosen):
+    """experts_forward_routed groups the router's pairs itself (in C, or numpy without the kernel) and equals
+    experts_forward on a grouping made by hand; rows of pairs not chosen keep what they held."""
+    if kernel == "torch":
+        monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    k, E = 3, 7
+    x, ids, gate_up, down = routed_case(ce.NATIVE_MAX_TOKENS + 3, k, E)
+    rows, experts, offsets, dest = grouped_by_hand(ids, chosen)
+    want = torch.full((ids.numel() + 2, x.shape[1]), 5.0, dtype=torch.bfloat16)
+    ce.experts_forward(x, rows, experts, offsets, gate_up, down, out=want, out_rows=dest)
+    out = torch.full_like(want, 5.0)
+    assert ce.experts_forward_routed(x, ids.flatten(), k, chosen, gate_up, down, out) is out
+    assert torch.equal(out, want)
+    if chosen is not None:
+        others = ~torch.isin(ids.flatten(), torch.tensor(chosen))
+        assert others.any() and (out[:ids.numel()][others] == 5.0).all()
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_routed_call_rejects_bad_routing(native, monkeypatch, kernel):
+    if kernel == "torch":
+        monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    x, ids, gate_up, down = routed_case(4, 2, 5)
+    out = torch.empty(8, x.shape[1], dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="expert_ids"):
+        ce.experts_forward_routed(x, ids.flatten() + 5, 2, None, gate_up, down, out)
+    with pytest.raises(ValueError, match="rows"):
+        ce.experts_forward_routed(x[:3], ids.flatten(), 2, None, gate_up, down, out)
+    with pytest.raises(ValueError, match="out_rows"):
+        ce.experts_forward_routed(x, ids.flatten(), 2, None, gate_up, down, out[:7])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fallback_equals_per_expert_loop(dtype):
     args = make_case(5, 48, 40, [1, 3, 0, 7], dtype=dtype)

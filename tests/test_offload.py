@@ -111,9 +111,21 @@ def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny
 
     if not cpu_experts.available():
         pytest.skip(f"native kernel unavailable here: {cpu_experts.unavailable_reason()}")
-    calls = []
-    native = cpu_experts._native
-    monkeypatch.setattr(cpu_experts, "_native", lambda *a, **k: calls.append(a[3].shape[0]) or native(*a, **k))
+    calls = []  # experts per native call
+
+    class Recording:
+        def __init__(self, lib):
+            self.lib = lib
+
+        def moe_routed_experts_forward(self, *args):
+            rc = self.lib.moe_routed_experts_forward(*args)
+            calls.append(args[18][1])  # shape: {pairs, groups}
+            return rc
+
+        def __getattr__(self, name):
+            return getattr(self.lib, name)
+
+    monkeypatch.setitem(cpu_experts._state, "lib", Recording(cpu_experts._state["lib"]))
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="bfloat16")
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=12, temperature=0)
