@@ -168,7 +168,7 @@ class OffloadExecutor:
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None):
         """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
-        decide(loads: {expert: tokens}) -> (cpu experts in ascending id, experts to copy);
+        decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
         this step, asked only when the CPU computes experts of the layer anyway (None: never)."""
         self.device = torch.device(device)

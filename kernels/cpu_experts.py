@@ -129,10 +129,9 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
             NATIVE_MAX_TOKENS, index.data_ptr(), shape, ctypes.byref(skipped))
         if rc != 0:
             raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
-        if skipped.value:  # groups above NATIVE_MAX_TOKENS: torch's matmuls
+        if skipped.value:
             out_rows, rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
-            big = [g for g, n in enumerate(offsets.diff().tolist()) if n > NATIVE_MAX_TOKENS]
-            reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows)
+            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, NATIVE_MAX_TOKENS)
         return out
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if P > x.shape[0] * k:
@@ -151,6 +150,12 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     np.cumsum(counts, out=words[2 * m + g + 1:2 * m + 2 * g + 1])
     out_rows, rows, expert_ids, offsets = _index_parts(index, m, g)
     return experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=out, out_rows=out_rows)
+
+
+def _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit: int) -> None:
+    """The groups the kernel left alone (more than `limit` tokens), through torch's matmuls."""
+    big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
+    reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows)
 
 
 def _index_parts(index, m: int, groups: int):
@@ -216,8 +221,7 @@ def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, nat
     if rc != 0:
         raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
     if skipped.value:
-        big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
-        reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows)
+        _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit)
     if target is not out:
         target.copy_(out)
     return target
