@@ -15,11 +15,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import KVCache
+from kernels import gpu_fused
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in float32 and cast back before the weight, as the reference implementations do,
     # so that 16-bit runs round at the same places.
+    if gpu_fused.applies(x, weight):
+        return gpu_fused.rms_norm(x, weight, eps)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -77,6 +80,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope(norm(x)) for x [B, T, heads, D], norm over each head (None: no norm); on the GPU one kernel."""
+    if norm is None:
+        if gpu_fused.applies(x, cos, sin) and gpu_fused.rotary_fits(x.shape[-1]):
+            return gpu_fused.norm_rotary(x, None, 0.0, cos, sin)
+        return apply_rope(x, cos, sin)
+    if gpu_fused.applies(x, cos, sin, norm.weight) and gpu_fused.rotary_fits(x.shape[-1]):
+        return gpu_fused.norm_rotary(x, norm.weight, norm.eps, cos, sin)
+    return apply_rope(norm(x), cos, sin)
+
+
 # On CUDA, SDPA with a boolean mask picks cuDNN's kernel, which measured 4.5 ms per decode call on
 # an H100 (tests/perf/profile_decode.py). Memory-efficient attention takes masks and is fast, but
 # not enable_gqa (that falls back to the bf16 math path, which lost greedy equivalence in the GPU
@@ -121,10 +135,9 @@ class Attention(nn.Module):
         q = q.view(B, T, cfg.num_heads, cfg.head_dim)
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        head_norm = cfg.qk_norm == "head"
+        q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
+        k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         keys, values = cache.write_and_read(layer, k, v, step.rows, step.positions, step.kv_len)
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.mask,
                         cfg.num_kv_heads != cfg.num_heads)
@@ -169,6 +182,8 @@ class MoE(nn.Module):
         """Sum over each token's experts of weight * output; y [N*K, H] holds the pairs as an executor
         returns them. bf16 sums depend on their order: adding in ascending expert order rounds exactly
         as the reference's loop of one index_add_ per expert does, in K adds whatever N is."""
+        if gpu_fused.applies(y, weights):
+            return gpu_fused.weighted_sum(y, weights)
         n, k = weights.shape
         weighted = y.view(n, k, -1) * weights.unsqueeze(-1)
         out = weighted[:, 0].clone()

@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
-from tests import tiny_models
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/test_gpu_fused_kernels.py).
+# It must be chosen before Triton is first imported; the engine still uses them only for CUDA tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from tests import tiny_models  # noqa: E402  (after the interpreter is chosen)
 
 
 def pytest_collection_modifyitems(config, items):

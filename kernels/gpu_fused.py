@@ -1,0 +1,140 @@
+"""One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, the experts' sum.
+
+A decode step of a 12-layer Qwen3 ran ~100 GPU kernels per layer, most of them 1-2 µs
+elementwise kernels: an RMSNorm is eight (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary
+five, the ordered sum of K expert outputs K + 1 (tests/perf/probe_segment.py). With one token
+each does almost no work, so a layer's GPU time is the count of launches. Each kernel here does
+one of those chains in one launch and rounds at exactly the places the torch chain rounds (a
+16-bit intermediate is stored as 16 bits before the next operation), so greedy tokens stay those
+of the reference; only the reductions' summation order differs.
+
+Used for CUDA tensors when Triton is installed; engine.model keeps the torch versions for
+everything else (and `MOEDESK_NO_FUSED_KERNELS=1` turns these off). TRITON_INTERPRET=1 runs the
+kernels on the CPU, which is how CI checks them (the interpreter truncates float32 to bfloat16
+where GPUs round to nearest, so there they agree to one 16-bit step, on the GPU exactly).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+
+def wanted() -> bool:
+    """Whether the fused kernels may be used at all: Triton is importable and they are not turned off."""
+    disabled = os.environ.get("MOEDESK_NO_FUSED_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+    return triton is not None and not disabled
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous."""
+    first = tensors[0]
+    return first.is_cuda and wanted() and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous()
+                             for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dimension, normalised in float32 and rounded to x's dtype
+    before the weight (engine.model.rms_norm's rounding)."""
+    d = x.shape[-1]
+    out = torch.empty_like(x)
+    block = triton.next_power_of_2(d)
+    _rms_norm[(x.numel() // d,)](x, weight, out, eps, D=d, BLOCK=block, num_warps=_warps(block), **_EXACT)
+    return out
+
+
+def rotary_fits(head_dim: int) -> bool:
+    return head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0
+
+
+def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+    """Half-split rotary embedding of x [B, T, heads, D] by cos/sin [B, T, D], after an RMSNorm of each
+    head with `weight` [D] when one is given (Qwen3's query/key norm)."""
+    b, t, heads, d = x.shape
+    out = torch.empty_like(x)
+    _norm_rotary[(b * t * heads,)](x, weight if weight is not None else x, cos, sin, out, eps, heads,
+                                   NORM=weight is not None, D=d, **_EXACT)
+    return out
+
+
+def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """out[n] = sum over j of weights[n, j] * y[n * K + j], each product and each partial sum rounded
+    to y's dtype in ascending j: engine.model.MoE.combine."""
+    n, k = weights.shape
+    h = y.shape[-1]
+    out = torch.empty(n, h, dtype=y.dtype, device=y.device)
+    block = min(1024, triton.next_power_of_2(h))
+    _weighted_sum[(n, triton.cdiv(h, block))](y, weights, out, h, K=k, BLOCK=block, **_EXACT)
+    return out
+
+
+# Without this the compiler narrows a rounded product to a 16-bit multiply and contracts it with the
+# following add into one fused multiply-add: one rounding where torch has two (seen in the PTX).
+_EXACT = dict(enable_fp_fusion=False)
+
+
+def _warps(block: int) -> int:
+    return 4 if block <= 2048 else 8 if block <= 8192 else 16
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_norm(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < D
+        x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        dtype = out_ptr.dtype.element_ty
+        normed = (x * inv).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, (w * normed).to(dtype), mask=inside)
+
+    @triton.jit
+    def _norm_rotary(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, heads, NORM: tl.constexpr, D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        HALF: tl.constexpr = D // 2
+        cols = tl.arange(0, HALF)
+        dtype = out_ptr.dtype.element_ty
+        lo = tl.load(x_ptr + row * D + cols).to(tl.float32)
+        hi = tl.load(x_ptr + row * D + HALF + cols).to(tl.float32)
+        if NORM:
+            inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / D + eps)
+            w_lo = tl.load(w_ptr + cols).to(tl.float32)
+            w_hi = tl.load(w_ptr + HALF + cols).to(tl.float32)
+            lo = (w_lo * (lo * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            hi = (w_hi * (hi * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        token = row // heads  # cos/sin hold one row per token, shared by its heads
+        cos_lo = tl.load(cos_ptr + token * D + cols).to(tl.float32)
+        cos_hi = tl.load(cos_ptr + token * D + HALF + cols).to(tl.float32)
+        sin_lo = tl.load(sin_ptr + token * D + cols).to(tl.float32)
+        sin_hi = tl.load(sin_ptr + token * D + HALF + cols).to(tl.float32)
+        # x * cos + cat(-hi, lo) * sin, each product rounded before the sum as in 16-bit torch.
+        out_lo = (lo * cos_lo).to(dtype).to(tl.float32) + (-hi * sin_lo).to(dtype).to(tl.float32)
+        out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
+        tl.store(out_ptr + row * D + cols, out_lo.to(dtype))
+        tl.store(out_ptr + row * D + HALF + cols, out_hi.to(dtype))
+
+    @triton.jit
+    def _weighted_sum(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < H
+        dtype = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):
+            w = tl.load(w_ptr + n * K + j).to(tl.float32)
+            y = tl.load(y_ptr + (n * K + j) * H + cols, mask=inside, other=0.0).to(tl.float32)
+            term = (y * w).to(dtype).to(tl.float32)
+            if j == 0:
+                acc = term
+            else:
+                acc = (acc + term).to(dtype).to(tl.float32)
+        tl.store(out_ptr + n * H + cols, acc.to(dtype), mask=inside)

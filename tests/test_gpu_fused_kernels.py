@@ -1,0 +1,111 @@
+"""The fused Triton kernels compute what engine.model's torch chains compute.
+
+On the CPU they run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where
+there is no GPU): float32 checks the indexing and the formulas. On the GPU box bfloat16
+checks the rounding: the same bits as torch, except where a norm's summation order moves a
+value across a rounding boundary.
+"""
+import os
+
+import pytest
+import torch
+
+from engine.model import MoE, apply_rope, rms_norm
+from kernels import gpu_fused
+
+pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
+
+
+@pytest.fixture
+def interpreted():
+    """kernels.gpu_fused, its kernels running in Triton's CPU interpreter."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU")
+    return gpu_fused
+
+
+def _rope_inputs(b, t, heads, d, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, t, heads, d, generator=g).to(dtype)
+    angles = torch.rand(b, t, d // 2, generator=g) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1).to(dtype), torch.cat([angles.sin()] * 2, -1).to(dtype)
+    weight = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+    return [v.to(device) for v in (x, weight, cos, sin)]
+
+
+def _combine_inputs(n, k, h, dtype, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n * k, h, generator=g).to(dtype)
+    weights = torch.softmax(torch.randn(n, k, generator=g), -1).to(dtype)
+    return y.to(device), weights.to(device)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 64), (5, 576), (3, 2048)])  # 576: not a power of two
+def test_rms_norm_interpreted(interpreted, rows, d):
+    g = torch.Generator().manual_seed(d)
+    x, weight = torch.randn(rows, d, generator=g) * 3, torch.randn(d, generator=g)
+    torch.testing.assert_close(interpreted.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rotary_interpreted(interpreted, with_norm):
+    x, weight, cos, sin = _rope_inputs(2, 3, 4, 64, torch.float32)
+    expected = apply_rope(rms_norm(x, weight, 1e-6) if with_norm else x, cos, sin)
+    got = interpreted.norm_rotary(x, weight if with_norm else None, 1e-6, cos, sin)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    # A wrong token row for cos/sin (heads sharing it) would fail here as well as above.
+    assert not torch.allclose(got[:, 1:], got[:, :-1])
+
+
+@pytest.mark.parametrize("n,k,h", [(1, 8, 2048), (3, 2, 2500)])  # 2500: a partial last block
+def test_weighted_sum_interpreted(interpreted, n, k, h):
+    y, weights = _combine_inputs(n, k, h, torch.float32)
+    assert torch.equal(interpreted.weighted_sum(y, weights), MoE.combine(y, weights))
+
+
+def test_bfloat16_interpreted_is_close(interpreted):
+    # The interpreter truncates to bfloat16 where GPUs round to nearest, and truncation errors add up
+    # where a sum cancels, so only closeness holds here; the GPU test checks the rounding.
+    x, weight, cos, sin = _rope_inputs(1, 2, 4, 128, torch.bfloat16)
+    got = interpreted.norm_rotary(x, weight, 1e-6, cos, sin)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, apply_rope(rms_norm(x, weight, 1e-6), cos, sin), rtol=2 ** -4, atol=2 ** -3)
+    y, weights = _combine_inputs(2, 8, 512, torch.bfloat16)
+    got = interpreted.weighted_sum(y, weights)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, MoE.combine(y, weights), rtol=2 ** -4, atol=2 ** -3)
+
+
+def test_only_for_cuda_tensors_and_can_be_turned_off(monkeypatch):
+    x = torch.zeros(2, 8)
+    assert not gpu_fused.applies(x, x)  # CPU tensors take torch's path
+    assert gpu_fused.wanted()
+    monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")
+    assert not gpu_fused.wanted()
+    assert gpu_fused.rotary_fits(128) and gpu_fused.rotary_fits(64) and not gpu_fused.rotary_fits(96)
+
+
+@pytest.mark.gpu
+def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    dev = "cuda"
+    fused = {}
+    for with_norm in (False, True):
+        x, weight, cos, sin = _rope_inputs(2, 5, 32, 128, torch.bfloat16, dev)
+        assert gpu_fused.applies(x, weight, cos, sin)
+        fused[with_norm] = gpu_fused.norm_rotary(x, weight if with_norm else None, 1e-6, cos, sin), (x, weight, cos, sin)
+    y, weights = _combine_inputs(16, 8, 2048, torch.bfloat16, dev)
+    x = torch.randn(7, 4096, device=dev, dtype=torch.bfloat16) * 4
+    norm_weight = torch.randn(4096, device=dev, dtype=torch.bfloat16)
+    fused_sum, fused_norm = gpu_fused.weighted_sum(y, weights), gpu_fused.rms_norm(x, norm_weight, 1e-5)
+
+    monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")  # engine.model's torch chains from here
+    got, (rx, rw, rcos, rsin) = fused[False]
+    assert torch.equal(got, apply_rope(rx, rcos, rsin))  # elementwise chains: the same bits
+    assert torch.equal(fused_sum, MoE.combine(y, weights))
+    # A norm's summation order may move a value across a rounding boundary, rarely.
+    got, (rx, rw, rcos, rsin) = fused[True]
+    for a, b in ((got, apply_rope(rms_norm(rx, rw, 1e-6), rcos, rsin)), (fused_norm, rms_norm(x, norm_weight, 1e-5))):
+        assert (a != b).float().mean() < 0.01
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=2 ** -7)
