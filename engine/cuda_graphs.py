@@ -4,15 +4,17 @@ Eager decode launches every small kernel of attention, norms and router from Pyt
 H100 box that took 16-29 ms of a 37-54 ms Qwen3 step with all experts on the CPU
 (tests/perf/profile_decode.py), more than the experts. The work from one layer's experts to
 the next layer's routing is the same every step of a batch size, so it is captured once and
-replayed. The experts stay outside the graphs: the executor needs the routing on the host
-and decides afresh each step. So each graph ends by copying its routing (tokens and expert
+replayed. The experts stay outside the graphs where the executor needs the routing on the host
+to decide afresh each step; a layer whose experts all live on the GPU (the executor's
+`runs_on_device`) is captured whole, so it costs no round trip through the host. So each graph ends by copying its routing (tokens and expert
 ids) to pinned host memory, and the next one begins by weighting and summing the expert
 outputs the executor left in a fixed device buffer: between two replays the host only waits
 for that copy, runs the experts, and queues their outputs' copy back. A graph needs fixed
 shapes, so attention reads the cache's whole allocated length and the mask hides what is
 past each row's position.
 
-Captured per (batch size, explicit cache rows or not), again when the cache is reallocated.
+Captured per (batch size, explicit cache rows or not), again when the cache is reallocated or the
+executor or its placement changes (the graphs read the resident experts' weights).
 """
 from __future__ import annotations
 
@@ -52,9 +54,11 @@ class GraphedDecode:
             return None
         key = (tokens.shape[0], rows is not None)
         captured = self.captured.get(key)
-        if captured is None or captured.stale(self.cache):
-            self.captured.pop(key, None)
-            captured = _Captured(self.model, self.cache, tokens.shape[0], rows is not None)
+        if captured is None or captured.stale(self.cache, executor):
+            # Graphs of other shapes captured before the same change are stale too: drop them all, with
+            # the memory they hold.
+            self.captured = {k: c for k, c in self.captured.items() if not c.stale(self.cache, executor)}
+            captured = _Captured(self.model, self.cache, tokens.shape[0], rows is not None, executor)
             try:
                 if self.capture:
                     captured.capture(tokens, positions, rows, executor, self.pool)
@@ -70,17 +74,20 @@ class GraphedDecode:
 
 
 class _Captured:
-    """The graphs of one batch shape: segment 0 runs embedding to the first MoE layer's routing,
-    segment j the j-th MoE layer's residual to the next one's routing, the last to the logits."""
+    """The graphs of one batch shape: segment 0 runs embedding to the routing of the first MoE layer
+    whose experts need the host, segment j from the j-th such layer's residual to the next one's
+    routing, the last to the logits."""
 
-    def __init__(self, model: Transformer, cache: KVCache, batch: int, with_rows: bool):
+    def __init__(self, model: Transformer, cache: KVCache, batch: int, with_rows: bool, executor):
         self.model, self.cache = model, cache
-        self.cache_key = (cache.k[0].data_ptr(), cache.length)
+        self.cache_key = _cache_key(cache, executor)
         device = cache.device
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device) if with_rows else None
-        self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe")]
+        on_device = getattr(executor, "runs_on_device", lambda layer: False)
+        self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe") and not on_device(block.moe.layer)]
+        self.on_device = _OnDevice(executor)  # what the captured MoE layers' experts run through
         dtype, hidden, top_k = model.embed.weight.dtype, model.cfg.hidden_size, model.cfg.num_experts_per_tok
         # The executor writes each MoE layer's expert outputs here and the next segment reads them.
         self.expert_out = torch.zeros(batch * top_k, hidden, dtype=dtype, device=device)
@@ -92,14 +99,14 @@ class _Captured:
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.pool = None
 
-    def stale(self, cache: KVCache) -> bool:
-        return (cache.k[0].data_ptr(), cache.length) != self.cache_key
+    def stale(self, cache: KVCache, executor) -> bool:
+        return _cache_key(cache, executor) != self.cache_key
 
     def _segment(self, j: int):
         model, cache = self.model, self.cache
         blocks = model.layers
         if j == 0:
-            self.step = Step(self.positions, self.rows, None, kv_len=cache.length)
+            self.step = Step(self.positions, self.rows, self.on_device, kv_len=cache.length)
             x = model.embed(self.tokens)
             self.rope = model.rotary(self.positions, x.dtype)
             start = 0
@@ -109,7 +116,7 @@ class _Captured:
             x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(self.expert_out, weights))
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
-        for block in blocks[start:end]:  # dense layers between MoE layers
+        for block in blocks[start:end]:  # dense layers, and MoE layers run on the device alone
             x = block(x, self.rope, cache, self.step)
         if j == len(self.moe_at):
             return model.lm_head(model.norm(x)).float()
@@ -166,3 +173,17 @@ class _Captured:
             if j < len(self.moe_at):
                 self._experts(j, executor)
         return self.outputs[-1].clone()  # the next replay overwrites the static logits
+
+
+def _cache_key(cache: KVCache, executor) -> tuple:
+    return cache.k[0].data_ptr(), cache.length, id(executor), getattr(executor, "placement_version", None)
+
+
+class _OnDevice:
+    """The executor as the captured layers see it: experts from device tensors alone."""
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def expert_outputs(self, moe, x, ids, out=None, host=None):
+        return self.executor.device_expert_outputs(moe, x, ids)

@@ -176,8 +176,10 @@ class OffloadExecutor:
         self.resident_to_cpu = resident_to_cpu
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
-        self.selections: dict[int, torch.Tensor] = {}
-        self.stats = StepStats()
+        self._selections: dict[int, torch.Tensor] = {}
+        self._stats = StepStats()
+        self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
+        self.placement_version = 0
         self.set_placement(on_gpu)
         any_bank = next(iter(self.banks.values()))
         slots = staging_slots or any_bank.gate_up.shape[0]
@@ -191,6 +193,9 @@ class OffloadExecutor:
 
     def set_placement(self, on_gpu) -> None:
         """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
+        self._fold_tallies()
+        self._tallies = {}
+        self.placement_version += 1  # CUDA graphs that captured the old resident weights are stale
         for (layer, bank), row in zip(sorted(self.banks.items()), on_gpu):
             resident = [e for e, flag in enumerate(row) if flag]
             bank.gpu_gate_up = bank.gpu_down = None  # free the old copies before making new ones
@@ -201,9 +206,62 @@ class OffloadExecutor:
                 bank.gpu_down = bank.down[index].to(self.device)
                 for slot, e in enumerate(resident):
                     bank.gpu_slot[e] = slot
+                if len(resident) == len(row) and (self.simulated or grouped_supported(bank.gpu_gate_up[0], bank.gpu_gate_up)):
+                    self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
 
     def on_gpu(self) -> list[list[bool]]:
         return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
+
+    @property
+    def stats(self) -> StepStats:
+        self._fold_tallies()
+        return self._stats
+
+    @stats.setter
+    def stats(self, value: StepStats) -> None:
+        self._fold_tallies()  # counts so far belong to the stats being replaced
+        self._stats = value
+
+    @property
+    def selections(self) -> dict[int, torch.Tensor]:
+        """layer -> how often each expert was selected (CPU int64 counts): the popularity placement uses."""
+        self._fold_tallies()
+        return self._selections
+
+    def runs_on_device(self, layer: int) -> bool:
+        """Whether `device_expert_outputs` can run this layer: every expert resident, one grouped launch."""
+        return layer in self._tallies
+
+    def device_expert_outputs(self, moe, x, ids):
+        """`expert_outputs` of a layer whose experts are all resident, from device tensors alone: no wait
+        for the routing on the host and no host decision, so CUDA graphs capture it with the layers around
+        it (a layer the CPU has no part in then costs no round trip). Counts go to a device tally that is
+        folded into `stats` and `selections` when they are read."""
+        bank, tally = self.banks[moe.layer], self._tallies[moe.layer]
+        k = ids.shape[1]
+        pair_expert = ids.view(-1)
+        order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert; slot = expert id here
+        counts = torch.zeros_like(tally[:len(bank.gpu_slot)]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
+        per_expert = tally.view(2, -1)
+        per_expert[0] += counts
+        per_expert[1] += counts > 0
+        ys = grouped_experts_forward(x.index_select(0, order // k), bank.gpu_gate_up, bank.gpu_down,
+                                     counts.cumsum(0).to(torch.int32))
+        return torch.empty_like(ys).index_copy_(0, order, ys)
+
+    def _fold_tallies(self) -> None:
+        for layer, tally in self._tallies.items():
+            host = tally.to("cpu", copy=True)  # waits for the device: only when stats or selections are read
+            if not host.any():
+                continue
+            tally.zero_()
+            counts, active = host.view(2, -1).numpy()
+            self._count(layer, counts)
+            n = int(counts.sum())
+            s = self._stats
+            s.selections += n
+            s.gpu_hits += n
+            s.gpu_experts += int(active.sum())
 
     def expert_outputs(self, moe, x, ids, out=None, host: HostRouting | None = None):
         """Row t*K + r of the result: expert ids[t, r] applied to x[t] (see engine.executor).
@@ -221,7 +279,7 @@ class OffloadExecutor:
             if host.ready is not None:
                 host.ready.synchronize()
             ids_host, x_host = host.ids, host.x
-        self.stats.wait_ms += (time.perf_counter() - started) * 1e3
+        self._stats.wait_ms += (time.perf_counter() - started) * 1e3
         n, k = ids_host.shape
         pair_expert = ids_host.view(-1)
         experts_of = pair_expert.numpy()
@@ -256,11 +314,11 @@ class OffloadExecutor:
             # One copy back for all CPU experts. The buffer may be reused once the next layer's routing is
             # in: that wait comes after this copy on the same stream.
             out.copy_(host_y, non_blocking=True)
-            self.stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
+            self._stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
         if gpu is not None:
             out.index_copy_(0, *gpu)
 
-        s = self.stats
+        s = self._stats
         s.gpu_experts += len(resident)
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
@@ -309,10 +367,10 @@ class OffloadExecutor:
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _count(self, layer: int, counts: np.ndarray) -> None:
-        tensor, known = self.selections.get(layer), self._selection_counts.get(layer)
+        tensor, known = self._selections.get(layer), self._selection_counts.get(layer)
         if known is None or known[0] is not tensor:  # first count, or `selections` was cleared
             if tensor is None:
-                tensor = self.selections[layer] = torch.zeros(len(counts), dtype=torch.int64)
+                tensor = self._selections[layer] = torch.zeros(len(counts), dtype=torch.int64)
             known = self._selection_counts[layer] = (tensor, tensor.numpy())
         view = known[1]
         view += counts

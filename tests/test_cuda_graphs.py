@@ -47,3 +47,43 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
     assert not graphs_wanted(torch.device("cuda"))
     assert Decoder.__init__.__defaults__[-1] is None  # eager unless given graphs
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_checkpoint, monkeypatch):
+    """A layer whose experts all live on the "GPU" is computed inside the segments from device tensors
+    (no host round trip): same tokens as transformers, and the same popularity and stats as the host path."""
+    from engine.offload import OffloadExecutor, stack_experts
+
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    expected = [hf_greedy(hf_model(folder), p, 10, eos) for p in prompts]
+    banks = stack_experts(engine.model, pinned=False)
+    layers = sorted(banks)
+    # First MoE layer all resident, the others half resident: only the first may skip the host.
+    on_gpu = [[True] * banks[layer][0].shape[0] if i == 0 else [e % 2 == 0 for e in range(banks[layer][0].shape[0])]
+              for i, layer in enumerate(layers)]
+    runs = {}
+    for name, graphs in (("host", None), ("segments", GraphedDecode(engine.model, engine.cache, capture=False))):
+        executor = OffloadExecutor(banks, on_gpu, "cpu", lambda loads: (sorted(loads), []))
+        assert [executor.runs_on_device(layer) for layer in layers] == [True] + [False] * (len(layers) - 1)
+        on_device = []
+        device_outputs = executor.device_expert_outputs
+        monkeypatch.setattr(executor, "device_expert_outputs",
+                            lambda moe, *a: on_device.append(moe.layer) or device_outputs(moe, *a))
+        engine.executor, engine.graphs = executor, graphs
+        requests = [Request(p, SamplingParams(max_new_tokens=10, temperature=0), tag=i) for i, p in enumerate(prompts)]
+        done = {c.tag: c.token_ids for c in engine.generate(requests, batch_size=2)}
+        assert [done[i] for i in range(len(prompts))] == expected, name
+        assert set(on_device) == (set() if graphs is None else {layers[0]}), name
+        runs[name] = (executor.stats.copy(), {layer: counts.tolist() for layer, counts in executor.selections.items()})
+    assert len(graphs.captured) >= 2
+    executor.set_placement(on_gpu)  # new resident weights: every capture is stale, and dropped at the next one
+    list(engine.generate([Request(prompts[0], SamplingParams(max_new_tokens=3, temperature=0))]))
+    assert len(graphs.captured) == 1
+    (host_stats, host_counts), (seg_stats, seg_counts) = runs["host"], runs["segments"]
+    assert seg_counts == host_counts
+    for field in ("selections", "gpu_hits", "gpu_experts", "cpu_experts"):
+        assert getattr(seg_stats, field) == getattr(host_stats, field), field

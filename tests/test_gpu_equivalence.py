@@ -116,12 +116,13 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
         assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
 
 
-@pytest.mark.parametrize("resident_share", [0, 0.5])
+@pytest.mark.parametrize("resident_share", [0, 0.5, 1])
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny_checkpoint, tmp_path, monkeypatch):
     """Offloaded bf16 decode through captured graphs gives the tokens of the same segments run eagerly
     (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
-    expert resident, and with half of them (grouped GPU launches beside CPU and copied experts)."""
+    expert resident, with half of them (grouped GPU launches beside CPU and copied experts), and with all
+    of them (every layer captured whole: one graph per step)."""
     from engine.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
@@ -141,8 +142,10 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
 
     replayed = run()
     stats = engine.executor.stats
-    assert stats.cpu_experts > 0 and (stats.gpu_experts > 0) == (resident_share > 0)
+    assert (stats.cpu_experts > 0) == (resident_share < 1) and (stats.gpu_experts > 0) == (resident_share > 0)
     assert engine.graphs.broken is None and engine.graphs.captured
     assert all(c.graphs for c in engine.graphs.captured.values())
+    if resident_share == 1:
+        assert all(len(c.graphs) == 1 for c in engine.graphs.captured.values())
     engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     assert run() == replayed
