@@ -117,7 +117,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     log(f"built {shape} x{cfg.num_layers} layers in {time.perf_counter() - t0:.1f}s")
     # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
     shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
-    orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy)
+    orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
+                                      top_k=cfg.num_experts_per_tok)
     profile, executor = orchestra.profile, orchestra.executor
     expert_bytes = orchestra.expert_bytes
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "

@@ -17,7 +17,8 @@ import torch
 
 from engine.latency_model import LatencyModel, fit_latency_model
 from engine.offload import OffloadExecutor, allocate_banks
-from engine.placement import Placement, assign_offloaded, fiddler_assign, plan_placement, resident_on_cpu
+from engine.placement import (LayerCosts, Placement, assign_offloaded, fiddler_assign, plan_placement,
+                              resident_on_cpu)
 from engine.profiler import cached_profile, profile_expert, profile_key
 
 log = logging.getLogger("moedesk")
@@ -83,10 +84,12 @@ class ExpertOrchestra:
     warnings: list[str] = field(default_factory=list)
     profile_key: str = ""  # names this machine, expert shape and dtype in the measurement cache
     profile: dict = field(default_factory=dict)  # the raw measurements the latency model was fitted to
+    top_k: int = 1  # experts per token: what a layer's offloaded share costs (placement's layer costs)
 
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
-              reprofile: bool = False, warnings: list[str] | None = None, policy: str = "balanced") -> "ExpertOrchestra":
+              reprofile: bool = False, warnings: list[str] | None = None, policy: str = "balanced",
+              top_k: int = 1) -> "ExpertOrchestra":
         """Profile one expert (cached) and build the executor with no expert resident yet.
 
         policy: "balanced" splits offloaded experts so the CPU and the copies finish together;
@@ -103,15 +106,17 @@ class ExpertOrchestra:
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
         uniform = [[0] * gate_up.shape[0] for _ in banks]
         return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
-                   profile_key=key, profile=points)
+                   profile_key=key, profile=points, top_k=top_k)
 
     def place(self, budget_bytes: int, popularity: list[list[int]] | None = None) -> Placement:
-        """Make the most popular experts that fit `budget_bytes` resident; shrink the budget on GPU OOM."""
+        """Make the experts that fit `budget_bytes` resident (by popularity, or whole layers first where the
+        latency model says that is faster: engine.placement.plan_placement); shrink the budget on GPU OOM."""
         if popularity is not None:
             self.popularity = popularity
         layers, experts = len(self.popularity), len(self.popularity[0])
         while True:
-            plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0)
+            plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0,
+                                  layer_costs=LayerCosts.from_model(self.costs), top_k=self.top_k)
             try:
                 self.executor.set_placement(plan.as_lists())
             except torch.OutOfMemoryError:

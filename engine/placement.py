@@ -3,7 +3,8 @@
 No tensors and no devices here, so every rule is unit-tested on hand-made numbers.
 
 Placement (once, at load time): non-expert weights first, then experts in order of measured
-popularity until the GPU budget is spent (Fiddler).
+popularity until the GPU budget is spent (Fiddler), or whole layers first where the measured
+costs say a layer that never involves the host saves more than popularity order would.
 
 Assignment (every layer step): an offloaded expert with tokens either runs on the CPU (its
 tokens' activations travel instead of its weights) or is copied over PCIe and runs on the GPU.
@@ -76,7 +77,8 @@ def _gib(n: int) -> str:
 
 
 def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popularity, budget_bytes: int,
-                   non_expert_bytes: int, reserve_bytes: int = 0) -> Placement:
+                   non_expert_bytes: int, reserve_bytes: int = 0, layer_costs: "LayerCosts | None" = None,
+                   top_k: int = 1) -> Placement:
     """The most popular experts on the GPU, one by one across all layers, until the budget is spent.
 
     budget_bytes is the whole GPU budget. Non-expert weights (attention, norms, router,
@@ -86,6 +88,12 @@ def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popular
     descending count maximises the expected hit rate for that many bytes. Ties break by
     (layer, expert), so the plan is deterministic. Experts never selected still fill leftover
     budget: they cost nothing there and may be picked by other prompts.
+
+    With `layer_costs` (and the model's experts per token, top_k), the same bytes may instead go
+    to whole layers first, the busiest ones, and the rest by popularity: a layer with every expert
+    resident never involves the host, which saves its fixed costs. The plan with the lowest
+    `step_cost_ms` wins; popularity alone wins ties. Routing that favours a few experts keeps
+    popularity order; routing spread evenly (the synthetic benchmarks) gets whole layers.
     """
     counts = np.asarray(popularity, dtype=float)
     if counts.shape != (num_layers, num_experts):
@@ -100,13 +108,64 @@ def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popular
                           f"({_gib(non_expert_bytes)}) and the reserve for cache and activations "
                           f"({_gib(reserve_bytes)}); raise --gpu-budget")
     fits = min((budget_bytes - fixed) // expert_bytes, num_layers * num_experts)
-    # Stable sort of row-major flat indices by descending count: ties stay in (layer, expert) order.
-    order = np.argsort(-counts.ravel(), kind="stable")[:fits]
-    on_gpu = np.zeros(num_layers * num_experts, dtype=bool)
-    on_gpu[order] = True
-    on_gpu = on_gpu.reshape(num_layers, num_experts)
+    on_gpu = _most_popular(counts, fits)
+    if layer_costs is not None:
+        # Whole layers first, as many as pays: a layer with every expert resident never waits for the host.
+        best = step_cost_ms(on_gpu, counts, top_k, layer_costs)
+        by_traffic = np.argsort(-counts.sum(axis=1), kind="stable")
+        for full in range(1, fits // num_experts + 1):
+            layers = by_traffic[:full]
+            rest = counts.copy()
+            rest[layers] = -1  # taken already: ranked last, never chosen again below
+            candidate = _most_popular(rest, fits - full * num_experts)
+            candidate[layers] = True
+            cost = step_cost_ms(candidate, counts, top_k, layer_costs)
+            if cost < best - _EPS:
+                on_gpu, best = candidate, cost
     on_gpu.flags.writeable = False
     return Placement(on_gpu, int(expert_bytes), int(non_expert_bytes), int(reserve_bytes), int(budget_bytes))
+
+
+def _most_popular(counts: np.ndarray, fits: int) -> np.ndarray:
+    # Stable sort of row-major flat indices by descending count: ties stay in (layer, expert) order.
+    order = np.argsort(-counts.ravel(), kind="stable")[:fits]
+    on_gpu = np.zeros(counts.size, dtype=bool)
+    on_gpu[order] = True
+    return on_gpu.reshape(counts.shape)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """What a decode step's MoE layer costs the host once the CPU takes part in it, in ms per token.
+
+    A layer whose experts are all resident runs inside the GPU's CUDA graphs (engine.cuda_graphs)
+    and costs none of this; any other layer pays the round trip of its routing and outputs, the
+    host's queueing of its resident experts when it has any, and its offloaded experts' CPU work.
+    """
+
+    roundtrip_ms: float  # routing to the host and expert outputs back
+    resident_launch_ms: float  # the host queueing a layer step's resident experts
+    cpu_expert_ms: float  # one offloaded expert for one token
+
+    @classmethod
+    def from_model(cls, costs) -> "LayerCosts":
+        """From an engine.latency_model.LatencyModel: its one-token figures."""
+        return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1))
+
+
+def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: LayerCosts) -> float:
+    """Predicted host-side ms per decoded token of a placement, for tokens routed like `popularity`
+    (a layer without counts: every expert equally likely)."""
+    total = 0.0
+    for resident, counts in zip(on_gpu, popularity):
+        if resident.all():
+            continue
+        mass = counts.sum()
+        offloaded = counts[~resident].sum() / mass if mass > 0 else (~resident).mean()
+        total += costs.roundtrip_ms + top_k * offloaded * costs.cpu_expert_ms
+        if resident.any():
+            total += costs.resident_launch_ms
+    return total
 
 
 # ---------------------------------------------------------------------------------------------

@@ -79,7 +79,7 @@ class Engine:
         shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
         key_parts = (machine_fingerprint(), shape)
         self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, key_parts, cache_root(), reprofile,
-                                                           self.warnings)
+                                                           self.warnings, top_k=cfg.num_experts_per_tok)
         self.executor = orchestra.executor
         if progress:
             progress("profile", 1.0)

@@ -9,7 +9,7 @@ from engine.errors import MoedeskError
 from engine.latency_model import fit_latency_model
 from engine.placement import (
     Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
-    cpu_path_ms, finish_times, plan_placement,
+    LayerCosts, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
 )
 
 MiB = 2**20
@@ -35,6 +35,48 @@ def test_budget_that_only_holds_the_fixed_part_places_no_expert():
 def test_huge_budget_places_everything():
     p = place(np.arange(12).reshape(3, 4), budget=10**15, non_expert=10**6)
     assert p.on_gpu.all() and p.experts_on_gpu == 12
+
+
+COSTS = LayerCosts(roundtrip_ms=0.04, resident_launch_ms=0.2, cpu_expert_ms=0.06)
+
+
+def test_step_cost_on_a_hand_made_placement():
+    on_gpu = np.array([[True, True, True, True], [True, False, False, False], [False] * 4])
+    popularity = np.array([[1, 1, 1, 1], [6, 2, 1, 1], [0, 0, 0, 0]])  # the last layer: no counts, spread evenly
+    # layer 0: all resident, free; layer 1: 40% offloaded; layer 2: everything offloaded, nothing resident.
+    expected = (0.04 + 0.2 + 2 * 0.4 * 0.06) + (0.04 + 2 * 1.0 * 0.06)
+    assert step_cost_ms(on_gpu, popularity, 2, COSTS) == pytest.approx(expected)
+
+
+def test_evenly_routed_experts_fill_whole_layers():
+    # 12 layers of 16 experts routed almost evenly, room for a quarter of them: popularity order takes
+    # the four slightly busier experts of every layer.
+    popularity = np.full((12, 16), 100)
+    popularity[:, 4:8] = 101
+    spread = place(popularity, budget=48 * 100)
+    assert not spread.on_gpu.all(axis=1).any()  # popularity order: no layer whole
+    whole = plan_placement(100, 12, 16, popularity, 48 * 100, 0, layer_costs=COSTS, top_k=8)
+    assert whole.experts_on_gpu == spread.experts_on_gpu == 48
+    assert whole.on_gpu.all(axis=1).sum() == 3
+    assert step_cost_ms(whole.on_gpu, popularity, 8, COSTS) < step_cost_ms(spread.on_gpu, popularity, 8, COSTS)
+
+
+def test_skewed_routing_keeps_popularity_order():
+    # Two hot experts per layer take almost every token, and a CPU expert is slow (Mixtral's): popularity
+    # covers them in every layer with the budget of one whole layer, and saves more.
+    popularity = np.ones((8, 16), dtype=int)
+    popularity[:, :2] = 1000
+    by_popularity = place(popularity, budget=16 * 100)
+    slow_cpu = LayerCosts(roundtrip_ms=0.04, resident_launch_ms=0.2, cpu_expert_ms=3.0)
+    with_costs = plan_placement(100, 8, 16, popularity, 16 * 100, 0, layer_costs=slow_cpu, top_k=2)
+    assert np.array_equal(with_costs.on_gpu, by_popularity.on_gpu)
+
+
+def test_whole_layers_go_to_the_busiest_layers_and_keep_the_budget():
+    popularity = np.full((4, 8), 10)
+    popularity[2] = 30  # the busiest layer
+    plan = plan_placement(100, 4, 8, popularity, 11 * 100 + 50, 0, layer_costs=COSTS, top_k=2)
+    assert plan.experts_on_gpu == 11 and plan.on_gpu[2].all() and plan.on_gpu.all(axis=1).sum() == 1
 
 
 def test_budget_is_filled_but_never_exceeded():
