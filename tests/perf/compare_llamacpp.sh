@@ -38,6 +38,9 @@ moedesk)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
   export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
+  # The llama phase leaves ~40 GB of GGUF files in the page cache; pinning our banks then kept the kernel
+  # compacting memory (kcompactd busy) and one run's Qwen3 decode fell from ~70 to 38 tok/s. Start clean.
+  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"
   # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
   python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
