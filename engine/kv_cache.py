@@ -37,13 +37,20 @@ class KVCache:
     def bytes_per_position(self) -> int:
         return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
 
-    def write_and_read(self, layer: int, k, v, rows, positions, kv_len: int):
-        """Store k/v [B, T, kv_heads, D] at `positions` [B, T] of `rows`; return keys/values [B, kv_len, ...]."""
+    def write_and_read(self, layer: int, k, v, rows, positions, kv_len: int, index_rows=None):
+        """Store k/v [B, T, kv_heads, D] at `positions` [B, T] of `rows`; return keys/values [B, kv_len, ...].
+        index_rows: the written rows as [B, 1] (`write_rows`), when the caller made it once for every layer."""
         cache_k, cache_v = self.k[layer], self.v[layer]
         B = k.shape[0]
-        index_rows = (rows if rows is not None else torch.arange(B, device=k.device)).unsqueeze(1)
+        if index_rows is None:
+            index_rows = write_rows(rows, B, k.device)
         cache_k[index_rows, positions] = k
         cache_v[index_rows, positions] = v
         if rows is None:
             return cache_k[:B, :kv_len], cache_v[:B, :kv_len]
         return cache_k[rows, :kv_len], cache_v[rows, :kv_len]
+
+
+def write_rows(rows, batch: int, device) -> torch.Tensor:
+    """The cache rows a batch writes, as the [B, 1] index that `write_and_read` takes (rows None: 0..B-1)."""
+    return (rows if rows is not None else torch.arange(batch, device=device)).unsqueeze(1)

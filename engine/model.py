@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.config import ModelConfig, RopeConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, write_rows
 from kernels import gpu_fused
 
 
@@ -94,15 +94,28 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
 # On CUDA, SDPA with a boolean mask picks cuDNN's kernel, which measured 4.5 ms per decode call on
 # an H100 (tests/perf/profile_decode.py). Memory-efficient attention takes masks and is fast, but
 # not enable_gqa (that falls back to the bf16 math path, which lost greedy equivalence in the GPU
-# tests), so key/value heads are repeated for it.
+# tests), so for prefill key/value heads are repeated for it (decode folds the heads instead).
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
 
 
 def attention(q, k, v, mask, gqa: bool):
+    b, heads, t, d = q.shape
+    kv_heads = k.shape[1]
+    if gqa and t == 1:
+        # Decode: the query heads that share a key/value head become its query rows (the mask [B, 1, 1, L]
+        # holds for each), rather than repeating keys and values over the whole cache in every layer,
+        # which costs kernels now and bandwidth as the context grows.
+        out = _sdpa(q.reshape(b, kv_heads, heads // kv_heads, d), k, v, mask, gqa=False)
+        return out.reshape(b, heads, 1, d)
+    if gqa and q.is_cuda:
+        groups = heads // kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        gqa = False
+    return _sdpa(q, k, v, mask, gqa)
+
+
+def _sdpa(q, k, v, mask, gqa: bool):
     if q.is_cuda:
-        if gqa:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with sdpa_kernel(_CUDA_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
@@ -138,7 +151,7 @@ class Attention(nn.Module):
         head_norm = cfg.qk_norm == "head"
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
-        keys, values = cache.write_and_read(layer, k, v, step.rows, step.positions, step.kv_len)
+        keys, values = cache.write_and_read(layer, k, v, step.rows, step.positions, step.kv_len, step.write_rows)
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.mask,
                         cfg.num_kv_heads != cfg.num_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -240,6 +253,7 @@ class Step:
     def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None):
         self.positions = positions  # [B, T] absolute position of every token
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
+        self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         keys = torch.arange(self.kv_len, device=positions.device)
