@@ -130,7 +130,9 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     popularity = [executor.selections[layer].tolist() for layer in sorted(banks)]
     on_gpu = orchestra.place(int(gpu_budget_gib * 2**30), popularity).as_lists()
     resident = sum(map(sum, on_gpu))
-    log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU ({policy} policy)")
+    whole = sum(all(row) for row in on_gpu)
+    log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
+        f"({policy} policy); in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
 
     # Bounds: the offloaded experts each run really touched, read at the measured CPU bandwidth (decode)
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).

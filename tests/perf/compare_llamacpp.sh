@@ -39,14 +39,15 @@ moedesk)
   fi
   export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
   # The llama phase leaves ~40 GB of GGUF files in the page cache; pinning our banks then kept the kernel
-  # compacting memory (kcompactd busy) and one run's Qwen3 decode fell from ~70 to 38 tok/s. Start clean.
-  sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"
+  # compacting memory (kcompactd busy) and one run's Qwen3 decode fell from ~70 to 38 tok/s. Each bench
+  # starts with a clean page cache.
+  clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
   # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
-  python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
-  python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
+  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
+  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
   # A quarter of the 12 layers' experts: 3 x 128 experts of 9 MiB (0.00879 GiB each) = 3.375 GiB.
-  python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
-  python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
+  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
+  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
     > "$W/ours_qwen3_quarter.json"
   cp "$W"/ours_* "$OUT"/
   [ -f "$W/llama_batched.txt" ] || { echo "no llama.cpp results in $W: run the llama phase first"; exit 1; }
