@@ -11,7 +11,8 @@ region streams their weights, where torch would run one small matmul after anoth
 the model sums them in ascending expert order (`MoE.combine`), so the result does not depend
 on the placement beyond each expert's own arithmetic. The per-layer bookkeeping runs in
 numpy on the host: it sits between the GPU's segments of every decode step, so its
-microseconds add up across layers.
+microseconds add up across layers. A layer whose experts are all resident needs none of it:
+`device_expert_outputs` runs it from device tensors alone, which CUDA graphs capture.
 
 With `device` = cpu the "GPU" tier is simulated on the CPU: placement, decisions, staging
 copies and the ordered sum all run for real, which is how CI tests them without a GPU.
