@@ -6,8 +6,8 @@ H100 box that took 16-29 ms of a 37-54 ms Qwen3 step with all experts on the CPU
 the next layer's routing is the same every step of a batch size, so it is captured once and
 replayed. The experts stay outside the graphs where the executor needs the routing on the host
 to decide afresh each step; a layer whose experts all live on the GPU (the executor's
-`runs_on_device`) is captured whole, so it costs no round trip through the host. So each graph ends by copying its routing (tokens and expert
-ids) to pinned host memory, and the next one begins by weighting and summing the expert
+`runs_on_device`) is captured whole, so it costs no round trip through the host. Each graph
+ends by copying its routing (tokens and expert ids) to pinned host memory, and the next one begins by weighting and summing the expert
 outputs the executor left in a fixed device buffer: between two replays the host only waits
 for that copy, runs the experts, and queues their outputs' copy back. A graph needs fixed
 shapes, so attention reads the cache's whole allocated length and the mask hides what is

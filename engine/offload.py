@@ -242,8 +242,8 @@ class OffloadExecutor:
         k = ids.shape[1]
         pair_expert = ids.view(-1)
         order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert; slot = expert id here
-        counts = torch.zeros_like(tally[:len(bank.gpu_slot)]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
-        per_expert = tally.view(2, -1)
+        per_expert = tally.view(2, -1)  # selections, and steps with any, of each expert
+        counts = torch.zeros_like(per_expert[0]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
         per_expert[0] += counts
         per_expert[1] += counts > 0
         ys = grouped_experts_forward(x.index_select(0, order // k), bank.gpu_gate_up, bank.gpu_down,
@@ -251,12 +251,17 @@ class OffloadExecutor:
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
     def _fold_tallies(self) -> None:
-        for layer, tally in self._tallies.items():
-            host = tally.to("cpu", copy=True)  # waits for the device: only when stats or selections are read
-            if not host.any():
-                continue
+        if not self._tallies:
+            return
+        host = torch.stack(list(self._tallies.values())).cpu()  # one wait, only when stats or selections are read
+        if not host.any():
+            return
+        for tally in self._tallies.values():
             tally.zero_()
-            counts, active = host.view(2, -1).numpy()
+        for layer, row in zip(self._tallies, host.numpy()):
+            if not row.any():
+                continue
+            counts, active = row.reshape(2, -1)
             self._count(layer, counts)
             n = int(counts.sum())
             s = self._stats

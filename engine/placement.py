@@ -93,7 +93,8 @@ def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popular
     to whole layers first, the busiest ones, and the rest by popularity: a layer with every expert
     resident never involves the host, which saves its fixed costs. The plan with the lowest
     `step_cost_ms` wins; popularity alone wins ties. Routing that favours a few experts keeps
-    popularity order; routing spread evenly (the synthetic benchmarks) gets whole layers.
+    popularity order; routing spread evenly gets whole layers. The prediction is only as good as
+    `popularity` is a sample of the routing to come.
     """
     counts = np.asarray(popularity, dtype=float)
     if counts.shape != (num_layers, num_experts):

@@ -35,8 +35,8 @@ def wanted() -> bool:
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous."""
     first = tensors[0]
-    return first.is_cuda and wanted() and all(t.device == first.device and t.dtype == first.dtype and t.is_contiguous()
-                             for t in tensors)
+    return first.is_cuda and wanted() and all(
+        t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary_fits(head_dim: int) -> bool:
+    """Whether `norm_rotary` takes this head size: each half a power of two (one Triton block)."""
     return head_dim % 2 == 0 and head_dim & (head_dim - 1) == 0
 
 
