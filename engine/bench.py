@@ -124,15 +124,20 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
         f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
 
-    # Popularity from a calibration pass of random tokens, all experts on the CPU.
-    calib_tokens = 64
-    measure_prefill(model, executor, cfg, device, dtype, calib_tokens, seed=99, repeat=1)
-    popularity = [executor.selections[layer].tolist() for layer in sorted(banks)]
-    on_gpu = orchestra.place(int(gpu_budget_gib * 2**30), popularity).as_lists()
+    # Popularity as the app calibrates a real model (engine.calibration): two halves of prompts, each
+    # prefilled and decoded for a few tokens, all experts on the CPU. Seeds apart from the measured runs'.
+    halves = []
+    for seed in (1000, 2000):
+        executor.selections.clear()
+        measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed)
+        halves.append([executor.selections[layer].tolist() for layer in sorted(banks)])
+    orchestra.calibrate(halves)
+    on_gpu = orchestra.place(int(gpu_budget_gib * 2**30)).as_lists()
     resident = sum(map(sum, on_gpu))
     whole = sum(all(row) for row in on_gpu)
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
-        f"({policy} policy); in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
+        f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
+        f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
 
     # Bounds: the offloaded experts each run really touched, read at the measured CPU bandwidth (decode)
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).
@@ -152,7 +157,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
         results.append(r)
     executor.stats = type(executor.stats)()
     return {"shape": shape, "layers": cfg.num_layers, "gpu_budget_gib": gpu_budget_gib, "device": str(device),
-            "dtype": str(dtype), "policy": policy, "experts_on_gpu": resident, "threads": torch.get_num_threads(),
+            "dtype": str(dtype), "policy": policy, "experts_on_gpu": resident, "whole_layers_on_gpu": whole,
+            "popularity_evenness": round(orchestra.evenness, 4), "threads": torch.get_num_threads(),
             "profile": {k: v for k, v in profile.items()}, "results": [x.as_dict() for x in results]}
 
 

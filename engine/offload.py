@@ -177,6 +177,10 @@ class OffloadExecutor:
         self.resident_to_cpu = resident_to_cpu
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
+        any_gate_up = next(iter(self.banks.values())).gate_up
+        # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
+        self.whole_layers_on_device = self.simulated or grouped_supported(any_gate_up[0, :0].to(self.device),
+                                                                           any_gate_up)
         self._selections: dict[int, torch.Tensor] = {}
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
@@ -207,7 +211,7 @@ class OffloadExecutor:
                 bank.gpu_down = bank.down[index].to(self.device)
                 for slot, e in enumerate(resident):
                     bank.gpu_slot[e] = slot
-                if len(resident) == len(row) and (self.simulated or grouped_supported(bank.gpu_gate_up[0], bank.gpu_gate_up)):
+                if len(resident) == len(row) and self.whole_layers_on_device:
                     self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
 
     def on_gpu(self) -> list[list[bool]]:

@@ -2,8 +2,8 @@
 
 `ExpertOrchestra` owns the `OffloadExecutor` of one loaded MoE model and the decisions around
 it: the latency model (profiled once per machine, shape and dtype, cached), the popularity
-(counted once per model on the calibration prompts, cached), and the placement under a GPU
-budget. When the GPU runs out of memory, at load or while generating, the budget shrinks and
+(counted once per model on the calibration prompts, cached, and trusted as far as one half of
+the prompts predicts the other: engine.popularity), and the placement under a GPU budget. When the GPU runs out of memory, at load or while generating, the budget shrinks and
 the placement is redone with a warning; it never ends the program while experts can still
 leave the GPU.
 """
@@ -19,6 +19,7 @@ from engine.latency_model import LatencyModel, fit_latency_model
 from engine.offload import OffloadExecutor, allocate_banks
 from engine.placement import (LayerCosts, Placement, assign_offloaded, fiddler_assign, plan_placement,
                               resident_on_cpu)
+from engine.popularity import estimated_popularity
 from engine.profiler import cached_profile, profile_expert, profile_key
 
 log = logging.getLogger("moedesk")
@@ -78,13 +79,14 @@ class ExpertOrchestra:
     executor: OffloadExecutor
     costs: LatencyModel
     expert_bytes: int
-    popularity: list[list[int]]
+    popularity: list[list[float]]
     budget_bytes: int
     placement: Placement | None = None
     warnings: list[str] = field(default_factory=list)
     profile_key: str = ""  # names this machine, expert shape and dtype in the measurement cache
     profile: dict = field(default_factory=dict)  # the raw measurements the latency model was fitted to
     top_k: int = 1  # experts per token: what a layer's offloaded share costs (placement's layer costs)
+    evenness: float | None = None  # weight of even routing in `popularity` (engine.popularity); None: not calibrated
 
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
@@ -108,7 +110,15 @@ class ExpertOrchestra:
         return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)
 
-    def place(self, budget_bytes: int, popularity: list[list[int]] | None = None) -> Placement:
+    def calibrate(self, halves) -> None:
+        """Popularity from the two halves of a calibration run: their counts, shrunk toward even routing as far
+        as one half fails to predict the other."""
+        counts, self.evenness = estimated_popularity(halves)
+        self.popularity = counts.tolist()
+        log.info("expert popularity: %.0f%% even routing mixed in (how little one half of the calibration "
+                 "predicted the other)", 100 * self.evenness)
+
+    def place(self, budget_bytes: int, popularity: list[list[float]] | None = None) -> Placement:
         """Make the experts that fit `budget_bytes` resident (by popularity, or whole layers first where the
         latency model says that is faster: engine.placement.plan_placement); shrink the budget on GPU OOM."""
         if popularity is not None:
@@ -116,7 +126,8 @@ class ExpertOrchestra:
         layers, experts = len(self.popularity), len(self.popularity[0])
         while True:
             plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0,
-                                  layer_costs=LayerCosts.from_model(self.costs), top_k=self.top_k)
+                                  layer_costs=LayerCosts.from_model(self.costs, self.executor.whole_layers_on_device),
+                                  top_k=self.top_k)
             try:
                 self.executor.set_placement(plan.as_lists())
             except torch.OutOfMemoryError:
@@ -151,6 +162,7 @@ class ExpertOrchestra:
             "experts_on_gpu": plan.experts_on_gpu if plan else 0, "experts_total": total,
             "gpu_budget_gib": round(self.budget_bytes / GIB, 3),
             "expected_gpu_hit_rate": round(plan.gpu_hit_rate(self.popularity), 4) if plan and any(map(any, self.popularity)) else None,
+            "popularity_evenness": None if self.evenness is None else round(self.evenness, 4),
         }
 
 

@@ -140,18 +140,21 @@ class LayerCosts:
     """What a decode step's MoE layer costs the host once the CPU takes part in it, in ms per token.
 
     A layer whose experts are all resident runs inside the GPU's CUDA graphs (engine.cuda_graphs)
-    and costs none of this; any other layer pays the round trip of its routing and outputs, the
+    and costs none of this where the executor can run it from device tensors alone
+    (`whole_layer_skips_host`); any other layer pays the round trip of its routing and outputs, the
     host's queueing of its resident experts when it has any, and its offloaded experts' CPU work.
     """
 
     roundtrip_ms: float  # routing to the host and expert outputs back
     resident_launch_ms: float  # the host queueing a layer step's resident experts
     cpu_expert_ms: float  # one offloaded expert for one token
+    whole_layer_skips_host: bool = True  # False: a fully resident layer still pays the round trip and launch
 
     @classmethod
-    def from_model(cls, costs) -> "LayerCosts":
+    def from_model(cls, costs, whole_layer_skips_host: bool = True) -> "LayerCosts":
         """From an engine.latency_model.LatencyModel: its one-token figures."""
-        return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1))
+        return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1),
+                   whole_layer_skips_host)
 
 
 def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: LayerCosts) -> float:
@@ -160,6 +163,8 @@ def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: 
     total = 0.0
     for resident, counts in zip(on_gpu, popularity):
         if resident.all():
+            if not costs.whole_layer_skips_host:
+                total += costs.roundtrip_ms + costs.resident_launch_ms
             continue
         mass = counts.sum()
         offloaded = counts[~resident].sum() / mass if mass > 0 else (~resident).mean()

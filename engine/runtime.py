@@ -83,10 +83,9 @@ class Engine:
         self.executor = orchestra.executor
         if progress:
             progress("profile", 1.0)
-        popularity = None
         if self.tokenizer is not None:
             key = f"{orchestra.profile_key}-{self.name.replace('/', '_')[-40:]}"
-            popularity = cached_popularity(cache_root(), key, self, reprofile)
+            orchestra.calibrate(cached_popularity(cache_root(), key, self, reprofile))
         if progress:
             progress("calibrate", 1.0)
         if gpu_budget is not None:
@@ -96,7 +95,7 @@ class Engine:
             budget = default_expert_budget(free, KV_ROWS_RESERVED * self.context_length * self.cache.bytes_per_position())
         else:
             budget = 0
-        orchestra.place(budget, popularity)
+        orchestra.place(budget)
         self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
         if progress:
             progress("place", 1.0)

@@ -90,6 +90,7 @@ def test_bench_runs_on_the_simulated_tier():
     assert modes == ["decode", "prefill", "batched_decode"]
     assert all(r["tok_s"] > 0 and r["bound_tok_s"] > 0 for r in report["results"])
     assert 0 < report["experts_on_gpu"] < 16
+    assert 0 <= report["popularity_evenness"] <= 1 and report["whole_layers_on_gpu"] in (0, 1)
 
 
 def test_traffic_bound_counts_the_offloaded_experts_each_step_read():

@@ -3,6 +3,9 @@ placement under a budget, per-request expert stats, and GPU out-of-memory back-o
 
 The "GPU" tier is simulated on the CPU here (offload=True on a CPU engine); the same code runs on a GPU.
 """
+import json
+
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +73,50 @@ def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_che
     left = [popularity[l][e] for l, row in enumerate(on_gpu) for e, g in enumerate(row) if not g]
     assert len(chosen) == 3 and min(c[0] for c in chosen) >= max(left)
     assert placed.expert_stats()["experts_on_gpu"] == 3
+
+
+def test_calibration_counts_two_halves_and_places_by_their_shrunk_estimate(tiny_checkpoint, cache_dir):
+    from engine.popularity import estimated_popularity
+
+    engine = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    (cached,) = cache_dir.glob("popularity-*.json")
+    halves = json.loads(cached.read_text())
+    new_tokens = 16  # measure_popularity's default
+    layers, top_k = len(engine.model.moe_blocks()), engine.config.num_experts_per_tok
+    assert len(halves) == 2 and all(len(h) == layers for h in halves)
+    # Each half routed its own prompts: its selections are its prompts' tokens x top_k in every layer.
+    # Each half is the routing of its own prompts: the even-numbered ones, then the odd-numbered ones.
+    tok = engine.tokenizer
+    prompts = [tok.chat_prompt([{"role": "user", "content": p}]) for p in calibration.calibration_prompts()]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    for half, chosen in zip(halves, (prompts[0::2], prompts[1::2])):
+        engine.executor.selections.clear()
+        list(engine.generate([Request(p, params) for p in chosen], batch_size=4))
+        assert half == [engine.executor.selections[layer].tolist() for layer in range(layers)]
+        assert [sum(row) for row in half] == [sum(half[0])] * layers and sum(half[0]) > len(chosen) * new_tokens * top_k
+    counts, evenness = estimated_popularity(halves)
+    assert np.allclose(engine.orchestra.popularity, counts)
+    assert engine.expert_stats()["popularity_evenness"] == pytest.approx(evenness, abs=1e-4)
+
+
+@pytest.mark.parametrize("on_device", [True, False])
+def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_device):
+    # Even routing, a costly round trip, room for a quarter of the experts: whole layers pay only where a
+    # fully resident layer runs from the device alone (bf16 on Hopper); elsewhere popularity order stays.
+    from types import SimpleNamespace
+
+    from engine.orchestration import ExpertOrchestra
+
+    placed = []
+    executor = SimpleNamespace(whole_layers_on_device=on_device, set_placement=placed.append)
+    costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
+                            cpu_expert_ms=lambda tokens: 0.06)
+    popularity = np.full((12, 16), 100)
+    popularity[:, 4:8] = 101
+    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0, top_k=8)
+    plan = orchestra.place(48)
+    assert plan.experts_on_gpu == 48 and placed == [plan.as_lists()]
+    assert plan.on_gpu.all(axis=1).sum() == (3 if on_device else 0)
 
 
 def test_completions_report_the_expert_work_of_their_steps(tiny_checkpoint):

@@ -61,6 +61,22 @@ def test_evenly_routed_experts_fill_whole_layers():
     assert step_cost_ms(whole.on_gpu, popularity, 8, COSTS) < step_cost_ms(spread.on_gpu, popularity, 8, COSTS)
 
 
+def test_whole_layers_pay_only_where_they_skip_the_host():
+    # Even routing and a costly round trip: a whole layer saves its round trip only where the executor runs
+    # it from the device alone (bf16 on Hopper). Elsewhere it still pays it, and popularity order wins.
+    popularity = np.full((12, 16), 100)
+    popularity[:, 4:8] = 101
+    skips = LayerCosts(roundtrip_ms=0.3, resident_launch_ms=0.0, cpu_expert_ms=0.06)
+    host_bound = LayerCosts(0.3, 0.0, 0.06, whole_layer_skips_host=False)
+    assert plan_placement(100, 12, 16, popularity, 48 * 100, 0, layer_costs=skips, top_k=8).on_gpu.all(axis=1).sum() == 3
+    plan = plan_placement(100, 12, 16, popularity, 48 * 100, 0, layer_costs=host_bound, top_k=8)
+    assert np.array_equal(plan.on_gpu, place(popularity, budget=48 * 100).on_gpu)
+    whole = np.zeros((12, 16), dtype=bool)
+    whole[:3] = True
+    assert step_cost_ms(whole, popularity, 8, host_bound) == pytest.approx(3 * 0.3 + 9 * (0.3 + 8 * 0.06))
+    assert step_cost_ms(whole, popularity, 8, skips) == pytest.approx(9 * (0.3 + 8 * 0.06))
+
+
 def test_skewed_routing_keeps_popularity_order():
     # Two hot experts per layer take almost every token, and a CPU expert is slow (Mixtral's): popularity
     # covers them in every layer with the budget of one whole layer, and saves more.
