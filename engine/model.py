@@ -226,8 +226,14 @@ class Block(nn.Module):
     def forward(self, x, rope, cache, step):
         if hasattr(self, "moe"):
             x, flat, weights, ids = self.before_experts(x, rope, cache, step)
-            y = step.executor.expert_outputs(self.moe, flat, ids)
-            return self.after_experts(x, flat, self.moe.combine(y, weights))
+            if step.real is None:
+                y = step.executor.expert_outputs(self.moe, flat, ids)
+                return self.after_experts(x, flat, self.moe.combine(y, weights))
+            # A padded prompt batch: padding gets no expert (its output is never read), so the experts
+            # neither compute nor count it.
+            y = step.executor.expert_outputs(self.moe, flat[step.real], ids[step.real])
+            routed = torch.zeros_like(flat).index_copy_(0, step.real, self.moe.combine(y, weights[step.real]))
+            return self.after_experts(x, flat, routed)
         x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -250,8 +256,10 @@ class Step:
     (read from the device), or a fixed length, which CUDA graphs need (the mask hides the rest).
     """
 
-    def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None):
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None,
+                 real: torch.Tensor | None = None):
         self.positions = positions  # [B, T] absolute position of every token
+        self.real = real  # flat indices of the tokens that are not padding; None: every token is real
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
         self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
@@ -280,10 +288,11 @@ class Transformer(nn.Module):
                 rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (float32) for tokens [B, T] at positions [B, T].
 
-        logits_at [B] picks one position per row (the last real token of a right-padded
-        prompt); None returns logits for every position.
+        logits_at [B] picks one position per row: the last real token of a right-padded prompt,
+        so the tokens after it are padding, which no expert computes. None returns logits for every
+        position.
         """
-        step = Step(positions, rows, executor)
+        step = Step(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape))
         x = self.embed(tokens)
         rope = self.rotary(positions, x.dtype)
         for block in self.layers:
@@ -291,3 +300,12 @@ class Transformer(nn.Module):
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
         return self.lm_head(self.norm(x)).float()
+
+
+def _real_tokens(last: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    """Flat indices of the tokens up to each row's `last` position; None when no row is padded."""
+    batch, length = shape
+    if last is None or batch == 1:
+        return None
+    real = (torch.arange(length, device=last.device) <= last.unsqueeze(1)).view(-1)
+    return None if bool(real.all()) else real.nonzero().squeeze(1)

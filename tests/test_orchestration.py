@@ -99,6 +99,21 @@ def test_calibration_counts_two_halves_and_places_by_their_shrunk_estimate(tiny_
     assert engine.expert_stats()["popularity_evenness"] == pytest.approx(evenness, abs=1e-4)
 
 
+def test_padding_of_a_prompt_batch_goes_to_no_expert(tiny_checkpoint):
+    # Prompts of different lengths prefilled together: only their own tokens are routed to experts (the
+    # padding's would be wasted work, and would skew the counts placement uses), and the tokens stay.
+    engine = Engine.load(str(tiny_checkpoint("qwen2_moe")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids)
+    one = SamplingParams(max_new_tokens=1, temperature=0)
+    engine.executor.selections.clear()
+    together = [c.token_ids for c in engine.generate([Request(p, one) for p in ids], batch_size=len(ids))]
+    top_k = engine.config.num_experts_per_tok
+    assert {int(c.sum()) for c in engine.executor.selections.values()} == {sum(map(len, ids)) * top_k}
+    alone = [c.token_ids for p in ids for c in engine.generate([Request(p, one)], batch_size=1)]
+    assert together == alone
+
+
 @pytest.mark.parametrize("on_device", [True, False])
 def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_device):
     # Even routing, a costly round trip, room for a quarter of the experts: whole layers pay only where a
