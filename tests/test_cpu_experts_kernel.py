@@ -385,7 +385,7 @@ def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
 
 def test_thread_count_setting():
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    expected = max(1, min(psutil.cpu_count(logical=False) or os.cpu_count(), allowed) - 1)
+    expected = max(1, min(psutil.cpu_count(logical=False) or os.cpu_count(), allowed))
     assert ce.default_num_threads() == expected
     ce.set_num_threads(3)
     assert ce.get_num_threads() == 3
