@@ -17,8 +17,8 @@ import torch
 
 from engine.latency_model import LatencyModel, fit_latency_model
 from engine.offload import OffloadExecutor, allocate_banks
-from engine.placement import (LayerCosts, Placement, assign_offloaded, fiddler_assign, plan_placement,
-                              resident_on_cpu)
+from engine.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
+                              plan_placement, resident_on_cpu)
 from engine.popularity import estimated_popularity
 from engine.profiler import cached_profile, profile_expert, profile_key
 
@@ -104,7 +104,7 @@ class ExpertOrchestra:
         costs = fit_latency_model(points)
         nothing = [[False] * gate_up.shape[0] for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
-        executor = OffloadExecutor(banks, nothing, device, decide=lambda loads: rule(loads, costs),
+        executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs))
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
         uniform = [[0] * gate_up.shape[0] for _ in banks]

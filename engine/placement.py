@@ -331,6 +331,34 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
     return sorted(active)
 
 
+class RememberedSplit:
+    """A per-step rule (loads -> (cpu, copy)) that answers again from memory for loads it has seen.
+
+    Experts with equal loads are interchangeable to every rule here, so the answer depends only on the
+    multiset of loads: it is computed once for experts renamed 0..n-1 in descending load, and mapped
+    onto each later step's experts in that same order. Decode repeats a few multisets in every layer of
+    every step (a Qwen3 token: eight experts with one token each), where the search's Python cost
+    20-130 µs per layer.
+    """
+
+    def __init__(self, rule: Callable[[dict[int, int]], Iterable], capacity: int = 4096):
+        self.rule, self.capacity = rule, capacity
+        self.memory: dict[tuple[int, ...], tuple[list[int], list[int]]] = {}
+
+    def __call__(self, loads: dict[int, int]) -> tuple[list[int], list[int]]:
+        order = sorted((e for e, n in loads.items() if n > 0), key=lambda e: (-loads[e], e))
+        key = tuple(loads[e] for e in order)
+        answer = self.memory.get(key)
+        if answer is None:
+            cpu, copy = self.rule(dict(enumerate(key)))
+            answer = (sorted(cpu), list(copy))
+            if len(self.memory) >= self.capacity:
+                self.memory.clear()  # routing changed character (a new batch size): start over
+            self.memory[key] = answer
+        cpu, copy = answer
+        return sorted(order[i] for i in cpu), [order[i] for i in copy]
+
+
 def fiddler_rule(tokens: int, model: ExpertCosts) -> Literal["cpu", "gpu"]:
     """Fiddler's per-expert rule: copy the weights when cpu_lat(s) > gpu_lat(s) + transfer_lat."""
     return "gpu" if model.cpu_expert_ms(tokens) > model.gpu_expert_ms(tokens) + model.copy_expert_ms else "cpu"

@@ -9,7 +9,7 @@ from engine.errors import MoedeskError
 from engine.latency_model import fit_latency_model
 from engine.placement import (
     Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
-    LayerCosts, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
+    LayerCosts, RememberedSplit, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
 )
 
 MiB = 2**20
@@ -243,6 +243,36 @@ def test_never_worse_than_fiddler_all_cpu_or_all_gpu():
             for other in (fiddler_assign(loads, table, busy), assignment_for(loads, [], table, busy),
                           assignment_for(loads, list(loads), table, busy)):
                 assert got.makespan_ms <= other.makespan_ms + 1e-9
+
+
+def test_remembered_split_answers_like_the_rule_and_searches_once_per_multiset_of_loads():
+    rng = random.Random(5)
+    for _ in range(60):
+        loads, table, busy = random_case(rng, rng.randint(1, 12), rng.randint(1, 4))
+        calls = []
+
+        def rule(l):
+            calls.append(l)
+            return assign_offloaded(l, table, busy)
+
+        remembered = RememberedSplit(rule)
+        cpu, copy = remembered(loads)
+        assert sorted(cpu + copy) == sorted(loads) and cpu == sorted(cpu)
+        direct = assign_offloaded(loads, table, busy)
+        assert max(finish_times(loads, copy, table, busy)) == pytest.approx(direct.makespan_ms)
+        # The same loads on other experts (another layer, another step): mapped, not searched again.
+        renamed = dict(zip(rng.sample(range(100, 200), len(loads)), rng.sample(list(loads.values()), len(loads))))
+        cpu2, copy2 = remembered({**renamed, 999: 0})  # an expert without tokens is ignored
+        assert len(calls) == 1 and sorted(cpu2 + copy2) == sorted(renamed)
+        assert sorted(renamed[e] for e in copy2) == sorted(loads[e] for e in copy)
+        assert max(finish_times(renamed, copy2, table, busy)) == pytest.approx(direct.makespan_ms)
+
+
+def test_remembered_split_forgets_when_full():
+    remembered = RememberedSplit(lambda l: (list(l), []), capacity=2)
+    for n in range(1, 6):
+        assert remembered({7: n}) == ([7], [])
+    assert len(remembered.memory) <= 2
 
 
 def test_greedy_only_above_the_exact_limit():
