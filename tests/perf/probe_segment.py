@@ -6,18 +6,12 @@ import collections
 import torch
 
 from engine.bench import measure_decode
-from engine.offload import OffloadExecutor
-from engine.synthetic import shape_config, synthetic_model
+from qwen3_probe_model import qwen3_all_in_ram
 try:
     import triton; print("triton", triton.__version__)
 except Exception as e:
     print("no triton:", e)
-device = torch.device("cuda")
-cfg = shape_config("qwen3-30b-a3b", 12)
-model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
-E = cfg.num_experts
-ex = OffloadExecutor(banks, [[False] * E for _ in banks], device, lambda loads: (sorted(loads), []))
-measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 4)
+device, cfg, model, ex = qwen3_all_in_ram()
 acts = [torch.profiler.ProfilerActivity.CUDA]
 with torch.profiler.profile(activities=acts) as p:
     measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 6)

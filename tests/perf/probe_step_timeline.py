@@ -11,9 +11,8 @@ import torch
 import engine.cuda_graphs as cg
 import engine.generate as gen
 from engine.bench import measure_decode
-from engine.offload import OffloadExecutor
 from engine.orchestration import leave_a_core_to_the_gpu_thread
-from engine.synthetic import shape_config, synthetic_model
+from qwen3_probe_model import qwen3_all_in_ram
 
 marks = []  # (label, perf_counter)
 
@@ -49,12 +48,7 @@ def accept(self, seqs, logits, slots):
 
 gen.Decoder._accept = accept
 threads = leave_a_core_to_the_gpu_thread()
-device = torch.device("cuda")
-cfg = shape_config("qwen3-30b-a3b", 12)
-model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
-E = cfg.num_experts
-ex = OffloadExecutor(banks, [[False] * E for _ in banks], device, lambda loads: (sorted(loads), []))
-measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 4)
+device, cfg, model, ex = qwen3_all_in_ram()
 marks.clear()
 r = measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 40)
 s = ex.stats
