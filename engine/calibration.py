@@ -37,5 +37,16 @@ def measure_popularity(engine, new_tokens: int = 16) -> list[list[list[int]]]:
 
 
 def cached_popularity(cache_dir: Path, key: str, engine, refresh: bool = False) -> list[list[list[int]]]:
-    """The two halves' counts (measure_popularity), measured once per model and machine."""
-    return cached_json(Path(cache_dir) / f"popularity-halves-{key}.json", lambda: measure_popularity(engine), refresh)
+    """The two halves' counts (measure_popularity), measured once per model and machine; a stored file that
+    does not fit this model (edited, or from another version) is measured again."""
+    path = Path(cache_dir) / f"popularity-halves-{key}.json"
+    halves = cached_json(path, lambda: measure_popularity(engine), refresh)
+    if not _fits(halves, [len(moe.experts) for moe in engine.model.moe_blocks()]):
+        halves = cached_json(path, lambda: measure_popularity(engine), refresh=True)
+    return halves
+
+
+def _fits(halves, experts_per_layer: list[int]) -> bool:
+    return (isinstance(halves, list) and len(halves) == 2
+            and all(isinstance(h, list) and [len(row) if isinstance(row, list) else -1 for row in h] == experts_per_layer
+                    and all(isinstance(n, int) and n >= 0 for row in h for n in row) for h in halves))

@@ -98,6 +98,14 @@ def test_calibration_counts_two_halves_and_places_by_their_shrunk_estimate(tiny_
     assert np.allclose(engine.orchestra.popularity, counts)
     assert engine.expert_stats()["popularity_evenness"] == pytest.approx(evenness, abs=1e-4)
 
+    # A stored file that does not fit the model (edited, or another version's) is measured again, not trusted.
+    for damaged in ([[[1, 2]]], {"halves": halves}, [halves[0], [[-1] * len(halves[1][0])] * layers]):
+        cached.write_text(json.dumps(damaged))
+        again = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", offload=True,
+                            gpu_budget=0)
+        assert np.allclose(again.orchestra.popularity, counts)
+        assert json.loads(cached.read_text()) == halves
+
 
 def test_padding_of_a_prompt_batch_goes_to_no_expert(tiny_checkpoint):
     # Prompts of different lengths prefilled together: only their own tokens are routed to experts (the
