@@ -51,7 +51,9 @@ typedef uint16_t bf16;
  * 4 KiB / 1.5 KiB rows +4-7% at 1 token, +5-15% at 4-16 tokens; Mixtral's 8 / 28 KiB rows -4% at 1-4
  * tokens that way, so they keep prefetching along the row. */
 #define SHORT_ROW_BYTES 4096
+#ifndef ITEM_BYTES /* -DITEM_BYTES=... to measure others (tests/perf/probe_bank_pages.py) */
 #define ITEM_BYTES (256 * 1024) /* weight bytes per work item: small enough to balance, large enough to amortise */
+#endif
 
 /* ---------------------------------------------------------------- arithmetic */
 
