@@ -32,6 +32,13 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"\nplacement at {summary['gpu_budget_gib']:.2f} GiB: {summary['experts_on_gpu']} of "
         f"{summary['experts_total']} experts on the GPU"
         + (f", expected GPU hit rate {hit:.0%}" if hit is not None else " (no popularity: the model has no tokenizer)"))
+    if summary["popularity_evenness"] is not None:
+        out(f"popularity: {summary['popularity_evenness']:.0%} even routing mixed into the calibration counts "
+            f"(how little one half of the calibration prompts predicted the other)")
+    whole = sum(all(row) for row in engine.expert_map()[0])
+    if whole:
+        out(f"{whole} whole layers on the GPU" + (" (run inside the decode graphs)"
+                                                  if orchestra.executor.whole_layers_on_device else ""))
     for layer, row in enumerate(engine.expert_map()[0]):
         out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
     for warning in engine.warnings:

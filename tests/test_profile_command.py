@@ -18,7 +18,13 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert placed and int(placed.group(1)) == int(0.0001 * 2**30) // expert_bytes
     rows = re.findall(r"layer\s+\d+: ([.G]+)", out)
     assert len(rows) == 3 and sum(r.count("G") for r in rows) == int(placed.group(1))
+    even = re.search(r"popularity: (\d+)% even routing", out)
+    assert even and 0 <= int(even.group(1)) <= 100
+    assert "whole layers" not in out  # two experts: no layer whole
     cached = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.json"))
     assert cached == ["popularity", "profile"]
     assert main(args) == 0  # second run reads the cache
     assert capsys.readouterr().out.count("experts on the GPU") == 1
+    args[-1] = "1"  # room for every expert
+    assert main(args) == 0
+    assert "3 whole layers on the GPU (run inside the decode graphs)" in capsys.readouterr().out
