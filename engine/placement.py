@@ -14,6 +14,7 @@ so that the CPU queue and the copy→GPU pipeline, which run at the same time, e
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from typing import Callable, Iterable, Literal, Protocol, Sequence
@@ -296,7 +297,9 @@ def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
     for `gpu_busy_ms` first (the resident experts, which the executor queues before them).
     """
     copied = set(copy)
-    cpu = sum(cpu_path_ms(n, model) for e, n in loads.items() if n > 0 and e not in copied)
+    # Per distinct load, not per expert: a batched step has ~100 experts with a handful of loads.
+    on_cpu = Counter(n for e, n in loads.items() if n > 0 and e not in copied)
+    cpu = sum(cpu_path_ms(n, model) * times for n, times in sorted(on_cpu.items()))
     cpu += len(copied) * copy_launch_ms(model)
     link, gpu = 0.0, gpu_busy_ms
     for e in copy:
@@ -581,7 +584,7 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     if not active:
         return _group(active, model, gpu_busy_ms).assignment([], "exact")
     launch = copy_launch_ms(model)
-    if launch and all(cpu_path_ms(n, model) <= launch for n in active.values()):
+    if launch and all(cpu_path_ms(n, model) <= launch for n in set(active.values())):
         # Every expert is cheaper on the CPU than queueing its copy (small experts at decode): no search.
         # This runs for every layer of every step, where the search's Python would cost more than it saves.
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
