@@ -3,9 +3,10 @@
 `ExpertOrchestra` owns the `OffloadExecutor` of one loaded MoE model and the decisions around
 it: the latency model (profiled once per machine, shape and dtype, cached), the popularity
 (counted once per model on the calibration prompts, cached, and trusted as far as one half of
-the prompts predicts the other: engine.popularity), and the placement under a GPU budget. When the GPU runs out of memory, at load or while generating, the budget shrinks and
-the placement is redone with a warning; it never ends the program while experts can still
-leave the GPU.
+the prompts predicts the other: engine.popularity), and the placement under a GPU budget.
+When the GPU runs out of memory, at load or while generating, the budget shrinks and the
+placement is redone with a warning; it never ends the program while experts can still leave
+the GPU.
 """
 from __future__ import annotations
 
