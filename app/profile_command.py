@@ -35,11 +35,12 @@ def run_profile(args, engine_loader, out=print) -> int:
     if summary["popularity_evenness"] is not None:
         out(f"popularity: {summary['popularity_evenness']:.0%} even routing mixed into the calibration counts "
             f"(how little one half of the calibration prompts predicted the other)")
-    whole = sum(all(row) for row in engine.expert_map()[0])
+    on_gpu = engine.expert_map()[0]
+    whole = sum(all(row) for row in on_gpu)
     if whole:
         out(f"{whole} whole layers on the GPU" + (" (run inside the decode graphs)"
                                                   if orchestra.executor.whole_layers_on_device else ""))
-    for layer, row in enumerate(engine.expert_map()[0]):
+    for layer, row in enumerate(on_gpu):
         out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
     for warning in engine.warnings:
         out(f"warning: {warning}")

@@ -177,16 +177,15 @@ class OffloadExecutor:
         self.resident_to_cpu = resident_to_cpu
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
-        any_gate_up = next(iter(self.banks.values())).gate_up
+        any_bank = next(iter(self.banks.values()))
         # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
-        self.whole_layers_on_device = self.simulated or grouped_supported(any_gate_up[0, :0].to(self.device),
-                                                                           any_gate_up)
+        self.whole_layers_on_device = self.simulated or grouped_supported(any_bank.gate_up[0, :0].to(self.device),
+                                                                           any_bank.gate_up)
         self._selections: dict[int, torch.Tensor] = {}
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
         self.set_placement(on_gpu)
-        any_bank = next(iter(self.banks.values()))
         slots = staging_slots or any_bank.gate_up.shape[0]
         self.staging = [(torch.empty_like(any_bank.gate_up[0], device=self.device),
                          torch.empty_like(any_bank.down[0], device=self.device)) for _ in range(slots)]
