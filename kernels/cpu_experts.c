@@ -45,12 +45,20 @@ typedef uint16_t bf16;
 /* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next
  * iteration reads, past the tensor's end it is harmless. 1 KiB gave +15% on one core (DRAM-bound
  * decode shapes; 256 B: +6%, 2 KiB: same as 1 KiB). */
+#ifndef PREFETCH /* this, PREFETCH_HINT and SHORT_AHEAD: -D... to measure others (tests/perf/probe_kernel_trace.py) */
 #define PREFETCH 1024
+#endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0
+#endif
 /* Rows of at most this many bytes prefetch the next iteration's rows instead (same column): along a
  * short row the first KiB of every row went unprefetched. Measured on the GPU box, 15 threads: Qwen3's
  * 4 KiB / 1.5 KiB rows +4-7% at 1 token, +5-15% at 4-16 tokens; Mixtral's 8 / 28 KiB rows -4% at 1-4
  * tokens that way, so they keep prefetching along the row. */
 #define SHORT_ROW_BYTES 4096
+#ifndef SHORT_AHEAD
+#define SHORT_AHEAD 1 /* iterations ahead along short rows */
+#endif
 #ifndef ITEM_BYTES /* -DITEM_BYTES=... to measure others (tests/perf/probe_bank_pages.py) */
 #define ITEM_BYTES (256 * 1024) /* weight bytes per work item: small enough to balance, large enough to amortise */
 #endif
@@ -154,8 +162,12 @@ dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, int
         for (int r = 0; r < 4; r++) acc[t][r] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[r] + k + ahead), _MM_HINT_T0);
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[r] + k + ahead), PREFETCH_HINT);
         for (int r = 0; r < 4; r++) v[r] = _mm512_loadu_si512(w[r] + k);
+#ifdef MOE_READ_ONLY /* tests/perf/probe_kernel_trace.py: the same reads without the arithmetic (wrong results) */
+        for (int r = 0; r < 4; r++) acc[0][r] = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(acc[0][r]), v[r]));
+        continue;
+#endif
         dot4_step(acc, v, xs, T, k);
     }
     if (k < K) { /* tail: read nothing past the row; x is zero-padded there */
@@ -170,7 +182,7 @@ dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, int
 /* dot4 for 1..TILE tokens. */
 /* Prefetch distance in elements for rows of K elements read `rows` at a time (see SHORT_ROW_BYTES). */
 static inline int64_t prefetch_ahead(int64_t K, int rows) {
-    return K * (int64_t)sizeof(bf16) <= SHORT_ROW_BYTES ? rows * K : PREFETCH / (int64_t)sizeof(bf16);
+    return K * (int64_t)sizeof(bf16) <= SHORT_ROW_BYTES ? SHORT_AHEAD * rows * K : PREFETCH / (int64_t)sizeof(bf16);
 }
 
 static void dot4_tile(const bf16 *const w[4], const float *const *xs, int n, int64_t K, int64_t ahead, float *out) {
@@ -204,14 +216,21 @@ typedef struct {
      * is scratch row first[k] + t. */
     float *act;           /* [rows][Fp] split fp32, holding bf16 values */
     float *gu;            /* [rows][2F] fp32 gate and up sums before rounding */
-    const float *x;       /* [rows][Hp] split fp32 copies of the x rows */
+    float *x;             /* [rows][Hp] split fp32 copies of the x rows, written in phase 0 */
+    const bf16 *x_src;    /* the caller's x; scratch row r copies its row x_row[r] */
+    const int64_t *x_row;
+    int64_t x_stride, rows_n;
     const int64_t *off, *eid;
     const int32_t *groups; /* native groups, in order */
     const int64_t *first;  /* per native group: its first scratch row */
     _Atomic int32_t *done1; /* per native group: phase-1 items finished */
-    int64_t H, F, Fp, out_stride, n1, total, FB, HB, nb1, nb2;
+    int64_t H, F, Fp, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
+    /* Phase-2 items from `coarse` on are quarters of a block: the call ends when the slowest thread finishes its
+     * last item, and a short last item leaves the others less time idle. */
     _Alignas(64) _Atomic int64_t next; /* its own cache line: every item bumps it */
-    char pad[56];
+    _Alignas(64) _Atomic int64_t next_row; /* phase 0: the next x row to split */
+    _Atomic int64_t rows_split;
+    char pad[48];
 } Job;
 
 /*
@@ -263,10 +282,10 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     }
 }
 
-static void phase2_item(const Job *j, int64_t gi, int64_t blk) {
+/* Down-projection rows [h0, h1) of group gi; h0 is a multiple of 4. */
+static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
     const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H, F = j->F;
     const bf16 *down = j->down + j->eid[g] * H * F;
-    const int64_t h0 = blk * j->HB, h1 = h0 + j->HB < H ? h0 + j->HB : H;
     float s[4 * TILE];
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
@@ -286,25 +305,82 @@ static void phase2_item(const Job *j, int64_t gi, int64_t blk) {
     }
 }
 
+static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
 static inline void relax(unsigned *spins) {
     if (++*spins < 4096) _mm_pause();
     else sched_yield(); /* the thread we wait for may have been preempted */
 }
 
-static void run_job(Job *j) {
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+#ifdef MOE_TRACE
+/* Built only by tests/perf/probe_kernel_trace.py: the last call's timeline, to see where a call's time goes
+ * beyond streaming its weights. Per participant (0: the caller): when it took its first item, when it
+ * finished its last, its items, and how long its phase-2 items waited for their group's phase 1. */
+#define TRACE_THREADS 256
+static struct {
+    int64_t enter, start, exit;
+    int64_t first[TRACE_THREADS], last[TRACE_THREADS], items[TRACE_THREADS], wait[TRACE_THREADS];
+} trace;
+#define TRACE(stmt) stmt
+int moe_trace_words(void) { return (int)(sizeof trace / sizeof(int64_t)); }
+void moe_trace_read(int64_t *words) { memcpy(words, &trace, sizeof trace); }
+#else
+#define TRACE(stmt)
+#endif
+
+/* Phase 0, shared by whoever is there: the x rows into split fp32 (a decode call's 8 rows took the caller alone
+ * 11 µs, a batched call's 128 rows 160 µs, measured with tests/perf/probe_kernel_trace.py). */
+static void split_rows(Job *j) {
+    const int64_t Hp = (j->H + 31) / 32 * 32;
+    for (;;) {
+        const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
+        if (r >= j->rows_n) break;
+        split_row(j->x_src + j->x_row[r] * j->x_stride, j->H, j->x + r * Hp);
+        atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
+    }
+    unsigned spins = 0;
+    while (atomic_load_explicit(&j->rows_split, memory_order_acquire) < j->rows_n) relax(&spins);
+}
+
+static void run_job(Job *j, int tid) {
+    (void)tid;
+    TRACE(int64_t first = 0; int64_t items = 0; int64_t wait = 0);
+    split_rows(j);
     for (;;) {
         const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
-        if (i >= j->total) return;
+        if (i >= j->total) break;
+        TRACE(if (!items++) first = now_ns());
         if (i < j->n1) {
             phase1_item(j, i / j->nb1, i % j->nb1);
             atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
         } else {
-            const int64_t k = i - j->n1, gi = k / j->nb2;
+            /* coarse items are one per block; each block after them is handed out as 4 quarters */
+            const int64_t k = i < j->coarse ? i - j->n1 : j->coarse - j->n1 + (i - j->coarse) / 4, gi = k / j->nb2;
             unsigned spins = 0;
+            TRACE(const int64_t w = now_ns());
             while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
-            phase2_item(j, gi, k % j->nb2);
+            TRACE(wait += now_ns() - w);
+            int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
+            if (i >= j->coarse) { /* a quarter of the block, in multiples of 4 rows */
+                const int64_t quarter = round_up((h1 - h0 + 3) / 4, 4), q = (i - j->coarse) % 4;
+                h0 += q * quarter;
+                if (h1 > h0 + quarter) h1 = h0 + quarter;
+            }
+            if (h0 < h1) phase2_item(j, gi, h0, h1);
         }
     }
+    TRACE(if (tid < TRACE_THREADS) {
+        trace.first[tid] = first;
+        trace.last[tid] = items ? now_ns() : 0;
+        trace.items[tid] = items;
+        trace.wait[tid] = wait;
+    });
 }
 
 /* ---------------------------------------------------------------- thread pool */
@@ -339,12 +415,6 @@ static struct {
     .linger = 1,
     .threads = 1,
 };
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
 
 /* Wait for a generation other than `seen`: spin for spin_ns (if asked to), then sleep on the condition. */
 static uint64_t wait_new_job(uint32_t seen, int may_spin) {
@@ -386,7 +456,7 @@ static void *worker_main(void *arg) {
         }
         seen = ST_GEN(s);
         if (!joined) continue;
-        run_job(&pool.job);
+        run_job(&pool.job, (int)index + 1);
         atomic_fetch_add_explicit(&pool.left, 1, memory_order_release);
     }
     return NULL;
@@ -437,7 +507,7 @@ static void run_parallel(int participants, int linger) {
     if (limit > 0 && grow_pool(limit) != 0 && pool.workers == 0) participants = 1;
     const int workers = participants - 1 < pool.workers ? participants - 1 : pool.workers;
     if (workers == 0) {
-        run_job(&pool.job);
+        run_job(&pool.job, 0);
         return;
     }
     atomic_store(&pool.linger, linger);
@@ -449,7 +519,7 @@ static void run_parallel(int participants, int linger) {
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.sleep);
     }
-    run_job(&pool.job);
+    run_job(&pool.job, 0);
     /* No one joins from now on; wait only for those who did. */
     const uint64_t closed = atomic_fetch_or(&pool.state, ST_CLOSED);
     const uint32_t joined = ST_JOINED(closed);
@@ -458,8 +528,6 @@ static void run_parallel(int participants, int linger) {
 }
 
 /* ---------------------------------------------------------------- API */
-
-static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 /* Rows per item: about ITEM_BYTES of weights, a multiple of `align`, and at least 4 items per
  * thread where the rows allow it, so that dynamic hand-out can even out the threads' finish. */
@@ -514,6 +582,7 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     if (ng == 0 || H <= 0 || F <= 0) return OK; /* the caller handles empty shapes */
 
     pthread_mutex_lock(&pool.call);
+    TRACE(memset(&trace, 0, sizeof trace); trace.enter = now_ns());
     int threads = atomic_load(&pool.threads);
     /* phase-1 blocks start at multiples of 32 so that each 32-chunk of split act has one writer */
     const int64_t FB = block_rows(F, 4 * H, 32, ng, threads), HB = block_rows(H, 2 * F, 16, ng, threads);
@@ -526,9 +595,10 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
         (size_t)rows_n * Hp * sizeof(float),     /* split x rows */
         (size_t)ng * sizeof(int64_t),            /* first */
         (size_t)ng * sizeof(int32_t),            /* groups */
-        (size_t)ng * sizeof(_Atomic int32_t)};   /* done1 */
-    size_t at[6], bytes = 0;
-    for (int i = 0; i < 6; i++) {
+        (size_t)ng * sizeof(_Atomic int32_t),    /* done1 */
+        (size_t)rows_n * sizeof(int64_t)};       /* x_row */
+    size_t at[7], bytes = 0;
+    for (int i = 0; i < 7; i++) {
         at[i] = bytes;
         bytes += (size_t)round_up((int64_t)sizes[i], 64);
     }
@@ -544,12 +614,11 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     j->out_rows = out_rows;
     j->gu = (float *)(base + at[0]);
     j->act = (float *)(base + at[1]);
-    float *xs = (float *)(base + at[2]);
-    j->x = xs;
+    j->x = (float *)(base + at[2]);
+    int64_t *x_row = (int64_t *)(base + at[6]);
     int64_t *first = (int64_t *)(base + at[3]);
     int32_t *groups = (int32_t *)(base + at[4]);
     j->done1 = (_Atomic int32_t *)(base + at[5]);
-    /* A few rows per call (tokens x top-k): converting them here costs well under 1% of the call. */
     for (int64_t g = 0, k = 0, r = 0; g < G; g++) {
         const int64_t n = offsets[g + 1] - offsets[g];
         if (n > 0 && n <= max_tokens) {
@@ -557,9 +626,13 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
             first[k] = r;
             atomic_init(&j->done1[k], 0);
             k++;
-            for (int64_t i = offsets[g]; i < offsets[g + 1]; i++, r++) split_row(x + rows[i] * x_stride, H, xs + r * Hp);
+            for (int64_t i = offsets[g]; i < offsets[g + 1]; i++, r++) x_row[r] = rows[i];
         }
     }
+    j->x_src = x;
+    j->x_row = x_row;
+    j->x_stride = x_stride;
+    j->rows_n = rows_n;
     j->first = first;
     j->groups = groups;
     j->off = offsets;
@@ -573,10 +646,16 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     j->nb1 = nb1;
     j->nb2 = nb2;
     j->n1 = ng * nb1;
-    j->total = total;
+    const int64_t quartered = ng * nb2 < threads ? ng * nb2 : threads; /* the last round of blocks */
+    j->coarse = total - quartered;
+    j->total = total + 3 * quartered;
     atomic_store_explicit(&j->next, 0, memory_order_relaxed);
+    atomic_store_explicit(&j->next_row, 0, memory_order_relaxed);
+    atomic_store_explicit(&j->rows_split, 0, memory_order_relaxed);
     /* Torch works next on the skipped groups: spinning workers would only get in its way. */
+    TRACE(trace.start = now_ns());
     run_parallel(threads, *skipped == 0);
+    TRACE(trace.exit = now_ns());
     if (pool.scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
         free(pool.scratch);
         pool.scratch = NULL;
