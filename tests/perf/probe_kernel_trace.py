@@ -12,6 +12,11 @@ to back. Builds of the kernel, interleaved over three rounds:
   - this source with -DMOE_READ_ONLY: the same reads without the arithmetic, the streaming the pattern allows;
   - this source with the flags given as NAME=..., raw (for example t1=-DPREFETCH_HINT=_MM_HINT_T1);
   - OTHER_SOURCE.c, raw (for example an older kernel: git show REV:kernels/cpu_experts.c > .baseline/old.c).
+Last, whether the last-level cache could hold experts read ahead (say, the next layer's predicted experts while the
+GPU works): each timed call of the top-k experts follows an untimed call on P of them (P = 2, 4), against an untimed
+call on P other experts (the same traffic, nothing to reuse). And whether the workers' spinning slows the caller's
+Python: the wrapper's checks timed right after a call and once more, with the caller computing its share or only
+waiting for the workers.
 Prints medians over calls and rounds (µs per call); the calls' raw figures go to $OUT/kernel_trace.json."""
 import ctypes
 import json
@@ -91,6 +96,53 @@ def run(kind, lib, banks, K, gap_us, gen):
     return rows
 
 
+def pre_read(lib, banks, P, reuse, gen):
+    """Median µs of a top-k call right after an untimed call on P of its experts (reuse) or on P others."""
+    K = TOP_K
+    x = torch.randn(1, H).to(BF16).expand(K + P, H).contiguous()
+    out = torch.empty(K + P, H, dtype=BF16)
+    index = torch.empty(2 * (K + P) + 2 * E + 1, dtype=torch.int64)
+    shape, skipped = (ctypes.c_int64 * 2)(), ctypes.c_int64(0)
+    times = []
+    for step in range(max(4 * L, min(100, int(6e9 / (K * EXPERT_BYTES))))):
+        gu, dn = banks[step % L]
+        perm = torch.randperm(E, generator=gen)
+        ids = perm[:K].sort().values
+        ahead = (ids[:P] if reuse else perm[K:K + P]).sort().values
+        for chosen, timed in ((ahead, False), (ids, True)):
+            t = time.perf_counter()
+            lib.moe_routed_experts_forward(x.data_ptr(), K + P, H, H, chosen.data_ptr(), len(chosen), 1, None, 0,
+                                           gu.data_ptr(), dn.data_ptr(), E, F, out.data_ptr(), H, K + P, 32,
+                                           index.data_ptr(), shape, ctypes.byref(skipped))
+            if timed and step >= L:
+                times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def python_speed(lib, banks, gen):
+    """Medians (µs) of a top-k call through the wrapper, of the wrapper's checks right after it and of the same
+    checks once more, with the caller computing its share of the call and with the caller only waiting."""
+    x, out = torch.zeros(TOP_K, H, dtype=BF16), torch.zeros(TOP_K, H, dtype=BF16)
+    index = torch.empty(2 * TOP_K + 2 * E + 1, dtype=torch.int64)
+    result = {}
+    for computes in (1, 0):
+        lib.moe_set_caller_computes(computes)
+        rows = []
+        for step in range(100):
+            gu, dn = banks[step % L]
+            ids = torch.randperm(E, generator=gen)[:TOP_K].sort().values
+            t0 = time.perf_counter()
+            ce.experts_forward_routed(x, ids, 1, None, gu, dn, out, index)
+            t1 = time.perf_counter()
+            ce._fast_call_fits(x, index, gu, dn, out)
+            t2 = time.perf_counter()
+            ce._fast_call_fits(x, index, gu, dn, out)
+            rows.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (time.perf_counter() - t2) * 1e6))
+        result["caller computes" if computes else "caller waits"] = [statistics.median(c) for c in zip(*rows[L:])]
+    lib.moe_set_caller_computes(1)
+    return result
+
+
 def main():
     assert ce.available(), ce.unavailable_reason()
     here = ce.SOURCE
@@ -127,6 +179,12 @@ def main():
         print(f"{'  trace':<22}" + "  ".join(f"{k} {statistics.median(r[k] for r in traced):.1f}"
                                              for k in ["call", *TRACE_KEYS])
               + f"  items per thread {min(items)}-{max(items)}")
+    if E > TOP_K + 4:
+        cells = [f"P={P}: after {P} others {pre_read(builds['raw'], banks, P, False, gen):.0f}, "
+                 f"after {P} of its own {pre_read(builds['raw'], banks, P, True, gen):.0f}" for P in (2, 4)]
+        print(f"L3 pre-read, µs per {TOP_K}-expert call: " + "; ".join(cells))
+    for label, (call, cold, warm) in python_speed(builds["wrapper"], banks, gen).items():
+        print(f"{label}: call {call:.0f} µs, then the wrapper's checks {cold:.1f} µs, again {warm:.1f} µs")
 
 
 if __name__ == "__main__":
