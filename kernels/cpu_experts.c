@@ -401,7 +401,6 @@ static struct {
     _Atomic int64_t spin_ns;
     _Atomic int linger;      /* whether workers spin after the current call */
     _Atomic int threads;     /* participants per call, caller included */
-    _Atomic int caller_computes; /* 0: the caller only waits (probe: does streaming evict its Python?) */
     int workers;             /* worker threads started */
     Job job;
     /* scratch, grown on demand, owned by whoever holds `call` */
@@ -415,7 +414,6 @@ static struct {
     .spin_ns = 20000000, /* 20 ms: see set_spin_us in cpu_experts.py */
     .linger = 1,
     .threads = 1,
-    .caller_computes = 1,
 };
 
 /* Wait for a generation other than `seen`: spin for spin_ns (if asked to), then sleep on the condition. */
@@ -521,12 +519,7 @@ static void run_parallel(int participants, int linger) {
         pthread_cond_broadcast(&pool.wake);
         pthread_mutex_unlock(&pool.sleep);
     }
-    if (atomic_load(&pool.caller_computes)) {
-        run_job(&pool.job, 0);
-    } else { /* until every item is handed out; then wait for those who took them */
-        unsigned spins = 0;
-        while (atomic_load_explicit(&pool.job.next, memory_order_relaxed) < pool.job.total) relax(&spins);
-    }
+    run_job(&pool.job, 0);
     /* No one joins from now on; wait only for those who did. */
     const uint64_t closed = atomic_fetch_or(&pool.state, ST_CLOSED);
     const uint32_t joined = ST_JOINED(closed);
@@ -734,7 +727,6 @@ int moe_routed_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64
                                out_stride, out_rows, out_len, max_tokens, skipped);
 }
 
-void moe_set_caller_computes(int yes) { atomic_store(&pool.caller_computes, yes != 0); }
 void moe_set_threads(int n) { atomic_store(&pool.threads, n < 1 ? 1 : n > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : n); }
 int moe_get_threads(void) { return atomic_load(&pool.threads); }
 void moe_set_spin_us(int64_t us) { atomic_store(&pool.spin_ns, us < 0 ? 0 : us * 1000); }

@@ -14,9 +14,7 @@ to back. Builds of the kernel, interleaved over three rounds:
   - OTHER_SOURCE.c, raw (for example an older kernel: git show REV:kernels/cpu_experts.c > .baseline/old.c).
 Last, whether the last-level cache could hold experts read ahead (say, the next layer's predicted experts while the
 GPU works): each timed call of the top-k experts follows an untimed call on P of them (P = 2, 4), against an untimed
-call on P other experts (the same traffic, nothing to reuse). And whether the workers' spinning slows the caller's
-Python: the wrapper's checks timed right after a call and once more, with the caller computing its share or only
-waiting for the workers.
+call on P other experts (the same traffic, nothing to reuse).
 Prints medians over calls and rounds (µs per call); the calls' raw figures go to $OUT/kernel_trace.json."""
 import ctypes
 import json
@@ -119,30 +117,6 @@ def pre_read(lib, banks, P, reuse, gen):
     return statistics.median(times)
 
 
-def python_speed(lib, banks, gen):
-    """Medians (µs) of a top-k call through the wrapper, of the wrapper's checks right after it and of the same
-    checks once more, with the caller computing its share of the call and with the caller only waiting."""
-    x, out = torch.zeros(TOP_K, H, dtype=BF16), torch.zeros(TOP_K, H, dtype=BF16)
-    index = torch.empty(2 * TOP_K + 2 * E + 1, dtype=torch.int64)
-    result = {}
-    for computes in (1, 0):
-        lib.moe_set_caller_computes(computes)
-        rows = []
-        for step in range(100):
-            gu, dn = banks[step % L]
-            ids = torch.randperm(E, generator=gen)[:TOP_K].sort().values
-            t0 = time.perf_counter()
-            ce.experts_forward_routed(x, ids, 1, None, gu, dn, out, index)
-            t1 = time.perf_counter()
-            ce._fast_call_fits(x, index, gu, dn, out)
-            t2 = time.perf_counter()
-            ce._fast_call_fits(x, index, gu, dn, out)
-            rows.append(((t1 - t0) * 1e6, (t2 - t1) * 1e6, (time.perf_counter() - t2) * 1e6))
-        result["caller computes" if computes else "caller waits"] = [statistics.median(c) for c in zip(*rows[L:])]
-    lib.moe_set_caller_computes(1)
-    return result
-
-
 def main():
     assert ce.available(), ce.unavailable_reason()
     here = ce.SOURCE
@@ -183,8 +157,6 @@ def main():
         cells = [f"P={P}: after {P} others {pre_read(builds['raw'], banks, P, False, gen):.0f}, "
                  f"after {P} of its own {pre_read(builds['raw'], banks, P, True, gen):.0f}" for P in (2, 4)]
         print(f"L3 pre-read, µs per {TOP_K}-expert call: " + "; ".join(cells))
-    for label, (call, cold, warm) in python_speed(builds["wrapper"], banks, gen).items():
-        print(f"{label}: call {call:.0f} µs, then the wrapper's checks {cold:.1f} µs, again {warm:.1f} µs")
 
 
 if __name__ == "__main__":
