@@ -2,12 +2,13 @@
  * All CPU-resident experts of one MoE layer for one step, in one parallel region.
  *
  * Decode puts 1..32 tokens on each expert, so the work is memory-bound: every weight byte
- * should cross the memory bus once per call, with all cores pulling at once. Phase 1 hands out
- * (group, block of F rows) items and computes gate and up rows together into
- * act = bf16(bf16(silu(bf16(gate))) * bf16(up)), the same roundings torch's bf16 path makes;
- * phase 2 hands out (group, block of H rows) items of the down projection. A phase-2 item waits
- * only for its own group's phase-1 items, not for a global barrier. Items come from one atomic
- * counter, so groups with more tokens simply take more items.
+ * should cross the memory bus once per call, with all cores pulling at once. Phase 0 converts the
+ * input rows, shared among the threads. Phase 1 hands out (group, block of F rows) items and
+ * computes gate and up rows together into act = bf16(bf16(silu(bf16(gate))) * bf16(up)), the same
+ * roundings torch's bf16 path makes; phase 2 hands out (group, block of H rows) items of the down
+ * projection, the last round of blocks in quarters so that the threads finish close together. A
+ * phase-2 item waits only for its own group's phase-1 items, not for a global barrier. Items come
+ * from one atomic counter, so groups with more tokens simply take more items.
  *
  * Inner loop (dot4): 4 weight rows x up to 6 tokens of fp32 accumulators live in registers;
  * each 64-byte weight chunk is loaded once and used for every token of the tile, and all tiles
