@@ -7,8 +7,9 @@ back, 8 (2) with the caller busy for 300 µs between calls (as while the GPU run
 to back. Builds of the kernel, interleaved over three rounds:
   - this source, called straight through ctypes with prepared arguments ("raw"), and through the engine's wrapper;
   - this source with -DMOE_TRACE, which records the last call's timeline: its setup before the threads start, how
-    long the participants take to pick up their first item (join), the spread of their last finishes (tail), the
-    wait of phase-2 items for phase 1, and the wait for the workers after the last item (close);
+    long the participants take to pick up their first item (join, phase 0's conversion of the x rows included),
+    the spread of their last finishes (tail), the wait of phase-2 items for phase 1, and the wait for the workers
+    after the last item (close);
   - this source with -DMOE_READ_ONLY: the same reads without the arithmetic, the streaming the pattern allows;
   - this source with the flags given as NAME=..., raw (for example t1=-DPREFETCH_HINT=_MM_HINT_T1);
   - OTHER_SOURCE.c, raw (for example an older kernel: git show REV:kernels/cpu_experts.c > .baseline/old.c).
