@@ -7,11 +7,11 @@ the next layer's routing is the same every step of a batch size, so it is captur
 replayed. The experts stay outside the graphs where the executor needs the routing on the host
 to decide afresh each step; a layer whose experts all live on the GPU (the executor's
 `runs_on_device`) is captured whole, so it costs no round trip through the host. Each graph
-ends by copying its routing (tokens and expert ids) to pinned host memory, and the next one begins by weighting and summing the expert
-outputs the executor left in a fixed device buffer: between two replays the host only waits
-for that copy, runs the experts, and queues their outputs' copy back. A graph needs fixed
-shapes, so attention reads the cache's whole allocated length and the mask hides what is
-past each row's position.
+ends by copying its routing (tokens and expert ids) to pinned host memory, and the next one
+begins by weighting and summing the expert outputs the executor left in a fixed device
+buffer: between two replays the host only waits for that copy, runs the experts, and queues
+their outputs' copy back. A graph needs fixed shapes, so attention reads the cache's whole
+allocated length and the mask hides what is past each row's position.
 
 Captured per (batch size, explicit cache rows or not), again when the cache is reallocated or the
 executor or its placement changes (the graphs read the resident experts' weights).

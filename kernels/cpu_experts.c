@@ -338,7 +338,7 @@ void moe_trace_read(int64_t *words) { memcpy(words, &trace, sizeof trace); }
 /* Phase 0, shared by whoever is there: the x rows into split fp32 (a decode call's 8 rows took the caller alone
  * 11 µs, a batched call's 128 rows 160 µs, measured with tests/perf/probe_kernel_trace.py). */
 static void split_rows(Job *j) {
-    const int64_t Hp = (j->H + 31) / 32 * 32;
+    const int64_t Hp = round_up(j->H, 32);
     for (;;) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
         if (r >= j->rows_n) break;

@@ -84,8 +84,8 @@ def test_calibration_counts_two_halves_and_places_by_their_shrunk_estimate(tiny_
     new_tokens = 16  # measure_popularity's default
     layers, top_k = len(engine.model.moe_blocks()), engine.config.num_experts_per_tok
     assert len(halves) == 2 and all(len(h) == layers for h in halves)
-    # Each half routed its own prompts: its selections are its prompts' tokens x top_k in every layer.
-    # Each half is the routing of its own prompts: the even-numbered ones, then the odd-numbered ones.
+    # Each half is the routing of its own prompts (the even-numbered ones, then the odd-numbered ones): its
+    # selections are its prompts' tokens x top_k in every layer.
     tok = engine.tokenizer
     prompts = [tok.chat_prompt([{"role": "user", "content": p}]) for p in calibration.calibration_prompts()]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)

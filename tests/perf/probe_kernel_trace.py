@@ -65,16 +65,34 @@ def timeline(lib, words):
             "wait": statistics.mean(wait[i] for i in on) / 1e3, "items": [items[i] for i in on]}
 
 
+class RawCall:
+    """The routed kernel called straight through ctypes, one token on each of up to `n` experts."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.x = torch.randn(1, H).to(BF16).expand(n, H).contiguous()
+        self.out = torch.empty(n, H, dtype=BF16)
+        self.index = torch.empty(2 * n + 2 * E + 1, dtype=torch.int64)
+        self.shape, self.skipped = (ctypes.c_int64 * 2)(), ctypes.c_int64(0)
+
+    def __call__(self, lib, ids, gu, dn):
+        lib.moe_routed_experts_forward(self.x.data_ptr(), self.n, H, H, ids.data_ptr(), len(ids), 1, None, 0,
+                                       gu.data_ptr(), dn.data_ptr(), E, F, self.out.data_ptr(), H, self.n, 32,
+                                       self.index.data_ptr(), self.shape, ctypes.byref(self.skipped))
+
+
+def calls(K):
+    """How many calls of K experts a case makes: the first L warm up."""
+    return max(4 * L, min(100, int(6e9 / (K * EXPERT_BYTES))))
+
+
 def run(kind, lib, banks, K, gap_us, gen):
     """Per call: µs as the caller sees it (and the trace's figures for the traced build)."""
-    x = torch.randn(1, H).to(BF16).expand(K, H).contiguous()
-    out = torch.empty(K, H, dtype=BF16)
-    index = torch.empty(2 * K + 2 * E + 1, dtype=torch.int64)
+    call = RawCall(K)
     ids = torch.empty(K, dtype=torch.int64)
-    shape, skipped = (ctypes.c_int64 * 2)(), ctypes.c_int64(0)
     words = torch.zeros(lib.moe_trace_words(), dtype=torch.int64) if kind == "trace" else None
     rows = []
-    for step in range(max(4 * L, min(100, int(6e9 / (K * EXPERT_BYTES))))):
+    for step in range(calls(K)):
         gu, dn = banks[step % L]
         ids.copy_(torch.randperm(E, generator=gen)[:K].sort().values)
         if gap_us:
@@ -83,11 +101,9 @@ def run(kind, lib, banks, K, gap_us, gen):
                 pass
         t = time.perf_counter()
         if kind == "wrapper":
-            ce.experts_forward_routed(x, ids, 1, None, gu, dn, out, index)
+            ce.experts_forward_routed(call.x, ids, 1, None, gu, dn, call.out, call.index)
         else:
-            lib.moe_routed_experts_forward(x.data_ptr(), K, H, H, ids.data_ptr(), K, 1, None, 0, gu.data_ptr(),
-                                           dn.data_ptr(), E, F, out.data_ptr(), H, K, 32, index.data_ptr(), shape,
-                                           ctypes.byref(skipped))
+            call(lib, ids, gu, dn)
         us = (time.perf_counter() - t) * 1e6
         if step >= L:
             rows.append({"us": us, **(timeline(lib, words) if words is not None else {})})
@@ -98,21 +114,16 @@ def run(kind, lib, banks, K, gap_us, gen):
 def pre_read(lib, banks, P, reuse, gen):
     """Median µs of a top-k call right after an untimed call on P of its experts (reuse) or on P others."""
     K = TOP_K
-    x = torch.randn(1, H).to(BF16).expand(K + P, H).contiguous()
-    out = torch.empty(K + P, H, dtype=BF16)
-    index = torch.empty(2 * (K + P) + 2 * E + 1, dtype=torch.int64)
-    shape, skipped = (ctypes.c_int64 * 2)(), ctypes.c_int64(0)
+    call = RawCall(K)
     times = []
-    for step in range(max(4 * L, min(100, int(6e9 / (K * EXPERT_BYTES))))):
+    for step in range(calls(K)):
         gu, dn = banks[step % L]
         perm = torch.randperm(E, generator=gen)
         ids = perm[:K].sort().values
         ahead = (ids[:P] if reuse else perm[K:K + P]).sort().values
         for chosen, timed in ((ahead, False), (ids, True)):
             t = time.perf_counter()
-            lib.moe_routed_experts_forward(x.data_ptr(), K + P, H, H, chosen.data_ptr(), len(chosen), 1, None, 0,
-                                           gu.data_ptr(), dn.data_ptr(), E, F, out.data_ptr(), H, K + P, 32,
-                                           index.data_ptr(), shape, ctypes.byref(skipped))
+            call(lib, chosen, gu, dn)
             if timed and step >= L:
                 times.append((time.perf_counter() - t) * 1e6)
     return statistics.median(times)
