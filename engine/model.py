@@ -157,6 +157,19 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def top_k_route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] to weights [N, k] in `dtype` and expert ids [N, k], each row in ascending id:
+    softmax in float32, the top k, optionally divided by their sum (the reference's routing)."""
+    if gpu_fused.applies(logits) and gpu_fused.route_fits(logits.shape[-1]):
+        return gpu_fused.route(logits, k, renormalise, dtype)
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    ids, rank = ids.sort(dim=-1)
+    return weights.gather(-1, rank).to(dtype), ids
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: a dense layer's MLP, one routed expert, or a shared expert."""
 
@@ -183,12 +196,7 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights [N, K] (in x's dtype) and top-k expert ids [N, K] for tokens x [N, H], each row in
         ascending expert order: the order `combine` adds in."""
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.cfg.num_experts_per_tok, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        ids, rank = ids.sort(dim=-1)
-        return weights.gather(-1, rank).to(x.dtype), ids
+        return top_k_route(self.router(x), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, x.dtype)
 
     @staticmethod
     def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

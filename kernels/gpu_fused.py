@@ -1,4 +1,4 @@
-"""One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, the experts' sum.
+"""One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, routing, the experts' sum.
 
 A decode step of a 12-layer Qwen3 ran ~100 GPU kernels per layer, most of them 1-2 µs
 elementwise kernels: an RMSNorm is eight (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary
@@ -76,6 +76,29 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def route_fits(num_experts: int) -> bool:
+    """Whether `route` takes this many experts: it compares every pair, which stays cheap up to 256."""
+    return num_experts <= 256
+
+
+def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """engine.model.top_k_route: weights [N, k] in `dtype` and expert ids [N, k] (int64),
+    each row in ascending expert order, from router logits [N, E].
+
+    Softmax in float32, the k most probable experts, ties going to the lower id as in torch.topk on
+    CUDA, optionally divided by their sum. Torch takes six to seven kernels for this (softmax, top-k,
+    its sort, the sum, the division, the sort by id, the gather and the cast: ~20 µs per layer on an
+    H100, between the attention and the CPU's experts at batch 1).
+    """
+    n, e = logits.shape
+    weights = torch.empty(n, k, dtype=dtype, device=logits.device)
+    ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    block = triton.next_power_of_2(e)
+    _route[(n,)](logits, weights, ids, e, K=k, RENORMALISE=renormalise, BLOCK=block,
+                 num_warps=4 if block <= 128 else 8, **_EXACT)
+    return weights, ids
+
+
 # Without this the compiler narrows a rounded product to a 16-bit multiply and contracts it with the
 # following add into one fused multiply-add: one rounding where torch has two (seen in the PTX).
 _EXACT = dict(enable_fp_fusion=False)
@@ -122,6 +145,28 @@ if triton is not None:
         out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * D + cols, out_lo.to(dtype))
         tl.store(out_ptr + row * D + HALF + cols, out_hi.to(dtype))
+
+    @triton.jit
+    def _route(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, RENORMALISE: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < E
+        x = tl.load(logits_ptr + row * E + cols, mask=inside, other=-float("inf")).to(tl.float32)
+        e = tl.exp(x - tl.max(x, axis=0))  # padding: exp(-inf) = 0
+        p = e / tl.sum(e, axis=0)
+        # An expert's rank in torch.topk's order: the experts more probable than it, and the equally
+        # probable ones of lower id. The k of rank below k are chosen. Ranking the probabilities, not
+        # the logits, keeps torch's ties where exp underflows to zero; padding (zero, the highest ids)
+        # ranks last.
+        mine, theirs = p[:, None], p[None, :]
+        ahead = (theirs > mine) | ((theirs == mine) & (cols[None, :] < cols[:, None]))
+        chosen = tl.sum(ahead.to(tl.int32), axis=1) < K
+        # Chosen experts are written in ascending id: each one's slot is the count of chosen below it.
+        slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+        if RENORMALISE:
+            p = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
+        tl.store(w_ptr + row * K + slot, p.to(w_ptr.dtype.element_ty), mask=chosen)
+        tl.store(ids_ptr + row * K + slot, cols.to(tl.int64), mask=chosen)
 
     @triton.jit
     def _weighted_sum(y_ptr, w_ptr, out_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr):

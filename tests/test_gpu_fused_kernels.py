@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from engine.model import MoE, apply_rope, rms_norm
+from engine.model import MoE, apply_rope, rms_norm, top_k_route
 from kernels import gpu_fused
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
@@ -63,6 +63,33 @@ def test_weighted_sum_interpreted(interpreted, n, k, h):
     assert torch.equal(interpreted.weighted_sum(y, weights), MoE.combine(y, weights))
 
 
+def _router_logits(n, e, dtype, device="cpu", seed=0, ties=False):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, e, generator=g) * 2
+    # Whole numbers: many experts tie, at the k-th place too, so the tie rule decides which are chosen.
+    return (logits.round() if ties else logits).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("n,e,k,renormalise", [(1, 128, 8, True), (5, 8, 2, True), (3, 60, 6, False), (2, 256, 8, True)])
+def test_route_interpreted(interpreted, n, e, k, renormalise):
+    logits = _router_logits(n, e, torch.float32, seed=e)
+    weights, ids = interpreted.route(logits, k, renormalise, torch.float32)
+    expected_weights, expected_ids = top_k_route(logits, k, renormalise, torch.float32)
+    assert ids.dtype == torch.int64 and torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_route_ties_go_to_the_lower_id(interpreted):
+    logits = torch.tensor([[0.0, 1.0, 1.0, -2.0, 1.0, 1.0], [5.0, 1.0, 1.0, 1.0, 1.0, 5.0]])
+    weights, ids = interpreted.route(logits, 3, True, torch.float32)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 5]]
+    assert weights[0, 0] == weights[0, 1] == weights[0, 2] and abs(weights[0].sum() - 1) < 1e-6
+    assert weights[1, 0] == weights[1, 2] > weights[1, 1]
+    # Probabilities that underflow to zero tie as well, as torch.topk ranks probabilities, not logits.
+    weights, ids = interpreted.route(torch.tensor([[-200.0, 0.0, -300.0, -250.0]]), 3, False, torch.float32)
+    assert ids.tolist() == [[0, 1, 2]] and weights.tolist() == [[0.0, 1.0, 0.0]]
+
+
 def test_bfloat16_interpreted_is_close(interpreted):
     # The interpreter truncates to bfloat16 where GPUs round to nearest, and truncation errors add up
     # where a sum cancels, so only closeness holds here; the GPU test checks the rounding.
@@ -99,11 +126,22 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
     x = torch.randn(7, 4096, device=dev, dtype=torch.bfloat16) * 4
     norm_weight = torch.randn(4096, device=dev, dtype=torch.bfloat16)
     fused_sum, fused_norm = gpu_fused.weighted_sum(y, weights), gpu_fused.rms_norm(x, norm_weight, 1e-5)
+    routes = []
+    for n, e, k, renormalise, ties in ((1, 128, 8, True, False), (512, 128, 8, True, True), (16, 8, 2, True, True),
+                                       (64, 64, 8, False, False), (3, 256, 8, True, True)):
+        logits = _router_logits(n, e, torch.bfloat16, dev, seed=n + e, ties=ties)
+        routes.append(((logits, k, renormalise), gpu_fused.route(logits, k, renormalise, torch.bfloat16)))
 
     monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")  # engine.model's torch chains from here
     got, (rx, rw, rcos, rsin) = fused[False]
     assert torch.equal(got, apply_rope(rx, rcos, rsin))  # elementwise chains: the same bits
     assert torch.equal(fused_sum, MoE.combine(y, weights))
+    for args, (fused_weights, fused_ids) in routes:
+        torch_weights, torch_ids = top_k_route(*args, torch.bfloat16)
+        assert torch.equal(fused_ids, torch_ids)  # the same experts, ties included
+        # Both exps are within an ulp of float32, below a 16-bit weight's rounding step, almost always.
+        assert (fused_weights != torch_weights).float().mean() < 0.01
+        torch.testing.assert_close(fused_weights, torch_weights, rtol=2 ** -7, atol=2 ** -9)
     # A norm's summation order may move a value across a rounding boundary, rarely.
     got, (rx, rw, rcos, rsin) = fused[True]
     for a, b in ((got, apply_rope(rms_norm(rx, rw, 1e-6), rcos, rsin)), (fused_norm, rms_norm(x, norm_weight, 1e-5))):

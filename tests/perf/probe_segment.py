@@ -23,5 +23,5 @@ for e in p.events():
         total[e.name[:60]] += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
 steps = 6
 print(f"GPU kernels/copies per step: {sum(names.values()) / steps:.0f}; GPU busy per step {sum(total.values()) / steps / 1e3:.2f} ms")
-for n, c in names.most_common(40):
+for n, c in names.most_common():
     print(f"{c / steps:7.1f}/step {total[n] / c:8.1f} us  {n}")
