@@ -91,10 +91,10 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
     """Tokens/s if a step took only the time to read its offloaded experts at `bytes_per_s`.
 
     stats: the executor's StepStats over `steps` steps; every offloaded expert a step computed (on the
-    CPU or copied) counts once, which is the routing the run really had, not a calibration estimate.
-    None when no step read an offloaded expert.
+    CPU, copied, or streamed by the GPU) counts once, which is the routing the run really had, not a
+    calibration estimate. None when no step read an offloaded expert.
     """
-    offloaded = (stats.cpu_experts + stats.copied_experts) / steps
+    offloaded = (stats.cpu_experts + stats.copied_experts + stats.streamed_experts) / steps
     return tokens_per_step * bytes_per_s / (offloaded * expert_bytes) if offloaded else None
 
 

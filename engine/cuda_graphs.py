@@ -10,8 +10,10 @@ to decide afresh each step; a layer whose experts all live on the GPU (the execu
 ends by copying its routing (tokens and expert ids) to pinned host memory, and the next one
 begins by weighting and summing the expert outputs the executor left in a fixed device
 buffer: between two replays the host only waits for that copy, runs the experts, and queues
-their outputs' copy back. A graph needs fixed shapes, so attention reads the cache's whole
-allocated length and the mask hides what is past each row's position.
+their outputs' copy back. At batch 1 the GPU may compute some of those experts itself, from
+their pinned host copies, while the host runs the others (a small graph of its own per layer).
+A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
+hides what is past each row's position.
 
 Captured per (batch size, explicit cache rows or not), again when the cache is reallocated or the
 executor or its placement changes (the graphs read the resident experts' weights).
@@ -95,6 +97,13 @@ class _Captured:
         if device.type == "cuda" and self.moe_at:
             self.host = HostRouting(torch.zeros(batch, hidden, dtype=dtype, pin_memory=True),
                                     torch.zeros(batch, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+        # Per host-run MoE layer: how many of the token's last ranks the GPU computes from RAM itself while
+        # the host runs the rest (engine.offload.OffloadExecutor.streamed_share), in a graph of its own
+        # replayed after the host's copy of the routing is queued, so the host need not wait for it.
+        share = getattr(executor, "streamed_share", None)
+        self.streamed = [share(model.layers[i].moe.layer, batch, top_k) if share and self.host else 0
+                         for i in self.moe_at]
+        self.stream_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.pool = None
@@ -128,9 +137,17 @@ class _Captured:
 
     def _experts(self, j: int, executor) -> None:
         _, flat, _, ids = self.outputs[j]
+        moe = self.model.layers[self.moe_at[j]].moe
         if self.host is not None:
             self.host.ready.record()
-        executor.expert_outputs(self.model.layers[self.moe_at[j]].moe, flat, ids, out=self.expert_out, host=self.host)
+            self.host.streamed = self.streamed[j]
+            if self.streamed[j]:
+                graph = self.stream_graphs.get(j)
+                if graph is not None:
+                    graph.replay()
+                else:
+                    executor.stream_experts(moe, flat, ids, self.streamed[j], self.expert_out)
+        executor.expert_outputs(moe, flat, ids, out=self.expert_out, host=self.host)
 
     def _run_eagerly(self, executor) -> torch.Tensor:
         self.outputs = []
@@ -156,7 +173,16 @@ class _Captured:
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
-        log.info("captured %d CUDA graphs for decode at batch %d", len(self.graphs), tokens.shape[0])
+        for j, ranks in enumerate(self.streamed):
+            if ranks:
+                _, flat, _, ids = self.outputs[j]
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    executor.stream_experts(self.model.layers[self.moe_at[j]].moe, flat, ids, ranks, self.expert_out)
+                self.pool = graph.pool()
+                self.stream_graphs[j] = graph
+        log.info("captured %d CUDA graphs for decode at batch %d (%d layers stream experts from RAM)",
+                 len(self.graphs) + len(self.stream_graphs), tokens.shape[0], len(self.stream_graphs))
 
     def _load(self, tokens, positions, rows) -> None:
         self.tokens.copy_(tokens)

@@ -16,11 +16,14 @@ import torch
 @dataclass
 class HostRouting:
     """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
-    there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed."""
+    there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed.
+    streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
+    experts' pinned host copies (engine.offload.OffloadExecutor.stream_experts), into `out`."""
 
     x: torch.Tensor
     ids: torch.Tensor
     ready: torch.cuda.Event | None = None
+    streamed: int = 0
 
 
 class ExpertExecutor(Protocol):

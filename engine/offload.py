@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from engine.executor import HostRouting
+from kernels import gpu_streamed
 from kernels.cpu_experts import expert_forward, experts_forward, experts_forward_routed
 from kernels.gpu_experts import grouped_experts_forward, grouped_supported
 
@@ -54,6 +55,7 @@ class StepStats:
     gpu_experts: int = 0  # resident on the GPU, computed there
     copied_experts: int = 0  # copied over PCIe, computed on the GPU
     cpu_experts: int = 0  # computed on the CPU
+    streamed_experts: int = 0  # computed on the GPU from their pinned host copies, read over PCIe as it ran
     cpu_ms: float = 0.0
     wait_ms: float = 0.0  # blocked on the GPU for the routing (the attention and router work before it)
     layer_ms: float = 0.0
@@ -68,9 +70,10 @@ class StepStats:
         return replace(self)
 
     def as_dict(self) -> dict:
-        total = self.gpu_experts + self.copied_experts + self.cpu_experts
+        total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.streamed_experts
         return {
             "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
+            "experts_streamed": self.streamed_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total,
@@ -167,14 +170,18 @@ class _Pairs:
 class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
-    def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None):
+    def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
+                 streamed_ranks=None):
         """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
-        this step, asked only when the CPU computes experts of the layer anyway (None: never)."""
+        this step, asked only when the CPU computes experts of the layer anyway (None: never);
+        streamed_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
+        the CPU computes the others (`streamed_share`; None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
+        self.streamed_ranks = streamed_ranks
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
         any_bank = next(iter(self.banks.values()))
@@ -253,6 +260,26 @@ class OffloadExecutor:
                                      counts.cumsum(0).to(torch.int32))
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
+    def streamed_share(self, layer: int, batch: int, top_k: int) -> int:
+        """How many of each token's last ranks a captured decode step has the GPU compute from the experts'
+        pinned host copies (`stream_experts`, launched from the routing on the device, so inside the CUDA
+        graphs), while the host runs the rest. 0 unless the batch is one token (tokens sharing an expert
+        would each read it over PCIe), no expert of the layer is resident (those run on the GPU already),
+        and the stacks are pinned and Triton is there."""
+        if self.streamed_ranks is None or batch != 1 or self.simulated:
+            return 0
+        bank = self.banks[layer]
+        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.gate_up):
+            return 0
+        return min(top_k, max(0, int(self.streamed_ranks(top_k))))
+
+    def stream_experts(self, moe, x, ids, ranks: int, out) -> None:
+        """Queue the GPU's computation of each token's last `ranks` experts into their rows of `out`, reading
+        their weights from pinned RAM (kernels.gpu_streamed); the host's `expert_outputs` for the same step is
+        then given `HostRouting.streamed = ranks` and leaves those rows alone."""
+        bank = self.banks[moe.layer]
+        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.gate_up, bank.down, out)
+
     def _fold_tallies(self) -> None:
         if not self._tallies:
             return
@@ -295,6 +322,11 @@ class OffloadExecutor:
         counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
         self._count(moe.layer, counts)
         count, active = counts.tolist(), np.flatnonzero(counts).tolist()
+        streamed = host.streamed if host is not None else 0
+        if streamed:  # the GPU computes the lone token's last ranks (`streamed_share`)
+            assert n == 1, "streamed experts are for a batch of one token"
+            on_gpu_already = set(experts_of[k - streamed:].tolist())
+            active = [e for e in active if e not in on_gpu_already]
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
         on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
@@ -318,11 +350,15 @@ class OffloadExecutor:
             cpu_started = time.perf_counter()
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-            chosen = None if len(on_cpu) == len(active) else on_cpu  # None: every pair
+            chosen = None if len(on_cpu) == len(active) and not streamed else on_cpu  # None: every pair
             experts_forward_routed(x_host, pair_expert, k, chosen, bank.gate_up, bank.down, host_y, index)
-            # One copy back for all CPU experts. The buffer may be reused once the next layer's routing is
-            # in: that wait comes after this copy on the same stream.
-            out.copy_(host_y, non_blocking=True)
+            # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
+            # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
+            # the same stream.
+            if streamed:
+                out[:n * k - streamed].copy_(host_y[:n * k - streamed], non_blocking=True)
+            else:
+                out.copy_(host_y, non_blocking=True)
             self._stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
         if gpu is not None:
             out.index_copy_(0, *gpu)
@@ -331,6 +367,7 @@ class OffloadExecutor:
         s.gpu_experts += len(resident)
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
+        s.streamed_experts += streamed
         s.selections += n * k
         s.gpu_hits += sum(count[e] for e in resident)
         s.layer_ms += (time.perf_counter() - started) * 1e3

@@ -19,7 +19,7 @@ import torch
 from engine.latency_model import LatencyModel, fit_latency_model
 from engine.offload import OffloadExecutor, allocate_banks
 from engine.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
-                              plan_placement, resident_on_cpu)
+                              plan_placement, resident_on_cpu, streamed_ranks)
 from engine.popularity import estimated_popularity
 from engine.profiler import cached_profile, profile_expert, profile_key
 
@@ -96,7 +96,8 @@ class ExpertOrchestra:
               top_k: int = 1) -> "ExpertOrchestra":
         """Profile one expert (cached) and build the executor with no expert resident yet.
 
-        policy: "balanced" splits offloaded experts so the CPU and the copies finish together;
+        policy: "balanced" splits offloaded experts so the CPU and the copies finish together, and lets
+        the GPU compute some of a lone token's experts from RAM while the CPU computes the rest;
         "fiddler" decides expert by expert (kept for comparison).
         """
         gate_up, down = next(iter(banks.values()))
@@ -105,8 +106,10 @@ class ExpertOrchestra:
         costs = fit_latency_model(points)
         nothing = [[False] * gate_up.shape[0] for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
+        streaming = (lambda k: streamed_ranks(k, costs)) if policy == "balanced" else None
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
-                                   resident_to_cpu=lambda loads: resident_on_cpu(loads, costs))
+                                   resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
+                                   streamed_ranks=streaming)
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
         uniform = [[0] * gate_up.shape[0] for _ in banks]
         return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,

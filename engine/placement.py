@@ -334,6 +334,28 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
     return sorted(active)
 
 
+def streamed_ranks(top_k: int, model: ExpertCosts) -> int:
+    """How many of a lone decoded token's `top_k` offloaded experts the GPU should compute itself, reading
+    their weights from pinned RAM (kernels.gpu_streamed), while the CPU computes the others: the count that
+    lets both finish soonest, fewer on a tie; 0 where the model has no `streamed_expert_ms`.
+
+    Each side is slowed by the other as copies and CPU experts slow each other (the profile's factors:
+    SMs reading host memory contend for it as the copy engine does), except when it runs alone.
+    """
+    streamed_ms = getattr(model, "streamed_expert_ms", 0.0)
+    if streamed_ms <= 0 or top_k <= 0:
+        return 0
+    cpu_ms = model.cpu_expert_ms(1)
+    cpu_slowdown, gpu_slowdown = Contended(model).factors
+    best, best_ms = 0, top_k * cpu_ms
+    for ranks in range(1, top_k + 1):
+        cpu = (top_k - ranks) * cpu_ms * cpu_slowdown
+        gpu = ranks * streamed_ms * (gpu_slowdown if ranks < top_k else 1.0)
+        if max(cpu, gpu) < best_ms:
+            best, best_ms = ranks, max(cpu, gpu)
+    return best
+
+
 class RememberedSplit:
     """A per-step rule (loads -> (cpu, copy)) that answers again from memory for loads it has seen.
 

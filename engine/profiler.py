@@ -1,9 +1,10 @@
 """Start-up measurements that the expert decisions rest on, cached per machine, model shape and dtype.
 
 What is measured: one expert's latency on the CPU for 1..256 tokens and on the GPU for
-1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, the
-CPU's read bandwidth, and how much CPU expert reads and copies slow each other down when they
-run together. Without a GPU the "GPU" tier is the CPU (the simulated tier CI runs).
+1..4096 tokens, the pinned host-to-GPU copy of one expert, the GPU computing one expert straight
+from its pinned host copy, an activation round trip, the CPU's read bandwidth, and how much CPU
+expert reads and copies slow each other down when they run together. Without a GPU the "GPU"
+tier is the CPU (the simulated tier CI runs).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from engine.json_cache import cached_json
 from engine.offload import expert_forward, experts_forward_routed
-from kernels import cpu_experts
+from kernels import cpu_experts, gpu_streamed
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -97,6 +98,8 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
     copy_ms = _timed_ms(copy, device, repeat)
     extra = {**contention(device), "copy_launch_ms": copy_launch_ms(g_gate_up, staging_gu, staging_d, device),
              "resident_launch_ms": resident_launch_ms(gate_up, down, device)} if device.type == "cuda" else {}
+    if gpu_streamed.applies(device, gate_up):
+        extra["streamed_expert_ms"] = streamed_expert_ms(gate_up, down, device)
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -121,6 +124,36 @@ def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> 
     side = torch.cuda.Stream(device)
     return _host_ms(lambda: compute_copied(x[rows], staging_gu, staging_d,
                                            queue_copy(side, host_gu, host_d, staging_gu, staging_d)), device, repeat)
+
+
+def streamed_expert_ms(gate_up, down, device, repeat: int = 10) -> float:
+    """GPU time of one expert for one token computed by kernels.gpu_streamed from its pinned host copy (median).
+
+    Timed between CUDA events with the GPU kept busy while the host launches, so that only the kernels
+    count, and the L2 cache overwritten first: it would otherwise hold the expert from the last try and
+    spare the reads over PCIe that are being measured."""
+    hidden = gate_up.shape[1]
+    x = torch.randn(1, hidden, dtype=gate_up.dtype, device=device)
+    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
+    out = torch.empty(1, hidden, dtype=gate_up.dtype, device=device)
+    stacks = (gate_up.unsqueeze(0), down.unsqueeze(0))
+    scrub = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # larger than any L2 so far
+
+    def run():
+        gpu_streamed.streamed_experts(x, ids, 0, *stacks, out)
+
+    run()  # compiles
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        scrub.zero_()
+        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: the launches below queue up behind it
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
@@ -213,8 +246,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
-# through the routed call the executor now makes).
-PROFILE_FORMAT = 3
+# through the routed call the executor now makes; 4: streamed_expert_ms).
+PROFILE_FORMAT = 4
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:

@@ -149,3 +149,35 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
         assert all(len(c.graphs) == 1 for c in engine.graphs.captured.values())
     engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     assert run() == replayed
+
+
+@pytest.mark.parametrize("streamed", ["one", "all"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_path, monkeypatch):
+    """Decode at batch 1 with the GPU computing one, or all, of each token's experts from pinned RAM inside
+    the graphs (kernels.gpu_streamed) and the CPU the rest: the all-on-GPU run's tokens, up to bf16 ties."""
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
+    offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    offloaded.executor.streamed_ranks = (lambda k: 1) if streamed == "one" else (lambda k: k)
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    for prompt in PROMPTS:
+        ids = resident.tokenizer.encode(prompt)
+        [ours] = offloaded.generate([Request(ids, params)], 1)
+        [theirs] = resident.generate([Request(ids, params)], 1)
+        k = next((k for k, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
+        if k is None:
+            assert ours.token_ids == theirs.token_ids
+            continue
+        from engine.kv_cache import KVCache
+        prefix = ids + theirs.token_ids[:k]
+        cache = KVCache(resident.config, 1, len(prefix), torch.bfloat16, "cuda")
+        logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
+                                cache, resident.executor)[0, -1]
+        assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
+    assert offloaded.executor.stats.streamed_experts > 0
+    top_k = offloaded.config.num_experts_per_tok
+    for captured in offloaded.graphs.captured.values():  # prefill and the first step ran eagerly, on the CPU
+        assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
+        assert len(captured.stream_graphs) == len(captured.moe_at)

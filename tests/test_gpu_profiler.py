@@ -42,3 +42,18 @@ def test_resident_launch_time_is_host_time_only():
     down = torch.randn(2048, 768).to(torch.bfloat16)
     ms = resident_launch_ms(gate_up, down, torch.device("cuda"))
     assert 0.005 < ms < 5.0  # a handful of launches and a small copy, never the experts' GPU time waited for
+
+
+@pytest.mark.gpu
+def test_streamed_expert_time_is_the_pcie_read():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine.profiler import streamed_expert_ms
+
+    gate_up = torch.randn(2 * 768, 2048).to(torch.bfloat16).pin_memory()
+    down = torch.randn(2048, 768).to(torch.bfloat16).pin_memory()
+    ms = streamed_expert_ms(gate_up, down, torch.device("cuda"))
+    nbytes = (gate_up.numel() + down.numel()) * 2
+    # Read over PCIe (under ~64 GB/s on a Gen5 x16 link), not from the L2 cache the last try filled, and
+    # not stretched by the host's launches (over 5 GB/s).
+    assert nbytes / 64e6 < ms < nbytes / 5e6

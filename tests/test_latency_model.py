@@ -162,6 +162,14 @@ def test_copy_launch_time_is_read_and_checked():
         fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=-0.1))
 
 
+def test_streamed_expert_time_is_read_and_checked():
+    assert fit_latency_model(profile(lambda n: 5.0)).streamed_expert_ms == 0.0  # not measured: no streaming
+    model = fit_latency_model(profile(lambda n: 5.0, streamed_expert_ms=0.21))
+    assert model.streamed_expert_ms == 0.21 and LatencyModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 5.0, streamed_expert_ms=-1.0))
+
+
 def test_resident_launch_time_is_read_and_checked():
     assert fit_latency_model(profile(lambda n: 5.0)).resident_launch_ms == 0.0
     assert fit_latency_model(profile(lambda n: 5.0, resident_launch_ms=0.2)).resident_launch_ms == 0.2

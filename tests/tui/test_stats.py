@@ -80,8 +80,9 @@ def test_expert_rows_per_generated_token():
     from app.tui.widgets.stats import expert_rows
 
     assert expert_rows(None, 5) == [] and expert_rows({}, 5) == []
-    rows = dict(expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "gpu_hit_rate": 0.625}, 5))
-    assert rows == {"GPU hit rate": "62%", "experts/token": "GPU 2.0 · CPU 1.0 · copied 0.0"}
+    rows = dict(expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_streamed": 15,
+                             "gpu_hit_rate": 0.625}, 5))
+    assert rows == {"GPU hit rate": "62%", "experts/token": "GPU 2.0 · CPU 1.0 · copied 0.0 · streamed 3.0"}
 
 
 @pytest.mark.anyio

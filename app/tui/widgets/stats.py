@@ -40,7 +40,8 @@ def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str
     steps = max(1, tokens or 1)
     hit = experts.get("gpu_hit_rate")
     per_step = " · ".join(f"{name} {experts.get(key, 0) / steps:.1f}"
-                          for name, key in (("GPU", "experts_gpu"), ("CPU", "experts_cpu"), ("copied", "experts_copied")))
+                          for name, key in (("GPU", "experts_gpu"), ("CPU", "experts_cpu"), ("copied", "experts_copied"),
+                                            ("streamed", "experts_streamed")))
     return [("GPU hit rate", "—" if hit is None else f"{hit:.0%}"), ("experts/token", per_step)]
 
 
