@@ -57,16 +57,19 @@ class LatencyModel:
     copy_slowdown: float = 1.0  # copy time while CPU experts run, over its time alone
     copy_launch_ms: float = 0.0  # host time to queue one expert's copy and GPU compute (the CPU side pays it)
     resident_launch_ms: float = 0.0  # host time to queue a layer step's resident experts on the GPU
-    streamed_expert_ms: float = 0.0  # GPU time for one expert read from pinned RAM as computed (0: not measured)
+    # A decode layer of one token, g of its streamed_top_k experts read from RAM by the GPU and the rest on the
+    # CPU: ms until both are done, indexed by g (engine.profiler.profile_streaming; empty: not measured).
+    streamed_split_ms: tuple[float, ...] = ()
+    streamed_top_k: int = 0
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
         object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
+        object.__setattr__(self, "streamed_split_ms", tuple(float(x) for x in self.streamed_split_ms))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
-                   self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms,
-                   self.streamed_expert_ms)
-        if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms):
+                   self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
+        if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if not all(math.isfinite(x) and x >= 1 for x in (self.cpu_slowdown, self.copy_slowdown)):
             raise ProfileError("latency model: slowdown factors must be finite and >= 1")
@@ -198,8 +201,8 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     alone sets it) and optionally
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
-    (missing → 1), copy_launch_ms, resident_launch_ms and streamed_expert_ms (missing → 0). Other keys are
-    ignored.
+    (missing → 1), copy_launch_ms and resident_launch_ms (missing → 0), streamed_split_ms {g: ms} for
+    g = 0, 1, ... with streamed_top_k (missing → not measured). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -228,8 +231,21 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         copy_slowdown=_slowdown(profile_points, "copy_slowdown_during_cpu"),
         copy_launch_ms=_milliseconds(profile_points, "copy_launch_ms"),
         resident_launch_ms=_milliseconds(profile_points, "resident_launch_ms"),
-        streamed_expert_ms=_milliseconds(profile_points, "streamed_expert_ms"),
+        streamed_split_ms=_streamed_split(profile_points),
+        streamed_top_k=int(profile_points.get("streamed_top_k") or 0),
     )
+
+
+def _streamed_split(profile: dict) -> tuple[float, ...]:
+    """streamed_split_ms as a tuple indexed by the experts streamed; its keys must run 0, 1, ..."""
+    split = profile.get("streamed_split_ms") or {}
+    try:
+        by_count = {int(g): float(ms) for g, ms in split.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise ProfileError("profile: 'streamed_split_ms' must map expert counts to times") from None
+    if sorted(by_count) != list(range(len(by_count))):
+        raise ProfileError("profile: 'streamed_split_ms' must have the counts 0, 1, 2, ...")
+    return tuple(by_count[g] for g in range(len(by_count)))
 
 
 def _milliseconds(profile: dict, key: str) -> float:

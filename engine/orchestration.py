@@ -21,7 +21,7 @@ from engine.offload import OffloadExecutor, allocate_banks
 from engine.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
                               plan_placement, resident_on_cpu, streamed_ranks)
 from engine.popularity import estimated_popularity
-from engine.profiler import cached_profile, profile_expert, profile_key
+from engine.profiler import cached_profile, profile_expert, profile_key, profile_streaming
 
 log = logging.getLogger("moedesk")
 
@@ -102,7 +102,8 @@ class ExpertOrchestra:
         """
         gate_up, down = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, gate_up.dtype, device)
-        points = cached_profile(cache_dir, key, lambda: profile_expert(gate_up[0], down[0], device), reprofile)
+        points = cached_profile(cache_dir, key, lambda: {**profile_expert(gate_up[0], down[0], device),
+                                                        **profile_streaming(gate_up, down, top_k, device)}, reprofile)
         costs = fit_latency_model(points)
         nothing = [[False] * gate_up.shape[0] for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]

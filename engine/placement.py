@@ -334,26 +334,28 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
     return sorted(active)
 
 
-def streamed_ranks(top_k: int, model: ExpertCosts) -> int:
-    """How many of a lone decoded token's `top_k` offloaded experts the GPU should compute itself, reading
-    their weights from pinned RAM (kernels.gpu_streamed), while the CPU computes the others: the count that
-    lets both finish soonest, fewer on a tie; 0 where the model has no `streamed_expert_ms`.
+# A split must beat the CPU alone by this much at start-up to be used: the medians of a few tries move by
+# a few percent between runs.
+STREAM_MIN_GAIN = 0.05
 
-    Each side is slowed by the other as copies and CPU experts slow each other (the profile's factors:
-    SMs reading host memory contend for it as the copy engine does), except when it runs alone.
+
+def streamed_ranks(top_k: int, model) -> int:
+    """How many of a lone decoded token's `top_k` offloaded experts the GPU should compute itself, reading
+    their weights from pinned RAM (kernels.gpu_streamed), while the CPU computes the others: the count whose
+    measured split (the model's `streamed_split_ms`, engine.profiler.profile_streaming) finished soonest,
+    fewer on a tie, and 0 unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured for
+    this top_k.
+
+    Measured, not predicted from one expert's costs: predicted from them (with the contention factors of
+    copies), the GPU box streamed one of Mixtral's two experts, 3% faster it said, and decoded 22% slower
+    (tests/perf/probe_streamed_decode.py); for Qwen3 it predicted 6% from streaming two of eight, where
+    two runs of tests/perf/compare_llamacpp.sh on one machine decoded 101 tok/s with them and 79 without.
     """
-    streamed_ms = getattr(model, "streamed_expert_ms", 0.0)
-    if streamed_ms <= 0 or top_k <= 0:
+    split = getattr(model, "streamed_split_ms", ())
+    if getattr(model, "streamed_top_k", 0) != top_k or len(split) < 2:
         return 0
-    cpu_ms = model.cpu_expert_ms(1)
-    cpu_slowdown, gpu_slowdown = Contended(model).factors
-    best, best_ms = 0, top_k * cpu_ms
-    for ranks in range(1, top_k + 1):
-        cpu = (top_k - ranks) * cpu_ms * cpu_slowdown
-        gpu = ranks * streamed_ms * (gpu_slowdown if ranks < top_k else 1.0)
-        if max(cpu, gpu) < best_ms:
-            best, best_ms = ranks, max(cpu, gpu)
-    return best
+    best = min(range(len(split)), key=lambda g: (split[g], g))
+    return best if split[best] <= (1 - STREAM_MIN_GAIN) * split[0] else 0
 
 
 class RememberedSplit:

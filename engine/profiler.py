@@ -1,10 +1,11 @@
 """Start-up measurements that the expert decisions rest on, cached per machine, model shape and dtype.
 
 What is measured: one expert's latency on the CPU for 1..256 tokens and on the GPU for
-1..4096 tokens, the pinned host-to-GPU copy of one expert, the GPU computing one expert straight
-from its pinned host copy, an activation round trip, the CPU's read bandwidth, and how much CPU
-expert reads and copies slow each other down when they run together. Without a GPU the "GPU"
-tier is the CPU (the simulated tier CI runs).
+1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, the CPU's
+read bandwidth, how much CPU expert reads and copies slow each other down when they run
+together, and a decode layer's experts split between the CPU and the GPU reading some of them
+straight from RAM (`profile_streaming`). Without a GPU the "GPU" tier is the CPU (the simulated
+tier CI runs).
 """
 from __future__ import annotations
 
@@ -98,8 +99,6 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
     copy_ms = _timed_ms(copy, device, repeat)
     extra = {**contention(device), "copy_launch_ms": copy_launch_ms(g_gate_up, staging_gu, staging_d, device),
              "resident_launch_ms": resident_launch_ms(gate_up, down, device)} if device.type == "cuda" else {}
-    if gpu_streamed.applies(device, gate_up):
-        extra["streamed_expert_ms"] = streamed_expert_ms(gate_up, down, device)
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -126,34 +125,58 @@ def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> 
                                            queue_copy(side, host_gu, host_d, staging_gu, staging_d)), device, repeat)
 
 
-def streamed_expert_ms(gate_up, down, device, repeat: int = 10) -> float:
-    """GPU time of one expert for one token computed by kernels.gpu_streamed from its pinned host copy (median).
+def profile_streaming(gate_up, down, top_k: int, device, most: int = 4, repeat: int = 7) -> dict:
+    """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
+    pinned RAM (kernels.gpu_streamed), timed as decode runs them: {"streamed_split_ms": {g: ms}} for g = 0..
+    min(top_k, most) experts streamed, each the median time until both sides are done, and "streamed_top_k".
+    {} where streaming does not apply.
 
-    Timed between CUDA events with the GPU kept busy while the host launches, so that only the kernels
-    count, and the L2 cache overwritten first: it would otherwise hold the expert from the last try and
-    spare the reads over PCIe that are being measured."""
-    hidden = gate_up.shape[1]
-    x = torch.randn(1, hidden, dtype=gate_up.dtype, device=device)
-    ids = torch.zeros(1, 1, dtype=torch.int64, device=device)
-    out = torch.empty(1, hidden, dtype=gate_up.dtype, device=device)
-    stacks = (gate_up.unsqueeze(0), down.unsqueeze(0))
-    scrub = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)  # larger than any L2 so far
+    Measured rather than predicted from one expert's costs: SMs and the CPU reading RAM together slow each
+    other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
+    side. gate_up [E, 2F, H] and down [E, H, F] are a layer's pinned stacks; each try takes experts the last
+    tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
+    graph, as in decode."""
+    device = torch.device(device)
+    if not gpu_streamed.applies(device, gate_up):
+        return {}
+    experts, hidden = gate_up.shape[0], gate_up.shape[2]
+    x_host = torch.randn(1, hidden, dtype=gate_up.dtype).pin_memory()
+    x = x_host.to(device)
+    cpu_out = torch.empty(top_k, hidden, dtype=gate_up.dtype, pin_memory=True)
+    gpu_out = torch.empty(top_k, hidden, dtype=gate_up.dtype, device=device)
+    index = torch.empty(2 * top_k + 2 * experts + 1, dtype=torch.int64)
+    turn = [0]
 
-    def run():
-        gpu_streamed.streamed_experts(x, ids, 0, *stacks, out)
+    def next_experts(n: int) -> list[int]:
+        first, turn[0] = turn[0], (turn[0] + n) % experts
+        return [(first + i) % experts for i in range(n)]
 
-    run()  # compiles
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        scrub.zero_()
-        torch.cuda._sleep(2_000_000)  # ~1 ms of GPU time: the launches below queue up behind it
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    split = {}
+    for streamed in range(min(top_k, most) + 1):
+        on_cpu = top_k - streamed
+        graph, ids = None, torch.zeros(1, max(streamed, 1), dtype=torch.int64, device=device)
+        if streamed:
+            gpu_streamed.streamed_experts(x, ids, 0, gate_up, down, gpu_out)  # compiles before the capture
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                gpu_streamed.streamed_experts(x, ids, 0, gate_up, down, gpu_out)
+        times = []
+        for i in range(repeat + 1):
+            if streamed:
+                ids.copy_(torch.tensor([next_experts(streamed)]))
+            pairs = torch.tensor(sorted(next_experts(on_cpu)), dtype=torch.int64)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            if graph is not None:
+                graph.replay()
+            if on_cpu:
+                experts_forward_routed(x_host, pairs, on_cpu, None, gate_up, down, cpu_out, index)
+            torch.cuda.synchronize(device)
+            if i:  # the first try warms up
+                times.append((time.perf_counter() - start) * 1e3)
+        split[streamed] = statistics.median(times)
+    return {"streamed_split_ms": split, "streamed_top_k": top_k}
 
 
 def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
@@ -246,8 +269,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
-# through the routed call the executor now makes; 4: streamed_expert_ms).
-PROFILE_FORMAT = 4
+# through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms).
+PROFILE_FORMAT = 5
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:
@@ -263,6 +286,7 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "gpu_expert_ms"):
-        points[key] = {int(n): ms for n, ms in points[key].items()}
+    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms"):
+        if key in points:
+            points[key] = {int(n): ms for n, ms in points[key].items()}
     return points

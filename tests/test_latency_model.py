@@ -162,12 +162,16 @@ def test_copy_launch_time_is_read_and_checked():
         fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=-0.1))
 
 
-def test_streamed_expert_time_is_read_and_checked():
-    assert fit_latency_model(profile(lambda n: 5.0)).streamed_expert_ms == 0.0  # not measured: no streaming
-    model = fit_latency_model(profile(lambda n: 5.0, streamed_expert_ms=0.21))
-    assert model.streamed_expert_ms == 0.21 and LatencyModel.from_dict(model.to_dict()) == model
-    with pytest.raises(ProfileError):
-        fit_latency_model(profile(lambda n: 5.0, streamed_expert_ms=-1.0))
+def test_streamed_split_is_read_and_checked():
+    assert fit_latency_model(profile(lambda n: 5.0)).streamed_split_ms == ()  # not measured: no streaming
+    # As JSON gives it back: string keys, in any order.
+    model = fit_latency_model(profile(lambda n: 5.0, streamed_split_ms={"1": 0.5, "0": 0.7, "2": 0.6},
+                                      streamed_top_k=8))
+    assert model.streamed_split_ms == (0.7, 0.5, 0.6) and model.streamed_top_k == 8
+    assert LatencyModel.from_dict(model.to_dict()) == model
+    for bad in ({"0": 0.7, "2": 0.6}, {"0": -1.0}, {"0": float("nan")}, [0.7, 0.5]):
+        with pytest.raises(ProfileError):
+            fit_latency_model(profile(lambda n: 5.0, streamed_split_ms=bad, streamed_top_k=8))
 
 
 def test_resident_launch_time_is_read_and_checked():

@@ -446,25 +446,18 @@ def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_s
     assert resident_on_cpu({1: 1}, Costs(lambda n: 0.05, lambda n: 0.01, 1.0)) == []  # nothing measured: stay
 
 
-def _streaming(cpu_ms: float, streamed_ms: float, cpu_slowdown: float = 1.0, copy_slowdown: float = 1.0):
+def test_streamed_ranks_take_the_fastest_measured_split():
     from types import SimpleNamespace
 
-    return SimpleNamespace(cpu_expert_ms=lambda tokens: cpu_ms, streamed_expert_ms=streamed_ms,
-                           cpu_slowdown=cpu_slowdown, copy_slowdown=copy_slowdown)
-
-
-def test_streamed_ranks_let_the_cpu_and_the_gpu_finish_together():
     from engine.placement import streamed_ranks
 
-    # Qwen3-like: 8 experts at 0.08 ms on the CPU, 0.2 ms each read by the GPU. Streaming 2 ends both at
-    # 0.48 ms; 1 leaves the CPU 0.56, 3 the GPU 0.6 (0.72 slowed).
-    assert streamed_ranks(8, _streaming(0.08, 0.2, copy_slowdown=1.2)) == 2
-    # The GPU slowed further by the CPU's reads: one fewer.
-    assert streamed_ranks(8, _streaming(0.08, 0.2, copy_slowdown=1.5)) == 1
-    # Mixtral-like: one of two large experts read over PCIe takes longer than the CPU doing both.
-    assert streamed_ranks(2, _streaming(2.8, 7.0)) == 0
-    # A GPU that reads faster than the CPU computes takes them all (alone, it is not slowed).
-    assert streamed_ranks(4, _streaming(1.0, 0.1, copy_slowdown=2.0)) == 4
-    assert streamed_ranks(2, _streaming(0.1, 0.1)) == 1  # a tie: the fewer
-    assert streamed_ranks(8, _streaming(0.08, 0.0)) == 0  # not measured (CPU-only machines, older profiles)
-    assert streamed_ranks(8, Costs(lambda n: 0.08, lambda n: 0.01, 1.0)) == 0
+    def measured(*split_ms, top_k=8):
+        return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k)
+
+    assert streamed_ranks(8, measured(0.68, 0.62, 0.54, 0.57)) == 2
+    assert streamed_ranks(8, measured(0.68, 0.54, 0.54)) == 1  # a tie: the fewer
+    assert streamed_ranks(2, measured(5.8, 7.3, top_k=2)) == 0  # Mixtral: the GPU's share takes longer
+    assert streamed_ranks(8, measured(0.68, 0.66, 0.65)) == 0  # under 5% faster: not worth the change
+    assert streamed_ranks(4, measured(0.68, 0.3, 0.2)) == 0  # measured for another top_k
+    assert streamed_ranks(8, measured(0.68)) == 0 and streamed_ranks(8, measured()) == 0  # nothing to choose
+    assert streamed_ranks(8, Costs(lambda n: 0.08, lambda n: 0.01, 1.0)) == 0  # a model without the measurement

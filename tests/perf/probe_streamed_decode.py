@@ -12,7 +12,7 @@ from engine.bench import measure_decode
 from engine.latency_model import fit_latency_model
 from engine.offload import OffloadExecutor
 from engine.placement import streamed_ranks
-from engine.profiler import profile_expert
+from engine.profiler import profile_expert, profile_streaming
 from engine.synthetic import shape_config, synthetic_model
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
@@ -23,8 +23,8 @@ torch.set_num_threads(15)
 cfg = shape_config(shape, layers)
 model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
 gate_up, down = next(iter(banks.values()))
-costs = fit_latency_model(profile_expert(gate_up[0], down[0], device))
 k = cfg.num_experts_per_tok
+costs = fit_latency_model({**profile_expert(gate_up[0], down[0], device), **profile_streaming(gate_up, down, k, device)})
 counts = list(range(0, min(k, int(sys.argv[3]) if len(sys.argv) > 3 else 4) + 1))
 chosen = {"ranks": 0}
 executor = OffloadExecutor(banks, [[False] * cfg.num_experts for _ in banks], device, lambda loads: (sorted(loads), []),
@@ -39,8 +39,8 @@ for _ in range(rounds):
         s = executor.stats
         steps = r.tokens - 2
         per_token[g] = (s.cpu_experts / steps, s.streamed_experts / steps, s.cpu_ms / steps, s.layer_ms / steps)
-print(f"{shape} x{layers}: cpu expert {costs.cpu_expert_ms(1):.3f} ms, streamed {costs.streamed_expert_ms:.3f} ms, "
-      f"slowdowns cpu {costs.cpu_slowdown:.2f} gpu {costs.copy_slowdown:.2f}; rule picks {streamed_ranks(k, costs)}")
+split = " ".join(f"{g}:{ms:.3f}" for g, ms in enumerate(costs.streamed_split_ms))
+print(f"{shape} x{layers}: start-up split (streamed: ms) {split}; rule picks {streamed_ranks(k, costs)}")
 print(f"{'streamed':>9}{'tok/s':>8}  {'runs':<36} cpu/tok streamed/tok cpu ms/tok host ms/tok")
 for g in counts:
     runs = " ".join(f"{v:.1f}" for v in speeds[g])
