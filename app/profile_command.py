@@ -2,6 +2,18 @@
 from __future__ import annotations
 
 
+def streaming_line(costs, top_k: int) -> str | None:
+    """The measured decode splits (engine.profiler.profile_streaming) and the one chosen; None if not measured."""
+    from engine.placement import streamed_ranks
+
+    if not costs.streamed_split_ms:
+        return None
+    splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.streamed_split_ms))
+    chosen = streamed_ranks(top_k, costs)
+    return (f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}; "
+            + (f"decode streams {chosen}" if chosen else "decode streams none"))
+
+
 def run_profile(args, engine_loader, out=print) -> int:
     from engine.hardware import detect_hardware, format_hardware
 
@@ -27,6 +39,9 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"{'tokens':>8}{'CPU ms':>10}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_expert_ms(n):>10.3f}{costs.gpu_expert_ms(n):>10.3f}")
+    streaming = streaming_line(costs, cfg.num_experts_per_tok)
+    if streaming:
+        out(streaming)
     summary = orchestra.summary()
     hit = summary["expected_gpu_hit_rate"]
     out(f"\nplacement at {summary['gpu_budget_gib']:.2f} GiB: {summary['experts_on_gpu']} of "

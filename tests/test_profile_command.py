@@ -28,3 +28,15 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     args[-1] = "1"  # room for every expert
     assert main(args) == 0
     assert "3 whole layers on the GPU (run inside the decode graphs)" in capsys.readouterr().out
+
+
+def test_streaming_line_shows_the_measured_splits_and_the_choice():
+    from app.profile_command import streaming_line
+    from engine.latency_model import LatencyModel
+
+    costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, streamed_split_ms=(0.69, 0.68, 0.6),
+                         streamed_top_k=8)
+    assert streaming_line(costs, 8) == ("one token's 8 experts, n of them read by the GPU from RAM (n: ms) "
+                                        "0: 0.690 · 1: 0.680 · 2: 0.600; decode streams 2")
+    assert streaming_line(costs, 2).endswith("decode streams none")  # measured for another top-k
+    assert streaming_line(LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2), 8) is None
