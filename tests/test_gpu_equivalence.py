@@ -99,16 +99,22 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     assert offloaded.expert_stats()["experts_on_gpu"] == 0
+    check_matches_all_on_gpu(offloaded, resident)
+
+
+def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
+    """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
+    from engine.kv_cache import KVCache
+
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:
         ids = resident.tokenizer.encode(prompt)
-        [ours] = offloaded.generate([Request(ids, params)])
-        [theirs] = resident.generate([Request(ids, params)])
+        [ours] = offloaded.generate([Request(ids, params)], batch_size)
+        [theirs] = resident.generate([Request(ids, params)], batch_size)
         k = next((k for k, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
         if k is None:
             assert ours.token_ids == theirs.token_ids
             continue
-        from engine.kv_cache import KVCache
         prefix = ids + theirs.token_ids[:k]
         cache = KVCache(resident.config, 1, len(prefix), torch.bfloat16, "cuda")
         logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
@@ -161,23 +167,9 @@ def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     offloaded.executor.streamed_ranks = (lambda k: 1) if streamed == "one" else (lambda k: k)
-    params = SamplingParams(max_new_tokens=24, temperature=0)
-    for prompt in PROMPTS:
-        ids = resident.tokenizer.encode(prompt)
-        [ours] = offloaded.generate([Request(ids, params)], 1)
-        [theirs] = resident.generate([Request(ids, params)], 1)
-        k = next((k for k, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
-        if k is None:
-            assert ours.token_ids == theirs.token_ids
-            continue
-        from engine.kv_cache import KVCache
-        prefix = ids + theirs.token_ids[:k]
-        cache = KVCache(resident.config, 1, len(prefix), torch.bfloat16, "cuda")
-        logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
-                                cache, resident.executor)[0, -1]
-        assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
+    check_matches_all_on_gpu(offloaded, resident, batch_size=1)
     assert offloaded.executor.stats.streamed_experts > 0
     top_k = offloaded.config.num_experts_per_tok
-    for captured in offloaded.graphs.captured.values():  # prefill and the first step ran eagerly, on the CPU
+    for captured in offloaded.graphs.captured.values():  # counted from decode only: prefill is eager, all on the CPU
         assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
         assert len(captured.stream_graphs) == len(captured.moe_at)
