@@ -28,14 +28,21 @@ async def wait_idle(pilot, app, timeout: float = 20.0):
     await pilot.pause()
 
 
-def slow_down(engine, seconds_per_token: float = 0.01):
-    """Make the real engine's stream pause after each token, so a test can act while a reply is running."""
+def hold_first_reply(engine):
+    """Make the engine's first reply wait after its first piece of text until it is cancelled, so a test can
+    act while a reply is running however fast the machine is (a per-token delay raced Pilot's key presses)."""
     real_stream = engine.stream
+    calls = 0
 
-    def stream(*args, **kwargs):
-        for chunk in real_stream(*args, **kwargs):
-            time.sleep(seconds_per_token)
+    def stream(*args, cancel=None, **kwargs):
+        nonlocal calls
+        calls += 1
+        held = calls == 1 and cancel is not None
+        for chunk in real_stream(*args, cancel=cancel, **kwargs):
             yield chunk
+            if held and chunk.text:
+                cancel.wait(timeout=30)  # bounded, so a failing test cannot leave the worker thread hanging
+                held = False
 
     engine.stream = stream
     return engine

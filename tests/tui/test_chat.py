@@ -10,7 +10,7 @@ from app.tui.screens.chat import ChatScreen
 from app.tui.storage import Conversation, ConversationStore
 from app.tui.widgets.messages import AssistantMessage, UserMessage, visible
 from engine.requests import Request, SamplingParams
-from tests.tui.helpers import chat_ready, greedy_settings, slow_down, wait_for, wait_idle
+from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
 SIZE = (100, 30)
@@ -69,7 +69,7 @@ async def test_escape_stops_the_reply(engine, monkeypatch):
     prompt = "Tell me everything"
     full = reference(engine, settings, [{"role": "user", "content": prompt}])
     assert len(full.token_ids) > 50, "the tiny model must talk long enough to be interrupted"
-    app = MoedeskApp(slow_down(engine), settings=settings)
+    app = MoedeskApp(hold_first_reply(engine), settings=settings)
     async with app.run_test(size=SIZE) as pilot:
         await say(pilot, prompt)
         await wait_for(pilot, lambda: app.chat.generation is not None and app.chat.generation.tokens > 0,
@@ -109,10 +109,11 @@ async def test_regenerate_replaces_the_last_reply(engine):
 
 async def test_regenerate_while_streaming_restarts(engine):
     settings = greedy_settings(max_new_tokens=400, system_prompt="")
-    app = MoedeskApp(slow_down(engine, 0.002), settings=settings)
+    app = MoedeskApp(hold_first_reply(engine), settings=settings)
     async with app.run_test(size=SIZE) as pilot:
         await say(pilot, "Tell me everything")
-        await wait_for(pilot, lambda: app.chat.generation is not None, what="the reply to start")
+        await wait_for(pilot, lambda: app.chat.generation is not None and app.chat.generation.tokens > 0,
+                       what="the first token")
         await pilot.press("ctrl+r")
         await wait_for(pilot, lambda: app.chat.generation is None and len(app.chat.conversation.messages) == 2
                        and app.chat.conversation.messages[-1].meta["finish_reason"] != "cancelled",
