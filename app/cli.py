@@ -50,15 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
-    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b, qwen3-30b-a3b or tiny-moe")
-    bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers")
-    bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB", help="GPU memory for experts")
+    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b (default), qwen3-30b-a3b or tiny-moe")
+    bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
+    bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
+                       help="GPU memory for experts (default: 0, every expert in RAM)")
     bench.add_argument("--policy", choices=["balanced", "fiddler"], default="balanced",
-                       help="how offloaded experts are split between CPU and copy-to-GPU")
-    bench.add_argument("--batch", type=int, default=16, help="sequences in the batched-decode run (1 skips it)")
-    bench.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], metavar="N")
-    bench.add_argument("--decode-tokens", type=int, default=64, metavar="N")
-    bench.add_argument("--device", default="auto")
+                       help="how offloaded experts are split between CPU and copy-to-GPU (default: balanced)")
+    bench.add_argument("--batch", type=int, default=16, metavar="N",
+                       help="sequences in the batched-decode run (default: 16; 1 skips it)")
+    bench.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], metavar="N",
+                       help="prompt lengths of the prefill runs (default: 512 2048; none skips them)")
+    bench.add_argument("--decode-tokens", type=int, default=64, metavar="N",
+                       help="tokens in the batch-1 decode run (default: 64)")
+    bench.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (the GPU tier simulated) or auto (default)")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
     return parser
 
@@ -126,7 +130,7 @@ def run_profile_command(args) -> int:
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
-    return run_app(args.model, args.device, args.dtype, args.gpu_budget)
+    return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile)
 
 
 def main(argv=None) -> int:

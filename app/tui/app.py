@@ -59,11 +59,12 @@ class MoedeskApp(App[int]):
 
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
                  settings: Settings | None = None, store: ConversationStore | None = None,
-                 gpu_budget: float | None = None):
+                 gpu_budget: float | None = None, context_length: int | None = None, reprofile: bool = False):
         """gpu_budget (GiB) and dtype override the settings of the same meaning for this run (the
-        --gpu-budget and --dtype flags)."""
+        --gpu-budget and --dtype flags); context_length and reprofile (--context, --reprofile) apply
+        to every model this run loads."""
         super().__init__()
-        flags = {"gpu_budget": gpu_budget, "dtype": dtype}
+        flags = {"gpu_budget": gpu_budget, "dtype": dtype, "reprofile": reprofile or None}
 
         def load_options() -> dict:
             return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
@@ -72,11 +73,12 @@ class MoedeskApp(App[int]):
             self.engine = engine
             # Later loads keep its device; its dtype is not carried over, or the dtype setting could never apply.
             self.engine_factory: EngineFactory = default_factory(
-                engine.device.type if hasattr(engine, "device") else device, options=load_options)
+                engine.device.type if hasattr(engine, "device") else device, context_length, load_options)
             self.model = engine.name
         else:
             self.engine = None
-            self.engine_factory = engine if engine is not None else default_factory(device, options=load_options)
+            self.engine_factory = (engine if engine is not None
+                                   else default_factory(device, context_length, load_options))
             self.model = model
         self.settings_problems: list[str] = []
         self.settings = settings if settings is not None else load_settings(problems=self.settings_problems)
@@ -176,9 +178,10 @@ class MoedeskApp(App[int]):
         self.exit(0)
 
 
-def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None,
-            gpu_budget: float | None = None) -> int:
+def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None, gpu_budget: float | None = None,
+            context_length: int | None = None, reprofile: bool = False) -> int:
     """Run the terminal app until the user quits; returns the exit status."""
-    app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget)
+    app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget, context_length=context_length,
+                     reprofile=reprofile)
     app.run()
     return app.return_code or 0

@@ -143,3 +143,26 @@ def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
     MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5, dtype="float16"), gpu_budget=0.25,
                dtype="float32").engine_factory("demo", None)
     assert asked == [(1.5, "float16"), (None, None), (0.25, "float32")]
+
+
+def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
+    import app.tui
+    from app.cli import main
+    from app.tui import MoedeskApp
+    from app.tui.settings import Settings
+    from engine.runtime import Engine
+
+    asked = []
+    monkeypatch.setattr(Engine, "load", classmethod(
+        lambda cls, model, **kw: asked.append((model, kw["context_length"], kw.get("reprofile", False)))))
+    MoedeskApp(model="demo", device="cpu", settings=Settings()).engine_factory("demo", None)
+    flagged = MoedeskApp(model="demo", device="cpu", settings=Settings(), context_length=512, reprofile=True)
+    flagged.engine_factory("demo", None)
+    flagged.engine_factory("other", None)  # a model loaded later from the models screen
+    assert asked == [("demo", None, False), ("demo", 512, True), ("other", 512, True)]
+
+    runs = []
+    monkeypatch.setattr(app.tui, "run_app", lambda *args: runs.append(args) or 0)
+    assert main(["--model", "m", "--context", "512", "--reprofile"]) == 0
+    assert main(["chat"]) == 0
+    assert runs == [("m", "auto", None, None, 512, True), ("demo", "auto", None, None, None, False)]

@@ -1,0 +1,35 @@
+"""The README documents every command-line option: each command's section names each of its flags."""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from app.cli import build_parser
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def section(command: str) -> str:
+    """From the command's heading (`### \\`moedesk [chat] ...` for chat) to the next heading."""
+    name = re.escape("[chat]" if command == "chat" else command)
+    match = re.search(rf"^### `moedesk {name}[ `].*?(?=^##)", README, re.S | re.M)
+    assert match, f"README has no section for `moedesk {command}`"
+    return match.group(0)
+
+
+@pytest.mark.parametrize("command", sorted(commands()))
+def test_every_option_is_in_its_readme_section(command):
+    text = section(command)
+    flags = [flag for action in commands()[command]._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"]
+    assert flags or command == "chat"
+    missing = [flag for flag in flags if not re.search(rf"`[^`]*{re.escape(flag)}\b", text)]
+    assert not missing, f"README's `moedesk {command}` section does not mention {missing}"
