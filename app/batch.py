@@ -2,7 +2,9 @@
 
 The contract (DESIGN.md, "Contracts"): output in input order, appended and flushed line by
 line; ids already in the output are skipped on a rerun; a bad line becomes an `error` line and
-the run goes on; exit 0 when every line succeeded, 1 when some failed, 2 for usage errors.
+the run goes on; exit 0 when every line succeeded, 1 when some failed (or the output could not be
+written, as on a full disk: the run stops, what was written stays, and a rerun resumes), 2 for usage
+errors.
 
 Memory stays bounded: the input is read line by line and handed to the engine as a generator
 it pulls from, so at any moment only the lines in flight and the finished results waiting for
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import contextlib
 import json
 import math
 import os
@@ -35,6 +38,10 @@ SEED_LIMIT = 2**64  # torch.Generator.manual_seed overflows beyond this; catch i
 
 class BatchUsageError(MoedeskError):
     """The run cannot start (input unreadable, output folder missing, bad option): the CLI exits 2."""
+
+
+class BatchOutputError(MoedeskError):
+    """The output file stopped taking lines mid-run (a full disk): the run stops and exits 1."""
 
 
 @dataclass
@@ -462,10 +469,16 @@ class _Run:
         self.ready[number] = record
         while self.pending and self.pending[0] in self.ready:
             record = self.ready.pop(self.pending.popleft())
-            # One write per whole line, flushed at once: a crash leaves at most a partial last
-            # line, which the next run cuts off.
-            self.out.write(_dumps(record) + b"\n")
-            self.out.flush()
+            # One write per whole line, flushed at once: a crash or a full disk leaves at most a
+            # partial last line, which the next run cuts off.
+            try:
+                self.out.write(_dumps(record) + b"\n")
+                self.out.flush()
+            except OSError as e:
+                with contextlib.suppress(OSError):
+                    self.out.close()  # its buffer holds the line that did not fit: drop it, do not fail again
+                raise BatchOutputError(f"{self.out.name}: cannot write the output ({e.strerror or e}); what is "
+                                       f"written stays: free some space and run the same command to go on") from None
             ok = "error" not in record
             self.ok += ok
             self.failed += not ok
@@ -577,6 +590,7 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
 
     run = _Run(engine, settings, written, out, report)
     report.start()
+    stopped = None
     try:
         with out:
             requests = run.requests(in_path)
@@ -586,8 +600,13 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
                 run.check_finished(requests)
             finally:
                 requests.close()  # closes the input file even when the engine stops early
+    except BatchOutputError as e:
+        stopped = e
     finally:
         report.close(run.summary())
+    if stopped is not None:
+        print(f"moedesk: {stopped}", file=stderr, flush=True)
+        return 1
     return 1 if run.failed or run.failed_before else 0
 
 

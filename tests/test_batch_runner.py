@@ -6,6 +6,7 @@ honours max_new_tokens, context_length, lazy pulling and batch_size like the rea
 Real-model tests live in tests/test_batch.py.
 """
 import argparse
+import errno
 import io
 import json
 from types import SimpleNamespace
@@ -428,6 +429,59 @@ def test_partial_last_line_is_cut_off_and_redone(tmp_path):
     assert code == 1
     assert resumed == expected
     assert out.read_text().count("\n") == len(expected)
+
+
+@pytest.mark.parametrize("room", [0, 150, 700])
+def test_a_full_disk_stops_the_run_with_one_line_and_a_rerun_completes_it(tmp_path, monkeypatch, room):
+    expected = reference_output(tmp_path)
+    real_open = open
+
+    class FullDisk:
+        """The output file on a disk with `room` bytes left: the write that does not fit stops part way."""
+
+        def __init__(self, file):
+            self.file, self.room = file, room
+
+        def write(self, data):
+            if len(data) > self.room:
+                self.file.write(data[:self.room])
+                self.file.flush()
+                self.room = 0
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.room -= len(data)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        file = real_open(path, mode, *args, **kwargs)
+        return FullDisk(file) if mode == "ab" else file
+
+    monkeypatch.setattr("app.batch.open", open_on_a_full_disk, raising=False)
+    stderr = io.StringIO()
+    out = tmp_path / "out.jsonl"
+    code = run_batch(write_jsonl(tmp_path / "in.jsonl", RESUME_LINES), out, FakeEngine(), BatchSettings(temperature=0),
+                     stderr=stderr, progress=False)
+    assert code == 1
+    last = stderr.getvalue().splitlines()[-1]
+    assert last.startswith(f"moedesk: {out}: cannot write the output (No space left on device)")
+    assert "run the same command" in last
+    whole = out.read_text().splitlines(keepends=True)
+    whole = [json.loads(line) for line in whole if line.endswith("\n")]
+    assert whole == expected[:len(whole)] and len(whole) < len(expected)
+    assert len(out.read_bytes()) == room  # the line that did not fit is cut, not written twice
+
+    monkeypatch.undo()  # space freed: the same command finishes the job
+    code, resumed, _, err = batch(tmp_path, RESUME_LINES)
+    assert code == 1 and resumed == expected
+    assert f"{len(whole)} skipped" in err
 
 
 def test_resume_after_a_clean_run_with_only_good_lines_exits_0(tmp_path):
