@@ -80,9 +80,13 @@ def test_expert_rows_per_generated_token():
     from app.tui.widgets.stats import expert_rows
 
     assert expert_rows(None, 5) == [] and expert_rows({}, 5) == []
-    rows = dict(expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_streamed": 15,
-                             "gpu_hit_rate": 0.625}, 5))
-    assert rows == {"GPU hit rate": "62%", "experts/token": "GPU 2.0 · CPU 1.0 · copied 0.0 · streamed 3.0"}
+    rows = expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_streamed": 15,
+                        "gpu_hit_rate": 0.625}, 5)
+    assert rows == [("GPU hit rate", "62%"), ("experts on GPU", "2.0 per token"), ("experts on CPU", "1.0 per token"),
+                    ("experts streamed", "3.0 per token")]  # none copied: no row
+    rows = dict(expert_rows({"experts_gpu": 0, "experts_cpu": 4, "experts_copied": 6, "gpu_hit_rate": None}, 2))
+    assert rows == {"GPU hit rate": "—", "experts on GPU": "0.0 per token", "experts on CPU": "2.0 per token",
+                    "experts copied": "3.0 per token"}
 
 
 @pytest.mark.anyio
@@ -99,4 +103,4 @@ async def test_offloaded_engine_shows_resident_experts_and_where_experts_ran(tin
         hm = app.screen.query_one(ExpertHeatMap).current_layout()
         assert sum(c.on_gpu for row in hm.rows for c in row) == resident
         numbers = dict(app.screen.query_one(StatsPanel).number_rows)
-        assert numbers["GPU hit rate"].endswith("%") and numbers["experts/token"].startswith("GPU ")
+        assert numbers["GPU hit rate"].endswith("%") and numbers["experts on GPU"].endswith(" per token")

@@ -34,15 +34,22 @@ def context_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
 
 
 def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str]]:
-    """Where the reply's experts ran (engine stats under "experts"), per generated token; none without offload."""
+    """Where the reply's experts ran (engine stats under "experts"), per generated token; none without offload.
+
+    A row per place, each short enough for the panel (one row of all four was cut off at 100 columns);
+    copied and streamed only when some were, since most replies have none of one or the other."""
     if not experts:
         return []
     steps = max(1, tokens or 1)
     hit = experts.get("gpu_hit_rate")
-    per_step = " · ".join(f"{name} {experts.get(key, 0) / steps:.1f}"
-                          for name, key in (("GPU", "experts_gpu"), ("CPU", "experts_cpu"), ("copied", "experts_copied"),
-                                            ("streamed", "experts_streamed")))
-    return [("GPU hit rate", "—" if hit is None else f"{hit:.0%}"), ("experts/token", per_step)]
+    rows = [("GPU hit rate", "—" if hit is None else f"{hit:.0%}")]
+    for label, key, always in (("experts on GPU", "experts_gpu", True), ("experts on CPU", "experts_cpu", True),
+                               ("experts copied", "experts_copied", False),
+                               ("experts streamed", "experts_streamed", False)):
+        count = experts.get(key, 0)
+        if always or count:
+            rows.append((label, f"{count / steps:.1f} per token"))
+    return rows
 
 
 class StatsPanel(VerticalScroll):
