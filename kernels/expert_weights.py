@@ -1,0 +1,133 @@
+"""`ExpertWeights`: one MoE layer's routed experts, stacked, in 16-bit (or float32) or a packed format.
+
+Every SwiGLU expert e is two matrices: gate_up[e] = [gate; up] ([2F, H]) and down[e] ([H, F]).
+Dense stacks hold them as [E, 2F, H] and [E, H, F] in a float dtype. Packed stacks hold each row as
+the blocks of a GGUF quantisation (kernels.quant_formats): [E, 2F, row_bytes(H)] and
+[E, H, row_bytes(F)] of uint8. gate_up and down may be packed differently (a Q4_K_M file keeps some
+layers' down projections in q6_k); gate and up share one format, since they are one matrix here.
+
+This is the one type that carries experts from the loader through placement, the executors and the
+kernels: copying an expert to the GPU copies its bytes as they are (a 4-bit expert crosses PCIe in
+a quarter of the time), and each kernel dispatches on `gate_up_format` / `down_format`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.quant_formats import dequantize, packed_format
+
+DENSE = "dense"  # the tensors' own float dtype
+
+
+@dataclass
+class ExpertWeights:
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    hidden: int  # H
+    width: int  # F, one expert's intermediate size
+    gate_up_format: str = DENSE
+    down_format: str = DENSE
+
+    def __post_init__(self):
+        E = self.gate_up.shape[0]
+        expect_gu = (E, 2 * self.width, self._cols(self.gate_up_format, self.hidden))
+        expect_d = (E, self.hidden, self._cols(self.down_format, self.width))
+        if tuple(self.gate_up.shape) != expect_gu or tuple(self.down.shape) != expect_d:
+            raise ValueError(f"expert stacks of shape {tuple(self.gate_up.shape)} / {tuple(self.down.shape)} "
+                             f"do not fit {self.gate_up_format}/{self.down_format} experts of H={self.hidden}, "
+                             f"F={self.width} (expected {expect_gu} / {expect_d})")
+        for fmt, t in ((self.gate_up_format, self.gate_up), (self.down_format, self.down)):
+            if (fmt == DENSE) == (t.dtype == torch.uint8):
+                raise ValueError(f"a {fmt} stack cannot be {t.dtype}")
+
+    @staticmethod
+    def _cols(fmt: str, k: int) -> int:
+        return k if fmt == DENSE else packed_format(fmt).row_bytes(k)
+
+    @classmethod
+    def empty(cls, experts: int, hidden: int, width: int, *, dtype: torch.dtype, gate_up_format: str = DENSE,
+              down_format: str = DENSE, device=None, pin_memory: bool = False) -> "ExpertWeights":
+        def stack(fmt, rows, k):
+            t = dtype if fmt == DENSE else torch.uint8
+            return torch.empty((experts, rows, cls._cols(fmt, k)), dtype=t, device=device, pin_memory=pin_memory)
+        return cls(stack(gate_up_format, 2 * width, hidden), stack(down_format, hidden, width), hidden, width,
+                   gate_up_format, down_format)
+
+    # ------------------------------------------------------------------------ what it is
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    @property
+    def packed(self) -> bool:
+        return self.gate_up_format != DENSE or self.down_format != DENSE
+
+    @property
+    def dense_dtype(self) -> torch.dtype | None:
+        """The float dtype of a dense stack (None when both halves are packed)."""
+        for fmt, t in ((self.gate_up_format, self.gate_up), (self.down_format, self.down)):
+            if fmt == DENSE:
+                return t.dtype
+        return None
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up.device
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert as stored: what a copy moves and what the CPU reads to compute it."""
+        return (self.gate_up[0].numel() * self.gate_up.element_size()
+                + self.down[0].numel() * self.down.element_size())
+
+    @property
+    def nbytes(self) -> int:
+        return self.expert_bytes * self.num_experts
+
+    def describe(self) -> str:
+        if not self.packed:
+            return str(self.gate_up.dtype).removeprefix("torch.")
+        if self.gate_up_format == self.down_format:
+            return self.gate_up_format
+        return f"{self.gate_up_format}/{self.down_format}"
+
+    def is_pinned(self) -> bool:
+        return self.gate_up.is_pinned() and self.down.is_pinned()
+
+    # ------------------------------------------------------------------------ views and copies
+
+    def _like(self, gate_up: torch.Tensor, down: torch.Tensor) -> "ExpertWeights":
+        return ExpertWeights(gate_up, down, self.hidden, self.width, self.gate_up_format, self.down_format)
+
+    def expert(self, e: int) -> "ExpertWeights":
+        """Expert e alone, as a one-expert stack viewing the same memory."""
+        return self._like(self.gate_up[e:e + 1], self.down[e:e + 1])
+
+    def select(self, index) -> "ExpertWeights":
+        """A new stack of the experts in `index` (a list or tensor of ids), in that order."""
+        index = torch.as_tensor(index, dtype=torch.int64)
+        return self._like(self.gate_up[index], self.down[index])
+
+    def to(self, device, non_blocking: bool = False) -> "ExpertWeights":
+        return self._like(self.gate_up.to(device, non_blocking=non_blocking),
+                          self.down.to(device, non_blocking=non_blocking))
+
+    def empty_like(self, device=None) -> "ExpertWeights":
+        return self._like(torch.empty_like(self.gate_up, device=device), torch.empty_like(self.down, device=device))
+
+    def copy_(self, other: "ExpertWeights", non_blocking: bool = False) -> "ExpertWeights":
+        self.gate_up.copy_(other.gate_up, non_blocking=non_blocking)
+        self.down.copy_(other.down, non_blocking=non_blocking)
+        return self
+
+    def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2F, H], down [E, H, F]) as float tensors: the packed halves dequantised (the reference
+        arithmetic), dense ones as they are (cast to `dtype` when given)."""
+        dtype = dtype or self.dense_dtype or torch.float32
+        gate_up = (self.gate_up if self.gate_up_format == DENSE
+                   else dequantize(self.gate_up, self.gate_up_format, self.hidden))
+        down = self.down if self.down_format == DENSE else dequantize(self.down, self.down_format, self.width)
+        return gate_up.to(dtype), down.to(dtype)

@@ -1,0 +1,102 @@
+"""The expert computations callers use, for every `ExpertWeights` format and device.
+
+Dense (16-bit or float32) stacks go to the kernels that exist for them: kernels.cpu_experts (the
+native AVX-512 call and torch) and kernels.gpu_experts (torch's grouped GEMM). Packed stacks go to
+the packed kernels where they apply (kernels.cpu_quant, kernels.gpu_quant) and otherwise to
+`reference_packed_forward`: dequantise each expert it needs, then compute in float32. That path is
+slow but exact to the formats' definition, so every device and format computes something right.
+
+Packed experts compute in float32 inside the expert (the packed kernels accumulate in float32 and
+may quantise activations to 8 bits, as llama.cpp does) and round the output to x's dtype.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_experts, gpu_experts
+from kernels.expert_weights import ExpertWeights
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """A one-expert stack `w` applied to x [N, H]: [N, H] in x's dtype."""
+    if not w.packed:
+        return cpu_experts.expert_forward(x, w.gate_up[0], w.down[0])
+    return _packed_one(x, w, 0)
+
+
+def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, out, index=None):
+    """kernels.cpu_experts.experts_forward_routed for any format: each (token, rank) pair of the chosen
+    experts computed into its pair's row of `out` (pair p = token p // k's rank p % k)."""
+    if not w.packed:
+        return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index)
+    quant = _cpu_quant()
+    if quant is not None and quant.applies(x, w):
+        return quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out)
+    return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out)
+
+
+def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
+    """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one."""
+    if not w.packed:
+        return gpu_experts.grouped_supported(x, w.gate_up)
+    quant = _gpu_quant()
+    return quant is not None and quant.applies(x, w)
+
+
+def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
+    """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
+    kernels.gpu_experts.grouped_experts_forward)."""
+    if not w.packed:
+        return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends)
+    quant = _gpu_quant()
+    if quant is not None and quant.applies(x, w):
+        return quant.grouped_experts_forward(x, w, ends)
+    out = torch.empty_like(x)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        if end > start:
+            out[start:end] = _packed_one(x[start:end], w, g)
+        start = end
+    return out
+
+
+# ---------------------------------------------------------------- the reference for packed experts
+
+def _packed_one(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
+    gate_up, down = w.expert(e).dense(torch.float32)
+    gate, up = F.linear(x.float(), gate_up[0]).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down[0]).to(x.dtype)
+
+
+def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
+    """`experts_forward_routed` one expert at a time through `dequantize`: the packed kernels' reference."""
+    experts_of = pair_expert.to("cpu", torch.int64).numpy()
+    if len(experts_of) > x.shape[0] * k or len(experts_of) > out.shape[0]:
+        raise ValueError("more pairs than tokens * k or than rows of out")
+    if len(experts_of) and not 0 <= experts_of.min() <= experts_of.max() < w.num_experts:
+        raise ValueError("pair_expert holds an index outside the expert stack")
+    wanted = np.unique(experts_of) if chosen is None else np.intersect1d(np.unique(experts_of), np.asarray(chosen))
+    for e in wanted.tolist():
+        pairs = torch.from_numpy(np.flatnonzero(experts_of == e)).to(out.device)
+        out[pairs] = _packed_one(x[pairs.to(x.device) // k], w, e).to(out.dtype)
+    return out
+
+
+# ---------------------------------------------------------------- the packed kernels, where present
+
+def _cpu_quant():
+    try:
+        from kernels import cpu_quant
+    except ImportError:
+        return None
+    return cpu_quant
+
+
+def _gpu_quant():
+    try:
+        from kernels import gpu_quant
+    except ImportError:
+        return None
+    return gpu_quant

@@ -1,0 +1,80 @@
+"""The packed formats' arithmetic (kernels.quant_formats) against the gguf package's own numpy code, and
+ExpertWeights' bookkeeping."""
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from kernels.expert_weights import ExpertWeights
+from kernels.quant_formats import FORMATS, dequantize, quantize
+
+# Where each format keeps its float16 scales (byte offsets in a block): random bytes there would make
+# infinities and NaNs, which no quantiser writes.
+_SCALE_OFFSETS = {"q4_0": (0,), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_blocks(fmt: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    f = FORMATS[fmt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, k // f.block, f.block_bytes), dtype=np.uint8)
+    for at in _SCALE_OFFSETS[fmt]:
+        scales = rng.uniform(-0.05, 0.05, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, at:at + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_dequantize_equals_gguf(fmt):
+    raw = random_blocks(fmt, rows=5, k=512)
+    expected = gguf_dequantize(raw, GGMLQuantizationType(FORMATS[fmt].ggml_type))
+    ours = dequantize(torch.from_numpy(raw), fmt, 512)
+    assert ours.dtype == torch.float32 and ours.shape == (5, 512)
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_quantize_writes_the_bytes_gguf_writes(fmt):
+    w = np.random.default_rng(1).standard_normal((7, 96)).astype(np.float32)
+    w[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    w[1, 5] = 40.0  # an outlier owns its block's scale
+    expected = gguf_quantize(w, GGMLQuantizationType(FORMATS[fmt].ggml_type))
+    ours = quantize(torch.from_numpy(w), fmt)
+    np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+def test_quantize_refuses_k_quants_and_ragged_rows():
+    with pytest.raises(ValueError, match="not supported"):
+        quantize(torch.zeros(2, 256), "q4_k")
+    with pytest.raises(ValueError, match="whole blocks"):
+        quantize(torch.zeros(2, 40), "q8_0")
+
+
+def test_expert_weights_sizes_views_and_dense():
+    H, F, E = 64, 32, 3
+    w = ExpertWeights.empty(E, H, F, dtype=torch.float32, gate_up_format="q8_0", down_format="q4_0")
+    assert w.gate_up.shape == (E, 2 * F, 2 * 34) and w.down.shape == (E, H, 18)
+    assert w.expert_bytes == 2 * F * 68 + H * 18 and w.nbytes == E * w.expert_bytes
+    dense_gu = torch.randn(E, 2 * F, H)
+    dense_d = torch.randn(E, H, F)
+    w.gate_up.copy_(quantize(dense_gu, "q8_0"))
+    w.down.copy_(quantize(dense_d, "q4_0"))
+    one = w.expert(2)
+    assert one.num_experts == 1 and one.gate_up.data_ptr() == w.gate_up[2].data_ptr()
+    gu, d = w.dense()
+    assert gu.shape == (E, 2 * F, H) and d.shape == (E, H, F)
+    # int8 with a per-32 scale keeps ~2 decimal digits; 4 bits much less.
+    assert (gu - dense_gu).abs().max() < 0.02 * dense_gu.abs().max()
+    assert (d - dense_d).abs().max() < 0.2 * dense_d.abs().max()
+    assert w.describe() == "q8_0/q4_0"
+    picked = w.select([2, 0])
+    assert torch.equal(picked.gate_up[0], w.gate_up[2])
+
+
+def test_expert_weights_checks_shapes_and_dtypes():
+    with pytest.raises(ValueError, match="do not fit"):
+        ExpertWeights(torch.zeros(2, 8, 4), torch.zeros(2, 4, 5), hidden=4, width=4)
+    with pytest.raises(ValueError, match="cannot be"):
+        ExpertWeights(torch.zeros(2, 8, 34, dtype=torch.float32), torch.zeros(2, 32, 4), hidden=32, width=4,
+                      gate_up_format="q8_0")
