@@ -51,7 +51,7 @@ async def test_reply_streams_token_by_token_and_equals_generate(engine, monkeypa
         widget = chat.query(AssistantMessage).last()
         assert widget.markdown.source == visible(expected.text)
         assert not widget.has_class("-streaming")
-        assert app.screen.query_one("#prompt").value == ""
+        assert app.screen.query_one("#prompt").text == ""
 
         # The second turn goes through the chat template with the whole history.
         await say(pilot, "And then?")
@@ -187,7 +187,7 @@ async def test_context_overflow_leaves_out_old_turns_and_errors_are_one_line(eng
         ids, left_out = chat._prompt_ids(engine)
         assert left_out > 0 and len(ids) <= engine.context_length - 8
 
-        app.screen.query_one("#prompt").value = "x " * 2000  # alone longer than the context
+        app.screen.query_one("#prompt").text = "x " * 2000  # alone longer than the context
         await pilot.press("enter")
         await pilot.pause()
         status = str(app.screen.query_one("#chat-status").render())

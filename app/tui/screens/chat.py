@@ -22,11 +22,12 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Static
+from textual.widgets import Footer, Header, Static
 
 from app.tui.storage import Conversation
 from app.tui.widgets.load_panel import one_line, short_model_name
 from app.tui.widgets.messages import AssistantMessage, UserMessage
+from app.tui.widgets.prompt import PromptArea
 from app.tui.widgets.stats import StatsPanel
 
 MAP_REFRESH_S = 0.5
@@ -84,7 +85,8 @@ class ChatScreen(Screen):
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+r", "regenerate", "Redo"),
         Binding("ctrl+n", "new_chat", "New"),
-        Binding("ctrl+y", "copy_reply", "Copy"),
+        # priority: the focused input box (a TextArea) would take ctrl+y as redo
+        Binding("ctrl+y", "copy_reply", "Copy", priority=True),
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+t", "toggle_stats", "Stats"),
         Binding("f4", "maximize_stats", "Stats full screen", show=False),
@@ -112,7 +114,8 @@ class ChatScreen(Screen):
                 with VerticalScroll(id="messages"):
                     yield Static(self._empty_text(), id="empty-hint")
                 yield Static("", id="chat-status", markup=False)
-                yield Input(placeholder="Message the model — Enter sends", id="prompt")
+                yield PromptArea(placeholder="Message the model — Enter sends, ctrl+j new line, ↑ earlier prompts",
+                                 id="prompt")
             yield StatsPanel(id="stats")
         yield Footer(compact=True)
 
@@ -136,6 +139,10 @@ class ChatScreen(Screen):
         return self.query_one("#messages", VerticalScroll)
 
     @property
+    def prompt(self) -> PromptArea:
+        return self.query_one("#prompt", PromptArea)
+
+    @property
     def stats(self) -> StatsPanel:
         return self.query_one(StatsPanel)
 
@@ -143,7 +150,7 @@ class ChatScreen(Screen):
         self.engine_changed()
         latest = self.app.store.latest()
         await self.show_conversation(latest or Conversation())
-        self.query_one("#prompt", Input).focus()
+        self.prompt.focus()
         self.ready = True
 
     def engine_changed(self) -> None:
@@ -182,6 +189,7 @@ class ChatScreen(Screen):
         for m in conversation.messages:
             if m.role == "user":
                 widgets.append(UserMessage(m.content))
+                self.prompt.remember(m.content)
             elif m.role == "assistant":
                 widgets.append(AssistantMessage(m.content, m.meta, title=self._reply_title(m.meta)))
         messages = self.messages
@@ -229,10 +237,10 @@ class ChatScreen(Screen):
 
     # ------------------------------------------------------------------ sending and streaming
 
-    @on(Input.Submitted, "#prompt")
-    async def send_from_input(self, event: Input.Submitted) -> None:
-        text = event.value.strip()
-        if not text:
+    @on(PromptArea.Submitted, "#prompt")
+    async def send_from_input(self, event: PromptArea.Submitted) -> None:
+        text = event.text.strip("\n")
+        if not text.strip():
             return
         if self.generation is not None:
             self.notify("A reply is still being written: Esc stops it.", severity="warning")
@@ -240,12 +248,13 @@ class ChatScreen(Screen):
         if self.engine is None:
             self.set_status("No model loaded: press F3 to choose one.", error=True)
             return
-        event.input.value = ""
+        event.prompt_area.text = ""
         await self.send(text)
 
     async def send(self, text: str) -> None:
         """Add the user's message and start the reply."""
         self.conversation.add("user", text)
+        self.prompt.remember(text)
         self.save()
         await self._drop_failed_replies()
         await self.messages.mount(UserMessage(text))
@@ -429,7 +438,7 @@ class ChatScreen(Screen):
             return
         self.app.store.remember(None)
         await self.show_conversation(Conversation())
-        self.query_one("#prompt", Input).focus()
+        self.prompt.focus()
 
     def action_copy_reply(self) -> None:
         last = self.conversation.last("assistant")
