@@ -18,11 +18,8 @@
  * measured), which made the FMA form twice as fast at 4 tokens and 1.3x at 16. So the kernel
  * needs only AVX512F/BW/VL, not AVX512_BF16.
  *
- * Threads: a small persistent pool instead of OpenMP. The caller works as thread 0; workers
- * spin briefly after a call (layers follow each other closely in decode) and then sleep.
- * A worker that wakes after the work is done never joins, so a slow wake-up does not delay
- * the call (OpenMP's closing barrier would wait for it). libgomp also keeps one team per
- * calling thread and spins for milliseconds after each region, colliding with torch's team.
+ * Threads: the persistent pool of native_pool.h (shared with cpu_quant.c, which borrows this
+ * library's pool through moe_pool_run so that one process has one set of workers).
  *
  * The Python side checks the CPU before loading this; moe_cpu_supported() checks again,
  * including the OS's support for the zmm state.
@@ -31,18 +28,17 @@
 #include <immintrin.h>
 #include <cpuid.h>
 #include <pthread.h>
-#include <sched.h>
-#include <signal.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
+#include "native_pool.h"
+
 typedef uint16_t bf16;
 
 #define TILE 6          /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
-#define MAX_WORKERS 1023
 /* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next
  * iteration reads, past the tensor's end it is harmless. 1 KiB gave +15% on one core (DRAM-bound
  * decode shapes; 256 B: +6%, 2 KiB: same as 1 KiB). */
@@ -308,17 +304,6 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
 
 static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-static inline void relax(unsigned *spins) {
-    if (++*spins < 4096) _mm_pause();
-    else sched_yield(); /* the thread we wait for may have been preempted */
-}
-
-static int64_t now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 #ifdef MOE_TRACE
 /* Built only by tests/perf/probe_kernel_trace.py: the last call's timeline, to see where a call's time goes
  * beyond streaming its weights. Per participant (0: the caller): when it took its first item, when it
@@ -384,148 +369,19 @@ static void run_job(Job *j, int tid) {
     });
 }
 
-/* ---------------------------------------------------------------- thread pool */
+/* ---------------------------------------------------------------- the call's state */
 
-/* state: generation (32 bits) | closed (1) | worker limit (15) | workers joined (16) */
-#define ST_GEN(s) ((uint32_t)((s) >> 32))
-#define ST_CLOSED (1ull << 31)
-#define ST_LIMIT(s) ((uint32_t)(((s) >> 16) & 0x7fff))
-#define ST_JOINED(s) ((uint32_t)((s) & 0xffff))
+static pthread_mutex_t call = PTHREAD_MUTEX_INITIALIZER; /* one call at a time: the job and scratch below */
+static Job job;
+static void *scratch_mem; /* grown on demand, owned by whoever holds `call` */
+static size_t scratch_bytes;
 
-static struct {
-    pthread_mutex_t call;    /* one call at a time, whichever thread makes it */
-    pthread_mutex_t sleep;
-    pthread_cond_t wake;
-    _Atomic uint64_t state;
-    _Atomic uint32_t left;   /* joined workers that finished the current job */
-    _Atomic int sleepers;
-    _Atomic int64_t spin_ns;
-    _Atomic int linger;      /* whether workers spin after the current call */
-    _Atomic int threads;     /* participants per call, caller included */
-    int workers;             /* worker threads started */
-    Job job;
-    /* scratch, grown on demand, owned by whoever holds `call` */
-    void *scratch;
-    size_t scratch_bytes;
-} pool = {
-    .call = PTHREAD_MUTEX_INITIALIZER,
-    .sleep = PTHREAD_MUTEX_INITIALIZER,
-    .wake = PTHREAD_COND_INITIALIZER,
-    .state = ST_CLOSED,
-    .spin_ns = 20000000, /* 20 ms: see set_spin_us in cpu_experts.py */
-    .linger = 1,
-    .threads = 1,
-};
+static void run_job_fn(void *j, int tid) { run_job((Job *)j, tid); }
 
-/* Wait for a generation other than `seen`: spin for spin_ns (if asked to), then sleep on the condition. */
-static uint64_t wait_new_job(uint32_t seen, int may_spin) {
-    uint64_t s = atomic_load(&pool.state);
-    if (ST_GEN(s) != seen) return s;
-    const int64_t spin = may_spin && atomic_load(&pool.linger) ? atomic_load(&pool.spin_ns) : 0;
-    if (spin > 0) {
-        const int64_t until = now_ns() + spin;
-        for (unsigned i = 1;; i++) {
-            _mm_pause();
-            s = atomic_load_explicit(&pool.state, memory_order_acquire);
-            if (ST_GEN(s) != seen) return s;
-            if ((i & 63) == 0 && now_ns() > until) break;
-        }
-    }
-    pthread_mutex_lock(&pool.sleep);
-    atomic_fetch_add(&pool.sleepers, 1);
-    while (ST_GEN(s = atomic_load(&pool.state)) == seen) pthread_cond_wait(&pool.wake, &pool.sleep);
-    atomic_fetch_sub(&pool.sleepers, 1);
-    pthread_mutex_unlock(&pool.sleep);
-    return s;
-}
+static void call_after_fork_child(void) { pthread_mutex_init(&call, NULL); }
 
-/* Worker `index` joins calls that use more than `index` workers; the others (after a smaller
- * thread count was set) do not spin, so they leave those cores alone. */
-static void *worker_main(void *arg) {
-    const uint32_t index = (uint32_t)(uintptr_t)arg;
-    uint32_t seen = 0, limit = 0;
-    for (;;) {
-        uint64_t s = wait_new_job(seen, index < limit);
-        limit = ST_LIMIT(s);
-        int joined = 0;
-        for (;;) {
-            if ((s & ST_CLOSED) || index >= ST_LIMIT(s) || ST_JOINED(s) >= ST_LIMIT(s)) break;
-            if (atomic_compare_exchange_weak(&pool.state, &s, s + 1)) {
-                joined = 1;
-                break;
-            }
-        }
-        seen = ST_GEN(s);
-        if (!joined) continue;
-        run_job(&pool.job, (int)index + 1);
-        atomic_fetch_add_explicit(&pool.left, 1, memory_order_release);
-    }
-    return NULL;
-}
-
-static int grow_pool(int workers) {
-    if (workers > MAX_WORKERS) workers = MAX_WORKERS;
-    if (pool.workers >= workers) return 0;
-    sigset_t all, old;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &old); /* signals stay with the interpreter's threads */
-    pthread_attr_t attr;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    int rc = 0;
-    while (pool.workers < workers) {
-        pthread_t t;
-        if (pthread_create(&t, &attr, worker_main, (void *)(uintptr_t)pool.workers) != 0) {
-            rc = -1;
-            break;
-        }
-        pthread_setname_np(t, "moedesk-experts");
-        pool.workers++;
-    }
-    pthread_attr_destroy(&attr);
-    pthread_sigmask(SIG_SETMASK, &old, NULL);
-    return rc;
-}
-
-/* The child of a fork has none of the workers: start from an empty pool. */
-static void after_fork_child(void) {
-    pthread_mutex_init(&pool.call, NULL);
-    pthread_mutex_init(&pool.sleep, NULL);
-    pthread_cond_init(&pool.wake, NULL);
-    atomic_store(&pool.state, ST_CLOSED);
-    atomic_store(&pool.left, 0);
-    atomic_store(&pool.sleepers, 0);
-    pool.workers = 0;
-}
-
-__attribute__((constructor)) static void install_fork_handler(void) {
-    pthread_atfork(NULL, NULL, after_fork_child);
-}
-
-/* Run pool.job on `participants` threads (the caller included); returns when all of it is done. */
-static void run_parallel(int participants, int linger) {
-    const int limit = participants - 1;
-    if (limit > 0 && grow_pool(limit) != 0 && pool.workers == 0) participants = 1;
-    const int workers = participants - 1 < pool.workers ? participants - 1 : pool.workers;
-    if (workers == 0) {
-        run_job(&pool.job, 0);
-        return;
-    }
-    atomic_store(&pool.linger, linger);
-    atomic_store_explicit(&pool.left, 0, memory_order_relaxed);
-    const uint64_t prev = atomic_load(&pool.state);
-    atomic_store(&pool.state, ((uint64_t)(ST_GEN(prev) + 1) << 32) | ((uint64_t)workers << 16));
-    if (atomic_load(&pool.sleepers) > 0) {
-        pthread_mutex_lock(&pool.sleep);
-        pthread_cond_broadcast(&pool.wake);
-        pthread_mutex_unlock(&pool.sleep);
-    }
-    run_job(&pool.job, 0);
-    /* No one joins from now on; wait only for those who did. */
-    const uint64_t closed = atomic_fetch_or(&pool.state, ST_CLOSED);
-    const uint32_t joined = ST_JOINED(closed);
-    unsigned spins = 0;
-    while (atomic_load_explicit(&pool.left, memory_order_acquire) < joined) relax(&spins);
+__attribute__((constructor)) static void install_call_fork_handler(void) {
+    pthread_atfork(NULL, NULL, call_after_fork_child);
 }
 
 /* ---------------------------------------------------------------- API */
@@ -540,13 +396,13 @@ static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, in
 }
 
 static void *scratch(size_t bytes) {
-    if (pool.scratch_bytes < bytes) {
-        free(pool.scratch);
+    if (scratch_bytes < bytes) {
+        free(scratch_mem);
         bytes = round_up((int64_t)bytes + (bytes >> 2), 4096);
-        pool.scratch = aligned_alloc(64, bytes);
-        pool.scratch_bytes = pool.scratch ? bytes : 0;
+        scratch_mem = aligned_alloc(64, bytes);
+        scratch_bytes = scratch_mem ? bytes : 0;
     }
-    return pool.scratch;
+    return scratch_mem;
 }
 
 enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5 };
@@ -582,9 +438,9 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     }
     if (ng == 0 || H <= 0 || F <= 0) return OK; /* the caller handles empty shapes */
 
-    pthread_mutex_lock(&pool.call);
+    pthread_mutex_lock(&call);
     TRACE(memset(&trace, 0, sizeof trace); trace.enter = now_ns());
-    int threads = atomic_load(&pool.threads);
+    int threads = pool_get_threads();
     /* phase-1 blocks start at multiples of 32 so that each 32-chunk of split act has one writer */
     const int64_t FB = block_rows(F, 4 * H, 32, ng, threads), HB = block_rows(H, 2 * F, 16, ng, threads);
     const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
@@ -605,10 +461,10 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     }
     char *base = scratch(bytes);
     if (!base) {
-        pthread_mutex_unlock(&pool.call);
+        pthread_mutex_unlock(&call);
         return NO_MEMORY;
     }
-    Job *j = &pool.job;
+    Job *j = &job;
     j->gate_up = gate_up;
     j->down = down;
     j->out = out;
@@ -655,14 +511,14 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     atomic_store_explicit(&j->rows_split, 0, memory_order_relaxed);
     /* Torch works next on the skipped groups: spinning workers would only get in its way. */
     TRACE(trace.start = now_ns());
-    run_parallel(threads, *skipped == 0);
+    pool_run(run_job_fn, j, threads, *skipped == 0);
     TRACE(trace.exit = now_ns());
-    if (pool.scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
-        free(pool.scratch);
-        pool.scratch = NULL;
-        pool.scratch_bytes = 0;
+    if (scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
+        free(scratch_mem);
+        scratch_mem = NULL;
+        scratch_bytes = 0;
     }
-    pthread_mutex_unlock(&pool.call);
+    pthread_mutex_unlock(&call);
     return OK;
 }
 
@@ -728,9 +584,11 @@ int moe_routed_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64
                                out_stride, out_rows, out_len, max_tokens, skipped);
 }
 
-void moe_set_threads(int n) { atomic_store(&pool.threads, n < 1 ? 1 : n > MAX_WORKERS + 1 ? MAX_WORKERS + 1 : n); }
-int moe_get_threads(void) { return atomic_load(&pool.threads); }
-void moe_set_spin_us(int64_t us) { atomic_store(&pool.spin_ns, us < 0 ? 0 : us * 1000); }
+void moe_set_threads(int n) { pool_set_threads(n); }
+int moe_get_threads(void) { return pool_get_threads(); }
+void moe_set_spin_us(int64_t us) { pool_set_spin_us(us); }
+/* The pool for other kernels of this process (cpu_quant.c): threads <= 0 means moe_set_threads' setting. */
+void moe_pool_run(pool_fn fn, void *arg, int threads, int linger) { pool_run(fn, arg, threads, linger); }
 
 /* AVX512F/BW/VL present and the OS saves the opmask and zmm registers. */
 int moe_cpu_supported(void) {

@@ -21,6 +21,7 @@ Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import threading
@@ -36,8 +37,17 @@ from kernels.native_build import BuildError, build_library, find_compiler
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
+POOL_HEADER = Path(__file__).with_name("native_pool.h")
+
+
+def header_flag(path: Path = POOL_HEADER) -> str:
+    """A define naming the shared header's content: build_library keys its cache on the source and the
+    flags, so this makes an edit of the header build the libraries again."""
+    return f"-DMOEDESK_POOL_H={hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+
+
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", header_flag()]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 _ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
            -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
@@ -325,6 +335,7 @@ def _load() -> None:
         lib.moe_routed_experts_forward.restype = ctypes.c_int
         lib.moe_set_threads.argtypes = [ctypes.c_int]
         lib.moe_set_spin_us.argtypes = [i64]
+        lib.moe_get_threads.restype = ctypes.c_int
         lib.moe_set_threads(_threads or default_num_threads())
         if _spin_us is not None:
             lib.moe_set_spin_us(_spin_us)
