@@ -1,0 +1,340 @@
+"""Packed (GGUF-quantised) experts on the GPU: the weights stay packed in GPU memory and are dequantised inside the kernel.
+
+Decode gives each resident expert a handful of tokens, so an expert's cost is reading its weights: a
+4-bit expert read packed costs a quarter of the bf16 one. `grouped_experts_forward` runs every expert
+of a layer in two launches (gate/up with the SwiGLU, then down), each program reading a tile of packed
+rows once for all of its group's tokens. Nothing on the host depends on the routing (the groups' ends
+are read on the device), so CUDA graphs capture it.
+
+How a tile is read. Every format is walked in units of 2 x L weights that share a byte run: L bytes (16
+for q4_0 and q8_0, 32 for the k-quants) give two planes of L weights each, e.g. a q4_0 block's low and
+high nibbles. A plane's weights are not consecutive columns of the matrix (a q4_0 byte holds columns j
+and j + 16), so rather than shuffling the weights into column order, the kernel gathers the matching
+elements of x, which are few and sit in L1. The bytes are read as they lie, in runs the hardware
+coalesces, and each byte is read once.
+
+Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
+and the tokens split over programs, or, where measured faster, the experts dequantised to bf16 scratch
+and torch's grouped GEMM (`_PREFILL_ROUTE`).
+
+Arithmetic: the weights are dequantised in float32 exactly as kernels.quant_formats.dequantize does,
+the activation between the projections stays float32, the output is rounded to x's dtype. The
+tensor-core tiles take their operands in bf16 (x in bf16 is exact, the weights and the float32
+activation round to 8 bits of mantissa), which stays inside what kernels.experts allows packed kernels
+(llama.cpp rounds the activations to 8-bit integers). Float32 x always takes the float32 path.
+TRITON_INTERPRET=1 runs the kernels on the CPU, which is how CI checks them.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import gpu_fused
+from kernels.expert_weights import ExpertWeights
+from kernels.quant_formats import FORMATS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+_FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+_LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 32}  # L: bytes of a unit's run
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
+    """Whether `grouped_experts_forward` takes x and w: one CUDA device, both halves in a packed format
+    this module knows, x in bf16/fp16/fp32, Triton present and the fused kernels not turned off.
+
+    CPU tensors never apply, even under TRITON_INTERPRET=1, so the engine never sends CPU work to the
+    interpreter; the tests call the kernels there directly."""
+    return (gpu_fused.wanted() and x.is_cuda and x.device == w.gate_up.device == w.down.device
+            and w.gate_up_format in _FMT_ID and w.down_format in _FMT_ID and x.dtype in _DTYPES
+            and x.dim() == 2 and x.shape[-1] == w.hidden)
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
+    """A one-expert stack `w` (e.g. a copied expert) applied to all rows of x [N, H]: [N, H] in x's dtype."""
+    if w.num_experts != 1:
+        raise ValueError(f"expert_forward takes a one-expert stack, not {w.num_experts} experts")
+    ends = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+    return grouped_experts_forward(x, w, ends)
+
+
+def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor,
+                            route: str | None = None) -> torch.Tensor:
+    """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w`.
+
+    x [M, H] (bf16, fp16 or fp32); ends [G] int32 on x's device, cumulative (empty groups repeat the
+    previous end), G <= w.num_experts. Returns [M, H] in x's dtype. `route` forces "fused" or "dequant"
+    (tests and the benchmark); by default it follows the rows per group the shapes allow."""
+    x = x.contiguous()
+    m, h = x.shape
+    g = ends.shape[0]
+    out = torch.empty_like(x)
+    if m == 0 or g == 0:
+        return out
+    route = route or _route(x, m, g)
+    if route == "dequant":
+        return _dequant_route(x, w, ends, out)
+    f = w.width
+    act = torch.empty(m, f, dtype=torch.float32, device=x.device)
+    _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g)
+    _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g)
+    return out
+
+
+# ---------------------------------------------------------------- choosing tiles
+
+# Rows per group (on average) from which prefill tiles and their route take over.
+_MANY = 32
+# "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM.
+_PREFILL_ROUTE = "fused"
+
+
+def _route(x: torch.Tensor, m: int, g: int) -> str:
+    if m < _MANY * g or _PREFILL_ROUTE == "fused" or not _dequant_route_works(x):
+        return "fused"
+    return "dequant"
+
+
+def _config(x: torch.Tensor, m: int, g: int, rows: int, k: int) -> dict:
+    """Tile sizes for one launch: ROWS weight rows per program, NB units along k per step, BT tokens per
+    step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens."""
+    per_group = -(-m // g)
+    dot = x.dtype != torch.float32 and per_group > 8 and not _interpreted()
+    if _interpreted():  # few programs and small tiles: the interpreter pays per program and per op
+        bt = 1 if per_group <= 1 else 4 if per_group <= 4 else 16
+        return dict(ROWS=32, NB=16, BT=bt, DOT=False, SPLIT=1, num_warps=1)
+    if per_group >= _MANY and dot:
+        bt = 64 if per_group < 256 else 128
+        return dict(ROWS=64, NB=64 // 16, BT=bt, DOT=True, SPLIT=max(1, -(-m // bt)), num_warps=4,
+                    num_stages=3)
+    if dot:
+        return dict(ROWS=16, NB=8, BT=16, DOT=True, SPLIT=1, num_warps=4)
+    bt = 1 if per_group <= 1 else 2 if per_group <= 2 else 4
+    return dict(ROWS=8, NB=8, BT=bt, DOT=False, SPLIT=1, num_warps=4)
+
+
+_OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
+
+
+def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, config=None):
+    cfg = dict(config or _OVERRIDE or _config(x, m, groups, rows, k))
+    lanes = _LANES[fmt]
+    nb = cfg.pop("NB")
+    # NB units of 2*L weights: keep the step a whole number of units (k-quant units are 64 weights).
+    units = k // (2 * lanes)
+    split = cfg.pop("SPLIT")
+    row_bytes = stack.shape[-1]
+    grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
+    _packed_mm[grid](
+        x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split,
+        FMT=_FMT_ID[fmt], L=lanes, NB=nb, GATED=gated, **cfg)
+
+
+# ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
+
+_grouped_mm = getattr(torch, "_grouped_mm", None)
+
+
+def _dequant_route_works(x: torch.Tensor) -> bool:
+    return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def dequantize_experts(stack: torch.Tensor, fmt: str, k: int, ends: torch.Tensor | None = None,
+                       dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """[G, R, k] weights in `dtype` from packed stack rows [>=G, R, row_bytes(k)], G = len(ends) (all when
+    None); experts whose group is empty are skipped and left unwritten, since nothing reads them."""
+    g = stack.shape[0] if ends is None else ends.shape[0]
+    r = stack.shape[1]
+    out = torch.empty(g, r, k, dtype=dtype, device=stack.device)
+    lanes = _LANES[fmt]
+    units = k // (2 * lanes)
+    rows, nb = (32, 16) if _interpreted() else (16, 8)
+    grid = (triton.cdiv(r, rows), triton.cdiv(units, nb), g)
+    _dequant[grid](stack, stack.stride(0), ends if ends is not None else stack, out, r, k, stack.shape[-1], units,
+                   FMT=_FMT_ID[fmt], L=lanes, ROWS=rows, NB=nb, SKIP=ends is not None)
+    return out
+
+
+def _dequant_route(x, w: ExpertWeights, ends, out):
+    gate_up = dequantize_experts(w.gate_up, w.gate_up_format, w.hidden, ends, x.dtype)
+    h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
+    del gate_up
+    gate, up = h.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    down = dequantize_experts(w.down, w.down_format, w.width, ends, x.dtype)
+    out.copy_(_grouped_mm(act, down.transpose(1, 2), offs=ends))
+    return out
+
+
+# ---------------------------------------------------------------- the kernels
+
+if triton is not None:
+    @triton.jit
+    def _f16(p):
+        """A little-endian float16 at byte address p (every format keeps them 2-byte aligned), as float32."""
+        return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
+
+    @triton.jit
+    def _f16_masked(p, mask):
+        return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _k_scale_min(sp, s, mask):
+        """The 6-bit (scale, min) of sub-block s of a q4_k/q5_k block whose 12 scale bytes start at sp."""
+        a = tl.load(sp + s, mask=mask, other=0).to(tl.int32)
+        c = tl.load(sp + s + 4, mask=mask, other=0).to(tl.int32)
+        e = tl.load(sp + tl.maximum(s - 4, 0), mask=mask, other=0).to(tl.int32)
+        low = s < 4
+        sc = tl.where(low, a & 63, (c & 15) | ((e >> 6) << 4))
+        mn = tl.where(low, c & 63, (c >> 4) | ((a >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _planes(row, u, l, mask, FMT: tl.constexpr):
+        """Unit u's two planes of weights (float32) in rows `row` (byte pointers [R, 1]), lane l, and the
+        matrix columns they belong to: (w0, w1, col0, col1)."""
+        if FMT == 0:  # q4_0: 18-byte blocks of 32; byte l: columns l (low nibble) and l + 16 (high)
+            base = row + u * 18
+            d = _f16_masked(base, mask)
+            b = tl.load(base + 2 + l, mask=mask, other=0).to(tl.int32)
+            w0 = d * ((b & 15) - 8).to(tl.float32)
+            w1 = d * ((b >> 4) - 8).to(tl.float32)
+            col0 = u * 32 + l
+            col1 = col0 + 16
+        elif FMT == 1:  # q8_0: 34-byte blocks of 32, the two halves as the planes
+            base = row + u * 34
+            d = _f16_masked(base, mask)
+            q = (base + 2 + l).to(tl.pointer_type(tl.int8))
+            w0 = d * tl.load(q, mask=mask, other=0).to(tl.float32)
+            w1 = d * tl.load(q + 16, mask=mask, other=0).to(tl.float32)
+            col0 = u * 32 + l
+            col1 = col0 + 16
+        elif FMT == 4:  # q6_k: unit = (block, half, 32-byte part p); low nibbles quarter p, high p + 2
+            blk = u // 4
+            half = (u // 2) % 2
+            p = u % 2
+            base = row + blk * 210
+            ql = tl.load(base + half * 64 + p * 32 + l, mask=mask, other=0).to(tl.int32)
+            qh = tl.load(base + 128 + half * 32 + l, mask=mask, other=0).to(tl.int32)
+            sp = (base + 192 + half * 8 + l // 16).to(tl.pointer_type(tl.int8))
+            s0 = tl.load(sp + 2 * p, mask=mask, other=0).to(tl.float32)
+            s1 = tl.load(sp + 2 * p + 4, mask=mask, other=0).to(tl.float32)
+            d = _f16_masked(base + 208, mask)
+            q0 = ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)) - 32
+            q1 = ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)) - 32
+            w0 = d * s0 * q0.to(tl.float32)
+            w1 = d * s1 * q1.to(tl.float32)
+            col0 = blk * 256 + half * 128 + p * 32 + l
+            col1 = col0 + 64
+        else:  # q4_k (2) / q5_k (3): unit = (block, pair j of sub-blocks 2j, 2j + 1) sharing 32 bytes
+            blk = u // 4
+            j = u % 4
+            if FMT == 2:
+                base = row + blk * 144
+                b = tl.load(base + 16 + j * 32 + l, mask=mask, other=0).to(tl.int32)
+                q0 = b & 15
+                q1 = b >> 4
+            else:
+                base = row + blk * 176
+                b = tl.load(base + 48 + j * 32 + l, mask=mask, other=0).to(tl.int32)
+                qh = tl.load(base + 16 + l, mask=mask, other=0).to(tl.int32)
+                q0 = (b & 15) | (((qh >> (2 * j)) & 1) << 4)
+                q1 = (b >> 4) | (((qh >> (2 * j + 1)) & 1) << 4)
+            d = _f16_masked(base, mask)
+            dmin = _f16_masked(base + 2, mask)
+            sc0, m0 = _k_scale_min(base + 4, 2 * j, mask)
+            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, mask)
+            w0 = (d * sc0) * q0.to(tl.float32) - dmin * m0
+            w1 = (d * sc1) * q1.to(tl.float32) - dmin * m1
+            col0 = blk * 256 + j * 64 + l
+            col1 = col0 + 32
+        return w0, w1, col0, col1
+
+    @triton.jit
+    def _mm(x, w, DOT: tl.constexpr):
+        """[BT, ROWS] partial sums of x [BT, BK] against weights w [ROWS, BK]."""
+        if DOT:
+            return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        else:
+            return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+
+    @triton.jit
+    def _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L: tl.constexpr, NB: tl.constexpr,
+                 BT: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr, FMT: tl.constexpr):
+        k = tl.arange(0, NB * L)
+        acc = tl.zeros([BT, ROWS], dtype=tl.float32)
+        xrow = x_ptr + toks[:, None].to(tl.int64) * x_stride
+        for u0 in range(0, UNITS, NB):
+            u = u0 + k // L
+            l = k % L
+            ulive = u < UNITS
+            w0, w1, c0, c1 = _planes(row, u[None, :], l[None, :], rlive[:, None] & ulive[None, :], FMT)
+            xm = tlive[:, None] & ulive[None, :]
+            x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)
+            x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
+            acc += _mm(x0, w0, DOT)
+            acc += _mm(x1, w1, DOT)
+        return acc
+
+    @triton.jit
+    def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
+                   FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+                   DOT: tl.constexpr, GATED: tl.constexpr):
+        """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
+        out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
+        g = tl.program_id(1)
+        end = tl.load(ends_ptr + g)
+        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
+        start = tl.where(g > 0, start, 0)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rlive = rows < R
+        expert = w_ptr + g.to(tl.int64) * expert_stride
+        row = expert + rows[:, None].to(tl.int64) * ROW_BYTES
+        for t0 in range(start + tl.program_id(2) * BT, end, SPLIT * BT):
+            toks = t0 + tl.arange(0, BT)
+            tlive = toks < end
+            acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, BT, ROWS, DOT, FMT)
+            if GATED:
+                up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, BT, ROWS,
+                              DOT, FMT)
+                acc = acc * tl.sigmoid(acc) * up
+            dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
+
+    @triton.jit
+    def _dequant(w_ptr, expert_stride, ends_ptr, out_ptr, R, K, ROW_BYTES, UNITS, FMT: tl.constexpr,
+                 L: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, SKIP: tl.constexpr):
+        g = tl.program_id(2)
+        if SKIP:
+            end = tl.load(ends_ptr + g)
+            start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
+            start = tl.where(g > 0, start, 0)
+            if end == start:
+                return
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rlive = rows < R
+        k = tl.arange(0, NB * L)
+        u = tl.program_id(1) * NB + k // L
+        l = k % L
+        mask = rlive[:, None] & (u < UNITS)[None, :]
+        row = w_ptr + g.to(tl.int64) * expert_stride + rows[:, None].to(tl.int64) * ROW_BYTES
+        w0, w1, c0, c1 = _planes(row, u[None, :], l[None, :], mask, FMT)
+        dst = out_ptr + g.to(tl.int64) * R * K + rows[:, None].to(tl.int64) * K
+        dtype = out_ptr.dtype.element_ty
+        tl.store(dst + c0, w0.to(dtype), mask=mask)
+        tl.store(dst + c1, w1.to(dtype), mask=mask)
+
+
+def supported_formats() -> tuple[str, ...]:
+    return tuple(f for f in FORMATS if f in _FMT_ID)
