@@ -2,6 +2,8 @@
 
 Up to `batch_size` sequences decode together, one cache row each. When a sequence finishes,
 its row takes the next request at once; new requests are prefilled together, right-padded.
+`Decoder.start`, `prefill` and `decode` are the steps; `Decoder.run` drives them over an
+iterable of requests, engine.scheduler.Scheduler over requests that arrive while it runs.
 """
 from __future__ import annotations
 
@@ -29,6 +31,8 @@ class Sequence:
     first_token_at: float = 0.0
     expert_stats_at_start: object = None  # a copy of the executor's StepStats when the sequence began
     detokenizer: object = None  # the tokenizer's StreamDecoder: `text` grows by a token's text, not re-decoded
+    prefilled: int = 0  # prompt tokens already in the cache (a long prompt may prefill in pieces)
+    constraint: object = None  # engine.sampling.TokenConstraint when the request has a grammar
 
     @property
     def params(self):
@@ -55,6 +59,8 @@ class Decoder:
         """Yield (sequence, new token) each time a sequence grows; token None when it finished without one.
 
         A sequence is finished when its `finish_reason` is set; the caller sees that event last.
+        The simplest driver of `start`/`prefill`/`decode` (engine.scheduler.Scheduler is the other):
+        prompts prefill whole, and a freed row takes the next request at once.
         """
         pending = iter(requests)
         slots: list[Sequence | None] = [None] * batch_size
@@ -67,16 +73,12 @@ class Decoder:
                 if request is None:
                     exhausted = True
                     break
-                seq = Sequence(request, free.pop(0), started=time.perf_counter(),
-                               detokenizer=self.tokenizer.stream_decoder() if self.tokenizer else None)
-                if hasattr(self.executor, "stats"):
-                    seq.expert_stats_at_start = self.executor.stats.copy()
-                if request.params.temperature > 0:
-                    seq.generator = torch.Generator().manual_seed(request.params.seed)
+                seq = self.start(request, free.pop(0))
                 slots[seq.row] = seq
                 fresh.append(seq)
             if fresh:
-                yield from self._prefill(fresh, slots)
+                self.reserve(len(slots), fresh)
+                yield from _freeing(self.prefill(fresh), slots)
             active = [s for s in slots if s is not None]
             if not active:
                 return
@@ -86,28 +88,67 @@ class Decoder:
                     slots[seq.row] = None
                     yield seq, None
                 return
-            yield from self._decode(active, slots)
+            yield from _freeing(self.decode(active), slots)
 
-    def _prefill(self, seqs: list[Sequence], slots) -> Iterator[tuple[Sequence, int | None]]:
-        lengths = [len(s.request.prompt_ids) for s in seqs]
-        longest = max(lengths)
-        need = max(min(self.context_length, n + s.params.max_new_tokens) for n, s in zip(lengths, seqs))
-        self._retrying_oom(lambda: self.cache.ensure(len(slots), need))
-        tokens = torch.zeros(len(seqs), longest, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            tokens[i, : lengths[i]] = torch.tensor(s.request.prompt_ids)
-        # Padding continues each row's positions, so it lands past the row's end in the cache
-        # where the row's own later tokens overwrite it before anything can attend to it.
-        positions = torch.arange(longest).expand(len(seqs), -1)
-        rows = torch.tensor([s.row for s in seqs])
+    def start(self, request: Request, row: int) -> Sequence:
+        """A new sequence for `request` in cache row `row` (nothing computed yet)."""
+        seq = Sequence(request, row, started=time.perf_counter(),
+                       detokenizer=self.tokenizer.stream_decoder() if self.tokenizer else None)
+        if hasattr(self.executor, "stats"):
+            seq.expert_stats_at_start = self.executor.stats.copy()
+        if request.params.temperature > 0:
+            seq.generator = torch.Generator().manual_seed(request.params.seed)
+        if request.grammar is not None:
+            seq.constraint = request.grammar.matcher()
+        return seq
+
+    def reserve(self, rows: int, seqs: list[Sequence]) -> None:
+        """Grow the cache to `rows` rows, long enough for every one of `seqs` to run to its end."""
+        need = max(min(self.context_length, len(s.request.prompt_ids) + s.params.max_new_tokens) for s in seqs)
+        self._retrying_oom(lambda: self.cache.ensure(rows, need))
+
+    def prefill(self, seqs: list[Sequence], budget: int | None = None) -> Iterator[tuple[Sequence, int | None]]:
+        """One forward over the next piece of each sequence's prompt, at most `budget` prompt tokens in all
+        (None: the whole prompts). A sequence whose prompt is then complete gets its first token.
+        Sequences the budget leaves no room for are not touched (`Sequence.prefilled` says how far each got)."""
+        pieces = []
+        left = budget
+        for s in seqs:
+            take = len(s.request.prompt_ids) - s.prefilled
+            if left is not None:
+                take = min(take, left)
+                left -= take
+            if take > 0:
+                pieces.append((s, take))
+        if not pieces:
+            return
+        longest = max(take for _, take in pieces)
+        tokens = torch.zeros(len(pieces), longest, dtype=torch.long)
+        for i, (s, take) in enumerate(pieces):
+            tokens[i, :take] = torch.tensor(s.request.prompt_ids[s.prefilled:s.prefilled + take])
+        # Padding continues each row's positions, so it lands past the row's end in the cache where the row's
+        # own later tokens overwrite it before anything can attend to it. Clamped to the last position of the
+        # context: a prompt is shorter than the context, so no real token of the row sits there.
+        starts = torch.tensor([s.prefilled for s, _ in pieces])
+        positions = (starts[:, None] + torch.arange(longest)).clamp(max=self.context_length - 1)
+        rows = torch.tensor([s.row for s, _ in pieces])
+        self._retrying_oom(lambda: self.cache.ensure(self.cache.rows, int(positions.max()) + 1))
+        takes = torch.tensor([take for _, take in pieces])
         logits = self._retrying_oom(lambda: self.model(
             tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
-            rows=rows.to(self.device), logits_at=torch.tensor(lengths, device=self.device) - 1))
-        for s, n in zip(seqs, lengths):
-            s.position = n
-        yield from self._accept(seqs, logits[:, -1], slots)
+            rows=rows.to(self.device), logits_at=takes.to(self.device) - 1))
+        done, done_logits = [], []
+        for i, (s, take) in enumerate(pieces):
+            s.prefilled += take
+            if s.prefilled == len(s.request.prompt_ids):
+                s.position = s.prefilled
+                done.append(s)
+                done_logits.append(i)
+        if done:
+            yield from self._accept(done, logits[done_logits, -1])
 
-    def _decode(self, seqs: list[Sequence], slots) -> Iterator[tuple[Sequence, int | None]]:
+    def decode(self, seqs: list[Sequence]) -> Iterator[tuple[Sequence, int | None]]:
+        """One decode step of `seqs` (each with its prompt prefilled and a last token)."""
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
         positions = torch.tensor([[s.position] for s in seqs])
         rows = None if [s.row for s in seqs] == list(range(len(seqs))) else torch.tensor([s.row for s in seqs])
@@ -115,7 +156,7 @@ class Decoder:
                                                        None if rows is None else rows.to(self.device)))
         for s in seqs:
             s.position += 1
-        yield from self._accept(seqs, logits[:, -1], slots)
+        yield from self._accept(seqs, logits[:, -1])
 
     def _step(self, tokens, positions, rows):
         logits = self.graphs.decode(tokens, positions, self.executor, rows) if self.graphs is not None else None
@@ -137,29 +178,32 @@ class Decoder:
                     raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
                                        "use a shorter context or a smaller batch") from error
 
-    def _accept(self, seqs, logits: torch.Tensor, slots) -> Iterator[tuple[Sequence, int | None]]:
+    def _accept(self, seqs, logits: torch.Tensor) -> Iterator[tuple[Sequence, int | None]]:
         greedy = torch.argmax(logits, dim=-1).tolist()
         cpu_logits = None
         now = time.perf_counter()
         for i, s in enumerate(seqs):
-            if s.params.temperature == 0:
+            if s.constraint is not None:
+                # Only constrained sequences pay for a mask: one row to the host, the grammar's tokens kept.
+                row = s.constraint.mask(logits[i].float().cpu())
+                token = int(torch.argmax(row)) if s.params.temperature == 0 else sample_token(row, s.params, s.generator)
+            elif s.params.temperature == 0:
                 token = greedy[i]
             else:
                 cpu_logits = logits.cpu() if cpu_logits is None else cpu_logits
                 token = sample_token(cpu_logits[i], s.params, s.generator)
             if not s.tokens:
                 s.first_token_at = now
-            if token in self.eos_token_ids and not s.params.ignore_eos:
+            if token in self.eos_token_ids and (not s.params.ignore_eos or s.constraint is not None):
                 s.finish_reason = "stop"
-                slots[s.row] = None
                 yield s, None
                 continue
             s.tokens.append(token)
             added = s.detokenizer.step(token) if s.detokenizer is not None else ""
             s.text += added
             self._check_stop(s, len(added))
-            if s.finish_reason:
-                slots[s.row] = None
+            if s.constraint is not None and s.constraint.accept(token) and not s.finish_reason:
+                s.finish_reason = "stop"  # the grammar is complete: nothing but the end may follow
             yield s, token
 
     def _check_stop(self, s: Sequence, added: int) -> None:
@@ -176,6 +220,7 @@ class Decoder:
             s.finish_reason = "length"
 
     def completion(self, s: Sequence) -> Completion:
+        """The finished sequence as the caller gets it (decodes the whole text once)."""
         if self.tokenizer is not None and not (s.params.stop and s.finish_reason == "stop"):
             s.text = self.tokenizer.decode(s.tokens)
         end = time.perf_counter()
@@ -190,3 +235,11 @@ class Decoder:
             stats["experts"] = self.executor.stats.since(s.expert_stats_at_start).as_dict()
         return Completion(tag=s.request.tag, token_ids=list(s.tokens), text=s.text, finish_reason=s.finish_reason,
                           prompt_tokens=len(s.request.prompt_ids), stats=stats)
+
+
+def _freeing(events, slots) -> Iterator[tuple[Sequence, int | None]]:
+    """Pass events on, emptying a finished sequence's slot before its caller sees the event."""
+    for seq, token in events:
+        if seq.finish_reason:
+            slots[seq.row] = None
+        yield seq, token

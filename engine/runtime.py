@@ -1,6 +1,7 @@
 """`Engine`: the one object front ends talk to. Load a model, then generate or stream."""
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Iterable, Iterator
 
@@ -16,6 +17,7 @@ from engine.loader import load_model, resolve_device, resolve_dtype
 from engine.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
+from engine.scheduler import Group, Handle, Scheduler, TextDeltas, cancelled_after
 from engine.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
@@ -33,7 +35,9 @@ class Engine:
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
         self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
-        self._lock = threading.Lock()  # one generation at a time shares the cache
+        # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
+        self.scheduler = Scheduler(self._decoder)
+        self._grammar_tokenizer = None
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
@@ -131,38 +135,82 @@ class Engine:
             return {}
         return {**self.orchestra.summary(), **self.executor.stats.as_dict()}
 
+    def submit(self, request: Request, **options) -> Handle:
+        """Queue one request on the scheduler (options: see engine.scheduler.Scheduler.submit)."""
+        return self.scheduler.submit(request, **options)
+
     def generate(self, requests: Iterable[Request], batch_size: int = 8) -> Iterator[Completion]:
-        """Complete every request; yield each as soon as it finishes (not in input order)."""
-        with self._lock:
-            decoder = self._decoder()
-            for seq, _ in decoder.run(requests, batch_size):
-                if seq.finish_reason:
-                    yield decoder.completion(seq)
+        """Complete every request, at most `batch_size` at once; yield each as soon as it finishes (not in input
+        order). Requests are pulled from `requests` on the caller's thread as earlier ones finish."""
+        group = Group(batch_size)
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        source = iter(requests)
+        in_flight: dict[int, Handle] = {}
+        exhausted, number = False, 0
+        try:
+            while True:
+                # A batch's worth waits beyond the running ones, so a freed row takes the next request in the
+                # same step instead of after a round trip through this thread.
+                while not exhausted and len(in_flight) < 2 * batch_size:
+                    request = next(source, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    number += 1
+                    in_flight[number] = self.scheduler.submit(
+                        request, group=group, sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
+                if not in_flight:
+                    return
+                n, update = finished.get()
+                del in_flight[n]
+                if update.error is not None:
+                    raise update.error
+                yield update.completion
+        finally:
+            for handle in in_flight.values():  # the caller stopped early (or failed): free their rows
+                handle.cancel()
 
     def stream(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-               cancel: threading.Event | None = None) -> Iterator[StreamChunk]:
-        """Yield text as it is generated; the last chunk carries the Completion. `cancel` stops early."""
-        with self._lock:
-            decoder = self._decoder()
-            shown = ""
-            for seq, token in decoder.run([Request(list(prompt_ids), params)], batch_size=1, cancel=cancel):
-                new_ids = [] if token is None else [token]
-                if seq.finish_reason:
-                    done = decoder.completion(seq)
-                    yield StreamChunk(done.text[len(shown):] if done.text.startswith(shown) else "", new_ids, done)
+               cancel: threading.Event | None = None, grammar=None) -> Iterator[StreamChunk]:
+        """Yield text as it is generated; the last chunk carries the Completion. `cancel` stops early: set
+        between two chunks, the reply ends with the tokens already yielded."""
+        updates: queue.SimpleQueue = queue.SimpleQueue()
+        handle = self.scheduler.submit(Request(list(prompt_ids), params, grammar=grammar), sink=updates.put,
+                                       cancel=cancel)
+        deltas = TextDeltas(params.stop)
+        seen: list[int] = []
+        try:
+            while True:
+                update = updates.get()
+                if update.error is not None:
+                    raise update.error
+                if update.completion is not None:
+                    yield deltas.last(update.completion, update.token_id)
                     return
-                text = seq.text  # grown token by token by the decoder
-                # Hold back a trailing partial character and anything a stop string might begin.
-                safe = _safe_prefix(text, params.stop)
-                delta, shown = (safe[len(shown):], safe) if safe.startswith(shown) else ("", shown)
-                yield StreamChunk(delta, new_ids)
+                chunk = deltas.chunk(update)
+                seen += chunk.token_ids
+                yield chunk
+                if cancel is not None and cancel.is_set():
+                    # The decode thread may have gone on meanwhile: the reply is what the caller saw.
+                    handle.cancel()
+                    while not update.final:
+                        update = updates.get()
+                    if update.error is not None:
+                        raise update.error
+                    text = self.tokenizer.decode(seen) if self.tokenizer is not None else ""
+                    yield deltas.last(cancelled_after(update.completion, seen, text))
+                    return
+        finally:
+            handle.cancel()  # a caller that stops iterating frees the row at the next step
 
+    def grammar(self, response_format):
+        """An OpenAI-style response_format as an engine.sampling.Grammar for Request.grammar (None for plain
+        text). Raises ValueError (one line) for a bad format, MoedeskError for a model without a tokenizer."""
+        from engine.sampling import compile_response_format, grammar_tokenizer
 
-def _safe_prefix(text: str, stops: tuple[str, ...]) -> str:
-    end = len(text.rstrip("\ufffd"))
-    for stop in stops:
-        for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[:end].endswith(stop[:k]):
-                end -= k
-                break
-    return text[:end]
+        if self.tokenizer is None:
+            raise MoedeskError("structured output needs the model's tokenizer")
+        eos = set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)
+        if self._grammar_tokenizer is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, eos)
+        return compile_response_format(response_format, self._grammar_tokenizer, self.vocab_size, eos)

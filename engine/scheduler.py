@@ -1,0 +1,336 @@
+"""One thread owns decoding: requests submitted from any thread join the running batch between steps.
+
+The engine's only way to generate. `Engine.generate` (batch runs, calibration), `Engine.stream`
+(the chat app) and the HTTP server (app/server.py) all submit `Request`s here; one decode thread
+runs engine.generate.Decoder's steps over whatever is in flight:
+
+- a request takes a free cache row between two steps (continuous batching) and gives it back when
+  it finishes or is cancelled (a cancelled one, e.g. a client that disconnected, at the next step);
+- each loop runs at most one prefill piece of `prefill_chunk` prompt tokens (spread over the
+  newcomers, several prompts in one forward) and then one decode step of every sequence whose
+  prompt is in: a long prompt arrives in pieces and the running sequences keep getting tokens
+  between them, at the cost of one decode step per piece for the newcomer;
+- each request's progress goes to its own sink (a callable; by default a queue to iterate), as
+  `Update`s carrying the token and the text so far, the last one its `Completion`;
+- a `Group` caps how many of a set of requests run at once (a batch run's --batch-size); requests
+  beyond it wait in the queue in arrival order, so one caller can keep the queue stocked and a freed
+  row is refilled in the same step, as `Decoder.run` does.
+
+The decode thread lives while there is work and exits when idle: an engine nobody uses holds no
+thread, and a thread never keeps a model alive after its engine is dropped.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+from engine.errors import MoedeskError
+from engine.requests import Completion, Request, StreamChunk
+
+log = logging.getLogger("moedesk")
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill piece: about two batched decode steps' time on the GPU box
+
+
+class QueueFull(MoedeskError):
+    """More requests wait than the caller's queue limit allows (the server answers 503)."""
+
+
+@dataclass(frozen=True)
+class Update:
+    """One step's news for one request: the token it gained (None when none) and its whole text so far.
+    The last update of a request carries its `completion`, or the `error` that ended it."""
+
+    token_id: int | None
+    text: str
+    completion: Completion | None = None
+    error: BaseException | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.completion is not None or self.error is not None
+
+
+class Group:
+    """Requests that share a concurrency limit: at most `limit` of them hold a cache row at once."""
+
+    def __init__(self, limit: int):
+        if limit < 1:
+            raise ValueError(f"a group's limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+
+
+class Handle:
+    """A submitted request: `cancel()` it from any thread; iterate `updates()` when no sink was given."""
+
+    def __init__(self, request: Request, group: Group | None, sink: Callable[[Update], None] | None,
+                 cancel: threading.Event | None):
+        self.request, self.group = request, group
+        self._queue: queue.SimpleQueue | None = None
+        if sink is None:
+            self._queue = queue.SimpleQueue()
+            sink = self._queue.put
+        self.sink = sink
+        self.cancel_event = cancel or threading.Event()
+        self.seq = None  # the decoder's Sequence once admitted
+        self.submitted = time.perf_counter()
+        self.decode_steps = 0
+        self.batch_sum = 0  # sequences in the decode steps this one took part in, summed
+        self.done = False
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def updates(self, timeout: float | None = None) -> Iterator[Update]:
+        """Every update until the last (which is yielded too); only for handles submitted without a sink."""
+        if self._queue is None:
+            raise RuntimeError("this request reports to its own sink")
+        while True:
+            update = self._queue.get(timeout=timeout)
+            yield update
+            if update.final:
+                return
+
+
+class Scheduler:
+    """Continuous batching over one decoder: see the module docstring.
+
+    make_decoder() gives the engine.generate.Decoder to run (called when work starts after an idle spell, so
+    it sees the engine's current executor). max_rows caps the sequences decoding together (None: only the
+    groups cap them).
+    """
+
+    def __init__(self, make_decoder: Callable[[], object], max_rows: int | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK):
+        self.make_decoder = make_decoder
+        self.max_rows = max_rows
+        self.prefill_chunk = prefill_chunk
+        self._lock = threading.Condition()
+        self._pending: list[Handle] = []
+        self._rows: list[Handle | None] = []  # the cache row each running request holds
+        self._thread: threading.Thread | None = None
+        self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, decode_steps=0, prefill_pieces=0,
+                             prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0)
+        self._recent_seconds = 0.0  # a running mean of how long finished requests took, for retry hints
+
+    # --- any thread -------------------------------------------------------------------------
+
+    def submit(self, request: Request, *, group: Group | None = None, sink: Callable[[Update], None] | None = None,
+               cancel: threading.Event | None = None, queue_limit: int | None = None) -> Handle:
+        """Queue `request`; it joins the running batch at the next step with a free row.
+
+        sink(update) is called on the decode thread: it must be quick and must not raise (hand the update to
+        your own thread). cancel: an event that cancels the request when set (its row is freed at the next
+        step). queue_limit: raise QueueFull when that many requests already wait for a row.
+        """
+        handle = Handle(request, group, sink, cancel)
+        with self._lock:
+            if queue_limit is not None and self._waiting() >= queue_limit:
+                raise QueueFull(f"{self._waiting()} requests are waiting for a free row (the limit is {queue_limit})")
+            self._pending.append(handle)
+            self.counters["requests"] += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="moedesk-decode", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+        return handle
+
+    def stats(self) -> dict:
+        """Counters since start, and what runs and waits now."""
+        with self._lock:
+            running = sum(h is not None for h in self._rows)
+            steps = self.counters["decode_steps"]
+            return {**self.counters, "running": running, "waiting": self._waiting(), "rows": len(self._rows),
+                    "mean_batch": round(self.counters["batch_sum"] / steps, 3) if steps else None,
+                    "prefill_chunk": self.prefill_chunk, "max_rows": self.max_rows}
+
+    def retry_after(self) -> int:
+        """Seconds a refused client might wait before trying again: about one request's time per row ahead."""
+        with self._lock:
+            rows = max(1, sum(h is not None for h in self._rows))
+            waiting = self._waiting()
+        return max(1, min(60, round(self._recent_seconds * (waiting + 1) / rows)))
+
+    def _waiting(self) -> int:
+        return sum(not h.cancelled for h in self._pending)
+
+    # --- the decode thread ------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        decoder = None
+        try:
+            while True:
+                with self._lock:
+                    newcomers = self._admit()
+                    if not newcomers and not any(self._rows):
+                        self._thread = None  # under the lock: a submit from now on starts a new thread
+                        return
+                if decoder is None:
+                    decoder = self.make_decoder()
+                self._step(decoder, newcomers)
+        except BaseException as error:  # noqa: BLE001 -- a bug here must not leave callers waiting forever
+            log.exception("moedesk decode thread failed")
+            with self._lock:
+                stranded = [h for h in self._rows if h is not None] + self._pending
+                self._rows, self._pending, self._thread = [], [], None
+            for handle in stranded:
+                self._fail(handle, error)
+
+    def _admit(self) -> list[Handle]:
+        """(Under the lock.) Give free rows to waiting requests in arrival order, within their groups' limits."""
+        newcomers = []
+        for handle in list(self._pending):
+            if handle.cancelled:
+                self._pending.remove(handle)
+                self._finish(handle, Completion(handle.request.tag, [], "", "cancelled",
+                                                len(handle.request.prompt_ids)), count="cancelled")
+                continue
+            if handle.group is not None and handle.group.active >= handle.group.limit:
+                continue
+            running = sum(h is not None for h in self._rows)
+            if self.max_rows is not None and running >= self.max_rows:
+                break
+            row = next((r for r, h in enumerate(self._rows) if h is None), len(self._rows))
+            if row == len(self._rows):
+                self._rows.append(None)
+            self._rows[row] = handle
+            handle.row = row
+            if handle.group is not None:
+                handle.group.active += 1
+            self._pending.remove(handle)
+            newcomers.append(handle)
+        return newcomers
+
+    def _step(self, decoder, newcomers: list[Handle]) -> None:
+        for handle in newcomers:
+            handle.seq = decoder.start(handle.request, handle.row)
+        if newcomers:
+            try:
+                decoder.reserve(len(self._rows), [h.seq for h in newcomers])
+            except Exception as error:  # noqa: BLE001 -- no room for their cache: these requests fail, others go on
+                for handle in newcomers:
+                    self._fail(handle, error)
+        running = [h for h in self._rows if h is not None]
+        for handle in running:
+            if handle.cancelled and not handle.done:
+                handle.seq.finish_reason = "cancelled"
+                self._finish(handle, self._completion(decoder, handle), count="cancelled")
+        filling = [h for h in self._rows if h is not None and h.seq.prefilled < len(h.request.prompt_ids)]
+        if filling:
+            pieces_before = {id(h): h.seq.prefilled for h in filling}
+            if self._run(lambda: decoder.prefill([h.seq for h in filling], self.prefill_chunk), filling, decoder):
+                taken = sum(h.seq.prefilled - pieces_before[id(h)] for h in filling)
+                self.counters["prefill_pieces"] += 1
+                self.counters["prefill_tokens"] += taken
+        decoding = [h for h in self._rows if h is not None and h.seq.tokens and not h.seq.finish_reason]
+        if decoding:
+            batch = len(decoding)
+            for handle in decoding:
+                handle.decode_steps += 1
+                handle.batch_sum += batch
+            if self._run(lambda: decoder.decode([h.seq for h in decoding]), decoding, decoder):
+                self.counters["decode_steps"] += 1
+                self.counters["batch_sum"] += batch
+                self.counters["max_batch"] = max(self.counters["max_batch"], batch)
+
+    def _run(self, events: Callable[[], Iterator], handles: list[Handle], decoder=None) -> bool:
+        """Run one step's events to the requests' sinks; on an error, end every request of the step with it."""
+        by_seq = {id(h.seq): h for h in handles}
+        try:
+            for seq, token in events():
+                handle = by_seq[id(seq)]
+                if token is not None:
+                    self.counters["generated_tokens"] += 1
+                if seq.finish_reason:
+                    self._finish(handle, self._completion(decoder, handle), token)
+                else:
+                    self._send(handle, Update(token, seq.text))
+            return True
+        except Exception as error:  # noqa: BLE001 -- the error goes to the requests it hit; the loop goes on
+            log.warning("a step failed for %d requests: %s", len(handles), error)
+            for handle in handles:
+                if not handle.done:
+                    self._fail(handle, error)
+            return False
+
+    def _completion(self, decoder, handle: Handle) -> Completion:
+        done = decoder.completion(handle.seq)
+        steps = handle.decode_steps
+        # Steps are shared: how many sequences decoded together, on average, in the steps this one took.
+        done.stats.update(decode_steps=steps, mean_batch=round(handle.batch_sum / steps, 3) if steps else None)
+        return done
+
+    def _finish(self, handle: Handle, completion: Completion, token: int | None = None, count: str = "finished") -> None:
+        self._release(handle, count)
+        elapsed = time.perf_counter() - handle.submitted
+        self._recent_seconds = elapsed if not self._recent_seconds else 0.8 * self._recent_seconds + 0.2 * elapsed
+        self._send(handle, Update(token, completion.text, completion=completion))
+
+    def _fail(self, handle: Handle, error: BaseException) -> None:
+        self._release(handle, "failed")
+        self._send(handle, Update(None, "", error=error))
+
+    def _release(self, handle: Handle, count: str) -> None:
+        handle.done = True
+        with self._lock:
+            self.counters[count] += 1
+            row = getattr(handle, "row", None)
+            if row is not None and row < len(self._rows) and self._rows[row] is handle:
+                self._rows[row] = None
+                if handle.group is not None:
+                    handle.group.active -= 1
+
+    @staticmethod
+    def _send(handle: Handle, update: Update) -> None:
+        try:
+            handle.sink(update)
+        except Exception:  # noqa: BLE001 -- a consumer's bug must not stop everyone else's decoding
+            log.exception("a request's sink failed; cancelling it")
+            handle.cancel()
+
+
+class TextDeltas:
+    """Turns a request's updates into the pieces of text a stream shows: never a partial character, never
+    what might turn out to be the start of a stop string (held back until the next token settles it)."""
+
+    def __init__(self, stops: tuple[str, ...] = ()):
+        self.stops = stops
+        self.shown = ""
+
+    def chunk(self, update: Update) -> StreamChunk:
+        new_ids = [] if update.token_id is None else [update.token_id]
+        safe = _safe_prefix(update.text, self.stops)
+        if not safe.startswith(self.shown):
+            return StreamChunk("", new_ids)
+        delta, self.shown = safe[len(self.shown):], safe
+        return StreamChunk(delta, new_ids)
+
+    def last(self, completion: Completion, token_id: int | None = None) -> StreamChunk:
+        text = completion.text
+        rest = text[len(self.shown):] if text.startswith(self.shown) else ""
+        self.shown = text
+        return StreamChunk(rest, [] if token_id is None else [token_id], completion)
+
+
+def _safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    end = len(text.rstrip("\ufffd"))
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), 0, -1):
+            if text[:end].endswith(stop[:k]):
+                end -= k
+                break
+    return text[:end]
+
+
+def cancelled_after(completion: Completion, token_ids: list[int], text: str) -> Completion:
+    """The completion of a request its caller cancelled after seeing `token_ids`: what it saw, no more."""
+    return replace(completion, token_ids=list(token_ids), text=text, finish_reason="cancelled")
