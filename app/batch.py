@@ -21,6 +21,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 import time
 from collections import deque
@@ -28,19 +29,33 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Iterator
 
+try:
+    import fcntl
+except ImportError:  # not on Windows: runs there go unlocked
+    fcntl = None
+
 from engine.errors import MoedeskError
 from engine.requests import Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed overflows beyond this; catch it here, not mid-run
+# Longest input line read, newline excluded: a prompt filling a 1M-token context is a few MiB even
+# JSON-escaped, and nothing (a file without newlines, /dev/zero) may make the reader hold more.
+MAX_LINE_BYTES = 16 * 2**20
+STDIO = "-"  # as input: standard input; as output: standard output
+
+
+class _Stopped(MoedeskError):
+    """The run cannot go on (the output takes no more lines, the input cannot be read, the model fails
+    on everything): it stops with this one line and exits 1; what is written stays and a rerun resumes."""
 
 
 class BatchUsageError(MoedeskError):
     """The run cannot start (input unreadable, output folder missing, bad option): the CLI exits 2."""
 
 
-class BatchOutputError(MoedeskError):
+class BatchOutputError(_Stopped):
     """The output file stopped taking lines mid-run (a full disk): the run stops and exits 1."""
 
 
@@ -146,8 +161,8 @@ def free_memory_bytes(device) -> int:
     return psutil.virtual_memory().available
 
 
-def auto_batch_size(engine, settings: BatchSettings) -> int:
-    positions = min(engine.context_length, settings.max_new_tokens + PROMPT_ALLOWANCE)
+def auto_batch_size(engine, positions: int) -> int:
+    """`positions`: the cache length one sequence may need (what the longest line asks for)."""
     return batch_size_for_memory(free_memory_bytes(engine.device), engine.cache.bytes_per_position() * positions)
 
 
@@ -201,32 +216,76 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
     return settings
 
 
+def _is_regular_file(path: Path) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_stream(path) -> bool:
+    """Standard input/output, a pipe, a device: read or written once, in order, never reread."""
+    return str(path) == STDIO or Path(path).exists() and not _is_regular_file(Path(path))
+
+
 def check_batch_paths(in_path, out_path) -> None:
-    """Raise BatchUsageError unless the input can be read and the output written.
+    """Raise BatchUsageError unless the input can be read and the output written (and is not locked).
 
     Cheap, so the CLI calls it before the slow model load; it creates nothing.
     """
+    in_stdio, out_stdio = str(in_path) == STDIO, str(out_path) == STDIO
     in_path, out_path = Path(in_path), Path(out_path)
-    if not in_path.exists():
-        raise BatchUsageError(f"{in_path}: no such input file")
-    if in_path.is_dir():
-        raise BatchUsageError(f"{in_path}: is a folder, not an input file")
-    try:
-        open(in_path, "rb").close()
-    except OSError as e:
-        raise BatchUsageError(f"{in_path}: cannot read the input file ({e.strerror})") from None
+    if not in_stdio:
+        if not in_path.exists():
+            raise BatchUsageError(f"{in_path}: no such input file")
+        if in_path.is_dir():
+            raise BatchUsageError(f"{in_path}: is a folder, not an input file")
+        if not _is_regular_file(in_path):
+            # Opening a pipe to test it could take what a writer sends, or wait for one to appear.
+            if not os.access(in_path, os.R_OK):
+                raise BatchUsageError(f"{in_path}: cannot read the input")
+        else:
+            try:
+                open(in_path, "rb").close()
+            except OSError as e:
+                raise BatchUsageError(f"{in_path}: cannot read the input file ({e.strerror})") from None
+    if out_stdio:
+        return
     parent = out_path.resolve().parent
     if not parent.is_dir():
         raise BatchUsageError(f"{out_path}: the output folder {parent} does not exist")
     if out_path.is_dir():
         raise BatchUsageError(f"{out_path}: is a folder, not an output file")
     if out_path.exists():
-        if os.path.samefile(in_path, out_path):
+        if not in_stdio and _is_regular_file(out_path) and os.path.samefile(in_path, out_path):
             raise BatchUsageError(f"{out_path}: the output file must not be the input file")
         if not os.access(out_path, os.W_OK):
             raise BatchUsageError(f"{out_path}: cannot write the output file")
+        if _is_regular_file(out_path):
+            try:
+                with open(out_path, "ab") as f:
+                    _lock_output(f, out_path)
+            except OSError as e:
+                raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
     elif not os.access(parent, os.W_OK):
         raise BatchUsageError(f"{out_path}: cannot create files in {parent}")
+
+
+def _lock_output(out, out_path) -> None:
+    """Hold an exclusive lock on the output while the run writes it; refuse if another run holds it.
+
+    Two runs appending to one file would each skip only what the other had written when it
+    started, and write every other line twice. The lock goes with the file's closing (or the process).
+    """
+    if fcntl is None:
+        return
+    try:
+        fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise BatchUsageError(f"{out_path}: another moedesk batch is writing this file; let it finish "
+                              f"(rerunning afterwards completes what it did not) or choose another -o") from None
+    except OSError:
+        pass  # a file system without locks (some network mounts): run unlocked rather than not at all
 
 
 # --- what an earlier run already wrote --------------------------------------------------------
@@ -247,40 +306,50 @@ class _Written:
     partial: bool = False
 
 
-def _read_written(out_path: Path) -> _Written:
-    """Scan the output file line by line (it can be large); only ids and line numbers are kept."""
+def _read_written(f, out_path: Path) -> _Written:
+    """Scan the output file (open for reading: `f`) line by line; only ids and line numbers are kept.
+
+    Lines longer than MAX_LINE_BYTES are none of ours: skipped unread, so that a stray huge file
+    cannot exhaust memory.
+    """
     written = _Written()
-    if not out_path.exists():
-        return written
     try:
-        with open(out_path, "rb") as f:
-            for raw in f:
-                if not raw.endswith(b"\n"):
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            if not raw.endswith(b"\n"):
+                if len(raw) <= MAX_LINE_BYTES:
                     # We write each record with its newline in one call, so a line without one is
                     # an interrupted write; it is cut off and its line done again.
                     written.partial = True
                     break
-                written.keep += len(raw)
-                if not raw.strip():
-                    continue
-                try:
-                    record = json.loads(raw)
-                except (ValueError, RecursionError):
-                    record = None
-                if not isinstance(record, dict):
-                    written.unreadable += 1
-                    continue
-                written.records += 1
-                record_id = record.get("id")
-                if isinstance(record_id, str):
-                    written.ids.add(record_id)
-                    if "error" not in record:
-                        written.ok_ids.add(record_id)
-                # Errors name their input line ("line 4: ..."): that is how lines without a usable
-                # id, and repeated ids, are recognised on a rerun.
-                match = _LINE_PREFIX.match(str(record.get("error", "")))
-                if match:
-                    written.error_lines.add(int(match.group(1)))
+                while (raw := f.readline(2**20)) and not raw.endswith(b"\n"):
+                    pass
+                if not raw:
+                    written.partial = True
+                    break
+                written.unreadable += 1
+                written.keep = f.tell()
+                continue
+            written.keep += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except (ValueError, RecursionError):
+                record = None
+            if not isinstance(record, dict):
+                written.unreadable += 1
+                continue
+            written.records += 1
+            record_id = record.get("id")
+            if isinstance(record_id, str):
+                written.ids.add(record_id)
+                if "error" not in record:
+                    written.ok_ids.add(record_id)
+            # Errors name their input line ("line 4: ..."): that is how lines without a usable
+            # id, and repeated ids, are recognised on a rerun.
+            match = _LINE_PREFIX.match(str(record.get("error", "")))
+            if match:
+                written.error_lines.add(int(match.group(1)))
     except OSError as e:
         raise BatchUsageError(f"{out_path}: cannot read the output file ({e.strerror})") from None
     return written
@@ -288,20 +357,69 @@ def _read_written(out_path: Path) -> _Written:
 
 # --- the input --------------------------------------------------------------------------------
 
-def _input_lines(in_path: Path) -> Iterator[tuple[int, bytes]]:
-    """(line number, bytes) of each non-blank line; numbers count every physical line from 1."""
-    with open(in_path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            if number == 1:
-                raw = raw.removeprefix(codecs.BOM_UTF8)  # some editors on Windows write one
-            if raw.strip():
-                yield number, raw
+def _capped_lines(f) -> Iterator[bytes | None]:
+    """The lines of binary file `f`; None for one longer than MAX_LINE_BYTES.
+
+    An over-long line is reported as soon as its first MAX_LINE_BYTES are read (so its error line
+    can be written at once), then the rest of it is skipped without being kept.
+    """
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        if len(raw) <= MAX_LINE_BYTES or raw.endswith(b"\n"):
+            yield raw
+            continue
+        yield None
+        while (raw := f.readline(2**20)) and not raw.endswith(b"\n"):
+            pass
 
 
-def _count_lines(in_path: Path) -> int:
-    """Non-blank lines, for the progress bar: a pass over bytes, no JSON parsing."""
+def _input_lines(f) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes or None when too long) of each non-blank line; numbers count every line from 1."""
+    for number, raw in enumerate(_capped_lines(f), 1):
+        if number == 1 and raw is not None:
+            raw = raw.removeprefix(codecs.BOM_UTF8)  # some editors on Windows write one
+        if raw is None or raw.strip():
+            yield number, raw
+
+
+@dataclass
+class _Scan:
+    """What a first pass over a (regular) input file finds: the lines for the progress bar, and the
+    most KV cache any line can ask for, to size the batch by."""
+
+    lines: int = 0
+    max_new_tokens: int = 0  # the most new tokens a line asks for (its own, or the default)
+    prompt_ids: int = 0  # the longest prompt_ids list
+
+
+def _scan_input(in_path: Path, settings: BatchSettings) -> _Scan:
+    scan = _Scan()
     with open(in_path, "rb") as f:
-        return sum(1 for raw in f if raw.strip())
+        for _, raw in _input_lines(f):
+            scan.lines += 1
+            try:
+                obj = json.loads(raw)
+            except Exception:  # noqa: BLE001 -- too long (None), or not JSON: an error line, no cache needed
+                continue
+            if not isinstance(obj, dict):
+                continue
+            asked = obj.get("max_new_tokens", settings.max_new_tokens)
+            if type(asked) is int and asked >= 1:
+                scan.max_new_tokens = max(scan.max_new_tokens, asked)
+            if isinstance(obj.get("prompt_ids"), list):
+                scan.prompt_ids = max(scan.prompt_ids, len(obj["prompt_ids"]))
+    return scan
+
+
+def _cache_positions(scan: _Scan | None, settings: BatchSettings, context: int) -> int:
+    """The cache length one sequence may grow to: what the lines ask for, within the context.
+
+    The cache grows to the longest line in flight and never shrinks, so a batch sized for a typical
+    line would hold batch_size rows of the longest. A stream cannot be read ahead: full context.
+    """
+    if scan is None:
+        return context
+    new_tokens = scan.max_new_tokens or settings.max_new_tokens
+    return max(1, min(context, max(PROMPT_ALLOWANCE, scan.prompt_ids) + new_tokens))
 
 
 @dataclass
@@ -331,34 +449,50 @@ class _Run:
         self.engine, self.settings, self.written, self.out, self.report = engine, settings, written, out, report
         self.pending: deque[int] = deque()  # line numbers not yet written, in input order
         self.ready: dict[int, dict] = {}  # line number -> record waiting for the lines before it
-        self.in_flight: dict[int, str] = {}  # line number -> id of a request the engine holds
+        self.in_flight: dict[int, tuple[str, Request]] = {}  # line number -> (id, request) the engine holds
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
 
-    def requests(self, in_path: Path) -> Iterator[Request]:
-        """The engine's input: one Request per good line; bad lines are written on the way."""
-        for number, raw in _input_lines(in_path):
-            line = self._identify(number, raw)
-            if self._done_before(line):
-                self.skipped += 1
-                self.report.skipped()
-                continue
-            self.pending.append(number)
-            request = None
-            if line.error is None:
-                try:
+    def requests(self, lines: Iterator[tuple[int, bytes | None]], in_name) -> Iterator[Request]:
+        """The engine's input: one Request per good line; bad lines are written on the way.
+
+        Whatever one line holds, the worst it gets is its own error line: only a failure to read
+        the input or to write the output stops the run.
+        """
+        while True:
+            try:
+                number, raw = next(lines)
+            except StopIteration:
+                return
+            except OSError as e:
+                raise _Stopped(f"{in_name}: cannot read the input ({e.strerror or e}); what is written stays: "
+                               f"run the same command to go on") from None
+            line, request = _Line(number, by_number=True), None
+            try:
+                line = self._identify(number, raw)
+                if self._done_before(line):
+                    self.skipped += 1
+                    self.report.skipped()
+                    continue
+                if line.error is None:
                     request = self._request(line)
-                except _BadLine as e:
-                    line.error = str(e)
+            except _BadLine as e:
+                line.error = str(e)
+            except Exception as e:  # noqa: BLE001 -- a case no check foresaw still stays with its line
+                line.error = _describe(e)
+            self.pending.append(number)
             if request is None:
                 self._finished(number, {"id": line.id, "error": _one_line(f"line {number}: {line.error}")})
             else:
-                self.in_flight[number] = line.id
+                self.in_flight[number] = (line.id, request)
                 yield request
 
-    def _identify(self, number: int, raw: bytes) -> _Line:
+    def _identify(self, number: int, raw: bytes | None) -> _Line:
         """Parse the JSON and find the id; later checks need the id to report and to skip."""
         line = _Line(number, by_number=True)
+        if raw is None:
+            line.error = f"longer than {MAX_LINE_BYTES} bytes, the limit for one line"
+            return line
         try:
             obj = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -369,6 +503,9 @@ class _Run:
             return line
         except RecursionError:
             line.error = "malformed JSON (nested too deeply)"
+            return line
+        except ValueError as e:  # e.g. an integer of more digits than Python converts (4300)
+            line.error = f"malformed JSON ({_first_line(e)})"
             return line
         if not isinstance(obj, dict):
             line.error = f"expected a JSON object, got {_json_type(obj)}"
@@ -412,9 +549,17 @@ class _Run:
         context = self.engine.context_length
         if len(ids) >= context:  # not even one new token would fit
             raise _BadLine(f"prompt has {len(ids)} tokens; the model's context is {context}")
+        # Prompt plus reply stays within the context (finish_reason "length" where it cuts).
+        params = replace(params, max_new_tokens=min(params.max_new_tokens, context - len(ids)))
+        grammar = None
+        if obj.get("response_format") is not None:  # structured output, as the server's response_format
+            try:
+                grammar = self.engine.grammar(obj["response_format"])
+            except (ValueError, MoedeskError) as e:
+                raise _BadLine(str(e)) from None
         # The tag is the line number, not the id: unique even when ids repeat, and it finds the
         # line's place in the output order.
-        return Request(ids, params, tag=line.number)
+        return Request(ids, params, tag=line.number, grammar=grammar)
 
     def _prompt_ids(self, kind: str, value) -> list[int]:
         if kind == "prompt_ids":
@@ -451,13 +596,75 @@ class _Run:
             raise _BadLine(f"cannot tokenise the {kind}: {type(e).__name__}: {e}") from None
         if not ids:
             raise _BadLine(f"the {kind} has no tokens")
+        vocab = self.engine.vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:  # the embedding lookup would fail mid-batch
+            raise _BadLine(f"the tokenizer gave token id {outside} for this {kind}, outside the model's "
+                           f"vocabulary [0, {vocab})")
         return list(ids)
+
+    def generate(self, requests: Iterator[Request], batch_size: int) -> None:
+        """Run the engine over `requests` to the end, whatever fails on the way.
+
+        When the engine raises, the lines it held are run again one at a time: a line that fails
+        alone gets its error line, the others their results (a line's output does not depend on its
+        batch), and the engine goes on with the rest of the input. Only when the model fails even
+        a one-token request does the run stop, with no error written for the lines it held.
+        """
+        while True:
+            completions = self.engine.generate(requests, batch_size=batch_size)
+            try:
+                while True:
+                    try:
+                        completion = next(completions)
+                    except StopIteration:
+                        return
+                    except _Stopped:
+                        raise
+                    except Exception as error:  # noqa: BLE001 -- see the docstring
+                        self._run_alone(error)
+                        if "out of memory" in str(error).lower():
+                            batch_size = max(1, batch_size // 2)  # the batch did not fit: try fewer at once
+                        break
+                    self.completed(completion)
+            finally:
+                close = getattr(completions, "close", None)
+                if close is not None:
+                    close()  # releases the engine even when the output stopped the run
+
+    def _run_alone(self, error: Exception) -> None:
+        if not self.in_flight:  # it failed before taking a line: nothing to blame a line for
+            raise _Stopped(f"the model failed ({_describe(error)}); what is written stays: run the same "
+                           f"command to go on")
+        for number, (line_id, request) in sorted(self.in_flight.items()):
+            try:
+                done = list(self.engine.generate([request], batch_size=1))
+            except _Stopped:
+                raise
+            except Exception as alone:  # noqa: BLE001
+                self._check_engine_works(alone)
+                del self.in_flight[number]
+                self._finished(number, {"id": line_id, "error": _one_line(f"line {number}: {_describe(alone)}")})
+                continue
+            for completion in done:
+                self.completed(completion)
+
+    def _check_engine_works(self, error: Exception) -> None:
+        """Raise _Stopped unless the engine completes a one-token request: then `error` is the line's own."""
+        probe = Request([0], SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True), tag=None)
+        try:
+            list(self.engine.generate([probe], batch_size=1))
+        except _Stopped:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _Stopped(f"the model fails even on a one-token request ({_describe(e)}; first: "
+                           f"{_describe(error)}); what is written stays: run the same command to go on") from None
 
     def completed(self, completion: Completion) -> None:
         number = completion.tag
         if number not in self.in_flight:
             raise RuntimeError(f"the engine returned a completion with an unknown tag {number!r}")
-        line_id = self.in_flight.pop(number)
+        line_id, _ = self.in_flight.pop(number)
         self._finished(number, {
             "id": line_id, "text": completion.text, "token_ids": list(completion.token_ids),
             "finish_reason": completion.finish_reason,
@@ -500,9 +707,12 @@ class _Run:
 # --- progress on stderr -----------------------------------------------------------------------
 
 class _Report:
-    """A rich progress bar on a terminal (done/total lines, tok/s, ETA); else only the summary."""
+    """A rich progress bar on a terminal (done/total lines, tok/s, ETA); else only the summary.
 
-    def __init__(self, stderr, total: int, live: bool):
+    total None: the input is a stream whose length is unknown; the bar counts lines done, no ETA.
+    """
+
+    def __init__(self, stderr, total: int | None, live: bool):
         self.stderr, self.total = stderr, total
         self.tokens = 0
         self.started = time.perf_counter()
@@ -530,6 +740,8 @@ class _Report:
     def skipped(self) -> None:
         # The bar counts the lines of this run only, so its rate and ETA are not flattered by
         # skipped ones. (Skipped lines come first in practice: output is in input order.)
+        if self.total is None:
+            return
         self.total -= 1
         if self.bar is not None:
             self.bar.update(self.task, total=self.total)
@@ -558,52 +770,80 @@ def _is_terminal(stream) -> bool:
 
 # --- entry point ------------------------------------------------------------------------------
 
-def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.stderr, progress: bool = True) -> int:
+def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.stderr, progress: bool = True,
+              stdin=None, stdout=None) -> int:
     """Complete every line of `in_path` into `out_path` (see the module docstring).
 
+    Either may be "-" (standard input / output, or `stdin` / `stdout` when given, binary) or a pipe
+    or device: a stream is read once as it comes (no line count, no look-ahead), and an output that
+    is not a regular file is only appended to (nothing to resume from, no lock).
+
     Returns 0 when every line of the input succeeded (in this run or an earlier one whose results
-    are in `out_path`), 1 otherwise. Raises BatchUsageError when the run cannot start.
-    KeyboardInterrupt and engine errors propagate; what was written stays valid JSONL.
+    are in `out_path`), 1 otherwise, or when the run had to stop (output full, input unreadable,
+    model failing everything). Raises BatchUsageError when the run cannot start.
+    KeyboardInterrupt propagates; what was written stays valid JSONL.
     """
-    in_path, out_path = Path(in_path), Path(out_path)
     check_batch_paths(in_path, out_path)
-    if settings.batch_size is None:
-        settings = replace(settings, batch_size=auto_batch_size(engine, settings), batch_size_from_memory=True)
-    written = _read_written(out_path)
-    total = _count_lines(in_path)
-    report = _Report(stderr, total, live=progress and _is_terminal(stderr))
+    in_stdio, out_stdio = str(in_path) == STDIO, str(out_path) == STDIO
+    in_path, out_path = Path(in_path), Path(out_path)
+    check_vocab = getattr(engine.tokenizer, "check_vocab", None)
+    if check_vocab is not None:
+        check_vocab(engine.vocab_size)  # MoedeskError: the CLI's one line and exit 2
 
-    notes = [f"{total} lines in {in_path}", f"already in {out_path}: {written.records} (skipped)"]
-    if written.partial:
-        notes.append("its unfinished last line is removed and redone")
-    if written.unreadable:
-        notes.append(f"{written.unreadable} unreadable lines in it are left as they are")
-    report.header(f"moedesk batch: {engine.description}; {settings.describe()}; {'; '.join(notes)}")
-
-    try:
-        if written.partial:
-            with open(out_path, "r+b") as f:
-                f.truncate(written.keep)
-        out = open(out_path, "ab")
-    except OSError as e:
-        raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
-
-    run = _Run(engine, settings, written, out, report)
-    report.start()
-    stopped = None
-    try:
-        with out:
-            requests = run.requests(in_path)
+    with contextlib.ExitStack() as stack:
+        if out_stdio:
+            out, resumable = stdout or sys.stdout.buffer, False
+        else:
             try:
-                for completion in engine.generate(requests, batch_size=settings.batch_size):
-                    run.completed(completion)
+                out = stack.enter_context(open(out_path, "ab"))
+            except OSError as e:
+                raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
+            resumable = _is_regular_file(out_path)
+        written = _Written()
+        if resumable:
+            _lock_output(out, out_path)  # before reading what is done: no other run may add to it now
+            try:
+                with open(out_path, "rb") as f:
+                    written = _read_written(f, out_path)
+                if written.partial:
+                    out.truncate(written.keep)
+            except OSError as e:
+                raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
+
+        streamed = in_stdio or not _is_regular_file(in_path)
+        scan = None if streamed else _scan_input(in_path, settings)
+        if settings.batch_size is None:
+            positions = _cache_positions(scan, settings, engine.context_length)
+            settings = replace(settings, batch_size=auto_batch_size(engine, positions), batch_size_from_memory=True)
+        report = _Report(stderr, None if scan is None else scan.lines, live=progress and _is_terminal(stderr))
+        notes = [f"reading {'standard input' if in_stdio else in_path} as it comes" if scan is None
+                 else f"{scan.lines} lines in {in_path}"]
+        if resumable:
+            notes.append(f"already in {out_path}: {written.records} (skipped)")
+        if written.partial:
+            notes.append("its unfinished last line is removed and redone")
+        if written.unreadable:
+            notes.append(f"{written.unreadable} unreadable lines in it are left as they are")
+        report.header(f"moedesk batch: {engine.description}; {settings.describe()}; {'; '.join(notes)}")
+
+        try:
+            source = (stdin or sys.stdin.buffer) if in_stdio else stack.enter_context(open(in_path, "rb"))
+        except OSError as e:
+            raise BatchUsageError(f"{in_path}: cannot read the input ({e.strerror})") from None
+        run = _Run(engine, settings, written, out, report)
+        report.start()
+        stopped = None
+        try:
+            requests = run.requests(_input_lines(source), STDIO if in_stdio else in_path)
+            try:
+                run.generate(requests, settings.batch_size)
                 run.check_finished(requests)
             finally:
-                requests.close()  # closes the input file even when the engine stops early
-    except BatchOutputError as e:
-        stopped = e
-    finally:
-        report.close(run.summary())
+                requests.close()
+        except _Stopped as e:
+            stopped = e
+        finally:
+            report.close(run.summary())
     if stopped is not None:
         print(f"moedesk: {stopped}", file=stderr, flush=True)
         return 1
@@ -621,6 +861,19 @@ def _dumps(record: dict) -> bytes:
         return json.dumps(record, ensure_ascii=True, default=str).encode("ascii")
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""
+
+
+def _describe(e: BaseException) -> str:
+    """An exception as the one-line reason of an error line."""
+    if isinstance(e, MoedeskError):
+        return _first_line(e) or type(e).__name__
+    text = _first_line(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def _one_line(text: str) -> str:
     return " ".join(text.split()) if "\n" in text or "\r" in text else text
 
@@ -635,5 +888,8 @@ def _json_type(value) -> str:
 
 def _show(value, limit: int = 40) -> str:
     """A value as JSON, cut short: error messages stay one short line."""
-    text = json.dumps(value, ensure_ascii=True, default=str)
+    try:
+        text = json.dumps(value, ensure_ascii=True, default=str)
+    except (ValueError, RecursionError):  # too many digits, nested too deeply
+        text = f"<{_json_type(value)}>"
     return text if len(text) <= limit else text[:limit - 3] + "..."
