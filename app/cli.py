@@ -2,9 +2,29 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from engine.errors import MoedeskError
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: argparse turns the ValueError into a usage error (one line, exit 2)."""
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
+def _gib(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value < 0:  # NaN passes every comparison, and then fails deep in the load
+        raise ValueError(text)
+    return value
+
+
+_positive_int.__name__ = "positive integer"  # how argparse names the type in its message
+_gib.__name__ = "GiB (a number >= 0)"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,9 +35,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights and activations (default: the app's weights dtype setting for chat and batch, "
                              "else float32 on CPU, bfloat16 on GPU)")
-    parser.add_argument("--context", type=int, default=None, metavar="N",
+    parser.add_argument("--context", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
-    parser.add_argument("--gpu-budget", type=float, default=None, metavar="GiB",
+    parser.add_argument("--gpu-budget", type=_gib, default=None, metavar="GiB",
                         help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
                              "has free after the other weights, a KV cache reserve and a 10%% margin)")
     parser.add_argument("--reprofile", action="store_true",

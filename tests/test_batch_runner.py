@@ -511,19 +511,23 @@ def test_rerun_exit_code_remembers_earlier_failures(tmp_path):
     assert err.startswith("0 ok, 0 failed, 2 skipped")
 
 
-def test_engine_error_mid_run_leaves_valid_output(tmp_path):
+def test_an_engine_error_mid_batch_costs_no_line(tmp_path):
+    # The engine fails on its third completion of every call: the lines it held run again one at a
+    # time (where it does not fail) and the run goes on; an out-of-memory error also halves the batch.
     class Broken(FakeEngine):
         def generate(self, requests, batch_size=8):
+            self.batch_sizes = getattr(self, "batch_sizes", []) + [batch_size]
             for n, completion in enumerate(super().generate(requests, batch_size)):
                 if n == 2:
                     raise RuntimeError("CUDA out of memory")
                 yield completion
 
     lines = [{"id": f"e{i}", "prompt_ids": [3] * (i + 1)} for i in range(6)]
-    with pytest.raises(RuntimeError, match="out of memory"):
-        batch(tmp_path, lines, engine=Broken(), settings=BatchSettings(temperature=0, batch_size=2))
-    code, records, _, _ = batch(tmp_path, lines)
-    assert code == 0 and [r["id"] for r in records] == [f"e{i}" for i in range(6)]
+    code, records, engine, err = batch(tmp_path, lines, engine=Broken(), settings=BatchSettings(temperature=0,
+                                                                                                batch_size=4))
+    assert code == 0 and err.startswith("6 ok, 0 failed")
+    assert records == batch(tmp_path, lines, out="reference.jsonl")[1]
+    assert 2 in engine.batch_sizes and max(engine.batch_sizes) == 4
 
 
 # --- what goes to stderr ----------------------------------------------------------------------
