@@ -88,3 +88,47 @@ async def test_up_in_an_empty_box_recalls_earlier_prompts(engine):
         # ↑ inside a message being written moves the cursor, it does not replace the text.
         await pilot.press("a", "ctrl+j", "b", "up")
         assert prompt.text == "a\nb" and prompt.cursor_location[0] == 0
+
+
+# ---------------------------------------------------------------- 7. stats panel
+
+
+def test_legend_comes_first_and_names_only_places_the_machine_has():
+    from app.tui.widgets.heatmap import layout, render_lines
+
+    layers = 30
+    in_ram = layout([[False] * 8] * layers, [[1] * 8] * layers, width=40)
+    lines = [line.plain for line in render_lines(in_ram, device="cpu", width=40)]
+    first_layer = next(n for n, line in enumerate(lines) if line.split()[:1] == ["L0"])
+    legend = "\n".join(lines[:first_layer])
+    assert first_layer <= 3 and "in RAM (no GPU)" in legend and "picked" in legend
+    assert "GPU" not in legend.replace("(no GPU)", "")
+    mixed = layout([[True, False]], [[1, 2]], width=40)
+    legend = "\n".join(line.plain for line in render_lines(mixed, device="cuda", width=40)[:2])
+    assert "on GPU" in legend and "in RAM" in legend and "no GPU" not in legend
+    assert all(len(line) <= 30 for line in (line.plain for line in render_lines(mixed, device="cpu", width=30)))
+
+
+async def test_speed_scale_and_a_new_chat_clears_the_map(engine):
+    from app.tui.widgets.heatmap import ExpertHeatMap
+
+    app = MoedeskApp(engine, settings=greedy_settings(max_new_tokens=6))
+    async with app.run_test(size=(160, 50)) as pilot:
+        await open_chat(pilot)
+        for prompt in ("Hi", "Again"):
+            await pilot.press(*prompt, "enter")
+            await wait_idle(pilot, app)
+        speeds = [m.meta["stats"]["decode_tok_s"] for m in app.chat.conversation.messages if m.role == "assistant"]
+        scale = str(app.chat.stats.query_one("#stats-speed-scale").render())
+        assert f"{min(speeds):,.1f}" in scale and f"{max(speeds):,.1f} tok/s" in scale
+        heatmap = app.chat.query_one(ExpertHeatMap)
+        assert heatmap.current_layout().max_count > 0
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert heatmap.current_layout().max_count == 0  # the old chat's picks are gone
+        await pilot.press(*"Hello", "enter")
+        await wait_idle(pilot, app)
+        total = sum(c.count for row in heatmap.current_layout().rows for c in row)
+        assert total > 0
+        on_gpu, popularity = engine.expert_map()
+        assert total < sum(map(sum, popularity))  # only this chat's picks

@@ -33,11 +33,11 @@ def test_render_lines_marks_gpu_cells_and_has_a_legend():
     popularity = [[4, 1], [0, 2]]
     hm = layout(on_gpu, popularity, width=LABEL_WIDTH + 4, labels=["L0", "L3"])
     lines = render_lines(hm)
-    assert len(lines) == 1 + 2 + 2  # header, two layers, two legend lines
-    assert lines[1].plain.startswith(" L0 ") and lines[2].plain.startswith(" L3 ")
-    assert lines[1].plain[LABEL_WIDTH:] == GPU_MARK + "   "  # GPU cell marked, RAM cell plain
-    assert lines[2].plain[LABEL_WIDTH:] == "··" + GPU_MARK + " "  # unused expert as dots
-    assert "on GPU" in lines[3].plain and "in RAM" in lines[3].plain and "4" in lines[4].plain
+    assert len(lines) == 2 + 1 + 2  # two legend lines (first: 30 layers must not push it off screen), header, layers
+    assert lines[3].plain.startswith(" L0 ") and lines[4].plain.startswith(" L3 ")
+    assert lines[3].plain[LABEL_WIDTH:] == GPU_MARK + "   "  # GPU cell marked, RAM cell plain
+    assert lines[4].plain[LABEL_WIDTH:] == "··" + GPU_MARK + " "  # unused expert as dots
+    assert "on GPU" in lines[0].plain and "in RAM" in lines[0].plain and "4" in lines[1].plain
     assert [level_of(c, 10) for c in (0, 1, 2, 5, 10)] == [0, 1, 1, 3, 5]
 
 
@@ -59,8 +59,8 @@ async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
         assert [[c.count for c in row] for row in hm.rows] == popularity
         assert hm.max_count > 0 and not any(c.on_gpu for row in hm.rows for c in row)  # CPU only here
         rendered = heatmap.render().plain.splitlines()
-        assert len(rendered) == 1 + cfg.num_layers + 2
-        assert [line.split()[0] for line in rendered[1:1 + cfg.num_layers]] == ["L0", "L1", "L2"]
+        assert len(rendered) == 2 + 1 + cfg.num_layers
+        assert [line.split()[0] for line in rendered[3:]] == ["L0", "L1", "L2"]
 
         panel = app.screen.query_one(StatsPanel)
         reply = app.chat.conversation.messages[-1]

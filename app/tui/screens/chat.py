@@ -81,12 +81,18 @@ class ChatScreen(Screen):
 
     STREAM_INTERVAL_S = 1 / 30  # the worker posts at most this often (tests set 0: one message per token)
 
+    # Below this width the stats panel leaves the chat too little room (code lines were cut at 80
+    # columns), so it starts hidden there; ctrl+t still shows it.
+    STATS_AUTO_WIDTH = 100
+
+    # Copy and Redo are left out of the footer so that Quit and the palette fit at 80 columns; they are in
+    # the empty chat's key list, the command palette and the README.
     BINDINGS = [
         Binding("escape", "stop", "Stop"),
-        Binding("ctrl+r", "regenerate", "Redo"),
+        Binding("ctrl+r", "regenerate", "Redo", show=False),
         Binding("ctrl+n", "new_chat", "New"),
         # priority: the focused input box (a TextArea) would take ctrl+y as redo
-        Binding("ctrl+y", "copy_reply", "Copy", priority=True),
+        Binding("ctrl+y", "copy_reply", "Copy", show=False, priority=True),
         Binding("ctrl+o", "conversations", "Chats"),
         Binding("ctrl+t", "toggle_stats", "Stats"),
         Binding("f4", "maximize_stats", "Stats full screen", show=False),
@@ -102,6 +108,8 @@ class ChatScreen(Screen):
         self._when_idle: list = []
         self.last_fragments: list[str] = []  # what the last reply's stream delivered, for tests
         self.ready = False  # the saved conversation is on screen
+        self.map_baseline: list[list[int]] | None = None  # expert picks before this chat: the map shows the rest
+        self.stats_wanted: bool | None = None  # None: shown when the screen is wide enough; else ctrl+t's choice
 
     # ------------------------------------------------------------------ layout
 
@@ -147,6 +155,7 @@ class ChatScreen(Screen):
         return self.query_one(StatsPanel)
 
     async def on_mount(self) -> None:
+        self._place_stats()
         self.engine_changed()
         latest = self.app.store.latest()
         await self.show_conversation(latest or Conversation())
@@ -162,7 +171,9 @@ class ChatScreen(Screen):
             self.sub_title = ""
             return
         self.sub_title = short_model_name(engine.name)
-        self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine))
+        self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
+                             engine.device.type)
+        self.map_baseline = None  # another model's counts
         self.refresh_map()
 
     def refresh_map(self) -> None:
@@ -173,7 +184,20 @@ class ChatScreen(Screen):
         except Exception as e:  # noqa: BLE001 - a map is not worth a crash
             self.set_status(f"expert map unavailable: {one_line(e)}", error=True)
             return
+        base = self.map_baseline
+        if base is not None and [len(row) for row in base] == [len(row) for row in popularity]:
+            popularity = [[max(0, n - b) for n, b in zip(row, base_row)] for row, base_row in zip(popularity, base)]
         self.stats.update_map(on_gpu, popularity)
+
+    def reset_map(self) -> None:
+        """Count expert picks from now on: the engine counts since it loaded, the map belongs to this chat."""
+        if self.engine is None:
+            return
+        try:
+            self.map_baseline = [list(row) for row in self.engine.expert_map()[1]]
+        except Exception:  # noqa: BLE001 - refresh_map reports it
+            self.map_baseline = None
+        self.refresh_map()
 
     def set_status(self, text: str, error: bool = False) -> None:
         status = self.query_one("#chat-status", Static)
@@ -199,6 +223,7 @@ class ChatScreen(Screen):
                 await messages.mount_all(widgets)
         self._update_empty()
         last = conversation.last("assistant")
+        self.reset_map()
         self.stats.show_reply(last.meta if last else None, self._context_used(last))
         self.stats.set_speed_history(self._speed_history())
         self.set_status("")
@@ -408,7 +433,7 @@ class ChatScreen(Screen):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         if action == "stop":
-            return True if self.generation is not None else None  # shown dimmed while idle
+            return self.generation is not None  # hidden while idle: the footer's room goes to Quit
         return True
 
     def action_stop(self) -> None:
@@ -448,14 +473,25 @@ class ChatScreen(Screen):
         self.app.copy_to_clipboard(last.content)
         self.notify(f"Copied the last reply ({len(last.content):,} characters).")
 
+    def on_resize(self, event) -> None:
+        self._place_stats()
+
+    def _place_stats(self) -> None:
+        if self.maximized is self.stats:
+            return
+        shown = self.stats_wanted if self.stats_wanted is not None else self.size.width >= self.STATS_AUTO_WIDTH
+        self.stats.set_class(not shown, "-hidden")
+
     def action_toggle_stats(self) -> None:
         if self.maximized is not None:
             self.minimize()
-        self.stats.toggle_class("-hidden")
+        self.stats_wanted = self.stats.has_class("-hidden")
+        self._place_stats()
 
     def action_maximize_stats(self) -> None:
         if self.maximized is self.stats:
             self.minimize()
+            self._place_stats()
         else:
             self.stats.remove_class("-hidden")
             self.maximize(self.stats, container=False)

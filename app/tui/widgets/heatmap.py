@@ -81,9 +81,10 @@ def cell_text(cell: Cell, width: int) -> Text:
     return Text(glyphs, style=f"{ink} on {ramp[cell.level - 1]}")
 
 
-def render_lines(hm: HeatMapLayout, legend: bool = True) -> list[Text]:
-    """The map as lines of styled text: an expert-number header, one line per layer, then the legend."""
-    lines = []
+def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda", width: int = 80) -> list[Text]:
+    """The map as lines of styled text: the legend (first, so that it is on screen however many layers
+    follow), an expert-number header, then one line per layer."""
+    lines = legend_lines(hm, device, width) if legend else []
     if hm.rows:
         cells = len(hm.rows[0])
         header = Text(" " * LABEL_WIDTH, style="dim")
@@ -100,26 +101,45 @@ def render_lines(hm: HeatMapLayout, legend: bool = True) -> list[Text]:
         for cell in row:
             line.append_text(cell_text(cell, hm.cell_width))
         lines.append(line)
-    if legend:
-        lines.extend(legend_lines(hm))
     return lines
 
 
-def legend_lines(hm: HeatMapLayout) -> list[Text]:
-    gpu = Text()
-    gpu.append_text(cell_text(Cell(range(1), 1, True, 4), 2)).append(" on GPU  ")
-    gpu.append_text(cell_text(Cell(range(1), 1, False, 4), 2)).append(" in RAM  ")
-    gpu.append(UNUSED_GLYPH * 2, style=UNUSED_STYLE).append(" unused")
+def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80) -> list[Text]:
+    """Only the places this map has, in words that are true of the machine: without a GPU the experts
+    are in RAM, and a GPU tier there is the one `--device cpu` simulates."""
+    cells = [cell for row in hm.rows for cell in row]
+    any_gpu = any(c.on_gpu for c in cells)
+    any_ram = any(not c.on_gpu for c in cells)
+    items = []
+    if any_gpu:
+        words = "on GPU" if device == "cuda" else "GPU tier (simulated)"
+        items.append(cell_text(Cell(range(1), 1, True, 4), 2).append(f" {words}"))
+    if any_ram:
+        words = "in RAM" if any_gpu or device == "cuda" else "in RAM (no GPU)"
+        items.append(cell_text(Cell(range(1), 1, False, 4), 2).append(f" {words}"))
+    items.append(Text(UNUSED_GLYPH * 2, style=UNUSED_STYLE).append(" unused"))
+    lines = _flow(items, width)
     ramp = Text("picked ")
-    for level in range(1, 6):
-        ramp.append(" ", style=f"on {GPU_RAMP[level - 1]}")
-    ramp.append(" ")
-    for level in range(1, 6):
-        ramp.append(" ", style=f"on {RAM_RAMP[level - 1]}")
-    ramp.append(f" few → {hm.max_count:,}")
-    lines = [gpu, ramp]
+    for ramp_colours, used in ((GPU_RAMP, any_gpu), (RAM_RAMP, any_ram)):
+        if used:
+            for level in range(1, 6):
+                ramp.append(" ", style=f"on {ramp_colours[level - 1]}")
+            ramp.append(" ")
+    ramp.append(f"few → {hm.max_count:,}")
+    lines.append(ramp)
     if hm.bin_size > 1:
         lines.append(Text(f"one cell = {hm.bin_size} experts", style="dim"))
+    return lines
+
+
+def _flow(items: list[Text], width: int) -> list[Text]:
+    """Items side by side, two spaces apart, on as few lines of `width` as they fit."""
+    lines: list[Text] = []
+    for item in items:
+        if lines and lines[-1].cell_len + 2 + item.cell_len <= width:
+            lines[-1].append("  ").append_text(item)
+        else:
+            lines.append(item.copy())
     return lines
 
 
@@ -135,6 +155,7 @@ class ExpertHeatMap(Widget):
         self.on_gpu: list[list[bool]] = []
         self.popularity: list[list[int]] = []
         self.labels: list[str] | None = None
+        self.device = "cuda"  # the engine's device type: the legend's words depend on it
 
     def update_map(self, on_gpu: list[list[bool]], popularity: list[list[int]],
                    labels: list[str] | None = None) -> None:
@@ -149,7 +170,7 @@ class ExpertHeatMap(Widget):
     def _lines(self, width: int) -> list[Text]:
         if not self.popularity:
             return [Text("dense model: no experts to map", style="dim")]
-        return render_lines(self.current_layout(width))
+        return render_lines(self.current_layout(width), device=self.device, width=width)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return len(self._lines(width))

@@ -52,6 +52,17 @@ def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str
     return rows
 
 
+def speed_scale(speeds: list[float]) -> Text:
+    """What the sparkline's lowest and highest bars stand for: it scales its bars to the data, not from 0."""
+    if not speeds:
+        return Text("")
+    text = Text("▁ ", style="dim")
+    text.append(f"{min(speeds):,.1f}")
+    text.append("  █ ", style="dim")
+    text.append(f"{max(speeds):,.1f} tok/s")
+    return text
+
+
 class StatsPanel(VerticalScroll):
     """Numbers of the last reply, a sparkline of decode speed per reply, context use, and the heat map."""
 
@@ -72,6 +83,7 @@ class StatsPanel(VerticalScroll):
         with Vertical(id="stats-speed-box"):
             yield Label("decode speed per reply", classes="stats-heading")
             yield Sparkline([], id="stats-speed")
+            yield Static("", id="stats-speed-scale")
         yield Static(id="stats-context")
         yield Label("experts picked · layer × expert", classes="stats-heading")
         yield ExpertHeatMap(id="heatmap")
@@ -84,10 +96,12 @@ class StatsPanel(VerticalScroll):
     def heatmap(self) -> ExpertHeatMap:
         return self.query_one(ExpertHeatMap)
 
-    def set_model(self, summary: str, context_length: int, layer_labels: list[str] | None) -> None:
+    def set_model(self, summary: str, context_length: int, layer_labels: list[str] | None,
+                  device: str = "cuda") -> None:
         self.query_one("#stats-model", Static).update(summary)
         self.context_length = context_length
         self.heatmap.labels = layer_labels
+        self.heatmap.device = device
         self._show_context()
 
     def show_reply(self, meta: dict | None, context_used: int | None = None) -> None:
@@ -110,6 +124,7 @@ class StatsPanel(VerticalScroll):
         sparkline = self.query_one(Sparkline)
         sparkline.data = list(speeds) if speeds else []
         self.query_one("#stats-speed-box").set_class(len(speeds) < 2, "-empty")
+        self.query_one("#stats-speed-scale", Static).update(speed_scale(speeds))
 
     def update_map(self, on_gpu, popularity) -> None:
         self.heatmap.update_map(on_gpu, popularity, self.heatmap.labels)
@@ -136,7 +151,7 @@ class StatsPanel(VerticalScroll):
         self.query_one("#stats-numbers", Static).update(table)
 
     def _show_context(self) -> None:
-        text = Text("context ", style="dim")
-        text.append_text(context_bar(self.context_used, self.context_length))
-        text.append(f"\n{self.context_used:,} of {self.context_length:,} tokens", style="dim")
+        # The bar on a line of its own: after a "context " label it wrapped in a narrow panel.
+        text = context_bar(self.context_used, self.context_length)
+        text.append(f"\n{self.context_used:,} of {self.context_length:,} tokens of context", style="dim")
         self.query_one("#stats-context", Static).update(text)
