@@ -42,6 +42,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "has free after the other weights, a KV cache reserve and a 10%% margin)")
     parser.add_argument("--reprofile", action="store_true",
                         help="measure expert latency and popularity again instead of using the cached ones")
+    parser.add_argument("--expert-dtype", choices=["auto", "bf16", "int8", "int4"], default=None,
+                        help="how routed experts are kept: auto keeps what the file holds (a GGUF's 4-8-bit blocks "
+                             "as they are), bf16 the weights dtype, int8/int4 quantise 16-bit experts while loading "
+                             "(q8_0/q4_0 blocks) (default: the app's expert dtype setting for chat, else auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--decode-tokens", type=int, default=64, metavar="N",
                        help="tokens in the batch-1 decode run (default: 64)")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (the GPU tier simulated) or auto (default)")
+    bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],
+                       help="experts in 16 bits (dense, default) or packed in a GGUF block format")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
     return parser
 
@@ -91,7 +97,7 @@ def load_engine(args, **overrides):
     from engine.runtime import Engine
 
     options = dict(device=args.device, dtype=args.dtype, context_length=args.context, gpu_budget=args.gpu_budget,
-                   reprofile=args.reprofile, progress=_load_progress())
+                   reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto")
     return Engine.load(args.model, **{**options, **overrides})
 
 
@@ -130,7 +136,7 @@ def run_bench_command(args) -> int:
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens,
-                       tuple(args.prefill), args.batch, args.policy, log=log)
+                       tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format)
     print(json.dumps(report, indent=1) if args.json else format_results(report))
     return 0
 

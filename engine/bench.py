@@ -99,8 +99,12 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
 
 
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
-              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print) -> dict:
-    """Build the synthetic model, profile, place, measure; return every figure and its bound."""
+              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print,
+              expert_format: str = "dense") -> dict:
+    """Build the synthetic model, profile, place, measure; return every figure and its bound.
+
+    expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
+    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k)."""
     from engine.demo import cache_root
     from engine.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from engine.synthetic import shape_config, synthetic_model
@@ -113,12 +117,14 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = shape_config(shape, layers)
     t0 = time.perf_counter()
-    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(prefill + (256,)) + decode_tokens)
-    log(f"built {shape} x{cfg.num_layers} layers in {time.perf_counter() - t0:.1f}s")
+    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(prefill + (256,)) + decode_tokens,
+                                   expert_format=expert_format)
+    log(f"built {shape} x{cfg.num_layers} layers, experts {next(iter(banks.values())).describe()}, "
+        f"in {time.perf_counter() - t0:.1f}s")
     # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
-    shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+    shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(dtype))
     orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
-                                      top_k=cfg.num_experts_per_tok)
+                                      top_k=cfg.num_experts_per_tok, dtype=dtype)
     profile, executor = orchestra.profile, orchestra.executor
     expert_bytes = orchestra.expert_bytes
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
@@ -157,13 +163,14 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
         results.append(r)
     executor.stats = type(executor.stats)()
     return {"shape": shape, "layers": cfg.num_layers, "gpu_budget_gib": gpu_budget_gib, "device": str(device),
-            "dtype": str(dtype), "policy": policy, "experts_on_gpu": resident, "whole_layers_on_gpu": whole,
+            "dtype": str(dtype), "experts": next(iter(banks.values())).describe(), "policy": policy, "experts_on_gpu": resident, "whole_layers_on_gpu": whole,
             "popularity_evenness": round(orchestra.evenness, 4), "threads": torch.get_num_threads(),
             "profile": {k: v for k, v in profile.items()}, "results": [x.as_dict() for x in results]}
 
 
 def format_results(report: dict) -> str:
-    lines = [f"{report['shape']} x{report['layers']} layers, budget {report['gpu_budget_gib']} GiB, "
+    lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
+             f"budget {report['gpu_budget_gib']} GiB, "
              f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
              f"{'mode':<16}{'tokens':>8}{'batch':>7}{'tok/s':>10}{'bound':>10}{'% bound':>9}"]
     for r in report["results"]:

@@ -41,7 +41,7 @@ def cached_popularity(cache_dir: Path, key: str, engine, refresh: bool = False) 
     does not fit this model (edited, or from another version) is measured again."""
     path = Path(cache_dir) / f"popularity-halves-{key}.json"
     halves = cached_json(path, lambda: measure_popularity(engine), refresh)
-    if not _fits(halves, [len(moe.experts) for moe in engine.model.moe_blocks()]):
+    if not _fits(halves, [moe.experts.num_experts for moe in engine.model.moe_blocks()]):
         halves = cached_json(path, lambda: measure_popularity(engine), refresh=True)
     return halves
 

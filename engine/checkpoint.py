@@ -57,6 +57,13 @@ class SafetensorsCheckpoint:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def packed_format(self, name: str) -> str | None:
+        """Safetensors hold float tensors only (see GGUFCheckpoint.packed_format)."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to close: safetensors' handles are memory maps released with this object."""
+
     def get_tensor(self, name: str) -> torch.Tensor:
         file = self._where[name]
         if file not in self._open:

@@ -12,6 +12,8 @@ from typing import Protocol
 
 import torch
 
+from kernels.experts import expert_forward
+
 
 @dataclass
 class HostRouting:
@@ -46,12 +48,12 @@ class LocalExecutor:
     def expert_outputs(self, moe, x, ids, out=None, host=None):
         k = ids.shape[1]
         pair_expert = ids.flatten()
-        counts = torch.bincount(pair_expert, minlength=len(moe.experts)).cpu()
+        counts = torch.bincount(pair_expert, minlength=moe.experts.num_experts).cpu()
         seen = self.selections.get(moe.layer)
         self.selections[moe.layer] = counts if seen is None else seen + counts
         if out is None:
             out = x.new_empty((pair_expert.shape[0], x.shape[1]))
         for e in torch.nonzero(counts).flatten().tolist():
             pairs = torch.nonzero(pair_expert == e).flatten()
-            out[pairs] = moe.experts[e](x[pairs // k])
+            out[pairs] = expert_forward(x[pairs // k], moe.experts.expert(e))
         return out

@@ -9,7 +9,9 @@ here, so the rest of the engine never knows the model came from a GGUF file:
 - dims: GGUF lists them fastest-first, torch slowest-first;
 - experts: stacked into one [E, F, H] tensor per projection; the Hub keeps one per expert;
 - llama q/k rows: permuted for llama.cpp's interleaved RoPE; the Hub uses half-split RoPE;
-- quantization: blocks are dequantized by the `gguf` package, one tensor at a time.
+- quantization: blocks are dequantized by the `gguf` package, one tensor at a time, except routed
+  experts in a format moedesk computes from directly (kernels.quant_formats), which `read_packed`
+  hands over as they are.
 
 The file stays memory-mapped (GGUFReader); nothing is read until `get_tensor` asks for it.
 """
@@ -26,6 +28,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from engine.errors import CheckpointError, UnsupportedModelError
+from kernels.quant_formats import BY_GGML_TYPE
 
 # general.architecture -> Hugging Face model_type (without experts, with experts).
 _MODEL_TYPES = {
@@ -85,6 +88,7 @@ class GGUFCheckpoint:
         self.path = Path(path)
         self._reader = _open_reader(self.path)
         self._tensors = {t.name: t for t in self._reader.tensors}
+        self._file = None  # opened by the first read_packed
         self.arch = self._meta("general.architecture", str)
         if self.arch not in _MODEL_TYPES:
             raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
@@ -256,6 +260,37 @@ class GGUFCheckpoint:
         if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
             tensor = tensor.reshape(1, -1)  # the Hub's Linear(hidden, 1); llama.cpp drops the 1
         return tensor
+
+    def packed_format(self, name: str) -> str | None:
+        """The packed format (kernels.quant_formats) a tensor is stored in, when its blocks can be computed
+        from as they are; None for float tensors and other quantisations (those are dequantised)."""
+        gguf_name, _ = self._index[name]
+        fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))
+        return None if fmt is None else fmt.name
+
+    def read_packed(self, name: str, out: torch.Tensor) -> None:
+        """Copy a packed tensor's blocks ([rows, row_bytes], no layout change: experts are never permuted)
+        into the uint8 tensor `out`, read from the file with plain reads rather than through the memory map,
+        so that the file's pages do not count against the process while the model is resident."""
+        gguf_name, expert = self._index[name]
+        tensor = self._tensors[gguf_name]
+        data = tensor.data if expert is None else tensor.data[expert]
+        if out.dtype != torch.uint8 or out.numel() != data.size or not out.is_contiguous():
+            raise CheckpointError(self.path, f"tensor {gguf_name} holds {data.size} bytes per "
+                                             f"{'expert' if expert is not None else 'tensor'}, not {out.numel()}")
+        offset = tensor.data_offset + (0 if expert is None else expert * data.size)
+        if self._file is None:
+            self._file = open(self.path, "rb", buffering=0)
+        self._file.seek(offset)
+        view = memoryview(out.numpy()).cast("B")
+        read = self._file.readinto(view)
+        if read != len(view):
+            raise CheckpointError(self.path, f"truncated GGUF file: tensor {gguf_name} ends past the file's end")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def _read(self, tensor, expert: int | None) -> torch.Tensor:
         """Read (and dequantize) one GGUF tensor, or one expert's slice of a stacked one."""

@@ -1,6 +1,8 @@
 """Turn an opened checkpoint into a Transformer on a device, tensor by tensor."""
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -8,6 +10,8 @@ from engine.architectures import is_ignored_tensor, map_weight_name, parse_confi
 from engine.config import ModelConfig
 from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 from engine.model import Rotary, Transformer
+from kernels.expert_weights import DENSE, ExpertWeights
+from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,50 +36,137 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_length: int | None = None,
-               progress=None, expert_banks=None) -> tuple[Transformer, ModelConfig, dict]:
+               progress=None, expert_banks=None, expert_dtype: str = "auto") -> tuple[Transformer, ModelConfig, dict]:
     """Build the model on the meta device, then fill it with the checkpoint's tensors one at a time.
 
-    expert_banks(model) -> banks, when given, allocates host stacks for the routed experts
-    (engine.offload.allocate_banks): expert tensors are written straight into them and only the
-    rest goes to `device`. Returns (model, config, banks); banks is {} without expert_banks.
+    Routed experts become one `ExpertWeights` stack per MoE layer, in the formats `expert_formats` picks
+    (`expert_dtype`: auto keeps packed GGUF blocks as they are; int8/int4 quantise float experts while
+    they load, one tensor at a time; bf16 keeps everything in `dtype`). expert_banks(model, formats) ->
+    banks, when given, allocates those stacks in host memory (engine.offload.allocate_banks): expert
+    tensors are written straight into them and only the rest goes to `device`. Returns (model, config,
+    banks); banks is {} without expert_banks.
     """
+    if expert_dtype not in EXPERT_DTYPES:
+        raise MoedeskError(f"--expert-dtype {expert_dtype}: choose one of {', '.join(EXPERT_DTYPES)}")
     path = checkpoint.path
     cfg = parse_config(checkpoint.config, path)
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = Transformer(cfg, max_positions)
-    banks = expert_banks(model) if expert_banks and cfg.is_moe else {}
     expected = dict(model.named_parameters())
     rules = weight_name_map(cfg)
-    names = [n for n in checkpoint.keys() if not is_ignored_tensor(n)]
-    loaded = set()
-    for i, name in enumerate(names):
+    plain, experts = [], {}  # experts: (layer, expert, projection) -> checkpoint name
+    for name in checkpoint.keys():
+        if is_ignored_tensor(name):
+            continue
         ours = map_weight_name(rules, name)
-        if ours is None or ours not in expected:
+        routed = _ROUTED_EXPERT.fullmatch(ours) if ours else None
+        if routed:
+            layer, e, proj = routed.groups()
+            experts[int(layer), int(e), proj] = name
+        elif ours is None or ours not in expected:
             raise UnsupportedModelError(path, f"unexpected tensor {name} for a {cfg.arch} model")
+        else:
+            plain.append((name, ours))
+    moes = {moe.layer: moe for moe in model.moe_blocks()}
+    missing = [f"layers.{layer}.moe.experts.{e}.{proj}.weight" for layer in moes for e in range(cfg.num_experts)
+               for proj in _PROJECTIONS if (layer, e, proj) not in experts]
+    unknown = [name for (layer, e, _), name in experts.items() if layer not in moes or e >= cfg.num_experts]
+    if unknown:
+        raise UnsupportedModelError(path, f"unexpected tensor {unknown[0]} for a {cfg.arch} model")
+    formats = {layer: expert_formats(checkpoint, experts, layer, cfg, expert_dtype) for layer in moes}
+    if expert_banks and cfg.is_moe:
+        banks = expert_banks(model, formats)
+    else:
+        banks = {}
+        for layer, moe in moes.items():
+            moe.experts = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                              dtype=dtype, gate_up_format=formats[layer][0],
+                                              down_format=formats[layer][1], device=device)
+    total, done = len(plain) + len(experts), 0
+    loaded = set()
+    for name, ours in plain:
+        done += 1
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         tensor = checkpoint.get_tensor(name)
-        if tuple(tensor.shape) != tuple(expected[ours].shape):
-            raise CheckpointError(path, f"tensor {name} has shape {tuple(tensor.shape)}, "
-                                        f"the config implies {tuple(expected[ours].shape)}")
-        target = expected[ours]
-        if target.device.type == "meta":
-            _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
-        else:  # a view into a host expert bank
-            target.copy_(tensor)
+        _check_shape(path, name, tensor.shape, expected[ours].shape)
+        _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
         loaded.add(ours)
         if progress:
-            progress("load", (i + 1) / len(names))
+            progress("load", done / total)
+    for (layer, e, proj), name in experts.items():
+        _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, dtype, device)
+        done += 1
+        if progress:
+            progress("load", done / total)
+    checkpoint.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
         loaded.add("lm_head.weight")
-    missing = sorted(set(expected) - loaded)
+    missing = sorted(set(expected) - loaded) + missing
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
     model.rotary = Rotary(cfg, max_positions).to(device)
     return model.eval(), cfg, banks
+
+
+EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
+_ROUTED_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)\.weight")
+_PROJECTIONS = ("gate", "up", "down")
+
+
+def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expert_dtype: str) -> tuple[str, str]:
+    """(gate_up, down) storage formats of one layer's experts (kernels.quant_formats names, or "dense").
+
+    auto: a matrix stays packed where every expert's tensors of it are stored in one packed format (gate
+    and up must share it, being one matrix here); anything else is dense. int8 / int4: what would be dense
+    is quantised to q8_0 / q4_0 instead (where its rows are whole blocks); packed experts stay as they are.
+    bf16: everything dense, in the model's dtype.
+    """
+    def stored(projections) -> str:
+        found = {checkpoint.packed_format(experts[layer, e, p]) for e in range(cfg.num_experts) for p in projections
+                 if (layer, e, p) in experts}
+        return found.pop() if len(found) == 1 and None not in found else DENSE
+
+    if expert_dtype == "bf16":
+        return DENSE, DENSE
+    chosen = [stored(("gate", "up")), stored(("down",))]
+    if expert_dtype in QUANTIZE_TO:
+        target = packed_format(QUANTIZE_TO[expert_dtype])
+        for i, k in enumerate((cfg.hidden_size, cfg.moe_intermediate_size)):
+            if chosen[i] == DENSE and k % target.block == 0:
+                chosen[i] = target.name
+    return chosen[0], chosen[1]
+
+
+def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: str, dtype, device) -> None:
+    """One checkpoint tensor (an expert's gate, up or down) into its rows of the layer's stack: packed bytes
+    copied as they are, float weights cast or quantised to the stack's format."""
+    width = w.width
+    fmt = w.down_format if proj == "down" else w.gate_up_format
+    rows = {"gate": w.gate_up[e, :width], "up": w.gate_up[e, width:], "down": w.down[e]}[proj]
+    if fmt != DENSE and checkpoint.packed_format(name) == fmt:
+        if rows.is_cpu:
+            checkpoint.read_packed(name, rows)
+        else:
+            staged = torch.empty(rows.shape, dtype=torch.uint8)
+            checkpoint.read_packed(name, staged)
+            rows.copy_(staged)
+        return
+    tensor = checkpoint.get_tensor(name)
+    k = w.hidden if proj != "down" else width
+    _check_shape(checkpoint.path, name, tensor.shape, (rows.shape[0], k))
+    if fmt == DENSE:
+        rows.copy_(tensor.to(dtype))
+    else:  # quantised where it will be computed (the GPU is much faster at it), one tensor at a time
+        rows.copy_(quantize(tensor.to(device), fmt))
+
+
+def _check_shape(path, name: str, shape, expected) -> None:
+    if tuple(shape) != tuple(expected):
+        raise CheckpointError(path, f"tensor {name} has shape {tuple(shape)}, the config implies {tuple(expected)}")
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from engine.config import ModelConfig, RopeConfig
 from engine.kv_cache import KVCache, write_rows
 from kernels import gpu_fused
+from kernels.expert_weights import ExpertWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -188,7 +189,10 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        # All routed experts of the layer as one stack, dense or packed (kernels.expert_weights); the loader
+        # replaces this placeholder with stacks in their final place and format (device, RAM bank).
+        self.experts = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                           dtype=torch.get_default_dtype())
         if cfg.shared_expert_intermediate_size:
             self.shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)

@@ -29,23 +29,21 @@ import torch
 
 from engine.executor import HostRouting
 from kernels import gpu_streamed
-from kernels.cpu_experts import expert_forward, experts_forward, experts_forward_routed
-from kernels.gpu_experts import grouped_experts_forward, grouped_supported
+from kernels.expert_weights import ExpertWeights
+from kernels.experts import expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's
 # savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
 GROUPED_MAX_TOKENS = 64
 
-__all__ = ["expert_forward", "experts_forward", "experts_forward_routed", "OffloadExecutor", "allocate_banks", "stack_experts"]
+__all__ = ["OffloadExecutor", "allocate_banks", "stack_experts"]
 
 
 @dataclass
 class LayerBank:
-    gate_up: torch.Tensor  # [E, 2F, H] in host memory
-    down: torch.Tensor  # [E, H, F] in host memory
-    gpu_slot: list  # expert -> row of gpu_gate_up / gpu_down, or None when offloaded
-    gpu_gate_up: torch.Tensor | None = None
-    gpu_down: torch.Tensor | None = None
+    host: ExpertWeights  # every expert of the layer, in host memory
+    gpu_slot: list  # expert -> its index in `gpu`, or None when offloaded
+    gpu: ExpertWeights | None = None  # the resident experts, in ascending id order
 
 
 @dataclass
@@ -80,62 +78,55 @@ class StepStats:
         }
 
 
-def allocate_banks(model, dtype: torch.dtype, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Empty host stacks per MoE layer, each expert's parameters made views of them.
+def allocate_banks(model, formats: dict[int, tuple[str, str]], dtype: torch.dtype,
+                   pinned: bool) -> dict[int, ExpertWeights]:
+    """Empty host stacks per MoE layer, in the (gate_up, down) formats the loader chose for each layer
+    (dense ones in `dtype`), made the layers' experts.
 
-    Stacking pins a layer's experts in two allocations (not thousands) and gives the CPU and
-    copy paths contiguous [2F, H] and [H, F] blocks; a loader then writes each checkpoint
-    tensor straight into its view, so a model larger than the GPU never passes through it.
+    Stacking pins a layer's experts in two allocations (not thousands) and gives the CPU and copy paths
+    contiguous per-expert blocks; the loader then writes each checkpoint tensor straight into its rows, so
+    a model larger than the GPU never passes through it.
     """
     banks = {}
     for moe in model.moe_blocks():
-        experts = moe.experts
-        F_, H = experts[0].gate.weight.shape
-        gate_up = torch.empty((len(experts), 2 * F_, H), dtype=dtype, pin_memory=pinned)
-        down = torch.empty((len(experts), H, F_), dtype=dtype, pin_memory=pinned)
-        for e, expert in enumerate(experts):
-            for linear, view in zip((expert.gate, expert.up, expert.down), _expert_views(gate_up[e], down[e])):
-                linear.weight = torch.nn.Parameter(view, requires_grad=False)
-        banks[moe.layer] = (gate_up, down)
+        placeholder = moe.experts
+        gate_up_format, down_format = formats[moe.layer]
+        moe.experts = banks[moe.layer] = ExpertWeights.empty(
+            placeholder.num_experts, placeholder.hidden, placeholder.width, dtype=dtype,
+            gate_up_format=gate_up_format, down_format=down_format, pin_memory=pinned)
     return banks
 
 
-def _expert_views(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate, up, down of one expert as views of its rows in the stacks."""
-    half = gate_up.shape[0] // 2
-    return gate_up[:half], gate_up[half:], down
-
-
-def stack_experts(model, pinned: bool) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Banks for a model whose experts are already loaded: their weights move into the stacks."""
-    old = {moe.layer: [(e.gate.weight, e.up.weight, e.down.weight) for e in moe.experts] for moe in model.moe_blocks()}
-    dtype = next(iter(old.values()))[0][0].dtype
-    banks = allocate_banks(model, dtype, pinned)
-    for layer, (gate_up, down) in banks.items():
-        for e, weights in enumerate(old[layer]):
-            for view, weight in zip(_expert_views(gate_up[e], down[e]), weights):
-                view.copy_(weight)
+def stack_experts(model, pinned: bool) -> dict[int, ExpertWeights]:
+    """Banks for a model whose experts are already loaded: the layers' stacks copied to host memory."""
+    banks = {}
+    for moe in model.moe_blocks():
+        host = moe.experts.empty_like("cpu")
+        if pinned:
+            host = ExpertWeights(host.gate_up.pin_memory(), host.down.pin_memory(), host.hidden, host.width,
+                                 host.gate_up_format, host.down_format)
+        banks[moe.layer] = host.copy_(moe.experts)
     return banks
 
 
-def queue_copy(stream, gate_up, down, staging_gate_up, staging_down, after=None):
-    """Queue one expert's host-to-GPU copy on `stream` (after the event `after`); the event that marks it done."""
+def queue_copy(stream, expert: ExpertWeights, staging: ExpertWeights, after=None):
+    """Queue one expert's host-to-GPU copy on `stream` (after the event `after`), its bytes as stored (a packed
+    expert crosses PCIe packed); the event that marks it done."""
     with torch.cuda.stream(stream):
         if after is not None:
             stream.wait_event(after)
-        staging_gate_up.copy_(gate_up, non_blocking=True)
-        staging_down.copy_(down, non_blocking=True)
+        staging.copy_(expert, non_blocking=True)
         return stream.record_event()
 
 
-def compute_copied(xs, staging_gate_up, staging_down, ready=None):
+def compute_copied(xs, staging: ExpertWeights, ready=None):
     """A copied expert's output for its tokens xs once its copy (event `ready`) landed, and the event after
     which its staging slot may be overwritten (None on the simulated tier, where everything is synchronous)."""
     if ready is None:
-        return expert_forward(xs, staging_gate_up, staging_down), None
+        return expert_forward(xs, staging), None
     current = torch.cuda.current_stream(xs.device)
     current.wait_event(ready)
-    out = expert_forward(xs, staging_gate_up, staging_down)
+    out = expert_forward(xs, staging)
     return out, current.record_event()
 
 
@@ -172,7 +163,7 @@ class OffloadExecutor:
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
                  streamed_ranks=None):
-        """banks: layer -> (gate_up, down) host stacks; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
+        """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
         this step, asked only when the CPU computes experts of the layer anyway (None: never);
@@ -183,19 +174,18 @@ class OffloadExecutor:
         self.resident_to_cpu = resident_to_cpu
         self.streamed_ranks = streamed_ranks
         self.simulated = self.device.type == "cpu"
-        self.banks = {layer: LayerBank(gu, d, [None] * gu.shape[0]) for layer, (gu, d) in banks.items()}
-        any_bank = next(iter(self.banks.values()))
+        self.banks = {layer: LayerBank(w, [None] * w.num_experts) for layer, w in banks.items()}
+        any_bank = next(iter(self.banks.values())).host
         # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
-        self.whole_layers_on_device = self.simulated or grouped_supported(any_bank.gate_up[0, :0].to(self.device),
-                                                                           any_bank.gate_up)
+        probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
+        self.whole_layers_on_device = self.simulated or grouped_supported(probe, any_bank)
         self._selections: dict[int, torch.Tensor] = {}
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
         self.set_placement(on_gpu)
-        slots = staging_slots or any_bank.gate_up.shape[0]
-        self.staging = [(torch.empty_like(any_bank.gate_up[0], device=self.device),
-                         torch.empty_like(any_bank.down[0], device=self.device)) for _ in range(slots)]
+        slots = staging_slots or any_bank.num_experts
+        self.staging = [any_bank.expert(0).empty_like(self.device) for _ in range(slots)]
         self.copy_stream = None if self.simulated else torch.cuda.Stream(self.device)
         self.slot_free = [None] * slots  # CUDA event: the last compute that read this staging slot
         self._buffers: dict[str, torch.Tensor] = {}
@@ -209,12 +199,11 @@ class OffloadExecutor:
         self.placement_version += 1  # CUDA graphs that captured the old resident weights are stale
         for (layer, bank), row in zip(sorted(self.banks.items()), on_gpu):
             resident = [e for e, flag in enumerate(row) if flag]
-            bank.gpu_gate_up = bank.gpu_down = None  # free the old copies before making new ones
+            bank.gpu = None  # free the old copies before making new ones
             bank.gpu_slot = [None] * len(row)
             if resident:
                 index = torch.tensor(resident)
-                bank.gpu_gate_up = bank.gate_up[index].to(self.device)
-                bank.gpu_down = bank.down[index].to(self.device)
+                bank.gpu = bank.host.select(index).to(self.device)
                 for slot, e in enumerate(resident):
                     bank.gpu_slot[e] = slot
                 if len(resident) == len(row) and self.whole_layers_on_device:
@@ -256,7 +245,7 @@ class OffloadExecutor:
         counts = torch.zeros_like(per_expert[0]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
         per_expert[0] += counts
         per_expert[1] += counts > 0
-        ys = grouped_experts_forward(x.index_select(0, order // k), bank.gpu_gate_up, bank.gpu_down,
+        ys = grouped_experts_forward(x.index_select(0, order // k), bank.gpu,
                                      counts.cumsum(0).to(torch.int32))
         return torch.empty_like(ys).index_copy_(0, order, ys)
 
@@ -269,7 +258,8 @@ class OffloadExecutor:
         if self.streamed_ranks is None or batch != 1 or self.simulated:
             return 0
         bank = self.banks[layer]
-        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.gate_up):
+        if (any(slot is not None for slot in bank.gpu_slot) or bank.host.packed
+                or not gpu_streamed.applies(self.device, bank.host.gate_up)):
             return 0
         return min(top_k, max(0, int(self.streamed_ranks(top_k))))
 
@@ -278,7 +268,7 @@ class OffloadExecutor:
         their weights from pinned RAM (kernels.gpu_streamed); the host's `expert_outputs` for the same step is
         then given `HostRouting.streamed = ranks` and leaves those rows alone."""
         bank = self.banks[moe.layer]
-        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.gate_up, bank.down, out)
+        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.host.gate_up, bank.host.down, out)
 
     def _fold_tallies(self) -> None:
         if not self._tallies:
@@ -351,7 +341,7 @@ class OffloadExecutor:
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
             chosen = None if len(on_cpu) == len(active) and not streamed else on_cpu  # None: every pair
-            experts_forward_routed(x_host, pair_expert, k, chosen, bank.gate_up, bank.down, host_y, index)
+            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index)
             # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
@@ -378,12 +368,12 @@ class OffloadExecutor:
         GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         sizes = [pairs.count[e] for e in resident]
-        grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu_gate_up)
+        grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu)
         pair_rows = np.concatenate([pairs.of(resident)] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         ends = np.zeros(0, dtype=np.int32)
         if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
-            tokens = np.zeros(bank.gpu_gate_up.shape[0], dtype=np.int64)
+            tokens = np.zeros(bank.gpu.num_experts, dtype=np.int64)
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
             ends = np.cumsum(tokens)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host 10-50 µs
@@ -399,15 +389,15 @@ class OffloadExecutor:
         ys, at = [], 0
         if grouped:
             at = sum(sizes)
-            ys.append(grouped_experts_forward(xs[:at], bank.gpu_gate_up, bank.gpu_down, index[4 * m:]))
+            ys.append(grouped_experts_forward(xs[:at], bank.gpu, index[4 * m:]))
         else:
             for e, n in zip(resident, sizes):
                 slot = bank.gpu_slot[e]
-                ys.append(expert_forward(xs[at:at + n], bank.gpu_gate_up[slot], bank.gpu_down[slot]))
+                ys.append(expert_forward(xs[at:at + n], bank.gpu.expert(slot)))
                 at += n
         for e, (slot, ready) in copies.items():
             n = pairs.count[e]
-            y, self.slot_free[slot] = compute_copied(xs[at:at + n], *self.staging[slot], ready)
+            y, self.slot_free[slot] = compute_copied(xs[at:at + n], self.staging[slot], ready)
             ys.append(y)
             at += n
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
@@ -445,12 +435,11 @@ class OffloadExecutor:
         started = {}
         for i, e in enumerate(experts):
             slot = i % len(self.staging)
-            gate_up, down = self.staging[slot]
+            staging = self.staging[slot]
             if self.simulated:
-                gate_up.copy_(bank.gate_up[e])
-                down.copy_(bank.down[e])
+                staging.copy_(bank.host.expert(e))
                 started[e] = (slot, None)
                 continue
-            started[e] = (slot, queue_copy(self.copy_stream, bank.gate_up[e], bank.down[e], gate_up, down,
+            started[e] = (slot, queue_copy(self.copy_stream, bank.host.expert(e), staging,
                                            after=self.slot_free[slot]))
         return started

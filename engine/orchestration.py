@@ -22,6 +22,7 @@ from engine.placement import (LayerCosts, Placement, RememberedSplit, assign_off
                               plan_placement, resident_on_cpu, streamed_ranks)
 from engine.popularity import estimated_popularity
 from engine.profiler import cached_profile, profile_expert, profile_key, profile_streaming
+from kernels.expert_weights import ExpertWeights
 
 log = logging.getLogger("moedesk")
 
@@ -36,21 +37,20 @@ KV_ROWS_RESERVED = 4  # sequences whose full-context KV cache the default budget
 def host_bank_allocator(dtype: torch.dtype, pinned: bool, warnings: list[str]):
     """The loader's `expert_banks`: pinned stacks when a GPU will copy from them, pageable if pinning fails."""
 
-    def allocate(model):
+    def allocate(model, formats):
         if pinned:
             try:
-                return allocate_banks(model, dtype, pinned=True)
+                return allocate_banks(model, formats, dtype, pinned=True)
             except RuntimeError as error:  # cudaHostAlloc refuses: too much locked memory asked for
-                _warn(warnings, f"could not pin {_expert_gib(model, dtype):.1f} GiB of experts in RAM "
+                gib = sum(ExpertWeights.empty(1, m.experts.hidden, m.experts.width, dtype=dtype,
+                                              gate_up_format=formats[m.layer][0], down_format=formats[m.layer][1],
+                                              device="meta").nbytes * m.experts.num_experts
+                          for m in model.moe_blocks()) / GIB
+                _warn(warnings, f"could not pin {gib:.1f} GiB of experts in RAM "
                                 f"({str(error).splitlines()[0]}); copies to the GPU will be slower")
-        return allocate_banks(model, dtype, pinned=False)
+        return allocate_banks(model, formats, dtype, pinned=False)
 
     return allocate
-
-
-def _expert_gib(model, dtype) -> float:
-    n = sum(p.numel() for moe in model.moe_blocks() for p in moe.experts.parameters())
-    return n * torch.empty((), dtype=dtype).element_size() / GIB
 
 
 def _warn(warnings: list[str], message: str) -> None:
@@ -93,27 +93,26 @@ class ExpertOrchestra:
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
               reprofile: bool = False, warnings: list[str] | None = None, policy: str = "balanced",
-              top_k: int = 1) -> "ExpertOrchestra":
+              top_k: int = 1, dtype: torch.dtype | None = None) -> "ExpertOrchestra":
         """Profile one expert (cached) and build the executor with no expert resident yet.
 
         policy: "balanced" splits offloaded experts so the CPU and the copies finish together, and lets
         the GPU compute some of a lone token's experts from RAM while the CPU computes the rest;
-        "fiddler" decides expert by expert (kept for comparison).
+        "fiddler" decides expert by expert (kept for comparison). dtype: the activations' (the model's).
         """
-        gate_up, down = next(iter(banks.values()))
-        key = profile_key(*profile_key_parts, gate_up.dtype, device)
-        points = cached_profile(cache_dir, key, lambda: {**profile_expert(gate_up[0], down[0], device),
-                                                        **profile_streaming(gate_up, down, top_k, device)}, reprofile)
+        first = next(iter(banks.values()))
+        key = profile_key(*profile_key_parts, first.describe(), device)
+        points = cached_profile(cache_dir, key, lambda: {**profile_expert(first.expert(0), device, dtype),
+                                                        **profile_streaming(first, top_k, device)}, reprofile)
         costs = fit_latency_model(points)
-        nothing = [[False] * gate_up.shape[0] for _ in banks]
+        nothing = [[False] * first.num_experts for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
         streaming = (lambda k: streamed_ranks(k, costs)) if policy == "balanced" else None
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    streamed_ranks=streaming)
-        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
-        uniform = [[0] * gate_up.shape[0] for _ in banks]
-        return cls(executor, costs, expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
+        uniform = [[0] * first.num_experts for _ in banks]
+        return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)
 
     def calibrate(self, halves) -> None:

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from engine.json_cache import cached_json
-from engine.offload import expert_forward, experts_forward_routed
 from kernels import cpu_experts, gpu_streamed
+from kernels.expert_weights import ExpertWeights
+from kernels.experts import expert_forward, experts_forward_routed
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -70,35 +71,29 @@ def _one_token_expert_call(megabytes: int):
     return call, (gate_up.numel() + down.numel()) * 2
 
 
-def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens=CPU_TOKENS,
+def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, cpu_tokens=CPU_TOKENS,
                    gpu_tokens=GPU_TOKENS, repeat: int = 5) -> dict:
-    """Raw measurements for one expert given as host tensors ([2F, H], [H, F])."""
+    """Raw measurements for one expert `w` (a one-expert stack in host memory) computing activations of
+    `dtype` (default: the stack's own float dtype, bf16 for packed experts)."""
     device = torch.device(device)
-    hidden = gate_up.shape[1]
-    dtype = gate_up.dtype
-    expert_bytes = (gate_up.numel() + down.numel()) * gate_up.element_size()
+    hidden = w.hidden
+    dtype = dtype or w.dense_dtype or torch.bfloat16
+    expert_bytes = w.expert_bytes
     cpu = {}
     # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on expert 0.
-    stacked_gate_up, stacked_down = gate_up.unsqueeze(0), down.unsqueeze(0)
     for n in cpu_tokens:
         x, out = torch.randn(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
         to_expert_0 = torch.zeros(n, dtype=torch.int64)
-        cpu[n] = _timed_ms(lambda: experts_forward_routed(x, to_expert_0, 1, None, stacked_gate_up, stacked_down, out),
-                           torch.device("cpu"), repeat)
-    g_gate_up, g_down = gate_up.to(device), down.to(device)
+        cpu[n] = _timed_ms(lambda: experts_forward_routed(x, to_expert_0, 1, None, w, out), torch.device("cpu"), repeat)
+    on_device = w.to(device)
     gpu = {}
     for n in gpu_tokens:
         x = torch.randn(n, hidden, dtype=dtype, device=device)
-        gpu[n] = _timed_ms(lambda: expert_forward(x, g_gate_up, g_down), device, repeat)
-    staging_gu, staging_d = torch.empty_like(g_gate_up), torch.empty_like(g_down)
-
-    def copy():
-        staging_gu.copy_(gate_up, non_blocking=True)
-        staging_d.copy_(down, non_blocking=True)
-
-    copy_ms = _timed_ms(copy, device, repeat)
-    extra = {**contention(device), "copy_launch_ms": copy_launch_ms(g_gate_up, staging_gu, staging_d, device),
-             "resident_launch_ms": resident_launch_ms(gate_up, down, device)} if device.type == "cuda" else {}
+        gpu[n] = _timed_ms(lambda: expert_forward(x, on_device), device, repeat)
+    staging = on_device.empty_like()
+    copy_ms = _timed_ms(lambda: staging.copy_(w, non_blocking=True), device, repeat)
+    extra = {**contention(device), "copy_launch_ms": copy_launch_ms(staging, dtype, device),
+             "resident_launch_ms": resident_launch_ms(w, dtype, device)} if device.type == "cuda" else {}
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -106,26 +101,26 @@ def profile_expert(gate_up: torch.Tensor, down: torch.Tensor, device, cpu_tokens
         "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
         "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
         "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
-        "pinned": gate_up.is_pinned(), **extra,
+        "pinned": w.is_pinned(), **extra,
     }
 
 
-def copy_launch_ms(gate_up, staging_gu, staging_d, device, repeat: int = 20) -> float:
+def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> float:
     """Host time the executor spends queueing one copied expert: its copy on a side stream and its
     GPU compute, through the executor's own two calls (median; the GPU is drained between tries
     so that nothing blocks)."""
     from engine.offload import compute_copied, queue_copy
 
-    x = torch.randn(4, gate_up.shape[-1], dtype=gate_up.dtype, device=device)
+    x = torch.randn(4, staging.hidden, dtype=dtype, device=device)
     rows = torch.tensor([1, 2], device=device)
-    host_gu = torch.empty(staging_gu.shape, dtype=staging_gu.dtype, pin_memory=True)
-    host_d = torch.empty(staging_d.shape, dtype=staging_d.dtype, pin_memory=True)
+    host = staging.empty_like("cpu")
+    host = ExpertWeights(host.gate_up.pin_memory(), host.down.pin_memory(), host.hidden, host.width,
+                         host.gate_up_format, host.down_format)
     side = torch.cuda.Stream(device)
-    return _host_ms(lambda: compute_copied(x[rows], staging_gu, staging_d,
-                                           queue_copy(side, host_gu, host_d, staging_gu, staging_d)), device, repeat)
+    return _host_ms(lambda: compute_copied(x[rows], staging, queue_copy(side, host, staging)), device, repeat)
 
 
-def profile_streaming(gate_up, down, top_k: int, device, most: int = 4, repeat: int = 7) -> dict:
+def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 7) -> dict:
     """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
     pinned RAM (kernels.gpu_streamed), timed as decode runs them: {"streamed_split_ms": {g: ms}} for g = 0..
     min(top_k, most) experts streamed, each the median time until both sides are done, and "streamed_top_k".
@@ -133,12 +128,13 @@ def profile_streaming(gate_up, down, top_k: int, device, most: int = 4, repeat: 
 
     Measured rather than predicted from one expert's costs: SMs and the CPU reading RAM together slow each
     other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
-    side. gate_up [E, 2F, H] and down [E, H, F] are a layer's pinned stacks; each try takes experts the last
+    side. w is a layer's pinned stacks (dense: packed experts are not streamed); each try takes experts the last
     tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
     graph, as in decode."""
     device = torch.device(device)
-    if not gpu_streamed.applies(device, gate_up):
+    if w.packed or not gpu_streamed.applies(device, w.gate_up):
         return {}
+    gate_up, down = w.gate_up, w.down
     experts, hidden = gate_up.shape[0], gate_up.shape[2]
     x_host = torch.randn(1, hidden, dtype=gate_up.dtype).pin_memory()
     x = x_host.to(device)
@@ -171,7 +167,7 @@ def profile_streaming(gate_up, down, top_k: int, device, most: int = 4, repeat: 
             if graph is not None:
                 graph.replay()
             if on_cpu:
-                experts_forward_routed(x_host, pairs, on_cpu, None, gate_up, down, cpu_out, index)
+                experts_forward_routed(x_host, pairs, on_cpu, None, w, cpu_out, index)
             torch.cuda.synchronize(device)
             if i:  # the first try warms up
                 times.append((time.perf_counter() - start) * 1e3)
@@ -179,7 +175,7 @@ def profile_streaming(gate_up, down, top_k: int, device, most: int = 4, repeat: 
     return {"streamed_split_ms": split, "streamed_top_k": top_k}
 
 
-def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
+def resident_launch_ms(w: ExpertWeights, dtype, device, repeat: int = 20) -> float:
     """Host time the executor spends queueing a decode step's GPU-resident experts (two, one token each)
     through its own path: index copy, gather, grouped launches, scatter (median; the GPU drained between
     tries so that nothing blocks). A layer pays it once whenever any resident expert has tokens."""
@@ -188,10 +184,11 @@ def resident_launch_ms(gate_up, down, device, repeat: int = 20) -> float:
     from engine.executor import HostRouting
     from engine.offload import OffloadExecutor
 
-    stack = (gate_up.unsqueeze(0).expand(2, -1, -1), down.unsqueeze(0).expand(2, -1, -1))
+    stack = ExpertWeights(w.gate_up.expand(2, -1, -1), w.down.expand(2, -1, -1), w.hidden, w.width,
+                          w.gate_up_format, w.down_format)  # the same expert twice, not copied
     executor = OffloadExecutor({0: stack}, [[True, True]], device, decide=lambda loads: ([], []), staging_slots=1)
     moe = SimpleNamespace(layer=0)
-    x = torch.randn(1, gate_up.shape[1], dtype=gate_up.dtype, device=device)
+    x = torch.randn(1, w.hidden, dtype=dtype, device=device)
     ids = torch.tensor([[0, 1]])
     host = HostRouting(x.cpu(), ids, None)
     out = torch.empty(2, x.shape[1], dtype=x.dtype, device=device)
@@ -273,7 +270,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 PROFILE_FORMAT = 5
 
 
-def profile_key(fingerprint: str, shape: tuple, dtype: torch.dtype, device) -> str:
+def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
+    """dtype: the experts' storage (ExpertWeights.describe(): "bfloat16", "q4_k/q6_k", ...)."""
     raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads(),
                       cpu_experts.describe(), PROFILE_FORMAT])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]

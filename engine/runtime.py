@@ -42,13 +42,15 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
-             reprofile: bool = False, progress=None) -> "Engine":
+             reprofile: bool = False, progress=None, expert_dtype: str = "auto") -> "Engine":
         """Open and load `model` (see engine.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
         tier (how tests run the orchestration without a GPU). gpu_budget None: what the GPU has
-        free after the other weights, a KV cache reserve and a margin.
+        free after the other weights, a KV cache reserve and a margin. expert_dtype: how routed experts are
+        stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4: quantised while
+        loading; engine.loader.expert_formats).
         """
         checkpoint = open_checkpoint(model)
         torch_device = resolve_device(device)
@@ -59,7 +61,7 @@ class Engine:
         offload = torch_device.type == "cuda" if offload is None else offload
         warnings: list[str] = []
         allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
-        net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator)
+        net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype)
         context = min(context, cfg.max_position_embeddings)
         tok_model = checkpoint.tokenizer
         tokenizer = None
@@ -80,10 +82,10 @@ class Engine:
         cfg = self.config
         if self.device.type == "cuda":
             leave_a_core_to_the_gpu_thread()
-        shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts)
+        shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(self.dtype))
         key_parts = (machine_fingerprint(), shape)
         self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, key_parts, cache_root(), reprofile,
-                                                           self.warnings, top_k=cfg.num_experts_per_tok)
+                                                           self.warnings, top_k=cfg.num_experts_per_tok, dtype=self.dtype)
         self.executor = orchestra.executor
         if progress:
             progress("profile", 1.0)
@@ -116,9 +118,10 @@ class Engine:
         on_gpu, popularity = [], []
         resident = self.executor.on_gpu() if self.orchestra else None
         for i, moe in enumerate(self.model.moe_blocks()):
-            on_gpu.append(resident[i] if resident else [e.gate.weight.is_cuda for e in moe.experts])
+            experts = moe.experts.num_experts
+            on_gpu.append(resident[i] if resident else [moe.experts.device.type == "cuda"] * experts)
             counts = self.executor.selections.get(moe.layer)
-            popularity.append([0] * len(moe.experts) if counts is None else counts.tolist())
+            popularity.append([0] * experts if counts is None else counts.tolist())
         return on_gpu, popularity
 
     def _decoder(self) -> Decoder:

@@ -1,7 +1,7 @@
 """Random-weight models of real MoE shapes, built in memory without a file, for benchmarks.
 
 Speed does not depend on the values, so expert weights tile one random block (as the
-llama.cpp comparison's GGUF does) and are written straight into the stacked host banks the
+llama.cpp comparison's GGUF does), in 16 bits or packed and are written straight into the stacked host banks the
 offload executor uses; no full-size copy of the model ever exists twice.
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ import torch
 
 from engine.config import ModelConfig, RopeConfig
 from engine.model import Rotary, Transformer
+from kernels.expert_weights import DENSE, ExpertWeights
+from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
 SHAPES = {
     "mixtral-8x7b": ModelConfig(
@@ -43,15 +45,17 @@ def _tile(out: torch.Tensor, block: torch.Tensor) -> None:
         flat[start:start + n].copy_(block[:n])
 
 
-def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, context: int = 4096, seed: int = 0):
-    """(model, banks): non-expert weights random on `device`; banks[layer] = (gate_up [E,2F,H], down [E,H,F]) on the host."""
+def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, context: int = 4096, seed: int = 0,
+                    expert_format: str = DENSE):
+    """(model, banks): non-expert weights random on `device`; banks[layer] an ExpertWeights stack on the host,
+    in `dtype` or, with expert_format, packed (kernels.quant_formats): a random block of weights quantised
+    to that format and tiled, so the packed bytes are realistic (sane scales) without quantising the whole
+    model (k-quants, which moedesk does not quantise itself, tile random blocks with small scales)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(cfg, context)
     for name, param in list(model.named_parameters()):
-        if ".experts." in name:
-            continue
         if name.endswith("norm.weight"):
             value = torch.ones(param.shape, dtype=dtype)
         else:
@@ -61,16 +65,35 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.to(device), requires_grad=False))
     model.rotary = Rotary(cfg, context).to(device)
-    block = (torch.randn(1 << 24, generator=gen) * 0.02).to(dtype)
     E, F_, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     banks = {}
     for moe in model.moe_blocks():
-        gate_up = torch.empty((E, 2 * F_, H), dtype=dtype, pin_memory=pinned)
-        down = torch.empty((E, H, F_), dtype=dtype, pin_memory=pinned)
-        _tile(gate_up, block)
-        _tile(down, block)
-        banks[moe.layer] = (gate_up, down)
+        w = ExpertWeights.empty(E, H, F_, dtype=dtype, gate_up_format=expert_format, down_format=expert_format,
+                                pin_memory=pinned)
+        for stack, k in ((w.gate_up, H), (w.down, F_)):
+            _tile(stack, _random_block(expert_format, k, dtype, gen))
+        moe.experts = banks[moe.layer] = w
     return model.eval(), banks
+
+
+def _random_block(fmt: str, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """About 16 MiB of random rows of k weights, in `dtype` or packed as `fmt`, flattened."""
+    if fmt == DENSE:
+        return (torch.randn(1 << 24, generator=gen) * 0.02).to(dtype)
+    rows = max(1, (1 << 24) // k)
+    weights = torch.randn(rows, k, generator=gen) * 0.02
+    if fmt in QUANTIZE_TO.values():
+        return quantize(weights, fmt).view(-1)
+    f = packed_format(fmt)
+    raw = torch.randint(0, 256, (rows * k // f.block, f.block_bytes), generator=gen, dtype=torch.uint8)
+    scale = torch.full((raw.shape[0], 1), 0.001, dtype=torch.float16).view(torch.uint8)
+    for at in _SCALE_BYTES[fmt]:
+        raw[:, at:at + 2] = scale
+    return raw.view(-1)
+
+
+_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # where each k-quant block keeps its float16 scales
+
 
 # A shape small enough for CI to run the benchmark code path on the CPU.
 SHAPES["tiny-moe"] = ModelConfig(

@@ -38,11 +38,13 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
 
 
 def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
-    """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one."""
+    """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one, for x and
+    experts of w's formats and shapes on x's device (w itself may still be in host memory: placement asks
+    before any expert is on the GPU)."""
     if not w.packed:
         return gpu_experts.grouped_supported(x, w.gate_up)
     quant = _gpu_quant()
-    return quant is not None and quant.applies(x, w)
+    return quant is not None and x.is_cuda and quant.applies(x, w if w.device == x.device else w.expert(0).to("meta"))
 
 
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:

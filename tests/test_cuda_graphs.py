@@ -63,7 +63,7 @@ def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_ch
     banks = stack_experts(engine.model, pinned=False)
     layers = sorted(banks)
     # First MoE layer all resident, the others half resident: only the first may skip the host.
-    on_gpu = [[True] * banks[layer][0].shape[0] if i == 0 else [e % 2 == 0 for e in range(banks[layer][0].shape[0])]
+    on_gpu = [[True] * banks[layer].num_experts if i == 0 else [e % 2 == 0 for e in range(banks[layer].num_experts)]
               for i, layer in enumerate(layers)]
     runs = {}
     for name, graphs in (("host", None), ("segments", GraphedDecode(engine.model, engine.cache, capture=False))):

@@ -79,7 +79,7 @@ def test_offloaded_float32_greedy_on_cuda_at_every_budget(arch, tiny_checkpoint,
     ref = hf_model(folder, torch.float32, "cuda")
     params = SamplingParams(max_new_tokens=16, temperature=0)
     probe = Engine.load(str(folder), device="cuda", dtype="float32", gpu_budget=0)
-    assert probe.orchestra is not None and probe.executor.banks[next(iter(probe.executor.banks))].gate_up.is_pinned()
+    assert probe.orchestra is not None and probe.executor.banks[next(iter(probe.executor.banks))].host.is_pinned()
     prompts = [probe.tokenizer.encode(p) for p in PROMPTS]
     eos = probe.tokenizer.eos_token_ids | set(probe.config.eos_token_ids)
     expected = [hf_greedy(ref, p, 16, eos) for p in prompts]

@@ -30,7 +30,7 @@ def test_every_budget_and_policy_generates_the_reference_tokens(arch, tiny_check
     list(engine.generate([Request(p, params) for p in prompts]))  # popularity from a first run
     popularity = [engine.executor.selections[layer].tolist() for layer in sorted(engine.executor.selections)]
     banks = stack_experts(engine.model, pinned=False)
-    expert_bytes = banks[next(iter(banks))][0][0].nbytes * 3 // 2
+    expert_bytes = banks[next(iter(banks))].expert_bytes
     total = sum(map(len, popularity))
     for fits in (0, 1, total // 2, total):
         on_gpu = plan_placement(expert_bytes, len(popularity), len(popularity[0]), popularity,
@@ -60,7 +60,7 @@ def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkp
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
     expected = [hf_greedy(hf_model(folder), p, 12, eos) for p in prompts]
     banks = stack_experts(engine.model, pinned=False)
-    half = [[e % 2 == 0 for e in range(bank[0].shape[0])] for bank in banks.values()]
+    half = [[e % 2 == 0 for e in range(bank.num_experts)] for bank in banks.values()]
     asked = []
 
     def take_all(loads):
@@ -157,7 +157,7 @@ def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_new_tokens=12, temperature=0)
     banks = stack_experts(engine.model, pinned=False)
-    shape = [len(bank[0]) for _, bank in sorted(banks.items())]
+    shape = [bank.num_experts for _, bank in sorted(banks.items())]
     runs = {}
     for name, resident in (("resident", True), ("cpu", False)):
         engine.executor = OffloadExecutor(banks, [[resident] * n for n in shape], "cpu", POLICIES["all-cpu"])

@@ -57,10 +57,9 @@ def test_offloaded_engine_matches_transformers_at_every_budget(arch, tiny_checkp
 def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_checkpoint, cache_dir, monkeypatch):
     folder = str(tiny_checkpoint("mixtral"))
     engine = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=0)
-    bank_gate_up, _ = engine.executor.banks[0].gate_up, engine.executor.banks[0].down
-    expert = engine.model.moe_blocks()[0].experts[1]
-    # The module's weights are views of the bank, not copies: the weights exist once.
-    assert expert.gate.weight.data_ptr() == bank_gate_up[1].data_ptr()
+    bank = engine.executor.banks[0].host
+    # The model's experts are the bank, not a copy: the weights exist once.
+    assert engine.model.moe_blocks()[0].experts.gate_up.data_ptr() == bank.gate_up.data_ptr()
     assert sorted(p.name.split("-")[0] for p in cache_dir.glob("*.json")) == ["popularity", "profile"]
 
     # A second load reads popularity and profile from the cache instead of measuring again.
