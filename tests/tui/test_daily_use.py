@@ -132,3 +132,74 @@ async def test_speed_scale_and_a_new_chat_clears_the_map(engine):
         assert total > 0
         on_gpu, popularity = engine.expert_map()
         assert total < sum(map(sum, popularity))  # only this chat's picks
+
+
+# ---------------------------------------------------------------- 3. fits 80x24
+
+
+LONG_LINE = "class Account:\n    def __init__(self, account_number, owner_name, balance=0, currency='EUR', overdraft=0):\n"
+
+
+async def test_at_80x24_the_chat_has_the_width_and_nothing_is_cut(engine):
+    from textual.widgets._footer import FooterKey
+    from textual.widgets.markdown import MarkdownFence
+
+    store = ConversationStore()
+    c = Conversation()
+    c.add("user", "code please")
+    c.add("assistant", f"```python\n{LONG_LINE}```\n", tokens=5)
+    store.save(c)
+    store.remember(c.id)
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        await pilot.pause()
+        chat = app.chat
+        assert chat.stats.has_class("-hidden") and chat.query_one("#chat-column").size.width >= 78
+        keys = {key.action: key for key in app.screen.query(FooterKey)}
+        assert "quit" in keys and keys["quit"].region.right <= 80 and keys["quit"].region.width > 0
+        fence = chat.query_one(MarkdownFence)
+        assert fence.max_scroll_x > 0 and fence.scrollbar_size_horizontal == 1  # scrolls, and shows that it does
+
+        await pilot.press("ctrl+t")  # asked for: shown even at 80 columns
+        await pilot.pause()
+        assert not chat.stats.has_class("-hidden")
+        context = chat.stats.query_one("#stats-context")
+        assert all(len(line) <= context.content_size.width for line in str(context.render()).splitlines())
+        await pilot.resize_terminal(160, 50)
+        await pilot.pause()
+        assert not chat.stats.has_class("-hidden")
+        await pilot.press("ctrl+t")
+        assert chat.stats.has_class("-hidden")
+
+
+async def test_wide_screens_show_the_stats_panel_unasked(engine):
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(160, 50)) as pilot:
+        await open_chat(pilot)
+        assert not app.chat.stats.has_class("-hidden")
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        assert app.chat.stats.has_class("-hidden")
+
+
+async def test_models_table_fits_80_columns(engine, tui_dirs, tiny_folder):
+    import shutil
+
+    from app.tui.screens.models import ModelsScreen
+
+    long_name = "a-rather-long-model-name-as-hub-repos-have-it-Instruct-2507"
+    shutil.copytree(tiny_folder, tui_dirs["models"] / "acme" / long_name)
+    (tui_dirs["models"] / "broken-with-a-long-name.gguf").write_bytes(b"not a gguf file at all")
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        await pilot.pause()
+        table = app.screen.query_one("#models-table")
+        assert table.virtual_size.width <= table.scrollable_content_region.width
+        names = [m.name for m in app.screen.models]
+        table.move_cursor(row=names.index(f"acme/{long_name}"))
+        await pilot.pause()
+        assert f"acme/{long_name}" in str(app.screen.query_one("#models-note").render())

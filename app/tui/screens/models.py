@@ -34,6 +34,14 @@ def preflight(model: str) -> None:
     parse_config(checkpoint.config, checkpoint.path)
 
 
+MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
+                 "size": "size", "note": "note"}
+
+
+def fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(0, width - 1)] + "…"
+
+
 class ModelsFound(Message):
     def __init__(self, models: list[LocalModel] | None, error: str = ""):
         super().__init__()
@@ -59,6 +67,7 @@ class ModelsScreen(Screen):
             yield Input(placeholder="a model folder, a .gguf file or a cached repo id — Enter loads it",
                         id="model-path")
             yield DataTable(id="models-table", cursor_type="row", zebra_stripes=True)
+            yield Static("", id="models-note", markup=False)
             yield Static("", id="models-status", markup=False)
             yield LoadPanel(id="models-load")
         yield Footer()
@@ -66,13 +75,6 @@ class ModelsScreen(Screen):
     def on_mount(self) -> None:
         self.sub_title = "models"
         table = self.query_one(DataTable)
-        table.add_column("", key="mark", width=1)
-        table.add_column("model", key="name")
-        table.add_column("from", key="source")
-        table.add_column("architecture", key="arch")
-        table.add_column("experts", key="experts")
-        table.add_column("size", key="size")
-        table.add_column("note", key="note")
         table.focus()
         self.query_one("#models-status", Static).update(f"looking in {models_dir()} and the Hugging Face cache…")
         self.scan()
@@ -90,14 +92,46 @@ class ModelsScreen(Screen):
             status.update(f"could not list models: {message.error}")
             return
         self.models = message.models
-        table = self.query_one(DataTable)
-        table.clear()
-        for n, m in enumerate(self.models):
-            note = m.note or ("architecture not supported" if m.supported is False else "")
-            table.add_row("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts,
-                          human_size(m.size_bytes), note, key=str(n))
+        self._fill_table()
         count = f"{len(self.models)} model{'s' if len(self.models) != 1 else ''}"
         status.update(f"{count} · put model folders or .gguf files in {models_dir()}")
+
+    def _fill_table(self) -> None:
+        """The rows, with the name and note columns sharing what the fixed columns leave of the width:
+        at 80 columns a long repo id and its note pushed the other columns off screen."""
+        table = self.query_one(DataTable)
+        cursor = table.cursor_row
+        rows = [("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts, human_size(m.size_bytes),
+                 m.note or ("architecture not supported" if m.supported is False else "")) for m in self.models]
+        fixed = {"source": 8, "arch": 12, "experts": 9, "size": 8}
+        for key, index in (("source", 2), ("arch", 3), ("experts", 4), ("size", 5)):
+            fixed[key] = max([len(r[index]) for r in rows] + [len(MODEL_COLUMNS[key])])
+        padding = 2 * table.cell_padding * len(MODEL_COLUMNS)
+        room = max(20, self.size.width - 4 - padding - 1 - sum(fixed.values()))  # 4: body padding and scrollbar
+        name_width = min(max([len(r[1]) for r in rows] + [5]), max(16, room * 3 // 5))
+        note_width = max(4, room - name_width)
+        widths = {"mark": 1, "name": name_width, **fixed, "note": note_width}
+        table.clear(columns=True)
+        for key, label in MODEL_COLUMNS.items():
+            table.add_column(label, key=key, width=widths[key])
+        for n, row in enumerate(rows):
+            table.add_row(*row[:1], fit(row[1], name_width), *row[2:6], fit(row[6], note_width), key=str(n))
+        if rows:
+            table.move_cursor(row=min(max(cursor, 0), len(rows) - 1))
+
+    def on_resize(self) -> None:
+        if self.models:
+            self._fill_table()
+
+    @on(DataTable.RowHighlighted)
+    def row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        """The whole name and note of the highlighted model, which the columns may have shortened."""
+        index = int(event.row_key.value) if event.row_key.value is not None else -1
+        if not 0 <= index < len(self.models):
+            return
+        m = self.models[index]
+        note = m.note or ("architecture not supported" if m.supported is False else "")
+        self.query_one("#models-note", Static).update(f"{m.name}{' · ' + note if note else ''}")
 
     # -------------------------------------------------------------- loading
 
