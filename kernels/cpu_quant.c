@@ -1,0 +1,738 @@
+/*
+ * All CPU-resident experts of one MoE layer for one step, from packed GGUF blocks (q4_0, q8_0,
+ * q4_k, q5_k, q6_k; kernels/quant_formats.py has the layouts), in one parallel region.
+ *
+ * Shape of a call, as cpu_experts.c for bf16: phase 0 quantises the x rows (shared among the
+ * threads); phase-1 items (group, block of F rows) compute gate and up together, act = silu(gate) *
+ * up in fp32, and quantise their own slice of the act rows; phase-2 items (group, block of H rows)
+ * compute the down projection once their group's phase 1 is done. Items come from one atomic
+ * counter. Each weight byte is read from DRAM once per call whatever the token count: an item's
+ * rows are worked 4 at a time, 256 weights (one k-quant super-block) at a time, and every token of
+ * the group uses them while they are in L1.
+ *
+ * Arithmetic: the activation rows are quantised to int8 per 32 values (scale = max|x| / 127, round
+ * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. Why int8: a 4-bit
+ * weight becomes a byte with two or three instructions and then feeds a 64-multiply instruction
+ * (vpdpbusd), where dequantising to fp32 costs the same unpacking plus a convert and leaves 16
+ * multiplies per instruction; at 1 token the unpacking dominates either way, from 4 tokens the
+ * integer form does a quarter of the multiply instructions. Activations per 32 rather than per 256
+ * (llama.cpp's q8_K for k-quants): one scheme for every format, and a finer scale keeps outliers from
+ * costing the rest of the row its precision; the price is one fp32 multiply per 64 weights and
+ * token (block scale times activation scale), which the per-256 form would save for k-quants.
+ *
+ * Each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32, q4_k/q5_k q,
+ * q8_0 as stored), an fp32 scale per 4 weights (the dot instructions' lanes) and, for q4_k/q5_k,
+ * the min term per 32. The dot kernels are then the same for every format:
+ *   - AVX512-VNNI: vpdpbusd takes unsigned x bytes, so x is stored as q+128; the accumulator
+ *     starts at -128 * (sum of the lane's 4 weights), computed once per row, so the lane holds
+ *     sum(q_x * w) exactly. Then convert, multiply the row's and the token's lane scales, FMA.
+ *   - AVX2 (maddubs): the same, except that maddubs saturates pairs at 16 bits: 255 * 32 * 2 fits
+ *     for every format but q8_0, which uses |w| against sign(w) * q_x instead.
+ * The path is picked at load (mq_set_path; cpu_quant.py: VNNI where cpuid says so,
+ * MOEDESK_QUANT_PATH=avx2 forces the fallback). The library is built for AVX2+FMA+F16C; the VNNI
+ * functions carry their own target attribute, so one build serves both.
+ *
+ * Threads: the pool of native_pool.h. Where cpu_experts' library is loaded, cpu_quant.py hands us
+ * its moe_pool_run (mq_use_pool), so bf16 and packed layers share one set of workers.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <cpuid.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_pool.h"
+
+typedef uint16_t bf16;
+
+enum { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q5_K = 3, Q6_K = 4, NFMT };
+static const int BLOCK[NFMT] = {32, 32, 256, 256, 256};
+static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
+
+#define SEG 256      /* weights unpacked per row at a time: one k-quant super-block, 8 q4_0/q8_0 blocks */
+#define ROWS 4       /* weight rows worked together */
+#define TOK 32       /* token rows per pass over a group of rows (more: the rows again, from L2) */
+#ifndef ITEM_BYTES
+#define ITEM_BYTES (256 * 1024) /* packed weight bytes per work item: small enough to balance, large enough to amortise */
+#endif
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+/* ---------------------------------------------------------------- quantised activation rows */
+
+/*
+ * A row of K values (K a multiple of 32), Kc = K rounded up to 64, in one buffer:
+ *   u8  xu[Kc]      q + 128, q = round(x / d) in [-127, 127]; padding 128 (q = 0)
+ *   f32 xd[Kc / 4]  d of each lane of 4 values; padding 0
+ *   f32 xm[Kc / 32] d * sum(q) of each block of 32 (the k-quant min term); padding 0
+ */
+static int64_t qrow_bytes(int64_t K) { const int64_t Kc = round_up(K, 64); return 2 * Kc + Kc / 8; }
+
+static void qrow_pad(uint8_t *row, int64_t K) {
+    const int64_t Kc = round_up(K, 64);
+    if (Kc == K) return;
+    memset(row + K, 128, (size_t)(Kc - K));
+    memset(row + Kc + K, 0, (size_t)(Kc - K));
+    memset(row + 2 * Kc + K / 8, 0, (size_t)(Kc - K) / 8);
+}
+
+/* 32 fp32 values into block b of a quantised row. */
+static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int64_t b) {
+    __m256 a[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i q[4];
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id))); /* nearest, ties to even */
+        sum = _mm256_add_epi32(sum, q[i]);
+    }
+    /* packs interleave 128-bit halves; the permute puts the 32 bytes back in order */
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)(row + 32 * b), _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
+    float *xd = (float *)(row + Kc), *xm = (float *)(row + 2 * Kc);
+    _mm256_storeu_ps(xd + 8 * b, _mm256_set1_ps(d));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    xm[b] = d * (float)_mm_cvtsi128_si32(s);
+}
+
+static inline void bf16_to_f32(const bf16 *src, float *dst, int n) {
+    for (int i = 0; i < n; i += 8) {
+        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + i)));
+        _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+    }
+}
+
+/* ---------------------------------------------------------------- unpacking weights */
+
+typedef struct {
+    _Alignas(64) int8_t w[SEG];   /* signed weights */
+    _Alignas(64) float s[SEG / 4];  /* scale of each lane of 4 weights */
+    _Alignas(64) int32_t c[SEG / 4]; /* -128 * sum of each lane's weights: the x + 128 offset undone */
+    _Alignas(64) float m[SEG / 32]; /* min of each 32 (q4_k, q5_k), subtracted times d_x * sum(q_x) */
+} Seg;
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* lanes i..i+7 of seg from 32 signed weights with one scale */
+static inline void put32(Seg *g, int at, __m256i w, __m256 scale) {
+    _mm256_store_si256((__m256i *)(g->w + at), w);
+    _mm256_store_ps(g->s + at / 4, scale);
+    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), w), _mm256_set1_epi16(1));
+    _mm256_store_si256((__m256i *)(g->c + at / 4), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
+}
+
+/* The scale and min pairs of a q4_k / q5_k super-block (6 bits each, packed in 12 bytes). */
+static inline void k_scales(const uint8_t *s, int sc[8], int mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[4 + j] & 63;
+        sc[4 + j] = (s[8 + j] & 0xF) | ((s[j] >> 6) << 4);
+        mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
+    }
+}
+
+/* Weights [k0, k0 + n) of a packed row (k0 a multiple of SEG, n <= SEG a multiple of 32) into g;
+ * the rest of g's 64-weight chunk is zero. */
+static inline void unpack(int fmt, const uint8_t *row, int64_t k0, int n, Seg *g) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    if (fmt == Q4_0 || fmt == Q8_0) {
+        const int bb = BLOCK_BYTES[fmt];
+        const uint8_t *b = row + k0 / 32 * bb;
+        for (int i = 0; i < n / 32; i++, b += bb) {
+            const __m256 d = _mm256_set1_ps(f16(b));
+            __m256i w;
+            if (fmt == Q8_0) {
+                w = _mm256_loadu_si256((const __m256i *)(b + 2));
+            } else {
+                const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
+                const __m128i l = _mm_and_si128(q, _mm_set1_epi8(0x0F)), h = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+                w = _mm256_sub_epi8(_mm256_set_m128i(h, l), _mm256_set1_epi8(8));
+            }
+            put32(g, 32 * i, w, d);
+        }
+    } else if (fmt == Q4_K || fmt == Q5_K) {
+        const uint8_t *b = row + k0 / 256 * BLOCK_BYTES[fmt];
+        const float d = f16(b), dmin = f16(b + 2);
+        int sc[8], mn[8];
+        k_scales(b + 4, sc, mn);
+        const uint8_t *qs = b + (fmt == Q4_K ? 16 : 48);
+        const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i l = _mm256_and_si256(q, lo4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+            if (fmt == Q5_K) { /* bit s of qh[i]: the fifth bit of weight i of sub-block s */
+                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j))), b1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
+                l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), _mm256_set1_epi8(16)));
+                h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), _mm256_set1_epi8(16)));
+            }
+            put32(g, 64 * j, l, _mm256_set1_ps(d * (float)sc[2 * j]));
+            put32(g, 64 * j + 32, h, _mm256_set1_ps(d * (float)sc[2 * j + 1]));
+            g->m[2 * j] = dmin * (float)mn[2 * j];
+            g->m[2 * j + 1] = dmin * (float)mn[2 * j + 1];
+        }
+    } else { /* Q6_K: two halves of 128 weights: ql 64 bytes, qh 32 bytes, 8 of the 16 scales each */
+        const uint8_t *b = row + k0 / 256 * 210;
+        const float d = f16(b + 208);
+        const int8_t *scales = (const int8_t *)(b + 192);
+        const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+        for (int h = 0; h < 2; h++) {
+            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            const __m256i lo[4] = {_mm256_and_si256(q0, lo4), _mm256_and_si256(q1, lo4),
+                                   _mm256_and_si256(_mm256_srli_epi16(q0, 4), lo4), _mm256_and_si256(_mm256_srli_epi16(q1, 4), lo4)};
+            for (int p = 0; p < 4; p++) {
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), three);
+                const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[p], _mm256_slli_epi16(hi, 4)), off);
+                const int s0 = 8 * h + 2 * p; /* weights 32p..32p+31 of the half: scales s0 (16) and s0 + 1 (16) */
+                const __m256 sc = _mm256_setr_ps(d * scales[s0], d * scales[s0], d * scales[s0], d * scales[s0],
+                                                 d * scales[s0 + 1], d * scales[s0 + 1], d * scales[s0 + 1], d * scales[s0 + 1]);
+                put32(g, 128 * h + 32 * p, w, sc);
+            }
+        }
+    }
+    if (n % 64) { /* an odd number of 32-blocks: zero the rest of the last chunk */
+        memset(g->w + n, 0, 32);
+        memset(g->s + n / 4, 0, 32);
+        memset(g->c + n / 4, 0, 32);
+    }
+}
+
+static inline int has_mins(int fmt) { return fmt == Q4_K || fmt == Q5_K; }
+
+/* ---------------------------------------------------------------- dot kernels */
+
+/*
+ * acc[r][t] (16 fp32 lanes each, summed at the end) += the dot of ROWS unpacked rows g[r] with token
+ * rows xs[t] (quantised rows, already offset to this segment: xu, xd and xm pointers), over nch
+ * 64-weight chunks. Always inlined with constant TT so the tile stays in registers.
+ */
+typedef struct { const uint8_t *u; const float *d, *m; } XSeg;
+
+static inline __attribute__((always_inline)) VNNI void
+dot_vnni_tile(const Seg *g, const XSeg *xs, const int TT, int nch, int nmin, float *acc, int n) {
+    __m512 a[ROWS][4];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) a[r][t] = _mm512_load_ps(acc + (r * n + t) * 16);
+    for (int c = 0; c < nch; c++) {
+        __m512i xu[4];
+        __m512 xd[4];
+        for (int t = 0; t < TT; t++) {
+            xu[t] = _mm512_loadu_si512(xs[t].u + 64 * c);
+            xd[t] = _mm512_loadu_ps(xs[t].d + 16 * c);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const __m512i w = _mm512_load_si512(g[r].w + 64 * c);
+            const __m512 s = _mm512_load_ps(g[r].s + 16 * c);
+            for (int t = 0; t < TT; t++) {
+                const __m512i i = _mm512_dpbusd_epi32(_mm512_load_si512(g[r].c + 16 * c), xu[t], w);
+                a[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, xd[t]), a[r][t]);
+            }
+        }
+    }
+    if (nmin) {
+        const __mmask16 k = (__mmask16)((1u << nmin) - 1);
+        for (int r = 0; r < ROWS; r++) {
+            const __m512 m = _mm512_maskz_loadu_ps(k, g[r].m);
+            for (int t = 0; t < TT; t++) a[r][t] = _mm512_fnmadd_ps(m, _mm512_maskz_loadu_ps(k, xs[t].m), a[r][t]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) _mm512_store_ps(acc + (r * n + t) * 16, a[r][t]);
+}
+
+static VNNI void dot_vnni(const Seg *g, const XSeg *xs, int n, int nch, int nmin, float *acc) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) dot_vnni_tile(g, xs + t, 4, nch, nmin, acc + t * 16, n);
+    switch (n - t) {
+    case 3: dot_vnni_tile(g, xs + t, 3, nch, nmin, acc + t * 16, n); break;
+    case 2: dot_vnni_tile(g, xs + t, 2, nch, nmin, acc + t * 16, n); break;
+    case 1: dot_vnni_tile(g, xs + t, 1, nch, nmin, acc + t * 16, n); break;
+    }
+}
+
+/* AVX2: 32-weight chunks, 8 lanes; q8_0 (signed8) avoids maddubs' saturation with |w| x sign(w) q_x. */
+static inline __attribute__((always_inline)) void
+dot_avx2_tile(const Seg *g, const XSeg *xs, const int TT, int nch, int nmin, int signed8, float *acc, int n) {
+    __m256 a[ROWS][2];
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) a[r][t] = _mm256_load_ps(acc + (r * n + t) * 16);
+    for (int c = 0; c < 2 * nch; c++) {
+        __m256i xu[2];
+        __m256 xd[2];
+        for (int t = 0; t < TT; t++) {
+            xu[t] = _mm256_loadu_si256((const __m256i *)(xs[t].u + 32 * c));
+            if (signed8) xu[t] = _mm256_xor_si256(xu[t], flip);
+            xd[t] = _mm256_loadu_ps(xs[t].d + 8 * c);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            const __m256i w = _mm256_load_si256((const __m256i *)(g[r].w + 32 * c));
+            const __m256 s = _mm256_load_ps(g[r].s + 8 * c);
+            if (signed8) {
+                const __m256i aw = _mm256_sign_epi8(w, w);
+                for (int t = 0; t < TT; t++) {
+                    const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xu[t], w)), ones);
+                    a[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(s, xd[t]), a[r][t]);
+                }
+            } else {
+                const __m256i cr = _mm256_load_si256((const __m256i *)(g[r].c + 8 * c));
+                for (int t = 0; t < TT; t++) {
+                    const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(xu[t], w), ones), cr);
+                    a[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(s, xd[t]), a[r][t]);
+                }
+            }
+        }
+    }
+    if (nmin) {
+        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(nmin), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 m = _mm256_maskload_ps(g[r].m, k);
+            for (int t = 0; t < TT; t++) a[r][t] = _mm256_fnmadd_ps(m, _mm256_maskload_ps(xs[t].m, k), a[r][t]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < TT; t++) _mm256_store_ps(acc + (r * n + t) * 16, a[r][t]);
+}
+
+static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int signed8, float *acc) {
+    int t = 0;
+    if (signed8) {
+        for (; t + 2 <= n; t += 2) dot_avx2_tile(g, xs + t, 2, nch, nmin, 1, acc + t * 16, n);
+        if (t < n) dot_avx2_tile(g, xs + t, 1, nch, nmin, 1, acc + t * 16, n);
+    } else {
+        for (; t + 2 <= n; t += 2) dot_avx2_tile(g, xs + t, 2, nch, nmin, 0, acc + t * 16, n);
+        if (t < n) dot_avx2_tile(g, xs + t, 1, nch, nmin, 0, acc + t * 16, n);
+    }
+}
+
+static int use_vnni = 0;
+
+static inline float hsum16(const float *v, int lanes) {
+    float s = 0.f;
+    for (int i = 0; i < lanes; i++) s += v[i];
+    return s;
+}
+
+/*
+ * out[r * n + t] = dot(row rows[r] of W, token row t) for ROWS weight rows (indices may repeat) and n
+ * quantised token rows of K values. Tokens go TOK at a time; the rows stay in L2 between passes.
+ */
+static void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
+                     uint8_t *const *xq, int n, float *out) {
+    Seg g[ROWS];
+    _Alignas(64) float acc[ROWS * TOK * 16];
+    const int64_t Kc = round_up(K, 64);
+    const int lanes = use_vnni ? 16 : 8;
+    for (int t0 = 0; t0 < n; t0 += TOK) {
+        const int tn = n - t0 < TOK ? n - t0 : TOK;
+        memset(acc, 0, sizeof(float) * 16 * ROWS * (size_t)tn);
+        for (int64_t k0 = 0; k0 < K; k0 += SEG) {
+            const int len = K - k0 < SEG ? (int)(K - k0) : SEG;
+            for (int r = 0; r < ROWS; r++) unpack(fmt, W + rows[r] * row_bytes, k0, len, &g[r]);
+            XSeg xs[TOK];
+            for (int t = 0; t < tn; t++) {
+                const uint8_t *row = xq[t0 + t];
+                xs[t].u = row + k0;
+                xs[t].d = (const float *)(row + Kc) + k0 / 4;
+                xs[t].m = (const float *)(row + 2 * Kc) + k0 / 32;
+            }
+            const int nch = (len + 63) / 64, nmin = has_mins(fmt) ? len / 32 : 0;
+            if (use_vnni) dot_vnni(g, xs, tn, nch, nmin, acc);
+            else dot_avx2(g, xs, tn, nch, nmin, fmt == Q8_0, acc);
+        }
+        for (int r = 0; r < ROWS; r++)
+            for (int t = 0; t < tn; t++) out[r * n + t0 + t] = hsum16(acc + (r * tn + t) * 16, lanes);
+    }
+}
+
+/* ---------------------------------------------------------------- one call's work */
+
+typedef struct {
+    const uint8_t *gate_up, *down;
+    int fmt_gu, fmt_d, x_f32, out_f32;
+    void *out;
+    const int64_t *out_rows;
+    const void *x_src;
+    const int64_t *x_row; /* scratch row r quantises x row x_row[r] */
+    int64_t x_stride, rows_n;
+    uint8_t *xq;          /* [rows][qrow_bytes(H)] */
+    uint8_t *aq;          /* [rows][qrow_bytes(F)] */
+    float *act, *up;      /* [rows][F] fp32: gate, then act; up */
+    const int64_t *off, *eid;
+    const int32_t *groups;
+    const int64_t *first;
+    _Atomic int32_t *done1;
+    int64_t H, F, gu_row, d_row, xq_row, aq_row, out_stride, n1, total, FB, HB, nb1, nb2;
+    _Alignas(64) _Atomic int64_t next;
+    _Alignas(64) _Atomic int64_t next_row;
+    _Atomic int64_t rows_split;
+    char pad[48];
+} Job;
+
+/* exp(x) to about 1 ulp on [-87, 88] (clamped there, NaN passes): x = n ln2 + r, |r| <= ln2/2, Taylor
+ * polynomial of degree 6, times 2^n built in the exponent field. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* act = silu(gate) * up in fp32, 8 at a time. */
+static inline __m256 act8(__m256 gate, __m256 up) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+    return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up);
+}
+
+static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F;
+    const uint8_t *W = j->gate_up + j->eid[g] * 2 * F * j->gu_row;
+    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    uint8_t *xq[TOK];
+    float s[ROWS * TOK];
+    for (int64_t t0 = 0; t0 < n; t0 += TOK) {
+        const int tn = n - t0 < TOK ? (int)(n - t0) : TOK;
+        for (int t = 0; t < tn; t++) xq[t] = j->xq + (r0 + t0 + t) * j->xq_row;
+        for (int64_t f = f0; f < f1; f += 2) {
+            const int64_t f2 = f + 1 < F ? f + 1 : f; /* an odd last row is computed twice, kept once */
+            const int64_t rows[ROWS] = {f, f2, F + f, F + f2};
+            rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s);
+            for (int t = 0; t < tn; t++) { /* gate into act, up into up; act8 below */
+                float *act = j->act + (r0 + t0 + t) * F, *up = j->up + (r0 + t0 + t) * F;
+                act[f] = s[t];
+                up[f] = s[2 * tn + t];
+                if (f2 != f) {
+                    act[f + 1] = s[tn + t];
+                    up[f + 1] = s[3 * tn + t];
+                }
+            }
+        }
+    }
+    /* f0, f1 are multiples of 32: this item's blocks of the quantised act rows are its own */
+    const int64_t Fc = round_up(F, 64);
+    for (int64_t t = 0; t < n; t++) {
+        float *act = j->act + (r0 + t) * F;
+        const float *up = j->up + (r0 + t) * F;
+        uint8_t *row = j->aq + (r0 + t) * j->aq_row;
+        for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
+        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, Fc, f / 32);
+    }
+}
+
+/* Down-projection rows [h0, h1) of group gi. */
+static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
+    const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H;
+    const uint8_t *W = j->down + j->eid[g] * H * j->d_row;
+    uint8_t *aq[TOK];
+    float s[ROWS * TOK];
+    for (int64_t t0 = 0; t0 < n; t0 += TOK) {
+        const int tn = n - t0 < TOK ? (int)(n - t0) : TOK;
+        for (int t = 0; t < tn; t++) aq[t] = j->aq + (r0 + t0 + t) * j->aq_row;
+        for (int64_t h = h0; h < h1; h += ROWS) {
+            int64_t rows[ROWS];
+            for (int r = 0; r < ROWS; r++) rows[r] = h + r < H ? h + r : H - 1;
+            rows_dot(j->fmt_d, W, j->d_row, j->F, rows, aq, tn, s);
+            const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
+            for (int t = 0; t < tn; t++) {
+                const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
+                if (j->out_f32) {
+                    for (int64_t r = 0; r < rn; r++) ((float *)j->out)[o + r] = s[r * tn + t];
+                } else {
+                    for (int64_t r = 0; r < rn; r++) {
+                        float v = s[r * tn + t];
+                        uint32_t u;
+                        memcpy(&u, &v, 4);
+                        u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
+                        ((bf16 *)j->out)[o + r] = (bf16)(u >> 16);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/* Phase 0: the x rows quantised, shared by whoever is there; act rows' padding. */
+static void quantize_rows(Job *j) {
+    const int64_t H = j->H, Hc = round_up(H, 64);
+    _Alignas(32) float buf[32];
+    for (;;) {
+        const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
+        if (r >= j->rows_n) break;
+        uint8_t *row = j->xq + r * j->xq_row;
+        if (j->x_f32) {
+            const float *src = (const float *)j->x_src + j->x_row[r] * j->x_stride;
+            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, Hc, b);
+        } else {
+            const bf16 *src = (const bf16 *)j->x_src + j->x_row[r] * j->x_stride;
+            for (int64_t b = 0; b < H / 32; b++) {
+                bf16_to_f32(src + 32 * b, buf, 32);
+                quantize_block(buf, row, Hc, b);
+            }
+        }
+        qrow_pad(row, H);
+        qrow_pad(j->aq + r * j->aq_row, j->F);
+        atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
+    }
+    unsigned spins = 0;
+    while (atomic_load_explicit(&j->rows_split, memory_order_acquire) < j->rows_n) relax(&spins);
+}
+
+static void run_job(void *arg, int tid) {
+    (void)tid;
+    Job *j = arg;
+    quantize_rows(j);
+    for (;;) {
+        const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (i >= j->total) break;
+        if (i < j->n1) {
+            phase1_item(j, i / j->nb1, i % j->nb1);
+            atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
+        } else {
+            const int64_t k = i - j->n1, gi = k / j->nb2;
+            unsigned spins = 0;
+            while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
+            const int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
+            phase2_item(j, gi, h0, h1);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- the pool and the call's state */
+
+typedef void (*run_fn)(pool_fn, void *, int, int);
+static run_fn pool_runner = pool_run;          /* cpu_experts' moe_pool_run once mq_use_pool was called */
+static int (*pool_threads)(void) = pool_get_threads;
+
+static pthread_mutex_t call = PTHREAD_MUTEX_INITIALIZER; /* one call at a time: the job and scratch below */
+static Job job;
+static void *scratch_mem;
+static size_t scratch_bytes;
+
+static void call_after_fork_child(void) { pthread_mutex_init(&call, NULL); }
+__attribute__((constructor)) static void install_call_fork_handler(void) { pthread_atfork(NULL, NULL, call_after_fork_child); }
+
+static void *scratch(size_t bytes) {
+    if (scratch_bytes < bytes) {
+        free(scratch_mem);
+        bytes = (size_t)round_up((int64_t)bytes + (int64_t)(bytes >> 2), 4096);
+        scratch_mem = aligned_alloc(64, bytes);
+        scratch_bytes = scratch_mem ? bytes : 0;
+    }
+    return scratch_mem;
+}
+
+/* Rows per item: about ITEM_BYTES of weights, a multiple of `align`, and at least 4 items per thread
+ * where the rows allow it, so that dynamic hand-out can even out the threads' finish. */
+static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, int64_t groups, int threads) {
+    int64_t b = ITEM_BYTES / bytes_per_row / align * align;
+    if (b < align) b = align;
+    while (b > align && groups * ((rows + b - 1) / b) < 4 * (int64_t)threads) b -= align;
+    return b < round_up(rows, align) ? b : round_up(rows, align);
+}
+
+enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, BAD_FORMAT = -6, BAD_SHAPE = -7 };
+
+/*
+ * The routed call: pair p (token p / k, rank p % k) goes to expert pair_expert[p]; the pairs of the
+ * experts in `chosen` (n_chosen of them; NULL: all) are computed into out row p, every other row of out
+ * is left alone. gate_up [E][2F][row_bytes(H)] and down [E][H][row_bytes(F)] are packed in fmt_gu /
+ * fmt_d. x (N rows, x_stride elements apart) and out are bf16 or fp32 (x_f32, out_f32). index: int64
+ * scratch of 2P + 2E + 1 entries. Returns OK or a negative error code.
+ */
+int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t H,
+                      const int64_t *pair_expert, int64_t P, int64_t k, const int64_t *chosen, int64_t n_chosen,
+                      const uint8_t *gate_up, const uint8_t *down, int64_t E, int64_t F, int fmt_gu, int fmt_d,
+                      void *out, int64_t out_stride, int64_t out_len, int out_f32, int64_t *index) {
+    if (fmt_gu < 0 || fmt_gu >= NFMT || fmt_d < 0 || fmt_d >= NFMT) return BAD_FORMAT;
+    if (H <= 0 || F <= 0 || H % BLOCK[fmt_gu] || F % BLOCK[fmt_d] || F % 32) return BAD_SHAPE;
+    if (k < 1 || P < 0 || P > N * k) return BAD_ROW;
+    if (P > out_len) return BAD_OUT_ROW;
+    int64_t *count = calloc((size_t)(E > 0 ? E : 1), sizeof(int64_t));
+    if (!count) return NO_MEMORY;
+    const int64_t SKIP = -1; /* count[e] of experts not computed here */
+    if (chosen) {
+        for (int64_t e = 0; e < E; e++) count[e] = SKIP;
+        for (int64_t i = 0; i < n_chosen; i++) {
+            if (chosen[i] < 0 || chosen[i] >= E) { free(count); return BAD_EXPERT; }
+            count[chosen[i]] = 0;
+        }
+    }
+    int64_t M = 0;
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = pair_expert[p];
+        if (e < 0 || e >= E) { free(count); return BAD_EXPERT; }
+        if (count[e] != SKIP) { count[e]++; M++; }
+    }
+    int64_t G = 0;
+    for (int64_t e = 0; e < E; e++) G += count[e] > 0;
+    int64_t *out_rows = index, *rows = index + M, *expert_ids = index + 2 * M, *offsets = expert_ids + G;
+    offsets[0] = 0;
+    for (int64_t e = 0, g = 0, at = 0; e < E; e++) { /* count[e] becomes the next free slot of e's group */
+        if (count[e] <= 0) continue;
+        expert_ids[g] = e;
+        const int64_t n = count[e];
+        count[e] = at;
+        at += n;
+        offsets[++g] = at;
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t e = pair_expert[p];
+        if (count[e] == SKIP) continue;
+        const int64_t i = count[e]++;
+        out_rows[i] = p;
+        rows[i] = p / k;
+    }
+    free(count);
+    if (G == 0) return OK;
+
+    pthread_mutex_lock(&call);
+    int threads = pool_threads();
+    const int64_t gu_row = H / BLOCK[fmt_gu] * BLOCK_BYTES[fmt_gu], d_row = F / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d];
+    const int64_t xq_row = round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(F), 64);
+    /* phase-1 blocks start at multiples of 32 so that each quantised act block has one writer */
+    const int64_t FB = block_rows(F, 2 * gu_row, 32, G, threads), HB = block_rows(H, d_row, ROWS, G, threads);
+    const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
+    if (threads > total) threads = (int)total;
+    const size_t sizes[] = {
+        (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)F * sizeof(float),
+        (size_t)G * sizeof(int64_t), (size_t)G * sizeof(int32_t), (size_t)G * sizeof(_Atomic int32_t),
+        (size_t)M * (size_t)F * sizeof(float)};
+    size_t at[7], bytes = 0;
+    for (int i = 0; i < 7; i++) {
+        at[i] = bytes;
+        bytes += (size_t)round_up((int64_t)sizes[i], 64);
+    }
+    char *base = scratch(bytes);
+    if (!base) {
+        pthread_mutex_unlock(&call);
+        return NO_MEMORY;
+    }
+    Job *j = &job;
+    j->gate_up = gate_up;
+    j->down = down;
+    j->fmt_gu = fmt_gu;
+    j->fmt_d = fmt_d;
+    j->x_f32 = x_f32;
+    j->out_f32 = out_f32;
+    j->out = out;
+    j->out_rows = out_rows;
+    j->x_src = x;
+    j->x_row = rows;
+    j->x_stride = x_stride;
+    j->rows_n = M;
+    j->xq = (uint8_t *)(base + at[0]);
+    j->aq = (uint8_t *)(base + at[1]);
+    j->act = (float *)(base + at[2]);
+    j->up = (float *)(base + at[6]);
+    int64_t *first = (int64_t *)(base + at[3]);
+    int32_t *groups = (int32_t *)(base + at[4]);
+    j->done1 = (_Atomic int32_t *)(base + at[5]);
+    for (int64_t g = 0; g < G; g++) {
+        groups[g] = (int32_t)g;
+        first[g] = offsets[g]; /* every group is native: scratch row i is pair i */
+        atomic_init(&j->done1[g], 0);
+    }
+    j->groups = groups;
+    j->first = first;
+    j->off = offsets;
+    j->eid = expert_ids;
+    j->H = H;
+    j->F = F;
+    j->gu_row = gu_row;
+    j->d_row = d_row;
+    j->xq_row = xq_row;
+    j->aq_row = aq_row;
+    j->out_stride = out_stride;
+    j->FB = FB;
+    j->HB = HB;
+    j->nb1 = nb1;
+    j->nb2 = nb2;
+    j->n1 = G * nb1;
+    j->total = total;
+    atomic_store_explicit(&j->next, 0, memory_order_relaxed);
+    atomic_store_explicit(&j->next_row, 0, memory_order_relaxed);
+    atomic_store_explicit(&j->rows_split, 0, memory_order_relaxed);
+    pool_runner(run_job, j, threads, 1);
+    if (scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
+        free(scratch_mem);
+        scratch_mem = NULL;
+        scratch_bytes = 0;
+    }
+    pthread_mutex_unlock(&call);
+    return OK;
+}
+
+/* ---------------------------------------------------------------- settings and CPU checks */
+
+static int os_saves(unsigned mask) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & mask) == mask;
+}
+
+/* AVX2, FMA and F16C, with the OS saving the ymm state: what this library needs at all. */
+int mq_cpu_supported(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(1, 0, &a, &b, &c, &d)) return 0;
+    if (!(c & (1u << 12)) || !(c & (1u << 29))) return 0; /* FMA, F16C */
+    if (!os_saves(0x6)) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return (b & (1u << 5)) != 0; /* AVX2 */
+}
+
+/* AVX512F/BW/VL and AVX512_VNNI, with the OS saving the opmask and zmm state. */
+int mq_vnni_supported(void) {
+    unsigned a, b, c, d;
+    if (!mq_cpu_supported() || !os_saves(0xe6)) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    const unsigned need = (1u << 16) | (1u << 30) | (1u << 31); /* F, BW, VL */
+    return (b & need) == need && (c & (1u << 11));
+}
+
+/* 1: VNNI, 0: AVX2. Returns the path in use (VNNI is refused where the CPU lacks it). */
+int mq_set_path(int vnni) {
+    use_vnni = vnni && mq_vnni_supported();
+    return use_vnni;
+}
+int mq_get_path(void) { return use_vnni; }
+
+void mq_set_threads(int n) { pool_set_threads(n); }
+void mq_set_spin_us(int64_t us) { pool_set_spin_us(us); }
+
+/* Run on another library's pool (cpu_experts' moe_pool_run and moe_get_threads) instead of this one's. */
+void mq_use_pool(void *run, void *threads) {
+    pool_runner = run ? (run_fn)run : pool_run;
+    pool_threads = threads ? (int (*)(void))threads : pool_get_threads;
+}

@@ -1,0 +1,215 @@
+"""All CPU-resident packed experts of one MoE layer for one step, in one native call (cpu_quant.c).
+
+kernels/experts.py sends packed `ExpertWeights` here when `applies` says so; the contract is
+kernels.experts.reference_routed's: pair p = token p // k's rank p % k, routed to expert
+pair_expert[p]; the chosen experts' pairs are computed into out's row p, other rows left alone.
+
+The arithmetic is the formats' own (kernels/quant_formats.py) with two differences from dequantising
+to float: activations and act rows are quantised to int8 per 32 values for integer dot products,
+and act = silu(gate) * up is fp32; the header of cpu_quant.c says why. Both gate_up and down must
+be packed (any of q4_0, q8_0, q4_k, q5_k, q6_k, the two may differ); x and out bf16 or float32.
+
+Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2, FMA and F16C).
+MOEDESK_QUANT_PATH=avx2 (or `set_path("avx2")`) forces the fallback; MOEDESK_NO_NATIVE_KERNELS=1
+turns the kernel off (kernels/experts.py then uses its dequantising reference).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kernels import cpu_experts
+from kernels.expert_weights import ExpertWeights
+from kernels.native_build import BuildError, build_library, find_compiler
+
+SOURCE = Path(__file__).with_name("cpu_quant.c")
+FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
+         cpu_experts.header_flag()]
+CPU_FLAGS = ("avx2", "fma", "f16c")
+FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+PATHS = ("avx2", "vnni")
+_ERRORS = {-2: "more pairs than tokens * k", -3: "pair_expert or chosen holds an index outside the expert stack",
+           -4: "out of memory for the kernel's scratch buffers", -5: "more pairs than rows of out",
+           -6: "unsupported packed format", -7: "H and F must be whole blocks of their formats"}
+_FLOATS = (torch.bfloat16, torch.float32)
+
+_lock = threading.Lock()
+_state: dict = {}  # "lib" or "reason", once the library was loaded or found impossible
+
+
+def _disabled() -> bool:
+    return os.environ.get("MOEDESK_NO_NATIVE_KERNELS", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
+    """Whether `experts_forward_routed` runs natively for x and w: CPU tensors, both halves packed in a
+    supported format, x bf16 or float32, and the library built for this CPU. Runs per layer per token,
+    so it uses the cheap accessors."""
+    if (w.gate_up_format not in FORMAT_CODES or w.down_format not in FORMAT_CODES or x.dtype not in _FLOATS
+            or not x.is_cpu or not w.gate_up.is_cpu or not w.down.is_cpu or _disabled()):
+        return False
+    return "lib" in _state or (not _state and available())
+
+
+def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
+    """Each (token, rank) pair of the chosen experts computed into its pair's row of `out`.
+
+    x [N, H] bf16/float32; pair_expert int64 [P], P <= N * k; chosen: expert ids (None: all); out [>= P, H]
+    bf16 or float32 (another float dtype goes through a float32 copy). Raises ValueError on bad indices.
+    """
+    lib = _state.get("lib")
+    if lib is None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"native packed-experts kernel unavailable: {reason}")
+        lib = _state["lib"]
+    H, F = w.hidden, w.width
+    if x.dim() != 2 or x.shape[1] != H or out.dim() != 2 or out.shape[1] != H:
+        raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must be [*, {H}]")
+    if x.dtype not in _FLOATS:
+        raise TypeError(f"x must be bfloat16 or float32, not {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    pe = pair_expert
+    if not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
+        pe = pe.to("cpu", torch.int64).contiguous()
+    P, E = pe.shape[0], w.num_experts
+    picked = None if chosen is None else np.ascontiguousarray(np.asarray(
+        chosen.cpu() if isinstance(chosen, torch.Tensor) else chosen, dtype=np.int64).reshape(-1))
+    target = out
+    if out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1:
+        out = target.to("cpu", torch.float32, copy=True).contiguous()  # a copy: rows not computed stay as they are
+    gate_up, down = w.gate_up, w.down
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        gate_up, down = gate_up.contiguous(), down.contiguous()
+    index = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
+    rc = lib.mq_routed_forward(
+        x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), P, k,
+        None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
+        gate_up.data_ptr(), down.data_ptr(), E, F, FORMAT_CODES[w.gate_up_format], FORMAT_CODES[w.down_format],
+        out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32), index.data_ptr())
+    if rc != 0:
+        raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
+    if target is not out:
+        target.copy_(out)
+    return target
+
+
+# ---------------------------------------------------------------- availability and settings
+
+@lru_cache(maxsize=1)
+def cpu_reason() -> str | None:
+    """Why this CPU cannot run the kernel at all, or None when it can (AVX2 is the least it needs)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU with AVX2 (this is {machine})"
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return "cannot read /proc/cpuinfo to confirm AVX2"
+    common = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            flags = set(value.split())
+            common = flags if common is None else common & flags
+    missing = [f for f in CPU_FLAGS if f not in (common or set())]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def unavailable_reason() -> str | None:
+    """One line saying why the kernel is not used, or None when it is."""
+    if _disabled():
+        return "disabled by MOEDESK_NO_NATIVE_KERNELS"
+    if not _state:
+        _load()
+    return _state.get("reason")
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def _load() -> None:
+    with _lock:
+        if _state:
+            return
+        reason = cpu_reason()
+        if reason is None and find_compiler() is None:
+            reason = "no C compiler found (install gcc or set CC)"
+        if reason is None:
+            try:
+                lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS)))
+            except BuildError as e:
+                reason = str(e)
+            except OSError as e:
+                reason = f"cannot load the built kernel: {e}"
+        if reason is None and not lib.mq_cpu_supported():
+            reason = "the CPU or OS lacks AVX2, FMA or F16C"
+        if reason is not None:
+            _state["reason"] = reason
+            return
+        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+        lib.mq_routed_forward.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                          c_int, c_int, ptr, i64, i64, c_int, ptr]
+        lib.mq_routed_forward.restype = c_int
+        lib.mq_set_path.argtypes = [c_int]
+        lib.mq_set_path.restype = c_int
+        lib.mq_get_path.restype = c_int
+        lib.mq_vnni_supported.restype = c_int
+        lib.mq_set_threads.argtypes = [c_int]
+        lib.mq_set_spin_us.argtypes = [i64]
+        lib.mq_use_pool.argtypes = [ptr, ptr]
+        # One pool per process: cpu_experts' where its library runs here, so threads and spinning are shared.
+        if not cpu_experts._disabled() and cpu_experts.available():
+            bf16 = cpu_experts._state["lib"]
+            lib.mq_use_pool(ctypes.cast(bf16.moe_pool_run, ptr), ctypes.cast(bf16.moe_get_threads, ptr))
+        else:
+            lib.mq_set_threads(cpu_experts.get_num_threads())
+        lib.mq_set_path(_wanted_path(lib))
+        _state["lib"] = lib
+
+
+def _wanted_path(lib) -> int:
+    wanted = os.environ.get("MOEDESK_QUANT_PATH", "").strip().lower()
+    if wanted and wanted not in PATHS:
+        raise ValueError(f"MOEDESK_QUANT_PATH must be one of {', '.join(PATHS)}, not {wanted!r}")
+    return int(wanted != "avx2" and bool(lib.mq_vnni_supported()))
+
+
+def vnni_supported() -> bool:
+    return available() and bool(_state["lib"].mq_vnni_supported())
+
+
+def set_path(name: str | None) -> str:
+    """Pick the dot-product path: "vnni", "avx2", or None for the best this CPU has. Returns the path in use;
+    asking for "vnni" on a CPU without it raises ValueError."""
+    if name is not None and name not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, not {name!r}")
+    if not available():
+        raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
+    lib = _state["lib"]
+    if name == "vnni" and not lib.mq_vnni_supported():
+        raise ValueError("this CPU lacks AVX512-VNNI")
+    lib.mq_set_path(int(bool(lib.mq_vnni_supported())) if name is None else int(name == "vnni"))
+    return get_path()
+
+
+def get_path() -> str:
+    if not available():
+        raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
+    return PATHS[_state["lib"].mq_get_path()]
+
+
+def describe() -> str:
+    reason = unavailable_reason()
+    if reason is None:
+        return f"native packed kernel ({get_path()}), {cpu_experts.get_num_threads()} threads"
+    return f"dequantise + torch ({reason})"

@@ -1,0 +1,203 @@
+"""kernels/cpu_quant: the native packed-experts kernel against dequantise-then-float64 matmul.
+
+Two references, both float64 from `dequantize`d weights:
+- `exact`: the experts as the formats define them. The kernel quantises x and the act rows to int8
+  per 32 values (cpu_quant.c says why), which costs about 0.4% of each row's scale per
+  quantisation (a step of max|v| / 127, uniform rounding error: max/127/sqrt(12) ~ 0.5-1% of the rms
+  for Gaussian-like rows); two of them in series give ~1% of the output's norm. Tolerance: the
+  output's error norm within 4% of the reference's norm (ERR_EXACT), measured up to 2% on these
+  cases.
+- `emulated`: the same with x and act quantised in float32 as the kernel does. What is left is the
+  order of float32 sums and, rarely, an act value that rounds to the other int8 step (a change of
+  ~1e-3 of that row's scale), so this is tight: max |error| within 1% of the output's rms
+  (ERR_EMULATED). A wrong nibble, scale or lane anywhere shows as O(1) here.
+The native tests skip only where the kernel cannot exist (no AVX2, no C compiler); a build failure
+fails them.
+"""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_quant as cq
+from kernels.expert_weights import ExpertWeights
+from kernels.quant_formats import dequantize, packed_format, quantize
+from kernels.native_build import find_compiler
+
+ERR_EXACT = 0.04
+ERR_EMULATED = 0.01
+FORMATS = ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"]
+# where each format's float16 scales sit in its block, and a typical |q| * scale to size them by
+_SCALES = {"q4_0": ([0], 8), "q8_0": ([0], 64), "q4_k": ([0, 2], 32 * 8), "q5_k": ([0, 2], 32 * 16),
+           "q6_k": ([208], 32 * 32)}
+
+
+def random_packed(fmt, E, R, K, g):
+    """[E, R, row_bytes(K)] random blocks: random quants and 6-bit scales, float16 scales sized so that a
+    row's dot with an O(1) vector is O(1) (mins smaller than scales, as a quantiser leaves them)."""
+    f = packed_format(fmt)
+    if fmt in ("q4_0", "q8_0"):  # through the quantiser: real blocks
+        return quantize(torch.randn(E, R, K, generator=g) / K ** 0.5, fmt)
+    b = torch.randint(0, 256, (E * R * K // f.block, f.block_bytes), generator=g, dtype=torch.uint8)
+    at, typical = _SCALES[fmt]
+    for i, a in enumerate(at):
+        d = (torch.rand(b.shape[0], generator=g) + 0.5) / typical / K ** 0.5 * (0.2 if i else 1.0)
+        b[:, a:a + 2] = d.half().view(torch.uint8).view(-1, 2)
+    return b.view(E, R, f.row_bytes(K))
+
+
+def make_case(fu, fd, H, F_, E, tokens, k, g, dtype=torch.float32):
+    w = ExpertWeights(random_packed(fu, E, 2 * F_, H, g), random_packed(fd, E, H, F_, g), H, F_, fu, fd)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    pair_expert = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(tokens)]).flatten()
+    return w, x, pair_expert
+
+
+def q8_emulated(v: torch.Tensor) -> torch.Tensor:
+    """v [..., K] quantised per 32 and back, in float32 exactly as cpu_quant.c's quantize_block."""
+    b = v.float().reshape(*v.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    d = amax / 127
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(b * inv).clamp(-127, 127)  # torch.round: ties to even, as cvtps2dq
+    return (q.double() * d.double()).reshape(v.shape)
+
+
+def reference(x, pair_expert, k, chosen, w, out, emulate):
+    gu, dn = w.dense(torch.float64)
+    ref = out.double().clone()
+    xs = q8_emulated(x) if emulate else x.double()
+    for p, e in enumerate(pair_expert.tolist()):
+        if chosen is not None and e not in chosen:
+            continue
+        gate, up = (gu[e] @ xs[p // k]).chunk(2)
+        act = F.silu(gate) * up
+        if emulate:
+            act = q8_emulated(act.float())
+        ref[p] = dn[e] @ act
+    return ref
+
+
+def check(out, x, pair_expert, k, chosen, w, before):
+    rows = [p for p, e in enumerate(pair_expert.tolist()) if chosen is None or e in chosen]
+    exact = reference(x, pair_expert, k, chosen, w, before, emulate=False)[rows]
+    emulated = reference(x, pair_expert, k, chosen, w, before, emulate=True)[rows]
+    got = out.double()[rows]
+    rounding = 2 ** -7 if out.dtype == torch.bfloat16 else 0.0  # bf16 output: half an ulp of 2^-8 relative
+    err_exact = float((got - exact).norm() / exact.norm())
+    err_emulated = float((got - emulated).abs().max() / emulated.pow(2).mean().sqrt())
+    assert err_exact < ERR_EXACT + rounding, err_exact
+    assert err_emulated < ERR_EMULATED + 4 * rounding, err_emulated
+    untouched = [p for p in range(out.shape[0]) if p not in rows]
+    assert torch.equal(out[untouched], before[untouched])  # rows outside the computed pairs stay as they were
+
+
+@pytest.fixture(scope="module", params=["vnni", "avx2"])
+def path(request, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
+        mp.delenv("MOEDESK_QUANT_PATH", raising=False)
+        mp.setenv("MOEDESK_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        if cq.cpu_reason() is not None:
+            pytest.skip(f"the packed kernel needs AVX2: {cq.cpu_reason()}")
+        if find_compiler() is None:
+            pytest.skip("no C compiler (cc, gcc, clang or $CC) to build the native kernel")
+        cq._state.clear()
+        assert cq.available(), cq.unavailable_reason()  # a failed build fails the tests, never skips them
+        if request.param == "vnni" and not cq.vnni_supported():
+            pytest.skip("this CPU lacks AVX512-VNNI")
+        assert cq.set_path(request.param) == request.param
+        yield request.param
+        cq.set_path(None)
+
+
+# (gate_up format, down format, H, F): H and F whole blocks but not multiples of 64 where the format
+# allows (96 = 3 blocks of 32), and k-quant rows of 1 and 3 super-blocks.
+SHAPES = [(f, f, 96, 160) if f in ("q4_0", "q8_0") else (f, f, 256, 768) for f in FORMATS] + [
+    ("q4_k", "q6_k", 512, 256), ("q8_0", "q4_0", 64, 32), ("q5_k", "q8_0", 256, 288)]
+
+
+@pytest.mark.parametrize("fu,fd,H,F_", SHAPES)
+@pytest.mark.parametrize("tokens_per_expert", [1, 3, 17, 33])
+def test_against_float64(path, fu, fd, H, F_, tokens_per_expert):
+    """Every format and a few mixed pairs, 1..33 tokens on each expert, several experts per call, in float32."""
+    g = torch.Generator().manual_seed(hash((fu, fd, tokens_per_expert)) % 2**31)
+    E, k = 5, 3
+    tokens = max(1, tokens_per_expert * E // k)  # about tokens_per_expert pairs per expert
+    w, x, pe = make_case(fu, fd, H, F_, E, tokens, k, g)
+    if tokens_per_expert == 1:
+        pe = torch.tensor([0, 2, 4])  # exactly one pair on each of three experts
+    out = torch.randn(pe.numel() + 2, H, generator=g)
+    before = out.clone()
+    cq.experts_forward_routed(x, pe, k, None, w, out)
+    check(out, x, pe, k, None, w, before)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+def test_bf16_and_chosen_subset(path, fmt):
+    """bf16 x and out; only the chosen experts' pairs are written."""
+    g = torch.Generator().manual_seed(7)
+    H, F_ = (96, 64) if fmt == "q4_0" else (256, 256)
+    w, x, pe = make_case(fmt, fmt, H, F_, 6, 9, 2, g, dtype=torch.bfloat16)
+    chosen = [1, 4, 5]
+    out = torch.randn(pe.numel() + 1, H, generator=g).to(torch.bfloat16)
+    before = out.clone()
+    cq.experts_forward_routed(x, pe, 2, chosen, w, out)
+    check(out, x, pe, 2, chosen, w, before)
+    # float32 x into a bf16 out and bf16 x into a float32 out
+    for xd, od in ((torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)):
+        out = torch.zeros(pe.numel(), H, dtype=od)
+        cq.experts_forward_routed(x.to(xd), pe, 2, None, w, out)
+        check(out, x.to(xd), pe, 2, None, w, torch.zeros_like(out))
+
+
+def test_paths_agree_and_env_var(path, monkeypatch):
+    """The two paths give the same results up to float32 sums; MOEDESK_QUANT_PATH=avx2 picks the fallback."""
+    g = torch.Generator().manual_seed(3)
+    w, x, pe = make_case("q8_0", "q4_k", 256, 256, 4, 5, 2, g)
+    results = {}
+    for p in (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"]):
+        cq.set_path(p)
+        results[p] = cq.experts_forward_routed(x, pe, 2, None, w, torch.zeros(pe.numel(), 256))
+    if len(results) == 2:
+        assert torch.allclose(results["vnni"], results["avx2"], rtol=1e-4, atol=1e-4 * float(results["avx2"].abs().max()))
+    monkeypatch.setenv("MOEDESK_QUANT_PATH", "avx2")
+    assert cq._wanted_path(cq._state["lib"]) == 0
+    monkeypatch.setenv("MOEDESK_QUANT_PATH", "bogus")
+    with pytest.raises(ValueError):
+        cq._wanted_path(cq._state["lib"])
+    with pytest.raises(ValueError):
+        cq.set_path("sse")
+    cq.set_path(path)
+
+
+def test_bad_indices(path):
+    g = torch.Generator().manual_seed(1)
+    w, x, pe = make_case("q4_0", "q4_0", 64, 64, 3, 2, 2, g)
+    out = torch.zeros(4, 64)
+    with pytest.raises(ValueError, match="outside the expert stack"):
+        cq.experts_forward_routed(x, torch.tensor([0, 3, 1, 1]), 2, None, w, out)
+    with pytest.raises(ValueError, match="outside the expert stack"):
+        cq.experts_forward_routed(x, torch.tensor([0, -1, 1, 1]), 2, None, w, out)
+    with pytest.raises(ValueError, match="outside the expert stack"):
+        cq.experts_forward_routed(x, pe, 2, [0, 7], w, out)
+    with pytest.raises(ValueError, match="tokens"):
+        cq.experts_forward_routed(x, torch.zeros(5, dtype=torch.long), 2, None, w, torch.zeros(6, 64))
+    with pytest.raises(ValueError, match="rows of out"):
+        cq.experts_forward_routed(x, pe, 2, None, w, torch.zeros(3, 64))
+    assert torch.equal(out, torch.zeros(4, 64))  # nothing written by a refused call
+
+
+def test_applies_and_dispatch(path, monkeypatch):
+    """applies() for packed CPU stacks of supported formats; kernels.experts routes through it."""
+    from kernels import experts
+    g = torch.Generator().manual_seed(2)
+    w, x, pe = make_case("q6_k", "q6_k", 256, 256, 3, 2, 2, g)
+    assert cq.applies(x, w) and cq.applies(x.bfloat16(), w)
+    assert not cq.applies(x.half(), w)
+    dense = ExpertWeights(torch.zeros(3, 8, 4), torch.zeros(3, 4, 4), 4, 4)
+    assert not cq.applies(x, dense)
+    out = experts.experts_forward_routed(x, pe, 2, None, w, torch.zeros(pe.numel(), 256))
+    check(out, x, pe, 2, None, w, torch.zeros(pe.numel(), 256))
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    assert not cq.applies(x, w)
