@@ -203,3 +203,43 @@ async def test_models_table_fits_80_columns(engine, tui_dirs, tiny_folder):
         table.move_cursor(row=names.index(f"acme/{long_name}"))
         await pilot.pause()
         assert f"acme/{long_name}" in str(app.screen.query_one("#models-note").render())
+
+
+# ---------------------------------------------------------------- 4. deleting asks first; 9. exchanges
+
+
+async def test_deleting_a_chat_asks_first(engine):
+    from app.tui.screens.conversations import ConversationsScreen
+    from app.tui.screens.dialogs import ConfirmScreen
+
+    store = ConversationStore()
+    older, current = Conversation(id="20250101-000000-aaaaaa"), Conversation(id="20250102-000000-bbbbbb")
+    for n in range(3):
+        older.add("user", f"question {n}")
+        older.add("assistant", f"answer {n}")
+    current.add("user", "current question")
+    store.save(older)
+    store.save(current)
+    store.remember(current.id)
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), what="the picker")
+        picker = app.screen
+        options = picker.query_one("#conversations")
+        shown = [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+        assert any("question 0" in s and "3 exchanges" in s for s in shown)  # 6 messages, 3 exchanges
+        options.highlighted = [i.id for i in picker.infos].index(older.id)
+        for no in ("n", "escape", "enter"):  # Enter lands on Keep: a stray Enter deletes nothing
+            await pilot.press("delete")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+            assert "question 0" in str(app.screen.query_one(".dialog-question").render())
+            await pilot.press(no)
+            await wait_for(pilot, lambda: app.screen is picker, what="the picker again")
+            assert store.path(older.id).exists() and options.option_count == 2
+        await pilot.press("delete")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: options.option_count == 1, what="the deletion")
+        assert not store.path(older.id).exists() and store.path(current.id).exists()

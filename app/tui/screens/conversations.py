@@ -1,4 +1,4 @@
-"""Pick an older conversation (Enter) or delete one (Delete). Dismisses with the chosen id or None."""
+"""Pick an older conversation (Enter) or delete one (Delete, after a yes). Dismisses with the chosen id or None."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -16,7 +16,8 @@ def option_text(info: ConversationInfo, current: bool) -> Text:
     text = Text("● " if current else "  ", style="green")
     text.append(info.title, style="bold")
     when = info.updated[:16].replace("T", " ")
-    text.append(f"\n  {when} · {info.turns} message{'s' if info.turns != 1 else ''}", style="dim")
+    # turns counts the user's messages: each is one exchange (a question and its reply), not one message
+    text.append(f"\n  {when} · {info.turns} exchange{'s' if info.turns != 1 else ''}", style="dim")
     if info.model:
         text.append(f" · {info.model.rstrip('/').rsplit('/', 1)[-1]}", style="dim")
     return text
@@ -38,7 +39,7 @@ class ConversationsScreen(ModalScreen[str | None]):
         with Vertical(id="conversations-box"):
             yield Label("Conversations", id="conversations-title")
             yield OptionList(id="conversations")
-            yield Label("Enter open · Delete remove · Esc back", classes="hint")
+            yield Label("Enter open · Delete remove (asks first) · Esc back", classes="hint")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -61,11 +62,22 @@ class ConversationsScreen(ModalScreen[str | None]):
             self.dismiss(event.option.id)
 
     def action_delete(self) -> None:
+        from app.tui.screens.dialogs import ConfirmScreen
+
         options = self.query_one(OptionList)
         if options.highlighted is None or not self.infos:
             return
         option = options.get_option_at_index(options.highlighted)
-        if option.id:
-            self.store.delete(option.id)
-            self.notify(f"Deleted “{next(i.title for i in self.infos if i.id == option.id)}”.")
-            self.reload()
+        info = next((i for i in self.infos if i.id == option.id), None)
+        if info is None:
+            return
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                self.store.delete(info.id)
+                self.notify(f"Deleted “{info.title}”.")
+                self.reload()
+
+        self.app.push_screen(ConfirmScreen(f"Delete “{info.title}” ({info.turns} exchange"
+                                           f"{'s' if info.turns != 1 else ''})? This cannot be undone.",
+                                           yes="Delete", no="Keep"), answered)
