@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                                          "GPU (cached per machine, model shape and dtype), count expert popularity on "
                                          "the calibration prompts and show the placement for the GPU budget.")
     add_model_arguments(profile)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server; concurrent clients share one batch",
+                           description="Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                       "/v1/completions, /v1/models); requests decode together in one continuous "
+                                       "batch.")
+    add_serve_arguments(serve)
+    add_model_arguments(serve)
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
@@ -91,6 +97,29 @@ def build_parser() -> argparse.ArgumentParser:
                        help="experts in 16 bits (dense, default) or packed in a GGUF block format")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
     return parser
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from app.batch import AUTO_BATCH_CAP
+    from app.server import DEFAULT_MAX_QUEUE
+
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the "
+                             "network, so set --api-key)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every request (default: the MOEDESK_API_KEY "
+                             "environment variable, else no key)")
+    parser.add_argument("--model-name", default=None, metavar="NAME",
+                        help="the model id clients send and /v1/models lists (default: the --model value)")
+    parser.add_argument("--batch-size", type=int, default=None, metavar="N",
+                        help=f"requests decoded together (default: as many as half the free GPU memory, or RAM "
+                             f"without a GPU, holds full-context KV caches for, at most {AUTO_BATCH_CAP})")
+    parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
+                        help=f"requests that may wait for a free slot; more get 503 with Retry-After "
+                             f"(default: {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                        help="prompt tokens prefilled per step while others decode (default: 512)")
 
 
 def load_engine(args, **overrides):
@@ -141,6 +170,29 @@ def run_bench_command(args) -> int:
     return 0
 
 
+def run_serve_command(args) -> int:
+    import os
+
+    from app.batch import batch_size_for_memory, free_memory_bytes
+    from app.server import run_server
+
+    for flag, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--batch-size", args.batch_size),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and (value < (0 if flag == "--max-queue" else 1) or flag == "--port" and value > 65535):
+            raise MoedeskError(f"{flag} {value}: out of range")
+    api_key = args.api_key or os.environ.get("MOEDESK_API_KEY") or None
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"moedesk: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    engine = load_engine(args)
+    if args.prefill_chunk:
+        engine.scheduler.prefill_chunk = args.prefill_chunk
+    batch_size = args.batch_size or batch_size_for_memory(
+        free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
+    return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
+                      batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name)
+
+
 def run_download_command(args) -> int:
     from app.download import run_download_command as download
 
@@ -168,7 +220,7 @@ def main(argv=None) -> int:
     try:
         commands = {"chat": run_chat_command, "download": run_download_command, "batch": run_batch_command,
                     "profile": run_profile_command,
-                    "bench": run_bench_command}
+                    "bench": run_bench_command, "serve": run_serve_command}
         return commands[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)

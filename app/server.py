@@ -1,0 +1,457 @@
+"""`moedesk serve`: an OpenAI-compatible HTTP API whose concurrent clients share one continuous batch.
+
+Starlette + uvicorn (no hand-written HTTP). Every request becomes one `Request` on the engine's
+scheduler (engine/scheduler.py): it joins the running batch at the next step and leaves when done,
+or when its client goes away. Endpoints:
+
+- GET  /v1/models, /v1/models/{id}
+- POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE])
+- GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
+
+Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 for a body that
+is not JSON, a field of the wrong type or range, an unknown model, a prompt that leaves no room in the
+context; 401 without the API key (when one is set); 503 with Retry-After when more requests wait than
+the queue limit; 500 when the engine fails a step (the other clients go on).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.errors import MoedeskError
+from engine.requests import Completion, Request, SamplingParams
+from engine.scheduler import Group, QueueFull, TextDeltas, Update
+
+MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
+DEFAULT_MAX_QUEUE = 64
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+
+
+class ApiError(Exception):
+    """Becomes an OpenAI error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), self.status,
+                            headers=self.headers)
+
+
+def error_body(message: str, kind: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the scheduler."""
+
+    request: Request
+    stream: bool
+    include_usage: bool
+    chat: bool
+    model: str
+
+
+class Server:
+    """The HTTP front of one loaded engine."""
+
+    def __init__(self, engine, *, api_key: str | None = None, batch_size: int = 8,
+                 max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None):
+        self.engine = engine
+        self.api_key = api_key or None
+        self.group = Group(batch_size)  # the server's requests decode at most this many at once
+        self.max_queue = max_queue
+        self.model_id = model_name or engine.name
+        self.created = int(time.time())
+        self.app = Starlette(routes=[
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/moedesk/stats", self.stats, methods=["GET"]),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal})
+
+    # --- endpoints --------------------------------------------------------------------------
+
+    async def health(self, request: HttpRequest) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: HttpRequest) -> Response:
+        self._authorise(request)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HttpRequest) -> Response:
+        self._authorise(request)
+        if request.path_params["model_id"] != self.model_id:
+            raise ApiError(404, f"The model '{request.path_params['model_id']}' does not exist", "model",
+                           "model_not_found")
+        return JSONResponse(self._model_card())
+
+    async def stats(self, request: HttpRequest) -> Response:
+        self._authorise(request)
+        return JSONResponse({"model": self.model_id, "description": self.engine.description,
+                             "batch_size": self.group.limit, "max_queue": self.max_queue,
+                             "context_length": self.engine.context_length,
+                             "scheduler": self.engine.scheduler.stats(), "experts": self.engine.expert_stats()})
+
+    async def chat_completions(self, request: HttpRequest) -> Response:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._complete(request, chat=False)
+
+    # --- one completion ---------------------------------------------------------------------
+
+    async def _complete(self, http: HttpRequest, chat: bool) -> Response:
+        self._authorise(http)
+        body = await self._json_body(http)
+        # Tokenising, the chat template and compiling a schema are CPU work: off the event loop.
+        prepared = await run_in_threadpool(self._prepare, body, chat)
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update] = asyncio.Queue()
+        try:
+            handle = self.engine.submit(prepared.request, group=self.group, queue_limit=self.max_queue,
+                                        sink=lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+        except QueueFull as e:
+            retry = self.engine.scheduler.retry_after()
+            raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
+                           kind="server_error", headers={"Retry-After": str(retry)}) from None
+        reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if prepared.stream:
+            return StreamingResponse(self._events(prepared, handle, updates, reply_id), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            while True:
+                try:
+                    update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        handle.cancel()  # nobody waits for the answer: free the row at the next step
+                        return Response(status_code=499)
+                    continue
+                if update.final:
+                    break
+        finally:
+            handle.cancel()  # no-op once finished; frees the row if this task was cancelled
+        if update.error is not None:
+            raise _engine_error(update.error)
+        done = update.completion
+        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
+                   "finish_reason": _finish(done)} if chat else
+                  {"index": 0, "text": done.text, "logprobs": None, "finish_reason": _finish(done)})
+        return JSONResponse({"id": reply_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": prepared.model, "choices": [choice],
+                             "usage": _usage(done), "moedesk": _extension(done)})
+
+    async def _events(self, prepared: Prepared, handle, updates: asyncio.Queue, reply_id: str):
+        """Server-sent events: one chunk per piece of text, the last with finish_reason (and usage when asked)."""
+        chat = prepared.chat
+        created = int(time.time())
+        head = {"id": reply_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": prepared.model}
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False, **extra) -> bytes:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            if prepared.include_usage:
+                extra.setdefault("usage", None)
+            return _sse({**head, "choices": [choice], **extra})
+
+        deltas = TextDeltas(prepared.request.params.stop)
+        try:
+            if chat:
+                yield chunk(None, role=True)
+            while True:
+                update = await updates.get()
+                if update.error is not None:
+                    error = _engine_error(update.error)
+                    yield _sse(error_body(error.message, error.kind, code=error.code))
+                    break
+                if update.completion is not None:
+                    done = update.completion
+                    last = deltas.last(done)
+                    if last.text:
+                        yield chunk(last.text)
+                    yield chunk(None, _finish(done), moedesk=_extension(done))
+                    if prepared.include_usage:
+                        yield _sse({**head, "choices": [], "usage": _usage(done)})
+                    break
+                piece = deltas.chunk(update)
+                if piece.text:
+                    yield chunk(piece.text)
+            yield b"data: [DONE]\n\n"
+        finally:
+            handle.cancel()  # the client went away mid-stream: its row is freed at the next step
+
+    # --- validation ---------------------------------------------------------------------------
+
+    def _authorise(self, http: HttpRequest) -> None:
+        if self.api_key is None:
+            return
+        given = http.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key the "
+                                "server was started with (--api-key)", code="invalid_api_key")
+
+    async def _json_body(self, http: HttpRequest) -> dict:
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB", code="body_too_large")
+        raw = bytearray()
+        async for piece in http.stream():
+            raw += piece
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB",
+                               code="body_too_large")
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "We could not parse the JSON body of your request: send a JSON object",
+                           code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, f"The request body must be a JSON object, not {_kind(body)}", code="invalid_json")
+        return body
+
+    def _prepare(self, body: dict, chat: bool) -> Prepared:
+        engine = self.engine
+        model = _field(body, "model", str, required=True)
+        if model != self.model_id:
+            raise ApiError(400, f"The model '{model}' does not exist; this server serves '{self.model_id}'", "model",
+                           "model_not_found")
+        for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
+                              ("logprobs", None), ("top_logprobs", None), ("echo", False), ("suffix", None),
+                              ("tools", None), ("functions", None), ("logit_bias", None)):
+            value = body.get(name)
+            if value is not None and value != neutral and not (name == "logprobs" and value is False) \
+                    and not (name in ("tools", "functions", "logit_bias") and not value):
+                raise ApiError(400, f"'{name}' is not supported by this server (only {neutral!r})", name,
+                               "unsupported_parameter")
+        ids = self._prompt_ids(body, chat)
+        context = engine.context_length
+        if len(ids) >= context:
+            raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has "
+                                f"{len(ids)}, which leaves no room for a reply", "messages" if chat else "prompt",
+                           "context_length_exceeded")
+        max_tokens = _field(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
+                            else "max_tokens", int, minimum=1)
+        room = context - len(ids)
+        temperature = _field(body, "temperature", float, minimum=0, maximum=2, default=1.0)
+        top_p = _field(body, "top_p", float, default=1.0)
+        if not 0 < top_p <= 1:
+            raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p", "invalid_value")
+        top_k = _field(body, "top_k", int, minimum=0, default=0)  # an extension llama.cpp's and vLLM's servers share
+        seed = _field(body, "seed", int, default=None)
+        if seed is None:
+            seed = random.randrange(2**63)
+        elif not 0 <= seed < 2**64:
+            seed %= 2**64  # OpenAI takes any 64-bit seed, negative ones included
+        stop = body.get("stop")
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= MAX_STOP_STRINGS:
+            stop = tuple(stop)
+        else:
+            raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop",
+                           "invalid_type")
+        if any(s == "" for s in stop):
+            raise ApiError(400, "stop strings must not be empty", "stop", "invalid_value")
+        stream = _field(body, "stream", bool, default=False)
+        options = body.get("stream_options")
+        include_usage = False
+        if options is not None:
+            if not stream:
+                raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options",
+                               "invalid_value")
+            if not isinstance(options, dict):
+                raise ApiError(400, "stream_options must be an object", "stream_options", "invalid_type")
+            include_usage = _field(options, "include_usage", bool, default=False, where="stream_options.")
+        ignore_eos = _field(body, "ignore_eos", bool, default=False)  # an extension, as vLLM's
+        grammar = None
+        if body.get("response_format") is not None:
+            try:
+                grammar = engine.grammar(body["response_format"])
+            except (ValueError, MoedeskError) as e:
+                raise ApiError(400, str(e), "response_format", "invalid_value") from None
+        params = SamplingParams(max_new_tokens=min(max_tokens or room, room), temperature=temperature, top_p=top_p,
+                                top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
+        return Prepared(Request(ids, params, grammar=grammar), stream, include_usage, chat, model)
+
+    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
+                               "invalid_type")
+            plain = [_message(m, i) for i, m in enumerate(messages)]
+            if tokenizer is None:
+                raise ApiError(400, "The model has no tokenizer: use /v1/completions with token ids", "messages")
+            try:
+                return tokenizer.chat_prompt(plain)
+            except MoedeskError as e:
+                raise ApiError(400, str(e), "messages") from None
+        if "prompt" not in body:
+            raise ApiError(400, "Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            vocab = self.engine.vocab_size
+            bad = next((t for t in prompt if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ApiError(400, f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab})", "prompt",
+                               "invalid_value")
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt",
+                           "invalid_type")
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", "prompt", "invalid_value")
+        if tokenizer is None:
+            raise ApiError(400, "The model has no tokenizer: give the prompt as token ids", "prompt")
+        try:
+            ids = tokenizer.encode(prompt)
+        except Exception as e:  # noqa: BLE001 -- odd text (lone surrogates) is the client's problem, not a crash
+            raise ApiError(400, f"Cannot tokenise the prompt: {e}", "prompt") from None
+        if not ids:
+            raise ApiError(400, "The prompt has no tokens", "prompt", "invalid_value")
+        return ids
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moedesk",
+                "context_length": self.engine.context_length}
+
+    # --- errors outside the endpoints -----------------------------------------------------------
+
+    async def _not_found(self, request, exc) -> Response:
+        return JSONResponse(error_body(f"Unknown path {request.url.path}", "invalid_request_error",
+                                       code="unknown_url"), 404)
+
+    async def _not_allowed(self, request, exc) -> Response:
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}",
+                                       "invalid_request_error", code="method_not_allowed"), 405)
+
+    async def _internal(self, request, exc) -> Response:
+        return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"), 500)
+
+
+def build_app(engine, **options) -> Starlette:
+    """The ASGI app serving `engine` (options: see Server)."""
+    server = Server(engine, **options)
+    server.app.add_exception_handler(ApiError, lambda request, exc: exc.response())
+    server.app.state.server = server
+    return server.app
+
+
+def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, **options) -> int:
+    import uvicorn
+
+    app = build_app(engine, **options)
+    server: Server = app.state.server
+    log(f"moedesk serve: {engine.description}; http://{host}:{port}/v1 as model '{server.model_id}'; "
+        f"{server.group.limit} requests decode together, {server.max_queue} may wait"
+        + ("" if server.api_key else "; no API key"))
+    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    return 0
+
+
+# --- small helpers --------------------------------------------------------------------------------
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+
+
+def _field(body: dict, name: str, kind, *, required=False, default=None, minimum=None, maximum=None, where=""):
+    """body[name] checked against kind (float accepts integers; bool is never a number); None means absent."""
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"Missing required parameter: '{where}{name}'", where + name,
+                           "missing_required_parameter")
+        return default
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok:
+        raise ApiError(400, f"'{where}{name}' must be {_TYPE_NAMES[kind]}, got {_kind(value)}", where + name,
+                       "invalid_type")
+    if minimum is not None and value < minimum or maximum is not None and value > maximum:
+        bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
+        raise ApiError(400, f"'{where}{name}' must be {bounds}, got {value}", where + name, "invalid_value")
+    return float(value) if kind is float else value
+
+
+def _message(message, index: int) -> dict:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ApiError(400, f"{where} must be an object with a string 'role'", where, "invalid_type")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"{where}.content: only text parts are supported", where + ".content",
+                               "invalid_type")
+            texts.append(part["text"])
+        content = "".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ApiError(400, f"{where}.content must be a string or a list of text parts", where + ".content",
+                       "invalid_type")
+    return {"role": message["role"], "content": content}
+
+
+def _kind(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}.get(
+        type(value), type(value).__name__)
+
+
+def _finish(done: Completion) -> str:
+    return "length" if done.finish_reason == "length" else "stop"
+
+
+def _usage(done: Completion) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
+            "total_tokens": done.prompt_tokens + len(done.token_ids)}
+
+
+def _extension(done: Completion) -> dict:
+    """The `moedesk` field: what batch output's stats hold (timings, shared steps, expert work) and the token ids."""
+    return {**done.stats, "token_ids": list(done.token_ids)}
+
+
+def _engine_error(error: BaseException) -> ApiError:
+    return ApiError(500, f"The engine failed this request: {' '.join(str(error).split()) or type(error).__name__}",
+                    kind="server_error", code="engine_error")
+
+
+def _sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
