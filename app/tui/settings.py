@@ -27,10 +27,17 @@ SETTINGS_FILE = "settings.json"
 Check = Callable[[Any], "str | None"]  # returns an error message, or None when the value is fine
 
 
+def readable(number: float) -> str:
+    """1000000 as "1,000,000", not "1e+06"; fractions as they are."""
+    if float(number).is_integer():
+        return f"{int(number):,}"
+    return f"{number:g}"
+
+
 def between(low: float, high: float, *, low_open: bool = False) -> Check:
     def check(value):
         if value < low or (low_open and value == low) or value > high:
-            return f"must be {'>' if low_open else '≥'} {low:g} and ≤ {high:g}"
+            return f"must be {'>' if low_open else '≥'} {readable(low)} and ≤ {readable(high)}"
         return None
     return check
 

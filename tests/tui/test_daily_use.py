@@ -243,3 +243,47 @@ async def test_deleting_a_chat_asks_first(engine):
         await pilot.press("y")
         await wait_for(pilot, lambda: options.option_count == 1, what="the deletion")
         assert not store.path(older.id).exists() and store.path(current.id).exists()
+
+
+# ---------------------------------------------------------------- 6. settings
+
+
+async def test_settings_show_focus_and_keep_bad_input_with_a_message(engine):
+    from app.tui.screens.settings import SettingsScreen
+    from app.tui.settings import Settings
+
+    app = MoedeskApp(engine, settings=Settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        screen = app.screen
+        top_k = screen.query_one("#setting-top_k")
+        top_k.focus()
+        await pilot.pause()
+        focused_row, other_row = screen.query_one("#row-top_k"), screen.query_one("#row-temperature")
+        assert focused_row.styles.background != other_row.styles.background
+        assert focused_row.styles.border_left[1] != other_row.styles.border_left[1]
+        assert screen.query_one("#row-top_k .setting-label").styles.color != \
+            screen.query_one("#row-temperature .setting-label").styles.color
+
+        top_k.value = ""
+        await pilot.press("-", "5")
+        await pilot.pause()
+        assert top_k.value == "-5"  # kept as typed, not quietly turned into 5
+        assert str(screen.query_one("#error-top_k").render()) == "must be ≥ 0 and ≤ 1,000,000"
+        top_k.value = ""
+        await pilot.press("1", "x")
+        await pilot.pause()
+        assert top_k.value == "1x" and "whole number" in str(screen.query_one("#error-top_k").render())
+        temperature = screen.query_one("#setting-temperature")
+        temperature.focus()
+        temperature.value = ""
+        await pilot.press("a", "b", "c")
+        assert temperature.value == "abc" and "number" in str(screen.query_one("#error-temperature").render())
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        assert app.screen is screen  # refused to save
+        await pilot.press("ctrl+d")  # defaults, though an input box has the focus
+        await pilot.pause()
+        assert temperature.value == "0.7" and top_k.value == "0"

@@ -27,15 +27,17 @@ def editor_for(field: SettingField, value) -> Widget:
     if kind == "text":
         return TextArea(field.format(value), id=wid, soft_wrap=True, classes="setting-text", compact=True)
     placeholder = "blank: automatic" if field.optional else field.format(field.default)
-    restrict = {"int": r"[0-9]*", "float": r"[0-9.eE+\-]*"}.get(kind)
-    return Input(field.format(value), placeholder=placeholder, id=wid, restrict=restrict, compact=True)
+    # No `restrict`: it dropped what did not match without a word ("-5" became "5"); what is typed stays,
+    # and the check under the field says what is wrong with it.
+    return Input(field.format(value), placeholder=placeholder, id=wid, compact=True)
 
 
 class SettingsScreen(Screen[Settings | None]):
     BINDINGS = [
         Binding("ctrl+s", "save", "Save"),
         Binding("escape", "cancel", "Cancel"),
-        Binding("ctrl+d", "defaults", "Defaults"),
+        # priority: the focused Input or TextArea takes ctrl+d as "delete right" otherwise
+        Binding("ctrl+d", "defaults", "Defaults", priority=True),
     ]
 
     def __init__(self, settings: Settings, path=None):
