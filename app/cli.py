@@ -184,13 +184,30 @@ def run_serve_command(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"moedesk: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    engine = load_engine(args)
+    import engine.runtime  # noqa: F401 -- imported first, so the "load" time is the model's, not torch's import
+
+    engine = load_engine(args, progress=_phase_times())
     if args.prefill_chunk:
         engine.scheduler.prefill_chunk = args.prefill_chunk
     batch_size = args.batch_size or batch_size_for_memory(
         free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
     return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
                       batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name)
+
+
+def _phase_times():
+    """Say on stderr when each start-up phase ends, reading the weights ("load") included: a server's start-up
+    is watched (tests/perf/bench_serve.py reads these lines)."""
+    import time
+
+    started, said = time.perf_counter(), set()
+
+    def progress(phase: str, fraction: float) -> None:
+        if fraction >= 1.0 and phase not in said:
+            said.add(phase)
+            print(f"moedesk: {phase} done ({time.perf_counter() - started:.2f}s)", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def run_download_command(args) -> int:

@@ -1,0 +1,269 @@
+"""`moedesk serve` under load: its load path at real size, and N concurrent streaming clients sharing a batch.
+
+Usage (GPU box, repo root, after `python3 tests/perf/make_mixtral_checkpoint.py CKPT`):
+    python3 tests/perf/bench_serve.py --model CKPT [--clients 16] [--prompt-tokens 128] [--max-tokens 64]
+        [--gpu-budget 0] [--device auto] [--dtype bfloat16] [--port 8123] [--json OUT.json]
+    python3 tests/perf/bench_serve.py --smoke      (CPU, a tiny Mixtral-shaped checkpoint, a few seconds)
+
+Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu-budget 0) and measures:
+
+- load: the checkpoint's size, how long reading it took (the `load` phase the server logs, before profiling and
+  calibration) and so GB/s (the files are read once beforehand, so this is from the page cache), the
+  server's resident memory after start-up against the checkpoint size, and the peak during the load phase
+  (VmRSS polled every 20 ms from /proc);
+- one client alone: total tokens/s and time to first token (TTFT);
+- N clients at once: total tokens/s over the whole run (prefill included), the steady-state decode rate while
+  all N stream (tokens arriving between the moment every client has its first token and the moment the first
+  one ends), and that over the one-client rate;
+- a newcomer: TTFT of a client arriving while N-1 others stream, against its TTFT alone.
+
+Prompts are random token ids (exact lengths, no tokenizer in the way), replies ignore the end token.
+Compare the N-client decode rate with `moedesk bench --shape mixtral-8x7b --layers 8 --gpu-budget 0 --batch N`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def read_once(folder: Path) -> tuple[int, float]:
+    """Read every weight file once (into the page cache); (bytes, seconds)."""
+    total, started = 0, time.perf_counter()
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb", buffering=0) as f:
+            while chunk := f.read(64 << 20):
+                total += len(chunk)
+    return total, time.perf_counter() - started
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A memory line of /proc/PID/status in KiB: VmRSS, or its parts RssAnon (pinned and plain RAM the process
+    allocated), RssFile (mapped file pages, e.g. safetensors memory maps still open), RssShmem."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Server:
+    """`moedesk serve` in a child process; its stderr is watched for the phase lines and RSS is polled."""
+
+    def __init__(self, args):
+        self.url = f"http://127.0.0.1:{args.port}"
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--model", str(args.model), "--port", str(args.port),
+               "--device", args.device, "--batch-size", str(max(args.clients, 1)), "--max-queue", "256",
+               "--context", str(args.context), "--model-name", "bench"]
+        if args.dtype:
+            cmd += ["--dtype", args.dtype]
+        if args.gpu_budget is not None:
+            cmd += ["--gpu-budget", str(args.gpu_budget)]
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        self.phases: dict[str, float] = {}
+        self.log: list[str] = []
+        self.peak_during_load = 0
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+        threading.Thread(target=self._poll_rss, daemon=True).start()
+
+    def _read_stderr(self):
+        for line in self.proc.stderr:
+            self.log.append(line.rstrip())
+            match = re.match(r"moedesk: (\w+) done \(([\d.]+)s\)", line)
+            if match:
+                self.phases[match.group(1)] = float(match.group(2))
+
+    def _poll_rss(self):
+        while self.proc.poll() is None and "load" not in self.phases:
+            try:
+                self.peak_during_load = max(self.peak_during_load, rss_kib(self.proc.pid))
+            except OSError:
+                return
+            time.sleep(0.02)
+
+    def wait_ready(self, timeout: float) -> float:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit("moedesk serve exited:\n" + "\n".join(self.log[-20:]))
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return time.perf_counter() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit("moedesk serve did not come up in time:\n" + "\n".join(self.log[-20:]))
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streamed completion; the arrival time of every piece of text, and the moedesk stats."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    arrivals, usage, extension = [], None, {}
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                if choice.get("text"):
+                    arrivals.append(time.perf_counter())
+                if choice.get("finish_reason"):
+                    extension = chunk.get("moedesk", {})
+    tokens = usage["completion_tokens"] if usage else len(arrivals)
+    return {"started": started, "ended": time.perf_counter(), "arrivals": arrivals, "tokens": tokens,
+            "ttft": arrivals[0] - started if arrivals else None, "stats": extension}
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+async def run_clients(url: str, args, vocab: int) -> dict:
+    limits = httpx.Limits(max_connections=args.clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        await stream_one(client, url, prompts(1, args.prompt_tokens, vocab, 99)[0], 4)  # warm-up (graphs, caches)
+        alone = await stream_one(client, url, prompts(1, args.prompt_tokens, vocab, 1)[0], args.max_tokens)
+        together_started = time.perf_counter()
+        runs = await asyncio.gather(*[stream_one(client, url, p, args.max_tokens)
+                                      for p in prompts(args.clients, args.prompt_tokens, vocab, 2)])
+        together_ended = time.perf_counter()
+        # A newcomer into a running batch of N-1: they get a long reply, it arrives once all of them stream.
+        background = [asyncio.create_task(stream_one(client, url, p, args.max_tokens * 4))
+                      for p in prompts(max(args.clients - 1, 0), args.prompt_tokens, vocab, 3)]
+        newcomer_prompt = prompts(1, args.prompt_tokens, vocab, 4)[0]
+        while background and not all(task.done() for task in background):
+            stats = httpx.get(url + "/moedesk/stats", timeout=10).json()["scheduler"]
+            if stats["running"] >= len(background) and stats["prefill_tokens"] and stats["waiting"] == 0:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # a few decode steps into the batch
+        newcomer = await stream_one(client, url, newcomer_prompt, 8)
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        newcomer_alone_runs = []
+        await asyncio.sleep(1.0)  # the cancelled ones have left
+        for _ in range(2):
+            newcomer_alone_runs.append(await stream_one(client, url, newcomer_prompt, 8))
+    alone_rate = alone["tokens"] / (alone["ended"] - alone["started"])
+    total = sum(r["tokens"] for r in runs)
+    all_first = max(r["arrivals"][0] for r in runs)
+    first_end = min(r["arrivals"][-1] for r in runs)
+    steady = sum(sum(all_first < t <= first_end for t in r["arrivals"]) for r in runs)
+    alone_ttft = min(r["ttft"] for r in newcomer_alone_runs)
+    return {
+        "alone_tok_s": alone_rate, "alone_ttft_s": alone["ttft"],
+        "clients": args.clients, "together_tok_s": total / (together_ended - together_started),
+        "together_decode_tok_s": steady / (first_end - all_first) if first_end > all_first else None,
+        "mean_batch": sum(r["stats"].get("mean_batch") or 0 for r in runs) / len(runs),
+        "newcomer_ttft_s": newcomer["ttft"], "newcomer_alone_ttft_s": alone_ttft,
+    }
+
+
+def table(rows: list[tuple[str, str]]) -> str:
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, help="checkpoint folder (tests/perf/make_mixtral_checkpoint.py)")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024, help="per sequence (small: the KV cache stays small)")
+    parser.add_argument("--gpu-budget", type=float, default=0.0, help="GiB of experts on the GPU (default 0)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--ready-timeout", type=float, default=1800)
+    parser.add_argument("--json", type=Path, help="also write the numbers here")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny Mixtral-shaped checkpoint, 4 clients")
+    args = parser.parse_args()
+    scratch = None
+    if args.smoke:
+        sys.path.insert(0, str(REPO / "tests" / "perf"))
+        from make_mixtral_checkpoint import write_checkpoint
+
+        scratch = tempfile.TemporaryDirectory()
+        args.model = Path(scratch.name) / "mixtral-tiny"
+        write_checkpoint(args.model, layers=4, tiny=True, log=lambda *_: None)
+        args.device, args.dtype, args.gpu_budget = "cpu", "float32", None
+        args.clients, args.prompt_tokens, args.max_tokens, args.context = 4, 32, 16, 256
+    if args.model is None:
+        parser.error("--model is required (or --smoke)")
+    config = json.loads((args.model / "config.json").read_text())
+    shards = len(list(args.model.glob("*.safetensors")))
+    size, seconds = read_once(args.model)
+    server = Server(args)
+    try:
+        ready = server.wait_ready(args.ready_timeout)
+        rss_after = rss_kib(server.proc.pid)
+        rss_parts = {part: rss_kib(server.proc.pid, part) * 1024 / 1e9 for part in ("RssAnon", "RssFile", "RssShmem")}
+        results = asyncio.run(run_clients(server.url, args, config["vocab_size"]))
+    finally:
+        server.stop()
+        if scratch is not None:
+            scratch.cleanup()
+    load_s = server.phases.get("load")
+    gb = size / 1e9
+    report = {"checkpoint_gb": gb, "first_read_gb_s": gb / seconds, "load_s": load_s,
+              "load_gb_s": gb / load_s if load_s else None, "ready_s": ready, "phases_s": server.phases,
+              "rss_after_gb": rss_after * 1024 / 1e9, "rss_parts_gb": rss_parts, "peak_rss_during_load_gb": server.peak_during_load * 1024 / 1e9,
+              **results}
+    n = results["clients"]
+    rows = [
+        ("checkpoint", f"{gb:.2f} GB in {shards} shards; first read "
+                       f"{gb / seconds:.2f} GB/s"),
+        ("load (page cache)", f"{load_s:.2f} s, {gb / load_s:.2f} GB/s (target >= 2)" if load_s else "no load line"),
+        ("server ready after", f"{ready:.1f} s (phases: {', '.join(f'{k} {v:.1f}s' for k, v in server.phases.items())})"),
+        ("RSS after start-up", f"{report['rss_after_gb']:.2f} GB = {report['rss_after_gb'] / gb:.2f}x the checkpoint "
+                               f"(target <= 1.1); " + ", ".join(f"{k} {v:.2f}" for k, v in rss_parts.items())),
+        ("peak RSS while loading", f"{report['peak_rss_during_load_gb']:.2f} GB = "
+                                   f"{report['peak_rss_during_load_gb'] / gb:.2f}x"),
+        ("1 client", f"{results['alone_tok_s']:.1f} tok/s, TTFT {results['alone_ttft_s'] * 1000:.0f} ms"),
+        (f"{n} clients, whole run", f"{results['together_tok_s']:.1f} tok/s = "
+                                    f"{results['together_tok_s'] / results['alone_tok_s']:.2f}x one client "
+                                    f"(target >= 3.5 at 16); mean batch {results['mean_batch']:.1f}"),
+        (f"{n} clients, all streaming", f"{results['together_decode_tok_s'] or 0:.1f} tok/s (compare: moedesk bench "
+                                        f"--batch {n})"),
+        (f"newcomer into {n - 1}", f"TTFT {results['newcomer_ttft_s'] * 1000:.0f} ms vs "
+                                   f"{results['newcomer_alone_ttft_s'] * 1000:.0f} ms alone = "
+                                   f"{results['newcomer_ttft_s'] / results['newcomer_alone_ttft_s']:.2f}x "
+                                   f"(target <= 2)"),
+    ]
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
