@@ -112,6 +112,16 @@ class MoedeskApp(App[int]):
         else:
             self.chat.engine_changed()
 
+    def open_chat_without_model(self) -> None:
+        """The chat with no model (after a failed load): old conversations can be read, F3 loads one."""
+        if self.chat is not None:
+            return
+        self.chat = ChatScreen()
+        if isinstance(self.screen, LoadingScreen):
+            self.switch_screen(self.chat)
+        else:
+            self.push_screen(self.chat)
+
     def release_engine(self) -> None:
         """Drop the loaded model (before loading another): stop any reply, free its memory."""
         if self.chat is not None:
@@ -147,7 +157,7 @@ class MoedeskApp(App[int]):
             return
         self.push_screen(ModelsScreen(current=self.model if self.engine is not None else None), self.engine_ready)
 
-    def action_download(self) -> None:
+    def action_download(self, repo_id: str = "") -> None:
         """The download wizard, over the models screen: that is where a finished download is loaded."""
         from app.tui.screens.download import DownloadScreen
         from app.tui.screens.models import ModelsScreen
@@ -156,7 +166,7 @@ class MoedeskApp(App[int]):
             return
         self.action_models()
         if isinstance(self.screen, ModelsScreen):
-            self.screen.action_download()
+            self.screen.action_download(repo_id)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)

@@ -287,3 +287,92 @@ async def test_settings_show_focus_and_keep_bad_input_with_a_message(engine):
         await pilot.press("ctrl+d")  # defaults, though an input box has the focus
         await pilot.pause()
         assert temperature.value == "0.7" and top_k.value == "0"
+
+
+# ---------------------------------------------------------------- 8. load errors and the download wizard
+
+
+async def test_a_failed_start_offers_what_works_and_old_chats_can_be_read(engine):
+    from textual.widgets._footer import FooterKey
+
+    from app.tui.screens.download import DownloadScreen
+    from app.tui.screens.loading import LoadingScreen
+    from app.tui.screens.models import ModelsScreen
+
+    store = ConversationStore()
+    old = Conversation()
+    old.add("user", "what did we say?")
+    old.add("assistant", "something worth reading again")
+    store.save(old)
+    store.remember(old.id)
+
+    def factory(model, progress):
+        raise RuntimeError("no such model")
+
+    app = MoedeskApp(factory, model="acme/missing-model")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) and not app.screen.panel.busy,
+                       what="the error")
+        await pilot.pause()
+        offered = {key.action for key in app.screen.query(FooterKey)}
+        assert "cancel" not in offered and {"retry", "download", "read_chats"} <= offered
+        hint = str(app.screen.query_one("#loading-hint").render())
+        assert "F6 download it here" in hint and "old chats" in hint
+        await pilot.press("f6")
+        await wait_for(pilot, lambda: isinstance(app.screen, DownloadScreen), what="the download wizard")
+        assert app.screen.query_one("#download-repo").value == "acme/missing-model"  # what failed to load
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen), what="the models screen")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen), what="the error again")
+        await pilot.press("ctrl+o")
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat without a model")
+        assert app.engine is None and app.chat.conversation.id == old.id
+        assert "something worth reading again" in app.chat.query_one("AssistantMessage").text
+        await pilot.press(*"hello", "enter")
+        await pilot.pause()
+        assert "No model loaded" in str(app.chat.query_one("#chat-status").render())
+        assert len(app.chat.conversation.messages) == 2
+
+
+def test_repo_id_problems_in_plain_words():
+    from app.tui.screens.download import repo_id_problem
+
+    assert repo_id_problem("Qwen/Qwen3-30B-A3B") is None and repo_id_problem("gpt2") is None
+    for bad in ("qwen 3", "a/b/c", "bad!/name", "owner/", "-x/y", "x/y--z"):
+        problem = repo_id_problem(bad)
+        assert problem and "OWNER/NAME" in problem and "Repo id must" not in problem
+
+
+async def test_wizard_listing_errors_say_what_happened(engine, monkeypatch, tui_dirs):
+    import socket
+
+    from huggingface_hub import constants
+
+    from app.tui.screens.download import DownloadScreen
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        app.action_download()
+        await wait_for(pilot, lambda: isinstance(app.screen, DownloadScreen), what="the wizard")
+        screen = app.screen
+
+        def status() -> str:
+            return str(screen.query_one("#download-status").render())
+
+        for repo_id in ("bad repo!", "moe/tiny"):
+            screen.query_one("#download-repo").value = repo_id
+            screen.query_one("#download-repo").focus()
+            await pilot.press("enter")
+            await wait_for(pilot, lambda: "-error" in screen.query_one("#download-status").classes,
+                           what="the error")
+            if repo_id == "bad repo!":
+                assert "OWNER/NAME" in status() and "alphanumeric" not in status()
+                screen.query_one("#download-status").remove_class("-error")
+        assert status().startswith(f"cannot reach {dead}") and "resume" not in status()
+        assert "Enter to list again" in status()

@@ -10,6 +10,7 @@ download finished and the person chose to load it; None otherwise.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from dataclasses import replace
@@ -28,6 +29,46 @@ from textual.widgets.option_list import Option
 from app import download as dl
 from app.tui.widgets.fit_view import FitView
 from app.tui.widgets.load_panel import one_line
+
+
+# The Hub's rule for a repo id: an optional owner and a name of letters, digits and - _ . (no -- or ..,
+# not starting or ending with - or .), at most 96 characters each.
+_REPO_PART = r"(?!.*(--|\.\.))[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
+REPO_ID = re.compile(rf"(?:{_REPO_PART}/)?{_REPO_PART}")
+
+
+def repo_id_problem(repo_id: str) -> str | None:
+    """Why `repo_id` cannot be a Hub repo id, in our words (the Hub library's own message is a paragraph)."""
+    if not repo_id:
+        return "type a repo id first: OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B"
+    if re.search(r"\s", repo_id):
+        return f"{repo_id!r} has a space in it: a repo id is OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B"
+    if repo_id.count("/") > 1:
+        return f"{repo_id!r} has more than one /: a repo id is OWNER/NAME (a path inside a repo cannot be listed)"
+    if not REPO_ID.fullmatch(repo_id):
+        return (f"{repo_id!r} is not a repo id: OWNER/NAME of letters, digits, - _ and . "
+                "(e.g. Qwen/Qwen3-30B-A3B)")
+    return None
+
+
+def _unreachable(error: BaseException) -> bool:
+    import httpx2
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    cause = error.__cause__
+    return isinstance(cause, (httpx2.TransportError, LocalEntryNotFoundError, ConnectionError))
+
+
+def listing_error(error: BaseException) -> str:
+    """One line for a failed listing. Nothing was downloaded yet, so a message that the download
+    "resumes where it stopped" would promise something that never started."""
+    if isinstance(error, dl.DownloadError) and _unreachable(error):
+        from huggingface_hub import constants
+
+        reason = str(error.__cause__).strip().splitlines()
+        detail = f" ({reason[0].strip()})" if reason and reason[0].strip() else ""
+        return f"cannot reach {constants.ENDPOINT}{detail}: check the network connection, then press Enter to list again"
+    return one_line(error)
 
 
 def choice_label(choice: dl.DownloadChoice) -> Text:
@@ -150,8 +191,9 @@ class DownloadScreen(Screen[str | None]):
             return
         repo_id = self.query_one("#download-repo", Input).value.strip()
         revision = self.query_one("#download-revision", Input).value.strip() or None
-        if not repo_id:
-            self._status("type a repo id first: OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B", "error")
+        problem = repo_id_problem(repo_id)
+        if problem:
+            self._status(problem, "error")
             self.query_one("#download-repo", Input).focus()
             return
         self._serial += 1
@@ -171,7 +213,7 @@ class DownloadScreen(Screen[str | None]):
                 fits = {c.name: replace(base, needed_bytes=c.total_bytes, margin_bytes=dl.disk_margin(c.total_bytes))
                         for c in listing.choices}
         except Exception as e:  # noqa: BLE001 - every failure becomes one line on screen
-            self.post_message(self.Listed(serial, None, {}, one_line(e)))
+            self.post_message(self.Listed(serial, None, {}, listing_error(e)))
             return
         self.post_message(self.Listed(serial, listing, fits))
 

@@ -178,10 +178,10 @@ class ModelsScreen(Screen):
     def action_focus_path(self) -> None:
         self.query_one("#model-path", Input).focus()
 
-    def action_download(self) -> None:
+    def action_download(self, repo_id: str = "") -> None:
         from app.tui.screens.download import DownloadScreen
 
-        self.app.push_screen(DownloadScreen(), self._download_closed)
+        self.app.push_screen(DownloadScreen(repo_id), self._download_closed)
 
     def _download_closed(self, spec: str | None) -> None:
         self.scan()  # a finished download joins the HF cache list
