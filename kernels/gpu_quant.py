@@ -41,7 +41,7 @@ except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
 _FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
-_LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 32}  # L: bytes of a unit's run
+_LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16}  # L: bytes of a unit's run
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -105,39 +105,43 @@ def _route(x: torch.Tensor, m: int, g: int) -> str:
     return "dequant"
 
 
-def _config(x: torch.Tensor, m: int, g: int, rows: int, k: int) -> dict:
+def _config(x: torch.Tensor, m: int, g: int, rows: int, units: int) -> dict:
     """Tile sizes for one launch: ROWS weight rows per program, NB units along k per step, BT tokens per
-    step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens."""
+    step, DOT (tensor cores) or float32 FMAs one token at a time, SPLIT programs sharing a group's tokens."""
     per_group = -(-m // g)
-    dot = x.dtype != torch.float32 and per_group > 8 and not _interpreted()
-    if _interpreted():  # few programs and small tiles: the interpreter pays per program and per op
-        bt = 1 if per_group <= 1 else 4 if per_group <= 4 else 16
-        return dict(ROWS=32, NB=16, BT=bt, DOT=False, SPLIT=1, num_warps=1)
-    if per_group >= _MANY and dot:
+    dot = x.dtype != torch.float32 and per_group > 1
+    if _interpreted():  # few programs and big steps: the interpreter pays per program and per operation
+        nb = min(16, triton.next_power_of_2(units))
+        return dict(ROWS=128, NB=nb, BT=16 if dot else 1, DOT=dot, SPLIT=1, num_warps=1)
+    if not dot:
+        return dict(ROWS=8, NB=8, BT=1, DOT=False, SPLIT=1, num_warps=4)
+    if per_group >= _MANY:
         bt = 64 if per_group < 256 else 128
-        return dict(ROWS=64, NB=64 // 16, BT=bt, DOT=True, SPLIT=max(1, -(-m // bt)), num_warps=4,
-                    num_stages=3)
-    if dot:
-        return dict(ROWS=16, NB=8, BT=16, DOT=True, SPLIT=1, num_warps=4)
-    bt = 1 if per_group <= 1 else 2 if per_group <= 2 else 4
-    return dict(ROWS=8, NB=8, BT=bt, DOT=False, SPLIT=1, num_warps=4)
+        return dict(ROWS=64, NB=4, BT=bt, DOT=True, SPLIT=max(1, -(-m // bt)), num_warps=4, num_stages=3)
+    return dict(ROWS=16, NB=8, BT=16, DOT=True, SPLIT=1, num_warps=4)
 
 
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
 def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, config=None):
-    cfg = dict(config or _OVERRIDE or _config(x, m, groups, rows, k))
     lanes = _LANES[fmt]
+    units = k // (2 * lanes)  # along a row: units of 2 x L weights
+    cfg = dict(config or _OVERRIDE or _config(x, m, groups, rows, units))
     nb = cfg.pop("NB")
-    # NB units of 2*L weights: keep the step a whole number of units (k-quant units are 64 weights).
-    units = k // (2 * lanes)
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
     _packed_mm[grid](
         x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split,
-        FMT=_FMT_ID[fmt], L=lanes, NB=nb, GATED=gated, **cfg)
+        FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated,
+        **cfg)
+
+
+def _half_operands(x, out) -> bool:
+    # fp16 inputs keep fp16 on the tensor cores; the interpreter computes bf16 dots wrongly (numpy has no
+    # bf16), so it checks that path's indexing in fp16.
+    return x.dtype == torch.float16 or out.dtype == torch.float16 or _interpreted()
 
 
 # ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
@@ -181,12 +185,8 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
 
 if triton is not None:
     @triton.jit
-    def _f16(p):
-        """A little-endian float16 at byte address p (every format keeps them 2-byte aligned), as float32."""
-        return tl.load(p.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-    @triton.jit
-    def _f16_masked(p, mask):
+    def _f16(p, mask):
+        """Little-endian float16s at byte addresses p (every format keeps them 2-byte aligned), as float32."""
         return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
@@ -201,41 +201,52 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _planes(row, u, l, mask, FMT: tl.constexpr):
-        """Unit u's two planes of weights (float32) in rows `row` (byte pointers [R, 1]), lane l, and the
-        matrix columns they belong to: (w0, w1, col0, col1)."""
+    def _planes(row, u, l, umask, mask, FMT: tl.constexpr):
+        """Unit u's two planes in rows `row`: weight = scale * q - offset, with q [R, NB, L] and scale,
+        offset [R, NB, 1] (one per unit, so their decoding is paid once per L weights), and the matrix
+        columns of each plane [1, NB, L]: (q0, s0, o0, col0, q1, s1, o1, col1). row: byte pointers
+        [R, 1, 1]; u [1, NB, 1]; l [1, 1, L]; umask [R, NB, 1] and mask [R, NB, L] the live ones."""
         if FMT == 0:  # q4_0: 18-byte blocks of 32; byte l: columns l (low nibble) and l + 16 (high)
             base = row + u * 18
-            d = _f16_masked(base, mask)
+            s0 = _f16(base, umask)
             b = tl.load(base + 2 + l, mask=mask, other=0).to(tl.int32)
-            w0 = d * ((b & 15) - 8).to(tl.float32)
-            w1 = d * ((b >> 4) - 8).to(tl.float32)
+            q0 = ((b & 15) - 8).to(tl.float32)
+            q1 = ((b >> 4) - 8).to(tl.float32)
+            s1 = s0
+            o0 = 0.0
+            o1 = 0.0
             col0 = u * 32 + l
             col1 = col0 + 16
         elif FMT == 1:  # q8_0: 34-byte blocks of 32, the two halves as the planes
             base = row + u * 34
-            d = _f16_masked(base, mask)
+            s0 = _f16(base, umask)
             q = (base + 2 + l).to(tl.pointer_type(tl.int8))
-            w0 = d * tl.load(q, mask=mask, other=0).to(tl.float32)
-            w1 = d * tl.load(q + 16, mask=mask, other=0).to(tl.float32)
+            q0 = tl.load(q, mask=mask, other=0).to(tl.float32)
+            q1 = tl.load(q + 16, mask=mask, other=0).to(tl.float32)
+            s1 = s0
+            o0 = 0.0
+            o1 = 0.0
             col0 = u * 32 + l
             col1 = col0 + 16
-        elif FMT == 4:  # q6_k: unit = (block, half, 32-byte part p); low nibbles quarter p, high p + 2
-            blk = u // 4
-            half = (u // 2) % 2
-            p = u % 2
+        elif FMT == 4:
+            # q6_k: a unit is 16 bytes of low nibbles, (block, half, part p, sub): its low nibbles are
+            # quarter p of the half, its high ones quarter p + 2, each 16 weights under one scale.
+            blk = u // 8
+            half = (u // 4) % 2
+            p = (u // 2) % 2
+            sub = u % 2
             base = row + blk * 210
-            ql = tl.load(base + half * 64 + p * 32 + l, mask=mask, other=0).to(tl.int32)
-            qh = tl.load(base + 128 + half * 32 + l, mask=mask, other=0).to(tl.int32)
-            sp = (base + 192 + half * 8 + l // 16).to(tl.pointer_type(tl.int8))
-            s0 = tl.load(sp + 2 * p, mask=mask, other=0).to(tl.float32)
-            s1 = tl.load(sp + 2 * p + 4, mask=mask, other=0).to(tl.float32)
-            d = _f16_masked(base + 208, mask)
-            q0 = ((ql & 15) | (((qh >> (2 * p)) & 3) << 4)) - 32
-            q1 = ((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)) - 32
-            w0 = d * s0 * q0.to(tl.float32)
-            w1 = d * s1 * q1.to(tl.float32)
-            col0 = blk * 256 + half * 128 + p * 32 + l
+            ql = tl.load(base + half * 64 + p * 32 + sub * 16 + l, mask=mask, other=0).to(tl.int32)
+            qh = tl.load(base + 128 + half * 32 + sub * 16 + l, mask=mask, other=0).to(tl.int32)
+            sp = (base + 192 + half * 8 + 2 * p + sub).to(tl.pointer_type(tl.int8))
+            d = _f16(base + 208, umask)
+            s0 = d * tl.load(sp, mask=umask, other=0).to(tl.float32)
+            s1 = d * tl.load(sp + 4, mask=umask, other=0).to(tl.float32)
+            q0 = (((ql & 15) | (((qh >> (2 * p)) & 3) << 4)) - 32).to(tl.float32)
+            q1 = (((ql >> 4) | (((qh >> (2 * p + 4)) & 3) << 4)) - 32).to(tl.float32)
+            o0 = 0.0
+            o1 = 0.0
+            col0 = blk * 256 + half * 128 + p * 32 + sub * 16 + l
             col1 = col0 + 64
         else:  # q4_k (2) / q5_k (3): unit = (block, pair j of sub-blocks 2j, 2j + 1) sharing 32 bytes
             blk = u // 4
@@ -243,54 +254,65 @@ if triton is not None:
             if FMT == 2:
                 base = row + blk * 144
                 b = tl.load(base + 16 + j * 32 + l, mask=mask, other=0).to(tl.int32)
-                q0 = b & 15
-                q1 = b >> 4
+                q0 = (b & 15).to(tl.float32)
+                q1 = (b >> 4).to(tl.float32)
             else:
                 base = row + blk * 176
                 b = tl.load(base + 48 + j * 32 + l, mask=mask, other=0).to(tl.int32)
                 qh = tl.load(base + 16 + l, mask=mask, other=0).to(tl.int32)
-                q0 = (b & 15) | (((qh >> (2 * j)) & 1) << 4)
-                q1 = (b >> 4) | (((qh >> (2 * j + 1)) & 1) << 4)
-            d = _f16_masked(base, mask)
-            dmin = _f16_masked(base + 2, mask)
-            sc0, m0 = _k_scale_min(base + 4, 2 * j, mask)
-            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, mask)
-            w0 = (d * sc0) * q0.to(tl.float32) - dmin * m0
-            w1 = (d * sc1) * q1.to(tl.float32) - dmin * m1
+                q0 = ((b & 15) | (((qh >> (2 * j)) & 1) << 4)).to(tl.float32)
+                q1 = ((b >> 4) | (((qh >> (2 * j + 1)) & 1) << 4)).to(tl.float32)
+            d = _f16(base, umask)
+            dmin = _f16(base + 2, umask)
+            sc0, m0 = _k_scale_min(base + 4, 2 * j, umask)
+            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, umask)
+            s0 = d * sc0
+            s1 = d * sc1
+            o0 = dmin * m0
+            o1 = dmin * m1
             col0 = blk * 256 + j * 64 + l
             col1 = col0 + 32
-        return w0, w1, col0, col1
-
-    @triton.jit
-    def _mm(x, w, DOT: tl.constexpr):
-        """[BT, ROWS] partial sums of x [BT, BK] against weights w [ROWS, BK]."""
-        if DOT:
-            return tl.dot(x.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
-        else:
-            return tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        return q0, s0, o0, col0, q1, s1, o1, col1
 
     @triton.jit
     def _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L: tl.constexpr, NB: tl.constexpr,
-                 BT: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr, FMT: tl.constexpr):
-        k = tl.arange(0, NB * L)
+                 BT: tl.constexpr, ROWS: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, FMT: tl.constexpr):
+        """[BT, ROWS] dot products of tokens `toks` of x with packed rows `row` ([ROWS, 1, 1] byte pointers).
+
+        DOT: the weights are formed in float32, rounded to 16 bits (bf16, or fp16 where HALF) and fed to the
+        tensor cores with the tokens. Otherwise BT is 1 and each plane's products are summed before its
+        unit's scale multiplies them: two float32 operations a weight besides unpacking it."""
+        nb = tl.arange(0, NB)[None, :, None]
+        l = tl.arange(0, L)[None, None, :]
+        rl = rlive[:, None, None]
         acc = tl.zeros([BT, ROWS], dtype=tl.float32)
-        xrow = x_ptr + toks[:, None].to(tl.int64) * x_stride
         for u0 in range(0, UNITS, NB):
-            u = u0 + k // L
-            l = k % L
+            u = u0 + nb
             ulive = u < UNITS
-            w0, w1, c0, c1 = _planes(row, u[None, :], l[None, :], rlive[:, None] & ulive[None, :], FMT)
-            xm = tlive[:, None] & ulive[None, :]
-            x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)
-            x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
-            acc += _mm(x0, w0, DOT)
-            acc += _mm(x1, w1, DOT)
+            q0, s0, o0, c0, q1, s1, o1, c1 = _planes(row, u, l, rl & ulive, rl & ulive & (l < L), FMT)
+            xrow = x_ptr + toks[:, None, None].to(tl.int64) * x_stride
+            xm = tlive[:, None, None] & ulive & (l < L)
+            if DOT:
+                op = tl.float16 if HALF else tl.bfloat16
+                x0 = tl.reshape(tl.load(xrow + c0, mask=xm, other=0.0).to(op), [BT, NB * L])
+                x1 = tl.reshape(tl.load(xrow + c1, mask=xm, other=0.0).to(op), [BT, NB * L])
+                w0 = tl.reshape((s0 * q0 - o0).to(op), [ROWS, NB * L])
+                w1 = tl.reshape((s1 * q1 - o1).to(op), [ROWS, NB * L])
+                acc = tl.dot(x0, tl.trans(w0), acc)
+                acc = tl.dot(x1, tl.trans(w1), acc)
+            else:  # BT == 1: x0, x1 are [1, NB, L]
+                x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)
+                x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
+                part = s0 * tl.sum(q0 * x0, axis=2, keep_dims=True) + s1 * tl.sum(q1 * x1, axis=2, keep_dims=True)
+                if FMT == 2 or FMT == 3:  # the k-quants' minimum: -min * (sum of x over the sub-block)
+                    part -= o0 * tl.sum(x0, axis=2, keep_dims=True) + o1 * tl.sum(x1, axis=2, keep_dims=True)
+                acc += tl.reshape(tl.sum(tl.sum(part, axis=2), axis=1), [BT, ROWS])
         return acc
 
     @triton.jit
     def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
                    FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
-                   DOT: tl.constexpr, GATED: tl.constexpr):
+                   DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr):
         """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
         out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
         g = tl.program_id(1)
@@ -300,14 +322,14 @@ if triton is not None:
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
         expert = w_ptr + g.to(tl.int64) * expert_stride
-        row = expert + rows[:, None].to(tl.int64) * ROW_BYTES
+        row = (expert + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         for t0 in range(start + tl.program_id(2) * BT, end, SPLIT * BT):
             toks = t0 + tl.arange(0, BT)
             tlive = toks < end
-            acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, BT, ROWS, DOT, FMT)
+            acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, BT, ROWS, DOT, HALF, FMT)
             if GATED:
                 up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, BT, ROWS,
-                              DOT, FMT)
+                              DOT, HALF, FMT)
                 acc = acc * tl.sigmoid(acc) * up
             dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
@@ -323,17 +345,17 @@ if triton is not None:
             if end == start:
                 return
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        rlive = rows < R
-        k = tl.arange(0, NB * L)
-        u = tl.program_id(1) * NB + k // L
-        l = k % L
-        mask = rlive[:, None] & (u < UNITS)[None, :]
-        row = w_ptr + g.to(tl.int64) * expert_stride + rows[:, None].to(tl.int64) * ROW_BYTES
-        w0, w1, c0, c1 = _planes(row, u[None, :], l[None, :], mask, FMT)
-        dst = out_ptr + g.to(tl.int64) * R * K + rows[:, None].to(tl.int64) * K
+        rl = (rows < R)[:, None, None]
+        l = tl.arange(0, L)[None, None, :]
+        u = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
+        umask = rl & (u < UNITS)
+        mask = umask & (l < L)
+        row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
+        q0, s0, o0, c0, q1, s1, o1, c1 = _planes(row, u, l, umask, mask, FMT)
+        dst = (out_ptr + g.to(tl.int64) * R * K + rows.to(tl.int64) * K)[:, None, None]
         dtype = out_ptr.dtype.element_ty
-        tl.store(dst + c0, w0.to(dtype), mask=mask)
-        tl.store(dst + c1, w1.to(dtype), mask=mask)
+        tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=mask)
+        tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=mask)
 
 
 def supported_formats() -> tuple[str, ...]:
