@@ -63,25 +63,30 @@ def q8_emulated(v: torch.Tensor) -> torch.Tensor:
     return (q.double() * d.double()).reshape(v.shape)
 
 
-def reference(x, pair_expert, k, chosen, w, out, emulate):
-    gu, dn = w.dense(torch.float64)
+def reference(x, pair_expert, k, chosen, dense, out, emulate):
+    """out (float64) with each chosen pair's row computed from the `dequantize`d weights `dense`
+    (ExpertWeights.dense), one expert at a time."""
+    gu, dn = dense
     ref = out.double().clone()
     xs = q8_emulated(x) if emulate else x.double()
-    for p, e in enumerate(pair_expert.tolist()):
+    experts_of = pair_expert.numpy()
+    for e in np.unique(experts_of).tolist():
         if chosen is not None and e not in chosen:
             continue
-        gate, up = (gu[e] @ xs[p // k]).chunk(2)
+        pairs = torch.from_numpy(np.flatnonzero(experts_of == e))
+        gate, up = (xs[pairs // k] @ gu[e].T).chunk(2, dim=-1)
         act = F.silu(gate) * up
         if emulate:
             act = q8_emulated(act.float())
-        ref[p] = dn[e] @ act
+        ref[pairs] = act @ dn[e].T
     return ref
 
 
 def check(out, x, pair_expert, k, chosen, w, before):
     rows = [p for p, e in enumerate(pair_expert.tolist()) if chosen is None or e in chosen]
-    exact = reference(x, pair_expert, k, chosen, w, before, emulate=False)[rows]
-    emulated = reference(x, pair_expert, k, chosen, w, before, emulate=True)[rows]
+    dense = w.dense(torch.float64)
+    exact = reference(x, pair_expert, k, chosen, dense, before, emulate=False)[rows]
+    emulated = reference(x, pair_expert, k, chosen, dense, before, emulate=True)[rows]
     got = out.double()[rows]
     rounding = 2 ** -7 if out.dtype == torch.bfloat16 else 0.0  # bf16 output: half an ulp of 2^-8 relative
     err_exact = float((got - exact).norm() / exact.norm())
@@ -92,8 +97,8 @@ def check(out, x, pair_expert, k, chosen, w, before):
     assert torch.equal(out[untouched], before[untouched])  # rows outside the computed pairs stay as they were
 
 
-@pytest.fixture(scope="module", params=["vnni", "avx2"])
-def path(request, tmp_path_factory):
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
         mp.delenv("MOEDESK_QUANT_PATH", raising=False)
@@ -104,11 +109,17 @@ def path(request, tmp_path_factory):
             pytest.skip("no C compiler (cc, gcc, clang or $CC) to build the native kernel")
         cq._state.clear()
         assert cq.available(), cq.unavailable_reason()  # a failed build fails the tests, never skips them
-        if request.param == "vnni" and not cq.vnni_supported():
-            pytest.skip("this CPU lacks AVX512-VNNI")
-        assert cq.set_path(request.param) == request.param
-        yield request.param
+        yield
         cq.set_path(None)
+
+
+@pytest.fixture(params=["vnni", "avx2"])
+def path(request, built):
+    """Each test on both dot-product paths (VNNI where the CPU has it)."""
+    if request.param == "vnni" and not cq.vnni_supported():
+        pytest.skip("this CPU lacks AVX512-VNNI")
+    assert cq.set_path(request.param) == request.param
+    return request.param
 
 
 # (gate_up format, down format, H, F): H and F whole blocks but not multiples of 64 where the format
