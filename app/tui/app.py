@@ -175,9 +175,15 @@ class MoedeskApp(App[int]):
         yield SystemCommand("Download a model", "From the Hugging Face Hub into its cache (F3, then F6)",
                             self.action_download)
         if self.chat is not None and screen is self.chat:
-            yield SystemCommand("New chat", "Start an empty conversation (ctrl+n)", self.chat.action_new_chat)
-            yield SystemCommand("Conversations", "Open an older conversation (ctrl+o)", self.chat.action_conversations)
-            yield SystemCommand("Toggle stats", "Show or hide the stats panel (ctrl+t)", self.chat.action_toggle_stats)
+            chat = self.chat
+            yield SystemCommand("New chat", "Start an empty conversation (ctrl+n)", chat.action_new_chat)
+            yield SystemCommand("Conversations", "Open an older conversation (ctrl+o)", chat.action_conversations)
+            yield SystemCommand("Regenerate", "Write the last reply again (ctrl+r)", chat.action_regenerate)
+            yield SystemCommand("Copy the last reply", "To the clipboard (ctrl+y)", chat.action_copy_reply)
+            yield SystemCommand("Rename this chat", "Give the conversation another title", chat.action_rename)
+            yield SystemCommand("Export this chat", "Write it to a Markdown file", chat.action_export)
+            yield SystemCommand("Delete this chat", "Remove the conversation (asks first)", chat.action_delete_chat)
+            yield SystemCommand("Toggle stats", "Show or hide the stats panel (ctrl+t)", chat.action_toggle_stats)
 
     async def action_quit(self) -> None:
         if self.chat is not None:

@@ -128,6 +128,30 @@ class Conversation:
                    messages=[Message.from_dict(m) for m in d["messages"]])
 
 
+def conversation_markdown(conversation: Conversation) -> str:
+    """The conversation as a Markdown document: its title, then each turn under a heading naming who spoke."""
+    lines = [f"# {conversation.title or 'Conversation'}", ""]
+    when = (conversation.updated or conversation.created)[:16].replace("T", " ")
+    about = " · ".join(part for part in (conversation.model, when) if part)
+    if about:
+        lines += [f"_{about}_", ""]
+    for m in conversation.messages:
+        if m.role == "user":
+            heading = "You"
+        elif m.role == "assistant":
+            heading = str(m.meta.get("model") or conversation.model or "Assistant").rstrip("/").rsplit("/", 1)[-1]
+        else:
+            heading = m.role.capitalize()
+        lines += [f"## {heading}", "", m.content.rstrip(), ""]
+    return "\n".join(lines)
+
+
+def export_file_name(conversation: Conversation) -> str:
+    """A file name from the title: letters, digits and dashes, so that it is safe on every system."""
+    words = "".join(c if c.isalnum() else " " for c in (conversation.title or "")).split()
+    return ("-".join(words)[:60].strip("-") or conversation.id) + ".md"
+
+
 def new_conversation_id() -> str:
     # Sorts by creation time; the random tail keeps two chats started in the same second apart.
     return datetime.now().strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)

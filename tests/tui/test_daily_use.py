@@ -376,3 +376,63 @@ async def test_wizard_listing_errors_say_what_happened(engine, monkeypatch, tui_
                 screen.query_one("#download-status").remove_class("-error")
         assert status().startswith(f"cannot reach {dead}") and "resume" not in status()
         assert "Enter to list again" in status()
+
+
+# ---------------------------------------------------------------- 9. the command palette
+
+
+async def run_command(pilot, words: str) -> None:
+    """Through the palette as a person would: ctrl+p, type, wait for the match, Enter."""
+    from textual.command import CommandList, CommandPalette
+
+    await pilot.press("ctrl+p")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, CommandPalette), what="the palette")
+    await pilot.press(*words)
+    palette = pilot.app.screen
+
+    def top_match() -> str:
+        commands = palette.query_one(CommandList)
+        return str(commands.get_option_at_index(0).prompt) if commands.option_count else ""
+
+    await wait_for(pilot, lambda: words.lower() in top_match().lower(), what=f"the command {words!r}")
+    await pilot.press("enter")
+    await pilot.pause()
+
+
+async def test_palette_renames_exports_and_deletes_the_chat(engine, tmp_path):
+    from app.tui.screens.dialogs import AskScreen, ConfirmScreen
+
+    app = MoedeskApp(engine, settings=greedy_settings(max_new_tokens=6))
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+        await pilot.press(*"Hello", "enter")
+        await wait_idle(pilot, app)
+        chat = app.chat
+        first_reply = chat.conversation.messages[-1].content
+
+        await run_command(pilot, "Rename this chat")
+        await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), what="the rename box")
+        app.screen.query_one("#dialog-input").value = "Greetings"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is chat, what="the chat")
+        assert ConversationStore().load(chat.conversation.id).title == "Greetings"
+
+        await run_command(pilot, "Export this chat")
+        await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), what="the export box")
+        assert app.screen.query_one("#dialog-input").value.endswith("Greetings.md")
+        target = tmp_path / "out" / "chat.md"
+        app.screen.query_one("#dialog-input").value = str(target)
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: target.exists(), what="the file")
+        text = target.read_text()
+        assert text.startswith("# Greetings\n") and "## You\n\nHello\n" in text and first_reply.strip() in text
+
+        await run_command(pilot, "Regenerate")
+        await wait_idle(pilot, app)
+        assert [m.role for m in chat.conversation.messages] == ["user", "assistant"]
+
+        await run_command(pilot, "Delete this chat")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen), what="the question")
+        await pilot.press("y")
+        await wait_for(pilot, lambda: app.screen is chat and not chat.conversation.messages, what="a new chat")
+        assert ConversationStore().list() == []

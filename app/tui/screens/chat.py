@@ -482,6 +482,73 @@ class ChatScreen(Screen):
         shown = self.stats_wanted if self.stats_wanted is not None else self.size.width >= self.STATS_AUTO_WIDTH
         self.stats.set_class(not shown, "-hidden")
 
+    def action_rename(self) -> None:
+        from app.tui.screens.dialogs import AskScreen
+
+        if not self.conversation.messages:
+            self.notify("Nothing to rename yet: an empty chat is not saved.", severity="warning")
+            return
+
+        def renamed(title: str | None) -> None:
+            if title:
+                self.conversation.title = title
+                self.save()
+                self.notify(f"Renamed to “{title}”.")
+
+        self.app.push_screen(AskScreen("Rename this chat", self.conversation.title), renamed)
+
+    def action_export(self) -> None:
+        from pathlib import Path
+
+        from app.tui.screens.dialogs import AskScreen
+        from app.tui.storage import export_file_name
+
+        if not self.conversation.messages:
+            self.notify("Nothing to export yet.", severity="warning")
+            return
+        default = Path.cwd() / export_file_name(self.conversation)
+        self.app.push_screen(AskScreen("Export this chat as Markdown to", str(default),
+                                       "Enter writes the file (an existing one is replaced) · Esc cancels"),
+                             self._export_to)
+
+    def _export_to(self, path: str | None) -> None:
+        from pathlib import Path
+
+        from app.tui.storage import conversation_markdown
+
+        if not path:
+            return
+        target = Path(path).expanduser()
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(conversation_markdown(self.conversation), encoding="utf-8")
+        except OSError as e:
+            self.set_status(f"could not export: {one_line(e)}", error=True)
+            return
+        self.notify(f"Exported to {target}")
+
+    def action_delete_chat(self) -> None:
+        from app.tui.screens.dialogs import ConfirmScreen
+
+        if not self.conversation.messages:
+            self.notify("Nothing to delete: this chat is empty.", severity="warning")
+            return
+        turns = sum(m.role == "user" for m in self.conversation.messages)
+        question = (f"Delete “{self.conversation.title or 'this chat'}” ({turns} exchange{'s' if turns != 1 else ''})?"
+                    " This cannot be undone.")
+
+        async def answered(yes: bool | None) -> None:
+            if not yes:
+                return
+            if self.generation is not None:
+                self.stop_generation(then=lambda: answered(True))
+                return
+            self.app.store.delete(self.conversation.id)
+            self.notify(f"Deleted “{self.conversation.title}”.")
+            await self.action_new_chat()
+
+        self.app.push_screen(ConfirmScreen(question, yes="Delete", no="Keep"), answered)
+
     def action_toggle_stats(self) -> None:
         if self.maximized is not None:
             self.minimize()
