@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
+import torch
+
 from engine.errors import MoedeskError
 from engine.requests import Completion, Request, StreamChunk
 
@@ -76,7 +78,9 @@ class Handle:
             self._queue = queue.SimpleQueue()
             sink = self._queue.put
         self.sink = sink
-        self.cancel_event = cancel or threading.Event()
+        # The caller's event is only read: setting our own never touches it (the chat keeps its event).
+        self._caller_cancel = cancel
+        self._cancel = threading.Event()
         self.seq = None  # the decoder's Sequence once admitted
         self.submitted = time.perf_counter()
         self.decode_steps = 0
@@ -84,11 +88,11 @@ class Handle:
         self.done = False
 
     def cancel(self) -> None:
-        self.cancel_event.set()
+        self._cancel.set()
 
     @property
     def cancelled(self) -> bool:
-        return self.cancel_event.is_set()
+        return self._cancel.is_set() or (self._caller_cancel is not None and self._caller_cancel.is_set())
 
     def updates(self, timeout: float | None = None) -> Iterator[Update]:
         """Every update until the last (which is yielded too); only for handles submitted without a sink."""
@@ -176,6 +180,8 @@ class Scheduler:
                         return
                 if decoder is None:
                     decoder = self.make_decoder()
+                    if decoder.device.type == "cuda":
+                        torch.cuda.set_device(decoder.device)  # a new thread starts on device 0
                 self._step(decoder, newcomers)
         except BaseException as error:  # noqa: BLE001 -- a bug here must not leave callers waiting forever
             log.exception("moedesk decode thread failed")

@@ -132,6 +132,25 @@ def test_plain_and_streamed_replies_equal_moedesk_batch_greedy(client, tiny_chec
     assert ids.usage.prompt_tokens == 5
 
 
+def test_batch_lines_take_response_format(tiny_checkpoint, tmp_path):
+    from app.cli import main
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    lines = [{"id": "schema", "prompt": "JSON:", "response_format": {"type": "json_schema",
+                                                                    "json_schema": {"name": "s", "schema": schema}}},
+             {"id": "object", "prompt": "JSON:", "response_format": {"type": "json_object"}},
+             {"id": "bad", "prompt": "JSON:", "response_format": {"type": "yaml"}}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["batch", str(src), "-o", str(out), "--model", str(tiny_checkpoint(ARCH)), "--device", "cpu",
+                 "--dtype", "float32", "--temperature", "0", "--max-new-tokens", "60"])
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert code == 1 and "response_format" in records["bad"]["error"]
+    jsonschema.validate(json.loads(records["schema"]["text"]), schema)
+    assert isinstance(json.loads(records["object"]["text"]), dict)
+
+
 def test_eight_concurrent_streams_complete_and_share_steps(client, engine, url):
     prompts = [f"{p} {i}" for i, p in enumerate(["The quick brown fox", "Hello, world!", "def add(a, b):",
                                                  "Experts live in RAM", "Mixture of experts", "1234567890",
