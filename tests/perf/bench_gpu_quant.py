@@ -1,0 +1,153 @@
+"""Packed experts on the GPU (kernels.gpu_quant) against the bf16 grouped GEMM, on real MoE shapes.
+
+Usage (repo root, GPU box):  python tests/perf/bench_gpu_quant.py [--no-sweep] [--formats q4_0,q4_k]
+
+For Mixtral-8x7B (H=4096, F=14336) and Qwen3-30B-A3B (H=2048, F=768) experts in every packed format:
+decode, 8 resident experts with 1, 4 and 16 rows each, and prefill, 512 rows on 2 experts. Prints µs per
+call (gate/up and down together), the GB/s of packed expert bytes read (every expert's weights once per
+call), and the bf16 grouped path (kernels.gpu_experts) at the same shapes. Calls are captured in a CUDA
+graph, as decode runs them, and cycle over enough copies of the stacks that the weights come from
+memory, not from the 50 MB L2. Then a sweep of tile sizes on Mixtral q4_0 and q4_k (what gpu_quant._config
+should be read from).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from kernels import gpu_experts, gpu_quant  # noqa: E402
+from tests.test_gpu_quant_kernel import random_experts  # noqa: E402
+
+SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
+FORMATS = ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"]
+L2_FLUSH = 256 << 20  # bytes of weights cycled through between uses of one copy
+
+
+def timed(fn, copies: int, reps: int = 24) -> float:
+    """Seconds per fn(i) call, fn(i) using copy i % copies, replayed from one CUDA graph."""
+    for i in range(copies):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for i in range(reps):
+                fn(i % copies)
+        run = graph.replay
+    except Exception as e:  # a route that cannot be captured is timed eagerly
+        print(f"  (not captured: {type(e).__name__}: {e})", flush=True)
+
+        def run():
+            for i in range(reps):
+                fn(i % copies)
+    run()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / reps)
+    return best
+
+
+def stacks(n_experts, h, f, fmt, dev):
+    one = random_experts(n_experts, h, f, fmt, device=dev)
+    copies = max(1, min(16, -(-L2_FLUSH // one.nbytes)))
+    return [one] + [random_experts(n_experts, h, f, fmt, device=dev, seed=2 * i + 3) for i in range(1, copies)]
+
+
+def bf16_stacks(n_experts, h, f, dev):
+    nbytes = n_experts * 3 * h * f * 2
+    copies = max(1, min(16, -(-L2_FLUSH // nbytes)))
+    return [(torch.randn(n_experts, 2 * f, h, device=dev).to(torch.bfloat16) / h ** 0.5,
+             torch.randn(n_experts, h, f, device=dev).to(torch.bfloat16) / f ** 0.5) for _ in range(copies)]
+
+
+def case_sizes():
+    return [("decode", t, [t] * 8) for t in (1, 4, 16)] + [("prefill", 256, [256, 256])]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    print(f"{'shape':8} {'fmt':5} {'case':8} {'rows/exp':>8} {'µs':>9} {'GB/s':>7} {'bf16 µs':>9} {'bf16 GB/s':>9} "
+          f"{'vs bf16':>7}  route", flush=True)
+    bf16_time = {}
+    for shape, (h, f) in SHAPES.items():
+        base = {8: bf16_stacks(8, h, f, dev)}
+        base[2] = [(gu[:2], d[:2]) for gu, d in base[8]]
+        for fmt in args.formats.split(","):
+            all_w = stacks(8, h, f, fmt, dev)
+            for case, per, sizes in case_sizes():
+                g = len(sizes)
+                ws = [w.select(list(range(g))) if g < 8 else w for w in all_w]
+                m = sum(sizes)
+                x = torch.randn(m, h, device=dev).to(torch.bfloat16)
+                ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+                packed_bytes = ws[0].nbytes
+                if (shape, case, per) not in bf16_time:
+                    b = base[g]
+                    bf16_time[shape, case, per] = timed(
+                        lambda i: gpu_experts.grouped_experts_forward(x, b[i][0], b[i][1], ends), len(b))
+                tb = bf16_time[shape, case, per]
+                routes = [None] if case == "decode" else ["fused", "dequant"]
+                for route in routes:
+                    if route == "dequant" and not gpu_quant._dequant_route_works(x):
+                        continue
+                    t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route=route), len(ws))
+                    name = route or ("fused/" + ("dot" if gpu_quant._config(x, m, g, f, 1)["DOT"] else "fma"))
+                    print(f"{shape:8} {fmt:5} {case:8} {per:8d} {t * 1e6:9.1f} {packed_bytes / t / 1e9:7.0f} "
+                          f"{tb * 1e6:9.1f} {g * 3 * h * f * 2 / tb / 1e9:9.0f} {tb / t:7.2f}  {name}", flush=True)
+            del all_w
+            torch.cuda.empty_cache()
+    if not args.no_sweep:
+        sweep(dev)
+
+
+SWEEP = {
+    "decode": (1, [dict(ROWS=r, NB=nb, BT=1, DOT=False, SPLIT=1, num_warps=wp)
+                   for r, nb, wp in [(8, 8, 4), (16, 8, 4), (16, 4, 4), (32, 4, 8), (4, 16, 2), (8, 4, 2)]]),
+    "decode16": (16, [dict(ROWS=r, NB=nb, BT=16, DOT=True, SPLIT=1, num_warps=wp)
+                      for r, nb, wp in [(16, 8, 4), (32, 4, 4), (64, 4, 4), (32, 8, 8)]]),
+    "prefill": (256, [dict(ROWS=r, NB=nb, BT=bt, DOT=True, SPLIT=512 // bt, num_warps=wp, num_stages=3)
+                      for r, nb, bt, wp in [(64, 4, 64, 4), (128, 2, 128, 8), (128, 4, 64, 8), (64, 8, 128, 4)]]),
+}
+
+
+def sweep(dev):
+    h, f = SHAPES["mixtral"]
+    print("\nTile sweep, Mixtral shape (µs per call; GB/s of packed bytes)", flush=True)
+    for fmt in ("q4_0", "q4_k"):
+        all_w = stacks(8, h, f, fmt, dev)
+        for case, (per, configs) in SWEEP.items():
+            g = 2 if case == "prefill" else 8
+            ws = [w.select(list(range(g))) if g < 8 else w for w in all_w]
+            sizes = [per] * g
+            x = torch.randn(sum(sizes), h, device=dev).to(torch.bfloat16)
+            ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+            for cfg in configs:
+                gpu_quant._OVERRIDE = cfg
+                try:
+                    t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused"), len(ws))
+                    print(f"  {fmt} {case:8} {cfg}: {t * 1e6:9.1f} µs {ws[0].nbytes / t / 1e9:6.0f} GB/s", flush=True)
+                except Exception as e:
+                    print(f"  {fmt} {case:8} {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                finally:
+                    gpu_quant._OVERRIDE = None
+        del all_w
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
