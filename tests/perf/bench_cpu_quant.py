@@ -1,0 +1,139 @@
+"""The native packed-experts kernel (kernels/cpu_quant.c) per format, against the bf16 kernel, on real MoE shapes.
+
+Usage (repo root; GPU box: 16 cores):
+    python3 tests/perf/bench_cpu_quant.py [--formats q4_0,q8_0,q4_k,q5_k,q6_k] [--paths vnni,avx2] [--threads N]
+    python3 tests/perf/bench_cpu_quant.py --smoke    # tiny shapes, one repeat: checks the script runs
+
+For Mixtral-8x7B (8 experts of H=4096, F=14336, 2 per call) and Qwen3-30B-A3B (128 experts of
+H=2048, F=768, 8 per call), each call computes `experts` distinct experts with exactly T tokens each
+(T = 1, 4, 16), the experts picked at random per call from the whole stack so that the caches hold no
+expert from the call before (as in decode). Prints ms per call and GB/s of weight bytes read (each
+active expert's packed gate, up and down once); the bf16 line is kernels/cpu_experts.c on the same
+shape. Weights are random blocks with sane float16 scales: the values do not matter to the timing.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from kernels import cpu_experts as ce  # noqa: E402
+from kernels import cpu_quant as cq  # noqa: E402
+from kernels.expert_weights import ExpertWeights  # noqa: E402
+from kernels.quant_formats import packed_format  # noqa: E402
+
+SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per call)
+    "mixtral": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+}
+SMOKE = {"smoke": (4, 256, 512, 2)}
+SCALE_AT = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+
+
+def packed_stack(fmt, E, R, K, pinned):
+    """[E, R, row_bytes(K)] of random blocks (one random block pattern repeated: filled at copy speed) whose
+    float16 scales are small and finite."""
+    f = packed_format(fmt)
+    pin = pinned and torch.cuda.is_available()
+    t = torch.empty((E, R, f.row_bytes(K)), dtype=torch.uint8, pin_memory=pin)
+    blocks = t.view(-1, f.block_bytes)
+    pattern = torch.randint(0, 256, (4096, f.block_bytes), dtype=torch.uint8)
+    for at in SCALE_AT[fmt]:
+        pattern[:, at:at + 2] = torch.full((4096,), 1e-3, dtype=torch.float16).view(torch.uint8).view(-1, 2)
+    full = blocks.shape[0] // 4096 * 4096
+    blocks[:full].view(-1, 4096, f.block_bytes).copy_(pattern.expand(full // 4096, 4096, f.block_bytes))
+    blocks[full:].copy_(pattern[:blocks.shape[0] - full])
+    return t
+
+
+def bf16_stacks(E, H, F, pinned):
+    pin = pinned and torch.cuda.is_available()
+    gate_up = torch.empty((E, 2 * F, H), dtype=torch.bfloat16, pin_memory=pin)
+    down = torch.empty((E, H, F), dtype=torch.bfloat16, pin_memory=pin)
+    for t, fan_in in ((gate_up, H), (down, F)):
+        flat = t.view(-1, t.shape[-1])
+        block = (torch.randn(256, t.shape[-1]) / fan_in ** 0.5).to(torch.bfloat16)
+        full = flat.shape[0] // 256 * 256
+        flat[:full].view(-1, 256, t.shape[-1]).copy_(block.expand(full // 256, 256, t.shape[-1]))
+        flat[full:].copy_(block[:flat.shape[0] - full])
+    return gate_up, down
+
+
+def calls_for(E, per_call, T, H, n, gen):
+    """n calls' (x, pair_expert): per_call distinct random experts, T tokens each, k = 1."""
+    calls = []
+    for _ in range(n):
+        experts = torch.randperm(E, generator=gen)[:per_call]
+        pair_expert = experts.repeat_interleave(T)
+        calls.append((torch.randn(pair_expert.numel(), H, generator=gen).to(torch.bfloat16), pair_expert))
+    return calls
+
+
+def timed(fn, calls, warmup=2):
+    for c in calls[:warmup]:
+        fn(*c)
+    times = []
+    for c in calls:
+        t = time.perf_counter()
+        fn(*c)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
+    ap.add_argument("--paths", default=None, help="vnni,avx2 (default: the ones this CPU has)")
+    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes and 3 calls: the script runs, numbers mean nothing")
+    ap.add_argument("--no-bf16", action="store_true")
+    args = ap.parse_args()
+    if not cq.available():
+        sys.exit(f"packed kernel unavailable: {cq.unavailable_reason()}")
+    if args.threads:
+        ce.set_num_threads(args.threads)
+        if "lib" in cq._state and not ce.available():
+            cq._state["lib"].mq_set_threads(args.threads)
+    paths = args.paths.split(",") if args.paths else (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"])
+    shapes = SMOKE if args.smoke else SHAPES
+    n_calls = 3 if args.smoke else args.calls
+    tokens = [int(t) for t in args.tokens.split(",")]
+    gen = torch.Generator().manual_seed(0)
+    print(f"threads {ce.get_num_threads()}, paths {paths}, bf16 kernel: {ce.describe()}")
+    for name, (E, H, F, per_call) in shapes.items():
+        print(f"\n{name}: H={H} F={F}, {per_call} of {E} experts per call")
+        print(f"{'format':>8} {'path':>5} " + " ".join(f"{f'T={t} ms':>9} {'GB/s':>6}" for t in tokens))
+        if not args.no_bf16 and ce.available():
+            gate_up, down = bf16_stacks(E, H, F, pinned=True)
+            out_row = []
+            for T in tokens:
+                calls = calls_for(E, per_call, T, H, n_calls, gen)
+                sec = timed(lambda x, pe: ce.experts_forward_routed(x, pe, 1, None, gate_up, down,
+                                                                    torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
+                out_row.append(f"{sec * 1e3:9.3f} {per_call * 3 * H * F * 2 / sec / 1e9:6.1f}")
+            print(f"{'bf16':>8} {'':>5} " + " ".join(out_row))
+            del gate_up, down
+        for fmt in args.formats.split(","):
+            w = ExpertWeights(packed_stack(fmt, E, 2 * F, H, True), packed_stack(fmt, E, H, F, True), H, F, fmt, fmt)
+            for path in paths:
+                cq.set_path(path)
+                out_row = []
+                for T in tokens:
+                    calls = calls_for(E, per_call, T, H, n_calls, gen)
+                    sec = timed(lambda x, pe: cq.experts_forward_routed(x, pe, 1, None, w,
+                                                                        torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
+                    out_row.append(f"{sec * 1e3:9.3f} {per_call * w.expert_bytes / sec / 1e9:6.1f}")
+                print(f"{fmt:>8} {path:>5} " + " ".join(out_row))
+            del w
+    cq.set_path(None)
+
+
+if __name__ == "__main__":
+    main()
