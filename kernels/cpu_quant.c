@@ -11,14 +11,15 @@
  * the group uses them while they are in L1.
  *
  * Arithmetic: the activation rows are quantised to int8 per 32 values (scale = max|x| / 127, round
- * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. Why int8: a 4-bit
- * weight becomes a byte with two or three instructions and then feeds a 64-multiply instruction
- * (vpdpbusd), where dequantising to fp32 costs the same unpacking plus a convert and leaves 16
- * multiplies per instruction; at 1 token the unpacking dominates either way, from 4 tokens the
- * integer form does a quarter of the multiply instructions. Activations per 32 rather than per 256
- * (llama.cpp's q8_K for k-quants): one scheme for every format, and a finer scale keeps outliers from
- * costing the rest of the row its precision; the price is one fp32 multiply per 64 weights and
- * token (block scale times activation scale), which the per-256 form would save for k-quants.
+ * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. Why int8: a 4-bit weight
+ * becomes a byte in two or three instructions and all of a row's chunk is unpacked once for every
+ * token, where fp32 needs a convert per 16 weights as well. Per 64 weights and token the VNNI loop is
+ * 4 instructions (vpdpbusd, convert, scale product, FMA), the same count as 4 fp32 FMAs, so above ~4
+ * tokens it is compute-bound on 16 cores (measured on one Zen 4 core: 12 GMAC/s at 1 token, 31 at 4,
+ * 48 at 16; q4_0 at 120 GB/s needs ~13 G weights/s per core times the tokens). What would lift it:
+ * activations per 256 for k-quants (sub-block scales applied in integers, one fp32 step per 256) and
+ * AMX-INT8 tiles for 8+ tokens. Activations per 32 for now: one scheme for every format, and a finer
+ * scale keeps outliers from costing the rest of the row its precision.
  *
  * Each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32, q4_k/q5_k q,
  * q8_0 as stored), an fp32 scale per 4 weights (the dot instructions' lanes) and, for q4_k/q5_k,
