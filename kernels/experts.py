@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_experts, gpu_experts
+from kernels import cpu_experts, cpu_quant, gpu_experts, gpu_fused, gpu_quant
 from kernels.expert_weights import ExpertWeights
 
 
@@ -23,6 +23,8 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """A one-expert stack `w` applied to x [N, H]: [N, H] in x's dtype."""
     if not w.packed:
         return cpu_experts.expert_forward(x, w.gate_up[0], w.down[0])
+    if gpu_quant.applies(x, w):
+        return gpu_quant.expert_forward(x, w)
     return _packed_one(x, w, 0)
 
 
@@ -31,9 +33,8 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     experts computed into its pair's row of `out` (pair p = token p // k's rank p % k)."""
     if not w.packed:
         return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index)
-    quant = _cpu_quant()
-    if quant is not None and quant.applies(x, w):
-        return quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out)
+    if cpu_quant.applies(x, w):
+        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out)
     return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out)
 
 
@@ -43,8 +44,10 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
     before any expert is on the GPU)."""
     if not w.packed:
         return gpu_experts.grouped_supported(x, w.gate_up)
-    quant = _gpu_quant()
-    return quant is not None and x.is_cuda and quant.applies(x, w if w.device == x.device else w.expert(0).to("meta"))
+    if w.device != x.device:  # asked before placement: would a resident copy of w take the packed kernels?
+        return (x.is_cuda and gpu_fused.wanted()
+                and {w.gate_up_format, w.down_format} <= set(gpu_quant.supported_formats()))
+    return gpu_quant.applies(x, w)
 
 
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
@@ -52,9 +55,8 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     kernels.gpu_experts.grouped_experts_forward)."""
     if not w.packed:
         return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends)
-    quant = _gpu_quant()
-    if quant is not None and quant.applies(x, w):
-        return quant.grouped_experts_forward(x, w, ends)
+    if gpu_quant.applies(x, w):
+        return gpu_quant.grouped_experts_forward(x, w, ends)
     out = torch.empty_like(x)
     start = 0
     for g, end in enumerate(ends.tolist()):
@@ -84,21 +86,3 @@ def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
         pairs = torch.from_numpy(np.flatnonzero(experts_of == e)).to(out.device)
         out[pairs] = _packed_one(x[pairs.to(x.device) // k], w, e).to(out.dtype)
     return out
-
-
-# ---------------------------------------------------------------- the packed kernels, where present
-
-def _cpu_quant():
-    try:
-        from kernels import cpu_quant
-    except ImportError:
-        return None
-    return cpu_quant
-
-
-def _gpu_quant():
-    try:
-        from kernels import gpu_quant
-    except ImportError:
-        return None
-    return gpu_quant

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from engine.offload import expert_forward
+from kernels.cpu_experts import expert_forward
 from kernels import cpu_experts as ce
 from kernels.native_build import BuildError, build_library, find_compiler
 
