@@ -436,3 +436,68 @@ async def test_palette_renames_exports_and_deletes_the_chat(engine, tmp_path):
         await pilot.press("y")
         await wait_for(pilot, lambda: app.screen is chat and not chat.conversation.messages, what="a new chat")
         assert ConversationStore().list() == []
+
+
+# ---------------------------------------------------------------- 2. loading says what it does; cancel acts at once
+
+
+async def test_first_run_says_the_demo_is_being_built_and_cancel_acts_at_once():
+    import threading
+    import time
+
+    from app.tui.screens.loading import LoadingScreen
+
+    finished = threading.Event()
+
+    def factory(model, progress):  # like the demo's build: a long step that reports nothing
+        time.sleep(3)
+        finished.set()
+        progress("load", 0.1)  # the first call after a cancel raises
+        raise AssertionError("not cancelled")
+
+    app = MoedeskApp(factory, model="demo")  # tui_dirs gives an empty cache: the demo is not built
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen) and app.screen.panel.busy, what="loading")
+        panel = app.screen.panel
+        stage = str(panel.query_one(".load-stage").render())
+        assert "Building the demo model" in stage and "first run" in stage and "Esc cancels" in stage
+        assert panel.query_one("ProgressBar").total is None  # moving, not "0%"
+        await wait_for(pilot, lambda: "1 s" in str(panel.query_one(".load-stage").render()), timeout=2,
+                       what="the clock that shows it is alive")
+        pressed = time.monotonic()
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not panel.busy, timeout=1.0, what="the cancel")
+        assert time.monotonic() - pressed < 1.0 and not finished.is_set()
+        assert panel.has_class("-cancelled") and not panel.has_class("-failed")
+        assert str(panel.query_one(".load-title").render()) == "Loading cancelled: demo"
+        await wait_for(pilot, lambda: finished.is_set(), timeout=5, what="the thread")
+        await pilot.pause(0.2)
+        assert str(panel.query_one(".load-error").render()) == "loading cancelled"  # no late failure shown
+
+
+async def test_each_stage_in_words(tiny_folder):
+    import threading
+
+    from app.tui.screens.loading import LoadingScreen
+
+    steps = [("load", 0.5), ("load", 1.0), ("profile", 1.0), ("calibrate", 1.0)]
+    go_on = threading.Event()
+    at = []
+
+    def factory(model, progress):
+        for stage, fraction in steps:
+            progress(stage, fraction)
+            at.append(stage)
+            go_on.wait(5)
+            go_on.clear()
+        from engine.runtime import Engine
+        return Engine.load(model, device="cpu", dtype="float32")
+
+    app = MoedeskApp(factory, model=str(tiny_folder))
+    async with app.run_test(size=(80, 24)) as pilot:
+        expected = ["Loading weights", "Preparing the model", "Counting which experts", "Placing the most picked"]
+        for n, words in enumerate(expected):
+            await wait_for(pilot, lambda: len(at) > n and isinstance(app.screen, LoadingScreen)
+                           and words in str(app.screen.panel.query_one(".load-stage").render()), what=words)
+            go_on.set()
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
