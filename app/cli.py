@@ -45,7 +45,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-dtype", choices=["auto", "bf16", "int8", "int4"], default=None,
                         help="how routed experts are kept: auto keeps what the file holds (a GGUF's 4-8-bit blocks "
                              "as they are), bf16 the weights dtype, int8/int4 quantise 16-bit experts while loading "
-                             "(q8_0/q4_0 blocks) (default: the app's expert dtype setting for chat, else auto)")
+                             "(q8_0/q4_0 blocks) (default: auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
