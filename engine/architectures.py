@@ -7,11 +7,14 @@ silently ignored.
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.config import ModelConfig, RopeConfig
-from engine.errors import UnsupportedModelError
+from engine.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -59,14 +62,52 @@ def architecture_of(hf: dict, path) -> Architecture:
     return ARCHITECTURES[model_type]
 
 
-def parse_config(hf: dict, path="config.json") -> ModelConfig:
-    """Build a ModelConfig from a Hugging Face config.json dict."""
+# Far above any released model, far below what would exhaust memory before the weights are read: the
+# model is first built as empty modules, one per layer and expert, from these numbers alone.
+_LIMITS = {"layers": 1024, "experts": 4096, "heads": 1024}
+
+
+def parse_config(hf: dict, path="config.json", tensors: dict | None = None) -> ModelConfig:
+    """Build a ModelConfig from a Hugging Face config.json dict, checked before anything is allocated.
+
+    Every dimension must be a positive integer within bounds (one line naming the field otherwise),
+    and where the weights' shapes are known they must agree: `tensors` ({name: shape}) when the
+    caller has them, else the safetensors headers of `path` when it is a model folder (read
+    without loading a tensor).
+    """
+    cfg = _parse_config(hf, path)
+    if tensors is None:
+        tensors = _safetensors_shapes(path)
+    if tensors is not None:
+        check_against_weights(cfg, tensors, path)
+    return cfg
+
+
+def _parse_config(hf: dict, path) -> ModelConfig:
     arch = architecture_of(hf, path)
 
     def need(key):
         if key not in hf or hf[key] is None:
             raise UnsupportedModelError(path, f"config has no {key!r}")
         return hf[key]
+
+    def count(key, value=None, minimum=1, limit=None):
+        """A config integer, checked: one line naming the field when it is not a sane count."""
+        value = need(key) if value is None else value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CheckpointError(path, f"config {key} must be an integer, got {_show(value)}")
+        if value < minimum or limit is not None and value > limit:
+            bounds = f">= {minimum}" if limit is None else f"from {minimum} to {limit}"
+            raise CheckpointError(path, f"config {key} must be {bounds}, got {_show(value)}")
+        return value
+
+    def positive(key, default):
+        value = hf.get(key, default)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise CheckpointError(path, f"config {key} must be a positive number, got {_show(value)}")
+        return float(value)
 
     act = hf.get("hidden_act", "silu")
     if act != "silu":
@@ -77,71 +118,206 @@ def parse_config(hf: dict, path="config.json") -> ModelConfig:
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         raise UnsupportedModelError(path, "unsupported config field use_sliding_window=true")
 
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
-    layers = need("num_hidden_layers")
+    hidden, heads = count("hidden_size"), count("num_attention_heads", limit=_LIMITS["heads"])
+    layers = count("num_hidden_layers", limit=_LIMITS["layers"])
+    vocab = count("vocab_size")
+    kv_heads = count("num_key_value_heads", hf.get("num_key_value_heads") or heads, limit=heads)
+    if heads % kv_heads:
+        raise CheckpointError(path, f"config num_attention_heads={heads} is not a multiple of "
+                                    f"num_key_value_heads={kv_heads}")
+    if not hf.get("head_dim") and hidden % heads:
+        raise CheckpointError(path, f"config hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
+                                    f"(and no head_dim is given)")
+    head_dim = count("head_dim", hf.get("head_dim") or hidden // heads)
     num_experts = 0
     if arch.moe_block:
         # Hub checkpoints and newer transformers disagree on the key's name.
-        num_experts = hf.get(arch.num_experts_key) or hf.get("num_local_experts") or need(arch.num_experts_key)
-    moe_layers = tuple(_is_moe_layer(hf, i, num_experts) for i in range(layers))
+        num_experts = count(arch.num_experts_key, hf.get(arch.num_experts_key) or hf.get("num_local_experts")
+                            or need(arch.num_experts_key), limit=_LIMITS["experts"])
+    top_k = count("num_experts_per_tok", hf.get("num_experts_per_tok"), limit=num_experts) if num_experts else 0
+    expert_width = count(arch.expert_width_key) if num_experts else 0
+    moe_layers = tuple(_is_moe_layer(hf, i, num_experts, path) for i in range(layers))
+    intermediate = count("intermediate_size", hf.get("intermediate_size") or 0, minimum=0)
+    if intermediate == 0 and not all(moe_layers):
+        raise CheckpointError(path, "config intermediate_size must be >= 1 for a model with dense MLP layers")
+    shared = 0
+    if arch.shared_expert:
+        shared = count("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size") or 0, minimum=0)
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    max_pos = need("max_position_embeddings")
+    for token in eos_ids:
+        count("eos_token_id", token, minimum=0)
+    bos = hf.get("bos_token_id")
+    if bos is not None:
+        count("bos_token_id", bos, minimum=0)
+    max_pos = count("max_position_embeddings")
     if hf.get("sliding_window") and arch.model_type == "mixtral":
         # Mixtral's window only matters past it: keep sequences inside it and stay exact.
-        max_pos = min(max_pos, hf["sliding_window"])
+        max_pos = min(max_pos, count("sliding_window"))
+    clip = hf.get("clip_qkv")
     return ModelConfig(
         arch=arch.model_type,
-        vocab_size=need("vocab_size"),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=layers,
         num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hidden // heads,
-        intermediate_size=hf.get("intermediate_size") or 0,
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate,
+        rms_norm_eps=positive("rms_norm_eps", 1e-6),
         max_position_embeddings=max_pos,
         rope=_parse_rope(hf, path),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch.attention_bias))),
         qk_norm=arch.qk_norm,
-        clip_qkv=hf.get("clip_qkv"),
+        clip_qkv=None if clip is None else positive("clip_qkv", clip),
         num_experts=num_experts,
-        num_experts_per_tok=hf.get("num_experts_per_tok", 0) if num_experts else 0,
-        moe_intermediate_size=need(arch.expert_width_key) if num_experts else 0,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=expert_width,
         norm_topk_prob=bool(hf.get("norm_topk_prob", arch.norm_topk_prob_default)),
-        shared_expert_intermediate_size=(hf.get("shared_expert_intermediate_size") or 0) if arch.shared_expert else 0,
+        shared_expert_intermediate_size=shared,
         moe_layers=moe_layers,
-        bos_token_id=hf.get("bos_token_id"),
+        bos_token_id=bos,
         eos_token_ids=eos_ids,
     )
 
 
-def _is_moe_layer(hf: dict, layer: int, num_experts: int) -> bool:
+def _is_moe_layer(hf: dict, layer: int, num_experts: int, path) -> bool:
     if num_experts == 0:
         return False
-    if layer in (hf.get("mlp_only_layers") or []):
+    dense = hf.get("mlp_only_layers") or []
+    if not isinstance(dense, list):
+        raise CheckpointError(path, f"config mlp_only_layers must be a list of layer numbers, got {_show(dense)}")
+    if layer in dense:
         return False
     step = hf.get("decoder_sparse_step") or 1
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise CheckpointError(path, f"config decoder_sparse_step must be an integer >= 1, got {_show(step)}")
     return (layer + 1) % step == 0
+
+
+def _show(value, limit: int = 40) -> str:
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# --- the config against the weights -------------------------------------------------------------
+
+def _safetensors_shapes(path) -> dict | None:
+    """{tensor name: shape} from the safetensors headers of a model folder; None when `path` is not one,
+    or its files cannot be read (the checkpoint reports that itself, in its own words)."""
+    folder = Path(path)
+    try:
+        if not folder.is_dir():
+            return None
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            return None
+        from safetensors import safe_open
+
+        shapes = {}
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+        return shapes
+    except Exception:  # noqa: BLE001 -- see the docstring
+        return None
+
+
+_LAYER_NUMBER = re.compile(r"model\.layers\.(\d+)\.")
+_EXPERT_NUMBER = re.compile(r"model\.layers\.(\d+)\..*\.experts\.(\d+)\.")
+
+
+def check_against_weights(cfg: ModelConfig, tensors: dict, path) -> None:
+    """Raise CheckpointError (one line) where the config disagrees with the weights' names or shapes
+    (Hugging Face names): the layer and expert counts, and every dimension that sizes an allocation."""
+    layers = {int(m.group(1)) for name in tensors if (m := _LAYER_NUMBER.match(name))}
+    if layers and layers != set(range(cfg.num_layers)):
+        raise CheckpointError(path, f"config num_hidden_layers={cfg.num_layers}, but the weights have layers "
+                                    f"{_span(layers)}")
+    experts: dict[int, set] = {}
+    for name in tensors:
+        if m := _EXPERT_NUMBER.match(name):
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    for layer, found in sorted(experts.items()):
+        if found != set(range(cfg.num_experts)):
+            raise CheckpointError(path, f"config says {cfg.num_experts} experts per layer, but layer {layer} of the "
+                                        f"weights has experts {_span(found)}")
+    arch = ARCHITECTURES[cfg.arch]
+    h = cfg.hidden_size
+    expected = {
+        "model.embed_tokens.weight": ((cfg.vocab_size, h), "vocab_size, hidden_size"),
+        "model.layers.0.self_attn.q_proj.weight": ((cfg.num_heads * cfg.head_dim, h),
+                                                   "num_attention_heads * head_dim, hidden_size"),
+        "model.layers.0.self_attn.k_proj.weight": ((cfg.num_kv_heads * cfg.head_dim, h),
+                                                   "num_key_value_heads * head_dim, hidden_size"),
+    }
+    for layer in range(cfg.num_layers):
+        if cfg.is_moe_layer(layer):
+            block = f"model.layers.{layer}.{arch.moe_block}"
+            expected[f"{block}.gate.weight"] = ((cfg.num_experts, h), "num_experts, hidden_size")
+            expected[f"{block}.experts.0.{arch.expert_proj[0]}.weight"] = ((cfg.moe_intermediate_size, h),
+                                                                           f"{arch.expert_width_key}, hidden_size")
+            if cfg.shared_expert_intermediate_size:
+                expected[f"model.layers.{layer}.mlp.shared_expert.gate_proj.weight"] = (
+                    (cfg.shared_expert_intermediate_size, h), "shared_expert_intermediate_size, hidden_size")
+            break
+    for layer in range(cfg.num_layers):
+        if not cfg.is_moe_layer(layer):
+            expected[f"model.layers.{layer}.mlp.gate_proj.weight"] = ((cfg.intermediate_size, h),
+                                                                      "intermediate_size, hidden_size")
+            break
+    for name, (shape, fields) in expected.items():
+        if name in tensors and tuple(tensors[name]) != shape:
+            raise CheckpointError(path, f"tensor {name} has shape {tuple(tensors[name])}, the config implies "
+                                        f"{shape} ({fields})")
+
+
+def _span(numbers: set) -> str:
+    ordered = sorted(numbers)
+    if ordered == list(range(ordered[0], ordered[-1] + 1)):
+        return f"{ordered[0]}..{ordered[-1]}" if len(ordered) > 1 else str(ordered[0])
+    return ", ".join(map(str, ordered[:8])) + (", ..." if len(ordered) > 8 else "")
 
 
 def _parse_rope(hf: dict, path) -> RopeConfig:
     # transformers >= 5 writes rope_parameters; checkpoints on the Hub carry rope_theta + rope_scaling.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    params, scaling = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise CheckpointError(path, "config rope_parameters / rope_scaling must be objects")
+    params = dict(params)
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     source = params if params.get("rope_type") else scaling
+
+    def number(key, where=None):
+        where = source if where is None else where
+        if key not in where:
+            raise UnsupportedModelError(path, f"rope scaling {kind!r} without {key!r}")
+        value = where[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise CheckpointError(path, f"config rope {key} must be a positive number, got {_show(value)}")
+        return value
+
+    theta = number("rope_theta", params if "rope_theta" in params else {"rope_theta": hf.get("rope_theta", 10000.0)})
     if kind == "default":
         return RopeConfig(theta=theta)
     if kind == "linear":
-        return RopeConfig(theta=theta, kind="linear", factor=source["factor"])
+        return RopeConfig(theta=theta, kind="linear", factor=number("factor"))
     if kind == "llama3":
+        if number("high_freq_factor") <= number("low_freq_factor"):  # they divide by the difference
+            raise CheckpointError(path, "config rope high_freq_factor must be larger than low_freq_factor")
         return RopeConfig(
-            theta=theta, kind="llama3", factor=source["factor"],
-            low_freq_factor=source["low_freq_factor"], high_freq_factor=source["high_freq_factor"],
-            original_max_position_embeddings=source["original_max_position_embeddings"],
+            theta=theta, kind="llama3", factor=number("factor"),
+            low_freq_factor=number("low_freq_factor"), high_freq_factor=number("high_freq_factor"),
+            original_max_position_embeddings=number("original_max_position_embeddings"),
         )
     raise UnsupportedModelError(path, f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 

@@ -19,6 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from engine.errors import MoedeskError
+from engine.json_cache import folder_problem
 
 
 def recipe() -> dict:
@@ -44,9 +45,25 @@ def cache_root() -> Path:
 def demo_checkpoint_dir() -> Path:
     r = recipe()
     folder = cache_root() / f"{r['name']}-v{r['version']}"
-    if not (folder / "config.json").is_file():
+    try:
+        built = (folder / "config.json").is_file()
+    except OSError as e:  # e.g. a cache folder we may not enter
+        raise MoedeskError(f"{folder}: cannot read the demo model in the cache folder ({e.strerror or e}); "
+                           f"set MOEDESK_CACHE_DIR to a folder you can write") from None
+    if not built:
+        _check_writable(folder.parent)  # before the build's minute of work, not after it
         build_demo(folder, r)
     return folder
+
+
+def _check_writable(folder: Path) -> None:
+    """Raise MoedeskError (one line: which folder, why) unless files can be created in `folder`."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise MoedeskError(f"{folder}: cannot build the demo model in this cache folder ({folder_problem(folder, e)}); "
+                           f"set MOEDESK_CACHE_DIR to a folder you can write") from None
 
 
 def build_demo(folder: Path, r: dict) -> None:

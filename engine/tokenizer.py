@@ -1,16 +1,34 @@
 """Text to token ids and back (the `tokenizers` library), and chat templates (jinja2, sandboxed)."""
 from __future__ import annotations
 
+import functools
 import json
+import re
+import sys
+import time
 from datetime import datetime
 from functools import cached_property
 
 import jinja2
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers.decoders import DecodeStream
 
 from engine.errors import MoedeskError
+
+try:
+    import resource
+except ImportError:  # Windows: no memory watch, the other bounds still hold
+    resource = None
+
+# A chat template comes with the model, so it is untrusted input: the sandbox stops it from running
+# code, and these stop it from running forever or filling memory. Real templates render a long
+# conversation in milliseconds, to a prompt no longer than the conversation plus some markup.
+TEMPLATE_SECONDS = 5.0
+TEMPLATE_MAX_CHARS = 16 * 2**20  # longer than any prompt that fits a 1M-token context
+TEMPLATE_MAX_GROWTH = 256 << 20  # bytes the process's peak memory may grow by while a template renders
+_HUGE_NUMBER = 10**7  # no template needs a width, count or repeat this large
+_WIDE_FORMAT = re.compile(r"[%{][^%{}a-zA-Z]*\d{7}")  # "%9999999d", "{:9999999}"
 
 
 def _token_text(value) -> str | None:
@@ -22,6 +40,106 @@ def _token_text(value) -> str | None:
 
 def _raise_exception(message):
     raise jinja2.exceptions.TemplateError(message)
+
+
+class _TemplateLimit(SecurityError):
+    """A template went past one of the bounds above."""
+
+
+def _size(value) -> int | None:
+    return len(value) if isinstance(value, (str, bytes, list, tuple)) else None
+
+
+def _check_numbers(values) -> None:
+    for value in values:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _HUGE_NUMBER:
+            raise _TemplateLimit(f"the number {value if abs(value) < 10**30 else 'given'} is too large for a template")
+
+
+def _check_format(text) -> None:
+    if isinstance(text, str) and _WIDE_FORMAT.search(text):
+        raise _TemplateLimit("a format width or precision too large for a template")
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, with the operators and calls that can build huge values checked before they run."""
+
+    intercepted_binops = frozenset(["*", "**", "+", "%"])
+
+    def call_binop(self, context, op, left, right):
+        if op == "*":
+            count, sized = (right, _size(left)) if _size(left) is not None else (left, _size(right))
+            if sized is not None and isinstance(count, int) and sized * count > TEMPLATE_MAX_CHARS:
+                raise _TemplateLimit(f"a repeat to {sized * count} items is too large for a template")
+            if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 10**5:
+                raise _TemplateLimit("a product too large for a template")
+        elif op == "**":
+            if isinstance(right, (int, float)) and abs(right) > 1024 and not (isinstance(left, (int, float))
+                                                                              and abs(left) <= 1):
+                raise _TemplateLimit("a power too large for a template")
+        elif op == "+":
+            if _size(left) is not None and _size(right) is not None and _size(left) + _size(right) > TEMPLATE_MAX_CHARS:
+                raise _TemplateLimit("a concatenation too large for a template")
+        elif op == "%":
+            _check_format(left)
+        return super().call_binop(context, op, left, right)
+
+    def getattr(self, obj, attribute):
+        if attribute in ("format", "format_map"):  # the sandbox hands out a wrapper that hides the string
+            _check_format(obj)
+        return super().getattr(obj, attribute)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 -- jinja's own signature
+        _check_numbers([*args, *kwargs.values()])
+        if getattr(__obj, "__name__", None) in ("format", "format_map"):
+            _check_format(getattr(__obj, "__self__", None))
+        return super().call(__context, __obj, *args, **kwargs)
+
+
+def _checked_filter(name: str, function):
+    """A filter that refuses huge numbers (`center(10**10)`): jinja calls filters without `call`."""
+    @functools.wraps(function)
+    def checked(*args, **kwargs):
+        _check_numbers([*args, *kwargs.values()])
+        if name == "format":
+            _check_format(next((a for a in args if isinstance(a, str)), None))
+        return function(*args, **kwargs)
+    return checked
+
+
+def _render_bounded(template: jinja2.Template, **variables) -> str:
+    """template.render(**variables), stopped with _TemplateLimit past TEMPLATE_SECONDS, TEMPLATE_MAX_CHARS of
+    output, or TEMPLATE_MAX_GROWTH of new peak memory.
+
+    Time and memory are checked on every line the compiled template runs (a trace function on this
+    thread, for the template's own frames only), which is where loops and repeated concatenation run.
+    """
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale if resource else 0
+
+    def watch(frame, event, arg):
+        if resource and resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - peak > TEMPLATE_MAX_GROWTH:
+            raise _TemplateLimit(f"rendering took more than {TEMPLATE_MAX_GROWTH >> 20} MiB of memory")
+        if time.monotonic() > deadline:
+            raise _TemplateLimit(f"rendering took longer than {TEMPLATE_SECONDS:g} s")
+        return watch
+
+    def enter(frame, event, arg):
+        return watch if frame.f_code.co_filename == "<template>" else None
+
+    parts, length = [], 0
+    previous = sys.gettrace()
+    sys.settrace(enter)
+    try:
+        for part in template.generate(**variables):
+            length += len(part)
+            if length > TEMPLATE_MAX_CHARS:
+                raise _TemplateLimit(f"the rendered prompt is longer than {TEMPLATE_MAX_CHARS} characters")
+            parts.append(part)
+    finally:
+        sys.settrace(previous)
+    return "".join(parts)
 
 
 class Tokenizer:
@@ -39,6 +157,18 @@ class Tokenizer:
         if self.eos_token is not None and self.token_id(self.eos_token) is not None:
             ids.add(self.token_id(self.eos_token))
         self.eos_token_ids = frozenset(ids)
+
+    @cached_property
+    def max_token_id(self) -> int:
+        """The largest id this tokenizer can give (added tokens included); -1 when it has none."""
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise MoedeskError (one line) when the tokenizer can give ids the model has no embedding for:
+        the first text that contains one would otherwise fail in the middle of a run."""
+        if self.max_token_id >= vocab_size:
+            raise MoedeskError(f"{self.source}: the tokenizer has token ids up to {self.max_token_id}, outside the "
+                               f"model's vocabulary of {vocab_size} (vocab_size in its config)")
 
     @property
     def bos_token_id(self) -> int | None:
@@ -64,24 +194,26 @@ class Tokenizer:
 
     @cached_property
     def _template(self):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
             x, indent=indent, ensure_ascii=ensure_ascii)
+        env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
         return env.from_string(self.chat_template)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise MoedeskError(f"{self.source}: the model has no chat template; use a raw prompt")
         try:
-            return self._template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
+            return _render_bounded(
+                self._template, messages=messages, add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             )
         except jinja2.exceptions.TemplateError as e:
-            raise MoedeskError(f"{self.source}: chat template failed: {e}") from None
+            raise MoedeskError(f"{self.source}: chat template failed: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 -- a template's own bug (1/0, a recursive macro)
+            raise MoedeskError(f"{self.source}: chat template failed: {type(e).__name__}: {_first_line(e)}") from None
 
     def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation, formatted by the model's own chat template."""
@@ -98,3 +230,8 @@ class StreamDecoder:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tok, token_id) or ""
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else ""

@@ -1,6 +1,5 @@
 """`moedesk batch` against hostile or unlucky input (issue 19): no single line, stream or second run
 may stop a run or lose work. Fake engine from test_batch_runner; real-model cases at the end."""
-import errno
 import fcntl
 import io
 import json
@@ -305,7 +304,8 @@ def _random_value(rng: random.Random, depth: int = 0):
         return rng.uniform(0, 3)
     if kind in (8, 9):
         return [_random_value(rng, depth + 1) for _ in range(rng.randrange(0, 4))]
-    return {rng.choice(["role", "content", "id", "x"]): _random_value(rng, depth + 1) for _ in range(rng.randrange(0, 3))}
+    keys = ["role", "content", "id", "x"]
+    return {rng.choice(keys): _random_value(rng, depth + 1) for _ in range(rng.randrange(0, 3))}
 
 
 FIELDS = ["prompt", "messages", "prompt_ids", "max_new_tokens", "temperature", "top_p", "seed", "extra"]
@@ -366,8 +366,8 @@ def test_fuzz_the_reader_and_the_per_line_options(tmp_path, seed):
                 assert record["error"].startswith(f"line {number}: ") and "\n" not in record["error"]
             else:
                 assert record["id"] == f"l{number - 1}"
-        again = run_batch(tmp_path / "in.jsonl", out, type(engine)(), BatchSettings(temperature=0.7, max_new_tokens=3),
-                          stderr=io.StringIO(), progress=False)
+        again = run_batch(tmp_path / "in.jsonl", out, type(engine)(),
+                          BatchSettings(temperature=0.7, max_new_tokens=3), stderr=io.StringIO(), progress=False)
         assert again == code and read_jsonl(out) == records  # a rerun finds everything done
 
 
