@@ -180,6 +180,8 @@ class MoedeskApp(App[int]):
             yield SystemCommand("Conversations", "Open an older conversation (ctrl+o)", chat.action_conversations)
             yield SystemCommand("Regenerate", "Write the last reply again (ctrl+r)", chat.action_regenerate)
             yield SystemCommand("Copy the last reply", "To the clipboard (ctrl+y)", chat.action_copy_reply)
+            yield SystemCommand("Copy the last code block", "Only the code, without the ``` fence",
+                                chat.action_copy_code)
             yield SystemCommand("Rename this chat", "Give the conversation another title", chat.action_rename)
             yield SystemCommand("Export this chat", "Write it to a Markdown file", chat.action_export)
             yield SystemCommand("Delete this chat", "Remove the conversation (asks first)", chat.action_delete_chat)

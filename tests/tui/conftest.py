@@ -30,6 +30,14 @@ def tui_dirs(tmp_path, monkeypatch):
     return dirs
 
 
+@pytest.fixture(autouse=True)
+def no_system_clipboard(monkeypatch):
+    """Tests never fill the developer's clipboard; those about it put their own stand-in tool here."""
+    import app.tui.clipboard
+
+    monkeypatch.setattr(app.tui.clipboard, "tools_here", lambda: [])
+
+
 @pytest.fixture(scope="session")
 def tiny_folder(tiny_checkpoint):
     return tiny_checkpoint("qwen3_moe")

@@ -501,3 +501,50 @@ async def test_each_stage_in_words(tiny_folder):
                            and words in str(app.screen.panel.query_one(".load-stage").render()), what=words)
             go_on.set()
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+
+
+# ---------------------------------------------------------------- 5. copying
+
+
+def test_last_code_block_is_the_code_alone():
+    from app.tui.clipboard import candidate_tools, last_code_block
+
+    reply = "Here:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nand\n\n~~~\nlast = 1\n~~~\n\nDone."
+    assert last_code_block(reply) == "last = 1\n"
+    assert last_code_block("no code here") is None
+    names = [t.name for t in candidate_tools({"WAYLAND_DISPLAY": "wayland-0", "DISPLAY": ":0"}, "linux")]
+    assert names == ["wl-copy", "xclip", "xsel"]
+    assert [t.name for t in candidate_tools({}, "linux")] == []  # over SSH, say: the terminal is the way
+    assert [t.name for t in candidate_tools({}, "darwin")] == ["pbcopy"]
+
+
+async def test_copy_says_which_way_it_went(engine, monkeypatch, tmp_path):
+    import app.tui.clipboard as clipboard
+
+    store = ConversationStore()
+    c = Conversation()
+    c.add("user", "code please")
+    c.add("assistant", "Sure:\n\n```python\nprint('hi')\n```\n", tokens=5)
+    store.save(c)
+    store.remember(c.id)
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=(80, 24)) as pilot:
+        await open_chat(pilot)
+
+        def last_note() -> str:
+            return str(list(app._notifications)[-1].message)
+
+        await pilot.press("ctrl+y")  # no clipboard tool here (the conftest removes them)
+        await pilot.pause()
+        assert app.clipboard == c.messages[-1].content
+        assert "OSC 52" in last_note() and "may ignore it" in last_note() and "Copied" not in last_note()
+
+        received = tmp_path / "clipboard.txt"
+        tool = tmp_path / "fake-copy"
+        tool.write_text(f"#!/bin/sh\ncat > {received}\n")
+        tool.chmod(0o755)
+        monkeypatch.setattr(clipboard, "tools_here", lambda: [clipboard.Tool("fake-copy", (str(tool),))])
+        await run_command(pilot, "Copy the last code block")
+        await wait_for(pilot, lambda: received.exists() and received.read_text(), what="the tool")
+        assert received.read_text() == "print('hi')\n"
+        assert "Copied the last code block" in last_note() and "(fake-copy)" in last_note()

@@ -470,8 +470,28 @@ class ChatScreen(Screen):
         if last is None or not last.content:
             self.notify("No reply to copy yet.", severity="warning")
             return
-        self.app.copy_to_clipboard(last.content)
-        self.notify(f"Copied the last reply ({len(last.content):,} characters).")
+        self._copy(last.content, "the last reply")
+
+    def action_copy_code(self) -> None:
+        from app.tui.clipboard import last_code_block
+
+        reply = next((m for m in reversed(self.conversation.messages)
+                      if m.role == "assistant" and last_code_block(m.content) is not None), None)
+        if reply is None:
+            self.notify("No code block in the replies to copy.", severity="warning")
+            return
+        self._copy(last_code_block(reply.content), "the last code block")
+
+    def _copy(self, text: str, what: str) -> None:
+        from app.tui.clipboard import OSC52_NOTE, copy_text
+
+        how = copy_text(self.app, text)
+        size = f"{len(text):,} characters"
+        if how:
+            self.notify(f"Copied {what} ({size}) {how}.")
+        else:
+            self.notify(f"{what[0].upper()}{what[1:]} ({size}) was {OSC52_NOTE}.", title="no system clipboard",
+                        severity="warning", timeout=10)
 
     def on_resize(self, event) -> None:
         self._place_stats()
