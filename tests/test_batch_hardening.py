@@ -415,3 +415,33 @@ def test_real_model_fuzz(model, tmp_path):
     records = read_jsonl(out)
     assert len(records) == len(lines)
     assert any("error" not in r for r in records) and any("error" in r for r in records)
+
+
+def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_path, monkeypatch):
+    """Through the real engine and its scheduler: a step that raises fails every line in it; they run
+    again alone, and only the line that raises alone gets an error line."""
+    import engine.generate
+    from engine.runtime import Engine
+
+    def fragile(logits, params, generator):
+        if params.seed == 666:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return sample_token(logits, params, generator)
+
+    monkeypatch.setattr(engine.generate, "sample_token", fragile)
+    real = Engine.load(model, device="cpu", dtype="float32", context_length=64)
+    lines = [{"id": f"s{i}", "prompt_ids": [5 + i, 6, 7], "seed": 666 if i == 3 else i} for i in range(7)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    settings = BatchSettings(temperature=0.8, max_new_tokens=4, ignore_eos=True, batch_size=3)
+    assert run_batch(src, tmp_path / "out.jsonl", real, settings, stderr=io.StringIO()) == 1
+    records = read_jsonl(tmp_path / "out.jsonl")
+    assert [r["id"] for r in records] == [line["id"] for line in lines]
+    assert records[3]["error"] == ("line 4: RuntimeError: probability tensor contains either `inf`, `nan` or "
+                                   "element < 0")
+    assert all(len(r["token_ids"]) == 4 for i, r in enumerate(records) if i != 3)
+    # Each line's tokens are what it gets alone: the retries changed nothing.
+    alone = [run_batch(write_jsonl(tmp_path / f"one{i}.jsonl", [line]), tmp_path / f"one{i}.out", real, settings,
+                       stderr=io.StringIO()) for i, line in enumerate(lines) if i != 3]
+    assert alone == [0] * 6
+    assert [read_jsonl(tmp_path / f"one{i}.out")[0]["token_ids"] for i in range(7) if i != 3] == \
+           [r["token_ids"] for i, r in enumerate(records) if i != 3]
