@@ -108,8 +108,8 @@ class Handle:
 class Scheduler:
     """Continuous batching over one decoder: see the module docstring.
 
-    make_decoder() gives the engine.generate.Decoder to run (called when work starts after an idle spell, so
-    it sees the engine's current executor). max_rows caps the sequences decoding together (None: only the
+    make_decoder() gives the engine.generate.Decoder to run (called for every step, so it sees the engine's
+    current executor). max_rows caps the sequences decoding together (None: only the
     groups cap them).
     """
 
@@ -170,7 +170,7 @@ class Scheduler:
     # --- the decode thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
-        decoder = None
+        device_set = False
         try:
             while True:
                 with self._lock:
@@ -178,10 +178,12 @@ class Scheduler:
                     if not newcomers and not any(self._rows):
                         self._thread = None  # under the lock: a submit from now on starts a new thread
                         return
-                if decoder is None:
-                    decoder = self.make_decoder()
-                    if decoder.device.type == "cuda":
-                        torch.cuda.set_device(decoder.device)  # a new thread starts on device 0
+                # A decoder per step (a few attribute copies): it always runs the engine's current executor,
+                # which placement and tests replace between generations.
+                decoder = self.make_decoder()
+                if not device_set and decoder.device.type == "cuda":
+                    torch.cuda.set_device(decoder.device)  # a new thread starts on device 0
+                device_set = True
                 self._step(decoder, newcomers)
         except BaseException as error:  # noqa: BLE001 -- a bug here must not leave callers waiting forever
             log.exception("moedesk decode thread failed")
