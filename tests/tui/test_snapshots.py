@@ -30,7 +30,7 @@ top_k = router(x).topk(2)
 ```
 """
 
-SIZES = [(100, 30), (160, 50)]
+SIZES = [(80, 24), (160, 50)]
 
 
 def fixed_conversation() -> Conversation:

@@ -131,10 +131,12 @@ class ChatScreen(Screen):
         keys = Table.grid(padding=(0, 2))
         keys.add_column(style="bold", justify="right")
         keys.add_column(style="dim")
-        for key, what in (("Enter", "send"), ("Esc", "stop the reply"), ("ctrl+r", "write the last reply again"),
-                          ("ctrl+n", "new chat"), ("ctrl+o", "older chats"), ("ctrl+y", "copy the last reply"),
-                          ("ctrl+t / F4", "show or hide stats / stats full screen"),
-                          ("F2 / F3", "settings / models")):
+        for key, what in (("Enter", "send"), ("ctrl+j", "new line (shift+enter where the terminal tells it)"),
+                          ("↑", "earlier prompts, in an empty box"), ("Esc", "stop the reply"),
+                          ("ctrl+r", "write the last reply again"), ("ctrl+n", "new chat"), ("ctrl+o", "older chats"),
+                          ("ctrl+y", "copy the last reply"), ("ctrl+t / F4", "show or hide stats / stats full screen"),
+                          ("F2 / F3", "settings / models"),
+                          ("ctrl+p", "all commands: copy code, rename, export, delete…")):
             keys.add_row(key, what)
         return Group(Text("Ask the model anything.\n", style="bold"), keys)
 
