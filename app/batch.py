@@ -223,11 +223,6 @@ def _is_regular_file(path: Path) -> bool:
         return False
 
 
-def _is_stream(path) -> bool:
-    """Standard input/output, a pipe, a device: read or written once, in order, never reread."""
-    return str(path) == STDIO or Path(path).exists() and not _is_regular_file(Path(path))
-
-
 def check_batch_paths(in_path, out_path) -> None:
     """Raise BatchUsageError unless the input can be read and the output written (and is not locked).
 
