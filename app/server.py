@@ -127,9 +127,13 @@ class Server:
         prepared = await run_in_threadpool(self._prepare, body, chat)
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Update] = asyncio.Queue()
+
+        def sink(update: Update) -> None:  # on the decode thread; a plain reply only needs the last update
+            if prepared.stream or update.final:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+
         try:
-            handle = self.engine.submit(prepared.request, group=self.group, queue_limit=self.max_queue,
-                                        sink=lambda u: loop.call_soon_threadsafe(updates.put_nowait, u))
+            handle = self.engine.submit(prepared.request, group=self.group, queue_limit=self.max_queue, sink=sink)
         except QueueFull as e:
             retry = self.engine.scheduler.retry_after()
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
@@ -142,13 +146,11 @@ class Server:
             while True:
                 try:
                     update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    break
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
                         handle.cancel()  # nobody waits for the answer: free the row at the next step
                         return Response(status_code=499)
-                    continue
-                if update.final:
-                    break
         finally:
             handle.cancel()  # no-op once finished; frees the row if this task was cancelled
         if update.error is not None:

@@ -232,7 +232,9 @@ class Scheduler:
             if handle.cancelled and not handle.done:
                 handle.seq.finish_reason = "cancelled"
                 self._finish(handle, self._completion(decoder, handle), count="cancelled")
-        filling = [h for h in self._rows if h is not None and h.seq.prefilled < len(h.request.prompt_ids)]
+        # Prompts go in in arrival order (a newcomer in a freed low row does not jump the queue).
+        filling = sorted((h for h in self._rows if h is not None and h.seq.prefilled < len(h.request.prompt_ids)),
+                         key=lambda h: h.submitted)
         if filling:
             pieces_before = {id(h): h.seq.prefilled for h in filling}
             if self._run(lambda: decoder.prefill([h.seq for h in filling], self.prefill_chunk), filling, decoder):

@@ -204,6 +204,30 @@ def test_a_client_disconnecting_mid_stream_frees_its_row(url):
     assert after["generated_tokens"] - before["generated_tokens"] < 400
 
 
+def slow_steps(monkeypatch, seconds=0.01):
+    """Decode steps take at least `seconds`: the tiny model is too quick for a client to act mid-reply."""
+    import engine.generate as generate
+
+    real_decode = generate.Decoder.decode
+
+    def slow_decode(self, seqs):
+        time.sleep(seconds)
+        return real_decode(self, seqs)
+
+    monkeypatch.setattr(generate.Decoder, "decode", slow_decode)
+
+
+def test_a_client_giving_up_on_a_plain_request_frees_its_row(url, monkeypatch):
+    slow_steps(monkeypatch)
+    before = wait_idle(url)
+    body = {"model": "tiny", "prompt": "Hello", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=0.3)
+    after = wait_idle(url)
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["generated_tokens"] - before["generated_tokens"] < 480
+
+
 def test_json_mode_and_json_schema(client):
     reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "JSON please"}],
                                            max_tokens=80, temperature=0, response_format={"type": "json_object"})
@@ -282,15 +306,7 @@ def test_completion_errors_and_unknown_paths(url, client):
 
 
 def test_a_full_queue_gets_503_with_retry_after(engine, monkeypatch):
-    import engine.generate as generate
-
-    real_decode = generate.Decoder.decode
-
-    def slow_decode(self, seqs):  # the tiny model is too quick to ever keep a client waiting
-        time.sleep(0.02)
-        return real_decode(self, seqs)
-
-    monkeypatch.setattr(generate.Decoder, "decode", slow_decode)
+    slow_steps(monkeypatch, 0.02)
     with running_server(engine, batch_size=1, max_queue=1, model_name="tiny") as base:
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "stream": True,
                 "ignore_eos": True}
@@ -307,7 +323,7 @@ def test_a_full_queue_gets_503_with_retry_after(engine, monkeypatch):
                 assert int(refused.headers["Retry-After"]) >= 1
                 assert refused.json()["error"]["code"] == "queue_full"
                 assert waiting.status_code == 200
-        monkeypatch.setattr(generate.Decoder, "decode", real_decode)
+        monkeypatch.undo()
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         assert client.completions.create(model="tiny", prompt="Hi", max_tokens=2).usage.completion_tokens <= 2
 

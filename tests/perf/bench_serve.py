@@ -116,8 +116,10 @@ class Server:
             self.proc.kill()
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed completion; the arrival time of every piece of text, and the moedesk stats."""
+async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int,
+                     first: asyncio.Event | None = None) -> dict:
+    """One streamed completion; the arrival time of every piece of text, and the moedesk stats. `first` is set
+    when the first text arrives."""
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     started = time.perf_counter()
@@ -133,6 +135,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max
             for choice in chunk.get("choices", []):
                 if choice.get("text"):
                     arrivals.append(time.perf_counter())
+                    if first is not None:
+                        first.set()
                 if choice.get("finish_reason"):
                     extension = chunk.get("moedesk", {})
     tokens = usage["completion_tokens"] if usage else len(arrivals)
@@ -155,15 +159,12 @@ async def run_clients(url: str, args, vocab: int) -> dict:
                                       for p in prompts(args.clients, args.prompt_tokens, vocab, 2)])
         together_ended = time.perf_counter()
         # A newcomer into a running batch of N-1: they get a long reply, it arrives once all of them stream.
-        background = [asyncio.create_task(stream_one(client, url, p, args.max_tokens * 4))
-                      for p in prompts(max(args.clients - 1, 0), args.prompt_tokens, vocab, 3)]
+        firsts = [asyncio.Event() for _ in range(max(args.clients - 1, 0))]
+        background = [asyncio.create_task(stream_one(client, url, p, args.max_tokens * 4, first))
+                      for p, first in zip(prompts(len(firsts), args.prompt_tokens, vocab, 3), firsts)]
         newcomer_prompt = prompts(1, args.prompt_tokens, vocab, 4)[0]
-        while background and not all(task.done() for task in background):
-            stats = httpx.get(url + "/moedesk/stats", timeout=10).json()["scheduler"]
-            if stats["running"] >= len(background) and stats["prefill_tokens"] and stats["waiting"] == 0:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.5)  # a few decode steps into the batch
+        await asyncio.gather(*(first.wait() for first in firsts))
+        await asyncio.sleep(0.3)  # a few decode steps into the batch
         newcomer = await stream_one(client, url, newcomer_prompt, 8)
         for task in background:
             task.cancel()
