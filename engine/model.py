@@ -152,7 +152,7 @@ class Attention(nn.Module):
         head_norm = cfg.qk_norm == "head"
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
-        keys, values = cache.write_and_read(layer, k, v, step.rows, step.positions, step.kv_len, step.write_rows)
+        keys, values = cache.write_and_read(layer, k, v, step.rows, step.slots, step.kv_len, step.write_rows)
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.mask,
                         cfg.num_kv_heads != cfg.num_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -269,13 +269,17 @@ class Step:
     """
 
     def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None,
-                 real: torch.Tensor | None = None):
-        self.positions = positions  # [B, T] absolute position of every token
+                 real: torch.Tensor | None = None, mask: torch.Tensor | None = None, slots: torch.Tensor | None = None):
+        self.positions = positions  # [B, T] absolute position of every token (its rotary angle)
+        self.slots = positions if slots is None else slots  # [B, T] where its key and value go in the cache
         self.real = real  # flat indices of the tokens that are not padding; None: every token is real
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
         self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        if mask is not None:  # the caller's: e.g. a draft tree, where a token sees its ancestors only
+            self.mask = mask
+            return
         keys = torch.arange(self.kv_len, device=positions.device)
         # A token sees every cache entry at or before its own position. Rows are right-padded
         # with positions that run on, so stale entries past a row's end are never visible.
@@ -297,21 +301,37 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, executor,
-                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+                rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, features: tuple = ()):
         """Logits (float32) for tokens [B, T] at positions [B, T].
 
         logits_at [B] picks one position per row: the last real token of a right-padded prompt,
         so the tokens after it are padding, which no expert computes. None returns logits for every
         position.
+        mask [B, 1, T, L] (bool, True = may attend) replaces the causal mask over the L = kv_len cache
+        positions the step reads, and slots [B, T] says where each token's key and value go in the cache
+        (default: at its position): a draft tree verified in one pass, its nodes in slots one after another,
+        siblings at one position, each token seeing its ancestors.
+        features: also return hidden states, as (logits, {feature: [B, T, H]}): an int i is the residual
+        stream entering layer i, "final" the last layer's output after the final norm (the features EAGLE
+        heads draft from). Every position's, whatever logits_at picks.
         """
-        step = Step(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape))
+        step = Step(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape), mask=mask,
+                    kv_len=None if mask is None else mask.shape[-1], slots=slots)
         x = self.embed(tokens)
         rope = self.rotary(positions, x.dtype)
-        for block in self.layers:
+        hidden = {}
+        for i, block in enumerate(self.layers):
+            if i in features:
+                hidden[i] = x
             x = block(x, rope, cache, step)
+        x = self.norm(x)
+        if "final" in features:
+            hidden["final"] = x
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
-        return self.lm_head(self.norm(x)).float()
+        logits = self.lm_head(x).float()
+        return (logits, hidden) if features else logits
 
 
 def _real_tokens(last: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

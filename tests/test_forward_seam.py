@@ -1,0 +1,59 @@
+"""The model forward a draft tree and an EAGLE head need: hidden states out (against transformers' own), and a
+caller's mask, positions and cache slots in (a tree verified in one pass equals each branch run alone)."""
+import pytest
+import torch
+
+from engine.kv_cache import KVCache
+from engine.runtime import Engine
+from tests.reference import hf_model
+
+
+def run(engine, cache, ids, start, **kw):
+    tokens = torch.tensor([ids])
+    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+    return engine.model(tokens, positions, cache, engine.executor, **kw)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_features_are_transformers_hidden_states(tiny_checkpoint, arch):
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    ids = engine.tokenizer.encode("the quick brown fox jumps over")
+    layers = engine.config.num_layers
+    cache = KVCache(engine.config, rows=1, length=32, dtype=torch.float32, device="cpu")
+    logits, hidden = run(engine, cache, ids, 0, features=(0, 1, layers - 1, "final"))
+    with torch.no_grad():
+        ref = hf_model(folder)(torch.tensor([ids]), output_hidden_states=True)
+    # transformers' hidden_states[i] is the input of layer i; its last one is after the final norm.
+    for i in (0, 1, layers - 1):
+        torch.testing.assert_close(hidden[i], ref.hidden_states[i], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(hidden["final"], ref.hidden_states[-1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits, run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_a_tree_in_one_pass_equals_each_branch_alone(tiny_checkpoint, arch):
+    """Prompt, then a tree: root r at position p, children a and b both at p + 1, a's child c at p + 2.
+    The four nodes go into cache slots p..p+3 and each sees the prompt and its ancestors only."""
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
+    prompt = engine.tokenizer.encode("hello world over the lazy")
+    p = len(prompt)
+    r, a, b, c = 5, 17, 23, 42
+    tree_cache = KVCache(engine.config, rows=1, length=32, dtype=torch.float32, device="cpu")
+    run(engine, tree_cache, prompt, 0)
+    parents = [-1, 0, 0, 1]
+    seen = torch.zeros(4, 4, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        seen[node] = seen[parent] if parent >= 0 else False
+        seen[node, node] = True
+    mask = torch.cat([torch.ones(4, p, dtype=torch.bool), seen], dim=1).view(1, 1, 4, p + 4)
+    positions = torch.tensor([[p, p + 1, p + 1, p + 2]])
+    slots = torch.arange(p, p + 4).unsqueeze(0)
+    tree = engine.model(torch.tensor([[r, a, b, c]]), positions, tree_cache, engine.executor, mask=mask,
+                        slots=slots)[0]
+    for branch, nodes in (([r, a, c], [0, 1, 3]), ([r, b], [0, 2])):
+        cache = KVCache(engine.config, rows=1, length=32, dtype=torch.float32, device="cpu")
+        run(engine, cache, prompt, 0)
+        alone = run(engine, cache, branch, p)[0]
+        torch.testing.assert_close(tree[nodes], alone, atol=1e-5, rtol=1e-5)
