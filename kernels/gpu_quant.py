@@ -95,8 +95,9 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
 
 # Rows per group (on average) from which prefill tiles and their route take over.
 _MANY = 32
-# "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM.
-_PREFILL_ROUTE = "fused"
+# "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM. Measured
+# on an H100, 512 rows on 2 Mixtral experts: dequant 0.83-1.0 ms (bf16 weights: 0.40), fused 1.7 ms at best.
+_PREFILL_ROUTE = "dequant"
 
 
 def _route(x: torch.Tensor, m: int, g: int) -> str:
@@ -107,18 +108,21 @@ def _route(x: torch.Tensor, m: int, g: int) -> str:
 
 def _config(x: torch.Tensor, m: int, g: int, rows: int, units: int) -> dict:
     """Tile sizes for one launch: ROWS weight rows per program, NB units along k per step, BT tokens per
-    step, DOT (tensor cores) or float32 FMAs one token at a time, SPLIT programs sharing a group's tokens."""
+    step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens.
+
+    Measured on an H100 (tests/perf/bench_gpu_quant.py), Mixtral shape, 8 experts with one row each:
+    4 rows x 16 units a program, 2 warps, read q4_0 at 1.2 TB/s and q4_k at 1.3 (8 rows x 8 units: 0.5 and
+    0.4). The tensor-core tiles lost to that at 4 and 16 rows per expert."""
     per_group = -(-m // g)
-    dot = x.dtype != torch.float32 and per_group > 1
     if _interpreted():  # few programs and big steps: the interpreter pays per program and per operation
-        nb = min(16, triton.next_power_of_2(units))
-        return dict(ROWS=128, NB=nb, BT=16 if dot else 1, DOT=dot, SPLIT=1, num_warps=1)
-    if not dot:
-        return dict(ROWS=8, NB=8, BT=1, DOT=False, SPLIT=1, num_warps=4)
+        dot = x.dtype != torch.float32 and per_group > 4
+        return dict(ROWS=128, NB=min(16, triton.next_power_of_2(units)), BT=16 if dot else min(4, triton.next_power_of_2(per_group)),
+                    DOT=dot, SPLIT=1, num_warps=1)
+    if per_group <= 4 or x.dtype == torch.float32:
+        return dict(ROWS=4, NB=16, BT=min(4, triton.next_power_of_2(per_group)), DOT=False, SPLIT=1, num_warps=2)
     if per_group >= _MANY:
-        bt = 64 if per_group < 256 else 128
-        return dict(ROWS=64, NB=4, BT=bt, DOT=True, SPLIT=max(1, -(-m // bt)), num_warps=4, num_stages=3)
-    return dict(ROWS=16, NB=8, BT=16, DOT=True, SPLIT=1, num_warps=4)
+        return dict(ROWS=128, NB=2, BT=128, DOT=True, SPLIT=max(1, -(-m // 128)), num_warps=8, num_stages=3)
+    return dict(ROWS=64, NB=4, BT=16, DOT=True, SPLIT=1, num_warps=4)
 
 
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
@@ -132,10 +136,17 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, config=None)
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
-    _packed_mm[grid](
-        x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split,
-        FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated,
-        **cfg)
+    args = (x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split)
+    consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated)
+    try:
+        _packed_mm[grid](*args, **consts, **cfg)
+    except triton.CompilationError:
+        if cfg["DOT"] or cfg["BT"] == 1:
+            raise
+        # Insurance for Triton versions that cannot lay out the rank-4 products of several tokens: one
+        # token per pass computes the same, re-reading the program's rows from L1.
+        cfg["BT"] = 1
+        _packed_mm[grid](*args, **consts, **cfg)
 
 
 def _half_operands(x, out) -> bool:
@@ -280,8 +291,8 @@ if triton is not None:
         """[BT, ROWS] dot products of tokens `toks` of x with packed rows `row` ([ROWS, 1, 1] byte pointers).
 
         DOT: the weights are formed in float32, rounded to 16 bits (bf16, or fp16 where HALF) and fed to the
-        tensor cores with the tokens. Otherwise BT is 1 and each plane's products are summed before its
-        unit's scale multiplies them: two float32 operations a weight besides unpacking it."""
+        tensor cores with the tokens. Otherwise each plane's products are summed before its unit's scale
+        multiplies them: per token one float32 FMA a weight besides unpacking it once."""
         nb = tl.arange(0, NB)[None, :, None]
         l = tl.arange(0, L)[None, None, :]
         rl = rlive[:, None, None]
@@ -300,13 +311,16 @@ if triton is not None:
                 w1 = tl.reshape((s1 * q1 - o1).to(op), [ROWS, NB * L])
                 acc = tl.dot(x0, tl.trans(w0), acc)
                 acc = tl.dot(x1, tl.trans(w1), acc)
-            else:  # BT == 1: x0, x1 are [1, NB, L]
-                x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)
+            else:  # a few tokens: each weight unpacked once, then BT float32 FMAs
+                x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)  # [BT, NB, L]
                 x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
-                part = s0 * tl.sum(q0 * x0, axis=2, keep_dims=True) + s1 * tl.sum(q1 * x1, axis=2, keep_dims=True)
+                d0 = tl.sum(q0[None, :, :, :] * x0[:, None, :, :], axis=3)  # [BT, ROWS, NB]
+                d1 = tl.sum(q1[None, :, :, :] * x1[:, None, :, :], axis=3)
+                part = tl.sum(s0, axis=2)[None, :, :] * d0 + tl.sum(s1, axis=2)[None, :, :] * d1
                 if FMT == 2 or FMT == 3:  # the k-quants' minimum: -min * (sum of x over the sub-block)
-                    part -= o0 * tl.sum(x0, axis=2, keep_dims=True) + o1 * tl.sum(x1, axis=2, keep_dims=True)
-                acc += tl.reshape(tl.sum(tl.sum(part, axis=2), axis=1), [BT, ROWS])
+                    part -= (tl.sum(o0, axis=2)[None, :, :] * tl.sum(x0, axis=2)[:, None, :]
+                             + tl.sum(o1, axis=2)[None, :, :] * tl.sum(x1, axis=2)[:, None, :])
+                acc += tl.sum(part, axis=2)
         return acc
 
     @triton.jit

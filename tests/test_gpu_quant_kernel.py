@@ -69,11 +69,19 @@ def ends_of(sizes, device="cpu"):
     return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
 
-def assert_close(got, expected, per_element, overall):
+def assert_close(got, expected, per_element, overall, relative=0.0):
+    """|got - expected| <= relative * |expected| + per_element * RMS(expected) for every element, and the error's
+    norm <= overall * expected's norm. SwiGLU outputs are heavy-tailed (the largest are tens of RMS), so an
+    error proportional to each element's own size (rounding the output) is bounded apart from one that
+    scales with the dot products' typical size (rounding the operands)."""
     scale = expected.norm() / expected.numel() ** 0.5
     err = (got.double() - expected).abs()
-    assert err.max() <= per_element * scale, f"worst error {err.max() / scale:.2e} of the output's RMS"
-    assert (got.double() - expected).norm() <= overall * expected.norm()
+    excess = err - relative * expected.abs()
+    worst = excess.argmax()
+    assert excess.max() <= per_element * scale, (
+        f"error {err.flatten()[worst]:.3g} at an output of {expected.flatten()[worst]:.3g}, RMS {scale:.3g}; "
+        f"norm-wise {err.norm() / expected.norm():.2e}")
+    assert err.norm() <= overall * expected.norm(), f"norm-wise error {err.norm() / expected.norm():.2e}"
 
 
 def run_interpreted(x, w, sizes, **kw):
@@ -103,8 +111,8 @@ def test_every_format_tensor_core_tiles(formats, hidden, width):
     x = torch.randn(sum(sizes), hidden, generator=torch.Generator().manual_seed(1)).to(torch.float16)
     got = run_interpreted(x, w, sizes)
     assert got.dtype == torch.float16 and got.shape == x.shape
-    # fp16 operands and output: a few fp16 steps (2^-11) of the largest outputs, four times the RMS.
-    assert_close(got, reference(x, w, sizes), 2 ** -7, 2 ** -9)
+    # fp16 operands and output: 2^-11 of each output, a few 2^-11 of the dot products' terms.
+    assert_close(got, reference(x, w, sizes), 2 ** -8, 2 ** -9, 2 ** -10)
 
 
 @interpreted
@@ -117,6 +125,16 @@ def test_every_format_one_row_at_a_time(formats, hidden, width):
     got = run_interpreted(x, w, sizes)
     assert got.dtype == torch.float32 and got.shape == x.shape
     assert_close(got, reference(x, w, sizes), 1e-4, 1e-5)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt", ["q4_0", "q6_k"])
+def test_few_rows_per_expert_and_fewer_groups_than_experts(fmt):
+    # Decode of a few tokens: 2-4 rows per expert (several tokens per pass), fp16, three groups of a stack of five.
+    sizes = [2, 4, 3]
+    w = random_experts(5, 256, 256, fmt, seed=3)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(torch.float16)
+    assert_close(run_interpreted(x, w, sizes), reference(x, w, sizes), 2 ** -8, 2 ** -9, 2 ** -10)
 
 
 @interpreted
@@ -143,8 +161,8 @@ def test_bf16_input_one_row_per_expert():
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     got = run_interpreted(x, w, sizes)
     assert got.dtype == torch.bfloat16
-    # The interpreter truncates to bf16 where GPUs round to nearest: a few bf16 steps of the largest outputs.
-    assert_close(got, reference(x, w, sizes), 2 ** -5, 2 ** -7)
+    # The interpreter truncates to bf16 where GPUs round to nearest: 2^-8 of each output.
+    assert_close(got, reference(x, w, sizes), 2 ** -8, 2 ** -7, 2 ** -7)
 
 
 @interpreted
@@ -174,6 +192,9 @@ def _cuda():
 
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
+# (per element in output RMS, norm-wise, per element relative): the bf16 output rounds each element by 2^-9
+# of itself; bf16 tensor-core operands add ~2^-9 of each dot product's terms, a few times that at outliers.
+BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)
 
 
 @pytest.mark.gpu
@@ -189,11 +210,11 @@ def test_real_shapes_on_cuda(shape, formats, sizes):
     expected = reference(x, w, sizes)
     got = gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev))
     assert got.dtype == torch.bfloat16
-    assert_close(got, expected, 2 ** -6, 2 ** -7)
+    assert_close(got, expected, *BF16_TOLERANCE)
     if sum(sizes) >= 256 and gpu_quant._dequant_route_works(x):
         other = "dequant" if gpu_quant._route(x, sum(sizes), len(sizes)) == "fused" else "fused"
         assert_close(gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev), route=other), expected,
-                     2 ** -6, 2 ** -7)
+                     *BF16_TOLERANCE)
 
 
 @pytest.mark.gpu
@@ -221,4 +242,4 @@ def test_captured_in_a_cuda_graph():
     x.copy_(torch.randn(16, 2048, device=dev))
     ends.copy_(ends_of(sizes, dev))
     graph.replay()
-    assert_close(out, reference(x, w, sizes), 2 ** -6, 2 ** -7)
+    assert_close(out, reference(x, w, sizes), *BF16_TOLERANCE)

@@ -115,13 +115,18 @@ def main():
         sweep(dev)
 
 
+def _fma(r, nb, wp, bt=1):
+    return dict(ROWS=r, NB=nb, BT=bt, DOT=False, SPLIT=1, num_warps=wp)
+
+
+def _dot(r, nb, wp):
+    return dict(ROWS=r, NB=nb, BT=16, DOT=True, SPLIT=1, num_warps=wp)
+
+
 SWEEP = {
-    "decode": (1, [dict(ROWS=r, NB=nb, BT=1, DOT=False, SPLIT=1, num_warps=wp)
-                   for r, nb, wp in [(8, 8, 4), (16, 8, 4), (16, 4, 4), (32, 4, 8), (4, 16, 2), (8, 4, 2)]]),
-    "decode16": (16, [dict(ROWS=r, NB=nb, BT=16, DOT=True, SPLIT=1, num_warps=wp)
-                      for r, nb, wp in [(16, 8, 4), (32, 4, 4), (64, 4, 4), (32, 8, 8)]]),
-    "prefill": (256, [dict(ROWS=r, NB=nb, BT=bt, DOT=True, SPLIT=512 // bt, num_warps=wp, num_stages=3)
-                      for r, nb, bt, wp in [(64, 4, 64, 4), (128, 2, 128, 8), (128, 4, 64, 8), (64, 8, 128, 4)]]),
+    "decode": (1, [_fma(4, 16, 2), _fma(2, 16, 1), _fma(4, 32, 2), _fma(2, 32, 2), _fma(8, 16, 4), _fma(4, 8, 1)]),
+    "decode4": (4, [_fma(4, 16, 2, 4), _fma(8, 16, 4, 4), _fma(4, 8, 2, 4), _fma(2, 16, 1, 4), _dot(64, 4, 4)]),
+    "decode16": (16, [_fma(4, 16, 2, 4), _fma(8, 8, 4, 4), _dot(64, 4, 4), _dot(128, 4, 8), _dot(64, 2, 4)]),
 }
 
 
