@@ -108,8 +108,11 @@ class ModelsScreen(Screen):
             fixed[key] = max([len(r[index]) for r in rows] + [len(MODEL_COLUMNS[key])])
         padding = 2 * table.cell_padding * len(MODEL_COLUMNS)
         room = max(20, self.size.width - 4 - padding - 1 - sum(fixed.values()))  # 4: body padding and scrollbar
-        name_width = min(max([len(r[1]) for r in rows] + [5]), max(16, room * 3 // 5))
-        note_width = max(4, room - name_width)
+        # The note gives way first (down to a word or so), since the highlighted row's note is shown in full below.
+        note_need = max([len(r[6]) for r in rows] + [4])
+        name_need = max([len(r[1]) for r in rows] + [5])
+        note_width = min(note_need, max(10, room - name_need))
+        name_width = min(name_need, max(16, room - note_width))
         widths = {"mark": 1, "name": name_width, **fixed, "note": note_width}
         table.clear(columns=True)
         for key, label in MODEL_COLUMNS.items():
