@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Iterable, Iterator
 
 import torch
 
+from engine.beam import BeamSearch
 from engine.checkpoint import open_checkpoint
 from engine.cuda_graphs import GraphedDecode, graphs_wanted
 from engine.errors import MoedeskError
@@ -38,6 +40,7 @@ class Engine:
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
         self.scheduler = Scheduler(self._decoder)
         self._grammar_tokenizer = None
+        self._beam: BeamSearch | None = None  # made at the first beam search; keeps its cache for the next
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
@@ -205,6 +208,47 @@ class Engine:
                     return
         finally:
             handle.cancel()  # a caller that stops iterating frees the row at the next step
+
+    def beam_search(self, prompt_ids: list[int], beams: int = 4, max_new_tokens: int = 256,
+                    length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,
+                    tag=None) -> Completion:
+        """The best of `beams` hypotheses continuing `prompt_ids`, as transformers' `generate(num_beams=beams,
+        do_sample=False, length_penalty=..., early_stopping=...)` chooses it (engine.beam). The hypotheses
+        decode as one batch through the executor, in a KV cache of their own that stays allocated for the
+        next search. finish_reason "stop" when the best ended with an end-of-sequence token (left out of
+        token_ids, as always), else "length". ignore_eos: no token ends a hypothesis.
+
+        Runs on the caller's thread, not the scheduler's, which has no way to run a job alone: the two would
+        share the executor, so it refuses (MoedeskError) while generate/stream/serve requests are running or
+        waiting, and callers must not start those until it returns."""
+        busy = self.scheduler.stats()
+        if busy["running"] or busy["waiting"]:
+            raise MoedeskError("beam search cannot run while other requests are decoding on this model; "
+                               "wait for them to finish")
+        if self._beam is None:
+            self._beam = BeamSearch(self.model, self.device, self.dtype, self.context_length, on_oom=self._on_oom,
+                                    graphs=self.graphs is not None)
+        eos = set() if ignore_eos else set(self.config.eos_token_ids) | set(
+            self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
+        before = self.executor.stats.copy() if hasattr(self.executor, "stats") else None
+        started = time.perf_counter()
+        result = self._beam.run(list(prompt_ids), self.executor, beams, max_new_tokens, eos, length_penalty,
+                                early_stopping)
+        tokens = result.tokens[:-1] if result.ended_by_eos else result.tokens
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        stats = {
+            "ttft_s": round(result.prefill_s, 4),  # the prompt's forward: no token is final before the end
+            "decode_tok_s": round(len(tokens) / result.decode_s, 2) if result.decode_s > 0 and tokens else None,
+            "total_s": round(time.perf_counter() - started, 4),
+            "beams": beams, "beam_steps": result.steps,
+            "beam_step_ms": round(1000 * result.decode_s / result.steps, 3) if result.steps else None,
+            "score": round(result.score, 6),
+        }
+        if before is not None:
+            stats["experts"] = self.executor.stats.since(before).as_dict()
+        return Completion(tag=tag, token_ids=tokens, text=text,
+                          finish_reason="stop" if result.ended_by_eos else "length", prompt_tokens=len(prompt_ids),
+                          stats=stats)
 
     def grammar(self, response_format):
         """An OpenAI-style response_format as an engine.sampling.Grammar for Request.grammar (None for plain
