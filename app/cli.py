@@ -173,6 +173,8 @@ def run_bench_command(args) -> int:
 def run_serve_command(args) -> int:
     import os
 
+    import torch
+
     from app.batch import batch_size_for_memory, free_memory_bytes
     from app.server import run_server
 
@@ -191,6 +193,13 @@ def run_serve_command(args) -> int:
         engine.scheduler.prefill_chunk = args.prefill_chunk
     batch_size = args.batch_size or batch_size_for_memory(
         free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
+    # Every row's KV cache up front: grown later, it would be reallocated (and the CUDA graphs captured again)
+    # while clients wait, once for each client that arrives beyond the rows so far.
+    try:
+        engine.cache.ensure(batch_size, engine.context_length)
+    except torch.OutOfMemoryError:
+        print(f"moedesk: warning: no room for {batch_size} full-context KV caches up front; they grow as needed",
+              file=sys.stderr)
     return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
                       batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name)
 
