@@ -70,6 +70,8 @@ class BatchSettings:
     top_k: int = SamplingParams.top_k
     seed: int = SamplingParams.seed
     ignore_eos: bool = SamplingParams.ignore_eos
+    beams: int = 1  # above 1: beam search (engine.beam), each such line alone
+    length_penalty: float = 1.0  # beam search's, as transformers applies it
     batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
     dtype: str | None = None  # None: the engine's default for the device
@@ -77,7 +79,8 @@ class BatchSettings:
     batch_size_from_memory: bool = False  # batch_size was chosen from free memory
 
     def describe(self) -> str:
-        shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory")]
+        shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory")
+                 and (self.beams > 1 or f.name not in ("beams", "length_penalty"))]
 
         def mark(name: str) -> str:
             if name == "batch_size" and self.batch_size_from_memory:
@@ -101,7 +104,7 @@ class BatchSettings:
 
 
 # What each setting may be; shared by the per-line overrides and the command-line flags.
-_INTEGERS = {"max_new_tokens", "seed", "top_k", "batch_size"}
+_INTEGERS = {"max_new_tokens", "seed", "top_k", "batch_size", "beams"}
 _RANGES = {
     "max_new_tokens": (lambda v: v >= 1, ">= 1"),
     "batch_size": (lambda v: v >= 1, ">= 1"),
@@ -109,6 +112,8 @@ _RANGES = {
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0"),
     "seed": (lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**64)"),
+    "beams": (lambda v: v >= 1, ">= 1"),
+    "length_penalty": (lambda v: True, "finite"),
 }
 
 
@@ -189,6 +194,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
                         help=f"sequences decoded together (default: as many as half the free GPU memory, or RAM "
                              f"without a GPU, holds KV caches for, at most {AUTO_BATCH_CAP})")
+    parser.add_argument("--beams", type=int, default=1, metavar="W",
+                        help="beam search over W hypotheses, unless the line sets beams (default 1: off)")
+    parser.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
+                        help="beam search scores sum(logprobs) / length**L, as transformers (default 1.0)")
 
 
 def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSettings:
@@ -203,6 +212,7 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
             values[name] = app_value
             from_app.append(name)
     settings = BatchSettings(**values, ignore_eos=args.ignore_eos, batch_size=args.batch_size,
+                             beams=getattr(args, "beams", 1), length_penalty=getattr(args, "length_penalty", 1.0),
                              from_app=tuple(from_app))
     for name in _RANGES:
         if name == "batch_size" and settings.batch_size is None:
@@ -445,6 +455,7 @@ class _Run:
         self.pending: deque[int] = deque()  # line numbers not yet written, in input order
         self.ready: dict[int, dict] = {}  # line number -> record waiting for the lines before it
         self.in_flight: dict[int, tuple[str, Request]] = {}  # line number -> (id, request) the engine holds
+        self.beam_lines: dict[int, tuple[int, float]] = {}  # line number -> (beams, length penalty) of beam lines
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
 
@@ -552,6 +563,17 @@ class _Run:
                 grammar = self.engine.grammar(obj["response_format"])
             except (ValueError, MoedeskError) as e:
                 raise _BadLine(str(e)) from None
+        beams = obj.get("beams", self.settings.beams)
+        length_penalty = obj.get("length_penalty", self.settings.length_penalty)
+        try:
+            _check_param("beams", beams)
+            _check_param("length_penalty", length_penalty)
+        except ValueError as e:
+            raise _BadLine(str(e)) from None
+        if beams > 1:
+            if grammar is not None:
+                raise _BadLine("response_format cannot be combined with beam search")
+            self.beam_lines[line.number] = (beams, float(length_penalty))
         # The tag is the line number, not the id: unique even when ids repeat, and it finds the
         # line's place in the output order.
         return Request(ids, params, tag=line.number, grammar=grammar)
@@ -599,6 +621,41 @@ class _Run:
         return list(ids)
 
     def generate(self, requests: Iterator[Request], batch_size: int) -> None:
+        """Run the engine over `requests` to the end. A beam-search line runs alone, since the engine's beam
+        search runs outside its scheduler: the lines before it finish, it runs, then the rest go on."""
+        while True:
+            held: list[tuple[int, tuple[str, Request]]] = []
+            self._generate_plain(self._until_beam_line(requests, held), batch_size)
+            if not held:
+                return
+            self._beam_search(*held[0])
+
+    def _until_beam_line(self, requests: Iterator[Request], held: list) -> Iterator[Request]:
+        """The requests up to the next beam-search line, which goes to `held` and out of in_flight until it
+        runs (so that a failure of the lines before it never runs it as a plain line)."""
+        for request in requests:
+            if request.tag in self.beam_lines:
+                held.append((request.tag, self.in_flight.pop(request.tag)))
+                return
+            yield request
+
+    def _beam_search(self, number: int, entry: tuple[str, Request]) -> None:
+        self.in_flight[number] = entry
+        line_id, request = entry
+        beams, length_penalty = self.beam_lines.pop(number)
+        try:
+            completion = self.engine.beam_search(request.prompt_ids, beams, request.params.max_new_tokens,
+                                                 length_penalty, ignore_eos=request.params.ignore_eos, tag=number)
+        except _Stopped:
+            raise
+        except Exception as error:  # noqa: BLE001 -- the line's own error, unless the engine fails everything
+            self._check_engine_works(error)
+            del self.in_flight[number]
+            self._finished(number, {"id": line_id, "error": _one_line(f"line {number}: {_describe(error)}")})
+            return
+        self.completed(completion)
+
+    def _generate_plain(self, requests: Iterator[Request], batch_size: int) -> None:
         """Run the engine over `requests` to the end, whatever fails on the way.
 
         When the engine raises, the lines it held are run again one at a time: a line that fails
