@@ -219,8 +219,12 @@ class Scheduler:
         return newcomers
 
     def _step(self, decoder, newcomers: list[Handle]) -> None:
-        for handle in newcomers:
-            handle.seq = decoder.start(handle.request, handle.row)
+        for handle in list(newcomers):
+            try:
+                handle.seq = decoder.start(handle.request, handle.row)
+            except Exception as error:  # noqa: BLE001 -- e.g. a grammar its library refuses: that request only
+                newcomers.remove(handle)
+                self._fail(handle, error)
         if newcomers:
             try:
                 decoder.reserve(len(self._rows), [h.seq for h in newcomers])

@@ -209,3 +209,15 @@ def test_json_schema_constrains_decoding(engine):
     with pytest.raises(ValueError, match="response_format"):
         engine.grammar({"type": "xml"})
     assert engine.grammar({"type": "text"}) is None
+
+
+def test_a_request_that_cannot_start_fails_alone(engine):
+    class Broken:
+        def matcher(self):
+            raise RuntimeError("no matcher")
+
+    ids = engine.tokenizer.encode("Hello")
+    other = engine.submit(Request(ids, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)))
+    bad = engine.submit(Request(ids, GREEDY, grammar=Broken()))
+    assert "no matcher" in str(list(bad.updates(timeout=30))[-1].error)
+    assert list(other.updates(timeout=30))[-1].completion.finish_reason == "length"
