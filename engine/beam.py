@@ -41,7 +41,7 @@ class BeamResult:
     ended_by_eos: bool
     steps: int  # forwards of the W hypotheses (decode steps), the prefill not counted
     prefill_s: float
-    decode_s: float
+    decode_s: float  # from the prefill's end to the search's: the steps with their choosing and reordering
 
 
 def check_options(beams: int, length_penalty: float, early_stopping) -> None:
@@ -95,14 +95,14 @@ class BeamSearch:
     def _search(self, prompt, executor, W, max_new, eos, length_penalty, early_stopping) -> BeamResult:
         P = len(prompt)
         max_length = P + max_new
-        # The last token chosen is never fed back, so the cache needs one position less than max_length.
-        self._ensure_cache(W, max_length)
+        self.reserve(W, max_length)
         started = time.perf_counter()
         logits = self._retrying(lambda: self.model(
             torch.tensor([prompt], device=self.device), torch.arange(P, device=self.device)[None], self.cache,
             executor, logits_at=torch.tensor([P - 1], device=self.device)))
         _sync(self.device)
-        prefill_s = time.perf_counter() - started
+        decode_started = time.perf_counter()
+        prefill_s = decode_started - started
 
         keep = max(2, 1 + len(eos)) * W  # enough that W continuations survive even when the best all end
         top_w = torch.arange(keep) < W  # only the first W continuations may become finished hypotheses
@@ -115,7 +115,7 @@ class BeamSearch:
         finished_done = torch.zeros(W, dtype=torch.bool)
         can_improve = True
         step_logits = logits[:, -1].expand(W, -1)
-        steps, decode_s = 0, 0.0
+        steps = 0
         first = True
         while True:
             vocab = step_logits.shape[-1]
@@ -163,21 +163,23 @@ class BeamSearch:
                 break
 
             self._reorder(rows, P + generated - 1)
-            t0 = time.perf_counter()
             step_tokens = torch.tensor([[h[-1]] for h in running], device=self.device)
             positions = torch.full((W, 1), P + generated - 1, dtype=torch.long, device=self.device)
             step_logits = self._retrying(lambda: self._step(step_tokens, positions, executor))[:, -1]
             steps += 1
-            decode_s += time.perf_counter() - t0
 
         tokens = finished[0] if finished[0] is not None else running[0]
         return BeamResult(tokens=list(tokens), score=float(finished_scores[0]),
                           ended_by_eos=bool(tokens) and tokens[-1] in eos, steps=steps, prefill_s=prefill_s,
-                          decode_s=decode_s)
+                          decode_s=time.perf_counter() - decode_started)
 
     # --- the device side ----------------------------------------------------------------------
 
-    def _ensure_cache(self, rows: int, length: int) -> None:
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` hypotheses of `length` tokens, prompt included (a search does this itself; a caller
+        may do it first so that a short warm-up captures the CUDA graphs of the cache a longer search uses)."""
+        # The last token chosen is never fed back: its position needs no room.
+        length = min(length - 1, self.context_length)
         if self.cache is None:
             self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
             if self.use_graphs:
