@@ -86,8 +86,9 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
         return _dequant_route(x, w, ends, out)
     f = w.width
     act = torch.empty(m, f, dtype=torch.float32, device=x.device)
-    _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g)
-    _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g)
+    # Both launches take the tiles of x's dtype: the float32 activation is an intermediate, not a float32 layer.
+    _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g, dtype=x.dtype)
+    _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g, dtype=x.dtype)
     return out
 
 
@@ -106,32 +107,33 @@ def _route(x: torch.Tensor, m: int, g: int) -> str:
     return "dequant"
 
 
-def _config(x: torch.Tensor, m: int, g: int, rows: int, units: int) -> dict:
-    """Tile sizes for one launch: ROWS weight rows per program, NB units along k per step, BT tokens per
-    step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens.
+def _config(dtype: torch.dtype, m: int, g: int, units: int) -> dict:
+    """Tile sizes for one launch of a layer whose x has `dtype`: ROWS weight rows per program, NB units along
+    k per step, BT tokens per step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens.
 
-    Measured on an H100 (tests/perf/bench_gpu_quant.py), Mixtral shape, 8 experts with one row each:
-    4 rows x 16 units a program, 2 warps, read q4_0 at 1.2 TB/s and q4_k at 1.3 (8 rows x 8 units: 0.5 and
-    0.4). The tensor-core tiles lost to that at 4 and 16 rows per expert."""
+    Measured on an H100 (tests/perf/bench_gpu_quant.py), Mixtral shape, 8 experts: with one row each, 4 rows
+    x 16 units a program and 2 warps read q4_0 at 1.2 TB/s and q4_k at 1.3 (8 x 8 and 4 warps: 0.5, 0.4);
+    with 4 or 16 rows each, the tensor-core tiles of 64 rows x 2 units took 1.0 ms for q4_0 and 1.9 for q4_k,
+    where float32 FMAs over 4 tokens at a time took 4.4-5.2 ms (at 4 rows) and 18-20 ms (at 16)."""
     per_group = -(-m // g)
     if _interpreted():  # few programs and big steps: the interpreter pays per program and per operation
-        dot = x.dtype != torch.float32 and per_group > 4
-        return dict(ROWS=128, NB=min(16, triton.next_power_of_2(units)), BT=16 if dot else min(4, triton.next_power_of_2(per_group)),
-                    DOT=dot, SPLIT=1, num_warps=1)
-    if per_group <= 4 or x.dtype == torch.float32:
+        dot = dtype != torch.float32 and per_group > 4
+        return dict(ROWS=128, NB=min(16, triton.next_power_of_2(units)),
+                    BT=16 if dot else min(4, triton.next_power_of_2(per_group)), DOT=dot, SPLIT=1, num_warps=1)
+    if per_group <= 1 or dtype == torch.float32:
         return dict(ROWS=4, NB=16, BT=min(4, triton.next_power_of_2(per_group)), DOT=False, SPLIT=1, num_warps=2)
     if per_group >= _MANY:
         return dict(ROWS=128, NB=2, BT=128, DOT=True, SPLIT=max(1, -(-m // 128)), num_warps=8, num_stages=3)
-    return dict(ROWS=64, NB=4, BT=16, DOT=True, SPLIT=1, num_warps=4)
+    return dict(ROWS=64, NB=2, BT=16, DOT=True, SPLIT=1, num_warps=4)
 
 
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
-def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, config=None):
+def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, config=None):
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
-    cfg = dict(config or _OVERRIDE or _config(x, m, groups, rows, units))
+    cfg = dict(config or _OVERRIDE or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
@@ -311,13 +313,20 @@ if triton is not None:
                 w1 = tl.reshape((s1 * q1 - o1).to(op), [ROWS, NB * L])
                 acc = tl.dot(x0, tl.trans(w0), acc)
                 acc = tl.dot(x1, tl.trans(w1), acc)
-            else:  # a few tokens: each weight unpacked once, then BT float32 FMAs
+            elif BT == 1:  # x0, x1 [1, NB, L]; kept apart from the rank-4 form below, which ran at half the speed
+                x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)
+                x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
+                part = s0 * tl.sum(q0 * x0, axis=2, keep_dims=True) + s1 * tl.sum(q1 * x1, axis=2, keep_dims=True)
+                if FMT == 2 or FMT == 3:  # the k-quants' minimum: -min * (sum of x over the sub-block)
+                    part -= o0 * tl.sum(x0, axis=2, keep_dims=True) + o1 * tl.sum(x1, axis=2, keep_dims=True)
+                acc += tl.reshape(tl.sum(tl.sum(part, axis=2), axis=1), [BT, ROWS])
+            else:  # a few tokens (float32 x): each weight unpacked once, then BT float32 FMAs
                 x0 = tl.load(xrow + c0, mask=xm, other=0.0).to(tl.float32)  # [BT, NB, L]
                 x1 = tl.load(xrow + c1, mask=xm, other=0.0).to(tl.float32)
                 d0 = tl.sum(q0[None, :, :, :] * x0[:, None, :, :], axis=3)  # [BT, ROWS, NB]
                 d1 = tl.sum(q1[None, :, :, :] * x1[:, None, :, :], axis=3)
                 part = tl.sum(s0, axis=2)[None, :, :] * d0 + tl.sum(s1, axis=2)[None, :, :] * d1
-                if FMT == 2 or FMT == 3:  # the k-quants' minimum: -min * (sum of x over the sub-block)
+                if FMT == 2 or FMT == 3:
                     part -= (tl.sum(o0, axis=2)[None, :, :] * tl.sum(x0, axis=2)[:, None, :]
                              + tl.sum(o1, axis=2)[None, :, :] * tl.sum(x1, axis=2)[:, None, :])
                 acc += tl.sum(part, axis=2)
