@@ -67,22 +67,31 @@ static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 /*
  * A row of K values (K a multiple of 32), Kc = K rounded up to 64, in one buffer:
- *   u8  xu[Kc]      q + 128, q = round(x / d) in [-127, 127]; padding 128 (q = 0)
+ *   u8  xb[Kc]      VNNI: q as int8; AVX2: q + 128. q = round(x / d) in [-127, 127]; padding q = 0
  *   f32 xd[Kc / 4]  d of each lane of 4 values; padding 0
+ *   i32 xc[Kc / 4]  VNNI: -off * (sum of the lane's 4 q), off the weight format's unsigned offset
+ *                   (q4_0 8, q8_0 128, q6_k 32, q4_k/q5_k 0); padding 0
  *   f32 xm[Kc / 32] d * sum(q) of each block of 32 (the k-quant min term); padding 0
  */
-static int64_t qrow_bytes(int64_t K) { const int64_t Kc = round_up(K, 64); return 2 * Kc + Kc / 8; }
+static int64_t qrow_bytes(int64_t K) { const int64_t Kc = round_up(K, 64); return 3 * Kc + Kc / 8; }
+#define XD(row, Kc) ((float *)((row) + (Kc)))
+#define XC(row, Kc) ((int32_t *)((row) + 2 * (Kc)))
+#define XM(row, Kc) ((float *)((row) + 3 * (Kc)))
 
-static void qrow_pad(uint8_t *row, int64_t K) {
+static void qrow_pad(uint8_t *row, int64_t K, int vnni) {
     const int64_t Kc = round_up(K, 64);
     if (Kc == K) return;
-    memset(row + K, 128, (size_t)(Kc - K));
+    memset(row + K, vnni ? 0 : 128, (size_t)(Kc - K));
     memset(row + Kc + K, 0, (size_t)(Kc - K));
-    memset(row + 2 * Kc + K / 8, 0, (size_t)(Kc - K) / 8);
+    memset(row + 2 * Kc + K, 0, (size_t)(Kc - K));
+    memset(row + 3 * Kc + K / 8, 0, (size_t)(Kc - K) / 8);
 }
 
-/* 32 fp32 values into block b of a quantised row. */
-static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int64_t b) {
+/* The unsigned offset of each format's weights as the VNNI kernels feed them to vpdpbusd. */
+static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
+
+/* 32 fp32 values into block b of a quantised row; off: W_OFFSET of the consumer (VNNI), -1: AVX2 layout. */
+static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int64_t b, int off) {
     __m256 a[4], m = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int i = 0; i < 4; i++) {
@@ -102,13 +111,17 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int6
     /* packs interleave 128-bit halves; the permute puts the 32 bytes back in order */
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)(row + 32 * b), _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)));
-    float *xd = (float *)(row + Kc), *xm = (float *)(row + 2 * Kc);
-    _mm256_storeu_ps(xd + 8 * b, _mm256_set1_ps(d));
+    _mm256_storeu_si256((__m256i *)(row + 32 * b), off < 0 ? _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)) : ordered);
+    _mm256_storeu_ps(XD(row, Kc) + 8 * b, _mm256_set1_ps(d));
+    if (off >= 0) { /* lane L = q 4L..4L+3: two hadds give lanes 0 2 4 6 | 1 3 5 7, the permute orders them */
+        const __m256i l = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+        const __m256i lanes = _mm256_permutevar8x32_epi32(l, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(XC(row, Kc) + 8 * b), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-off)));
+    }
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    xm[b] = d * (float)_mm_cvtsi128_si32(s);
+    XM(row, Kc)[b] = d * (float)_mm_cvtsi128_si32(s);
 }
 
 static inline void bf16_to_f32(const bf16 *src, float *dst, int n) {
@@ -229,48 +242,6 @@ static inline int has_mins(int fmt) { return fmt == Q4_K || fmt == Q5_K; }
  */
 typedef struct { const uint8_t *u; const float *d, *m; } XSeg;
 
-static inline __attribute__((always_inline)) VNNI void
-dot_vnni_tile(const Seg *g, const XSeg *xs, const int TT, int nch, int nmin, float *acc, int n) {
-    __m512 a[ROWS][4];
-    for (int r = 0; r < ROWS; r++)
-        for (int t = 0; t < TT; t++) a[r][t] = _mm512_load_ps(acc + (r * n + t) * 16);
-    for (int c = 0; c < nch; c++) {
-        __m512i xu[4];
-        __m512 xd[4];
-        for (int t = 0; t < TT; t++) {
-            xu[t] = _mm512_loadu_si512(xs[t].u + 64 * c);
-            xd[t] = _mm512_loadu_ps(xs[t].d + 16 * c);
-        }
-        for (int r = 0; r < ROWS; r++) {
-            const __m512i w = _mm512_load_si512(g[r].w + 64 * c);
-            const __m512 s = _mm512_load_ps(g[r].s + 16 * c);
-            for (int t = 0; t < TT; t++) {
-                const __m512i i = _mm512_dpbusd_epi32(_mm512_load_si512(g[r].c + 16 * c), xu[t], w);
-                a[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s, xd[t]), a[r][t]);
-            }
-        }
-    }
-    if (nmin) {
-        const __mmask16 k = (__mmask16)((1u << nmin) - 1);
-        for (int r = 0; r < ROWS; r++) {
-            const __m512 m = _mm512_maskz_loadu_ps(k, g[r].m);
-            for (int t = 0; t < TT; t++) a[r][t] = _mm512_fnmadd_ps(m, _mm512_maskz_loadu_ps(k, xs[t].m), a[r][t]);
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int t = 0; t < TT; t++) _mm512_store_ps(acc + (r * n + t) * 16, a[r][t]);
-}
-
-static VNNI void dot_vnni(const Seg *g, const XSeg *xs, int n, int nch, int nmin, float *acc) {
-    int t = 0;
-    for (; t + 4 <= n; t += 4) dot_vnni_tile(g, xs + t, 4, nch, nmin, acc + t * 16, n);
-    switch (n - t) {
-    case 3: dot_vnni_tile(g, xs + t, 3, nch, nmin, acc + t * 16, n); break;
-    case 2: dot_vnni_tile(g, xs + t, 2, nch, nmin, acc + t * 16, n); break;
-    case 1: dot_vnni_tile(g, xs + t, 1, nch, nmin, acc + t * 16, n); break;
-    }
-}
-
 /* AVX2: 32-weight chunks, 8 lanes; q8_0 (signed8) avoids maddubs' saturation with |w| x sign(w) q_x. */
 static inline __attribute__((always_inline)) void
 dot_avx2_tile(const Seg *g, const XSeg *xs, const int TT, int nch, int nmin, int signed8, float *acc, int n) {
@@ -334,36 +305,216 @@ static inline float hsum16(const float *v, int lanes) {
     return s;
 }
 
+/* ---------------------------------------------------------------- VNNI: weights unpacked in registers */
+
+/*
+ * A 64-weight chunk of a row becomes one zmm of unsigned bytes w (the format's q, offset by W_OFFSET)
+ * and a zmm of 16 fp32 lane scales s; vpdpbusd(xc, w, x) with the token's signed int8 x and its
+ * precomputed xc = -off * (lane sum of x) gives each lane's exact sum(q_w * q_x); then
+ * acc += float(lane) * (s * xd). K-quants add the min term once per super-block.
+ */
+#define VI static inline __attribute__((always_inline)) VNNI
+
+VI __m512 d2_lanes(const uint8_t *b0, const uint8_t *b1, int half) { /* fp16 d at b0, b1: [d0 x8, d1 x8] */
+    uint16_t h0, h1 = 0;
+    memcpy(&h0, b0, 2);
+    if (!half) memcpy(&h1, b1, 2);
+    const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)h0)), _mm_set1_epi16((short)h1), 1);
+    return _mm512_cvtph_ps(h);
+}
+
+/* Per super-block of a k-quant row: the 16 fp32 values its chunks' lane scales are picked from. */
+VI __m512 kq_prep(const int fmt, const uint8_t *sb) {
+    if (fmt == Q6_K) { /* d * scale_i, i = 0..15 (16 weights each) */
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192))));
+        return _mm512_mul_ps(sc, _mm512_set1_ps(f16(sb + 208)));
+    }
+    /* q4_k / q5_k: lanes 0-7 d * scale_s, lanes 8-15 dmin * min_s; the 6-bit pairs four bytes at a time */
+    uint32_t a, b, c;
+    memcpy(&a, sb + 4, 4);
+    memcpy(&b, sb + 8, 4);
+    memcpy(&c, sb + 12, 4);
+    const uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = b & 0x3f3f3f3fu;
+    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u), mn_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
+    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi)));
+    const __m512 dd = _mm512_mask_mov_ps(_mm512_set1_ps(f16(sb)), 0xFF00, _mm512_set1_ps(f16(sb + 2)));
+    return _mm512_mul_ps(v, dd);
+}
+
+/* Chunk j (64 weights from k0 + 64 j; k0 a multiple of 256) of a packed row: w and s as above.
+ * half: only the first 32 weights exist (q4_0 / q8_0 rows of an odd number of blocks). */
+VI void chunk(const int fmt, const uint8_t *row, int64_t k0, int j, __m512 sv, int half, __m512i *w, __m512 *s) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    if (fmt == Q4_0) {
+        const uint8_t *b = row + (k0 / 32 + 2 * j) * 18;
+        __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 2)));
+        if (!half) z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128((const __m128i *)(b + 20)));
+        /* [q0 q0 q1 q1] -> [q0 lo, q0 hi, q1 lo, q1 hi]: weights in order */
+        *w = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), lo4);
+        *s = d2_lanes(b, b + 18, half);
+    } else if (fmt == Q8_0) {
+        const uint8_t *b = row + (k0 / 32 + 2 * j) * 34;
+        __m512i z = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2)));
+        if (!half) z = _mm512_inserti64x4(z, _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
+        *w = _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80)); /* q + 128 */
+        *s = d2_lanes(b, b + 34, half);
+    } else if (fmt == Q4_K || fmt == Q5_K) {
+        const uint8_t *sb = row + k0 / 256 * BLOCK_BYTES[fmt];
+        const uint8_t *qs = sb + (fmt == Q4_K ? 16 : 48) + 32 * j;
+        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
+        __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), lo4); /* sub-blocks 2j, 2j + 1 */
+        if (fmt == Q5_K) { /* bit 2j (2j + 1) of qh[l]: the fifth bit of weight l of sub-block 2j (2j + 1) */
+            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 16)));
+            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))), _mm256_set1_epi8((char)(2 << (2 * j))), 1);
+            q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(16));
+        }
+        *w = q;
+        *s = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sv);
+    } else { /* Q6_K: chunk j = half j / 2 of the super-block, weights 64 (j % 2).. of it */
+        const uint8_t *sb = row + k0 / 256 * 210;
+        const int h = j >> 1, pp = j & 1;
+        const __m512i ql = _mm512_loadu_si512(sb + 64 * h);
+        const __m512i lo = _mm512_and_si512(pp ? _mm512_srli_epi16(ql, 4) : ql, lo4);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
+        /* bits 2p, 2p + 1 of qh to bits 4, 5: p = 0, 1 (pp 0) or 2, 3 (pp 1) in the two halves */
+        const __m512i t = pp ? _mm512_mask_blend_epi16(0x0000FFFFu, _mm512_srli_epi16(qh, 2), qh)
+                             : _mm512_mask_slli_epi16(_mm512_slli_epi16(qh, 2), 0x0000FFFFu, qh, 4);
+        *w = _mm512_or_si512(lo, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
+        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * j), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+        *s = _mm512_permutexvar_ps(idx, sv);
+    }
+}
+
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead along each row (past its end: the rows read next) */
+#endif
+
+/*
+ * out[r * ostride + t] = dot(row w[r], token t) for R rows and TT tokens (x[t]: quantised rows), K
+ * weights. Always inlined with constant fmt, R, TT: the R x TT accumulators stay in registers.
+ */
+VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const *w, uint8_t *const *x, int64_t K,
+                  float *out, int ostride) {
+    const int64_t Kc = round_up(K, 64);
+    const int kq = fmt == Q4_K || fmt == Q5_K || fmt == Q6_K, has_off = W_OFFSET[fmt] != 0;
+    const int bb = BLOCK_BYTES[fmt], per = BLOCK[fmt];
+    __m512 acc[R][TT];
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += 256) {
+        const int len = K - k0 < 256 ? (int)(K - k0) : 256, nch = (len + 63) / 64;
+        const int64_t at = k0 / per * bb, seg = (int64_t)len / per * bb;
+        for (int r = 0; r < R; r++)
+            for (int64_t o = 0; o < seg; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
+        __m512 sv[R];
+        for (int r = 0; r < R; r++) sv[r] = kq ? kq_prep(fmt, w[r] + at) : _mm512_setzero_ps();
+        for (int j = 0; j < nch; j++) {
+            const int half = !kq && 64 * j + 32 == len;
+            __m512i wv[R];
+            __m512 s[R];
+            for (int r = 0; r < R; r++) chunk(fmt, w[r], k0, j, sv[r], half, &wv[r], &s[r]);
+            const int64_t k = k0 + 64 * j;
+            for (int t = 0; t < TT; t++) {
+                const __m512i xv = _mm512_loadu_si512(x[t] + k);
+                const __m512 xd = _mm512_loadu_ps(XD(x[t], Kc) + k / 4);
+                const __m512i xc = has_off ? _mm512_loadu_si512(XC(x[t], Kc) + k / 4) : _mm512_setzero_si512();
+                for (int r = 0; r < R; r++) {
+                    const __m512i i = _mm512_dpbusd_epi32(xc, wv[r], xv);
+                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s[r], xd), acc[r][t]);
+                }
+            }
+        }
+        if (fmt == Q4_K || fmt == Q5_K) { /* - dmin * min_s * d_x * sum(q_x) over the 8 sub-blocks */
+            const __m512i up = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+            __m512 mn[R];
+            for (int r = 0; r < R; r++) mn[r] = _mm512_maskz_permutexvar_ps(0x00FF, up, sv[r]);
+            for (int t = 0; t < TT; t++) {
+                const __m512 xm = _mm512_maskz_loadu_ps(0x00FF, XM(x[t], Kc) + k0 / 32);
+                for (int r = 0; r < R; r++) acc[r][t] = _mm512_fnmadd_ps(mn[r], xm, acc[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < TT; t++) out[r * ostride + t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+
+/* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8, 1 row x 9-16 (at most 16 accumulators). */
+#define VNNI_FORMAT(name, FMT)                                                                          \
+    static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os) { \
+        switch (n) {                                                                                    \
+        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os); break;                                          \
+        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os); break;                                          \
+        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os); break;                                          \
+        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os); break;                                          \
+        case 5: case 6: case 7: case 8:                                                                 \
+            for (int r = 0; r < 4; r += 2) {                                                            \
+                switch (n) {                                                                            \
+                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os); break;                     \
+                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os); break;                     \
+                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os); break;                     \
+                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os); break;                    \
+                }                                                                                       \
+            }                                                                                           \
+            break;                                                                                      \
+        default:                                                                                        \
+            for (int r = 0; r < 4; r++) {                                                               \
+                switch (n) {                                                                            \
+                case 9: vnni_tile(FMT, 1, 9, w + r, x, K, out + r * os, os); break;                     \
+                case 10: vnni_tile(FMT, 1, 10, w + r, x, K, out + r * os, os); break;                   \
+                case 11: vnni_tile(FMT, 1, 11, w + r, x, K, out + r * os, os); break;                   \
+                case 12: vnni_tile(FMT, 1, 12, w + r, x, K, out + r * os, os); break;                   \
+                case 13: vnni_tile(FMT, 1, 13, w + r, x, K, out + r * os, os); break;                   \
+                case 14: vnni_tile(FMT, 1, 14, w + r, x, K, out + r * os, os); break;                   \
+                case 15: vnni_tile(FMT, 1, 15, w + r, x, K, out + r * os, os); break;                   \
+                default: vnni_tile(FMT, 1, 16, w + r, x, K, out + r * os, os); break;                   \
+                }                                                                                       \
+            }                                                                                           \
+        }                                                                                               \
+    }
+VNNI_FORMAT(vnni_q4_0, Q4_0)
+VNNI_FORMAT(vnni_q8_0, Q8_0)
+VNNI_FORMAT(vnni_q4_k, Q4_K)
+VNNI_FORMAT(vnni_q5_k, Q5_K)
+VNNI_FORMAT(vnni_q6_k, Q6_K)
+
+typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int);
+static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
+
 /*
  * out[r * n + t] = dot(row rows[r] of W, token row t) for ROWS weight rows (indices may repeat) and n
- * quantised token rows of K values. Tokens go TOK at a time; the rows stay in L2 between passes.
+ * quantised token rows of K values (n <= TOK).
  */
 static void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
                      uint8_t *const *xq, int n, float *out) {
+    if (use_vnni) {
+        const uint8_t *w[ROWS];
+        for (int r = 0; r < ROWS; r++) w[r] = W + rows[r] * row_bytes;
+        for (int t0 = 0; t0 < n;) { /* tiles of 16 tokens, the rest in one tile */
+            const int tn = n - t0 > 16 ? 16 : n - t0;
+            VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n);
+            t0 += tn;
+        }
+        return;
+    }
     Seg g[ROWS];
     _Alignas(64) float acc[ROWS * TOK * 16];
     const int64_t Kc = round_up(K, 64);
-    const int lanes = use_vnni ? 16 : 8;
-    for (int t0 = 0; t0 < n; t0 += TOK) {
-        const int tn = n - t0 < TOK ? n - t0 : TOK;
-        memset(acc, 0, sizeof(float) * 16 * ROWS * (size_t)tn);
-        for (int64_t k0 = 0; k0 < K; k0 += SEG) {
-            const int len = K - k0 < SEG ? (int)(K - k0) : SEG;
-            for (int r = 0; r < ROWS; r++) unpack(fmt, W + rows[r] * row_bytes, k0, len, &g[r]);
-            XSeg xs[TOK];
-            for (int t = 0; t < tn; t++) {
-                const uint8_t *row = xq[t0 + t];
-                xs[t].u = row + k0;
-                xs[t].d = (const float *)(row + Kc) + k0 / 4;
-                xs[t].m = (const float *)(row + 2 * Kc) + k0 / 32;
-            }
-            const int nch = (len + 63) / 64, nmin = has_mins(fmt) ? len / 32 : 0;
-            if (use_vnni) dot_vnni(g, xs, tn, nch, nmin, acc);
-            else dot_avx2(g, xs, tn, nch, nmin, fmt == Q8_0, acc);
+    memset(acc, 0, sizeof(float) * 16 * ROWS * (size_t)n);
+    for (int64_t k0 = 0; k0 < K; k0 += SEG) {
+        const int len = K - k0 < SEG ? (int)(K - k0) : SEG;
+        for (int r = 0; r < ROWS; r++) unpack(fmt, W + rows[r] * row_bytes, k0, len, &g[r]);
+        XSeg xs[TOK];
+        for (int t = 0; t < n; t++) {
+            const uint8_t *row = xq[t];
+            xs[t].u = row + k0;
+            xs[t].d = XD(row, Kc) + k0 / 4;
+            xs[t].m = XM(row, Kc) + k0 / 32;
         }
-        for (int r = 0; r < ROWS; r++)
-            for (int t = 0; t < tn; t++) out[r * n + t0 + t] = hsum16(acc + (r * tn + t) * 16, lanes);
+        const int nch = (len + 63) / 64, nmin = has_mins(fmt) ? len / 32 : 0;
+        dot_avx2(g, xs, n, nch, nmin, fmt == Q8_0, acc);
     }
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < n; t++) out[r * n + t] = hsum16(acc + (r * n + t) * 16, 8);
 }
 
 /* ---------------------------------------------------------------- one call's work */
@@ -371,6 +522,7 @@ static void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, co
 typedef struct {
     const uint8_t *gate_up, *down;
     int fmt_gu, fmt_d, x_f32, out_f32;
+    int off_gu, off_d;    /* quantize_block's off for x (gate_up's format) and act (down's); -1: AVX2 */
     void *out;
     const int64_t *out_rows;
     const void *x_src;
@@ -446,7 +598,7 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         const float *up = j->up + (r0 + t) * F;
         uint8_t *row = j->aq + (r0 + t) * j->aq_row;
         for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
-        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, Fc, f / 32);
+        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, Fc, f / 32, j->off_d);
     }
 }
 
@@ -492,16 +644,16 @@ static void quantize_rows(Job *j) {
         uint8_t *row = j->xq + r * j->xq_row;
         if (j->x_f32) {
             const float *src = (const float *)j->x_src + j->x_row[r] * j->x_stride;
-            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, Hc, b);
+            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, Hc, b, j->off_gu);
         } else {
             const bf16 *src = (const bf16 *)j->x_src + j->x_row[r] * j->x_stride;
             for (int64_t b = 0; b < H / 32; b++) {
                 bf16_to_f32(src + 32 * b, buf, 32);
-                quantize_block(buf, row, Hc, b);
+                quantize_block(buf, row, Hc, b, j->off_gu);
             }
         }
-        qrow_pad(row, H);
-        qrow_pad(j->aq + r * j->aq_row, j->F);
+        qrow_pad(row, H, j->off_gu >= 0);
+        qrow_pad(j->aq + r * j->aq_row, j->F, j->off_d >= 0);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -643,6 +795,8 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->down = down;
     j->fmt_gu = fmt_gu;
     j->fmt_d = fmt_d;
+    j->off_gu = use_vnni ? W_OFFSET[fmt_gu] : -1;
+    j->off_d = use_vnni ? W_OFFSET[fmt_d] : -1;
     j->x_f32 = x_f32;
     j->out_f32 = out_f32;
     j->out = out;
