@@ -1,0 +1,755 @@
+"""Speculative decoding end to end: a draft proposes, one target forward verifies, the accepted path stays.
+
+A round, for every sequence of the batch at once:
+
+1. The drafter proposes a tree rooted at the sequence's last emitted token x (at position L, the first
+   position not yet in the target's cache). A chain (greedy mode) is a tree whose nodes each have one
+   child; beam mode drafts EAGLE-2 trees (top-k children per depth, the k best by cumulative draft
+   log-probability expanded further, the `budget` best nodes of all kept).
+2. One target forward runs the root and every node: node i at position L + depth(i), written into
+   cache slot L + i, seeing the sequence's cache before L and its own ancestors (`tree_mask`). A chain
+   needs no mask: its slots are its positions. Rows of different lengths share the forward; a row's
+   mask hides what lies past its own end. The forward goes through the engine's expert executor, so
+   an expert in RAM computes every token of every tree that routes to it in one call.
+3. engine.speculative.rejection accepts a path: the longest run of drafts equal to the target's argmax
+   at temperature 0 (so the output is plain greedy's, token for token), rejection sampling otherwise
+   (the target's distribution kept exactly, Leviathan et al.; trees are drawn without replacement
+   so the multi-candidate rule applies).
+4. The accepted nodes' keys and values move to consecutive slots L+1.. on the device (`compact`); what
+   the rejected nodes wrote stays past the row's end, never visible, overwritten by the next round.
+   The drafter absorbs the target's features at the root and the accepted nodes (EAGLE's input).
+
+Drafters: `EagleDrafter` (an EAGLE-1/2/3 head, engine.speculative.eagle, with its own KV cache; rows of
+the batch share its slots, holes masked) and `OracleDrafter` (proposes a known continuation, e.g. the
+target's own greedy output, each token corrupted with a given probability: acceptance under control,
+for tests and for benchmarks on synthetic shapes where no trained head exists).
+
+`Speculator.run` drives the rounds for a list of requests; Engine.speculate wraps it. In `auto` mode a
+pure decision (perf_model.choose_draft_length over measured step times T(B, k) and the running
+acceptance) picks the draft length of every round, 0 meaning a plain decode step.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import MoedeskError
+from engine.kv_cache import KVCache
+from engine.requests import Completion, Request, SamplingParams
+from engine.sampling import sample_token
+from engine.speculative import perf_model, rejection
+
+MODES = ("off", "greedy", "beam", "auto")
+
+
+# --- pure pieces --------------------------------------------------------------------------------
+
+def node_depths(parents: list[int]) -> list[int]:
+    depth = [0] * len(parents)
+    for i in range(1, len(parents)):
+        depth[i] = depth[parents[i]] + 1
+    return depth
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """[N, N] bool: node i sees node j when j is i or one of its ancestors (parents precede children)."""
+    n = len(parents)
+    seen = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            seen[i] = seen[p]
+        seen[i, i] = True
+    return seen
+
+
+def chain_parents(gamma: int) -> list[int]:
+    return [-1] + list(range(gamma))
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution engine.sampling.sample_token draws from (temperature, top-k, top-p), over the last
+    dimension of float logits: rejection sampling needs both models' distributions as actually sampled."""
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"))
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.softmax(logits, dim=-1)
+
+
+def acceptance_estimate(accepted: int, tested: int, prior_accepted: float = 1.0, prior_tested: float = 2.0) -> float:
+    """Per-draft acceptance α from counts: `tested` drafts reached (a chain stops testing at its first
+    rejection), `accepted` of them taken; a weak prior (one of two) so that early steps do not swing it."""
+    return (accepted + prior_accepted) / (tested + prior_tested)
+
+
+# Plain steps between two probes in auto mode: a probe speculates one draft so the acceptance estimate
+# can recover after it chose plain decoding; at this spacing a probe costs about 1% of plain decoding
+# even where verifying two tokens costs twice one.
+PROBE_EVERY = 64
+# Speculate at all, in auto mode, only if even this acceptance would make it pay (else plain decoding
+# through the engine's own decode path, CUDA graphs included).
+OPTIMISTIC_ALPHA = 0.9
+
+
+def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma: int, plain_steps: int) -> int:
+    """The draft length of the next round: choose_draft_length's, or a 1-draft probe after PROBE_EVERY plain
+    steps in a row when some γ could pay at all (so a low estimate of α can be corrected)."""
+    choice = perf_model.choose_draft_length(costs, batch, alpha, max_gamma)
+    if choice.gamma:
+        return choice.gamma
+    if plain_steps >= PROBE_EVERY and perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma:
+        return 1
+    return 0
+
+
+# How likely a sampled tree's k-th drawn child is to be accepted, for shaping the tree without looking at
+# what was drawn (roughly what EAGLE-2 trees accept by rank); strictly decreasing, so siblings keep their
+# draw order and a child never outranks its parent.
+RANK_PRIOR = [0.6, 0.2, 0.08, 0.04, 0.02, 0.01, 0.005, 0.0025]
+
+
+# --- proposals and drafters ---------------------------------------------------------------------
+
+@dataclass
+class Proposal:
+    """Trees for the active rows, each of N+1 nodes (node 0: the root, the row's last emitted token)."""
+    parents: list[list[int]]
+    tokens: torch.Tensor  # [A, N+1] long, on the target's device
+    draft_probs: torch.Tensor | None = None  # [A, N+1, V] on the CPU: a node's children were drawn from its row
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == chain_parents(len(p) - 1) for p in self.parents)
+
+
+class Drafter(Protocol):
+    feature_keys: tuple  # what the target forward returns for it (engine.model.Transformer.forward)
+
+    def absorb(self, row: int, start: int, tokens: list[int], features: torch.Tensor | None) -> None:
+        """Target features at positions start.. with the tokens that follow each (EAGLE's row pairing)."""
+
+    def propose(self, rows: list[int], lengths: list[int], last: list[int], depth: int, width: int, budget: int,
+                params: list[SamplingParams], generators: list, emitted: list[int]) -> Proposal: ...
+
+
+class OracleDrafter:
+    """Proposes `references[row]` (e.g. the target's own greedy continuation), each proposed token replaced by
+    a random other one with probability `corruption`: per-draft acceptance 1 - corruption at temperature 0.
+    Trees: a spine along the reference, each spine node with width-1 random siblings. Its draft is a
+    point mass, so rejection sampling is exact for chains; sampled trees are refused."""
+
+    feature_keys: tuple = ()
+
+    def __init__(self, references: list[list[int]], corruption: float, vocab_size: int, seed: int = 0):
+        if not 0.0 <= corruption <= 1.0:
+            raise ValueError(f"corruption must be in [0, 1], got {corruption}")
+        self.references, self.corruption, self.vocab = references, corruption, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def absorb(self, row, start, tokens, features):
+        pass
+
+    def _random_other(self, avoid: set[int]) -> int:
+        while True:
+            t = int(torch.randint(self.vocab, (1,), generator=self.generator))
+            if t not in avoid:
+                return t
+
+    def _spine(self, row: int, emitted: int, depth: int) -> list[int]:
+        ref = self.references[row] if row < len(self.references) else []
+        out = []
+        for j in range(depth):
+            i = emitted + j
+            want = ref[i] if i < len(ref) else None
+            bad = want is None or float(torch.rand((), generator=self.generator)) < self.corruption
+            out.append(self._random_other({want}) if bad else want)
+        return out
+
+    def propose(self, rows, lengths, last, depth, width, budget, params, generators, emitted):
+        sampled = any(p.temperature > 0 for p in params)
+        if sampled and width > 1:
+            raise MoedeskError("the oracle draft proposes trees only at temperature 0")
+        parents_all, tokens_all = [], []
+        for i, row in enumerate(rows):
+            spine = self._spine(row, emitted[i], depth)
+            parents, tokens = [-1], [last[i]]
+            at = 0
+            for t in spine:
+                node = len(parents)
+                parents.append(at)
+                tokens.append(t)
+                for _ in range(width - 1):
+                    parents.append(at)
+                    tokens.append(self._random_other(set(tokens[-(width - 1) - 1:]) | {t}))
+                at = node
+            parents_all.append(parents[:budget + 1])  # creation order: a prefix keeps every node's parent
+            tokens_all.append(tokens[:budget + 1])
+        tokens = torch.tensor(tokens_all, dtype=torch.long)
+        probs = None
+        if sampled:  # a chain: node j's child was "drawn" from a point mass on it
+            probs = F.one_hot(torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1), self.vocab).float()
+        return Proposal(parents_all, tokens, probs)
+
+
+class EagleDrafter:
+    """An EAGLE head drafting for a batch of `batch` rows. Its cache slots are shared by the rows: a forward
+    appends T slots for every row; a row's unused ones (it had fewer rows to absorb) are holes its masks
+    hide, and draft rows are dropped at the next absorb (the cache is cut back to `committed`)."""
+
+    def __init__(self, head, target_layers: int, batch: int, capacity: int):
+        from engine.speculative.eagle import eagle3_feature_layers
+
+        self.head = head
+        self.version = head.cfg.version
+        self.feature_keys = ("final",) if self.version != 3 else tuple(eagle3_feature_layers(target_layers))
+        self.device = head.fc.weight.device
+        self.cache = head.new_cache(batch, capacity)
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        self.committed = 0
+        self.batch = batch
+        self.pending: list[list] = [[] for _ in range(batch)]  # (start, tokens, features) not yet run
+        self.root = torch.zeros(batch, head.cfg.hidden_size, dtype=head.fc.weight.dtype, device=self.device)
+
+    def combine(self, hidden: dict) -> torch.Tensor:
+        """The head's input feature from the target's hidden states ([A, T, F])."""
+        return torch.cat([hidden[k] for k in self.feature_keys], dim=-1)
+
+    def absorb(self, row, start, tokens, features):
+        self.pending[row].append((start, list(tokens), features))
+
+    # -- the head's forwards --
+
+    def _forward(self, tokens, features, positions, own_mask, from_target):
+        """tokens/positions [B, T], features [B, T, F], own_mask [B, T, S + T] over the slots after the committed
+        ones (this round's S draft rows so far, then these T; the committed valid slots are added)."""
+        b, t = tokens.shape
+        if self.cache.length + t > self.cache.capacity:
+            raise MoedeskError("the draft head's cache is full")
+        prefix = self.valid[:, :self.committed].unsqueeze(1).expand(b, t, self.committed)
+        mask = torch.cat([prefix, own_mask], dim=-1)
+        return self.head(tokens, features, positions, self.cache, mask=mask, from_target=from_target)
+
+    def _absorb_pending(self) -> None:
+        self.cache.truncate(self.committed)
+        counts = [sum(len(tk) for _, tk, _ in self.pending[r]) for r in range(self.batch)]
+        t = max(counts)
+        if t == 0:
+            return
+        if self.committed + t > self.cache.capacity:
+            self._compact()
+        feature_width = next(f.shape[-1] for rows in self.pending for _, _, f in rows)
+        dtype = self.head.fc.weight.dtype
+        tokens = torch.zeros(self.batch, t, dtype=torch.long)
+        positions = torch.zeros(self.batch, t, dtype=torch.long)
+        features = torch.zeros(self.batch, t, feature_width, dtype=dtype, device=self.device)
+        for r, rows in enumerate(self.pending):
+            at = 0
+            for start, tk, f in rows:
+                n = len(tk)
+                tokens[r, at:at + n] = torch.tensor(tk)
+                positions[r, at:at + n] = torch.arange(start, start + n)
+                features[r, at:at + n] = f.to(dtype)
+                at += n
+        count = torch.tensor(counts, device=self.device)
+        real = torch.arange(t, device=self.device)[None, :] < count[:, None]
+        causal = torch.ones(t, t, dtype=torch.bool, device=self.device).tril()
+        own = (causal[None] & real[:, None, :]) | torch.eye(t, dtype=torch.bool, device=self.device)[None]
+        start = self.cache.length
+        hidden = self._forward(tokens.to(self.device), features, positions.to(self.device), own, True)
+        self.valid[:, start:start + t] = real
+        self.committed = self.cache.length
+        have = count > 0
+        last = hidden[torch.arange(self.batch, device=self.device), (count - 1).clamp_min(0)]
+        self.root = torch.where(have[:, None], last, self.root)
+        self.pending = [[] for _ in range(self.batch)]
+
+    def _compact(self) -> None:
+        """Every row's valid slots to the front (rarely: when the shared slots run out)."""
+        counts = self.valid[:, :self.committed].sum(dim=1)
+        n = int(counts.max())
+        order = torch.argsort((~self.valid[:, :self.committed]).to(torch.int8), dim=1, stable=True)[:, :n]
+        self.cache.keep(order, 0)
+        self.valid.zero_()
+        self.valid[:, :n] = torch.arange(n, device=self.device)[None] < counts[:, None]
+        self.committed = n
+
+    def _draft_dist(self, hidden, sampled_rows):
+        """Log-probabilities for choosing children ([..., V] over the target vocabulary): the head's softmax
+        for greedy rows, its processed (temperature/top-k/top-p) distribution for sampled ones."""
+        logits = self.head.target_vocab_logits(hidden).float()
+        logp = torch.log_softmax(logits, dim=-1)
+        for i, p in sampled_rows:
+            logp[i] = processed_probs(logits[i], p).log()
+        return logp
+
+    def propose(self, rows, lengths, last, depth, width, budget, params, generators, emitted):
+        a = len(rows)
+        if depth == 0:  # a plain step: what it emits is absorbed with the next draft's first forward
+            return Proposal([[-1]] * a, torch.tensor(last).view(a, 1), None)
+        self._absorb_pending()
+        rows_t = torch.tensor(rows, device=self.device)
+        sampled = [(i, p) for i, p in enumerate(params) if p.temperature > 0]
+        root_logp = self._draft_dist(self.root[rows_t], sampled)  # [A, V]
+        if width <= 1:
+            return self._chain(rows_t, lengths, last, depth, root_logp, params, sampled, generators)
+        return self._tree(rows_t, lengths, last, depth, width, budget, root_logp, params, sampled, generators)
+
+    def _pick(self, logp, k, sampled, generators):
+        """k children per row of logp [A, M, V]: the top k for greedy rows, drawn without replacement (in draw
+        order) for sampled ones; (tokens [A, M, k], log-probs [A, M, k])."""
+        values, ids = torch.topk(logp, k, dim=-1)
+        for i, _ in sampled:
+            probs = logp[i].exp().cpu()
+            if int((probs > 0).sum(dim=-1).min()) < k:
+                raise MoedeskError(f"a draft width of {k} needs at least {k} tokens the sampling allows "
+                                   "(raise top_k / top_p or narrow the draft)")
+            drawn = torch.stack([torch.multinomial(row, k, replacement=False, generator=generators[i]) for row in probs])
+            ids[i] = drawn.to(ids.device)
+            values[i] = logp[i].gather(-1, ids[i])
+        return ids, values
+
+    def _row_forward(self, rows_t, tokens, features, positions, own_mask):
+        """A head forward of [A, T] rows for the active rows only; the others get dummies that see themselves."""
+        b, t, w = self.batch, tokens.shape[1], own_mask.shape[-1]
+        full_tokens = torch.zeros(b, t, dtype=torch.long, device=self.device)
+        full_features = torch.zeros(b, t, features.shape[-1], dtype=features.dtype, device=self.device)
+        full_positions = torch.zeros(b, t, dtype=torch.long, device=self.device)
+        full_mask = torch.zeros(b, t, w, dtype=torch.bool, device=self.device)
+        full_mask[:, torch.arange(t), w - t + torch.arange(t)] = True
+        full_tokens[rows_t], full_features[rows_t], full_positions[rows_t], full_mask[rows_t] = \
+            tokens, features, positions, own_mask
+        hidden = self._forward(full_tokens, full_features, full_positions, full_mask, False)
+        return hidden[rows_t]
+
+    def _chain(self, rows_t, lengths, last, depth, root_logp, params, sampled, generators):
+        a = len(lengths)
+        tokens = [torch.tensor(last, device=self.device)]
+        probs = [root_logp.exp()] if sampled else None
+        ids, _ = self._pick(root_logp.unsqueeze(1), 1, sampled, generators)
+        tokens.append(ids[:, 0, 0])
+        hidden = self.root[rows_t]
+        base = torch.tensor(lengths, device=self.device)
+        chain_mask = torch.ones(a, 1, 0, dtype=torch.bool, device=self.device)
+        for j in range(1, depth):
+            chain_mask = torch.cat([chain_mask, torch.ones(a, 1, 1, dtype=torch.bool, device=self.device)], dim=-1)
+            hidden = self._row_forward(rows_t, tokens[-1].view(a, 1), hidden.view(a, 1, -1),
+                                       (base + j - 1).view(a, 1), chain_mask)[:, 0]
+            logp = self._draft_dist(hidden, sampled)
+            if probs is not None:
+                probs.append(logp.exp())
+            ids, _ = self._pick(logp.unsqueeze(1), 1, sampled, generators)
+            tokens.append(ids[:, 0, 0])
+        draft_probs = None
+        if probs is not None:
+            probs.append(torch.zeros_like(probs[0]))  # the last node has no children
+            draft_probs = torch.stack(probs, dim=1).cpu()
+        return Proposal([chain_parents(depth)] * a, torch.stack(tokens, dim=1), draft_probs)
+
+    def _tree(self, rows_t, lengths, last, depth, width, budget, root_logp, params, sampled, generators):
+        """EAGLE-2: the root's `width` best children; at each further depth the `width` best nodes of the
+        last depth (by cumulative log-probability) each get `width` children; the `budget` best nodes of all
+        are verified. Sampled rows draw children without replacement and score them by a fixed prior per
+        rank (`RANK_PRIOR`) instead of their draft probabilities: rejection sampling of a tree stays exact only
+        if whether a candidate is verified does not depend on the candidate drawn, so their tree's shape
+        must not depend on what was drawn."""
+        a, dev, k = len(lengths), self.device, width
+        base = torch.tensor(lengths, device=dev)
+        ids, logq = self._static(self._pick(root_logp.unsqueeze(1), k, sampled, generators), sampled)  # [A, 1, k]
+        all_tok = torch.cat([torch.tensor(last, device=dev).view(a, 1), ids[:, 0]], dim=1)
+        all_par = torch.cat([torch.full((a, 1), -1, dtype=torch.long, device=dev),
+                             torch.zeros(a, k, dtype=torch.long, device=dev)], dim=1)
+        all_score = torch.cat([torch.zeros(a, 1, device=dev), logq[:, 0].float().cummin(dim=-1).values], dim=1)
+        probs = {0: (None, root_logp.exp())} if sampled else None
+        frontier = torch.arange(1, 1 + k, device=dev).expand(a, k)  # node ids of the last depth's best
+        frontier_score = all_score[:, 1:]
+        frontier_hidden = self.root[rows_t].unsqueeze(1).expand(a, k, -1)
+        anc = torch.zeros(a, 1 + k, 0, dtype=torch.bool, device=dev)  # node -> this round's draft slots it sees
+        eye = torch.eye(k, dtype=torch.bool, device=dev).expand(a, k, k)
+        for d in range(1, depth):
+            s = anc.shape[-1]
+            # one head row per frontier node, seeing its ancestors' rows and itself
+            own = torch.cat([anc.gather(1, frontier.unsqueeze(-1).expand(a, k, s)), eye], dim=-1)  # [A, k, s + k]
+            hidden = self._row_forward(rows_t, all_tok.gather(1, frontier), frontier_hidden,
+                                       (base + d - 1).view(a, 1).expand(a, k), own)  # [A, k, d]
+            logp = self._draft_dist(hidden.reshape(a * k, -1),
+                                    [(i * k + j, p) for i, p in sampled for j in range(k)]).view(a, k, -1)
+            if probs is not None:
+                for j in range(k):
+                    probs[(d, j)] = (frontier[:, j], logp[:, j].exp())
+            cid, clogq = self._static(self._pick(logp, k, sampled, generators), sampled)  # [A, k, k]
+            child_score = frontier_score.unsqueeze(-1) + clogq.float().cummin(dim=-1).values
+            count = all_tok.shape[1]
+            anc = torch.cat([torch.cat([anc, torch.zeros(a, anc.shape[1], k, dtype=torch.bool, device=dev)], dim=-1),
+                             own.unsqueeze(2).expand(a, k, k, s + k).reshape(a, k * k, s + k)], dim=1)
+            all_tok = torch.cat([all_tok, cid.reshape(a, -1)], dim=1)
+            all_par = torch.cat([all_par, frontier.unsqueeze(-1).expand(a, k, k).reshape(a, -1)], dim=1)
+            all_score = torch.cat([all_score, child_score.reshape(a, -1)], dim=1)
+            best = torch.topk(child_score.reshape(a, -1), k, dim=-1)
+            frontier = count + best.indices
+            frontier_score = best.values
+            frontier_hidden = hidden.gather(1, (best.indices // k).unsqueeze(-1).expand(a, k, hidden.shape[-1]))
+        return self._select(all_tok, all_par, all_score, budget, probs, a)
+
+    @staticmethod
+    def _static(picked, sampled):
+        ids, logq = picked
+        if sampled:
+            prior = torch.tensor(RANK_PRIOR[:logq.shape[-1]] + [RANK_PRIOR[-1]] * max(0, logq.shape[-1] - len(RANK_PRIOR)),
+                                 device=logq.device).log()
+            logq = logq.clone()
+            for i, _ in sampled:
+                logq[i] = prior
+        return ids, logq
+
+    def _select(self, all_tok, all_par, all_score, budget, probs, a):
+        """The root and the `budget` best nodes (ties: earlier created first, so parents and earlier-drawn
+        siblings come before), renumbered in creation order (parents before children)."""
+        total = all_tok.shape[1] - 1
+        n = min(budget, total)
+        order = torch.arange(total, device=all_tok.device, dtype=torch.float64)
+        # score first, creation index second: scores are float32, so scale the index below their spacing
+        key = all_score[:, 1:].double() - order * 1e-12
+        keep = torch.topk(key, n, dim=-1).indices.sort(dim=-1).values + 1  # node ids, creation order
+        keep = torch.cat([torch.zeros(a, 1, dtype=torch.long, device=keep.device), keep], dim=1)
+        tokens = all_tok.gather(1, keep)
+        par_cpu, keep_cpu = all_par.gather(1, keep).cpu().tolist(), keep.cpu().tolist()
+        parents = []
+        for r in range(a):
+            index = {node: i for i, node in enumerate(keep_cpu[r])}
+            parents.append([-1] + [index[p] for p in par_cpu[r][1:]])
+        draft_probs = None
+        if probs is not None:
+            v = probs[0][1].shape[-1]
+            draft_probs = torch.zeros(a, n + 1, v)
+            draft_probs[:, 0] = probs[0][1].cpu()
+            for key_, value in probs.items():
+                if key_ == 0:
+                    continue
+                node, dist = value
+                node, dist = node.cpu().tolist(), dist.cpu()
+                for r in range(a):
+                    if node[r] in keep_cpu[r]:
+                        draft_probs[r, keep_cpu[r].index(node[r])] = dist[r]
+        return Proposal(parents, tokens, draft_probs)
+
+
+# --- the decoding loop --------------------------------------------------------------------------
+
+@dataclass
+class _Row:
+    request: Request
+    index: int  # row in the caches
+    length: int = 0  # tokens in the target's cache (= the position of `last`)
+    last: int = 0
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    detokenizer: object = None
+    drafted: int = 0
+    accepted: int = 0
+    tested: int = 0
+    steps: int = 0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+@dataclass
+class RunStats:
+    """Every round of a run: its draft length, milliseconds drafting, verifying and accepting."""
+    mode: str
+    rounds: list = field(default_factory=list)  # (gamma, active rows, draft ms, verify ms, accept ms)
+
+    def summary(self) -> dict:
+        if not self.rounds:
+            return {}
+        spec = [r for r in self.rounds if r[0] > 0]
+        ms = [sum(r[2:]) for r in self.rounds]
+        return {"rounds": len(self.rounds), "speculative_rounds": len(spec),
+                "step_ms": round(sum(ms) / len(ms), 3),
+                "draft_ms": round(sum(r[2] for r in self.rounds) / len(ms), 3),
+                "verify_ms": round(sum(r[3] for r in self.rounds) / len(ms), 3),
+                "gammas": sorted({r[0] for r in self.rounds})}
+
+
+class Speculator:
+    """Speculative decoding of a batch of requests over one model, in a KV cache of its own."""
+
+    def __init__(self, model, device, dtype, context_length: int, eos_token_ids=(), tokenizer=None, on_oom=None):
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.context_length = context_length
+        self.tokenizer = tokenizer
+        self.eos = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
+        self.on_oom = on_oom
+        self.cache: KVCache | None = None
+
+    def run(self, requests: list[Request], executor, drafter_factory, mode: str = "greedy", draft_length: int = 4,
+            draft_width: int = 1, budget: int | None = None, costs: perf_model.StepCosts | None = None) -> tuple[list[Completion], RunStats]:
+        """Complete `requests` together. drafter_factory(batch, capacity) makes the drafter for this batch.
+        mode greedy: chains of draft_length; beam: trees of depth draft_length, draft_width children per node,
+        `budget` nodes (default draft_length * draft_width); auto: chains whose length each round
+        perf_model.choose_draft_length picks from `costs` (0: a plain step)."""
+        if mode not in ("greedy", "beam", "auto"):
+            raise ValueError(f"speculative mode must be greedy, beam or auto here, got {mode!r}")
+        if mode == "auto" and costs is None:
+            raise ValueError("auto needs measured step costs")
+        if draft_length < 1 or draft_width < 1:
+            raise ValueError("draft length and width must be at least 1")
+        width = draft_width if mode == "beam" else 1
+        budget = budget or draft_length * width
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError("speculative decoding needs a prompt of at least one token")
+            if len(r.prompt_ids) >= self.context_length:
+                raise MoedeskError(f"prompt has {len(r.prompt_ids)} tokens; the context is {self.context_length}")
+            if r.grammar is not None:
+                raise MoedeskError("speculative decoding does not take a response_format")
+        stats = RunStats(mode)
+        started = time.perf_counter()
+        b = len(requests)
+        nodes = max(budget, draft_length * width)
+        longest = max(min(self.context_length, len(r.prompt_ids) + r.params.max_new_tokens) for r in requests)
+        self._reserve(b, longest + nodes + 1)
+        rows = [_Row(r, i, generator=torch.Generator().manual_seed(r.params.seed) if r.params.temperature > 0 else None,
+                     detokenizer=self.tokenizer.stream_decoder() if self.tokenizer is not None else None)
+                for i, r in enumerate(requests)]
+        longest_prompt = max(len(r.prompt_ids) for r in requests)
+        capacity = longest_prompt + (draft_length + 1) * max(r.params.max_new_tokens for r in requests) \
+            + (draft_length + 1) * max(width, 1) + 8
+        drafter = drafter_factory(b, capacity)
+        prefill_s = self._prefill(rows, executor, drafter)
+        alpha_counts = [0, 0]  # accepted, tested (auto's running acceptance)
+        plain_steps = 0
+        while True:
+            active = [r for r in rows if r.finish_reason is None]
+            if not active:
+                break
+            room = min(self.context_length - 1 - r.length for r in active)
+            if mode == "auto":
+                alpha = acceptance_estimate(*alpha_counts)
+                gamma = auto_gamma(costs, len(active), alpha, draft_length, plain_steps)
+                plain_steps = plain_steps + 1 if gamma == 0 else 0
+            else:
+                gamma = draft_length
+            gamma = max(0, min(gamma, room))
+            t0 = time.perf_counter()
+            proposal = drafter.propose([r.index for r in active], [r.length for r in active],
+                                       [r.last for r in active], gamma, width, budget,
+                                       [r.params for r in active], [r.generator for r in active],
+                                       [len(r.tokens) for r in active])
+            _sync(self.device)
+            t1 = time.perf_counter()
+            logits, feats = self._retrying(lambda: self._verify(active, proposal, executor, drafter))
+            _sync(self.device)
+            t2 = time.perf_counter()
+            paths, nexts = self._accept(active, proposal, logits)
+            self._compact(active, paths, proposal)
+            self._emit(active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma)
+            t3 = time.perf_counter()
+            stats.rounds.append((gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2)))
+        end = time.perf_counter()
+        return [self._completion(r, started, prefill_s, end) for r in rows], stats
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def _reserve(self, rows: int, length: int) -> None:
+        if self.cache is None:
+            self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
+        else:
+            self._retrying(lambda: self.cache.ensure(rows, length))
+
+    def _prefill(self, rows: list[_Row], executor, drafter) -> float:
+        started = time.perf_counter()
+        prompts = [r.request.prompt_ids for r in rows]
+        longest = max(map(len, prompts))
+        tokens = torch.zeros(len(rows), longest, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = torch.tensor(p)
+        positions = torch.arange(longest).expand(len(rows), longest).clamp(max=self.context_length - 1)
+        last = torch.tensor([len(p) - 1 for p in prompts])
+        out = self._retrying(lambda: self.model(tokens.to(self.device), positions.to(self.device), self.cache,
+                                                executor, logits_at=last.to(self.device),
+                                                features=drafter.feature_keys))
+        logits, hidden = out if drafter.feature_keys else (out, None)
+        feats = drafter.combine(hidden) if hidden is not None else None
+        cpu_logits = logits[:, -1].float().cpu()
+        now = time.perf_counter()
+        for i, r in enumerate(rows):
+            p = prompts[i]
+            r.length = len(p)
+            token = sample_token(cpu_logits[i], r.params, r.generator)
+            r.first_token_at = now
+            self._take(r, [token])
+            if r.finish_reason is None:
+                drafter.absorb(r.index, 0, p[1:] + [token], None if feats is None else feats[i, :len(p)])
+        return now - started
+
+    def _verify(self, active, proposal: Proposal, executor, drafter):
+        a, n = proposal.tokens.shape
+        lengths = torch.tensor([r.length for r in active])
+        rows = torch.tensor([r.index for r in active], device=self.device)
+        depth = torch.tensor([node_depths(p) for p in proposal.parents])
+        positions = (lengths[:, None] + depth).to(self.device)
+        tokens = proposal.tokens.to(self.device)
+        if proposal.is_chain:
+            out = self.model(tokens, positions, self.cache, executor, rows=rows, features=drafter.feature_keys)
+        else:
+            kv_len = int(lengths.max()) + n
+            keys = torch.arange(kv_len)
+            mask = (keys[None, None, :] < lengths[:, None, None]).expand(a, n, kv_len).clone()
+            for i, p in enumerate(proposal.parents):
+                mask[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
+            slots = (lengths[:, None] + torch.arange(n)).to(self.device)
+            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask[:, None].to(self.device),
+                             slots=slots, features=drafter.feature_keys)
+        logits, hidden = out if drafter.feature_keys else (out, None)
+        return logits, (drafter.combine(hidden) if hidden is not None else None)
+
+    def _accept(self, active, proposal: Proposal, logits) -> tuple[list[list[int]], list[int]]:
+        """Per active row: the accepted nodes (indices, root excluded, root-to-leaf) and the token after them."""
+        paths: list[list[int]] = [[] for _ in active]
+        nexts: list[int] = [0] * len(active)
+        greedy = [i for i, r in enumerate(active) if r.params.temperature == 0]
+        chain = proposal.is_chain
+        if greedy:
+            g = torch.tensor(greedy, device=logits.device)
+            if chain:
+                verdict = rejection.greedy_chain(proposal.tokens.to(logits.device)[g, 1:], logits[g])
+                acc, nxt = verdict.accepted.tolist(), verdict.next_token.tolist()
+                for j, i in enumerate(greedy):
+                    paths[i], nexts[i] = list(range(1, acc[j] + 1)), nxt[j]
+            else:
+                for i in greedy:
+                    parents = torch.tensor(proposal.parents[i])
+                    v = rejection.greedy_tree(parents, proposal.tokens[i].to(logits.device), logits[i])
+                    paths[i], nexts[i] = v.path[:int(v.accepted)].tolist(), int(v.next_token)
+        for i, r in enumerate(active):
+            if r.params.temperature == 0:
+                continue
+            target = processed_probs(logits[i].float().cpu(), r.params)
+            tokens = proposal.tokens[i].cpu()
+            draft = (proposal.draft_probs[i] if proposal.draft_probs is not None
+                     else torch.zeros(len(tokens), target.shape[-1]))  # a plain step: no draft
+            if chain:
+                v = rejection.sample_chain(tokens[1:], draft[:-1], target, r.generator)
+                paths[i], nexts[i] = list(range(1, int(v.accepted) + 1)), int(v.next_token)
+            else:
+                v = rejection.sample_tree(torch.tensor(proposal.parents[i]), tokens, draft, target, r.generator)
+                paths[i], nexts[i] = v.path[:int(v.accepted)].tolist(), int(v.next_token)
+        return paths, nexts
+
+    def _compact(self, active, paths, proposal: Proposal) -> None:
+        """Move each row's accepted nodes from slots L + node to L + 1, L + 2, ... (one gather and one scatter
+        per layer, on the device); chains are already in place."""
+        moves = [(i, k + 1, node) for i, path in enumerate(paths) for k, node in enumerate(path) if node != k + 1]
+        if not moves:
+            return
+        rows = torch.tensor([active[i].index for i, _, _ in moves], device=self.device)
+        dst = torch.tensor([active[i].length + k for i, k, _ in moves], device=self.device)
+        src = torch.tensor([active[i].length + node for i, _, node in moves], device=self.device)
+        for t in self.cache.k + self.cache.v:
+            t[rows, dst] = t[rows, src]
+
+    def _emit(self, active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma) -> None:
+        tokens_cpu = proposal.tokens.cpu().tolist()
+        for i, r in enumerate(active):
+            path = paths[i]
+            emitted = [tokens_cpu[i][node] for node in path] + [nexts[i]]
+            n_nodes = len(proposal.parents[i]) - 1
+            r.drafted += n_nodes
+            r.accepted += len(path)
+            r.steps += 1
+            depth = max(node_depths(proposal.parents[i]))
+            tested = len(path) + (1 if len(path) < depth else 0)
+            r.tested += tested
+            alpha_counts[0] += len(path)
+            alpha_counts[1] += tested
+            start = r.length
+            self._take(r, emitted)
+            if r.finish_reason is None:
+                f = None
+                if feats is not None:
+                    f = feats[i, [0] + path]
+                drafter.absorb(r.index, start, emitted, f)
+
+    def _take(self, r: _Row, emitted: list[int]) -> None:
+        """Append tokens as plain decoding would, one by one, until the row finishes (EOS, stop string,
+        max_new_tokens, the context's end). The first token of a row comes from the prefill."""
+        for token in emitted:
+            if r.tokens:
+                r.length += 1
+            if token in self.eos and not r.params.ignore_eos:
+                r.finish_reason = "stop"
+                break
+            r.tokens.append(token)
+            added = r.detokenizer.step(token) if r.detokenizer is not None else ""
+            r.text += added
+            if r.params.stop and r.detokenizer is not None:
+                cut = min((i for i in (r.text.find(s) for s in r.params.stop) if i >= 0), default=-1)
+                if cut >= 0:
+                    r.text = r.text[:cut]
+                    r.finish_reason = "stop"
+                    break
+            if len(r.tokens) >= r.params.max_new_tokens or r.length >= self.context_length:
+                r.finish_reason = "length"
+                break
+        if r.finish_reason is None:
+            r.last = r.tokens[-1]
+        elif not r.finished_at:
+            r.finished_at = time.perf_counter()
+
+    def _completion(self, r: _Row, started: float, prefill_s: float, end: float) -> Completion:
+        if self.tokenizer is not None and not (r.params.stop and r.finish_reason == "stop"):
+            r.text = self.tokenizer.decode(r.tokens)
+        done = r.finished_at or end
+        decode_time = done - r.first_token_at
+        stats = {
+            "ttft_s": round(prefill_s, 4),
+            "decode_tok_s": round((len(r.tokens) - 1) / decode_time, 2) if len(r.tokens) > 1 and decode_time > 0 else None,
+            "total_s": round(done - started, 4),
+            "speculative": {"drafted": r.drafted, "accepted": r.accepted, "verify_steps": r.steps,
+                            "tokens_per_step": round((r.accepted + r.steps) / r.steps, 3) if r.steps else None,
+                            "acceptance": round(r.accepted / r.tested, 3) if r.tested else None},
+        }
+        return Completion(tag=r.request.tag, token_ids=list(r.tokens), text=r.text, finish_reason=r.finish_reason,
+                          prompt_tokens=len(r.request.prompt_ids), stats=stats)
+
+    def _retrying(self, step):
+        while True:
+            try:
+                return step()
+            except torch.OutOfMemoryError as error:
+                if self.on_oom is None or not self.on_oom():
+                    raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
+                                       "use a shorter draft or a smaller batch") from error
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- entry points -------------------------------------------------------------------------------
+
+def eagle_factory(head, target_layers: int):
+    return lambda batch, capacity: EagleDrafter(head, target_layers, batch, capacity)
+
+
+def oracle_factory(references: list[list[int]], corruption: float, vocab_size: int, seed: int = 0):
+    """A drafter factory proposing `references[i]` for request i, corrupted at the given rate."""
+    return lambda batch, capacity: OracleDrafter(references, corruption, vocab_size, seed)
