@@ -250,6 +250,22 @@ class Engine:
                           finish_reason="stop" if result.ended_by_eos else "length", prompt_tokens=len(prompt_ids),
                           stats=stats)
 
+    def speculate(self, requests: list[Request], draft, mode: str = "greedy", draft_length: int = 4,
+                  draft_width: int = 4, budget: int | None = None) -> list[Completion]:
+        """Complete `requests` together with speculative decoding (engine.speculative.decode), in input order.
+
+        draft: an EAGLE head folder (loaded once, kept) or a drafter factory (e.g. decode.oracle_factory).
+        mode greedy: chains of draft_length drafts; beam: EAGLE-2 trees of that depth, draft_width children per
+        node, `budget` nodes (default length x width); auto: chains whose length each round is chosen from this
+        engine's measured step times and the running acceptance, plain decoding where drafting is not
+        predicted to pay. At temperature 0 the tokens are plain greedy's; otherwise the target's
+        distribution. Completion.stats["speculative"]: drafted, accepted, verify_steps, tokens_per_step,
+        step/draft/verify ms. Like beam_search, runs on the caller's thread and refuses while the scheduler
+        has requests."""
+        from engine.speculative.decode import speculate
+
+        return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
+
     def grammar(self, response_format):
         """An OpenAI-style response_format as an engine.sampling.Grammar for Request.grammar (None for plain
         text). Raises ValueError (one line) for a bad format, MoedeskError for a model without a tokenizer."""

@@ -221,3 +221,47 @@ def _logits(engine, ids):
 
     cache = KVCache(engine.config, 1, len(ids) + 1, torch.float32, "cpu")
     return engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]
+
+
+def _table(batch, max_k, cost):
+    return {(b, k): cost(b, k) for b in range(1, batch + 1) for k in range(1, max_k + 1)}
+
+
+def test_auto_chooses_plain_steps_where_drafting_does_not_pay():
+    costs = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))
+    assert decode.auto_gamma(costs, 1, 0.95, 4, plain_steps=0) == 0
+    assert decode.auto_gamma(costs, 1, 0.95, 4, plain_steps=decode.PROBE_EVERY) == 0  # not even a probe
+    flat = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0))
+    assert decode.auto_gamma(flat, 2, 0.8, 4, plain_steps=0) == 4
+    flat.observe_draft(50.0, 1)  # a draft token costing 5 plain steps: drafting no longer pays
+    assert decode.auto_gamma(flat, 2, 0.3, 4, plain_steps=0) == 0
+    assert decode.auto_gamma(flat, 2, 0.3, 4, plain_steps=decode.PROBE_EVERY) in (0, 1)
+
+
+@pytest.mark.parametrize("cost", ["flat", "linear"])
+def test_engine_speculate_auto_is_lossless_and_falls_back(cost, engines, tmp_path, monkeypatch):
+    engine = engines("qwen3_moe")
+    requests = [Request(engine.tokenizer.encode(p), greedy(), tag=f"t{i}") for i, p in enumerate(PROMPTS)]
+    expected = plain(engine, requests)
+    table = _table(3, 5, (lambda b, k: 10.0) if cost == "flat" else (lambda b, k: 10.0 * k))
+    monkeypatch.setattr(decode, "engine_step_times", lambda *a, **k: table)
+    done = engine.speculate(requests, oracle_factory(expected, 0.2, engine.vocab_size), mode="auto", draft_length=4)
+    assert [c.token_ids for c in done] == expected and [c.tag for c in done] == ["t0", "t1", "t2"]
+    spec = done[0].stats["speculative"]
+    if cost == "linear":
+        assert spec == {"mode": "auto", "plain": True}
+    else:
+        assert spec["mode"] == "auto" and spec["accepted"] > 0 and max(spec["gammas"]) >= 1
+
+
+def test_engine_speculate_with_a_head_folder_and_measured_step_times(engines, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    engine = engines("mixtral", offload=True)
+    random_head(engine, 1, tmp_path / "head")
+    requests = [Request(engine.tokenizer.encode(p), greedy(max_new=8)) for p in PROMPTS[:2]]
+    expected = plain(engine, requests)
+    for mode in ("greedy", "beam", "auto"):
+        done = engine.speculate(requests, tmp_path / "head", mode=mode, draft_length=3, draft_width=2)
+        assert [c.token_ids for c in done] == expected, mode
+        assert "experts" in done[0].stats
+    assert list((tmp_path / "cache").glob("speculative-steps-*.json"))  # measured once, kept

@@ -557,6 +557,8 @@ class Speculator:
             logits, feats = self._retrying(lambda: self._verify(active, proposal, executor, drafter))
             _sync(self.device)
             t2 = time.perf_counter()
+            if hasattr(costs, "observe_draft") and gamma:
+                costs.observe_draft(1000 * (t1 - t0), gamma)
             paths, nexts = self._accept(active, proposal, logits)
             self._compact(active, paths, proposal)
             self._emit(active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma)
@@ -753,3 +755,155 @@ def eagle_factory(head, target_layers: int):
 def oracle_factory(references: list[list[int]], corruption: float, vocab_size: int, seed: int = 0):
     """A drafter factory proposing `references[i]` for request i, corrupted at the given rate."""
     return lambda batch, capacity: OracleDrafter(references, corruption, vocab_size, seed)
+
+
+# --- the engine's entry: drafts from a head folder, auto's measured step times -------------------
+
+STEP_TIMES_FORMAT = 1
+MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+class RunningCosts:
+    """Measured target step times plus the draft's cost per drafted token as this run measures it."""
+
+    def __init__(self, target_ms: dict):
+        self.table = perf_model.MeasuredCosts(target_ms)
+        self.draft_token_ms: float = 0.0  # 0 until a round drafts: optimistic, so auto tries once
+
+    def observe_draft(self, ms: float, tokens: int) -> None:
+        if tokens:
+            per = ms / tokens
+            self.draft_token_ms = per if not self.draft_token_ms else 0.8 * self.draft_token_ms + 0.2 * per
+
+    def ar_ms(self, batch):
+        return self.table.ar_ms(batch)
+
+    def verify_ms(self, batch, gamma):
+        return self.table.verify_ms(batch, gamma)
+
+    def draft_ms(self, batch):
+        return self.draft_token_ms
+
+    def reject_ms(self, batch):
+        return 0.0
+
+
+def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int, prompt: int = 32,
+                       repeat: int = 3) -> dict[str, float]:
+    """T(B, k) in ms: one forward of B sequences with k new tokens each after a `prompt`-token prefix (the
+    best of `repeat`), as "B,k" keys. Random tokens: what is timed is where the experts are and how many
+    distinct ones the tokens reach, which random routing over-estimates only slightly."""
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for b in batches:
+        cache = KVCache(cfg, b, prompt + max_k, dtype, device)
+        tokens = torch.randint(3, cfg.vocab_size, (b, prompt + max_k), generator=gen).to(device)
+        positions = torch.arange(prompt + max_k, device=device).expand(b, -1)
+        model(tokens[:, :prompt], positions[:, :prompt], cache, executor)
+        for k in range(1, max_k + 1):
+            best = float("inf")
+            for _ in range(repeat):
+                _sync(device)
+                t0 = time.perf_counter()
+                model(tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k], cache, executor)
+                _sync(device)
+                best = min(best, time.perf_counter() - t0)
+            out[f"{b},{k}"] = 1000 * best
+    return out
+
+
+def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False) -> dict[tuple[int, int], float]:
+    """The engine's T(B, k) for B up to `batch` (powers of two, and `batch`) and k up to max_gamma + 1, measured
+    once per machine, model, device, dtype and placement and cached beside the expert profile."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from engine.demo import cache_root
+    from engine.hardware import machine_fingerprint
+    from engine.json_cache import cached_json
+
+    batches = sorted({b for b in MEASURED_BATCHES if b <= batch} | {batch})
+    placement = engine.orchestra.summary() if engine.orchestra is not None else {}
+    raw = json.dumps([STEP_TIMES_FORMAT, machine_fingerprint(), engine.name, str(engine.device), str(engine.dtype),
+                      torch.get_num_threads(), json.dumps(placement, sort_keys=True, default=str), batches,
+                      max_gamma + 1])
+    key = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    measured = cached_json(Path(cache_root()) / f"speculative-steps-{key}.json",
+                           lambda: measure_step_times(engine.model, engine.executor, engine.config, engine.device,
+                                                      engine.dtype, batches, max_gamma + 1), refresh)
+    return {tuple(int(x) for x in k.split(",")): float(v) for k, v in measured.items()}
+
+
+def draft_head(engine, path):
+    """The EAGLE head at `path` for this engine's model, loaded once and kept on the engine."""
+    from engine.speculative.eagle import load_eagle_head
+
+    heads = engine.__dict__.setdefault("_speculative_heads", {})
+    key = str(path)
+    if key not in heads:
+        head = load_eagle_head(path, target_embed=engine.model.embed.weight.detach(),
+                               target_lm_head=engine.model.lm_head.weight.detach(), dtype=engine.dtype,
+                               device=engine.device)
+        if head.cfg.vocab_size != engine.config.vocab_size:
+            raise MoedeskError(f"{path}: the draft head's vocabulary ({head.cfg.vocab_size}) is not the model's "
+                               f"({engine.config.vocab_size})")
+        heads[key] = head.eval()
+    return heads[key]
+
+
+def speculate(engine, requests: list[Request], draft, mode: str = "greedy", draft_length: int = 4,
+              draft_width: int = 4, budget: int | None = None) -> list[Completion]:
+    """Complete `requests` together with speculative decoding (Engine.speculate documents it)."""
+    if mode not in ("greedy", "beam", "auto"):
+        raise ValueError(f"speculative mode must be greedy, beam or auto, got {mode!r}")
+    busy = engine.scheduler.stats()
+    if busy["running"] or busy["waiting"]:
+        raise MoedeskError("speculative decoding cannot run while other requests are decoding on this model; "
+                           "wait for them to finish")
+    if not requests:
+        return []
+    factory = draft if callable(draft) else eagle_factory(draft_head(engine, draft), engine.config.num_layers)
+    costs = None
+    if mode == "auto":
+        costs = RunningCosts(engine_step_times(engine, len(requests), draft_length))
+        if not perf_model.choose_draft_length(costs, len(requests), OPTIMISTIC_ALPHA, draft_length).gamma:
+            # not even a good draft would pay here: the engine's own decode path, CUDA graphs and all
+            tagged = [Request(r.prompt_ids, r.params, tag=i, grammar=r.grammar) for i, r in enumerate(requests)]
+            by_index = {c.tag: c for c in engine.generate(tagged, batch_size=len(requests))}
+            out = []
+            for i, r in enumerate(requests):
+                c = by_index[i]
+                c.tag = r.tag
+                c.stats["speculative"] = {"mode": "auto", "plain": True}
+                out.append(c)
+            return out
+    spec = engine.__dict__.get("_speculator")
+    if spec is None:
+        spec = engine._speculator = Speculator(engine.model, engine.device, engine.dtype, engine.context_length,
+                                               engine.config.eos_token_ids, engine.tokenizer, on_oom=engine._on_oom)
+    before = engine.executor.stats.copy() if hasattr(engine.executor, "stats") else None
+    completions, stats = spec.run(requests, engine.executor, factory, mode, draft_length,
+                                  draft_width if mode == "beam" else 1, budget, costs)
+    summary = stats.summary()
+    for c in completions:
+        c.stats["speculative"].update(mode=mode, **summary)
+        if before is not None:
+            c.stats["experts"] = engine.executor.stats.since(before).as_dict()
+    return completions
+
+
+def generate_speculative(engine, requests, batch_size: int, draft, mode: str = "greedy", draft_length: int = 4,
+                         draft_width: int = 4, budget: int | None = None):
+    """Engine.generate's interface over `speculate`: `batch_size` requests at a time (each group runs to its
+    end before the next starts), yielding completions as each group finishes."""
+    source = iter(requests)
+    while True:
+        group = []
+        for r in source:
+            group.append(r)
+            if len(group) == batch_size:
+                break
+        if not group:
+            return
+        yield from speculate(engine, group, draft, mode, draft_length, draft_width, budget)
