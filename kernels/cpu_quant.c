@@ -323,8 +323,11 @@ VI __m512 d2_lanes(const uint8_t *b0, const uint8_t *b1, int half) { /* fp16 d a
     return _mm512_cvtph_ps(h);
 }
 
-/* Per super-block of a k-quant row: the 16 fp32 values its chunks' lane scales are picked from. */
-VI __m512 kq_prep(const int fmt, const uint8_t *sb) {
+/* Per super-block of a k-quant row: the 16 fp32 values its chunks' lane scales are picked from.
+ * (q4_0 / q8_0: the 8 d of 256 weights gathered by scalar loads here and permuted per chunk was 10%
+ * slower at 1 token on one Zen 4 core than d2_lanes per chunk.) */
+VI __m512 prep(const int fmt, const uint8_t *sb) {
+    if (fmt == Q4_0 || fmt == Q8_0) return _mm512_setzero_ps(); /* d2_lanes per chunk instead */
     if (fmt == Q6_K) { /* d * scale_i, i = 0..15 (16 weights each) */
         const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192))));
         return _mm512_mul_ps(sc, _mm512_set1_ps(f16(sb + 208)));
@@ -407,7 +410,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
         for (int r = 0; r < R; r++)
             for (int64_t o = 0; o < seg; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
         __m512 sv[R];
-        for (int r = 0; r < R; r++) sv[r] = kq ? kq_prep(fmt, w[r] + at) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) sv[r] = prep(fmt, w[r] + at);
         for (int j = 0; j < nch; j++) {
             const int half = !kq && 64 * j + 32 == len;
             __m512i wv[R];
@@ -438,7 +441,8 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
         for (int t = 0; t < TT; t++) out[r * ostride + t] = _mm512_reduce_add_ps(acc[r][t]);
 }
 
-/* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8, 1 row x 9-16 (at most 16 accumulators). */
+/* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens
+ * was slower (one Zen 4 core, Mixtral q4_0 T=16: 163 ms against 119): x read from L2 once per row. */
 #define VNNI_FORMAT(name, FMT)                                                                          \
     static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os) { \
         switch (n) {                                                                                    \
@@ -446,7 +450,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
         case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os); break;                                          \
         case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os); break;                                          \
         case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os); break;                                          \
-        case 5: case 6: case 7: case 8:                                                                 \
+        default:                                                                                        \
             for (int r = 0; r < 4; r += 2) {                                                            \
                 switch (n) {                                                                            \
                 case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os); break;                     \
@@ -456,19 +460,6 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
                 }                                                                                       \
             }                                                                                           \
             break;                                                                                      \
-        default:                                                                                        \
-            for (int r = 0; r < 4; r++) {                                                               \
-                switch (n) {                                                                            \
-                case 9: vnni_tile(FMT, 1, 9, w + r, x, K, out + r * os, os); break;                     \
-                case 10: vnni_tile(FMT, 1, 10, w + r, x, K, out + r * os, os); break;                   \
-                case 11: vnni_tile(FMT, 1, 11, w + r, x, K, out + r * os, os); break;                   \
-                case 12: vnni_tile(FMT, 1, 12, w + r, x, K, out + r * os, os); break;                   \
-                case 13: vnni_tile(FMT, 1, 13, w + r, x, K, out + r * os, os); break;                   \
-                case 14: vnni_tile(FMT, 1, 14, w + r, x, K, out + r * os, os); break;                   \
-                case 15: vnni_tile(FMT, 1, 15, w + r, x, K, out + r * os, os); break;                   \
-                default: vnni_tile(FMT, 1, 16, w + r, x, K, out + r * os, os); break;                   \
-                }                                                                                       \
-            }                                                                                           \
         }                                                                                               \
     }
 VNNI_FORMAT(vnni_q4_0, Q4_0)
@@ -477,6 +468,9 @@ VNNI_FORMAT(vnni_q4_k, Q4_K)
 VNNI_FORMAT(vnni_q5_k, Q5_K)
 VNNI_FORMAT(vnni_q6_k, Q6_K)
 
+#ifndef MAX_TT
+#define MAX_TT 8
+#endif
 typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int);
 static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
 
@@ -489,8 +483,8 @@ static void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, co
     if (use_vnni) {
         const uint8_t *w[ROWS];
         for (int r = 0; r < ROWS; r++) w[r] = W + rows[r] * row_bytes;
-        for (int t0 = 0; t0 < n;) { /* tiles of 16 tokens, the rest in one tile */
-            const int tn = n - t0 > 16 ? 16 : n - t0;
+        for (int t0 = 0; t0 < n;) { /* tiles of MAX_TT tokens, the rest in one tile */
+            const int tn = n - t0 > MAX_TT ? MAX_TT : n - t0;
             VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n);
             t0 += tn;
         }
