@@ -72,6 +72,10 @@ class BatchSettings:
     ignore_eos: bool = SamplingParams.ignore_eos
     beams: int = 1  # above 1: beam search (engine.beam), each such line alone
     length_penalty: float = 1.0  # beam search's, as transformers applies it
+    speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.decode), with an EAGLE head
+    draft: str | None = None  # the EAGLE head's folder
+    draft_length: int = 4
+    draft_width: int = 4
     batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
     dtype: str | None = None  # None: the engine's default for the device
@@ -80,7 +84,8 @@ class BatchSettings:
 
     def describe(self) -> str:
         shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory")
-                 and (self.beams > 1 or f.name not in ("beams", "length_penalty"))]
+                 and (self.beams > 1 or f.name not in ("beams", "length_penalty"))
+                 and (self.speculative != "off" or f.name not in ("draft", "draft_length", "draft_width"))]
 
         def mark(name: str) -> str:
             if name == "batch_size" and self.batch_size_from_memory:
@@ -198,6 +203,15 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="beam search over W hypotheses, unless the line sets beams (default 1: off)")
     parser.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
                         help="beam search scores sum(logprobs) / length**L, as transformers (default 1.0)")
+    parser.add_argument("--speculative", choices=("off", "greedy", "beam", "auto"), default="off",
+                        help="speculative decoding with the EAGLE head --draft: chains (greedy), trees (beam), or auto: "
+                             "draft lengths chosen from measured step times, plain decoding where drafting would "
+                             "not pay (default off)")
+    parser.add_argument("--draft", default=None, metavar="PATH", help="EAGLE draft head folder (config.json + weights)")
+    parser.add_argument("--draft-length", type=int, default=4, metavar="N",
+                        help="draft tokens per step (tree depth; auto's longest) (default 4)")
+    parser.add_argument("--draft-width", type=int, default=4, metavar="K",
+                        help="beam mode: children per tree node; the tree keeps N x K nodes (default 4)")
 
 
 def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSettings:
@@ -213,7 +227,13 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
             from_app.append(name)
     settings = BatchSettings(**values, ignore_eos=args.ignore_eos, batch_size=args.batch_size,
                              beams=getattr(args, "beams", 1), length_penalty=getattr(args, "length_penalty", 1.0),
+                             speculative=getattr(args, "speculative", "off"), draft=getattr(args, "draft", None),
+                             draft_length=getattr(args, "draft_length", 4), draft_width=getattr(args, "draft_width", 4),
                              from_app=tuple(from_app))
+    if settings.speculative != "off" and not settings.draft:
+        raise BatchUsageError(f"--speculative {settings.speculative}: needs --draft PATH (an EAGLE head folder)")
+    if settings.draft_length < 1 or settings.draft_width < 1:
+        raise BatchUsageError("--draft-length and --draft-width: must be >= 1")
     for name in _RANGES:
         if name == "batch_size" and settings.batch_size is None:
             continue  # chosen from memory once the model is loaded
@@ -664,7 +684,7 @@ class _Run:
         a one-token request does the run stop, with no error written for the lines it held.
         """
         while True:
-            completions = self.engine.generate(requests, batch_size=batch_size)
+            completions = self._completions(requests, batch_size)
             try:
                 while True:
                     try:
@@ -683,6 +703,16 @@ class _Run:
                 close = getattr(completions, "close", None)
                 if close is not None:
                     close()  # releases the engine even when the output stopped the run
+
+    def _completions(self, requests: Iterator[Request], batch_size: int):
+        s = self.settings
+        if s.speculative == "off":
+            return self.engine.generate(requests, batch_size=batch_size)
+        from engine.speculative.decode import generate_speculative
+
+        # groups of batch_size lines, each group to its end (the lines held again alone on an error run plainly)
+        return generate_speculative(self.engine, requests, batch_size, s.draft, s.speculative, s.draft_length,
+                                    s.draft_width)
 
     def _run_alone(self, error: Exception) -> None:
         if not self.in_flight:  # it failed before taking a line: nothing to blame a line for

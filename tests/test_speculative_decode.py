@@ -265,3 +265,27 @@ def test_engine_speculate_with_a_head_folder_and_measured_step_times(engines, tm
         assert [c.token_ids for c in done] == expected, mode
         assert "experts" in done[0].stats
     assert list((tmp_path / "cache").glob("speculative-steps-*.json"))  # measured once, kept
+
+
+def test_moedesk_batch_speculative(tiny_checkpoint, engines, tmp_path, capsys):
+    import json
+
+    from app.cli import main
+
+    engine = engines("mixtral")
+    random_head(engine, 1, tmp_path / "head")
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(PROMPTS)))
+    expected = plain(engine, [Request(engine.tokenizer.encode(p), greedy(max_new=12)) for p in PROMPTS])
+    for mode in ("greedy", "beam"):
+        out = tmp_path / f"{mode}.jsonl"
+        assert main(["batch", str(src), "-o", str(out), "--model", str(tiny_checkpoint("mixtral")), "--device", "cpu",
+                     "--dtype", "float32", "--temperature", "0", "--max-new-tokens", "12", "--batch-size", "2",
+                     "--speculative", mode, "--draft", str(tmp_path / "head"), "--draft-length", "3",
+                     "--draft-width", "2"]) == 0
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert [x["token_ids"] for x in lines] == expected
+        assert lines[0]["stats"]["speculative"]["mode"] == mode
+    assert main(["batch", str(src), "-o", str(tmp_path / "x.jsonl"), "--model", str(tiny_checkpoint("mixtral")),
+                 "--speculative", "greedy"]) != 0
+    assert "needs --draft" in capsys.readouterr().err
