@@ -136,7 +136,6 @@ def test_tree_nodes_off_the_first_child_are_compacted(engines):
             kids = {}
             for i, par in enumerate(parents[1:], start=1):
                 kids.setdefault(par, []).append(i)
-            order, stack = [0], [0]
             new_parents, new_tokens, index = [-1], [tokens[0]], {0: 0}
             queue = [0]
             while queue:

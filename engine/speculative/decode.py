@@ -30,7 +30,6 @@ acceptance) picks the draft length of every round, 0 meaning a plain decode step
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
