@@ -11,24 +11,38 @@
  * the group uses them while they are in L1.
  *
  * Arithmetic: the activation rows are quantised to int8 per 32 values (scale = max|x| / 127, round
- * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. Why int8: a 4-bit weight
- * becomes a byte in two or three instructions and all of a row's chunk is unpacked once for every
- * token, where fp32 needs a convert per 16 weights as well. Per 64 weights and token the VNNI loop is
- * 4 instructions (vpdpbusd, convert, scale product, FMA), the same count as 4 fp32 FMAs, so above ~4
- * tokens it is compute-bound on 16 cores (measured on one Zen 4 core: 12 GMAC/s at 1 token, 31 at 4,
- * 48 at 16; q4_0 at 120 GB/s needs ~13 G weights/s per core times the tokens). What would lift it:
- * activations per 256 for k-quants (sub-block scales applied in integers, one fp32 step per 256) and
- * AMX-INT8 tiles for 8+ tokens. Activations per 32 for now: one scheme for every format, and a finer
- * scale keeps outliers from costing the rest of the row its precision.
+ * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. A finer scale keeps
+ * outliers from costing the rest of the row its precision; the tests emulate exactly this.
  *
- * Each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32, q4_k/q5_k q,
- * q8_0 as stored), an fp32 scale per 4 weights (the dot instructions' lanes) and, for q4_k/q5_k,
- * the min term per 32. The dot kernels are then the same for every format:
- *   - AVX512-VNNI: vpdpbusd takes unsigned x bytes, so x is stored as q+128; the accumulator
- *     starts at -128 * (sum of the lane's 4 weights), computed once per row, so the lane holds
- *     sum(q_x * w) exactly. Then convert, multiply the row's and the token's lane scales, FMA.
- *   - AVX2 (maddubs): the same, except that maddubs saturates pairs at 16 bits: 255 * 32 * 2 fits
- *     for every format but q8_0, which uses |w| against sign(w) * q_x instead.
+ * VNNI path (the one that matters): nothing is unpacked to memory. A 64-weight chunk of a row becomes
+ * one zmm of unsigned bytes in registers (q4_0: two 16-byte loads broadcast as [q0 q0 q1 q1], the
+ * upper copy of each shifted by 4, one AND; q4_k/q5_k: 32 bytes broadcast, same; q5_k adds the fifth
+ * bit with a test-mask add; q6_k: low nibbles | two high bits; q8_0: q + 128), fed to vpdpbusd as the
+ * unsigned operand with the token's signed int8 x. The format's offset (q4_0 8, q8_0 128, q6_k 32) is
+ * folded into the accumulator start, xc = -off * (lane sum of x), stored with the quantised row, so
+ * each lane holds sum(q_w * q_x) exactly. Per chunk, row and token: vpdpbusd, convert, scale product
+ * (the 16 lane scales of the row times the token's), FMA into fp32 lanes; one horizontal sum per row
+ * and token. K-quant scales are decoded once per super-block (6-bit pairs four bytes at a time) and
+ * permuted per chunk; the q4_k/q5_k min term is one FMA per super-block, row and token against the
+ * token's d_x * sum(q_x) per 32. Register tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (more tokens: tiles
+ * of 8 over the same rows, from L1/L2). Each segment of 256 weights prefetches PREFETCH bytes ahead
+ * along its rows.
+ *
+ * Measured, one Zen 4 core (2-core shared VM; no AMX), Mixtral rows in DRAM, GB/s of packed bytes,
+ * before (unpack 256 weights per row to an L1 scratch, then a generic dot loop) -> now:
+ *   T=1  q4_0 5.1 -> 7.2-9.1, q4_k 3.4 -> 7.5-8.7, q8_0 9.6 -> 12-12.8, q5_k 4.2 -> 8.5, q6_k 3.2 -> 9.0
+ *   T=4  q4_0 2.7 -> 4.8-5.4, q4_k 3.4 -> 4.6-5.0, q8_0 6.7 -> 8.3-9.1
+ *   T=16 q4_0 1.3 -> 1.5-1.7, q8_0 3.1 -> 2.8 (noisy VM; bf16 kernel 13.6 / 12.9 / 5.6 on the same core)
+ * Zen 4 runs zmm at half SPR's rate; there the floor is the 4 zmm ops per chunk, row and token
+ * (dpbusd, convert, scale product, FMA), which is what bounds 16 tokens. What would lift it further:
+ * AMX-INT8 tiles for 8+ tokens on Sapphire Rapids; activations per 256 for k-quants (sub-block scales
+ * in integers) would save the convert and product per 32 but changes the arithmetic the tests emulate.
+ *
+ * AVX2 path (fallback): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
+ * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
+ * then maddubs with x stored as q + 128 and the row's -128 * (lane sum of w) added back; maddubs
+ * saturates pairs at 16 bits: 255 * 32 * 2 fits for every format but q8_0, which uses |w| against
+ * sign(w) * q_x instead.
  * The path is picked at load (mq_set_path; cpu_quant.py: VNNI where cpuid says so,
  * MOEDESK_QUANT_PATH=avx2 forces the fallback). The library is built for AVX2+FMA+F16C; the VNNI
  * functions carry their own target attribute, so one build serves both.
