@@ -70,6 +70,7 @@ class Engine:
         tokenizer = None
         if tok_model is not None:
             tokenizer = Tokenizer(tok_model, checkpoint.tokenizer_config, cfg.eos_token_ids, source=str(checkpoint.path))
+            tokenizer.check_vocab(cfg.vocab_size)  # chat and serve refuse such a model at load, as batch does
         engine = cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
         engine.warnings = warnings
         if banks:
@@ -166,6 +167,7 @@ class Engine:
                     in_flight[number] = self.scheduler.submit(
                         request, group=group, sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
                 if not in_flight:
+                    self.scheduler.wait_idle()
                     return
                 n, update = finished.get()
                 del in_flight[n]
@@ -191,6 +193,7 @@ class Engine:
                 if update.error is not None:
                     raise update.error
                 if update.completion is not None:
+                    self.scheduler.wait_idle()
                     yield deltas.last(update.completion, update.token_id)
                     return
                 chunk = deltas.chunk(update)

@@ -148,6 +148,16 @@ class Scheduler:
             self._lock.notify_all()
         return handle
 
+    def wait_idle(self, timeout: float | None = 30.0) -> None:
+        """When nothing runs or waits, wait for the decode thread to end its last step and stop. Its final update
+        is sent mid-step, so without this the caller could use the GPU while that thread still works (a graph
+        capture then sees another thread's random-number use, and fails). With work in flight, returns at once."""
+        with self._lock:
+            thread = self._thread
+            busy = bool(self._pending) or any(h is not None for h in self._rows)
+        if thread is not None and not busy and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def stats(self) -> dict:
         """Counters since start, and what runs and waits now."""
         with self._lock:
@@ -181,8 +191,9 @@ class Scheduler:
                 # A decoder per step (a few attribute copies): it always runs the engine's current executor,
                 # which placement and tests replace between generations.
                 decoder = self.make_decoder()
-                if not device_set and decoder.device.type == "cuda":
-                    torch.cuda.set_device(decoder.device)  # a new thread starts on device 0
+                if not device_set and decoder.device.type == "cuda" and decoder.device.index is not None:
+                    # A new thread starts on device 0; plain "cuda" means the current device, which is that.
+                    torch.cuda.set_device(decoder.device)
                 device_set = True
                 self._step(decoder, newcomers)
         except BaseException as error:  # noqa: BLE001 -- a bug here must not leave callers waiting forever

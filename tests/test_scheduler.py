@@ -221,3 +221,20 @@ def test_a_request_that_cannot_start_fails_alone(engine):
     bad = engine.submit(Request(ids, GREEDY, grammar=Broken()))
     assert "no matcher" in str(list(bad.updates(timeout=30))[-1].error)
     assert list(other.updates(timeout=30))[-1].completion.finish_reason == "length"
+
+
+def test_generate_and_stream_return_only_once_the_decode_thread_has_stopped(engine, monkeypatch):
+    """The last update is sent mid-step: a caller that goes on to use the GPU (load another model, capture a
+    graph) must not overlap that step's end. With no other work, generate and stream wait for the thread."""
+    ids = engine.tokenizer.encode("hello world")
+    original_step = engine.scheduler._step
+
+    def slow_step(decoder, newcomers):
+        original_step(decoder, newcomers)
+        time.sleep(0.05)  # the step's end, after its updates went out
+
+    monkeypatch.setattr(engine.scheduler, "_step", slow_step)
+    list(engine.generate([Request(ids, GREEDY)], batch_size=1))
+    assert engine.scheduler._thread is None
+    list(engine.stream(ids, GREEDY))
+    assert engine.scheduler._thread is None
