@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from engine.profiler import contention
+from kernels.expert_weights import ExpertWeights
 
 
 @pytest.mark.gpu
@@ -24,9 +25,8 @@ def test_copy_launch_time_is_host_time_only():
         pytest.skip("needs CUDA")
     from engine.profiler import copy_launch_ms
 
-    staging = torch.empty(2 * 1024, 2048, dtype=torch.bfloat16, device="cuda")
-    down = torch.empty(2048, 1024, dtype=torch.bfloat16, device="cuda")
-    ms = copy_launch_ms(staging, staging, down, torch.device("cuda"))
+    staging = ExpertWeights.empty(1, 2048, 1024, dtype=torch.bfloat16, device="cuda")
+    ms = copy_launch_ms(staging, torch.bfloat16, torch.device("cuda"))
     # A few dozen API calls: well above zero, far below the copy itself (8 MiB at PCIe speed is ~0.2 ms
     # only when it is not waited for; a launch that waited would take about that).
     assert 0.005 < ms < 2.0
@@ -38,9 +38,9 @@ def test_resident_launch_time_is_host_time_only():
         pytest.skip("needs CUDA")
     from engine.profiler import resident_launch_ms
 
-    gate_up = torch.randn(2 * 768, 2048).to(torch.bfloat16)
-    down = torch.randn(2048, 768).to(torch.bfloat16)
-    ms = resident_launch_ms(gate_up, down, torch.device("cuda"))
+    expert = ExpertWeights(torch.randn(1, 2 * 768, 2048).to(torch.bfloat16), torch.randn(1, 2048, 768).to(torch.bfloat16),
+                           hidden=2048, width=768)
+    ms = resident_launch_ms(expert, torch.bfloat16, torch.device("cuda"))
     assert 0.005 < ms < 5.0  # a handful of launches and a small copy, never the experts' GPU time waited for
 
 
@@ -50,13 +50,13 @@ def test_streaming_split_is_measured_from_ram():
         pytest.skip("needs CUDA")
     from engine.profiler import profile_streaming
 
-    gate_up = torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory()
-    down = torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory()
-    points = profile_streaming(gate_up, down, 8, torch.device("cuda"))
+    stacks = ExpertWeights(torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory(),
+                           torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory(), hidden=2048, width=768)
+    points = profile_streaming(stacks, 8, torch.device("cuda"))
     split = points["streamed_split_ms"]
     assert points["streamed_top_k"] == 8 and sorted(split) == [0, 1, 2, 3, 4]
     expert_bytes = 3 * 768 * 2048 * 2
     for g, ms in split.items():
         # The GPU's share crosses PCIe (under ~64 GB/s on Gen5 x16): not served from a cache the last try filled.
         assert g * expert_bytes / 64e6 < ms < 100
-    assert profile_streaming(gate_up, down, 8, torch.device("cpu")) == {}  # nothing to stream to
+    assert profile_streaming(stacks, 8, torch.device("cpu")) == {}  # nothing to stream to

@@ -112,11 +112,13 @@ def test_streamed_ranks_are_left_to_the_gpu():
     import torch
 
     from engine.executor import HostRouting
-    from engine.offload import expert_forward
+    from kernels.cpu_experts import expert_forward
+    from kernels.expert_weights import ExpertWeights
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(6, 16, 12, generator=g), torch.randn(6, 12, 8, generator=g)
-    executor = OffloadExecutor({0: (gate_up, down)}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []))
+    bank = ExpertWeights(gate_up, down, hidden=12, width=8)
+    executor = OffloadExecutor({0: bank}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []))
     moe = type("Moe", (), {"layer": 0})()
     x, ids = torch.randn(1, 12, generator=g), torch.tensor([[0, 2, 3, 5]])
     out = torch.full((4, 12), 7.0)

@@ -71,7 +71,7 @@ for threads in (15, 16):
             for layer in layers:
                 ids = torch.randperm(E, generator=gen)[:8].sort().values
                 rws = torch.zeros(8, dtype=torch.long); offs = torch.arange(9)
-                ce.experts_forward(x, rws, ids, offs, banks[layer][0], banks[layer][1], out=out, out_rows=torch.arange(8))
+                ce.experts_forward(x, rws, ids, offs, banks[layer].gate_up, banks[layer].down, out=out, out_rows=torch.arange(8))
                 if gap_us:
                     t = time.perf_counter() + gap_us / 1e6
                     while time.perf_counter() < t: pass
@@ -80,13 +80,13 @@ for threads in (15, 16):
     timed.times.clear()
     for i in range(200):
         ce.experts_forward(x, torch.zeros(1, dtype=torch.long), torch.tensor([i % E]), torch.tensor([0, 1]),
-                           banks[layers[i % 12]][0], banks[layers[i % 12]][1])
+                           banks[layers[i % 12]].gate_up, banks[layers[i % 12]].down)
     summary(f"one expert thr={threads}", timed.times[10:], 1)
     # all 12 layers' 8 experts of one layer bank in one call (96 groups): kernel throughput with long calls
     timed.times.clear()
     for i in range(30):
         ids = torch.randperm(E, generator=gen)[:96].sort().values
-        ce.experts_forward(x, torch.zeros(96, dtype=torch.long), ids, torch.arange(97), banks[layers[0]][0], banks[layers[0]][1])
+        ce.experts_forward(x, torch.zeros(96, dtype=torch.long), ids, torch.arange(97), banks[layers[0]].gate_up, banks[layers[0]].down)
     summary(f"96 experts/call thr={threads}", timed.times[2:], 96)
 print(f"\n{'case':<28}{'median ms':>10}{'mean ms':>9}{'p90 ms':>9}{'GB/s':>8}")
 for name, med, mean, p90, gbs in rows:

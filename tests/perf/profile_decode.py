@@ -40,7 +40,7 @@ for spec in args.shapes:
     cfg = shape_config(shape, int(layers))
     t0 = time.perf_counter()
     model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
-    prof = profile_expert(banks[0][0][0], banks[0][1][0], device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
+    prof = profile_expert(banks[0].expert(0), device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
     costs = fit_latency_model(prof)
     print(f"{spec}: built+profiled in {time.perf_counter() - t0:.0f}s; cpu ms {prof['cpu_expert_ms']} "
           f"copy {prof['copy_expert_ms']:.2f} ms")
