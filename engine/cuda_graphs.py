@@ -169,7 +169,9 @@ class _Captured:
         self.outputs, self.pool = [], pool
         for j in range(len(self.moe_at) + 1):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # Decode runs on the scheduler's thread (engine.scheduler) while other threads may touch CUDA
+            # (freeing another model's memory, a server's own work): only this thread's calls may break a capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
@@ -177,7 +179,7 @@ class _Captured:
             if ranks:
                 _, flat, _, ids = self.outputs[j]
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     executor.stream_experts(self.model.layers[self.moe_at[j]].moe, flat, ids, ranks, self.expert_out)
                 self.pool = graph.pool()
                 self.stream_graphs[j] = graph
