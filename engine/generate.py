@@ -216,7 +216,8 @@ class Decoder:
                 s.text = s.text[:cut]
                 s.finish_reason = "stop"
                 return
-        if len(s.tokens) >= s.params.max_new_tokens or s.position >= self.context_length:
+        # s.position is where the newest token would go: prompt + reply fill the context when it reaches its end.
+        if len(s.tokens) >= s.params.max_new_tokens or s.position + 1 >= self.context_length:
             s.finish_reason = "length"
 
     def completion(self, s: Sequence) -> Completion:

@@ -68,8 +68,10 @@ def test_stop_string_truncates_text(engine):
 def test_context_limit_ends_with_length(tiny_checkpoint):
     small = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", context_length=12)
     ids = small.tokenizer.encode("The quick brown fox")
-    c = next(small.generate([Request(ids, SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))]))
-    assert c.finish_reason == "length" and len(ids) + len(c.token_ids) == 12 + 1
+    params = SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True)
+    c = next(small.generate([Request(ids, params)]))
+    assert c.finish_reason == "length" and len(ids) + len(c.token_ids) == 12  # not one past it
+    assert list(small.stream(ids, params))[-1].completion.token_ids == c.token_ids
 
 
 def test_stream_yields_the_same_text_as_generate(engine):
@@ -125,3 +127,4 @@ def test_chat_template_matches_transformers(engine, tiny_checkpoint):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there, fox!"}]
     assert engine.tokenizer.chat_prompt(messages) == hf.apply_chat_template(messages, add_generation_prompt=True,
                                                                             tokenize=True, return_dict=False)
+
