@@ -68,6 +68,7 @@ _EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # blk.{layer}.{leaf}[.{expert}].{weight|bias}; a numbered expert is how older Mixtral files store them.
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
+_MOST_LAYERS = 1024  # engine.architectures bounds num_hidden_layers alike; a vocabulary-only file has no layers to count
 _STACKED_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps")
 
 # Byte-level BPE splits, keyed by tokenizer.ggml.pre: the regex the vocabulary's merges were
@@ -145,7 +146,7 @@ class GGUFCheckpoint:
             "vocab_size": vocab_size,
             "hidden_size": hidden,
             "intermediate_size": self._arch_meta("feed_forward_length", int, 0),
-            "num_hidden_layers": self._arch_meta("block_count", int),
+            "num_hidden_layers": self._block_count(),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
             "hidden_act": "silu",
@@ -192,6 +193,15 @@ class GGUFCheckpoint:
             scaling["original_max_position_embeddings"] = original
         return scaling
 
+    def _block_count(self) -> int:
+        """block_count, checked against the layers the file has tensors for before anything loops over it."""
+        count = self._arch_meta("block_count", int)
+        layers = {int(m.group(1)) for name in self._tensors if (m := _LAYER_TENSOR_NAME.fullmatch(name))}
+        if not 1 <= count <= _MOST_LAYERS or layers and layers != set(range(count)):
+            have = f"layers {min(layers)}-{max(layers)}" if layers else "no layer tensors"
+            raise CheckpointError(self.path, f"GGUF metadata says block_count {count}, but the file has {have}")
+        return count
+
     def _moe_config(self, model_type: str, experts: int) -> dict:
         moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
                "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
@@ -208,7 +218,7 @@ class GGUFCheckpoint:
             moe["norm_topk_prob"] = self._arch_meta("expert_weights_norm", bool, model_type == "qwen3_moe")
         if model_type in ("qwen2_moe", "qwen3_moe"):
             # A layer without a router is a dense MLP layer.
-            layers = range(self._arch_meta("block_count", int))
+            layers = range(self._block_count())
             if dense := [i for i in layers if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors]:
                 moe["mlp_only_layers"] = dense
         return moe

@@ -495,3 +495,18 @@ def test_type_the_gguf_package_cannot_dequantize(tmp_path):
     with pytest.raises(CheckpointError) as e:
         ours.get_tensor("model.embed_tokens.weight")
     assert_one_line(e, path, "tensor token_embd.weight is of type Q8_1, which the gguf package cannot dequantize")
+
+
+def test_block_count_must_match_the_layers_present(tmp_path):
+    """A huge block_count is refused at once (it sized loops and allocations), with one line."""
+    for count in (10**9, 0, 3):
+        path = tmp_path / f"bc{count}.gguf"
+        write_tiny_mixtral(path)
+        data = bytearray(path.read_bytes())
+        key = b"llama.block_count"
+        at = data.index(key) + len(key) + 4  # the value type (uint32), then the value
+        data[at:at + 4] = count.to_bytes(4, "little")
+        path.write_bytes(bytes(data))
+        with pytest.raises(CheckpointError) as error:
+            GGUFCheckpoint(path)
+        assert "block_count" in str(error.value) and "\n" not in str(error.value)
