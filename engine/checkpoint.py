@@ -57,6 +57,10 @@ class SafetensorsCheckpoint:
     def keys(self) -> list[str]:
         return list(self._where)
 
+    def shapes(self) -> None:
+        """None: engine.architectures.parse_config reads the shapes from the safetensors headers itself."""
+        return None
+
     def packed_format(self, name: str) -> str | None:
         """Safetensors hold float tensors only (see GGUFCheckpoint.packed_format)."""
         return None

@@ -259,6 +259,15 @@ class GGUFCheckpoint:
     def keys(self) -> list[str]:
         return list(self._index)
 
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor's shape in Hub layout, from the file's header alone (what parse_config checks the
+        config against before anything is allocated)."""
+        shapes = {}
+        for name, (gguf_name, expert) in self._index.items():
+            dims = tuple(int(d) for d in reversed(self._tensors[gguf_name].shape))
+            shapes[name] = dims if expert is None else dims[1:]
+        return shapes
+
     def get_tensor(self, name: str) -> torch.Tensor:
         """One tensor in Hub layout: float32 if it was quantized, else its stored dtype."""
         gguf_name, expert = self._index[name]

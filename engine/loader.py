@@ -49,7 +49,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     if expert_dtype not in EXPERT_DTYPES:
         raise MoedeskError(f"--expert-dtype {expert_dtype}: choose one of {', '.join(EXPERT_DTYPES)}")
     path = checkpoint.path
-    cfg = parse_config(checkpoint.config, path)
+    cfg = parse_config(checkpoint.config, path, tensors=checkpoint.shapes())
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
         model = Transformer(cfg, max_positions)

@@ -510,3 +510,19 @@ def test_block_count_must_match_the_layers_present(tmp_path):
         with pytest.raises(CheckpointError) as error:
             GGUFCheckpoint(path)
         assert "block_count" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_gguf_config_is_checked_against_the_tensor_shapes(tmp_path):
+    """feed_forward_length disagreeing with the experts' tensors: one line at load, before anything is allocated."""
+    from engine.runtime import Engine
+
+    path = tmp_path / "hidden.gguf"
+    write_tiny_mixtral(path)
+    data = bytearray(path.read_bytes())
+    key = b"llama.feed_forward_length"
+    at = data.index(key) + len(key) + 4
+    data[at:at + 4] = (128).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as error:
+        Engine.load(str(path), device="cpu", dtype="float32")
+    assert "intermediate_size" in str(error.value) and "\n" not in str(error.value)
