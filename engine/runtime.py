@@ -158,14 +158,20 @@ class Engine:
             while True:
                 # A batch's worth waits beyond the running ones, so a freed row takes the next request in the
                 # same step instead of after a round trip through this thread.
-                while not exhausted and len(in_flight) < 2 * batch_size:
+                fresh = []
+                while not exhausted and len(in_flight) + len(fresh) < 2 * batch_size:
                     request = next(source, None)
                     if request is None:
                         exhausted = True
                         break
-                    number += 1
-                    in_flight[number] = self.scheduler.submit(
-                        request, group=group, sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
+                    fresh.append(request)
+                # Submitted together, so the decode thread admits them in one step: which requests share a step
+                # (and so the stats) does not depend on how fast this thread pulls them from `requests`.
+                with self.scheduler.submitting():
+                    for request in fresh:
+                        number += 1
+                        in_flight[number] = self.scheduler.submit(
+                            request, group=group, sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
                 if not in_flight:
                     self.scheduler.wait_idle()
                     return

@@ -148,6 +148,11 @@ class Scheduler:
             self._lock.notify_all()
         return handle
 
+    def submitting(self):
+        """`with scheduler.submitting(): submit(...) ...`: the decode thread sees all of those requests or none
+        (the lock is re-entrant, so submit takes it again inside)."""
+        return self._lock
+
     def wait_idle(self, timeout: float | None = 30.0) -> None:
         """When nothing runs or waits, wait for the decode thread to end its last step and stop. Its final update
         is sent mid-step, so without this the caller could use the GPU while that thread still works (a graph

@@ -253,7 +253,9 @@ def test_a_hostile_chat_template_is_bounded_in_time_and_memory(name, monkeypatch
     started = time.perf_counter()
     with pytest.raises(MoedeskError) as e:
         hostile.render_chat([{"role": "user", "content": "hi"}])
-    assert time.perf_counter() - started < 4
+    # Unbounded, each of these runs for hours or until the memory is gone; bounded, they stop within about the
+    # 1 s limit plus building the last string (6 s seen once on a loaded 2-core machine, so 15 s of slack).
+    assert time.perf_counter() - started < 15
     assert str(e.value).startswith("model: chat template failed: ") and "\n" not in str(e.value)
     # The same bounds leave an ordinary template alone.
     fine = tokenizer_module.Tokenizer(tok, {"chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content|trim }}"
