@@ -70,7 +70,7 @@ class BatchSettings:
     top_k: int = SamplingParams.top_k
     seed: int = SamplingParams.seed
     ignore_eos: bool = SamplingParams.ignore_eos
-    beams: int = 1  # above 1: beam search (engine.beam), each such line alone
+    beams: int = 1  # above 1: beam search (engine.generation.beam), each such line alone
     length_penalty: float = 1.0  # beam search's, as transformers applies it
     speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.decode), with an EAGLE head
     draft: str | None = None  # the EAGLE head's folder

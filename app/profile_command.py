@@ -3,8 +3,8 @@ from __future__ import annotations
 
 
 def streaming_line(costs, top_k: int) -> str | None:
-    """The measured decode splits (engine.profiler.profile_streaming) and the one chosen; None if not measured."""
-    from engine.placement import streamed_ranks
+    """The measured decode splits (engine.offload.profiler.profile_streaming) and the one chosen; None if not measured."""
+    from engine.offload.placement import streamed_ranks
 
     if not costs.streamed_split_ms:
         return None

@@ -1,7 +1,7 @@
 """`moedesk serve`: an OpenAI-compatible HTTP API whose concurrent clients share one continuous batch.
 
 Starlette + uvicorn (no hand-written HTTP). Every request becomes one `Request` on the engine's
-scheduler (engine/scheduler.py): it joins the running batch at the next step and leaves when done,
+scheduler (engine/generation/scheduler.py): it joins the running batch at the next step and leaves when done,
 or when its client goes away. Endpoints:
 
 - GET  /v1/models, /v1/models/{id}
@@ -32,7 +32,7 @@ from starlette.routing import Route
 
 from engine.errors import MoedeskError
 from engine.requests import Completion, Request, SamplingParams
-from engine.scheduler import Group, QueueFull, TextDeltas, Update
+from engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.generate import Decoder
-from engine.kv_cache import KVCache
+from engine.generation.decoder import Decoder
+from engine.generation.kv_cache import KVCache
 from engine.requests import Request, SamplingParams
 
 
@@ -51,7 +51,7 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     would use them), which a chat pays once per batch size, not per token. The executor's stats
     restart there too, so they cover exactly the timed steps.
     """
-    from engine.cuda_graphs import GraphedDecode, graphs_wanted
+    from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 
     cache = KVCache(cfg, batch, prompt + new_tokens + 1, dtype, device)
     use_graphs = graphs_wanted(torch.device(device)) if graphs is None else graphs
@@ -105,9 +105,9 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
 
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
     kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k)."""
-    from engine.demo import cache_root
-    from engine.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
-    from engine.synthetic import shape_config, synthetic_model
+    from engine.load.demo import cache_root
+    from engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
+    from engine.load.synthetic import shape_config, synthetic_model
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           ("cpu" if device == "auto" else device))
@@ -130,7 +130,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
         f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
 
-    # Popularity as the app calibrates a real model (engine.calibration): two halves of prompts, each
+    # Popularity as the app calibrates a real model (engine.offload.calibration): two halves of prompts, each
     # prefilled and decoded for a few tokens, all experts on the CPU. Seeds apart from the measured runs'.
     halves = []
     for seed in (1000, 2000):

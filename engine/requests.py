@@ -35,7 +35,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     tag: Any = None
-    grammar: Any = None  # engine.sampling.Grammar: only tokens it allows are chosen (structured output)
+    grammar: Any = None  # engine.generation.sampling.Grammar: only tokens it allows are chosen (structured output)
 
 
 @dataclass

@@ -8,19 +8,19 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engine.beam import BeamSearch
-from engine.checkpoint import open_checkpoint
-from engine.cuda_graphs import GraphedDecode, graphs_wanted
+from engine.generation.beam import BeamSearch
+from engine.load.checkpoint import open_checkpoint
+from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 from engine.errors import MoedeskError
-from engine.executor import LocalExecutor
-from engine.generate import Decoder
-from engine.kv_cache import KVCache
-from engine.loader import load_model, resolve_device, resolve_dtype
-from engine.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
+from engine.offload.executor import LocalExecutor
+from engine.generation.decoder import Decoder
+from engine.generation.kv_cache import KVCache
+from engine.load.loader import load_model, resolve_device, resolve_dtype
+from engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
-from engine.scheduler import Group, Handle, Scheduler, TextDeltas, cancelled_after
-from engine.tokenizer import Tokenizer
+from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, cancelled_after
+from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
 
@@ -46,14 +46,14 @@ class Engine:
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
              reprofile: bool = False, progress=None, expert_dtype: str = "auto") -> "Engine":
-        """Open and load `model` (see engine.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
+        """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
         tier (how tests run the orchestration without a GPU). gpu_budget None: what the GPU has
         free after the other weights, a KV cache reserve and a margin. expert_dtype: how routed experts are
         stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4: quantised while
-        loading; engine.loader.expert_formats).
+        loading; engine.load.loader.expert_formats).
         """
         checkpoint = open_checkpoint(model)
         torch_device = resolve_device(device)
@@ -79,8 +79,8 @@ class Engine:
 
     def _orchestrate(self, banks: dict, gpu_budget: float | None, reprofile: bool, progress) -> None:
         """Profile one expert, count expert popularity (both cached), place the most popular on the GPU."""
-        from engine.calibration import cached_popularity
-        from engine.demo import cache_root
+        from engine.offload.calibration import cached_popularity
+        from engine.load.demo import cache_root
         from engine.hardware import machine_fingerprint
 
         cfg = self.config
@@ -143,7 +143,7 @@ class Engine:
         return {**self.orchestra.summary(), **self.executor.stats.as_dict()}
 
     def submit(self, request: Request, **options) -> Handle:
-        """Queue one request on the scheduler (options: see engine.scheduler.Scheduler.submit)."""
+        """Queue one request on the scheduler (options: see engine.generation.scheduler.Scheduler.submit)."""
         return self.scheduler.submit(request, **options)
 
     def generate(self, requests: Iterable[Request], batch_size: int = 8) -> Iterator[Completion]:
@@ -222,7 +222,7 @@ class Engine:
                     length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,
                     tag=None) -> Completion:
         """The best of `beams` hypotheses continuing `prompt_ids`, as transformers' `generate(num_beams=beams,
-        do_sample=False, length_penalty=..., early_stopping=...)` chooses it (engine.beam). The hypotheses
+        do_sample=False, length_penalty=..., early_stopping=...)` chooses it (engine.generation.beam). The hypotheses
         decode as one batch through the executor, in a KV cache of their own that stays allocated for the
         next search. finish_reason "stop" when the best ended with an end-of-sequence token (left out of
         token_ids, as always), else "length". ignore_eos: no token ends a hypothesis.
@@ -276,9 +276,9 @@ class Engine:
         return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
 
     def grammar(self, response_format):
-        """An OpenAI-style response_format as an engine.sampling.Grammar for Request.grammar (None for plain
+        """An OpenAI-style response_format as an engine.generation.sampling.Grammar for Request.grammar (None for plain
         text). Raises ValueError (one line) for a bad format, MoedeskError for a model without a tokenizer."""
-        from engine.sampling import compile_response_format, grammar_tokenizer
+        from engine.generation.sampling import compile_response_format, grammar_tokenizer
 
         if self.tokenizer is None:
             raise MoedeskError("structured output needs the model's tokenizer")

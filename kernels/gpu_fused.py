@@ -41,7 +41,7 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dimension, normalised in float32 and rounded to x's dtype
-    before the weight (engine.model.rms_norm's rounding)."""
+    before the weight (engine.model.transformer.rms_norm's rounding)."""
     d = x.shape[-1]
     out = torch.empty_like(x)
     block = triton.next_power_of_2(d)
@@ -67,7 +67,7 @@ def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: t
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """out[n] = sum over j of weights[n, j] * y[n * K + j], each product and each partial sum rounded
-    to y's dtype in ascending j: engine.model.MoE.combine."""
+    to y's dtype in ascending j: engine.model.transformer.MoE.combine."""
     n, k = weights.shape
     h = y.shape[-1]
     out = torch.empty(n, h, dtype=y.dtype, device=y.device)
@@ -82,7 +82,7 @@ def route_fits(num_experts: int) -> bool:
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """engine.model.top_k_route: weights [N, k] in `dtype` and expert ids [N, k] (int64),
+    """engine.model.transformer.top_k_route: weights [N, k] in `dtype` and expert ids [N, k] (int64),
     each row in ascending expert order, from router logits [N, E].
 
     Softmax in float32, the k most probable experts, ties going to the lower id as in torch.topk on

@@ -8,7 +8,7 @@ pinned memory (UVA makes a pinned host address valid on the device): on the H100
 the other 6 by 8% (tests/perf/probe_zero_copy.py). Which experts to read comes from the routing on the
 device, so the launch needs no host decision and CUDA graphs capture it.
 
-The arithmetic rounds where engine.offload.expert_forward's torch ops round (gate and up, the activation,
+The arithmetic rounds where engine.offload.offload_executor.expert_forward's torch ops round (gate and up, the activation,
 their product, the output), each dot product summed in float32. TRITON_INTERPRET=1 runs it on the CPU,
 which is how CI checks it.
 """

@@ -23,7 +23,7 @@ class BuildError(RuntimeError):
 
 
 def cache_root() -> Path:
-    """engine.demo.cache_root's rule (kernels may not import engine). Without platformdirs (a bare
+    """engine.load.demo.cache_root's rule (kernels may not import engine). Without platformdirs (a bare
     benchmark machine) the folder it would pick on Linux."""
     if os.environ.get("MOEDESK_CACHE_DIR"):
         return Path(os.environ["MOEDESK_CACHE_DIR"])

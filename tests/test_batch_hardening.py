@@ -16,7 +16,7 @@ import torch
 import app.batch as batch_module
 from app.batch import BatchSettings, BatchUsageError, check_batch_paths, run_batch
 from engine.requests import SamplingParams
-from engine.sampling import sample_token
+from engine.generation.sampling import sample_token
 from tests.test_batch_runner import FakeEngine, batch, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -420,7 +420,7 @@ def test_real_model_fuzz(model, tmp_path):
 def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_path, monkeypatch):
     """Through the real engine and its scheduler: a step that raises fails every line in it; they run
     again alone, and only the line that raises alone gets an error line."""
-    import engine.generate
+    import engine.generation.decoder as decoder
     from engine.runtime import Engine
 
     def fragile(logits, params, generator):
@@ -428,7 +428,7 @@ def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_p
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         return sample_token(logits, params, generator)
 
-    monkeypatch.setattr(engine.generate, "sample_token", fragile)
+    monkeypatch.setattr(decoder, "sample_token", fragile)
     real = Engine.load(model, device="cpu", dtype="float32", context_length=64)
     lines = [{"id": f"s{i}", "prompt_ids": [5 + i, 6, 7], "seed": 666 if i == 3 else i} for i in range(7)]
     src = write_jsonl(tmp_path / "in.jsonl", lines)

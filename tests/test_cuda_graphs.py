@@ -6,8 +6,8 @@ rows. Capture and replay themselves are checked on the GPU box (tests/test_gpu_e
 """
 import pytest
 
-from engine.cuda_graphs import GraphedDecode, graphs_wanted
-from engine.generate import Decoder
+from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+from engine.generation.decoder import Decoder
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
@@ -53,7 +53,7 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
 def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_checkpoint, monkeypatch):
     """A layer whose experts all live on the "GPU" is computed inside the segments from device tensors
     (no host round trip): same tokens as transformers, and the same popularity and stats as the host path."""
-    from engine.offload import OffloadExecutor, stack_experts
+    from engine.offload.offload_executor import OffloadExecutor, stack_experts
 
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cpu", dtype="float32")

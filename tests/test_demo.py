@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.demo import demo_checkpoint_dir, source_gguf
+from engine.load.demo import demo_checkpoint_dir, source_gguf
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from engine.generation.kv_cache import KVCache
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
 from tests.reference import hf_greedy, hf_last_logits, hf_model

@@ -3,7 +3,7 @@ caller's mask, positions and cache slots in (a tree verified in one pass equals 
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from engine.generation.kv_cache import KVCache
 from engine.runtime import Engine
 from tests.reference import hf_model
 

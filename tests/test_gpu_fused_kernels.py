@@ -1,4 +1,4 @@
-"""The fused Triton kernels compute what engine.model's torch chains compute.
+"""The fused Triton kernels compute what engine.model.transformer's torch chains compute.
 
 On the CPU they run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where
 there is no GPU): float32 checks the indexing and the formulas. On the GPU box bfloat16
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from engine.model import MoE, apply_rope, rms_norm, top_k_route
+from engine.model.transformer import MoE, apply_rope, rms_norm, top_k_route
 from kernels import gpu_fused
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
@@ -132,7 +132,7 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
         logits = _router_logits(n, e, torch.bfloat16, dev, seed=n + e, ties=ties)
         routes.append(((logits, k, renormalise), gpu_fused.route(logits, k, renormalise, torch.bfloat16)))
 
-    monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")  # engine.model's torch chains from here
+    monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")  # engine.model.transformer's torch chains from here
     got, (rx, rw, rcos, rsin) = fused[False]
     assert torch.equal(got, apply_rope(rx, rcos, rsin))  # elementwise chains: the same bits
     assert torch.equal(fused_sum, MoE.combine(y, weights))

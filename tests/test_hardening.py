@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import engine.tokenizer as tokenizer_module
+import engine.load.tokenizer as tokenizer_module
 from app.batch import BatchSettings, run_batch
 from app.cli import main
 from engine.errors import MoedeskError
@@ -110,7 +110,7 @@ PARSE_CONFIGS = """
 import json, resource, sys, traceback
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a config that allocates without bound fails here
 sys.path.insert(0, sys.argv[1])
-from engine.architectures import parse_config
+from engine.model.architectures import parse_config
 from engine.errors import MoedeskError
 shapes = {name: tuple(shape) for name, shape in json.loads(sys.argv[3]).items()}
 for hf in json.loads(open(sys.argv[2]).read()):
@@ -169,7 +169,7 @@ def test_fuzz_config_files(mixtral, tmp_path):
 @pytest.mark.parametrize("where, why", [("file", "it is a file, not a folder"),
                                         ("file/under", "a part of its path is a file, not a folder")])
 def test_an_unusable_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch, where, why):
-    from engine.demo import demo_checkpoint_dir
+    from engine.load.demo import demo_checkpoint_dir
 
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / where))
@@ -183,7 +183,7 @@ def test_an_unusable_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
 def test_a_read_only_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch):
-    from engine.demo import demo_checkpoint_dir
+    from engine.load.demo import demo_checkpoint_dir
 
     (tmp_path / "ro").mkdir(mode=0o555)
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "ro"))

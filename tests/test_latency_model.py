@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 
 from engine.errors import MoedeskError
-from engine.latency_model import LatencyModel, ProfileError, fit_latency_model
+from engine.offload.latency_model import LatencyModel, ProfileError, fit_latency_model
 
 MiB = 2**20
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 def profile(cpu, gpu=None, **extra):
-    """Raw measurements in the shape engine.profiler.profile_expert returns."""
+    """Raw measurements in the shape engine.offload.profiler.profile_expert returns."""
     points = {
         "cpu_expert_ms": {n: float(cpu(n)) for n in CPU_TOKENS},
         "gpu_expert_ms": gpu or {1: 0.17, 4: 0.18, 16: 0.2, 64: 0.25, 256: 0.32, 1024: 0.6, 4096: 2.1},

@@ -5,8 +5,8 @@ and the ordered sum run for real.
 """
 import pytest
 
-from engine.offload import OffloadExecutor, stack_experts
-from engine.placement import Costs, assign_offloaded, plan_placement
+from engine.offload.offload_executor import OffloadExecutor, stack_experts
+from engine.offload.placement import Costs, assign_offloaded, plan_placement
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
@@ -95,7 +95,7 @@ def test_bench_runs_on_the_simulated_tier():
 
 def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
     from engine.bench import traffic_bound
-    from engine.offload import StepStats
+    from engine.offload.offload_executor import StepStats
 
     # 10 steps that computed 30 experts on the CPU and copied 10: 4 expert reads per step.
     stats = StepStats(gpu_experts=50, cpu_experts=30, copied_experts=10)
@@ -108,10 +108,10 @@ def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
 
 def test_streamed_ranks_are_left_to_the_gpu():
     """With `HostRouting.streamed` set, the host computes only the token's other experts and leaves the
-    streamed rows of `out` as the GPU wrote them (on CUDA, engine.cuda_graphs launches the GPU's share)."""
+    streamed rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
     import torch
 
-    from engine.executor import HostRouting
+    from engine.offload.executor import HostRouting
     from kernels.cpu_experts import expert_forward
     from kernels.expert_weights import ExpertWeights
 
@@ -177,7 +177,7 @@ def test_combine_rounds_as_index_add_in_expert_order(k):
     the reference's loop of one index_add_ per expert, in ascending expert order."""
     import torch
 
-    from engine.model import MoE
+    from engine.model.transformer import MoE
 
     g = torch.Generator().manual_seed(k)
     n, experts, hidden = 13, 16, 64

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.kv_cache import KVCache
+from engine.generation.kv_cache import KVCache
 from engine.runtime import Engine
 from tests.test_gguf_checkpoint import llama_cpp_permute, spm_vocab
 

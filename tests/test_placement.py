@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from engine.errors import MoedeskError
-from engine.latency_model import fit_latency_model
-from engine.placement import (
+from engine.offload.latency_model import fit_latency_model
+from engine.offload.placement import (
     Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
     LayerCosts, RememberedSplit, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
 )
@@ -419,7 +419,7 @@ def test_mild_contention_keeps_the_split_at_its_contended_cost():
 
 
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
-    import engine.placement as placement
+    import engine.offload.placement as placement
 
     monkeypatch.setattr(placement, "_best_split", lambda *a: pytest.fail("searched"))
     got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
@@ -435,7 +435,7 @@ class _WithResidentLaunch:
 
 
 def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_share():
-    from engine.placement import resident_on_cpu
+    from engine.offload.placement import resident_on_cpu
 
     model = _WithResidentLaunch(Costs(lambda n: 0.05 * n, lambda n: 0.01, 1.0), resident_launch_ms=0.2)
     assert resident_on_cpu({7: 1, 3: 1}, model) == [3, 7]  # 0.1 ms of CPU work < 0.2 ms of launches
@@ -449,7 +449,7 @@ def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_s
 def test_streamed_ranks_take_the_fastest_measured_split():
     from types import SimpleNamespace
 
-    from engine.placement import streamed_ranks
+    from engine.offload.placement import streamed_ranks
 
     def measured(*split_ms, top_k=8):
         return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k)

@@ -32,7 +32,7 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
 
 def test_streaming_line_shows_the_measured_splits_and_the_choice():
     from app.profile_command import streaming_line
-    from engine.latency_model import LatencyModel
+    from engine.offload.latency_model import LatencyModel
 
     costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, streamed_split_ms=(0.69, 0.68, 0.6),
                          streamed_top_k=8)

@@ -6,7 +6,7 @@ import pytest
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from engine.scheduler import Group, QueueFull
+from engine.generation.scheduler import Group, QueueFull
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -154,7 +154,7 @@ def test_a_group_caps_its_requests_and_the_caller_stopping_early_cancels_the_res
 
 
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(engine, monkeypatch):
-    import engine.generate as generate
+    import engine.generation.decoder as generate
 
     real_decode = generate.Decoder.decode
     failed = []

@@ -206,7 +206,7 @@ def test_a_client_disconnecting_mid_stream_frees_its_row(url):
 
 def slow_steps(monkeypatch, seconds=0.01):
     """Decode steps take at least `seconds`: the tiny model is too quick for a client to act mid-reply."""
-    import engine.generate as generate
+    import engine.generation.decoder as generate
 
     real_decode = generate.Decoder.decode
 

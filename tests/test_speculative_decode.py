@@ -216,7 +216,7 @@ def test_sampling_keeps_the_targets_distribution(draft, engines, tmp_path):
 
 
 def _logits(engine, ids):
-    from engine.kv_cache import KVCache
+    from engine.generation.kv_cache import KVCache
 
     cache = KVCache(engine.config, 1, len(ids) + 1, torch.float32, "cpu")
     return engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]

@@ -60,7 +60,7 @@ def folder_size(path: Path) -> int:
 
 def supported_architectures() -> set[str]:
     try:
-        from engine.architectures import ARCHITECTURES
+        from engine.model.architectures import ARCHITECTURES
         return set(ARCHITECTURES)
     except Exception:  # the engine is being edited elsewhere; a listing must not fail for it
         return set()
@@ -119,7 +119,7 @@ def _gguf_value(reader, key: str):
 
 def demo_model() -> LocalModel:
     try:
-        from engine.demo import cache_root, recipe
+        from engine.load.demo import cache_root, recipe
 
         r = recipe()
         folder = cache_root() / f"{r['name']}-v{r['version']}"

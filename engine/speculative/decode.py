@@ -38,9 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import MoedeskError
-from engine.kv_cache import KVCache
+from engine.generation.kv_cache import KVCache
 from engine.requests import Completion, Request, SamplingParams
-from engine.sampling import sample_token
+from engine.generation.sampling import sample_token
 from engine.speculative import perf_model, rejection
 
 MODES = ("off", "greedy", "beam", "auto")
@@ -71,7 +71,7 @@ def chain_parents(gamma: int) -> list[int]:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution engine.sampling.sample_token draws from (temperature, top-k, top-p), over the last
+    """The distribution engine.generation.sampling.sample_token draws from (temperature, top-k, top-p), over the last
     dimension of float logits: rejection sampling needs both models' distributions as actually sampled."""
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"))
     logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
@@ -133,7 +133,7 @@ class Proposal:
 
 
 class Drafter(Protocol):
-    feature_keys: tuple  # what the target forward returns for it (engine.model.Transformer.forward)
+    feature_keys: tuple  # what the target forward returns for it (engine.model.transformer.Transformer.forward)
 
     def absorb(self, row: int, start: int, tokens: list[int], features: torch.Tensor | None) -> None:
         """Target features at positions start.. with the tokens that follow each (EAGLE's row pairing)."""
@@ -818,7 +818,7 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False)
     import json
     from pathlib import Path
 
-    from engine.demo import cache_root
+    from engine.load.demo import cache_root
     from engine.hardware import machine_fingerprint
     from engine.json_cache import cached_json
 

@@ -29,7 +29,7 @@ greedy exact but makes sampled output only approximately the target's.
 
 Everything is batched over leading dimensions and draws its random numbers in a fixed order from
 the one `generator` given, so a sequence verified alone with its own generator is reproducible
-(engine.sampling samples that way too). Probabilities are those actually sampled from, after
+(engine.generation.sampling samples that way too). Probabilities are those actually sampled from, after
 temperature / top-k / top-p, for both models.
 """
 from __future__ import annotations

@@ -24,16 +24,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine.beam import BeamSearch  # noqa: E402
+from engine.generation.beam import BeamSearch  # noqa: E402
 from engine.bench import measure_decode, random_prompt  # noqa: E402
-from engine.cuda_graphs import graphs_wanted  # noqa: E402
+from engine.generation.cuda_graphs import graphs_wanted  # noqa: E402
 
 
 def build(shape: str, layers: int | None, device: torch.device, gpu_budget_gib: float, context: int):
     """The synthetic model with its experts profiled, calibrated and placed as `moedesk bench` does."""
-    from engine.demo import cache_root
-    from engine.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
-    from engine.synthetic import shape_config, synthetic_model
+    from engine.load.demo import cache_root
+    from engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
+    from engine.load.synthetic import shape_config, synthetic_model
 
     on_cuda = device.type == "cuda"
     if on_cuda:

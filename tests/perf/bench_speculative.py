@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 
 from engine.bench import random_prompt  # noqa: E402
-from engine.cuda_graphs import GraphedDecode, graphs_wanted  # noqa: E402
-from engine.generate import Decoder  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted  # noqa: E402
+from engine.generation.decoder import Decoder  # noqa: E402
+from engine.generation.kv_cache import KVCache  # noqa: E402
 from engine.requests import Request, SamplingParams  # noqa: E402
 from engine.speculative import perf_model  # noqa: E402
 from engine.speculative.decode import Speculator, measure_step_times, oracle_factory  # noqa: E402

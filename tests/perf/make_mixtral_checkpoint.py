@@ -7,7 +7,7 @@ The real model's tensor names and shapes (model.layers.N.block_sparse_moe.expert
 8 key/value heads of 128, 8 experts of 4096x14336, vocabulary 32000), bfloat16: 8 layers are 23.7 GB in
 5 shards. Weights tile one random block from a per-tensor offset (speed and the load path do not depend on
 the values, and tiling writes at disk speed), router weights are random at a scale that spreads routing
-like a trained model's (as engine/synthetic.py does), norms are ones. Only one shard is in memory at a time.
+like a trained model's (as engine/load/synthetic.py does), norms are ones. Only one shard is in memory at a time.
 The tokenizer is a byte-level BPE trained on this repository's text, its vocabulary padded with placeholder
 tokens to the model's 32000, so `moedesk serve` and `moedesk batch` take text as they would for the real
 model. --tiny writes the same architecture at toy sizes in a second, for the CPU smoke runs

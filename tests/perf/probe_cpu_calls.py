@@ -7,9 +7,9 @@ import time
 import numpy as np
 import torch
 from engine.bench import measure_decode
-from engine.offload import OffloadExecutor, StepStats
-from engine.orchestration import leave_a_core_to_the_gpu_thread
-from engine.synthetic import shape_config, synthetic_model
+from engine.offload.offload_executor import OffloadExecutor, StepStats
+from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+from engine.load.synthetic import shape_config, synthetic_model
 from kernels import cpu_experts as ce
 
 class Timed:
@@ -28,7 +28,7 @@ model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context
 assert ce.available(), ce.unavailable_reason()
 lib = ce._state["lib"]
 timed = Timed(lib); ce._state["lib"] = timed
-import engine.offload as offload_module
+import engine.offload.offload_executor as offload_module
 wrapper_times = []
 _routed = offload_module.experts_forward_routed
 def timed_routed(*a, **k):

@@ -8,10 +8,10 @@ import time
 
 import torch
 
-import engine.cuda_graphs as cg
-import engine.generate as gen
+import engine.generation.cuda_graphs as cg
+import engine.generation.decoder as gen
 from engine.bench import measure_decode
-from engine.orchestration import leave_a_core_to_the_gpu_thread
+from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
 from qwen3_probe_model import qwen3_all_in_ram
 
 marks = []  # (label, perf_counter)

@@ -1,7 +1,7 @@
 """Probe (GPU box; python3 tests/perf/probe_streamed_decode.py [qwen3|mixtral] [ROUNDS] [MAX]): decode speed at batch 1 as a
 function of how many of each token's experts the GPU streams from pinned RAM (kernels.gpu_streamed) while the CPU
 computes the rest. One model, one process, the counts interleaved over rounds, so the machine is the same for all.
-Prints tok/s per count (median of the rounds) and what the profile-based rule (engine.placement.streamed_ranks)
+Prints tok/s per count (median of the rounds) and what the profile-based rule (engine.offload.placement.streamed_ranks)
 would pick."""
 import statistics
 import sys
@@ -9,11 +9,11 @@ import sys
 import torch
 
 from engine.bench import measure_decode
-from engine.latency_model import fit_latency_model
-from engine.offload import OffloadExecutor
-from engine.placement import streamed_ranks
-from engine.profiler import profile_expert, profile_streaming
-from engine.synthetic import shape_config, synthetic_model
+from engine.offload.latency_model import fit_latency_model
+from engine.offload.offload_executor import OffloadExecutor
+from engine.offload.placement import streamed_ranks
+from engine.offload.profiler import profile_expert, profile_streaming
+from engine.load.synthetic import shape_config, synthetic_model
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
 shape, layers = {"qwen3": ("qwen3-30b-a3b", 12), "mixtral": ("mixtral-8x7b", 8)}[name]

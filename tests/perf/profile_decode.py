@@ -15,12 +15,12 @@ import time
 import torch
 
 from engine.bench import measure_decode
-from engine.latency_model import fit_latency_model
-from engine.offload import OffloadExecutor, StepStats
-from engine.orchestration import leave_a_core_to_the_gpu_thread
-from engine.placement import assign_offloaded
-from engine.profiler import profile_expert
-from engine.synthetic import shape_config, synthetic_model
+from engine.offload.latency_model import fit_latency_model
+from engine.offload.offload_executor import OffloadExecutor, StepStats
+from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+from engine.offload.placement import assign_offloaded
+from engine.offload.profiler import profile_expert
+from engine.load.synthetic import shape_config, synthetic_model
 from kernels import cpu_experts
 
 parser = argparse.ArgumentParser()

@@ -3,8 +3,8 @@ computed on the CPU, one warm-up decode done. Import from a probe run as `python
 import torch
 
 from engine.bench import measure_decode
-from engine.offload import OffloadExecutor
-from engine.synthetic import shape_config, synthetic_model
+from engine.offload.offload_executor import OffloadExecutor
+from engine.load.synthetic import shape_config, synthetic_model
 
 
 def qwen3_all_in_ram(layers: int = 12):

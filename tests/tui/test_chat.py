@@ -17,7 +17,7 @@ SIZE = (100, 30)
 
 
 def reference(engine, settings, turns):
-    """engine.generate on the same conversation and settings: what the chat must show."""
+    """engine.generation.decoder on the same conversation and settings: what the chat must show."""
     system = [{"role": "system", "content": settings.system_prompt}] if settings.system_prompt else []
     messages = system + turns
     ids = engine.tokenizer.chat_prompt(messages)

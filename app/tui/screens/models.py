@@ -24,11 +24,11 @@ def preflight(model: str) -> None:
     a missing file, an unreadable checkpoint, an unsupported architecture. Reads headers only."""
     if model == "demo":
         return  # built on first use; nothing to check cheaply
-    from engine.checkpoint import open_checkpoint
+    from engine.load.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model)
     try:
-        from engine.architectures import parse_config
+        from engine.model.architectures import parse_config
     except ImportError:
         return
     parse_config(checkpoint.config, checkpoint.path)

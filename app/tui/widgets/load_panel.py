@@ -44,7 +44,7 @@ def stage_now(stage: str, fraction: float) -> str:
 def demo_needs_building() -> bool:
     """True before the demo model's first use: opening it builds it, which reports no progress."""
     try:
-        from engine.demo import cache_root, recipe
+        from engine.load.demo import cache_root, recipe
 
         r = recipe()
         return not (cache_root() / f"{r['name']}-v{r['version']}" / "config.json").is_file()

@@ -37,7 +37,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
 # --- structured output ------------------------------------------------------------------------
 #
 # llguidance, not xgrammar or outlines-core: it builds its token trie straight from the
-# `tokenizers` JSON that engine.tokenizer.Tokenizer already wraps (no transformers tokenizer, no
+# `tokenizers` JSON that engine.load.tokenizer.Tokenizer already wraps (no transformers tokenizer, no
 # Hub download), computes a mask lazily per step from a context-free grammar (tens of microseconds,
 # no per-schema precompilation that would stall the decode thread for a new schema, where
 # outlines-core builds a whole regex automaton up front and cannot express free-form JSON at all),
@@ -122,8 +122,8 @@ def compile_response_format(response_format, lltokenizer, vocab_size: int, eos_t
 
 
 def grammar_tokenizer(tokenizer, vocab_size: int, eos_token_ids):
-    """llguidance's view of an engine.tokenizer.Tokenizer (builds a token trie: cache the result)."""
+    """llguidance's view of an engine.load.tokenizer.Tokenizer (builds a token trie: cache the result)."""
     import llguidance
 
-    # The `tokenizers` object itself, serialised: engine.tokenizer.Tokenizer keeps it private and has no other use for it.
+    # The `tokenizers` object itself, serialised: engine.load.tokenizer.Tokenizer keeps it private and has no other use for it.
     return llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids))

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.config import ModelConfig, RopeConfig
-from engine.kv_cache import KVCache, write_rows
+from engine.model.config import ModelConfig, RopeConfig
+from engine.generation.kv_cache import KVCache, write_rows
 from kernels import gpu_fused
 from kernels.expert_weights import ExpertWeights
 
@@ -252,7 +252,7 @@ class Block(nn.Module):
     def before_experts(self, x, rope, cache, step):
         """An MoE block up to its routing: (residual, normalised tokens [N, H], weights, ids); the
         executor's experts and `after_experts` complete it. CUDA graphs capture the two parts apart
-        (engine.cuda_graphs), with the experts between them outside the graphs."""
+        (engine.generation.cuda_graphs), with the experts between them outside the graphs."""
         x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
         flat = self.mlp_norm(x).reshape(-1, x.shape[-1])
         return x, flat, *self.moe.route(flat)

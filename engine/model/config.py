@@ -2,7 +2,7 @@
 
 Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and dense Llama-family models differ in a handful of
 switches (shared expert, q/k norm, top-k normalisation, biases); `ModelConfig` holds those
-switches and the shapes, and `engine.architectures` fills it from a checkpoint's config.json.
+switches and the shapes, and `engine.model.architectures` fills it from a checkpoint's config.json.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig, RopeConfig
-from engine.model import Rotary, Transformer
+from engine.model.config import ModelConfig, RopeConfig
+from engine.model.transformer import Rotary, Transformer
 from kernels.expert_weights import DENSE, ExpertWeights
 from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 

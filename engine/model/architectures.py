@@ -1,7 +1,7 @@
 """The supported architectures, each a few switches plus a weight-name map.
 
 A checkpoint's config.json becomes a `ModelConfig`; its tensor names become moedesk's own
-names (the module tree in `engine.model`). Anything in a checkpoint that would change the
+names (the module tree in `engine.model.transformer`). Anything in a checkpoint that would change the
 computation and that moedesk does not implement is refused with a one-line error rather than
 silently ignored.
 """
@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import ModelConfig, RopeConfig
+from engine.model.config import ModelConfig, RopeConfig
 from engine.errors import CheckpointError, UnsupportedModelError
 
 

@@ -109,7 +109,7 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
     """Host time the executor spends queueing one copied expert: its copy on a side stream and its
     GPU compute, through the executor's own two calls (median; the GPU is drained between tries
     so that nothing blocks)."""
-    from engine.offload import compute_copied, queue_copy
+    from engine.offload.offload_executor import compute_copied, queue_copy
 
     x = torch.randn(4, staging.hidden, dtype=dtype, device=device)
     rows = torch.tensor([1, 2], device=device)
@@ -181,8 +181,8 @@ def resident_launch_ms(w: ExpertWeights, dtype, device, repeat: int = 20) -> flo
     tries so that nothing blocks). A layer pays it once whenever any resident expert has tokens."""
     from types import SimpleNamespace
 
-    from engine.executor import HostRouting
-    from engine.offload import OffloadExecutor
+    from engine.offload.executor import HostRouting
+    from engine.offload.offload_executor import OffloadExecutor
 
     stack = ExpertWeights(w.gate_up.expand(2, -1, -1), w.down.expand(2, -1, -1), w.hidden, w.width,
                           w.gate_up_format, w.down_format)  # the same expert twice, not copied

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import MoedeskError
-from engine.kv_cache import KVCache
+from engine.generation.kv_cache import KVCache
 
 _NEG = -1.0e9  # what transformers adds to rule a candidate out; the same value keeps ties and order alike
 
@@ -65,7 +65,7 @@ class BeamSearch:
 
     def __init__(self, model, device, dtype, context_length: int, on_oom=None, graphs: bool = False):
         """on_oom() frees GPU memory after an out-of-memory error and returns True to retry (as for
-        engine.generate.Decoder). graphs: replay decode steps from CUDA graphs over this cache."""
+        engine.generation.decoder.Decoder). graphs: replay decode steps from CUDA graphs over this cache."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.on_oom = on_oom
@@ -183,7 +183,7 @@ class BeamSearch:
         if self.cache is None:
             self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
             if self.use_graphs:
-                from engine.cuda_graphs import GraphedDecode
+                from engine.generation.cuda_graphs import GraphedDecode
 
                 self.graphs = GraphedDecode(self.model, self.cache)
         else:

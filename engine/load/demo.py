@@ -67,7 +67,7 @@ def _check_writable(folder: Path) -> None:
 
 
 def build_demo(folder: Path, r: dict) -> None:
-    from engine.gguf_checkpoint import GGUFCheckpoint
+    from engine.load.gguf_checkpoint import GGUFCheckpoint
 
     dense = GGUFCheckpoint(source_gguf())
     config = dict(dense.config)

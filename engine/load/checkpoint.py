@@ -58,7 +58,7 @@ class SafetensorsCheckpoint:
         return list(self._where)
 
     def shapes(self) -> None:
-        """None: engine.architectures.parse_config reads the shapes from the safetensors headers itself."""
+        """None: engine.model.architectures.parse_config reads the shapes from the safetensors headers itself."""
         return None
 
     def packed_format(self, name: str) -> str | None:
@@ -115,13 +115,13 @@ def _first_line(e: Exception) -> str:
 def open_checkpoint(model: str):
     """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
     if model == "demo":
-        from engine.demo import demo_checkpoint_dir
+        from engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
     path = Path(os.path.expanduser(model))
     if path.suffix == ".gguf":
         if not path.is_file():
             raise CheckpointError(path, "no such file")
-        from engine.gguf_checkpoint import GGUFCheckpoint
+        from engine.load.gguf_checkpoint import GGUFCheckpoint
         return GGUFCheckpoint(path)
     if path.is_dir():
         return SafetensorsCheckpoint(path)
@@ -131,7 +131,7 @@ def open_checkpoint(model: str):
     if cached is not None:
         ggufs = sorted(cached.rglob("*.gguf"))
         if not list(cached.glob("*.safetensors")) and len(ggufs) == 1:  # a downloaded GGUF quantisation
-            from engine.gguf_checkpoint import GGUFCheckpoint
+            from engine.load.gguf_checkpoint import GGUFCheckpoint
             return GGUFCheckpoint(ggufs[0])
         return SafetensorsCheckpoint(cached)
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "

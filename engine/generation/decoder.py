@@ -3,7 +3,7 @@
 Up to `batch_size` sequences decode together, one cache row each. When a sequence finishes,
 its row takes the next request at once; new requests are prefilled together, right-padded.
 `Decoder.start`, `prefill` and `decode` are the steps; `Decoder.run` drives them over an
-iterable of requests, engine.scheduler.Scheduler over requests that arrive while it runs.
+iterable of requests, engine.generation.scheduler.Scheduler over requests that arrive while it runs.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import MoedeskError
 from engine.requests import Completion, Request
-from engine.sampling import sample_token
+from engine.generation.sampling import sample_token
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Sequence:
     expert_stats_at_start: object = None  # a copy of the executor's StepStats when the sequence began
     detokenizer: object = None  # the tokenizer's StreamDecoder: `text` grows by a token's text, not re-decoded
     prefilled: int = 0  # prompt tokens already in the cache (a long prompt may prefill in pieces)
-    constraint: object = None  # engine.sampling.TokenConstraint when the request has a grammar
+    constraint: object = None  # engine.generation.sampling.TokenConstraint when the request has a grammar
 
     @property
     def params(self):
@@ -46,7 +46,7 @@ class Decoder:
                  graphs=None):
         """on_oom() is called when the GPU runs out of memory in a step: it frees memory (moves experts
         off the GPU) and returns True to retry the step, or False to give up (the error propagates).
-        graphs: an engine.cuda_graphs.GraphedDecode for the same model and cache, or None (eager decode)."""
+        graphs: an engine.generation.cuda_graphs.GraphedDecode for the same model and cache, or None (eager decode)."""
         self.model, self.cache, self.executor = model, cache, executor
         self.graphs = graphs
         self.on_oom = on_oom
@@ -59,7 +59,7 @@ class Decoder:
         """Yield (sequence, new token) each time a sequence grows; token None when it finished without one.
 
         A sequence is finished when its `finish_reason` is set; the caller sees that event last.
-        The simplest driver of `start`/`prefill`/`decode` (engine.scheduler.Scheduler is the other):
+        The simplest driver of `start`/`prefill`/`decode` (engine.generation.scheduler.Scheduler is the other):
         prompts prefill whole, and a freed row takes the next request at once.
         """
         pending = iter(requests)

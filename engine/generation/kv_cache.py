@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 
 class KVCache:

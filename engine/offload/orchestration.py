@@ -3,7 +3,7 @@
 `ExpertOrchestra` owns the `OffloadExecutor` of one loaded MoE model and the decisions around
 it: the latency model (profiled once per machine, shape and dtype, cached), the popularity
 (counted once per model on the calibration prompts, cached, and trusted as far as one half of
-the prompts predicts the other: engine.popularity), and the placement under a GPU budget.
+the prompts predicts the other: engine.offload.popularity), and the placement under a GPU budget.
 When the GPU runs out of memory, at load or while generating, the budget shrinks and the
 placement is redone with a warning; it never ends the program while experts can still leave
 the GPU.
@@ -16,12 +16,12 @@ from pathlib import Path
 
 import torch
 
-from engine.latency_model import LatencyModel, fit_latency_model
-from engine.offload import OffloadExecutor, allocate_banks
-from engine.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
+from engine.offload.latency_model import LatencyModel, fit_latency_model
+from engine.offload.offload_executor import OffloadExecutor, allocate_banks
+from engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
                               plan_placement, resident_on_cpu, streamed_ranks)
-from engine.popularity import estimated_popularity
-from engine.profiler import cached_profile, profile_expert, profile_key, profile_streaming
+from engine.offload.popularity import estimated_popularity
+from engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
 from kernels.expert_weights import ExpertWeights
 
 log = logging.getLogger("moedesk")
@@ -88,7 +88,7 @@ class ExpertOrchestra:
     profile_key: str = ""  # names this machine, expert shape and dtype in the measurement cache
     profile: dict = field(default_factory=dict)  # the raw measurements the latency model was fitted to
     top_k: int = 1  # experts per token: what a layer's offloaded share costs (placement's layer costs)
-    evenness: float | None = None  # weight of even routing in `popularity` (engine.popularity); None: not calibrated
+    evenness: float | None = None  # weight of even routing in `popularity` (engine.offload.popularity); None: not calibrated
 
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
@@ -125,7 +125,7 @@ class ExpertOrchestra:
 
     def place(self, budget_bytes: int, popularity: list[list[float]] | None = None) -> Placement:
         """Make the experts that fit `budget_bytes` resident (by popularity, or whole layers first where the
-        latency model says that is faster: engine.placement.plan_placement); shrink the budget on GPU OOM."""
+        latency model says that is faster: engine.offload.placement.plan_placement); shrink the budget on GPU OOM."""
         if popularity is not None:
             self.popularity = popularity
         layers, experts = len(self.popularity), len(self.popularity[0])

@@ -140,7 +140,7 @@ def _most_popular(counts: np.ndarray, fits: int) -> np.ndarray:
 class LayerCosts:
     """What a decode step's MoE layer costs the host once the CPU takes part in it, in ms per token.
 
-    A layer whose experts are all resident runs inside the GPU's CUDA graphs (engine.cuda_graphs)
+    A layer whose experts are all resident runs inside the GPU's CUDA graphs (engine.generation.cuda_graphs)
     and costs none of this where the executor can run it from device tensors alone
     (`whole_layer_skips_host`); any other layer pays the round trip of its routing and outputs, the
     host's queueing of its resident experts when it has any, and its offloaded experts' CPU work.
@@ -153,7 +153,7 @@ class LayerCosts:
 
     @classmethod
     def from_model(cls, costs, whole_layer_skips_host: bool = True) -> "LayerCosts":
-        """From an engine.latency_model.LatencyModel: its one-token figures."""
+        """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
         return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1),
                    whole_layer_skips_host)
 
@@ -180,7 +180,7 @@ def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: 
 
 
 class ExpertCosts(Protocol):
-    """What the assignment reads from a latency model (engine.latency_model.LatencyModel has it)."""
+    """What the assignment reads from a latency model (engine.offload.latency_model.LatencyModel has it)."""
 
     copy_expert_ms: float
 
@@ -247,7 +247,7 @@ class Contended:
 class Assignment:
     """Where the offloaded experts of one layer step run, and when each side is predicted to finish.
 
-    Unpacks as (cpu, copy) lists, the `decide` contract of `engine.offload.OffloadExecutor`;
+    Unpacks as (cpu, copy) lists, the `decide` contract of `engine.offload.offload_executor.OffloadExecutor`;
     `copy` is in the order the copies should be issued.
     """
 
@@ -342,7 +342,7 @@ STREAM_MIN_GAIN = 0.05
 def streamed_ranks(top_k: int, model) -> int:
     """How many of a lone decoded token's `top_k` offloaded experts the GPU should compute itself, reading
     their weights from pinned RAM (kernels.gpu_streamed), while the CPU computes the others: the count whose
-    measured split (the model's `streamed_split_ms`, engine.profiler.profile_streaming) finished soonest,
+    measured split (the model's `streamed_split_ms`, engine.offload.profiler.profile_streaming) finished soonest,
     fewer on a tie, and 0 unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured for
     this top_k.
 

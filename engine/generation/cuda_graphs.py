@@ -25,9 +25,9 @@ import os
 
 import torch
 
-from engine.executor import HostRouting
-from engine.kv_cache import KVCache
-from engine.model import Step, Transformer
+from engine.offload.executor import HostRouting
+from engine.generation.kv_cache import KVCache
+from engine.model.transformer import Step, Transformer
 
 log = logging.getLogger("moedesk")
 
@@ -98,7 +98,7 @@ class _Captured:
             self.host = HostRouting(torch.zeros(batch, hidden, dtype=dtype, pin_memory=True),
                                     torch.zeros(batch, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
         # Per host-run MoE layer: how many of the token's last ranks the GPU computes from RAM itself while
-        # the host runs the rest (engine.offload.OffloadExecutor.streamed_share), in a graph of its own
+        # the host runs the rest (engine.offload.offload_executor.OffloadExecutor.streamed_share), in a graph of its own
         # replayed after the host's copy of the routing is queued, so the host need not wait for it.
         share = getattr(executor, "streamed_share", None)
         self.streamed = [share(model.layers[i].moe.layer, batch, top_k) if share and self.host else 0
@@ -169,7 +169,7 @@ class _Captured:
         self.outputs, self.pool = [], pool
         for j in range(len(self.moe_at) + 1):
             graph = torch.cuda.CUDAGraph()
-            # Decode runs on the scheduler's thread (engine.scheduler) while other threads may touch CUDA
+            # Decode runs on the scheduler's thread (engine.generation.scheduler) while other threads may touch CUDA
             # (freeing another model's memory, a server's own work): only this thread's calls may break a capture.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.outputs.append(self._segment(j))

@@ -1,7 +1,7 @@
 """Expert popularity: how often the router picks each (layer, expert) on the calibration prompts.
 
 The prompts ship in assets/calibration.txt (never the evaluation sets). They are counted in two
-halves, so that engine.popularity can judge how far one half predicts the other; the counts are
+halves, so that engine.offload.popularity can judge how far one half predicts the other; the counts are
 cached with the model's profile, so placement is decided once per model and machine.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Latency of one expert on the CPU and on the GPU, of copying it over PCIe, and of an activation round trip.
 
 Fitted once per machine, model shape and dtype from the profiler's measurements (see
-`engine.profiler.profile_expert`) and cached as JSON; the per-step decisions in
-`engine.placement` read it hundreds of times per token, so evaluating it is plain arithmetic.
+`engine.offload.profiler.profile_expert`) and cached as JSON; the per-step decisions in
+`engine.offload.placement` read it hundreds of times per token, so evaluating it is plain arithmetic.
 
 The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
 
@@ -58,7 +58,7 @@ class LatencyModel:
     copy_launch_ms: float = 0.0  # host time to queue one expert's copy and GPU compute (the CPU side pays it)
     resident_launch_ms: float = 0.0  # host time to queue a layer step's resident experts on the GPU
     # A decode layer of one token, g of its streamed_top_k experts read from RAM by the GPU and the rest on the
-    # CPU: ms until both are done, indexed by g (engine.profiler.profile_streaming; empty: not measured).
+    # CPU: ms until both are done, indexed by g (engine.offload.profiler.profile_streaming; empty: not measured).
     streamed_split_ms: tuple[float, ...] = ()
     streamed_top_k: int = 0
 

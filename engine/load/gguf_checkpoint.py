@@ -1,6 +1,6 @@
 """A .gguf file read as if it were a Hugging Face checkpoint folder.
 
-`GGUFCheckpoint` shows the same face as `engine.checkpoint.SafetensorsCheckpoint`: a config.json
+`GGUFCheckpoint` shows the same face as `engine.load.checkpoint.SafetensorsCheckpoint`: a config.json
 dict, tensors under the Hub's names and in its layout, a `tokenizers.Tokenizer` and a
 tokenizer_config dict. Everything llama.cpp's converter changed on the way into GGUF is undone
 here, so the rest of the engine never knows the model came from a GGUF file:
@@ -68,7 +68,7 @@ _EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # blk.{layer}.{leaf}[.{expert}].{weight|bias}; a numbered expert is how older Mixtral files store them.
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
-_MOST_LAYERS = 1024  # engine.architectures bounds num_hidden_layers alike; a vocabulary-only file has no layers to count
+_MOST_LAYERS = 1024  # engine.model.architectures bounds num_hidden_layers alike; a vocabulary-only file has no layers to count
 _STACKED_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps")
 
 # Byte-level BPE splits, keyed by tokenizer.ggml.pre: the regex the vocabulary's merges were

@@ -2,7 +2,7 @@
 
 The engine's only way to generate. `Engine.generate` (batch runs, calibration), `Engine.stream`
 (the chat app) and the HTTP server (app/server.py) all submit `Request`s here; one decode thread
-runs engine.generate.Decoder's steps over whatever is in flight:
+runs engine.generation.decoder.Decoder's steps over whatever is in flight:
 
 - a request takes a free cache row between two steps (continuous batching) and gives it back when
   it finishes or is cancelled (a cancelled one, e.g. a client that disconnected, at the next step);
@@ -108,7 +108,7 @@ class Handle:
 class Scheduler:
     """Continuous batching over one decoder: see the module docstring.
 
-    make_decoder() gives the engine.generate.Decoder to run (called for every step, so it sees the engine's
+    make_decoder() gives the engine.generation.decoder.Decoder to run (called for every step, so it sees the engine's
     current executor). max_rows caps the sequences decoding together (None: only the
     groups cap them).
     """

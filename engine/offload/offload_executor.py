@@ -27,7 +27,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from engine.executor import HostRouting
+from engine.offload.executor import HostRouting
 from kernels import gpu_streamed
 from kernels.expert_weights import ExpertWeights
 from kernels.experts import expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported

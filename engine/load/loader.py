@@ -6,10 +6,10 @@ import re
 import torch
 from torch import nn
 
-from engine.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
-from engine.config import ModelConfig
+from engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from engine.model.config import ModelConfig
 from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
-from engine.model import Rotary, Transformer
+from engine.model.transformer import Rotary, Transformer
 from kernels.expert_weights import DENSE, ExpertWeights
 from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
@@ -42,7 +42,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     Routed experts become one `ExpertWeights` stack per MoE layer, in the formats `expert_formats` picks
     (`expert_dtype`: auto keeps packed GGUF blocks as they are; int8/int4 quantise float experts while
     they load, one tensor at a time; bf16 keeps everything in `dtype`). expert_banks(model, formats) ->
-    banks, when given, allocates those stacks in host memory (engine.offload.allocate_banks): expert
+    banks, when given, allocates those stacks in host memory (engine.offload.offload_executor.allocate_banks): expert
     tensors are written straight into them and only the rest goes to `device`. Returns (model, config,
     banks); banks is {} without expert_banks.
     """

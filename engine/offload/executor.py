@@ -3,7 +3,7 @@
 An executor computes each (token, expert) pair's output; the model weights and sums them
 (`MoE.combine`). `LocalExecutor` runs each expert on the device that holds its weights, one
 expert after another; the CPU-GPU orchestration (placement, copies, parallel CPU work) plugs
-in as `engine.offload.OffloadExecutor`, with the same one method.
+in as `engine.offload.offload_executor.OffloadExecutor`, with the same one method.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class HostRouting:
     """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
     there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed.
     streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
-    experts' pinned host copies (engine.offload.OffloadExecutor.stream_experts), into `out`."""
+    experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.stream_experts), into `out`."""
 
     x: torch.Tensor
     ids: torch.Tensor

@@ -1,0 +1,1 @@
+"""Decoding: the decoder, the scheduler that owns it, sampling, beam search, KV cache, CUDA graphs."""

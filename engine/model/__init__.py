@@ -1,0 +1,1 @@
+"""The model: config, architectures (weight-name maps), the transformer itself."""

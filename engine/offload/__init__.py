@@ -1,0 +1,1 @@
+"""Experts split between GPU and RAM: executors, placement, latency model, profiler, popularity."""
