@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import MoedeskError
+from engine.generation.decoder import retrying_oom, synchronize
 from engine.generation.kv_cache import KVCache
 
 _NEG = -1.0e9  # what transformers adds to rule a candidate out; the same value keeps ties and order alike
@@ -100,7 +101,7 @@ class BeamSearch:
         logits = self._retrying(lambda: self.model(
             torch.tensor([prompt], device=self.device), torch.arange(P, device=self.device)[None], self.cache,
             executor, logits_at=torch.tensor([P - 1], device=self.device)))
-        _sync(self.device)
+        synchronize(self.device)
         decode_started = time.perf_counter()
         prefill_s = decode_started - started
 
@@ -206,16 +207,5 @@ class BeamSearch:
         return logits
 
     def _retrying(self, step):
-        """step(), again after on_oom() freed GPU memory (a step rewrites the same positions: safe to repeat)."""
-        while True:
-            try:
-                return step()
-            except torch.OutOfMemoryError as error:
-                if self.on_oom is None or not self.on_oom():
-                    raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
-                                       "use fewer beams or fewer new tokens") from error
+        return retrying_oom(step, self.on_oom, "use fewer beams or fewer new tokens")
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -165,18 +165,7 @@ class Decoder:
         return logits
 
     def _retrying_oom(self, step):
-        """Run step(); after a GPU out-of-memory error let on_oom free memory and run it again.
-
-        A step may run twice: it writes the same keys and values at the same positions, so
-        the retry computes what the first attempt would have.
-        """
-        while True:
-            try:
-                return step()
-            except torch.OutOfMemoryError as error:
-                if self.on_oom is None or not self.on_oom():
-                    raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
-                                       "use a shorter context or a smaller batch") from error
+        return retrying_oom(step, self.on_oom, "use a shorter context or a smaller batch")
 
     def _accept(self, seqs, logits: torch.Tensor) -> Iterator[tuple[Sequence, int | None]]:
         greedy = torch.argmax(logits, dim=-1).tolist()
@@ -244,3 +233,23 @@ def _freeing(events, slots) -> Iterator[tuple[Sequence, int | None]]:
         if seq.finish_reason:
             slots[seq.row] = None
         yield seq, token
+
+
+def retrying_oom(step, on_oom, advice: str):
+    """Run step(); after a GPU out-of-memory error let on_oom() free memory (move experts to RAM) and run it
+    again, until it has nothing left to free: then one line that ends with `advice`.
+
+    A step may run twice: it writes the same keys and values at the same positions, so the retry computes
+    what the first attempt would have. Every decoding mode (plain, beam, speculative) retries this way."""
+    while True:
+        try:
+            return step()
+        except torch.OutOfMemoryError as error:
+            if on_oom is None or not on_oom():
+                raise MoedeskError(f"GPU out of memory with nothing left to move to RAM: {advice}") from error
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU's queued work (timings); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

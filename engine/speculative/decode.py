@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.errors import MoedeskError
+from engine.generation.decoder import retrying_oom, synchronize
 from engine.generation.kv_cache import KVCache
 from engine.requests import Completion, Request, SamplingParams
 from engine.generation.sampling import sample_token
@@ -551,10 +552,10 @@ class Speculator:
                                        [r.last for r in active], gamma, width, budget,
                                        [r.params for r in active], [r.generator for r in active],
                                        [len(r.tokens) for r in active])
-            _sync(self.device)
+            synchronize(self.device)
             t1 = time.perf_counter()
             logits, feats = self._retrying(lambda: self._verify(active, proposal, executor, drafter))
-            _sync(self.device)
+            synchronize(self.device)
             t2 = time.perf_counter()
             if hasattr(costs, "observe_draft") and gamma:
                 costs.observe_draft(1000 * (t1 - t0), gamma)
@@ -731,18 +732,8 @@ class Speculator:
                           prompt_tokens=len(r.request.prompt_ids), stats=stats)
 
     def _retrying(self, step):
-        while True:
-            try:
-                return step()
-            except torch.OutOfMemoryError as error:
-                if self.on_oom is None or not self.on_oom():
-                    raise MoedeskError("GPU out of memory with nothing left to move to RAM: "
-                                       "use a shorter draft or a smaller batch") from error
+        return retrying_oom(step, self.on_oom, "use a shorter draft or a smaller batch")
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --- entry points -------------------------------------------------------------------------------
@@ -802,10 +793,10 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
         for k in range(1, max_k + 1):
             best = float("inf")
             for _ in range(repeat):
-                _sync(device)
+                synchronize(device)
                 t0 = time.perf_counter()
                 model(tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k], cache, executor)
-                _sync(device)
+                synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             out[f"{b},{k}"] = 1000 * best
     return out
