@@ -79,6 +79,7 @@ class BatchSettings:
     batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
     dtype: str | None = None  # None: the engine's default for the device
+    expert_dtype: str = "auto"  # how routed experts are kept (engine.load.loader.expert_formats)
     from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
     batch_size_from_memory: bool = False  # batch_size was chosen from free memory
 
@@ -141,7 +142,8 @@ def _check_param(key: str, value) -> None:
 # Flags whose default is the app's setting of the same meaning (the settings screen), when one is given.
 APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature", "top_p": "top_p",
                 "top_k": "top_k", "seed": "seed", "gpu_budget_gib": "gpu_budget_gib",
-                "dtype": "engine_dtype"}  # auto is None: the engine's default, as if unset
+                "dtype": "engine_dtype",  # auto is None: the engine's default, as if unset
+                "expert_dtype": "engine_expert_dtype"}
 
 
 AUTO_BATCH_CAP = 16  # the batched decode measured on the GPU box (README, "Speed, measured")

@@ -45,7 +45,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--expert-dtype", choices=["auto", "bf16", "int8", "int4"], default=None,
                         help="how routed experts are kept: auto keeps what the file holds (a GGUF's 4-8-bit blocks "
                              "as they are), bf16 the weights dtype, int8/int4 quantise 16-bit experts while loading "
-                             "(q8_0/q4_0 blocks) (default: auto)")
+                             "(q8_0/q4_0 blocks) (default: the app's expert dtype setting for chat and batch, else auto)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -154,7 +154,8 @@ def run_batch_command(args) -> int:
         print(f"moedesk: settings: {problem}", file=sys.stderr)
     settings = settings_from_args(args, app_settings)
     check_batch_paths(args.input, args.output)  # before the slow model load
-    engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype)
+    engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype,
+                         expert_dtype=settings.expert_dtype)
     return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
 
 
@@ -234,7 +235,8 @@ def run_profile_command(args) -> int:
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
-    return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile)
+    return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,
+                   args.expert_dtype)
 
 
 def main(argv=None) -> int:

@@ -378,6 +378,12 @@ def test_flags_override_the_app_settings_which_override_the_defaults():
     auto = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o"]), Settings(dtype="auto"))
     assert auto.dtype is None and "dtype" not in auto.from_app
     assert shown.endswith("(* from the app's settings)")
+    parser.add_argument("--expert-dtype", default=None)
+    packed = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o"]), Settings(expert_dtype="int4"))
+    assert packed.expert_dtype == "int4" and "expert_dtype" in packed.from_app
+    flagged = settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--expert-dtype", "int8"]),
+                                 Settings(expert_dtype="int4"))
+    assert flagged.expert_dtype == "int8" and "expert_dtype" not in flagged.from_app
     with pytest.raises(BatchUsageError, match="^--gpu-budget: "):
         settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--gpu-budget", "-1"]), app)
 

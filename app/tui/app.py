@@ -59,12 +59,13 @@ class MoedeskApp(App[int]):
 
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
                  settings: Settings | None = None, store: ConversationStore | None = None,
-                 gpu_budget: float | None = None, context_length: int | None = None, reprofile: bool = False):
-        """gpu_budget (GiB) and dtype override the settings of the same meaning for this run (the
-        --gpu-budget and --dtype flags); context_length and reprofile (--context, --reprofile) apply
-        to every model this run loads."""
+                 gpu_budget: float | None = None, context_length: int | None = None, reprofile: bool = False,
+                 expert_dtype: str | None = None):
+        """gpu_budget (GiB), dtype and expert_dtype override the settings of the same meaning for this run (the
+        --gpu-budget, --dtype and --expert-dtype flags); context_length and reprofile (--context, --reprofile)
+        apply to every model this run loads."""
         super().__init__()
-        flags = {"gpu_budget": gpu_budget, "dtype": dtype, "reprofile": reprofile or None}
+        flags = {"gpu_budget": gpu_budget, "dtype": dtype, "reprofile": reprofile or None, "expert_dtype": expert_dtype}
 
         def load_options() -> dict:
             return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
@@ -197,9 +198,9 @@ class MoedeskApp(App[int]):
 
 
 def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None, gpu_budget: float | None = None,
-            context_length: int | None = None, reprofile: bool = False) -> int:
+            context_length: int | None = None, reprofile: bool = False, expert_dtype: str | None = None) -> int:
     """Run the terminal app until the user quits; returns the exit status."""
     app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget, context_length=context_length,
-                     reprofile=reprofile)
+                     reprofile=reprofile, expert_dtype=expert_dtype)
     app.run()
     return app.return_code or 0

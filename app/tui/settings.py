@@ -73,6 +73,12 @@ class Settings:
         "auto", "Weights dtype", "What weights, experts included, are held and computed in. auto: bfloat16 on a "
                                  "GPU, float32 on the CPU. Takes effect when a model is loaded.",
         choices=("auto", "bfloat16", "float16", "float32"))
+    expert_dtype: str = setting(
+        "auto", "Expert dtype", "How routed experts are kept in memory. auto: as the model file holds them (a "
+                                "GGUF's 4-8-bit blocks stay packed); bf16: the weights dtype; int8 / int4: a 16-bit "
+                                "model's experts quantised while loading (about a half / a quarter of the memory). "
+                                "Takes effect when a model is loaded.",
+        choices=("auto", "bf16", "int8", "int4"))
 
     def sampling_params(self, seed: int | None = None, **overrides):
         """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
@@ -87,9 +93,14 @@ class Settings:
         """`dtype` as `Engine.load` takes it: None (the device's own default) for auto."""
         return None if self.dtype == "auto" else self.dtype
 
+    @property
+    def engine_expert_dtype(self) -> str | None:
+        """`expert_dtype` for `moedesk batch`'s defaults: None for auto, as if unset."""
+        return None if self.expert_dtype == "auto" else self.expert_dtype
+
     def load_options(self) -> dict:
         """The settings that shape a model load, as `Engine.load` takes them."""
-        return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype}
+        return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype, "expert_dtype": self.expert_dtype}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -20,6 +20,9 @@ def test_fields_describe_themselves():
     dtype = FIELDS_BY_NAME["dtype"]
     assert (dtype.kind, dtype.default, dtype.choices) == ("choice", "auto", ("auto", "bfloat16", "float16", "float32"))
     assert names.index("dtype") == names.index("gpu_budget_gib") + 1  # the load-time settings sit together
+    experts = FIELDS_BY_NAME["expert_dtype"]
+    assert (experts.kind, experts.default, experts.choices) == ("choice", "auto", ("auto", "bf16", "int8", "int4"))
+    assert names.index("expert_dtype") == names.index("dtype") + 1
     assert all(f.label and f.help for f in FIELDS)
     assert Settings().problems() == {}
 
@@ -143,6 +146,12 @@ def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
     MoedeskApp(model="demo", device="cpu", settings=Settings(gpu_budget_gib=1.5, dtype="float16"), gpu_budget=0.25,
                dtype="float32").engine_factory("demo", None)
     assert asked == [(1.5, "float16"), (None, None), (0.25, "float32")]
+    experts = []
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: experts.append(kw["expert_dtype"])))
+    MoedeskApp(model="demo", device="cpu", settings=Settings(expert_dtype="int4")).engine_factory("demo", None)
+    MoedeskApp(model="demo", device="cpu", settings=Settings(expert_dtype="int4"),
+               expert_dtype="bf16").engine_factory("demo", None)  # --expert-dtype wins for this run
+    assert experts == ["int4", "bf16"]
 
 
 def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
@@ -164,5 +173,5 @@ def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
     runs = []
     monkeypatch.setattr(app.tui, "run_app", lambda *args: runs.append(args) or 0)
     assert main(["--model", "m", "--context", "512", "--reprofile"]) == 0
-    assert main(["chat"]) == 0
-    assert runs == [("m", "auto", None, None, 512, True), ("demo", "auto", None, None, None, False)]
+    assert main(["chat", "--expert-dtype", "int4"]) == 0
+    assert runs == [("m", "auto", None, None, 512, True, None), ("demo", "auto", None, None, None, False, "int4")]
