@@ -58,11 +58,13 @@ def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
     return "lib" in _state or (not _state and available())
 
 
-def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
+def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index=None):
     """Each (token, rank) pair of the chosen experts computed into its pair's row of `out`.
 
     x [N, H] bf16/float32; pair_expert int64 [P], P <= N * k; chosen: expert ids (None: all); out [>= P, H]
-    bf16 or float32 (another float dtype goes through a float32 copy). Raises ValueError on bad indices.
+    bf16 or float32 (another float dtype goes through a float32 copy). index: int64 CPU scratch of at least
+    2P + 2E + 1 entries, reused across calls (the decode path passes one), allocated when None or too small.
+    Raises ValueError on bad indices.
     """
     lib = _state.get("lib")
     if lib is None:
@@ -89,7 +91,9 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     gate_up, down = w.gate_up, w.down
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         gate_up, down = gate_up.contiguous(), down.contiguous()
-    index = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
+    if index is None or index.numel() < 2 * P + 2 * E + 1 or index.dtype is not torch.int64 \
+            or not index.is_contiguous() or not index.is_cpu:
+        index = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
     rc = lib.mq_routed_forward(
         x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), P, k,
         None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),

@@ -34,7 +34,7 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     if not w.packed:
         return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index)
     if cpu_quant.applies(x, w):
-        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out)
+        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index)
     return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out)
 
 

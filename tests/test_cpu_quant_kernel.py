@@ -229,3 +229,19 @@ def test_every_token_count(path, fu, fd, H, F_):
         out = torch.zeros(n, H)
         cq.experts_forward_routed(x, pe, 1, None, w, out)
         check(out, x, pe, 1, None, w, torch.zeros(n, H))
+
+
+def test_a_callers_index_scratch_is_used_and_too_small_ones_are_not(path):
+    """The decode path hands every call the same index buffer (no allocation per layer and token)."""
+    g = torch.Generator().manual_seed(9)
+    w, x, pe = make_case("q4_0", "q4_0", 96, 64, 6, 5, 2, g)
+    need = 2 * pe.numel() + 2 * w.num_experts + 1
+    index = torch.full((need + 3,), -7, dtype=torch.int64)
+    out = torch.zeros(pe.numel(), 96)
+    cq.experts_forward_routed(x, pe, 2, None, w, out, index)
+    assert (index[:need] != -7).any() and (index[need:] == -7).all()
+    check(out, x, pe, 2, None, w, torch.zeros_like(out))
+    small = torch.full((need - 1,), -7, dtype=torch.int64)
+    again = torch.zeros_like(out)
+    cq.experts_forward_routed(x, pe, 2, None, w, again, small)
+    assert (small == -7).all() and torch.equal(again, out)
