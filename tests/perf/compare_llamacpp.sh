@@ -3,6 +3,9 @@
 # fits one device command; run them back to back on the same machine:
 #   SRC=.llamacpp TOOLS=.llamacpp-tools bash tests/perf/compare_llamacpp.sh llama     (build ~4 min + bench)
 #   bash tests/perf/compare_llamacpp.sh moedesk                                        (our benches + ratios)
+# Quantised experts, the same way (after the llama phase built llama.cpp and wrote the F16 GGUFs):
+#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh llama-quant     (llama-quantize to Q4_0, Q4_K_M, Q8_0 + bench)
+#   bash tests/perf/compare_llamacpp.sh moedesk-quant                  (our packed benches + ratios)
 # SRC is the slim llama.cpp source from ../shared/tools/llamacpp/prepare.sh; TOOLS a copy of that
 # folder's make_gguf.py. Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
 # (tests/perf/make_qwen3_gguf.py), 16-bit weights, 16 threads.
@@ -81,5 +84,61 @@ for name, r, ref in rows:
     print(f"{name:<38}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{ratio:>7}{r['bound_tok_s']:>8.1f}{r['pct_of_bound'] or 0:>8.0f}%")
 PY
   ;;
-*) echo "usage: $0 llama|moedesk"; exit 2 ;;
+llama-quant)
+  bin="$SRC/build/bin"
+  [ -x "$bin/llama-quantize" ] || (cd "$SRC" && cmake --build build --target llama-quantize -j 15 > "$W/build_q.log" 2>&1) \
+    || { tail -n 20 "$W/build_q.log"; exit 1; }
+  [ -f "$W/mix.gguf" ] && [ -f "$W/qwen3.gguf" ] || { echo "run the llama phase first (it writes the F16 GGUFs)"; exit 1; }
+  for q in Q4_0 Q4_K_M Q8_0; do
+    [ -f "$W/mix_$q.gguf" ] || "$bin/llama-quantize" "$W/mix.gguf" "$W/mix_$q.gguf" "$q" 16 > "$W/quantize_$q.log" 2>&1
+    "$bin/llama-bench" -m "$W/mix_$q.gguf" -ngl 99 -ncmoe "$L" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llamaq_mix_$q.json"
+    "$bin/llama-batched-bench" -m "$W/mix_$q.gguf" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 \
+      -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' > "$W/llamaq_mix_${q}_batched.txt"
+    cp "$W"/llamaq_* "$OUT"/
+  done
+  [ -f "$W/qwen3_Q4_K_M.gguf" ] || "$bin/llama-quantize" "$W/qwen3.gguf" "$W/qwen3_Q4_K_M.gguf" Q4_K_M 16 > "$W/quantize_qwen3.log" 2>&1
+  "$bin/llama-bench" -m "$W/qwen3_Q4_K_M.gguf" -ngl 99 -ncmoe "$QL" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llamaq_qwen3_Q4_K_M.json"
+  cp "$W"/llamaq_* "$OUT"/ ;;
+moedesk-quant)
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
+  clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
+  # llama.cpp's Q4_K_M gives the experts q4_k (and q6_k for some down projections): q4_k is ours to compare.
+  for f in q4_0 q4_k q8_0; do
+    clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --decode-tokens 32 \
+      --expert-format "$f" --json > "$W/oursq_mix_$f.json"
+  done
+  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --decode-tokens 32 \
+    --json > "$W/oursq_mix_dense.json"
+  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --expert-format q4_k \
+    --json > "$W/oursq_qwen3_q4_k.json"
+  cp "$W"/oursq_* "$OUT"/
+  python3 - "$W" <<'PY'
+import json, re, sys
+w = sys.argv[1]
+def llama(path):
+    return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.load(open(path))}
+def ours(path):
+    return {r["mode"]: r for r in json.load(open(path))["results"]}
+def batched16(path):
+    rows = [l for l in open(path) if re.match(r"\|\s+128", l)]
+    return float(rows[-1].split("|")[8]) if rows else None
+dense = ours(f"{w}/oursq_mix_dense.json")
+print(f"{'case':<34}{'moedesk':>9}{'llama.cpp':>11}{'ratio':>7}{'% bound':>9}{'x our bf16':>11}")
+for ours_fmt, theirs in (("q4_0", "Q4_0"), ("q4_k", "Q4_K_M"), ("q8_0", "Q8_0")):
+    o, t = ours(f"{w}/oursq_mix_{ours_fmt}.json"), llama(f"{w}/llamaq_mix_{theirs}.json")
+    b16 = batched16(f"{w}/llamaq_mix_{theirs}_batched.txt")
+    for mode, ref in (("decode", t["decode"]), ("prefill", t["prefill"]), ("batched_decode", b16)):
+        r = o[mode]
+        print(f"{'Mixtral ' + ours_fmt + ' ' + mode:<34}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}"
+              f"{(r['tok_s'] / ref if ref else 0):>7.2f}{r['pct_of_bound'] or 0:>8.0f}%{r['tok_s'] / dense[mode]['tok_s']:>11.2f}")
+q, t = ours(f"{w}/oursq_qwen3_q4_k.json"), llama(f"{w}/llamaq_qwen3_Q4_K_M.json")
+for mode in ("decode", "prefill"):
+    print(f"{'Qwen3 q4_k ' + mode:<34}{q[mode]['tok_s']:>9.1f}{t[mode]:>11.1f}{q[mode]['tok_s'] / t[mode]:>7.2f}"
+          f"{q[mode]['pct_of_bound'] or 0:>8.0f}%{'-':>11}")
+PY
+  ;;
+*) echo "usage: $0 llama|moedesk|llama-quant|moedesk-quant"; exit 2 ;;
 esac
