@@ -35,6 +35,7 @@
 #include <time.h>
 
 #include "native_pool.h"
+#include "routed_pairs.h"
 
 typedef uint16_t bf16;
 
@@ -541,43 +542,10 @@ int moe_routed_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64
     shape[0] = shape[1] = 0;
     if (k < 1 || P < 0 || P > N * k) return BAD_ROW;
     if (P > out_len) return BAD_OUT_ROW;
-    int64_t *count = calloc((size_t)(E > 0 ? E : 1), sizeof(int64_t));
-    if (!count) return NO_MEMORY;
-    const int64_t SKIP = -1;  /* count[e] for experts not computed here */
-    if (cpu_experts) {
-        for (int64_t e = 0; e < E; e++) count[e] = SKIP;
-        for (int64_t i = 0; i < n_cpu; i++) {
-            if (cpu_experts[i] < 0 || cpu_experts[i] >= E) { free(count); return BAD_EXPERT; }
-            count[cpu_experts[i]] = 0;
-        }
-    }
-    int64_t M = 0;
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t e = pair_expert[p];
-        if (e < 0 || e >= E) { free(count); return BAD_EXPERT; }
-        if (count[e] != SKIP) { count[e]++; M++; }
-    }
-    int64_t G = 0;
-    for (int64_t e = 0; e < E; e++) G += count[e] > 0;
+    int64_t M, G;
+    const int grouped = group_routed_pairs(pair_expert, P, k, cpu_experts, n_cpu, E, index, &M, &G);
+    if (grouped != 0) return grouped;
     int64_t *out_rows = index, *rows = index + M, *expert_ids = index + 2 * M, *offsets = expert_ids + G;
-    /* count[e] becomes the next free slot of expert e's group */
-    offsets[0] = 0;
-    for (int64_t e = 0, g = 0, at = 0; e < E; e++) {
-        if (count[e] <= 0) continue;
-        expert_ids[g] = e;
-        const int64_t n = count[e];
-        count[e] = at;
-        at += n;
-        offsets[++g] = at;
-    }
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t e = pair_expert[p];
-        if (count[e] == SKIP) continue;
-        const int64_t i = count[e]++;
-        out_rows[i] = p;
-        rows[i] = p / k;
-    }
-    free(count);
     shape[0] = M;
     shape[1] = G;
     return moe_experts_forward(x, N, x_stride, H, rows, M, expert_ids, offsets, G, gate_up, down, E, F, out,

@@ -37,13 +37,14 @@ from kernels.native_build import BuildError, build_library, find_compiler
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
-POOL_HEADER = Path(__file__).with_name("native_pool.h")
+HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "routed_pairs.h")]
 
 
-def header_flag(path: Path = POOL_HEADER) -> str:
-    """A define naming the shared header's content: build_library keys its cache on the source and the
-    flags, so this makes an edit of the header build the libraries again."""
-    return f"-DMOEDESK_POOL_H={hashlib.sha256(path.read_bytes()).hexdigest()[:16]}"
+def header_flag(paths: list[Path] = HEADERS) -> str:
+    """A define naming the shared headers' content: build_library keys its cache on the source and the
+    flags, so this makes an edit of a header build the libraries again."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in paths)).hexdigest()[:16]
+    return f"-DMOEDESK_HEADERS={digest}"
 
 
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",

@@ -59,6 +59,7 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "routed_pairs.h"
 
 typedef uint16_t bf16;
 
@@ -738,42 +739,10 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     if (H <= 0 || F <= 0 || H % BLOCK[fmt_gu] || F % BLOCK[fmt_d] || F % 32) return BAD_SHAPE;
     if (k < 1 || P < 0 || P > N * k) return BAD_ROW;
     if (P > out_len) return BAD_OUT_ROW;
-    int64_t *count = calloc((size_t)(E > 0 ? E : 1), sizeof(int64_t));
-    if (!count) return NO_MEMORY;
-    const int64_t SKIP = -1; /* count[e] of experts not computed here */
-    if (chosen) {
-        for (int64_t e = 0; e < E; e++) count[e] = SKIP;
-        for (int64_t i = 0; i < n_chosen; i++) {
-            if (chosen[i] < 0 || chosen[i] >= E) { free(count); return BAD_EXPERT; }
-            count[chosen[i]] = 0;
-        }
-    }
-    int64_t M = 0;
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t e = pair_expert[p];
-        if (e < 0 || e >= E) { free(count); return BAD_EXPERT; }
-        if (count[e] != SKIP) { count[e]++; M++; }
-    }
-    int64_t G = 0;
-    for (int64_t e = 0; e < E; e++) G += count[e] > 0;
+    int64_t M, G;
+    const int grouped = group_routed_pairs(pair_expert, P, k, chosen, n_chosen, E, index, &M, &G);
+    if (grouped != 0) return grouped;
     int64_t *out_rows = index, *rows = index + M, *expert_ids = index + 2 * M, *offsets = expert_ids + G;
-    offsets[0] = 0;
-    for (int64_t e = 0, g = 0, at = 0; e < E; e++) { /* count[e] becomes the next free slot of e's group */
-        if (count[e] <= 0) continue;
-        expert_ids[g] = e;
-        const int64_t n = count[e];
-        count[e] = at;
-        at += n;
-        offsets[++g] = at;
-    }
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t e = pair_expert[p];
-        if (count[e] == SKIP) continue;
-        const int64_t i = count[e]++;
-        out_rows[i] = p;
-        rows[i] = p / k;
-    }
-    free(count);
     if (G == 0) return OK;
 
     pthread_mutex_lock(&call);
