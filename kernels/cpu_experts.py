@@ -23,7 +23,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -33,7 +32,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from kernels.native_build import BuildError, build_library, find_compiler
+from kernels.native_build import BuildError, build_library, find_compiler, missing_cpu_flags
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
@@ -270,21 +269,7 @@ def _disabled() -> bool:
 @lru_cache(maxsize=1)
 def cpu_reason() -> str | None:
     """Why this CPU cannot run the kernel, or None when it can."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        return f"needs an x86-64 CPU with AVX-512 (this is {machine})"
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return "cannot read /proc/cpuinfo to confirm AVX-512"
-    common = None
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags = set(value.split())
-            common = flags if common is None else common & flags
-    missing = [f for f in CPU_FLAGS if f not in (common or set())]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
+    return missing_cpu_flags(CPU_FLAGS, "AVX-512")
 
 
 def unavailable_reason() -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import platform
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 from kernels import cpu_experts
 from kernels.expert_weights import ExpertWeights
-from kernels.native_build import BuildError, build_library, find_compiler
+from kernels.native_build import BuildError, build_library, find_compiler, missing_cpu_flags
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
@@ -111,21 +110,7 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
 @lru_cache(maxsize=1)
 def cpu_reason() -> str | None:
     """Why this CPU cannot run the kernel at all, or None when it can (AVX2 is the least it needs)."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        return f"needs an x86-64 CPU with AVX2 (this is {machine})"
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
-        return "cannot read /proc/cpuinfo to confirm AVX2"
-    common = None
-    for line in text.splitlines():
-        key, sep, value = line.partition(":")
-        if sep and key.strip() == "flags":
-            flags = set(value.split())
-            common = flags if common is None else common & flags
-    missing = [f for f in CPU_FLAGS if f not in (common or set())]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
+    return missing_cpu_flags(CPU_FLAGS, "AVX2")
 
 
 def unavailable_reason() -> str | None:

@@ -34,6 +34,26 @@ def cache_root() -> Path:
     return Path(platformdirs.user_cache_dir("moedesk"))
 
 
+def missing_cpu_flags(needed: tuple[str, ...], what: str) -> str | None:
+    """Why this CPU cannot run code built for the /proc/cpuinfo flags `needed` (`what` names them in the
+    message, e.g. "AVX2"), or None when every core has them all."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        return f"needs an x86-64 CPU with {what} (this is {machine})"
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return f"cannot read /proc/cpuinfo to confirm {what}"
+    common = None
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() == "flags":
+            flags = set(value.split())
+            common = flags if common is None else common & flags
+    missing = [f for f in needed if f not in (common or set())]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
 def find_compiler() -> list[str] | None:
     """The C compiler command: $CC if set (it may carry arguments, e.g. "ccache gcc"), else cc, gcc or clang."""
     cc = os.environ.get("CC")
