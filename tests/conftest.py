@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/test_gpu_fused_kernels.py).
+# Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/kernels/test_gpu_fused_kernels.py).
 # It must be chosen before Triton is first imported; the engine still uses them only for CUDA tensors.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

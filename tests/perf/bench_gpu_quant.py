@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from kernels import gpu_experts, gpu_quant  # noqa: E402
-from tests.test_gpu_quant_kernel import random_experts  # noqa: E402
+from tests.kernels.test_gpu_quant_kernel import random_experts  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
 FORMATS = ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"]

@@ -9,7 +9,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu_equivalence.py tests/test_gpu_experts_kernel.py tests/test_gpu_profiler.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
+python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_gpu_equivalence.py tests/kernels/test_gpu_experts_kernel.py tests/offload/test_gpu_profiler.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 python3 tests/perf/bench_cpu_experts.py --quick > "$OUT/cpu_experts_kernel.txt" 2>&1 || echo "kernel bench failed"
 tail -n 25 "$OUT/cpu_experts_kernel.txt"
 run() { name=$1; shift; python3 -m app.cli bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }

@@ -41,7 +41,7 @@ def hub(tui_dirs, tiny_folder, monkeypatch):
     """A fake Hub serving the tiny test model (loadable) plus GGUF files, and huggingface_hub pointed at it.
 
     huggingface_hub reads HF_ENDPOINT / HF_HOME / HF_HUB_CACHE when it is imported, so its constants are patched
-    (tests/test_download.py covers the environment route in a fresh process); the cache is tui_dirs' empty one.
+    (tests/app/test_download.py covers the environment route in a fresh process); the cache is tui_dirs' empty one.
     """
     from huggingface_hub.utils import close_session
 

@@ -2,7 +2,7 @@
 
 On the CPU the segments run eagerly (capture=False): that checks the split at MoE layers (dense
 layers between, shared experts), the fixed-length attention under the mask, and explicit cache
-rows. Capture and replay themselves are checked on the GPU box (tests/test_gpu_equivalence.py).
+rows. Capture and replay themselves are checked on the GPU box (tests/model/test_gpu_equivalence.py).
 """
 import pytest
 

@@ -17,9 +17,9 @@ import app.batch as batch_module
 from app.batch import BatchSettings, BatchUsageError, check_batch_paths, run_batch
 from engine.requests import SamplingParams
 from engine.generation.sampling import sample_token
-from tests.test_batch_runner import FakeEngine, batch, read_jsonl, write_jsonl
+from tests.app.test_batch_runner import FakeEngine, batch, read_jsonl, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- item 1: whatever one line does, it gets its own error line --------------------------------
@@ -228,7 +228,7 @@ import io, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a regression fails here, not on the machine
 sys.path.insert(0, sys.argv[1])
 from app.batch import BatchSettings, run_batch
-from tests.test_batch_runner import FakeEngine
+from tests.app.test_batch_runner import FakeEngine
 err = io.StringIO()
 code = run_batch(sys.argv[2], "/dev/full", FakeEngine(), BatchSettings(temperature=0), stderr=err, progress=False)
 print(code, err.getvalue().splitlines()[-1])

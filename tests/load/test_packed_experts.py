@@ -15,7 +15,7 @@ import torch
 
 from engine.generation.kv_cache import KVCache
 from engine.runtime import Engine
-from tests.test_gguf_checkpoint import llama_cpp_permute, spm_vocab
+from tests.load.test_gguf_checkpoint import llama_cpp_permute, spm_vocab
 
 llama_cpp = pytest.importorskip("llama_cpp")
 gguf = pytest.importorskip("gguf")

@@ -17,9 +17,9 @@ from app.batch import BatchSettings, run_batch
 from app.cli import main
 from engine.errors import MoedeskError
 from engine.runtime import Engine
-from tests.test_batch_runner import FakeEngine, FakeTokenizer, read_jsonl, write_jsonl
+from tests.app.test_batch_runner import FakeEngine, FakeTokenizer, read_jsonl, write_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 The fake engine is a test double for the file contract only: it "generates" the prompt's ids
 reversed, finishes short sequences first (so completions come back out of input order), and
 honours max_new_tokens, context_length, lazy pulling and batch_size like the real one must.
-Real-model tests live in tests/test_batch.py.
+Real-model tests live in tests/app/test_batch.py.
 """
 import argparse
 import errno

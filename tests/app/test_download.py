@@ -20,7 +20,7 @@ from tests.fake_hub import FakeHub, point_client_at
 
 pytestmark = pytest.mark.timeout(30)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 16 * 1024  # huggingface_hub reads 10 MB at a time; small chunks let a few-hundred-KB file arrive in pieces
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels.quant_formats import quantize
-from tests.test_gguf_checkpoint import spm_vocab
+from tests.load.test_gguf_checkpoint import spm_vocab
 
 gguf = pytest.importorskip("gguf")
 
