@@ -4,7 +4,7 @@ A packed matrix [R, K] is stored as R rows of K / block weights' blocks each, ev
 GGUF (and llama.cpp) write for it, so experts read from a .gguf file are used as they are, never
 through float. Every kernel that computes from packed weights is tested against `dequantize`
 here, which is itself tested against the gguf package's numpy implementation
-(tests/test_quant_formats.py).
+(tests/kernels/test_quant_formats.py).
 
 Layouts (all little-endian; d, dmin are float16):
 - q8_0: 32 weights in 34 bytes: d, then 32 int8. w = d * q.
