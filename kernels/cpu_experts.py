@@ -32,7 +32,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from kernels.native_build import BuildError, build_library, find_compiler, missing_cpu_flags
+from kernels.native_build import missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
@@ -297,18 +297,8 @@ def _load() -> None:
     with _lock:
         if _state:
             return
-        reason = cpu_reason()
-        if reason is None and find_compiler() is None:
-            reason = "no C compiler found (install gcc or set CC)"
-        if reason is None:
-            try:
-                lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS)))
-            except BuildError as e:
-                reason = str(e)
-            except OSError as e:
-                reason = f"cannot load the built kernel: {e}"
-        if reason is None and not lib.moe_cpu_supported():
-            reason = "the OS does not enable AVX-512 state (XCR0)"
+        lib, reason = open_library(SOURCE, FLAGS, cpu_reason(), "moe_cpu_supported",
+                                   "the OS does not enable AVX-512 state (XCR0)")
         if reason is not None:
             _state["reason"] = reason
             return

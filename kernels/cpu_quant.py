@@ -26,7 +26,7 @@ import torch
 
 from kernels import cpu_experts
 from kernels.expert_weights import ExpertWeights
-from kernels.native_build import BuildError, build_library, find_compiler, missing_cpu_flags
+from kernels.native_build import missing_cpu_flags, open_library
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
@@ -130,18 +130,8 @@ def _load() -> None:
     with _lock:
         if _state:
             return
-        reason = cpu_reason()
-        if reason is None and find_compiler() is None:
-            reason = "no C compiler found (install gcc or set CC)"
-        if reason is None:
-            try:
-                lib = ctypes.CDLL(str(build_library(SOURCE, FLAGS)))
-            except BuildError as e:
-                reason = str(e)
-            except OSError as e:
-                reason = f"cannot load the built kernel: {e}"
-        if reason is None and not lib.mq_cpu_supported():
-            reason = "the CPU or OS lacks AVX2, FMA or F16C"
+        lib, reason = open_library(SOURCE, FLAGS, cpu_reason(), "mq_cpu_supported",
+                                   "the CPU or OS lacks AVX2, FMA or F16C")
         if reason is not None:
             _state["reason"] = reason
             return

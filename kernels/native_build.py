@@ -8,6 +8,7 @@ so two processes building at once both end with a complete library.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import platform
@@ -52,6 +53,25 @@ def missing_cpu_flags(needed: tuple[str, ...], what: str) -> str | None:
             common = flags if common is None else common & flags
     missing = [f for f in needed if f not in (common or set())]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def open_library(source: Path, flags: list[str], cpu_problem: str | None, supported: str, unsupported: str):
+    """(the built library, None), or (None, one line saying why it cannot be used): the CPU (`cpu_problem`,
+    from missing_cpu_flags), no compiler, a failed build or load, or the library's own `supported()` check
+    (e.g. the OS not enabling the vector state), which `unsupported` explains."""
+    if cpu_problem is not None:
+        return None, cpu_problem
+    if find_compiler() is None:
+        return None, "no C compiler found (install gcc or set CC)"
+    try:
+        lib = ctypes.CDLL(str(build_library(source, flags)))
+    except BuildError as e:
+        return None, str(e)
+    except OSError as e:
+        return None, f"cannot load the built kernel: {e}"
+    if not getattr(lib, supported)():
+        return None, unsupported
+    return lib, None
 
 
 def find_compiler() -> list[str] | None:
