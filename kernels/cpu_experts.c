@@ -35,6 +35,7 @@
 #include <time.h>
 
 #include "native_pool.h"
+#include "native_call.h"
 #include "routed_pairs.h"
 
 typedef uint16_t bf16;
@@ -303,7 +304,6 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
     }
 }
 
-static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 #ifdef MOE_TRACE
 /* Built only by tests/perf/probe_kernel_trace.py: the last call's timeline, to see where a call's time goes
@@ -372,39 +372,12 @@ static void run_job(Job *j, int tid) {
 
 /* ---------------------------------------------------------------- the call's state */
 
-static pthread_mutex_t call = PTHREAD_MUTEX_INITIALIZER; /* one call at a time: the job and scratch below */
-static Job job;
-static void *scratch_mem; /* grown on demand, owned by whoever holds `call` */
-static size_t scratch_bytes;
+static Job job; /* guarded by native_call.h's `call` */
 
 static void run_job_fn(void *j, int tid) { run_job((Job *)j, tid); }
 
-static void call_after_fork_child(void) { pthread_mutex_init(&call, NULL); }
-
-__attribute__((constructor)) static void install_call_fork_handler(void) {
-    pthread_atfork(NULL, NULL, call_after_fork_child);
-}
-
 /* ---------------------------------------------------------------- API */
 
-/* Rows per item: about ITEM_BYTES of weights, a multiple of `align`, and at least 4 items per
- * thread where the rows allow it, so that dynamic hand-out can even out the threads' finish. */
-static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, int64_t groups, int threads) {
-    int64_t b = ITEM_BYTES / bytes_per_row / align * align;
-    if (b < align) b = align;
-    while (b > align && groups * ((rows + b - 1) / b) < 4 * (int64_t)threads) b -= align;
-    return b < round_up(rows, align) ? b : round_up(rows, align);
-}
-
-static void *scratch(size_t bytes) {
-    if (scratch_bytes < bytes) {
-        free(scratch_mem);
-        bytes = round_up((int64_t)bytes + (bytes >> 2), 4096);
-        scratch_mem = aligned_alloc(64, bytes);
-        scratch_bytes = scratch_mem ? bytes : 0;
-    }
-    return scratch_mem;
-}
 
 enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5 };
 
@@ -443,7 +416,8 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     TRACE(memset(&trace, 0, sizeof trace); trace.enter = now_ns());
     int threads = pool_get_threads();
     /* phase-1 blocks start at multiples of 32 so that each 32-chunk of split act has one writer */
-    const int64_t FB = block_rows(F, 4 * H, 32, ng, threads), HB = block_rows(H, 2 * F, 16, ng, threads);
+    const int64_t FB = block_rows(F, 4 * H, 32, ng, threads, ITEM_BYTES),
+                  HB = block_rows(H, 2 * F, 16, ng, threads, ITEM_BYTES);
     const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
     const int64_t Hp = round_up(H, 32), Fp = round_up(F, 32);
     if (threads > total) threads = (int)total;
@@ -455,12 +429,8 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
         (size_t)ng * sizeof(int32_t),            /* groups */
         (size_t)ng * sizeof(_Atomic int32_t),    /* done1 */
         (size_t)rows_n * sizeof(int64_t)};       /* x_row */
-    size_t at[7], bytes = 0;
-    for (int i = 0; i < 7; i++) {
-        at[i] = bytes;
-        bytes += (size_t)round_up((int64_t)sizes[i], 64);
-    }
-    char *base = scratch(bytes);
+    size_t at[7];
+    char *base = scratch_parts(sizes, 7, at);
     if (!base) {
         pthread_mutex_unlock(&call);
         return NO_MEMORY;
@@ -514,12 +484,7 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     TRACE(trace.start = now_ns());
     pool_run(run_job_fn, j, threads, *skipped == 0);
     TRACE(trace.exit = now_ns());
-    if (scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
-        free(scratch_mem);
-        scratch_mem = NULL;
-        scratch_bytes = 0;
-    }
-    pthread_mutex_unlock(&call);
+    end_call();
     return OK;
 }
 

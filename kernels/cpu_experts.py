@@ -36,7 +36,7 @@ from kernels.native_build import missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
-HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "routed_pairs.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h")]
 
 
 def header_flag(paths: list[Path] = HEADERS) -> str:

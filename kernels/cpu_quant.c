@@ -59,6 +59,7 @@
 #include <string.h>
 
 #include "native_pool.h"
+#include "native_call.h"
 #include "routed_pairs.h"
 
 typedef uint16_t bf16;
@@ -76,7 +77,6 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-static int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 /* ---------------------------------------------------------------- quantised activation rows */
 
@@ -695,32 +695,7 @@ typedef void (*run_fn)(pool_fn, void *, int, int);
 static run_fn pool_runner = pool_run;          /* cpu_experts' moe_pool_run once mq_use_pool was called */
 static int (*pool_threads)(void) = pool_get_threads;
 
-static pthread_mutex_t call = PTHREAD_MUTEX_INITIALIZER; /* one call at a time: the job and scratch below */
-static Job job;
-static void *scratch_mem;
-static size_t scratch_bytes;
-
-static void call_after_fork_child(void) { pthread_mutex_init(&call, NULL); }
-__attribute__((constructor)) static void install_call_fork_handler(void) { pthread_atfork(NULL, NULL, call_after_fork_child); }
-
-static void *scratch(size_t bytes) {
-    if (scratch_bytes < bytes) {
-        free(scratch_mem);
-        bytes = (size_t)round_up((int64_t)bytes + (int64_t)(bytes >> 2), 4096);
-        scratch_mem = aligned_alloc(64, bytes);
-        scratch_bytes = scratch_mem ? bytes : 0;
-    }
-    return scratch_mem;
-}
-
-/* Rows per item: about ITEM_BYTES of weights, a multiple of `align`, and at least 4 items per thread
- * where the rows allow it, so that dynamic hand-out can even out the threads' finish. */
-static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, int64_t groups, int threads) {
-    int64_t b = ITEM_BYTES / bytes_per_row / align * align;
-    if (b < align) b = align;
-    while (b > align && groups * ((rows + b - 1) / b) < 4 * (int64_t)threads) b -= align;
-    return b < round_up(rows, align) ? b : round_up(rows, align);
-}
+static Job job; /* guarded by native_call.h's `call` */
 
 enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, BAD_FORMAT = -6, BAD_SHAPE = -7 };
 
@@ -750,19 +725,16 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     const int64_t gu_row = H / BLOCK[fmt_gu] * BLOCK_BYTES[fmt_gu], d_row = F / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d];
     const int64_t xq_row = round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(F), 64);
     /* phase-1 blocks start at multiples of 32 so that each quantised act block has one writer */
-    const int64_t FB = block_rows(F, 2 * gu_row, 32, G, threads), HB = block_rows(H, d_row, ROWS, G, threads);
+    const int64_t FB = block_rows(F, 2 * gu_row, 32, G, threads, ITEM_BYTES),
+                  HB = block_rows(H, d_row, ROWS, G, threads, ITEM_BYTES);
     const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
     if (threads > total) threads = (int)total;
     const size_t sizes[] = {
         (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)F * sizeof(float),
         (size_t)G * sizeof(int64_t), (size_t)G * sizeof(int32_t), (size_t)G * sizeof(_Atomic int32_t),
         (size_t)M * (size_t)F * sizeof(float)};
-    size_t at[7], bytes = 0;
-    for (int i = 0; i < 7; i++) {
-        at[i] = bytes;
-        bytes += (size_t)round_up((int64_t)sizes[i], 64);
-    }
-    char *base = scratch(bytes);
+    size_t at[7];
+    char *base = scratch_parts(sizes, 7, at);
     if (!base) {
         pthread_mutex_unlock(&call);
         return NO_MEMORY;
@@ -815,12 +787,7 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     atomic_store_explicit(&j->next_row, 0, memory_order_relaxed);
     atomic_store_explicit(&j->rows_split, 0, memory_order_relaxed);
     pool_runner(run_job, j, threads, 1);
-    if (scratch_bytes > ((size_t)64 << 20)) { /* an unusually large call: do not keep its scratch */
-        free(scratch_mem);
-        scratch_mem = NULL;
-        scratch_bytes = 0;
-    }
-    pthread_mutex_unlock(&call);
+    end_call();
     return OK;
 }
 
