@@ -70,8 +70,9 @@ class Settings:
         None, "GPU budget (GiB)", "GPU memory moedesk may use for experts. Blank: decide automatically. "
                                   "Takes effect when a model is loaded.", check=between(0, 100_000))
     dtype: str = setting(
-        "auto", "Weights dtype", "What weights, experts included, are held and computed in. auto: bfloat16 on a "
-                                 "GPU, float32 on the CPU. Takes effect when a model is loaded.",
+        "auto", "Weights dtype", "What weights are held and computed in (experts too, unless the expert dtype "
+                                 "says otherwise). auto: bfloat16 on a GPU, float32 on the CPU. Takes effect when a "
+                                 "model is loaded.",
         choices=("auto", "bfloat16", "float16", "float32"))
     expert_dtype: str = setting(
         "auto", "Expert dtype", "How routed experts are kept in memory. auto: as the model file holds them (a "
