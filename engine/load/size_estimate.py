@@ -1,0 +1,213 @@
+"""How much memory a model takes once loaded, from its config and tensor list alone: no weight is read.
+
+The models screen and the download wizard show this before anything is loaded (or downloaded), so it
+must follow what the loader will do rather than the file's size: a 16-bit checkpoint loaded with
+`--expert-dtype int4` keeps its experts in Q4_0 blocks (18 bytes per 32 weights), a quarter and a bit
+of the file; a GGUF's packed experts stay as the file holds them. So the experts' formats are chosen
+by the loader's own `expert_formats` and their stacks sized by `ExpertWeights` itself (on the meta
+device), and the tensors are sorted into routed experts and the rest by the architectures' own
+name map: an estimate that disagrees with a load is a bug in one place, not two.
+
+Weights only: the KV cache, activations and the runtime's own buffers come on top.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from engine.errors import CheckpointError, UnsupportedModelError
+from engine.load.loader import _ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
+from engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from engine.model.config import ModelConfig
+from kernels.expert_weights import DENSE, ExpertWeights
+from kernels.quant_formats import FORMATS
+
+_SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One checkpoint tensor as its file's header describes it."""
+
+    shape: tuple[int, ...]  # in the Hub's layout (one expert's slice for a GGUF's stacked experts)
+    # A safetensors dtype (BF16, F32...), or a kernels.quant_formats name (q4_k...) for GGUF blocks that
+    # experts are computed from as they are; anything else is read as float and converted.
+    stored: str
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    expert_bytes: int  # routed experts: in RAM (pinned) whenever they are offloaded, as on any GPU
+    other_bytes: int  # the rest (attention, router, shared experts, embeddings): on the GPU when there is one
+    expert_formats: tuple[str, ...]  # what the experts' stacks hold: "q4_0", "q6_k", "bf16"... (dense ones by dtype)
+    weights_dtype: str  # what everything not packed is held in
+
+    @property
+    def total_bytes(self) -> int:
+        return self.expert_bytes + self.other_bytes
+
+    def ram_bytes(self, gpu: bool) -> int:
+        # On a GPU only the experts stay in RAM (a dense model has none, and runs on the GPU whole).
+        return self.expert_bytes if gpu else self.total_bytes
+
+    def gpu_bytes(self, gpu: bool) -> int:
+        return self.other_bytes if gpu else 0
+
+    @property
+    def experts_as(self) -> str:
+        """The experts' form in a few characters: "q4_0", "q4_k/q6_k", "q4_0/f32" (down projections left 16-bit)."""
+        return "/".join(self.expert_formats)
+
+
+@dataclass
+class ModelWeights:
+    """A checkpoint's tensors sorted the way the loader sorts them; `estimate` sizes them for an expert dtype.
+
+    Sorting is the slow part (a regex walk over every tensor name: tens of thousands for a large MoE), so
+    screens keep one of these per model and ask `estimate` again whenever a setting changes.
+    """
+
+    config: ModelConfig
+    other_params: int  # parameters of every tensor the loader keeps in the weights dtype
+    experts: dict  # (layer, expert, "gate" | "up" | "down") -> checkpoint name, as the loader's own map
+    stored: dict  # checkpoint name -> TensorInfo.stored, for the routed experts
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def packed_format(self, name: str) -> str | None:
+        """What `engine.load.loader.expert_formats` asks a checkpoint."""
+        fmt = self.stored[name]
+        return fmt if fmt in FORMATS else None
+
+    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
+        """The weights' bytes once loaded with `--expert-dtype expert_dtype` and `--dtype weights_dtype`
+        (float32, bfloat16 or float16: what `auto` resolves to on the device that will load it)."""
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {', '.join(EXPERT_DTYPES)}")
+        key = (expert_dtype, weights_dtype)
+        if key not in self._cache:
+            self._cache[key] = self._estimate(expert_dtype, DTYPES[weights_dtype], weights_dtype)
+        return self._cache[key]
+
+    def _estimate(self, expert_dtype: str, dtype: torch.dtype, dtype_name: str) -> MemoryEstimate:
+        cfg = self.config
+        element = torch.empty((), dtype=dtype).element_size()
+        expert_bytes, formats = 0, set()
+        for layer in range(cfg.num_layers):
+            if not cfg.is_moe_layer(layer):
+                continue
+            gate_up, down = expert_formats(self, self.experts, layer, cfg, expert_dtype)
+            stack = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype,
+                                        gate_up_format=gate_up, down_format=down, device="meta")
+            expert_bytes += stack.nbytes
+            formats.update(_SHORT_DTYPES[dtype_name] if f == DENSE else f for f in (gate_up, down))
+        ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
+        return MemoryEstimate(expert_bytes, self.other_params * element, ordered, dtype_name)
+
+
+def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:
+    """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
+    them first: the config against the shapes, and no tensor the architecture does not know (one-line
+    CheckpointError / UnsupportedModelError naming `path`)."""
+    cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
+    rules = weight_name_map(cfg)
+    other, experts, stored = 0, {}, {}
+    for name, info in tensors.items():
+        if is_ignored_tensor(name):
+            continue
+        ours = map_weight_name(rules, name)
+        if ours is None:
+            raise UnsupportedModelError(path, f"unexpected tensor {name} for a {cfg.arch} model")
+        if routed := _ROUTED_EXPERT.fullmatch(ours):
+            layer, e, proj = routed.groups()
+            experts[int(layer), int(e), proj] = name
+            stored[name] = info.stored
+        elif not (ours == "lm_head.weight" and cfg.tie_word_embeddings):  # the loader shares the embedding
+            other += math.prod(info.shape)
+    return ModelWeights(cfg, other, experts, stored)
+
+
+def estimate_memory(config: dict, tensors: Mapping[str, TensorInfo], expert_dtype: str = "auto",
+                    weights_dtype: str = "bfloat16") -> MemoryEstimate:
+    """RAM for the experts and for the rest of a model loaded with these dtypes, from its config.json dict and
+    its tensor list alone (see `summarize` and `ModelWeights.estimate`)."""
+    return summarize(config, tensors).estimate(expert_dtype, weights_dtype)
+
+
+# --- tensor lists from headers ------------------------------------------------------------------------
+
+def safetensors_header_tensors(header: Mapping) -> dict[str, TensorInfo]:
+    """A safetensors header ({name: {dtype, shape, data_offsets}}, `__metadata__` aside) as TensorInfos."""
+    return {name: TensorInfo(tuple(int(d) for d in entry["shape"]), str(entry["dtype"]))
+            for name, entry in header.items() if name != "__metadata__"}
+
+
+def read_safetensors_header(file: Path) -> dict:
+    """The JSON header of one .safetensors file (8 bytes of length, then the JSON): a few reads, not the weights."""
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise CheckpointError(file, "truncated safetensors file (no header)")
+        (length,) = struct.unpack("<Q", head)
+        if length > 100_000_000:  # the format's own limit
+            raise CheckpointError(file, f"safetensors header of {length} bytes: not a safetensors file")
+        data = f.read(length)
+    try:
+        header = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(file, "truncated or corrupt safetensors header") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(file, "corrupt safetensors header")
+    return header
+
+
+def folder_tensors(folder) -> dict[str, TensorInfo]:
+    """Every tensor of a Hugging Face model folder, from its safetensors headers (the shards the index names,
+    or every *.safetensors as the loader takes them)."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            raise CheckpointError(index, "unreadable shard index") from None
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(folder, "no *.safetensors files")
+    tensors = {}
+    for file in files:
+        tensors.update(safetensors_header_tensors(read_safetensors_header(file)))
+    return tensors
+
+
+def gguf_tensors(checkpoint) -> dict[str, TensorInfo]:
+    """Every tensor of an opened `GGUFCheckpoint`, under the Hub's names (experts one by one), from its header."""
+    return {name: TensorInfo(shape, checkpoint.packed_format(name) or "float")
+            for name, shape in checkpoint.shapes().items()}
+
+
+def summarize_path(path) -> ModelWeights:
+    """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        from engine.load.gguf_checkpoint import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        try:
+            return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+        finally:
+            checkpoint.close()
+    config_path = path / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(config_path, "missing or unreadable config.json") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(config_path, "expected a JSON object")
+    return summarize(config, folder_tensors(path), config_path)
