@@ -58,15 +58,24 @@ class GraphedDecode:
         captured = self.captured.get(key)
         if captured is None or captured.stale(self.cache, executor):
             # Graphs of other shapes captured before the same change are stale too: drop them all, with
-            # the memory they hold.
-            self.captured = {k: c for k, c in self.captured.items() if not c.stale(self.cache, executor)}
+            # the memory they hold. Released here, not whenever the garbage collector gets to them: a graph
+            # freed in the middle of another's capture into the same pool trips the caching allocator's
+            # pool accounting (an INTERNAL ASSERT on use_count, seen on the H100 box), and a capture that
+            # fails that way leaves the CUDA generator refusing every later random op.
+            stale = {k for k, c in self.captured.items() if c.stale(self.cache, executor)}
+            for k in stale:
+                self.captured.pop(k).release()
+            if not self.captured:
+                self.pool = None  # its graphs are gone; a fresh capture starts a fresh pool
             captured = _Captured(self.model, self.cache, tokens.shape[0], rows is not None, executor)
             try:
                 if self.capture:
                     captured.capture(tokens, positions, rows, executor, self.pool)
             except torch.OutOfMemoryError:
+                captured.release()
                 raise  # the decoder's out-of-memory handling frees memory and retries
             except RuntimeError as e:
+                captured.release()
                 self.broken = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("CUDA graphs off, decoding eagerly: %s", self.broken)
                 return None
@@ -110,6 +119,12 @@ class _Captured:
 
     def stale(self, cache: KVCache, executor) -> bool:
         return _cache_key(cache, executor) != self.cache_key
+
+    def release(self) -> None:
+        """Free the graphs and their outputs now."""
+        for graph in [*self.graphs, *self.stream_graphs.values()]:
+            graph.reset()
+        self.graphs, self.stream_graphs, self.outputs = [], {}, []
 
     def _segment(self, j: int):
         model, cache = self.model, self.cache

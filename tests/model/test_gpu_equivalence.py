@@ -173,3 +173,26 @@ def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_
     for captured in offloaded.graphs.captured.values():  # counted from decode only: prefill is eager, all on the CPU
         assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
         assert len(captured.stream_graphs) == len(captured.moe_at)
+
+
+def test_graphs_recaptured_after_placement_changes_keep_working(tiny_checkpoint, tmp_path, monkeypatch):
+    """Every placement change makes the captured graphs stale; recapturing many times over, at several batch
+    sizes, on the scheduler's thread, must neither turn graphs off nor leave the CUDA generator broken (a
+    capture that failed mid-way did both, once in a few runs, through the shared memory pool)."""
+    import gc
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint("mixtral")
+    engine = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    expected = {}
+    for _ in range(6):
+        for batch in (1, 2, 3):
+            done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i)
+                                                                 for i, p in enumerate(prompts[:batch])], batch)}
+            assert expected.setdefault(batch, done) == done
+        engine.executor.set_placement(engine.executor.on_gpu())  # same experts, new version: every graph is stale
+        gc.collect()
+        assert engine.graphs.broken is None, engine.graphs.broken
+        torch.randn(4, device="cuda")  # the generator is not left mid-capture
