@@ -70,6 +70,8 @@ class MoedeskApp(App[int]):
         def load_options() -> dict:
             return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
 
+        self.load_options = load_options  # what the next load gets: the models screen's memory estimate follows it
+
         if engine is not None and _is_engine(engine):
             self.engine = engine
             # Later loads keep its device; its dtype is not carried over, or the dtype setting could never apply.

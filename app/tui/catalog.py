@@ -1,13 +1,15 @@
 """Models on this computer that moedesk can open: the demo, the user's models folder, the HF cache.
 
-Nothing is loaded here; only small files (config.json, a GGUF header) are read, so listing is
-quick even for huge models. No Textual here.
+Nothing is loaded here; only small files (config.json, safetensors and GGUF headers) are read, so
+listing is quick even for huge models, and each model's memory once loaded is estimated from them
+(engine.load.size_estimate). No Textual here.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from app.tui.storage import models_dir, read_json
 
@@ -26,6 +28,14 @@ class LocalModel:
     top_k: int = 0
     supported: bool | None = None  # None: unknown
     note: str = ""
+    # Its tensors sorted for the memory estimate (engine.load.size_estimate.ModelWeights), kept so that a changed
+    # expert dtype re-estimates without reading headers again; None with `estimate_error` saying why.
+    weights: object = field(default=None, compare=False, repr=False)
+    estimate_error: str = ""
+
+    def estimate(self, expert_dtype: str, weights_dtype: str):
+        """The MemoryEstimate of loading it with these dtypes; None when its headers could not be sorted."""
+        return None if self.weights is None else self.weights.estimate(expert_dtype, weights_dtype)
 
     @property
     def experts(self) -> str:
@@ -45,6 +55,32 @@ def human_size(n: int | None) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
+
+
+def estimate_line(estimate, gpu: bool, size: Callable[[int], str]) -> str:
+    """A MemoryEstimate in a few words: "~26.4 GB in RAM as q4_0 experts + 3.2 GB on the GPU". `gpu`: a CUDA GPU
+    will load it (the experts stay in RAM, the rest goes to the GPU); `size` writes a byte count."""
+    if not estimate.expert_bytes:
+        return f"~{size(estimate.other_bytes)} on the GPU" if gpu else f"~{size(estimate.other_bytes)} in RAM"
+    experts = f"{estimate.experts_as} experts"
+    if gpu:
+        return f"~{size(estimate.expert_bytes)} in RAM as {experts} + {size(estimate.other_bytes)} on the GPU"
+    return f"~{size(estimate.total_bytes)} in RAM, {size(estimate.expert_bytes)} of it {experts}"
+
+
+def _weights(path: Path) -> tuple[object, str]:
+    """(ModelWeights, "") for a model folder or .gguf file, or (None, why not) in a few words."""
+    try:
+        from engine.load.size_estimate import summarize_path
+
+        return summarize_path(path), ""
+    except Exception as e:  # noqa: BLE001 -- an estimate is advice: loading says what is wrong, in full
+        return None, _one_line(e)
+
+
+def _one_line(e: Exception) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return lines[0] if lines else type(e).__name__
 
 
 def folder_size(path: Path) -> int:
@@ -83,25 +119,43 @@ def folder_model(path: Path, source: str, spec: str | None = None, name: str | N
     except (OSError, ValueError):
         arch, experts, top_k, note = "?", 0, 0, "unreadable config.json"
     known = supported_architectures() if known is None else known
+    supported = (arch in known) if known and arch != "?" else None
+    weights, why = _weights(path) if supported is not False and not note else (None, "")
     return LocalModel(spec or str(path), name or path.name, source, folder_size(path) if size is None else size,
-                      arch, experts, top_k, (arch in known) if known and arch != "?" else None, note)
+                      arch, experts, top_k, supported, note, weights, why)
 
 
 def gguf_model(path: Path) -> LocalModel:
     arch, experts, top_k, note = "?", 0, 0, ""
+    weights, why = None, ""
     try:
-        from gguf import GGUFReader
+        # The engine's own reading of the header (parsing a large vocabulary takes seconds: once is enough);
+        # a file it refuses is read again below for what the listing shows.
+        from engine.load.gguf_checkpoint import GGUFCheckpoint
+        from engine.load.size_estimate import gguf_tensors, summarize
 
-        reader = GGUFReader(str(path))
-        arch = _gguf_value(reader, "general.architecture") or "?"
-        experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
-        top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
-    except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
-        note = f"unreadable header ({type(e).__name__})"
+        checkpoint = GGUFCheckpoint(path)
+        arch, experts, top_k = checkpoint.arch, *describe_config(checkpoint.config)[1:]
+        try:
+            weights = summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+        except Exception as e:  # noqa: BLE001 -- see _weights
+            why = _one_line(e)
+        checkpoint.close()
+    except Exception as e:  # noqa: BLE001
+        why = _one_line(e)
+        try:
+            from gguf import GGUFReader
+
+            reader = GGUFReader(str(path))
+            arch = _gguf_value(reader, "general.architecture") or "?"
+            experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
+            top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
+        except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
+            note, why = f"unreadable header ({type(e).__name__})", ""
     # GGUF architecture names differ from config.json's (Mixtral is "llama" with experts): support is
     # left unknown here, and loading says what is wrong.
     size = path.stat().st_size if path.exists() else None
-    return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note)
+    return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note, weights, why)
 
 
 def _gguf_value(reader, key: str):
@@ -124,9 +178,10 @@ def demo_model() -> LocalModel:
         r = recipe()
         folder = cache_root() / f"{r['name']}-v{r['version']}"
         built = (folder / "config.json").is_file()
+        weights, why = _weights(folder) if built else (None, "")
         return LocalModel("demo", "demo (SmolLM2-135M as an MoE)", "demo", folder_size(folder) if built else None,
                           "mixtral", int(r.get("num_experts", 0)), int(r.get("num_experts_per_tok", 0)), True,
-                          "" if built else "built on first use")
+                          "" if built else "built on first use", weights, why)
     except Exception:
         return LocalModel("demo", "demo", "demo", None, "mixtral", 0, 0, True, "")
 
@@ -182,7 +237,7 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
             for gguf in sorted(snapshot.glob("*.gguf")):
                 m = gguf_model(gguf)
                 out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.name}", "hf cache", m.size_bytes, m.arch,
-                                      m.num_experts, m.top_k, m.supported, m.note))
+                                      m.num_experts, m.top_k, m.supported, m.note, m.weights, m.estimate_error))
     return out
 
 

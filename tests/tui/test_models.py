@@ -7,10 +7,18 @@ import shutil
 import pytest
 
 from app.tui import MoedeskApp
-from app.tui.catalog import find_models, folder_size, human_size, scan_hf_cache
-from app.tui.screens.models import ModelsScreen
+from app.tui.catalog import estimate_line, find_models, folder_size, human_size, scan_hf_cache
+from app.tui.screens.models import LoadTarget, ModelsScreen, load_target
+from app.tui.settings import Settings
+from engine.load.size_estimate import MemoryEstimate
 from engine.runtime import Engine
 from tests.tui.helpers import chat_ready, wait_for
+
+
+def loaded_bytes(engine) -> int:
+    """The weights of a loaded engine: its expert stacks and its parameters (a tied embedding once)."""
+    return (sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+            + sum(p.numel() * p.element_size() for p in engine.model.parameters()))
 
 
 def cpu_factory(model, progress):
@@ -75,8 +83,8 @@ async def test_models_screen_lists_and_loads_a_model(models_folder, engine):
         names = [table.get_row_at(i)[1] for i in range(table.row_count)]
         assert "acme/tiny-moe" in names and "broken.gguf" in names
         row = names.index("acme/tiny-moe")
-        assert table.get_row_at(row)[3:6] == ["qwen3_moe", "8 × top-2",
-                                               human_size(folder_size(models_folder / "acme" / "tiny-moe"))]
+        # The memory column: what loading takes (on this CPU: float32, experts as the file holds them).
+        assert table.get_row_at(row)[3:6] == ["qwen3_moe", "8 × top-2", f"~{human_size(loaded_bytes(engine))}"]
 
         # An unsupported architecture is refused at once, without unloading the current model.
         table.move_cursor(row=names.index("dense-thing"))
@@ -117,3 +125,63 @@ async def test_models_screen_from_a_failed_start(models_folder):
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
         assert [type(s).__name__ for s in app.screen_stack][1:] == ["ChatScreen"]
         assert app.engine.name.endswith("tiny-moe")
+
+
+@pytest.mark.anyio
+async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(models_folder, engine):
+    """The tiny model is float32 on disk: as int4 its experts' gate/up rows (64 wide) become q4_0 blocks, 18 bytes
+    per 32 weights, and its down rows (48 wide, not whole blocks) stay float32. F2 changes the setting from here,
+    and the estimate follows once the settings close."""
+    folder = models_folder / "acme" / "tiny-moe"
+    cfg = engine.config
+    E, H, F, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers
+    auto_experts = sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+    other = loaded_bytes(engine) - auto_experts
+    int4_experts = L * E * (2 * F * H // 32 * 18 + H * F * 4)
+    app = MoedeskApp(engine, settings=Settings())
+    async with app.run_test(size=(120, 30)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        screen = app.screen
+        table = screen.query_one("#models-table")
+        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        row = names.index("acme/tiny-moe")
+        table.move_cursor(row=row)
+        await pilot.pause()
+        note = lambda: str(screen.query_one("#models-note").render())  # noqa: E731
+        status = lambda: str(screen.query_one("#models-status").render())  # noqa: E731
+        assert note() == (f"acme/tiny-moe · ~{human_size(auto_experts + other)} in RAM, {human_size(auto_experts)} "
+                          f"of it f32 experts (file {human_size(folder_size(folder))})")
+        assert "memory with expert dtype auto, f32 weights (F2)" in status()
+        # No estimate without readable headers (nor for the demo before its first build): the file's size, below.
+        assert table.get_row_at(names.index("broken.gguf"))[5] == "—" and table.get_row_at(0)[5] == "—"
+        table.move_cursor(row=names.index("broken.gguf"))
+        await pilot.pause()
+        assert note() == "broken.gguf · file 22 B · unreadable header (ValueError)"
+        table.move_cursor(row=row)
+        await pilot.pause()
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        app.screen.query_one("#setting-expert_dtype").value = "int4"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen, what="the models screen again")
+        await wait_for(pilot, lambda: "int4" in status(), what="the new estimate")
+        assert table.get_row_at(row)[5] == f"~{human_size(int4_experts + other)}"
+        assert note() == (f"acme/tiny-moe · ~{human_size(int4_experts + other)} in RAM, {human_size(int4_experts)} "
+                          f"of it q4_0/f32 experts (file {human_size(folder_size(folder))})")
+        assert "memory with expert dtype int4, f32 weights (F2)" in status()
+
+
+def test_the_flags_of_this_run_win_over_the_settings_and_a_gpu_holds_the_rest(engine):
+    app = MoedeskApp(engine, settings=Settings(expert_dtype="int4", dtype="bfloat16"), expert_dtype="int8")
+    assert load_target(app) == LoadTarget("int8", "bfloat16", gpu=False)  # the engine's device: the CPU
+    assert load_target(MoedeskApp(engine, settings=Settings())) == LoadTarget("auto", "float32", gpu=False)
+    estimate = MemoryEstimate(expert_bytes=26_400 * 2**20, other_bytes=3 * 2**30, expert_formats=("q4_0",),
+                              weights_dtype="bfloat16")
+    assert estimate_line(estimate, True, human_size) == "~25.8 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU"
+    assert estimate_line(estimate, False, human_size) == "~28.8 GiB in RAM, 25.8 GiB of it q4_0 experts"
+    dense = MemoryEstimate(0, 2**30, (), "bfloat16")
+    assert estimate_line(dense, True, human_size) == "~1.0 GiB on the GPU"

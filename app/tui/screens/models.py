@@ -1,12 +1,16 @@
 """Local models: the demo, the user's models folder, the Hugging Face cache. Enter loads one.
 
-Listing runs in a thread worker (sizes need a walk over files); loading goes through a
-`LoadPanel`. F6 opens the download wizard over it, and a download finished there loads from
-here. Dismisses with the new engine, or None when left without loading.
+Listing runs in a thread worker (sizes need a walk over files, estimates a read of the headers);
+loading goes through a `LoadPanel`. The memory column is what loading would take with the expert
+dtype and weights dtype in force (F2 changes them; the estimate follows when the settings close).
+F6 opens the download wizard over it, and a download finished there loads from here. Dismisses
+with the new engine, or None when left without loading.
 """
 from __future__ import annotations
 
-from textual import on, work
+from typing import NamedTuple
+
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -14,7 +18,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from app.tui.catalog import LocalModel, find_models, human_size
+from app.tui.catalog import LocalModel, estimate_line, find_models, human_size
 from app.tui.storage import models_dir
 from app.tui.widgets.load_panel import LoadPanel, one_line
 
@@ -34,8 +38,53 @@ def preflight(model: str) -> None:
     parse_config(checkpoint.config, checkpoint.path)
 
 
+class LoadTarget(NamedTuple):
+    """What the next load will use, as far as memory goes."""
+
+    expert_dtype: str  # auto | bf16 | int8 | int4
+    weights_dtype: str  # float32 | bfloat16 | float16: the weights dtype setting with auto resolved
+    gpu: bool  # a CUDA GPU: experts in RAM, the rest on it
+
+    def describe(self) -> str:
+        short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.weights_dtype]
+        return f"expert dtype {self.expert_dtype}, {short} weights{' on the GPU' if self.gpu else ''}"
+
+
+def load_target(app) -> LoadTarget:
+    """The settings with this run's flags over them (MoedeskApp.load_options), on the device the loaded model
+    is on (later loads keep it), else the one `auto` picks."""
+    options = app.load_options() if hasattr(app, "load_options") else app.settings.load_options()
+    engine = getattr(app, "engine", None)
+    import torch
+
+    if engine is not None and hasattr(engine, "device"):
+        gpu = engine.device.type == "cuda"
+    else:
+        gpu = torch.cuda.is_available()
+    dtype = options.get("dtype")
+    if dtype is None:  # as engine.load.loader.resolve_dtype decides it
+        dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if gpu else "float32"
+    return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu)
+
+
+def memory_cell(model: LocalModel, target: LoadTarget) -> str:
+    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
+    return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
+
+
+def memory_note(model: LocalModel, target: LoadTarget) -> str:
+    """The estimate in full, with the file's size: "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file
+    86.9 GiB)"; the file's size alone where there is no estimate (and why, when the headers said)."""
+    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
+    file = f"file {human_size(model.size_bytes)}" if model.size_bytes is not None else ""
+    if estimate is None:
+        why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
+        return " · ".join(part for part in (file, why) if part)
+    return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "")
+
+
 MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
-                 "size": "size", "note": "note"}
+                 "size": "memory", "note": "note"}
 
 
 def fit(text: str, width: int) -> str:
@@ -54,12 +103,14 @@ class ModelsScreen(Screen):
         Binding("f5,ctrl+r", "rescan", "Rescan"),
         Binding("ctrl+l", "focus_path", "Path…"),
         Binding("f6", "download", "Download…"),
+        Binding("f2", "app.settings", "Settings"),
     ]
 
     def __init__(self, current: str | None = None):
         super().__init__()
         self.current = current
         self.models: list[LocalModel] = []
+        self.target: LoadTarget | None = None  # what the estimates shown are for
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -74,6 +125,7 @@ class ModelsScreen(Screen):
 
     def on_mount(self) -> None:
         self.sub_title = "models"
+        self.target = load_target(self.app)
         table = self.query_one(DataTable)
         table.focus()
         self.query_one("#models-status", Static).update(f"looking in {models_dir()} and the Hugging Face cache…")
@@ -93,16 +145,37 @@ class ModelsScreen(Screen):
             return
         self.models = message.models
         self._fill_table()
+        self._show_status()
+
+    def _show_status(self) -> None:
         count = f"{len(self.models)} model{'s' if len(self.models) != 1 else ''}"
-        status.update(f"{count} · put model folders or .gguf files in {models_dir()}")
+        memory = f"memory with {self.target.describe()} (F2)"
+        self.query_one("#models-status", Static).update(
+            f"{count} · {memory} · put model folders or .gguf files in {models_dir()}")
+
+    def on_screen_resume(self, event: events.ScreenResume) -> None:
+        """Back from the settings (or the wizard): a changed expert or weights dtype changes every estimate. The
+        settings screen's result reaches the app through the app's own queue, posted before this event: asking
+        there runs after it."""
+        self.app.call_next(self._follow_settings)
+
+    def _follow_settings(self) -> None:
+        target = load_target(self.app)
+        if target == self.target or not self.is_attached:
+            return
+        self.target = target
+        if self.models:
+            self._fill_table()
+            self._show_status()
 
     def _fill_table(self) -> None:
         """The rows, with the name and note columns sharing what the fixed columns leave of the width:
         at 80 columns a long repo id and its note pushed the other columns off screen."""
         table = self.query_one(DataTable)
         cursor = table.cursor_row
-        rows = [("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts, human_size(m.size_bytes),
-                 m.note or ("architecture not supported" if m.supported is False else "")) for m in self.models]
+        rows = [("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts,
+                 memory_cell(m, self.target), m.note or ("architecture not supported" if m.supported is False else ""))
+                for m in self.models]
         fixed = {"source": 8, "arch": 12, "experts": 9, "size": 8}
         for key, index in (("source", 2), ("arch", 3), ("experts", 4), ("size", 5)):
             fixed[key] = max([len(r[index]) for r in rows] + [len(MODEL_COLUMNS[key])])
@@ -121,6 +194,7 @@ class ModelsScreen(Screen):
             table.add_row(*row[:1], fit(row[1], name_width), *row[2:6], fit(row[6], note_width), key=str(n))
         if rows:
             table.move_cursor(row=min(max(cursor, 0), len(rows) - 1))
+            self._show_note(table.cursor_row)
 
     def on_resize(self) -> None:
         if self.models:
@@ -128,13 +202,17 @@ class ModelsScreen(Screen):
 
     @on(DataTable.RowHighlighted)
     def row_highlighted(self, event: DataTable.RowHighlighted) -> None:
-        """The whole name and note of the highlighted model, which the columns may have shortened."""
-        index = int(event.row_key.value) if event.row_key.value is not None else -1
+        """The whole name and note of the highlighted model, which the columns may have shortened, and its memory
+        estimate in full."""
+        self._show_note(int(event.row_key.value) if event.row_key.value is not None else -1)
+
+    def _show_note(self, index: int) -> None:
         if not 0 <= index < len(self.models):
             return
         m = self.models[index]
         note = m.note or ("architecture not supported" if m.supported is False else "")
-        self.query_one("#models-note", Static).update(f"{m.name}{' · ' + note if note else ''}")
+        parts = [m.name, memory_note(m, self.target), note]
+        self.query_one("#models-note", Static).update(" · ".join(part for part in parts if part))
 
     # -------------------------------------------------------------- loading
 
