@@ -11,6 +11,11 @@ device, so the launch needs no host decision and CUDA graphs capture it.
 The arithmetic rounds where engine.offload.offload_executor.expert_forward's torch ops round (gate and up, the activation,
 their product, the output), each dot product summed in float32. TRITON_INTERPRET=1 runs it on the CPU,
 which is how CI checks it.
+
+Packed (GGUF-quantised) stacks stream too, read as they lie, a quarter of the bf16 bytes at 4 bits: the
+packed CPU kernel is bound by unpacking instructions, not by RAM (60 of ~110 GB/s at one token on the GPU
+box), so RAM and PCIe have room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path
+(the same `_row_dot`), so a streamed packed expert equals a resident one.
 """
 from __future__ import annotations
 
@@ -18,7 +23,8 @@ import os
 
 import torch
 
-from kernels import gpu_fused
+from kernels import gpu_fused, gpu_quant
+from kernels.expert_weights import ExpertWeights
 
 try:
     import triton
@@ -29,22 +35,28 @@ except ImportError:  # the CPU build of torch comes without Triton
 _ROWS = 8  # rows of a weight per program: enough programs for two experts to fill the SMs' reads
 
 
-def applies(device: torch.device, gate_up: torch.Tensor) -> bool:
-    """Whether `streamed_experts` takes inputs on `device` and these stacks: a CUDA device, the stacks in pinned
-    host memory (inputs must be in the stacks' dtype), Triton there and the fused kernels not turned off."""
-    return gpu_fused.wanted() and device.type == "cuda" and not gate_up.is_cuda and gate_up.is_pinned()
+def applies(device: torch.device, w: ExpertWeights) -> bool:
+    """Whether `streamed_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
+    host memory, dense (inputs in the stacks' dtype) or both halves in a format kernels.gpu_quant reads, Triton
+    there and the fused kernels not turned off."""
+    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
+        return False
+    return not w.packed or (w.gate_up_format in gpu_quant._FMT_ID and w.down_format in gpu_quant._FMT_ID)
 
 
-def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, gate_up: torch.Tensor,
-                     down: torch.Tensor, out: torch.Tensor) -> None:
-    """out[t*K + r] = expert ids[t, r] applied to x[t] for every token t and rank r >= first_rank.
+def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: ExpertWeights,
+                     out: torch.Tensor) -> None:
+    """out[t*K + r] = expert ids[t, r] of `w` applied to x[t] for every token t and rank r >= first_rank.
 
-    x [N, H]; ids [N, K] (int64) on x's device; gate_up [E, 2F, H] and down [E, H, F], the layer's
-    stacks in pinned host memory (on the CPU interpreter: any CPU tensors); out [>= N*K, H]. Rows of
+    x [N, H]; ids [N, K] (int64) on x's device; w the layer's stacks in pinned host memory (on the CPU
+    interpreter: any CPU tensors), dense in x's dtype or packed; out [>= N*K, H] in x's dtype. Rows of
     ranks below first_rank are left as they are.
     """
+    if w.packed:
+        return _streamed_packed(x, ids, first_rank, w, out)
     n, k = ids.shape
     ranks = k - first_rank
+    gate_up, down = w.gate_up, w.down
     _, two_f, h = gate_up.shape
     f = two_f // 2
     act = torch.empty(n * ranks, f, dtype=x.dtype, device=x.device)
@@ -55,6 +67,26 @@ def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, gate_u
     _down[(triton.cdiv(h, _ROWS), n * ranks)](
         act, _pointer(down), ids, out, first_rank, ranks, out.stride(0), H=h, F=f, K=k, ROWS=_ROWS,
         BLOCK_F=block_f, **_EXACT)
+
+
+def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out) -> None:
+    n, k = ids.shape
+    ranks = k - first_rank
+    x = x.contiguous()
+    act = torch.empty(n * ranks, w.width, dtype=torch.float32, device=x.device)  # as gpu_quant keeps it
+    for src, stack, fmt, dst, rows, cols, gated in ((x, w.gate_up, w.gate_up_format, act, w.width, w.hidden, True),
+                                                   (act, w.down, w.down_format, out, w.hidden, w.width, False)):
+        lanes = gpu_quant._LANES[fmt]
+        cfg = _PACKED_TILES_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else _PACKED_TILES
+        _packed_pairs[(triton.cdiv(rows, cfg["ROWS"]), n * ranks)](
+            src, src.stride(0), _pointer(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
+            stack.shape[-1], cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes, GATED=gated, **cfg)
+
+
+# gpu_quant's tiles for one row per expert (4 rows x 16 units, 2 warps): many small programs keep many reads in
+# flight, which PCIe's latency needs more than device memory does. Not yet tuned for reads over PCIe.
+_PACKED_TILES = dict(ROWS=4, NB=16, num_warps=2)
+_PACKED_TILES_INTERPRETED = dict(ROWS=64, NB=8, num_warps=1)  # the interpreter pays per program
 
 
 class _HostPointer:
@@ -75,6 +107,8 @@ def _pointer(t: torch.Tensor):
 _EXACT = dict(enable_fp_fusion=False)  # two roundings where torch has two (kernels.gpu_fused)
 
 if triton is not None:
+    from kernels.gpu_quant import _row_dot
+
     @triton.jit
     def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, H: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -120,3 +154,31 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * a[None, :], axis=1)
         tl.store(out_ptr + (token * K + rank) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
+    def _packed_pairs(x_ptr, x_stride, w_ptr, expert_stride, ids_ptr, out_ptr, out_stride, FIRST, RANKS, R,
+                      ROW_BYTES, UNITS, K: tl.constexpr, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
+                      ROWS: tl.constexpr, GATED: tl.constexpr):
+        """One (token, rank) pair per program column, its expert from the routing on the device. GATED: the
+        pair's x row is its token's and out[pair] = silu(x . gate) * (x . up); otherwise x is the activation
+        of the pair and the result goes to out[token * K + rank]."""
+        pair = tl.program_id(1)
+        token = pair // RANKS
+        rank = FIRST + pair % RANKS
+        e = tl.load(ids_ptr + token * K + rank).to(tl.int64)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rlive = rows < R
+        row = (w_ptr + e * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
+        source = token if GATED else pair
+        toks = source + tl.arange(0, 1)
+        tlive = toks >= 0
+        acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, 1, ROWS, False, False, FMT)
+        if GATED:
+            up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, 1, ROWS,
+                                    False, False, FMT)
+            acc = acc * tl.sigmoid(acc) * up
+            dst = pair
+        else:
+            dst = token * K + rank
+        tl.store(out_ptr + dst.to(tl.int64) * out_stride + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rlive[None, :])

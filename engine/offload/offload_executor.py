@@ -258,8 +258,7 @@ class OffloadExecutor:
         if self.streamed_ranks is None or batch != 1 or self.simulated:
             return 0
         bank = self.banks[layer]
-        if (any(slot is not None for slot in bank.gpu_slot) or bank.host.packed
-                or not gpu_streamed.applies(self.device, bank.host.gate_up)):
+        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.host):
             return 0
         return min(top_k, max(0, int(self.streamed_ranks(top_k))))
 
@@ -268,7 +267,7 @@ class OffloadExecutor:
         their weights from pinned RAM (kernels.gpu_streamed); the host's `expert_outputs` for the same step is
         then given `HostRouting.streamed = ranks` and leaves those rows alone."""
         bank = self.banks[moe.layer]
-        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.host.gate_up, bank.host.down, out)
+        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.host, out)
 
     def _fold_tallies(self) -> None:
         if not self._tallies:

@@ -120,7 +120,8 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
     return _host_ms(lambda: compute_copied(x[rows], staging, queue_copy(side, host, staging)), device, repeat)
 
 
-def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 7) -> dict:
+def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 7,
+                      dtype: torch.dtype | None = None) -> dict:
     """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
     pinned RAM (kernels.gpu_streamed), timed as decode runs them: {"streamed_split_ms": {g: ms}} for g = 0..
     min(top_k, most) experts streamed, each the median time until both sides are done, and "streamed_top_k".
@@ -128,18 +129,18 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
 
     Measured rather than predicted from one expert's costs: SMs and the CPU reading RAM together slow each
     other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
-    side. w is a layer's pinned stacks (dense: packed experts are not streamed); each try takes experts the last
-    tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
+    side. w is a layer's pinned stacks, dense or packed (then dtype is the activations'); each try takes experts
+    the last tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
     graph, as in decode."""
     device = torch.device(device)
-    if w.packed or not gpu_streamed.applies(device, w.gate_up):
+    if not gpu_streamed.applies(device, w):
         return {}
-    gate_up, down = w.gate_up, w.down
-    experts, hidden = gate_up.shape[0], gate_up.shape[2]
-    x_host = torch.randn(1, hidden, dtype=gate_up.dtype).pin_memory()
+    experts, hidden = w.num_experts, w.hidden
+    dtype = w.dense_dtype or dtype or torch.bfloat16  # packed experts take the model's activations
+    x_host = torch.randn(1, hidden, dtype=dtype).pin_memory()
     x = x_host.to(device)
-    cpu_out = torch.empty(top_k, hidden, dtype=gate_up.dtype, pin_memory=True)
-    gpu_out = torch.empty(top_k, hidden, dtype=gate_up.dtype, device=device)
+    cpu_out = torch.empty(top_k, hidden, dtype=dtype, pin_memory=True)
+    gpu_out = torch.empty(top_k, hidden, dtype=dtype, device=device)
     index = torch.empty(2 * top_k + 2 * experts + 1, dtype=torch.int64)
     turn = [0]
 
@@ -152,11 +153,11 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
         on_cpu = top_k - streamed
         graph, ids = None, torch.zeros(1, max(streamed, 1), dtype=torch.int64, device=device)
         if streamed:
-            gpu_streamed.streamed_experts(x, ids, 0, gate_up, down, gpu_out)  # compiles before the capture
+            gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)  # compiles before the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                gpu_streamed.streamed_experts(x, ids, 0, gate_up, down, gpu_out)
+                gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)
         times = []
         for i in range(repeat + 1):
             if streamed:
@@ -266,8 +267,9 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
-# through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms).
-PROFILE_FORMAT = 5
+# through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
+# 6: streamed_split_ms of packed experts too).
+PROFILE_FORMAT = 6
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:

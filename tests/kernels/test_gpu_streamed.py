@@ -1,4 +1,5 @@
-"""Experts computed on the GPU from pinned host stacks (kernels.gpu_streamed) compute expert_forward.
+"""Experts computed on the GPU from pinned host stacks (kernels.gpu_streamed) compute expert_forward, and packed
+stacks what the resident packed kernel (kernels.gpu_quant) computes.
 
 On the CPU the kernels run under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where there is
 no GPU), in float32, which checks the indexing and the formulas; the GPU test reads real pinned memory in bf16.
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from kernels.cpu_experts import expert_forward
+from kernels.expert_weights import ExpertWeights
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
 from kernels import gpu_streamed  # noqa: E402
@@ -21,11 +23,11 @@ def _stacks(e, f, h, dtype, pinned=False, seed=0):
     x = torch.randn(3, h, generator=g).to(dtype)
     if pinned:
         gate_up, down = gate_up.pin_memory(), down.pin_memory()
-    return x, gate_up, down
+    return x, ExpertWeights(gate_up, down, h, f)
 
 
-def _expected(x, ids, gate_up, down):
-    k = ids.shape[1]
+def _expected(x, ids, w):
+    k, gate_up, down = ids.shape[1], w.gate_up, w.down
     rows = [expert_forward(x[t:t + 1], gate_up[ids[t, r]], down[ids[t, r]]) for t in range(len(x)) for r in range(k)]
     return torch.cat(rows)
 
@@ -34,34 +36,95 @@ def _expected(x, ids, gate_up, down):
 def test_streamed_experts_interpreted(f, h, first_rank):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is used only where there is no GPU")
-    x, gate_up, down = _stacks(6, f, h, torch.float32)
+    x, w = _stacks(6, f, h, torch.float32)
     ids = torch.tensor([[0, 2, 3, 5], [1, 2, 4, 5], [0, 1, 3, 4]])
     out = torch.full((12, h), 7.0)
-    gpu_streamed.streamed_experts(x, ids, first_rank, gate_up, down, out)
-    expected = _expected(x, ids, gate_up, down).view(3, 4, h)
+    gpu_streamed.streamed_experts(x, ids, first_rank, w, out)
+    expected = _expected(x, ids, w).view(3, 4, h)
     got = out.view(3, 4, h)
     torch.testing.assert_close(got[:, first_rank:], expected[:, first_rank:], rtol=1e-5, atol=1e-5)
     assert (got[:, :first_rank] == 7.0).all()  # the ranks below first_rank are the CPU's: untouched
 
 
 def test_applies_only_to_a_cuda_input_and_pinned_stacks():
-    x, gate_up, _ = _stacks(2, 8, 16, torch.float32)
-    assert not gpu_streamed.applies(x.device, gate_up)
+    x, w = _stacks(2, 8, 16, torch.float32)
+    assert not gpu_streamed.applies(x.device, w)
 
 
 @pytest.mark.gpu
 def test_streamed_experts_read_pinned_memory_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    x, gate_up, down = _stacks(8, 768, 2048, torch.bfloat16, pinned=True)
+    x, w = _stacks(8, 768, 2048, torch.bfloat16, pinned=True)
     x = x.cuda()
-    assert gpu_streamed.applies(x.device, gate_up)
+    assert gpu_streamed.applies(x.device, w)
     ids = torch.tensor([[0, 3, 6, 7], [1, 2, 3, 4], [2, 5, 6, 7]], device="cuda")
     out = torch.zeros(12, 2048, dtype=torch.bfloat16, device="cuda")
-    gpu_streamed.streamed_experts(x, ids, 1, gate_up, down, out)
-    expected = _expected(x, ids, gate_up.cuda(), down.cuda()).view(3, 4, -1)
+    gpu_streamed.streamed_experts(x, ids, 1, w, out)
+    expected = _expected(x, ids, w.to("cuda")).view(3, 4, -1)
     got = out.view(3, 4, -1)
     assert (got[:, 0] == 0).all()
     # float32 sums in another order than cuBLAS: a rounding step apart at most, rarely.
     torch.testing.assert_close(got[:, 1:], expected[:, 1:], rtol=2 ** -6, atol=2 ** -8)
     assert (got[:, 1:] != expected[:, 1:]).float().mean() < 0.05
+
+
+# ---------------------------------------------------------------- packed stacks
+
+def _packed_reference(x, ids, w, first_rank):
+    """Each streamed pair's expert dequantised and applied in float64: [N, K - first_rank, H]."""
+    from tests.kernels.test_gpu_quant_kernel import reference
+
+    rows = [reference(x[t:t + 1], w.select([int(ids[t, r])]), [1]) for t in range(len(x))
+            for r in range(first_rank, ids.shape[1])]
+    return torch.cat(rows).view(len(x), ids.shape[1] - first_rank, -1)
+
+
+@pytest.mark.parametrize("formats,hidden,width", [(("q4_0",), 160, 96), (("q8_0",), 96, 160),
+                                                  (("q4_k", "q6_k"), 256, 512), (("q5_k",), 256, 256)])
+def test_streamed_packed_experts_interpreted(formats, hidden, width):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU")
+    from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
+
+    w = random_experts(5, hidden, width, *formats, seed=hidden)
+    x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[4, 0, 2], [1, 3, 4]])
+    out = torch.full((6, hidden), 7.0)
+    gpu_streamed.streamed_experts(x, ids, 1, w, out)
+    got = out.view(2, 3, hidden)
+    assert (got[:, 0] == 7.0).all()  # rank 0 is the CPU's
+    assert_close(got[:, 1:], _packed_reference(x, ids, w, 1), 1e-4, 1e-5)
+
+
+def test_packed_stacks_apply_in_the_formats_the_gpu_reads():
+    from tests.kernels.test_gpu_quant_kernel import random_experts
+
+    w = random_experts(2, 64, 64, "q4_0")
+    assert not gpu_streamed.applies(torch.device("cpu"), w)  # pinned or not, a CPU input never streams
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", [("q4_0",), ("q4_k", "q6_k"), ("q8_0",)])
+def test_streamed_packed_experts_equal_resident_ones_on_cuda(formats):
+    """A packed expert streamed from pinned RAM computes what the same expert resident on the GPU computes
+    (kernels.gpu_quant's one-row path: the same arithmetic, so equal up to float32 summation order)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from kernels import gpu_quant
+    from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
+
+    host = random_experts(8, 2048, 768, *formats, seed=5)
+    host = ExpertWeights(host.gate_up.pin_memory(), host.down.pin_memory(), host.hidden, host.width,
+                         host.gate_up_format, host.down_format)
+    x = torch.randn(1, 2048, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    assert gpu_streamed.applies(x.device, host)
+    ids = torch.tensor([[6, 1, 3, 7]], device="cuda")
+    out = torch.zeros(4, 2048, dtype=torch.bfloat16, device="cuda")
+    gpu_streamed.streamed_experts(x, ids, 1, host, out)
+    assert (out[0] == 0).all()
+    resident = host.to("cuda")
+    for r in range(1, 4):
+        one = resident.expert(int(ids[0, r]))
+        expected = gpu_quant.expert_forward(x, one)
+        assert_close(out[r:r + 1].float(), expected.double(), 2 ** -7, 2 ** -8, 2 ** -7)

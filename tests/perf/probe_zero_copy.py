@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kernels.expert_weights import ExpertWeights
 from kernels import cpu_experts, gpu_streamed
 
 SHAPES = {"qwen3": (128, 768, 2048, 8), "mixtral": (8, 14336, 4096, 2)}  # experts, F, H, top-k
@@ -35,7 +36,7 @@ def main():
     results = {}
 
     def zc(ids_dev, out):
-        gpu_streamed.streamed_experts(x_dev, ids_dev.view(1, -1), 0, gate_up, down, out)
+        gpu_streamed.streamed_experts(x_dev, ids_dev.view(1, -1), 0, ExpertWeights(gate_up, down, H, F), out)
 
     # Correctness of the probe kernels against the engine's expert arithmetic on one expert.
     ids = torch.tensor([3 % E], device=dev)
