@@ -90,13 +90,53 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences in the batched-decode run (default: 16; 1 skips it)")
     bench.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], metavar="N",
                        help="prompt lengths of the prefill runs (default: 512 2048; none skips them)")
-    bench.add_argument("--decode-tokens", type=int, default=64, metavar="N",
-                       help="tokens in the batch-1 decode run (default: 64)")
+    bench.add_argument("--decode-tokens", type=_positive_int, default=None, metavar="N",
+                       help="new tokens per sequence in each decode run (default: 64; 32 with --speculative or "
+                            "--beams; 128 with --model)")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (the GPU tier simulated) or auto (default)")
     bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],
                        help="experts in 16 bits (dense, default) or packed in a GGUF block format")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
+    spec = bench.add_argument_group("speculative decoding and beam search (instead of the runs above)")
+    spec.add_argument("--speculative", action="store_true",
+                      help="T(B,k), the MoESD fit, and speculative vs plain decode with an oracle draft of chosen "
+                           "acceptance, greedy chains and auto, at each batch size")
+    spec.add_argument("--acceptance", type=_fractions, default=(0.5, 0.7, 0.8, 0.9), metavar="A,A,...",
+                      help="the oracle draft's acceptance rates (default: 0.5,0.7,0.8,0.9)")
+    spec.add_argument("--batches", type=_counts, default=None, metavar="B,B,...",
+                      help="batch sizes (default: 1,4,16,32; with --model 1,4,16)")
+    spec.add_argument("--draft-length", type=_positive_int, default=4, metavar="N",
+                      help="draft tokens per verify step, γ; T(B,k) is measured for k = 1..γ+1 (default: 4)")
+    spec.add_argument("--beams", type=_positive_int, default=None, metavar="W",
+                      help="beam search of W hypotheses against batched decode of W sequences, per step")
+    spec.add_argument("--model", default=None, metavar="M",
+                      help="measure a real model (see Models; 'demo' too) with its draft head instead of a "
+                           "synthetic shape; needs --draft and --prompts")
+    spec.add_argument("--draft", default=None, metavar="DIR", help="the EAGLE head's folder, with --model")
+    spec.add_argument("--prompts", default=None, metavar="FILE",
+                      help="JSONL or JSON list of prompts, with --model: strings, or objects with prompt_ids, "
+                           "messages, turns (first turn used) or prompt")
+    spec.add_argument("--max-prompts", type=_positive_int, default=None, metavar="N",
+                      help="use the first N prompts (default: all)")
+    spec.add_argument("--draft-width", type=_positive_int, default=4, metavar="K",
+                      help="children per node of the tree whose acceptance is measured beside the chain's, with "
+                           "--model (1: chain only; default: 4)")
     return parser
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    values = tuple(float(x) for x in text.split(","))
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise ValueError(text)
+    return values
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    return tuple(_positive_int(x) for x in text.split(","))
+
+
+_fractions.__name__ = "comma-separated numbers in [0, 1]"
+_counts.__name__ = "comma-separated positive integers"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -165,9 +205,54 @@ def run_bench_command(args) -> int:
     from engine.bench import format_results, run_bench
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
-    report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens,
+    if args.model or args.draft or args.prompts:
+        return _run_draft_bench(args, log)
+    if args.speculative or args.beams:
+        return _run_decoding_bench(args, log)
+    report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens or 64,
                        tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format)
     print(json.dumps(report, indent=1) if args.json else format_results(report))
+    return 0
+
+
+def _run_decoding_bench(args, log) -> int:
+    """--speculative and/or --beams on one synthetic model: built, profiled and placed once for both."""
+    import json
+
+    from engine.bench import format_beam, measure_beam, prepare_synthetic
+    from engine.bench_speculative import PROMPT_TOKENS, format_speculative, measure_speculative
+
+    tokens = args.decode_tokens or 32
+    context = PROMPT_TOKENS + tokens + 2 * (args.draft_length + 1) + 8
+    bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, context, args.policy, log,
+                              args.expert_format)
+    report = {**bench.header(), "profile": dict(bench.profile)}
+    if args.speculative:
+        report["speculative"] = measure_speculative(bench, args.batches or (1, 4, 16, 32), args.acceptance,
+                                                    args.draft_length, tokens, log=log)
+    if args.beams:
+        report["beam"] = measure_beam(bench, args.beams, tokens, PROMPT_TOKENS, log=log)
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print("\n\n".join(f(report) for key, f in (("speculative", format_speculative), ("beam", format_beam))
+                          if key in report))
+    return 0
+
+
+def _run_draft_bench(args, log) -> int:
+    import json
+
+    from engine.bench_speculative import format_draft, load_prompts, run_draft_bench
+    from engine.runtime import Engine
+
+    if not (args.model and args.draft and args.prompts):
+        raise MoedeskError("bench: --model, --draft and --prompts go together")
+    engine = Engine.load(args.model, device=args.device, gpu_budget=args.gpu_budget, progress=_load_progress())
+    prompts = load_prompts(args.prompts, engine.tokenizer, args.max_prompts)
+    report = run_draft_bench(engine, args.draft, prompts, args.batches or (1, 4, 16), args.draft_length,
+                             args.draft_width, args.decode_tokens or 128, log=log)
+    print(json.dumps(report, indent=1) if args.json else format_draft(report))
     return 0
 
 

@@ -98,10 +98,42 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
     return tokens_per_step * bytes_per_s / (offloaded * expert_bytes) if offloaded else None
 
 
-def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
-              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print,
-              expert_format: str = "dense") -> dict:
-    """Build the synthetic model, profile, place, measure; return every figure and its bound.
+@dataclass
+class SyntheticBench:
+    """A synthetic model profiled, calibrated and placed as the app would place a real one: what every
+    `moedesk bench` measurement runs on."""
+    shape: str
+    cfg: object
+    model: object
+    banks: dict
+    orchestra: object
+    device: torch.device
+    dtype: torch.dtype
+    policy: str
+    gpu_budget_gib: float
+    experts_on_gpu: int
+    whole_layers_on_gpu: int
+
+    @property
+    def executor(self):
+        return self.orchestra.executor
+
+    @property
+    def profile(self) -> dict:
+        return self.orchestra.profile
+
+    def header(self) -> dict:
+        """The fields every bench report starts with."""
+        return {"shape": self.shape, "layers": self.cfg.num_layers, "gpu_budget_gib": self.gpu_budget_gib,
+                "device": str(self.device), "dtype": str(self.dtype),
+                "experts": next(iter(self.banks.values())).describe(), "policy": self.policy,
+                "experts_on_gpu": self.experts_on_gpu, "whole_layers_on_gpu": self.whole_layers_on_gpu,
+                "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads()}
+
+
+def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,
+                      policy: str = "balanced", log=print, expert_format: str = "dense") -> SyntheticBench:
+    """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
     kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k)."""
@@ -117,7 +149,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = shape_config(shape, layers)
     t0 = time.perf_counter()
-    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(prefill + (256,)) + decode_tokens,
+    # The calibration below decodes 16 tokens past 32-token prompts.
+    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(context, 32 + 16 + 1),
                                    expert_format=expert_format)
     log(f"built {shape} x{cfg.num_layers} layers, experts {next(iter(banks.values())).describe()}, "
         f"in {time.perf_counter() - t0:.1f}s")
@@ -126,7 +159,6 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
                                       top_k=cfg.num_experts_per_tok, dtype=dtype)
     profile, executor = orchestra.profile, orchestra.executor
-    expert_bytes = orchestra.expert_bytes
     log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
         f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
 
@@ -144,6 +176,17 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
+    return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole)
+
+
+def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
+              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print,
+              expert_format: str = "dense") -> dict:
+    """Build the synthetic model, profile, place, measure; return every figure and its bound."""
+    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, max(prefill + (256,)) + decode_tokens, policy,
+                              log, expert_format)
+    model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
+    profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
 
     # Bounds: the offloaded experts each run really touched, read at the measured CPU bandwidth (decode)
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).
@@ -162,10 +205,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
         r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, batch, expert_bytes, read_bps)
         results.append(r)
     executor.stats = type(executor.stats)()
-    return {"shape": shape, "layers": cfg.num_layers, "gpu_budget_gib": gpu_budget_gib, "device": str(device),
-            "dtype": str(dtype), "experts": next(iter(banks.values())).describe(), "policy": policy, "experts_on_gpu": resident, "whole_layers_on_gpu": whole,
-            "popularity_evenness": round(orchestra.evenness, 4), "threads": torch.get_num_threads(),
-            "profile": {k: v for k, v in profile.items()}, "results": [x.as_dict() for x in results]}
+    return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results]}
 
 
 def format_results(report: dict) -> str:
@@ -178,3 +218,62 @@ def format_results(report: dict) -> str:
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"
         lines.append(f"{r['mode']:<16}{r['tokens']:>8}{r['batch']:>7}{r['tok_s']:>10.1f}{bound:>10}{pct:>9}")
     return "\n".join(lines)
+
+
+def _experts_per_step(stats, steps: int) -> float:
+    return round((stats.gpu_experts + stats.cpu_experts + stats.copied_experts + stats.streamed_experts) / steps, 1)
+
+
+def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, prompt: int = 32, rounds: int = 3,
+                 log=print) -> dict:
+    """Beam search of `beams` hypotheses against batched decode of `beams` sequences, step for step, on the same
+    executor and placement (issue 16: a beam step at most 1.2x a batched step). The rounds alternate the two,
+    so that a drift of the machine hits both alike; medians over the rounds.
+
+    A beam step is one forward of the W hypotheses plus choosing their continuations and gathering their cache
+    rows; it runs every step here (no end-of-sequence token ends a hypothesis). Batched decode is timed from its
+    second step, as `measure_decode` does (the first captures its CUDA graphs); the beam search's graphs are
+    captured by a warm-up search first."""
+    import statistics
+
+    from engine.generation.beam import BeamSearch
+    from engine.generation.cuda_graphs import graphs_wanted
+
+    if beams < 1 or new_tokens < 4 or rounds < 1:
+        raise ValueError("need beams >= 1, new tokens >= 4 and rounds >= 1")
+    model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
+    search = BeamSearch(model, device, dtype, prompt + new_tokens + 1, graphs=graphs_wanted(device))
+    search.reserve(beams, prompt + new_tokens)  # the warm-up then captures the graphs of the cache the runs use
+    search.run(random_prompt(prompt, cfg.vocab_size, 99), executor, beams, 3)
+    batched_ms, beam_ms, runs = [], [], []
+    for r in range(rounds):
+        result = measure_decode(model, executor, cfg, device, dtype, beams, new_tokens, prompt, seed=10 * r)
+        steps = new_tokens - 2
+        batched_ms.append(1000 * result.seconds / steps)
+        batched_active = _experts_per_step(executor.stats, steps) if hasattr(executor, "stats") else None
+        if hasattr(executor, "stats"):
+            executor.stats = type(executor.stats)()
+        found = search.run(random_prompt(prompt, cfg.vocab_size, 10 * r + 5), executor, beams, new_tokens)
+        beam_ms.append(1000 * found.decode_s / found.steps)
+        beam_active = _experts_per_step(executor.stats, found.steps + 1) if hasattr(executor, "stats") else None
+        runs.append({"round": r, "batched_step_ms": round(batched_ms[-1], 3), "beam_step_ms": round(beam_ms[-1], 3),
+                     "ratio": round(beam_ms[-1] / batched_ms[-1], 4), "beam_steps": found.steps,
+                     "beam_prefill_ms": round(1000 * found.prefill_s, 2),
+                     "experts_per_step": {"batched": batched_active, "beam": beam_active}})
+        log(f"round {r}: batched decode of {beams} {batched_ms[-1]:.1f} ms/step, beam search W={beams} "
+            f"{beam_ms[-1]:.1f} ms/step ({runs[-1]['ratio']:.2f}x)")
+    batched, beam = statistics.median(batched_ms), statistics.median(beam_ms)
+    return {"beams": beams, "new_tokens": new_tokens, "prompt_tokens": prompt, "rounds": runs,
+            "graphs": search.graphs is not None and search.graphs.broken is None,
+            "batched_step_ms": round(batched, 3), "beam_step_ms": round(beam, 3), "ratio": round(beam / batched, 4)}
+
+
+def format_beam(report: dict) -> str:
+    b = report["beam"]
+    return "\n".join([
+        f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, budget {report['gpu_budget_gib']} GiB, "
+        f"{report['experts_on_gpu']} experts on GPU; {b['new_tokens']} steps after a {b['prompt_tokens']}-token prompt, "
+        f"median of {len(b['rounds'])} rounds",
+        f"batched decode of {b['beams']} sequences  {b['batched_step_ms']:>9.2f} ms/step",
+        f"beam search, W = {b['beams']}{'':>11}{b['beam_step_ms']:>9.2f} ms/step",
+        f"beam / batched{'':>19}{b['ratio']:>9.2f}x"])

@@ -1,0 +1,522 @@
+"""`moedesk bench --speculative`: what speculative decoding costs and yields on this machine and placement.
+
+On a synthetic model of a real shape no trained draft head exists, so the draft is an oracle whose
+acceptance is chosen: before each verify step the target itself decodes the next γ tokens greedily from
+each sequence's actual prefix (plain forwards in a KV cache of its own, timed apart and left out), and
+each drafted token is replaced by a random other one with probability 1 - α. A continuation computed once
+from a plain run would do only until the first near tie: a k-token verify forward rounds in bf16 unlike a
+one-token decode step, so at a near tie it picks another argmax, the sequence leaves the precomputed
+continuation, and every later draft of it is wrong. Redrafting from the actual prefix each round keeps such
+a tie to the cost of one draft. Drafting costs nothing in the figures: what is measured is what
+verification costs and yields, against plain batched decoding (CUDA graphs where the engine uses them) at
+the same batch size, on the same prompts.
+
+Measured, for each batch size B: T(B, k), one forward of B sequences × k new tokens (k = 1..γ+1; eager,
+as `auto` measures it, engine.speculative.decode.measure_step_times); plain decode; greedy chains of γ
+drafts at each acceptance; `auto` at each acceptance (draft length chosen per round from the measured T
+and the running acceptance, plain decoding where no draft could pay). The MoESD model
+(engine.speculative.perf_model) is fitted to the T table; its predicted speedup at the measured acceptance
+stands beside the measured one, with the fit's error recomputed from the fitted model at every measured point.
+
+With `--model`/`--draft`/`--prompts` the same command measures a real model with its EAGLE head: acceptance
+length per verify step over a prompt set, and end-to-end tok/s plain vs speculative (`run_draft_bench`).
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.bench import SyntheticBench, random_prompt
+from engine.errors import MoedeskError
+from engine.generation.decoder import Decoder, synchronize
+from engine.generation.kv_cache import KVCache
+from engine.requests import Request, SamplingParams
+from engine.speculative import perf_model
+from engine.speculative.decode import (OPTIMISTIC_ALPHA, Proposal, RunningCosts, Speculator, chain_parents,
+                                       measure_step_times)
+
+PROMPT_TOKENS = 32
+AUTO_FLOOR = 0.98  # issue 16: auto at least this fraction of plain decoding at every batch size
+# Ridge points (tokens where a forward turns compute bound) the fit tries; the best-fitting one is kept. Where
+# experts sit in RAM the ridge is the CPU's and the PCIe link's, not the GPU's, so it is not known beforehand.
+RIDGES = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
+
+
+# --- the oracle draft ---------------------------------------------------------------------------
+
+class LookaheadOracle:
+    """Drafts chains: the target's own greedy continuation of each sequence's actual prefix, decoded just before
+    the verify step, each token replaced by a random other one with probability 1 - `acceptance`.
+
+    It keeps its own KV cache of the sequences, brought up to date at each proposal with the tokens emitted
+    since the last (known from its own proposal and the counts the Speculator passes), so it needs nothing
+    from the Speculator beyond the Drafter interface. `seconds`: its own forwards' time, for the caller to
+    leave out. Counts its chains' verdicts: `accepted` drafts of `tested` (a chain stops testing at its first
+    rejection), the last round of each sequence added by `finish`."""
+
+    feature_keys: tuple = ()
+
+    def __init__(self, model, executor, prompts: list[list[int]], acceptance: float, capacity: int, dtype, device,
+                 seed: int = 0):
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        self.model, self.executor, self.device = model, executor, torch.device(device)
+        self.prompts = [list(p) for p in prompts]
+        self.corruption = 1.0 - acceptance
+        self.vocab = model.cfg.vocab_size
+        self.cache = KVCache(model.cfg, len(prompts), capacity, dtype, device)
+        self.generator = torch.Generator().manual_seed(seed)
+        b = len(prompts)
+        self.sequences: list[list[int]] = [[] for _ in range(b)]  # prompt + generated, as far as known
+        self.synced = [0] * b  # positions of each row in its own cache
+        self.emitted = [0] * b
+        self.drafts: list[list[int]] = [[] for _ in range(b)]  # the row's last proposal, root excluded
+        self.accepted = [0] * b
+        self.tested = [0] * b
+        self.seconds = 0.0
+
+    def absorb(self, row, start, tokens, features):
+        pass  # the emitted tokens are known from the proposals
+
+    def _catch_up(self, i: int, row: int, last: int, emitted: int, length: int) -> None:
+        if not self.emitted[row]:
+            self.sequences[row] = self.prompts[row] + [last]
+        else:
+            took = emitted - self.emitted[row] - 1  # accepted drafts of the last round; then the target's token
+            proposed = self.drafts[row]
+            self.sequences[row] += proposed[:took] + [last]
+            if proposed:
+                self.accepted[row] += took
+                self.tested[row] += took + (took < len(proposed))
+        self.emitted[row] = emitted
+        if len(self.sequences[row]) != length + 1:
+            raise MoedeskError("the lookahead oracle lost track of a sequence")
+
+    def propose(self, rows, lengths, last, depth, width, budget, params, generators, emitted):
+        if width > 1 or any(p.temperature > 0 for p in params):
+            raise MoedeskError("the lookahead oracle drafts greedy chains only")
+        for i, row in enumerate(rows):
+            self._catch_up(i, row, last[i], emitted[i], lengths[i])
+        if depth == 0:
+            for row in rows:
+                self.drafts[row] = []
+            return Proposal([[-1]] * len(rows), torch.tensor(last).view(len(rows), 1), None)
+        started = time.perf_counter()
+        ahead = self._lookahead(rows, depth)
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - started
+        tokens = []
+        for i, row in enumerate(rows):
+            drafts = [self._corrupt(t) for t in ahead[i]]
+            self.drafts[row] = drafts
+            tokens.append([last[i]] + drafts)
+        return Proposal([chain_parents(depth)] * len(rows), torch.tensor(tokens, dtype=torch.long), None)
+
+    def _corrupt(self, token: int) -> int:
+        if float(torch.rand((), generator=self.generator)) >= self.corruption:
+            return token
+        while True:
+            other = int(torch.randint(self.vocab, (1,), generator=self.generator))
+            if other != token:
+                return other
+
+    @torch.inference_mode()
+    def _lookahead(self, rows: list[int], depth: int) -> list[list[int]]:
+        """`depth` greedy tokens after each row's sequence: one forward of what the own cache lacks (rows
+        right-padded; padding writes past a row's end, where the next forward overwrites it), then depth - 1
+        one-token steps."""
+        dev = self.device
+        pending = [self.sequences[r][self.synced[r]:] for r in rows]
+        n = max(map(len, pending))
+        tokens = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, p in enumerate(pending):
+            tokens[i, :len(p)] = torch.tensor(p)
+        positions = torch.tensor([self.synced[r] for r in rows])[:, None] + torch.arange(n)
+        last = torch.tensor([len(p) - 1 for p in pending])
+        rows_t = torch.tensor(rows, device=dev)
+        logits = self.model(tokens.to(dev), positions.to(dev), self.cache, self.executor, rows=rows_t,
+                            logits_at=last.to(dev))
+        token = logits[:, -1].argmax(dim=-1)
+        out = [token]
+        for r in rows:
+            self.synced[r] = len(self.sequences[r])
+        at = torch.tensor([len(self.sequences[r]) for r in rows], device=dev)
+        for j in range(1, depth):
+            logits = self.model(token.view(-1, 1), (at + j - 1).view(-1, 1), self.cache, self.executor, rows=rows_t)
+            token = logits[:, -1].argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out, dim=1).cpu().tolist()
+
+    def finish(self, completions) -> tuple[int, int]:
+        """(accepted, tested) over every round, the last of each sequence (after which no proposal came)
+        included: its accepted count is the completion's total less what earlier rounds accepted."""
+        accepted = tested = 0
+        for row, c in enumerate(completions):
+            total = c.stats["speculative"]["accepted"]
+            last_round = total - self.accepted[row]
+            proposed = len(self.drafts[row])
+            accepted += total
+            tested += self.tested[row] + (last_round + (last_round < proposed) if proposed else 0)
+        return accepted, tested
+
+
+class OracleCosts(RunningCosts):
+    """Auto's costs with the oracle's drafting left at zero: its lookahead is the bench's, not a draft head's."""
+
+    def observe_draft(self, ms: float, tokens: int) -> None:
+        pass
+
+
+# --- pure pieces ---------------------------------------------------------------------------------
+
+def auto_uses_plain_path(costs: perf_model.StepCosts, batch: int, max_gamma: int) -> bool:
+    """What Engine.speculate decides before a run in auto mode: where not even an optimistic acceptance makes
+    any draft length pay at this batch size, it decodes through the plain path (CUDA graphs and all)."""
+    return not perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma
+
+
+def fit_step_table(table: dict[tuple[int, int], float], experts: int, top_k: int,
+                   ridges=RIDGES) -> dict | None:
+    """The MoESD target-time model fitted to T(B, k) (perf_model.fit_target_times), at the ridge point of
+    `ridges` that fits best. The errors are recomputed here from the fitted model at every measured point
+    (relative: predicted / measured - 1), so they are what the model does, not what the solver reported.
+    None when there are fewer than 6 points."""
+    points = [perf_model.StepTime(b, k, ms) for (b, k), ms in sorted(table.items())]
+    if len(points) < 6:
+        return None
+    best = None
+    for ridge in ridges:
+        try:
+            fitted = perf_model.fit_target_times(points, experts, top_k, ridge)
+        except (ValueError, RuntimeError):
+            continue
+        residuals = fit_residuals(fitted.model, table)
+        rms = float(np.sqrt(np.mean(np.square(list(residuals.values())))))
+        if best is None or rms < best["rms_relative_error"]:
+            best = {"model": fitted.model, "ridge_tokens": ridge, "rms_relative_error": rms,
+                    "max_relative_error": float(max(abs(r) for r in residuals.values())), "residuals": residuals}
+    return best
+
+
+def fit_residuals(model: perf_model.SpeedupModel, table: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    return {(b, k): float(perf_model.target_time(model, b * k)) / ms - 1.0 for (b, k), ms in table.items()}
+
+
+def measured_acceptance(accepted: int, tested: int) -> float | None:
+    return accepted / tested if tested else None
+
+
+# --- measurements ----------------------------------------------------------------------------------
+
+def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: int, context: int):
+    """Greedy tokens of every prompt decoded together as the engine does (CUDA graphs where it uses them), and
+    tok/s from the second decode step to the last (the first captures the graphs), as `moedesk bench` times
+    batched decode."""
+    from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+
+    model, device, b = bench.model, bench.device, len(prompts)
+    cache = KVCache(bench.cfg, b, context, bench.dtype, device)
+    decoder = Decoder(model, cache, bench.executor, None, context_length=context,
+                      graphs=GraphedDecode(model, cache) if graphs_wanted(device) else None)
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    tokens, start = {}, None
+    for seq, _ in decoder.run([Request(p, params, tag=i) for i, p in enumerate(prompts)], batch_size=b):
+        tokens[seq.request.tag] = seq.tokens
+        if start is None and len(seq.tokens) == 2 and seq.row == b - 1:
+            synchronize(device)
+            start = time.perf_counter()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return [tokens[i] for i in range(b)], b * (new_tokens - 2) / seconds, 1000 * seconds / (new_tokens - 2)
+
+
+def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tokens: int, acceptance: float,
+                       gamma: int, mode: str = "greedy", costs=None, seed: int = 0) -> dict:
+    """One speculative run of `prompts` with the lookahead oracle at `acceptance`. tok/s counts the tokens after
+    each sequence's first (the prefill's) over the rounds' verify and accept time: the oracle's own forwards
+    are the bench's, not a draft's."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
+    requests = [Request(p, params, tag=i) for i, p in enumerate(prompts)]
+    capacity = max(map(len, prompts)) + new_tokens + gamma + 2
+    oracle = LookaheadOracle(bench.model, bench.executor, prompts, acceptance, capacity, bench.dtype, bench.device,
+                             seed)
+    done, stats = spec.run(requests, bench.executor, lambda batch, cap: oracle, mode, gamma, 1, None, costs)
+    seconds = sum(r[3] + r[4] for r in stats.rounds) / 1000
+    tokens = sum(len(c.token_ids) - 1 for c in done)
+    accepted, tested = oracle.finish(done)
+    steps = sum(c.stats["speculative"]["verify_steps"] for c in done)
+    rounds = stats.rounds
+    return {"tokens": [c.token_ids for c in done], "tok_s": tokens / seconds if seconds else 0.0,
+            "acceptance": measured_acceptance(accepted, tested),
+            "tokens_per_step": (accepted + steps) / steps if steps else None,
+            "rounds": len(rounds), "speculative_rounds": sum(1 for r in rounds if r[0] > 0),
+            "gammas": sorted({r[0] for r in rounds}),
+            "verify_ms": sum(r[3] for r in rounds) / len(rounds) if rounds else None,
+            "oracle_s": oracle.seconds}
+
+
+def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
+                        gamma: int = 4, new_tokens: int = 32, repeat: int = 3, log=print) -> dict:
+    """Everything `moedesk bench --speculative` reports, on a prepared synthetic model (engine.bench)."""
+    if gamma < 1:
+        raise ValueError("the draft length must be at least 1")
+    if new_tokens < 4:
+        raise ValueError("need at least 4 new tokens per sequence")
+    cfg, device = bench.cfg, bench.device
+    batches = sorted(set(batches))
+    started = time.perf_counter()
+    raw = measure_step_times(bench.model, bench.executor, cfg, device, bench.dtype, batches, gamma + 1,
+                             prompt=PROMPT_TOKENS, repeat=repeat)
+    table = {tuple(int(x) for x in key.split(",")): ms for key, ms in raw.items()}
+    log(f"T(B,k) for B {batches}, k 1..{gamma + 1} in {time.perf_counter() - started:.1f}s")
+    fit = fit_step_table(table, cfg.num_experts, cfg.num_experts_per_tok)
+    fitted = perf_model.ModelCosts(fit["model"]) if fit else None
+    measured = perf_model.MeasuredCosts(table)
+
+    context = PROMPT_TOKENS + new_tokens + 2 * (gamma + 1) + 8
+    spec = Speculator(bench.model, device, bench.dtype, context, cfg.eos_token_ids)
+    per_batch, rows = [], []
+    for b in batches:
+        prompts = [random_prompt(PROMPT_TOKENS, cfg.vocab_size, 100 + i) for i in range(b)]
+        plain_tokens, plain_tok_s, plain_step_ms = plain_decode(bench, prompts, new_tokens, context)
+        # The first verify steps of a shape pay for allocations and kernel selection; a short run takes that.
+        speculative_decode(bench, spec, prompts, min(new_tokens, 2 * gamma + 2), 1.0, gamma)
+        auto_ratios = []
+        for alpha in acceptances:
+            run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, seed=7)
+            row = _row(b, alpha, "greedy", gamma, run, plain_tok_s, plain_tokens, fitted, measured)
+            rows.append(row)
+            log(_row_line(row))
+            costs = OracleCosts(table)
+            if auto_uses_plain_path(costs, b, gamma):
+                # Engine.speculate runs the plain decode path itself here: the same code as the baseline.
+                row = {"batch": b, "acceptance": alpha, "mode": "auto", "path": "plain", "gamma": 0,
+                       "plain_tok_s": round(plain_tok_s, 2), "tok_s": round(plain_tok_s, 2), "speedup": 1.0}
+            else:
+                run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, "auto", costs, seed=7)
+                row = _row(b, alpha, "auto", gamma, run, plain_tok_s, plain_tokens, None, None)
+                row["path"] = "speculative"
+            rows.append(row)
+            auto_ratios.append(row["speedup"])
+            log(_row_line(row))
+        eff = table[b, 1] / table[b, gamma + 1]
+        per_batch.append({
+            "batch": b, "plain_tok_s": round(plain_tok_s, 2), "plain_step_ms": round(plain_step_ms, 3),
+            "T_ms": {str(k): round(table[b, k], 3) for k in range(1, gamma + 2)},
+            "efficiency": round(eff, 4),
+            "efficiency_fit": round(perf_model.target_efficiency(fit["model"], b, gamma), 4) if fit else None,
+            "auto_min_speedup": round(min(auto_ratios), 4) if auto_ratios else None,
+            "auto_ok": all(r >= AUTO_FLOOR for r in auto_ratios)})
+    report = {"gamma": gamma, "new_tokens": new_tokens, "prompt_tokens": PROMPT_TOKENS, "batches": batches,
+              "acceptances": list(acceptances), "step_repeat": repeat,
+              "step_times_ms": {f"{b},{k}": round(ms, 3) for (b, k), ms in sorted(table.items())},
+              "fit": None, "per_batch": per_batch, "runs": rows,
+              "auto_never_loses": all(p["auto_ok"] for p in per_batch), "auto_floor": AUTO_FLOOR,
+              "seconds": round(time.perf_counter() - started, 1)}
+    if fit:
+        m = fit["model"]
+        report["fit"] = {"ridge_tokens": fit["ridge_tokens"], "rms_relative_error": round(fit["rms_relative_error"], 4),
+                         "max_relative_error": round(fit["max_relative_error"], 4),
+                         "residuals": {f"{b},{k}": round(r, 4) for (b, k), r in sorted(fit["residuals"].items())},
+                         "params": {k: float(getattr(m, k)) for k in ("bias", "k1", "k2", "k3", "lam", "s")}}
+    predicted = [r for r in rows if r.get("predicted_speedup")]
+    if predicted:
+        report["prediction_mean_abs_error"] = round(
+            sum(abs(r["predicted_speedup"] / r["speedup"] - 1) for r in predicted) / len(predicted), 4)
+    return report
+
+
+def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fitted, measured) -> dict:
+    speedup = run["tok_s"] / plain_tok_s
+    row = {"batch": b, "acceptance": alpha, "mode": mode, "gamma": gamma,
+           "plain_tok_s": round(plain_tok_s, 2), "tok_s": round(run["tok_s"], 2), "speedup": round(speedup, 4),
+           "measured_acceptance": None if run["acceptance"] is None else round(run["acceptance"], 4),
+           "tokens_per_step": None if run["tokens_per_step"] is None else round(run["tokens_per_step"], 3),
+           "verify_ms": None if run["verify_ms"] is None else round(run["verify_ms"], 3),
+           "rounds": run["rounds"], "speculative_rounds": run["speculative_rounds"], "gammas": run["gammas"],
+           # Temperature 0 decodes plain greedy's tokens up to rounding: in float32 exactly, in bf16 a k-token
+           # forward may take the other side of a near tie, and the sequence goes its own way from there.
+           "same_as_plain": round(sum(a == p for a, p in zip(run["tokens"], plain_tokens)) / len(plain_tokens), 3),
+           "oracle_s": round(run["oracle_s"], 3)}
+    if run["tokens_per_step"] is not None and mode == "greedy":
+        # The model's acceptance: the α whose expected tokens per step match the measured ones.
+        a = perf_model.acceptance_from_tokens_per_step(run["tokens_per_step"], gamma)
+        if fitted is not None:
+            row["predicted_speedup"] = round(perf_model.predicted_speedup(fitted, b, gamma, a), 4)
+        if measured is not None:
+            p = perf_model.predicted_speedup(measured, b, gamma, a)
+            row["predicted_from_table"] = None if p is None else round(p, 4)
+    return row
+
+
+def _row_line(row: dict) -> str:
+    acc = row.get("measured_acceptance")
+    return (f"B={row['batch']} α={row['acceptance']} {row['mode']}: {row['tok_s']:.1f} tok/s vs plain "
+            f"{row['plain_tok_s']:.1f} ({row['speedup']:.2f}x)" + (f", measured α {acc:.3f}" if acc is not None else "")
+            + (f", path {row['path']}" if "path" in row else ""))
+
+
+def format_speculative(report: dict) -> str:
+    s = report["speculative"]
+    g = s["gamma"]
+    lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, budget "
+             f"{report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts on GPU; γ = {g}, "
+             f"{s['new_tokens']} new tokens per sequence after a {s['prompt_tokens']}-token prompt",
+             "",
+             "T(B,k): one forward of B sequences x k new tokens, ms (eager, best of "
+             f"{s['step_repeat']}); eff = T(B,1)/T(B,{g + 1}); plain = decode step as decoding runs it",
+             f"{'B':>4}" + "".join(f"{'k=' + str(k):>9}" for k in range(1, g + 2)) + f"{'eff':>7}{'plain':>9}"]
+    for p in s["per_batch"]:
+        lines.append(f"{p['batch']:>4}" + "".join(f"{p['T_ms'][str(k)]:>9.1f}" for k in range(1, g + 2))
+                     + f"{p['efficiency']:>7.2f}{p['plain_step_ms']:>9.1f}")
+    fit = s["fit"]
+    if fit:
+        lines.append(f"MoESD fit (least squares over the {len(fit['residuals'])} T points, ridge {fit['ridge_tokens']:g} "
+                     f"tokens): error rms {100 * fit['rms_relative_error']:.1f}%, max {100 * fit['max_relative_error']:.1f}%")
+    else:
+        lines.append("MoESD fit: fewer than 6 T points, not fitted")
+    lines += ["",
+              f"{'B':>4}{'α':>6}{'mode':>8}{'plain':>9}{'spec':>9}{'speedup':>9}{'model':>8}{'α meas':>8}"
+              f"{'tok/step':>9}{'γ used':>10}"]
+    for r in s["runs"]:
+        model = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") is not None else "-"
+        acc = f"{r['measured_acceptance']:.2f}" if r.get("measured_acceptance") is not None else "-"
+        tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") is not None else "-"
+        used = "plain path" if r.get("path") == "plain" else ",".join(map(str, r.get("gammas", [])))
+        lines.append(f"{r['batch']:>4}{r['acceptance']:>6}{r['mode']:>8}{r['plain_tok_s']:>9.1f}{r['tok_s']:>9.1f}"
+                     f"{r['speedup']:>8.2f}x{model:>8}{acc:>8}{tps:>9}{used:>10}")
+    worst = min(s["per_batch"], key=lambda p: p["auto_min_speedup"] if p["auto_min_speedup"] is not None else 9)
+    lines.append("")
+    lines.append(f"auto >= {s['auto_floor']}x plain at every B: {'yes' if s['auto_never_loses'] else 'NO'} "
+                 f"(lowest {worst['auto_min_speedup']:.2f}x, at B={worst['batch']})")
+    if "prediction_mean_abs_error" in s:
+        lines.append(f"model vs measured speedup (greedy rows): mean |error| {100 * s['prediction_mean_abs_error']:.1f}%")
+    return "\n".join(lines)
+
+
+# --- a real model with its draft head -------------------------------------------------------------
+
+def load_prompts(path, tokenizer, limit: int | None = None) -> list[list[int]]:
+    """Token ids of the prompts in a JSONL file (or a JSON list): each item a string (raw text), or an object
+    with `prompt_ids`, `messages` (through the chat template), `turns` (MT-bench: its first turn as the user's
+    message, through the chat template) or `prompt` (raw text, e.g. HumanEval)."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        items = json.loads(text)
+        items = items if isinstance(items, list) else [items]
+    except json.JSONDecodeError:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    out = []
+    for n, item in enumerate(items[:limit] if limit else items, 1):
+        if isinstance(item, dict) and "prompt_ids" in item:
+            ids = [int(t) for t in item["prompt_ids"]]
+        elif tokenizer is None:
+            raise MoedeskError(f"{path}: item {n}: text prompts need a model with a tokenizer")
+        elif isinstance(item, str):
+            ids = tokenizer.encode(item)
+        elif isinstance(item, dict) and "messages" in item:
+            ids = tokenizer.chat_prompt(item["messages"])
+        elif isinstance(item, dict) and item.get("turns"):
+            ids = tokenizer.chat_prompt([{"role": "user", "content": item["turns"][0]}])
+        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            ids = tokenizer.encode(item["prompt"])
+        else:
+            raise MoedeskError(f"{path}: item {n}: no prompt_ids, messages, turns or prompt")
+        if not ids:
+            raise MoedeskError(f"{path}: item {n}: empty prompt")
+        out.append(ids)
+    if not out:
+        raise MoedeskError(f"{path}: no prompts")
+    return out
+
+
+def _groups(items, size):
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def acceptance_length(engine, prompts: list[list[int]], draft, draft_length: int = 4, mode: str = "greedy",
+                      draft_width: int = 4, budget: int | None = None, batch: int = 16,
+                      max_new_tokens: int = 128) -> dict:
+    """Mean tokens per verify step (accepted drafts plus the target's own token) of greedy (temperature 0)
+    speculative decoding of `prompts` with `draft` (an EAGLE head folder or a drafter factory), `batch` prompts
+    at a time. mode greedy: chains of draft_length; beam: trees of that depth, draft_width children per node,
+    `budget` verified nodes (default draft_length: as many as the chain verifies)."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    accepted = steps = drafted = 0
+    for group in _groups(prompts, batch):
+        done = engine.speculate([Request(p, params) for p in group], draft, mode, draft_length, draft_width,
+                                budget or draft_length)
+        for c in done:
+            s = c.stats["speculative"]
+            accepted, steps, drafted = accepted + s["accepted"], steps + s["verify_steps"], drafted + s["drafted"]
+    return {"mode": mode, "draft_length": draft_length, "draft_width": draft_width if mode == "beam" else 1,
+            "verified_nodes": budget or draft_length, "prompts": len(prompts), "verify_steps": steps,
+            "accepted": accepted, "drafted": drafted,
+            "tokens_per_step": round((accepted + steps) / steps, 4) if steps else None}
+
+
+def run_draft_bench(engine, draft, prompts: list[list[int]], batches=(1, 4, 16), draft_length: int = 4,
+                    draft_width: int = 4, max_new_tokens: int = 128, log=print) -> dict:
+    """Acceptance length of the head over `prompts` (greedy chain; EAGLE-2 tree of the same verified nodes), and
+    end-to-end tok/s (every token over the wall time, prefills included) of plain decoding (continuous batches
+    of B) against greedy speculative decoding (groups of B) at each B."""
+    if draft_length < 1:
+        raise ValueError("the draft length must be at least 1")
+    report = {"model": engine.name, "device": str(engine.device), "dtype": str(engine.dtype),
+              "experts_on_gpu": engine.orchestra.summary().get("experts_on_gpu") if engine.orchestra else None,
+              "prompts": len(prompts), "max_new_tokens": max_new_tokens, "draft_length": draft_length}
+    # Warm-up: the decode graphs, the head's load, the step-time table auto would use.
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    list(engine.generate([Request(prompts[0], params)], batch_size=1))
+    engine.speculate([Request(prompts[0], params)], draft, "greedy", draft_length)
+    batch = max(batches)
+    report["acceptance"] = [acceptance_length(engine, prompts, draft, draft_length, "greedy", batch=batch,
+                                              max_new_tokens=max_new_tokens)]
+    log(f"greedy chain γ={draft_length}: {report['acceptance'][0]['tokens_per_step']} tokens per verify step")
+    if draft_width > 1:
+        tree = acceptance_length(engine, prompts, draft, draft_length, "beam", draft_width, draft_length, batch,
+                                 max_new_tokens)
+        report["acceptance"].append(tree)
+        log(f"tree depth {draft_length} width {draft_width}, {draft_length} nodes: {tree['tokens_per_step']} tokens "
+            "per verify step")
+    rows = []
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    for b in batches:
+        started = time.perf_counter()
+        plain = {c.tag: c.token_ids for c in engine.generate([Request(p, greedy, tag=i) for i, p in enumerate(prompts)],
+                                                             batch_size=b)}
+        plain_s = time.perf_counter() - started
+        started = time.perf_counter()
+        spec = []
+        for group in _groups(prompts, b):
+            spec += engine.speculate([Request(p, greedy) for p in group], draft, "greedy", draft_length)
+        spec_s = time.perf_counter() - started
+        plain_tokens = sum(len(t) for t in plain.values())
+        spec_tokens = sum(len(c.token_ids) for c in spec)
+        row = {"batch": b, "plain_tok_s": round(plain_tokens / plain_s, 2), "spec_tok_s": round(spec_tokens / spec_s, 2),
+               "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 4),
+               "same_as_plain": round(sum(plain[i] == c.token_ids for i, c in enumerate(spec)) / len(spec), 3)}
+        rows.append(row)
+        log(f"B={b}: plain {row['plain_tok_s']} tok/s, speculative {row['spec_tok_s']} tok/s ({row['speedup']:.2f}x)")
+    report["throughput"] = rows
+    return report
+
+
+def format_draft(report: dict) -> str:
+    lines = [f"{report['model']} on {report['device']} ({report['dtype']}), {report['prompts']} prompts, up to "
+             f"{report['max_new_tokens']} new tokens each, greedy",
+             f"{'draft':<34}{'tokens/verify step':>20}{'verify steps':>14}"]
+    for a in report["acceptance"]:
+        name = (f"chain of {a['draft_length']}" if a["mode"] == "greedy" else
+                f"tree depth {a['draft_length']} width {a['draft_width']}, {a['verified_nodes']} nodes")
+        tps = f"{a['tokens_per_step']:.2f}" if a["tokens_per_step"] is not None else "-"
+        lines.append(f"{name:<34}{tps:>20}{a['verify_steps']:>14}")
+    lines += ["", f"{'B':>4}{'plain tok/s':>13}{'spec tok/s':>12}{'speedup':>9}{'same':>7}"]
+    for r in report["throughput"]:
+        lines.append(f"{r['batch']:>4}{r['plain_tok_s']:>13.1f}{r['spec_tok_s']:>12.1f}{r['speedup']:>8.2f}x"
+                     f"{r['same_as_plain']:>7.2f}")
+    return "\n".join(lines)

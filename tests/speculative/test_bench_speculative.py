@@ -1,0 +1,197 @@
+"""`moedesk bench --speculative`, `--beams` and `--model/--draft/--prompts` (engine.bench_speculative), on the CPU.
+
+The command runs end to end on a tiny synthetic shape and on a tiny checkpoint with a random head; its JSON
+has the fields the README names; the oracle draft's measured acceptance is the requested one within a
+binomial tolerance; auto's decision never speculates where the measured step times say it loses; the fit's
+error is what the fitted model does at the measured points.
+"""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from engine.speculative import decode, perf_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two shared cores: OpenMP threads spinning against other processes slow multi-token forwards a lot.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_bench():
+    from engine.bench import prepare_synthetic
+
+    return prepare_synthetic("tiny-moe", 2, 0.0002, "cpu", context=160, log=lambda *a: None)
+
+
+def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatch):
+    from app.cli import main
+    from engine.bench import format_beam
+    from engine.bench_speculative import format_speculative
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--gpu-budget", "0.0002", "--device", "cpu",
+                 "--speculative", "--beams", "2", "--batches", "1,2", "--acceptance", "0.5,0.9",
+                 "--draft-length", "2", "--decode-tokens", "10", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["shape"] == "tiny-moe" and report["layers"] == 2
+    s = report["speculative"]
+    assert s["gamma"] == 2 and s["batches"] == [1, 2] and s["acceptances"] == [0.5, 0.9]
+    assert sorted(s["step_times_ms"]) == ["1,1", "1,2", "1,3", "2,1", "2,2", "2,3"]
+    assert set(s["fit"]) >= {"ridge_tokens", "rms_relative_error", "max_relative_error", "residuals", "params"}
+    assert [p["batch"] for p in s["per_batch"]] == [1, 2]
+    for p in s["per_batch"]:
+        assert p["efficiency"] == pytest.approx(p["T_ms"]["1"] / p["T_ms"]["3"], rel=1e-2)
+        assert p["plain_tok_s"] > 0 and isinstance(p["auto_ok"], bool)
+    assert s["auto_never_loses"] == all(p["auto_ok"] for p in s["per_batch"])
+    runs = s["runs"]
+    assert [(r["batch"], r["acceptance"], r["mode"]) for r in runs] == [
+        (b, a, m) for b in (1, 2) for a in (0.5, 0.9) for m in ("greedy", "auto")]
+    for r in runs:
+        assert r["tok_s"] > 0 and r["speedup"] == pytest.approx(r["tok_s"] / r["plain_tok_s"], rel=1e-2)
+        if r["mode"] == "greedy":
+            assert r["predicted_speedup"] > 0 and 0 <= r["measured_acceptance"] <= 1
+            assert r["same_as_plain"] == 1.0  # float32 on the CPU: lossless to the token
+    b = report["beam"]
+    assert b["beams"] == 2 and len(b["rounds"]) == 3
+    assert b["ratio"] == pytest.approx(b["beam_step_ms"] / b["batched_step_ms"], rel=1e-2)
+    assert "auto >= 0.98x plain at every B" in format_speculative(report)
+    assert "beam / batched" in format_beam(report)
+
+
+@pytest.mark.parametrize("alpha", [0.6, 0.85])
+def test_oracle_acceptance_is_the_requested_rate(tiny_bench, alpha):
+    from engine.bench import random_prompt
+    from engine.bench_speculative import plain_decode, speculative_decode
+    from engine.speculative.decode import Speculator
+
+    cfg = tiny_bench.cfg
+    prompts = [random_prompt(16, cfg.vocab_size, 50 + i) for i in range(8)]
+    spec = Speculator(tiny_bench.model, "cpu", tiny_bench.dtype, 120, cfg.eos_token_ids)
+    run = speculative_decode(tiny_bench, spec, prompts, 48, alpha, 3, seed=3)
+    plain, _, _ = plain_decode(tiny_bench, prompts, 48, 120)
+    assert run["tokens"] == plain
+    tested = round(sum(len(t) - 1 for t in plain) / run["tokens_per_step"])  # about one test per verify step
+    assert abs(run["acceptance"] - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / tested)
+    # tokens per verify step as the model expects at that acceptance, within the same kind of tolerance
+    assert run["tokens_per_step"] == pytest.approx(perf_model.tokens_per_step(alpha, 3), rel=0.15)
+
+
+def _random_tables(rng, batches=(1, 4, 16, 32), max_k=5):
+    """T(B, k) tables of every kind: verification nearly free, costing a full step per token, and between."""
+    for _ in range(300):
+        table = {}
+        for b in batches:
+            base = float(rng.uniform(5, 200))
+            growth = float(rng.choice([rng.uniform(0, 0.1), rng.uniform(0.1, 1.2), rng.uniform(1.0, 1.5)]))
+            for k in range(1, max_k + 1):
+                table[b, k] = base * (1 + growth * (k - 1)) * float(rng.uniform(0.98, 1.02))
+        yield table
+
+
+def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
+    from engine.bench_speculative import OracleCosts, auto_uses_plain_path
+
+    rng = np.random.default_rng(0)
+    spoke = plain = 0
+    for table in _random_tables(rng):
+        costs = OracleCosts(table)
+        for b in (1, 4, 16, 32):
+            if auto_uses_plain_path(costs, b, 4):
+                plain += 1
+                # not even a 0.9 draft would gain: every γ loses (or gains under the margin) by the table
+                assert all(perf_model.tokens_per_step(0.9, g) * table[b, 1] / table[b, g + 1]
+                           < 1 + perf_model.SAFETY_MARGIN for g in range(1, 5))
+            for alpha in (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
+                gamma = decode.auto_gamma(costs, b, alpha, 4, plain_steps=0)
+                if gamma:
+                    spoke += 1
+                    gain = perf_model.tokens_per_step(alpha, gamma) * table[b, 1] / table[b, gamma + 1]
+                    assert gain >= 1 + perf_model.SAFETY_MARGIN, (table, b, alpha, gamma)
+    assert spoke and plain  # both kinds of decision were exercised
+
+
+def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
+    from engine.bench_speculative import OracleCosts, auto_uses_plain_path
+
+    table = {(b, k): 10.0 * b * k for b in (1, 4) for k in range(1, 6)}
+    costs = OracleCosts(table)
+    assert auto_uses_plain_path(costs, 1, 4) and auto_uses_plain_path(costs, 4, 4)
+    assert all(decode.auto_gamma(costs, 4, a, 4, plain_steps=decode.PROBE_EVERY) == 0 for a in (0.5, 0.9, 0.99))
+    flat = OracleCosts({(b, k): 10.0 for b in (1, 4) for k in range(1, 6)})
+    assert not auto_uses_plain_path(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4, plain_steps=0) == 4
+    costs.observe_draft(1000.0, 1)  # the oracle's own forwards never count as drafting
+    assert costs.draft_ms(1) == 0.0
+
+
+def test_fit_error_comes_from_the_fitted_models_residuals():
+    from engine.bench_speculative import fit_residuals, fit_step_table
+
+    truth = perf_model.SpeedupModel(experts=8, top_k=2, ridge=64.0, bias=2.0, k1=1.0, k2=5.0, k3=0.5, lam=0.5, s=1.05)
+    table = {(b, k): float(perf_model.target_time(truth, b * k)) for b in (1, 4, 16, 32) for k in range(1, 6)}
+    fit = fit_step_table(table, 8, 2, ridges=(32.0, 64.0))
+    assert fit["rms_relative_error"] < 0.02
+    recomputed = fit_residuals(fit["model"], table)
+    assert fit["residuals"] == recomputed
+    assert fit["rms_relative_error"] == pytest.approx(math.sqrt(np.mean(np.square(list(recomputed.values())))))
+    assert fit["max_relative_error"] == pytest.approx(max(abs(r) for r in recomputed.values()))
+    # one measurement 40% off: no such model passes through it, and the error shows it
+    bad = dict(table)
+    bad[16, 3] *= 1.4
+    off = fit_step_table(bad, 8, 2, ridges=(32.0, 64.0))
+    assert off["max_relative_error"] > 0.05 and off["rms_relative_error"] > fit["rms_relative_error"]
+    assert fit_step_table({(1, 1): 1.0, (1, 2): 2.0}, 8, 2) is None  # too few points to fit 6 parameters
+
+
+def test_load_prompts_reads_mt_bench_humaneval_and_plain_forms(tmp_path, tiny_checkpoint):
+    from engine.bench_speculative import load_prompts
+    from engine.errors import MoedeskError
+    from engine.runtime import Engine
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    tok = engine.tokenizer
+    lines = [{"question_id": 81, "turns": ["Write a poem.", "Now shorter."]}, {"task_id": "x", "prompt": "def f():"},
+             "plain text", {"prompt_ids": [5, 6, 7]}, {"messages": [{"role": "user", "content": "hi"}]}]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    got = load_prompts(path, tok)
+    assert got == [tok.chat_prompt([{"role": "user", "content": "Write a poem."}]), tok.encode("def f():"),
+                   tok.encode("plain text"), [5, 6, 7], tok.chat_prompt([{"role": "user", "content": "hi"}])]
+    (tmp_path / "p.json").write_text(json.dumps(lines))
+    assert load_prompts(tmp_path / "p.json", tok, limit=2) == got[:2]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"nothing": 1}) + "\n")
+    with pytest.raises(MoedeskError, match="item 1"):
+        load_prompts(tmp_path / "bad.jsonl", tok)
+
+
+def test_bench_with_a_model_and_its_draft_head(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from app.cli import main
+    from engine.runtime import Engine
+    from tests.speculative.test_speculative_decode import random_head
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    ckpt = str(tiny_checkpoint("mixtral"))
+    random_head(Engine.load(ckpt, device="cpu", dtype="float32"), 1, tmp_path / "head")
+    prompts = tmp_path / "q.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("Hello there.", "Name a colour.", "Why?")))
+    assert main(["bench", "--model", ckpt, "--draft", str(tmp_path / "head"), "--prompts", str(prompts),
+                 "--device", "cpu", "--batches", "1,2", "--decode-tokens", "6", "--draft-length", "2",
+                 "--draft-width", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    chain, tree = report["acceptance"]
+    assert chain["mode"] == "greedy" and tree["mode"] == "beam" and tree["verified_nodes"] == 2
+    for a in (chain, tree):
+        assert a["prompts"] == 3 and 1.0 <= a["tokens_per_step"] <= 3.0
+        assert a["tokens_per_step"] == pytest.approx((a["accepted"] + a["verify_steps"]) / a["verify_steps"], abs=1e-3)
+    assert [r["batch"] for r in report["throughput"]] == [1, 2]
+    for r in report["throughput"]:
+        assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["same_as_plain"] == 1.0
+    assert main(["bench", "--model", ckpt, "--prompts", str(prompts)]) == 2
+    assert "--draft and --prompts go together" in capsys.readouterr().err
