@@ -1,13 +1,13 @@
 """`moedesk bench --speculative`: what speculative decoding costs and yields on this machine and placement.
 
 On a synthetic model of a real shape no trained draft head exists, so the draft is an oracle whose
-acceptance is chosen: before each verify step the target itself decodes the next γ tokens greedily from
-each sequence's actual prefix (plain forwards in a KV cache of its own, timed apart and left out), and
-each drafted token is replaced by a random other one with probability 1 - α. A continuation computed once
-from a plain run would do only until the first near tie: a k-token verify forward rounds in bf16 unlike a
-one-token decode step, so at a near tie it picks another argmax, the sequence leaves the precomputed
-continuation, and every later draft of it is wrong. Redrafting from the actual prefix each round keeps such
-a tie to the cost of one draft. Drafting costs nothing in the figures: what is measured is what
+acceptance is chosen: the target's own greedy continuation from the plain run, each drafted token replaced
+by a random other one with probability 1 - α. That continuation holds only while the sequence follows it: a
+k-token verify forward rounds in bf16 unlike a one-token decode step, so at a near tie it may pick the other
+token, and from there the precomputed continuation belongs to another sequence and every later draft of it
+would be wrong. So once a sequence leaves it, the oracle redrafts that sequence before each verify step: the
+target decodes its next γ tokens greedily from the actual prefix (plain forwards in a KV cache of the
+oracle's own, timed apart and left out). Drafting costs nothing in the figures: what is measured is what
 verification costs and yields, against plain batched decoding (CUDA graphs where the engine uses them) at
 the same batch size, on the same prompts.
 
@@ -49,28 +49,33 @@ RIDGES = (8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 # --- the oracle draft ---------------------------------------------------------------------------
 
 class LookaheadOracle:
-    """Drafts chains: the target's own greedy continuation of each sequence's actual prefix, decoded just before
-    the verify step, each token replaced by a random other one with probability 1 - `acceptance`.
+    """Drafts chains: the target's own greedy continuation of each sequence, each token replaced by a random other
+    one with probability 1 - `acceptance`. The continuation is `references[row]` (the plain run's tokens after
+    the prompt) while the sequence still equals it; after it leaves it (or without references), the target
+    decodes the draft from the sequence's actual prefix just before the verify step.
 
-    It keeps its own KV cache of the sequences, brought up to date at each proposal with the tokens emitted
-    since the last (known from its own proposal and the counts the Speculator passes), so it needs nothing
-    from the Speculator beyond the Drafter interface. `seconds`: its own forwards' time, for the caller to
-    leave out. Counts its chains' verdicts: `accepted` drafts of `tested` (a chain stops testing at its first
-    rejection), the last round of each sequence added by `finish`."""
+    For that it keeps its own KV cache of the sequences, brought up to date with the tokens emitted since (known
+    from its own proposal and the counts the Speculator passes), so it needs nothing from the Speculator beyond
+    the Drafter interface. `seconds`: its own forwards' time, for the caller to leave out; `redrafted`: rows
+    that left their reference. Counts its chains' verdicts: `accepted` drafts of `tested` (a chain stops testing
+    at its first rejection), the last round of each sequence added by `finish`."""
 
     feature_keys: tuple = ()
 
     def __init__(self, model, executor, prompts: list[list[int]], acceptance: float, capacity: int, dtype, device,
-                 seed: int = 0):
+                 seed: int = 0, references: list[list[int]] | None = None):
         if not 0.0 <= acceptance <= 1.0:
             raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
         self.model, self.executor, self.device = model, executor, torch.device(device)
         self.prompts = [list(p) for p in prompts]
         self.corruption = 1.0 - acceptance
         self.vocab = model.cfg.vocab_size
-        self.cache = KVCache(model.cfg, len(prompts), capacity, dtype, device)
+        self.capacity, self.dtype = capacity, dtype
+        self.cache: KVCache | None = None  # made when a row first needs redrafting
         self.generator = torch.Generator().manual_seed(seed)
         b = len(prompts)
+        self.references = [list(r) for r in references] if references is not None else None
+        self.on_reference = [references is not None] * b
         self.sequences: list[list[int]] = [[] for _ in range(b)]  # prompt + generated, as far as known
         self.synced = [0] * b  # positions of each row in its own cache
         self.emitted = [0] * b
@@ -78,6 +83,10 @@ class LookaheadOracle:
         self.accepted = [0] * b
         self.tested = [0] * b
         self.seconds = 0.0
+
+    @property
+    def redrafted(self) -> int:
+        return sum(not on for on in self.on_reference) if self.references is not None else len(self.on_reference)
 
     def absorb(self, row, start, tokens, features):
         pass  # the emitted tokens are known from the proposals
@@ -95,6 +104,9 @@ class LookaheadOracle:
         self.emitted[row] = emitted
         if len(self.sequences[row]) != length + 1:
             raise MoedeskError("the lookahead oracle lost track of a sequence")
+        if self.on_reference[row]:
+            generated = self.sequences[row][len(self.prompts[row]):]
+            self.on_reference[row] = self.references[row][:len(generated)] == generated
 
     def propose(self, rows, lengths, last, depth, width, budget, params, generators, emitted):
         if width > 1 or any(p.temperature > 0 for p in params):
@@ -105,13 +117,20 @@ class LookaheadOracle:
             for row in rows:
                 self.drafts[row] = []
             return Proposal([[-1]] * len(rows), torch.tensor(last).view(len(rows), 1), None)
-        started = time.perf_counter()
-        ahead = self._lookahead(rows, depth)
-        synchronize(self.device)
-        self.seconds += time.perf_counter() - started
+        ahead = {}
+        for row, e in zip(rows, emitted):
+            reference = self.references[row][e:e + depth] if self.on_reference[row] else []
+            if len(reference) == depth:
+                ahead[row] = reference
+        off = [row for row in rows if row not in ahead]
+        if off:
+            started = time.perf_counter()
+            ahead.update(zip(off, self._lookahead(off, depth)))
+            synchronize(self.device)
+            self.seconds += time.perf_counter() - started
         tokens = []
         for i, row in enumerate(rows):
-            drafts = [self._corrupt(t) for t in ahead[i]]
+            drafts = [self._corrupt(t) for t in ahead[row]]
             self.drafts[row] = drafts
             tokens.append([last[i]] + drafts)
         return Proposal([chain_parents(depth)] * len(rows), torch.tensor(tokens, dtype=torch.long), None)
@@ -126,9 +145,30 @@ class LookaheadOracle:
 
     @torch.inference_mode()
     def _lookahead(self, rows: list[int], depth: int) -> list[list[int]]:
-        """`depth` greedy tokens after each row's sequence: one forward of what the own cache lacks (rows
-        right-padded; padding writes past a row's end, where the next forward overwrites it), then depth - 1
-        one-token steps."""
+        """`depth` greedy tokens after each row's sequence: a forward of what the own cache lacks, then depth - 1
+        one-token steps of all the rows together."""
+        dev = self.device
+        if self.cache is None:
+            self.cache = KVCache(self.model.cfg, len(self.prompts), self.capacity, self.dtype, dev)
+        first = {}
+        # Rows new to the cache apart from the others: their whole sequence against a few tokens would pad the
+        # others far past their ends.
+        for group in ([r for r in rows if not self.synced[r]], [r for r in rows if self.synced[r]]):
+            if group:
+                first.update(zip(group, self._catch_up_forward(group)))
+        token = torch.tensor([first[r] for r in rows], device=dev)
+        out = [token]
+        rows_t = torch.tensor(rows, device=dev)
+        at = torch.tensor([len(self.sequences[r]) for r in rows], device=dev)
+        for j in range(1, depth):
+            logits = self.model(token.view(-1, 1), (at + j - 1).view(-1, 1), self.cache, self.executor, rows=rows_t)
+            token = logits[:, -1].argmax(dim=-1)
+            out.append(token)
+        return torch.stack(out, dim=1).cpu().tolist()
+
+    def _catch_up_forward(self, rows: list[int]) -> list[int]:
+        """The tokens of `rows` not yet in the own cache in one forward (right-padded: padding writes past a row's
+        end, where the next forward overwrites it); the greedy token after each row's last."""
         dev = self.device
         pending = [self.sequences[r][self.synced[r]:] for r in rows]
         n = max(map(len, pending))
@@ -137,19 +177,11 @@ class LookaheadOracle:
             tokens[i, :len(p)] = torch.tensor(p)
         positions = torch.tensor([self.synced[r] for r in rows])[:, None] + torch.arange(n)
         last = torch.tensor([len(p) - 1 for p in pending])
-        rows_t = torch.tensor(rows, device=dev)
-        logits = self.model(tokens.to(dev), positions.to(dev), self.cache, self.executor, rows=rows_t,
-                            logits_at=last.to(dev))
-        token = logits[:, -1].argmax(dim=-1)
-        out = [token]
+        logits = self.model(tokens.to(dev), positions.to(dev), self.cache, self.executor,
+                            rows=torch.tensor(rows, device=dev), logits_at=last.to(dev))
         for r in rows:
             self.synced[r] = len(self.sequences[r])
-        at = torch.tensor([len(self.sequences[r]) for r in rows], device=dev)
-        for j in range(1, depth):
-            logits = self.model(token.view(-1, 1), (at + j - 1).view(-1, 1), self.cache, self.executor, rows=rows_t)
-            token = logits[:, -1].argmax(dim=-1)
-            out.append(token)
-        return torch.stack(out, dim=1).cpu().tolist()
+        return logits[:, -1].argmax(dim=-1).tolist()
 
     def finish(self, completions) -> tuple[int, int]:
         """(accepted, tested) over every round, the last of each sequence (after which no proposal came)
@@ -235,15 +267,15 @@ def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: in
 
 
 def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tokens: int, acceptance: float,
-                       gamma: int, mode: str = "greedy", costs=None, seed: int = 0) -> dict:
+                       gamma: int, mode: str = "greedy", costs=None, seed: int = 0, references=None) -> dict:
     """One speculative run of `prompts` with the lookahead oracle at `acceptance`. tok/s counts the tokens after
     each sequence's first (the prefill's) over the rounds' verify and accept time: the oracle's own forwards
     are the bench's, not a draft's."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     requests = [Request(p, params, tag=i) for i, p in enumerate(prompts)]
-    capacity = max(map(len, prompts)) + new_tokens + gamma + 2
+    capacity = max(map(len, prompts)) + new_tokens + 2 * gamma + 4
     oracle = LookaheadOracle(bench.model, bench.executor, prompts, acceptance, capacity, bench.dtype, bench.device,
-                             seed)
+                             seed, references)
     done, stats = spec.run(requests, bench.executor, lambda batch, cap: oracle, mode, gamma, 1, None, costs)
     seconds = sum(r[3] + r[4] for r in stats.rounds) / 1000
     tokens = sum(len(c.token_ids) - 1 for c in done)
@@ -256,7 +288,7 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
             "rounds": len(rounds), "speculative_rounds": sum(1 for r in rounds if r[0] > 0),
             "gammas": sorted({r[0] for r in rounds}),
             "verify_ms": sum(r[3] for r in rounds) / len(rounds) if rounds else None,
-            "oracle_s": oracle.seconds}
+            "oracle_s": oracle.seconds, "redrafted": oracle.redrafted}
 
 
 def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
@@ -282,12 +314,14 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
     per_batch, rows = [], []
     for b in batches:
         prompts = [random_prompt(PROMPT_TOKENS, cfg.vocab_size, 100 + i) for i in range(b)]
-        plain_tokens, plain_tok_s, plain_step_ms = plain_decode(bench, prompts, new_tokens, context)
+        # γ tokens past the runs' end: a draft near the end is then still the target's continuation.
+        reference, plain_tok_s, plain_step_ms = plain_decode(bench, prompts, new_tokens + gamma, context)
+        plain_tokens = [t[:new_tokens] for t in reference]
         # The first verify steps of a shape pay for allocations and kernel selection; a short run takes that.
-        speculative_decode(bench, spec, prompts, min(new_tokens, 2 * gamma + 2), 1.0, gamma)
+        speculative_decode(bench, spec, prompts, min(new_tokens, 2 * gamma + 2), 1.0, gamma, references=reference)
         auto_ratios = []
         for alpha in acceptances:
-            run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, seed=7)
+            run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, seed=7, references=reference)
             row = _row(b, alpha, "greedy", gamma, run, plain_tok_s, plain_tokens, fitted, measured)
             rows.append(row)
             log(_row_line(row))
@@ -297,7 +331,8 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
                 row = {"batch": b, "acceptance": alpha, "mode": "auto", "path": "plain", "gamma": 0,
                        "plain_tok_s": round(plain_tok_s, 2), "tok_s": round(plain_tok_s, 2), "speedup": 1.0}
             else:
-                run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, "auto", costs, seed=7)
+                run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, "auto", costs, seed=7,
+                                         references=reference)
                 row = _row(b, alpha, "auto", gamma, run, plain_tok_s, plain_tokens, None, None)
                 row["path"] = "speculative"
             rows.append(row)
@@ -341,7 +376,7 @@ def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fitted, measured
            # Temperature 0 decodes plain greedy's tokens up to rounding: in float32 exactly, in bf16 a k-token
            # forward may take the other side of a near tie, and the sequence goes its own way from there.
            "same_as_plain": round(sum(a == p for a, p in zip(run["tokens"], plain_tokens)) / len(plain_tokens), 3),
-           "oracle_s": round(run["oracle_s"], 3)}
+           "oracle_s": round(run["oracle_s"], 3), "redrafted_sequences": run["redrafted"]}
     if run["tokens_per_step"] is not None and mode == "greedy":
         # The model's acceptance: the α whose expected tokens per step match the measured ones.
         a = perf_model.acceptance_from_tokens_per_step(run["tokens_per_step"], gamma)

@@ -66,19 +66,32 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
     assert "beam / batched" in format_beam(report)
 
 
-@pytest.mark.parametrize("alpha", [0.6, 0.85])
-def test_oracle_acceptance_is_the_requested_rate(tiny_bench, alpha):
+@pytest.fixture(scope="module")
+def plain_run(tiny_bench):
     from engine.bench import random_prompt
-    from engine.bench_speculative import plain_decode, speculative_decode
+    from engine.bench_speculative import plain_decode
+
+    prompts = [random_prompt(16, tiny_bench.cfg.vocab_size, 50 + i) for i in range(8)]
+    return prompts, plain_decode(tiny_bench, prompts, 48 + 3, 120)[0]
+
+
+@pytest.mark.parametrize("draft", ["reference", "redrafted", "half left"])
+@pytest.mark.parametrize("alpha", [0.6, 0.85])
+def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, draft):
+    """The oracle drafts from the plain run's tokens while a sequence follows them, and redrafts from the actual
+    prefix once it does not (here forced: no reference at all, or half the references wrong from token 5 on)."""
+    from engine.bench_speculative import speculative_decode
     from engine.speculative.decode import Speculator
 
-    cfg = tiny_bench.cfg
-    prompts = [random_prompt(16, cfg.vocab_size, 50 + i) for i in range(8)]
-    spec = Speculator(tiny_bench.model, "cpu", tiny_bench.dtype, 120, cfg.eos_token_ids)
-    run = speculative_decode(tiny_bench, spec, prompts, 48, alpha, 3, seed=3)
-    plain, _, _ = plain_decode(tiny_bench, prompts, 48, 120)
-    assert run["tokens"] == plain
-    tested = round(sum(len(t) - 1 for t in plain) / run["tokens_per_step"])  # about one test per verify step
+    prompts, reference = plain_run
+    references = {"reference": reference, "redrafted": None,
+                  "half left": [r if i % 2 else r[:5] + [(t + 1) % 512 for t in r[5:]] for i, r in enumerate(reference)]}
+    spec = Speculator(tiny_bench.model, "cpu", tiny_bench.dtype, 120, tiny_bench.cfg.eos_token_ids)
+    run = speculative_decode(tiny_bench, spec, prompts, 48, alpha, 3, seed=3, references=references[draft])
+    assert run["tokens"] == [r[:48] for r in reference]
+    assert run["redrafted"] == {"reference": 0, "redrafted": 8, "half left": 4}[draft]
+    assert (run["oracle_s"] > 0) == (draft != "reference")
+    tested = round(8 * 47 / run["tokens_per_step"])  # about one test per verify step
     assert abs(run["acceptance"] - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / tested)
     # tokens per verify step as the model expects at that acceptance, within the same kind of tolerance
     assert run["tokens_per_step"] == pytest.approx(perf_model.tokens_per_step(alpha, 3), rel=0.15)
