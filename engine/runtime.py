@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Iterable, Iterator
 
 import torch
 
-from engine.generation.beam import BeamSearch
+from engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
 from engine.load.checkpoint import open_checkpoint
 from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 from engine.errors import MoedeskError
@@ -19,7 +18,7 @@ from engine.load.loader import load_model, resolve_device, resolve_dtype
 from engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
-from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, cancelled_after
+from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, Update, cancelled_after
 from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
@@ -142,14 +141,47 @@ class Engine:
             return {}
         return {**self.orchestra.summary(), **self.executor.stats.as_dict()}
 
-    def submit(self, request: Request, **options) -> Handle:
-        """Queue one request on the scheduler (options: see engine.generation.scheduler.Scheduler.submit)."""
-        return self.scheduler.submit(request, **options)
+    def submit(self, request: Request, *, decoding=None, **options) -> Handle:
+        """Queue one request on the scheduler (options: see engine.generation.scheduler.Scheduler.submit).
 
-    def generate(self, requests: Iterable[Request], batch_size: int = 8) -> Iterator[Completion]:
+        decoding: None (plain: sampling or greedy as its params say), a BeamOptions (beam search: nothing
+        streams before the best hypothesis is whole) or an engine.speculative.decode.SpeculativeOptions
+        (speculative decoding: accepted drafts stream as tokens). Beam and speculative requests run as jobs of
+        the same decode thread, between the plain batch's steps, and cancel as plain ones do."""
+        group = options.get("group")
+        return self.scheduler.submit(request, kind=self._kind(decoding, group.limit if group else None), **options)
+
+    def _kind(self, decoding, limit: int | None):
+        """The scheduler's JobKind for a decoding option (None for plain decoding)."""
+        if decoding is None:
+            return None
+        if isinstance(decoding, BeamOptions):
+            return BeamKind(decoding, lambda: BeamJob(self._beam_search, lambda: self.executor, self.tokenizer,
+                                                      self._eos_ids))
+        from engine.speculative.decode import SPECULATIVE_ROWS, SpeculativeKind, SpeculativeOptions
+
+        if isinstance(decoding, SpeculativeOptions):
+            return SpeculativeKind(self, decoding, limit or SPECULATIVE_ROWS)
+        raise TypeError(f"decoding must be None, BeamOptions or SpeculativeOptions, not {type(decoding).__name__}")
+
+    def _beam_search(self) -> BeamSearch:
+        if self._beam is None:  # on the decode thread: its CUDA graphs are captured there
+            self._beam = BeamSearch(self.model, self.device, self.dtype, self.context_length, on_oom=self._on_oom,
+                                    graphs=self.graphs is not None)
+        return self._beam
+
+    def _eos_ids(self) -> set:
+        return set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
+
+    def generate(self, requests: Iterable[Request], batch_size: int = 8, decoding=None) -> Iterator[Completion]:
         """Complete every request, at most `batch_size` at once; yield each as soon as it finishes (not in input
-        order). Requests are pulled from `requests` on the caller's thread as earlier ones finish."""
+        order). Requests are pulled from `requests` on the caller's thread as earlier ones finish.
+
+        decoding: as `submit` takes it, for every request; or a callable giving each request's (None: plain).
+        Speculative requests fill their job's rows as plain ones fill the batch's, so `batch_size` of them
+        verify together."""
         group = Group(batch_size)
+        choose = decoding if callable(decoding) else (lambda request: decoding)
         finished: queue.SimpleQueue = queue.SimpleQueue()
         source = iter(requests)
         in_flight: dict[int, Handle] = {}
@@ -170,8 +202,9 @@ class Engine:
                 with self.scheduler.submitting():
                     for request in fresh:
                         number += 1
-                        in_flight[number] = self.scheduler.submit(
-                            request, group=group, sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
+                        in_flight[number] = self.submit(
+                            request, decoding=choose(request), group=group,
+                            sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
                 if not in_flight:
                     self.scheduler.wait_idle()
                     return
@@ -184,13 +217,38 @@ class Engine:
             for handle in in_flight.values():  # the caller stopped early (or failed): free their rows
                 handle.cancel()
 
+    def complete(self, requests: list[Request], decoding=None) -> list[Completion]:
+        """Complete `requests`, all submitted at once (so a speculative job takes them together and verifies them
+        as one batch), in input order. The first request's error is raised once all have ended."""
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        handles = []
+        try:
+            with self.scheduler.submitting():
+                group = Group(max(1, len(requests)))
+                for i, request in enumerate(requests):
+                    handles.append(self.submit(request, decoding=decoding, group=group,
+                                               sink=lambda u, i=i: done.put((i, u)) if u.final else None))
+            results: dict[int, Update] = {}
+            while len(results) < len(handles):
+                i, update = done.get()
+                results[i] = update
+        finally:
+            for handle in handles:
+                handle.cancel()  # no-op once finished; the caller interrupted: free their rows
+        self.scheduler.wait_idle()
+        for i in range(len(handles)):
+            if results[i].error is not None:
+                raise results[i].error
+        return [results[i].completion for i in range(len(handles))]
+
     def stream(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-               cancel: threading.Event | None = None, grammar=None) -> Iterator[StreamChunk]:
+               cancel: threading.Event | None = None, grammar=None, decoding=None) -> Iterator[StreamChunk]:
         """Yield text as it is generated; the last chunk carries the Completion. `cancel` stops early: set
-        between two chunks, the reply ends with the tokens already yielded."""
+        between two chunks, the reply ends with the tokens already yielded. decoding: as `submit` takes it
+        (beam search yields its whole text in the last chunk)."""
         updates: queue.SimpleQueue = queue.SimpleQueue()
-        handle = self.scheduler.submit(Request(list(prompt_ids), params, grammar=grammar), sink=updates.put,
-                                       cancel=cancel)
+        handle = self.submit(Request(list(prompt_ids), params, grammar=grammar), decoding=decoding, sink=updates.put,
+                             cancel=cancel)
         deltas = TextDeltas(params.stop)
         seen: list[int] = []
         try:
@@ -227,37 +285,16 @@ class Engine:
         next search. finish_reason "stop" when the best ended with an end-of-sequence token (left out of
         token_ids, as always), else "length". ignore_eos: no token ends a hypothesis.
 
-        Runs on the caller's thread, not the scheduler's, which has no way to run a job alone: the two would
-        share the executor, so it refuses (MoedeskError) while generate/stream/serve requests are running or
-        waiting, and callers must not start those until it returns."""
-        busy = self.scheduler.stats()
-        if busy["running"] or busy["waiting"]:
-            raise MoedeskError("beam search cannot run while other requests are decoding on this model; "
-                               "wait for them to finish")
-        if self._beam is None:
-            self._beam = BeamSearch(self.model, self.device, self.dtype, self.context_length, on_oom=self._on_oom,
-                                    graphs=self.graphs is not None)
-        eos = set() if ignore_eos else set(self.config.eos_token_ids) | set(
-            self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
-        before = self.executor.stats.copy() if hasattr(self.executor, "stats") else None
-        started = time.perf_counter()
-        result = self._beam.run(list(prompt_ids), self.executor, beams, max_new_tokens, eos, length_penalty,
-                                early_stopping)
-        tokens = result.tokens[:-1] if result.ended_by_eos else result.tokens
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        stats = {
-            "ttft_s": round(result.prefill_s, 4),  # the prompt's forward: no token is final before the end
-            "decode_tok_s": round(len(tokens) / result.decode_s, 2) if result.decode_s > 0 and tokens else None,
-            "total_s": round(time.perf_counter() - started, 4),
-            "beams": beams, "beam_steps": result.steps,
-            "beam_step_ms": round(1000 * result.decode_s / result.steps, 3) if result.steps else None,
-            "score": round(result.score, 6),
-        }
-        if before is not None:
-            stats["experts"] = self.executor.stats.since(before).as_dict()
-        return Completion(tag=tag, token_ids=tokens, text=text,
-                          finish_reason="stop" if result.ended_by_eos else "length", prompt_tokens=len(prompt_ids),
-                          stats=stats)
+        Runs on the scheduler's decode thread as a job between the steps of whatever else decodes (generate,
+        stream, serve requests), which keeps going meanwhile; beam searches run one after another. Bad options
+        raise here (ValueError, MoedeskError), before anything is queued."""
+        options = BeamOptions(beams, length_penalty, early_stopping)
+        if not prompt_ids:
+            raise ValueError("beam search needs a prompt of at least one token")
+        if len(prompt_ids) >= self.context_length:
+            raise MoedeskError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0, ignore_eos=ignore_eos)
+        return self.complete([Request(list(prompt_ids), params, tag=tag)], decoding=options)[0]
 
     def speculate(self, requests: list[Request], draft, mode: str = "greedy", draft_length: int = 4,
                   draft_width: int = 4, budget: int | None = None) -> list[Completion]:
@@ -269,11 +306,18 @@ class Engine:
         engine's measured step times and the running acceptance, plain decoding where drafting is not
         predicted to pay. At temperature 0 the tokens are plain greedy's; otherwise the target's
         distribution. Completion.stats["speculative"]: drafted, accepted, verify_steps, tokens_per_step,
-        step/draft/verify ms. Like beam_search, runs on the caller's thread and refuses while the scheduler
-        has requests."""
+        step/draft/verify ms. Runs as one job on the scheduler's decode thread (the requests verify together),
+        beside whatever else decodes."""
         from engine.speculative.decode import speculate
 
         return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
+
+    def load_draft(self, path) -> object:
+        """Load the EAGLE head at `path` for this model now (a bad folder raises one line here, not at the first
+        speculative request); it is kept for every later request that names it."""
+        from engine.speculative.decode import draft_head
+
+        return draft_head(self, path)
 
     def grammar(self, response_format):
         """An OpenAI-style response_format as an engine.generation.sampling.Grammar for Request.grammar (None for plain

@@ -17,18 +17,24 @@ when it cannot improve the best finished hypotheses (transformers' heuristic, wh
 False, True and "never" parametrise the same way), when every one of the W finished slots is
 filled and early_stopping is True, or when no continuation can go on. The small bookkeeping of
 each step (2W scores) is done with the same torch operations on the host, so ties break alike.
+
+`BeamSearch.steps` is the search as a generator of one forward per `next`; `run` drives it to the end,
+and `BeamJob` is the scheduler's job that steps it on the decode thread between the plain batch's steps
+(engine.generation.scheduler), so a search never waits for other requests and never stops them.
 """
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from engine.errors import MoedeskError
 from engine.generation.decoder import retrying_oom, synchronize
 from engine.generation.kv_cache import KVCache
+from engine.requests import Completion
 
 _NEG = -1.0e9  # what transformers adds to rule a candidate out; the same value keeps ties and order alike
 
@@ -56,12 +62,25 @@ def check_options(beams: int, length_penalty: float, early_stopping) -> None:
         raise ValueError(f"early_stopping must be true, false or \"never\", got {early_stopping!r}")
 
 
+@dataclass(frozen=True)
+class BeamOptions:
+    """A request decoded by beam search (Engine.submit's `decoding`): `beams` hypotheses, transformers'
+    length_penalty and early_stopping. The request's max_new_tokens and ignore_eos apply; its sampling does not."""
+
+    beams: int = 4
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self):
+        check_options(self.beams, self.length_penalty, self.early_stopping)
+
+
 class BeamSearch:
     """Beam search over one model. Holds the hypotheses' KV cache (and CUDA graphs over it) between
     searches, grown as a search needs, so a run of searches allocates and captures once.
 
-    One search at a time: `run` takes a lock. The engine's decode thread must not use the same
-    executor meanwhile (see Engine.beam_search).
+    One search at a time: a search holds a lock from its first step to its last. Its forwards must not
+    overlap another thread's use of the same executor: the engine runs it on its decode thread (BeamJob).
     """
 
     def __init__(self, model, device, dtype, context_length: int, on_oom=None, graphs: bool = False):
@@ -79,6 +98,18 @@ class BeamSearch:
             length_penalty: float = 1.0, early_stopping=False) -> BeamResult:
         """Search `beams` hypotheses continuing `prompt_ids` for at most `max_new_tokens` tokens (fewer when
         the context ends first); return the best. eos_token_ids: tokens that end a hypothesis."""
+        steps = self.steps(prompt_ids, executor, beams, max_new_tokens, eos_token_ids, length_penalty, early_stopping)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+
+    def steps(self, prompt_ids: list[int], executor, beams: int, max_new_tokens: int, eos_token_ids=(),
+              length_penalty: float = 1.0, early_stopping=False):
+        """`run` as a generator: each `next` runs one forward (the prompt's, then one per step) and the search's
+        bookkeeping; its StopIteration carries the BeamResult. Options are checked here, before anything runs.
+        Closing it early ends the search and lets the next one start."""
         check_options(beams, length_penalty, early_stopping)
         if not prompt_ids:
             raise ValueError("beam search needs a prompt of at least one token")
@@ -87,13 +118,16 @@ class BeamSearch:
         if len(prompt_ids) >= self.context_length:
             raise MoedeskError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
         max_new_tokens = min(max_new_tokens, self.context_length - len(prompt_ids))
+        return self._locked(self._search(list(prompt_ids), executor, beams, max_new_tokens, frozenset(eos_token_ids),
+                                         float(length_penalty), early_stopping))
+
+    def _locked(self, search):
         with self._lock:
-            return self._search(list(prompt_ids), executor, beams, max_new_tokens, frozenset(eos_token_ids),
-                                float(length_penalty), early_stopping)
+            return (yield from search)
 
     # --- the search ---------------------------------------------------------------------------
 
-    def _search(self, prompt, executor, W, max_new, eos, length_penalty, early_stopping) -> BeamResult:
+    def _search(self, prompt, executor, W, max_new, eos, length_penalty, early_stopping):
         P = len(prompt)
         max_length = P + max_new
         self.reserve(W, max_length)
@@ -104,6 +138,7 @@ class BeamSearch:
         synchronize(self.device)
         decode_started = time.perf_counter()
         prefill_s = decode_started - started
+        yield
 
         keep = max(2, 1 + len(eos)) * W  # enough that W continuations survive even when the best all end
         top_w = torch.arange(keep) < W  # only the first W continuations may become finished hypotheses
@@ -168,6 +203,7 @@ class BeamSearch:
             positions = torch.full((W, 1), P + generated - 1, dtype=torch.long, device=self.device)
             step_logits = self._retrying(lambda: self._step(step_tokens, positions, executor))[:, -1]
             steps += 1
+            yield
 
         tokens = finished[0] if finished[0] is not None else running[0]
         return BeamResult(tokens=list(tokens), score=float(finished_scores[0]),
@@ -209,3 +245,96 @@ class BeamSearch:
     def _retrying(self, step):
         return retrying_oom(step, self.on_oom, "use fewer beams or fewer new tokens")
 
+
+
+class BeamJob:
+    """The scheduler's job for beam-search requests (engine.generation.scheduler.Job): one search at a time,
+    since the engine keeps one BeamSearch (one hypotheses' cache, one set of CUDA graphs), so a second request
+    waits for the first to end rather than allocating a second cache of W rows. Nothing streams before the
+    end: until then no hypothesis is final, so the last update carries the best one whole.
+
+    search() gives the engine's BeamSearch (made on first use, on the decode thread); executor() the engine's
+    current executor; eos() the ids that end a hypothesis (the request's ignore_eos aside)."""
+
+    def __init__(self, search: Callable[[], BeamSearch], executor: Callable[[], object], tokenizer,
+                 eos: Callable[[], set]):
+        self.search, self.executor, self.tokenizer, self.eos = search, executor, tokenizer, eos
+        self.plain: list = []
+        self.waiting: list = []  # admitted, not yet started
+        self.current = None  # (handle, steps generator, started, expert stats before)
+
+    def admit(self, handle) -> None:
+        options = handle.kind.options
+        check_options(options.beams, options.length_penalty, options.early_stopping)
+        if len(handle.request.prompt_ids) >= self.search().context_length:
+            raise MoedeskError(f"prompt has {len(handle.request.prompt_ids)} tokens; the context is "
+                               f"{self.search().context_length}")
+        self.waiting.append(handle)
+
+    def step(self):
+        if self.current is None:
+            if not self.waiting:
+                return []
+            handle = self.waiting.pop(0)
+            options, params = handle.kind.options, handle.request.params
+            executor = self.executor()
+            eos = set() if params.ignore_eos else self.eos()
+            steps = self.search().steps(handle.request.prompt_ids, executor, options.beams, params.max_new_tokens, eos,
+                                        options.length_penalty, options.early_stopping)
+            before = executor.stats.copy() if hasattr(executor, "stats") else None
+            self.current = (handle, steps, time.perf_counter(), before, executor)
+        handle, steps, started, before, executor = self.current
+        try:
+            next(steps)
+            return []
+        except StopIteration as end:
+            self.current = None
+            return [(handle, None, "", self._completion(handle, end.value, started, before, executor))]
+
+    def _completion(self, handle, result: BeamResult, started: float, before, executor) -> Completion:
+        options = handle.kind.options
+        tokens = result.tokens[:-1] if result.ended_by_eos else result.tokens
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        # Between its steps the decode thread also steps the plain batch and other jobs: under load these
+        # times include theirs.
+        stats = {
+            "ttft_s": round(result.prefill_s, 4),  # the prompt's forward: no token is final before the end
+            "decode_tok_s": round(len(tokens) / result.decode_s, 2) if result.decode_s > 0 and tokens else None,
+            "total_s": round(time.perf_counter() - started, 4),
+            "beams": options.beams, "beam_steps": result.steps,
+            "beam_step_ms": round(1000 * result.decode_s / result.steps, 3) if result.steps else None,
+            "score": round(result.score, 6),
+        }
+        if before is not None:
+            stats["experts"] = executor.stats.since(before).as_dict()
+        return Completion(tag=handle.request.tag, token_ids=tokens, text=text,
+                          finish_reason="stop" if result.ended_by_eos else "length",
+                          prompt_tokens=len(handle.request.prompt_ids), stats=stats)
+
+    def drop(self, handle) -> Completion:
+        if self.current is not None and self.current[0] is handle:
+            self.current[1].close()  # ends the search, so the next one may start
+            self.current = None
+        elif handle in self.waiting:
+            self.waiting.remove(handle)
+        # Nothing was streamed, and no hypothesis is final before the end: the reply is empty.
+        return Completion(tag=handle.request.tag, token_ids=[], text="", finish_reason="cancelled",
+                          prompt_tokens=len(handle.request.prompt_ids), stats={"beams": handle.kind.options.beams})
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current[1].close()
+            self.current = None
+
+
+class BeamKind:
+    """engine.generation.scheduler.JobKind for beam search: one job for all beam requests, one request at a time."""
+
+    key = "beam"
+    limit = 1
+
+    def __init__(self, options: BeamOptions, make: Callable[[], BeamJob]):
+        self.options, self._make = options, make
+
+    def make(self) -> BeamJob:
+        return self._make()

@@ -14,7 +14,13 @@ runs engine.generation.decoder.Decoder's steps over whatever is in flight:
   `Update`s carrying the token and the text so far, the last one its `Completion`;
 - a `Group` caps how many of a set of requests run at once (a batch run's --batch-size); requests
   beyond it wait in the queue in arrival order, so one caller can keep the queue stocked and a freed
-  row is refilled in the same step, as `Decoder.run` does.
+  row is refilled in the same step, as `Decoder.run` does;
+- a request submitted with a `JobKind` (beam search, speculative decoding) does not take a row of the
+  plain batch: it runs in a `Job`, which decodes in a cache of its own. Requests of equal `JobKind.key`
+  share one job while it has room (speculative requests that arrive together verify in one forward, which
+  is where speculation pays), and join it between its steps as they join the plain batch. Each loop
+  runs the plain batch's step and then one step of every job, interleaved; see `_loop` for why
+  neither waits for the other.
 
 The decode thread lives while there is work and exits when idle: an engine nobody uses holds no
 thread, and a thread never keeps a model alive after its engine is dropped.
@@ -26,7 +32,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from typing import Callable, Hashable, Iterable, Iterator, Protocol
 
 import torch
 
@@ -82,6 +88,10 @@ class Handle:
         self._caller_cancel = cancel
         self._cancel = threading.Event()
         self.seq = None  # the decoder's Sequence once admitted
+        self.kind: JobKind | None = None  # runs in a job of this kind, not in the plain batch
+        self.job: _RunningJob | None = None  # the job it was admitted to
+        self.admitted = False  # counted in its group's active requests
+        self.extra_stats: dict = {}  # merged into its completion's stats (e.g. auto speculation that went plain)
         self.submitted = time.perf_counter()
         self.decode_steps = 0
         self.batch_sum = 0  # sequences in the decode steps this one took part in, summed
@@ -105,6 +115,48 @@ class Handle:
                 return
 
 
+# (handle, new token or None, its text so far, its completion when this event ends it)
+JobEvent = tuple["Handle", "int | None", str, "Completion | None"]
+
+
+class Job(Protocol):
+    """Requests that decode in a cache of their own (a beam search, a batch of speculative requests), stepped
+    on the decode thread between the plain batch's steps. Every method runs on the decode thread."""
+
+    plain: list  # handles it gives back to the plain batch (auto speculation predicted not to pay), emptied by the scheduler
+
+    def admit(self, handle: Handle) -> None:
+        """Take this request from the next step on; raise (one line) to fail it alone."""
+
+    def step(self) -> Iterable[JobEvent]:
+        """One step (about one forward) over the requests it holds, newcomers first brought in; an event whose
+        completion is set ends that request. An exception ends every request of the job."""
+
+    def drop(self, handle: Handle) -> Completion:
+        """The request was cancelled: forget it and free what it held; its completion so far."""
+
+    def close(self) -> None:
+        """It holds no requests any more and will not be stepped again."""
+
+
+class JobKind(Protocol):
+    """How a request submitted with it is decoded: its job's key, capacity and maker."""
+
+    key: Hashable  # requests of equal keys share one job while it has room
+    limit: int  # requests one job holds at once; more wait for a place
+
+    def make(self) -> Job:
+        """A new job (under the scheduler's lock: quick; heavy setup belongs to the job's first step)."""
+
+
+class _RunningJob:
+    def __init__(self, kind: JobKind):
+        self.key, self.limit = kind.key, kind.limit
+        self.job = kind.make()
+        self.handles: list[Handle] = []  # admitted and not finished
+        self.fresh: list[Handle] = []  # admitted since its last step
+
+
 class Scheduler:
     """Continuous batching over one decoder: see the module docstring.
 
@@ -121,22 +173,26 @@ class Scheduler:
         self._lock = threading.Condition()
         self._pending: list[Handle] = []
         self._rows: list[Handle | None] = []  # the cache row each running request holds
+        self._jobs: list[_RunningJob] = []
         self._thread: threading.Thread | None = None
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, decode_steps=0, prefill_pieces=0,
-                             prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0)
+                             prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0, jobs=0, job_steps=0)
         self._recent_seconds = 0.0  # a running mean of how long finished requests took, for retry hints
 
     # --- any thread -------------------------------------------------------------------------
 
     def submit(self, request: Request, *, group: Group | None = None, sink: Callable[[Update], None] | None = None,
-               cancel: threading.Event | None = None, queue_limit: int | None = None) -> Handle:
+               cancel: threading.Event | None = None, queue_limit: int | None = None,
+               kind: JobKind | None = None) -> Handle:
         """Queue `request`; it joins the running batch at the next step with a free row.
 
         sink(update) is called on the decode thread: it must be quick and must not raise (hand the update to
         your own thread). cancel: an event that cancels the request when set (its row is freed at the next
-        step). queue_limit: raise QueueFull when that many requests already wait for a row.
+        step). queue_limit: raise QueueFull when that many requests already wait for a row. kind: decode it in
+        a job of this kind (beam search, speculative decoding) instead of the plain batch.
         """
         handle = Handle(request, group, sink, cancel)
+        handle.kind = kind
         with self._lock:
             if queue_limit is not None and self._waiting() >= queue_limit:
                 raise QueueFull(f"{self._waiting()} requests are waiting for a free row (the limit is {queue_limit})")
@@ -159,23 +215,25 @@ class Scheduler:
         capture then sees another thread's random-number use, and fails). With work in flight, returns at once."""
         with self._lock:
             thread = self._thread
-            busy = bool(self._pending) or any(h is not None for h in self._rows)
+            busy = bool(self._pending) or any(h is not None for h in self._rows) or bool(self._jobs)
         if thread is not None and not busy and thread is not threading.current_thread():
             thread.join(timeout)
 
     def stats(self) -> dict:
         """Counters since start, and what runs and waits now."""
         with self._lock:
-            running = sum(h is not None for h in self._rows)
+            in_jobs = sum(len(j.handles) for j in self._jobs)
+            running = sum(h is not None for h in self._rows) + in_jobs
             steps = self.counters["decode_steps"]
             return {**self.counters, "running": running, "waiting": self._waiting(), "rows": len(self._rows),
+                    "running_jobs": len(self._jobs), "in_jobs": in_jobs,
                     "mean_batch": round(self.counters["batch_sum"] / steps, 3) if steps else None,
                     "prefill_chunk": self.prefill_chunk, "max_rows": self.max_rows}
 
     def retry_after(self) -> int:
         """Seconds a refused client might wait before trying again: about one request's time per row ahead."""
         with self._lock:
-            rows = max(1, sum(h is not None for h in self._rows))
+            rows = max(1, sum(h is not None for h in self._rows) + sum(len(j.handles) for j in self._jobs))
             waiting = self._waiting()
         return max(1, min(60, round(self._recent_seconds * (waiting + 1) / rows)))
 
@@ -185,12 +243,18 @@ class Scheduler:
     # --- the decode thread ------------------------------------------------------------------
 
     def _loop(self) -> None:
+        # Jobs and the plain batch take turns, a step each, rather than one pausing until the other drains:
+        # a chat reply streaming beside a beam search (or a server's other clients) keeps getting tokens, and
+        # a beam or speculative request does not wait for a plain batch that, under steady load, never drains.
+        # The price: a job's forward does not share expert reads with the plain batch's (they are different
+        # caches and shapes), and each side's step time includes the other's.
         device_set = False
         try:
             while True:
                 with self._lock:
                     newcomers = self._admit()
-                    if not newcomers and not any(self._rows):
+                    self._admit_to_jobs()
+                    if not newcomers and not any(self._rows) and not self._jobs:
                         self._thread = None  # under the lock: a submit from now on starts a new thread
                         return
                 # A decoder per step (a few attribute copies): it always runs the engine's current executor,
@@ -201,11 +265,14 @@ class Scheduler:
                     torch.cuda.set_device(decoder.device)
                 device_set = True
                 self._step(decoder, newcomers)
+                for running in list(self._jobs):
+                    self._step_job(running)
         except BaseException as error:  # noqa: BLE001 -- a bug here must not leave callers waiting forever
             log.exception("moedesk decode thread failed")
             with self._lock:
                 stranded = [h for h in self._rows if h is not None] + self._pending
-                self._rows, self._pending, self._thread = [], [], None
+                stranded += [h for j in self._jobs for h in j.handles]
+                self._rows, self._pending, self._jobs, self._thread = [], [], [], None
             for handle in stranded:
                 self._fail(handle, error)
 
@@ -218,6 +285,8 @@ class Scheduler:
                 self._finish(handle, Completion(handle.request.tag, [], "", "cancelled",
                                                 len(handle.request.prompt_ids)), count="cancelled")
                 continue
+            if handle.kind is not None:
+                continue  # _admit_to_jobs' (the loop's) business
             if handle.group is not None and handle.group.active >= handle.group.limit:
                 continue
             running = sum(h is not None for h in self._rows)
@@ -228,11 +297,95 @@ class Scheduler:
                 self._rows.append(None)
             self._rows[row] = handle
             handle.row = row
-            if handle.group is not None:
-                handle.group.active += 1
+            self._count_in_group(handle)
             self._pending.remove(handle)
             newcomers.append(handle)
         return newcomers
+
+    def _admit_to_jobs(self) -> None:
+        """(Under the lock.) Waiting job requests in arrival order go to a running job of their key with room, or
+        start one; a key's requests beyond its job's room wait (one job per key, so one cache per key)."""
+        for handle in list(self._pending):
+            if handle.kind is None or handle.cancelled:  # a cancelled one is finished by _admit
+                continue
+            if handle.group is not None and handle.group.active >= handle.group.limit:
+                continue
+            running = next((j for j in self._jobs if j.key == handle.kind.key), None)
+            if running is None:
+                running = _RunningJob(handle.kind)
+                self._jobs.append(running)
+                self.counters["jobs"] += 1
+            elif len(running.handles) >= running.limit:
+                continue
+            running.handles.append(handle)
+            running.fresh.append(handle)
+            handle.job = running
+            self._count_in_group(handle)
+            self._pending.remove(handle)
+
+    @staticmethod
+    def _count_in_group(handle: Handle) -> None:
+        handle.admitted = True
+        if handle.group is not None:
+            handle.group.active += 1
+
+    def _step_job(self, running: _RunningJob) -> None:
+        """One step of a job: its cancelled requests leave, its newcomers come in, its events go to the sinks.
+        An error in the step ends every request of that job with it; the loop and the other jobs go on."""
+        job = running.job
+        fresh, running.fresh = running.fresh, []
+        try:
+            for handle in list(running.handles):
+                if handle.cancelled and not handle.done:
+                    if handle in fresh:
+                        fresh.remove(handle)
+                        done = Completion(handle.request.tag, [], "", "cancelled", len(handle.request.prompt_ids))
+                    else:
+                        done = job.drop(handle)
+                    self._finish(handle, done, count="cancelled")
+            for handle in fresh:
+                try:
+                    job.admit(handle)
+                except Exception as error:  # noqa: BLE001 -- e.g. a prompt longer than its cache: that one only
+                    self._fail(handle, error)
+            if running.handles:
+                events = job.step()
+                self.counters["job_steps"] += 1
+                for handle, token, text, completion in events:
+                    if token is not None:
+                        self.counters["generated_tokens"] += 1
+                    if completion is not None:
+                        self._finish(handle, completion, token)
+                    else:
+                        self._send(handle, Update(token, text))
+            if job.plain:
+                self._to_plain(running, job.plain)
+        except Exception as error:  # noqa: BLE001 -- the error goes to the job's requests; the loop goes on
+            log.warning("a job's step failed for %d requests: %s", len(running.handles), error)
+            for handle in list(running.handles):
+                if not handle.done:
+                    self._fail(handle, error)
+        if not running.handles:
+            with self._lock:
+                self._jobs.remove(running)
+            try:
+                job.close()
+            except Exception:  # noqa: BLE001 -- giving back a cache must not stop the decode thread
+                log.exception("closing a job failed")
+
+    def _to_plain(self, running: _RunningJob, handles: list) -> None:
+        """Requests a job gives back: they wait again, in arrival order, for rows of the plain batch."""
+        moved = list(handles)
+        handles.clear()
+        with self._lock:
+            for handle in moved:
+                if handle in running.handles:
+                    running.handles.remove(handle)
+                handle.kind, handle.job, handle.admitted = None, None, False
+                if handle.group is not None:
+                    handle.group.active -= 1
+                self._pending.append(handle)
+            self._pending.sort(key=lambda h: h.submitted)
 
     def _step(self, decoder, newcomers: list[Handle]) -> None:
         for handle in list(newcomers):
@@ -297,6 +450,7 @@ class Scheduler:
         steps = handle.decode_steps
         # Steps are shared: how many sequences decoded together, on average, in the steps this one took.
         done.stats.update(decode_steps=steps, mean_batch=round(handle.batch_sum / steps, 3) if steps else None)
+        done.stats.update(handle.extra_stats)
         return done
 
     def _finish(self, handle: Handle, completion: Completion, token: int | None = None, count: str = "finished") -> None:
@@ -316,6 +470,10 @@ class Scheduler:
             row = getattr(handle, "row", None)
             if row is not None and row < len(self._rows) and self._rows[row] is handle:
                 self._rows[row] = None
+            if handle.job is not None and handle in handle.job.handles:
+                handle.job.handles.remove(handle)
+            if handle.admitted:
+                handle.admitted = False
                 if handle.group is not None:
                     handle.group.active -= 1
 

@@ -24,9 +24,11 @@ the batch share its slots, holes masked) and `OracleDrafter` (proposes a known c
 target's own greedy output, each token corrupted with a given probability: acceptance under control,
 for tests and for benchmarks on synthetic shapes where no trained head exists).
 
-`Speculator.run` drives the rounds for a list of requests; Engine.speculate wraps it. In `auto` mode a
-pure decision (perf_model.choose_draft_length over measured step times T(B, k) and the running
-acceptance) picks the draft length of every round, 0 meaning a plain decode step.
+`SpeculativeBatch` holds the rounds over rows that come and go; `Speculator.run` drives one for a list of
+requests given at once, and `SpeculativeJob` is the engine's: the scheduler's decode thread steps it between
+the plain batch's steps, admitting requests as they arrive (Engine.speculate, Engine.submit/stream with
+SpeculativeOptions). In `auto` mode a pure decision (perf_model.choose_draft_length over measured step
+times T(B, k) and the running acceptance) picks the draft length of every round, 0 meaning a plain step.
 """
 from __future__ import annotations
 
@@ -220,6 +222,36 @@ class EagleDrafter:
         self.batch = batch
         self.pending: list[list] = [[] for _ in range(batch)]  # (start, tokens, features) not yet run
         self.root = torch.zeros(batch, head.cfg.hidden_size, dtype=head.fc.weight.dtype, device=self.device)
+        # Slots a round's drafting may append after the absorbed ones: compacting early enough to leave them
+        # matters only where rows come and go (a SpeculativeJob); a run's capacity already holds everything.
+        self.draft_room = 0
+
+    def grow(self, batch: int, capacity: int = 0) -> None:
+        """Room for `batch` rows and `capacity` slots (a scheduler's job admitting more requests, or longer ones,
+        than it started with); what is stored stays."""
+        capacity = max(capacity, self.cache.capacity)
+        if batch <= self.batch and capacity == self.cache.capacity:
+            return
+        batch = max(batch, self.batch)
+        cache = self.head.new_cache(batch, capacity)
+        used = self.cache.length
+        cache.keys[:self.batch, :, :used] = self.cache.keys[:, :, :used]
+        cache.values[:self.batch, :, :used] = self.cache.values[:, :, :used]
+        cache.length = used
+        self.cache = cache
+        valid = torch.zeros(batch, capacity, dtype=torch.bool, device=self.device)
+        valid[:self.batch, :self.valid.shape[1]] = self.valid
+        self.valid = valid
+        self.root = torch.cat([self.root, torch.zeros(batch - self.batch, self.root.shape[1], dtype=self.root.dtype,
+                                                      device=self.device)])
+        self.pending += [[] for _ in range(batch - self.batch)]
+        self.batch = batch
+
+    def release(self, row: int) -> None:
+        """The row's request ended: its slots stop counting (compaction keeps only live rows' slots) and a
+        newcomer in it starts from nothing."""
+        self.valid[row] = False
+        self.pending[row] = []
 
     def combine(self, hidden: dict) -> torch.Tensor:
         """The head's input feature from the target's hidden states ([A, T, F])."""
@@ -246,8 +278,10 @@ class EagleDrafter:
         t = max(counts)
         if t == 0:
             return
-        if self.committed + t > self.cache.capacity:
+        if self.committed + t + self.draft_room > self.cache.capacity:
             self._compact()
+            if self.committed + t + self.draft_room > self.cache.capacity:  # only where rows come and go
+                self.grow(self.batch, (self.committed + t + self.draft_room) * 3 // 2)
         feature_width = next(f.shape[-1] for rows in self.pending for _, _, f in rows)
         dtype = self.head.fc.weight.dtype
         tokens = torch.zeros(self.batch, t, dtype=torch.long)
@@ -463,6 +497,11 @@ class _Row:
     steps: int = 0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    started: float = 0.0  # when it was admitted (its prefill began)
+    prefill_s: float = 0.0
+    first_round: int = 0  # the batch's rounds before it came
+    experts_before: object = None  # the executor's StepStats when it came
+    streamed: list | None = None  # (token, text so far) of each token not yet streamed; None: nobody streams it
 
     @property
     def params(self) -> SamplingParams:
@@ -487,6 +526,24 @@ class RunStats:
                 "gammas": sorted({r[0] for r in self.rounds})}
 
 
+def check_mode(mode: str, draft_length: int, draft_width: int) -> None:
+    if mode not in ("greedy", "beam", "auto"):
+        raise ValueError(f"speculative mode must be greedy, beam or auto here, got {mode!r}")
+    for name, value in (("length", draft_length), ("width", draft_width)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"draft {name} must be an integer >= 1, got {value!r}")
+
+
+def check_request(request: Request, context_length: int) -> None:
+    """Raise (one line) for a request speculative decoding cannot take."""
+    if not request.prompt_ids:
+        raise ValueError("speculative decoding needs a prompt of at least one token")
+    if len(request.prompt_ids) >= context_length:
+        raise MoedeskError(f"prompt has {len(request.prompt_ids)} tokens; the context is {context_length}")
+    if request.grammar is not None:
+        raise MoedeskError("speculative decoding does not take a response_format")
+
+
 class Speculator:
     """Speculative decoding of a batch of requests over one model, in a KV cache of its own."""
 
@@ -504,68 +561,26 @@ class Speculator:
         mode greedy: chains of draft_length; beam: trees of depth draft_length, draft_width children per node,
         `budget` nodes (default draft_length * draft_width); auto: chains whose length each round
         perf_model.choose_draft_length picks from `costs` (0: a plain step)."""
-        if mode not in ("greedy", "beam", "auto"):
-            raise ValueError(f"speculative mode must be greedy, beam or auto here, got {mode!r}")
+        check_mode(mode, draft_length, draft_width)
         if mode == "auto" and costs is None:
             raise ValueError("auto needs measured step costs")
-        if draft_length < 1 or draft_width < 1:
-            raise ValueError("draft length and width must be at least 1")
         width = draft_width if mode == "beam" else 1
-        budget = budget or draft_length * width
         for r in requests:
-            if not r.prompt_ids:
-                raise ValueError("speculative decoding needs a prompt of at least one token")
-            if len(r.prompt_ids) >= self.context_length:
-                raise MoedeskError(f"prompt has {len(r.prompt_ids)} tokens; the context is {self.context_length}")
-            if r.grammar is not None:
-                raise MoedeskError("speculative decoding does not take a response_format")
-        stats = RunStats(mode)
+            self.check(r)
         started = time.perf_counter()
-        b = len(requests)
-        nodes = max(budget, draft_length * width)
-        longest = max(min(self.context_length, len(r.prompt_ids) + r.params.max_new_tokens) for r in requests)
-        self._reserve(b, longest + nodes + 1)
-        rows = [_Row(r, i, generator=torch.Generator().manual_seed(r.params.seed) if r.params.temperature > 0 else None,
-                     detokenizer=self.tokenizer.stream_decoder() if self.tokenizer is not None else None)
-                for i, r in enumerate(requests)]
         longest_prompt = max(len(r.prompt_ids) for r in requests)
         capacity = longest_prompt + (draft_length + 1) * max(r.params.max_new_tokens for r in requests) \
             + (draft_length + 1) * max(width, 1) + 8
-        drafter = drafter_factory(b, capacity)
-        prefill_s = self._prefill(rows, executor, drafter)
-        alpha_counts = [0, 0]  # accepted, tested (auto's running acceptance)
-        plain_steps = 0
-        while True:
-            active = [r for r in rows if r.finish_reason is None]
-            if not active:
-                break
-            room = min(self.context_length - 1 - r.length for r in active)
-            if mode == "auto":
-                alpha = acceptance_estimate(*alpha_counts)
-                gamma = auto_gamma(costs, len(active), alpha, draft_length, plain_steps)
-                plain_steps = plain_steps + 1 if gamma == 0 else 0
-            else:
-                gamma = draft_length
-            gamma = max(0, min(gamma, room))
-            t0 = time.perf_counter()
-            proposal = drafter.propose([r.index for r in active], [r.length for r in active],
-                                       [r.last for r in active], gamma, width, budget,
-                                       [r.params for r in active], [r.generator for r in active],
-                                       [len(r.tokens) for r in active])
-            synchronize(self.device)
-            t1 = time.perf_counter()
-            logits, feats = self._retrying(lambda: self._verify(active, proposal, executor, drafter))
-            synchronize(self.device)
-            t2 = time.perf_counter()
-            if hasattr(costs, "observe_draft") and gamma:
-                costs.observe_draft(1000 * (t1 - t0), gamma)
-            paths, nexts = self._accept(active, proposal, logits)
-            self._compact(active, paths, proposal)
-            self._emit(active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma)
-            t3 = time.perf_counter()
-            stats.rounds.append((gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2)))
+        batch = SpeculativeBatch(self, drafter_factory, mode, draft_length, width, budget, costs, capacity)
+        rows = batch.admit(requests, executor)
+        prefill_s = rows[0].prefill_s
+        while batch.active():
+            batch.round(executor)
         end = time.perf_counter()
-        return [self._completion(r, started, prefill_s, end) for r in rows], stats
+        return [self._completion(r, started, prefill_s, end) for r in rows], batch.stats
+
+    def check(self, request: Request) -> None:
+        check_request(request, self.context_length)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -584,8 +599,11 @@ class Speculator:
             tokens[i, :len(p)] = torch.tensor(p)
         positions = torch.arange(longest).expand(len(rows), longest).clamp(max=self.context_length - 1)
         last = torch.tensor([len(p) - 1 for p in prompts])
+        indices = [r.index for r in rows]
+        # Rows 0..n-1 (a whole run, or a job's first newcomers) as a slice; rows elsewhere by index.
+        where = None if indices == list(range(len(rows))) else torch.tensor(indices, device=self.device)
         out = self._retrying(lambda: self.model(tokens.to(self.device), positions.to(self.device), self.cache,
-                                                executor, logits_at=last.to(self.device),
+                                                executor, rows=where, logits_at=last.to(self.device),
                                                 features=drafter.feature_keys))
         logits, hidden = out if drafter.feature_keys else (out, None)
         feats = drafter.combine(hidden) if hidden is not None else None
@@ -701,12 +719,17 @@ class Speculator:
             r.tokens.append(token)
             added = r.detokenizer.step(token) if r.detokenizer is not None else ""
             r.text += added
+            stopped = False
             if r.params.stop and r.detokenizer is not None:
                 cut = min((i for i in (r.text.find(s) for s in r.params.stop) if i >= 0), default=-1)
                 if cut >= 0:
                     r.text = r.text[:cut]
-                    r.finish_reason = "stop"
-                    break
+                    stopped = True
+            if r.streamed is not None:
+                r.streamed.append((token, r.text))
+            if stopped:
+                r.finish_reason = "stop"
+                break
             if len(r.tokens) >= r.params.max_new_tokens or r.length >= self.context_length:
                 r.finish_reason = "length"
                 break
@@ -733,6 +756,111 @@ class Speculator:
 
     def _retrying(self, step):
         return retrying_oom(step, self.on_oom, "use a shorter draft or a smaller batch")
+
+
+
+class SpeculativeBatch:
+    """Rounds of speculative decoding over rows that come and go, in one Speculator's cache: `admit` prefills
+    newcomers into free rows (one forward), `round` drafts, verifies and accepts for every running row (one
+    target forward), `release` frees a finished row for the next newcomer. Speculator.run is this with every
+    request admitted at once; the scheduler's SpeculativeJob admits requests as they arrive.
+
+    drafter_factory(batch, capacity) makes the drafter at the first admit; a drafter with `grow(batch)` (the
+    EAGLE one) gets more rows when newcomers need them, one without keeps what it was made with."""
+
+    def __init__(self, spec: Speculator, drafter_factory, mode: str, draft_length: int, width: int,
+                 budget: int | None, costs, capacity: int):
+        self.spec, self.factory = spec, drafter_factory
+        self.mode, self.draft_length, self.width = mode, draft_length, width
+        self.budget = budget or draft_length * width
+        self.nodes = max(self.budget, draft_length * width)
+        self.costs, self.capacity = costs, capacity
+        self.drafter = None
+        self.rows: list[_Row | None] = []
+        self.stats = RunStats(mode)
+        self.alpha_counts = [0, 0]  # accepted, tested (auto's running acceptance)
+        self.plain_steps = 0
+
+    def active(self) -> list[_Row]:
+        return [r for r in self.rows if r is not None and r.finish_reason is None]
+
+    def admit(self, requests: list[Request], executor, streamed: bool = False) -> list[_Row]:
+        """Rows for `requests` (checked already: Speculator.check), prefilled together, each with its first
+        token. streamed: record every token with its text in `_Row.streamed` for the caller to send on."""
+        spec = self.spec
+        started = time.perf_counter()
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        new = []
+        for request in requests:
+            index = free.pop(0) if free else len(self.rows)
+            if index == len(self.rows):
+                self.rows.append(None)
+            row = _Row(request, index,
+                       generator=torch.Generator().manual_seed(request.params.seed)
+                       if request.params.temperature > 0 else None,
+                       detokenizer=spec.tokenizer.stream_decoder() if spec.tokenizer is not None else None,
+                       started=started, first_round=len(self.stats.rounds), streamed=[] if streamed else None,
+                       experts_before=executor.stats.copy() if hasattr(executor, "stats") else None)
+            self.rows[index] = row
+            new.append(row)
+        longest = max(min(spec.context_length, len(r.prompt_ids) + r.params.max_new_tokens) for r in requests)
+        spec._reserve(len(self.rows), longest + self.nodes + 1)
+        if self.drafter is None:
+            self.drafter = self.factory(len(self.rows), self.capacity)
+        elif hasattr(self.drafter, "grow"):
+            self.drafter.grow(len(self.rows))
+        prefill_s = spec._prefill(new, executor, self.drafter)
+        for row in new:
+            row.prefill_s = prefill_s
+        return new
+
+    def round(self, executor) -> None:
+        """One draft-verify-accept round over every running row."""
+        spec, drafter = self.spec, self.drafter
+        active = self.active()
+        if not active:
+            return
+        room = min(spec.context_length - 1 - r.length for r in active)
+        if self.mode == "auto":
+            alpha = acceptance_estimate(*self.alpha_counts)
+            gamma = auto_gamma(self.costs, len(active), alpha, self.draft_length, self.plain_steps)
+            self.plain_steps = self.plain_steps + 1 if gamma == 0 else 0
+        else:
+            gamma = self.draft_length
+        gamma = max(0, min(gamma, room))
+        t0 = time.perf_counter()
+        proposal = drafter.propose([r.index for r in active], [r.length for r in active],
+                                   [r.last for r in active], gamma, self.width, self.budget,
+                                   [r.params for r in active], [r.generator for r in active],
+                                   [len(r.tokens) for r in active])
+        synchronize(spec.device)
+        t1 = time.perf_counter()
+        logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
+        synchronize(spec.device)
+        t2 = time.perf_counter()
+        if hasattr(self.costs, "observe_draft") and gamma:
+            self.costs.observe_draft(1000 * (t1 - t0), gamma)
+        paths, nexts = spec._accept(active, proposal, logits)
+        spec._compact(active, paths, proposal)
+        spec._emit(active, proposal, paths, nexts, feats, drafter, self.alpha_counts, gamma)
+        t3 = time.perf_counter()
+        self.stats.rounds.append((gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2)))
+
+    def completion(self, row: _Row, executor=None) -> Completion:
+        """A row's completion now, with the summary of the rounds it took part in (and its expert work)."""
+        done = self.spec._completion(row, row.started, row.prefill_s, time.perf_counter())
+        summary = RunStats(self.mode, self.stats.rounds[row.first_round:]).summary()
+        done.stats["speculative"].update(mode=self.mode, **summary)
+        if row.experts_before is not None and executor is not None:
+            done.stats["experts"] = executor.stats.since(row.experts_before).as_dict()
+        return done
+
+    def release(self, row: _Row) -> None:
+        """Free a finished (or cancelled) row's place for the next newcomer."""
+        if row.index < len(self.rows) and self.rows[row.index] is row:
+            self.rows[row.index] = None
+            if hasattr(self.drafter, "release"):
+                self.drafter.release(row.index)
 
 
 
@@ -844,56 +972,168 @@ def draft_head(engine, path):
 
 def speculate(engine, requests: list[Request], draft, mode: str = "greedy", draft_length: int = 4,
               draft_width: int = 4, budget: int | None = None) -> list[Completion]:
-    """Complete `requests` together with speculative decoding (Engine.speculate documents it)."""
-    if mode not in ("greedy", "beam", "auto"):
-        raise ValueError(f"speculative mode must be greedy, beam or auto, got {mode!r}")
-    busy = engine.scheduler.stats()
-    if busy["running"] or busy["waiting"]:
-        raise MoedeskError("speculative decoding cannot run while other requests are decoding on this model; "
-                           "wait for them to finish")
+    """Complete `requests` together with speculative decoding (Engine.speculate documents it): submitted to the
+    engine's scheduler at once, so they verify as one batch, beside whatever else it runs."""
+    options = SpeculativeOptions(mode, draft, draft_length, draft_width, budget)
     if not requests:
         return []
-    factory = draft if callable(draft) else eagle_factory(draft_head(engine, draft), engine.config.num_layers)
-    costs = None
-    if mode == "auto":
-        costs = RunningCosts(engine_step_times(engine, len(requests), draft_length))
-        if not perf_model.choose_draft_length(costs, len(requests), OPTIMISTIC_ALPHA, draft_length).gamma:
-            # not even a good draft would pay here: the engine's own decode path, CUDA graphs and all
-            tagged = [Request(r.prompt_ids, r.params, tag=i, grammar=r.grammar) for i, r in enumerate(requests)]
-            by_index = {c.tag: c for c in engine.generate(tagged, batch_size=len(requests))}
-            out = []
-            for i, r in enumerate(requests):
-                c = by_index[i]
-                c.tag = r.tag
-                c.stats["speculative"] = {"mode": "auto", "plain": True}
-                out.append(c)
-            return out
-    spec = engine.__dict__.get("_speculator")
-    if spec is None:
-        spec = engine._speculator = Speculator(engine.model, engine.device, engine.dtype, engine.context_length,
-                                               engine.config.eos_token_ids, engine.tokenizer, on_oom=engine._on_oom)
-    before = engine.executor.stats.copy() if hasattr(engine.executor, "stats") else None
-    completions, stats = spec.run(requests, engine.executor, factory, mode, draft_length,
-                                  draft_width if mode == "beam" else 1, budget, costs)
-    summary = stats.summary()
-    for c in completions:
-        c.stats["speculative"].update(mode=mode, **summary)
-        if before is not None:
-            c.stats["experts"] = engine.executor.stats.since(before).as_dict()
-    return completions
+    return engine.complete(requests, decoding=options)
 
 
 def generate_speculative(engine, requests, batch_size: int, draft, mode: str = "greedy", draft_length: int = 4,
                          draft_width: int = 4, budget: int | None = None):
-    """Engine.generate's interface over `speculate`: `batch_size` requests at a time (each group runs to its
-    end before the next starts), yielding completions as each group finishes."""
-    source = iter(requests)
-    while True:
-        group = []
-        for r in source:
-            group.append(r)
-            if len(group) == batch_size:
-                break
-        if not group:
-            return
-        yield from speculate(engine, group, draft, mode, draft_length, draft_width, budget)
+    """Engine.generate's interface with speculative decoding: at most `batch_size` requests in the speculative
+    batch at once, a finished one's row taken by the next (continuous batching, as plain generate does), each
+    completion yielded as it finishes."""
+    return engine.generate(requests, batch_size=batch_size,
+                           decoding=SpeculativeOptions(mode, draft, draft_length, draft_width, budget))
+
+
+# --- the scheduler's job ------------------------------------------------------------------------
+
+SPECULATIVE_ROWS = 16  # requests one speculative job holds when the caller sets no limit (as a group would)
+
+
+@dataclass(frozen=True)
+class SpeculativeOptions:
+    """A request decoded speculatively (Engine.submit's `decoding`). draft: an EAGLE head folder (loaded once per
+    engine) or a drafter factory (`oracle_factory`); mode, draft_length, draft_width, budget as Engine.speculate
+    takes them."""
+
+    mode: str = "greedy"
+    draft: object = None
+    draft_length: int = 4
+    draft_width: int = 4
+    budget: int | None = None
+
+    def __post_init__(self):
+        check_mode(self.mode, self.draft_length, self.draft_width)
+        if self.draft is None:
+            raise ValueError("speculative decoding needs a draft head (an EAGLE head folder)")
+        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, int)
+                                        or self.budget < 1):
+            raise ValueError(f"the draft budget must be an integer >= 1, got {self.budget!r}")
+
+    @property
+    def width(self) -> int:
+        return self.draft_width if self.mode == "beam" else 1
+
+    @property
+    def key(self) -> tuple:
+        """Requests of equal keys share a job, so they verify in one forward: the same head and draft shape."""
+        draft = self.draft if callable(self.draft) else str(self.draft)
+        return ("speculative", draft, self.mode, self.draft_length, self.width, self.budget)
+
+
+class SpeculativeKind:
+    """engine.generation.scheduler.JobKind for speculative requests: one job per draft configuration, holding
+    up to `limit` requests that join and leave between its rounds."""
+
+    def __init__(self, engine, options: SpeculativeOptions, limit: int = SPECULATIVE_ROWS):
+        self.engine, self.options, self.limit = engine, options, max(1, limit)
+        self.key = options.key
+
+    def make(self) -> "SpeculativeJob":
+        return SpeculativeJob(self.engine, self.options, self.limit)
+
+
+class SpeculativeJob:
+    """Speculative requests of one configuration, stepped by the scheduler's decode thread
+    (engine.generation.scheduler.Job): each step prefills the newcomers together and runs one round over
+    every running request, whose accepted tokens then stream one by one, as plain decoding's do.
+
+    The draft head is loaded, auto's step times measured (cached per machine) and a Speculator (its KV cache)
+    taken from the engine's idle ones at the first step, on the decode thread. In auto mode, requests that
+    start a job go back to the plain batch when not even a good draft would pay at their batch size
+    (perf_model.choose_draft_length), as Engine.speculate always did: decoding them plainly is never slower."""
+
+    def __init__(self, engine, options: SpeculativeOptions, limit: int):
+        self.engine, self.options, self.limit = engine, options, limit
+        self.plain: list = []
+        self.fresh: list = []
+        self.rows: dict = {}  # handle -> _Row, in admission order
+        self.batch: SpeculativeBatch | None = None
+        self.spec: Speculator | None = None
+        self.decided = options.mode != "auto"  # whether drafting can pay here was decided
+
+    def admit(self, handle) -> None:
+        check_request(handle.request, self.engine.context_length)
+        self.fresh.append(handle)
+
+    def _start(self, first: list) -> None:
+        engine, o = self.engine, self.options
+        factory = o.draft if callable(o.draft) else eagle_factory(draft_head(engine, o.draft), engine.config.num_layers)
+        costs = RunningCosts(engine_step_times(engine, self.limit, o.draft_length)) if o.mode == "auto" else None
+        idle = engine.__dict__.setdefault("_speculators", [])
+        self.spec = idle.pop() if idle else Speculator(engine.model, engine.device, engine.dtype,
+                                                       engine.context_length, engine.config.eos_token_ids,
+                                                       engine.tokenizer, on_oom=engine._on_oom)
+        self.spec.eos = frozenset(engine.config.eos_token_ids) | (
+            engine.tokenizer.eos_token_ids if engine.tokenizer is not None else frozenset())
+        room = (o.draft_length + 1) * o.width + 8
+        # As a run sizes it for its requests, capped at a context's worth: rows come and go, so the drafter
+        # compacts and grows its slots as it needs (EagleDrafter.grow) instead of holding a worst case.
+        capacity = min(max(len(h.request.prompt_ids) for h in first)
+                       + (o.draft_length + 1) * max(h.request.params.max_new_tokens for h in first),
+                       engine.context_length) + room
+
+        def drafter(batch, capacity_):
+            made = factory(batch, capacity_)
+            if hasattr(made, "draft_room"):
+                made.draft_room = room
+            return made
+
+        self.batch = SpeculativeBatch(self.spec, drafter, o.mode, o.draft_length, o.width, o.budget, costs, capacity)
+
+    def step(self):
+        engine = self.engine
+        fresh, self.fresh = self.fresh, []
+        if fresh and self.batch is None:
+            self._start(fresh)
+        if fresh and not self.decided:
+            self.decided = True
+            o = self.options
+            if not perf_model.choose_draft_length(self.batch.costs, len(fresh), OPTIMISTIC_ALPHA, o.draft_length).gamma:
+                for handle in fresh:
+                    handle.extra_stats["speculative"] = {"mode": "auto", "plain": True}
+                self.plain.extend(fresh)
+                return []
+        executor = engine.executor
+        if fresh:
+            for handle, row in zip(fresh, self.batch.admit([h.request for h in fresh], executor, streamed=True)):
+                self.rows[handle] = row
+        if self.batch is not None and self.batch.active():
+            self.batch.round(executor)
+        return self._events(executor)
+
+    def _events(self, executor) -> list:
+        events = []
+        for handle, row in list(self.rows.items()):
+            for token, text in row.streamed:
+                events.append((handle, token, text, None))
+            row.streamed.clear()
+            if row.finish_reason is not None:
+                events.append((handle, None, row.text, self._finish(handle, executor)))
+        return events
+
+    def _finish(self, handle, executor) -> Completion:
+        row = self.rows.pop(handle)
+        done = self.batch.completion(row, executor)
+        self.batch.release(row)
+        return done
+
+    def drop(self, handle) -> Completion:
+        if handle in self.fresh:
+            self.fresh.remove(handle)
+        row = self.rows.get(handle)
+        if row is None:
+            return Completion(tag=handle.request.tag, token_ids=[], text="", finish_reason="cancelled",
+                              prompt_tokens=len(handle.request.prompt_ids), stats={})
+        row.finish_reason = "cancelled"
+        return self._finish(handle, self.engine.executor)
+
+    def close(self) -> None:
+        if self.spec is not None:
+            self.engine.__dict__.setdefault("_speculators", []).append(self.spec)
+            self.spec = None
+

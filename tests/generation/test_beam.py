@@ -138,7 +138,9 @@ def test_width_1_is_greedy_and_the_context_caps_the_reply(engines, tiny_checkpoi
     assert len(capped.token_ids) == 5 and capped.finish_reason == "length"
 
 
-def test_bad_options_and_a_busy_scheduler_are_refused(engines, monkeypatch):
+def test_bad_options_are_refused_and_a_busy_scheduler_is_not(engines):
+    from engine.requests import Request, SamplingParams
+
     engine = engines("llama")
     ids = engine.tokenizer.encode("Hi")
     for bad in (dict(beams=0), dict(beams=2.5), dict(length_penalty=float("nan")), dict(early_stopping="soon")):
@@ -146,10 +148,17 @@ def test_bad_options_and_a_busy_scheduler_are_refused(engines, monkeypatch):
             engine.beam_search(ids, **{"beams": 2, **bad})
     with pytest.raises(MoedeskError, match="context"):
         engine.beam_search([5] * engine.context_length, beams=2)
-    stats = engine.scheduler.stats
-    monkeypatch.setattr(engine.scheduler, "stats", lambda: {**stats(), "running": 1})
-    with pytest.raises(MoedeskError, match="while other requests"):
-        engine.beam_search(ids, beams=2)
+    alone = engine.beam_search(ids, beams=2, max_new_tokens=NEW)
+    # A plain request decoding meanwhile no longer refuses the search: it runs between that request's steps.
+    plain = engine.submit(Request(ids, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)))
+    updates = plain.updates(timeout=30)
+    next(updates)
+    try:
+        assert engine.beam_search(ids, beams=2, max_new_tokens=NEW).token_ids == alone.token_ids
+        assert not next(updates).final  # it was still running
+    finally:
+        plain.cancel()
+    assert list(updates)[-1].completion.finish_reason == "cancelled"
 
 
 def test_batch_runs_beam_lines_alone_in_input_order(engines, tiny_checkpoint, tmp_path, capsys):

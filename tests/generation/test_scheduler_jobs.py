@@ -1,0 +1,248 @@
+"""Beam search and speculative decoding as jobs of the scheduler's one decode thread.
+
+They run between the plain batch's steps, beside plain requests that keep streaming; at temperature 0 each
+gives what it gives alone (a beam search what Engine.beam_search gives on an idle engine, speculative
+decoding plain greedy's tokens); speculative requests that arrive while a job runs join it; a cancel ends
+a job's request at its next step and the next job runs.
+"""
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.generation.beam import BeamOptions
+from engine.requests import Request, SamplingParams
+from engine.runtime import Engine
+from engine.speculative.decode import SpeculativeOptions, oracle_factory
+from tests.speculative.test_speculative_decode import random_head
+
+PROMPTS = ["The quick brown fox", "Hello, world!", "def add(a, b):", "Experts live in RAM"]
+
+
+def greedy(n=16):
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Two shared cores: OpenMP threads spinning against other processes made multi-token forwards ~100x slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def head(engine, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("head")
+    random_head(engine, 1, folder)
+    return folder
+
+
+def ids(engine, k):
+    return engine.tokenizer.encode(PROMPTS[k])
+
+
+def alone(engine, prompt, params=None):
+    return next(engine.generate([Request(prompt, params or greedy())], batch_size=1)).token_ids
+
+
+def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while engine.scheduler.stats()["running"] or engine.scheduler.stats()["waiting"]:
+        assert time.monotonic() < deadline, engine.scheduler.stats()
+        time.sleep(0.01)
+
+
+class Recorder:
+    """Every update of several requests, in the order the decode thread sent them."""
+
+    def __init__(self):
+        self.events, self.lock = [], threading.Lock()
+
+    def sink(self, name):
+        def put(update):
+            with self.lock:
+                self.events.append((name, update))
+        return put
+
+    def final(self, name):
+        return next(u for n, u in self.events if n == name and u.final)
+
+    def names(self):
+        with self.lock:
+            return [n for n, _ in self.events]
+
+
+def test_beam_and_speculative_jobs_beside_streaming_plain_requests_equal_running_alone(engine, head):
+    beam_alone = engine.beam_search(ids(engine, 2), beams=3, max_new_tokens=10)
+    spec_want = [alone(engine, ids(engine, k)) for k in (0, 1)]
+    plain_want = [alone(engine, ids(engine, k), greedy(60)) for k in (2, 3)]
+    jobs_before = engine.scheduler.stats()["jobs"]
+    rec = Recorder()
+    plain = [engine.submit(Request(ids(engine, k), greedy(60)), sink=rec.sink(f"plain{k}")) for k in (2, 3)]
+    while rec.names().count("plain2") < 3:  # the plain batch is streaming
+        time.sleep(0.001)
+    beam = engine.submit(Request(ids(engine, 2), greedy(10)), decoding=BeamOptions(beams=3), sink=rec.sink("beam"))
+    options = SpeculativeOptions("greedy", head, draft_length=3)
+    with engine.scheduler.submitting():  # submitted together: one job, verified as one batch
+        spec = [engine.submit(Request(ids(engine, k), greedy()), decoding=options, sink=rec.sink(f"spec{k}"))
+                for k in (0, 1)]
+    wait_idle(engine)
+    assert all(h.done for h in plain + spec + [beam])
+
+    assert rec.final("beam").completion.token_ids == beam_alone.token_ids
+    assert rec.final("beam").completion.stats["beams"] == 3
+    for k in (0, 1):
+        done = rec.final(f"spec{k}").completion
+        assert done.token_ids == spec_want[k] and done.finish_reason == "length"
+        spec_stats = done.stats["speculative"]
+        assert spec_stats["mode"] == "greedy" and spec_stats["verify_steps"] >= 1
+        # tokens streamed one by one, as plain decoding's are
+        streamed = [u.token_id for n, u in rec.events if n == f"spec{k}" and u.token_id is not None]
+        assert streamed == done.token_ids
+    for i, k in enumerate((2, 3)):
+        assert rec.final(f"plain{k}").completion.token_ids == plain_want[i]
+    assert engine.scheduler.stats()["jobs"] - jobs_before == 2  # one beam job, one speculative job for both
+
+    # Nobody waited for anybody: plain tokens kept coming while the jobs ran, and the jobs ended first.
+    names = rec.names()
+    first_job = min(names.index("beam"), names.index("spec0"))
+    last_job = max(len(names) - 1 - names[::-1].index(n) for n in ("beam", "spec0", "spec1"))
+    assert any(n.startswith("plain") for n in names[first_job:last_job])
+    assert names[-1].startswith("plain")
+
+
+def test_speculative_requests_arriving_while_a_job_runs_join_it(engine, head):
+    """A newcomer takes a row of the running job (its drafter and cache grow, a freed row is reused) and the
+    output stays plain greedy's."""
+    options = SpeculativeOptions("beam", head, draft_length=3, draft_width=2)
+    lengths = {0: 40, 1: 12, 2: 12, 3: 8}
+    want = {k: alone(engine, ids(engine, k), greedy(n)) for k, n in lengths.items()}
+    jobs_before = engine.scheduler.stats()["jobs"]
+    rec = Recorder()
+    first = engine.submit(Request(ids(engine, 0), greedy(lengths[0])), decoding=options, sink=rec.sink(0))
+    while rec.names().count(0) < 4:
+        time.sleep(0.001)
+    engine.submit(Request(ids(engine, 1), greedy(lengths[1])), decoding=options, sink=rec.sink(1))
+    while not any(n == 1 and u.final for n, u in rec.events):
+        time.sleep(0.001)
+    assert not first.done  # the first is still running: the next newcomer reuses the freed row beside it
+    engine.submit(Request(ids(engine, 2), greedy(lengths[2])), decoding=options, sink=rec.sink(2))
+    engine.submit(Request(ids(engine, 3), greedy(lengths[3])), decoding=options, sink=rec.sink(3))
+    wait_idle(engine)
+    for k in lengths:
+        assert rec.final(k).completion.token_ids == want[k], k
+    assert engine.scheduler.stats()["jobs"] - jobs_before == 1
+    stats = {k: rec.final(k).completion.stats["speculative"] for k in lengths}
+    assert stats[1]["rounds"] < stats[0]["rounds"]  # it came later and left earlier
+
+
+def test_cancel_ends_a_jobs_request_at_its_next_step(engine, head):
+    prompt = ids(engine, 0)
+    long = greedy(300)
+    for decoding in (BeamOptions(beams=2), SpeculativeOptions("greedy", head, draft_length=2)):
+        handle = engine.submit(Request(prompt, long), decoding=decoding)
+        updates = handle.updates(timeout=60)
+        if isinstance(decoding, SpeculativeOptions):
+            next(updates)  # it is streaming
+        else:
+            while engine.scheduler.stats()["in_jobs"] == 0:
+                time.sleep(0.001)
+            time.sleep(0.05)  # a few of its steps
+        handle.cancel()
+        final = list(updates)[-1]
+        assert final.completion.finish_reason == "cancelled"
+        assert len(final.completion.token_ids) < 300
+        wait_idle(engine)
+        assert engine.scheduler.stats()["running_jobs"] == 0
+    # the searches and the speculator were given back: the next ones run
+    assert engine.beam_search(prompt, beams=2, max_new_tokens=4).finish_reason == "length"
+    assert engine.speculate([Request(prompt, greedy(6))], head, draft_length=2)[0].token_ids == alone(engine, prompt,
+                                                                                                       greedy(6))
+
+
+def test_stream_with_speculation_and_beams(engine, head):
+    prompt = ids(engine, 1)
+    want = alone(engine, prompt, greedy(20))
+    chunks = list(engine.stream(prompt, greedy(20), decoding=SpeculativeOptions("greedy", head, draft_length=3)))
+    done = chunks[-1].completion
+    assert done.token_ids == want and sum((c.token_ids for c in chunks), []) == want
+    assert "".join(c.text for c in chunks) == done.text
+    assert len([c for c in chunks if c.text]) > 1  # streamed, not all at the end
+
+    beam = list(engine.stream(prompt, greedy(8), decoding=BeamOptions(beams=2)))
+    assert len(beam) == 1  # beam search: only the best hypothesis, whole, at the end
+    assert beam[0].completion.token_ids == engine.beam_search(prompt, beams=2, max_new_tokens=8).token_ids
+    assert beam[0].text == beam[0].completion.text
+
+
+def test_a_request_a_job_cannot_take_fails_alone(engine, head):
+    options = SpeculativeOptions("greedy", head, draft_length=2)
+    good = engine.submit(Request(ids(engine, 0), greedy(8)), decoding=options)
+    bad = engine.submit(Request(ids(engine, 0), greedy(8), grammar=object()), decoding=options)
+    assert "response_format" in str(list(bad.updates(timeout=60))[-1].error)
+    assert list(good.updates(timeout=60))[-1].completion.token_ids == alone(engine, ids(engine, 0), greedy(8))
+    with pytest.raises(ValueError):
+        SpeculativeOptions("sideways", head)
+    with pytest.raises(ValueError):
+        SpeculativeOptions("greedy", None)
+
+
+def test_oracle_drafts_through_the_scheduler_accept(engine):
+    """Accepted chains through a job (the random head accepts almost nothing): the oracle's references are
+    the requests' own greedy outputs, rows in submission order."""
+    requests = [Request(ids(engine, k), greedy(24)) for k in range(3)]
+    want = [alone(engine, r.prompt_ids, r.params) for r in requests]
+    done = engine.speculate(requests, oracle_factory(want, 0.0, engine.vocab_size), draft_length=3)
+    assert [c.token_ids for c in done] == want
+    assert all(c.stats["speculative"]["tokens_per_step"] == 4.0 for c in done)  # every draft accepted
+
+
+def test_a_speculative_batch_compacts_and_grows_its_draft_slots(engine, head):
+    """Rows that come and go leave holes in the draft head's shared slots: a batch made with room for very
+    few compacts them and grows, and every output stays plain greedy's."""
+    from engine.speculative.decode import SpeculativeBatch, Speculator, draft_head, eagle_factory
+
+    spec = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
+                      engine.tokenizer)
+    made = []
+
+    def factory(batch, capacity):
+        drafter = eagle_factory(draft_head(engine, head), engine.config.num_layers)(batch, capacity)
+        drafter.draft_room = 3 * 2 + 8
+        made.append(drafter)
+        return drafter
+
+    batch = SpeculativeBatch(spec, factory, "beam", 3, 2, None, None, capacity=24)
+    lengths = [30, 6, 20, 10]
+    requests = [Request(ids(engine, k), greedy(n)) for k, n in enumerate(lengths)]
+    want = [alone(engine, r.prompt_ids, r.params) for r in requests]
+    rows = batch.admit(requests[:1], engine.executor)
+    for _ in range(3):
+        batch.round(engine.executor)
+    rows += batch.admit(requests[1:2], engine.executor)
+    compactions = 0
+    real = type(made[0])._compact
+
+    def counting(self):
+        nonlocal compactions
+        compactions += 1
+        real(self)
+
+    made[0]._compact = counting.__get__(made[0])
+    while rows[1].finish_reason is None:
+        batch.round(engine.executor)
+    batch.release(rows[1])
+    rows += batch.admit(requests[2:], engine.executor)  # one in the freed row, one in a new one
+    assert [r.index for r in rows] == [0, 1, 1, 2]
+    while batch.active():
+        batch.round(engine.executor)
+    assert [r.tokens for r in rows] == want
+    assert compactions >= 1 and made[0].cache.capacity > 24 and made[0].batch == 3
