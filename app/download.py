@@ -168,6 +168,49 @@ def group_choices(files: Iterable[RepoFile]) -> tuple[DownloadChoice, ...]:
     return tuple(choices)
 
 
+def read_choice_weights(listing: RepoListing, choice: DownloadChoice):
+    """What the memory estimate needs of a safetensors choice (engine.load.size_estimate.ModelWeights), read from
+    the Hub without downloading the weights: config.json and each shard's header (huggingface_hub reads one with a
+    bounded Range request, two when it is long). Raises DownloadError or MoedeskError, one line each. GGUF
+    choices are not read: their tensor types sit behind the whole vocabulary at the start of the file."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from huggingface_hub import HfApi, hf_hub_url
+    from huggingface_hub.errors import SafetensorsParsingError
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    from engine.load.size_estimate import TensorInfo, summarize
+
+    if choice.kind != "safetensors":
+        raise ValueError(f"{choice.label}: only safetensors choices are read before downloading")
+    if "config.json" not in choice.files:
+        raise DownloadError(f"{listing.repo_id} has no config.json")
+    api = HfApi()
+    shards = [p for p in choice.files if p.endswith(".safetensors")]
+
+    def header(path: str) -> dict:
+        try:
+            return api.parse_safetensors_file_metadata(listing.repo_id, path, revision=listing.commit).tensors
+        except SafetensorsParsingError as e:
+            raise DownloadError(f"{path}: not a readable safetensors header ({_first_line(e)})") from e
+
+    with _hub_errors(listing.repo_id, listing.revision):
+        response = get_session().get(hf_hub_url(listing.repo_id, "config.json", revision=listing.commit),
+                                     headers=build_hf_headers())
+        hf_raise_for_status(response)
+        with ThreadPoolExecutor(max_workers=min(8, len(shards) or 1)) as pool:
+            headers = list(pool.map(header, shards))
+    try:
+        config = json.loads(response.content)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise DownloadError(f"{listing.repo_id}: config.json is not JSON") from None
+    if not isinstance(config, dict):
+        raise DownloadError(f"{listing.repo_id}: config.json is not a JSON object")
+    tensors = {name: TensorInfo(tuple(info.shape), info.dtype) for found in headers for name, info in found.items()}
+    return summarize(config, tensors, f"{listing.repo_id}/config.json")
+
+
 _GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
 # Quantisation names as llama.cpp and the big GGUF publishers write them: Q4_K_M, Q8_0, IQ4_XS, TQ1_0, BF16, MXFP4...
 # They contain "_" but never "-" or ".", which is what separates them from the rest of a file name.

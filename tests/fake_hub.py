@@ -9,7 +9,8 @@ It answers what huggingface_hub 2.4.0 asks when it lists and downloads model fil
   served in place with `ETag` (the git blob id), `X-Repo-Commit` and `Content-Length`. LFS files answer 302 to a
   second server standing in for the CDN, with `X-Linked-Etag` (their sha256), `X-Linked-Size` and `X-Repo-Commit`,
   as the real Hub does; the client stops at a redirect to another origin and reads the metadata from it.
-- `GET /blob/{sha256}` on the CDN server, with `Range: bytes=N-` answered 206 + `Content-Range`.
+- `GET /blob/{sha256}` on the CDN server, with `Range: bytes=N-` answered 206 + `Content-Range`; on either server a
+  bounded `Range: bytes=N-M` (how a safetensors header is read without the weights) gets just those bytes.
 
 Errors carry the `X-Error-Code` header that `hf_raise_for_status` turns into typed exceptions: `RepoNotFound`,
 `RevisionNotFound`, `EntryNotFound`, and `GatedRepo` (401 without a token, 403 with one) for gated repos.
@@ -47,6 +48,11 @@ class RecordedRequest:
     @property
     def range(self) -> str | None:
         return self.headers.get("range")
+
+    @property
+    def bounded(self) -> bool:
+        """A Range with an end: a part of the file read on purpose, not a download (which resumes with `bytes=N-`)."""
+        return bool(self.range and re.fullmatch(r"bytes=\d+-\d+", self.range))
 
 
 @dataclass
@@ -102,14 +108,17 @@ class FakeHub:
             self._releases.append(release)
         return release
 
-    def gets(self, repo_id: str, path: str) -> list[RecordedRequest]:
-        """The GETs that fetched this file's bytes (from the hub for small files, from the CDN for LFS files)."""
+    def gets(self, repo_id: str, path: str, headers: bool = False) -> list[RecordedRequest]:
+        """The GETs that downloaded this file (from the hub for small files, from the CDN for LFS files); with
+        headers=True, those that read only a part of it (a bounded Range: a safetensors header) instead."""
         repo = self.repos[repo_id]
         if repo.is_lfs(path):
             target = ("cdn", f"/blob/{repo.sha256(path)}")
-            return [r for r in self.requests if r.method == "GET" and (r.server, r.path) == target]
-        pattern = re.compile(rf"/{re.escape(repo_id)}/resolve/[^/]+/{re.escape(path)}")
-        return [r for r in self.requests if r.method == "GET" and r.server == "hub" and pattern.fullmatch(r.path)]
+            found = [r for r in self.requests if r.method == "GET" and (r.server, r.path) == target]
+        else:
+            pattern = re.compile(rf"/{re.escape(repo_id)}/resolve/[^/]+/{re.escape(path)}")
+            found = [r for r in self.requests if r.method == "GET" and r.server == "hub" and pattern.fullmatch(r.path)]
+        return [r for r in found if r.bounded == headers]
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -308,26 +317,29 @@ class _Handler(BaseHTTPRequestHandler):
     # -- responses -------------------------------------------------------------------------------------------
 
     def _send_bytes(self, repo: FakeRepo, path: str, data: bytes, head: bool, extra: dict[str, str]) -> None:
-        start = 0
-        if m := re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", "")):
-            start = int(m[1])
+        start, end = 0, None
+        if m := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "")):
+            start, end = int(m[1]), int(m[2]) if m[2] else None
         if start > len(data) or (start == len(data) and len(data) > 0):
             self.send_response(416)
             self.send_header("Content-Range", f"bytes */{len(data)}")
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        body = data[start:]
-        self.send_response(206 if start else 200)
-        if start:
-            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        body = data[start:] if end is None else data[start:end + 1]
+        partial = start or end is not None
+        self.send_response(206 if partial else 200)
+        if partial:
+            self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
         self.send_header("Accept-Ranges", "bytes")
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
         for key, value in extra.items():
             self.send_header(key, value)
         self.end_headers()
-        if head:
+        if head or end is not None:  # a bounded range reads a header: cuts and holds are for downloads
+            if not head:
+                self.wfile.write(body)
             return
         cut = self.server.hub._take_cut(repo.repo_id, path)
         if cut is not None:

@@ -18,7 +18,7 @@ gguf = pytest.importorskip("gguf")
 
 def loaded_bytes(model: str, expert_dtype: str, dtype: str) -> tuple[int, int, set[str]]:
     """(expert stacks' bytes, every other weight's bytes, the stacks' formats) of the model loaded on the CPU."""
-    net, _cfg, _banks = load_model(open_checkpoint(model), DTYPES[dtype], torch.device("cpu"), expert_dtype=expert_dtype)
+    net, _, _ = load_model(open_checkpoint(model), DTYPES[dtype], torch.device("cpu"), expert_dtype=expert_dtype)
     experts = sum(moe.experts.nbytes for moe in net.moe_blocks())
     other = sum(p.numel() * p.element_size() for p in net.parameters())  # a tied embedding counts once
     return experts, other, {moe.experts.describe() for moe in net.moe_blocks()}

@@ -1,6 +1,7 @@
 """The download wizard, driven through Pilot, with the real huggingface_hub client talking to tests/fake_hub.py."""
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -8,7 +9,10 @@ import pytest
 
 from app import download as dl
 from app.tui import MoedeskApp
+from app.tui.settings import Settings
+from app.tui.screens import download as wizard
 from app.tui.screens.download import DownloadScreen
+from app.tui.screens.models import LoadTarget
 from app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
 from tests.tui.helpers import chat_ready, wait_for
@@ -25,11 +29,40 @@ def blob(seed: int, size: int) -> bytes:
 
 
 GGUFS = {"tiny-moe-Q4_K_M.gguf": blob(3, 60_000), "tiny-moe-Q8_0.gguf": blob(4, 110_000)}
+SNAP_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "intermediate_size": 512,
+               "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+               "max_position_embeddings": 4096}
+
+
+def snap_shards() -> dict[str, bytes]:
+    """A bf16 Qwen3-MoE checkpoint of zeros in two shards: real headers for the memory estimate to read."""
+    import torch
+    from safetensors.torch import save
+
+    c = SNAP_CONFIG
+    H, E, W, V = c["hidden_size"], c["num_experts"], c["moe_intermediate_size"], c["vocab_size"]
+    shards = []
+    for layer in range(c["num_hidden_layers"]):
+        p = f"model.layers.{layer}."
+        shapes = {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                  p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (128, H),
+                  p + "self_attn.v_proj.weight": (128, H), p + "self_attn.o_proj.weight": (H, H),
+                  p + "self_attn.q_norm.weight": (64,), p + "self_attn.k_norm.weight": (64,),
+                  p + "mlp.gate.weight": (E, H)}
+        for e in range(E):
+            shapes.update({f"{p}mlp.experts.{e}.{proj}.weight": shape for proj, shape in
+                           (("gate_proj", (W, H)), ("up_proj", (W, H)), ("down_proj", (H, W)))})
+        shapes.update({"model.embed_tokens.weight": (V, H)} if layer == 0 else
+                      {"lm_head.weight": (V, H), "model.norm.weight": (H,)})
+        shards.append(save({name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in shapes.items()}))
+    return {f"model-0000{n}-of-00002.safetensors": data for n, data in enumerate(shards, 1)}
+
+
 FIXED = {  # bytes that never change, so the snapshot's commit hash and sizes never do
-    "config.json": b'{"model_type": "qwen3_moe", "num_experts": 8}',
+    "config.json": json.dumps(SNAP_CONFIG).encode(),
     "tokenizer.json": b'{"version": "1.0"}',
-    "model-00001-of-00002.safetensors": blob(1, 3_000_000),
-    "model-00002-of-00002.safetensors": blob(2, 2_000_000),
+    **snap_shards(),
     "README.md": b"# snap\n",
     "snap-Q4_K_M.gguf": blob(5, 1_200_000),
     "snap-Q8_0.gguf": blob(6, 2_400_000),
@@ -137,11 +170,80 @@ async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine):
                               f"{dl.format_bytes(safetensors.total_bytes)} to download"
         assert "fits" in str(fit.query_one(".fit-disk").render()) and "-no-room" not in fit.classes
         assert "RAM " in str(fit.query_one(".fit-memory").render())
+        # What it takes once loaded, from config.json and the header alone: on this CPU float32, experts as stored.
+        loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
+        experts = sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+        total = experts + sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        assert loaded() == (f"loaded  ~{dl.format_bytes(total)} in RAM, {dl.format_bytes(experts)} of it f32 experts"
+                            " · expert dtype auto (F2)")
         await pilot.press("down")
         assert size_line() == "GGUF Q4_K_M · 1 file · 60.0 KB to download"
+        assert loaded() == "loaded  ≈ the file's size: its Q4_K_M experts stay packed as they are"
         assert not screen.query_one("#download-start").disabled
-        # Listing fetched metadata only: not one file's bytes.
-        assert not any("/resolve/" in r.path and r.method == "GET" or r.server == "cdn" for r in hub.requests)
+        # Listing fetched metadata and read headers only: config.json whole, the weights' first bytes, nothing else.
+        whole = [r.path for r in hub.requests if r.method == "GET" and ("/resolve/" in r.path or r.server == "cdn")
+                 and not r.bounded]
+        assert whole and all(path.endswith("/config.json") for path in whole), whole
+        assert not hub.gets(REPO, WEIGHTS) and hub.gets(REPO, WEIGHTS, headers=True)
+        assert not list(Path(dl.hf_cache_dir()).iterdir())  # and nothing of it was written to the cache
+
+
+@pytest.mark.anyio
+async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine):
+    """int4 from the settings: the tiny model's gate/up rows (64 wide) become q4_0, 18 bytes per 32 weights; its
+    down rows (48 wide: not whole blocks) stay float32. F2 in the wizard back to auto shows the file's form again;
+    a GGUF quantisation kept packed stays about the file's size, and bf16 experts are only known once downloaded."""
+    cfg = engine.config
+    E, H, F, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers
+    other = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    int4 = L * E * (2 * F * H // 32 * 18 + H * F * 4)
+    app = MoedeskApp(engine, settings=Settings(expert_dtype="int4"))
+    async with app.run_test(size=(120, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        fit = screen.query_one("FitView")
+        loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
+        assert loaded() == (f"loaded  ~{dl.format_bytes(int4 + other)} in RAM, {dl.format_bytes(int4)} of it "
+                            "q4_0/f32 experts · expert dtype int4 (F2)")
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        app.screen.query_one("#setting-expert_dtype").value = "bf16"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen, what="the wizard again")
+        await wait_for(pilot, lambda: "bf16" in loaded(), what="the new estimate")
+        experts = sum(moe.experts.nbytes for moe in engine.model.moe_blocks())  # float32 on this CPU
+        assert loaded() == (f"loaded  ~{dl.format_bytes(experts + other)} in RAM, {dl.format_bytes(experts)} of it "
+                            "f32 experts · expert dtype bf16 (F2)")
+        await pilot.press("down")
+        assert loaded() == "loaded  known once downloaded (expert dtype bf16, F2)"
+        assert len(hub.gets(REPO, WEIGHTS, headers=True)) == 1  # read once, estimated again from what was read
+
+
+@pytest.mark.anyio
+async def test_no_estimate_is_one_line_and_the_fit_weighs_the_estimate(hub, engine, monkeypatch):
+    """A header that cannot be read: one line instead of the estimate. Memory that the file's size would overflow
+    but the int4 estimate does not: the note goes by the estimate."""
+    app = MoedeskApp(engine, settings=Settings(expert_dtype="int4"))
+    async with app.run_test(size=(120, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, "moe/gated")
+        fit = screen.query_one("FitView")
+        loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
+        assert loaded().startswith("loaded  no estimate before downloading: moe/gated is a gated model")
+        assert "\n" not in loaded()
+
+        size = next(c for c in dl.list_repo_files_with_sizes(REPO).choices if c.kind == "safetensors").total_bytes
+        monkeypatch.setattr(dl, "check_fits", lambda needed, target=None: dl.FitReport(
+            needed, Path("/hf"), 500 * dl.GB, dl.disk_margin(needed), size - 100_000, 0, None, None))
+        await list_repo(pilot, screen, REPO)
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
+        assert "q4_0/f32 experts" in loaded() and "-too-big" not in fit.classes
+        assert str(fit.query_one(".fit-note").render()).startswith("the weights fit in RAM + VRAM together")
 
 
 @pytest.mark.anyio
@@ -367,11 +469,15 @@ def fixed_fit(needed: int, target=None) -> dl.FitReport:
 
 def test_download_wizard_snapshot(snap_compare, hub, engine, monkeypatch):
     monkeypatch.setattr(dl, "check_fits", fixed_fit)
+    # As on a GPU box with expert dtype int4, whatever this machine has and the settings say.
+    monkeypatch.setattr(wizard, "load_target", lambda app: LoadTarget("int4", "bfloat16", gpu=True))
     engine.name = "tiny-qwen3-moe"
 
     async def run_before(pilot):
         screen = await open_wizard(pilot)
         await list_repo(pilot, screen, "moe/snap")
+        fit = screen.query_one("FitView")
+        await wait_for(pilot, lambda: "~" in str(fit.query_one(".fit-loaded").render()), what="the estimate")
         await pilot.pause()
 
     assert snap_compare(MoedeskApp(engine), terminal_size=(100, 30), run_before=run_before)

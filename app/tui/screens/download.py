@@ -5,6 +5,11 @@ answers with a message; download progress comes back through `call_from_thread`;
 one line in the status. Cancelling keeps the partial files, and downloading the same choice again
 resumes them, as it does after a crash or a dropped connection.
 
+The fit view estimates the memory the highlighted choice takes once loaded, with the expert dtype in
+force (F2 changes it): for a safetensors checkpoint from its config.json and its shards' headers, read
+from the Hub in a worker without the weights; for a GGUF quantisation whose experts stay packed, about
+the file's size.
+
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
 """
@@ -27,6 +32,8 @@ from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressB
 from textual.widgets.option_list import Option
 
 from app import download as dl
+from app.tui.catalog import estimate_line
+from app.tui.screens.models import LoadTarget, load_target
 from app.tui.widgets.fit_view import FitView
 from app.tui.widgets.load_panel import one_line
 
@@ -78,6 +85,28 @@ def choice_label(choice: dl.DownloadChoice) -> Text:
     return text
 
 
+# GGUF quantisations whose routed experts are blocks moedesk computes from as they are (kernels.quant_formats):
+# loaded with expert dtype auto, int8 or int4 they stay so, and the model takes about the file's size.
+_PACKED_QUANT = re.compile(r"Q4_0|Q8_0|Q[456]_K(?:_[SM])?", re.IGNORECASE)
+
+
+def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> tuple[str, int | None]:
+    """(the memory the choice takes once loaded, in words; its bytes, or None when not known). `weights`: the
+    choice's ModelWeights once its headers are read, the one line saying why they could not be, or None."""
+    if choice.kind == "gguf":
+        if target.expert_dtype != "bf16" and _PACKED_QUANT.fullmatch(choice.name):
+            return f"≈ the file's size: its {choice.name} experts stay packed as they are", choice.total_bytes
+        # Its experts' tensor types sit behind the vocabulary in the file's header.
+        return f"known once downloaded (expert dtype {target.expert_dtype}, F2)", None
+    if weights is None:
+        return "reading config.json and the shards' headers for an estimate…", None
+    if isinstance(weights, str):
+        return f"no estimate before downloading: {weights}", None
+    estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
+    text = estimate_line(estimate, target.gpu, dl.format_bytes)
+    return f"{text} · expert dtype {target.expert_dtype} (F2)", estimate.total_bytes
+
+
 def model_spec(listing: dl.RepoListing, choice: dl.DownloadChoice, snapshot: Path) -> str:
     """What `--model` takes for a finished download, as `moedesk download` prints it."""
     if choice.kind == "gguf":
@@ -90,6 +119,7 @@ class DownloadScreen(Screen[str | None]):
     BINDINGS = [
         Binding("escape", "back", "Back / cancel download"),
         Binding("ctrl+l", "focus_repo", "Repo id"),
+        Binding("f2", "app.settings", "Settings"),
     ]
 
     class Listed(Message):
@@ -108,6 +138,11 @@ class DownloadScreen(Screen[str | None]):
             super().__init__()
             self.error, self.cancelled = error, cancelled
 
+    class HeadersRead(Message):
+        def __init__(self, serial: int, name: str, weights):
+            super().__init__()
+            self.serial, self.name, self.weights = serial, name, weights  # ModelWeights, or why not in one line
+
     def __init__(self, repo_id: str = "", revision: str = ""):
         super().__init__()
         self.initial = (repo_id, revision)
@@ -117,6 +152,9 @@ class DownloadScreen(Screen[str | None]):
         self.spec: str | None = None  # set when a download finished: what "Load model" hands on
         self._cancel = threading.Event()
         self._serial = 0  # of the last listing asked for: an older one arriving late is dropped
+        self.weights: dict[str, object] = {}  # choice name -> ModelWeights or why not; absent: not read (yet)
+        self._reading: set[str] = set()
+        self.target: LoadTarget | None = None  # what the estimate shown is for
 
     def compose(self) -> ComposeResult:
         repo_id, revision = self.initial
@@ -139,6 +177,7 @@ class DownloadScreen(Screen[str | None]):
 
     def on_mount(self) -> None:
         self.sub_title = "download"
+        self.target = load_target(self.app)
         self.query_one("#download-choices", OptionList).border_title = "choices"
         self.query_one("#download-repo", Input).focus()
         self._status(f"Enter lists the repo's files; downloads go to {dl.hf_cache_dir()}")
@@ -177,6 +216,7 @@ class DownloadScreen(Screen[str | None]):
 
     def _forget_listing(self) -> None:
         self.listing, self.fits = None, {}
+        self.weights, self._reading = {}, set()
         self.choices.clear_options()
         self.query_one(FitView).clear()
         self.query_one("#download-bar", ProgressBar).remove_class("-started")
@@ -246,9 +286,43 @@ class DownloadScreen(Screen[str | None]):
     @on(OptionList.OptionHighlighted, "#download-choices")
     def choice_highlighted(self) -> None:
         choice = self.highlighted_choice()
-        if choice is not None and choice.name in self.fits:
-            self.query_one(FitView).show(choice, self.fits[choice.name])
+        unread = choice is not None and choice.name not in self.weights and choice.name not in self._reading
+        if unread and choice.kind == "safetensors":
+            self._reading.add(choice.name)
+            self._read_headers(self._serial, self.listing, choice)
+        self._show_fit()
         self._set_buttons()
+
+    def _show_fit(self) -> None:
+        choice = self.highlighted_choice()
+        if choice is not None and choice.name in self.fits:
+            loaded, loaded_bytes = loaded_estimate(choice, self.weights.get(choice.name), self.target)
+            self.query_one(FitView).show(choice, self.fits[choice.name], loaded, loaded_bytes)
+
+    @work(thread=True, group="download-headers", exit_on_error=False)
+    def _read_headers(self, serial: int, listing: dl.RepoListing, choice: dl.DownloadChoice) -> None:
+        try:
+            weights = dl.read_choice_weights(listing, choice)
+        except Exception as e:  # noqa: BLE001 - an estimate is advice: one line says why there is none
+            weights = one_line(e)
+        self.post_message(self.HeadersRead(serial, choice.name, weights))
+
+    def on_download_screen_headers_read(self, message: HeadersRead) -> None:
+        if message.serial != self._serial:
+            return
+        self._reading.discard(message.name)
+        self.weights[message.name] = message.weights
+        self._show_fit()
+
+    def on_screen_resume(self) -> None:
+        """Back from the settings: the estimate follows a changed expert or weights dtype (see ModelsScreen)."""
+        self.app.call_next(self._follow_settings)
+
+    def _follow_settings(self) -> None:
+        target = load_target(self.app)
+        if target != self.target and self.is_attached:
+            self.target = target
+            self._show_fit()
 
     # -------------------------------------------------------------- downloading
 

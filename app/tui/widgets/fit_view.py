@@ -1,4 +1,5 @@
-"""Will a download fit? One `FitReport` as a few lines: what is downloaded, free disk, RAM and VRAM.
+"""Will a download fit? One `FitReport` as a few lines: what is downloaded, free disk, RAM and VRAM,
+and what the model takes once loaded (the screen's estimate: packed experts are smaller than the file).
 
 Running out of disk stops a download, so that line turns into a warning; memory is only advice (the
 engine keeps the experts that miss the GPU in RAM, so a model larger than RAM + VRAM may still be
@@ -32,9 +33,16 @@ def memory_line(report: FitReport) -> str:
     return f"memory  {ram} · {vram}"
 
 
-def memory_note(report: FitReport) -> str:
+def fits_in_memory(report: FitReport, loaded_bytes: int | None = None) -> bool:
+    """The weights once loaded (the file's size when there is no estimate) against RAM + VRAM together."""
+    if loaded_bytes is None:
+        return report.fits_in_memory
+    return loaded_bytes <= report.ram_total_bytes + (report.vram_total_bytes or 0)
+
+
+def memory_note(report: FitReport, loaded_bytes: int | None = None) -> str:
     together = format_bytes(report.ram_total_bytes + (report.vram_total_bytes or 0))
-    if report.fits_in_memory:
+    if fits_in_memory(report, loaded_bytes):
         return f"the weights fit in RAM + VRAM together ({together})"
     return f"larger than RAM + VRAM together ({together}): it may not load on this computer"
 
@@ -46,6 +54,7 @@ class FitView(Vertical):
         yield Static("", classes="fit-size", markup=False)
         yield Static("", classes="fit-disk", markup=False)
         yield Static("", classes="fit-memory", markup=False)
+        yield Static("", classes="fit-loaded", markup=False)
         yield Static("", classes="fit-note", markup=False)
 
     def on_mount(self) -> None:
@@ -58,11 +67,17 @@ class FitView(Vertical):
         for line in self.query(Static):
             line.update("")
 
-    def show(self, choice: DownloadChoice, report: FitReport) -> None:
+    def show(self, choice: DownloadChoice, report: FitReport, loaded: str = "",
+             loaded_bytes: int | None = None) -> None:
+        """`loaded`: the memory estimate in words (its line is left out when empty); `loaded_bytes`: its total, which
+        the RAM + VRAM note weighs instead of the file's size."""
         self.remove_class("-empty")
         self.set_class(not report.fits_on_disk, "-no-room")
-        self.set_class(not report.fits_in_memory, "-too-big")
+        self.set_class(not fits_in_memory(report, loaded_bytes), "-too-big")
         self.query_one(".fit-size", Static).update(size_line(choice))
         self.query_one(".fit-disk", Static).update(disk_line(report))
         self.query_one(".fit-memory", Static).update(memory_line(report))
-        self.query_one(".fit-note", Static).update(memory_note(report))
+        line = self.query_one(".fit-loaded", Static)
+        line.update(f"loaded  {loaded}" if loaded else "")
+        line.display = bool(loaded)
+        self.query_one(".fit-note", Static).update(memory_note(report, loaded_bytes))
