@@ -271,8 +271,9 @@ def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, pr
 def format_beam(report: dict) -> str:
     b = report["beam"]
     return "\n".join([
-        f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, budget {report['gpu_budget_gib']} GiB, "
-        f"{report['experts_on_gpu']} experts on GPU; {b['new_tokens']} steps after a {b['prompt_tokens']}-token prompt, "
+        f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
+        f"budget {report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts on GPU; "
+        f"{b['new_tokens']} steps after a {b['prompt_tokens']}-token prompt, "
         f"median of {len(b['rounds'])} rounds",
         f"batched decode of {b['beams']} sequences  {b['batched_step_ms']:>9.2f} ms/step",
         f"beam search, W = {b['beams']}{'':>11}{b['beam_step_ms']:>9.2f} ms/step",

@@ -23,6 +23,7 @@ length per verify step over a prompt set, and end-to-end tok/s plain vs speculat
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -288,6 +289,7 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
             "rounds": len(rounds), "speculative_rounds": sum(1 for r in rounds if r[0] > 0),
             "gammas": sorted({r[0] for r in rounds}),
             "verify_ms": sum(r[3] for r in rounds) / len(rounds) if rounds else None,
+            "accept_ms": sum(r[4] for r in rounds) / len(rounds) if rounds else 0.0,
             "oracle_s": oracle.seconds, "redrafted": oracle.redrafted}
 
 
@@ -306,8 +308,6 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
     table = {tuple(int(x) for x in key.split(",")): ms for key, ms in raw.items()}
     log(f"T(B,k) for B {batches}, k 1..{gamma + 1} in {time.perf_counter() - started:.1f}s")
     fit = fit_step_table(table, cfg.num_experts, cfg.num_experts_per_tok)
-    fitted = perf_model.ModelCosts(fit["model"]) if fit else None
-    measured = perf_model.MeasuredCosts(table)
 
     context = PROMPT_TOKENS + new_tokens + 2 * (gamma + 1) + 8
     spec = Speculator(bench.model, device, bench.dtype, context, cfg.eos_token_ids)
@@ -322,7 +322,7 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
         auto_ratios = []
         for alpha in acceptances:
             run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, seed=7, references=reference)
-            row = _row(b, alpha, "greedy", gamma, run, plain_tok_s, plain_tokens, fitted, measured)
+            row = _row(b, alpha, "greedy", gamma, run, plain_tok_s, plain_tokens, fit, table)
             rows.append(row)
             log(_row_line(row))
             costs = OracleCosts(table)
@@ -365,7 +365,7 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
     return report
 
 
-def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fitted, measured) -> dict:
+def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fit, table) -> dict:
     speedup = run["tok_s"] / plain_tok_s
     row = {"batch": b, "acceptance": alpha, "mode": mode, "gamma": gamma,
            "plain_tok_s": round(plain_tok_s, 2), "tok_s": round(run["tok_s"], 2), "speedup": round(speedup, 4),
@@ -378,20 +378,25 @@ def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fitted, measured
            "same_as_plain": round(sum(a == p for a, p in zip(run["tokens"], plain_tokens)) / len(plain_tokens), 3),
            "oracle_s": round(run["oracle_s"], 3), "redrafted_sequences": run["redrafted"]}
     if run["tokens_per_step"] is not None and mode == "greedy":
-        # The model's acceptance: the α whose expected tokens per step match the measured ones.
+        # The model's acceptance: the α whose expected tokens per step match the measured ones. Its T_reject is
+        # this run's own host time per round (accepting, moving accepted keys and values): the draft is free.
         a = perf_model.acceptance_from_tokens_per_step(run["tokens_per_step"], gamma)
-        if fitted is not None:
-            row["predicted_speedup"] = round(perf_model.predicted_speedup(fitted, b, gamma, a), 4)
-        if measured is not None:
-            p = perf_model.predicted_speedup(measured, b, gamma, a)
+        reject = run["accept_ms"]
+        if fit is not None:
+            costs = perf_model.ModelCosts(dataclasses.replace(fit["model"], reject_bias=reject))
+            row["predicted_speedup"] = round(perf_model.predicted_speedup(costs, b, gamma, a), 4)
+        if table is not None:
+            p = perf_model.predicted_speedup(perf_model.MeasuredCosts(table, reject=reject), b, gamma, a)
             row["predicted_from_table"] = None if p is None else round(p, 4)
+        row["accept_ms"] = round(reject, 3)
     return row
 
 
 def _row_line(row: dict) -> str:
     acc = row.get("measured_acceptance")
     return (f"B={row['batch']} α={row['acceptance']} {row['mode']}: {row['tok_s']:.1f} tok/s vs plain "
-            f"{row['plain_tok_s']:.1f} ({row['speedup']:.2f}x)" + (f", measured α {acc:.3f}" if acc is not None else "")
+            f"{row['plain_tok_s']:.1f} ({row['speedup']:.2f}x)"
+            + (f", measured α {acc:.3f}" if acc is not None else "")
             + (f", path {row['path']}" if "path" in row else ""))
 
 
@@ -410,8 +415,9 @@ def format_speculative(report: dict) -> str:
                      + f"{p['efficiency']:>7.2f}{p['plain_step_ms']:>9.1f}")
     fit = s["fit"]
     if fit:
-        lines.append(f"MoESD fit (least squares over the {len(fit['residuals'])} T points, ridge {fit['ridge_tokens']:g} "
-                     f"tokens): error rms {100 * fit['rms_relative_error']:.1f}%, max {100 * fit['max_relative_error']:.1f}%")
+        lines.append(f"MoESD fit (least squares over the {len(fit['residuals'])} T points, ridge "
+                     f"{fit['ridge_tokens']:g} tokens): error rms {100 * fit['rms_relative_error']:.1f}%, "
+                     f"max {100 * fit['max_relative_error']:.1f}%")
     else:
         lines.append("MoESD fit: fewer than 6 T points, not fitted")
     lines += ["",
@@ -429,7 +435,8 @@ def format_speculative(report: dict) -> str:
     lines.append(f"auto >= {s['auto_floor']}x plain at every B: {'yes' if s['auto_never_loses'] else 'NO'} "
                  f"(lowest {worst['auto_min_speedup']:.2f}x, at B={worst['batch']})")
     if "prediction_mean_abs_error" in s:
-        lines.append(f"model vs measured speedup (greedy rows): mean |error| {100 * s['prediction_mean_abs_error']:.1f}%")
+        lines.append("model vs measured speedup (greedy rows): mean |error| "
+                     f"{100 * s['prediction_mean_abs_error']:.1f}%")
     return "\n".join(lines)
 
 
@@ -532,7 +539,8 @@ def run_draft_bench(engine, draft, prompts: list[list[int]], batches=(1, 4, 16),
         spec_s = time.perf_counter() - started
         plain_tokens = sum(len(t) for t in plain.values())
         spec_tokens = sum(len(c.token_ids) for c in spec)
-        row = {"batch": b, "plain_tok_s": round(plain_tokens / plain_s, 2), "spec_tok_s": round(spec_tokens / spec_s, 2),
+        row = {"batch": b, "plain_tok_s": round(plain_tokens / plain_s, 2),
+               "spec_tok_s": round(spec_tokens / spec_s, 2),
                "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 4),
                "same_as_plain": round(sum(plain[i] == c.token_ids for i, c in enumerate(spec)) / len(spec), 3)}
         rows.append(row)
