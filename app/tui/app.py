@@ -5,6 +5,7 @@ an engine already, then lives on the chat screen; settings and models are pushed
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 from importlib import resources
 from pathlib import Path
@@ -60,11 +61,13 @@ class MoedeskApp(App[int]):
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
                  settings: Settings | None = None, store: ConversationStore | None = None,
                  gpu_budget: float | None = None, context_length: int | None = None, reprofile: bool = False,
-                 expert_dtype: str | None = None):
+                 expert_dtype: str | None = None, decoding: dict | None = None):
         """gpu_budget (GiB), dtype and expert_dtype override the settings of the same meaning for this run (the
         --gpu-budget, --dtype and --expert-dtype flags); context_length and reprofile (--context, --reprofile)
-        apply to every model this run loads."""
+        apply to every model this run loads. decoding: settings of how replies are decoded (speculative, draft,
+        draft_length, draft_width, beams, length_penalty) that this run's flags set over the saved ones."""
         super().__init__()
+        self.decoding_flags = {k: v for k, v in (decoding or {}).items() if v is not None}
         flags = {"gpu_budget": gpu_budget, "dtype": dtype, "reprofile": reprofile or None, "expert_dtype": expert_dtype}
 
         def load_options() -> dict:
@@ -95,6 +98,10 @@ class MoedeskApp(App[int]):
             self.engine_ready(self.engine)
         else:
             self.push_screen(LoadingScreen(self.model))
+
+    def reply_settings(self) -> Settings:
+        """The settings a reply is written with: the saved ones, with this run's decoding flags over them."""
+        return dataclasses.replace(self.settings, **self.decoding_flags) if self.decoding_flags else self.settings
 
     # -------------------------------------------------------------- the engine
 
@@ -151,7 +158,11 @@ class MoedeskApp(App[int]):
     def _settings_closed(self, settings: Settings | None) -> None:
         if settings is not None:
             self.settings = settings
-            self.notify("Settings saved.")
+            overridden = sorted(k for k in self.decoding_flags if getattr(settings, k) != self.decoding_flags[k])
+            self.notify("Settings saved." + (f" This run's flags still decide {', '.join(overridden)}."
+                                             if overridden else ""))
+            if self.chat is not None:
+                self.chat.show_decoding()
 
     def action_models(self) -> None:
         from app.tui.screens.models import ModelsScreen
@@ -200,9 +211,10 @@ class MoedeskApp(App[int]):
 
 
 def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None, gpu_budget: float | None = None,
-            context_length: int | None = None, reprofile: bool = False, expert_dtype: str | None = None) -> int:
+            context_length: int | None = None, reprofile: bool = False, expert_dtype: str | None = None,
+            decoding: dict | None = None) -> int:
     """Run the terminal app until the user quits; returns the exit status."""
     app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget, context_length=context_length,
-                     reprofile=reprofile, expert_dtype=expert_dtype)
+                     reprofile=reprofile, expert_dtype=expert_dtype, decoding=decoding)
     app.run()
     return app.return_code or 0

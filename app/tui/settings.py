@@ -5,7 +5,7 @@ blank is allowed), and `setting(...)` gives its default, label, help, allowed ch
 The settings screen, the JSON file and (later) `moedesk batch` all read `FIELDS`, so a new
 feature adds one field and nothing else::
 
-    speculative: str = setting("off", "Speculative decoding", "...", choices=("off", "greedy", "beam"))
+    beams: int = setting(1, "Beams", "...", check=between(1, 64))
 
 The file is ``<config dir>/settings.json`` (see `app.tui.storage.config_dir`), written atomically.
 Unknown keys in it are kept on save, so an older moedesk does not erase a newer one's settings.
@@ -80,6 +80,45 @@ class Settings:
                                 "model's experts quantised while loading (about a half / a quarter of the memory). "
                                 "Takes effect when a model is loaded.",
         choices=("auto", "bf16", "int8", "int4"))
+    speculative: str = setting(
+        "off", "Speculative decoding", "A small draft head guesses the next tokens and the model checks them all in "
+                                       "one step: the same reply (token for token at temperature 0), sooner when "
+                                       "the guesses are good. greedy: a chain of guesses; beam: a tree of them "
+                                       "(draft width per step); auto: only where this machine's measured step "
+                                       "times say it pays, plain decoding elsewhere. Needs a draft head.",
+        choices=("off", "greedy", "beam", "auto"))
+    draft: str = setting(
+        "", "Draft head", "Folder of an EAGLE draft head for the loaded model (config.json and its weights; "
+                          "`moedesk train-draft` makes one). Blank: the model's own, where it has one (the demo).")
+    draft_length: int = setting(
+        4, "Draft length", "Tokens guessed per step (the tree's depth in beam mode, auto's longest).",
+        check=between(1, 16))
+    draft_width: int = setting(
+        4, "Draft width", "Beam mode: guesses per position; the tree keeps length × width of them.",
+        check=between(1, 16))
+    beams: int = setting(
+        1, "Beams", "Above 1: beam search over this many hypotheses instead of sampling (and of speculative "
+                    "decoding). Only the best hypothesis is shown, whole, when the search ends: nothing streams "
+                    "before.", check=between(1, 64))
+    length_penalty: float = setting(
+        1.0, "Length penalty", "Beam search ranks hypotheses by their log-probability / length ** this, as "
+                               "transformers does: above 1 favours longer replies, below 1 shorter ones.",
+        check=between(-10, 10))
+
+    def decoding(self, engine):
+        """How the engine decodes a reply (Engine.stream's `decoding`): beam search when beams > 1, speculative
+        decoding when it is on, else None (plain sampling). Raises MoedeskError (one line) when speculation is
+        asked for and no draft head is set or known for `engine`'s model."""
+        if self.beams > 1:
+            from engine.generation.beam import BeamOptions
+
+            return BeamOptions(self.beams, self.length_penalty)
+        if self.speculative == "off":
+            return None
+        from engine.speculative.decode import SpeculativeOptions
+
+        draft = resolve_draft(engine, str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None)
+        return SpeculativeOptions(self.speculative, draft, self.draft_length, self.draft_width)
 
     def sampling_params(self, seed: int | None = None, **overrides):
         """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
@@ -233,6 +272,23 @@ def _fields() -> tuple[SettingField, ...]:
 
 FIELDS: tuple[SettingField, ...] = _fields()
 FIELDS_BY_NAME: dict[str, SettingField] = {f.name: f for f in FIELDS}
+
+
+def resolve_draft(engine, draft):
+    """The draft head for `engine`: `draft` when given, else the model's own (engine.speculative's resolver:
+    the demo ships one); MoedeskError, one line, when there is none."""
+    try:
+        from engine.speculative.demo_draft import resolve_draft as engine_resolver
+    except ImportError:  # an engine without a resolver knows no model's own head
+        engine_resolver = None
+    if engine_resolver is not None:
+        return engine_resolver(engine, draft)
+    if draft is None:
+        from engine.errors import MoedeskError
+
+        raise MoedeskError(f"speculative decoding of {engine.name} needs a draft head: set Draft head (F2) or "
+                           f"--draft PATH (an EAGLE head folder; `moedesk train-draft` trains one)")
+    return draft
 
 
 def settings_path() -> Path:

@@ -71,6 +71,15 @@ def model_summary(engine) -> str:
            f"{engine.device.type} · {dtype} · context {engine.context_length:,}"
 
 
+def writing(decoding) -> str:
+    """What the status line says while a reply is being written."""
+    beams = getattr(decoding, "beams", None)
+    if beams is not None:
+        return f"searching {beams} beams… the best reply appears when the search ends ·"
+    mode = getattr(decoding, "mode", None)
+    return f"writing (speculative, {mode})…" if mode else "writing…"
+
+
 def moe_layer_labels(engine) -> list[str]:
     cfg = engine.config
     return [f"L{i}" for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
@@ -110,6 +119,7 @@ class ChatScreen(Screen):
         self.ready = False  # the saved conversation is on screen
         self.map_baseline: list[list[int]] | None = None  # expert picks before this chat: the map shows the rest
         self.stats_wanted: bool | None = None  # None: shown when the screen is wide enough; else ctrl+t's choice
+        self.decoding_warned = False  # the status line says speculation cannot run
 
     # ------------------------------------------------------------------ layout
 
@@ -161,6 +171,7 @@ class ChatScreen(Screen):
         self.engine_changed()
         latest = self.app.store.latest()
         await self.show_conversation(latest or Conversation())
+        self.show_decoding()
         self.prompt.focus()
         self.ready = True
 
@@ -177,6 +188,28 @@ class ChatScreen(Screen):
                              engine.device.type)
         self.map_baseline = None  # another model's counts
         self.refresh_map()
+        if self.ready:
+            self.show_decoding()
+
+    def decoding(self, engine):
+        """(how replies decode, a note when speculation was asked for but cannot run): Engine.stream's
+        `decoding` from the settings and this run's flags."""
+        settings = self.app.reply_settings()
+        try:
+            return settings.decoding(engine), ""
+        except Exception as e:  # noqa: BLE001 -- MoedeskError (no draft head), or anything else: one line
+            return None, f"{one_line(e)} — replies decode without speculation"
+
+    def show_decoding(self) -> None:
+        """Say at once, not at the first reply, when the settings ask for speculation the model cannot do."""
+        if self.engine is None or self.generation is not None:
+            return
+        _, note = self.decoding(self.engine)
+        if note:
+            self.set_status(note, error=True)
+        elif self.decoding_warned:  # the settings changed and speculation can run now: the warning goes
+            self.set_status("")
+        self.decoding_warned = bool(note)
 
     def refresh_map(self) -> None:
         if self.engine is None:
@@ -327,12 +360,13 @@ class ChatScreen(Screen):
         except Exception as e:  # noqa: BLE001 - MoedeskError from the template, or anything else: one line
             self.set_status(one_line(e), error=True)
             return
-        settings = self.app.settings
+        settings = self.app.reply_settings()
         try:
             params = settings.sampling_params(seed=random.randrange(2**31))
         except ValueError as e:
             self.set_status(f"settings: {e}", error=True)
             return
+        decoding, decoding_note = self.decoding(engine)
         widget = AssistantMessage(title=short_model_name(engine.name), streaming=True)
         self._numbers += 1
         generation = Generation(self._numbers, threading.Event(), widget, len(prompt_ids), time.monotonic())
@@ -341,18 +375,21 @@ class ChatScreen(Screen):
         self.messages.anchor()
         await self.messages.mount(widget)
         note = f" · {left_out} oldest messages left out to fit the context" if left_out else ""
-        self.set_status(f"writing… Esc stops{note}")
+        note += f" · {decoding_note}" if decoding_note else ""
+        self.set_status(f"{writing(decoding)} Esc stops{note}")
         self.stats.show_live(0, 0.0, len(prompt_ids))
         self.refresh_bindings()
-        self._generate(generation.number, engine, prompt_ids, params, generation.cancel)
+        self._generate(generation.number, engine, prompt_ids, params, generation.cancel, decoding)
 
     @work(thread=True, group="generate", exit_on_error=False)
-    def _generate(self, number: int, engine, prompt_ids: list[int], params, cancel: threading.Event) -> None:
+    def _generate(self, number: int, engine, prompt_ids: list[int], params, cancel: threading.Event,
+                  decoding=None) -> None:
         pending: list[str] = []
         tokens = 0
         posted_at = 0.0
         try:
-            for chunk in engine.stream(prompt_ids, params, cancel=cancel):
+            extra = {"decoding": decoding} if decoding is not None else {}  # plain replies call stream as ever
+            for chunk in engine.stream(prompt_ids, params, cancel=cancel, **extra):
                 tokens += len(chunk.token_ids)
                 if chunk.text:
                     pending.append(chunk.text)

@@ -63,6 +63,21 @@ def speed_scale(speeds: list[float]) -> Text:
     return text
 
 
+def decoding_rows(stats: dict) -> list[tuple[str, str]]:
+    """How a reply was decoded, when not plainly: beam search's width, speculation's tokens per model step and
+    the share of drafted tokens the model accepted."""
+    if stats.get("beams"):
+        return [("beams", fmt(stats["beams"]))]
+    spec = stats.get("speculative") or {}
+    if spec.get("plain"):
+        return [("speculative", "off (would not pay)")]
+    if not spec.get("verify_steps"):
+        return []
+    drafted = spec.get("drafted") or 0
+    return [("per model step", fmt(spec.get("tokens_per_step"), " tokens", 2)),
+            ("drafts accepted", f"{100 * spec.get('accepted', 0) / drafted:.0f}%" if drafted else "—")]
+
+
 class StatsPanel(VerticalScroll):
     """Numbers of the last reply, a sparkline of decode speed per reply, context use, and the heat map."""
 
@@ -141,6 +156,7 @@ class StatsPanel(VerticalScroll):
                     ("tokens", fmt(self.reply.get("tokens"))),
                     ("prompt", fmt(self.reply.get("prompt_tokens"))),
                     ("total time", fmt(stats.get("total_s"), " s", 2))]
+            rows += decoding_rows(stats)
             rows += expert_rows(stats.get("experts"), self.reply.get("tokens"))
         self.number_rows = rows
         table = Table.grid(padding=(0, 1))
