@@ -23,8 +23,53 @@ def _gib(text: str) -> float:
     return value
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
 _positive_int.__name__ = "positive integer"  # how argparse names the type in its message
 _gib.__name__ = "GiB (a number >= 0)"
+_finite.__name__ = "finite number"
+
+SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser, beams: bool, where: str) -> None:
+    """How replies decode: speculative decoding with an EAGLE head (chat and serve), beam search (chat). Every
+    default is None: an unset flag leaves the app's setting (chat) or plain decoding (serve)."""
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default=None,
+                        help=f"speculative decoding {where}: a draft head guesses tokens, the model checks them in one "
+                             "step, the reply is the same; greedy drafts chains, beam trees, auto only where this "
+                             "machine's measured step times say it pays (default: "
+                             + ("the app's setting, else off)" if beams else "off)"))
+    parser.add_argument("--draft", default=None, metavar="PATH",
+                        help="EAGLE draft head folder (config.json + weights; `moedesk train-draft` makes one) "
+                             "(default: " + ("the app's setting, else " if beams else "")
+                             + "the model's own where it has one: the demo's)")
+    parser.add_argument("--draft-length", type=_positive_int, default=None, metavar="N",
+                        help="tokens drafted per step (tree depth in beam mode; auto's longest) (default: 4)")
+    parser.add_argument("--draft-width", type=_positive_int, default=None, metavar="K",
+                        help="beam mode: children per tree node; the tree keeps N x K nodes (default: 4)")
+    if beams:
+        parser.add_argument("--beams", type=_positive_int, default=None, metavar="W",
+                            help="beam search over W hypotheses instead of sampling (and of speculation); the best "
+                                 "appears whole when the search ends (default: the app's setting, else 1: off)")
+        parser.add_argument("--length-penalty", type=_finite, default=None, metavar="L",
+                            help="beam search ranks sum(logprobs) / length**L, as transformers (default: the app's "
+                                 "setting, else 1.0)")
+
+
+def decoding_flags(args) -> dict:
+    """The decoding flags that were given, as the app's settings name them (a draft path made absolute)."""
+    import os
+
+    flags = {"speculative": args.speculative, "draft_length": args.draft_length, "draft_width": args.draft_width,
+             "beams": getattr(args, "beams", None), "length_penalty": getattr(args, "length_penalty", None),
+             "draft": os.path.abspath(os.path.expanduser(args.draft)) if args.draft else None}
+    return {k: v for k, v in flags.items() if v is not None}
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="open the chat app (the default command)",
                           description="Open the Textual chat app on a model.")
     add_model_arguments(chat)
+    add_decoding_arguments(chat, beams=True, where="of every reply")
     download = sub.add_parser("download", help="download a model from the Hugging Face Hub (resumable)",
                               description="Download a model repo into the local Hugging Face cache; rerun to resume.")
     from app.download import add_download_arguments
@@ -77,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "batch.")
     add_serve_arguments(serve)
     add_model_arguments(serve)
+    add_decoding_arguments(serve, beams=False, where="of every request whose sampling allows it (a request's "
+                                                      "\"moedesk\": {\"speculative\": ...} overrides it)")
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
@@ -286,8 +334,26 @@ def run_serve_command(args) -> int:
     except torch.OutOfMemoryError:
         print(f"moedesk: warning: no room for {batch_size} full-context KV caches up front; they grow as needed",
               file=sys.stderr)
+    speculation = server_speculation(engine, args)
     return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
-                      batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name)
+                      batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name,
+                      speculation=speculation)
+
+
+def server_speculation(engine, args):
+    """The server's speculative options (app.server.Speculation) from its flags: the draft head resolved and
+    loaded now, so a missing or bad one stops the start with one line, not the first request."""
+    from app.server import Speculation
+    from app.tui.settings import resolve_draft
+
+    mode = args.speculative or "off"
+    if args.draft is None and mode == "off":
+        return Speculation(default="off")  # requests may still ask for it, if the model has a head of its own
+    draft = resolve_draft(engine, decoding_flags(args).get("draft"))
+    if not callable(draft):
+        engine.load_draft(draft)
+    return Speculation(default=mode, draft=draft, draft_length=args.draft_length or 4,
+                       draft_width=args.draft_width or 4)
 
 
 def _phase_times():
@@ -320,8 +386,9 @@ def run_profile_command(args) -> int:
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
+    flags = decoding_flags(args)
     return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,
-                   args.expert_dtype)
+                   args.expert_dtype, **({"decoding": flags} if flags else {}))
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,13 @@ or when its client goes away. Endpoints:
 - POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE])
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
 
+Decoding: `--speculative` (with `--draft`, the model's own head otherwise) decodes every request speculatively
+whose sampling allows it (not one with a response_format; a sampled one drafts chains, since a tree's
+sampled drafts need widths its top-k/top-p allow). A request's `moedesk` object may choose for itself:
+{"speculative": "off"|"greedy"|"beam"|"auto", "beams": W, "length_penalty": x} (beam search streams
+nothing before its best hypothesis is whole). Speculative replies count accepted and rejected drafts in
+usage.completion_tokens_details (OpenAI's fields for predicted tokens) and in the `moedesk` stats.
+
 Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 for a body that
 is not JSON, a field of the wrong type or range, an unknown model, a prompt that leaves no room in the
 context; 401 without the API key (when one is set); 503 with Retry-After when more requests wait than
@@ -22,7 +29,7 @@ import math
 import random
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
@@ -31,13 +38,29 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from engine.errors import MoedeskError
+from engine.generation.beam import BeamOptions
 from engine.requests import Completion, Request, SamplingParams
 from engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
+from engine.speculative.decode import SpeculativeOptions
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
+SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
+EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The server's speculative decoding (the serve flags): the mode of requests that do not choose one, and the
+    draft head (None: the model's own, looked up when a request asks)."""
+
+    default: str = "off"
+    draft: object = None
+    draft_length: int = 4
+    draft_width: int = 4
 
 
 class ApiError(Exception):
@@ -67,14 +90,17 @@ class Prepared:
     include_usage: bool
     chat: bool
     model: str
+    decoding: object = None  # BeamOptions, SpeculativeOptions or None (Engine.submit's)
 
 
 class Server:
     """The HTTP front of one loaded engine."""
 
     def __init__(self, engine, *, api_key: str | None = None, batch_size: int = 8,
-                 max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None):
+                 max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
+                 speculation: Speculation | None = None):
         self.engine = engine
+        self.speculation = speculation or Speculation()
         self.api_key = api_key or None
         self.group = Group(batch_size)  # the server's requests decode at most this many at once
         self.max_queue = max_queue
@@ -109,6 +135,7 @@ class Server:
         self._authorise(request)
         return JSONResponse({"model": self.model_id, "description": self.engine.description,
                              "batch_size": self.group.limit, "max_queue": self.max_queue,
+                             "speculative": self.speculation.default,
                              "context_length": self.engine.context_length,
                              "scheduler": self.engine.scheduler.stats(), "experts": self.engine.expert_stats()})
 
@@ -133,7 +160,8 @@ class Server:
                 loop.call_soon_threadsafe(updates.put_nowait, update)
 
         try:
-            handle = self.engine.submit(prepared.request, group=self.group, queue_limit=self.max_queue, sink=sink)
+            handle = self.engine.submit(prepared.request, decoding=prepared.decoding, group=self.group,
+                                        queue_limit=self.max_queue, sink=sink)
         except QueueFull as e:
             retry = self.engine.scheduler.retry_after()
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
@@ -300,7 +328,64 @@ class Server:
                 raise ApiError(400, str(e), "response_format", "invalid_value") from None
         params = SamplingParams(max_new_tokens=min(max_tokens or room, room), temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
-        return Prepared(Request(ids, params, grammar=grammar), stream, include_usage, chat, model)
+        decoding = self._decoding(body.get("moedesk"), params, grammar is not None)
+        return Prepared(Request(ids, params, grammar=grammar), stream, include_usage, chat, model, decoding)
+
+    def _decoding(self, extension, params: SamplingParams, constrained: bool):
+        """How this request decodes: its `moedesk` object's choice, else the server's speculative mode where the
+        request's sampling allows it, else plainly."""
+        if extension is None:
+            extension = {}
+        if not isinstance(extension, dict):
+            raise ApiError(400, f"'moedesk' must be an object, got {_kind(extension)}", "moedesk", "invalid_type")
+        unknown = sorted(set(extension) - set(EXTENSION_KEYS))
+        if unknown:
+            raise ApiError(400, f"'moedesk.{unknown[0]}' is not a moedesk option (they are: "
+                                f"{', '.join(EXTENSION_KEYS)})", f"moedesk.{unknown[0]}", "unknown_parameter")
+        mode = _field(extension, "speculative", str, where="moedesk.")
+        if mode is not None and mode not in SPECULATIVE_MODES:
+            raise ApiError(400, f"'moedesk.speculative' must be one of {', '.join(SPECULATIVE_MODES)}, got {mode!r}",
+                           "moedesk.speculative", "invalid_value")
+        beams = _field(extension, "beams", int, minimum=1, maximum=MAX_BEAMS, default=1, where="moedesk.")
+        length_penalty = _field(extension, "length_penalty", float, minimum=-10, maximum=10, default=1.0,
+                                where="moedesk.")
+        if beams > 1:
+            if mode not in (None, "off"):
+                raise ApiError(400, "'moedesk.beams' above 1 and 'moedesk.speculative' exclude each other: choose one",
+                               "moedesk.beams", "invalid_value")
+            if constrained:
+                raise ApiError(400, "beam search cannot take a response_format", "moedesk.beams", "invalid_value")
+            return BeamOptions(beams, length_penalty)
+        asked = mode is not None
+        mode = mode if asked else self.speculation.default
+        if mode == "off":
+            return None
+        if constrained:
+            if asked:
+                raise ApiError(400, "speculative decoding cannot take a response_format", "moedesk.speculative",
+                               "invalid_value")
+            return None  # the server's default applies only where the request allows it
+        if mode == "beam" and params.temperature > 0:
+            # A sampled tree draws each node's children from the draft, and fails a row whose top-k/top-p leaves
+            # fewer candidates than the width; chains are exact for any sampling.
+            mode = "greedy"
+        s = self.speculation
+        return SpeculativeOptions(mode, self._draft(), s.draft_length, s.draft_width)
+
+    def _draft(self):
+        """The server's draft head: its flag's, else the model's own (resolved and loaded on first use)."""
+        if self.speculation.draft is None:
+            from app.tui.settings import resolve_draft
+
+            try:
+                draft = resolve_draft(self.engine, None)
+            except MoedeskError as e:
+                raise ApiError(400, f"This server cannot decode speculatively: {e}", "moedesk.speculative",
+                               "invalid_value") from None
+            if not callable(draft):
+                self.engine.load_draft(draft)
+            self.speculation = replace(self.speculation, draft=draft)
+        return self.speculation.draft
 
     def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
         tokenizer = self.engine.tokenizer
@@ -376,6 +461,7 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, **o
     server: Server = app.state.server
     log(f"moedesk serve: {engine.description}; http://{host}:{port}/v1 as model '{server.model_id}'; "
         f"{server.group.limit} requests decode together, {server.max_queue} may wait"
+        + (f"; speculative {server.speculation.default}" if server.speculation.default != "off" else "")
         + ("" if server.api_key else "; no API key"))
     uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     return 0
@@ -441,8 +527,13 @@ def _finish(done: Completion) -> str:
 
 
 def _usage(done: Completion) -> dict:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
-            "total_tokens": done.prompt_tokens + len(done.token_ids)}
+    usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
+             "total_tokens": done.prompt_tokens + len(done.token_ids)}
+    spec = done.stats.get("speculative") or {}
+    if "drafted" in spec:  # OpenAI's fields for predicted tokens: the drafts the model accepted and rejected
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": spec["accepted"],
+                                              "rejected_prediction_tokens": spec["drafted"] - spec["accepted"]}
+    return usage
 
 
 def _extension(done: Completion) -> dict:

@@ -523,7 +523,10 @@ class RunStats:
                 "step_ms": round(sum(ms) / len(ms), 3),
                 "draft_ms": round(sum(r[2] for r in self.rounds) / len(ms), 3),
                 "verify_ms": round(sum(r[3] for r in self.rounds) / len(ms), 3),
-                "gammas": sorted({r[0] for r in self.rounds})}
+                "gammas": sorted({r[0] for r in self.rounds}),
+                # requests verified together per round: where speculation pays (MoESD), and what a job's
+                # admissions between rounds achieved
+                "mean_rows": round(sum(r[1] for r in self.rounds) / len(ms), 3)}
 
 
 def check_mode(mode: str, draft_length: int, draft_width: int) -> None:
