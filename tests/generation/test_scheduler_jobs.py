@@ -246,3 +246,30 @@ def test_a_speculative_batch_compacts_and_grows_its_draft_slots(engine, head):
         batch.round(engine.executor)
     assert [r.tokens for r in rows] == want
     assert compactions >= 1 and made[0].cache.capacity > 24 and made[0].batch == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_jobs_beside_plain_requests_on_cuda(arch, tiny_checkpoint):
+    """On the GPU the decode thread replays the plain batch's CUDA graphs, captures the beam search's over its own
+    cache and verifies speculative rounds, in turn, with experts in RAM: each still gives what it gives alone."""
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    beam_alone = engine.beam_search(prompts[2], beams=4, max_new_tokens=12)
+    want = [alone(engine, p, greedy(24)) for p in prompts]
+    rec = Recorder()
+    plain = [engine.submit(Request(prompts[k], greedy(24)), sink=rec.sink(f"plain{k}")) for k in (2, 3)]
+    while rec.names().count("plain2") < 2:
+        time.sleep(0.001)
+    beam = engine.submit(Request(prompts[2], greedy(12)), decoding=BeamOptions(beams=4), sink=rec.sink("beam"))
+    options = SpeculativeOptions("greedy", oracle_factory(want[:2], 0.3, engine.vocab_size), draft_length=3)
+    with engine.scheduler.submitting():
+        spec = [engine.submit(Request(prompts[k], greedy(24)), decoding=options, sink=rec.sink(f"spec{k}"))
+                for k in (0, 1)]
+    wait_idle(engine, timeout=120)
+    assert all(h.done for h in plain + spec + [beam])
+    assert rec.final("beam").completion.token_ids == beam_alone.token_ids
+    for k in range(4):
+        name = f"spec{k}" if k < 2 else f"plain{k}"
+        assert rec.final(name).completion.token_ids == want[k], name
+    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
