@@ -232,7 +232,8 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
                              speculative=getattr(args, "speculative", "off"), draft=getattr(args, "draft", None),
                              draft_length=getattr(args, "draft_length", 4), draft_width=getattr(args, "draft_width", 4),
                              from_app=tuple(from_app))
-    if settings.speculative != "off" and not settings.draft:
+    if settings.speculative != "off" and not settings.draft and getattr(args, "model", "demo") != "demo":
+        # the demo has a head of its own (engine.speculative.demo_draft)
         raise BatchUsageError(f"--speculative {settings.speculative}: needs --draft PATH (an EAGLE head folder)")
     if settings.draft_length < 1 or settings.draft_width < 1:
         raise BatchUsageError("--draft-length and --draft-width: must be >= 1")
@@ -711,10 +712,11 @@ class _Run:
         if s.speculative == "off":
             return self.engine.generate(requests, batch_size=batch_size)
         from engine.speculative.decode import generate_speculative
+        from engine.speculative.demo_draft import resolve_draft
 
         # groups of batch_size lines, each group to its end (the lines held again alone on an error run plainly)
-        return generate_speculative(self.engine, requests, batch_size, s.draft, s.speculative, s.draft_length,
-                                    s.draft_width)
+        return generate_speculative(self.engine, requests, batch_size, resolve_draft(self.engine, s.draft),
+                                    s.speculative, s.draft_length, s.draft_width)
 
     def _run_alone(self, error: Exception) -> None:
         if not self.in_flight:  # it failed before taking a line: nothing to blame a line for

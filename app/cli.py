@@ -123,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                                        "batch.")
     add_serve_arguments(serve)
     add_model_arguments(serve)
+    train_draft = sub.add_parser("train-draft", help="train an EAGLE draft head on the model's own answers",
+                                 description="The model answers a prompt set; an EAGLE-1/2 draft head learns its "
+                                             "features and tokens. The folder written loads with --draft DIR.")
+    from app.train_draft_command import add_train_draft_arguments
+
+    add_train_draft_arguments(train_draft)
+    add_model_arguments(train_draft)
     add_decoding_arguments(serve, beams=False, where="of every request whose sampling allows it (a request's "
                                                       "\"moedesk\": {\"speculative\": ...} overrides it)")
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
@@ -383,6 +390,12 @@ def run_profile_command(args) -> int:
     return run_profile(args, load_engine)
 
 
+def run_train_draft_command(args) -> int:
+    from app.train_draft_command import run_train_draft
+
+    return run_train_draft(args, load_engine)
+
+
 def run_chat_command(args) -> int:
     from app.tui import run_app
 
@@ -400,7 +413,8 @@ def main(argv=None) -> int:
     try:
         commands = {"chat": run_chat_command, "download": run_download_command, "batch": run_batch_command,
                     "profile": run_profile_command,
-                    "bench": run_bench_command, "serve": run_serve_command}
+                    "bench": run_bench_command, "serve": run_serve_command,
+                    "train-draft": run_train_draft_command}
         return commands[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)

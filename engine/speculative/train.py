@@ -1,0 +1,686 @@
+"""Training an EAGLE-1/2 draft head on a target model's own features (`moedesk train-draft`).
+
+Data. The target answers a prompt set greedily through the engine's own generation path (chat template
+applied), then one teacher-forced forward over prompt + answer records its feature at every position (the
+last hidden state after the final norm: what the head drafts from, engine.speculative.eagle). The head
+learns what the target would do, not what a dataset says, so its drafts are accepted as often as possible.
+
+Loss, as the EAGLE paper: at every answer position, a smooth-L1 loss between the head's output and the
+target's next feature, plus 0.1 x the cross-entropy of the head's next-token distribution (through the
+target's own frozen LM head) against the target's distribution there.
+
+Drafting from its own outputs. At draft time only the first draft comes from a row fed the target's
+feature; draft k+1 comes from a row fed the head's own output of the row before, attending to the target
+rows up to the root and to the k draft rows of its chain. Training only on target features leaves those
+rows untrained, so every batch is also run `depths - 1` more times in parallel, each pass fed the previous
+pass's outputs shifted one position, with the attention mask a chain draft would see (EAGLE-3's
+"training-time test"); pass k's loss is weighted by depth_decay**k.
+
+Determinism. The data order, the noise and the optimizer depend only on the seed and the step, and a
+checkpoint (safetensors: fp32 weights and AdamW moments; the step and settings in its metadata) holds all
+the state there is, so a run resumed from a checkpoint ends exactly where an uninterrupted run does.
+Checkpoints and the head are written atomically (a temporary file, then os.replace).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.errors import MoedeskError
+from engine.model.transformer import apply_rope
+from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict
+
+DATA_FORMAT = 1
+CHECKPOINT_FORMAT = 1
+TRAINING_DIR = "training"  # under --out: data, checkpoint, state (the head itself sits at the top)
+
+Progress = Callable[[str, int, int, dict], None]  # (phase, done, total, figures)
+
+
+@dataclass
+class TrainSettings:
+    """What a run does; saved in every checkpoint, so --resume continues the same run."""
+
+    epochs: float = 4.0
+    steps: int | None = None  # optimizer steps in all; None: from epochs
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # cosine decay ends here
+    warmup: int = 20  # steps of linear warm-up
+    batch_size: int = 8  # sequences per step
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    depths: int = 4  # passes per batch: the target-fed one and depths - 1 fed the head's own outputs
+    depth_decay: float = 0.8
+    token_weight: float = 0.1  # cross-entropy's weight beside the feature loss (EAGLE's 0.1)
+    noise: float = 0.0  # uniform noise of this half-width on the target features fed in
+    seed: int = 0
+    init: str = "last-layer"  # or "random"
+    max_new_tokens: int = 256  # length of the target's answers
+    # the LM-head products of the cross-entropy, most of the training's arithmetic (resolve_ce_dtype)
+    ce_dtype: str = "auto"
+
+    def total_steps(self, sequences: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        return max(1, math.ceil(self.epochs * math.ceil(sequences / self.batch_size)))
+
+
+# --- prompts -------------------------------------------------------------------------------------
+
+def default_prompts_path() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("assets").joinpath("draft_prompts.jsonl")))
+
+
+def load_prompts(path) -> list:
+    """Prompts from a JSONL file: {"messages": [...]} (through the chat template) or {"prompt": "raw text"}, as
+    `moedesk batch` reads them; other keys are ignored. A bad line raises MoedeskError naming it."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise MoedeskError(f"{path}: no such prompts file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoedeskError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    prompts = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise MoedeskError(f"{where}: not valid JSON ({e.msg})") from None
+        if not isinstance(item, dict):
+            raise MoedeskError(f"{where}: expected a JSON object with 'messages' or 'prompt'")
+        if "messages" in item:
+            messages = item["messages"]
+            if (not isinstance(messages, list) or not messages or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages)):
+                raise MoedeskError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+            prompts.append(messages)
+        elif isinstance(item.get("prompt"), str) and item["prompt"]:
+            prompts.append(item["prompt"])
+        else:
+            raise MoedeskError(f"{where}: needs 'messages' (a chat) or 'prompt' (non-empty raw text)")
+    if not prompts:
+        raise MoedeskError(f"{path}: no prompts")
+    return prompts
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return tokenizer.chat_prompt(prompt)
+
+
+# --- data: the target's answers and features -----------------------------------------------------
+
+@dataclass
+class DraftData:
+    """Sequences (prompt + the target's greedy answer) and the target's feature at every position."""
+
+    tokens: torch.Tensor  # [N] long, all sequences one after another
+    offsets: torch.Tensor  # [S + 1]
+    answer_start: torch.Tensor  # [S]: position of a sequence's first answer token (= its prompt length)
+    loss_end: torch.Tensor  # [S]: rows p < loss_end train (the row after an EOS drafts nothing)
+    features: torch.Tensor  # [N, d] float32
+
+    @property
+    def sequences(self) -> int:
+        return len(self.answer_start)
+
+    def sequence(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.features[a:b]
+
+    def answer_tokens(self) -> int:
+        return int((self.offsets[1:] - self.offsets[:-1] - self.answer_start).sum())
+
+
+def data_key(engine, prompts, max_new_tokens: int) -> str:
+    """What the data depends on: the model, the prompts and the answer length."""
+    raw = json.dumps([DATA_FORMAT, engine.name, engine.config.vocab_size, engine.config.hidden_size,
+                      engine.config.num_layers, str(engine.dtype), max_new_tokens, prompts])
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
+                  feature_batch: int = 8) -> DraftData:
+    """The target's greedy answers to `prompts` (Engine.generate, the normal path) and its features over them."""
+    from engine.requests import Request, SamplingParams
+
+    if engine.tokenizer is None:
+        raise MoedeskError(f"{engine.name}: the model has no tokenizer; train-draft needs one to read the prompts")
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
+    requests, limit = [], engine.context_length - 1
+    for i, p in enumerate(prompts):
+        ids = prompt_ids(engine.tokenizer, p)
+        if len(ids) >= limit:
+            raise MoedeskError(f"prompt {i + 1} has {len(ids)} tokens; the context is {engine.context_length}")
+        requests.append(Request(ids, params, tag=i))
+    answers: dict[int, list[int]] = {}
+    stopped: dict[int, bool] = {}
+    eos = min(engine.tokenizer.eos_token_ids | frozenset(engine.config.eos_token_ids), default=None)
+    started = time.perf_counter()
+    for c in engine.generate(requests, batch_size=batch_size):
+        answers[c.tag] = list(c.token_ids)
+        stopped[c.tag] = c.finish_reason == "stop" and eos is not None
+        if progress:
+            progress("generate", len(answers), len(requests),
+                     {"tokens": sum(map(len, answers.values())), "s": time.perf_counter() - started})
+    seqs, starts, ends = [], [], []
+    for i, r in enumerate(requests):
+        answer = answers[i] + ([eos] if stopped[i] else [])
+        seq = list(r.prompt_ids) + answer
+        seq = seq[:engine.context_length]
+        seqs.append(seq)
+        starts.append(len(r.prompt_ids))
+        # with an EOS last, its own row would draft what follows the end: the row before it is the last to train
+        ends.append(len(seq) - (2 if stopped[i] else 1))
+    features = _features(engine, seqs, feature_batch, progress)
+    lengths = torch.tensor([0] + [len(s) for s in seqs])
+    return DraftData(tokens=torch.tensor([t for s in seqs for t in s], dtype=torch.long),
+                     offsets=torch.cumsum(lengths, 0), answer_start=torch.tensor(starts),
+                     loss_end=torch.tensor(ends), features=features)
+
+
+def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | None) -> torch.Tensor:
+    """Teacher-forced forwards (batches of similar length, right-padded) keeping "final" at every position."""
+    from engine.generation.kv_cache import KVCache
+
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    done = 0
+    for at in range(0, len(order), batch):
+        group = order[at:at + batch]
+        longest = max(len(seqs[i]) for i in group)
+        tokens = torch.zeros(len(group), longest, dtype=torch.long)
+        for row, i in enumerate(group):
+            tokens[row, :len(seqs[i])] = torch.tensor(seqs[i])
+        positions = torch.arange(longest).expand(len(group), longest)
+        last = torch.tensor([len(seqs[i]) - 1 for i in group])
+        cache = KVCache(engine.config, len(group), longest, engine.dtype, engine.device)
+        # logits_at: one row of logits instead of [B, T, vocab], and the padding skips the experts
+        _, hidden = engine.model(tokens.to(engine.device), positions.to(engine.device), cache, engine.executor,
+                                 logits_at=last.to(engine.device), features=("final",))
+        final = hidden["final"].float().cpu()
+        for row, i in enumerate(group):
+            out[i] = final[row, :len(seqs[i])].clone()  # a plain tensor, not an inference-mode one
+        del cache, hidden
+        done += len(group)
+        if progress:
+            progress("features", done, len(seqs), {})
+    return torch.cat(out)
+
+
+def save_data(data: DraftData, path: Path, key: str) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f.name: getattr(data, f.name).contiguous() for f in fields(DraftData)}
+    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key, "format": str(DATA_FORMAT)}))
+
+
+def load_data(path: Path, key: str) -> DraftData | None:
+    """The saved data if it was made from the same model, prompts and settings; else None."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("key") != key:
+            return None
+        tensors = load_file(str(path))
+        return DraftData(**{f.name: tensors[f.name] for f in fields(DraftData)})
+    except (OSError, SafetensorError, KeyError):
+        return None
+
+
+# --- the head -------------------------------------------------------------------------------------
+
+def head_config(engine) -> EagleConfig:
+    """An EAGLE-1/2 head of the target's own attention shape; its MLP as wide as the target's last layer's."""
+    c = engine.config
+    width = c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size
+    return EagleConfig(version=1, hidden_size=c.hidden_size, intermediate_size=width, num_heads=c.num_heads,
+                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                       vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
+                       fc_bias=True, qkv_bias=c.attention_bias, rope=c.rope)
+
+
+def init_head(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
+    """A new head in float32 on the engine's device. init "last-layer": the decoder layer starts as a copy of the
+    target's last layer where the shapes allow (attention; the MLP, or for an MoE layer its expert 0, which for
+    the upcycled demo is the dense MLP itself) and fc passes the feature half through. On a small data set this
+    starts the head near a function that already maps a final-layer residual to a final-layer residual, instead
+    of from noise (measured on the demo: see README, Speculative decoding). "random": small random weights."""
+    if init not in ("last-layer", "random"):
+        raise MoedeskError(f"--init {init!r}: expected last-layer or random")
+    g = torch.Generator().manual_seed(seed)
+    embed = engine.model.embed.weight.detach()
+    head = EagleHead(cfg)
+    d = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if init == "last-layer":
+            _copy_last_layer(engine, head)
+            # [embedding ; feature] -> feature, plus a little of the token, so the start is the target's feature
+            head.fc.weight[:, d:] = torch.eye(d)
+            head.fc.weight[:, :d] *= 0.1
+    return head.to(device=engine.device, dtype=torch.float32)
+
+
+def _copy_last_layer(engine, head: EagleHead) -> None:
+    c = engine.config
+    block = engine.model.layers[c.num_layers - 1]
+    if c.qk_norm is None:  # the head's attention has no q/k norm: a q/k-normed layer's projections would not fit
+        for ours in ("wq", "wk", "wv", "wo"):
+            src, dst = getattr(block.attn, ours), getattr(head.attn, ours)
+            if src.weight.shape == dst.weight.shape:
+                dst.weight.copy_(src.weight.detach().float().cpu())
+                if dst.bias is not None and src.bias is not None:
+                    dst.bias.copy_(src.bias.detach().float().cpu())
+    head.mlp_norm.weight.copy_(block.mlp_norm.weight.detach().float().cpu())
+    if hasattr(block, "moe"):
+        gate_up, down = block.moe.experts.expert(0).dense(torch.float32)
+        gate_up, down = gate_up[0].cpu(), down[0].cpu()
+        width = gate_up.shape[0] // 2
+        gate, up = gate_up[:width], gate_up[width:]
+    else:
+        gate, up, down = (getattr(block.mlp, n).weight.detach().float().cpu() for n in ("gate", "up", "down"))
+    if gate.shape == head.mlp.gate.weight.shape and down.shape == head.mlp.down.weight.shape:
+        head.mlp.gate.weight.copy_(gate)
+        head.mlp.up.weight.copy_(up)
+        head.mlp.down.weight.copy_(down)
+
+
+# --- the unrolled forward and the losses -----------------------------------------------------------
+
+def _chain_mask(t: int, k: int, device) -> torch.Tensor:
+    """[t, (k+1) t] bool: what pass k's row p sees of the passes 0..k (keys of pass j at [j t, (j+1) t)): pass 0's
+    rows up to p - k (the target-fed rows up to the chain's root) and, of each pass j >= 1, the row at p - k + j
+    (the chain's earlier drafts and itself) — what a chain draft attends to at inference."""
+    p = torch.arange(t, device=device)
+    s = torch.arange(t, device=device)
+    blocks = [s[None, :] <= (p - k)[:, None]]
+    for j in range(1, k + 1):
+        blocks.append(s[None, :] == (p - k + j)[:, None])
+    return torch.cat(blocks, dim=1)
+
+
+def unrolled_forward(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, depths: int) -> list[torch.Tensor]:
+    """tokens [B, T] (row p pairs features[:, p] with tokens[:, p + 1]; the caller shifts), features [B, T, d] ->
+    the head's outputs of every pass, [B, T, d] each. Pass 0 is EagleHead.forward over target features with a
+    causal mask; pass k feeds row p the output of pass k - 1 at row p - 1."""
+    cfg, attn = head.cfg, head.attn
+    b, t = tokens.shape
+    dtype = head.fc.weight.dtype
+    emb = F.embedding(tokens, head.embed).to(dtype)
+    positions = torch.arange(t, device=tokens.device).expand(b, t)
+    cos, sin = attn.rope(positions, dtype)
+    keys, values, outs = [], [], []
+    feed = features.to(dtype)
+    groups = cfg.num_heads // cfg.num_kv_heads
+    for k in range(depths):
+        h = head.fc(torch.cat([emb, feed], dim=-1))
+        q = apply_rope(attn.wq(h).view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        keys.append(apply_rope(attn.wk(h).view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin))
+        values.append(attn.wv(h).view(b, t, cfg.num_kv_heads, cfg.head_dim))
+        kk = torch.cat(keys, dim=1).transpose(1, 2)
+        vv = torch.cat(values, dim=1).transpose(1, 2)
+        if groups > 1:
+            kk, vv = kk.repeat_interleave(groups, dim=1), vv.repeat_interleave(groups, dim=1)
+        mask = _chain_mask(t, k, tokens.device)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), kk, vv, attn_mask=mask[None, None])
+        h = h + attn.wo(a.transpose(1, 2).reshape(b, t, -1))
+        h = h + head.mlp(head.mlp_norm(h))
+        outs.append(h)
+        feed = torch.cat([torch.zeros_like(h[:, :1]), h[:, :-1]], dim=1)
+    return outs
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of the head's distributions (every pass, [K, N, d] through the frozen LM head W) against the
+    target's (from its features f [N, d]), weighted per pass and row by w [K, N]; in chunks of rows, so that no
+    [N, vocab] tensor outlives one chunk: the gradient is computed on the way (softmax - target) @ W and kept.
+    Returns (loss per pass [K], argmax agreements per pass [K])."""
+
+    @staticmethod
+    def forward(ctx, hidden, target, weight, row_weights, chunk):
+        k, n, _ = hidden.shape
+        grad = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        loss = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        agree = torch.zeros(k, dtype=torch.float32, device=hidden.device)
+        ce = weight.dtype
+        for at in range(0, n, chunk):
+            rows = slice(at, min(n, at + chunk))
+            t_logits = (target[rows].to(ce) @ weight.T).float()
+            t_probs = torch.softmax(t_logits, dim=-1)
+            t_best = t_logits.argmax(dim=-1)
+            for j in range(k):
+                w = row_weights[j, rows]
+                logits = (hidden[j, rows].to(ce) @ weight.T).float()
+                logp = torch.log_softmax(logits, dim=-1)
+                loss[j] += (-(t_probs * logp).sum(dim=-1) * w).sum()
+                agree[j] += ((logits.argmax(dim=-1) == t_best).float() * (w > 0)).sum()
+                grad[j, rows] = ((logp.exp() - t_probs) * w[:, None]).to(ce) @ weight
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(agree)
+        return loss, agree
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_agree):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss[:, None, None]).to(grad.dtype), None, None, None, None
+
+
+def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch: list[int], settings: TrainSettings,
+                 noise_gen: torch.Generator | None, device) -> tuple[torch.Tensor, dict]:
+    """The weighted loss of one batch of sequences and its figures (per-pass feature loss, CE, top-1 agreement)."""
+    seqs = [data.sequence(i) for i in batch]
+    t = max(len(s[0]) for s in seqs)
+    b, d = len(seqs), data.features.shape[1]
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    feats = torch.zeros(b, t, d)
+    for r, (tk, f) in enumerate(seqs):
+        tokens[r, :len(tk)], feats[r, :len(tk)] = tk, f
+    if settings.noise:
+        feats_in = feats + (torch.rand(feats.shape, generator=noise_gen) * 2 - 1) * settings.noise
+    else:
+        feats_in = feats
+    # row p: feature p with token p + 1, predicting feature p + 1
+    next_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+    targets = torch.cat([feats[:, 1:], feats[:, :1]], dim=1)
+    p = torch.arange(t)
+    starts = torch.tensor([int(data.answer_start[i]) for i in batch])
+    ends = torch.tensor([int(data.loss_end[i]) for i in batch])
+    # pass k's row p drafts the (k+1)-th token of a chain rooted at row p - k: the root must be an answer row
+    masks = torch.stack([(p[None] >= (starts - 1 + k)[:, None]) & (p[None] < ends[:, None])
+                         for k in range(settings.depths)])  # [K, B, T]
+    outs = unrolled_forward(head, next_tokens.to(device), feats_in.to(device), settings.depths)
+    rows = masks[0].to(device)  # every pass's rows are among pass 0's
+    hidden = torch.stack([o[rows] for o in outs])  # [K, N, d]
+    target = targets.to(device)[rows]
+    counts = masks.flatten(1).sum(dim=1).clamp_min(1).float()
+    row_w = (masks.to(device)[:, rows] / counts.to(device)[:, None]).float()  # [K, N], each pass's rows sum to 1
+    feat_rows = F.smooth_l1_loss(hidden.float(), target.float().expand_as(hidden), reduction="none").mean(dim=-1)
+    feat_loss = (feat_rows * row_w).sum(dim=1)
+    ce, agree = _SoftCrossEntropy.apply(hidden, target, lm_head, row_w, 512)
+    decay = torch.tensor([settings.depth_decay ** k for k in range(settings.depths)], device=device)
+    loss = (decay * (feat_loss + settings.token_weight * ce)).sum()
+    figures = {"loss": float(loss.detach()), "feature": feat_loss.detach().cpu().tolist(), "ce": ce.detach().cpu().tolist(),
+               "agree": (agree.cpu() / counts).tolist()}
+    return loss, figures
+
+
+# --- the training loop ------------------------------------------------------------------------------
+
+def resolve_ce_dtype(choice: str, device) -> str:
+    """ "auto": bfloat16 on a GPU or on a CPU with native bf16 products (AVX512-BF16 or AMX: about 2.3x float32's
+    speed measured here), else float32 (emulated bf16 would be slower). From the hardware, not from a timing,
+    so a run is the same run each time it starts."""
+    if choice != "auto":
+        return choice
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "bfloat16"
+    from kernels.native_build import missing_cpu_flags
+
+    native = any(missing_cpu_flags((flag,), flag) is None for flag in ("avx512_bf16", "amx_bf16"))
+    return "bfloat16" if device.type == "cpu" and native else "float32"
+
+
+def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    span = max(1, total - settings.warmup)
+    frac = min(1.0, (step - settings.warmup) / span)
+    return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def batch_order(data: DraftData, settings: TrainSettings, epoch: int) -> list[list[int]]:
+    """The batches of an epoch: a permutation from (seed, epoch), cut into groups of similar length (less padding)
+    whose order is shuffled again."""
+    g = torch.Generator().manual_seed(settings.seed * 1_000_003 + epoch)
+    perm = torch.randperm(data.sequences, generator=g).tolist()
+    lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
+    pool = settings.batch_size * 8
+    batches = []
+    for at in range(0, len(perm), pool):
+        chunk = sorted(perm[at:at + pool], key=lambda i: lengths[i])
+        batches += [chunk[j:j + settings.batch_size] for j in range(0, len(chunk), settings.batch_size)]
+    shuffle = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in shuffle]
+
+
+def _optimizer(head: EagleHead, settings: TrainSettings):
+    params = [p for p in head.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay,
+                             foreach=False)
+
+
+def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: TrainSettings, checkpoint: Path | None,
+          resume: bool = False, checkpoint_every: int = 50, progress: Progress | None = None,
+          on_checkpoint: Callable[[int], None] | None = None) -> dict:
+    """Train `head` in place on `data`; checkpoints to `checkpoint` (a .safetensors path) every `checkpoint_every`
+    steps and at the end. resume: start from that checkpoint (its settings must equal `settings`). Returns the
+    last figures."""
+    device = head.fc.weight.device
+    ce_dtype = getattr(torch, resolve_ce_dtype(settings.ce_dtype, device))
+    lm = lm_head.detach().to(device=device, dtype=ce_dtype)
+    opt = _optimizer(head, settings)
+    step = 0
+    if resume:
+        step = load_checkpoint(checkpoint, head, opt, settings)
+    total = settings.total_steps(data.sequences)
+    per_epoch = math.ceil(data.sequences / settings.batch_size)
+    figures: dict = {}
+    started, first = time.perf_counter(), step
+    head.train()
+    while step < total:
+        epoch, index = divmod(step, per_epoch)
+        order = batch_order(data, settings, epoch)
+        batch = order[index]
+        lr = learning_rate(settings, step, total)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        noise_gen = torch.Generator().manual_seed(settings.seed * 7_919 + step) if settings.noise else None
+        loss, figures = batch_losses(head, lm, data, batch, settings, noise_gen, device)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if settings.grad_clip:
+            torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)
+        opt.step()
+        step += 1
+        figures.update(step=step, lr=lr, epoch=epoch)
+        if checkpoint is not None and (step % checkpoint_every == 0 or step == total):
+            save_checkpoint(checkpoint, head, opt, settings, step)
+            if on_checkpoint:
+                on_checkpoint(step)
+        if progress:
+            progress("train", step, total, {**figures, "s": time.perf_counter() - started, "since": first})
+    head.eval()
+    return figures
+
+
+def _param_names(head: EagleHead) -> list[str]:
+    return [n for n, p in head.named_parameters() if p.requires_grad]
+
+
+def save_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings, step: int) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{n}": p.detach().float().cpu().contiguous() for n, p in head.named_parameters()}
+    state = opt.state_dict()["state"]
+    for i, name in enumerate(_param_names(head)):
+        if i in state:
+            tensors[f"adam.{name}.exp_avg"] = state[i]["exp_avg"].cpu().contiguous()
+            tensors[f"adam.{name}.exp_avg_sq"] = state[i]["exp_avg_sq"].cpu().contiguous()
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, "adam_steps": {name: float(state[i]["step"])
+            for i, name in enumerate(_param_names(head)) if i in state}, "settings": asdict(settings)}
+    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)}))
+    # the same state for people and scripts to read (the checkpoint's own copy is the one resumed from)
+    _atomic(path.with_name("state.json"), lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+
+
+def checkpoint_state(path: Path) -> dict:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        return json.loads(meta["state"])
+    except FileNotFoundError:
+        raise MoedeskError(f"{path}: no checkpoint to resume from (run without --resume to start)") from None
+    except (OSError, SafetensorError, KeyError, json.JSONDecodeError) as e:
+        raise MoedeskError(f"{path}: not a train-draft checkpoint ({str(e).splitlines()[0] if str(e) else e})") from None
+
+
+def load_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings) -> int:
+    from safetensors.torch import load_file
+
+    meta = checkpoint_state(path)
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise MoedeskError(f"{path}: checkpoint format {meta.get('format')}, expected {CHECKPOINT_FORMAT}")
+    saved = meta.get("settings", {})
+    for name, value in asdict(settings).items():
+        if name in saved and saved[name] != value:
+            raise MoedeskError(f"{path}: the checkpoint was trained with {name}={saved[name]!r}, this run asks for "
+                               f"{value!r}; resume with the same settings")
+    tensors = load_file(str(path))
+    with torch.no_grad():
+        for n, p in head.named_parameters():
+            p.copy_(tensors[f"model.{n}"].to(p.device))
+    state = {}
+    for i, name in enumerate(_param_names(head)):
+        if f"adam.{name}.exp_avg" in tensors:
+            dev = head.fc.weight.device
+            state[i] = {"step": torch.tensor(meta["adam_steps"][name]),
+                        "exp_avg": tensors[f"adam.{name}.exp_avg"].to(dev),
+                        "exp_avg_sq": tensors[f"adam.{name}.exp_avg_sq"].to(dev)}
+    sd = opt.state_dict()
+    sd["state"] = state
+    opt.load_state_dict(sd)
+    return int(meta["step"])
+
+
+# --- writing the head ----------------------------------------------------------------------------------
+
+def _atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """write(tmp) into a temporary file beside `path`, then rename it over `path`: a crash leaves the old file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def write_head(head: EagleHead, folder: Path, metadata: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """config.json (with a "moedesk" entry: what the head was trained for) and model.safetensors, the layout
+    engine.speculative.eagle.load_eagle_head reads; the embedding is left out (the target's is used)."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous()
+               for k, v in checkpoint_tensors(head, with_embedding=False).items()}
+    hf = config_dict(head.cfg)
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    hf["moedesk"] = metadata
+    folder.mkdir(parents=True, exist_ok=True)
+    _atomic(folder / "model.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+    _atomic(folder / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n"))
+    return folder
+
+
+def head_metadata(engine, settings: TrainSettings, data: DraftData, prompts_path: str) -> dict:
+    meta = {"trained_by": "moedesk train-draft", "target": engine.name, "prompts": Path(prompts_path).name,
+            "sequences": data.sequences, "answer_tokens": data.answer_tokens(),
+            "settings": {k: v for k, v in asdict(settings).items()}}
+    if engine.name == "demo":
+        from engine.load.demo import recipe
+
+        r = recipe()
+        meta.update(demo_recipe=r["name"], demo_recipe_version=r["version"])
+    return meta
+
+
+# --- the whole job ------------------------------------------------------------------------------------
+
+def check_output_folder(out: Path) -> None:
+    """MoedeskError (one line) unless files can be created in `out` (made if missing)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        raise MoedeskError(f"{out}: cannot write the draft head there ({e.strerror or e})") from None
+    if (out / "config.json").exists() and not (out / TRAINING_DIR).is_dir():
+        raise MoedeskError(f"{out}: already holds a model that train-draft did not write; choose another --out")
+
+
+def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None = None, resume: bool = False,
+                gen_batch_size: int = 32, checkpoint_every: int = 50, progress: Progress | None = None,
+                log: Callable[[str], None] = lambda line: None) -> dict:
+    """Everything `moedesk train-draft` does after loading the model: data (reused from --out when made from the
+    same model, prompts and settings), training (resumed on request), the head written to `out`. Returns a
+    summary: steps, figures, seconds per phase."""
+    settings = settings or TrainSettings()
+    out = Path(out)
+    check_output_folder(out)
+    prompts_path = Path(prompts_path) if prompts_path else default_prompts_path()
+    prompts = load_prompts(prompts_path)
+    work = out / TRAINING_DIR
+    checkpoint = work / "checkpoint.safetensors"
+    if resume:
+        saved = checkpoint_state(checkpoint).get("settings", {})
+        settings = TrainSettings(**{**asdict(settings), **{k: v for k, v in saved.items()
+                                                            if k in {f.name for f in fields(TrainSettings)}}})
+    settings = replace(settings, ce_dtype=resolve_ce_dtype(settings.ce_dtype, engine.device))
+    summary: dict = {"settings": asdict(settings)}
+    key = data_key(engine, prompts, settings.max_new_tokens)
+    data_path = work / "data.safetensors"
+    t0 = time.perf_counter()
+    data = load_data(data_path, key) if data_path.exists() else None
+    if data is not None:
+        log(f"reusing the target's answers in {data_path} ({data.sequences} sequences)")
+    else:
+        data = generate_data(engine, prompts, settings.max_new_tokens, gen_batch_size, progress)
+        save_data(data, data_path, key)
+    summary.update(data_s=round(time.perf_counter() - t0, 1), sequences=data.sequences,
+                   answer_tokens=data.answer_tokens())
+    head = init_head(engine, head_config(engine), settings.init, settings.seed)
+    head.embed = engine.model.embed.weight.detach().to(head.fc.weight.device, torch.float32)
+    lm_head = engine.model.lm_head.weight.detach()
+    t1 = time.perf_counter()
+    meta = head_metadata(engine, settings, data, str(prompts_path))
+
+    def write_current(step):
+        write_head(head, out, {**meta, "step": step})
+
+    figures = train(head, lm_head, data, settings, checkpoint, resume=resume, checkpoint_every=checkpoint_every,
+                    progress=progress, on_checkpoint=write_current)
+    summary.update(train_s=round(time.perf_counter() - t1, 1), figures=figures,
+                   steps=settings.total_steps(data.sequences))
+    write_head(head, out, {**meta, "step": summary["steps"]})
+    return summary
