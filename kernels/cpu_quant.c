@@ -14,29 +14,37 @@
  * to nearest), as llama.cpp's q8_0 does, and weights are dotted in integers. A finer scale keeps
  * outliers from costing the rest of the row its precision; the tests emulate exactly this.
  *
- * VNNI path (the one that matters): nothing is unpacked to memory. A 64-weight chunk of a row becomes
- * one zmm of unsigned bytes in registers (q4_0: two 16-byte loads broadcast as [q0 q0 q1 q1], the
- * upper copy of each shifted by 4, one AND; q4_k/q5_k: 32 bytes broadcast, same; q5_k adds the fifth
- * bit with a test-mask add; q6_k: low nibbles | two high bits; q8_0: q + 128), fed to vpdpbusd as the
- * unsigned operand with the token's signed int8 x. The format's offset (q4_0 8, q8_0 128, q6_k 32) is
- * folded into the accumulator start, xc = -off * (lane sum of x), stored with the quantised row, so
- * each lane holds sum(q_w * q_x) exactly. Per chunk, row and token: vpdpbusd, convert, scale product
- * (the 16 lane scales of the row times the token's), FMA into fp32 lanes; one horizontal sum per row
- * and token. K-quant scales are decoded once per super-block (6-bit pairs four bytes at a time) and
- * permuted per chunk; the q4_k/q5_k min term is one FMA per super-block, row and token against the
- * token's d_x * sum(q_x) per 32. Register tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (more tokens: tiles
- * of 8 over the same rows, from L1/L2). Each segment of 256 weights prefetches PREFETCH bytes ahead
- * along its rows.
+ * VNNI path (the one that matters): nothing is unpacked to memory. Weights become unsigned bytes in
+ * registers, fed to vpdpbusd with the token's signed int8 x; the format's offset (q4_0 8, q8_0 128, q6_k
+ * 32) is folded into the accumulator start, xc = -off * (lane sum of x), stored with the quantised row,
+ * so each int32 lane holds sum(q_w * q_x) exactly.
  *
- * Measured, one Zen 4 core (2-core shared VM; no AMX), Mixtral rows in DRAM, GB/s of packed bytes,
- * before (unpack 256 weights per row to an L1 scratch, then a generic dot loop) -> now:
- *   T=1  q4_0 5.1 -> 7.2-9.1, q4_k 3.4 -> 7.5-8.7, q8_0 9.6 -> 12-12.8, q5_k 4.2 -> 8.5, q6_k 3.2 -> 9.0
- *   T=4  q4_0 2.7 -> 4.8-5.4, q4_k 3.4 -> 4.6-5.0, q8_0 6.7 -> 8.3-9.1
- *   T=16 q4_0 1.3 -> 1.5-1.7, q8_0 3.1 -> 2.8 (noisy VM; bf16 kernel 13.6 / 12.9 / 5.6 on the same core)
- * Zen 4 runs zmm at half SPR's rate; there the floor is the 4 zmm ops per chunk, row and token
- * (dpbusd, convert, scale product, FMA), which is what bounds 16 tokens. What would lift it further:
- * AMX-INT8 tiles for 8+ tokens on Sapphire Rapids; activations per 256 for k-quants (sub-block scales
- * in integers) would save the convert and product per 32 but changes the arithmetic the tests emulate.
+ * Whole 256-weight segments (every k-quant row; q4_0 rows but their last K % 256): x is stored in a
+ * layout of the weight format's own (quantize_block) such that each of the 16 int32 lanes belongs to
+ * one scale block in all four 64-weight chunks of the segment: lane L is block L / 2 (q4_0, q4_k, q5_k:
+ * 32 weights, two lanes each) or 16-weight group L (q6_k). So the four vpdpbusd of a row and token
+ * chain into one int32 accumulator, and the convert, scale product (the row's 16 lane scales times the
+ * token's) and FMA happen once per segment instead of once per chunk: per segment, row and token 4
+ * vpdpbusd + 3 float ops (+ the q4_k/q5_k min FMA), per segment and row the unpack: q4_0 two 16-bit
+ * permutes gather the 8 blocks' nibble bytes (blocks are 18 bytes: every piece starts on an even byte,
+ * AVX512BW is enough), a third their scales, then AND / shift; q4_k/q5_k one 64-bit permute of the
+ * nibbles per chunk (qword p of chunk m: sub-block p's weights 8m..), q5_k's fifth bits by test-mask
+ * add, the 6-bit scale pairs decoded in one xmm; q6_k a 32-bit permute of the low nibbles and one of
+ * the high bit pairs per chunk, a rotate to bits 4-5 and one ternary-logic OR. The rest (q8_0 rows, a
+ * q4_0 row's tail) is in order, 64 weights and two blocks per chunk: per chunk, row and token
+ * vpdpbusd, convert, scale product, FMA. Register tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (more
+ * tokens: tiles of 8 over the same rows, from L1/L2); every array of vectors in a tile is fixed-size
+ * and indexed by unrolled loops so the accumulators stay in registers (the variable-length arrays
+ * this code had put each one in memory: a load and a store around every FMA). One transposed
+ * horizontal sum per 4 rows and token. Each segment prefetches PREFETCH bytes ahead along its rows.
+ *
+ * Measured, one Zen 4 core of this 2-core shared VM (no AMX), 4096-weight rows of 1 MiB of weights
+ * resident in L2 (the instruction-bound rate; rows from DRAM are bound by one core's memory
+ * parallelism here), GB/s of packed bytes, the in-register per-chunk kernel before this layout -> now:
+ *   T=1  q4_0 14.8 -> 34.7, q4_k 12.2 -> 24.2, q5_k 13.3 -> 24.5, q6_k 18.1 -> 30.2, q8_0 26.2 -> 43.6
+ *   T=4  q4_0  6.9 -> 16.7, q4_k  5.9 -> 12.2, q5_k  7.0 -> 12.7, q6_k  9.8 -> 18.5, q8_0 13.7 -> 19.2
+ *   T=8  q4_0  3.9 ->  8.0, q4_k  3.5 ->  7.3, q5_k  4.1 ->  8.3, q6_k  4.8 ->  9.6, q8_0  7.6 ->  8.2
+ * (q8_0 gained only from the registers.) AMX-INT8 tiles would lift 8+ tokens on Sapphire Rapids.
  *
  * AVX2 path (fallback): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
@@ -105,8 +113,33 @@ static void qrow_pad(uint8_t *row, int64_t K, int vnni) {
 /* The unsigned offset of each format's weights as the VNNI kernels feed them to vpdpbusd. */
 static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
 
-/* 32 fp32 values into block b of a quantised row; off: W_OFFSET of the consumer (VNNI), -1: AVX2 layout. */
-static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int64_t b, int off) {
+/*
+ * Where the VNNI kernels want the 256 values of a whole segment of x (the layouts are the VNNI
+ * section's; NATURAL: in order, as the AVX2 path, q8_0 and a q4_0 row's last K % 256 values have them).
+ * Every layout keeps a 32-value block's bytes inside its own segment and gives each block two lanes of
+ * its own, so a block quantises into place without touching another block's bytes: the phase-1 items
+ * that write act rows own whole 32-blocks, not whole segments.
+ */
+enum { LAY_NATURAL, LAY_Q4_0, LAY_QK, LAY_Q6_K };
+static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_NATURAL, LAY_QK, LAY_QK, LAY_Q6_K};
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+static inline int32_t hsum4i(__m128i s) {
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* 32 fp32 values into block b of a quantised row of K values; fmt: the format of the weights the VNNI
+ * kernels will dot it with (its offset and segment layout), -1: the AVX2 layout. */
+static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64_t b, int fmt) {
+    const int64_t Kc = round_up(K, 64);
     __m256 a[4], m = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int i = 0; i < 4; i++) {
@@ -118,25 +151,55 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t Kc, int6
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
     const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
     __m256i q[4];
-    __m256i sum = _mm256_setzero_si256();
-    for (int i = 0; i < 4; i++) {
-        q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id))); /* nearest, ties to even */
-        sum = _mm256_add_epi32(sum, q[i]);
-    }
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id))); /* nearest, ties to even */
     /* packs interleave 128-bit halves; the permute puts the 32 bytes back in order */
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)(row + 32 * b), off < 0 ? _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)) : ordered);
-    _mm256_storeu_ps(XD(row, Kc) + 8 * b, _mm256_set1_ps(d));
-    if (off >= 0) { /* lane L = q 4L..4L+3: two hadds give lanes 0 2 4 6 | 1 3 5 7, the permute orders them */
-        const __m256i l = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
-        const __m256i lanes = _mm256_permutevar8x32_epi32(l, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(XC(row, Kc) + 8 * b), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-off)));
+    const __m256i q01 = _mm256_add_epi32(q[0], q[1]), q23 = _mm256_add_epi32(q[2], q[3]);
+    XM(row, Kc)[b] = d * (float)hsum8i(_mm256_add_epi32(q01, q23));
+    const int off = fmt < 0 ? -1 : W_OFFSET[fmt];
+    const int lay = fmt >= 0 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
+    if (lay == LAY_NATURAL) {
+        _mm256_storeu_si256((__m256i *)(row + 32 * b), off < 0 ? _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)) : ordered);
+        _mm256_storeu_ps(XD(row, Kc) + 8 * b, _mm256_set1_ps(d));
+        if (off >= 0) { /* lane L = q 4L..4L+3: two hadds give lanes 0 2 4 6 | 1 3 5 7, the permute orders them */
+            const __m256i l = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+            const __m256i lanes = _mm256_permutevar8x32_epi32(l, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(XC(row, Kc) + 8 * b), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-off)));
+        }
+        return;
     }
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    XM(row, Kc)[b] = d * (float)_mm_cvtsi128_si32(s);
+    /* block i of segment s: its 8-byte groups go to qword i of the segment's four 64-byte chunks, its
+     * two lanes (i.e. lanes 2i, 2i + 1 of every chunk) get its d and the offset's lane sums */
+    const int64_t s = b / 8, i = b % 8;
+    uint8_t *seg = row + 256 * s;
+    __m128i lo = _mm256_castsi256_si128(ordered), hi = _mm256_extracti128_si256(ordered, 1);
+    int32_t s0, s1;
+    if (lay == LAY_Q6_K) { /* chunk m: values 4m..4m+3 and 16+4m..16+4m+3 (the lanes are the 16-value scale groups) */
+        const __m128i c01 = _mm_unpacklo_epi32(lo, hi), c23 = _mm_unpackhi_epi32(lo, hi);
+        lo = c01;
+        hi = c23;
+        s0 = hsum8i(q01);
+        s1 = hsum8i(q23);
+    } else { /* chunk m: values 8m..8m+7 (q4_k, q5_k) or 0-7, 16-23, 8-15, 24-31 (q4_0); lane j: the 4 of 8 from 4j */
+        if (lay == LAY_Q4_0) {
+            const __m128i c02 = _mm_unpacklo_epi64(lo, hi), c13 = _mm_unpackhi_epi64(lo, hi);
+            lo = c02;
+            hi = c13;
+        }
+        const __m256i t = _mm256_add_epi32(q01, q23);
+        s0 = hsum4i(_mm256_castsi256_si128(t));
+        s1 = hsum4i(_mm256_extracti128_si256(t, 1));
+    }
+    _mm_storel_epi64((__m128i *)(seg + 8 * i), lo);
+    _mm_storel_epi64((__m128i *)(seg + 64 + 8 * i), _mm_unpackhi_epi64(lo, lo));
+    _mm_storel_epi64((__m128i *)(seg + 128 + 8 * i), hi);
+    _mm_storel_epi64((__m128i *)(seg + 192 + 8 * i), _mm_unpackhi_epi64(hi, hi));
+    float *xd = XD(row, Kc) + 64 * s + 2 * i;
+    int32_t *xc = XC(row, Kc) + 64 * s + 2 * i;
+    xd[0] = xd[1] = d;
+    xc[0] = -off * s0;
+    xc[1] = -off * s1;
 }
 
 static inline void bf16_to_f32(const bf16 *src, float *dst, int n) {
@@ -322,13 +385,14 @@ static inline float hsum16(const float *v, int lanes) {
 
 /* ---------------------------------------------------------------- VNNI: weights unpacked in registers */
 
-/*
- * A 64-weight chunk of a row becomes one zmm of unsigned bytes w (the format's q, offset by W_OFFSET)
- * and a zmm of 16 fp32 lane scales s; vpdpbusd(xc, w, x) with the token's signed int8 x and its
- * precomputed xc = -off * (lane sum of x) gives each lane's exact sum(q_w * q_x); then
- * acc += float(lane) * (s * xd). K-quants add the min term once per super-block.
- */
 #define VI static inline __attribute__((always_inline)) VNNI
+
+#ifndef PREFETCH
+#define PREFETCH 1024 /* bytes ahead along each row (past its end: the rows read next) */
+#endif
+
+/* --- natural layout (q8_0 rows, a q4_0 row's last K % 256 weights): 64 weights at a time, lanes 0-7
+ * the first block, 8-15 the second; w as vpdpbusd's unsigned bytes, s the 16 lane scales. */
 
 VI __m512 d2_lanes(const uint8_t *b0, const uint8_t *b1, int half) { /* fp16 d at b0, b1: [d0 x8, d1 x8] */
     uint16_t h0, h1 = 0;
@@ -338,122 +402,199 @@ VI __m512 d2_lanes(const uint8_t *b0, const uint8_t *b1, int half) { /* fp16 d a
     return _mm512_cvtph_ps(h);
 }
 
-/* Per super-block of a k-quant row: the 16 fp32 values its chunks' lane scales are picked from.
- * (q4_0 / q8_0: the 8 d of 256 weights gathered by scalar loads here and permuted per chunk was 10%
- * slower at 1 token on one Zen 4 core than d2_lanes per chunk.) */
-VI __m512 prep(const int fmt, const uint8_t *sb) {
-    if (fmt == Q4_0 || fmt == Q8_0) return _mm512_setzero_ps(); /* d2_lanes per chunk instead */
-    if (fmt == Q6_K) { /* d * scale_i, i = 0..15 (16 weights each) */
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(sb + 192))));
-        return _mm512_mul_ps(sc, _mm512_set1_ps(f16(sb + 208)));
-    }
-    /* q4_k / q5_k: lanes 0-7 d * scale_s, lanes 8-15 dmin * min_s; the 6-bit pairs four bytes at a time */
-    uint32_t a, b, c;
-    memcpy(&a, sb + 4, 4);
-    memcpy(&b, sb + 8, 4);
-    memcpy(&c, sb + 12, 4);
-    const uint32_t sc_lo = a & 0x3f3f3f3fu, mn_lo = b & 0x3f3f3f3fu;
-    const uint32_t sc_hi = (c & 0x0f0f0f0fu) | ((a >> 2) & 0x30303030u), mn_hi = ((c >> 4) & 0x0f0f0f0fu) | ((b >> 2) & 0x30303030u);
-    const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, (int)mn_lo, (int)mn_hi)));
-    const __m512 dd = _mm512_mask_mov_ps(_mm512_set1_ps(f16(sb)), 0xFF00, _mm512_set1_ps(f16(sb + 2)));
-    return _mm512_mul_ps(v, dd);
-}
-
-/* Chunk j (64 weights from k0 + 64 j; k0 a multiple of 256) of a packed row: w and s as above.
- * half: only the first 32 weights exist (q4_0 / q8_0 rows of an odd number of blocks). */
-VI void chunk(const int fmt, const uint8_t *row, int64_t k0, int j, __m512 sv, int half, __m512i *w, __m512 *s) {
-    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+/* Weights k..k+63 of a q4_0 / q8_0 row (k a multiple of 64); half: only k..k+31 exist. */
+VI void chunk_nat(const int fmt, const uint8_t *row, int64_t k, const int half, __m512i *w, __m512 *s) {
     if (fmt == Q4_0) {
-        const uint8_t *b = row + (k0 / 32 + 2 * j) * 18;
+        const uint8_t *b = row + k / 32 * 18;
         __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 2)));
         if (!half) z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128((const __m128i *)(b + 20)));
         /* [q0 q0 q1 q1] -> [q0 lo, q0 hi, q1 lo, q1 hi]: weights in order */
-        *w = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), lo4);
+        *w = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), _mm512_set1_epi8(0x0F));
         *s = d2_lanes(b, b + 18, half);
-    } else if (fmt == Q8_0) {
-        const uint8_t *b = row + (k0 / 32 + 2 * j) * 34;
+    } else {
+        const uint8_t *b = row + k / 32 * 34;
         __m512i z = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 2)));
         if (!half) z = _mm512_inserti64x4(z, _mm256_loadu_si256((const __m256i *)(b + 36)), 1);
         *w = _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80)); /* q + 128 */
         *s = d2_lanes(b, b + 34, half);
-    } else if (fmt == Q4_K || fmt == Q5_K) {
-        const uint8_t *sb = row + k0 / 256 * BLOCK_BYTES[fmt];
-        const uint8_t *qs = sb + (fmt == Q4_K ? 16 : 48) + 32 * j;
-        const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)qs));
-        __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), lo4); /* sub-blocks 2j, 2j + 1 */
-        if (fmt == Q5_K) { /* bit 2j (2j + 1) of qh[l]: the fifth bit of weight l of sub-block 2j (2j + 1) */
-            const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 16)));
-            const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * j))), _mm256_set1_epi8((char)(2 << (2 * j))), 1);
-            q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(16));
-        }
-        *w = q;
-        *s = _mm512_permutexvar_ps(_mm512_inserti64x4(_mm512_set1_epi32(2 * j), _mm256_set1_epi32(2 * j + 1), 1), sv);
-    } else { /* Q6_K: chunk j = half j / 2 of the super-block, weights 64 (j % 2).. of it */
-        const uint8_t *sb = row + k0 / 256 * 210;
-        const int h = j >> 1, pp = j & 1;
-        const __m512i ql = _mm512_loadu_si512(sb + 64 * h);
-        const __m512i lo = _mm512_and_si512(pp ? _mm512_srli_epi16(ql, 4) : ql, lo4);
-        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 128 + 32 * h)));
-        /* bits 2p, 2p + 1 of qh to bits 4, 5: p = 0, 1 (pp 0) or 2, 3 (pp 1) in the two halves */
-        const __m512i t = pp ? _mm512_mask_blend_epi16(0x0000FFFFu, _mm512_srli_epi16(qh, 2), qh)
-                             : _mm512_mask_slli_epi16(_mm512_slli_epi16(qh, 2), 0x0000FFFFu, qh, 4);
-        *w = _mm512_or_si512(lo, _mm512_and_si512(t, _mm512_set1_epi8(0x30)));
-        const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * j), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
-        *s = _mm512_permutexvar_ps(idx, sv);
     }
 }
 
-#ifndef PREFETCH
-#define PREFETCH 1024 /* bytes ahead along each row (past its end: the rows read next) */
-#endif
+/* --- whole segments of 256 weights: the four 64-weight chunks w[m] share their lanes' blocks (lane L:
+ * block L / 2 of the segment, or 16-weight group L for q6_k), so one int32 lane sums all four and is
+ * converted and scaled once per segment. s: the 16 lane scales; mn (q4_k, q5_k): lanes 0-7 dmin * min. */
+typedef struct { __m512i w[4]; __m512 s, mn; } SegW;
+
+static const uint16_t Q4_0_PIECES[32] = { /* qword i: bytes 18i+2.. of the segment, from [0,64) and [72,136) */
+    1, 2, 3, 4, 10, 11, 12, 13, 19, 20, 21, 22, 28, 29, 30, 31,
+    33, 34, 35, 36, 42, 43, 44, 45, 51, 52, 53, 54, 60, 61, 62, 63};
+static const uint16_t Q4_0_SCALES[32] = { /* words 2i, 2i+1: d of block i, from the same two tables */
+    0, 0, 9, 9, 18, 18, 27, 27, 32, 32, 41, 41, 50, 50, 59, 59};
+
+/* q4_0: qword i of chunk 0 is the low nibbles of block i's bytes 0-7 (weights 0-7), chunk 1 their high
+ * nibbles (16-23), chunks 2, 3 the same of bytes 8-15 (8-15, 24-31). The byte gathers are 16-bit permutes
+ * (AVX512BW: the blocks are 18 bytes, so every piece starts on an even byte), all loads inside the segment. */
+VI void seg_q4_0(const uint8_t *b, SegW *g) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), pieces = _mm512_loadu_si512(Q4_0_PIECES);
+    const __m512i A = _mm512_loadu_si512(b), B = _mm512_loadu_si512(b + 72);
+    const __m512i c0 = _mm512_permutex2var_epi16(A, pieces, B);
+    const __m512i c1 = _mm512_permutex2var_epi16(_mm512_loadu_si512(b + 8), pieces, _mm512_loadu_si512(b + 80));
+    g->w[0] = _mm512_and_si512(c0, lo4);
+    g->w[1] = _mm512_and_si512(_mm512_srli_epi16(c0, 4), lo4);
+    g->w[2] = _mm512_and_si512(c1, lo4);
+    g->w[3] = _mm512_and_si512(_mm512_srli_epi16(c1, 4), lo4);
+    g->s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(A, _mm512_loadu_si512(Q4_0_SCALES), B)));
+}
+
+/* q4_k / q5_k: sub-block p = 2c + h is the low (h 0) or high (h 1) nibbles of bytes 32c.. of qs; qword p of
+ * chunk m is its weights 8m..8m+7, one 64-bit permute of qs per chunk. q5_k: bit p of qh[8m..8m+7] is
+ * their fifth bit. Scales and mins: the 6-bit pairs, four bytes at a time. */
+VI void seg_qk(const int fmt, const uint8_t *b, SegW *g) {
+    const uint8_t *qs = b + (fmt == Q4_K ? 16 : 48);
+    const __m512i Q0 = _mm512_loadu_si512(qs), Q1 = _mm512_loadu_si512(qs + 64), lo4 = _mm512_set1_epi8(0x0F);
+    for (int m = 0; m < 4; m++) {
+        const __m512i idx = _mm512_add_epi64(_mm512_setr_epi64(0, 0, 4, 4, 8, 8, 12, 12), _mm512_set1_epi64(m));
+        const __m512i z = _mm512_permutex2var_epi64(Q0, idx, Q1);
+        __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xF0F0F0F0u, z, 4), lo4);
+        if (fmt == Q5_K) {
+            uint64_t h;
+            memcpy(&h, b + 16 + 8 * m, 8);
+            const __m512i bit = _mm512_setr_epi64(0x0101010101010101ll, 0x0202020202020202ll, 0x0404040404040404ll, 0x0808080808080808ll,
+                                                  0x1010101010101010ll, 0x2020202020202020ll, 0x4040404040404040ll, (long long)0x8080808080808080ull);
+            q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(_mm512_set1_epi64((long long)h), bit), q, _mm512_set1_epi8(16));
+        }
+        g->w[m] = q;
+    }
+    /* the 6-bit pairs from dwords a, c, e of the 12 bytes: scales [a & 63, (e & 15) | (a >> 6) << 4], mins
+     * [c & 63, (e >> 4) | (c >> 6) << 4], each byte of a dword one sub-block; bytes 16-19 are not used */
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)), /* a e c e */
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030)); /* a a c c */
+    const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi)));
+    uint32_t d2;
+    memcpy(&d2, b, 4);
+    const __m512 dd = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                            _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)d2))));
+    const __m512 sv = _mm512_mul_ps(sm, dd); /* lanes 0-7 d * scale_p, 8-15 dmin * min_p */
+    g->s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), sv);
+    g->mn = _mm512_maskz_permutexvar_ps(0x00FF, _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0), sv);
+}
+
+/* q6_k: lane L of chunk m is weights 16L + 4m.. (scale group L). Weight n = 32 qt + l of half h (L = 8h +
+ * 2qt + e, l = 16e + 4m..) has its low nibble in ql[64h + 32(qt & 1) + l] (high half when qt >= 2) and
+ * its top bits at 2qt of qh[32h + l]: one 32-bit permute of ql and one of qh per chunk, a rotate brings
+ * each lane's two bits to 4-5. */
+VI void seg_q6_k(const uint8_t *b, SegW *g) {
+    const __m512i L0 = _mm512_loadu_si512(b), L1 = _mm512_loadu_si512(b + 64), H = _mm512_loadu_si512(b + 128);
+    const __m512i ql_idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 16, 20, 24, 28, 16, 20, 24, 28);
+    const __m512i qh_idx = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 8, 12, 8, 12, 8, 12, 8, 12);
+    const __m512i rot = _mm512_setr_epi32(4, 4, 2, 2, 0, 0, 30, 30, 4, 4, 2, 2, 0, 0, 30, 30);
+    for (int m = 0; m < 4; m++) {
+        const __m512i mm = _mm512_set1_epi32(m);
+        __m512i lo = _mm512_permutex2var_epi32(L0, _mm512_add_epi32(ql_idx, mm), L1);
+        lo = _mm512_and_si512(_mm512_mask_srli_epi32(lo, 0xF0F0, lo, 4), _mm512_set1_epi8(0x0F));
+        const __m512i hi = _mm512_rolv_epi32(_mm512_permutexvar_epi32(_mm512_add_epi32(qh_idx, mm), H), rot);
+        g->w[m] = _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8); /* lo | (hi & 0x30) */
+    }
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
+    g->s = _mm512_mul_ps(sc, _mm512_set1_ps(f16(b + 208)));
+}
+
+VI void seg_unpack(const int fmt, const uint8_t *b, SegW *g) {
+    if (fmt == Q4_0) seg_q4_0(b, g);
+    else if (fmt == Q6_K) seg_q6_k(b, g);
+    else seg_qk(fmt, b, g);
+}
+
+/* Lane r of the result: the sum of a_r's 16 lanes. */
+VI __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 b0 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+    const __m512 b1 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+    __m512 c = _mm512_add_ps(_mm512_shuffle_f32x4(b0, b1, 0x88), _mm512_shuffle_f32x4(b0, b1, 0xDD));
+    c = _mm512_add_ps(c, _mm512_permute_ps(c, 0x4E));
+    c = _mm512_add_ps(c, _mm512_permute_ps(c, 0xB1));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), c));
+}
 
 /*
- * out[r * ostride + t] = dot(row w[r], token t) for R rows and TT tokens (x[t]: quantised rows), K
- * weights. Always inlined with constant fmt, R, TT: the R x TT accumulators stay in registers.
+ * out[r * ostride + t] = dot(row w[r], token t) for R rows and TT tokens (x[t]: quantised rows laid out
+ * for fmt), K weights. Always inlined with constant fmt, R, TT, and every array of vectors fixed-size
+ * and indexed by unrolled loops, so that the R x TT accumulators stay in registers (variable-length
+ * arrays here put every accumulator in memory: 3 memory operations per FMA).
  */
 VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const *w, uint8_t *const *x, int64_t K,
                   float *out, int ostride) {
     const int64_t Kc = round_up(K, 64);
-    const int kq = fmt == Q4_K || fmt == Q5_K || fmt == Q6_K, has_off = W_OFFSET[fmt] != 0;
+    const int64_t Kf = SEG_LAYOUT[fmt] != LAY_NATURAL ? K / 256 * 256 : 0; /* whole segments */
+    const int has_off = W_OFFSET[fmt] != 0, mins = fmt == Q4_K || fmt == Q5_K;
     const int bb = BLOCK_BYTES[fmt], per = BLOCK[fmt];
-    __m512 acc[R][TT];
+    __m512 acc[4][8];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
         for (int t = 0; t < TT; t++) acc[r][t] = _mm512_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += 256) {
-        const int len = K - k0 < 256 ? (int)(K - k0) : 256, nch = (len + 63) / 64;
-        const int64_t at = k0 / per * bb, seg = (int64_t)len / per * bb;
+    for (int64_t k0 = 0; k0 < Kf; k0 += 256) {
+        const int64_t at = k0 / per * bb;
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++)
-            for (int64_t o = 0; o < seg; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
-        __m512 sv[R];
-        for (int r = 0; r < R; r++) sv[r] = prep(fmt, w[r] + at);
-        for (int j = 0; j < nch; j++) {
-            const int half = !kq && 64 * j + 32 == len;
-            __m512i wv[R];
-            __m512 s[R];
-            for (int r = 0; r < R; r++) chunk(fmt, w[r], k0, j, sv[r], half, &wv[r], &s[r]);
-            const int64_t k = k0 + 64 * j;
+#pragma GCC unroll 4
+            for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            SegW g;
+            seg_unpack(fmt, w[r] + at, &g);
+#pragma GCC unroll 8
             for (int t = 0; t < TT; t++) {
-                const __m512i xv = _mm512_loadu_si512(x[t] + k);
-                const __m512 xd = _mm512_loadu_ps(XD(x[t], Kc) + k / 4);
-                const __m512i xc = has_off ? _mm512_loadu_si512(XC(x[t], Kc) + k / 4) : _mm512_setzero_si512();
-                for (int r = 0; r < R; r++) {
-                    const __m512i i = _mm512_dpbusd_epi32(xc, wv[r], xv);
-                    acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(s[r], xd), acc[r][t]);
-                }
-            }
-        }
-        if (fmt == Q4_K || fmt == Q5_K) { /* - dmin * min_s * d_x * sum(q_x) over the 8 sub-blocks */
-            const __m512i up = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 0, 0, 0, 0, 0, 0, 0, 0);
-            __m512 mn[R];
-            for (int r = 0; r < R; r++) mn[r] = _mm512_maskz_permutexvar_ps(0x00FF, up, sv[r]);
-            for (int t = 0; t < TT; t++) {
-                const __m512 xm = _mm512_maskz_loadu_ps(0x00FF, XM(x[t], Kc) + k0 / 32);
-                for (int r = 0; r < R; r++) acc[r][t] = _mm512_fnmadd_ps(mn[r], xm, acc[r][t]);
+                const uint8_t *xr = x[t] + k0;
+                __m512i i = has_off ? _mm512_loadu_si512(XC(x[t], Kc) + k0 / 4) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int m = 0; m < 4; m++) i = _mm512_dpbusd_epi32(i, g.w[m], _mm512_loadu_si512(xr + 64 * m));
+                const __m512 xd = _mm512_loadu_ps(XD(x[t], Kc) + k0 / 4);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(g.s, xd), acc[r][t]);
+                if (mins) acc[r][t] = _mm512_fnmadd_ps(g.mn, _mm512_maskz_loadu_ps(0x00FF, XM(x[t], Kc) + k0 / 32), acc[r][t]);
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int t = 0; t < TT; t++) out[r * ostride + t] = _mm512_reduce_add_ps(acc[r][t]);
+    for (int64_t k = Kf; (fmt == Q4_0 || fmt == Q8_0) && k < K; k += 64) { /* natural layout (k-quant rows are whole segments) */
+        const int half = K - k == 32;
+        const int64_t at = k / per * bb;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 2
+            for (int o = 0; o < 2 * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
+        __m512i wv[4];
+        __m512 s[4];
+        if (half) {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) chunk_nat(fmt, w[r], k, 1, &wv[r], &s[r]);
+        } else {
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) chunk_nat(fmt, w[r], k, 0, &wv[r], &s[r]);
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) {
+            const __m512i xv = _mm512_loadu_si512(x[t] + k);
+            const __m512 xd = _mm512_loadu_ps(XD(x[t], Kc) + k / 4);
+            const __m512i xc = _mm512_loadu_si512(XC(x[t], Kc) + k / 4);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++)
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xc, wv[r], xv)), _mm512_mul_ps(s[r], xd), acc[r][t]);
+        }
+    }
+    if (R == 4) {
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) {
+            float v[4];
+            _mm_storeu_ps(v, sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
+            for (int r = 0; r < 4; r++) out[r * ostride + t] = v[r];
+        }
+    } else {
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int t = 0; t < TT; t++) out[r * ostride + t] = _mm512_reduce_add_ps(acc[r][t]);
+    }
 }
 
 /* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens
@@ -531,7 +672,7 @@ static void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, co
 typedef struct {
     const uint8_t *gate_up, *down;
     int fmt_gu, fmt_d, x_f32, out_f32;
-    int off_gu, off_d;    /* quantize_block's off for x (gate_up's format) and act (down's); -1: AVX2 */
+    int qfmt_gu, qfmt_d;  /* quantize_block's fmt for x (gate_up's format) and act (down's); -1: AVX2 */
     void *out;
     const int64_t *out_rows;
     const void *x_src;
@@ -600,14 +741,14 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
             }
         }
     }
-    /* f0, f1 are multiples of 32: this item's blocks of the quantised act rows are its own */
-    const int64_t Fc = round_up(F, 64);
+    /* f0, f1 are multiples of 32: this item's blocks of the quantised act rows are its own (every layout
+     * keeps a block's bytes, lanes and sums to itself) */
     for (int64_t t = 0; t < n; t++) {
         float *act = j->act + (r0 + t) * F;
         const float *up = j->up + (r0 + t) * F;
         uint8_t *row = j->aq + (r0 + t) * j->aq_row;
         for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
-        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, Fc, f / 32, j->off_d);
+        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, F, f / 32, j->qfmt_d);
     }
 }
 
@@ -645,7 +786,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
 
 /* Phase 0: the x rows quantised, shared by whoever is there; act rows' padding. */
 static void quantize_rows(Job *j) {
-    const int64_t H = j->H, Hc = round_up(H, 64);
+    const int64_t H = j->H;
     _Alignas(32) float buf[32];
     for (;;) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
@@ -653,16 +794,16 @@ static void quantize_rows(Job *j) {
         uint8_t *row = j->xq + r * j->xq_row;
         if (j->x_f32) {
             const float *src = (const float *)j->x_src + j->x_row[r] * j->x_stride;
-            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, Hc, b, j->off_gu);
+            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, H, b, j->qfmt_gu);
         } else {
             const bf16 *src = (const bf16 *)j->x_src + j->x_row[r] * j->x_stride;
             for (int64_t b = 0; b < H / 32; b++) {
                 bf16_to_f32(src + 32 * b, buf, 32);
-                quantize_block(buf, row, Hc, b, j->off_gu);
+                quantize_block(buf, row, H, b, j->qfmt_gu);
             }
         }
-        qrow_pad(row, H, j->off_gu >= 0);
-        qrow_pad(j->aq + r * j->aq_row, j->F, j->off_d >= 0);
+        qrow_pad(row, H, j->qfmt_gu >= 0);
+        qrow_pad(j->aq + r * j->aq_row, j->F, j->qfmt_d >= 0);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -744,8 +885,8 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->down = down;
     j->fmt_gu = fmt_gu;
     j->fmt_d = fmt_d;
-    j->off_gu = use_vnni ? W_OFFSET[fmt_gu] : -1;
-    j->off_d = use_vnni ? W_OFFSET[fmt_d] : -1;
+    j->qfmt_gu = use_vnni ? fmt_gu : -1;
+    j->qfmt_d = use_vnni ? fmt_d : -1;
     j->x_f32 = x_f32;
     j->out_f32 = out_f32;
     j->out = out;

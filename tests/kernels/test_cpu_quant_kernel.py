@@ -125,9 +125,12 @@ def path(request, built):
 
 
 # (gate_up format, down format, H, F): H and F whole blocks but not multiples of 64 where the format
-# allows (96 = 3 blocks of 32), and k-quant rows of 1 and 3 super-blocks.
+# allows (96 = 3 blocks of 32), and k-quant rows of 1 and 3 super-blocks. The VNNI path computes whole
+# 256-weight segments in a layout of their own and the rest of a q4_0 row (K % 256) in order: 288 and
+# 800 are segments and half a 64-weight chunk after them, 320 and 544 segments and a whole chunk or block.
 SHAPES = [(f, f, 96, 160) if f in ("q4_0", "q8_0") else (f, f, 256, 768) for f in FORMATS] + [
-    ("q4_k", "q6_k", 512, 256), ("q8_0", "q4_0", 64, 32), ("q5_k", "q8_0", 256, 288)]
+    ("q4_k", "q6_k", 512, 256), ("q8_0", "q4_0", 64, 32), ("q5_k", "q8_0", 256, 288),
+    ("q4_0", "q4_0", 288, 544), ("q8_0", "q4_0", 320, 800)]
 
 
 @pytest.mark.parametrize("fu,fd,H,F_", SHAPES)
@@ -217,7 +220,8 @@ def test_applies_and_dispatch(path, monkeypatch):
     assert not cq.applies(x, w)
 
 
-@pytest.mark.parametrize("fu,fd,H,F_", [("q4_0", "q8_0", 96, 160), ("q4_k", "q6_k", 256, 256), ("q5_k", "q4_0", 256, 96)])
+@pytest.mark.parametrize("fu,fd,H,F_", [("q4_0", "q8_0", 96, 160), ("q4_k", "q6_k", 256, 256), ("q5_k", "q4_0", 256, 96),
+                                         ("q4_0", "q4_0", 544, 288)])
 def test_every_token_count(path, fu, fd, H, F_):
     """One expert with n = 1..20 tokens: every register tile shape of the kernel (4 rows x 1-4 tokens,
     2 x 5-8, 1 x 9-16, and a 16-token tile with a remainder)."""
