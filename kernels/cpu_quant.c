@@ -19,10 +19,10 @@
  * 32) is folded into the accumulator start, xc = -off * (lane sum of x), stored with the quantised row,
  * so each int32 lane holds sum(q_w * q_x) exactly.
  *
- * Whole 256-weight segments (every k-quant row; q4_0 rows but their last K % 256): x is stored in a
- * layout of the weight format's own (quantize_block) such that each of the 16 int32 lanes belongs to
- * one scale block in all four 64-weight chunks of the segment: lane L is block L / 2 (q4_0, q4_k, q5_k:
- * 32 weights, two lanes each) or 16-weight group L (q6_k). So the four vpdpbusd of a row and token
+ * Whole 256-weight segments (every k-quant row; q4_0 / q8_0 rows but their last K % 256): x is stored
+ * in a layout of the weight format's own (quantize_block) such that each of the 16 int32 lanes belongs
+ * to one scale block in all four 64-weight chunks of the segment: lane L is block L / 2 (q4_0, q8_0,
+ * q4_k, q5_k: 32 weights, two lanes each) or 16-weight group L (q6_k). So the four vpdpbusd of a row and token
  * chain into one int32 accumulator, and the convert, scale product (the row's 16 lane scales times the
  * token's) and FMA happen once per segment instead of once per chunk: per segment, row and token 4
  * vpdpbusd + 3 float ops (+ the q4_k/q5_k min FMA), per segment and row the unpack: q4_0 two 16-bit
@@ -30,9 +30,10 @@
  * AVX512BW is enough), a third their scales, then AND / shift; q4_k/q5_k one 64-bit permute of the
  * nibbles per chunk (qword p of chunk m: sub-block p's weights 8m..), q5_k's fifth bits by test-mask
  * add, the 6-bit scale pairs decoded in one xmm; q6_k a 32-bit permute of the low nibbles and one of
- * the high bit pairs per chunk, a rotate to bits 4-5 and one ternary-logic OR. The rest (q8_0 rows, a
- * q4_0 row's tail) is in order, 64 weights and two blocks per chunk: per chunk, row and token
- * vpdpbusd, convert, scale product, FMA. Register tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (more
+ * the high bit pairs per chunk, a rotate to bits 4-5 and one ternary-logic OR; q8_0 an 8 x 4 qword
+ * transpose of the 8 blocks (4 inserts, 4 vpermt2q, 4 vshufi64x2) and two 16-bit permutes for the
+ * scales. The rest (a q4_0 / q8_0 row's last K % 256) is in order, 64 weights and two blocks per chunk:
+ * per chunk, row and token vpdpbusd, convert, scale product, FMA. Register tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (more
  * tokens: tiles of 8 over the same rows, from L1/L2); every array of vectors in a tile is fixed-size
  * and indexed by unrolled loops so the accumulators stay in registers (the variable-length arrays
  * this code had put each one in memory: a load and a store around every FMA). One transposed
@@ -41,10 +42,11 @@
  * Measured, one Zen 4 core of this 2-core shared VM (no AMX), 4096-weight rows of 1 MiB of weights
  * resident in L2 (the instruction-bound rate; rows from DRAM are bound by one core's memory
  * parallelism here), GB/s of packed bytes, the in-register per-chunk kernel before this layout -> now:
- *   T=1  q4_0 14.8 -> 34.7, q4_k 12.2 -> 24.2, q5_k 13.3 -> 24.5, q6_k 18.1 -> 30.2, q8_0 26.2 -> 43.6
- *   T=4  q4_0  6.9 -> 16.7, q4_k  5.9 -> 12.2, q5_k  7.0 -> 12.7, q6_k  9.8 -> 18.5, q8_0 13.7 -> 19.2
- *   T=8  q4_0  3.9 ->  8.0, q4_k  3.5 ->  7.3, q5_k  4.1 ->  8.3, q6_k  4.8 ->  9.6, q8_0  7.6 ->  8.2
- * (q8_0 gained only from the registers.) AMX-INT8 tiles would lift 8+ tokens on Sapphire Rapids.
+ *   T=1  q4_0 14.8 -> 34.7, q4_k 12.2 -> 24.2, q5_k 13.3 -> 24.5, q6_k 18.1 -> 30.2, q8_0 26.2 -> 41.9
+ *   T=4  q4_0  6.9 -> 16.7, q4_k  5.9 -> 12.2, q5_k  7.0 -> 12.7, q6_k  9.8 -> 18.5, q8_0 13.7 -> 23.5
+ *   T=8  q4_0  3.9 ->  8.0, q4_k  3.5 ->  7.3, q5_k  4.1 ->  8.3, q6_k  4.8 ->  9.6, q8_0  7.6 -> 13.3
+ * (q8_0 in order with the accumulators in registers: 43.7 / 19.2 / 8.3; its transpose costs a little
+ * at one token, where q8_0 is bound by memory anyway.) AMX-INT8 would lift 8+ tokens on Sapphire Rapids.
  *
  * AVX2 path (fallback): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
@@ -121,7 +123,7 @@ static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
  * that write act rows own whole 32-blocks, not whole segments.
  */
 enum { LAY_NATURAL, LAY_Q4_0, LAY_QK, LAY_Q6_K };
-static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_NATURAL, LAY_QK, LAY_QK, LAY_Q6_K};
+static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K};
 
 static inline int32_t hsum8i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -181,7 +183,7 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
         hi = c23;
         s0 = hsum8i(q01);
         s1 = hsum8i(q23);
-    } else { /* chunk m: values 8m..8m+7 (q4_k, q5_k) or 0-7, 16-23, 8-15, 24-31 (q4_0); lane j: the 4 of 8 from 4j */
+    } else { /* chunk m: values 8m..8m+7 (q4_k, q5_k, q8_0) or 0-7, 16-23, 8-15, 24-31 (q4_0); lane j: the 4 of 8 from 4j */
         if (lay == LAY_Q4_0) {
             const __m128i c02 = _mm_unpacklo_epi64(lo, hi), c13 = _mm_unpackhi_epi64(lo, hi);
             lo = c02;
@@ -446,6 +448,30 @@ VI void seg_q4_0(const uint8_t *b, SegW *g) {
     g->s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutex2var_epi16(A, _mm512_loadu_si512(Q4_0_SCALES), B)));
 }
 
+static const uint16_t Q8_0_SCALES[2][32] = { /* words 2i, 2i+1: d of block i; blocks 0-3 from [0,128), 4-7 from [128,256) */
+    {0, 0, 17, 17, 34, 34, 51, 51},
+    {0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 21, 21, 38, 38, 55, 55}};
+
+/* q8_0: qword i of chunk m is block i's bytes 8m..8m+7 (an 8 x 4 qword transpose of the 8 blocks' 32
+ * bytes), + 128 for vpdpbusd's unsigned side. */
+VI void seg_q8_0(const uint8_t *b, SegW *g) {
+    __m512i p[4]; /* blocks 2k, 2k + 1 */
+    for (int k = 0; k < 4; k++)
+        p[k] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b + 68 * k + 2))),
+                                  _mm256_loadu_si256((const __m256i *)(b + 68 * k + 36)), 1);
+    const __m512i lo = _mm512_setr_epi64(0, 4, 8, 12, 1, 5, 9, 13), hi = _mm512_setr_epi64(2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512i a01 = _mm512_permutex2var_epi64(p[0], lo, p[1]), a23 = _mm512_permutex2var_epi64(p[0], hi, p[1]);
+    const __m512i b01 = _mm512_permutex2var_epi64(p[2], lo, p[3]), b23 = _mm512_permutex2var_epi64(p[2], hi, p[3]);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    g->w[0] = _mm512_xor_si512(_mm512_shuffle_i64x2(a01, b01, 0x44), flip);
+    g->w[1] = _mm512_xor_si512(_mm512_shuffle_i64x2(a01, b01, 0xEE), flip);
+    g->w[2] = _mm512_xor_si512(_mm512_shuffle_i64x2(a23, b23, 0x44), flip);
+    g->w[3] = _mm512_xor_si512(_mm512_shuffle_i64x2(a23, b23, 0xEE), flip);
+    const __m512i d03 = _mm512_permutex2var_epi16(_mm512_loadu_si512(b), _mm512_loadu_si512(Q8_0_SCALES[0]), _mm512_loadu_si512(b + 64));
+    const __m512i d47 = _mm512_permutex2var_epi16(_mm512_loadu_si512(b + 128), _mm512_loadu_si512(Q8_0_SCALES[1]), _mm512_loadu_si512(b + 192));
+    g->s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_mov_epi16(d03, 0xFF00, d47)));
+}
+
 /* q4_k / q5_k: sub-block p = 2c + h is the low (h 0) or high (h 1) nibbles of bytes 32c.. of qs; qword p of
  * chunk m is its weights 8m..8m+7, one 64-bit permute of qs per chunk. q5_k: bit p of qh[8m..8m+7] is
  * their fifth bit. Scales and mins: the 6-bit pairs, four bytes at a time. */
@@ -503,6 +529,7 @@ VI void seg_q6_k(const uint8_t *b, SegW *g) {
 
 VI void seg_unpack(const int fmt, const uint8_t *b, SegW *g) {
     if (fmt == Q4_0) seg_q4_0(b, g);
+    else if (fmt == Q8_0) seg_q8_0(b, g);
     else if (fmt == Q6_K) seg_q6_k(b, g);
     else seg_qk(fmt, b, g);
 }
