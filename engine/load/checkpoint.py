@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 
 import tokenizers
@@ -19,6 +20,9 @@ from engine.errors import CheckpointError, MoedeskError
 class SafetensorsCheckpoint:
     """A Hugging Face model folder: config.json, one or many *.safetensors, optional tokenizer files."""
 
+    # get_tensor only maps: the loader may copy several tensors out at once (engine.load.loader)
+    concurrent_reads = True
+
     def __init__(self, folder):
         self.path = Path(folder)
         config_path = self.path / "config.json"
@@ -27,6 +31,7 @@ class SafetensorsCheckpoint:
         self.config = _read_json(config_path)
         self._where = self._index_tensors()
         self._open = {}
+        self._opening = threading.Lock()
 
     def _index_tensors(self) -> dict[str, Path]:
         index_path = self.path / "model.safetensors.index.json"
@@ -70,10 +75,12 @@ class SafetensorsCheckpoint:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         file = self._where[name]
-        if file not in self._open:
-            self._open[file] = self._handle(file)
+        with self._opening:
+            handle = self._open.get(file)
+            if handle is None:
+                handle = self._open[file] = self._handle(file)
         try:
-            return self._open[file].get_tensor(name)
+            return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
 

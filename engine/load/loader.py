@@ -1,7 +1,10 @@
 """Turn an opened checkpoint into a Transformer on a device, tensor by tensor."""
 from __future__ import annotations
 
+import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -36,18 +39,25 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_length: int | None = None,
-               progress=None, expert_banks=None, expert_dtype: str = "auto") -> tuple[Transformer, ModelConfig, dict]:
+               progress=None, expert_banks=None, expert_dtype: str = "auto", threads: int | None = None,
+               timings: dict | None = None) -> tuple[Transformer, ModelConfig, dict]:
     """Build the model on the meta device, then fill it with the checkpoint's tensors one at a time.
 
     Routed experts become one `ExpertWeights` stack per MoE layer, in the formats `expert_formats` picks
     (`expert_dtype`: auto keeps packed GGUF blocks as they are; int8/int4 quantise float experts while
     they load, one tensor at a time; bf16 keeps everything in `dtype`). expert_banks(model, formats) ->
-    banks, when given, allocates those stacks in host memory (engine.offload.offload_executor.allocate_banks): expert
-    tensors are written straight into them and only the rest goes to `device`. Returns (model, config,
-    banks); banks is {} without expert_banks.
+    banks, when given, allocates those stacks in host memory (engine.offload.pinned_memory.HostBanks): expert
+    tensors are written straight into them and only the rest goes to `device`. If expert_banks also has
+    `filled(layer)` it is called once each layer's experts are all written, and `done(ok)` once at the end
+    (engine.offload.pinned_memory.HostBanks page-locks each layer there while the next one fills).
+    threads: how many expert tensors are copied at once (default_load_threads; 1 where the checkpoint's reads
+    are not thread-safe). timings, when given, gets the seconds each part took (build, plain, experts,
+    banks_done). Returns (model, config, banks); banks is {} without expert_banks.
     """
     if expert_dtype not in EXPERT_DTYPES:
         raise MoedeskError(f"--expert-dtype {expert_dtype}: choose one of {', '.join(EXPERT_DTYPES)}")
+    timings = {} if timings is None else timings
+    clock = time.perf_counter()
     path = checkpoint.path
     cfg = parse_config(checkpoint.config, path, tensors=checkpoint.shapes())
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -85,6 +95,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
                                               down_format=formats[layer][1], device=device)
     total, done = len(plain) + len(experts), 0
     loaded = set()
+    clock = _lap(timings, "build", clock)
     for name, ours in plain:
         done += 1
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -95,11 +106,27 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         loaded.add(ours)
         if progress:
             progress("load", done / total)
-    for (layer, e, proj), name in experts.items():
-        _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, dtype, device)
-        done += 1
-        if progress:
-            progress("load", done / total)
+    clock = _lap(timings, "plain", clock)
+    filled = getattr(expert_banks, "filled", None) if banks else None
+    finished = getattr(expert_banks, "done", None) if banks else None
+
+    def landed(n: int) -> None:
+        # 1.0 only once the banks are done too: "load done" means the experts are ready to be copied from
+        if progress and done + n < total:
+            progress("load", (done + n) / total)
+
+    try:
+        _fill_experts(checkpoint, experts, moes, dtype, device, filled, _load_threads(checkpoint, threads), landed)
+    except BaseException:
+        if finished:
+            finished(False)
+        raise
+    clock = _lap(timings, "experts", clock)
+    if finished:
+        finished(True)
+    _lap(timings, "banks_done", clock)
+    if progress and experts:
+        progress("load", 1.0)
     checkpoint.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -110,6 +137,70 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         raise CheckpointError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
     model.rotary = Rotary(cfg, max_positions).to(device)
     return model.eval(), cfg, banks
+
+
+def default_load_threads() -> int:
+    """Expert tensors copied at once: MOEDESK_LOAD_THREADS, else 4 (capped by the cores). Each copy is itself
+    split over torch's threads; several at once keep the cores busy across one tensor's end and the next's
+    start, and fault in the banks' fresh pages from several threads."""
+    wanted = os.environ.get("MOEDESK_LOAD_THREADS")
+    if wanted:
+        try:
+            return max(1, int(wanted))
+        except ValueError:
+            raise MoedeskError(f"MOEDESK_LOAD_THREADS={wanted}: expected a whole number") from None
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _load_threads(checkpoint, threads: int | None) -> int:
+    if not getattr(checkpoint, "concurrent_reads", False):  # e.g. GGUF: one file position shared by its reads
+        return 1
+    return default_load_threads() if threads is None else max(1, threads)
+
+
+def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, threads: int, progress) -> None:
+    """Every routed expert tensor into its layer's stack, layer after layer; filled(layer) once a layer is whole."""
+    # Layer by layer, so each layer is finished (and can be page-locked) while the next one is read.
+    order = sorted(experts.items())
+    left = {}
+    for (layer, _, _), _ in order:
+        left[layer] = left.get(layer, 0) + 1
+
+    def one(key, name):
+        layer, e, proj = key
+        _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, dtype, device)
+        return layer
+
+    count = 0
+
+    def landed(layer):
+        nonlocal count
+        count += 1
+        left[layer] -= 1
+        if left[layer] == 0 and filled:
+            filled(layer)
+        if progress:
+            progress(count)
+
+    if threads <= 1:
+        for key, name in order:
+            landed(one(key, name))
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="moedesk-load") as pool:
+        futures = [pool.submit(one, key, name) for key, name in order]
+        try:
+            for future in futures:  # in order, so layers are reported whole in order too
+                landed(future.result())
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def _lap(timings: dict, part: str, since: float) -> float:
+    now = time.perf_counter()
+    timings[part] = timings.get(part, 0.0) + now - since
+    return now
 
 
 EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")

@@ -36,7 +36,7 @@ from kernels.experts import expert_forward, experts_forward_routed, grouped_expe
 # savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
 GROUPED_MAX_TOKENS = 64
 
-__all__ = ["OffloadExecutor", "allocate_banks", "stack_experts"]
+__all__ = ["OffloadExecutor", "stack_experts"]
 
 
 @dataclass
@@ -76,25 +76,6 @@ class StepStats:
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total,
         }
-
-
-def allocate_banks(model, formats: dict[int, tuple[str, str]], dtype: torch.dtype,
-                   pinned: bool) -> dict[int, ExpertWeights]:
-    """Empty host stacks per MoE layer, in the (gate_up, down) formats the loader chose for each layer
-    (dense ones in `dtype`), made the layers' experts.
-
-    Stacking pins a layer's experts in two allocations (not thousands) and gives the CPU and copy paths
-    contiguous per-expert blocks; the loader then writes each checkpoint tensor straight into its rows, so
-    a model larger than the GPU never passes through it.
-    """
-    banks = {}
-    for moe in model.moe_blocks():
-        placeholder = moe.experts
-        gate_up_format, down_format = formats[moe.layer]
-        moe.experts = banks[moe.layer] = ExpertWeights.empty(
-            placeholder.num_experts, placeholder.hidden, placeholder.width, dtype=dtype,
-            gate_up_format=gate_up_format, down_format=down_format, pin_memory=pinned)
-    return banks
 
 
 def stack_experts(model, pinned: bool) -> dict[int, ExpertWeights]:

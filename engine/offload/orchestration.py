@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from engine.offload.latency_model import LatencyModel, fit_latency_model
-from engine.offload.offload_executor import OffloadExecutor, allocate_banks
+from engine.offload.offload_executor import OffloadExecutor
+from engine.offload.pinned_memory import HostBanks
 from engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
                               plan_placement, resident_on_cpu, streamed_ranks)
 from engine.offload.popularity import estimated_popularity
 from engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
-from kernels.expert_weights import ExpertWeights
 
 log = logging.getLogger("moedesk")
 
@@ -34,23 +34,10 @@ MIN_MARGIN_BYTES = GIB
 KV_ROWS_RESERVED = 4  # sequences whose full-context KV cache the default budget leaves room for
 
 
-def host_bank_allocator(dtype: torch.dtype, pinned: bool, warnings: list[str]):
-    """The loader's `expert_banks`: pinned stacks when a GPU will copy from them, pageable if pinning fails."""
-
-    def allocate(model, formats):
-        if pinned:
-            try:
-                return allocate_banks(model, formats, dtype, pinned=True)
-            except RuntimeError as error:  # cudaHostAlloc refuses: too much locked memory asked for
-                gib = sum(ExpertWeights.empty(1, m.experts.hidden, m.experts.width, dtype=dtype,
-                                              gate_up_format=formats[m.layer][0], down_format=formats[m.layer][1],
-                                              device="meta").nbytes * m.experts.num_experts
-                          for m in model.moe_blocks()) / GIB
-                _warn(warnings, f"could not pin {gib:.1f} GiB of experts in RAM "
-                                f"({str(error).splitlines()[0]}); copies to the GPU will be slower")
-        return allocate_banks(model, formats, dtype, pinned=False)
-
-    return allocate
+def host_bank_allocator(dtype: torch.dtype, pinned: bool, warnings: list[str]) -> HostBanks:
+    """The loader's `expert_banks`: an exact-size arena per layer, page-locked in place once filled when a GPU
+    will copy from it (engine.offload.pinned_memory); left pageable, with a warning, if locking fails."""
+    return HostBanks(dtype, pinned, warnings)
 
 
 def _warn(warnings: list[str], message: str) -> None:
