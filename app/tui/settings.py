@@ -275,20 +275,11 @@ FIELDS_BY_NAME: dict[str, SettingField] = {f.name: f for f in FIELDS}
 
 
 def resolve_draft(engine, draft):
-    """The draft head for `engine`: `draft` when given, else the model's own (engine.speculative's resolver:
-    the demo ships one); MoedeskError, one line, when there is none."""
-    try:
-        from engine.speculative.demo_draft import resolve_draft as engine_resolver
-    except ImportError:  # an engine without a resolver knows no model's own head
-        engine_resolver = None
-    if engine_resolver is not None:
-        return engine_resolver(engine, draft)
-    if draft is None:
-        from engine.errors import MoedeskError
+    """The draft head for `engine`: `draft` when given, else the model's own (the demo ships one); MoedeskError,
+    one line, when there is none. engine.speculative.demo_draft decides, for every front end alike."""
+    from engine.speculative.demo_draft import resolve_draft as engine_resolver
 
-        raise MoedeskError(f"speculative decoding of {engine.name} needs a draft head: set Draft head (F2) or "
-                           f"--draft PATH (an EAGLE head folder; `moedesk train-draft` trains one)")
-    return draft
+    return engine_resolver(engine, draft)
 
 
 def settings_path() -> Path:

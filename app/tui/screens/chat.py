@@ -198,7 +198,7 @@ class ChatScreen(Screen):
         try:
             return settings.decoding(engine), ""
         except Exception as e:  # noqa: BLE001 -- MoedeskError (no draft head), or anything else: one line
-            return None, f"{one_line(e)} — replies decode without speculation"
+            return None, f"{one_line(e)} · F2 sets a Draft head · replies decode without speculation"
 
     def show_decoding(self) -> None:
         """Say at once, not at the first reply, when the settings ask for speculation the model cannot do."""
