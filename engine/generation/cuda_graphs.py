@@ -15,8 +15,16 @@ their pinned host copies, while the host runs the others (a small graph of its o
 A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
 hides what is past each row's position.
 
-Captured per (batch size, explicit cache rows or not), again when the cache is reallocated or the
-executor or its placement changes (the graphs read the resident experts' weights).
+The same segments run k tokens per row: a speculative verify forward (engine.speculative.decode) scores a
+chain of γ drafts (k = γ + 1, the causal mask built from the positions inside the graph) or a draft tree of
+a fixed node count (its mask over the cache and the slots its nodes write are inputs too). The host-run
+experts between segments see all k tokens of all rows in one call, as in the eager forward.
+
+Captured per (batch size, tokens per row, explicit cache rows or not, tree or not, features returned), again
+when the cache is reallocated or the executor or its placement changes (the graphs read the resident experts'
+weights). One token per row is captured at once (a decode step repeats); more only once a shape recurs and
+while fewer than `max_shapes` are held, since speculative shapes vary with the draft length and the rows
+running, and a capture costs an eager step plus graph memory.
 """
 from __future__ import annotations
 
@@ -39,24 +47,46 @@ def graphs_wanted(device: torch.device) -> bool:
 
 
 class GraphedDecode:
-    """`decode(tokens, positions, executor, rows)` → logits [B, 1, vocab], as `Transformer.forward` gives them."""
+    """`decode(tokens, positions, executor, rows)` → logits [B, 1, vocab], as `Transformer.forward` gives them;
+    `forward` for k tokens per row (speculative verification)."""
 
-    def __init__(self, model: Transformer, cache: KVCache, capture: bool = True):
+    def __init__(self, model: Transformer, cache: KVCache, capture: bool = True, capture_after: int = 2,
+                 max_shapes: int = 32):
         """capture=False runs the same segments eagerly, on any device: how CI checks the split and the
-        fixed-length attention that the graphs replay."""
+        fixed-length attention that the graphs replay. capture_after: sightings of a multi-token shape before
+        it is captured (before that it runs eagerly, the caller's forward); max_shapes: multi-token shapes held."""
         self.model, self.cache, self.capture = model, cache, capture
-        self.captured: dict[tuple[int, bool], _Captured] = {}
+        self.capture_after, self.max_shapes = capture_after, max_shapes
+        self.captured: dict[tuple, _Captured] = {}
+        self.seen: dict[tuple, int] = {}
         self.pool = None  # one memory pool for every graph
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
 
-    @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None):
         """Logits, or None when graphs cannot be used (the caller runs the step eagerly)."""
+        return self.forward(tokens, positions, executor, rows)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None,
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, features: tuple = ()):
+        """`Transformer.forward` of tokens [B, T] at positions [B, T] (every position's logits), or None when the
+        caller must run it eagerly (graphs broken, or a multi-token shape not captured). mask [B, 1, T, L] and
+        slots [B, T] as the model takes them, for a tree; L may be shorter than the cache (the rest is hidden).
+        features: as the model's, then (logits, {feature: [B, T, H]})."""
         if self.broken is not None:
             return None
-        key = (tokens.shape[0], rows is not None)
+        if mask is not None and mask.shape[-1] > self.cache.length:
+            return None
+        batch, length = tokens.shape
+        features = tuple(features)
+        key = (batch, length, rows is not None, mask is not None, features)
         captured = self.captured.get(key)
         if captured is None or captured.stale(self.cache, executor):
+            if captured is None and length > 1:
+                self.seen[key] = self.seen.get(key, 0) + 1
+                held = sum(1 for k in self.captured if k[1] > 1)
+                if self.seen[key] < self.capture_after or held >= self.max_shapes:
+                    return None
             # Graphs of other shapes captured before the same change are stale too: drop them all, with
             # the memory they hold. Released here, not whenever the garbage collector gets to them: a graph
             # freed in the middle of another's capture into the same pool trips the caching allocator's
@@ -67,10 +97,11 @@ class GraphedDecode:
                 self.captured.pop(k).release()
             if not self.captured:
                 self.pool = None  # its graphs are gone; a fresh capture starts a fresh pool
-            captured = _Captured(self.model, self.cache, tokens.shape[0], rows is not None, executor)
+            captured = _Captured(self.model, self.cache, batch, length, rows is not None, mask is not None,
+                                 features, executor)
             try:
                 if self.capture:
-                    captured.capture(tokens, positions, rows, executor, self.pool)
+                    captured.capture(tokens, positions, rows, mask, slots, executor, self.pool)
             except torch.OutOfMemoryError:
                 captured.release()
                 raise  # the decoder's out-of-memory handling frees memory and retries
@@ -81,36 +112,44 @@ class GraphedDecode:
                 return None
             self.pool = captured.pool
             self.captured[key] = captured
-        return captured.replay(tokens, positions, rows, executor)
+        return captured.replay(tokens, positions, rows, mask, slots, executor)
 
 
 class _Captured:
-    """The graphs of one batch shape: segment 0 runs embedding to the routing of the first MoE layer
+    """The graphs of one shape: segment 0 runs embedding to the routing of the first MoE layer
     whose experts need the host, segment j from the j-th such layer's residual to the next one's
     routing, the last to the logits."""
 
-    def __init__(self, model: Transformer, cache: KVCache, batch: int, with_rows: bool, executor):
+    def __init__(self, model: Transformer, cache: KVCache, batch: int, length: int, with_rows: bool, tree: bool,
+                 features: tuple, executor):
         self.model, self.cache = model, cache
         self.cache_key = _cache_key(cache, executor)
         device = cache.device
-        self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
-        self.positions = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        self.tokens = torch.zeros(batch, length, dtype=torch.long, device=device)
+        self.positions = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device) if with_rows else None
+        # A tree's nodes see their ancestors, not what precedes them in the slots: the mask (over the cache's
+        # whole length, as the graphs read it) and the slots come from the caller.
+        self.mask = torch.zeros(batch, 1, length, cache.length, dtype=torch.bool, device=device) if tree else None
+        self.slots = torch.zeros(batch, length, dtype=torch.long, device=device) if tree else None
+        self.features = features
+        self.hidden: dict = {}  # feature -> its static tensor, written by the segment that computes it
+        tokens = batch * length
         on_device = getattr(executor, "runs_on_device", lambda layer: False)
         self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe") and not on_device(block.moe.layer)]
         self.on_device = _OnDevice(executor)  # what the captured MoE layers' experts run through
         dtype, hidden, top_k = model.embed.weight.dtype, model.cfg.hidden_size, model.cfg.num_experts_per_tok
         # The executor writes each MoE layer's expert outputs here and the next segment reads them.
-        self.expert_out = torch.zeros(batch * top_k, hidden, dtype=dtype, device=device)
+        self.expert_out = torch.zeros(tokens * top_k, hidden, dtype=dtype, device=device)
         self.host: HostRouting | None = None  # where captured segments leave the routing for the host
         if device.type == "cuda" and self.moe_at:
-            self.host = HostRouting(torch.zeros(batch, hidden, dtype=dtype, pin_memory=True),
-                                    torch.zeros(batch, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
+            self.host = HostRouting(torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True),
+                                    torch.zeros(tokens, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
         # Per host-run MoE layer: how many of the token's last ranks the GPU computes from RAM itself while
         # the host runs the rest (engine.offload.offload_executor.OffloadExecutor.streamed_share), in a graph of its own
         # replayed after the host's copy of the routing is queued, so the host need not wait for it.
         share = getattr(executor, "streamed_share", None)
-        self.streamed = [share(model.layers[i].moe.layer, batch, top_k) if share and self.host else 0
+        self.streamed = [share(model.layers[i].moe.layer, tokens, top_k) if share and self.host else 0
                          for i in self.moe_at]
         self.stream_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
@@ -124,13 +163,14 @@ class _Captured:
         """Free the graphs and their outputs now."""
         for graph in [*self.graphs, *self.stream_graphs.values()]:
             graph.reset()
-        self.graphs, self.stream_graphs, self.outputs = [], {}, []
+        self.graphs, self.stream_graphs, self.outputs, self.hidden = [], {}, [], {}
 
     def _segment(self, j: int):
         model, cache = self.model, self.cache
         blocks = model.layers
         if j == 0:
-            self.step = Step(self.positions, self.rows, self.on_device, kv_len=cache.length)
+            self.step = Step(self.positions, self.rows, self.on_device, kv_len=cache.length, mask=self.mask,
+                             slots=self.slots)
             x = model.embed(self.tokens)
             self.rope = model.rotary(self.positions, x.dtype)
             start = 0
@@ -140,10 +180,17 @@ class _Captured:
             x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(self.expert_out, weights))
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
-        for block in blocks[start:end]:  # dense layers, and MoE layers run on the device alone
-            x = block(x, self.rope, cache, self.step)
+        for i in range(start, end):  # dense layers, and MoE layers run on the device alone
+            if i in self.features:
+                self.hidden[i] = x
+            x = blocks[i](x, self.rope, cache, self.step)
         if j == len(self.moe_at):
-            return model.lm_head(model.norm(x)).float()
+            x = model.norm(x)
+            if "final" in self.features:
+                self.hidden["final"] = x
+            return model.lm_head(x).float()
+        if end in self.features:
+            self.hidden[end] = x
         x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.step)
         if self.host is not None:
             self.host.x.copy_(flat, non_blocking=True)
@@ -172,10 +219,10 @@ class _Captured:
                 self._experts(j, executor)
         return self.outputs[-1]
 
-    def capture(self, tokens, positions, rows, executor, pool) -> None:
+    def capture(self, tokens, positions, rows, mask, slots, executor, pool) -> None:
         """Run the step once eagerly on a side stream (it warms the kernels up and computes the step
         exactly as the graphs will, writing the same keys and values), then capture each segment."""
-        self._load(tokens, positions, rows)
+        self._load(tokens, positions, rows, mask, slots)
         stream = torch.cuda.Stream(self.cache.device)
         stream.wait_stream(torch.cuda.current_stream(self.cache.device))
         with torch.cuda.stream(stream):
@@ -198,24 +245,36 @@ class _Captured:
                     executor.stream_experts(self.model.layers[self.moe_at[j]].moe, flat, ids, ranks, self.expert_out)
                 self.pool = graph.pool()
                 self.stream_graphs[j] = graph
-        log.info("captured %d CUDA graphs for decode at batch %d (%d layers stream experts from RAM)",
-                 len(self.graphs) + len(self.stream_graphs), tokens.shape[0], len(self.stream_graphs))
+        log.info("captured %d CUDA graphs for %d x %d tokens%s (%d layers stream experts from RAM)",
+                 len(self.graphs) + len(self.stream_graphs), *tokens.shape, " (a tree)" if self.mask is not None
+                 else "", len(self.stream_graphs))
 
-    def _load(self, tokens, positions, rows) -> None:
+    def _load(self, tokens, positions, rows, mask, slots) -> None:
         self.tokens.copy_(tokens)
         self.positions.copy_(positions)
         if self.rows is not None:
             self.rows.copy_(rows)
+        if self.mask is not None:
+            length = mask.shape[-1]
+            self.mask[..., :length].copy_(mask)
+            self.mask[..., length:] = False  # past the caller's length: nothing a node may see
+            self.slots.copy_(slots)
 
-    def replay(self, tokens, positions, rows, executor) -> torch.Tensor:
-        self._load(tokens, positions, rows)
+    def replay(self, tokens, positions, rows, mask, slots, executor):
+        self._load(tokens, positions, rows, mask, slots)
         if not self.graphs:  # nothing captured: the segments themselves, eagerly
-            return self._run_eagerly(executor)
-        for j, graph in enumerate(self.graphs):
-            graph.replay()
-            if j < len(self.moe_at):
-                self._experts(j, executor)
-        return self.outputs[-1].clone()  # the next replay overwrites the static logits
+            logits = self._run_eagerly(executor)
+        else:
+            for j, graph in enumerate(self.graphs):
+                graph.replay()
+                if j < len(self.moe_at):
+                    self._experts(j, executor)
+            logits = self.outputs[-1]
+        # The next replay overwrites the static outputs.
+        logits = logits.clone()
+        if not self.features:
+            return logits
+        return logits, {k: self.hidden[k].clone() for k in self.features}
 
 
 def _cache_key(cache: KVCache, executor) -> tuple:
