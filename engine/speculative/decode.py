@@ -550,13 +550,23 @@ def check_request(request: Request, context_length: int) -> None:
 class Speculator:
     """Speculative decoding of a batch of requests over one model, in a KV cache of its own."""
 
-    def __init__(self, model, device, dtype, context_length: int, eos_token_ids=(), tokenizer=None, on_oom=None):
+    def __init__(self, model, device, dtype, context_length: int, eos_token_ids=(), tokenizer=None, on_oom=None,
+                 graphs=None):
+        """graphs: replay target forwards from CUDA graphs over this speculator's cache (engine.generation.
+        cuda_graphs): None where the device wants them (graphs_wanted), True/False, or a factory
+        (model, cache) -> GraphedDecode (tests inject capture=False segments on the CPU)."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.tokenizer = tokenizer
         self.eos = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
         self.on_oom = on_oom
         self.cache: KVCache | None = None
+        if graphs is None:
+            from engine.generation.cuda_graphs import graphs_wanted
+
+            graphs = graphs_wanted(self.device)
+        self.use_graphs = graphs
+        self.graphs = None  # made with the cache, which its graphs read
 
     def run(self, requests: list[Request], executor, drafter_factory, mode: str = "greedy", draft_length: int = 4,
             draft_width: int = 1, budget: int | None = None, costs: perf_model.StepCosts | None = None) -> tuple[list[Completion], RunStats]:
@@ -590,7 +600,13 @@ class Speculator:
     def _reserve(self, rows: int, length: int) -> None:
         if self.cache is None:
             self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
+            if self.use_graphs:
+                from engine.generation.cuda_graphs import GraphedDecode
+
+                make = self.use_graphs if callable(self.use_graphs) else GraphedDecode
+                self.graphs = make(self.model, self.cache)
         else:
+            # Reallocating moves the tensors; the graphs see that (their cache key) and capture again.
             self._retrying(lambda: self.cache.ensure(rows, length))
 
     def _prefill(self, rows: list[_Row], executor, drafter) -> float:
@@ -625,23 +641,35 @@ class Speculator:
     def _verify(self, active, proposal: Proposal, executor, drafter):
         a, n = proposal.tokens.shape
         lengths = torch.tensor([r.length for r in active])
-        rows = torch.tensor([r.index for r in active], device=self.device)
+        indices = [r.index for r in active]
+        # Rows 0..A-1 as a slice, as the plain decoder passes them: a γ=0 round is then its very step.
+        rows = None if indices == list(range(a)) else torch.tensor(indices, device=self.device)
         depth = torch.tensor([node_depths(p) for p in proposal.parents])
         positions = (lengths[:, None] + depth).to(self.device)
         tokens = proposal.tokens.to(self.device)
-        if proposal.is_chain:
-            out = self.model(tokens, positions, self.cache, executor, rows=rows, features=drafter.feature_keys)
-        else:
+        mask = slots = None
+        if not proposal.is_chain:
             kv_len = int(lengths.max()) + n
             keys = torch.arange(kv_len)
-            mask = (keys[None, None, :] < lengths[:, None, None]).expand(a, n, kv_len).clone()
+            tree = (keys[None, None, :] < lengths[:, None, None]).expand(a, n, kv_len).clone()
             for i, p in enumerate(proposal.parents):
-                mask[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
+                tree[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
+            mask = tree[:, None].to(self.device)
             slots = (lengths[:, None] + torch.arange(n)).to(self.device)
-            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask[:, None].to(self.device),
-                             slots=slots, features=drafter.feature_keys)
+        out = self._target(tokens, positions, executor, rows, mask, slots, drafter.feature_keys)
         logits, hidden = out if drafter.feature_keys else (out, None)
         return logits, (drafter.combine(hidden) if hidden is not None else None)
+
+    def _target(self, tokens, positions, executor, rows, mask, slots, features):
+        """The target's forward over [A, T] tokens: replayed from CUDA graphs where they are on and the shape is
+        captured (a γ=0 round is the plain decode step's graphs), else eagerly."""
+        out = None
+        if self.graphs is not None:
+            out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
+        if out is None:
+            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
+                             features=features)
+        return out
 
     def _accept(self, active, proposal: Proposal, logits) -> tuple[list[list[int]], list[int]]:
         """Per active row: the accepted nodes (indices, root excluded, root-to-leaf) and the token after them."""
@@ -869,6 +897,16 @@ class SpeculativeBatch:
 
 # --- entry points -------------------------------------------------------------------------------
 
+def _graphs_like(graphs):
+    """The speculator's graphs as the engine's plain decode has them: none, or GraphedDecode over its own cache
+    that captures (or runs the segments eagerly) as the engine's does."""
+    if graphs is None:
+        return False
+    from engine.generation.cuda_graphs import GraphedDecode
+
+    return lambda model, cache: GraphedDecode(model, cache, capture=graphs.capture)
+
+
 def eagle_factory(head, target_layers: int):
     return lambda batch, capacity: EagleDrafter(head, target_layers, batch, capacity)
 
@@ -1070,7 +1108,8 @@ class SpeculativeJob:
         idle = engine.__dict__.setdefault("_speculators", [])
         self.spec = idle.pop() if idle else Speculator(engine.model, engine.device, engine.dtype,
                                                        engine.context_length, engine.config.eos_token_ids,
-                                                       engine.tokenizer, on_oom=engine._on_oom)
+                                                       engine.tokenizer, on_oom=engine._on_oom,
+                                                       graphs=_graphs_like(engine.graphs))
         self.spec.eos = frozenset(engine.config.eos_token_ids) | (
             engine.tokenizer.eos_token_ids if engine.tokenizer is not None else frozenset())
         room = (o.draft_length + 1) * o.width + 8
