@@ -196,3 +196,16 @@ def test_engine_jobs_take_the_engines_graphs_setting(engines, monkeypatch):
     assert [c.token_ids for c in done] == expected
     spec = engine.__dict__["_speculators"][0]
     assert isinstance(spec.graphs, GraphedDecode) and not spec.graphs.capture and spec.graphs.captured
+
+
+@pytest.mark.parametrize("draft", ["oracle-chain", "eagle-tree"])
+def test_sampling_through_the_segments_keeps_the_targets_distribution(draft, engines, tmp_path, monkeypatch):
+    """The chi-square test of test_speculative_decode with every verify forward through the segments."""
+    import functools
+
+    from tests.speculative import test_speculative_decode as plain_tests
+
+    graphs = Counting(capture_after=1)
+    monkeypatch.setattr(plain_tests, "Speculator", functools.partial(Speculator, graphs=graphs))
+    plain_tests.test_sampling_keeps_the_targets_distribution(draft, engines, tmp_path)
+    assert graphs.calls and all(went for _, _, went in graphs.calls)
