@@ -392,6 +392,17 @@ static inline float hsum16(const float *v, int lanes) {
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead along each row (past its end: the rows read next) */
 #endif
+/* Rows of at most this many packed bytes prefetch the next tile's rows at the same column instead: along
+ * a short row most of the prefetches land on rows the same tile is reading (Qwen3-30B-A3B's q4_k rows are
+ * 1152 and 432 bytes). The bf16 kernel measured the same rule on the GPU box (cpu_experts.c). */
+#ifndef SHORT_ROW_BYTES
+#define SHORT_ROW_BYTES 4096
+#endif
+
+/* Prefetch offset from a row's current segment for rows of row_bytes, the next tile starting `step` rows on. */
+static inline int64_t prefetch_ahead(int64_t row_bytes, int step) {
+    return row_bytes <= SHORT_ROW_BYTES ? step * row_bytes : PREFETCH;
+}
 
 /* --- natural layout (q8_0 rows, a q4_0 row's last K % 256 weights): 64 weights at a time, lanes 0-7
  * the first block, 8-15 the second; w as vpdpbusd's unsigned bytes, s the 16 lane scales. */
@@ -551,7 +562,7 @@ VI __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
  * arrays here put every accumulator in memory: 3 memory operations per FMA).
  */
 VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const *w, uint8_t *const *x, int64_t K,
-                  float *out, int ostride) {
+                  float *out, int ostride, int64_t ahead) {
     const int64_t Kc = round_up(K, 64);
     const int64_t Kf = SEG_LAYOUT[fmt] != LAY_NATURAL ? K / 256 * 256 : 0; /* whole segments */
     const int has_off = W_OFFSET[fmt] != 0, mins = fmt == Q4_K || fmt == Q5_K;
@@ -566,7 +577,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
+            for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             SegW g;
@@ -589,7 +600,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-            for (int o = 0; o < 2 * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + PREFETCH + o), _MM_HINT_T0);
+            for (int o = 0; o < 2 * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
         __m512i wv[4];
         __m512 s[4];
         if (half) {
@@ -626,24 +637,24 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 
 /* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens
  * was slower (one Zen 4 core, Mixtral q4_0 T=16: 163 ms against 119): x read from L2 once per row. */
-#define VNNI_FORMAT(name, FMT)                                                                          \
-    static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os) { \
-        switch (n) {                                                                                    \
-        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os); break;                                          \
-        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os); break;                                          \
-        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os); break;                                          \
-        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os); break;                                          \
-        default:                                                                                        \
-            for (int r = 0; r < 4; r += 2) {                                                            \
-                switch (n) {                                                                            \
-                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os); break;                     \
-                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os); break;                     \
-                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os); break;                     \
-                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os); break;                    \
-                }                                                                                       \
-            }                                                                                           \
-            break;                                                                                      \
-        }                                                                                               \
+#define VNNI_FORMAT(name, FMT)                                                                                    \
+    static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os, int64_t ah) { \
+        switch (n) {                                                                                              \
+        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os, ah); break;                                                \
+        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os, ah); break;                                                \
+        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os, ah); break;                                                \
+        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os, ah); break;                                                \
+        default:                                                                                                  \
+            for (int r = 0; r < 4; r += 2) {                                                                      \
+                switch (n) {                                                                                      \
+                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os, ah); break;                           \
+                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os, ah); break;                           \
+                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os, ah); break;                           \
+                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os, ah); break;                          \
+                }                                                                                                 \
+            }                                                                                                     \
+            break;                                                                                                \
+        }                                                                                                         \
     }
 VNNI_FORMAT(vnni_q4_0, Q4_0)
 VNNI_FORMAT(vnni_q8_0, Q8_0)
@@ -654,7 +665,7 @@ VNNI_FORMAT(vnni_q6_k, Q6_K)
 #ifndef MAX_TT
 #define MAX_TT 8
 #endif
-typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int);
+typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int, int64_t);
 static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
 
 /* The AVX2 path of rows_dot, out of line: its 12 KiB of unpacked rows and accumulators on the stack cost
@@ -687,7 +698,7 @@ static __attribute__((noinline)) void rows_dot_avx2(int fmt, const uint8_t *W, i
  * quantised token rows of K values (n <= TOK).
  */
 static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
-                            uint8_t *const *xq, int n, float *out) {
+                            uint8_t *const *xq, int n, float *out, int64_t ahead) {
     if (!use_vnni) {
         rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
         return;
@@ -696,7 +707,7 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
     for (int r = 0; r < ROWS; r++) w[r] = W + rows[r] * row_bytes;
     for (int t0 = 0; t0 < n;) { /* tiles of MAX_TT tokens, the rest in one tile */
         const int tn = n - t0 > MAX_TT ? MAX_TT : n - t0;
-        VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n);
+        VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n, ahead);
         t0 += tn;
     }
 }
@@ -763,7 +774,7 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         for (int64_t f = f0; f < f1; f += 2) {
             const int64_t f2 = f + 1 < F ? f + 1 : f; /* an odd last row is computed twice, kept once */
             const int64_t rows[ROWS] = {f, f2, F + f, F + f2};
-            rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s);
+            rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s, prefetch_ahead(j->gu_row, 2));
             for (int t = 0; t < tn; t++) { /* gate into act, up into up; act8 below */
                 float *act = j->act + (r0 + t0 + t) * F, *up = j->up + (r0 + t0 + t) * F;
                 act[f] = s[t];
@@ -798,7 +809,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; h += ROWS) {
             int64_t rows[ROWS];
             for (int r = 0; r < ROWS; r++) rows[r] = h + r < H ? h + r : H - 1;
-            rows_dot(j->fmt_d, W, j->d_row, j->F, rows, aq, tn, s);
+            rows_dot(j->fmt_d, W, j->d_row, j->F, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS));
             const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
