@@ -135,25 +135,51 @@ def _load() -> None:
         if reason is not None:
             _state["reason"] = reason
             return
-        i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-        lib.mq_routed_forward.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                          c_int, c_int, ptr, i64, i64, c_int, ptr]
-        lib.mq_routed_forward.restype = c_int
-        lib.mq_set_path.argtypes = [c_int]
-        lib.mq_set_path.restype = c_int
-        lib.mq_get_path.restype = c_int
-        lib.mq_vnni_supported.restype = c_int
-        lib.mq_set_threads.argtypes = [c_int]
-        lib.mq_set_spin_us.argtypes = [i64]
-        lib.mq_use_pool.argtypes = [ptr, ptr]
-        # One pool per process: cpu_experts' where its library runs here, so threads and spinning are shared.
-        if not cpu_experts._disabled() and cpu_experts.available():
-            bf16 = cpu_experts._state["lib"]
-            lib.mq_use_pool(ctypes.cast(bf16.moe_pool_run, ptr), ctypes.cast(bf16.moe_get_threads, ptr))
-        else:
-            lib.mq_set_threads(cpu_experts.get_num_threads())
+        _configure(lib)
         lib.mq_set_path(_wanted_path(lib))
         _state["lib"] = lib
+
+
+def _configure(lib) -> None:
+    """Argument types, and the process's one pool: cpu_experts' where its library runs here, so threads and
+    spinning are shared."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.mq_routed_forward.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                      c_int, c_int, ptr, i64, i64, c_int, ptr]
+    lib.mq_routed_forward.restype = c_int
+    lib.mq_set_path.argtypes = [c_int]
+    lib.mq_set_path.restype = c_int
+    lib.mq_get_path.restype = c_int
+    lib.mq_vnni_supported.restype = c_int
+    lib.mq_set_threads.argtypes = [c_int]
+    lib.mq_set_spin_us.argtypes = [i64]
+    lib.mq_use_pool.argtypes = [ptr, ptr]
+    if not cpu_experts._disabled() and cpu_experts.available():
+        bf16 = cpu_experts._state["lib"]
+        lib.mq_use_pool(ctypes.cast(bf16.moe_pool_run, ptr), ctypes.cast(bf16.moe_get_threads, ptr))
+    else:
+        lib.mq_set_threads(cpu_experts.get_num_threads())
+
+
+def build_variant(defines: list[str]):
+    """This kernel built with extra compiler flags (e.g. ["-DPREFETCH=2048"]) and configured like the one in
+    use, for measuring alternatives side by side (tests/perf/bench_cpu_quant.py --define). Hand it to
+    `use_library` to route calls through it."""
+    from kernels.native_build import build_library
+    if not available():
+        raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
+    lib = ctypes.CDLL(str(build_library(SOURCE, [*FLAGS, *defines])))
+    _configure(lib)
+    lib.mq_set_path(_state["lib"].mq_get_path())
+    return lib
+
+
+def use_library(lib):
+    """Route calls through `lib` (a `build_variant`, or the library returned before); returns the one replaced."""
+    if not available():
+        raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
+    before, _state["lib"] = _state["lib"], lib
+    return before
 
 
 def _wanted_path(lib) -> int:

@@ -2,14 +2,24 @@
 
 Usage (repo root; GPU box: 16 cores):
     python3 tests/perf/bench_cpu_quant.py [--formats q4_0,q8_0,q4_k,q5_k,q6_k] [--paths vnni,avx2] [--threads N]
-    python3 tests/perf/bench_cpu_quant.py --smoke    # tiny shapes, one repeat: checks the script runs
+    python3 tests/perf/bench_cpu_quant.py --per-core    # one thread: GB/s of packed bytes one core computes
+    python3 tests/perf/bench_cpu_quant.py --define along=-DSHORT_ROW_BYTES=0 --define pf2k=-DPREFETCH=2048
+    python3 tests/perf/bench_cpu_quant.py --smoke       # tiny shapes, one repeat: checks the script runs
 
-For Mixtral-8x7B (8 experts of H=4096, F=14336, 2 per call) and Qwen3-30B-A3B (128 experts of
-H=2048, F=768, 8 per call), each call computes `experts` distinct experts with exactly T tokens each
-(T = 1, 4, 16), the experts picked at random per call from the whole stack so that the caches hold no
-expert from the call before (as in decode). Prints ms per call and GB/s of weight bytes read (each
-active expert's packed gate, up and down once); the bf16 line is kernels/cpu_experts.c on the same
-shape. Weights are random blocks with sane float16 scales: the values do not matter to the timing.
+Shapes (--shapes): Mixtral-8x7B (8 experts of H=4096, F=14336, 2 per call), Qwen3-30B-A3B (128 experts of
+H=2048, F=768, 8 per call) and `tiny` (16 experts of 256 x 256, 8 per call: what a call costs beyond its
+weights: thread hand-out, phases, the wrapper). Each call computes `experts` distinct experts with exactly
+T tokens each (--tokens, default 1, 2, 4, 8, 16), the experts picked at random per call from the whole
+stack so that the caches hold no expert from the call before (as in decode; `tiny` fits in cache, that is
+its point). Prints ms per call and GB/s of weight bytes read (each active expert's packed gate, up and down
+once); the bf16 line is kernels/cpu_experts.c on the same shape. Weights are random blocks with sane
+float16 scales: the values do not matter to the timing.
+
+--define NAME=-DFLAG[,-DFLAG...] (repeatable) builds cpu_quant.c again with those flags (the knobs are its
+#ifndef'd constants: PREFETCH, SHORT_ROW_BYTES, ITEM_BYTES, MAX_TT, ...) and measures it beside the
+default build, each call of a shape alternating between the builds so that both see the same machine state.
+--per-core is --threads 1: on the GPU box at one token with all threads the 4-bit kernels were bound by
+instructions per core, so GB/s per core is the figure an instruction-level change moves.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per cal
     "qwen3-30b-a3b": (128, 2048, 768, 8),
 }
 SMOKE = {"smoke": (4, 256, 512, 2)}
+TINY = {"tiny": (16, 256, 256, 8)}
 SCALE_AT = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
 
 
@@ -85,31 +96,61 @@ def timed(fn, calls, warmup=2):
     return statistics.median(times)
 
 
+def timed_builds(builds, fn, calls, warmup=2):
+    """Median seconds per call of fn on each build (name -> library), the builds taking turns call by call."""
+    times = {name: [] for name in builds}
+    for i, c in enumerate(calls[:warmup] + calls):
+        for name, lib in builds.items():
+            cq.use_library(lib)
+            t = time.perf_counter()
+            fn(*c)
+            if i >= warmup:
+                times[name].append(time.perf_counter() - t)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
     ap.add_argument("--paths", default=None, help="vnni,avx2 (default: the ones this CPU has)")
-    ap.add_argument("--tokens", default="1,4,16")
+    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, tiny")
+    ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--per-core", action="store_true", help="one thread (--threads 1)")
     ap.add_argument("--calls", type=int, default=20)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=-DFLAG[,-DFLAG]",
+                    help="also measure cpu_quant.c built with these flags, alternating with the default build")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 3 calls: the script runs, numbers mean nothing")
     ap.add_argument("--no-bf16", action="store_true")
     args = ap.parse_args()
     if not cq.available():
         sys.exit(f"packed kernel unavailable: {cq.unavailable_reason()}")
-    if args.threads:
-        ce.set_num_threads(args.threads)
+    threads = 1 if args.per_core else args.threads
+    if threads:
+        ce.set_num_threads(threads)
         if "lib" in cq._state and not ce.available():
-            cq._state["lib"].mq_set_threads(args.threads)
+            cq._state["lib"].mq_set_threads(threads)
+    builds = {"": cq._state["lib"]}
+    for d in args.define:
+        name, _, flags = d.partition("=")
+        if not name or not flags.startswith("-D"):
+            sys.exit(f"--define wants NAME=-DFLAG[,-DFLAG...], not {d!r}")
+        builds[name] = cq.build_variant(flags.split(","))
+        if not ce.available() and threads:
+            builds[name].mq_set_threads(threads)
     paths = args.paths.split(",") if args.paths else (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"])
-    shapes = SMOKE if args.smoke else SHAPES
+    every = {**SHAPES, **TINY}
+    shapes = SMOKE if args.smoke else {name: every[name] for name in args.shapes.split(",")}
     n_calls = 3 if args.smoke else args.calls
     tokens = [int(t) for t in args.tokens.split(",")]
     gen = torch.Generator().manual_seed(0)
-    print(f"threads {ce.get_num_threads()}, paths {paths}, bf16 kernel: {ce.describe()}")
+    unit = "GB/s per core" if threads == 1 else "GB/s"
+    print(f"threads {ce.get_num_threads()}, paths {paths}, builds {list(builds) if len(builds) > 1 else 'default'}, "
+          f"bf16 kernel: {ce.describe()}; {unit} of weight bytes (packed for the packed formats)")
+    width = max([8, *(len(f) + len(b) + 1 for f in args.formats.split(",") for b in builds)])
     for name, (E, H, F, per_call) in shapes.items():
         print(f"\n{name}: H={H} F={F}, {per_call} of {E} experts per call")
-        print(f"{'format':>8} {'path':>5} " + " ".join(f"{f'T={t} ms':>9} {'GB/s':>6}" for t in tokens))
+        print(f"{'format':>{width}} {'path':>5} " + " ".join(f"{f'T={t} ms':>9} {'GB/s':>6}" for t in tokens))
         if not args.no_bf16 and ce.available():
             gate_up, down = bf16_stacks(E, H, F, pinned=True)
             out_row = []
@@ -118,21 +159,29 @@ def main():
                 sec = timed(lambda x, pe: ce.experts_forward_routed(x, pe, 1, None, gate_up, down,
                                                                     torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
                 out_row.append(f"{sec * 1e3:9.3f} {per_call * 3 * H * F * 2 / sec / 1e9:6.1f}")
-            print(f"{'bf16':>8} {'':>5} " + " ".join(out_row))
+            print(f"{'bf16':>{width}} {'':>5} " + " ".join(out_row))
             del gate_up, down
         for fmt in args.formats.split(","):
             w = ExpertWeights(packed_stack(fmt, E, 2 * F, H, True), packed_stack(fmt, E, H, F, True), H, F, fmt, fmt)
             for path in paths:
-                cq.set_path(path)
-                out_row = []
+                rows = {b: [] for b in builds}
                 for T in tokens:
                     calls = calls_for(E, per_call, T, H, n_calls, gen)
-                    sec = timed(lambda x, pe: cq.experts_forward_routed(x, pe, 1, None, w,
-                                                                        torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
-                    out_row.append(f"{sec * 1e3:9.3f} {per_call * w.expert_bytes / sec / 1e9:6.1f}")
-                print(f"{fmt:>8} {path:>5} " + " ".join(out_row))
+                    for lib in builds.values():
+                        cq.use_library(lib)
+                        cq.set_path(path)
+                    sec = timed_builds(builds, lambda x, pe: cq.experts_forward_routed(
+                        x, pe, 1, None, w, torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
+                    for b in builds:
+                        rows[b].append(f"{sec[b] * 1e3:9.3f} {per_call * w.expert_bytes / sec[b] / 1e9:6.1f}")
+                for b in builds:
+                    label = f"{fmt}/{b}" if b else fmt
+                    print(f"{label:>{width}} {path:>5} " + " ".join(rows[b]))
             del w
-    cq.set_path(None)
+    for lib in builds.values():
+        cq.use_library(lib)
+        cq.set_path(None)
+    cq.use_library(builds[""])
 
 
 if __name__ == "__main__":
