@@ -62,6 +62,12 @@ class GraphedDecode:
         self.pool = None  # one memory pool for every graph
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
 
+    def release(self) -> None:
+        """Drop every captured graph and the memory it holds now (a caller done with this cache)."""
+        for captured in self.captured.values():
+            captured.release()
+        self.captured, self.seen, self.pool = {}, {}, None
+
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None):
         """Logits, or None when graphs cannot be used (the caller runs the step eagerly)."""
         return self.forward(tokens, positions, executor, rows)

@@ -10,7 +10,9 @@ A round, for every sequence of the batch at once:
    cache slot L + i, seeing the sequence's cache before L and its own ancestors (`tree_mask`). A chain
    needs no mask: its slots are its positions. Rows of different lengths share the forward; a row's
    mask hides what lies past its own end. The forward goes through the engine's expert executor, so
-   an expert in RAM computes every token of every tree that routes to it in one call.
+   an expert in RAM computes every token of every tree that routes to it in one call. Where the engine
+   decodes through CUDA graphs, so does this forward (engine.generation.cuda_graphs, over the speculator's own
+   cache, a shape once it recurs): a round that drafts nothing replays the plain decode step's graphs.
 3. engine.speculative.rejection accepts a path: the longest run of drafts equal to the target's argmax
    at temperature 0 (so the output is plain greedy's, token for token), rejection sampling otherwise
    (the target's distribution kept exactly, Leviathan et al.; trees are drawn without replacement
@@ -918,7 +920,7 @@ def oracle_factory(references: list[list[int]], corruption: float, vocab_size: i
 
 # --- the engine's entry: drafts from a head folder, auto's measured step times -------------------
 
-STEP_TIMES_FORMAT = 1
+STEP_TIMES_FORMAT = 2  # 2: timed through CUDA graphs where the engine's forwards replay them
 MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
@@ -948,10 +950,23 @@ class RunningCosts:
 
 
 def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int, prompt: int = 32,
-                       repeat: int = 3) -> dict[str, float]:
+                       repeat: int = 3, graphs=None) -> dict[str, float]:
     """T(B, k) in ms: one forward of B sequences with k new tokens each after a `prompt`-token prefix (the
     best of `repeat`), as "B,k" keys. Random tokens: what is timed is where the experts are and how many
-    distinct ones the tokens reach, which random routing over-estimates only slightly."""
+    distinct ones the tokens reach, which random routing over-estimates only slightly.
+
+    graphs: as Speculator takes it (None: where the device wants CUDA graphs). The forwards are then replayed
+    from graphs captured for each shape, as plain decode steps and speculative verify forwards run, so auto
+    prices what runs: eager forwards paid ~10-12 ms of kernel launches per step on the H100 box that the
+    graphed plain step does not."""
+    if graphs is None:
+        from engine.generation.cuda_graphs import graphs_wanted
+
+        graphs = graphs_wanted(torch.device(device))
+    if graphs and not callable(graphs):
+        from engine.generation.cuda_graphs import GraphedDecode
+
+        graphs = GraphedDecode
     out = {}
     gen = torch.Generator().manual_seed(0)
     for b in batches:
@@ -959,15 +974,28 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
         tokens = torch.randint(3, cfg.vocab_size, (b, prompt + max_k), generator=gen).to(device)
         positions = torch.arange(prompt + max_k, device=device).expand(b, -1)
         model(tokens[:, :prompt], positions[:, :prompt], cache, executor)
+        graphed = graphs(model, cache) if graphs else None
+        if graphed is not None:
+            graphed.capture_after = 1  # every shape here is timed again at once
+
+        def forward(k):
+            args = tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k]
+            if graphed is None or graphed.forward(*args, executor) is None:
+                model(*args, cache, executor)
+
         for k in range(1, max_k + 1):
+            if graphed is not None:
+                forward(k)  # captures: not what a step costs
             best = float("inf")
             for _ in range(repeat):
                 synchronize(device)
                 t0 = time.perf_counter()
-                model(tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k], cache, executor)
+                forward(k)
                 synchronize(device)
                 best = min(best, time.perf_counter() - t0)
             out[f"{b},{k}"] = 1000 * best
+        if graphed is not None:
+            graphed.release()
     return out
 
 
@@ -984,13 +1012,14 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False)
 
     batches = sorted({b for b in MEASURED_BATCHES if b <= batch} | {batch})
     placement = engine.orchestra.summary() if engine.orchestra is not None else {}
+    graphs = _graphs_like(getattr(engine, "graphs", None))  # as the job's Speculator will run its forwards
     raw = json.dumps([STEP_TIMES_FORMAT, machine_fingerprint(), engine.name, str(engine.device), str(engine.dtype),
                       torch.get_num_threads(), json.dumps(placement, sort_keys=True, default=str), batches,
-                      max_gamma + 1])
+                      max_gamma + 1, bool(graphs)])
     key = hashlib.sha256(raw.encode()).hexdigest()[:16]
     measured = cached_json(Path(cache_root()) / f"speculative-steps-{key}.json",
                            lambda: measure_step_times(engine.model, engine.executor, engine.config, engine.device,
-                                                      engine.dtype, batches, max_gamma + 1), refresh)
+                                                      engine.dtype, batches, max_gamma + 1, graphs=graphs), refresh)
     return {tuple(int(x) for x in k.split(",")): float(v) for k, v in measured.items()}
 
 

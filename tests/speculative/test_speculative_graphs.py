@@ -209,3 +209,25 @@ def test_sampling_through_the_segments_keeps_the_targets_distribution(draft, eng
     monkeypatch.setattr(plain_tests, "Speculator", functools.partial(Speculator, graphs=graphs))
     plain_tests.test_sampling_keeps_the_targets_distribution(draft, engines, tmp_path)
     assert graphs.calls and all(went for _, _, went in graphs.calls)
+
+
+def test_auto_step_times_are_timed_through_the_graphs(engines, tmp_path, monkeypatch):
+    """T(B, k) for auto times the forwards as the speculator runs them: through the graph segments where the
+    engine decodes through graphs (every shape, decode's and verify's), cached apart from eager tables."""
+    engine = engines("mixtral", True)
+    graphs = Counting(capture_after=5)  # measure_step_times captures every shape it times at once
+    table = decode.measure_step_times(engine.model, engine.executor, engine.config, engine.device, engine.dtype,
+                                      [1, 2], 3, prompt=8, repeat=2, graphs=graphs)
+    assert sorted(table) == [f"{b},{k}" for b in (1, 2) for k in (1, 2, 3)] and min(table.values()) > 0
+    assert sorted({(b, t) for b, t, _ in graphs.calls}) == [(b, k) for b in (1, 2) for k in (1, 2, 3)]
+    assert all(went for _, _, went in graphs.calls)
+    assert all(not g.captured for g in graphs.made)  # released once timed
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    timed = []
+    monkeypatch.setattr(decode, "measure_step_times", lambda *a, graphs=None, **k: timed.append(graphs) or {"1,1": 1.0})
+    decode.engine_step_times(engine, 1, 1)
+    monkeypatch.setattr(engine, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
+    decode.engine_step_times(engine, 1, 1)
+    assert timed[0] is False and callable(timed[1])
+    assert len(list((tmp_path / "cache").glob("speculative-steps-*.json"))) == 2

@@ -105,3 +105,29 @@ def test_eagle_features_from_graphs_keep_greedy_output(engines, tmp_path):
                                  budget=budget)
         assert tokens == expected, mode
         assert any(k > 1 for _, k in shapes), (mode, shapes)
+
+
+def test_auto_step_times_replay_captured_graphs(engines):
+    """measure_step_times on CUDA times every (B, k) from captured graphs (the table auto prices rounds with);
+    both tables are printed for comparison (-s)."""
+    engine = engines("mixtral")
+    went = []
+
+    def factory(model, cache):
+        graphs = GraphedDecode(model, cache)
+        forward = graphs.forward
+
+        def counted(*a, **k):
+            out = forward(*a, **k)
+            went.append(out is not None and all(c.graphs for c in graphs.captured.values()))
+            return out
+
+        graphs.forward = counted
+        return graphs
+
+    args = (engine.model, engine.executor, engine.config, engine.device, engine.dtype, [1, 4], 3)
+    graphed = decode.measure_step_times(*args, prompt=16, repeat=2, graphs=factory)
+    eager = decode.measure_step_times(*args, prompt=16, repeat=2, graphs=False)
+    print({k: (round(graphed[k], 2), round(eager[k], 2)) for k in graphed})
+    assert sorted(graphed) == sorted(eager) == [f"{b},{k}" for b in (1, 4) for k in (1, 2, 3)]
+    assert went and all(went)
