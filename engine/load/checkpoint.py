@@ -32,6 +32,9 @@ class SafetensorsCheckpoint:
         self._where = self._index_tensors()
         self._open = {}
         self._opening = threading.Lock()
+        self._unreleased: dict[Path, int] = {}  # tensors of each shard not yet released
+        for file in self._where.values():
+            self._unreleased[file] = self._unreleased.get(file, 0) + 1
 
     def _index_tensors(self) -> dict[str, Path]:
         index_path = self.path / "model.safetensors.index.json"
@@ -83,6 +86,16 @@ class SafetensorsCheckpoint:
             return handle.get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
+
+    def release(self, name: str) -> None:
+        """The caller is done with tensor `name`. Once every tensor of a shard is, its memory map is dropped
+        (unmapped when no tensor still views it): every page of a map that was read counts in the process's
+        resident memory, so keeping them all until the end of a load doubled its peak."""
+        file = self._where[name]
+        with self._opening:
+            self._unreleased[file] -= 1
+            if self._unreleased[file] == 0:
+                self._open.pop(file, None)
 
     @property
     def tokenizer(self) -> tokenizers.Tokenizer | None:

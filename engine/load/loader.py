@@ -65,9 +65,12 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         model = Transformer(cfg, max_positions)
     expected = dict(model.named_parameters())
     rules = weight_name_map(cfg)
+    # Each tensor is released once used, so the checkpoint can unmap what was read (GGUF reads without maps).
+    release = getattr(checkpoint, "release", lambda name: None)
     plain, experts = [], {}  # experts: (layer, expert, projection) -> checkpoint name
     for name in checkpoint.keys():
         if is_ignored_tensor(name):
+            release(name)
             continue
         ours = map_weight_name(rules, name)
         routed = _ROUTED_EXPERT.fullmatch(ours) if ours else None
@@ -99,10 +102,13 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     for name, ours in plain:
         done += 1
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+            release(name)
             continue
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+        del tensor
+        release(name)
         loaded.add(ours)
         if progress:
             progress("load", done / total)
@@ -166,9 +172,12 @@ def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, 
     for (layer, _, _), _ in order:
         left[layer] = left.get(layer, 0) + 1
 
+    release = getattr(checkpoint, "release", lambda name: None)
+
     def one(key, name):
         layer, e, proj = key
         _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, dtype, device)
+        release(name)
         return layer
 
     count = 0

@@ -145,6 +145,46 @@ def test_a_refused_lock_leaves_the_rest_pageable_with_one_warning(tiny_checkpoin
     assert tokens["locked"] == tokens["plain"]
 
 
+def test_each_shard_is_unmapped_once_its_tensors_are_read(tiny_checkpoint, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    # The tiny model in three shards: layer 0's tensors, layer 1's, and everything else (read first).
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("mixtral"), folder, ignore=shutil.ignore_patterns("*.safetensors*"))
+    tensors = {}
+    for file in tiny_checkpoint("mixtral").glob("*.safetensors"):
+        tensors.update(load_file(str(file)))
+
+    def shard_of(name):
+        return 1 if ".layers.0." in name else 2 if ".layers.1." in name else 3
+
+    weight_map = {n: f"model-{shard_of(n):05d}-of-00003.safetensors" for n in tensors}
+    for shard in set(weight_map.values()):
+        save_file({n: t for n, t in tensors.items() if weight_map[n] == shard}, str(folder / shard),
+                  metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    checkpoint = open_checkpoint(str(folder))
+    released = []  # (name, shards still mapped after it)
+    release = checkpoint.release
+
+    def spy(name):
+        release(name)
+        released.append((name, {f.name for f in checkpoint._open}))
+
+    monkeypatch.setattr(checkpoint, "release", spy)
+    load_model(checkpoint, torch.float32, torch.device("cpu"), 64, None, HostBanks(torch.float32, pinned=False),
+               threads=2)
+    assert sorted(n for n, _ in released) == sorted(tensors)  # every tensor released once
+    first_of_layer_1 = next(i for i, (n, _) in enumerate(released) if ".layers.1." in n and ".experts." in n)
+    # Layer 0's shard went as soon as its last expert was read, before layer 1's experts were.
+    assert "model-00001-of-00003.safetensors" not in released[first_of_layer_1][1]
+    assert checkpoint._open == {}
+
+
 def test_a_failed_load_drops_the_locks_not_yet_begun(tiny_checkpoint, tmp_path):
     import shutil
 
