@@ -11,8 +11,8 @@ oracle's own, timed apart and left out). Drafting costs nothing in the figures: 
 verification costs and yields, against plain batched decoding (CUDA graphs where the engine uses them) at
 the same batch size, on the same prompts.
 
-Measured, for each batch size B: T(B, k), one forward of B sequences × k new tokens (k = 1..γ+1; eager,
-as `auto` measures it, engine.speculative.decode.measure_step_times); plain decode; greedy chains of γ
+Measured, for each batch size B: T(B, k), one forward of B sequences × k new tokens (k = 1..γ+1; from
+CUDA graphs where the engine uses them, as `auto` measures it, engine.speculative.decode.measure_step_times); plain decode; greedy chains of γ
 drafts at each acceptance; `auto` at each acceptance (draft length chosen per round from the measured T
 and the running acceptance, plain decoding where no draft could pay). The MoESD model
 (engine.speculative.perf_model) is fitted to the T table; its predicted speedup at the measured acceptance
@@ -407,7 +407,7 @@ def format_speculative(report: dict) -> str:
              f"{report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts on GPU; γ = {g}, "
              f"{s['new_tokens']} new tokens per sequence after a {s['prompt_tokens']}-token prompt",
              "",
-             "T(B,k): one forward of B sequences x k new tokens, ms (eager, best of "
+             "T(B,k): one forward of B sequences x k new tokens, ms (graphed where decode is, best of "
              f"{s['step_repeat']}); eff = T(B,1)/T(B,{g + 1}); plain = decode step as decoding runs it",
              f"{'B':>4}" + "".join(f"{'k=' + str(k):>9}" for k in range(1, g + 2)) + f"{'eff':>7}{'plain':>9}"]
     for p in s["per_batch"]:
