@@ -15,6 +15,7 @@ line says how much.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import mmap
 import threading
@@ -72,12 +73,23 @@ class _Mapping(mmap.mmap):
 
     def __del__(self):
         registered, self.registered = self.registered, None
-        if registered is not None:
+        if registered is not None and not _exiting:
             unregister, address = registered
             try:
                 unregister(address)
             except Exception:  # noqa: BLE001  (at interpreter exit CUDA may already be gone; the OS frees all)
                 pass
+
+
+_exiting = False
+
+
+@atexit.register
+def _leave_locks_to_the_os() -> None:
+    # Arenas still alive at exit are finalised while CUDA is being torn down; the process's end frees and unlocks
+    # them anyway, so they are not unregistered then.
+    global _exiting
+    _exiting = True
 
 
 class HostArena:
