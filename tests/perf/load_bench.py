@@ -189,7 +189,9 @@ def report(r: dict, size: int) -> None:
     cuda = f" (CUDA start-up {r['cuda_init_s']:.2f} s apart)" if "cuda_init_s" in r else ""
     print(f"  load      {r['load_s']:.2f} s = {size / GB / r['load_s']:.2f} GB/s from page cache{cuda}")
     print(f"  parts (s) {parts}")
-    print(f"  banks     {r['bank_bytes'] / GB:.3f} GB of experts; {json.dumps(r['banks_stats'])}")
+    locked = {k.removesuffix("_bytes"): v / GB for k, v in r["banks_stats"].items() if k.endswith("_bytes")}
+    locked = "; " + ", ".join(f"{k} {v:.3f} GB" for k, v in locked.items()) if locked else ""
+    print(f"  banks     {r['bank_bytes'] / GB:.3f} GB of experts{locked}")
     print(f"  RSS after {r['rss_after'] / GB:.2f} GB = {r['rss_after'] / size:.3f}x the checkpoint ({rss}; "
           f"{r['rss_before'] / GB:.2f} before loading)")
     print(f"  peak RSS  {r['peak_rss'] / GB:.2f} GB = {r['peak_rss'] / size:.3f}x")
