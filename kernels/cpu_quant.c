@@ -46,7 +46,11 @@
  *   T=4  q4_0  6.9 -> 16.7, q4_k  5.9 -> 12.2, q5_k  7.0 -> 12.7, q6_k  9.8 -> 18.5, q8_0 13.7 -> 23.5
  *   T=8  q4_0  3.9 ->  8.0, q4_k  3.5 ->  7.3, q5_k  4.1 ->  8.3, q6_k  4.8 ->  9.6, q8_0  7.6 -> 13.3
  * (q8_0 in order with the accumulators in registers: 43.7 / 19.2 / 8.3; its transpose costs a little
- * at one token, where q8_0 is bound by memory anyway.) AMX-INT8 would lift 8+ tokens on Sapphire Rapids.
+ * at one token, where q8_0 is bound by memory anyway.)
+ *
+ * AMX path (mq_set_path(2), opt-in: MOEDESK_QUANT_PATH=amx): experts with AMX_MIN+ tokens on AMX-INT8 tiles
+ * with the same arithmetic, the rest on VNNI; see the AMX section. Not yet run on AMX hardware: its logic is
+ * tested through an emulated build (-DMQ_AMX_EMULATE).
  *
  * AVX2 path (fallback): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
@@ -67,6 +71,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "native_pool.h"
 #include "native_call.h"
@@ -378,6 +384,7 @@ static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int
 }
 
 static int use_vnni = 0;
+static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
 
 static inline float hsum16(const float *v, int lanes) {
     float s = 0.f;
@@ -712,6 +719,209 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
     }
 }
 
+/* ---------------------------------------------------------------- AMX-INT8: groups of AMX_MIN+ tokens */
+
+/*
+ * The same arithmetic as the VNNI path (x and act rows quantised per 32, an exact integer dot per 32-block,
+ * then the block's scales in fp32), for 16 weight rows x 16 tokens at a time: tdpbssd per 32-block into one
+ * int32 C tile, then an epilogue converts its 16 x 16 sums and accumulates them scaled into 16 zmm (one per
+ * row, a lane per token). A group's x / act rows are quantised straight into B-tile order (amx_quantize) so
+ * B tiles load as they are; a row's weights are unpacked per 256 to signed bytes (q4_0 q - 8, q8_0 as stored,
+ * q4_k / q5_k q) in an L1 buffer that the A tile loads. q6_k's 16-weight scales would halve the block and
+ * double the epilogue: q6_k stays on the VNNI path. Chosen by mq_set_path(2) where the CPU and OS allow
+ * (mq_amx_supported); built with -DMQ_AMX_EMULATE the tile instructions are emulated in C, so that the
+ * layouts and the epilogue are tested on CPUs without AMX (tests/kernels/test_cpu_quant_amx.py).
+ */
+#ifndef AMX_MIN
+#define AMX_MIN 8 /* tokens of a group from which it goes to AMX */
+#endif
+#define AMX_T 16 /* tokens per tile */
+
+/* A token tile of a K-value row set: q as B tiles (block b: 8 rows of 16 tokens x 4 bytes), then per block
+ * the 16 tokens' d and d * sum(q). */
+static int64_t amx_tile_bytes(int64_t K) { return 16 * K + 2 * (K / 32) * 64; }
+#define AMX_XD(tile, K) ((float *)((tile) + 16 * (K)))
+#define AMX_XM(tile, K) ((float *)((tile) + 16 * (K) + (K) / 32 * 64))
+
+static inline int amx_format(int fmt) { return fmt != Q6_K; }
+
+/* 32 fp32 values as block b of token t (0-15) of a token tile; the rounding is quantize_block's. */
+static inline void amx_quantize(const float *v, uint8_t *tile, int64_t K, int64_t b, int t) {
+    __m256 a[4], m = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm256_loadu_ps(v + 8 * i);
+        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
+    }
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    __m256i q[4];
+    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id)));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _Alignas(32) uint32_t dw[8];
+    _mm256_store_si256((__m256i *)dw, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    for (int i = 0; i < 8; i++) memcpy(tile + (8 * b + i) * 64 + 4 * t, &dw[i], 4);
+    AMX_XD(tile, K)[16 * b + t] = d;
+    AMX_XM(tile, K)[16 * b + t] = d * (float)hsum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+}
+
+#define AMXF __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
+/* tmm0: C, 16 rows x 16 int32; tmm1: A, 16 weight rows x 32 bytes; tmm2: B, 8 rows (32 values / 4) x 16 tokens x 4 */
+static const TileCfg AMX_CFG = {.palette = 1, .colsb = {64, 32, 64}, .rows = {16, 16, 8}};
+
+#ifdef MQ_AMX_EMULATE
+/* The five tile instructions used here, in C (per thread, as the tile registers are). */
+static __thread struct { TileCfg cfg; _Alignas(64) uint8_t t[8][16][64]; } emu;
+static void emu_zero(int t) { memset(emu.t[t], 0, sizeof emu.t[t]); }
+static void emu_load(int t, const void *p, int64_t stride) {
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.t[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
+}
+static void emu_store(int t, void *p, int64_t stride) {
+    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu.t[t][r], emu.cfg.colsb[t]);
+}
+static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k sum_i A[m][4k + i] * B[k][4n + i], signed bytes */
+    for (int m = 0; m < emu.cfg.rows[c]; m++)
+        for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, &emu.t[c][m][4 * n], 4);
+            for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
+                for (int i = 0; i < 4; i++) acc += (int8_t)emu.t[a][m][4 * k + i] * (int8_t)emu.t[b][k][4 * n + i];
+            memcpy(&emu.t[c][m][4 * n], &acc, 4);
+        }
+}
+#define TILE_CONFIG(p) (emu.cfg = *(p))
+#define TILE_RELEASE() ((void)0)
+#define TILE_ZERO(t) emu_zero(t)
+#define TILE_LOAD(t, p, stride, obj) emu_load(t, p, stride)
+#define TILE_STORE(t, p, stride, obj) emu_store(t, p, stride)
+#define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#else
+/* By hand, with the memory each reads or writes as an operand (obj: a C object covering it): GCC 12's
+ * _tile_loadd names no memory at all (the stores that fill an A buffer only it reads could be dropped or
+ * sunk past it), its _tile_stored clobbers all memory, its _tile_loadconfig names 8 of the 64 bytes. */
+#define TILE_CONFIG(p) __asm__ volatile("ldtilecfg %0" ::"m"(*(const TileCfg *)(p)))
+#define TILE_RELEASE() __asm__ volatile("tilerelease" ::)
+#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
+#define TILE_LOAD(t, p, stride, obj) \
+    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(obj), "r"((const void *)(p)), "r"((long)(stride)))
+#define TILE_STORE(t, p, stride, obj) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(obj) : "r"((void *)(p)), "r"((long)(stride)))
+#define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#endif
+
+static AMXF void amx_begin(void) { TILE_CONFIG(&AMX_CFG); }
+static AMXF void amx_end(void) { TILE_RELEASE(); }
+
+/* Blocks [b0, b0 + nb) of a packed row, nb <= 8, b0 a multiple of 8 (one 256-weight segment), as signed bytes
+ * into a[32 * i], and each block's scale (and, q4_k / q5_k, min) into sc[i] (sc[8 + i]). */
+static inline AMXF void amx_unpack(const int fmt, const uint8_t *row, int64_t b0, int nb, int8_t *a, float *sc) {
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    if (fmt == Q4_0) {
+        const uint8_t *blk = row + b0 * 18;
+        for (int i = 0; i < nb; i += 2) { /* two blocks per zmm: [q0 q0 q1 q1], high copies shifted: weights in order */
+            const int two = i + 1 < nb;
+            __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + 18 * i + 2)));
+            if (two) z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128((const __m128i *)(blk + 18 * i + 20)));
+            const __m512i w = _mm512_sub_epi8(_mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), lo4), _mm512_set1_epi8(8));
+            if (two) _mm512_storeu_si512(a + 32 * i, w);
+            else _mm256_storeu_si256((__m256i *)(a + 32 * i), _mm512_castsi512_si256(w));
+            sc[i] = f16(blk + 18 * i);
+            if (two) sc[i + 1] = f16(blk + 18 * i + 18);
+        }
+    } else if (fmt == Q8_0) {
+        const uint8_t *blk = row + b0 * 34;
+        for (int i = 0; i < nb; i++) {
+            _mm256_storeu_si256((__m256i *)(a + 32 * i), _mm256_loadu_si256((const __m256i *)(blk + 34 * i + 2)));
+            sc[i] = f16(blk + 34 * i);
+        }
+    } else { /* q4_k, q5_k: a whole super-block; sub-blocks 2c, 2c + 1 are the low and high nibbles of qs[32c..] */
+        const uint8_t *sb = row + b0 / 8 * BLOCK_BYTES[fmt];
+        const uint8_t *qs = sb + (fmt == Q4_K ? 16 : 48);
+        for (int c = 0; c < 4; c++) {
+            const __m512i z = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+            __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFFFF0000u, z, 4), lo4);
+            if (fmt == Q5_K) { /* bit s of qh[l]: the fifth bit of weight l of sub-block s */
+                const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(sb + 16)));
+                const __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))), _mm256_set1_epi8((char)(2 << (2 * c))), 1);
+                q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(16));
+            }
+            _mm512_storeu_si512(a + 64 * c, q);
+        }
+        const __m128i v = _mm_loadu_si128((const __m128i *)(sb + 4));
+        const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
+                                         _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+        const __m512 sm = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi)));
+        const __m512 dd = _mm512_mask_mov_ps(_mm512_set1_ps(f16(sb)), 0xFF00, _mm512_set1_ps(f16(sb + 2)));
+        _mm512_storeu_ps(sc, _mm512_mul_ps(sm, dd)); /* 0-7 d * scale, 8-15 dmin * min */
+    }
+}
+
+/*
+ * out[16 r + t] = dot(row w[r], token t of the tile) for 16 rows and tn tokens (the rest of out's lanes are
+ * 0), K weights. Needs amx_begin in this thread.
+ */
+static inline __attribute__((always_inline)) AMXF void amx_rows_fmt(const int fmt, const uint8_t *const *w,
+                                                                   const uint8_t *tile, int tn, int64_t K, int64_t ahead,
+                                                                   float *out) {
+    _Alignas(64) int8_t a[16][256];
+    _Alignas(64) float sc[16][16];
+    _Alignas(64) int32_t c[16][16];
+    const __mmask16 tm = (__mmask16)((1u << tn) - 1);
+    const int mins = fmt == Q4_K || fmt == Q5_K;
+    const float *xd = AMX_XD(tile, K), *xm = AMX_XM(tile, K);
+    /* the sums live in registers only across a segment's epilogues: across the unpack loop GCC kept all 16
+     * in memory, a load and a store around every FMA */
+    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + 16 * r, _mm512_setzero_ps());
+    for (int64_t b0 = 0; b0 < K / 32; b0 += 8) {
+        const int nb = K / 32 - b0 < 8 ? (int)(K / 32 - b0) : 8;
+        const int64_t at = b0 * BLOCK_BYTES[fmt] / (BLOCK[fmt] / 32);
+        for (int r = 0; r < 16; r++) {
+            for (int64_t o = 0; o < nb * BLOCK_BYTES[fmt] / (BLOCK[fmt] / 32); o += 64)
+                _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
+            amx_unpack(fmt, w[r], b0, nb, a[r], sc[r]);
+        }
+        __m512 acc[16];
+        for (int r = 0; r < 16; r++) acc[r] = _mm512_loadu_ps(out + 16 * r);
+        for (int i = 0; i < nb; i++) {
+            TILE_ZERO(0);
+            TILE_LOAD(1, &a[0][32 * i], 256, a);
+            TILE_LOAD(2, tile + (b0 + i) * 512, 64, *(const uint8_t(*)[512])(tile + (b0 + i) * 512));
+            TILE_DPBSSD(0, 1, 2);
+            TILE_STORE(0, c, 64, c);
+            const __m512 dx = _mm512_maskz_loadu_ps(tm, xd + 16 * (b0 + i));
+            const __m512 xmv = mins ? _mm512_maskz_loadu_ps(tm, xm + 16 * (b0 + i)) : _mm512_setzero_ps();
+            for (int r = 0; r < 16; r++) {
+                const __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[r])), dx);
+                acc[r] = _mm512_fmadd_ps(v, _mm512_set1_ps(sc[r][i]), acc[r]);
+                if (mins) acc[r] = _mm512_fnmadd_ps(xmv, _mm512_set1_ps(sc[r][8 + i]), acc[r]);
+            }
+        }
+        for (int r = 0; r < 16; r++) _mm512_storeu_ps(out + 16 * r, acc[r]);
+    }
+}
+
+typedef void (*amx_fn)(const uint8_t *const *, const uint8_t *, int, int64_t, int64_t, float *);
+#define AMX_FORMAT(name, FMT)                                                                                      \
+    static AMXF __attribute__((noinline)) void name(const uint8_t *const *w, const uint8_t *tile, int tn, int64_t K, \
+                                                    int64_t ahead, float *out) {                                    \
+        amx_rows_fmt(FMT, w, tile, tn, K, ahead, out);                                                             \
+    }
+AMX_FORMAT(amx_q4_0, Q4_0)
+AMX_FORMAT(amx_q8_0, Q8_0)
+AMX_FORMAT(amx_q4_k, Q4_K)
+AMX_FORMAT(amx_q5_k, Q5_K)
+static const amx_fn AMX_ROWS[NFMT] = {amx_q4_0, amx_q8_0, amx_q4_k, amx_q5_k, NULL}; /* q6_k: see amx_format */
+
+static inline void amx_rows(int fmt, const uint8_t *const *w, const uint8_t *tile, int tn, int64_t K, int64_t ahead,
+                            float *out) {
+    AMX_ROWS[fmt](w, tile, tn, K, ahead, out);
+}
+
 /* ---------------------------------------------------------------- one call's work */
 
 typedef struct {
@@ -730,6 +940,11 @@ typedef struct {
     const int32_t *groups;
     const int64_t *first;
     _Atomic int32_t *done1;
+    int amx_gu, amx_d;    /* AMX groups' phase 1 / phase 2 on AMX tiles (their formats allow it) */
+    const int64_t *tbase; /* per group: its first token tile in xt / at; -1: not an AMX group */
+    const int32_t *row_gi; /* scratch row -> group */
+    uint8_t *xt, *at;     /* AMX groups' x rows (gate_up's) and act rows (down's) as token tiles */
+    int64_t xt_bytes, at_bytes;
     int64_t H, F, gu_row, d_row, xq_row, aq_row, out_stride, n1, total, FB, HB, nb1, nb2;
     _Alignas(64) _Atomic int64_t next;
     _Alignas(64) _Atomic int64_t next_row;
@@ -762,13 +977,84 @@ static inline __m256 act8(__m256 gate, __m256 up) {
     return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up);
 }
 
+/* out[o] = v in out's dtype (bf16: round to nearest even, NaN kept a NaN). */
+static inline void put_out(const Job *j, int64_t o, float v) {
+    if (j->out_f32) {
+        ((float *)j->out)[o] = v;
+        return;
+    }
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
+    ((bf16 *)j->out)[o] = (bf16)(u >> 16);
+}
+
+/* The token tile of token t (of the group's n) of an AMX group. */
+static inline uint8_t *amx_tile(uint8_t *base, int64_t bytes, const Job *j, int64_t gi, int64_t t) {
+    return base + (j->tbase[gi] + t / AMX_T) * bytes;
+}
+
+/* Phase 1 of an AMX group: gate and up rows [f0, f1), 16 of each per amx_rows, into act and up. */
+static AMXF void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F;
+    const uint8_t *W = j->gate_up + j->eid[g] * 2 * F * j->gu_row;
+    const int64_t ahead = prefetch_ahead(j->gu_row, 16);
+    _Alignas(64) float o[2][16 * 16];
+    for (int64_t t0 = 0; t0 < n; t0 += AMX_T) {
+        const int tn = n - t0 < AMX_T ? (int)(n - t0) : AMX_T;
+        const uint8_t *tile = amx_tile(j->xt, j->xt_bytes, j, gi, t0);
+        for (int64_t f = f0; f < f1; f += 16) {
+            const uint8_t *wg[16], *wu[16];
+            for (int r = 0; r < 16; r++) {
+                const int64_t fr = f + r < F ? f + r : F - 1;
+                wg[r] = W + fr * j->gu_row;
+                wu[r] = W + (F + fr) * j->gu_row;
+            }
+            amx_rows(j->fmt_gu, wg, tile, tn, j->H, ahead, o[0]);
+            amx_rows(j->fmt_gu, wu, tile, tn, j->H, ahead, o[1]);
+            const int64_t rn = f1 - f < 16 ? f1 - f : 16;
+            for (int t = 0; t < tn; t++) {
+                float *act = j->act + (r0 + t0 + t) * F + f, *up = j->up + (r0 + t0 + t) * F + f;
+                for (int64_t r = 0; r < rn; r++) {
+                    act[r] = o[0][16 * r + t];
+                    up[r] = o[1][16 * r + t];
+                }
+            }
+        }
+    }
+}
+
+/* Phase 2 of an AMX group: down rows [h0, h1), 16 per amx_rows. */
+static AMXF void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
+    const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, H = j->H;
+    const uint8_t *W = j->down + j->eid[g] * H * j->d_row;
+    const int64_t ahead = prefetch_ahead(j->d_row, 16);
+    _Alignas(64) float o[16 * 16];
+    for (int64_t t0 = 0; t0 < n; t0 += AMX_T) {
+        const int tn = n - t0 < AMX_T ? (int)(n - t0) : AMX_T;
+        const uint8_t *tile = amx_tile(j->at, j->at_bytes, j, gi, t0);
+        for (int64_t h = h0; h < h1; h += 16) {
+            const uint8_t *w[16];
+            for (int r = 0; r < 16; r++) w[r] = W + (h + r < H ? h + r : H - 1) * j->d_row;
+            amx_rows(j->fmt_d, w, tile, tn, j->F, ahead, o);
+            const int64_t rn = h1 - h < 16 ? h1 - h : 16;
+            for (int t = 0; t < tn; t++) {
+                const int64_t i = a + t0 + t, at = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
+                for (int64_t r = 0; r < rn; r++) put_out(j, at + r, o[16 * r + t]);
+            }
+        }
+    }
+}
+
 static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F;
     const uint8_t *W = j->gate_up + j->eid[g] * 2 * F * j->gu_row;
     const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    const int amx_in = j->amx_gu && j->tbase[gi] >= 0, amx_out = j->amx_d && j->tbase[gi] >= 0;
     uint8_t *xq[TOK];
     float s[ROWS * TOK];
-    for (int64_t t0 = 0; t0 < n; t0 += TOK) {
+    if (amx_in) phase1_amx(j, gi, f0, f1);
+    for (int64_t t0 = 0; !amx_in && t0 < n; t0 += TOK) {
         const int tn = n - t0 < TOK ? (int)(n - t0) : TOK;
         for (int t = 0; t < tn; t++) xq[t] = j->xq + (r0 + t0 + t) * j->xq_row;
         for (int64_t f = f0; f < f1; f += 2) {
@@ -793,7 +1079,12 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         const float *up = j->up + (r0 + t) * F;
         uint8_t *row = j->aq + (r0 + t) * j->aq_row;
         for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
-        for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, F, f / 32, j->qfmt_d);
+        if (amx_out) {
+            uint8_t *tile = amx_tile(j->at, j->at_bytes, j, gi, t);
+            for (int64_t f = f0; f < f1; f += 32) amx_quantize(act + f, tile, F, f / 32, (int)(t % AMX_T));
+        } else {
+            for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, F, f / 32, j->qfmt_d);
+        }
     }
 }
 
@@ -813,17 +1104,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
             const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
-                if (j->out_f32) {
-                    for (int64_t r = 0; r < rn; r++) ((float *)j->out)[o + r] = s[r * tn + t];
-                } else {
-                    for (int64_t r = 0; r < rn; r++) {
-                        float v = s[r * tn + t];
-                        uint32_t u;
-                        memcpy(&u, &v, 4);
-                        u = (u & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : u + 0x7fffu + ((u >> 16) & 1u);
-                        ((bf16 *)j->out)[o + r] = (bf16)(u >> 16);
-                    }
-                }
+                for (int64_t r = 0; r < rn; r++) put_out(j, o + r, s[r * tn + t]);
             }
         }
     }
@@ -837,18 +1118,17 @@ static void quantize_rows(Job *j) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
         if (r >= j->rows_n) break;
         uint8_t *row = j->xq + r * j->xq_row;
-        if (j->x_f32) {
-            const float *src = (const float *)j->x_src + j->x_row[r] * j->x_stride;
-            for (int64_t b = 0; b < H / 32; b++) quantize_block(src + 32 * b, row, H, b, j->qfmt_gu);
-        } else {
-            const bf16 *src = (const bf16 *)j->x_src + j->x_row[r] * j->x_stride;
-            for (int64_t b = 0; b < H / 32; b++) {
-                bf16_to_f32(src + 32 * b, buf, 32);
-                quantize_block(buf, row, H, b, j->qfmt_gu);
-            }
+        const int64_t gi = j->row_gi[r], t = r - j->first[gi];
+        uint8_t *tile = j->amx_gu && j->tbase[gi] >= 0 ? amx_tile(j->xt, j->xt_bytes, j, gi, t) : NULL;
+        for (int64_t b = 0; b < H / 32; b++) {
+            const float *v = buf;
+            if (j->x_f32) v = (const float *)j->x_src + j->x_row[r] * j->x_stride + 32 * b;
+            else bf16_to_f32((const bf16 *)j->x_src + j->x_row[r] * j->x_stride + 32 * b, buf, 32);
+            if (tile) amx_quantize(v, tile, H, b, (int)(t % AMX_T));
+            else quantize_block(v, row, H, b, j->qfmt_gu);
         }
-        qrow_pad(row, H, j->qfmt_gu >= 0);
-        qrow_pad(j->aq + r * j->aq_row, j->F, j->qfmt_d >= 0);
+        if (!tile) qrow_pad(row, H, j->qfmt_gu >= 0);
+        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->F, j->qfmt_d >= 0);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -858,21 +1138,29 @@ static void quantize_rows(Job *j) {
 static void run_job(void *arg, int tid) {
     (void)tid;
     Job *j = arg;
+    int tiles = 0; /* whether this thread configured the AMX tiles (per thread state) */
     quantize_rows(j);
     for (;;) {
         const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->total) break;
+        const int64_t gi = i < j->n1 ? i / j->nb1 : (i - j->n1) / j->nb2;
+        if (!tiles && j->tbase[gi] >= 0 && (i < j->n1 ? j->amx_gu : j->amx_d)) {
+            amx_begin();
+            tiles = 1;
+        }
         if (i < j->n1) {
             phase1_item(j, i / j->nb1, i % j->nb1);
             atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
         } else {
-            const int64_t k = i - j->n1, gi = k / j->nb2;
+            const int64_t k = i - j->n1;
             unsigned spins = 0;
             while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
             const int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
-            phase2_item(j, gi, h0, h1);
+            if (j->amx_d && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
+            else phase2_item(j, gi, h0, h1);
         }
     }
+    if (tiles) amx_end();
 }
 
 /* ---------------------------------------------------------------- the pool and the call's state */
@@ -915,12 +1203,19 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
                   HB = block_rows(H, d_row, ROWS, G, threads, ITEM_BYTES);
     const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
     if (threads > total) threads = (int)total;
+    /* groups of AMX_MIN+ tokens go to the AMX tiles where the path and their formats allow */
+    const int amx_gu = use_amx && amx_format(fmt_gu), amx_d = use_amx && amx_format(fmt_d);
+    int64_t tiles = 0;
+    for (int64_t g = 0; (amx_gu || amx_d) && g < G; g++)
+        if (offsets[g + 1] - offsets[g] >= AMX_MIN) tiles += (offsets[g + 1] - offsets[g] + AMX_T - 1) / AMX_T;
+    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(F);
     const size_t sizes[] = {
         (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)F * sizeof(float),
         (size_t)G * sizeof(int64_t), (size_t)G * sizeof(int32_t), (size_t)G * sizeof(_Atomic int32_t),
-        (size_t)M * (size_t)F * sizeof(float)};
-    size_t at[7];
-    char *base = scratch_parts(sizes, 7, at);
+        (size_t)M * (size_t)F * sizeof(float), (size_t)G * sizeof(int64_t), (size_t)M * sizeof(int32_t),
+        (size_t)(amx_gu ? tiles * xt_bytes : 0), (size_t)(amx_d ? tiles * at_bytes : 0)};
+    size_t at[11];
+    char *base = scratch_parts(sizes, 11, at);
     if (!base) {
         pthread_mutex_unlock(&call);
         return NO_MEMORY;
@@ -947,11 +1242,25 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     int64_t *first = (int64_t *)(base + at[3]);
     int32_t *groups = (int32_t *)(base + at[4]);
     j->done1 = (_Atomic int32_t *)(base + at[5]);
-    for (int64_t g = 0; g < G; g++) {
+    int64_t *tbase = (int64_t *)(base + at[7]);
+    int32_t *row_gi = (int32_t *)(base + at[8]);
+    for (int64_t g = 0, t = 0; g < G; g++) {
         groups[g] = (int32_t)g;
         first[g] = offsets[g]; /* every group is native: scratch row i is pair i */
         atomic_init(&j->done1[g], 0);
+        const int64_t n = offsets[g + 1] - offsets[g];
+        tbase[g] = tiles && n >= AMX_MIN ? t : -1;
+        t += tbase[g] >= 0 ? (n + AMX_T - 1) / AMX_T : 0;
+        for (int64_t i = offsets[g]; i < offsets[g + 1]; i++) row_gi[i] = (int32_t)g;
     }
+    j->amx_gu = amx_gu;
+    j->amx_d = amx_d;
+    j->tbase = tbase;
+    j->row_gi = row_gi;
+    j->xt = (uint8_t *)(base + at[9]);
+    j->at = (uint8_t *)(base + at[10]);
+    j->xt_bytes = xt_bytes;
+    j->at_bytes = at_bytes;
     j->groups = groups;
     j->first = first;
     j->off = offsets;
@@ -1006,12 +1315,32 @@ int mq_vnni_supported(void) {
     return (b & need) == need && (c & (1u << 11));
 }
 
-/* 1: VNNI, 0: AVX2. Returns the path in use (VNNI is refused where the CPU lacks it). */
-int mq_set_path(int vnni) {
-    use_vnni = vnni && mq_vnni_supported();
-    return use_vnni;
+/* AMX-TILE and AMX-INT8 with the OS saving the tile state, the VNNI path (its epilogue is AVX-512), and
+ * Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once:
+ * it holds for every thread of the process). Built with -DMQ_AMX_EMULATE: the VNNI path is enough. */
+int mq_amx_supported(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+#ifdef MQ_AMX_EMULATE
+    known = mq_vnni_supported();
+#else
+    unsigned a, b, c, d;
+    int ok = mq_vnni_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25)) &&
+             os_saves(0x60000); /* XTILECFG, XTILEDATA */
+    if (ok) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    known = ok;
+#endif
+    return known;
 }
-int mq_get_path(void) { return use_vnni; }
+
+/* 2: AMX for groups of AMX_MIN+ tokens and VNNI for the rest, 1: VNNI, 0: AVX2. Returns the path in use (a
+ * path the CPU or OS lacks is refused for the next best). */
+int mq_set_path(int path) {
+    use_vnni = path >= 1 && mq_vnni_supported();
+    use_amx = path >= 2 && mq_amx_supported();
+    return use_amx ? 2 : use_vnni;
+}
+int mq_get_path(void) { return use_amx ? 2 : use_vnni; }
 
 void mq_set_threads(int n) { pool_set_threads(n); }
 void mq_set_spin_us(int64_t us) { pool_set_spin_us(us); }

@@ -10,8 +10,11 @@ and act = silu(gate) * up is fp32; the header of cpu_quant.c says why. Both gate
 be packed (any of q4_0, q8_0, q4_k, q5_k, q6_k, the two may differ); x and out bf16 or float32.
 
 Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2, FMA and F16C).
-MOEDESK_QUANT_PATH=avx2 (or `set_path("avx2")`) forces the fallback; MOEDESK_NO_NATIVE_KERNELS=1
-turns the kernel off (kernels/experts.py then uses its dequantising reference).
+MOEDESK_QUANT_PATH=avx2 (or `set_path("avx2")`) forces the fallback; MOEDESK_QUANT_PATH=amx (or
+`set_path("amx")`) computes the experts with 8 or more tokens with AMX-INT8 tiles (Sapphire Rapids and
+later, Linux granting the tile state), the rest with VNNI: opt-in until it has been measured on such a
+CPU. MOEDESK_NO_NATIVE_KERNELS=1 turns the kernel off (kernels/experts.py then uses its dequantising
+reference).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2",
          cpu_experts.header_flag()]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
-PATHS = ("avx2", "vnni")
+PATHS = ("avx2", "vnni", "amx")  # mq_get_path's codes
 _ERRORS = {-2: "more pairs than tokens * k", -3: "pair_expert or chosen holds an index outside the expert stack",
            -4: "out of memory for the kernel's scratch buffers", -5: "more pairs than rows of out",
            -6: "unsupported packed format", -7: "H and F must be whole blocks of their formats"}
@@ -151,6 +154,7 @@ def _configure(lib) -> None:
     lib.mq_set_path.restype = c_int
     lib.mq_get_path.restype = c_int
     lib.mq_vnni_supported.restype = c_int
+    lib.mq_amx_supported.restype = c_int
     lib.mq_set_threads.argtypes = [c_int]
     lib.mq_set_spin_us.argtypes = [i64]
     lib.mq_use_pool.argtypes = [ptr, ptr]
@@ -183,19 +187,26 @@ def use_library(lib):
 
 
 def _wanted_path(lib) -> int:
+    """MOEDESK_QUANT_PATH's path code (mq_set_path falls back from a path the CPU lacks); unset: VNNI."""
     wanted = os.environ.get("MOEDESK_QUANT_PATH", "").strip().lower()
     if wanted and wanted not in PATHS:
         raise ValueError(f"MOEDESK_QUANT_PATH must be one of {', '.join(PATHS)}, not {wanted!r}")
-    return int(wanted != "avx2" and bool(lib.mq_vnni_supported()))
+    return PATHS.index(wanted or "vnni")
 
 
 def vnni_supported() -> bool:
     return available() and bool(_state["lib"].mq_vnni_supported())
 
 
+def amx_supported() -> bool:
+    """AMX-INT8 usable here (CPU, OS state and the process's tile permission), or emulated by the build in use."""
+    return available() and bool(_state["lib"].mq_amx_supported())
+
+
 def set_path(name: str | None) -> str:
-    """Pick the dot-product path: "vnni", "avx2", or None for the best this CPU has. Returns the path in use;
-    asking for "vnni" on a CPU without it raises ValueError."""
+    """Pick the dot-product path: "amx" (AMX-INT8 tiles for experts with 8+ tokens, VNNI for the rest), "vnni",
+    "avx2", or None for the default (VNNI where the CPU has it). Returns the path in use; asking for one the
+    CPU lacks raises ValueError."""
     if name is not None and name not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)} or None, not {name!r}")
     if not available():
@@ -203,7 +214,9 @@ def set_path(name: str | None) -> str:
     lib = _state["lib"]
     if name == "vnni" and not lib.mq_vnni_supported():
         raise ValueError("this CPU lacks AVX512-VNNI")
-    lib.mq_set_path(int(bool(lib.mq_vnni_supported())) if name is None else int(name == "vnni"))
+    if name == "amx" and not lib.mq_amx_supported():
+        raise ValueError("this CPU or OS lacks AMX-INT8 (or Linux refused the tile state)")
+    lib.mq_set_path(PATHS.index(name or "vnni"))
     return get_path()
 
 

@@ -115,11 +115,14 @@ def built(tmp_path_factory):
         cq.set_path(None)
 
 
-@pytest.fixture(params=["vnni", "avx2"])
+@pytest.fixture(params=["vnni", "avx2", "amx"])
 def path(request, built):
-    """Each test on both dot-product paths (VNNI where the CPU has it)."""
+    """Each test on every dot-product path the CPU has: VNNI, AVX2, and AMX (experts with 8+ tokens on AMX-INT8
+    tiles, the rest on VNNI; tests/kernels/test_cpu_quant_amx.py runs the same checks on an emulated build)."""
     if request.param == "vnni" and not cq.vnni_supported():
         pytest.skip("this CPU lacks AVX512-VNNI")
+    if request.param == "amx" and not cq.amx_supported():
+        pytest.skip("this CPU or OS lacks AMX-INT8")
     assert cq.set_path(request.param) == request.param
     return request.param
 
@@ -173,13 +176,16 @@ def test_paths_agree_and_env_var(path, monkeypatch):
     g = torch.Generator().manual_seed(3)
     w, x, pe = make_case("q8_0", "q4_k", 256, 256, 4, 5, 2, g)
     results = {}
-    for p in (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"]):
+    for p in (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"]):  # 5 tokens: AMX would not take them
         cq.set_path(p)
         results[p] = cq.experts_forward_routed(x, pe, 2, None, w, torch.zeros(pe.numel(), 256))
     if len(results) == 2:
         assert torch.allclose(results["vnni"], results["avx2"], rtol=1e-4, atol=1e-4 * float(results["avx2"].abs().max()))
     monkeypatch.setenv("MOEDESK_QUANT_PATH", "avx2")
     assert cq._wanted_path(cq._state["lib"]) == 0
+    monkeypatch.setenv("MOEDESK_QUANT_PATH", "amx")  # the library falls back to VNNI where AMX is missing
+    assert cq._wanted_path(cq._state["lib"]) == 2
+    assert cq._state["lib"].mq_set_path(2) == (2 if cq.amx_supported() else 1 if cq.vnni_supported() else 0)
     monkeypatch.setenv("MOEDESK_QUANT_PATH", "bogus")
     with pytest.raises(ValueError):
         cq._wanted_path(cq._state["lib"])

@@ -1,7 +1,7 @@
 """The native packed-experts kernel (kernels/cpu_quant.c) per format, against the bf16 kernel, on real MoE shapes.
 
 Usage (repo root; GPU box: 16 cores):
-    python3 tests/perf/bench_cpu_quant.py [--formats q4_0,q8_0,q4_k,q5_k,q6_k] [--paths vnni,avx2] [--threads N]
+    python3 tests/perf/bench_cpu_quant.py [--formats q4_0,q8_0,q4_k,q5_k,q6_k] [--paths vnni,amx,avx2] [--threads N]
     python3 tests/perf/bench_cpu_quant.py --per-core    # one thread: GB/s of packed bytes one core computes
     python3 tests/perf/bench_cpu_quant.py --define along=-DSHORT_ROW_BYTES=0 --define pf2k=-DPREFETCH=2048
     python3 tests/perf/bench_cpu_quant.py --smoke       # tiny shapes, one repeat: checks the script runs
@@ -112,7 +112,7 @@ def timed_builds(builds, fn, calls, warmup=2):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
-    ap.add_argument("--paths", default=None, help="vnni,avx2 (default: the ones this CPU has)")
+    ap.add_argument("--paths", default=None, help="vnni,amx,avx2 (default: the ones this CPU has; amx: 8+ tokens per expert)")
     ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, tiny")
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=None)
@@ -138,7 +138,8 @@ def main():
         builds[name] = cq.build_variant(flags.split(","))
         if not ce.available() and threads:
             builds[name].mq_set_threads(threads)
-    paths = args.paths.split(",") if args.paths else (["vnni", "avx2"] if cq.vnni_supported() else ["avx2"])
+    paths = args.paths.split(",") if args.paths else (
+        ["vnni", *(["amx"] if cq.amx_supported() else []), "avx2"] if cq.vnni_supported() else ["avx2"])
     every = {**SHAPES, **TINY}
     shapes = SMOKE if args.smoke else {name: every[name] for name in args.shapes.split(",")}
     n_calls = 3 if args.smoke else args.calls

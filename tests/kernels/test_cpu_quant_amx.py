@@ -1,0 +1,92 @@
+"""kernels/cpu_quant's AMX-INT8 path on any CPU with AVX512-VNNI: the library built with -DMQ_AMX_EMULATE runs
+the AMX code with its five tile instructions (ldtilecfg, tilezero, tileloadd, tdpbssd, tilestored) done in C,
+so the B-tile order of the quantised rows, the unpacked A rows, the partial token tiles and the epilogue are
+checked here against float64 as the other paths are (test_cpu_quant_kernel.check). On a CPU with AMX,
+test_cpu_quant_kernel.py's `amx` cases run the real instructions:
+
+    MOEDESK_QUANT_PATH=amx python -m pytest -q tests/kernels/test_cpu_quant_kernel.py -k amx
+
+Experts with 8 or more tokens (AMX_MIN) go to the tiles, fewer stay on VNNI; q6_k stays on VNNI.
+"""
+import zlib
+
+import pytest
+import torch
+
+from kernels import cpu_quant as cq
+from kernels.native_build import find_compiler
+from tests.kernels.test_cpu_quant_kernel import check, make_case
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
+        mp.delenv("MOEDESK_QUANT_PATH", raising=False)
+        mp.setenv("MOEDESK_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
+        if cq.cpu_reason() is not None or find_compiler() is None:
+            pytest.skip("the packed kernel cannot be built here")
+        cq._state.clear()
+        assert cq.available(), cq.unavailable_reason()
+        if not cq.vnni_supported():
+            pytest.skip("the AMX path's epilogue needs AVX512-VNNI")
+        before = cq.use_library(cq.build_variant(["-DMQ_AMX_EMULATE"]))
+        assert cq.set_path("amx") == "amx"
+        yield
+        cq.use_library(before)
+        cq.set_path(None)
+
+
+# (gate_up format, down format, H, F): every format AMX takes, a q6_k half (which stays on VNNI: the other half
+# on tiles, the act rows in the VNNI layout or the other way round), rows of a whole and a partial segment
+# (q4_0 / q8_0: 288 = 256 + 32), k-quant rows of 1 and 2 super-blocks.
+SHAPES = [("q4_0", "q4_0", 288, 160), ("q8_0", "q8_0", 96, 288), ("q4_k", "q4_k", 256, 512),
+          ("q5_k", "q5_k", 512, 256), ("q4_k", "q6_k", 256, 256), ("q6_k", "q4_0", 256, 96), ("q8_0", "q4_k", 64, 256)]
+
+
+@pytest.mark.parametrize("fu,fd,H,F_", SHAPES)
+@pytest.mark.parametrize("n", [8, 16, 17, 33])
+def test_amx_against_float64(emulated, fu, fd, H, F_, n):
+    """One expert with n tokens (full and partial token tiles) beside one with 3 (VNNI) in the same call."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((fu, fd, n)).encode()))
+    w, _, _ = make_case(fu, fd, H, F_, 3, 1, 1, g)
+    x = torch.randn(n + 3, H, generator=g)
+    pe = torch.tensor([1] * n + [2] * 3)
+    out = torch.randn(n + 3, H, generator=g)
+    before = out.clone()
+    cq.experts_forward_routed(x, pe, 1, None, w, out)
+    check(out, x, pe, 1, None, w, before)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+def test_amx_bf16_routed_and_chosen(emulated, fmt):
+    """bf16 x and out, k = 2 (a token's two ranks on different experts), a chosen subset, and an out row order
+    that is the pairs', not the group's."""
+    g = torch.Generator().manual_seed(5)
+    H, F_ = (288, 96) if fmt == "q4_0" else (256, 256)
+    w, x, pe = make_case(fmt, fmt, H, F_, 4, 40, 2, g, dtype=torch.bfloat16)
+    chosen = [0, 1, 3]
+    out = torch.randn(pe.numel(), H, generator=g).to(torch.bfloat16)
+    before = out.clone()
+    cq.experts_forward_routed(x, pe, 2, chosen, w, out)
+    check(out, x, pe, 2, chosen, w, before)
+
+
+def test_amx_many_items(emulated, monkeypatch):
+    """Several work items per expert and two threads: the act rows' token tiles are written by the phase-1
+    items that own their blocks, and read by phase 2 only after all of them."""
+    from kernels import cpu_experts
+    threads = cpu_experts.get_num_threads()
+    cpu_experts.set_num_threads(2)
+    cq._state["lib"].mq_set_threads(2)
+    try:
+        g = torch.Generator().manual_seed(8)
+        w, _, _ = make_case("q4_0", "q4_k", 1024, 2048, 2, 1, 1, g)
+        x = torch.randn(20, 1024, generator=g)
+        pe = torch.tensor([0] * 9 + [1] * 11)
+        out = torch.zeros(20, 1024)
+        cq.experts_forward_routed(x, pe, 1, None, w, out)
+        check(out, x, pe, 1, None, w, torch.zeros(20, 1024))
+    finally:
+        cpu_experts.set_num_threads(threads)
+        cq._state["lib"].mq_set_threads(threads)
