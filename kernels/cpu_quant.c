@@ -627,18 +627,25 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
                 acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(xc, wv[r], xv)), _mm512_mul_ps(s[r], xd), acc[r][t]);
         }
     }
+    float v[4];
     if (R == 4) {
 #pragma GCC unroll 8
         for (int t = 0; t < TT; t++) {
-            float v[4];
             _mm_storeu_ps(v, sum4(acc[0][t], acc[1][t], acc[2][t], acc[3][t]));
             for (int r = 0; r < 4; r++) out[r * ostride + t] = v[r];
         }
-    } else {
+    } else { /* 2 rows: two tokens per transposed sum (one vector reduced alone cost as much as a 256-weight dot) */
 #pragma GCC unroll 4
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 8
-            for (int t = 0; t < TT; t++) out[r * ostride + t] = _mm512_reduce_add_ps(acc[r][t]);
+        for (int t = 0; t < TT; t += 2) {
+            const __m512 z = _mm512_setzero_ps();
+            _mm_storeu_ps(v, sum4(acc[0][t], acc[1][t], t + 1 < TT ? acc[0][t + 1] : z, t + 1 < TT ? acc[1][t + 1] : z));
+            out[t] = v[0];
+            out[ostride + t] = v[1];
+            if (t + 1 < TT) {
+                out[t + 1] = v[2];
+                out[ostride + t + 1] = v[3];
+            }
+        }
     }
 }
 
