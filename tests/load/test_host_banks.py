@@ -18,7 +18,7 @@ from engine.load.loader import load_model
 from engine.offload.pinned_memory import PAGE, HostArena, HostBanks, PinError, arena_bytes, stack_shapes
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from kernels.expert_weights import DENSE
+from kernels.expert_weights import DENSE, ExpertWeights
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 
@@ -248,17 +248,18 @@ def test_registered_banks_copy_asynchronously_and_serve_the_streamed_kernel():
     torch.cuda.synchronize()
     assert torch.equal(staging.cpu(), gate_up)
 
+    bank = ExpertWeights(gate_up, down, H, F)
     if gpu_fused.wanted():  # zero-copy: the kernel reads the registered pages through their host address (UVA)
-        assert gpu_streamed.applies(device, gate_up)
+        assert gpu_streamed.applies(device, bank)
         x = (torch.randn(2, H, generator=gen) * 0.5).to(torch.bfloat16).to(device)
         ids = torch.tensor([[1, 3], [2, 0]], device=device)
         out = torch.empty(4, H, dtype=torch.bfloat16, device=device)
-        gpu_streamed.streamed_experts(x, ids, 0, gate_up, down, out)
+        gpu_streamed.streamed_experts(x, ids, 0, bank, out)
         for t in range(2):
             for r in range(2):
                 e = ids[t, r].item()
                 ref = expert_forward(x[t:t + 1], gate_up[e].to(device), down[e].to(device))
                 torch.testing.assert_close(out[t * 2 + r:t * 2 + r + 1], ref, rtol=2e-2, atol=2e-3)
-    del gate_up, down, staging, arena
+    del gate_up, down, staging, arena, bank
     gc.collect()  # unregisters; a failure there would surface at the next CUDA call
     torch.cuda.synchronize()
