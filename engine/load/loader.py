@@ -73,7 +73,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
             release(name)
             continue
         ours = map_weight_name(rules, name)
-        routed = _ROUTED_EXPERT.fullmatch(ours) if ours else None
+        routed = ROUTED_EXPERT.fullmatch(ours) if ours else None
         if routed:
             layer, e, proj = routed.groups()
             experts[int(layer), int(e), proj] = name
@@ -213,7 +213,7 @@ def _lap(timings: dict, part: str, since: float) -> float:
 
 
 EXPERT_DTYPES = ("auto", "bf16", "int8", "int4")
-_ROUTED_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)\.weight")
+ROUTED_EXPERT = re.compile(r"layers\.(\d+)\.moe\.experts\.(\d+)\.(gate|up|down)\.weight")
 _PROJECTIONS = ("gate", "up", "down")
 
 

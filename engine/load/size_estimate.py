@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 
 from engine.errors import CheckpointError, UnsupportedModelError
-from engine.load.loader import _ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
+from engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
 from engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
 from engine.model.config import ModelConfig
 from kernels.expert_weights import DENSE, ExpertWeights
@@ -123,7 +123,7 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
         ours = map_weight_name(rules, name)
         if ours is None:
             raise UnsupportedModelError(path, f"unexpected tensor {name} for a {cfg.arch} model")
-        if routed := _ROUTED_EXPERT.fullmatch(ours):
+        if routed := ROUTED_EXPERT.fullmatch(ours):
             layer, e, proj = routed.groups()
             experts[int(layer), int(e), proj] = name
             stored[name] = info.stored
