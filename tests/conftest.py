@@ -38,3 +38,13 @@ def tiny_checkpoint(tmp_path_factory):
 def _no_user_settings(tmp_path_factory, monkeypatch):
     # The CLI reads the app's saved settings; tests must never see the developer's own.
     monkeypatch.setenv("MOEDESK_CONFIG_DIR", str(tmp_path_factory.mktemp("config")))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of many small multi-token forwards: on two shared cores, OpenMP threads
+    spinning against other processes made them up to ~100x slower. Use with pytest.mark.usefixtures."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

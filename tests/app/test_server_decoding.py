@@ -16,7 +16,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 
 from app.server import Speculation
 from engine.requests import Request, SamplingParams
@@ -28,13 +27,7 @@ MESSAGES = [{"role": "user", "content": "Hello, fox!"}]
 COMMON = dict(max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: OpenMP threads spinning against other processes made multi-token forwards ~100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from engine.generation.beam import BeamOptions
 from engine.requests import Request, SamplingParams
@@ -24,13 +23,7 @@ def greedy(n=16):
     return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: OpenMP threads spinning against other processes made multi-token forwards ~100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,11 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from engine.speculative import decode, perf_model
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: OpenMP threads spinning against other processes slow multi-token forwards a lot.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

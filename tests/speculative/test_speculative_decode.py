@@ -27,13 +27,7 @@ PROMPTS = ["The quick brown fox jumps over the lazy", "Hello, world!", "def add(
 NEW = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Two shared cores: OpenMP threads spinning against other processes made multi-token forwards ~100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,7 @@ from engine.speculative.decode import Speculator, eagle_factory, oracle_factory
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
