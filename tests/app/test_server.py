@@ -1,10 +1,7 @@
 """`moedesk serve` through the official openai client, against a real uvicorn server on 127.0.0.1."""
 import contextlib
 import json
-import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -16,6 +13,7 @@ import pytest
 from app.server import build_app
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
+from tests.app.serve_process import serve_process
 
 KEY = "sk-test-key"
 ARCH = "qwen3_moe"
@@ -329,33 +327,11 @@ def test_a_full_queue_gets_503_with_retry_after(engine, monkeypatch):
 
 
 def test_moedesk_serve_command(tiny_checkpoint, tmp_path):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, "MOEDESK_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(tiny_checkpoint(ARCH)),
-                             "--device", "cpu", "--dtype", "float32", "--port", str(port), "--batch-size", "4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "moedesk serve did not come up"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    args = ["--model", str(tiny_checkpoint(ARCH)), "--device", "cpu", "--dtype", "float32", "--batch-size", "4"]
+    with serve_process(args, KEY) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
         [model] = client.models.list().data
         assert model.id == str(tiny_checkpoint(ARCH))
         reply = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens <= 4
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)

@@ -4,14 +4,8 @@
 At temperature 0 every reply equals plain greedy decoding's (speculation is lossless) or Engine.beam_search's;
 usage and the `moedesk` stats count the drafts the model accepted; bad extension values are 400 error objects.
 """
-import contextlib
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 
 import httpx
 import openai
@@ -20,6 +14,7 @@ import pytest
 from app.server import Speculation
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
+from tests.app.serve_process import serve_process
 from tests.app.test_server import ARCH, KEY, running_server
 from tests.speculative.test_speculative_decode import random_head
 
@@ -214,34 +209,12 @@ def test_the_serve_flags(engine, head, tiny_checkpoint, capsys):
 
 
 def test_moedesk_serve_with_speculative_flags_end_to_end(engine, head, tiny_checkpoint):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, "MOEDESK_API_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(tiny_checkpoint(ARCH)),
-                             "--device", "cpu", "--dtype", "float32", "--port", str(port), "--batch-size", "4",
-                             "--speculative", "greedy", "--draft", str(head), "--draft-length", "3"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "moedesk serve did not come up"
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.2)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+    args = ["--model", str(tiny_checkpoint(ARCH)), "--device", "cpu", "--dtype", "float32", "--batch-size", "4",
+            "--speculative", "greedy", "--draft", str(head), "--draft-length", "3"]
+    with serve_process(args, KEY) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
         model = str(tiny_checkpoint(ARCH))
         reply = client.chat.completions.create(model=model, messages=MESSAGES, **COMMON)
         assert reply.choices[0].message.content == greedy_reference(engine).text
         assert reply.model_extra["moedesk"]["speculative"]["mode"] == "greedy"
         assert reply.usage.completion_tokens_details.accepted_prediction_tokens is not None
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)

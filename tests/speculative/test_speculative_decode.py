@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
 from engine.speculative import decode
 from engine.speculative.decode import Speculator, eagle_factory, oracle_factory
 from engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
@@ -28,19 +27,6 @@ NEW = 20
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    made = {}
-
-    def get(arch, offload=False):
-        if (arch, offload) not in made:
-            kw = dict(offload=True, gpu_budget=0) if offload else {}
-            made[arch, offload] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32", **kw)
-        return made[arch, offload]
-
-    return get
 
 
 def random_head(engine, version, folder, seed=0):

@@ -12,26 +12,12 @@ import torch
 from engine.generation.cuda_graphs import GraphedDecode
 from engine.generation.kv_cache import KVCache
 from engine.requests import Request
-from engine.runtime import Engine
 from engine.speculative import decode
 from engine.speculative.decode import Speculator, eagle_factory, oracle_factory
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    made = {}
-
-    def get(arch, offload=False):
-        if (arch, offload) not in made:
-            kw = dict(offload=True, gpu_budget=0) if offload else {}
-            made[arch, offload] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32", **kw)
-        return made[arch, offload]
-
-    return get
 
 
 class Counting:
