@@ -9,8 +9,8 @@ from pathlib import Path
 from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
-_SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "init", "seed", "depths", "noise",
-                   "ce_dtype")
+_SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
+                   "seed", "depths", "noise", "ce_dtype")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,8 +32,13 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sequences per step (default {d.batch_size})")
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                         help=f"length of the target's answers (default {d.max_new_tokens})")
-    parser.add_argument("--init", choices=("last-layer", "random"), default=None,
-                        help="the decoder layer starts as a copy of the target's last layer (default) or random")
+    parser.add_argument("--samples", type=int, default=None, metavar="N",
+                        help=f"answers per prompt: the greedy one and N - 1 sampled (default {d.samples})")
+    parser.add_argument("--sample-temperature", type=float, default=None, metavar="T",
+                        help=f"temperature of the sampled answers (default {d.sample_temperature:g})")
+    parser.add_argument("--init", choices=("fit", "random", "last-layer"), default=None,
+                        help="fit (default): fc starts as the least-squares map from [token ; feature] to the next "
+                             "feature; random; last-layer: the decoder layer starts as the target's last layer")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
                         help=f"draft steps trained per position, the later ones fed the head's own outputs "
                              f"(default {d.depths})")
@@ -56,10 +61,10 @@ def settings_from_args(args):
     from engine.speculative.train import TrainSettings
 
     given = {name: getattr(args, name) for name in _SETTINGS_FLAGS if getattr(args, name, None) is not None}
-    for name in ("steps", "batch_size", "max_new_tokens", "depths"):
+    for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples"):
         if name in given and given[name] < 1:
             raise MoedeskError(f"--{name.replace('_', '-')} {given[name]}: must be >= 1")
-    for name in ("epochs", "lr"):
+    for name in ("epochs", "lr", "sample_temperature"):
         if name in given and not given[name] > 0:
             raise MoedeskError(f"--{name} {given[name]}: must be > 0")
     return TrainSettings(**given), set(given)
