@@ -85,9 +85,12 @@ _DIGITS_PRE = {"smollm", "starcoder", "refact"}  # each digit alone, then GPT-2'
 class GGUFCheckpoint:
     """A .gguf file: `config`, `keys()`, `get_tensor(name)`, `tokenizer`, `tokenizer_config`."""
 
-    def __init__(self, path):
+    def __init__(self, path, header=None):
+        """`header`: the file's header already parsed (engine.load.gguf_header, from bytes fetched without the
+        tensor data) instead of the file at `path`, which then only names it in messages: `config`, `shapes()` and
+        `packed_format()` answer from it, nothing reads tensors."""
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
+        self._reader = _open_reader(self.path) if header is None else header
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._file = None  # opened by the first read_packed
         self.arch = self._meta("general.architecture", str)

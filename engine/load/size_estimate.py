@@ -192,6 +192,19 @@ def gguf_tensors(checkpoint) -> dict[str, TensorInfo]:
             for name, shape in checkpoint.shapes().items()}
 
 
+def summarize_gguf_header(parts, path) -> ModelWeights:
+    """`summarize` for a GGUF file from its header alone (`engine.load.gguf_header.GGUFHeader`, parsed from bytes
+    fetched without the tensor data), exactly as `summarize_path` does for the file on disk: the config
+    GGUFCheckpoint derives from the metadata, the tensors under the Hub's names. `parts`: the one header, or
+    a split GGUF's (-00001-of-0000N) in order. `path` names the file in messages."""
+    from engine.load.gguf_checkpoint import GGUFCheckpoint
+    from engine.load.gguf_header import GGUFHeader, merge_parts
+
+    parts = [parts] if isinstance(parts, GGUFHeader) else list(parts)
+    checkpoint = GGUFCheckpoint(path, header=merge_parts(parts, path))
+    return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+
+
 def summarize_path(path) -> ModelWeights:
     """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone."""
     path = Path(path)
