@@ -168,11 +168,25 @@ def group_choices(files: Iterable[RepoFile]) -> tuple[DownloadChoice, ...]:
     return tuple(choices)
 
 
-def read_choice_weights(listing: RepoListing, choice: DownloadChoice):
-    """What the memory estimate needs of a safetensors choice (engine.load.size_estimate.ModelWeights), read from
-    the Hub without downloading the weights: config.json and each shard's header (huggingface_hub reads one with a
-    bounded Range request, two when it is long). Raises DownloadError or MoedeskError, one line each. GGUF
-    choices are not read: their tensor types sit behind the whole vocabulary at the start of the file."""
+# A GGUF's header (its metadata, the vocabulary included, then the tensor infos) is read from the Hub in growing
+# Range requests: this much first (a 150k-token vocabulary with its merges takes a few MB), then as much again,
+# up to the cap (the headers of the models moedesk runs are far smaller).
+GGUF_HEADER_FIRST_BYTES = 4 << 20
+GGUF_HEADER_MAX_BYTES = 64 << 20
+
+
+def read_choice_weights(listing: RepoListing, choice: DownloadChoice, *, first_bytes: int | None = None,
+                        max_bytes: int | None = None):
+    """What the memory estimate needs of a choice (engine.load.size_estimate.ModelWeights), read from the Hub
+    without downloading the weights. A safetensors choice: config.json and each shard's header (huggingface_hub
+    reads one with a bounded Range request, two when it is long). A GGUF choice: each file's header, fetched from
+    the file's start in Range requests of `first_bytes`, then twice as many, until it parses (at most `max_bytes`;
+    by default GGUF_HEADER_FIRST_BYTES and GGUF_HEADER_MAX_BYTES); the config comes from its metadata as when the
+    file is loaded. Raises DownloadError or MoedeskError, one line each."""
+    if choice.kind == "gguf":
+        return _read_gguf_weights(listing, choice, first_bytes or GGUF_HEADER_FIRST_BYTES,
+                                  max_bytes or GGUF_HEADER_MAX_BYTES)
+
     import json
     from concurrent.futures import ThreadPoolExecutor
 
@@ -183,7 +197,7 @@ def read_choice_weights(listing: RepoListing, choice: DownloadChoice):
     from engine.load.size_estimate import TensorInfo, summarize
 
     if choice.kind != "safetensors":
-        raise ValueError(f"{choice.label}: only safetensors choices are read before downloading")
+        raise ValueError(f"{choice.label}: only safetensors and GGUF choices are read before downloading")
     if "config.json" not in choice.files:
         raise DownloadError(f"{listing.repo_id} has no config.json")
     api = HfApi()
@@ -209,6 +223,78 @@ def read_choice_weights(listing: RepoListing, choice: DownloadChoice):
         raise DownloadError(f"{listing.repo_id}: config.json is not a JSON object")
     tensors = {name: TensorInfo(tuple(info.shape), info.dtype) for found in headers for name, info in found.items()}
     return summarize(config, tensors, f"{listing.repo_id}/config.json")
+
+
+def _read_gguf_weights(listing: RepoListing, choice: DownloadChoice, first_bytes: int, max_bytes: int):
+    """A GGUF choice's ModelWeights from its files' headers; a split GGUF's tensor infos are spread over its
+    parts, so every part's header is read."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from engine.load.size_estimate import summarize_gguf_header
+
+    parts = sorted(p for p in choice.files if p.endswith(".gguf"))
+    sizes = {f.path: f.size for f in listing.files}
+
+    def header(path: str):
+        return _read_gguf_header(listing, path, sizes.get(path) or None, first_bytes, max_bytes)
+
+    with _hub_errors(listing.repo_id, listing.revision):
+        with ThreadPoolExecutor(max_workers=min(8, len(parts))) as pool:
+            headers = list(pool.map(header, parts))
+    return summarize_gguf_header(headers, f"{listing.repo_id}/{parts[0]}")
+
+
+def _read_gguf_header(listing: RepoListing, path: str, size: int | None, first_bytes: int, max_bytes: int):
+    """One GGUF file's header (engine.load.gguf_header.GGUFHeader) from its first bytes on the Hub."""
+    from dataclasses import replace
+
+    from huggingface_hub import hf_hub_url
+
+    from engine.errors import CheckpointError
+    from engine.load.gguf_header import HeaderIncomplete, parse_header
+
+    url = hf_hub_url(listing.repo_id, path, revision=listing.commit)
+    name = f"{listing.repo_id}/{path}"
+    data, want = b"", first_bytes
+    while True:
+        end = min(want, size) if size else want
+        if end > len(data):
+            data += _fetch_range(url, len(data), end)
+        try:
+            header = parse_header(data, name)
+            break
+        except HeaderIncomplete as e:
+            if len(data) < end or len(data) == size or (size and e.needed > size):  # the file ends first
+                raise CheckpointError(name, "truncated GGUF file: its header runs past the file's end" if data
+                                      else "empty file") from None
+            if e.needed > max_bytes or want >= max_bytes:
+                cap = f"{max_bytes >> 20} MiB" if max_bytes % (1 << 20) == 0 else f"{max_bytes} bytes"
+                raise DownloadError(f"{name}: the GGUF header is longer than {cap}, more than is read for an "
+                                    "estimate before downloading") from None
+            want = min(2 * want, max_bytes)
+    # Llama 3.1-style RoPE scaling is stored as a tensor of per-dimension factors that the config depends on
+    # (loading refuses factors other than 1): its few hundred bytes are fetched, as a load would read them.
+    tensors = [t.with_data(_fetch_range(url, t.data_offset, t.data_offset + t.n_bytes))
+               if t.name == "rope_freqs.weight" else t for t in header.tensors]
+    return replace(header, tensors=tensors)
+
+
+def _fetch_range(url: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of the file at `url` (fewer where the file ends first) with a bounded Range request.
+    The answer is read as a stream and cut at `end`, so a server that ignores Range and sends the whole file
+    (200 instead of 206) costs no more than the bytes asked for."""
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
+    with get_session().stream("GET", url, headers=headers) as response:
+        hf_raise_for_status(response)
+        skip = 0 if response.status_code == 206 else start
+        body = bytearray()
+        for chunk in response.iter_bytes():
+            body += chunk
+            if len(body) >= skip + end - start:
+                break
+    return bytes(body[skip:skip + end - start])
 
 
 _GGUF_SHARD = re.compile(r"-\d{5}-of-\d{5}$")
