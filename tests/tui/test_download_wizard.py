@@ -28,7 +28,19 @@ def blob(seed: int, size: int) -> bytes:
     return random.Random(seed).randbytes(size)
 
 
-GGUFS = {"tiny-moe-Q4_K_M.gguf": blob(3, 60_000), "tiny-moe-Q8_0.gguf": blob(4, 110_000)}
+def gguf_file(name: str, layers, H: int, F: int) -> bytes:
+    """A Mixtral-like GGUF written by the gguf package: a real header for the estimate to read."""
+    import tempfile
+
+    from tests.load.test_gguf_header import write_moe_gguf
+
+    with tempfile.TemporaryDirectory() as folder:
+        [path] = write_moe_gguf(Path(folder) / name, layers=layers, H=H, F=F)
+        return path.read_bytes()
+
+
+GGUFS = {"tiny-moe-Q4_K_M.gguf": gguf_file("tiny-moe-Q4_K_M.gguf", (("q4_k", "q4_k"), ("q4_k", "q8_0")), 256, 256),
+         "tiny-moe-Q8_0.gguf": gguf_file("tiny-moe-Q8_0.gguf", (("q8_0", "q8_0"),) * 2, 256, 256)}
 SNAP_CONFIG = {"model_type": "qwen3_moe", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
                "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024, "intermediate_size": 512,
                "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
@@ -86,6 +98,7 @@ def hub(tui_dirs, tiny_folder, monkeypatch):
     fake.start()
     home = tui_dirs["cache"] / "hf-home"
     point_client_at(fake, monkeypatch, home, tui_dirs["hf-cache"], CHUNK)
+    monkeypatch.setattr(dl, "GGUF_HEADER_FIRST_BYTES", 16 * 1024)  # the GGUFs here are smaller than the default
     yield fake
     fake.stop()
     close_session()  # drop pooled keep-alive connections to this server
@@ -97,6 +110,17 @@ def repo_dir(repo_id: str = REPO) -> Path:
 
 def partials(repo_id: str = REPO) -> list[Path]:
     return sorted((repo_dir(repo_id) / "blobs").glob("*.incomplete"))
+
+
+def gguf_estimate(tmp_path, name: str, target: LoadTarget) -> str:
+    """What the fit view says of a GGUF choice: the estimate of the file on disk, for the settings in force."""
+    from app.tui.catalog import estimate_line
+    from engine.load.size_estimate import summarize_path
+
+    path = tmp_path / name
+    path.write_bytes(GGUFS[name])
+    estimate = summarize_path(path).estimate(target.expert_dtype, target.weights_dtype)
+    return f"loaded  {estimate_line(estimate, target.gpu, dl.format_bytes)} · expert dtype {target.expert_dtype} (F2)"
 
 
 def status(screen) -> str:
@@ -145,7 +169,7 @@ async def wait_stopped(pilot, screen: DownloadScreen, what: str = "the download 
 # -- listing ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.anyio
-async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine):
+async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine, tmp_path):
     app = MoedeskApp(engine)
     async with app.run_test(size=(100, 30)) as pilot:
         screen = await open_wizard(pilot)
@@ -158,8 +182,9 @@ async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine):
         texts = option_texts(screen)
         assert texts[0].startswith("safetensors checkpoint") and f"{len(safetensors.files)} files" in texts[0]
         assert texts[0].endswith(dl.format_bytes(safetensors.total_bytes))
-        assert texts[1].startswith("GGUF Q4_K_M") and "1 file" in texts[1] and texts[1].endswith("60.0 KB")
-        assert texts[2].startswith("GGUF Q8_0") and texts[2].endswith("110.0 KB")
+        q4_size, q8_size = (dl.format_bytes(len(data)) for data in GGUFS.values())
+        assert texts[1].startswith("GGUF Q4_K_M") and "1 file" in texts[1] and texts[1].endswith(q4_size)
+        assert texts[2].startswith("GGUF Q8_0") and texts[2].endswith(q8_size)
         assert f"{REPO} @ {hub.repos[REPO].commit[:12]}: 3 choices" in status(screen)
 
         # The default (the safetensors checkpoint) is highlighted, with its fit; moving shows the next one's.
@@ -178,22 +203,27 @@ async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine):
         assert loaded() == (f"loaded  ~{dl.format_bytes(total)} in RAM, {dl.format_bytes(experts)} of it f32 experts"
                             " · expert dtype auto (F2)")
         await pilot.press("down")
-        assert size_line() == "GGUF Q4_K_M · 1 file · 60.0 KB to download"
-        assert loaded() == "loaded  ≈ the file's size: its Q4_K_M experts stay packed as they are"
+        assert size_line() == f"GGUF Q4_K_M · 1 file · {q4_size} to download"
+        # A GGUF's from its header, fetched from the file's start: the estimate of the file itself once on disk.
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the GGUF estimate")
+        assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
+        assert "q4_k/q8_0 experts" in loaded()
         assert not screen.query_one("#download-start").disabled
         # Listing fetched metadata and read headers only: config.json whole, the weights' first bytes, nothing else.
         whole = [r.path for r in hub.requests if r.method == "GET" and ("/resolve/" in r.path or r.server == "cdn")
                  and not r.bounded]
         assert whole and all(path.endswith("/config.json") for path in whole), whole
         assert not hub.gets(REPO, WEIGHTS) and hub.gets(REPO, WEIGHTS, headers=True)
+        [header] = hub.gets(REPO, "tiny-moe-Q4_K_M.gguf", headers=True)
+        assert header.range == f"bytes=0-{16 * 1024 - 1}"  # the first range (set small here) held the header
         assert not list(Path(dl.hf_cache_dir()).iterdir())  # and nothing of it was written to the cache
 
 
 @pytest.mark.anyio
-async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine):
+async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_path):
     """int4 from the settings: the tiny model's gate/up rows (64 wide) become q4_0, 18 bytes per 32 weights; its
-    down rows (48 wide: not whole blocks) stay float32. F2 in the wizard back to auto shows the file's form again;
-    a GGUF quantisation kept packed stays about the file's size, and bf16 experts are only known once downloaded."""
+    down rows (48 wide: not whole blocks) stay float32. F2 in the wizard to bf16 turns the experts 16-bit (float32
+    on this CPU); a GGUF's header, read once, is estimated again for the new setting as well."""
     cfg = engine.config
     E, H, F, L = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_layers
     other = sum(p.numel() * p.element_size() for p in engine.model.parameters())
@@ -219,8 +249,19 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine):
         assert loaded() == (f"loaded  ~{dl.format_bytes(experts + other)} in RAM, {dl.format_bytes(experts)} of it "
                             "f32 experts · expert dtype bf16 (F2)")
         await pilot.press("down")
-        assert loaded() == "loaded  known once downloaded (expert dtype bf16, F2)"
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the GGUF estimate")
+        assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
+        assert loaded().endswith("f32 experts · expert dtype bf16 (F2)")
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        app.screen.query_one("#setting-expert_dtype").value = "auto"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: "auto" in loaded(), what="the new estimate")
+        assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
+        assert "q4_k/q8_0 experts" in loaded()
         assert len(hub.gets(REPO, WEIGHTS, headers=True)) == 1  # read once, estimated again from what was read
+        assert len(hub.gets(REPO, "tiny-moe-Q4_K_M.gguf", headers=True)) == 1
 
 
 @pytest.mark.anyio
@@ -244,6 +285,21 @@ async def test_no_estimate_is_one_line_and_the_fit_weighs_the_estimate(hub, engi
         await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
         assert "q4_0/f32 experts" in loaded() and "-too-big" not in fit.classes
         assert str(fit.query_one(".fit-note").render()).startswith("the weights fit in RAM + VRAM together")
+
+        # A GGUF choice whose file is no GGUF: its header says so, in one line.
+        await list_repo(pilot, screen, "moe/snap")
+        await pilot.press("down")
+        await wait_for(pilot, lambda: "reading" not in loaded() and "GGUF" in loaded(), what="the GGUF estimate")
+        assert loaded() == "loaded  no estimate before downloading: moe/snap/snap-Q4_K_M.gguf: not a GGUF file (bad magic)"
+
+
+def test_the_estimate_waits_for_the_gguf_header():
+    target = LoadTarget("auto", "float32", gpu=False)
+    one = dl.DownloadChoice("Q4_K_M", "gguf", ("m-Q4_K_M.gguf",), 10, ("*Q4_K_M*.gguf",))
+    split = dl.DownloadChoice("Q8_0", "gguf", ("m-Q8_0-00001-of-00002.gguf", "m-Q8_0-00002-of-00002.gguf"), 20,
+                              ("*Q8_0*.gguf",))
+    assert wizard.loaded_estimate(one, None, target) == ("reading the GGUF header for an estimate…", None)
+    assert wizard.loaded_estimate(split, None, target) == ("reading the GGUF headers for an estimate…", None)
 
 
 @pytest.mark.anyio

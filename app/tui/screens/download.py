@@ -6,9 +6,9 @@ one line in the status. Cancelling keeps the partial files, and downloading the 
 resumes them, as it does after a crash or a dropped connection.
 
 The fit view estimates the memory the highlighted choice takes once loaded, with the expert dtype in
-force (F2 changes it): for a safetensors checkpoint from its config.json and its shards' headers, read
-from the Hub in a worker without the weights; for a GGUF quantisation whose experts stay packed, about
-the file's size.
+force (F2 changes it), read from the Hub in a worker without the weights: for a safetensors checkpoint
+from its config.json and its shards' headers, for a GGUF quantisation from its file's header (every
+part's, for a split one), which holds its metadata and every tensor's type and shape.
 
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
@@ -85,20 +85,12 @@ def choice_label(choice: dl.DownloadChoice) -> Text:
     return text
 
 
-# GGUF quantisations whose routed experts are blocks moedesk computes from as they are (kernels.quant_formats):
-# loaded with expert dtype auto, int8 or int4 they stay so, and the model takes about the file's size.
-_PACKED_QUANT = re.compile(r"Q4_0|Q8_0|Q[456]_K(?:_[SM])?", re.IGNORECASE)
-
-
 def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> tuple[str, int | None]:
     """(the memory the choice takes once loaded, in words; its bytes, or None when not known). `weights`: the
     choice's ModelWeights once its headers are read, the one line saying why they could not be, or None."""
-    if choice.kind == "gguf":
-        if target.expert_dtype != "bf16" and _PACKED_QUANT.fullmatch(choice.name):
-            return f"≈ the file's size: its {choice.name} experts stay packed as they are", choice.total_bytes
-        # Its experts' tensor types sit behind the vocabulary in the file's header.
-        return f"known once downloaded (expert dtype {target.expert_dtype}, F2)", None
     if weights is None:
+        if choice.kind == "gguf":
+            return f"reading the GGUF header{'s' if len(choice.files) > 1 else ''} for an estimate…", None
         return "reading config.json and the shards' headers for an estimate…", None
     if isinstance(weights, str):
         return f"no estimate before downloading: {weights}", None
@@ -287,7 +279,7 @@ class DownloadScreen(Screen[str | None]):
     def choice_highlighted(self) -> None:
         choice = self.highlighted_choice()
         unread = choice is not None and choice.name not in self.weights and choice.name not in self._reading
-        if unread and choice.kind == "safetensors":
+        if unread:
             self._reading.add(choice.name)
             self._read_headers(self._serial, self.listing, choice)
         self._show_fit()
