@@ -290,7 +290,8 @@ async def test_no_estimate_is_one_line_and_the_fit_weighs_the_estimate(hub, engi
         await list_repo(pilot, screen, "moe/snap")
         await pilot.press("down")
         await wait_for(pilot, lambda: "reading" not in loaded() and "GGUF" in loaded(), what="the GGUF estimate")
-        assert loaded() == "loaded  no estimate before downloading: moe/snap/snap-Q4_K_M.gguf: not a GGUF file (bad magic)"
+        assert loaded() == ("loaded  no estimate before downloading: moe/snap/snap-Q4_K_M.gguf: "
+                            "not a GGUF file (bad magic)")
 
 
 def test_the_estimate_waits_for_the_gguf_header():
