@@ -330,6 +330,9 @@ def default_num_threads() -> int:
         allowed = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         allowed = os.cpu_count() or physical
+    chosen = os.environ.get("MOEDESK_CPU_THREADS", "").strip()
+    if chosen.isdigit() and int(chosen) > 0:
+        return int(chosen)
     return max(1, min(physical, allowed))
 
 

@@ -386,13 +386,18 @@ def test_library_is_cached_by_source_and_flags(monkeypatch, tmp_path):
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no temporary files left
 
 
-def test_thread_count_setting():
+def test_thread_count_setting(monkeypatch):
+    monkeypatch.delenv("MOEDESK_CPU_THREADS", raising=False)
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     expected = max(1, min(psutil.cpu_count(logical=False) or os.cpu_count(), allowed))
     assert ce.default_num_threads() == expected
     ce.set_num_threads(3)
     assert ce.get_num_threads() == 3
     ce.set_num_threads(None)
+    monkeypatch.setenv("MOEDESK_CPU_THREADS", "5")  # a user's choice, e.g. to leave cores to other programs
+    assert ce.default_num_threads() == 5
+    monkeypatch.setenv("MOEDESK_CPU_THREADS", "none")  # not a count: the default
+    assert ce.default_num_threads() == expected
     assert ce.get_num_threads() == expected
     with pytest.raises(ValueError):
         ce.set_num_threads(0)
