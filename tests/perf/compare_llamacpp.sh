@@ -85,35 +85,38 @@ for name, r, ref in rows:
 PY
   ;;
 llama-quant)
+  # Quantised by llama.cpp's own llama-quantize, Qwen3 first: the box has 64 GB of disk, so each F16 file goes
+  # once quantised (the llama phase must run again to write them for a second pass).
   bin="$SRC/build/bin"
   [ -x "$bin/llama-quantize" ] || (cd "$SRC" && cmake --build build --target llama-quantize -j 15 > "$W/build_q.log" 2>&1) \
     || { tail -n 20 "$W/build_q.log"; exit 1; }
   [ -f "$W/mix.gguf" ] && [ -f "$W/qwen3.gguf" ] || { echo "run the llama phase first (it writes the F16 GGUFs)"; exit 1; }
+  "$bin/llama-quantize" "$W/qwen3.gguf" "$W/qwen3_Q4_K_M.gguf" Q4_K_M 16 > "$W/quantize_qwen3.log" 2>&1 && rm -f "$W/qwen3.gguf"
+  "$bin/llama-bench" -m "$W/qwen3_Q4_K_M.gguf" -ngl 99 -ncmoe "$QL" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llamaq_qwen3_Q4_K_M.json"
   for q in Q4_0 Q4_K_M Q8_0; do
-    [ -f "$W/mix_$q.gguf" ] || "$bin/llama-quantize" "$W/mix.gguf" "$W/mix_$q.gguf" "$q" 16 > "$W/quantize_$q.log" 2>&1
+    "$bin/llama-quantize" "$W/mix.gguf" "$W/mix_$q.gguf" "$q" 16 > "$W/quantize_$q.log" 2>&1
     "$bin/llama-bench" -m "$W/mix_$q.gguf" -ngl 99 -ncmoe "$L" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llamaq_mix_$q.json"
-    "$bin/llama-batched-bench" -m "$W/mix_$q.gguf" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 \
+    [ "$q" = Q8_0 ] || "$bin/llama-batched-bench" -m "$W/mix_$q.gguf" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 \
       -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' > "$W/llamaq_mix_${q}_batched.txt"
     cp "$W"/llamaq_* "$OUT"/
   done
-  [ -f "$W/qwen3_Q4_K_M.gguf" ] || "$bin/llama-quantize" "$W/qwen3.gguf" "$W/qwen3_Q4_K_M.gguf" Q4_K_M 16 > "$W/quantize_qwen3.log" 2>&1
-  "$bin/llama-bench" -m "$W/qwen3_Q4_K_M.gguf" -ngl 99 -ncmoe "$QL" -t 16 -p 512 -n 64 -r 2 -o json > "$W/llamaq_qwen3_Q4_K_M.json"
-  cp "$W"/llamaq_* "$OUT"/ ;;
+  rm -f "$W/mix.gguf" ;;
 moedesk-quant)
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
   fi
   export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
   clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
-  # llama.cpp's Q4_K_M gives the experts q4_k (and q6_k for some down projections): q4_k is ours to compare.
-  for f in q4_0 q4_k q8_0; do
-    clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --decode-tokens 32 \
-      --expert-format "$f" --json > "$W/oursq_mix_$f.json"
-  done
-  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --decode-tokens 32 \
-    --json > "$W/oursq_mix_dense.json"
-  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --expert-format q4_k \
-    --json > "$W/oursq_qwen3_q4_k.json"
+  rm -f "$W"/*.gguf  # the page cache and the disk back for our banks
+  # q4_0 for every target (decode, prefill 512, 16 sequences); the others decode only. llama.cpp's Q4_K_M gives
+  # the experts q4_k (and q6_k for some down projections): q4_k is ours to compare. bf16: the 16-bit decode the
+  # 4-bit one is compared with, and the batched decode of 16 that `moedesk serve` is compared with.
+  b() { name=$1; shift; clean; python3 -m app.cli bench "$@" --decode-tokens 32 --json > "$W/oursq_$name.json"; }
+  b mix_q4_0 --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q4_0 --prefill 512 --batch 16
+  b mix_q4_k --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q4_k --prefill --batch 1
+  b mix_q8_0 --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q8_0 --prefill --batch 1
+  b qwen3_q4_k --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --expert-format q4_k --prefill --batch 1
+  b mix_dense --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill --batch 16
   cp "$W"/oursq_* "$OUT"/
   python3 - "$W" <<'PY'
 import json, re, sys
@@ -126,18 +129,21 @@ def batched16(path):
     rows = [l for l in open(path) if re.match(r"\|\s+128", l)]
     return float(rows[-1].split("|")[8]) if rows else None
 dense = ours(f"{w}/oursq_mix_dense.json")
+def batched(name):
+    try:
+        return batched16(f"{w}/llamaq_mix_{name}_batched.txt")
+    except FileNotFoundError:
+        return None
 print(f"{'case':<34}{'moedesk':>9}{'llama.cpp':>11}{'ratio':>7}{'% bound':>9}{'x our bf16':>11}")
-for ours_fmt, theirs in (("q4_0", "Q4_0"), ("q4_k", "Q4_K_M"), ("q8_0", "Q8_0")):
-    o, t = ours(f"{w}/oursq_mix_{ours_fmt}.json"), llama(f"{w}/llamaq_mix_{theirs}.json")
-    b16 = batched16(f"{w}/llamaq_mix_{theirs}_batched.txt")
-    for mode, ref in (("decode", t["decode"]), ("prefill", t["prefill"]), ("batched_decode", b16)):
-        r = o[mode]
-        print(f"{'Mixtral ' + ours_fmt + ' ' + mode:<34}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}"
-              f"{(r['tok_s'] / ref if ref else 0):>7.2f}{r['pct_of_bound'] or 0:>8.0f}%{r['tok_s'] / dense[mode]['tok_s']:>11.2f}")
-q, t = ours(f"{w}/oursq_qwen3_q4_k.json"), llama(f"{w}/llamaq_qwen3_Q4_K_M.json")
-for mode in ("decode", "prefill"):
-    print(f"{'Qwen3 q4_k ' + mode:<34}{q[mode]['tok_s']:>9.1f}{t[mode]:>11.1f}{q[mode]['tok_s'] / t[mode]:>7.2f}"
-          f"{q[mode]['pct_of_bound'] or 0:>8.0f}%{'-':>11}")
+cases = [(f"Mixtral {f}", ours(f"{w}/oursq_mix_{f}.json"), llama(f"{w}/llamaq_mix_{t}.json"), batched(t))
+         for f, t in (("q4_0", "Q4_0"), ("q4_k", "Q4_K_M"), ("q8_0", "Q8_0"))]
+cases.append(("Qwen3 q4_k", ours(f"{w}/oursq_qwen3_q4_k.json"), llama(f"{w}/llamaq_qwen3_Q4_K_M.json"), None))
+for name, o, t, b16 in cases:
+    for mode, r in o.items():  # the modes this bench ran
+        ref = b16 if mode == "batched_decode" else t.get(mode)
+        x16 = f"{r['tok_s'] / dense[mode]['tok_s']:.2f}" if name.startswith("Mixtral") and mode in dense else "-"
+        print(f"{name + ' ' + mode:<34}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{(r['tok_s'] / ref if ref else 0):>7.2f}"
+              f"{r['pct_of_bound'] or 0:>8.0f}%{x16:>11}")
 PY
   ;;
 *) echo "usage: $0 llama|moedesk|llama-quant|moedesk-quant"; exit 2 ;;
