@@ -176,7 +176,8 @@ class Scheduler:
         self._jobs: list[_RunningJob] = []
         self._thread: threading.Thread | None = None
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, decode_steps=0, prefill_pieces=0,
-                             prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0, jobs=0, job_steps=0)
+                             prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0, jobs=0, job_steps=0,
+                             decode_seconds=0.0)  # wall time of the plain batch's decode steps, sinks included
         self._recent_seconds = 0.0  # a running mean of how long finished requests took, for retry hints
 
     # --- any thread -------------------------------------------------------------------------
@@ -228,6 +229,7 @@ class Scheduler:
             return {**self.counters, "running": running, "waiting": self._waiting(), "rows": len(self._rows),
                     "running_jobs": len(self._jobs), "in_jobs": in_jobs,
                     "mean_batch": round(self.counters["batch_sum"] / steps, 3) if steps else None,
+                    "decode_seconds": round(self.counters["decode_seconds"], 4),
                     "prefill_chunk": self.prefill_chunk, "max_rows": self.max_rows}
 
     def retry_after(self) -> int:
@@ -420,7 +422,9 @@ class Scheduler:
             for handle in decoding:
                 handle.decode_steps += 1
                 handle.batch_sum += batch
+            started = time.perf_counter()
             if self._run(lambda: decoder.decode([h.seq for h in decoding]), decoding, decoder):
+                self.counters["decode_seconds"] += time.perf_counter() - started
                 self.counters["decode_steps"] += 1
                 self.counters["batch_sum"] += batch
                 self.counters["max_batch"] = max(self.counters["max_batch"], batch)

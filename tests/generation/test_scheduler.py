@@ -65,6 +65,8 @@ def test_requests_from_several_threads_share_steps_and_match_running_alone(engin
     # Steps were shared: fewer decode steps than the sequences' steps added up.
     assert after["decode_steps"] - before["decode_steps"] < sum(r.stats["decode_steps"] for r in results)
     assert max(r.stats["mean_batch"] for r in results) > 1
+    # the decode steps' wall time is counted (what a server's /moedesk/stats reports as its decode rate)
+    assert after["decode_seconds"] > before["decode_seconds"]
 
 
 def test_a_newcomer_joins_a_running_batch_between_steps(engine):

@@ -153,11 +153,15 @@ async def run_clients(url: str, args, vocab: int) -> dict:
     limits = httpx.Limits(max_connections=args.clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
         await stream_one(client, url, prompts(1, args.prompt_tokens, vocab, 99)[0], 4)  # warm-up (graphs, caches)
+        alone_before = await server_stats(client, url)
         alone = await stream_one(client, url, prompts(1, args.prompt_tokens, vocab, 1)[0], args.max_tokens)
+        alone_after = await server_stats(client, url)
+        server_before = await server_stats(client, url)
         together_started = time.perf_counter()
         runs = await asyncio.gather(*[stream_one(client, url, p, args.max_tokens)
                                       for p in prompts(args.clients, args.prompt_tokens, vocab, 2)])
         together_ended = time.perf_counter()
+        server_after = await server_stats(client, url)
         # A newcomer into a running batch of N-1: they get a long reply, it arrives once all of them stream.
         firsts = [asyncio.Event() for _ in range(max(args.clients - 1, 0))]
         background = [asyncio.create_task(stream_one(client, url, p, args.max_tokens * 4, first))
@@ -185,7 +189,26 @@ async def run_clients(url: str, args, vocab: int) -> dict:
         "together_decode_tok_s": steady / (first_end - all_first) if first_end > all_first else None,
         "mean_batch": sum(r["stats"].get("mean_batch") or 0 for r in runs) / len(runs),
         "newcomer_ttft_s": newcomer["ttft"], "newcomer_alone_ttft_s": alone_ttft,
+        # the server's own count of the N clients' decode steps: their rate without HTTP, streaming or the clients
+        "server_alone_decode_tok_s": decode_rate(alone_before, alone_after),
+        "server_decode_tok_s": decode_rate(server_before, server_after),
+        "server_step_ms": step_ms(server_before, server_after),
     }
+
+
+async def server_stats(client: httpx.AsyncClient, url: str) -> dict:
+    reply = await client.get(url + "/moedesk/stats")
+    return reply.json()["scheduler"]
+
+
+def decode_rate(before: dict, after: dict) -> float | None:
+    seconds = after["decode_seconds"] - before["decode_seconds"]
+    return (after["batch_sum"] - before["batch_sum"]) / seconds if seconds > 0 else None
+
+
+def step_ms(before: dict, after: dict) -> float | None:
+    steps = after["decode_steps"] - before["decode_steps"]
+    return 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps if steps else None
 
 
 def table(rows: list[tuple[str, str]]) -> str:
@@ -255,6 +278,9 @@ def main() -> None:
                                     f"(target >= 3.5 at 16); mean batch {results['mean_batch']:.1f}"),
         (f"{n} clients, all streaming", f"{results['together_decode_tok_s'] or 0:.1f} tok/s (compare: moedesk bench "
                                         f"--batch {n})"),
+        ("server's own decode steps", f"1 client {results['server_alone_decode_tok_s'] or 0:.1f} tok/s, {n} clients "
+                                      f"{results['server_decode_tok_s'] or 0:.1f} tok/s "
+                                      f"({results['server_step_ms'] or 0:.1f} ms a step)"),
         (f"newcomer into {n - 1}", f"TTFT {results['newcomer_ttft_s'] * 1000:.0f} ms vs "
                                    f"{results['newcomer_alone_ttft_s'] * 1000:.0f} ms alone = "
                                    f"{results['newcomer_ttft_s'] / results['newcomer_alone_ttft_s']:.2f}x "
