@@ -34,6 +34,29 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Profiles, popularity counts and step timings of the tests' throwaway checkpoints are keyed by their paths:
+    they go to this session's own cache folder, not the user's, which they used to fill with hundreds of files.
+    The compiled native kernels and a built demo model are shared with the user's cache (minutes to rebuild)."""
+    from engine.load.demo import cache_root, recipe
+
+    real, private = cache_root(), tmp_path_factory.mktemp("cache")
+    (real / "kernels").mkdir(parents=True, exist_ok=True)
+    (private / "kernels").symlink_to(real / "kernels", target_is_directory=True)
+    r = recipe()
+    demo = f"{r['name']}-v{r['version']}"
+    if (real / demo / "config.json").is_file():
+        (private / demo).symlink_to(real / demo, target_is_directory=True)
+    before = os.environ.get("MOEDESK_CACHE_DIR")
+    os.environ["MOEDESK_CACHE_DIR"] = str(private)
+    yield private
+    if before is None:
+        os.environ.pop("MOEDESK_CACHE_DIR", None)
+    else:
+        os.environ["MOEDESK_CACHE_DIR"] = before
+
+
 @pytest.fixture(autouse=True)
 def _no_user_settings(tmp_path_factory, monkeypatch):
     # The CLI reads the app's saved settings; tests must never see the developer's own.
