@@ -140,6 +140,20 @@ def test_speculative_requests_arriving_while_a_job_runs_join_it(engine, head):
 def test_beam_searches_submitted_together_share_forwards_and_equal_running_alone(engine):
     """Widths 1 to 4, prompts of different lengths, some ending on EOS: one job, one forward per step over every
     search's rows, and each search gives what it gives alone."""
+    beams_together_equal_alone(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_beam_searches_together_on_cuda(arch, tiny_checkpoint):
+    """The same on the GPU, experts in RAM: the searches' rows (not in one piece once one ends) go through the
+    beam search's CUDA graphs with a row index, and the graphs stay on."""
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
+    beams_together_equal_alone(engine)
+    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+
+
+def beams_together_equal_alone(engine):
     cases = [(0, 2, 12, 1.0, True), (1, 4, 10, 2.0, True), (2, 3, 16, 0.5, False), (3, 1, 8, 1.0, True)]
     requests = [Request(ids(engine, k), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=ignore))
                 for k, _, n, _, ignore in cases]
