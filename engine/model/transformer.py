@@ -7,6 +7,7 @@ runs (GPU, CPU, copied over PCIe) is decided outside the model.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +98,7 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
 # not enable_gqa (that falls back to the bf16 math path, which lost greedy equivalence in the GPU
 # tests), so for prefill key/value heads are repeated for it (decode folds the heads instead).
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
+_SDPA_FLAGS = threading.Lock()
 
 
 def attention(q, k, v, mask, gqa: bool):
@@ -117,7 +119,10 @@ def attention(q, k, v, mask, gqa: bool):
 
 def _sdpa(q, k, v, mask, gqa: bool):
     if q.is_cuda:
-        with sdpa_kernel(_CUDA_BACKENDS):
+        # sdpa_kernel sets process-wide flags and restores what it found on exit: two threads inside at once
+        # (two engines' decode threads, as when a model is replaced) could leave only our backend enabled for
+        # every later caller, transformers included (seen on the GPU box: "No available kernel").
+        with _SDPA_FLAGS, sdpa_kernel(_CUDA_BACKENDS):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 

@@ -47,8 +47,13 @@ def alone(engine, prompt, params=None):
 
 
 def wait_idle(engine, timeout=30.0):
+    """Until nothing runs or waits, jobs included (a job's requests are not in "running")."""
     deadline = time.monotonic() + timeout
-    while engine.scheduler.stats()["running"] or engine.scheduler.stats()["waiting"]:
+
+    def busy(stats):
+        return stats["running"] or stats["waiting"] or stats["running_jobs"] or stats["in_jobs"]
+
+    while busy(engine.scheduler.stats()):
         assert time.monotonic() < deadline, engine.scheduler.stats()
         time.sleep(0.01)
 
@@ -149,11 +154,11 @@ def test_beam_searches_together_on_cuda(arch, tiny_checkpoint):
     """The same on the GPU, experts in RAM: the searches' rows (not in one piece once one ends) go through the
     beam search's CUDA graphs with a row index, and the graphs stay on."""
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
-    beams_together_equal_alone(engine)
+    beams_together_equal_alone(engine, timeout=120)
     assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
 
 
-def beams_together_equal_alone(engine):
+def beams_together_equal_alone(engine, timeout=30.0):
     cases = [(0, 2, 12, 1.0, True), (1, 4, 10, 2.0, True), (2, 3, 16, 0.5, False), (3, 1, 8, 1.0, True)]
     requests = [Request(ids(engine, k), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=ignore))
                 for k, _, n, _, ignore in cases]
@@ -164,7 +169,7 @@ def beams_together_equal_alone(engine):
     with engine.scheduler.submitting():
         handles = [engine.submit(r, decoding=BeamOptions(beams=w, length_penalty=lp), sink=rec.sink(i))
                    for i, (r, (_, w, _, lp, _)) in enumerate(zip(requests, cases))]
-    wait_idle(engine)
+    wait_idle(engine, timeout)
     assert all(h.done for h in handles)
     got = [rec.final(i).completion for i in range(len(cases))]
     for done, alone_ in zip(got, want):
