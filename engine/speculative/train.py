@@ -311,13 +311,14 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
                 p.zero_()
             else:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        feature, residual, embedding = _scales(engine, sample_ids)
         if init == "fit":
             _fit_fc(head, data, engine.model.embed.weight.detach())
             # the layer's two branches start silent, so the head starts as the fitted map and training adds to it
             head.attn.wo.weight.zero_()
             head.mlp.down.weight.zero_()
-        elif init == "last-layer":
+            return head.to(device=engine.device, dtype=torch.float32)
+        feature, residual, embedding = _scales(engine, sample_ids)  # a forward of the target: only these need it
+        if init == "last-layer":
             _copy_last_layer(engine, head, feature, residual, embedding)
         else:
             # the token matters as much as the feature, but its embedding is ~15x smaller (demo: RMS 0.13 against
