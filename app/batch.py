@@ -70,7 +70,7 @@ class BatchSettings:
     top_k: int = SamplingParams.top_k
     seed: int = SamplingParams.seed
     ignore_eos: bool = SamplingParams.ignore_eos
-    beams: int = 1  # above 1: beam search (engine.generation.beam), each such line alone
+    beams: int = 1  # above 1: beam search (engine.generation.beam), the beam lines in flight stepping together
     length_penalty: float = 1.0  # beam search's, as transformers applies it
     speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.decode), with an EAGLE head
     draft: str | None = None  # the EAGLE head's folder
@@ -479,6 +479,7 @@ class _Run:
         self.ready: dict[int, dict] = {}  # line number -> record waiting for the lines before it
         self.in_flight: dict[int, tuple[str, Request]] = {}  # line number -> (id, request) the engine holds
         self.beam_lines: dict[int, tuple[int, float]] = {}  # line number -> (beams, length penalty) of beam lines
+        self._line_decoding = None  # the decoding of lines that are not beam lines: None (plain) or speculative
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
 
@@ -644,39 +645,23 @@ class _Run:
         return list(ids)
 
     def generate(self, requests: Iterator[Request], batch_size: int) -> None:
-        """Run the engine over `requests` to the end. A beam-search line runs alone, since the engine's beam
-        search runs outside its scheduler: the lines before it finish, it runs, then the rest go on."""
-        while True:
-            held: list[tuple[int, tuple[str, Request]]] = []
-            self._generate_plain(self._until_beam_line(requests, held), batch_size)
-            if not held:
-                return
-            self._beam_search(*held[0])
+        """Run the engine over `requests` to the end. Beam-search lines go to the engine with the others, as jobs
+        of its scheduler: up to `batch_size` lines at once, plain or beam, and the beam lines in flight step
+        together, their hypotheses in one forward (engine.generation.beam)."""
+        self._generate_plain(requests, batch_size)
 
-    def _until_beam_line(self, requests: Iterator[Request], held: list) -> Iterator[Request]:
-        """The requests up to the next beam-search line, which goes to `held` and out of in_flight until it
-        runs (so that a failure of the lines before it never runs it as a plain line)."""
-        for request in requests:
-            if request.tag in self.beam_lines:
-                held.append((request.tag, self.in_flight.pop(request.tag)))
-                return
-            yield request
+    def _decoding(self, request: Request):
+        """A request's decoding for Engine.generate: BeamOptions for a beam line, else the run's (None: plain)."""
+        return self._beam_decoding(request) or self._line_decoding
 
-    def _beam_search(self, number: int, entry: tuple[str, Request]) -> None:
-        self.in_flight[number] = entry
-        line_id, request = entry
-        beams, length_penalty = self.beam_lines.pop(number)
-        try:
-            completion = self.engine.beam_search(request.prompt_ids, beams, request.params.max_new_tokens,
-                                                 length_penalty, ignore_eos=request.params.ignore_eos, tag=number)
-        except _Stopped:
-            raise
-        except Exception as error:  # noqa: BLE001 -- the line's own error, unless the engine fails everything
-            self._check_engine_works(error)
-            del self.in_flight[number]
-            self._finished(number, {"id": line_id, "error": _one_line(f"line {number}: {_describe(error)}")})
-            return
-        self.completed(completion)
+    def _beam_decoding(self, request: Request):
+        """BeamOptions for a beam line, None for any other."""
+        beam = self.beam_lines.get(request.tag)
+        if beam is None:
+            return None
+        from engine.generation.beam import BeamOptions
+
+        return BeamOptions(beams=beam[0], length_penalty=beam[1])
 
     def _generate_plain(self, requests: Iterator[Request], batch_size: int) -> None:
         """Run the engine over `requests` to the end, whatever fails on the way.
@@ -709,14 +694,15 @@ class _Run:
 
     def _completions(self, requests: Iterator[Request], batch_size: int):
         s = self.settings
-        if s.speculative == "off":
-            return self.engine.generate(requests, batch_size=batch_size)
-        from engine.speculative.decode import generate_speculative
-        from engine.speculative.demo_draft import resolve_draft
+        if s.speculative != "off" and self._line_decoding is None:
+            from engine.speculative.decode import SpeculativeOptions
+            from engine.speculative.demo_draft import resolve_draft
 
-        # groups of batch_size lines, each group to its end (the lines held again alone on an error run plainly)
-        return generate_speculative(self.engine, requests, batch_size, resolve_draft(self.engine, s.draft),
-                                    s.speculative, s.draft_length, s.draft_width)
+            self._line_decoding = SpeculativeOptions(s.speculative, resolve_draft(self.engine, s.draft),
+                                                     s.draft_length, s.draft_width)
+        # batch_size lines at once, a finished line's place taken by the next (the lines held again alone on an
+        # error run plainly, a beam line by beam search)
+        return self.engine.generate(requests, batch_size=batch_size, decoding=self._decoding)
 
     def _run_alone(self, error: Exception) -> None:
         if not self.in_flight:  # it failed before taking a line: nothing to blame a line for
@@ -724,7 +710,7 @@ class _Run:
                            f"command to go on")
         for number, (line_id, request) in sorted(self.in_flight.items()):
             try:
-                done = list(self.engine.generate([request], batch_size=1))
+                done = list(self.engine.generate([request], batch_size=1, decoding=self._beam_decoding))
             except _Stopped:
                 raise
             except Exception as alone:  # noqa: BLE001
@@ -759,6 +745,7 @@ class _Run:
         })
 
     def _finished(self, number: int, record: dict) -> None:
+        self.beam_lines.pop(number, None)
         self.ready[number] = record
         while self.pending and self.pending[0] in self.ready:
             record = self.ready.pop(self.pending.popleft())

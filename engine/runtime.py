@@ -286,8 +286,9 @@ class Engine:
         token_ids, as always), else "length". ignore_eos: no token ends a hypothesis.
 
         Runs on the scheduler's decode thread as a job between the steps of whatever else decodes (generate,
-        stream, serve requests), which keeps going meanwhile; beam searches run one after another. Bad options
-        raise here (ValueError, MoedeskError), before anything is queued."""
+        stream, serve requests), which keeps going meanwhile; beam searches submitted meanwhile step with it, all
+        their hypotheses in one forward (engine.generation.beam). Bad options raise here (ValueError,
+        MoedeskError), before anything is queued."""
         options = BeamOptions(beams, length_penalty, early_stopping)
         if not prompt_ids:
             raise ValueError("beam search needs a prompt of at least one token")

@@ -3,8 +3,8 @@
 Every step runs the W running hypotheses through the model as one batch of W tokens, so the
 expert executor sees all of them at once: an expert in RAM that several hypotheses pick is read
 once for all of them (Fiddler's beam-search scenario). The hypotheses live in W rows of a KV cache
-of their own; the prompt is prefilled once into row 0, and the first step's reordering copies it
-to the other rows. After each step the surviving hypotheses' rows are gathered on the device with
+of their own; the prompt is prefilled once into the first of them, and the first step's reordering
+copies it to the others. After each step the surviving hypotheses' rows are gathered on the device with
 one index per layer and no trip through the host.
 
 Scoring and stopping follow `generate(num_beams=W, do_sample=False)` of transformers (its
@@ -18,8 +18,12 @@ False, True and "never" parametrise the same way), when every one of the W finis
 filled and early_stopping is True, or when no continuation can go on. The small bookkeeping of
 each step (2W scores) is done with the same torch operations on the host, so ties break alike.
 
-`BeamSearch.steps` is the search as a generator of one forward per `next`; `run` drives it to the end,
-and `BeamJob` is the scheduler's job that steps it on the decode thread between the plain batch's steps
+Several searches step together: each holds a block of W cache rows, and one forward per step runs every
+block (MoE decode with experts in RAM is memory-bound, so a forward over more rows costs little more than
+over W). A search's reordering stays inside its block and rows never see each other, so each search gives
+what it gives alone. Searches that end free their rows, and waiting ones are admitted (their prompts
+prefilled) between steps. `BeamSearch.step` is one such step; `run` adds a search and steps until it ends,
+and `BeamJob` is the scheduler's job that steps them on the decode thread between the plain batch's steps
 (engine.generation.scheduler), so a search never waits for other requests and never stops them.
 """
 from __future__ import annotations
@@ -49,6 +53,7 @@ class BeamResult:
     steps: int  # forwards of the W hypotheses (decode steps), the prefill not counted
     prefill_s: float
     decode_s: float  # from the prefill's end to the search's: the steps with their choosing and reordering
+    mean_rows: float | None = None  # rows (the hypotheses of every search stepping with it) per step, on average
 
 
 def check_options(beams: int, length_penalty: float, early_stopping) -> None:
@@ -75,41 +80,154 @@ class BeamOptions:
         check_options(self.beams, self.length_penalty, self.early_stopping)
 
 
-class BeamSearch:
-    """Beam search over one model. Holds the hypotheses' KV cache (and CUDA graphs over it) between
-    searches, grown as a search needs, so a run of searches allocates and captures once.
+# Cache rows that the searches stepping together may hold at once (the sum of their widths). A decode forward
+# over experts in RAM is memory-bound: more rows cost little more than W, up to the batch where most experts are
+# picked every step anyway (the GPU box measured batched decode to B = 32, README). 64 rows take four searches
+# of the server's widest (16 beams) or sixteen of 4, while the cache they need stays about 64 prompt+reply
+# lengths. A search wider than this still runs, alone.
+BEAM_ROWS = 64
 
-    One search at a time: a search holds a lock from its first step to its last. Its forwards must not
-    overlap another thread's use of the same executor: the engine runs it on its decode thread (BeamJob).
+
+class _Search:
+    """One search's state between steps: its options, its block of cache rows and its hypotheses."""
+
+    def __init__(self, prompt: list[int], W: int, max_new: int, eos: frozenset, length_penalty: float,
+                 early_stopping):
+        self.prompt, self.W, self.max_new, self.eos = prompt, W, max_new, eos
+        self.length_penalty, self.early_stopping = length_penalty, early_stopping
+        self.P = len(prompt)
+        self.max_length = self.P + max_new
+        self.rows: list[int] = []  # its block: the cache rows of its W hypotheses, set when it is admitted
+        self.logits = None  # [W, vocab]: the last forward's, waiting to be chosen from
+        self.result: BeamResult | None = None
+        self.steps = 0
+        self.rows_sum = 0  # rows of the forwards it took part in, summed (all searches' hypotheses)
+        self.added = time.perf_counter()
+        self.prefill_s = 0.0
+        self.decode_started = 0.0
+        self.keep = max(2, 1 + len(eos)) * W  # enough that W continuations survive even when the best all end
+        self.top_w = torch.arange(self.keep) < W  # only the first W continuations may become finished hypotheses
+        self.running: list[list[int]] = [[] for _ in range(W)]  # generated tokens of each running hypothesis
+        self.finished: list[list[int] | None] = [None] * W
+        self.finished_scores = torch.full((W,), _NEG)
+        self.finished_done = torch.zeros(W, dtype=torch.bool)
+        self.can_improve = True
+        self.first = True
+        self.running_scores = None  # on the device, set at the prefill
+        self.source: list[int] = []  # after choosing: hypothesis j continues what block row source[j] holds
+        self.position = 0  # after choosing: the position the next tokens take
+
+    def prefilled(self, logits, device) -> None:
+        # Hypothesis 0 alone is live at first: the others are copies of it, and would offer the same tokens.
+        self.running_scores = torch.full((self.W,), _NEG, device=device)
+        self.running_scores[0] = 0.0
+        self.logits = logits[:, -1].expand(self.W, -1)
+
+    def choose(self, device) -> bool:
+        """One step's bookkeeping on `logits`, as transformers' `_beam_search` does it: True when the search ends
+        (`result` set), else `source`, `position` and `running` say what the next forward feeds."""
+        W, eos, length_penalty, early_stopping = self.W, self.eos, self.length_penalty, self.early_stopping
+        step_logits = self.logits
+        vocab = step_logits.shape[-1]
+        totals = torch.log_softmax(step_logits, dim=-1) + self.running_scores[:, None]
+        values, indices = torch.topk(totals.reshape(-1), self.keep)
+        # The one host round trip of a step: 2W scores and indices.
+        values, indices = values.cpu(), indices.cpu()
+        source, tokens = indices // vocab, indices % vocab
+        generated = len(self.running[0]) + 1  # tokens a continuation of this step holds, its last one included
+        token_list = tokens.tolist()
+        ends = torch.tensor([t in eos for t in token_list], dtype=torch.bool) | (self.P + generated >= self.max_length)
+        candidates = [self.running[s] + [t] for s, t in zip(source.tolist(), token_list)]
+
+        # The W best continuations that go on (those that ended are pushed below every other).
+        live_scores = values + ends.to(torch.float32) * _NEG
+        live = torch.topk(live_scores, k=W)[1]
+        next_scores = live_scores[live]
+
+        # Finished hypotheses: the ended ones among the first W continuations, if they beat what is kept.
+        just_ended = ends & self.top_w
+        scores = values / (generated ** length_penalty)
+        scores += float(bool(self.finished_done.all()) and early_stopping is True) * _NEG
+        scores += float(not self.can_improve) * _NEG
+        scores += (~just_ended) * _NEG
+        merged_scores = torch.cat((self.finished_scores, scores))
+        merged_done = torch.cat((self.finished_done, just_ended))
+        best = torch.topk(merged_scores, k=W)[1]
+        merged = self.finished + candidates
+        self.finished = [merged[i] for i in best.tolist()]
+        self.finished_scores, self.finished_done = merged_scores[best], merged_done[best]
+
+        live_list = live.tolist()
+        self.source = [0] * W if self.first else [source[i].item() for i in live_list]
+        self.running = [candidates[i] for i in live_list]
+        self.running_scores = next_scores.to(device)
+        self.first = False
+
+        # Can a running hypothesis still beat the worst finished one? (transformers' heuristic: with
+        # early_stopping "never" and a positive penalty, assume it could run to the longest length.)
+        best_length = self.max_new if early_stopping == "never" and length_penalty > 0 else generated
+        best_possible = next_scores[:1] / (best_length ** length_penalty)
+        worst_finished = torch.where(self.finished_done, torch.min(self.finished_scores), _NEG)
+        self.can_improve = self.can_improve and bool(torch.any(best_possible > worst_finished))
+        if not self.can_improve or (bool(self.finished_done.all()) and early_stopping is True) or bool(ends.all()):
+            tokens = self.finished[0] if self.finished[0] is not None else self.running[0]
+            self.result = BeamResult(tokens=list(tokens), score=float(self.finished_scores[0]),
+                                     ended_by_eos=bool(tokens) and tokens[-1] in eos, steps=self.steps,
+                                     prefill_s=self.prefill_s, decode_s=time.perf_counter() - self.decode_started,
+                                     mean_rows=round(self.rows_sum / self.steps, 3) if self.steps else None)
+            return True
+        self.position = self.P + generated - 1
+        return False
+
+
+class BeamSearch:
+    """Beam search over one model, several searches at once. Holds the hypotheses' KV cache (and CUDA graphs
+    over it) between searches, grown as the searches need, so a run of searches allocates and captures once.
+
+    Each admitted search owns a block of W cache rows; a `step` runs one forward over every block (the rows of
+    all searches, one token each), and a search's reordering (its best W hypotheses) gathers rows inside its own
+    block. Rows never see each other, so a search gives what it gives alone. Searches that end free their rows;
+    waiting ones are admitted between steps, in the order they were added, while their rows fit in `max_rows`
+    (their prompts prefilled into their first row, one forward each).
+
+    Its forwards must not overlap another thread's use of the same executor: the engine steps it on its decode
+    thread (BeamJob). A lock keeps two threads from stepping it at once.
     """
 
-    def __init__(self, model, device, dtype, context_length: int, on_oom=None, graphs: bool = False):
+    def __init__(self, model, device, dtype, context_length: int, on_oom=None, graphs: bool = False,
+                 max_rows: int = BEAM_ROWS):
         """on_oom() frees GPU memory after an out-of-memory error and returns True to retry (as for
-        engine.generation.decoder.Decoder). graphs: replay decode steps from CUDA graphs over this cache."""
+        engine.generation.decoder.Decoder). graphs: replay decode steps from CUDA graphs over this cache (keyed
+        by the rows of all searches together). max_rows: hypotheses of all searches stepping together."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.on_oom = on_oom
         self.use_graphs = graphs
+        self.max_rows = max_rows
         self.cache: KVCache | None = None
         self.graphs = None
-        self._lock = threading.Lock()
+        self.waiting: list[_Search] = []  # added, not yet admitted
+        self.active: list[_Search] = []  # admitted: holding rows, in the order they were admitted
+        self.counters = dict(forwards=0, prefills=0, rows_sum=0, max_rows=0)  # decode forwards and their rows
+        self._lock = threading.RLock()
 
     def run(self, prompt_ids: list[int], executor, beams: int, max_new_tokens: int, eos_token_ids=(),
             length_penalty: float = 1.0, early_stopping=False) -> BeamResult:
         """Search `beams` hypotheses continuing `prompt_ids` for at most `max_new_tokens` tokens (fewer when
-        the context ends first); return the best. eos_token_ids: tokens that end a hypothesis."""
-        steps = self.steps(prompt_ids, executor, beams, max_new_tokens, eos_token_ids, length_penalty, early_stopping)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as end:
-                return end.value
+        the context ends first); return the best. eos_token_ids: tokens that end a hypothesis. Searches added
+        and not ended step alongside."""
+        search = self.add(prompt_ids, beams, max_new_tokens, eos_token_ids, length_penalty, early_stopping)
+        try:
+            while search.result is None:
+                self.step(executor)
+        finally:
+            self.remove(search)
+        return search.result
 
-    def steps(self, prompt_ids: list[int], executor, beams: int, max_new_tokens: int, eos_token_ids=(),
-              length_penalty: float = 1.0, early_stopping=False):
-        """`run` as a generator: each `next` runs one forward (the prompt's, then one per step) and the search's
-        bookkeeping; its StopIteration carries the BeamResult. Options are checked here, before anything runs.
-        Closing it early ends the search and lets the next one start."""
+    def add(self, prompt_ids: list[int], beams: int, max_new_tokens: int, eos_token_ids=(),
+            length_penalty: float = 1.0, early_stopping=False) -> _Search:
+        """Queue a search (options checked here, before anything runs); `step` admits it when its rows fit and
+        sets its `result` at the step it ends on."""
         check_options(beams, length_penalty, early_stopping)
         if not prompt_ids:
             raise ValueError("beam search needs a prompt of at least one token")
@@ -118,97 +236,86 @@ class BeamSearch:
         if len(prompt_ids) >= self.context_length:
             raise MoedeskError(f"prompt has {len(prompt_ids)} tokens; the context is {self.context_length}")
         max_new_tokens = min(max_new_tokens, self.context_length - len(prompt_ids))
-        return self._locked(self._search(list(prompt_ids), executor, beams, max_new_tokens, frozenset(eos_token_ids),
-                                         float(length_penalty), early_stopping))
-
-    def _locked(self, search):
+        search = _Search(list(prompt_ids), beams, max_new_tokens, frozenset(eos_token_ids), float(length_penalty),
+                         early_stopping)
         with self._lock:
-            return (yield from search)
+            self.waiting.append(search)
+        return search
 
-    # --- the search ---------------------------------------------------------------------------
+    def remove(self, search: _Search) -> None:
+        """Forget a search, ended or not (a cancel), and free its rows for the others."""
+        with self._lock:
+            if search in self.waiting:
+                self.waiting.remove(search)
+            if search in self.active:
+                self.active.remove(search)
+            search.rows = []
 
-    def _search(self, prompt, executor, W, max_new, eos, length_penalty, early_stopping):
-        P = len(prompt)
-        max_length = P + max_new
-        self.reserve(W, max_length)
-        started = time.perf_counter()
-        logits = self._retrying(lambda: self.model(
-            torch.tensor([prompt], device=self.device), torch.arange(P, device=self.device)[None], self.cache,
-            executor, logits_at=torch.tensor([P - 1], device=self.device)))
-        synchronize(self.device)
-        decode_started = time.perf_counter()
-        prefill_s = decode_started - started
-        yield
+    # --- a step -------------------------------------------------------------------------------
 
-        keep = max(2, 1 + len(eos)) * W  # enough that W continuations survive even when the best all end
-        top_w = torch.arange(keep) < W  # only the first W continuations may become finished hypotheses
-        # Hypothesis 0 alone is live at first: the others are copies of it, and would offer the same tokens.
-        running_scores = torch.full((W,), _NEG, device=self.device)
-        running_scores[0] = 0.0
-        running: list[list[int]] = [[] for _ in range(W)]  # generated tokens of each running hypothesis
-        finished: list[list[int] | None] = [None] * W
-        finished_scores = torch.full((W,), _NEG)
-        finished_done = torch.zeros(W, dtype=torch.bool)
-        can_improve = True
-        step_logits = logits[:, -1].expand(W, -1)
-        steps = 0
-        first = True
-        while True:
-            vocab = step_logits.shape[-1]
-            totals = torch.log_softmax(step_logits, dim=-1) + running_scores[:, None]
-            values, indices = torch.topk(totals.reshape(-1), keep)
-            # The one host round trip of a step: 2W scores and indices.
-            values, indices = values.cpu(), indices.cpu()
-            source, tokens = indices // vocab, indices % vocab
-            generated = len(running[0]) + 1  # tokens a continuation of this step holds, its last one included
-            token_list = tokens.tolist()
-            ends = torch.tensor([t in eos for t in token_list], dtype=torch.bool) | (P + generated >= max_length)
-            candidates = [running[s] + [t] for s, t in zip(source.tolist(), token_list)]
+    def step(self, executor) -> list[_Search]:
+        """Admit the waiting searches that fit (a prefill forward each), choose every admitted search's next
+        hypotheses, and run one forward over the blocks of those that go on. Returns the searches that ended
+        at this step (their `result` set, their rows freed; they are no longer held)."""
+        with self._lock:
+            self._admit(executor)
+            ended = []
+            for search in list(self.active):
+                if search.logits is not None and search.choose(self.device):
+                    self.active.remove(search)
+                    search.rows = []
+                    ended.append(search)
+            going = [s for s in self.active if s.logits is not None]
+            if going:
+                self._forward(going, executor)
+            return ended
 
-            # The W best continuations that go on (those that ended are pushed below every other).
-            live_scores = values + ends.to(torch.float32) * _NEG
-            live = torch.topk(live_scores, k=W)[1]
-            next_scores = live_scores[live]
+    def _admit(self, executor) -> None:
+        while self.waiting:
+            search = self.waiting[0]
+            used = sorted(r for s in self.active for r in s.rows)
+            if self.active and len(used) + search.W > self.max_rows:
+                return  # in order: a wide search is not passed over for ever by narrower ones behind it
+            taken, free = set(used), []
+            row = 0
+            while len(free) < search.W:
+                if row not in taken:
+                    free.append(row)
+                row += 1
+            started = time.perf_counter()
+            self.reserve(free[-1] + 1, search.max_length)
+            self.waiting.pop(0)
+            search.rows = free
+            self.active.append(search)
+            P = search.P
+            rows = None if free[0] == 0 else torch.tensor([free[0]], device=self.device)
+            logits = self._retrying(lambda: self.model(
+                torch.tensor([search.prompt], device=self.device), torch.arange(P, device=self.device)[None],
+                self.cache, executor, rows=rows, logits_at=torch.tensor([P - 1], device=self.device)))
+            synchronize(self.device)
+            search.decode_started = time.perf_counter()
+            search.prefill_s = search.decode_started - started
+            search.prefilled(logits, self.device)
+            self.counters["prefills"] += 1
 
-            # Finished hypotheses: the ended ones among the first W continuations, if they beat what is kept.
-            just_ended = ends & top_w
-            scores = values / (generated ** length_penalty)
-            scores += float(bool(finished_done.all()) and early_stopping is True) * _NEG
-            scores += float(not can_improve) * _NEG
-            scores += (~just_ended) * _NEG
-            merged_scores = torch.cat((finished_scores, scores))
-            merged_done = torch.cat((finished_done, just_ended))
-            best = torch.topk(merged_scores, k=W)[1]
-            merged = finished + candidates
-            finished = [merged[i] for i in best.tolist()]
-            finished_scores, finished_done = merged_scores[best], merged_done[best]
-
-            live_list = live.tolist()
-            rows = [0] * W if first else [source[i].item() for i in live_list]
-            running = [candidates[i] for i in live_list]
-            running_scores = next_scores.to(self.device)
-            first = False
-
-            # Can a running hypothesis still beat the worst finished one? (transformers' heuristic: with
-            # early_stopping "never" and a positive penalty, assume it could run to the longest length.)
-            best_length = max_new if early_stopping == "never" and length_penalty > 0 else generated
-            best_possible = next_scores[:1] / (best_length ** length_penalty)
-            worst_finished = torch.where(finished_done, torch.min(finished_scores), _NEG)
-            can_improve = can_improve and bool(torch.any(best_possible > worst_finished))
-            if not can_improve or (bool(finished_done.all()) and early_stopping is True) or bool(ends.all()):
-                break
-
-            self._reorder(rows, P + generated - 1)
-            step_tokens = torch.tensor([[h[-1]] for h in running], device=self.device)
-            positions = torch.full((W, 1), P + generated - 1, dtype=torch.long, device=self.device)
-            step_logits = self._retrying(lambda: self._step(step_tokens, positions, executor))[:, -1]
-            steps += 1
-            yield
-
-        tokens = finished[0] if finished[0] is not None else running[0]
-        return BeamResult(tokens=list(tokens), score=float(finished_scores[0]),
-                          ended_by_eos=bool(tokens) and tokens[-1] in eos, steps=steps, prefill_s=prefill_s,
-                          decode_s=time.perf_counter() - decode_started)
+    def _forward(self, going: list[_Search], executor) -> None:
+        for search in going:
+            self._reorder(search.rows, search.source, search.position)
+        rows = [r for s in going for r in s.rows]
+        tokens = torch.tensor([[h[-1]] for s in going for h in s.running], device=self.device)
+        positions = torch.tensor([[s.position] for s in going for _ in range(s.W)], device=self.device)
+        # Rows 0..N-1 in order need no index (as one search alone has them); else each token names its row.
+        index = None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
+        logits = self._retrying(lambda: self._step(tokens, positions, index, executor))[:, -1]
+        at = 0
+        for search in going:
+            search.logits = logits[at:at + search.W]
+            at += search.W
+            search.steps += 1
+            search.rows_sum += len(rows)
+        self.counters["forwards"] += 1
+        self.counters["rows_sum"] += len(rows)
+        self.counters["max_rows"] = max(self.counters["max_rows"], len(rows))
 
     # --- the device side ----------------------------------------------------------------------
 
@@ -224,34 +331,42 @@ class BeamSearch:
 
                 self.graphs = GraphedDecode(self.model, self.cache)
         else:
-            # Reallocating moves the tensors; the graphs see that (their cache key) and capture again.
+            # Reallocating moves the tensors (keeping what the running searches hold); the graphs see that (their
+            # cache key) and capture again.
             self._retrying(lambda: self.cache.ensure(rows, length))
 
-    def _reorder(self, rows: list[int], length: int) -> None:
-        """Hypothesis j continues what row rows[j] holds: gather the first `length` positions of those rows."""
-        if rows == list(range(len(rows))):
+    def _reorder(self, block: list[int], source: list[int], length: int) -> None:
+        """Hypothesis j of a search continues what its block's row source[j] holds: gather the first `length`
+        positions of those rows into the block's rows, inside the block."""
+        W = len(block)
+        if source == list(range(W)):
             return
-        index = torch.tensor(rows, device=self.device)
-        W = len(rows)
-        for t in self.cache.k + self.cache.v:
-            t[:W, :length] = t[:W, :length].index_select(0, index)
+        index = torch.tensor(source, device=self.device)
+        start = block[0]
+        if block == list(range(start, start + W)):
+            for t in self.cache.k + self.cache.v:
+                t[start:start + W, :length] = t[start:start + W, :length].index_select(0, index)
+        else:
+            rows = torch.tensor(block, device=self.device)
+            origin = rows[index]
+            for t in self.cache.k + self.cache.v:
+                t[rows, :length] = t[origin, :length]
 
-    def _step(self, tokens, positions, executor):
-        logits = self.graphs.decode(tokens, positions, executor) if self.graphs is not None else None
+    def _step(self, tokens, positions, rows, executor):
+        logits = self.graphs.decode(tokens, positions, executor, rows) if self.graphs is not None else None
         if logits is None:
-            logits = self.model(tokens, positions, self.cache, executor)
+            logits = self.model(tokens, positions, self.cache, executor, rows=rows)
         return logits
 
     def _retrying(self, step):
         return retrying_oom(step, self.on_oom, "use fewer beams or fewer new tokens")
 
 
-
 class BeamJob:
-    """The scheduler's job for beam-search requests (engine.generation.scheduler.Job): one search at a time,
-    since the engine keeps one BeamSearch (one hypotheses' cache, one set of CUDA graphs), so a second request
-    waits for the first to end rather than allocating a second cache of W rows. Nothing streams before the
-    end: until then no hypothesis is final, so the last update carries the best one whole.
+    """The scheduler's job for beam-search requests (engine.generation.scheduler.Job): every beam request of the
+    engine goes to one job, whose searches step together in the engine's one BeamSearch (one forward over all
+    their rows per step, up to its max_rows; beyond that a request waits in it for rows to free). Nothing
+    streams before the end: until then no hypothesis is final, so the last update carries the best one whole.
 
     search() gives the engine's BeamSearch (made on first use, on the decode thread); executor() the engine's
     current executor; eos() the ids that end a hypothesis (the request's ignore_eos aside)."""
@@ -260,49 +375,39 @@ class BeamJob:
                  eos: Callable[[], set]):
         self.search, self.executor, self.tokenizer, self.eos = search, executor, tokenizer, eos
         self.plain: list = []
-        self.waiting: list = []  # admitted, not yet started
-        self.current = None  # (handle, steps generator, started, expert stats before)
+        self.held: dict = {}  # handle -> (its search, started, expert stats before)
 
     def admit(self, handle) -> None:
-        options = handle.kind.options
-        check_options(options.beams, options.length_penalty, options.early_stopping)
-        if len(handle.request.prompt_ids) >= self.search().context_length:
-            raise MoedeskError(f"prompt has {len(handle.request.prompt_ids)} tokens; the context is "
-                               f"{self.search().context_length}")
-        self.waiting.append(handle)
+        options, params = handle.kind.options, handle.request.params
+        eos = set() if params.ignore_eos else self.eos()
+        search = self.search().add(handle.request.prompt_ids, options.beams, params.max_new_tokens, eos,
+                                   options.length_penalty, options.early_stopping)
+        executor = self.executor()
+        before = executor.stats.copy() if hasattr(executor, "stats") else None
+        self.held[handle] = (search, time.perf_counter(), before, executor)
 
     def step(self):
-        if self.current is None:
-            if not self.waiting:
-                return []
-            handle = self.waiting.pop(0)
-            options, params = handle.kind.options, handle.request.params
-            executor = self.executor()
-            eos = set() if params.ignore_eos else self.eos()
-            steps = self.search().steps(handle.request.prompt_ids, executor, options.beams, params.max_new_tokens, eos,
-                                        options.length_penalty, options.early_stopping)
-            before = executor.stats.copy() if hasattr(executor, "stats") else None
-            self.current = (handle, steps, time.perf_counter(), before, executor)
-        handle, steps, started, before, executor = self.current
-        try:
-            next(steps)
-            return []
-        except StopIteration as end:
-            self.current = None
-            return [(handle, None, "", self._completion(handle, end.value, started, before, executor))]
+        ended = {id(s) for s in self.search().step(self.executor())}
+        events = []
+        for handle, (search, started, before, executor) in list(self.held.items()):
+            if id(search) in ended:
+                del self.held[handle]
+                events.append((handle, None, "", self._completion(handle, search.result, started, before, executor)))
+        return events
 
     def _completion(self, handle, result: BeamResult, started: float, before, executor) -> Completion:
         options = handle.kind.options
         tokens = result.tokens[:-1] if result.ended_by_eos else result.tokens
         text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        # Between its steps the decode thread also steps the plain batch and other jobs: under load these
-        # times include theirs.
+        # Between its steps the decode thread also steps the plain batch and other jobs, and its forwards carry
+        # the other searches' rows: under load these times (and the expert counts) include theirs.
         stats = {
             "ttft_s": round(result.prefill_s, 4),  # the prompt's forward: no token is final before the end
             "decode_tok_s": round(len(tokens) / result.decode_s, 2) if result.decode_s > 0 and tokens else None,
             "total_s": round(time.perf_counter() - started, 4),
             "beams": options.beams, "beam_steps": result.steps,
             "beam_step_ms": round(1000 * result.decode_s / result.steps, 3) if result.steps else None,
+            "mean_rows": result.mean_rows,  # hypotheses of every search in its steps' forwards, on average
             "score": round(result.score, 6),
         }
         if before is not None:
@@ -312,26 +417,26 @@ class BeamJob:
                           prompt_tokens=len(handle.request.prompt_ids), stats=stats)
 
     def drop(self, handle) -> Completion:
-        if self.current is not None and self.current[0] is handle:
-            self.current[1].close()  # ends the search, so the next one may start
-            self.current = None
-        elif handle in self.waiting:
-            self.waiting.remove(handle)
+        held = self.held.pop(handle, None)
+        if held is not None:
+            self.search().remove(held[0])  # its rows go to the others and to waiting searches
         # Nothing was streamed, and no hypothesis is final before the end: the reply is empty.
         return Completion(tag=handle.request.tag, token_ids=[], text="", finish_reason="cancelled",
                           prompt_tokens=len(handle.request.prompt_ids), stats={"beams": handle.kind.options.beams})
 
     def close(self) -> None:
-        if self.current is not None:
-            self.current[1].close()
-            self.current = None
+        for search, *_ in self.held.values():
+            self.search().remove(search)
+        self.held.clear()
 
 
 class BeamKind:
-    """engine.generation.scheduler.JobKind for beam search: one job for all beam requests, one request at a time."""
+    """engine.generation.scheduler.JobKind for beam search: one job for all beam requests, whose searches step
+    together. Each search takes at least one of BeamSearch's rows, so more requests than it has rows could not
+    step together anyway: those wait in the scheduler's queue; the job holds back those whose rows do not fit."""
 
     key = "beam"
-    limit = 1
+    limit = BEAM_ROWS
 
     def __init__(self, options: BeamOptions, make: Callable[[], BeamJob]):
         self.options, self._make = options, make

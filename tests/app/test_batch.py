@@ -131,8 +131,8 @@ def test_killed_run_resumes_without_duplicates_or_losses(model, tmp_path, monkey
     out = tmp_path / "out.jsonl"
     real_generate = Engine.generate
 
-    def dies_after_three(self, requests, batch_size=8):
-        for n, completion in enumerate(real_generate(self, requests, batch_size)):
+    def dies_after_three(self, requests, batch_size=8, decoding=None):
+        for n, completion in enumerate(real_generate(self, requests, batch_size, decoding)):
             if n == 3:
                 raise KeyboardInterrupt
             yield completion

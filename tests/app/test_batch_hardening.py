@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 class Picky(FakeEngine):
     """Fails the whole batch whenever a request with token 99 is in it, as a crash in one sequence would."""
 
-    def generate(self, requests, batch_size=8):
+    def generate(self, requests, batch_size=8, decoding=None):
         for completion in super().generate(requests, batch_size):
             if any(99 in r.prompt_ids for r in self.requests[-batch_size:]):
                 raise IndexError("index out of range in self")
@@ -46,7 +46,7 @@ def test_an_exception_in_the_engine_becomes_the_error_line_of_the_line_that_caus
 
 def test_a_model_that_fails_everything_stops_the_run_without_writing_errors_for_its_lines(tmp_path):
     class Dead(FakeEngine):
-        def generate(self, requests, batch_size=8):
+        def generate(self, requests, batch_size=8, decoding=None):
             for request in requests:
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
             yield from ()
@@ -159,7 +159,7 @@ def test_two_runs_at_once_write_every_line_once(tmp_path):
             super().__init__()
             self.gate = gate
 
-        def generate(self, requests, batch_size=8):
+        def generate(self, requests, batch_size=8, decoding=None):
             for completion in super().generate(requests, batch_size):
                 self.gate.wait(10)
                 yield completion
@@ -334,7 +334,7 @@ def _random_line(rng: random.Random, number: int) -> str:
 class Sampling(FakeEngine):
     """The fake engine, but each line's tokens come from the real sampler on seeded random logits."""
 
-    def generate(self, requests, batch_size=8):
+    def generate(self, requests, batch_size=8, decoding=None):
         for completion in super().generate(requests, batch_size):
             yield completion
 

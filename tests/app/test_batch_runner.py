@@ -57,7 +57,7 @@ class FakeEngine:
         self.finish_order = []  # tags in the order their completions were yielded
         self.max_active = 0
 
-    def generate(self, requests, batch_size=8):
+    def generate(self, requests, batch_size=8, decoding=None):
         source = iter(requests)
         active, exhausted, yielded = [], False, 0
         while active or not exhausted:
@@ -162,7 +162,7 @@ def test_input_is_fed_lazily_and_each_line_written_at_once(tmp_path):
     seen_on_disk = []
 
     class Watching(FakeEngine):
-        def generate(self, requests, batch_size=8):
+        def generate(self, requests, batch_size=8, decoding=None):
             for completion in super().generate(requests, batch_size):
                 seen_on_disk.append((len(self.requests), len(out.read_text().splitlines()) if out.exists() else 0))
                 yield completion
@@ -521,7 +521,7 @@ def test_an_engine_error_mid_batch_costs_no_line(tmp_path):
     # The engine fails on its third completion of every call: the lines it held run again one at a
     # time (where it does not fail) and the run goes on; an out-of-memory error also halves the batch.
     class Broken(FakeEngine):
-        def generate(self, requests, batch_size=8):
+        def generate(self, requests, batch_size=8, decoding=None):
             self.batch_sizes = getattr(self, "batch_sizes", []) + [batch_size]
             for n, completion in enumerate(super().generate(requests, batch_size)):
                 if n == 2:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.errors import MoedeskError
+from engine.generation.beam import BeamSearch
 from engine.runtime import Engine
 from tests.reference import hf_model
 
@@ -126,6 +127,52 @@ def test_cache_rows_are_reused_and_grown_between_searches(engines):
     assert wider.stats["beam_steps"] <= NEW - 1
 
 
+def test_searches_step_together_in_blocks_of_rows_and_each_gives_what_it_gives_alone(engines):
+    """Two searches share forwards; the short one ends and frees its rows; a newcomer takes them and a row past
+    the other's block (a block not in one piece), and still gives what it gives alone."""
+    engine = engines("mixtral")
+    fox, hi = engine.tokenizer.encode(PROMPT), engine.tokenizer.encode("Hi")
+    cases = [(hi, 2, 3, 1.0), (fox, 3, 12, 0.5), (fox[:5], 3, 8, 2.0)]  # prompt, beams, new tokens, length penalty
+
+    def search():
+        return BeamSearch(engine.model, "cpu", torch.float32, engine.context_length)
+
+    alone = [search().run(p, engine.executor, w, n, length_penalty=lp) for p, w, n, lp in cases]
+    together = search()
+    a, b = (together.add(p, w, n, length_penalty=lp) for p, w, n, lp in cases[:2])
+    ended = []
+    while a.result is None:
+        ended += together.step(engine.executor)
+    assert ended == [a] and a.rows == [] and b.rows == [2, 3, 4]
+    c = together.add(*cases[2][:3], length_penalty=cases[2][3])
+    while b.result is None or c.result is None:
+        together.step(engine.executor)
+        if c.result is None:
+            assert c.rows == [0, 1, 5]
+    assert together.active == [] and together.waiting == []
+    for result, single in zip((a.result, b.result, c.result), alone):
+        assert result.tokens == single.tokens and result.steps == single.steps
+        assert result.score == pytest.approx(single.score, abs=1e-5)
+    counters = together.counters
+    assert counters["forwards"] < sum(r.steps for r in alone) and counters["max_rows"] == 6
+    assert a.result.mean_rows == 5 and b.result.mean_rows > 3
+
+
+def test_a_search_waits_for_rows_beyond_the_limit_unless_it_is_alone(engines):
+    engine = engines("llama")
+    ids = engine.tokenizer.encode(PROMPT)
+    together = BeamSearch(engine.model, "cpu", torch.float32, engine.context_length, max_rows=4)
+    wide, narrow = together.add(ids, 5, 4), together.add(ids, 2, 4)
+    together.step(engine.executor)
+    assert together.active == [wide] and together.waiting == [narrow]  # wider than the limit: it runs alone
+    while wide.result is None:
+        together.step(engine.executor)
+    together.step(engine.executor)
+    assert together.active == [narrow]
+    together.remove(narrow)  # a cancel: it leaves and holds no rows
+    assert together.active == [] and narrow.rows == []
+
+
 def test_width_1_is_greedy_and_the_context_caps_the_reply(engines, tiny_checkpoint):
     from engine.requests import Request, SamplingParams
 
@@ -161,7 +208,9 @@ def test_bad_options_are_refused_and_a_busy_scheduler_is_not(engines):
     assert list(updates)[-1].completion.finish_reason == "cancelled"
 
 
-def test_batch_runs_beam_lines_alone_in_input_order(engines, tiny_checkpoint, tmp_path, capsys):
+def test_batch_runs_beam_lines_together_in_input_order(engines, tiny_checkpoint, tmp_path, capsys):
+    """Beam lines go to the engine with the plain ones, and those in flight together share their steps; the
+    output is what each line gives alone, in input order."""
     from app.cli import main
 
     folder = tiny_checkpoint("mixtral")
@@ -171,16 +220,17 @@ def test_batch_runs_beam_lines_alone_in_input_order(engines, tiny_checkpoint, tm
              {"id": "c", "prompt": "Hi"},
              {"id": "d", "prompt": PROMPT, "beams": 1},
              {"id": "e", "prompt": "Hi", "beams": 0},
-             {"id": "f", "prompt": "Hi", "beams": 2, "response_format": {"type": "json_object"}}]
+             {"id": "f", "prompt": "Hi", "beams": 2, "response_format": {"type": "json_object"}},
+             {"id": "g", "prompt": "The quick", "beams": 3}]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))
     out = tmp_path / "out.jsonl"
     code = main(["batch", str(src), "-o", str(out), "--model", str(folder), "--dtype", "float32", "--device", "cpu",
                  "--temperature", "0", "--max-new-tokens", str(NEW), "--beams", "2", "--length-penalty", "0.5",
-                 "--batch-size", "2"])
+                 "--batch-size", "3"])
     assert code == 1  # lines e and f are errors
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "c", "d", "e", "f"]
+    assert [r["id"] for r in records] == ["a", "b", "c", "d", "e", "f", "g"]
     hi, fox = engine.tokenizer.encode("Hi"), engine.tokenizer.encode(PROMPT)
     assert records[0]["token_ids"] == engine.beam_search(fox, 2, NEW, 0.5).token_ids
     assert records[0]["stats"]["beams"] == 2
@@ -190,7 +240,10 @@ def test_batch_runs_beam_lines_alone_in_input_order(engines, tiny_checkpoint, tm
     assert records[3]["token_ids"] == greedy and "beams" not in records[3]["stats"]
     assert records[4]["error"] == "line 5: beams must be >= 1, got 0"
     assert records[5]["error"] == "line 6: response_format cannot be combined with beam search"
+    assert records[6]["token_ids"] == engine.beam_search(engine.tokenizer.encode("The quick"), 3, NEW, 0.5).token_ids
     assert records[1]["usage"] == {"prompt_tokens": len(hi), "completion_tokens": len(records[1]["token_ids"])}
+    # a, b and c went in together: a's and b's hypotheses (2 + 4) stepped in one forward
+    assert records[0]["stats"]["mean_rows"] > 2 and records[1]["stats"]["mean_rows"] > 4
 
 
 @pytest.mark.gpu

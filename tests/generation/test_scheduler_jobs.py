@@ -47,8 +47,13 @@ def alone(engine, prompt, params=None):
 
 
 def wait_idle(engine, timeout=30.0):
+    """Until nothing runs or waits, jobs included (a job's requests are not in "running")."""
     deadline = time.monotonic() + timeout
-    while engine.scheduler.stats()["running"] or engine.scheduler.stats()["waiting"]:
+
+    def busy(stats):
+        return stats["running"] or stats["waiting"] or stats["running_jobs"] or stats["in_jobs"]
+
+    while busy(engine.scheduler.stats()):
         assert time.monotonic() < deadline, engine.scheduler.stats()
         time.sleep(0.01)
 
@@ -135,6 +140,76 @@ def test_speculative_requests_arriving_while_a_job_runs_join_it(engine, head):
     assert engine.scheduler.stats()["jobs"] - jobs_before == 1
     stats = {k: rec.final(k).completion.stats["speculative"] for k in lengths}
     assert stats[1]["rounds"] < stats[0]["rounds"]  # it came later and left earlier
+
+
+def test_beam_searches_submitted_together_share_forwards_and_equal_running_alone(engine):
+    """Widths 1 to 4, prompts of different lengths, some ending on EOS: one job, one forward per step over every
+    search's rows, and each search gives what it gives alone."""
+    beams_together_equal_alone(engine)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_beam_searches_together_on_cuda(arch, tiny_checkpoint):
+    """The same on the GPU, experts in RAM: the searches' rows (not in one piece once one ends) go through the
+    beam search's CUDA graphs with a row index, and the graphs stay on."""
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
+    beams_together_equal_alone(engine, timeout=120)
+    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+
+
+def beams_together_equal_alone(engine, timeout=30.0):
+    cases = [(0, 2, 12, 1.0, True), (1, 4, 10, 2.0, True), (2, 3, 16, 0.5, False), (3, 1, 8, 1.0, True)]
+    requests = [Request(ids(engine, k), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=ignore))
+                for k, _, n, _, ignore in cases]
+    want = [engine.beam_search(r.prompt_ids, beams=w, max_new_tokens=r.params.max_new_tokens, length_penalty=lp,
+                               ignore_eos=r.params.ignore_eos) for r, (_, w, _, lp, _) in zip(requests, cases)]
+    before = engine.scheduler.stats()
+    rec = Recorder()
+    with engine.scheduler.submitting():
+        handles = [engine.submit(r, decoding=BeamOptions(beams=w, length_penalty=lp), sink=rec.sink(i))
+                   for i, (r, (_, w, _, lp, _)) in enumerate(zip(requests, cases))]
+    wait_idle(engine, timeout)
+    assert all(h.done for h in handles)
+    got = [rec.final(i).completion for i in range(len(cases))]
+    for done, alone_ in zip(got, want):
+        assert done.token_ids == alone_.token_ids and done.finish_reason == alone_.finish_reason
+        assert done.stats["beam_steps"] == alone_.stats["beam_steps"]
+        assert done.stats["score"] == pytest.approx(alone_.stats["score"], abs=1e-5)
+    after = engine.scheduler.stats()
+    assert after["jobs"] - before["jobs"] == 1
+    # every job step runs at most one forward of the searches' hypotheses: fewer than their steps added up
+    job_steps = after["job_steps"] - before["job_steps"]
+    assert job_steps < sum(d.stats["beam_steps"] for d in got)
+    assert job_steps <= max(d.stats["beam_steps"] for d in got) + 1  # + 1: the step that ends the last
+    assert all(d.stats["mean_rows"] > w for d, (_, w, _, _, _) in zip(got, cases))  # rows beside its own
+
+
+def test_a_cancelled_beam_search_frees_its_rows_while_the_others_go_on(engine, monkeypatch):
+    """Rows for 6 hypotheses: a long 4-wide search and a 2-wide one fill them, a 3-wide one waits; cancelling the
+    long one lets the waiting one in while the 2-wide one keeps going, and both give what they give alone."""
+    fox, hello, code = ids(engine, 0), ids(engine, 1), ids(engine, 2)
+    middle_want = engine.beam_search(hello, beams=2, max_new_tokens=40, ignore_eos=True)
+    last_want = engine.beam_search(code, beams=3, max_new_tokens=6, ignore_eos=True)
+    search = engine._beam
+    monkeypatch.setattr(search, "max_rows", 6)
+    rec = Recorder()
+    long = engine.submit(Request(fox, greedy(300)), decoding=BeamOptions(beams=4), sink=rec.sink("long"))
+    middle = engine.submit(Request(hello, greedy(40)), decoding=BeamOptions(beams=2), sink=rec.sink("middle"))
+    last = engine.submit(Request(code, greedy(6)), decoding=BeamOptions(beams=3), sink=rec.sink("last"))
+    deadline = time.monotonic() + 30
+    while len(search.active) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert len(search.waiting) == 1 and search.waiting[0].W == 3  # no rows for it yet
+    long.cancel()
+    wait_idle(engine)
+    assert rec.final("long").completion.finish_reason == "cancelled"
+    assert rec.final("middle").completion.token_ids == middle_want.token_ids
+    assert rec.final("last").completion.token_ids == last_want.token_ids
+    # the waiting one came in while the 2-wide one still ran: it shared its forwards (2 + 3 rows)
+    assert rec.final("last").completion.stats["mean_rows"] == 5
+    assert search.active == [] and search.waiting == [] and all(h.done for h in (long, middle, last))
 
 
 def test_cancel_ends_a_jobs_request_at_its_next_step(engine, head):
