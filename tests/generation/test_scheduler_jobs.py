@@ -5,12 +5,13 @@ gives what it gives alone (a beam search what Engine.beam_search gives on an idl
 decoding plain greedy's tokens); speculative requests that arrive while a job runs join it; a cancel ends
 a job's request at its next step and the next job runs.
 """
+import dataclasses
 import threading
 import time
 
 import pytest
 
-from engine.generation.beam import BeamOptions
+from engine.generation.beam import BeamJob, BeamOptions
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
 from engine.speculative.decode import SpeculativeOptions, oracle_factory
@@ -341,3 +342,162 @@ def test_jobs_beside_plain_requests_on_cuda(arch, tiny_checkpoint):
         name = f"spec{k}" if k < 2 else f"plain{k}"
         assert rec.final(name).completion.token_ids == want[k], name
     assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+
+
+# --- several searches coming and going --------------------------------------------------------------------------
+
+# (prompt, beams, max_new_tokens, length_penalty, ignore_eos, early_stopping, submitted at the job's step, cancelled
+# at the job's step or None): widths 1 to 5, searches that end together (a and b: same length, no EOS, submitted
+# together), ones that end on an EOS the model picks often, ones that come while others end or start, one cancelled
+# while it steps and one while it still waits for rows (more hypotheses than the 9 rows allow).
+SEARCHES = {
+    "a": (0, 2, 6, 1.0, True, False, 0, None),
+    "b": (1, 3, 6, 1.0, True, False, 0, None),
+    "c": (2, 4, 14, 1.0, False, False, 0, None),
+    "d": (3, 1, 5, 1.0, False, False, 2, None),
+    "e": (0, 3, 30, 1.0, True, False, 3, 7),
+    "f": (1, 2, 9, 2.0, False, True, 6, None),
+    "g": (4, 5, 7, 0.5, False, "never", 6, None),
+    "h": (2, 3, 40, 1.0, True, False, 7, 8),
+    "i": (5, 2, 3, 1.0, False, False, 9, None),
+    "j": (3, 4, 4, 1.0, True, False, 9, None),
+}
+MORE_PROMPTS = ["Hi", "Mixture of experts models route every token"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_thread_exits(arch, device,
+                                                                                           tiny_checkpoint,
+                                                                                           monkeypatch):
+    """Beam searches submitted at different steps of a running job, some ending in the same step, some on EOS, some
+    cancelled (stepping, or still waiting for rows): every request ends with what its search gives alone, the
+    scheduler ends idle with nothing held and the decode thread exits. (On the GPU, experts in RAM, through the
+    beam search's CUDA graphs.)"""
+    offload = dict(offload=True, gpu_budget=0) if device == "cuda" else {}
+    engine = Engine.load(str(tiny_checkpoint(arch)), device=device, dtype="float32", **offload)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS + MORE_PROMPTS]
+    # Two EOS ids the searches pick (3W continuations a step): the first token d's search gives unconstrained (it
+    # ends at once) and the third of c's (so hypotheses end at several steps).
+    first = engine.beam_search(prompts[3], beams=1, max_new_tokens=2, ignore_eos=True).token_ids[0]
+    later = engine.beam_search(prompts[2], beams=4, max_new_tokens=4, ignore_eos=True).token_ids[2]
+    eos = (first, later) if later != first else (first,)
+    engine.config = dataclasses.replace(engine.config, eos_token_ids=eos)
+    engine.tokenizer.eos_token_ids = frozenset(eos)
+
+    def request(name):
+        p, _, n, _, ignore, *_ = SEARCHES[name]
+        return Request(prompts[p], SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=ignore), tag=name)
+
+    def options(name):
+        _, w, _, lp, _, early, *_ = SEARCHES[name]
+        return BeamOptions(beams=w, length_penalty=lp, early_stopping=early)
+
+    want = {name: engine.complete([request(name)], decoding=options(name))[0]
+            for name, case in SEARCHES.items() if case[7] is None}
+    assert "stop" in {c.finish_reason for c in want.values()}  # some end on the EOS
+    search = engine._beam
+    search.max_rows = 9
+    rec, handles, cancelled_in = Recorder(), {}, {}
+
+    def act(step):
+        """Before the job's step `step` (on the decode thread, so the order does not depend on timing)."""
+        for name, (*_, at, cancel_at) in SEARCHES.items():
+            if at == step:
+                handles[name] = engine.submit(request(name), decoding=options(name), sink=rec.sink(name))
+            if cancel_at == step:
+                handles[name].cancel()  # it leaves at the job's next step
+
+    drop = BeamJob.drop
+
+    def dropping(job, handle):
+        held = job.held[handle][0]
+        cancelled_in[handle.request.tag] = "active" if held in search.active else \
+            "waiting" if held in search.waiting else None
+        return drop(job, handle)
+
+    monkeypatch.setattr(BeamJob, "drop", dropping)
+
+    steps = 0
+    real_step = search.step
+
+    def step(executor):
+        nonlocal steps
+        steps += 1
+        act(steps)
+        return real_step(executor)
+
+    search.step = step
+    with engine.scheduler.submitting():
+        act(0)
+    thread = engine.scheduler._thread
+    wait_idle(engine, 120)
+    if thread is not None:
+        thread.join(30)
+    assert thread is not None and not thread.is_alive() and engine.scheduler._thread is None
+    assert set(handles) == set(SEARCHES) and all(h.done for h in handles.values())
+    assert search.active == [] and search.waiting == []
+    assert cancelled_in == {"e": "active", "h": "waiting"}
+    for name, (*_, cancel_at) in SEARCHES.items():
+        done = rec.final(name).completion
+        assert done is not None, (name, rec.final(name).error)
+        if cancel_at is not None:
+            assert done.finish_reason == "cancelled" and done.token_ids == [], name
+            continue
+        assert done.token_ids == want[name].token_ids and done.finish_reason == want[name].finish_reason, name
+        assert done.stats["beam_steps"] == want[name].stats["beam_steps"], name
+        assert done.stats["score"] == pytest.approx(want[name].stats["score"], abs=1e-5), name
+    assert sum(1 for n, _ in rec.events if n in SEARCHES) == len(SEARCHES)  # one update each: the last
+
+
+def test_a_job_requests_caller_returns_once_the_decode_thread_has_stopped(engine, head, monkeypatch):
+    """Engine.beam_search / complete / stream return only once the decode thread has ended the step that sent the
+    final update and stopped (on the GPU a thread still working beside the caller's next forward, or the next
+    engine's, broke graph captures and sdpa's process-wide flags). The thread lingers a while after each final
+    update here, so a caller that does not wait for it sees it still running."""
+    scheduler = engine.scheduler
+    send = scheduler._send
+
+    def slow_send(handle, update):
+        send(handle, update)
+        if update.final:
+            time.sleep(0.2)  # the decode thread has more to do in this step after the caller has its reply
+
+    monkeypatch.setattr(scheduler, "_send", slow_send)
+    prompt = ids(engine, 1)
+    engine.beam_search(prompt, beams=2, max_new_tokens=3)
+    assert scheduler._thread is None or not scheduler._thread.is_alive()
+    engine.complete([Request(prompt, greedy(3)), Request(ids(engine, 0), greedy(4))], decoding=BeamOptions(beams=2))
+    assert scheduler._thread is None or not scheduler._thread.is_alive()
+    list(engine.stream(prompt, greedy(3), decoding=BeamOptions(beams=3)))
+    assert scheduler._thread is None or not scheduler._thread.is_alive()
+    engine.speculate([Request(prompt, greedy(4))], head, draft_length=2)
+    assert scheduler._thread is None or not scheduler._thread.is_alive()
+
+
+def test_requests_stranded_by_a_failed_decode_thread_are_done_before_the_scheduler_looks_idle(engine, monkeypatch):
+    """A bug that escapes a step ends the decode thread and fails every request it held: no one polling the
+    scheduler may see it idle (nothing running, no jobs) while one of those requests is not done yet."""
+    scheduler = engine.scheduler
+    seen = []
+
+    def broken_step(running):
+        raise RuntimeError("a bug in the loop")
+
+    monkeypatch.setattr(scheduler, "_step_job", broken_step)
+    handles = []
+
+    def sink(update):
+        if update.final:  # the first error delivered: what would a poller see now?
+            stats = scheduler.stats()
+            idle = not (stats["running"] or stats["waiting"] or stats["running_jobs"] or stats["in_jobs"])
+            seen.append((idle, [h.done for h in handles]))
+
+    with scheduler.submitting():
+        handles += [engine.submit(Request(ids(engine, k), greedy(4)), decoding=BeamOptions(beams=2), sink=sink)
+                    for k in range(3)]
+    deadline = time.monotonic() + 30
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(seen) == 3 and all(h.done for h in handles)
+    assert all(all(done) for idle, done in seen if idle), seen
