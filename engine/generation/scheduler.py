@@ -174,7 +174,8 @@ class Scheduler:
         self._pending: list[Handle] = []
         self._rows: list[Handle | None] = []  # the cache row each running request holds
         self._jobs: list[_RunningJob] = []
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the decode thread while it loops; None once it stops
+        self._last_thread: threading.Thread | None = None  # the latest one started (maybe still on its way out)
         self.counters = dict(requests=0, finished=0, cancelled=0, failed=0, decode_steps=0, prefill_pieces=0,
                              prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0, jobs=0, job_steps=0,
                              decode_seconds=0.0)  # wall time of the plain batch's decode steps, sinks included
@@ -201,6 +202,7 @@ class Scheduler:
             self.counters["requests"] += 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="moedesk-decode", daemon=True)
+                self._last_thread = self._thread
                 self._thread.start()
             self._lock.notify_all()
         return handle
@@ -211,14 +213,49 @@ class Scheduler:
         return self._lock
 
     def wait_idle(self, timeout: float | None = 30.0) -> None:
-        """When nothing runs or waits, wait for the decode thread to end its last step and stop. Its final update
+        """When no request runs or waits, wait for the decode thread to end its last step and stop. Its final update
         is sent mid-step, so without this the caller could use the GPU while that thread still works (a graph
-        capture then sees another thread's random-number use, and fails). With work in flight, returns at once."""
+        capture then sees another thread's random-number use, and fails). With other requests in flight, returns at
+        once.
+
+        A job whose requests have all ended still counts as nothing: it is closed later in the very step that sent
+        their final updates (counting it as work, a beam search's caller returned while the decode thread still ran
+        that step, and it went on beside whatever the caller did next)."""
         with self._lock:
-            thread = self._thread
-            busy = bool(self._pending) or any(h is not None for h in self._rows) or bool(self._jobs)
+            thread = self._thread or self._last_thread
+            busy = (bool(self._pending) or any(h is not None for h in self._rows)
+                    or any(j.handles for j in self._jobs))
         if thread is not None and not busy and thread is not threading.current_thread():
             thread.join(timeout)
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Wait until every request submitted so far (and any submitted meanwhile) has ended and the decode thread
+        has stopped; TimeoutError (with the stats) if that takes longer than `timeout` seconds. Idle means no
+        decode thread: it loops while anything runs or waits, so one look under the lock sees the whole state
+        (reading the counters of `stats` in two calls can miss a request moving from waiting to running)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                thread = self._thread or self._last_thread
+            if thread is threading.current_thread():
+                raise RuntimeError("the decode thread cannot wait for itself")
+            if thread is not None:
+                thread.join(max(0.0, min(0.05, deadline - time.monotonic())))
+            with self._lock:
+                stopped = self._thread is None and (self._last_thread is None or not self._last_thread.is_alive())
+                if stopped and not self._pending:  # (a request left waiting with no thread to run it: time out)
+                    return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the scheduler did not become idle in {timeout} s: {self.stats()}")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Cancel every request in flight and wait until the decode thread has stopped (drain): what a test or a
+        front end does before dropping an engine, so that no decode thread outlives it."""
+        with self._lock:
+            for handle in self._pending + [h for h in self._rows if h is not None] + \
+                    [h for j in self._jobs for h in j.handles]:
+                handle.cancel()
+        self.drain(timeout)
 
     def stats(self) -> dict:
         """Counters since start, and what runs and waits now."""
@@ -273,10 +310,15 @@ class Scheduler:
             log.exception("moedesk decode thread failed")
             with self._lock:
                 stranded = [h for h in self._rows if h is not None] + self._pending
-                stranded += [h for j in self._jobs for h in j.handles]
+                stranded += [h for j in self._jobs for h in j.handles if not h.done]
+                # Every stranded request is done before the lock is let go: whoever looks next sees nothing running
+                # only once nothing is (released one by one after clearing, a poller saw an idle scheduler while
+                # requests it had submitted were not done).
+                for handle in stranded:
+                    self._release(handle, "failed")
                 self._rows, self._pending, self._jobs, self._thread = [], [], [], None
             for handle in stranded:
-                self._fail(handle, error)
+                self._send(handle, Update(None, "", error=error))
 
     def _admit(self) -> list[Handle]:
         """(Under the lock.) Give free rows to waiting requests in arrival order, within their groups' limits."""

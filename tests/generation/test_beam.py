@@ -45,7 +45,9 @@ def engines(tiny_checkpoint):
             made[arch] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
         return made[arch]
 
-    return get
+    yield get
+    for engine in made.values():
+        engine.scheduler.close()  # what a failed test left in flight: no decode thread outlives the module
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -29,7 +29,25 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
-    return Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+    engine = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+    yield engine
+    engine.scheduler.close()  # whatever a failed test left in flight: no decode thread outlives the module
+
+
+@pytest.fixture
+def cuda_engine(tiny_checkpoint):
+    """cuda_engine(arch): a GPU engine, experts in RAM, whose decode thread is stopped when the test ends, failed or
+    not (one left stepping beside the next test's engine broke that test's attention)."""
+    made = []
+
+    def load(arch):
+        made.append(Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True,
+                                gpu_budget=0))
+        return made[-1]
+
+    yield load
+    for engine in made:
+        engine.scheduler.close()
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +66,12 @@ def alone(engine, prompt, params=None):
 
 
 def wait_idle(engine, timeout=30.0):
-    """Until nothing runs or waits, jobs included (a job's requests are not in "running")."""
-    deadline = time.monotonic() + timeout
-
-    def busy(stats):
-        return stats["running"] or stats["waiting"] or stats["running_jobs"] or stats["in_jobs"]
-
-    while busy(engine.scheduler.stats()):
-        assert time.monotonic() < deadline, engine.scheduler.stats()
-        time.sleep(0.01)
+    """Until every request has ended and the decode thread has stopped. (Polling the counters is not enough: read in
+    two calls, "running" then "waiting", they missed requests moving from waiting into a job in between, and the
+    test went on with its searches unfinished and its decode thread stepping them into the next test.)"""
+    engine.scheduler.drain(timeout)
+    stats = engine.scheduler.stats()
+    assert stats["running"] == stats["waiting"] == stats["running_jobs"] == stats["in_jobs"] == 0, stats
 
 
 class Recorder:
@@ -151,10 +166,10 @@ def test_beam_searches_submitted_together_share_forwards_and_equal_running_alone
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_beam_searches_together_on_cuda(arch, tiny_checkpoint):
+def test_beam_searches_together_on_cuda(arch, cuda_engine):
     """The same on the GPU, experts in RAM: the searches' rows (not in one piece once one ends) go through the
     beam search's CUDA graphs with a row index, and the graphs stay on."""
-    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
+    engine = cuda_engine(arch)
     beams_together_equal_alone(engine, timeout=120)
     assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
 
@@ -319,10 +334,10 @@ def test_a_speculative_batch_compacts_and_grows_its_draft_slots(engine, head):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_jobs_beside_plain_requests_on_cuda(arch, tiny_checkpoint):
+def test_jobs_beside_plain_requests_on_cuda(arch, cuda_engine):
     """On the GPU the decode thread replays the plain batch's CUDA graphs, captures the beam search's over its own
     cache and verifies speculative rounds, in turn, with experts in RAM: each still gives what it gives alone."""
-    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True, gpu_budget=0)
+    engine = cuda_engine(arch)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     beam_alone = engine.beam_search(prompts[2], beams=4, max_new_tokens=12)
     want = [alone(engine, p, greedy(24)) for p in prompts]
@@ -431,9 +446,10 @@ def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_th
     with engine.scheduler.submitting():
         act(0)
     thread = engine.scheduler._thread
-    wait_idle(engine, 120)
-    if thread is not None:
-        thread.join(30)
+    try:
+        wait_idle(engine, 120)
+    finally:
+        engine.scheduler.close()
     assert thread is not None and not thread.is_alive() and engine.scheduler._thread is None
     assert set(handles) == set(SEARCHES) and all(h.done for h in handles.values())
     assert search.active == [] and search.waiting == []
@@ -496,8 +512,6 @@ def test_requests_stranded_by_a_failed_decode_thread_are_done_before_the_schedul
     with scheduler.submitting():
         handles += [engine.submit(Request(ids(engine, k), greedy(4)), decoding=BeamOptions(beams=2), sink=sink)
                     for k in range(3)]
-    deadline = time.monotonic() + 30
-    while len(seen) < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    scheduler.drain(30)
     assert len(seen) == 3 and all(h.done for h in handles)
     assert all(all(done) for idle, done in seen if idle), seen
