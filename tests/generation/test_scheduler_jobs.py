@@ -35,19 +35,31 @@ def engine(tiny_checkpoint):
 
 
 @pytest.fixture
-def cuda_engine(tiny_checkpoint):
-    """cuda_engine(arch): a GPU engine, experts in RAM, whose decode thread is stopped when the test ends, failed or
-    not (one left stepping beside the next test's engine broke that test's attention)."""
+def fresh_engine(tiny_checkpoint):
+    """fresh_engine(arch, device="cuda"): an engine of its own (on the GPU with its experts in RAM), whose decode
+    thread is stopped when the test ends, failed or not (one left stepping beside the next test's engine broke that
+    test's attention)."""
     made = []
 
-    def load(arch):
-        made.append(Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="float32", offload=True,
-                                gpu_budget=0))
+    def load(arch, device="cuda"):
+        offload = dict(offload=True, gpu_budget=0) if device == "cuda" else {}
+        made.append(Engine.load(str(tiny_checkpoint(arch)), device=device, dtype="float32", **offload))
         return made[-1]
 
     yield load
     for engine in made:
         engine.scheduler.close()
+
+
+@pytest.fixture(autouse=True)
+def no_decode_thread_outlives_its_test():
+    """Every test leaves no decode thread running (one that went on stepping into the next test broke it on the
+    GPU): whatever a test started has stopped, or stops within the join's time, when it ends."""
+    yield
+    for thread in threading.enumerate():
+        if thread.name == "moedesk-decode":
+            thread.join(30)
+            assert not thread.is_alive(), "a decode thread outlived its test"
 
 
 @pytest.fixture(scope="module")
@@ -166,10 +178,10 @@ def test_beam_searches_submitted_together_share_forwards_and_equal_running_alone
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_beam_searches_together_on_cuda(arch, cuda_engine):
+def test_beam_searches_together_on_cuda(arch, fresh_engine):
     """The same on the GPU, experts in RAM: the searches' rows (not in one piece once one ends) go through the
     beam search's CUDA graphs with a row index, and the graphs stay on."""
-    engine = cuda_engine(arch)
+    engine = fresh_engine(arch)
     beams_together_equal_alone(engine, timeout=120)
     assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
 
@@ -334,10 +346,10 @@ def test_a_speculative_batch_compacts_and_grows_its_draft_slots(engine, head):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_jobs_beside_plain_requests_on_cuda(arch, cuda_engine):
+def test_jobs_beside_plain_requests_on_cuda(arch, fresh_engine):
     """On the GPU the decode thread replays the plain batch's CUDA graphs, captures the beam search's over its own
     cache and verifies speculative rounds, in turn, with experts in RAM: each still gives what it gives alone."""
-    engine = cuda_engine(arch)
+    engine = fresh_engine(arch)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     beam_alone = engine.beam_search(prompts[2], beams=4, max_new_tokens=12)
     want = [alone(engine, p, greedy(24)) for p in prompts]
@@ -382,15 +394,13 @@ MORE_PROMPTS = ["Hi", "Mixture of experts models route every token"]
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_thread_exits(arch, device,
-                                                                                           tiny_checkpoint,
+def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_thread_exits(arch, device, fresh_engine,
                                                                                            monkeypatch):
     """Beam searches submitted at different steps of a running job, some ending in the same step, some on EOS, some
     cancelled (stepping, or still waiting for rows): every request ends with what its search gives alone, the
     scheduler ends idle with nothing held and the decode thread exits. (On the GPU, experts in RAM, through the
     beam search's CUDA graphs.)"""
-    offload = dict(offload=True, gpu_budget=0) if device == "cuda" else {}
-    engine = Engine.load(str(tiny_checkpoint(arch)), device=device, dtype="float32", **offload)
+    engine = fresh_engine(arch, device)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS + MORE_PROMPTS]
     # Two EOS ids the searches pick (3W continuations a step): the first token d's search gives unconstrained (it
     # ends at once) and the third of c's (so hypotheses end at several steps).
@@ -446,10 +456,7 @@ def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_th
     with engine.scheduler.submitting():
         act(0)
     thread = engine.scheduler._thread
-    try:
-        wait_idle(engine, 120)
-    finally:
-        engine.scheduler.close()
+    wait_idle(engine, 120)
     assert thread is not None and not thread.is_alive() and engine.scheduler._thread is None
     assert set(handles) == set(SEARCHES) and all(h.done for h in handles.values())
     assert search.active == [] and search.waiting == []
