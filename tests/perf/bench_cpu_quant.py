@@ -17,7 +17,8 @@ float16 scales: the values do not matter to the timing.
 
 --define NAME=-DFLAG[,-DFLAG...] (repeatable) builds cpu_quant.c again with those flags (the knobs are its
 #ifndef'd constants: PREFETCH, SHORT_ROW_BYTES, ITEM_BYTES, MAX_TT, ...) and measures it beside the
-default build, each call of a shape alternating between the builds so that both see the same machine state.
+default build, the builds taking turns call by call (in a rotating order, each on experts the call before did not
+read) so that all see the same machine state.
 --per-core is --threads 1: on the GPU box at one token with all threads the 4-bit kernels were bound by
 instructions per core, so GB/s per core is the figure an instruction-level change moves.
 """
@@ -76,10 +77,17 @@ def bf16_stacks(E, H, F, pinned):
 
 
 def calls_for(E, per_call, T, H, n, gen):
-    """n calls' (x, pair_expert): per_call distinct random experts, T tokens each, k = 1."""
-    calls = []
+    """n calls' (x, pair_expert): per_call distinct random experts, T tokens each, k = 1. Consecutive calls share
+    no expert (the stack is dealt out in random order, reshuffled when it runs out), so a call never finds the
+    weights of the call before it in the last-level cache (a 2-of-8 Mixtral call is 200 MB of q4_0; the GPU
+    box's L3 holds half of that), as in decode, where a token's other layers come between."""
+    calls, deck, last = [], [], set()
     for _ in range(n):
-        experts = torch.randperm(E, generator=gen)[:per_call]
+        if len(deck) < per_call:
+            deck = [int(e) for e in torch.randperm(E, generator=gen) if int(e) not in last] + \
+                   [int(e) for e in torch.randperm(E, generator=gen) if int(e) in last]
+        experts, deck = torch.tensor(deck[:per_call]), deck[per_call:]
+        last = set(experts.tolist())
         pair_expert = experts.repeat_interleave(T)
         calls.append((torch.randn(pair_expert.numel(), H, generator=gen).to(torch.bfloat16), pair_expert))
     return calls
@@ -97,14 +105,19 @@ def timed(fn, calls, warmup=2):
 
 
 def timed_builds(builds, fn, calls, warmup=2):
-    """Median seconds per call of fn on each build (name -> library), the builds taking turns call by call."""
-    times = {name: [] for name in builds}
-    for i, c in enumerate(calls[:warmup] + calls):
-        for name, lib in builds.items():
-            cq.use_library(lib)
+    """Median seconds per call of fn on each build (name -> library), the builds taking turns call by call, each
+    on calls of its own (len(calls) = rounds x builds; consecutive calls share no expert, see calls_for) and in
+    an order that rotates every round, so that no build always runs right after the same other one."""
+    names = list(builds)
+    times = {name: [] for name in names}
+    rounds = len(calls) // len(names)
+    for r in range(-warmup, rounds):
+        for j in range(len(names)):
+            name = names[(j + r) % len(names)]
+            cq.use_library(builds[name])
             t = time.perf_counter()
-            fn(*c)
-            if i >= warmup:
+            fn(*calls[((r % rounds) * len(names) + j) % len(calls)])
+            if r >= 0:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in times.items()}
 
@@ -167,7 +180,7 @@ def main():
             for path in paths:
                 rows = {b: [] for b in builds}
                 for T in tokens:
-                    calls = calls_for(E, per_call, T, H, n_calls, gen)
+                    calls = calls_for(E, per_call, T, H, n_calls * len(builds), gen)
                     for lib in builds.values():
                         cq.use_library(lib)
                         cq.set_path(path)
