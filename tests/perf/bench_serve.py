@@ -2,7 +2,8 @@
 
 Usage (GPU box, repo root, after `python3 tests/perf/make_mixtral_checkpoint.py CKPT`):
     python3 tests/perf/bench_serve.py --model CKPT [--clients 16] [--prompt-tokens 128] [--max-tokens 64]
-        [--gpu-budget 0] [--device auto] [--dtype bfloat16] [--port 8123] [--json OUT.json]
+        [--gpu-budget 0] [--device auto] [--dtype bfloat16] [--port 8123] [--client-cpus 15] [--json OUT.json]
+    python3 tests/perf/bench_serve.py --model CKPT --streamed-vs-plain   (also what streaming costs the steps)
     python3 tests/perf/bench_serve.py --smoke      (CPU, a tiny Mixtral-shaped checkpoint, a few seconds)
 
 Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu-budget 0) and measures:
@@ -16,6 +17,9 @@ Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu
   all N stream (tokens arriving between the moment every client has its first token and the moment the first
   one ends), and that over the one-client rate;
 - a newcomer: TTFT of a client arriving while N-1 others stream, against its TTFT alone.
+
+--client-cpus keeps the clients (this process) on those CPUs once the server has started (it keeps them all):
+the clients otherwise take their CPU time from the cores the server's expert kernel runs on.
 
 Prompts are random token ids (exact lengths, no tokenizer in the way), replies ignore the end token.
 Compare the N-client decode rate with `moedesk bench --shape mixtral-8x7b --layers 8 --gpu-budget 0 --batch N`.
@@ -50,6 +54,21 @@ def read_once(folder: Path) -> tuple[int, float]:
     return total, time.perf_counter() - started
 
 
+def cpu_list(text: str) -> set[int]:
+    """'15' or '12-15' or '0,15' as a set of CPU numbers."""
+    cpus = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def pin_this_process(cpus: set[int]) -> None:
+    """Every thread of this process onto `cpus` (sched_setaffinity with pid 0 moves the calling thread only)."""
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cpus)
+
+
 def rss_kib(pid: int, field: str = "VmRSS") -> int:
     """A memory line of /proc/PID/status in KiB: VmRSS, or its parts RssAnon (pinned and plain RAM the process
     allocated), RssFile (mapped file pages, e.g. safetensors memory maps still open), RssShmem."""
@@ -72,6 +91,8 @@ class Server:
             cmd += ["--dtype", args.dtype]
         if args.gpu_budget is not None:
             cmd += ["--gpu-budget", str(args.gpu_budget)]
+        if args.prefill_chunk:
+            cmd += ["--prefill-chunk", str(args.prefill_chunk)]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.phases: dict[str, float] = {}
@@ -193,12 +214,49 @@ async def run_clients(url: str, args, vocab: int) -> dict:
         "server_alone_decode_tok_s": decode_rate(alone_before, alone_after),
         "server_decode_tok_s": decode_rate(server_before, server_after),
         "server_step_ms": step_ms(server_before, server_after),
+        # when each of the N got its first and last token, from the moment they were sent
+        "together_first_s": sorted(r["arrivals"][0] - together_started for r in runs),
+        "together_last_s": sorted(r["arrivals"][-1] - together_started for r in runs),
+        "server_together": {k: server_after[k] - server_before[k] for k in
+                            ("decode_steps", "prefill_pieces", "prefill_tokens", "batch_sum", "decode_seconds")},
     }
 
 
+async def plain_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> int:
+    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    reply = await client.post(url + "/v1/completions", json=body)
+    reply.raise_for_status()
+    return reply.json()["usage"]["completion_tokens"]
+
+
+async def streamed_vs_plain(url: str, args, vocab: int, rounds: int = 2) -> list[dict]:
+    """The server's own decode step time with the N clients streaming, then with the same N asking for plain
+    replies (nothing to deliver between steps), alternating: what delivering the stream costs the steps."""
+    limits = httpx.Limits(max_connections=args.clients + 4)
+    rows = []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
+        for r in range(rounds):
+            for mode in ("streamed", "plain"):
+                before = await server_stats(client, url)
+                ps = prompts(args.clients, args.prompt_tokens, vocab, 10 + r)
+                if mode == "streamed":
+                    await asyncio.gather(*[stream_one(client, url, p, args.max_tokens) for p in ps])
+                else:
+                    await asyncio.gather(*[plain_one(client, url, p, args.max_tokens) for p in ps])
+                after = await server_stats(client, url)
+                steps = after["decode_steps"] - before["decode_steps"]
+                cpu_ms = after["experts"].get("cpu_expert_ms", 0) - before["experts"].get("cpu_expert_ms", 0)
+                rows.append({"mode": mode, "round": r, "decode_tok_s": decode_rate(before, after),
+                             "step_ms": step_ms(before, after),
+                             # the executor's CPU expert time (prefill pieces included) per decode step
+                             "cpu_expert_ms_per_step": cpu_ms / steps if steps else None})
+    return rows
+
+
 async def server_stats(client: httpx.AsyncClient, url: str) -> dict:
-    reply = await client.get(url + "/moedesk/stats")
-    return reply.json()["scheduler"]
+    """The scheduler's counters, with the expert executor's (cumulative) under "experts"."""
+    reply = (await client.get(url + "/moedesk/stats")).json()
+    return {**reply["scheduler"], "experts": reply.get("experts") or {}}
 
 
 def decode_rate(before: dict, after: dict) -> float | None:
@@ -228,6 +286,11 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--ready-timeout", type=float, default=1800)
+    parser.add_argument("--prefill-chunk", type=int, default=None, help="passed to serve (default: serve's)")
+    parser.add_argument("--streamed-vs-plain", action="store_true",
+                        help="also: the server's decode steps with N streaming clients against N plain ones")
+    parser.add_argument("--client-cpus", type=str, default=None,
+                        help="CPUs for the clients, e.g. 15 or 14-15 (default: all; the server always gets all)")
     parser.add_argument("--json", type=Path, help="also write the numbers here")
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny Mixtral-shaped checkpoint, 4 clients")
     args = parser.parse_args()
@@ -249,16 +312,20 @@ def main() -> None:
     server = Server(args)
     try:
         ready = server.wait_ready(args.ready_timeout)
+        if args.client_cpus:
+            pin_this_process(cpu_list(args.client_cpus))
         rss_after = rss_kib(server.proc.pid)
         rss_parts = {part: rss_kib(server.proc.pid, part) * 1024 / 1e9 for part in ("RssAnon", "RssFile", "RssShmem")}
         results = asyncio.run(run_clients(server.url, args, config["vocab_size"]))
+        if args.streamed_vs_plain:
+            results["streamed_vs_plain"] = asyncio.run(streamed_vs_plain(server.url, args, config["vocab_size"]))
     finally:
         server.stop()
         if scratch is not None:
             scratch.cleanup()
     load_s = server.phases.get("load")
     gb = size / 1e9
-    report = {"checkpoint_gb": gb, "first_read_gb_s": gb / seconds, "load_s": load_s,
+    report = {"client_cpus": args.client_cpus, "checkpoint_gb": gb, "first_read_gb_s": gb / seconds, "load_s": load_s,
               "load_gb_s": gb / load_s if load_s else None, "ready_s": ready, "phases_s": server.phases,
               "rss_after_gb": rss_after * 1024 / 1e9, "rss_parts_gb": rss_parts, "peak_rss_during_load_gb": server.peak_during_load * 1024 / 1e9,
               **results}
@@ -281,11 +348,20 @@ def main() -> None:
         ("server's own decode steps", f"1 client {results['server_alone_decode_tok_s'] or 0:.1f} tok/s, {n} clients "
                                       f"{results['server_decode_tok_s'] or 0:.1f} tok/s "
                                       f"({results['server_step_ms'] or 0:.1f} ms a step)"),
+        (f"{n} clients' timeline", f"first tokens {results['together_first_s'][0]:.2f}-"
+                                  f"{results['together_first_s'][-1]:.2f} s, last {results['together_last_s'][0]:.2f}-"
+                                  f"{results['together_last_s'][-1]:.2f} s; server: "
+                                  f"{results['server_together']['prefill_pieces']} prefill pieces, "
+                                  f"{results['server_together']['decode_steps']} decode steps"),
         (f"newcomer into {n - 1}", f"TTFT {results['newcomer_ttft_s'] * 1000:.0f} ms vs "
                                    f"{results['newcomer_alone_ttft_s'] * 1000:.0f} ms alone = "
                                    f"{results['newcomer_ttft_s'] / results['newcomer_alone_ttft_s']:.2f}x "
                                    f"(target <= 2)"),
     ]
+    for row in results.get("streamed_vs_plain", []):
+        rows.append((f"{n} {row['mode']} (round {row['round']})", f"server's decode steps {row['decode_tok_s']:.1f} "
+                                                                  f"tok/s, {row['step_ms']:.1f} ms a step; CPU experts "
+                                                                  f"{row['cpu_expert_ms_per_step'] or 0:.1f} ms a step"))
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
