@@ -18,7 +18,7 @@ from engine.load.loader import load_model, resolve_device, resolve_dtype
 from engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
-from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, Update, cancelled_after
+from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, default_prefill_chunk, Update, cancelled_after
 from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
@@ -37,7 +37,7 @@ class Engine:
         self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
         self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
-        self.scheduler = Scheduler(self._decoder)
+        self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
         self._grammar_tokenizer = None
         self._beam: BeamSearch | None = None  # made at the first beam search; keeps its cache for the next
 

@@ -240,3 +240,12 @@ def test_generate_and_stream_return_only_once_the_decode_thread_has_stopped(engi
     assert engine.scheduler._thread is None
     list(engine.stream(ids, GREEDY))
     assert engine.scheduler._thread is None
+
+
+def test_prefill_pieces_are_long_on_a_gpu_and_short_on_the_cpu(engine):
+    # On a GPU with the experts in RAM a piece costs about one read of every expert whatever its length.
+    from engine.generation.scheduler import PREFILL_CHUNK_CPU, PREFILL_CHUNK_GPU, default_prefill_chunk
+
+    assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == PREFILL_CHUNK_GPU
+    assert default_prefill_chunk("cpu") == PREFILL_CHUNK_CPU < PREFILL_CHUNK_GPU
+    assert engine.scheduler.prefill_chunk == PREFILL_CHUNK_CPU  # this engine runs on the CPU
