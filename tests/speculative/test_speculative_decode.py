@@ -268,3 +268,19 @@ def test_moedesk_batch_speculative(tiny_checkpoint, engines, tmp_path, capsys):
     assert main(["batch", str(src), "-o", str(tmp_path / "x.jsonl"), "--model", str(tiny_checkpoint("mixtral")),
                  "--speculative", "greedy"]) != 0
     assert "needs --draft" in capsys.readouterr().err
+
+
+def test_auto_prices_rounds_at_what_they_took_not_the_table():
+    # Flat table: drafting 4 at α = 0.5 looks like a ~1.9x win; rounds that verify turn out to take 2.5x the
+    # table (as the GPU box's B = 32 rounds took 1.3x): auto stops drafting. Plain rounds slower than the
+    # table make drafting look better again.
+    costs = decode.RunningCosts(_table(32, 5, lambda b, k: 100.0))
+    assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) > 0
+    costs.observe_round(32, 4, 250.0)
+    assert costs.verify_ms(32, 4) == pytest.approx(250.0) and costs.ar_ms(32) == pytest.approx(100.0)
+    assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) == 0
+    costs.observe_round(32, 0, 200.0)
+    assert costs.ar_ms(32) == pytest.approx(200.0)
+    assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) > 0
+    costs.observe_round(32, 0, 100.0)  # later rounds move the ratio part of the way
+    assert 100.0 < costs.ar_ms(32) < 200.0
