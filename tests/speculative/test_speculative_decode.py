@@ -272,15 +272,23 @@ def test_moedesk_batch_speculative(tiny_checkpoint, engines, tmp_path, capsys):
 
 def test_auto_prices_rounds_at_what_they_took_not_the_table():
     # Flat table: drafting 4 at α = 0.5 looks like a ~1.9x win; rounds that verify turn out to take 2.5x the
-    # table (as the GPU box's B = 32 rounds took 1.3x): auto stops drafting. Plain rounds slower than the
-    # table make drafting look better again.
+    # table (the GPU box's B = 32 rounds took 1.3x): auto stops drafting.
     costs = decode.RunningCosts(_table(32, 5, lambda b, k: 100.0))
     assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) > 0
     costs.observe_round(32, 4, 250.0)
     assert costs.verify_ms(32, 4) == pytest.approx(250.0) and costs.ar_ms(32) == pytest.approx(100.0)
     assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) == 0
-    costs.observe_round(32, 0, 200.0)
-    assert costs.ar_ms(32) == pytest.approx(200.0)
+    # Plain rounds as slow as the verifying ones (a slower machine, not dearer drafts): the table's prices again.
+    costs.observe_round(32, 0, 250.0)
+    assert costs.verify_ms(32, 4) == pytest.approx(100.0) and costs.ar_ms(32) == pytest.approx(100.0)
     assert decode.auto_gamma(costs, 32, 0.5, 4, plain_steps=0) > 0
-    costs.observe_round(32, 0, 100.0)  # later rounds move the ratio part of the way
-    assert 100.0 < costs.ar_ms(32) < 200.0
+    costs.observe_round(32, 4, 500.0)  # later rounds move the ratio part of the way
+    assert 100.0 < costs.verify_ms(32, 4) < 200.0
+
+
+def test_slow_plain_rounds_never_make_drafting_look_cheaper():
+    costs = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))  # drafting never pays
+    for _ in range(5):
+        costs.observe_round(1, 0, 50.0)  # plain rounds at 5x the table (real rounds, a made-up table)
+    assert costs.ar_ms(1) == 10.0 and costs.verify_ms(1, 4) == 50.0
+    assert decode.auto_gamma(costs, 1, 0.95, 4, plain_steps=decode.PROBE_EVERY) == 0
