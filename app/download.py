@@ -280,13 +280,16 @@ def _read_gguf_header(listing: RepoListing, path: str, size: int | None, first_b
 
 
 def _fetch_range(url: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of the file at `url` (fewer where the file ends first) with a bounded Range request.
+    """Bytes [start, end) of the file at `url` (fewer where the file ends first, none where it ends before
+    `start`) with a bounded Range request.
     The answer is read as a stream and cut at `end`, so a server that ignores Range and sends the whole file
     (200 instead of 206) costs no more than the bytes asked for."""
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     headers = {**build_hf_headers(), "Range": f"bytes={start}-{end - 1}", "Accept-Encoding": "identity"}
     with get_session().stream("GET", url, headers=headers) as response:
+        if response.status_code == 416:  # nothing at `start`: the file ends there (an empty one: at once)
+            return b""
         hf_raise_for_status(response)
         skip = 0 if response.status_code == 206 else start
         body = bytearray()

@@ -320,7 +320,9 @@ class _Handler(BaseHTTPRequestHandler):
         start, end = 0, None
         if m := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "")):
             start, end = int(m[1]), int(m[2]) if m[2] else None
-        if start > len(data) or (start == len(data) and len(data) > 0):
+        # As real servers answer: nothing to send at or past the end is 416, an empty file's bounded range too
+        # (a resumed download of an empty file, `bytes=0-`, still gets its nothing).
+        if start > len(data) or (start == len(data) and (len(data) > 0 or end is not None)):
             self.send_response(416)
             self.send_header("Content-Range", f"bytes */{len(data)}")
             self.send_header("Content-Length", "0")

@@ -43,7 +43,8 @@ def hub(files, tmp_path, monkeypatch):
     fake.add_repo(REPO, {"README.md": b"# quants\n", **{name: path.read_bytes() for name, path in files.items()},
                          "not-a-gguf-Q2_K.gguf": blob(1, 50_000),
                          "cut-Q3_K.gguf": whole[:header_end - 100],  # the file ends inside its header
-                         "tiny-IQ4_XS.gguf": b"GG"})  # shorter than the magic
+                         "tiny-IQ4_XS.gguf": b"GG",  # shorter than the magic
+                         "empty-Q5_K_M.gguf": b""})  # the Hub answers a Range into it with 416
     fake.add_repo("moe/gated", {"m-Q4_K_M.gguf": whole}, gated=True)
     fake.start()
     home = tmp_path / "hf-home"
@@ -148,6 +149,12 @@ def test_a_file_that_ends_inside_its_header(hub, name, message):
     with pytest.raises(MoedeskError) as excinfo:
         read_choice_weights(*choice(name), first_bytes=1024)
     assert_one_line(excinfo.value, message)
+
+
+def test_an_empty_file(hub):
+    with pytest.raises(MoedeskError) as excinfo:
+        read_choice_weights(*choice("Q5_K_M"))
+    assert_one_line(excinfo.value, f"{REPO}/empty-Q5_K_M.gguf: empty file")
 
 
 def test_a_header_beyond_the_cap(hub, files):
