@@ -4,6 +4,7 @@ Usage (GPU box, repo root, after `python3 tests/perf/make_mixtral_checkpoint.py 
     python3 tests/perf/bench_serve.py --model CKPT [--clients 16] [--prompt-tokens 128] [--max-tokens 64]
         [--gpu-budget 0] [--device auto] [--dtype bfloat16] [--port 8123] [--client-cpus 15] [--json OUT.json]
     python3 tests/perf/bench_serve.py --model CKPT --streamed-vs-plain   (also what streaming costs the steps)
+    python3 tests/perf/bench_serve.py --model CKPT --compare-bench       (moedesk bench --batch N before and after)
     python3 tests/perf/bench_serve.py --smoke      (CPU, a tiny Mixtral-shaped checkpoint, a few seconds)
 
 Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu-budget 0) and measures:
@@ -22,7 +23,9 @@ Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu
 the clients otherwise take their CPU time from the cores the server's expert kernel runs on.
 
 Prompts are random token ids (exact lengths, no tokenizer in the way), replies ignore the end token.
-Compare the N-client decode rate with `moedesk bench --shape mixtral-8x7b --layers 8 --gpu-budget 0 --batch N`.
+Compare the N-client decode rate with `moedesk bench --shape mixtral-8x7b --layers 8 --gpu-budget 0 --batch N`
+(--compare-bench runs it before and after the server: on the GPU box's machines it moved by up to 60% from run
+to run, with their memory bandwidth, so only a ratio against bench in the same run means anything).
 """
 from __future__ import annotations
 
@@ -222,6 +225,17 @@ async def run_clients(url: str, args, vocab: int) -> dict:
     }
 
 
+def bench_batched(args, layers: int) -> float:
+    """`moedesk bench`'s batched decode of --clients sequences on the Mixtral-8x7B shape with `layers` layers,
+    every expert in RAM (its own random weights, the checkpoint's shape; --smoke: the tiny shape): tok/s."""
+    shape = ["--shape", "tiny-moe", "--device", "cpu"] if args.smoke else \
+        ["--shape", "mixtral-8x7b", "--layers", str(layers), "--gpu-budget", "0"]
+    cmd = [sys.executable, "-m", "app.cli", "bench", *shape, "--batch", str(args.clients), "--decode-tokens", "32",
+           "--json"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
+    return next(r["tok_s"] for r in json.loads(done.stdout)["results"] if r["mode"] == "batched_decode")
+
+
 async def plain_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> int:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
     reply = await client.post(url + "/v1/completions", json=body)
@@ -287,6 +301,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--ready-timeout", type=float, default=1800)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="passed to serve (default: serve's)")
+    parser.add_argument("--compare-bench", action="store_true",
+                        help="run `moedesk bench --batch N` on the checkpoint's shape before and after the server")
     parser.add_argument("--streamed-vs-plain", action="store_true",
                         help="also: the server's decode steps with N streaming clients against N plain ones")
     parser.add_argument("--client-cpus", type=str, default=None,
@@ -309,6 +325,7 @@ def main() -> None:
     config = json.loads((args.model / "config.json").read_text())
     shards = len(list(args.model.glob("*.safetensors")))
     size, seconds = read_once(args.model)
+    bench = [bench_batched(args, config["num_hidden_layers"])] if args.compare_bench else []
     server = Server(args)
     try:
         ready = server.wait_ready(args.ready_timeout)
@@ -323,6 +340,9 @@ def main() -> None:
         server.stop()
         if scratch is not None:
             scratch.cleanup()
+    if args.compare_bench:
+        bench.append(bench_batched(args, config["num_hidden_layers"]))
+        results["bench_tok_s"] = bench
     load_s = server.phases.get("load")
     gb = size / 1e9
     report = {"client_cpus": args.client_cpus, "checkpoint_gb": gb, "first_read_gb_s": gb / seconds, "load_s": load_s,
@@ -358,6 +378,11 @@ def main() -> None:
                                    f"{results['newcomer_ttft_s'] / results['newcomer_alone_ttft_s']:.2f}x "
                                    f"(target <= 2)"),
     ]
+    if results.get("bench_tok_s"):
+        before, after = results["bench_tok_s"]
+        rows.append((f"bench --batch {n}", f"{before:.1f} before, {after:.1f} after: the {n} streaming clients got "
+                                           f"{(results['together_decode_tok_s'] or 0) / ((before + after) / 2):.2f}x "
+                                           f"their mean (target >= 0.9)"))
     for row in results.get("streamed_vs_plain", []):
         rows.append((f"{n} {row['mode']} (round {row['round']})", f"server's decode steps {row['decode_tok_s']:.1f} "
                                                                   f"tok/s, {row['step_ms']:.1f} ms a step; CPU experts "
