@@ -51,17 +51,6 @@ def fresh_engine(tiny_checkpoint):
         engine.scheduler.close()
 
 
-@pytest.fixture(autouse=True)
-def no_decode_thread_outlives_its_test():
-    """Every test leaves no decode thread running (one that went on stepping into the next test broke it on the
-    GPU): whatever a test started has stopped, or stops within the join's time, when it ends."""
-    yield
-    for thread in threading.enumerate():
-        if thread.name == "moedesk-decode":
-            thread.join(30)
-            assert not thread.is_alive(), "a decode thread outlived its test"
-
-
 @pytest.fixture(scope="module")
 def head(engine, tmp_path_factory):
     folder = tmp_path_factory.mktemp("head")
