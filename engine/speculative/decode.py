@@ -570,6 +570,7 @@ class Speculator:
         self.use_graphs = graphs
         self.graphs = None  # made with the cache, which its graphs read
 
+    @torch.no_grad()  # as the scheduler's decode thread runs: a drafter's forwards keep no autograd graphs
     def run(self, requests: list[Request], executor, drafter_factory, mode: str = "greedy", draft_length: int = 4,
             draft_width: int = 1, budget: int | None = None, costs: perf_model.StepCosts | None = None) -> tuple[list[Completion], RunStats]:
         """Complete `requests` together. drafter_factory(batch, capacity) makes the drafter for this batch.
@@ -1060,7 +1061,7 @@ def draft_head(engine, path):
         if head.cfg.vocab_size != engine.config.vocab_size:
             raise MoedeskError(f"{path}: the draft head's vocabulary ({head.cfg.vocab_size}) is not the model's "
                                f"({engine.config.vocab_size})")
-        heads[key] = head.eval()
+        heads[key] = head.eval().requires_grad_(False)  # only ever run: no autograd graphs kept by its caches
     return heads[key]
 
 
