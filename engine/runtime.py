@@ -18,7 +18,8 @@ from engine.load.loader import load_model, resolve_device, resolve_dtype
 from engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from engine.requests import Completion, Request, SamplingParams, StreamChunk
-from engine.generation.scheduler import Group, Handle, Scheduler, TextDeltas, default_prefill_chunk, Update, cancelled_after
+from engine.generation.scheduler import (Group, Handle, Scheduler, TextDeltas, Update, cancelled_after,
+                                         default_prefill_chunk)
 from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it

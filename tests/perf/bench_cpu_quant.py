@@ -84,8 +84,8 @@ def calls_for(E, per_call, T, H, n, gen):
     calls, deck, last = [], [], set()
     for _ in range(n):
         if len(deck) < per_call:
-            deck = [int(e) for e in torch.randperm(E, generator=gen) if int(e) not in last] + \
-                   [int(e) for e in torch.randperm(E, generator=gen) if int(e) in last]
+            shuffled = torch.randperm(E, generator=gen).tolist()
+            deck = [e for e in shuffled if e not in last] + [e for e in shuffled if e in last]
         experts, deck = torch.tensor(deck[:per_call]), deck[per_call:]
         last = set(experts.tolist())
         pair_expert = experts.repeat_interleave(T)
@@ -116,7 +116,7 @@ def timed_builds(builds, fn, calls, warmup=2):
             name = names[(j + r) % len(names)]
             cq.use_library(builds[name])
             t = time.perf_counter()
-            fn(*calls[((r % rounds) * len(names) + j) % len(calls)])
+            fn(*calls[(r % rounds) * len(names) + j])  # the warm-up rounds run the last rounds' calls
             if r >= 0:
                 times[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in times.items()}
