@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -510,25 +510,36 @@ class _Row:
         return self.request.params
 
 
+class Round(NamedTuple):
+    """One round: its draft length, the rows it ran, milliseconds drafting, verifying and accepting, and the
+    tokens it emitted (accepted drafts plus each row's own token, less what a finishing row did not take)."""
+    gamma: int
+    rows: int
+    draft_ms: float
+    verify_ms: float
+    accept_ms: float
+    emitted: int
+
+
 @dataclass
 class RunStats:
-    """Every round of a run: its draft length, milliseconds drafting, verifying and accepting."""
+    """Every round of a run (`Round`)."""
     mode: str
-    rounds: list = field(default_factory=list)  # (gamma, active rows, draft ms, verify ms, accept ms)
+    rounds: list = field(default_factory=list)  # of Round
 
     def summary(self) -> dict:
         if not self.rounds:
             return {}
-        spec = [r for r in self.rounds if r[0] > 0]
-        ms = [sum(r[2:]) for r in self.rounds]
+        spec = [r for r in self.rounds if r.gamma > 0]
+        ms = [r.draft_ms + r.verify_ms + r.accept_ms for r in self.rounds]
         return {"rounds": len(self.rounds), "speculative_rounds": len(spec),
                 "step_ms": round(sum(ms) / len(ms), 3),
-                "draft_ms": round(sum(r[2] for r in self.rounds) / len(ms), 3),
-                "verify_ms": round(sum(r[3] for r in self.rounds) / len(ms), 3),
-                "gammas": sorted({r[0] for r in self.rounds}),
+                "draft_ms": round(sum(r.draft_ms for r in self.rounds) / len(ms), 3),
+                "verify_ms": round(sum(r.verify_ms for r in self.rounds) / len(ms), 3),
+                "gammas": sorted({r.gamma for r in self.rounds}),
                 # requests verified together per round: where speculation pays (MoESD), and what a job's
                 # admissions between rounds achieved
-                "mean_rows": round(sum(r[1] for r in self.rounds) / len(ms), 3)}
+                "mean_rows": round(sum(r.rows for r in self.rounds) / len(ms), 3)}
 
 
 def check_mode(mode: str, draft_length: int, draft_width: int) -> None:
@@ -719,8 +730,10 @@ class Speculator:
         for t in self.cache.k + self.cache.v:
             t[rows, dst] = t[rows, src]
 
-    def _emit(self, active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma) -> None:
+    def _emit(self, active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma) -> int:
+        """Take each row's accepted path and next token; the number of tokens the rows took."""
         tokens_cpu = proposal.tokens.cpu().tolist()
+        taken = 0
         for i, r in enumerate(active):
             path = paths[i]
             emitted = [tokens_cpu[i][node] for node in path] + [nexts[i]]
@@ -733,13 +746,15 @@ class Speculator:
             r.tested += tested
             alpha_counts[0] += len(path)
             alpha_counts[1] += tested
-            start = r.length
+            start, before = r.length, len(r.tokens)
             self._take(r, emitted)
+            taken += len(r.tokens) - before
             if r.finish_reason is None:
                 f = None
                 if feats is not None:
                     f = feats[i, [0] + path]
                 drafter.absorb(r.index, start, emitted, f)
+        return taken
 
     def _take(self, r: _Row, emitted: list[int]) -> None:
         """Append tokens as plain decoding would, one by one, until the row finishes (EOS, stop string,
@@ -876,11 +891,12 @@ class SpeculativeBatch:
             self.costs.observe_draft(1000 * (t1 - t0), gamma)
         paths, nexts = spec._accept(active, proposal, logits)
         spec._compact(active, paths, proposal)
-        spec._emit(active, proposal, paths, nexts, feats, drafter, self.alpha_counts, gamma)
+        emitted = spec._emit(active, proposal, paths, nexts, feats, drafter, self.alpha_counts, gamma)
         t3 = time.perf_counter()
         if hasattr(self.costs, "observe_round"):
             self.costs.observe_round(len(active), gamma, 1000 * (t3 - t1))
-        self.stats.rounds.append((gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2)))
+        self.stats.rounds.append(Round(gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2),
+                                       emitted))
 
     def completion(self, row: _Row, executor=None) -> Completion:
         """A row's completion now, with the summary of the rounds it took part in (and its expert work)."""
