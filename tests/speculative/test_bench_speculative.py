@@ -7,6 +7,8 @@ error is what the fitted model does at the measured points.
 """
 import json
 import math
+import random
+import types
 
 import numpy as np
 import pytest
@@ -49,13 +51,32 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
         (b, a, m) for b in (1, 2) for a in (0.5, 0.9) for m in ("greedy", "auto")]
     for r in runs:
         assert r["tok_s"] > 0 and r["speedup"] == pytest.approx(r["tok_s"] / r["plain_tok_s"], rel=1e-2)
+        assert r["full_batch_speedup"] == pytest.approx(r["full_batch_tok_s"] / r["plain_tok_s"], rel=1e-2)
         if r["mode"] == "greedy":
             assert r["predicted_speedup"] > 0 and 0 <= r["measured_acceptance"] <= 1
             assert r["same_as_plain"] == 1.0  # float32 on the CPU: lossless to the token
+            assert r["agreement"] == 1.0 and r["acceptance_capped"] is False  # float32: every clean draft holds
+            assert 1 <= r["full_batch_rounds"] <= r["rounds"]
+            if r["batch"] == 1:  # one row: every round ran the full batch
+                assert r["full_batch_rounds"] == r["rounds"]
+                assert r["full_batch_tok_s"] == pytest.approx(r["tok_s"], rel=1e-2)
+    judged = {b: min(r["full_batch_speedup"] for r in runs if r["batch"] == b and r["mode"] == "auto") for b in (1, 2)}
+    for p in s["per_batch"]:
+        assert p["auto_min_speedup"] == pytest.approx(judged[p["batch"]], abs=1e-3)
+        assert p["auto_ok"] == (p["auto_min_speedup"] >= s["auto_floor"])
+        assert p["auto_min_speedup_whole_run"] == min(r["speedup"] for r in runs if r["batch"] == p["batch"]
+                                                      and r["mode"] == "auto")
+    assert s["auto_judged_on"] == "full_batch"
     b = report["beam"]
     assert b["beams"] == 2 and len(b["rounds"]) == 3
     assert b["ratio"] == pytest.approx(b["beam_step_ms"] / b["batched_step_ms"], rel=1e-2)
-    assert "auto >= 0.98x plain at every B" in format_speculative(report)
+    text = format_speculative(report)
+    assert "auto >= 0.98x plain at every B (full-batch figure" in text
+    header = next(line for line in text.splitlines() if "full-batch" in line and "α meas" in line)
+    assert header.split()[:8] == ["B", "α", "req", "mode", "plain", "spec", "speedup", "full-batch"]
+    assert "agree" in header and "cannot reach it" not in text
+    runs[0]["acceptance_capped"] = True  # as on the GPU box when α is asked above the target's agreement
+    assert "cannot reach it" in format_speculative(report)
     assert "beam / batched" in format_beam(report)
 
 
@@ -88,6 +109,108 @@ def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, d
     assert abs(run["acceptance"] - alpha) <= 4 * math.sqrt(alpha * (1 - alpha) / tested)
     # tokens per verify step as the model expects at that acceptance, within the same kind of tolerance
     assert run["tokens_per_step"] == pytest.approx(perf_model.tokens_per_step(alpha, 3), rel=0.15)
+
+
+def test_full_batch_throughput_takes_only_the_rounds_that_ran_every_row():
+    from engine.bench_speculative import full_batch_throughput, judged_speedup
+    from engine.speculative.decode import Round
+
+    rounds = [Round(4, 4, 0.5, 100.0, 2.0, 12), Round(4, 4, 0.5, 110.0, 3.0, 10),
+              Round(4, 3, 0.5, 95.0, 2.0, 5),  # a row finished: the rest run at nearly full cost
+              Round(4, 1, 0.5, 90.0, 1.0, 2), Round(0, 1, 0.0, 40.0, 1.0, 1)]
+    tok_s, n = full_batch_throughput(rounds, 4)
+    assert n == 2 and tok_s == pytest.approx(1000 * 22 / 215.0)  # draft milliseconds left out, as the whole run's
+    whole = 1000 * sum(r.emitted for r in rounds) / sum(r.verify_ms + r.accept_ms for r in rounds)
+    assert whole < tok_s
+    assert full_batch_throughput(rounds, 8) == (None, 0)  # no round ran 8 rows
+    assert full_batch_throughput(rounds[3:], 1) == (pytest.approx(1000 * 3 / 132.0), 2)
+    assert full_batch_throughput([], 2) == (None, 0)
+    # auto is judged on the full-batch figure, on the whole run's where no round ran the full batch
+    assert judged_speedup({"speedup": 0.9, "full_batch_speedup": 1.1}) == 1.1
+    assert judged_speedup({"speedup": 0.9, "full_batch_speedup": None}) == 0.9
+
+
+V = 1000  # the simulated target's vocabulary
+
+
+def _belief(prefix):
+    """The oracle's greedy continuation of `prefix` in the simulation (deterministic, no model)."""
+    return hash((1,) + tuple(prefix)) % V
+
+
+def _target(prefix, agree):
+    """The simulated target's greedy token after `prefix`: the oracle's belief with probability `agree`, another
+    token otherwise (fixed per prefix), as a bf16 verify forward takes the other side of a near tie."""
+    rng = random.Random(hash((2,) + tuple(prefix)))
+    t = _belief(prefix)
+    return t if rng.random() < agree else (t + 1 + rng.randrange(V - 1)) % V
+
+
+def _simulate(oracle_class, alpha, agree, rows=8, new=300, gamma=4, seed=5):
+    """A LookaheadOracle (its drafting from `_belief` in place of the model's forwards) driven as the Speculator
+    drives it, against `_target`: greedy chains of `gamma`, each row to `new` tokens. (measured acceptance, q)."""
+    from engine.requests import SamplingParams
+
+    prompts = [[7 + r, 11 * r] for r in range(rows)]
+    model = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=V))
+    oracle = oracle_class(model, None, prompts, alpha, 0, None, "cpu", seed=seed)
+
+    def lookahead(off, depth):
+        out = []
+        for r in off:
+            seq = list(oracle.sequences[r])
+            for _ in range(depth):
+                seq.append(_belief(seq))
+            out.append(seq[-depth:])
+        return out
+
+    oracle._lookahead = lookahead
+    seqs = [p + [_target(p, agree)] for p in prompts]  # the prefill's token
+    tokens = [s[-1:] for s in seqs]
+    accepted = [0] * rows
+    params = SamplingParams(max_new_tokens=new, temperature=0)
+    active = list(range(rows))
+    while active:
+        proposal = oracle.propose(active, [len(seqs[r]) - 1 for r in active], [seqs[r][-1] for r in active], gamma, 1,
+                                  gamma, [params] * len(active), [None] * len(active), [len(tokens[r]) for r in active])
+        for i, r in enumerate(active):
+            drafts = proposal.tokens[i, 1:].tolist()
+            n = 0
+            while n < len(drafts) and drafts[n] == _target(seqs[r] + drafts[:n], agree):
+                n += 1
+            emitted = (drafts[:n] + [_target(seqs[r] + drafts[:n], agree)])[:new - len(tokens[r])]
+            accepted[r] += n
+            seqs[r] += emitted
+            tokens[r] += emitted
+        active = [r for r in active if len(tokens[r]) < new]
+    done = [types.SimpleNamespace(stats={"speculative": {"accepted": a}}) for a in accepted]
+    acc, tested = oracle.finish(done)
+    assert oracle.finish(done) == (acc, tested)  # the last rounds are scored once
+    return acc / tested, oracle.agreement
+
+
+def test_oracle_reaches_the_requested_acceptance_where_the_target_rejects_uncorrupted_drafts():
+    """The target rejects 20% of the uncorrupted drafts (as bf16 verify forwards did on the GPU box): corrupting
+    at 1 - α would measure about 0.8 α; corrupting at 1 - α / q measures α."""
+    from engine.bench_speculative import LookaheadOracle
+
+    class Fixed(LookaheadOracle):  # the corruption before q: 1 - α, whatever the target does
+        corruption = property(lambda self: 1.0 - self.acceptance)
+
+    fixed, q_fixed = _simulate(Fixed, 0.6, 0.8)
+    assert fixed == pytest.approx(0.48, abs=0.03) and q_fixed == pytest.approx(0.8, abs=0.03)
+    # ~3000 drafts tested: the binomial sd of the measured acceptance is ~0.01; the prior's pull in the first
+    # rounds is smaller still
+    measured, q = _simulate(LookaheadOracle, 0.6, 0.8)
+    assert measured == pytest.approx(0.6, abs=0.03) and q == pytest.approx(0.8, abs=0.03)
+    assert abs(measured - 0.6) < abs(fixed - 0.6) / 3
+    assert _simulate(LookaheadOracle, 0.6, 0.8) == (measured, q)  # deterministic given the seed
+    # asked more than the target's agreement: nothing is corrupted, and the measured acceptance is q itself
+    capped, q = _simulate(LookaheadOracle, 0.9, 0.8)
+    assert capped == pytest.approx(q, abs=0.01) and q == pytest.approx(0.8, abs=0.03)  # (the prior: c > 0 at first)
+    # a target that always agrees: q stays 1 and the corruption is 1 - α, as it always was
+    same, q = _simulate(LookaheadOracle, 0.6, 1.0)
+    assert q == 1.0 and same == _simulate(Fixed, 0.6, 1.0)[0]
 
 
 def _random_tables(rng, batches=(1, 4, 16, 32), max_k=5):
