@@ -15,7 +15,7 @@ import torch
 
 from engine.errors import MoedeskError
 from engine.requests import Completion, Request
-from engine.generation.sampling import sample_token
+from engine.generation.sampling import sample_token, sample_tokens
 
 
 @dataclass
@@ -168,19 +168,19 @@ class Decoder:
         return retrying_oom(step, self.on_oom, "use a shorter context or a smaller batch")
 
     def _accept(self, seqs, logits: torch.Tensor) -> Iterator[tuple[Sequence, int | None]]:
-        greedy = torch.argmax(logits, dim=-1).tolist()
-        cpu_logits = None
+        # Every unconstrained row at once, on the logits' device: greedy rows take the argmax, sampled ones
+        # their own draw (sample_tokens).
+        free = [i for i, s in enumerate(seqs) if s.constraint is None]
+        picked = dict(zip(free, sample_tokens(logits[free] if len(free) < len(seqs) else logits,
+                                              [seqs[i].params for i in free], [seqs[i].generator for i in free])))
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             if s.constraint is not None:
                 # Only constrained sequences pay for a mask: one row to the host, the grammar's tokens kept.
                 row = s.constraint.mask(logits[i].float().cpu())
                 token = int(torch.argmax(row)) if s.params.temperature == 0 else sample_token(row, s.params, s.generator)
-            elif s.params.temperature == 0:
-                token = greedy[i]
             else:
-                cpu_logits = logits.cpu() if cpu_logits is None else cpu_logits
-                token = sample_token(cpu_logits[i], s.params, s.generator)
+                token = picked[i]
             if not s.tokens:
                 s.first_token_at = now
             if token in self.eos_token_ids and (not s.params.ignore_eos or s.constraint is not None):

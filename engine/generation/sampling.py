@@ -7,31 +7,70 @@ from engine.requests import SamplingParams
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from a row of float32 logits [V] on the CPU.
+    """One token id from a row of logits [V]: sample_tokens of one row."""
+    return sample_tokens(logits[None], [params], [generator])[0]
 
-    Sampling happens on the CPU with the sequence's own generator, so a seed gives the same
-    text whatever the device and whatever else shares the batch.
+
+def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """One token id per row of logits [N, V], on the logits' own device, row i drawn under params[i] with
+    generators[i] (a CPU torch.Generator, or None for the global one).
+
+    A whole batch is sampled in a few tensor operations: one sort for the rows with top-p, not one per row on
+    the CPU (which cost ~2 ms a row at a 49k vocabulary, and made 256 sampled rows ten times slower than the
+    model's step on a GPU). Each row still takes exactly one uniform number from its own generator and is drawn
+    by inverting its cumulative distribution, so a seed gives the same tokens whatever else shares the batch.
     """
-    if params.temperature == 0:
-        return int(torch.argmax(logits))
+    if not params:
+        return []
+    temperature = [p.temperature for p in params]
+    out = torch.argmax(logits, dim=-1).tolist()
+    sampled = [i for i, t in enumerate(temperature) if t > 0]
+    if not sampled:
+        return out
+    # The uniforms first, one per sampled row in order: a row's draw never depends on the others'.
+    u = torch.tensor([float(torch.rand((), generator=generators[i], dtype=torch.float64)) for i in sampled],
+                     dtype=torch.float64)
+    rows = logits[sampled] if len(sampled) < len(params) else logits
+    probs = sampling_probs(rows, [params[i] for i in sampled])
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    # right=True: the first token whose cumulative probability exceeds u * total has a probability above 0
+    picks = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)
+    picks = picks.clamp_(max=probs.shape[-1] - 1).squeeze(1)
+    # every logit NaN or -inf: nothing to weigh, keep the argmax
+    finite = torch.isfinite(probs).all(dim=-1)
+    for j, (i, pick, ok) in enumerate(zip(sampled, picks.tolist(), finite.tolist())):
+        if ok:
+            out[i] = pick
+    return out
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row of logits [N, V] is sampled from under params[i] (temperature > 0, top-k,
+    top-p), float32, on the logits' device. Rejection sampling needs it as well as the sampler."""
+    dev = logits.device
     # Shifted so the largest logit is 0 before dividing: a temperature as small as 1e-45 then sends
     # the others to -inf (greedy, as its limit is) instead of everything to inf and the softmax to NaN.
     # NaN logits (a model gone wrong) count as -inf, +inf as the largest finite value.
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"))
-    logits = (logits - logits.max()) / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token once the ones before it already cover top_p; the first always stays.
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        logits = logits.scatter(0, order[drop], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if not torch.isfinite(probs).all():  # every logit NaN or -inf: nothing to weigh, take the argmax
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"))
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    x = (x - x.max(dim=-1, keepdim=True).values) / temperature[:, None]
+    vocab = x.shape[-1]
+    ks = [p.top_k if p.top_k and p.top_k < vocab else 0 for p in params]
+    if any(ks):
+        top = torch.topk(x, max(ks), dim=-1).values
+        k = torch.tensor(ks, device=dev)
+        kth = top.gather(1, (k - 1).clamp(min=0)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+        x = x.masked_fill(x < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        # Drop a token once the ones before it already cover top_p; the first always stays. Rows without
+        # top-p get an infinite bar, so rounding in the cumulative sum can never drop their tail.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=dev)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        sorted_p = torch.softmax(sorted_x, dim=-1)
+        drop = (torch.cumsum(sorted_p, dim=-1) - sorted_p) >= top_p[:, None]
+        x = x.scatter(-1, order, sorted_x.masked_fill(drop, float("-inf")))
+    return torch.softmax(x, dim=-1)
 
 
 # --- structured output ------------------------------------------------------------------------

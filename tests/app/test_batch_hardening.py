@@ -16,7 +16,7 @@ import torch
 import app.batch as batch_module
 from app.batch import BatchSettings, BatchUsageError, check_batch_paths, run_batch
 from engine.requests import SamplingParams
-from engine.generation.sampling import sample_token
+from engine.generation.sampling import sample_token, sample_tokens
 from tests.app.test_batch_runner import FakeEngine, batch, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -423,12 +423,12 @@ def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_p
     import engine.generation.decoder as decoder
     from engine.runtime import Engine
 
-    def fragile(logits, params, generator):
-        if params.seed == 666:
+    def fragile(logits, params, generators):
+        if any(p.seed == 666 for p in params):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        return sample_token(logits, params, generator)
+        return sample_tokens(logits, params, generators)
 
-    monkeypatch.setattr(decoder, "sample_token", fragile)
+    monkeypatch.setattr(decoder, "sample_tokens", fragile)
     real = Engine.load(model, device="cpu", dtype="float32", context_length=64)
     lines = [{"id": f"s{i}", "prompt_ids": [5 + i, 6, 7], "seed": 666 if i == 3 else i} for i in range(7)]
     src = write_jsonl(tmp_path / "in.jsonl", lines)

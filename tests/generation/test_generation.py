@@ -6,7 +6,7 @@ import torch
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from engine.generation.sampling import sample_token
+from engine.generation.sampling import sample_token, sample_tokens, sampling_probs
 from tests.tiny_models import CHAT_TEMPLATE
 
 
@@ -40,6 +40,47 @@ def test_sampler_respects_top_k_and_top_p():
     seen_p = {sample_token(logits, SamplingParams(temperature=1.0, top_p=0.5), g) for _ in range(300)}
     assert seen_p == {0}  # token 0 alone holds > 50% of the mass
     assert sample_token(logits, SamplingParams(temperature=0), None) == 0
+
+
+MIXED = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_p=0.6),
+         SamplingParams(temperature=2.0, top_k=3), SamplingParams(temperature=0.7),
+         SamplingParams(temperature=1.3, top_k=4, top_p=0.8)]
+
+
+def test_batched_sampler_draws_each_row_as_it_would_alone():
+    """sample_tokens over a batch of rows with mixed settings gives every row the token it gets sampled alone with
+    the same generator state: a row's draw does not depend on what shares its batch."""
+    logits = torch.randn(len(MIXED), 50, generator=torch.Generator().manual_seed(3)) * 3
+    for seed in range(20):
+        together = sample_tokens(logits, MIXED, [torch.Generator().manual_seed(seed + i) for i in range(len(MIXED))])
+        alone = [sample_token(logits[i], p, torch.Generator().manual_seed(seed + i)) for i, p in enumerate(MIXED)]
+        assert together == alone
+        assert together[0] == int(logits[0].argmax())
+
+
+def test_batched_sampler_follows_its_distribution():
+    """Draws of each row match sampling_probs (chi-square, false alarm 1e-4 per row), and sampling_probs applies
+    temperature, top-k and top-p as their definitions say on logits worked by hand."""
+    from scipy.stats import chisquare
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]]).expand(len(MIXED) - 1, -1)
+    params = MIXED[1:]
+    probs = sampling_probs(logits, params)
+    # top_p 0.6 at T=1: softmax is .53, .20, .12, .07, .03, .00: the first two cover 0.6
+    assert (probs[0] > 0).tolist() == [True, True, False, False, False, False]
+    assert (probs[1] > 0).sum() == 3  # top_k 3
+    expected = torch.softmax(logits[2] / 0.7, -1)
+    assert torch.allclose(probs[2], expected, atol=1e-6)
+    g = [torch.Generator().manual_seed(100 + i) for i in range(len(params))]
+    n = 4000
+    counts = torch.zeros_like(probs)
+    for _ in range(n):
+        for i, t in enumerate(sample_tokens(logits, params, g)):
+            counts[i, t] += 1
+    for i in range(len(params)):
+        keep = probs[i] > 0
+        assert counts[i][~keep].sum() == 0
+        assert chisquare(counts[i][keep].numpy(), (probs[i][keep] * n).numpy()).pvalue > 1e-4
 
 
 def test_max_tokens_and_ignore_eos(engine):
