@@ -21,6 +21,10 @@
  * Threads: the persistent pool of native_pool.h (shared with cpu_quant.c, which borrows this
  * library's pool through moe_pool_run so that one process has one set of workers).
  *
+ * AMX path (moe_set_path(1), opt-in: MOEDESK_EXPERTS_PATH=amx): groups of AMX_MIN+ tokens on AMX-BF16 tiles,
+ * the same sums of exact bf16 products in fp32, the rest on the FMAs; see the AMX section. Not yet run on AMX
+ * hardware: its logic is tested through an emulated build (-DMOE_AMX_EMULATE).
+ *
  * The Python side checks the CPU before loading this; moe_cpu_supported() checks again,
  * including the OS's support for the zmm state.
  */
@@ -37,6 +41,10 @@
 #include "native_pool.h"
 #include "native_call.h"
 #include "routed_pairs.h"
+#ifdef MOE_AMX_EMULATE
+#define NATIVE_AMX_EMULATE
+#endif
+#include "native_amx.h"
 
 typedef uint16_t bf16;
 
@@ -223,6 +231,10 @@ typedef struct {
     const int32_t *groups; /* native groups, in order */
     const int64_t *first;  /* per native group: its first scratch row */
     _Atomic int32_t *done1; /* per native group: phase-1 items finished */
+    const int64_t *tbase;  /* per native group: its first token tile in xt / at; -1: not an AMX group */
+    const int32_t *row_gi; /* scratch row -> native group */
+    uint8_t *xt, *at;      /* AMX groups' x rows and act rows as token tiles (see the AMX section) */
+    int64_t xt_bytes, at_bytes;
     int64_t H, F, Fp, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
     /* Phase-2 items from `coarse` on are quarters of a block: the call ends when the slowest thread finishes its
      * last item, and a short last item leaves the others less time idle. */
@@ -231,6 +243,240 @@ typedef struct {
     _Atomic int64_t rows_split;
     char pad[48];
 } Job;
+
+/* ---------------------------------------------------------------- AMX-BF16: groups of AMX_MIN+ tokens */
+
+/*
+ * out^T = W x^T on tiles: a C tile is 16 weight rows x 16 tokens of fp32 sums, and tdpbf16ps adds 32 values of
+ * K to it at a time: sums of exact bf16 products in fp32, as the FMA path computes (up to the order of the sum;
+ * the tiles also treat denormal inputs and sums as zero).
+ * A tiles are the weights as stored: 16 rows of 32 bf16 (64 bytes) at a stride of K * 2 bytes, no re-layout.
+ * B tiles are a group's x rows (packed in phase 0) and act rows (written by phase 1's epilogue) as token tiles
+ * of 16 tokens: block b (K values 32b .. 32b + 31) is 1 KiB, 16 rows of 64 bytes, row k holding every token's
+ * pair (32b + 2k, 32b + 2k + 1), token n at byte 4n: the pair order tdpbf16ps takes. Values past K and tokens
+ * past the group's are 0, so the C tiles' columns of absent tokens are 0 too (act(0, 0) = 0). Where a tile
+ * would reach past a matrix's rows (N % 16) or past a row's end (K % 32), its rows go through a 1 KiB
+ * zero-padded copy instead (amx_stage), so no load reads beyond a row; whole tiles load from the weights.
+ * Phase 1 works 16 gate and 16 up rows against up to 2 token tiles (C tiles 0-3, A 4-5, B 6-7), and its
+ * epilogue computes act from the gate and up C tiles with act16's roundings, storing it as bf16 pairs straight
+ * into the act token tiles (one 64-byte store per two rows); phase 2 works 32 down rows (two A tiles) against up
+ * to 2 token tiles. More tokens: passes of 32 over the same rows (from L2). The tile configuration is per thread:
+ * run_job sets it at a thread's first AMX item of a call and releases it at the end. Chosen by moe_set_path(1)
+ * where the CPU and OS allow (moe_amx_supported); built with -DMOE_AMX_EMULATE the tile instructions are done in
+ * C (native_amx.h, emu_dpbf16ps), so that the layouts and the epilogues are tested on CPUs without AMX
+ * (tests/kernels/test_cpu_experts_amx.py).
+ */
+#ifndef AMX_MIN
+#define AMX_MIN 8 /* tokens of a group from which it goes to AMX (the FMA path turned compute-bound at about 8) */
+#endif
+#define AMX_T 16 /* tokens per token tile */
+
+static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (moe_set_path) */
+
+/* Bytes of one token tile of K-value rows. */
+static inline int64_t amx_tile_bytes(int64_t K) { return 32 * round_up(K, 32); }
+
+/* Every tile 16 rows x 64 bytes: C (0-3) 16 x 16 fp32, A (4-5) 16 rows x 32 bf16, B (6-7) 16 pairs x 16 tokens. */
+static const TileCfg AMX_CFG = {.palette = 1,
+                                .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+#ifdef NATIVE_AMX_EMULATE
+static _Atomic int64_t emu_dps; /* tdpbf16ps done, for tests: which groups went to the tiles */
+
+static inline float emu_daz(uint32_t u) { /* a denormal as 0 (keeping its sign), as the tiles read and write them */
+    if ((u & 0x7f800000u) == 0) u &= 0x80000000u;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline float emu_ftz(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return emu_daz(u);
+}
+/* tdpbf16ps as the SDM describes it: per C element, the even and the odd products of the 16 pairs summed apart
+ * (fp32, RNE, denormals flushed), then C + even + odd. */
+static void emu_dpbf16ps(int c, int a, int b) {
+    atomic_fetch_add_explicit(&emu_dps, 1, memory_order_relaxed);
+    for (int m = 0; m < emu.cfg.rows[c]; m++) {
+        float even[16] = {0}, odd[16] = {0};
+        for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
+            for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
+                uint16_t pa[2], pb[2];
+                memcpy(pa, &emu.t[a][m][4 * k], 4);
+                memcpy(pb, &emu.t[b][k][4 * n], 4);
+                even[n] = emu_ftz(even[n] + emu_ftz(emu_daz((uint32_t)pa[0] << 16) * emu_daz((uint32_t)pb[0] << 16)));
+                odd[n] = emu_ftz(odd[n] + emu_ftz(emu_daz((uint32_t)pa[1] << 16) * emu_daz((uint32_t)pb[1] << 16)));
+            }
+        for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
+            float acc;
+            memcpy(&acc, &emu.t[c][m][4 * n], 4);
+            acc = emu_ftz(emu_ftz(emu_ftz(acc) + even[n]) + odd[n]);
+            memcpy(&emu.t[c][m][4 * n], &acc, 4);
+        }
+    }
+}
+#define TILE_DPBF16PS(c, a, b) emu_dpbf16ps(c, a, b)
+#else
+#define TILE_DPBF16PS(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+#endif
+
+static void amx_begin(void) { TILE_CONFIG(&AMX_CFG); }
+static void amx_end(void) { TILE_RELEASE(); }
+
+/* Rows w[0 .. rn) (K apart), values [k0, k0 + 32) as an A tile in buf, zero where there is no row or value. */
+static void amx_stage(bf16 buf[16][32], const bf16 *w, int rn, int64_t K, int64_t k0) {
+    const int kn = K - k0 < 32 ? (int)(K - k0) : 32;
+    memset(buf, 0, 16 * 32 * sizeof(bf16));
+    for (int r = 0; r < rn; r++) memcpy(buf[r], w + r * K + k0, (size_t)kn * sizeof(bf16));
+}
+
+/* A tile T of rows w (rn of 16 there), values [k0, k0 + 32): from the weights themselves where all of it is
+ * there, else staged. The asm's memory operand names the first row only: the weights are never written. */
+#define AMX_LOAD_A(T, w, rn, K, k0, buf)                                                   \
+    do {                                                                                  \
+        if ((rn) == 16 && (k0) + 32 <= (K)) {                                             \
+            TILE_LOAD(T, (w) + (k0), (K) * (int64_t)sizeof(bf16), *(const bf16(*)[32])((w) + (k0))); \
+        } else {                                                                          \
+            amx_stage(buf, w, rn, K, k0);                                                 \
+            TILE_LOAD(T, buf, 64, *(bf16(*)[16][32])buf);                                 \
+        }                                                                                 \
+    } while (0)
+
+/*
+ * c[i][u] = row set i x token tile u over K values (C tile: [16 rows][16 tokens]) for i < NA, u < NT. Row set i
+ * starts at a[i], its rows K apart, rn[i] of its 16 there; bt[u]: token tile u. Needs amx_begin in this thread.
+ */
+static inline __attribute__((always_inline)) void amx_tiles(const int NA, const int NT, const bf16 *const a[2],
+                                                           const int rn[2], const uint8_t *const bt[2], int64_t K,
+                                                           int64_t ahead, float c[2][2][16][16]) {
+    _Alignas(64) bf16 buf[16][32];
+    TILE_ZERO(0);
+    if (NT > 1) TILE_ZERO(1);
+    if (NA > 1) TILE_ZERO(2);
+    if (NA > 1 && NT > 1) TILE_ZERO(3);
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        for (int i = 0; i < NA; i++)
+            for (int r = 0; r < rn[i]; r++) _mm_prefetch((const char *)(a[i] + r * K + k0 + ahead), PREFETCH_HINT);
+        const uint8_t *b0 = bt[0] + k0 / 32 * 1024, *b1 = bt[NT - 1] + k0 / 32 * 1024;
+        TILE_LOAD(6, b0, 64, *(const uint8_t(*)[1024])b0);
+        if (NT > 1) TILE_LOAD(7, b1, 64, *(const uint8_t(*)[1024])b1);
+        AMX_LOAD_A(4, a[0], rn[0], K, k0, buf);
+        TILE_DPBF16PS(0, 4, 6);
+        if (NT > 1) TILE_DPBF16PS(1, 4, 7);
+        if (NA > 1) {
+            AMX_LOAD_A(5, a[1], rn[1], K, k0, buf);
+            TILE_DPBF16PS(2, 5, 6);
+            if (NT > 1) TILE_DPBF16PS(3, 5, 7);
+        }
+    }
+    TILE_STORE(0, c[0][0], 64, c[0][0]);
+    if (NT > 1) TILE_STORE(1, c[0][1], 64, c[0][1]);
+    if (NA > 1) TILE_STORE(2, c[1][0], 64, c[1][0]);
+    if (NA > 1 && NT > 1) TILE_STORE(3, c[1][1], 64, c[1][1]);
+}
+
+typedef void (*amx_fn)(const bf16 *const[2], const int[2], const uint8_t *const[2], int64_t, int64_t,
+                       float[2][2][16][16]);
+#define AMX_VARIANT(name, NA, NT)                                                                                    \
+    static __attribute__((noinline)) void name(const bf16 *const a[2], const int rn[2], const uint8_t *const bt[2], \
+                                               int64_t K, int64_t ahead, float c[2][2][16][16]) {                    \
+        amx_tiles(NA, NT, a, rn, bt, K, ahead, c);                                                                   \
+    }
+AMX_VARIANT(amx_1x1, 1, 1)
+AMX_VARIANT(amx_1x2, 1, 2)
+AMX_VARIANT(amx_2x1, 2, 1)
+AMX_VARIANT(amx_2x2, 2, 2)
+static const amx_fn AMX_TILES[2][2] = {{amx_1x1, amx_1x2}, {amx_2x1, amx_2x2}};
+
+/* A group's token tiles: the first of xt (x) or at (act). */
+static inline uint8_t *amx_group_tiles(uint8_t *base, int64_t bytes, const Job *j, int64_t gi) {
+    return base + j->tbase[gi] * bytes;
+}
+
+/* Phase 0 for a row of an AMX group: bf16 row src (K values) as token t's column of its token tile; the group's
+ * last token also zeroes the columns of the tokens its last tile lacks. */
+static void amx_pack_row(const bf16 *src, int64_t K, uint8_t *tile, int t, int last) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                          _mm512_set1_epi32(64));
+    for (int64_t k = 0; k < K; k += 32) {
+        const __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (K - k)) - 1);
+        uint8_t *blk = tile + k / 32 * 1024;
+        _mm512_i32scatter_epi32(blk + 4 * t, at, _mm512_maskz_loadu_epi16(m, src + k), 1);
+        for (int u = last ? t + 1 : AMX_T; u < AMX_T; u++)
+            _mm512_i32scatter_epi32(blk + 4 * u, at, _mm512_setzero_si512(), 1);
+    }
+}
+
+/* Phase 1's epilogue: act of rows f .. f + 15 (f a multiple of 16) for a token tile's 16 tokens, from the gate
+ * and up C tiles, into the act token tile: rows f + 2i, f + 2i + 1 are one row of 16 pairs. */
+static void amx_act(const float cg[16][16], const float cu[16][16], uint8_t *tile, int64_t f) {
+    uint8_t *row = tile + f / 32 * 1024 + (f % 32) / 2 * 64;
+    for (int r = 0; r < 16; r += 2) {
+        const __m512i lo = _mm512_castps_si512(act16(_mm512_load_ps(cg[r]), _mm512_load_ps(cu[r])));
+        const __m512i hi = _mm512_castps_si512(act16(_mm512_load_ps(cg[r + 1]), _mm512_load_ps(cu[r + 1])));
+        /* act16's values are bf16 already: their high halves, exactly */
+        const __m512i pair =
+            _mm512_or_si512(_mm512_srli_epi32(lo, 16), _mm512_and_si512(hi, _mm512_set1_epi32((int)0xffff0000)));
+        _mm512_storeu_si512(row + r / 2 * 64, pair);
+    }
+}
+
+/* Phase 1 of an AMX group: gate and up rows [f0, f1), 16 of each at a time, into its act token tiles. */
+static void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], H = j->H, F = j->F;
+    const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
+    const uint8_t *xt = amx_group_tiles(j->xt, j->xt_bytes, j, gi);
+    uint8_t *at = amx_group_tiles(j->at, j->at_bytes, j, gi);
+    const int64_t tiles = (n + AMX_T - 1) / AMX_T, ahead = prefetch_ahead(H, 16);
+    _Alignas(64) float c[2][2][16][16];
+    for (int64_t u0 = 0; u0 < tiles; u0 += 2) {
+        const int nt = tiles - u0 >= 2 ? 2 : 1;
+        const uint8_t *bt[2] = {xt + u0 * j->xt_bytes, xt + (u0 + nt - 1) * j->xt_bytes};
+        for (int64_t f = f0; f < f1; f += 16) {
+            const int rn = f1 - f < 16 ? (int)(f1 - f) : 16; /* f1 <= F: rows past it only at F's end, staged as 0 */
+            const bf16 *a[2] = {gate + f * H, up + f * H};
+            const int rns[2] = {rn, rn};
+            AMX_TILES[1][nt - 1](a, rns, bt, H, ahead, c);
+            for (int u = 0; u < nt; u++) amx_act(c[0][u], c[1][u], at + (u0 + u) * j->at_bytes, f);
+        }
+        /* F's last 32-block past round_up(F, 16): rows no item computes, zero (a down A tile's staged zeros there
+         * must not meet garbage) */
+        const int64_t F16 = round_up(F, 16);
+        if (f1 == F && F16 % 32)
+            for (int u = 0; u < nt; u++) memset(at + (u0 + u) * j->at_bytes + F16 / 32 * 1024 + 8 * 64, 0, 8 * 64);
+    }
+}
+
+/* Phase 2 of an AMX group: down rows [h0, h1) (h0 a multiple of 16), 32 at a time, into out. */
+static void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
+    const int64_t g = j->groups[gi], a0 = j->off[g], n = j->off[g + 1] - a0, F = j->F;
+    const bf16 *down = j->down + j->eid[g] * j->H * F;
+    const uint8_t *at = amx_group_tiles(j->at, j->at_bytes, j, gi);
+    const int64_t tiles = (n + AMX_T - 1) / AMX_T, ahead = prefetch_ahead(F, 32);
+    _Alignas(64) float c[2][2][16][16];
+    for (int64_t u0 = 0; u0 < tiles; u0 += 2) {
+        const int nt = tiles - u0 >= 2 ? 2 : 1;
+        const uint8_t *bt[2] = {at + u0 * j->at_bytes, at + (u0 + nt - 1) * j->at_bytes};
+        for (int64_t h = h0; h < h1; h += 32) {
+            const int64_t left = h1 - h;
+            const int rn[2] = {left < 16 ? (int)left : 16, left <= 16 ? 0 : left < 32 ? (int)(left - 16) : 16};
+            const int na = rn[1] ? 2 : 1;
+            const bf16 *a[2] = {down + h * F, down + (h + 16) * F};
+            AMX_TILES[na - 1][nt - 1](a, rn, bt, F, ahead, c);
+            for (int u = 0; u < nt; u++) {
+                const int64_t t0 = (u0 + u) * AMX_T, tn = n - t0 < AMX_T ? n - t0 : AMX_T;
+                for (int64_t t = 0; t < tn; t++) {
+                    const int64_t i = a0 + t0 + t;
+                    bf16 *o = j->out + (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
+                    for (int s = 0; s < na; s++)
+                        for (int r = 0; r < rn[s]; r++) o[16 * s + r] = f32_to_bf16(c[s][u][r][t]);
+                }
+            }
+        }
+    }
+}
 
 /*
  * Token tiles are the outer loop: the first tile streams the item's rows from DRAM and later
@@ -243,6 +489,10 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     const int64_t Hp = (H + 31) / 32 * 32;
     const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
     const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    if (j->tbase[gi] >= 0) {
+        phase1_amx(j, gi, f0, f1);
+        return;
+    }
     float *gu = j->gu + r0 * 2 * F, s[4 * TILE];
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
@@ -322,13 +572,22 @@ void moe_trace_read(int64_t *words) { memcpy(words, &trace, sizeof trace); }
 #endif
 
 /* Phase 0, shared by whoever is there: the x rows into split fp32 (a decode call's 8 rows took the caller alone
- * 11 µs, a batched call's 128 rows 160 µs, measured with tests/perf/probe_kernel_trace.py). */
+ * 11 µs, a batched call's 128 rows 160 µs, measured with tests/perf/probe_kernel_trace.py), an AMX group's
+ * into its token tiles. */
 static void split_rows(Job *j) {
     const int64_t Hp = round_up(j->H, 32);
     for (;;) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
         if (r >= j->rows_n) break;
-        split_row(j->x_src + j->x_row[r] * j->x_stride, j->H, j->x + r * Hp);
+        const bf16 *src = j->x_src + j->x_row[r] * j->x_stride;
+        const int64_t gi = j->row_gi[r], t = r - j->first[gi];
+        if (j->tbase[gi] >= 0) {
+            const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g];
+            uint8_t *tile = amx_group_tiles(j->xt, j->xt_bytes, j, gi) + t / AMX_T * j->xt_bytes;
+            amx_pack_row(src, j->H, tile, (int)(t % AMX_T), t == n - 1);
+        } else {
+            split_row(src, j->H, j->x + r * Hp);
+        }
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -338,30 +597,39 @@ static void split_rows(Job *j) {
 static void run_job(Job *j, int tid) {
     (void)tid;
     TRACE(int64_t first = 0; int64_t items = 0; int64_t wait = 0);
+    int tiles = 0; /* whether this thread configured the AMX tiles (per-thread state) */
     split_rows(j);
     for (;;) {
         const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->total) break;
         TRACE(if (!items++) first = now_ns());
+        /* phase 2's block k: coarse items are one per block; each block after them is handed out as 4 quarters */
+        const int64_t k = i < j->n1 ? 0 : i < j->coarse ? i - j->n1 : j->coarse - j->n1 + (i - j->coarse) / 4;
+        const int64_t gi = i < j->n1 ? i / j->nb1 : k / j->nb2;
+        if (!tiles && j->tbase[gi] >= 0) {
+            amx_begin();
+            tiles = 1;
+        }
         if (i < j->n1) {
-            phase1_item(j, i / j->nb1, i % j->nb1);
-            atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
+            phase1_item(j, gi, i % j->nb1);
+            atomic_fetch_add_explicit(&j->done1[gi], 1, memory_order_release);
         } else {
-            /* coarse items are one per block; each block after them is handed out as 4 quarters */
-            const int64_t k = i < j->coarse ? i - j->n1 : j->coarse - j->n1 + (i - j->coarse) / 4, gi = k / j->nb2;
             unsigned spins = 0;
             TRACE(const int64_t w = now_ns());
             while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
             TRACE(wait += now_ns() - w);
             int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
-            if (i >= j->coarse) { /* a quarter of the block, in multiples of 4 rows */
-                const int64_t quarter = round_up((h1 - h0 + 3) / 4, 4), q = (i - j->coarse) % 4;
+            if (i >= j->coarse) { /* a quarter of the block, in multiples of 4 rows (AMX: of 16, the A tiles' rows) */
+                const int64_t quarter = round_up((h1 - h0 + 3) / 4, j->tbase[gi] >= 0 ? 16 : 4);
+                const int64_t q = (i - j->coarse) % 4;
                 h0 += q * quarter;
                 if (h1 > h0 + quarter) h1 = h0 + quarter;
             }
-            if (h0 < h1) phase2_item(j, gi, h0, h1);
+            if (h0 < h1 && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
+            else if (h0 < h1) phase2_item(j, gi, h0, h1);
         }
     }
+    if (tiles) amx_end();
     TRACE(if (tid < TRACE_THREADS) {
         trace.first[tid] = first;
         trace.last[tid] = items ? now_ns() : 0;
@@ -421,6 +689,13 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
     const int64_t Hp = round_up(H, 32), Fp = round_up(F, 32);
     if (threads > total) threads = (int)total;
+    /* groups of AMX_MIN+ tokens go to the AMX tiles where the path is on */
+    int64_t tiles = 0;
+    for (int64_t g = 0; use_amx && g < G; g++) {
+        const int64_t n = offsets[g + 1] - offsets[g];
+        if (n >= AMX_MIN && n <= max_tokens) tiles += (n + AMX_T - 1) / AMX_T;
+    }
+    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(F);
     const size_t sizes[] = {
         (size_t)rows_n * 2 * F * sizeof(float),  /* gu */
         (size_t)rows_n * Fp * sizeof(float),     /* act */
@@ -428,9 +703,13 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
         (size_t)ng * sizeof(int64_t),            /* first */
         (size_t)ng * sizeof(int32_t),            /* groups */
         (size_t)ng * sizeof(_Atomic int32_t),    /* done1 */
-        (size_t)rows_n * sizeof(int64_t)};       /* x_row */
-    size_t at[7];
-    char *base = scratch_parts(sizes, 7, at);
+        (size_t)rows_n * sizeof(int64_t),        /* x_row */
+        (size_t)ng * sizeof(int64_t),            /* tbase */
+        (size_t)rows_n * sizeof(int32_t),        /* row_gi */
+        (size_t)(tiles * xt_bytes),              /* AMX groups' x token tiles */
+        (size_t)(tiles * at_bytes)};             /* AMX groups' act token tiles */
+    size_t at[11];
+    char *base = scratch_parts(sizes, 11, at);
     if (!base) {
         pthread_mutex_unlock(&call);
         return NO_MEMORY;
@@ -447,16 +726,29 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     int64_t *first = (int64_t *)(base + at[3]);
     int32_t *groups = (int32_t *)(base + at[4]);
     j->done1 = (_Atomic int32_t *)(base + at[5]);
-    for (int64_t g = 0, k = 0, r = 0; g < G; g++) {
+    int64_t *tbase = (int64_t *)(base + at[7]);
+    int32_t *row_gi = (int32_t *)(base + at[8]);
+    for (int64_t g = 0, k = 0, r = 0, t = 0; g < G; g++) {
         const int64_t n = offsets[g + 1] - offsets[g];
         if (n > 0 && n <= max_tokens) {
             groups[k] = (int32_t)g;
             first[k] = r;
             atomic_init(&j->done1[k], 0);
+            tbase[k] = tiles && n >= AMX_MIN ? t : -1;
+            t += tbase[k] >= 0 ? (n + AMX_T - 1) / AMX_T : 0;
+            for (int64_t i = offsets[g]; i < offsets[g + 1]; i++, r++) {
+                x_row[r] = rows[i];
+                row_gi[r] = (int32_t)k;
+            }
             k++;
-            for (int64_t i = offsets[g]; i < offsets[g + 1]; i++, r++) x_row[r] = rows[i];
         }
     }
+    j->tbase = tbase;
+    j->row_gi = row_gi;
+    j->xt = (uint8_t *)(base + at[9]);
+    j->at = (uint8_t *)(base + at[10]);
+    j->xt_bytes = xt_bytes;
+    j->at_bytes = at_bytes;
     j->x_src = x;
     j->x_row = x_row;
     j->x_stride = x_stride;
@@ -524,6 +816,37 @@ void moe_set_spin_us(int64_t us) { pool_set_spin_us(us); }
 void moe_pool_run(pool_fn fn, void *arg, int threads, int linger) { pool_run(fn, arg, threads, linger); }
 
 /* AVX512F/BW/VL present and the OS saves the opmask and zmm registers. */
+int moe_cpu_supported(void);
+
+/* 0 where AMX-BF16 may be used: AMX-TILE and AMX-BF16 with the OS saving the tile state and Linux granting this
+ * process the tile data, and the AVX-512 path (the epilogues are AVX-512); else why not (native_amx.h's
+ * amx_os_status; -3: no AVX-512 path). Built with -DMOE_AMX_EMULATE: the AVX-512 path is enough. */
+int moe_amx_status(void) {
+    static int known, checked;
+    if (checked) return known;
+#ifdef NATIVE_AMX_EMULATE
+    known = moe_cpu_supported() ? 0 : -3;
+#else
+    known = !moe_cpu_supported() ? -3 : amx_os_status(1u << 22 /* AMX-BF16 */);
+#endif
+    checked = 1;
+    return known;
+}
+int moe_amx_supported(void) { return moe_amx_status() == 0; }
+
+/* 1: AMX for groups of AMX_MIN+ tokens and the FMAs for the rest, 0: the FMAs only. Returns the path in use
+ * (AMX where the CPU or OS lacks it is refused for 0). */
+int moe_set_path(int path) {
+    use_amx = path >= 1 && moe_amx_supported();
+    return use_amx;
+}
+int moe_get_path(void) { return use_amx; }
+
+#ifdef NATIVE_AMX_EMULATE
+/* The emulated build's count of tdpbf16ps done so far, for tests: which groups went to the tiles. */
+int64_t moe_amx_emulated_dps(void) { return atomic_load(&emu_dps); }
+#endif
+
 int moe_cpu_supported(void) {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */

@@ -17,10 +17,18 @@ that stays above the ~95 GB/s the memory gives up to T = 16-20 and falls to ~55 
 where torch's AMX matmuls run a whole Mixtral expert at 50-76 GB/s (4.6-7 ms on the GPU box) and
 keep that up with more tokens. tests/perf/bench_cpu_experts.py prints the crossover measured.
 Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
+
+Paths inside the kernel: "avx512" (the default: FMAs on every group) and "amx", which computes the groups
+of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products
+in fp32, and the rest with the FMAs. AMX needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux
+granting the tile state; elsewhere asking for it gives "avx512". MOEDESK_EXPERTS_PATH=amx (or
+`set_path("amx")`) turns it on, MOEDESK_EXPERTS_PATH=avx512 forces the FMAs: AMX is opt-in until it has
+been measured on such a CPU (tests/perf/bench_cpu_experts.py --paths avx512,amx).
 """
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import os
 import threading
@@ -32,11 +40,12 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from kernels.native_build import missing_cpu_flags, open_library
+from kernels.native_build import build_library, missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32
 SOURCE = Path(__file__).with_name("cpu_experts.c")
-HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h",
+                                                        "native_amx.h")]
 
 
 def header_flag(paths: list[Path] = HEADERS) -> str:
@@ -49,6 +58,7 @@ def header_flag(paths: list[Path] = HEADERS) -> str:
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", header_flag()]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+PATHS = ("avx512", "amx")  # moe_get_path's codes
 _ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
            -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
            -4: "out of memory for the kernel's scratch buffers", -5: "out_rows holds an index outside out"}
@@ -289,7 +299,9 @@ def describe() -> str:
     """What computes CPU experts here, for profiles' cache keys and `moedesk profile`."""
     reason = unavailable_reason()
     if reason is None:
-        return f"native AVX-512 kernel, {get_num_threads()} threads (bf16, up to {NATIVE_MAX_TOKENS} tokens per expert)"
+        amx = ", AMX-BF16 from 8 tokens" if get_path() == "amx" else ""
+        return (f"native AVX-512 kernel{amx}, {get_num_threads()} threads "
+                f"(bf16, up to {NATIVE_MAX_TOKENS} tokens per expert)")
     return f"torch ({reason})"
 
 
@@ -302,20 +314,96 @@ def _load() -> None:
         if reason is not None:
             _state["reason"] = reason
             return
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.moe_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-                                            ptr, i64, ptr, i64, i64, ctypes.POINTER(i64)]
-        lib.moe_experts_forward.restype = ctypes.c_int
-        lib.moe_routed_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                                   ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64)]
-        lib.moe_routed_experts_forward.restype = ctypes.c_int
-        lib.moe_set_threads.argtypes = [ctypes.c_int]
-        lib.moe_set_spin_us.argtypes = [i64]
-        lib.moe_get_threads.restype = ctypes.c_int
-        lib.moe_set_threads(_threads or default_num_threads())
-        if _spin_us is not None:
-            lib.moe_set_spin_us(_spin_us)
+        _configure(lib)
+        lib.moe_set_path(_wanted_path())
         _state["lib"] = lib
+
+
+def _configure(lib) -> None:
+    """Argument types, and this process's thread and spin settings."""
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.moe_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
+                                        ptr, i64, ptr, i64, i64, ctypes.POINTER(i64)]
+    lib.moe_experts_forward.restype = ctypes.c_int
+    lib.moe_routed_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
+                                               ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+    lib.moe_routed_experts_forward.restype = ctypes.c_int
+    lib.moe_set_threads.argtypes = [ctypes.c_int]
+    lib.moe_set_spin_us.argtypes = [i64]
+    lib.moe_get_threads.restype = ctypes.c_int
+    lib.moe_set_path.argtypes = [c_int]
+    lib.moe_set_path.restype = c_int
+    lib.moe_get_path.restype = c_int
+    lib.moe_amx_supported.restype = c_int
+    lib.moe_amx_status.restype = c_int
+    lib.moe_set_threads(_threads or default_num_threads())
+    if _spin_us is not None:
+        lib.moe_set_spin_us(_spin_us)
+
+
+def _wanted_path() -> int:
+    """MOEDESK_EXPERTS_PATH's path code (moe_set_path falls back from AMX where the CPU lacks it); unset: avx512."""
+    wanted = os.environ.get("MOEDESK_EXPERTS_PATH", "").strip().lower()
+    if wanted and wanted not in PATHS:
+        raise ValueError(f"MOEDESK_EXPERTS_PATH must be one of {', '.join(PATHS)}, not {wanted!r}")
+    return PATHS.index(wanted or "avx512")
+
+
+def _lib():
+    if not available():
+        raise RuntimeError(f"native CPU experts kernel unavailable: {unavailable_reason()}")
+    return _state["lib"]
+
+
+def amx_supported() -> bool:
+    """AMX-BF16 usable here (CPU, OS state and the process's tile permission), or emulated by the build in use."""
+    return available() and bool(_state["lib"].moe_amx_supported())
+
+
+def amx_reason() -> str | None:
+    """Why the AMX path cannot run here, or None when it can."""
+    if not available():
+        return unavailable_reason()
+    status = _state["lib"].moe_amx_status()
+    reasons = {0: None, -1: "the CPU lacks AMX-BF16", -2: "the OS does not enable the AMX tile state (XCR0)",
+               -3: "the CPU or OS lacks AVX-512"}
+    if status in reasons:
+        return reasons[status]
+    return f"Linux refused this process the AMX tile state: {os.strerror(status)}" + (
+        " (a thread's signal stack is too small for it)" if status == errno.ENOSPC else "")
+
+
+def set_path(name: str | None) -> str:
+    """Pick the kernel's path: "amx" (AMX-BF16 tiles for experts with 8+ tokens, the FMAs for the rest),
+    "avx512" (the FMAs only), or None for the default (MOEDESK_EXPERTS_PATH, else "avx512"). Returns the path
+    in use; asking for AMX where the CPU or OS lacks it raises ValueError."""
+    if name is not None and name not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)} or None, not {name!r}")
+    lib = _lib()
+    if name == "amx" and not lib.moe_amx_supported():
+        raise ValueError(f"no AMX here: {amx_reason()}")
+    lib.moe_set_path(_wanted_path() if name is None else PATHS.index(name))
+    return get_path()
+
+
+def get_path() -> str:
+    return PATHS[_lib().moe_get_path()]
+
+
+def build_variant(defines: list[str]):
+    """This kernel built with extra compiler flags (e.g. ["-DMOE_AMX_EMULATE"], ["-DAMX_MIN=4"]) and configured
+    like the one in use, for tests and for measuring alternatives side by side. Hand it to `use_library` to route
+    calls through it. Its thread pool is its own."""
+    lib = ctypes.CDLL(str(build_library(SOURCE, [*FLAGS, *defines])))
+    _configure(lib)
+    lib.moe_set_path(_lib().moe_get_path())
+    return lib
+
+
+def use_library(lib):
+    """Route calls through `lib` (a `build_variant`, or the library returned before); returns the one replaced."""
+    before, _state["lib"] = _lib(), lib
+    return before
 
 
 def default_num_threads() -> int:
