@@ -21,9 +21,10 @@ Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
 Paths inside the kernel: "avx512" (the default: FMAs on every group) and "amx", which computes the groups
 of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products
 in fp32, and the rest with the FMAs. AMX needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux
-granting the tile state; elsewhere asking for it gives "avx512". MOEDESK_EXPERTS_PATH=amx (or
-`set_path("amx")`) turns it on, MOEDESK_EXPERTS_PATH=avx512 forces the FMAs: AMX is opt-in until it has
-been measured on such a CPU (tests/perf/bench_cpu_experts.py --paths avx512,amx).
+granting the tile state (`amx_reason()` says what is missing). MOEDESK_EXPERTS_PATH=amx (or `set_path("amx")`)
+turns it on, MOEDESK_EXPERTS_PATH=avx512 forces the FMAs; where AMX is missing the variable falls back to
+"avx512" and set_path("amx") raises. AMX is opt-in until it has been measured on such a CPU
+(tests/perf/bench_cpu_experts.py --paths avx512,amx).
 """
 from __future__ import annotations
 
