@@ -10,21 +10,22 @@ rows[offsets[g]:offsets[g+1]] and uses expert expert_ids[g]; result row i is
 down_e @ (silu(gate_e @ x[rows[i]]) * (up_e @ x[rows[i]])) with gate_up[e] = [gate; up].
 
 Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, for
-groups of at most NATIVE_MAX_TOKENS tokens; everything else goes to `reference_experts_forward`,
-the engine's per-expert torch arithmetic. Why 32: the kernel's FMAs do about 60 G multiply-adds
+groups of at most max_native_tokens() tokens; everything else goes to `reference_experts_forward`,
+the engine's per-expert torch arithmetic. Why 32 on the FMA path: the kernel's FMAs do about 60 G multiply-adds
 per second per core (measured), i.e. 120/T GB/s of weights per core for T tokens; with 15 cores
 that stays above the ~95 GB/s the memory gives up to T = 16-20 and falls to ~55 GB/s at 32,
 where torch's AMX matmuls run a whole Mixtral expert at 50-76 GB/s (4.6-7 ms on the GPU box) and
 keep that up with more tokens. tests/perf/bench_cpu_experts.py prints the crossover measured.
 Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
 
-Paths inside the kernel: "avx512" (the default: FMAs on every group) and "amx", which computes the groups
-of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products
-in fp32, and the rest with the FMAs. AMX needs a CPU with AMX-BF16 (Sapphire Rapids and later) and Linux
-granting the tile state (`amx_reason()` says what is missing). MOEDESK_EXPERTS_PATH=amx (or `set_path("amx")`)
-turns it on, MOEDESK_EXPERTS_PATH=avx512 forces the FMAs; where AMX is missing the variable falls back to
-"avx512" and set_path("amx") raises. AMX is opt-in until it has been measured on such a CPU
-(tests/perf/bench_cpu_experts.py --paths avx512,amx).
+Paths inside the kernel: "amx" (the default where the CPU has AMX-BF16 and Linux grants the tile state)
+computes the groups of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of
+exact bf16 products in fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group. Measured on
+the GPU box (one Mixtral expert, 16 threads, tests/perf/bench_cpu_experts.py --paths avx512,amx): 8 / 16 /
+32 tokens took 3.35 / 4.51 / 9.08 ms on the FMAs and 2.80 / 2.75 / 3.24 ms on AMX (1-4 tokens: 2.7 ms on
+both, the memory's speed), so with AMX groups of up to AMX_MAX_TOKENS stay native. `amx_reason()` says what is
+missing where AMX is not used; MOEDESK_EXPERTS_PATH=avx512 (or `set_path("avx512")`) forces the FMAs, and
+set_path("amx") raises where AMX is missing.
 """
 from __future__ import annotations
 
@@ -43,7 +44,10 @@ import torch.nn.functional as F
 
 from kernels.native_build import build_library, missing_cpu_flags, open_library
 
-NATIVE_MAX_TOKENS = 32
+NATIVE_MAX_TOKENS = 32  # the FMA path's limit
+# With AMX-BF16 a Mixtral expert stays near memory speed to 24-32 tokens and takes 4.0-4.5 ms at 48-64, where
+# torch takes 6.9-7.6 (GPU box, 16 threads, tests/perf/bench_cpu_experts.py --paths avx512,amx)
+AMX_MAX_TOKENS = 64
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h",
                                                         "native_amx.h")]
@@ -147,12 +151,12 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
             x.data_ptr(), x.shape[0], x.stride(0), H, pair_expert.data_ptr(), P, k,
             None if chosen is None else chosen.ctypes.data, 0 if chosen is None else len(chosen),
             gate_up.data_ptr(), down.data_ptr(), E, two_f // 2, out.data_ptr(), out.stride(0), out.shape[0],
-            NATIVE_MAX_TOKENS, index.data_ptr(), shape, ctypes.byref(skipped))
+            max_native_tokens(), index.data_ptr(), shape, ctypes.byref(skipped))
         if rc != 0:
             raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
         if skipped.value:
             out_rows, rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
-            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, NATIVE_MAX_TOKENS)
+            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, max_native_tokens())
         return out
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if P > x.shape[0] * k:
@@ -202,7 +206,7 @@ def _fast_call_fits(x, index, gate_up, down, out) -> bool:
 
 def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None,
                            native_max_tokens=None):
-    """The native kernel for groups of at most native_max_tokens (default NATIVE_MAX_TOKENS), torch for
+    """The native kernel for groups of at most native_max_tokens (default max_native_tokens()), torch for
     larger ones; raises RuntimeError where the kernel is unavailable."""
     reason = unavailable_reason()
     if reason is not None:
@@ -237,7 +241,7 @@ def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, nat
         # A bf16 stand-in; with out_rows it starts as a copy, since only the listed rows are written.
         out = (torch.empty(target.shape, dtype=torch.bfloat16) if out_rows is None
                else target.to("cpu", torch.bfloat16, copy=True).contiguous())
-    limit = NATIVE_MAX_TOKENS if native_max_tokens is None else native_max_tokens
+    limit = max_native_tokens() if native_max_tokens is None else native_max_tokens
     skipped = ctypes.c_int64(0)
     E, two_f = gate_up.shape[0], gate_up.shape[1]
     rc = lib.moe_experts_forward(
@@ -302,7 +306,7 @@ def describe() -> str:
     if reason is None:
         amx = ", AMX-BF16 from 8 tokens" if get_path() == "amx" else ""
         return (f"native AVX-512 kernel{amx}, {get_num_threads()} threads "
-                f"(bf16, up to {NATIVE_MAX_TOKENS} tokens per expert)")
+                f"(bf16, up to {max_native_tokens()} tokens per expert)")
     return f"torch ({reason})"
 
 
@@ -343,11 +347,16 @@ def _configure(lib) -> None:
 
 
 def _wanted_path() -> int:
-    """MOEDESK_EXPERTS_PATH's path code (moe_set_path falls back from AMX where the CPU lacks it); unset: avx512."""
+    """MOEDESK_EXPERTS_PATH's path code; unset: amx (moe_set_path falls back to avx512 where AMX is missing)."""
     wanted = os.environ.get("MOEDESK_EXPERTS_PATH", "").strip().lower()
     if wanted and wanted not in PATHS:
         raise ValueError(f"MOEDESK_EXPERTS_PATH must be one of {', '.join(PATHS)}, not {wanted!r}")
-    return PATHS.index(wanted or "avx512")
+    return PATHS.index(wanted or "amx")
+
+
+def max_native_tokens() -> int:
+    """The most tokens of one expert the kernel computes; larger groups go to torch."""
+    return AMX_MAX_TOKENS if available() and get_path() == "amx" else NATIVE_MAX_TOKENS
 
 
 def _lib():
@@ -376,7 +385,7 @@ def amx_reason() -> str | None:
 
 def set_path(name: str | None) -> str:
     """Pick the kernel's path: "amx" (AMX-BF16 tiles for experts with 8+ tokens, the FMAs for the rest),
-    "avx512" (the FMAs only), or None for the default (MOEDESK_EXPERTS_PATH, else "avx512"). Returns the path
+    "avx512" (the FMAs only), or None for the default (MOEDESK_EXPERTS_PATH, else "amx" where it can run). Returns the path
     in use; asking for AMX where the CPU or OS lacks it raises ValueError."""
     if name is not None and name not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)} or None, not {name!r}")

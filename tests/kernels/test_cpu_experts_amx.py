@@ -192,15 +192,16 @@ def test_path_setting(amx, monkeypatch):
 
 
 def test_default_path_and_refusal(monkeypatch, tmp_path):
-    """AVX-512 unless asked; where the CPU or OS lacks AMX-BF16, asking through the environment gives AVX-512 and
-    asking set_path raises."""
+    """AMX where the CPU and OS have AMX-BF16, else AVX-512, whether by default or asked through the environment;
+    asking set_path for AMX where it is missing raises."""
     if ce.cpu_reason() is not None or find_compiler() is None:
         pytest.skip("the native kernel cannot be built here")
     monkeypatch.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MOEDESK_EXPERTS_PATH", raising=False)
     monkeypatch.setattr(ce, "_state", {})
-    assert ce.get_path() == "avx512"
+    assert ce.get_path() == ("amx" if ce.amx_supported() else "avx512")
+    assert ce.max_native_tokens() == (ce.AMX_MAX_TOKENS if ce.amx_supported() else ce.NATIVE_MAX_TOKENS)
     monkeypatch.setenv("MOEDESK_EXPERTS_PATH", "amx")
     monkeypatch.setattr(ce, "_state", {})
     if ce.amx_supported():

@@ -113,10 +113,10 @@ def test_empty_calls(native):
 
 
 def test_groups_above_threshold_take_torch_path(native):
-    args = make_case(4, 64, 48, [2, ce.NATIVE_MAX_TOKENS + 1, 1])
+    args = make_case(4, 64, 48, [2, ce.max_native_tokens() + 1, 1])
     got = ce.experts_forward(*args)
     ref = ce.reference_experts_forward(*args)
-    a, b = 2, 2 + ce.NATIVE_MAX_TOKENS + 1
+    a, b = 2, 2 + ce.max_native_tokens() + 1
     assert torch.equal(got[a:b], ref[a:b])  # computed by torch itself
     assert rel_err(got, ref.float()) < 1e-2
 
@@ -139,7 +139,7 @@ def test_out_argument(native):
 def test_out_rows_scatter_results(native, fn):
     """out_rows puts result i at out[out_rows[i]] and leaves the other rows alone, also for a group
     above the native limit (computed by torch inside the same call)."""
-    args = make_case(5, 64, 48, [2, ce.NATIVE_MAX_TOKENS + 1, 3])
+    args = make_case(5, 64, 48, [2, ce.max_native_tokens() + 1, 3])
     want = ce.reference_experts_forward(*args) if fn == "torch" else ce.experts_forward(*args)
     M = want.shape[0]
     dest = torch.randperm(M + 4, generator=torch.Generator().manual_seed(1))[:M]
@@ -197,7 +197,7 @@ def test_bad_inputs_raise(native):
 
 def routed_case(N, k, E, H=64, F=48, seed=0):
     """x, routing [N, k] (distinct experts per token, as a router gives them) and stacks; expert 0 takes
-    every token, so with N > NATIVE_MAX_TOKENS one group goes to torch inside the call."""
+    every token, so with N > max_native_tokens() one group goes to torch inside the call."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, H, generator=g).to(torch.bfloat16)
     gate_up = (torch.randn(E, 2 * F, H, generator=g) / H ** 0.5).to(torch.bfloat16)
@@ -226,7 +226,7 @@ def test_routed_call_computes_the_chosen_pairs_at_their_rows(native, monkeypatch
     if kernel == "torch":
         monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
     k, E = 3, 7
-    x, ids, gate_up, down = routed_case(ce.NATIVE_MAX_TOKENS + 3, k, E)
+    x, ids, gate_up, down = routed_case(ce.max_native_tokens() + 3, k, E)
     rows, experts, offsets, dest = grouped_by_hand(ids, chosen)
     want = torch.full((ids.numel() + 2, x.shape[1]), 5.0, dtype=torch.bfloat16)
     ce.experts_forward(x, rows, experts, offsets, gate_up, down, out=want, out_rows=dest)

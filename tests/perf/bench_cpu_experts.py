@@ -212,7 +212,7 @@ def main():
         settle()
         ref = time_calls(ce.reference_experts_forward, batch)
         print(row + f"{statistics.median(ref) * 1e3:>10.2f}{nb / sum(ref) / 1e9:>7.1f}", flush=True)
-    print(f"(groups above kernels.cpu_experts.NATIVE_MAX_TOKENS = {ce.NATIVE_MAX_TOKENS} go to torch)")
+    print(f"(groups above kernels.cpu_experts.max_native_tokens() = {ce.max_native_tokens()} go to torch)")
 
 
 if __name__ == "__main__":
