@@ -45,7 +45,7 @@ from engine.errors import MoedeskError
 from engine.generation.decoder import retrying_oom, synchronize
 from engine.generation.kv_cache import KVCache
 from engine.requests import Completion, Request, SamplingParams
-from engine.generation.sampling import sample_token
+from engine.generation.sampling import sample_token, sample_tokens
 from engine.speculative import perf_model, rejection
 
 MODES = ("off", "greedy", "beam", "auto")
@@ -654,10 +654,16 @@ class Speculator:
 
     def _verify(self, active, proposal: Proposal, executor, drafter):
         a, n = proposal.tokens.shape
-        lengths = torch.tensor([r.length for r in active])
         indices = [r.index for r in active]
         # Rows 0..A-1 as a slice, as the plain decoder passes them: a γ=0 round is then its very step.
         rows = None if indices == list(range(a)) else torch.tensor(indices, device=self.device)
+        if n == 1:  # the roots alone (γ = 0): the plain decode step's inputs, as Decoder.decode builds them
+            positions = torch.tensor([[r.length] for r in active])
+            out = self._target(proposal.tokens.to(self.device), positions.to(self.device), executor, rows, None, None,
+                               drafter.feature_keys)
+            logits, hidden = out if drafter.feature_keys else (out, None)
+            return logits, (drafter.combine(hidden) if hidden is not None else None)
+        lengths = torch.tensor([r.length for r in active])
         depth = torch.tensor([node_depths(p) for p in proposal.parents])
         positions = (lengths[:, None] + depth).to(self.device)
         tokens = proposal.tokens.to(self.device)
@@ -703,8 +709,15 @@ class Speculator:
                     parents = torch.tensor(proposal.parents[i])
                     v = rejection.greedy_tree(parents, proposal.tokens[i].to(logits.device), logits[i])
                     paths[i], nexts[i] = v.path[:int(v.accepted)].tolist(), int(v.next_token)
+        undrafted = proposal.tokens.shape[1] == 1
+        plain = [i for i, r in enumerate(active) if r.params.temperature > 0] if undrafted else []
+        if plain:  # nothing drafted (γ = 0): the plain step's samples (Decoder._accept's sample_tokens)
+            picked = sample_tokens(logits[plain, -1], [active[i].params for i in plain],
+                                   [active[i].generator for i in plain])
+            for i, token in zip(plain, picked):
+                nexts[i] = token
         for i, r in enumerate(active):
-            if r.params.temperature == 0:
+            if r.params.temperature == 0 or undrafted:
                 continue
             target = processed_probs(logits[i].float().cpu(), r.params)
             tokens = proposal.tokens[i].cpu()
@@ -754,6 +767,25 @@ class Speculator:
                 if feats is not None:
                     f = feats[i, [0] + path]
                 drafter.absorb(r.index, start, emitted, f)
+        return taken
+
+    def _plain_tokens(self, active, logits) -> list[int]:
+        """Each row's token in a round that drafted nothing, as the plain decode step takes it (Decoder._accept):
+        sample_tokens over the batch, one argmax and one transfer for the greedy rows, the sampled ones drawn
+        together on the device, each from its own generator. What _accept gives such a round, without a verdict."""
+        return sample_tokens(logits[:, -1], [r.params for r in active], [r.generator for r in active])
+
+    def _emit_plain(self, active, nexts, feats, drafter) -> int:
+        """_emit for a round that drafted nothing: each row takes its token (a verify step, no drafts tested);
+        the drafter absorbs it with the target's features at the root. The number of tokens the rows took."""
+        taken = 0
+        for i, r in enumerate(active):
+            r.steps += 1
+            start, before = r.length, len(r.tokens)
+            self._take(r, [nexts[i]])
+            taken += len(r.tokens) - before
+            if r.finish_reason is None:
+                drafter.absorb(r.index, start, [nexts[i]], None if feats is None else feats[i, :1])
         return taken
 
     def _take(self, r: _Row, emitted: list[int]) -> None:
@@ -882,6 +914,33 @@ class SpeculativeBatch:
                                    [r.last for r in active], gamma, self.width, self.budget,
                                    [r.params for r in active], [r.generator for r in active],
                                    [len(r.tokens) for r in active])
+        if gamma == 0 and proposal.tokens.shape[1] == 1:
+            self._plain_round(active, proposal, executor, t0)
+        else:
+            self._verify_round(active, proposal, executor, gamma, t0)
+
+    def _plain_round(self, active, proposal, executor, t0) -> None:
+        """A round that drafts nothing (γ = 0: auto priced drafting out, or no room is left) at a plain decode step's
+        host cost: the forward (the plain step's CUDA graphs where they are on), each row's token as the plain step
+        takes it (Speculator._plain_tokens), no rejection and no compaction (nothing was drafted), the drafter
+        absorbing the token with the target's features at the root. Recorded and priced (observe_round) as
+        _verify_round records a round of γ = 0. No synchronize before the forward: a depth-0 proposal queued no
+        device work (a drafter's state waits for its next drafting round), so there is none to leave out."""
+        spec, drafter = self.spec, self.drafter
+        t1 = time.perf_counter()
+        logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
+        synchronize(spec.device)
+        t2 = time.perf_counter()
+        emitted = spec._emit_plain(active, spec._plain_tokens(active, logits), feats, drafter)
+        t3 = time.perf_counter()
+        if hasattr(self.costs, "observe_round"):
+            self.costs.observe_round(len(active), 0, 1000 * (t3 - t1))
+        self.stats.rounds.append(Round(0, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2), emitted))
+
+    def _verify_round(self, active, proposal, executor, gamma, t0) -> None:
+        """A round that verifies drafts: one target forward over every row's tree, a rejection verdict per row,
+        the accepted nodes' keys and values compacted, the tokens taken."""
+        spec, drafter = self.spec, self.drafter
         synchronize(spec.device)
         t1 = time.perf_counter()
         logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
@@ -961,6 +1020,13 @@ class RunningCosts:
         self.draft_token_ms: float = 0.0  # 0 until a round drafts: optimistic, so auto tries once
         self.scale = {False: 1.0, True: 1.0}  # observed / table: rounds that draft nothing, rounds that verify
         self.rounds = {False: 0, True: 0}
+        self._table_ms: dict = {}  # (B, k) -> the table's T(B, k): interpolated once, asked for every round
+
+    def _table(self, batch: int, k: int) -> float | None:
+        key = (batch, k)
+        if key not in self._table_ms:
+            self._table_ms[key] = self.table.ar_ms(batch) if k == 1 else self.table.verify_ms(batch, k - 1)
+        return self._table_ms[key]
 
     def observe_draft(self, ms: float, tokens: int) -> None:
         if tokens:
@@ -969,7 +1035,7 @@ class RunningCosts:
 
     def observe_round(self, batch: int, gamma: int, ms: float) -> None:
         """A round of `batch` rows and `gamma` drafts each took `ms` from its verify forward to its last token."""
-        table = self.table.verify_ms(batch, gamma) if gamma else self.table.ar_ms(batch)
+        table = self._table(batch, gamma + 1)
         if not table or ms <= 0:
             return
         side, ratio = gamma > 0, ms / table
@@ -977,10 +1043,10 @@ class RunningCosts:
         self.rounds[side] += 1
 
     def ar_ms(self, batch):
-        return self.table.ar_ms(batch)
+        return self._table(batch, 1)
 
     def verify_ms(self, batch, gamma):
-        t = self.table.verify_ms(batch, gamma)
+        t = self._table(batch, gamma + 1)
         return None if t is None else t * max(1.0, self.scale[True] / self.scale[False])
 
     def draft_ms(self, batch):

@@ -106,7 +106,8 @@ def sample_chain(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_p
     n = _leading_accepted(u * draft_x < target_x)
     at = n.unsqueeze(-1).unsqueeze(-1).expand(*n.shape, 1, target_probs.shape[-1])
     target_at = target_probs.gather(-2, at).squeeze(-2)
-    padded_draft = torch.cat([draft_probs, torch.zeros_like(draft_probs[..., :1, :])], dim=-2)
+    # (a zero row shaped from the target's: with no drafts, γ = 0, the draft has no row to copy the shape of)
+    padded_draft = torch.cat([draft_probs, torch.zeros_like(target_probs[..., :1, :])], dim=-2)
     draft_at = padded_draft.gather(-2, at).squeeze(-2)
     # after all γ accepted the "draft" row is zero, so the residual is the target's own distribution
     return ChainVerdict(n, _sample_rows(_residual(target_at, draft_at), generator))
