@@ -61,6 +61,7 @@ class GraphedDecode:
         self.seen: dict[tuple, int] = {}
         self.pool = None  # one memory pool for every graph
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
+        self.captures = 0  # shapes captured so far: a caller timing steps can leave out those that captured
 
     def release(self) -> None:
         """Drop every captured graph and the memory it holds now (a caller done with this cache)."""
@@ -107,6 +108,7 @@ class GraphedDecode:
                                  features, executor)
             try:
                 if self.capture:
+                    self.captures += 1
                     captured.capture(tokens, positions, rows, mask, slots, executor, self.pool)
             except torch.OutOfMemoryError:
                 captured.release()

@@ -511,14 +511,17 @@ class _Row:
 
 
 class Round(NamedTuple):
-    """One round: its draft length, the rows it ran, milliseconds drafting, verifying and accepting, and the
-    tokens it emitted (accepted drafts plus each row's own token, less what a finishing row did not take)."""
+    """One round: its draft length, the rows it ran, milliseconds drafting, verifying and accepting, the
+    tokens it emitted (accepted drafts plus each row's own token, less what a finishing row did not take), and
+    the CUDA graph shapes its forward captured (a one-off cost a bench leaves out, as it does a plain run's first
+    step)."""
     gamma: int
     rows: int
     draft_ms: float
     verify_ms: float
     accept_ms: float
     emitted: int
+    captured: int = 0
 
 
 @dataclass
@@ -679,6 +682,10 @@ class Speculator:
         out = self._target(tokens, positions, executor, rows, mask, slots, drafter.feature_keys)
         logits, hidden = out if drafter.feature_keys else (out, None)
         return logits, (drafter.combine(hidden) if hidden is not None else None)
+
+    def graph_captures(self) -> int:
+        """CUDA graph shapes captured so far over this speculator's cache (0 without graphs)."""
+        return self.graphs.captures if self.graphs is not None else 0
 
     def _target(self, tokens, positions, executor, rows, mask, slots, features):
         """The target's forward over [A, T] tokens: replayed from CUDA graphs where they are on and the shape is
@@ -927,21 +934,24 @@ class SpeculativeBatch:
         _verify_round records a round of γ = 0. No synchronize before the forward: a depth-0 proposal queued no
         device work (a drafter's state waits for its next drafting round), so there is none to leave out."""
         spec, drafter = self.spec, self.drafter
+        captures = spec.graph_captures()
         t1 = time.perf_counter()
         logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
         synchronize(spec.device)
         t2 = time.perf_counter()
         emitted = spec._emit_plain(active, spec._plain_tokens(active, logits), feats, drafter)
         t3 = time.perf_counter()
-        if hasattr(self.costs, "observe_round"):
-            self.costs.observe_round(len(active), 0, 1000 * (t3 - t1))
-        self.stats.rounds.append(Round(0, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2), emitted))
+        captured = spec.graph_captures() - captures
+        self._observe(len(active), 0, 1000 * (t3 - t1), captured)
+        self.stats.rounds.append(Round(0, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2), emitted,
+                                       captured))
 
     def _verify_round(self, active, proposal, executor, gamma, t0) -> None:
         """A round that verifies drafts: one target forward over every row's tree, a rejection verdict per row,
         the accepted nodes' keys and values compacted, the tokens taken."""
         spec, drafter = self.spec, self.drafter
         synchronize(spec.device)
+        captures = spec.graph_captures()
         t1 = time.perf_counter()
         logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
         synchronize(spec.device)
@@ -952,10 +962,16 @@ class SpeculativeBatch:
         spec._compact(active, paths, proposal)
         emitted = spec._emit(active, proposal, paths, nexts, feats, drafter, self.alpha_counts, gamma)
         t3 = time.perf_counter()
-        if hasattr(self.costs, "observe_round"):
-            self.costs.observe_round(len(active), gamma, 1000 * (t3 - t1))
+        captured = spec.graph_captures() - captures
+        self._observe(len(active), gamma, 1000 * (t3 - t1), captured)
         self.stats.rounds.append(Round(gamma, len(active), 1000 * (t1 - t0), 1000 * (t2 - t1), 1000 * (t3 - t2),
-                                       emitted))
+                                       emitted, captured))
+
+    def _observe(self, rows: int, gamma: int, ms: float, captured: int) -> None:
+        """Auto prices rounds at what they cost (RunningCosts.observe_round), but not a round that captured CUDA
+        graphs: that one-off cost is not what the next round of its shape will take."""
+        if hasattr(self.costs, "observe_round") and not captured:
+            self.costs.observe_round(rows, gamma, ms)
 
     def completion(self, row: _Row, executor=None) -> Completion:
         """A row's completion now, with the summary of the rounds it took part in (and its expert work)."""

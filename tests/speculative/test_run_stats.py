@@ -16,7 +16,31 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def test_round_is_a_named_record_that_indexes_as_before():
     r = Round(4, 16, 1.5, 250.0, 3.0, 37)
     assert (r[0], r[1], r[2], r[3], r[4], r[5]) == (4, 16, 1.5, 250.0, 3.0, 37)
-    assert (r.gamma, r.rows, r.draft_ms, r.verify_ms, r.accept_ms, r.emitted) == tuple(r)
+    assert (r.gamma, r.rows, r.draft_ms, r.verify_ms, r.accept_ms, r.emitted) == tuple(r)[:6]
+    assert r.captured == 0 and Round(4, 16, 1.5, 250.0, 3.0, 37, 1).captured == 1
+
+
+def test_speed_figures_leave_out_rounds_that_captured_graphs():
+    """A round whose forward captured CUDA graphs pays a one-off cost: the bench's figures leave it out (as the
+    plain run's first step), and auto does not price later rounds by it."""
+    from engine.bench_speculative import full_batch_throughput, timed_rounds
+    from engine.speculative.decode import SpeculativeBatch
+
+    rounds = [Round(0, 4, 0.0, 900.0, 1.0, 4, 1), Round(0, 4, 0.0, 99.0, 1.0, 4), Round(4, 4, 0.0, 199.0, 1.0, 12)]
+    assert timed_rounds(rounds) == rounds[1:]
+    assert full_batch_throughput(rounds, 4) == (pytest.approx(1000 * 16 / 300), 2)
+
+    seen = []
+
+    class Costs:
+        def observe_round(self, rows, gamma, ms):
+            seen.append((rows, gamma, ms))
+
+    batch = SpeculativeBatch.__new__(SpeculativeBatch)
+    batch.costs = Costs()
+    batch._observe(4, 0, 900.0, 1)
+    batch._observe(4, 0, 99.0, 0)
+    assert seen == [(4, 0, 99.0)]
 
 
 def test_summary_milliseconds_leave_the_emitted_tokens_out():
