@@ -45,7 +45,7 @@ from engine.errors import MoedeskError
 from engine.generation.decoder import retrying_oom, synchronize
 from engine.generation.kv_cache import KVCache
 from engine.requests import Completion, Request, SamplingParams
-from engine.generation.sampling import sample_token, sample_tokens
+from engine.generation.sampling import sample_token, sample_tokens, sampling_probs
 from engine.speculative import perf_model, rejection
 
 MODES = ("off", "greedy", "beam", "auto")
@@ -76,19 +76,10 @@ def chain_parents(gamma: int) -> list[int]:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution engine.generation.sampling.sample_token draws from (temperature, top-k, top-p), over the last
-    dimension of float logits: rejection sampling needs both models' distributions as actually sampled."""
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"), neginf=float("-inf"))
-    logits = (logits - logits.max(dim=-1, keepdim=True).values) / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.softmax(logits, dim=-1)
+    """The distribution engine.generation.sampling.sample_tokens draws from (temperature, top-k, top-p), over the
+    last dimension of float logits: rejection sampling needs both models' distributions as actually sampled."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return sampling_probs(rows, [params] * rows.shape[0]).reshape(logits.shape)
 
 
 def acceptance_estimate(accepted: int, tested: int, prior_accepted: float = 1.0, prior_tested: float = 2.0) -> float:
