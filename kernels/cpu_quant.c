@@ -71,12 +71,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "native_pool.h"
 #include "native_call.h"
 #include "routed_pairs.h"
+#ifdef MQ_AMX_EMULATE
+#define NATIVE_AMX_EMULATE
+#endif
+#include "native_amx.h" /* the tile configuration, instructions and permission request */
 
 typedef uint16_t bf16;
 
@@ -776,20 +779,10 @@ static inline void amx_quantize(const float *v, uint8_t *tile, int64_t K, int64_
 
 #define AMXF __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
 
-typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } TileCfg;
 /* tmm0: C, 16 rows x 16 int32; tmm1: A, 16 weight rows x 32 bytes; tmm2: B, 8 rows (32 values / 4) x 16 tokens x 4 */
 static const TileCfg AMX_CFG = {.palette = 1, .colsb = {64, 32, 64}, .rows = {16, 16, 8}};
 
 #ifdef MQ_AMX_EMULATE
-/* The five tile instructions used here, in C (per thread, as the tile registers are). */
-static __thread struct { TileCfg cfg; _Alignas(64) uint8_t t[8][16][64]; } emu;
-static void emu_zero(int t) { memset(emu.t[t], 0, sizeof emu.t[t]); }
-static void emu_load(int t, const void *p, int64_t stride) {
-    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy(emu.t[t][r], (const uint8_t *)p + r * stride, emu.cfg.colsb[t]);
-}
-static void emu_store(int t, void *p, int64_t stride) {
-    for (int r = 0; r < emu.cfg.rows[t]; r++) memcpy((uint8_t *)p + r * stride, emu.t[t][r], emu.cfg.colsb[t]);
-}
 static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k sum_i A[m][4k + i] * B[k][4n + i], signed bytes */
     for (int m = 0; m < emu.cfg.rows[c]; m++)
         for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
@@ -800,23 +793,8 @@ static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k sum_i A[m][4k 
             memcpy(&emu.t[c][m][4 * n], &acc, 4);
         }
 }
-#define TILE_CONFIG(p) (emu.cfg = *(p))
-#define TILE_RELEASE() ((void)0)
-#define TILE_ZERO(t) emu_zero(t)
-#define TILE_LOAD(t, p, stride, obj) emu_load(t, p, stride)
-#define TILE_STORE(t, p, stride, obj) emu_store(t, p, stride)
 #define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
 #else
-/* By hand, with the memory each reads or writes as an operand (obj: a C object covering it): GCC 12's
- * _tile_loadd names no memory at all (the stores that fill an A buffer only it reads could be dropped or
- * sunk past it), its _tile_stored clobbers all memory, its _tile_loadconfig names 8 of the 64 bytes. */
-#define TILE_CONFIG(p) __asm__ volatile("ldtilecfg %0" ::"m"(*(const TileCfg *)(p)))
-#define TILE_RELEASE() __asm__ volatile("tilerelease" ::)
-#define TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
-#define TILE_LOAD(t, p, stride, obj) \
-    __asm__ volatile("tileloadd (%1,%2,1), %%tmm" #t ::"m"(obj), "r"((const void *)(p)), "r"((long)(stride)))
-#define TILE_STORE(t, p, stride, obj) \
-    __asm__ volatile("tilestored %%tmm" #t ", (%1,%2,1)" : "=m"(obj) : "r"((void *)(p)), "r"((long)(stride)))
 #define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #endif
 
@@ -1331,11 +1309,7 @@ int mq_amx_supported(void) {
 #ifdef MQ_AMX_EMULATE
     known = mq_vnni_supported();
 #else
-    unsigned a, b, c, d;
-    int ok = mq_vnni_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25)) &&
-             os_saves(0x60000); /* XTILECFG, XTILEDATA */
-    if (ok) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    known = ok;
+    known = mq_vnni_supported() && amx_os_status(1u << 25 /* AMX-INT8 */) == 0;
 #endif
     return known;
 }

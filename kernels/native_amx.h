@@ -8,8 +8,7 @@
  * registers are per thread), so that the layouts and epilogues built on them are tested on CPUs without AMX;
  * a kernel's emulated dot product reads and writes `emu.t`.
  *
- * cpu_experts.c (AMX-BF16) includes this; cpu_quant.c (AMX-INT8) still carries its own copy of the same pieces
- * (the first of them), which it could drop for this header.
+ * cpu_experts.c (AMX-BF16, tdpbf16ps) and cpu_quant.c (AMX-INT8, tdpbssd) include this.
  */
 #ifndef MOEDESK_NATIVE_AMX_H
 #define MOEDESK_NATIVE_AMX_H
