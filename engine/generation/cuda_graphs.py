@@ -61,7 +61,7 @@ class GraphedDecode:
         self.seen: dict[tuple, int] = {}
         self.pool = None  # one memory pool for every graph
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
-        self.captures = 0  # shapes captured so far: a caller timing steps can leave out those that captured
+        self.captures = 0  # shapes captured (set up, with capture=False) so far: a timing can leave those out
 
     def release(self) -> None:
         """Drop every captured graph and the memory it holds now (a caller done with this cache)."""
@@ -107,8 +107,8 @@ class GraphedDecode:
             captured = _Captured(self.model, self.cache, batch, length, rows is not None, mask is not None,
                                  features, executor)
             try:
+                self.captures += 1
                 if self.capture:
-                    self.captures += 1
                     captured.capture(tokens, positions, rows, mask, slots, executor, self.pool)
             except torch.OutOfMemoryError:
                 captured.release()

@@ -69,6 +69,10 @@ def test_auto_rounds_that_draft_nothing_are_the_plain_decode_segments(draft, off
     assert len(graphs.calls) == len(stats.rounds) > 0
     assert all(t == 1 and went for _, t, went in graphs.calls)  # every round: one token a row, through the segments
     assert {b for b, _, _ in graphs.calls} == {1, 2, 3}  # rows finished at different rounds
+    # each batch size's shape is set up once, in the first round that runs it, and that round says so
+    firsts = [i for i, r in enumerate(stats.rounds) if i == 0 or r.rows != stats.rounds[i - 1].rows]
+    assert [i for i, r in enumerate(stats.rounds) if r.captured] == firsts
+    assert sum(r.captured for r in stats.rounds) == graphs.made[0].captures == 3
 
 
 def _prefilled(engine, prompts, extra):
