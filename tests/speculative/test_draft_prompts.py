@@ -2,10 +2,12 @@
 train-draft's own loader, holds at least 2,000 prompts, no two alike after normalising case, whitespace and
 punctuation, each with a non-empty user message, and none sharing a run of 8 consecutive normalised words with an
 MT-bench question turn or a HumanEval prompt, so that evaluation text never leaks into training. That last check reads
-the evaluation sets from ../shared/data (/work/shared/data) and is skipped where that folder is absent, as in CI; the
-others always run. CPU only, fast."""
+the evaluation sets (mt_bench_questions.jsonl, humaneval.jsonl) from the folder MOEDESK_EVAL_DATA names, where they
+are kept apart from the repository, and is skipped where it is not set, as in CI; the others always run. CPU only,
+fast."""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -13,7 +15,7 @@ import pytest
 
 from engine.speculative.train import default_prompts_path, load_prompts
 
-SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+EVAL_DATA = Path(os.environ["MOEDESK_EVAL_DATA"]) if os.environ.get("MOEDESK_EVAL_DATA") else None
 NGRAM = 8
 
 
@@ -68,10 +70,11 @@ def test_no_two_prompts_alike_after_normalising(prompts):
 
 
 def _evaluation_ngrams():
-    mt_bench = SHARED_DATA / "mt_bench_questions.jsonl"
-    humaneval = SHARED_DATA / "humaneval.jsonl"
+    if EVAL_DATA is None:
+        pytest.skip("MOEDESK_EVAL_DATA (the folder of the evaluation sets) is not set, as in CI")
+    mt_bench, humaneval = EVAL_DATA / "mt_bench_questions.jsonl", EVAL_DATA / "humaneval.jsonl"
     if not (mt_bench.is_file() and humaneval.is_file()):
-        pytest.skip(f"{SHARED_DATA} with mt_bench_questions.jsonl and humaneval.jsonl is not here (as in CI)")
+        pytest.fail(f"{EVAL_DATA}: MOEDESK_EVAL_DATA names no folder with mt_bench_questions.jsonl and humaneval.jsonl")
     grams = {}
     for line in mt_bench.read_text(encoding="utf-8").splitlines():
         if line.strip():
