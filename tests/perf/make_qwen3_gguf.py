@@ -2,7 +2,7 @@
 
 Usage: GGUF_PY=<llama.cpp>/gguf-py python3 tests/perf/make_qwen3_gguf.py OUT.gguf L [--tiny]
 
-The companion of ../shared/tools/llamacpp/make_gguf.py (Mixtral shape) for the fine-grained
+The companion of the GPU box's llama.cpp make_gguf.py (Mixtral shape) for the fine-grained
 shape of `moedesk bench --shape qwen3-30b-a3b`: 128 experts of 2048x768, top-8, 32 query and 4
 key/value heads of 128, per-head q/k RMSNorm. Weights tile one random block (speed does not
 depend on the values); the vocabulary is placeholder tokens, enough for llama-bench. --tiny

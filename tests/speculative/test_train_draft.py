@@ -3,7 +3,7 @@
 On a tiny random Mixtral: training lowers the loss on a fixed batch; a run interrupted and resumed from its
 checkpoint ends with the same weights, bit for bit, as an uninterrupted one; the folder written loads with
 eagle.py, and speculative decoding with it is plain greedy token for token (chains and trees). The shipped
-demo head loads and its acceptance length on a few prompts written here (not from ../shared/data) is above a
+demo head loads and its acceptance length on a few prompts written here (not from an evaluation set) is above a
 bound. Bad inputs (a missing model, an --out that cannot be written, a prompts file with a bad line, --resume
 without a checkpoint, a head trained for another demo version) end in one line.
 """
