@@ -326,8 +326,8 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
                        gamma: int, mode: str = "greedy", costs=None, seed: int = 0, references=None) -> dict:
     """One speculative run of `prompts` with the lookahead oracle at `acceptance`. tok/s counts the tokens the
     rounds emitted over their verify and accept time, rounds that captured CUDA graphs left out (timed_rounds):
-    the oracle's own forwards are the bench's, not a draft's. full_batch_tok_s: the same over only the rounds that ran every sequence
-    (`full_batch_throughput`)."""
+    the oracle's own forwards are the bench's, not a draft's. full_batch_tok_s: the same over only the rounds
+    that ran every sequence (`full_batch_throughput`)."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     requests = [Request(p, params, tag=i) for i, p in enumerate(prompts)]
     capacity = max(map(len, prompts)) + new_tokens + 2 * gamma + 4

@@ -147,16 +147,17 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
         chosen = None if cpu_experts is None else np.asarray(cpu_experts, dtype=np.int64)
         shape, skipped = (ctypes.c_int64 * 2)(), ctypes.c_int64(0)
         _, two_f, H = gate_up.shape
+        limit = max_native_tokens(lib)
         rc = lib.moe_routed_experts_forward(
             x.data_ptr(), x.shape[0], x.stride(0), H, pair_expert.data_ptr(), P, k,
             None if chosen is None else chosen.ctypes.data, 0 if chosen is None else len(chosen),
             gate_up.data_ptr(), down.data_ptr(), E, two_f // 2, out.data_ptr(), out.stride(0), out.shape[0],
-            max_native_tokens(), index.data_ptr(), shape, ctypes.byref(skipped))
+            limit, index.data_ptr(), shape, ctypes.byref(skipped))
         if rc != 0:
             raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
         if skipped.value:
             out_rows, rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
-            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, max_native_tokens())
+            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit)
         return out
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if P > x.shape[0] * k:
@@ -241,7 +242,7 @@ def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, nat
         # A bf16 stand-in; with out_rows it starts as a copy, since only the listed rows are written.
         out = (torch.empty(target.shape, dtype=torch.bfloat16) if out_rows is None
                else target.to("cpu", torch.bfloat16, copy=True).contiguous())
-    limit = max_native_tokens() if native_max_tokens is None else native_max_tokens
+    limit = max_native_tokens(lib) if native_max_tokens is None else native_max_tokens
     skipped = ctypes.c_int64(0)
     E, two_f = gate_up.shape[0], gate_up.shape[1]
     rc = lib.moe_experts_forward(
@@ -354,9 +355,14 @@ def _wanted_path() -> int:
     return PATHS.index(wanted or "amx")
 
 
-def max_native_tokens() -> int:
-    """The most tokens of one expert the kernel computes; larger groups go to torch."""
-    return AMX_MAX_TOKENS if available() and get_path() == "amx" else NATIVE_MAX_TOKENS
+def max_native_tokens(lib=None) -> int:
+    """The most tokens of one expert the kernel computes; larger groups go to torch. lib: the loaded library,
+    where the caller has it (the per-layer calls), so asking costs one read of its path."""
+    if lib is None:
+        if not available():
+            return NATIVE_MAX_TOKENS
+        lib = _state["lib"]
+    return AMX_MAX_TOKENS if PATHS[lib.moe_get_path()] == "amx" else NATIVE_MAX_TOKENS
 
 
 def _lib():

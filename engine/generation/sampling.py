@@ -37,10 +37,9 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     picks = torch.searchsorted(cdf, (u.to(cdf.device) * cdf[:, -1])[:, None], right=True)
     picks = picks.clamp_(max=probs.shape[-1] - 1).squeeze(1)
     # every logit NaN or -inf: nothing to weigh, keep the argmax
-    finite = torch.isfinite(probs).all(dim=-1)
-    for j, (i, pick, ok) in enumerate(zip(sampled, picks.tolist(), finite.tolist())):
-        if ok:
-            out[i] = pick
+    picks = torch.where(torch.isfinite(probs).all(dim=-1), picks, rows.argmax(dim=-1))
+    for i, pick in zip(sampled, picks.tolist()):
+        out[i] = pick
     return out
 
 

@@ -651,25 +651,22 @@ class Speculator:
         indices = [r.index for r in active]
         # Rows 0..A-1 as a slice, as the plain decoder passes them: a γ=0 round is then its very step.
         rows = None if indices == list(range(a)) else torch.tensor(indices, device=self.device)
-        if n == 1:  # the roots alone (γ = 0): the plain decode step's inputs, as Decoder.decode builds them
-            positions = torch.tensor([[r.length] for r in active])
-            out = self._target(proposal.tokens.to(self.device), positions.to(self.device), executor, rows, None, None,
-                               drafter.feature_keys)
-            logits, hidden = out if drafter.feature_keys else (out, None)
-            return logits, (drafter.combine(hidden) if hidden is not None else None)
-        lengths = torch.tensor([r.length for r in active])
-        depth = torch.tensor([node_depths(p) for p in proposal.parents])
-        positions = (lengths[:, None] + depth).to(self.device)
         tokens = proposal.tokens.to(self.device)
         mask = slots = None
-        if not proposal.is_chain:
-            kv_len = int(lengths.max()) + n
-            keys = torch.arange(kv_len)
-            tree = (keys[None, None, :] < lengths[:, None, None]).expand(a, n, kv_len).clone()
-            for i, p in enumerate(proposal.parents):
-                tree[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
-            mask = tree[:, None].to(self.device)
-            slots = (lengths[:, None] + torch.arange(n)).to(self.device)
+        if n == 1:  # the roots alone (γ = 0): the plain decode step's inputs, as Decoder.decode builds them
+            positions = torch.tensor([[r.length] for r in active]).to(self.device)
+        else:
+            lengths = torch.tensor([r.length for r in active])
+            depth = torch.tensor([node_depths(p) for p in proposal.parents])
+            positions = (lengths[:, None] + depth).to(self.device)
+            if not proposal.is_chain:
+                kv_len = int(lengths.max()) + n
+                keys = torch.arange(kv_len)
+                tree = (keys[None, None, :] < lengths[:, None, None]).expand(a, n, kv_len).clone()
+                for i, p in enumerate(proposal.parents):
+                    tree[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
+                mask = tree[:, None].to(self.device)
+                slots = (lengths[:, None] + torch.arange(n)).to(self.device)
         out = self._target(tokens, positions, executor, rows, mask, slots, drafter.feature_keys)
         logits, hidden = out if drafter.feature_keys else (out, None)
         return logits, (drafter.combine(hidden) if hidden is not None else None)
