@@ -1,7 +1,7 @@
 """Where does a decode step's time go? Synthetic models of real shapes, one variant after another.
 
 Usage (GPU box, repo root): python3 tests/perf/profile_decode.py [SHAPE:LAYERS ...] [--variants a,b]
-[--spin US,US] [--no-trace]   (default qwen3-30b-a3b:12 mixtral-8x7b:8, every variant, the kernel's default spin).
+[--spin US,US] [--no-trace] [--expert-format q4_0]   (default qwen3-30b-a3b:12 mixtral-8x7b:8, every variant, the kernel's default spin).
 Per variant: tok/s and, per decode step, the executor's MoE time split into the wait for the GPU's routing,
 the CPU experts' call and the host's bookkeeping, and the time outside the executor. Variants: every expert
 resident on the GPU (the floor the non-expert work sets), all on the CPU through the native kernel, all on the
@@ -28,6 +28,7 @@ parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12", "mixtral-8
 parser.add_argument("--variants", default="gpu,native,native-eager,torch,balanced,balanced-eager")
 parser.add_argument("--spin", default="", help="kernel worker spin times (µs) to try, comma-separated")
 parser.add_argument("--no-trace", action="store_true")
+parser.add_argument("--expert-format", default="dense", help="dense or a packed format (q4_0, q8_0, q4_k, ...)")
 args = parser.parse_args()
 spins = [int(v) for v in args.spin.split(",") if v] or [None]
 out = os.environ.get("OUT", "/tmp")
@@ -39,7 +40,8 @@ for spec in args.shapes:
     shape, layers = spec.split(":")
     cfg = shape_config(shape, int(layers))
     t0 = time.perf_counter()
-    model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
+    model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256,
+                                   expert_format=args.expert_format)
     prof = profile_expert(banks[0].expert(0), device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
     costs = fit_latency_model(prof)
     print(f"{spec}: built+profiled in {time.perf_counter() - t0:.0f}s; cpu ms {prof['cpu_expert_ms']} "
