@@ -52,8 +52,8 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
                         help="steps between checkpoints (default 50)")
     parser.add_argument("--resume", action="store_true",
-                        help="continue from DIR's last checkpoint with its settings (ends where an uninterrupted "
-                             "run would)")
+                        help="continue from DIR's last checkpoint with its settings, or before the first one from "
+                             "the target's answers saved so far (ends where an uninterrupted run would)")
 
 
 def settings_from_args(args):
@@ -99,7 +99,7 @@ class LineProgress:
         text = {"generate": "target answers", "features": "target features", "train": "training"}.get(phase, phase)
         line = f"{text} [{bar}] {done}/{total}"
         if phase == "generate" and "tokens" in f:
-            line += f"  {f['tokens']} tokens  {f['tokens'] / max(f['s'], 1e-9):.0f} tok/s"
+            line += f"  {f['tokens']} tokens  {f.get('new_tokens', f['tokens']) / max(f['s'], 1e-9):.0f} tok/s"
         if phase == "train":
             agree = f.get("agree") or []
             line += f"  loss {f['loss']:.3f}"
@@ -125,7 +125,7 @@ def run_train_draft(args, load_engine) -> int:
     T.check_output_folder(out)
     T.load_prompts(args.prompts or T.default_prompts_path())
     if args.resume:
-        saved = T.checkpoint_state(out / T.TRAINING_DIR / "checkpoint.safetensors").get("settings", {})
+        saved = T.resume_settings(out)  # the last checkpoint's, or the saved answers' before the first
         for name in sorted(given):
             if name in saved and saved[name] != getattr(settings, name) and getattr(settings, name) != "auto":
                 raise MoedeskError(f"--resume: {out} was trained with {name}={saved[name]!r}, not "
@@ -135,11 +135,14 @@ def run_train_draft(args, load_engine) -> int:
     engine = load_engine(args)
     progress = LineProgress()
     log = lambda line: print(f"moedesk: {line}", file=sys.stderr)  # noqa: E731
-    last = {"step": 0}
+    last = {"step": 0, "phase": None, "answers": 0}
 
     def tracking(phase, done, total, figures):
+        last["phase"] = phase
         if phase == "train":
             last["step"] = done
+        if phase == "generate":
+            last["answers"] = done
         progress(phase, done, total, figures)
 
     try:
@@ -148,8 +151,13 @@ def run_train_draft(args, load_engine) -> int:
                                 progress=tracking, log=log)
     except KeyboardInterrupt:
         every = args.checkpoint_every
+        if last["phase"] in ("generate", "features"):
+            where = f"from the {last['answers']} answers saved" if last["phase"] == "generate" else \
+                "from the saved answers"
+        else:
+            where = f"from the last checkpoint (step {last['step'] // every * every})"
         print(f"\nmoedesk: interrupted; `moedesk train-draft --model {args.model} --out {out} --resume` continues "
-              f"from the last checkpoint (step {last['step'] // every * every})", file=sys.stderr)
+              f"{where}", file=sys.stderr)
         return 130
     f = summary["figures"]
     agree = "/".join(f"{a:.2f}" for a in f.get("agree", []))

@@ -4,6 +4,7 @@ Data. The target answers a prompt set greedily through the engine's own generati
 applied), then one teacher-forced forward over prompt + answer records its feature at every position (the
 last hidden state after the final norm: what the head drafts from, engine.speculative.eagle). The head
 learns what the target would do, not what a dataset says, so its drafts are accepted as often as possible.
+The answers are saved as they complete (AnswerLog), so an interrupted generation continues where it stopped.
 
 Loss, as the EAGLE paper: at every answer position, a smooth-L1 loss between the head's output and the
 target's next feature, plus 0.1 x the cross-entropy of the head's next-token distribution (through the
@@ -41,8 +42,10 @@ from engine.model.transformer import apply_rope
 from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict
 
 DATA_FORMAT = 1
+ANSWERS_FORMAT = 1
 CHECKPOINT_FORMAT = 1
-TRAINING_DIR = "training"  # under --out: data, checkpoint, state (the head itself sits at the top)
+TRAINING_DIR = "training"  # under --out: answers, data, checkpoint, state (the head itself sits at the top)
+ANSWERS_FILE = "answers.jsonl"  # under TRAINING_DIR: the target's answers as they complete (AnswerLog)
 
 Progress = Callable[[str, int, int, dict], None]  # (phase, done, total, figures)
 
@@ -171,9 +174,16 @@ def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temp
 
 
 def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
-                  feature_batch: int = 8, samples: int = 1, sample_temperature: float = 0.8) -> DraftData:
+                  feature_batch: int = 8, samples: int = 1, sample_temperature: float = 0.8,
+                  saved: dict[int, tuple[list[int], bool]] | None = None,
+                  on_answer: Callable[[int, list[int], bool], None] | None = None) -> DraftData:
     """The target's answers to `prompts` (Engine.generate, the normal path): the greedy one and `samples` - 1
-    sampled ones per prompt (seeded, so the data is reproducible), and its features over them."""
+    sampled ones per prompt (seeded, so the data is reproducible), and its features over them.
+
+    saved: answers already made, {request index: (token ids, stopped at an EOS)} (an AnswerLog's): those
+    requests are not generated again. on_answer(index, token ids, stopped) is called as each new answer
+    completes (AnswerLog.add), before `progress` hears of it. Every request is seeded on its own and sampled
+    independently of the others in its batch, so the answers do not depend on which were saved."""
     from engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
@@ -189,14 +199,24 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
             requests.append(Request(ids, params, tag=len(requests)))
     answers: dict[int, list[int]] = {}
     stopped: dict[int, bool] = {}
+    for i, (ids, stop) in (saved or {}).items():
+        if 0 <= i < len(requests):
+            answers[i], stopped[i] = list(ids), bool(stop)
     eos = min(engine.tokenizer.eos_token_ids | frozenset(engine.config.eos_token_ids), default=None)
     started = time.perf_counter()
-    for c in engine.generate(requests, batch_size=batch_size):
+    tokens = sum(map(len, answers.values()))
+    new_tokens = 0
+    todo = [r for r in requests if r.tag not in answers]
+    for c in engine.generate(todo, batch_size=batch_size) if todo else ():
         answers[c.tag] = list(c.token_ids)
         stopped[c.tag] = c.finish_reason == "stop" and eos is not None
+        if on_answer:
+            on_answer(c.tag, answers[c.tag], stopped[c.tag])
+        tokens += len(c.token_ids)
+        new_tokens += len(c.token_ids)
         if progress:
             progress("generate", len(answers), len(requests),
-                     {"tokens": sum(map(len, answers.values())), "s": time.perf_counter() - started})
+                     {"tokens": tokens, "new_tokens": new_tokens, "s": time.perf_counter() - started})
     seqs, starts, ends = [], [], []
     for i, r in enumerate(requests):
         answer = answers[i] + ([eos] if stopped[i] else [])
@@ -211,6 +231,95 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
     return DraftData(tokens=torch.tensor([t for s in seqs for t in s], dtype=torch.long),
                      offsets=torch.cumsum(lengths, 0), answer_start=torch.tensor(starts),
                      loss_end=torch.tensor(ends), features=features)
+
+
+class AnswerLog:
+    """The target's answers saved as they complete, so an interrupted generation continues where it stopped.
+
+    A JSONL file: a header line {"format", "key" (data_key), "requests", "settings"}, then one line per finished
+    answer {"i": request index, "ids": [token ids], "stop": ended at an EOS}, in completion order. Lines are
+    appended and flushed one at a time, so a run killed at any moment leaves every answer it finished and at most
+    a partial last line, which reading drops (that answer is generated again). Only token ids: small, and
+    nothing pickled."""
+
+    def __init__(self, path: Path, key: str, requests: int, max_new_tokens: int, settings: dict | None = None):
+        self.path, self.key, self.requests, self.max_new_tokens = Path(path), key, requests, max_new_tokens
+        self.settings = settings or {}
+        self.answers: dict[int, tuple[list[int], bool]] = {}
+        self.dropped = 0  # unreadable lines read (a partial last line)
+        self._file = None
+        self._clean = False  # the file on disk is exactly the header and the answers read, ending in a newline
+
+    @staticmethod
+    def header(path: Path) -> dict | None:
+        """The header of an answers file, or None when there is none readable."""
+        try:
+            with open(path, "rb") as f:
+                line = f.readline()
+            head = json.loads(line) if line.endswith(b"\n") else None
+        except (OSError, ValueError):
+            return None
+        return head if isinstance(head, dict) and head.get("format") == ANSWERS_FORMAT else None
+
+    def load(self) -> int:
+        """Read the saved answers when the file was made for this key (else none); returns how many."""
+        self.answers, self.dropped, self._clean = {}, 0, False
+        head = self.header(self.path)
+        if head is None or head.get("key") != self.key or head.get("requests") != self.requests:
+            return 0
+        with open(self.path, "rb") as f:
+            f.readline()
+            for line in f:
+                answer = self._parse(line)
+                if answer is None:
+                    self.dropped += 1
+                else:
+                    self.answers[answer[0]] = answer[1:]
+        # a header naming other settings (a run that reuses the answers to train differently) is rewritten: a
+        # --resume before the first checkpoint continues with this run's
+        self._clean = self.dropped == 0 and head.get("settings") == self.settings
+        return len(self.answers)
+
+    def _parse(self, line: bytes):
+        if not line.endswith(b"\n"):
+            return None  # cut short by a kill mid-write
+        try:
+            item = json.loads(line)
+            i, ids, stop = item["i"], item["ids"], item["stop"]
+        except (ValueError, KeyError, TypeError):
+            return None
+        if (not isinstance(i, int) or not 0 <= i < self.requests or not isinstance(stop, bool)
+                or not isinstance(ids, list) or len(ids) > self.max_new_tokens
+                or not all(isinstance(t, int) and t >= 0 for t in ids)):
+            return None
+        return i, ids, stop
+
+    def open(self) -> None:
+        """Ready to append: the file is rewritten (atomically) with the header and the answers read unless it
+        already holds exactly those."""
+        if not self._clean:
+            lines = [self._header_line()] + [self._line(i, ids, stop) for i, (ids, stop) in self.answers.items()]
+            _atomic(self.path, lambda tmp: tmp.write_text("".join(lines), encoding="utf-8"))
+            self._clean = True
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def add(self, i: int, ids: list[int], stop: bool) -> None:
+        self.answers[i] = (list(ids), bool(stop))
+        self._file.write(self._line(i, ids, stop))
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _header_line(self) -> str:
+        return json.dumps({"format": ANSWERS_FORMAT, "key": self.key, "requests": self.requests,
+                           "settings": self.settings}) + "\n"
+
+    @staticmethod
+    def _line(i: int, ids: list[int], stop: bool) -> str:
+        return json.dumps({"i": i, "ids": ids, "stop": stop}, separators=(",", ":")) + "\n"
 
 
 def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | None) -> torch.Tensor:
@@ -730,6 +839,19 @@ def check_output_folder(out: Path) -> None:
         raise MoedeskError(f"{out}: already holds a model that train-draft did not write; choose another --out")
 
 
+def resume_settings(out) -> dict:
+    """The settings `--resume` continues with: its last checkpoint's, or before the first checkpoint those its
+    saved answers were made with. MoedeskError (one line) when `out` holds neither."""
+    work = Path(out) / TRAINING_DIR
+    checkpoint = work / "checkpoint.safetensors"
+    if checkpoint.exists():
+        return checkpoint_state(checkpoint).get("settings", {})
+    head = AnswerLog.header(work / ANSWERS_FILE)
+    if head is not None and isinstance(head.get("settings"), dict):
+        return head["settings"]
+    raise MoedeskError(f"{checkpoint}: no checkpoint or saved answers to resume from (run without --resume to start)")
+
+
 def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None = None, resume: bool = False,
                 gen_batch_size: int = 32, checkpoint_every: int = 50, progress: Progress | None = None,
                 log: Callable[[str], None] = lambda line: None) -> dict:
@@ -744,7 +866,7 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
     work = out / TRAINING_DIR
     checkpoint = work / "checkpoint.safetensors"
     if resume:
-        saved = checkpoint_state(checkpoint).get("settings", {})
+        saved = resume_settings(out)
         settings = TrainSettings(**{**asdict(settings), **{k: v for k, v in saved.items()
                                                             if k in {f.name for f in fields(TrainSettings)}}})
     settings = replace(settings, ce_dtype=resolve_ce_dtype(settings.ce_dtype, engine.device))
@@ -756,8 +878,18 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
     if data is not None:
         log(f"reusing the target's answers in {data_path} ({data.sequences} sequences)")
     else:
-        data = generate_data(engine, prompts, settings.max_new_tokens, gen_batch_size, progress,
-                             samples=settings.samples, sample_temperature=settings.sample_temperature)
+        answers = AnswerLog(work / ANSWERS_FILE, key, len(prompts) * settings.samples, settings.max_new_tokens,
+                            asdict(settings))
+        if answers.load():
+            log(f"continuing from the {len(answers.answers)} of {answers.requests} answers saved in {answers.path}"
+                + (f" ({answers.dropped} unreadable lines dropped)" if answers.dropped else ""))
+        answers.open()
+        try:
+            data = generate_data(engine, prompts, settings.max_new_tokens, gen_batch_size, progress,
+                                 samples=settings.samples, sample_temperature=settings.sample_temperature,
+                                 saved=answers.answers, on_answer=answers.add)
+        finally:
+            answers.close()
         save_data(data, data_path, key)
     summary.update(data_s=round(time.perf_counter() - t0, 1), sequences=data.sequences,
                    answer_tokens=data.answer_tokens())
@@ -770,7 +902,9 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
     def write_current(step):
         write_head(head, out, {**meta, "step": step})
 
-    figures = train(head, lm_head, data, settings, checkpoint, resume=resume, checkpoint_every=checkpoint_every,
+    # resumed before the first checkpoint (in the answers or the features): training starts at step 0
+    figures = train(head, lm_head, data, settings, checkpoint, resume=resume and checkpoint.exists(),
+                    checkpoint_every=checkpoint_every,
                     progress=progress, on_checkpoint=write_current)
     summary.update(train_s=round(time.perf_counter() - t1, 1), figures=figures,
                    steps=settings.total_steps(data.sequences))
