@@ -291,7 +291,7 @@ class OffloadExecutor:
         experts_of = pair_expert.numpy()
         counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
         self._count(moe.layer, counts)
-        count, active = counts.tolist(), np.flatnonzero(counts).tolist()
+        count, active = counts.tolist(), counts.nonzero()[0].tolist()
         streamed = host.streamed if host is not None else 0
         if streamed:  # the GPU computes the lone token's last ranks (`streamed_share`)
             assert n == 1, "streamed experts are for a batch of one token"
