@@ -1,15 +1,19 @@
 """Probe (GPU box; python3 tests/perf/probe_step_timeline.py): where a decode step's host time goes, Qwen3 shape,
-12 layers, every expert on the CPU, batch 1, the engine's own thread count. Host timestamps around the decoder's
+12 layers, every expert on the CPU, batch 1, the engine's own thread count (argument: an expert format, e.g. q4_k;
+default 16-bit). Host timestamps around the decoder's
 parts: preparing the step's inputs, each layer's experts (the executor: its wait for the routing and its CPU work),
-the graph launches between them, and the logits' argmax with the wait for the last graph."""
+the graph launches between them, and the logits' argmax with the wait for the last graph. Inside the executor's
+CPU work, the kernel's own call (kernels.experts.experts_forward_routed) apart from the bookkeeping around it."""
 import collections
 import statistics
+import sys
 import time
 
 import torch
 
 import engine.generation.cuda_graphs as cg
 import engine.generation.decoder as gen
+import engine.offload.offload_executor as oe
 from engine.bench import measure_decode
 from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
 from qwen3_probe_model import qwen3_all_in_ram
@@ -35,20 +39,21 @@ def around(cls, name, before, after):
 around(gen.Decoder, "_retrying_oom", "step>", "step<")  # the whole decode step call, inputs' H2D included
 around(cg._Captured, "_experts", "experts>", "experts<")
 around(cg._Captured, "_load", "load>", "load<")
+around(oe, "experts_forward_routed", "kernel>", "kernel<")
 _accept = gen.Decoder._accept
 
 
-def accept(self, seqs, logits, slots):
+def accept(self, seqs, logits):
     mark("accept>")
     greedy = torch.argmax(logits, dim=-1).tolist()  # the same sync the decoder does first
     mark("argmax<")
-    yield from _accept(self, seqs, logits, slots)
+    yield from _accept(self, seqs, logits)
     mark("accept<")
 
 
 gen.Decoder._accept = accept
 threads = leave_a_core_to_the_gpu_thread()
-device, cfg, model, ex = qwen3_all_in_ram()
+device, cfg, model, ex = qwen3_all_in_ram(expert_format=sys.argv[1] if len(sys.argv) > 1 else "dense")
 marks.clear()
 r = measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 40)
 s = ex.stats
