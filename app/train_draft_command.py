@@ -49,6 +49,9 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help=f"data order and initialisation (default {d.seed})")
     parser.add_argument("--gen-batch-size", type=int, default=32, metavar="N",
                         help="sequences generated together while the target answers (default 32)")
+    parser.add_argument("--gen-refill", type=int, default=1, metavar="N",
+                        help="while the target answers, a finished answer's row waits until N rows are free, so the "
+                             "next prompts prefill together in one forward (default 1: at once)")
     parser.add_argument("--checkpoint-every", type=int, default=50, metavar="N",
                         help="steps between checkpoints (default 50)")
     parser.add_argument("--resume", action="store_true",
@@ -130,8 +133,8 @@ def run_train_draft(args, load_engine) -> int:
             if name in saved and saved[name] != getattr(settings, name) and getattr(settings, name) != "auto":
                 raise MoedeskError(f"--resume: {out} was trained with {name}={saved[name]!r}, not "
                                    f"{getattr(settings, name)!r}; leave the flag out or set it as before")
-    if args.gen_batch_size < 1 or args.checkpoint_every < 1:
-        raise MoedeskError("--gen-batch-size and --checkpoint-every: must be >= 1")
+    if args.gen_batch_size < 1 or args.checkpoint_every < 1 or args.gen_refill < 1:
+        raise MoedeskError("--gen-batch-size, --gen-refill and --checkpoint-every: must be >= 1")
     engine = load_engine(args)
     progress = LineProgress()
     log = lambda line: print(f"moedesk: {line}", file=sys.stderr)  # noqa: E731
@@ -148,7 +151,7 @@ def run_train_draft(args, load_engine) -> int:
     try:
         summary = T.train_draft(engine, out, args.prompts, settings, resume=args.resume,
                                 gen_batch_size=args.gen_batch_size, checkpoint_every=args.checkpoint_every,
-                                progress=tracking, log=log)
+                                progress=tracking, log=log, gen_refill=args.gen_refill)
     except KeyboardInterrupt:
         every = args.checkpoint_every
         if last["phase"] in ("generate", "features"):

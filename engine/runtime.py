@@ -174,14 +174,17 @@ class Engine:
     def _eos_ids(self) -> set:
         return set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
 
-    def generate(self, requests: Iterable[Request], batch_size: int = 8, decoding=None) -> Iterator[Completion]:
+    def generate(self, requests: Iterable[Request], batch_size: int = 8, decoding=None,
+                 refill: int = 1) -> Iterator[Completion]:
         """Complete every request, at most `batch_size` at once; yield each as soon as it finishes (not in input
         order). Requests are pulled from `requests` on the caller's thread as earlier ones finish.
+        refill: freed rows are taken by waiting requests only once that many are free (scheduler.Group), so
+        newcomers prefill together; 1 (the default) takes a freed row at once.
 
         decoding: as `submit` takes it, for every request; or a callable giving each request's (None: plain).
         Speculative requests fill their job's rows as plain ones fill the batch's, so `batch_size` of them
         verify together."""
-        group = Group(batch_size)
+        group = Group(batch_size, refill=max(1, min(refill, batch_size)))
         choose = decoding if callable(decoding) else (lambda request: decoding)
         finished: queue.SimpleQueue = queue.SimpleQueue()
         source = iter(requests)

@@ -176,14 +176,15 @@ def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temp
 def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
                   feature_batch: int = 8, samples: int = 1, sample_temperature: float = 0.8,
                   saved: dict[int, tuple[list[int], bool]] | None = None,
-                  on_answer: Callable[[int, list[int], bool], None] | None = None) -> DraftData:
+                  on_answer: Callable[[int, list[int], bool], None] | None = None, refill: int = 1) -> DraftData:
     """The target's answers to `prompts` (Engine.generate, the normal path): the greedy one and `samples` - 1
     sampled ones per prompt (seeded, so the data is reproducible), and its features over them.
 
     saved: answers already made, {request index: (token ids, stopped at an EOS)} (an AnswerLog's): those
     requests are not generated again. on_answer(index, token ids, stopped) is called as each new answer
     completes (AnswerLog.add), before `progress` hears of it. Every request is seeded on its own and sampled
-    independently of the others in its batch, so the answers do not depend on which were saved."""
+    independently of the others in its batch, so the answers do not depend on which were saved. refill: freed
+    rows wait until that many are free, so newcomers prefill together (Engine.generate)."""
     from engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
@@ -207,7 +208,7 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
     tokens = sum(map(len, answers.values()))
     new_tokens = 0
     todo = [r for r in requests if r.tag not in answers]
-    for c in engine.generate(todo, batch_size=batch_size) if todo else ():
+    for c in engine.generate(todo, batch_size=batch_size, refill=refill) if todo else ():
         answers[c.tag] = list(c.token_ids)
         stopped[c.tag] = c.finish_reason == "stop" and eos is not None
         if on_answer:
@@ -854,7 +855,7 @@ def resume_settings(out) -> dict:
 
 def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None = None, resume: bool = False,
                 gen_batch_size: int = 32, checkpoint_every: int = 50, progress: Progress | None = None,
-                log: Callable[[str], None] = lambda line: None) -> dict:
+                log: Callable[[str], None] = lambda line: None, gen_refill: int = 1) -> dict:
     """Everything `moedesk train-draft` does after loading the model: data (reused from --out when made from the
     same model, prompts and settings), training (resumed on request), the head written to `out`. Returns a
     summary: steps, figures, seconds per phase."""
@@ -887,7 +888,7 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         try:
             data = generate_data(engine, prompts, settings.max_new_tokens, gen_batch_size, progress,
                                  samples=settings.samples, sample_temperature=settings.sample_temperature,
-                                 saved=answers.answers, on_answer=answers.add)
+                                 saved=answers.answers, on_answer=answers.add, refill=gen_refill)
         finally:
             answers.close()
         save_data(data, data_path, key)

@@ -95,7 +95,7 @@ def test_generation_interrupted_and_resumed_gives_the_same_data_and_head(engine,
         f.write(lines[-1][:len(lines[-1]) // 2])
     messages = []
     # resumed with other flags on the command line: the saved answers' settings win, as a checkpoint's do
-    T.train_draft(engine, split, prompts_file, settings(lr=0.5), resume=True, gen_batch_size=3,
+    T.train_draft(engine, split, prompts_file, settings(lr=0.5), resume=True, gen_batch_size=3, gen_refill=2,
                   checkpoint_every=2, log=messages.append)
     assert any("continuing from the 7 of 18 answers" in m and "1 unreadable" in m for m in messages), messages
     lines = answers.read_text().splitlines()
@@ -173,3 +173,5 @@ def test_resume_before_any_checkpoint_from_the_command_line(engine, prompts_file
     assert T.checkpoint_state(tmp_path / "training" / "checkpoint.safetensors")["step"] == 2
     with pytest.raises(MoedeskError, match="no checkpoint"):
         T.resume_settings(tmp_path / "empty")
+    assert main(["train-draft", "--model", str(engine.name), "--out", str(tmp_path / "o"), "--gen-refill", "0"]) == 2
+    assert "--gen-refill" in capsys.readouterr().err
