@@ -76,9 +76,10 @@ def settings_from_args(args):
 class LineProgress:
     """Progress on stderr: one line rewritten in place on a terminal, else a line every `every` seconds."""
 
-    def __init__(self, stream=sys.stderr, every: float = 30.0):
-        self.stream, self.every = stream, every
-        self.tty = stream.isatty()
+    def __init__(self, stream=None, every: float = 30.0):
+        # sys.stderr when called, not when this module was imported (a test's captured stream may be closed by now)
+        self.stream, self.every = stream or sys.stderr, every
+        self.tty = self.stream.isatty()
         self.last_phase, self.last_time = None, 0.0
         self.started = time.perf_counter()
 

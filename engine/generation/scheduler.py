@@ -81,8 +81,9 @@ class Group:
     refill: a waiting request of the group takes a row only once `refill` of the group's rows are free (or as
     many as it has waiting, if fewer), so a batch run's newcomers prefill together in one forward every few
     steps instead of one forward beside nearly every decode step (1, the default: a freed row is taken at once).
-    The rows left idle meanwhile cost about refill / 2 of the batch; a prefill forward saved is worth a whole
-    decode step where forwards cost their launches more than their tokens (a small model on a GPU)."""
+    The price: about refill / 2 rows idle, and decode steps over rows that are not 0..n-1 (a gather of their
+    cache). It can pay only where a forward's fixed cost (launches, expert reads) dwarfs its tokens'; on the
+    demo on a 2-core CPU it did not (tests/generation/bench_generate_host.py measures it)."""
 
     def __init__(self, limit: int, refill: int = 1):
         if limit < 1:
