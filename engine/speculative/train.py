@@ -881,7 +881,7 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
     else:
         answers = AnswerLog(work / ANSWERS_FILE, key, len(prompts) * settings.samples, settings.max_new_tokens,
                             asdict(settings))
-        if answers.load():
+        if answers.load() or answers.dropped:
             log(f"continuing from the {len(answers.answers)} of {answers.requests} answers saved in {answers.path}"
                 + (f" ({answers.dropped} unreadable lines dropped)" if answers.dropped else ""))
         answers.open()

@@ -102,7 +102,8 @@ def main(argv=None) -> None:
             parts[k] = 0
         before = dict(engine.scheduler.counters)
         started = time.perf_counter()
-        out = list(engine.generate(requests, batch_size=args.batch, refill=args.refill))
+        extra = {"refill": args.refill} if args.refill != 1 else {}  # (runs on a tree from before refill, too)
+        out = list(engine.generate(requests, batch_size=args.batch, **extra))
         wall = time.perf_counter() - started
     finally:
         D.Decoder._step = step
