@@ -361,14 +361,23 @@ class MeasuredCosts:
         return self._per_batch(self.reject, batch)
 
 
+def step_ms(costs: StepCosts, batch: int, gamma: int) -> float | None:
+    """One round at batch B with γ drafts per sequence (γ = 0: a plain step); None where a cost is unknown."""
+    if gamma == 0:
+        return costs.ar_ms(batch)
+    verify = costs.verify_ms(batch, gamma)
+    if verify is None:
+        return None
+    return gamma * costs.draft_ms(batch) + verify + costs.reject_ms(batch)
+
+
 def predicted_speedup(costs: StepCosts, batch: int, gamma: int, alpha: float) -> float | None:
     """Tokens per ms with γ drafts over tokens per ms of plain decoding; None where a cost is unknown."""
     if gamma == 0:
         return 1.0
-    ar, verify = costs.ar_ms(batch), costs.verify_ms(batch, gamma)
-    if ar is None or verify is None:
+    ar, step = costs.ar_ms(batch), step_ms(costs, batch, gamma)
+    if ar is None or step is None:
         return None
-    step = gamma * costs.draft_ms(batch) + verify + costs.reject_ms(batch)
     return tokens_per_step(alpha, gamma) * ar / step
 
 

@@ -239,7 +239,7 @@ def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
                 assert all(perf_model.tokens_per_step(0.9, g) * table[b, 1] / table[b, g + 1]
                            < 1 + perf_model.SAFETY_MARGIN for g in range(1, 5))
             for alpha in (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
-                gamma = decode.auto_gamma(costs, b, alpha, 4, plain_steps=0)
+                gamma = decode.auto_gamma(costs, b, alpha, 4, evidence=10**6)
                 if gamma:
                     spoke += 1
                     gain = perf_model.tokens_per_step(alpha, gamma) * table[b, 1] / table[b, gamma + 1]
@@ -253,9 +253,9 @@ def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
     table = {(b, k): 10.0 * b * k for b in (1, 4) for k in range(1, 6)}
     costs = OracleCosts(table)
     assert auto_uses_plain_path(costs, 1, 4) and auto_uses_plain_path(costs, 4, 4)
-    assert all(decode.auto_gamma(costs, 4, a, 4, plain_steps=decode.PROBE_EVERY) == 0 for a in (0.5, 0.9, 0.99))
+    assert all(decode.auto_gamma(costs, 4, a, 4) == 0 for a in (0.5, 0.9, 0.99))
     flat = OracleCosts({(b, k): 10.0 for b in (1, 4) for k in range(1, 6)})
-    assert not auto_uses_plain_path(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4, plain_steps=0) == 4
+    assert not auto_uses_plain_path(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4) == 4
     costs.observe_draft(1000.0, 1)  # the oracle's own forwards never count as drafting
     assert costs.draft_ms(1) == 0.0
 
