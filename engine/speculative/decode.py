@@ -93,7 +93,8 @@ def acceptance_estimate(accepted: int, tested: int, prior_accepted: float = 1.0,
 OPTIMISTIC_ALPHA = 0.9
 # Auto's exploration (auto_gamma): rounds may lose at most this share of plain decoding's time...
 EXPLORE_SHARE = 0.01
-# ...counted as at least this many plain steps, so that a run can probe in its first rounds.
+# ...counted as at least this many plain steps (or the run's length, if shorter), so that a run can probe in
+# its first rounds.
 EXPLORE_HORIZON = 160
 # Probe while this many more accepted drafts would make drafting pay: the evidence behind the estimate.
 OPTIMISM = 4
@@ -114,14 +115,14 @@ class AutoLedger:
         plain = tokens_per_row * ar
         return AutoLedger(self.plain_ms + plain, self.loss_ms + step - plain)
 
-    def room_ms(self, ar_ms: float) -> float:
-        """What a round may still lose: EXPLORE_SHARE of plain decoding's time so far (at least EXPLORE_HORIZON
-        steps of it), less what earlier rounds lost."""
-        return EXPLORE_SHARE * max(self.plain_ms, EXPLORE_HORIZON * ar_ms) - self.loss_ms
+    def room_ms(self, ar_ms: float, horizon: int = EXPLORE_HORIZON) -> float:
+        """What a round may still lose: EXPLORE_SHARE of plain decoding's time so far (at least `horizon` steps
+        of it), less what earlier rounds lost."""
+        return EXPLORE_SHARE * max(self.plain_ms, horizon * ar_ms) - self.loss_ms
 
 
 def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma: int,
-               ledger: AutoLedger = AutoLedger(), evidence: int = 0) -> int:
+               ledger: AutoLedger = AutoLedger(), evidence: int = 0, horizon: int = EXPLORE_HORIZON) -> int:
     """The draft length of the next round in auto mode, 0 for a plain step.
 
     alpha is acceptance_estimate's, over `evidence` tested drafts. Exploit: the γ that choose_draft_length
@@ -134,9 +135,10 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     round of γ drafts loses at most γ·T_draft + T(B, γ+1) + T_reject - T(B, 1) (one token for the price of a
     verify step); if that γ does not fit, the longest shorter one that fits (and, to exploit, still pays at
     alpha) is taken. So by construction, in the costs' own model and at a fixed B, auto's time for n tokens
-    per row is at most plain decoding's plus EXPLORE_SHARE · max(n, EXPLORE_HORIZON) · T(B, 1): 1.01x plain
-    from 160 tokens on, 1.017x at 96 (1.05x at 32: the price of probing in the first rounds), whatever the
-    acceptance.
+    per row is at most plain decoding's plus EXPLORE_SHARE · max(n, horizon) · T(B, 1), whatever the
+    acceptance. The batch passes horizon = min(EXPLORE_HORIZON, its longest request): 1.01x plain for a run
+    of any length that goes to its end (a short run has little to gain and probes little), 1.017x at worst
+    for one cut short at 96 of 160 tokens.
 
     What the budget buys on the Qwen3 batch-1 shape (T(1,2) = 1.6 and T(1,5) = 1.96 times T(1,1), drafting
     free): 1.6 plain steps at the start, i.e. a 4-draft probe in the first round (loses 0.96 steps if its
@@ -153,7 +155,7 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     if probe:
         n = evidence + 2  # acceptance_estimate's prior counts too
         gamma = perf_model.choose_draft_length(costs, batch, (alpha * n + OPTIMISM) / (n + OPTIMISM), max_gamma).gamma
-    room = ledger.room_ms(ar)
+    room = ledger.room_ms(ar, horizon)
     for g in range(gamma, 0, -1):
         step = perf_model.step_ms(costs, batch, g)
         if step is not None and step - ar <= room and (
@@ -953,8 +955,9 @@ class SpeculativeBatch:
         room = min(spec.context_length - 1 - r.length for r in active)
         accepted, tested = self.alpha_counts
         if self.mode == "auto":
+            horizon = min(EXPLORE_HORIZON, max(r.params.max_new_tokens for r in active))
             gamma = auto_gamma(self.costs, len(active), acceptance_estimate(accepted, tested), self.draft_length,
-                               self.ledger, tested)
+                               self.ledger, tested, horizon)
         else:
             gamma = self.draft_length
         gamma = max(0, min(gamma, room))
