@@ -16,25 +16,20 @@ from app.cli import main
 from engine.errors import MoedeskError
 from engine.generation.sampling import sample_tokens
 from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
 from engine.speculative import train as T
-
-PROMPTS = ["Hello, world!", "Tell me about the quick brown fox.", "def add(a, b):", "How do experts route tokens?",
-           "Write a list of numbers.", "What is 2 + 3?"]
+from tests.speculative.training_prompts import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_checkpoint):
-    return Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+def engine(engines):
+    return engines("mixtral")
 
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
-    return path
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
 def settings(**kw):
