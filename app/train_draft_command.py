@@ -10,7 +10,7 @@ from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
-                   "seed", "depths", "noise", "ce_dtype")
+                   "seed", "depths", "noise", "ce_dtype", "head")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,10 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init", choices=("fit", "random", "last-layer"), default=None,
                         help="fit (default): fc starts as the least-squares map from [token ; feature] to the next "
                              "feature; random; last-layer: the decoder layer starts as the target's last layer")
+    parser.add_argument("--head", choices=("eagle1", "eagle3"), default=None,
+                        help="eagle1 (default): drafts from the target's last hidden state through its LM head; "
+                             "eagle3: from the inputs of three of its layers, through the head's own final norm and "
+                             "LM head (a copy of the target's), trained on the token loss alone")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
                         help=f"draft steps trained per position, the later ones fed the head's own outputs "
                              f"(default {d.depths})")

@@ -1,4 +1,4 @@
-"""Training an EAGLE-1/2 draft head on a target model's own features (`moedesk train-draft`).
+"""Training an EAGLE-1/2 or EAGLE-3 draft head on a target model's own features (`moedesk train-draft`).
 
 Data. The target answers a prompt set greedily through the engine's own generation path (chat template
 applied), then one teacher-forced forward over prompt + answer records its feature at every position (the
@@ -17,6 +17,13 @@ rows untrained, so every batch is also run `depths - 1` more times in parallel, 
 pass's outputs shifted one position, with the attention mask a chain draft would see (EAGLE-3's
 "training-time test"); pass k's loss is weighted by depth_decay**k.
 
+EAGLE-3 (settings.head "eagle3"). The features are the residual stream entering three of the target's layers
+(eagle3_feature_layers, concatenated: what decoding asks the target for), and the target's last hidden state is kept
+beside them only to give its next-token distribution. The head (engine.speculative.eagle's EAGLE-3 layout, its
+draft vocabulary the target's whole one) is trained on the cross-entropy alone, through its own final norm and its
+LM head (a frozen copy of the target's: _init_eagle3), with the same unrolled passes: pass k > 0 is fed the head's
+own outputs as they are, as drafting feeds them (EagleHead.forward's from_target=False).
+
 Determinism. The data order, the noise and the optimizer depend only on the seed and the step, and a
 checkpoint (safetensors: fp32 weights and AdamW moments; the step and settings in its metadata) holds all
 the state there is, so a run resumed from a checkpoint ends exactly where an uninterrupted run does.
@@ -30,7 +37,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -39,11 +46,12 @@ import torch.nn.functional as F
 
 from engine.errors import MoedeskError
 from engine.model.transformer import apply_rope
-from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict
+from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
 
 DATA_FORMAT = 1
 ANSWERS_FORMAT = 1
 CHECKPOINT_FORMAT = 1
+HEADS = ("eagle1", "eagle3")
 TRAINING_DIR = "training"  # under --out: answers, data, checkpoint, state (the head itself sits at the top)
 ANSWERS_FILE = "answers.jsonl"  # under TRAINING_DIR: the target's answers as they complete (AnswerLog)
 
@@ -83,6 +91,10 @@ class TrainSettings:
     # the feature loss keeps the head's output near the target's, whose logits for tokens its answers never
     # use are low.
     vocab: str = "data"
+    # "eagle1": the head drafts from the target's last hidden state through the target's LM head (the shipped
+    # demo head). "eagle3": from the residual stream entering three of its layers, through its own final norm and
+    # LM head, trained on the token loss alone (EAGLE-3; see "EAGLE-3" in the module docstring)
+    head: str = "eagle1"
 
     def total_steps(self, sequences: int) -> int:
         if self.steps is not None:
@@ -151,7 +163,8 @@ class DraftData:
     offsets: torch.Tensor  # [S + 1]
     answer_start: torch.Tensor  # [S]: position of a sequence's first answer token (= its prompt length)
     loss_end: torch.Tensor  # [S]: rows p < loss_end train (the row after an EOS drafts nothing)
-    features: torch.Tensor  # [N, d] float32
+    features: torch.Tensor  # [N, d] float32 (eagle1); [N, 3d] bfloat16 (eagle3: the three layers' inputs)
+    final: torch.Tensor | None = None  # eagle3 only: [N, d] bfloat16, the last hidden state (its token loss)
 
     @property
     def sequences(self) -> int:
@@ -165,9 +178,12 @@ class DraftData:
         return int((self.offsets[1:] - self.offsets[:-1] - self.answer_start).sum())
 
 
-def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temperature: float = 0.8) -> str:
-    """What the data depends on: the model, the prompts, the answer length and the sampled answers."""
+def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temperature: float = 0.8,
+             head: str = "eagle1") -> str:
+    """What the data depends on: the model, the prompts, the answer length, the sampled answers and the features
+    (named only for eagle3, so the keys of data made before heads had kinds still match)."""
     extra = [samples, sample_temperature] if samples > 1 else []
+    extra += ["eagle3"] if head == "eagle3" else []
     raw = json.dumps([DATA_FORMAT, engine.name, engine.config.vocab_size, engine.config.hidden_size,
                       engine.config.num_layers, str(engine.dtype), max_new_tokens, prompts] + extra)
     return hashlib.sha256(raw.encode()).hexdigest()
@@ -176,7 +192,8 @@ def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temp
 def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
                   feature_batch: int = 8, samples: int = 1, sample_temperature: float = 0.8,
                   saved: dict[int, tuple[list[int], bool]] | None = None,
-                  on_answer: Callable[[int, list[int], bool], None] | None = None, refill: int = 1) -> DraftData:
+                  on_answer: Callable[[int, list[int], bool], None] | None = None, refill: int = 1,
+                  head: str = "eagle1") -> DraftData:
     """The target's answers to `prompts` (Engine.generate, the normal path): the greedy one and `samples` - 1
     sampled ones per prompt (seeded, so the data is reproducible), and its features over them.
 
@@ -184,7 +201,8 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
     requests are not generated again. on_answer(index, token ids, stopped) is called as each new answer
     completes (AnswerLog.add), before `progress` hears of it. Every request is seeded on its own and sampled
     independently of the others in its batch, so the answers do not depend on which were saved. refill: freed
-    rows wait until that many are free, so newcomers prefill together (Engine.generate)."""
+    rows wait until that many are free, so newcomers prefill together (Engine.generate). head: which features are
+    kept (DraftData)."""
     from engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
@@ -227,11 +245,11 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
         starts.append(len(r.prompt_ids))
         # with an EOS last, its own row would draft what follows the end: the row before it is the last to train
         ends.append(len(seq) - (2 if stopped[i] else 1))
-    features = _features(engine, seqs, feature_batch, progress)
+    features, final = _head_features(engine, seqs, feature_batch, progress, head)
     lengths = torch.tensor([0] + [len(s) for s in seqs])
     return DraftData(tokens=torch.tensor([t for s in seqs for t in s], dtype=torch.long),
                      offsets=torch.cumsum(lengths, 0), answer_start=torch.tensor(starts),
-                     loss_end=torch.tensor(ends), features=features)
+                     loss_end=torch.tensor(ends), features=features, final=final)
 
 
 class AnswerLog:
@@ -323,8 +341,25 @@ class AnswerLog:
         return json.dumps({"i": i, "ids": ids, "stop": stop}, separators=(",", ":")) + "\n"
 
 
-def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | None) -> torch.Tensor:
-    """Teacher-forced forwards (batches of similar length, right-padded) keeping "final" at every position."""
+def _head_features(engine, seqs, batch: int, progress: Progress | None, head: str):
+    """(features, final) at every position: eagle1's last hidden state in float32 (final: None, the features are
+    it); eagle3's three layer inputs (the keys EagleDrafter asks the target for) and the last hidden state, in
+    bfloat16. bfloat16 halves their memory (four hidden widths a token: twice eagle1's float32 one rather than four
+    times) and loses nothing on a bfloat16 target, which computed them in it; on a float32 target it rounds what
+    the head trains on to 8 significant bits, while decoding feeds it the float32 features (a difference of the
+    order of the rounding, which one decoder layer does not resolve)."""
+    if head == "eagle1":
+        return _features(engine, seqs, batch, progress), None
+    keys = (*eagle3_feature_layers(engine.config.num_layers), "final")
+    both = _features(engine, seqs, batch, progress, keys, torch.bfloat16)
+    d = engine.config.hidden_size
+    return both[:, :3 * d], both[:, 3 * d:]
+
+
+def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | None, keys: tuple = ("final",),
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Teacher-forced forwards (batches of similar length, right-padded) keeping the hidden states `keys`
+    (concatenated, in `dtype`) at every position."""
     from engine.generation.kv_cache import KVCache
 
     out: list[torch.Tensor | None] = [None] * len(seqs)
@@ -341,8 +376,8 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
         cache = KVCache(engine.config, len(group), longest, engine.dtype, engine.device)
         # logits_at: one row of logits instead of [B, T, vocab], and the padding skips the experts
         _, hidden = engine.model(tokens.to(engine.device), positions.to(engine.device), cache, engine.executor,
-                                 logits_at=last.to(engine.device), features=("final",))
-        final = hidden["final"].float().cpu()
+                                 logits_at=last.to(engine.device), features=keys)
+        final = torch.cat([hidden[k] for k in keys], dim=-1).to(dtype).cpu()
         for row, i in enumerate(group):
             out[i] = final[row, :len(seqs[i])].clone()  # a plain tensor, not an inference-mode one
         del cache, hidden
@@ -355,7 +390,8 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
 def save_data(data: DraftData, path: Path, key: str) -> None:
     from safetensors.torch import save_file
 
-    tensors = {f.name: getattr(data, f.name).contiguous() for f in fields(DraftData)}
+    tensors = {f.name: getattr(data, f.name).contiguous() for f in fields(DraftData)
+               if getattr(data, f.name) is not None}  # eagle1's final is None: its features are it
     _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key, "format": str(DATA_FORMAT)}))
 
 
@@ -370,21 +406,25 @@ def load_data(path: Path, key: str) -> DraftData | None:
         if meta.get("key") != key:
             return None
         tensors = load_file(str(path))
-        return DraftData(**{f.name: tensors[f.name] for f in fields(DraftData)})
+        return DraftData(**{f.name: tensors[f.name] for f in fields(DraftData)
+                            if f.name in tensors or f.default is MISSING})
     except (OSError, SafetensorError, KeyError):
         return None
 
 
 # --- the head -------------------------------------------------------------------------------------
 
-def head_config(engine) -> EagleConfig:
-    """An EAGLE-1/2 head of the target's own attention shape; its MLP as wide as the target's last layer's."""
+def head_config(engine, head: str = "eagle1") -> EagleConfig:
+    """An EAGLE-1/2 (or, head "eagle3", EAGLE-3) head of the target's own attention shape; its MLP as wide as the
+    target's last layer's. EAGLE-3's draft vocabulary is the target's whole one (d2t all zero, t2d all true: the
+    identity), so its drafts can be any token the target could emit."""
     c = engine.config
     width = c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size
-    return EagleConfig(version=1, hidden_size=c.hidden_size, intermediate_size=width, num_heads=c.num_heads,
-                       num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                       vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size, target_hidden_size=c.hidden_size,
-                       fc_bias=True, qkv_bias=c.attention_bias, rope=c.rope)
+    three = head == "eagle3"
+    return EagleConfig(version=3 if three else 1, hidden_size=c.hidden_size, intermediate_size=width,
+                       num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                       rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+                       target_hidden_size=c.hidden_size, fc_bias=not three, qkv_bias=c.attention_bias, rope=c.rope)
 
 
 INITS = ("fit", "random", "last-layer")
@@ -409,6 +449,8 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
     feature to the next position's, so it is no better a start than noise."""
     if init not in INITS:
         raise MoedeskError(f"--init {init!r}: expected one of {', '.join(INITS)}")
+    if cfg.version == 3:
+        return _init_eagle3(engine, cfg, init, seed)
     if init == "fit" and data is None:
         raise ValueError("init 'fit' needs the data")
     g = torch.Generator().manual_seed(seed)
@@ -434,6 +476,46 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
             # the token matters as much as the feature, but its embedding is ~15x smaller (demo: RMS 0.13 against
             # 1.9): equal weights would hide it until Adam had grown them over hundreds of steps
             head.fc.weight[:, :cfg.hidden_size] *= feature / max(embedding, 1e-6)
+    return head.to(device=engine.device, dtype=torch.float32)
+
+
+def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
+    """An EAGLE-3 head: the final norm and LM head copied from the target's, the LM head frozen (see below).
+
+    "fit" (the default; nothing is fitted, the name is the setting's): fc passes the last of the three features,
+    the residual stream entering layer L-3, through, and the attention and MLP outputs start at zero. The head then
+    starts as the target's "logit lens" at layer L-3 (its final norm and LM head applied three layers early), a
+    prediction in the target's own vocabulary space rather than noise; the fc columns of the two shallower layers
+    and the silent branches grow from the token loss. The residual stream keeps its scale, which is also the scale
+    of the head's own outputs that later draft steps are fed. "random": fc random as well.
+    "last-layer" is refused: its rescaling is made for eagle1's final-norm features.
+
+    The LM head stays the target's: the draft vocabulary is the target's whole one, so it is already the right map
+    to tokens, and the trainable final norm adapts the head's outputs to it. Training it too would add vocab x d
+    weights, learnt from the few thousand tokens the answers use, and double the arithmetic of the token loss,
+    the bulk of a step. Everything random is drawn from the seed, in the parameters' order."""
+    if init == "last-layer":
+        raise MoedeskError("--init last-layer: not for an eagle3 head (fit or random)")
+    g = torch.Generator().manual_seed(seed)
+    head = EagleHead(cfg)
+    d = cfg.hidden_size
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        if init == "fit":
+            head.fc.weight.zero_()
+            head.fc.weight[:, 2 * d:] = torch.eye(d)
+            head.attn.wo.weight.zero_()
+            head.mlp.down.weight.zero_()
+        head.norm.weight.copy_(engine.model.norm.weight.detach().float().cpu())
+        head.lm_head.weight.copy_(engine.model.lm_head.weight.detach().float().cpu())
+        head.t2d.fill_(True)  # d2t stays zero: draft id i is target id i
+    head.lm_head.weight.requires_grad_(False)
     return head.to(device=engine.device, dtype=torch.float32)
 
 
@@ -520,10 +602,21 @@ def _chain_mask(t: int, k: int, device) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+def _layer_input(head: EagleHead, emb: torch.Tensor, feed: torch.Tensor, from_target: bool):
+    """(h, the attention's input) of a row, as EagleHead.forward makes them: eagle1 fc([embedding ; feature]);
+    eagle3 fc(feature) for target features and the head's own outputs as they are, the attention taking
+    [embedding norm ; hidden norm]."""
+    if head.cfg.version != 3:
+        h = head.fc(torch.cat([emb, feed], dim=-1))
+        return h, h
+    h = head.fc(feed) if from_target else feed
+    return h, torch.cat([head.embed_norm(emb), head.hidden_norm(h)], dim=-1)
+
+
 def unrolled_forward(head: EagleHead, tokens: torch.Tensor, features: torch.Tensor, depths: int) -> list[torch.Tensor]:
-    """tokens [B, T] (row p pairs features[:, p] with tokens[:, p + 1]; the caller shifts), features [B, T, d] ->
+    """tokens [B, T] (row p pairs features[:, p] with tokens[:, p + 1]; the caller shifts), features [B, T, F] ->
     the head's outputs of every pass, [B, T, d] each. Pass 0 is EagleHead.forward over target features with a
-    causal mask; pass k feeds row p the output of pass k - 1 at row p - 1."""
+    causal mask; pass k feeds row p the output of pass k - 1 at row p - 1 (from_target=False, as drafting does)."""
     cfg, attn = head.cfg, head.attn
     b, t = tokens.shape
     dtype = head.fc.weight.dtype
@@ -534,10 +627,10 @@ def unrolled_forward(head: EagleHead, tokens: torch.Tensor, features: torch.Tens
     feed = features.to(dtype)
     groups = cfg.num_heads // cfg.num_kv_heads
     for k in range(depths):
-        h = head.fc(torch.cat([emb, feed], dim=-1))
-        q = apply_rope(attn.wq(h).view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
-        keys.append(apply_rope(attn.wk(h).view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin))
-        values.append(attn.wv(h).view(b, t, cfg.num_kv_heads, cfg.head_dim))
+        h, x = _layer_input(head, emb, feed, k == 0)
+        q = apply_rope(attn.wq(x).view(b, t, cfg.num_heads, cfg.head_dim), cos, sin)
+        keys.append(apply_rope(attn.wk(x).view(b, t, cfg.num_kv_heads, cfg.head_dim), cos, sin))
+        values.append(attn.wv(x).view(b, t, cfg.num_kv_heads, cfg.head_dim))
         kk = torch.cat(keys, dim=1).transpose(1, 2)
         vv = torch.cat(values, dim=1).transpose(1, 2)
         if groups > 1:
@@ -588,21 +681,20 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch: list[int], settings: TrainSettings,
                  noise_gen: torch.Generator | None, device) -> tuple[torch.Tensor, dict]:
-    """The weighted loss of one batch of sequences and its figures (per-pass feature loss, CE, top-1 agreement)."""
-    seqs = [data.sequence(i) for i in batch]
-    t = max(len(s[0]) for s in seqs)
-    b, d = len(seqs), data.features.shape[1]
-    tokens = torch.zeros(b, t, dtype=torch.long)
-    feats = torch.zeros(b, t, d)
-    for r, (tk, f) in enumerate(seqs):
-        tokens[r, :len(tk)], feats[r, :len(tk)] = tk, f
+    """The weighted loss of one batch of sequences and its figures (per-pass feature loss (eagle1 only), CE, top-1
+    agreement). An eagle3 head's token loss goes through its own final norm; its LM head is the target's, frozen
+    (_init_eagle3), so `lm_head` serves as both."""
+    three = head.cfg.version == 3
+    tokens, feats = _padded(data, batch, data.features)
+    finals = _padded(data, batch, data.final)[1] if three else feats  # the target's last hidden states
+    t = tokens.shape[1]
     if settings.noise:
         feats_in = feats + (torch.rand(feats.shape, generator=noise_gen) * 2 - 1) * settings.noise
     else:
         feats_in = feats
-    # row p: feature p with token p + 1, predicting feature p + 1
+    # row p: feature p with token p + 1, predicting feature p + 1 (eagle3: the target's last hidden state there)
     next_tokens = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
-    targets = torch.cat([feats[:, 1:], feats[:, :1]], dim=1)
+    targets = torch.cat([finals[:, 1:], finals[:, :1]], dim=1)
     p = torch.arange(t)
     starts = torch.tensor([int(data.answer_start[i]) for i in batch])
     ends = torch.tensor([int(data.loss_end[i]) for i in batch])
@@ -615,14 +707,31 @@ def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch:
     target = targets.to(device)[rows]
     counts = masks.flatten(1).sum(dim=1).clamp_min(1).float()
     row_w = (masks.to(device)[:, rows] / counts.to(device)[:, None]).float()  # [K, N], each pass's rows sum to 1
-    feat_rows = F.smooth_l1_loss(hidden.float(), target.float().expand_as(hidden), reduction="none").mean(dim=-1)
-    feat_loss = (feat_rows * row_w).sum(dim=1)
-    ce, agree = _SoftCrossEntropy.apply(hidden, target, lm_head, row_w, 512)
     decay = torch.tensor([settings.depth_decay ** k for k in range(settings.depths)], device=device)
-    loss = (decay * (feat_loss + settings.token_weight * ce)).sum()
-    figures = {"loss": float(loss.detach()), "feature": feat_loss.detach().cpu().tolist(), "ce": ce.detach().cpu().tolist(),
-               "agree": (agree.cpu() / counts).tolist()}
+    if three:  # EAGLE-3 drops the feature loss: only the tokens drafted matter
+        ce, agree = _SoftCrossEntropy.apply(head.norm(hidden), target, lm_head, row_w, 512)
+        loss = (decay * settings.token_weight * ce).sum()
+        figures = {"loss": float(loss.detach())}
+    else:
+        feat_rows = F.smooth_l1_loss(hidden.float(), target.float().expand_as(hidden), reduction="none").mean(dim=-1)
+        feat_loss = (feat_rows * row_w).sum(dim=1)
+        ce, agree = _SoftCrossEntropy.apply(hidden, target, lm_head, row_w, 512)
+        loss = (decay * (feat_loss + settings.token_weight * ce)).sum()
+        figures = {"loss": float(loss.detach()), "feature": feat_loss.detach().cpu().tolist()}
+    figures.update(ce=ce.detach().cpu().tolist(), agree=(agree.cpu() / counts).tolist())
     return loss, figures
+
+
+def _padded(data: DraftData, batch: list[int], source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's tokens [B, T] and rows of `source` (data.features or data.final) [B, T, w] in float32, the
+    sequences right-padded with zeros to the longest."""
+    spans = [(int(data.offsets[i]), int(data.offsets[i + 1])) for i in batch]
+    t = max(b - a for a, b in spans)
+    tokens = torch.zeros(len(batch), t, dtype=torch.long)
+    rows = torch.zeros(len(batch), t, source.shape[1])
+    for r, (a, b) in enumerate(spans):
+        tokens[r, :b - a], rows[r, :b - a] = data.tokens[a:b], source[a:b]
+    return tokens, rows
 
 
 # --- the training loop ------------------------------------------------------------------------------
@@ -870,9 +979,12 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         saved = resume_settings(out)
         settings = TrainSettings(**{**asdict(settings), **{k: v for k, v in saved.items()
                                                             if k in {f.name for f in fields(TrainSettings)}}})
+    if settings.head not in HEADS:
+        raise MoedeskError(f"--head {settings.head!r}: expected one of {', '.join(HEADS)}")
     settings = replace(settings, ce_dtype=resolve_ce_dtype(settings.ce_dtype, engine.device))
     summary: dict = {"settings": asdict(settings)}
-    key = data_key(engine, prompts, settings.max_new_tokens, settings.samples, settings.sample_temperature)
+    key = data_key(engine, prompts, settings.max_new_tokens, settings.samples, settings.sample_temperature,
+                   settings.head)
     data_path = work / "data.safetensors"
     t0 = time.perf_counter()
     data = load_data(data_path, key) if data_path.exists() else None
@@ -888,13 +1000,15 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         try:
             data = generate_data(engine, prompts, settings.max_new_tokens, gen_batch_size, progress,
                                  samples=settings.samples, sample_temperature=settings.sample_temperature,
-                                 saved=answers.answers, on_answer=answers.add, refill=gen_refill)
+                                 saved=answers.answers, on_answer=answers.add, refill=gen_refill,
+                                 head=settings.head)
         finally:
             answers.close()
         save_data(data, data_path, key)
     summary.update(data_s=round(time.perf_counter() - t0, 1), sequences=data.sequences,
                    answer_tokens=data.answer_tokens())
-    head = init_head(engine, head_config(engine), settings.init, settings.seed, data.sequence(0)[0].tolist(), data)
+    head = init_head(engine, head_config(engine, settings.head), settings.init, settings.seed,
+                     data.sequence(0)[0].tolist(), data)
     head.embed = engine.model.embed.weight.detach().to(head.fc.weight.device, torch.float32)
     lm_head = engine.model.lm_head.weight.detach()
     t1 = time.perf_counter()

@@ -1,0 +1,148 @@
+"""`moedesk train-draft --head eagle3` (engine.speculative.train) on a tiny random Mixtral.
+
+The data holds the target's three layer inputs (what decoding asks it for) and its last hidden state; training
+lowers the token loss on a fixed batch; the folder written loads as an EAGLE-3 head (identity draft vocabulary),
+and speculative decoding with it is plain greedy token for token (chains and trees); a run interrupted and resumed
+from its checkpoint ends with the same weights, bit for bit, as an uninterrupted one; eagle1 data is not reused.
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app.cli import main
+from engine.requests import Request, SamplingParams
+from engine.speculative import train as T
+from engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
+from tests.speculative.training_prompts import PROMPTS, write_prompts
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    return engines("mixtral")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+
+
+def settings(**kw):
+    return T.TrainSettings(**{**dict(steps=8, batch_size=3, max_new_tokens=12, lr=3e-3, warmup=2, head="eagle3"),
+                              **kw})
+
+
+@pytest.fixture(scope="module")
+def data(engine, prompts_file):
+    return T.generate_data(engine, T.load_prompts(prompts_file), max_new_tokens=12, head="eagle3")
+
+
+def test_data_holds_the_three_layer_inputs_and_the_last_hidden_state(engine, data):
+    d = engine.config.hidden_size
+    assert data.features.shape == (len(data.tokens), 3 * d) and data.final.shape == (len(data.tokens), d)
+    assert data.features.dtype == data.final.dtype == torch.bfloat16
+    # the first sequence's features are the target's own hidden states at those keys
+    tokens, feats = data.sequence(0)
+    keys = (*eagle3_feature_layers(engine.config.num_layers), "final")
+    from engine.generation.kv_cache import KVCache
+
+    cache = KVCache(engine.config, 1, len(tokens), engine.dtype, engine.device)
+    _, hidden = engine.model(tokens[None], torch.arange(len(tokens))[None], cache, engine.executor, features=keys)
+    want = torch.cat([hidden[k][0] for k in keys], dim=-1).to(torch.bfloat16)
+    got = torch.cat([feats, data.final[:len(tokens)]], dim=-1)
+    assert torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
+def test_data_key_tells_eagle3_from_eagle1(engine):
+    prompts = ["a"]
+    assert T.data_key(engine, prompts, 12) == T.data_key(engine, prompts, 12, head="eagle1")
+    assert T.data_key(engine, prompts, 12, head="eagle3") != T.data_key(engine, prompts, 12)
+
+
+def test_init_is_deterministic_and_passes_the_deepest_feature_through(engine):
+    cfg = T.head_config(engine, "eagle3")
+    a, b = (T.init_head(engine, cfg, "fit", 5) for _ in range(2))
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), name
+    d = cfg.hidden_size
+    assert torch.equal(a.fc.weight[:, 2 * d:], torch.eye(d)) and not a.fc.weight[:, :2 * d].any()
+    assert torch.equal(a.lm_head.weight, engine.model.lm_head.weight.float()) and not a.lm_head.weight.requires_grad
+    assert torch.equal(a.norm.weight, engine.model.norm.weight.float())
+    assert a.t2d.all() and not a.d2t.any()
+
+
+def test_training_lowers_the_token_loss(engine, data):
+    s = settings(steps=30)
+    head = T.init_head(engine, T.head_config(engine, "eagle3"), s.init, s.seed)
+    head.embed = engine.model.embed.weight.detach().float()
+    lm = engine.model.lm_head.weight.detach()
+    batch = list(range(data.sequences))
+
+    def figures():
+        with torch.no_grad():
+            return T.batch_losses(head, lm, data, batch, s, None, "cpu")[1]
+
+    before = figures()
+    assert "feature" not in before  # EAGLE-3 has no feature loss
+    T.train(head, lm, data, s, checkpoint=None)
+    after = figures()
+    assert after["loss"] < before["loss"]
+    assert sum(after["agree"]) > sum(before["agree"])
+    assert torch.equal(head.lm_head.weight, engine.model.lm_head.weight.float())  # frozen
+
+
+def test_head_loads_as_eagle3_and_speculation_with_it_is_lossless(engine, prompts_file, tmp_path):
+    summary = T.train_draft(engine, tmp_path, prompts_file, settings(steps=12))
+    assert summary["steps"] == 12 and summary["settings"]["head"] == "eagle3"
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    head = load_eagle_head(tmp_path, target_embed=engine.model.embed.weight.detach())
+    assert head.cfg.version == 3 and head.cfg.draft_vocab_size == engine.config.vocab_size
+    assert set(tensors) == set(_names(head.cfg))
+    assert {"midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight", "lm_head.weight",
+            "d2t", "t2d"} <= set(tensors) and "fc.bias" not in tensors
+    assert head.fc.weight.shape == (engine.config.hidden_size, 3 * engine.config.hidden_size)
+    assert head.t2d.all() and not head.d2t.any()
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    requests = [Request(engine.tokenizer.chat_prompt([{"role": "user", "content": p}]), params, tag=i)
+                for i, p in enumerate(PROMPTS[:3])]
+    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
+    for mode in ("greedy", "beam"):
+        out = engine.speculate(requests, tmp_path, mode=mode, draft_length=3, draft_width=2)
+        assert [c.token_ids for c in out] == plain, mode
+
+
+def test_resume_ends_where_an_uninterrupted_run_ends(engine, prompts_file, tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    T.train_draft(engine, whole, prompts_file, settings(), checkpoint_every=3)
+
+    def stop_at_5(phase, done, total, figures):
+        if phase == "train" and done == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        T.train_draft(engine, split, prompts_file, settings(), checkpoint_every=3, progress=stop_at_5)
+    assert T.checkpoint_state(split / "training" / "checkpoint.safetensors")["settings"]["head"] == "eagle3"
+    messages = []
+    # no --head: the checkpoint's eagle3 is kept
+    T.train_draft(engine, split, prompts_file, settings(head="eagle1"), resume=True, checkpoint_every=3,
+                  log=messages.append)
+    assert any("reusing" in m for m in messages)
+    for name in ("model.safetensors", "training/checkpoint.safetensors"):
+        a, b = load_file(str(whole / name)), load_file(str(split / name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (name, k)
+
+
+def test_cli_head_flag(engine, prompts_file, tmp_path, capsys):
+    code = main(["train-draft", "--model", str(engine.name), "--out", str(tmp_path), "--prompts", str(prompts_file),
+                 "--head", "eagle3", "--steps", "1", "--max-new-tokens", "4", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert load_eagle_head(tmp_path, target_embed=engine.model.embed.weight.detach()).cfg.version == 3
+    # resuming with the other kind is refused in one line
+    code = main(["train-draft", "--model", str(engine.name), "--out", str(tmp_path), "--prompts", str(prompts_file),
+                 "--head", "eagle1", "--resume", "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "head='eagle3'" in err and "\n" not in err, err
