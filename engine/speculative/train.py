@@ -453,16 +453,8 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
         return _init_eagle3(engine, cfg, init, seed)
     if init == "fit" and data is None:
         raise ValueError("init 'fit' needs the data")
-    g = torch.Generator().manual_seed(seed)
-    head = EagleHead(cfg)
+    head = _seeded_head(cfg, seed)
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         if init == "fit":
             _fit_fc(head, data, engine.model.embed.weight.detach())
             # the layer's two branches start silent, so the head starts as the fitted map and training adds to it
@@ -477,6 +469,21 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
             # 1.9): equal weights would hide it until Adam had grown them over hundreds of steps
             head.fc.weight[:, :cfg.hidden_size] *= feature / max(embedding, 1e-6)
     return head.to(device=engine.device, dtype=torch.float32)
+
+
+def _seeded_head(cfg: EagleConfig, seed: int) -> EagleHead:
+    """A head of small random weights drawn from the seed in the parameters' order (norms 1, biases 0)."""
+    g = torch.Generator().manual_seed(seed)
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return head
 
 
 def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
@@ -496,17 +503,9 @@ def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
     the bulk of a step. Everything random is drawn from the seed, in the parameters' order."""
     if init == "last-layer":
         raise MoedeskError("--init last-layer: not for an eagle3 head (fit or random)")
-    g = torch.Generator().manual_seed(seed)
-    head = EagleHead(cfg)
+    head = _seeded_head(cfg, seed)
     d = cfg.hidden_size
     with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
         if init == "fit":
             head.fc.weight.zero_()
             head.fc.weight[:, 2 * d:] = torch.eye(d)

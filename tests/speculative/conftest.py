@@ -1,6 +1,7 @@
 import pytest
 
 from engine.runtime import Engine
+from tests.speculative.training_prompts import write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +17,15 @@ def engines(tiny_checkpoint):
         return made[arch, offload]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def engine(engines):
+    """The tiny Mixtral the train-draft tests train heads for."""
+    return engines("mixtral")
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    """train-draft's prompts file of tests.speculative.training_prompts.PROMPTS."""
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")

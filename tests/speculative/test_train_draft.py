@@ -25,13 +25,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engine(engines):
-    return engines("mixtral")
-
-
-@pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl", extra=[{"prompt": "raw text, no template"}])
+    # one raw-text prompt beside the chats: train-draft reads both
+    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl",
+                         extra=[{"prompt": "raw text, no template"}])
 
 
 def settings(**kw):

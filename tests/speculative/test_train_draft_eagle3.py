@@ -13,19 +13,9 @@ from app.cli import main
 from engine.requests import Request, SamplingParams
 from engine.speculative import train as T
 from engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
-from tests.speculative.training_prompts import PROMPTS, write_prompts
+from tests.speculative.training_prompts import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def engine(engines):
-    return engines("mixtral")
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
 
 
 def settings(**kw):
