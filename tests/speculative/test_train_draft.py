@@ -98,18 +98,21 @@ def test_fit_init_starts_nearer_the_target_than_random(engine, data):
     assert losses["fit"] < losses["random"]
 
 
-def test_resume_ends_where_an_uninterrupted_run_ends(engine, prompts_file, tmp_path):
+@pytest.mark.parametrize("head", T.HEADS)
+def test_resume_ends_where_an_uninterrupted_run_ends(engine, prompts_file, tmp_path, head):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    T.train_draft(engine, whole, prompts_file, settings(), checkpoint_every=3)
+    T.train_draft(engine, whole, prompts_file, settings(head=head), checkpoint_every=3)
 
     def stop_at_5(phase, done, total, figures):
         if phase == "train" and done == 5:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        T.train_draft(engine, split, prompts_file, settings(), checkpoint_every=3, progress=stop_at_5)
-    assert T.checkpoint_state(split / "training" / "checkpoint.safetensors")["step"] == 3
+        T.train_draft(engine, split, prompts_file, settings(head=head), checkpoint_every=3, progress=stop_at_5)
+    state = T.checkpoint_state(split / "training" / "checkpoint.safetensors")
+    assert state["step"] == 3 and state["settings"]["head"] == head
     messages = []
+    # resumed with the default head kind: the checkpoint's settings, its kind included, are kept
     T.train_draft(engine, split, prompts_file, settings(), resume=True, checkpoint_every=3, log=messages.append)
     assert any("reusing" in m for m in messages)  # the target's answers are not generated again
     for name in ("model.safetensors", "training/checkpoint.safetensors"):
