@@ -1,7 +1,7 @@
 import pytest
 
 from engine.runtime import Engine
-from tests.speculative.training_prompts import write_prompts
+from tests.speculative.train_helpers import write_prompts
 
 
 @pytest.fixture(scope="module")
@@ -27,5 +27,5 @@ def engine(engines):
 
 @pytest.fixture(scope="module")
 def prompts_file(tmp_path_factory):
-    """train-draft's prompts file of tests.speculative.training_prompts.PROMPTS."""
+    """train-draft's prompts file of tests.speculative.train_helpers.PROMPTS."""
     return write_prompts(tmp_path_factory.mktemp("prompts") / "prompts.jsonl")

@@ -15,11 +15,11 @@ from safetensors.torch import load_file
 
 from app.cli import main
 from engine.errors import MoedeskError
-from engine.requests import Request, SamplingParams
 from engine.speculative import train as T
 from engine.speculative.demo_draft import check_demo_head, resolve_draft
 from engine.speculative.eagle import load_eagle_head
-from tests.speculative.training_prompts import PROMPTS, write_prompts
+from tests.speculative.train_helpers import (assert_speculation_is_plain_greedy, figures_before_and_after_training,
+                                             write_prompts)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,17 +68,7 @@ def test_training_lowers_the_loss(engine, data, init):
     # the agreement with the target's tokens are what training must improve
     s = settings(steps=30, init=init)
     head = T.init_head(engine, T.head_config(engine), s.init, s.seed, data.sequence(0)[0].tolist(), data)
-    head.embed = engine.model.embed.weight.detach().float()
-    lm = engine.model.lm_head.weight.detach()
-    batch = list(range(data.sequences))
-
-    def loss():
-        with torch.no_grad():
-            return T.batch_losses(head, lm, data, batch, s, None, "cpu")[1]
-
-    before = loss()
-    T.train(head, lm, data, s, checkpoint=None)
-    after = loss()
+    before, after = figures_before_and_after_training(engine, head, data, s)
     assert after["loss"] < before["loss"]
     assert sum(after["feature"]) < 0.9 * sum(before["feature"])
     assert sum(after["agree"]) > sum(before["agree"])
@@ -137,13 +127,7 @@ def test_head_loads_and_speculation_with_it_is_lossless(engine, prompts_file, tm
     head = load_eagle_head(tmp_path, target_embed=engine.model.embed.weight.detach(),
                            target_lm_head=engine.model.lm_head.weight.detach())
     assert head.cfg.version == 1 and head.cfg.hidden_size == engine.config.hidden_size
-    params = SamplingParams(max_new_tokens=16, temperature=0)
-    requests = [Request(engine.tokenizer.chat_prompt([{"role": "user", "content": p}]), params, tag=i)
-                for i, p in enumerate(PROMPTS[:3])]
-    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
-    for mode in ("greedy", "beam"):
-        out = engine.speculate(requests, tmp_path, mode=mode, draft_length=3, draft_width=2)
-        assert [c.token_ids for c in out] == plain, mode
+    assert_speculation_is_plain_greedy(engine, tmp_path)
 
 
 def test_a_head_for_another_demo_version_is_refused(tmp_path, monkeypatch):

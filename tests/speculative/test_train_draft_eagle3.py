@@ -10,10 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from app.cli import main
-from engine.requests import Request, SamplingParams
 from engine.speculative import train as T
 from engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
-from tests.speculative.training_prompts import PROMPTS
+from tests.speculative.train_helpers import assert_speculation_is_plain_greedy, figures_before_and_after_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,18 +64,8 @@ def test_init_is_deterministic_and_passes_the_deepest_feature_through(engine):
 def test_training_lowers_the_token_loss(engine, data):
     s = settings(steps=30)
     head = T.init_head(engine, T.head_config(engine, "eagle3"), s.init, s.seed)
-    head.embed = engine.model.embed.weight.detach().float()
-    lm = engine.model.lm_head.weight.detach()
-    batch = list(range(data.sequences))
-
-    def figures():
-        with torch.no_grad():
-            return T.batch_losses(head, lm, data, batch, s, None, "cpu")[1]
-
-    before = figures()
+    before, after = figures_before_and_after_training(engine, head, data, s)
     assert "feature" not in before  # EAGLE-3 has no feature loss
-    T.train(head, lm, data, s, checkpoint=None)
-    after = figures()
     assert after["loss"] < before["loss"]
     assert sum(after["agree"]) > sum(before["agree"])
     assert torch.equal(head.lm_head.weight, engine.model.lm_head.weight.float())  # frozen
@@ -93,13 +82,7 @@ def test_head_loads_as_eagle3_and_speculation_with_it_is_lossless(engine, prompt
             "d2t", "t2d"} <= set(tensors) and "fc.bias" not in tensors
     assert head.fc.weight.shape == (engine.config.hidden_size, 3 * engine.config.hidden_size)
     assert head.t2d.all() and not head.d2t.any()
-    params = SamplingParams(max_new_tokens=16, temperature=0)
-    requests = [Request(engine.tokenizer.chat_prompt([{"role": "user", "content": p}]), params, tag=i)
-                for i, p in enumerate(PROMPTS[:3])]
-    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
-    for mode in ("greedy", "beam"):
-        out = engine.speculate(requests, tmp_path, mode=mode, draft_length=3, draft_width=2)
-        assert [c.token_ids for c in out] == plain, mode
+    assert_speculation_is_plain_greedy(engine, tmp_path)
 
 
 def test_cli_head_flag(engine, prompts_file, tmp_path, capsys):

@@ -17,7 +17,7 @@ from engine.errors import MoedeskError
 from engine.generation.sampling import sample_tokens
 from engine.requests import Request, SamplingParams
 from engine.speculative import train as T
-from tests.speculative.training_prompts import PROMPTS
+from tests.speculative.train_helpers import PROMPTS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
