@@ -222,7 +222,7 @@ typedef struct {
     /* Scratch rows count only the native groups' rows: natively computed row t of native group k
      * is scratch row first[k] + t. */
     float *act;           /* [rows][Fp] split fp32, holding bf16 values */
-    float *gu;            /* [rows][2F] fp32 gate and up sums before rounding */
+    float *gu;            /* [rows][2R] fp32 gate and up sums before rounding */
     float *x;             /* [rows][Hp] split fp32 copies of the x rows, written in phase 0 */
     const bf16 *x_src;    /* the caller's x; scratch row r copies its row x_row[r] */
     const int64_t *x_row;
@@ -235,7 +235,9 @@ typedef struct {
     const int32_t *row_gi; /* scratch row -> native group */
     uint8_t *xt, *at;      /* AMX groups' x rows and act rows as token tiles (see the AMX section) */
     int64_t xt_bytes, at_bytes;
-    int64_t H, F, Fp, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
+    /* R: the intermediate rows computed, [0, R) of F (the call's `rows`): gate / up rows [0, R) and the first R
+     * values of each down row (F apart); act rows have R values, Fp = round_up(R, 32) */
+    int64_t H, F, R, Fp, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
     /* Phase-2 items from `coarse` on are quarters of a block: the call ends when the slowest thread finishes its
      * last item, and a short last item leaves the others less time idle. */
     _Alignas(64) _Atomic int64_t next; /* its own cache line: every item bumps it */
@@ -325,32 +327,34 @@ static void emu_dpbf16ps(int c, int a, int b) {
 static void amx_begin(void) { TILE_CONFIG(&AMX_CFG); }
 static void amx_end(void) { TILE_RELEASE(); }
 
-/* Rows w[0 .. rn) (K apart), values [k0, k0 + 32) as an A tile in buf, zero where there is no row or value. */
-static void amx_stage(bf16 buf[16][32], const bf16 *w, int rn, int64_t K, int64_t k0) {
+/* Rows w[0 .. rn) (ld apart), values [k0, k0 + 32) of their first K as an A tile in buf, zero where there is no
+ * row or value. */
+static void amx_stage(bf16 buf[16][32], const bf16 *w, int rn, int64_t K, int64_t ld, int64_t k0) {
     const int kn = K - k0 < 32 ? (int)(K - k0) : 32;
     memset(buf, 0, 16 * 32 * sizeof(bf16));
-    for (int r = 0; r < rn; r++) memcpy(buf[r], w + r * K + k0, (size_t)kn * sizeof(bf16));
+    for (int r = 0; r < rn; r++) memcpy(buf[r], w + r * ld + k0, (size_t)kn * sizeof(bf16));
 }
 
 /* A tile T of rows w (rn of 16 there), values [k0, k0 + 32): from the weights themselves where all of it is
  * there, else staged. The asm's memory operand names the first row only: the weights are never written. */
-#define AMX_LOAD_A(T, w, rn, K, k0, buf)                                                   \
+#define AMX_LOAD_A(T, w, rn, K, ld, k0, buf)                                               \
     do {                                                                                  \
         if ((rn) == 16 && (k0) + 32 <= (K)) {                                             \
-            TILE_LOAD(T, (w) + (k0), (K) * (int64_t)sizeof(bf16), *(const bf16(*)[32])((w) + (k0))); \
+            TILE_LOAD(T, (w) + (k0), (ld) * (int64_t)sizeof(bf16), *(const bf16(*)[32])((w) + (k0))); \
         } else {                                                                          \
-            amx_stage(buf, w, rn, K, k0);                                                 \
+            amx_stage(buf, w, rn, K, ld, k0);                                             \
             TILE_LOAD(T, buf, 64, *(bf16(*)[16][32])buf);                                 \
         }                                                                                 \
     } while (0)
 
 /*
  * c[i][u] = row set i x token tile u over K values (C tile: [16 rows][16 tokens]) for i < NA, u < NT. Row set i
- * starts at a[i], its rows K apart, rn[i] of its 16 there; bt[u]: token tile u. Needs amx_begin in this thread.
+ * starts at a[i], its rows ld apart (ld >= K: the down rows' first R values), rn[i] of its 16 there; bt[u]: token
+ * tile u. Needs amx_begin in this thread.
  */
 static inline __attribute__((always_inline)) void amx_tiles(const int NA, const int NT, const bf16 *const a[2],
                                                            const int rn[2], const uint8_t *const bt[2], int64_t K,
-                                                           int64_t ahead, float c[2][2][16][16]) {
+                                                           int64_t ld, int64_t ahead, float c[2][2][16][16]) {
     _Alignas(64) bf16 buf[16][32];
     TILE_ZERO(0);
     if (NT > 1) TILE_ZERO(1);
@@ -358,15 +362,15 @@ static inline __attribute__((always_inline)) void amx_tiles(const int NA, const 
     if (NA > 1 && NT > 1) TILE_ZERO(3);
     for (int64_t k0 = 0; k0 < K; k0 += 32) {
         for (int i = 0; i < NA; i++)
-            for (int r = 0; r < rn[i]; r++) _mm_prefetch((const char *)(a[i] + r * K + k0 + ahead), PREFETCH_HINT);
+            for (int r = 0; r < rn[i]; r++) _mm_prefetch((const char *)(a[i] + r * ld + k0 + ahead), PREFETCH_HINT);
         const uint8_t *b0 = bt[0] + k0 / 32 * 1024, *b1 = bt[NT - 1] + k0 / 32 * 1024;
         TILE_LOAD(6, b0, 64, *(const uint8_t(*)[1024])b0);
         if (NT > 1) TILE_LOAD(7, b1, 64, *(const uint8_t(*)[1024])b1);
-        AMX_LOAD_A(4, a[0], rn[0], K, k0, buf);
+        AMX_LOAD_A(4, a[0], rn[0], K, ld, k0, buf);
         TILE_DPBF16PS(0, 4, 6);
         if (NT > 1) TILE_DPBF16PS(1, 4, 7);
         if (NA > 1) {
-            AMX_LOAD_A(5, a[1], rn[1], K, k0, buf);
+            AMX_LOAD_A(5, a[1], rn[1], K, ld, k0, buf);
             TILE_DPBF16PS(2, 5, 6);
             if (NT > 1) TILE_DPBF16PS(3, 5, 7);
         }
@@ -377,12 +381,12 @@ static inline __attribute__((always_inline)) void amx_tiles(const int NA, const 
     if (NA > 1 && NT > 1) TILE_STORE(3, c[1][1], 64, c[1][1]);
 }
 
-typedef void (*amx_fn)(const bf16 *const[2], const int[2], const uint8_t *const[2], int64_t, int64_t,
+typedef void (*amx_fn)(const bf16 *const[2], const int[2], const uint8_t *const[2], int64_t, int64_t, int64_t,
                        float[2][2][16][16]);
 #define AMX_VARIANT(name, NA, NT)                                                                                    \
     static __attribute__((noinline)) void name(const bf16 *const a[2], const int rn[2], const uint8_t *const bt[2], \
-                                               int64_t K, int64_t ahead, float c[2][2][16][16]) {                    \
-        amx_tiles(NA, NT, a, rn, bt, K, ahead, c);                                                                   \
+                                               int64_t K, int64_t ld, int64_t ahead, float c[2][2][16][16]) {        \
+        amx_tiles(NA, NT, a, rn, bt, K, ld, ahead, c);                                                               \
     }
 AMX_VARIANT(amx_1x1, 1, 1)
 AMX_VARIANT(amx_1x2, 1, 2)
@@ -425,7 +429,7 @@ static void amx_act(const float cg[16][16], const float cu[16][16], uint8_t *til
 
 /* Phase 1 of an AMX group: gate and up rows [f0, f1), 16 of each at a time, into its act token tiles. */
 static void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
-    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], H = j->H, F = j->F;
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], H = j->H, F = j->F, R = j->R;
     const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
     const uint8_t *xt = amx_group_tiles(j->xt, j->xt_bytes, j, gi);
     uint8_t *at = amx_group_tiles(j->at, j->at_bytes, j, gi);
@@ -435,23 +439,24 @@ static void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
         const int nt = tiles - u0 >= 2 ? 2 : 1;
         const uint8_t *bt[2] = {xt + u0 * j->xt_bytes, xt + (u0 + nt - 1) * j->xt_bytes};
         for (int64_t f = f0; f < f1; f += 16) {
-            const int rn = f1 - f < 16 ? (int)(f1 - f) : 16; /* f1 <= F: rows past it only at F's end, staged as 0 */
+            const int rn = f1 - f < 16 ? (int)(f1 - f) : 16; /* f1 <= R: rows past it only at R's end, staged as 0 */
             const bf16 *a[2] = {gate + f * H, up + f * H};
             const int rns[2] = {rn, rn};
-            AMX_TILES[1][nt - 1](a, rns, bt, H, ahead, c);
+            AMX_TILES[1][nt - 1](a, rns, bt, H, H, ahead, c);
             for (int u = 0; u < nt; u++) amx_act(c[0][u], c[1][u], at + (u0 + u) * j->at_bytes, f);
         }
-        /* F's last 32-block past round_up(F, 16): rows no item computes, zero (a down A tile's staged zeros there
-         * must not meet garbage) */
-        const int64_t F16 = round_up(F, 16);
-        if (f1 == F && F16 % 32)
+        /* R's last 32-block past round_up(R, 16): rows no item computes, zero (a down A tile's staged zeros there
+         * must not meet garbage); only where R = F, R < F being a multiple of 32 */
+        const int64_t F16 = round_up(R, 16);
+        if (f1 == R && F16 % 32)
             for (int u = 0; u < nt; u++) memset(at + (u0 + u) * j->at_bytes + F16 / 32 * 1024 + 8 * 64, 0, 8 * 64);
     }
 }
 
-/* Phase 2 of an AMX group: down rows [h0, h1) (h0 a multiple of 16), 32 at a time, into out. */
+/* Phase 2 of an AMX group: down rows [h0, h1) (h0 a multiple of 16), 32 at a time, over their first R values,
+ * into out. */
 static void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
-    const int64_t g = j->groups[gi], a0 = j->off[g], n = j->off[g + 1] - a0, F = j->F;
+    const int64_t g = j->groups[gi], a0 = j->off[g], n = j->off[g + 1] - a0, F = j->F, R = j->R;
     const bf16 *down = j->down + j->eid[g] * j->H * F;
     const uint8_t *at = amx_group_tiles(j->at, j->at_bytes, j, gi);
     const int64_t tiles = (n + AMX_T - 1) / AMX_T, ahead = prefetch_ahead(F, 32);
@@ -464,7 +469,7 @@ static void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
             const int rn[2] = {left < 16 ? (int)left : 16, left <= 16 ? 0 : left < 32 ? (int)(left - 16) : 16};
             const int na = rn[1] ? 2 : 1;
             const bf16 *a[2] = {down + h * F, down + (h + 16) * F};
-            AMX_TILES[na - 1][nt - 1](a, rn, bt, F, ahead, c);
+            AMX_TILES[na - 1][nt - 1](a, rn, bt, R, F, ahead, c);
             for (int u = 0; u < nt; u++) {
                 const int64_t t0 = (u0 + u) * AMX_T, tn = n - t0 < AMX_T ? n - t0 : AMX_T;
                 for (int64_t t = 0; t < tn; t++) {
@@ -485,30 +490,30 @@ static void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
  * measured slower from 8 tokens up.
  */
 static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
-    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], H = j->H, F = j->F;
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], H = j->H, F = j->F, R = j->R;
     const int64_t Hp = (H + 31) / 32 * 32;
     const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
-    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < R ? f0 + j->FB : R;
     if (j->tbase[gi] >= 0) {
         phase1_amx(j, gi, f0, f1);
         return;
     }
-    float *gu = j->gu + r0 * 2 * F, s[4 * TILE];
+    float *gu = j->gu + r0 * 2 * R, s[4 * TILE];
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
         const float *xs[TILE];
         for (int t = 0; t < tn; t++) xs[t] = j->x + (r0 + t0 + t) * Hp;
         for (int64_t f = f0; f < f1; f += 2) {
-            const int64_t f2 = f + 1 < F ? f + 1 : f; /* an odd last row is computed twice, kept once */
+            const int64_t f2 = f + 1 < R ? f + 1 : f; /* an odd last row is computed twice, kept once */
             const bf16 *w[4] = {gate + f * H, gate + f2 * H, up + f * H, up + f2 * H};
             dot4_tile(w, xs, tn, H, prefetch_ahead(H, 2), s);
             for (int t = 0; t < tn; t++) {
-                float *row = gu + (t0 + t) * 2 * F;
+                float *row = gu + (t0 + t) * 2 * R;
                 row[f] = s[t * 4 + 0];
-                row[F + f] = s[t * 4 + 2];
+                row[R + f] = s[t * 4 + 2];
                 if (f2 != f) {
                     row[f + 1] = s[t * 4 + 1];
-                    row[F + f + 1] = s[t * 4 + 3];
+                    row[R + f + 1] = s[t * 4 + 3];
                 }
             }
         }
@@ -517,7 +522,7 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
     const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
     for (int64_t t = 0; t < n; t++) {
-        const float *g_row = gu + t * 2 * F, *u_row = g_row + F;
+        const float *g_row = gu + t * 2 * R, *u_row = g_row + R;
         float *act = j->act + (r0 + t) * j->Fp;
         for (int64_t f = f0; f < f1; f += 32) {
             const int64_t left = f1 - f;
@@ -531,9 +536,10 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     }
 }
 
-/* Down-projection rows [h0, h1) of group gi; h0 is a multiple of 4. */
+/* Down-projection rows [h0, h1) of group gi over their first R values (rows F apart); h0 is a multiple of 4. */
 static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
-    const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H, F = j->F;
+    const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H, F = j->F,
+                  R = j->R;
     const bf16 *down = j->down + j->eid[g] * H * F;
     float s[4 * TILE];
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
@@ -543,7 +549,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; h += 4) {
             const bf16 *w[4];
             for (int r = 0; r < 4; r++) w[r] = down + (h + r < H ? h + r : H - 1) * F;
-            dot4_tile(w, xs, tn, F, prefetch_ahead(F, 4), s);
+            dot4_tile(w, xs, tn, R, prefetch_ahead(F, 4), s);
             const int64_t rn = h1 - h < 4 ? h1 - h : 4;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t;
@@ -647,7 +653,7 @@ static void run_job_fn(void *j, int tid) { run_job((Job *)j, tid); }
 /* ---------------------------------------------------------------- API */
 
 
-enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5 };
+enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, BAD_ROWS = -6 };
 
 /*
  * out[o(i), :] = down_e @ act(gate_e @ x[rows[i]], up_e @ x[rows[i]]) for i in group g, e = expert_ids[g],
@@ -655,13 +661,21 @@ enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, 
  * result land where its (token, rank) pair belongs, so no scatter follows the call.
  * Groups with more than max_tokens entries are left untouched for the caller (torch's matmuls
  * win there); their count goes to *skipped. Returns OK or a negative error code.
+ *
+ * R (the Python side's `rows`): the intermediate rows computed, [0, R) of F; R = F is the whole experts,
+ * exactly as before the parameter existed. With R < F each result is the head of its expert's output,
+ * act[0, R) . down[:, 0:R)^T from gate / up rows [0, R): at one token the GPU computes the rest from pinned
+ * RAM (kernels/gpu_streamed.py), using the PCIe link that idles while this call is bound by RAM bandwidth.
+ * R < F must be a multiple of 32 (phase 1's blocks and the split act layout work in 32s); every path takes
+ * it, AMX included (its A tiles load the down rows' first R values at the row stride of F).
  */
 int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
                         const int64_t *rows, int64_t M, const int64_t *expert_ids,
                         const int64_t *offsets, int64_t G, const bf16 *gate_up, const bf16 *down,
                         int64_t E, int64_t F, bf16 *out, int64_t out_stride, const int64_t *out_rows,
-                        int64_t out_len, int64_t max_tokens, int64_t *skipped) {
+                        int64_t out_len, int64_t max_tokens, int64_t *skipped, int64_t R) {
     *skipped = 0;
+    if (F > 0 && (R <= 0 || R > F || (R < F && R % 32))) return BAD_ROWS;
     if (G < 0 || (G == 0 ? M != 0 : offsets[0] != 0 || offsets[G] != M)) return BAD_OFFSETS;
     int64_t ng = 0, rows_n = 0; /* native groups and their rows */
     for (int64_t g = 0; g < G; g++) {
@@ -684,10 +698,10 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     TRACE(memset(&trace, 0, sizeof trace); trace.enter = now_ns());
     int threads = pool_get_threads();
     /* phase-1 blocks start at multiples of 32 so that each 32-chunk of split act has one writer */
-    const int64_t FB = block_rows(F, 4 * H, 32, ng, threads, ITEM_BYTES),
-                  HB = block_rows(H, 2 * F, 16, ng, threads, ITEM_BYTES);
-    const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
-    const int64_t Hp = round_up(H, 32), Fp = round_up(F, 32);
+    const int64_t FB = block_rows(R, 4 * H, 32, ng, threads, ITEM_BYTES),
+                  HB = block_rows(H, 2 * R, 16, ng, threads, ITEM_BYTES);
+    const int64_t nb1 = (R + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = ng * (nb1 + nb2);
+    const int64_t Hp = round_up(H, 32), Fp = round_up(R, 32);
     if (threads > total) threads = (int)total;
     /* groups of AMX_MIN+ tokens go to the AMX tiles where the path is on */
     int64_t tiles = 0;
@@ -695,9 +709,9 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
         const int64_t n = offsets[g + 1] - offsets[g];
         if (n >= AMX_MIN && n <= max_tokens) tiles += (n + AMX_T - 1) / AMX_T;
     }
-    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(F);
+    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(R);
     const size_t sizes[] = {
-        (size_t)rows_n * 2 * F * sizeof(float),  /* gu */
+        (size_t)rows_n * 2 * R * sizeof(float),  /* gu */
         (size_t)rows_n * Fp * sizeof(float),     /* act */
         (size_t)rows_n * Hp * sizeof(float),     /* split x rows */
         (size_t)ng * sizeof(int64_t),            /* first */
@@ -759,6 +773,7 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     j->eid = expert_ids;
     j->H = H;
     j->F = F;
+    j->R = R;
     j->Fp = Fp;
     j->out_stride = out_stride;
     j->FB = FB;
@@ -788,15 +803,16 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
  * offsets] of M pairs and G groups, and shape receives {M, G}, so that the caller can find the groups
  * left to it (*skipped).
  * Grouping a decode step's few pairs costs nanoseconds here and tens of microseconds in numpy, for
- * every MoE layer of every token.
+ * every MoE layer of every token. R: moe_experts_forward's (the intermediate rows computed; F: all).
  */
 int moe_routed_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
                                const int64_t *pair_expert, int64_t P, int64_t k,
                                const int64_t *cpu_experts, int64_t n_cpu, const bf16 *gate_up, const bf16 *down,
                                int64_t E, int64_t F, bf16 *out, int64_t out_stride, int64_t out_len,
-                               int64_t max_tokens, int64_t *index, int64_t shape[2], int64_t *skipped) {
+                               int64_t max_tokens, int64_t *index, int64_t shape[2], int64_t *skipped, int64_t R) {
     *skipped = 0;
     shape[0] = shape[1] = 0;
+    if (F > 0 && (R <= 0 || R > F || (R < F && R % 32))) return BAD_ROWS;
     if (k < 1 || P < 0 || P > N * k) return BAD_ROW;
     if (P > out_len) return BAD_OUT_ROW;
     int64_t M, G;
@@ -806,7 +822,7 @@ int moe_routed_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64
     shape[0] = M;
     shape[1] = G;
     return moe_experts_forward(x, N, x_stride, H, rows, M, expert_ids, offsets, G, gate_up, down, E, F, out,
-                               out_stride, out_rows, out_len, max_tokens, skipped);
+                               out_stride, out_rows, out_len, max_tokens, skipped, R);
 }
 
 void moe_set_threads(int n) { pool_set_threads(n); }

@@ -66,7 +66,28 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 PATHS = ("avx512", "amx")  # moe_get_path's codes
 _ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
            -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
-           -4: "out of memory for the kernel's scratch buffers", -5: "out_rows holds an index outside out"}
+           -4: "out of memory for the kernel's scratch buffers", -5: "out_rows holds an index outside out",
+           -6: "rows must be in (0, F] and a multiple of 32 unless F itself"}
+
+
+def check_rows(rows: int | None, F: int) -> int:
+    """The intermediate rows [0, rows) of F to compute (None: F), checked: 0 < rows <= F, and a multiple of 32
+    unless it is F (the kernel's phase-1 blocks and split act rows go by 32); ValueError otherwise."""
+    if rows is None:
+        return F
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 0 < rows <= F \
+            or (rows != F and rows % 32):
+        raise ValueError(f"rows must be {F} or a multiple of 32 in (0, {F}) (the intermediate rows computed), "
+                         f"not {rows!r}")
+    return int(rows)
+
+
+def _head(gate_up: torch.Tensor, down: torch.Tensor, rows: int | None):
+    """One expert's gate_up [2F, H] and down [H, F] cut to intermediate rows [0, rows) (None or F: as they are)."""
+    F_ = down.shape[-1]
+    if rows is None or rows == F_:
+        return gate_up, down
+    return torch.cat([gate_up[:rows], gate_up[F_:F_ + rows]]), down[:, :rows]
 
 
 def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -76,12 +97,15 @@ def expert_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     return F.linear(F.silu(gate) * up, down)
 
 
-def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, groups=None, out_rows=None):
+def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, groups=None, out_rows=None,
+                              f_rows=None):
     """The pure-torch path: one expert after another, as the engine computes a single expert.
 
-    groups: only these group indices (the others' rows of `out` are left as they are).
+    groups: only these group indices (the others' rows of `out` are left as they are). f_rows: only
+    intermediate rows [0, f_rows) of F (see experts_forward_routed's `rows`).
     """
     _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
+    f_rows = check_rows(f_rows, down.shape[2])
     out = _output(out, out_rows, rows, x)
     if out_rows is not None and out_rows.numel() and not 0 <= int(out_rows.min()) <= int(out_rows.max()) < out.shape[0]:
         raise ValueError(_ERRORS[-5])
@@ -91,7 +115,7 @@ def reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=N
         a, b = bounds[g], bounds[g + 1]
         if b > a:
             at = slice(a, b) if out_rows is None else out_rows[a:b]
-            out[at] = expert_forward(x[rows[a:b]], gate_up[ids[g]], down[ids[g]])
+            out[at] = expert_forward(x[rows[a:b]], *_head(gate_up[ids[g]], down[ids[g]], f_rows))
     return out
 
 
@@ -111,27 +135,33 @@ def _output(out, out_rows, rows, x):
     return out
 
 
-def experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None, native_max_tokens=None):
+def experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None, native_max_tokens=None,
+                    f_rows=None):
     """Result [len(rows), H] in x's dtype: the native kernel where it applies, torch elsewhere.
 
-    out_rows: where each result row goes in `out` (then required), instead of row i at row i.
+    out_rows: where each result row goes in `out` (then required), instead of row i at row i. f_rows: only
+    intermediate rows [0, f_rows) of F (see experts_forward_routed's `rows`).
     """
     lib = _state.get("lib") if not _disabled() else None
     if lib is None and available():
         lib = _state["lib"]
     if (lib is not None and x.dtype == gate_up.dtype == down.dtype == torch.bfloat16 and x.device.type == "cpu"
             and gate_up.device.type == "cpu" and down.device.type == "cpu"):
-        return _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens)
-    return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, out_rows=out_rows)
+        return _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens, f_rows)
+    return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, out_rows=out_rows,
+                                     f_rows=f_rows)
 
 
-def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, out, index=None):
+def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, out, index=None, *,
+                           rows: int | None = None):
     """Each (token, rank) pair of the chosen experts computed into its pair's row of `out`, from the routing
     as the router gives it: pair p = token p // k's rank p % k, routed to expert pair_expert[p].
 
     pair_expert: int64 CPU tensor [P], P <= len(x) * k; cpu_experts: the experts to compute here (None: all);
     out: [>= P, H]; rows of pairs not computed are left as they are. index: int64 CPU scratch of at least
-    2P + 2E + 1 entries (E experts in the stacks), allocated when None.
+    2P + 2E + 1 entries (E experts in the stacks), allocated when None. rows: compute only intermediate rows
+    [0, rows) of F, i.e. each expert's output head act[:rows] @ down[:, :rows].T (the GPU computes the rest at
+    one token, kernels/gpu_streamed.py); None: all F; a multiple of 32 unless F (`check_rows`).
 
     The decode path calls this for every MoE layer of every token. Where the native kernel applies, it
     groups the pairs itself and checks every index, so the call goes straight to it: grouping in numpy
@@ -139,6 +169,7 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     Elsewhere numpy groups the pairs for `experts_forward`.
     """
     P, E = pair_expert.shape[0], gate_up.shape[0]
+    R = check_rows(rows, gate_up.shape[1] // 2) if gate_up.dim() == 3 else rows
     if index is None or index.shape[0] < 2 * P + 2 * E + 1:
         index = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
     lib = _state.get("lib")
@@ -152,12 +183,12 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
             x.data_ptr(), x.shape[0], x.stride(0), H, pair_expert.data_ptr(), P, k,
             None if chosen is None else chosen.ctypes.data, 0 if chosen is None else len(chosen),
             gate_up.data_ptr(), down.data_ptr(), E, two_f // 2, out.data_ptr(), out.stride(0), out.shape[0],
-            limit, index.data_ptr(), shape, ctypes.byref(skipped))
+            limit, index.data_ptr(), shape, ctypes.byref(skipped), R)
         if rc != 0:
             raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
         if skipped.value:
-            out_rows, rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
-            _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit)
+            out_rows, x_rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
+            _large_groups(x, x_rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, R)
         return out
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if P > x.shape[0] * k:
@@ -174,14 +205,15 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     words[:m], words[m:2 * m], words[2 * m:2 * m + g] = order, order // k, experts
     words[2 * m + g] = 0
     np.cumsum(counts, out=words[2 * m + g + 1:2 * m + 2 * g + 1])
-    out_rows, rows, expert_ids, offsets = _index_parts(index, m, g)
-    return experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=out, out_rows=out_rows)
+    out_rows, x_rows, expert_ids, offsets = _index_parts(index, m, g)
+    return experts_forward(x, x_rows, expert_ids, offsets, gate_up, down, out=out, out_rows=out_rows, f_rows=R)
 
 
-def _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit: int) -> None:
+def _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit: int, f_rows=None) -> None:
     """The groups the kernel left alone (more than `limit` tokens), through torch's matmuls."""
     big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
-    reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows)
+    reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows,
+                              f_rows=f_rows)
 
 
 def _index_parts(index, m: int, groups: int):
@@ -206,9 +238,9 @@ def _fast_call_fits(x, index, gate_up, down, out) -> bool:
 
 
 def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None, *, out_rows=None,
-                           native_max_tokens=None):
+                           native_max_tokens=None, f_rows=None):
     """The native kernel for groups of at most native_max_tokens (default max_native_tokens()), torch for
-    larger ones; raises RuntimeError where the kernel is unavailable."""
+    larger ones; raises RuntimeError where the kernel is unavailable. f_rows: see `experts_forward`."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"native CPU experts kernel unavailable: {reason}")
@@ -216,7 +248,8 @@ def native_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out=None
         raise TypeError("the native kernel takes bfloat16 x, gate_up and down")
     if not (x.device.type == gate_up.device.type == down.device.type == "cpu"):
         raise TypeError("the native kernel takes CPU tensors")
-    return _native(_state["lib"], x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens)
+    return _native(_state["lib"], x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens,
+                   f_rows)
 
 
 def _index(t: torch.Tensor) -> torch.Tensor:
@@ -225,8 +258,9 @@ def _index(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", torch.int64).contiguous()
 
 
-def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens):
+def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, native_max_tokens, f_rows=None):
     _check_shapes(x, rows, expert_ids, offsets, gate_up, down)
+    f_rows = check_rows(f_rows, down.shape[2])
     target = _output(out, out_rows, rows, x)
     if gate_up.shape[1] == 0 or x.shape[1] == 0:  # degenerate experts: nothing to stream
         return reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, target, out_rows=out_rows)
@@ -249,11 +283,11 @@ def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, nat
         x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], rows.data_ptr(), rows.shape[0], expert_ids.data_ptr(),
         offsets.data_ptr(), expert_ids.shape[0], gate_up.data_ptr(), down.data_ptr(), E, two_f // 2,
         out.data_ptr(), out.stride(0), None if out_rows is None else out_rows.data_ptr(), out.shape[0], limit,
-        ctypes.byref(skipped))
+        ctypes.byref(skipped), f_rows)
     if rc != 0:
         raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
     if skipped.value:
-        _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit)
+        _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, f_rows)
     if target is not out:
         target.copy_(out)
     return target
@@ -329,10 +363,10 @@ def _configure(lib) -> None:
     """Argument types, and this process's thread and spin settings."""
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.moe_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64,
-                                        ptr, i64, ptr, i64, i64, ctypes.POINTER(i64)]
+                                        ptr, i64, ptr, i64, i64, ctypes.POINTER(i64), i64]
     lib.moe_experts_forward.restype = ctypes.c_int
     lib.moe_routed_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                               ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+                                               ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64), i64]
     lib.moe_routed_experts_forward.restype = ctypes.c_int
     lib.moe_set_threads.argtypes = [ctypes.c_int]
     lib.moe_set_spin_us.argtypes = [i64]

@@ -919,8 +919,8 @@ typedef struct {
     const int64_t *x_row; /* scratch row r quantises x row x_row[r] */
     int64_t x_stride, rows_n;
     uint8_t *xq;          /* [rows][qrow_bytes(H)] */
-    uint8_t *aq;          /* [rows][qrow_bytes(F)] */
-    float *act, *up;      /* [rows][F] fp32: gate, then act; up */
+    uint8_t *aq;          /* [rows][qrow_bytes(R)] */
+    float *act, *up;      /* [rows][R] fp32: gate, then act; up */
     const int64_t *off, *eid;
     const int32_t *groups;
     const int64_t *first;
@@ -930,7 +930,9 @@ typedef struct {
     const int32_t *row_gi; /* scratch row -> group */
     uint8_t *xt, *at;     /* AMX groups' x rows (gate_up's) and act rows (down's) as token tiles */
     int64_t xt_bytes, at_bytes;
-    int64_t H, F, gu_row, d_row, xq_row, aq_row, out_stride, n1, total, FB, HB, nb1, nb2;
+    /* R: the intermediate rows computed, [0, R) of F (the call's `rows`): gate / up rows [0, R), the first R
+     * weights of each down row (d_row, from F, stays the stride); the act rows have R values */
+    int64_t H, F, R, gu_row, d_row, xq_row, aq_row, out_stride, n1, total, FB, HB, nb1, nb2;
     _Alignas(64) _Atomic int64_t next;
     _Alignas(64) _Atomic int64_t next_row;
     _Atomic int64_t rows_split;
@@ -981,7 +983,7 @@ static inline uint8_t *amx_tile(uint8_t *base, int64_t bytes, const Job *j, int6
 
 /* Phase 1 of an AMX group: gate and up rows [f0, f1), 16 of each per amx_rows, into act and up. */
 static AMXF void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
-    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F;
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F, R = j->R;
     const uint8_t *W = j->gate_up + j->eid[g] * 2 * F * j->gu_row;
     const int64_t ahead = prefetch_ahead(j->gu_row, 16);
     _Alignas(64) float o[2][16 * 16];
@@ -991,7 +993,7 @@ static AMXF void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
         for (int64_t f = f0; f < f1; f += 16) {
             const uint8_t *wg[16], *wu[16];
             for (int r = 0; r < 16; r++) {
-                const int64_t fr = f + r < F ? f + r : F - 1;
+                const int64_t fr = f + r < R ? f + r : R - 1;
                 wg[r] = W + fr * j->gu_row;
                 wu[r] = W + (F + fr) * j->gu_row;
             }
@@ -999,7 +1001,7 @@ static AMXF void phase1_amx(const Job *j, int64_t gi, int64_t f0, int64_t f1) {
             amx_rows(j->fmt_gu, wu, tile, tn, j->H, ahead, o[1]);
             const int64_t rn = f1 - f < 16 ? f1 - f : 16;
             for (int t = 0; t < tn; t++) {
-                float *act = j->act + (r0 + t0 + t) * F + f, *up = j->up + (r0 + t0 + t) * F + f;
+                float *act = j->act + (r0 + t0 + t) * R + f, *up = j->up + (r0 + t0 + t) * R + f;
                 for (int64_t r = 0; r < rn; r++) {
                     act[r] = o[0][16 * r + t];
                     up[r] = o[1][16 * r + t];
@@ -1021,7 +1023,7 @@ static AMXF void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; h += 16) {
             const uint8_t *w[16];
             for (int r = 0; r < 16; r++) w[r] = W + (h + r < H ? h + r : H - 1) * j->d_row;
-            amx_rows(j->fmt_d, w, tile, tn, j->F, ahead, o);
+            amx_rows(j->fmt_d, w, tile, tn, j->R, ahead, o);
             const int64_t rn = h1 - h < 16 ? h1 - h : 16;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, at = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
@@ -1032,9 +1034,9 @@ static AMXF void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
 }
 
 static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
-    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F;
+    const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g], r0 = j->first[gi], F = j->F, R = j->R;
     const uint8_t *W = j->gate_up + j->eid[g] * 2 * F * j->gu_row;
-    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < F ? f0 + j->FB : F;
+    const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < R ? f0 + j->FB : R;
     const int amx_in = j->amx_gu && j->tbase[gi] >= 0, amx_out = j->amx_d && j->tbase[gi] >= 0;
     uint8_t *xq[TOK];
     float s[ROWS * TOK];
@@ -1043,11 +1045,11 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         const int tn = n - t0 < TOK ? (int)(n - t0) : TOK;
         for (int t = 0; t < tn; t++) xq[t] = j->xq + (r0 + t0 + t) * j->xq_row;
         for (int64_t f = f0; f < f1; f += 2) {
-            const int64_t f2 = f + 1 < F ? f + 1 : f; /* an odd last row is computed twice, kept once */
+            const int64_t f2 = f + 1 < R ? f + 1 : f; /* an odd last row is computed twice, kept once */
             const int64_t rows[ROWS] = {f, f2, F + f, F + f2};
             rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s, prefetch_ahead(j->gu_row, 2));
             for (int t = 0; t < tn; t++) { /* gate into act, up into up; act8 below */
-                float *act = j->act + (r0 + t0 + t) * F, *up = j->up + (r0 + t0 + t) * F;
+                float *act = j->act + (r0 + t0 + t) * R, *up = j->up + (r0 + t0 + t) * R;
                 act[f] = s[t];
                 up[f] = s[2 * tn + t];
                 if (f2 != f) {
@@ -1060,20 +1062,20 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     /* f0, f1 are multiples of 32: this item's blocks of the quantised act rows are its own (every layout
      * keeps a block's bytes, lanes and sums to itself) */
     for (int64_t t = 0; t < n; t++) {
-        float *act = j->act + (r0 + t) * F;
-        const float *up = j->up + (r0 + t) * F;
+        float *act = j->act + (r0 + t) * R;
+        const float *up = j->up + (r0 + t) * R;
         uint8_t *row = j->aq + (r0 + t) * j->aq_row;
         for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
         if (amx_out) {
             uint8_t *tile = amx_tile(j->at, j->at_bytes, j, gi, t);
-            for (int64_t f = f0; f < f1; f += 32) amx_quantize(act + f, tile, F, f / 32, (int)(t % AMX_T));
+            for (int64_t f = f0; f < f1; f += 32) amx_quantize(act + f, tile, R, f / 32, (int)(t % AMX_T));
         } else {
-            for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, F, f / 32, j->qfmt_d);
+            for (int64_t f = f0; f < f1; f += 32) quantize_block(act + f, row, R, f / 32, j->qfmt_d);
         }
     }
 }
 
-/* Down-projection rows [h0, h1) of group gi. */
+/* Down-projection rows [h0, h1) of group gi: each row's first R weights (d_row apart) against the act rows. */
 static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
     const int64_t g = j->groups[gi], a = j->off[g], n = j->off[g + 1] - a, r0 = j->first[gi], H = j->H;
     const uint8_t *W = j->down + j->eid[g] * H * j->d_row;
@@ -1085,7 +1087,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; h += ROWS) {
             int64_t rows[ROWS];
             for (int r = 0; r < ROWS; r++) rows[r] = h + r < H ? h + r : H - 1;
-            rows_dot(j->fmt_d, W, j->d_row, j->F, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS));
+            rows_dot(j->fmt_d, W, j->d_row, j->R, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS));
             const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
@@ -1113,7 +1115,7 @@ static void quantize_rows(Job *j) {
             else quantize_block(v, row, H, b, j->qfmt_gu);
         }
         if (!tile) qrow_pad(row, H, j->qfmt_gu >= 0);
-        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->F, j->qfmt_d >= 0);
+        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->R, j->qfmt_d >= 0);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -1164,13 +1166,22 @@ enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, 
  * is left alone. gate_up [E][2F][row_bytes(H)] and down [E][H][row_bytes(F)] are packed in fmt_gu /
  * fmt_d. x (N rows, x_stride elements apart) and out are bf16 or fp32 (x_f32, out_f32). index: int64
  * scratch of 2P + 2E + 1 entries. Returns OK or a negative error code.
+ *
+ * R (the Python side's `rows`): the intermediate rows computed, [0, R) of F; R = F is the whole experts. With
+ * R < F each result is the head of its expert's output, act[0, R) . down[:, 0:R)^T from gate / up rows [0, R):
+ * at one token the GPU computes the rest from pinned RAM (kernels/gpu_streamed.py), using the PCIe link that
+ * idles while this call is bound by RAM bandwidth. R is a multiple of 32 and of fmt_d's block (whole quantised
+ * act blocks; a down row's first R / BLOCK blocks, its stride still F's). Every path takes it, AMX included:
+ * the act token tiles are laid out for K = R and amx_rows reads each down row's first R weights, as the VNNI
+ * and AVX2 dots do. R = F computes exactly what the call computed before it had R.
  */
 int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t H,
                       const int64_t *pair_expert, int64_t P, int64_t k, const int64_t *chosen, int64_t n_chosen,
                       const uint8_t *gate_up, const uint8_t *down, int64_t E, int64_t F, int fmt_gu, int fmt_d,
-                      void *out, int64_t out_stride, int64_t out_len, int out_f32, int64_t *index) {
+                      void *out, int64_t out_stride, int64_t out_len, int out_f32, int64_t *index, int64_t R) {
     if (fmt_gu < 0 || fmt_gu >= NFMT || fmt_d < 0 || fmt_d >= NFMT) return BAD_FORMAT;
     if (H <= 0 || F <= 0 || H % BLOCK[fmt_gu] || F % BLOCK[fmt_d] || F % 32) return BAD_SHAPE;
+    if (R <= 0 || R > F || R % BLOCK[fmt_d] || R % 32) return BAD_SHAPE;
     if (k < 1 || P < 0 || P > N * k) return BAD_ROW;
     if (P > out_len) return BAD_OUT_ROW;
     int64_t M, G;
@@ -1182,22 +1193,23 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     pthread_mutex_lock(&call);
     int threads = pool_threads();
     const int64_t gu_row = H / BLOCK[fmt_gu] * BLOCK_BYTES[fmt_gu], d_row = F / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d];
-    const int64_t xq_row = round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(F), 64);
-    /* phase-1 blocks start at multiples of 32 so that each quantised act block has one writer */
-    const int64_t FB = block_rows(F, 2 * gu_row, 32, G, threads, ITEM_BYTES),
-                  HB = block_rows(H, d_row, ROWS, G, threads, ITEM_BYTES);
-    const int64_t nb1 = (F + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
+    const int64_t xq_row = round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(R), 64);
+    /* phase-1 blocks start at multiples of 32 so that each quantised act block has one writer; a phase-2 row
+     * reads its first R / BLOCK blocks */
+    const int64_t FB = block_rows(R, 2 * gu_row, 32, G, threads, ITEM_BYTES),
+                  HB = block_rows(H, R / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d], ROWS, G, threads, ITEM_BYTES);
+    const int64_t nb1 = (R + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
     if (threads > total) threads = (int)total;
     /* groups of AMX_MIN+ tokens go to the AMX tiles where the path and their formats allow */
     const int amx_gu = use_amx && amx_format(fmt_gu), amx_d = use_amx && amx_format(fmt_d);
     int64_t tiles = 0;
     for (int64_t g = 0; (amx_gu || amx_d) && g < G; g++)
         if (offsets[g + 1] - offsets[g] >= AMX_MIN) tiles += (offsets[g + 1] - offsets[g] + AMX_T - 1) / AMX_T;
-    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(F);
+    const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(R);
     const size_t sizes[] = {
-        (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)F * sizeof(float),
+        (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)R * sizeof(float),
         (size_t)G * sizeof(int64_t), (size_t)G * sizeof(int32_t), (size_t)G * sizeof(_Atomic int32_t),
-        (size_t)M * (size_t)F * sizeof(float), (size_t)G * sizeof(int64_t), (size_t)M * sizeof(int32_t),
+        (size_t)M * (size_t)R * sizeof(float), (size_t)G * sizeof(int64_t), (size_t)M * sizeof(int32_t),
         (size_t)(amx_gu ? tiles * xt_bytes : 0), (size_t)(amx_d ? tiles * at_bytes : 0)};
     size_t at[11];
     char *base = scratch_parts(sizes, 11, at);
@@ -1252,6 +1264,7 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->eid = expert_ids;
     j->H = H;
     j->F = F;
+    j->R = R;
     j->gu_row = gu_row;
     j->d_row = d_row;
     j->xq_row = xq_row;

@@ -30,6 +30,7 @@ import torch
 from kernels import cpu_experts
 from kernels.expert_weights import ExpertWeights
 from kernels.native_build import missing_cpu_flags, open_library
+from kernels.quant_formats import FORMATS
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
@@ -39,7 +40,8 @@ FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 PATHS = ("avx2", "vnni", "amx")  # mq_get_path's codes
 _ERRORS = {-2: "more pairs than tokens * k", -3: "pair_expert or chosen holds an index outside the expert stack",
            -4: "out of memory for the kernel's scratch buffers", -5: "more pairs than rows of out",
-           -6: "unsupported packed format", -7: "H and F must be whole blocks of their formats"}
+           -6: "unsupported packed format",
+           -7: "H and F must be whole blocks of their formats, rows a multiple of 32 and of the down format's block"}
 _FLOATS = (torch.bfloat16, torch.float32)
 
 _lock = threading.Lock()
@@ -60,13 +62,31 @@ def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
     return "lib" in _state or (not _state and available())
 
 
-def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index=None):
+def check_rows(rows: int | None, w: ExpertWeights) -> int:
+    """`rows` of a routed call on packed stacks w, checked: the intermediate rows to compute, [0, rows) of
+    F = w.width (None: F). 0 < rows <= F, a multiple of 32 and of the down format's block (the kernel quantises
+    act rows per 32 and reads each down row's first rows / block blocks); ValueError otherwise."""
+    F = w.width
+    if rows is None:
+        return F
+    step = max(32, FORMATS[w.down_format].block) if w.down_format in FORMATS else 32
+    if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or not 0 < rows <= F or rows % step:
+        raise ValueError(f"rows must be a multiple of {step} in (0, {F}] (the intermediate rows computed), "
+                         f"not {rows!r}")
+    return int(rows)
+
+
+def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index=None, *,
+                           rows: int | None = None):
     """Each (token, rank) pair of the chosen experts computed into its pair's row of `out`.
 
     x [N, H] bf16/float32; pair_expert int64 [P], P <= N * k; chosen: expert ids (None: all); out [>= P, H]
     bf16 or float32 (another float dtype goes through a float32 copy). index: int64 CPU scratch of at least
     2P + 2E + 1 entries, reused across calls (the decode path passes one), allocated when None or too small.
-    Raises ValueError on bad indices.
+    rows: compute only intermediate rows [0, rows) of F, i.e. each expert's output head act[:rows] @
+    down[:, :rows].T (the GPU computes the rest at one token, kernels/gpu_streamed.py); None: all F. A multiple
+    of 32 and of the down format's block (`check_rows`).
+    Raises ValueError on bad indices or rows.
     """
     lib = _state.get("lib")
     if lib is None:
@@ -75,6 +95,7 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
             raise RuntimeError(f"native packed-experts kernel unavailable: {reason}")
         lib = _state["lib"]
     H, F = w.hidden, w.width
+    R = check_rows(rows, w)
     if x.dim() != 2 or x.shape[1] != H or out.dim() != 2 or out.shape[1] != H:
         raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must be [*, {H}]")
     if x.dtype not in _FLOATS:
@@ -100,7 +121,7 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
         x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), P, k,
         None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
         gate_up.data_ptr(), down.data_ptr(), E, F, FORMAT_CODES[w.gate_up_format], FORMAT_CODES[w.down_format],
-        out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32), index.data_ptr())
+        out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32), index.data_ptr(), R)
     if rc != 0:
         raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
     if target is not out:
@@ -148,7 +169,7 @@ def _configure(lib) -> None:
     spinning are shared."""
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.mq_routed_forward.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                      c_int, c_int, ptr, i64, i64, c_int, ptr]
+                                      c_int, c_int, ptr, i64, i64, c_int, ptr, i64]
     lib.mq_routed_forward.restype = c_int
     lib.mq_set_path.argtypes = [c_int]
     lib.mq_set_path.restype = c_int

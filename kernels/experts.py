@@ -28,14 +28,20 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     return _packed_one(x, w, 0)
 
 
-def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, out, index=None):
+def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, out, index=None, *,
+                           rows: int | None = None):
     """kernels.cpu_experts.experts_forward_routed for any format: each (token, rank) pair of the chosen
-    experts computed into its pair's row of `out` (pair p = token p // k's rank p % k)."""
+    experts computed into its pair's row of `out` (pair p = token p // k's rank p % k).
+
+    rows: only intermediate rows [0, rows) of F, each expert's output head (the GPU computes the tail at one
+    token, kernels/gpu_streamed.py); None: all F. Its granularity is the path's: cpu_experts.check_rows (dense),
+    cpu_quant.check_rows (packed)."""
     if not w.packed:
-        return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index)
+        return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index,
+                                                  rows=rows)
     if cpu_quant.applies(x, w):
-        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index)
-    return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out)
+        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
+    return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out, rows=rows)
 
 
 def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
@@ -68,14 +74,20 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
 
 # ---------------------------------------------------------------- the reference for packed experts
 
-def _packed_one(x: torch.Tensor, w: ExpertWeights, e: int) -> torch.Tensor:
+def _packed_one(x: torch.Tensor, w: ExpertWeights, e: int, rows: int | None = None) -> torch.Tensor:
+    """Expert e of w on x; rows: its intermediate rows [0, rows) only (gate / up rows, down columns)."""
     gate_up, down = w.expert(e).dense(torch.float32)
-    gate, up = F.linear(x.float(), gate_up[0]).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down[0]).to(x.dtype)
+    gate_up, down = gate_up[0], down[0]
+    if rows is not None and rows != w.width:
+        gate_up, down = torch.cat([gate_up[:rows], gate_up[w.width:w.width + rows]]), down[:, :rows]
+    gate, up = F.linear(x.float(), gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down).to(x.dtype)
 
 
-def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
-    """`experts_forward_routed` one expert at a time through `dequantize`: the packed kernels' reference."""
+def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, *, rows: int | None = None):
+    """`experts_forward_routed` one expert at a time through `dequantize`: the packed kernels' reference.
+    rows: intermediate rows [0, rows) only, checked as the packed kernel checks it (cpu_quant.check_rows)."""
+    rows = cpu_quant.check_rows(rows, w)
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if len(experts_of) > x.shape[0] * k or len(experts_of) > out.shape[0]:
         raise ValueError("more pairs than tokens * k or than rows of out")
@@ -84,5 +96,5 @@ def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out):
     wanted = np.unique(experts_of) if chosen is None else np.intersect1d(np.unique(experts_of), np.asarray(chosen))
     for e in wanted.tolist():
         pairs = torch.from_numpy(np.flatnonzero(experts_of == e)).to(out.device)
-        out[pairs] = _packed_one(x[pairs.to(x.device) // k], w, e).to(out.dtype)
+        out[pairs] = _packed_one(x[pairs.to(x.device) // k], w, e, rows).to(out.dtype)
     return out

@@ -211,3 +211,20 @@ def test_default_path_and_refusal(monkeypatch, tmp_path):
         with pytest.raises(ValueError, match="AMX"):
             ce.set_path("amx")
     ce.set_path("avx512")
+
+
+@pytest.mark.parametrize("H,F,R", [(72, 96, 32), (64, 100, 64), (33, 80, 64)])
+def test_rows_on_the_tiles(amx, H, F, R):
+    """f_rows = R < F (the routed call's rows; the GPU computes the rest at one token): A tiles of the down rows'
+    first R values at the row stride of F, act token tiles of R values. Rows [R, F) of every expert are NaN: a
+    tile reaching into them would show. Against float64 and the AVX-512 path on the experts cut to [0, R)."""
+    x, rows, ids, offsets, gate_up, down = make_case(4, H, F, [9, 17, 3], seed=R)
+    cut_gu = torch.cat([gate_up[:, :R], gate_up[:, F:F + R]], dim=1)
+    cut_args = (x, rows, ids, offsets, cut_gu, down[:, :, :R].contiguous())
+    gate_up[:, R:F], gate_up[:, F + R:], down[:, :, R:] = float("nan"), float("nan"), float("nan")
+    before = amx() if amx else None
+    got, fma = both_paths((x, rows, ids, offsets, gate_up, down), f_rows=R)
+    if amx:
+        assert amx() > before
+    assert torch.isfinite(got).all() and torch.isfinite(fma).all()
+    check(got, fma, cut_args)

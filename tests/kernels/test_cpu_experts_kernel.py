@@ -401,3 +401,71 @@ def test_thread_count_setting(monkeypatch):
     assert ce.get_num_threads() == expected
     with pytest.raises(ValueError):
         ce.set_num_threads(0)
+
+
+def cut(gate_up, down, lo, hi):
+    """Stacks cut to intermediate rows [lo, hi): gate and up rows, down columns; the experts a call with rows
+    computes are cut(..., 0, rows)."""
+    F_ = down.shape[2]
+    return torch.cat([gate_up[:, lo:hi], gate_up[:, F_ + lo:F_ + hi]], dim=1), down[:, :, lo:hi]
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("F_,choices", [(96, [32, 64, 96]), (100, [32, 64, 100])])
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_routed_rows_computes_the_head_of_each_expert(native, monkeypatch, kernel, F_, choices, tokens):
+    """rows = R (the GPU computes the tail rows at one token): the experts cut to intermediate rows [0, R),
+    within the tolerances above of float64 and torch's bf16 path on the cut experts; R = F is the call without
+    rows, bit for bit; the head plus the rest [R, F) in float64 is the whole expert."""
+    if kernel == "torch":
+        monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    k, E = 2, 4
+    x, ids, gate_up, down = routed_case(tokens, k, E, F=F_, seed=tokens)
+    x_rows, experts, offsets, dest = grouped_by_hand(ids, None)
+    start = torch.full((ids.numel() + 1, x.shape[1]), 3.0, dtype=torch.bfloat16)
+    whole = ce.experts_forward_routed(x, ids.flatten(), k, None, gate_up, down, start.clone())
+    full = ce.reference_experts_forward(x.double(), x_rows, experts, offsets, gate_up.double(), down.double())
+    for R in choices:
+        out = ce.experts_forward_routed(x, ids.flatten(), k, None, gate_up, down, start.clone(), rows=R)
+        assert out[-1].eq(3.0).all()  # the row of no pair is left alone
+        if R == F_:
+            assert torch.equal(out, whole)
+            continue
+        gu, dn = cut(gate_up, down, 0, R)
+        exact = ce.reference_experts_forward(x.double(), x_rows, experts, offsets, gu.double(), dn.double())
+        torch_bf16 = ce.reference_experts_forward(x, x_rows, experts, offsets, gu, dn)
+        got = out[dest]
+        err, torch_err = rel_err(got, exact), rel_err(torch_bf16, exact)
+        assert err < 1e-2 and err <= 1.5 * torch_err + 1e-4, (err, torch_err)
+        assert float((got.double() - exact).abs().max()) <= 0.03 * float(exact.abs().max())
+        gu, dn = cut(gate_up, down, R, F_)
+        tail = ce.reference_experts_forward(x.double(), x_rows, experts, offsets, gu.double(), dn.double())
+        assert rel_err(got.double() + tail, full) < 1e-2
+
+
+def test_routed_rows_with_a_group_above_the_native_limit(native):
+    """A group the kernel leaves to torch (more than max_native_tokens()) is cut to the same rows; the kernel's
+    groups equal the kernel on stacks cut beforehand, bit for bit (the same sums over the first R values)."""
+    k, E, R = 2, 5, 32
+    x, ids, gate_up, down = routed_case(ce.max_native_tokens() + 3, k, E, F=96)
+    x_rows, experts, offsets, dest = grouped_by_hand(ids, None)
+    out = ce.experts_forward_routed(x, ids.flatten(), k, None, gate_up, down,
+                                    torch.zeros(ids.numel(), x.shape[1], dtype=torch.bfloat16), rows=R)
+    gu, dn = cut(gate_up, down, 0, R)
+    want = torch.zeros_like(out)
+    ce.experts_forward(x, x_rows, experts, offsets, gu.contiguous(), dn.contiguous(), out=want, out_rows=dest)
+    big = ids.flatten() == 0  # expert 0 takes every token: torch's group
+    assert torch.equal(out[~big], want[~big])
+    assert rel_err(out[big], want[big].double()) < 1e-2
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_bad_rows_raise(native, monkeypatch, kernel):
+    if kernel == "torch":
+        monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
+    x, ids, gate_up, down = routed_case(3, 2, 4, F=100)
+    out = torch.zeros(ids.numel(), x.shape[1], dtype=torch.bfloat16)
+    for R in (0, -32, 132, 48, 99):
+        with pytest.raises(ValueError, match="rows"):
+            ce.experts_forward_routed(x, ids.flatten(), 2, None, gate_up, down, out, rows=R)
+    assert not out.any()

@@ -15,7 +15,7 @@ import torch
 
 from kernels import cpu_quant as cq
 from kernels.native_build import find_compiler
-from tests.kernels.test_cpu_quant_kernel import check, make_case
+from tests.kernels.test_cpu_quant_kernel import check, make_case, poison_tail
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +90,19 @@ def test_amx_many_items(emulated, monkeypatch):
     finally:
         cpu_experts.set_num_threads(threads)
         cq._state["lib"].mq_set_threads(threads)
+
+
+@pytest.mark.parametrize("fu,fd,H,F_,R", [("q4_0", "q4_0", 288, 160, 96), ("q8_0", "q4_k", 64, 768, 256),
+                                          ("q4_k", "q8_0", 256, 544, 288)])
+def test_amx_rows(emulated, fu, fd, H, F_, R):
+    """rows = R < F on the tiles (act token tiles of R values, each down row's first R weights; the GPU computes
+    the rest at one token): against float64 on the experts cut to rows [0, R), with NaN scales in every block of
+    rows [R, F) changing nothing."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("rows", fu, fd, R)).encode()))
+    w, _, _ = make_case(fu, fd, H, F_, 3, 1, 1, g)
+    x = torch.randn(20, H, generator=g)
+    pe = torch.tensor([1] * 17 + [2] * 3)
+    before = torch.randn(20, H, generator=g)
+    out = cq.experts_forward_routed(x, pe, 1, None, w, before.clone(), rows=R)
+    check(out, x, pe, 1, None, w, before, f_rows=R)
+    assert torch.equal(cq.experts_forward_routed(x, pe, 1, None, poison_tail(w, R), before.clone(), rows=R), out)

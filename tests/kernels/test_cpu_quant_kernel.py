@@ -84,9 +84,19 @@ def reference(x, pair_expert, k, chosen, dense, out, emulate):
     return ref
 
 
-def check(out, x, pair_expert, k, chosen, w, before):
+def cut(dense, F_, lo, hi):
+    """dense (gate_up [E, 2F, H], down [E, H, F]) cut to intermediate rows [lo, hi): gate and up rows, down
+    columns; the expert a call with rows computes is cut(..., 0, rows)."""
+    gu, dn = dense
+    return torch.cat([gu[:, lo:hi], gu[:, F_ + lo:F_ + hi]], dim=1), dn[:, :, lo:hi]
+
+
+def check(out, x, pair_expert, k, chosen, w, before, f_rows=None):
+    """out against both references; f_rows: the call computed intermediate rows [0, f_rows) only."""
     rows = [p for p, e in enumerate(pair_expert.tolist()) if chosen is None or e in chosen]
     dense = w.dense(torch.float64)
+    if f_rows is not None:
+        dense = cut(dense, w.width, 0, f_rows)
     exact = reference(x, pair_expert, k, chosen, dense, before, emulate=False)[rows]
     emulated = reference(x, pair_expert, k, chosen, dense, before, emulate=True)[rows]
     got = out.double()[rows]
@@ -255,3 +265,92 @@ def test_a_callers_index_scratch_is_used_and_too_small_ones_are_not(path):
     again = torch.zeros_like(out)
     cq.experts_forward_routed(x, pe, 2, None, w, again, small)
     assert (small == -7).all() and torch.equal(again, out)
+
+
+# (gate_up format, down format, H, F) for calls with `rows` (the GPU computes the tail rows at one token): every
+# down format, F of several blocks so that one block, a middle multiple and F can be asked for
+ROWS_SHAPES = [("q4_0", "q4_0", 96, 160), ("q8_0", "q8_0", 64, 288), ("q4_k", "q4_k", 256, 768),
+               ("q5_k", "q5_k", 256, 768), ("q6_k", "q6_k", 256, 768), ("q4_k", "q4_0", 256, 544)]
+
+
+def rows_choices(fd, F_):
+    """One down block (at least 32), a middle multiple of it, and F."""
+    step = max(32, packed_format(fd).block)
+    return [step, (F_ // step // 2) * step, F_]
+
+
+def poison_tail(w, R):
+    """w with NaN scales in every block of intermediate rows [R, F): gate and up rows, down blocks past R (a call
+    with rows = R must not read them: NaN would reach its results)."""
+    gu, dn = w.gate_up.clone(), w.down.clone()
+    F_, fu, fd = w.width, packed_format(w.gate_up_format), packed_format(w.down_format)
+    for t, f, view in ((gu, fu, gu.view(gu.shape[0], 2, F_, -1, fu.block_bytes)[:, :, R:]),
+                       (dn, fd, dn.view(dn.shape[0], dn.shape[1], -1, fd.block_bytes)[:, :, R // fd.block:])):
+        for a in _SCALES[f.name][0]:
+            view[..., a:a + 2] = 0xFF  # float16 0xffff: NaN
+    return ExpertWeights(gu, dn, w.hidden, F_, w.gate_up_format, w.down_format)
+
+
+@pytest.mark.parametrize("fu,fd,H,F_", ROWS_SHAPES)
+@pytest.mark.parametrize("tokens_per_expert", [1, 3, 17])
+def test_rows_computes_the_head_of_each_expert(path, fu, fd, H, F_, tokens_per_expert):
+    """rows = R: the experts cut to intermediate rows [0, R) (gate / up rows, down columns), against both
+    float64 references on the cut experts; R = F is the call without rows, bit for bit; the head plus the rest
+    [R, F) computed in float64 is the whole expert."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("rows", fu, fd, tokens_per_expert)).encode()))
+    E, k = 3, 2
+    tokens = max(1, tokens_per_expert * E // k)
+    w, x, pe = make_case(fu, fd, H, F_, E, tokens, k, g)
+    if tokens_per_expert == 1:
+        pe = torch.tensor([0, 2])
+    before = torch.randn(pe.numel() + 1, H, generator=g)
+    whole = cq.experts_forward_routed(x, pe, k, None, w, before.clone())
+    dense = w.dense(torch.float64)
+    for R in rows_choices(fd, F_):
+        out = cq.experts_forward_routed(x, pe, k, None, w, before.clone(), rows=R)
+        check(out, x, pe, k, None, w, before, f_rows=R)
+        if R < F_:  # nothing of rows [R, F) is used
+            assert torch.equal(cq.experts_forward_routed(x, pe, k, None, poison_tail(w, R), before.clone(), rows=R),
+                               out)
+        if R == F_:
+            assert torch.equal(out, whole)
+            continue
+        tail = reference(x, pe, k, None, cut(dense, F_, R, F_), torch.zeros_like(before), emulate=False)
+        exact = reference(x, pe, k, None, dense, torch.zeros_like(before), emulate=False)
+        n = pe.numel()
+        err = float((out.double()[:n] + tail[:n] - exact[:n]).norm() / exact[:n].norm())
+        assert err < ERR_EXACT, err
+
+
+def test_rows_bf16_and_dispatch(path, monkeypatch):
+    """rows through kernels.experts (the kernel, and the dequantising reference without it), bf16 x and out."""
+    from kernels import experts
+    g = torch.Generator().manual_seed(21)
+    w, x, pe = make_case("q4_k", "q6_k", 256, 512, 3, 4, 2, g, dtype=torch.bfloat16)
+    out = experts.experts_forward_routed(x, pe, 2, None, w, torch.zeros(pe.numel(), 256, dtype=torch.bfloat16),
+                                         rows=256)
+    check(out, x, pe, 2, None, w, torch.zeros_like(out), f_rows=256)
+    ref = experts.reference_routed(x.float(), pe, 2, None, w, torch.zeros(pe.numel(), 256), rows=256)
+    exact = reference(x, pe, 2, None, cut(w.dense(torch.float64), 512, 0, 256), torch.zeros_like(ref), emulate=False)
+    assert float((ref.double() - exact).norm() / exact.norm()) < 1e-5
+    whole = experts.reference_routed(x.float(), pe, 2, None, w, torch.zeros(pe.numel(), 256))
+    assert torch.equal(experts.reference_routed(x.float(), pe, 2, None, w, torch.zeros(pe.numel(), 256), rows=512),
+                       whole)
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")  # the dispatcher's fallback honours rows too
+    assert torch.equal(experts.experts_forward_routed(x.float(), pe, 2, None, w, torch.zeros(pe.numel(), 256),
+                                                      rows=256), ref)
+
+
+@pytest.mark.parametrize("fd,F_,bad", [("q4_0", 160, [0, -32, 192, 48, 100]), ("q4_k", 768, [0, 1024, 128, 300])])
+def test_bad_rows_raise(path, fd, F_, bad):
+    """rows outside (0, F] or not a multiple of 32 and of the down format's block: ValueError, nothing written."""
+    from kernels import experts
+    g = torch.Generator().manual_seed(4)
+    w, x, pe = make_case(fd, fd, 256, F_, 2, 2, 1, g)
+    out = torch.zeros(pe.numel(), 256)
+    for R in bad:
+        with pytest.raises(ValueError, match="rows"):
+            cq.experts_forward_routed(x, pe, 1, None, w, out, rows=R)
+        with pytest.raises(ValueError, match="rows"):
+            experts.reference_routed(x, pe, 1, None, w, out, rows=R)
+    assert not out.any()
