@@ -4,14 +4,18 @@ from __future__ import annotations
 
 def streaming_line(costs, top_k: int) -> str | None:
     """The measured decode splits (engine.offload.profiler.profile_streaming) and the one chosen; None if not measured."""
-    from engine.offload.placement import streamed_ranks
+    from engine.offload.placement import lone_token_split
 
     if not costs.streamed_split_ms:
         return None
     splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.streamed_split_ms))
-    chosen = streamed_ranks(top_k, costs)
-    return (f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}; "
-            + (f"decode streams {chosen}" if chosen else "decode streams none"))
+    line = f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}"
+    if costs.split_rows_ms:
+        line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_rows_ms)
+    ranks, rows = lone_token_split(top_k, costs)
+    chosen = f"decode streams {ranks}" if ranks else f"decode splits rows, the GPU the last {rows}" if rows \
+        else "decode streams none"
+    return f"{line}; {chosen}"
 
 
 def run_profile(args, engine_loader, out=print) -> int:

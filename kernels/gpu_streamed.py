@@ -16,15 +16,22 @@ Packed (GGUF-quantised) stacks stream too, read as they lie, a quarter of the bf
 packed CPU kernel is bound by unpacking instructions, not by RAM (60 of ~110 GB/s at one token on the GPU
 box), so RAM and PCIe have room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path
 (the same `_row_dot`), so a streamed packed expert equals a resident one.
+
+At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU, so streaming whole experts
+never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
+[first_row, F) (gate and up rows, down columns) into a partial output, the CPU kernels rows [0, first_row),
+and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.row_split).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 
 from kernels import gpu_fused, gpu_quant
 from kernels.expert_weights import ExpertWeights
+from kernels.quant_formats import packed_format
 
 try:
     import triton
@@ -45,42 +52,61 @@ def applies(device: torch.device, w: ExpertWeights) -> bool:
 
 
 def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: ExpertWeights,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, first_row: int = 0) -> None:
     """out[t*K + r] = expert ids[t, r] of `w` applied to x[t] for every token t and rank r >= first_rank.
 
     x [N, H]; ids [N, K] (int64) on x's device; w the layer's stacks in pinned host memory (on the CPU
-    interpreter: any CPU tensors), dense in x's dtype or packed; out [>= N*K, H] in x's dtype. Rows of
-    ranks below first_rank are left as they are.
+    interpreter: any CPU tensors), dense in x's dtype or packed; out [>= N*K, H] in x's dtype, or any float
+    dtype where first_row > 0. Rows of ranks below first_rank are left as they are.
+
+    first_row > 0: only the expert's intermediate rows [first_row, F) (gate and up rows, down columns), a
+    partial output the CPU's rows [0, first_row) complete by addition (`split_rows`); a multiple of
+    `row_granule(w)`.
     """
+    if first_row and (first_row % row_granule(w) or not 0 < first_row < w.width):
+        raise ValueError(f"first_row {first_row} must be a multiple of {row_granule(w)} below {w.width}")
     if w.packed:
-        return _streamed_packed(x, ids, first_rank, w, out)
+        return _streamed_packed(x, ids, first_rank, w, out, first_row)
     n, k = ids.shape
     ranks = k - first_rank
     gate_up, down = w.gate_up, w.down
     _, two_f, h = gate_up.shape
     f = two_f // 2
-    act = torch.empty(n * ranks, f, dtype=x.dtype, device=x.device)
+    act = torch.empty(n * ranks, f - first_row, dtype=x.dtype, device=x.device)
     block_h = min(triton.next_power_of_2(h), 2048)
-    _gate_up[(triton.cdiv(f, _ROWS), n * ranks)](
-        x, _pointer(gate_up), ids, act, first_rank, ranks, H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h, **_EXACT)
-    block_f = min(triton.next_power_of_2(f), 1024)
+    _gate_up[(triton.cdiv(f - first_row, _ROWS), n * ranks)](
+        x, _pointer(gate_up), ids, act, first_rank, ranks, first_row, H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h,
+        **_EXACT)
+    block_f = min(triton.next_power_of_2(f - first_row), 1024)
     _down[(triton.cdiv(h, _ROWS), n * ranks)](
-        act, _pointer(down), ids, out, first_rank, ranks, out.stride(0), H=h, F=f, K=k, ROWS=_ROWS,
+        act, _pointer(down), ids, out, first_rank, ranks, out.stride(0), first_row, H=h, F=f, K=k, ROWS=_ROWS,
         BLOCK_F=block_f, **_EXACT)
 
 
-def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out) -> None:
+def row_granule(w: ExpertWeights) -> int:
+    """What a split of the intermediate rows between the CPU and the GPU must be a multiple of: the down
+    format's block (a packed row's columns come in blocks) and the CPU kernels' 32-row work items."""
+    return math.lcm(32, packed_format(w.down_format).block) if w.packed else 32
+
+
+def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) -> None:
     n, k = ids.shape
     ranks = k - first_rank
     x = x.contiguous()
-    act = torch.empty(n * ranks, w.width, dtype=torch.float32, device=x.device)  # as gpu_quant keeps it
-    for src, stack, fmt, dst, rows, cols, gated in ((x, w.gate_up, w.gate_up_format, act, w.width, w.hidden, True),
-                                                   (act, w.down, w.down_format, out, w.hidden, w.width, False)):
+    width = w.width - first_row
+    act = torch.empty(n * ranks, width, dtype=torch.float32, device=x.device)  # as gpu_quant keeps it
+    # The down rows' first `first_row` columns are whole blocks: skipping their bytes starts each row at column
+    # first_row, which the activation's column 0 meets.
+    skip = packed_format(w.down_format).row_bytes(first_row)
+    for src, stack, fmt, dst, rows, cols, gated, row0, col_bytes in (
+            (x, w.gate_up, w.gate_up_format, act, w.width, w.hidden, True, first_row, 0),
+            (act, w.down, w.down_format, out, w.hidden, width, False, 0, skip)):
         lanes = gpu_quant._LANES[fmt]
         cfg = _PACKED_TILES_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else _PACKED_TILES
-        _packed_pairs[(triton.cdiv(rows, cfg["ROWS"]), n * ranks)](
+        _packed_pairs[(triton.cdiv(rows - row0, cfg["ROWS"]), n * ranks)](
             src, src.stride(0), _pointer(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
-            stack.shape[-1], cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes, GATED=gated, **cfg)
+            row0, stack.shape[-1], col_bytes, cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes,
+            GATED=gated, **cfg)
 
 
 # gpu_quant's tiles for one row per expert (4 rows x 16 units, 2 warps): many small programs keep many reads in
@@ -110,12 +136,13 @@ if triton is not None:
     from kernels.gpu_quant import _row_dot
 
     @triton.jit
-    def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, H: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, ROW0, H: tl.constexpr, F: tl.constexpr,
+                 K: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Intermediate rows [ROW0, F) of each pair, into act [pairs, F - ROW0]."""
         pair = tl.program_id(1)  # the pair's index among the streamed ones: token pair // RANKS
         token = pair // RANKS
         e = tl.load(ids_ptr + token * K + FIRST + pair % RANKS).to(tl.int64)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = rows < F
         base = w_ptr + e * 2 * F * H
         gate = tl.zeros([ROWS], dtype=tl.float32)
@@ -133,11 +160,12 @@ if triton is not None:
         gate = gate.to(dtype).to(tl.float32)
         up = up.to(dtype).to(tl.float32)
         silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(act_ptr + pair * F + rows, (silu * up).to(dtype), mask=live)
+        tl.store(act_ptr + pair * (F - ROW0) + rows - ROW0, (silu * up).to(dtype), mask=live)
 
     @triton.jit
-    def _down(act_ptr, w_ptr, ids_ptr, out_ptr, FIRST, RANKS, out_stride, H: tl.constexpr, F: tl.constexpr,
+    def _down(act_ptr, w_ptr, ids_ptr, out_ptr, FIRST, RANKS, out_stride, COL0, H: tl.constexpr, F: tl.constexpr,
               K: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
+        """out rows from act [pairs, F - COL0] and the down columns [COL0, F)."""
         pair = tl.program_id(1)
         token = pair // RANKS
         rank = FIRST + pair % RANKS
@@ -146,29 +174,30 @@ if triton is not None:
         live = rows < H
         base = w_ptr + e * H * F
         acc = tl.zeros([ROWS], dtype=tl.float32)
-        for f0 in range(0, F, BLOCK_F):
+        for f0 in range(COL0, F, BLOCK_F):
             cols = f0 + tl.arange(0, BLOCK_F)
             inside = cols < F
-            a = tl.load(act_ptr + pair * F + cols, mask=inside, other=0.0).to(tl.float32)
+            a = tl.load(act_ptr + pair * (F - COL0) + cols - COL0, mask=inside, other=0.0).to(tl.float32)
             w = tl.load(base + rows[:, None] * F + cols[None, :], mask=live[:, None] & inside[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * a[None, :], axis=1)
         tl.store(out_ptr + (token * K + rank) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def _packed_pairs(x_ptr, x_stride, w_ptr, expert_stride, ids_ptr, out_ptr, out_stride, FIRST, RANKS, R,
-                      ROW_BYTES, UNITS, K: tl.constexpr, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
-                      ROWS: tl.constexpr, GATED: tl.constexpr):
+    def _packed_pairs(x_ptr, x_stride, w_ptr, expert_stride, ids_ptr, out_ptr, out_stride, FIRST, RANKS, R, ROW0,
+                      ROW_BYTES, COL_BYTES, UNITS, K: tl.constexpr, FMT: tl.constexpr, L: tl.constexpr,
+                      NB: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr):
         """One (token, rank) pair per program column, its expert from the routing on the device. GATED: the
-        pair's x row is its token's and out[pair] = silu(x . gate) * (x . up); otherwise x is the activation
-        of the pair and the result goes to out[token * K + rank]."""
+        pair's x row is its token's and out[pair, r - ROW0] = silu(x . gate_r) * (x . up_r) for rows r in
+        [ROW0, R); otherwise x is the activation of the pair, each row read from byte COL_BYTES on (UNITS units),
+        and the result goes to out[token * K + rank]."""
         pair = tl.program_id(1)
         token = pair // RANKS
         rank = FIRST + pair % RANKS
         e = tl.load(ids_ptr + token * K + rank).to(tl.int64)
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
-        row = (w_ptr + e * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
+        row = (w_ptr + e * expert_stride + COL_BYTES + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         source = token if GATED else pair
         toks = source + tl.arange(0, 1)
         tlive = toks >= 0
@@ -180,5 +209,5 @@ if triton is not None:
             dst = pair
         else:
             dst = token * K + rank
-        tl.store(out_ptr + dst.to(tl.int64) * out_stride + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+        tl.store(out_ptr + dst.to(tl.int64) * out_stride + rows[None, :] - ROW0, acc.to(out_ptr.dtype.element_ty),
                  mask=rlive[None, :])

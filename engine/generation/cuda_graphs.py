@@ -159,6 +159,13 @@ class _Captured:
         share = getattr(executor, "streamed_share", None)
         self.streamed = [share(model.layers[i].moe.layer, tokens, top_k) if share and self.host else 0
                          for i in self.moe_at]
+        # Or how many of every expert's first rows the host computes, the GPU the rest into `split_out`, which
+        # the next segment adds (OffloadExecutor.row_split); 0: none.
+        split = getattr(executor, "row_split", None)
+        self.cpu_rows = [split(model.layers[i].moe.layer, tokens, top_k) if split and self.host else 0
+                         for i in self.moe_at]
+        self.split_out = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=device) \
+            if any(self.cpu_rows) else None
         self.stream_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
         self.graphs: list[torch.cuda.CUDAGraph] = []
@@ -185,7 +192,10 @@ class _Captured:
         else:
             prev = self.moe_at[j - 1]
             x_prev, flat_prev, weights, _ = self.outputs[j - 1]
-            x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(self.expert_out, weights))
+            y = self.expert_out
+            if self.cpu_rows[j - 1]:  # the host's rows of each expert plus the GPU's
+                y = (y.float() + self.split_out).to(y.dtype)
+            x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(y, weights))
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
         for i in range(start, end):  # dense layers, and MoE layers run on the device alone
@@ -212,14 +222,21 @@ class _Captured:
             # The step's stream, looked up once per step: Event.record() without one asks torch for the current
             # stream, 30 µs per layer of host time on the GPU box (a Qwen3 q4_k decode step: 12 layers, 5.6 ms).
             self.host.ready.record(stream)
-            self.host.streamed = self.streamed[j]
-            if self.streamed[j]:
+            self.host.streamed, self.host.cpu_rows = self.streamed[j], self.cpu_rows[j]
+            if self.streamed[j] or self.cpu_rows[j]:
                 graph = self.stream_graphs.get(j)
                 if graph is not None:
                     graph.replay()
                 else:
-                    executor.stream_experts(moe, flat, ids, self.streamed[j], self.expert_out)
+                    self._stream_share(j, executor, moe, flat, ids)
         executor.expert_outputs(moe, flat, ids, out=self.expert_out, host=self.host)
+
+    def _stream_share(self, j: int, executor, moe, flat, ids) -> None:
+        """Queue the GPU's share of host-run MoE layer j read from RAM: whole experts or every expert's last rows."""
+        if self.streamed[j]:
+            executor.stream_experts(moe, flat, ids, self.streamed[j], self.expert_out)
+        else:
+            executor.stream_rows(moe, flat, ids, self.cpu_rows[j], self.split_out)
 
     def _run_eagerly(self, executor) -> torch.Tensor:
         self.outputs = []
@@ -248,12 +265,12 @@ class _Captured:
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
-        for j, ranks in enumerate(self.streamed):
-            if ranks:
+        for j, (ranks, rows) in enumerate(zip(self.streamed, self.cpu_rows)):
+            if ranks or rows:
                 _, flat, _, ids = self.outputs[j]
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    executor.stream_experts(self.model.layers[self.moe_at[j]].moe, flat, ids, ranks, self.expert_out)
+                    self._stream_share(j, executor, self.model.layers[self.moe_at[j]].moe, flat, ids)
                 self.pool = graph.pool()
                 self.stream_graphs[j] = graph
         log.info("captured %d CUDA graphs for %d x %d tokens%s (%d layers stream experts from RAM)",

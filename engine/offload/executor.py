@@ -20,12 +20,15 @@ class HostRouting:
     """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
     there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed.
     streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
-    experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.stream_experts), into `out`."""
+    experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.stream_experts), into `out`.
+    cpu_rows: the host computes only each expert's first `cpu_rows` intermediate rows; the caller has the GPU
+    compute the rest (OffloadExecutor.stream_rows) and adds the two (0: every row)."""
 
     x: torch.Tensor
     ids: torch.Tensor
     ready: torch.cuda.Event | None = None
     streamed: int = 0
+    cpu_rows: int = 0
 
 
 class ExpertExecutor(Protocol):

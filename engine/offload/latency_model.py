@@ -61,15 +61,21 @@ class LatencyModel:
     # CPU: ms until both are done, indexed by g (engine.offload.profiler.profile_streaming; empty: not measured).
     streamed_split_ms: tuple[float, ...] = ()
     streamed_top_k: int = 0
+    # The same layer with every expert's intermediate rows split instead: the GPU reads the last r rows of
+    # each from RAM while the CPU computes the others; ((r, ms), ...) by increasing r (empty: not measured).
+    split_rows_ms: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
         object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
         object.__setattr__(self, "streamed_split_ms", tuple(float(x) for x in self.streamed_split_ms))
+        object.__setattr__(self, "split_rows_ms", tuple((int(r), float(ms)) for r, ms in self.split_rows_ms))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
-        if not all(math.isfinite(x) and x >= 0 for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms):
+        split_rows = tuple(x for pair in self.split_rows_ms for x in pair)
+        if not all(math.isfinite(x) and x >= 0
+                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms + split_rows):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if not all(math.isfinite(x) and x >= 1 for x in (self.cpu_slowdown, self.copy_slowdown)):
             raise ProfileError("latency model: slowdown factors must be finite and >= 1")
@@ -202,7 +208,8 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
     (missing → 1), copy_launch_ms and resident_launch_ms (missing → 0), streamed_split_ms {g: ms} for
-    g = 0, 1, ... with streamed_top_k (missing → not measured). Other keys are ignored.
+    g = 0, 1, ... with streamed_top_k, and split_rows_ms {rows: ms} (missing → not measured). Other keys are
+    ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -233,7 +240,19 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         resident_launch_ms=_milliseconds(profile_points, "resident_launch_ms"),
         streamed_split_ms=_streamed_split(profile_points),
         streamed_top_k=int(profile_points.get("streamed_top_k") or 0),
+        split_rows_ms=_split_rows(profile_points),
     )
+
+
+def _split_rows(profile: dict) -> tuple[tuple[int, float], ...]:
+    """split_rows_ms as ((rows, ms), ...) by increasing rows, each a positive count."""
+    try:
+        pairs = sorted((int(r), float(ms)) for r, ms in (profile.get("split_rows_ms") or {}).items())
+    except (AttributeError, TypeError, ValueError):
+        raise ProfileError("profile: 'split_rows_ms' must map row counts to times") from None
+    if any(r <= 0 for r, _ in pairs):
+        raise ProfileError("profile: 'split_rows_ms' row counts must be positive")
+    return tuple(pairs)
 
 
 def _streamed_split(profile: dict) -> tuple[float, ...]:

@@ -54,6 +54,7 @@ class StepStats:
     copied_experts: int = 0  # copied over PCIe, computed on the GPU
     cpu_experts: int = 0  # computed on the CPU
     streamed_experts: int = 0  # computed on the GPU from their pinned host copies, read over PCIe as it ran
+    split_experts: int = 0  # of the CPU's, those whose last rows the GPU computed from their pinned host copies
     cpu_ms: float = 0.0
     wait_ms: float = 0.0  # blocked on the GPU for the routing (the attention and router work before it)
     layer_ms: float = 0.0
@@ -71,7 +72,7 @@ class StepStats:
         total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.streamed_experts
         return {
             "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
-            "experts_streamed": self.streamed_experts,
+            "experts_streamed": self.streamed_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total,
@@ -143,17 +144,20 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 streamed_ranks=None):
+                 streamed_ranks=None, split_rows=None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
         this step, asked only when the CPU computes experts of the layer anyway (None: never);
         streamed_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
-        the CPU computes the others (`streamed_share`; None: never)."""
+        the CPU computes the others (`streamed_share`; None: never);
+        split_rows(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
+        compute from RAM while the CPU computes the first ones (`row_split`; None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
         self.streamed_ranks = streamed_ranks
+        self.split_rows = split_rows
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(w, [None] * w.num_experts) for layer, w in banks.items()}
         any_bank = next(iter(self.banks.values())).host
@@ -243,6 +247,25 @@ class OffloadExecutor:
             return 0
         return min(top_k, max(0, int(self.streamed_ranks(top_k))))
 
+    def row_split(self, layer: int, batch: int, top_k: int) -> int:
+        """How many of each expert's first intermediate rows the host computes in a captured decode step whose
+        GPU computes the rest from the experts' pinned host copies (`stream_rows`, into a partial output the
+        step adds); 0: no split. Where `streamed_share` applies, and only where it streams no whole expert."""
+        if self.split_rows is None or batch != 1 or self.simulated or self.streamed_share(layer, batch, top_k):
+            return 0
+        bank = self.banks[layer]
+        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.host):
+            return 0
+        cpu_rows = bank.host.width - int(self.split_rows(top_k))
+        if not 0 < cpu_rows < bank.host.width or cpu_rows % gpu_streamed.row_granule(bank.host):
+            return 0
+        return cpu_rows
+
+    def stream_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
+        """Queue the GPU's share of a `row_split` layer: every pair's expert over intermediate rows [cpu_rows,
+        F), read from pinned RAM, into `out` (float32 [N*K, H]), which the caller adds to the host's rows."""
+        gpu_streamed.streamed_experts(x, ids, 0, self.banks[moe.layer].host, out, first_row=cpu_rows)
+
     def stream_experts(self, moe, x, ids, ranks: int, out) -> None:
         """Queue the GPU's computation of each token's last `ranks` experts into their rows of `out`, reading
         their weights from pinned RAM (kernels.gpu_streamed); the host's `expert_outputs` for the same step is
@@ -293,13 +316,18 @@ class OffloadExecutor:
         self._count(moe.layer, counts)
         count, active = counts.tolist(), counts.nonzero()[0].tolist()
         streamed = host.streamed if host is not None else 0
+        cpu_rows = host.cpu_rows if host is not None else 0
         if streamed:  # the GPU computes the lone token's last ranks (`streamed_share`)
             assert n == 1, "streamed experts are for a batch of one token"
             on_gpu_already = set(experts_of[k - streamed:].tolist())
             active = [e for e in active if e not in on_gpu_already]
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
-        on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
+        if cpu_rows:  # the GPU computes the last rows of every expert (`row_split`), the CPU the first ones
+            assert n == 1 and not streamed and not resident, "split rows are for a lone token, all experts offloaded"
+            on_cpu, to_copy = active, []
+        else:
+            on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
         assert len(to_copy) <= len(self.staging), "more copies than staging slots in one layer"
         if on_cpu and resident and self.resident_to_cpu is not None:
             moved = set(self.resident_to_cpu({e: count[e] for e in resident}))
@@ -321,7 +349,7 @@ class OffloadExecutor:
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
             chosen = None if len(on_cpu) == len(active) and not streamed else on_cpu  # None: every pair
-            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index)
+            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_rows or None)
             # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
@@ -338,6 +366,7 @@ class OffloadExecutor:
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
         s.streamed_experts += streamed
+        s.split_experts += len(on_cpu) if cpu_rows else 0
         s.selections += n * k
         s.gpu_hits += sum(count[e] for e in resident)
         s.layer_ms += (time.perf_counter() - started) * 1e3

@@ -20,7 +20,7 @@ from engine.offload.latency_model import LatencyModel, fit_latency_model
 from engine.offload.offload_executor import OffloadExecutor
 from engine.offload.pinned_memory import HostBanks
 from engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
-                              plan_placement, resident_on_cpu, streamed_ranks)
+                              plan_placement, resident_on_cpu, split_rows, streamed_ranks)
 from engine.offload.popularity import estimated_popularity
 from engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
 
@@ -84,7 +84,8 @@ class ExpertOrchestra:
         """Profile one expert (cached) and build the executor with no expert resident yet.
 
         policy: "balanced" splits offloaded experts so the CPU and the copies finish together, and lets
-        the GPU compute some of a lone token's experts from RAM while the CPU computes the rest;
+        the GPU compute some of a lone token's experts, or the last rows of each, from RAM while the CPU
+        computes the rest;
         "fiddler" decides expert by expert (kept for comparison). dtype: the activations' (the model's).
         """
         first = next(iter(banks.values()))
@@ -94,10 +95,11 @@ class ExpertOrchestra:
         costs = fit_latency_model(points)
         nothing = [[False] * first.num_experts for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
-        streaming = (lambda k: streamed_ranks(k, costs)) if policy == "balanced" else None
+        balanced = policy == "balanced"
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
-                                   streamed_ranks=streaming)
+                                   streamed_ranks=(lambda k: streamed_ranks(k, costs)) if balanced else None,
+                                   split_rows=(lambda k: split_rows(k, costs)) if balanced else None)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)

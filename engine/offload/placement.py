@@ -339,23 +339,39 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
 STREAM_MIN_GAIN = 0.05
 
 
-def streamed_ranks(top_k: int, model) -> int:
-    """How many of a lone decoded token's `top_k` offloaded experts the GPU should compute itself, reading
-    their weights from pinned RAM (kernels.gpu_streamed), while the CPU computes the others: the count whose
-    measured split (the model's `streamed_split_ms`, engine.offload.profiler.profile_streaming) finished soonest,
-    fewer on a tie, and 0 unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured for
-    this top_k.
+def lone_token_split(top_k: int, model) -> tuple[int, int]:
+    """How a lone decoded token's `top_k` offloaded experts are shared between the CPU and the GPU, which reads
+    its share of the weights from pinned RAM (kernels.gpu_streamed): (ranks, 0) — the GPU computes the last
+    `ranks` experts whole, the CPU the others — or (0, rows) — the GPU computes the last `rows` intermediate
+    rows of every expert, the CPU the first ones. The option whose measured time (the model's
+    `streamed_split_ms` and `split_rows_ms`, engine.offload.profiler.profile_streaming) was the shortest, and
+    (0, 0) unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured
+    for this top_k.
 
     Measured, not predicted from one expert's costs: predicted from them (with the contention factors of
     copies), the GPU box streamed one of Mixtral's two experts, 3% faster it said, and decoded 22% slower
     (tests/perf/probe_streamed_decode.py); for Qwen3 it predicted 6% from streaming two of eight, where
     two runs of tests/perf/compare_llamacpp.sh on one machine decoded 101 tok/s with them and 79 without.
+    Splitting rows is what lets the GPU help at top-2 (Mixtral), where one whole expert over PCIe takes
+    longer than both on the CPU.
     """
     split = getattr(model, "streamed_split_ms", ())
     if getattr(model, "streamed_top_k", 0) != top_k or len(split) < 2:
-        return 0
-    best = min(range(len(split)), key=lambda g: (split[g], g))
-    return best if split[best] <= (1 - STREAM_MIN_GAIN) * split[0] else 0
+        return 0, 0
+    options = [((g, 0), ms) for g, ms in enumerate(split)]
+    options += [((0, rows), ms) for rows, ms in getattr(model, "split_rows_ms", ())]
+    (ranks, rows), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then fewer rows
+    return (ranks, rows) if best <= (1 - STREAM_MIN_GAIN) * split[0] else (0, 0)
+
+
+def streamed_ranks(top_k: int, model) -> int:
+    """`lone_token_split`'s whole experts for the GPU."""
+    return lone_token_split(top_k, model)[0]
+
+
+def split_rows(top_k: int, model) -> int:
+    """`lone_token_split`'s rows of every expert for the GPU."""
+    return lone_token_split(top_k, model)[1]
 
 
 class RememberedSplit:

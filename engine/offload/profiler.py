@@ -131,7 +131,8 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
     side. w is a layer's pinned stacks, dense or packed (then dtype is the activations'); each try takes experts
     the last tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
-    graph, as in decode."""
+    graph, as in decode. "split_rows_ms": {rows: ms} the same with every expert's last `rows` intermediate rows
+    on the GPU and the first ones on the CPU (`split_row_candidates`)."""
     device = torch.device(device)
     if not gpu_streamed.applies(device, w):
         return {}
@@ -173,7 +174,37 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
             if i:  # the first try warms up
                 times.append((time.perf_counter() - start) * 1e3)
         split[streamed] = statistics.median(times)
-    return {"streamed_split_ms": split, "streamed_top_k": top_k}
+    rows = {}
+    gpu_partial = torch.empty(top_k, hidden, dtype=torch.float32, device=device)
+    for gpu_rows in split_row_candidates(w):
+        cpu_rows = w.width - gpu_rows
+        ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
+        gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)  # compiles before the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)
+        times = []
+        for i in range(repeat + 1):
+            chosen = sorted(next_experts(top_k))
+            ids.copy_(torch.tensor([chosen]))
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            graph.replay()
+            experts_forward_routed(x_host, torch.tensor(chosen), top_k, None, w, cpu_out, index, rows=cpu_rows)
+            torch.cuda.synchronize(device)
+            if i:
+                times.append((time.perf_counter() - start) * 1e3)
+        rows[gpu_rows] = statistics.median(times)
+    return {"streamed_split_ms": split, "streamed_top_k": top_k, "split_rows_ms": rows}
+
+
+def split_row_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:
+    """The GPU's shares of every expert's intermediate rows that profile_streaming times: about 1/16, 2/16, ... of
+    the width up to `most` of it, the CPU's first rows a whole number of granules (kernels.gpu_streamed.row_granule)."""
+    granule, width = gpu_streamed.row_granule(w), w.width
+    shares = {width - -(-(width * (steps - i) // steps) // granule) * granule for i in range(1, steps + 1)}
+    return sorted(r for r in shares if 0 < r < width and r <= most * width)
 
 
 def resident_launch_ms(w: ExpertWeights, dtype, device, repeat: int = 20) -> float:
@@ -268,8 +299,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
 # through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
-# 6: streamed_split_ms of packed experts too).
-PROFILE_FORMAT = 6
+# 6: streamed_split_ms of packed experts too; 7: split_rows_ms).
+PROFILE_FORMAT = 7
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -286,7 +317,7 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms"):
+    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms"):
         if key in points:
             points[key] = {int(n): ms for n, ms in points[key].items()}
     return points

@@ -128,3 +128,52 @@ def test_streamed_packed_experts_equal_resident_ones_on_cuda(formats):
         one = resident.expert(int(ids[0, r]))
         expected = gpu_quant.expert_forward(x, one)
         assert_close(out[r:r + 1].float(), expected.double(), 2 ** -7, 2 ** -8, 2 ** -7)
+
+
+# ---------------------------------------------------------------- the tail of the rows (a split with the CPU)
+
+def _rows_reference(x, ids, w: ExpertWeights, first_row: int):
+    """Each pair's expert over intermediate rows [first_row, F) only, dequantised, in float64: [N*K, H]."""
+    gate_up, down = (t.double() for t in w.dense(torch.float32))
+    f = w.width
+    rows = []
+    for t in range(len(x)):
+        for e in ids[t].tolist():
+            h = x[t:t + 1].double() @ gate_up[e].T
+            gate, up = h[:, first_row:f], h[:, f + first_row:]
+            rows.append((torch.nn.functional.silu(gate) * up) @ down[e][:, first_row:].T)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("formats,hidden,width,first_row", [
+    ((), 72, 96, 32), ((), 40, 64, 32),  # dense: rows not a multiple of the program's tile
+    (("q4_0",), 160, 96, 64), (("q8_0",), 96, 160, 32), (("q4_k", "q6_k"), 256, 768, 256),
+    (("q5_k",), 256, 512, 256)])
+def test_streamed_tail_rows_interpreted(formats, hidden, width, first_row):
+    """first_row > 0: the GPU's part of every pair, rows [first_row, F) (the CPU computes rows [0, first_row):
+    tests/offload/test_split_rows.py checks the two together)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU")
+    from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
+
+    if formats:
+        w = random_experts(5, hidden, width, *formats, seed=hidden)
+    else:
+        _, w = _stacks(5, width, hidden, torch.float32, seed=width)
+    x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[4, 0, 2], [1, 3, 4]])
+    out = torch.zeros(6, hidden)
+    gpu_streamed.streamed_experts(x, ids, 0, w, out, first_row=first_row)
+    tail = _rows_reference(x, ids, w, first_row)
+    assert_close(out, tail, 1e-4, 1e-5)
+    assert (tail - _rows_reference(x, ids, w, 0)).abs().max() > 1e-3  # rows [0, first_row) were left out
+
+
+def test_streamed_rows_must_be_whole_blocks():
+    from tests.kernels.test_gpu_quant_kernel import random_experts
+
+    w = random_experts(2, 256, 512, "q4_k")
+    assert gpu_streamed.row_granule(w) == 256
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gpu_streamed.streamed_experts(torch.zeros(1, 256), torch.zeros(1, 1, dtype=torch.long), 0, w,
+                                      torch.zeros(1, 256), first_row=128)

@@ -175,6 +175,25 @@ def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_
         assert len(captured.stream_graphs) == len(captured.moe_at)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_split_rows_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    """Decode at batch 1 with the CPU computing each expert's first 32 intermediate rows and the GPU the rest
+    from pinned RAM inside the graphs (OffloadExecutor.row_split), the two added by the next segment: the
+    all-on-GPU run's tokens, up to bf16 ties."""
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
+    offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    width = next(iter(offloaded.executor.banks.values())).host.width
+    offloaded.executor.streamed_ranks = lambda k: 0
+    offloaded.executor.split_rows = lambda k: width - 32
+    check_matches_all_on_gpu(offloaded, resident, batch_size=1)
+    assert offloaded.executor.stats.split_experts > 0
+    for captured in offloaded.graphs.captured.values():
+        assert captured.cpu_rows == [32] * len(captured.moe_at)
+        assert len(captured.stream_graphs) == len(captured.moe_at)
+
+
 def test_graphs_recaptured_after_placement_changes_keep_working(tiny_checkpoint, tmp_path, monkeypatch):
     """Every placement change makes the captured graphs stale; recapturing many times over, at several batch
     sizes, on the scheduler's thread, must neither turn graphs off nor leave the CUDA generator broken (a

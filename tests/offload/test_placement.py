@@ -461,3 +461,22 @@ def test_streamed_ranks_take_the_fastest_measured_split():
     assert streamed_ranks(4, measured(0.68, 0.3, 0.2)) == 0  # measured for another top_k
     assert streamed_ranks(8, measured(0.68)) == 0 and streamed_ranks(8, measured()) == 0  # nothing to choose
     assert streamed_ranks(8, Costs(lambda n: 0.08, lambda n: 0.01, 1.0)) == 0  # a model without the measurement
+
+
+def test_rows_split_when_they_beat_whole_experts():
+    """Mixtral's top-2: one whole expert over PCIe takes longer than both on the CPU, a quarter of every
+    expert's rows does not (split_rows_ms); the fastest option wins, whole experts or rows, never both."""
+    from types import SimpleNamespace
+
+    from engine.offload.placement import lone_token_split, split_rows, streamed_ranks
+
+    def measured(split_ms, rows_ms, top_k=2):
+        return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k, split_rows_ms=rows_ms)
+
+    mixtral = measured((1.46, 2.1, 4.0), ((1792, 1.3), (3584, 1.1), (5376, 1.2)))
+    assert lone_token_split(2, mixtral) == (0, 3584)
+    assert (streamed_ranks(2, mixtral), split_rows(2, mixtral)) == (0, 3584)
+    assert lone_token_split(2, measured((1.46, 1.0, 4.0), ((3584, 1.1),))) == (1, 0)  # a whole expert was faster
+    assert lone_token_split(2, measured((1.46, 2.1), ((3584, 1.42),))) == (0, 0)  # under 5% faster
+    assert lone_token_split(8, mixtral) == (0, 0)  # measured for another top_k
+    assert lone_token_split(2, measured((1.46,), ((3584, 1.1),))) == (0, 0)  # no CPU-alone time to beat

@@ -44,7 +44,7 @@ def load(source, *flags):
     lib = ctypes.CDLL(str(build_library(Path(source), [*ce.FLAGS, *flags])))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.moe_routed_experts_forward.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                               ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64)]
+                                               ptr, i64, i64, i64, ptr, ctypes.POINTER(i64), ctypes.POINTER(i64), i64]
     lib.moe_set_threads(ce.get_num_threads())
     return lib
 
@@ -78,7 +78,7 @@ class RawCall:
     def __call__(self, lib, ids, gu, dn):
         lib.moe_routed_experts_forward(self.x.data_ptr(), self.n, H, H, ids.data_ptr(), len(ids), 1, None, 0,
                                        gu.data_ptr(), dn.data_ptr(), E, F, self.out.data_ptr(), H, self.n, 32,
-                                       self.index.data_ptr(), self.shape, ctypes.byref(self.skipped))
+                                       self.index.data_ptr(), self.shape, ctypes.byref(self.skipped), F)
 
 
 def calls(K):
