@@ -33,8 +33,11 @@ def wanted() -> bool:
 
 
 def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous."""
+    """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous, and no gradient
+    wanted through them (the kernels have no backward: training a draft head goes through torch's ops)."""
     first = tensors[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
     return first.is_cuda and wanted() and all(
         t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
 

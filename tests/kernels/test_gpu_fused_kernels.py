@@ -147,3 +147,37 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
     for a, b in ((got, apply_rope(rms_norm(rx, rw, 1e-6), rcos, rsin)), (fused_norm, rms_norm(x, norm_weight, 1e-5))):
         assert (a != b).float().mean() < 0.01
         torch.testing.assert_close(a, b, rtol=2 ** -7, atol=2 ** -7)
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: `applies`'s other rules checked without a GPU."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_fused_kernels_step_aside_when_a_gradient_is_wanted():
+    """The kernels have no backward: training a draft head on the GPU (its norms) must go through torch, or the
+    norm's weight and everything before it get no gradient (a head trained that way lost them silently)."""
+    x = torch.Tensor._make_subclass(_OnCuda, torch.ones(2, 8), True)  # requires grad
+    w = torch.Tensor._make_subclass(_OnCuda, torch.ones(8), False)
+    if not gpu_fused.wanted():
+        pytest.skip("the fused kernels are turned off")
+    assert not gpu_fused.applies(x, w)
+    with torch.no_grad():
+        assert gpu_fused.applies(x, w)  # decoding: no gradient, the kernel
+    assert gpu_fused.applies(x.detach(), w)
+
+
+@pytest.mark.gpu
+def test_norm_trains_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from engine.model.transformer import RMSNorm
+
+    norm = RMSNorm(64, 1e-6).cuda()
+    x = torch.randn(3, 64, device="cuda", requires_grad=True)
+    norm(x).pow(2).sum().backward()
+    assert norm.weight.grad is not None and norm.weight.grad.abs().sum() > 0
+    assert x.grad is not None and x.grad.abs().sum() > 0
