@@ -58,6 +58,20 @@ def read_json(path: Path):
         return json.load(f)
 
 
+def set_aside(path: Path) -> Path:
+    """Rename an unreadable file to `<name>.unreadable-<time>` beside it, so that nothing writes over it and
+    nothing reads it as a good file again; returns the new path (OSError when it cannot be renamed)."""
+    path = Path(path)
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.unreadable-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.unreadable-{stamp}-{n}")
+    os.replace(path, target)
+    return target
+
+
 def now_iso() -> str:
     return datetime.now(timezone.utc).astimezone().isoformat(timespec="milliseconds")
 
@@ -175,12 +189,56 @@ class ConversationStore:
     """Conversations as one JSON file each in a folder; unreadable files are skipped, never deleted.
 
     `state.json` beside the folder remembers which conversation was open last, so a restart
-    returns to it even when an older one was reopened.
+    returns to it even when an older one was reopened; `draft.json` holds the message being typed
+    and not yet sent, so that a restart or a crash does not lose it.
     """
 
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder is not None else data_dir() / "conversations"
         self.state_path = self.folder.parent / "state.json"
+        self.draft_path = self.folder.parent / "draft.json"
+
+    def save_draft(self, text: str) -> None:
+        """Keep the unsent message (atomically: a write cut short leaves the previous draft); OSError if it cannot."""
+        atomic_write_json(self.draft_path, {"version": 1, "text": text})
+
+    def load_draft(self) -> tuple[str, str]:
+        """(the unsent message of the last run, a problem to report). A draft file that cannot be read is set
+        aside (see `set_aside`), never overwritten by the next draft."""
+        try:
+            value = read_json(self.draft_path)
+        except FileNotFoundError:
+            return "", ""
+        except (OSError, ValueError) as e:
+            value, error = None, e
+        if isinstance(value, dict) and isinstance(value.get("text"), str):
+            return value["text"], ""
+        if value is not None:
+            error = ValueError("no text in it")
+        try:
+            kept = f"kept as {set_aside(self.draft_path).name}"
+        except OSError as e2:
+            kept = f"left where it is ({e2})"
+        return "", f"The unsent message of the last run could not be read ({error}); {kept}."
+
+    def set_aside_unreadable(self) -> list[str]:
+        """Set aside every conversation file that cannot be parsed (see `set_aside`); one line each for the user.
+        Files that cannot be opened at all (permissions) are reported and left where they are."""
+        problems = []
+        if not self.folder.is_dir():
+            return problems
+        for file in sorted(self.folder.glob("*.json")):
+            try:
+                Conversation.from_dict(read_json(file))
+            except OSError as e:
+                problems.append(f"Conversation {file.stem} cannot be read: {e}")
+            except ValueError as e:
+                try:
+                    kept = f"kept as {set_aside(file)}"
+                except OSError as e2:
+                    kept = f"left where it is ({e2})"
+                problems.append(f"Conversation {file.stem} could not be read ({str(e)[:120]}); {kept}.")
+        return problems
 
     def remember(self, conversation_id: str | None) -> None:
         """Note the conversation on screen now (None: a new, still empty chat)."""

@@ -22,7 +22,8 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Static
+from textual.timer import Timer
+from textual.widgets import Footer, Header, Static, TextArea
 
 from app.tui.storage import Conversation
 from app.tui.widgets.load_panel import one_line, short_model_name
@@ -46,9 +47,11 @@ class ReplyDone(Message):
 
 
 class ReplyFailed(Message):
-    def __init__(self, generation: int, error: str):
+    """`tail`: text the worker had not posted yet when the reply failed, shown with what was."""
+
+    def __init__(self, generation: int, error: str, tail: str = ""):
         super().__init__()
-        self.generation, self.error = generation, error
+        self.generation, self.error, self.tail = generation, error, tail
 
 
 @dataclass
@@ -94,6 +97,10 @@ class ChatScreen(Screen):
     # columns), so it starts hidden there; ctrl+t still shows it.
     STATS_AUTO_WIDTH = 100
 
+    # The unsent message is written to disk at most this long after it changed (a crash loses at most this much
+    # typing), and at once when the screen is left, the app quits or the message is sent.
+    DRAFT_SAVE_S = 0.5
+
     # Copy and Redo are left out of the footer so that Quit and the palette fit at 80 columns; they are in
     # the empty chat's key list, the command palette and the README.
     BINDINGS = [
@@ -120,6 +127,9 @@ class ChatScreen(Screen):
         self.map_baseline: list[list[int]] | None = None  # expert picks before this chat: the map shows the rest
         self.stats_wanted: bool | None = None  # None: shown when the screen is wide enough; else ctrl+t's choice
         self.decoding_warned = False  # the status line says speculation cannot run
+        self._draft_timer: Timer | None = None
+        self._draft_text = ""  # the input box's text as of its last change
+        self._draft_saved: str | None = None  # what draft.json holds, as far as this screen knows
 
     # ------------------------------------------------------------------ layout
 
@@ -172,8 +182,55 @@ class ChatScreen(Screen):
         latest = self.app.store.latest()
         await self.show_conversation(latest or Conversation())
         self.show_decoding()
+        self._restore_draft()
         self.prompt.focus()
         self.ready = True
+        self._set_aside_unreadable()
+
+    # ------------------------------------------------------------------ the unsent message
+
+    def _restore_draft(self) -> None:
+        text, problem = self.app.store.load_draft()
+        if problem:
+            self.notify(problem, title="unsent message", severity="warning", timeout=10)
+        self._draft_saved = text if not problem else None
+        if text and not self.prompt.text:
+            self._draft_text = text
+            self.prompt.text = text
+            self.prompt.move_cursor(self.prompt.document.end)
+
+    @on(TextArea.Changed, "#prompt")
+    def _draft_changed(self, event: TextArea.Changed) -> None:
+        self._draft_text = event.text_area.text
+        if self._draft_timer is None:  # not reset by later keys: typing without a pause is saved too
+            self._draft_timer = self.set_timer(self.DRAFT_SAVE_S, self.save_draft)
+
+    def save_draft(self) -> None:
+        """Write the unsent message now if draft.json does not hold it yet."""
+        if self._draft_timer is not None:
+            self._draft_timer.stop()
+            self._draft_timer = None
+        text = self._draft_text
+        if text == self._draft_saved:
+            return
+        try:
+            self.app.store.save_draft(text)
+        except OSError as e:
+            self.set_status(f"could not keep the unsent message: {one_line(e)}", error=True)
+            return
+        self._draft_saved = text
+
+    def on_screen_suspend(self) -> None:
+        self.save_draft()
+
+    def on_unmount(self) -> None:
+        self.save_draft()  # the app closing by any other way than ctrl+q
+
+    @work(thread=True, group="set-aside", exit_on_error=False)
+    def _set_aside_unreadable(self) -> None:
+        """Report conversation files that cannot be read, and set them aside (a thread: every file is parsed)."""
+        for problem in self.app.store.set_aside_unreadable():
+            self.app.call_from_thread(self.notify, problem, title="conversations", severity="warning", timeout=15)
 
     def engine_changed(self) -> None:
         """A model was loaded (or released): refresh what depends on it."""
@@ -309,7 +366,9 @@ class ChatScreen(Screen):
             self.set_status("No model loaded: press F3 to choose one.", error=True)
             return
         event.prompt_area.text = ""
+        self._draft_text = ""
         await self.send(text)
+        self.save_draft()  # after the conversation is saved with the message: never neither, at worst both
 
     async def send(self, text: str) -> None:
         """Add the user's message and start the reply."""
@@ -401,9 +460,9 @@ class ChatScreen(Screen):
                     self.post_message(ReplyDelta(number, "".join(pending), tokens))
                     pending.clear()
                     posted_at = now
-            self.post_message(ReplyFailed(number, "the engine ended the reply without a result"))
+            self.post_message(ReplyFailed(number, "the engine ended the reply without a result", "".join(pending)))
         except BaseException as e:  # noqa: BLE001 - shown as one line; the UI goes on
-            self.post_message(ReplyFailed(number, one_line(e)))
+            self.post_message(ReplyFailed(number, one_line(e), "".join(pending)))
 
     def _current(self, number: int) -> Generation | None:
         g = self.generation
@@ -445,8 +504,13 @@ class ChatScreen(Screen):
         g = self._current(message.generation)
         if g is None:
             return
-        await g.widget.finish("", {"error": message.error})
-        self._finished(message.error, error=True)
+        # What was written before the failure stays on screen (not in the conversation: the model never
+        # finished it); the user's message is saved, so ctrl+r writes the reply again.
+        partial = g.widget.text + message.tail
+        if message.tail:
+            g.fragments.append(message.tail)
+        await g.widget.finish(partial, {"error": message.error})
+        self._finished(f"{message.error} · ctrl+r tries again", error=True)
 
     def _finished(self, status: str, error: bool = False) -> None:
         self.generation = None
