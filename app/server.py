@@ -16,9 +16,10 @@ nothing before its best hypothesis is whole). Speculative replies count accepted
 usage.completion_tokens_details (OpenAI's fields for predicted tokens) and in the `moedesk` stats.
 
 Errors are OpenAI error objects ({"error": {"message", "type", "param", "code"}}): 400 for a body that
-is not JSON, a field of the wrong type or range, an unknown model, a prompt that leaves no room in the
-context; 401 without the API key (when one is set); 503 with Retry-After when more requests wait than
-the queue limit; 500 when the engine fails a step (the other clients go on).
+is not JSON, a field of the wrong type or range, an unsupported parameter, a prompt that leaves no room in the
+context; 401 without the API key (when one is set); 404 for an unknown model, as OpenAI's; 503 with
+Retry-After when more requests wait than the queue limit; 500 when the engine fails a step (the other
+clients go on).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that 
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
 SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 
 
 @dataclass(frozen=True)
@@ -268,8 +270,8 @@ class Server:
         engine = self.engine
         model = _field(body, "model", str, required=True)
         if model != self.model_id:
-            raise ApiError(400, f"The model '{model}' does not exist; this server serves '{self.model_id}'", "model",
-                           "model_not_found")
+            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_id}'", "model",
+                           "model_not_found")  # 404 as OpenAI's (the openai client's NotFoundError)
         for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
                               ("logprobs", None), ("top_logprobs", None), ("echo", False), ("suffix", None),
                               ("tools", None), ("functions", None), ("logit_bias", None)):
@@ -278,6 +280,10 @@ class Server:
                     and not (name in ("tools", "functions", "logit_bias") and not value):
                 raise ApiError(400, f"'{name}' is not supported by this server (only {neutral!r})", name,
                                "unsupported_parameter")
+        for name in ("tool_choice", "function_call"):  # without tools, "none" and "auto" both mean plain text
+            if body.get(name) not in (None, "none", "auto"):
+                raise ApiError(400, f"'{name}' is not supported by this server (tools are not: only \"none\" or "
+                                    f"\"auto\")", name, "unsupported_parameter")
         ids = self._prompt_ids(body, chat)
         context = engine.context_length
         if len(ids) >= context:
@@ -391,10 +397,16 @@ class Server:
         tokenizer = self.engine.tokenizer
         if chat:
             messages = body.get("messages")
+            if messages is None:
+                raise ApiError(400, "Missing required parameter: 'messages'", "messages", "missing_required_parameter")
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
-                               "invalid_type")
+                               "invalid_value" if isinstance(messages, list) else "invalid_type")
             plain = [_message(m, i) for i, m in enumerate(messages)]
+            if tokenizer is not None and "developer" not in (tokenizer.chat_template or ""):
+                # OpenAI's newer clients say "developer" for "system"; a template that does not name it would write
+                # a role the model never saw, or (Qwen3's) drop the message
+                plain = [{**m, "role": "system"} if m["role"] == "developer" else m for m in plain]
             if tokenizer is None:
                 raise ApiError(400, "The model has no tokenizer: use /v1/completions with token ids", "messages")
             try:
@@ -496,6 +508,9 @@ def _message(message, index: int) -> dict:
     where = f"messages[{index}]"
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ApiError(400, f"{where} must be an object with a string 'role'", where, "invalid_type")
+    if message["role"] not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {message['role']!r}",
+                       where + ".role", "invalid_value")
     content = message.get("content")
     if isinstance(content, list):  # content parts: text only
         texts = []

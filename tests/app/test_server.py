@@ -265,8 +265,7 @@ def raw(url, body, key=KEY, path="/v1/chat/completions"):
 @pytest.mark.parametrize("body, param, code", [
     (b"{not json", None, "invalid_json"),
     (b"[1, 2]", None, "invalid_json"),
-    ({"model": "tiny"}, "messages", "invalid_type"),
-    ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, "model", "model_not_found"),
+    ({"model": "tiny"}, "messages", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "model", "missing_required_parameter"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature",
      "invalid_type"),
@@ -332,6 +331,234 @@ def test_moedesk_serve_command(tiny_checkpoint, tmp_path):
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0, timeout=60)
         [model] = client.models.list().data
         assert model.id == str(tiny_checkpoint(ARCH))
+        assert client.models.retrieve(model.id).id == model.id  # an id that is a path, slashes and all
         reply = client.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "Hi"}],
                                                max_tokens=4, temperature=0)
         assert reply.usage.completion_tokens <= 4
+
+
+# --- what OpenAI clients send, field by field (the audit of the server against the OpenAI API) ---------------------
+
+
+def test_chat_roles_and_text_parts(client, url):
+    as_strings = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "More please"}]
+    as_parts = [{**m, "content": [{"type": "text", "text": m["content"][:3]},
+                                  {"type": "text", "text": m["content"][3:]}]} for m in as_strings]
+    common = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(messages=as_strings, **common)
+    parts = client.chat.completions.create(messages=as_parts, **common)
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    assert plain.choices[0].message.role == "assistant"
+    # OpenAI's newer clients send "developer" where older ones sent "system": the chat template knows "system" only
+    developer = client.chat.completions.create(messages=[{**as_strings[0], "role": "developer"}, *as_strings[1:]],
+                                               **common)
+    assert developer.model_extra["moedesk"]["token_ids"] == plain.model_extra["moedesk"]["token_ids"]
+    assert developer.usage.prompt_tokens == plain.usage.prompt_tokens
+    r = raw(url, {"model": "tiny", "messages": [as_strings[1], {"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].role", r.text
+    assert r.json()["error"]["code"] == "invalid_value"
+
+
+def test_max_completion_tokens_and_the_room_left(client, engine):
+    common = dict(model="tiny", messages=[{"role": "user", "content": "Count"}], temperature=0,
+                  extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(max_completion_tokens=3, **common)
+    assert reply.usage.completion_tokens == 3 and reply.choices[0].finish_reason == "length"
+    reply = client.chat.completions.create(max_completion_tokens=2, max_tokens=5, **common)  # the newer name wins
+    assert reply.usage.completion_tokens == 2
+    # a max_tokens past the context is cut to the room the prompt leaves
+    prompt = [1] * (engine.context_length - 3)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=100, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3 and reply.usage.total_tokens == engine.context_length
+    assert reply.choices[0].finish_reason == "length"
+
+
+def test_streamed_chat_with_usage_and_stop_equals_the_plain_reply(client):
+    common = dict(messages=[{"role": "user", "content": "Tell me a story"}], max_tokens=20, temperature=0,
+                  extra_body={"ignore_eos": True})
+    plain = client.chat.completions.create(model="tiny", **common)
+    text, chunks = streamed(client, stream_options={"include_usage": True}, **common)
+    assert text == plain.choices[0].message.content
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    full = plain.choices[0].message.content
+    stop = full[len(full) // 2:][:2]
+    cut = client.chat.completions.create(model="tiny", stop=stop, **common)
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.find(stop)]
+    text, chunks = streamed(client, stop=[stop, "\u2603"], **common)  # the stop string never reaches the client
+    assert text == full[: full.find(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert text == cut.choices[0].message.content
+
+
+def test_sampling_with_top_p_follows_the_seed(client):
+    common = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=12, temperature=1.5,
+                  extra_body={"ignore_eos": True})
+    a, b, c = (client.chat.completions.create(top_p=0.9, seed=s, **common).choices[0].message.content
+               for s in (3, 3, 4))
+    assert a == b and a != c
+    greedy = client.chat.completions.create(top_p=1e-6, seed=3, **common).choices[0].message.content
+    assert greedy == client.chat.completions.create(top_p=1e-6, seed=4, **common).choices[0].message.content
+
+
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, param, code", [
+    ({"model": "tiny", "messages": []}, "messages", "invalid_value"),
+    ({"model": "tiny", "messages": "hi"}, "messages", "invalid_type"),
+    ({"model": "tiny", "messages": HI, "top_p": 0}, "top_p", "invalid_value"),
+    ({"model": "tiny", "messages": HI, "temperature": 2.5}, "temperature", "invalid_value"),
+    ({"model": "tiny", "messages": HI, "max_completion_tokens": 0}, "max_completion_tokens", "invalid_value"),
+    ({"model": "tiny", "messages": HI, "seed": 1.5}, "seed", "invalid_type"),
+    ({"model": "tiny", "messages": HI, "stop": ""}, "stop", "invalid_value"),
+    ({"model": "tiny", "messages": HI, "stream_options": {"include_usage": True}}, "stream_options",
+     "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "invalid_type"),
+])
+def test_invalid_values_get_400_with_the_param_named(url, body, param, code):
+    r = raw(url, body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code), error
+
+
+def test_an_unknown_model_is_a_404_as_openai_answers_it(url, client):
+    for path, body in (("/v1/chat/completions", {"messages": HI}), ("/v1/completions", {"prompt": "hi"})):
+        r = raw(url, {"model": "gpt-4o", **body}, path=path)
+        assert r.status_code == 404, r.text  # OpenAI's status for a model it does not have
+        assert r.json()["error"] == {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                     "param": "model", "code": "model_not_found"}
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=HI)
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
+     "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": {"name": "f"}}, "function_call"),
+    ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -1}, "frequency_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("/v1/chat/completions", {"n": 3}, "n"),
+    ("/v1/completions", {"logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"echo": True}, "echo"),
+    ("/v1/completions", {"suffix": "}"}, "suffix"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+])
+def test_unsupported_parameters_fail_clearly(url, path, extra, param):
+    body = {"model": "tiny", "max_tokens": 2, **({"messages": HI} if "chat" in path else {"prompt": "hi"}), **extra}
+    r = raw(url, body, path=path)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param,
+                                                              "unsupported_parameter"), error
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(client):
+    """What clients send by default (the neutral value, or a tool_choice without tools) must not fail."""
+    reply = client.chat.completions.create(
+        model="tiny", messages=HI, max_tokens=2, n=1, presence_penalty=0, frequency_penalty=0.0, logprobs=False,
+        tools=[], tool_choice="none", parallel_tool_calls=False, logit_bias={}, user="u", store=False,
+        response_format={"type": "text"}, metadata={"a": "b"})
+    assert reply.usage.completion_tokens <= 2
+    reply = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, tool_choice="auto",
+                                           function_call="none")
+    assert reply.usage.completion_tokens <= 2
+    reply = client.completions.create(model="tiny", prompt=["hi"], max_tokens=2, best_of=1, echo=False, n=1)
+    assert reply.usage.prompt_tokens >= 1
+
+
+def test_a_disconnected_stream_frees_the_only_row_for_the_next_request(engine, monkeypatch):
+    slow_steps(monkeypatch, 0.01)
+    with running_server(engine, batch_size=1, model_name="tiny") as base:
+        before = wait_idle(base)  # the engine's counters, which earlier servers of this module added to
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+        body = dict(model="tiny", messages=HI, max_tokens=400, temperature=0, extra_body={"ignore_eos": True})
+        running = client.chat.completions.create(stream=True, **body)
+        chunks = iter(running)
+        next(chunks), next(chunks)  # the one row decodes this reply
+        waiting = client.chat.completions.create(stream=True, **body)  # queued behind it: no row is free
+        deadline = time.monotonic() + 10
+        while stats(base)["scheduler"]["waiting"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        waiting.close()  # gives up while it waits: it leaves the queue
+        while stats(base)["scheduler"]["waiting"]:
+            assert time.monotonic() < deadline, stats(base)
+            time.sleep(0.01)
+        running.close()  # gives up mid-reply: the row is free for the next request
+        monkeypatch.undo()
+        reply = client.chat.completions.create(model="tiny", messages=HI, max_tokens=4, temperature=0,
+                                               extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 4
+        after = wait_idle(base)
+        assert after["cancelled"] - before["cancelled"] == 2
+        assert after["generated_tokens"] - before["generated_tokens"] < 400
+
+
+def test_more_concurrent_clients_than_rows_all_complete(engine):
+    with running_server(engine, batch_size=2, model_name="tiny") as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        results, errors = {}, []
+
+        def one(i):
+            try:
+                kind = dict(stream=True) if i % 2 else {}
+                reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"N{i}"}],
+                                                       max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                                                       **kind)
+                if i % 2:
+                    chunks = list(reply)
+                    results[i] = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                    batch = [c for c in chunks if c.choices and c.choices[0].finish_reason][0].model_extra["moedesk"]
+                else:
+                    results[i], batch = reply.choices[0].message.content, reply.model_extra["moedesk"]
+                assert batch["mean_batch"] <= 2  # the group's limit
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and len(results) == 6
+        alone = [client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"N{i}"}],
+                                                max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+                 .choices[0].message.content for i in range(6)]
+        assert [results[i] for i in range(6)] == alone
+
+
+def test_an_engine_failure_is_a_500_for_that_request_and_the_server_goes_on(url, client, monkeypatch):
+    import engine.generation.decoder as decoder
+
+    poison = [7, 7, 7, 7]  # a prompt the engine fails on (token ids: no tokenizer in the way)
+    real_start = decoder.Decoder.start
+
+    def start(self, request, row):
+        if list(request.prompt_ids) == poison:
+            raise RuntimeError("a step\nfailed")
+        return real_start(self, request, row)
+
+    monkeypatch.setattr(decoder.Decoder, "start", start)
+    r = raw(url, {"model": "tiny", "prompt": poison, "max_tokens": 4}, path="/v1/completions")
+    assert r.status_code == 500
+    assert r.json()["error"] == {"message": "The engine failed this request: a step failed", "type": "server_error",
+                                 "param": None, "code": "engine_error"}
+    with pytest.raises(openai.APIError) as caught:  # streamed: an error event where the chunks would be
+        streamed(client, chat=False, prompt=poison, max_tokens=4)
+    assert "a step failed" in caught.value.message
+    reply = client.completions.create(model="tiny", prompt=[7, 7, 7], max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3
