@@ -12,6 +12,7 @@ import torch
 
 from engine.generation.decoder import Decoder
 from engine.generation.kv_cache import KVCache
+from engine.offload.placement import lone_token_split
 from engine.requests import Request, SamplingParams
 
 
@@ -128,7 +129,15 @@ class SyntheticBench:
                 "device": str(self.device), "dtype": str(self.dtype),
                 "experts": next(iter(self.banks.values())).describe(), "policy": self.policy,
                 "experts_on_gpu": self.experts_on_gpu, "whole_layers_on_gpu": self.whole_layers_on_gpu,
-                "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads()}
+                "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads(),
+                "lone_token_split": self.lone_token_split()}
+
+    def lone_token_split(self) -> dict:
+        """How decode of one token shares the offloaded experts with the GPU (engine.offload.placement
+        .lone_token_split: whole experts, or every expert's last rows), as the profile decided it."""
+        ranks, rows = lone_token_split(self.orchestra.top_k, self.orchestra.costs) if self.policy == "balanced" \
+            else (0, 0)
+        return {"gpu_experts": ranks, "gpu_rows": rows}
 
 
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,

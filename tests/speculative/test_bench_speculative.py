@@ -324,3 +324,21 @@ def test_bench_with_a_model_and_its_draft_head(tiny_checkpoint, tmp_path, capsys
         assert r["plain_tok_s"] > 0 and r["spec_tok_s"] > 0 and r["same_as_plain"] == 1.0
     assert main(["bench", "--model", ckpt, "--prompts", str(prompts)]) == 2
     assert "--draft and --prompts go together" in capsys.readouterr().err
+
+
+def test_bench_reports_how_one_token_shares_experts_with_the_gpu(tiny_bench):
+    """The header names the profile's decision (engine.offload.placement.lone_token_split): what to compare decode
+    figures by when a split was or was not taken."""
+    from dataclasses import replace
+
+    costs, policy = tiny_bench.orchestra.costs, tiny_bench.policy
+    assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 0}  # simulated: none measured
+    k = tiny_bench.orchestra.top_k
+    try:
+        tiny_bench.orchestra.costs = replace(costs, streamed_split_ms=(1.8, 2.5), streamed_top_k=k,
+                                             split_rows_ms=((32, 1.5),))
+        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 32}
+        tiny_bench.policy = "fiddler"  # never splits
+        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 0}
+    finally:
+        tiny_bench.orchestra.costs, tiny_bench.policy = costs, policy
