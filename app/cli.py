@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import sys
 
@@ -251,7 +252,14 @@ def run_batch_command(args) -> int:
     check_batch_paths(args.input, args.output)  # before the slow model load
     engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype,
                          expert_dtype=settings.expert_dtype)
-    return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
+    try:
+        return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
+    finally:
+        # On Ctrl-C the engine's decode thread (a daemon) is still inside its step: left running as the interpreter
+        # exits, it is stopped inside torch's C++ and the process aborts ("terminate called without an active
+        # exception", exit 134 instead of 130). Cancelling what it holds and waiting for that step ends it first.
+        with contextlib.suppress(Exception):
+            engine.scheduler.close(timeout=10.0)
 
 
 def run_bench_command(args) -> int:

@@ -159,3 +159,41 @@ def test_all_good_exits_0_and_reports_stats(model, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "2 ok, 0 failed" in err
     assert all(r["finish_reason"] in ("stop", "length") and "ttft_s" in r["stats"] for r in read_jsonl(out))
+
+
+def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_path):
+    """A real `moedesk batch` process interrupted mid-run (SIGINT, as Ctrl-C sends it): it must end with its one
+    line and exit 130, not abort in the engine's decode thread (which it did, exit 134), and leave whole lines
+    that the same command completes."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 24} for i in range(300)]
+    src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "app.cli", "batch", str(src), "-o", str(out), "--model", model, "--device",
+               "cpu", "--temperature", "0", "--ignore-eos", "--batch-size", "4"]
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out.exists() and out.stat().st_size > 0) and process.poll() is None:
+            assert time.monotonic() < deadline, "no output line in 60 s"
+            time.sleep(0.02)
+        process.send_signal(signal.SIGINT)
+        err = process.communicate(timeout=60)[1]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, err[-2000:]
+    assert err.rstrip().endswith("moedesk: interrupted") and "terminate called" not in err
+    partial = read_jsonl(out)  # whole lines only (read_jsonl fails on a cut one)
+    assert 0 < len(partial) < len(lines) and out.read_text().endswith("\n")
+    assert [r["id"] for r in partial] == [f"q{i}" for i in range(len(partial))]
+
+    assert main(["batch", str(src), "-o", str(out), "--model", model, "--device", "cpu", "--temperature", "0",
+                 "--ignore-eos", "--batch-size", "16"]) == 0
+    resumed = read_jsonl(out)
+    assert resumed[:len(partial)] == partial
+    assert [r["id"] for r in resumed] == [f"q{i}" for i in range(len(lines))]
