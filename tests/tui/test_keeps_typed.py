@@ -248,3 +248,42 @@ def test_atomic_write_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeyp
     with pytest.raises(OSError):
         atomic_write_json(path, {"new": True})
     assert json.loads(path.read_text()) == {"old": True} and [p.name for p in path.parent.iterdir()] == ["value.json"]
+
+
+async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dirs):
+    from app.tui.screens.settings import SettingsScreen
+    from app.tui.settings import load_settings
+
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        await pilot.press("f2")  # nothing changed: Esc leaves at once
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is app.chat, what="the chat")
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        screen = app.screen
+        prompt = screen.query_one("#setting-system_prompt")
+        prompt.focus()
+        prompt.text = ""
+        await pilot.press(*"A long system prompt", "enter", *"typed with care")
+        top_k = screen.query_one("#setting-top_k")
+        top_k.focus()
+        top_k.value = ""
+        await pilot.press("-", "5")  # invalid: kept as typed, with its message
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is screen and any("Esc again" in n for n in notices(app))
+        assert prompt.text == "A long system prompt\ntyped with care" and top_k.value == "-5"
+        assert "≥ 0" in str(screen.query_one("#error-top_k").render())
+        await pilot.press("1")  # a change after the warning: the next Esc warns again
+        await pilot.pause()
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.screen is screen and top_k.value == "-51"
+        await pilot.press("escape")  # the second Esc in a row leaves without saving
+        await wait_for(pilot, lambda: app.screen is app.chat, what="the chat")
+        assert app.settings.system_prompt == "Be brief." and load_settings().system_prompt != prompt.text

@@ -121,12 +121,13 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, mon
         app.engine_factory("demo", None)
         assert asked == ["float16"]
 
-        # Esc leaves without saving.
+        # Esc leaves without saving (over a change, at the second Esc: the first one warns).
         await pilot.press("f2")
         await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
         assert "float16" in str(app.screen.query_one("#setting-dtype #label").render())
         app.screen.query_one("#setting-max_new_tokens").value = "5"
-        await pilot.press("escape")
+        await pilot.pause()
+        await pilot.press("escape", "escape")
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat again")
         assert app.settings.max_new_tokens == 77 and load_settings().max_new_tokens == 77
 

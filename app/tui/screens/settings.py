@@ -1,6 +1,7 @@
 """The settings form, built from `app.tui.settings.FIELDS`: one row per field, checked as you type.
 
-Dismisses with the saved `Settings`, or None when cancelled.
+Dismisses with the saved `Settings`, or None when cancelled. Esc over changes that are not saved warns
+first and leaves at the second Esc in a row, so one stray key does not throw away a system prompt.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ class SettingsScreen(Screen[Settings | None]):
         self.initial = settings
         self.path = path
         self.errors: dict[str, str] = {}
+        self.shown: dict[str, object] = {}  # each field's editor value as the form opened
+        self.cancel_warned = False  # Esc said there are unsaved changes, and nothing changed since
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -66,6 +69,11 @@ class SettingsScreen(Screen[Settings | None]):
         self.sub_title = "settings"
         first = self.query_one(f"#setting-{FIELDS[0].name}")
         first.focus()
+        self.shown = {field.name: self.raw_value(field) for field in FIELDS}
+
+    def changed(self) -> bool:
+        """The form holds something other than what it opened with."""
+        return bool(self.shown) and any(self.raw_value(field) != self.shown[field.name] for field in FIELDS)
 
     # -------------------------------------------------------------- reading the form
 
@@ -115,6 +123,7 @@ class SettingsScreen(Screen[Settings | None]):
         name = (widget.id or "").removeprefix("setting-")
         if name in FIELDS_BY_NAME:
             self.check(FIELDS_BY_NAME[name])
+            self.cancel_warned = False
 
     # -------------------------------------------------------------- actions
 
@@ -133,6 +142,11 @@ class SettingsScreen(Screen[Settings | None]):
         self.dismiss(settings)
 
     def action_cancel(self) -> None:
+        if self.changed() and not self.cancel_warned:
+            self.cancel_warned = True
+            self.notify("The changes are not saved: Esc again leaves without them, ctrl+s saves them.",
+                        severity="warning")
+            return
         self.dismiss(None)
 
     def action_defaults(self) -> None:
@@ -153,4 +167,4 @@ class SettingsScreen(Screen[Settings | None]):
 
     @on(Button.Pressed, "#cancel")
     def _cancel_pressed(self) -> None:
-        self.action_cancel()
+        self.dismiss(None)  # the button says what it does; only Esc, easy to press by mistake, asks twice
