@@ -562,3 +562,37 @@ def test_an_engine_failure_is_a_500_for_that_request_and_the_server_goes_on(url,
     reply = client.completions.create(model="tiny", prompt=[7, 7, 7], max_tokens=3, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 3
+
+
+def test_the_openai_clients_structured_output_helpers(client):
+    """client.chat.completions.parse and .stream send a strict json_schema made from a pydantic model."""
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=8)
+        adult: bool
+
+    messages = [{"role": "user", "content": "A person"}]
+    reply = client.chat.completions.parse(model="tiny", messages=messages, response_format=Person, max_tokens=60,
+                                          temperature=0)
+    assert reply.choices[0].finish_reason == "stop" and isinstance(reply.choices[0].message.parsed, Person)
+    with client.chat.completions.stream(model="tiny", messages=messages, response_format=Person, max_tokens=60,
+                                        temperature=0) as stream:
+        final = stream.get_final_completion()
+    assert final.choices[0].message.parsed == reply.choices[0].message.parsed
+
+
+def test_a_body_over_8_mib_is_a_413_declared_or_not(url, client):
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (9 << 20) + b'"}'
+
+    def pieces():  # chunked: no Content-Length to refuse it by
+        for i in range(0, len(big), 1 << 20):
+            yield big[i:i + (1 << 20)]
+
+    for content in (big, pieces()):
+        r = httpx.post(url + "/v1/completions", content=content, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=30)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large", r.text
+    with pytest.raises(openai.BadRequestError) as caught:  # and a prompt over the context, for contrast: 400
+        client.completions.create(model="tiny", prompt="x " * 600)
+    assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "prompt"
