@@ -178,3 +178,28 @@ def test_bad_inputs_end_in_one_line(capsys, tmp_path, prompts_file, tiny_checkpo
     assert "no checkpoint" in err
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--steps", "0"])
     assert "--steps" in err
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("head", T.HEADS)
+def test_training_moves_every_trainable_weight(head, device, engine, tiny_checkpoint, prompts_file, tmp_path,
+                                               monkeypatch):
+    """Each weight the head trains gets a gradient, on the GPU too: there the fused kernels (no backward) once cut
+    the gradient through the head's norms, leaving them untrained (EAGLE-1) or the loss without one (EAGLE-3)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA GPU")
+        from engine.runtime import Engine
+
+        engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cuda", dtype="float32", offload=False)
+    moved, train = {}, T.train
+
+    def train_and_compare(h, *args, **kwargs):
+        before = {n: p.detach().clone() for n, p in h.named_parameters() if p.requires_grad}
+        figures = train(h, *args, **kwargs)
+        moved.update((n, not torch.equal(before[n], p.detach())) for n, p in h.named_parameters() if n in before)
+        return figures
+
+    monkeypatch.setattr(T, "train", train_and_compare)
+    T.train_draft(engine, tmp_path / head, prompts_file, settings(head=head, steps=4))
+    assert moved and [n for n, m in moved.items() if not m] == []
