@@ -275,8 +275,10 @@ def raw(url, body, key=KEY, path="/v1/chat/completions"):
      "invalid_type"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream", "invalid_type"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, "n", "unsupported_parameter"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop",
-     "invalid_type"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": [f"s{i}" for i in range(33)]},
+     "stop", "invalid_value"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["a", 1]}, "stop", "invalid_type"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 257]}, "stop", "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}},
      "response_format", "invalid_value"),
     ({"model": "tiny", "messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_type"),
@@ -393,6 +395,18 @@ def test_streamed_chat_with_usage_and_stop_equals_the_plain_reply(client):
     assert text == full[: full.find(stop)]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert text == cut.choices[0].message.content
+
+
+def test_more_stop_strings_than_openai_takes(client):
+    """Tools written for local servers send more than OpenAI's 4 (Continue's autocomplete about 10, Qwen-Agent 5)."""
+    common = dict(model="tiny", prompt="The quick", max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**common).choices[0].text
+    stop = full[len(full) // 2:][:3]
+    stops = [f"\u2603{i}" for i in range(9)] + [stop]
+    cut = client.completions.create(stop=stops, **common).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.find(stop)]
+    text, chunks = streamed(client, chat=False, stop=stops, **{k: v for k, v in common.items() if k != "model"})
+    assert text == cut.text and chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_sampling_with_top_p_follows_the_seed(client):
