@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
+import difflib
 import json
 import math
 import os
@@ -39,6 +40,11 @@ from engine.requests import Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
+# Every field a line may hold: any other is a mistake (a misspelt option would otherwise be dropped unseen).
+LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "beams", "length_penalty", "response_format")
+# Widest beam search one line may ask for, as the server's (app/server.py, MAX_BEAMS): a search holds beams x
+# context of KV cache, and one wider than the engine's beam rows runs alone with all of them.
+MAX_LINE_BEAMS = 16
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed overflows beyond this; catch it here, not mid-run
 # Longest input line read, newline excluded: a prompt filling a 1M-token context is a few MiB even
 # JSON-escaped, and nothing (a file without newlines, /dev/zero) may make the reader hold more.
@@ -567,6 +573,13 @@ class _Run:
 
     def _request(self, line: _Line) -> Request:
         obj = line.obj
+        unknown = [key for key in obj if key not in LINE_FIELDS]
+        if unknown:
+            guess = next((g for key in unknown for g in difflib.get_close_matches(key, LINE_FIELDS, 1, 0.6)), None)
+            raise _BadLine(f"unknown field{'s' if len(unknown) > 1 else ''} "
+                           f"{', '.join(_show(key) for key in unknown[:5])}{', ...' if len(unknown) > 5 else ''}"
+                           f"{f' (did you mean {_show(guess)}?)' if guess else ''}; a line takes "
+                           f"{', '.join(LINE_FIELDS)}")
         kinds = [k for k in PROMPT_KINDS if k in obj]
         if len(kinds) != 1:
             found = f" (found {' and '.join(kinds)})" if kinds else ""
@@ -594,6 +607,8 @@ class _Run:
             _check_param("length_penalty", length_penalty)
         except ValueError as e:
             raise _BadLine(str(e)) from None
+        if beams > max(MAX_LINE_BEAMS, self.settings.beams):
+            raise _BadLine(f"beams must be at most {max(MAX_LINE_BEAMS, self.settings.beams)}, got {_show(beams)}")
         if beams > 1:
             if grammar is not None:
                 raise _BadLine("response_format cannot be combined with beam search")

@@ -228,6 +228,40 @@ def test_bad_per_line_parameters_are_error_lines(tmp_path, override, words):
     assert [r.prompt_ids for r in engine.requests] == [[6]]
 
 
+def test_an_unknown_field_is_an_error_line_not_silently_ignored(tmp_path):
+    # A misspelt option ("max_tokens", "temprature") used to be dropped without a word: the line ran with the
+    # defaults and its output looked right. Now the line says which field, and what it may have meant.
+    code, records, engine, _ = batch(tmp_path, [
+        {"id": "typo", "prompt_ids": [5], "max_tokens": 3},
+        {"id": "typo2", "prompt_ids": [5], "temprature": 0.5, "top_k": 4},
+        {"id": "all_known", "prompt_ids": [6], "max_new_tokens": 2, "temperature": 0, "top_p": 1, "seed": 1,
+         "beams": 1, "length_penalty": 1.0, "response_format": None},
+    ])
+    assert code == 1
+    assert [r["id"] for r in records] == ["typo", "typo2", "all_known"]
+    assert records[0]["error"].startswith('line 1: unknown field "max_tokens" (did you mean "max_new_tokens"?)')
+    assert records[1]["error"].startswith('line 2: unknown fields "temprature", "top_k" (did you mean "temperature"?)')
+    assert "a line takes id, prompt, messages, prompt_ids, max_new_tokens" in records[0]["error"]
+    assert "text" in records[2]
+    assert [r.prompt_ids for r in engine.requests] == [[6]]
+
+
+def test_a_line_cannot_ask_for_more_beams_than_the_server_allows(tmp_path):
+    # A wider search holds beams x context of KV cache and runs alone: one line asking for 100000 beams took
+    # 100000 rows (seconds a token on the tiny test model; on a real one, all the memory there is).
+    lines = [{"id": "wide", "prompt_ids": [5], "beams": 100000}, {"id": "ok", "prompt_ids": [6], "beams": 16},
+             {"id": "zero", "prompt_ids": [7], "beams": 0}]
+    code, records, engine, _ = batch(tmp_path, lines)
+    assert code == 1
+    assert records[0]["error"] == "line 1: beams must be at most 16, got 100000"
+    assert "text" in records[1]
+    assert records[2]["error"] == "line 3: beams must be >= 1, got 0"
+    # --beams above the limit is the user's own choice: lines may then ask for as many.
+    code, records, _, _ = batch(tmp_path, [{"id": "w", "prompt_ids": [5], "beams": 32}],
+                                settings=BatchSettings(temperature=0, beams=32), out="wide.jsonl")
+    assert code == 0 and "text" in records[0]
+
+
 # --- bad lines --------------------------------------------------------------------------------
 
 def test_bad_lines_become_error_lines_and_the_run_goes_on(tmp_path):
