@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.tui.storage import atomic_write_json, config_dir, read_json
+from app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
 
 SETTINGS_FILE = "settings.json"
 
@@ -305,14 +305,23 @@ def load_settings(path: Path | None = None, problems: list[str] | None = None) -
     return Settings.from_dict(data, problems)
 
 
-def save_settings(settings: Settings, path: Path | None = None) -> Path:
-    """Write the settings atomically, keeping keys this version does not know."""
+def save_settings(settings: Settings, path: Path | None = None, problems: list[str] | None = None) -> Path:
+    """Write the settings atomically, keeping keys this version does not know. A file there that is not a JSON
+    object (a hand edit gone wrong) is set aside first, not written over; `problems` gets a line saying where."""
     path = Path(path) if path is not None else settings_path()
     try:
         existing = read_json(path)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         existing = {}
-    data = dict(existing) if isinstance(existing, dict) else {}
+    except (OSError, ValueError):
+        existing = None
+    if not isinstance(existing, dict):
+        existing = {}
+        if path.exists():
+            kept = set_aside(path)  # OSError: nothing is written, the caller says it could not save
+            if problems is not None:
+                problems.append(f"{path.name} could not be read, so it is kept as {kept.name}")
+    data = dict(existing)
     data.update(settings.to_dict())
     atomic_write_json(path, data)
     return path

@@ -287,3 +287,26 @@ async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dir
         await pilot.press("escape")  # the second Esc in a row leaves without saving
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat")
         assert app.settings.system_prompt == "Be brief." and load_settings().system_prompt != prompt.text
+
+
+async def test_a_settings_file_that_cannot_be_read_is_set_aside_not_overwritten(engine, tui_dirs):
+    from app.tui.screens.settings import SettingsScreen
+    from app.tui.settings import load_settings, settings_path
+
+    hand_edited = b'{"temperature": 0.2, "system_prompt": "my long prompt",}\n'  # a trailing comma
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_bytes(hand_edited)
+    app = MoedeskApp(engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        assert any("unreadable" in n for n in notices(app))
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        app.screen.query_one("#setting-max_new_tokens").value = "33"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is app.chat, what="the chat")
+        assert any("kept as" in n for n in notices(app))
+    assert load_settings().max_new_tokens == 33
+    aside = list(settings_path().parent.glob(f"{settings_path().name}.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == hand_edited

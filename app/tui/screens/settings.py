@@ -134,11 +134,14 @@ class SettingsScreen(Screen[Settings | None]):
             self.notify(f"{FIELDS_BY_NAME[name].label}: {self.errors[name]}", severity="error")
             self.query_one(f"#setting-{name}").focus()
             return
+        problems: list[str] = []
         try:
-            save_settings(settings, self.path)
+            save_settings(settings, self.path, problems)
         except OSError as e:
             self.notify(f"could not save settings: {e}", severity="error")
             return
+        for problem in problems:
+            self.notify(problem, title="settings", severity="warning", timeout=10)
         self.dismiss(settings)
 
     def action_cancel(self) -> None:
