@@ -488,6 +488,7 @@ class _Run:
         self._line_decoding = None  # the decoding of lines that are not beam lines: None (plain) or speculative
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
+        self._warnings_shown = 0  # of engine.warnings
 
     def requests(self, lines: Iterator[tuple[int, bytes | None]], in_name) -> Iterator[Request]:
         """The engine's input: one Request per good line; bad lines are written on the way.
@@ -698,14 +699,26 @@ class _Run:
                         raise
                     except Exception as error:  # noqa: BLE001 -- see the docstring
                         self._run_alone(error)
-                        if "out of memory" in str(error).lower():
-                            batch_size = max(1, batch_size // 2)  # the batch did not fit: try fewer at once
+                        if _out_of_memory(error) and batch_size > 1:  # the batch did not fit: try fewer at once
+                            self.report.note(f"out of memory with up to {batch_size} lines at once "
+                                             f"({_describe(error)[:120]}); going on with {batch_size // 2}")
+                            batch_size //= 2
+                        self.show_warnings()
                         break
                     self.completed(completion)
+                    self.show_warnings()
             finally:
                 close = getattr(completions, "close", None)
                 if close is not None:
                     close()  # releases the engine even when the output stopped the run
+
+    def show_warnings(self) -> None:
+        """The engine's new warnings (what went less well than asked: a GPU out-of-memory back-off moving experts
+        to RAM, RAM it could not pin), one line each on stderr."""
+        warnings = getattr(self.engine, "warnings", None) or []
+        for warning in warnings[self._warnings_shown:]:
+            self.report.note(_one_line(str(warning)))
+        self._warnings_shown = len(warnings)
 
     def _completions(self, requests: Iterator[Request], batch_size: int):
         s = self.settings
@@ -825,6 +838,13 @@ class _Report:
         if self.bar is not None:
             self.bar.start()
 
+    def note(self, text: str) -> None:
+        """One line on stderr, above the bar when there is one."""
+        if self.console is not None:
+            self.console.print(f"moedesk: {text}", markup=False, soft_wrap=True)
+        else:
+            print(f"moedesk: {text}", file=self.stderr, flush=True)
+
     def skipped(self) -> None:
         # The bar counts the lines of this run only, so its rate and ETA are not flattered by
         # skipped ones. (Skipped lines come first in practice: output is in input order.)
@@ -919,6 +939,7 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
         except OSError as e:
             raise BatchUsageError(f"{in_path}: cannot read the input ({e.strerror})") from None
         run = _Run(engine, settings, written, out, report)
+        run.show_warnings()  # from the load
         report.start()
         stopped = None
         try:
@@ -960,6 +981,16 @@ def _describe(e: BaseException) -> str:
         return _first_line(e) or type(e).__name__
     text = _first_line(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """Whether `e` says memory ran out: the GPU's (torch.OutOfMemoryError, or the engine's MoedeskError once it
+    has no experts left to move to RAM), torch's CPU allocator ("can't allocate memory") or Python's."""
+    if isinstance(e, MemoryError) or any(c.__name__ == "OutOfMemoryError" for c in type(e).__mro__):
+        return True
+    text = str(e).lower()
+    return any(words in text for words in ("out of memory", "can't allocate memory", "cannot allocate memory",
+                                            "not enough memory"))
 
 
 def _one_line(text: str) -> str:

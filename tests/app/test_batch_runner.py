@@ -565,9 +565,44 @@ def test_an_engine_error_mid_batch_costs_no_line(tmp_path):
     lines = [{"id": f"e{i}", "prompt_ids": [3] * (i + 1)} for i in range(6)]
     code, records, engine, err = batch(tmp_path, lines, engine=Broken(), settings=BatchSettings(temperature=0,
                                                                                                 batch_size=4))
-    assert code == 0 and err.startswith("6 ok, 0 failed")
+    assert code == 0 and err.splitlines()[-1].startswith("6 ok, 0 failed")  # after the back-off's note
     assert records == batch(tmp_path, lines, out="reference.jsonl")[1]
     assert 2 in engine.batch_sizes and max(engine.batch_sizes) == 4
+
+
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 1125899906842624 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("error", [RuntimeError(CPU_OOM), MemoryError(), torch.OutOfMemoryError("")],
+                         ids=["torch-cpu-allocator", "MemoryError", "OutOfMemoryError-without-text"])
+def test_running_out_of_memory_anywhere_backs_off_and_says_so(tmp_path, error):
+    # Only errors whose text said "out of memory" (CUDA's) used to halve the batch: torch's CPU allocator says
+    # "can't allocate memory", Python's MemoryError says nothing; both kept the batch that did not fit, silently.
+    class Short(FakeEngine):
+        warnings = []
+
+        def generate(self, requests, batch_size=8, decoding=None):
+            self.batch_sizes = getattr(self, "batch_sizes", []) + [batch_size]
+            for n, completion in enumerate(super().generate(requests, batch_size)):
+                if n == 2 and batch_size > 1:
+                    self.warnings.append("GPU out of memory while generating; moving 4 experts to RAM")
+                    raise error
+                yield completion
+
+    lines = [{"id": f"e{i}", "prompt_ids": [3] * (i + 1)} for i in range(8)]
+    engine = Short()
+    engine.warnings = ["host RAM not pinned"]  # from the load: shown too
+    code, records, engine, err = batch(tmp_path, lines, engine=engine,
+                                       settings=BatchSettings(temperature=0, batch_size=4))
+    assert code == 0 and [r["id"] for r in records] == [f"e{i}" for i in range(8)]
+    assert engine.batch_sizes[:2] == [4, 1] and 2 in engine.batch_sizes  # alone for the lines it held, then halved
+    notes = err.splitlines()
+    assert notes[0] == "moedesk: host RAM not pinned"
+    assert "moedesk: GPU out of memory while generating; moving 4 experts to RAM" in notes
+    assert any(n.startswith("moedesk: out of memory with up to 4 lines at once") and n.endswith("going on with 2")
+               for n in notes), notes
+    assert notes[-1].startswith("8 ok, 0 failed")
 
 
 # --- what goes to stderr ----------------------------------------------------------------------
