@@ -310,3 +310,22 @@ async def test_a_settings_file_that_cannot_be_read_is_set_aside_not_overwritten(
     assert load_settings().max_new_tokens == 33
     aside = list(settings_path().parent.glob(f"{settings_path().name}.unreadable-*"))
     assert len(aside) == 1 and aside[0].read_bytes() == hand_edited
+
+
+async def test_a_message_too_long_for_the_context_stays_in_the_box(engine):
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        chat = app.chat
+        too_long = "x " * 2000  # alone longer than the tiny model's 512-token context
+        chat.prompt.text = too_long
+        chat.prompt.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        status = str(chat.query_one("#chat-status").render())
+        assert "context" in status and "\n" not in status
+        assert chat.prompt.text == too_long and not chat.conversation.messages and not chat.query(UserMessage)
+        chat.prompt.text = "short now"
+        await pilot.press("enter")
+        await wait_idle(pilot, app)
+        assert [m.role for m in chat.conversation.messages] == ["user", "assistant"]

@@ -365,6 +365,10 @@ class ChatScreen(Screen):
         if self.engine is None:
             self.set_status("No model loaded: press F3 to choose one.", error=True)
             return
+        too_long = self._too_long(self.engine, text)
+        if too_long:  # it could never be answered: it stays in the box to be shortened, out of the conversation
+            self.set_status(f"{too_long} · shorten it: it is still in the box", error=True)
+            return
         event.prompt_area.text = ""
         self._draft_text = ""
         await self.send(text)
@@ -382,6 +386,21 @@ class ChatScreen(Screen):
 
     async def _drop_failed_replies(self) -> None:
         await self.messages.query("AssistantMessage.-error").remove()
+
+    def _too_long(self, engine, text: str) -> str:
+        """Why `text` alone, with the system prompt, leaves no room for a reply in the context ('' if it does)."""
+        if getattr(engine, "tokenizer", None) is None:
+            return ""  # start_reply says that the model cannot chat
+        system = self.app.settings.system_prompt
+        turns = [{"role": "system", "content": system}] if system.strip() else []
+        turns.append({"role": "user", "content": text})
+        try:
+            n = len(engine.tokenizer.chat_prompt(turns))
+        except Exception:  # noqa: BLE001 - the template's error is start_reply's to show
+            return ""
+        if n < engine.context_length:
+            return ""
+        return f"the message is {n:,} tokens; the model's context holds {engine.context_length:,}"
 
     def _prompt_ids(self, engine) -> tuple[list[int], int]:
         """Token ids of the conversation through the chat template; the oldest turns are left out
