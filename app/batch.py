@@ -18,6 +18,7 @@ import argparse
 import codecs
 import contextlib
 import difflib
+import errno
 import json
 import math
 import os
@@ -489,6 +490,7 @@ class _Run:
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
         self._warnings_shown = 0  # of engine.warnings
+        self.resumable = True  # a rerun skips what is written (not so for standard output, a pipe, a device)
 
     def requests(self, lines: Iterator[tuple[int, bytes | None]], in_name) -> Iterator[Request]:
         """The engine's input: one Request per good line; bad lines are written on the way.
@@ -785,8 +787,8 @@ class _Run:
             except OSError as e:
                 with contextlib.suppress(OSError):
                     self.out.close()  # its buffer holds the line that did not fit: drop it, do not fail again
-                raise BatchOutputError(f"{self.out.name}: cannot write the output ({e.strerror or e}); what is "
-                                       f"written stays: free some space and run the same command to go on") from None
+                raise BatchOutputError(_cannot_write(getattr(self.out, "name", "the output"), e,
+                                                     self.resumable)) from None
             ok = "error" not in record
             self.ok += ok
             self.failed += not ok
@@ -939,6 +941,7 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
         except OSError as e:
             raise BatchUsageError(f"{in_path}: cannot read the input ({e.strerror})") from None
         run = _Run(engine, settings, written, out, report)
+        run.resumable = resumable
         run.show_warnings()  # from the load
         report.start()
         stopped = None
@@ -981,6 +984,18 @@ def _describe(e: BaseException) -> str:
         return _first_line(e) or type(e).__name__
     text = _first_line(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _cannot_write(name, e: OSError, resumable: bool) -> str:
+    """The one line of a run the output stopped: what failed, and what to do that fits the failure."""
+    text = f"{name}: cannot write the output ({e.strerror or e})"
+    if e.errno == errno.EPIPE:
+        return text + ": whatever read it stopped reading"
+    if not resumable:  # standard output, a pipe: a rerun cannot tell what was written, so it starts again
+        return text + "; what is written stays"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return text + "; what is written stays: free some space and run the same command to go on"
+    return text + "; what is written stays: run the same command to go on once that is fixed"
 
 
 def _out_of_memory(e: BaseException) -> bool:

@@ -1,5 +1,6 @@
 """`moedesk batch` against hostile or unlucky input (issue 19): no single line, stream or second run
 may stop a run or lose work. Fake engine from test_batch_runner; real-model cases at the end."""
+import errno
 import fcntl
 import io
 import json
@@ -134,6 +135,39 @@ class _Terminal(io.StringIO):
         return True
 
 
+def test_a_reader_that_goes_away_stops_the_run_with_a_line_that_fits(tmp_path):
+    # `moedesk batch in.jsonl -o - | head -1`: the pipe breaks. The line said "free some space and run the same
+    # command to go on", advice for a full disk; and a rerun to standard output cannot skip anything.
+    class Closing(io.BytesIO):
+        name = "<stdout>"  # as sys.stdout.buffer's
+        taken = []
+
+        def write(self, data):
+            if self.taken:
+                raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+            self.taken.append(data)
+            return len(data)
+
+    stdout, stderr = Closing(), io.StringIO()
+    src = write_jsonl(tmp_path / "in.jsonl", LINES)
+    assert run_batch(src, "-", FakeEngine(), BatchSettings(temperature=0), stderr=stderr, stdout=stdout) == 1
+    assert len(stdout.taken) == 1
+    last = stderr.getvalue().splitlines()[-1]
+    assert last == "moedesk: <stdout>: cannot write the output (Broken pipe): whatever read it stopped reading"
+
+    # A full disk under a file that can be resumed keeps its advice.
+    class Full(io.BytesIO):
+        name = "/mnt/full/out.jsonl"
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    stderr = io.StringIO()
+    assert run_batch(src, "-", FakeEngine(), BatchSettings(temperature=0), stderr=stderr, stdout=Full()) == 1
+    assert stderr.getvalue().splitlines()[-1] == ("moedesk: /mnt/full/out.jsonl: cannot write the output (No space "
+                                                  "left on device); what is written stays")
+
+
 # --- item 3: one run at a time per output file -------------------------------------------------
 
 def test_a_second_run_on_the_same_output_refuses_with_one_line(tmp_path):
@@ -242,8 +276,9 @@ def test_an_output_that_is_a_device_is_not_read_back(tmp_path):
     done = subprocess.run([sys.executable, "-c", OUTPUT_IS_A_DEVICE, str(REPO), str(src)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
+    # Not "run the same command to go on": a rerun cannot read back what a device took, and would start again.
     assert done.stdout.strip() == "1 moedesk: /dev/full: cannot write the output (No space left on device); " \
-                                  "what is written stays: free some space and run the same command to go on"
+                                  "what is written stays"
 
 
 # --- item 9: the context and the automatic batch size ------------------------------------------
