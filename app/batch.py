@@ -126,7 +126,8 @@ _RANGES = {
     "top_k": (lambda v: v >= 0, ">= 0"),
     "seed": (lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**64)"),
     "beams": (lambda v: v >= 1, ">= 1"),
-    "length_penalty": (lambda v: True, "finite"),
+    # as the server's: beyond, length ** length_penalty overflows a float on long replies and fails the beam step
+    "length_penalty": (lambda v: -10 <= v <= 10, "in [-10, 10]"),
 }
 
 

@@ -228,6 +228,22 @@ def test_bad_per_line_parameters_are_error_lines(tmp_path, override, words):
     assert [r.prompt_ids for r in engine.requests] == [[6]]
 
 
+def test_a_length_penalty_beyond_the_servers_range_is_an_error_line_or_a_usage_error(tmp_path):
+    # 1e308 passed ("finite"), went to the engine, failed the whole beam step with "OverflowError: (34, 'Numerical
+    # result out of range')" (length ** 1e308), and cost every beam line in that step a rerun alone.
+    code, records, engine, _ = batch(tmp_path, [
+        {"id": "huge", "prompt_ids": [5], "beams": 2, "length_penalty": 1e308},
+        {"id": "edge", "prompt_ids": [6], "beams": 2, "length_penalty": -10},
+    ])
+    assert code == 1
+    assert records[0]["error"] == "line 1: length_penalty must be in [-10, 10], got 1e+308"
+    assert "text" in records[1]
+    parser = argparse.ArgumentParser()
+    add_batch_arguments(parser)
+    with pytest.raises(BatchUsageError, match=r"--length-penalty: length_penalty must be in \[-10, 10\], got 11.0"):
+        settings_from_args(parser.parse_args(["in.jsonl", "-o", "o", "--length-penalty", "11"]))
+
+
 def test_an_unknown_field_is_an_error_line_not_silently_ignored(tmp_path):
     # A misspelt option ("max_tokens", "temprature") used to be dropped without a word: the line ran with the
     # defaults and its output looked right. Now the line says which field, and what it may have meant.
