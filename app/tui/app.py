@@ -203,7 +203,7 @@ class MoedeskApp(App[int]):
 
     async def action_quit(self) -> None:
         if self.chat is not None:
-            self.chat.stop_generation()
+            self.chat.keep_reply_so_far()
             self.chat.save_draft()
         for screen in self.screen_stack:
             for panel in screen.query("LoadPanel"):

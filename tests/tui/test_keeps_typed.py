@@ -329,3 +329,33 @@ async def test_a_message_too_long_for_the_context_stays_in_the_box(engine):
         await pilot.press("enter")
         await wait_idle(pilot, app)
         assert [m.role for m in chat.conversation.messages] == ["user", "assistant"]
+
+
+async def test_quitting_mid_reply_keeps_the_reply_so_far_as_stopped(engine):
+    import time
+
+    real_stream = engine.stream
+
+    def slow_step_stream(*args, cancel=None, **kwargs):
+        held = True
+        for chunk in real_stream(*args, cancel=cancel, **kwargs):
+            yield chunk
+            if held and chunk.text:
+                held = False
+                cancel.wait(timeout=30)
+                time.sleep(1.0)  # a big model's step: the app has gone before the engine says it stopped
+
+    engine.stream = slow_step_stream
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        app.chat.prompt.focus()
+        await pilot.press(*"Hello", "enter")
+        await wait_for(pilot, lambda: app.chat.generation is not None and app.chat.generation.fragments,
+                       what="the reply running")
+        shown = app.chat.generation.widget.text
+        conversation_id = app.chat.conversation.id
+        await pilot.press("ctrl+q")
+    saved = ConversationStore().load(conversation_id)
+    assert [m.role for m in saved.messages] == ["user", "assistant"]
+    assert saved.messages[1].content == shown and saved.messages[1].meta["finish_reason"] == "cancelled"

@@ -540,6 +540,19 @@ class ChatScreen(Screen):
         for action in actions:
             self.call_later(action)
 
+    def keep_reply_so_far(self) -> None:
+        """On quit: save the reply being written as stopped, since the app does not wait for the engine to end it."""
+        g = self.generation
+        if g is None:
+            return
+        g.cancel.set()
+        self.generation = None  # whatever the worker still posts is dropped
+        if g.widget.text:
+            self.conversation.add("assistant", g.widget.text, finish_reason="cancelled", tokens=g.tokens,
+                                  prompt_tokens=g.prompt_tokens, stats={},
+                                  model=self.engine.name if self.engine is not None else "")
+            self.save()
+
     def stop_generation(self, then=None) -> bool:
         """Ask the running reply to stop; `then` runs once it has. False when nothing was running."""
         if self.generation is None:
