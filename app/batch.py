@@ -257,6 +257,19 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
     return settings
 
 
+def speculative_options(engine, settings: BatchSettings):
+    """The SpeculativeOptions of a run with --speculative, its draft head loaded now: a head that does not load
+    (a folder without config.json, weights of the wrong shape) raises MoedeskError, one line, before any line runs.
+    Loaded at the first step instead, it failed every step, and every line then ran again alone, plainly."""
+    from engine.speculative.decode import SpeculativeOptions
+    from engine.speculative.demo_draft import resolve_draft
+
+    draft = resolve_draft(engine, settings.draft)
+    if not callable(draft):
+        engine.load_draft(draft)
+    return SpeculativeOptions(settings.speculative, draft, settings.draft_length, settings.draft_width)
+
+
 def _is_regular_file(path: Path) -> bool:
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
@@ -726,11 +739,7 @@ class _Run:
     def _completions(self, requests: Iterator[Request], batch_size: int):
         s = self.settings
         if s.speculative != "off" and self._line_decoding is None:
-            from engine.speculative.decode import SpeculativeOptions
-            from engine.speculative.demo_draft import resolve_draft
-
-            self._line_decoding = SpeculativeOptions(s.speculative, resolve_draft(self.engine, s.draft),
-                                                     s.draft_length, s.draft_width)
+            self._line_decoding = speculative_options(self.engine, s)
         # batch_size lines at once, a finished line's place taken by the next (the lines held again alone on an
         # error run plainly, a beam line by beam search)
         return self.engine.generate(requests, batch_size=batch_size, decoding=self._decoding)
@@ -900,6 +909,8 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
     check_vocab = getattr(engine.tokenizer, "check_vocab", None)
     if check_vocab is not None:
         check_vocab(engine.vocab_size)  # MoedeskError: the CLI's one line and exit 2
+    # The draft head, before the output is touched: one that does not load is the CLI's one line and exit 2 too.
+    line_decoding = speculative_options(engine, settings) if settings.speculative != "off" else None
 
     with contextlib.ExitStack() as stack:
         if out_stdio:
@@ -942,7 +953,7 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
         except OSError as e:
             raise BatchUsageError(f"{in_path}: cannot read the input ({e.strerror})") from None
         run = _Run(engine, settings, written, out, report)
-        run.resumable = resumable
+        run.resumable, run._line_decoding = resumable, line_decoding
         run.show_warnings()  # from the load
         report.start()
         stopped = None

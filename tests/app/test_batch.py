@@ -197,3 +197,16 @@ def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_p
     resumed = read_jsonl(out)
     assert resumed[:len(partial)] == partial
     assert [r["id"] for r in resumed] == [f"q{i}" for i in range(len(lines))]
+
+
+def test_a_draft_head_that_does_not_load_is_a_usage_error_before_any_line(model, tmp_path, capsys):
+    # A bad --draft used to fail the speculative job's every step instead: each line then ran again alone, plainly,
+    # so the whole run went one line at a time without the speculation asked for, and exited 0.
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Hello"}, {"id": "b", "prompt_ids": [3, 4]}])
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "head").mkdir()
+    assert run(model, src, out, "--speculative", "greedy", "--draft", str(tmp_path / "head")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("moedesk: ") and "config.json" in err[-1], err
+    assert not any("ok," in line for line in err)  # the run never started
+    assert not out.exists() or out.read_text() == ""
