@@ -595,13 +595,26 @@ class TextDeltas:
 
 
 def _safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """text without a half-decoded character at its end (U+FFFD) nor, stop by stop, the longest tail that may
+    still grow into that stop."""
     end = len(text.rstrip("\ufffd"))
     for stop in stops:
-        for k in range(min(len(stop) - 1, end), 0, -1):
-            if text[:end].endswith(stop[:k]):
-                end -= k
-                break
+        end -= _held_back(text, end, stop)
     return text[:end]
+
+
+def _held_back(text: str, end: int, stop: str) -> int:
+    """The longest k < len(stop) with text[end - k:end] == stop[:k]. Only where stop's first character occurs
+    can such a tail start: a stream checks every stop for every token, so the text is never copied and a long
+    stop costs no more than the places its first character appears in the last len(stop) - 1 characters."""
+    if not stop:
+        return 0
+    pos = text.find(stop[0], max(0, end - len(stop) + 1), end)
+    while pos != -1:  # earliest first: the longest tail
+        if stop.startswith(text[pos:end]):
+            return end - pos
+        pos = text.find(stop[0], pos + 1, end)
+    return 0
 
 
 def cancelled_after(completion: Completion, token_ids: list[int], text: str) -> Completion:
