@@ -14,7 +14,7 @@ from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, wai
 
 pytestmark = pytest.mark.anyio
 SIZE = (100, 30)
-DRAFT = "first line of a question\n    indented code line\nthird line, not sent yet"
+DRAFT = "line one\n    code\nnot sent"
 
 
 @pytest.fixture(autouse=True)
@@ -44,8 +44,7 @@ async def test_the_unsent_message_survives_every_other_screen(engine):
     async with app.run_test(size=SIZE) as pilot:
         await open_chat(pilot)
         chat = app.chat
-        await pilot.press(*"first line of a question", "ctrl+j", *"    indented code line", "ctrl+j",
-                          *"third line, not sent yet")
+        await pilot.press(*"line one", "ctrl+j", *"    code", "ctrl+j", *"not sent")
         assert chat.prompt.text == DRAFT
         for keys, screen_type in ((("f2",), SettingsScreen), (("f3",), ModelsScreen),
                                   (("f3", "f6"), DownloadScreen), (("ctrl+o",), ConversationsScreen)):
@@ -66,8 +65,7 @@ async def test_the_unsent_message_survives_a_restart_and_a_kill(engine, tui_dirs
     async with app.run_test(size=SIZE) as pilot:
         await open_chat(pilot)
         app.chat.prompt.focus()
-        await pilot.press(*"first line of a question", "ctrl+j", *"    indented code line", "ctrl+j",
-                          *"third line, not sent yet")
+        await pilot.press(*"line one", "ctrl+j", *"    code", "ctrl+j", *"not sent")
         # What a kill leaves: the draft is on disk within the save interval, while the app still runs.
         await wait_for(pilot, lambda: (tui_dirs["data"] / "draft.json").exists()
                        and draft_on_disk(tui_dirs) == DRAFT, timeout=5, what="the draft on disk")
