@@ -171,7 +171,7 @@ def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_p
     import time
     from pathlib import Path
 
-    lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 24} for i in range(300)]
+    lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 16} for i in range(120)]
     src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "app.cli", "batch", str(src), "-o", str(out), "--model", model, "--device",
                "cpu", "--temperature", "0", "--ignore-eos", "--batch-size", "4"]
