@@ -295,9 +295,14 @@ def check_batch_paths(in_path, out_path) -> None:
                 raise BatchUsageError(f"{in_path}: cannot read the input")
         else:
             try:
-                open(in_path, "rb").close()
+                with open(in_path, "rb") as f:
+                    head = f.read(8)
             except OSError as e:
                 raise BatchUsageError(f"{in_path}: cannot read the input file ({e.strerror})") from None
+            wide = _wide_encoding(head)
+            if wide:  # every line would be an error line, after the model's load
+                raise BatchUsageError(f"{in_path}: is {wide} text; moedesk batch reads UTF-8 JSONL (save it as "
+                                      f"UTF-8, e.g. PowerShell's Out-File -Encoding utf8)")
     if out_stdio:
         return
     parent = out_path.resolve().parent
@@ -318,6 +323,23 @@ def check_batch_paths(in_path, out_path) -> None:
                 raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
     elif not os.access(parent, os.W_OK):
         raise BatchUsageError(f"{out_path}: cannot create files in {parent}")
+
+
+def _wide_encoding(head: bytes) -> str | None:
+    """"UTF-16" or "UTF-32" when a file's first 8 bytes are that (Windows PowerShell 5's `>` writes UTF-16), else
+    None: a byte order mark, or ASCII text with every second (fourth) byte NUL. A first line of other stray NULs
+    is only that line's error."""
+    if head.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        return "UTF-32"
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):
+        return "UTF-16"
+    if len(head) == 8 and all(b < 0x80 for b in head):
+        for step, name in ((4, "UTF-32"), (2, "UTF-16")):
+            for first in range(step):  # the one non-NUL byte of each unit: first (little-endian) or last
+                units = [head[i:i + step] for i in range(0, 8, step)]
+                if all(u[first] and u.count(0) == step - 1 for u in units) and first in (0, step - 1):
+                    return name
+    return None
 
 
 def _lock_output(out, out_path) -> None:

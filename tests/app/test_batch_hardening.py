@@ -168,6 +168,27 @@ def test_a_reader_that_goes_away_stops_the_run_with_a_line_that_fits(tmp_path):
                                                   "left on device); what is written stays")
 
 
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-le", "utf-16-be", "utf-32"])
+def test_a_utf16_input_is_refused_before_the_model_loads(tmp_path, encoding):
+    # Windows PowerShell 5's `>` and Out-File write UTF-16. Every line then got "malformed JSON" or "not valid
+    # UTF-8", after the model had loaded: a run of nothing but error lines. One line up front says what to do.
+    text = "".join(json.dumps(line) + "\n" for line in LINES)
+    bom = {"utf-16-le": b"\xff\xfe", "utf-16-be": b"\xfe\xff"}.get(encoding, b"")
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(bom + text.encode(encoding))
+    with pytest.raises(BatchUsageError, match=r"in.jsonl: is UTF-(16|32) text; moedesk batch reads UTF-8 JSONL"):
+        check_batch_paths(src, tmp_path / "out.jsonl")
+    assert not (tmp_path / "out.jsonl").exists()
+    src.write_bytes(text.encode(encoding)[{"utf-16": 2, "utf-32": 4}.get(encoding, 0):])  # no byte order mark
+    with pytest.raises(BatchUsageError, match=r"is UTF-(16|32) text"):
+        check_batch_paths(src, tmp_path / "out.jsonl")
+    src.write_bytes(b"\xef\xbb\xbf" + text.encode())  # UTF-8 with a byte order mark is fine
+    check_batch_paths(src, tmp_path / "out.jsonl")
+    src.write_bytes(b"\x00\x00\x01\n" + text.encode())  # stray NULs on the first line: that line's error only
+    code, records, _, _ = batch(tmp_path, None)
+    assert code == 1 and records[0]["error"].startswith("line 1: ") and len(records) == 1 + len(LINES)
+
+
 # --- item 3: one run at a time per output file -------------------------------------------------
 
 def test_a_second_run_on_the_same_output_refuses_with_one_line(tmp_path):
