@@ -307,6 +307,8 @@ def check_batch_paths(in_path, out_path) -> None:
         return
     parent = out_path.resolve().parent
     if not parent.is_dir():
+        if parent.exists():
+            raise BatchUsageError(f"{out_path}: {parent} is a file, not a folder")
         raise BatchUsageError(f"{out_path}: the output folder {parent} does not exist")
     if out_path.is_dir():
         raise BatchUsageError(f"{out_path}: is a folder, not an output file")

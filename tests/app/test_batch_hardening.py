@@ -189,6 +189,13 @@ def test_a_utf16_input_is_refused_before_the_model_loads(tmp_path, encoding):
     assert code == 1 and records[0]["error"].startswith("line 1: ") and len(records) == 1 + len(LINES)
 
 
+def test_an_output_under_a_file_says_that_file_is_not_a_folder(tmp_path):
+    # "-o in.jsonl/out.jsonl" said "the output folder .../in.jsonl does not exist", though it does, as a file.
+    src = write_jsonl(tmp_path / "in.jsonl", LINES)
+    with pytest.raises(BatchUsageError, match=r"in.jsonl/out.jsonl: .*/in.jsonl is a file, not a folder$"):
+        check_batch_paths(src, src / "out.jsonl")
+
+
 # --- item 3: one run at a time per output file -------------------------------------------------
 
 def test_a_second_run_on_the_same_output_refuses_with_one_line(tmp_path):
