@@ -41,7 +41,7 @@ from engine.requests import Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
-# Every field a line may hold: any other is a mistake (a misspelt option would otherwise be dropped unseen).
+# Every field a line sets: any other is reported once and ignored (_Run._request).
 LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "beams", "length_penalty", "response_format")
 # Widest beam search one line may ask for, as the server's (app/server.py, MAX_BEAMS): a search holds beams x
 # context of KV cache, and one wider than the engine's beam rows runs alone with all of them.
@@ -529,6 +529,7 @@ class _Run:
         self.ok = self.failed = self.skipped = self.failed_before = 0
         self._warnings_shown = 0  # of engine.warnings
         self.resumable = True  # a rerun skips what is written (not so for standard output, a pipe, a device)
+        self.unknown_fields: set[str] = set()  # fields no line may set, each reported once
 
     def requests(self, lines: Iterator[tuple[int, bytes | None]], in_name) -> Iterator[Request]:
         """The engine's input: one Request per good line; bad lines are written on the way.
@@ -614,13 +615,15 @@ class _Run:
 
     def _request(self, line: _Line) -> Request:
         obj = line.obj
-        unknown = [key for key in obj if key not in LINE_FIELDS]
-        if unknown:
-            guess = next((g for key in unknown for g in difflib.get_close_matches(key, LINE_FIELDS, 1, 0.6)), None)
-            raise _BadLine(f"unknown field{'s' if len(unknown) > 1 else ''} "
-                           f"{', '.join(_show(key) for key in unknown[:5])}{', ...' if len(unknown) > 5 else ''}"
-                           f"{f' (did you mean {_show(guess)}?)' if guess else ''}; a line takes "
-                           f"{', '.join(LINE_FIELDS)}")
+        for key in obj:
+            if key not in LINE_FIELDS and key not in self.unknown_fields:
+                # Said once per name, and the line runs: datasets carry fields of their own (a category, a
+                # question id), while a misspelt option ("temprature") would otherwise be dropped unseen.
+                self.unknown_fields.add(key)
+                guess = difflib.get_close_matches(key, LINE_FIELDS, 1, 0.6)
+                self.report.note(f"line {line.number}: field {_show(key)} is not one a line sets, ignored"
+                                 f"{f' (did you mean {_show(guess[0])}?)' if guess else ''}; a line takes "
+                                 f"{', '.join(LINE_FIELDS)}")
         kinds = [k for k in PROMPT_KINDS if k in obj]
         if len(kinds) != 1:
             found = f" (found {' and '.join(kinds)})" if kinds else ""
