@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -150,12 +151,18 @@ def open_checkpoint(model: str):
     cached = _cached_repo(model)
     if cached is not None:
         ggufs = sorted(cached.rglob("*.gguf"))
-        if not list(cached.glob("*.safetensors")) and len(ggufs) == 1:  # a downloaded GGUF quantisation
+        # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
+        if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
             from engine.load.gguf_checkpoint import GGUFCheckpoint
             return GGUFCheckpoint(ggufs[0])
         return SafetensorsCheckpoint(cached)
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")
+
+
+def _split_stem(path: Path) -> Path:
+    """name-00001-of-00003.gguf -> name (in its folder): what the parts of one split GGUF share."""
+    return path.with_name(re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", path.name))
 
 
 def _cached_repo(repo_id: str) -> Path | None:

@@ -91,6 +91,8 @@ class GGUFCheckpoint:
         `packed_format()` answer from it, nothing reads tensors."""
         self.path = Path(path)
         self._reader = _open_reader(self.path) if header is None else header
+        if header is None:
+            _refuse_split(self.path, self._reader)
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._file = None  # opened by the first read_packed
         self.arch = self._meta("general.architecture", str)
@@ -373,6 +375,34 @@ class GGUFCheckpoint:
         return config
 
 
+def _refuse_split(path: Path, reader) -> None:
+    """A part of a split GGUF (llama.cpp's gguf-split: name-00001-of-00003.gguf, metadata in the first part, the
+    tensors spread over all) is refused with one line: a missing part is named, else how to merge them. Read as a
+    whole file, the first part only ever said its block_count disagreed with its layers."""
+    field = reader.fields.get("split.count")
+    count = int(field.contents()) if field is not None else 0
+    if count <= 1:
+        return
+    named = _SPLIT_PART.fullmatch(path.name)
+    if named:
+        stem, width = named.group(1), len(named.group(3))
+        parts = [path.with_name(f"{stem}-{i:0{width}d}-of-{count:0{width}d}.gguf") for i in range(1, count + 1)]
+        for i, part in enumerate(parts, 1):
+            if not part.is_file():
+                raise CheckpointError(part, f"missing: part {i} of the GGUF split in {count} files that "
+                                            f"{parts[0].name} begins")
+        index = f"part {int(named.group(2))}"
+        merged = f"{stem}.gguf"
+    else:
+        index, merged, parts = "a part", "merged.gguf", [path]
+    raise CheckpointError(path, f"{index} of a GGUF split in {count} files, which moedesk does not load: merge "
+                                f"them into one file with llama.cpp's llama-gguf-split --merge {parts[0].name} "
+                                f"{merged}, then load that")
+
+
+_SPLIT_PART = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
+
+
 def _open_reader(path: Path) -> GGUFReader:
     """GGUFReader, with whatever it raises on a bad file turned into one line about the file."""
     try:
@@ -384,8 +414,31 @@ def _open_reader(path: Path) -> GGUFReader:
             head = f.read(4)
         if head != b"GGUF":
             raise CheckpointError(path, "not a GGUF file (bad magic)" if head else "empty file") from None
+        _check_header(path)  # says which tensor or key is wrong, where the reader's own error rarely does
         detail = (str(e).strip() or type(e).__name__).splitlines()[0]
         raise CheckpointError(path, f"truncated or corrupt GGUF file ({detail})") from None
+
+
+def _check_header(path: Path) -> None:
+    """Raise the header parser's one line (engine.load.gguf_header) for a file GGUFReader could not read, if it
+    finds what is wrong; return quietly if it does not."""
+    import mmap
+
+    from engine.load.gguf_header import HeaderIncomplete, parse_header
+
+    problem = None
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            try:
+                parse_header(data, path)
+            except HeaderIncomplete:
+                problem = "truncated GGUF file: its header runs past the file's end"
+            except CheckpointError as e:
+                problem = e.problem  # only the text: the error's frames hold views of the map, which must close
+    except (OSError, ValueError, BufferError):
+        return
+    if problem is not None:
+        raise CheckpointError(path, problem)
 
 
 def _undo_rope_permutation(w: torch.Tensor, heads: int) -> torch.Tensor:

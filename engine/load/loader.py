@@ -106,6 +106,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
             continue
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
+        _check_dtype(path, name, tensor)
         _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
         del tensor
         release(name)
@@ -258,6 +259,7 @@ def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: s
     tensor = checkpoint.get_tensor(name)
     k = w.hidden if proj != "down" else width
     _check_shape(checkpoint.path, name, tensor.shape, (rows.shape[0], k))
+    _check_dtype(checkpoint.path, name, tensor)
     if fmt == DENSE:
         rows.copy_(tensor.to(dtype))
     else:  # quantised where it will be computed (the GPU is much faster at it), one tensor at a time
@@ -267,6 +269,14 @@ def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: s
 def _check_shape(path, name: str, shape, expected) -> None:
     if tuple(shape) != tuple(expected):
         raise CheckpointError(path, f"tensor {name} has shape {tuple(shape)}, the config implies {tuple(expected)}")
+
+
+def _check_dtype(path, name: str, tensor: torch.Tensor) -> None:
+    # Weights are floats: integer or boolean values (a mislabelled or quantised-without-scales tensor) would be
+    # cast to floats without a word and give a model that runs and talks nonsense.
+    if not tensor.is_floating_point():
+        raise CheckpointError(path, f"tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values, "
+                                    f"not floating-point weights")
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

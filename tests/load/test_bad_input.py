@@ -1,0 +1,189 @@
+"""Bad model files through `moedesk batch`: one line on stderr naming the file and what is wrong, exit code 2,
+and nothing the user had is modified (the model's files, an output file already there).
+
+The cases here are those test_checkpoint_errors.py, test_hardening.py and test_gguf_checkpoint.py do not already
+take through the CLI or the loader: a broken safetensors header, offsets past the file's end, weights that are not
+floats, a config.json or tokenizer.json that is not JSON, a config asking for the repo's own code (auto_map), an
+empty folder, a file of another kind, a split GGUF (with and without all its parts), an unknown GGUF tensor type.
+"""
+import hashlib
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from app.cli import main
+from engine.errors import CheckpointError
+from engine.load.gguf_checkpoint import GGUFCheckpoint
+from tests.load.test_gguf_checkpoint import write_tiny_mixtral
+
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture
+def mixtral(tiny_checkpoint, tmp_path):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("mixtral"), folder)
+    return folder
+
+
+def fingerprint(folder: Path) -> dict:
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def batch_error(model, tmp_path, capsys) -> str:
+    """Run `moedesk batch` on `model`: it must fail with exit code 2 and one line, leaving every file as it was."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "Hello"}\n')
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "earlier", "text": "a result from an earlier run"}\n')
+    folder = Path(model) if Path(model).is_dir() else Path(model).parent
+    before, before_out = fingerprint(folder), out.read_bytes()
+    capsys.readouterr()
+    code = main(["batch", str(src), "-o", str(out), "--model", str(model), "--device", "cpu", "--max-new-tokens", "1"])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, captured.err
+    assert fingerprint(folder) == before and out.read_bytes() == before_out
+    return lines[0]
+
+
+def rewrite_header(file: Path, edit) -> None:
+    data = file.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = edit(json.loads(data[8:8 + n]))
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    file.write_bytes(struct.pack("<Q", len(raw)) + raw + data[8 + n:])
+
+
+def past_the_end(header: dict) -> dict:
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    start, end = header[last]["data_offsets"]
+    header[last]["data_offsets"] = [start, end + 4096]
+    return header
+
+
+def retype(folder: Path, name: str, dtype) -> None:
+    tensors = load_file(folder / WEIGHTS)
+    tensors[name] = (tensors[name] * 100).to(dtype)
+    save_file(tensors, folder / WEIGHTS)
+
+
+def with_auto_map(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="evil_moe", architectures=["EvilForCausalLM"],
+                  auto_map={"AutoConfig": "configuration_evil.EvilConfig",
+                            "AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"})
+    (folder / "config.json").write_text(json.dumps(config))
+    for module in ("configuration_evil", "modeling_evil"):
+        (folder / f"{module}.py").write_text("import pathlib\npathlib.Path(__file__).with_suffix('.ran').touch()\n")
+
+
+def emptied(folder: Path) -> None:
+    for p in folder.iterdir():
+        p.unlink()
+
+
+CASES = {
+    # case: (how the folder is spoiled, the file the line names (relative to the folder), what it says)
+    "broken header JSON": (lambda f: rewrite_header(f / WEIGHTS, lambda h: json.dumps(h).encode()[:-3] + b"xyz"),
+                           WEIGHTS, "truncated or corrupt safetensors file"),
+    "offsets past the end": (lambda f: rewrite_header(f / WEIGHTS, past_the_end),
+                             WEIGHTS, "truncated or corrupt safetensors file"),
+    "integer weights": (lambda f: retype(f, "model.layers.0.self_attn.q_proj.weight", torch.int32),
+                        "", "tensor model.layers.0.self_attn.q_proj.weight holds int32 values, not floating-point"),
+    "integer experts": (lambda f: retype(f, "model.layers.1.block_sparse_moe.experts.2.w2.weight", torch.int64),
+                        "", "tensor model.layers.1.block_sparse_moe.experts.2.w2.weight holds int64 values"),
+    "boolean norm": (lambda f: retype(f, "model.norm.weight", torch.bool), "", "model.norm.weight holds bool values"),
+    "config not JSON": (lambda f: (f / "config.json").write_text('{"model_type": "mixtral",'),
+                        "config.json", "unreadable JSON"),
+    "config not an object": (lambda f: (f / "config.json").write_text("[]"), "config.json", "expected a JSON object"),
+    "tokenizer not JSON": (lambda f: (f / "tokenizer.json").write_text('{"model": '),
+                           "tokenizer.json", "unreadable tokenizer"),
+    "auto_map": (with_auto_map, "", "unsupported architecture 'evil_moe'"),
+    "empty folder": (emptied, "", "no config.json in this folder"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_model_folder_is_one_line_and_changes_nothing(case, mixtral, tmp_path, capsys):
+    spoil, names, says = CASES[case]
+    spoil(mixtral)
+    line = batch_error(mixtral, tmp_path, capsys)
+    named = mixtral / names if names else mixtral
+    assert line.startswith(f"moedesk: {named}: ") and says in line, line
+    assert not list(mixtral.glob("*.ran"))  # the repo's own code never ran
+
+
+@pytest.mark.parametrize("name", ["notes.txt", WEIGHTS, "config.json"])
+def test_a_file_of_another_kind_is_one_line(name, mixtral, tmp_path, capsys):
+    (mixtral / "notes.txt").write_text("not a model")
+    line = batch_error(mixtral / name, tmp_path, capsys)
+    assert line == f"moedesk: {mixtral / name}: not a model folder or .gguf file"
+
+
+def write_split(folder: Path) -> list[Path]:
+    """tiny.gguf written by gguf's writer in 3 parts, as llama.cpp's gguf-split lays them out."""
+    real = gguf.GGUFWriter.__init__
+
+    def split_writer(self, path, arch, *args, **kwargs):
+        real(self, path, arch, *args, split_max_tensors=8, **kwargs)
+
+    gguf.GGUFWriter.__init__ = split_writer
+    try:
+        write_tiny_mixtral(folder / "tiny.gguf")
+    finally:
+        gguf.GGUFWriter.__init__ = real
+    parts = sorted(folder.glob("*.gguf"))
+    assert [p.name for p in parts] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
+    return parts
+
+
+def test_a_split_gguf_is_one_line_saying_how_to_merge_it(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    parts = write_split(tmp_path / "m")
+    for part in (parts[0], parts[2]):
+        line = batch_error(part, tmp_path, capsys)
+        assert line.startswith(f"moedesk: {part}: part {parts.index(part) + 1} of a GGUF split in 3 files") \
+            and "llama-gguf-split --merge" in line, line
+
+
+def test_a_split_gguf_missing_a_part_names_the_part(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    parts = write_split(tmp_path / "m")
+    parts[1].unlink()
+    line = batch_error(parts[0], tmp_path, capsys)
+    assert line == f"moedesk: {parts[1]}: missing: part 2 of the GGUF split in 3 files that {parts[0].name} begins"
+
+
+def test_an_unknown_gguf_tensor_type_is_named(tmp_path):
+    path = tmp_path / "odd.gguf"
+    write_tiny_mixtral(path)
+    data = bytearray(path.read_bytes())
+    name = b"token_embd.weight"
+    at = data.index(name) + len(name)
+    dims = int.from_bytes(data[at:at + 4], "little")
+    at += 4 + 8 * dims
+    data[at:at + 4] = (99).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as e:
+        GGUFCheckpoint(path)
+    assert str(e.value) == f"{path}: corrupt GGUF header (tensor token_embd.weight has unknown type 99)"
+
+
+def test_a_downloaded_split_gguf_in_the_hub_cache_says_how_to_merge_it(tmp_path, monkeypatch, capsys):
+    """A repo id whose cached snapshot holds one split quantisation is that GGUF, not a folder without config.json."""
+    import engine.load.checkpoint as checkpoint
+
+    snapshot = tmp_path / "snapshot"
+    (snapshot / "Q8_0").mkdir(parents=True)
+    parts = write_split(snapshot / "Q8_0")
+    monkeypatch.setattr(checkpoint, "_cached_repo", lambda repo_id: snapshot)
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.open_checkpoint("someone/tiny-GGUF")
+    assert str(e.value).startswith(f"{parts[0]}: part 1 of a GGUF split in 3 files"), str(e.value)
