@@ -58,6 +58,8 @@ class SafetensorsCheckpoint:
         return where
 
     def _handle(self, file: Path):
+        if file.is_dir():  # safetensors would say "No such device (os error 19)"
+            raise CheckpointError(file, "a folder, not a safetensors file")
         try:
             return safe_open(str(file), framework="pt")
         except (SafetensorError, OSError, ValueError) as e:
@@ -139,7 +141,7 @@ def open_checkpoint(model: str):
         from engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
     path = Path(os.path.expanduser(model))
-    if path.suffix == ".gguf":
+    if path.suffix == ".gguf" and not path.is_dir():  # a folder named *.gguf is read as the folder it is
         if not path.is_file():
             raise CheckpointError(path, "no such file")
         from engine.load.gguf_checkpoint import GGUFCheckpoint

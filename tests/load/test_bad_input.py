@@ -187,3 +187,17 @@ def test_a_downloaded_split_gguf_in_the_hub_cache_says_how_to_merge_it(tmp_path,
     with pytest.raises(CheckpointError) as e:
         checkpoint.open_checkpoint("someone/tiny-GGUF")
     assert str(e.value).startswith(f"{parts[0]}: part 1 of a GGUF split in 3 files"), str(e.value)
+
+
+def test_a_folder_where_a_file_should_be_is_one_line(mixtral, tmp_path, capsys):
+    """A shard that is a folder (a botched copy) is named as such; a folder named *.gguf is read as a folder."""
+    (mixtral / WEIGHTS).rename(tmp_path / "moved.safetensors")
+    (mixtral / WEIGHTS).mkdir()
+    line = batch_error(mixtral, tmp_path, capsys)
+    assert line == f"moedesk: {mixtral / WEIGHTS}: a folder, not a safetensors file"
+    (mixtral / WEIGHTS).rmdir()
+    (tmp_path / "moved.safetensors").rename(mixtral / WEIGHTS)
+    shutil.copytree(mixtral, tmp_path / "model.gguf")
+    (tmp_path / "model.gguf" / "config.json").write_text("{")
+    line = batch_error(tmp_path / "model.gguf", tmp_path, capsys)
+    assert line.startswith(f"moedesk: {tmp_path / 'model.gguf' / 'config.json'}: unreadable JSON"), line
