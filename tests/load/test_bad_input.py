@@ -84,6 +84,33 @@ def with_auto_map(folder: Path) -> None:
         (folder / f"{module}.py").write_text("import pathlib\npathlib.Path(__file__).with_suffix('.ran').touch()\n")
 
 
+class Evil:
+    """Unpickled, it touches `mark`: code run by loading a pickle."""
+
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (Path.touch, (self.mark,))
+
+
+def pickled_only(folder: Path) -> None:
+    """pytorch_model.bin beside no safetensors, holding an object whose unpickling would run code."""
+    tensors = load_file(folder / WEIGHTS)
+    (folder / WEIGHTS).unlink()
+    torch.save({**tensors, "evil": Evil(folder / "unpickled.ran")}, folder / "pytorch_model.bin")
+
+
+def broken_index(folder: Path, text: str) -> None:
+    (folder / "model.safetensors.index.json").write_text(text)
+
+
+def reshaped(folder: Path, name: str) -> None:
+    tensors = load_file(folder / WEIGHTS)
+    tensors[name] = tensors[name][:, :-1].contiguous()
+    save_file(tensors, folder / WEIGHTS)
+
+
 def emptied(folder: Path) -> None:
     for p in folder.iterdir():
         p.unlink()
@@ -107,6 +134,15 @@ CASES = {
                            "tokenizer.json", "unreadable tokenizer"),
     "auto_map": (with_auto_map, "", "unsupported architecture 'evil_moe'"),
     "empty folder": (emptied, "", "no config.json in this folder"),
+    "pickled .bin only": (pickled_only, "", "no *.safetensors files (moedesk never loads pickled .bin weights)"),
+    "index not JSON": (lambda f: broken_index(f, '{"weight_map": '), "model.safetensors.index.json", "unreadable JSON"),
+    "index without weight_map": (lambda f: broken_index(f, '{"metadata": {}}'), "model.safetensors.index.json",
+                                 "no weight_map in the index"),
+    "tokenizer_config not JSON": (lambda f: (f / "tokenizer_config.json").write_text("{"), "tokenizer_config.json",
+                                  "unreadable JSON"),
+    "expert of the wrong shape": (lambda f: reshaped(f, "model.layers.0.block_sparse_moe.experts.0.w1.weight"), "",
+                                  "tensor model.layers.0.block_sparse_moe.experts.0.w1.weight has shape (48, 63), "
+                                  "the config implies (48, 64)"),
 }
 
 
