@@ -15,7 +15,7 @@ import tokenizers
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import CheckpointError, MoedeskError
+from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 
 
 class SafetensorsCheckpoint:
@@ -30,6 +30,12 @@ class SafetensorsCheckpoint:
         if not config_path.is_file():
             raise CheckpointError(self.path, "no config.json in this folder")
         self.config = _read_json(config_path)
+        quantization = self.config.get("quantization_config")
+        if quantization is not None:  # FP8, GPTQ, AWQ, bitsandbytes...: tensors that mean nothing without their scales
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise UnsupportedModelError(config_path, f"weights quantised with {method!r} (its quantization_config), "
+                                                     f"which moedesk does not load: use the model's unquantised "
+                                                     f"safetensors or a GGUF of it")
         self._where = self._index_tensors()
         self._open = {}
         self._opening = threading.Lock()

@@ -111,6 +111,12 @@ def reshaped(folder: Path, name: str) -> None:
     save_file(tensors, folder / WEIGHTS)
 
 
+def quantised(folder: Path, method: str) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
 def emptied(folder: Path) -> None:
     for p in folder.iterdir():
         p.unlink()
@@ -134,6 +140,10 @@ CASES = {
                            "tokenizer.json", "unreadable tokenizer"),
     "auto_map": (with_auto_map, "", "unsupported architecture 'evil_moe'"),
     "empty folder": (emptied, "", "no config.json in this folder"),
+    # FP8 tensors without their scales would load as numbers 100s of times too small (and GPTQ/AWQ ones were refused
+    # as an "unexpected tensor ...qweight"): the config says what they are.
+    "fp8 quantised": (lambda f: quantised(f, "fp8"), "config.json",
+                      "weights quantised with 'fp8' (its quantization_config), which moedesk does not load"),
     "pickled .bin only": (pickled_only, "", "no *.safetensors files (moedesk never loads pickled .bin weights)"),
     "index not JSON": (lambda f: broken_index(f, '{"weight_map": '), "model.safetensors.index.json", "unreadable JSON"),
     "index without weight_map": (lambda f: broken_index(f, '{"metadata": {}}'), "model.safetensors.index.json",
