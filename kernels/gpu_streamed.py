@@ -75,11 +75,11 @@ def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: Exp
     act = torch.empty(n * ranks, f - first_row, dtype=x.dtype, device=x.device)
     block_h = min(triton.next_power_of_2(h), 2048)
     _gate_up[(triton.cdiv(f - first_row, _ROWS), n * ranks)](
-        x, _pointer(gate_up), ids, act, first_rank, ranks, first_row, H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h,
+        x, pointer_arg(gate_up), ids, act, first_rank, ranks, first_row, H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h,
         **_EXACT)
     block_f = min(triton.next_power_of_2(f - first_row), 1024)
     _down[(triton.cdiv(h, _ROWS), n * ranks)](
-        act, _pointer(down), ids, out, first_rank, ranks, out.stride(0), first_row, H=h, F=f, K=k, ROWS=_ROWS,
+        act, pointer_arg(down), ids, out, first_rank, ranks, out.stride(0), first_row, H=h, F=f, K=k, ROWS=_ROWS,
         BLOCK_F=block_f, **_EXACT)
 
 
@@ -104,7 +104,7 @@ def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) 
         lanes = gpu_quant._LANES[fmt]
         cfg = _PACKED_TILES_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else _PACKED_TILES
         _packed_pairs[(triton.cdiv(rows - row0, cfg["ROWS"]), n * ranks)](
-            src, src.stride(0), _pointer(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
+            src, src.stride(0), pointer_arg(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
             row0, stack.shape[-1], col_bytes, cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes,
             GATED=gated, **cfg)
 
@@ -125,8 +125,10 @@ class _HostPointer:
         return self.t.data_ptr()
 
 
-def _pointer(t: torch.Tensor):
-    # A Triton launch takes only CUDA tensors (or objects with data_ptr); its CPU interpreter needs the tensor.
+def pointer_arg(t: torch.Tensor):
+    """`t` as a Triton kernel's pointer argument: a launch takes only CUDA tensors (or objects with data_ptr),
+    so a pinned host tensor goes as its address, valid on the device under UVA; the CPU interpreter needs the
+    tensor itself."""
     return t if t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1" else _HostPointer(t)
 
 

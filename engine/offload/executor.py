@@ -8,7 +8,7 @@ in as `engine.offload.offload_executor.OffloadExecutor`, with the same one metho
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +18,8 @@ from kernels.experts import expert_forward
 @dataclass
 class HostRouting:
     """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
-    there inside the graph): x [N, H] and ids [N, K], valid once the CUDA event `ready` completed.
+    there inside the graph): x [N, H] and ids [N, K], valid once `ready.synchronize()` returned (a CUDA
+    event, or a layer's flag of kernels.host_handoff).
     streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
     experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.stream_experts), into `out`.
     cpu_rows: the host computes only each expert's first `cpu_rows` intermediate rows; the caller has the GPU
@@ -26,7 +27,7 @@ class HostRouting:
 
     x: torch.Tensor
     ids: torch.Tensor
-    ready: torch.cuda.Event | None = None
+    ready: Any = None  # torch.cuda.Event, or anything else with synchronize()
     streamed: int = 0
     cpu_rows: int = 0
 

@@ -261,6 +261,47 @@ class OffloadExecutor:
             return 0
         return cpu_rows
 
+    def host_only(self, layer: int, batch: int, top_k: int) -> bool:
+        """Whether a captured decode step of `batch` tokens may hand this layer to `host_share` without asking
+        `expert_outputs`: no expert of the layer is resident and the per-step rule computes a lone token's
+        experts on the CPU (with `streamed_share` or `row_split` as they say), so no host decision depends on
+        the routing and the step's graph can run on while the host computes (kernels.host_handoff)."""
+        if batch != 1 or self.simulated:
+            return False
+        bank = self.banks[layer]
+        if any(slot is not None for slot in bank.gpu_slot):
+            return False
+        # Every expert of a layer has the same shape, so a lone token's decision is the same for any experts.
+        on_cpu, to_copy = self.decide({e: 1 for e in range(top_k)})
+        return not to_copy and len(on_cpu) == top_k
+
+    def host_share(self, moe, host: HostRouting, out) -> None:
+        """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.streamed`
+        ranks; every expert's first `host.cpu_rows` rows where set) applied to `host.x`, into rows [0, K -
+        streamed) of the pinned `out`, from the routing the step's graph copied to `host` once `host.ready`
+        says it is there."""
+        started = time.perf_counter()
+        host.ready.synchronize()
+        routed = time.perf_counter()
+        bank = self.banks[moe.layer]
+        pair_expert = host.ids.view(-1)
+        k = pair_expert.shape[0]
+        counts = np.bincount(pair_expert.numpy(), minlength=len(bank.gpu_slot))
+        self._count(moe.layer, counts)
+        index = self._buffer("cpu_index", (2 * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
+        on_cpu = k - host.streamed  # a lone token's experts are distinct: its first ranks are the CPU's
+        experts_forward_routed(host.x, pair_expert[:on_cpu], k, None, bank.host, out, index,
+                               rows=host.cpu_rows or None)
+        s = self._stats
+        s.cpu_experts += on_cpu
+        s.streamed_experts += host.streamed
+        s.split_experts += on_cpu if host.cpu_rows else 0
+        s.selections += k
+        done = time.perf_counter()
+        s.wait_ms += (routed - started) * 1e3
+        s.cpu_ms += (done - routed) * 1e3
+        s.layer_ms += (done - started) * 1e3
+
     def stream_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
         """Queue the GPU's share of a `row_split` layer: every pair's expert over intermediate rows [cpu_rows,
         F), read from pinned RAM, into `out` (float32 [N*K, H]), which the caller adds to the host's rows."""

@@ -157,12 +157,24 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
     assert run() == replayed
 
 
+def check_graph_layout(captured, handoff: bool, streams: bool) -> None:
+    """A batch-1 decode step is one graph handing its MoE layers to the host (kernels.host_handoff), or, with
+    MOEDESK_NO_HANDOFF, a graph per segment plus one per layer for the GPU's share read from RAM."""
+    if handoff:
+        assert captured.handoff is not None and len(captured.graphs) == 1 and not captured.stream_graphs
+    else:
+        assert captured.handoff is None and len(captured.graphs) == len(captured.moe_at) + 1
+        assert len(captured.stream_graphs) == (len(captured.moe_at) if streams else 0)
+
+
+@pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "graph-per-segment"])
 @pytest.mark.parametrize("streamed", ["one", "all"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_path, monkeypatch):
+def test_streamed_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkpoint, tmp_path, monkeypatch):
     """Decode at batch 1 with the GPU computing one, or all, of each token's experts from pinned RAM inside
     the graphs (kernels.gpu_streamed) and the CPU the rest: the all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
@@ -172,15 +184,17 @@ def test_streamed_experts_match_all_on_gpu(arch, streamed, tiny_checkpoint, tmp_
     top_k = offloaded.config.num_experts_per_tok
     for captured in offloaded.graphs.captured.values():  # counted from decode only: prefill is eager, all on the CPU
         assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
-        assert len(captured.stream_graphs) == len(captured.moe_at)
+        check_graph_layout(captured, handoff, streams=True)
 
 
+@pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "graph-per-segment"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_split_rows_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
+def test_split_rows_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, monkeypatch):
     """Decode at batch 1 with the CPU computing each expert's first 32 intermediate rows and the GPU the rest
     from pinned RAM inside the graphs (OffloadExecutor.row_split), the two added by the next segment: the
     all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
@@ -191,7 +205,58 @@ def test_split_rows_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatc
     assert offloaded.executor.stats.split_experts > 0
     for captured in offloaded.graphs.captured.values():
         assert captured.cpu_rows == [32] * len(captured.moe_at)
-        assert len(captured.stream_graphs) == len(captured.moe_at)
+        check_graph_layout(captured, handoff, streams=True)
+
+
+@pytest.mark.parametrize("share", ["cpu", "streamed", "rows"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, tiny_checkpoint, tmp_path,
+                                                                    monkeypatch):
+    """Batch-1 decode with every expert in RAM as one graph handing each MoE layer to the host through flags
+    (kernels.host_handoff) gives the tokens of a graph per segment and of the segments run eagerly: the same
+    kernels on the same inputs. A host that fails half-way through a step lets the GPU go on (no hang), the
+    error reaches the caller, and the next run is right again."""
+    import time
+
+    from engine.generation.cuda_graphs import GraphedDecode
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="bfloat16", gpu_budget=0)
+    executor = engine.executor
+    width = next(iter(executor.banks.values())).host.width
+    executor.streamed_ranks = (lambda k: 1) if share == "streamed" else (lambda k: 0)
+    executor.split_rows = (lambda k: width - 32) if share == "rows" else (lambda k: 0)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+
+    def run(**graphs):
+        engine.graphs.release()
+        engine.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
+        requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
+        return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
+
+    handed = run()
+    [captured] = engine.graphs.captured.values()
+    check_graph_layout(captured, handoff=True, streams=False)
+    assert executor.stats.cpu_experts > 0
+    monkeypatch.setenv("MOEDESK_NO_HANDOFF", "1")
+    assert run() == handed
+    assert run(capture=False) == handed
+    monkeypatch.delenv("MOEDESK_NO_HANDOFF")
+
+    calls, share_of = [0], type(executor).host_share
+
+    def failing(self, *args):
+        calls[0] += 1
+        if calls[0] == 30:
+            raise RuntimeError("a host failure")
+        return share_of(self, *args)
+
+    monkeypatch.setattr(type(executor), "host_share", failing)
+    started = time.perf_counter()
+    with pytest.raises(RuntimeError, match="a host failure"):
+        run()
+    assert time.perf_counter() - started < 20  # the GPU did not wait out its bound (~30 s) for the lost layers
+    assert run() == handed
 
 
 def test_graphs_recaptured_after_placement_changes_keep_working(tiny_checkpoint, tmp_path, monkeypatch):

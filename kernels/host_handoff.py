@@ -1,0 +1,149 @@
+"""A decode step's MoE layers handed between the GPU and the host through flags in pinned memory.
+
+With experts in RAM, every MoE layer of a decode step goes GPU (attention, routing) → host (experts) →
+GPU. Launching a CUDA graph per segment and waiting on an event per layer costs the host ~110 µs a layer
+(recording the event, bookkeeping, queueing the copy back, launching the next graph: a Qwen3-30B-A3B
+q4_k token, 12 layers, spent ~1.4 of its 5.6 ms there, engine/generation/cuda_graphs.py's history). Here
+the whole step is one graph: after each MoE layer's routing the graph copies the step's number into the
+layer's `ready` flag (a 4-byte copy, ordered after the routing's own copies) and then spins on the GPU
+until the host has written the same number into the layer's `done` flag; the host, meanwhile, waits for
+`ready`, computes the experts and sets `done`. Nothing is launched between layers.
+
+The step's number comes from the host (`next_step`) and is copied into the graph at its start, so a step
+that failed half-way cannot leave the two sides counting differently. Both waits give up after a bound
+(the GPU's, so that a host that died cannot hang the device; the host's raises), and `release` lets a
+waiting GPU go on when the host gives up on a step.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels.gpu_streamed import pointer_arg
+from kernels.native_build import open_library
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU build of torch comes without Triton
+    triton = None
+
+SOURCE = Path(__file__).with_name("host_handoff.c")
+FLAGS = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall"]
+# The GPU's wait gives up after this many reads of the flag (each a PCIe round trip of ~1 µs: ~30 s).
+GPU_SPINS = 1 << 25
+
+_state: dict = {}
+_lock = threading.Lock()
+
+
+def native():
+    """The built host-side library, or None with the reason in `why_not()`."""
+    with _lock:
+        if not _state:
+            lib, reason = open_library(SOURCE, FLAGS, None, "moe_handoff_supported", "")
+            if lib is not None:
+                lib.moe_wait_flag.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64]
+                lib.moe_wait_flag.restype = ctypes.c_int
+            _state.update(lib=lib, reason=reason)
+    return _state["lib"]
+
+
+def why_not() -> str | None:
+    native()
+    return _state["reason"]
+
+
+def handoff_wanted() -> bool:
+    """Whether decode may hand layers over this way: Triton and the native part there, and not turned off by
+    MOEDESK_NO_HANDOFF=1 (which compares it with one graph per segment, or steps around a problem)."""
+    disabled = os.environ.get("MOEDESK_NO_HANDOFF", "").strip().lower() not in ("", "0", "false", "no")
+    return not disabled and triton is not None and native() is not None
+
+
+class HandoffTimeout(RuntimeError):
+    """The GPU did not reach a layer's routing in time."""
+
+
+class Handoff:
+    """Flags for `layers` MoE layers: the graph calls `start` once, then `signal(j)` after layer j's routing
+    is copied to the host and `wait(j)` before reading the host's results; the host calls `next_step` before
+    replaying the graph, then `host_wait(j)` and `host_done(j)` for each layer in order."""
+
+    def __init__(self, layers: int, device: torch.device):
+        lib = native()
+        if lib is None:
+            raise RuntimeError(f"the host handoff's native part is not available: {why_not()}")
+        self._wait_flag = lib.moe_wait_flag
+        self.layers = layers
+        pinned = torch.device(device).type == "cuda"  # (the host's side alone runs anywhere: how CI tests it)
+        self.flags = torch.zeros(2, layers, dtype=torch.int32, pin_memory=pinned)  # ready, done
+        self._flags = self.flags.numpy()
+        self._ready_ptr, self._stride = self.flags.data_ptr(), self.flags.element_size()
+        self.step_host = torch.zeros(1, dtype=torch.int32, pin_memory=pinned)
+        self.step_device = torch.zeros(1, dtype=torch.int32, device=device)
+        self.step = 0
+
+        self._ready = [_Ready(self, j) for j in range(layers)]
+
+    def warm_up(self) -> None:
+        """Compile the GPU's wait before a capture (it cannot compile inside one): a wait already satisfied."""
+        self.next_step()
+        self.start()
+        self.release()
+        for j in range(self.layers):
+            self.wait(j)
+        torch.cuda.synchronize(self.step_device.device)
+
+    # The graph's side (captured).
+    def start(self) -> None:
+        self.step_device.copy_(self.step_host, non_blocking=True)
+
+    def signal(self, j: int) -> None:
+        self.flags[0, j:j + 1].copy_(self.step_device, non_blocking=True)
+
+    def wait(self, j: int) -> None:
+        _await_flag[(1,)](pointer_arg(self.flags[1, j:j + 1]), self.step_device, SPINS=GPU_SPINS, num_warps=1)
+
+    # The host's side.
+    def next_step(self) -> None:
+        self.step = self.step % 0x7FFFFFFF + 1  # never 0, the flags' value before the first step
+        self.step_host[0] = self.step
+
+    def host_wait(self, j: int, timeout_s: float = 60.0) -> None:
+        if self._wait_flag(self._ready_ptr + j * self._stride, self.step, int(timeout_s * 1e9)):
+            raise HandoffTimeout(f"the GPU did not reach MoE layer {j}'s routing within {timeout_s:.0f} s")
+
+    def ready(self, j: int) -> "_Ready":
+        """Layer j's routing as an event to wait for (engine.offload.executor.HostRouting.ready)."""
+        return self._ready[j]
+
+    def host_done(self, j: int) -> None:
+        self._flags[1, j] = self.step
+
+    def release(self) -> None:
+        """Let a GPU waiting on this step's layers go on (the host gave up on the step: its results are wrong)."""
+        self._flags[1, :] = self.step
+
+
+class _Ready:
+    def __init__(self, handoff: Handoff, j: int):
+        self.handoff, self.j = handoff, j
+
+    def synchronize(self) -> None:
+        self.handoff.host_wait(self.j)
+
+
+if triton is not None:
+    @triton.jit
+    def _await_flag(flag_ptr, step_ptr, SPINS: tl.constexpr):
+        want = tl.load(step_ptr)
+        seen = tl.load(flag_ptr, volatile=True)
+        spins = 0
+        while (seen != want) & (spins < SPINS):
+            seen = tl.load(flag_ptr, volatile=True)
+            spins += 1

@@ -1,0 +1,103 @@
+"""A decode step handed between the GPU and the host through flags (kernels.host_handoff): the host's side of the
+flags, and the executor's part (`host_only`, `host_share`). Here a thread plays the GPU's side;
+tests/model/test_gpu_equivalence.py runs whole handed-over steps inside CUDA graphs."""
+import threading
+import time
+
+import pytest
+import torch
+
+from engine.offload.executor import HostRouting
+from engine.offload.offload_executor import OffloadExecutor
+from kernels import host_handoff
+from kernels.expert_weights import ExpertWeights
+
+pytestmark = pytest.mark.skipif(host_handoff.native() is None, reason=f"no C compiler: {host_handoff.why_not()}")
+
+
+def test_the_host_waits_for_each_layers_flag_and_answers_on_its_own():
+    handoff = host_handoff.Handoff(3, torch.device("cpu"))
+    handoff.next_step()
+    step = handoff.step
+    assert step != 0 and int(handoff.step_host[0]) == step
+
+    def gpu():
+        for j in range(3):
+            time.sleep(0.02)
+            handoff.flags[0, j] = step
+
+    thread = threading.Thread(target=gpu)
+    thread.start()
+    for j in range(3):
+        handoff.ready(j).synchronize()
+        assert int(handoff.flags[0, j]) == step  # not before the GPU's side wrote it
+        assert int(handoff.flags[1, j]) != step
+        handoff.host_done(j)
+        assert int(handoff.flags[1, j]) == step
+    thread.join()
+
+
+def test_a_flag_that_never_comes_raises_and_release_lets_the_gpu_go_on():
+    handoff = host_handoff.Handoff(4, torch.device("cpu"))
+    handoff.next_step()
+    handoff.flags[0, 0] = handoff.step - 1  # last step's routing: not this one
+    started = time.perf_counter()
+    with pytest.raises(host_handoff.HandoffTimeout, match="layer 0"):
+        handoff.host_wait(0, timeout_s=0.05)
+    assert time.perf_counter() - started >= 0.05
+    handoff.release()
+    assert handoff.flags[1].tolist() == [handoff.step] * 4
+
+
+def test_step_numbers_wrap_around_without_zero():
+    handoff = host_handoff.Handoff(1, torch.device("cpu"))
+    handoff.step = 0x7FFFFFFF - 1
+    handoff.next_step()
+    assert handoff.step == 0x7FFFFFFF and int(handoff.step_host[0]) == 0x7FFFFFFF
+    handoff.next_step()
+    assert handoff.step == 1  # 0 is what the flags hold before any step
+
+
+def _executor(decide=None):
+    g = torch.Generator().manual_seed(3)
+    bank = ExpertWeights(torch.randn(6, 2 * 96, 64, generator=g) / 8, torch.randn(6, 64, 96, generator=g) / 10, 64, 96)
+    decide = decide or (lambda loads: (sorted(loads), []))
+    return OffloadExecutor({0: bank}, [[False] * 6], "cpu", decide)
+
+
+class _Flag:
+    waited = 0
+
+    def synchronize(self):
+        self.waited += 1
+
+
+@pytest.mark.parametrize("streamed, cpu_rows", [(0, 0), (1, 0), (0, 64)])
+def test_host_share_is_what_expert_outputs_computes_for_the_host(streamed, cpu_rows):
+    moe = type("Moe", (), {"layer": 0})()
+    x, ids = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([[4, 1, 5]])
+    expected = _executor().expert_outputs(moe, x, ids, out=torch.zeros(3, 64),
+                                          host=HostRouting(x, ids, None, cpu_rows=cpu_rows))
+    executor, flag, out = _executor(), _Flag(), torch.full((3, 64), float("nan"))
+    executor.host_share(moe, HostRouting(x, ids, flag, streamed=streamed, cpu_rows=cpu_rows), out)
+    assert flag.waited == 1
+    on_cpu = 3 - streamed
+    torch.testing.assert_close(out[:on_cpu], expected[:on_cpu], rtol=0, atol=0)
+    assert out[on_cpu:].isnan().all()  # the GPU's rows are left alone
+    s = executor.stats
+    assert (s.cpu_experts, s.streamed_experts, s.selections) == (on_cpu, streamed, 3)
+    assert s.split_experts == (on_cpu if cpu_rows else 0)
+    assert executor.selections[0].tolist() == [0, 1, 0, 0, 1, 1]
+
+
+def test_only_layers_with_no_host_decision_are_handed_over():
+    executor = _executor()
+    assert not executor.host_only(0, 1, 2)  # the CPU tier simulates the GPU: nothing to hand over
+    executor.simulated = False
+    assert executor.host_only(0, 1, 2)
+    assert not executor.host_only(0, 2, 2)  # two tokens may share an expert: the rule decides per step
+    copying = _executor(lambda loads: (sorted(loads)[1:], sorted(loads)[:1]))
+    copying.simulated = False
+    assert not copying.host_only(0, 1, 2)
+    executor.banks[0].gpu_slot[3] = 0  # one resident expert: its tokens go to the GPU, a decision
+    assert not executor.host_only(0, 1, 2)

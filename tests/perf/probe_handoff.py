@@ -1,0 +1,58 @@
+"""What handing a decode step's MoE layers to the host through flags (kernels.host_handoff) saves at batch 1.
+
+Usage (GPU box, repo root): python3 tests/perf/probe_handoff.py [SHAPE:LAYERS:FORMAT ...] [--rounds N] [--tokens N]
+(default qwen3-30b-a3b:12:q4_k mixtral-8x7b:8:q4_0). Synthetic models of real shapes, every expert in RAM and
+computed by the CPU; per round, decode once with the step as one handed-over graph and once with a graph per
+segment (MOEDESK_NO_HANDOFF=1), alternating, so drift hits both alike. Prints per variant the median tok/s and,
+per step, the executor's time split into the wait for the GPU's routing, the CPU experts' call and the rest.
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from engine.bench import measure_decode
+from engine.load.synthetic import shape_config, synthetic_model
+from engine.offload.offload_executor import OffloadExecutor, StepStats
+from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+
+parser = argparse.ArgumentParser()
+parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12:q4_k", "mixtral-8x7b:8:q4_0"])
+parser.add_argument("--rounds", type=int, default=5)
+parser.add_argument("--tokens", type=int, default=48)
+args = parser.parse_args()
+device = torch.device("cuda")
+leave_a_core_to_the_gpu_thread()
+rows = []
+for spec in args.shapes:
+    shape, layers, fmt = spec.split(":")
+    cfg = shape_config(shape, int(layers))
+    t0 = time.perf_counter()
+    model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256,
+                                   expert_format="dense" if fmt == "bf16" else fmt)
+    print(f"{spec}: built in {time.perf_counter() - t0:.0f}s", flush=True)
+    ex = OffloadExecutor(banks, [[False] * cfg.num_experts for _ in banks], device, lambda loads: (sorted(loads), []))
+    results = {"handoff": [], "graph per segment": []}
+    parts = {name: [] for name in results}
+    measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 8)  # warm-up: kernels built, threads up
+    for _ in range(args.rounds):
+        for name in results:
+            os.environ["MOEDESK_NO_HANDOFF"] = "" if name == "handoff" else "1"
+            r = measure_decode(model, ex, cfg, device, torch.bfloat16, 1, args.tokens)
+            steps = args.tokens - 2
+            s = ex.stats
+            results[name].append(r.tok_s)
+            parts[name].append((s.layer_ms / steps, s.wait_ms / steps, s.cpu_ms / steps))
+            ex.stats = StepStats()
+    os.environ["MOEDESK_NO_HANDOFF"] = ""
+    for name, speeds in results.items():
+        moe, wait, cpu = (statistics.median(p[i] for p in parts[name]) for i in range(3))
+        rows.append((spec, name, statistics.median(speeds), min(speeds), max(speeds), moe, wait, cpu))
+    del model, banks, ex
+    torch.cuda.empty_cache()
+
+print(f"\n{'shape':<26}{'variant':<20}{'tok/s':>8}{'min':>8}{'max':>8}{'step ms':>9}{'moe':>7}{'wait':>7}{'cpu':>7}")
+for spec, name, tok_s, lo, hi, moe, wait, cpu in rows:
+    print(f"{spec:<26}{name:<20}{tok_s:>8.1f}{lo:>8.1f}{hi:>8.1f}{1000 / tok_s:>9.2f}{moe:>7.2f}{wait:>7.2f}{cpu:>7.2f}")
