@@ -347,6 +347,12 @@ def load_eagle_head(folder, target_embed: torch.Tensor | None = None, target_lm_
             raise CheckpointError(weights_path, f"{theirs} is {tuple(tensors[theirs].shape)}, expected "
                                                 f"{tuple(state[ours].shape)} from config.json")
         state[ours] = tensors[theirs]
+    if cfg.version == 3:
+        # drafting scatters draft id i's logit to target id i + d2t[i]: each must be a target id, and a different one
+        ids = torch.arange(cfg.draft_vocab_size) + tensors["d2t"].long()
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(ids.unique()) != len(ids)):
+            raise CheckpointError(weights_path, "d2t maps a draft id outside the target's vocabulary or two draft ids "
+                                                "to one target id (draft id i is target id i + d2t[i])")
     head.load_state_dict(state)
     head.to(device=device, dtype=dtype)  # buffers d2t/t2d keep their integer/bool dtypes
     head.embed = embed.to(device=device, dtype=dtype)
