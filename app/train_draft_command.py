@@ -10,7 +10,7 @@ from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
-                   "seed", "depths", "noise", "ce_dtype", "head")
+                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,11 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head", choices=("eagle1", "eagle3"), default=None,
                         help="eagle1 (default): drafts from the target's last hidden state through its LM head; "
                              "eagle3: from the inputs of three of its layers, through the head's own final norm and "
-                             "LM head (a copy of the target's), trained on the token loss alone")
+                             "LM head (a copy of the target's, or of its rows for --draft-vocab), trained on the "
+                             "token loss alone")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="eagle3: the head drafts from the N tokens the target's answers use most, its LM head N "
+                             "rows (default: the model's whole vocabulary)")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
                         help=f"draft steps trained per position, the later ones fed the head's own outputs "
                              f"(default {d.depths})")
@@ -68,7 +72,7 @@ def settings_from_args(args):
     from engine.speculative.train import TrainSettings
 
     given = {name: getattr(args, name) for name in _SETTINGS_FLAGS if getattr(args, name, None) is not None}
-    for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples"):
+    for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab"):
         if name in given and given[name] < 1:
             raise MoedeskError(f"--{name.replace('_', '-')} {given[name]}: must be >= 1")
     for name in ("epochs", "lr", "sample_temperature"):
@@ -132,6 +136,9 @@ def run_train_draft(args, load_engine) -> int:
     # the cheap checks first: a bad --out or prompts file should not wait for the model to load
     T.check_output_folder(out)
     T.load_prompts(args.prompts or T.default_prompts_path())
+    if "draft_vocab" in given and not args.resume and settings.head != "eagle3":
+        raise MoedeskError(f"--draft-vocab {settings.draft_vocab}: only an eagle3 head has a vocabulary of its own "
+                           "(add --head eagle3)")
     if args.resume:
         saved = T.resume_settings(out)  # the last checkpoint's, or the saved answers' before the first
         for name in sorted(given):

@@ -19,10 +19,18 @@ pass's outputs shifted one position, with the attention mask a chain draft would
 
 EAGLE-3 (settings.head "eagle3"). The features are the residual stream entering three of the target's layers
 (eagle3_feature_layers, concatenated: what decoding asks the target for), and the target's last hidden state is kept
-beside them only to give its next-token distribution. The head (engine.speculative.eagle's EAGLE-3 layout, its
-draft vocabulary the target's whole one) is trained on the cross-entropy alone, through its own final norm and its
-LM head (a frozen copy of the target's: _init_eagle3), with the same unrolled passes: pass k > 0 is fed the head's
-own outputs as they are, as drafting feeds them (EagleHead.forward's from_target=False).
+beside them only to give its next-token distribution. The head (engine.speculative.eagle's EAGLE-3 layout) is
+trained on the cross-entropy alone, through its own final norm and its LM head (a frozen copy of the target's rows
+for its draft vocabulary: _init_eagle3), with the same unrolled passes: pass k > 0 is fed the head's own outputs as
+they are, as drafting feeds them (EagleHead.forward's from_target=False).
+
+Draft vocabulary (settings.draft_vocab N, eagle3 only; 0: the target's whole vocabulary, d2t all zero). The N target
+tokens the answers most often ask the head to predict (draft_vocabulary), in id order: draft id i is target id
+i + d2t[i], t2d marks them, and the LM head has their N rows. As EAGLE-3 and SpecForge train such heads, the
+target's distribution is renormalised over those N tokens (softmax of its logits there) and rows where the target's
+most likely token lies outside them are left out of the loss (target_in_draft_vocab): the head cannot propose that
+token, and a softmax over the others would teach it a confident wrong draft. Drafting stays lossless whatever the
+vocabulary (verification maps draft ids to target ids and samples from the target's residual).
 
 Determinism. The data order, the noise and the optimizer depend only on the seed and the step, and a
 checkpoint (safetensors: fp32 weights and AdamW moments; the step and settings in its metadata) holds all
@@ -95,6 +103,11 @@ class TrainSettings:
     # demo head). "eagle3": from the residual stream entering three of its layers, through its own final norm and
     # LM head, trained on the token loss alone (EAGLE-3; see "EAGLE-3" in the module docstring)
     head: str = "eagle1"
+    # eagle3 only: the head's own vocabulary, the draft_vocab target tokens its training answers most often ask it
+    # to predict (draft_vocabulary); 0: the target's whole vocabulary. Its LM head then has that many rows (the
+    # demo's 49k-row one is most of a 64 MB head), its softmax runs over them, and rows where the target's most
+    # likely next token is outside them are left out of the loss (EAGLE-3's and SpecForge's rule)
+    draft_vocab: int = 0
 
     def total_steps(self, sequences: int) -> int:
         if self.steps is not None:
@@ -414,24 +427,68 @@ def load_data(path: Path, key: str) -> DraftData | None:
 
 # --- the head -------------------------------------------------------------------------------------
 
-def head_config(engine, head: str = "eagle1") -> EagleConfig:
+def head_config(engine, head: str = "eagle1", draft_vocab: int = 0) -> EagleConfig:
     """An EAGLE-1/2 (or, head "eagle3", EAGLE-3) head of the target's own attention shape; its MLP as wide as the
-    target's last layer's. EAGLE-3's draft vocabulary is the target's whole one (d2t all zero, t2d all true: the
-    identity), so its drafts can be any token the target could emit."""
+    target's last layer's. EAGLE-3's draft vocabulary has `draft_vocab` tokens (draft_vocabulary), or with 0 is the
+    target's whole one (d2t all zero, t2d all true: the identity), so its drafts can be any token the target could
+    emit."""
     c = engine.config
     width = c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size
     three = head == "eagle3"
     return EagleConfig(version=3 if three else 1, hidden_size=c.hidden_size, intermediate_size=width,
                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                       rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+                       rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
+                       draft_vocab_size=(draft_vocab or c.vocab_size) if three else c.vocab_size,
                        target_hidden_size=c.hidden_size, fc_bias=not three, qkv_bias=c.attention_bias, rope=c.rope)
+
+
+def predicted_token_counts(data: DraftData, vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64: how often each token is one the head is trained to predict. Row p of a sequence drafts
+    the token at p + 2, and the rows run from the last prompt position, so these are the answer's tokens after its
+    first (which the target itself emits after the prompt; an answer's EOS counts)."""
+    parts = [data.tokens[int(data.offsets[i]) + int(data.answer_start[i]) + 1:int(data.offsets[i + 1])]
+             for i in range(data.sequences)]
+    ids = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+    return torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+
+
+def draft_vocabulary(data: DraftData, size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` target ids the head is most often trained to predict (predicted_token_counts), ties broken by the
+    lower id (so where the answers hold fewer distinct tokens, the lowest unused ids fill it, as SpecForge does),
+    in increasing order: draft id i is the i-th of them."""
+    if not 1 <= size <= vocab_size:
+        raise MoedeskError(f"--draft-vocab {size}: must be from 1 to the model's vocabulary ({vocab_size})")
+    counts = predicted_token_counts(data, vocab_size)
+    order = torch.sort(-counts, stable=True).indices  # most frequent first; a stable sort keeps ties in id order
+    return order[:size].sort().values
+
+
+def target_in_draft_vocab(head: EagleHead, lm_head: torch.Tensor, data: DraftData, dtype=torch.float32,
+                          device="cpu", chunk: int = 1024) -> torch.Tensor:
+    """[len(data.tokens)] bool: whether the target's most likely next token at each position (from its last hidden
+    state there and its whole LM head `lm_head`) is in the head's draft vocabulary; computed at the positions whose
+    distribution some training row matches (row p matches the target's distribution at p + 1), False elsewhere."""
+    keep = torch.zeros(len(data.tokens), dtype=torch.bool)
+    spans = [int(data.offsets[i]) + torch.arange(int(data.answer_start[i]), int(data.loss_end[i]) + 1)
+             for i in range(data.sequences)]
+    at = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
+    if data.final is None or len(at) == 0:
+        return keep
+    t2d = head.t2d.cpu()
+    w = lm_head.detach().to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for start in range(0, len(at), chunk):
+            q = at[start:start + chunk]
+            best = (data.final[q].to(device=device, dtype=dtype) @ w.T).argmax(dim=-1).cpu()
+            keep[q] = t2d[best]
+    return keep
 
 
 INITS = ("fit", "random", "last-layer")
 
 
 def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[int] | None = None,
-              data: "DraftData | None" = None) -> EagleHead:
+              data: "DraftData | None" = None, draft_ids: torch.Tensor | None = None) -> EagleHead:
     """A new head in float32 on the engine's device.
 
     "fit" (the default): fc starts as the least-squares map from [token embedding ; feature] to the next feature
@@ -450,7 +507,7 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
     if init not in INITS:
         raise MoedeskError(f"--init {init!r}: expected one of {', '.join(INITS)}")
     if cfg.version == 3:
-        return _init_eagle3(engine, cfg, init, seed)
+        return _init_eagle3(engine, cfg, init, seed, draft_ids)
     if init == "fit" and data is None:
         raise ValueError("init 'fit' needs the data")
     head = _seeded_head(cfg, seed)
@@ -486,8 +543,9 @@ def _seeded_head(cfg: EagleConfig, seed: int) -> EagleHead:
     return head
 
 
-def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
-    """An EAGLE-3 head: the final norm and LM head copied from the target's, the LM head frozen (see below).
+def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int, draft_ids: torch.Tensor | None = None) -> EagleHead:
+    """An EAGLE-3 head: the final norm and LM head copied from the target's (the rows of `draft_ids`, its draft
+    vocabulary in increasing order, where that is not the whole vocabulary), the LM head frozen (see below).
 
     "fit" (the default; nothing is fitted, the name is the setting's): fc passes the last of the three features,
     the residual stream entering layer L-3, through, and the attention and MLP outputs start at zero. The head then
@@ -497,10 +555,11 @@ def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
     of the head's own outputs that later draft steps are fed. "random": fc random as well.
     "last-layer" is refused: its rescaling is made for eagle1's final-norm features.
 
-    The LM head stays the target's: the draft vocabulary is the target's whole one, so it is already the right map
-    to tokens, and the trainable final norm adapts the head's outputs to it. Training it too would add vocab x d
-    weights, learnt from the few thousand tokens the answers use, and double the arithmetic of the token loss,
-    the bulk of a step. Everything random is drawn from the seed, in the parameters' order."""
+    The LM head stays the target's (its rows for the draft vocabulary): already the right map to those tokens, and
+    the trainable final norm adapts the head's outputs to it. Training it too would add draft-vocab x d weights,
+    learnt from the few thousand tokens the answers use, and double the arithmetic of the token loss, the bulk of a
+    step (EAGLE-3 and SpecForge train theirs, from random weights). Everything random is drawn from the seed, in the
+    parameters' order."""
     if init == "last-layer":
         raise MoedeskError("--init last-layer: not for an eagle3 head (fit or random)")
     head = _seeded_head(cfg, seed)
@@ -512,8 +571,13 @@ def _init_eagle3(engine, cfg: EagleConfig, init: str, seed: int) -> EagleHead:
             head.attn.wo.weight.zero_()
             head.mlp.down.weight.zero_()
         head.norm.weight.copy_(engine.model.norm.weight.detach().float().cpu())
-        head.lm_head.weight.copy_(engine.model.lm_head.weight.detach().float().cpu())
-        head.t2d.fill_(True)  # d2t stays zero: draft id i is target id i
+        ids = torch.arange(cfg.vocab_size) if draft_ids is None else draft_ids.cpu().long()
+        if len(ids) != cfg.draft_vocab_size or (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all())):
+            raise ValueError(f"draft_ids: {cfg.draft_vocab_size} target ids in increasing order expected")
+        lm = engine.model.lm_head.weight.detach()
+        head.lm_head.weight.copy_(lm[ids.to(lm.device)].float().cpu())
+        head.d2t.copy_(ids - torch.arange(len(ids)))  # draft id i is target id i + d2t[i] (zero: the whole vocabulary)
+        head.t2d[ids] = True
     head.lm_head.weight.requires_grad_(False)
     return head.to(device=engine.device, dtype=torch.float32)
 
@@ -679,10 +743,12 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch: list[int], settings: TrainSettings,
-                 noise_gen: torch.Generator | None, device) -> tuple[torch.Tensor, dict]:
+                 noise_gen: torch.Generator | None, device,
+                 keep: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The weighted loss of one batch of sequences and its figures (per-pass feature loss (eagle1 only), CE, top-1
     agreement). An eagle3 head's token loss goes through its own final norm; its LM head is the target's, frozen
-    (_init_eagle3), so `lm_head` serves as both."""
+    (_init_eagle3), so `lm_head` serves as both (for a draft vocabulary: the target's rows for it). keep: a
+    target_in_draft_vocab mask; rows whose target position it leaves out are not trained."""
     three = head.cfg.version == 3
     tokens, feats = _padded(data, batch, data.features)
     finals = _padded(data, batch, data.final)[1] if three else feats  # the target's last hidden states
@@ -700,6 +766,12 @@ def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch:
     # pass k's row p drafts the (k+1)-th token of a chain rooted at row p - k: the root must be an answer row
     masks = torch.stack([(p[None] >= (starts - 1 + k)[:, None]) & (p[None] < ends[:, None])
                          for k in range(settings.depths)])  # [K, B, T]
+    if keep is not None:  # row p matches the target's distribution at p + 1
+        ok = torch.zeros(len(batch), t, dtype=torch.bool)
+        for r, i in enumerate(batch):
+            a, b = int(data.offsets[i]), int(data.offsets[i + 1])
+            ok[r, :b - a - 1] = keep[a + 1:b]
+        masks &= ok[None]
     outs = unrolled_forward(head, next_tokens.to(device), feats_in.to(device), settings.depths)
     rows = masks[0].to(device)  # every pass's rows are among pass 0's
     hidden = torch.stack([o[rows] for o in outs])  # [K, N, d]
@@ -787,16 +859,20 @@ def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: Tra
     last figures."""
     device = head.fc.weight.device
     ce_dtype = getattr(torch, resolve_ce_dtype(settings.ce_dtype, device))
-    lm = lm_head.detach()
-    if settings.vocab == "data":
-        lm = lm[torch.unique(data.tokens).to(lm.device)]
-    elif settings.vocab != "full":
-        raise MoedeskError(f"vocab {settings.vocab!r}: expected data or full")
-    lm = lm.to(device=device, dtype=ce_dtype)
     opt = _optimizer(head, settings)
     step = 0
     if resume:
-        step = load_checkpoint(checkpoint, head, opt, settings)
+        step = load_checkpoint(checkpoint, head, opt, settings)  # the head's draft vocabulary included
+    lm, keep = lm_head.detach(), None
+    if settings.vocab not in ("data", "full"):
+        raise MoedeskError(f"vocab {settings.vocab!r}: expected data or full")
+    if head.cfg.version == 3 and head.cfg.draft_vocab_size < head.cfg.vocab_size:
+        # the softmax over the draft vocabulary, as drafting has it; rows whose target token is outside it left out
+        keep = target_in_draft_vocab(head, lm, data, ce_dtype, device)
+        lm = lm[head.to_target_ids(torch.arange(head.cfg.draft_vocab_size, device=head.d2t.device)).to(lm.device)]
+    elif settings.vocab == "data":
+        lm = lm[torch.unique(data.tokens).to(lm.device)]
+    lm = lm.to(device=device, dtype=ce_dtype)
     total = settings.total_steps(data.sequences)
     per_epoch = math.ceil(data.sequences / settings.batch_size)
     figures: dict = {}
@@ -810,7 +886,7 @@ def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: Tra
         for group in opt.param_groups:
             group["lr"] = lr
         noise_gen = torch.Generator().manual_seed(settings.seed * 7_919 + step) if settings.noise else None
-        loss, figures = batch_losses(head, lm, data, batch, settings, noise_gen, device)
+        loss, figures = batch_losses(head, lm, data, batch, settings, noise_gen, device, keep)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if settings.grad_clip:
@@ -836,6 +912,8 @@ def save_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings, s
     from safetensors.torch import save_file
 
     tensors = {f"model.{n}": p.detach().float().cpu().contiguous() for n, p in head.named_parameters()}
+    if head.cfg.version == 3:  # the draft vocabulary: a resumed run keeps it, whatever its data would choose now
+        tensors["vocab.d2t"], tensors["vocab.t2d"] = head.d2t.cpu().contiguous(), head.t2d.cpu().contiguous()
     state = opt.state_dict()["state"]
     for i, name in enumerate(_param_names(head)):
         if i in state:
@@ -861,6 +939,17 @@ def checkpoint_state(path: Path) -> dict:
         raise MoedeskError(f"{path}: not a train-draft checkpoint ({str(e).splitlines()[0] if str(e) else e})") from None
 
 
+def checkpoint_draft_vocabulary(path: Path) -> torch.Tensor | None:
+    """The draft vocabulary (target ids in draft-id order) an eagle3 checkpoint was trained with, or None."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        if "vocab.d2t" not in f.keys():
+            return None
+        d2t = f.get_tensor("vocab.d2t")
+    return torch.arange(len(d2t)) + d2t
+
+
 def load_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings) -> int:
     from safetensors.torch import load_file
 
@@ -876,6 +965,13 @@ def load_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings) -
     with torch.no_grad():
         for n, p in head.named_parameters():
             p.copy_(tensors[f"model.{n}"].to(p.device))
+        for n in ("d2t", "t2d"):
+            if f"vocab.{n}" in tensors:
+                buffer = getattr(head, n)
+                if tensors[f"vocab.{n}"].shape != buffer.shape:
+                    raise MoedeskError(f"{path}: its draft vocabulary does not fit this head ({n} "
+                                       f"{tuple(tensors[f'vocab.{n}'].shape)}, expected {tuple(buffer.shape)})")
+                buffer.copy_(tensors[f"vocab.{n}"].to(buffer.device))
     state = {}
     for i, name in enumerate(_param_names(head)):
         if f"adam.{name}.exp_avg" in tensors:
@@ -953,11 +1049,13 @@ def resume_settings(out) -> dict:
     saved answers were made with. MoedeskError (one line) when `out` holds neither."""
     work = Path(out) / TRAINING_DIR
     checkpoint = work / "checkpoint.safetensors"
+    # runs from before draft vocabularies drafted over the whole vocabulary: without the setting, they resume so
+    old = {"draft_vocab": 0}
     if checkpoint.exists():
-        return checkpoint_state(checkpoint).get("settings", {})
+        return {**old, **checkpoint_state(checkpoint).get("settings", {})}
     head = AnswerLog.header(work / ANSWERS_FILE)
     if head is not None and isinstance(head.get("settings"), dict):
-        return head["settings"]
+        return {**old, **head["settings"]}
     raise MoedeskError(f"{checkpoint}: no checkpoint or saved answers to resume from (run without --resume to start)")
 
 
@@ -980,6 +1078,13 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
                                                             if k in {f.name for f in fields(TrainSettings)}}})
     if settings.head not in HEADS:
         raise MoedeskError(f"--head {settings.head!r}: expected one of {', '.join(HEADS)}")
+    vocab_size = engine.config.vocab_size
+    if settings.draft_vocab and settings.head != "eagle3":
+        raise MoedeskError(f"--draft-vocab {settings.draft_vocab}: only an eagle3 head has a vocabulary of its own "
+                           "(add --head eagle3)")
+    if not 0 <= settings.draft_vocab <= vocab_size:
+        raise MoedeskError(f"--draft-vocab {settings.draft_vocab}: must be from 1 to the model's vocabulary "
+                           f"({vocab_size})")
     settings = replace(settings, ce_dtype=resolve_ce_dtype(settings.ce_dtype, engine.device))
     summary: dict = {"settings": asdict(settings)}
     key = data_key(engine, prompts, settings.max_new_tokens, settings.samples, settings.sample_temperature,
@@ -1006,12 +1111,27 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         save_data(data, data_path, key)
     summary.update(data_s=round(time.perf_counter() - t0, 1), sequences=data.sequences,
                    answer_tokens=data.answer_tokens())
-    head = init_head(engine, head_config(engine, settings.head), settings.init, settings.seed,
-                     data.sequence(0)[0].tolist(), data)
+    draft_ids = None
+    if settings.draft_vocab and settings.draft_vocab < vocab_size:
+        # resumed from a checkpoint: its vocabulary, whatever the data now holds (answers made again on a GPU may
+        # round differently); else the data's
+        if resume and checkpoint.exists():
+            draft_ids = checkpoint_draft_vocabulary(checkpoint)
+        if draft_ids is None:
+            draft_ids = draft_vocabulary(data, settings.draft_vocab, vocab_size)
+        counts = predicted_token_counts(data, vocab_size)
+        coverage = float(counts[draft_ids].sum()) / max(1, int(counts.sum()))
+        summary["draft_vocab_coverage"] = round(coverage, 4)
+        log(f"draft vocabulary: {len(draft_ids)} of the model's {vocab_size} tokens, {coverage:.1%} of the answer "
+            f"tokens the head learns to predict")
+    head = init_head(engine, head_config(engine, settings.head, settings.draft_vocab), settings.init, settings.seed,
+                     data.sequence(0)[0].tolist(), data, draft_ids)
     head.embed = engine.model.embed.weight.detach().to(head.fc.weight.device, torch.float32)
     lm_head = engine.model.lm_head.weight.detach()
     t1 = time.perf_counter()
     meta = head_metadata(engine, settings, data, str(prompts_path))
+    if "draft_vocab_coverage" in summary:
+        meta["draft_vocab_coverage"] = summary["draft_vocab_coverage"]
 
     def write_current(step):
         write_head(head, out, {**meta, "step": step})
