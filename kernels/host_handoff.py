@@ -60,9 +60,16 @@ def why_not() -> str | None:
 
 def handoff_wanted() -> bool:
     """Whether decode may hand layers over this way: Triton and the native part there, and not turned off by
-    MOEDESK_NO_HANDOFF=1 (which compares it with one graph per segment, or steps around a problem)."""
-    disabled = os.environ.get("MOEDESK_NO_HANDOFF", "").strip().lower() not in ("", "0", "false", "no")
-    return not disabled and triton is not None and native() is not None
+    MOEDESK_NO_HANDOFF=1 (which compares it with one graph per segment, or steps around a problem). Never with
+    CUDA_LAUNCH_BLOCKING=1 (a debugging aid): a launch that returns only once its graph has run would wait
+    for a host that is still inside the launch."""
+    if any(_flag_set(name) for name in ("MOEDESK_NO_HANDOFF", "CUDA_LAUNCH_BLOCKING")):
+        return False
+    return triton is not None and native() is not None
+
+
+def _flag_set(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 class HandoffTimeout(RuntimeError):

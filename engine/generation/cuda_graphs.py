@@ -12,10 +12,11 @@ begins by weighting and summing the expert outputs the executor left in a fixed 
 buffer: between two replays the host only waits for that copy, runs the experts, and queues
 their outputs' copy back. At batch 1 the GPU may compute some of those experts itself, from
 their pinned host copies, while the host runs the others (a small graph of its own per layer).
-Where no layer needs a host decision (one token, no expert of a host-run layer resident), the whole step
-is one graph instead, which hands each layer's routing to the host and waits on the GPU for its results
-through flags in pinned memory (kernels/host_handoff.py): the host launches nothing between layers, which
-took it ~110 µs a layer (a Qwen3-30B-A3B q4_k token: 178 → 204 tok/s, tests/perf/probe_handoff.py).
+Where no layer needs a host decision (one token per step), the whole step is one graph instead, which hands
+each layer's routing to the host and waits on the GPU for its results through flags in pinned memory
+(kernels/host_handoff.py), computing the layer's resident experts itself meanwhile: the host launches
+nothing between layers, which took it ~110 µs a layer (tests/perf/probe_handoff.py, Qwen3-30B-A3B q4_k
+12 layers: every expert in RAM 178 → 204 tok/s; half of each layer's resident 159 → 341).
 A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
 hides what is past each row's position.
 
@@ -256,12 +257,17 @@ class _Captured:
         """Captured after segment j: the routing to the host, the GPU's own share, and once the host is done
         its results into `expert_out`."""
         _, flat, _, ids = self.outputs[j]
+        moe = self.model.layers[self.moe_at[j]].moe
         self.handoff.signal(j)
+        resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
         if self.streamed[j] or self.cpu_rows[j]:
-            self._stream_share(j, executor, self.model.layers[self.moe_at[j]].moe, flat, ids)
+            self._stream_share(j, executor, moe, flat, ids)
         self.handoff.wait(j)
         rows = self.host_out.shape[0] - self.streamed[j]
         self.expert_out[:rows].copy_(self.host_out[:rows], non_blocking=True)
+        if resident is not None:
+            y, mask = resident
+            self.expert_out.copy_(torch.where(mask[:, None], y, self.expert_out))
 
     def _host_shares(self, executor) -> None:
         """The host's side of a handed-over step: each layer's experts as the graph reaches its routing."""

@@ -140,6 +140,13 @@ class _Pairs:
         return self.order[chosen[self.expert_of_order]]
 
 
+def _grouped_pairs(x, k: int, order, counts, gpu: ExpertWeights):
+    """Row p of the result: token p // k through the resident slot its pair is grouped under, from device tensors
+    alone (one grouped launch): `order` lists the pairs by slot, `counts` how many each slot has."""
+    ys = grouped_experts_forward(x.index_select(0, order // k), gpu, counts.cumsum(0).to(torch.int32))
+    return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
 class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
@@ -165,6 +172,7 @@ class OffloadExecutor:
         probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
         self.whole_layers_on_device = self.simulated or grouped_supported(probe, any_bank)
         self._selections: dict[int, torch.Tensor] = {}
+        self._slot_maps: dict[int, tuple] = {}  # layer -> (placement_version, its `_slots`)
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
@@ -193,6 +201,10 @@ class OffloadExecutor:
                     bank.gpu_slot[e] = slot
                 if len(resident) == len(row) and self.whole_layers_on_device:
                     self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
+        self._slot_maps = {}
+        for layer, bank in self.banks.items():  # here, not at a capture: a graph cannot copy from unpinned memory
+            if any(slot is not None for slot in bank.gpu_slot):
+                self._slots(layer)
 
     def on_gpu(self) -> list[list[bool]]:
         return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
@@ -230,9 +242,7 @@ class OffloadExecutor:
         counts = torch.zeros_like(per_expert[0]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
         per_expert[0] += counts
         per_expert[1] += counts > 0
-        ys = grouped_experts_forward(x.index_select(0, order // k), bank.gpu,
-                                     counts.cumsum(0).to(torch.int32))
-        return torch.empty_like(ys).index_copy_(0, order, ys)
+        return _grouped_pairs(x, k, order, counts, bank.gpu)
 
     def streamed_share(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each token's last ranks a captured decode step has the GPU compute from the experts'
@@ -263,17 +273,55 @@ class OffloadExecutor:
 
     def host_only(self, layer: int, batch: int, top_k: int) -> bool:
         """Whether a captured decode step of `batch` tokens may hand this layer to `host_share` without asking
-        `expert_outputs`: no expert of the layer is resident and the per-step rule computes a lone token's
-        experts on the CPU (with `streamed_share` or `row_split` as they say), so no host decision depends on
-        the routing and the step's graph can run on while the host computes (kernels.host_handoff)."""
+        `expert_outputs`: one token, and the per-step rule computes its offloaded experts on the CPU (with
+        `streamed_share` or `row_split` as they say), so no host decision depends on the routing and the
+        step's graph can run on while the host computes (kernels.host_handoff). Resident experts then run on
+        the GPU inside the graph (`device_share`), beside the host's; `resident_to_cpu`, which weighs the host's
+        cost of launching them, does not apply there."""
         if batch != 1 or self.simulated:
             return False
         bank = self.banks[layer]
-        if any(slot is not None for slot in bank.gpu_slot):
-            return False
-        # Every expert of a layer has the same shape, so a lone token's decision is the same for any experts.
-        on_cpu, to_copy = self.decide({e: 1 for e in range(top_k)})
-        return not to_copy and len(on_cpu) == top_k
+        if all(slot is not None for slot in bank.gpu_slot):
+            return False  # run on the device whole (`runs_on_device`)
+        if any(slot is not None for slot in bank.gpu_slot) and not self.whole_layers_on_device:
+            return False  # no grouped launch for the resident share
+        # Every expert of a layer has the same shape, so a decision depends only on how many are offloaded: all
+        # of the token's, or with experts resident any number of them.
+        for offloaded in range(1 if self.has_resident(layer) else top_k, top_k + 1):
+            on_cpu, to_copy = self.decide({e: 1 for e in range(offloaded)})
+            if to_copy or len(on_cpu) != offloaded:
+                return False
+        return True
+
+    def has_resident(self, layer: int) -> bool:
+        return any(slot is not None for slot in self.banks[layer].gpu_slot)
+
+    def device_share(self, moe, x, ids):
+        """The resident experts' part of a `host_only` layer, from device tensors alone (captured with the
+        step): (y [N*K, H], mask [N*K]) with y's rows valid where mask is set (the pair's expert resident).
+        Pairs of offloaded experts are computed with resident slot 0 and thrown away: at one token that is
+        a few rows, cheaper than a launch shaped by the routing."""
+        bank = self.banks[moe.layer]
+        slots, resident, _ = self._slots(moe.layer)
+        k = ids.shape[1]
+        pair_expert = ids.view(-1)
+        mask = resident[pair_expert]
+        pair_slot = slots[pair_expert]
+        counts = torch.zeros(bank.gpu.num_experts, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, pair_slot, torch.ones_like(pair_slot))
+        return _grouped_pairs(x, k, torch.argsort(pair_slot, stable=True), counts, bank.gpu), mask
+
+    def _slots(self, layer: int) -> tuple:
+        """(expert -> resident slot, or 0 when offloaded; expert -> resident), on the device for `device_share`,
+        and expert -> offloaded, a numpy array for `host_share`."""
+        known = self._slot_maps.get(layer)
+        if known is None or known[0] != self.placement_version:
+            gpu_slot = self.banks[layer].gpu_slot
+            slots = torch.tensor([s or 0 for s in gpu_slot], dtype=torch.int64, device=self.device)
+            resident = torch.tensor([s is not None for s in gpu_slot], device=self.device)
+            offloaded = np.array([s is None for s in gpu_slot])
+            known = self._slot_maps[layer] = (self.placement_version, slots, resident, offloaded)
+        return known[1:]
 
     def host_share(self, moe, host: HostRouting, out) -> None:
         """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.streamed`
@@ -286,11 +334,19 @@ class OffloadExecutor:
         bank = self.banks[moe.layer]
         pair_expert = host.ids.view(-1)
         k = pair_expert.shape[0]
-        counts = np.bincount(pair_expert.numpy(), minlength=len(bank.gpu_slot))
+        experts_of = pair_expert.numpy()
+        counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
         self._count(moe.layer, counts)
         index = self._buffer("cpu_index", (2 * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-        on_cpu = k - host.streamed  # a lone token's experts are distinct: its first ranks are the CPU's
-        experts_forward_routed(host.x, pair_expert[:on_cpu], k, None, bank.host, out, index,
+        on_cpu, offloaded = k - host.streamed, None  # a lone token's experts are distinct: its first ranks are the CPU's
+        if self.has_resident(moe.layer):  # the GPU computes the resident ones (`device_share`)
+            is_offloaded = self._slots(moe.layer)[2]
+            offloaded = np.flatnonzero(is_offloaded)
+            on_cpu = int(is_offloaded[experts_of].sum())
+            s = self._stats
+            s.gpu_experts += k - on_cpu
+            s.gpu_hits += k - on_cpu
+        experts_forward_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
                                rows=host.cpu_rows or None)
         s = self._stats
         s.cpu_experts += on_cpu

@@ -128,10 +128,13 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
     """Offloaded bf16 decode through captured graphs gives the tokens of the same segments run eagerly
     (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
     expert resident, with half of them (grouped GPU launches beside CPU and copied experts), and with all
-    of them (every layer captured whole: one graph per step)."""
+    of them (every layer captured whole: one graph per step). A graph per segment: batch-1 steps handed to the
+    host whole compute resident experts with grouped launches, which the eager segments do not
+    (test_handed_over_steps_with_resident_experts_match_all_on_gpu)."""
     from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEDESK_NO_HANDOFF", "1")
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     total = engine.expert_stats()["experts_total"]
@@ -257,6 +260,25 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
         run()
     assert time.perf_counter() - started < 20  # the GPU did not wait out its bound (~30 s) for the lost layers
     assert run() == handed
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_handed_over_steps_with_resident_experts_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    """Batch-1 decode with half of the experts resident, handed over whole (kernels.host_handoff): the
+    resident ones run on the GPU inside the graph while the host computes the others: the all-on-GPU run's
+    tokens, up to bf16 ties."""
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
+    offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    executor = offloaded.executor
+    executor.set_placement([[e % 2 == 0 for e in range(len(row))] for row in executor.on_gpu()])  # every layer half
+    check_matches_all_on_gpu(offloaded, resident, batch_size=1)
+    stats = offloaded.executor.stats
+    assert stats.gpu_experts > 0 and stats.cpu_experts > 0
+    handed = [c for c in offloaded.graphs.captured.values() if c.handoff is not None]
+    assert handed and all(len(c.graphs) == 1 for c in handed)
+    assert all(executor.has_resident(offloaded.model.layers[i].moe.layer) for i in handed[0].moe_at)
 
 
 def test_graphs_recaptured_after_placement_changes_keep_working(tiny_checkpoint, tmp_path, monkeypatch):

@@ -99,5 +99,29 @@ def test_only_layers_with_no_host_decision_are_handed_over():
     copying = _executor(lambda loads: (sorted(loads)[1:], sorted(loads)[:1]))
     copying.simulated = False
     assert not copying.host_only(0, 1, 2)
-    executor.banks[0].gpu_slot[3] = 0  # one resident expert: its tokens go to the GPU, a decision
+    copies_two = _executor(lambda loads: (sorted(loads), []) if len(loads) < 2 else ([], sorted(loads)))
+    copies_two.simulated = False
+    assert not copies_two.host_only(0, 1, 2)  # a token with both experts offloaded would copy them
+    executor.set_placement([[e == 3 for e in range(6)]])  # resident experts run on the GPU in the graph
+    assert executor.host_only(0, 1, 2)
+    executor.whole_layers_on_device = False  # ... through a grouped launch, where there is one
     assert not executor.host_only(0, 1, 2)
+    executor.set_placement([[True] * 6])  # the layer runs on the device whole: nothing for the host
+    assert not executor.host_only(0, 1, 2)
+
+
+def test_resident_experts_on_the_device_and_offloaded_ones_on_the_host_make_the_layer():
+    executor = _executor()
+    executor.set_placement([[e in (1, 4) for e in range(6)]])
+    moe = type("Moe", (), {"layer": 0})()
+    x, ids = torch.randn(1, 64, generator=torch.Generator().manual_seed(2)), torch.tensor([[4, 0, 1, 5]])
+    expected = _executor().expert_outputs(moe, x, ids)
+    y, mask = executor.device_share(moe, x, ids)
+    assert mask.tolist() == [True, False, True, False]
+    torch.testing.assert_close(y[mask], expected[mask])
+    out = torch.full((4, 64), float("nan"))
+    executor.host_share(moe, HostRouting(x, ids, _Flag()), out)
+    torch.testing.assert_close(out[~mask], expected[~mask], rtol=0, atol=0)
+    assert out[mask].isnan().all()  # the resident experts' rows are the device's
+    s = executor.stats
+    assert (s.cpu_experts, s.gpu_experts, s.gpu_hits, s.selections) == (2, 2, 2, 4)

@@ -1,8 +1,8 @@
 """What handing a decode step's MoE layers to the host through flags (kernels.host_handoff) saves at batch 1.
 
-Usage (GPU box, repo root): python3 tests/perf/probe_handoff.py [SHAPE:LAYERS:FORMAT ...] [--rounds N] [--tokens N]
-(default qwen3-30b-a3b:12:q4_k mixtral-8x7b:8:q4_0). Synthetic models of real shapes, every expert in RAM and
-computed by the CPU; per round, decode once with the step as one handed-over graph and once with a graph per
+Usage (GPU box, repo root): python3 tests/perf/probe_handoff.py [SHAPE:LAYERS:FORMAT[:RESIDENT] ...] [--rounds N]
+[--tokens N] (default qwen3-30b-a3b:12:q4_k mixtral-8x7b:8:q4_0). Synthetic models of real shapes, every expert in
+RAM and computed by the CPU, or with RESIDENT (a fraction) the first experts of every layer on the GPU; per round, decode once with the step as one handed-over graph and once with a graph per
 segment (MOEDESK_NO_HANDOFF=1), alternating, so drift hits both alike. Prints per variant the median tok/s and,
 per step, the executor's time split into the wait for the GPU's routing, the CPU experts' call and the rest.
 """
@@ -27,13 +27,16 @@ device = torch.device("cuda")
 leave_a_core_to_the_gpu_thread()
 rows = []
 for spec in args.shapes:
-    shape, layers, fmt = spec.split(":")
+    shape, layers, fmt, *share = spec.split(":")
+    share = float(share[0]) if share else 0.0
     cfg = shape_config(shape, int(layers))
     t0 = time.perf_counter()
     model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256,
                                    expert_format="dense" if fmt == "bf16" else fmt)
     print(f"{spec}: built in {time.perf_counter() - t0:.0f}s", flush=True)
-    ex = OffloadExecutor(banks, [[False] * cfg.num_experts for _ in banks], device, lambda loads: (sorted(loads), []))
+    resident = round(share * cfg.num_experts)
+    ex = OffloadExecutor(banks, [[e < resident for e in range(cfg.num_experts)] for _ in banks], device,
+                         lambda loads: (sorted(loads), []))
     results = {"handoff": [], "graph per segment": []}
     parts = {name: [] for name in results}
     measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 8)  # warm-up: kernels built, threads up
@@ -53,6 +56,6 @@ for spec in args.shapes:
     del model, banks, ex
     torch.cuda.empty_cache()
 
-print(f"\n{'shape':<26}{'variant':<20}{'tok/s':>8}{'min':>8}{'max':>8}{'step ms':>9}{'moe':>7}{'wait':>7}{'cpu':>7}")
+print(f"\n{'shape':<30}{'variant':<20}{'tok/s':>8}{'min':>8}{'max':>8}{'step ms':>9}{'moe':>7}{'wait':>7}{'cpu':>7}")
 for spec, name, tok_s, lo, hi, moe, wait, cpu in rows:
-    print(f"{spec:<26}{name:<20}{tok_s:>8.1f}{lo:>8.1f}{hi:>8.1f}{1000 / tok_s:>9.2f}{moe:>7.2f}{wait:>7.2f}{cpu:>7.2f}")
+    print(f"{spec:<30}{name:<20}{tok_s:>8.1f}{lo:>8.1f}{hi:>8.1f}{1000 / tok_s:>9.2f}{moe:>7.2f}{wait:>7.2f}{cpu:>7.2f}")
