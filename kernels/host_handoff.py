@@ -36,6 +36,7 @@ SOURCE = Path(__file__).with_name("host_handoff.c")
 FLAGS = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall"]
 # The GPU's wait gives up after this many reads of the flag (each a PCIe round trip of ~1 µs: ~30 s).
 GPU_SPINS = 1 << 25
+COPY_BLOCK = 2048  # elements of the host's results each program of the wait copies
 
 _state: dict = {}
 _lock = threading.Lock()
@@ -97,24 +98,37 @@ class Handoff:
 
         self._ready = [_Ready(self, j) for j in range(layers)]
 
-    def warm_up(self) -> None:
-        """Compile the GPU's wait before a capture (it cannot compile inside one): a wait already satisfied."""
+    def warm_up(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Compile the GPU's kernels before a capture (they cannot compile inside one): waits already satisfied,
+        with and without the copies the capture will ask for (of `src` into `dst`)."""
         self.next_step()
         self.start()
         self.release()
         for j in range(self.layers):
             self.wait(j)
-        torch.cuda.synchronize(self.step_device.device)
+            self.wait(j, src, dst)
+        if self.step_device.is_cuda:
+            torch.cuda.synchronize(self.step_device.device)
 
-    # The graph's side (captured).
+    # The graph's side (captured). Host memory is read by kernels, not by copies out of it: a graph's copy from
+    # pinned memory is one more use torch's pinned-memory cache must track across captures, and a kernel that
+    # waits and then copies is one launch where a wait and a copy were two.
     def start(self) -> None:
-        self.step_device.copy_(self.step_host, non_blocking=True)
+        _load_step[(1,)](pointer_arg(self.step_host), self.step_device)
 
     def signal(self, j: int) -> None:
         self.flags[0, j:j + 1].copy_(self.step_device, non_blocking=True)
 
-    def wait(self, j: int) -> None:
-        _await_flag[(1,)](pointer_arg(self.flags[1, j:j + 1]), self.step_device, SPINS=GPU_SPINS, num_warps=1)
+    def wait(self, j: int, src: torch.Tensor | None = None, dst: torch.Tensor | None = None) -> None:
+        """Wait for the host's layer j, then copy `src` (its results, contiguous in pinned memory) into `dst`."""
+        n = 0 if src is None else src.numel()
+        if n and (dst is None or dst.numel() != n or not (src.is_contiguous() and dst.is_contiguous())):
+            raise ValueError("src and dst must be contiguous and of one size")
+        if not n:
+            src = dst = self.step_device
+        _await_flag[(max(1, triton.cdiv(n, COPY_BLOCK)),)](
+            pointer_arg(self.flags[1, j:j + 1]), self.step_device, pointer_arg(src), dst, n,
+            SPINS=GPU_SPINS, BLOCK=COPY_BLOCK, num_warps=4)
 
     # The host's side.
     def next_step(self) -> None:
@@ -147,10 +161,19 @@ class _Ready:
 
 if triton is not None:
     @triton.jit
-    def _await_flag(flag_ptr, step_ptr, SPINS: tl.constexpr):
+    def _load_step(src_ptr, dst_ptr):
+        tl.store(dst_ptr, tl.load(src_ptr, volatile=True))
+
+    @triton.jit
+    def _await_flag(flag_ptr, step_ptr, src_ptr, dst_ptr, N, SPINS: tl.constexpr, BLOCK: tl.constexpr):
+        """Every program spins until the host's flag holds the step, then copies its block of src into dst. The
+        loads from host memory are volatile: a line the GPU cached in an earlier step would be stale."""
         want = tl.load(step_ptr)
         seen = tl.load(flag_ptr, volatile=True)
         spins = 0
         while (seen != want) & (spins < SPINS):
             seen = tl.load(flag_ptr, volatile=True)
             spins += 1
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offs < N
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=inside, volatile=True), mask=inside)

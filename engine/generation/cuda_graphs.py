@@ -262,9 +262,8 @@ class _Captured:
         resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
         if self.streamed[j] or self.cpu_rows[j]:
             self._stream_share(j, executor, moe, flat, ids)
-        self.handoff.wait(j)
         rows = self.host_out.shape[0] - self.streamed[j]
-        self.expert_out[:rows].copy_(self.host_out[:rows], non_blocking=True)
+        self.handoff.wait(j, self.host_out[:rows], self.expert_out[:rows])
         if resident is not None:
             y, mask = resident
             self.expert_out.copy_(torch.where(mask[:, None], y, self.expert_out))
@@ -301,7 +300,7 @@ class _Captured:
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         self.outputs, self.pool = [], pool
         if self.handoff is not None:
-            self.handoff.warm_up()
+            self.handoff.warm_up(self.host_out, self.expert_out)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self.handoff.start()

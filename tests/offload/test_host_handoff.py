@@ -125,3 +125,24 @@ def test_resident_experts_on_the_device_and_offloaded_ones_on_the_host_make_the_
     assert out[mask].isnan().all()  # the resident experts' rows are the device's
     s = executor.stats
     assert (s.cpu_experts, s.gpu_experts, s.gpu_hits, s.selections) == (2, 2, 2, 4)
+
+
+def test_the_gpus_side_under_triton_s_interpreter_takes_the_step_and_copies_the_hosts_results():
+    pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU")
+    handoff = host_handoff.Handoff(2, torch.device("cpu"))
+    handoff.next_step()
+    handoff.next_step()
+    handoff.start()
+    assert int(handoff.step_device[0]) == handoff.step == 2
+    handoff.flags[1, 1] = handoff.step  # the host is done with layer 1 (with the spin bound, an unset flag only waits)
+    src = torch.randn(2 * host_handoff.COPY_BLOCK + 37, dtype=torch.bfloat16)  # three programs, the last partial
+    dst = torch.zeros_like(src)
+    handoff.wait(1, src, dst)
+    assert torch.equal(dst, src)
+    handoff.wait(1)  # a wait with nothing to copy
+    with pytest.raises(ValueError, match="one size"):
+        handoff.wait(1, src, dst[1:])
