@@ -182,19 +182,24 @@ def test_sampling_keeps_the_targets_distribution(draft, engines, tmp_path):
         factory = eagle_factory(head, engine.config.num_layers)
         mode, width = ("beam", 2) if draft == "eagle-tree" else ("greedy", 1)
     done, _ = speculate(engine, requests, factory, mode, length=2, width=width)
+    assert_two_tokens_follow_the_target(engine, done, ids, params, n)
+    assert sum(c.stats["speculative"]["accepted"] for c in done) > 0 or draft != "oracle-chain"
+
+
+def assert_two_tokens_follow_the_target(engine, done, prompt, params, n: int) -> None:
+    """The `n` completions of two tokens after `prompt` are drawn from the target's exact joint distribution of
+    them under `params` (a chi-square test at a false-alarm rate of 1e-4)."""
     counts: dict = {}
     for c in done:
         counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
-    # the exact joint distribution of the first two tokens
-    first = decode.processed_probs(_logits(engine, ids), params)
+    first = decode.processed_probs(_logits(engine, prompt), params)
     probs = {}
     for a in first.nonzero().flatten().tolist():
-        second = decode.processed_probs(_logits(engine, ids + [a]), params)
+        second = decode.processed_probs(_logits(engine, prompt + [a]), params)
         for b in second.nonzero().flatten().tolist():
             probs[(a, b)] = float(first[a] * second[b])
     assert set(counts) <= set(probs)
     assert _chi_square_p(counts, probs, n) > 1e-4, (counts, probs)
-    assert sum(c.stats["speculative"]["accepted"] for c in done) > 0 or draft != "oracle-chain"
 
 
 def _logits(engine, ids):
