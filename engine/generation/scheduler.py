@@ -23,14 +23,18 @@ runs engine.generation.decoder.Decoder's steps over whatever is in flight:
   neither waits for the other.
 
 The decode thread lives while there is work and exits when idle: an engine nobody uses holds no
-thread, and a thread never keeps a model alive after its engine is dropped.
+thread, and a thread never keeps a model alive after its engine is dropped. Nor does it outlive the interpreter:
+at exit every request still in flight is cancelled and the thread joined after its current step (`_stop_at_exit`).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
+import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Iterable, Iterator, Protocol
 
@@ -49,6 +53,10 @@ log = logging.getLogger("moedesk")
 # tok/s. On the CPU a piece's time grows with its tokens: short pieces bound the others' wait.
 PREFILL_CHUNK_GPU = 2048
 PREFILL_CHUNK_CPU = 512
+
+# How long the interpreter's exit waits for the decode threads to end their steps (_stop_at_exit).
+EXIT_JOIN_SECONDS = 10.0
+_schedulers: weakref.WeakSet = weakref.WeakSet()  # every scheduler alive, for _stop_at_exit
 
 
 def default_prefill_chunk(device) -> int:
@@ -202,6 +210,8 @@ class Scheduler:
                              prefill_tokens=0, generated_tokens=0, batch_sum=0, max_batch=0, jobs=0, job_steps=0,
                              decode_seconds=0.0)  # wall time of the plain batch's decode steps, sinks included
         self._recent_seconds = 0.0  # a running mean of how long finished requests took, for retry hints
+        self._exiting = False  # the interpreter is exiting: requests are cancelled, new ones end at once
+        _schedulers.add(self)
 
     # --- any thread -------------------------------------------------------------------------
 
@@ -218,6 +228,11 @@ class Scheduler:
         handle = Handle(request, group, sink, cancel)
         handle.kind = kind
         with self._lock:
+            if self._exiting:  # no thread may start now (_stop_at_exit has joined them): it ends here, cancelled
+                handle.done = True
+                self._send(handle, Update(None, "", completion=Completion(request.tag, [], "", "cancelled",
+                                                                          len(request.prompt_ids))))
+                return handle
             if queue_limit is not None and self._waiting() >= queue_limit:
                 raise QueueFull(f"{self._waiting()} requests are waiting for a free row (the limit is {queue_limit})")
             self._pending.append(handle)
@@ -273,11 +288,16 @@ class Scheduler:
     def close(self, timeout: float = 30.0) -> None:
         """Cancel every request in flight and wait until the decode thread has stopped (drain): what a test or a
         front end does before dropping an engine, so that no decode thread outlives it."""
+        self._cancel_all()
+        self.drain(timeout)
+
+    def _cancel_all(self) -> None:
+        """Cancel every request waiting or running: the decode thread ends them at its next step, before any
+        forward, and stops."""
         with self._lock:
             for handle in self._pending + [h for h in self._rows if h is not None] + \
                     [h for j in self._jobs for h in j.handles]:
                 handle.cancel()
-        self.drain(timeout)
 
     def stats(self) -> dict:
         """Counters since start, and what runs and waits now."""
@@ -569,6 +589,44 @@ class Scheduler:
         except Exception:  # noqa: BLE001 -- a consumer's bug must not stop everyone else's decoding
             log.exception("a request's sink failed; cancelling it")
             handle.cancel()
+
+
+def _stop_at_exit() -> None:
+    """Cancel what every live scheduler holds and join its decode thread, EXIT_JOIN_SECONDS for all of them.
+
+    The thread is a daemon, so nobody waits for it; left inside a step (a long prefill, a CUDA step) as the
+    interpreter finalises, it is stopped when it takes the GIL back inside torch's C++ and the process aborts
+    ("terminate called without an active exception", exit 134 instead of its own status). Cancelled, it ends the
+    requests before any further forward and stops. One line on stderr if a step outlasts the wait."""
+    deadline = time.monotonic() + EXIT_JOIN_SECONDS
+    schedulers = list(_schedulers)
+    for scheduler in schedulers:
+        with scheduler._lock:
+            scheduler._exiting = True
+        scheduler._cancel_all()
+    threads = [s._last_thread for s in schedulers if s._last_thread not in (None, threading.current_thread())]
+    try:
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting
+        pass
+    if any(thread.is_alive() for thread in threads):
+        print(f"moedesk: a decode step was still running {EXIT_JOIN_SECONDS:g} s after exit began; exiting "
+              f"without waiting for it", file=sys.stderr, flush=True)
+
+
+def _at_thread_shutdown() -> None:
+    # Called before the interpreter joins its non-daemon threads, which may still be waiting for replies: too early
+    # to cancel. An atexit function registered now runs right after they are joined and before every other atexit
+    # function (they run last registered first), while whatever a step uses (compile workers, CUDA) is still up; one
+    # registered when this module is imported would run after those that torch and Triton register later.
+    atexit.register(_stop_at_exit)
+
+
+try:
+    threading._register_atexit(_at_thread_shutdown)  # CPython's own hook, the one concurrent.futures uses
+except AttributeError:  # an interpreter without it: atexit alone
+    atexit.register(_stop_at_exit)
 
 
 class TextDeltas:
