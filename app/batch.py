@@ -486,8 +486,8 @@ def _scan_input(in_path: Path, settings: BatchSettings) -> _Scan:
 def _cache_positions(scan: _Scan | None, settings: BatchSettings, context: int) -> int:
     """The cache length one sequence may grow to: what the lines ask for, within the context.
 
-    The cache grows to the longest line in flight and never shrinks, so a batch sized for a typical
-    line would hold batch_size rows of the longest. A stream cannot be read ahead: full context.
+    The cache grows to the longest line in flight and shrinks only after running out of memory, so a batch
+    sized for a typical line would hold batch_size rows of the longest. A stream cannot be read ahead: full context.
     """
     if scan is None:
         return context
@@ -741,6 +741,12 @@ class _Run:
                     except _Stopped:
                         raise
                     except Exception as error:  # noqa: BLE001 -- see the docstring
+                        if _out_of_memory(error):
+                            # The KV caches only grow: without this the rows the batch no longer uses stay allocated
+                            # and halving it gives no memory back. The next requests allocate what they need.
+                            release = getattr(self.engine, "release_cache", None)
+                            if release is not None:
+                                release()
                         self._run_alone(error)
                         if _out_of_memory(error) and batch_size > 1:  # the batch did not fit: try fewer at once
                             self.report.note(f"out of memory with up to {batch_size} lines at once "

@@ -23,6 +23,7 @@ from engine.generation.scheduler import (Group, Handle, Scheduler, TextDeltas, U
 from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
+FIRST_CACHE_LENGTH = 256  # positions of the KV cache's one row at load: requests grow it to what they need
 
 
 class Engine:
@@ -35,7 +36,7 @@ class Engine:
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
-        self.cache = KVCache(cfg, rows=1, length=min(256, context_length), dtype=dtype, device=device)
+        self.cache = KVCache(cfg, rows=1, length=min(FIRST_CACHE_LENGTH, context_length), dtype=dtype, device=device)
         self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
         self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
@@ -135,6 +136,28 @@ class Engine:
     def _on_oom(self) -> bool:
         """Free GPU memory after an out-of-memory error in a step: experts leave the GPU, half at a time."""
         return self.orchestra is not None and self.orchestra.back_off()
+
+    def release_cache(self, timeout: float = 30.0) -> bool:
+        """Give the KV caches' memory back, once no request runs (what an out-of-memory back-off to fewer rows at
+        once does: the caches only ever grow, so the rows no longer used would stay allocated): the plain batch's
+        cache goes back to its size at load, the beam search's and idle speculators' caches and every CUDA graph
+        over them are dropped, and the next requests allocate what they need. False when other requests kept
+        the engine busy for `timeout` seconds (nothing released)."""
+
+        def release() -> None:
+            if self.graphs is not None:
+                self.graphs.release()  # its graphs hold memory of their own and read the old tensors
+            self.cache.shrink(1, min(FIRST_CACHE_LENGTH, self.context_length))
+            if self._beam is not None and self._beam.graphs is not None:
+                self._beam.graphs.release()
+            self._beam = None
+            for spec in self.__dict__.pop("_speculators", []):  # idle ones: a running job holds its own
+                if getattr(spec.graphs, "release", None) is not None:
+                    spec.graphs.release()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the device, not only to torch's caching allocator
+
+        return self.scheduler.when_idle(release, timeout)
 
     def expert_stats(self) -> dict:
         """Expert work so far (where experts ran, GPU hit rate, time) and the placement; {} without offload."""

@@ -10,7 +10,7 @@ class KVCache:
     """Keys and values of every layer, [rows, positions, kv_heads, head_dim] each.
 
     Allocated once per batch shape; `ensure` grows it (rarely: only when a longer request
-    arrives), never per token.
+    arrives), never per token; only `shrink` gives memory back.
     """
 
     def __init__(self, cfg: ModelConfig, rows: int, length: int, dtype: torch.dtype, device):
@@ -33,6 +33,16 @@ class KVCache:
             new[: old.shape[0], : old.shape[1]] = old
         self.k, self.v = k, v
         self.rows, self.length = rows, length
+
+    def shrink(self, rows: int, length: int) -> None:
+        """Reallocate at `rows` x `length`, dropping what is stored (no sequence may be using it): ensure only ever
+        grows, so a batch that fell back to fewer rows would keep the memory of the most it ever held."""
+        self.k, self.v, self.rows, self.length = [], [], 0, 0  # the old tensors go before the new ones are made
+        self.ensure(rows, length)
+
+    def nbytes(self) -> int:
+        """The memory the keys and values take now."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def bytes_per_position(self) -> int:
         return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize

@@ -285,6 +285,22 @@ class Scheduler:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"the scheduler did not become idle in {timeout} s: {self.stats()}")
 
+    def when_idle(self, action: Callable[[], None], timeout: float = 30.0) -> bool:
+        """Run action() on this thread once every request has ended and the decode thread has stopped (drain),
+        holding the lock so that none starts meanwhile: for changing what that thread owns, such as the KV cache.
+        The rows are forgotten too, so the next requests reserve cache rows for themselves only, not for the most
+        ever held. False (action not run) when other requests keep it busy for `timeout` seconds."""
+        try:
+            self.drain(timeout)
+        except TimeoutError:
+            return False
+        with self._lock:
+            if self._thread is not None or self._pending:  # one came in since drain looked
+                return False
+            self._rows = []
+            action()
+        return True
+
     def close(self, timeout: float = 30.0) -> None:
         """Cancel every request in flight and wait until the decode thread has stopped (drain): what a test or a
         front end does before dropping an engine, so that no decode thread outlives it."""

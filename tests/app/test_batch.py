@@ -161,6 +161,47 @@ def test_all_good_exits_0_and_reports_stats(model, tmp_path, capsys):
     assert all(r["finish_reason"] in ("stop", "length") and "ttft_s" in r["stats"] for r in read_jsonl(out))
 
 
+def test_an_out_of_memory_back_off_gives_the_cache_back_and_the_tokens_stay(model, tmp_path):
+    """A batch that halves its rows after running out of memory gives the KV cache's memory back (it only ever
+    grew, so the halved batch kept every row of the full one) and still writes what a run that never ran out
+    writes."""
+    import io
+
+    from app.batch import BatchSettings, run_batch
+
+    engine = Engine.load(model, device="cpu", dtype="float32")
+    lines = [{"id": f"q{i}", "prompt": "The quick brown fox " * (1 + i % 3) + str(i)} for i in range(10)]
+    src = write_jsonl(tmp_path / "in.jsonl", lines)
+    settings = BatchSettings(temperature=0, max_new_tokens=12, ignore_eos=True, batch_size=4)
+    assert run_batch(src, tmp_path / "reference.jsonl", engine, settings, stderr=io.StringIO(), progress=False) == 0
+    full = engine.cache.nbytes()
+
+    forward, seen = engine.model.forward, {}
+
+    def short_of_memory(tokens, *args, **kwargs):  # the third decode step of 4 rows runs out, once
+        if "oom" in seen and tokens.shape[0] <= 2:  # the lines it held, alone, then the halved batch
+            seen["after"] = max(seen.get("after", 0), engine.cache.nbytes())
+        elif tokens.shape == (4, 1):
+            seen["steps"] = seen.get("steps", 0) + 1
+            if seen["steps"] == 3:
+                seen["oom"] = engine.cache.nbytes()
+                raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes")
+        return forward(tokens, *args, **kwargs)
+
+    engine.model.forward = short_of_memory
+    err = io.StringIO()
+    try:
+        assert run_batch(src, tmp_path / "out.jsonl", engine, settings, stderr=err, progress=False) == 0
+    finally:
+        del engine.model.forward
+        engine.scheduler.close()
+    assert "going on with 2" in err.getvalue()
+    assert seen["oom"] == full  # what the full batch held when it ran out
+    assert seen["after"] < full and engine.cache.nbytes() < full and engine.cache.rows <= 2
+    strip = lambda records: [{k: v for k, v in r.items() if k != "stats"} for r in records]  # noqa: E731
+    assert strip(read_jsonl(tmp_path / "out.jsonl")) == strip(read_jsonl(tmp_path / "reference.jsonl"))
+
+
 def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_path):
     """A real `moedesk batch` process interrupted mid-run (SIGINT, as Ctrl-C sends it): it must end with its one
     line and exit 130, not abort in the engine's decode thread (which it did, exit 134), and leave whole lines

@@ -247,3 +247,27 @@ def test_prefill_pieces_are_long_on_a_gpu_and_short_on_the_cpu(engine):
     assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == PREFILL_CHUNK_GPU
     assert default_prefill_chunk("cpu") == PREFILL_CHUNK_CPU < PREFILL_CHUNK_GPU
     assert engine.scheduler.prefill_chunk == PREFILL_CHUNK_CPU  # this engine runs on the CPU
+
+
+def test_release_cache_gives_the_caches_back_once_idle_and_the_next_requests_give_the_same_tokens(engine):
+    # What a batch's out-of-memory back-off asks for: the caches only ever grew, so fewer rows at once freed nothing.
+    ids = engine.tokenizer.encode("The quick brown fox")
+    plain = sorted((c.tag, c.token_ids) for c in engine.generate([Request(ids, GREEDY, tag=i) for i in range(4)],
+                                                                  batch_size=4))
+    beam = engine.beam_search(ids, beams=4, max_new_tokens=8)
+    assert engine.cache.rows >= 4 and engine._beam is not None
+
+    busy = engine.submit(Request(ids, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)))
+    next(busy.updates(timeout=30))
+    full = engine.cache.nbytes()
+    assert not engine.release_cache(timeout=0.2)  # a request runs: nothing is touched under it
+    assert engine.cache.nbytes() == full
+    busy.cancel()
+
+    assert engine.release_cache()
+    assert engine.cache.nbytes() < full and engine.cache.rows == 1 and engine._beam is None
+    assert next(engine.generate([Request(ids, GREEDY, tag=0)], batch_size=1)).token_ids == plain[0][1]
+    assert engine.cache.rows == 1  # the scheduler forgot the 4 rows the batch held: one request reserves one
+    assert sorted((c.tag, c.token_ids) for c in engine.generate([Request(ids, GREEDY, tag=i) for i in range(4)],
+                                                                batch_size=4)) == plain
+    assert engine.beam_search(ids, beams=4, max_new_tokens=8).token_ids == beam.token_ids
