@@ -31,12 +31,14 @@ NEW = 20
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def random_head(engine, version, folder, seed=0):
-    """A random EAGLE head for the engine's model, saved and loaded back as a user's would be."""
+def random_head(engine, version, folder, seed=0, draft_ids=None):
+    """A random EAGLE head for the engine's model, saved and loaded back as a user's would be. An EAGLE-3 head drafts
+    `draft_ids` (increasing target ids), by default a random half of the vocabulary."""
     c = engine.config
     cfg = EagleConfig(version=version, hidden_size=c.hidden_size, intermediate_size=96, num_heads=4, num_kv_heads=2,
                       head_dim=16, rms_norm_eps=1e-6, vocab_size=c.vocab_size,
-                      draft_vocab_size=c.vocab_size if version == 1 else c.vocab_size // 2,
+                      draft_vocab_size=c.vocab_size if version == 1 else
+                      c.vocab_size // 2 if draft_ids is None else len(draft_ids),
                       target_hidden_size=c.hidden_size, fc_bias=version == 1)
     g = torch.Generator().manual_seed(seed)
     head = EagleHead(cfg, embed=engine.model.embed.weight.detach().clone())
@@ -45,7 +47,8 @@ def random_head(engine, version, folder, seed=0):
             p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
                     else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
         if version == 3:
-            ids = torch.randperm(c.vocab_size, generator=g)[:cfg.draft_vocab_size].sort().values
+            ids = torch.randperm(c.vocab_size, generator=g)[:cfg.draft_vocab_size].sort().values \
+                if draft_ids is None else draft_ids
             head.d2t.copy_(ids - torch.arange(cfg.draft_vocab_size))
             head.t2d[ids] = True
     save_eagle_head(head, folder, fmt="safetensors" if version == 3 else "bin", with_embedding=False)

@@ -19,7 +19,7 @@ from engine.errors import CheckpointError
 from engine.requests import Request, SamplingParams
 from engine.speculative import decode
 from engine.speculative import train as T
-from engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
+from engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -163,30 +163,13 @@ def test_head_loads_drafts_inside_its_vocabulary_and_speculation_is_plain_greedy
     assert drafted and set(drafted) <= set(ids.tolist())
 
 
-def _head_over(engine, ids, folder, seed=3):
-    """A random EAGLE-3 head whose draft vocabulary is `ids`, saved and loaded back."""
-    c = engine.config
-    cfg = EagleConfig(version=3, hidden_size=c.hidden_size, intermediate_size=96, num_heads=4, num_kv_heads=2,
-                      head_dim=16, rms_norm_eps=1e-6, vocab_size=c.vocab_size, draft_vocab_size=len(ids),
-                      target_hidden_size=c.hidden_size, fc_bias=False)
-    g = torch.Generator().manual_seed(seed)
-    head = EagleHead(cfg, embed=engine.model.embed.weight.detach().clone())
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight")
-                    else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
-        head.d2t.copy_(ids - torch.arange(len(ids)))
-        head.t2d[ids] = True
-    save_eagle_head(head, folder, with_embedding=False)
-    return load_eagle_head(folder, target_embed=engine.model.embed.weight.detach())
-
-
 @pytest.mark.parametrize("mode,width", [("greedy", 1), ("beam", 2)], ids=["chain", "tree"])
 def test_sampling_with_a_draft_vocabulary_keeps_the_targets_distribution(mode, width, engines, tmp_path):
     """The draft can propose only the target's 1st and 3rd most likely first tokens and one it excludes (top-k 4):
     its distribution is zero on the 2nd and 4th, which must still come, from the residual, as often as the target
     says."""
-    from tests.speculative.test_speculative_decode import PROMPTS, _logits, assert_two_tokens_follow_the_target, speculate
+    from tests.speculative.test_speculative_decode import (PROMPTS, _logits, assert_two_tokens_follow_the_target,
+                                                           random_head, speculate)
 
     engine = engines("mixtral")
     prompt = engine.tokenizer.encode(PROMPTS[0])
@@ -194,7 +177,7 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_targets_distribution(mode, w
     first = decode.processed_probs(_logits(engine, prompt), params)
     ranked = first.argsort(descending=True).tolist()
     ids = torch.tensor(sorted([ranked[0], ranked[2], ranked[4]]))
-    head = _head_over(engine, ids, tmp_path / "head")
+    head = random_head(engine, 3, tmp_path / "head", seed=3, draft_ids=ids)
     n = 4000
     requests = [Request(prompt, dataclasses.replace(params, seed=s)) for s in range(n)]
     done, _ = speculate(engine, requests, decode.eagle_factory(head, engine.config.num_layers), mode, length=2,
