@@ -6,10 +6,11 @@ GPU. Launching a CUDA graph per segment and waiting on an event per layer costs 
 q4_k token, 12 layers, spent ~1.4 of its 5.6 ms there, engine/generation/cuda_graphs.py's history). Here
 the whole step is one graph: after each MoE layer's routing the graph copies the step's number into the
 layer's `ready` flag (a 4-byte copy, ordered after the routing's own copies) and then spins on the GPU
-until the host has written the same number into the layer's `done` flag; the host, meanwhile, waits for
-`ready`, computes the experts and sets `done`. Nothing is launched between layers.
+until the host has written the same number into the layer's `done` flag, and copies the host's results in;
+the host, meanwhile, waits for `ready`, computes the experts and sets `done`. Nothing is launched between
+layers, and the GPU does its own share of the layer (resident experts, streamed rows) while it waits.
 
-The step's number comes from the host (`next_step`) and is copied into the graph at its start, so a step
+The step's number comes from the host (`next_step`) and a kernel reads it at the graph's start, so a step
 that failed half-way cannot leave the two sides counting differently. Both waits give up after a bound
 (the GPU's, so that a host that died cannot hang the device; the host's raises), and `release` lets a
 waiting GPU go on when the host gives up on a step.
