@@ -38,10 +38,10 @@ import os
 
 import torch
 
-from engine.offload.executor import HostRouting
-from kernels.host_handoff import Handoff, handoff_wanted
 from engine.generation.kv_cache import KVCache
 from engine.model.transformer import Step, Transformer
+from engine.offload.executor import HostRouting
+from kernels.host_handoff import Handoff, handoff_wanted
 
 log = logging.getLogger("moedesk")
 

@@ -294,7 +294,7 @@ class OffloadExecutor:
         return True
 
     def has_resident(self, layer: int) -> bool:
-        return any(slot is not None for slot in self.banks[layer].gpu_slot)
+        return layer in self._slot_maps  # `set_placement` maps exactly the layers with resident experts
 
     def device_share(self, moe, x, ids):
         """The resident experts' part of a `host_only` layer, from device tensors alone (captured with the
@@ -302,7 +302,7 @@ class OffloadExecutor:
         Pairs of offloaded experts are computed with resident slot 0 and thrown away: at one token that is
         a few rows, cheaper than a launch shaped by the routing."""
         bank = self.banks[moe.layer]
-        slots, resident, _ = self._slots(moe.layer)
+        slots, resident, _, _ = self._slots(moe.layer)
         k = ids.shape[1]
         pair_expert = ids.view(-1)
         mask = resident[pair_expert]
@@ -312,15 +312,16 @@ class OffloadExecutor:
         return _grouped_pairs(x, k, torch.argsort(pair_slot, stable=True), counts, bank.gpu), mask
 
     def _slots(self, layer: int) -> tuple:
-        """(expert -> resident slot, or 0 when offloaded; expert -> resident), on the device for `device_share`,
-        and expert -> offloaded, a numpy array for `host_share`."""
+        """(expert -> resident slot, or 0 when offloaded; expert -> resident), on the device for `device_share`;
+        expert -> offloaded and the offloaded experts' ids, numpy arrays for `host_share`."""
         known = self._slot_maps.get(layer)
         if known is None or known[0] != self.placement_version:
             gpu_slot = self.banks[layer].gpu_slot
             slots = torch.tensor([s or 0 for s in gpu_slot], dtype=torch.int64, device=self.device)
             resident = torch.tensor([s is not None for s in gpu_slot], device=self.device)
             offloaded = np.array([s is None for s in gpu_slot])
-            known = self._slot_maps[layer] = (self.placement_version, slots, resident, offloaded)
+            known = self._slot_maps[layer] = (self.placement_version, slots, resident, offloaded,
+                                              np.flatnonzero(offloaded))
         return known[1:]
 
     def host_share(self, moe, host: HostRouting, out) -> None:
@@ -338,17 +339,15 @@ class OffloadExecutor:
         counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
         self._count(moe.layer, counts)
         index = self._buffer("cpu_index", (2 * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
+        s = self._stats
         on_cpu, offloaded = k - host.streamed, None  # a lone token's experts are distinct: its first ranks are the CPU's
         if self.has_resident(moe.layer):  # the GPU computes the resident ones (`device_share`)
-            is_offloaded = self._slots(moe.layer)[2]
-            offloaded = np.flatnonzero(is_offloaded)
+            _, _, is_offloaded, offloaded = self._slots(moe.layer)
             on_cpu = int(is_offloaded[experts_of].sum())
-            s = self._stats
             s.gpu_experts += k - on_cpu
             s.gpu_hits += k - on_cpu
         experts_forward_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
                                rows=host.cpu_rows or None)
-        s = self._stats
         s.cpu_experts += on_cpu
         s.streamed_experts += host.streamed
         s.split_experts += on_cpu if host.cpu_rows else 0
