@@ -280,14 +280,14 @@ class OffloadExecutor:
         cost of launching them, does not apply there."""
         if batch != 1 or self.simulated:
             return False
-        bank = self.banks[layer]
-        if all(slot is not None for slot in bank.gpu_slot):
+        if all(slot is not None for slot in self.banks[layer].gpu_slot):
             return False  # run on the device whole (`runs_on_device`)
-        if any(slot is not None for slot in bank.gpu_slot) and not self.whole_layers_on_device:
+        resident = self.has_resident(layer)
+        if resident and not self.whole_layers_on_device:
             return False  # no grouped launch for the resident share
         # Every expert of a layer has the same shape, so a decision depends only on how many are offloaded: all
         # of the token's, or with experts resident any number of them.
-        for offloaded in range(1 if self.has_resident(layer) else top_k, top_k + 1):
+        for offloaded in range(1 if resident else top_k, top_k + 1):
             on_cpu, to_copy = self.decide({e: 1 for e in range(offloaded)})
             if to_copy or len(on_cpu) != offloaded:
                 return False
