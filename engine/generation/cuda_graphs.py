@@ -39,6 +39,7 @@ import os
 import torch
 
 from engine.generation.kv_cache import KVCache
+from engine.graph_capture import capturing
 from engine.model.transformer import Step, Transformer
 from engine.offload.executor import HostRouting
 from kernels.host_handoff import Handoff, handoff_wanted
@@ -302,7 +303,7 @@ class _Captured:
         if self.handoff is not None:
             self.handoff.warm_up(self.host_out, self.expert_out)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with capturing(graph, self.pool):
                 self.handoff.start()
                 for j in range(len(self.moe_at) + 1):
                     self.outputs.append(self._segment(j))
@@ -315,9 +316,7 @@ class _Captured:
             return
         for j in range(len(self.moe_at) + 1):
             graph = torch.cuda.CUDAGraph()
-            # Decode runs on the scheduler's thread (engine.generation.scheduler) while other threads may touch CUDA
-            # (freeing another model's memory, a server's own work): only this thread's calls may break a capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with capturing(graph, self.pool):
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
@@ -325,7 +324,7 @@ class _Captured:
             if ranks or rows:
                 _, flat, _, ids = self.outputs[j]
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with capturing(graph, self.pool):
                     self._stream_share(j, executor, self.model.layers[self.moe_at[j]].moe, flat, ids)
                 self.pool = graph.pool()
                 self.stream_graphs[j] = graph

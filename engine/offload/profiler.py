@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from engine.graph_capture import capturing
 from engine.json_cache import cached_json
 from kernels import cpu_experts, gpu_streamed
 from kernels.expert_weights import ExpertWeights
@@ -157,7 +158,7 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
             gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)  # compiles before the capture
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with capturing(graph):
                 gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)
         times = []
         for i in range(repeat + 1):
@@ -182,7 +183,7 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
         gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)  # compiles before the capture
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with capturing(graph):
             gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)
         times = []
         for i in range(repeat + 1):

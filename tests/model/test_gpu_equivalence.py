@@ -160,6 +160,56 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
     assert run() == replayed
 
 
+def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path, monkeypatch):
+    """Python's collector runs at any allocation, in the capturing thread too, and an object it finalises there
+    may touch CUDA as a capture forbids: a beam search's capture failed ("invalid argument") or the process
+    aborted mid-collection, once in a few runs of tests/generation/test_scheduler_jobs.py. Here every layer's
+    attention leaves, during each capture, garbage that synchronises the device when finalised, with the
+    collector at its most eager: no capture breaks, no finaliser fails, and the tokens are the eager segments'."""
+    import gc
+
+    from engine.generation.cuda_graphs import GraphedDecode
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    failures = []
+
+    class Synchronises:
+        def __init__(self):
+            self.cycle = self  # only the collector frees it
+
+        def __del__(self):
+            try:
+                torch.cuda.synchronize()
+            except RuntimeError as error:  # "operation not permitted when stream is capturing"
+                failures.append(error)
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cuda", dtype="bfloat16", gpu_budget=0)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+
+    def run(batch):
+        requests = [Request(p, SamplingParams(max_new_tokens=8, temperature=0), tag=i)
+                    for i, p in enumerate(prompts[:batch])]
+        return {c.tag: c.token_ids for c in engine.generate(requests, batch)}
+
+    def leave_garbage(module, args):
+        Synchronises()
+
+    hooks = [layer.attn.register_forward_pre_hook(leave_garbage) for layer in engine.model.layers]
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1)
+    try:
+        captured = {batch: run(batch) for batch in (1, 3)}  # batch 1: one handed-over graph; 3: one per segment
+    finally:
+        gc.set_threshold(*thresholds)
+        for hook in hooks:
+            hook.remove()
+    gc.collect()
+    assert not failures, failures[0]
+    assert engine.graphs.broken is None and len(engine.graphs.captured) >= 2
+    engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
+    assert {batch: run(batch) for batch in (1, 3)} == captured
+
+
 def check_graph_layout(captured, handoff: bool, streams: bool) -> None:
     """A batch-1 decode step is one graph handing its MoE layers to the host (kernels.host_handoff), or, with
     MOEDESK_NO_HANDOFF, a graph per segment plus one per layer for the GPU's share read from RAM."""
