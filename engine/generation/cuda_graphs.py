@@ -69,6 +69,10 @@ class GraphedDecode:
         self.pool = None  # one memory pool for every graph
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
         self.captures = 0  # shapes captured (set up, with capture=False) so far: a timing can leave those out
+        # Forwards left eager because their multi-token shape was seen fewer than capture_after times: a new
+        # shape's one-off cost too (eager runs every kernel launch from Python: a Qwen3-shaped B = 16 verify
+        # took ~5x its replay), not what the shape costs once it recurs.
+        self.warmups = 0
 
     def release(self) -> None:
         """Drop every captured graph and the memory it holds now (a caller done with this cache)."""
@@ -99,7 +103,10 @@ class GraphedDecode:
             if captured is None and length > 1:
                 self.seen[key] = self.seen.get(key, 0) + 1
                 held = sum(1 for k in self.captured if k[1] > 1)
-                if self.seen[key] < self.capture_after or held >= self.max_shapes:
+                if self.seen[key] < self.capture_after:
+                    self.warmups += 1
+                    return None
+                if held >= self.max_shapes:
                     return None
             # Graphs of other shapes captured before the same change are stale too: drop them all, with
             # the memory they hold. Released here, not whenever the garbage collector gets to them: a graph

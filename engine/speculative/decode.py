@@ -165,6 +165,19 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     return 0
 
 
+def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int, horizon: int = EXPLORE_HORIZON) -> bool:
+    """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
+    graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
+    draft length pay at this batch size, or where its first round, with no evidence yet, could not afford a probe
+    (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no longer than that horizon does not grow
+    with its plain rounds, so such a run would draft nothing to its end, paying for the speculative path's rounds
+    instead of plain steps (on the GPU box: Qwen3 shape, B = 1, 32 tokens: 0.90-1.00x plain in one run)."""
+    if not perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma:
+        return True
+    prior = acceptance_estimate(0, 0)
+    return not auto_gamma(costs, batch, prior, max_gamma, AutoLedger(), 0, min(horizon, EXPLORE_HORIZON))
+
+
 # How likely a sampled tree's k-th drawn child is to be accepted, for shaping the tree without looking at
 # what was drawn (roughly what EAGLE-2 trees accept by rank); strictly decreasing, so siblings keep their
 # draw order and a child never outranks its parent.
@@ -561,8 +574,8 @@ class _Row:
 class Round(NamedTuple):
     """One round: its draft length, the rows it ran, milliseconds drafting, verifying and accepting, the
     tokens it emitted (accepted drafts plus each row's own token, less what a finishing row did not take), and
-    the CUDA graph shapes its forward captured (a one-off cost a bench leaves out, as it does a plain run's first
-    step)."""
+    the CUDA graph shapes its forward captured or ran eagerly before capturing (Speculator.graph_captures: a
+    one-off cost a bench leaves out, as it does a plain run's first step)."""
     gamma: int
     rows: int
     draft_ms: float
@@ -729,8 +742,9 @@ class Speculator:
         return logits, (drafter.combine(hidden) if hidden is not None else None)
 
     def graph_captures(self) -> int:
-        """CUDA graph shapes captured so far over this speculator's cache (0 without graphs)."""
-        return self.graphs.captures if self.graphs is not None else 0
+        """CUDA graph shapes captured so far over this speculator's cache, and forwards left eager until their
+        shape recurs (GraphedDecode.warmups): each a new shape's one-off cost (0 without graphs)."""
+        return self.graphs.captures + self.graphs.warmups if self.graphs is not None else 0
 
     def _target(self, tokens, positions, executor, rows, mask, slots, features):
         """The target's forward over [A, T] tokens: replayed from CUDA graphs where they are on and the shape is
@@ -1018,7 +1032,8 @@ class SpeculativeBatch:
 
     def _observe(self, rows: int, gamma: int, ms: float, captured: int) -> None:
         """Auto prices rounds at what they cost (RunningCosts.observe_round), but not a round that captured CUDA
-        graphs: that one-off cost is not what the next round of its shape will take."""
+        graphs or ran eagerly before its shape's capture: that one-off cost is not what the next round of its shape
+        will take."""
         if hasattr(self.costs, "observe_round") and not captured:
             self.costs.observe_round(rows, gamma, ms)
 
@@ -1286,8 +1301,8 @@ class SpeculativeJob:
 
     The draft head is loaded, auto's step times measured (cached per machine) and a Speculator (its KV cache)
     taken from the engine's idle ones at the first step, on the decode thread. In auto mode, requests that
-    start a job go back to the plain batch when not even a good draft would pay at their batch size
-    (perf_model.choose_draft_length), as Engine.speculate always did: decoding them plainly is never slower."""
+    start a job go back to the plain batch when not even a good draft would pay at their batch size, or their run
+    is too short to afford a probe (auto_decodes_plainly): decoding them plainly is never slower."""
 
     def __init__(self, engine, options: SpeculativeOptions, limit: int):
         self.engine, self.options, self.limit = engine, options, limit
@@ -1336,7 +1351,8 @@ class SpeculativeJob:
         if fresh and not self.decided:
             self.decided = True
             o = self.options
-            if not perf_model.choose_draft_length(self.batch.costs, len(fresh), OPTIMISTIC_ALPHA, o.draft_length).gamma:
+            horizon = max(h.request.params.max_new_tokens for h in fresh)
+            if auto_decodes_plainly(self.batch.costs, len(fresh), o.draft_length, horizon):
                 for handle in fresh:
                     handle.extra_stats["speculative"] = {"mode": "auto", "plain": True}
                 self.plain.extend(fresh)

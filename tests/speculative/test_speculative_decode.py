@@ -227,6 +227,36 @@ def test_auto_chooses_plain_steps_where_drafting_does_not_pay():
     assert decode.auto_gamma(flat, 2, 0.3, 4) == 0  # nor would it at the optimistic estimate: no probe
 
 
+def test_auto_decodes_plainly_where_a_run_is_too_short_to_afford_a_probe():
+    ratios = [1, 1.48, 1.72, 1.90, 2.13]  # T(1, k) / T(1, 1), Qwen3 shape, every expert in RAM, on the GPU box
+    costs = decode.RunningCosts({(1, k): 9.3 * r for k, r in enumerate(ratios, 1)})
+    prior = decode.acceptance_estimate(0, 0)
+    # 32 tokens: 1% of them is 0.32 plain steps, under the 0.48 a rejected 1-draft probe loses; auto's own rounds
+    # would draft nothing, so the plain path takes the run
+    assert decode.auto_gamma(costs, 1, prior, 4, horizon=32) == 0
+    assert decode.auto_decodes_plainly(costs, 1, 4, horizon=32)
+    # 160 tokens buy a probe, and a good draft would pay: rounds
+    assert decode.auto_gamma(costs, 1, prior, 4, horizon=160) > 0
+    assert not decode.auto_decodes_plainly(costs, 1, 4, horizon=160)
+    assert not decode.auto_decodes_plainly(costs, 1, 4, horizon=10**6)  # the budget's horizon is capped
+    steep = decode.RunningCosts({(1, k): 9.3 * k for k in range(1, 6)})  # verifying costs a step a token
+    assert decode.auto_decodes_plainly(steep, 1, 4, horizon=10**6)
+
+
+def test_engine_speculate_auto_sends_runs_too_short_to_probe_to_plain_decoding(engines, monkeypatch):
+    engine = engines("qwen3_moe")
+    table = _table(3, 5, lambda b, k: 10.0 * (1 + 0.5 * (k - 1)))  # drafting pays, but a probe risks 0.5 steps
+    monkeypatch.setattr(decode, "engine_step_times", lambda *a, **k: table)
+    for new_tokens, went_plain in ((8, True), (60, False)):
+        requests = [Request(engine.tokenizer.encode(p), greedy(max_new=new_tokens), tag=i)
+                    for i, p in enumerate(PROMPTS)]
+        expected = plain(engine, requests)
+        done = engine.speculate(requests, oracle_factory(expected, 0.9, engine.vocab_size), mode="auto",
+                                draft_length=4)
+        assert [c.token_ids for c in done] == expected
+        assert (done[0].stats["speculative"] == {"mode": "auto", "plain": True}) == went_plain, new_tokens
+
+
 @pytest.mark.parametrize("cost", ["flat", "linear"])
 def test_engine_speculate_auto_is_lossless_and_falls_back(cost, engines, tmp_path, monkeypatch):
     engine = engines("qwen3_moe")

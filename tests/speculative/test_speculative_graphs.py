@@ -75,6 +75,32 @@ def test_auto_rounds_that_draft_nothing_are_the_plain_decode_segments(draft, off
     assert sum(r.captured for r in stats.rounds) == graphs.made[0].captures == 3
 
 
+def test_rounds_left_eager_until_their_shape_recurs_are_marked_as_one_off(engines):
+    """A multi-token shape runs eagerly until seen capture_after times, then is captured: both are a new shape's
+    one-off cost, which auto does not price its rounds by and a bench leaves out (Round.captured); on the GPU box
+    an eager B = 16 verify round took ~5x its replay and alone cost auto 7% of a 32-token run. Later rounds of
+    the shape are not marked."""
+    engine = engines("mixtral", False)
+    requests = [Request(engine.tokenizer.encode(p), greedy(max_new=n), tag=i)
+                for i, (p, n) in enumerate(zip(PROMPTS, (20, 12, 6)))]
+    expected = plain(engine, requests)
+    graphs = Counting(capture_after=2)
+    done, stats = speculate(engine, requests, oracle_factory(expected, 0.6, engine.vocab_size), graphs,
+                            mode="greedy", draft_length=2)
+    assert [c.token_ids for c in done] == expected
+    assert len(graphs.calls) == len(stats.rounds)
+    seen, one_off = {}, []
+    for batch, tokens, went in graphs.calls:
+        seen[batch, tokens] = seen.get((batch, tokens), 0) + 1
+        assert went == (tokens == 1 or seen[batch, tokens] >= 2)  # eager only at a multi-token shape's first sight
+        one_off.append(seen[batch, tokens] <= (1 if tokens == 1 else 2))
+    assert [bool(r.captured) for r in stats.rounds] == one_off
+    assert any(one_off) and not all(one_off)
+    made = graphs.made[0]
+    assert made.warmups == sum(1 for b, t, went in graphs.calls if not went) > 0
+    assert sum(r.captured for r in stats.rounds) == made.captures + made.warmups
+
+
 def _prefilled(engine, prompts, extra):
     """A cache holding the prompts (right-padded) and a copy of it."""
     longest = max(map(len, prompts))
