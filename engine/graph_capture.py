@@ -17,13 +17,14 @@ import torch
 
 
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool=None, thread_local: bool = True):
-    """`torch.cuda.graph(graph, pool)` without a garbage collection inside it. thread_local: other threads' CUDA
-    calls (another model freeing memory, a server's own work) cannot break the capture, only this thread's."""
+def capturing(graph: torch.cuda.CUDAGraph, pool=None):
+    """`torch.cuda.graph(graph, pool)` without a garbage collection inside it, in thread-local error mode: other
+    threads' CUDA calls (another model freeing memory, a server's own work) cannot break the capture, only this
+    thread's."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local" if thread_local else "global"):
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             yield graph
     finally:
         if collecting:

@@ -165,7 +165,8 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     return 0
 
 
-def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int, horizon: int = EXPLORE_HORIZON) -> bool:
+def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int,
+                         horizon: int = EXPLORE_HORIZON) -> bool:
     """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
     graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
     draft length pay at this batch size, or where its first round, with no evidence yet, could not afford a probe
