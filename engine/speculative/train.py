@@ -202,6 +202,18 @@ def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temp
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
+def answers_key(engine, max_new_tokens: int, samples: int = 1, sample_temperature: float = 0.8,
+                head: str = "eagle1") -> str:
+    """data_key less the prompts: what an answer depends on besides its own prompt and sample number, so that answers
+    outlive a change to the prompt set (AnswerLog)."""
+    return data_key(engine, None, max_new_tokens, samples, sample_temperature, head)
+
+
+def prompt_digests(prompts) -> list[str]:
+    """A short digest of each prompt, as data_key serialises it: which saved answers a changed prompt set keeps."""
+    return [hashlib.sha256(json.dumps(p).encode()).hexdigest()[:16] for p in prompts]
+
+
 def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
                   feature_batch: int = 8, samples: int = 1, sample_temperature: float = 0.8,
                   saved: dict[int, tuple[list[int], bool]] | None = None,
@@ -272,11 +284,20 @@ class AnswerLog:
     answer {"i": request index, "ids": [token ids], "stop": ended at an EOS}, in completion order. Lines are
     appended and flushed one at a time, so a run killed at any moment leaves every answer it finished and at most
     a partial last line, which reading drops (that answer is generated again). Only token ids: small, and
-    nothing pickled."""
+    nothing pickled.
 
-    def __init__(self, path: Path, key: str, requests: int, max_new_tokens: int, settings: dict | None = None):
+    Answers outlive a change to the prompt set when the log is given `base_key` (answers_key), `prompts`
+    (prompt_digests) and `samples`, which the header then records: a file made for another key but the same base
+    key and samples gives each saved answer whose prompt is still in the set to that prompt's new request (request
+    p * samples + k is prompt p's sample k; each is seeded by k alone), and drops the others. So a grown set answers
+    only its new prompts."""
+
+    def __init__(self, path: Path, key: str, requests: int, max_new_tokens: int, settings: dict | None = None,
+                 base_key: str | None = None, prompts: list[str] | None = None, samples: int = 1):
         self.path, self.key, self.requests, self.max_new_tokens = Path(path), key, requests, max_new_tokens
         self.settings = settings or {}
+        self.base_key, self.prompts, self.samples = base_key, prompts, samples
+        self.moved = 0  # answers read from a file made for another prompt set (kept for prompts still in it)
         self.answers: dict[int, tuple[list[int], bool]] = {}
         self.dropped = 0  # unreadable lines read (a partial last line)
         self._file = None
@@ -294,25 +315,46 @@ class AnswerLog:
         return head if isinstance(head, dict) and head.get("format") == ANSWERS_FORMAT else None
 
     def load(self) -> int:
-        """Read the saved answers when the file was made for this key (else none); returns how many."""
-        self.answers, self.dropped, self._clean = {}, 0, False
+        """Read the saved answers when the file was made for this key, or for another prompt set of this base key
+        (those whose prompt is still in the set); else none. Returns how many."""
+        self.answers, self.dropped, self.moved, self._clean = {}, 0, 0, False
         head = self.header(self.path)
-        if head is None or head.get("key") != self.key or head.get("requests") != self.requests:
+        if head is None:
+            return 0
+        same = head.get("key") == self.key and head.get("requests") == self.requests
+        moved = None if same else self._moved(head)
+        if not same and moved is None:
             return 0
         with open(self.path, "rb") as f:
             f.readline()
             for line in f:
-                answer = self._parse(line)
+                answer = self._parse(line, self.requests if same else head["requests"])
                 if answer is None:
                     self.dropped += 1
-                else:
+                elif same:
                     self.answers[answer[0]] = answer[1:]
+                elif moved.get(answer[0]) is not None:
+                    self.answers[moved[answer[0]]] = answer[1:]
+                    self.moved += 1
         # a header naming other settings (a run that reuses the answers to train differently) is rewritten: a
-        # --resume before the first checkpoint continues with this run's
-        self._clean = self.dropped == 0 and head.get("settings") == self.settings
+        # --resume before the first checkpoint continues with this run's; so is one of another prompt set
+        self._clean = same and self.dropped == 0 and head.get("settings") == self.settings
         return len(self.answers)
 
-    def _parse(self, line: bytes):
+    def _moved(self, head: dict) -> dict[int, int | None] | None:
+        """Saved request index -> this set's, for a file of another prompt set of this base key (None: not one)."""
+        old = head.get("prompts")
+        if (self.base_key is None or self.prompts is None or head.get("base_key") != self.base_key
+                or head.get("samples") != self.samples or not isinstance(old, list)
+                or head.get("requests") != len(old) * self.samples):
+            return None
+        now: dict[str, int] = {}
+        for p, digest in enumerate(self.prompts):
+            now.setdefault(digest, p)
+        return {p * self.samples + k: (now[digest] * self.samples + k if digest in now else None)
+                for p, digest in enumerate(old) for k in range(self.samples)}
+
+    def _parse(self, line: bytes, requests: int):
         if not line.endswith(b"\n"):
             return None  # cut short by a kill mid-write
         try:
@@ -320,7 +362,7 @@ class AnswerLog:
             i, ids, stop = item["i"], item["ids"], item["stop"]
         except (ValueError, KeyError, TypeError):
             return None
-        if (not isinstance(i, int) or not 0 <= i < self.requests or not isinstance(stop, bool)
+        if (not isinstance(i, int) or not 0 <= i < requests or not isinstance(stop, bool)
                 or not isinstance(ids, list) or len(ids) > self.max_new_tokens
                 or not all(isinstance(t, int) and t >= 0 for t in ids)):
             return None
@@ -346,8 +388,10 @@ class AnswerLog:
             self._file = None
 
     def _header_line(self) -> str:
-        return json.dumps({"format": ANSWERS_FORMAT, "key": self.key, "requests": self.requests,
-                           "settings": self.settings}) + "\n"
+        head = {"format": ANSWERS_FORMAT, "key": self.key, "requests": self.requests, "settings": self.settings}
+        if self.base_key is not None and self.prompts is not None:
+            head.update(base_key=self.base_key, samples=self.samples, prompts=self.prompts)
+        return json.dumps(head) + "\n"
 
     @staticmethod
     def _line(i: int, ids: list[int], stop: bool) -> str:
@@ -1096,9 +1140,12 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         log(f"reusing the target's answers in {data_path} ({data.sequences} sequences)")
     else:
         answers = AnswerLog(work / ANSWERS_FILE, key, len(prompts) * settings.samples, settings.max_new_tokens,
-                            asdict(settings))
+                            asdict(settings), answers_key(engine, settings.max_new_tokens, settings.samples,
+                                                          settings.sample_temperature, settings.head),
+                            prompt_digests(prompts), settings.samples)
         if answers.load() or answers.dropped:
             log(f"continuing from the {len(answers.answers)} of {answers.requests} answers saved in {answers.path}"
+                + (" (made for another prompt set: those of prompts still in it)" if answers.moved else "")
                 + (f" ({answers.dropped} unreadable lines dropped)" if answers.dropped else ""))
         answers.open()
         try:

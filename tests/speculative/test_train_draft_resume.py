@@ -142,6 +142,58 @@ def test_a_file_cut_anywhere_reads_as_a_prefix_of_its_answers(tmp_path):
     assert short.load() == 2 and short.dropped == 1
 
 
+def test_answers_of_prompts_still_in_a_changed_set_move_to_their_new_requests(tmp_path):
+    path = tmp_path / "answers.jsonl"
+    log = T.AnswerLog(path, "k1", 4, 8, {}, "base", ["a", "b"], samples=2)  # prompt p's sample k: request 2p + k
+    log.load()
+    log.open()
+    made = {0: ([1], True), 1: ([2], False), 2: ([3, 3], True), 3: ([4], False)}
+    for i, (ids, stop) in made.items():
+        log.add(i, ids, stop)
+    log.close()
+    grown = T.AnswerLog(path, "k2", 6, 8, {}, "base", ["c", "a", "b"], samples=2)  # a prompt in front
+    assert grown.load() == 4 and grown.moved == 4
+    assert grown.answers == {2: made[0], 3: made[1], 4: made[2], 5: made[3]}
+    grown.open()  # rewritten for the grown set, which the next run reads as its own
+    grown.add(0, [9], True)
+    grown.close()
+    again = T.AnswerLog(path, "k2", 6, 8, {}, "base", ["c", "a", "b"], samples=2)
+    assert again.load() == 5 and again.moved == 0 and again.answers[0] == ([9], True)
+    assert T.AnswerLog.header(path)["prompts"] == ["c", "a", "b"]
+    kept = T.AnswerLog(path, "k3", 2, 8, {}, "base", ["b"], samples=2)  # a and c gone
+    assert kept.load() == 2 and kept.answers == {0: made[2], 1: made[3]}
+    # another model or answer length (base key), another number of samples, or no prompt digests: nothing
+    assert T.AnswerLog(path, "k3", 2, 8, {}, "other", ["b"], samples=2).load() == 0
+    assert T.AnswerLog(path, "k3", 1, 8, {}, "base", ["b"], samples=1).load() == 0
+    assert T.AnswerLog(path, "k3", 2, 8, {}).load() == 0
+
+
+def test_a_grown_prompt_set_answers_only_its_new_prompts_and_gives_a_fresh_runs_data(engine, tmp_path):
+    from tests.speculative.train_helpers import PROMPTS
+
+    def prompts(texts, name):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in texts))
+        return path
+
+    small, grown = prompts(PROMPTS[2:4], "small.jsonl"), prompts([PROMPTS[0]] + PROMPTS[2:5], "grown.jsonl")
+    T.train_draft(engine, tmp_path / "run", small, settings(steps=1), gen_batch_size=4)
+    generated = []
+    messages = []
+    T.train_draft(engine, tmp_path / "run", grown, settings(), gen_batch_size=4, log=messages.append,
+                  progress=lambda phase, done, total, figures: generated.append(figures.get("new_tokens"))
+                  if phase == "generate" else None)
+    assert any("continuing from the 6 of 12 answers" in m and "another prompt set" in m for m in messages), messages
+    lines = (tmp_path / "run" / "training" / T.ANSWERS_FILE).read_text().splitlines()
+    assert len(lines) == 1 + 12 and len(generated) == 6  # the two new prompts' three samples each, no more
+    T.train_draft(engine, tmp_path / "fresh", grown, settings(), gen_batch_size=4)
+    a = load_file(str(tmp_path / "run" / "training" / "data.safetensors"))
+    b = load_file(str(tmp_path / "fresh" / "training" / "data.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_resume_before_any_checkpoint_from_the_command_line(engine, prompts_file, tmp_path, capsys):
     def stop_after_3(phase, done, total, figures):
         if phase == "generate" and done == 3:
