@@ -47,8 +47,8 @@ from engine.generation.decoder import Decoder, synchronize
 from engine.generation.kv_cache import KVCache
 from engine.requests import Request, SamplingParams
 from engine.speculative import perf_model
-from engine.speculative.decode import (EXPLORE_HORIZON, Proposal, RunningCosts, Speculator, auto_decodes_plainly,
-                                       chain_parents, measure_step_times)
+from engine.speculative.decode import (Proposal, RunningCosts, Speculator, auto_decodes_plainly, chain_parents,
+                                       measure_step_times)
 
 PROMPT_TOKENS = 32
 AUTO_FLOOR = 0.98  # issue 16: auto at least this fraction of plain decoding at every batch size
@@ -246,13 +246,6 @@ class OracleCosts(RunningCosts):
 
 # --- pure pieces ---------------------------------------------------------------------------------
 
-def auto_uses_plain_path(costs: perf_model.StepCosts, batch: int, max_gamma: int,
-                         new_tokens: int = EXPLORE_HORIZON) -> bool:
-    """What the engine decides before a run of `new_tokens` per sequence in auto mode
-    (engine.speculative.decode.auto_decodes_plainly): decode through the plain path (CUDA graphs and all)."""
-    return auto_decodes_plainly(costs, batch, max_gamma, new_tokens)
-
-
 def fit_step_table(table: dict[tuple[int, int], float], experts: int, top_k: int,
                    ridges=RIDGES) -> dict | None:
     """The MoESD target-time model fitted to T(B, k) (perf_model.fit_target_times), at the ridge point of
@@ -391,7 +384,7 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
             rows.append(row)
             log(_row_line(row))
             costs = OracleCosts(table)
-            if auto_uses_plain_path(costs, b, gamma, new_tokens):
+            if auto_decodes_plainly(costs, b, gamma, new_tokens):
                 # Engine.speculate runs the plain decode path itself here: the same code as the baseline.
                 row = {"batch": b, "acceptance": alpha, "mode": "auto", "path": "plain", "gamma": 0,
                        "plain_tok_s": round(plain_tok_s, 2), "tok_s": round(plain_tok_s, 2), "speedup": 1.0,

@@ -226,14 +226,14 @@ def _random_tables(rng, batches=(1, 4, 16, 32), max_k=5):
 
 
 def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
-    from engine.bench_speculative import OracleCosts, auto_uses_plain_path
+    from engine.bench_speculative import OracleCosts
 
     rng = np.random.default_rng(0)
     spoke = plain = 0
     for table in _random_tables(rng):
         costs = OracleCosts(table)
         for b in (1, 4, 16, 32):
-            if auto_uses_plain_path(costs, b, 4):
+            if decode.auto_decodes_plainly(costs, b, 4):
                 plain += 1
                 # not even a 0.9 draft (or the 5/6 a first probe assumes) would gain: every γ loses (or gains under
                 # the margin) by the table; or no probe's loss fits the exploration budget of a run
@@ -253,14 +253,14 @@ def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
 
 
 def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
-    from engine.bench_speculative import OracleCosts, auto_uses_plain_path
+    from engine.bench_speculative import OracleCosts
 
     table = {(b, k): 10.0 * b * k for b in (1, 4) for k in range(1, 6)}
     costs = OracleCosts(table)
-    assert auto_uses_plain_path(costs, 1, 4) and auto_uses_plain_path(costs, 4, 4)
+    assert decode.auto_decodes_plainly(costs, 1, 4) and decode.auto_decodes_plainly(costs, 4, 4)
     assert all(decode.auto_gamma(costs, 4, a, 4) == 0 for a in (0.5, 0.9, 0.99))
     flat = OracleCosts({(b, k): 10.0 for b in (1, 4) for k in range(1, 6)})
-    assert not auto_uses_plain_path(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4) == 4
+    assert not decode.auto_decodes_plainly(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4) == 4
     costs.observe_draft(1000.0, 1)  # the oracle's own forwards never count as drafting
     assert costs.draft_ms(1) == 0.0
 

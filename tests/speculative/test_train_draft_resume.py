@@ -17,7 +17,7 @@ from engine.errors import MoedeskError
 from engine.generation.sampling import sample_tokens
 from engine.requests import Request, SamplingParams
 from engine.speculative import train as T
-from tests.speculative.train_helpers import PROMPTS
+from tests.speculative.train_helpers import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -169,14 +169,8 @@ def test_answers_of_prompts_still_in_a_changed_set_move_to_their_new_requests(tm
 
 
 def test_a_grown_prompt_set_answers_only_its_new_prompts_and_gives_a_fresh_runs_data(engine, tmp_path):
-    from tests.speculative.train_helpers import PROMPTS
-
-    def prompts(texts, name):
-        path = tmp_path / name
-        path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in texts))
-        return path
-
-    small, grown = prompts(PROMPTS[2:4], "small.jsonl"), prompts([PROMPTS[0]] + PROMPTS[2:5], "grown.jsonl")
+    small = write_prompts(tmp_path / "small.jsonl", texts=PROMPTS[2:4])
+    grown = write_prompts(tmp_path / "grown.jsonl", texts=[PROMPTS[0]] + PROMPTS[2:5])
     T.train_draft(engine, tmp_path / "run", small, settings(steps=1), gen_batch_size=4)
     generated = []
     messages = []
