@@ -10,7 +10,7 @@ from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
-                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab")
+                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab", "self_prompts")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +23,10 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", default=None, metavar="FILE",
                         help="JSONL of {\"messages\": [...]} (chat) or {\"prompt\": \"raw text\"} lines the target "
                              "answers (default: the shipped assets/draft_prompts.jsonl)")
+    parser.add_argument("--self-prompts", type=int, default=None, metavar="N",
+                        help="the model also writes N requests of its own (sampled from its chat template's user "
+                             "turn) and answers them with the others: more varied training data than a prompts "
+                             "file, in the model's own style (default 0)")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=None, metavar="N", help="optimizer steps in all")
     length.add_argument("--epochs", type=float, default=None, metavar="E",
@@ -75,6 +79,8 @@ def settings_from_args(args):
     for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab"):
         if name in given and given[name] < 1:
             raise MoedeskError(f"--{name.replace('_', '-')} {given[name]}: must be >= 1")
+    if given.get("self_prompts", 0) < 0:
+        raise MoedeskError(f"--self-prompts {given['self_prompts']}: must be >= 0")
     for name in ("epochs", "lr", "sample_temperature"):
         if name in given and not given[name] > 0:
             raise MoedeskError(f"--{name} {given[name]}: must be > 0")
@@ -108,7 +114,7 @@ class LineProgress:
         width = 24
         filled = int(width * done / max(total, 1))
         bar = "#" * filled + "." * (width - filled)
-        text = {"generate": "target answers", "features": "target features", "train": "training"}.get(phase, phase)
+        text = {"self-prompts": "prompts written", "generate": "target answers", "features": "target features", "train": "training"}.get(phase, phase)
         line = f"{text} [{bar}] {done}/{total}"
         if phase == "generate" and "tokens" in f:
             line += f"  {f['tokens']} tokens  {f.get('new_tokens', f['tokens']) / max(f['s'], 1e-9):.0f} tok/s"

@@ -5,6 +5,7 @@ applied), then one teacher-forced forward over prompt + answer records its featu
 last hidden state after the final norm: what the head drafts from, engine.speculative.eagle). The head
 learns what the target would do, not what a dataset says, so its drafts are accepted as often as possible.
 The answers are saved as they complete (AnswerLog), so an interrupted generation continues where it stopped.
+settings.self_prompts adds requests the target writes itself (engine.speculative.self_prompts) to the prompt set.
 
 Loss, as the EAGLE paper: at every answer position, a smooth-L1 loss between the head's output and the
 target's next feature, plus 0.1 x the cross-entropy of the head's next-token distribution (through the
@@ -55,6 +56,7 @@ import torch.nn.functional as F
 from engine.errors import MoedeskError
 from engine.model.transformer import apply_rope
 from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
+from engine.speculative.self_prompts import self_written_prompts
 
 DATA_FORMAT = 1
 ANSWERS_FORMAT = 1
@@ -108,6 +110,9 @@ class TrainSettings:
     # demo's 49k-row one is most of a 64 MB head), its softmax runs over them, and rows where the target's most
     # likely next token is outside them are left out of the loss (EAGLE-3's and SpecForge's rule)
     draft_vocab: int = 0
+    # requests the target writes itself (engine.speculative.self_prompts), added to the prompt set: many more, and
+    # more varied, than a shipped file holds
+    self_prompts: int = 0
 
     def total_steps(self, sequences: int) -> int:
         if self.steps is not None:
@@ -202,11 +207,12 @@ def data_key(engine, prompts, max_new_tokens: int, samples: int = 1, sample_temp
     return hashlib.sha256(raw.encode()).hexdigest()
 
 
-def answers_key(engine, max_new_tokens: int, samples: int = 1, sample_temperature: float = 0.8,
-                head: str = "eagle1") -> str:
-    """data_key less the prompts: what an answer depends on besides its own prompt and sample number, so that answers
-    outlive a change to the prompt set (AnswerLog)."""
-    return data_key(engine, None, max_new_tokens, samples, sample_temperature, head)
+def answers_key(engine, max_new_tokens: int, sample_temperature: float = 0.8, head: str = "eagle1") -> str:
+    """data_key less the prompts and the number of samples: what an answer depends on besides its own prompt and
+    sample number, so that answers outlive a change to the prompt set or to --samples (AnswerLog)."""
+    raw = json.dumps([ANSWERS_FORMAT, engine.name, engine.config.vocab_size, engine.config.hidden_size,
+                      engine.config.num_layers, str(engine.dtype), max_new_tokens, sample_temperature, head])
+    return hashlib.sha256(raw.encode()).hexdigest()
 
 
 def prompt_digests(prompts) -> list[str]:
@@ -286,11 +292,11 @@ class AnswerLog:
     a partial last line, which reading drops (that answer is generated again). Only token ids: small, and
     nothing pickled.
 
-    Answers outlive a change to the prompt set when the log is given `base_key` (answers_key), `prompts`
-    (prompt_digests) and `samples`, which the header then records: a file made for another key but the same base
-    key and samples gives each saved answer whose prompt is still in the set to that prompt's new request (request
-    p * samples + k is prompt p's sample k; each is seeded by k alone), and drops the others. So a grown set answers
-    only its new prompts."""
+    Answers outlive a change to the prompt set or to the number of samples when the log is given `base_key`
+    (answers_key), `prompts` (prompt_digests) and `samples`, which the header then records: a file made for another
+    key but the same base key gives each saved answer whose prompt is still in the set, and whose sample number is
+    still asked for, to its new request (request p * samples + k is prompt p's sample k; each is seeded by k alone),
+    and drops the others. So a grown set answers only its new prompts."""
 
     def __init__(self, path: Path, key: str, requests: int, max_new_tokens: int, settings: dict | None = None,
                  base_key: str | None = None, prompts: list[str] | None = None, samples: int = 1):
@@ -343,16 +349,16 @@ class AnswerLog:
 
     def _moved(self, head: dict) -> dict[int, int | None] | None:
         """Saved request index -> this set's, for a file of another prompt set of this base key (None: not one)."""
-        old = head.get("prompts")
+        old, samples = head.get("prompts"), head.get("samples")
         if (self.base_key is None or self.prompts is None or head.get("base_key") != self.base_key
-                or head.get("samples") != self.samples or not isinstance(old, list)
-                or head.get("requests") != len(old) * self.samples):
+                or not isinstance(samples, int) or samples < 1 or not isinstance(old, list)
+                or head.get("requests") != len(old) * samples):
             return None
         now: dict[str, int] = {}
         for p, digest in enumerate(self.prompts):
             now.setdefault(digest, p)
-        return {p * self.samples + k: (now[digest] * self.samples + k if digest in now else None)
-                for p, digest in enumerate(old) for k in range(self.samples)}
+        return {p * samples + k: (now[digest] * self.samples + k if digest in now and k < self.samples else None)
+                for p, digest in enumerate(old) for k in range(samples)}
 
     def _parse(self, line: bytes, requests: int):
         if not line.endswith(b"\n"):
@@ -1131,6 +1137,11 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
                            f"({vocab_size})")
     settings = replace(settings, ce_dtype=resolve_ce_dtype(settings.ce_dtype, engine.device))
     summary: dict = {"settings": asdict(settings)}
+    if settings.self_prompts:
+        written = self_written_prompts(engine, settings.self_prompts, settings.seed, work, gen_batch_size, prompts,
+                                       progress, log)
+        prompts = prompts + written
+        summary["self_prompts"] = len(written)
     key = data_key(engine, prompts, settings.max_new_tokens, settings.samples, settings.sample_temperature,
                    settings.head)
     data_path = work / "data.safetensors"
@@ -1140,7 +1151,7 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         log(f"reusing the target's answers in {data_path} ({data.sequences} sequences)")
     else:
         answers = AnswerLog(work / ANSWERS_FILE, key, len(prompts) * settings.samples, settings.max_new_tokens,
-                            asdict(settings), answers_key(engine, settings.max_new_tokens, settings.samples,
+                            asdict(settings), answers_key(engine, settings.max_new_tokens,
                                                           settings.sample_temperature, settings.head),
                             prompt_digests(prompts), settings.samples)
         if answers.load() or answers.dropped:

@@ -153,6 +153,7 @@ def test_a_head_for_another_demo_version_is_refused(tmp_path, monkeypatch):
 
 
 def one_line_error(capsys, argv) -> str:
+    capsys.readouterr()  # what came before (a fixture building the tiny checkpoint writes a progress bar)
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("moedesk: ") and "\n" not in err, err
@@ -178,6 +179,8 @@ def test_bad_inputs_end_in_one_line(capsys, tmp_path, prompts_file, tiny_checkpo
     assert "no checkpoint" in err
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--steps", "0"])
     assert "--steps" in err
+    err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--self-prompts", "-1"])
+    assert "--self-prompts -1" in err
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

@@ -162,9 +162,13 @@ def test_answers_of_prompts_still_in_a_changed_set_move_to_their_new_requests(tm
     assert T.AnswerLog.header(path)["prompts"] == ["c", "a", "b"]
     kept = T.AnswerLog(path, "k3", 2, 8, {}, "base", ["b"], samples=2)  # a and c gone
     assert kept.load() == 2 and kept.answers == {0: made[2], 1: made[3]}
-    # another model or answer length (base key), another number of samples, or no prompt digests: nothing
+    # fewer samples: each kept prompt's first ones; more: the saved ones, the new sample numbers to make
+    fewer = T.AnswerLog(path, "k4", 2, 8, {}, "base", ["a", "b"], samples=1)
+    assert fewer.load() == 2 and fewer.answers == {0: made[0], 1: made[2]}
+    more = T.AnswerLog(path, "k5", 6, 8, {}, "base", ["b", "a"], samples=3)
+    assert more.load() == 4 and more.answers == {0: made[2], 1: made[3], 3: made[0], 4: made[1]}
+    # another model, answer length or temperature (base key), or no prompt digests: nothing
     assert T.AnswerLog(path, "k3", 2, 8, {}, "other", ["b"], samples=2).load() == 0
-    assert T.AnswerLog(path, "k3", 1, 8, {}, "base", ["b"], samples=1).load() == 0
     assert T.AnswerLog(path, "k3", 2, 8, {}).load() == 0
 
 
@@ -186,6 +190,19 @@ def test_a_grown_prompt_set_answers_only_its_new_prompts_and_gives_a_fresh_runs_
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_fewer_samples_reuse_the_saved_ones_and_give_a_fresh_runs_data(engine, tmp_path):
+    prompts = write_prompts(tmp_path / "p.jsonl", texts=PROMPTS[:2])
+    T.train_draft(engine, tmp_path / "run", prompts, settings(steps=1), gen_batch_size=4)
+    generated = []
+    T.train_draft(engine, tmp_path / "run", prompts, settings(samples=2), gen_batch_size=4,
+                  progress=lambda phase, *_: generated.append(1) if phase == "generate" else None)
+    assert generated == []  # every answer asked for was saved
+    T.train_draft(engine, tmp_path / "fresh", prompts, settings(samples=2), gen_batch_size=4)
+    a = load_file(str(tmp_path / "run" / "training" / "data.safetensors"))
+    b = load_file(str(tmp_path / "fresh" / "training" / "data.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_before_any_checkpoint_from_the_command_line(engine, prompts_file, tmp_path, capsys):
