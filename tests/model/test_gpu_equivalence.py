@@ -9,6 +9,7 @@ import torch
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
+from tests.pinned_profile import pin_profile
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 from tests.tiny_models import ARCHS
 
@@ -127,14 +128,17 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
 def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny_checkpoint, tmp_path, monkeypatch):
     """Offloaded bf16 decode through captured graphs gives the tokens of the same segments run eagerly
     (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
-    expert resident, with half of them (grouped GPU launches beside CPU and copied experts), and with all
+    expert resident, with half of them (grouped GPU launches beside CPU experts), and with all
     of them (every layer captured whole: one graph per step). A graph per segment: batch-1 steps handed to the
     host whole compute resident experts with grouped launches, which the eager segments do not
-    (test_handed_over_steps_with_resident_experts_match_all_on_gpu)."""
+    (test_handed_over_steps_with_resident_experts_match_all_on_gpu). Where experts run is pinned (a fixed
+    profile: tests.pinned_profile), not read off the machine's timings: offloaded ones on the CPU, resident
+    ones on the GPU, placed by popularity, whatever else the machine runs."""
     from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "1")
+    pin_profile(monkeypatch)
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     total = engine.expert_stats()["experts_total"]
@@ -171,6 +175,7 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch)  # batch 1 hands its steps over whatever the machine's timings (tests.pinned_profile)
     failures = []
 
     class Synchronises:
@@ -198,7 +203,9 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     thresholds = gc.get_threshold()
     gc.set_threshold(1)
     try:
-        captured = {batch: run(batch) for batch in (1, 3)}  # batch 1: one handed-over graph; 3: one per segment
+        captured = {1: run(1)}  # batch 1: one handed-over graph; 3: one per segment
+        handed = [c.handoff is not None for c in engine.graphs.captured.values() if c.tokens.shape[0] == 1]
+        captured[3] = run(3)
     finally:
         gc.set_threshold(*thresholds)
         for hook in hooks:
@@ -206,13 +213,16 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     gc.collect()
     assert not failures, failures[0]
     assert engine.graphs.broken is None and len(engine.graphs.captured) >= 2
+    assert handed and all(handed)
     engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     assert {batch: run(batch) for batch in (1, 3)} == captured
 
 
 def check_graph_layout(captured, handoff: bool, streams: bool) -> None:
     """A batch-1 decode step is one graph handing its MoE layers to the host (kernels.host_handoff), or, with
-    MOEDESK_NO_HANDOFF, a graph per segment plus one per layer for the GPU's share read from RAM."""
+    MOEDESK_NO_HANDOFF, a graph per segment plus one per layer for the GPU's share read from RAM. The handoff
+    needs the executor to send every offloaded expert of the step to the CPU (OffloadExecutor.host_only), which
+    the profile decides: callers pin it (tests.pinned_profile), else a busy machine's timings may copy them."""
     if handoff:
         assert captured.handoff is not None and len(captured.graphs) == 1 and not captured.stream_graphs
     else:
@@ -228,6 +238,7 @@ def test_streamed_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkpo
     the graphs (kernels.gpu_streamed) and the CPU the rest: the all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
+    pin_profile(monkeypatch)  # the CPU computes the rest, so a handed-over step is possible (check_graph_layout)
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
@@ -248,6 +259,7 @@ def test_split_rows_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, m
     all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
+    pin_profile(monkeypatch)  # the CPU computes the rest, so a handed-over step is possible (check_graph_layout)
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
@@ -274,6 +286,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch)  # the CPU computes every expert in RAM: a step to hand over (check_graph_layout)
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="bfloat16", gpu_budget=0)
     executor = engine.executor
     width = next(iter(executor.banks.values())).host.width
@@ -316,8 +329,10 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
 def test_handed_over_steps_with_resident_experts_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
     """Batch-1 decode with half of the experts resident, handed over whole (kernels.host_handoff): the
     resident ones run on the GPU inside the graph while the host computes the others: the all-on-GPU run's
-    tokens, up to bf16 ties."""
+    tokens, up to bf16 ties. The others run on the CPU, not copied to the GPU, and the resident ones on the GPU,
+    whatever the machine's timings (tests.pinned_profile)."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch)
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
