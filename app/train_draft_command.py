@@ -10,7 +10,7 @@ from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
-                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab", "self_prompts")
+                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab", "self_prompts", "head_width")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +51,8 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                         help="eagle3: the head drafts from the N tokens the target's answers use most, its LM head N "
                              "rows (default: the model's whole vocabulary)")
+    parser.add_argument("--head-width", type=int, default=None, metavar="N",
+                        help="width of the head's MLP (default: as wide as the model's last layer's)")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
                         help=f"draft steps trained per position, the later ones fed the head's own outputs "
                              f"(default {d.depths})")
@@ -76,7 +78,7 @@ def settings_from_args(args):
     from engine.speculative.train import TrainSettings
 
     given = {name: getattr(args, name) for name in _SETTINGS_FLAGS if getattr(args, name, None) is not None}
-    for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab"):
+    for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab", "head_width"):
         if name in given and given[name] < 1:
             raise MoedeskError(f"--{name.replace('_', '-')} {given[name]}: must be >= 1")
     if given.get("self_prompts", 0) < 0:

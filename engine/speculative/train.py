@@ -113,6 +113,9 @@ class TrainSettings:
     # requests the target writes itself (engine.speculative.self_prompts), added to the prompt set: many more, and
     # more varied, than a shipped file holds
     self_prompts: int = 0
+    # the head's MLP width; 0: the target's last layer's. A wider one learns more of what the target does, at a
+    # cost that stays small beside a target forward (one layer, drafting on the GPU)
+    head_width: int = 0
 
     def total_steps(self, sequences: int) -> int:
         if self.steps is not None:
@@ -477,13 +480,13 @@ def load_data(path: Path, key: str) -> DraftData | None:
 
 # --- the head -------------------------------------------------------------------------------------
 
-def head_config(engine, head: str = "eagle1", draft_vocab: int = 0) -> EagleConfig:
-    """An EAGLE-1/2 (or, head "eagle3", EAGLE-3) head of the target's own attention shape; its MLP as wide as the
-    target's last layer's. EAGLE-3's draft vocabulary has `draft_vocab` tokens (draft_vocabulary), or with 0 is the
+def head_config(engine, head: str = "eagle1", draft_vocab: int = 0, width: int = 0) -> EagleConfig:
+    """An EAGLE-1/2 (or, head "eagle3", EAGLE-3) head of the target's own attention shape; its MLP `width` wide, or
+    with 0 as wide as the target's last layer's. EAGLE-3's draft vocabulary has `draft_vocab` tokens (draft_vocabulary), or with 0 is the
     target's whole one (d2t all zero, t2d all true: the identity), so its drafts can be any token the target could
     emit."""
     c = engine.config
-    width = c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size
+    width = width or (c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size)
     three = head == "eagle3"
     return EagleConfig(version=3 if three else 1, hidden_size=c.hidden_size, intermediate_size=width,
                        num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
@@ -1182,7 +1185,8 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         summary["draft_vocab_coverage"] = round(coverage, 4)
         log(f"draft vocabulary: {len(draft_ids)} of the model's {vocab_size} tokens, {coverage:.1%} of the answer "
             f"tokens the head learns to predict")
-    head = init_head(engine, head_config(engine, settings.head, settings.draft_vocab), settings.init, settings.seed,
+    cfg = head_config(engine, settings.head, settings.draft_vocab, settings.head_width)
+    head = init_head(engine, cfg, settings.init, settings.seed,
                      data.sequence(0)[0].tolist(), data, draft_ids)
     head.embed = engine.model.embed.weight.detach().to(head.fc.weight.device, torch.float32)
     lm_head = engine.model.lm_head.weight.detach()

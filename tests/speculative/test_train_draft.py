@@ -119,14 +119,17 @@ def test_resume_refuses_other_settings(engine, prompts_file, tmp_path):
     assert code == 2
 
 
-def test_head_loads_and_speculation_with_it_is_lossless(engine, prompts_file, tmp_path):
-    summary = T.train_draft(engine, tmp_path, prompts_file, settings(steps=20))
+@pytest.mark.parametrize("width", [0, 72])
+def test_head_loads_and_speculation_with_it_is_lossless(engine, prompts_file, tmp_path, width):
+    summary = T.train_draft(engine, tmp_path, prompts_file, settings(steps=20, head_width=width))
     assert summary["steps"] == 20
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["moedesk"]["target"] == engine.name and "demo_recipe_version" not in cfg["moedesk"]
     head = load_eagle_head(tmp_path, target_embed=engine.model.embed.weight.detach(),
                            target_lm_head=engine.model.lm_head.weight.detach())
     assert head.cfg.version == 1 and head.cfg.hidden_size == engine.config.hidden_size
+    default = T.head_config(engine).intermediate_size
+    assert default != 72 and head.cfg.intermediate_size == (width or default)
     assert_speculation_is_plain_greedy(engine, tmp_path)
 
 
