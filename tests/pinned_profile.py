@@ -40,6 +40,12 @@ HOST_ONLY = {
 }
 
 
+# The opposite machine: a CPU that takes 50 ms over any expert and a copy that costs nothing, so every offloaded
+# expert a step uses is copied to the GPU and computed there (still no streaming, resident ones on the GPU).
+COPIES = {**HOST_ONLY, "cpu_expert_ms": {1: 50.0, 16: 60.0, 256: 100.0, 4096: 1000.0},
+          "copy_expert_ms": 0.01, "copy_launch_ms": 0.001}
+
+
 def pin_profile(monkeypatch, profile: dict = HOST_ONLY) -> dict:
     """Every Engine.load in the test reads `profile` (a copy each) instead of measuring or reading the cache;
     nothing is written to the cache. Returns the profile."""

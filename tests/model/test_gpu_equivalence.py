@@ -9,7 +9,7 @@ import torch
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from tests.pinned_profile import pin_profile
+from tests.pinned_profile import COPIES, HOST_ONLY, pin_profile
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 from tests.tiny_models import ARCHS
 
@@ -123,22 +123,23 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
         assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
 
 
-@pytest.mark.parametrize("resident_share", [0, 0.5, 1])
+@pytest.mark.parametrize("resident_share,profile", [(0, "cpu"), (0.5, "cpu"), (1, "cpu"), (0.5, "copies")])
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
-def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny_checkpoint, tmp_path, monkeypatch):
+def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, profile, tiny_checkpoint, tmp_path,
+                                                      monkeypatch):
     """Offloaded bf16 decode through captured graphs gives the tokens of the same segments run eagerly
     (same kernels, so the same bits), with and without explicit cache rows, at two batch sizes; with no
-    expert resident, with half of them (grouped GPU launches beside CPU experts), and with all
+    expert resident, with half of them (grouped GPU launches beside CPU or copied experts), and with all
     of them (every layer captured whole: one graph per step). A graph per segment: batch-1 steps handed to the
     host whole compute resident experts with grouped launches, which the eager segments do not
     (test_handed_over_steps_with_resident_experts_match_all_on_gpu). Where experts run is pinned (a fixed
-    profile: tests.pinned_profile), not read off the machine's timings: offloaded ones on the CPU, resident
-    ones on the GPU, placed by popularity, whatever else the machine runs."""
+    profile: tests.pinned_profile), not read off the machine's timings: offloaded ones on the CPU ("cpu") or
+    copied to the GPU ("copies"), resident ones on the GPU, placed by popularity, whatever else the machine runs."""
     from engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "1")
-    pin_profile(monkeypatch)
+    pin_profile(monkeypatch, COPIES if profile == "copies" else HOST_ONLY)
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     total = engine.expert_stats()["experts_total"]
@@ -155,7 +156,9 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, tiny
 
     replayed = run()
     stats = engine.executor.stats
-    assert (stats.cpu_experts > 0) == (resident_share < 1) and (stats.gpu_experts > 0) == (resident_share > 0)
+    offloaded = stats.copied_experts if profile == "copies" else stats.cpu_experts
+    assert (offloaded > 0) == (resident_share < 1) and (stats.gpu_experts > 0) == (resident_share > 0)
+    assert (stats.cpu_experts if profile == "copies" else stats.copied_experts) == 0
     assert engine.graphs.broken is None and engine.graphs.captured
     assert all(c.graphs for c in engine.graphs.captured.values())
     if resident_share == 1:

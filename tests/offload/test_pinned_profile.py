@@ -4,7 +4,7 @@ import pytest
 
 from engine.requests import Request, SamplingParams
 from engine.runtime import Engine
-from tests.pinned_profile import HOST_ONLY, pin_profile
+from tests.pinned_profile import COPIES, HOST_ONLY, pin_profile
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -57,3 +57,17 @@ def test_placement_under_the_pinned_profile_goes_by_popularity(tiny_checkpoint, 
     chosen = [popularity[l][e] for l, row in enumerate(plan.as_lists()) for e, on in enumerate(row) if on]
     left = [popularity[l][e] for l, row in enumerate(plan.as_lists()) for e, on in enumerate(row) if not on]
     assert len(chosen) == total // 2 and min(chosen) >= max(left)
+
+
+def test_the_copies_profile_copies_every_offloaded_expert(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch, COPIES)
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    executor = engine.executor
+    top_k = engine.config.num_experts_per_tok
+    for loads in ({e: 1 for e in range(top_k)}, {0: 3, 1: 40, 2: 1}):
+        on_cpu, to_copy = executor.decide(loads)
+        assert not on_cpu and sorted(to_copy) == sorted(loads), loads
+    assert executor.streamed_ranks(top_k) == 0 and executor.resident_to_cpu({0: 1, 1: 2}) == []
+    executor.simulated = False
+    assert not any(executor.host_only(layer, 1, top_k) for layer in executor.banks)
