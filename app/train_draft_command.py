@@ -10,7 +10,8 @@ from engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
-                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab", "self_prompts", "head_width")
+                   "seed", "depths", "noise", "ce_dtype", "head", "draft_vocab", "self_prompts", "head_width",
+                   "holdout")
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +52,10 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                         help="eagle3: the head drafts from the N tokens the target's answers use most, its LM head N "
                              "rows (default: the model's whole vocabulary)")
+    parser.add_argument("--holdout", type=float, default=None, metavar="F",
+                        help="keep this share of the prompts (chosen by a digest of each) out of training and "
+                             "report the head's agreement with the model on their answers at the end: how it does "
+                             "on prompts it never saw (default 0)")
     parser.add_argument("--head-width", type=int, default=None, metavar="N",
                         help="width of the head's MLP (default: as wide as the model's last layer's)")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
@@ -81,6 +86,8 @@ def settings_from_args(args):
     for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab", "head_width"):
         if name in given and given[name] < 1:
             raise MoedeskError(f"--{name.replace('_', '-')} {given[name]}: must be >= 1")
+    if not 0 <= given.get("holdout", 0) < 1:
+        raise MoedeskError(f"--holdout {given['holdout']}: must be at least 0 and below 1")
     if given.get("self_prompts", 0) < 0:
         raise MoedeskError(f"--self-prompts {given['self_prompts']}: must be >= 0")
     for name in ("epochs", "lr", "sample_temperature"):
@@ -187,4 +194,9 @@ def run_train_draft(args, load_engine) -> int:
     print(f"moedesk: wrote {out} ({summary['sequences']} answers, {summary['answer_tokens']} tokens, "
           f"{summary['steps']} steps; data {summary['data_s']:.0f}s, training {summary['train_s']:.0f}s; "
           f"last batch top-1 agreement by draft depth {agree}); use it with --draft {out}", file=sys.stderr)
+    if f.get("held_out_agree"):
+        held = "/".join(f"{a:.2f}" for a in f["held_out_agree"])
+        prompts = summary["held_out"] // summary["settings"]["samples"]
+        print(f"moedesk: on the answers to the {prompts} held-out prompts, top-1 "
+              f"agreement by draft depth {held}", file=sys.stderr)
     return 0

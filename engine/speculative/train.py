@@ -116,6 +116,9 @@ class TrainSettings:
     # the head's MLP width; 0: the target's last layer's. A wider one learns more of what the target does, at a
     # cost that stays small beside a target forward (one layer, drafting on the GPU)
     head_width: int = 0
+    # share of the prompts kept out of training (held_out_sequences), on whose answers the head's top-1 agreement
+    # is measured at the end: how well it does on prompts it never saw, beside the training batches' figure
+    holdout: float = 0.0
 
     def total_steps(self, sequences: int) -> int:
         if self.steps is not None:
@@ -221,6 +224,16 @@ def answers_key(engine, max_new_tokens: int, sample_temperature: float = 0.8, he
 def prompt_digests(prompts) -> list[str]:
     """A short digest of each prompt, as data_key serialises it: which saved answers a changed prompt set keeps."""
     return [hashlib.sha256(json.dumps(p).encode()).hexdigest()[:16] for p in prompts]
+
+
+def held_out_sequences(prompts, samples: int, share: float) -> list[int]:
+    """The sequences (every sample) of the prompts held out of training: those whose digest, read as a number in
+    [0, 1), is below `share`. Each prompt is in or out by itself, so a grown or reordered set holds out the same
+    prompts it held out before."""
+    if share <= 0:
+        return []
+    return [p * samples + k for p, digest in enumerate(prompt_digests(prompts))
+            if int(digest[:8], 16) / 2 ** 32 < share for k in range(samples)]
 
 
 def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, progress: Progress | None = None,
@@ -842,7 +855,8 @@ def batch_losses(head: EagleHead, lm_head: torch.Tensor, data: DraftData, batch:
         ce, agree = _SoftCrossEntropy.apply(hidden, target, lm_head, row_w, 512)
         loss = (decay * (feat_loss + settings.token_weight * ce)).sum()
         figures = {"loss": float(loss.detach()), "feature": feat_loss.detach().cpu().tolist()}
-    figures.update(ce=ce.detach().cpu().tolist(), agree=(agree.cpu() / counts).tolist())
+    figures.update(ce=ce.detach().cpu().tolist(), agree=(agree.cpu() / counts).tolist(),
+                   rows=masks.flatten(1).sum(dim=1).tolist())
     return loss, figures
 
 
@@ -883,11 +897,14 @@ def learning_rate(settings: TrainSettings, step: int, total: int) -> float:
     return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def batch_order(data: DraftData, settings: TrainSettings, epoch: int) -> list[list[int]]:
-    """The batches of an epoch: a permutation from (seed, epoch), cut into groups of similar length (less padding)
-    whose order is shuffled again."""
+def batch_order(data: DraftData, settings: TrainSettings, epoch: int,
+                sequences: list[int] | None = None) -> list[list[int]]:
+    """The batches of an epoch over `sequences` (default all): a permutation from (seed, epoch), cut into groups
+    of similar length (less padding) whose order is shuffled again."""
     g = torch.Generator().manual_seed(settings.seed * 1_000_003 + epoch)
-    perm = torch.randperm(data.sequences, generator=g).tolist()
+    perm = torch.randperm(data.sequences if sequences is None else len(sequences), generator=g).tolist()
+    if sequences is not None:
+        perm = [sequences[i] for i in perm]
     lengths = (data.offsets[1:] - data.offsets[:-1]).tolist()
     pool = settings.batch_size * 8
     batches = []
@@ -906,10 +923,11 @@ def _optimizer(head: EagleHead, settings: TrainSettings):
 
 def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: TrainSettings, checkpoint: Path | None,
           resume: bool = False, checkpoint_every: int = 50, progress: Progress | None = None,
-          on_checkpoint: Callable[[int], None] | None = None) -> dict:
-    """Train `head` in place on `data`; checkpoints to `checkpoint` (a .safetensors path) every `checkpoint_every`
-    steps and at the end. resume: start from that checkpoint (its settings must equal `settings`). Returns the
-    last figures."""
+          on_checkpoint: Callable[[int], None] | None = None, held_out: list[int] | tuple = ()) -> dict:
+    """Train `head` in place on `data` but its `held_out` sequences; checkpoints to `checkpoint` (a .safetensors
+    path) every `checkpoint_every` steps and at the end. resume: start from that checkpoint (its settings must equal
+    `settings`). Returns the last batch's figures, and with `held_out` the head's top-1 agreement by draft depth on
+    those sequences at the end ("held_out_agree")."""
     device = head.fc.weight.device
     ce_dtype = getattr(torch, resolve_ce_dtype(settings.ce_dtype, device))
     opt = _optimizer(head, settings)
@@ -926,14 +944,19 @@ def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: Tra
     elif settings.vocab == "data":
         lm = lm[torch.unique(data.tokens).to(lm.device)]
     lm = lm.to(device=device, dtype=ce_dtype)
-    total = settings.total_steps(data.sequences)
-    per_epoch = math.ceil(data.sequences / settings.batch_size)
+    kept = set(held_out)
+    trained = [i for i in range(data.sequences) if i not in kept] if kept else None
+    if trained == []:
+        raise MoedeskError("every prompt is held out of training (--holdout): lower it")
+    sequences = data.sequences if trained is None else len(trained)
+    total = settings.total_steps(sequences)
+    per_epoch = math.ceil(sequences / settings.batch_size)
     figures: dict = {}
     started, first = time.perf_counter(), step
     head.train()
     while step < total:
         epoch, index = divmod(step, per_epoch)
-        order = batch_order(data, settings, epoch)
+        order = batch_order(data, settings, epoch, trained)
         batch = order[index]
         lr = learning_rate(settings, step, total)
         for group in opt.param_groups:
@@ -954,7 +977,25 @@ def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: Tra
         if progress:
             progress("train", step, total, {**figures, "s": time.perf_counter() - started, "since": first})
     head.eval()
+    if kept:
+        figures["held_out_agree"] = _agreement(head, lm, data, sorted(kept), settings, device, keep)
     return figures
+
+
+def _agreement(head: EagleHead, lm: torch.Tensor, data: DraftData, sequences: list[int], settings: TrainSettings,
+               device, keep: torch.Tensor | None) -> list[float]:
+    """The head's top-1 agreement with the target by draft depth over `sequences`, every answer row counted once
+    (batch_losses' figure, without a gradient)."""
+    agreed = torch.zeros(settings.depths, dtype=torch.float64)
+    rows = torch.zeros(settings.depths, dtype=torch.float64)
+    with torch.no_grad():
+        for at in range(0, len(sequences), settings.batch_size):
+            figures = batch_losses(head, lm, data, sequences[at:at + settings.batch_size], settings, None, device,
+                                   keep)[1]
+            n = torch.tensor(figures["rows"], dtype=torch.float64)
+            agreed += torch.tensor(figures["agree"], dtype=torch.float64) * n
+            rows += n
+    return (agreed / rows.clamp_min(1)).tolist()
 
 
 def _param_names(head: EagleHead) -> list[str]:
@@ -1199,10 +1240,17 @@ def train_draft(engine, out, prompts_path=None, settings: TrainSettings | None =
         write_head(head, out, {**meta, "step": step})
 
     # resumed before the first checkpoint (in the answers or the features): training starts at step 0
+    held_out = held_out_sequences(prompts, settings.samples, settings.holdout)
+    if held_out:
+        log(f"{len(held_out) // settings.samples} of the {len(prompts)} prompts held out of training")
     figures = train(head, lm_head, data, settings, checkpoint, resume=resume and checkpoint.exists(),
                     checkpoint_every=checkpoint_every,
-                    progress=progress, on_checkpoint=write_current)
-    summary.update(train_s=round(time.perf_counter() - t1, 1), figures=figures,
-                   steps=settings.total_steps(data.sequences))
-    write_head(head, out, {**meta, "step": summary["steps"]})
+                    progress=progress, on_checkpoint=write_current, held_out=held_out)
+    summary.update(train_s=round(time.perf_counter() - t1, 1), figures=figures, held_out=len(held_out),
+                   steps=settings.total_steps(data.sequences - len(held_out)))
+    final = {"step": summary["steps"]}
+    if "held_out_agree" in figures:
+        final.update(held_out_prompts=len(held_out) // settings.samples,
+                     held_out_agree=[round(a, 4) for a in figures["held_out_agree"]])
+    write_head(head, out, {**meta, **final})
     return summary

@@ -184,6 +184,8 @@ def test_bad_inputs_end_in_one_line(capsys, tmp_path, prompts_file, tiny_checkpo
     assert "--steps" in err
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--self-prompts", "-1"])
     assert "--self-prompts -1" in err
+    err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--holdout", "1"])
+    assert "--holdout 1.0" in err
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -209,3 +211,38 @@ def test_training_moves_every_trainable_weight(head, device, engine, tiny_checkp
     monkeypatch.setattr(T, "train", train_and_compare)
     T.train_draft(engine, tmp_path / head, prompts_file, settings(head=head, steps=4))
     assert moved and [n for n, m in moved.items() if not m] == []
+
+
+def test_held_out_prompts_are_chosen_by_their_own_digest():
+    prompts = [[{"role": "user", "content": f"question {i}"}] for i in range(200)]
+    held = T.held_out_sequences(prompts, 3, 0.25)
+    assert held and len(held) % 3 == 0 and 0.1 < len(held) / 600 < 0.4
+    assert all(held[j] // 3 == held[j - j % 3] // 3 and held[j] % 3 == j % 3 for j in range(len(held)))
+    chosen = {prompts[i // 3][0]["content"] for i in held}
+    # another order and more prompts: the same ones held out, and some of the new ones
+    grown = prompts[::-1] + [[{"role": "user", "content": f"more {i}"}] for i in range(100)]
+    again = {grown[i][0]["content"] for i in T.held_out_sequences(grown, 1, 0.25)}
+    assert chosen == {t for t in again if t.startswith("question")} and again - chosen
+    assert T.held_out_sequences(prompts, 3, 0) == []
+
+
+def test_held_out_answers_are_never_trained_on_and_the_head_is_measured_on_them(engine, prompts_file, tmp_path,
+                                                                                monkeypatch):
+    trained = set()
+    real = T.batch_losses
+
+    def recording(head, lm, data, batch, *args, **kw):
+        if torch.is_grad_enabled():
+            trained.update(batch)
+        return real(head, lm, data, batch, *args, **kw)
+
+    monkeypatch.setattr(T, "batch_losses", recording)
+    s = settings(steps=6, samples=2, holdout=0.4)
+    held = T.held_out_sequences(T.load_prompts(prompts_file), 2, 0.4)
+    assert held and len(held) < 2 * len(T.load_prompts(prompts_file))  # this file holds some out, not all
+    summary = T.train_draft(engine, tmp_path, prompts_file, s)
+    assert trained and not trained & set(held) and summary["held_out"] == len(held)
+    agree = summary["figures"]["held_out_agree"]
+    assert len(agree) == s.depths and all(0 <= a <= 1 for a in agree)
+    meta = json.loads((tmp_path / "config.json").read_text())["moedesk"]
+    assert meta["held_out_prompts"] == len(held) // 2 and len(meta["held_out_agree"]) == s.depths
