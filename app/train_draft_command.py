@@ -123,7 +123,8 @@ class LineProgress:
         width = 24
         filled = int(width * done / max(total, 1))
         bar = "#" * filled + "." * (width - filled)
-        text = {"self-prompts": "prompts written", "generate": "target answers", "features": "target features", "train": "training"}.get(phase, phase)
+        text = {"self-prompts": "prompts written", "generate": "target answers", "features": "target features",
+                "train": "training"}.get(phase, phase)
         line = f"{text} [{bar}] {done}/{total}"
         if phase == "generate" and "tokens" in f:
             line += f"  {f['tokens']} tokens  {f.get('new_tokens', f['tokens']) / max(f['s'], 1e-9):.0f} tok/s"

@@ -56,9 +56,10 @@ def _text(prompt) -> str:
 
 def write_prompts(engine, count: int, seed: int = 0, batch_size: int = 32, given=(), progress=None) -> list[list]:
     """Up to `count` requests the target writes itself, each one user turn ([{"role": "user", "content": ...}], as
-    load_prompts gives chat prompts), none the same as a `given` prompt, in the order of their seeds. Sampling is seeded per request (seed, seed + 1, ...), so the same
-    model writes the same requests whatever the batch. Up to four rounds, each asking for what is still missing and
-    half as much again (about a third are dropped); fewer than `count` when the model keeps repeating itself."""
+    load_prompts gives chat prompts), none the same as a `given` prompt, in the order of their seeds. Sampling is
+    seeded per request (seed, seed + 1, ...), so the same model writes the same requests whatever the batch. Up to
+    four rounds, each asking for what is still missing and half as much again (about a third are dropped); fewer
+    than `count` when the model keeps repeating itself."""
     from engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
