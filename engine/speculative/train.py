@@ -495,9 +495,9 @@ def load_data(path: Path, key: str) -> DraftData | None:
 
 def head_config(engine, head: str = "eagle1", draft_vocab: int = 0, width: int = 0) -> EagleConfig:
     """An EAGLE-1/2 (or, head "eagle3", EAGLE-3) head of the target's own attention shape; its MLP `width` wide, or
-    with 0 as wide as the target's last layer's. EAGLE-3's draft vocabulary has `draft_vocab` tokens (draft_vocabulary), or with 0 is the
-    target's whole one (d2t all zero, t2d all true: the identity), so its drafts can be any token the target could
-    emit."""
+    with 0 as wide as the target's last layer's. EAGLE-3's draft vocabulary has `draft_vocab` tokens
+    (draft_vocabulary), or with 0 is the target's whole one (d2t all zero, t2d all true: the identity), so its
+    drafts can be any token the target could emit."""
     c = engine.config
     width = width or (c.moe_intermediate_size if c.is_moe_layer(c.num_layers - 1) else c.intermediate_size)
     three = head == "eagle3"

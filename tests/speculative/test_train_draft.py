@@ -182,7 +182,8 @@ def test_bad_inputs_end_in_one_line(capsys, tmp_path, prompts_file, tiny_checkpo
     assert "no checkpoint" in err
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--steps", "0"])
     assert "--steps" in err
-    err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--self-prompts", "-1"])
+    err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"),
+                                  "--self-prompts", "-1"])
     assert "--self-prompts -1" in err
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--holdout", "1"])
     assert "--holdout 1.0" in err
