@@ -7,11 +7,13 @@ Usage (repo root; GPU box: 16 cores):
     python3 tests/perf/bench_cpu_quant.py --smoke       # tiny shapes, one repeat: checks the script runs
 
 Shapes (--shapes): Mixtral-8x7B (8 experts of H=4096, F=14336, 2 per call), Qwen3-30B-A3B (128 experts of
-H=2048, F=768, 8 per call) and `tiny` (16 experts of 256 x 256, 8 per call: what a call costs beyond its
+H=2048, F=768, 8 per call), `mixtral-layer` (all 8 of a Mixtral layer's experts per call, from a stack
+of 16: 16 sequences decoding together) and `tiny` (16 experts of 256 x 256, 8 per call: what a call costs beyond its
 weights: thread hand-out, phases, the wrapper). Each call computes `experts` distinct experts with exactly
 T tokens each (--tokens, default 1, 2, 4, 8, 16), the experts picked at random per call from the whole
 stack so that the caches hold no expert from the call before (as in decode; `tiny` fits in cache, that is
-its point). Prints ms per call and GB/s of weight bytes read (each active expert's packed gate, up and down
+its point; `cached`, 4 experts of 1.8 MB of q4_0, stays in the last-level cache over calls: with --per-core,
+the rate the instructions allow). Prints ms per call and GB/s of weight bytes read (each active expert's packed gate, up and down
 once); the bf16 line is kernels/cpu_experts.c on the same shape. Weights are random blocks with sane
 float16 scales: the values do not matter to the timing.
 
@@ -41,7 +43,11 @@ from kernels.quant_formats import packed_format  # noqa: E402
 SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per call)
     "mixtral": (8, 4096, 14336, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),
+    # all 8 experts of a Mixtral layer in one call: 16 sequences decoding together give each ~4 tokens
+    "mixtral-layer": (16, 4096, 14336, 8),
 }
+# 7 MB of q4_0 that stays in the last-level cache: with one thread, the rate the instructions allow
+CACHED = {"cached": (4, 2048, 512, 4)}
 SMOKE = {"smoke": (4, 256, 512, 2)}
 TINY = {"tiny": (16, 256, 256, 8)}
 SCALE_AT = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
@@ -126,7 +132,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
     ap.add_argument("--paths", default=None, help="vnni,amx,avx2 (default: the ones this CPU has; amx: 8+ tokens per expert)")
-    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, tiny")
+    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, mixtral-layer, tiny, cached")
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--per-core", action="store_true", help="one thread (--threads 1)")
@@ -153,7 +159,7 @@ def main():
             builds[name].mq_set_threads(threads)
     paths = args.paths.split(",") if args.paths else (
         ["vnni", *(["amx"] if cq.amx_supported() else []), "avx2"] if cq.vnni_supported() else ["avx2"])
-    every = {**SHAPES, **TINY}
+    every = {**SHAPES, **TINY, **CACHED}
     shapes = SMOKE if args.smoke else {name: every[name] for name in args.shapes.split(",")}
     n_calls = 3 if args.smoke else args.calls
     tokens = [int(t) for t in args.tokens.split(",")]
