@@ -130,21 +130,15 @@ def _config(dtype: torch.dtype, m: int, g: int, units: int) -> dict:
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
-def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, config=None, row0=0, col_bytes=0,
-            up=None, pointer=None):
-    """One grouped launch: out[t, r - row0] for rows [row0, rows) of each group's expert, along k columns (x's
-    width) starting `col_bytes` into each packed row; gated: the up rows lie `up` rows (default: rows) after the
-    gate rows. pointer: what the kernel takes for `stack` (kernels.gpu_streamed passes a pinned host stack's
-    device-valid address)."""
+def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, config=None):
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     cfg = dict(config or _OVERRIDE or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
-    grid = (triton.cdiv(rows - row0, cfg["ROWS"]), groups, split)
-    args = (x, x.stride(0), stack if pointer is None else pointer, stack.stride(0), ends, out, out.stride(0), rows,
-            row_bytes, units, split, row0, rows if up is None else up, col_bytes)
+    grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
+    args = (x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split)
     consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated)
     try:
         _packed_mm[grid](*args, **consts, **cfg)
@@ -340,28 +334,27 @@ if triton is not None:
 
     @triton.jit
     def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
-                   ROW0, UP, COL_BYTES, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr,
-                   BT: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr):
-        """out[t, r - ROW0] = x[t] . W_g[r] for the tokens t of group g and rows r in [ROW0, R), each row read from
-        byte COL_BYTES on; GATED: W_g is [gate; up] (up row r UP rows after gate row r) and
-        out[t, r - ROW0] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
+                   FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+                   DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr):
+        """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
+        out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
         g = tl.program_id(1)
         end = tl.load(ends_ptr + g)
         start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
         start = tl.where(g > 0, start, 0)
-        rows = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
-        expert = w_ptr + g.to(tl.int64) * expert_stride + COL_BYTES
+        expert = w_ptr + g.to(tl.int64) * expert_stride
         row = (expert + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         for t0 in range(start + tl.program_id(2) * BT, end, SPLIT * BT):
             toks = t0 + tl.arange(0, BT)
             tlive = toks < end
             acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, BT, ROWS, DOT, HALF, FMT)
             if GATED:
-                up = _row_dot(x_ptr, x_stride, toks, tlive, row + UP * ROW_BYTES, rlive, UNITS, L, NB,
-                              BT, ROWS, DOT, HALF, FMT)
+                up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, BT, ROWS,
+                              DOT, HALF, FMT)
                 acc = acc * tl.sigmoid(acc) * up
-            dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :] - ROW0
+            dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
 
     @triton.jit

@@ -21,12 +21,6 @@ At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU,
 never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
 [first_row, F) (gate and up rows, down columns) into a partial output, the CPU kernels rows [0, first_row),
 and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.row_split).
-
-Several tokens (sequences decoding together) group their pairs by expert on the device, so each expert's rows
-cross PCIe once for all of its tokens (kernels.gpu_quant's grouped kernel reading the pinned stacks). 16 Mixtral
-sequences give each expert ~4 tokens, which the CPU kernel computes at ~87 of the ~120 GB/s it reads one
-token's experts at: bound by its instructions, it leaves RAM room for the GPU's reads, and a layer of 8 q4_0
-experts took 8.1 ms split against 11.1 on the CPU alone (tests/perf/probe_split_batch.py, GPU box).
 """
 from __future__ import annotations
 
@@ -65,9 +59,6 @@ def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: Exp
     interpreter: any CPU tensors), dense in x's dtype or packed; out [>= N*K, H] in x's dtype, or any float
     dtype where first_row > 0. Rows of ranks below first_rank are left as they are.
 
-    Packed stacks and several tokens: the pairs are grouped by expert (`_streamed_grouped`), so an expert's rows
-    are read once for all of its tokens; otherwise each pair reads its expert's rows.
-
     first_row > 0: only the expert's intermediate rows [first_row, F) (gate and up rows, down columns), a
     partial output the CPU's rows [0, first_row) complete by addition (`split_rows`); a multiple of
     `row_granule(w)`.
@@ -99,8 +90,6 @@ def row_granule(w: ExpertWeights) -> int:
 
 
 def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) -> None:
-    if ids.shape[0] > 1:
-        return _streamed_grouped(x, ids, first_rank, w, out, first_row)
     n, k = ids.shape
     ranks = k - first_rank
     x = x.contiguous()
@@ -118,40 +107,6 @@ def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) 
             src, src.stride(0), pointer_arg(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
             row0, stack.shape[-1], col_bytes, cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes,
             GATED=gated, **cfg)
-
-
-def _streamed_grouped(x, ids, first_rank, w: ExpertWeights, out, first_row: int) -> None:
-    """Several tokens: the pairs grouped by expert on the device (no host sync: CUDA graphs capture it), so that
-    each expert's rows cross PCIe once for all of its tokens (16 Mixtral sequences give each expert ~4), through
-    kernels.gpu_quant's grouped kernel reading the pinned stacks."""
-    n, k = ids.shape
-    ranks = k - first_rank
-    pair_expert = ids[:, first_rank:].reshape(-1)
-    order = torch.argsort(pair_expert, stable=True)
-    counts = torch.zeros(w.num_experts, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
-    ends = counts.cumsum(0).to(torch.int32)
-    token = order // ranks
-    xs = x.index_select(0, token)
-    m, width = xs.shape[0], w.width - first_row
-    act = torch.empty(m, width, dtype=torch.float32, device=x.device)
-    y = torch.empty(m, w.hidden, dtype=out.dtype, device=x.device)
-    cfg = _GROUPED_TILES_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else _GROUPED_TILES
-    common = dict(m=m, groups=w.num_experts, dtype=x.dtype, config=cfg)
-    gpu_quant._launch(xs, w.gate_up, w.gate_up_format, ends, act, rows=w.width, k=w.hidden, gated=True,
-                      row0=first_row, up=w.width, pointer=pointer_arg(w.gate_up), **common)
-    # The down rows' first `first_row` columns are whole blocks: skipping their bytes starts each row at column
-    # first_row, which the activation's column 0 meets.
-    gpu_quant._launch(act, w.down, w.down_format, ends, y, rows=w.hidden, k=width, gated=False,
-                      col_bytes=packed_format(w.down_format).row_bytes(first_row), pointer=pointer_arg(w.down),
-                      **common)
-    out.index_copy_(0, token * k + first_rank + order % ranks, y)
-
-
-# The grouped tiles over PCIe: 4 rows x 16 units and 2 warps, as _PACKED_TILES, with float32 FMAs over 4 tokens at a
-# time (the reads, not the arithmetic, bound a kernel reading at PCIe's ~45 GB/s).
-_GROUPED_TILES = dict(ROWS=4, NB=16, BT=4, DOT=False, SPLIT=1, num_warps=2)
-_GROUPED_TILES_INTERPRETED = dict(ROWS=64, NB=8, BT=4, DOT=False, SPLIT=1, num_warps=1)
 
 
 # gpu_quant's tiles for one row per expert (4 rows x 16 units, 2 warps): many small programs keep many reads in

@@ -55,13 +55,12 @@ def train_tokenizer():
     return tok
 
 
-def build(arch: str, folder: Path, seed: int = 0, overrides: dict | None = None) -> Path:
-    """Write a tiny checkpoint of `arch` (a key of ARCHS), its config changed by `overrides`, into folder and
-    return it."""
+def build(arch: str, folder: Path, seed: int = 0) -> Path:
+    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it."""
     import transformers
 
     config_name, model_name, extra = ARCHS[arch]
-    config = getattr(transformers, config_name)(**{**COMMON, **extra, **(overrides or {})})
+    config = getattr(transformers, config_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     folder.mkdir(parents=True, exist_ok=True)

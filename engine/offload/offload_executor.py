@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from engine.offload.executor import HostRouting
-from engine.offload.placement import tokens_per_active_expert
 from kernels import gpu_streamed
 from kernels.expert_weights import ExpertWeights
 from kernels.experts import expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported
@@ -159,9 +158,8 @@ class OffloadExecutor:
         this step, asked only when the CPU computes experts of the layer anyway (None: never);
         streamed_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
         the CPU computes the others (`streamed_share`; None: never);
-        split_rows(top_k, tokens) -> how many of the last intermediate rows of every expert of a decode step of
-        `tokens` tokens the GPU should compute from RAM while the CPU computes the first ones (`row_split`; None:
-        never)."""
+        split_rows(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
+        compute from RAM while the CPU computes the first ones (`row_split`; None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
@@ -262,29 +260,16 @@ class OffloadExecutor:
     def row_split(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each expert's first intermediate rows the host computes in a captured decode step whose
         GPU computes the rest from the experts' pinned host copies (`stream_rows`, into a partial output the
-        step adds); 0: no split. Where `streamed_share` would apply but streams no whole expert; for more than one
-        token only on packed stacks (the streamed kernel that reads an expert's rows once for all its tokens) and
-        where the per-step rule would compute every expert on the CPU anyway (`_cpu_takes_all`): a split step
-        copies none."""
-        if self.split_rows is None or self.simulated or self.streamed_share(layer, batch, top_k):
+        step adds); 0: no split. Where `streamed_share` applies, and only where it streams no whole expert."""
+        if self.split_rows is None or batch != 1 or self.simulated or self.streamed_share(layer, batch, top_k):
             return 0
         bank = self.banks[layer]
         if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.host):
             return 0
-        if batch > 1 and not (bank.host.packed and self._cpu_takes_all(bank, batch, top_k)):
-            return 0
-        cpu_rows = bank.host.width - int(self.split_rows(top_k, batch))
+        cpu_rows = bank.host.width - int(self.split_rows(top_k))
         if not 0 < cpu_rows < bank.host.width or cpu_rows % gpu_streamed.row_granule(bank.host):
             return 0
         return cpu_rows
-
-    def _cpu_takes_all(self, bank: LayerBank, tokens: int, top_k: int) -> bool:
-        """Whether the per-step rule puts every active expert of a step of `tokens` tokens on the CPU, routing
-        uniform (as many tokens per expert as `tokens_per_active_expert` expects, rounded up)."""
-        expected = tokens_per_active_expert(tokens, top_k, bank.host.num_experts)
-        per_expert, active = math.ceil(expected - 1e-9), max(1, round(tokens * top_k / expected))
-        on_cpu, to_copy = self.decide({e: per_expert for e in range(active)})
-        return not to_copy and len(on_cpu) == active
 
     def host_only(self, layer: int, batch: int, top_k: int) -> bool:
         """Whether a captured decode step of `batch` tokens may hand this layer to `host_share` without asking
@@ -435,7 +420,7 @@ class OffloadExecutor:
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
         if cpu_rows:  # the GPU computes the last rows of every expert (`row_split`), the CPU the first ones
-            assert not streamed and not resident, "split rows are for layers with every expert offloaded"
+            assert n == 1 and not streamed and not resident, "split rows are for a lone token, all experts offloaded"
             on_cpu, to_copy = active, []
         else:
             on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])

@@ -23,7 +23,6 @@ from engine.offload.placement import (LayerCosts, Placement, RememberedSplit, as
                               plan_placement, resident_on_cpu, split_rows, streamed_ranks)
 from engine.offload.popularity import estimated_popularity
 from engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
-from kernels.gpu_streamed import row_granule
 
 log = logging.getLogger("moedesk")
 
@@ -100,9 +99,7 @@ class ExpertOrchestra:
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    streamed_ranks=(lambda k: streamed_ranks(k, costs)) if balanced else None,
-                                   split_rows=(lambda k, tokens=1: split_rows(k, costs, tokens, first.num_experts,
-                                                                            first.width, row_granule(first)))
-                                   if balanced else None)
+                                   split_rows=(lambda k: split_rows(k, costs)) if balanced else None)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)

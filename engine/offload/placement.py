@@ -369,35 +369,9 @@ def streamed_ranks(top_k: int, model) -> int:
     return lone_token_split(top_k, model)[0]
 
 
-def split_rows(top_k: int, model, tokens: int = 1, num_experts: int = 0, width: int = 0, granule: int = 1) -> int:
-    """Rows of every active expert for the GPU in a decode step of `tokens` tokens whose layer has all of its
-    `num_experts` experts (of `width` intermediate rows) offloaded: `lone_token_split`'s rows for one token,
-    and for more that split carried to more tokens per expert (`tokens_per_active_expert`), a multiple of
-    `granule`; 0: no split.
-
-    At the lone token's split (r1 of F rows on the GPU) both sides take about as long: (F - r1) / F * C1 =
-    r1 / F * G, C1 the CPU's time for its experts at one token each, G the GPU's for reading them whole. G does
-    not grow with tokens (PCIe bounds it, and an expert's rows cross it once for all its tokens:
-    kernels/gpu_streamed.py), the CPU's time grows as cpu_expert_ms(T) / cpu_expert_ms(1), so the balance moves
-    to r = F * c / (c + (F - r1) / r1), c that ratio. Measured on the GPU box's Xeon (tests/perf/
-    probe_split_batch.py, 8 q4_0 Mixtral experts, the best of 0-6,144 GPU rows in steps of 1,024): 4,096 rows at
-    T = 1 and 2, 5,120 at 4 (8.1 ms against 11.1 for the CPU alone), 6,144 (the most tried) at 6."""
-    r1 = lone_token_split(top_k, model)[1]
-    if tokens <= 1 or not r1:
-        return r1
-    if not (num_experts and width > 2 * granule):
-        return 0
-    per_expert = tokens_per_active_expert(tokens, top_k, num_experts)
-    c = model.cpu_expert_ms(per_expert) / model.cpu_expert_ms(1)
-    rows = width * c / (c + (width - r1) / r1)
-    return int(min(max(round(rows / granule), 1), width // granule - 1)) * granule
-
-
-def tokens_per_active_expert(tokens: int, top_k: int, num_experts: int) -> float:
-    """Expected (token, expert) pairs per expert chosen at all, routing uniform: tokens * top_k pairs over
-    num_experts * (1 - (1 - top_k / num_experts) ** tokens) experts (16 Mixtral tokens: ~4.0 each over ~7.9)."""
-    active = num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-    return tokens * top_k / max(active, 1e-9)
+def split_rows(top_k: int, model) -> int:
+    """`lone_token_split`'s rows of every expert for the GPU."""
+    return lone_token_split(top_k, model)[1]
 
 
 class RememberedSplit:

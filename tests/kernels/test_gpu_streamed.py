@@ -169,24 +169,6 @@ def test_streamed_tail_rows_interpreted(formats, hidden, width, first_row):
     assert (tail - _rows_reference(x, ids, w, 0)).abs().max() > 1e-3  # rows [0, first_row) were left out
 
 
-@pytest.mark.parametrize("tokens,first_row", [(1, 0), (1, 64), (9, 0), (9, 64)])
-def test_tokens_sharing_experts_are_grouped_interpreted(tokens, first_row):
-    """Several tokens go through one grouped launch per projection (each expert's rows read once for all of its
-    tokens: here up to 8 for an expert, past the kernel's 4 tokens a pass); one token keeps the per-pair kernels.
-    Either way each pair's row gets its own expert's output, whole or over rows [first_row, F)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton's interpreter is used only where there is no GPU")
-    from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
-
-    w = random_experts(4, 160, 128, "q4_0", seed=11)
-    g = torch.Generator().manual_seed(4)
-    x = torch.randn(tokens, 160, generator=g)
-    ids = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(tokens)])  # experts 0-2; 3 never chosen
-    out = torch.zeros(2 * tokens, 160)
-    gpu_streamed.streamed_experts(x, ids, 0, w, out, first_row=first_row)
-    assert_close(out, _rows_reference(x, ids, w, first_row), 1e-4, 1e-5)
-
-
 def test_streamed_rows_must_be_whole_blocks():
     from tests.kernels.test_gpu_quant_kernel import random_experts
 

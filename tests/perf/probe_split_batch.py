@@ -8,7 +8,15 @@ instructions more than by RAM, so RAM may have room for the GPU's reads. Measure
 a layer of 8 experts, the GPU taking the last r intermediate rows of every expert (streamed from pinned RAM) while
 the CPU kernel computes the first F - r, both launched together and timed until both are done; r = 0 is the CPU
 alone. The GPU reads each expert's rows once, as a kernel grouping an expert's tokens would; `best` is the CPU
-alone against the best r."""
+alone against the best r.
+
+What came of it (GPU box, 2026-11-26): the split, built with a kernel that reads each expert's rows once for all of
+its tokens (commit 77d6d46), made a layer of 8 q4_0 experts at 4 tokens each 1.25x faster than the CPU alone
+(10.9 -> 8.7 ms), but the engine's 16-sequence decode already copies about half of the experts to the GPU by DMA
+(54 GB/s, where a kernel reads pinned RAM at ~45), and a split step copies none: alternating runs (`moedesk bench
+--shape mixtral-8x7b --layers 8 --expert-format q4_0 --batch 16`, one H200 machine) decoded 16 sequences at 230.8
+and 269.7 tok/s split (2,944 and 4,512 GPU rows) against 271.3-282.1 without. Taken back; what is left for 16 sequences is the CPU
+kernel at a few tokens per expert."""
 import argparse
 import statistics
 import sys
