@@ -198,6 +198,8 @@ def run_train_draft(args, load_engine) -> int:
     if f.get("held_out_agree"):
         held = "/".join(f"{a:.2f}" for a in f["held_out_agree"])
         prompts = summary["held_out"] // summary["settings"]["samples"]
-        print(f"moedesk: on the answers to the {prompts} held-out prompts, top-1 "
-              f"agreement by draft depth {held}", file=sys.stderr)
+        own = "/".join(f"{a:.2f}" for a in f["train_agree"])
+        advice = T.holdout_advice(f["train_agree"], f["held_out_agree"])
+        print(f"moedesk: top-1 agreement by draft depth on the answers to the {prompts} held-out prompts {held}, "
+              f"to as many training prompts {own}" + (f": {advice}" if advice else ""), file=sys.stderr)
     return 0

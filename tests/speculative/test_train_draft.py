@@ -247,3 +247,31 @@ def test_held_out_answers_are_never_trained_on_and_the_head_is_measured_on_them(
     assert len(agree) == s.depths and all(0 <= a <= 1 for a in agree)
     meta = json.loads((tmp_path / "config.json").read_text())["moedesk"]
     assert meta["held_out_prompts"] == len(held) // 2 and len(meta["held_out_agree"]) == s.depths
+    # beside it, as many trained sequences, measured the same way
+    own = summary["figures"]["train_agree"]
+    assert len(own) == s.depths and meta["train_agree"] == [round(a, 4) for a in own]
+
+
+def test_the_command_reports_both_agreements(engine, prompts_file, tmp_path, capsys):
+    code = main(["train-draft", "--model", str(engine.name), "--out", str(tmp_path), "--prompts", str(prompts_file),
+                 "--steps", "3", "--samples", "2", "--holdout", "0.4", "--device", "cpu", "--max-new-tokens", "8"])
+    assert code == 0
+    meta = json.loads((tmp_path / "config.json").read_text())["moedesk"]
+    line = next(x for x in capsys.readouterr().err.splitlines() if "held-out prompts" in x)
+    held, own = ("/".join(f"{a:.2f}" for a in meta[k]) for k in ("held_out_agree", "train_agree"))
+    assert f"{meta['held_out_prompts']} held-out prompts {held}, to as many training prompts {own}" in line
+    advice = T.holdout_advice(meta["train_agree"], meta["held_out_agree"])
+    assert line.endswith(advice) if advice else line.endswith(own)
+
+
+def test_the_trained_sample_is_spread_over_the_trained_sequences():
+    trained = [i for i in range(40) if i % 5]  # 32 trained, 8 held out
+    sample = T.comparison_sample(trained, 8)
+    assert sample == [trained[4 * i] for i in range(8)] and set(sample) <= set(trained)
+    assert T.comparison_sample(trained, 50) == trained
+
+
+def test_holdout_advice_tells_under_training_from_memorising():
+    assert "more steps" in T.holdout_advice([0.63, 0.60, 0.59, 0.57], [0.64, 0.61, 0.59, 0.58])  # the demo at 5 epochs
+    assert "more prompts" in T.holdout_advice([0.80, 0.78, 0.77, 0.76], [0.67, 0.64, 0.62, 0.62])
+    assert T.holdout_advice([0.70, 0.67, 0.66, 0.65], [0.67, 0.64, 0.63, 0.62]) == ""  # 0.03 behind: nothing to say
