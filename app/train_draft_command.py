@@ -54,8 +54,9 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
                              "rows (default: the model's whole vocabulary)")
     parser.add_argument("--holdout", type=float, default=None, metavar="F",
                         help="keep this share of the prompts (chosen by a digest of each) out of training and "
-                             "report the head's agreement with the model on their answers at the end: how it does "
-                             "on prompts it never saw (default 0)")
+                             "report the head's agreement with the model on their answers at the end, beside the "
+                             "same on as many training prompts: whether more steps or more prompts may help "
+                             "(default 0)")
     parser.add_argument("--head-width", type=int, default=None, metavar="N",
                         help="width of the head's MLP (default: as wide as the model's last layer's)")
     parser.add_argument("--depths", type=int, default=None, metavar="K",
