@@ -128,6 +128,14 @@ def timed_builds(builds, fn, calls, warmup=2):
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def use_threads(n: int) -> None:
+    """The packed kernel's threads: cpu_experts' pool where that library is loaded (the packed kernel runs on it),
+    else its own."""
+    ce.set_num_threads(n)
+    if "lib" in cq._state and not ce.available():
+        cq._state["lib"].mq_set_threads(n)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
@@ -146,9 +154,7 @@ def main():
         sys.exit(f"packed kernel unavailable: {cq.unavailable_reason()}")
     threads = 1 if args.per_core else args.threads
     if threads:
-        ce.set_num_threads(threads)
-        if "lib" in cq._state and not ce.available():
-            cq._state["lib"].mq_set_threads(threads)
+        use_threads(threads)
     builds = {"": cq._state["lib"]}
     for d in args.define:
         name, _, flags = d.partition("=")

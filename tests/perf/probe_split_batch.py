@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_cpu_quant import packed_stack  # noqa: E402
-from kernels import cpu_experts, cpu_quant, gpu_streamed  # noqa: E402
+from bench_cpu_quant import packed_stack, use_threads  # noqa: E402
+from kernels import cpu_quant, gpu_streamed  # noqa: E402
 from kernels.expert_weights import ExpertWeights  # noqa: E402
 
 E, H, F, ACTIVE = 16, 4096, 14336, 8  # a stack of 16 Mixtral experts; the CPU's call computes 8 of them
@@ -43,9 +43,7 @@ def main():
     ap.add_argument("--threads", type=int, default=15)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    cpu_experts.set_num_threads(args.threads)  # the pool the packed kernel runs on (the engine: cores - 1)
-    if "lib" in cpu_quant._state and not cpu_experts.available():
-        cpu_quant._state["lib"].mq_set_threads(args.threads)
+    use_threads(args.threads)  # the engine's count: cores - 1
     w = ExpertWeights(packed_stack(args.format, E, 2 * F, H, True), packed_stack(args.format, E, H, F, True), H, F,
                       args.format, args.format)
     gen = torch.Generator().manual_seed(0)
@@ -65,7 +63,7 @@ def main():
 
         def layer_ms(gpu_rows, base):
             first = base * ACTIVE
-            ids_r = ids + first % (E - ACTIVE + 1)  # alternate halves of the stack so the LLC holds nothing
+            ids_r = ids + first % (E - ACTIVE + 1)  # another window of the stack each call: little left in the LLC
             pe_r = pe + first % (E - ACTIVE + 1)
             torch.cuda.synchronize()
             t = time.perf_counter()
