@@ -4,26 +4,32 @@ A decode step gives each GPU-resident expert a token or two. One small GEMM per 
 a few kernel launches and ~10 µs of host time each, whatever the size; `torch._grouped_mm`
 runs every expert of a layer in one launch per projection (EPS-MoE's grouped launch). It is a
 private torch API (2.8+, bf16 on Hopper, any dtype on the CPU), so everything it does not
-cover takes the per-expert loop, which computes the same function.
+cover takes kernels.gpu_grouped (the same in Triton: any CUDA GPU, bf16, fp16 or float32), and the
+CPU without torch's kernel the per-expert loop, which computes the same function.
 """
 from __future__ import annotations
 
 import torch
 
+from kernels import gpu_grouped
 from kernels.cpu_experts import expert_forward
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
 def grouped_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-    """Whether `grouped_experts_forward` takes the grouped path for these tensors."""
-    if _grouped_mm is None:
-        return False
+    """Whether `grouped_experts_forward` takes a grouped path for these tensors (one launch a projection, the
+    groups' ends read on the device), rather than one GEMM per expert."""
     if x.is_cuda:
-        # The CUDA kernel is bf16-only, for sm90, with 16-byte aligned rows.
-        return (x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) == (9, 0)
-                and gate_up.shape[-1] % 8 == 0 and gate_up.shape[-2] % 16 == 0)
-    return x.dtype in (torch.bfloat16, torch.float32)
+        return _torch_grouped(x, gate_up) or gpu_grouped.applies(x, gate_up)
+    return _grouped_mm is not None and x.dtype in (torch.bfloat16, torch.float32)
+
+
+def _torch_grouped(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    # torch's CUDA kernel is bf16-only, for sm90, with 16-byte aligned rows.
+    return (_grouped_mm is not None and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) == (9, 0)
+            and gate_up.shape[-1] % 8 == 0 and gate_up.shape[-2] % 16 == 0)
 
 
 def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -33,6 +39,8 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     x [M, H]; gate_up [G, 2F, H]; down [G, H, F]; ends [G] int32 on x's device (cumulative, so empty
     groups repeat the previous end). Returns [M, H].
     """
+    if x.is_cuda and not _torch_grouped(x, gate_up) and gpu_grouped.applies(x, gate_up):
+        return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends)
     if not grouped_supported(x, gate_up):
         return _per_expert(x, gate_up, down, ends.tolist())
     h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
