@@ -396,6 +396,11 @@ class OffloadExecutor:
         one kernel call that writes each result at its pair's row, sends those rows to the device
         in one copy, and scatters the GPU's results over them.
         """
+        if host is None and self.runs_on_device(moe.layer):
+            # Every expert resident (prefill, steps outside the graphs): nothing to decide on the host, so no
+            # wait for the routing, as in the captured steps.
+            y = self.device_expert_outputs(moe, x, ids)
+            return y if out is None else out.copy_(y)
         started = time.perf_counter()
         bank = self.banks[moe.layer]
         if host is None:

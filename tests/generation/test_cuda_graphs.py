@@ -51,8 +51,8 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_checkpoint, monkeypatch):
-    """A layer whose experts all live on the "GPU" is computed inside the segments from device tensors
-    (no host round trip): same tokens as transformers, and the same popularity and stats as the host path."""
+    """A layer whose experts all live on the "GPU" is computed from device tensors (no host round trip), inside
+    the segments and in eager steps alike: same tokens as transformers, and the same popularity and stats."""
     from engine.offload.offload_executor import OffloadExecutor, stack_experts
 
     folder = tiny_checkpoint(arch)
@@ -66,9 +66,12 @@ def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_ch
     on_gpu = [[True] * banks[layer].num_experts if i == 0 else [e % 2 == 0 for e in range(banks[layer].num_experts)]
               for i, layer in enumerate(layers)]
     runs = {}
-    for name, graphs in (("host", None), ("segments", GraphedDecode(engine.model, engine.cache, capture=False))):
+    for name, graphs in (("host", None), ("eager", None),
+                         ("segments", GraphedDecode(engine.model, engine.cache, capture=False))):
         executor = OffloadExecutor(banks, on_gpu, "cpu", lambda loads: (sorted(loads), []))
         assert [executor.runs_on_device(layer) for layer in layers] == [True] + [False] * (len(layers) - 1)
+        if name == "host":  # the reference: every layer through the host's decisions
+            monkeypatch.setattr(executor, "runs_on_device", lambda layer: False)
         on_device = []
         device_outputs = executor.device_expert_outputs
         monkeypatch.setattr(executor, "device_expert_outputs",
@@ -77,13 +80,15 @@ def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_ch
         requests = [Request(p, SamplingParams(max_new_tokens=10, temperature=0), tag=i) for i, p in enumerate(prompts)]
         done = {c.tag: c.token_ids for c in engine.generate(requests, batch_size=2)}
         assert [done[i] for i in range(len(prompts))] == expected, name
-        assert set(on_device) == (set() if graphs is None else {layers[0]}), name
+        assert set(on_device) == (set() if name == "host" else {layers[0]}), name
         runs[name] = (executor.stats.copy(), {layer: counts.tolist() for layer, counts in executor.selections.items()})
     assert len(graphs.captured) >= 2
     executor.set_placement(on_gpu)  # new resident weights: every capture is stale, and dropped at the next one
     list(engine.generate([Request(prompts[0], SamplingParams(max_new_tokens=3, temperature=0))]))
     assert len(graphs.captured) == 1
-    (host_stats, host_counts), (seg_stats, seg_counts) = runs["host"], runs["segments"]
-    assert seg_counts == host_counts
-    for field in ("selections", "gpu_hits", "gpu_experts", "cpu_experts"):
-        assert getattr(seg_stats, field) == getattr(host_stats, field), field
+    host_stats, host_counts = runs["host"]
+    for name in ("eager", "segments"):
+        stats, counts = runs[name]
+        assert counts == host_counts, name
+        for field in ("selections", "gpu_hits", "gpu_experts", "cpu_experts"):
+            assert getattr(stats, field) == getattr(host_stats, field), (name, field)

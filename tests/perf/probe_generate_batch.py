@@ -24,7 +24,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--batches", default="64,256")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--profile-batch", type=int, default=256)
+    ap.add_argument("--profile-batch", type=int, default=256, help="0: no profiled run")
     args = ap.parse_args()
     engine = Engine.load("demo", device="cuda", dtype=args.dtype)
     shipped = Path(__file__).resolve().parents[2] / "assets" / "draft_prompts.jsonl"
@@ -45,6 +45,8 @@ def main():
         run(b, 0, b)
         print(f"batch {b:>4}: greedy {run(b, 0):8.0f} tok/s, sampled {run(b, 0.8):8.0f} tok/s")
     b = args.profile_batch
+    if not b:
+        return
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         run(b, 0.8, b)
