@@ -8,8 +8,9 @@ For each shape (H, F, experts, top-k) and dtype, a layer's experts all resident,
 - loop: one GEMM per expert, the groups' sizes read on the host (what a GPU without a grouped path ran, its
   wait for the routing included);
 - torch: torch._grouped_mm (bf16 on sm90 only);
-- triton: kernels.gpu_grouped, the path for float32, float16 and GPUs other than sm90.
-Prints a table and the largest difference of the grouped results from the loop's, relative to its RMS.
+- triton: kernels.gpu_grouped, the path for float32, float16 and GPUs other than sm90; float32 both with IEEE
+  products and with 3xTF32 (gpu_grouped.FP32_DOT).
+Prints a table and the largest difference of each grouped result from the loop's, relative to its RMS.
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def main():
     ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
-    print(f"{'shape':>8} {'dtype':>9} {'T':>5} {'loop ms':>8} {'torch ms':>9} {'triton ms':>10} {'err':>8}")
+    print(f"{'shape':>8} {'dtype':>9} {'T':>5} {'loop ms':>8} {'torch ms':>9} {'triton ms':>10} {'err':>8}"
+          f" {'tf32x3 ms':>10} {'err':>8}")
     for name in args.shapes.split(","):
         hidden, width, experts, k = SHAPES[name]
         for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
@@ -66,11 +68,15 @@ def main():
                 torch_ms = float("nan")
                 if gpu_experts._torch_grouped(x, gate_up):
                     torch_ms = ms_per_call(lambda: gpu_experts.grouped_experts_forward(x, gate_up, down, ends))
-                tri = ms_per_call(lambda: gpu_grouped.grouped_experts_forward(x, gate_up, down, ends))
-                got = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends).float()
-                err = ((got - ref).abs().max() / ref.pow(2).mean().sqrt()).item()
-                print(f"{name:>8} {str(dtype)[6:]:>9} {t:>5} {loop:8.3f} {torch_ms:9.3f} {tri:10.3f} {err:8.1e}",
-                      flush=True)
+                cells = []
+                for dot in ("ieee", "tf32x3") if dtype == torch.float32 else ("",):
+                    gpu_grouped.FP32_DOT = dot
+                    ms = ms_per_call(lambda: gpu_grouped.grouped_experts_forward(x, gate_up, down, ends))
+                    got = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends).float()
+                    err = ((got - ref).abs().max() / ref.pow(2).mean().sqrt()).item()
+                    cells.append(f"{ms:10.3f} {err:8.1e}")
+                gpu_grouped.FP32_DOT = "ieee"
+                print(f"{name:>8} {str(dtype)[6:]:>9} {t:>5} {loop:8.3f} {torch_ms:9.3f} {' '.join(cells)}", flush=True)
             del gate_up, down
             torch.cuda.empty_cache()
 
