@@ -15,10 +15,9 @@ from kernels import gpu_grouped
 from kernels.cpu_experts import expert_forward
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
-# Where both run (bf16 on sm90), the Triton launch up to this many rows per group on average: measured on an H200
-# (tests/perf/bench_gpu_grouped.py), it took 0.22 against torch's 0.32 ms for a Mixtral layer's token, 0.05
-# against 0.08 for Qwen3's, and was level at 16 rows per group; torch's kernel is ahead from there up.
-TRITON_MAX_ROWS_PER_GROUP = 16
+# Where both run (bf16 on sm90) torch's kernel is taken: the Triton launch alone was faster up to 16 rows per group
+# (tests/perf/bench_gpu_grouped.py on an H200: a Mixtral layer's token 0.22 against 0.32 ms), but whole decode
+# steps were not (moedesk bench, Mixtral and Qwen3 shapes with every expert resident, within 4% either way).
 
 
 def grouped_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
@@ -43,8 +42,7 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     x [M, H]; gate_up [G, 2F, H]; down [G, H, F]; ends [G] int32 on x's device (cumulative, so empty
     groups repeat the previous end). Returns [M, H].
     """
-    if x.is_cuda and gpu_grouped.applies(x, gate_up) and (
-            not _torch_grouped(x, gate_up) or x.shape[0] <= TRITON_MAX_ROWS_PER_GROUP * ends.shape[0]):
+    if x.is_cuda and not _torch_grouped(x, gate_up) and gpu_grouped.applies(x, gate_up):
         return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends)
     if not grouped_supported(x, gate_up):
         return _per_expert(x, gate_up, down, ends.tolist())
