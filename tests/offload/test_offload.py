@@ -194,3 +194,32 @@ def test_combine_rounds_as_index_add_in_expert_order(k):
     if k > 2:  # the test can tell orders apart (two terms commute): summing in top-k order gives other bits
         in_topk_order = MoE.combine(outputs[torch.arange(n).unsqueeze(-1), ids].reshape(n * k, hidden), weights)
         assert not torch.equal(in_topk_order, expected)
+
+
+def test_eager_steps_skip_the_host_only_for_few_tokens_an_expert(tiny_checkpoint, monkeypatch):
+    """A layer with every expert resident runs from device tensors outside the graphs too, up to
+    GROUPED_MAX_TOKENS tokens an expert on average; a longer prefill takes the host path, whose per-expert
+    GEMMs are faster there. Both give the host path's outputs."""
+    import torch
+
+    from engine.offload import offload_executor
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    banks = stack_experts(engine.model, pinned=False)
+    layer = sorted(banks)[0]
+    experts = banks[layer].num_experts
+    resident = [[True] * b.num_experts for _, b in sorted(banks.items())]
+    executor = OffloadExecutor(banks, resident, "cpu", POLICIES["all-cpu"])
+    host_path = OffloadExecutor(banks, resident, "cpu", POLICIES["all-cpu"])
+    host_path.runs_on_device = lambda layer: False  # the reference: the host's decisions for every layer
+    moe = next(b.moe for b in engine.model.layers if hasattr(b, "moe") and b.moe.layer == layer)
+    on_device = []
+    device_outputs = executor.device_expert_outputs
+    monkeypatch.setattr(executor, "device_expert_outputs",
+                        lambda m, *a: on_device.append(len(a[1])) or device_outputs(m, *a))
+    g = torch.Generator().manual_seed(0)
+    for tokens in (3, offload_executor.GROUPED_MAX_TOKENS * experts // 2 + 1):  # 2 ranks a token
+        x = torch.randn(tokens, engine.config.hidden_size, generator=g)
+        ids = torch.rand(tokens, experts, generator=g).topk(2, dim=1).indices
+        assert torch.allclose(executor.expert_outputs(moe, x, ids), host_path.expert_outputs(moe, x, ids), atol=1e-6)
+    assert on_device == [3]  # the long prefill went through the host
