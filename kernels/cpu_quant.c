@@ -588,6 +588,16 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
+#ifdef MQ_READ_ONLY /* bench_cpu_quant.py --define ro=-DMQ_READ_ONLY: the same reads of whole segments without the
+                     * arithmetic (wrong results), the memory's ceiling for this traversal */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            const __m512i v = _mm512_ternarylogic_epi32(_mm512_loadu_si512(w[r] + at), _mm512_loadu_si512(w[r] + at + 64),
+                                                        _mm512_loadu_si512(w[r] + at + 256 / per * bb - 64), 0x96);
+            acc[r][0] = _mm512_add_ps(acc[r][0], _mm512_castsi512_ps(v));
+        }
+        continue;
+#endif
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             SegW g;

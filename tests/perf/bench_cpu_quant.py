@@ -21,6 +21,9 @@ float16 scales: the values do not matter to the timing.
 #ifndef'd constants: PREFETCH, SHORT_ROW_BYTES, ITEM_BYTES, MAX_TT, ...) and measures it beside the
 default build, the builds taking turns call by call (in a rotating order, each on experts the call before did not
 read) so that all see the same machine state.
+`--define ro=-DMQ_READ_ONLY` builds a kernel that makes the same reads of whole segments without the arithmetic
+(its results are wrong): the memory's ceiling for the kernel's traversal, beside which the kernel's own GB/s says
+how much of a call the instructions add.
 --per-core is --threads 1: on the GPU box at one token with all threads the 4-bit kernels were bound by
 instructions per core, so GB/s per core is the figure an instruction-level change moves.
 """
