@@ -42,9 +42,12 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     x [M, H]; gate_up [G, 2F, H]; down [G, H, F]; ends [G] int32 on x's device (cumulative, so empty
     groups repeat the previous end). Returns [M, H].
     """
-    if x.is_cuda and not _torch_grouped(x, gate_up) and gpu_grouped.applies(x, gate_up):
-        return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends)
-    if not grouped_supported(x, gate_up):
+    if x.is_cuda:
+        if not _torch_grouped(x, gate_up):
+            if gpu_grouped.applies(x, gate_up):
+                return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends)
+            return _per_expert(x, gate_up, down, ends.tolist())
+    elif not grouped_supported(x, gate_up):
         return _per_expert(x, gate_up, down, ends.tolist())
     h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
     gate, up = h.chunk(2, dim=-1)

@@ -82,6 +82,13 @@ def _launch(x, stack, ends, out, *, rows, k, gated, m, groups):
 
 if triton is not None:
     @triton.jit
+    def group_span(ends_ptr, g):
+        """[start, end) of group g's rows, from the groups' cumulative ends (kernels.gpu_quant's launches too)."""
+        end = tl.load(ends_ptr + g)
+        start = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+        return start, end
+
+    @triton.jit
     def _tile_dot(x_ptr, x_stride, toks, tlive, w_row, rlive, K, BT: tl.constexpr, BR: tl.constexpr,
                   BK: tl.constexpr, FP32: tl.constexpr):
         """[BT, BR]: tokens `toks` of x against the weight rows at `w_row` ([BR, 1] pointers), float32 sums."""
@@ -104,9 +111,7 @@ if triton is not None:
         """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
         out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r), rounded at each step to out's dtype."""
         g = tl.program_id(1)
-        end = tl.load(ends_ptr + g)
-        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
-        start = tl.where(g > 0, start, 0)
+        start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rlive = rows < R
         w_row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * row_stride)[:, None]

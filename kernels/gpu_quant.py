@@ -39,6 +39,8 @@ try:
     import triton.language as tl
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
+else:
+    from kernels.gpu_grouped import group_span
 
 _FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 _LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16}  # L: bytes of a unit's run
@@ -339,9 +341,7 @@ if triton is not None:
         """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
         out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
         g = tl.program_id(1)
-        end = tl.load(ends_ptr + g)
-        start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
-        start = tl.where(g > 0, start, 0)
+        start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
         expert = w_ptr + g.to(tl.int64) * expert_stride
