@@ -52,7 +52,12 @@
  * with the same arithmetic, the rest on VNNI; see the AMX section. Not yet run on AMX hardware: its logic is
  * tested through an emulated build (-DMQ_AMX_EMULATE).
  *
- * AVX2 path (fallback): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
+ * AVX2 path (fallback, CPUs without AVX-512): q4_0, q4_k and q5_k weights are unpacked in registers as on the
+ * VNNI path, 256 bits wide, with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured per
+ * core on the development VM (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape
+ * from DRAM, against this build with -DLANE8_PATH=0): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against
+ * 3.5, q5_k 17.4 against 3.8; at 4 tokens 11.2 / 10.7 / 10.8 against 4.4 / 3.4 / 3.8.
+ * The other formats (q8_0, q6_k; all of them with -DLANE8_PATH=0): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
  * then maddubs with x stored as q + 128 and the row's -128 * (lane sum of w) added back; maddubs
  * saturates pairs at 16 bits: 255 * 32 * 2 fits for every format but q8_0, which uses |w| against
@@ -133,6 +138,10 @@ static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
  */
 enum { LAY_NATURAL, LAY_Q4_0, LAY_QK, LAY_Q6_K };
 static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K};
+/* quantize_block's fmt for the AVX2 lane path (the AVX2 section): LANE8 | the weights' format. Whole segments
+ * in that path's layout, the rest in order as the VNNI path has it (signed q, lane d and offset sums). */
+#define LANE8 16
+static inline int lane8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_K || fmt == Q5_K; }
 
 static inline int32_t hsum8i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -168,8 +177,19 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
     const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     const __m256i q01 = _mm256_add_epi32(q[0], q[1]), q23 = _mm256_add_epi32(q[2], q[3]);
     XM(row, Kc)[b] = d * (float)hsum8i(_mm256_add_epi32(q01, q23));
+    const int lane8 = fmt >= LANE8;
+    if (lane8) fmt -= LANE8;
     const int off = fmt < 0 ? -1 : W_OFFSET[fmt];
-    const int lay = fmt >= 0 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
+    if (lane8 && b / 8 < K / 256) { /* block L of segment s: dword c of its 32 bytes to lane L of chunk c (32 bytes) */
+        const int64_t s = b / 8, L = b % 8;
+        _Alignas(32) int32_t dw[8];
+        _mm256_store_si256((__m256i *)dw, ordered);
+        for (int c = 0; c < 8; c++) memcpy(row + 256 * s + 32 * c + 4 * L, &dw[c], 4);
+        XD(row, Kc)[64 * s + L] = d;
+        XC(row, Kc)[64 * s + L] = -off * hsum8i(_mm256_add_epi32(q01, q23));
+        return;
+    }
+    const int lay = fmt >= 0 && !lane8 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
     if (lay == LAY_NATURAL) {
         _mm256_storeu_si256((__m256i *)(row + 32 * b), off < 0 ? _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)) : ordered);
         _mm256_storeu_ps(XD(row, Kc) + 8 * b, _mm256_set1_ps(d));
@@ -386,8 +406,153 @@ static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int
     }
 }
 
+/* ---------------------------------------------------------------- AVX2 lane path: q4_0, q4_k, q5_k in registers */
+
+/*
+ * Where AVX-512 is missing (AMD before Zen 4, Intel's desktop cores), q4_0, q4_k and q5_k weights are unpacked in
+ * registers as the VNNI path does, in 256-bit vectors: a whole segment (8 blocks or sub-blocks of 32) as 8
+ * chunks whose int32 lane L holds weights 4c..4c+3 of block L in chunk c (x stored to match: quantize_block
+ * with LANE8). maddubs of the unsigned 4-bit weights with signed x gives pairs of at most 2 x 15 x 127, so the
+ * eight chunks add up in 16 bits (8 x 3810 < 32768; q5_k's 5-bit weights four at a time); one madd makes them the lanes' int32 sums, and the
+ * convert, scale product and FMA happen once per segment, row and token, where the unpack-to-memory path did
+ * them per 32 weights. One row at a time: 8 weight chunks and up to LANE8_TT tokens' accumulators fill the 16
+ * ymm registers; the weights are unpacked again for each LANE8_TT tokens.
+ */
+#define LANE8_TT 4
+typedef struct { __m256i w[8]; __m256 s, mn; } SegW8;
+
+static inline int16_t ld16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
+
+/* q4_0: y[L] holds the quant bytes of blocks L and L + 4; two unpack steps transpose them so that dword L of
+ * G[m] is block L's bytes 4m..4m+3: their low nibbles are chunk m, their high nibbles chunk m + 4. */
+static inline __attribute__((always_inline)) void seg8_q4_0(const uint8_t *b, SegW8 *g) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    __m256i y[4];
+    for (int L = 0; L < 4; L++)
+        y[L] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 18 * L + 2))),
+                                       _mm_loadu_si128((const __m128i *)(b + 18 * (L + 4) + 2)), 1);
+    const __m256i a01 = _mm256_unpacklo_epi32(y[0], y[1]), b01 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const __m256i a23 = _mm256_unpacklo_epi32(y[2], y[3]), b23 = _mm256_unpackhi_epi32(y[2], y[3]);
+    const __m256i G[4] = {_mm256_unpacklo_epi64(a01, a23), _mm256_unpackhi_epi64(a01, a23),
+                          _mm256_unpacklo_epi64(b01, b23), _mm256_unpackhi_epi64(b01, b23)};
+    for (int m = 0; m < 4; m++) {
+        g->w[m] = _mm256_and_si256(G[m], lo4);
+        g->w[m + 4] = _mm256_and_si256(_mm256_srli_epi16(G[m], 4), lo4);
+    }
+    g->s = _mm256_cvtph_ps(_mm_setr_epi16(ld16(b), ld16(b + 18), ld16(b + 36), ld16(b + 54), ld16(b + 72),
+                                          ld16(b + 90), ld16(b + 108), ld16(b + 126)));
+}
+
+/* q4_k / q5_k: sub-block L is the low (L even) or high nibbles of qs bytes 32 (L / 2)..; with Q[j] those 32 bytes,
+ * the transpose gives W[c] = dword c of Q[0..3] | dword c + 4 of Q[0..3], and a permute doubles each dword so that
+ * lanes 2j and 2j + 1 both hold Q[j]'s, of which a per-lane shift keeps the right nibble. q5_k: bit L of qh[i] is
+ * the fifth bit of sub-block L's weight i, so chunk c takes qh's dword c shifted right by its lane. Scales and
+ * mins: the 6-bit pairs as the VNNI path decodes them. */
+static inline __attribute__((always_inline)) void seg8_qk(const int fmt, const uint8_t *b, SegW8 *g) {
+    const uint8_t *qs = b + (fmt == Q4_K ? 16 : 48);
+    __m256i Q[4];
+    for (int j = 0; j < 4; j++) Q[j] = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+    const __m256i a01 = _mm256_unpacklo_epi32(Q[0], Q[1]), b01 = _mm256_unpackhi_epi32(Q[0], Q[1]);
+    const __m256i a23 = _mm256_unpacklo_epi32(Q[2], Q[3]), b23 = _mm256_unpackhi_epi32(Q[2], Q[3]);
+    const __m256i W[4] = {_mm256_unpacklo_epi64(a01, a23), _mm256_unpackhi_epi64(a01, a23),
+                          _mm256_unpacklo_epi64(b01, b23), _mm256_unpackhi_epi64(b01, b23)};
+    const __m256i first = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), second = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    const __m256i nibble = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), lo4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        g->w[c] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(W[c], first), nibble), lo4);
+        g->w[c + 4] = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(W[c], second), nibble), lo4);
+    }
+    if (fmt == Q5_K) {
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), bit0 = _mm256_set1_epi8(1);
+        for (int c = 0; c < 8; c++) {
+            int32_t h;
+            memcpy(&h, b + 16 + 4 * c, 4);
+            const __m256i fifth = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), lane), bit0);
+            g->w[c] = _mm256_or_si256(g->w[c], _mm256_slli_epi32(fifth, 4));
+        }
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + 4));
+    const __m128i lo = _mm_and_si128(_mm_srlv_epi32(_mm_shuffle_epi32(v, 0x98), _mm_setr_epi32(0, 0, 0, 4)),
+                                     _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, 0x50), 2), _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+    const __m128i sm = _mm_or_si128(lo, hi); /* bytes 0-7 the scales, 8-15 the mins */
+    g->s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm)), _mm256_set1_ps(f16(b)));
+    g->mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))), _mm256_set1_ps(f16(b + 2)));
+}
+
+static inline float hsum8f(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* out[t] = dot(row w, token t) for TT tokens of quantised rows x[t] (LANE8 layout), K weights; a q4_0 row's last
+ * K % 256 weights in order, one block at a time. Always inlined with constant fmt and TT. */
+static inline __attribute__((always_inline)) void lane8_row(const int fmt, const int TT, const uint8_t *w,
+                                                            uint8_t *const *x, int64_t K, float *out, int64_t ahead) {
+    const int64_t Kc = round_up(K, 64), Kf = K / 256 * 256;
+    const int bb = BLOCK_BYTES[fmt], per = BLOCK[fmt];
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[LANE8_TT];
+    for (int t = 0; t < TT; t++) acc[t] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < Kf; k0 += 256) {
+        const int64_t at = k0 / per * bb;
+        for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w + at + ahead + o), _MM_HINT_T0);
+        SegW8 g;
+        if (fmt == Q4_0) seg8_q4_0(w + at, &g);
+        else seg8_qk(fmt, w + at, &g);
+        for (int t = 0; t < TT; t++) {
+            const uint8_t *xr = x[t] + k0;
+            __m256i h = _mm256_maddubs_epi16(g.w[0], _mm256_loadu_si256((const __m256i *)xr)), i;
+            for (int c = 1; c < 4; c++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
+            if (fmt == Q5_K) { /* 4 x 2 x 31 x 127 < 32768: halves of four */
+                __m256i h2 = _mm256_maddubs_epi16(g.w[4], _mm256_loadu_si256((const __m256i *)(xr + 128)));
+                for (int c = 5; c < 8; c++) h2 = _mm256_add_epi16(h2, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
+                i = _mm256_add_epi32(_mm256_madd_epi16(h, ones), _mm256_madd_epi16(h2, ones));
+            } else {
+                for (int c = 4; c < 8; c++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
+                i = _mm256_madd_epi16(h, ones);
+            }
+            if (fmt == Q4_0) i = _mm256_add_epi32(i, _mm256_loadu_si256((const __m256i *)(XC(x[t], Kc) + k0 / 4)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(g.s, _mm256_loadu_ps(XD(x[t], Kc) + k0 / 4)), acc[t]);
+            if (fmt != Q4_0) acc[t] = _mm256_fnmadd_ps(g.mn, _mm256_loadu_ps(XM(x[t], Kc) + k0 / 32), acc[t]);
+        }
+    }
+    for (int64_t k = Kf; fmt == Q4_0 && k < K; k += 32) { /* natural layout: weights 0-15 low nibbles, 16-31 high */
+        const uint8_t *b = w + k / 32 * 18;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), lo4 = _mm_set1_epi8(0x0F);
+        const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
+        const __m256 d = _mm256_set1_ps(f16(b));
+        for (int t = 0; t < TT; t++) {
+            const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)(x[t] + k))), ones),
+                                               _mm256_loadu_si256((const __m256i *)(XC(x[t], Kc) + k / 4)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(XD(x[t], Kc) + k / 4)), acc[t]);
+        }
+    }
+    for (int t = 0; t < TT; t++) out[t] = hsum8f(acc[t]);
+}
+
+#define LANE8_FORMAT(name, FMT)                                                                                   \
+    static void name(const uint8_t *w, uint8_t *const *x, int n, int64_t K, float *out, int64_t ahead) {        \
+        for (int t0 = 0; t0 < n; t0 += LANE8_TT) {                                                                \
+            switch (n - t0) {                                                                                     \
+            case 1: lane8_row(FMT, 1, w, x + t0, K, out + t0, ahead); break;                                      \
+            case 2: lane8_row(FMT, 2, w, x + t0, K, out + t0, ahead); break;                                      \
+            case 3: lane8_row(FMT, 3, w, x + t0, K, out + t0, ahead); break;                                      \
+            default: lane8_row(FMT, 4, w, x + t0, K, out + t0, ahead); break;                                     \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+LANE8_FORMAT(lane8_q4_0, Q4_0)
+LANE8_FORMAT(lane8_q4_k, Q4_K)
+LANE8_FORMAT(lane8_q5_k, Q5_K)
+
 static int use_vnni = 0;
 static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
+#ifndef LANE8_PATH
+#define LANE8_PATH 1 /* 0: the AVX2 path unpacks q4_0 / q4_k to memory as it does the other formats */
+#endif
+static const int use_lane8 = LANE8_PATH;
 
 static inline float hsum16(const float *v, int lanes) {
     float s = 0.f;
@@ -727,7 +892,12 @@ static __attribute__((noinline)) void rows_dot_avx2(int fmt, const uint8_t *W, i
 static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
                             uint8_t *const *xq, int n, float *out, int64_t ahead) {
     if (!use_vnni) {
-        rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
+        if (lane8_format(fmt) && use_lane8) {
+            for (int r = 0; r < ROWS; r++)
+                (fmt == Q4_0 ? lane8_q4_0 : fmt == Q4_K ? lane8_q4_k : lane8_q5_k)(W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
+        } else {
+            rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
+        }
         return;
     }
     const uint8_t *w[ROWS];
@@ -1232,8 +1402,8 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->down = down;
     j->fmt_gu = fmt_gu;
     j->fmt_d = fmt_d;
-    j->qfmt_gu = use_vnni ? fmt_gu : -1;
-    j->qfmt_d = use_vnni ? fmt_d : -1;
+    j->qfmt_gu = use_vnni ? fmt_gu : use_lane8 && lane8_format(fmt_gu) ? LANE8 + fmt_gu : -1;
+    j->qfmt_d = use_vnni ? fmt_d : use_lane8 && lane8_format(fmt_d) ? LANE8 + fmt_d : -1;
     j->x_f32 = x_f32;
     j->out_f32 = out_f32;
     j->out = out;
