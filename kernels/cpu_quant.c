@@ -52,12 +52,13 @@
  * with the same arithmetic, the rest on VNNI; see the AMX section. Not yet run on AMX hardware: its logic is
  * tested through an emulated build (-DMQ_AMX_EMULATE).
  *
- * AVX2 path (fallback, CPUs without AVX-512): q4_0, q4_k and q5_k weights are unpacked in registers as on the
- * VNNI path, 256 bits wide, with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured per
- * core on the development VM (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape
+ * AVX2 path (fallback, CPUs without AVX-512): q4_0, q4_k, q5_k and q6_k weights are unpacked in registers as on
+ * the VNNI path, 256 bits wide, with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured
+ * per core on the development VM (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape
  * from DRAM, against this build with -DLANE8_PATH=0): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against
- * 3.5, q5_k 17.4 against 3.8; at 4 tokens 11.2 / 10.7 / 10.8 against 4.4 / 3.4 / 3.8.
- * The other formats (q8_0, q6_k; all of them with -DLANE8_PATH=0): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
+ * 3.5, q5_k 17.4 against 3.8, q6_k 18.0 against 4.7; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 against 4.4 / 3.4 /
+ * 3.8 / 5.2.
+ * q8_0 (and every format with -DLANE8_PATH=0): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
  * then maddubs with x stored as q + 128 and the row's -128 * (lane sum of w) added back; maddubs
  * saturates pairs at 16 bits: 255 * 32 * 2 fits for every format but q8_0, which uses |w| against
@@ -141,7 +142,7 @@ static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K}
 /* quantize_block's fmt for the AVX2 lane path (the AVX2 section): LANE8 | the weights' format. Whole segments
  * in that path's layout, the rest in order as the VNNI path has it (signed q, lane d and offset sums). */
 #define LANE8 16
-static inline int lane8_format(int fmt) { return fmt == Q4_0 || fmt == Q4_K || fmt == Q5_K; }
+static inline int lane8_format(int fmt) { return fmt != Q8_0; }
 
 static inline int32_t hsum8i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -180,13 +181,27 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
     const int lane8 = fmt >= LANE8;
     if (lane8) fmt -= LANE8;
     const int off = fmt < 0 ? -1 : W_OFFSET[fmt];
-    if (lane8 && b / 8 < K / 256) { /* block L of segment s: dword c of its 32 bytes to lane L of chunk c (32 bytes) */
-        const int64_t s = b / 8, L = b % 8;
+    if (lane8 && b / 8 < K / 256) {
+        const int64_t s = b / 8, i = b % 8;
         _Alignas(32) int32_t dw[8];
         _mm256_store_si256((__m256i *)dw, ordered);
-        for (int c = 0; c < 8; c++) memcpy(row + 256 * s + 32 * c + 4 * L, &dw[c], 4);
-        XD(row, Kc)[64 * s + L] = d;
-        XC(row, Kc)[64 * s + L] = -off * hsum8i(_mm256_add_epi32(q01, q23));
+        uint8_t *seg = row + 256 * s;
+        float *xd = XD(row, Kc) + 64 * s;
+        int32_t *xc = XC(row, Kc) + 64 * s;
+        if (fmt == Q6_K) { /* half h = i / 4, lanes 2 (i % 4) and the next (16 values each), chunks 4h + c: dword 4e + c of
+                            * the block to lane 2 (i % 4) + e of chunk 4h + c; the lanes' d and offset sums */
+            const int64_t h = i / 4, L = 2 * (i % 4);
+            for (int e = 0; e < 2; e++)
+                for (int c = 0; c < 4; c++) memcpy(seg + 32 * (4 * h + c) + 4 * (L + e), &dw[4 * e + c], 4);
+            xd[8 * h + L] = xd[8 * h + L + 1] = d;
+            xc[8 * h + L] = -off * hsum8i(q01);
+            xc[8 * h + L + 1] = -off * hsum8i(q23);
+            return;
+        }
+        /* block i: dword c of its 32 bytes to lane i of chunk c (32 bytes) */
+        for (int c = 0; c < 8; c++) memcpy(seg + 32 * c + 4 * i, &dw[c], 4);
+        xd[i] = d;
+        xc[i] = -off * hsum8i(_mm256_add_epi32(q01, q23));
         return;
     }
     const int lay = fmt >= 0 && !lane8 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
@@ -406,20 +421,22 @@ static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int
     }
 }
 
-/* ---------------------------------------------------------------- AVX2 lane path: q4_0, q4_k, q5_k in registers */
+/* ---------------------------------------------------------------- AVX2 lane path: 4- to 6-bit formats in registers */
 
 /*
- * Where AVX-512 is missing (AMD before Zen 4, Intel's desktop cores), q4_0, q4_k and q5_k weights are unpacked in
- * registers as the VNNI path does, in 256-bit vectors: a whole segment (8 blocks or sub-blocks of 32) as 8
- * chunks whose int32 lane L holds weights 4c..4c+3 of block L in chunk c (x stored to match: quantize_block
- * with LANE8). maddubs of the unsigned 4-bit weights with signed x gives pairs of at most 2 x 15 x 127, so the
- * eight chunks add up in 16 bits (8 x 3810 < 32768; q5_k's 5-bit weights four at a time); one madd makes them the lanes' int32 sums, and the
- * convert, scale product and FMA happen once per segment, row and token, where the unpack-to-memory path did
- * them per 32 weights. One row at a time: 8 weight chunks and up to LANE8_TT tokens' accumulators fill the 16
- * ymm registers; the weights are unpacked again for each LANE8_TT tokens.
+ * Where AVX-512 is missing (AMD before Zen 4, Intel's desktop cores), q4_0, q4_k, q5_k and q6_k weights are
+ * unpacked in registers as the VNNI path does, in 256-bit vectors: a whole segment (8 blocks or sub-blocks of 32)
+ * as 8 chunks whose int32 lane L holds 4 weights of block L in each chunk (x stored to match: quantize_block with
+ * LANE8; q6_k: two halves of 4 chunks, lane L the half's 16-weight scale group L). maddubs of the unsigned
+ * weights with signed x gives pairs of at most 2 x max|w| x 127, so runs of chunks add up in 16 bits (4-bit: all
+ * eight, 8 x 3810 < 32768; q5_k four, q6_k two) before one madd makes them the lanes' int32 sums; the convert,
+ * scale product and FMA happen once per segment (half), row and token, where the unpack-to-memory path did them
+ * per 32 weights. One row at a time: 8 weight chunks and up to LANE8_TT tokens' accumulators fill the 16 ymm
+ * registers; the weights are unpacked again for each LANE8_TT tokens. q8_0 (signed 8-bit weights, one chunk per
+ * madd) stays on the unpack-to-memory path.
  */
 #define LANE8_TT 4
-typedef struct { __m256i w[8]; __m256 s, mn; } SegW8;
+typedef struct { __m256i w[8]; __m256 s, mn; } SegW8; /* q6_k: mn the second half's scales */
 
 static inline int16_t ld16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
 
@@ -480,6 +497,43 @@ static inline __attribute__((always_inline)) void seg8_qk(const int fmt, const u
     g->mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))), _mm256_set1_ps(f16(b + 2)));
 }
 
+/* q6_k: two halves of 128 weights, chunks 4h..4h+3 for half h, lane L the half's scale group L (16 weights: 4 in
+ * each chunk). Group L = 2 qt + e of half h holds weights 32 qt + 16 e + l (l < 16), whose low nibbles are in ql
+ * dword 16h + 8 (qt & 1) + 4e + l / 4 (the high nibbles when qt >= 2) and top bits at 2qt of qh dword 8h + 4e +
+ * l / 4: per chunk a permute of each of the half's two ql vectors, a blend, and one permute of its qh vector. */
+static inline __attribute__((always_inline)) void seg8_q6_k(const uint8_t *b, SegW8 *g) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), three = _mm256_set1_epi8(3);
+    const __m256i nib = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), top = _mm256_setr_epi32(0, 0, 2, 2, 4, 4, 6, 6);
+    for (int h = 0; h < 2; h++) {
+        const __m256i A = _mm256_loadu_si256((const __m256i *)(b + 64 * h)), B = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+        const __m256i H = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+        for (int c = 0; c < 4; c++) {
+            const __m256i idx = _mm256_add_epi32(_mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), _mm256_set1_epi32(c));
+            const __m256i q = _mm256_blend_epi32(_mm256_permutevar8x32_epi32(A, idx), _mm256_permutevar8x32_epi32(B, idx), 0xCC);
+            const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(q, nib), lo4);
+            const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_permutevar8x32_epi32(H, idx), top), three);
+            g->w[4 * h + c] = _mm256_or_si256(lo, _mm256_slli_epi32(hi, 4));
+        }
+    }
+    const __m256 d = _mm256_set1_ps(f16(b + 208));
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    g->s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)), d);
+    g->mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
+}
+
+/* The int32 lane sums of chunks [c0, c0 + n) of a segment against its x (xr), `run` chunks' maddubs products
+ * added in 16 bits before each madd (run x 2 x max|w| x 127 < 32768). */
+static inline __attribute__((always_inline)) __m256i lane8_dot(const __m256i *w, const uint8_t *xr, int c0, int n, int run) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i i = _mm256_setzero_si256();
+    for (int c = c0; c < c0 + n; c += run) {
+        __m256i h = _mm256_maddubs_epi16(w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c)));
+        for (int k = 1; k < run; k++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(w[c + k], _mm256_loadu_si256((const __m256i *)(xr + 32 * (c + k)))));
+        i = c == c0 ? _mm256_madd_epi16(h, ones) : _mm256_add_epi32(i, _mm256_madd_epi16(h, ones));
+    }
+    return i;
+}
+
 static inline float hsum8f(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -500,21 +554,22 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
         for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w + at + ahead + o), _MM_HINT_T0);
         SegW8 g;
         if (fmt == Q4_0) seg8_q4_0(w + at, &g);
+        else if (fmt == Q6_K) seg8_q6_k(w + at, &g);
         else seg8_qk(fmt, w + at, &g);
         for (int t = 0; t < TT; t++) {
             const uint8_t *xr = x[t] + k0;
-            __m256i h = _mm256_maddubs_epi16(g.w[0], _mm256_loadu_si256((const __m256i *)xr)), i;
-            for (int c = 1; c < 4; c++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
-            if (fmt == Q5_K) { /* 4 x 2 x 31 x 127 < 32768: halves of four */
-                __m256i h2 = _mm256_maddubs_epi16(g.w[4], _mm256_loadu_si256((const __m256i *)(xr + 128)));
-                for (int c = 5; c < 8; c++) h2 = _mm256_add_epi16(h2, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
-                i = _mm256_add_epi32(_mm256_madd_epi16(h, ones), _mm256_madd_epi16(h2, ones));
-            } else {
-                for (int c = 4; c < 8; c++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(g.w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c))));
-                i = _mm256_madd_epi16(h, ones);
+            const int32_t *xc = XC(x[t], Kc) + k0 / 4;
+            const float *xd = XD(x[t], Kc) + k0 / 4;
+            if (fmt == Q6_K) { /* two halves, each with its own scales, lane sums and d of x; 6-bit weights: runs of 2 */
+                const __m256i i0 = _mm256_add_epi32(lane8_dot(g.w, xr, 0, 4, 2), _mm256_loadu_si256((const __m256i *)xc));
+                const __m256i i1 = _mm256_add_epi32(lane8_dot(g.w, xr, 4, 4, 2), _mm256_loadu_si256((const __m256i *)(xc + 8)));
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g.s, _mm256_loadu_ps(xd)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(g.mn, _mm256_loadu_ps(xd + 8)), acc[t]);
+                continue;
             }
-            if (fmt == Q4_0) i = _mm256_add_epi32(i, _mm256_loadu_si256((const __m256i *)(XC(x[t], Kc) + k0 / 4)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(g.s, _mm256_loadu_ps(XD(x[t], Kc) + k0 / 4)), acc[t]);
+            __m256i i = lane8_dot(g.w, xr, 0, 8, fmt == Q5_K ? 4 : 8); /* 5-bit weights: runs of 4 */
+            if (fmt == Q4_0) i = _mm256_add_epi32(i, _mm256_loadu_si256((const __m256i *)xc));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(g.s, _mm256_loadu_ps(xd)), acc[t]);
             if (fmt != Q4_0) acc[t] = _mm256_fnmadd_ps(g.mn, _mm256_loadu_ps(XM(x[t], Kc) + k0 / 32), acc[t]);
         }
     }
@@ -546,11 +601,12 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
 LANE8_FORMAT(lane8_q4_0, Q4_0)
 LANE8_FORMAT(lane8_q4_k, Q4_K)
 LANE8_FORMAT(lane8_q5_k, Q5_K)
+LANE8_FORMAT(lane8_q6_k, Q6_K)
 
 static int use_vnni = 0;
 static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
 #ifndef LANE8_PATH
-#define LANE8_PATH 1 /* 0: the AVX2 path unpacks q4_0 / q4_k to memory as it does the other formats */
+#define LANE8_PATH 1 /* 0: the AVX2 path unpacks every format to memory, as it does q8_0 */
 #endif
 static const int use_lane8 = LANE8_PATH;
 
@@ -894,7 +950,8 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
     if (!use_vnni) {
         if (lane8_format(fmt) && use_lane8) {
             for (int r = 0; r < ROWS; r++)
-                (fmt == Q4_0 ? lane8_q4_0 : fmt == Q4_K ? lane8_q4_k : lane8_q5_k)(W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
+                (fmt == Q4_0 ? lane8_q4_0 : fmt == Q4_K ? lane8_q4_k : fmt == Q5_K ? lane8_q5_k : lane8_q6_k)(
+                    W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
         } else {
             rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
         }

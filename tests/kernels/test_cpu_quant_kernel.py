@@ -182,14 +182,14 @@ def test_bf16_and_chosen_subset(path, fmt):
 
 
 # bytes of each format's block that hold quants (high bits included); all ones make every weight its format's largest
-_QUANT_BYTES = {"q4_0": slice(2, 18), "q4_k": slice(16, 144), "q5_k": slice(16, 176)}
+_QUANT_BYTES = {"q4_0": slice(2, 18), "q4_k": slice(16, 144), "q5_k": slice(16, 176), "q6_k": slice(0, 192)}
 
 
 @pytest.mark.parametrize("fmt", sorted(_QUANT_BYTES))
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_largest_weights_against_a_constant_x(path, fmt, sign):
-    """Every weight its format's largest (15, or 31 for q5_k) and x constant, so every quantised x is +-127: the
-    largest products the integer sums take (the AVX2 path adds eight chunks' products in 16 bits)."""
+    """Every weight its format's largest (15; 31 for q5_k, 63 for q6_k) and x constant, so every quantised x is
+    +-127: the largest products the integer sums take (the AVX2 path adds runs of chunks' products in 16 bits)."""
     g = torch.Generator().manual_seed(5)
     H, F_ = (544, 256) if fmt == "q4_0" else (512, 256)  # q4_0: whole segments and a block after them
     w, _, _ = make_case(fmt, fmt, H, F_, 2, 1, 1, g)
