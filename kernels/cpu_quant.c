@@ -52,13 +52,13 @@
  * with the same arithmetic, the rest on VNNI; see the AMX section. Not yet run on AMX hardware: its logic is
  * tested through an emulated build (-DMQ_AMX_EMULATE).
  *
- * AVX2 path (fallback, CPUs without AVX-512): q4_0, q4_k, q5_k and q6_k weights are unpacked in registers as on
- * the VNNI path, 256 bits wide, with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured
- * per core on the development VM (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape
- * from DRAM, against this build with -DLANE8_PATH=0): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against
- * 3.5, q5_k 17.4 against 3.8, q6_k 18.0 against 4.7; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 against 4.4 / 3.4 /
- * 3.8 / 5.2.
- * q8_0 (and every format with -DLANE8_PATH=0): each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
+ * AVX2 path (fallback, CPUs without AVX-512): weights unpacked in registers as on the VNNI path, 256 bits wide,
+ * with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured per core on the development VM
+ * (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape from DRAM, against this build with
+ * -DLANE8_PATH=0): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against 3.5, q5_k 17.4 against 3.8, q6_k
+ * 18.0 against 4.7, q8_0 23.1 against 11.9; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 / 11.3 against 4.4 / 3.4 /
+ * 3.8 / 5.2 / 7.9.
+ * With -DLANE8_PATH=0: each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
  * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
  * then maddubs with x stored as q + 128 and the row's -128 * (lane sum of w) added back; maddubs
  * saturates pairs at 16 bits: 255 * 32 * 2 fits for every format but q8_0, which uses |w| against
@@ -142,7 +142,7 @@ static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K}
 /* quantize_block's fmt for the AVX2 lane path (the AVX2 section): LANE8 | the weights' format. Whole segments
  * in that path's layout, the rest in order as the VNNI path has it (signed q, lane d and offset sums). */
 #define LANE8 16
-static inline int lane8_format(int fmt) { return fmt != Q8_0; }
+static inline int lane8_format(int fmt) { return fmt >= 0 && fmt < NFMT; }
 
 static inline int32_t hsum8i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -421,37 +421,45 @@ static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int
     }
 }
 
-/* ---------------------------------------------------------------- AVX2 lane path: 4- to 6-bit formats in registers */
+/* ---------------------------------------------------------------- AVX2 lane path: weights unpacked in registers */
 
 /*
- * Where AVX-512 is missing (AMD before Zen 4, Intel's desktop cores), q4_0, q4_k, q5_k and q6_k weights are
- * unpacked in registers as the VNNI path does, in 256-bit vectors: a whole segment (8 blocks or sub-blocks of 32)
+ * Where AVX-512 is missing (AMD before Zen 4, Intel's desktop cores), packed weights are unpacked in registers as
+ * the VNNI path does, in 256-bit vectors: a whole segment (8 blocks or sub-blocks of 32)
  * as 8 chunks whose int32 lane L holds 4 weights of block L in each chunk (x stored to match: quantize_block with
  * LANE8; q6_k: two halves of 4 chunks, lane L the half's 16-weight scale group L). maddubs of the unsigned
  * weights with signed x gives pairs of at most 2 x max|w| x 127, so runs of chunks add up in 16 bits (4-bit: all
  * eight, 8 x 3810 < 32768; q5_k four, q6_k two) before one madd makes them the lanes' int32 sums; the convert,
  * scale product and FMA happen once per segment (half), row and token, where the unpack-to-memory path did them
  * per 32 weights. One row at a time: 8 weight chunks and up to LANE8_TT tokens' accumulators fill the 16 ymm
- * registers; the weights are unpacked again for each LANE8_TT tokens. q8_0 (signed 8-bit weights, one chunk per
- * madd) stays on the unpack-to-memory path.
+ * registers; the weights are unpacked again for each LANE8_TT tokens. q8_0's signed weights: |w| against
+ * sign(w) x, a madd per chunk.
  */
 #define LANE8_TT 4
 typedef struct { __m256i w[8]; __m256 s, mn; } SegW8; /* q6_k: mn the second half's scales */
 
 static inline int16_t ld16(const uint8_t *p) { int16_t v; memcpy(&v, p, 2); return v; }
 
-/* q4_0: y[L] holds the quant bytes of blocks L and L + 4; two unpack steps transpose them so that dword L of
- * G[m] is block L's bytes 4m..4m+3: their low nibbles are chunk m, their high nibbles chunk m + 4. */
-static inline __attribute__((always_inline)) void seg8_q4_0(const uint8_t *b, SegW8 *g) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+/* G[m]'s dword L = bytes 4m..4m+3 of the 16 at p + L * stride (L < 8): two unpack steps transpose 8 such pieces. */
+static inline __attribute__((always_inline)) void transpose16(const uint8_t *p, int stride, __m256i G[4]) {
     __m256i y[4];
     for (int L = 0; L < 4; L++)
-        y[L] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 18 * L + 2))),
-                                       _mm_loadu_si128((const __m128i *)(b + 18 * (L + 4) + 2)), 1);
+        y[L] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(p + stride * L))),
+                                       _mm_loadu_si128((const __m128i *)(p + stride * (L + 4))), 1);
     const __m256i a01 = _mm256_unpacklo_epi32(y[0], y[1]), b01 = _mm256_unpackhi_epi32(y[0], y[1]);
     const __m256i a23 = _mm256_unpacklo_epi32(y[2], y[3]), b23 = _mm256_unpackhi_epi32(y[2], y[3]);
-    const __m256i G[4] = {_mm256_unpacklo_epi64(a01, a23), _mm256_unpackhi_epi64(a01, a23),
-                          _mm256_unpacklo_epi64(b01, b23), _mm256_unpackhi_epi64(b01, b23)};
+    G[0] = _mm256_unpacklo_epi64(a01, a23);
+    G[1] = _mm256_unpackhi_epi64(a01, a23);
+    G[2] = _mm256_unpacklo_epi64(b01, b23);
+    G[3] = _mm256_unpackhi_epi64(b01, b23);
+}
+
+/* q4_0: dword L of G[m] is block L's quant bytes 4m..4m+3: their low nibbles are chunk m, their high nibbles
+ * chunk m + 4. */
+static inline __attribute__((always_inline)) void seg8_q4_0(const uint8_t *b, SegW8 *g) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    __m256i G[4];
+    transpose16(b + 2, 18, G);
     for (int m = 0; m < 4; m++) {
         g->w[m] = _mm256_and_si256(G[m], lo4);
         g->w[m + 4] = _mm256_and_si256(_mm256_srli_epi16(G[m], 4), lo4);
@@ -552,6 +560,24 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
     for (int64_t k0 = 0; k0 < Kf; k0 += 256) {
         const int64_t at = k0 / per * bb;
         for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w + at + ahead + o), _MM_HINT_T0);
+        if (fmt == Q8_0) { /* signed weights: |w| against sign(w) x (pairs of at most 2 x 128 x 127), a madd per
+                            * chunk; the segment in two halves of 4 chunks (bytes 0-15, 16-31 of each block) */
+            const __m256 d = _mm256_cvtph_ps(_mm_setr_epi16(ld16(w + at), ld16(w + at + 34), ld16(w + at + 68), ld16(w + at + 102),
+                                                            ld16(w + at + 136), ld16(w + at + 170), ld16(w + at + 204), ld16(w + at + 238)));
+            for (int h = 0; h < 2; h++) {
+                __m256i G[4], A[4];
+                transpose16(w + at + 2 + 16 * h, 34, G);
+                for (int m = 0; m < 4; m++) A[m] = _mm256_sign_epi8(G[m], G[m]);
+                for (int t = 0; t < TT; t++) {
+                    const uint8_t *xr = x[t] + k0 + 128 * h;
+                    __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(A[0], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)xr), G[0])), ones);
+                    for (int m = 1; m < 4; m++)
+                        i = _mm256_add_epi32(i, _mm256_madd_epi16(_mm256_maddubs_epi16(A[m], _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr + 32 * m)), G[m])), ones));
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(XD(x[t], Kc) + k0 / 4)), acc[t]);
+                }
+            }
+            continue;
+        }
         SegW8 g;
         if (fmt == Q4_0) seg8_q4_0(w + at, &g);
         else if (fmt == Q6_K) seg8_q6_k(w + at, &g);
@@ -584,6 +610,16 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(XD(x[t], Kc) + k / 4)), acc[t]);
         }
     }
+    for (int64_t k = Kf; fmt == Q8_0 && k < K; k += 32) { /* natural layout, signed weights */
+        const uint8_t *b = w + k / 32 * 34;
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(b + 2)), aw = _mm256_sign_epi8(wv, wv);
+        const __m256 d = _mm256_set1_ps(f16(b));
+        for (int t = 0; t < TT; t++) {
+            const __m256i xs = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(x[t] + k)), wv);
+            const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(XD(x[t], Kc) + k / 4)), acc[t]);
+        }
+    }
     for (int t = 0; t < TT; t++) out[t] = hsum8f(acc[t]);
 }
 
@@ -602,11 +638,14 @@ LANE8_FORMAT(lane8_q4_0, Q4_0)
 LANE8_FORMAT(lane8_q4_k, Q4_K)
 LANE8_FORMAT(lane8_q5_k, Q5_K)
 LANE8_FORMAT(lane8_q6_k, Q6_K)
+LANE8_FORMAT(lane8_q8_0, Q8_0)
+typedef void (*lane8_fn)(const uint8_t *, uint8_t *const *, int, int64_t, float *, int64_t);
+static const lane8_fn LANE8_DOT[NFMT] = {lane8_q4_0, lane8_q8_0, lane8_q4_k, lane8_q5_k, lane8_q6_k};
 
 static int use_vnni = 0;
 static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
 #ifndef LANE8_PATH
-#define LANE8_PATH 1 /* 0: the AVX2 path unpacks every format to memory, as it does q8_0 */
+#define LANE8_PATH 1 /* 0: the AVX2 path unpacks every segment to memory first */
 #endif
 static const int use_lane8 = LANE8_PATH;
 
@@ -950,8 +989,7 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
     if (!use_vnni) {
         if (lane8_format(fmt) && use_lane8) {
             for (int r = 0; r < ROWS; r++)
-                (fmt == Q4_0 ? lane8_q4_0 : fmt == Q4_K ? lane8_q4_k : fmt == Q5_K ? lane8_q5_k : lane8_q6_k)(
-                    W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
+                LANE8_DOT[fmt](W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
         } else {
             rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
         }

@@ -181,21 +181,25 @@ def test_bf16_and_chosen_subset(path, fmt):
         check(out, x.to(xd), pe, 2, None, w, torch.zeros_like(out))
 
 
-# bytes of each format's block that hold quants (high bits included); all ones make every weight its format's largest
-_QUANT_BYTES = {"q4_0": slice(2, 18), "q4_k": slice(16, 144), "q5_k": slice(16, 176), "q6_k": slice(0, 192)}
+# bytes of each format's block that hold quants (high bits included), and the byte that makes every weight its
+# format's largest in magnitude (q8_0: -128)
+_QUANT_BYTES = {"q4_0": (slice(2, 18), 255), "q4_k": (slice(16, 144), 255), "q5_k": (slice(16, 176), 255),
+                "q6_k": (slice(0, 192), 255), "q8_0": (slice(2, 34), 128)}
 
 
 @pytest.mark.parametrize("fmt", sorted(_QUANT_BYTES))
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_largest_weights_against_a_constant_x(path, fmt, sign):
-    """Every weight its format's largest (15; 31 for q5_k, 63 for q6_k) and x constant, so every quantised x is
-    +-127: the largest products the integer sums take (the AVX2 path adds runs of chunks' products in 16 bits)."""
+    """Every weight its format's largest (15; 31 for q5_k, 63 for q6_k, -128 for q8_0) and x constant, so every
+    quantised x is +-127: the largest products the integer sums take (the AVX2 path adds runs of chunks' products
+    in 16 bits)."""
     g = torch.Generator().manual_seed(5)
-    H, F_ = (544, 256) if fmt == "q4_0" else (512, 256)  # q4_0: whole segments and a block after them
+    H, F_ = (544, 256) if fmt in ("q4_0", "q8_0") else (512, 256)  # whole segments and a block after them
     w, _, _ = make_case(fmt, fmt, H, F_, 2, 1, 1, g)
     f = packed_format(fmt)
     for stack in (w.gate_up, w.down):
-        stack.view(-1, f.block_bytes)[:, _QUANT_BYTES[fmt]] = 255
+        where, byte = _QUANT_BYTES[fmt]
+        stack.view(-1, f.block_bytes)[:, where] = byte
     n = 3
     x = torch.full((n, H), sign)
     pe = torch.ones(n, dtype=torch.long)
