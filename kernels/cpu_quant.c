@@ -54,15 +54,11 @@
  *
  * AVX2 path (fallback, CPUs without AVX-512): weights unpacked in registers as on the VNNI path, 256 bits wide,
  * with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured per core on the development VM
- * (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape from DRAM, against this build with
- * -DLANE8_PATH=0): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against 3.5, q5_k 17.4 against 3.8, q6_k
- * 18.0 against 4.7, q8_0 23.1 against 11.9; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 / 11.3 against 4.4 / 3.4 /
- * 3.8 / 5.2 / 7.9.
- * With -DLANE8_PATH=0: each row's 256 weights are first unpacked to signed bytes (q4_0 n-8, q6_k q-32,
- * q4_k/q5_k q, q8_0 as stored), an fp32 scale per 4 weights and, for q4_k/q5_k, the min term per 32;
- * then maddubs with x stored as q + 128 and the row's -128 * (lane sum of w) added back; maddubs
- * saturates pairs at 16 bits: 255 * 32 * 2 fits for every format but q8_0, which uses |w| against
- * sign(w) * q_x instead.
+ * (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape from DRAM) against the path it
+ * replaced (before 511723d: each segment unpacked to signed bytes in memory first, then float work per 32
+ * weights): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against 3.5, q5_k 17.4 against 3.8, q6_k 18.0
+ * against 4.7, q8_0 23.1 against 11.9; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 / 11.3 against 4.4 / 3.4 / 3.8 /
+ * 5.2 / 7.9.
  * The path is picked at load (mq_set_path; cpu_quant.py: VNNI where cpuid says so,
  * MOEDESK_QUANT_PATH=avx2 forces the fallback). The library is built for AVX2+FMA+F16C; the VNNI
  * functions carry their own target attribute, so one build serves both.
@@ -93,7 +89,6 @@ enum { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q5_K = 3, Q6_K = 4, NFMT };
 static const int BLOCK[NFMT] = {32, 32, 256, 256, 256};
 static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 
-#define SEG 256      /* weights unpacked per row at a time: one k-quant super-block, 8 q4_0/q8_0 blocks */
 #define ROWS 4       /* weight rows worked together */
 #define TOK 32       /* token rows per pass over a group of rows (more: the rows again, from L2) */
 #ifndef ITEM_BYTES
@@ -102,15 +97,15 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
-
 /* ---------------------------------------------------------------- quantised activation rows */
 
 /*
  * A row of K values (K a multiple of 32), Kc = K rounded up to 64, in one buffer:
- *   u8  xb[Kc]      VNNI: q as int8; AVX2: q + 128. q = round(x / d) in [-127, 127]; padding q = 0
+ *   i8  xb[Kc]      q = round(x / d) in [-127, 127]; padding q = 0
  *   f32 xd[Kc / 4]  d of each lane of 4 values; padding 0
- *   i32 xc[Kc / 4]  VNNI: -off * (sum of the lane's 4 q), off the weight format's unsigned offset
+ *   i32 xc[Kc / 4]  -off * (sum of the lane's 4 q), off the weight format's unsigned offset
  *                   (q4_0 8, q8_0 128, q6_k 32, q4_k/q5_k 0); padding 0
+ * in the order of the weights' layout for the path (quantize_block).
  *   f32 xm[Kc / 32] d * sum(q) of each block of 32 (the k-quant min term); padding 0
  */
 static int64_t qrow_bytes(int64_t K) { const int64_t Kc = round_up(K, 64); return 3 * Kc + Kc / 8; }
@@ -118,10 +113,10 @@ static int64_t qrow_bytes(int64_t K) { const int64_t Kc = round_up(K, 64); retur
 #define XC(row, Kc) ((int32_t *)((row) + 2 * (Kc)))
 #define XM(row, Kc) ((float *)((row) + 3 * (Kc)))
 
-static void qrow_pad(uint8_t *row, int64_t K, int vnni) {
+static void qrow_pad(uint8_t *row, int64_t K) {
     const int64_t Kc = round_up(K, 64);
     if (Kc == K) return;
-    memset(row + K, vnni ? 0 : 128, (size_t)(Kc - K));
+    memset(row + K, 0, (size_t)(Kc - K));
     memset(row + Kc + K, 0, (size_t)(Kc - K));
     memset(row + 2 * Kc + K, 0, (size_t)(Kc - K));
     memset(row + 3 * Kc + K / 8, 0, (size_t)(Kc - K) / 8);
@@ -142,7 +137,6 @@ static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K}
 /* quantize_block's fmt for the AVX2 lane path (the AVX2 section): LANE8 | the weights' format. Whole segments
  * in that path's layout, the rest in order as the VNNI path has it (signed q, lane d and offset sums). */
 #define LANE8 16
-static inline int lane8_format(int fmt) { return fmt >= 0 && fmt < NFMT; }
 
 static inline int32_t hsum8i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
@@ -158,7 +152,7 @@ static inline int32_t hsum4i(__m128i s) {
 }
 
 /* 32 fp32 values into block b of a quantised row of K values; fmt: the format of the weights the VNNI
- * kernels will dot it with (its offset and segment layout), -1: the AVX2 layout. */
+ * kernels will dot it with (its offset and segment layout), or LANE8 + that format for the AVX2 lane path. */
 static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64_t b, int fmt) {
     const int64_t Kc = round_up(K, 64);
     __m256 a[4], m = _mm256_setzero_ps();
@@ -180,7 +174,7 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
     XM(row, Kc)[b] = d * (float)hsum8i(_mm256_add_epi32(q01, q23));
     const int lane8 = fmt >= LANE8;
     if (lane8) fmt -= LANE8;
-    const int off = fmt < 0 ? -1 : W_OFFSET[fmt];
+    const int off = W_OFFSET[fmt];
     if (lane8 && b / 8 < K / 256) {
         const int64_t s = b / 8, i = b % 8;
         _Alignas(32) int32_t dw[8];
@@ -204,15 +198,14 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
         xc[i] = -off * hsum8i(_mm256_add_epi32(q01, q23));
         return;
     }
-    const int lay = fmt >= 0 && !lane8 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
+    const int lay = !lane8 && b / 8 < K / 256 ? SEG_LAYOUT[fmt] : LAY_NATURAL;
     if (lay == LAY_NATURAL) {
-        _mm256_storeu_si256((__m256i *)(row + 32 * b), off < 0 ? _mm256_xor_si256(ordered, _mm256_set1_epi8((char)0x80)) : ordered);
+        _mm256_storeu_si256((__m256i *)(row + 32 * b), ordered);
         _mm256_storeu_ps(XD(row, Kc) + 8 * b, _mm256_set1_ps(d));
-        if (off >= 0) { /* lane L = q 4L..4L+3: two hadds give lanes 0 2 4 6 | 1 3 5 7, the permute orders them */
-            const __m256i l = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
-            const __m256i lanes = _mm256_permutevar8x32_epi32(l, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-            _mm256_storeu_si256((__m256i *)(XC(row, Kc) + 8 * b), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-off)));
-        }
+        /* lane L = q 4L..4L+3: two hadds give lanes 0 2 4 6 | 1 3 5 7, the permute orders them */
+        const __m256i l = _mm256_hadd_epi32(_mm256_hadd_epi32(q[0], q[1]), _mm256_hadd_epi32(q[2], q[3]));
+        const __m256i lanes = _mm256_permutevar8x32_epi32(l, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)(XC(row, Kc) + 8 * b), _mm256_mullo_epi32(lanes, _mm256_set1_epi32(-off)));
         return;
     }
     /* block i of segment s: its 8-byte groups go to qword i of the segment's four 64-byte chunks, its
@@ -257,168 +250,10 @@ static inline void bf16_to_f32(const bf16 *src, float *dst, int n) {
 
 /* ---------------------------------------------------------------- unpacking weights */
 
-typedef struct {
-    _Alignas(64) int8_t w[SEG];   /* signed weights */
-    _Alignas(64) float s[SEG / 4];  /* scale of each lane of 4 weights */
-    _Alignas(64) int32_t c[SEG / 4]; /* -128 * sum of each lane's weights: the x + 128 offset undone */
-    _Alignas(64) float m[SEG / 32]; /* min of each 32 (q4_k, q5_k), subtracted times d_x * sum(q_x) */
-} Seg;
-
 static inline float f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return _cvtsh_ss(h);
-}
-
-/* lanes i..i+7 of seg from 32 signed weights with one scale */
-static inline void put32(Seg *g, int at, __m256i w, __m256 scale) {
-    _mm256_store_si256((__m256i *)(g->w + at), w);
-    _mm256_store_ps(g->s + at / 4, scale);
-    const __m256i s4 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), w), _mm256_set1_epi16(1));
-    _mm256_store_si256((__m256i *)(g->c + at / 4), _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(s4, 7)));
-}
-
-/* The scale and min pairs of a q4_k / q5_k super-block (6 bits each, packed in 12 bytes). */
-static inline void k_scales(const uint8_t *s, int sc[8], int mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[4 + j] & 63;
-        sc[4 + j] = (s[8 + j] & 0xF) | ((s[j] >> 6) << 4);
-        mn[4 + j] = (s[8 + j] >> 4) | ((s[4 + j] >> 6) << 4);
-    }
-}
-
-/* Weights [k0, k0 + n) of a packed row (k0 a multiple of SEG, n <= SEG a multiple of 32) into g;
- * the rest of g's 64-weight chunk is zero. */
-static inline void unpack(int fmt, const uint8_t *row, int64_t k0, int n, Seg *g) {
-    const __m256i lo4 = _mm256_set1_epi8(0x0F);
-    if (fmt == Q4_0 || fmt == Q8_0) {
-        const int bb = BLOCK_BYTES[fmt];
-        const uint8_t *b = row + k0 / 32 * bb;
-        for (int i = 0; i < n / 32; i++, b += bb) {
-            const __m256 d = _mm256_set1_ps(f16(b));
-            __m256i w;
-            if (fmt == Q8_0) {
-                w = _mm256_loadu_si256((const __m256i *)(b + 2));
-            } else {
-                const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2));
-                const __m128i l = _mm_and_si128(q, _mm_set1_epi8(0x0F)), h = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
-                w = _mm256_sub_epi8(_mm256_set_m128i(h, l), _mm256_set1_epi8(8));
-            }
-            put32(g, 32 * i, w, d);
-        }
-    } else if (fmt == Q4_K || fmt == Q5_K) {
-        const uint8_t *b = row + k0 / 256 * BLOCK_BYTES[fmt];
-        const float d = f16(b), dmin = f16(b + 2);
-        int sc[8], mn[8];
-        k_scales(b + 4, sc, mn);
-        const uint8_t *qs = b + (fmt == Q4_K ? 16 : 48);
-        const __m256i qh = fmt == Q5_K ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i l = _mm256_and_si256(q, lo4), h = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-            if (fmt == Q5_K) { /* bit s of qh[i]: the fifth bit of weight i of sub-block s */
-                const __m256i b0 = _mm256_set1_epi8((char)(1 << (2 * j))), b1 = _mm256_set1_epi8((char)(1 << (2 * j + 1)));
-                l = _mm256_or_si256(l, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0), _mm256_set1_epi8(16)));
-                h = _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1), _mm256_set1_epi8(16)));
-            }
-            put32(g, 64 * j, l, _mm256_set1_ps(d * (float)sc[2 * j]));
-            put32(g, 64 * j + 32, h, _mm256_set1_ps(d * (float)sc[2 * j + 1]));
-            g->m[2 * j] = dmin * (float)mn[2 * j];
-            g->m[2 * j + 1] = dmin * (float)mn[2 * j + 1];
-        }
-    } else { /* Q6_K: two halves of 128 weights: ql 64 bytes, qh 32 bytes, 8 of the 16 scales each */
-        const uint8_t *b = row + k0 / 256 * 210;
-        const float d = f16(b + 208);
-        const int8_t *scales = (const int8_t *)(b + 192);
-        const __m256i three = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-        for (int h = 0; h < 2; h++) {
-            const __m256i q0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
-            const __m256i q1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
-            const __m256i lo[4] = {_mm256_and_si256(q0, lo4), _mm256_and_si256(q1, lo4),
-                                   _mm256_and_si256(_mm256_srli_epi16(q0, 4), lo4), _mm256_and_si256(_mm256_srli_epi16(q1, 4), lo4)};
-            for (int p = 0; p < 4; p++) {
-                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * p), three);
-                const __m256i w = _mm256_sub_epi8(_mm256_or_si256(lo[p], _mm256_slli_epi16(hi, 4)), off);
-                const int s0 = 8 * h + 2 * p; /* weights 32p..32p+31 of the half: scales s0 (16) and s0 + 1 (16) */
-                const __m256 sc = _mm256_setr_ps(d * scales[s0], d * scales[s0], d * scales[s0], d * scales[s0],
-                                                 d * scales[s0 + 1], d * scales[s0 + 1], d * scales[s0 + 1], d * scales[s0 + 1]);
-                put32(g, 128 * h + 32 * p, w, sc);
-            }
-        }
-    }
-    if (n % 64) { /* an odd number of 32-blocks: zero the rest of the last chunk */
-        memset(g->w + n, 0, 32);
-        memset(g->s + n / 4, 0, 32);
-        memset(g->c + n / 4, 0, 32);
-    }
-}
-
-static inline int has_mins(int fmt) { return fmt == Q4_K || fmt == Q5_K; }
-
-/* ---------------------------------------------------------------- dot kernels */
-
-/*
- * acc[r][t] (16 fp32 lanes each, summed at the end) += the dot of ROWS unpacked rows g[r] with token
- * rows xs[t] (quantised rows, already offset to this segment: xu, xd and xm pointers), over nch
- * 64-weight chunks. Always inlined with constant TT so the tile stays in registers.
- */
-typedef struct { const uint8_t *u; const float *d, *m; } XSeg;
-
-/* AVX2: 32-weight chunks, 8 lanes; q8_0 (signed8) avoids maddubs' saturation with |w| x sign(w) q_x. */
-static inline __attribute__((always_inline)) void
-dot_avx2_tile(const Seg *g, const XSeg *xs, const int TT, int nch, int nmin, int signed8, float *acc, int n) {
-    __m256 a[ROWS][2];
-    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
-    for (int r = 0; r < ROWS; r++)
-        for (int t = 0; t < TT; t++) a[r][t] = _mm256_load_ps(acc + (r * n + t) * 16);
-    for (int c = 0; c < 2 * nch; c++) {
-        __m256i xu[2];
-        __m256 xd[2];
-        for (int t = 0; t < TT; t++) {
-            xu[t] = _mm256_loadu_si256((const __m256i *)(xs[t].u + 32 * c));
-            if (signed8) xu[t] = _mm256_xor_si256(xu[t], flip);
-            xd[t] = _mm256_loadu_ps(xs[t].d + 8 * c);
-        }
-        for (int r = 0; r < ROWS; r++) {
-            const __m256i w = _mm256_load_si256((const __m256i *)(g[r].w + 32 * c));
-            const __m256 s = _mm256_load_ps(g[r].s + 8 * c);
-            if (signed8) {
-                const __m256i aw = _mm256_sign_epi8(w, w);
-                for (int t = 0; t < TT; t++) {
-                    const __m256i i = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xu[t], w)), ones);
-                    a[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(s, xd[t]), a[r][t]);
-                }
-            } else {
-                const __m256i cr = _mm256_load_si256((const __m256i *)(g[r].c + 8 * c));
-                for (int t = 0; t < TT; t++) {
-                    const __m256i i = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(xu[t], w), ones), cr);
-                    a[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(s, xd[t]), a[r][t]);
-                }
-            }
-        }
-    }
-    if (nmin) {
-        const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32(nmin), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        for (int r = 0; r < ROWS; r++) {
-            const __m256 m = _mm256_maskload_ps(g[r].m, k);
-            for (int t = 0; t < TT; t++) a[r][t] = _mm256_fnmadd_ps(m, _mm256_maskload_ps(xs[t].m, k), a[r][t]);
-        }
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int t = 0; t < TT; t++) _mm256_store_ps(acc + (r * n + t) * 16, a[r][t]);
-}
-
-static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int signed8, float *acc) {
-    int t = 0;
-    if (signed8) {
-        for (; t + 2 <= n; t += 2) dot_avx2_tile(g, xs + t, 2, nch, nmin, 1, acc + t * 16, n);
-        if (t < n) dot_avx2_tile(g, xs + t, 1, nch, nmin, 1, acc + t * 16, n);
-    } else {
-        for (; t + 2 <= n; t += 2) dot_avx2_tile(g, xs + t, 2, nch, nmin, 0, acc + t * 16, n);
-        if (t < n) dot_avx2_tile(g, xs + t, 1, nch, nmin, 0, acc + t * 16, n);
-    }
 }
 
 /* ---------------------------------------------------------------- AVX2 lane path: weights unpacked in registers */
@@ -430,7 +265,7 @@ static void dot_avx2(const Seg *g, const XSeg *xs, int n, int nch, int nmin, int
  * LANE8; q6_k: two halves of 4 chunks, lane L the half's 16-weight scale group L). maddubs of the unsigned
  * weights with signed x gives pairs of at most 2 x max|w| x 127, so runs of chunks add up in 16 bits (4-bit: all
  * eight, 8 x 3810 < 32768; q5_k four, q6_k two) before one madd makes them the lanes' int32 sums; the convert,
- * scale product and FMA happen once per segment (half), row and token, where the unpack-to-memory path did them
+ * scale product and FMA happen once per segment (half), row and token, where the path before it did them
  * per 32 weights. One row at a time: 8 weight chunks and up to LANE8_TT tokens' accumulators fill the 16 ymm
  * registers; the weights are unpacked again for each LANE8_TT tokens. q8_0's signed weights: |w| against
  * sign(w) x, a madd per chunk.
@@ -644,16 +479,7 @@ static const lane8_fn LANE8_DOT[NFMT] = {lane8_q4_0, lane8_q8_0, lane8_q4_k, lan
 
 static int use_vnni = 0;
 static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
-#ifndef LANE8_PATH
-#define LANE8_PATH 1 /* 0: the AVX2 path unpacks every segment to memory first */
-#endif
-static const int use_lane8 = LANE8_PATH;
 
-static inline float hsum16(const float *v, int lanes) {
-    float s = 0.f;
-    for (int i = 0; i < lanes; i++) s += v[i];
-    return s;
-}
 
 /* ---------------------------------------------------------------- VNNI: weights unpacked in registers */
 
@@ -955,31 +781,6 @@ VNNI_FORMAT(vnni_q6_k, Q6_K)
 typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int, int64_t);
 static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
 
-/* The AVX2 path of rows_dot, out of line: its 12 KiB of unpacked rows and accumulators on the stack cost
- * the VNNI path ~15% of a call on small experts when they shared a frame. */
-static __attribute__((noinline)) void rows_dot_avx2(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K,
-                                                    const int64_t rows[ROWS], uint8_t *const *xq, int n, float *out) {
-    Seg g[ROWS];
-    _Alignas(64) float acc[ROWS * TOK * 16];
-    const int64_t Kc = round_up(K, 64);
-    memset(acc, 0, sizeof(float) * 16 * ROWS * (size_t)n);
-    for (int64_t k0 = 0; k0 < K; k0 += SEG) {
-        const int len = K - k0 < SEG ? (int)(K - k0) : SEG;
-        for (int r = 0; r < ROWS; r++) unpack(fmt, W + rows[r] * row_bytes, k0, len, &g[r]);
-        XSeg xs[TOK];
-        for (int t = 0; t < n; t++) {
-            const uint8_t *row = xq[t];
-            xs[t].u = row + k0;
-            xs[t].d = XD(row, Kc) + k0 / 4;
-            xs[t].m = XM(row, Kc) + k0 / 32;
-        }
-        const int nch = (len + 63) / 64, nmin = has_mins(fmt) ? len / 32 : 0;
-        dot_avx2(g, xs, n, nch, nmin, fmt == Q8_0, acc);
-    }
-    for (int r = 0; r < ROWS; r++)
-        for (int t = 0; t < n; t++) out[r * n + t] = hsum16(acc + (r * n + t) * 16, 8);
-}
-
 /*
  * out[r * n + t] = dot(row rows[r] of W, token row t) for ROWS weight rows (indices may repeat) and n
  * quantised token rows of K values (n <= TOK).
@@ -987,12 +788,7 @@ static __attribute__((noinline)) void rows_dot_avx2(int fmt, const uint8_t *W, i
 static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
                             uint8_t *const *xq, int n, float *out, int64_t ahead) {
     if (!use_vnni) {
-        if (lane8_format(fmt) && use_lane8) {
-            for (int r = 0; r < ROWS; r++)
-                LANE8_DOT[fmt](W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
-        } else {
-            rows_dot_avx2(fmt, W, row_bytes, K, rows, xq, n, out);
-        }
+        for (int r = 0; r < ROWS; r++) LANE8_DOT[fmt](W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
         return;
     }
     const uint8_t *w[ROWS];
@@ -1187,7 +983,7 @@ static inline void amx_rows(int fmt, const uint8_t *const *w, const uint8_t *til
 typedef struct {
     const uint8_t *gate_up, *down;
     int fmt_gu, fmt_d, x_f32, out_f32;
-    int qfmt_gu, qfmt_d;  /* quantize_block's fmt for x (gate_up's format) and act (down's); -1: AVX2 */
+    int qfmt_gu, qfmt_d;  /* quantize_block's fmt for x (gate_up's format) and act (down's) */
     void *out;
     const int64_t *out_rows;
     const void *x_src;
@@ -1389,8 +1185,8 @@ static void quantize_rows(Job *j) {
             if (tile) amx_quantize(v, tile, H, b, (int)(t % AMX_T));
             else quantize_block(v, row, H, b, j->qfmt_gu);
         }
-        if (!tile) qrow_pad(row, H, j->qfmt_gu >= 0);
-        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->R, j->qfmt_d >= 0);
+        if (!tile) qrow_pad(row, H);
+        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->R);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -1497,8 +1293,8 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->down = down;
     j->fmt_gu = fmt_gu;
     j->fmt_d = fmt_d;
-    j->qfmt_gu = use_vnni ? fmt_gu : use_lane8 && lane8_format(fmt_gu) ? LANE8 + fmt_gu : -1;
-    j->qfmt_d = use_vnni ? fmt_d : use_lane8 && lane8_format(fmt_d) ? LANE8 + fmt_d : -1;
+    j->qfmt_gu = use_vnni ? fmt_gu : LANE8 + fmt_gu;
+    j->qfmt_d = use_vnni ? fmt_d : LANE8 + fmt_d;
     j->x_f32 = x_f32;
     j->out_f32 = out_f32;
     j->out = out;
