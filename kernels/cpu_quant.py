@@ -9,7 +9,8 @@ to float: activations and act rows are quantised to int8 per 32 values for integ
 and act = silu(gate) * up is fp32; the header of cpu_quant.c says why. Both gate_up and down must
 be packed (any of q4_0, q8_0, q4_k, q5_k, q6_k, the two may differ); x and out bf16 or float32.
 
-Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2, FMA and F16C).
+Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2, FMA and F16C; where the CPU
+has AVX-VNNI, as Intel's desktop cores since Alder Lake do, the library is built to use it on the AVX2 path).
 MOEDESK_QUANT_PATH=avx2 (or `set_path("avx2")`) forces the fallback; MOEDESK_QUANT_PATH=amx (or
 `set_path("amx")`) computes the experts with 8 or more tokens with AMX-INT8 tiles (Sapphire Rapids and
 later, Linux granting the tile state), the rest with VNNI: opt-in until it has been measured on such a
@@ -36,6 +37,7 @@ SOURCE = Path(__file__).with_name("cpu_quant.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
          cpu_experts.header_flag()]
 CPU_FLAGS = ("avx2", "fma", "f16c")
+AVXVNNI = "-DMQ_AVXVNNI"  # the AVX2 path's dot products in AVX-VNNI; `build_variant(["-UMQ_AVXVNNI"])` builds without
 FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 PATHS = ("avx2", "vnni", "amx")  # mq_get_path's codes
 _ERRORS = {-2: "more pairs than tokens * k", -3: "pair_expert or chosen holds an index outside the expert stack",
@@ -154,7 +156,7 @@ def _load() -> None:
     with _lock:
         if _state:
             return
-        lib, reason = open_library(SOURCE, FLAGS, cpu_reason(), "mq_cpu_supported",
+        lib, reason = open_library(SOURCE, _flags(), cpu_reason(), "mq_cpu_supported",
                                    "the CPU or OS lacks AVX2, FMA or F16C")
         if reason is not None:
             _state["reason"] = reason
@@ -162,6 +164,11 @@ def _load() -> None:
         _configure(lib)
         lib.mq_set_path(_wanted_path(lib))
         _state["lib"] = lib
+
+
+def _flags() -> list[str]:
+    """FLAGS, and AVXVNNI where every core has AVX-VNNI (same register state as AVX2, so nothing more to check)."""
+    return [*FLAGS, AVXVNNI] if missing_cpu_flags(("avx_vnni",), "AVX-VNNI") is None else FLAGS
 
 
 def _configure(lib) -> None:
@@ -176,6 +183,7 @@ def _configure(lib) -> None:
     lib.mq_get_path.restype = c_int
     lib.mq_vnni_supported.restype = c_int
     lib.mq_amx_supported.restype = c_int
+    lib.mq_lane_vnni.restype = c_int
     lib.mq_set_threads.argtypes = [c_int]
     lib.mq_set_spin_us.argtypes = [i64]
     lib.mq_use_pool.argtypes = [ptr, ptr]
@@ -193,7 +201,7 @@ def build_variant(defines: list[str]):
     from kernels.native_build import build_library
     if not available():
         raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
-    lib = ctypes.CDLL(str(build_library(SOURCE, [*FLAGS, *defines])))
+    lib = ctypes.CDLL(str(build_library(SOURCE, [*_flags(), *defines])))
     _configure(lib)
     lib.mq_set_path(_state["lib"].mq_get_path())
     return lib
@@ -247,8 +255,18 @@ def get_path() -> str:
     return PATHS[_state["lib"].mq_get_path()]
 
 
+def lane_vnni(lib=None) -> bool:
+    """Whether the AVX2 path of `lib` (default: the library in use) takes its dot products in AVX-VNNI."""
+    if lib is None:
+        if not available():
+            return False
+        lib = _state["lib"]
+    return bool(lib.mq_lane_vnni())
+
+
 def describe() -> str:
     reason = unavailable_reason()
     if reason is None:
-        return f"native packed kernel ({get_path()}), {cpu_experts.get_num_threads()} threads"
+        path = get_path() + ("+avx-vnni" if get_path() == "avx2" and lane_vnni() else "")
+        return f"native packed kernel ({path}), {cpu_experts.get_num_threads()} threads"
     return f"dequantise + torch ({reason})"

@@ -125,16 +125,32 @@ def built(tmp_path_factory):
         cq.set_path(None)
 
 
-@pytest.fixture(params=["vnni", "avx2", "amx"])
-def path(request, built):
-    """Each test on every dot-product path the CPU has: VNNI, AVX2, and AMX (experts with 8+ tokens on AMX-INT8
-    tiles, the rest on VNNI; tests/kernels/test_cpu_quant_amx.py runs the same checks on an emulated build)."""
+@pytest.fixture(scope="module")
+def maddubs_build(built):
+    """The library with the AVX2 path's maddubs dot products, where the default one takes them in AVX-VNNI (so
+    both run here); None where the CPU lacks AVX-VNNI and the default build is that library."""
+    return cq.build_variant(["-UMQ_AVXVNNI"]) if cq.lane_vnni() else None
+
+
+@pytest.fixture(params=["vnni", "avx2", "avx2-maddubs", "amx"])
+def path(request, built, maddubs_build):
+    """Each test on every dot-product path the CPU has: VNNI, AVX2 (with AVX-VNNI where the CPU has it, and
+    without: avx2-maddubs), and AMX (experts with 8+ tokens on AMX-INT8 tiles, the rest on VNNI;
+    tests/kernels/test_cpu_quant_amx.py runs the same checks on an emulated build)."""
     if request.param == "vnni" and not cq.vnni_supported():
         pytest.skip("this CPU lacks AVX512-VNNI")
     if request.param == "amx" and not cq.amx_supported():
         pytest.skip("this CPU or OS lacks AMX-INT8")
+    if request.param == "avx2-maddubs":
+        if maddubs_build is None:
+            pytest.skip("no AVX-VNNI here: the avx2 cases run the maddubs build")
+        before = cq.use_library(maddubs_build)
+        assert cq.set_path("avx2") == "avx2" and not cq.lane_vnni()
+        yield "avx2"
+        cq._state["lib"] = before  # directly: a test may have turned the kernels off by now (MOEDESK_NO_NATIVE_KERNELS)
+        return
     assert cq.set_path(request.param) == request.param
-    return request.param
+    yield request.param
 
 
 # (gate_up format, down format, H, F): H and F whole blocks but not multiples of 64 where the format

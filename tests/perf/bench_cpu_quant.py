@@ -21,7 +21,8 @@ float16 scales: the values do not matter to the timing.
 #ifndef'd constants: PREFETCH, SHORT_ROW_BYTES, ITEM_BYTES, MAX_TT, ...) and measures it beside the
 default build, the builds taking turns call by call (in a rotating order, each on experts the call before did not
 read) so that all see the same machine state.
-`--define ro=-DMQ_READ_ONLY` builds a kernel that makes the same reads of whole segments without the arithmetic
+`--define maddubs=-UMQ_AVXVNNI` measures the AVX2 path without AVX-VNNI where the CPU has it (the default build
+then uses it). `--define ro=-DMQ_READ_ONLY` builds a kernel that makes the same reads of whole segments without the arithmetic
 (its results are wrong): the memory's ceiling for the kernel's traversal, beside which the kernel's own GB/s says
 how much of a call the instructions add.
 --per-core is --threads 1: on the GPU box at one token with all threads the 4-bit kernels were bound by
@@ -161,8 +162,8 @@ def main():
     builds = {"": cq._state["lib"]}
     for d in args.define:
         name, _, flags = d.partition("=")
-        if not name or not flags.startswith("-D"):
-            sys.exit(f"--define wants NAME=-DFLAG[,-DFLAG...], not {d!r}")
+        if not name or not flags.startswith(("-D", "-U")):
+            sys.exit(f"--define wants NAME=-DFLAG[,-DFLAG...] (or -UFLAG), not {d!r}")
         builds[name] = cq.build_variant(flags.split(","))
         if not ce.available() and threads:
             builds[name].mq_set_threads(threads)
