@@ -372,8 +372,6 @@ static inline __attribute__((always_inline)) void seg8_q6_k(const uint8_t *b, Se
     g->mn = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))), d);
 }
 
-/* The int32 lane sums of chunks [c0, c0 + n) of a segment against its x (xr), `run` chunks' maddubs products
- * added in 16 bits before each madd (run x 2 x max|w| x 127 < 32768). */
 /* i + the lane sums of one chunk: unsigned w times signed x, 4 bytes a lane (a single maddubs pair stays below
  * 32768 for every format, q8_0's |w| of 128 included). */
 static inline __attribute__((always_inline)) __m256i lane8_add(__m256i i, __m256i w, __m256i x) {
@@ -384,20 +382,21 @@ static inline __attribute__((always_inline)) __m256i lane8_add(__m256i i, __m256
 #endif
 }
 
+/* The int32 lane sums of chunks [c0, c0 + n) of a segment against its x (xr): with maddubs, `run` chunks' products
+ * added in 16 bits before each madd (run x 2 x max|w| x 127 < 32768). */
 static inline __attribute__((always_inline)) __m256i lane8_dot(const __m256i *w, const uint8_t *xr, int c0, int n, int run) {
+    __m256i i = _mm256_setzero_si256();
 #ifdef MQ_AVXVNNI
     (void)run;
-    __m256i v = _mm256_setzero_si256();
-    for (int c = c0; c < c0 + n; c++) v = _mm256_dpbusd_avx_epi32(v, w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c)));
-    return v;
-#endif
+    for (int c = c0; c < c0 + n; c++) i = _mm256_dpbusd_avx_epi32(i, w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c)));
+#else
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i i = _mm256_setzero_si256();
     for (int c = c0; c < c0 + n; c += run) {
         __m256i h = _mm256_maddubs_epi16(w[c], _mm256_loadu_si256((const __m256i *)(xr + 32 * c)));
         for (int k = 1; k < run; k++) h = _mm256_add_epi16(h, _mm256_maddubs_epi16(w[c + k], _mm256_loadu_si256((const __m256i *)(xr + 32 * (c + k)))));
-        i = c == c0 ? _mm256_madd_epi16(h, ones) : _mm256_add_epi32(i, _mm256_madd_epi16(h, ones));
+        i = _mm256_add_epi32(i, _mm256_madd_epi16(h, ones));
     }
+#endif
     return i;
 }
 
