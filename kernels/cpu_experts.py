@@ -335,6 +335,12 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def build_id() -> str:
+    """The library in use by its file name, which names what it was built from (source, flags, compiler): start-up
+    profiles key on it, so a profile timed with one build of the kernel is not reused with another. "" without one."""
+    return Path(_state["lib"]._name).stem if available() else ""
+
+
 def describe() -> str:
     """What computes CPU experts here, for profiles' cache keys and `moedesk profile`."""
     reason = unavailable_reason()

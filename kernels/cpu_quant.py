@@ -255,6 +255,12 @@ def get_path() -> str:
     return PATHS[_state["lib"].mq_get_path()]
 
 
+def build_id() -> str:
+    """The library in use by its file name, which names what it was built from (source, flags, compiler): start-up
+    profiles key on it, so a profile timed with one build of the kernel is not reused with another. "" without one."""
+    return Path(_state["lib"]._name).stem if available() else ""
+
+
 def lane_vnni(lib=None) -> bool:
     """Whether the AVX2 path of `lib` (default: the library in use) takes its dot products in AVX-VNNI."""
     if lib is None:

@@ -20,9 +20,10 @@ import torch
 
 from engine.graph_capture import capturing
 from engine.json_cache import cached_json
-from kernels import cpu_experts, gpu_streamed
+from kernels import cpu_experts, cpu_quant, gpu_streamed
 from kernels.expert_weights import ExpertWeights
 from kernels.experts import expert_forward, experts_forward_routed
+from kernels.quant_formats import FORMATS
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -305,9 +306,14 @@ PROFILE_FORMAT = 7
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
-    """dtype: the experts' storage (ExpertWeights.describe(): "bfloat16", "q4_k/q6_k", ...)."""
-    raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads(),
-                      cpu_experts.describe(), PROFILE_FORMAT])
+    """dtype: the experts' storage (ExpertWeights.describe(): "bfloat16", "q4_k/q6_k", ...). The kernels that will
+    compute the experts on the CPU are part of the key, path and build: a profile timed with other kernels (an
+    update, MOEDESK_QUANT_PATH) is measured again rather than trusted."""
+    kernels = [cpu_experts.describe(), cpu_experts.build_id()]
+    if any(part in FORMATS for part in str(dtype).split("/")):  # packed experts: their kernel, built only for them
+        kernels += [cpu_quant.describe(), cpu_quant.build_id()]
+    raw = json.dumps([fingerprint, list(shape), str(dtype), str(device), torch.get_num_threads(), *kernels,
+                      PROFILE_FORMAT])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
