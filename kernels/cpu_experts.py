@@ -42,7 +42,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from kernels.native_build import build_library, missing_cpu_flags, open_library
+from kernels.native_build import build_library, build_name, missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32  # the FMA path's limit
 # With AMX-BF16 a Mixtral expert stays near memory speed to 24-32 tokens and takes 4.0-4.5 ms at 48-64, where
@@ -336,9 +336,8 @@ def available() -> bool:
 
 
 def build_id() -> str:
-    """The library in use by its file name, which names what it was built from (source, flags, compiler): start-up
-    profiles key on it, so a profile timed with one build of the kernel is not reused with another. "" without one."""
-    return Path(_state["lib"]._name).stem if available() else ""
+    """native_build.build_name of the library in use; "" without one."""
+    return build_name(_state["lib"]) if available() else ""
 
 
 def describe() -> str:

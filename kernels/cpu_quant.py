@@ -30,7 +30,7 @@ import torch
 
 from kernels import cpu_experts
 from kernels.expert_weights import ExpertWeights
-from kernels.native_build import missing_cpu_flags, open_library
+from kernels.native_build import build_name, missing_cpu_flags, open_library
 from kernels.quant_formats import FORMATS
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
@@ -256,23 +256,20 @@ def get_path() -> str:
 
 
 def build_id() -> str:
-    """The library in use by its file name, which names what it was built from (source, flags, compiler): start-up
-    profiles key on it, so a profile timed with one build of the kernel is not reused with another. "" without one."""
-    return Path(_state["lib"]._name).stem if available() else ""
+    """native_build.build_name of the library in use; "" without one."""
+    return build_name(_state["lib"]) if available() else ""
 
 
-def lane_vnni(lib=None) -> bool:
-    """Whether the AVX2 path of `lib` (default: the library in use) takes its dot products in AVX-VNNI."""
-    if lib is None:
-        if not available():
-            return False
-        lib = _state["lib"]
-    return bool(lib.mq_lane_vnni())
+def lane_vnni() -> bool:
+    """Whether the library in use takes the AVX2 path's dot products in AVX-VNNI."""
+    return available() and bool(_state["lib"].mq_lane_vnni())
 
 
 def describe() -> str:
     reason = unavailable_reason()
     if reason is None:
-        path = get_path() + ("+avx-vnni" if get_path() == "avx2" and lane_vnni() else "")
+        path = get_path()
+        if path == "avx2" and lane_vnni():
+            path += "+avx-vnni"
         return f"native packed kernel ({path}), {cpu_experts.get_num_threads()} threads"
     return f"dequantise + torch ({reason})"

@@ -55,6 +55,12 @@ def missing_cpu_flags(needed: tuple[str, ...], what: str) -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
+def build_name(lib) -> str:
+    """A loaded library's file name, which names what it was built from (source, flags, compiler; build_library):
+    start-up profiles key on it, so a profile timed with one build of a kernel is not reused with another."""
+    return Path(lib._name).stem
+
+
 def open_library(source: Path, flags: list[str], cpu_problem: str | None, supported: str, unsupported: str):
     """(the built library, None), or (None, one line saying why it cannot be used): the CPU (`cpu_problem`,
     from missing_cpu_flags), no compiler, a failed build or load, or the library's own `supported()` check
