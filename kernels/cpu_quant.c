@@ -94,8 +94,13 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 
 #define ROWS 4       /* weight rows worked together */
 #define TOK 32       /* token rows per pass over a group of rows (more: the rows again, from L2) */
+/* Packed weight bytes per work item: small enough to balance, large enough to amortise. 1 MiB against 256 KiB, GPU box
+ * (bench_cpu_quant.py --paths vnni --define i1m=-DITEM_BYTES=1048576, builds taking turns, 16 threads), GB/s: Mixtral's 8
+ * experts a call at 4 tokens each (16 sequences) q4_0 84.0 -> 90.5, q4_k 83.9 -> 95.6, one token 126.5 -> 130.0,
+ * 119.3 -> 127.6; 2 experts a call at one token q4_0 124.5 -> 127.6; Qwen3-30B-A3B's small experts within 2%. 512 KiB
+ * and 2 MiB fell between. */
 #ifndef ITEM_BYTES
-#define ITEM_BYTES (256 * 1024) /* packed weight bytes per work item: small enough to balance, large enough to amortise */
+#define ITEM_BYTES (1024 * 1024)
 #endif
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -513,6 +518,9 @@ static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) 
 #ifndef PREFETCH
 #define PREFETCH 1024 /* bytes ahead along each row (past its end: the rows read next) */
 #endif
+#ifndef PREFETCH_HINT
+#define PREFETCH_HINT _MM_HINT_T0 /* a knob for bench_cpu_quant.py --define, as in cpu_experts.c */
+#endif
 /* Rows of at most this many packed bytes prefetch the next tile's rows at the same column instead: along
  * a short row most of the prefetches land on rows the same tile is reading (Qwen3-30B-A3B's q4_k rows are
  * 1152 and 432 bytes). The bf16 kernel measured the same rule on the GPU box (cpu_experts.c). */
@@ -523,6 +531,20 @@ static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) 
 /* Prefetch offset from a row's current segment for rows of row_bytes, the next tile starting `step` rows on. */
 static inline int64_t prefetch_ahead(int64_t row_bytes, int step) {
     return row_bytes <= SHORT_ROW_BYTES ? step * row_bytes : PREFETCH;
+}
+
+/* Long rows: where a row's prefetches go on once they pass the end of the weights the tile reads: into the row
+ * the next tile reads in its place, `step` rows on (0: on along memory). Along memory they landed on the rows this
+ * tile reads beside it, or, where the GPU computes the rows' last columns (a row split), on those columns, while
+ * the next tile's rows started unprefetched. -DPREFETCH_NEXT=0 measures the old way: on the GPU box
+ * (tests/perf/probe_split_decode.py --define old=-DPREFETCH_NEXT=0, a token's two q4_0 Mixtral experts) the CPU's
+ * share of a row split took 4-9% less time (4,480 GPU rows: 1.51 against 1.65 ms, 1.61 against 1.71), whole rows
+ * 0-3%. */
+#ifndef PREFETCH_NEXT
+#define PREFETCH_NEXT 1
+#endif
+static inline int64_t prefetch_next(int64_t row_bytes, int step) {
+    return PREFETCH_NEXT && row_bytes > SHORT_ROW_BYTES ? step * row_bytes : 0;
 }
 
 /* --- natural layout (q8_0 rows, a q4_0 row's last K % 256 weights): 64 weights at a time, lanes 0-7
@@ -682,12 +704,20 @@ VI __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
  * and indexed by unrolled loops, so that the R x TT accumulators stay in registers (variable-length
  * arrays here put every accumulator in memory: 3 memory operations per FMA).
  */
+/* Row w's prefetch address for its bytes from `at`: ahead bytes on, or past the `used` bytes the tile reads, that
+ * far into the row `next` bytes away (prefetch_next). */
+VI const char *prefetch_at(const uint8_t *w, int64_t at, int64_t ahead, int64_t used, int64_t next) {
+    const int64_t p = at + ahead;
+    return (const char *)(w + (next && p >= used ? p - used + next : p));
+}
+
 VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const *w, uint8_t *const *x, int64_t K,
-                  float *out, int ostride, int64_t ahead) {
+                  float *out, int ostride, int64_t ahead, int64_t next) {
     const int64_t Kc = round_up(K, 64);
     const int64_t Kf = SEG_LAYOUT[fmt] != LAY_NATURAL ? K / 256 * 256 : 0; /* whole segments */
     const int has_off = W_OFFSET[fmt] != 0, mins = fmt == Q4_K || fmt == Q5_K;
     const int bb = BLOCK_BYTES[fmt], per = BLOCK[fmt];
+    const int64_t used = K / per * bb;
     __m512 acc[4][8];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -698,7 +728,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-            for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
+            for (int o = 0; o < 256 / per * bb; o += 64) _mm_prefetch(prefetch_at(w[r], at + o, ahead, used, next), PREFETCH_HINT);
 #ifdef MQ_READ_ONLY /* bench_cpu_quant.py --define ro=-DMQ_READ_ONLY: the same reads of whole segments without the
                      * arithmetic (wrong results), the memory's ceiling for this traversal */
 #pragma GCC unroll 4
@@ -731,7 +761,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 2
-            for (int o = 0; o < 2 * bb; o += 64) _mm_prefetch((const char *)(w[r] + at + ahead + o), _MM_HINT_T0);
+            for (int o = 0; o < 2 * bb; o += 64) _mm_prefetch(prefetch_at(w[r], at + o, ahead, used, next), PREFETCH_HINT);
         __m512i wv[4];
         __m512 s[4];
         if (half) {
@@ -776,19 +806,20 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
 /* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens
  * was slower (one Zen 4 core, Mixtral q4_0 T=16: 163 ms against 119): x read from L2 once per row. */
 #define VNNI_FORMAT(name, FMT)                                                                                    \
-    static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os, int64_t ah) { \
+    static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os, int64_t ah, \
+                          int64_t nx) {                                                                           \
         switch (n) {                                                                                              \
-        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os, ah); break;                                                \
-        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os, ah); break;                                                \
-        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os, ah); break;                                                \
-        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os, ah); break;                                                \
+        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os, ah, nx); break;                                                \
+        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os, ah, nx); break;                                                \
+        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os, ah, nx); break;                                                \
+        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os, ah, nx); break;                                                \
         default:                                                                                                  \
             for (int r = 0; r < 4; r += 2) {                                                                      \
                 switch (n) {                                                                                      \
-                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os, ah); break;                           \
-                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os, ah); break;                           \
-                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os, ah); break;                           \
-                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os, ah); break;                          \
+                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os, ah, nx); break;                           \
+                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os, ah, nx); break;                           \
+                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os, ah, nx); break;                           \
+                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os, ah, nx); break;                          \
                 }                                                                                                 \
             }                                                                                                     \
             break;                                                                                                \
@@ -803,7 +834,7 @@ VNNI_FORMAT(vnni_q6_k, Q6_K)
 #ifndef MAX_TT
 #define MAX_TT 8
 #endif
-typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int, int64_t);
+typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int, int64_t, int64_t);
 static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
 
 /*
@@ -811,7 +842,7 @@ static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_
  * quantised token rows of K values (n <= TOK).
  */
 static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
-                            uint8_t *const *xq, int n, float *out, int64_t ahead) {
+                            uint8_t *const *xq, int n, float *out, int64_t ahead, int64_t next) {
     if (!use_vnni) {
         for (int r = 0; r < ROWS; r++) LANE8_DOT[fmt](W + rows[r] * row_bytes, xq, n, K, out + r * n, ahead);
         return;
@@ -820,7 +851,7 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
     for (int r = 0; r < ROWS; r++) w[r] = W + rows[r] * row_bytes;
     for (int t0 = 0; t0 < n;) { /* tiles of MAX_TT tokens, the rest in one tile */
         const int tn = n - t0 > MAX_TT ? MAX_TT : n - t0;
-        VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n, ahead);
+        VNNI_DOT[fmt](w, xq + t0, tn, K, out + t0, n, ahead, next);
         t0 += tn;
     }
 }
@@ -1143,7 +1174,7 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         for (int64_t f = f0; f < f1; f += 2) {
             const int64_t f2 = f + 1 < R ? f + 1 : f; /* an odd last row is computed twice, kept once */
             const int64_t rows[ROWS] = {f, f2, F + f, F + f2};
-            rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s, prefetch_ahead(j->gu_row, 2));
+            rows_dot(j->fmt_gu, W, j->gu_row, j->H, rows, xq, tn, s, prefetch_ahead(j->gu_row, 2), prefetch_next(j->gu_row, 2));
             for (int t = 0; t < tn; t++) { /* gate into act, up into up; act8 below */
                 float *act = j->act + (r0 + t0 + t) * R, *up = j->up + (r0 + t0 + t) * R;
                 act[f] = s[t];
@@ -1183,7 +1214,7 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         for (int64_t h = h0; h < h1; h += ROWS) {
             int64_t rows[ROWS];
             for (int r = 0; r < ROWS; r++) rows[r] = h + r < H ? h + r : H - 1;
-            rows_dot(j->fmt_d, W, j->d_row, j->R, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS));
+            rows_dot(j->fmt_d, W, j->d_row, j->R, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS), prefetch_next(j->d_row, ROWS));
             const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
