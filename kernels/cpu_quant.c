@@ -37,7 +37,8 @@
  * tokens: tiles of 8 over the same rows, from L1/L2); every array of vectors in a tile is fixed-size
  * and indexed by unrolled loops so the accumulators stay in registers (the variable-length arrays
  * this code had put each one in memory: a load and a store around every FMA). One transposed
- * horizontal sum per 4 rows and token. Each segment prefetches PREFETCH bytes ahead along its rows.
+ * horizontal sum per 4 rows and token. Each segment prefetches PREFETCH bytes ahead along its rows, past the
+ * part of a long row the tile reads on into the next tile's row (prefetch_next).
  *
  * Measured, one Zen 4 core of this 2-core shared VM (no AMX), 4096-weight rows of 1 MiB of weights
  * resident in L2 (the instruction-bound rate; rows from DRAM are bound by one core's memory
@@ -698,12 +699,6 @@ VI __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), c));
 }
 
-/*
- * out[r * ostride + t] = dot(row w[r], token t) for R rows and TT tokens (x[t]: quantised rows laid out
- * for fmt), K weights. Always inlined with constant fmt, R, TT, and every array of vectors fixed-size
- * and indexed by unrolled loops, so that the R x TT accumulators stay in registers (variable-length
- * arrays here put every accumulator in memory: 3 memory operations per FMA).
- */
 /* Row w's prefetch address for its bytes from `at`: ahead bytes on, or past the `used` bytes the tile reads, that
  * far into the row `next` bytes away (prefetch_next). */
 VI const char *prefetch_at(const uint8_t *w, int64_t at, int64_t ahead, int64_t used, int64_t next) {
@@ -711,6 +706,12 @@ VI const char *prefetch_at(const uint8_t *w, int64_t at, int64_t ahead, int64_t 
     return (const char *)(w + (next && p >= used ? p - used + next : p));
 }
 
+/*
+ * out[r * ostride + t] = dot(row w[r], token t) for R rows and TT tokens (x[t]: quantised rows laid out
+ * for fmt), K weights. Always inlined with constant fmt, R, TT, and every array of vectors fixed-size
+ * and indexed by unrolled loops, so that the R x TT accumulators stay in registers (variable-length
+ * arrays here put every accumulator in memory: 3 memory operations per FMA).
+ */
 VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const *w, uint8_t *const *x, int64_t K,
                   float *out, int ostride, int64_t ahead, int64_t next) {
     const int64_t Kc = round_up(K, 64);
