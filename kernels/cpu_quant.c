@@ -810,17 +810,17 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
     static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os, int64_t ah, \
                           int64_t nx) {                                                                           \
         switch (n) {                                                                                              \
-        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os, ah, nx); break;                                                \
-        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os, ah, nx); break;                                                \
-        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os, ah, nx); break;                                                \
-        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os, ah, nx); break;                                                \
+        case 1: vnni_tile(FMT, 4, 1, w, x, K, out, os, ah, nx); break;                                            \
+        case 2: vnni_tile(FMT, 4, 2, w, x, K, out, os, ah, nx); break;                                            \
+        case 3: vnni_tile(FMT, 4, 3, w, x, K, out, os, ah, nx); break;                                            \
+        case 4: vnni_tile(FMT, 4, 4, w, x, K, out, os, ah, nx); break;                                            \
         default:                                                                                                  \
             for (int r = 0; r < 4; r += 2) {                                                                      \
                 switch (n) {                                                                                      \
-                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os, ah, nx); break;                           \
-                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os, ah, nx); break;                           \
-                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os, ah, nx); break;                           \
-                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os, ah, nx); break;                          \
+                case 5: vnni_tile(FMT, 2, 5, w + r, x, K, out + r * os, os, ah, nx); break;                       \
+                case 6: vnni_tile(FMT, 2, 6, w + r, x, K, out + r * os, os, ah, nx); break;                       \
+                case 7: vnni_tile(FMT, 2, 7, w + r, x, K, out + r * os, os, ah, nx); break;                       \
+                default: vnni_tile(FMT, 2, 8, w + r, x, K, out + r * os, os, ah, nx); break;                      \
                 }                                                                                                 \
             }                                                                                                     \
             break;                                                                                                \
@@ -840,7 +840,8 @@ static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_
 
 /*
  * out[r * n + t] = dot(row rows[r] of W, token row t) for ROWS weight rows (indices may repeat) and n
- * quantised token rows of K values (n <= TOK).
+ * quantised token rows of K values (n <= TOK). ahead, next: prefetch_ahead, prefetch_next (the VNNI path's tiles; the
+ * AVX2 path reads one row after the other and prefetches along memory).
  */
 static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_t K, const int64_t rows[ROWS],
                             uint8_t *const *xq, int n, float *out, int64_t ahead, int64_t next) {
