@@ -57,8 +57,7 @@ class Config:
         self.gpu_out = torch.empty(K, H, dtype=torch.float32, device=dev)
         self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.calls = 0
-        w = self.w
-        self.mb = (w.gate_up[:K].numel() * w.gate_up.element_size() + w.down[:K].numel() * w.down.element_size()) / 1e6
+        self.mb = K * w.expert_bytes / 1e6
 
     def run(self, gpu_rows, cpu, gpu, cpu_rows=None):
         """ms until both are done, until the CPU's call returned, the GPU's kernels' own time"""
