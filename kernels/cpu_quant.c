@@ -541,6 +541,9 @@ static inline int64_t prefetch_ahead(int64_t row_bytes, int step) {
  * (tests/perf/probe_split_decode.py --define old=-DPREFETCH_NEXT=0, a token's two q4_0 Mixtral experts) the CPU's
  * share of a row split took 4-9% less time (4,480 GPU rows: 1.51 against 1.65 ms, 1.61 against 1.71), whole rows
  * 0-3%. */
+#ifndef TOKEN_OUTER
+#define TOKEN_OUTER 1 /* 0: the tiles' loop over rows outside the loop over tokens, as before (bench_cpu_quant.py --define) */
+#endif
 #ifndef PREFETCH_NEXT
 #define PREFETCH_NEXT 1
 #endif
@@ -740,6 +743,33 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
         }
         continue;
 #endif
+#if TOKEN_OUTER
+        SegW g[4];
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) seg_unpack(fmt, w[r] + at, &g[r]);
+#pragma GCC unroll 8
+        for (int t = 0; t < TT; t++) {
+            const uint8_t *xr = x[t] + k0;
+            const __m512i xc = has_off ? _mm512_loadu_si512(XC(x[t], Kc) + k0 / 4) : _mm512_setzero_si512();
+            __m512i i[4];
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) i[r] = xc;
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; m++) {
+                const __m512i xv = _mm512_loadu_si512(xr + 64 * m);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) i[r] = _mm512_dpbusd_epi32(i[r], g[r].w[m], xv);
+            }
+            const __m512 xd = _mm512_loadu_ps(XD(x[t], Kc) + k0 / 4);
+#pragma GCC unroll 4
+            for (int r = 0; r < R; r++) acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i[r]), _mm512_mul_ps(g[r].s, xd), acc[r][t]);
+            if (mins) {
+                const __m512 xm = _mm512_maskz_loadu_ps(0x00FF, XM(x[t], Kc) + k0 / 32);
+#pragma GCC unroll 4
+                for (int r = 0; r < R; r++) acc[r][t] = _mm512_fnmadd_ps(g[r].mn, xm, acc[r][t]);
+            }
+        }
+#else
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             SegW g;
@@ -755,6 +785,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
                 if (mins) acc[r][t] = _mm512_fnmadd_ps(g.mn, _mm512_maskz_loadu_ps(0x00FF, XM(x[t], Kc) + k0 / 32), acc[r][t]);
             }
         }
+#endif
     }
     for (int64_t k = Kf; (fmt == Q4_0 || fmt == Q8_0) && k < K; k += 64) { /* natural layout (k-quant rows are whole segments) */
         const int half = K - k == 32;
