@@ -609,8 +609,7 @@ static void run_job(Job *j, int tid) {
         const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->total) break;
         TRACE(if (!items++) first = now_ns());
-        /* phase 2's block k: coarse items are one per block; each block after them is handed out as 4 quarters */
-        const int64_t k = i < j->n1 ? 0 : i < j->coarse ? i - j->n1 : j->coarse - j->n1 + (i - j->coarse) / 4;
+        const int64_t k = i < j->n1 ? 0 : phase2_block(i, j->n1, j->coarse);
         const int64_t gi = i < j->n1 ? i / j->nb1 : k / j->nb2;
         if (!tiles && j->tbase[gi] >= 0) {
             amx_begin();
@@ -625,12 +624,7 @@ static void run_job(Job *j, int tid) {
             while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
             TRACE(wait += now_ns() - w);
             int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
-            if (i >= j->coarse) { /* a quarter of the block, in multiples of 4 rows (AMX: of 16, the A tiles' rows) */
-                const int64_t quarter = round_up((h1 - h0 + 3) / 4, j->tbase[gi] >= 0 ? 16 : 4);
-                const int64_t q = (i - j->coarse) % 4;
-                h0 += q * quarter;
-                if (h1 > h0 + quarter) h1 = h0 + quarter;
-            }
+            quarter_rows(i, j->coarse, j->tbase[gi] >= 0 ? 16 : 4, &h0, &h1); /* AMX: the A tiles' 16 rows */
             if (h0 < h1 && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
             else if (h0 < h1) phase2_item(j, gi, h0, h1);
         }
@@ -781,7 +775,7 @@ int moe_experts_forward(const bf16 *x, int64_t N, int64_t x_stride, int64_t H,
     j->nb1 = nb1;
     j->nb2 = nb2;
     j->n1 = ng * nb1;
-    const int64_t quartered = ng * nb2 < threads ? ng * nb2 : threads; /* the last round of blocks */
+    const int64_t quartered = last_round(ng * nb2, threads);
     j->coarse = total - quartered;
     j->total = total + 3 * quartered;
     atomic_store_explicit(&j->next, 0, memory_order_relaxed);

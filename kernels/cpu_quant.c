@@ -103,6 +103,9 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 #ifndef ITEM_BYTES
 #define ITEM_BYTES (1024 * 1024)
 #endif
+#ifndef QUARTERS
+#define QUARTERS 1 /* the last round of phase-2 blocks in quarters (native_call.h); 0: whole, for measuring */
+#endif
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
@@ -1092,7 +1095,8 @@ typedef struct {
     int64_t xt_bytes, at_bytes;
     /* R: the intermediate rows computed, [0, R) of F (the call's `rows`): gate / up rows [0, R), the first R
      * weights of each down row (d_row, from F, stays the stride); the act rows have R values */
-    int64_t H, F, R, gu_row, d_row, xq_row, aq_row, out_stride, n1, total, FB, HB, nb1, nb2;
+    int64_t H, F, R, gu_row, d_row, xq_row, aq_row, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
+    /* phase-2 items from `coarse` on are quarters of a block (native_call.h's last_round) */
     _Alignas(64) _Atomic int64_t next;
     _Alignas(64) _Atomic int64_t next_row;
     _Atomic int64_t rows_split;
@@ -1290,7 +1294,8 @@ static void run_job(void *arg, int tid) {
     for (;;) {
         const int64_t i = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (i >= j->total) break;
-        const int64_t gi = i < j->n1 ? i / j->nb1 : (i - j->n1) / j->nb2;
+        const int64_t k = i < j->n1 ? 0 : phase2_block(i, j->n1, j->coarse);
+        const int64_t gi = i < j->n1 ? i / j->nb1 : k / j->nb2;
         if (!tiles && j->tbase[gi] >= 0 && (i < j->n1 ? j->amx_gu : j->amx_d)) {
             amx_begin();
             tiles = 1;
@@ -1299,12 +1304,13 @@ static void run_job(void *arg, int tid) {
             phase1_item(j, i / j->nb1, i % j->nb1);
             atomic_fetch_add_explicit(&j->done1[i / j->nb1], 1, memory_order_release);
         } else {
-            const int64_t k = i - j->n1;
             unsigned spins = 0;
             while (atomic_load_explicit(&j->done1[gi], memory_order_acquire) < j->nb1) relax(&spins);
-            const int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
-            if (j->amx_d && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
-            else phase2_item(j, gi, h0, h1);
+            const int amx = j->amx_d && j->tbase[gi] >= 0;
+            int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
+            quarter_rows(i, j->coarse, amx ? 16 : ROWS, &h0, &h1); /* AMX: the A tiles' 16 rows */
+            if (h0 < h1 && amx) phase2_amx(j, gi, h0, h1);
+            else if (h0 < h1) phase2_item(j, gi, h0, h1);
         }
     }
     if (tiles) amx_end();
@@ -1435,7 +1441,9 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->nb1 = nb1;
     j->nb2 = nb2;
     j->n1 = G * nb1;
-    j->total = total;
+    const int64_t quartered = QUARTERS ? last_round(G * nb2, threads) : 0;
+    j->coarse = total - quartered;
+    j->total = total + 3 * quartered;
     atomic_store_explicit(&j->next, 0, memory_order_relaxed);
     atomic_store_explicit(&j->next_row, 0, memory_order_relaxed);
     atomic_store_explicit(&j->rows_split, 0, memory_order_relaxed);

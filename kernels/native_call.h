@@ -64,4 +64,28 @@ static int64_t block_rows(int64_t rows, int64_t bytes_per_row, int64_t align, in
     return b < round_up(rows, align) ? b : round_up(rows, align);
 }
 
+/*
+ * Item hand-out with the last round of phase-2 blocks in quarters: a call ends when its slowest thread finishes its
+ * last item, and short last items leave the others less time idle. Items [0, n1) are phase 1's; [n1, coarse) one
+ * phase-2 block each; from `coarse` on, each remaining block is four items. last_round: how many blocks go out in
+ * quarters (one per thread, at most all of phase 2's); the call hands out blocks + 3 * last_round items.
+ */
+static inline int64_t last_round(int64_t phase2_blocks, int threads) {
+    return phase2_blocks < threads ? phase2_blocks : threads;
+}
+
+/* Phase-2 item i's block (0 for phase 1's first, counting phase 2's blocks from 0). */
+static inline int64_t phase2_block(int64_t i, int64_t n1, int64_t coarse) {
+    return i < coarse ? i - n1 : coarse - n1 + (i - coarse) / 4;
+}
+
+/* Item i's rows of its phase-2 block [*h0, *h1): all of them, or for a quarter its part, in multiples of `align`
+ * (an empty range where the block is too short to have four). */
+static inline void quarter_rows(int64_t i, int64_t coarse, int64_t align, int64_t *h0, int64_t *h1) {
+    if (i < coarse) return;
+    const int64_t quarter = round_up((*h1 - *h0 + 3) / 4, align);
+    *h0 += (i - coarse) % 4 * quarter;
+    if (*h1 > *h0 + quarter) *h1 = *h0 + quarter;
+}
+
 #endif
