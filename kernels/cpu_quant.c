@@ -103,15 +103,12 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 #ifndef ITEM_BYTES
 #define ITEM_BYTES (1024 * 1024)
 #endif
-/* The last round of phase-2 blocks in quarters (native_call.h) where a block is a whole item: Mixtral's two experts at
- * one token 4% faster on the GPU box (1.60 against 1.67 ms, q4_0); blocks cut small to give every thread 4 items
- * (Qwen3's, ~110 KB) balance well enough, and their quarters measured up to 6% slower. QUARTERS=0: never, for
- * measuring. */
+/* The last round of phase-2 blocks in quarters (native_call.h), as cpu_experts.c hands them out. GPU box, 16 threads
+ * (bench_cpu_quant.py --define whole=-DQUARTERS=0, builds taking turns): Mixtral's two experts at one token 1.60
+ * against 1.67 ms and 1.64 against 1.67 in two runs (q4_0), at four tokens 2-3% faster; Qwen3's 8 small experts
+ * within noise (0.5-6% either way over three runs). QUARTERS=0: whole blocks, for measuring. */
 #ifndef QUARTERS
 #define QUARTERS 1
-#endif
-#ifndef QUARTER_MIN_BYTES
-#define QUARTER_MIN_BYTES (ITEM_BYTES / 2)
 #endif
 
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
@@ -1448,8 +1445,7 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->nb1 = nb1;
     j->nb2 = nb2;
     j->n1 = G * nb1;
-    const int64_t quartered = QUARTERS && HB * (R / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d]) >= QUARTER_MIN_BYTES
-                                  ? last_round(G * nb2, threads) : 0;
+    const int64_t quartered = QUARTERS ? last_round(G * nb2, threads) : 0;
     j->coarse = total - quartered;
     j->total = total + 3 * quartered;
     atomic_store_explicit(&j->next, 0, memory_order_relaxed);

@@ -294,16 +294,8 @@ def test_every_token_count(path, fu, fd, H, F_):
         check(out, x, pe, 1, None, w, torch.zeros(n, H))
 
 
-@pytest.fixture(scope="module")
-def quarters_build(built):
-    """The library built to hand out the last round of phase-2 blocks in quarters whatever their size (by default
-    only blocks of half an item or more are quartered, which these small shapes never have)."""
-    return cq.build_variant(["-DQUARTER_MIN_BYTES=0"])
-
-
 @pytest.mark.parametrize("threads", [3, 16])
-@pytest.mark.parametrize("quarters", [False, True])
-def test_result_does_not_depend_on_thread_count(path, threads, quarters, quarters_build):
+def test_result_does_not_depend_on_thread_count(path, threads):
     """Items, the last round's quarters and the phase-0 rows change hands with the thread count; each output is one
     thread's sums whoever computes it, so the results are equal bit for bit. H = 256 makes the phase-2 blocks short:
     with 16 threads quarters of one 4-row tile, with 3 a last block of 4 rows whose quarters are one tile and three
@@ -311,12 +303,7 @@ def test_result_does_not_depend_on_thread_count(path, threads, quarters, quarter
     from kernels import cpu_experts as ce
     g = torch.Generator().manual_seed(12)
     w, x, pe = make_case("q4_k", "q4_0", 256, 544, 4, 6, 2, g)
-    before, lib = ce.get_num_threads(), cq._state["lib"]
-    if quarters:
-        if lib.mq_lane_vnni() != quarters_build.mq_lane_vnni():
-            pytest.skip("the quarters build is the default one, the avx2-maddubs case is not")
-        cq.use_library(quarters_build)
-        quarters_build.mq_set_path(lib.mq_get_path())
+    before = ce.get_num_threads()
     try:
         results = []
         for n in (1, threads):
@@ -326,7 +313,6 @@ def test_result_does_not_depend_on_thread_count(path, threads, quarters, quarter
             results.append(out)
     finally:
         _set_threads(before)
-        cq._state["lib"] = lib
     assert torch.equal(results[0], results[1])
     check(results[1], x, pe, 2, None, w, torch.zeros(x.shape[0] * 2, 256))
 
