@@ -8,7 +8,9 @@ test_cpu_quant_kernel.py's `amx` cases run the real instructions:
 
 Experts with 8 or more tokens (AMX_MIN) go to the tiles, fewer stay on VNNI; q6_k stays on VNNI.
 """
+import subprocess
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,3 +108,20 @@ def test_amx_rows(emulated, fu, fd, H, F_, R):
     out = cq.experts_forward_routed(x, pe, 1, None, w, before.clone(), rows=R)
     check(out, x, pe, 1, None, w, before, f_rows=R)
     assert torch.equal(cq.experts_forward_routed(x, pe, 1, None, poison_tail(w, R), before.clone(), rows=R), out)
+
+
+def test_the_amx_segments_probe_computes_what_the_vnni_tiles_do(tmp_path):
+    """tests/perf/probe_amx_segments.c (an AMX-INT8 layout measured against the VNNI tiles and not kept) builds
+    against this kernel's internals; emulated, its tiles give the VNNI tiles' results (it exits 1 when not)."""
+    if cq.cpu_reason() is not None or not cq.vnni_supported():
+        pytest.skip("the probe compares against the VNNI tiles")
+    compiler = find_compiler()
+    if compiler is None:
+        pytest.skip("no C compiler")
+    source = Path(__file__).resolve().parents[1] / "perf" / "probe_amx_segments.c"
+    binary = tmp_path / "probe"
+    subprocess.run([*compiler, "-O2", "-std=gnu11", "-mavx2", "-mfma", "-mf16c", "-DMQ_AMX_EMULATE", "-o",
+                    str(binary), str(source), "-lpthread", "-lm"], check=True, capture_output=True)
+    run = subprocess.run([str(binary), "32", "1"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count("max err") == 4
