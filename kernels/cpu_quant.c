@@ -939,17 +939,21 @@ static inline void amx_quantize(const float *v, uint8_t *tile, int64_t K, int64_
 static const TileCfg AMX_CFG = {.palette = 1, .colsb = {64, 32, 64}, .rows = {16, 16, 8}};
 
 #ifdef MQ_AMX_EMULATE
-static void emu_dpbssd(int c, int a, int b) { /* C[m][n] += sum_k sum_i A[m][4k + i] * B[k][4n + i], signed bytes */
+/* C[m][n] += sum_k sum_i A[m][4k + i] * B[k][4n + i]: B's bytes signed, A's signed (tdpbssd) or not (tdpbusd) */
+static void emu_dpb(int c, int a, int b, int a_signed) {
     for (int m = 0; m < emu.cfg.rows[c]; m++)
         for (int n = 0; n < emu.cfg.colsb[c] / 4; n++) {
             int32_t acc;
             memcpy(&acc, &emu.t[c][m][4 * n], 4);
             for (int k = 0; k < emu.cfg.colsb[a] / 4; k++)
-                for (int i = 0; i < 4; i++) acc += (int8_t)emu.t[a][m][4 * k + i] * (int8_t)emu.t[b][k][4 * n + i];
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t w = emu.t[a][m][4 * k + i];
+                    acc += (a_signed ? (int8_t)w : w) * (int8_t)emu.t[b][k][4 * n + i];
+                }
             memcpy(&emu.t[c][m][4 * n], &acc, 4);
         }
 }
-#define TILE_DPBSSD(c, a, b) emu_dpbssd(c, a, b)
+#define TILE_DPBSSD(c, a, b) emu_dpb(c, a, b, 1)
 #else
 #define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #endif

@@ -25,17 +25,7 @@
 #include <time.h>
 
 #ifdef MQ_AMX_EMULATE
-static void emu_dpbusd(int c, int a, int b) {
-    for (int m = 0; m < 16; m++)
-        for (int n = 0; n < 16; n++) {
-            int32_t acc;
-            memcpy(&acc, &emu.t[c][m][4 * n], 4);
-            for (int k = 0; k < 16; k++)
-                for (int i = 0; i < 4; i++) acc += (uint8_t)emu.t[a][m][4 * k + i] * (int8_t)emu.t[b][k][4 * n + i];
-            memcpy(&emu.t[c][m][4 * n], &acc, 4);
-        }
-}
-#define DPBUSD(c, a, b) emu_dpbusd(c, a, b)
+#define DPBUSD(c, a, b) emu_dpb(c, a, b, 0)
 #else
 #define DPBUSD(c, a, b) __asm__ volatile("tdpbusd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #endif
