@@ -6,7 +6,7 @@
  * threads); phase-1 items (group, block of F rows) compute gate and up together, act = silu(gate) *
  * up in fp32, and quantise their own slice of the act rows; phase-2 items (group, block of H rows)
  * compute the down projection once their group's phase 1 is done. Items come from one atomic
- * counter. Each weight byte is read from DRAM once per call whatever the token count: an item's
+ * counter, the last round of phase-2 blocks in quarters (QUARTERS). Each weight byte is read from DRAM once per call whatever the token count: an item's
  * rows are worked 4 at a time, 256 weights (one k-quant super-block) at a time, and every token of
  * the group uses them while they are in L1.
  *

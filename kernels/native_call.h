@@ -74,7 +74,7 @@ static inline int64_t last_round(int64_t phase2_blocks, int threads) {
     return phase2_blocks < threads ? phase2_blocks : threads;
 }
 
-/* Phase-2 item i's block (0 for phase 1's first, counting phase 2's blocks from 0). */
+/* Phase-2 item i's block (i >= n1), phase 2's blocks counted from 0. */
 static inline int64_t phase2_block(int64_t i, int64_t n1, int64_t coarse) {
     return i < coarse ? i - n1 : coarse - n1 + (i - coarse) / 4;
 }
