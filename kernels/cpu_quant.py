@@ -194,6 +194,15 @@ def _configure(lib) -> None:
         lib.mq_set_threads(cpu_experts.get_num_threads())
 
 
+def set_num_threads(n: int) -> None:
+    """The packed kernel's threads: cpu_experts' pool, which it runs on where that library is loaded, else its own
+    (the library in use; a `build_variant` routed through later keeps the count it was built with)."""
+    cpu_experts.set_num_threads(n)
+    lib = _state.get("lib")
+    if lib is not None and (cpu_experts._disabled() or not cpu_experts.available()):
+        lib.mq_set_threads(n)
+
+
 def build_variant(defines: list[str]):
     """This kernel built with extra compiler flags (e.g. ["-DPREFETCH=2048"]) and configured like the one in
     use, for measuring alternatives side by side (tests/perf/bench_cpu_quant.py --define). Hand it to

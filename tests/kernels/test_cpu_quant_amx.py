@@ -79,8 +79,7 @@ def test_amx_many_items(emulated, monkeypatch):
     items that own their blocks, and read by phase 2 only after all of them."""
     from kernels import cpu_experts
     threads = cpu_experts.get_num_threads()
-    cpu_experts.set_num_threads(2)
-    cq._state["lib"].mq_set_threads(2)
+    cq.set_num_threads(2)
     try:
         g = torch.Generator().manual_seed(8)
         w, _, _ = make_case("q4_0", "q4_k", 1024, 2048, 2, 1, 1, g)
@@ -90,8 +89,7 @@ def test_amx_many_items(emulated, monkeypatch):
         cq.experts_forward_routed(x, pe, 1, None, w, out)
         check(out, x, pe, 1, None, w, torch.zeros(20, 1024))
     finally:
-        cpu_experts.set_num_threads(threads)
-        cq._state["lib"].mq_set_threads(threads)
+        cq.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("fu,fd,H,F_,R", [("q4_0", "q4_0", 288, 160, 96), ("q8_0", "q4_k", 64, 768, 256),

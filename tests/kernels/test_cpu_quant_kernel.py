@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_experts
 from kernels import cpu_quant as cq
 from kernels.expert_weights import ExpertWeights
 from kernels.quant_formats import dequantize, packed_format, quantize
@@ -300,29 +301,20 @@ def test_result_does_not_depend_on_thread_count(path, threads):
     thread's sums whoever computes it, so the results are equal bit for bit. H = 256 makes the phase-2 blocks short:
     with 16 threads quarters of one 4-row tile, with 3 a last block of 4 rows whose quarters are one tile and three
     empty ones."""
-    from kernels import cpu_experts as ce
     g = torch.Generator().manual_seed(12)
     w, x, pe = make_case("q4_k", "q4_0", 256, 544, 4, 6, 2, g)
-    before = ce.get_num_threads()
+    before = cpu_experts.get_num_threads()
     try:
         results = []
         for n in (1, threads):
-            _set_threads(n)
+            cq.set_num_threads(n)
             out = torch.zeros(x.shape[0] * 2, 256)
             cq.experts_forward_routed(x, pe, 2, None, w, out)
             results.append(out)
     finally:
-        _set_threads(before)
+        cq.set_num_threads(before)
     assert torch.equal(results[0], results[1])
     check(results[1], x, pe, 2, None, w, torch.zeros(x.shape[0] * 2, 256))
-
-
-def _set_threads(n):
-    """The packed kernel's threads: cpu_experts' pool where that library is loaded, else its own."""
-    from kernels import cpu_experts as ce
-    ce.set_num_threads(n)
-    if not ce.available():
-        cq._state["lib"].mq_set_threads(n)
 
 
 def test_a_callers_index_scratch_is_used_and_too_small_ones_are_not(path):

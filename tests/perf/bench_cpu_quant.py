@@ -133,11 +133,8 @@ def timed_builds(builds, fn, calls, warmup=2):
 
 
 def use_threads(n: int) -> None:
-    """The packed kernel's threads: cpu_experts' pool where that library is loaded (the packed kernel runs on it),
-    else its own."""
-    ce.set_num_threads(n)
-    if "lib" in cq._state and not ce.available():
-        cq._state["lib"].mq_set_threads(n)
+    """The packed kernel's threads (kernels.cpu_quant.set_num_threads)."""
+    cq.set_num_threads(n)
 
 
 def main():
