@@ -1,4 +1,5 @@
-"""One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, routing, the experts' sum.
+"""One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, the cache's writes, routing,
+the experts' sum.
 
 A decode step of a 12-layer Qwen3 ran ~100 GPU kernels per layer, most of them 1-2 µs
 elementwise kernels: an RMSNorm is eight (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary
@@ -32,14 +33,20 @@ def wanted() -> bool:
     return triton is not None and not disabled
 
 
-def applies(*tensors: torch.Tensor) -> bool:
-    """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous, and no gradient
-    wanted through them (the kernels have no backward: training a draft head goes through torch's ops)."""
-    first = tensors[0]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+def applies(*tensors: torch.Tensor, rows: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether the kernels take these tensors: all on one CUDA device, of one dtype, contiguous (those in `rows`:
+    their last two dimensions dense, the rest strided as they are), and no gradient wanted through them (the
+    kernels have no backward: training a draft head goes through torch's ops)."""
+    every = (*tensors, *rows)
+    first = every[0]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in every):
         return False
-    return first.is_cuda and wanted() and all(
-        t.device == first.device and t.dtype == first.dtype and t.is_contiguous() for t in tensors)
+    return first.is_cuda and wanted() and all(t.device == first.device and t.dtype == first.dtype for t in every) \
+        and all(t.is_contiguous() for t in tensors) and all(_dense_heads(t) for t in rows)
+
+
+def _dense_heads(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and x.stride(3) == 1 and x.stride(2) == x.shape[3]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,12 +67,29 @@ def rotary_fits(head_dim: int) -> bool:
 def norm_rotary(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
     """Half-split rotary embedding of x [B, T, heads, D] by cos/sin [B, T, D], after an RMSNorm of each
-    head with `weight` [D] when one is given (Qwen3's query/key norm)."""
+    head with `weight` [D] when one is given (Qwen3's query/key norm). x's heads are dense, its tokens may be
+    strided (a slice of the fused q/k/v projection's output); the result is contiguous."""
     b, t, heads, d = x.shape
-    out = torch.empty_like(x)
-    _norm_rotary[(b * t * heads,)](x, weight if weight is not None else x, cos, sin, out, eps, heads,
-                                   NORM=weight is not None, D=d, **_EXACT)
+    out = torch.empty(b, t, heads, d, dtype=x.dtype, device=x.device)
+    _norm_rotary[(b * t * heads,)](x, weight if weight is not None else x, cos, sin, out, eps, heads, t,
+                                   x.stride(0), x.stride(1), NORM=weight is not None, D=d, **_EXACT)
     return out
+
+
+def cache_write_fits(cache: torch.Tensor, *new: torch.Tensor) -> bool:
+    """Whether `write_cache` takes keys/values `new` [B, T, heads, D] for `cache` [rows, length, heads, D]."""
+    return applies(cache, rows=new) and all(t.shape[2:] == cache.shape[2:] for t in new)
+
+
+def write_cache(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """cache_k[rows[b], slots[b, t]] = k[b, t] and the same for v, for keys/values [B, T, heads, D] (heads dense,
+    tokens strided as they come) and the written rows [B, 1] (kv_cache.write_rows): one kernel for what
+    indexed assignment does in two, and without their index bookkeeping."""
+    b, t, heads, d = k.shape
+    _write_cache[(b * t,)](cache_k, cache_v, k, v, rows, slots, t, cache_k.stride(0), cache_k.stride(1),
+                           k.stride(0), k.stride(1), v.stride(0), v.stride(1), rows.stride(0),
+                           slots.stride(0), slots.stride(1), N=heads * d, BLOCK=triton.next_power_of_2(heads * d))
 
 
 def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -125,20 +149,22 @@ if triton is not None:
         tl.store(out_ptr + row * D + cols, (w * normed).to(dtype), mask=inside)
 
     @triton.jit
-    def _norm_rotary(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, heads, NORM: tl.constexpr, D: tl.constexpr):
+    def _norm_rotary(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, heads, T, stride_b, stride_t, NORM: tl.constexpr,
+                     D: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         HALF: tl.constexpr = D // 2
         cols = tl.arange(0, HALF)
         dtype = out_ptr.dtype.element_ty
-        lo = tl.load(x_ptr + row * D + cols).to(tl.float32)
-        hi = tl.load(x_ptr + row * D + HALF + cols).to(tl.float32)
+        token = row // heads  # cos/sin hold one row per token, shared by its heads
+        x_row = x_ptr + (token // T) * stride_b + (token % T) * stride_t + (row % heads) * D
+        lo = tl.load(x_row + cols).to(tl.float32)
+        hi = tl.load(x_row + HALF + cols).to(tl.float32)
         if NORM:
             inv = tl.rsqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / D + eps)
             w_lo = tl.load(w_ptr + cols).to(tl.float32)
             w_hi = tl.load(w_ptr + HALF + cols).to(tl.float32)
             lo = (w_lo * (lo * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             hi = (w_hi * (hi * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        token = row // heads  # cos/sin hold one row per token, shared by its heads
         cos_lo = tl.load(cos_ptr + token * D + cols).to(tl.float32)
         cos_hi = tl.load(cos_ptr + token * D + HALF + cols).to(tl.float32)
         sin_lo = tl.load(sin_ptr + token * D + cols).to(tl.float32)
@@ -148,6 +174,17 @@ if triton is not None:
         out_hi = (hi * cos_hi).to(dtype).to(tl.float32) + (lo * sin_hi).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * D + cols, out_lo.to(dtype))
         tl.store(out_ptr + row * D + HALF + cols, out_hi.to(dtype))
+
+    @triton.jit
+    def _write_cache(k_cache, v_cache, k_ptr, v_ptr, rows_ptr, slots_ptr, T, cache_row, cache_slot, k_b, k_t, v_b, v_t,
+                     rows_b, slots_b, slots_t, N: tl.constexpr, BLOCK: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        b, t = token // T, token % T
+        at = tl.load(rows_ptr + b * rows_b) * cache_row + tl.load(slots_ptr + b * slots_b + t * slots_t) * cache_slot
+        cols = tl.arange(0, BLOCK)
+        inside = cols < N
+        tl.store(k_cache + at + cols, tl.load(k_ptr + b * k_b + t * k_t + cols, mask=inside), mask=inside)
+        tl.store(v_cache + at + cols, tl.load(v_ptr + b * v_b + t * v_t + cols, mask=inside), mask=inside)
 
     @triton.jit
     def _route(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, RENORMALISE: tl.constexpr, BLOCK: tl.constexpr):

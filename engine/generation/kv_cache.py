@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.config import ModelConfig
+from kernels import gpu_fused
 
 
 class KVCache:
@@ -54,8 +55,11 @@ class KVCache:
         B = k.shape[0]
         if index_rows is None:
             index_rows = write_rows(rows, B, k.device)
-        cache_k[index_rows, positions] = k
-        cache_v[index_rows, positions] = v
+        if gpu_fused.cache_write_fits(cache_k, k, v) and positions.is_cuda and index_rows.is_cuda:
+            gpu_fused.write_cache(cache_k, cache_v, k, v, index_rows, positions)
+        else:
+            cache_k[index_rows, positions] = k
+            cache_v[index_rows, positions] = v
         if rows is None:
             return cache_k[:B, :kv_len], cache_v[:B, :kv_len]
         return cache_k[rows, :kv_len], cache_v[rows, :kv_len]

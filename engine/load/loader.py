@@ -143,6 +143,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
     model.rotary = Rotary(cfg, max_positions).to(device)
+    model.fuse_projections()
     return model.eval(), cfg, banks
 
 

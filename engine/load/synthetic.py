@@ -65,6 +65,7 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.to(device), requires_grad=False))
     model.rotary = Rotary(cfg, context).to(device)
+    model.fuse_projections()
     E, F_, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     banks = {}
     for moe in model.moe_blocks():

@@ -83,14 +83,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope(norm(x)) for x [B, T, heads, D], norm over each head (None: no norm); on the GPU one kernel."""
-    if norm is None:
-        if gpu_fused.applies(x, cos, sin) and gpu_fused.rotary_fits(x.shape[-1]):
-            return gpu_fused.norm_rotary(x, None, 0.0, cos, sin)
-        return apply_rope(x, cos, sin)
-    if gpu_fused.applies(x, cos, sin, norm.weight) and gpu_fused.rotary_fits(x.shape[-1]):
-        return gpu_fused.norm_rotary(x, norm.weight, norm.eps, cos, sin)
-    return apply_rope(norm(x), cos, sin)
+    """apply_rope(norm(x)) for x [B, T, heads, D], norm over each head (None: no norm); on the GPU one kernel.
+    x's heads must be dense; its tokens may be strided (a slice of the fused q/k/v projection)."""
+    weights = () if norm is None else (norm.weight,)
+    if gpu_fused.applies(cos, sin, *weights, rows=(x,)) and gpu_fused.rotary_fits(x.shape[-1]):
+        return gpu_fused.norm_rotary(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
+                                     cos, sin)
+    return apply_rope(x if norm is None else norm(x), cos, sin)
 
 
 # On CUDA, SDPA with a boolean mask picks cuDNN's kernel, which measured 4.5 ms per decode call on
@@ -143,10 +142,30 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(q_out, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
 
+    def fuse_projections(self) -> None:
+        """Compute q, k and v with one matmul from here on (as gpt-fast does): on an H100 a decode step's three
+        small GEMVs took 17 µs a layer where one takes ~9. wq, wk and wv keep their parameters, now views
+        of the fused weight, so loading, state dicts and draft-head training see them as before."""
+        projections = (self.wq, self.wk, self.wv)
+        self.qkv_sizes = [p.out_features for p in projections]
+        weight = torch.cat([p.weight.detach() for p in projections])
+        for p, part in zip(projections, weight.split(self.qkv_sizes)):
+            p.weight.data = part
+        self.register_buffer("qkv_weight", weight, persistent=False)
+        bias = None
+        if self.wq.bias is not None:
+            bias = torch.cat([p.bias.detach() for p in projections])
+            for p, part in zip(projections, bias.split(self.qkv_sizes)):
+                p.bias.data = part
+        self.register_buffer("qkv_bias", bias, persistent=False)
+
     def forward(self, x, rope, cache: KVCache, layer: int, step: "Step"):
         cfg = self.cfg
         B, T, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if hasattr(self, "qkv_weight"):
+            q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
@@ -158,7 +177,7 @@ class Attention(nn.Module):
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         keys, values = cache.write_and_read(layer, k, v, step.rows, step.slots, step.kv_len, step.write_rows)
-        out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.mask,
+        out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.attention_mask(q.dtype),
                         cfg.num_kv_heads != cfg.num_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -281,6 +300,7 @@ class Step:
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
         self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
+        self._additive = None  # attention_mask's, once made
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         if mask is not None:  # the caller's: e.g. a draft tree, where a token sees its ancestors only
             self.mask = mask
@@ -289,6 +309,19 @@ class Step:
         # A token sees every cache entry at or before its own position. Rows are right-padded
         # with positions that run on, so stale entries past a row's end are never visible.
         self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
+
+    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as every layer's attention takes it. On CUDA, made once a step what SDPA would make of the
+        boolean mask in every layer (0 where a token may attend, -inf elsewhere, in the queries' dtype; its rows
+        16-aligned as the memory-efficient kernel wants them): that conversion and padding were five small
+        kernels a layer. Elsewhere the boolean mask itself."""
+        if not self.mask.is_cuda:
+            return self.mask
+        if self._additive is None or self._additive.dtype != dtype:
+            *lead, length = self.mask.shape
+            bias = torch.full((*lead, -(-length // 16) * 16), float("-inf"), dtype=dtype, device=self.mask.device)
+            self._additive = bias[..., :length].masked_fill_(self.mask, 0.0)
+        return self._additive
 
 
 class Transformer(nn.Module):
@@ -303,6 +336,14 @@ class Transformer(nn.Module):
 
     def moe_blocks(self) -> list[MoE]:
         return [b.moe for b in self.layers if hasattr(b, "moe")]
+
+    def fuse_projections(self) -> None:
+        """Fuse what runs faster fused once the weights are in place (Attention.fuse_projections). On CUDA only:
+        on the CPU the separate matmuls keep the reference's rounding exactly, and cost no kernel launches."""
+        if not self.embed.weight.is_cuda:
+            return
+        for block in self.layers:
+            block.attn.fuse_projections()
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, executor,

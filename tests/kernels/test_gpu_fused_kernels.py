@@ -57,6 +57,36 @@ def test_norm_rotary_interpreted(interpreted, with_norm):
     assert not torch.allclose(got[:, 1:], got[:, :-1])
 
 
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rotary_takes_strided_tokens(interpreted, with_norm):
+    """A slice of the fused q/k/v projection's output: heads dense, tokens strided."""
+    x, weight, cos, sin = _rope_inputs(2, 3, 4, 64, torch.float32)
+    fused = torch.cat([torch.randn(2, 3, 4 * 64), x.reshape(2, 3, -1), torch.randn(2, 3, 64)], -1)
+    sliced = fused[..., 4 * 64:8 * 64].view(2, 3, 4, 64)
+    assert not sliced.is_contiguous() and gpu_fused._dense_heads(sliced)
+    got = interpreted.norm_rotary(sliced, weight if with_norm else None, 1e-6, cos, sin)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, interpreted.norm_rotary(x, weight if with_norm else None, 1e-6, cos, sin),
+                               rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("b,t,rows", [(1, 1, None), (3, 2, [4, 0, 2]), (2, 5, [1, 3])])
+def test_write_cache_is_indexed_assignment(interpreted, b, t, rows):
+    from engine.generation.kv_cache import write_rows
+
+    g = torch.Generator().manual_seed(b * 10 + t)
+    heads, d, length = 2, 32, 12
+    cache_k, cache_v = torch.randn(5, length, heads, d, generator=g), torch.randn(5, length, heads, d, generator=g)
+    k = torch.randn(b, t, heads, d, generator=g)
+    v = torch.randn(b, t, 3 * heads, d, generator=g)[:, :, heads:2 * heads]  # strided tokens, as a fused slice
+    slots = torch.stack([torch.randperm(length, generator=g)[:t] for _ in range(b)])
+    index = write_rows(None if rows is None else torch.tensor(rows), b, "cpu")
+    expected_k, expected_v = cache_k.clone(), cache_v.clone()
+    expected_k[index, slots], expected_v[index, slots] = k, v
+    interpreted.write_cache(cache_k, cache_v, k, v, index, slots)
+    assert torch.equal(cache_k, expected_k) and torch.equal(cache_v, expected_v)
+
+
 @pytest.mark.parametrize("n,k,h", [(1, 8, 2048), (3, 2, 2500)])  # 2500: a partial last block
 def test_weighted_sum_interpreted(interpreted, n, k, h):
     y, weights = _combine_inputs(n, k, h, torch.float32)
@@ -110,6 +140,18 @@ def test_only_for_cuda_tensors_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")
     assert not gpu_fused.wanted()
     assert gpu_fused.rotary_fits(128) and gpu_fused.rotary_fits(64) and not gpu_fused.rotary_fits(96)
+
+
+def test_rows_need_dense_heads_only():
+    on_cuda = lambda t: torch.Tensor._make_subclass(_OnCuda, t, False)
+    cache = on_cuda(torch.zeros(2, 8, 2, 4))
+    wide = torch.zeros(1, 3, 5, 4)
+    if not gpu_fused.wanted():
+        pytest.skip("the fused kernels are turned off")
+    assert gpu_fused.cache_write_fits(cache, on_cuda(wide[:, :, 1:3]))  # strided tokens, dense heads
+    assert not gpu_fused.cache_write_fits(cache, on_cuda(wide[:, :, 1:3].transpose(2, 3)))  # heads not dense
+    assert not gpu_fused.cache_write_fits(cache, on_cuda(wide[:, :, :3]))  # three heads for a cache of two
+    assert not gpu_fused.applies(on_cuda(wide[:, :, 1:3]))  # without rows=: contiguous only
 
 
 @pytest.mark.gpu

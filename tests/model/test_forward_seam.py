@@ -57,3 +57,53 @@ def test_a_tree_in_one_pass_equals_each_branch_alone(tiny_checkpoint, arch):
         run(engine, cache, prompt, 0)
         alone = run(engine, cache, branch, p)[0]
         torch.testing.assert_close(tree[nodes], alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # query/key norm; projection biases
+def test_fused_projections_compute_what_the_separate_ones_do(tiny_checkpoint, arch):
+    """On CUDA the loader fuses wq, wk and wv into one matmul (Attention.fuse_projections); here on the CPU, where
+    the loader leaves them apart, fusing by hand must change nothing but the number of matmuls."""
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
+    model = engine.model
+    assert not hasattr(model.layers[0].attn, "qkv_weight")  # not on the CPU
+    ids = engine.tokenizer.encode("the quick brown fox jumps over")
+    before = run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    for block in model.layers:
+        block.attn.fuse_projections()
+    attn = model.layers[0].attn
+    assert attn.wk.weight.data_ptr() == attn.qkv_weight[attn.qkv_sizes[0]:].data_ptr()  # views, not copies
+    assert (attn.qkv_bias is not None) == (arch == "qwen2_moe")
+    after_state = model.state_dict()
+    assert after_state.keys() == state.keys() and all(torch.equal(after_state[k], v) for k, v in state.items())
+    after = run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    attn.qkv_weight.zero_()  # the forward reads the fused weight
+    assert not torch.allclose(run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0), before)
+
+
+def test_attention_mask_is_the_boolean_one_off_cuda():
+    from engine.model.transformer import Step
+
+    step = Step(torch.tensor([[3, 4]]), None, None, kv_len=8)
+    assert step.attention_mask(torch.float32) is step.mask and step.mask.dtype == torch.bool
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_len", [7, 32])
+def test_attention_mask_on_cuda_is_what_sdpa_makes_of_the_boolean_one(kv_len):
+    """Made once a step: 0 / -inf in the queries' dtype, rows 16-aligned, and the same attention to the bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from engine.model.transformer import Step, attention
+
+    positions = torch.tensor([[kv_len - 3, kv_len - 2], [1, 2]], device="cuda")
+    step = Step(positions, None, None, kv_len=kv_len)
+    additive = step.attention_mask(torch.bfloat16)
+    assert additive is step.attention_mask(torch.bfloat16)  # once a step
+    assert additive.dtype == torch.bfloat16 and additive.stride(-2) % 16 == 0
+    assert torch.equal(additive == 0, step.mask) and bool(additive[~step.mask].eq(float("-inf")).all())
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(2, 8, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, kv_len, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    assert torch.equal(attention(q, k, v, additive, True), attention(q, k, v, step.mask, True))
