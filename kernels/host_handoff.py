@@ -4,8 +4,8 @@ With experts in RAM, every MoE layer of a decode step goes GPU (attention, routi
 GPU. Launching a CUDA graph per segment and waiting on an event per layer costs the host ~110 µs a layer
 (recording the event, bookkeeping, queueing the copy back, launching the next graph: a Qwen3-30B-A3B
 q4_k token, 12 layers, spent ~1.4 of its 5.6 ms there, engine/generation/cuda_graphs.py's history). Here
-the whole step is one graph: after each MoE layer's routing the graph copies the step's number into the
-layer's `ready` flag (a 4-byte copy, ordered after the routing's own copies) and then spins on the GPU
+the whole step is one graph: after each MoE layer's routing one kernel writes the routing into pinned memory
+and then the step's number into the layer's `ready` flag (`signal`), and the next spins on the GPU
 until the host has written the same number into the layer's `done` flag, and copies the host's results in;
 the host, meanwhile, waits for `ready`, computes the experts and sets `done`. Nothing is launched between
 layers, and the GPU does its own share of the layer (resident experts, streamed rows) while it waits.
@@ -99,11 +99,13 @@ class Handoff:
 
         self._ready = [_Ready(self, j) for j in range(layers)]
 
-    def warm_up(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def warm_up(self, src: torch.Tensor, dst: torch.Tensor, *signalled: torch.Tensor) -> None:
         """Compile the GPU's kernels before a capture (they cannot compile inside one): waits already satisfied,
-        with and without the copies the capture will ask for (of `src` into `dst`)."""
+        with and without the copies the capture will ask for (of `src` into `dst`), and a signal copying into the
+        pinned tensors `signalled` (from device tensors like them, as the capture's will be)."""
         self.next_step()
         self.start()
+        self.signal(0, *((torch.empty_like(host, device=self.step_device.device), host) for host in signalled))
         self.release()
         for j in range(self.layers):
             self.wait(j)
@@ -117,8 +119,24 @@ class Handoff:
     def start(self) -> None:
         _load_step[(1,)](pointer_arg(self.step_host), self.step_device)
 
-    def signal(self, j: int) -> None:
-        self.flags[0, j:j + 1].copy_(self.step_device, non_blocking=True)
+    def signal(self, j: int, *copies: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Tell the host that layer j's routing is there: first copy each (device tensor, pinned host tensor) pair
+        of `copies` (the routing itself), then set the layer's `ready` flag, in one kernel. As three copies (x,
+        ids, flag) they took ~20 µs a layer from the routing's kernel to the wait's on an H200, each copy waiting
+        for the one before and a copy between kernels waiting 5-8 µs more; this kernel takes 3.5 µs
+        (tests/perf/probe_segment.py, Qwen3-30B-A3B shape)."""
+        if len(copies) > 2:
+            raise ValueError("signal copies at most two tensors")
+        words = []
+        for device, host in copies:
+            d, h = _words(device), _words(host)
+            if d.numel() != h.numel() or not d.is_cuda:
+                raise ValueError("each copy goes from a device tensor to a host tensor of its size")
+            words.append((d, h, d.numel()))
+        words += [(self.step_device, self.step_device, 0)] * (2 - len(words))  # nothing to copy
+        (a, a_host, a_len), (b, b_host, b_len) = words
+        _signal[(1,)](a, pointer_arg(a_host), a_len, b, pointer_arg(b_host), b_len,
+                      pointer_arg(self.flags[0, j:j + 1]), self.step_device, BLOCK=1024, num_warps=8)
 
     def wait(self, j: int, src: torch.Tensor | None = None, dst: torch.Tensor | None = None) -> None:
         """Wait for the host's layer j, then copy `src` (its results, contiguous in pinned memory) into `dst`."""
@@ -160,7 +178,39 @@ class _Ready:
         self.handoff.host_wait(self.j)
 
 
+def _words(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as int32 words (what the signal kernel copies)."""
+    if not t.is_contiguous() or (t.numel() * t.element_size()) % 4:
+        raise ValueError("a copied tensor must be contiguous and a whole number of 4-byte words")
+    return t.view(-1).view(torch.int32)
+
+
 if triton is not None:
+    @triton.jit
+    def _fence_system(value):
+        """`value`, after a system-scope fence: every write this thread made, or saw through a barrier, is visible to
+        the host before any write it makes after (the host reads the routing once it sees the flag)."""
+        return tl.inline_asm_elementwise("fence.sc.sys;\n\tmov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32,
+                                         is_pure=False, pack=1)
+
+    @triton.jit
+    def _signal(a_ptr, a_host, A, b_ptr, b_host, B, flag_ptr, step_ptr, BLOCK: tl.constexpr):
+        """One program: copy A words of a and B of b into host memory, then the step's number into the flag. The
+        stores to the host write through the L2, and the flag's waits for all of them (a barrier, then a
+        system-scope fence in every thread)."""
+        for start in range(0, A, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < A
+            tl.store(a_host + offs, tl.load(a_ptr + offs, mask=inside), mask=inside, cache_modifier=".wt")
+        for start in range(0, B, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            inside = offs < B
+            tl.store(b_host + offs, tl.load(b_ptr + offs, mask=inside), mask=inside, cache_modifier=".wt")
+        tl.debug_barrier()
+        first = tl.arange(0, BLOCK) == 0  # every thread fences; the one holding element 0 stores the flag
+        step = tl.load(step_ptr + tl.zeros([BLOCK], dtype=tl.int32))
+        tl.store(flag_ptr + tl.zeros([BLOCK], dtype=tl.int32), _fence_system(step), mask=first, cache_modifier=".wt")
+
     @triton.jit
     def _load_step(src_ptr, dst_ptr):
         tl.store(dst_ptr, tl.load(src_ptr, volatile=True))

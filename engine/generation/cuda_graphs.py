@@ -203,7 +203,9 @@ class _Captured:
             graph.reset()
         self.graphs, self.stream_graphs, self.outputs, self.hidden = [], {}, [], {}
 
-    def _segment(self, j: int):
+    def _segment(self, j: int, to_host: bool = True):
+        """Segment j's work; to_host: end by queueing the copy of its routing to the host (False: the handoff's
+        signal copies it)."""
         model, cache = self.model, self.cache
         blocks = model.layers
         if j == 0:
@@ -233,7 +235,7 @@ class _Captured:
         if end in self.features:
             self.hidden[end] = x
         x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.step)
-        if self.host is not None:
+        if self.host is not None and to_host:
             self.host.x.copy_(flat, non_blocking=True)
             self.host.ids.copy_(ids, non_blocking=True)
         return x, flat, weights, ids
@@ -266,7 +268,7 @@ class _Captured:
         its results into `expert_out`."""
         _, flat, _, ids = self.outputs[j]
         moe = self.model.layers[self.moe_at[j]].moe
-        self.handoff.signal(j)
+        self.handoff.signal(j, (flat, self.host.x), (ids, self.host.ids))
         resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
         if self.streamed[j] or self.cpu_rows[j]:
             self._stream_share(j, executor, moe, flat, ids)
@@ -308,12 +310,12 @@ class _Captured:
         torch.cuda.current_stream(self.cache.device).wait_stream(stream)
         self.outputs, self.pool = [], pool
         if self.handoff is not None:
-            self.handoff.warm_up(self.host_out, self.expert_out)
+            self.handoff.warm_up(self.host_out, self.expert_out, self.host.x, self.host.ids)
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self.pool):
                 self.handoff.start()
                 for j in range(len(self.moe_at) + 1):
-                    self.outputs.append(self._segment(j))
+                    self.outputs.append(self._segment(j, to_host=False))
                     if j < len(self.moe_at):
                         self._hand_over(j, executor)
             self.pool = graph.pool()

@@ -58,6 +58,41 @@ def test_step_numbers_wrap_around_without_zero():
     assert handoff.step == 1  # 0 is what the flags hold before any step
 
 
+def test_signal_checks_what_it_copies_before_launching():
+    handoff = host_handoff.Handoff(2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="device tensor"):
+        handoff.signal(0, (torch.zeros(4), torch.zeros(4)))  # a CPU source
+    with pytest.raises(ValueError, match="4-byte words"):
+        handoff.signal(0, (torch.zeros(3, dtype=torch.bfloat16), torch.zeros(3, dtype=torch.bfloat16)))
+    with pytest.raises(ValueError, match="at most two"):
+        handoff.signal(0, *[(torch.zeros(2), torch.zeros(2))] * 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_signal_copies_the_routing_before_the_flag(tokens):
+    """The kernel that hands a layer to the host: the routing in pinned memory, then the ready flag; in a loop of
+    steps so that a flag seen before its routing landed would show as a mismatch."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    handoff = host_handoff.Handoff(2, torch.device("cuda"))
+    x_host = torch.zeros(tokens, 4096, dtype=torch.bfloat16, pin_memory=True)
+    ids_host = torch.zeros(tokens, 8, dtype=torch.long, pin_memory=True)
+    for step in range(20):
+        x = torch.randn(tokens, 4096, device="cuda").to(torch.bfloat16)
+        ids = torch.randint(0, 128, (tokens, 8), device="cuda")
+        handoff.next_step()
+        handoff.start()
+        handoff.signal(1, (x, x_host), (ids, ids_host))
+        handoff.host_wait(1, timeout_s=10)
+        seen_x, seen_ids = x_host.clone(), ids_host.clone()  # as the host reads them, before any synchronisation
+        assert torch.equal(seen_x, x.cpu()) and torch.equal(seen_ids, ids.cpu()), step
+        assert int(handoff.flags[0, 0]) != handoff.step  # the other layer's flag untouched
+        handoff.signal(0)  # nothing to copy: the flag alone
+        handoff.host_wait(0, timeout_s=10)
+        torch.cuda.synchronize()
+
+
 def _executor(decide=None):
     g = torch.Generator().manual_seed(3)
     bank = ExpertWeights(torch.randn(6, 2 * 96, 64, generator=g) / 8, torch.randn(6, 64, 96, generator=g) / 10, 64, 96)
