@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -90,6 +90,29 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     of 32 and of the down format's block (`check_rows`).
     Raises ValueError on bad indices or rows.
     """
+    if x.dim() == 2 and x.stride(1) != 1:
+        x = x.contiguous()
+    pe = pair_expert
+    if not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
+        pe = pe.to("cpu", torch.int64).contiguous()
+    target = out
+    if out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1:
+        out = target.to("cpu", torch.float32, copy=True).contiguous()  # a copy: rows not computed stay as they are
+    if index is None or index.numel() < 2 * pe.shape[0] + 2 * w.num_experts + 1 or index.dtype is not torch.int64 \
+            or not index.is_contiguous() or not index.is_cpu:
+        index = torch.empty(2 * pe.shape[0] + 2 * w.num_experts + 1, dtype=torch.int64)
+    prepare_routed(x, pe, k, chosen, w, out, index, rows=rows)()
+    if target is not out:
+        target.copy_(out)
+    return target
+
+
+def prepare_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index, *, rows: int | None = None):
+    """`experts_forward_routed` checked and its arguments built once, as a function of no arguments that makes
+    the call: for a caller that repeats it on the same buffers (a handed-over decode step's layers), whose
+    contents it reads at each call. The tensors must be what the kernel takes as they are: x and out bf16 or
+    float32 CPU rows, pair_expert int64 contiguous, index big enough (ValueError otherwise). The checks, in
+    Python, are paid here once instead of at every layer of every token."""
     lib = _state.get("lib")
     if lib is None:
         reason = unavailable_reason()
@@ -102,33 +125,33 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
         raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must be [*, {H}]")
     if x.dtype not in _FLOATS:
         raise TypeError(f"x must be bfloat16 or float32, not {x.dtype}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    pe = pair_expert
-    if not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
-        pe = pe.to("cpu", torch.int64).contiguous()
-    P, E = pe.shape[0], w.num_experts
+    pe, P, E = pair_expert, pair_expert.shape[0], w.num_experts
+    if x.stride(1) != 1 or out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1 \
+            or not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
+        raise ValueError("prepare_routed takes x, out and pair_expert only as the kernel reads them")
+    if index.numel() < 2 * P + 2 * E + 1 or index.dtype is not torch.int64 or not index.is_contiguous() \
+            or not index.is_cpu:
+        raise ValueError(f"index must be int64 CPU scratch of at least {2 * P + 2 * E + 1} entries")
     picked = None if chosen is None else np.ascontiguousarray(np.asarray(
         chosen.cpu() if isinstance(chosen, torch.Tensor) else chosen, dtype=np.int64).reshape(-1))
-    target = out
-    if out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1:
-        out = target.to("cpu", torch.float32, copy=True).contiguous()  # a copy: rows not computed stay as they are
     gate_up, down = w.gate_up, w.down
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         gate_up, down = gate_up.contiguous(), down.contiguous()
-    if index is None or index.numel() < 2 * P + 2 * E + 1 or index.dtype is not torch.int64 \
-            or not index.is_contiguous() or not index.is_cpu:
-        index = torch.empty(2 * P + 2 * E + 1, dtype=torch.int64)
-    rc = lib.mq_routed_forward(
+    call = partial(
+        lib.mq_routed_forward,
         x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), P, k,
         None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
         gate_up.data_ptr(), down.data_ptr(), E, F, FORMAT_CODES[w.gate_up_format], FORMAT_CODES[w.down_format],
         out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32), index.data_ptr(), R)
-    if rc != 0:
-        raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
-    if target is not out:
-        target.copy_(out)
-    return target
+    keep = (x, pe, picked, gate_up, down, out, index)  # the memory the pointers point into
+
+    def run() -> None:
+        rc = call()
+        if rc != 0:
+            raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
+
+    run.keep = keep
+    return run
 
 
 # ---------------------------------------------------------------- availability and settings

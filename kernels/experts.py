@@ -44,6 +44,15 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out, rows=rows)
 
 
+def prepare_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, out, index, *, rows: int | None = None):
+    """`experts_forward_routed` prepared once for buffers a caller reuses (kernels.cpu_quant.prepare_routed): a
+    function of no arguments, or None where only the unprepared call applies (16-bit experts, whose native
+    call has its own fallbacks, or no native packed kernel)."""
+    if not w.packed or not cpu_quant.applies(x, w):
+        return None
+    return cpu_quant.prepare_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
+
+
 def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
     """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one, for x and
     experts of w's formats and shapes on x's device (w itself may still be in host memory: placement asks

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import torch
 
@@ -183,11 +184,11 @@ class _Captured:
         # Where no host-run layer needs a host decision, the step is one graph that hands each layer to the
         # host and back through flags (kernels.host_handoff): nothing is launched between layers.
         self.handoff: Handoff | None = None
+        self.host_plans: list = []  # per host-run layer, the host's side of a handed-over step (`_plan_host_shares`)
         host_only = getattr(executor, "host_only", None)
         if (self.host is not None and host_only is not None and handoff_wanted()
                 and all(host_only(model.layers[i].moe.layer, tokens, top_k) for i in self.moe_at)):
             self.handoff = Handoff(len(self.moe_at), device)
-            self.handed = HostRouting(self.host.x, self.host.ids)  # the same buffers; the handoff's flags as `ready`
             self.host_out = torch.zeros(tokens * top_k, hidden, dtype=dtype, pin_memory=True)
         self.stream_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
@@ -201,7 +202,7 @@ class _Captured:
         """Free the graphs and their outputs now."""
         for graph in [*self.graphs, *self.stream_graphs.values()]:
             graph.reset()
-        self.graphs, self.stream_graphs, self.outputs, self.hidden = [], {}, [], {}
+        self.graphs, self.stream_graphs, self.outputs, self.hidden, self.host_plans = [], {}, [], {}, []
 
     def _segment(self, j: int, to_host: bool = True):
         """Segment j's work; to_host: end by queueing the copy of its routing to the host (False: the handoff's
@@ -278,13 +279,23 @@ class _Captured:
             y, mask = resident
             self.expert_out.copy_(torch.where(mask[:, None], y, self.expert_out))
 
-    def _host_shares(self, executor) -> None:
+    def _plan_host_shares(self, executor) -> None:
+        """The host's side of each handed-over layer, prepared once per capture (the executor's `host_plan`, where
+        it has one): the same buffers every step, the layer's flag as `ready`."""
+        plan = getattr(executor, "host_plan", None)
+        self.host_plans = []
+        for j, i in enumerate(self.moe_at):
+            host = HostRouting(self.host.x, self.host.ids, self.handoff.ready(j), self.streamed[j], self.cpu_rows[j])
+            moe = self.model.layers[i].moe
+            self.host_plans.append(plan(moe, host, self.host_out) if plan is not None
+                                   else partial(executor.host_share, moe, host, self.host_out))
+
+    def _host_shares(self) -> None:
         """The host's side of a handed-over step: each layer's experts as the graph reaches its routing."""
-        host, handoff = self.handed, self.handoff
+        handoff = self.handoff
         try:
-            for j, i in enumerate(self.moe_at):
-                host.ready, host.streamed, host.cpu_rows = handoff.ready(j), self.streamed[j], self.cpu_rows[j]
-                executor.host_share(self.model.layers[i].moe, host, self.host_out)
+            for j, share in enumerate(self.host_plans):
+                share()
                 handoff.host_done(j)
         except BaseException:
             handoff.release()  # the GPU goes on with wrong results; the caller gets the error
@@ -320,6 +331,7 @@ class _Captured:
                         self._hand_over(j, executor)
             self.pool = graph.pool()
             self.graphs.append(graph)
+            self._plan_host_shares(executor)
             log.info("captured one CUDA graph for %d x %d tokens, handing %d MoE layers to the host", *tokens.shape,
                      len(self.moe_at))
             return
@@ -362,7 +374,7 @@ class _Captured:
         elif self.handoff is not None:
             self.handoff.next_step()
             self.graphs[0].replay()
-            self._host_shares(executor)
+            self._host_shares()
             logits = self.outputs[-1]
         else:
             stream = self._stream()

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, fields, replace
-from functools import cached_property
+from functools import cached_property, partial
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ import torch
 from engine.offload.executor import HostRouting
 from kernels import gpu_streamed
 from kernels.expert_weights import ExpertWeights
-from kernels.experts import expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported
+from kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
+                             prepare_routed)
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's
 # savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
@@ -335,27 +337,57 @@ class OffloadExecutor:
         bank = self.banks[moe.layer]
         pair_expert = host.ids.view(-1)
         k = pair_expert.shape[0]
-        experts_of = pair_expert.numpy()
-        counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
-        self._count(moe.layer, counts)
-        index = self._buffer("cpu_index", (2 * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-        s = self._stats
-        on_cpu, offloaded = k - host.streamed, None  # a lone token's experts are distinct: its first ranks are the CPU's
-        if self.has_resident(moe.layer):  # the GPU computes the resident ones (`device_share`)
-            _, _, is_offloaded, offloaded = self._slots(moe.layer)
+        index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
+        is_offloaded, offloaded = self._slots(moe.layer)[2:] if self.has_resident(moe.layer) else (None, None)
+        experts_forward_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
+                               rows=host.cpu_rows or None)
+        self._host_tally(moe.layer, pair_expert.numpy(), host.streamed, bool(host.cpu_rows), is_offloaded, started,
+                         routed)
+
+    def _host_tally(self, layer: int, experts_of: np.ndarray, streamed: int, split: bool, is_offloaded, started: float,
+                    routed: float) -> None:
+        """A host share's counts and times: experts_of the layer's routing, is_offloaded its map where the GPU
+        computes the resident experts (None: every expert is the host's or streamed)."""
+        self._count(layer, np.bincount(experts_of, minlength=len(self.banks[layer].gpu_slot)))
+        s, k = self._stats, len(experts_of)
+        on_cpu = k - streamed  # a lone token's experts are distinct: its first ranks are the CPU's
+        if is_offloaded is not None:
             on_cpu = int(is_offloaded[experts_of].sum())
             s.gpu_experts += k - on_cpu
             s.gpu_hits += k - on_cpu
-        experts_forward_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
-                               rows=host.cpu_rows or None)
         s.cpu_experts += on_cpu
-        s.streamed_experts += host.streamed
-        s.split_experts += on_cpu if host.cpu_rows else 0
+        s.streamed_experts += streamed
+        s.split_experts += on_cpu if split else 0
         s.selections += k
         done = time.perf_counter()
         s.wait_ms += (routed - started) * 1e3
         s.cpu_ms += (done - routed) * 1e3
         s.layer_ms += (done - started) * 1e3
+
+    def host_plan(self, moe, host: HostRouting, out) -> Callable[[], None]:
+        """`host_share(moe, host, out)` for a captured step that repeats it on the same buffers every step, prepared
+        once (kernels.experts.prepare_routed): what is left to do each time is the wait, the kernel's call and the
+        counts. Beside the kernel's call, host_share took ~30 µs a layer of Python on the GPU box
+        (tests/perf/probe_segment.py, Qwen3-30B-A3B q4_k: 0.303 ms a layer, the call 0.273 of it). Valid while the placement is (a capture is redone when it changes)."""
+        layer, bank = moe.layer, self.banks[moe.layer]
+        pair_expert = host.ids.view(-1)
+        k = pair_expert.shape[0]
+        index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
+        is_offloaded, offloaded = self._slots(layer)[2:] if self.has_resident(layer) else (None, None)
+        call = prepare_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
+                              rows=host.cpu_rows or None)
+        if call is None:
+            return partial(self.host_share, moe, host, out)
+        experts_of, streamed, split = pair_expert.numpy(), host.streamed, bool(host.cpu_rows)
+
+        def run() -> None:
+            started = time.perf_counter()
+            host.ready.synchronize()
+            routed = time.perf_counter()
+            call()
+            self._host_tally(layer, experts_of, streamed, split, is_offloaded, started, routed)
+
+        return run
 
     def stream_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
         """Queue the GPU's share of a `row_split` layer: every pair's expert over intermediate rows [cpu_rows,

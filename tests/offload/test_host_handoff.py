@@ -1,6 +1,7 @@
 """A decode step handed between the GPU and the host through flags (kernels.host_handoff): the host's side of the
 flags, and the executor's part (`host_only`, `host_share`). Here a thread plays the GPU's side;
 tests/model/test_gpu_equivalence.py runs whole handed-over steps inside CUDA graphs."""
+import functools
 import threading
 import time
 
@@ -123,6 +124,57 @@ def test_host_share_is_what_expert_outputs_computes_for_the_host(streamed, cpu_r
     assert (s.cpu_experts, s.streamed_experts, s.selections) == (on_cpu, streamed, 3)
     assert s.split_experts == (on_cpu if cpu_rows else 0)
     assert executor.selections[0].tolist() == [0, 1, 0, 0, 1, 1]
+
+
+def _packed_executor():
+    from kernels.cpu_quant import available
+    from kernels.quant_formats import quantize
+
+    if not available():
+        pytest.skip("no native packed kernel here")
+    g = torch.Generator().manual_seed(5)
+    bank = ExpertWeights(quantize(torch.randn(6, 2 * 96, 64, generator=g) / 8, "q8_0"),
+                         quantize(torch.randn(6, 64, 96, generator=g) / 10, "q4_0"), 64, 96, "q8_0", "q4_0")
+    return OffloadExecutor({0: bank}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []))
+
+
+@pytest.mark.parametrize("streamed, cpu_rows, resident", [(0, 0, False), (1, 0, False), (0, 64, False),
+                                                           (0, 0, True)])
+def test_a_host_plan_is_host_share_prepared_once(streamed, cpu_rows, resident):
+    """The host's side of a captured step, prepared at capture: each call reads the routing buffers as they are
+    then (the graph rewrites them every layer) and computes and counts what host_share does."""
+    moe = type("Moe", (), {"layer": 0})()
+    x, ids = torch.zeros(1, 64), torch.zeros(1, 3, dtype=torch.long)
+    planned, shared = _packed_executor(), _packed_executor()
+    for executor in (planned, shared):
+        executor.simulated = False
+        if resident:
+            executor.set_placement([[e == 4 for e in range(6)]])
+    plan_out, share_out = torch.full((3, 64), float("nan")), torch.full((3, 64), float("nan"))
+    flag = _Flag()
+    plan = planned.host_plan(moe, HostRouting(x, ids, flag, streamed=streamed, cpu_rows=cpu_rows), plan_out)
+    assert not isinstance(plan, functools.partial)  # prepared, not host_share again
+    g = torch.Generator().manual_seed(2)
+    for step in range(3):
+        x.copy_(torch.randn(1, 64, generator=g))
+        ids.copy_(torch.randperm(6, generator=g)[:3].sort().values)
+        plan()
+        assert flag.waited == step + 1
+        shared.host_share(moe, HostRouting(x.clone(), ids.clone(), _Flag(), streamed=streamed, cpu_rows=cpu_rows),
+                          share_out)
+        on_cpu = 3 - streamed
+        rows = [r for r in range(on_cpu) if not (resident and int(ids[0, r]) == 4)]  # the GPU's are left alone
+        assert torch.equal(plan_out[rows], share_out[rows]) and not plan_out[rows].isnan().any()
+    for field in ("cpu_experts", "streamed_experts", "split_experts", "gpu_experts", "selections"):
+        assert getattr(planned.stats, field) == getattr(shared.stats, field), field
+    assert torch.equal(planned.selections[0], shared.selections[0])
+
+
+def test_a_host_plan_for_16_bit_experts_is_host_share():
+    moe = type("Moe", (), {"layer": 0})()
+    plan = _executor().host_plan(moe, HostRouting(torch.zeros(1, 64), torch.zeros(1, 3, dtype=torch.long), _Flag()),
+                                 torch.zeros(3, 64))
+    assert isinstance(plan, functools.partial) and plan.func.__name__ == "host_share"
 
 
 def test_only_layers_with_no_host_decision_are_handed_over():

@@ -11,10 +11,12 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 from engine.bench import measure_decode
+from engine.offload import offload_executor
 from qwen3_probe_model import qwen3_all_in_ram
 
 FORMAT = sys.argv[1] if len(sys.argv) > 1 else "dense"
@@ -22,8 +24,28 @@ STEPS = 8
 OUT = os.environ.get("OUT", "/tmp")
 WAIT = "_await_flag"
 device, cfg, model, ex = qwen3_all_in_ram(expert_format=FORMAT)
-speeds = [measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 40).tok_s for _ in range(3)]
+kernel_s = []  # the host's calls of the experts' kernel (its Python wrapper included)
+unwrapped = offload_executor.experts_forward_routed
+
+
+def timed_kernel(*args, **kwargs):
+    started = time.perf_counter()
+    unwrapped(*args, **kwargs)
+    kernel_s.append(time.perf_counter() - started)
+
+
+offload_executor.experts_forward_routed = timed_kernel
+speeds, host = [], []
+for _ in range(3):
+    kernel_s.clear()
+    speeds.append(measure_decode(model, ex, cfg, device, torch.bfloat16, 1, 40).tok_s)
+    s = ex.stats  # the timed steps' (they restart with them; kernel_s has the capture's calls too)
+    calls = s.selections // cfg.num_experts_per_tok  # one token a step: a call per layer
+    host.append((s.wait_ms / calls, s.cpu_ms / calls, 1e3 * statistics.median(kernel_s[-calls:])))
+offload_executor.experts_forward_routed = unwrapped
 print(f"{FORMAT}: {statistics.median(speeds):.1f} tok/s unprofiled ({1000 / statistics.median(speeds):.2f} ms a step)")
+print("host, per layer (ms): waiting for the GPU's routing %.3f, experts after it %.3f, of which the kernel's call %.3f"
+      % tuple(statistics.median(h[i] for h in host) for i in range(3)))
 
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
     measure_decode(model, ex, cfg, device, torch.bfloat16, 1, STEPS + 2)
