@@ -122,7 +122,7 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
     return _host_ms(lambda: compute_copied(x[rows], staging, queue_copy(side, host, staging)), device, repeat)
 
 
-def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 7,
+def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 15,
                       dtype: torch.dtype | None = None) -> dict:
     """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
     pinned RAM (kernels.gpu_streamed), timed as decode runs them: {"streamed_split_ms": {g: ms}} for g = 0..
@@ -134,7 +134,11 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     side. w is a layer's pinned stacks, dense or packed (then dtype is the activations'); each try takes experts
     the last tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
     graph, as in decode. "split_rows_ms": {rows: ms} the same with every expert's last `rows` intermediate rows
-    on the GPU and the first ones on the CPU (`split_row_candidates`)."""
+    on the GPU and the first ones on the CPU (`split_row_candidates`).
+
+    The options take turns, try by try: timed one after another (7 tries each), the CPU alone came out 0.27 ms
+    in one start-up and 0.29-0.34 in three others on the GPU box, and that one run streamed nothing and decoded
+    Qwen3-30B-A3B at 219 tok/s where the others streamed 2-3 experts and decoded 237-275."""
     device = torch.device(device)
     if not gpu_streamed.applies(device, w):
         return {}
@@ -144,6 +148,7 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     x = x_host.to(device)
     cpu_out = torch.empty(top_k, hidden, dtype=dtype, pin_memory=True)
     gpu_out = torch.empty(top_k, hidden, dtype=dtype, device=device)
+    gpu_partial = torch.empty(top_k, hidden, dtype=torch.float32, device=device)
     index = torch.empty(2 * top_k + 2 * experts + 1, dtype=torch.int64)
     turn = [0]
 
@@ -151,54 +156,47 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
         first, turn[0] = turn[0], (turn[0] + n) % experts
         return [(first + i) % experts for i in range(n)]
 
-    split = {}
+    def gpu_share(ids: torch.Tensor, **kw) -> torch.cuda.CUDAGraph:
+        gpu_streamed.streamed_experts(x, ids, 0, w, **kw)  # compiles before the capture
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with capturing(graph):
+            gpu_streamed.streamed_experts(x, ids, 0, w, **kw)
+        return graph
+
+    # (key, streamed experts, the CPU's rows of each expert, graph of the GPU's share, its expert ids)
+    options = []
     for streamed in range(min(top_k, most) + 1):
-        on_cpu = top_k - streamed
-        graph, ids = None, torch.zeros(1, max(streamed, 1), dtype=torch.int64, device=device)
-        if streamed:
-            gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)  # compiles before the capture
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with capturing(graph):
-                gpu_streamed.streamed_experts(x, ids, 0, w, gpu_out)
-        times = []
-        for i in range(repeat + 1):
-            if streamed:
-                ids.copy_(torch.tensor([next_experts(streamed)]))
-            pairs = torch.tensor(sorted(next_experts(on_cpu)), dtype=torch.int64)
+        ids = torch.zeros(1, max(streamed, 1), dtype=torch.int64, device=device)
+        options.append((("split", streamed), streamed, None, gpu_share(ids, out=gpu_out) if streamed else None, ids))
+    for gpu_rows in split_row_candidates(w):
+        ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
+        cpu_rows = w.width - gpu_rows
+        options.append((("rows", gpu_rows), 0, cpu_rows, gpu_share(ids, out=gpu_partial, first_row=cpu_rows), ids))
+    times = {key: [] for key, *_ in options}
+    for i in range(repeat + 1):
+        for j in range(len(options)):
+            key, streamed, cpu_rows, graph, ids = options[(i + j) % len(options)]  # a rotating order
+            if cpu_rows is None:  # whole experts: the GPU the last `streamed`, the CPU the others
+                if streamed:
+                    ids.copy_(torch.tensor([next_experts(streamed)]))
+                pairs = torch.tensor(sorted(next_experts(top_k - streamed)), dtype=torch.int64)
+            else:  # every expert: the CPU its first rows, the GPU the rest
+                pairs = torch.tensor(sorted(next_experts(top_k)), dtype=torch.int64)
+                ids.copy_(pairs.view(1, -1))
             torch.cuda.synchronize(device)
             start = time.perf_counter()
             if graph is not None:
                 graph.replay()
-            if on_cpu:
-                experts_forward_routed(x_host, pairs, on_cpu, None, w, cpu_out, index)
+            if len(pairs):
+                experts_forward_routed(x_host, pairs, len(pairs), None, w, cpu_out, index, rows=cpu_rows)
             torch.cuda.synchronize(device)
-            if i:  # the first try warms up
-                times.append((time.perf_counter() - start) * 1e3)
-        split[streamed] = statistics.median(times)
-    rows = {}
-    gpu_partial = torch.empty(top_k, hidden, dtype=torch.float32, device=device)
-    for gpu_rows in split_row_candidates(w):
-        cpu_rows = w.width - gpu_rows
-        ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
-        gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)  # compiles before the capture
-        torch.cuda.synchronize(device)
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph):
-            gpu_streamed.streamed_experts(x, ids, 0, w, gpu_partial, first_row=cpu_rows)
-        times = []
-        for i in range(repeat + 1):
-            chosen = sorted(next_experts(top_k))
-            ids.copy_(torch.tensor([chosen]))
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            graph.replay()
-            experts_forward_routed(x_host, torch.tensor(chosen), top_k, None, w, cpu_out, index, rows=cpu_rows)
-            torch.cuda.synchronize(device)
-            if i:
-                times.append((time.perf_counter() - start) * 1e3)
-        rows[gpu_rows] = statistics.median(times)
-    return {"streamed_split_ms": split, "streamed_top_k": top_k, "split_rows_ms": rows}
+            if i:  # the first round warms up
+                times[key].append((time.perf_counter() - start) * 1e3)
+    median = {key: statistics.median(v) for key, v in times.items()}
+    return {"streamed_split_ms": {g: ms for (kind, g), ms in median.items() if kind == "split"},
+            "streamed_top_k": top_k,
+            "split_rows_ms": {rows: ms for (kind, rows), ms in median.items() if kind == "rows"}}
 
 
 def split_row_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:
@@ -301,8 +299,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
 # through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
-# 6: streamed_split_ms of packed experts too; 7: split_rows_ms).
-PROFILE_FORMAT = 7
+# 6: streamed_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns).
+PROFILE_FORMAT = 8
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:

@@ -24,17 +24,25 @@ STEPS = 8
 OUT = os.environ.get("OUT", "/tmp")
 WAIT = "_await_flag"
 device, cfg, model, ex = qwen3_all_in_ram(expert_format=FORMAT)
-kernel_s = []  # the host's calls of the experts' kernel (its Python wrapper included)
+kernel_s = []  # the host's calls of the experts' kernel: through its wrapper, or prepared (OffloadExecutor.host_plan)
 unwrapped = offload_executor.experts_forward_routed
+unprepared = getattr(offload_executor, "prepare_routed", None)  # older trees: none
 
 
-def timed_kernel(*args, **kwargs):
-    started = time.perf_counter()
-    unwrapped(*args, **kwargs)
-    kernel_s.append(time.perf_counter() - started)
+def timed(call):
+    def run(*args, **kwargs):
+        started = time.perf_counter()
+        call(*args, **kwargs)
+        kernel_s.append(time.perf_counter() - started)
+    return run
 
 
-offload_executor.experts_forward_routed = timed_kernel
+def timed_prepare(*args, **kwargs):
+    prepared = unprepared(*args, **kwargs)
+    return prepared and timed(prepared)
+
+
+offload_executor.experts_forward_routed, offload_executor.prepare_routed = timed(unwrapped), timed_prepare
 speeds, host = [], []
 for _ in range(3):
     kernel_s.clear()
@@ -42,7 +50,7 @@ for _ in range(3):
     s = ex.stats  # the timed steps' (they restart with them; kernel_s has the capture's calls too)
     calls = s.selections // cfg.num_experts_per_tok  # one token a step: a call per layer
     host.append((s.wait_ms / calls, s.cpu_ms / calls, 1e3 * statistics.median(kernel_s[-calls:])))
-offload_executor.experts_forward_routed = unwrapped
+offload_executor.experts_forward_routed, offload_executor.prepare_routed = unwrapped, unprepared
 print(f"{FORMAT}: {statistics.median(speeds):.1f} tok/s unprofiled ({1000 / statistics.median(speeds):.2f} ms a step)")
 print("host, per layer (ms): waiting for the GPU's routing %.3f, experts after it %.3f, of which the kernel's call %.3f"
       % tuple(statistics.median(h[i] for h in host) for i in range(3)))
