@@ -143,9 +143,10 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
 
     def fuse_projections(self) -> None:
-        """Compute q, k and v with one matmul from here on (as gpt-fast does): on an H100 a decode step's three
-        small GEMVs took 17 µs a layer where one takes 7.4 (an H200, tests/perf/probe_segment.py). wq, wk and wv keep their parameters, now views
-        of the fused weight, so loading, state dicts and draft-head training see them as before."""
+        """Compute q, k and v with one matmul from here on (as gpt-fast does): in a decode step on an H200 the
+        three small GEMVs took 17 µs a layer where one takes 7.4 (tests/perf/probe_segment.py). wq, wk and wv
+        keep their parameters, now views of the fused weight, so loading, state dicts and draft-head training
+        see them as before."""
         projections = (self.wq, self.wk, self.wv)
         self.qkv_sizes = [p.out_features for p in projections]
         weight = torch.cat([p.weight.detach() for p in projections])
