@@ -6,6 +6,7 @@ runs (GPU, CPU, copied over PCIe) is decided outside the model.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 
@@ -18,6 +19,8 @@ from engine.model.config import ModelConfig, RopeConfig
 from engine.generation.kv_cache import KVCache, write_rows
 from kernels import gpu_fused
 from kernels.expert_weights import ExpertWeights
+
+log = logging.getLogger("moedesk")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -148,16 +151,16 @@ class Attention(nn.Module):
         keep their parameters, now views of the fused weight, so loading, state dicts and draft-head training
         see them as before."""
         projections = (self.wq, self.wk, self.wv)
-        self.qkv_sizes = [p.out_features for p in projections]
+        sizes = [p.out_features for p in projections]
+        # Both made before anything changes: running out of memory here leaves the module as it was.
         weight = torch.cat([p.weight.detach() for p in projections])
-        for p, part in zip(projections, weight.split(self.qkv_sizes)):
-            p.weight.data = part
+        bias = torch.cat([p.bias.detach() for p in projections]) if self.wq.bias is not None else None
+        for fused, name in ((weight, "weight"), (bias, "bias")):
+            if fused is not None:
+                for p, part in zip(projections, fused.split(sizes)):
+                    getattr(p, name).data = part
+        self.qkv_sizes = sizes
         self.register_buffer("qkv_weight", weight, persistent=False)
-        bias = None
-        if self.wq.bias is not None:
-            bias = torch.cat([p.bias.detach() for p in projections])
-            for p, part in zip(projections, bias.split(self.qkv_sizes)):
-                p.bias.data = part
         self.register_buffer("qkv_bias", bias, persistent=False)
 
     def forward(self, x, rope, cache: KVCache, layer: int, step: "Step"):
@@ -341,10 +344,8 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> None:
         """Fuse what runs faster fused once the weights are in place (Attention.fuse_projections). On CUDA only:
         on the CPU the separate matmuls keep the reference's rounding exactly, and cost no kernel launches."""
-        if not self.embed.weight.is_cuda:
-            return
-        for block in self.layers:
-            block.attn.fuse_projections()
+        if self.embed.weight.is_cuda:
+            fuse_attention_projections(self.layers)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, executor,
@@ -379,6 +380,20 @@ class Transformer(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
         logits = self.lm_head(x).float()
         return (logits, hidden) if features else logits
+
+
+def fuse_attention_projections(blocks) -> int:
+    """Attention.fuse_projections for each block in turn, until memory runs out (a layer's weights exist twice for a
+    moment); the layers left keep their three matmuls. Returns how many were fused."""
+    for done, block in enumerate(blocks):
+        try:
+            block.attn.fuse_projections()
+        except torch.OutOfMemoryError:
+            log.warning("out of memory fusing the attention projections: layers from %d on keep them apart", done)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            return done
+    return len(blocks)
 
 
 def _real_tokens(last: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:

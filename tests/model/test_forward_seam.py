@@ -82,6 +82,30 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_checkpoint, ar
     assert not torch.allclose(run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0), before)
 
 
+def test_running_out_of_memory_while_fusing_leaves_the_layers_left_as_they_were(tiny_checkpoint, monkeypatch):
+    from engine.model import transformer
+
+    engine = Engine.load(str(tiny_checkpoint("qwen2_moe")), device="cpu", dtype="float32")  # biases: two concats
+    ids = engine.tokenizer.encode("the quick brown fox jumps over")
+    before = run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0)
+    concat, calls = torch.cat, []
+
+    def short_of_memory(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        if len(calls) == 4:  # the second layer's bias, after its weight
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return concat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(transformer.torch, "cat", short_of_memory)
+    blocks = engine.model.layers
+    assert transformer.fuse_attention_projections(blocks) == 1
+    monkeypatch.setattr(transformer.torch, "cat", concat)
+    assert hasattr(blocks[0].attn, "qkv_weight")
+    assert not any(hasattr(b.attn, "qkv_weight") or hasattr(b.attn, "qkv_sizes") for b in blocks[1:])
+    torch.testing.assert_close(run(engine, KVCache(engine.config, 1, 32, torch.float32, "cpu"), ids, 0), before,
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_attention_mask_is_the_boolean_one_off_cuda():
     from engine.model.transformer import Step
 
