@@ -90,6 +90,7 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     of 32 and of the down format's block (`check_rows`).
     Raises ValueError on bad indices or rows.
     """
+    lib = _loaded()
     if x.dim() == 2 and x.stride(1) != 1:
         x = x.contiguous()
     pe = pair_expert
@@ -98,10 +99,9 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     target = out
     if out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1:
         out = target.to("cpu", torch.float32, copy=True).contiguous()  # a copy: rows not computed stay as they are
-    if index is None or index.numel() < 2 * pe.shape[0] + 2 * w.num_experts + 1 or index.dtype is not torch.int64 \
-            or not index.is_contiguous() or not index.is_cpu:
+    if not _index_fits(index, pe.shape[0], w.num_experts):
         index = torch.empty(2 * pe.shape[0] + 2 * w.num_experts + 1, dtype=torch.int64)
-    prepare_routed(x, pe, k, chosen, w, out, index, rows=rows)()
+    _check_rc(lib.mq_routed_forward(*_routed_args(x, pe, k, chosen, w, out, index, rows)[0]))
     if target is not out:
         target.copy_(out)
     return target
@@ -113,45 +113,65 @@ def prepare_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index,
     contents it reads at each call. The tensors must be what the kernel takes as they are: x and out bf16 or
     float32 CPU rows, pair_expert int64 contiguous, index big enough (ValueError otherwise). The checks, in
     Python, are paid here once instead of at every layer of every token."""
+    lib = _loaded()
+    args, keep = _routed_args(x, pair_expert, k, chosen, w, out, index, rows)
+    pe = pair_expert
+    if x.stride(1) != 1 or out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1 \
+            or not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
+        raise ValueError("prepare_routed takes x, out and pair_expert only as the kernel reads them")
+    if not _index_fits(index, pe.shape[0], w.num_experts):
+        raise ValueError(f"index must be int64 CPU scratch of at least {2 * pe.shape[0] + 2 * w.num_experts + 1} "
+                         "entries")
+    call = partial(lib.mq_routed_forward, *args)
+
+    def run() -> None:
+        _check_rc(call())
+
+    run.keep = keep  # the memory the pointers point into
+    return run
+
+
+def _loaded():
+    """The kernel's library, loaded; RuntimeError saying why where it cannot be."""
     lib = _state.get("lib")
     if lib is None:
         reason = unavailable_reason()
         if reason is not None:
             raise RuntimeError(f"native packed-experts kernel unavailable: {reason}")
         lib = _state["lib"]
+    return lib
+
+
+def _index_fits(index, pairs: int, experts: int) -> bool:
+    return index is not None and index.numel() >= 2 * pairs + 2 * experts + 1 and index.dtype is torch.int64 \
+        and index.is_contiguous() and index.is_cpu
+
+
+def _routed_args(x, pe, k: int, chosen, w: ExpertWeights, out, index, rows) -> tuple[tuple, tuple]:
+    """mq_routed_forward's arguments for tensors laid out as it reads them (the callers see to that), after the
+    checks of shapes, dtype and rows; and the tensors whose memory they point into."""
     H, F = w.hidden, w.width
     R = check_rows(rows, w)
     if x.dim() != 2 or x.shape[1] != H or out.dim() != 2 or out.shape[1] != H:
         raise ValueError(f"x {tuple(x.shape)} and out {tuple(out.shape)} must be [*, {H}]")
     if x.dtype not in _FLOATS:
         raise TypeError(f"x must be bfloat16 or float32, not {x.dtype}")
-    pe, P, E = pair_expert, pair_expert.shape[0], w.num_experts
-    if x.stride(1) != 1 or out.dtype not in _FLOATS or not out.is_cpu or out.stride(1) != 1 \
-            or not (pe.dtype is torch.int64 and pe.is_cpu and pe.is_contiguous()):
-        raise ValueError("prepare_routed takes x, out and pair_expert only as the kernel reads them")
-    if index.numel() < 2 * P + 2 * E + 1 or index.dtype is not torch.int64 or not index.is_contiguous() \
-            or not index.is_cpu:
-        raise ValueError(f"index must be int64 CPU scratch of at least {2 * P + 2 * E + 1} entries")
     picked = None if chosen is None else np.ascontiguousarray(np.asarray(
         chosen.cpu() if isinstance(chosen, torch.Tensor) else chosen, dtype=np.int64).reshape(-1))
     gate_up, down = w.gate_up, w.down
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         gate_up, down = gate_up.contiguous(), down.contiguous()
-    call = partial(
-        lib.mq_routed_forward,
-        x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), P, k,
-        None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
-        gate_up.data_ptr(), down.data_ptr(), E, F, FORMAT_CODES[w.gate_up_format], FORMAT_CODES[w.down_format],
-        out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32), index.data_ptr(), R)
-    keep = (x, pe, picked, gate_up, down, out, index)  # the memory the pointers point into
+    args = (x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), pe.shape[0], k,
+            None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
+            gate_up.data_ptr(), down.data_ptr(), w.num_experts, F, FORMAT_CODES[w.gate_up_format],
+            FORMAT_CODES[w.down_format], out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32),
+            index.data_ptr(), R)
+    return args, (x, pe, picked, gate_up, down, out, index)
 
-    def run() -> None:
-        rc = call()
-        if rc != 0:
-            raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
 
-    run.keep = keep
-    return run
+def _check_rc(rc: int) -> None:
+    if rc != 0:
+        raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
 
 
 # ---------------------------------------------------------------- availability and settings
