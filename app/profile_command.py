@@ -38,8 +38,9 @@ def run_profile(args, engine_loader, out=print) -> int:
         f"CPU read {orchestra.profile['cpu_read_gbs']:.0f} GB/s, "
         f"copy {costs.copy_expert_ms:.2f} ms")
     out(f"CPU experts: {orchestra.profile.get('cpu_experts', 'torch')}")
-    if costs.cpu_slowdown > 1 or costs.copy_slowdown > 1:
-        out(f"CPU experts and copies at once: CPU x{costs.cpu_slowdown:.2f} slower, copies x{costs.copy_slowdown:.2f}")
+    if any(cpu > 1 or copy > 1 for _, cpu, copy in costs.contention):
+        out("CPU experts and copies at once, slower by (CPU, copies) at tokens an expert: "
+            + "; ".join(f"{n:.0f}: x{cpu:.2f}, x{copy:.2f}" for n, cpu, copy in costs.contention))
     out(f"{'tokens':>8}{'CPU ms':>10}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_expert_ms(n):>10.3f}{costs.gpu_expert_ms(n):>10.3f}")

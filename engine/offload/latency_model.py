@@ -19,7 +19,9 @@ The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
 - Copy: one expert's weights host-to-device, independent of tokens.
 - Activation round trip: the tokens' hidden states to the CPU and the expert's output back.
 - Contention: CPU experts and PCIe copies both read host memory, so while both run each is
-  slower than alone; the profiler measures the two slowdown factors with both running.
+  slower than alone; the profiler measures the two slowdown factors with both running, at a few
+  token counts per CPU expert (a call that waits on RAM suffers more than one its arithmetic
+  holds), and between those counts they are interpolated.
 - Copy launch: the host thread queues each copy and its GPU compute before it joins the CPU
   experts, so every copy delays the CPU side by that much host time.
 """
@@ -33,7 +35,7 @@ import numpy as np
 
 from engine.errors import MoedeskError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class ProfileError(MoedeskError):
@@ -53,8 +55,9 @@ class LatencyModel:
     roundtrip_base_ms: float = 0.0
     roundtrip_per_token_ms: float = 0.0
     expert_bytes: int = 0
-    cpu_slowdown: float = 1.0  # CPU expert time while copies run, over its time alone
-    copy_slowdown: float = 1.0  # copy time while CPU experts run, over its time alone
+    # ((CPU tokens an expert, CPU expert time while copies run over its time alone, copy time while CPU experts
+    # run over its time alone), ...) by increasing tokens; empty: no contention measured (factors 1).
+    contention: tuple[tuple[float, float, float], ...] = ()
     copy_launch_ms: float = 0.0  # host time to queue one expert's copy and GPU compute (the CPU side pays it)
     resident_launch_ms: float = 0.0  # host time to queue a layer step's resident experts on the GPU
     # A decode layer of one token, g of its streamed_top_k experts read from RAM by the GPU and the rest on the
@@ -71,14 +74,19 @@ class LatencyModel:
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
         object.__setattr__(self, "streamed_split_ms", tuple(float(x) for x in self.streamed_split_ms))
         object.__setattr__(self, "split_rows_ms", tuple((int(r), float(ms)) for r, ms in self.split_rows_ms))
+        object.__setattr__(self, "contention", tuple(tuple(float(x) for x in point) for point in self.contention))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
         split_rows = tuple(x for pair in self.split_rows_ms for x in pair)
         if not all(math.isfinite(x) and x >= 0
                    for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms + split_rows):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
-        if not all(math.isfinite(x) and x >= 1 for x in (self.cpu_slowdown, self.copy_slowdown)):
-            raise ProfileError("latency model: slowdown factors must be finite and >= 1")
+        if any(len(point) != 3 for point in self.contention):
+            raise ProfileError("latency model: contention points must be (tokens, CPU slowdown, copy slowdown)")
+        if not all(math.isfinite(x) and x >= 1 for point in self.contention for x in point):
+            raise ProfileError("latency model: contention token counts and slowdown factors must be finite and >= 1")
+        if any(b[0] <= a[0] for a, b in zip(self.contention, self.contention[1:])):
+            raise ProfileError("latency model: contention token counts must be strictly increasing")
         if not self.gpu_tokens or len(self.gpu_tokens) != len(self.gpu_ms):
             raise ProfileError("latency model: GPU needs at least one (tokens, ms) point")
         if any(b <= a for a, b in zip(self.gpu_tokens, self.gpu_tokens[1:])):
@@ -107,6 +115,20 @@ class LatencyModel:
             return ys[-1] + slope * (tokens - xs[-1])
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def slowdowns(self, tokens: float) -> tuple[float, float]:
+        """(CPU, copy) slowdown factors while CPU experts of `tokens` tokens each and copies run at the same time:
+        the measured points joined by straight lines, held at the end points' values beyond them."""
+        points = self.contention
+        if not points:
+            return 1.0, 1.0
+        i = bisect_right([p[0] for p in points], tokens)
+        if i == 0 or i == len(points):
+            _, cpu, copy = points[min(i, len(points) - 1)]
+            return cpu, copy
+        (n0, c0, p0), (n1, c1, p1) = points[i - 1], points[i]
+        f = (tokens - n0) / (n1 - n0)
+        return c0 + f * (c1 - c0), p0 + f * (p1 - p0)
 
     def activation_roundtrip_ms(self, tokens: int) -> float:
         """Hidden states of `tokens` tokens GPU→CPU and the expert's output back."""
@@ -207,7 +229,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     alone sets it) and optionally
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
-    (missing → 1), copy_launch_ms and resident_launch_ms (missing → 0), streamed_split_ms {g: ms} for
+    (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0), streamed_split_ms {g: ms} for
     g = 0, 1, ... with streamed_top_k, and split_rows_ms {rows: ms} (missing → not measured). Other keys are
     ignored.
     """
@@ -234,8 +256,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         cpu_intercept_ms=a, cpu_per_token_ms=b, cpu_floor_ms=floor_ms,
         gpu_tokens=tuple(gpu_n), gpu_ms=tuple(gpu_y), copy_expert_ms=float(profile_points["copy_expert_ms"]),
         roundtrip_base_ms=base, roundtrip_per_token_ms=per_token, expert_bytes=expert_bytes,
-        cpu_slowdown=_slowdown(profile_points, "cpu_slowdown_during_copy"),
-        copy_slowdown=_slowdown(profile_points, "copy_slowdown_during_cpu"),
+        contention=_contention(profile_points),
         copy_launch_ms=_milliseconds(profile_points, "copy_launch_ms"),
         resident_launch_ms=_milliseconds(profile_points, "resident_launch_ms"),
         streamed_split_ms=_streamed_split(profile_points),
@@ -272,9 +293,38 @@ def _milliseconds(profile: dict, key: str) -> float:
     return _optional_number(profile, key, 0.0, "a time >= 0", lambda v: v >= 0)
 
 
-def _slowdown(profile: dict, key: str) -> float:
-    """A measured slowdown factor; missing (older profiles, the simulated tier) → 1. Noise below 1 → 1."""
-    return max(1.0, _optional_number(profile, key, 1.0, "a positive number", lambda v: v > 0))
+def _contention(profile: dict) -> tuple[tuple[int, float, float], ...]:
+    """The two slowdown factors as ((tokens, CPU, copy), ...): each measured {tokens: factor}, or one factor for every
+    token count (older profiles); missing → 1, noise below 1 → 1. () when neither was measured."""
+    cpu, copy = (_factors(profile, key) for key in ("cpu_slowdown_during_copy", "copy_slowdown_during_cpu"))
+    if cpu is None and copy is None:
+        return ()
+    by_tokens = [f for f in (cpu, copy) if isinstance(f, dict)]
+    tokens = sorted(by_tokens[0]) if by_tokens else [1]
+    if any(sorted(f) != tokens for f in by_tokens):
+        raise ProfileError("profile: the two slowdown factors must be measured at the same token counts")
+
+    def at(factors, n: int) -> float:
+        value = 1.0 if factors is None else factors[n] if isinstance(factors, dict) else factors
+        return max(1.0, value)
+
+    return tuple((n, at(cpu, n), at(copy, n)) for n in tokens)
+
+
+def _factors(profile: dict, key: str) -> float | dict[int, float] | None:
+    raw = profile.get(key)
+    if raw is None:
+        return None
+    try:
+        factors = {int(n): float(v) for n, v in raw.items()} if isinstance(raw, dict) else float(raw)
+    except (AttributeError, TypeError, ValueError):
+        raise ProfileError(f"profile: '{key}' must be a number or {{tokens: factor}}") from None
+    values = list(factors.values()) if isinstance(factors, dict) else [factors]
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ProfileError(f"profile: '{key}' must be positive numbers")
+    if isinstance(factors, dict) and min(factors) < 1:
+        raise ProfileError(f"profile: '{key}' token counts must be >= 1")
+    return factors
 
 
 def _optional_number(profile: dict, key: str, default: float, what: str, valid) -> float:

@@ -90,7 +90,7 @@ class ExpertOrchestra:
         """
         first = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, first.describe(), device)
-        points = cached_profile(cache_dir, key, lambda: {**profile_expert(first.expert(0), device, dtype),
+        points = cached_profile(cache_dir, key, lambda: {**profile_expert(first, device, dtype),
                                                         **profile_streaming(first, top_k, device, dtype=dtype)}, reprofile)
         costs = fit_latency_model(points)
         nothing = [[False] * first.num_experts for _ in banks]

@@ -217,13 +217,16 @@ class Costs:
 @dataclass(frozen=True)
 class Contended:
     """A model's costs while the CPU experts and the copies run at the same time: each side slowed by
-    the factor the profiler measured with both running (1 where a model has none)."""
+    the factor the profiler measured with both running, CPU experts of about `tokens` tokens each
+    (the model's `slowdowns`; 1 where a model has none)."""
 
     model: ExpertCosts
+    tokens: float = 1.0
 
     @property
     def factors(self) -> tuple[float, float]:
-        return getattr(self.model, "cpu_slowdown", 1.0), getattr(self.model, "copy_slowdown", 1.0)
+        slowdowns = getattr(self.model, "slowdowns", None)
+        return slowdowns(self.tokens) if slowdowns else (1.0, 1.0)
 
     @property
     def copy_expert_ms(self) -> float:
@@ -628,8 +631,11 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         # Every expert is cheaper on the CPU than queueing its copy (small experts at decode): no search.
         # This runs for every layer of every step, where the search's Python would cost more than it saves.
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
-    split = _best_split(active, Contended(model), gpu_busy_ms, exact_limit)
-    if Contended(model).factors == (1.0, 1.0):
+    # The contention of a step where the CPU's experts have about the step's mean load: how far their
+    # time is reads, which copies slow, rather than arithmetic, which they do not.
+    contended = Contended(model, sum(active.values()) / len(active))
+    split = _best_split(active, contended, gpu_busy_ms, exact_limit)
+    if contended.factors == (1.0, 1.0):
         return split
     # A split was costed as if the CPU and the copies ran side by side all the step long, which
     # over-charges it; running everything on one side has no contention at all.

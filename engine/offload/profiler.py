@@ -75,27 +75,31 @@ def _one_token_expert_call(megabytes: int):
 
 def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, cpu_tokens=CPU_TOKENS,
                    gpu_tokens=GPU_TOKENS, repeat: int = 5) -> dict:
-    """Raw measurements for one expert `w` (a one-expert stack in host memory) computing activations of
-    `dtype` (default: the stack's own float dtype, bf16 for packed experts)."""
+    """Raw measurements for one expert of the stack `w` (a layer's experts in host memory, or one of them) computing
+    activations of `dtype` (default: the stack's own float dtype, bf16 for packed experts).
+
+    The CPU's calls take the stack's experts in turn, so that each reads its weights from RAM as a real step does,
+    not from the last-level cache: one Mixtral q4_0 expert (99 MB) fits the GPU box's 300 MiB cache, and timed
+    again and again it took 0.64 ms at one token and 0.96 at four, against 0.98 and 1.22 taking turns."""
     device = torch.device(device)
     hidden = w.hidden
     dtype = dtype or w.dense_dtype or torch.bfloat16
-    expert_bytes = w.expert_bytes
+    one = w.expert(0)
+    expert_bytes = one.expert_bytes
     cpu = {}
-    # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on expert 0.
+    # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on one expert.
     for n in cpu_tokens:
         x, out = torch.randn(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
-        to_expert_0 = torch.zeros(n, dtype=torch.int64)
-        cpu[n] = _timed_ms(lambda: experts_forward_routed(x, to_expert_0, 1, None, w, out), torch.device("cpu"), repeat)
-    on_device = w.to(device)
+        cpu[n] = _timed_ms(_taking_turns(w, x, out), torch.device("cpu"), repeat)
+    on_device = one.to(device)
     gpu = {}
     for n in gpu_tokens:
         x = torch.randn(n, hidden, dtype=dtype, device=device)
         gpu[n] = _timed_ms(lambda: expert_forward(x, on_device), device, repeat)
     staging = on_device.empty_like()
-    copy_ms = _timed_ms(lambda: staging.copy_(w, non_blocking=True), device, repeat)
-    extra = {**contention(device), "copy_launch_ms": copy_launch_ms(staging, dtype, device),
-             "resident_launch_ms": resident_launch_ms(w, dtype, device)} if device.type == "cuda" else {}
+    copy_ms = _timed_ms(lambda: staging.copy_(one, non_blocking=True), device, repeat)
+    extra = {**contention(w, device, dtype), "copy_launch_ms": copy_launch_ms(staging, dtype, device),
+             "resident_launch_ms": resident_launch_ms(one, dtype, device)} if device.type == "cuda" else {}
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
@@ -105,6 +109,22 @@ def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, c
         "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
         "pinned": w.is_pinned(), **extra,
     }
+
+
+def _taking_turns(w: ExpertWeights, x: torch.Tensor, out: torch.Tensor, group: int = 1):
+    """A call computing x's rows, `len(x) // group` tokens each, on the next `group` experts of the stack w (one
+    CPU kernel call, as a layer step makes it): the experts are taken in turn from one call to the next."""
+    per_expert = len(x) // group
+    routes = [torch.arange(first, first + group).remainder(w.num_experts).repeat_interleave(per_expert)
+              for first in range(0, w.num_experts, group)]
+    turn = [0]
+
+    def call():
+        pairs = routes[turn[0] % len(routes)]
+        turn[0] += 1
+        experts_forward_routed(x, pairs, 1, None, w, out)
+
+    return call
 
 
 def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> float:
@@ -242,38 +262,59 @@ def _host_ms(call, device, repeat: int) -> float:
     return times[len(times) // 2]
 
 
-def contention(device, megabytes: int = 256, calls: int = 6) -> dict:
-    """How much CPU expert reads and host-to-GPU copies slow each other down when they run at the same time.
+CONTENTION_TOKENS = (1, 4, 16)
 
-    Both stream host memory, so this is a property of the machine, measured on buffers far
-    larger than the caches: a one-token CPU expert call over `megabytes` of bf16 weights, and
-    copies of as many pinned bytes, first each alone, then the copies queued on a side stream
-    while the CPU calls run one after another until the copies are done.
+
+def contention(w: ExpertWeights, device, dtype: torch.dtype | None = None, tokens=CONTENTION_TOKENS,
+               megabytes: int = 64, calls: int = 6) -> dict:
+    """How much a layer's CPU experts and host-to-GPU expert copies slow each other down when they run at the same
+    time, with `n` tokens an expert for each n in `tokens`: {"cpu_slowdown_during_copy": {n: factor},
+    "copy_slowdown_during_cpu": {n: factor}}; {} where the stack is not pinned (its copies would not overlap).
+
+    Both stream host memory, but how much the CPU's side suffers depends on how much of its time is reads, so this
+    is measured with the model's own experts and kernel at a few token counts (an H200 machine, Mixtral q4_0: the
+    CPU 1.23x slower at one token, 1.10x at four, 1.01x at sixteen, where its instructions hold it more than RAM;
+    the copies 1.07-1.09x). The CPU calls and the copies each take `megabytes` or more of experts at a
+    time, the next ones each time (from RAM, not a cache); first each alone, then the copies queued on a side
+    stream while the CPU calls run one after another until the copies are done.
     """
-    cpu_call, _ = _one_token_expert_call(megabytes)
-    source = torch.zeros(megabytes * 2**20, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty_like(source, device=device)
+    if not w.is_pinned():
+        return {}
+    dtype = dtype or w.dense_dtype or torch.bfloat16
+    group = max(1, min(max(1, w.num_experts // 2), -(-megabytes * 2**20 // w.expert_bytes)))
+    staging = [w.expert(0).empty_like(device) for _ in range(group)]
+    turn = [0]
 
-    cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), 2 * calls)
-    copy_ms = _timed_ms(lambda: target.copy_(source, non_blocking=True), device, calls)
-    n = max(2, math.ceil(calls * cpu_ms / copy_ms))
-    cpu_during, copy_during = [], []
-    for _ in range(3):  # the median of three: two single tries on the box gave 1.07 and 1.62 for the copies'
-        # slowdown, and the prefill split they led to differed by 30% in speed
-        for _ in range(3):  # too few CPU calls fitted beside the copies (the CPU slowed more than guessed): longer
-            times, copies_ms = _overlapped(cpu_call, lambda: target.copy_(source, non_blocking=True), n, device)
-            if len(times) >= 2:
-                break
-            n *= 4
-        else:
-            return {}
-        cpu_during.append(sorted(times)[len(times) // 2])
-        copy_during.append(copies_ms / n)
-    # Alone again, right after: the faster of the two is the time alone (a first series can run
-    # slow while the CPU clocks up, which would make contention look like a speed-up).
-    cpu_ms = min(cpu_ms, _timed_ms(cpu_call, torch.device("cpu"), 2 * calls))
-    return {"cpu_slowdown_during_copy": statistics.median(cpu_during) / cpu_ms,
-            "copy_slowdown_during_cpu": statistics.median(copy_during) / copy_ms}
+    def copy():
+        first, turn[0] = turn[0], turn[0] + group
+        for i, slot in enumerate(staging):
+            slot.copy_(w.expert((first + i) % w.num_experts), non_blocking=True)
+
+    copy_ms = _timed_ms(copy, device, calls)
+    cpu_slowdown, copy_slowdown = {}, {}
+    for n in tokens:
+        x, out = torch.randn(n * group, w.hidden, dtype=dtype), torch.empty(n * group, w.hidden, dtype=dtype)
+        cpu_call = _taking_turns(w, x, out, group)
+        cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), 2 * calls)
+        copies = max(2, math.ceil(calls * cpu_ms / copy_ms))
+        cpu_during, copy_during = [], []
+        for _ in range(3):  # the median of three: two single tries on the box gave 1.07 and 1.62 for the copies'
+            # slowdown, and the prefill split they led to differed by 30% in speed
+            for _ in range(3):  # too few CPU calls fitted beside the copies (the CPU slowed more than guessed): longer
+                times, copies_ms = _overlapped(cpu_call, copy, copies, device)
+                if len(times) >= 2:
+                    break
+                copies *= 4
+            else:
+                return {}
+            cpu_during.append(sorted(times)[len(times) // 2])
+            copy_during.append(copies_ms / copies)
+        # Alone again, right after: the faster of the two is the time alone (a first series can run
+        # slow while the CPU clocks up, which would make contention look like a speed-up).
+        cpu_ms = min(cpu_ms, _timed_ms(cpu_call, torch.device("cpu"), 2 * calls))
+        cpu_slowdown[n] = statistics.median(cpu_during) / cpu_ms
+        copy_slowdown[n] = statistics.median(copy_during) / copy_ms
+    return {"cpu_slowdown_during_copy": cpu_slowdown, "copy_slowdown_during_cpu": copy_slowdown}
 
 
 def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
@@ -299,8 +340,9 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
 # through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
-# 6: streamed_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns).
-PROFILE_FORMAT = 8
+# 6: streamed_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns;
+# 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts).
+PROFILE_FORMAT = 9
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -322,7 +364,8 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms"):
-        if key in points:
+    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
+                "copy_slowdown_during_cpu"):
+        if isinstance(points.get(key), dict):
             points[key] = {int(n): ms for n, ms in points[key].items()}
     return points

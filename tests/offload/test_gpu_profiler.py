@@ -12,11 +12,18 @@ from kernels.expert_weights import ExpertWeights
 def test_contention_measures_both_sides_while_they_overlap():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    factors = contention(torch.device("cuda"), megabytes=128)
+    # Four pinned bf16 experts of 24 MiB: the calls take them in turn, two at a time (megabytes=40).
+    hidden, width = 2048, 2048
+    w = ExpertWeights(torch.randn(4, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
+                      torch.randn(4, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+    factors = contention(w, torch.device("cuda"), tokens=(1, 8), megabytes=40)
     assert set(factors) == {"cpu_slowdown_during_copy", "copy_slowdown_during_cpu"}
     # Reading host memory on both sides can only slow each down, within reason; noise can put a factor
     # a little below 1 (the latency model clips it to 1), never far.
-    assert all(math.isfinite(v) and 0.5 < v < 6 for v in factors.values()), factors
+    for by_tokens in factors.values():
+        assert set(by_tokens) == {1, 8}
+        assert all(math.isfinite(v) and 0.5 < v < 6 for v in by_tokens.values()), factors
+    assert contention(ExpertWeights(w.gate_up.clone(), w.down.clone(), hidden, width), torch.device("cuda")) == {}
 
 
 @pytest.mark.gpu

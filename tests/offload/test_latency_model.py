@@ -143,16 +143,34 @@ def test_incomplete_measurements_are_refused(drop, change):
 
 
 def test_contention_factors_are_read_clipped_at_one_and_kept_through_json():
-    assert (fit_latency_model(profile(lambda n: 5.0)).cpu_slowdown, 1.0) == (1.0, 1.0)  # older profiles
+    assert fit_latency_model(profile(lambda n: 5.0)).slowdowns(4) == (1.0, 1.0)  # none measured
     model = fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy=1.7, copy_slowdown_during_cpu=0.96))
-    assert (model.cpu_slowdown, model.copy_slowdown) == (1.7, 1.0)  # a copy measured faster is noise
+    assert model.slowdowns(1) == model.slowdowns(64) == (1.7, 1.0)  # one factor for all; a faster copy is noise
     assert LatencyModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
 
 
-@pytest.mark.parametrize("bad", ["fast", -1.0, 0.0, float("nan")])
+def test_contention_by_tokens_is_interpolated_and_held_beyond_the_ends():
+    # JSON's string keys, as a cached profile reads back.
+    model = fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy={"1": 1.9, "4": 1.1, "16": 0.98},
+                                      copy_slowdown_during_cpu={"1": 1.2, "4": 1.1, "16": 1.0}))
+    assert model.contention == ((1, 1.9, 1.2), (4, 1.1, 1.1), (16, 1.0, 1.0))
+    assert model.slowdowns(1) == (1.9, 1.2) and model.slowdowns(0.5) == (1.9, 1.2)
+    assert model.slowdowns(2.5) == (pytest.approx(1.5), pytest.approx(1.15))
+    assert model.slowdowns(10) == (pytest.approx(1.05), pytest.approx(1.05))
+    assert model.slowdowns(300) == (1.0, 1.0)
+    assert LatencyModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+@pytest.mark.parametrize("bad", ["fast", -1.0, 0.0, float("nan"), {"1": 1.2, "x": 1.0}, {"0": 1.2}, {"1": -1.0}, {}])
 def test_a_bad_contention_factor_is_refused(bad):
     with pytest.raises(ProfileError):
         fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy=bad))
+
+
+def test_contention_factors_must_share_their_token_counts():
+    with pytest.raises(ProfileError, match="same token counts"):
+        fit_latency_model(profile(lambda n: 5.0, cpu_slowdown_during_copy={1: 1.5, 4: 1.1},
+                                  copy_slowdown_during_cpu={1: 1.2}))
 
 
 def test_copy_launch_time_is_read_and_checked():

@@ -363,6 +363,9 @@ def _slowed(costs: Costs, cpu_slowdown: float = 1.0, copy_slowdown: float = 1.0,
         copy_slowdown: float = 1.0
         copy_launch_ms: float = 0.0
 
+        def slowdowns(self, tokens: float) -> tuple[float, float]:
+            return self.cpu_slowdown, self.copy_slowdown
+
     return Slowed(costs.cpu_ms, costs.gpu_ms, costs.copy_ms, costs.roundtrip_ms, cpu_slowdown, copy_slowdown,
                   copy_launch_ms)
 
@@ -416,6 +419,25 @@ def test_mild_contention_keeps_the_split_at_its_contended_cost():
     costs = Costs(lambda n: 3.0, lambda n: 0.2, 4.0)
     slowed = assign_offloaded({0: 1, 1: 1}, _slowed(costs, 1.2, 1.1))  # split: max(3.6, 4.6) < all-CPU 6
     assert len(slowed.copy) == 1 and slowed.makespan_ms == pytest.approx(4.6)
+
+
+def test_contention_is_taken_at_the_steps_tokens_per_expert():
+    """Copies slow a CPU expert that waits on RAM (one token) far more than one its arithmetic holds (16 sequences'
+    ~4 tokens each): a batched step splits by the factors measured at its own load."""
+    from engine.offload.latency_model import LatencyModel
+
+    def model(contention):
+        return LatencyModel(cpu_intercept_ms=1.0, cpu_per_token_ms=0.0, cpu_floor_ms=1.0, gpu_tokens=(1,),
+                            gpu_ms=(0.1,), copy_expert_ms=1.8, contention=contention)
+
+    by_tokens = model(((1, 1.9, 1.1), (4, 1.05, 1.1)))
+    batched = {e: 4 for e in range(8)}
+    # Three copies: the CPU's five take 5 x 1.05, the link 3 x 1.98 and the last GPU compute 0.1.
+    got = assign_offloaded(batched, by_tokens)
+    assert len(got.copy) == 3 and got.makespan_ms == pytest.approx(6.04)
+    # The one-token factors for every load would keep all eight on the CPU (8.0 against four copies' 8.02).
+    assert assign_offloaded(batched, model(((1, 1.9, 1.1),))).copy == ()
+    assert assign_offloaded({e: 1 for e in range(8)}, by_tokens).copy == ()
 
 
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):

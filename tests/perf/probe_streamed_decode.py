@@ -24,7 +24,7 @@ cfg = shape_config(shape, layers)
 model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256)
 first = next(iter(banks.values()))
 k = cfg.num_experts_per_tok
-costs = fit_latency_model({**profile_expert(first.expert(0), device), **profile_streaming(first, k, device)})
+costs = fit_latency_model({**profile_expert(first, device), **profile_streaming(first, k, device)})
 counts = list(range(0, min(k, int(sys.argv[3]) if len(sys.argv) > 3 else 4) + 1))
 chosen = {"ranks": 0}
 executor = OffloadExecutor(banks, [[False] * cfg.num_experts for _ in banks], device, lambda loads: (sorted(loads), []),

@@ -42,7 +42,7 @@ for spec in args.shapes:
     t0 = time.perf_counter()
     model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context=256,
                                    expert_format=args.expert_format)
-    prof = profile_expert(banks[0].expert(0), device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
+    prof = profile_expert(banks[0], device, cpu_tokens=(1, 2, 4, 8), gpu_tokens=(1, 4))
     costs = fit_latency_model(prof)
     print(f"{spec}: built+profiled in {time.perf_counter() - t0:.0f}s; cpu ms {prof['cpu_expert_ms']} "
           f"copy {prof['copy_expert_ms']:.2f} ms")
