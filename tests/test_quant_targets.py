@@ -34,7 +34,8 @@ def _write_run(w: Path, batched_tg: float):
     (w / "llamaq_mix_Q4_0_batched.txt").write_text(
         "|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |\n"
         "|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|\n"
-        f"|   128 |     32 |   16 |   2560 |    3.102 |   660.27 |    8.457 | {batched_tg:8.2f} |   11.559 |   221.48 |\n")
+        f"|   128 |     32 |   16 |   2560 |    3.102 |   660.27 |    8.457 | {batched_tg:8.2f} |   11.559 |"
+        "   221.48 |\n")
 
 
 def test_every_target_is_judged_by_its_own_ratio(tmp_path):

@@ -229,9 +229,9 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     alone sets it) and optionally
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
-    (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0), streamed_split_ms {g: ms} for
-    g = 0, 1, ... with streamed_top_k, and split_rows_ms {rows: ms} (missing → not measured). Other keys are
-    ignored.
+    (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0),
+    streamed_split_ms {g: ms} for g = 0, 1, ... with streamed_top_k, and split_rows_ms {rows: ms} (missing →
+    not measured). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")

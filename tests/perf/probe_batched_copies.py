@@ -68,8 +68,8 @@ def main():
     bank = next(iter(bench.banks.values()))
     print("one expert on the CPU, ms (tokens: same expert / a different one each call / profile):")
     for t in (1, 2, 4, 8):
-        print(f"  {t}: {one_expert_ms(bank, bench.dtype, t, False):.3f} / {one_expert_ms(bank, bench.dtype, t, True):.3f} / "
-              f"{prof['cpu_expert_ms'][t]:.3f}")
+        same, turns = (one_expert_ms(bank, bench.dtype, t, rotate) for rotate in (False, True))
+        print(f"  {t}: {same:.3f} / {turns:.3f} / {prof['cpu_expert_ms'][t]:.3f}")
     print(f"copy {prof['copy_expert_ms']:.3f} ms, slowdowns cpu {prof.get('cpu_slowdown_during_copy')} "
           f"copy {prof.get('copy_slowdown_during_cpu')}")
     runs = {name: [] for name in policies}
@@ -82,7 +82,8 @@ def main():
                                  seed=100 * r)
             layers = (args.tokens - 2) * bench.cfg.num_layers
             s = ex.stats
-            runs[name].append({"tok_s": res.tok_s, "copied": s.copied_experts / layers, "cpu": s.cpu_experts / layers,
+            runs[name].append({"tok_s": res.tok_s, "copied": s.copied_experts / layers,
+                               "cpu": s.cpu_experts / layers,
                                "cpu_ms": s.cpu_ms / layers, "wait_ms": s.wait_ms / layers,
                                "layer_ms": s.layer_ms / layers, "step_ms": 1e3 * res.seconds / (args.tokens - 2)})
     ex.decide = model_decide

@@ -80,8 +80,9 @@ def report(found: list[Case], missing: list[str] = ()) -> str:
         lines.append(f"{c.name:<34}{c.ours:>9.1f}{c.reference:>9.1f}{c.ratio:>7.2f}{c.target:>7.1f}x{pct:>9}"
                      f"  {'yes' if c.met else 'NO'}")
     lines += [f"{name:<34}  not measured" for name in missing]
-    lines.append(f"targets met: {sum(c.met for c in found)} of {len(found) + len(missing)} (ref: llama.cpp, or our bf16 "
-                 "decode for the 4-bit / 16-bit line, whose % bound is the bf16 run's)")
+    met, total = sum(c.met for c in found), len(found) + len(missing)
+    lines.append(f"targets met: {met} of {total} (ref: llama.cpp, or our bf16 decode for the 4-bit / 16-bit line, "
+                 "whose % bound is the bf16 run's)")
     return "\n".join(lines)
 
 
