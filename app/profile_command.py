@@ -18,6 +18,14 @@ def streaming_line(costs, top_k: int) -> str | None:
     return f"{line}; {chosen}"
 
 
+def contention_line(costs) -> str | None:
+    """How much CPU experts and copies slowed each other at each measured token count; None if neither did."""
+    if not any(cpu > 1 or copy > 1 for _, cpu, copy in costs.contention):
+        return None
+    return ("CPU experts and copies at once, slower by (tokens an expert: CPU, copies) "
+            + " · ".join(f"{n:.0f}: x{cpu:.2f}, x{copy:.2f}" for n, cpu, copy in costs.contention))
+
+
 def run_profile(args, engine_loader, out=print) -> int:
     from engine.hardware import detect_hardware, format_hardware
 
@@ -38,9 +46,9 @@ def run_profile(args, engine_loader, out=print) -> int:
         f"CPU read {orchestra.profile['cpu_read_gbs']:.0f} GB/s, "
         f"copy {costs.copy_expert_ms:.2f} ms")
     out(f"CPU experts: {orchestra.profile.get('cpu_experts', 'torch')}")
-    if any(cpu > 1 or copy > 1 for _, cpu, copy in costs.contention):
-        out("CPU experts and copies at once, slower by (CPU, copies) at tokens an expert: "
-            + "; ".join(f"{n:.0f}: x{cpu:.2f}, x{copy:.2f}" for n, cpu, copy in costs.contention))
+    contention = contention_line(costs)
+    if contention:
+        out(contention)
     out(f"{'tokens':>8}{'CPU ms':>10}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_expert_ms(n):>10.3f}{costs.gpu_expert_ms(n):>10.3f}")

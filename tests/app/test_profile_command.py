@@ -45,3 +45,16 @@ def test_streaming_line_shows_the_measured_splits_and_the_choice():
     assert streaming_line(rows, 2) == ("one token's 2 experts, n of them read by the GPU from RAM (n: ms) "
                                        "0: 1.460 · 1: 2.100; or the last r rows of each (r: ms) 1792: 1.300 · "
                                        "3584: 1.100; decode splits rows, the GPU the last 3584")
+
+
+def test_contention_line_shows_each_token_count():
+    from app.profile_command import contention_line
+    from engine.offload.latency_model import LatencyModel
+
+    def costs(contention=()):
+        return LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, contention=contention)
+
+    assert contention_line(costs(((1, 1.23, 1.07), (4, 1.1, 1.09), (16, 1.0, 1.08)))) == (
+        "CPU experts and copies at once, slower by (tokens an expert: CPU, copies) "
+        "1: x1.23, x1.07 · 4: x1.10, x1.09 · 16: x1.00, x1.08")
+    assert contention_line(costs()) is None and contention_line(costs(((1, 1.0, 1.0),))) is None
