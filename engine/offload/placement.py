@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from typing import Callable, Iterable, Literal, Protocol, Sequence
 
@@ -222,11 +222,11 @@ class Contended:
 
     model: ExpertCosts
     tokens: float = 1.0
+    factors: tuple[float, float] = field(init=False)  # (CPU, copy); every cost the split search prices reads them
 
-    @property
-    def factors(self) -> tuple[float, float]:
+    def __post_init__(self):
         slowdowns = getattr(self.model, "slowdowns", None)
-        return slowdowns(self.tokens) if slowdowns else (1.0, 1.0)
+        object.__setattr__(self, "factors", slowdowns(self.tokens) if slowdowns else (1.0, 1.0))
 
     @property
     def copy_expert_ms(self) -> float:
