@@ -281,7 +281,7 @@ def contention(w: ExpertWeights, device, dtype: torch.dtype | None = None, token
     if not w.is_pinned():
         return {}
     dtype = dtype or w.dense_dtype or torch.bfloat16
-    group = max(1, min(max(1, w.num_experts // 2), -(-megabytes * 2**20 // w.expert_bytes)))
+    group = min(max(1, w.num_experts // 2), math.ceil(megabytes * 2**20 / w.expert_bytes))
     staging = [w.expert(0).empty_like(device) for _ in range(group)]
     turn = [0]
 
