@@ -67,3 +67,23 @@ def test_a_run_cut_short_reports_what_it_lacks(tmp_path):
     assert missing == ["Mixtral q8_0 decode"] and len(measured) == 7
     text = quant_targets.report(measured, missing)
     assert "Mixtral q8_0 decode" in text and "not measured" in text and "targets met: 6 of 8" in text
+
+
+def test_the_script_writes_every_file_the_report_reads(tmp_path):
+    """compare_quant_targets.sh names its outputs in shell; a renamed case there would leave a line unmeasured."""
+    import re
+
+    script = (SCRIPT.parent / "compare_quant_targets.sh").read_text()
+    ours = set(re.findall(r"^\s+b (\S+) --shape", script, re.M))
+    quantised = set(re.search(r"for q in ([^;]+); do", script).group(1).split())
+    _write_run(tmp_path, batched_tg=60.5)
+    for path in tmp_path.iterdir():
+        name = path.name
+        if name.startswith("oursq_"):
+            assert name[len("oursq_"):-len(".json")] in ours, name
+        elif name.startswith("llamaq_mix_") and name.endswith(".json"):
+            assert name[len("llamaq_mix_"):-len(".json")] in quantised, name
+        else:
+            assert name in {"llamaq_qwen3_Q4_K_M.json", "llamaq_mix_Q4_0_batched.txt"} and name in script, name
+    assert re.search(r'prompt=0; \[ "\$q" = Q4_0 \] && prompt=512', script)  # llama.cpp's prefill of 512
+    assert re.search(r"b mix_q4_0 .*--prefill 512 --batch 16", script)  # ours, and its 16 sequences
