@@ -258,7 +258,7 @@ class Assignment:
     copy: tuple[int, ...]  # copied over PCIe and computed on the GPU, in copy order
     cpu_finish_ms: float
     gpu_finish_ms: float
-    method: str  # "exact", "greedy", "fiddler" or "given"
+    method: str  # "exact", "greedy", "fiddler", "given" or "measured" (`lone_token_measured`)
 
     @property
     def makespan_ms(self) -> float:
@@ -365,6 +365,23 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     options += [((0, rows), ms) for rows, ms in getattr(model, "split_rows_ms", ())]
     (ranks, rows), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then fewer rows
     return (ranks, rows) if best <= (1 - STREAM_MIN_GAIN) * split[0] else (0, 0)
+
+
+def lone_token_measured(loads: dict[int, int], model) -> bool:
+    """Whether the start-up profile measured the GPU's part in these loads directly, so that the CPU computes them
+    all: one token an expert, no more experts than the profile's `streamed_top_k`, and its `streamed_split_ms`
+    measured. `lone_token_split` has then weighed the GPU reading whole experts or every expert's last rows from
+    pinned RAM against the CPU alone, and the executor gives the GPU what it chose; copying an expert moves the
+    same bytes over PCIe as streaming it, and pays its staging and launches on top.
+
+    Priced instead from one expert's costs (`assign_offloaded`), a call of Mixtral's two q4_0 experts costs the
+    CPU twice one expert's call, where one call of both takes less (a start-up profile on the GPU box: one expert
+    1.16 ms, both in one call 1.96): the rule copied one of them in every layer and decoded at 45.6 tok/s, against
+    59.6 with both on the CPU and 62.3 with the profile's row split (tests/perf/probe_split_rows_decode.py, one
+    H200 machine, 2026-11-27)."""
+    split = getattr(model, "streamed_split_ms", ())
+    return (len(split) >= 2 and len(loads) <= getattr(model, "streamed_top_k", 0)
+            and all(n == 1 for n in loads.values()))
 
 
 def streamed_ranks(top_k: int, model) -> int:
@@ -621,11 +638,15 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
 
     Both read host memory, so a split is costed with the slowdowns measured while both run
     (`Contended`) and kept only when it beats running everything on one side, uncontended.
-    Assumed, as in Fiddler: enough staging slots for every copy of the step.
+    Assumed, as in Fiddler: enough staging slots for every copy of the step. A lone token's experts
+    whose GPU options the start-up profile measured directly stay on the CPU (method "measured",
+    `lone_token_measured`).
     """
     active = {e: int(n) for e, n in loads.items() if n > 0}
     if not active:
         return _group(active, model, gpu_busy_ms).assignment([], "exact")
+    if lone_token_measured(active, model):
+        return assignment_for(active, [], model, gpu_busy_ms, "measured")
     launch = copy_launch_ms(model)
     if launch and all(cpu_path_ms(n, model) <= launch for n in set(active.values())):
         # Every expert is cheaper on the CPU than queueing its copy (small experts at decode): no search.

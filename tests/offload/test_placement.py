@@ -440,6 +440,31 @@ def test_contention_is_taken_at_the_steps_tokens_per_expert():
     assert assign_offloaded({e: 1 for e in range(8)}, by_tokens).copy == ()
 
 
+def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gpus_options():
+    """Priced from one expert's costs, copying one of Mixtral's two experts at one token looks faster (a call of
+    both costs the CPU less than twice one expert's); the profile measured streaming (lone_token_split), which
+    moves a copy's bytes without its staging, so a lone token's experts stay on the CPU. Not for more experts
+    than the profile streamed (a batch of two: four experts), nor where nothing was measured."""
+    from dataclasses import replace
+
+    from engine.offload.latency_model import LatencyModel
+    from engine.offload.placement import lone_token_measured
+
+    predicted = LatencyModel(cpu_intercept_ms=1.16, cpu_per_token_ms=0.0, cpu_floor_ms=1.16, gpu_tokens=(1,),
+                             gpu_ms=(0.23,), copy_expert_ms=1.85, contention=((1, 1.05, 1.01),))
+    lone = {3: 1, 6: 1}
+    assert assign_offloaded(lone, predicted).copy != ()  # the prediction: 2.10 ms copying one against 2.32
+    measured = replace(predicted, streamed_split_ms=(1.96, 2.33), streamed_top_k=2)
+    got = assign_offloaded(lone, measured)
+    assert (got.cpu, got.copy, got.method) == ((3, 6), (), "measured")
+    assert lone_token_measured(lone, measured) and lone_token_measured({3: 1}, measured)
+    batch_of_two = {e: 1 for e in range(4)}
+    assert not lone_token_measured(batch_of_two, measured)
+    assert assign_offloaded(batch_of_two, measured) == assign_offloaded(batch_of_two, predicted)
+    assert not lone_token_measured({3: 2, 6: 1}, measured)  # two tokens on one expert
+    assert not lone_token_measured(lone, replace(measured, streamed_split_ms=(1.96,)))  # nothing to compare
+
+
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
     import engine.offload.placement as placement
 
