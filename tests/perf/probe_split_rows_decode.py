@@ -5,21 +5,23 @@ and does the start-up profile's pick (engine.offload.placement.lone_token_split)
 Per format one synthetic model (by default the mixtral-8x7b shape, 8 layers; GPU budget 0), profiled as
 `moedesk bench` profiles it. Then rounds of batch-1 decode in which the policies take turns, every format's in
 one rotating schedule (the box's RAM bandwidth drifts from minute to minute, so only figures timed side by side
-compare): "model" (the profile's pick), "rows r" (the GPU the last r of every expert's rows; 0: no split, the
-per-step rule decides) and "cpu only" (no split, no copies). Printed per format: the profile's times of one
+compare): "model" (the profile's pick), "model, priced" (the same split, with the per-step rule as it was before
+placement.lone_token_measured), "rows r" (the GPU the last r of every expert's rows; 0: no split, the per-step
+rule decides) and "cpu only" (no split, no copies). Printed per format: the profile's times of one
 layer per option, tok/s per policy (median of the rounds) and the experts copied a token."""
 import argparse
 import json
 import os
 import statistics
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.bench import measure_decode, prepare_synthetic  # noqa: E402
-from engine.offload.placement import lone_token_split  # noqa: E402
+from engine.offload.placement import RememberedSplit, assign_offloaded, lone_token_split  # noqa: E402
 from engine.offload.profiler import split_row_candidates  # noqa: E402
 
 
@@ -39,6 +41,11 @@ def main():
         benches[fmt] = bench
         decide = bench.executor.decide
         policies.append((fmt, "model", bench.executor.split_rows, decide))
+        # The per-step rule as it was before placement.lone_token_measured: a lone token priced from one expert's
+        # costs, which may copy one of its experts (and then the step is not handed to the host whole).
+        unmeasured = replace(bench.orchestra.costs, streamed_split_ms=())
+        policies.append((fmt, "model, priced", bench.executor.split_rows,
+                         RememberedSplit(lambda loads, c=unmeasured: assign_offloaded(loads, c))))
         policies.append((fmt, "cpu only", lambda k: 0, lambda loads: (sorted(loads), [])))
         for rows in [0] + split_row_candidates(bank, most=args.most):
             policies.append((fmt, f"rows {rows}", lambda k, rows=rows: rows, decide))
@@ -62,6 +69,9 @@ def main():
         prof = bench.profile
         report[fmt] = {"split_rows_ms": dict(costs.split_rows_ms), "streamed_split_ms": list(costs.streamed_split_ms),
                        "pick": lone_token_split(bench.cfg.num_experts_per_tok, costs),
+                       "priced_rule_copies": len(assign_offloaded(
+                           {e: 1 for e in range(bench.cfg.num_experts_per_tok)},
+                           replace(costs, streamed_split_ms=())).copy),
                        "cpu_read_gbs": prof.get("cpu_read_gbs"),
                        "tok_s": {name: v for (f, name), v in runs.items() if f == fmt},
                        "copied_a_token": {name: v for (f, name), v in copied.items() if f == fmt}}
@@ -70,10 +80,10 @@ def main():
         alone = rep["streamed_split_ms"][0] if rep["streamed_split_ms"] else float("nan")
         times = " ".join(f"{r}:{ms:.3f}" for r, ms in rep["split_rows_ms"].items())
         print(f"{fmt}: read {rep['cpu_read_gbs']:.0f} GB/s; profile ms a layer: CPU alone {alone:.3f}, rows {times}; "
-              f"pick {rep['pick']}")
-        print(f"  {'policy':<12}{'tok/s':>8}{'copied':>8}  runs")
+              f"pick {rep['pick']}; the priced rule copies {rep['priced_rule_copies']} of a lone token's experts")
+        print(f"  {'policy':<15}{'tok/s':>8}{'copied':>8}  runs")
         for name, v in rep["tok_s"].items():
-            print(f"  {name:<12}{statistics.median(v):>8.1f}{rep['copied_a_token'][name]:>8.1f}  "
+            print(f"  {name:<15}{statistics.median(v):>8.1f}{rep['copied_a_token'][name]:>8.1f}  "
                   f"{' '.join(f'{x:.1f}' for x in v)}")
     if "q4_0" in report and "dense" in report:
         q, d = (statistics.median(report[f]["tok_s"]["model"]) for f in ("q4_0", "dense"))
