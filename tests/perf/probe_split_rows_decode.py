@@ -50,7 +50,7 @@ def main():
         for rows in [0] + split_row_candidates(bank, most=args.most):
             policies.append((fmt, f"rows {rows}", lambda k, rows=rows: rows, decide))
     runs = {(fmt, name): [] for fmt, name, *_ in policies}
-    copied = {}
+    copied = {key: [] for key in runs}
     for r in range(args.rounds):
         for j in range(len(policies)):
             fmt, name, rows, decide = policies[(j + r) % len(policies)]
@@ -61,7 +61,7 @@ def main():
             res = measure_decode(bench.model, ex, bench.cfg, bench.device, bench.dtype, 1, args.tokens, seed=100 * r)
             ex.split_rows, ex.decide = kept
             runs[(fmt, name)].append(res.tok_s)
-            copied[(fmt, name)] = ex.stats.copied_experts / (args.tokens - 2)
+            copied[(fmt, name)].append(ex.stats.copied_experts / (args.tokens - 2))
     out = os.environ.get("OUT", "/tmp")
     report = {}
     for fmt, bench in benches.items():
@@ -74,7 +74,7 @@ def main():
                            replace(costs, streamed_split_ms=())).copy),
                        "cpu_read_gbs": prof.get("cpu_read_gbs"),
                        "tok_s": {name: v for (f, name), v in runs.items() if f == fmt},
-                       "copied_a_token": {name: v for (f, name), v in copied.items() if f == fmt}}
+                       "copied_a_token": {name: statistics.median(v) for (f, name), v in copied.items() if f == fmt}}
     json.dump(report, open(f"{out}/split_rows_decode.json", "w"), indent=1)
     for fmt, rep in report.items():
         alone = rep["streamed_split_ms"][0] if rep["streamed_split_ms"] else float("nan")
