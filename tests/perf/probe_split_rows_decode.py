@@ -34,7 +34,7 @@ def main():
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--most", type=float, default=0.375, help="largest GPU share of the rows tried")
     args = ap.parse_args()
-    benches, policies = {}, []
+    benches, unmeasured, policies = {}, {}, []
     for fmt in args.formats.split(","):
         bench = prepare_synthetic(args.shape, args.layers, 0.0, expert_format=fmt, log=lambda *a: None)
         bank = next(iter(bench.banks.values()))
@@ -43,9 +43,9 @@ def main():
         policies.append((fmt, "model", bench.executor.split_rows, decide))
         # The per-step rule as it was before placement.lone_token_measured: a lone token priced from one expert's
         # costs, which may copy one of its experts (and then the step is not handed to the host whole).
-        unmeasured = replace(bench.orchestra.costs, streamed_split_ms=())
+        unmeasured[fmt] = replace(bench.orchestra.costs, streamed_split_ms=())
         policies.append((fmt, "model, priced", bench.executor.split_rows,
-                         RememberedSplit(lambda loads, c=unmeasured: assign_offloaded(loads, c))))
+                         RememberedSplit(lambda loads, c=unmeasured[fmt]: assign_offloaded(loads, c))))
         policies.append((fmt, "cpu only", lambda k: 0, lambda loads: (sorted(loads), [])))
         for rows in [0] + split_row_candidates(bank, most=args.most):
             policies.append((fmt, f"rows {rows}", lambda k, rows=rows: rows, decide))
@@ -54,10 +54,10 @@ def main():
     for r in range(args.rounds):
         for j in range(len(policies)):
             fmt, name, rows, decide = policies[(j + r) % len(policies)]
-            ex = benches[fmt].executor
+            bench = benches[fmt]
+            ex = bench.executor
             kept = ex.split_rows, ex.decide
             ex.split_rows, ex.decide = rows, decide
-            bench = benches[fmt]
             res = measure_decode(bench.model, ex, bench.cfg, bench.device, bench.dtype, 1, args.tokens, seed=100 * r)
             ex.split_rows, ex.decide = kept
             runs[(fmt, name)].append(res.tok_s)
@@ -70,8 +70,7 @@ def main():
         report[fmt] = {"split_rows_ms": dict(costs.split_rows_ms), "streamed_split_ms": list(costs.streamed_split_ms),
                        "pick": lone_token_split(bench.cfg.num_experts_per_tok, costs),
                        "priced_rule_copies": len(assign_offloaded(
-                           {e: 1 for e in range(bench.cfg.num_experts_per_tok)},
-                           replace(costs, streamed_split_ms=())).copy),
+                           {e: 1 for e in range(bench.cfg.num_experts_per_tok)}, unmeasured[fmt]).copy),
                        "cpu_read_gbs": prof.get("cpu_read_gbs"),
                        "tok_s": {name: v for (f, name), v in runs.items() if f == fmt},
                        "copied_a_token": {name: statistics.median(v) for (f, name), v in copied.items() if f == fmt}}
