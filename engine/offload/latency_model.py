@@ -6,7 +6,12 @@ Fitted once per machine, model shape and dtype from the profiler's measurements 
 
 The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
 
-- CPU: an expert is a weight read plus arithmetic. It can never take less than reading its
+- CPU: a step's CPU experts are one kernel call, which costs a part of its own (waking the threads,
+  quantising the activations, each phase's last items) and each expert's share: a weight read plus
+  arithmetic. The profiler times calls of one expert and of several (`cpu_call_ms`); their difference
+  is an expert's share, the rest the call's own cost, measured at a few tokens an expert and joined
+  by straight lines. Timed alone, one expert's call overprices an expert of a larger call at every
+  token count (docs/measurements.md). An expert's share can never take less than reading its
   bytes (the floor), and above that grows about linearly in tokens:
   cpu(n) = max(a + b·n, floor). The floor is the read time at the bandwidth measured, the
   lower of two: the machine's streaming read bandwidth, and the one the expert kernel itself
@@ -67,6 +72,9 @@ class LatencyModel:
     # The same layer with every expert's intermediate rows split instead: the GPU reads the last r rows of
     # each from RAM while the CPU computes the others; ((r, ms), ...) by increasing r (empty: not measured).
     split_rows_ms: tuple[tuple[int, float], ...] = ()
+    # A CPU call's own cost, beyond its experts' shares: ((tokens an expert, ms), ...) by increasing tokens
+    # (empty: not measured, and cpu_expert_ms is a call of one expert).
+    cpu_call: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
@@ -75,11 +83,13 @@ class LatencyModel:
         object.__setattr__(self, "streamed_split_ms", tuple(float(x) for x in self.streamed_split_ms))
         object.__setattr__(self, "split_rows_ms", tuple((int(r), float(ms)) for r, ms in self.split_rows_ms))
         object.__setattr__(self, "contention", tuple(tuple(float(x) for x in point) for point in self.contention))
+        object.__setattr__(self, "cpu_call", tuple((float(n), float(ms)) for n, ms in self.cpu_call))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
         split_rows = tuple(x for pair in self.split_rows_ms for x in pair)
+        call = tuple(x for pair in self.cpu_call for x in pair)
         if not all(math.isfinite(x) and x >= 0
-                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms + split_rows):
+                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms + split_rows + call):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if any(len(point) != 3 for point in self.contention):
             raise ProfileError("latency model: contention points must be (tokens, CPU slowdown, copy slowdown)")
@@ -87,16 +97,27 @@ class LatencyModel:
             raise ProfileError("latency model: contention token counts and slowdown factors must be finite and >= 1")
         if any(b[0] <= a[0] for a, b in zip(self.contention, self.contention[1:])):
             raise ProfileError("latency model: contention token counts must be strictly increasing")
+        if any(b[0] <= a[0] for a, b in zip(self.cpu_call, self.cpu_call[1:])):
+            raise ProfileError("latency model: CPU call token counts must be strictly increasing")
         if not self.gpu_tokens or len(self.gpu_tokens) != len(self.gpu_ms):
             raise ProfileError("latency model: GPU needs at least one (tokens, ms) point")
         if any(b <= a for a, b in zip(self.gpu_tokens, self.gpu_tokens[1:])):
             raise ProfileError("latency model: GPU token counts must be strictly increasing")
 
     def cpu_expert_ms(self, tokens: int) -> float:
-        """One expert on the whole CPU pool for `tokens` tokens (0 tokens: nothing to run)."""
+        """One expert's share of a CPU call on the whole pool, `tokens` tokens (0 tokens: nothing to run)."""
         if tokens <= 0:
             return 0.0
         return max(self.cpu_intercept_ms + self.cpu_per_token_ms * tokens, self.cpu_floor_ms)
+
+    def cpu_call_ms(self, tokens: float) -> float:
+        """A CPU call's own cost when its experts have about `tokens` tokens each: the measured points joined
+        by straight lines, held at the end points' values beyond them (0 where not measured)."""
+        return _held_line(self.cpu_call, tokens) if self.cpu_call else 0.0
+
+    def cpu_alone_ms(self, tokens: int) -> float:
+        """A CPU call of one expert with `tokens` tokens: its share and the call's own cost."""
+        return self.cpu_call_ms(tokens) + self.cpu_expert_ms(tokens) if tokens > 0 else 0.0
 
     def gpu_expert_ms(self, tokens: int) -> float:
         """One expert already in GPU memory: measured points joined by straight lines.
@@ -122,13 +143,8 @@ class LatencyModel:
         points = self.contention
         if not points:
             return 1.0, 1.0
-        i = bisect_right([p[0] for p in points], tokens)
-        if i == 0 or i == len(points):
-            _, cpu, copy = points[min(i, len(points) - 1)]
-            return cpu, copy
-        (n0, c0, p0), (n1, c1, p1) = points[i - 1], points[i]
-        f = (tokens - n0) / (n1 - n0)
-        return c0 + f * (c1 - c0), p0 + f * (p1 - p0)
+        return (_held_line([(n, cpu) for n, cpu, _ in points], tokens),
+                _held_line([(n, copy) for n, _, copy in points], tokens))
 
     def activation_roundtrip_ms(self, tokens: int) -> float:
         """Hidden states of `tokens` tokens GPU→CPU and the expert's output back."""
@@ -152,6 +168,15 @@ class LatencyModel:
             return cls(**fields)
         except TypeError as e:  # a missing or unknown field
             raise ProfileError(f"latency model: {e}") from None
+
+
+def _held_line(points, x: float) -> float:
+    """The (x, y) points, x increasing, joined by straight lines and held at the end points' y beyond them."""
+    i = bisect_right([p[0] for p in points], x)
+    if i == 0 or i == len(points):
+        return points[min(i, len(points) - 1)][1]
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def _points(profile: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -242,8 +267,9 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     # More tokens are more work, so a count cannot take longer than a larger one: a spike at few
     # tokens (the first point measured often is one) is noise, capped by the larger counts' times.
     cpu_y = np.minimum.accumulate(cpu_y[::-1])[::-1]
+    cpu_y, cpu_call = _cpu_shares(profile_points, cpu_n, cpu_y, dram_floor_ms)
     # Bytes at the lower of the two bandwidths (module docstring): the kernel's own fastest
-    # call when it never reached the machine's read bandwidth, else the DRAM read time.
+    # share when it never reached the machine's read bandwidth, else the DRAM read time.
     floor_ms = max(dram_floor_ms, float(cpu_y.min()))
     a, b = fit_cpu(cpu_n, cpu_y, floor_ms)
     gpu_n, gpu_y = _points(profile_points, "gpu_expert_ms")
@@ -262,7 +288,30 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         streamed_split_ms=_streamed_split(profile_points),
         streamed_top_k=int(profile_points.get("streamed_top_k") or 0),
         split_rows_ms=_split_rows(profile_points),
+        cpu_call=cpu_call,
     )
+
+
+def _cpu_shares(profile: dict, n: np.ndarray, alone: np.ndarray, floor_ms: float):
+    """(each expert's share of a call at the token counts n, ((tokens, the call's own cost), ...)) from the
+    one-expert calls `alone` and the profile's calls of `cpu_call_experts` experts (module docstring). A share is
+    the calls' difference per added expert, kept between reading the expert's bytes (floor_ms) and the whole
+    one-expert call; past the last count measured in calls of several, the call's own cost is held. Without such
+    calls: the one-expert calls, and no cost of their own."""
+    experts = int(profile.get("cpu_call_experts") or 0)
+    if "cpu_call_ms" not in profile or experts < 2:
+        return alone, ()
+    call_n, call_y = _points(profile, "cpu_call_ms")
+    at = {int(k): float(ms) for k, ms in zip(n, alone)}
+    own = []
+    for k, ms in zip(call_n.astype(int), call_y):
+        if k in at:
+            share = min(max((ms - at[k]) / (experts - 1), floor_ms), at[k])
+            own.append((k, at[k] - share))
+    if not own:
+        raise ProfileError("profile: 'cpu_call_ms' has no token count that 'cpu_expert_ms' has")
+    shares = np.array([at[int(k)] - _held_line(own, k) for k in n])
+    return np.maximum(shares, np.minimum(floor_ms, alone)), tuple(own)
 
 
 def _split_rows(profile: dict) -> tuple[tuple[int, float], ...]:

@@ -148,14 +148,15 @@ class LayerCosts:
 
     roundtrip_ms: float  # routing to the host and expert outputs back
     resident_launch_ms: float  # the host queueing a layer step's resident experts
-    cpu_expert_ms: float  # one offloaded expert for one token
+    cpu_expert_ms: float  # one offloaded expert's share of the CPU's call, one token
     whole_layer_skips_host: bool = True  # False: a fully resident layer still pays the round trip and launch
+    cpu_call_ms: float = 0.0  # the CPU call's own cost, once a layer with offloaded experts
 
     @classmethod
     def from_model(cls, costs, whole_layer_skips_host: bool = True) -> "LayerCosts":
         """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
         return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1),
-                   whole_layer_skips_host)
+                   whole_layer_skips_host, cpu_call_ms(costs, 1))
 
 
 def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: LayerCosts) -> float:
@@ -169,7 +170,7 @@ def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: 
             continue
         mass = counts.sum()
         offloaded = counts[~resident].sum() / mass if mass > 0 else (~resident).mean()
-        total += costs.roundtrip_ms + top_k * offloaded * costs.cpu_expert_ms
+        total += costs.roundtrip_ms + costs.cpu_call_ms + top_k * offloaded * costs.cpu_expert_ms
         if resident.any():
             total += costs.resident_launch_ms
     return total
@@ -184,7 +185,7 @@ class ExpertCosts(Protocol):
 
     copy_expert_ms: float
 
-    def cpu_expert_ms(self, tokens: int) -> float: ...
+    def cpu_expert_ms(self, tokens: int) -> float: ...  # an expert's share of the CPU's call (`cpu_call_ms`)
 
     def gpu_expert_ms(self, tokens: int) -> float: ...
 
@@ -239,6 +240,9 @@ class Contended:
     def cpu_expert_ms(self, tokens: int) -> float:
         return self.model.cpu_expert_ms(tokens) * self.factors[0]
 
+    def cpu_call_ms(self, tokens: float) -> float:
+        return cpu_call_ms(self.model, tokens)  # waking the pool and quantising activations: not reads
+
     def gpu_expert_ms(self, tokens: int) -> float:
         return self.model.gpu_expert_ms(tokens)
 
@@ -273,6 +277,19 @@ def copy_launch_ms(model: ExpertCosts) -> float:
     return getattr(model, "copy_launch_ms", 0.0)
 
 
+def cpu_call_ms(model: ExpertCosts, tokens: float) -> float:
+    """The CPU call's own cost, beyond its experts' shares, for experts of about `tokens` tokens each (paid once a
+    layer step with any CPU expert); 0 where a model has no such measurement (engine.offload.latency_model)."""
+    call = getattr(model, "cpu_call_ms", None)
+    return call(tokens) if call else 0.0
+
+
+def mean_load(loads: dict[int, int]) -> float:
+    """Tokens an active expert of a step, on average: what the call's own cost and the contention are read at."""
+    active = [n for n in loads.values() if n > 0]
+    return sum(active) / len(active) if active else 0.0
+
+
 def cpu_path_ms(tokens: int, model: ExpertCosts) -> float:
     """One offloaded expert on the CPU: compute plus its activations' round trip."""
     return model.cpu_expert_ms(tokens) + model.activation_roundtrip_ms(tokens)
@@ -294,8 +311,8 @@ def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
                  gpu_busy_ms: float = 0.0) -> tuple[float, float]:
     """(CPU finish, GPU finish) in ms from now: `copy` copied in that order, every other expert with tokens on the CPU.
 
-    The CPU pool runs its experts one after another, after the host thread (which then joins it)
-    has queued each copy and its GPU compute (`copy_launch_ms` each). Copies are sequential on the link; the
+    The CPU pool runs its experts in one call (its own cost, `cpu_call_ms`, and each expert's share), after the host
+    thread (which then joins it) has queued each copy and its GPU compute (`copy_launch_ms` each). Copies are sequential on the link; the
     GPU starts a copied expert once its copy has landed and the GPU is free, and it is busy
     for `gpu_busy_ms` first (the resident experts, which the executor queues before them).
     """
@@ -303,6 +320,7 @@ def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
     # Per distinct load, not per expert: a batched step has ~100 experts with a handful of loads.
     on_cpu = Counter(n for e, n in loads.items() if n > 0 and e not in copied)
     cpu = sum(cpu_path_ms(n, model) * times for n, times in sorted(on_cpu.items()))
+    cpu += cpu_call_ms(model, mean_load(loads)) if on_cpu else 0.0
     cpu += len(copied) * copy_launch_ms(model)
     link, gpu = 0.0, gpu_busy_ms
     for e in copy:
@@ -447,6 +465,7 @@ class _Groups:
     copy_ms: float
     gpu_busy_ms: float
     cpu_base: float = 0.0  # CPU-side time whatever the split (see _group)
+    cpu_call: float = 0.0  # the CPU call's own cost, paid unless every expert is copied (in cpu_base if it must be)
 
     @property
     def sizes(self) -> list[int]:
@@ -455,6 +474,7 @@ class _Groups:
     def finish(self, x: Sequence[int]) -> tuple[float, float]:
         """(CPU finish, GPU finish) when x[k] experts of group k are copied, in group order."""
         cpu = self.cpu_base + sum((len(ids) - xk) * c for ids, xk, c in zip(self.ids, x, self.cpu))
+        cpu += self.cpu_call if any(xk < len(ids) for ids, xk in zip(self.ids, x)) else 0.0
         d, link, gpu = self.copy_ms, 0.0, self.gpu_busy_ms
         for xk, g in zip(x, self.gpu):
             if xk:
@@ -478,11 +498,12 @@ class _Groups:
         return Assignment(tuple(cpu), tuple(copy), cpu_ms, gpu_ms, method)
 
 
-def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float) -> _Groups:
+def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, call_tokens: float = 0.0) -> _Groups:
     """Group by load. Each copy costs the CPU side `copy_launch_ms` of host time, so a CPU expert
     costs its CPU time minus that, on top of a base of one launch per expert (copied or not):
     the CPU finish stays a sum over the experts left on the CPU, as the solvers need. Callers
-    leave out experts whose CPU time does not exceed a launch: copying them can never help."""
+    leave out experts whose CPU time does not exceed a launch: copying them can never help.
+    call_tokens: the step's mean load, which the CPU call's own cost is read at."""
     launch = copy_launch_ms(model)
     by_load: dict[int, list[int]] = {}
     for e, n in loads.items():
@@ -491,7 +512,7 @@ def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float) -> _Gr
     order = sorted(by_load, key=lambda n: (-costs[n][1], -n))
     return _Groups(ids=[sorted(by_load[n]) for n in order], cpu=[costs[n][0] for n in order],
                    gpu=[costs[n][1] for n in order], copy_ms=model.copy_expert_ms, gpu_busy_ms=gpu_busy_ms,
-                   cpu_base=launch * len(loads))
+                   cpu_base=launch * len(loads), cpu_call=cpu_call_ms(model, call_tokens))
 
 
 def _greedy(groups: _Groups, fiddler: list[int]) -> list[int]:
@@ -575,7 +596,8 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
     too: each remaining expert adds its CPU time to the CPU queue or, copied, at least its GPU
     time to the GPU and its copy time to the link, which the GPU finish never precedes. So
     the fractional balance of CPU against link, and of CPU against GPU (`_balanced_bound`),
-    bound any completion from below. `start` (the greedy split) is the first best.
+    bound any completion from below. `start` (the greedy split) is the first best. Every state pays the CPU
+    call's own cost: only copying every expert saves it, and `start` is never worse than that (`_greedy`).
     """
     K = len(groups.ids)
     sizes, cpu_k, gpu_k, d = groups.sizes, groups.cpu, groups.gpu, groups.copy_ms
@@ -588,7 +610,7 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
     rest_link = [by_ratio(k, [d] * K) for k in range(K + 1)]
     rest_gpu = [by_ratio(k, gpu_k) for k in range(K + 1)]
     best_x, best = tuple(start), groups.makespan(start)
-    states: dict[int, list] = {0: [(groups.cpu_base, groups.gpu_busy_ms, ())]}
+    states: dict[int, list] = {0: [(groups.cpu_base + groups.cpu_call, groups.gpu_busy_ms, ())]}
     for k in range(K):
         grown: dict[int, list] = {}
         for copies, frontier in states.items():
@@ -654,7 +676,7 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
-    contended = Contended(model, sum(active.values()) / len(active))
+    contended = Contended(model, mean_load(active))
     split = _best_split(active, contended, gpu_busy_ms, exact_limit)
     if contended.factors == (1.0, 1.0):
         return split
@@ -669,8 +691,10 @@ def _best_split(active: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, 
     launch = copy_launch_ms(model)
     stay = {e: n for e, n in active.items() if cpu_path_ms(n, model) <= launch}  # copying costs the CPU more
     movable = {e: n for e, n in active.items() if e not in stay}
-    groups = _group(movable, model, gpu_busy_ms)
-    groups.cpu_base += sum(cpu_path_ms(n, model) for n in stay.values())
+    groups = _group(movable, model, gpu_busy_ms, mean_load(active))
+    if stay:  # the CPU calls its kernel whatever is copied
+        groups.cpu_base += sum(cpu_path_ms(n, model) for n in stay.values()) + groups.cpu_call
+        groups.cpu_call = 0.0
     fiddler = groups.counts_of({e for e, n in movable.items() if fiddler_rule(n, model) == "gpu"})
     x = _greedy(groups, fiddler)
     method = "greedy"

@@ -26,6 +26,10 @@ from kernels.experts import expert_forward, experts_forward_routed
 from kernels.quant_formats import FORMATS
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# A step's CPU experts go to the kernel in one call. Calls of this many experts, at the token counts of decode and
+# batched decode, tell a call's own cost from each expert's share (engine.offload.latency_model).
+CALL_EXPERTS = 4
+CALL_TOKENS = (1, 2, 4, 8, 16)
 GPU_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 
 
@@ -86,11 +90,17 @@ def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, c
     dtype = dtype or w.dense_dtype or torch.bfloat16
     one = w.expert(0)
     expert_bytes = one.expert_bytes
-    cpu = {}
-    # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on one expert.
+    cpu, call = {}, {}
+    group = min(CALL_EXPERTS, w.num_experts)
+    # The CPU tier computes experts through experts_forward_routed: time that path, n pairs on one expert, and
+    # (where the stack has several) n pairs on each of `group` experts in one call, right after at the same n.
     for n in cpu_tokens:
         x, out = torch.randn(n, hidden, dtype=dtype), torch.empty(n, hidden, dtype=dtype)
         cpu[n] = _timed_ms(_taking_turns(w, x, out), torch.device("cpu"), repeat)
+        if group > 1 and n in CALL_TOKENS:
+            x, out = torch.randn(n * group, hidden, dtype=dtype), torch.empty(n * group, hidden, dtype=dtype)
+            call[n] = _timed_ms(_taking_turns(w, x, out, group), torch.device("cpu"), repeat)
+    calls = {"cpu_call_ms": call, "cpu_call_experts": group} if call else {}
     on_device = one.to(device)
     gpu = {}
     for n in gpu_tokens:
@@ -103,7 +113,7 @@ def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, c
     act = torch.randn(1, hidden, dtype=dtype, device=device)
     roundtrip_ms = _timed_ms(lambda: act.cpu().to(device), device, repeat)
     return {
-        "cpu_expert_ms": cpu, "gpu_expert_ms": gpu, "copy_expert_ms": copy_ms,
+        "cpu_expert_ms": cpu, **calls, "gpu_expert_ms": gpu, "copy_expert_ms": copy_ms,
         "activation_roundtrip_ms": roundtrip_ms, "expert_bytes": expert_bytes,
         "h2d_gbs": expert_bytes / copy_ms / 1e6, "cpu_read_gbs": cpu_read_gbs(),
         "threads": torch.get_num_threads(), "cpu_experts": cpu_experts.describe(), "device": str(device),
@@ -341,8 +351,9 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
 # through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
 # 6: streamed_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns;
-# 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts).
-PROFILE_FORMAT = 9
+# 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts;
+# 10: cpu_call_ms, calls of several experts).
+PROFILE_FORMAT = 10
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -364,7 +375,7 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
+    for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
                 "copy_slowdown_during_cpu"):
         if isinstance(points.get(key), dict):
             points[key] = {int(n): ms for n, ms in points[key].items()}

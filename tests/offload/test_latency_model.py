@@ -205,3 +205,41 @@ def test_a_spike_at_few_tokens_is_capped_by_larger_counts():
     times = {1: 3.6, 2: 2.95, 4: 2.99, 8: 4.09, 16: 6.67, 32: 12.5, 64: 10.2, 128: 17.7, 256: 32.0}
     model = fit_latency_model(profile(lambda n: times[n], expert_bytes=352 * MiB, cpu_read_gbs=131.0))
     assert model.cpu_expert_ms(1) < 1.05 * 2.95
+
+
+def _calls(share, own, experts=4, tokens=(1, 2, 4, 8, 16)):
+    """A profile's one-expert calls (own + share) and calls of `experts` experts (own + experts * share)."""
+    return profile(lambda n: own(n) + share(n),
+                   cpu_call_ms={n: own(n) + experts * share(n) for n in tokens}, cpu_call_experts=experts)
+
+
+def test_calls_of_several_experts_part_an_experts_share_from_the_calls_own_cost():
+    # A Mixtral q4_0 expert on the GPU box: one in a call 1.16 ms at one token, two in one call 1.96.
+    share, own = (lambda n: 0.70 + 0.1 * n), (lambda n: 0.36 if n == 1 else 0.3)
+    model = fit_latency_model(_calls(share, own))
+    for n in (1, 2, 4, 8, 16, 64, 256):
+        assert model.cpu_expert_ms(n) == pytest.approx(share(n), rel=1e-6)
+        assert model.cpu_alone_ms(n) == pytest.approx(share(n) + own(min(n, 16)), rel=1e-6)
+    assert model.cpu_call_ms(1) == pytest.approx(0.36) and model.cpu_call_ms(1.5) == pytest.approx(0.33)
+    assert model.cpu_call_ms(100) == pytest.approx(0.3)  # held past the last count measured in calls
+    assert LatencyModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+
+
+def test_without_calls_of_several_an_expert_costs_its_own_call():
+    model = fit_latency_model(profile(lambda n: 1.16 + 0.02 * n))
+    assert model.cpu_call == () and model.cpu_call_ms(4) == 0.0
+    assert model.cpu_expert_ms(4) == model.cpu_alone_ms(4) == pytest.approx(1.24)
+
+
+def test_an_experts_share_never_falls_below_reading_its_bytes():
+    # Noise that makes four experts in a call look barely dearer than one: the share stays the bytes' read time.
+    floor = 99 * MiB / 120e6
+    raw = profile(lambda n: 1.2, expert_bytes=99 * MiB, cpu_read_gbs=120.0, cpu_call_ms={1: 1.3}, cpu_call_experts=4)
+    model = fit_latency_model(raw)
+    assert model.cpu_expert_ms(1) == pytest.approx(floor) and model.cpu_alone_ms(1) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("bad", [{"cpu_call_ms": {512: 3.0}}, {"cpu_call_ms": {1: -1.0}}, {"cpu_call_ms": {}}])
+def test_calls_of_several_experts_that_do_not_fit_the_one_expert_calls_are_refused(bad):
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 1.0, cpu_call_experts=4, **bad))

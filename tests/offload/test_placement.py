@@ -465,6 +465,55 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gp
     assert not lone_token_measured(lone, replace(measured, streamed_split_ms=(1.96,)))  # nothing to compare
 
 
+def _with_call(costs: Costs, call_ms: float, copy_launch_ms: float = 0.0):
+    """Costs plus a CPU call's own cost at every load (a fitted LatencyModel's cpu_call_ms) and a copy launch."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Called(Costs):
+        call_ms: float = 0.0
+        copy_launch_ms: float = 0.0
+
+        def cpu_call_ms(self, tokens: float) -> float:
+            return self.call_ms
+
+    return Called(costs.cpu_ms, costs.gpu_ms, costs.copy_ms, costs.roundtrip_ms, call_ms, copy_launch_ms)
+
+
+def test_the_cpu_calls_own_cost_is_paid_once_and_only_with_an_expert_on_the_cpu():
+    model = _with_call(Costs(lambda n: 1.0, lambda n: 0.1, 0.2), call_ms=0.5)
+    loads = {e: 1 for e in range(3)}
+    assert finish_times(loads, [], model) == pytest.approx((3.5, 0.0))
+    assert finish_times(loads, [0, 1], model)[0] == pytest.approx(1.5)
+    assert finish_times(loads, [0, 1, 2], model)[0] == 0.0
+
+
+def test_exact_split_with_the_cpu_calls_own_cost_equals_brute_force():
+    rng = random.Random(7)
+    all_copied = some_stay = 0
+    for _ in range(150):
+        loads, table, busy = random_case(rng, rng.randint(1, 9), rng.randint(1, 6))
+        model = _with_call(table, rng.uniform(0, 5), rng.choice([0.0, rng.uniform(0, 2)]))
+        got = assign_offloaded(loads, model, busy)
+        assert got.makespan_ms == pytest.approx(brute_force(loads, model, busy, all_orders=False), abs=1e-9)
+        assert (got.cpu_finish_ms, got.gpu_finish_ms) == tuple(map(pytest.approx, finish_times(loads, got.copy, model, busy)))
+        all_copied += not got.cpu
+        some_stay += any(cpu_path_ms(n, model) <= model.copy_launch_ms for n in loads.values())
+    assert all_copied > 5 and some_stay > 5  # copying everything saved the call; the stay path ran
+
+
+def test_an_expert_priced_at_its_share_of_the_call_copies_less_than_priced_at_its_own_call():
+    """16 sequences on Mixtral's 8 experts, 4 tokens each: one expert alone in a call takes 1.22 ms, each of
+    eight in one call 1.10 (the call's own 0.137 and a share of 1.083). Priced at its own call, the CPU side
+    looks dearer and the split copies four; priced from the call's parts, three."""
+    share = Costs(lambda n: 1.083, lambda n: 0.25, 1.35)
+    alone = Costs(lambda n: 1.22, lambda n: 0.25, 1.35)
+    loads = {e: 4 for e in range(8)}
+    assert len(assign_offloaded(loads, alone).copy) == 4
+    got = assign_offloaded(loads, _with_call(share, 0.137))
+    assert len(got.copy) == 3 and got.cpu_finish_ms == pytest.approx(0.137 + 5 * 1.083)
+
+
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
     import engine.offload.placement as placement
 

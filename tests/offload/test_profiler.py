@@ -23,10 +23,27 @@ def _recording(monkeypatch) -> list[list[int]]:
 
 def test_cpu_times_take_the_stacks_experts_in_turn(monkeypatch):
     calls = _recording(monkeypatch)
-    points = profiler.profile_expert(_stack(3), "cpu", cpu_tokens=(1, 4), gpu_tokens=(1,), repeat=3)
-    assert set(points["cpu_expert_ms"]) == {1, 4} and points["expert_bytes"] == 3 * 16 * 8 * 4
-    # Per token count: a warm-up and three timed calls, each on one expert, the next one each time.
-    assert calls == [[0], [1], [2], [0], [0] * 4, [1] * 4, [2] * 4, [0] * 4]
+    points = profiler.profile_expert(_stack(3), "cpu", cpu_tokens=(1, 32), gpu_tokens=(1,), repeat=3)
+    assert set(points["cpu_expert_ms"]) == {1, 32} and points["expert_bytes"] == 3 * 16 * 8 * 4
+    # Per token count: a warm-up and three timed calls, each on one expert, the next one each time; at a count of
+    # decode's, then calls of all three experts (the stack has no more); 32 tokens an expert are not decode's.
+    assert calls == [[0], [1], [2], [0], [0, 1, 2], [0, 1, 2], [0, 1, 2], [0, 1, 2],
+                     [0] * 32, [1] * 32, [2] * 32, [0] * 32]
+    assert set(points["cpu_call_ms"]) == {1} and points["cpu_call_experts"] == 3
+
+
+def test_calls_of_several_experts_take_the_stack_in_turn_too(monkeypatch):
+    calls = _recording(monkeypatch)
+    points = profiler.profile_expert(_stack(8), "cpu", cpu_tokens=(2,), gpu_tokens=(1,), repeat=3)
+    one = [[e] * 2 for e in (0, 1, 2, 3)]
+    four = [[e for e in range(first, first + 4) for _ in range(2)] for first in (0, 4, 0, 4)]
+    assert calls == one + four
+    assert points["cpu_call_experts"] == profiler.CALL_EXPERTS == 4 and set(points["cpu_call_ms"]) == {2}
+
+
+def test_a_stack_of_one_expert_has_no_calls_of_several(monkeypatch):
+    points = profiler.profile_expert(_stack(1), "cpu", cpu_tokens=(1,), gpu_tokens=(1,), repeat=1)
+    assert "cpu_call_ms" not in points and "cpu_call_experts" not in points
 
 
 def test_a_call_can_take_several_experts_at_a_time(monkeypatch):

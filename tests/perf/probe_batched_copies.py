@@ -3,8 +3,9 @@ step of packed Mixtral experts, all in RAM, how many of a layer's experts should
 computes the rest, and how close does the latency model's choice come to the best fixed count?
 
 One synthetic model (mixtral-8x7b shape, 8 layers, GPU budget 0), profiled as `moedesk bench` profiles it. Then
-rounds of batched decode, the policies taking turns: "model" (the engine's own `decide`) and "copy k" (the k
-experts with the most tokens copied, the rest on the CPU). Printed per policy: tok/s (median of the rounds) and,
+rounds of batched decode, the policies taking turns: "model" (the engine's own `decide`), "model, alone" (the same
+rule with every CPU expert priced at a call of its own, as before the profile timed calls of several) and "copy k"
+(the k experts with the most tokens copied, the rest on the CPU). Printed per policy: tok/s (median of the rounds) and,
 per layer, experts copied, the host's CPU-kernel time, the wait for the routing and the whole layer's host time.
 Also printed: the profile's one-expert CPU times (expert 0 again and again, as the profiler times them) against the
 same calls taking a different expert each time (from RAM, not the last-level cache).
@@ -28,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.bench import measure_decode, prepare_synthetic  # noqa: E402
+from engine.offload.latency_model import fit_latency_model  # noqa: E402
+from engine.offload.placement import RememberedSplit, assign_offloaded  # noqa: E402
 from kernels.experts import experts_forward_routed  # noqa: E402
 
 
@@ -64,7 +67,12 @@ def main():
     bench = prepare_synthetic(args.shape, args.layers, 0.0, expert_format=args.format, log=lambda *a: None)
     ex, prof = bench.executor, bench.profile
     model_decide = ex.decide
-    policies = {"model": model_decide, **{f"copy {k}": copy_top(int(k)) for k in args.copies.split(",")}}
+    # The rule as it was before the profile timed calls of several experts: every CPU expert priced at a call of
+    # its own (the profile without cpu_call_ms).
+    alone = fit_latency_model({k: v for k, v in prof.items() if k not in ("cpu_call_ms", "cpu_call_experts")})
+    policies = {"model": model_decide, "model, alone": RememberedSplit(lambda loads: assign_offloaded(loads, alone)),
+                **{f"copy {k}": copy_top(int(k)) for k in args.copies.split(",")}}
+    print(f"calls of {prof.get('cpu_call_experts')} experts, ms: {prof.get('cpu_call_ms')}")
     bank = next(iter(bench.banks.values()))
     print("one expert on the CPU, ms (tokens: same expert / a different one each call / profile):")
     for t in (1, 2, 4, 8):
