@@ -15,7 +15,11 @@ again and again from the 300 MiB cache: 0.96 ms at four tokens where taking turn
 one-token bf16 call, CPU 1.89x slower beside copies) the model copied 4 of a layer's ~8 experts: 222 tok/s, against
 224 / 227 / 264 / 275 / 226 / 188 copying the 0 / 1 / ... / 5 busiest. With the experts timed taking turns and the
 contention measured per token count (CPU 1.23x at one token, 1.10x at four, 1.01x at sixteen), another machine's
-model copied 3: 283 tok/s, against 270 / 279 / 226 copying 2 / 3 / 4.
+model copied 3: 283 tok/s, against 270 / 279 / 226 copying 2 / 3 / 4. With a CPU expert priced at its share of a call of
+several (a1c768e), 288.2 tok/s (2.73 copies a layer) against 264.6 (2.99) priced alone and 285.5 / 270.8 / 222.8
+copying 2 / 3 / 4; at 4 sequences 108.1 against 106.4, 115.9 / 116.9 copying 0 / 1 (docs/measurements.md).
+`--prefill N` times prefills instead (any shape, `--gpu-budget`), and on a GPU the host time of back-to-back copies
+is printed beside the profile's copy_launch_ms.
 """
 import argparse
 import json
@@ -28,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.bench import measure_decode, prepare_synthetic  # noqa: E402
+from engine.bench import measure_decode, measure_prefill, prepare_synthetic  # noqa: E402
 from engine.offload.latency_model import fit_latency_model  # noqa: E402
 from engine.offload.placement import RememberedSplit, assign_offloaded  # noqa: E402
 from kernels.experts import experts_forward_routed  # noqa: E402
@@ -54,6 +58,25 @@ def one_expert_ms(bank, dtype, tokens, rotate: bool, repeat: int = 9) -> float:
     return statistics.median(times[1:])
 
 
+def copies_host_ms(bank, dtype, device, k: int, tokens: int = 32, repeat: int = 5) -> float:
+    """Host time a copied expert costs when k are queued back to back (copy, then compute), per copy: the profile's
+    copy_launch_ms times one with the GPU drained before it."""
+    from engine.offload.offload_executor import compute_copied, queue_copy
+
+    slots = [bank.expert(0).empty_like(device) for _ in range(min(k, 8))]
+    side, x = torch.cuda.Stream(device), torch.randn(tokens, bank.hidden, dtype=dtype, device=device)
+    times = []
+    for _ in range(repeat + 1):
+        torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        for i in range(k):
+            slot = slots[i % len(slots)]
+            compute_copied(x, slot, queue_copy(side, bank.expert(i % bank.num_experts), slot))
+        times.append((time.perf_counter() - t) * 1e3 / k)
+    torch.cuda.synchronize(device)
+    return statistics.median(times[1:])
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="q4_0")
@@ -63,8 +86,10 @@ def main():
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--shape", default="mixtral-8x7b")
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=0, help="time a prefill of this many tokens instead of decode")
+    ap.add_argument("--gpu-budget", type=float, default=0.0)
     args = ap.parse_args()
-    bench = prepare_synthetic(args.shape, args.layers, 0.0, expert_format=args.format, log=lambda *a: None)
+    bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, expert_format=args.format, log=lambda *a: None)
     ex, prof = bench.executor, bench.profile
     model_decide = ex.decide
     # The rule as it was before the profile timed calls of several experts: every CPU expert priced at a call of
@@ -78,6 +103,9 @@ def main():
     for t in (1, 2, 4, 8):
         same, turns = (one_expert_ms(bank, bench.dtype, t, rotate) for rotate in (False, True))
         print(f"  {t}: {same:.3f} / {turns:.3f} / {prof['cpu_expert_ms'][t]:.3f}")
+    if bench.device.type == "cuda":
+        print(f"copy launch {prof.get('copy_launch_ms')} ms; back to back, per copy: "
+              + ", ".join(f"{k}: {copies_host_ms(bank, bench.dtype, bench.device, k):.3f}" for k in (1, 16, 64)))
     print(f"copy {prof['copy_expert_ms']:.3f} ms, slowdowns cpu {prof.get('cpu_slowdown_during_copy')} "
           f"copy {prof.get('copy_slowdown_during_cpu')}")
     runs = {name: [] for name in policies}
@@ -86,14 +114,21 @@ def main():
         for j in range(len(names)):
             name = names[(j + r) % len(names)]
             ex.decide = policies[name]
-            res = measure_decode(bench.model, ex, bench.cfg, bench.device, bench.dtype, args.batch, args.tokens,
-                                 seed=100 * r)
-            layers = (args.tokens - 2) * bench.cfg.num_layers
+            if args.prefill:
+                ex.stats = type(ex.stats)()
+                res = measure_prefill(bench.model, ex, bench.cfg, bench.device, bench.dtype, args.prefill,
+                                      seed=100 * r, repeat=1)
+                steps = 1
+            else:
+                res = measure_decode(bench.model, ex, bench.cfg, bench.device, bench.dtype, args.batch, args.tokens,
+                                     seed=100 * r)
+                steps = args.tokens - 2
+            layers = steps * bench.cfg.num_layers
             s = ex.stats
             runs[name].append({"tok_s": res.tok_s, "copied": s.copied_experts / layers,
                                "cpu": s.cpu_experts / layers,
                                "cpu_ms": s.cpu_ms / layers, "wait_ms": s.wait_ms / layers,
-                               "layer_ms": s.layer_ms / layers, "step_ms": 1e3 * res.seconds / (args.tokens - 2)})
+                               "layer_ms": s.layer_ms / layers, "step_ms": 1e3 * res.seconds / steps})
     ex.decide = model_decide
     memory = getattr(model_decide, "memory", {})
     seen = [(key, len(cpu), len(copy)) for key, (cpu, copy) in list(memory.items())[-10:]]
