@@ -340,13 +340,14 @@ def assignment_for(loads: dict[int, int], copy: Iterable[int], model: ExpertCost
 
 def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
     """GPU-resident experts of one layer step to compute on the CPU instead, from their host copy: all of
-    them when the CPU computes experts of this layer anyway and taking these on costs it less than
-    queueing the GPU's share would (the measured `resident_launch_ms`, which the same host thread pays
-    before the CPU call), else none (moving some would not save the launch).
+    them when the CPU computes experts of this layer anyway and taking these on costs it less (their shares
+    of the call it makes anyway) than queueing the GPU's share would (the measured `resident_launch_ms`,
+    which the same host thread pays before the CPU call), else none (moving some would not save the launch).
 
     Small experts with a token each, the decode of a model whose few resident experts per layer come from
-    a flat popularity, are where this wins: a Qwen3-30B-A3B expert costs the CPU ~0.06-0.1 ms, the GPU
-    share's launches ~0.2 ms. Call it only for layers with CPU work.
+    a flat popularity, are where this wins: a Qwen3-30B-A3B expert at one token adds ~0.03 ms to the CPU's
+    call (0.06-0.1 ms in a call of its own), the GPU share's launches ~0.2 ms. Call it only for layers with
+    CPU work.
     """
     launch = getattr(model, "resident_launch_ms", 0.0)
     active = {e: n for e, n in loads.items() if n > 0}

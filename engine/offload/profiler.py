@@ -1,6 +1,7 @@
 """Start-up measurements that the expert decisions rest on, cached per machine, model shape and dtype.
 
-What is measured: one expert's latency on the CPU for 1..256 tokens and on the GPU for
+What is measured: one expert's latency on the CPU for 1..256 tokens (and calls of four experts at
+1..16 tokens each, which part an expert's share of a call from the call's own cost) and on the GPU for
 1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, the CPU's
 read bandwidth, how much CPU expert reads and copies slow each other down when they run
 together, and a decode layer's experts split between the CPU and the GPU reading some of them
