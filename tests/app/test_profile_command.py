@@ -13,6 +13,11 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert "RAM" in out and "CPU" in out
     assert "CPU experts: " in out  # which code computes CPU experts here
     assert re.search(r"^\s+256\s+\d", out, re.M)  # latency table reaches 256 tokens
+    assert re.search(r"tokens\s+CPU ms\s+in a call\s+GPU ms", out)
+    latency = re.findall(r"^\s+\d+\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", out, re.M)
+    assert len(latency) == 5  # 1, 4, 16, 64 and 256 tokens
+    for alone, share in latency:
+        assert float(share) <= float(alone)  # one more expert in a call costs no more than a call of its own
     placed = re.search(r"(\d+) of 12 experts on the GPU", out)
     expert_bytes = 3 * 64 * 48 * 4
     assert placed and int(placed.group(1)) == int(0.0001 * 2**30) // expert_bytes
