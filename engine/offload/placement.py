@@ -393,11 +393,12 @@ def lone_token_measured(loads: dict[int, int], model) -> bool:
     pinned RAM against the CPU alone, and the executor gives the GPU what it chose; copying an expert moves the
     same bytes over PCIe as streaming it, and pays its staging and launches on top.
 
-    Priced instead from one expert's costs (`assign_offloaded`), a call of Mixtral's two q4_0 experts costs the
-    CPU twice one expert's call, where one call of both takes less (a start-up profile on the GPU box: one expert
-    1.16 ms, both in one call 1.96): the rule copied one of them in every layer and decoded at 45.6 tok/s, against
-    59.6 with both on the CPU and 62.3 with the profile's row split (tests/perf/probe_split_rows_decode.py, one
-    H200 machine, 2026-11-27)."""
+    Priced instead by `assign_offloaded` from a profile that timed each CPU expert in a call of its own (before
+    `cpu_call_ms`), a call of Mixtral's two q4_0 experts cost the CPU twice one expert's call, where one call of both
+    takes less (a start-up profile on the GPU box: one expert 1.16 ms, both in one call 1.96): the rule copied one of
+    them in every layer and decoded at 45.6 tok/s, against 59.6 with both on the CPU and 62.3 with the profile's row
+    split (tests/perf/probe_split_rows_decode.py, one H200 machine, 2026-11-27). The measured split stays the
+    better guide for a lone token: it timed the very layer step, the prices only its parts."""
     split = getattr(model, "streamed_split_ms", ())
     return (len(split) >= 2 and len(loads) <= getattr(model, "streamed_top_k", 0)
             and all(n == 1 for n in loads.values()))

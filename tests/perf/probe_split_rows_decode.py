@@ -41,8 +41,9 @@ def main():
         benches[fmt] = bench
         decide = bench.executor.decide
         policies.append((fmt, "model", bench.executor.split_rows, decide))
-        # The per-step rule as it was before placement.lone_token_measured: a lone token priced from one expert's
-        # costs, which may copy one of its experts (and then the step is not handed to the host whole).
+        # The per-step rule without placement.lone_token_measured (the profile's streaming forgotten): a lone token
+        # priced from the latency model's costs, which may copy one of its experts (and then the step is not handed to
+        # the host whole). Before a1c768e those costs timed each CPU expert in a call of its own.
         unmeasured[fmt] = replace(bench.orchestra.costs, streamed_split_ms=())
         policies.append((fmt, "model, priced", bench.executor.split_rows,
                          RememberedSplit(lambda loads, c=unmeasured[fmt]: assign_offloaded(loads, c))))
