@@ -36,8 +36,8 @@ try:
 except ImportError:  # not on Windows: runs there go unlocked
     fcntl = None
 
-from engine.errors import MoedeskError
-from engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
@@ -261,8 +261,8 @@ def speculative_options(engine, settings: BatchSettings):
     """The SpeculativeOptions of a run with --speculative, its draft head loaded now: a head that does not load
     (a folder without config.json, weights of the wrong shape) raises MoedeskError, one line, before any line runs.
     Loaded at the first step instead, it failed every step, and every line then ran again alone, plainly."""
-    from engine.speculative.decode import SpeculativeOptions
-    from engine.speculative.demo_draft import resolve_draft
+    from moedesk.engine.speculative.decode import SpeculativeOptions
+    from moedesk.engine.speculative.demo_draft import resolve_draft
 
     draft = resolve_draft(engine, settings.draft)
     if not callable(draft):
@@ -718,7 +718,7 @@ class _Run:
         beam = self.beam_lines.get(request.tag)
         if beam is None:
             return None
-        from engine.generation.beam import BeamOptions
+        from moedesk.engine.generation.beam import BeamOptions
 
         return BeamOptions(beams=beam[0], length_penalty=beam[1])
 

@@ -6,7 +6,7 @@ import contextlib
 import math
 import sys
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 
 def _positive_int(text: str) -> int:
@@ -95,7 +95,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from app.batch import add_batch_arguments
+    from moedesk.app.batch import add_batch_arguments
 
     parser = argparse.ArgumentParser(prog="moedesk", description="Run Mixture-of-Experts language models locally.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_decoding_arguments(chat, beams=True, where="of every reply")
     download = sub.add_parser("download", help="download a model from the Hugging Face Hub (resumable)",
                               description="Download a model repo into the local Hugging Face cache; rerun to resume.")
-    from app.download import add_download_arguments
+    from moedesk.app.download import add_download_arguments
 
     add_download_arguments(download)
     batch = sub.add_parser("batch", help="complete every line of a JSONL file (offline batch mode)",
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_draft = sub.add_parser("train-draft", help="train an EAGLE draft head on the model's own answers",
                                  description="The model answers a prompt set; an EAGLE-1/2 draft head learns its "
                                              "features and tokens. The folder written loads with --draft DIR.")
-    from app.train_draft_command import add_train_draft_arguments
+    from moedesk.app.train_draft_command import add_train_draft_arguments
 
     add_train_draft_arguments(train_draft)
     add_model_arguments(train_draft)
@@ -196,8 +196,8 @@ _counts.__name__ = "comma-separated positive integers"
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    from app.batch import AUTO_BATCH_CAP
-    from app.server import DEFAULT_MAX_QUEUE
+    from moedesk.app.batch import AUTO_BATCH_CAP
+    from moedesk.app.server import DEFAULT_MAX_QUEUE
 
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the "
@@ -219,7 +219,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_engine(args, **overrides):
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
 
     options = dict(device=args.device, dtype=args.dtype, context_length=args.context, gpu_budget=args.gpu_budget,
                    reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto")
@@ -240,9 +240,9 @@ def _load_progress():
 
 
 def run_batch_command(args) -> int:
-    from app.batch import check_batch_paths, run_batch, settings_from_args
+    from moedesk.app.batch import check_batch_paths, run_batch, settings_from_args
 
-    from app.tui.settings import load_settings
+    from moedesk.app.tui.settings import load_settings
 
     problems: list[str] = []
     app_settings = load_settings(problems=problems)
@@ -265,7 +265,7 @@ def run_batch_command(args) -> int:
 def run_bench_command(args) -> int:
     import json
 
-    from engine.bench import format_results, run_bench
+    from moedesk.engine.bench import format_results, run_bench
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.model or args.draft or args.prompts:
@@ -282,8 +282,8 @@ def _run_decoding_bench(args, log) -> int:
     """--speculative and/or --beams on one synthetic model: built, profiled and placed once for both."""
     import json
 
-    from engine.bench import format_beam, measure_beam, prepare_synthetic
-    from engine.bench_speculative import PROMPT_TOKENS, format_speculative, measure_speculative
+    from moedesk.engine.bench import format_beam, measure_beam, prepare_synthetic
+    from moedesk.engine.bench_speculative import PROMPT_TOKENS, format_speculative, measure_speculative
 
     tokens = args.decode_tokens or 32
     context = PROMPT_TOKENS + tokens + 2 * (args.draft_length + 1) + 8
@@ -306,8 +306,8 @@ def _run_decoding_bench(args, log) -> int:
 def _run_draft_bench(args, log) -> int:
     import json
 
-    from engine.bench_speculative import format_draft, load_prompts, run_draft_bench
-    from engine.runtime import Engine
+    from moedesk.engine.bench_speculative import format_draft, load_prompts, run_draft_bench
+    from moedesk.engine.runtime import Engine
 
     if not (args.model and args.draft and args.prompts):
         raise MoedeskError("bench: --model, --draft and --prompts go together")
@@ -324,8 +324,8 @@ def run_serve_command(args) -> int:
 
     import torch
 
-    from app.batch import batch_size_for_memory, free_memory_bytes
-    from app.server import run_server
+    from moedesk.app.batch import batch_size_for_memory, free_memory_bytes
+    from moedesk.app.server import run_server
 
     for flag, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--batch-size", args.batch_size),
                         ("--prefill-chunk", args.prefill_chunk)):
@@ -335,7 +335,7 @@ def run_serve_command(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"moedesk: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    import engine.runtime  # noqa: F401 -- imported first, so the "load" time is the model's, not torch's import
+    import moedesk.engine.runtime  # noqa: F401 -- imported first, so the "load" time is the model's, not torch's import
 
     engine = load_engine(args, progress=_phase_times())
     if args.prefill_chunk:
@@ -358,8 +358,8 @@ def run_serve_command(args) -> int:
 def server_speculation(engine, args):
     """The server's speculative options (app.server.Speculation) from its flags: the draft head resolved and
     loaded now, so a missing or bad one stops the start with one line, not the first request."""
-    from app.server import Speculation
-    from app.tui.settings import resolve_draft
+    from moedesk.app.server import Speculation
+    from moedesk.app.tui.settings import resolve_draft
 
     mode = args.speculative or "off"
     if args.draft is None and mode == "off":
@@ -387,25 +387,25 @@ def _phase_times():
 
 
 def run_download_command(args) -> int:
-    from app.download import run_download_command as download
+    from moedesk.app.download import run_download_command as download
 
     return download(args)
 
 
 def run_profile_command(args) -> int:
-    from app.profile_command import run_profile
+    from moedesk.app.profile_command import run_profile
 
     return run_profile(args, load_engine)
 
 
 def run_train_draft_command(args) -> int:
-    from app.train_draft_command import run_train_draft
+    from moedesk.app.train_draft_command import run_train_draft
 
     return run_train_draft(args, load_engine)
 
 
 def run_chat_command(args) -> int:
-    from app.tui import run_app
+    from moedesk.app.tui import run_app
 
     flags = decoding_flags(args)
     return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,

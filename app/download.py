@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TextIO
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 ProgressCallback = Callable[[int, int], None]  # (done_bytes, total_bytes) across all files of one download
 
@@ -194,7 +194,7 @@ def read_choice_weights(listing: RepoListing, choice: DownloadChoice, *, first_b
     from huggingface_hub.errors import SafetensorsParsingError
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    from engine.load.size_estimate import TensorInfo, summarize
+    from moedesk.engine.load.size_estimate import TensorInfo, summarize
 
     if choice.kind != "safetensors":
         raise ValueError(f"{choice.label}: only safetensors and GGUF choices are read before downloading")
@@ -230,7 +230,7 @@ def _read_gguf_weights(listing: RepoListing, choice: DownloadChoice, first_bytes
     parts, so every part's header is read."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.load.size_estimate import summarize_gguf_header
+    from moedesk.engine.load.size_estimate import summarize_gguf_header
 
     parts = sorted(p for p in choice.files if p.endswith(".gguf"))
     sizes = {f.path: f.size for f in listing.files}
@@ -250,8 +250,8 @@ def _read_gguf_header(listing: RepoListing, path: str, size: int | None, first_b
 
     from huggingface_hub import hf_hub_url
 
-    from engine.errors import CheckpointError
-    from engine.load.gguf_header import HeaderIncomplete, parse_header
+    from moedesk.engine.errors import CheckpointError
+    from moedesk.engine.load.gguf_header import HeaderIncomplete, parse_header
 
     url = hf_hub_url(listing.repo_id, path, revision=listing.commit)
     name = f"{listing.repo_id}/{path}"

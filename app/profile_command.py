@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def streaming_line(costs, top_k: int) -> str | None:
     """The measured decode splits (engine.offload.profiler.profile_streaming) and the one chosen; None if not measured."""
-    from engine.offload.placement import lone_token_split
+    from moedesk.engine.offload.placement import lone_token_split
 
     if not costs.streamed_split_ms:
         return None
@@ -27,7 +27,7 @@ def contention_line(costs) -> str | None:
 
 
 def run_profile(args, engine_loader, out=print) -> int:
-    from engine.hardware import detect_hardware, format_hardware
+    from moedesk.engine.hardware import detect_hardware, format_hardware
 
     info = detect_hardware()
     out(format_hardware(info))

@@ -38,11 +38,11 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from engine.errors import MoedeskError
-from engine.generation.beam import BeamOptions
-from engine.requests import Completion, Request, SamplingParams
-from engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
-from engine.speculative.decode import SpeculativeOptions
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.beam import BeamOptions
+from moedesk.engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
+from moedesk.engine.speculative.decode import SpeculativeOptions
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
@@ -390,7 +390,7 @@ class Server:
     def _draft(self):
         """The server's draft head: its flag's, else the model's own (resolved and loaded on first use)."""
         if self.speculation.draft is None:
-            from app.tui.settings import resolve_draft
+            from moedesk.app.tui.settings import resolve_draft
 
             try:
                 draft = resolve_draft(self.engine, None)

@@ -6,7 +6,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 # flags that are TrainSettings fields: default None here, so that --resume can tell what was asked for
 _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "samples", "sample_temperature", "init",
@@ -15,7 +15,7 @@ _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "sam
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    from engine.speculative.train import TrainSettings
+    from moedesk.engine.speculative.train import TrainSettings
 
     d = TrainSettings()
     parser.add_argument("--out", required=True, metavar="DIR",
@@ -81,7 +81,7 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args):
     """(TrainSettings, the fields given on the command line)."""
-    from engine.speculative.train import TrainSettings
+    from moedesk.engine.speculative.train import TrainSettings
 
     given = {name: getattr(args, name) for name in _SETTINGS_FLAGS if getattr(args, name, None) is not None}
     for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab", "head_width"):
@@ -146,7 +146,7 @@ def _duration(seconds: float) -> str:
 
 
 def run_train_draft(args, load_engine) -> int:
-    from engine.speculative import train as T
+    from moedesk.engine.speculative import train as T
 
     settings, given = settings_from_args(args)
     out = Path(args.out)

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.generation.decoder import Decoder
-from engine.generation.kv_cache import KVCache
-from engine.offload.placement import lone_token_split
-from engine.requests import Request, SamplingParams
+from moedesk.engine.generation.decoder import Decoder
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.offload.placement import lone_token_split
+from moedesk.engine.requests import Request, SamplingParams
 
 
 @dataclass
@@ -52,7 +52,7 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     would use them), which a chat pays once per batch size, not per token. The executor's stats
     restart there too, so they cover exactly the timed steps.
     """
-    from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 
     cache = KVCache(cfg, batch, prompt + new_tokens + 1, dtype, device)
     use_graphs = graphs_wanted(torch.device(device)) if graphs is None else graphs
@@ -146,9 +146,9 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
 
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
     kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k)."""
-    from engine.load.demo import cache_root
-    from engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
-    from engine.load.synthetic import shape_config, synthetic_model
+    from moedesk.engine.load.demo import cache_root
+    from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
+    from moedesk.engine.load.synthetic import shape_config, synthetic_model
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           ("cpu" if device == "auto" else device))
@@ -245,8 +245,8 @@ def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, pr
     captured by a warm-up search first."""
     import statistics
 
-    from engine.generation.beam import BeamSearch
-    from engine.generation.cuda_graphs import graphs_wanted
+    from moedesk.engine.generation.beam import BeamSearch
+    from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
     if beams < 1 or new_tokens < 4 or rounds < 1:
         raise ValueError("need beams >= 1, new tokens >= 4 and rounds >= 1")

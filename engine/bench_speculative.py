@@ -41,13 +41,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.bench import SyntheticBench, random_prompt
-from engine.errors import MoedeskError
-from engine.generation.decoder import Decoder, synchronize
-from engine.generation.kv_cache import KVCache
-from engine.requests import Request, SamplingParams
-from engine.speculative import perf_model
-from engine.speculative.decode import (Proposal, RunningCosts, Speculator, auto_decodes_plainly, chain_parents,
+from moedesk.engine.bench import SyntheticBench, random_prompt
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.decoder import Decoder, synchronize
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import perf_model
+from moedesk.engine.speculative.decode import (Proposal, RunningCosts, Speculator, auto_decodes_plainly, chain_parents,
                                        measure_step_times)
 
 PROMPT_TOKENS = 32
@@ -298,7 +298,7 @@ def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: in
     """Greedy tokens of every prompt decoded together as the engine does (CUDA graphs where it uses them), and
     tok/s from the second decode step to the last (the first captures the graphs), as `moedesk bench` times
     batched decode."""
-    from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 
     model, device, b = bench.model, bench.device, len(prompts)
     cache = KVCache(bench.cfg, b, context, bench.dtype, device)

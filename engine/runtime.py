@@ -7,20 +7,20 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
-from engine.load.checkpoint import open_checkpoint
-from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
-from engine.errors import MoedeskError
-from engine.offload.executor import LocalExecutor
-from engine.generation.decoder import Decoder
-from engine.generation.kv_cache import KVCache
-from engine.load.loader import load_model, resolve_device, resolve_dtype
-from engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
+from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
+from moedesk.engine.load.checkpoint import open_checkpoint
+from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.offload.executor import LocalExecutor
+from moedesk.engine.generation.decoder import Decoder
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
+from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
-from engine.requests import Completion, Request, SamplingParams, StreamChunk
-from engine.generation.scheduler import (Group, Handle, Scheduler, TextDeltas, Update, cancelled_after,
+from moedesk.engine.requests import Completion, Request, SamplingParams, StreamChunk
+from moedesk.engine.generation.scheduler import (Group, Handle, Scheduler, TextDeltas, Update, cancelled_after,
                                          default_prefill_chunk)
-from engine.load.tokenizer import Tokenizer
+from moedesk.engine.load.tokenizer import Tokenizer
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
 FIRST_CACHE_LENGTH = 256  # positions of the KV cache's one row at load: requests grow it to what they need
@@ -80,9 +80,9 @@ class Engine:
 
     def _orchestrate(self, banks: dict, gpu_budget: float | None, reprofile: bool, progress) -> None:
         """Profile one expert, count expert popularity (both cached), place the most popular on the GPU."""
-        from engine.offload.calibration import cached_popularity
-        from engine.load.demo import cache_root
-        from engine.hardware import machine_fingerprint
+        from moedesk.engine.offload.calibration import cached_popularity
+        from moedesk.engine.load.demo import cache_root
+        from moedesk.engine.hardware import machine_fingerprint
 
         cfg = self.config
         if self.device.type == "cuda":
@@ -182,7 +182,7 @@ class Engine:
         if isinstance(decoding, BeamOptions):
             return BeamKind(decoding, lambda: BeamJob(self._beam_search, lambda: self.executor, self.tokenizer,
                                                       self._eos_ids))
-        from engine.speculative.decode import SPECULATIVE_ROWS, SpeculativeKind, SpeculativeOptions
+        from moedesk.engine.speculative.decode import SPECULATIVE_ROWS, SpeculativeKind, SpeculativeOptions
 
         if isinstance(decoding, SpeculativeOptions):
             return SpeculativeKind(self, decoding, limit or SPECULATIVE_ROWS)
@@ -336,21 +336,21 @@ class Engine:
         distribution. Completion.stats["speculative"]: drafted, accepted, verify_steps, tokens_per_step,
         step/draft/verify ms. Runs as one job on the scheduler's decode thread (the requests verify together),
         beside whatever else decodes."""
-        from engine.speculative.decode import speculate
+        from moedesk.engine.speculative.decode import speculate
 
         return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
 
     def load_draft(self, path) -> object:
         """Load the EAGLE head at `path` for this model now (a bad folder raises one line here, not at the first
         speculative request); it is kept for every later request that names it."""
-        from engine.speculative.decode import draft_head
+        from moedesk.engine.speculative.decode import draft_head
 
         return draft_head(self, path)
 
     def grammar(self, response_format):
         """An OpenAI-style response_format as an engine.generation.sampling.Grammar for Request.grammar (None for plain
         text). Raises ValueError (one line) for a bad format, MoedeskError for a model without a tokenizer."""
-        from engine.generation.sampling import compile_response_format, grammar_tokenizer
+        from moedesk.engine.generation.sampling import compile_response_format, grammar_tokenizer
 
         if self.tokenizer is None:
             raise MoedeskError("structured output needs the model's tokenizer")

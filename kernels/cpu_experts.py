@@ -42,7 +42,7 @@ import psutil
 import torch
 import torch.nn.functional as F
 
-from kernels.native_build import build_library, build_name, missing_cpu_flags, open_library
+from moedesk.kernels.native_build import build_library, build_name, missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32  # the FMA path's limit
 # With AMX-BF16 a Mixtral expert stays near memory speed to 24-32 tokens and takes 4.0-4.5 ms at 48-64, where

@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels import cpu_experts
-from kernels.expert_weights import ExpertWeights
-from kernels.native_build import build_name, missing_cpu_flags, open_library
-from kernels.quant_formats import FORMATS
+from moedesk.kernels import cpu_experts
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.native_build import build_name, missing_cpu_flags, open_library
+from moedesk.kernels.quant_formats import FORMATS
 
 SOURCE = Path(__file__).with_name("cpu_quant.c")
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2", "-mfma", "-mf16c",
@@ -250,7 +250,7 @@ def build_variant(defines: list[str]):
     """This kernel built with extra compiler flags (e.g. ["-DPREFETCH=2048"]) and configured like the one in
     use, for measuring alternatives side by side (tests/perf/bench_cpu_quant.py --define). Hand it to
     `use_library` to route calls through it."""
-    from kernels.native_build import build_library
+    from moedesk.kernels.native_build import build_library
     if not available():
         raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
     lib = ctypes.CDLL(str(build_library(SOURCE, [*_flags(), *defines])))

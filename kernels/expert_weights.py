@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.quant_formats import dequantize, packed_format
+from moedesk.kernels.quant_formats import dequantize, packed_format
 
 DENSE = "dense"  # the tensors' own float dtype
 

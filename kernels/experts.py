@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_experts, cpu_quant, gpu_experts, gpu_fused, gpu_quant
-from kernels.expert_weights import ExpertWeights
+from moedesk.kernels import cpu_experts, cpu_quant, gpu_experts, gpu_fused, gpu_quant
+from moedesk.kernels.expert_weights import ExpertWeights
 
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:

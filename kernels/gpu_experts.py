@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels import gpu_grouped
-from kernels.cpu_experts import expert_forward
+from moedesk.kernels import gpu_grouped
+from moedesk.kernels.cpu_experts import expert_forward
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 # Where both run (bf16 on sm90) torch's kernel is taken: the Triton launch alone was faster up to 16 rows per group

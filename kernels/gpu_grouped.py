@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from kernels import gpu_fused
+from moedesk.kernels import gpu_fused
 
 try:
     import triton

@@ -30,9 +30,9 @@ import os
 
 import torch
 
-from kernels import gpu_fused
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import FORMATS
+from moedesk.kernels import gpu_fused
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import FORMATS
 
 try:
     import triton
@@ -40,7 +40,7 @@ try:
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 else:
-    from kernels.gpu_grouped import group_span
+    from moedesk.kernels.gpu_grouped import group_span
 
 _FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
 _LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16}  # L: bytes of a unit's run

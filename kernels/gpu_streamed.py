@@ -29,9 +29,9 @@ import os
 
 import torch
 
-from kernels import gpu_fused, gpu_quant
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import packed_format
+from moedesk.kernels import gpu_fused, gpu_quant
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import packed_format
 
 try:
     import triton
@@ -135,7 +135,7 @@ def pointer_arg(t: torch.Tensor):
 _EXACT = dict(enable_fp_fusion=False)  # two roundings where torch has two (kernels.gpu_fused)
 
 if triton is not None:
-    from kernels.gpu_quant import _row_dot
+    from moedesk.kernels.gpu_quant import _row_dot
 
     @triton.jit
     def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, ROW0, H: tl.constexpr, F: tl.constexpr,

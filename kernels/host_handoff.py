@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.gpu_streamed import pointer_arg
-from kernels.native_build import open_library
+from moedesk.kernels.gpu_streamed import pointer_arg
+from moedesk.kernels.native_build import open_library
 
 try:
     import triton

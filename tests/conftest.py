@@ -39,7 +39,7 @@ def _private_cache(tmp_path_factory):
     """Profiles, popularity counts and step timings of the tests' throwaway checkpoints are keyed by their paths:
     they go to this session's own cache folder, not the user's, which they used to fill with hundreds of files.
     The compiled native kernels and a built demo model are shared with the user's cache (minutes to rebuild)."""
-    from engine.load.demo import cache_root, recipe
+    from moedesk.engine.load.demo import cache_root, recipe
 
     real, private = cache_root(), tmp_path_factory.mktemp("cache")
     (real / "kernels").mkdir(parents=True, exist_ok=True)

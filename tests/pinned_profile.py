@@ -49,7 +49,7 @@ COPIES = {**HOST_ONLY, "cpu_expert_ms": {1: 50.0, 16: 60.0, 256: 100.0, 4096: 10
 def pin_profile(monkeypatch, profile: dict = HOST_ONLY) -> dict:
     """Every Engine.load in the test reads `profile` (a copy each) instead of measuring or reading the cache;
     nothing is written to the cache. Returns the profile."""
-    from engine.offload import orchestration
+    from moedesk.engine.offload import orchestration
 
     def cached_profile(cache_dir, key, measure, reprofile=False):
         return copy.deepcopy(profile)

@@ -3,8 +3,8 @@ import dataclasses
 
 import torch
 
-from engine import hardware
-from engine.hardware import (
+from moedesk.engine import hardware
+from moedesk.engine.hardware import (
     CpuFeatures, GpuInfo, HardwareInfo, detect_hardware, features_from_torch_capability, format_hardware,
     machine_fingerprint, parse_cpu_flags, parse_cpu_model,
 )

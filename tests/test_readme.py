@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser
+from moedesk.app.cli import build_parser
 
 README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 

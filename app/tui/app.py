@@ -15,17 +15,17 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 from textual.screen import Screen
 
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.loading import LoadingScreen
-from app.tui.settings import Settings, load_settings
-from app.tui.storage import ConversationStore
+from moedesk.app.tui.screens.chat import ChatScreen
+from moedesk.app.tui.screens.loading import LoadingScreen
+from moedesk.app.tui.settings import Settings, load_settings
+from moedesk.app.tui.storage import ConversationStore
 
 ProgressFn = Callable[[str, float], None]
 EngineFactory = Callable[[str, ProgressFn], Any]  # (model, progress) -> Engine
 
 
 def stylesheet_path() -> str:
-    return str(Path(str(resources.files("assets").joinpath("moedesk.tcss"))))
+    return str(Path(str(resources.files("moedesk.assets").joinpath("moedesk.tcss"))))
 
 
 def default_factory(device: str = "auto", context_length: int | None = None, options=dict) -> EngineFactory:
@@ -36,7 +36,7 @@ def default_factory(device: str = "auto", context_length: int | None = None, opt
     """
 
     def load(model: str, progress: ProgressFn):
-        from engine.runtime import Engine
+        from moedesk.engine.runtime import Engine
 
         return Engine.load(model, device=device, context_length=context_length, progress=progress, **options())
 
@@ -151,7 +151,7 @@ class MoedeskApp(App[int]):
     # -------------------------------------------------------------- screens
 
     def action_settings(self) -> None:
-        from app.tui.screens.settings import SettingsScreen
+        from moedesk.app.tui.screens.settings import SettingsScreen
 
         self.push_screen(SettingsScreen(self.settings), self._settings_closed)
 
@@ -165,7 +165,7 @@ class MoedeskApp(App[int]):
                 self.chat.show_decoding()
 
     def action_models(self) -> None:
-        from app.tui.screens.models import ModelsScreen
+        from moedesk.app.tui.screens.models import ModelsScreen
 
         if isinstance(self.screen, ModelsScreen):
             return
@@ -173,8 +173,8 @@ class MoedeskApp(App[int]):
 
     def action_download(self, repo_id: str = "") -> None:
         """The download wizard, over the models screen: that is where a finished download is loaded."""
-        from app.tui.screens.download import DownloadScreen
-        from app.tui.screens.models import ModelsScreen
+        from moedesk.app.tui.screens.download import DownloadScreen
+        from moedesk.app.tui.screens.models import ModelsScreen
 
         if isinstance(self.screen, DownloadScreen):
             return

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from app.tui.storage import models_dir, read_json
+from moedesk.app.tui.storage import models_dir, read_json
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
@@ -71,7 +71,7 @@ def estimate_line(estimate, gpu: bool, size: Callable[[int], str]) -> str:
 def _weights(path: Path) -> tuple[object, str]:
     """(ModelWeights, "") for a model folder or .gguf file, or (None, why not) in a few words."""
     try:
-        from engine.load.size_estimate import summarize_path
+        from moedesk.engine.load.size_estimate import summarize_path
 
         return summarize_path(path), ""
     except Exception as e:  # noqa: BLE001 -- an estimate is advice: loading says what is wrong, in full
@@ -96,7 +96,7 @@ def folder_size(path: Path) -> int:
 
 def supported_architectures() -> set[str]:
     try:
-        from engine.model.architectures import ARCHITECTURES
+        from moedesk.engine.model.architectures import ARCHITECTURES
         return set(ARCHITECTURES)
     except Exception:  # the engine is being edited elsewhere; a listing must not fail for it
         return set()
@@ -131,8 +131,8 @@ def gguf_model(path: Path) -> LocalModel:
     try:
         # The engine's own reading of the header (parsing a large vocabulary takes seconds: once is enough);
         # a file it refuses is read again below for what the listing shows.
-        from engine.load.gguf_checkpoint import GGUFCheckpoint
-        from engine.load.size_estimate import gguf_tensors, summarize
+        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+        from moedesk.engine.load.size_estimate import gguf_tensors, summarize
 
         checkpoint = GGUFCheckpoint(path)
         arch, experts, top_k = checkpoint.arch, *describe_config(checkpoint.config)[1:]
@@ -173,7 +173,7 @@ def _gguf_value(reader, key: str):
 
 def demo_model() -> LocalModel:
     try:
-        from engine.load.demo import cache_root, recipe
+        from moedesk.engine.load.demo import cache_root, recipe
 
         r = recipe()
         folder = cache_root() / f"{r['name']}-v{r['version']}"

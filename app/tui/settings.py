@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
+from moedesk.app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
 
 SETTINGS_FILE = "settings.json"
 
@@ -110,19 +110,19 @@ class Settings:
         decoding when it is on, else None (plain sampling). Raises MoedeskError (one line) when speculation is
         asked for and no draft head is set or known for `engine`'s model."""
         if self.beams > 1:
-            from engine.generation.beam import BeamOptions
+            from moedesk.engine.generation.beam import BeamOptions
 
             return BeamOptions(self.beams, self.length_penalty)
         if self.speculative == "off":
             return None
-        from engine.speculative.decode import SpeculativeOptions
+        from moedesk.engine.speculative.decode import SpeculativeOptions
 
         draft = resolve_draft(engine, str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None)
         return SpeculativeOptions(self.speculative, draft, self.draft_length, self.draft_width)
 
     def sampling_params(self, seed: int | None = None, **overrides):
         """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
-        from engine.requests import SamplingParams
+        from moedesk.engine.requests import SamplingParams
 
         chosen = self.seed if self.seed is not None else (seed or 0)
         return SamplingParams(**{"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -277,7 +277,7 @@ FIELDS_BY_NAME: dict[str, SettingField] = {f.name: f for f in FIELDS}
 def resolve_draft(engine, draft):
     """The draft head for `engine`: `draft` when given, else the model's own (the demo ships one); MoedeskError,
     one line, when there is none. engine.speculative.demo_draft decides, for every front end alike."""
-    from engine.speculative.demo_draft import resolve_draft as engine_resolver
+    from moedesk.engine.speculative.demo_draft import resolve_draft as engine_resolver
 
     return engine_resolver(engine, draft)
 

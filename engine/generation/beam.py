@@ -35,10 +35,10 @@ from typing import Callable
 
 import torch
 
-from engine.errors import MoedeskError
-from engine.generation.decoder import retrying_oom, synchronize
-from engine.generation.kv_cache import KVCache
-from engine.requests import Completion
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.decoder import retrying_oom, synchronize
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.requests import Completion
 
 _NEG = -1.0e9  # what transformers adds to rule a candidate out; the same value keeps ties and order alike
 
@@ -327,7 +327,7 @@ class BeamSearch:
         if self.cache is None:
             self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
             if self.use_graphs:
-                from engine.generation.cuda_graphs import GraphedDecode
+                from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
                 self.graphs = GraphedDecode(self.model, self.cache)
         else:

@@ -39,11 +39,11 @@ from functools import partial
 
 import torch
 
-from engine.generation.kv_cache import KVCache
-from engine.graph_capture import capturing
-from engine.model.transformer import Step, Transformer
-from engine.offload.executor import HostRouting
-from kernels.host_handoff import Handoff, handoff_wanted
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.graph_capture import capturing
+from moedesk.engine.model.transformer import Step, Transformer
+from moedesk.engine.offload.executor import HostRouting
+from moedesk.kernels.host_handoff import Handoff, handoff_wanted
 
 log = logging.getLogger("moedesk")
 

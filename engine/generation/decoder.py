@@ -13,9 +13,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from engine.errors import MoedeskError
-from engine.requests import Completion, Request
-from engine.generation.sampling import sample_token, sample_tokens
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Completion, Request
+from moedesk.engine.generation.sampling import sample_token, sample_tokens
 
 
 @dataclass

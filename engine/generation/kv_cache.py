@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig
-from kernels import gpu_fused
+from moedesk.engine.model.config import ModelConfig
+from moedesk.kernels import gpu_fused
 
 
 class KVCache:

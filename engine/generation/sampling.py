@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.requests import SamplingParams
+from moedesk.engine.requests import SamplingParams
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

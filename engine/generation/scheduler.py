@@ -40,8 +40,8 @@ from typing import Callable, Hashable, Iterable, Iterator, Protocol
 
 import torch
 
-from engine.errors import MoedeskError
-from engine.requests import Completion, Request, StreamChunk
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Completion, Request, StreamChunk
 
 log = logging.getLogger("moedesk")
 

@@ -15,7 +15,7 @@ import tokenizers
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
+from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 
 
 class SafetensorsCheckpoint:
@@ -144,13 +144,13 @@ def _first_line(e: Exception) -> str:
 def open_checkpoint(model: str):
     """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
     if model == "demo":
-        from engine.load.demo import demo_checkpoint_dir
+        from moedesk.engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
     path = Path(os.path.expanduser(model))
     if path.suffix == ".gguf" and not path.is_dir():  # a folder named *.gguf is read as the folder it is
         if not path.is_file():
             raise CheckpointError(path, "no such file")
-        from engine.load.gguf_checkpoint import GGUFCheckpoint
+        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
         return GGUFCheckpoint(path)
     if path.is_dir():
         return SafetensorsCheckpoint(path)
@@ -161,7 +161,7 @@ def open_checkpoint(model: str):
         ggufs = sorted(cached.rglob("*.gguf"))
         # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
         if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
-            from engine.load.gguf_checkpoint import GGUFCheckpoint
+            from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
             return GGUFCheckpoint(ggufs[0])
         return SafetensorsCheckpoint(cached)
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "

@@ -18,12 +18,12 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from engine.errors import MoedeskError
-from engine.json_cache import folder_problem
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.json_cache import folder_problem
 
 
 def recipe() -> dict:
-    return json.loads(resources.files("assets").joinpath("demo_recipe.json").read_text())
+    return json.loads(resources.files("moedesk.assets").joinpath("demo_recipe.json").read_text())
 
 
 def source_gguf() -> Path:
@@ -67,7 +67,7 @@ def _check_writable(folder: Path) -> None:
 
 
 def build_demo(folder: Path, r: dict) -> None:
-    from engine.load.gguf_checkpoint import GGUFCheckpoint
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
     dense = GGUFCheckpoint(source_gguf())
     config = dict(dense.config)

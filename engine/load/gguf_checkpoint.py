@@ -27,8 +27,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, TokenType
 from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from engine.errors import CheckpointError, UnsupportedModelError
-from kernels.quant_formats import BY_GGML_TYPE
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.kernels.quant_formats import BY_GGML_TYPE
 
 # general.architecture -> Hugging Face model_type (without experts, with experts).
 _MODEL_TYPES = {
@@ -424,7 +424,7 @@ def _check_header(path: Path) -> None:
     finds what is wrong; return quietly if it does not."""
     import mmap
 
-    from engine.load.gguf_header import HeaderIncomplete, parse_header
+    from moedesk.engine.load.gguf_header import HeaderIncomplete, parse_header
 
     problem = None
     try:

@@ -20,7 +20,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quant_shape_to_byte_shape
 
-from engine.errors import CheckpointError
+from moedesk.engine.errors import CheckpointError
 
 SUPPORTED_VERSIONS = (2, 3)  # what GGUFReader reads (version 1 had 32-bit counts and lengths)
 MAX_DIMS = 4  # GGML_MAX_DIMS: llama.cpp refuses a tensor with more

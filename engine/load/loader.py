@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
-from engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
-from engine.model.config import ModelConfig
-from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
-from engine.model.transformer import Rotary, Transformer
-from kernels.expert_weights import DENSE, ExpertWeights
-from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
+from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
+from moedesk.engine.model.transformer import Rotary, Transformer
+from moedesk.kernels.expert_weights import DENSE, ExpertWeights
+from moedesk.kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

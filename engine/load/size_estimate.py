@@ -21,12 +21,12 @@ from typing import Mapping
 
 import torch
 
-from engine.errors import CheckpointError, UnsupportedModelError
-from engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
-from engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
-from engine.model.config import ModelConfig
-from kernels.expert_weights import DENSE, ExpertWeights
-from kernels.quant_formats import FORMATS
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
+from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from moedesk.engine.model.config import ModelConfig
+from moedesk.kernels.expert_weights import DENSE, ExpertWeights
+from moedesk.kernels.quant_formats import FORMATS
 
 _SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
@@ -197,8 +197,8 @@ def summarize_gguf_header(parts, path) -> ModelWeights:
     fetched without the tensor data), exactly as `summarize_path` does for the file on disk: the config
     GGUFCheckpoint derives from the metadata, the tensors under the Hub's names. `parts`: the one header, or
     a split GGUF's (-00001-of-0000N) in order. `path` names the file in messages."""
-    from engine.load.gguf_checkpoint import GGUFCheckpoint
-    from engine.load.gguf_header import GGUFHeader, merge_parts
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+    from moedesk.engine.load.gguf_header import GGUFHeader, merge_parts
 
     parts = [parts] if isinstance(parts, GGUFHeader) else list(parts)
     checkpoint = GGUFCheckpoint(path, header=merge_parts(parts, path))
@@ -209,7 +209,7 @@ def summarize_path(path) -> ModelWeights:
     """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from engine.load.gguf_checkpoint import GGUFCheckpoint
+        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(path)
         try:

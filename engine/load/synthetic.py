@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.model.config import ModelConfig, RopeConfig
-from engine.model.transformer import Rotary, Transformer
-from kernels.expert_weights import DENSE, ExpertWeights
-from kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
+from moedesk.engine.model.config import ModelConfig, RopeConfig
+from moedesk.engine.model.transformer import Rotary, Transformer
+from moedesk.kernels.expert_weights import DENSE, ExpertWeights
+from moedesk.kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
 SHAPES = {
     "mixtral-8x7b": ModelConfig(

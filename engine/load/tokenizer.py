@@ -14,7 +14,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from tokenizers.decoders import DecodeStream
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 try:
     import resource

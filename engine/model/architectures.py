@@ -13,8 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model.config import ModelConfig, RopeConfig
-from engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.model.config import ModelConfig, RopeConfig
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 
 
 @dataclass(frozen=True)

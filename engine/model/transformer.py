@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.model.config import ModelConfig, RopeConfig
-from engine.generation.kv_cache import KVCache, write_rows
-from kernels import gpu_fused
-from kernels.expert_weights import ExpertWeights
+from moedesk.engine.model.config import ModelConfig, RopeConfig
+from moedesk.engine.generation.kv_cache import KVCache, write_rows
+from moedesk.kernels import gpu_fused
+from moedesk.kernels.expert_weights import ExpertWeights
 
 log = logging.getLogger("moedesk")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from engine.json_cache import cached_json
-from engine.requests import Request, SamplingParams
+from moedesk.engine.json_cache import cached_json
+from moedesk.engine.requests import Request, SamplingParams
 
 
 def calibration_prompts() -> list[str]:
-    text = resources.files("assets").joinpath("calibration.txt").read_text()
+    text = resources.files("moedesk.assets").joinpath("calibration.txt").read_text()
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.experts import expert_forward
+from moedesk.kernels.experts import expert_forward
 
 
 @dataclass

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 FORMAT_VERSION = 2
 

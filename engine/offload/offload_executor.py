@@ -28,10 +28,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.offload.executor import HostRouting
-from kernels import gpu_streamed
-from kernels.expert_weights import ExpertWeights
-from kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
+from moedesk.engine.offload.executor import HostRouting
+from moedesk.kernels import gpu_streamed
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
                              prepare_routed)
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from engine.offload.latency_model import LatencyModel, fit_latency_model
-from engine.offload.offload_executor import OffloadExecutor
-from engine.offload.pinned_memory import HostBanks
-from engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
+from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
+from moedesk.engine.offload.offload_executor import OffloadExecutor
+from moedesk.engine.offload.pinned_memory import HostBanks
+from moedesk.engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
                               plan_placement, resident_on_cpu, split_rows, streamed_ranks)
-from engine.offload.popularity import estimated_popularity
-from engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
+from moedesk.engine.offload.popularity import estimated_popularity
+from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
 
 log = logging.getLogger("moedesk")
 

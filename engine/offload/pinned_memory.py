@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kernels.expert_weights import ExpertWeights
+from moedesk.kernels.expert_weights import ExpertWeights
 
 log = logging.getLogger("moedesk")
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Literal, Protocol, Sequence
 
 import numpy as np
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 # Subsets an exact assignment search may cover: every set of up to 16 offloaded experts, and
 # larger ones whose loads repeat enough (experts with equal loads are interchangeable).

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import torch
 
-from engine.graph_capture import capturing
-from engine.json_cache import cached_json
-from kernels import cpu_experts, cpu_quant, gpu_streamed
-from kernels.expert_weights import ExpertWeights
-from kernels.experts import expert_forward, experts_forward_routed
-from kernels.quant_formats import FORMATS
+from moedesk.engine.graph_capture import capturing
+from moedesk.engine.json_cache import cached_json
+from moedesk.kernels import cpu_experts, cpu_quant, gpu_streamed
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.experts import expert_forward, experts_forward_routed
+from moedesk.kernels.quant_formats import FORMATS
 
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # A step's CPU experts go to the kernel in one call. Calls of this many experts, at the token counts of decode and
@@ -142,7 +142,7 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
     """Host time the executor spends queueing one copied expert: its copy on a side stream and its
     GPU compute, through the executor's own two calls (median; the GPU is drained between tries
     so that nothing blocks)."""
-    from engine.offload.offload_executor import compute_copied, queue_copy
+    from moedesk.engine.offload.offload_executor import compute_copied, queue_copy
 
     x = torch.randn(4, staging.hidden, dtype=dtype, device=device)
     rows = torch.tensor([1, 2], device=device)
@@ -244,8 +244,8 @@ def resident_launch_ms(w: ExpertWeights, dtype, device, repeat: int = 20) -> flo
     tries so that nothing blocks). A layer pays it once whenever any resident expert has tokens."""
     from types import SimpleNamespace
 
-    from engine.offload.executor import HostRouting
-    from engine.offload.offload_executor import OffloadExecutor
+    from moedesk.engine.offload.executor import HostRouting
+    from moedesk.engine.offload.offload_executor import OffloadExecutor
 
     stack = ExpertWeights(w.gate_up.expand(2, -1, -1), w.down.expand(2, -1, -1), w.hidden, w.width,
                           w.gate_up_format, w.down_format)  # the same expert twice, not copied

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from engine.requests import Request, SamplingParams
+from moedesk.engine.requests import Request, SamplingParams
 
 
 def _prompt_ids(engine, prompt) -> list[int]:
@@ -29,8 +29,8 @@ def acceptance_length(engine, prompts, draft=None, mode: str = "greedy", draft_l
     draft_width children per node, `budget` nodes: budget = draft_length verifies as many tokens per step as a
     chain). Returns {"mean": acceptance length, "accepted", "verify_steps", "drafted", "tokens",
     "per_prompt": [tokens per step of each prompt], "seconds"}."""
-    from engine.speculative.decode import generate_speculative
-    from engine.speculative.demo_draft import resolve_draft
+    from moedesk.engine.speculative.decode import generate_speculative
+    from moedesk.engine.speculative.demo_draft import resolve_draft
 
     if mode not in ("greedy", "beam"):
         raise ValueError(f"acceptance is measured in greedy or beam mode, not {mode!r}")

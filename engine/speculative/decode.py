@@ -41,12 +41,12 @@ from typing import NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.errors import MoedeskError
-from engine.generation.decoder import retrying_oom, synchronize
-from engine.generation.kv_cache import KVCache
-from engine.requests import Completion, Request, SamplingParams
-from engine.generation.sampling import sample_token, sample_tokens, sampling_probs
-from engine.speculative import perf_model, rejection
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.decoder import retrying_oom, synchronize
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.generation.sampling import sample_token, sample_tokens, sampling_probs
+from moedesk.engine.speculative import perf_model, rejection
 
 MODES = ("off", "greedy", "beam", "auto")
 
@@ -274,7 +274,7 @@ class EagleDrafter:
     hide, and draft rows are dropped at the next absorb (the cache is cut back to `committed`)."""
 
     def __init__(self, head, target_layers: int, batch: int, capacity: int):
-        from engine.speculative.eagle import eagle3_feature_layers
+        from moedesk.engine.speculative.eagle import eagle3_feature_layers
 
         self.head = head
         self.version = head.cfg.version
@@ -640,7 +640,7 @@ class Speculator:
         self.on_oom = on_oom
         self.cache: KVCache | None = None
         if graphs is None:
-            from engine.generation.cuda_graphs import graphs_wanted
+            from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
             graphs = graphs_wanted(self.device)
         self.use_graphs = graphs
@@ -680,7 +680,7 @@ class Speculator:
         if self.cache is None:
             self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
             if self.use_graphs:
-                from engine.generation.cuda_graphs import GraphedDecode
+                from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
                 make = self.use_graphs if callable(self.use_graphs) else GraphedDecode
                 self.graphs = make(self.model, self.cache)
@@ -1063,7 +1063,7 @@ def _graphs_like(graphs):
     that captures (or runs the segments eagerly) as the engine's does."""
     if graphs is None:
         return False
-    from engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
     return lambda model, cache: GraphedDecode(model, cache, capture=graphs.capture)
 
@@ -1148,11 +1148,11 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
     prices what runs: eager forwards paid ~10-12 ms of kernel launches per step on the H100 box that the
     graphed plain step does not."""
     if graphs is None:
-        from engine.generation.cuda_graphs import graphs_wanted
+        from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
         graphs = graphs_wanted(torch.device(device))
     if graphs and not callable(graphs):
-        from engine.generation.cuda_graphs import GraphedDecode
+        from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
         graphs = GraphedDecode
     out = {}
@@ -1194,9 +1194,9 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False)
     import json
     from pathlib import Path
 
-    from engine.load.demo import cache_root
-    from engine.hardware import machine_fingerprint
-    from engine.json_cache import cached_json
+    from moedesk.engine.load.demo import cache_root
+    from moedesk.engine.hardware import machine_fingerprint
+    from moedesk.engine.json_cache import cached_json
 
     batches = sorted({b for b in MEASURED_BATCHES if b <= batch} | {batch})
     placement = engine.orchestra.summary() if engine.orchestra is not None else {}
@@ -1213,7 +1213,7 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False)
 
 def draft_head(engine, path):
     """The EAGLE head at `path` for this engine's model, loaded once and kept on the engine."""
-    from engine.speculative.eagle import load_eagle_head
+    from moedesk.engine.speculative.eagle import load_eagle_head
 
     heads = engine.__dict__.setdefault("_speculative_heads", {})
     key = str(path)

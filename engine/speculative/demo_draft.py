@@ -10,18 +10,18 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 FOLDER = "demo_draft"
 
 
 def demo_head_folder() -> Path:
-    return Path(str(resources.files("assets").joinpath(FOLDER)))
+    return Path(str(resources.files("moedesk.assets").joinpath(FOLDER)))
 
 
 def check_demo_head(folder) -> None:
     """MoedeskError (one line) when the head at `folder` says it was trained for another demo recipe version."""
-    from engine.load.demo import recipe
+    from moedesk.engine.load.demo import recipe
 
     folder = Path(folder)
     try:

@@ -48,10 +48,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.architectures import _parse_rope
-from engine.model.config import RopeConfig
-from engine.errors import CheckpointError, UnsupportedModelError
-from engine.model.transformer import MLP, RMSNorm, apply_rope, rope_inv_freq
+from moedesk.engine.model.architectures import _parse_rope
+from moedesk.engine.model.config import RopeConfig
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.model.transformer import MLP, RMSNorm, apply_rope, rope_inv_freq
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:

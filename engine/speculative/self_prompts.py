@@ -19,7 +19,7 @@ import json
 import re
 from pathlib import Path
 
-from engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError
 
 FORMAT = 1
 FILE = "self_prompts.jsonl"  # under train.TRAINING_DIR
@@ -60,7 +60,7 @@ def write_prompts(engine, count: int, seed: int = 0, batch_size: int = 32, given
     seeded per request (seed, seed + 1, ...), so the same model writes the same requests whatever the batch. Up to
     four rounds, each asking for what is still missing and half as much again (about a third are dropped); fewer
     than `count` when the model keeps repeating itself."""
-    from engine.requests import Request, SamplingParams
+    from moedesk.engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
         raise MoedeskError(f"{engine.name}: the model has no tokenizer; --self-prompts needs one")
@@ -125,7 +125,7 @@ def load_saved(path: Path, key: str) -> list[list] | None:
 def self_written_prompts(engine, count: int, seed: int, folder: Path, batch_size: int = 32, given=(), progress=None,
                          log=lambda line: None) -> list[list]:
     """write_prompts, saved in folder/FILE, or the ones saved there before for the same settings."""
-    from engine.speculative.train import _atomic
+    from moedesk.engine.speculative.train import _atomic
 
     path = Path(folder) / FILE
     key = settings_key(engine, count, seed)

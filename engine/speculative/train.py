@@ -53,10 +53,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.errors import MoedeskError
-from engine.model.transformer import apply_rope
-from engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
-from engine.speculative.self_prompts import self_written_prompts
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.model.transformer import apply_rope
+from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
+from moedesk.engine.speculative.self_prompts import self_written_prompts
 
 DATA_FORMAT = 1
 ANSWERS_FORMAT = 1
@@ -131,7 +131,7 @@ class TrainSettings:
 def default_prompts_path() -> Path:
     from importlib import resources
 
-    return Path(str(resources.files("assets").joinpath("draft_prompts.jsonl")))
+    return Path(str(resources.files("moedesk.assets").joinpath("draft_prompts.jsonl")))
 
 
 def load_prompts(path) -> list:
@@ -250,7 +250,7 @@ def generate_data(engine, prompts, max_new_tokens: int, batch_size: int = 32, pr
     independently of the others in its batch, so the answers do not depend on which were saved. refill: freed
     rows wait until that many are free, so newcomers prefill together (Engine.generate). head: which features are
     kept (DraftData)."""
-    from engine.requests import Request, SamplingParams
+    from moedesk.engine.requests import Request, SamplingParams
 
     if engine.tokenizer is None:
         raise MoedeskError(f"{engine.name}: the model has no tokenizer; train-draft needs one to read the prompts")
@@ -439,7 +439,7 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Teacher-forced forwards (batches of similar length, right-padded) keeping the hidden states `keys`
     (concatenated, in `dtype`) at every position."""
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
 
     out: list[torch.Tensor | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -674,7 +674,7 @@ def _fit_fc(head: EagleHead, data: "DraftData", embed: torch.Tensor, ridge: floa
 
 def _scales(engine, sample_ids) -> tuple[float, float, float]:
     """RMS of the final feature, of the residual stream entering the last layer, and of a token embedding."""
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
 
     c = engine.config
     ids = list(sample_ids or range(1, 33))[:256]
@@ -883,7 +883,7 @@ def resolve_ce_dtype(choice: str, device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return "bfloat16"
-    from kernels.native_build import missing_cpu_flags
+    from moedesk.kernels.native_build import missing_cpu_flags
 
     native = any(missing_cpu_flags((flag,), flag) is None for flag in ("avx512_bf16", "amx_bf16"))
     return "bfloat16" if device.type == "cpu" and native else "float32"
@@ -1151,7 +1151,7 @@ def head_metadata(engine, settings: TrainSettings, data: DraftData, prompts_path
             "sequences": data.sequences, "answer_tokens": data.answer_tokens(),
             "settings": {k: v for k, v in asdict(settings).items()}}
     if engine.name == "demo":
-        from engine.load.demo import recipe
+        from moedesk.engine.load.demo import recipe
 
         r = recipe()
         meta.update(demo_recipe=r["name"], demo_recipe_version=r["version"])

@@ -13,14 +13,14 @@ import httpx
 
 @contextlib.contextmanager
 def serve_process(args: list[str], api_key: str, startup_s: float = 90):
-    """Run `python -m app.cli serve ARGS --port P` with MOEDESK_API_KEY set; yield "http://127.0.0.1:P" once
+    """Run `python -m moedesk serve ARGS --port P` with MOEDESK_API_KEY set; yield "http://127.0.0.1:P" once
     /health answers, and stop the server afterwards (killed if it does not end within 20 s)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     sock.close()
     env = {**os.environ, "MOEDESK_API_KEY": api_key}
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", *args, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "moedesk", "serve", *args, "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + startup_s

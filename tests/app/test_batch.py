@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from app.cli import main
-from engine.runtime import Engine
+from moedesk.app.cli import main
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
 from tests.tiny_models import ARCHS
 
@@ -40,7 +40,7 @@ def test_batch_greedy_equals_transformers(arch, tiny_checkpoint, tmp_path, capsy
 
 
 def test_batch_takes_its_defaults_from_the_app_settings(tiny_checkpoint, tmp_path, capsys, monkeypatch):
-    from app.tui.settings import Settings, save_settings
+    from moedesk.app.tui.settings import Settings, save_settings
 
     save_settings(Settings(temperature=0, max_new_tokens=5, gpu_budget_gib=0.5, dtype="bfloat16"))  # test's config dir
     load, dtypes = Engine.load, []
@@ -167,7 +167,7 @@ def test_an_out_of_memory_back_off_gives_the_cache_back_and_the_tokens_stay(mode
     writes."""
     import io
 
-    from app.batch import BatchSettings, run_batch
+    from moedesk.app.batch import BatchSettings, run_batch
 
     engine = Engine.load(model, device="cpu", dtype="float32")
     lines = [{"id": f"q{i}", "prompt": "The quick brown fox " * (1 + i % 3) + str(i)} for i in range(10)]
@@ -214,7 +214,7 @@ def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_p
 
     lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 16} for i in range(120)]
     src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
-    command = [sys.executable, "-m", "app.cli", "batch", str(src), "-o", str(out), "--model", model, "--device",
+    command = [sys.executable, "-m", "moedesk", "batch", str(src), "-o", str(out), "--model", model, "--device",
                "cpu", "--temperature", "0", "--ignore-eos", "--batch-size", "4"]
     process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True)
     try:

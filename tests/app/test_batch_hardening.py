@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import app.batch as batch_module
-from app.batch import BatchSettings, BatchUsageError, check_batch_paths, run_batch
-from engine.requests import SamplingParams
-from engine.generation.sampling import sample_token, sample_tokens
+import moedesk.app.batch as batch_module
+from moedesk.app.batch import BatchSettings, BatchUsageError, check_batch_paths, run_batch
+from moedesk.engine.requests import SamplingParams
+from moedesk.engine.generation.sampling import sample_token, sample_tokens
 from tests.app.test_batch_runner import FakeEngine, batch, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -289,7 +289,7 @@ OUTPUT_IS_A_DEVICE = """
 import io, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # a regression fails here, not on the machine
 sys.path.insert(0, sys.argv[1])
-from app.batch import BatchSettings, run_batch
+from moedesk.app.batch import BatchSettings, run_batch
 from tests.app.test_batch_runner import FakeEngine
 err = io.StringIO()
 code = run_batch(sys.argv[2], "/dev/full", FakeEngine(), BatchSettings(temperature=0), stderr=err, progress=False)
@@ -442,7 +442,7 @@ def model(tiny_checkpoint):
 
 
 def test_real_model_prompt_plus_reply_stays_within_the_context(model, tmp_path, capsys):
-    from app.cli import main
+    from moedesk.app.cli import main
 
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt_ids": [5, 6, 7, 8, 9]},
                                               {"id": "b", "prompt_ids": [5, 6, 7], "temperature": 1e-45}])
@@ -456,7 +456,7 @@ def test_real_model_prompt_plus_reply_stays_within_the_context(model, tmp_path, 
 
 @pytest.mark.parametrize("context", ["-5", "0", "x"])
 def test_context_must_be_a_positive_integer(context, capsys):
-    from app.cli import main
+    from moedesk.app.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["batch", "in.jsonl", "-o", "out.jsonl", "--context", context])
@@ -465,7 +465,7 @@ def test_context_must_be_a_positive_integer(context, capsys):
 
 
 def test_real_model_fuzz(model, tmp_path):
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
 
     engine = Engine.load(model, device="cpu", dtype="float32", context_length=64)
     rng = random.Random(7)
@@ -483,8 +483,8 @@ def test_real_model_fuzz(model, tmp_path):
 def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_path, monkeypatch):
     """Through the real engine and its scheduler: a step that raises fails every line in it; they run
     again alone, and only the line that raises alone gets an error line."""
-    import engine.generation.decoder as decoder
-    from engine.runtime import Engine
+    import moedesk.engine.generation.decoder as decoder
+    from moedesk.engine.runtime import Engine
 
     def fragile(logits, params, generators):
         if any(p.seed == 666 for p in params):

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from app.batch import BatchSettings, BatchUsageError, add_batch_arguments, check_batch_paths, run_batch, \
+from moedesk.app.batch import BatchSettings, BatchUsageError, add_batch_arguments, check_batch_paths, run_batch, \
     settings_from_args
-from engine.errors import MoedeskError
-from engine.requests import Completion
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Completion
 
 BOS = 1
 
@@ -413,7 +413,7 @@ def test_command_line_flags():
 
 
 def test_flags_override_the_app_settings_which_override_the_defaults():
-    from app.tui.settings import Settings
+    from moedesk.app.tui.settings import Settings
 
     parser = argparse.ArgumentParser()
     add_batch_arguments(parser)
@@ -524,7 +524,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_a_rerun_completes_it(tmp_pa
         file = real_open(path, mode, *args, **kwargs)
         return FullDisk(file) if mode == "ab" else file
 
-    monkeypatch.setattr("app.batch.open", open_on_a_full_disk, raising=False)
+    monkeypatch.setattr("moedesk.app.batch.open", open_on_a_full_disk, raising=False)
     stderr = io.StringIO()
     out = tmp_path / "out.jsonl"
     code = run_batch(write_jsonl(tmp_path / "in.jsonl", RESUME_LINES), out, FakeEngine(), BatchSettings(temperature=0),
@@ -660,7 +660,7 @@ def test_no_terminal_means_one_summary_line(tmp_path):
 # --- batch size from memory -------------------------------------------------------------------
 
 def test_batch_size_for_memory_fits_half_the_free_memory_within_bounds():
-    from app.batch import AUTO_BATCH_CAP, batch_size_for_memory
+    from moedesk.app.batch import AUTO_BATCH_CAP, batch_size_for_memory
 
     assert batch_size_for_memory(free_bytes=10 * 2**30, bytes_per_sequence=2**30) == 5
     assert batch_size_for_memory(free_bytes=2**30, bytes_per_sequence=2**31) == 1  # never below one
@@ -669,7 +669,7 @@ def test_batch_size_for_memory_fits_half_the_free_memory_within_bounds():
 
 
 def test_run_without_a_batch_size_takes_what_free_memory_holds(tmp_path, monkeypatch):
-    import app.batch as batch_module
+    import moedesk.app.batch as batch_module
 
     # FakeEngine: 1 MiB of KV per position, context 64 → 64 MiB per sequence; 640 MiB free → 5 at half.
     monkeypatch.setattr(batch_module, "free_memory_bytes", lambda device: 640 * 2**20)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from app import download as dl
-from app.download import DownloadCancelled, DownloadError, check_fits, download, gguf_quant, list_repo_files_with_sizes
-from engine.errors import MoedeskError
+from moedesk.app import download as dl
+from moedesk.app.download import DownloadCancelled, DownloadError, check_fits, download, gguf_quant, list_repo_files_with_sizes
+from moedesk.engine.errors import MoedeskError
 from tests.fake_hub import FakeHub, point_client_at
 
 pytestmark = pytest.mark.timeout(30)
@@ -132,7 +132,7 @@ def test_listing_groups_safetensors_and_each_gguf_quantisation(hub):
 
 
 def test_mistral_consolidated_copy_is_left_out():
-    from app.download import RepoFile, group_choices
+    from moedesk.app.download import RepoFile, group_choices
 
     files = [RepoFile(p, 10) for p in ("config.json", "params.json", "model-00001-of-00002.safetensors",
                                        "model-00002-of-00002.safetensors", "consolidated.safetensors")]

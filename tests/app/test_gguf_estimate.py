@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import download as dl
-from app.download import DownloadError, list_repo_files_with_sizes, read_choice_weights
-from engine.errors import MoedeskError, UnsupportedModelError
-from engine.load.gguf_header import parse_header
-from engine.load.size_estimate import summarize_path
+from moedesk.app import download as dl
+from moedesk.app.download import DownloadError, list_repo_files_with_sizes, read_choice_weights
+from moedesk.engine.errors import MoedeskError, UnsupportedModelError
+from moedesk.engine.load.gguf_header import parse_header
+from moedesk.engine.load.size_estimate import summarize_path
 from tests.app.test_download import assert_one_line, blob
 from tests.fake_hub import FakeHub, point_client_at
 from tests.load.test_gguf_header import write_moe_gguf

@@ -1,7 +1,7 @@
 """`moedesk profile` on a tiny model: hardware, a cached latency profile, popularity, a placement within budget."""
 import re
 
-from app.cli import main
+from moedesk.app.cli import main
 
 
 def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path, monkeypatch, capsys):
@@ -36,8 +36,8 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
 
 
 def test_streaming_line_shows_the_measured_splits_and_the_choice():
-    from app.profile_command import streaming_line
-    from engine.offload.latency_model import LatencyModel
+    from moedesk.app.profile_command import streaming_line
+    from moedesk.engine.offload.latency_model import LatencyModel
 
     costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, streamed_split_ms=(0.69, 0.68, 0.6),
                          streamed_top_k=8)
@@ -53,8 +53,8 @@ def test_streaming_line_shows_the_measured_splits_and_the_choice():
 
 
 def test_contention_line_shows_each_token_count():
-    from app.profile_command import contention_line
-    from engine.offload.latency_model import LatencyModel
+    from moedesk.app.profile_command import contention_line
+    from moedesk.engine.offload.latency_model import LatencyModel
 
     def costs(contention=()):
         return LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, contention=contention)

@@ -10,9 +10,9 @@ import jsonschema
 import openai
 import pytest
 
-from app.server import build_app
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.app.server import build_app
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.app.serve_process import serve_process
 
 KEY = "sk-test-key"
@@ -99,7 +99,7 @@ def test_models(client):
 
 
 def test_plain_and_streamed_replies_equal_moedesk_batch_greedy(client, tiny_checkpoint, tmp_path):
-    from app.cli import main
+    from moedesk.app.cli import main
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, fox!"}]
     prompt = "def add(a, b):"
@@ -131,7 +131,7 @@ def test_plain_and_streamed_replies_equal_moedesk_batch_greedy(client, tiny_chec
 
 
 def test_batch_lines_take_response_format(tiny_checkpoint, tmp_path):
-    from app.cli import main
+    from moedesk.app.cli import main
 
     schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
               "additionalProperties": False}
@@ -204,7 +204,7 @@ def test_a_client_disconnecting_mid_stream_frees_its_row(url):
 
 def slow_steps(monkeypatch, seconds=0.01):
     """Decode steps take at least `seconds`: the tiny model is too quick for a client to act mid-reply."""
-    import engine.generation.decoder as generate
+    import moedesk.engine.generation.decoder as generate
 
     real_decode = generate.Decoder.decode
 
@@ -561,7 +561,7 @@ def test_more_concurrent_clients_than_rows_all_complete(engine):
 
 
 def test_an_engine_failure_is_a_500_for_that_request_and_the_server_goes_on(url, client, monkeypatch):
-    import engine.generation.decoder as decoder
+    import moedesk.engine.generation.decoder as decoder
 
     poison = [7, 7, 7, 7]  # a prompt the engine fails on (token ids: no tokenizer in the way)
     real_start = decoder.Decoder.start

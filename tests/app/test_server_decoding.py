@@ -11,9 +11,9 @@ import httpx
 import openai
 import pytest
 
-from app.server import Speculation
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.app.server import Speculation
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.app.serve_process import serve_process
 from tests.app.test_server import ARCH, KEY, running_server
 from tests.speculative.test_speculative_decode import random_head
@@ -190,7 +190,7 @@ def test_what_a_request_cannot_combine_or_a_server_cannot_do(spec_url, plain_url
 
 
 def test_the_serve_flags(engine, head, tiny_checkpoint, capsys):
-    from app.cli import build_parser, main, server_speculation
+    from moedesk.app.cli import build_parser, main, server_speculation
 
     args = build_parser().parse_args(["serve", "--speculative", "beam", "--draft", str(head), "--draft-length", "3",
                                       "--draft-width", "2"])

@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.generation import decoder as D  # noqa: E402
-from engine.generation.decoder import synchronize  # noqa: E402
-from engine.requests import Request, SamplingParams  # noqa: E402
-from engine.runtime import Engine  # noqa: E402
-from engine.speculative import train as T  # noqa: E402
+from moedesk.engine.generation import decoder as D  # noqa: E402
+from moedesk.engine.generation.decoder import synchronize  # noqa: E402
+from moedesk.engine.requests import Request, SamplingParams  # noqa: E402
+from moedesk.engine.runtime import Engine  # noqa: E402
+from moedesk.engine.speculative import train as T  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from engine.errors import MoedeskError
-from engine.generation.beam import BeamSearch
-from engine.runtime import Engine
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.beam import BeamSearch
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_model
 
 ARCHS = ["mixtral", "qwen3_moe", "llama"]
@@ -176,7 +176,7 @@ def test_a_search_waits_for_rows_beyond_the_limit_unless_it_is_alone(engines):
 
 
 def test_width_1_is_greedy_and_the_context_caps_the_reply(engines, tiny_checkpoint):
-    from engine.requests import Request, SamplingParams
+    from moedesk.engine.requests import Request, SamplingParams
 
     engine = engines("qwen3_moe")
     ids = engine.tokenizer.encode(PROMPT)
@@ -188,7 +188,7 @@ def test_width_1_is_greedy_and_the_context_caps_the_reply(engines, tiny_checkpoi
 
 
 def test_bad_options_are_refused_and_a_busy_scheduler_is_not(engines):
-    from engine.requests import Request, SamplingParams
+    from moedesk.engine.requests import Request, SamplingParams
 
     engine = engines("llama")
     ids = engine.tokenizer.encode("Hi")
@@ -213,7 +213,7 @@ def test_bad_options_are_refused_and_a_busy_scheduler_is_not(engines):
 def test_batch_runs_beam_lines_together_in_input_order(engines, tiny_checkpoint, tmp_path, capsys):
     """Beam lines go to the engine with the plain ones, and those in flight together share their steps; the
     output is what each line gives alone, in input order."""
-    from app.cli import main
+    from moedesk.app.cli import main
 
     folder = tiny_checkpoint("mixtral")
     engine = engines("mixtral")

@@ -6,10 +6,10 @@ rows. Capture and replay themselves are checked on the GPU box (tests/model/test
 """
 import pytest
 
-from engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
-from engine.generation.decoder import Decoder
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+from moedesk.engine.generation.decoder import Decoder
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b", "Once"]
@@ -53,7 +53,7 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
 def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_checkpoint, monkeypatch):
     """A layer whose experts all live on the "GPU" is computed from device tensors (no host round trip), inside
     the segments and in eager steps alike: same tokens as transformers, and the same popularity and stats."""
-    from engine.offload.offload_executor import OffloadExecutor, stack_experts
+    from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
 
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cpu", dtype="float32")

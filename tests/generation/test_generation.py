@@ -4,9 +4,9 @@ import threading
 import pytest
 import torch
 
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
-from engine.generation.sampling import sample_token, sample_tokens, sampling_probs
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.engine.generation.sampling import sample_token, sample_tokens, sampling_probs
 from tests.tiny_models import CHAT_TEMPLATE
 
 

@@ -4,9 +4,9 @@ import time
 
 import pytest
 
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
-from engine.generation.scheduler import Group, QueueFull
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.engine.generation.scheduler import Group, QueueFull
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -154,7 +154,7 @@ def test_a_group_caps_its_requests_and_the_caller_stopping_early_cancels_the_res
 
 
 def test_a_failing_step_ends_its_requests_with_the_error_and_the_engine_goes_on(engine, monkeypatch):
-    import engine.generation.decoder as generate
+    import moedesk.engine.generation.decoder as generate
 
     real_decode = generate.Decoder.decode
     failed = []
@@ -242,7 +242,7 @@ def test_generate_and_stream_return_only_once_the_decode_thread_has_stopped(engi
 
 def test_prefill_pieces_are_long_on_a_gpu_and_short_on_the_cpu(engine):
     # On a GPU with the experts in RAM a piece costs about one read of every expert whatever its length.
-    from engine.generation.scheduler import PREFILL_CHUNK_CPU, PREFILL_CHUNK_GPU, default_prefill_chunk
+    from moedesk.engine.generation.scheduler import PREFILL_CHUNK_CPU, PREFILL_CHUNK_GPU, default_prefill_chunk
 
     assert default_prefill_chunk("cuda") == default_prefill_chunk("cuda:1") == PREFILL_CHUNK_GPU
     assert default_prefill_chunk("cpu") == PREFILL_CHUNK_CPU < PREFILL_CHUNK_GPU

@@ -16,9 +16,9 @@ import atexit, sys, threading, time
 repo, folder, mode, notes = sys.argv[1:5]
 sys.path.insert(0, repo)
 import torch
-from engine.generation import scheduler
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.generation import scheduler
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 
 def note(text):
     with open(notes, "a") as f:

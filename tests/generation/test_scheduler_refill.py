@@ -3,9 +3,9 @@ once k are free, so newcomers prefill together; the answers are those of refill 
 the group's limit or its waiting requests), and a waiting request still cancels."""
 import pytest
 
-from engine.generation.scheduler import Group
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.generation.scheduler import Group
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """A stream's text holds back what may still become a stop string (engine.generation.scheduler.TextDeltas)."""
 import random
 
-from engine.generation.scheduler import _safe_prefix
+from moedesk.engine.generation.scheduler import _safe_prefix
 
 
 def _reference(text: str, stops) -> str:

@@ -13,8 +13,8 @@ import ctypes
 import pytest
 import torch
 
-from kernels import cpu_experts as ce
-from kernels.native_build import find_compiler, missing_cpu_flags
+from moedesk.kernels import cpu_experts as ce
+from moedesk.kernels.native_build import find_compiler, missing_cpu_flags
 from tests.kernels.test_cpu_experts_kernel import make_case, rel_err, routed_case
 
 AMX_MIN = 8  # cpu_experts.c's default

@@ -11,9 +11,9 @@ import psutil
 import pytest
 import torch
 
-from kernels.cpu_experts import expert_forward
-from kernels import cpu_experts as ce
-from kernels.native_build import BuildError, build_library, find_compiler
+from moedesk.kernels.cpu_experts import expert_forward
+from moedesk.kernels import cpu_experts as ce
+from moedesk.kernels.native_build import BuildError, build_library, find_compiler
 
 
 def make_case(E, H, F, counts, extra_rows=3, repeat=False, seed=0, dtype=torch.bfloat16):

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import cpu_quant as cq
-from kernels.native_build import find_compiler
+from moedesk.kernels import cpu_quant as cq
+from moedesk.kernels.native_build import find_compiler
 from tests.kernels.test_cpu_quant_kernel import check, make_case, poison_tail
 
 
@@ -77,7 +77,7 @@ def test_amx_bf16_routed_and_chosen(emulated, fmt):
 def test_amx_many_items(emulated, monkeypatch):
     """Several work items per expert and two threads: the act rows' token tiles are written by the phase-1
     items that own their blocks, and read by phase 2 only after all of them."""
-    from kernels import cpu_experts
+    from moedesk.kernels import cpu_experts
     threads = cpu_experts.get_num_threads()
     cq.set_num_threads(2)
     try:

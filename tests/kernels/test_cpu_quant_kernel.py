@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_experts
-from kernels import cpu_quant as cq
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import dequantize, packed_format, quantize
-from kernels.native_build import find_compiler
+from moedesk.kernels import cpu_experts
+from moedesk.kernels import cpu_quant as cq
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import dequantize, packed_format, quantize
+from moedesk.kernels.native_build import find_compiler
 
 ERR_EXACT = 0.04
 ERR_EMULATED = 0.01
@@ -267,7 +267,7 @@ def test_bad_indices(path):
 
 def test_applies_and_dispatch(path, monkeypatch):
     """applies() for packed CPU stacks of supported formats; kernels.experts routes through it."""
-    from kernels import experts
+    from moedesk.kernels import experts
     g = torch.Generator().manual_seed(2)
     w, x, pe = make_case("q6_k", "q6_k", 256, 256, 3, 2, 2, g)
     assert cq.applies(x, w) and cq.applies(x.bfloat16(), w)
@@ -390,7 +390,7 @@ def test_rows_computes_the_head_of_each_expert(path, fu, fd, H, F_, tokens_per_e
 
 def test_rows_bf16_and_dispatch(path, monkeypatch):
     """rows through kernels.experts (the kernel, and the dequantising reference without it), bf16 x and out."""
-    from kernels import experts
+    from moedesk.kernels import experts
     g = torch.Generator().manual_seed(21)
     w, x, pe = make_case("q4_k", "q6_k", 256, 512, 3, 4, 2, g, dtype=torch.bfloat16)
     out = experts.experts_forward_routed(x, pe, 2, None, w, torch.zeros(pe.numel(), 256, dtype=torch.bfloat16),
@@ -410,7 +410,7 @@ def test_rows_bf16_and_dispatch(path, monkeypatch):
 @pytest.mark.parametrize("fd,F_,bad", [("q4_0", 160, [0, -32, 192, 48, 100]), ("q4_k", 768, [0, 1024, 128, 300])])
 def test_bad_rows_raise(path, fd, F_, bad):
     """rows outside (0, F] or not a multiple of 32 and of the down format's block: ValueError, nothing written."""
-    from kernels import experts
+    from moedesk.kernels import experts
     g = torch.Generator().manual_seed(4)
     w, x, pe = make_case(fd, fd, 256, F_, 2, 2, 1, g)
     out = torch.zeros(pe.numel(), 256)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import gpu_experts
-from kernels.cpu_experts import expert_forward
+from moedesk.kernels import gpu_experts
+from moedesk.kernels.cpu_experts import expert_forward
 
 
 def stacks(groups, hidden, width, dtype, device, seed=0):

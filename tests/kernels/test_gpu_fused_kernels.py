@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from engine.model.transformer import MoE, apply_rope, rms_norm, top_k_route
-from kernels import gpu_fused
+from moedesk.engine.model.transformer import MoE, apply_rope, rms_norm, top_k_route
+from moedesk.kernels import gpu_fused
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
 
@@ -72,7 +72,7 @@ def test_norm_rotary_takes_strided_tokens(interpreted, with_norm):
 
 @pytest.mark.parametrize("b,t,rows", [(1, 1, None), (3, 2, [4, 0, 2]), (2, 5, [1, 3])])
 def test_write_cache_is_indexed_assignment(interpreted, b, t, rows):
-    from engine.generation.kv_cache import write_rows
+    from moedesk.engine.generation.kv_cache import write_rows
 
     g = torch.Generator().manual_seed(b * 10 + t)
     heads, d, length = 2, 32, 12
@@ -216,7 +216,7 @@ def test_fused_kernels_step_aside_when_a_gradient_is_wanted():
 def test_norm_trains_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from engine.model.transformer import RMSNorm
+    from moedesk.engine.model.transformer import RMSNorm
 
     norm = RMSNorm(64, 1e-6).cuda()
     x = torch.randn(3, 64, device="cuda", requires_grad=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
-from kernels import gpu_experts, gpu_grouped  # noqa: E402
+from moedesk.kernels import gpu_experts, gpu_grouped  # noqa: E402
 from tests.kernels.test_gpu_experts_kernel import per_expert, stacks  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

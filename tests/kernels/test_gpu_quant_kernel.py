@@ -18,11 +18,11 @@ import warnings
 import pytest
 import torch
 
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import FORMATS, dequantize
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import FORMATS, dequantize
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
-from kernels import gpu_quant  # noqa: E402
+from moedesk.kernels import gpu_quant  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton's interpreter is used only where there is no GPU")

@@ -9,11 +9,11 @@ import os
 import pytest
 import torch
 
-from kernels.cpu_experts import expert_forward
-from kernels.expert_weights import ExpertWeights
+from moedesk.kernels.cpu_experts import expert_forward
+from moedesk.kernels.expert_weights import ExpertWeights
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
-from kernels import gpu_streamed  # noqa: E402
+from moedesk.kernels import gpu_streamed  # noqa: E402
 
 
 def _stacks(e, f, h, dtype, pinned=False, seed=0):
@@ -111,7 +111,7 @@ def test_streamed_packed_experts_equal_resident_ones_on_cuda(formats):
     (kernels.gpu_quant's one-row path: the same arithmetic, so equal up to float32 summation order)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from kernels import gpu_quant
+    from moedesk.kernels import gpu_quant
     from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
 
     host = random_experts(8, 2048, 768, *formats, seed=5)

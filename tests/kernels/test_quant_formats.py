@@ -7,8 +7,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import FORMATS, dequantize, quantize
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import FORMATS, dequantize, quantize
 
 # Where each format keeps its float16 scales (byte offsets in a block): random bytes there would make
 # infinities and NaNs, which no quantiser writes.

@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.cli import main
-from engine.errors import CheckpointError
-from engine.load.gguf_checkpoint import GGUFCheckpoint
+from moedesk.app.cli import main
+from moedesk.engine.errors import CheckpointError
+from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 from tests.load.test_gguf_checkpoint import write_tiny_mixtral
 
 WEIGHTS = "model.safetensors"
@@ -224,7 +224,7 @@ def test_an_unknown_gguf_tensor_type_is_named(tmp_path):
 
 def test_a_downloaded_split_gguf_in_the_hub_cache_says_how_to_merge_it(tmp_path, monkeypatch, capsys):
     """A repo id whose cached snapshot holds one split quantisation is that GGUF, not a folder without config.json."""
-    import engine.load.checkpoint as checkpoint
+    import moedesk.engine.load.checkpoint as checkpoint
 
     snapshot = tmp_path / "snapshot"
     (snapshot / "Q8_0").mkdir(parents=True)

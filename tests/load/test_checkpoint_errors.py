@@ -5,8 +5,8 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
-from engine.runtime import Engine
+from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
+from moedesk.engine.runtime import Engine
 
 
 @pytest.fixture

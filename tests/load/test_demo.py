@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.load.demo import demo_checkpoint_dir, source_gguf
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.load.demo import demo_checkpoint_dir, source_gguf
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
 
 CHATS = ["What is the capital of France?", "Write a haiku about RAM.", "List three prime numbers."]

@@ -13,8 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from engine.errors import CheckpointError, UnsupportedModelError
-from engine.load.gguf_checkpoint import GGUFCheckpoint
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
 
 def smollm_path() -> Path:
@@ -270,8 +270,8 @@ def test_tiny_mixtral_tokenizer_matches_llama_cpp(tmp_path):
 def test_tiny_mixtral_generates_like_llama_cpp(tmp_path):
     """The whole path: our tensors in moedesk's engine give llama.cpp's greedy tokens on the same file."""
     llama_cpp = pytest.importorskip("llama_cpp")
-    from engine.requests import Request, SamplingParams
-    from engine.runtime import Engine
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
 
     path = tmp_path / "tiny-mixtral.gguf"
     write_tiny_mixtral(path)
@@ -523,7 +523,7 @@ def test_block_count_must_match_the_layers_present(tmp_path):
 
 def test_gguf_config_is_checked_against_the_tensor_shapes(tmp_path):
     """feed_forward_length disagreeing with the experts' tensors: one line at load, before anything is allocated."""
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
 
     path = tmp_path / "hidden.gguf"
     write_tiny_mixtral(path)

@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from engine.errors import CheckpointError, UnsupportedModelError
-from engine.load.gguf_header import HeaderIncomplete, merge_parts, parse_header
-from engine.load.size_estimate import summarize_gguf_header, summarize_path
+from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.load.gguf_header import HeaderIncomplete, merge_parts, parse_header
+from moedesk.engine.load.size_estimate import summarize_gguf_header, summarize_path
 from tests.load.test_gguf_checkpoint import spm_vocab
 
 gguf = pytest.importorskip("gguf")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-import engine.load.tokenizer as tokenizer_module
-from app.batch import BatchSettings, run_batch
-from app.cli import main
-from engine.errors import MoedeskError
-from engine.runtime import Engine
+import moedesk.engine.load.tokenizer as tokenizer_module
+from moedesk.app.batch import BatchSettings, run_batch
+from moedesk.app.cli import main
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.runtime import Engine
 from tests.app.test_batch_runner import FakeEngine, FakeTokenizer, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,8 +110,8 @@ PARSE_CONFIGS = """
 import json, resource, sys, traceback
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # a config that allocates without bound fails here
 sys.path.insert(0, sys.argv[1])
-from engine.model.architectures import parse_config
-from engine.errors import MoedeskError
+from moedesk.engine.model.architectures import parse_config
+from moedesk.engine.errors import MoedeskError
 shapes = {name: tuple(shape) for name, shape in json.loads(sys.argv[3]).items()}
 for hf in json.loads(open(sys.argv[2]).read()):
     try:
@@ -169,7 +169,7 @@ def test_fuzz_config_files(mixtral, tmp_path):
 @pytest.mark.parametrize("where, why", [("file", "it is a file, not a folder"),
                                         ("file/under", "a part of its path is a file, not a folder")])
 def test_an_unusable_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch, where, why):
-    from engine.load.demo import demo_checkpoint_dir
+    from moedesk.engine.load.demo import demo_checkpoint_dir
 
     (tmp_path / "file").write_text("not a folder")
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / where))
@@ -183,7 +183,7 @@ def test_an_unusable_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes to read-only folders")
 def test_a_read_only_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch):
-    from engine.load.demo import demo_checkpoint_dir
+    from moedesk.engine.load.demo import demo_checkpoint_dir
 
     (tmp_path / "ro").mkdir(mode=0o555)
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "ro"))
@@ -192,7 +192,7 @@ def test_a_read_only_cache_folder_for_the_demo_is_one_line(tmp_path, monkeypatch
 
 
 def test_measurements_go_on_without_a_writable_cache_and_say_so_once(tmp_path, monkeypatch, capsys):
-    from engine.json_cache import cached_json
+    from moedesk.engine.json_cache import cached_json
 
     (tmp_path / "file").write_text("not a folder")
     calls = []

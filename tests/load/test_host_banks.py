@@ -12,13 +12,13 @@ import logging
 import pytest
 import torch
 
-import engine.runtime
-from engine.load.checkpoint import open_checkpoint
-from engine.load.loader import load_model
-from engine.offload.pinned_memory import PAGE, HostArena, HostBanks, PinError, arena_bytes, stack_shapes
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
-from kernels.expert_weights import DENSE, ExpertWeights
+import moedesk.engine.runtime as runtime_module
+from moedesk.engine.load.checkpoint import open_checkpoint
+from moedesk.engine.load.loader import load_model
+from moedesk.engine.offload.pinned_memory import PAGE, HostArena, HostBanks, PinError, arena_bytes, stack_shapes
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0)
 
@@ -118,7 +118,7 @@ def test_a_refused_lock_leaves_the_rest_pageable_with_one_warning(tiny_checkpoin
         made.append(HostBanks(dtype, True, warnings, registrar=registrar))
         return made[-1]
 
-    monkeypatch.setattr(engine.runtime, "host_bank_allocator", allocator)
+    monkeypatch.setattr(runtime_module, "host_bank_allocator", allocator)
     with caplog.at_level(logging.WARNING, logger="moedesk"):
         locked = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=0)
     banks_of = made[0]
@@ -194,7 +194,7 @@ def test_a_failed_load_drops_the_locks_not_yet_begun(tiny_checkpoint, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from engine.errors import CheckpointError
+    from moedesk.engine.errors import CheckpointError
 
     folder = tmp_path / "model"
     shutil.copytree(tiny_checkpoint("mixtral"), folder)
@@ -222,9 +222,9 @@ def test_a_failed_load_drops_the_locks_not_yet_begun(tiny_checkpoint, tmp_path):
 
 @pytest.mark.gpu
 def test_registered_banks_copy_asynchronously_and_serve_the_streamed_kernel():
-    from engine.offload.pinned_memory import CudaRegistrar
-    from kernels import gpu_fused, gpu_streamed
-    from kernels.cpu_experts import expert_forward
+    from moedesk.engine.offload.pinned_memory import CudaRegistrar
+    from moedesk.kernels import gpu_fused, gpu_streamed
+    from moedesk.kernels.cpu_experts import expert_forward
 
     device = torch.device("cuda")
     E, H, F = 4, 256, 512

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.generation.kv_cache import KVCache
-from engine.runtime import Engine
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.runtime import Engine
 from tests.load.test_gguf_checkpoint import llama_cpp_permute, spm_vocab
 
 llama_cpp = pytest.importorskip("llama_cpp")

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quant_formats import quantize
+from moedesk.kernels.quant_formats import quantize
 from tests.load.test_gguf_checkpoint import spm_vocab
 
 gguf = pytest.importorskip("gguf")
 
 CHILD = textwrap.dedent("""
     import json, resource, sys, psutil, torch
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
     process = psutil.Process()
     # A small model of the same kind first: the code a load brings in (modules, kernels) is not the model's.
     Engine.load(sys.argv[2], device="cpu", dtype="bfloat16", context_length=256)

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import UnsupportedModelError
-from engine.load.checkpoint import open_checkpoint
-from engine.load.loader import DTYPES, load_model
-from engine.load.size_estimate import TensorInfo, estimate_memory, summarize, summarize_path
-from kernels.quant_formats import quantize
+from moedesk.engine.errors import UnsupportedModelError
+from moedesk.engine.load.checkpoint import open_checkpoint
+from moedesk.engine.load.loader import DTYPES, load_model
+from moedesk.engine.load.size_estimate import TensorInfo, estimate_memory, summarize, summarize_path
+from moedesk.kernels.quant_formats import quantize
 from tests.load.test_gguf_checkpoint import spm_vocab
 
 gguf = pytest.importorskip("gguf")

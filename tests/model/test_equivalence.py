@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.generation.kv_cache import KVCache
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 from tests.tiny_models import ARCHS
 

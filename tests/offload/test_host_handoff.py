@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from engine.offload.executor import HostRouting
-from engine.offload.offload_executor import OffloadExecutor
-from kernels import host_handoff
-from kernels.expert_weights import ExpertWeights
+from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.offload_executor import OffloadExecutor
+from moedesk.kernels import host_handoff
+from moedesk.kernels.expert_weights import ExpertWeights
 
 pytestmark = pytest.mark.skipif(host_handoff.native() is None, reason=f"no C compiler: {host_handoff.why_not()}")
 
@@ -127,8 +127,8 @@ def test_host_share_is_what_expert_outputs_computes_for_the_host(streamed, cpu_r
 
 
 def _packed_executor():
-    from kernels.cpu_quant import available
-    from kernels.quant_formats import quantize
+    from moedesk.kernels.cpu_quant import available
+    from moedesk.kernels.quant_formats import quantize
 
     if not available():
         pytest.skip("no native packed kernel here")

@@ -4,8 +4,8 @@ import json
 import numpy as np
 import pytest
 
-from engine.errors import MoedeskError
-from engine.offload.latency_model import LatencyModel, ProfileError, fit_latency_model
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.offload.latency_model import LatencyModel, ProfileError, fit_latency_model
 
 MiB = 2**20
 CPU_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

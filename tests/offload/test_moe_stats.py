@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from engine.offload.moe_stats import expected_active_experts, expected_active_experts_from_shares, tokens_per_active_expert
+from moedesk.engine.offload.moe_stats import expected_active_experts, expected_active_experts_from_shares, tokens_per_active_expert
 
 
 def simulate_distinct(num_experts: int, top_k: int, tokens: int, trials: int, rng, weights=None) -> np.ndarray:

@@ -5,10 +5,10 @@ and the ordered sum run for real.
 """
 import pytest
 
-from engine.offload.offload_executor import OffloadExecutor, stack_experts
-from engine.offload.placement import Costs, assign_offloaded, plan_placement
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
+from moedesk.engine.offload.placement import Costs, assign_offloaded, plan_placement
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b"]
@@ -83,7 +83,7 @@ def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkp
 
 
 def test_bench_runs_on_the_simulated_tier():
-    from engine.bench import run_bench
+    from moedesk.engine.bench import run_bench
 
     report = run_bench("tiny-moe", 2, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lambda *a: None)
     modes = [r["mode"] for r in report["results"]]
@@ -94,8 +94,8 @@ def test_bench_runs_on_the_simulated_tier():
 
 
 def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
-    from engine.bench import traffic_bound
-    from engine.offload.offload_executor import StepStats
+    from moedesk.engine.bench import traffic_bound
+    from moedesk.engine.offload.offload_executor import StepStats
 
     # 10 steps that computed 30 experts on the CPU and copied 10: 4 expert reads per step.
     stats = StepStats(gpu_experts=50, cpu_experts=30, copied_experts=10)
@@ -111,9 +111,9 @@ def test_streamed_ranks_are_left_to_the_gpu():
     streamed rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
     import torch
 
-    from engine.offload.executor import HostRouting
-    from kernels.cpu_experts import expert_forward
-    from kernels.expert_weights import ExpertWeights
+    from moedesk.engine.offload.executor import HostRouting
+    from moedesk.kernels.cpu_experts import expert_forward
+    from moedesk.kernels.expert_weights import ExpertWeights
 
     g = torch.Generator().manual_seed(0)
     gate_up, down = torch.randn(6, 16, 12, generator=g), torch.randn(6, 12, 8, generator=g)
@@ -136,7 +136,7 @@ def test_streamed_ranks_are_left_to_the_gpu():
 def test_bf16_cpu_tier_runs_the_native_kernel_and_keeps_greedy_tokens(arch, tiny_checkpoint, monkeypatch):
     """In bf16 every CPU expert of a layer goes through one native kernel call; greedy tokens are those of
     the all-resident run (torch's bf16 arithmetic on the simulated GPU tier)."""
-    from kernels import cpu_experts
+    from moedesk.kernels import cpu_experts
 
     if not cpu_experts.available():
         pytest.skip(f"native kernel unavailable here: {cpu_experts.unavailable_reason()}")
@@ -177,7 +177,7 @@ def test_combine_rounds_as_index_add_in_expert_order(k):
     the reference's loop of one index_add_ per expert, in ascending expert order."""
     import torch
 
-    from engine.model.transformer import MoE
+    from moedesk.engine.model.transformer import MoE
 
     g = torch.Generator().manual_seed(k)
     n, experts, hidden = 13, 16, 64
@@ -202,7 +202,7 @@ def test_eager_steps_skip_the_host_only_for_few_tokens_an_expert(tiny_checkpoint
     GEMMs are faster there. Both give the host path's outputs."""
     import torch
 
-    from engine.offload import offload_executor
+    from moedesk.engine.offload import offload_executor
 
     engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
     banks = stack_experts(engine.model, pinned=False)

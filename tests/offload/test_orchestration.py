@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.offload import calibration
-from engine.errors import MoedeskError
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.offload import calibration
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b"]
@@ -75,7 +75,7 @@ def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_che
 
 
 def test_calibration_counts_two_halves_and_places_by_their_shrunk_estimate(tiny_checkpoint, cache_dir):
-    from engine.offload.popularity import estimated_popularity
+    from moedesk.engine.offload.popularity import estimated_popularity
 
     engine = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
     (cached,) = cache_dir.glob("popularity-*.json")
@@ -127,7 +127,7 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     # fully resident layer runs from the device alone (bf16 on Hopper); elsewhere popularity order stays.
     from types import SimpleNamespace
 
-    from engine.offload.orchestration import ExpertOrchestra
+    from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed = []
     executor = SimpleNamespace(whole_layers_on_device=on_device, set_placement=placed.append)
@@ -185,7 +185,7 @@ def test_gpu_oom_with_no_experts_left_is_one_clear_error(tiny_checkpoint):
 
 
 def test_oom_while_placing_lowers_the_budget_with_a_warning(tiny_checkpoint, monkeypatch):
-    from engine.offload.offload_executor import OffloadExecutor
+    from moedesk.engine.offload.offload_executor import OffloadExecutor
 
     place = OffloadExecutor.set_placement
 

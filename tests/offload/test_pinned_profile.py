@@ -2,8 +2,8 @@
 layout the GPU tests that pin it assert (tests/model/test_gpu_equivalence.py), whatever this machine measures."""
 import pytest
 
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
 from tests.pinned_profile import COPIES, HOST_ONLY, pin_profile
 
 

@@ -5,9 +5,9 @@ import random
 import numpy as np
 import pytest
 
-from engine.errors import MoedeskError
-from engine.offload.latency_model import fit_latency_model
-from engine.offload.placement import (
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.offload.latency_model import fit_latency_model
+from moedesk.engine.offload.placement import (
     Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
     LayerCosts, RememberedSplit, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
 )
@@ -424,7 +424,7 @@ def test_mild_contention_keeps_the_split_at_its_contended_cost():
 def test_contention_is_taken_at_the_steps_tokens_per_expert():
     """Copies slow a CPU expert that waits on RAM (one token) far more than one its arithmetic holds (16 sequences'
     ~4 tokens each): a batched step splits by the factors measured at its own load."""
-    from engine.offload.latency_model import LatencyModel
+    from moedesk.engine.offload.latency_model import LatencyModel
 
     def model(contention):
         return LatencyModel(cpu_intercept_ms=1.0, cpu_per_token_ms=0.0, cpu_floor_ms=1.0, gpu_tokens=(1,),
@@ -447,8 +447,8 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gp
     than the profile streamed (a batch of two: four experts), nor where nothing was measured."""
     from dataclasses import replace
 
-    from engine.offload.latency_model import LatencyModel
-    from engine.offload.placement import lone_token_measured
+    from moedesk.engine.offload.latency_model import LatencyModel
+    from moedesk.engine.offload.placement import lone_token_measured
 
     predicted = LatencyModel(cpu_intercept_ms=1.16, cpu_per_token_ms=0.0, cpu_floor_ms=1.16, gpu_tokens=(1,),
                              gpu_ms=(0.23,), copy_expert_ms=1.85, contention=((1, 1.05, 1.01),))
@@ -515,7 +515,7 @@ def test_an_expert_priced_at_its_share_of_the_call_copies_less_than_priced_at_it
 
 
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
-    import engine.offload.placement as placement
+    import moedesk.engine.offload.placement as placement
 
     monkeypatch.setattr(placement, "_best_split", lambda *a: pytest.fail("searched"))
     got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
@@ -531,7 +531,7 @@ class _WithResidentLaunch:
 
 
 def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_share():
-    from engine.offload.placement import resident_on_cpu
+    from moedesk.engine.offload.placement import resident_on_cpu
 
     model = _WithResidentLaunch(Costs(lambda n: 0.05 * n, lambda n: 0.01, 1.0), resident_launch_ms=0.2)
     assert resident_on_cpu({7: 1, 3: 1}, model) == [3, 7]  # 0.1 ms of CPU work < 0.2 ms of launches
@@ -545,7 +545,7 @@ def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_s
 def test_streamed_ranks_take_the_fastest_measured_split():
     from types import SimpleNamespace
 
-    from engine.offload.placement import streamed_ranks
+    from moedesk.engine.offload.placement import streamed_ranks
 
     def measured(*split_ms, top_k=8):
         return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k)
@@ -564,7 +564,7 @@ def test_rows_split_when_they_beat_whole_experts():
     expert's rows does not (split_rows_ms); the fastest option wins, whole experts or rows, never both."""
     from types import SimpleNamespace
 
-    from engine.offload.placement import lone_token_split, split_rows, streamed_ranks
+    from moedesk.engine.offload.placement import lone_token_split, split_rows, streamed_ranks
 
     def measured(split_ms, rows_ms, top_k=2):
         return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k, split_rows_ms=rows_ms)

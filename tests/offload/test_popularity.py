@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from engine.offload.placement import LayerCosts, plan_placement
-from engine.offload.popularity import estimated_popularity, fitted_evenness, held_out_log_likelihood, shares
+from moedesk.engine.offload.placement import LayerCosts, plan_placement
+from moedesk.engine.offload.popularity import estimated_popularity, fitted_evenness, held_out_log_likelihood, shares
 
 
 def _halves(rng, shares_a, shares_b, selections=2400):

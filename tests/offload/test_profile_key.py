@@ -3,8 +3,8 @@ with (an update that changes a kernel, or MOEDESK_QUANT_PATH picking another pat
 import pytest
 import torch
 
-from engine.offload import profiler
-from kernels import cpu_experts, cpu_quant
+from moedesk.engine.offload import profiler
+from moedesk.kernels import cpu_experts, cpu_quant
 
 
 def key(dtype: str) -> str:

@@ -1,8 +1,8 @@
 """The profiler's CPU timings read experts from RAM as a step does, not one expert again and again from a cache."""
 import torch
 
-from engine.offload import profiler
-from kernels.expert_weights import ExpertWeights
+from moedesk.engine.offload import profiler
+from moedesk.kernels.expert_weights import ExpertWeights
 
 
 def _stack(experts: int, hidden: int = 16, width: int = 8) -> ExpertWeights:

@@ -7,17 +7,17 @@ import os
 import pytest
 import torch
 
-from engine.offload.executor import HostRouting
-from engine.offload.offload_executor import OffloadExecutor
-from engine.offload.profiler import split_row_candidates
-from kernels.experts import reference_routed
+from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.offload_executor import OffloadExecutor
+from moedesk.engine.offload.profiler import split_row_candidates
+from moedesk.kernels.experts import reference_routed
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
 
 
 def _bank(fmt: str | None):
     from tests.kernels.test_gpu_quant_kernel import random_experts
-    from kernels.expert_weights import ExpertWeights
+    from moedesk.kernels.expert_weights import ExpertWeights
 
     if fmt is not None:
         return random_experts(6, 256, 768, fmt, seed=4)

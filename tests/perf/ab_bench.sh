@@ -18,7 +18,7 @@ for case in "$@"; do
   for round in $(seq 1 "${ROUNDS:-2}"); do
     for tree in new old; do
       dir=.; [ "$tree" = old ] && dir=$BASE
-      (cd "$dir" && PYTHONPATH=$SITE:. PYTHONUNBUFFERED=1 python3 -m app.cli bench $case --json) \
+      (cd "$dir" && PYTHONPATH=$SITE:. PYTHONUNBUFFERED=1 python3 -m moedesk bench $case --json) \
         > "$OUT/case${n}_${tree}_${round}.json" 2>>"$OUT/ab_bench.log" || echo "case $n $tree failed"
     done
   done

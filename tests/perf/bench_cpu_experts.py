@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from kernels import cpu_experts as ce  # noqa: E402
+from moedesk.kernels import cpu_experts as ce  # noqa: E402
 
 SHAPES = {  # name: (experts, hidden, intermediate, top-k)
     "mixtral": (8, 4096, 14336, 2),

@@ -39,10 +39,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from kernels import cpu_experts as ce  # noqa: E402
-from kernels import cpu_quant as cq  # noqa: E402
-from kernels.expert_weights import ExpertWeights  # noqa: E402
-from kernels.quant_formats import packed_format  # noqa: E402
+from moedesk.kernels import cpu_experts as ce  # noqa: E402
+from moedesk.kernels import cpu_quant as cq  # noqa: E402
+from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
+from moedesk.kernels.quant_formats import packed_format  # noqa: E402
 
 SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per call)
     "mixtral": (8, 4096, 14336, 2),

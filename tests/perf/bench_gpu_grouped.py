@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from kernels import gpu_experts, gpu_grouped  # noqa: E402
+from moedesk.kernels import gpu_experts, gpu_grouped  # noqa: E402
 
 SHAPES = {"demo": (576, 1536, 4, 2), "qwen3": (2048, 768, 128, 8), "mixtral": (4096, 14336, 8, 2)}
 

@@ -19,7 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from kernels import gpu_experts, gpu_quant  # noqa: E402
+from moedesk.kernels import gpu_experts, gpu_quant  # noqa: E402
 from tests.kernels.test_gpu_quant_kernel import random_experts  # noqa: E402
 
 SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}

@@ -87,7 +87,7 @@ class Server:
 
     def __init__(self, args):
         self.url = f"http://127.0.0.1:{args.port}"
-        cmd = [sys.executable, "-m", "app.cli", "serve", "--model", str(args.model), "--port", str(args.port),
+        cmd = [sys.executable, "-m", "moedesk", "serve", "--model", str(args.model), "--port", str(args.port),
                "--device", args.device, "--batch-size", str(max(args.clients, 1)), "--max-queue", "256",
                "--context", str(args.context), "--model-name", "bench"]
         if args.dtype:
@@ -230,7 +230,7 @@ def bench_batched(args, layers: int) -> float:
     every expert in RAM (its own random weights, the checkpoint's shape; --smoke: the tiny shape): tok/s."""
     shape = ["--shape", "tiny-moe", "--device", "cpu"] if args.smoke else \
         ["--shape", "mixtral-8x7b", "--layers", str(layers), "--gpu-budget", "0"]
-    cmd = [sys.executable, "-m", "app.cli", "bench", *shape, "--batch", str(args.clients), "--decode-tokens", "32",
+    cmd = [sys.executable, "-m", "moedesk", "bench", *shape, "--batch", str(args.clients), "--decode-tokens", "32",
            "--json"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
     return next(r["tok_s"] for r in json.loads(done.stdout)["results"] if r["mode"] == "batched_decode")

@@ -46,11 +46,11 @@ moedesk)
   # starts with a clean page cache.
   clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
   # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
-  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
-  clean; python3 -m app.cli bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
+  clean; python3 -m moedesk bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
+  clean; python3 -m moedesk bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
   # A quarter of the 12 layers' experts: 3 x 128 experts of 9 MiB (0.00879 GiB each) = 3.375 GiB.
-  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
-  clean; python3 -m app.cli bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
+  clean; python3 -m moedesk bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
+  clean; python3 -m moedesk bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
     > "$W/ours_qwen3_quarter.json"
   cp "$W"/ours_* "$OUT"/
   [ -f "$W/llama_batched.txt" ] || { echo "no llama.cpp results in $W: run the llama phase first"; exit 1; }
@@ -111,7 +111,7 @@ moedesk-quant)
   # q4_0 for every target (decode, prefill 512, 16 sequences); the others decode only. llama.cpp's Q4_K_M gives
   # the experts q4_k (and q6_k for some down projections): q4_k is ours to compare. bf16: the 16-bit decode the
   # 4-bit one is compared with, and the batched decode of 16 that `moedesk serve` is compared with.
-  b() { name=$1; shift; clean; python3 -m app.cli bench "$@" --decode-tokens 32 --json > "$W/oursq_$name.json"; }
+  b() { name=$1; shift; clean; python3 -m moedesk bench "$@" --decode-tokens 32 --json > "$W/oursq_$name.json"; }
   b mix_q4_0 --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q4_0 --prefill 512 --batch 16
   b mix_q4_k --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q4_k --prefill --batch 1
   b mix_q8_0 --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --expert-format q8_0 --prefill --batch 1

@@ -43,7 +43,7 @@ moedesk)
   export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
   rm -f "$W"/*.gguf  # the page cache and the disk back for our banks
   clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
-  b() { name=$1; shift; clean; python3 -m app.cli bench "$@" --decode-tokens 32 --json > "$W/oursq_$name.json"; }
+  b() { name=$1; shift; clean; python3 -m moedesk bench "$@" --decode-tokens 32 --json > "$W/oursq_$name.json"; }
   b qwen3_q4_k --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --expert-format q4_k --prefill --batch 1
   b mix_q4_0 --shape mixtral-8x7b --layers 8 --gpu-budget 0 --expert-format q4_0 --prefill 512 --batch 16
   b mix_q4_k --shape mixtral-8x7b --layers 8 --gpu-budget 0 --expert-format q4_k --prefill --batch 1

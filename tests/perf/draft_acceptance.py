@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from engine.runtime import Engine  # noqa: E402
-from engine.speculative.acceptance import acceptance_length  # noqa: E402
+from moedesk.engine.runtime import Engine  # noqa: E402
+from moedesk.engine.speculative.acceptance import acceptance_length  # noqa: E402
 
 MT_BENCH = Path(__file__).resolve().parents[3] / "shared" / "data" / "mt_bench_questions.jsonl"
 
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prompts:
-        from engine.speculative.train import load_prompts
+        from moedesk.engine.speculative.train import load_prompts
 
         prompts, source = load_prompts(args.prompts), args.prompts
     else:

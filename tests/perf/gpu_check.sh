@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_gpu_equivalence.py tests/kernels/test_gpu_experts_kernel.py tests/offload/test_gpu_profiler.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 python3 tests/perf/bench_cpu_experts.py --quick > "$OUT/cpu_experts_kernel.txt" 2>&1 || echo "kernel bench failed"
 tail -n 25 "$OUT/cpu_experts_kernel.txt"
-run() { name=$1; shift; python3 -m app.cli bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
+run() { name=$1; shift; python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
 run mixtral_cpu_balanced --shape mixtral-8x7b --layers 8 --gpu-budget 0
 run mixtral_cpu_fiddler --shape mixtral-8x7b --layers 8 --gpu-budget 0 --policy fiddler --batch 1 --prefill 512
 run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget 5.3 --batch 1 --prefill 512

@@ -69,7 +69,7 @@ class TorchPinnedBanks:
         self.stats = {"allocate_s": 0.0}
 
     def __call__(self, model, formats):
-        from kernels.expert_weights import ExpertWeights
+        from moedesk.kernels.expert_weights import ExpertWeights
 
         started = time.perf_counter()
         banks = {}
@@ -85,9 +85,9 @@ class TorchPinnedBanks:
 def child(config: dict) -> dict:
     import torch
 
-    from engine.load.checkpoint import open_checkpoint
-    from engine.load.loader import load_model, resolve_device, resolve_dtype
-    from engine.offload.pinned_memory import HostBanks
+    from moedesk.engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
+    from moedesk.engine.offload.pinned_memory import HostBanks
 
     device = resolve_device(config["device"])
     dtype = resolve_dtype(config["dtype"], device)

@@ -12,7 +12,7 @@ fi
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 which=${1:-both}; shift || true
 formats=${*:-dense q4_0 q4_k q8_0}
-run() { name=$1; shift; python3 -m app.cli bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
+run() { name=$1; shift; python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
 for f in $formats; do
   if [ "$which" != qwen3 ]; then
     run "mixtral_$f" --shape mixtral-8x7b --layers 8 --gpu-budget 0 --prefill 512 --decode-tokens 32 --expert-format "$f"

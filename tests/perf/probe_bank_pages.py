@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from kernels import cpu_experts as ce
+from moedesk.kernels import cpu_experts as ce
 
 KINDS = sys.argv[1].split(",") if len(sys.argv) > 1 else ["pinned", "thp", "thp+registered", "pinned"]
 if len(sys.argv) > 2 and int(sys.argv[2]):

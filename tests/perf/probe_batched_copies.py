@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from engine.bench import measure_decode, measure_prefill, prepare_synthetic  # noqa: E402
-from engine.offload.latency_model import fit_latency_model  # noqa: E402
-from engine.offload.placement import RememberedSplit, assign_offloaded  # noqa: E402
-from kernels.experts import experts_forward_routed  # noqa: E402
+from moedesk.engine.bench import measure_decode, measure_prefill, prepare_synthetic  # noqa: E402
+from moedesk.engine.offload.latency_model import fit_latency_model  # noqa: E402
+from moedesk.engine.offload.placement import RememberedSplit, assign_offloaded  # noqa: E402
+from moedesk.kernels.experts import experts_forward_routed  # noqa: E402
 
 
 def copy_top(k):
@@ -61,7 +61,7 @@ def one_expert_ms(bank, dtype, tokens, rotate: bool, repeat: int = 9) -> float:
 def copies_host_ms(bank, dtype, device, k: int, tokens: int = 32, repeat: int = 5) -> float:
     """Host time a copied expert costs when k are queued back to back (copy, then compute), per copy: the profile's
     copy_launch_ms times one with the GPU drained before it."""
-    from engine.offload.offload_executor import compute_copied, queue_copy
+    from moedesk.engine.offload.offload_executor import compute_copied, queue_copy
 
     slots = [bank.expert(0).empty_like(device) for _ in range(min(k, 8))]
     side, x = torch.cuda.Stream(device), torch.randn(tokens, bank.hidden, dtype=dtype, device=device)

@@ -6,11 +6,11 @@ import time
 
 import numpy as np
 import torch
-from engine.bench import measure_decode
-from engine.offload.offload_executor import OffloadExecutor, StepStats
-from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
-from engine.load.synthetic import shape_config, synthetic_model
-from kernels import cpu_experts as ce
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
+from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
+from moedesk.kernels import cpu_experts as ce
 
 class Timed:
     """The kernel library with its two entry points timed (decode goes through the routed one)."""
@@ -28,7 +28,7 @@ model, banks = synthetic_model(cfg, torch.bfloat16, device, pinned=True, context
 assert ce.available(), ce.unavailable_reason()
 lib = ce._state["lib"]
 timed = Timed(lib); ce._state["lib"] = timed
-import engine.offload.offload_executor as offload_module
+import moedesk.engine.offload.offload_executor as offload_module
 wrapper_times = []
 _routed = offload_module.experts_forward_routed
 def timed_routed(*a, **k):

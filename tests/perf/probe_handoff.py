@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from engine.bench import measure_decode
-from engine.load.synthetic import shape_config, synthetic_model
-from engine.offload.offload_executor import OffloadExecutor, StepStats
-from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
+from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
+from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
 
 parser = argparse.ArgumentParser()
 parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12:q4_k", "mixtral-8x7b:8:q4_0"])

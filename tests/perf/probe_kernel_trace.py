@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import cpu_experts as ce
-from kernels.native_build import build_library
+from moedesk.kernels import cpu_experts as ce
+from moedesk.kernels.native_build import build_library
 
 ARGS = sys.argv[1:]
 SHAPE = ARGS.pop(0) if ARGS and ARGS[0] in ("qwen3", "mixtral") else "qwen3"

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from engine.bench import measure_decode
-from engine.offload import offload_executor
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.offload import offload_executor
 from qwen3_probe_model import qwen3_all_in_ram
 
 FORMAT = sys.argv[1] if len(sys.argv) > 1 else "dense"

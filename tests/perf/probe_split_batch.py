@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_quant import packed_stack, use_threads  # noqa: E402
-from kernels import cpu_quant, gpu_streamed  # noqa: E402
-from kernels.expert_weights import ExpertWeights  # noqa: E402
+from moedesk.kernels import cpu_quant, gpu_streamed  # noqa: E402
+from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
 
 E, H, F, ACTIVE = 16, 4096, 14336, 8  # a stack of 16 Mixtral experts; the CPU's call computes 8 of them
 

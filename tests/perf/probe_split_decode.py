@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_quant import bf16_stacks, packed_stack, use_threads  # noqa: E402
-from kernels import cpu_experts, cpu_quant, experts, gpu_streamed  # noqa: E402
-from kernels.expert_weights import ExpertWeights  # noqa: E402
+from moedesk.kernels import cpu_experts, cpu_quant, experts, gpu_streamed  # noqa: E402
+from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
 
 E, H, F, K = 16, 4096, 14336, 2  # Mixtral: a stack of 16 experts, a token's two a call
 

@@ -8,12 +8,12 @@ import sys
 
 import torch
 
-from engine.bench import measure_decode
-from engine.offload.latency_model import fit_latency_model
-from engine.offload.offload_executor import OffloadExecutor
-from engine.offload.placement import streamed_ranks
-from engine.offload.profiler import profile_expert, profile_streaming
-from engine.load.synthetic import shape_config, synthetic_model
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.offload.latency_model import fit_latency_model
+from moedesk.engine.offload.offload_executor import OffloadExecutor
+from moedesk.engine.offload.placement import streamed_ranks
+from moedesk.engine.offload.profiler import profile_expert, profile_streaming
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
 
 name = sys.argv[1] if len(sys.argv) > 1 else "qwen3"
 shape, layers = {"qwen3": ("qwen3-30b-a3b", 12), "mixtral": ("mixtral-8x7b", 8)}[name]

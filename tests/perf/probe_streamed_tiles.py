@@ -12,9 +12,9 @@ import statistics
 
 import torch
 
-from kernels import gpu_streamed
-from kernels.expert_weights import ExpertWeights
-from kernels.quant_formats import packed_format
+from moedesk.kernels import gpu_streamed
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.quant_formats import packed_format
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--format", default="q4_0")

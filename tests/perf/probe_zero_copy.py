@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from kernels.expert_weights import ExpertWeights
-from kernels import cpu_experts, gpu_streamed
+from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels import cpu_experts, gpu_streamed
 
 SHAPES = {"qwen3": (128, 768, 2048, 8), "mixtral": (8, 14336, 4096, 2)}  # experts, F, H, top-k
 

@@ -14,14 +14,14 @@ import time
 
 import torch
 
-from engine.bench import measure_decode
-from engine.offload.latency_model import fit_latency_model
-from engine.offload.offload_executor import OffloadExecutor, StepStats
-from engine.offload.orchestration import leave_a_core_to_the_gpu_thread
-from engine.offload.placement import assign_offloaded
-from engine.offload.profiler import profile_expert
-from engine.load.synthetic import shape_config, synthetic_model
-from kernels import cpu_experts
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.offload.latency_model import fit_latency_model
+from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
+from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
+from moedesk.engine.offload.placement import assign_offloaded
+from moedesk.engine.offload.profiler import profile_expert
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
+from moedesk.kernels import cpu_experts
 
 parser = argparse.ArgumentParser()
 parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12", "mixtral-8x7b:8"])

@@ -2,9 +2,9 @@
 computed on the CPU, one warm-up decode done. Import from a probe run as `python3 tests/perf/<probe>.py`."""
 import torch
 
-from engine.bench import measure_decode
-from engine.offload.offload_executor import OffloadExecutor
-from engine.load.synthetic import shape_config, synthetic_model
+from moedesk.engine.bench import measure_decode
+from moedesk.engine.offload.offload_executor import OffloadExecutor
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
 
 
 def qwen3_all_in_ram(layers: int = 12, expert_format: str = "dense"):

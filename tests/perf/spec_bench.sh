@@ -24,7 +24,7 @@ bench() {  # name, bench arguments: the JSON report to $OUT/name.json, the human
   name=$1; shift
   echo "== $name: moedesk bench $*"
   start=$(date +%s)
-  if python3 -m app.cli bench "$@" --json > "$OUT/$name.json" 2> "$OUT/$name.log"; then
+  if python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2> "$OUT/$name.log"; then
     echo "   done in $(( $(date +%s) - start ))s"
   else
     echo "   $name failed; the end of $OUT/$name.log:"; tail -n 15 "$OUT/$name.log"
@@ -65,8 +65,8 @@ for folder in sys.argv[1:]:
 if not reports:
     sys.exit("no reports found")
 
-from engine.bench import format_beam
-from engine.bench_speculative import format_draft, format_speculative
+from moedesk.engine.bench import format_beam
+from moedesk.engine.bench_speculative import format_draft, format_speculative
 
 for name, r in reports.items():
     if "speculative" in r or "beam" in r:

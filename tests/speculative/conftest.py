@@ -1,6 +1,6 @@
 import pytest
 
-from engine.runtime import Engine
+from moedesk.engine.runtime import Engine
 from tests.speculative.train_helpers import write_prompts
 
 

@@ -9,11 +9,11 @@ import json
 
 import pytest
 
-from engine.load.demo import recipe
-from engine.requests import Request, SamplingParams
-from engine.runtime import Engine
-from engine.speculative.acceptance import acceptance_length
-from engine.speculative.demo_draft import default_draft, demo_head_folder
+from moedesk.engine.load.demo import recipe
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.engine.speculative.acceptance import acceptance_length
+from moedesk.engine.speculative.demo_draft import default_draft, demo_head_folder
 
 PROMPTS = ["Explain in two sentences why the sky is blue.", "Write a short poem about autumn leaves.",
            "Give me three tips for learning to cook.", "What does a bicycle chain do?"]

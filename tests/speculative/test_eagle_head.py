@@ -21,9 +21,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.errors import CheckpointError, MoedeskError
-from engine.speculative import eagle
-from engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
+from moedesk.engine.errors import CheckpointError, MoedeskError
+from moedesk.engine.speculative import eagle
+from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 
 transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig  # noqa: E402

@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from engine.requests import Request, SamplingParams
-from engine.speculative import decode, perf_model, rejection
-from engine.speculative.decode import SpeculativeBatch, Speculator, eagle_factory, oracle_factory
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import decode, perf_model, rejection
+from moedesk.engine.speculative.decode import SpeculativeBatch, Speculator, eagle_factory, oracle_factory
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

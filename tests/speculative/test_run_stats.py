@@ -6,8 +6,8 @@ completions hold after the prefill's.
 """
 import pytest
 
-from engine.requests import Request, SamplingParams
-from engine.speculative.decode import Round, RunStats, Speculator, oracle_factory
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative.decode import Round, RunStats, Speculator, oracle_factory
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -23,8 +23,8 @@ def test_round_is_a_named_record_that_indexes_as_before():
 def test_speed_figures_leave_out_rounds_that_captured_graphs():
     """A round whose forward captured CUDA graphs pays a one-off cost: the bench's figures leave it out (as the
     plain run's first step), and auto does not price later rounds by it."""
-    from engine.bench_speculative import full_batch_throughput, timed_rounds
-    from engine.speculative.decode import SpeculativeBatch
+    from moedesk.engine.bench_speculative import full_batch_throughput, timed_rounds
+    from moedesk.engine.speculative.decode import SpeculativeBatch
 
     rounds = [Round(0, 4, 0.0, 900.0, 1.0, 4, 1), Round(0, 4, 0.0, 99.0, 1.0, 4), Round(4, 4, 0.0, 199.0, 1.0, 12)]
     assert timed_rounds(rounds) == rounds[1:]

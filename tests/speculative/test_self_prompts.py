@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.errors import MoedeskError
-from engine.requests import Completion
-from engine.speculative import self_prompts as S
-from engine.speculative import train as T
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.requests import Completion
+from moedesk.engine.speculative import self_prompts as S
+from moedesk.engine.speculative import train as T
 from tests.speculative.train_helpers import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def demo_engine():
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
 
     return Engine.load("demo", device="cpu", dtype="float32")
 

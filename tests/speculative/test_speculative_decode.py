@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.requests import Request, SamplingParams
-from engine.speculative import decode, perf_model
-from engine.speculative.decode import Speculator, eagle_factory, oracle_factory
-from engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import decode, perf_model
+from moedesk.engine.speculative.decode import Speculator, eagle_factory, oracle_factory
+from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 
 ARCHS = ["mixtral", "qwen3_moe", "qwen2_moe"]
 PROMPTS = ["The quick brown fox jumps over the lazy", "Hello, world!", "def add(a, b):"]
@@ -206,7 +206,7 @@ def assert_two_tokens_follow_the_target(engine, done, prompt, params, n: int) ->
 
 
 def _logits(engine, ids):
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
 
     cache = KVCache(engine.config, 1, len(ids) + 1, torch.float32, "cpu")
     return engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]
@@ -289,7 +289,7 @@ def test_engine_speculate_with_a_head_folder_and_measured_step_times(engines, tm
 def test_moedesk_batch_speculative(tiny_checkpoint, engines, tmp_path, capsys):
     import json
 
-    from app.cli import main
+    from moedesk.app.cli import main
 
     engine = engines("mixtral")
     random_head(engine, 1, tmp_path / "head")

@@ -9,11 +9,11 @@ box (tests/speculative/test_speculative_graphs_gpu.py).
 import pytest
 import torch
 
-from engine.generation.cuda_graphs import GraphedDecode
-from engine.generation.kv_cache import KVCache
-from engine.requests import Request
-from engine.speculative import decode
-from engine.speculative.decode import Speculator, eagle_factory, oracle_factory
+from moedesk.engine.generation.cuda_graphs import GraphedDecode
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.requests import Request
+from moedesk.engine.speculative import decode
+from moedesk.engine.speculative.decode import Speculator, eagle_factory, oracle_factory
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 

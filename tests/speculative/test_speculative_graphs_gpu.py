@@ -10,11 +10,11 @@ plain greedy's tokens. float32 tiny models, so a few seconds each.
 import pytest
 import torch
 
-from engine.generation.cuda_graphs import GraphedDecode
-from engine.requests import Request
-from engine.runtime import Engine
-from engine.speculative import decode
-from engine.speculative.decode import Speculator, oracle_factory
+from moedesk.engine.generation.cuda_graphs import GraphedDecode
+from moedesk.engine.requests import Request
+from moedesk.engine.runtime import Engine
+from moedesk.engine.speculative import decode
+from moedesk.engine.speculative.decode import Speculator, oracle_factory
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 from tests.speculative.test_speculative_graphs import verify_inputs
 

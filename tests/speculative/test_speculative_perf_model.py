@@ -25,8 +25,8 @@ import math
 import numpy as np
 import pytest
 
-from engine.speculative import perf_model as pm
-from engine.speculative.perf_model import MeasuredCosts, ModelCosts, SpeedupModel, StepTime
+from moedesk.engine.speculative import perf_model as pm
+from moedesk.engine.speculative.perf_model import MeasuredCosts, ModelCosts, SpeedupModel, StepTime
 
 MIXTRAL_K_MS = {1: 55.0, 2: 100.0, 4: 130.0, 8: 187.0, 16: 200.0, 32: 217.0}
 QWEN3_K_MS = {1: 10.7, 2: 31.0, 4: 44.0, 8: 54.0, 16: 70.0, 32: 76.0}

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from engine.speculative.rejection import greedy_chain, greedy_tree, sample_chain, sample_tree
+from moedesk.engine.speculative.rejection import greedy_chain, greedy_tree, sample_chain, sample_tree
 
 ALPHA = 1e-4
 V = 5

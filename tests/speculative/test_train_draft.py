@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.cli import main
-from engine.errors import MoedeskError
-from engine.speculative import train as T
-from engine.speculative.demo_draft import check_demo_head, resolve_draft
-from engine.speculative.eagle import load_eagle_head
+from moedesk.app.cli import main
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.speculative import train as T
+from moedesk.engine.speculative.demo_draft import check_demo_head, resolve_draft
+from moedesk.engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import (assert_speculation_is_plain_greedy, figures_before_and_after_training,
                                              write_prompts)
 
@@ -147,7 +147,7 @@ def test_a_head_for_another_demo_version_is_refused(tmp_path, monkeypatch):
     with pytest.raises(MoedeskError):
         resolve_draft(Demo(), folder)
     # With no head in assets, the demo's default draft is refused in one line rather than failing later.
-    import engine.speculative.demo_draft as demo_draft
+    import moedesk.engine.speculative.demo_draft as demo_draft
 
     monkeypatch.setattr(demo_draft, "demo_head_folder", lambda: tmp_path / "absent")
     with pytest.raises(MoedeskError, match="draft head is missing") as e:
@@ -198,7 +198,7 @@ def test_training_moves_every_trainable_weight(head, device, engine, tiny_checkp
     if device == "cuda":
         if not torch.cuda.is_available():
             pytest.skip("no CUDA GPU")
-        from engine.runtime import Engine
+        from moedesk.engine.runtime import Engine
 
         engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cuda", dtype="float32", offload=False)
     moved, train = {}, T.train

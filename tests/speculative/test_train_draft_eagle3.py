@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.cli import main
-from engine.speculative import train as T
-from engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
+from moedesk.app.cli import main
+from moedesk.engine.speculative import train as T
+from moedesk.engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy, figures_before_and_after_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -34,7 +34,7 @@ def test_data_holds_the_three_layer_inputs_and_the_last_hidden_state(engine, dat
     # the first sequence's features are the target's own hidden states at those keys
     tokens, feats = data.sequence(0)
     keys = (*eagle3_feature_layers(engine.config.num_layers), "final")
-    from engine.generation.kv_cache import KVCache
+    from moedesk.engine.generation.kv_cache import KVCache
 
     cache = KVCache(engine.config, 1, len(tokens), engine.dtype, engine.device)
     _, hidden = engine.model(tokens[None], torch.arange(len(tokens))[None], cache, engine.executor, features=keys)

@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from app.cli import main
-from engine.errors import MoedeskError
-from engine.generation.sampling import sample_tokens
-from engine.requests import Request, SamplingParams
-from engine.speculative import train as T
+from moedesk.app.cli import main
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.sampling import sample_tokens
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import train as T
 from tests.speculative.train_helpers import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

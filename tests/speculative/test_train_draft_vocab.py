@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from app.cli import main
-from engine.errors import CheckpointError
-from engine.requests import Request, SamplingParams
-from engine.speculative import decode
-from engine.speculative import train as T
-from engine.speculative.eagle import load_eagle_head
+from moedesk.app.cli import main
+from moedesk.engine.errors import CheckpointError
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import decode
+from moedesk.engine.speculative import train as T
+from moedesk.engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -15,9 +15,9 @@ import copy
 import pytest
 import torch
 
-from engine.requests import Request, SamplingParams
-from engine.speculative import decode
-from engine.speculative import train as T
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.speculative import decode
+from moedesk.engine.speculative import train as T
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

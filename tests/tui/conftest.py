@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.runtime import Engine
+from moedesk.engine.runtime import Engine
 
 
 @pytest.fixture
@@ -33,9 +33,9 @@ def tui_dirs(tmp_path, monkeypatch):
 @pytest.fixture(autouse=True)
 def no_system_clipboard(monkeypatch):
     """Tests never fill the developer's clipboard; those about it put their own stand-in tool here."""
-    import app.tui.clipboard
+    import moedesk.app.tui.clipboard as clipboard
 
-    monkeypatch.setattr(app.tui.clipboard, "tools_here", lambda: [])
+    monkeypatch.setattr(clipboard, "tools_here", lambda: [])
 
 
 @pytest.fixture(scope="session")

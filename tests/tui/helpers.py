@@ -5,7 +5,7 @@ import time
 
 
 def greedy_settings(**changes):
-    from app.tui.settings import Settings
+    from moedesk.app.tui.settings import Settings
 
     values = dict(temperature=0.0, top_p=1.0, top_k=0, max_new_tokens=24, system_prompt="Be brief.")
     values.update(changes)

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.storage import Conversation, ConversationStore
-from app.tui.widgets.messages import AssistantMessage, UserMessage, visible
-from engine.requests import Request, SamplingParams
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.screens.chat import ChatScreen
+from moedesk.app.tui.storage import Conversation, ConversationStore
+from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage, visible
+from moedesk.engine.requests import Request, SamplingParams
 from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio

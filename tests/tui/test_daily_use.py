@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 from textual import events
 
-from app.tui import MoedeskApp
-from app.tui.storage import Conversation, ConversationStore
-from app.tui.widgets.messages import UserMessage
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.storage import Conversation, ConversationStore
+from moedesk.app.tui.widgets.messages import UserMessage
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
@@ -94,7 +94,7 @@ async def test_up_in_an_empty_box_recalls_earlier_prompts(engine):
 
 
 def test_legend_comes_first_and_names_only_places_the_machine_has():
-    from app.tui.widgets.heatmap import layout, render_lines
+    from moedesk.app.tui.widgets.heatmap import layout, render_lines
 
     layers = 30
     in_ram = layout([[False] * 8] * layers, [[1] * 8] * layers, width=40)
@@ -110,7 +110,7 @@ def test_legend_comes_first_and_names_only_places_the_machine_has():
 
 
 async def test_speed_scale_and_a_new_chat_clears_the_map(engine):
-    from app.tui.widgets.heatmap import ExpertHeatMap
+    from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
 
     app = MoedeskApp(engine, settings=greedy_settings(max_new_tokens=6))
     async with app.run_test(size=(160, 50)) as pilot:
@@ -186,7 +186,7 @@ async def test_wide_screens_show_the_stats_panel_unasked(engine):
 async def test_models_table_fits_80_columns(engine, tui_dirs, tiny_folder):
     import shutil
 
-    from app.tui.screens.models import ModelsScreen
+    from moedesk.app.tui.screens.models import ModelsScreen
 
     long_name = "a-rather-long-model-name-as-hub-repos-have-it-Instruct-2507"
     shutil.copytree(tiny_folder, tui_dirs["models"] / "acme" / long_name)
@@ -209,8 +209,8 @@ async def test_models_table_fits_80_columns(engine, tui_dirs, tiny_folder):
 
 
 async def test_deleting_a_chat_asks_first(engine):
-    from app.tui.screens.conversations import ConversationsScreen
-    from app.tui.screens.dialogs import ConfirmScreen
+    from moedesk.app.tui.screens.conversations import ConversationsScreen
+    from moedesk.app.tui.screens.dialogs import ConfirmScreen
 
     store = ConversationStore()
     older, current = Conversation(id="20250101-000000-aaaaaa"), Conversation(id="20250102-000000-bbbbbb")
@@ -249,8 +249,8 @@ async def test_deleting_a_chat_asks_first(engine):
 
 
 async def test_settings_show_focus_and_keep_bad_input_with_a_message(engine):
-    from app.tui.screens.settings import SettingsScreen
-    from app.tui.settings import Settings
+    from moedesk.app.tui.screens.settings import SettingsScreen
+    from moedesk.app.tui.settings import Settings
 
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(80, 24)) as pilot:
@@ -295,9 +295,9 @@ async def test_settings_show_focus_and_keep_bad_input_with_a_message(engine):
 async def test_a_failed_start_offers_what_works_and_old_chats_can_be_read(engine):
     from textual.widgets._footer import FooterKey
 
-    from app.tui.screens.download import DownloadScreen
-    from app.tui.screens.loading import LoadingScreen
-    from app.tui.screens.models import ModelsScreen
+    from moedesk.app.tui.screens.download import DownloadScreen
+    from moedesk.app.tui.screens.loading import LoadingScreen
+    from moedesk.app.tui.screens.models import ModelsScreen
 
     store = ConversationStore()
     old = Conversation()
@@ -336,7 +336,7 @@ async def test_a_failed_start_offers_what_works_and_old_chats_can_be_read(engine
 
 
 def test_repo_id_problems_in_plain_words():
-    from app.tui.screens.download import repo_id_problem
+    from moedesk.app.tui.screens.download import repo_id_problem
 
     assert repo_id_problem("Qwen/Qwen3-30B-A3B") is None and repo_id_problem("gpt2") is None
     for bad in ("qwen 3", "a/b/c", "bad!/name", "owner/", "-x/y", "x/y--z"):
@@ -349,7 +349,7 @@ async def test_wizard_listing_errors_say_what_happened(engine, monkeypatch, tui_
 
     from huggingface_hub import constants
 
-    from app.tui.screens.download import DownloadScreen
+    from moedesk.app.tui.screens.download import DownloadScreen
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -400,7 +400,7 @@ async def run_command(pilot, words: str) -> None:
 
 
 async def test_palette_renames_exports_and_deletes_the_chat(engine, tmp_path):
-    from app.tui.screens.dialogs import AskScreen, ConfirmScreen
+    from moedesk.app.tui.screens.dialogs import AskScreen, ConfirmScreen
 
     app = MoedeskApp(engine, settings=greedy_settings(max_new_tokens=6))
     async with app.run_test(size=(80, 24)) as pilot:
@@ -445,7 +445,7 @@ async def test_first_run_says_the_demo_is_being_built_and_cancel_acts_at_once():
     import threading
     import time
 
-    from app.tui.screens.loading import LoadingScreen
+    from moedesk.app.tui.screens.loading import LoadingScreen
 
     finished = threading.Event()
 
@@ -478,7 +478,7 @@ async def test_first_run_says_the_demo_is_being_built_and_cancel_acts_at_once():
 async def test_each_stage_in_words(tiny_folder):
     import threading
 
-    from app.tui.screens.loading import LoadingScreen
+    from moedesk.app.tui.screens.loading import LoadingScreen
 
     steps = [("load", 0.5), ("load", 1.0), ("profile", 1.0), ("calibrate", 1.0)]
     go_on = threading.Event()
@@ -490,7 +490,7 @@ async def test_each_stage_in_words(tiny_folder):
             at.append(stage)
             go_on.wait(5)
             go_on.clear()
-        from engine.runtime import Engine
+        from moedesk.engine.runtime import Engine
         return Engine.load(model, device="cpu", dtype="float32")
 
     app = MoedeskApp(factory, model=str(tiny_folder))
@@ -507,7 +507,7 @@ async def test_each_stage_in_words(tiny_folder):
 
 
 def test_last_code_block_is_the_code_alone():
-    from app.tui.clipboard import candidate_tools, last_code_block
+    from moedesk.app.tui.clipboard import candidate_tools, last_code_block
 
     reply = "Here:\n\n```python\ndef add(a, b):\n    return a + b\n```\n\nand\n\n~~~\nlast = 1\n~~~\n\nDone."
     assert last_code_block(reply) == "last = 1\n"
@@ -519,7 +519,7 @@ def test_last_code_block_is_the_code_alone():
 
 
 async def test_copy_says_which_way_it_went(engine, monkeypatch, tmp_path):
-    import app.tui.clipboard as clipboard
+    import moedesk.app.tui.clipboard as clipboard
 
     store = ConversationStore()
     c = Conversation()

@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.settings import FIELDS_BY_NAME, Settings, load_settings, settings_path
-from engine.requests import Request, SamplingParams
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.screens.chat import ChatScreen
+from moedesk.app.tui.settings import FIELDS_BY_NAME, Settings, load_settings, settings_path
+from moedesk.engine.requests import Request, SamplingParams
 from tests.speculative.test_speculative_decode import random_head
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
@@ -147,11 +147,11 @@ async def test_no_draft_head_says_so_in_one_line_and_replies_plainly(engine):
 
 @pytest.mark.anyio
 async def test_chat_flags_decide_over_the_settings_for_the_run(engine, head, monkeypatch):
-    import app.tui
-    from app.cli import main
+    import moedesk.app.tui as tui_package
+    from moedesk.app.cli import main
 
     runs = []
-    monkeypatch.setattr(app.tui, "run_app", lambda *args, **kw: runs.append(kw) or 0)
+    monkeypatch.setattr(tui_package, "run_app", lambda *args, **kw: runs.append(kw) or 0)
     assert main(["chat", "--speculative", "beam", "--draft", str(head), "--draft-length", "3", "--draft-width", "2",
                  "--beams", "2", "--length-penalty", "0.5"]) == 0
     assert runs[-1]["decoding"] == {"speculative": "beam", "draft": str(head), "draft_length": 3, "draft_width": 2,

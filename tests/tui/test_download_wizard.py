@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from app import download as dl
-from app.tui import MoedeskApp
-from app.tui.settings import Settings
-from app.tui.screens import download as wizard
-from app.tui.screens.download import DownloadScreen
-from app.tui.screens.models import LoadTarget
-from app.tui.screens.models import ModelsScreen
+from moedesk.app import download as dl
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.settings import Settings
+from moedesk.app.tui.screens import download as wizard
+from moedesk.app.tui.screens.download import DownloadScreen
+from moedesk.app.tui.screens.models import LoadTarget
+from moedesk.app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
 from tests.tui.helpers import chat_ready, wait_for
 
@@ -114,8 +114,8 @@ def partials(repo_id: str = REPO) -> list[Path]:
 
 def gguf_estimate(tmp_path, name: str, target: LoadTarget) -> str:
     """What the fit view says of a GGUF choice: the estimate of the file on disk, for the settings in force."""
-    from app.tui.catalog import estimate_line
-    from engine.load.size_estimate import summarize_path
+    from moedesk.app.tui.catalog import estimate_line
+    from moedesk.engine.load.size_estimate import summarize_path
 
     path = tmp_path / name
     path.write_bytes(GGUFS[name])

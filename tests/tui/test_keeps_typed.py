@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.storage import Conversation, ConversationStore, atomic_write_json
-from app.tui.widgets.messages import AssistantMessage, UserMessage, visible
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.screens.chat import ChatScreen
+from moedesk.app.tui.storage import Conversation, ConversationStore, atomic_write_json
+from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage, visible
 from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
@@ -35,10 +35,10 @@ def draft_on_disk(tui_dirs) -> str:
 
 
 async def test_the_unsent_message_survives_every_other_screen(engine):
-    from app.tui.screens.conversations import ConversationsScreen
-    from app.tui.screens.download import DownloadScreen
-    from app.tui.screens.models import ModelsScreen
-    from app.tui.screens.settings import SettingsScreen
+    from moedesk.app.tui.screens.conversations import ConversationsScreen
+    from moedesk.app.tui.screens.download import DownloadScreen
+    from moedesk.app.tui.screens.models import ModelsScreen
+    from moedesk.app.tui.screens.settings import SettingsScreen
 
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=SIZE) as pilot:
@@ -110,7 +110,7 @@ async def test_a_write_cut_short_keeps_the_previous_draft_and_a_bad_file_is_set_
     store = ConversationStore()
     store.save_draft("the previous draft")
     # A write that dies half way (the process killed in json.dump) leaves the old file whole...
-    import app.tui.storage as storage
+    import moedesk.app.tui.storage as storage
 
     def dump_half(value, f, **kwargs):
         f.write('{"version": 1, "text": "the new dra')
@@ -249,8 +249,8 @@ def test_atomic_write_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeyp
 
 
 async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dirs):
-    from app.tui.screens.settings import SettingsScreen
-    from app.tui.settings import load_settings
+    from moedesk.app.tui.screens.settings import SettingsScreen
+    from moedesk.app.tui.settings import load_settings
 
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=SIZE) as pilot:
@@ -288,8 +288,8 @@ async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dir
 
 
 async def test_a_settings_file_that_cannot_be_read_is_set_aside_not_overwritten(engine, tui_dirs):
-    from app.tui.screens.settings import SettingsScreen
-    from app.tui.settings import load_settings, settings_path
+    from moedesk.app.tui.screens.settings import SettingsScreen
+    from moedesk.app.tui.settings import load_settings, settings_path
 
     hand_edited = b'{"temperature": 0.2, "system_prompt": "my long prompt",}\n'  # a trailing comma
     settings_path().parent.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.screens.loading import LoadingScreen
-from engine.runtime import Engine
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.screens.loading import LoadingScreen
+from moedesk.engine.runtime import Engine
 from tests.tui.helpers import chat_ready, wait_for
 
 pytestmark = pytest.mark.anyio

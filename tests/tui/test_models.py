@@ -6,12 +6,12 @@ import shutil
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.catalog import estimate_line, find_models, folder_size, human_size, scan_hf_cache
-from app.tui.screens.models import LoadTarget, ModelsScreen, load_target
-from app.tui.settings import Settings
-from engine.load.size_estimate import MemoryEstimate
-from engine.runtime import Engine
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.catalog import estimate_line, find_models, folder_size, human_size, scan_hf_cache
+from moedesk.app.tui.screens.models import LoadTarget, ModelsScreen, load_target
+from moedesk.app.tui.settings import Settings
+from moedesk.engine.load.size_estimate import MemoryEstimate
+from moedesk.engine.runtime import Engine
 from tests.tui.helpers import chat_ready, wait_for
 
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.settings import FIELDS, FIELDS_BY_NAME, Settings, load_settings, save_settings, settings_path
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.settings import FIELDS, FIELDS_BY_NAME, Settings, load_settings, save_settings, settings_path
 from tests.tui.helpers import chat_ready, wait_for
 
 
@@ -80,7 +80,7 @@ def test_sampling_params():
 
 @pytest.mark.anyio
 async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, monkeypatch):
-    from engine.runtime import Engine
+    from moedesk.engine.runtime import Engine
 
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(100, 30)) as pilot:
@@ -133,9 +133,9 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, mon
 
 
 def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
-    from app.tui import MoedeskApp
-    from app.tui.settings import Settings
-    from engine.runtime import Engine
+    from moedesk.app.tui import MoedeskApp
+    from moedesk.app.tui.settings import Settings
+    from moedesk.engine.runtime import Engine
 
     asked = []
     monkeypatch.setattr(Engine, "load",
@@ -156,11 +156,11 @@ def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
 
 
 def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
-    import app.tui
-    from app.cli import main
-    from app.tui import MoedeskApp
-    from app.tui.settings import Settings
-    from engine.runtime import Engine
+    import moedesk.app.tui as tui_package
+    from moedesk.app.cli import main
+    from moedesk.app.tui import MoedeskApp
+    from moedesk.app.tui.settings import Settings
+    from moedesk.engine.runtime import Engine
 
     asked = []
     monkeypatch.setattr(Engine, "load", classmethod(
@@ -172,7 +172,7 @@ def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
     assert asked == [("demo", None, False), ("demo", 512, True), ("other", 512, True)]
 
     runs = []
-    monkeypatch.setattr(app.tui, "run_app", lambda *args: runs.append(args) or 0)
+    monkeypatch.setattr(tui_package, "run_app", lambda *args: runs.append(args) or 0)
     assert main(["--model", "m", "--context", "512", "--reprofile"]) == 0
     assert main(["chat", "--expert-dtype", "int4"]) == 0
     assert runs == [("m", "auto", None, None, 512, True, None), ("demo", "auto", None, None, None, False, "int4")]

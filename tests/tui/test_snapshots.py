@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot", reason="snapshot tests need pytest-textual-snapshot")
 
-from app.tui import MoedeskApp  # noqa: E402
-from app.tui.settings import Settings  # noqa: E402
-from app.tui.storage import Conversation, ConversationStore  # noqa: E402
-from engine.runtime import Engine  # noqa: E402
+from moedesk.app.tui import MoedeskApp  # noqa: E402
+from moedesk.app.tui.settings import Settings  # noqa: E402
+from moedesk.app.tui.storage import Conversation, ConversationStore  # noqa: E402
+from moedesk.engine.runtime import Engine  # noqa: E402
 from tests.tui.helpers import chat_ready, wait_for  # noqa: E402
 
 REPLY = """Experts are small feed-forward networks; a **router** picks a few of them for every token.

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.tui import MoedeskApp
-from app.tui.widgets.heatmap import GPU_MARK, LABEL_WIDTH, ExpertHeatMap, layout, level_of, render_lines
-from app.tui.widgets.stats import StatsPanel
-from engine.runtime import Engine
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.widgets.heatmap import GPU_MARK, LABEL_WIDTH, ExpertHeatMap, layout, level_of, render_lines
+from moedesk.app.tui.widgets.stats import StatsPanel
+from moedesk.engine.runtime import Engine
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
 
@@ -77,7 +77,7 @@ async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
 
 
 def test_expert_rows_per_generated_token():
-    from app.tui.widgets.stats import expert_rows
+    from moedesk.app.tui.widgets.stats import expert_rows
 
     assert expert_rows(None, 5) == [] and expert_rows({}, 5) == []
     rows = expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_streamed": 15,

@@ -25,11 +25,11 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Static, TextArea
 
-from app.tui.storage import Conversation
-from app.tui.widgets.load_panel import one_line, short_model_name
-from app.tui.widgets.messages import AssistantMessage, UserMessage
-from app.tui.widgets.prompt import PromptArea
-from app.tui.widgets.stats import StatsPanel
+from moedesk.app.tui.storage import Conversation
+from moedesk.app.tui.widgets.load_panel import one_line, short_model_name
+from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage
+from moedesk.app.tui.widgets.prompt import PromptArea
+from moedesk.app.tui.widgets.stats import StatsPanel
 
 MAP_REFRESH_S = 0.5
 
@@ -406,7 +406,7 @@ class ChatScreen(Screen):
         """Token ids of the conversation through the chat template; the oldest turns are left out
         when it would not leave room for the reply. Returns (ids, number of messages left out)."""
         if engine.tokenizer is None:
-            from engine.errors import MoedeskError
+            from moedesk.engine.errors import MoedeskError
             raise MoedeskError(f"{engine.name}: the model has no tokenizer, so it cannot chat")
         settings = self.app.settings
         history = self.conversation.messages
@@ -423,7 +423,7 @@ class ChatScreen(Screen):
                 break
             start = later
         if len(ids) >= engine.context_length:
-            from engine.errors import MoedeskError
+            from moedesk.engine.errors import MoedeskError
             raise MoedeskError(f"the message is {len(ids):,} tokens; the model's context holds "
                                f"{engine.context_length:,}")
         return ids, start
@@ -608,7 +608,7 @@ class ChatScreen(Screen):
         self._copy(last.content, "the last reply")
 
     def action_copy_code(self) -> None:
-        from app.tui.clipboard import last_code_block
+        from moedesk.app.tui.clipboard import last_code_block
 
         reply = next((m for m in reversed(self.conversation.messages)
                       if m.role == "assistant" and last_code_block(m.content) is not None), None)
@@ -618,7 +618,7 @@ class ChatScreen(Screen):
         self._copy(last_code_block(reply.content), "the last code block")
 
     def _copy(self, text: str, what: str) -> None:
-        from app.tui.clipboard import OSC52_NOTE, copy_text
+        from moedesk.app.tui.clipboard import OSC52_NOTE, copy_text
 
         how = copy_text(self.app, text)
         size = f"{len(text):,} characters"
@@ -638,7 +638,7 @@ class ChatScreen(Screen):
         self.stats.set_class(not shown, "-hidden")
 
     def action_rename(self) -> None:
-        from app.tui.screens.dialogs import AskScreen
+        from moedesk.app.tui.screens.dialogs import AskScreen
 
         if not self.conversation.messages:
             self.notify("Nothing to rename yet: an empty chat is not saved.", severity="warning")
@@ -655,8 +655,8 @@ class ChatScreen(Screen):
     def action_export(self) -> None:
         from pathlib import Path
 
-        from app.tui.screens.dialogs import AskScreen
-        from app.tui.storage import export_file_name
+        from moedesk.app.tui.screens.dialogs import AskScreen
+        from moedesk.app.tui.storage import export_file_name
 
         if not self.conversation.messages:
             self.notify("Nothing to export yet.", severity="warning")
@@ -669,7 +669,7 @@ class ChatScreen(Screen):
     def _export_to(self, path: str | None) -> None:
         from pathlib import Path
 
-        from app.tui.storage import conversation_markdown
+        from moedesk.app.tui.storage import conversation_markdown
 
         if not path:
             return
@@ -683,7 +683,7 @@ class ChatScreen(Screen):
         self.notify(f"Exported to {target}")
 
     def action_delete_chat(self) -> None:
-        from app.tui.screens.dialogs import ConfirmScreen
+        from moedesk.app.tui.screens.dialogs import ConfirmScreen
 
         if not self.conversation.messages:
             self.notify("Nothing to delete: this chat is empty.", severity="warning")
@@ -719,7 +719,7 @@ class ChatScreen(Screen):
             self.maximize(self.stats, container=False)
 
     def action_conversations(self) -> None:
-        from app.tui.screens.conversations import ConversationsScreen
+        from moedesk.app.tui.screens.conversations import ConversationsScreen
 
         self.app.push_screen(ConversationsScreen(self.app.store, self.conversation.id), self._open_chosen)
 

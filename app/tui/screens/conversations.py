@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Label, OptionList
 from textual.widgets.option_list import Option
 
-from app.tui.storage import ConversationInfo, ConversationStore
+from moedesk.app.tui.storage import ConversationInfo, ConversationStore
 
 
 def option_text(info: ConversationInfo, current: bool) -> Text:
@@ -62,7 +62,7 @@ class ConversationsScreen(ModalScreen[str | None]):
             self.dismiss(event.option.id)
 
     def action_delete(self) -> None:
-        from app.tui.screens.dialogs import ConfirmScreen
+        from moedesk.app.tui.screens.dialogs import ConfirmScreen
 
         options = self.query_one(OptionList)
         if options.highlighted is None or not self.infos:

@@ -31,11 +31,11 @@ from textual.screen import Screen
 from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressBar, Static
 from textual.widgets.option_list import Option
 
-from app import download as dl
-from app.tui.catalog import estimate_line
-from app.tui.screens.models import LoadTarget, load_target
-from app.tui.widgets.fit_view import FitView
-from app.tui.widgets.load_panel import one_line
+from moedesk.app import download as dl
+from moedesk.app.tui.catalog import estimate_line
+from moedesk.app.tui.screens.models import LoadTarget, load_target
+from moedesk.app.tui.widgets.fit_view import FitView
+from moedesk.app.tui.widgets.load_panel import one_line
 
 
 # The Hub's rule for a repo id: an optional owner and a name of letters, digits and - _ . (no -- or ..,

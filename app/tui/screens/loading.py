@@ -7,7 +7,7 @@ from textual.containers import Center, Middle
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Static
 
-from app.tui.widgets.load_panel import LoadPanel
+from moedesk.app.tui.widgets.load_panel import LoadPanel
 
 LOGO = "[b]moedesk[/b]\n[dim]Mixture-of-Experts models on one PC[/dim]"
 
@@ -77,7 +77,7 @@ class LoadingScreen(Screen):
         """The model asked for, when it reads as a Hub repo id (not a path, not the demo)."""
         from pathlib import Path
 
-        from app.tui.screens.download import repo_id_problem
+        from moedesk.app.tui.screens.download import repo_id_problem
 
         model = self.model
         if model == "demo" or "/" not in model or Path(model).expanduser().exists() or repo_id_problem(model):

@@ -18,9 +18,9 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from app.tui.catalog import LocalModel, estimate_line, find_models, human_size
-from app.tui.storage import models_dir
-from app.tui.widgets.load_panel import LoadPanel, one_line
+from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size
+from moedesk.app.tui.storage import models_dir
+from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
 
 
 def preflight(model: str) -> None:
@@ -28,11 +28,11 @@ def preflight(model: str) -> None:
     a missing file, an unreadable checkpoint, an unsupported architecture. Reads headers only."""
     if model == "demo":
         return  # built on first use; nothing to check cheaply
-    from engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.load.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model)
     try:
-        from engine.model.architectures import parse_config
+        from moedesk.engine.model.architectures import parse_config
     except ImportError:
         return
     parse_config(checkpoint.config, checkpoint.path)
@@ -260,7 +260,7 @@ class ModelsScreen(Screen):
         self.query_one("#model-path", Input).focus()
 
     def action_download(self, repo_id: str = "") -> None:
-        from app.tui.screens.download import DownloadScreen
+        from moedesk.app.tui.screens.download import DownloadScreen
 
         self.app.push_screen(DownloadScreen(repo_id), self._download_closed)
 

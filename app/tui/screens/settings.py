@@ -13,7 +13,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
 
-from app.tui.settings import FIELDS, FIELDS_BY_NAME, SettingField, Settings, save_settings, settings_path
+from moedesk.app.tui.settings import FIELDS, FIELDS_BY_NAME, SettingField, Settings, save_settings, settings_path
 
 
 def editor_for(field: SettingField, value) -> Widget:

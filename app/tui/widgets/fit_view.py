@@ -11,7 +11,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Static
 
-from app.download import DownloadChoice, FitReport, format_bytes
+from moedesk.app.download import DownloadChoice, FitReport, format_bytes
 
 
 def size_line(choice: DownloadChoice) -> str:

@@ -44,7 +44,7 @@ def stage_now(stage: str, fraction: float) -> str:
 def demo_needs_building() -> bool:
     """True before the demo model's first use: opening it builds it, which reports no progress."""
     try:
-        from engine.load.demo import cache_root, recipe
+        from moedesk.engine.load.demo import cache_root, recipe
 
         r = recipe()
         return not (cache_root() / f"{r['name']}-v{r['version']}" / "config.json").is_file()
@@ -58,7 +58,7 @@ class LoadCancelled(Exception):
 
 def one_line(error: BaseException) -> str:
     """What a person sees of an error: the engine's own one-line message, else type and first line."""
-    from engine.errors import MoedeskError
+    from moedesk.engine.errors import MoedeskError
 
     text = str(error).strip()
     first = text.splitlines()[0] if text else ""

@@ -10,7 +10,7 @@ from textual.app import ComposeResult
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Label, Sparkline, Static
 
-from app.tui.widgets.heatmap import ExpertHeatMap
+from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
 
 BAR_WIDTH = 20
 

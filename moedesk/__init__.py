@@ -1,0 +1,17 @@
+"""moedesk: run Mixture-of-Experts language models on one personal computer.
+
+Installed, `moedesk.app`, `moedesk.engine`, `moedesk.kernels` and `moedesk.assets` are this package's
+subpackages (setup.py maps the repository's top-level folders under it). Run from a checkout without
+installing (the GPU box does), the same names resolve to those folders through this package's path.
+"""
+from importlib.metadata import PackageNotFoundError, version as _version
+from pathlib import Path as _Path
+
+_checkout = _Path(__file__).resolve().parent.parent
+if (_checkout / "engine" / "runtime.py").is_file() and (_checkout / "app" / "cli.py").is_file():
+    __path__.append(str(_checkout))  # noqa: F821 -- a package's __path__, set by the import system
+
+try:
+    __version__ = _version("moedesk")
+except PackageNotFoundError:  # a checkout that was never installed
+    __version__ = "0+checkout"
