@@ -33,3 +33,18 @@ def test_every_option_is_in_its_readme_section(command):
     assert flags or command == "chat"
     missing = [flag for flag in flags if not re.search(rf"`[^`]*{re.escape(flag)}\b", text)]
     assert not missing, f"README's `moedesk {command}` section does not mention {missing}"
+
+
+def test_ci_finds_the_readme_commands_it_runs_as_written():
+    # .ci/run runs these two lines in a fresh clone; a README rewrite that loses them must fail here, not in CI.
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / ".ci" / "readme_commands.py"
+    spec = importlib.util.spec_from_file_location("readme_commands", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    install, test = module.readme_commands(README)
+    assert "python3 -m venv .venv" in install and install.endswith("pip install -e .")
+    assert test.startswith("pip install -e '.[test]'") and "pytest" in test
+    with pytest.raises(ValueError):
+        module.readme_commands("```bash\npip install -e .\n```\n")
