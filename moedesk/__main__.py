@@ -1,5 +1,7 @@
 """`python -m moedesk`: the same as the `moedesk` command."""
+import sys
+
 from moedesk.app.cli import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
