@@ -1,10 +1,9 @@
 """`moedesk batch`: complete every line of a JSONL file, resumable, one output line per input line.
 
-The contract (DESIGN.md, "Contracts"): output in input order, appended and flushed line by
-line; ids already in the output are skipped on a rerun; a bad line becomes an `error` line and
-the run goes on; exit 0 when every line succeeded, 1 when some failed (or the output could not be
-written, as on a full disk: the run stops, what was written stays, and a rerun resumes), 2 for usage
-errors.
+The contract (docs/architecture.md, "Contracts other tools rely on"): output in input order, appended and flushed line
+by line; ids already in the output are skipped on a rerun; a bad line becomes an `error` line and the run goes on;
+exit 0 when every line succeeded, 1 when some failed (or the output could not be written, as on a full disk: the run
+stops, what was written stays, and a rerun resumes), 2 for usage errors.
 
 Memory stays bounded: the input is read line by line and handed to the engine as a generator
 it pulls from, so at any moment only the lines in flight and the finished results waiting for
@@ -154,7 +153,7 @@ APP_SETTINGS = {"max_new_tokens": "max_new_tokens", "temperature": "temperature"
                 "expert_dtype": "engine_expert_dtype"}
 
 
-AUTO_BATCH_CAP = 16  # the batched decode measured on the GPU box (README, "Speed, measured")
+AUTO_BATCH_CAP = 16  # the batched decode measured on the GPU box (docs/measurements.md, "Speed")
 PROMPT_ALLOWANCE = 512  # prompt tokens assumed per line when sizing the batch, before any line is read
 
 

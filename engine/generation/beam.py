@@ -80,11 +80,11 @@ class BeamOptions:
         check_options(self.beams, self.length_penalty, self.early_stopping)
 
 
-# Cache rows that the searches stepping together may hold at once (the sum of their widths). A decode forward
-# over experts in RAM is memory-bound: more rows cost little more than W, up to the batch where most experts are
-# picked every step anyway (the GPU box measured batched decode to B = 32, README). 64 rows take four searches
-# of the server's widest (16 beams) or sixteen of 4, while the cache they need stays about 64 prompt+reply
-# lengths. A search wider than this still runs, alone.
+# Cache rows that the searches stepping together may hold at once (the sum of their widths). A decode forward over
+# experts in RAM is memory-bound: more rows cost little more than W, up to the batch where most experts are picked
+# every step anyway (the GPU box measured batched decode to B = 32, docs/measurements.md). 64 rows take four searches
+# of the server's widest (16 beams) or sixteen of 4, while the cache they need stays about 64 prompt+reply lengths. A
+# search wider than this still runs, alone.
 BEAM_ROWS = 64
 
 

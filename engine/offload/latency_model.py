@@ -4,7 +4,7 @@ Fitted once per machine, model shape and dtype from the profiler's measurements 
 `engine.offload.profiler.profile_expert`) and cached as JSON; the per-step decisions in
 `engine.offload.placement` read it hundreds of times per token, so evaluating it is plain arithmetic.
 
-The shapes follow what the hardware does (DESIGN.md, "Facts measured"):
+The shapes follow what the hardware does (docs/measurements.md, "Facts measured on the GPU box"):
 
 - CPU: a step's CPU experts are one kernel call, which costs a part of its own (waking the threads,
   quantising the activations, each phase's last items) and each expert's share: a weight read plus

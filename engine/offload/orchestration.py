@@ -47,7 +47,7 @@ def _warn(warnings: list[str], message: str) -> None:
 
 def leave_a_core_to_the_gpu_thread() -> int:
     """Torch's CPU threads = physical cores - 1: a busy pool starves the thread that launches GPU work
-    (DESIGN.md: 123 ms vs 76 ms when they compete). The native experts kernel's pool keeps the same rule
+    (docs/measurements.md, "Facts measured on the GPU box"). The native experts kernel's pool keeps the same rule
     (kernels.cpu_experts.default_num_threads). Returns the thread count set."""
     import psutil
 

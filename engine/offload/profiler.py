@@ -51,8 +51,9 @@ def _timed_ms(fn, device: torch.device, repeat: int) -> float:
 
 def cpu_read_gbs(megabytes: int = 1024) -> float:
     """The CPU's read bandwidth over a buffer far larger than the caches: the faster of a parallel
-    torch sum (as DESIGN.md measured it) and, where it runs, the native experts kernel streaming one
-    expert of that size for one token, which is how decode reads experts (and often the faster)."""
+    torch sum (as docs/measurements.md, "Facts measured on the GPU box", measured it) and, where it runs,
+    the native experts kernel streaming one expert of that size for one token, which is how decode reads
+    experts (and often the faster)."""
     buf = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32)
     ms = _timed_ms(lambda: buf.sum(), torch.device("cpu"), 5)
     best = buf.numel() * 4 / ms / 1e6

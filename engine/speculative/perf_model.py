@@ -53,8 +53,8 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 # Speculate only where the predicted speedup is at least 10%. Why that much: step times of one
-# machine of the GPU box moved by more than 10% between runs (README, "Speed, measured": the same
-# decode bound measured 18.1 to 25.9 tok/s), the acceptance α is estimated from past steps, and a
+# machine of the GPU box moved by more than 10% between runs (docs/measurements.md, "Where a Qwen3 step
+# goes"), the acceptance α is estimated from past steps, and a
 # fitted model is off by a few percent at the points it was fitted to (more where it extrapolates).
 # Below this margin a mistaken "speculate" costs more than a missed one gains.
 SAFETY_MARGIN = 0.10

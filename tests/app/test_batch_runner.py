@@ -1,4 +1,5 @@
-"""`app.batch.run_batch` against the batch file contract (DESIGN.md), with a fake engine.
+"""`app.batch.run_batch` against the batch file contract (docs/architecture.md, "Contracts other tools
+rely on"), with a fake engine.
 
 The fake engine is a test double for the file contract only: it "generates" the prompt's ids
 reversed, finishes short sequences first (so completions come back out of input order), and

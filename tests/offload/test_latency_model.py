@@ -41,7 +41,7 @@ def test_bandwidth_floor_then_linear_is_recovered_exactly():
 
 
 def test_kernel_slower_than_the_read_bandwidth_sets_the_floor():
-    # A bf16 kernel that reads at ~70% of the bandwidth, flat up to 16 tokens (DESIGN.md): one
+    # A bf16 kernel that reads at ~70% of the bandwidth, flat up to 16 tokens (docs/measurements.md): one
     # line through all points would be 20-40% off; the kernel's own floor makes it exact.
     model = fit_latency_model(profile(lambda n: max(5.0, 0.3 * n), expert_bytes=352 * MiB, cpu_read_gbs=102.0))
     for n in CPU_TOKENS + (3, 20, 300):

@@ -21,7 +21,8 @@ def simulate_distinct(num_experts: int, top_k: int, tokens: int, trials: int, rn
 
 
 def test_design_example():
-    # DESIGN.md: five tokens of one sequence route to about 6.1 of Mixtral's 8 experts.
+    # docs/measurements.md, "Facts measured on the GPU box": five tokens of one sequence route to about
+    # 6.1 of Mixtral's 8 experts.
     assert expected_active_experts(5, 8, 2) == pytest.approx(8 * (1 - 0.75**5))
     assert expected_active_experts(5, 8, 2) == pytest.approx(6.10, abs=0.01)
 

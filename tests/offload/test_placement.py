@@ -285,9 +285,8 @@ def test_greedy_only_above_the_exact_limit():
 
 
 def test_balanced_split_beats_fiddler_at_decode():
-    # DESIGN.md's Mixtral numbers: 5 ms on the CPU, 6.5 ms copy, 0.17 ms on the GPU. Fiddler
-    # keeps both 1-token experts on the CPU (10 ms); copying one while the CPU runs the other
-    # ends at 6.67 ms.
+    # The GPU box's first Mixtral numbers (docs/measurements.md): 5 ms on the CPU, 6.5 ms copy, 0.17 ms on the GPU.
+    # Fiddler keeps both 1-token experts on the CPU (10 ms); copying one while the CPU runs the other ends at 6.67 ms.
     table = Table(cpu={1: 5.0}, gpu={1: 0.17}, copy_expert_ms=6.5)
     assert fiddler_rule(1, table) == "cpu"
     fiddler = fiddler_assign({3: 1, 5: 1}, table)

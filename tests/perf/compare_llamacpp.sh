@@ -6,8 +6,8 @@
 # Quantised experts, the same way (after the llama phase built llama.cpp and wrote the F16 GGUFs):
 #   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh llama-quant     (llama-quantize to Q4_0, Q4_K_M, Q8_0 + bench)
 #   bash tests/perf/compare_llamacpp.sh moedesk-quant                  (our packed benches + ratios)
-# SRC is the slim llama.cpp source from ../shared/tools/llamacpp/prepare.sh; TOOLS a copy of that
-# folder's make_gguf.py. Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
+# SRC is a llama.cpp source tree and TOOLS a folder with make_gguf.py (docs/benchmarks.md, "Against
+# llama.cpp"). Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
 # (tests/perf/make_qwen3_gguf.py), 16-bit weights, 16 threads.
 set -uo pipefail
 SRC=${SRC:-.llamacpp}; TOOLS=${TOOLS:-.llamacpp-tools}; L=${L:-8}; QL=${QL:-12}; W=/tmp/compare; mkdir -p "$W"

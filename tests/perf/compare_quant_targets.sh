@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 15's quantised-expert targets, moedesk against llama.cpp, in one run on the GPU box: three phases, one
-# device command each, back to back on the same machine (README: Quantised experts). The full comparison of every
-# format and mode is tests/perf/compare_llamacpp.sh; this runs only the targets' cases, in ~12 minutes:
+# Issue 15's quantised-expert targets, moedesk against llama.cpp, in one run on the GPU box: three phases, one device
+# command each, back to back on the same machine (docs/benchmarks.md, "Against llama.cpp"). The full comparison of
+# every format and mode is tests/perf/compare_llamacpp.sh; this runs only the targets' cases, in ~12 minutes:
 #   SRC=.llamacpp TOOLS=.llamacpp-tools bash tests/perf/compare_quant_targets.sh build   (llama.cpp, F16 GGUFs)
 #   SRC=.llamacpp bash tests/perf/compare_quant_targets.sh llama     (llama-quantize: Qwen3 Q4_K_M; Mixtral Q4_0,
 #                                                                     Q4_K_M, Q8_0; bench)

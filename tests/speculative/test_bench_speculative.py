@@ -1,7 +1,7 @@
 """`moedesk bench --speculative`, `--beams` and `--model/--draft/--prompts` (engine.bench_speculative), on the CPU.
 
 The command runs end to end on a tiny synthetic shape and on a tiny checkpoint with a random head; its JSON
-has the fields the README names; the oracle draft's measured acceptance is the requested one within a
+has the fields docs/benchmarks.md names; the oracle draft's measured acceptance is the requested one within a
 binomial tolerance; auto's decision never speculates where the measured step times say it loses; the fit's
 error is what the fitted model does at the measured points.
 """

@@ -43,6 +43,6 @@ def test_the_shipped_head_is_lossless_and_drafts_well(demo):
         out = demo.speculate(requests, default_draft(demo), mode=mode, draft_length=4, draft_width=2)
         assert [c.token_ids for c in out] == [plain[i] for i in range(len(requests))], mode
     measured = acceptance_length(demo, [[{"role": "user", "content": p}] for p in PROMPTS], max_new_tokens=48)
-    # 2.06 measured for the shipped head (chains of 4), 2.25 for the one before it: four short answers are too few
-    # to rank heads (on 80 MT-bench prompts the shipped one drafts more, README), enough to show it pays
+    # 2.06 measured for the shipped head (chains of 4), 2.25 for the one before it: four short answers are too few to
+    # rank heads (on 80 MT-bench prompts the shipped one drafts more, docs/measurements.md), enough to show it pays
     assert measured["mean"] >= 1.8, measured

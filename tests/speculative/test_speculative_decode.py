@@ -334,8 +334,8 @@ def test_slow_plain_rounds_never_make_drafting_look_cheaper():
     assert decode.auto_gamma(costs, 1, 0.95, 4) == 0  # not even a probe
 
 
-# The Qwen3-30B-A3B shape at batch 1, experts in RAM (README: T(1,1)/T(1,5) = 0.51 on the GPU box's H200s; the
-# issue's T(1,2) of 1.5-2x T(1,1)), in ms: verifying even one draft costs 60% more than a plain step.
+# The Qwen3-30B-A3B shape at batch 1, experts in RAM (docs/measurements.md: T(1,1)/T(1,5) = 0.51 on the GPU box's
+# H200s; the T(1,2) of 1.5-2x T(1,1)), in ms: verifying even one draft costs 60% more than a plain step.
 QWEN3_B1 = {1: 10.0, 2: 16.0, 3: 17.5, 4: 18.7, 5: 19.6}
 
 

@@ -2,7 +2,7 @@
 
 The decision tests use step times measured with moedesk on the GPU box (one H100 80GB on PCIe,
 16-core Xeon, 2026-11-25, random-weight models of two real shapes, 16-bit weights, every expert in
-RAM; README "Speed, measured" describes the machine and the shapes):
+RAM; docs/measurements.md, "Speed", describes the machine and the shapes):
 
   k tokens of one sequence in one forward (eager, from an empty cache; k = 1 is the decode step),
   which is what verifying k-1 drafts costs at batch 1:
@@ -47,7 +47,7 @@ REJECT_MS = 0.5
 def test_activated_experts_closed_form_and_limits():
     assert pm.activated_experts(1, 8, 2) == pytest.approx(2.0)  # one token: exactly its top-K
     assert pm.activated_experts(0, 8, 2) == 0.0
-    # DESIGN's example: 5 tokens of Mixtral route to about 6.1 of 8 experts
+    # docs/measurements.md's example: 5 tokens of Mixtral route to about 6.1 of 8 experts
     assert pm.activated_experts(5, 8, 2) == pytest.approx(8 * (1 - 0.75 ** 5)) == pytest.approx(6.1, abs=0.05)
     assert pm.activated_experts(10_000, 128, 8) == pytest.approx(128.0)  # saturates at E
     t = np.arange(0, 200)
@@ -182,15 +182,16 @@ def test_measured_batch1_mixtral_gain_is_inside_the_margin():
     s = pm.predicted_speedup(costs, 1, 3, 0.7)
     assert 1.0 < s < 1.0 + pm.SAFETY_MARGIN
     assert pm.choose_draft_length(costs, 1, 0.7).gamma == 0
-    # a draft accepted far more often does pay at batch 1 (DESIGN: "far more than ~3 tokens per step")
+    # a draft accepted far more often does pay at batch 1 (docs/measurements.md: "far more than ~3 tokens per step")
     assert pm.choose_draft_length(costs, 1, 0.95, max_gamma=31).gamma > 0
 
 
 def _batch16_table(k_ms, b16_tok_s, active_b16, experts, top_k, ks=(1, 2, 3, 4, 5, 6, 7, 8)):
     """T(16, k) derived from the figures, as an upper bound: a step of 16 sequences reads at most
-    N(16k) / N(16) times the experts the measured batch-16 step read (it is read-bound: the README's
-    batched rows run at 85-100% of the read bound), plus each extra token's compute, which the batch-1
-    table shows where every expert is already active: T(32) - T(16) over 16 tokens."""
+    N(16k) / N(16) times the experts the measured batch-16 step read (it is read-bound: the batched
+    rows of docs/measurements.md's 2026-11-25 table run at 85-100% of the read bound), plus each extra
+    token's compute, which the batch-1 table shows where every expert is already active: T(32) - T(16)
+    over 16 tokens."""
     step16 = 16 / b16_tok_s * 1000
     per_token = (k_ms[32] - k_ms[16]) / 16
     table = {}
