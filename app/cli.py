@@ -97,7 +97,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from moedesk.app.batch import add_batch_arguments
 
+    from moedesk import __version__
+
     parser = argparse.ArgumentParser(prog="moedesk", description="Run Mixture-of-Experts language models locally.")
+    parser.add_argument("--version", action="version", version=f"moedesk {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     chat = sub.add_parser("chat", help="open the chat app (the default command)",
                           description="Open the Textual chat app on a model.")
@@ -415,7 +418,7 @@ def run_chat_command(args) -> int:
 def main(argv=None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
         argv = ["chat", *argv]  # `moedesk [--model M]` opens the app
     args = parser.parse_args(argv)
     try:
