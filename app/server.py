@@ -38,10 +38,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moedesk.app import chat_request
+from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.beam import BeamOptions
-from moedesk.engine.requests import Completion, Request, SamplingParams
 from moedesk.engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
+from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
+from moedesk.engine.requests import Completion, Request, SamplingParams
 from moedesk.engine.speculative.decode import SpeculativeOptions
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
@@ -57,7 +60,6 @@ DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that 
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
 SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,64 @@ class Prepared:
     chat: bool
     model: str
     decoding: object = None  # BeamOptions, SpeculativeOptions or None (Engine.submit's)
+    reply: ReplyFormat = PLAIN  # how the model marks reasoning and tool calls
+    in_reasoning: bool = False  # the prompt ended inside an open think tag
+    tools: Tools = NO_TOOLS
+
+
+class ReplyReader:
+    """A request's engine updates as reply pieces: reasoning, answer and tool calls told apart
+    (engine.load.reply_format), never a partial character nor the possible start of a stop string."""
+
+    def __init__(self, prepared: Prepared, tokenizer):
+        self.prepared, self.tokenizer = prepared, tokenizer
+        self.deltas = TextDeltas(prepared.request.params.stop)
+        self.raw = prepared.reply.keeps_special_tokens and tokenizer is not None
+        self.ids: list[int] = []
+        self.calls_sent = 0
+        tools = prepared.tools.offered is not None and prepared.tools.forced is None
+        self.stream = ReplyStream(prepared.reply, in_reasoning=prepared.in_reasoning, tools=tools)
+
+    def piece(self, update: Update) -> Parsed:
+        self.deltas.chunk(update)
+        if update.token_id is not None:
+            self.ids.append(update.token_id)
+        if self.prepared.tools.forced is not None:
+            return Parsed()  # a forced reply is JSON: its calls come whole at the end
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False).rstrip("\ufffd") if self.raw \
+            else self.deltas.shown
+        return self._limited(self.stream.update(text))
+
+    def last(self, done: Completion) -> Parsed:
+        """What the finished reply adds; afterwards `whole` is all of it."""
+        self.deltas.last(done)
+        if self.prepared.tools.forced is not None:
+            calls = chat_request.forced_calls(done.text)
+            self.stream.shown = Parsed("", "" if calls else done.text, calls)
+            return self._limited(self.stream.shown)
+        text = self.tokenizer.decode(done.token_ids, skip_special_tokens=False) if self.raw else done.text
+        return self._limited(self.stream.update(text, final=True))
+
+    def _limited(self, new: Parsed) -> Parsed:
+        if not self.prepared.tools.parallel:  # parallel_tool_calls false: the first call only
+            new = replace(new, tool_calls=new.tool_calls[:max(0, 1 - self.calls_sent)])
+        self.calls_sent += len(new.tool_calls)
+        return new
+
+    @property
+    def whole(self) -> Parsed:
+        shown = self.stream.shown
+        return shown if self.prepared.tools.parallel else replace(shown, tool_calls=shown.tool_calls[:1])
+
+
+@dataclass
+class Job:
+    """A submitted request: its engine handle, the queue its updates arrive on, and their reader."""
+
+    prepared: Prepared
+    handle: object
+    updates: asyncio.Queue
+    reader: ReplyReader
 
 
 class Server:
@@ -158,6 +218,32 @@ class Server:
     async def _complete(self, http: HttpRequest, chat: bool) -> Response:
         self._authorise(http)
         body = await self._json_body(http)
+        job = await self.start(body, chat)
+        reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        if job.prepared.stream:
+            return self.streaming(self._events(job, reply_id))
+        done = await self.finish(http, job)
+        if done is None:
+            return Response(status_code=499)
+        whole = job.reader.whole
+        if chat:
+            message = {"role": "assistant", "content": whole.content if whole.content or not whole.tool_calls
+                       else None}
+            if whole.reasoning:
+                message["reasoning_content"] = whole.reasoning
+            if whole.tool_calls:
+                message["tool_calls"] = [_openai_call(call, i, reply_id)[1] for i, call in enumerate(whole.tool_calls)]
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(done, whole)}
+        else:
+            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": _finish(done)}
+        return JSONResponse({"id": reply_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": job.prepared.model, "choices": [choice],
+                             "usage": _usage(done), "moedesk": _extension(done)})
+
+    # --- the request path every API shares ------------------------------------------------------
+
+    async def start(self, body: dict, chat: bool) -> Job:
+        """Validate an OpenAI-style body and put it on the scheduler (503 when the queue is full)."""
         # Tokenising, the chat template and compiling a schema are CPU work: off the event loop.
         prepared = await run_in_threadpool(self._prepare, body, chat)
         loop = asyncio.get_running_loop()
@@ -174,73 +260,89 @@ class Server:
             retry = self.engine.scheduler.retry_after()
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
                            kind="server_error", headers={"Retry-After": str(retry)}) from None
-        reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if prepared.stream:
-            return StreamingResponse(self._events(prepared, handle, updates, reply_id), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return Job(prepared, handle, updates, ReplyReader(prepared, self.engine.tokenizer))
+
+    async def finish(self, http: HttpRequest, job: Job) -> Completion | None:
+        """The completion of a plain (not streamed) job, parsed into job.reader.whole; None when the client went
+        away first (its row is freed); ApiError 500 when the engine failed it."""
         try:
             while True:
                 try:
-                    update = await asyncio.wait_for(updates.get(), DISCONNECT_POLL_S)
+                    update = await asyncio.wait_for(job.updates.get(), DISCONNECT_POLL_S)
                     break
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
-                        handle.cancel()  # nobody waits for the answer: free the row at the next step
-                        return Response(status_code=499)
+                        return None
         finally:
-            handle.cancel()  # no-op once finished; frees the row if this task was cancelled
+            job.handle.cancel()  # no-op once finished; frees the row if the client left or this task was cancelled
         if update.error is not None:
             raise _engine_error(update.error)
-        done = update.completion
-        choice = ({"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
-                   "finish_reason": _finish(done)} if chat else
-                  {"index": 0, "text": done.text, "logprobs": None, "finish_reason": _finish(done)})
-        return JSONResponse({"id": reply_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": prepared.model, "choices": [choice],
-                             "usage": _usage(done), "moedesk": _extension(done)})
+        job.reader.last(update.completion)
+        return update.completion
 
-    async def _events(self, prepared: Prepared, handle, updates: asyncio.Queue, reply_id: str):
-        """Server-sent events: one chunk per piece of text, the last with finish_reason (and usage when asked)."""
+    async def pieces(self, job: Job):
+        """A streamed job's reply: (new pieces, None) as tokens arrive, then (last pieces, completion); an engine
+        failure raises ApiError. The row is freed when the consumer stops early (its client went away)."""
+        try:
+            while True:
+                update = await job.updates.get()
+                if update.error is not None:
+                    raise _engine_error(update.error)
+                if update.completion is not None:
+                    yield job.reader.last(update.completion), update.completion
+                    return
+                piece = job.reader.piece(update)
+                if piece.reasoning or piece.content or piece.tool_calls:
+                    yield piece, None
+        finally:
+            job.handle.cancel()
+
+    @staticmethod
+    def streaming(events, media_type: str = "text/event-stream") -> StreamingResponse:
+        return StreamingResponse(events, media_type=media_type,
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, job: Job, reply_id: str):
+        """Server-sent events: one chunk per piece of the reply, the last with finish_reason (and usage when
+        asked)."""
+        prepared = job.prepared
         chat = prepared.chat
-        created = int(time.time())
         head = {"id": reply_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": prepared.model}
+                "created": int(time.time()), "model": prepared.model}
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False, **extra) -> bytes:
+        def chunk(delta: dict | None, finish: str | None = None, **extra) -> bytes:
             if chat:
-                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None,
+                          "finish_reason": finish}
             if prepared.include_usage:
                 extra.setdefault("usage", None)
             return _sse({**head, "choices": [choice], **extra})
 
-        deltas = TextDeltas(prepared.request.params.stop)
+        calls = 0
         try:
             if chat:
-                yield chunk(None, role=True)
-            while True:
-                update = await updates.get()
-                if update.error is not None:
-                    error = _engine_error(update.error)
-                    yield _sse(error_body(error.message, error.kind, code=error.code))
-                    break
-                if update.completion is not None:
-                    done = update.completion
-                    last = deltas.last(done)
-                    if last.text:
-                        yield chunk(last.text)
-                    yield chunk(None, _finish(done), moedesk=_extension(done))
+                yield chunk({"role": "assistant", "content": ""})
+            async for piece, done in self.pieces(job):
+                if piece.reasoning and chat:
+                    yield chunk({"reasoning_content": piece.reasoning})
+                if piece.content:
+                    yield chunk({"content": piece.content})
+                for call in piece.tool_calls:
+                    index, body = _openai_call(call, calls, reply_id)
+                    yield chunk({"tool_calls": [{"index": index, **body}]})
+                    calls += 1
+                if done is not None:
+                    yield chunk(None, _finish(done, job.reader.whole), moedesk=_extension(done))
                     if prepared.include_usage:
                         yield _sse({**head, "choices": [], "usage": _usage(done)})
-                    break
-                piece = deltas.chunk(update)
-                if piece.text:
-                    yield chunk(piece.text)
+            yield b"data: [DONE]\n\n"
+        except ApiError as error:
+            yield _sse(error_body(error.message, error.kind, code=error.code))
             yield b"data: [DONE]\n\n"
         finally:
-            handle.cancel()  # the client went away mid-stream: its row is freed at the next step
+            job.handle.cancel()  # the client went away mid-stream: its row is freed at the next step
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -280,17 +382,23 @@ class Server:
                            "model_not_found")  # 404 as OpenAI's (the openai client's NotFoundError)
         for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
                               ("logprobs", None), ("top_logprobs", None), ("echo", False), ("suffix", None),
-                              ("tools", None), ("functions", None), ("logit_bias", None)):
+                              ("functions", None), ("logit_bias", None)) + ((("tools", None),) if not chat else ()):
             value = body.get(name)
             if value is not None and value != neutral and not (name == "logprobs" and value is False) \
                     and not (name in ("tools", "functions", "logit_bias") and not value):
                 raise ApiError(400, f"'{name}' is not supported by this server (only {neutral!r})", name,
                                "unsupported_parameter")
-        for name in ("tool_choice", "function_call"):  # without tools, "none" and "auto" both mean plain text
-            if body.get(name) not in (None, "none", "auto"):
-                raise ApiError(400, f"'{name}' is not supported by this server (tools are not: only \"none\" or "
-                                    f"\"auto\")", name, "unsupported_parameter")
-        ids = self._prompt_ids(body, chat)
+        # The deprecated functions API: without functions, "none" and "auto" both mean plain text.
+        if body.get("function_call") not in (None, "none", "auto"):
+            raise ApiError(400, "'function_call' is not supported by this server: use tools and tool_choice",
+                           "function_call", "unsupported_parameter")
+        try:
+            tools = chat_request.tools(body) if chat else NO_TOOLS
+        except BadField as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
+        if not chat and body.get("tool_choice") not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs /v1/chat/completions", "tool_choice", "unsupported_parameter")
+        ids, reply, in_reasoning = self._prompt_ids(body, chat, tools)
         context = engine.context_length
         if len(ids) >= context:
             raise ApiError(400, f"This model's maximum context length is {context} tokens; the prompt has "
@@ -336,15 +444,23 @@ class Server:
             include_usage = _field(options, "include_usage", bool, default=False, where="stream_options.")
         ignore_eos = _field(body, "ignore_eos", bool, default=False)  # an extension, as vLLM's
         grammar = None
-        if body.get("response_format") is not None:
+        response_format = body.get("response_format")
+        if tools.forced is not None:
+            if response_format not in (None, {"type": "text"}):
+                raise ApiError(400, "response_format and a tool_choice that forces a call exclude each other",
+                               "response_format", "invalid_value")
+            response_format = chat_request.forced_response_format(tools.forced)
+        if response_format is not None:
             try:
-                grammar = engine.grammar(body["response_format"])
+                grammar = engine.grammar(response_format)
             except (ValueError, MoedeskError) as e:
-                raise ApiError(400, str(e), "response_format", "invalid_value") from None
+                param = "response_format" if tools.forced is None else "tools"
+                raise ApiError(400, str(e), param, "invalid_value") from None
         params = SamplingParams(max_new_tokens=min(max_tokens or room, room), temperature=temperature, top_p=top_p,
                                 top_k=top_k, seed=seed, stop=stop, ignore_eos=ignore_eos)
         decoding = self._decoding(body.get("moedesk"), params, grammar is not None)
-        return Prepared(Request(ids, params, grammar=grammar), stream, include_usage, chat, model, decoding)
+        return Prepared(Request(ids, params, grammar=grammar), stream, include_usage, chat, model, decoding,
+                        reply, in_reasoning, tools)
 
     def _decoding(self, extension, params: SamplingParams, constrained: bool):
         """How this request decodes: its `moedesk` object's choice, else the server's speculative mode where the
@@ -402,7 +518,9 @@ class Server:
             self.speculation = replace(self.speculation, draft=draft)
         return self.speculation.draft
 
-    def _prompt_ids(self, body: dict, chat: bool) -> list[int]:
+    def _prompt_ids(self, body: dict, chat: bool, tools: Tools = NO_TOOLS) -> tuple[list[int], ReplyFormat, bool]:
+        """The prompt's token ids, how the reply will mark reasoning and tool calls, and whether the prompt leaves
+        it inside an open think tag."""
         tokenizer = self.engine.tokenizer
         if chat:
             messages = body.get("messages")
@@ -411,7 +529,11 @@ class Server:
             if not isinstance(messages, list) or not messages:
                 raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages",
                                "invalid_value" if isinstance(messages, list) else "invalid_type")
-            plain = [_message(m, i) for i, m in enumerate(messages)]
+            try:
+                plain = [chat_request.message(m, i) for i, m in enumerate(messages)]
+                options = chat_request.template_options(body)
+            except BadField as e:
+                raise ApiError(400, str(e), e.param, e.code) from None
             if tokenizer is not None and "developer" not in (tokenizer.chat_template or ""):
                 # OpenAI's newer clients say "developer" for "system"; a template that does not name it would write
                 # a role the model never saw, or (Qwen3's) drop the message
@@ -419,9 +541,14 @@ class Server:
             if tokenizer is None:
                 raise ApiError(400, "The model has no tokenizer: use /v1/completions with token ids", "messages")
             try:
-                return tokenizer.chat_prompt(plain)
+                text = tokenizer.render_chat(plain, tools=tools.offered, **options)
+                ids = tokenizer.encode(text, add_special_tokens=False)
             except MoedeskError as e:
                 raise ApiError(400, str(e), "messages") from None
+            except Exception as e:  # noqa: BLE001 -- odd text (lone surrogates) is the client's problem, not a crash
+                raise ApiError(400, f"Cannot tokenise the messages: {e}", "messages") from None
+            reply = tokenizer.reply_format
+            return ids, reply, starts_in_reasoning(reply, text)
         if "prompt" not in body:
             raise ApiError(400, "Missing required parameter: 'prompt'", "prompt", "missing_required_parameter")
         prompt = body["prompt"]
@@ -433,7 +560,7 @@ class Server:
             if bad is not None:
                 raise ApiError(400, f"Token id {bad} in the prompt is outside the vocabulary [0, {vocab})", "prompt",
                                "invalid_value")
-            return list(prompt)
+            return list(prompt), PLAIN, False
         if not isinstance(prompt, str):
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt per request)", "prompt",
                            "invalid_type")
@@ -447,7 +574,7 @@ class Server:
             raise ApiError(400, f"Cannot tokenise the prompt: {e}", "prompt") from None
         if not ids:
             raise ApiError(400, "The prompt has no tokens", "prompt", "invalid_value")
-        return ids
+        return ids, PLAIN, False
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moedesk",
@@ -513,30 +640,6 @@ def _field(body: dict, name: str, kind, *, required=False, default=None, minimum
     return float(value) if kind is float else value
 
 
-def _message(message, index: int) -> dict:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise ApiError(400, f"{where} must be an object with a string 'role'", where, "invalid_type")
-    if message["role"] not in ROLES:
-        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {message['role']!r}",
-                       where + ".role", "invalid_value")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: text only
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}.content: only text parts are supported", where + ".content",
-                               "invalid_type")
-            texts.append(part["text"])
-        content = "".join(texts)
-    elif content is None:
-        content = ""
-    elif not isinstance(content, str):
-        raise ApiError(400, f"{where}.content must be a string or a list of text parts", where + ".content",
-                       "invalid_type")
-    return {"role": message["role"], "content": content}
-
-
 def _kind(value) -> str:
     if value is None:
         return "null"
@@ -546,8 +649,16 @@ def _kind(value) -> str:
         type(value), type(value).__name__)
 
 
-def _finish(done: Completion) -> str:
+def _finish(done: Completion, whole: Parsed | None = None) -> str:
+    if whole is not None and whole.tool_calls:
+        return "tool_calls"
     return "length" if done.finish_reason == "length" else "stop"
+
+
+def _openai_call(call, index: int, reply_id: str) -> tuple[int, dict]:
+    """A parsed tool call as OpenAI's message.tool_calls entry, its id unique within the reply."""
+    return index, {"id": f"call_{reply_id[-12:]}{index}", "type": "function",
+                   "function": {"name": call.name, "arguments": call.arguments}}
 
 
 def _usage(done: Completion) -> dict:

@@ -14,6 +14,23 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# A template in Qwen3's manner for tests of tools and reasoning: it lists the tools in the system turn, writes
+# past tool calls as <tool_call> JSON and tool results as <tool_response>, and opens a <think> block for the reply
+# unless enable_thinking is false (then it writes an empty one, as Qwen3's does).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{{ messages[0]['content'] if messages[0]['role'] == 'system' else '' }}"
+    "\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "Call a tool as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif message['role'] != 'system' %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}\n<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB = 384
 CORPUS = [
@@ -55,12 +72,12 @@ def train_tokenizer():
     return tok
 
 
-def build(arch: str, folder: Path, seed: int = 0) -> Path:
-    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it."""
+def build(arch: str, folder: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE, **config) -> Path:
+    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it (config: fields to change)."""
     import transformers
 
     config_name, model_name, extra = ARCHS[arch]
-    config = getattr(transformers, config_name)(**{**COMMON, **extra})
+    config = getattr(transformers, config_name)(**{**COMMON, **extra, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
     folder.mkdir(parents=True, exist_ok=True)
@@ -68,6 +85,6 @@ def build(arch: str, folder: Path, seed: int = 0) -> Path:
     tok = train_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": CHAT_TEMPLATE,
+        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": chat_template,
     }))
     return folder

@@ -202,23 +202,37 @@ class Tokenizer:
         env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
         return env.from_string(self.chat_template)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    @cached_property
+    def reply_format(self):
+        """How this model marks reasoning and tool calls in a reply (engine.load.reply_format), from its template."""
+        from moedesk.engine.load.reply_format import detect_format
+
+        return detect_format(self.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **options) -> str:
+        """The conversation as the model's template writes it. tools: OpenAI-style function definitions, for
+        templates that describe them to the model; options: the template's own switches (enable_thinking,
+        reasoning_effort, ...), which a template that does not read them ignores."""
         if not self.chat_template:
             raise MoedeskError(f"{self.source}: the model has no chat template; use a raw prompt")
+        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if tools:
+            fixed["tools"] = tools
         try:
-            return _render_bounded(
-                self._template, messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-            )
+            return _render_bounded(self._template, **{**options, **fixed})
         except jinja2.exceptions.TemplateError as e:
             raise MoedeskError(f"{self.source}: chat template failed: {_first_line(e)}") from None
         except Exception as e:  # noqa: BLE001 -- a template's own bug (1/0, a recursive macro)
             raise MoedeskError(f"{self.source}: chat template failed: {type(e).__name__}: {_first_line(e)}") from None
 
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation, formatted by the model's own chat template."""
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **options) -> list[int]:
+        """Token ids of a conversation, formatted by the model's own chat template (arguments: render_chat's)."""
         # The template writes any BOS itself; adding special tokens again would double it.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **options),
+                           add_special_tokens=False)
 
 
 class StreamDecoder:

@@ -1,0 +1,356 @@
+"""What a chat model's reply holds: its reasoning, its answer and its tool calls, told apart by the markup its
+family writes (read from its chat template), as a whole reply or as a stream.
+
+Families (`ReplyFormat.tools`):
+- "tagged": `<tool_call>...</tool_call>` blocks holding JSON {"name", "arguments"} (Hermes, Qwen2.5/3), a
+  `<function=NAME><parameter=K>V</parameter></function>` body (Qwen3-Coder) or `NAME<arg_key>K</arg_key>
+  <arg_value>V</arg_value>` (GLM-4.5);
+- "llama3": the reply is a JSON object {"name", "parameters"} (after `<|python_tag|>` or alone);
+- "mistral": `[TOOL_CALLS]` then a JSON list, or `NAME[ARGS]{...}` per call (newer tokenizers);
+- "deepseek": `<｜tool▁calls▁begin｜>` blocks of `function<｜tool▁sep｜>NAME` + a fenced JSON (V3, R1) or
+  `NAME<｜tool▁sep｜>{...}` (V3.1);
+- "harmony": gpt-oss's channels: analysis is reasoning, final the answer, `to=functions.NAME` a call.
+Reasoning sits between `<think>` and `</think>` (Qwen3, DeepSeek-R1, GLM), `[THINK]`...`[/THINK]` (Magistral)
+or in harmony's analysis channel; a prompt that ends inside an open think tag (DeepSeek-R1's template writes
+it) starts the reply in reasoning.
+
+Harmony's and Mistral's markers are special tokens: those replies are parsed from text decoded with special
+tokens kept (`ReplyFormat.keeps_special_tokens`).
+
+A stream is parsed by parsing its whole text so far again with `partial=True`, which holds back anything that
+may still turn into markup (a tail that could begin a tag, a call not yet closed): a reply of some thousands
+of characters costs well under a millisecond a token, and one parser serves both ways.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object's text, as OpenAI's API carries it
+
+
+@dataclass(frozen=True)
+class Parsed:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReplyFormat:
+    """How one model family marks reasoning and tool calls (None: it does not)."""
+
+    think: tuple[str, str] | None = None
+    tools: str | None = None  # "tagged", "llama3", "mistral", "deepseek", "harmony"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.tools in ("harmony", "mistral")
+
+    @property
+    def plain(self) -> bool:
+        return self.think is None and self.tools is None
+
+
+PLAIN = ReplyFormat()
+
+
+def detect_format(chat_template: str | None) -> ReplyFormat:
+    """The reply format a chat template's model writes, from the markup the template itself knows."""
+    t = chat_template or ""
+    if "<|channel|>" in t:
+        return ReplyFormat(None, "harmony")  # its reasoning is a channel, not a tag
+    think = next((pair for pair in THINK_TAGS if pair[1] in t), None)
+    if "tool▁calls▁begin" in t:
+        tools = "deepseek"
+    elif "[TOOL_CALLS]" in t:
+        tools = "mistral"
+    elif "<tool_call>" in t:
+        tools = "tagged"
+    elif "<|python_tag|>" in t or ("<|start_header_id|>" in t and "tools" in t):
+        tools = "llama3"
+    else:
+        tools = None
+    return ReplyFormat(think, tools)
+
+
+def starts_in_reasoning(fmt: ReplyFormat, prompt: str) -> bool:
+    """Whether the rendered prompt leaves the reply inside an open think tag (the template wrote `<think>`)."""
+    if fmt.think is None:
+        return False
+    return prompt.rstrip().endswith(fmt.think[0])
+
+
+def parse_reply(text: str, fmt: ReplyFormat, *, in_reasoning: bool = False, tools: bool = True,
+                partial: bool = False) -> Parsed:
+    """The reasoning, answer and tool calls of `text` (tools=False: the request offered none, so nothing is a
+    call). partial: `text` is a stream's prefix; what may still become markup is held back."""
+    if fmt.tools == "harmony":
+        return _harmony(text, tools, partial)
+    reasoning, rest = "", text
+    if fmt.think is not None:
+        reasoning, rest, open_ = _split_think(text, fmt.think, in_reasoning, partial)
+        if open_:
+            return Parsed(reasoning, "", ())
+    if not tools or fmt.tools is None:
+        return Parsed(reasoning, _hold(rest, (), partial), ())
+    content, calls = _TOOL_PARSERS[fmt.tools](rest, partial)
+    return Parsed(reasoning, content, tuple(calls))
+
+
+class ReplyStream:
+    """Feeds a streamed reply's text (its whole text so far, as the engine's updates carry it) and gives what is
+    new each time: reasoning and answer pieces, and tool calls once each is whole."""
+
+    def __init__(self, fmt: ReplyFormat, *, in_reasoning: bool = False, tools: bool = True):
+        self.fmt, self.in_reasoning, self.tools = fmt, in_reasoning, tools
+        self.shown = Parsed()
+
+    def update(self, text: str, final: bool = False) -> Parsed:
+        now = parse_reply(text, self.fmt, in_reasoning=self.in_reasoning, tools=self.tools, partial=not final)
+        new = Parsed(_grown(self.shown.reasoning, now.reasoning), _grown(self.shown.content, now.content),
+                     now.tool_calls[len(self.shown.tool_calls):])
+        self.shown = Parsed(self.shown.reasoning + new.reasoning, self.shown.content + new.content,
+                            self.shown.tool_calls + new.tool_calls)
+        return new
+
+
+def _grown(before: str, now: str) -> str:
+    # A final parse may place text differently from the held-back partial one (a lone "<tool" that never became
+    # a tag); a stream cannot take back what it sent, so only an extension is new.
+    return now[len(before):] if now.startswith(before) else ""
+
+
+# --- reasoning ---------------------------------------------------------------------------------------------
+
+def _split_think(text: str, tags: tuple[str, str], in_reasoning: bool, partial: bool):
+    """(reasoning, rest, still_open)."""
+    opening, closing = tags
+    body = text
+    if not in_reasoning:
+        stripped = text.lstrip()
+        if stripped.startswith(opening):
+            body = stripped[len(opening):]
+        elif partial and stripped and opening.startswith(stripped):
+            return "", "", True  # may be the opening tag still arriving
+        else:
+            return "", text, False
+    end = body.find(closing)
+    if end < 0:  # still thinking (or, in a whole reply, cut short while thinking)
+        return (_hold(body, (closing,), True).lstrip() if partial else body.strip()), "", True
+    return body[:end].strip(), body[end + len(closing):].lstrip(), False
+
+
+def _hold(text: str, markers, partial: bool) -> str:
+    """text less, while partial, a tail that may be the start of one of `markers` (or of any tag-like markup)."""
+    if not partial:
+        return text
+    cut = len(text)
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), 0, -1):
+            if text.endswith(marker[:k]):
+                cut = min(cut, len(text) - k)
+                break
+    return text[:cut]
+
+
+# --- tool-call families --------------------------------------------------------------------------------------
+
+def _arguments(value) -> str | None:
+    """A call's arguments as the text of a JSON object (None when they are not one)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    if value is None:
+        value = {}
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def _json_call(obj) -> ToolCall | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = _arguments(obj.get("arguments", obj.get("parameters")))
+    return None if args is None else ToolCall(obj["name"], args)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _scalar(text: str):
+    """A parameter value written as text: JSON where it reads as JSON, else the string itself."""
+    value = _loads(text)
+    return text if value is None and text.strip() != "null" else value
+
+
+_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)(?:</function>|$)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+
+def _tagged_body(body: str) -> ToolCall | None:
+    body = body.strip()
+    if body.startswith("{"):
+        return _json_call(_loads(body))
+    match = _FUNCTION.match(body)
+    if match:  # Qwen3-Coder
+        args = {k: _scalar(v) for k, v in _PARAMETER.findall(match.group(2))}
+        return ToolCall(match.group(1), json.dumps(args, ensure_ascii=False))
+    name, _, rest = body.partition("<arg_key>")  # GLM-4.5
+    name = name.strip()
+    if name and not any(c in name for c in "<>{}\n"):
+        args = {k.strip(): _scalar(v) for k, v in _ARG.findall("<arg_key>" + rest)} if rest else {}
+        return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    return None
+
+
+def _tagged(text: str, partial: bool):
+    content, calls, pos = [], [], 0
+    while True:
+        start = text.find("<tool_call>", pos)
+        if start < 0:
+            content.append(_hold(text[pos:], ("<tool_call>",), partial))
+            break
+        content.append(text[pos:start])
+        end = text.find("</tool_call>", start)
+        if end < 0:
+            if not partial:  # cut short: keep what the model wrote rather than lose it
+                call = _tagged_body(text[start + len("<tool_call>"):])
+                calls.append(call) if call else content.append(text[start:])
+            break
+        call = _tagged_body(text[start + len("<tool_call>"):end])
+        calls.append(call) if call else content.append(text[start:end + len("</tool_call>")])
+        pos = end + len("</tool_call>")
+    return _joined(content, calls), calls
+
+
+def _joined(content: list[str], calls: list) -> str:
+    text = "".join(content)
+    return text.strip() if calls else text
+
+
+def _llama3(text: str, partial: bool):
+    body = text.strip()
+    tagged = body.startswith("<|python_tag|>")
+    if tagged:
+        body = body[len("<|python_tag|>"):].strip()
+    if body.startswith("{") or tagged or (partial and body and "<|python_tag|>".startswith(body)):
+        if partial:
+            return "", []  # a call is JSON: nothing to show until it is whole
+        calls = [_json_call(_loads(part)) for part in _split_top_level(body, ";")]
+        if calls and all(calls):
+            return "", calls
+    return text, []
+
+
+def _split_top_level(text: str, separator: str) -> list[str]:
+    """JSON objects written one after another, split where `separator` stands outside any brace or string."""
+    parts, depth, start, quoted, escaped = [], 0, 0, False, False
+    for i, ch in enumerate(text):
+        if quoted:
+            escaped, quoted = (not escaped and ch == "\\"), quoted and (escaped or ch != '"')
+            continue
+        if ch == '"':
+            quoted = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        elif ch == separator and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return [p.strip() for p in parts if p.strip()]
+
+
+def _mistral(text: str, partial: bool):
+    start = text.find("[TOOL_CALLS]")
+    if start < 0:
+        return _hold(text, ("[TOOL_CALLS]",), partial), []
+    content = text[:start]
+    if partial:
+        return content, []
+    body, calls = text[start + len("[TOOL_CALLS]"):].strip(), []
+    if body.startswith("["):
+        listed = _loads(body)
+        calls = [_json_call(c) for c in listed] if isinstance(listed, list) else [None]
+    else:  # NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...}
+        for piece in body.split("[TOOL_CALLS]"):
+            name, sep, args = piece.partition("[ARGS]")
+            name = name.split("[CALL_ID]")[0].strip()
+            args = _arguments(args.strip()) if sep else None
+            calls.append(ToolCall(name, args) if name and args is not None else None)
+    if calls and all(calls):
+        return content.strip(), calls
+    return text, []
+
+
+_DS_FENCED = re.compile(r"^\s*(?:function)?\s*" + re.escape(DS_SEP) + r"\s*([^\n]+)\n```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+
+
+def _deepseek(text: str, partial: bool):
+    start = text.find(DS_CALLS)
+    if start < 0:
+        return _hold(text, (DS_CALLS,), partial), []
+    content, calls = text[:start], []
+    end = text.find(DS_CALLS_END, start)
+    if end < 0 and partial:
+        return content, []
+    for block in text[start + len(DS_CALLS):end if end >= 0 else len(text)].split(DS_CALL)[1:]:
+        block = block.split(DS_CALL_END)[0]
+        fenced = _DS_FENCED.match(block)
+        if fenced:
+            name, args = fenced.group(1).strip(), _arguments(fenced.group(2))
+        else:
+            name, _, args = block.partition(DS_SEP)
+            name, args = name.strip(), _arguments(args.strip())
+        calls.append(ToolCall(name, args) if name and args is not None else None)
+    if calls and all(calls):
+        return content.strip(), calls
+    return text, []
+
+
+_TOOL_PARSERS = {"tagged": _tagged, "llama3": _llama3, "mistral": _mistral, "deepseek": _deepseek}
+
+# --- gpt-oss harmony -------------------------------------------------------------------------------------------
+
+_HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+_HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", *_HARMONY_ENDS)
+_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+
+
+def _harmony(text: str, tools: bool, partial: bool) -> Parsed:
+    reasoning, content, calls = [], [], []
+    for i, message in enumerate(text.split("<|start|>")):
+        header, sep, body = message.partition("<|message|>")
+        if not sep:
+            if i == 0 and "<|channel|>" not in header and not partial:
+                content.append(header)  # no channels at all: the whole reply is the answer
+            continue
+        whole = any(end in body for end in _HARMONY_ENDS)
+        for end in _HARMONY_ENDS:
+            body = body.split(end)[0]
+        recipient = _RECIPIENT.search(header)
+        if recipient and tools:
+            if whole or not partial:
+                args = _arguments(body.strip())
+                calls.append(ToolCall(recipient.group(1), args)) if args is not None else content.append(body)
+            continue
+        if not whole:
+            body = _hold(body, _HARMONY_MARKERS, partial)
+        (reasoning if "<|channel|>analysis" in header else content).append(body)
+    return Parsed("".join(reasoning).strip(), "".join(content), tuple(calls))
