@@ -35,13 +35,17 @@ try:
 except ImportError:  # not on Windows: runs there go unlocked
     fcntl = None
 
+from moedesk.app import chat_request
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
 from moedesk.engine.requests import Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
 # Every field a line sets: any other is reported once and ignored (_Run._request).
-LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "beams", "length_penalty", "response_format")
+# The chat fields (messages lines only) are the server's, checked by app/chat_request.py.
+CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort")
+LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "beams", "length_penalty", "response_format", *CHAT_FIELDS)
 # Widest beam search one line may ask for, as the server's (app/server.py, MAX_BEAMS): a search holds beams x
 # context of KV cache, and one wider than the engine's beam rows runs alone with all of them.
 MAX_LINE_BEAMS = 16
@@ -523,6 +527,8 @@ class _Run:
         self.ready: dict[int, dict] = {}  # line number -> record waiting for the lines before it
         self.in_flight: dict[int, tuple[str, Request]] = {}  # line number -> (id, request) the engine holds
         self.beam_lines: dict[int, tuple[int, float]] = {}  # line number -> (beams, length penalty) of beam lines
+        # line number -> how its reply is read (reply format, starts in reasoning, tools) for messages lines
+        self.chat_lines: dict[int, tuple] = {}
         self._line_decoding = None  # the decoding of lines that are not beam lines: None (plain) or speculative
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
@@ -631,16 +637,29 @@ class _Run:
             params = self.settings.sampling_params(obj)
         except ValueError as e:
             raise _BadLine(str(e)) from None
-        ids = self._prompt_ids(kinds[0], obj[kinds[0]])
+        if kinds[0] != "messages" and any(obj.get(k) is not None for k in CHAT_FIELDS):
+            raise _BadLine(f"{next(k for k in CHAT_FIELDS if obj.get(k) is not None)} needs a messages line")
+        tools = chat_request.NO_TOOLS
+        if kinds[0] == "messages":
+            try:
+                tools = chat_request.tools(obj)
+            except chat_request.BadField as e:
+                raise _BadLine(str(e)) from None
+        ids = self._prompt_ids(kinds[0], obj[kinds[0]], obj, line.number, tools)
         context = self.engine.context_length
         if len(ids) >= context:  # not even one new token would fit
             raise _BadLine(f"prompt has {len(ids)} tokens; the model's context is {context}")
         # Prompt plus reply stays within the context (finish_reason "length" where it cuts).
         params = replace(params, max_new_tokens=min(params.max_new_tokens, context - len(ids)))
         grammar = None
-        if obj.get("response_format") is not None:  # structured output, as the server's response_format
+        response_format = obj.get("response_format")
+        if tools.forced is not None:  # tool_choice required or a named function: a constrained list of calls
+            if response_format is not None:
+                raise _BadLine("response_format and a tool_choice that forces a call exclude each other")
+            response_format = chat_request.forced_response_format(tools.forced)
+        if response_format is not None:  # structured output, as the server's response_format
             try:
-                grammar = self.engine.grammar(obj["response_format"])
+                grammar = self.engine.grammar(response_format)
             except (ValueError, MoedeskError) as e:
                 raise _BadLine(str(e)) from None
         beams = obj.get("beams", self.settings.beams)
@@ -660,7 +679,8 @@ class _Run:
         # line's place in the output order.
         return Request(ids, params, tag=line.number, grammar=grammar)
 
-    def _prompt_ids(self, kind: str, value) -> list[int]:
+    def _prompt_ids(self, kind: str, value, obj: dict | None = None, number: int = 0,
+                    tools=chat_request.NO_TOOLS) -> list[int]:
         if kind == "prompt_ids":
             if not isinstance(value, list) or not all(type(t) is int for t in value):
                 raise _BadLine(f"prompt_ids must be a list of integers, got {_show(value)}")
@@ -678,17 +698,26 @@ class _Run:
             if not value:
                 raise _BadLine("empty prompt")
         else:
-            if not isinstance(value, list) or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in value):
+            if not isinstance(value, list):
                 raise _BadLine('messages must be a list of {"role": str, "content": str} objects')
             if not value:
                 raise _BadLine("empty messages")
+            try:
+                value = [chat_request.message(m, i) for i, m in enumerate(value)]
+                options = chat_request.template_options(obj or {})
+            except chat_request.BadField as e:
+                raise _BadLine(str(e)) from None
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise _BadLine(f"the model has no tokenizer; give prompt_ids instead of {kind}")
         try:
-            ids = tokenizer.encode(value) if kind == "prompt" else tokenizer.chat_prompt(value)
+            if kind == "prompt":
+                ids = tokenizer.encode(value)
+            else:
+                text = tokenizer.render_chat(value, tools=tools.offered, **options)
+                ids = tokenizer.encode(text, add_special_tokens=False)
+                fmt = tokenizer.reply_format
+                self.chat_lines[number] = (fmt, starts_in_reasoning(fmt, text), tools)
         except MoedeskError as e:  # e.g. a model without a chat template
             raise _BadLine(str(e)) from None
         except Exception as e:  # noqa: BLE001 -- odd text (lone surrogates, ...) must not stop the run
@@ -809,15 +838,19 @@ class _Run:
         if number not in self.in_flight:
             raise RuntimeError(f"the engine returned a completion with an unknown tag {number!r}")
         line_id, _ = self.in_flight.pop(number)
+        record = {"id": line_id, "text": completion.text}
+        chat = self.chat_lines.pop(number, None)
+        if chat is not None:  # a chat reply: the answer as text, reasoning and tool calls beside it
+            record.update(_reply_fields(completion, *chat, self.engine.tokenizer))
         self._finished(number, {
-            "id": line_id, "text": completion.text, "token_ids": list(completion.token_ids),
-            "finish_reason": completion.finish_reason,
+            **record, "token_ids": list(completion.token_ids), "finish_reason": completion.finish_reason,
             "usage": {"prompt_tokens": completion.prompt_tokens, "completion_tokens": len(completion.token_ids)},
             "stats": completion.stats,
         })
 
     def _finished(self, number: int, record: dict) -> None:
         self.beam_lines.pop(number, None)
+        self.chat_lines.pop(number, None)
         self.ready[number] = record
         while self.pending and self.pending[0] in self.ready:
             record = self.ready.pop(self.pending.popleft())
@@ -1007,6 +1040,26 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
 
 
 # --- small helpers ----------------------------------------------------------------------------
+
+def _reply_fields(completion: Completion, fmt, in_reasoning: bool, tools, tokenizer) -> dict:
+    """A chat line's reply as the server's message holds it: text (the answer), reasoning, tool_calls."""
+    if tools.forced is not None:
+        calls = chat_request.forced_calls(completion.text)
+        parsed = Parsed("", "" if calls else completion.text, calls)
+    else:
+        text = tokenizer.decode(completion.token_ids, skip_special_tokens=False) if fmt.keeps_special_tokens \
+            else completion.text
+        parsed = parse_reply(text, fmt, in_reasoning=in_reasoning, tools=tools.offered is not None)
+        if not tools.parallel:
+            parsed = Parsed(parsed.reasoning, parsed.content, parsed.tool_calls[:1])
+    fields = {"text": parsed.content}
+    if parsed.reasoning:
+        fields["reasoning"] = parsed.reasoning
+    if parsed.tool_calls:
+        fields["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                for c in parsed.tool_calls]
+    return fields
+
 
 def _dumps(record: dict) -> bytes:
     try:

@@ -52,6 +52,10 @@ def message(value, index: int, where: str = "messages") -> dict:
     role = value["role"]
     if role not in ROLES:
         raise BadField(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", where + ".role")
+    if value.get("content") is None and not (role == "assistant" and value.get("tool_calls")):
+        # OpenAI's API: only an assistant turn that calls tools may go without content
+        raise BadField(f"Missing required parameter: '{where}.content'", where + ".content",
+                       "missing_required_parameter")
     out = {"role": role, "content": text_content(value.get("content"), where + ".content")}
     if role == "assistant" and value.get("tool_calls") is not None:
         calls = value["tool_calls"]

@@ -18,6 +18,7 @@ import torch
 from moedesk.app.batch import BatchSettings, BatchUsageError, add_batch_arguments, check_batch_paths, run_batch, \
     settings_from_args
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.load.reply_format import PLAIN
 from moedesk.engine.requests import Completion
 
 BOS = 1
@@ -29,13 +30,18 @@ class FakeTokenizer:
     def __init__(self, chat_template=True):
         self.chat_template = chat_template
 
-    def encode(self, text):
+    reply_format = PLAIN
+
+    def encode(self, text, add_special_tokens=True):  # the fake's "template" writes no BOS: always add it
         return [BOS] + [ord(c) % 90 + 10 for c in text]
 
-    def chat_prompt(self, messages):
+    def render_chat(self, messages, add_generation_prompt=True, tools=None, **options):
         if not self.chat_template:
             raise MoedeskError("fake/tokenizer_config.json: the model has no chat template")
-        return self.encode("".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>")
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def chat_prompt(self, messages):
+        return self.encode(self.render_chat(messages))
 
     def decode(self, ids):
         return "".join(chr(i) for i in ids)
@@ -325,7 +331,7 @@ def test_bad_lines_become_error_lines_and_the_run_goes_on(tmp_path):
     assert "100 is outside the vocabulary [0, 100)" in errors[10]
     assert "-1 is outside the vocabulary" in errors[11]
     assert "prompt_ids must be a list of integers" in errors[12]
-    assert "messages must be a list" in errors[13]
+    assert "'messages[0].content'" in errors[13]
     assert errors[14] == 'line 15: duplicate id "good1" (first on line 1)'
     tok = FakeTokenizer()
     assert [r.prompt_ids for r in engine.requests] == [tok.encode("hello"), [9, 8]]  # only the good lines

@@ -25,9 +25,13 @@ GREEDY = dict(temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    folder = tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("tools"), chat_template=tiny_models.TOOLS_TEMPLATE,
-                              max_position_embeddings=2048)  # tools in a byte-level vocabulary of 384 are long
+def folder(tmp_path_factory):
+    return tiny_models.build("qwen3_moe", tmp_path_factory.mktemp("tools"), chat_template=tiny_models.TOOLS_TEMPLATE,
+                             max_position_embeddings=2048)  # tools in a byte-level vocabulary of 384 are long
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
     return Engine.load(str(folder), device="cpu", dtype="float32")
 
 
@@ -137,3 +141,29 @@ def test_bad_tool_fields_are_400_with_the_field_named(url, extra, param):
     r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_batch_lines_take_the_same_fields(folder, engine, tmp_path):
+    from moedesk.app.cli import main
+
+    lines = [{"id": "forced", "messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required",
+              "temperature": 0.8, "seed": 3},
+             {"id": "thinking", "messages": ASK, "temperature": 0},
+             {"id": "not thinking", "messages": ASK, "temperature": 0,
+              "chat_template_kwargs": {"enable_thinking": False}},
+             {"id": "bad", "prompt": "hi", "tools": [WEATHER]}]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    code = main(["batch", str(src), "-o", str(out), "--model", str(folder), "--device", "cpu", "--dtype", "float32",
+                 "--max-new-tokens", "700"])
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert code == 1 and "messages" in records["bad"]["error"]
+    calls = records["forced"]["tool_calls"]
+    assert calls and records["forced"]["text"] == ""
+    schemas = {f["function"]["name"]: f["function"]["parameters"] for f in (WEATHER, TIME)}
+    for call in calls:
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+    thinking = records["thinking"]
+    assert thinking["text"] == "" and thinking["reasoning"] == engine.tokenizer.decode(thinking["token_ids"]).strip()
+    assert "reasoning" not in records["not thinking"]
+    assert records["not thinking"]["text"] == engine.tokenizer.decode(records["not thinking"]["token_ids"])

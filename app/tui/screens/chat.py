@@ -30,20 +30,28 @@ from moedesk.app.tui.widgets.load_panel import one_line, short_model_name
 from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage
 from moedesk.app.tui.widgets.prompt import PromptArea
 from moedesk.app.tui.widgets.stats import StatsPanel
+from moedesk.engine.load.reply_format import ReplyStream, parse_reply, starts_in_reasoning
 
 MAP_REFRESH_S = 0.5
 
 
 class ReplyDelta(Message):
-    def __init__(self, generation: int, text: str, tokens: int):
+    """New answer text and reasoning text (a thinking model's, told apart by engine.load.reply_format)."""
+
+    def __init__(self, generation: int, text: str, tokens: int, reasoning: str = ""):
         super().__init__()
-        self.generation, self.text, self.tokens = generation, text, tokens
+        self.generation, self.text, self.tokens, self.reasoning = generation, text, tokens, reasoning
 
 
 class ReplyDone(Message):
-    def __init__(self, generation: int, completion, tail: str):
+    """The finished reply: `answer` and `reasoning` are all of each; `tail` / `reasoning_tail` what was not
+    posted yet."""
+
+    def __init__(self, generation: int, completion, tail: str, answer: str, reasoning: str = "",
+                 reasoning_tail: str = ""):
         super().__init__()
         self.generation, self.completion, self.tail = generation, completion, tail
+        self.answer, self.reasoning, self.reasoning_tail = answer, reasoning, reasoning_tail
 
 
 class ReplyFailed(Message):
@@ -404,7 +412,8 @@ class ChatScreen(Screen):
 
     def _prompt_ids(self, engine) -> tuple[list[int], int]:
         """Token ids of the conversation through the chat template; the oldest turns are left out
-        when it would not leave room for the reply. Returns (ids, number of messages left out)."""
+        when it would not leave room for the reply. Returns (ids, number of messages left out); sets
+        `_in_reasoning`, whether the prompt leaves the reply inside an open think tag."""
         if engine.tokenizer is None:
             from moedesk.engine.errors import MoedeskError
             raise MoedeskError(f"{engine.name}: the model has no tokenizer, so it cannot chat")
@@ -415,7 +424,9 @@ class ChatScreen(Screen):
         start = 0
         while True:
             turns = [{"role": m.role, "content": m.content} for m in history[start:]]
-            ids = engine.tokenizer.chat_prompt(system + turns)
+            text = engine.tokenizer.render_chat(system + turns)
+            ids = engine.tokenizer.encode(text, add_special_tokens=False)
+            self._in_reasoning = starts_in_reasoning(engine.tokenizer.reply_format, text)
             if len(ids) <= limit:
                 return ids, start
             later = next((i for i in range(start + 1, len(history)) if history[i].role == "user"), None)
@@ -457,27 +468,47 @@ class ChatScreen(Screen):
         self.set_status(f"{writing(decoding)} Esc stops{note}")
         self.stats.show_live(0, 0.0, len(prompt_ids))
         self.refresh_bindings()
-        self._generate(generation.number, engine, prompt_ids, params, generation.cancel, decoding)
+        reader = ReplyStream(engine.tokenizer.reply_format, in_reasoning=self._in_reasoning, tools=False)
+        self._generate(generation.number, engine, prompt_ids, params, generation.cancel, decoding, reader)
 
     @work(thread=True, group="generate", exit_on_error=False)
     def _generate(self, number: int, engine, prompt_ids: list[int], params, cancel: threading.Event,
-                  decoding=None) -> None:
+                  decoding, reader: ReplyStream) -> None:
         pending: list[str] = []
+        thoughts: list[str] = []  # reasoning not posted yet
+        text, ids = "", []
         tokens = 0
         posted_at = 0.0
+        # Harmony's channels are special tokens: its replies are read from text that keeps them.
+        raw = reader.fmt.keeps_special_tokens
+
+        def reply_text(final_text: str, final_ids=None) -> str:
+            return engine.tokenizer.decode(final_ids if final_ids is not None else ids, skip_special_tokens=False) \
+                if raw else final_text
+
         try:
             extra = {"decoding": decoding} if decoding is not None else {}  # plain replies call stream as ever
             for chunk in engine.stream(prompt_ids, params, cancel=cancel, **extra):
                 tokens += len(chunk.token_ids)
-                if chunk.text:
-                    pending.append(chunk.text)
+                ids += chunk.token_ids
+                text += chunk.text
                 if chunk.completion is not None:
-                    self.post_message(ReplyDone(number, chunk.completion, "".join(pending)))
+                    done = chunk.completion
+                    final = reply_text(done.text, done.token_ids)
+                    piece = reader.update(final, final=True)
+                    whole = parse_reply(final, reader.fmt, in_reasoning=reader.in_reasoning, tools=False)
+                    self.post_message(ReplyDone(number, done, "".join(pending) + piece.content, whole.content,
+                                                whole.reasoning, "".join(thoughts) + piece.reasoning))
                     return
+                if chunk.text or raw:
+                    piece = reader.update(reply_text(text).rstrip("\ufffd"))
+                    pending.append(piece.content)
+                    thoughts.append(piece.reasoning)
                 now = time.monotonic()
-                if pending and now - posted_at >= self.STREAM_INTERVAL_S:
-                    self.post_message(ReplyDelta(number, "".join(pending), tokens))
+                if (any(pending) or any(thoughts)) and now - posted_at >= self.STREAM_INTERVAL_S:
+                    self.post_message(ReplyDelta(number, "".join(pending), tokens, "".join(thoughts)))
                     pending.clear()
+                    thoughts.clear()
                     posted_at = now
             self.post_message(ReplyFailed(number, "the engine ended the reply without a result", "".join(pending)))
         except BaseException as e:  # noqa: BLE001 - shown as one line; the UI goes on
@@ -491,8 +522,10 @@ class ChatScreen(Screen):
         g = self._current(message.generation)
         if g is None:
             return
-        g.fragments.append(message.text)
+        if message.text:
+            g.fragments.append(message.text)
         g.tokens = message.tokens
+        await g.widget.append_reasoning(message.reasoning)
         await g.widget.append(message.text)
         now = time.monotonic()
         self.stats.show_live(g.tokens, now - g.started, g.prompt_tokens + g.tokens)
@@ -509,11 +542,13 @@ class ChatScreen(Screen):
         c = message.completion
         meta = {"finish_reason": c.finish_reason, "tokens": len(c.token_ids), "prompt_tokens": c.prompt_tokens,
                 "stats": dict(c.stats or {}), "model": self.engine.name if self.engine is not None else ""}
+        if message.reasoning:
+            meta["reasoning"] = message.reasoning  # kept beside the answer; later turns send the answer only
         if c.finish_reason == "cancelled" and not c.text:
             await g.widget.remove()  # stopped before the first word: nothing worth keeping
         else:
-            await g.widget.finish(c.text, meta)
-            self.conversation.add("assistant", c.text, **meta)
+            await g.widget.finish(message.answer, meta)
+            self.conversation.add("assistant", message.answer, **meta)
             self.save()
             self.stats.show_reply(meta, c.prompt_tokens + len(c.token_ids))
             self.stats.set_speed_history(self._speed_history())

@@ -1,9 +1,10 @@
-"""Chat bubbles: the user's text as typed, the model's reply as Markdown that can grow while it streams."""
+"""Chat bubbles: the user's text as typed, the model's reply as Markdown that can grow while it streams, its
+reasoning (a thinking model's) folded above it."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Vertical
-from textual.widgets import Markdown, Static
+from textual.widgets import Collapsible, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 FINISH_WORDS = {"stop": "", "length": "reached the token limit", "cancelled": "stopped"}
@@ -53,11 +54,15 @@ class AssistantMessage(Vertical):
         super().__init__()
         self.text = text
         self.meta = dict(meta or {})
+        self.reasoning = self.meta.get("reasoning") or ""
         self.streaming = streaming
         self.border_title = title
         self._stream: MarkdownStream | None = None
 
     def compose(self) -> ComposeResult:
+        # Folded: the answer is what the user reads; the reasoning is there to open.
+        with Collapsible(title="reasoning", collapsed=True, classes="reasoning"):
+            yield Static(visible(self.reasoning), classes="reasoning-text", markup=False)
         yield Markdown(visible(self.text), classes="reply")
         yield Static(self._meta_text(), classes="meta", markup=False)
 
@@ -76,6 +81,14 @@ class AssistantMessage(Vertical):
     def on_mount(self) -> None:
         self.set_class(self.streaming, "-streaming")
         self.query_one(".meta", Static).display = bool(self._meta_text())
+        self.query_one(".reasoning", Collapsible).display = bool(self.reasoning)
+
+    async def append_reasoning(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self.reasoning += fragment
+        self.query_one(".reasoning-text", Static).update(visible(self.reasoning))
+        self.query_one(".reasoning", Collapsible).display = True
 
     async def append(self, fragment: str) -> None:
         if not fragment:
@@ -96,6 +109,10 @@ class AssistantMessage(Vertical):
         self.streaming = False
         self.remove_class("-streaming")
         self.meta = dict(meta)
+        if meta.get("reasoning") is not None and meta["reasoning"] != self.reasoning:
+            self.reasoning = meta["reasoning"]
+            self.query_one(".reasoning-text", Static).update(visible(self.reasoning))
+            self.query_one(".reasoning", Collapsible).display = bool(self.reasoning)
         if text != self.text or self.markdown.source != visible(text):
             self.text = text
             await self.markdown.update(visible(text))
