@@ -10,7 +10,7 @@ import torch
 from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
 from moedesk.engine.load.checkpoint import open_checkpoint
 from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
-from moedesk.engine.errors import MoedeskError
+from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.offload.executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.kv_cache import KVCache
@@ -27,6 +27,13 @@ FIRST_CACHE_LENGTH = 256  # positions of the KV cache's one row at load: request
 
 
 class Engine:
+    """What front ends call. This class is the native engine; `Engine.load` returns an
+    engine.llamacpp.engine.LlamaCppEngine instead where llama.cpp runs the model (its `kind` says which, its
+    `why` says why, in one line). Both run requests through the same scheduler."""
+
+    kind = "native"
+    why = "native engine"
+
     def __init__(self, model, cfg, tokenizer: Tokenizer | None, device, dtype, context_length: int, name: str):
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
         self.device, self.dtype = device, dtype
@@ -46,8 +53,13 @@ class Engine:
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
-             reprofile: bool = False, progress=None, expert_dtype: str = "auto") -> "Engine":
+             reprofile: bool = False, progress=None, expert_dtype: str = "auto", engine: str = "auto",
+             cpu_moe: int | None = None) -> "Engine":
         """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
+
+        engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
+        engine.selection), native or llama.cpp. cpu_moe: llama.cpp only, the first N layers' experts in RAM
+        (its --n-cpu-moe; None: chosen for the GPU budget).
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
@@ -56,6 +68,28 @@ class Engine:
         stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4: quantised while
         loading; engine.load.loader.expert_formats).
         """
+        from moedesk.engine.selection import after_refusal, choose_engine
+
+        choice = choose_engine(model, engine)
+        if choice is None or choice.kind == "native":
+            try:
+                loaded = cls._load_native(model, device, dtype, context_length, gpu_budget, offload, reprofile,
+                                          progress, expert_dtype)
+                loaded.why = choice.why if choice else f"native engine: it implements {loaded.config.arch}"
+                return loaded
+            except UnsupportedModelError as refusal:
+                if choice is not None:
+                    raise
+                choice = after_refusal(refusal)
+        from moedesk.engine.llamacpp.engine import LlamaCppEngine
+
+        return LlamaCppEngine.load(choice.model, device=device, context_length=context_length, gpu_budget=gpu_budget,
+                                   progress=progress, expert_dtype=expert_dtype, cpu_moe=cpu_moe, name=model,
+                                   why=choice.why)
+
+    @classmethod
+    def _load_native(cls, model, device, dtype, context_length, gpu_budget, offload, reprofile, progress,
+                     expert_dtype) -> "Engine":
         checkpoint = open_checkpoint(model)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)

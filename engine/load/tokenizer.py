@@ -142,7 +142,54 @@ def _render_bounded(template: jinja2.Template, **variables) -> str:
     return "".join(parts)
 
 
-class Tokenizer:
+class ChatTemplating:
+    """A model's chat template rendered in the bounded sandbox: what both engines' tokenizers share. Subclasses
+    set `chat_template`, `source`, `bos_token`, `eos_token` and give `encode`."""
+
+    @cached_property
+    def _template(self):
+        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
+            x, indent=indent, ensure_ascii=ensure_ascii)
+        env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
+        return env.from_string(self.chat_template)
+
+    @cached_property
+    def reply_format(self):
+        """How this model marks reasoning and tool calls in a reply (engine.load.reply_format), from its template."""
+        from moedesk.engine.load.reply_format import detect_format
+
+        return detect_format(self.chat_template)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **options) -> str:
+        """The conversation as the model's template writes it. tools: OpenAI-style function definitions, for
+        templates that describe them to the model; options: the template's own switches (enable_thinking,
+        reasoning_effort, ...), which a template that does not read them ignores."""
+        if not self.chat_template:
+            raise MoedeskError(f"{self.source}: the model has no chat template; use a raw prompt")
+        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        if tools:
+            fixed["tools"] = tools
+        try:
+            return _render_bounded(self._template, **{**options, **fixed})
+        except jinja2.exceptions.TemplateError as e:
+            raise MoedeskError(f"{self.source}: chat template failed: {_first_line(e)}") from None
+        except Exception as e:  # noqa: BLE001 -- a template's own bug (1/0, a recursive macro)
+            raise MoedeskError(f"{self.source}: chat template failed: {type(e).__name__}: {_first_line(e)}") from None
+
+    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
+                    **options) -> list[int]:
+        """Token ids of a conversation, formatted by the model's own chat template (arguments: render_chat's)."""
+        # The template writes any BOS itself; adding special tokens again would double it.
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **options),
+                           add_special_tokens=False)
+
+
+class Tokenizer(ChatTemplating):
     def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, eos_token_ids=(), source: str = "model"):
         self._tok = tokenizer
         self.source = source
@@ -191,48 +238,6 @@ class Tokenizer:
     def stream_decoder(self) -> "StreamDecoder":
         """Text of ids that arrive one at a time, without decoding all of them again for each."""
         return StreamDecoder(self._tok)
-
-    @cached_property
-    def _template(self):
-        env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
-            x, indent=indent, ensure_ascii=ensure_ascii)
-        env.filters = {name: _checked_filter(name, f) for name, f in env.filters.items()}
-        return env.from_string(self.chat_template)
-
-    @cached_property
-    def reply_format(self):
-        """How this model marks reasoning and tool calls in a reply (engine.load.reply_format), from its template."""
-        from moedesk.engine.load.reply_format import detect_format
-
-        return detect_format(self.chat_template)
-
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    **options) -> str:
-        """The conversation as the model's template writes it. tools: OpenAI-style function definitions, for
-        templates that describe them to the model; options: the template's own switches (enable_thinking,
-        reasoning_effort, ...), which a template that does not read them ignores."""
-        if not self.chat_template:
-            raise MoedeskError(f"{self.source}: the model has no chat template; use a raw prompt")
-        fixed = dict(messages=messages, add_generation_prompt=add_generation_prompt,
-                     bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        if tools:
-            fixed["tools"] = tools
-        try:
-            return _render_bounded(self._template, **{**options, **fixed})
-        except jinja2.exceptions.TemplateError as e:
-            raise MoedeskError(f"{self.source}: chat template failed: {_first_line(e)}") from None
-        except Exception as e:  # noqa: BLE001 -- a template's own bug (1/0, a recursive macro)
-            raise MoedeskError(f"{self.source}: chat template failed: {type(e).__name__}: {_first_line(e)}") from None
-
-    def chat_prompt(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
-                    **options) -> list[int]:
-        """Token ids of a conversation, formatted by the model's own chat template (arguments: render_chat's)."""
-        # The template writes any BOS itself; adding special tokens again would double it.
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools, **options),
-                           add_special_tokens=False)
 
 
 class StreamDecoder:

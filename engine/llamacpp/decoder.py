@@ -1,0 +1,164 @@
+"""The scheduler's steps through llama.cpp: one llama_batch per step, several sequences in it.
+
+`LlamaCppDecoder` is engine.generation.decoder.Decoder with the model's forward replaced: a prefill piece or a
+decode step of every running sequence goes to llama_decode as one batch, each token tagged with its sequence's
+id (its scheduler row), so requests that arrive together decode together. Sampling, grammars, stop strings and
+completions are the native decoder's own, applied to llama.cpp's logits.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.decoder import Decoder, Sequence
+from moedesk.engine.requests import Request
+
+_DECODE_ERRORS = {1: "the KV cache has no room for this batch (a shorter context or fewer sequences at once)",
+                  2: "aborted"}
+
+
+class LlamaContext:
+    """A llama.cpp context over a loaded model: `slots` sequences of `context_length` positions each, and the
+    batch every step is written into. Used by the decode thread only (and by `resize` while nothing runs)."""
+
+    def __init__(self, api, model, context_length: int, slots: int, batch_tokens: int, threads: int,
+                 offload_kv: bool):
+        self.api, self.model = api, model
+        self.context_length, self.batch_tokens, self.threads, self.offload_kv = context_length, batch_tokens, threads, offload_kv
+        self.n_vocab = int(api.llama_vocab_n_tokens(api.llama_model_get_vocab(model)))
+        self.ctx, self.slots = None, 0
+        self.batch = api.llama_batch_init(batch_tokens, 0, 1)
+        self.resize(slots)
+
+    def resize(self, slots: int) -> None:
+        """A new context for `slots` sequences; what the old one held is gone (call it when nothing runs)."""
+        api = self.api
+        params = api.llama_context_default_params()
+        params.n_seq_max = slots
+        params.n_ctx = self.context_length * slots
+        # One stream of cells per sequence: each attends over its own positions only (serve's clients share no
+        # prefix), and a sequence's room is its context, whatever the others hold.
+        params.kv_unified = False
+        params.n_batch = params.n_ubatch = self.batch_tokens
+        params.n_threads = params.n_threads_batch = self.threads
+        params.offload_kqv = self.offload_kv
+        params.no_perf = True
+        ctx = api.llama_init_from_model(self.model, params)
+        if not ctx:
+            raise MoedeskError(f"llama.cpp could not make a context of {slots} x {self.context_length} positions "
+                               f"(out of memory?): use a shorter --context")
+        if self.ctx is not None:
+            api.llama_free(self.ctx)
+        self.ctx, self.slots = ctx, slots
+
+    def forget(self, seq_id: int) -> None:
+        """Drop what sequence `seq_id` holds in the KV cache (its row starts a new request)."""
+        self.api.llama_memory_seq_rm(self.api.llama_get_memory(self.ctx), seq_id, -1, -1)
+
+    def run(self, pieces: list[tuple[int, list[int], int, bool]]) -> torch.Tensor:
+        """One llama_decode of (seq_id, tokens, first position, wants logits) pieces; the logits of each wanting
+        piece's last token, [wanting, vocab] float32."""
+        batch, n = self.batch, 0
+        wanted = []
+        for seq_id, tokens, start, logits in pieces:
+            for j, token in enumerate(tokens):
+                batch.token[n], batch.pos[n], batch.n_seq_id[n] = token, start + j, 1
+                batch.seq_id[n][0] = seq_id
+                last = logits and j == len(tokens) - 1
+                batch.logits[n] = last
+                if last:
+                    wanted.append(n)
+                n += 1
+        batch.n_tokens = n
+        code = self.api.llama_decode(self.ctx, batch)
+        if code != 0:
+            raise MoedeskError(f"llama.cpp could not decode a batch of {n} tokens: "
+                               f"{_DECODE_ERRORS.get(code, f'error {code}')}")
+        rows = np.empty((len(wanted), self.n_vocab), dtype=np.float32)
+        for i, index in enumerate(wanted):
+            pointer = self.api.llama_get_logits_ith(self.ctx, index)
+            rows[i] = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
+        return torch.from_numpy(rows)
+
+    def close(self) -> None:
+        if self.ctx is not None:
+            self.api.llama_free(self.ctx)
+            self.ctx = None
+        if self.batch is not None:
+            self.api.llama_batch_free(self.batch)
+            self.batch = None
+
+
+class _NoExperts:
+    """The native decoder reads expert statistics from its executor; llama.cpp keeps none per step."""
+
+
+class LlamaCppDecoder(Decoder):
+    def __init__(self, context: LlamaContext, tokenizer, context_length: int, eos_token_ids=(),
+                 experts_per_token: tuple[int, int] = (0, 0)):
+        """experts_per_token: (on the GPU, in RAM) routed experts one token runs, from the placement: llama.cpp
+        computes a layer's experts where its tensors are, so each finished request's stats say where they ran."""
+        self.context = context  # llama.cpp's KV cache and batch; the native decoder's `cache` only names the device
+        self.experts_per_token = experts_per_token
+        super().__init__(model=None, cache=_Host(), executor=_NoExperts(), tokenizer=tokenizer,
+                         context_length=context_length, eos_token_ids=eos_token_ids)
+
+    def start(self, request: Request, row: int) -> Sequence:
+        if len(request.prompt_ids) >= self.context_length:
+            raise MoedeskError(f"prompt has {len(request.prompt_ids)} tokens; the context is {self.context_length}")
+        if not request.prompt_ids:
+            raise MoedeskError("a request needs a prompt of at least one token")
+        if row >= self.context.slots:
+            raise MoedeskError(f"row {row} beyond the llama.cpp context's {self.context.slots} sequences")
+        seq = super().start(request, row)
+        self.context.forget(row)  # the row's previous request
+        return seq
+
+    def reserve(self, rows: int, seqs: list[Sequence]) -> None:
+        """Nothing to grow: each sequence has its context's cells from the start."""
+
+    def prefill(self, seqs: list[Sequence], budget: int | None = None) -> Iterator[tuple[Sequence, int | None]]:
+        left = self.context.batch_tokens if budget is None else min(budget, self.context.batch_tokens)
+        pieces, done = [], []
+        for s in seqs:
+            take = min(len(s.request.prompt_ids) - s.prefilled, left)
+            if take <= 0:
+                continue
+            left -= take
+            ends = s.prefilled + take == len(s.request.prompt_ids)
+            pieces.append((s.row, s.request.prompt_ids[s.prefilled:s.prefilled + take], s.prefilled, ends))
+            s.prefilled += take
+            if ends:
+                s.position = s.prefilled
+                done.append(s)
+        if not pieces:
+            return
+        logits = self.context.run(pieces)
+        if done:
+            yield from self._accept(done, logits)
+
+    def decode(self, seqs: list[Sequence]) -> Iterator[tuple[Sequence, int | None]]:
+        logits = self.context.run([(s.row, [s.tokens[-1]], s.position, True) for s in seqs])
+        for s in seqs:
+            s.position += 1
+        yield from self._accept(seqs, logits)
+
+
+    def completion(self, s: Sequence):
+        done = super().completion(s)
+        gpu, cpu = self.experts_per_token
+        if gpu or cpu:
+            steps = len(s.tokens)
+            done.stats["experts"] = {"experts_gpu": gpu * steps, "experts_cpu": cpu * steps,
+                                     "gpu_hit_rate": gpu / (gpu + cpu)}
+        return done
+
+
+class _Host:
+    """What the native decoder reads of its cache: the device logits come back on."""
+
+    device = torch.device("cpu")

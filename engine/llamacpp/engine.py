@@ -1,0 +1,295 @@
+"""`LlamaCppEngine`: a GGUF model run by llama.cpp, behind the face front ends know (engine.runtime.Engine).
+
+Requests go through the same scheduler as the native engine's (continuous batching, streaming, cancel, grammars,
+stop strings, per-request sampling); only the decoder differs (engine.llamacpp.decoder). Beam search and EAGLE
+speculation are native-engine features: asking for them here is one line.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from moedesk.engine.errors import CheckpointError, MoedeskError
+from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
+from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
+from moedesk.engine.llamacpp.library import cuda_hint, library
+from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
+from moedesk.engine.llamacpp.placement import GIB, Placement, expert_budget, gguf_sizes, place
+from moedesk.engine.llamacpp.vocab import LlamaVocab
+from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.runtime import DEFAULT_CONTEXT, Engine
+
+NATIVE_ONLY = "{what} is a native-engine feature; this model runs on llama.cpp (--engine native where it loads)"
+FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
+_hinted = False  # the CUDA rebuild line is said once a process
+
+
+class LlamaCppEngine(Engine):
+    kind = "llama.cpp"
+
+    def __init__(self, api, model, context: LlamaContext, vocab: LlamaVocab, config: ModelConfig,
+                 placement: Placement, name: str, why: str, path: Path):
+        # Not Engine.__init__: no torch model, cache or executor. The scheduler and everything built on it
+        # (submit, generate, complete, stream) are the native engine's own.
+        self.api, self._model, self.llama = api, model, context
+        self.tokenizer, self.config, self.placement = vocab, config, placement
+        self.name, self.why, self.path = name, why, path
+        self.vocab_size = config.vocab_size
+        self.context_length = context.context_length
+        self.device = torch.device("cuda" if placement.gpu_layers else "cpu")
+        self.dtype = None
+        self.orchestra = None
+        self.warnings: list[str] = []
+        self.cache = _KVFace(self)
+        self.scheduler = Scheduler(self._decoder, max_rows=context.slots, prefill_chunk=context.batch_tokens)
+        self._grammar_tokenizer = None
+        self.overridden: dict[str, str] = {}  # tensor -> buffer type, as llama.cpp's load log said
+
+    @classmethod
+    def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
+             context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
+             reprofile: bool = False, progress=None, expert_dtype: str = "auto", cpu_moe: int | None = None,
+             name: str | None = None, why: str = "llama.cpp engine, as asked", **_) -> "LlamaCppEngine":
+        """Load the GGUF file `model` (path) with llama.cpp. cpu_moe: pin the first N layers' experts to RAM
+        (llama.cpp's --n-cpu-moe); None: chosen for the GPU budget (engine.llamacpp.placement)."""
+        global _hinted
+        lib = library()
+        api = lib.api
+        path = Path(model)
+        if not path.is_file():
+            raise CheckpointError(path, "no such GGUF file")
+        warnings = []
+        if expert_dtype not in (None, "auto"):
+            warnings.append(f"--expert-dtype {expert_dtype} is a native-engine option; llama.cpp keeps the "
+                            f"file's formats")
+        if gpu_budget is not None and gpu_budget < 0:
+            raise MoedeskError(f"--gpu-budget {gpu_budget}: must be >= 0 GiB")
+        gpu_devices = [n for n, kind in lib.devices() if kind in ("gpu", "igpu")]
+        hint = cuda_hint(_nvidia_gpus(), lib.gpu_offload())
+        if hint and not _hinted:
+            warnings.append(hint)
+            _hinted = True
+        use_gpu = bool(gpu_devices) and device != "cpu"
+        if device.startswith("cuda") and not gpu_devices:
+            warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
+        sizes = _file_sizes(path)
+        if progress:
+            progress("load", 0.0)
+        context = context_length or DEFAULT_CONTEXT
+        mark = lib.log_mark()
+        params = api.llama_model_default_params()
+        layers_meta = _meta_int_from_file(path, "block_count") or len(sizes.expert_bytes)
+        budget = 0
+        if use_gpu:
+            free = _gpu_free_bytes()
+            budget = expert_budget(gpu_budget, free, sizes.other_bytes, 0)
+        placement = place(sizes, layers_meta, use_gpu, budget, cpu_moe)
+        params.n_gpu_layers = placement.gpu_layers
+        overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
+                              if placement.cpu_expert_layers() else [])
+        overrides.install(params)
+        handle = api.llama_model_load_from_file(str(path).encode(), params)
+        if not handle:
+            detail = next((line for line in reversed(lib.log_since(mark)) if "error" in line.lower()), "")
+            raise CheckpointError(path, "llama.cpp could not load this file" + (f": {detail.strip()}" if detail else ""))
+        try:
+            vocab = LlamaVocab(api, handle, str(path))
+            config = _config(api, handle, vocab, sizes)
+            context = min(context, config.max_position_embeddings or context)
+            threads = max(1, torch.get_num_threads())
+            batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
+            llama = LlamaContext(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv=use_gpu)
+        except BaseException:
+            api.llama_model_free(handle)
+            raise
+        engine = cls(api, handle, llama, vocab, config, placement, name or model, why, path)
+        engine.warnings = warnings
+        engine.overridden = overridden_tensors(lib.log_since(mark))
+        if progress:
+            progress("load", 1.0)
+        return engine
+
+    # --- what the native engine has and this one says it has not -------------------------------
+
+    def _kind(self, decoding, limit):
+        if decoding is None:
+            return None
+        what = "beam search" if type(decoding).__name__ == "BeamOptions" else "speculative decoding"
+        raise MoedeskError(NATIVE_ONLY.format(what=what))
+
+    def beam_search(self, prompt_ids, *args, **kwargs):
+        raise MoedeskError(NATIVE_ONLY.format(what="beam search"))
+
+    def speculate(self, *args, **kwargs):
+        raise MoedeskError(NATIVE_ONLY.format(what="speculative decoding"))
+
+    def load_draft(self, path):
+        raise MoedeskError(NATIVE_ONLY.format(what="an EAGLE draft head"))
+
+    # --- the engine face ---------------------------------------------------------------------
+
+    def _decoder(self) -> LlamaCppDecoder:
+        on_gpu, _ = self.expert_map()
+        k = self.config.num_experts_per_tok
+        gpu_layers = sum(all(row) for row in on_gpu)
+        return LlamaCppDecoder(self.llama, self.tokenizer, self.context_length, self.config.eos_token_ids,
+                               experts_per_token=(k * gpu_layers, k * (len(on_gpu) - gpu_layers)))
+
+    @property
+    def description(self) -> str:
+        cfg = self.config
+        shape = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.is_moe else "dense"
+        return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on llama.cpp, {self.placement.why}"
+
+    def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
+        """Per MoE layer and expert: on the GPU (a whole layer's experts are, or none); llama.cpp counts no picks."""
+        cfg, ram = self.config, set(self.placement.cpu_expert_layers())
+        gpu = self.placement.gpu_layers > 0
+        layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        return ([[gpu and i not in ram] * cfg.num_experts for i in layers], [[0] * cfg.num_experts for _ in layers])
+
+    def expert_stats(self) -> dict:
+        if not self.config.is_moe:
+            return {}
+        on_gpu, _ = self.expert_map()
+        total = sum(len(row) for row in on_gpu)
+        return {"engine": self.kind, "experts_on_gpu": sum(map(sum, on_gpu)), "experts_total": total,
+                "expert_layers_in_ram": len(self.placement.cpu_expert_layers()) if self.placement.gpu_layers
+                else len(on_gpu), "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3)}
+
+    def grammar(self, response_format):
+        """As the native engine's (the same llguidance masks), over llama.cpp's own vocabulary."""
+        from moedesk.engine.generation.sampling import compile_response_format
+
+        eos = set(self.config.eos_token_ids)
+        if self._grammar_tokenizer is None:
+            from llguidance.llamacpp import lltokenizer_from_vocab
+
+            self._grammar_tokenizer = lltokenizer_from_vocab(self.tokenizer.vocab, n_vocab=self.vocab_size,
+                                                             eos_token=sorted(eos))
+        return compile_response_format(response_format, self._grammar_tokenizer, self.vocab_size, eos)
+
+    def make_room(self, sequences: int, timeout: float = 30.0) -> bool:
+        """A context for `sequences` decoding together (serve's and batch's batch size), made while nothing runs;
+        False if requests kept it busy for `timeout` seconds."""
+        sequences = max(1, min(sequences, self.llama.batch_tokens))
+        if sequences <= self.llama.slots:
+            return True
+
+        def grow():
+            self.llama.resize(sequences)
+            self.scheduler.max_rows = sequences
+
+        return self.scheduler.when_idle(grow, timeout)
+
+    def generate(self, requests, batch_size: int = 8, decoding=None, refill: int = 1):
+        self.make_room(batch_size)
+        return super().generate(requests, batch_size, decoding, refill)
+
+    def complete(self, requests, decoding=None):
+        self.make_room(len(requests))
+        return super().complete(requests, decoding)
+
+    def release_cache(self, timeout: float = 30.0) -> bool:
+        return True  # the context's cells are allocated once, for its sequences
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.llama.close()
+        if self._model:
+            self.api.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 -- at interpreter exit the library may be gone first
+            pass
+
+
+class _KVFace:
+    """What front ends read of an engine's KV cache: bytes per position (to size a batch) and `ensure`."""
+
+    def __init__(self, engine: LlamaCppEngine):
+        self.engine = engine
+
+    @property
+    def rows(self) -> int:
+        return self.engine.llama.slots
+
+    def bytes_per_position(self) -> int:
+        cfg = self.engine.config
+        return 2 * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim  # keys and values in f16, llama.cpp's default
+
+    def ensure(self, rows: int, length: int) -> None:
+        if not self.engine.make_room(rows):
+            raise MoedeskError("the llama.cpp engine is busy: its context cannot grow now")
+
+
+def _nvidia_gpus() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return int(os.path.exists("/proc/driver/nvidia/version"))
+
+
+def _gpu_free_bytes() -> int:
+    if torch.cuda.is_available():
+        return int(torch.cuda.mem_get_info()[0])
+    return 0
+
+
+def _file_sizes(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 -- the reader validates by failing
+        raise CheckpointError(path, f"not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    return gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
+
+
+def _meta_int_from_file(path: Path, key: str) -> int | None:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    if arch is None:
+        return None
+    field = reader.fields.get(f"{arch.contents()}.{key}")
+    return int(field.contents()) if field is not None else None
+
+
+def _meta(api, model, key: str) -> str | None:
+    import ctypes
+
+    buffer = ctypes.create_string_buffer(512)
+    n = api.llama_model_meta_val_str(model, key.encode(), buffer, 512)
+    return buffer.value.decode(errors="replace") if n >= 0 else None
+
+
+def _config(api, model, vocab: LlamaVocab, sizes) -> ModelConfig:
+    """The model as the app describes it (layers, experts, heads), from llama.cpp's view of the file."""
+    arch = _meta(api, model, "general.architecture") or "?"
+
+    def number(key, default=0):
+        value = _meta(api, model, f"{arch}.{key}")
+        try:
+            return int(float(value)) if value is not None else default
+        except ValueError:  # a per-layer array
+            return default
+
+    layers = int(api.llama_model_n_layer(model))
+    heads = int(api.llama_model_n_head(model)) or 1
+    hidden = int(api.llama_model_n_embd(model))
+    experts = number("expert_count")
+    moe_layers = tuple(i < len(sizes.expert_bytes) and sizes.expert_bytes[i] > 0 for i in range(layers))
+    return ModelConfig(arch=arch, vocab_size=vocab.n_tokens, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=int(api.llama_model_n_head_kv(model)) or heads,
+                       head_dim=number("attention.key_length", hidden // heads), intermediate_size=number("feed_forward_length"),
+                       rms_norm_eps=0.0, max_position_embeddings=int(api.llama_model_n_ctx_train(model)),
+                       num_experts=experts if any(moe_layers) else 0,
+                       num_experts_per_tok=number("expert_used_count") if any(moe_layers) else 0,
+                       moe_intermediate_size=number("expert_feed_forward_length"), moe_layers=moe_layers,
+                       bos_token_id=vocab.bos_token_id, eos_token_ids=tuple(sorted(vocab.eos_token_ids)))

@@ -1,0 +1,126 @@
+"""llama-cpp-python's bundled llama.cpp, loaded once: its ctypes API, its ggml devices and its log.
+
+A missing or broken `llama_cpp` is one line (LlamaCppUnavailable); the native engine never imports this module.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import threading
+from pathlib import Path
+
+from moedesk.engine.errors import MoedeskError
+
+CUDA_REBUILD = 'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python'
+LOG_LINES = 4000  # the newest lines of llama.cpp's log that are kept: a model load writes a few hundred
+
+
+class LlamaCppUnavailable(MoedeskError):
+    """llama-cpp-python cannot be imported or its library cannot be loaded."""
+
+
+class _Library:
+    """The loaded library: `api` is llama_cpp.llama_cpp (the ctypes bindings), `ggml` libggml for devices."""
+
+    def __init__(self):
+        try:
+            import llama_cpp
+            from llama_cpp import llama_cpp as api
+        except ImportError as e:
+            raise LlamaCppUnavailable(f"llama.cpp engine unavailable: llama-cpp-python is not installed ({e}); "
+                                      f"pip install llama-cpp-python") from None
+        except OSError as e:  # the wheel is there but its shared library does not load
+            raise LlamaCppUnavailable(f"llama.cpp engine unavailable: llama-cpp-python's library does not load "
+                                      f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); reinstall it "
+                                      f"with pip install --force-reinstall --no-cache-dir llama-cpp-python") from None
+        self.api, self.version = api, getattr(llama_cpp, "__version__", "?")
+        self.lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
+        self._partial, self.written = "", 0
+        self._lock = threading.Lock()
+        self._callback = api.llama_log_callback(self._log)  # kept: llama.cpp holds only the pointer
+        api.llama_log_set(self._callback, None)
+        api.llama_backend_init()
+        self.ggml = _ggml(Path(llama_cpp.__file__).parent / "lib")
+
+    def _log(self, level, text, user_data) -> None:
+        # llama.cpp writes a line in several calls; only whole lines are kept.
+        with self._lock:
+            self._partial += text.decode("utf-8", errors="replace") if text else ""
+            *whole, self._partial = self._partial.split("\n")
+            self.lines.extend(whole)
+            self.written += len(whole)
+
+    def log_mark(self) -> int:
+        """A position in the log: `log_since(mark)` gives the lines written after it."""
+        with self._lock:
+            return self.written
+
+    def log_since(self, mark: int) -> list[str]:
+        with self._lock:
+            lines = list(self.lines)
+            new = self.written - mark
+        return lines[len(lines) - min(new, len(lines)):]
+
+    def devices(self) -> list[tuple[str, str]]:
+        """(name, kind) of every ggml device: kind "cpu", "gpu", "igpu" or "accel" (ggml_backend_dev_type)."""
+        kinds = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+        found = []
+        for i in range(self.ggml.ggml_backend_dev_count()):
+            dev = self.ggml.ggml_backend_dev_get(i)
+            found.append((self.ggml.ggml_backend_dev_name(dev).decode(), kinds.get(self.ggml.ggml_backend_dev_type(dev), "?")))
+        return found
+
+    def cpu_buffer_type(self) -> int:
+        """The CPU device's buffer type (a pointer): what experts pinned to RAM are allocated in."""
+        for i in range(self.ggml.ggml_backend_dev_count()):
+            dev = self.ggml.ggml_backend_dev_get(i)
+            if self.ggml.ggml_backend_dev_type(dev) == 0:
+                return self.ggml.ggml_backend_dev_buffer_type(dev)
+        raise MoedeskError("llama.cpp has no CPU device")
+
+    def gpu_offload(self) -> bool:
+        return bool(self.api.llama_supports_gpu_offload())
+
+
+def _ggml(folder: Path):
+    """libggml's device functions (llama-cpp-python binds llama.h only)."""
+    lib = ctypes.CDLL(str(folder / "libggml.so")) if (folder / "libggml.so").exists() else ctypes.CDLL(
+        str(next(folder.glob("*ggml.*"))))
+    p, size = ctypes.c_void_p, ctypes.c_size_t
+    for name, restype, argtypes in (("ggml_backend_dev_count", size, []), ("ggml_backend_dev_get", p, [size]),
+                                    ("ggml_backend_dev_name", ctypes.c_char_p, [p]),
+                                    ("ggml_backend_dev_type", ctypes.c_int, [p]),
+                                    ("ggml_backend_dev_buffer_type", p, [p]),
+                                    ("ggml_backend_buft_name", ctypes.c_char_p, [p])):
+        function = getattr(lib, name)
+        function.restype, function.argtypes = restype, argtypes
+    return lib
+
+
+_loaded: _Library | None = None
+_loading = threading.Lock()
+
+
+def library() -> _Library:
+    """The library, loaded at the first call; LlamaCppUnavailable (one line) when it cannot be."""
+    global _loaded
+    with _loading:
+        if _loaded is None:
+            _loaded = _Library()
+        return _loaded
+
+
+def available() -> str | None:
+    """None when llama.cpp can run here, else the one line that says why not."""
+    try:
+        library()
+    except LlamaCppUnavailable as e:
+        return str(e)
+    return None
+
+
+def cuda_hint(nvidia_gpus: int, gpu_offload: bool) -> str | None:
+    """The one line for a machine with an NVIDIA GPU whose llama.cpp was built without CUDA; None otherwise."""
+    if nvidia_gpus and not gpu_offload:
+        return f"llama.cpp was built without CUDA and runs on the CPU only; rebuild it with: {CUDA_REBUILD}"
+    return None

@@ -1,0 +1,92 @@
+"""Which layers' experts llama.cpp keeps in RAM: a pure decision from the GGUF's tensor sizes and a GPU budget.
+
+A GGUF holds each layer's routed experts as one tensor per projection, so placement here is per layer, where the
+native engine places each expert on its own by popularity. As llama.cpp's `--n-cpu-moe N` does, the first N
+layers' experts stay in RAM and every other weight goes to the GPU; the choice is the smallest N whose remaining
+experts fit the budget, so a sweep of `-ncmoe` values is a sweep of the same knob.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+GIB = 2**30
+# Routed experts as llama.cpp's converter names them: ffn_{gate,up,down,gate_up}_exps (their .weight and, in
+# gpt-oss, .bias); "chexps" are chunked experts. Shared experts (ffn_*_shexp) are not routed: they stay.
+EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(?:gate|up|down|gate_up)_(?:ch)?exps\.")
+
+
+@dataclass(frozen=True)
+class GGUFSizes:
+    """Bytes of a GGUF's tensors as its header states them: each layer's routed experts, and the rest."""
+
+    expert_bytes: tuple[int, ...]  # per layer (0 for a layer without routed experts)
+    other_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.expert_bytes) + self.other_bytes
+
+
+def gguf_sizes(tensors) -> GGUFSizes:
+    """tensors: (name, n_bytes) of every tensor in the file."""
+    per_layer: dict[int, int] = {}
+    other = 0
+    for name, size in tensors:
+        m = EXPERT_TENSOR.match(name)
+        if m:
+            per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(size)
+        else:
+            other += int(size)
+    layers = max(per_layer, default=-1) + 1
+    return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other)
+
+
+def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int) -> int:
+    """The smallest N such that the experts of every layer from N on fit in `budget_bytes` of GPU memory."""
+    on_gpu = sum(expert_bytes)
+    for n, size in enumerate(expert_bytes):
+        if on_gpu <= budget_bytes:
+            return n
+        on_gpu -= size
+    return len(expert_bytes)
+
+
+def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes: int, kv_bytes: int) -> int:
+    """GPU bytes for experts: the budget the user named, else what is free once the other weights, the KV cache
+    and the native engine's margin are set aside (engine.offload.orchestration.default_expert_budget)."""
+    from moedesk.engine.offload.orchestration import default_expert_budget
+
+    if gpu_budget_gib is not None:
+        return int(gpu_budget_gib * GIB)
+    return default_expert_budget(max(0, free_gpu_bytes - other_bytes), kv_bytes)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where llama.cpp puts the model: `gpu_layers` offloaded (0: none, the CPU build or no GPU), and the first
+    `cpu_moe` layers' experts pinned to RAM. `why` is the one line the app shows."""
+
+    gpu_layers: int
+    cpu_moe: int
+    layers: int
+    expert_bytes_in_ram: int
+    why: str
+
+    def cpu_expert_layers(self) -> list[int]:
+        return [i for i in range(self.cpu_moe)] if self.gpu_layers else []
+
+
+def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: int | None = None) -> Placement:
+    """The placement for a model of `layers` blocks: everything in RAM without a GPU; with one, every layer on it
+    and the first `cpu_moe` (chosen for `budget_bytes` when None) layers' experts in RAM."""
+    total_experts = sum(sizes.expert_bytes)
+    if not gpu:
+        return Placement(0, len(sizes.expert_bytes), layers, total_experts, "no GPU for llama.cpp: all in RAM")
+    if cpu_moe is None:
+        cpu_moe = cpu_moe_layers(sizes.expert_bytes, budget_bytes)
+        why = f"experts of {cpu_moe} of {len(sizes.expert_bytes)} layers in RAM for a {budget_bytes / GIB:.1f} GiB budget"
+    else:
+        why = f"experts of the first {cpu_moe} layers in RAM, as asked"
+    cpu_moe = max(0, min(cpu_moe, len(sizes.expert_bytes)))
+    return Placement(layers + 1, cpu_moe, layers, sum(sizes.expert_bytes[:cpu_moe]), why)

@@ -1,0 +1,70 @@
+"""Which engine runs a model: the native one where it implements the architecture, llama.cpp otherwise.
+
+`choose_engine` decides (reading at most the checkpoint's header) and says why in one line, which the app shows.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moedesk.engine.errors import MoedeskError, UnsupportedModelError
+
+ENGINES = ("auto", "native", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class Choice:
+    kind: str  # "native" | "llama.cpp"
+    model: str  # what that engine loads: for llama.cpp a GGUF path ("demo" is its source GGUF)
+    why: str
+
+
+def choose_engine(model: str, requested: str = "auto", llama_cpp_problem=None) -> Choice | None:
+    """The engine asked for: a Choice, or None for auto (the native engine is tried first, and `after_refusal`
+    decides when it refuses the model). llama_cpp_problem() gives None when llama.cpp can run, else its one
+    line (engine.llamacpp.library.available; asked only when llama.cpp is wanted). Raises MoedeskError (one
+    line) when the requested engine cannot run the model."""
+    if requested not in ENGINES:
+        raise MoedeskError(f"--engine {requested}: choose one of {', '.join(ENGINES)}")
+    if requested == "auto":
+        return None
+    if requested == "native":
+        return Choice("native", model, "native engine, as asked")
+    path = _gguf_for_llama_cpp(model)
+    problem = (llama_cpp_problem or _llama_cpp_problem)()
+    if problem:
+        raise MoedeskError(problem)
+    return Choice("llama.cpp", path, "llama.cpp engine, as asked")
+
+
+def after_refusal(error: UnsupportedModelError, llama_cpp_problem=None) -> Choice:
+    """auto, once the native engine refused a model (an architecture or variant it does not implement): llama.cpp
+    for a GGUF file; otherwise the refusal again, saying what would run it."""
+    path = str(error.path)
+    if not path.endswith(".gguf"):
+        raise UnsupportedModelError(error.path, f"{error.problem}; llama.cpp runs GGUF files: use a GGUF of this "
+                                                f"model (--engine llama.cpp)") from None
+    problem = (llama_cpp_problem or _llama_cpp_problem)()
+    if problem:
+        raise UnsupportedModelError(error.path, f"{error.problem}, and {problem}") from None
+    return Choice("llama.cpp", path, f"llama.cpp: the native engine does not run it ({error.problem})")
+
+
+def _llama_cpp_problem() -> str | None:
+    from moedesk.engine.llamacpp.library import available
+
+    return available()
+
+
+def _gguf_for_llama_cpp(model: str) -> str:
+    """The GGUF file llama.cpp loads for `model`: the demo's source file, or the .gguf named."""
+    if model == "demo":
+        from moedesk.engine.load.demo import source_gguf
+
+        return str(source_gguf())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return str(path)
+    if path.is_file() or path.is_dir():
+        raise MoedeskError(f"{model}: the llama.cpp engine runs GGUF files; this is not one (--engine native)")
+    raise MoedeskError(f"{model}: no such GGUF file for the llama.cpp engine")

@@ -1,0 +1,91 @@
+"""The llama.cpp engine's decisions, without loading a model: which engine, which layers' experts in RAM, the
+override pattern and what llama.cpp's log says it did with it, the CUDA rebuild line."""
+from __future__ import annotations
+
+import pytest
+
+from moedesk.engine.errors import MoedeskError, UnsupportedModelError
+from moedesk.engine.llamacpp.library import CUDA_REBUILD, cuda_hint
+from moedesk.engine.llamacpp.overrides import experts_pattern, matches, overridden_tensors
+from moedesk.engine.llamacpp.placement import GIB, cpu_moe_layers, gguf_sizes, place
+from moedesk.engine.selection import after_refusal, choose_engine
+
+MIB = 2**20
+# A Mixtral-like file: 4 layers of 100 MiB experts (gate, up, down), 60 MiB of the rest, a shared expert.
+TENSORS = [("token_embd.weight", 40 * MIB), ("output.weight", 20 * MIB)]
+for layer in range(4):
+    TENSORS += [(f"blk.{layer}.ffn_{p}_exps.weight", 100 * MIB // 3) for p in ("gate", "up", "down")]
+    TENSORS += [(f"blk.{layer}.ffn_up_shexp.weight", 0), (f"blk.{layer}.attn_q.weight", 0)]
+
+
+def test_sizes_split_routed_experts_per_layer_from_the_rest():
+    sizes = gguf_sizes(TENSORS + [("blk.3.ffn_gate_up_exps.bias", 6)])
+    assert sizes.expert_bytes == (3 * (100 * MIB // 3),) * 3 + (3 * (100 * MIB // 3) + 6,)
+    assert sizes.other_bytes == 60 * MIB  # the shared expert is not routed: it stays with the rest
+
+
+@pytest.mark.parametrize("budget_mib,expected", [(0, 4), (99, 4), (100, 3), (250, 2), (400, 0), (10_000, 0)])
+def test_the_fewest_layers_in_ram_whose_remaining_experts_fit_the_budget(budget_mib, expected):
+    assert cpu_moe_layers((100 * MIB,) * 4, budget_mib * MIB) == expected
+
+
+def test_placement_without_a_gpu_keeps_everything_in_ram_and_overrides_nothing():
+    sizes = gguf_sizes(TENSORS)
+    p = place(sizes, 4, gpu=False, budget_bytes=10 * GIB)
+    assert p.gpu_layers == 0 and p.cpu_expert_layers() == [] and p.expert_bytes_in_ram == sum(sizes.expert_bytes)
+
+
+def test_placement_with_a_gpu_offloads_every_layer_and_pins_the_first_layers_experts():
+    sizes = gguf_sizes(TENSORS)
+    p = place(sizes, 4, gpu=True, budget_bytes=int(2.5 * sizes.expert_bytes[0]))
+    assert p.gpu_layers == 5 and p.cpu_expert_layers() == [0, 1]
+    assert "2 of 4 layers" in p.why
+    assert place(sizes, 4, gpu=True, budget_bytes=0, cpu_moe=3).cpu_expert_layers() == [0, 1, 2]
+
+
+def test_the_override_pattern_takes_exactly_the_named_layers_routed_experts():
+    pattern = experts_pattern([0, 2])
+    names = [name for name, _ in TENSORS] + ["blk.12.ffn_up_exps.weight", "blk.0.ffn_gate_up_exps.bias"]
+    taken = {name for name in names if matches(pattern, name)}
+    assert taken == {f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 2) for p in ("gate", "up", "down")} | {
+        "blk.0.ffn_gate_up_exps.bias"}
+    assert experts_pattern([]) is None
+
+
+def test_overridden_tensors_are_read_from_llama_cpps_load_log():
+    log = ["llama_model_loader: tensor overrides to CPU are used with mmap enabled",
+           "tensor blk.0.ffn_gate_exps.weight (0 MiB q4_0) buffer type overridden to CPU_REPACK",
+           "tensor blk.0.ffn_down_exps.weight (12 MiB q4_k) buffer type overridden to CPU",
+           "load_tensors:   CPU_REPACK model buffer size =     2.85 MiB"]
+    assert overridden_tensors(log) == {"blk.0.ffn_gate_exps.weight": "CPU_REPACK", "blk.0.ffn_down_exps.weight": "CPU"}
+
+
+def test_the_cuda_rebuild_line_only_where_an_nvidia_gpu_meets_a_cpu_build():
+    line = cuda_hint(1, gpu_offload=False)
+    assert CUDA_REBUILD in line and "\n" not in line
+    assert cuda_hint(0, gpu_offload=False) is None and cuda_hint(2, gpu_offload=True) is None
+
+
+def test_engine_choice(tmp_path):
+    assert choose_engine("demo", "auto") is None  # native first
+    assert choose_engine("anything", "native").kind == "native"
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    chosen = choose_engine(str(gguf), "llama.cpp", lambda: None)
+    assert chosen.kind == "llama.cpp" and chosen.model == str(gguf)
+    with pytest.raises(MoedeskError, match="not installed"):
+        choose_engine(str(gguf), "llama.cpp", lambda: "llama.cpp engine unavailable: not installed")
+    with pytest.raises(MoedeskError, match="runs GGUF files"):
+        choose_engine(str(tmp_path), "llama.cpp", lambda: None)
+    with pytest.raises(MoedeskError, match="choose one of"):
+        choose_engine("demo", "vllm")
+
+
+def test_auto_after_a_refusal_takes_llama_cpp_for_a_gguf_and_says_what_to_do_otherwise(tmp_path):
+    refusal = UnsupportedModelError(tmp_path / "m.gguf", "unsupported GGUF architecture 'gpt-oss'")
+    chosen = after_refusal(refusal, lambda: None)
+    assert chosen.kind == "llama.cpp" and "gpt-oss" in chosen.why and chosen.model.endswith("m.gguf")
+    with pytest.raises(UnsupportedModelError, match="gpt-oss.*not installed"):
+        after_refusal(refusal, lambda: "llama.cpp engine unavailable: not installed")
+    with pytest.raises(UnsupportedModelError, match="use a GGUF of this model"):
+        after_refusal(UnsupportedModelError(tmp_path, "unsupported model_type 'gpt_oss'"), lambda: None)
