@@ -1,10 +1,6 @@
 """`Engine`: the one object front ends talk to. Load a model, then generate or stream."""
 from __future__ import annotations
 
-import queue
-import threading
-from typing import Iterable, Iterator
-
 import torch
 
 from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
@@ -17,22 +13,18 @@ from moedesk.engine.generation.kv_cache import KVCache
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
-from moedesk.engine.requests import Completion, Request, SamplingParams, StreamChunk
-from moedesk.engine.generation.scheduler import (Group, Handle, Scheduler, TextDeltas, Update, cancelled_after,
-                                         default_prefill_chunk)
+from moedesk.engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
 from moedesk.engine.load.tokenizer import Tokenizer
-
-DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
+from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
 FIRST_CACHE_LENGTH = 256  # positions of the KV cache's one row at load: requests grow it to what they need
 
 
-class Engine:
-    """What front ends call. This class is the native engine; `Engine.load` returns an
-    engine.llamacpp.engine.LlamaCppEngine instead where llama.cpp runs the model (its `kind` says which, its
-    `why` says why, in one line). Both run requests through the same scheduler."""
+class Engine(EngineFace):
+    """The native engine, and `Engine.load`, which returns an engine.llamacpp.engine.LlamaCppEngine instead where
+    llama.cpp runs the model: front ends see either only through engine.interface.EngineFace."""
 
     kind = "native"
-    why = "native engine"
 
     def __init__(self, model, cfg, tokenizer: Tokenizer | None, device, dtype, context_length: int, name: str):
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
@@ -199,16 +191,6 @@ class Engine:
             return {}
         return {**self.orchestra.summary(), **self.executor.stats.as_dict()}
 
-    def submit(self, request: Request, *, decoding=None, **options) -> Handle:
-        """Queue one request on the scheduler (options: see engine.generation.scheduler.Scheduler.submit).
-
-        decoding: None (plain: sampling or greedy as its params say), a BeamOptions (beam search: nothing
-        streams before the best hypothesis is whole) or an engine.speculative.decode.SpeculativeOptions
-        (speculative decoding: accepted drafts stream as tokens). Beam and speculative requests run as jobs of
-        the same decode thread, between the plain batch's steps, and cancel as plain ones do."""
-        group = options.get("group")
-        return self.scheduler.submit(request, kind=self._kind(decoding, group.limit if group else None), **options)
-
     def _kind(self, decoding, limit: int | None):
         """The scheduler's JobKind for a decoding option (None for plain decoding)."""
         if decoding is None:
@@ -230,112 +212,6 @@ class Engine:
 
     def _eos_ids(self) -> set:
         return set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
-
-    def generate(self, requests: Iterable[Request], batch_size: int = 8, decoding=None,
-                 refill: int = 1) -> Iterator[Completion]:
-        """Complete every request, at most `batch_size` at once; yield each as soon as it finishes (not in input
-        order). Requests are pulled from `requests` on the caller's thread as earlier ones finish.
-        refill: freed rows are taken by waiting requests only once that many are free (scheduler.Group), so
-        newcomers prefill together; 1 (the default) takes a freed row at once.
-
-        decoding: as `submit` takes it, for every request; or a callable giving each request's (None: plain).
-        Speculative requests fill their job's rows as plain ones fill the batch's, so `batch_size` of them
-        verify together."""
-        group = Group(batch_size, refill=max(1, min(refill, batch_size)))
-        choose = decoding if callable(decoding) else (lambda request: decoding)
-        finished: queue.SimpleQueue = queue.SimpleQueue()
-        source = iter(requests)
-        in_flight: dict[int, Handle] = {}
-        exhausted, number = False, 0
-        try:
-            while True:
-                # A batch's worth waits beyond the running ones, so a freed row takes the next request in the
-                # same step instead of after a round trip through this thread.
-                fresh = []
-                while not exhausted and len(in_flight) + len(fresh) < 2 * batch_size:
-                    request = next(source, None)
-                    if request is None:
-                        exhausted = True
-                        break
-                    fresh.append(request)
-                # Submitted together, so the decode thread admits them in one step: which requests share a step
-                # (and so the stats) does not depend on how fast this thread pulls them from `requests`.
-                with self.scheduler.submitting():
-                    for request in fresh:
-                        number += 1
-                        in_flight[number] = self.submit(
-                            request, decoding=choose(request), group=group,
-                            sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
-                if not in_flight:
-                    self.scheduler.wait_idle()
-                    return
-                n, update = finished.get()
-                del in_flight[n]
-                if update.error is not None:
-                    raise update.error
-                yield update.completion
-        finally:
-            for handle in in_flight.values():  # the caller stopped early (or failed): free their rows
-                handle.cancel()
-
-    def complete(self, requests: list[Request], decoding=None) -> list[Completion]:
-        """Complete `requests`, all submitted at once (so a speculative job takes them together and verifies them
-        as one batch), in input order. The first request's error is raised once all have ended."""
-        done: queue.SimpleQueue = queue.SimpleQueue()
-        handles = []
-        try:
-            with self.scheduler.submitting():
-                group = Group(max(1, len(requests)))
-                for i, request in enumerate(requests):
-                    handles.append(self.submit(request, decoding=decoding, group=group,
-                                               sink=lambda u, i=i: done.put((i, u)) if u.final else None))
-            results: dict[int, Update] = {}
-            while len(results) < len(handles):
-                i, update = done.get()
-                results[i] = update
-        finally:
-            for handle in handles:
-                handle.cancel()  # no-op once finished; the caller interrupted: free their rows
-        self.scheduler.wait_idle()
-        for i in range(len(handles)):
-            if results[i].error is not None:
-                raise results[i].error
-        return [results[i].completion for i in range(len(handles))]
-
-    def stream(self, prompt_ids: list[int], params: SamplingParams = SamplingParams(),
-               cancel: threading.Event | None = None, grammar=None, decoding=None) -> Iterator[StreamChunk]:
-        """Yield text as it is generated; the last chunk carries the Completion. `cancel` stops early: set
-        between two chunks, the reply ends with the tokens already yielded. decoding: as `submit` takes it
-        (beam search yields its whole text in the last chunk)."""
-        updates: queue.SimpleQueue = queue.SimpleQueue()
-        handle = self.submit(Request(list(prompt_ids), params, grammar=grammar), decoding=decoding, sink=updates.put,
-                             cancel=cancel)
-        deltas = TextDeltas(params.stop)
-        seen: list[int] = []
-        try:
-            while True:
-                update = updates.get()
-                if update.error is not None:
-                    raise update.error
-                if update.completion is not None:
-                    self.scheduler.wait_idle()
-                    yield deltas.last(update.completion, update.token_id)
-                    return
-                chunk = deltas.chunk(update)
-                seen += chunk.token_ids
-                yield chunk
-                if cancel is not None and cancel.is_set():
-                    # The decode thread may have gone on meanwhile: the reply is what the caller saw.
-                    handle.cancel()
-                    while not update.final:
-                        update = updates.get()
-                    if update.error is not None:
-                        raise update.error
-                    text = self.tokenizer.decode(seen) if self.tokenizer is not None else ""
-                    yield deltas.last(cancelled_after(update.completion, seen, text))
-                    return
-        finally:
-            handle.cancel()  # a caller that stops iterating frees the row at the next step
 
     def beam_search(self, prompt_ids: list[int], beams: int = 4, max_new_tokens: int = 256,
                     length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,

@@ -1,4 +1,4 @@
-"""`LlamaCppEngine`: a GGUF model run by llama.cpp, behind the face front ends know (engine.runtime.Engine).
+"""`LlamaCppEngine`: a GGUF model run by llama.cpp, behind the face front ends know (engine.interface.EngineFace).
 
 Requests go through the same scheduler as the native engine's (continuous batching, streaming, cancel, grammars,
 stop strings, per-request sampling); only the decoder differs (engine.llamacpp.decoder). Beam search and EAGLE
@@ -19,20 +19,20 @@ from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overri
 from moedesk.engine.llamacpp.placement import GIB, Placement, expert_budget, gguf_sizes, place
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
-from moedesk.engine.runtime import DEFAULT_CONTEXT, Engine
+from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
 
 NATIVE_ONLY = "{what} is a native-engine feature; this model runs on llama.cpp (--engine native where it loads)"
 FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
 _hinted = False  # the CUDA rebuild line is said once a process
 
 
-class LlamaCppEngine(Engine):
+class LlamaCppEngine(EngineFace):
     kind = "llama.cpp"
 
     def __init__(self, api, model, context: LlamaContext, vocab: LlamaVocab, config: ModelConfig,
                  placement: Placement, name: str, why: str, path: Path):
-        # Not Engine.__init__: no torch model, cache or executor. The scheduler and everything built on it
-        # (submit, generate, complete, stream) are the native engine's own.
+        # The scheduler and everything built on it (submit, generate, complete, stream: EngineFace) are the
+        # native engine's own; only the decoder it runs is llama.cpp's.
         self.api, self._model, self.llama = api, model, context
         self.tokenizer, self.config, self.placement = vocab, config, placement
         self.name, self.why, self.path = name, why, path
