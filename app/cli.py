@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
-    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b (default), qwen3-30b-a3b or tiny-moe")
+    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, tiny-moe or tiny-glm")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
     bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
                        help="GPU memory for experts (default: 0, every expert in RAM)")

@@ -56,7 +56,15 @@ ARCHS = {
                                                                 mlp_only_layers=[1], norm_topk_prob=False)),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(MOE, num_experts=8, norm_topk_prob=True, head_dim=16)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(MOE, num_experts=8, norm_topk_prob=False)),
+    # Group-limited sigmoid routing (2 groups of 4, the best one kept), a dense first layer, partial RoPE, q/k
+    # norms and biases: every switch GLM-4.x has.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(MOE, n_routed_experts=8, n_group=2, topk_group=1,
+                                                            n_shared_experts=1, first_k_dense_replace=1,
+                                                            routed_scaling_factor=2.5, use_qk_norm=True,
+                                                            attention_bias=True, partial_rotary_factor=0.5)),
 }
+# Parameters the reference initialises to zeros (or ones) that would leave a switch untested: drawn at random.
+RANDOMISED = {"glm4_moe": ("e_score_correction_bias",)}
 
 
 def train_tokenizer():
@@ -80,6 +88,10 @@ def build(arch: str, folder: Path, seed: int = 0, chat_template: str = CHAT_TEMP
     config = getattr(transformers, config_name)(**{**COMMON, **extra, **config})
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(RANDOMISED.get(arch, ())):
+                tensor.copy_(torch.randn_like(tensor) * 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     tok = train_tokenizer()

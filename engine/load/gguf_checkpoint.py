@@ -37,18 +37,22 @@ _MODEL_TYPES = {
     "qwen2moe": (None, "qwen2_moe"),
     "qwen3moe": (None, "qwen3_moe"),
     "olmoe": (None, "olmoe"),
+    "glm4moe": (None, "glm4_moe"),
 }
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+               "glm4_moe": "Glm4MoeForCausalLM"}
 # llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
 # rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
 _PERMUTED_QK_ARCHS = {"llama"}
 
-# GGUF tensor names -> Hub names. "{moe}" is the MoE module: Mixtral calls it block_sparse_moe.
+# GGUF tensor names -> Hub names. "{moe}" is the MoE module: Mixtral calls it block_sparse_moe; "{shared}" the
+# shared expert's (shared_experts in GLM-4.x).
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+    "post_attention_norm": "post_attention_layernorm",  # glm4moe's name of the same norm
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -59,15 +63,19 @@ _LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "{moe}.gate",
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_shexp": "mlp.{shared}.gate_proj",
+    "ffn_up_shexp": "mlp.{shared}.up_proj",
+    "ffn_down_shexp": "mlp.{shared}.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Whole names whose Hub name is not module + kind: the sigmoid router's correction bias.
+_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 _EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # blk.{layer}.{leaf}[.{expert}].{weight|bias}; a numbered expert is how older Mixtral files store them.
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
+_BLOCK_NUMBER = re.compile(r"blk\.(\d+)\.")
 _MOST_LAYERS = 1024  # engine.model.architectures bounds num_hidden_layers alike; a vocabulary-only file has no layers to count
 _STACKED_EXPERTS = re.compile(r"ffn_(gate|up|down)_exps")
 
@@ -151,7 +159,7 @@ class GGUFCheckpoint:
             "vocab_size": vocab_size,
             "hidden_size": hidden,
             "intermediate_size": self._arch_meta("feed_forward_length", int, 0),
-            "num_hidden_layers": self._block_count(),
+            "num_hidden_layers": self._block_count() - self._mtp_layers(),
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
             "hidden_act": "silu",
@@ -207,7 +215,17 @@ class GGUFCheckpoint:
             raise CheckpointError(self.path, f"GGUF metadata says block_count {count}, but the file has {have}")
         return count
 
+    def _mtp_layers(self) -> int:
+        """Trailing layers for multi-token prediction (glm4moe writes them as ordinary blocks): not loaded."""
+        mtp = self._arch_meta("nextn_predict_layers", int, 0)
+        if not 0 <= mtp < self._block_count():
+            raise CheckpointError(self.path, f"GGUF metadata says nextn_predict_layers {mtp} of "
+                                             f"{self._block_count()} blocks")
+        return mtp
+
     def _moe_config(self, model_type: str, experts: int) -> dict:
+        if model_type == "glm4_moe":
+            return self._glm4_moe_config(experts)
         moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
                "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
         width = self._arch_meta("expert_feed_forward_length", int, None) or self._arch_meta("feed_forward_length", int)
@@ -228,12 +246,39 @@ class GGUFCheckpoint:
                 moe["mlp_only_layers"] = dense
         return moe
 
+    def _glm4_moe_config(self, experts: int) -> dict:
+        gating = self._arch_meta("expert_gating_func", int, _SIGMOID_GATING)
+        if gating != _SIGMOID_GATING:
+            raise UnsupportedModelError(self.path, f"glm4moe with expert_gating_func {gating} (moedesk runs the "
+                                                   f"sigmoid gating, {_SIGMOID_GATING})")
+        head_dim = self._arch_meta("attention.key_length", int,
+                                   self._arch_meta("embedding_length", int) // self._arch_meta("attention.head_count", int))
+        return {
+            "n_routed_experts": experts,
+            "num_experts_per_tok": self._arch_meta("expert_used_count", int),
+            "moe_intermediate_size": self._arch_meta("expert_feed_forward_length", int),
+            "n_shared_experts": self._arch_meta("expert_shared_count", int, 0),
+            "first_k_dense_replace": self._arch_meta("leading_dense_block_count", int, 0),
+            "routed_scaling_factor": self._arch_meta("expert_weights_scale", float, 1.0),
+            "norm_topk_prob": self._arch_meta("expert_weights_norm", bool, True),
+            "n_group": self._arch_meta("expert_group_count", int, 1),
+            "topk_group": self._arch_meta("expert_group_used_count", int, 1),
+            "num_nextn_predict_layers": self._mtp_layers(),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
+            # Said even when whole: a config.json without it means half (transformers' default for GLM-4.x).
+            "partial_rotary_factor": self._arch_meta("rope.dimension_count", int, head_dim) / head_dim,
+        }
+
     # tensors -----------------------------------------------------------------------------------
 
     def _build_index(self) -> dict[str, tuple[str, int | None]]:
         """Hub name -> (GGUF tensor name, expert index inside a stacked tensor, or None)."""
+        from moedesk.engine.model.architectures import ARCHITECTURES
+
         model_type = self.config["model_type"]
         moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+        shared = ARCHITECTURES[model_type].shared_expert_name
+        layers = self.config["num_hidden_layers"]
         expert_proj = _EXPERT_PROJ.get(model_type, _DEFAULT_EXPERT_PROJ)
         index = {}
         for name, tensor in self._tensors.items():
@@ -243,6 +288,8 @@ class GGUFCheckpoint:
                 continue
             if name == "rope_freqs.weight":
                 continue  # all ones (anything else was refused in the config): plain RoPE
+            if (block := _BLOCK_NUMBER.match(name)) and int(block.group(1)) >= layers:
+                continue  # a multi-token prediction layer (`_mtp_layers`), nextn.* tensors and all
             m = _LAYER_TENSOR_NAME.fullmatch(name)
             if m is None:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
@@ -255,8 +302,10 @@ class GGUFCheckpoint:
             elif expert is not None and leaf in ("ffn_gate", "ffn_up", "ffn_down"):
                 proj = expert_proj[leaf.removeprefix("ffn_")]
                 index[f"{prefix}{moe}.experts.{expert}.{proj}.{kind}"] = (name, None)
+            elif expert is None and f"{leaf}.{kind}" in _LAYER_TENSORS_WHOLE:
+                index[prefix + _LAYER_TENSORS_WHOLE[f"{leaf}.{kind}"]] = (name, None)
             elif expert is None and leaf in _LAYER_TENSORS:
-                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe)}.{kind}"] = (name, None)
+                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe, shared=shared)}.{kind}"] = (name, None)
             else:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
         return index

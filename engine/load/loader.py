@@ -69,7 +69,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     release = getattr(checkpoint, "release", lambda name: None)
     plain, experts = [], {}  # experts: (layer, expert, projection) -> checkpoint name
     for name in checkpoint.keys():
-        if is_ignored_tensor(name):
+        if is_ignored_tensor(name, cfg):
             release(name)
             continue
         ours = map_weight_name(rules, name)
@@ -107,7 +107,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)
-        _set_parameter(model, ours, tensor.to(device=device, dtype=dtype))
+        _set_parameter(model, ours, tensor.to(device=device, dtype=model.parameter_dtype(ours, dtype)))
         del tensor
         release(name)
         loaded.add(ours)

@@ -25,6 +25,7 @@ from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
 from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
 from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.model.transformer import parameter_dtype
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import FORMATS
 
@@ -77,6 +78,7 @@ class ModelWeights:
     other_params: int  # parameters of every tensor the loader keeps in the weights dtype
     experts: dict  # (layer, expert, "gate" | "up" | "down") -> checkpoint name, as the loader's own map
     stored: dict  # checkpoint name -> TensorInfo.stored, for the routed experts
+    float32_params: int = 0  # parameters kept in float32 whatever the weights dtype (a sigmoid router's)
     _cache: dict = field(default_factory=dict, repr=False)
 
     def packed_format(self, name: str) -> str | None:
@@ -107,7 +109,7 @@ class ModelWeights:
             expert_bytes += stack.nbytes
             formats.update(_SHORT_DTYPES[dtype_name] if f == DENSE else f for f in (gate_up, down))
         ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
-        return MemoryEstimate(expert_bytes, self.other_params * element, ordered, dtype_name)
+        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name)
 
 
 def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:
@@ -116,9 +118,9 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     CheckpointError / UnsupportedModelError naming `path`)."""
     cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
     rules = weight_name_map(cfg)
-    other, experts, stored = 0, {}, {}
+    other, float32, experts, stored = 0, 0, {}, {}
     for name, info in tensors.items():
-        if is_ignored_tensor(name):
+        if is_ignored_tensor(name, cfg):
             continue
         ours = map_weight_name(rules, name)
         if ours is None:
@@ -127,9 +129,11 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
             layer, e, proj = routed.groups()
             experts[int(layer), int(e), proj] = name
             stored[name] = info.stored
+        elif parameter_dtype(cfg, ours, torch.bfloat16) == torch.float32:
+            float32 += math.prod(info.shape)
         elif not (ours == "lm_head.weight" and cfg.tie_word_embeddings):  # the loader shares the embedding
             other += math.prod(info.shape)
-    return ModelWeights(cfg, other, experts, stored)
+    return ModelWeights(cfg, other, experts, stored, float32)
 
 
 def estimate_memory(config: dict, tensors: Mapping[str, TensorInfo], expert_dtype: str = "auto",

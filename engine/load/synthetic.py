@@ -6,6 +6,8 @@ offload executor uses; no full-size copy of the model ever exists twice.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
@@ -24,12 +26,19 @@ SHAPES = {
         head_dim=128, intermediate_size=6144, rms_norm_eps=1e-6, max_position_embeddings=40960,
         rope=RopeConfig(theta=1e6), qk_norm="head", num_experts=128, num_experts_per_tok=8,
         moe_intermediate_size=768, norm_topk_prob=True, moe_layers=(True,) * 48, eos_token_ids=(151645,)),
+    # zai-org/GLM-4.5-Air's config.json: the first layer dense, then 128 experts top-8 and one shared expert,
+    # sigmoid routing, half of each head turned by RoPE, q/k/v biases.
+    "glm-4.5-air": ModelConfig(
+        arch="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96, num_kv_heads=8,
+        head_dim=128, intermediate_size=10944, rms_norm_eps=1e-5, max_position_embeddings=131072,
+        rope=RopeConfig(theta=1e6), attention_bias=True, rotary_dim=64, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=1408, norm_topk_prob=True, shared_expert_intermediate_size=1408,
+        shared_expert_gate=False, router="sigmoid", moe_layers=(False,) + (True,) * 45,
+        eos_token_ids=(151329, 151336, 151338), mtp_layers=1),
 }
 
 
 def shape_config(name: str, layers: int | None = None) -> ModelConfig:
-    from dataclasses import replace
-
     if name not in SHAPES:
         raise KeyError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     cfg = SHAPES[name]
@@ -101,3 +110,9 @@ SHAPES["tiny-moe"] = ModelConfig(
     arch="mixtral", vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
     intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
     moe_intermediate_size=128, norm_topk_prob=True, moe_layers=(True,) * 4, eos_token_ids=(2,))
+# GLM-4.5-Air's switches at that size: the benchmark's path through a dense first layer and sigmoid routing.
+SHAPES["tiny-glm"] = replace(SHAPES["glm-4.5-air"], vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                             num_kv_heads=2, head_dim=16, rotary_dim=8, intermediate_size=128,
+                             max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                             moe_layers=(False,) + (True,) * 3, eos_token_ids=(2,))

@@ -28,6 +28,9 @@ class Architecture:
     num_experts_key: str = "num_experts"
     expert_width_key: str = "moe_intermediate_size"
     norm_topk_prob_default: bool = False
+    shared_expert_name: str = "shared_expert"  # the checkpoint's module name of the shared expert
+    router: str = "softmax"  # see ModelConfig.router
+    partial_rotary: bool = False  # reads partial_rotary_factor (others refuse it)
 
 
 ARCHITECTURES = {
@@ -41,6 +44,10 @@ ARCHITECTURES = {
         Architecture("qwen2_moe", moe_block="mlp", shared_expert=True, attention_bias=True),
         Architecture("qwen3_moe", moe_block="mlp", qk_norm="head", norm_topk_prob_default=True),
         Architecture("olmoe", moe_block="mlp", qk_norm="full", expert_width_key="intermediate_size"),
+        # GLM-4.5/4.6/4.7 and -Air: q/k norm only where use_qk_norm says so (parsed below).
+        Architecture("glm4_moe", moe_block="mlp", shared_expert=True, num_experts_key="n_routed_experts",
+                     norm_topk_prob_default=True, shared_expert_name="shared_experts", router="sigmoid",
+                     partial_rotary=True),
     ]
 }
 
@@ -113,6 +120,8 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if act != "silu":
         raise UnsupportedModelError(path, f"unsupported hidden_act {act!r} (moedesk runs SwiGLU/silu models)")
     for key, allowed in _REFUSED_FIELDS.items():
+        if arch.partial_rotary and key in ("partial_rotary_factor", "use_qk_norm"):
+            continue
         if key in hf and hf[key] not in allowed:
             raise UnsupportedModelError(path, f"unsupported config field {key}={hf[key]!r}")
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
@@ -137,12 +146,28 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     top_k = count("num_experts_per_tok", hf.get("num_experts_per_tok"), limit=num_experts) if num_experts else 0
     expert_width = count(arch.expert_width_key) if num_experts else 0
     moe_layers = tuple(_is_moe_layer(hf, i, num_experts, path) for i in range(layers))
+    if "first_k_dense_replace" in hf:  # DeepSeek-V3, GLM-4.x: the first k layers are dense
+        dense = count("first_k_dense_replace", hf["first_k_dense_replace"], minimum=0)
+        moe_layers = tuple(moe and i >= dense for i, moe in enumerate(moe_layers))
     intermediate = count("intermediate_size", hf.get("intermediate_size") or 0, minimum=0)
     if intermediate == 0 and not all(moe_layers):
         raise CheckpointError(path, "config intermediate_size must be >= 1 for a model with dense MLP layers")
     shared = 0
-    if arch.shared_expert:
+    if arch.shared_expert and "n_shared_experts" in hf:  # DeepSeek-V3, GLM-4.x: n experts' width, ungated
+        shared = count("n_shared_experts", hf.get("n_shared_experts") or 0, minimum=0) * expert_width
+    elif arch.shared_expert:
         shared = count("shared_expert_intermediate_size", hf.get("shared_expert_intermediate_size") or 0, minimum=0)
+    routing = {}
+    if arch.router == "sigmoid":
+        groups = count("n_group", hf.get("n_group") or 1, limit=num_experts)
+        if num_experts % groups:
+            raise CheckpointError(path, f"config n_routed_experts={num_experts} is not a multiple of n_group={groups}")
+        top_groups = count("topk_group", hf.get("topk_group") or 1, limit=groups)
+        if top_groups * (num_experts // groups) < top_k:
+            raise CheckpointError(path, f"config topk_group={top_groups} of n_group={groups} leaves fewer experts "
+                                        f"than num_experts_per_tok={top_k}")
+        routing = dict(router="sigmoid", n_group=groups, topk_group=top_groups,
+                       routed_scaling_factor=positive("routed_scaling_factor", 1.0))
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     for token in eos_ids:
@@ -155,6 +180,9 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         # Mixtral's window only matters past it: keep sequences inside it and stay exact.
         max_pos = min(max_pos, count("sliding_window"))
     clip = hf.get("clip_qkv")
+    qk_norm = arch.qk_norm
+    if arch.partial_rotary and hf.get("use_qk_norm"):
+        qk_norm = "head"
     return ModelConfig(
         arch=arch.model_type,
         vocab_size=vocab,
@@ -169,17 +197,38 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         rope=_parse_rope(hf, path),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch.attention_bias))),
-        qk_norm=arch.qk_norm,
+        qk_norm=qk_norm,
         clip_qkv=None if clip is None else positive("clip_qkv", clip),
+        rotary_dim=_rotary_dim(hf, head_dim, path) if arch.partial_rotary else 0,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=expert_width,
         norm_topk_prob=bool(hf.get("norm_topk_prob", arch.norm_topk_prob_default)),
         shared_expert_intermediate_size=shared,
+        shared_expert_gate="n_shared_experts" not in hf,
         moe_layers=moe_layers,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
+        mtp_layers=count("num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0, minimum=0,
+                         limit=_LIMITS["layers"]),
+        **routing,
     )
+
+
+def _rotary_dim(hf: dict, head_dim: int, path) -> int:
+    """How many of each head's dims RoPE turns: head_dim times partial_rotary_factor (in rope_parameters for
+    transformers >= 5, at the top level on the Hub), an even number; 0 where that is all of them."""
+    params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if factor is None:
+        factor = 0.5 if hf.get("model_type") == "glm4_moe" else 1.0  # transformers' default for GLM-4.x
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise CheckpointError(path, f"config partial_rotary_factor must be in (0, 1], got {_show(factor)}")
+    dims = int(head_dim * factor)
+    if dims < 2 or dims % 2:
+        raise CheckpointError(path, f"config partial_rotary_factor={factor} turns {dims} of head_dim={head_dim} "
+                                    f"dims (must be an even number >= 2)")
+    return 0 if dims == head_dim else dims
 
 
 def _is_moe_layer(hf: dict, layer: int, num_experts: int, path) -> bool:
@@ -240,6 +289,7 @@ def check_against_weights(cfg: ModelConfig, tensors: dict, path) -> None:
     """Raise CheckpointError (one line) where the config disagrees with the weights' names or shapes
     (Hugging Face names): the layer and expert counts, and every dimension that sizes an allocation."""
     layers = {int(m.group(1)) for name in tensors if (m := _LAYER_NUMBER.match(name))}
+    layers -= set(range(cfg.num_layers, cfg.num_layers + cfg.mtp_layers))  # there or not: never loaded
     if layers and layers != set(range(cfg.num_layers)):
         raise CheckpointError(path, f"config num_hidden_layers={cfg.num_layers}, but the weights have layers "
                                     f"{_span(layers)}")
@@ -267,7 +317,7 @@ def check_against_weights(cfg: ModelConfig, tensors: dict, path) -> None:
             expected[f"{block}.experts.0.{arch.expert_proj[0]}.weight"] = ((cfg.moe_intermediate_size, h),
                                                                            f"{arch.expert_width_key}, hidden_size")
             if cfg.shared_expert_intermediate_size:
-                expected[f"model.layers.{layer}.mlp.shared_expert.gate_proj.weight"] = (
+                expected[f"model.layers.{layer}.mlp.{arch.shared_expert_name}.gate_proj.weight"] = (
                     (cfg.shared_expert_intermediate_size, h), "shared_expert_intermediate_size, hidden_size")
             break
     for layer in range(cfg.num_layers):
@@ -343,15 +393,23 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
         rules.append((block + r"gate\.weight", r"layers.\1.moe.router.weight"))
         for ours, theirs in zip(("gate", "up", "down"), arch.expert_proj):
             rules.append((block + r"experts\.(\d+)\." + theirs + r"\.weight", rf"layers.\1.moe.experts.\2.{ours}.weight"))
+    if arch.router == "sigmoid":
+        rules.append((block + r"gate\.e_score_correction_bias", r"layers.\1.moe.score_bias"))
     if arch.shared_expert:
-        rules.append((_LAYER + r"mlp\.shared_expert\.(gate|up|down)_proj\.weight", r"layers.\1.moe.shared.\2.weight"))
+        shared = re.escape(arch.shared_expert_name)
+        rules.append((_LAYER + r"mlp\." + shared + r"\.(gate|up|down)_proj\.weight", r"layers.\1.moe.shared.\2.weight"))
         rules.append((_LAYER + r"mlp\.shared_expert_gate\.weight", r"layers.\1.moe.shared_gate.weight"))
     return [(re.compile(pattern + "$"), target) for pattern, target in rules]
 
 
-def is_ignored_tensor(name: str) -> bool:
-    """Tensors some checkpoints carry that hold nothing the forward pass needs."""
-    return name.endswith("rotary_emb.inv_freq")
+def is_ignored_tensor(name: str, cfg: ModelConfig | None = None) -> bool:
+    """Tensors some checkpoints carry that hold nothing the forward pass needs: RoPE tables, and the layers of
+    multi-token prediction (GLM-4.x, DeepSeek-V3: after the last layer; moedesk does not run them)."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if cfg is not None and cfg.mtp_layers and (m := _LAYER_NUMBER.match(name)):
+        return int(m.group(1)) >= cfg.num_layers
+    return False
 
 
 def map_weight_name(rules, name: str) -> str | None:

@@ -1,7 +1,7 @@
 """One model description for every supported architecture.
 
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and dense Llama-family models differ in a handful of
-switches (shared expert, q/k norm, top-k normalisation, biases); `ModelConfig` holds those
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.x MoE and dense Llama-family models differ in a handful of
+switches (shared expert, q/k norm, top-k normalisation, routing, partial RoPE, biases); `ModelConfig` holds those
 switches and the shapes, and `engine.model.architectures` fills it from a checkpoint's config.json.
 """
 from __future__ import annotations
@@ -36,15 +36,29 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over the whole projection (OLMoE)
     clip_qkv: float | None = None
+    rotary_dim: int = 0  # the leading dims of each head that RoPE turns (GLM-4.x: half); 0: all of head_dim
     # Mixture of experts; num_experts == 0 means a dense model.
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: one always-on expert behind a sigmoid gate
+    shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones
+    shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.x adds it as it is
+    # How router logits become expert weights (engine.model.routing): "softmax" over every expert, then the
+    # top k; "sigmoid" (DeepSeek-V3, GLM-4.x): sigmoid scores, chosen with a correction bias among the best
+    # `topk_group` of `n_group` groups, scaled by routed_scaling_factor.
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     moe_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    mtp_layers: int = 0  # checkpoint layers after the last one, for multi-token prediction: not loaded
+
+    @property
+    def rope_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:

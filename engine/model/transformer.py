@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.generation.kv_cache import KVCache, write_rows
+from moedesk.engine.model.routing import grouped_sigmoid_top_k
 from moedesk.kernels import gpu_fused
 from moedesk.kernels.expert_weights import ExpertWeights
 
@@ -67,7 +68,7 @@ class Rotary(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim)
+        inv_freq = rope_inv_freq(cfg.rope, cfg.rope_dims)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
@@ -78,7 +79,11 @@ class Rotary(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, T, heads, D]; cos/sin: [B, T, D]. Half-split rotation (the Hugging Face layout).
+    # x: [B, T, heads, D]; cos/sin: [B, T, R]. Half-split rotation (the Hugging Face layout) of each head's first
+    # R dims; the rest pass through (partial RoPE, GLM-4.x).
+    if cos.shape[-1] < x.shape[-1]:
+        turned, kept = x.split([cos.shape[-1], x.shape[-1] - cos.shape[-1]], dim=-1)
+        return torch.cat([apply_rope(turned, cos, sin), kept], dim=-1)
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -89,7 +94,8 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
     """apply_rope(norm(x)) for x [B, T, heads, D], norm over each head (None: no norm); on the GPU one kernel.
     x's heads must be dense; its tokens may be strided (a slice of the fused q/k/v projection)."""
     weights = () if norm is None else (norm.weight,)
-    if gpu_fused.applies(cos, sin, *weights, rows=(x,)) and gpu_fused.rotary_fits(x.shape[-1]):
+    if (gpu_fused.applies(cos, sin, *weights, rows=(x,)) and gpu_fused.rotary_fits(x.shape[-1])
+            and cos.shape[-1] == x.shape[-1]):
         return gpu_fused.norm_rotary(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
                                      cos, sin)
     return apply_rope(x if norm is None else norm(x), cos, sin)
@@ -217,17 +223,26 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        if cfg.router == "sigmoid":
+            self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts))  # the choice's correction bias
         # All routed experts of the layer as one stack, dense or packed (kernels.expert_weights); the loader
         # replaces this placeholder with stacks in their final place and format (device, RAM bank).
         self.experts = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                            dtype=torch.get_default_dtype())
         if cfg.shared_expert_intermediate_size:
             self.shared = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if cfg.shared_expert_gate:
+                self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Weights [N, K] (in x's dtype) and top-k expert ids [N, K] for tokens x [N, H], each row in
         ascending expert order: the order `combine` adds in."""
+        cfg = self.cfg
+        if cfg.router == "sigmoid":  # scored in float32 from float32 router weights, as the reference keeps them
+            weights, ids = grouped_sigmoid_top_k(F.linear(x.float(), self.router.weight.float()), self.score_bias,
+                                                 cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                                                 cfg.norm_topk_prob, cfg.routed_scaling_factor)
+            return weights.to(x.dtype), ids
         return top_k_route(self.router(x), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, x.dtype)
 
     @staticmethod
@@ -246,9 +261,11 @@ class MoE(nn.Module):
 
     def finish(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         """The layer's output from the routed experts' sum: plus the shared expert, where there is one."""
-        if self.cfg.shared_expert_intermediate_size:
+        if not self.cfg.shared_expert_intermediate_size:
+            return routed
+        if self.cfg.shared_expert_gate:
             return routed + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return routed
+        return routed + self.shared(flat)
 
 
 class Block(nn.Module):
@@ -328,6 +345,15 @@ class Step:
         return self._additive
 
 
+def parameter_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter `name` (our name) is kept in when the model runs in `dtype`: a sigmoid router's weights
+    and correction bias stay float32, as the reference keeps them (in 16 bits the bias's small differences, which
+    pick the experts, round away)."""
+    if cfg.router == "sigmoid" and name.endswith(("moe.score_bias", "moe.router.weight")):
+        return torch.float32
+    return dtype
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
@@ -337,6 +363,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
+
+    def parameter_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
+        return parameter_dtype(self.cfg, name, dtype)
 
     def moe_blocks(self) -> list[MoE]:
         return [b.moe for b in self.layers if hasattr(b, "moe")]

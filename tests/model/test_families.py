@@ -1,0 +1,220 @@
+"""The MoE families of issue 41 against references nobody here wrote: transformers' modules and models on tiny
+random configs, and llama.cpp (llama-cpp-python) on GGUF files written with the gguf package's own tensor names.
+
+tests/model/test_equivalence.py runs every architecture of tests/tiny_models.py through the common checks
+(last-position logits, batched greedy generation); this module checks what is particular to each family: its
+routing rule on its own, offloaded experts, the checkpoint layers it does not run, and its GGUF names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.routing import grouped_sigmoid_top_k
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.reference import hf_greedy, hf_last_logits, hf_model
+from tests.tiny_models import SPECIAL
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+
+
+def greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=tokens, temperature=0)
+    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)],
+                                                        batch_size=2)}
+    return [done[i] for i in range(len(prompts))]
+
+
+def reference_greedy(folder, engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    return [hf_greedy(hf_model(folder), p, tokens, eos) for p in prompts]
+
+
+# --- the sigmoid, group-limited routing of DeepSeek-V3 and GLM-4.x -------------------------------------------
+
+@pytest.mark.parametrize("groups, top_groups, renormalise", [(1, 1, True), (4, 2, True), (8, 3, False)])
+def test_grouped_sigmoid_routing_matches_the_glm4_moe_router(groups, top_groups, renormalise):
+    import transformers
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    config = transformers.Glm4MoeConfig(hidden_size=32, n_routed_experts=32, num_experts_per_tok=6, n_group=groups,
+                                        topk_group=top_groups, norm_topk_prob=renormalise, routed_scaling_factor=2.5)
+    router = Glm4MoeTopkRouter(config)
+    torch.manual_seed(groups)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.e_score_correction_bias.normal_(0, 0.2)  # large enough to change choices
+    x = torch.randn(200, 32)
+    _, their_weights, their_ids = router(x)
+    weights, ids = grouped_sigmoid_top_k(x @ router.weight.T, router.e_score_correction_bias, 6, groups, top_groups,
+                                         renormalise, 2.5)
+    order = their_ids.argsort(dim=-1)
+    assert torch.equal(ids, their_ids.gather(1, order))
+    torch.testing.assert_close(weights, their_weights.gather(1, order), rtol=1e-6, atol=1e-7)
+    # The correction bias picks experts but does not weigh them: without it the choice changes somewhere.
+    _, plain_ids = grouped_sigmoid_top_k(x @ router.weight.T, torch.zeros(32), 6, groups, top_groups, renormalise, 2.5)
+    assert not torch.equal(plain_ids, ids)
+    if groups > 1:  # every token's experts lie in at most top_groups groups
+        assert max(len(set((row // (32 // groups)).tolist())) for row in ids) <= top_groups
+
+
+# --- glm4_moe ----------------------------------------------------------------------------------------------
+
+def test_glm4_moe_offloaded_generates_the_reference_tokens(tiny_checkpoint):
+    """Experts in RAM on the simulated GPU tier, none and some of them resident: transformers' tokens."""
+    folder = tiny_checkpoint("glm4_moe")
+    for budget in (0, 0.0002):  # GiB: none, and about a third of the 16 experts
+        engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=budget)
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+        expected = reference_greedy(folder, engine, prompts, 16)
+        for policy in ("copy", "cpu"):  # every offloaded expert copied to the (simulated) GPU, or computed on the CPU
+            engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
+                                      "cpu": lambda loads: (sorted(loads), [])}[policy]
+            engine.executor.stats = type(engine.executor.stats)()
+            assert greedy(engine, prompts, 16) == expected, (budget, policy)
+            stats = engine.executor.stats
+            assert (stats.cpu_experts > 0) == (policy == "cpu") and (stats.gpu_experts > 0) == (budget > 0)
+
+
+def test_glm4_moe_dense_first_layers_and_its_mtp_layer(tiny_checkpoint, tmp_path):
+    """first_k_dense_replace makes the first layers dense; a checkpoint's multi-token prediction layer (GLM-4.5
+    ships one after the last layer) is read past, not loaded, and changes nothing."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tiny_checkpoint("glm4_moe")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]
+    mtp = tmp_path / "with-mtp"
+    shutil.copytree(folder, mtp)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        layer = {k.replace("layers.2.", "layers.3."): f.get_tensor(k) for k in f.keys() if ".layers.2." in k}
+    layer["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file(layer, str(mtp / "mtp.safetensors"))
+    with_mtp = Engine.load(str(mtp), device="cpu", dtype="float32")
+    assert with_mtp.config.num_layers == 3 and with_mtp.config.mtp_layers == 1
+    ids = engine.tokenizer.encode(PROMPTS[1])
+    assert torch.equal(last_logits(with_mtp, ids), last_logits(engine, ids))
+
+
+def last_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
+    cache = KVCache(engine.config, 1, len(ids), torch.float32, "cpu")
+    return engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]
+
+
+def test_glm4_moe_keeps_its_router_in_float32(tiny_checkpoint):
+    engine = Engine.load(str(tiny_checkpoint("glm4_moe")), device="cpu", dtype="bfloat16")
+    moe = engine.model.moe_blocks()[0]
+    assert moe.router.weight.dtype == moe.score_bias.dtype == torch.float32
+    assert engine.model.layers[0].attn.wq.weight.dtype == torch.bfloat16
+
+
+# --- GGUF, as llama.cpp's converter names it ------------------------------------------------------------------
+
+def write_gguf(folder, path, arch: str) -> None:
+    """A GGUF file of the tiny checkpoint in `folder`, as llama.cpp's converter writes it: the gguf package's tensor
+    names for `arch`, routed experts stacked per projection, the byte-level vocabulary with its merges."""
+    import gguf
+
+    hf = json.loads((folder / "config.json").read_text())
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k).numpy() for k in f.keys()}
+    layers, experts = hf["num_hidden_layers"], hf["n_routed_experts"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(layers); w.add_context_length(hf["max_position_embeddings"])
+    w.add_embedding_length(hf["hidden_size"]); w.add_feed_forward_length(hf["intermediate_size"])
+    w.add_head_count(hf["num_attention_heads"]); w.add_head_count_kv(hf["num_key_value_heads"])
+    w.add_key_length(head_dim); w.add_value_length(head_dim)
+    w.add_rope_freq_base(hf["rope_parameters"]["rope_theta"]); w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
+    w.add_rope_dimension_count(int(head_dim * hf["rope_parameters"]["partial_rotary_factor"]))
+    w.add_vocab_size(hf["vocab_size"]); w.add_expert_count(experts); w.add_expert_used_count(hf["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(hf["moe_intermediate_size"]); w.add_expert_shared_count(hf["n_shared_experts"])
+    w.add_leading_dense_block_count(hf["first_k_dense_replace"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_expert_weights_scale(hf["routed_scaling_factor"]); w.add_expert_weights_norm(hf["norm_topk_prob"])
+    w.add_expert_group_count(hf["n_group"]); w.add_expert_group_used_count(hf["topk_group"])
+    w.add_nextn_predict_layers(0)
+    vocab = json.loads((folder / "tokenizer.json").read_text())["model"]
+    tokens = sorted(vocab["vocab"], key=vocab["vocab"].get)
+    tokens[:len(SPECIAL)] = SPECIAL
+    w.add_tokenizer_model("gpt2"); w.add_tokenizer_pre("gpt-2"); w.add_token_list(tokens)
+    w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in vocab["merges"]])
+    w.add_bos_token_id(hf["bos_token_id"]); w.add_eos_token_id(hf["eos_token_id"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GLM4_MOE, layers)
+    for layer in range(layers):
+        for proj in ("gate", "up", "down"):
+            key = f"model.layers.{layer}.mlp.experts.0.{proj}_proj.weight"
+            if key in tensors:
+                stack = np.stack([tensors.pop(key.replace(".0.", f".{e}.")) for e in range(experts)])
+                w.add_tensor(f"blk.{layer}.ffn_{proj}_exps.weight", stack)
+        bias = tensors.pop(f"model.layers.{layer}.mlp.gate.e_score_correction_bias", None)
+        if bias is not None:  # llama.cpp's converter renames it "e_score_correction.bias" first
+            w.add_tensor(names.get_name(f"model.layers.{layer}.mlp.gate.e_score_correction.bias",
+                                        try_suffixes=(".weight", ".bias")), bias)
+    for name, array in tensors.items():
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+
+
+def test_glm4_moe_gguf_generates_the_reference_tokens(tiny_checkpoint, tmp_path):
+    """The same weights as glm4moe GGUF: moedesk's tokens equal transformers' on the safetensors, and the memory
+    estimate from the file's header equals what loading it allocates."""
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    folder = tiny_checkpoint("glm4_moe")
+    path = tmp_path / "tiny-glm4moe.gguf"
+    write_gguf(folder, path, "glm4moe")
+    engine = Engine.load(str(path), device="cpu", dtype="float32")
+    ours = Engine.load(str(folder), device="cpu", dtype="float32")
+    # The file has no MTP layer, so it says none; transformers' config.json says one that it does not save.
+    assert dataclasses.replace(engine.config, mtp_layers=1) == ours.config
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    assert [engine.tokenizer.encode(p) for p in PROMPTS] == prompts
+    assert greedy(engine, prompts, 16) == reference_greedy(folder, ours, prompts, 16)
+    estimate = summarize_path(path).estimate("auto", "float32")
+    assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+    assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def test_glm4_moe_gguf_generates_like_llama_cpp(tiny_checkpoint, tmp_path):
+    """llama.cpp runs the same file: its greedy tokens are moedesk's (and so transformers')."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    folder = tiny_checkpoint("glm4_moe")
+    path = tmp_path / "tiny-glm4moe.gguf"
+    write_gguf(folder, path, "glm4moe")
+    engine = Engine.load(str(path), device="cpu", dtype="float32")
+    reference = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_threads=2, verbose=False)
+    for text in PROMPTS[1:]:
+        ids = engine.tokenizer.encode(text)
+        assert ids == reference.tokenize(text.encode(), add_bos=False, special=True)
+        done = next(engine.generate([Request(ids, SamplingParams(max_new_tokens=12, temperature=0))]))
+        theirs = []
+        for token in reference.generate(ids, temp=0.0, top_k=1, reset=True):
+            if token == 2 or len(theirs) == 12:
+                break
+            theirs.append(token)
+        assert theirs and done.token_ids == theirs, text
+
+
+def test_bench_runs_a_glm_shape_on_the_simulated_tier():
+    """`moedesk bench --shape glm-4.5-air`'s path (a dense first layer, sigmoid routing, a shared expert) at a size
+    the CPU runs; the full shape's figures come from the GPU box."""
+    from moedesk.engine.bench import run_bench
+    from moedesk.engine.load.synthetic import SHAPES, shape_config
+
+    report = run_bench("tiny-glm", 3, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2,
+                       log=lambda *a: None)
+    assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]
+    assert all(r["tok_s"] > 0 for r in report["results"])
+    air = shape_config("glm-4.5-air", layers=8)
+    assert air.moe_layers == (False,) + (True,) * 7 and SHAPES["glm-4.5-air"].rope_dims == 64
