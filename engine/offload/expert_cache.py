@@ -1,0 +1,113 @@
+"""A GPU expert cache that follows the routing: which experts to swap onto the GPU after each step.
+
+The placement at load fills each layer's GPU slots with the experts calibration found popular. Real
+conversations move: an expert a layer just used is likely to be used again soon, while a list of
+experts popular on average covers little of any one conversation (docs/expert-cache.md). So after
+each step every expert's score decays and gains its new selections; an expert that is not resident
+takes the slot of the weakest resident one of its layer when its score beats that one's by a margin
+(hysteresis: two experts of nearly equal use never trade places back and forth), a few swaps per step
+at most, so the copies fit between steps on the copy stream.
+
+Decisions only: `ExpertCache` holds scores and residency and says what to swap; the executor does
+the copies (engine.offload.offload_executor). Layers whose every expert is resident never change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    half_life: float = 32.0  # steps after which a selection counts half
+    margin: float = 1.5  # a newcomer's score must exceed the resident's by this factor
+    min_score: float = 1.0  # and reach this: one selection long ago does not earn a copy
+    swaps_per_step: int = 4  # across all layers: what the copy stream moves between two steps
+
+    def __post_init__(self):
+        if self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0:
+            raise ValueError("half_life must be > 0, margin >= 1 and swaps_per_step >= 0")
+
+
+@dataclass(frozen=True)
+class Swap:
+    layer: int  # index among the MoE layers (the rows of `resident`)
+    evict: int
+    admit: int
+
+
+class ExpertCache:
+    """Scores and residency of [layers, experts]; `observe` a step's selections, get the swaps to make."""
+
+    def __init__(self, resident: np.ndarray, policy: CachePolicy = CachePolicy(), scores: np.ndarray | None = None):
+        self.resident = np.array(resident, dtype=bool)
+        self.policy = policy
+        self.scores = np.zeros(self.resident.shape) if scores is None else np.array(scores, dtype=float)
+        self._decay = 0.5 ** (1.0 / policy.half_life)
+        # A layer entirely on the GPU (or entirely off it) has nothing to trade.
+        self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
+        self.hits = 0
+        self.selections = 0
+        self.swaps = 0
+
+    def observe(self, counts: np.ndarray) -> list[Swap]:
+        """Fold in one step's selections per [layer, expert]; the swaps to make now, best first.
+        `resident` already reflects them: the caller copies each admitted expert into its slot."""
+        counts = np.asarray(counts)
+        self.hits += int(counts[self.resident].sum())
+        self.selections += int(counts.sum())
+        self.scores *= self._decay
+        self.scores += counts
+        swaps: list[Swap] = []
+        budget = self.policy.swaps_per_step
+        if budget == 0 or len(self._mixed) == 0:
+            return swaps
+        # Per layer, the strongest outsiders against the weakest residents, paired in order; all layers at once.
+        rows = self._mixed
+        score, on = self.scores[rows], self.resident[rows]
+        n = min(budget, on.shape[1])
+        pairs = np.minimum((~on).sum(axis=1), on.sum(axis=1))[:, None]  # how many pairs each layer has
+        outside = np.argsort(np.where(on, np.inf, -score), axis=1, kind="stable")[:, :n]
+        inside = np.argsort(np.where(on, score, np.inf), axis=1, kind="stable")[:, :n]
+        admit_score = np.take_along_axis(score, outside, axis=1)
+        gain = admit_score - self.policy.margin * np.take_along_axis(score, inside, axis=1)
+        # A pair counts only while every stronger pair of its layer does too.
+        good = (gain > 0) & (admit_score >= self.policy.min_score) & (np.arange(n) < pairs)
+        good = np.cumprod(good, axis=1).astype(bool)
+        order = np.argsort(-np.where(good, gain, -np.inf), axis=None, kind="stable")[:budget]
+        for flat in order:
+            i, j = divmod(int(flat), n)
+            if not good[i, j]:
+                break
+            layer, evict, admit = int(rows[i]), int(inside[i, j]), int(outside[i, j])
+            self.resident[layer, evict], self.resident[layer, admit] = False, True
+            swaps.append(Swap(layer, evict, admit))
+        self.swaps += len(swaps)
+        return swaps
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.selections if self.selections else 0.0
+
+
+@dataclass(frozen=True)
+class Replay:
+    hit_rate: float
+    swaps: int
+    steps: int
+
+    @property
+    def swaps_per_step(self) -> float:
+        return self.swaps / self.steps if self.steps else 0.0
+
+
+def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None) -> Replay:
+    """Hit rate and swaps over a trace's steps (per-step [layer, expert] counts). policy None: the placement
+    stays fixed. A swap decided after step t serves from step t + 1 on, as in the engine."""
+    cache = ExpertCache(resident, policy or CachePolicy(swaps_per_step=0))
+    steps = 0
+    for counts in counts_per_step:
+        cache.observe(counts)
+        steps += 1
+    return Replay(cache.hit_rate, cache.swaps, steps)

@@ -1,0 +1,136 @@
+"""Routing traces: which experts each layer chose at each step, to replay and to generate.
+
+A trace is JSON Lines: a header, then one line per step.
+
+    {"format": "moedesk-routing-trace", "version": 1, "layers": L, "experts": E, "top_k": K}
+    {"experts": [[ids of layer 0, K per token, tokens in order], [ids of layer 1], ...]}
+
+Plain text, so a trace recorded from a real conversation can be read, cut and shared; a step may hold
+several tokens (prefill, batches), each contributing K ids per layer.
+
+`synthetic_trace` makes traces with the two properties measured on real MoE models that decide how well a
+GPU expert cache does (docs/expert-cache.md has the sources): a static skew (some experts are popular
+everywhere) and recent-use locality (an expert a layer just used is likely to be used again soon).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from moedesk.engine.errors import MoedeskError
+
+FORMAT = "moedesk-routing-trace"
+
+
+@dataclass(frozen=True)
+class TraceShape:
+    layers: int
+    experts: int
+    top_k: int
+
+    def header(self) -> dict:
+        return {"format": FORMAT, "version": 1, "layers": self.layers, "experts": self.experts, "top_k": self.top_k}
+
+
+def write_trace(path, shape: TraceShape, steps) -> None:
+    """Write `steps` (each a sequence of per-layer id arrays) as a trace file."""
+    with open(path, "w") as f:
+        f.write(json.dumps(shape.header()) + "\n")
+        for step in steps:
+            f.write(json.dumps({"experts": [np.asarray(ids).astype(int).tolist() for ids in step]}) + "\n")
+
+
+def read_trace(path) -> tuple[TraceShape, list[list[np.ndarray]]]:
+    """(shape, steps); each step a list of one int array per layer. Bad files raise MoedeskError, one line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoedeskError(f"{path}: cannot read routing trace ({e})") from None
+    if not lines:
+        raise MoedeskError(f"{path}: empty routing trace")
+    try:
+        header = json.loads(lines[0])
+        shape = TraceShape(int(header["layers"]), int(header["experts"]), int(header["top_k"]))
+        ok = header.get("format") == FORMAT and header.get("version") == 1
+    except (ValueError, KeyError, TypeError, RecursionError):
+        ok = False
+    if not ok or min(shape.layers, shape.experts, shape.top_k) < 1:
+        raise MoedeskError(f"{path}: line 1 is not a {FORMAT} version 1 header")
+    steps = []
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            layers = [np.asarray(ids, dtype=np.int64) for ids in json.loads(line)["experts"]]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise MoedeskError(f"{path}: line {number} is not a step of expert ids") from None
+        bad = len(layers) != shape.layers or any(
+            ids.ndim != 1 or len(ids) % shape.top_k or (len(ids) and (ids.min() < 0 or ids.max() >= shape.experts))
+            for ids in layers)
+        if bad:
+            raise MoedeskError(f"{path}: line {number} does not hold {shape.layers} layers of ids in "
+                               f"[0, {shape.experts}), {shape.top_k} per token")
+        steps.append(layers)
+    return shape, steps
+
+
+def step_counts(step: list[np.ndarray], experts: int) -> np.ndarray:
+    """Selections per [layer, expert] in one step."""
+    return np.stack([np.bincount(ids, minlength=experts) for ids in step])
+
+
+@dataclass(frozen=True)
+class TraceParams:
+    """What a synthetic trace is made of (docs/expert-cache.md: what each is and which measurements set it).
+
+    skew: Zipf exponent of each layer's static popularity over its experts (0: every expert equally popular).
+    reuse: probability that a choice is an expert this layer used within the last `window` steps.
+    window: the reuse distance, in steps.
+    """
+
+    skew: float = 0.0
+    reuse: float = 0.0
+    window: int = 16
+
+
+# No locality: each step drawn afresh from a static distribution, which a fixed placement already serves.
+NO_LOCALITY = TraceParams(skew=0.0, reuse=0.0)
+# Little static skew, strong recent-use locality: the routing reported for a recent 512-expert model.
+CONVERSATION = TraceParams(skew=0.35, reuse=0.8, window=16)
+
+
+def synthetic_trace(shape: TraceShape, steps: int, params: TraceParams, tokens: int = 1, seed: int = 0,
+                    model_seed: int = 0) -> Iterator[list[np.ndarray]]:
+    """`steps` steps of `tokens` tokens each, every token choosing top_k distinct experts per layer.
+    model_seed fixes which experts are popular (the model's property), seed the conversation."""
+    e, k = shape.experts, shape.top_k
+    ranks = np.arange(1, e + 1, dtype=float)
+    weights = ranks ** -params.skew
+    model = np.random.default_rng(model_seed)
+    static = [model.permutation(weights / weights.sum()) for _ in range(shape.layers)]  # Zipf, a random order
+    rng = np.random.default_rng(seed)
+    recent = [np.full(e, -np.inf) for _ in range(shape.layers)]  # the last step each expert was used
+    for step in range(steps):
+        chosen = []
+        for layer in range(shape.layers):
+            warm = np.flatnonzero(recent[layer] >= step - params.window)
+            ids = np.empty(tokens * k, dtype=np.int64)
+            for t in range(tokens):
+                picked: list[int] = []
+                while len(picked) < k:
+                    pool = np.setdiff1d(warm, picked, assume_unique=True)
+                    if len(pool) and rng.random() < params.reuse:
+                        picked.append(int(rng.choice(pool)))
+                        continue
+                    p = static[layer].copy()
+                    p[picked] = 0.0
+                    picked.append(int(rng.choice(e, p=p / p.sum())))
+                ids[t * k:(t + 1) * k] = picked
+            recent[layer][ids] = step
+            chosen.append(ids)
+        yield chosen

@@ -1,0 +1,179 @@
+"""The GPU expert cache's decisions (engine.offload.expert_cache) and the routing traces they are measured on
+(engine.offload.routing_trace): pure functions, no GPU."""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, replay
+from moedesk.engine.offload.placement import plan_placement
+from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, read_trace,
+                                                  step_counts, synthetic_trace, write_trace)
+
+
+def counts(layers, experts, picks):
+    c = np.zeros((layers, experts), dtype=int)
+    for layer, expert, n in picks:
+        c[layer, expert] += n
+    return c
+
+
+def test_a_newcomer_used_more_than_margin_times_a_resident_takes_its_slot():
+    resident = np.array([[True, False, False, False]])
+    cache = ExpertCache(resident, CachePolicy(half_life=1e9, margin=2.0, min_score=1.0))
+    assert cache.observe(counts(1, 4, [(0, 0, 2), (0, 1, 3)])) == []  # 3 < 2 x 2: stays
+    assert cache.observe(counts(1, 4, [(0, 1, 2)])) == [Swap(0, 0, 1)]  # 5 > 2 x 2
+    assert cache.resident.tolist() == [[False, True, False, False]]
+
+
+def test_hysteresis_keeps_two_equally_used_experts_from_trading_places():
+    cache = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=4, margin=1.5))
+    for step in range(200):  # alternate strictly: equal use, never 1.5x apart for long
+        cache.observe(counts(1, 2, [(0, step % 2, 1)]))
+    assert cache.swaps == 0
+
+
+def test_without_a_margin_the_same_routing_thrashes():
+    cache = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=1, margin=1.0))
+    for step in range(200):
+        cache.observe(counts(1, 2, [(0, step % 2, 1)]))
+    assert cache.swaps > 50  # what the margin above prevents
+
+
+def test_swaps_per_step_bounds_the_copies_and_the_strongest_go_first():
+    resident = np.array([[True, True, False, False], [True, False, False, False]])
+    cache = ExpertCache(resident, CachePolicy(half_life=1e9, margin=1.0, swaps_per_step=2))
+    swaps = cache.observe(counts(2, 4, [(0, 2, 5), (0, 3, 9), (1, 1, 7), (1, 2, 1)]))
+    assert swaps == [Swap(0, 0, 3), Swap(1, 0, 1)]  # gains 9, 7 beat 5
+    assert cache.resident.sum() == resident.sum()  # a swap never changes how many experts are resident
+
+
+def test_layers_wholly_on_or_off_the_gpu_never_change():
+    resident = np.array([[True, True], [False, False]])
+    cache = ExpertCache(resident, CachePolicy(margin=1.0))
+    for _ in range(10):
+        assert cache.observe(counts(2, 2, [(1, 0, 5), (1, 1, 5)])) == []
+    assert cache.resident.tolist() == resident.tolist()
+
+
+def test_old_use_decays():
+    cache = ExpertCache(np.array([[True, False, False]]), CachePolicy(half_life=2, margin=1.2))
+    cache.observe(counts(1, 3, [(0, 1, 8)]))  # 1 is admitted at once (0 had no use)
+    assert cache.resident.tolist() == [[False, True, False]]
+    for _ in range(10):
+        cache.observe(counts(1, 3, [(0, 2, 1)]))  # 1's 8 halves every 2 steps; 2's steady use overtakes it
+    assert cache.resident.tolist() == [[False, False, True]]
+
+
+def test_hit_rate_counts_what_was_resident_when_the_step_ran():
+    cache = ExpertCache(np.array([[True, False]]), CachePolicy(margin=1.0))
+    cache.observe(counts(1, 2, [(0, 1, 4)]))  # a miss; 1 admitted after the step
+    cache.observe(counts(1, 2, [(0, 1, 4)]))  # a hit
+    assert cache.hit_rate == pytest.approx(0.5)
+
+
+def test_policy_checks_its_fields():
+    with pytest.raises(ValueError):
+        CachePolicy(margin=0.5)
+
+
+# Routing traces
+
+
+def test_a_trace_reads_back_as_written(tmp_path):
+    shape = TraceShape(layers=3, experts=16, top_k=2)
+    steps = list(synthetic_trace(shape, 20, CONVERSATION, tokens=3, seed=1))
+    path = tmp_path / "t.jsonl"
+    write_trace(path, shape, steps)
+    got_shape, got = read_trace(path)
+    assert got_shape == shape and len(got) == 20
+    assert all(np.array_equal(a, b) for s, t in zip(steps, got) for a, b in zip(s, t))
+
+
+@pytest.mark.parametrize("text, where", [
+    ("", "empty"),
+    ('{"format": "other"}\n', "line 1"),
+    ('{"format": "moedesk-routing-trace", "version": 1, "layers": 1, "experts": 4, "top_k": 2}\n{"experts": [[0, 9]]}\n',
+     "line 2"),
+    ('{"format": "moedesk-routing-trace", "version": 1, "layers": 2, "experts": 4, "top_k": 2}\n{"experts": [[0, 1]]}\n',
+     "line 2"),
+    ('{"format": "moedesk-routing-trace", "version": 1, "layers": 1, "experts": 4, "top_k": 2}\n' + "[" * 100000,
+     "line 2"),
+])
+def test_a_bad_trace_is_one_line_naming_where(tmp_path, text, where):
+    path = tmp_path / "t.jsonl"
+    path.write_text(text)
+    with pytest.raises(MoedeskError, match=where):
+        read_trace(path)
+
+
+def test_every_token_chooses_top_k_distinct_experts():
+    shape = TraceShape(2, 8, 3)
+    for step in synthetic_trace(shape, 50, TraceParams(skew=1.0, reuse=0.9, window=2), tokens=2, seed=3):
+        for ids in step:
+            assert len(ids) == 6 and all(len(set(ids[t:t + 3])) == 3 for t in (0, 3))
+
+
+def lru_hit_rate(steps, capacity):
+    hits = total = 0
+    caches = [OrderedDict() for _ in steps[0]]
+    for step in steps:
+        for cache, ids in zip(caches, step):
+            for e in ids.tolist():
+                total += 1
+                if e in cache:
+                    hits += 1
+                    cache.move_to_end(e)
+                else:
+                    cache[e] = True
+                    if len(cache) > capacity:
+                        cache.popitem(last=False)
+    return hits / total
+
+
+def static_coverage(steps, experts, top):
+    """A top-`top` list per layer learned on the first half of the steps: its share of the second half's."""
+    half = len(steps) // 2
+    first = sum(step_counts(s, experts) for s in steps[:half])
+    second = sum(step_counts(s, experts) for s in steps[half:])
+    best = np.argsort(-first, axis=1)[:, :top]
+    return float(np.mean(np.take_along_axis(second, best, axis=1).sum(axis=1) / second.sum(axis=1)))
+
+
+def test_the_conversation_preset_has_the_locality_reported_for_a_512_expert_model():
+    # docs/expert-cache.md: 512 experts, 10 per token; a per-layer LRU of 64 hits ~67%, of 128 ~81%; a static
+    # top-32 learned on half of the routing covers ~10% of the other half (6.2% if spread evenly).
+    steps = list(synthetic_trace(TraceShape(2, 512, 10), 1500, CONVERSATION, seed=1))
+    assert 0.60 < lru_hit_rate(steps, 64) < 0.74
+    assert 0.76 < lru_hit_rate(steps, 128) < 0.90
+    assert 0.07 < static_coverage(steps, 512, 32) < 0.14
+
+
+def test_no_locality_means_recent_use_predicts_nothing():
+    steps = list(synthetic_trace(TraceShape(2, 512, 10), 600, NO_LOCALITY, seed=1))
+    assert lru_hit_rate(steps, 64) == pytest.approx(64 / 512, abs=0.03)
+
+
+def compare(params, shape, share, steps=800):
+    """(fixed placement's hit rate, the cache's) on one conversation, the placement planned from another."""
+    e = shape.experts
+    calibration = sum(step_counts(s, e) for s in synthetic_trace(shape, 300, params, seed=99))
+    fits = int(share * shape.layers * e)
+    on_gpu = plan_placement(1, shape.layers, e, calibration, fits, 0).on_gpu
+    trace = [step_counts(s, e) for s in synthetic_trace(shape, steps, params, seed=5)]
+    return replay(trace, on_gpu, None), replay(trace, on_gpu, CachePolicy())
+
+
+def test_the_cache_follows_a_conversation_that_a_fixed_placement_cannot():
+    fixed, cached = compare(CONVERSATION, TraceShape(4, 128, 8), 0.25)
+    assert cached.hit_rate > 1.4 * fixed.hit_rate
+    assert cached.swaps_per_step <= CachePolicy().swaps_per_step
+
+
+def test_without_locality_the_cache_stays_near_the_fixed_placement_and_rarely_swaps():
+    fixed, cached = compare(NO_LOCALITY, TraceShape(4, 128, 8), 0.25)
+    assert cached.hit_rate >= 0.98 * fixed.hit_rate
+    assert cached.swaps_per_step < 3
