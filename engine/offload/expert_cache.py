@@ -23,11 +23,12 @@ class CachePolicy:
     half_life: float = 32.0  # steps after which a selection counts half
     margin: float = 1.5  # a newcomer's score must exceed the resident's by this factor
     min_score: float = 1.0  # and reach this: one selection long ago does not earn a copy
-    swaps_per_step: int = 4  # across all layers: what the copy stream moves between two steps
+    swaps_per_step: int = 4  # across all layers, on average
+    interval: int = 1  # steps between two rounds of swaps (each round changes the maps CUDA graphs captured)
 
     def __post_init__(self):
-        if self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0:
-            raise ValueError("half_life must be > 0, margin >= 1 and swaps_per_step >= 0")
+        if self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0 or self.interval < 1:
+            raise ValueError("half_life must be > 0, margin >= 1, swaps_per_step >= 0 and interval >= 1")
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,11 @@ class ExpertCache:
         self.scores = np.zeros(self.resident.shape) if scores is None else np.array(scores, dtype=float)
         self._decay = 0.5 ** (1.0 / policy.half_life)
         # A layer entirely on the GPU (or entirely off it) has nothing to trade.
-        self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
+        self.mixed_layers = self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
         self.hits = 0
         self.selections = 0
         self.swaps = 0
+        self.steps = 0
 
     def observe(self, counts: np.ndarray) -> list[Swap]:
         """Fold in one step's selections per [layer, expert]; the swaps to make now, best first.
@@ -59,9 +61,10 @@ class ExpertCache:
         self.selections += int(counts.sum())
         self.scores *= self._decay
         self.scores += counts
+        self.steps += 1
         swaps: list[Swap] = []
-        budget = self.policy.swaps_per_step
-        if budget == 0 or len(self._mixed) == 0:
+        budget = self.policy.swaps_per_step * self.policy.interval
+        if budget == 0 or len(self._mixed) == 0 or self.steps % self.policy.interval:
             return swaps
         # Per layer, the strongest outsiders against the weakest residents, paired in order; all layers at once.
         rows = self._mixed
@@ -111,3 +114,15 @@ def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None) ->
         cache.observe(counts)
         steps += 1
     return Replay(cache.hit_rate, cache.swaps, steps)
+
+
+def policy_from_env(value: str | None) -> CachePolicy | None:
+    """MOEDESK_EXPERT_CACHE: unset, "" or "0" keeps the placement fixed; "1" the default policy; "N" rounds of
+    swaps every N steps (fewer re-captures of CUDA graphs)."""
+    if not value or value == "0":
+        return None
+    try:
+        interval = int(value)
+    except ValueError:
+        raise ValueError(f"MOEDESK_EXPERT_CACHE={value!r}: expected 0, 1 or a number of steps") from None
+    return CachePolicy(interval=max(1, interval))

@@ -19,6 +19,7 @@ copies and the ordered sum all run for real, which is how CI tests them without 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, fields, replace
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache
 from moedesk.kernels import gpu_streamed
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
@@ -62,6 +64,7 @@ class StepStats:
     layer_ms: float = 0.0
     selections: int = 0  # (token, expert) pairs routed
     gpu_hits: int = 0  # of those, served by a resident expert
+    swaps: int = 0  # experts the expert cache moved onto the GPU in place of others
 
     def since(self, earlier: "StepStats") -> "StepStats":
         """What was counted between `earlier` (a copy taken then) and now."""
@@ -77,8 +80,13 @@ class StepStats:
             "experts_streamed": self.streamed_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
-            "moe_ms": round(self.layer_ms, 3), "active_experts": total,
+            "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
         }
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def stack_experts(model, pinned: bool) -> dict[int, ExpertWeights]:
@@ -120,6 +128,7 @@ class _Pairs:
 
     def __init__(self, pair_expert: np.ndarray, counts: np.ndarray):
         """counts: np.bincount of pair_expert over all experts."""
+        self.experts = pair_expert
         self.order = np.argsort(pair_expert, kind="stable")
         self.expert_of_order = pair_expert[self.order]
         self.counts, self.count = counts, counts.tolist()
@@ -178,6 +187,7 @@ class OffloadExecutor:
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
+        self.cache: ExpertCache | None = None  # set by `follow_routing`
         self.set_placement(on_gpu)
         slots = staging_slots or any_bank.num_experts
         self.staging = [any_bank.expert(0).empty_like(self.device) for _ in range(slots)]
@@ -203,10 +213,50 @@ class OffloadExecutor:
                     bank.gpu_slot[e] = slot
                 if len(resident) == len(row) and self.whole_layers_on_device:
                     self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
+        self._refresh_slot_maps()
+        if self.cache is not None:
+            self.follow_routing(self.cache.policy, self.cache.scores)
+
+    def _refresh_slot_maps(self) -> None:
         self._slot_maps = {}
         for layer, bank in self.banks.items():  # here, not at a capture: a graph cannot copy from unpinned memory
             if any(slot is not None for slot in bank.gpu_slot):
                 self._slots(layer)
+
+    def follow_routing(self, policy: CachePolicy | None, scores=None) -> None:
+        """Let the resident experts follow the routing (engine.offload.expert_cache): after each step the cache
+        may swap experts of layers partly on the GPU; None keeps the placement fixed."""
+        if policy is None:
+            self.cache = None
+            return
+        self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores)
+        layers = sorted(self.banks)
+        mixed = [layers[i] for i in self.cache.mixed_layers]
+        self._row_of = {layer: i for i, layer in enumerate(layers)}
+        self._first_mixed = min(mixed) if mixed else None
+        self._step_counts = np.zeros(self.cache.resident.shape, dtype=np.int64)
+
+    def _end_step(self) -> None:
+        """The step whose counts are in `_step_counts` is over: let the cache decide, and make its swaps."""
+        swaps = self.cache.observe(self._step_counts)
+        self._step_counts[:] = 0
+        if not swaps:
+            return
+        layers = sorted(self.banks)
+        if not self.simulated:  # the copies read slots the last step's kernels may still be reading
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream) if not self.simulated else _nothing():
+            for swap in swaps:
+                bank = self.banks[layers[swap.layer]]
+                slot = bank.gpu_slot[swap.evict]
+                bank.gpu.expert(slot).copy_(bank.host.expert(swap.admit), non_blocking=not self.simulated)
+                bank.gpu_slot[swap.evict], bank.gpu_slot[swap.admit] = None, slot
+        if not self.simulated:
+            # A few experts' bytes every so many steps; the next step's kernels read the new slots.
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self._stats.swaps += len(swaps)
+        self.placement_version += 1  # captured graphs and prepared host calls hold the old maps
+        self._refresh_slot_maps()
 
     def on_gpu(self) -> list[list[bool]]:
         return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
@@ -513,9 +563,15 @@ class OffloadExecutor:
         """Queue the resident experts (one grouped launch per projection while every expert has at most
         GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
+        resident_rows = pairs.of(resident)  # expert by expert in ascending id
+        by_slot = sorted(resident, key=bank.gpu_slot.__getitem__)  # the GPU's work goes slot by slot
+        if by_slot != resident:  # slots out of id order, after the expert cache's swaps
+            slot_of = np.array([-1 if slot is None else slot for slot in bank.gpu_slot])
+            resident_rows = resident_rows[np.argsort(slot_of[pairs.experts[resident_rows]], kind="stable")]
+            resident = by_slot
         sizes = [pairs.count[e] for e in resident]
         grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu)
-        pair_rows = np.concatenate([pairs.of(resident)] + [pairs.of([e]) for e in to_copy])
+        pair_rows = np.concatenate([resident_rows] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         ends = np.zeros(0, dtype=np.int32)
         if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
@@ -549,6 +605,10 @@ class OffloadExecutor:
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
 
     def _count(self, layer: int, counts: np.ndarray) -> None:
+        if self.cache is not None and self._first_mixed is not None:
+            if layer == self._first_mixed and self._step_counts.any():
+                self._end_step()  # a new step begins: the last one's routing is complete
+            self._step_counts[self._row_of[layer]] += counts
         tensor, known = self._selections.get(layer), self._selection_counts.get(layer)
         if known is None or known[0] is not tensor:  # first count, or `selections` was cleared
             if tensor is None:

@@ -11,11 +11,13 @@ the GPU.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from moedesk.engine.offload.expert_cache import policy_from_env
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
@@ -134,6 +136,9 @@ class ExpertOrchestra:
                                      f"GPU budget lowered to {budget_bytes / GIB:.2f} GiB")
                 continue
             self.placement, self.budget_bytes = plan, budget_bytes
+            policy = policy_from_env(os.environ.get("MOEDESK_EXPERT_CACHE"))
+            if policy is not None:  # opt-in until measured on a GPU (docs/expert-cache.md)
+                self.executor.follow_routing(policy)
             return plan
 
     def back_off(self) -> bool:

@@ -177,3 +177,41 @@ def test_without_locality_the_cache_stays_near_the_fixed_placement_and_rarely_sw
     fixed, cached = compare(NO_LOCALITY, TraceShape(4, 128, 8), 0.25)
     assert cached.hit_rate >= 0.98 * fixed.hit_rate
     assert cached.swaps_per_step < 3
+
+
+# The executor following the routing (the GPU tier simulated on the CPU, as in tests/offload/test_orchestration.py)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_an_engine_whose_experts_follow_the_routing_matches_transformers(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.reference import hf_greedy, hf_model
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    probe = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0)
+    prompts = [probe.tokenizer.encode(p) for p in ("Hi", "The quick brown fox jumps over the lazy", "def f(x):")]
+    eos = probe.tokenizer.eos_token_ids | set(probe.config.eos_token_ids)
+    expected = [hf_greedy(hf_model(folder), p, greedy.max_new_tokens, eos) for p in prompts]
+    total = sum(map(len, probe.expert_map()[0]))
+    monkeypatch.setenv("MOEDESK_EXPERT_CACHE", "1")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
+                         gpu_budget=(total // 4) * probe.orchestra.expert_bytes / 2**30)
+    assert engine.executor.cache is not None
+    before = [row[:] for row in engine.expert_map()[0]]
+    done = [next(engine.generate([Request(p, greedy)], 1)) for p in prompts]  # one at a time: many steps
+    assert [c.token_ids for c in done] == expected
+    stats = engine.expert_stats()
+    assert stats["expert_swaps"] > 0 and engine.expert_map()[0] != before  # the residents moved ...
+    assert sum(map(sum, engine.expert_map()[0])) == sum(map(sum, before))  # ... within the same budget
+
+
+def test_policy_from_the_environment():
+    from moedesk.engine.offload.expert_cache import policy_from_env
+
+    assert policy_from_env(None) is None and policy_from_env("0") is None
+    assert policy_from_env("1") == CachePolicy() and policy_from_env("16").interval == 16
+    with pytest.raises(ValueError, match="MOEDESK_EXPERT_CACHE"):
+        policy_from_env("yes")

@@ -87,6 +87,10 @@ def test_expert_rows_per_generated_token():
     rows = dict(expert_rows({"experts_gpu": 0, "experts_cpu": 4, "experts_copied": 6, "gpu_hit_rate": None}, 2))
     assert rows == {"GPU hit rate": "—", "experts on GPU": "0.0 per token", "experts on CPU": "2.0 per token",
                     "experts copied": "3.0 per token"}
+    # The expert cache's swaps, per second of the reply, only when it moved experts.
+    rows = dict(expert_rows({"experts_gpu": 4, "experts_cpu": 4, "expert_swaps": 6, "gpu_hit_rate": 0.5}, 4, 2.0))
+    assert rows["expert swaps"] == "3.0 per s"
+    assert "expert swaps" not in dict(expert_rows({"experts_gpu": 4, "expert_swaps": 0}, 4, 2.0))
 
 
 @pytest.mark.anyio

@@ -33,7 +33,7 @@ def context_bar(used: int, total: int, width: int = BAR_WIDTH) -> Text:
     return bar
 
 
-def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str]]:
+def expert_rows(experts: dict | None, tokens: int | None, seconds: float | None = None) -> list[tuple[str, str]]:
     """Where the reply's experts ran (engine stats under "experts"), per generated token; none without offload.
 
     A row per place, each short enough for the panel (one row of all four was cut off at 100 columns);
@@ -49,6 +49,9 @@ def expert_rows(experts: dict | None, tokens: int | None) -> list[tuple[str, str
         count = experts.get(key, 0)
         if always or count:
             rows.append((label, f"{count / steps:.1f} per token"))
+    swaps = experts.get("expert_swaps", 0)
+    if swaps and seconds:  # the expert cache moved experts onto the GPU during the reply
+        rows.append(("expert swaps", f"{swaps / seconds:.1f} per s"))
     return rows
 
 
@@ -157,7 +160,7 @@ class StatsPanel(VerticalScroll):
                     ("prompt", fmt(self.reply.get("prompt_tokens"))),
                     ("total time", fmt(stats.get("total_s"), " s", 2))]
             rows += decoding_rows(stats)
-            rows += expert_rows(stats.get("experts"), self.reply.get("tokens"))
+            rows += expert_rows(stats.get("experts"), self.reply.get("tokens"), stats.get("total_s"))
         self.number_rows = rows
         table = Table.grid(padding=(0, 1))
         table.add_column(style="dim", no_wrap=True)
