@@ -146,10 +146,15 @@ def gguf_model(path: Path) -> LocalModel:
         try:
             from gguf import GGUFReader
 
+            from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
+            from moedesk.engine.load.size_estimate import file_weights
+
             reader = GGUFReader(str(path))
             arch = _gguf_value(reader, "general.architecture") or "?"
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
+            if arch != "?" and arch not in NATIVE_ARCHITECTURES:  # llama.cpp runs it, from the file as it is
+                weights, why = file_weights(arch, reader.tensors), ""
         except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
             note, why = f"unreadable header ({type(e).__name__})", ""
     # GGUF architecture names differ from config.json's (Mixtral is "llama" with experts): support is

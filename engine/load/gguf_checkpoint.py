@@ -39,6 +39,8 @@ _MODEL_TYPES = {
     "olmoe": (None, "olmoe"),
     "glm4moe": (None, "glm4_moe"),
 }
+# The GGUF architectures the native engine runs; llama.cpp runs the others (engine.load.size_estimate sizes them).
+NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES)
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM"}

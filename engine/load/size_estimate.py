@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -196,30 +197,84 @@ def gguf_tensors(checkpoint) -> dict[str, TensorInfo]:
             for name, shape in checkpoint.shapes().items()}
 
 
-def summarize_gguf_header(parts, path) -> ModelWeights:
+# --- GGUFs llama.cpp runs --------------------------------------------------------------------------------
+
+# A layer's routed experts as llama.cpp stacks them (the tensors its --n-cpu-moe keeps in RAM), biases included.
+_LLAMACPP_EXPERTS = re.compile(r"blk\.\d+\.ffn_(?:gate_up|gate|up|down)_exps\.")
+
+
+@dataclass(frozen=True)
+class FileWeights:
+    """A GGUF whose architecture only llama.cpp runs: loaded, its tensors take what the file stores, in the
+    file's own formats, whatever expert and weights dtype are chosen (those are the native engine's choices)."""
+
+    arch: str  # general.architecture
+    expert_bytes: int
+    other_bytes: int
+    expert_formats: tuple[str, ...]  # ggml type names: "mxfp4", "q4_k/q6_k", "f16"
+    other_formats: str
+
+    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
+        if expert_dtype not in EXPERT_DTYPES:
+            raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {', '.join(EXPERT_DTYPES)}")
+        return MemoryEstimate(self.expert_bytes, self.other_bytes, self.expert_formats, self.other_formats)
+
+
+def file_weights(arch: str, tensors) -> FileWeights:
+    """FileWeights from a GGUF's tensor infos (GGUFReader's or engine.load.gguf_header's: name, tensor_type,
+    n_bytes)."""
+    from gguf import GGMLQuantizationType
+
+    sizes = {True: 0, False: 0}
+    formats: dict[bool, set[str]] = {True: set(), False: set()}
+    for t in tensors:
+        routed = _LLAMACPP_EXPERTS.match(t.name) is not None
+        sizes[routed] += int(t.n_bytes)
+        formats[routed].add(GGMLQuantizationType(int(t.tensor_type)).name.lower())
+    return FileWeights(arch, sizes[True], sizes[False], tuple(sorted(formats[True])), "/".join(sorted(formats[False])))
+
+
+def _gguf_weights(path, header=None) -> ModelWeights | FileWeights:
+    """How the engine `auto` picks will hold a GGUF: sorted as the native loader sorts it where the native engine
+    runs its architecture, else as llama.cpp keeps it. `header`: a parsed header standing in for the file."""
+    from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES, GGUFCheckpoint
+
+    try:
+        checkpoint = GGUFCheckpoint(path, header=header)
+    except UnsupportedModelError:
+        # Read again for the architecture: only files the native engine refuses pay for it.
+        if header is None:
+            from gguf import GGUFReader
+
+            header = GGUFReader(str(path))
+        field = header.fields.get("general.architecture")
+        arch = field.contents() if field is not None else None
+        if not isinstance(arch, str) or arch in NATIVE_ARCHITECTURES:
+            raise
+        return file_weights(arch, header.tensors)
+    try:
+        return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+    finally:
+        checkpoint.close()
+
+
+def summarize_gguf_header(parts, path) -> ModelWeights | FileWeights:
     """`summarize` for a GGUF file from its header alone (`engine.load.gguf_header.GGUFHeader`, parsed from bytes
     fetched without the tensor data), exactly as `summarize_path` does for the file on disk: the config
     GGUFCheckpoint derives from the metadata, the tensors under the Hub's names. `parts`: the one header, or
     a split GGUF's (-00001-of-0000N) in order. `path` names the file in messages."""
-    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
     from moedesk.engine.load.gguf_header import GGUFHeader, merge_parts
 
     parts = [parts] if isinstance(parts, GGUFHeader) else list(parts)
-    checkpoint = GGUFCheckpoint(path, header=merge_parts(parts, path))
-    return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+    return _gguf_weights(path, merge_parts(parts, path))
 
 
-def summarize_path(path) -> ModelWeights:
-    """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone."""
+def summarize_path(path) -> ModelWeights | FileWeights:
+    """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone (a GGUF only
+    llama.cpp runs: its FileWeights)."""
     path = Path(path)
     if path.suffix == ".gguf":
-        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-
-        checkpoint = GGUFCheckpoint(path)
-        try:
-            return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
-        finally:
-            checkpoint.close()
+        return _gguf_weights(path)
     config_path = path / "config.json"
     try:
         config = json.loads(config_path.read_text())

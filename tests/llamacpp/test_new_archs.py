@@ -78,3 +78,39 @@ def test_llamacpp_greedy_equals_transformers(family):
             reference = model(torch.tensor([path])).logits[0].numpy()
         gap = np.abs(llama_logits(llm, path) - reference).max()
         assert gap < LOGIT_TOLERANCE, f"{name}: {prompt!r}: logits {gap:.2e} from transformers'"
+
+
+def routed_expert_bytes(config) -> int:
+    """The routed experts' float32 bytes, by hand from the transformers config."""
+    h = config.hidden_size
+    if config.model_type == "gpt_oss":  # every layer; biases on gate, up and down
+        f, experts, moe_layers = config.intermediate_size, config.num_local_experts, config.num_hidden_layers
+        return moe_layers * experts * (3 * h * f + 2 * f + h) * 4
+    f = config.moe_intermediate_size
+    experts = getattr(config, "n_routed_experts", None) or config.num_experts
+    moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+    return moe_layers * experts * 3 * h * f * 4
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
+def test_memory_estimate_is_what_llamacpp_holds(family):
+    """The Models screen and the download wizard size a GGUF only llama.cpp runs as llama.cpp holds it: the
+    routed experts as counted by hand, the whole as llama.cpp's own llama_model_size, from the file or from
+    its header's bytes alone."""
+    from moedesk.app.tui.catalog import gguf_model
+    from moedesk.engine.load.gguf_header import parse_header
+    from moedesk.engine.load.size_estimate import summarize_gguf_header, summarize_path
+
+    name, built, llm = family
+    estimate = summarize_path(built.gguf).estimate("auto", "bfloat16")
+    assert estimate.expert_bytes == routed_expert_bytes(built.model.config)
+    assert estimate.total_bytes == llama_cpp.llama_model_size(llm._model.model)
+    assert estimate.experts_as == "f32"
+
+    listed = gguf_model(built.gguf)
+    assert (listed.arch, listed.estimate_error) == (FAMILIES[name].gguf_arch, "")
+    assert listed.estimate("int4", "float16") == estimate  # the file's own formats, whatever dtype is chosen
+
+    data = built.gguf.read_bytes()
+    header_only = summarize_gguf_header(parse_header(data[:len(data) - estimate.total_bytes], built.gguf), built.gguf)
+    assert header_only.estimate() == estimate
