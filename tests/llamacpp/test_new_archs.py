@@ -93,22 +93,30 @@ def routed_expert_bytes(config) -> int:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES), indirect=True)
-def test_memory_estimate_is_what_llamacpp_holds(family):
-    """The Models screen and the download wizard size a GGUF only llama.cpp runs as llama.cpp holds it: the
-    routed experts as counted by hand, the whole as llama.cpp's own llama_model_size, from the file or from
-    its header's bytes alone."""
+def test_memory_estimate_is_what_the_engine_auto_picks_holds(family):
+    """The Models screen and the download wizard size a GGUF as the engine `auto` picks holds it. llama.cpp: the
+    file's tensors as they are, the routed experts as counted by hand, the whole as llama.cpp's own
+    llama_model_size, from the file or from its header's bytes alone. The native engine (once it runs the
+    family): experts as the loader keeps them, 16-bit here."""
     from moedesk.app.tui.catalog import gguf_model
+    from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
     from moedesk.engine.load.gguf_header import parse_header
-    from moedesk.engine.load.size_estimate import summarize_gguf_header, summarize_path
+    from moedesk.engine.load.size_estimate import FileWeights, summarize_gguf_header, summarize_path
 
     name, built, llm = family
-    estimate = summarize_path(built.gguf).estimate("auto", "bfloat16")
+    weights = summarize_path(built.gguf)
+    estimate = weights.estimate("auto", "bfloat16")
+    listed = gguf_model(built.gguf)
+    assert (listed.arch, listed.estimate_error) == (FAMILIES[name].gguf_arch, "")
+    assert listed.estimate("auto", "bfloat16") == estimate
+    if name in NATIVE_ARCHITECTURES:
+        assert not isinstance(weights, FileWeights)
+        assert (estimate.expert_bytes, estimate.experts_as) == (routed_expert_bytes(built.model.config) // 2, "bf16")
+        return
+
     assert estimate.expert_bytes == routed_expert_bytes(built.model.config)
     assert estimate.total_bytes == llama_cpp.llama_model_size(llm._model.model)
     assert estimate.experts_as == "f32"
-
-    listed = gguf_model(built.gguf)
-    assert (listed.arch, listed.estimate_error) == (FAMILIES[name].gguf_arch, "")
     assert listed.estimate("int4", "float16") == estimate  # the file's own formats, whatever dtype is chosen
 
     data = built.gguf.read_bytes()
