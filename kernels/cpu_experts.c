@@ -14,8 +14,8 @@
  * each 64-byte weight chunk is loaded once and used for every token of the tile, and all tiles
  * of a group run while the 4 rows are still in L1/L2, so DRAM sees the weights once whatever
  * the number of tokens. bf16 weights become fp32 with a shift or a mask and go through FMAs:
- * on Sapphire Rapids vdpbf16ps issues at half the rate of vfmadd (1.7 vs 7.1 G/s per core,
- * measured), which made the FMA form twice as fast at 4 tokens and 1.3x at 16. So the kernel
+ * on Sapphire Rapids vdpbf16ps issues at a fraction of vfmadd's rate, which made the FMA form the faster
+ * (docs/measurements.md, "The CPU experts kernel"). So the kernel
  * needs only AVX512F/BW/VL, not AVX512_BF16.
  *
  * Threads: the persistent pool of native_pool.h (shared with cpu_quant.c, which borrows this
@@ -49,9 +49,8 @@
 typedef uint16_t bf16;
 
 #define TILE 6          /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
-/* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next
- * iteration reads, past the tensor's end it is harmless. 1 KiB gave +15% on one core (DRAM-bound
- * decode shapes; 256 B: +6%, 2 KiB: same as 1 KiB). */
+/* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next iteration reads,
+ * past the tensor's end it is harmless (the distances measured: docs/measurements.md, "The CPU experts kernel"). */
 #ifndef PREFETCH /* this, PREFETCH_HINT and SHORT_AHEAD: -D... to measure others (tests/perf/probe_kernel_trace.py) */
 #define PREFETCH 1024
 #endif
@@ -59,9 +58,8 @@ typedef uint16_t bf16;
 #define PREFETCH_HINT _MM_HINT_T0
 #endif
 /* Rows of at most this many bytes prefetch the next iteration's rows instead (same column): along a
- * short row the first KiB of every row went unprefetched. Measured on the GPU box, 15 threads: Qwen3's
- * 4 KiB / 1.5 KiB rows +4-7% at 1 token, +5-15% at 4-16 tokens; Mixtral's 8 / 28 KiB rows -4% at 1-4
- * tokens that way, so they keep prefetching along the row. */
+ * short row the first KiB of every row went unprefetched. Qwen3's short rows gained; Mixtral's long ones lost that
+ * way, so they keep prefetching along the row (docs/measurements.md, "The CPU experts kernel"). */
 #define SHORT_ROW_BYTES 4096
 #ifndef SHORT_AHEAD
 #define SHORT_AHEAD 1 /* iterations ahead along short rows */
@@ -577,9 +575,9 @@ void moe_trace_read(int64_t *words) { memcpy(words, &trace, sizeof trace); }
 #define TRACE(stmt)
 #endif
 
-/* Phase 0, shared by whoever is there: the x rows into split fp32 (a decode call's 8 rows took the caller alone
- * 11 µs, a batched call's 128 rows 160 µs, measured with tests/perf/probe_kernel_trace.py), an AMX group's
- * into its token tiles. */
+/* Phase 0, shared by whoever is there, since the caller alone would take long over a batched call's rows
+ * (docs/measurements.md, "The CPU experts kernel"): the x rows into split fp32, an AMX group's into its token
+ * tiles. */
 static void split_rows(Job *j) {
     const int64_t Hp = round_up(j->H, 32);
     for (;;) {

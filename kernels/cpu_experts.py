@@ -2,30 +2,26 @@
 
 Decoding puts a handful of tokens on each expert, so computing them is a matter of streaming
 the experts' weights from RAM once at full bandwidth. torch runs one matmul after another, each
-its own parallel region (0.2-0.5 ms of overhead per small expert, and never the whole memory
-bandwidth); cpu_experts.c computes every group of one call in one parallel region.
+its own parallel region (overhead per small expert, and never the whole memory bandwidth); cpu_experts.c
+computes every group of one call in one parallel region.
 
 Layout of a call: `rows` lists indices into `x`, grouped by expert; group g is
 rows[offsets[g]:offsets[g+1]] and uses expert expert_ids[g]; result row i is
 down_e @ (silu(gate_e @ x[rows[i]]) * (up_e @ x[rows[i]])) with gate_up[e] = [gate; up].
 
-Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, for
-groups of at most max_native_tokens() tokens; everything else goes to `reference_experts_forward`,
-the engine's per-expert torch arithmetic. Why 32 on the FMA path: the kernel's FMAs do about 60 G multiply-adds
-per second per core (measured), i.e. 120/T GB/s of weights per core for T tokens; with 15 cores
-that stays above the ~95 GB/s the memory gives up to T = 16-20 and falls to ~55 GB/s at 32,
-where torch's AMX matmuls run a whole Mixtral expert at 50-76 GB/s (4.6-7 ms on the GPU box) and
-keep that up with more tokens. tests/perf/bench_cpu_experts.py prints the crossover measured.
-Set MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
+Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, for groups of at most
+max_native_tokens() tokens; everything else goes to `reference_experts_forward`, the engine's per-expert torch
+arithmetic. Why 32 on the FMA path: the kernel's FMAs read fewer bytes a second the more tokens share each weight, and
+past about 32 tokens torch's AMX matmuls, which keep their rate with more tokens, overtake them (docs/measurements.md,
+"The CPU experts kernel"). tests/perf/bench_cpu_experts.py prints the crossover measured. Set
+MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
 
-Paths inside the kernel: "amx" (the default where the CPU has AMX-BF16 and Linux grants the tile state)
-computes the groups of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of
-exact bf16 products in fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group. Measured on
-the GPU box (one Mixtral expert, 16 threads, tests/perf/bench_cpu_experts.py --paths avx512,amx): 8 / 16 /
-32 tokens took 3.35 / 4.51 / 9.08 ms on the FMAs and 2.80 / 2.75 / 3.24 ms on AMX (1-4 tokens: 2.7 ms on
-both, the memory's speed), so with AMX groups of up to AMX_MAX_TOKENS stay native. `amx_reason()` says what is
-missing where AMX is not used; MOEDESK_EXPERTS_PATH=avx512 (or `set_path("avx512")`) forces the FMAs, and
-set_path("amx") raises where AMX is missing.
+Paths inside the kernel: "amx" (the default where the CPU has AMX-BF16 and Linux grants the tile state) computes the
+groups of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products in
+fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group. On AMX a group of 8 to 32 tokens takes about
+what one token does, the memory's speed (docs/measurements.md, "The CPU experts kernel"), so with AMX groups of up to
+AMX_MAX_TOKENS stay native. `amx_reason()` says what is missing where AMX is not used; MOEDESK_EXPERTS_PATH=avx512 (or
+`set_path("avx512")`) forces the FMAs, and set_path("amx") raises where AMX is missing.
 """
 from __future__ import annotations
 
@@ -45,8 +41,8 @@ import torch.nn.functional as F
 from moedesk.kernels.native_build import build_library, build_name, missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32  # the FMA path's limit
-# With AMX-BF16 a Mixtral expert stays near memory speed to 24-32 tokens and takes 4.0-4.5 ms at 48-64, where
-# torch takes 6.9-7.6 (GPU box, 16 threads, tests/perf/bench_cpu_experts.py --paths avx512,amx)
+# With AMX-BF16 an expert stays near memory speed to 24-32 tokens and beats torch to 64 (docs/measurements.md, "The
+# CPU experts kernel")
 AMX_MAX_TOKENS = 64
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h",
@@ -163,9 +159,9 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     [0, rows) of F, i.e. each expert's output head act[:rows] @ down[:, :rows].T (the GPU computes the rest at
     one token, kernels/gpu_streamed.py); None: all F; a multiple of 32 unless F (`check_rows`).
 
-    The decode path calls this for every MoE layer of every token. Where the native kernel applies, it
-    groups the pairs itself and checks every index, so the call goes straight to it: grouping in numpy
-    and `experts_forward`'s checks cost about 50 µs per call, a tenth of a Qwen3-30B-A3B layer's experts.
+    The decode path calls this for every MoE layer of every token. Where the native kernel applies, it groups the
+    pairs itself and checks every index, so the call goes straight to it: grouping in numpy and `experts_forward`'s
+    checks would cost a good share of a small-expert layer's time (docs/measurements.md, "The CPU experts kernel").
     Elsewhere numpy groups the pairs for `experts_forward`.
     """
     P, E = pair_expert.shape[0], gate_up.shape[0]
@@ -223,10 +219,9 @@ def _index_parts(index, m: int, groups: int):
 
 def _fast_call_fits(x, index, gate_up, down, out) -> bool:
     """Everything the native kernel assumes and does not check itself: dtypes, devices, layouts, shapes.
-    It runs for every MoE layer of every token, so it uses the cheap accessors: `t.device.type` costs about
-    1 µs, `is_cpu` a quarter of that (measured on a CPU-only machine). On the GPU box these checks took 9 µs
-    right after a kernel call and 3 µs once more (tests/perf/probe_kernel_trace.py at db16c20): the call's
-    streaming leaves the caller's caches cold."""
+    It runs for every MoE layer of every token, so it uses the cheap accessors (`is_cpu`, not `t.device.type`),
+    and costs more right after a kernel call, whose streaming leaves the caller's caches cold
+    (docs/measurements.md, "The CPU experts kernel")."""
     bf16 = torch.bfloat16
     if not (x.dtype is bf16 and gate_up.dtype is bf16 and down.dtype is bf16 and out.dtype is bf16
             and index.dtype is torch.int64 and x.is_cpu and gate_up.is_cpu and down.is_cpu and out.is_cpu
@@ -464,10 +459,8 @@ def use_library(lib):
 def default_num_threads() -> int:
     """One per physical core (of those this process may use): workers on all cores but one, plus the calling
     thread, which drives the GPU. The workers leave it that core; it computes its share only while it has
-    nothing to queue on the GPU (the executor queues copies and resident experts first). Against one worker
-    fewer, all experts in RAM, one `tests/perf/ab_bench.sh` command on the GPU box (16 cores): Qwen3 shape
-    batched decode of 16 153.8 -> 192.0 tok/s, prefill 512 2519 -> 2577, decode 79.1 -> 77.8; Mixtral shape
-    prefill 512 1227 -> 1523, decode 19.9 -> 20.9."""
+    nothing to queue on the GPU (the executor queues copies and resident experts first). Against one worker fewer,
+    batched decode and prefill gained and decode held (docs/measurements.md, "The CPU experts kernel")."""
     physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     try:
         allowed = len(os.sched_getaffinity(0))
@@ -497,9 +490,8 @@ def set_spin_us(us: int) -> None:
     """How long idle workers keep spinning for the next call before they sleep (default 20 ms).
 
     It must bridge the GPU work between two layers' calls (1-2 ms per layer in eager decode), or
-    every call starts by waking sleeping threads. Measured on the GPU box (tests/perf/profile_decode.py
-    --spin), Qwen3-30B-A3B shape, 12 layers, all experts on the CPU: 200 µs gave 21.5 tok/s (batch 1)
-    and 86.9 (batch 16), 2 ms 26.0 and 100.5, 20 ms 27.2 and 99.7; the Mixtral shape did not change.
+    every call starts by waking sleeping threads (tests/perf/profile_decode.py --spin measures it;
+    docs/measurements.md, "The CPU experts kernel").
     The workers never spin while torch computes large groups, and sleep once a generation ends."""
     global _spin_us
     _spin_us = int(us)

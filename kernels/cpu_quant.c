@@ -40,39 +40,26 @@
  * horizontal sum per 4 rows and token. Each segment prefetches PREFETCH bytes ahead along its rows, past the
  * part of a long row the tile reads on into the next tile's row (prefetch_next).
  *
- * Per segment a tile unpacks all its rows first, then loops over tokens outside the rows, so a token's x segment
- * is loaded once for the tile's rows rather than once per row (at 4 x 4 GCC keeps some unpacked weights on the
- * stack; still faster). On the GPU box's Xeon one core is slow at this kernel (at 4 tokens q4_0 8.4 GB/s from the
- * last-level cache, where a Zen 4 core does 22), and 16 threads at 4 tokens an expert were bound by it: the
- * token-outer order there (bench_cpu_quant.py, the old order built beside it, builds taking turns), GB/s of
- * packed bytes at 4 tokens, old -> new: Mixtral 2 experts a call q4_0 87.5 -> 96.0, q4_k 86.8 -> 92.5, q6_k
- * 101.1 -> 105.6, q8_0 106.5 -> 112.5; 8 experts a call (16 sequences) q4_0 85.6 -> 95.0, q4_k 88.4 -> 95.5;
- * one core from the cache q4_0 8.4 -> 10.1. One token: the same within 1% (bound by RAM with 16 threads). The
- * same arithmetic in the same order: results equal bit for bit.
+ * Per segment a tile unpacks all its rows first, then loops over tokens outside the rows, so a token's x segment is
+ * loaded once for the tile's rows rather than once per row (at 4 x 4 GCC keeps some unpacked weights on the stack;
+ * still faster). A server core that is slow at this kernel, with 16 threads at 4 tokens an expert bound by it,
+ * gained from the token-outer order; one token, bound by RAM, did not change (docs/measurements.md, "The packed CPU
+ * kernel"). The same arithmetic in the same order: results equal bit for bit.
  *
- * Measured, one Zen 4 core of this 2-core shared VM (no AMX), 4096-weight rows of 1 MiB of weights
- * resident in L2 (the instruction-bound rate; rows from DRAM are bound by one core's memory
- * parallelism here), GB/s of packed bytes, the in-register per-chunk kernel before this layout -> now:
- *   T=1  q4_0 14.8 -> 34.7, q4_k 12.2 -> 24.2, q5_k 13.3 -> 24.5, q6_k 18.1 -> 30.2, q8_0 26.2 -> 41.9
- *   T=4  q4_0  6.9 -> 16.7, q4_k  5.9 -> 12.2, q5_k  7.0 -> 12.7, q6_k  9.8 -> 18.5, q8_0 13.7 -> 23.5
- *   T=8  q4_0  3.9 ->  8.0, q4_k  3.5 ->  7.3, q5_k  4.1 ->  8.3, q6_k  4.8 ->  9.6, q8_0  7.6 -> 13.3
- * (q8_0 in order with the accumulators in registers: 43.7 / 19.2 / 8.3; its transpose costs a little
- * at one token, where q8_0 is bound by memory anyway.)
+ * Against the in-register per-chunk kernel before this layout, one core computing rows resident in L2 (the
+ * instruction-bound rate) read about twice the packed bytes a second at every token count (docs/measurements.md,
+ * "The packed CPU kernel").
  *
  * AMX path (mq_set_path(2), opt-in: MOEDESK_QUANT_PATH=amx): experts with AMX_MIN+ tokens on AMX-INT8 tiles
  * with the same arithmetic, the rest on VNNI; see the AMX section. Not yet run on AMX hardware: its logic is
  * tested through an emulated build (-DMQ_AMX_EMULATE).
  *
  * AVX2 path (fallback, CPUs without AVX-512): weights unpacked in registers as on the VNNI path, 256 bits wide,
- * with maddubs for vpdpbusd (the AVX2 lane path; its section says how). Measured per core on the development VM
- * (Zen 4, AVX2 code; bench_cpu_quant.py --per-core --paths avx2, Mixtral shape from DRAM) against the path it
- * replaced (before 511723d: each segment unpacked to signed bytes in memory first, then float work per 32
- * weights): at 1 token q4_0 21.8 against 6.9 GB/s, q4_k 20.0 against 3.5, q5_k 17.4 against 3.8, q6_k 18.0
- * against 4.7, q8_0 23.1 against 11.9; at 4 tokens 11.2 / 10.7 / 10.8 / 11.1 / 11.3 against 4.4 / 3.4 / 3.8 /
- * 5.2 / 7.9. Built with -DMQ_AVXVNNI (cpu_quant.py does where the CPU has AVX-VNNI: Intel's desktop cores since
- * Alder Lake, AMD's since Zen 4), the lane path's products go through vpdpbusd's VEX form; the same VM, per core,
- * against the maddubs build: 1 token 22.9 / 21.2 / 17.0 / 18.8 / 23.4 against 22.2 / 20.3 / 17.4 / 18.3 / 22.2
- * GB/s, 4 tokens 12.5 / 12.5 / 12.1 / 12.2 / 11.1 against 11.3 / 10.8 / 11.3 / 11.4 / 10.0.
+ * with maddubs for vpdpbusd (the AVX2 lane path; its section says how), several times the rate of the path it
+ * replaced (before 511723d: each segment unpacked to signed bytes in memory first, then float work per 32 weights).
+ * Built with -DMQ_AVXVNNI (cpu_quant.py does where the CPU has AVX-VNNI: Intel's desktop cores since Alder Lake,
+ * AMD's since Zen 4), the lane path's products go through vpdpbusd's VEX form, a little faster still
+ * (docs/measurements.md, "The packed CPU kernel").
  * The path is picked at load (mq_set_path; cpu_quant.py: VNNI where cpuid says so,
  * MOEDESK_QUANT_PATH=avx2 forces the fallback). The library is built for AVX2+FMA+F16C; the VNNI
  * functions carry their own target attribute, so one build serves both.
@@ -105,18 +92,15 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
 
 #define ROWS 4       /* weight rows worked together */
 #define TOK 32       /* token rows per pass over a group of rows (more: the rows again, from L2) */
-/* Packed weight bytes per work item: small enough to balance, large enough to amortise. 1 MiB against 256 KiB, GPU box
- * (bench_cpu_quant.py --paths vnni --define i1m=-DITEM_BYTES=1048576, builds taking turns, 16 threads), GB/s: Mixtral's 8
- * experts a call at 4 tokens each (16 sequences) q4_0 84.0 -> 90.5, q4_k 83.9 -> 95.6, one token 126.5 -> 130.0,
- * 119.3 -> 127.6; 2 experts a call at one token q4_0 124.5 -> 127.6; Qwen3-30B-A3B's small experts within 2% at one
- * token, 2-7% faster at four. 512 KiB and 2 MiB measured within 1-4% of 1 MiB. */
+/* Packed weight bytes per work item: small enough to balance, large enough to amortise. 1 MiB beat 256 KiB on
+ * Mixtral's large experts and matched or beat it on Qwen3's small ones; 512 KiB and 2 MiB came within a few percent
+ * (bench_cpu_quant.py --define; docs/measurements.md, "The packed CPU kernel"). */
 #ifndef ITEM_BYTES
 #define ITEM_BYTES (1024 * 1024)
 #endif
-/* The last round of phase-2 blocks in quarters (native_call.h), as cpu_experts.c hands them out. GPU box, 16 threads
- * (bench_cpu_quant.py --define whole=-DQUARTERS=0, builds taking turns): Mixtral's two experts at one token 1.60
- * against 1.67 ms and 1.64 against 1.67 in two runs (q4_0), at four tokens 2-3% faster; Qwen3's 8 small experts
- * within noise (0.5-6% either way over three runs). QUARTERS=0: whole blocks, for measuring. */
+/* The last round of phase-2 blocks in quarters (native_call.h), as cpu_experts.c hands them out: a few percent
+ * faster on Mixtral's two experts, within noise on Qwen3's eight small ones (bench_cpu_quant.py --define;
+ * docs/measurements.md, "The packed CPU kernel"). QUARTERS=0: whole blocks, for measuring. */
 #ifndef QUARTERS
 #define QUARTERS 1
 #endif
@@ -554,10 +538,8 @@ static inline int64_t prefetch_ahead(int64_t row_bytes, int step) {
 /* Long rows: where a row's prefetches go on once they pass the end of the weights the tile reads: into the row
  * the next tile reads in its place, `step` rows on (0: on along memory). Along memory they landed on the rows this
  * tile reads beside it, or, where the GPU computes the rows' last columns (a row split), on those columns, while
- * the next tile's rows started unprefetched. -DPREFETCH_NEXT=0 measures the old way: on the GPU box
- * (tests/perf/probe_split_decode.py --define old=-DPREFETCH_NEXT=0, a token's two q4_0 Mixtral experts) the CPU's
- * share of a row split took 4-9% less time (4,480 GPU rows: 1.51 against 1.65 ms, 1.61 against 1.71), whole rows
- * 0-3%. */
+ * the next tile's rows started unprefetched. -DPREFETCH_NEXT=0 measures the old way
+ * (tests/perf/probe_split_decode.py --define; docs/measurements.md, "The packed CPU kernel"). */
 #ifndef PREFETCH_NEXT
 #define PREFETCH_NEXT 1
 #endif
@@ -831,8 +813,8 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
     }
 }
 
-/* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens
- * was slower (one Zen 4 core, Mixtral q4_0 T=16: 163 ms against 119): x read from L2 once per row. */
+/* One format's tiles: 4 rows x 1-4 tokens, 2 rows x 5-8 (at most 16 accumulators). 1 row x 9-16 tokens was
+ * slower (docs/measurements.md, "The packed CPU kernel"): x read from L2 once per row. */
 #define VNNI_FORMAT(name, FMT)                                                                                    \
     static VNNI void name(const uint8_t *const *w, uint8_t *const *x, int n, int64_t K, float *out, int os, int64_t ah, \
                           int64_t nx) {                                                                           \

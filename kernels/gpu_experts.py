@@ -1,7 +1,7 @@
 """Many experts with few tokens each, in a handful of launches: torch's grouped GEMM.
 
 A decode step gives each GPU-resident expert a token or two. One small GEMM per expert costs
-a few kernel launches and ~10 µs of host time each, whatever the size; `torch._grouped_mm`
+a few kernel launches and their host time each, whatever the size; `torch._grouped_mm`
 runs every expert of a layer in one launch per projection (EPS-MoE's grouped launch). It is a
 private torch API (2.8+, bf16 on Hopper, any dtype on the CPU), so everything it does not
 cover takes kernels.gpu_grouped (the same in Triton: any CUDA GPU, bf16, fp16 or float32), and the
@@ -15,9 +15,9 @@ from moedesk.kernels import gpu_grouped
 from moedesk.kernels.cpu_experts import expert_forward
 
 _grouped_mm = getattr(torch, "_grouped_mm", None)
-# Where both run (bf16 on sm90) torch's kernel is taken: the Triton launch alone was faster up to 16 rows per group
-# (tests/perf/bench_gpu_grouped.py on an H200: a Mixtral layer's token 0.22 against 0.32 ms), but whole decode
-# steps were not (moedesk bench, Mixtral and Qwen3 shapes with every expert resident, within 4% either way).
+# Where both run (bf16 on sm90) torch's kernel is taken: the Triton launch alone was faster up to 16 rows per group,
+# but whole decode steps were not (tests/perf/bench_gpu_grouped.py, moedesk bench; docs/measurements.md, "The GPU
+# kernels").
 
 
 def grouped_supported(x: torch.Tensor, gate_up: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 """One Triton kernel where torch launches many: RMSNorm, query/key norm with rotary, the cache's writes, routing,
 the experts' sum.
 
-A decode step of a 12-layer Qwen3 ran ~100 GPU kernels per layer, most of them 1-2 µs
+A decode step of a 12-layer Qwen3 ran about a hundred GPU kernels per layer, most of them tiny
 elementwise kernels: an RMSNorm is eight (cast, pow, mean, add, rsqrt, mul, cast, mul), rotary
 five, the ordered sum of K expert outputs K + 1 (tests/perf/probe_segment.py). With one token
 each does almost no work, so a layer's GPU time is the count of launches. Each kernel here does
@@ -114,8 +114,8 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -
 
     Softmax in float32, the k most probable experts, ties going to the lower id as in torch.topk on
     CUDA, optionally divided by their sum. Torch takes six to seven kernels for this (softmax, top-k,
-    its sort, the sum, the division, the sort by id, the gather and the cast: ~20 µs per layer on an
-    H100, between the attention and the CPU's experts at batch 1).
+    its sort, the sum, the division, the sort by id, the gather and the cast), between the attention and the
+    CPU's experts at batch 1 (docs/measurements.md, "The GPU kernels").
     """
     n, e = logits.shape
     weights = torch.empty(n, k, dtype=dtype, device=logits.device)

@@ -28,9 +28,8 @@ except ImportError:  # the CPU build of torch comes without Triton
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # How float32 tiles multiply: "tf32x3" (tensor cores, each operand split into two TF32 halves, three products)
-# or "ieee" (FMAs). Measured on an H200 (tests/perf/bench_gpu_grouped.py): 3xTF32 ran 2-4x faster than the FMAs
-# and its results were as close to torch's float32 products (2.5e-6 to 2e-5 of the output's RMS, the FMAs'
-# 5e-6 to 3.5e-5); on a Mixtral layer the FMAs took 4x the time of torch's loop.
+# or "ieee" (FMAs). 3xTF32 ran faster than the FMAs and its results were as close to torch's float32 products
+# (tests/perf/bench_gpu_grouped.py; docs/measurements.md, "The GPU kernels").
 FP32_DOT = "tf32x3"
 
 

@@ -98,8 +98,8 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
 
 # Rows per group (on average) from which prefill tiles and their route take over.
 _MANY = 32
-# "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM. Measured
-# on an H100, 512 rows on 2 Mixtral experts: dequant 0.83-1.0 ms (bf16 weights: 0.40), fused 1.7 ms at best.
+# "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM, the faster for
+# prefill (docs/measurements.md, "The GPU kernels").
 _PREFILL_ROUTE = "dequant"
 
 
@@ -113,10 +113,9 @@ def _config(dtype: torch.dtype, m: int, g: int, units: int) -> dict:
     """Tile sizes for one launch of a layer whose x has `dtype`: ROWS weight rows per program, NB units along
     k per step, BT tokens per step, DOT (tensor cores) or float32 FMAs, SPLIT programs sharing a group's tokens.
 
-    Measured on an H100 (tests/perf/bench_gpu_quant.py), Mixtral shape, 8 experts: with one row each, 4 rows
-    x 16 units a program and 2 warps read q4_0 at 1.2 TB/s and q4_k at 1.3 (8 x 8 and 4 warps: 0.5, 0.4);
-    with 4 or 16 rows each, the tensor-core tiles of 64 rows x 2 units took 1.0 ms for q4_0 and 1.9 for q4_k,
-    where float32 FMAs over 4 tokens at a time took 4.4-5.2 ms (at 4 rows) and 18-20 ms (at 16)."""
+    The sizes are the fastest tests/perf/bench_gpu_quant.py found on a Mixtral shape: 4 weight rows x 16 units a
+    program and 2 warps for groups of one row, tensor-core tiles of 64 rows x 2 units for groups of 4 or 16 rows,
+    far ahead of float32 FMAs (docs/measurements.md, "The GPU kernels")."""
     per_group = -(-m // g)
     if _interpreted():  # few programs and big steps: the interpreter pays per program and per operation
         dot = dtype != torch.float32 and per_group > 4

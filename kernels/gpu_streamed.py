@@ -1,21 +1,20 @@
 """Experts computed on the GPU from weights left in pinned RAM, read over PCIe as the kernel runs (zero-copy).
 
-At decode the CPU computes a layer's offloaded experts one token at a time, bound by its read bandwidth
-(~120 GB/s on the GPU box), while the PCIe link idles: copying an expert costs the host ~0.7 ms of
-queueing, more than the CPU takes to compute it. A kernel can instead read the weights straight from
-pinned memory (UVA makes a pinned host address valid on the device): on the H100 box SMs read them at
-46-50 GB/s, the copy engine's 51-55, and reading 2 of 8 Qwen3 experts this way slowed the CPU's reads of
-the other 6 by 8% (tests/perf/probe_zero_copy.py). Which experts to read comes from the routing on the
-device, so the launch needs no host decision and CUDA graphs capture it.
+At decode the CPU computes a layer's offloaded experts one token at a time, bound by its read bandwidth, while the
+PCIe link idles: copying an expert costs the host more queueing than the CPU takes to compute it. A kernel can instead
+read the weights straight from pinned memory (UVA makes a pinned host address valid on the device): SMs read them
+about as fast as the copy engine does, and slow the CPU's reads of the other experts only a little
+(tests/perf/probe_zero_copy.py; docs/measurements.md, "The GPU kernels"). Which experts to read comes from the routing
+on the device, so the launch needs no host decision and CUDA graphs capture it.
 
 The arithmetic rounds where engine.offload.offload_executor.expert_forward's torch ops round (gate and up, the activation,
 their product, the output), each dot product summed in float32. TRITON_INTERPRET=1 runs it on the CPU,
 which is how CI checks it.
 
-Packed (GGUF-quantised) stacks stream too, read as they lie, a quarter of the bf16 bytes at 4 bits: the
-packed CPU kernel is bound by unpacking instructions, not by RAM (60 of ~110 GB/s at one token on the GPU
-box), so RAM and PCIe have room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path
-(the same `_row_dot`), so a streamed packed expert equals a resident one.
+Packed (GGUF-quantised) stacks stream too, read as they lie, a quarter of the bf16 bytes at 4 bits: the packed CPU
+kernel is bound by unpacking instructions, not by RAM (docs/measurements.md, "The GPU kernels"), so RAM and PCIe have
+room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path (the same `_row_dot`), so a streamed
+packed expert equals a resident one.
 
 At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU, so streaming whole experts
 never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows

@@ -1,14 +1,13 @@
 """A decode step's MoE layers handed between the GPU and the host through flags in pinned memory.
 
-With experts in RAM, every MoE layer of a decode step goes GPU (attention, routing) → host (experts) →
-GPU. Launching a CUDA graph per segment and waiting on an event per layer costs the host ~110 µs a layer
-(recording the event, bookkeeping, queueing the copy back, launching the next graph: a Qwen3-30B-A3B
-q4_k token, 12 layers, spent ~1.4 of its 5.6 ms there, engine/generation/cuda_graphs.py's history). Here
-the whole step is one graph: after each MoE layer's routing one kernel writes the routing into pinned memory
-and then the step's number into the layer's `ready` flag (`signal`), and the next spins on the GPU
-until the host has written the same number into the layer's `done` flag, and copies the host's results in;
-the host, meanwhile, waits for `ready`, computes the experts and sets `done`. Nothing is launched between
-layers, and the GPU does its own share of the layer (resident experts, streamed rows) while it waits.
+With experts in RAM, every MoE layer of a decode step goes GPU (attention, routing) → host (experts) → GPU. Launching
+a CUDA graph per segment and waiting on an event per layer costs the host time every layer (recording the event,
+bookkeeping, queueing the copy back, launching the next graph; docs/measurements.md, "The GPU kernels"). Here the
+whole step is one graph: after each MoE layer's routing one kernel writes the routing into pinned memory and then the
+step's number into the layer's `ready` flag (`signal`), and the next spins on the GPU until the host has written the
+same number into the layer's `done` flag, and copies the host's results in; the host, meanwhile, waits for `ready`,
+computes the experts and sets `done`. Nothing is launched between layers, and the GPU does its own share of the layer
+(resident experts, streamed rows) while it waits.
 
 The step's number comes from the host (`next_step`) and a kernel reads it at the graph's start, so a step
 that failed half-way cannot leave the two sides counting differently. Both waits give up after a bound
@@ -121,10 +120,8 @@ class Handoff:
 
     def signal(self, j: int, *copies: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Tell the host that layer j's routing is there: first copy each (device tensor, pinned host tensor) pair
-        of `copies` (the routing itself), then set the layer's `ready` flag, in one kernel. As three copies (x,
-        ids, flag) they took ~20 µs a layer from the routing's kernel to the wait's on an H200, each copy waiting
-        for the one before and a copy between kernels waiting 5-8 µs more; this kernel takes 3.5 µs
-        (tests/perf/probe_segment.py, Qwen3-30B-A3B shape)."""
+        of `copies` (the routing itself), then set the layer's `ready` flag, in one kernel: as three copies (x, ids,
+        flag) each waited for the one before (tests/perf/probe_segment.py; docs/measurements.md, "The GPU kernels")."""
         if len(copies) > 2:
             raise ValueError("signal copies at most two tensors")
         words = []

@@ -15,7 +15,7 @@ The shapes follow what the hardware does (docs/measurements.md, "Facts measured 
   bytes (the floor), and above that grows about linearly in tokens:
   cpu(n) = max(a + b·n, floor). The floor is the read time at the bandwidth measured, the
   lower of two: the machine's streaming read bandwidth, and the one the expert kernel itself
-  reached in its fastest measured call (a bf16 kernel often reads at 75%, flat up to ~16
+  reached in its fastest measured call (a bf16 kernel often reads well below the first, flat up to ~16
   tokens, which one line cannot follow). The first also corrects profiles taken with a small
   expert hot in the last-level cache, which a real step, streaming experts from DRAM, never
   sees.

@@ -417,9 +417,8 @@ class OffloadExecutor:
     def host_plan(self, moe, host: HostRouting, out) -> Callable[[], None]:
         """`host_share(moe, host, out)` for a captured step that repeats it on the same buffers every step, prepared
         once (kernels.experts.prepare_routed): what is left to do each time is the wait, the kernel's call and the
-        counts. Beside the kernel's call, host_share took ~30 µs a layer of Python on the GPU box
-        (tests/perf/probe_segment.py, Qwen3-30B-A3B q4_k: 0.303 ms a layer, the call 0.273 of it); prepared, 9-17.
-        Valid while the placement is (a capture is redone when it changes)."""
+        counts: about half the Python that host_share spends beside the kernel's call (docs/measurements.md, "The
+        offload executor and the pinned banks"). Valid while the placement is (a capture is redone when it changes)."""
         layer, bank = moe.layer, self.banks[moe.layer]
         pair_expert = host.ids.view(-1)
         k = pair_expert.shape[0]
@@ -484,7 +483,7 @@ class OffloadExecutor:
             # Every expert resident and few tokens each (steps outside the graphs): nothing to decide on the
             # host, so no wait for the routing, as in the captured steps. A long prefill still takes the host
             # path: its wait is small beside the work, and one GEMM per expert beat the grouped launch there
-            # (tests/perf/bench_gpu_grouped.py: Mixtral, 2,048 tokens, 2.5 against 3.1 ms on an H200).
+            # (tests/perf/bench_gpu_grouped.py; docs/measurements.md, "The offload executor and the pinned banks").
             y = self.device_expert_outputs(moe, x, ids)
             return y if out is None else out.copy_(y)
         started = time.perf_counter()
@@ -578,8 +577,8 @@ class OffloadExecutor:
             tokens = np.zeros(bank.gpu.num_experts, dtype=np.int64)
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
             ends = np.cumsum(tokens)
-        # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host 10-50 µs
-        # on the GPU box): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
+        # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host tens of
+        # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
         index = self._buffer("gpu_index", (4 * m + len(ends),), torch.int32, pinned=not self.simulated)
         words = index.numpy()
         words[:4 * m].view(np.int64)[:] = np.concatenate([pair_rows // k, pair_rows])

@@ -1,13 +1,12 @@
 """Host memory for the expert banks: one exact-size arena per MoE layer, page-locked in place once filled.
 
-torch's pinned allocator (cudaHostAlloc behind its caching host allocator) rounds every allocation up to a
-power of two and zero-fills and locks all of it before the loader writes a byte: on the GPU box a Mixtral
-layer's 1.88 GB gate/up stack took 2 GiB, and the 8-layer checkpoint's 22.5 GB of experts 25.8 GB of locked
-RAM (issue 17). Here a layer's two stacks are views of one anonymous mapping of exactly their bytes (each
-stack starts on a page, so at most a page is added per stack); the loader fills it as ordinary memory, and
-cudaHostRegister then locks those pages where they are, on a background thread while the loader fills the
-next layer. The registration is undone when the last tensor viewing the arena is freed, just before the
-mapping goes.
+torch's pinned allocator (cudaHostAlloc behind its caching host allocator) rounds every allocation up to a power of
+two and zero-fills and locks all of it before the loader writes a byte, so a model's experts took far more locked RAM
+than their size (issue 17; docs/measurements.md, "The offload executor and the pinned banks"). Here a layer's two
+stacks are views of one anonymous mapping of exactly their bytes (each stack starts on a page, so at most a page is
+added per stack); the loader fills it as ordinary memory, and cudaHostRegister then locks those pages where they are,
+on a background thread while the loader fills the next layer. The registration is undone when the last tensor viewing
+the arena is freed, just before the mapping goes.
 
 Without CUDA the arenas stay ordinary memory. When locking fails (the driver refuses: out of memory, a locked
 memory limit) the layers not yet locked stay ordinary memory, slower to copy to the GPU, and one warning
@@ -100,9 +99,9 @@ class HostArena:
         self._mapping = _Mapping(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         advice = mmap.MADV_HUGEPAGE if huge_pages else mmap.MADV_NOHUGEPAGE
         try:
-            # Small pages unless asked: on the GPU box the CPU expert kernel read banks backed by transparent
-            # huge pages at 88-90 GB/s against 110-113 in cudaHostAlloc's small pages
-            # (tests/perf/probe_bank_pages.py), and decode speed is that bandwidth.
+            # Small pages unless asked: the CPU expert kernel read banks backed by transparent huge pages more slowly
+            # than cudaHostAlloc's small pages (tests/perf/probe_bank_pages.py; docs/measurements.md, "The offload
+            # executor and the pinned banks"), and decode speed is that bandwidth.
             self._mapping.madvise(advice)
         except (OSError, AttributeError):  # a kernel without transparent huge pages
             pass

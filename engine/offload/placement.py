@@ -344,9 +344,9 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
     of the call it makes anyway) than queueing the GPU's share would (the measured `resident_launch_ms`,
     which the same host thread pays before the CPU call), else none (moving some would not save the launch).
 
-    Small experts with a token each, the decode of a model whose few resident experts per layer come from
-    a flat popularity, are where this wins: a Qwen3-30B-A3B expert at one token adds ~0.03 ms to the CPU's
-    call (0.06-0.1 ms in a call of its own), the GPU share's launches ~0.2 ms. Call it only for layers with
+    Small experts with a token each, the decode of a model whose few resident experts per layer come from a flat
+    popularity, are where this wins: a small expert at one token adds less to the CPU's call than launching the GPU's
+    share costs (docs/measurements.md, "The placement's rules and the latency model"). Call it only for layers with
     CPU work.
     """
     launch = getattr(model, "resident_launch_ms", 0.0)
@@ -370,12 +370,10 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     (0, 0) unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured
     for this top_k.
 
-    Measured, not predicted from one expert's costs: predicted from them (with the contention factors of
-    copies), the GPU box streamed one of Mixtral's two experts, 3% faster it said, and decoded 22% slower
-    (tests/perf/probe_streamed_decode.py); for Qwen3 it predicted 6% from streaming two of eight, where
-    two runs of tests/perf/compare_llamacpp.sh on one machine decoded 101 tok/s with them and 79 without.
-    Splitting rows is what lets the GPU help at top-2 (Mixtral), where one whole expert over PCIe takes
-    longer than both on the CPU.
+    Measured, not predicted from one expert's costs: predicted from them (with the contention factors of copies), the
+    split got both Mixtral and Qwen3 wrong (docs/measurements.md, "The placement's rules and the latency model").
+    Splitting rows is what lets the GPU help at top-2 (Mixtral), where one whole expert over PCIe takes longer than
+    both on the CPU.
     """
     split = getattr(model, "streamed_split_ms", ())
     if getattr(model, "streamed_top_k", 0) != top_k or len(split) < 2:
@@ -395,10 +393,10 @@ def lone_token_measured(loads: dict[int, int], model) -> bool:
 
     Priced instead by `assign_offloaded` from a profile that timed each CPU expert in a call of its own (before
     `cpu_call_ms`), a call of Mixtral's two q4_0 experts cost the CPU twice one expert's call, where one call of both
-    takes less (a start-up profile on the GPU box: one expert 1.16 ms, both in one call 1.96): the rule copied one of
-    them in every layer and decoded at 45.6 tok/s, against 59.6 with both on the CPU and 62.3 with the profile's row
-    split (tests/perf/probe_split_rows_decode.py, one H200 machine, 2026-11-27). The measured split stays the
-    better guide for a lone token: it timed the very layer step, the prices only its parts."""
+    takes less: the rule copied one of them in every layer and decoded slower than both on the CPU, and slower still
+    than the profile's row split (tests/perf/probe_split_rows_decode.py; docs/measurements.md, "The placement's rules
+    and the latency model"). The measured split stays the better guide for a lone token: it timed the very layer step,
+    the prices only its parts."""
     split = getattr(model, "streamed_split_ms", ())
     return (len(split) >= 2 and len(loads) <= getattr(model, "streamed_top_k", 0)
             and all(n == 1 for n in loads.values()))
@@ -420,8 +418,8 @@ class RememberedSplit:
     Experts with equal loads are interchangeable to every rule here, so the answer depends only on the
     multiset of loads: it is computed once for experts renamed 0..n-1 in descending load, and mapped
     onto each later step's experts in that same order. Decode repeats a few multisets in every layer of
-    every step (a Qwen3 token: eight experts with one token each), where the search's Python cost
-    20-130 µs per layer.
+    every step (a Qwen3 token: eight experts with one token each), where the search's Python would cost tens of
+    microseconds per layer (docs/measurements.md, "The placement's rules and the latency model").
     """
 
     def __init__(self, rule: Callable[[dict[int, int]], Iterable], capacity: int = 4096):

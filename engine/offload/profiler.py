@@ -85,8 +85,8 @@ def profile_expert(w: ExpertWeights, device, dtype: torch.dtype | None = None, c
     activations of `dtype` (default: the stack's own float dtype, bf16 for packed experts).
 
     The CPU's calls take the stack's experts in turn, so that each reads its weights from RAM as a real step does,
-    not from the last-level cache: one Mixtral q4_0 expert (99 MB) fits the GPU box's 300 MiB cache, and timed
-    again and again it took 0.64 ms at one token and 0.96 at four, against 0.98 and 1.22 taking turns."""
+    not from the last-level cache: a packed expert can fit a server CPU's last-level cache, and timed again and again
+    it comes out far faster than a real step computes it (docs/measurements.md, "The start-up profile")."""
     device = torch.device(device)
     hidden = w.hidden
     dtype = dtype or w.dense_dtype or torch.bfloat16
@@ -168,9 +168,8 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     graph, as in decode. "split_rows_ms": {rows: ms} the same with every expert's last `rows` intermediate rows
     on the GPU and the first ones on the CPU (`split_row_candidates`).
 
-    The options take turns, try by try: timed one after another (7 tries each), the CPU alone came out 0.27 ms
-    in one start-up and 0.29-0.34 in three others on the GPU box, and that one run streamed nothing and decoded
-    Qwen3-30B-A3B at 219 tok/s where the others streamed 2-3 experts and decoded 237-275."""
+    The options take turns, try by try: timed one after another, the CPU alone came out faster in one start-up than
+    in others, and that run streamed nothing and decoded slower (docs/measurements.md, "The start-up profile")."""
     device = torch.device(device)
     if not gpu_streamed.applies(device, w):
         return {}
@@ -283,12 +282,12 @@ def contention(w: ExpertWeights, device, dtype: torch.dtype | None = None, token
     time, with `n` tokens an expert for each n in `tokens`: {"cpu_slowdown_during_copy": {n: factor},
     "copy_slowdown_during_cpu": {n: factor}}; {} where the stack is not pinned (its copies would not overlap).
 
-    Both stream host memory, but how much the CPU's side suffers depends on how much of its time is reads, so this
-    is measured with the model's own experts and kernel at a few token counts (an H200 machine, Mixtral q4_0: the
-    CPU 1.23x slower at one token, 1.10x at four, 1.01x at sixteen, where its instructions hold it more than RAM;
-    the copies 1.07-1.09x). The CPU calls and the copies each take `megabytes` or more of experts at a
-    time, the next ones each time (from RAM, not a cache); first each alone, then the copies queued on a side
-    stream while the CPU calls run one after another until the copies are done.
+    Both stream host memory, but how much the CPU's side suffers depends on how much of its time is reads, so this is
+    measured with the model's own experts and kernel at a few token counts: the CPU suffers most at one token, and
+    hardly at sixteen, where its instructions hold it more than RAM (docs/measurements.md, "The start-up profile").
+    The CPU calls and the copies each take `megabytes` or more of experts at a time, the next ones each time (from
+    RAM, not a cache); first each alone, then the copies queued on a side stream while the CPU calls run one after
+    another until the copies are done.
     """
     if not w.is_pinned():
         return {}
@@ -310,8 +309,7 @@ def contention(w: ExpertWeights, device, dtype: torch.dtype | None = None, token
         cpu_ms = _timed_ms(cpu_call, torch.device("cpu"), 2 * calls)
         copies = max(2, math.ceil(calls * cpu_ms / copy_ms))
         cpu_during, copy_during = [], []
-        for _ in range(3):  # the median of three: two single tries on the box gave 1.07 and 1.62 for the copies'
-            # slowdown, and the prefill split they led to differed by 30% in speed
+        for _ in range(3):  # the median of three: single tries varied widely, and so did the splits they led to
             for _ in range(3):  # too few CPU calls fitted beside the copies (the CPU slowed more than guessed): longer
                 times, copies_ms = _overlapped(cpu_call, copy, copies, device)
                 if len(times) >= 2:
