@@ -134,3 +134,31 @@ def synthetic_trace(shape: TraceShape, steps: int, params: TraceParams, tokens: 
             recent[layer][ids] = step
             chosen.append(ids)
         yield chosen
+
+
+class TraceRouter:
+    """Replays a trace in place of the model's router (`OffloadExecutor.replay`): each step's ids per layer,
+    the trace's tokens repeated or cut to the step's, the trace itself repeated when it runs out. Expert
+    outputs are then wrong, so only for measuring speed on routing of a known shape."""
+
+    def __init__(self, steps: list[list[np.ndarray]], layers: list[int], top_k: int):
+        if not steps:
+            raise MoedeskError("the routing trace has no steps")
+        if len(steps[0]) < len(layers):
+            raise MoedeskError(f"the routing trace has {len(steps[0])} layers; the model has {len(layers)} MoE layers")
+        self.steps, self.top_k = steps, top_k
+        self.row = {layer: i for i, layer in enumerate(sorted(layers))}
+        self.first = min(layers)
+        self.step = -1
+
+    def ids(self, layer: int, like):
+        """The ids for `layer` this step, shaped and placed like the router's `like` [N, K]."""
+        import torch
+
+        if layer == self.first:
+            self.step += 1
+        trace = self.steps[self.step % len(self.steps)][self.row[layer]]
+        n, k = like.shape
+        if k != self.top_k:
+            raise MoedeskError(f"the routing trace has top-{self.top_k}; the model routes to {k}")
+        return torch.from_numpy(np.resize(trace, n * k).reshape(n, k)).to(like.device, like.dtype)

@@ -215,3 +215,21 @@ def test_policy_from_the_environment():
     assert policy_from_env("1") == CachePolicy() and policy_from_env("16").interval == 16
     with pytest.raises(ValueError, match="MOEDESK_EXPERT_CACHE"):
         policy_from_env("yes")
+
+
+def test_a_trace_router_gives_each_layer_its_ids_step_by_step():
+    import torch
+
+    from moedesk.engine.offload.routing_trace import TraceRouter
+
+    steps = [[np.array([0, 1, 2, 3]), np.array([4, 5, 6, 7])], [np.array([1, 0, 3, 2]), np.array([5, 4, 7, 6])]]
+    router = TraceRouter(steps, layers=[3, 7], top_k=2)
+    like = torch.zeros((3, 2), dtype=torch.int64)
+    assert router.ids(3, like).tolist() == [[0, 1], [2, 3], [0, 1]]  # the trace's two tokens, repeated to three
+    assert router.ids(7, like[:1]).tolist() == [[4, 5]]
+    assert router.ids(3, like[:1]).tolist() == [[1, 0]]  # the first layer again: the next step
+    assert router.ids(3, like[:1]).tolist() == [[0, 1]]  # past the end: from the start
+    with pytest.raises(MoedeskError, match="top-2"):
+        router.ids(7, torch.zeros((1, 3), dtype=torch.int64))
+    with pytest.raises(MoedeskError, match="MoE layers"):
+        TraceRouter(steps, layers=[0, 1, 2], top_k=2)
