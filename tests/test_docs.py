@@ -95,6 +95,27 @@ def test_the_docs_the_readme_promises_exist():
         assert f"docs/{name}.md" in README.read_text()
 
 
+def environment_variables() -> set[str]:
+    """Every MOEDESK_* name the product's code spells out as a string: the variables it reads."""
+    names = set()
+    for folder in (*layers(), "moedesk"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and re.fullmatch(r"MOEDESK_[A-Z0-9_]+", node.value):
+                    names.add(node.value)
+    return names
+
+
+def test_every_environment_variable_is_in_the_architecture_guide():
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = text[text.index("## Environment variables"):]
+    names = environment_variables()
+    assert {"MOEDESK_CACHE_DIR", "MOEDESK_QUANT_PATH", "MOEDESK_API_KEY"} <= names  # the scan finds what is there
+    missing = sorted(name for name in names if f"`{name}" not in table)
+    assert not missing, f"docs/architecture.md, \"Environment variables\", does not name {missing}"
+
+
 # ---- import circles ----------------------------------------------------------------------------------------------
 
 def module_files() -> dict[str, Path]:
