@@ -209,6 +209,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (default: the MOEDESK_API_KEY "
                              "environment variable, else no key)")
+    parser.add_argument("--cors", default=None, metavar="ORIGINS",
+                        help="let web pages of these comma-separated origins call the API ('*': any; default: none)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
                         help="the model id clients send and /v1/models lists (default: the --model value)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
@@ -355,7 +357,7 @@ def run_serve_command(args) -> int:
     speculation = server_speculation(engine, args)
     return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
                       batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name,
-                      speculation=speculation)
+                      speculation=speculation, cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()))
 
 
 def server_speculation(engine, args):

@@ -6,7 +6,13 @@ or when its client goes away. Endpoints:
 
 - GET  /v1/models, /v1/models/{id}
 - POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE])
+- POST /v1/responses (app/server_responses.py) and Ollama's /api/* (app/server_ollama.py), through the same
+  request path (Server.start, .finish, .pieces)
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
+
+Chat replies are parsed with engine/load/reply_format.py: a thinking model's reasoning comes back as
+`reasoning_content`, tool calls as `tool_calls` (app/chat_request.py checks tools and tool_choice). CORS is off
+unless --cors names origins.
 
 Decoding: `--speculative` (with `--draft`, the model's own head otherwise) decodes every request speculatively
 whose sampling allows it (not one with a response_format; a sampled one drafts chains, since a tree's
@@ -38,7 +44,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moedesk.app import chat_request
+from moedesk.app import chat_request, server_ollama, server_responses
+from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.beam import BeamOptions
@@ -71,24 +78,6 @@ class Speculation:
     draft: object = None
     draft_length: int = 4
     draft_width: int = 4
-
-
-class ApiError(Exception):
-    """Becomes an OpenAI error object with this HTTP status."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
-        self.headers = headers or {}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.kind, self.param, self.code), self.status,
-                            headers=self.headers)
-
-
-def error_body(message: str, kind: str, param=None, code=None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 @dataclass
@@ -166,7 +155,7 @@ class Server:
 
     def __init__(self, engine, *, api_key: str | None = None, batch_size: int = 8,
                  max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, cors: tuple[str, ...] = ()):
         self.engine = engine
         self.speculation = speculation or Speculation()
         self.api_key = api_key or None
@@ -181,7 +170,9 @@ class Server:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/moedesk/stats", self.stats, methods=["GET"]),
-        ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal})
+            *server_responses.routes(self), *server_ollama.routes(self),
+        ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
+            middleware=_cors(cors))
 
     # --- endpoints --------------------------------------------------------------------------
 
@@ -592,6 +583,18 @@ class Server:
 
     async def _internal(self, request, exc) -> Response:
         return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}", "server_error"), 500)
+
+
+def _cors(origins: tuple[str, ...]) -> list:
+    """Browser pages of these origins may call the API (none unless --cors names them: a page on any site could
+    otherwise drive a server on localhost). The API key is still asked of every request."""
+    if not origins:
+        return []
+    from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
+
+    return [Middleware(CORSMiddleware, allow_origins=list(origins), allow_methods=["GET", "POST", "OPTIONS"],
+                       allow_headers=["*"], max_age=600)]
 
 
 def build_app(engine, **options) -> Starlette:

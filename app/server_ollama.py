@@ -1,0 +1,270 @@
+"""The Ollama API of `moedesk serve`, so that Ollama's clients work unchanged: /api/chat, /api/generate,
+/api/tags, /api/show, /api/ps, /api/version.
+
+Each request is turned into the OpenAI-style body the server's one request path takes (Server.start), and the
+reply back into Ollama's shape. Streaming is Ollama's: one JSON object per line (application/x-ndjson), the
+last with "done": true and the counts and durations (nanoseconds). Errors are Ollama's {"error": "..."} with
+the HTTP status the OpenAI routes would give. Sampling defaults are the Ollama API's (temperature 0.8, top_k 40,
+top_p 0.9) where a request sets none.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timedelta, timezone
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from moedesk import __version__ as moedesk_version
+from moedesk.app.api_errors import ApiError
+
+VERSION = "0.12.0"  # the Ollama API version whose behaviour this follows; clients only compare it
+DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # the Ollama API's, where a request sets none
+OPTIONS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed",
+           "num_predict": "max_tokens", "stop": "stop"}  # the options this server honours, as OpenAI fields
+
+
+class OllamaError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def routes(server) -> list[Route]:
+    api = OllamaApi(server)
+    return [Route("/api/chat", api.chat, methods=["POST"]), Route("/api/generate", api.generate, methods=["POST"]),
+            Route("/api/tags", api.tags, methods=["GET"]), Route("/api/show", api.show, methods=["POST"]),
+            Route("/api/ps", api.ps, methods=["GET"]), Route("/api/version", api.version, methods=["GET"])]
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+class OllamaApi:
+    def __init__(self, server):
+        self.server = server
+
+    # --- endpoints ---------------------------------------------------------------------------------
+
+    async def version(self, http: HttpRequest) -> Response:
+        return await self._guarded(http, lambda: JSONResponse({"version": VERSION, "moedesk": moedesk_version}))
+
+    async def tags(self, http: HttpRequest) -> Response:
+        return await self._guarded(http, lambda: JSONResponse({"models": [self._card()]}))
+
+    async def ps(self, http: HttpRequest) -> Response:
+        until = (datetime.now(timezone.utc) + timedelta(days=365)).isoformat().replace("+00:00", "Z")
+        return await self._guarded(http, lambda: JSONResponse({"models": [
+            {**self._card(), "expires_at": until, "size_vram": 0, "context_length": self.server.engine.context_length}
+        ]}))
+
+    async def show(self, http: HttpRequest) -> Response:
+        async def answer():
+            body = await self._body(http)
+            self._model(body)
+            engine = self.server.engine
+            tokenizer = engine.tokenizer
+            fmt = tokenizer.reply_format if tokenizer is not None else None
+            capabilities = ["completion"] + (["tools"] if fmt is not None and fmt.tools else []) + \
+                (["thinking"] if fmt is not None and (fmt.think or fmt.tools == "harmony") else [])
+            return JSONResponse({
+                "modelfile": f"# moedesk serves {engine.description}\n", "parameters": "", "license": "",
+                "template": (tokenizer.chat_template or "") if tokenizer is not None else "",
+                "details": self._details(), "capabilities": capabilities,
+                "model_info": {"general.architecture": engine.config.arch,
+                               "general.context_length": engine.context_length},
+                "modified_at": _now()})
+        return await self._guarded(http, answer)
+
+    async def chat(self, http: HttpRequest) -> Response:
+        async def answer():
+            body = await self._body(http)
+            return await self._reply(http, body, self._chat_body(body), chat_api=True)
+        return await self._guarded(http, answer)
+
+    async def generate(self, http: HttpRequest) -> Response:
+        async def answer():
+            body = await self._body(http)
+            model = self._model(body)
+            prompt = body.get("prompt")
+            if prompt is not None and not isinstance(prompt, str):
+                raise OllamaError(400, "prompt must be a string")
+            if not prompt:  # Ollama's way to load a model: nothing to generate
+                return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
+                                     "done_reason": "load"})
+            return await self._reply(http, body, self._generate_body(body), chat_api=False)
+        return await self._guarded(http, answer)
+
+    # --- requests --------------------------------------------------------------------------------------
+
+    async def _guarded(self, http: HttpRequest, answer) -> Response:
+        """Run an endpoint with the key checked and every error as Ollama's {"error": ...}."""
+        try:
+            self.server._authorise(http)
+            result = answer()
+            return await result if hasattr(result, "__await__") else result
+        except ApiError as e:
+            return JSONResponse({"error": e.message}, e.status, headers=e.headers)
+        except OllamaError as e:
+            return JSONResponse({"error": e.message}, e.status)
+
+    async def _body(self, http: HttpRequest) -> dict:
+        return await self.server._json_body(http)
+
+    def _model(self, body: dict) -> str:
+        name = body.get("model", body.get("name"))
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "model is required")
+        ours = self.server.model_id
+        if name not in (ours, self._name()) and name.split(":")[0] != ours.split(":")[0]:
+            raise OllamaError(404, f"model '{name}' not found; this server serves '{self._name()}'")
+        return name
+
+    def _sampling(self, body: dict) -> dict:
+        options = body.get("options")
+        if options is None:
+            options = {}
+        if not isinstance(options, dict):
+            raise OllamaError(400, "options must be an object")
+        out = dict(DEFAULTS)
+        for key, field in OPTIONS.items():
+            if options.get(key) is not None:
+                out[field] = options[key]
+        if isinstance(out.get("max_tokens"), int) and not isinstance(out["max_tokens"], bool) \
+                and out["max_tokens"] < 0:
+            del out["max_tokens"]  # -1: until the context is full; -2: fill it
+        fmt = body.get("format")
+        if fmt == "json":
+            out["response_format"] = {"type": "json_object"}
+        elif isinstance(fmt, dict):
+            out["response_format"] = {"type": "json_schema", "json_schema": {"name": "format", "schema": fmt}}
+        elif fmt not in (None, ""):
+            raise OllamaError(400, 'format must be "json" or a JSON schema object')
+        think = body.get("think")
+        if think is True or think is False:
+            out["chat_template_kwargs"] = {"enable_thinking": think}
+        elif think in ("low", "medium", "high"):
+            out["chat_template_kwargs"] = {"enable_thinking": True}
+            out["reasoning_effort"] = think
+        elif think is not None:
+            raise OllamaError(400, 'think must be true, false, "low", "medium" or "high"')
+        stream = body.get("stream", True)  # Ollama streams unless told not to
+        if not isinstance(stream, bool):
+            raise OllamaError(400, "stream must be a boolean")
+        out["stream"] = stream
+        return out
+
+    def _chat_body(self, body: dict) -> dict:
+        self._model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise OllamaError(400, "messages must be a non-empty list")
+        converted = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise OllamaError(400, f"messages[{i}] must be an object")
+            if m.get("images"):
+                raise OllamaError(400, f"messages[{i}]: images are not supported by this model")
+            out = {k: v for k, v in m.items() if k in ("role", "content")}
+            if m.get("thinking"):
+                out["reasoning_content"] = m["thinking"]
+            if m.get("tool_name"):
+                out["name"] = m["tool_name"]
+            if m.get("tool_calls"):
+                calls = m["tool_calls"]
+                if not isinstance(calls, list):
+                    raise OllamaError(400, f"messages[{i}].tool_calls must be a list")
+                out["tool_calls"] = [{"type": "function", "function": c.get("function")} if isinstance(c, dict)
+                                     else c for c in calls]
+                out.setdefault("content", "")
+            converted.append(out)
+        chat = {"model": self.server.model_id, "messages": converted, **self._sampling(body)}
+        if body.get("tools"):
+            chat["tools"] = body["tools"]
+        return chat
+
+    def _generate_body(self, body: dict) -> dict:
+        self._model(body)
+        for unsupported in ("images", "suffix", "context", "template"):
+            if body.get(unsupported):
+                raise OllamaError(400, f"{unsupported} is not supported by this server")
+        sampling = self._sampling(body)
+        if body.get("raw"):
+            if "chat_template_kwargs" in sampling or "reasoning_effort" in sampling:
+                raise OllamaError(400, "think needs the chat template: it cannot be combined with raw")
+            return {"model": self.server.model_id, "prompt": body["prompt"], **sampling}
+        system = body.get("system")
+        messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + \
+            [{"role": "user", "content": body["prompt"]}]
+        return {"model": self.server.model_id, "messages": messages, **sampling}
+
+    # --- replies ------------------------------------------------------------------------------------------
+
+    async def _reply(self, http: HttpRequest, body: dict, openai_body: dict, chat_api: bool) -> Response:
+        server = self.server
+        model = body.get("model")
+        started = time.perf_counter()
+        job = await server.start(openai_body, chat="messages" in openai_body)
+
+        def line(payload: dict) -> bytes:
+            return json.dumps(payload, ensure_ascii=False).encode() + b"\n"
+
+        def piece(reasoning: str, content: str, calls) -> dict:
+            if chat_api:
+                message = {"role": "assistant", "content": content}
+                if reasoning:
+                    message["thinking"] = reasoning
+                if calls:
+                    message["tool_calls"] = [{"function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                             for c in calls]
+                return {"model": model, "created_at": _now(), "message": message}
+            out = {"model": model, "created_at": _now(), "response": content}
+            if reasoning:
+                out["thinking"] = reasoning
+            return out
+
+        def last(done) -> dict:
+            total = time.perf_counter() - started
+            prefill = (done.stats or {}).get("ttft_s") or 0.0
+            reason = "length" if done.finish_reason == "length" else "stop"
+            return {"done": True, "done_reason": reason, "total_duration": int(total * 1e9), "load_duration": 0,
+                    "prompt_eval_count": done.prompt_tokens, "prompt_eval_duration": int(prefill * 1e9),
+                    "eval_count": len(done.token_ids), "eval_duration": int(max(total - prefill, 0) * 1e9)}
+
+        if job.prepared.stream:
+            async def lines():
+                try:
+                    async for new, done in server.pieces(job):
+                        if new.reasoning or new.content or new.tool_calls:
+                            yield line({**piece(new.reasoning, new.content, new.tool_calls), "done": False})
+                        if done is not None:
+                            yield line({**piece("", "", ()), **last(done)})
+                except ApiError as e:
+                    yield line({"error": e.message})
+            return server.streaming(lines(), media_type="application/x-ndjson")
+        done = await server.finish(http, job)
+        if done is None:
+            return Response(status_code=499)
+        whole = job.reader.whole
+        return JSONResponse({**piece(whole.reasoning, whole.content, whole.tool_calls), **last(done)})
+
+    # --- the model ------------------------------------------------------------------------------------------
+
+    def _name(self) -> str:
+        ours = self.server.model_id
+        return ours if ":" in ours else f"{ours}:latest"
+
+    def _details(self) -> dict:
+        engine = self.server.engine
+        family = engine.config.arch
+        return {"parent_model": "", "format": "gguf" if str(engine.name).endswith(".gguf") else "safetensors",
+                "family": family, "families": [family], "parameter_size": "", "quantization_level": ""}
+
+    def _card(self) -> dict:
+        name = self._name()
+        return {"name": name, "model": name, "modified_at": _now(), "size": 0,
+                "digest": hashlib.sha256(str(self.server.engine.name).encode()).hexdigest(), "details": self._details()}
