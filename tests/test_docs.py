@@ -89,6 +89,24 @@ def test_every_relative_link_resolves(doc):
     assert not broken, f"{doc.name}: links that lead nowhere: {broken}"
 
 
+def test_every_doc_is_reachable_from_the_readme():
+    """No orphan pages: following relative links from README.md reaches every docs/*.md."""
+    seen, todo = set(), [README.resolve()]
+    while todo:
+        page = todo.pop()
+        if page in seen:
+            continue
+        seen.add(page)
+        for target in LINK.findall(page.read_text()):
+            path = target.partition("#")[0]
+            if path.endswith(".md") and not re.match(r"[a-z][a-z0-9+.-]*:", path):
+                linked = (page.parent / path).resolve()
+                if linked.is_file():
+                    todo.append(linked)
+    orphans = [doc.name for doc in DOCS if doc.resolve() not in seen]
+    assert not orphans, f"no link from README.md leads to {orphans}"
+
+
 def test_the_docs_the_readme_promises_exist():
     for name in ("architecture", "serve", "benchmarks", "measurements"):
         assert (ROOT / "docs" / f"{name}.md").is_file()
