@@ -92,19 +92,29 @@ class BatchSettings:
     expert_dtype: str = "auto"  # how routed experts are kept (engine.load.loader.expert_formats)
     from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
     batch_size_from_memory: bool = False  # batch_size was chosen from free memory
+    # Sampling values nobody set (no flag, blank in the app): the model's own defaults take them once it is loaded.
+    sampling_unset: tuple[str, ...] = field(default=(), compare=False)
+    from_model: tuple[str, ...] = ()  # which of these are the model's own defaults
+
+    def with_model_defaults(self, defaults: dict) -> "BatchSettings":
+        """These settings with the model's own sampling defaults (Engine.generation_defaults) where none was set."""
+        taken = {name: defaults[name] for name in self.sampling_unset if name in defaults}
+        return replace(self, **taken, sampling_unset=(), from_model=tuple(taken))
 
     def describe(self) -> str:
-        shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory")
+        shown = [f for f in fields(self) if f.name not in ("from_app", "batch_size_from_memory", "sampling_unset",
+                                                           "from_model")
                  and (self.beams > 1 or f.name not in ("beams", "length_penalty"))
                  and (self.speculative != "off" or f.name not in ("draft", "draft_length", "draft_width"))]
 
         def mark(name: str) -> str:
             if name == "batch_size" and self.batch_size_from_memory:
                 return " (what free memory holds)"
-            return "*" if name in self.from_app else ""
+            return "*" if name in self.from_app else "+" if name in self.from_model else ""
 
         text = ", ".join(f"{f.name}={getattr(self, f.name)}{mark(f.name)}" for f in shown)
-        return text + (" (* from the app's settings)" if self.from_app else "")
+        return text + (" (* from the app's settings)" if self.from_app else "") + \
+            (" (+ the model's own default)" if self.from_model else "")
 
     def sampling_params(self, line: dict | None = None) -> SamplingParams:
         """These settings with the line's own `max_new_tokens`, `temperature`, `top_p`, `seed`.
@@ -201,10 +211,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                         help="per line, unless the line sets max_new_tokens (default: the app's setting)")
     parser.add_argument("--temperature", type=float, default=None, metavar="T",
-                        help="0 = greedy (default: the app's setting)")
+                        help="0 = greedy (default: the app's setting, else the model's own, else 0.7)")
     parser.add_argument("--top-p", type=float, default=None, metavar="P",
-                        help="nucleus sampling (default: the app's setting)")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="0 = off (default: the app's setting)")
+                        help="nucleus sampling (default: the app's setting, else the model's own, else 0.95)")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="0 = off (default: the app's setting, else the model's own, else 0)")
     parser.add_argument("--seed", type=int, default=None, metavar="S",
                         help="seed of each line's own generator, unless the line sets seed "
                              "(default: the app's setting, or 0 when that is blank)")
@@ -242,7 +252,8 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
                              beams=getattr(args, "beams", 1), length_penalty=getattr(args, "length_penalty", 1.0),
                              speculative=getattr(args, "speculative", "off"), draft=getattr(args, "draft", None),
                              draft_length=getattr(args, "draft_length", 4), draft_width=getattr(args, "draft_width", 4),
-                             from_app=tuple(from_app))
+                             from_app=tuple(from_app),
+                             sampling_unset=tuple(n for n in ("temperature", "top_p", "top_k") if n not in values))
     if settings.speculative != "off" and not settings.draft and getattr(args, "model", "demo") != "demo":
         # the demo has a head of its own (engine.speculative.demo_draft)
         raise BatchUsageError(f"--speculative {settings.speculative}: needs --draft PATH (an EAGLE head folder)")

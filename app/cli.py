@@ -257,6 +257,7 @@ def run_batch_command(args) -> int:
     check_batch_paths(args.input, args.output)  # before the slow model load
     engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype,
                          expert_dtype=settings.expert_dtype)
+    settings = settings.with_model_defaults(engine.generation_defaults)
     try:
         return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
     finally:

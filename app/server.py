@@ -398,11 +398,14 @@ class Server:
         max_tokens = _field(body, "max_completion_tokens" if body.get("max_completion_tokens") is not None
                             else "max_tokens", int, minimum=1)
         room = context - len(ids)
-        temperature = _field(body, "temperature", float, minimum=0, maximum=2, default=1.0)
-        top_p = _field(body, "top_p", float, default=1.0)
+        # Omitted values: the model's own defaults (generation_config.json, GGUF metadata), else OpenAI's.
+        recommended = getattr(engine, "generation_defaults", None) or {}
+        temperature = _field(body, "temperature", float, minimum=0, maximum=2,
+                             default=min(2.0, recommended.get("temperature", 1.0)))
+        top_p = _field(body, "top_p", float, default=recommended.get("top_p", 1.0))
         if not 0 < top_p <= 1:
             raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p", "invalid_value")
-        top_k = _field(body, "top_k", int, minimum=0, default=0)  # an extension llama.cpp's and vLLM's servers share
+        top_k = _field(body, "top_k", int, minimum=0, default=recommended.get("top_k", 0))  # an extension llama.cpp's and vLLM's servers share
         seed = _field(body, "seed", int, default=None)
         if seed is None:
             seed = random.randrange(2**63)

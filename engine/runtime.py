@@ -35,6 +35,8 @@ class Engine(EngineFace):
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
+        # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
+        self.generation_defaults: dict = {}
         self.cache = KVCache(cfg, rows=1, length=min(FIRST_CACHE_LENGTH, context_length), dtype=dtype, device=device)
         self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
@@ -100,6 +102,13 @@ class Engine(EngineFace):
             tokenizer.check_vocab(cfg.vocab_size)  # chat and serve refuse such a model at load, as batch does
         engine = cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
         engine.warnings = warnings
+        if model == "demo":
+            from moedesk.engine.load.demo import recipe
+            from moedesk.engine.load.generation_defaults import checked
+
+            engine.generation_defaults = checked(recipe().get("generation", {}))
+        else:
+            engine.generation_defaults = checkpoint.generation_defaults
         if banks:
             engine._orchestrate(banks, gpu_budget, reprofile, progress)
         return engine

@@ -153,7 +153,8 @@ class MoedeskApp(App[int]):
     def action_settings(self) -> None:
         from moedesk.app.tui.screens.settings import SettingsScreen
 
-        self.push_screen(SettingsScreen(self.settings), self._settings_closed)
+        self.push_screen(SettingsScreen(self.settings, model_defaults=getattr(self.engine, "generation_defaults", None)),
+                         self._settings_closed)
 
     def _settings_closed(self, settings: Settings | None) -> None:
         if settings is not None:

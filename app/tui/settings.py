@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moedesk.app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
+from moedesk.engine.load.generation_defaults import resolve
 
 SETTINGS_FILE = "settings.json"
+# What a blank sampling setting means when the model recommends nothing (engine.load.generation_defaults).
+SAMPLING_FALLBACKS = {"temperature": 0.7, "top_p": 0.95, "top_k": 0}
 
 Check = Callable[[Any], "str | None"]  # returns an error message, or None when the value is fine
 
@@ -54,14 +57,15 @@ class Settings:
     system_prompt: str = setting(
         "You are a helpful assistant.", "System prompt",
         "Sent first in every conversation, through the model's chat template. Blank: none.", multiline=True)
-    temperature: float = setting(
-        0.7, "Temperature", "0 always picks the most likely token (greedy, repeatable); higher is more varied.",
-        check=between(0, 5))
-    top_p: float = setting(
-        0.95, "Top-p", "Sample only from the most likely tokens that together hold this much probability.",
-        check=between(0, 1, low_open=True))
-    top_k: int = setting(
-        0, "Top-k", "Sample only from this many most likely tokens; 0 = no limit.", check=between(0, 1_000_000))
+    temperature: float | None = setting(
+        None, "Temperature", "0 always picks the most likely token (greedy, repeatable); higher is more varied. "
+                             "Blank: the model's own default, else 0.7.", check=between(0, 5))
+    top_p: float | None = setting(
+        None, "Top-p", "Sample only from the most likely tokens that together hold this much probability. "
+                       "Blank: the model's own default, else 0.95.", check=between(0, 1, low_open=True))
+    top_k: int | None = setting(
+        None, "Top-k", "Sample only from this many most likely tokens; 0 = no limit. Blank: the model's own "
+                       "default, else 0.", check=between(0, 1_000_000))
     max_new_tokens: int = setting(
         1024, "Max new tokens", "Longest reply, in tokens.", check=between(1, 1_000_000))
     seed: int | None = setting(
@@ -120,13 +124,15 @@ class Settings:
         draft = resolve_draft(engine, str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None)
         return SpeculativeOptions(self.speculative, draft, self.draft_length, self.draft_width)
 
-    def sampling_params(self, seed: int | None = None, **overrides):
-        """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank."""
+    def sampling_params(self, seed: int | None = None, model_defaults: dict | None = None, **overrides):
+        """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank, and
+        `model_defaults` (Engine.generation_defaults) where a sampling value is blank."""
         from moedesk.engine.requests import SamplingParams
 
         chosen = self.seed if self.seed is not None else (seed or 0)
-        return SamplingParams(**{"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                                 "top_p": self.top_p, "top_k": self.top_k, "seed": chosen, **overrides})
+        sampling = {name: resolve(name, getattr(self, name), model_defaults, fallback)
+                    for name, fallback in SAMPLING_FALLBACKS.items()}
+        return SamplingParams(**{"max_new_tokens": self.max_new_tokens, **sampling, "seed": chosen, **overrides})
 
     @property
     def engine_dtype(self) -> str | None:

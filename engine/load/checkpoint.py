@@ -117,6 +117,14 @@ class SafetensorsCheckpoint:
             raise CheckpointError(path, f"unreadable tokenizer ({_first_line(e)})") from None
 
     @property
+    def generation_defaults(self) -> dict:
+        """The sampling generation_config.json recommends (engine.load.generation_defaults); {} without one."""
+        from moedesk.engine.load.generation_defaults import from_generation_config
+
+        path = self.path / "generation_config.json"
+        return from_generation_config(_read_json(path)) if path.is_file() else {}
+
+    @property
     def tokenizer_config(self) -> dict:
         path = self.path / "tokenizer_config.json"
         config = _read_json(path) if path.is_file() else {}

@@ -407,6 +407,17 @@ class GGUFCheckpoint:
         return tok
 
     @property
+    def generation_defaults(self) -> dict:
+        """The sampling the file recommends (engine.load.generation_defaults); a value of the wrong type is ignored."""
+        from moedesk.engine.load.generation_defaults import from_gguf_metadata
+
+        def get(key):
+            field = self._reader.fields.get(key)
+            return field.contents() if field is not None else None
+
+        return from_gguf_metadata(get)
+
+    @property
     def tokenizer_config(self) -> dict:
         tokens = self._meta("tokenizer.ggml.tokens", list, [])
         model = self._meta("tokenizer.ggml.model", str, None)

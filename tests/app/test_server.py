@@ -614,3 +614,16 @@ def test_a_body_over_8_mib_is_a_413_declared_or_not(url, client):
     with pytest.raises(openai.BadRequestError) as caught:  # and a prompt over the context, for contrast: 400
         client.completions.create(model="tiny", prompt="x " * 600)
     assert caught.value.body["code"] == "context_length_exceeded" and caught.value.body["param"] == "prompt"
+
+
+def test_an_omitted_temperature_is_the_models_own_default(client, engine, monkeypatch):
+    # The model recommends greedy: requests without a temperature, whatever their seed, get the greedy reply.
+    greedy = client.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=0).choices[0].text
+    monkeypatch.setattr(engine, "generation_defaults", {"temperature": 0.0})
+    replies = {client.completions.create(model="tiny", prompt="Hello", max_tokens=12, seed=s).choices[0].text
+               for s in range(4)}
+    assert replies == {greedy}
+    monkeypatch.setattr(engine, "generation_defaults", {})
+    sampled = {client.completions.create(model="tiny", prompt="Hello", max_tokens=12, seed=s).choices[0].text
+               for s in range(4)}
+    assert len(sampled) > 1  # OpenAI's default, 1.0, samples

@@ -45,3 +45,12 @@ def test_demo_greedy_chat_equals_dense_smollm2(demo):
     assert "Paris" in done[0].text
     # routing is real: more than the top-2 experts of a layer were used across these prompts
     assert all((counts > 0).sum() > 2 for counts in engine.executor.selections.values())
+
+
+def test_the_demo_asks_for_greedy(demo):
+    # Sampled, a 135M model answers "What is the capital of France?" with nonsense too often (issue 46, item 3).
+    engine, _ = demo
+    assert engine.generation_defaults == {"temperature": 0.0}
+    from moedesk.app.tui.settings import Settings
+
+    assert Settings().sampling_params(seed=1, model_defaults=engine.generation_defaults).temperature == 0.0

@@ -30,9 +30,12 @@ def test_fields_describe_themselves():
 def test_parse_and_validate():
     t = FIELDS_BY_NAME["temperature"]
     assert t.parse(" 0.25 ") == 0.25
-    for bad, message in (("abc", "number"), ("-1", "≥ 0"), ("", "required"), ("nan", "number")):
+    for bad, message in (("abc", "number"), ("-1", "≥ 0"), ("nan", "number")):
         with pytest.raises(ValueError, match=message):
             t.parse(bad)
+    assert t.parse("") is None  # blank: the model's own default
+    with pytest.raises(ValueError, match="required"):
+        FIELDS_BY_NAME["max_new_tokens"].parse("")
     with pytest.raises(ValueError, match="> 0"):
         FIELDS_BY_NAME["top_p"].parse("0")
     with pytest.raises(ValueError, match="whole number"):
@@ -67,7 +70,7 @@ def test_bad_file_or_values_fall_back_to_defaults_with_a_note(tui_dirs):
     problems = []
     loaded = load_settings(problems=problems)
     assert loaded.max_new_tokens == 100 and loaded.temperature == Settings().temperature
-    assert loaded.top_p == Settings().top_p and loaded.top_k == 0 and loaded.dtype == "auto"
+    assert loaded.top_p == Settings().top_p and loaded.top_k is None and loaded.dtype == "auto"
     assert len(problems) == 4 and all("using" in p for p in problems)
 
 
@@ -176,3 +179,13 @@ def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
     assert main(["--model", "m", "--context", "512", "--reprofile"]) == 0
     assert main(["chat", "--expert-dtype", "int4"]) == 0
     assert runs == [("m", "auto", None, None, 512, True, None), ("demo", "auto", None, None, None, False, "int4")]
+
+
+def test_blank_sampling_boxes_show_the_models_own_defaults():
+    from moedesk.app.tui.screens.settings import blank_means
+
+    temperature, top_k = FIELDS_BY_NAME["temperature"], FIELDS_BY_NAME["top_k"]
+    assert blank_means(temperature, {"temperature": 0.0}) == "blank: 0, the model's default"
+    assert blank_means(temperature, {}) == "blank: 0.7"
+    assert blank_means(top_k, {"temperature": 0.0}) == "blank: 0"
+    assert blank_means(FIELDS_BY_NAME["gpu_budget_gib"], {}) == "blank: automatic"

@@ -13,10 +13,20 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Button, Footer, Header, Input, Label, Select, Static, Switch, TextArea
 
-from moedesk.app.tui.settings import FIELDS, FIELDS_BY_NAME, SettingField, Settings, save_settings, settings_path
+from moedesk.app.tui.settings import (FIELDS, FIELDS_BY_NAME, SAMPLING_FALLBACKS, SettingField, Settings, save_settings,
+                                      settings_path)
 
 
-def editor_for(field: SettingField, value) -> Widget:
+def blank_means(field: SettingField, model_defaults: dict | None) -> str:
+    """An empty box's placeholder: what a blank value stands for (a sampling value: the model's own default)."""
+    if field.name in SAMPLING_FALLBACKS:
+        if model_defaults and field.name in model_defaults:
+            return f"blank: {field.format(model_defaults[field.name])}, the model's default"
+        return f"blank: {field.format(SAMPLING_FALLBACKS[field.name])}"
+    return "blank: automatic" if field.optional else field.format(field.default)
+
+
+def editor_for(field: SettingField, value, model_defaults: dict | None = None) -> Widget:
     """The widget that edits one field; its id is `setting-<name>`."""
     wid = f"setting-{field.name}"
     kind = field.kind
@@ -27,7 +37,7 @@ def editor_for(field: SettingField, value) -> Widget:
                       compact=True)
     if kind == "text":
         return TextArea(field.format(value), id=wid, soft_wrap=True, classes="setting-text", compact=True)
-    placeholder = "blank: automatic" if field.optional else field.format(field.default)
+    placeholder = blank_means(field, model_defaults)
     # No `restrict`: it dropped what did not match without a word ("-5" became "5"); what is typed stays,
     # and the check under the field says what is wrong with it.
     return Input(field.format(value), placeholder=placeholder, id=wid, compact=True)
@@ -41,10 +51,11 @@ class SettingsScreen(Screen[Settings | None]):
         Binding("ctrl+d", "defaults", "Defaults", priority=True),
     ]
 
-    def __init__(self, settings: Settings, path=None):
+    def __init__(self, settings: Settings, path=None, model_defaults: dict | None = None):
         super().__init__()
         self.initial = settings
         self.path = path
+        self.model_defaults = model_defaults  # the loaded model's sampling defaults, shown in blank boxes
         self.errors: dict[str, str] = {}
         self.shown: dict[str, object] = {}  # each field's editor value as the form opened
         self.cancel_warned = False  # Esc said there are unsaved changes, and nothing changed since
@@ -56,7 +67,7 @@ class SettingsScreen(Screen[Settings | None]):
                 with Horizontal(classes="setting-row", id=f"row-{field.name}"):
                     yield Label(field.label, classes="setting-label")
                     with Vertical(classes="setting-body"):
-                        yield editor_for(field, getattr(self.initial, field.name))
+                        yield editor_for(field, getattr(self.initial, field.name), self.model_defaults)
                         yield Static(field.help, classes="setting-help", markup=False)
                         yield Static("", classes="setting-error", id=f"error-{field.name}", markup=False)
         with Horizontal(id="settings-buttons"):
