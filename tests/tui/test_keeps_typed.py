@@ -357,3 +357,24 @@ async def test_quitting_mid_reply_keeps_the_reply_so_far_as_stopped(engine):
     saved = ConversationStore().load(conversation_id)
     assert [m.role for m in saved.messages] == ["user", "assistant"]
     assert saved.messages[1].content == shown and saved.messages[1].meta["finish_reason"] == "cancelled"
+
+
+async def test_typing_after_a_panel_or_screen_closes_reaches_the_message_box(engine):
+    # Issue 46, item 4: ctrl+n, F4, F4, then "hello" reached nothing; nor did keys typed after a Tab.
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await open_chat(pilot)
+        chat = app.chat
+        await pilot.press("ctrl+n", "f4", "f4", *"hello")
+        await pilot.pause()
+        assert chat.prompt.text == "hello" and app.focused is chat.prompt
+        await pilot.press("tab", *" there")
+        await pilot.pause()
+        assert chat.prompt.text == "hello there"
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: app.screen is not chat, what="the settings")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen is chat, what="the chat again")
+        await pilot.press("shift+tab", "shift+tab", *"!")
+        await pilot.pause()
+        assert chat.prompt.text == "hello there!" and app.focused is chat.prompt

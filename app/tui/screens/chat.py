@@ -176,6 +176,22 @@ class ChatScreen(Screen):
     def messages(self) -> VerticalScroll:
         return self.query_one("#messages", VerticalScroll)
 
+    def on_screen_resume(self) -> None:
+        # Whatever screen was on top (settings, models, a dialog), typing goes on in the message box.
+        if self.is_mounted and self.query("#prompt"):
+            self.prompt.focus()
+
+    def on_key(self, event) -> None:
+        """A character typed where nothing takes text (after a Tab, a closed panel) goes to the message box, not
+        nowhere: dropped keys are lost words."""
+        from textual.widgets import Input
+
+        if event.is_printable and event.character and not isinstance(self.focused, (Input, TextArea)):
+            event.stop()
+            event.prevent_default()
+            self.prompt.focus()
+            self.prompt.insert(event.character)
+
     @property
     def prompt(self) -> PromptArea:
         return self.query_one("#prompt", PromptArea)
@@ -451,7 +467,8 @@ class ChatScreen(Screen):
             return
         settings = self.app.reply_settings()
         try:
-            params = settings.sampling_params(seed=random.randrange(2**31))
+            params = settings.sampling_params(seed=random.randrange(2**31),
+                                              model_defaults=getattr(engine, "generation_defaults", None))
         except ValueError as e:
             self.set_status(f"settings: {e}", error=True)
             return
@@ -749,6 +766,7 @@ class ChatScreen(Screen):
         if self.maximized is self.stats:
             self.minimize()
             self._place_stats()
+            self.prompt.focus()
         else:
             self.stats.remove_class("-hidden")
             self.maximize(self.stats, container=False)
