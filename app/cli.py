@@ -337,6 +337,9 @@ def run_serve_command(args) -> int:
                         ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and (value < (0 if flag == "--max-queue" else 1) or flag == "--port" and value > 65535):
             raise MoedeskError(f"{flag} {value}: out of range")
+    from moedesk.app.ports import check_port
+
+    check_port(args.host, args.port)  # before the load: minutes of it, then a port in use, was the old order
     api_key = args.api_key or os.environ.get("MOEDESK_API_KEY") or None
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         print(f"moedesk: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
