@@ -82,7 +82,7 @@ class BatchSettings:
     ignore_eos: bool = SamplingParams.ignore_eos
     beams: int = 1  # above 1: beam search (engine.generation.beam), the beam lines in flight stepping together
     length_penalty: float = 1.0  # beam search's, as transformers applies it
-    speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.decode), with an EAGLE head
+    speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.options), with an EAGLE head
     draft: str | None = None  # the EAGLE head's folder
     draft_length: int = 4
     draft_width: int = 4
@@ -275,7 +275,7 @@ def speculative_options(engine, settings: BatchSettings):
     """The SpeculativeOptions of a run with --speculative, its draft head loaded now: a head that does not load
     (a folder without config.json, weights of the wrong shape) raises MoedeskError, one line, before any line runs.
     Loaded at the first step instead, it failed every step, and every line then ran again alone, plainly."""
-    from moedesk.engine.speculative.decode import SpeculativeOptions
+    from moedesk.engine.speculative.options import SpeculativeOptions
     from moedesk.engine.speculative.demo_draft import resolve_draft
 
     draft = resolve_draft(engine, settings.draft)

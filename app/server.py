@@ -52,7 +52,7 @@ from moedesk.engine.generation.beam import BeamOptions
 from moedesk.engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
 from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
 from moedesk.engine.requests import Completion, Request, SamplingParams
-from moedesk.engine.speculative.decode import SpeculativeOptions
+from moedesk.engine.speculative.options import SpeculativeOptions
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64

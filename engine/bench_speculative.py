@@ -15,7 +15,7 @@ costs nothing in the figures: what is measured is what verification costs and yi
 decoding (CUDA graphs where the engine uses them) at the same batch size, on the same prompts.
 
 Measured, for each batch size B: T(B, k), one forward of B sequences × k new tokens (k = 1..γ+1; from
-CUDA graphs where the engine uses them, as `auto` measures it, engine.speculative.decode.measure_step_times); plain decode; greedy chains of γ
+CUDA graphs where the engine uses them, as `auto` measures it, engine.speculative.step_times.measure_step_times); plain decode; greedy chains of γ
 drafts at each acceptance; `auto` at each acceptance (draft length chosen per round from the measured T
 and the running acceptance, plain decoding where no draft could pay). The MoESD model
 (engine.speculative.perf_model) is fitted to the T table; its predicted speedup at the measured acceptance
@@ -47,8 +47,10 @@ from moedesk.engine.generation.decoder import Decoder, synchronize
 from moedesk.engine.generation.kv_cache import KVCache
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.speculative import perf_model
-from moedesk.engine.speculative.decode import (Proposal, RunningCosts, Speculator, auto_decodes_plainly, chain_parents,
-                                       measure_step_times)
+from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly
+from moedesk.engine.speculative.proposal import Proposal, chain_parents
+from moedesk.engine.speculative.step_times import measure_step_times
+from moedesk.engine.speculative.verification import Speculator
 
 PROMPT_TOKENS = 32
 AUTO_FLOOR = 0.98  # issue 16: auto at least this fraction of plain decoding at every batch size

@@ -28,7 +28,7 @@ class EngineFace:
         """Queue one request on the scheduler (options: see engine.generation.scheduler.Scheduler.submit).
 
         decoding: None (plain: sampling or greedy as its params say), a BeamOptions (beam search: nothing
-        streams before the best hypothesis is whole) or an engine.speculative.decode.SpeculativeOptions
+        streams before the best hypothesis is whole) or an engine.speculative.options.SpeculativeOptions
         (speculative decoding: accepted drafts stream as tokens). Beam and speculative requests run as jobs of
         the same decode thread, between the plain batch's steps, and cancel as plain ones do."""
         group = options.get("group")

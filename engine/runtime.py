@@ -207,7 +207,8 @@ class Engine(EngineFace):
         if isinstance(decoding, BeamOptions):
             return BeamKind(decoding, lambda: BeamJob(self._beam_search, lambda: self.executor, self.tokenizer,
                                                       self._eos_ids))
-        from moedesk.engine.speculative.decode import SPECULATIVE_ROWS, SpeculativeKind, SpeculativeOptions
+        from moedesk.engine.speculative.job import SPECULATIVE_ROWS, SpeculativeKind
+        from moedesk.engine.speculative.options import SpeculativeOptions
 
         if isinstance(decoding, SpeculativeOptions):
             return SpeculativeKind(self, decoding, limit or SPECULATIVE_ROWS)
@@ -245,7 +246,7 @@ class Engine(EngineFace):
 
     def speculate(self, requests: list[Request], draft, mode: str = "greedy", draft_length: int = 4,
                   draft_width: int = 4, budget: int | None = None) -> list[Completion]:
-        """Complete `requests` together with speculative decoding (engine.speculative.decode), in input order.
+        """Complete `requests` together with speculative decoding (engine.speculative.job), in input order.
 
         draft: an EAGLE head folder (loaded once, kept) or a drafter factory (e.g. decode.oracle_factory).
         mode greedy: chains of draft_length drafts; beam: EAGLE-2 trees of that depth, draft_width children per
@@ -255,14 +256,14 @@ class Engine(EngineFace):
         distribution. Completion.stats["speculative"]: drafted, accepted, verify_steps, tokens_per_step,
         step/draft/verify ms. Runs as one job on the scheduler's decode thread (the requests verify together),
         beside whatever else decodes."""
-        from moedesk.engine.speculative.decode import speculate
+        from moedesk.engine.speculative.job import speculate
 
         return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
 
     def load_draft(self, path) -> object:
         """Load the EAGLE head at `path` for this model now (a bad folder raises one line here, not at the first
         speculative request); it is kept for every later request that names it."""
-        from moedesk.engine.speculative.decode import draft_head
+        from moedesk.engine.speculative.eagle_drafter import draft_head
 
         return draft_head(self, path)
 

@@ -119,7 +119,7 @@ class Settings:
             return BeamOptions(self.beams, self.length_penalty)
         if self.speculative == "off":
             return None
-        from moedesk.engine.speculative.decode import SpeculativeOptions
+        from moedesk.engine.speculative.options import SpeculativeOptions
 
         draft = resolve_draft(engine, str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None)
         return SpeculativeOptions(self.speculative, draft, self.draft_length, self.draft_width)

@@ -20,7 +20,7 @@ nothing between layers, which took it ~110 µs a layer (tests/perf/probe_handoff
 A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
 hides what is past each row's position.
 
-The same segments run k tokens per row: a speculative verify forward (engine.speculative.decode) scores a
+The same segments run k tokens per row: a speculative verify forward (engine.speculative.verification) scores a
 chain of γ drafts (k = γ + 1, the causal mask built from the positions inside the graph) or a draft tree of
 a fixed node count (its mask over the cache and the slots its nodes write are inputs too). The host-run
 experts between segments see all k tokens of all rows in one call, as in the eager forward.

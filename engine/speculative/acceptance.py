@@ -29,7 +29,7 @@ def acceptance_length(engine, prompts, draft=None, mode: str = "greedy", draft_l
     draft_width children per node, `budget` nodes: budget = draft_length verifies as many tokens per step as a
     chain). Returns {"mean": acceptance length, "accepted", "verify_steps", "drafted", "tokens",
     "per_prompt": [tokens per step of each prompt], "seconds"}."""
-    from moedesk.engine.speculative.decode import generate_speculative
+    from moedesk.engine.speculative.job import generate_speculative
     from moedesk.engine.speculative.demo_draft import resolve_draft
 
     if mode not in ("greedy", "beam"):

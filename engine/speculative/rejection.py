@@ -38,6 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moedesk.engine.generation.sampling import sampling_probs
+from moedesk.engine.requests import SamplingParams
+
 
 @dataclass(frozen=True)
 class ChainVerdict:
@@ -208,3 +211,11 @@ def sample_tree(parents: torch.Tensor, node_tokens: torch.Tensor, draft_probs: t
     # rows that stopped carry their residual target; rows at a leaf carry the leaf's target
     next_token = _sample_rows(target, generator)
     return TreeVerdict(path.reshape(*lead, depth), n.reshape(lead), next_token.reshape(lead))
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution engine.generation.sampling.sample_tokens draws from (temperature, top-k, top-p), over the
+    last dimension of float logits: rejection sampling needs both models' distributions as actually sampled."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return sampling_probs(rows, [params] * rows.shape[0]).reshape(logits.shape)
+

@@ -14,7 +14,8 @@ import pytest
 from moedesk.engine.generation.beam import BeamJob, BeamOptions
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
-from moedesk.engine.speculative.decode import SpeculativeOptions, oracle_factory
+from moedesk.engine.speculative.options import SpeculativeOptions
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
 from tests.speculative.test_speculative_decode import random_head
 
 PROMPTS = ["The quick brown fox", "Hello, world!", "def add(a, b):", "Experts live in RAM"]
@@ -293,7 +294,8 @@ def test_oracle_drafts_through_the_scheduler_accept(engine):
 def test_a_speculative_batch_compacts_and_grows_its_draft_slots(engine, head):
     """Rows that come and go leave holes in the draft head's shared slots: a batch made with room for very
     few compacts them and grows, and every output stays plain greedy's."""
-    from moedesk.engine.speculative.decode import SpeculativeBatch, Speculator, draft_head, eagle_factory
+    from moedesk.engine.speculative.eagle_drafter import draft_head, eagle_factory
+    from moedesk.engine.speculative.verification import SpeculativeBatch, Speculator
 
     spec = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
                       engine.tokenizer)

@@ -14,7 +14,7 @@ import torch
 
 from moedesk.engine.bench import prepare_synthetic, random_prompt
 from moedesk.engine.bench_speculative import PROMPT_TOKENS, OracleCosts, plain_decode, speculative_decode
-from moedesk.engine.speculative.decode import Speculator
+from moedesk.engine.speculative.verification import Speculator
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--shape", default="qwen3-30b-a3b")

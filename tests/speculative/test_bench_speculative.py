@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from moedesk.engine.speculative import decode, perf_model
+from moedesk.engine.speculative import auto, perf_model
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,7 +95,7 @@ def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, d
     """The oracle drafts from the plain run's tokens while a sequence follows them, and redrafts from the actual
     prefix once it does not (here forced: no reference at all, or half the references wrong from token 5 on)."""
     from moedesk.engine.bench_speculative import speculative_decode
-    from moedesk.engine.speculative.decode import Speculator
+    from moedesk.engine.speculative.verification import Speculator
 
     prompts, reference = plain_run
     references = {"reference": reference, "redrafted": None,
@@ -113,7 +113,7 @@ def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, d
 
 def test_full_batch_throughput_takes_only_the_rounds_that_ran_every_row():
     from moedesk.engine.bench_speculative import full_batch_throughput, judged_speedup
-    from moedesk.engine.speculative.decode import Round
+    from moedesk.engine.speculative.verification import Round
 
     rounds = [Round(4, 4, 0.5, 100.0, 2.0, 12), Round(4, 4, 0.5, 110.0, 3.0, 10),
               Round(4, 3, 0.5, 95.0, 2.0, 5),  # a row finished: the rest run at nearly full cost
@@ -233,7 +233,7 @@ def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
     for table in _random_tables(rng):
         costs = OracleCosts(table)
         for b in (1, 4, 16, 32):
-            if decode.auto_decodes_plainly(costs, b, 4):
+            if auto.auto_decodes_plainly(costs, b, 4):
                 plain += 1
                 # not even a 0.9 draft (or the 5/6 a first probe assumes) would gain: every γ loses (or gains under
                 # the margin) by the table; or no probe's loss fits the exploration budget of a run
@@ -242,9 +242,9 @@ def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
                                < 1 + perf_model.SAFETY_MARGIN for g in range(1, 5))
                 cheapest_probe = min(table[b, g + 1] for g in range(1, 5)) - table[b, 1]
                 assert never_gains(0.9) or never_gains(5 / 6) or (
-                    cheapest_probe > decode.EXPLORE_SHARE * decode.EXPLORE_HORIZON * table[b, 1])
+                    cheapest_probe > auto.EXPLORE_SHARE * auto.EXPLORE_HORIZON * table[b, 1])
             for alpha in (0.0, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95):
-                gamma = decode.auto_gamma(costs, b, alpha, 4, evidence=10**6)
+                gamma = auto.auto_gamma(costs, b, alpha, 4, evidence=10**6)
                 if gamma:
                     spoke += 1
                     gain = perf_model.tokens_per_step(alpha, gamma) * table[b, 1] / table[b, gamma + 1]
@@ -257,10 +257,10 @@ def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
 
     table = {(b, k): 10.0 * b * k for b in (1, 4) for k in range(1, 6)}
     costs = OracleCosts(table)
-    assert decode.auto_decodes_plainly(costs, 1, 4) and decode.auto_decodes_plainly(costs, 4, 4)
-    assert all(decode.auto_gamma(costs, 4, a, 4) == 0 for a in (0.5, 0.9, 0.99))
+    assert auto.auto_decodes_plainly(costs, 1, 4) and auto.auto_decodes_plainly(costs, 4, 4)
+    assert all(auto.auto_gamma(costs, 4, a, 4) == 0 for a in (0.5, 0.9, 0.99))
     flat = OracleCosts({(b, k): 10.0 for b in (1, 4) for k in range(1, 6)})
-    assert not decode.auto_decodes_plainly(flat, 4, 4) and decode.auto_gamma(flat, 4, 0.8, 4) == 4
+    assert not auto.auto_decodes_plainly(flat, 4, 4) and auto.auto_gamma(flat, 4, 0.8, 4) == 4
     costs.observe_draft(1000.0, 1)  # the oracle's own forwards never count as drafting
     assert costs.draft_ms(1) == 0.0
 

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import decode, perf_model, rejection
-from moedesk.engine.speculative.decode import SpeculativeBatch, Speculator, eagle_factory, oracle_factory
+from moedesk.engine.speculative import auto, perf_model, rejection, verification
+from moedesk.engine.speculative.eagle_drafter import eagle_factory
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
+from moedesk.engine.speculative.verification import SpeculativeBatch, Speculator
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -21,7 +23,7 @@ SUMMARY = ("rounds", "speculative_rounds", "gammas", "mean_rows")
 
 
 def _never_pays(batch):
-    return decode.RunningCosts({(b, k): 10.0 * k for b in range(1, batch + 1) for k in range(1, 6)})
+    return auto.RunningCosts({(b, k): 10.0 * k for b in range(1, batch + 1) for k in range(1, 6)})
 
 
 def _requests(engine, sampled):
@@ -131,7 +133,7 @@ def test_plain_rounds_between_drafting_rounds(draft, sampled, engines, tmp_path,
             if general:
                 _general_path(m)
             schedule = itertools.cycle(script)
-            m.setattr(decode, "auto_gamma", lambda *a, **k: next(schedule))
+            m.setattr(verification, "auto_gamma", lambda *a, **k: next(schedule))
             return _run(engine, requests, factory, counts, _never_pays(3)), counts
 
     got, fast = run(False)
@@ -173,7 +175,7 @@ def test_sample_chain_without_drafts_samples_the_target():
 def test_running_costs_price_what_the_table_says():
     """RunningCosts keeps the table's interpolations (auto asks for them every round): the same prices."""
     table = {(b, k): 5.0 + b * k ** 1.3 for b in (1, 2, 4, 8) for k in range(1, 6)}
-    costs, raw = decode.RunningCosts(table), perf_model.MeasuredCosts(table)
+    costs, raw = auto.RunningCosts(table), perf_model.MeasuredCosts(table)
     for _ in range(2):
         for b in (1, 3, 4, 7, 8, 9):
             assert costs.ar_ms(b) == raw.ar_ms(b)

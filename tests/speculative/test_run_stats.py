@@ -1,4 +1,4 @@
-"""The record of a speculative run's rounds (engine.speculative.decode.RunStats, Round).
+"""The record of a speculative run's rounds (engine.speculative.verification.RunStats, Round).
 
 A round carries the tokens it emitted beside its three timings; the summary's milliseconds are those timings
 only (the count of emitted tokens must not be summed into them), and a run's rounds emitted every token its
@@ -7,7 +7,8 @@ completions hold after the prefill's.
 import pytest
 
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative.decode import Round, RunStats, Speculator, oracle_factory
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
+from moedesk.engine.speculative.verification import Round, RunStats, Speculator
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -24,7 +25,7 @@ def test_speed_figures_leave_out_rounds_that_captured_graphs():
     """A round whose forward captured CUDA graphs pays a one-off cost: the bench's figures leave it out (as the
     plain run's first step), and auto does not price later rounds by it."""
     from moedesk.engine.bench_speculative import full_batch_throughput, timed_rounds
-    from moedesk.engine.speculative.decode import SpeculativeBatch
+    from moedesk.engine.speculative.verification import SpeculativeBatch
 
     rounds = [Round(0, 4, 0.0, 900.0, 1.0, 4, 1), Round(0, 4, 0.0, 99.0, 1.0, 4), Round(4, 4, 0.0, 199.0, 1.0, 12)]
     assert timed_rounds(rounds) == rounds[1:]

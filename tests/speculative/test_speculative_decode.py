@@ -1,4 +1,4 @@
-"""Speculative decoding (engine.speculative.decode) is lossless.
+"""Speculative decoding (engine.speculative.verification) is lossless.
 
 Temperature 0: the tokens equal plain greedy decoding's, token for token, for chains and trees, one
 sequence and several of different lengths together, experts offloaded (the GPU tier simulated on the
@@ -19,8 +19,10 @@ import pytest
 import torch
 
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import decode, perf_model
-from moedesk.engine.speculative.decode import Speculator, eagle_factory, oracle_factory
+from moedesk.engine.speculative import auto, eagle_drafter, job, oracle_drafter, perf_model, proposal, rejection
+from moedesk.engine.speculative.eagle_drafter import eagle_factory
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
+from moedesk.engine.speculative.verification import Speculator
 from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 
 ARCHS = ["mixtral", "qwen3_moe", "qwen2_moe"]
@@ -113,7 +115,7 @@ def test_tree_nodes_off_the_first_child_are_compacted(engines):
     requests = [Request(engine.tokenizer.encode(PROMPTS[1]), greedy(max_new=25))]
     expected = plain(engine, requests)
 
-    class Reversed(decode.OracleDrafter):
+    class Reversed(oracle_drafter.OracleDrafter):
         def propose(self, *args, **kw):
             p = super().propose(*args, **kw)
             parents, tokens = p.parents[0], p.tokens[0].tolist()
@@ -130,7 +132,7 @@ def test_tree_nodes_off_the_first_child_are_compacted(engines):
                     new_parents.append(index[node])
                     new_tokens.append(tokens[child])
                     queue.append(child)
-            return decode.Proposal([new_parents], torch.tensor([new_tokens]), None)
+            return proposal.Proposal([new_parents], torch.tensor([new_tokens]), None)
 
     done, _ = speculate(engine, requests, lambda b, c: Reversed(expected, 0.0, engine.vocab_size), "beam", length=3,
                         width=3)
@@ -195,10 +197,10 @@ def assert_two_tokens_follow_the_target(engine, done, prompt, params, n: int) ->
     counts: dict = {}
     for c in done:
         counts[tuple(c.token_ids)] = counts.get(tuple(c.token_ids), 0) + 1
-    first = decode.processed_probs(_logits(engine, prompt), params)
+    first = rejection.processed_probs(_logits(engine, prompt), params)
     probs = {}
     for a in first.nonzero().flatten().tolist():
-        second = decode.processed_probs(_logits(engine, prompt + [a]), params)
+        second = rejection.processed_probs(_logits(engine, prompt + [a]), params)
         for b in second.nonzero().flatten().tolist():
             probs[(a, b)] = float(first[a] * second[b])
     assert set(counts) <= set(probs)
@@ -217,36 +219,36 @@ def _table(batch, max_k, cost):
 
 
 def test_auto_chooses_plain_steps_where_drafting_does_not_pay():
-    costs = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))
-    assert decode.auto_gamma(costs, 1, 0.95, 4, evidence=1000) == 0
-    assert decode.auto_gamma(costs, 1, 0.95, 4) == 0  # not even a probe, with no evidence and the budget untouched
-    flat = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0))
-    assert decode.auto_gamma(flat, 2, 0.8, 4, evidence=1000) == 4
+    costs = auto.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))
+    assert auto.auto_gamma(costs, 1, 0.95, 4, evidence=1000) == 0
+    assert auto.auto_gamma(costs, 1, 0.95, 4) == 0  # not even a probe, with no evidence and the budget untouched
+    flat = auto.RunningCosts(_table(4, 5, lambda b, k: 10.0))
+    assert auto.auto_gamma(flat, 2, 0.8, 4, evidence=1000) == 4
     flat.observe_draft(50.0, 1)  # a draft token costing 5 plain steps: drafting no longer pays
-    assert decode.auto_gamma(flat, 2, 0.3, 4, evidence=1000) == 0
-    assert decode.auto_gamma(flat, 2, 0.3, 4) == 0  # nor would it at the optimistic estimate: no probe
+    assert auto.auto_gamma(flat, 2, 0.3, 4, evidence=1000) == 0
+    assert auto.auto_gamma(flat, 2, 0.3, 4) == 0  # nor would it at the optimistic estimate: no probe
 
 
 def test_auto_decodes_plainly_where_a_run_is_too_short_to_afford_a_probe():
     ratios = [1, 1.48, 1.72, 1.90, 2.13]  # T(1, k) / T(1, 1), Qwen3 shape, every expert in RAM, on the GPU box
-    costs = decode.RunningCosts({(1, k): 9.3 * r for k, r in enumerate(ratios, 1)})
-    prior = decode.acceptance_estimate(0, 0)
+    costs = auto.RunningCosts({(1, k): 9.3 * r for k, r in enumerate(ratios, 1)})
+    prior = auto.acceptance_estimate(0, 0)
     # 32 tokens: 1% of them is 0.32 plain steps, under the 0.48 a rejected 1-draft probe loses; auto's own rounds
     # would draft nothing, so the plain path takes the run
-    assert decode.auto_gamma(costs, 1, prior, 4, horizon=32) == 0
-    assert decode.auto_decodes_plainly(costs, 1, 4, horizon=32)
+    assert auto.auto_gamma(costs, 1, prior, 4, horizon=32) == 0
+    assert auto.auto_decodes_plainly(costs, 1, 4, horizon=32)
     # 160 tokens buy a probe, and a good draft would pay: rounds
-    assert decode.auto_gamma(costs, 1, prior, 4, horizon=160) > 0
-    assert not decode.auto_decodes_plainly(costs, 1, 4, horizon=160)
-    assert not decode.auto_decodes_plainly(costs, 1, 4, horizon=10**6)  # the budget's horizon is capped
-    steep = decode.RunningCosts({(1, k): 9.3 * k for k in range(1, 6)})  # verifying costs a step a token
-    assert decode.auto_decodes_plainly(steep, 1, 4, horizon=10**6)
+    assert auto.auto_gamma(costs, 1, prior, 4, horizon=160) > 0
+    assert not auto.auto_decodes_plainly(costs, 1, 4, horizon=160)
+    assert not auto.auto_decodes_plainly(costs, 1, 4, horizon=10**6)  # the budget's horizon is capped
+    steep = auto.RunningCosts({(1, k): 9.3 * k for k in range(1, 6)})  # verifying costs a step a token
+    assert auto.auto_decodes_plainly(steep, 1, 4, horizon=10**6)
 
 
 def test_engine_speculate_auto_sends_runs_too_short_to_probe_to_plain_decoding(engines, monkeypatch):
     engine = engines("qwen3_moe")
     table = _table(3, 5, lambda b, k: 10.0 * (1 + 0.5 * (k - 1)))  # drafting pays, but a probe risks 0.5 steps
-    monkeypatch.setattr(decode, "engine_step_times", lambda *a, **k: table)
+    monkeypatch.setattr(job, "engine_step_times", lambda *a, **k: table)
     for new_tokens, went_plain in ((8, True), (60, False)):
         requests = [Request(engine.tokenizer.encode(p), greedy(max_new=new_tokens), tag=i)
                     for i, p in enumerate(PROMPTS)]
@@ -263,7 +265,7 @@ def test_engine_speculate_auto_is_lossless_and_falls_back(cost, engines, tmp_pat
     requests = [Request(engine.tokenizer.encode(p), greedy(), tag=f"t{i}") for i, p in enumerate(PROMPTS)]
     expected = plain(engine, requests)
     table = _table(3, 5, (lambda b, k: 10.0) if cost == "flat" else (lambda b, k: 10.0 * k))
-    monkeypatch.setattr(decode, "engine_step_times", lambda *a, **k: table)
+    monkeypatch.setattr(job, "engine_step_times", lambda *a, **k: table)
     done = engine.speculate(requests, oracle_factory(expected, 0.2, engine.vocab_size), mode="auto", draft_length=4)
     assert [c.token_ids for c in done] == expected and [c.tag for c in done] == ["t0", "t1", "t2"]
     spec = done[0].stats["speculative"]
@@ -313,25 +315,25 @@ def test_moedesk_batch_speculative(tiny_checkpoint, engines, tmp_path, capsys):
 def test_auto_prices_rounds_at_what_they_took_not_the_table():
     # Flat table: drafting 4 at α = 0.5 looks like a ~1.9x win; rounds that verify turn out to take 2.5x the
     # table (the GPU box's B = 32 rounds took 1.3x): auto stops drafting.
-    costs = decode.RunningCosts(_table(32, 5, lambda b, k: 100.0))
-    assert decode.auto_gamma(costs, 32, 0.5, 4, evidence=1000) > 0
+    costs = auto.RunningCosts(_table(32, 5, lambda b, k: 100.0))
+    assert auto.auto_gamma(costs, 32, 0.5, 4, evidence=1000) > 0
     costs.observe_round(32, 4, 250.0)
     assert costs.verify_ms(32, 4) == pytest.approx(250.0) and costs.ar_ms(32) == pytest.approx(100.0)
-    assert decode.auto_gamma(costs, 32, 0.5, 4, evidence=1000) == 0
+    assert auto.auto_gamma(costs, 32, 0.5, 4, evidence=1000) == 0
     # Plain rounds as slow as the verifying ones (a slower machine, not dearer drafts): the table's prices again.
     costs.observe_round(32, 0, 250.0)
     assert costs.verify_ms(32, 4) == pytest.approx(100.0) and costs.ar_ms(32) == pytest.approx(100.0)
-    assert decode.auto_gamma(costs, 32, 0.5, 4, evidence=1000) > 0
+    assert auto.auto_gamma(costs, 32, 0.5, 4, evidence=1000) > 0
     costs.observe_round(32, 4, 500.0)  # later rounds move the ratio part of the way
     assert 100.0 < costs.verify_ms(32, 4) < 200.0
 
 
 def test_slow_plain_rounds_never_make_drafting_look_cheaper():
-    costs = decode.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))  # drafting never pays
+    costs = auto.RunningCosts(_table(4, 5, lambda b, k: 10.0 * k))  # drafting never pays
     for _ in range(5):
         costs.observe_round(1, 0, 50.0)  # plain rounds at 5x the table (real rounds, a made-up table)
     assert costs.ar_ms(1) == 10.0 and costs.verify_ms(1, 4) == 50.0
-    assert decode.auto_gamma(costs, 1, 0.95, 4) == 0  # not even a probe
+    assert auto.auto_gamma(costs, 1, 0.95, 4) == 0  # not even a probe
 
 
 # The Qwen3-30B-A3B shape at batch 1, experts in RAM (docs/measurements.md: T(1,1)/T(1,5) = 0.51 on the GPU box's
@@ -344,14 +346,14 @@ def _simulate_auto(costs, batch, alpha, tokens, seed, horizon=None):
     probability alpha (one chain for the whole batch, as the counts are per batch), times from the costs' own
     model. (auto's time / plain decoding's, rounds' γ, rounds whose γ the estimate chose, the ledger after
     every round). horizon: as SpeculativeBatch passes it, the run's length up to EXPLORE_HORIZON."""
-    horizon = min(decode.EXPLORE_HORIZON, tokens) if horizon is None else horizon
+    horizon = min(auto.EXPLORE_HORIZON, tokens) if horizon is None else horizon
     rng = random.Random(seed)
     accepted = tested = made = 0
     ms, gammas, exploits, ledgers = 0.0, [], [], []
-    ledger = decode.AutoLedger()
+    ledger = auto.AutoLedger()
     while made < tokens:
-        estimate = decode.acceptance_estimate(accepted, tested)
-        gamma = decode.auto_gamma(costs, batch, estimate, 4, ledger, tested, horizon)
+        estimate = auto.acceptance_estimate(accepted, tested)
+        gamma = auto.auto_gamma(costs, batch, estimate, 4, ledger, tested, horizon)
         exploits.append(gamma > 0 and perf_model.choose_draft_length(costs, batch, estimate, 4).gamma > 0)
         taken = 0
         while taken < gamma and rng.random() < alpha:
@@ -367,9 +369,9 @@ def _simulate_auto(costs, batch, alpha, tokens, seed, horizon=None):
 
 
 def test_auto_finds_a_good_draft_in_the_first_rounds_where_verifying_is_dear():
-    costs = decode.RunningCosts({(1, k): ms for k, ms in QWEN3_B1.items()})
-    assert decode.auto_gamma(costs, 1, 0.5, 4, evidence=1000) == 0  # α = 0.5 known: plain
-    assert decode.auto_gamma(costs, 1, 0.6, 4, evidence=1000) == 4  # the estimate drafting needs lies between
+    costs = auto.RunningCosts({(1, k): ms for k, ms in QWEN3_B1.items()})
+    assert auto.auto_gamma(costs, 1, 0.5, 4, evidence=1000) == 0  # α = 0.5 known: plain
+    assert auto.auto_gamma(costs, 1, 0.6, 4, evidence=1000) == 4  # the estimate drafting needs lies between
     ratio, gammas, exploits, _ = _simulate_auto(costs, 1, 0.8, 160, seed=0)
     assert gammas[0] == 4  # a probe in the very first round: the start's budget (1.6 steps) affords one
     assert exploits.index(True) <= 24  # (round 3 with this seed: the first probe's first draft was rejected)
@@ -389,14 +391,14 @@ def test_auto_finds_a_good_draft_in_the_first_rounds_where_verifying_is_dear():
 @pytest.mark.parametrize("tokens", [32, 96, 512])
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.5])
 def test_auto_is_never_slower_than_plain_where_drafting_does_not_pay(alpha, tokens):
-    costs = decode.RunningCosts({(1, k): ms for k, ms in QWEN3_B1.items()})
+    costs = auto.RunningCosts({(1, k): ms for k, ms in QWEN3_B1.items()})
     for seed in range(10):
         # the horizon is the run's own length (up to EXPLORE_HORIZON): 1% at most, however short the run
         ratio, gammas, _, _ = _simulate_auto(costs, 1, alpha, tokens, seed)
-        assert ratio <= 1 + decode.EXPLORE_SHARE + 1e-9, (seed, ratio, gammas)
+        assert ratio <= 1 + auto.EXPLORE_SHARE + 1e-9, (seed, ratio, gammas)
         # a run cut short of the horizon it was given (max_new_tokens 160, ended by EOS at `tokens`)
-        ratio, gammas, _, _ = _simulate_auto(costs, 1, alpha, tokens, seed, horizon=decode.EXPLORE_HORIZON)
-        assert ratio <= 1 + decode.EXPLORE_SHARE * max(tokens, decode.EXPLORE_HORIZON) / tokens + 1e-9
+        ratio, gammas, _, _ = _simulate_auto(costs, 1, alpha, tokens, seed, horizon=auto.EXPLORE_HORIZON)
+        assert ratio <= 1 + auto.EXPLORE_SHARE * max(tokens, auto.EXPLORE_HORIZON) / tokens + 1e-9
     if alpha == 0.0:
         # three rejected drafts end the probing for good: the optimistic estimate, 5/9, is under the ~0.56 needed
         assert sum(g > 0 for g in gammas) <= 3
@@ -411,13 +413,13 @@ def test_auto_stays_within_its_budget_at_every_round_and_batch():
     for trial in range(40):
         batch = int(rng.choice([1, 2, 4, 8, 16, 32]))
         growth = float(rng.choice([rng.uniform(0, 0.1), rng.uniform(0.1, 1.2), rng.uniform(1.0, 1.5)]))
-        costs = decode.RunningCosts({(batch, k): 20.0 * batch ** 0.3 * (1 + growth * (k - 1)) for k in range(1, 6)})
+        costs = auto.RunningCosts({(batch, k): 20.0 * batch ** 0.3 * (1 + growth * (k - 1)) for k in range(1, 6)})
         costs.observe_draft(float(rng.uniform(0, 0.2)) * costs.ar_ms(batch), 1)
         alpha = float(rng.uniform(0, 1))
         _, gammas, _, ledgers = _simulate_auto(costs, batch, alpha, 200, trial)
         a = costs.ar_ms(batch)
         for ledger in ledgers:
-            assert ledger.loss_ms <= decode.EXPLORE_SHARE * max(ledger.plain_ms, decode.EXPLORE_HORIZON * a) + 1e-9
+            assert ledger.loss_ms <= auto.EXPLORE_SHARE * max(ledger.plain_ms, auto.EXPLORE_HORIZON * a) + 1e-9
         spoke += max(gammas) > 0
         lost += ledgers[-1].loss_ms > 0
     assert spoke >= 10 and lost >= 3  # drafting that paid, and probes that did not, both exercised
@@ -442,7 +444,7 @@ def test_drafting_keeps_no_autograd_graphs(engines, tmp_path):
             seen.append((torch.is_grad_enabled(), self.made.root.requires_grad, self.made.root.grad_fn))
             return proposal
 
-    head = decode.draft_head(engine, tmp_path / "head")
+    head = eagle_drafter.draft_head(engine, tmp_path / "head")
     assert not any(p.requires_grad for p in head.parameters())
     factory = eagle_factory(head, engine.config.num_layers)
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=8)) for p in PROMPTS[:2]]

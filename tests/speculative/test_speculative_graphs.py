@@ -12,8 +12,10 @@ import torch
 from moedesk.engine.generation.cuda_graphs import GraphedDecode
 from moedesk.engine.generation.kv_cache import KVCache
 from moedesk.engine.requests import Request
-from moedesk.engine.speculative import decode
-from moedesk.engine.speculative.decode import Speculator, eagle_factory, oracle_factory
+from moedesk.engine.speculative import auto, proposal, step_times
+from moedesk.engine.speculative.eagle_drafter import eagle_factory
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
+from moedesk.engine.speculative.verification import Speculator
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 
 
@@ -61,7 +63,7 @@ def test_auto_rounds_that_draft_nothing_are_the_plain_decode_segments(draft, off
     expected = plain(engine, requests)
     factory = (oracle_factory(expected, 0.2, engine.vocab_size) if draft == "oracle" else
                eagle_factory(random_head(engine, int(draft[-1]), tmp_path / draft), engine.config.num_layers))
-    costs = decode.RunningCosts(_table(3, 5, lambda b, k: 10.0 * k))  # a draft never pays
+    costs = auto.RunningCosts(_table(3, 5, lambda b, k: 10.0 * k))  # a draft never pays
     graphs = Counting()
     done, stats = speculate(engine, requests, factory, graphs, mode="auto", draft_length=4, costs=costs)
     assert [c.token_ids for c in done] == expected
@@ -148,11 +150,11 @@ def verify_inputs(engine, shape, rows, n=5, seed=0):
         positions = lengths[:, None] + torch.arange(n)
     else:
         parents = [-1, 0, 0, 1, 1, 2, 2, 3][:n]
-        positions = lengths[:, None] + torch.tensor(decode.node_depths(parents))
+        positions = lengths[:, None] + torch.tensor(proposal.node_depths(parents))
         kv_len = int(lengths.max()) + n
         m = (torch.arange(kv_len)[None, None] < lengths[:, None, None]).expand(len(prompts), n, kv_len).clone()
         for i in range(len(prompts)):
-            m[i, :, int(lengths[i]):int(lengths[i]) + n] = decode.tree_mask(parents)
+            m[i, :, int(lengths[i]):int(lengths[i]) + n] = proposal.tree_mask(parents)
         mask, slots = m[:, None].to(dev), (lengths[:, None] + torch.arange(n)).to(dev)
     where = torch.arange(len(prompts), device=dev) if rows else None
     return cache, twin, (tokens.to(dev), positions.to(dev), where, mask, slots)
@@ -227,7 +229,7 @@ def test_auto_step_times_are_timed_through_the_graphs(engines, tmp_path, monkeyp
     engine decodes through graphs (every shape, decode's and verify's), cached apart from eager tables."""
     engine = engines("mixtral", True)
     graphs = Counting(capture_after=5)  # measure_step_times captures every shape it times at once
-    table = decode.measure_step_times(engine.model, engine.executor, engine.config, engine.device, engine.dtype,
+    table = step_times.measure_step_times(engine.model, engine.executor, engine.config, engine.device, engine.dtype,
                                       [1, 2], 3, prompt=8, repeat=2, graphs=graphs)
     assert sorted(table) == [f"{b},{k}" for b in (1, 2) for k in (1, 2, 3)] and min(table.values()) > 0
     assert sorted({(b, t) for b, t, _ in graphs.calls}) == [(b, k) for b in (1, 2) for k in (1, 2, 3)]
@@ -236,9 +238,9 @@ def test_auto_step_times_are_timed_through_the_graphs(engines, tmp_path, monkeyp
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
     timed = []
-    monkeypatch.setattr(decode, "measure_step_times", lambda *a, graphs=None, **k: timed.append(graphs) or {"1,1": 1.0})
-    decode.engine_step_times(engine, 1, 1)
+    monkeypatch.setattr(step_times, "measure_step_times", lambda *a, graphs=None, **k: timed.append(graphs) or {"1,1": 1.0})
+    step_times.engine_step_times(engine, 1, 1)
     monkeypatch.setattr(engine, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
-    decode.engine_step_times(engine, 1, 1)
+    step_times.engine_step_times(engine, 1, 1)
     assert timed[0] is False and callable(timed[1])
     assert len(list((tmp_path / "cache").glob("speculative-steps-*.json"))) == 2

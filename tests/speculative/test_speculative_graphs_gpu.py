@@ -13,8 +13,9 @@ import torch
 from moedesk.engine.generation.cuda_graphs import GraphedDecode
 from moedesk.engine.requests import Request
 from moedesk.engine.runtime import Engine
-from moedesk.engine.speculative import decode
-from moedesk.engine.speculative.decode import Speculator, oracle_factory
+from moedesk.engine.speculative import auto, eagle_drafter, step_times
+from moedesk.engine.speculative.oracle_drafter import oracle_factory
+from moedesk.engine.speculative.verification import Speculator
 from tests.speculative.test_speculative_decode import PROMPTS, greedy, plain, random_head
 from tests.speculative.test_speculative_graphs import verify_inputs
 
@@ -86,7 +87,7 @@ def test_speculative_greedy_with_graphs_equals_plain_greedy(arch, engines):
                                  budget=budget)
         assert tokens == expected, mode
         assert any(k > 1 for _, k in shapes), (mode, shapes)  # verify forwards were captured and replayed
-    costs = decode.RunningCosts(_table(3, 5, lambda b, k: 10.0 * k))  # auto: drafting never pays
+    costs = auto.RunningCosts(_table(3, 5, lambda b, k: 10.0 * k))  # auto: drafting never pays
     tokens, stats, shapes = _run(engine, requests, factory, mode="auto", draft_length=3, costs=costs)
     assert tokens == expected and {r[0] for r in stats.rounds} == {0}
     assert shapes and all(k == 1 for _, k in shapes), shapes
@@ -96,10 +97,10 @@ def test_eagle_features_from_graphs_keep_greedy_output(engines, tmp_path):
     """An EAGLE head drafting from the features the captured graphs return (chains and trees)."""
     engine = engines("mixtral")
     random_head(engines("mixtral", "cpu"), 1, tmp_path / "head")  # written from CPU tensors, loaded onto the GPU
-    head = decode.draft_head(engine, tmp_path / "head")
+    head = eagle_drafter.draft_head(engine, tmp_path / "head")
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=n)) for p, n in zip(PROMPTS, (20, 12, 8))]
     expected = plain(engine, requests)
-    factory = decode.eagle_factory(head, engine.config.num_layers)
+    factory = eagle_drafter.eagle_factory(head, engine.config.num_layers)
     for mode, width, budget in (("greedy", 1, None), ("beam", 2, 5)):
         tokens, _, shapes = _run(engine, requests, factory, mode=mode, draft_length=3, draft_width=width,
                                  budget=budget)
@@ -126,8 +127,8 @@ def test_auto_step_times_replay_captured_graphs(engines):
         return graphs
 
     args = (engine.model, engine.executor, engine.config, engine.device, engine.dtype, [1, 4], 3)
-    graphed = decode.measure_step_times(*args, prompt=16, repeat=2, graphs=factory)
-    eager = decode.measure_step_times(*args, prompt=16, repeat=2, graphs=False)
+    graphed = step_times.measure_step_times(*args, prompt=16, repeat=2, graphs=factory)
+    eager = step_times.measure_step_times(*args, prompt=16, repeat=2, graphs=False)
     print({k: (round(graphed[k], 2), round(eager[k], 2)) for k in graphed})
     assert sorted(graphed) == sorted(eager) == [f"{b},{k}" for b in (1, 4) for k in (1, 2, 3)]
     assert went and all(went)

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from moedesk.app.cli import main
 from moedesk.engine.errors import CheckpointError
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import decode
+from moedesk.engine.speculative import eagle_drafter, rejection
 from moedesk.engine.speculative import train as T
 from moedesk.engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy
@@ -151,14 +151,14 @@ def test_head_loads_drafts_inside_its_vocabulary_and_speculation_is_plain_greedy
     assert bool(torch.isfinite(logits[:, ids]).all()) and bool(torch.isneginf(logits[:, ~head.t2d]).all())
     assert set(logits.argmax(-1).tolist()) <= set(ids.tolist())
     # every token drafted in chains and trees is a target id inside the vocabulary, and the output is greedy's
-    drafted, propose = [], decode.EagleDrafter.propose
+    drafted, propose = [], eagle_drafter.EagleDrafter.propose
 
     def recording(self, *args, **kw):
         proposal = propose(self, *args, **kw)
         drafted.extend(proposal.tokens[:, 1:].flatten().tolist())  # column 0 is the last token emitted
         return proposal
 
-    monkeypatch.setattr(decode.EagleDrafter, "propose", recording)
+    monkeypatch.setattr(eagle_drafter.EagleDrafter, "propose", recording)
     assert_speculation_is_plain_greedy(engine, tmp_path)
     assert drafted and set(drafted) <= set(ids.tolist())
 
@@ -174,13 +174,13 @@ def test_sampling_with_a_draft_vocabulary_keeps_the_targets_distribution(mode, w
     engine = engines("mixtral")
     prompt = engine.tokenizer.encode(PROMPTS[0])
     params = SamplingParams(max_new_tokens=2, temperature=1.0, top_k=4, ignore_eos=True)
-    first = decode.processed_probs(_logits(engine, prompt), params)
+    first = rejection.processed_probs(_logits(engine, prompt), params)
     ranked = first.argsort(descending=True).tolist()
     ids = torch.tensor(sorted([ranked[0], ranked[2], ranked[4]]))
     head = random_head(engine, 3, tmp_path / "head", seed=3, draft_ids=ids)
     n = 4000
     requests = [Request(prompt, dataclasses.replace(params, seed=s)) for s in range(n)]
-    done, _ = speculate(engine, requests, decode.eagle_factory(head, engine.config.num_layers), mode, length=2,
+    done, _ = speculate(engine, requests, eagle_drafter.eagle_factory(head, engine.config.num_layers), mode, length=2,
                         width=width)
     assert_two_tokens_follow_the_target(engine, done, prompt, params, n)
     firsts = collections.Counter(c.token_ids[0] for c in done)

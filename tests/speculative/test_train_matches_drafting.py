@@ -1,5 +1,5 @@
 """What training computes for a draft chain is what drafting computes (engine.speculative.train against
-engine.speculative.decode's EagleDrafter), for an EAGLE-1 head and an EAGLE-3 head with a reduced draft vocabulary.
+engine.speculative.eagle_drafter's EagleDrafter), for an EAGLE-1 head and an EAGLE-3 head with a reduced draft vocabulary.
 
 A chain drafted from a prefix ending at the token x at position L (the head's root row is L - 1, the target's
 feature there with x) is depth 0's prediction of the token at L + 1, then depth k's of L + k + 1 from the head's own
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import decode
+from moedesk.engine.speculative import eagle_drafter
 from moedesk.engine.speculative import train as T
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -53,7 +53,7 @@ def random_head(engine, kind: str, seed: int = 11):
     return head.float().eval().requires_grad_(False)
 
 
-class RecordingDrafter(decode.EagleDrafter):
+class RecordingDrafter(eagle_drafter.EagleDrafter):
     """The chain drafter as decoding runs it, keeping for every row and round its prefix length, drafts and the
     head's output at every depth (what the draft distribution is taken from). references {row: the target's own
     continuation}: a row's first `forced` drafts are taken from it instead of the head's argmax, so they are

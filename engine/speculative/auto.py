@@ -1,0 +1,167 @@
+"""Auto mode's decision: the draft length of each round, 0 for a plain step, from the step costs and the
+running acceptance (perf_model.choose_draft_length), within an exploration budget kept by a ledger; and the
+costs it prices rounds at (`RunningCosts`: measured step times scaled to what this run's rounds take).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moedesk.engine.speculative import perf_model
+
+
+def acceptance_estimate(accepted: int, tested: int, prior_accepted: float = 1.0, prior_tested: float = 2.0) -> float:
+    """Per-draft acceptance α from counts: `tested` drafts reached (a chain stops testing at its first
+    rejection), `accepted` of them taken; a weak prior (one of two) so that early steps do not swing it."""
+    return (accepted + prior_accepted) / (tested + prior_tested)
+
+
+# Speculate at all, in auto mode, only if even this acceptance would make it pay (else plain decoding
+# through the engine's own decode path, CUDA graphs included).
+OPTIMISTIC_ALPHA = 0.9
+# Auto's exploration (auto_gamma): rounds may lose at most this share of plain decoding's time...
+
+
+EXPLORE_SHARE = 0.01
+# ...counted as at least this many plain steps (or the run's length, if shorter), so that a run can probe in
+
+
+# its first rounds.
+EXPLORE_HORIZON = 160
+# Probe while this many more accepted drafts would make drafting pay: the evidence behind the estimate.
+
+
+OPTIMISM = 4
+
+
+@dataclass(frozen=True)
+class AutoLedger:
+    """Auto's rounds priced by the step costs against plain decoding of the tokens they took: its exploration
+    budget. Per batch, as the acceptance counts are."""
+    plain_ms: float = 0.0  # plain decoding's time for those tokens: T(B, 1) per token of each row
+    loss_ms: float = 0.0  # the rounds' time less plain_ms; negative where drafting gained
+
+    def book(self, costs: perf_model.StepCosts, batch: int, gamma: int, tokens_per_row: float) -> AutoLedger:
+        """After a round of `gamma` drafts in which each of the `batch` rows took `tokens_per_row` on average."""
+        ar, step = costs.ar_ms(batch), perf_model.step_ms(costs, batch, gamma)
+        if ar is None or step is None:
+            return self
+        plain = tokens_per_row * ar
+        return AutoLedger(self.plain_ms + plain, self.loss_ms + step - plain)
+
+    def room_ms(self, ar_ms: float, horizon: int = EXPLORE_HORIZON) -> float:
+        """What a round may still lose: EXPLORE_SHARE of plain decoding's time so far (at least `horizon` steps
+        of it), less what earlier rounds lost."""
+        return EXPLORE_SHARE * max(self.plain_ms, horizon * ar_ms) - self.loss_ms
+
+
+def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma: int,
+               ledger: AutoLedger = AutoLedger(), evidence: int = 0, horizon: int = EXPLORE_HORIZON) -> int:
+    """The draft length of the next round in auto mode, 0 for a plain step.
+
+    alpha is acceptance_estimate's, over `evidence` tested drafts. Exploit: the γ that choose_draft_length
+    finds pays at alpha. Else probe: the γ that would pay if the next OPTIMISM drafts tested were all
+    accepted, (accepted + 1 + 4) / (tested + 2 + 4): 5/6 before any evidence, 5/9 after three rejections,
+    under the 0.56 a Qwen3 batch-1 table needs, so probing ends on its own for a bad draft. One good probe
+    of 4 drafts (or one accepted 1-draft probe) lifts the estimate itself past that.
+
+    Either way a round goes ahead only if, with nothing accepted, it leaves the ledger within its budget: a
+    round of γ drafts loses at most γ·T_draft + T(B, γ+1) + T_reject - T(B, 1) (one token for the price of a
+    verify step); if that γ does not fit, the longest shorter one that fits (and, to exploit, still pays at
+    alpha) is taken. So by construction, in the costs' own model and at a fixed B, auto's time for n tokens
+    per row is at most plain decoding's plus EXPLORE_SHARE · max(n, horizon) · T(B, 1), whatever the
+    acceptance. The batch passes horizon = min(EXPLORE_HORIZON, its longest request): 1.01x plain for a run
+    of any length that goes to its end (a short run has little to gain and probes little), 1.017x at worst
+    for one cut short at 96 of 160 tokens.
+
+    What the budget buys on the Qwen3 batch-1 shape (T(1,2) = 1.6 and T(1,5) = 1.96 times T(1,1), drafting
+    free), for a run of 160 tokens or more: 1.6 plain steps at the start, i.e. a 4-draft probe in the first
+    round (loses 0.96 steps if its first draft is rejected) and a 1-draft one after it (0.6), then one 4-draft
+    probe per 96 plain steps; a probe that accepts j of 4 drafts books (0.96 - j) steps, so a good draft pays
+    for its next probes at once. Simulated there at acceptance 0.8 (the tests): the estimate alone drafts
+    within 24 rounds in 93 runs of 100 of 160 tokens (auto 1.65x plain on average against chains' 1.71x), in
+    81 of 100 of 96 tokens (1.55x). The old rule (a 1-draft probe after 64 plain steps in a row) never
+    speculated in a 96-token run on the GPU box (1.02x)."""
+    ar = costs.ar_ms(batch)
+    if ar is None:
+        return 0
+    gamma = perf_model.choose_draft_length(costs, batch, alpha, max_gamma).gamma
+    probe = not gamma
+    if probe:
+        n = evidence + 2  # acceptance_estimate's prior counts too
+        gamma = perf_model.choose_draft_length(costs, batch, (alpha * n + OPTIMISM) / (n + OPTIMISM), max_gamma).gamma
+    room = ledger.room_ms(ar, horizon)
+    for g in range(gamma, 0, -1):
+        step = perf_model.step_ms(costs, batch, g)
+        if step is not None and step - ar <= room and (
+                probe or perf_model.predicted_speedup(costs, batch, g, alpha) >= 1.0 + perf_model.SAFETY_MARGIN):
+            return g
+    return 0
+
+
+def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int,
+                         horizon: int = EXPLORE_HORIZON) -> bool:
+    """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
+    graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
+    draft length pay at this batch size, or where its first round, with no evidence yet, could not afford a probe
+    (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no longer than that horizon does not grow
+    with its plain rounds, so such a run would draft nothing to its end, paying for the speculative path's rounds
+    instead of plain steps (on the GPU box: Qwen3 shape, B = 1, 32 tokens: 0.90-1.00x plain in one run)."""
+    if not perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma:
+        return True
+    prior = acceptance_estimate(0, 0)
+    return not auto_gamma(costs, batch, prior, max_gamma, AutoLedger(), 0, min(horizon, EXPLORE_HORIZON))
+
+
+class RunningCosts:
+    """Measured target step times, scaled to what this run's rounds take, plus the draft's cost per drafted
+    token as this run measures it.
+
+    The table is the best of 3 bare forwards; a run's rounds also accept, compact and stream, on a machine
+    whose memory bandwidth varies from run to run. On the GPU box (Mixtral shape, B = 32) a round verifying 4
+    drafts took 335 ms against the table's 260, and auto, pricing drafts by the table, speculated at 0.87x
+    plain. So each round's own time (verify to streamed tokens) is divided by what the table says it should
+    take, a running ratio for rounds that verify drafts and one for rounds that draft nothing, and verifying
+    is priced at the table times how much more the first ratio is than the second (never less than the
+    table: a machine slower all round, or plain rounds not seen yet, must not make drafting look cheaper;
+    scaling plain rounds up instead had auto draft at 0.83x on the box at B = 1)."""
+
+    def __init__(self, target_ms: dict):
+        self.table = perf_model.MeasuredCosts(target_ms)
+        self.draft_token_ms: float = 0.0  # 0 until a round drafts: optimistic, so auto tries once
+        self.scale = {False: 1.0, True: 1.0}  # observed / table: rounds that draft nothing, rounds that verify
+        self.rounds = {False: 0, True: 0}
+        self._table_ms: dict = {}  # (B, k) -> the table's T(B, k): interpolated once, asked for every round
+
+    def _table(self, batch: int, k: int) -> float | None:
+        key = (batch, k)
+        if key not in self._table_ms:
+            self._table_ms[key] = self.table.ar_ms(batch) if k == 1 else self.table.verify_ms(batch, k - 1)
+        return self._table_ms[key]
+
+    def observe_draft(self, ms: float, tokens: int) -> None:
+        if tokens:
+            per = ms / tokens
+            self.draft_token_ms = per if not self.draft_token_ms else 0.8 * self.draft_token_ms + 0.2 * per
+
+    def observe_round(self, batch: int, gamma: int, ms: float) -> None:
+        """A round of `batch` rows and `gamma` drafts each took `ms` from its verify forward to its last token."""
+        table = self._table(batch, gamma + 1)
+        if not table or ms <= 0:
+            return
+        side, ratio = gamma > 0, ms / table
+        self.scale[side] = ratio if not self.rounds[side] else 0.7 * self.scale[side] + 0.3 * ratio
+        self.rounds[side] += 1
+
+    def ar_ms(self, batch):
+        return self._table(batch, 1)
+
+    def verify_ms(self, batch, gamma):
+        t = self._table(batch, gamma + 1)
+        return None if t is None else t * max(1.0, self.scale[True] / self.scale[False])
+
+    def draft_ms(self, batch):
+        return self.draft_token_ms
+
+    def reject_ms(self, batch):
+        return 0.0
+

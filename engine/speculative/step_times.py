@@ -1,0 +1,102 @@
+"""The target's step times T(B, k) that auto mode prices rounds at: measured through the forwards speculation
+runs (CUDA graphs where the engine replays them), once per machine, model and placement, and cached.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moedesk.engine.generation.decoder import synchronize
+from moedesk.engine.generation.kv_cache import KVCache
+
+
+def graphs_like(graphs):
+    """The speculator's graphs as the engine's plain decode has them: none, or GraphedDecode over its own cache
+    that captures (or runs the segments eagerly) as the engine's does."""
+    if graphs is None:
+        return False
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    return lambda model, cache: GraphedDecode(model, cache, capture=graphs.capture)
+
+
+STEP_TIMES_FORMAT = 2  # 2: timed through CUDA graphs where the engine's forwards replay them
+
+
+MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int, prompt: int = 32,
+                       repeat: int = 3, graphs=None) -> dict[str, float]:
+    """T(B, k) in ms: one forward of B sequences with k new tokens each after a `prompt`-token prefix (the
+    best of `repeat`), as "B,k" keys. Random tokens: what is timed is where the experts are and how many
+    distinct ones the tokens reach, which random routing over-estimates only slightly.
+
+    graphs: as Speculator takes it (None: where the device wants CUDA graphs). The forwards are then replayed
+    from graphs captured for each shape, as plain decode steps and speculative verify forwards run, so auto
+    prices what runs: eager forwards paid ~10-12 ms of kernel launches per step on the H100 box that the
+    graphed plain step does not."""
+    if graphs is None:
+        from moedesk.engine.generation.cuda_graphs import graphs_wanted
+
+        graphs = graphs_wanted(torch.device(device))
+    if graphs and not callable(graphs):
+        from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+        graphs = GraphedDecode
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for b in batches:
+        cache = KVCache(cfg, b, prompt + max_k, dtype, device)
+        tokens = torch.randint(3, cfg.vocab_size, (b, prompt + max_k), generator=gen).to(device)
+        positions = torch.arange(prompt + max_k, device=device).expand(b, -1)
+        model(tokens[:, :prompt], positions[:, :prompt], cache, executor)
+        graphed = graphs(model, cache) if graphs else None
+        if graphed is not None:
+            graphed.capture_after = 1  # every shape here is timed again at once
+
+        def forward(k):
+            args = tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k]
+            if graphed is None or graphed.forward(*args, executor) is None:
+                model(*args, cache, executor)
+
+        for k in range(1, max_k + 1):
+            if graphed is not None:
+                forward(k)  # captures: not what a step costs
+            best = float("inf")
+            for _ in range(repeat):
+                synchronize(device)
+                t0 = time.perf_counter()
+                forward(k)
+                synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            out[f"{b},{k}"] = 1000 * best
+        if graphed is not None:
+            graphed.release()
+    return out
+
+
+def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False) -> dict[tuple[int, int], float]:
+    """The engine's T(B, k) for B up to `batch` (powers of two, and `batch`) and k up to max_gamma + 1, measured
+    once per machine, model, device, dtype and placement and cached beside the expert profile."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from moedesk.engine.load.demo import cache_root
+    from moedesk.engine.hardware import machine_fingerprint
+    from moedesk.engine.json_cache import cached_json
+
+    batches = sorted({b for b in MEASURED_BATCHES if b <= batch} | {batch})
+    placement = engine.orchestra.summary() if engine.orchestra is not None else {}
+    graphs = graphs_like(getattr(engine, "graphs", None))  # as the job's Speculator will run its forwards
+    raw = json.dumps([STEP_TIMES_FORMAT, machine_fingerprint(), engine.name, str(engine.device), str(engine.dtype),
+                      torch.get_num_threads(), json.dumps(placement, sort_keys=True, default=str), batches,
+                      max_gamma + 1, bool(graphs)])
+    key = hashlib.sha256(raw.encode()).hexdigest()[:16]
+    measured = cached_json(Path(cache_root()) / f"speculative-steps-{key}.json",
+                           lambda: measure_step_times(engine.model, engine.executor, engine.config, engine.device,
+                                                      engine.dtype, batches, max_gamma + 1, graphs=graphs), refresh)
+    return {tuple(int(x) for x in k.split(",")): float(v) for k, v in measured.items()}
+
