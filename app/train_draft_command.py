@@ -1,4 +1,4 @@
-"""`moedesk train-draft`: train an EAGLE draft head for a model on its own answers (engine.speculative.train)."""
+"""`moedesk train-draft`: train an EAGLE draft head for a model on its own answers (training.train)."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,7 @@ _SETTINGS_FLAGS = ("steps", "epochs", "lr", "batch_size", "max_new_tokens", "sam
 
 
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
-    from moedesk.engine.speculative.train import TrainSettings
+    from moedesk.training.train import TrainSettings
 
     d = TrainSettings()
     parser.add_argument("--out", required=True, metavar="DIR",
@@ -81,7 +81,7 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args):
     """(TrainSettings, the fields given on the command line)."""
-    from moedesk.engine.speculative.train import TrainSettings
+    from moedesk.training.train import TrainSettings
 
     given = {name: getattr(args, name) for name in _SETTINGS_FLAGS if getattr(args, name, None) is not None}
     for name in ("steps", "batch_size", "max_new_tokens", "depths", "samples", "draft_vocab", "head_width"):
@@ -146,7 +146,7 @@ def _duration(seconds: float) -> str:
 
 
 def run_train_draft(args, load_engine) -> int:
-    from moedesk.engine.speculative import train as T
+    from moedesk.training import train as T
 
     settings, given = settings_from_args(args)
     out = Path(args.out)

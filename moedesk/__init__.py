@@ -1,7 +1,7 @@
 """moedesk: run Mixture-of-Experts language models on one personal computer.
 
-Installed, `moedesk.app`, `moedesk.engine`, `moedesk.kernels` and `moedesk.assets` are this package's
-subpackages (setup.py maps the repository's top-level folders under it). Run from a checkout without
+Installed, the repository's top-level folders (setup.py's LAYERS: `moedesk.app`, `moedesk.engine`,
+`moedesk.kernels`, ...) are this package's subpackages. Run from a checkout without
 installing (the GPU box does), the same names resolve to those folders through this package's path.
 """
 from importlib.metadata import PackageNotFoundError, version as _version

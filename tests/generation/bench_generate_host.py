@@ -29,7 +29,7 @@ from moedesk.engine.generation import decoder as D  # noqa: E402
 from moedesk.engine.generation.decoder import synchronize  # noqa: E402
 from moedesk.engine.requests import Request, SamplingParams  # noqa: E402
 from moedesk.engine.runtime import Engine  # noqa: E402
-from moedesk.engine.speculative import train as T  # noqa: E402
+from moedesk.training import train as T  # noqa: E402
 
 
 def main(argv=None) -> None:

@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.prompts:
-        from moedesk.engine.speculative.train import load_prompts
+        from moedesk.training.train import load_prompts
 
         prompts, source = load_prompts(args.prompts), args.prompts
     else:

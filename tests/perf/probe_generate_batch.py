@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moedesk.engine.requests import Request, SamplingParams  # noqa: E402
 from moedesk.engine.runtime import Engine  # noqa: E402
-from moedesk.engine.speculative.train import load_prompts, prompt_ids  # noqa: E402
+from moedesk.training.train import load_prompts, prompt_ids  # noqa: E402
 
 
 def main():

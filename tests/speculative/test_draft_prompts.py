@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from moedesk.engine.speculative.train import default_prompts_path, load_prompts
+from moedesk.training.train import default_prompts_path, load_prompts
 
 EVAL_DATA = Path(os.environ["MOEDESK_EVAL_DATA"]) if os.environ.get("MOEDESK_EVAL_DATA") else None
 NGRAM = 8

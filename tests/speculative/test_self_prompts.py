@@ -1,4 +1,4 @@
-"""Requests the target writes itself for `moedesk train-draft --self-prompts N` (engine.speculative.self_prompts):
+"""Requests the target writes itself for `moedesk train-draft --self-prompts N` (training.self_prompts):
 which are kept, that they do not depend on the batch, that they are saved and reused, and that train-draft trains on
 them beside the prompts file's."""
 import json
@@ -8,8 +8,8 @@ import pytest
 
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.requests import Completion
-from moedesk.engine.speculative import self_prompts as S
-from moedesk.engine.speculative import train as T
+from moedesk.training import self_prompts as S
+from moedesk.training import train as T
 from tests.speculative.train_helpers import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

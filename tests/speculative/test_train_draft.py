@@ -1,4 +1,4 @@
-"""`moedesk train-draft` (engine.speculative.train) and the demo's shipped draft head.
+"""`moedesk train-draft` (training.train) and the demo's shipped draft head.
 
 On a tiny random Mixtral: training lowers the loss on a fixed batch; a run interrupted and resumed from its
 checkpoint ends with the same weights, bit for bit, as an uninterrupted one; the folder written loads with
@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from moedesk.app.cli import main
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 from moedesk.engine.speculative.demo_draft import check_demo_head, resolve_draft
 from moedesk.engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import (assert_speculation_is_plain_greedy, figures_before_and_after_training,

@@ -1,4 +1,4 @@
-"""`moedesk train-draft --head eagle3` (engine.speculative.train) on a tiny random Mixtral.
+"""`moedesk train-draft --head eagle3` (training.train) on a tiny random Mixtral.
 
 The data holds the target's three layer inputs (what decoding asks it for) and its last hidden state; training
 lowers the token loss on a fixed batch; the folder written loads as an EAGLE-3 head (identity draft vocabulary),
@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from moedesk.app.cli import main
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 from moedesk.engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy, figures_before_and_after_training
 

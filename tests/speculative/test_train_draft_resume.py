@@ -1,4 +1,4 @@
-"""`moedesk train-draft`'s answers saved as they complete (engine.speculative.train.AnswerLog).
+"""`moedesk train-draft`'s answers saved as they complete (training.train.AnswerLog).
 
 A generation interrupted after some answers and resumed gives the same data, token for token and feature for
 feature, as an uninterrupted run, and the same head bit for bit; a partial last line of the answers file (a kill
@@ -16,7 +16,7 @@ from moedesk.app.cli import main
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.sampling import sample_tokens
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 from tests.speculative.train_helpers import PROMPTS, write_prompts
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

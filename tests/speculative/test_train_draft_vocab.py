@@ -18,7 +18,7 @@ from moedesk.app.cli import main
 from moedesk.engine.errors import CheckpointError
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.speculative import eagle_drafter, rejection
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 from moedesk.engine.speculative.eagle import load_eagle_head
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy
 

@@ -1,4 +1,4 @@
-"""What training computes for a draft chain is what drafting computes (engine.speculative.train against
+"""What training computes for a draft chain is what drafting computes (training.train against
 engine.speculative.eagle_drafter's EagleDrafter), for an EAGLE-1 head and an EAGLE-3 head with a reduced draft vocabulary.
 
 A chain drafted from a prefix ending at the token x at position L (the head's root row is L - 1, the target's
@@ -17,7 +17,7 @@ import torch
 
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.speculative import eagle_drafter
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

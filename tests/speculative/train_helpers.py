@@ -6,7 +6,7 @@ import json
 import torch
 
 from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.speculative import train as T
+from moedesk.training import train as T
 
 PROMPTS = ["Hello, world!", "Tell me about the quick brown fox.", "def add(a, b):", "How do experts route tokens?",
            "Write a list of numbers.", "What is 2 + 3?"]

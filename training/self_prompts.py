@@ -125,7 +125,7 @@ def load_saved(path: Path, key: str) -> list[list] | None:
 def self_written_prompts(engine, count: int, seed: int, folder: Path, batch_size: int = 32, given=(), progress=None,
                          log=lambda line: None) -> list[list]:
     """write_prompts, saved in folder/FILE, or the ones saved there before for the same settings."""
-    from moedesk.engine.speculative.train import _atomic
+    from moedesk.training.train import _atomic
 
     path = Path(folder) / FILE
     key = settings_key(engine, count, seed)

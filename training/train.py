@@ -5,7 +5,7 @@ applied), then one teacher-forced forward over prompt + answer records its featu
 last hidden state after the final norm: what the head drafts from, engine.speculative.eagle). The head
 learns what the target would do, not what a dataset says, so its drafts are accepted as often as possible.
 The answers are saved as they complete (AnswerLog), so an interrupted generation continues where it stopped.
-settings.self_prompts adds requests the target writes itself (engine.speculative.self_prompts) to the prompt set.
+settings.self_prompts adds requests the target writes itself (training.self_prompts) to the prompt set.
 
 Loss, as the EAGLE paper: at every answer position, a smooth-L1 loss between the head's output and the
 target's next feature, plus 0.1 x the cross-entropy of the head's next-token distribution (through the
@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.model.transformer import apply_rope
 from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
-from moedesk.engine.speculative.self_prompts import self_written_prompts
+from moedesk.training.self_prompts import self_written_prompts
 
 DATA_FORMAT = 1
 ANSWERS_FORMAT = 1
@@ -110,7 +110,7 @@ class TrainSettings:
     # demo's 49k-row one is most of a 64 MB head), its softmax runs over them, and rows where the target's most
     # likely next token is outside them are left out of the loss (EAGLE-3's and SpecForge's rule)
     draft_vocab: int = 0
-    # requests the target writes itself (engine.speculative.self_prompts), added to the prompt set: many more, and
+    # requests the target writes itself (training.self_prompts), added to the prompt set: many more, and
     # more varied, than a shipped file holds
     self_prompts: int = 0
     # the head's MLP width; 0: the target's last layer's. A wider one learns more of what the target does, at a
