@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.training.files import atomic_write
 
 FORMAT = 1
 FILE = "self_prompts.jsonl"  # under train.TRAINING_DIR
@@ -125,8 +126,6 @@ def load_saved(path: Path, key: str) -> list[list] | None:
 def self_written_prompts(engine, count: int, seed: int, folder: Path, batch_size: int = 32, given=(), progress=None,
                          log=lambda line: None) -> list[list]:
     """write_prompts, saved in folder/FILE, or the ones saved there before for the same settings."""
-    from moedesk.training.train import _atomic
-
     path = Path(folder) / FILE
     key = settings_key(engine, count, seed)
     prompts = load_saved(path, key)
@@ -139,5 +138,5 @@ def self_written_prompts(engine, count: int, seed: int, folder: Path, batch_size
     lines = [json.dumps({"format": FORMAT, "key": key, "prompts": len(prompts)})]
     # after the header, {"messages": [...]} lines as a prompts file has them: easy to read, or to copy into one
     lines += [json.dumps({"messages": p}, ensure_ascii=False) for p in prompts]
-    _atomic(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n", encoding="utf-8"))
     return prompts

@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import tempfile
 import time
 from dataclasses import MISSING, asdict, dataclass, fields, replace
@@ -56,6 +55,7 @@ import torch.nn.functional as F
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.model.transformer import apply_rope
 from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
+from moedesk.training.files import atomic_write
 from moedesk.training.self_prompts import self_written_prompts
 
 DATA_FORMAT = 1
@@ -395,7 +395,7 @@ class AnswerLog:
         already holds exactly those."""
         if not self._clean:
             lines = [self._header_line()] + [self._line(i, ids, stop) for i, (ids, stop) in self.answers.items()]
-            _atomic(self.path, lambda tmp: tmp.write_text("".join(lines), encoding="utf-8"))
+            atomic_write(self.path, lambda tmp: tmp.write_text("".join(lines), encoding="utf-8"))
             self._clean = True
         self._file = open(self.path, "a", encoding="utf-8")
 
@@ -471,7 +471,7 @@ def save_data(data: DraftData, path: Path, key: str) -> None:
 
     tensors = {f.name: getattr(data, f.name).contiguous() for f in fields(DraftData)
                if getattr(data, f.name) is not None}  # eagle1's final is None: its features are it
-    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key, "format": str(DATA_FORMAT)}))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"key": key, "format": str(DATA_FORMAT)}))
 
 
 def load_data(path: Path, key: str) -> DraftData | None:
@@ -1048,9 +1048,9 @@ def save_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings, s
             tensors[f"adam.{name}.exp_avg_sq"] = state[i]["exp_avg_sq"].cpu().contiguous()
     meta = {"format": CHECKPOINT_FORMAT, "step": step, "adam_steps": {name: float(state[i]["step"])
             for i, name in enumerate(_param_names(head)) if i in state}, "settings": asdict(settings)}
-    _atomic(path, lambda tmp: save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)}))
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"state": json.dumps(meta)}))
     # the same state for people and scripts to read (the checkpoint's own copy is the one resumed from)
-    _atomic(path.with_name("state.json"), lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    atomic_write(path.with_name("state.json"), lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
 
 
 def checkpoint_state(path: Path) -> dict:
@@ -1114,22 +1114,6 @@ def load_checkpoint(path: Path, head: EagleHead, opt, settings: TrainSettings) -
 
 # --- writing the head ----------------------------------------------------------------------------------
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    """write(tmp) into a temporary file beside `path`, then rename it over `path`: a crash leaves the old file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would leave a shared head readable by its trainer only
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def write_head(head: EagleHead, folder: Path, metadata: dict, dtype: torch.dtype = torch.bfloat16) -> Path:
     """config.json (with a "moedesk" entry: what the head was trained for) and model.safetensors, the layout
     engine.speculative.eagle.load_eagle_head reads; the embedding is left out (the target's is used)."""
@@ -1141,8 +1125,8 @@ def write_head(head: EagleHead, folder: Path, metadata: dict, dtype: torch.dtype
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
     hf["moedesk"] = metadata
     folder.mkdir(parents=True, exist_ok=True)
-    _atomic(folder / "model.safetensors", lambda tmp: save_file(tensors, str(tmp)))
-    _atomic(folder / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n"))
+    atomic_write(folder / "model.safetensors", lambda tmp: save_file(tensors, str(tmp)))
+    atomic_write(folder / "config.json", lambda tmp: tmp.write_text(json.dumps(hf, indent=2) + "\n"))
     return folder
 
 
