@@ -271,7 +271,7 @@ def run_batch_command(args) -> int:
 def run_bench_command(args) -> int:
     import json
 
-    from moedesk.engine.bench import format_results, run_bench
+    from moedesk.bench.synthetic import format_results, run_bench
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     if args.model or args.draft or args.prompts:
@@ -288,8 +288,8 @@ def _run_decoding_bench(args, log) -> int:
     """--speculative and/or --beams on one synthetic model: built, profiled and placed once for both."""
     import json
 
-    from moedesk.engine.bench import format_beam, measure_beam, prepare_synthetic
-    from moedesk.engine.bench_speculative import PROMPT_TOKENS, format_speculative, measure_speculative
+    from moedesk.bench.synthetic import format_beam, measure_beam, prepare_synthetic
+    from moedesk.bench.speculative import PROMPT_TOKENS, format_speculative, measure_speculative
 
     tokens = args.decode_tokens or 32
     context = PROMPT_TOKENS + tokens + 2 * (args.draft_length + 1) + 8
@@ -312,7 +312,7 @@ def _run_decoding_bench(args, log) -> int:
 def _run_draft_bench(args, log) -> int:
     import json
 
-    from moedesk.engine.bench_speculative import format_draft, load_prompts, run_draft_bench
+    from moedesk.bench.speculative import format_draft, load_prompts, run_draft_bench
     from moedesk.engine.runtime import Engine
 
     if not (args.model and args.draft and args.prompts):

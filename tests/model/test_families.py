@@ -209,7 +209,7 @@ def test_glm4_moe_gguf_generates_like_llama_cpp(tiny_checkpoint, tmp_path):
 def test_bench_runs_a_glm_shape_on_the_simulated_tier():
     """`moedesk bench --shape glm-4.5-air`'s path (a dense first layer, sigmoid routing, a shared expert) at a size
     the CPU runs; the full shape's figures come from the GPU box."""
-    from moedesk.engine.bench import run_bench
+    from moedesk.bench.synthetic import run_bench
     from moedesk.engine.load.synthetic import SHAPES, shape_config
 
     report = run_bench("tiny-glm", 3, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2,

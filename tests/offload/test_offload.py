@@ -83,7 +83,7 @@ def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkp
 
 
 def test_bench_runs_on_the_simulated_tier():
-    from moedesk.engine.bench import run_bench
+    from moedesk.bench.synthetic import run_bench
 
     report = run_bench("tiny-moe", 2, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lambda *a: None)
     modes = [r["mode"] for r in report["results"]]
@@ -94,7 +94,7 @@ def test_bench_runs_on_the_simulated_tier():
 
 
 def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
-    from moedesk.engine.bench import traffic_bound
+    from moedesk.bench.synthetic import traffic_bound
     from moedesk.engine.offload.offload_executor import StepStats
 
     # 10 steps that computed 30 experts on the CPU and copied 10: 4 expert reads per step.

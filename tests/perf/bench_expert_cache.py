@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from moedesk.engine.bench import measure_decode, prepare_synthetic
+from moedesk.bench.synthetic import measure_decode, prepare_synthetic
 from moedesk.engine.offload.expert_cache import CachePolicy
 from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceRouter, TraceShape, step_counts,
                                                   synthetic_trace)

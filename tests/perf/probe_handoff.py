@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
 from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread

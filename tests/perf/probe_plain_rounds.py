@@ -3,7 +3,7 @@ B = 16, acceptance 0.5, on the Qwen3 shape, its γ = 0 rounds at 85 ms against t
 
 Usage (GPU box, repo root): python3 tests/perf/probe_plain_rounds.py [--shape S] [--layers L] [--batch B]
 [--tokens N] [--rounds R]. One synthetic model, every expert in RAM; per round, plain batched decode
-(engine.bench_speculative.plain_decode) and a speculative run in auto mode whose costs make every draft length lose
+(bench.speculative.plain_decode) and a speculative run in auto mode whose costs make every draft length lose
 (so every round is γ = 0), alternating. Prints the plain step's time beside the γ = 0 rounds' verify and accept
 times, then torch.profiler's top host-side ops of one run of each, so the two paths can be compared op by op.
 """
@@ -12,8 +12,8 @@ import statistics
 
 import torch
 
-from moedesk.engine.bench import prepare_synthetic, random_prompt
-from moedesk.engine.bench_speculative import PROMPT_TOKENS, OracleCosts, plain_decode, speculative_decode
+from moedesk.bench.synthetic import prepare_synthetic, random_prompt
+from moedesk.bench.speculative import PROMPT_TOKENS, OracleCosts, plain_decode, speculative_decode
 from moedesk.engine.speculative.verification import Speculator
 
 parser = argparse.ArgumentParser()

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload import offload_executor
 from qwen3_probe_model import qwen3_all_in_ram
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from moedesk.engine.bench import measure_decode, prepare_synthetic  # noqa: E402
+from moedesk.bench.synthetic import measure_decode, prepare_synthetic  # noqa: E402
 from moedesk.engine.offload.placement import RememberedSplit, assign_offloaded, lone_token_split  # noqa: E402
 from moedesk.engine.offload.profiler import split_row_candidates  # noqa: E402
 

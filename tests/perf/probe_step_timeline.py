@@ -14,7 +14,7 @@ import torch
 import moedesk.engine.generation.cuda_graphs as cg
 import moedesk.engine.generation.decoder as gen
 import moedesk.engine.offload.offload_executor as oe
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
 from qwen3_probe_model import qwen3_all_in_ram
 

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.placement import streamed_ranks

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
 from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread

@@ -2,7 +2,7 @@
 computed on the CPU, one warm-up decode done. Import from a probe run as `python3 tests/perf/<probe>.py`."""
 import torch
 
-from moedesk.engine.bench import measure_decode
+from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
 

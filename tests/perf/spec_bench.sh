@@ -65,8 +65,8 @@ for folder in sys.argv[1:]:
 if not reports:
     sys.exit("no reports found")
 
-from moedesk.engine.bench import format_beam
-from moedesk.engine.bench_speculative import format_draft, format_speculative
+from moedesk.bench.synthetic import format_beam
+from moedesk.bench.speculative import format_draft, format_speculative
 
 for name, r in reports.items():
     if "speculative" in r or "beam" in r:

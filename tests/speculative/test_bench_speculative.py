@@ -1,4 +1,4 @@
-"""`moedesk bench --speculative`, `--beams` and `--model/--draft/--prompts` (engine.bench_speculative), on the CPU.
+"""`moedesk bench --speculative`, `--beams` and `--model/--draft/--prompts` (bench.speculative), on the CPU.
 
 The command runs end to end on a tiny synthetic shape and on a tiny checkpoint with a random head; its JSON
 has the fields docs/benchmarks.md names; the oracle draft's measured acceptance is the requested one within a
@@ -21,15 +21,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def tiny_bench():
-    from moedesk.engine.bench import prepare_synthetic
+    from moedesk.bench.synthetic import prepare_synthetic
 
     return prepare_synthetic("tiny-moe", 2, 0.0002, "cpu", context=160, log=lambda *a: None)
 
 
 def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatch):
     from moedesk.app.cli import main
-    from moedesk.engine.bench import format_beam
-    from moedesk.engine.bench_speculative import format_speculative
+    from moedesk.bench.synthetic import format_beam
+    from moedesk.bench.speculative import format_speculative
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--gpu-budget", "0.0002", "--device", "cpu",
@@ -82,8 +82,8 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
 
 @pytest.fixture(scope="module")
 def plain_run(tiny_bench):
-    from moedesk.engine.bench import random_prompt
-    from moedesk.engine.bench_speculative import plain_decode
+    from moedesk.bench.synthetic import random_prompt
+    from moedesk.bench.speculative import plain_decode
 
     prompts = [random_prompt(16, tiny_bench.cfg.vocab_size, 50 + i) for i in range(8)]
     return prompts, plain_decode(tiny_bench, prompts, 48 + 3, 120)[0]
@@ -94,7 +94,7 @@ def plain_run(tiny_bench):
 def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, draft):
     """The oracle drafts from the plain run's tokens while a sequence follows them, and redrafts from the actual
     prefix once it does not (here forced: no reference at all, or half the references wrong from token 5 on)."""
-    from moedesk.engine.bench_speculative import speculative_decode
+    from moedesk.bench.speculative import speculative_decode
     from moedesk.engine.speculative.verification import Speculator
 
     prompts, reference = plain_run
@@ -112,7 +112,7 @@ def test_oracle_acceptance_is_the_requested_rate(tiny_bench, plain_run, alpha, d
 
 
 def test_full_batch_throughput_takes_only_the_rounds_that_ran_every_row():
-    from moedesk.engine.bench_speculative import full_batch_throughput, judged_speedup
+    from moedesk.bench.speculative import full_batch_throughput, judged_speedup
     from moedesk.engine.speculative.verification import Round
 
     rounds = [Round(4, 4, 0.5, 100.0, 2.0, 12), Round(4, 4, 0.5, 110.0, 3.0, 10),
@@ -192,7 +192,7 @@ def _simulate(oracle_class, alpha, agree, rows=8, new=300, gamma=4, seed=5):
 def test_oracle_reaches_the_requested_acceptance_where_the_target_rejects_uncorrupted_drafts():
     """The target rejects 20% of the uncorrupted drafts (as bf16 verify forwards did on the GPU box): corrupting
     at 1 - α would measure about 0.8 α; corrupting at 1 - α / q measures α."""
-    from moedesk.engine.bench_speculative import LookaheadOracle
+    from moedesk.bench.speculative import LookaheadOracle
 
     class Fixed(LookaheadOracle):  # the corruption before q: 1 - α, whatever the target does
         corruption = property(lambda self: 1.0 - self.acceptance)
@@ -226,7 +226,7 @@ def _random_tables(rng, batches=(1, 4, 16, 32), max_k=5):
 
 
 def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
-    from moedesk.engine.bench_speculative import OracleCosts
+    from moedesk.bench.speculative import OracleCosts
 
     rng = np.random.default_rng(0)
     spoke = plain = 0
@@ -253,7 +253,7 @@ def test_auto_never_speculates_where_the_measured_steps_say_it_loses():
 
 
 def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
-    from moedesk.engine.bench_speculative import OracleCosts
+    from moedesk.bench.speculative import OracleCosts
 
     table = {(b, k): 10.0 * b * k for b in (1, 4) for k in range(1, 6)}
     costs = OracleCosts(table)
@@ -266,7 +266,7 @@ def test_auto_with_verification_costing_a_step_per_token_decodes_plainly():
 
 
 def test_fit_error_comes_from_the_fitted_models_residuals():
-    from moedesk.engine.bench_speculative import fit_residuals, fit_step_table
+    from moedesk.bench.speculative import fit_residuals, fit_step_table
 
     truth = perf_model.SpeedupModel(experts=8, top_k=2, ridge=64.0, bias=2.0, k1=1.0, k2=5.0, k3=0.5, lam=0.5, s=1.05)
     table = {(b, k): float(perf_model.target_time(truth, b * k)) for b in (1, 4, 16, 32) for k in range(1, 6)}
@@ -285,7 +285,7 @@ def test_fit_error_comes_from_the_fitted_models_residuals():
 
 
 def test_load_prompts_reads_mt_bench_humaneval_and_plain_forms(tmp_path, tiny_checkpoint):
-    from moedesk.engine.bench_speculative import load_prompts
+    from moedesk.bench.speculative import load_prompts
     from moedesk.engine.errors import MoedeskError
     from moedesk.engine.runtime import Engine
 

@@ -24,7 +24,7 @@ def test_round_is_a_named_record_that_indexes_as_before():
 def test_speed_figures_leave_out_rounds_that_captured_graphs():
     """A round whose forward captured CUDA graphs pays a one-off cost: the bench's figures leave it out (as the
     plain run's first step), and auto does not price later rounds by it."""
-    from moedesk.engine.bench_speculative import full_batch_throughput, timed_rounds
+    from moedesk.bench.speculative import full_batch_throughput, timed_rounds
     from moedesk.engine.speculative.verification import SpeculativeBatch
 
     rounds = [Round(0, 4, 0.0, 900.0, 1.0, 4, 1), Round(0, 4, 0.0, 99.0, 1.0, 4), Round(4, 4, 0.0, 199.0, 1.0, 12)]

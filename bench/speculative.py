@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moedesk.engine.bench import SyntheticBench, random_prompt
+from moedesk.bench.synthetic import SyntheticBench, random_prompt
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, synchronize
 from moedesk.engine.generation.kv_cache import KVCache
@@ -351,7 +351,7 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
 
 def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
                         gamma: int = 4, new_tokens: int = 32, repeat: int = 3, log=print) -> dict:
-    """Everything `moedesk bench --speculative` reports, on a prepared synthetic model (engine.bench)."""
+    """Everything `moedesk bench --speculative` reports, on a prepared synthetic model (bench.synthetic)."""
     if gamma < 1:
         raise ValueError("the draft length must be at least 1")
     if new_tokens < 4:
