@@ -188,7 +188,6 @@ class OffloadExecutor:
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
         self.cache: ExpertCache | None = None  # set by `follow_routing`
-        self.replay = None  # engine.offload.routing_trace.TraceRouter: a trace's ids in place of the router's
         self.set_placement(on_gpu)
         slots = staging_slots or any_bank.num_experts
         self.staging = [any_bank.expert(0).empty_like(self.device) for _ in range(slots)]
@@ -479,8 +478,6 @@ class OffloadExecutor:
         one kernel call that writes each result at its pair's row, sends those rows to the device
         in one copy, and scatters the GPU's results over them.
         """
-        if self.replay is not None and host is None:
-            ids = self.replay.ids(moe.layer, ids)
         if host is None and self.runs_on_device(moe.layer) and ids.numel() <= GROUPED_MAX_TOKENS * len(
                 self.banks[moe.layer].gpu_slot):
             # Every expert resident and few tokens each (steps outside the graphs): nothing to decide on the

@@ -137,7 +137,7 @@ def synthetic_trace(shape: TraceShape, steps: int, params: TraceParams, tokens: 
 
 
 class TraceRouter:
-    """Replays a trace in place of the model's router (`OffloadExecutor.replay`): each step's ids per layer,
+    """Replays a trace in place of the model's router (`replace_router`): each step's ids per layer,
     the trace's tokens repeated or cut to the step's, the trace itself repeated when it runs out. Expert
     outputs are then wrong, so only for measuring speed on routing of a known shape."""
 
@@ -162,3 +162,12 @@ class TraceRouter:
         if k != self.top_k:
             raise MoedeskError(f"the routing trace has top-{self.top_k}; the model routes to {k}")
         return torch.from_numpy(np.resize(trace, n * k).reshape(n, k)).to(like.device, like.dtype)
+
+
+def replace_router(model, router: "TraceRouter | None") -> None:
+    """Route `model`'s MoE layers by `router` (None: by their own routers again), weights as the router gives."""
+    for moe in model.moe_blocks():
+        moe.__dict__.pop("route", None)  # back to the class's method
+        if router is not None:
+            own = moe.route
+            moe.route = lambda x, own=own, layer=moe.layer: (lambda w, ids: (w, router.ids(layer, ids)))(*own(x))

@@ -233,3 +233,31 @@ def test_a_trace_router_gives_each_layer_its_ids_step_by_step():
         router.ids(7, torch.zeros((1, 3), dtype=torch.int64))
     with pytest.raises(MoedeskError, match="MoE layers"):
         TraceRouter(steps, layers=[0, 1, 2], top_k=2)
+
+
+def test_replace_router_swaps_the_ids_and_keeps_the_weights_until_undone():
+    import torch
+
+    from moedesk.engine.offload.routing_trace import TraceRouter, replace_router
+
+    class Block:
+        def __init__(self, layer):
+            self.layer = layer
+
+        def route(self, x):
+            return torch.ones((len(x), 2)), torch.zeros((len(x), 2), dtype=torch.int64)
+
+    class Model:
+        blocks = [Block(1), Block(2)]
+
+        def moe_blocks(self):
+            return self.blocks
+
+    model = Model()
+    steps = [[np.array([3, 4]), np.array([5, 6])]]
+    replace_router(model, TraceRouter(steps, layers=[1, 2], top_k=2))
+    w1, ids1 = model.blocks[0].route(torch.zeros((1, 8)))
+    w2, ids2 = model.blocks[1].route(torch.zeros((1, 8)))
+    assert ids1.tolist() == [[3, 4]] and ids2.tolist() == [[5, 6]] and w1.tolist() == [[1.0, 1.0]]
+    replace_router(model, None)
+    assert model.blocks[0].route(torch.zeros((1, 8)))[1].tolist() == [[0, 0]]

@@ -1,7 +1,7 @@
 """The GPU expert cache against the fixed placement, on routing replayed from traces (docs/expert-cache.md).
 
 A synthetic model of a real shape is built and profiled as `moedesk bench` builds it; its router is replaced by
-a trace (engine.offload.routing_trace.TraceRouter) of the CONVERSATION preset (recent-use locality) and of
+a trace (engine.offload.routing_trace.replace_router) of the CONVERSATION preset (recent-use locality) and of
 NO_LOCALITY. The fixed placement is planned from another conversation of the same model, as calibration
 would; the cache starts from that placement and follows the routing. Decode of one sequence, eager (a replayed
 router runs outside CUDA graphs, for both), tokens per second and the GPU hit rate of the timed steps.
@@ -19,8 +19,8 @@ import numpy as np
 
 from moedesk.bench.synthetic import measure_decode, prepare_synthetic
 from moedesk.engine.offload.expert_cache import CachePolicy
-from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceRouter, TraceShape, step_counts,
-                                                  synthetic_trace)
+from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceRouter, TraceShape, replace_router,
+                                                  step_counts, synthetic_trace)
 
 
 def main() -> int:
@@ -52,10 +52,10 @@ def main() -> int:
             orchestra.place(budget, popularity=calibration.tolist())
             if interval is not None:
                 executor.follow_routing(CachePolicy(interval=interval))
-            executor.replay = TraceRouter(trace, layers, shape.top_k)
+            replace_router(bench.model, TraceRouter(trace, layers, shape.top_k))
             result = measure_decode(bench.model, executor, cfg, bench.device, bench.dtype, 1, args.decode_tokens,
                                     graphs=False)
-            executor.replay = None
+            replace_router(bench.model, None)
             stats = executor.stats.as_dict()
             fixed = fixed or result.tok_s
             rows.append({"trace": name, "placement": "fixed" if interval is None else f"cache every {interval}",
