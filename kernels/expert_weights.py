@@ -9,6 +9,11 @@ layers' down projections in q6_k); gate and up share one format, since they are 
 This is the one type that carries experts from the loader through placement, the executors and the
 kernels: copying an expert to the GPU copies its bytes as they are (a 4-bit expert crosses PCIe in
 a quarter of the time), and each kernel dispatches on `gate_up_format` / `down_format`.
+
+gpt-oss's experts compute more than SwiGLU: a bias after each matrix and a clamped activation
+(`ClampedSwiGLU`). They ride along here (`gate_up_bias`, `down_bias`, `glu`) so that every executor carries
+them wherever the weights go; `plain` says whether an expert is the SwiGLU every native kernel computes, and
+kernels.experts sends the others to its reference path.
 """
 from __future__ import annotations
 
@@ -21,6 +26,19 @@ from moedesk.kernels.quant_formats import dequantize, packed_format
 DENSE = "dense"  # the tensors' own float dtype
 
 
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's activation: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), where g = min(gate, limit)."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
 @dataclass
 class ExpertWeights:
     gate_up: torch.Tensor
@@ -29,6 +47,9 @@ class ExpertWeights:
     width: int  # F, one expert's intermediate size
     gate_up_format: str = DENSE
     down_format: str = DENSE
+    gate_up_bias: torch.Tensor | None = None  # [E, 2F], gate's then up's, added before the activation
+    down_bias: torch.Tensor | None = None  # [E, H]
+    glu: ClampedSwiGLU | None = None  # None: silu(gate) * up
 
     def __post_init__(self):
         E = self.gate_up.shape[0]
@@ -60,6 +81,16 @@ class ExpertWeights:
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
+
+    @property
+    def plain(self) -> bool:
+        """Whether each expert is down(silu(gate x) * up x), what the native kernels compute."""
+        return self.gate_up_bias is None and self.down_bias is None and self.glu is None
+
+    def with_function(self, gate_up_bias=None, down_bias=None, glu=None) -> "ExpertWeights":
+        """These stacks computing with biases and/or another activation (gpt-oss's experts)."""
+        return ExpertWeights(self.gate_up, self.down, self.hidden, self.width, self.gate_up_format,
+                             self.down_format, gate_up_bias, down_bias, glu)
 
     @property
     def packed(self) -> bool:
@@ -99,28 +130,36 @@ class ExpertWeights:
 
     # ------------------------------------------------------------------------ views and copies
 
-    def _like(self, gate_up: torch.Tensor, down: torch.Tensor) -> "ExpertWeights":
-        return ExpertWeights(gate_up, down, self.hidden, self.width, self.gate_up_format, self.down_format)
+    def _like(self, gate_up: torch.Tensor, down: torch.Tensor, each=lambda t: t) -> "ExpertWeights":
+        """New stacks of the same kind; `each` makes the biases' counterparts of gate_up and down."""
+        return ExpertWeights(gate_up, down, self.hidden, self.width, self.gate_up_format, self.down_format,
+                             None if self.gate_up_bias is None else each(self.gate_up_bias),
+                             None if self.down_bias is None else each(self.down_bias), self.glu)
 
     def expert(self, e: int) -> "ExpertWeights":
         """Expert e alone, as a one-expert stack viewing the same memory."""
-        return self._like(self.gate_up[e:e + 1], self.down[e:e + 1])
+        return self._like(self.gate_up[e:e + 1], self.down[e:e + 1], lambda t: t[e:e + 1])
 
     def select(self, index) -> "ExpertWeights":
         """A new stack of the experts in `index` (a list or tensor of ids), in that order."""
         index = torch.as_tensor(index, dtype=torch.int64)
-        return self._like(self.gate_up[index], self.down[index])
+        return self._like(self.gate_up[index], self.down[index], lambda t: t[index.to(t.device)])
 
     def to(self, device, non_blocking: bool = False) -> "ExpertWeights":
         return self._like(self.gate_up.to(device, non_blocking=non_blocking),
-                          self.down.to(device, non_blocking=non_blocking))
+                          self.down.to(device, non_blocking=non_blocking),
+                          lambda t: t.to(device, non_blocking=non_blocking))
 
     def empty_like(self, device=None) -> "ExpertWeights":
-        return self._like(torch.empty_like(self.gate_up, device=device), torch.empty_like(self.down, device=device))
+        return self._like(torch.empty_like(self.gate_up, device=device), torch.empty_like(self.down, device=device),
+                          lambda t: torch.empty_like(t, device=device))
 
     def copy_(self, other: "ExpertWeights", non_blocking: bool = False) -> "ExpertWeights":
         self.gate_up.copy_(other.gate_up, non_blocking=non_blocking)
         self.down.copy_(other.down, non_blocking=non_blocking)
+        for mine, theirs in ((self.gate_up_bias, other.gate_up_bias), (self.down_bias, other.down_bias)):
+            if mine is not None:
+                mine.copy_(theirs, non_blocking=non_blocking)
         return self
 
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,6 +6,9 @@ the packed kernels where they apply (kernels.cpu_quant, kernels.gpu_quant) and o
 `reference_packed_forward`: dequantise each expert it needs, then compute in float32. That path is
 slow but exact to the formats' definition, so every device and format computes something right.
 
+Experts that are not plain SwiGLU (gpt-oss's biases and clamped activation, ExpertWeights.plain) take the
+reference path whatever their format: no native kernel computes them yet.
+
 Packed experts compute in float32 inside the expert (the packed kernels accumulate in float32 and
 may quantise activations to 8 bits, as llama.cpp does) and round the output to x's dtype.
 """
@@ -21,11 +24,13 @@ from moedesk.kernels.expert_weights import ExpertWeights
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """A one-expert stack `w` applied to x [N, H]: [N, H] in x's dtype."""
+    if not w.plain:
+        return _reference_one(x, w, 0)
     if not w.packed:
         return cpu_experts.expert_forward(x, w.gate_up[0], w.down[0])
     if gpu_quant.applies(x, w):
         return gpu_quant.expert_forward(x, w)
-    return _packed_one(x, w, 0)
+    return _reference_one(x, w, 0)
 
 
 def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, out, index=None, *,
@@ -36,6 +41,8 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     rows: only intermediate rows [0, rows) of F, each expert's output head (the GPU computes the tail at one
     token, kernels/gpu_streamed.py); None: all F. Its granularity is the path's: cpu_experts.check_rows (dense),
     cpu_quant.check_rows (packed)."""
+    if not w.plain:
+        return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out, rows=rows)
     if not w.packed:
         return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index,
                                                   rows=rows)
@@ -48,7 +55,7 @@ def prepare_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, ou
     """`experts_forward_routed` prepared once for buffers a caller reuses (kernels.cpu_quant.prepare_routed): a
     function of no arguments, or None where only the unprepared call applies (16-bit experts, whose native
     call has its own fallbacks, or no native packed kernel)."""
-    if not w.packed or not cpu_quant.applies(x, w):
+    if not w.plain or not w.packed or not cpu_quant.applies(x, w):
         return None
     return cpu_quant.prepare_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
 
@@ -57,6 +64,8 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
     """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one, for x and
     experts of w's formats and shapes on x's device (w itself may still be in host memory: placement asks
     before any expert is on the GPU)."""
+    if not w.plain:
+        return False
     if not w.packed:
         return gpu_experts.grouped_supported(x, w.gate_up)
     if w.device != x.device:  # asked before placement: would a resident copy of w take the packed kernels?
@@ -68,29 +77,36 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
     kernels.gpu_experts.grouped_experts_forward)."""
-    if not w.packed:
+    if w.plain and not w.packed:
         return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends)
-    if gpu_quant.applies(x, w):
+    if w.plain and gpu_quant.applies(x, w):
         return gpu_quant.grouped_experts_forward(x, w, ends)
     out = torch.empty_like(x)
     start = 0
     for g, end in enumerate(ends.tolist()):
         if end > start:
-            out[start:end] = _packed_one(x[start:end], w, g)
+            out[start:end] = _reference_one(x[start:end], w, g)
         start = end
     return out
 
 
 # ---------------------------------------------------------------- the reference for packed experts
 
-def _packed_one(x: torch.Tensor, w: ExpertWeights, e: int, rows: int | None = None) -> torch.Tensor:
-    """Expert e of w on x; rows: its intermediate rows [0, rows) only (gate / up rows, down columns)."""
-    gate_up, down = w.expert(e).dense(torch.float32)
+def _reference_one(x: torch.Tensor, w: ExpertWeights, e: int, rows: int | None = None) -> torch.Tensor:
+    """Expert e of w on x, in float32; rows: its intermediate rows [0, rows) only (gate / up rows, down columns,
+    and no down bias: that belongs to whoever computes the other rows)."""
+    one = w.expert(e)
+    gate_up, down = one.dense(torch.float32)
     gate_up, down = gate_up[0], down[0]
+    gate_up_bias = None if one.gate_up_bias is None else one.gate_up_bias[0].float()
+    down_bias = None if one.down_bias is None else one.down_bias[0].float()
     if rows is not None and rows != w.width:
-        gate_up, down = torch.cat([gate_up[:rows], gate_up[w.width:w.width + rows]]), down[:, :rows]
-    gate, up = F.linear(x.float(), gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down).to(x.dtype)
+        keep = torch.cat([torch.arange(rows), torch.arange(w.width, w.width + rows)]).to(gate_up.device)
+        gate_up, down = gate_up[keep], down[:, :rows]
+        gate_up_bias, down_bias = None if gate_up_bias is None else gate_up_bias[keep], None
+    gate, up = F.linear(x.float(), gate_up, gate_up_bias).chunk(2, dim=-1)
+    act = w.glu(gate, up) if w.glu is not None else F.silu(gate) * up
+    return F.linear(act, down, down_bias).to(x.dtype)
 
 
 def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, *, rows: int | None = None):
@@ -105,5 +121,5 @@ def reference_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, *, r
     wanted = np.unique(experts_of) if chosen is None else np.intersect1d(np.unique(experts_of), np.asarray(chosen))
     for e in wanted.tolist():
         pairs = torch.from_numpy(np.flatnonzero(experts_of == e)).to(out.device)
-        out[pairs] = _packed_one(x[pairs.to(x.device) // k], w, e, rows).to(out.dtype)
+        out[pairs] = _reference_one(x[pairs.to(x.device) // k], w, e, rows).to(out.dtype)
     return out

@@ -45,7 +45,7 @@ def applies(device: torch.device, w: ExpertWeights) -> bool:
     """Whether `streamed_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
     host memory, dense (inputs in the stacks' dtype) or both halves in a format kernels.gpu_quant reads, Triton
     there and the fused kernels not turned off."""
-    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
+    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned() and w.plain):
         return False
     return not w.packed or (w.gate_up_format in gpu_quant._FMT_ID and w.down_format in gpu_quant._FMT_ID)
 

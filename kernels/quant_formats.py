@@ -17,6 +17,9 @@ Layouts (all little-endian; d, dmin are float16):
   bit s of qh[l] is the high bit of weight l of sub-block s.
 - q6_k: 256 weights in 210 bytes: 128 bytes of low nibbles (ql), 64 of high bit pairs (qh), 16 int8
   scales, then d. w = d * scale_(l // 16) * (q - 32).
+- mxfp4 (OCP microscaling, gpt-oss's experts): 32 weights in 17 bytes: an E8M0 exponent e, then 16 bytes; byte j
+  holds weight j's FP4 (E2M1) code in its low nibble and weight j + 16's in its high one. w = fp4(q) * 2^(e - 127).
+  Hugging Face checkpoints keep the exponents apart and pair nibbles differently (`mxfp4_from_hf`).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ FORMATS = {f.name: f for f in (
     PackedFormat("q4_k", 256, 144, 12),
     PackedFormat("q5_k", 256, 176, 13),
     PackedFormat("q6_k", 256, 210, 14),
+    PackedFormat("mxfp4", 32, 17, 39),
 )}
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 # What --expert-dtype int8 / int4 quantise a 16-bit checkpoint's experts to: the simple block formats,
@@ -136,7 +140,30 @@ def _q6_k(b):
     return (d * scale * q).reshape(-1, 256)
 
 
-_DEQUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+# Twice the E2M1 values, so that the scale 2^(e - 128) is a float32 for every exponent (2^-128 a subnormal one).
+_FP4_TWICE = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0)
+
+
+def _mxfp4(b):
+    codes = torch.cat([b[:, 1:17] & 0xF, b[:, 1:17] >> 4], dim=1).long()
+    values = torch.tensor(_FP4_TWICE, device=b.device)[codes]
+    return torch.ldexp(values, b[:, 0:1].to(torch.int32) - 128)
+
+
+def mxfp4_from_hf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Packed mxfp4 rows [..., G * 17] from a Hugging Face checkpoint's `*_blocks` [..., G, 16] and `*_scales`
+    [..., G] (uint8): the same codes and exponents, rearranged without loss. There byte i of a block holds weights
+    2i (low nibble) and 2i + 1; here byte j holds weights j and j + 16, as GGUF and llama.cpp keep them."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape \
+            or blocks.shape[-1] != 16:
+        raise ValueError(f"mxfp4 blocks [..., G, 16] and scales [..., G] of uint8 expected, got {blocks.dtype} "
+                         f"{tuple(blocks.shape)} and {scales.dtype} {tuple(scales.shape)}")
+    codes = torch.stack([blocks & 0xF, blocks >> 4], dim=-1).flatten(-2)  # [..., G, 32], weights in order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2)
+
+
+_DEQUANT = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k, "mxfp4": _mxfp4}
 
 
 def quantize(w: torch.Tensor, fmt: str) -> torch.Tensor:

@@ -62,9 +62,15 @@ ARCHS = {
                                                             n_shared_experts=1, first_k_dense_replace=1,
                                                             routed_scaling_factor=2.5, use_qk_norm=True,
                                                             attention_bias=True, partial_rotary_factor=0.5)),
+    # Sinks, biases, yarn, a window of 8 on every other layer (prompts run past it), MXFP4-free experts (their
+    # packed form is tests/model/test_families.py's).
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                         sliding_window=8, intermediate_size=64,
+                                                         layer_types=["sliding_attention", "full_attention",
+                                                                      "sliding_attention"])),
 }
 # Parameters the reference initialises to zeros (or ones) that would leave a switch untested: drawn at random.
-RANDOMISED = {"glm4_moe": ("e_score_correction_bias",)}
+RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
 
 
 def train_tokenizer():

@@ -31,6 +31,8 @@ class SafetensorsCheckpoint:
             raise CheckpointError(self.path, "no config.json in this folder")
         self.config = _read_json(config_path)
         quantization = self.config.get("quantization_config")
+        if _is_gpt_oss_mxfp4(self.config):
+            quantization = None  # its experts' blocks are kept as they are (engine.load.fused_experts)
         if quantization is not None:  # FP8, GPTQ, AWQ, bitsandbytes...: tensors that mean nothing without their scales
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
             raise UnsupportedModelError(config_path, f"weights quantised with {method!r} (its quantization_config), "
@@ -85,16 +87,24 @@ class SafetensorsCheckpoint:
     def close(self) -> None:
         """Nothing to close: safetensors' handles are memory maps released with this object."""
 
-    def get_tensor(self, name: str) -> torch.Tensor:
+    def get_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its slice `index` along the first dimension (one expert of a fused stack)."""
         file = self._where[name]
         with self._opening:
             handle = self._open.get(file)
             if handle is None:
                 handle = self._open[file] = self._handle(file)
         try:
-            return handle.get_tensor(name)
+            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
+
+    def get_tensor_shape(self, name: str) -> list[int]:
+        """A tensor's shape from its file's header, nothing read."""
+        file = self._where[name]
+        with self._opening:
+            handle = self._open.get(file) or self._open.setdefault(file, self._handle(file))
+        return handle.get_slice(name).get_shape()
 
     def release(self, name: str) -> None:
         """The caller is done with tensor `name`. Once every tensor of a shard is, its memory map is dropped
@@ -134,6 +144,20 @@ class SafetensorsCheckpoint:
         return config
 
 
+def _is_gpt_oss_mxfp4(config: dict) -> bool:
+    quantization = config.get("quantization_config")
+    return (config.get("model_type") == "gpt_oss" and isinstance(quantization, dict)
+            and quantization.get("quant_method") == "mxfp4")
+
+
+def _with_experts_apart(checkpoint):
+    """gpt-oss's checkpoints fuse each layer's experts into a few tensors: shown one expert at a time."""
+    if checkpoint.config.get("model_type") == "gpt_oss":
+        from moedesk.engine.load.fused_experts import FusedExperts
+        return FusedExperts(checkpoint)
+    return checkpoint
+
+
 def _read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text())
@@ -161,7 +185,7 @@ def open_checkpoint(model: str):
         from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
         return GGUFCheckpoint(path)
     if path.is_dir():
-        return SafetensorsCheckpoint(path)
+        return _with_experts_apart(SafetensorsCheckpoint(path))
     if path.exists():
         raise CheckpointError(path, "not a model folder or .gguf file")
     cached = _cached_repo(model)
@@ -171,7 +195,7 @@ def open_checkpoint(model: str):
         if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
             from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
             return GGUFCheckpoint(ggufs[0])
-        return SafetensorsCheckpoint(cached)
+        return _with_experts_apart(SafetensorsCheckpoint(cached))
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")
 

@@ -142,6 +142,10 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise CheckpointError(path, f"missing tensors: {', '.join(missing[:3])}{more}")
+    for moe in model.moe_blocks():  # gpt-oss's biases and activation travel with the experts' stacks
+        moe.experts = moe.join_expert_function(moe.experts)
+        if moe.layer in banks:
+            banks[moe.layer] = moe.join_expert_function(banks[moe.layer])
     model.rotary = Rotary(cfg, max_positions).to(device)
     model.fuse_projections()
     return model.eval(), cfg, banks

@@ -31,6 +31,7 @@ class Architecture:
     shared_expert_name: str = "shared_expert"  # the checkpoint's module name of the shared expert
     router: str = "softmax"  # see ModelConfig.router
     partial_rotary: bool = False  # reads partial_rotary_factor (others refuse it)
+    router_name: str = "gate"  # the checkpoint's name of the router inside the MoE module
 
 
 ARCHITECTURES = {
@@ -48,6 +49,11 @@ ARCHITECTURES = {
         Architecture("glm4_moe", moe_block="mlp", shared_expert=True, num_experts_key="n_routed_experts",
                      norm_topk_prob_default=True, shared_expert_name="shared_experts", router="sigmoid",
                      partial_rotary=True),
+        # gpt-oss: sinks, sliding and full layers alternating, biases everywhere, a clamped SwiGLU. Its experts
+        # are fused in the checkpoint; engine.load.fused_experts shows them one by one, as the rest expect.
+        Architecture("gpt_oss", moe_block="mlp", num_experts_key="num_local_experts",
+                     expert_width_key="intermediate_size", attention_bias=True, router="topk_softmax",
+                     router_name="router"),
     ]
 }
 
@@ -176,6 +182,9 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if bos is not None:
         count("bos_token_id", bos, minimum=0)
     max_pos = count("max_position_embeddings")
+    sliding = {}
+    if arch.model_type == "gpt_oss":
+        sliding = _gpt_oss_switches(hf, layers, count, positive, path)
     if hf.get("sliding_window") and arch.model_type == "mixtral":
         # Mixtral's window only matters past it: keep sequences inside it and stay exact.
         max_pos = min(max_pos, count("sliding_window"))
@@ -209,10 +218,24 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         moe_layers=moe_layers,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
+        **sliding,
         mtp_layers=count("num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0, minimum=0,
                          limit=_LIMITS["layers"]),
         **routing,
     )
+
+
+def _gpt_oss_switches(hf: dict, layers: int, count, positive, path) -> dict:
+    """gpt-oss's attention and expert switches: the window and which layers slide (layer_types, else every other
+    layer from the first, as the reference defaults), biases, sinks, the clamped SwiGLU."""
+    kinds = hf.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
+        raise CheckpointError(path, f"config layer_types must list sliding_attention or full_attention for each of "
+                                    f"the {layers} layers, got {_show(kinds)}")
+    return dict(attention_out_bias=bool(hf.get("attention_bias", True)), attention_sinks=True,
+                sliding_window=count("sliding_window"), sliding_layers=tuple(k == "sliding_attention" for k in kinds),
+                router="topk_softmax", router_bias=True, expert_bias=True,
+                swiglu_alpha=positive("swiglu_alpha", 1.702), swiglu_limit=positive("swiglu_limit", 7.0))
 
 
 def _rotary_dim(hf: dict, head_dim: int, path) -> int:
@@ -313,7 +336,7 @@ def check_against_weights(cfg: ModelConfig, tensors: dict, path) -> None:
     for layer in range(cfg.num_layers):
         if cfg.is_moe_layer(layer):
             block = f"model.layers.{layer}.{arch.moe_block}"
-            expected[f"{block}.gate.weight"] = ((cfg.num_experts, h), "num_experts, hidden_size")
+            expected[f"{block}.{arch.router_name}.weight"] = ((cfg.num_experts, h), "num_experts, hidden_size")
             expected[f"{block}.experts.0.{arch.expert_proj[0]}.weight"] = ((cfg.moe_intermediate_size, h),
                                                                            f"{arch.expert_width_key}, hidden_size")
             if cfg.shared_expert_intermediate_size:
@@ -361,6 +384,8 @@ def _parse_rope(hf: dict, path) -> RopeConfig:
         return RopeConfig(theta=theta)
     if kind == "linear":
         return RopeConfig(theta=theta, kind="linear", factor=number("factor"))
+    if kind == "yarn":
+        return _parse_yarn(hf, source, theta, number, path)
     if kind == "llama3":
         if number("high_freq_factor") <= number("low_freq_factor"):  # they divide by the difference
             raise CheckpointError(path, "config rope high_freq_factor must be larger than low_freq_factor")
@@ -369,7 +394,34 @@ def _parse_rope(hf: dict, path) -> RopeConfig:
             low_freq_factor=number("low_freq_factor"), high_freq_factor=number("high_freq_factor"),
             original_max_position_embeddings=number("original_max_position_embeddings"),
         )
-    raise UnsupportedModelError(path, f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    raise UnsupportedModelError(path, f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, "
+                                      f"yarn)")
+
+
+def _parse_yarn(hf: dict, source: dict, theta: float, number, path) -> RopeConfig:
+    """YaRN's parameters with transformers' defaults; attention_factor as it computes it when not given."""
+    factor = number("factor")
+    original = number("original_max_position_embeddings")
+
+    def optional(key, default):
+        return number(key) if source.get(key) is not None else default
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = source.get("attention_factor")
+    if attention is not None:
+        attention = number("attention_factor")
+    elif source.get("mscale") and source.get("mscale_all_dim"):
+        attention = mscale(factor, number("mscale")) / mscale(factor, number("mscale_all_dim"))
+    else:
+        attention = mscale(factor)
+    truncate = source.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(path, f"config rope truncate must be true or false, got {_show(truncate)}")
+    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=optional("beta_fast", 32.0), beta_slow=optional("beta_slow", 1.0), truncate=truncate,
+                      attention_factor=attention)
 
 
 _LAYER = r"model\.layers\.(\d+)\."
@@ -390,9 +442,12 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
     ]
     if arch.moe_block:
         block = _LAYER + re.escape(arch.moe_block) + r"\."
-        rules.append((block + r"gate\.weight", r"layers.\1.moe.router.weight"))
+        rules.append((block + re.escape(arch.router_name) + r"\.(weight|bias)", r"layers.\1.moe.router.\2"))
         for ours, theirs in zip(("gate", "up", "down"), arch.expert_proj):
             rules.append((block + r"experts\.(\d+)\." + theirs + r"\.weight", rf"layers.\1.moe.experts.\2.{ours}.weight"))
+    if arch.model_type == "gpt_oss":
+        rules.append((_LAYER + r"self_attn\.sinks", r"layers.\1.attn.sinks"))
+        rules.append((block + r"experts\.(gate_up|down)_proj_bias", r"layers.\1.moe.\2_bias"))
     if arch.router == "sigmoid":
         rules.append((block + r"gate\.e_score_correction_bias", r"layers.\1.moe.score_bias"))
     if arch.shared_expert:

@@ -17,6 +17,12 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # yarn (gpt-oss, DeepSeek-V3): frequencies blended between `factor` times slower and as they are, by how many
+    # turns a dimension makes over the original context; cos and sin scaled by attention_factor.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,10 @@ class ModelConfig:
     rope: RopeConfig = field(default_factory=RopeConfig)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    attention_out_bias: bool = False  # a bias on the output projection too (gpt-oss)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head that takes part in the softmax, attends nothing
+    sliding_window: int = 0  # keys a sliding layer's token sees: itself and the window - 1 before it
+    sliding_layers: tuple[bool, ...] = ()  # which layers slide (empty: none)
     qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3); "full": over the whole projection (OLMoE)
     clip_qkv: float | None = None
     rotary_dim: int = 0  # the leading dims of each head that RoPE turns (GLM-4.x: half); 0: all of head_dim
@@ -45,16 +55,25 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0  # an always-on expert beside the routed ones
     shared_expert_gate: bool = True  # Qwen2-MoE scales it by a sigmoid gate; GLM-4.x adds it as it is
     # How router logits become expert weights (engine.model.routing): "softmax" over every expert, then the
-    # top k; "sigmoid" (DeepSeek-V3, GLM-4.x): sigmoid scores, chosen with a correction bias among the best
+    # top k; "topk_softmax" (gpt-oss): the top k logits, then a softmax over them; "sigmoid" (DeepSeek-V3, GLM-4.x): sigmoid scores, chosen with a correction bias among the best
     # `topk_group` of `n_group` groups, scaled by routed_scaling_factor.
     router: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    router_bias: bool = False
+    # gpt-oss's experts: biases after both matrices and a clamped SwiGLU (kernels.expert_weights.ClampedSwiGLU);
+    # swiglu_limit 0: plain silu(gate) * up.
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 0.0
     moe_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mtp_layers: int = 0  # checkpoint layers after the last one, for multi-token prediction: not loaded
+
+    def is_sliding_layer(self, layer: int) -> bool:
+        return bool(self.sliding_window) and bool(self.sliding_layers) and self.sliding_layers[layer]
 
     @property
     def rope_dims(self) -> int:

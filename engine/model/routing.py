@@ -32,3 +32,12 @@ def grouped_sigmoid_top_k(logits: torch.Tensor, correction: torch.Tensor, k: int
     if renormalise:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing: the k largest logits [N, E], weighted by a softmax over those k alone (in the logits'
+    dtype, as the reference computes it)."""
+    values, ids = logits.topk(k, dim=-1)
+    weights = values.softmax(dim=-1)  # before reordering: summed in the reference's order, so bit for bit
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(-1, order), ids

@@ -17,9 +17,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.generation.kv_cache import KVCache, write_rows
-from moedesk.engine.model.routing import grouped_sigmoid_top_k
+from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
+from moedesk.engine.model.sinks import sink_attention, window_mask
 from moedesk.kernels import gpu_fused
-from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 
 log = logging.getLogger("moedesk")
 
@@ -60,7 +61,25 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    elif rope.kind == "yarn":
+        inv_freq = _yarn(rope, head_dim)
     return inv_freq
+
+
+def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context are slowed by `factor`,
+    those that turn more than beta_fast times kept, a linear ramp between (the reference's arithmetic)."""
+    def turns_to_dim(turns):
+        return dim * math.log(rope.original_max_position_embeddings / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = turns_to_dim(rope.beta_fast), turns_to_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    kept = 1 - ramp
+    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    return 1.0 / (rope.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
 class Rotary(nn.Module):
@@ -71,8 +90,8 @@ class Rotary(nn.Module):
         inv_freq = rope_inv_freq(cfg.rope, cfg.rope_dims)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * cfg.rope.attention_factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * cfg.rope.attention_factor, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype):
         return self.cos[positions].to(dtype), self.sin[positions].to(dtype)
@@ -136,14 +155,17 @@ def _sdpa(q, k, v, mask, gqa: bool):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.window = cfg.sliding_window if cfg.is_sliding_layer(layer) else 0
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.wq = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
         self.wk = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.wv = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
-        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=False)
+        self.wo = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_out_bias)
+        if cfg.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -187,6 +209,10 @@ class Attention(nn.Module):
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         keys, values = cache.write_and_read(layer, k, v, step.rows, step.slots, step.kv_len, step.write_rows)
+        if cfg.attention_sinks:
+            mask = window_mask(step.mask, step.positions, self.window) if self.window else step.mask
+            out = sink_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, self.sinks)
+            return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.attention_mask(q.dtype),
                         cfg.num_kv_heads != cfg.num_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
@@ -222,7 +248,10 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)
+        if cfg.expert_bias:  # joined to the expert stacks once loaded (`join_expert_function`)
+            self.gate_up_bias = nn.Parameter(torch.zeros(cfg.num_experts, 2 * cfg.moe_intermediate_size))
+            self.down_bias = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if cfg.router == "sigmoid":
             self.score_bias = nn.Parameter(torch.zeros(cfg.num_experts))  # the choice's correction bias
         # All routed experts of the layer as one stack, dense or packed (kernels.expert_weights); the loader
@@ -243,7 +272,22 @@ class MoE(nn.Module):
                                                  cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                                                  cfg.norm_topk_prob, cfg.routed_scaling_factor)
             return weights.to(x.dtype), ids
+        if cfg.router == "topk_softmax":
+            weights, ids = top_k_softmax(self.router(x), cfg.num_experts_per_tok)
+            return weights.to(x.dtype), ids
         return top_k_route(self.router(x), self.cfg.num_experts_per_tok, self.cfg.norm_topk_prob, x.dtype)
+
+    def join_expert_function(self, stack: ExpertWeights) -> ExpertWeights:
+        """`stack` (these experts, wherever they live) computing with this layer's expert biases and activation,
+        where it has any (gpt-oss); the biases follow the stack's device."""
+        cfg = self.cfg
+        if not cfg.expert_bias and not cfg.swiglu_limit:
+            return stack
+        device = stack.gate_up.device
+        return stack.with_function(
+            self.gate_up_bias.detach().to(device) if cfg.expert_bias else None,
+            self.down_bias.detach().to(device) if cfg.expert_bias else None,
+            ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None)
 
     @staticmethod
     def combine(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -273,7 +317,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer):
             self.moe = MoE(cfg, layer)

@@ -12,7 +12,8 @@ from moedesk.kernels.quant_formats import FORMATS, dequantize, quantize
 
 # Where each format keeps its float16 scales (byte offsets in a block): random bytes there would make
 # infinities and NaNs, which no quantiser writes.
-_SCALE_OFFSETS = {"q4_0": (0,), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+_SCALE_OFFSETS = {"q4_0": (0,), "q8_0": (0,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+                  "mxfp4": ()}  # an E8M0 exponent: every byte is one
 
 
 def random_blocks(fmt: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
@@ -32,6 +33,38 @@ def test_dequantize_equals_gguf(fmt):
     ours = dequantize(torch.from_numpy(raw), fmt, 512)
     assert ours.dtype == torch.float32 and ours.shape == (5, 512)
     np.testing.assert_array_equal(ours.numpy(), expected)
+
+
+def test_mxfp4_equals_gguf_at_every_exponent():
+    """Each of the 256 E8M0 exponents (2^-127, a subnormal, to 2^128) with every FP4 code, bit for bit."""
+    rng = np.random.default_rng(3)
+    raw = rng.integers(0, 256, size=(256, 4, 17), dtype=np.uint8)
+    raw[:, :, 0] = np.arange(256, dtype=np.uint8)[:, None]
+    raw[:, 0, 1:9] = np.arange(16, dtype=np.uint8).reshape(8, 2) @ np.array([1, 16], dtype=np.uint8)  # all codes
+    raw = raw.reshape(256, -1)
+    expected = gguf_dequantize(raw, GGMLQuantizationType.MXFP4)
+    ours = dequantize(torch.from_numpy(raw), "mxfp4", 128).numpy()
+    np.testing.assert_array_equal(ours.view(np.uint32) & 0x7FFFFFFF, expected.view(np.uint32) & 0x7FFFFFFF)
+    np.testing.assert_array_equal(ours, expected)  # and the signs, zeros aside (-0.0 == 0.0)
+
+
+def test_mxfp4_from_a_hugging_face_checkpoint_equals_transformers_dequantisation():
+    """gpt-oss's *_blocks / *_scales rearranged into packed rows dequantise to what transformers makes of them
+    (bfloat16, as it loads them; every value is exact there too)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moedesk.kernels.quant_formats import mxfp4_from_hf
+
+    rng = np.random.default_rng(4)
+    E, rows, groups = 3, 10, 4  # [E, rows, K = 128]
+    blocks = torch.from_numpy(rng.integers(0, 256, size=(E, rows, groups, 16), dtype=np.uint8))
+    scales = torch.from_numpy(rng.integers(100, 140, size=(E, rows, groups), dtype=np.uint8))
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)  # back to [E, rows, K]
+    packed = mxfp4_from_hf(blocks, scales)
+    assert packed.shape == (E, rows, FORMATS["mxfp4"].row_bytes(128))
+    assert torch.equal(dequantize(packed, "mxfp4", 128), theirs)
+    bf16 = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16).transpose(1, 2)
+    assert torch.equal(dequantize(packed, "mxfp4", 128, torch.bfloat16), bf16)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

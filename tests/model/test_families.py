@@ -218,3 +218,85 @@ def test_bench_runs_a_glm_shape_on_the_simulated_tier():
     assert all(r["tok_s"] > 0 for r in report["results"])
     air = shape_config("glm-4.5-air", layers=8)
     assert air.moe_layers == (False,) + (True,) * 7 and SHAPES["glm-4.5-air"].rope_dims == 64
+
+
+# --- gpt_oss -----------------------------------------------------------------------------------------------
+
+def test_gpt_oss_prompts_past_the_window_offloaded_and_in_ram(tiny_checkpoint):
+    """Sliding layers (window 8) and full ones alternate: prompts longer than the window, in one batch with a short
+    one, generate transformers' tokens with the experts (biases, clamped SwiGLU) in RAM or offloaded."""
+    folder = tiny_checkpoint("gpt_oss")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert engine.config.sliding_window == 8 and max(map(len, prompts)) > 3 * 8
+    expected = reference_greedy(folder, engine, prompts, 20)
+    assert greedy(engine, prompts, 20) == expected
+    offloaded = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    for policy in ("copy", "cpu"):
+        offloaded.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
+                                     "cpu": lambda loads: (sorted(loads), [])}[policy]
+        offloaded.executor.stats = type(offloaded.executor.stats)()
+        assert greedy(offloaded, prompts, 20) == expected, policy
+        stats = offloaded.executor.stats
+        assert stats.gpu_experts > 0 and (stats.cpu_experts > 0) == (policy == "cpu")
+
+
+def test_gpt_oss_routing_matches_its_router():
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    from moedesk.engine.model.routing import top_k_softmax
+
+    router = GptOssTopKRouter(transformers.GptOssConfig(hidden_size=32, num_local_experts=16, num_experts_per_tok=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+        router.bias.normal_(0, 0.3)
+    x = torch.randn(100, 32)
+    logits, their_weights, their_ids = router(x)
+    weights, ids = top_k_softmax(logits, 4)
+    order = their_ids.argsort(dim=-1)
+    assert torch.equal(ids, their_ids.gather(1, order))
+    assert torch.equal(weights, their_weights.gather(1, order))
+
+
+def mxfp4_checkpoint(folder, out):
+    """`folder`'s tiny gpt-oss with its experts replaced by random MXFP4 blocks and scales, laid out as the released
+    checkpoints lay them out (gate_up_proj_blocks [E, 2F, H/32, 16], *_scales [E, 2F, H/32], down likewise), and a
+    quantization_config saying so."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(folder, out)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    rng = np.random.default_rng(5)
+    H, F = config["hidden_size"], config["intermediate_size"]
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E = tensors.pop(name).shape[0]
+        rows, k = (2 * F, H) if name.endswith("gate_up_proj") else (H, F)
+        tensors[name + "_blocks"] = torch.from_numpy(rng.integers(0, 256, (E, rows, k // 32, 16), dtype=np.uint8))
+        tensors[name + "_scales"] = torch.from_numpy(rng.integers(121, 126, (E, rows, k // 32), dtype=np.uint8))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tiny_checkpoint, tmp_path):
+    """A checkpoint whose experts are MXFP4 as released: moedesk keeps them packed (4.25 bits a weight) and computes
+    them through dequantisation, giving the tokens of transformers, which dequantises them on load."""
+    import transformers
+
+    folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    stacks = engine.model.moe_blocks()[0].experts
+    assert (stacks.gate_up_format, stacks.down_format) == ("mxfp4", "mxfp4") and not stacks.plain
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)).eval()
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    assert greedy(engine, prompts, 16) == [hf_greedy(reference, p, 16, eos) for p in prompts]
