@@ -34,7 +34,6 @@ length per verify step over a prompt set, and end-to-end tok/s plain vs speculat
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import numpy as np
 import torch
 
 from moedesk.bench.synthetic import SyntheticBench, random_prompt
+from moedesk.engine import json_read
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, synchronize
 from moedesk.engine.generation.kv_cache import KVCache
@@ -545,10 +545,13 @@ def load_prompts(path, tokenizer, limit: int | None = None) -> list[list[int]]:
     message, through the chat template) or `prompt` (raw text, e.g. HumanEval)."""
     text = Path(path).read_text(encoding="utf-8")
     try:
-        items = json.loads(text)
+        items = json_read.loads(text)
         items = items if isinstance(items, list) else [items]
-    except json.JSONDecodeError:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except ValueError:
+        try:
+            items = [json_read.loads(line) for line in text.splitlines() if line.strip()]
+        except ValueError as e:
+            raise MoedeskError(f"{path}: neither a JSON list nor JSONL ({str(e).splitlines()[0]})") from None
     out = []
     for n, item in enumerate(items[:limit] if limit else items, 1):
         if isinstance(item, dict) and "prompt_ids" in item:

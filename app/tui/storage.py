@@ -9,6 +9,7 @@ Folders (each overridable by an environment variable, which the tests use):
 """
 from __future__ import annotations
 
+from moedesk.engine import json_read
 import json
 import os
 import secrets
@@ -55,7 +56,7 @@ def atomic_write_json(path: Path, value) -> None:
 def read_json(path: Path):
     """The JSON value in `path`; OSError or ValueError (json.JSONDecodeError) when it cannot be read."""
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        return json_read.loads(f.read())
 
 
 def set_aside(path: Path) -> Path:

@@ -5,7 +5,6 @@ Every kind of checkpoint presents the same face: `config` (a config.json dict), 
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import threading
@@ -15,6 +14,7 @@ import tokenizers
 import torch
 from safetensors import SafetensorError, safe_open
 
+from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 
 
@@ -160,8 +160,8 @@ def _with_experts_apart(checkpoint):
 
 def _read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        value = json_read.loads(path.read_text())
+    except (OSError, ValueError) as e:
         raise CheckpointError(path, f"unreadable JSON ({_first_line(e)})") from None
     if not isinstance(value, dict):
         raise CheckpointError(path, "expected a JSON object")

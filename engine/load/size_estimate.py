@@ -12,7 +12,6 @@ Weights only: the KV cache, activations and the runtime's own buffers come on to
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 import struct
@@ -22,6 +21,7 @@ from typing import Mapping
 
 import torch
 
+from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
 from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
@@ -163,8 +163,8 @@ def read_safetensors_header(file: Path) -> dict:
             raise CheckpointError(file, f"safetensors header of {length} bytes: not a safetensors file")
         data = f.read(length)
     try:
-        header = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+        header = json_read.loads(data)
+    except ValueError:
         raise CheckpointError(file, "truncated or corrupt safetensors header") from None
     if not isinstance(header, dict):
         raise CheckpointError(file, "corrupt safetensors header")
@@ -178,7 +178,7 @@ def folder_tensors(folder) -> dict[str, TensorInfo]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
-            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+            files = sorted({folder / f for f in json_read.loads(index.read_text())["weight_map"].values()})
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(index, "unreadable shard index") from None
     else:
@@ -277,8 +277,8 @@ def summarize_path(path) -> ModelWeights | FileWeights:
         return _gguf_weights(path)
     config_path = path / "config.json"
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        config = json_read.loads(config_path.read_text())
+    except (OSError, ValueError):
         raise CheckpointError(config_path, "missing or unreadable config.json") from None
     if not isinstance(config, dict):
         raise CheckpointError(config_path, "expected a JSON object")

@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from moedesk.engine import json_read
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 
@@ -287,7 +288,7 @@ def _safetensors_shapes(path) -> dict | None:
             return None
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            files = sorted({folder / f for f in json.loads(index.read_text())["weight_map"].values()})
+            files = sorted({folder / f for f in json_read.loads(index.read_text())["weight_map"].values()})
         else:
             files = sorted(folder.glob("*.safetensors"))
         if not files:

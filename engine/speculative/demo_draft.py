@@ -6,10 +6,10 @@ draft for a model that no longer exists, so a mismatch is refused.
 """
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 
+from moedesk.engine import json_read
 from moedesk.engine.errors import MoedeskError
 
 FOLDER = "demo_draft"
@@ -25,7 +25,7 @@ def check_demo_head(folder) -> None:
 
     folder = Path(folder)
     try:
-        meta = json.loads((folder / "config.json").read_text()).get("moedesk") or {}
+        meta = json_read.loads((folder / "config.json").read_text()).get("moedesk") or {}
     except (OSError, ValueError):
         return  # not ours to judge: load_eagle_head says what is wrong with it
     trained = meta.get("demo_recipe_version")

@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moedesk.engine import json_read
 from moedesk.engine.model.architectures import _parse_rope
 from moedesk.engine.model.config import RopeConfig
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
@@ -318,10 +319,10 @@ def load_eagle_head(folder, target_embed: torch.Tensor | None = None, target_lm_
     folder = Path(folder)
     config_path = folder / "config.json"
     try:
-        hf = json.loads(config_path.read_text())
+        hf = json_read.loads(config_path.read_text())
     except FileNotFoundError:
         raise CheckpointError(config_path, "missing (an EAGLE head folder needs config.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise CheckpointError(config_path, f"is not valid JSON ({e})") from None
     tensors, weights_path = _read_tensors(folder)
     cfg = _config(hf, tensors, weights_path)
