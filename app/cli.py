@@ -73,7 +73,9 @@ def decoding_flags(args) -> dict:
     return {k: v for k, v in flags.items() if v is not None}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True) -> None:
+    """The flags that say which model to load and how. engine: offer --engine (not where only the native engine
+    can do the job: train-draft reads the model's hidden states)."""
     parser.add_argument("--model", default="demo",
                         help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF cache "
                              "(default: demo)")
@@ -86,6 +88,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-budget", type=_gib, default=None, metavar="GiB",
                         help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
                              "has free after the other weights, a KV cache reserve and a 10%% margin)")
+    if engine:
+        parser.add_argument("--engine", choices=["auto", "native", "llama.cpp"], default=None,
+                            help="what runs the model: auto takes moedesk's own engine where it implements the "
+                                 "architecture, llama.cpp for a GGUF it does not (default: the app's engine setting "
+                                 "for chat and batch, else auto)")
     parser.add_argument("--reprofile", action="store_true",
                         help="measure expert latency and popularity again instead of using the cached ones")
     parser.add_argument("--expert-dtype", choices=["auto", "bf16", "int8", "int4"], default=None,
@@ -133,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     from moedesk.app.train_draft_command import add_train_draft_arguments
 
     add_train_draft_arguments(train_draft)
-    add_model_arguments(train_draft)
+    add_model_arguments(train_draft, engine=False)
     add_decoding_arguments(serve, beams=False, where="of every request whose sampling allows it (a request's "
                                                       "\"moedesk\": {\"speculative\": ...} overrides it)")
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
@@ -156,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],
                        help="experts in 16 bits (dense, default) or packed in a GGUF block format")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
+    bench.add_argument("--engine", choices=["native", "llama.cpp"], default="native",
+                       help="native (default) or llama.cpp: the shape written as a GGUF file once (cached), in "
+                            "--expert-format, and run through moedesk's llama.cpp engine")
+    bench.add_argument("--cpu-moe", type=int, default=None, metavar="N",
+                       help="llama.cpp: the first N layers' experts in RAM, as llama.cpp's --n-cpu-moe (default: "
+                            "as many as --gpu-budget leaves no room for)")
+    bench.add_argument("--gguf", default=None, metavar="FILE",
+                       help="llama.cpp: measure this GGUF file instead of a shape")
     spec = bench.add_argument_group("speculative decoding and beam search (instead of the runs above)")
     spec.add_argument("--speculative", action="store_true",
                       help="T(B,k), the MoESD fit, and speculative vs plain decode with an oracle draft of chosen "
@@ -227,7 +242,9 @@ def load_engine(args, **overrides):
     from moedesk.engine.runtime import Engine
 
     options = dict(device=args.device, dtype=args.dtype, context_length=args.context, gpu_budget=args.gpu_budget,
-                   reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto")
+                   reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto",
+                   # no --engine (train-draft): the native engine, the one whose hidden states it reads
+                   engine=(args.engine or "auto") if hasattr(args, "engine") else "native")
     return Engine.load(args.model, **{**options, **overrides})
 
 
@@ -256,6 +273,7 @@ def run_batch_command(args) -> int:
     settings = settings_from_args(args, app_settings)
     check_batch_paths(args.input, args.output)  # before the slow model load
     engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype,
+                         engine=args.engine or app_settings.engine,
                          expert_dtype=settings.expert_dtype)
     settings = settings.with_model_defaults(engine.generation_defaults)
     try:
@@ -278,6 +296,14 @@ def run_bench_command(args) -> int:
         return _run_draft_bench(args, log)
     if args.speculative or args.beams:
         return _run_decoding_bench(args, log)
+    if args.engine == "llama.cpp":
+        from moedesk.engine.llamacpp import bench as llama_bench
+
+        report = llama_bench.run(args.shape, args.layers, args.expert_format, args.gpu_budget, args.cpu_moe,
+                                 args.device, args.decode_tokens or 64, tuple(args.prefill), args.batch,
+                                 model=args.gguf, log=log)
+        print(json.dumps(report, indent=1) if args.json else llama_bench.format_results(report))
+        return 0
     report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens or 64,
                        tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format)
     print(json.dumps(report, indent=1) if args.json else format_results(report))
@@ -418,7 +444,8 @@ def run_chat_command(args) -> int:
 
     flags = decoding_flags(args)
     return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,
-                   args.expert_dtype, **({"decoding": flags} if flags else {}))
+                   args.expert_dtype, **({"decoding": flags} if flags else {}),
+                   **({"engine": args.engine} if args.engine else {}))
 
 
 def main(argv=None) -> int:

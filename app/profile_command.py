@@ -36,9 +36,12 @@ def run_profile(args, engine_loader, out=print) -> int:
     engine = engine_loader(args, offload=True)
     cfg = engine.config
     out(f"\nmodel: {engine.description}")
-    if engine.orchestra is None:
+    out(f"engine: {engine.why}")
+    if not cfg.is_moe:
         out("dense model: no experts to place")
         return 0
+    if engine.orchestra is None:  # llama.cpp: a layer's experts are one tensor, placed whole
+        return _layer_placement(engine, out)
     orchestra = engine.orchestra
     costs = orchestra.costs
     tier = "GPU" if engine.device.type == "cuda" else "GPU tier simulated on the CPU"
@@ -70,6 +73,19 @@ def run_profile(args, engine_loader, out=print) -> int:
         out(f"{whole} whole layers on the GPU" + (" (run inside the decode graphs)"
                                                   if orchestra.executor.whole_layers_on_device else ""))
     for layer, row in enumerate(on_gpu):
+        out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
+    for warning in engine.warnings:
+        out(f"warning: {warning}")
+    return 0
+
+
+def _layer_placement(engine, out) -> int:
+    """Where an engine that places whole layers' experts (llama.cpp) put them, a line per MoE layer."""
+    stats = engine.expert_stats()
+    out(f"\nplacement per layer (a GGUF holds a layer's experts as one tensor): {stats.get('experts_on_gpu', 0)} of "
+        f"{stats.get('experts_total', 0)} experts on the GPU, {stats.get('expert_gib_in_ram', 0):.2f} GiB of experts "
+        f"in RAM")
+    for layer, row in enumerate(engine.expert_map()[0]):
         out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
     for warning in engine.warnings:
         out(f"warning: {warning}")

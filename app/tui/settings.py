@@ -84,6 +84,11 @@ class Settings:
                                 "model's experts quantised while loading (about a half / a quarter of the memory). "
                                 "Takes effect when a model is loaded.",
         choices=("auto", "bf16", "int8", "int4"))
+    engine: str = setting(
+        "auto", "Engine", "What runs the model. auto: moedesk's own engine where it implements the architecture "
+                          "(faster), llama.cpp for the GGUF models it does not (gpt-oss, GLM, DeepSeek...); native "
+                          "or llama.cpp: that one. Takes effect when a model is loaded.",
+        choices=("auto", "native", "llama.cpp"))
     speculative: str = setting(
         "off", "Speculative decoding", "A small draft head guesses the next tokens and the model checks them all in "
                                        "one step: the same reply (token for token at temperature 0), sooner when "
@@ -146,7 +151,8 @@ class Settings:
 
     def load_options(self) -> dict:
         """The settings that shape a model load, as `Engine.load` takes them."""
-        return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype, "expert_dtype": self.expert_dtype}
+        return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype, "expert_dtype": self.expert_dtype,
+                "engine": self.engine}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

@@ -145,10 +145,10 @@ class LlamaCppEngine(EngineFace):
 
     def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
         """Per MoE layer and expert: on the GPU (a whole layer's experts are, or none); llama.cpp counts no picks."""
-        cfg, ram = self.config, set(self.placement.cpu_expert_layers())
-        gpu = self.placement.gpu_layers > 0
+        cfg = self.config
         layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-        return ([[gpu and i not in ram] * cfg.num_experts for i in layers], [[0] * cfg.num_experts for _ in layers])
+        return ([[self.placement.expert_layer_on_gpu(i)] * cfg.num_experts for i in layers],
+                [[0] * cfg.num_experts for _ in layers])
 
     def expert_stats(self) -> dict:
         if not self.config.is_moe:
@@ -156,8 +156,8 @@ class LlamaCppEngine(EngineFace):
         on_gpu, _ = self.expert_map()
         total = sum(len(row) for row in on_gpu)
         return {"engine": self.kind, "experts_on_gpu": sum(map(sum, on_gpu)), "experts_total": total,
-                "expert_layers_in_ram": len(self.placement.cpu_expert_layers()) if self.placement.gpu_layers
-                else len(on_gpu), "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3)}
+                "expert_layers_in_ram": sum(not any(row) for row in on_gpu),
+                "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3)}
 
     def grammar(self, response_format):
         """As the native engine's (the same llguidance masks), over llama.cpp's own vocabulary."""

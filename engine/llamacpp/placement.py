@@ -74,15 +74,21 @@ class Placement:
     why: str
 
     def cpu_expert_layers(self) -> list[int]:
-        return [i for i in range(self.cpu_moe)] if self.gpu_layers else []
+        """The layers whose experts are pinned to RAM by a buffer override."""
+        return list(range(self.cpu_moe))
+
+    def expert_layer_on_gpu(self, layer: int) -> bool:
+        return self.gpu_layers > 0 and layer >= self.cpu_moe
 
 
 def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: int | None = None) -> Placement:
     """The placement for a model of `layers` blocks: everything in RAM without a GPU; with one, every layer on it
-    and the first `cpu_moe` (chosen for `budget_bytes` when None) layers' experts in RAM."""
+    and the first `cpu_moe` (chosen for `budget_bytes` when None) layers' experts in RAM, pinned there by a
+    buffer override."""
     total_experts = sum(sizes.expert_bytes)
-    if not gpu:
-        return Placement(0, len(sizes.expert_bytes), layers, total_experts, "no GPU for llama.cpp: all in RAM")
+    if not gpu:  # all in RAM already; experts pinned on request still get their override (what tests check here)
+        pinned = max(0, min(cpu_moe or 0, len(sizes.expert_bytes)))
+        return Placement(0, pinned, layers, total_experts, "no GPU for llama.cpp: all in RAM")
     if cpu_moe is None:
         cpu_moe = cpu_moe_layers(sizes.expert_bytes, budget_bytes)
         why = f"experts of {cpu_moe} of {len(sizes.expert_bytes)} layers in RAM for a {budget_bytes / GIB:.1f} GiB budget"

@@ -33,12 +33,15 @@ def test_placement_without_a_gpu_keeps_everything_in_ram_and_overrides_nothing()
     sizes = gguf_sizes(TENSORS)
     p = place(sizes, 4, gpu=False, budget_bytes=10 * GIB)
     assert p.gpu_layers == 0 and p.cpu_expert_layers() == [] and p.expert_bytes_in_ram == sum(sizes.expert_bytes)
+    assert not any(p.expert_layer_on_gpu(i) for i in range(4))
+    assert place(sizes, 4, gpu=False, budget_bytes=0, cpu_moe=2).cpu_expert_layers() == [0, 1]  # asked: pinned
 
 
 def test_placement_with_a_gpu_offloads_every_layer_and_pins_the_first_layers_experts():
     sizes = gguf_sizes(TENSORS)
     p = place(sizes, 4, gpu=True, budget_bytes=int(2.5 * sizes.expert_bytes[0]))
     assert p.gpu_layers == 5 and p.cpu_expert_layers() == [0, 1]
+    assert [p.expert_layer_on_gpu(i) for i in range(4)] == [False, False, True, True]
     assert "2 of 4 layers" in p.why
     assert place(sizes, 4, gpu=True, budget_bytes=0, cpu_moe=3).cpu_expert_layers() == [0, 1, 2]
 
@@ -89,3 +92,12 @@ def test_auto_after_a_refusal_takes_llama_cpp_for_a_gguf_and_says_what_to_do_oth
         after_refusal(refusal, lambda: "llama.cpp engine unavailable: not installed")
     with pytest.raises(UnsupportedModelError, match="use a GGUF of this model"):
         after_refusal(UnsupportedModelError(tmp_path, "unsupported model_type 'gpt_oss'"), lambda: None)
+
+
+def test_the_models_screen_names_llama_cpp_for_a_gguf_of_an_architecture_native_lacks():
+    from moedesk.engine.selection import listed_engine
+
+    assert listed_engine("gpt-oss", gguf=True).kind == "llama.cpp" and "gpt-oss" in listed_engine("gpt-oss", True).why
+    assert listed_engine("qwen3moe", gguf=True).kind == "native"
+    assert listed_engine("qwen3moe", gguf=True, requested="llama.cpp").kind == "llama.cpp"
+    assert listed_engine("mixtral", gguf=False, requested="llama.cpp").kind == "native"  # llama.cpp reads GGUF only

@@ -179,6 +179,15 @@ def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
     assert main(["--model", "m", "--context", "512", "--reprofile"]) == 0
     assert main(["chat", "--expert-dtype", "int4"]) == 0
     assert runs == [("m", "auto", None, None, 512, True, None), ("demo", "auto", None, None, None, False, "int4")]
+    options = []
+    monkeypatch.setattr(tui_package, "run_app", lambda *args, **kw: options.append(kw) or 0)
+    assert main(["--engine", "llama.cpp"]) == 0 and options == [{"engine": "llama.cpp"}]
+    engines = []
+    monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: engines.append(kw.get("engine"))))
+    MoedeskApp(model="demo", device="cpu", settings=Settings(engine="native")).engine_factory("demo", None)
+    MoedeskApp(model="demo", device="cpu", settings=Settings(engine="native"), engine_kind="llama.cpp"
+               ).engine_factory("demo", None)
+    assert engines == ["native", "llama.cpp"]  # the setting, and the --engine flag over it
 
 
 def test_blank_sampling_boxes_show_the_models_own_defaults():

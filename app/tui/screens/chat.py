@@ -77,9 +77,9 @@ class Generation:
 def model_summary(engine) -> str:
     cfg = engine.config
     experts = f"{cfg.num_experts} experts, {cfg.num_experts_per_tok} per token" if cfg.is_moe else "dense"
-    dtype = str(engine.dtype).removeprefix("torch.")
+    dtype = str(engine.dtype).removeprefix("torch.") if engine.dtype is not None else "file's formats"
     return f"{short_model_name(engine.name)}\n{cfg.arch} · {cfg.num_layers} layers\n{experts}\n" \
-           f"{engine.device.type} · {dtype} · context {engine.context_length:,}"
+           f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}"
 
 
 def writing(decoding) -> str:

@@ -23,14 +23,24 @@ from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
 
 
-def preflight(model: str) -> None:
+def preflight(model: str, engine: str = "auto") -> None:
     """Refuse quickly (MoedeskError, one line) what Engine.load would refuse after the old model is gone:
-    a missing file, an unreadable checkpoint, an unsupported architecture. Reads headers only."""
+    a missing file, an unreadable checkpoint, an architecture no engine runs. Reads headers only."""
     if model == "demo":
         return  # built on first use; nothing to check cheaply
+    from moedesk.engine.errors import UnsupportedModelError
     from moedesk.engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.selection import after_refusal, choose_engine
 
-    checkpoint = open_checkpoint(model)
+    if engine != "auto":
+        choose_engine(model, engine)  # a GGUF for llama.cpp, a llama.cpp that loads
+        if engine == "llama.cpp":
+            return
+    try:
+        checkpoint = open_checkpoint(model)
+    except UnsupportedModelError as refusal:
+        after_refusal(refusal)  # a GGUF llama.cpp runs passes; anything else is refused, saying what would run it
+        return
     try:
         from moedesk.engine.model.architectures import parse_config
     except ImportError:
@@ -72,15 +82,21 @@ def memory_cell(model: LocalModel, target: LoadTarget) -> str:
     return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
 
 
-def memory_note(model: LocalModel, target: LoadTarget) -> str:
+def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto") -> str:
     """The estimate in full, with the file's size: "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file
-    86.9 GiB)"; the file's size alone where there is no estimate (and why, when the headers said)."""
-    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
+    86.9 GiB)"; the file's size alone where there is no estimate (and why, when the headers said). A model that
+    llama.cpp would run says so and why."""
+    from moedesk.engine.selection import listed_engine
+
+    choice = listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
+    engine_why = choice.why if choice.kind == "llama.cpp" else ""  # the native engine is the default: unsaid
     file = f"file {human_size(model.size_bytes)}" if model.size_bytes is not None else ""
+    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
     if estimate is None:
         why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
-        return " · ".join(part for part in (file, why) if part)
-    return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "")
+        return " · ".join(part for part in (file, why, engine_why) if part)
+    return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "") + \
+        (f" · {engine_why}" if engine_why else "")
 
 
 MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
@@ -211,7 +227,8 @@ class ModelsScreen(Screen):
             return
         m = self.models[index]
         note = m.note or ("architecture not supported" if m.supported is False else "")
-        parts = [m.name, memory_note(m, self.target), note]
+        parts = [m.name, memory_note(m, self.target, self.app.load_options().get("engine") or "auto"
+                                     if hasattr(self.app, "load_options") else "auto"), note]
         self.query_one("#models-note", Static).update(" · ".join(part for part in parts if part))
 
     # -------------------------------------------------------------- loading
@@ -241,7 +258,8 @@ class ModelsScreen(Screen):
             self.notify("A model is loading already.", severity="warning")
             return
         # Big models do not fit twice: the loaded one goes once the new one has passed a quick check.
-        panel.start(spec, preflight=preflight, before_load=self.app.release_engine)
+        engine = (self.app.load_options().get("engine") if hasattr(self.app, "load_options") else None) or "auto"
+        panel.start(spec, preflight=lambda model: preflight(model, engine), before_load=self.app.release_engine)
 
     def on_load_panel_loaded(self, message: LoadPanel.Loaded) -> None:
         self.dismiss(message.engine)

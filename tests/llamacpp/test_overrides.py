@@ -1,0 +1,66 @@
+"""The tensor-override path: a tiny MoE GGUF (written with the gguf package, quantised by llama.cpp's quantiser)
+loaded with N layers' experts pinned to the CPU buffer has exactly those tensors overridden, as llama.cpp's load
+log says while it applies them, and gives the same greedy text as without the override."""
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.load.test_packed_experts import write_f32_moe
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("moe")
+    write_f32_moe(folder / "f32.gguf", "llama", L=3)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.nthread = 2, 1  # Q4_0
+    assert llama_cpp.llama_model_quantize(str(folder / "f32.gguf").encode(), str(folder / "q4_0.gguf").encode(),
+                                          ctypes.byref(params)) == 0
+    return folder / "q4_0.gguf"
+
+
+def load(path, cpu_moe, device="cpu"):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return Engine.load(str(path), engine="llama.cpp", device=device, context_length=64, cpu_moe=cpu_moe)
+    finally:
+        torch.set_num_threads(before)
+
+
+def greedy(engine):
+    ids = engine.tokenizer.encode("the quick brown fox jumps over the lazy dog")
+    return engine.complete([Request(ids, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))])[0].token_ids
+
+
+def test_pinned_layers_experts_are_overridden_and_the_text_is_the_same(tiny_moe):
+    plain = load(tiny_moe, cpu_moe=0)
+    assert plain.overridden == {}
+    expected = greedy(plain)
+    plain.close()
+    pinned = load(tiny_moe, cpu_moe=2)
+    assert set(pinned.overridden) == {f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1) for p in ("gate", "up", "down")}
+    assert all(buffer.startswith("CPU") for buffer in pinned.overridden.values())  # CPU, or its repacked form
+    assert greedy(pinned) == expected
+    pinned.close()
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_moe):
+    pinned = load(tiny_moe, cpu_moe=1, device="auto")
+    assert pinned.device.type == "cuda", "llama-cpp-python without CUDA: " + " / ".join(pinned.warnings)
+    assert set(pinned.overridden) == {f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
+    on_gpu, _ = pinned.expert_map()
+    assert [all(row) for row in on_gpu] == [False, True, True]
+    split = greedy(pinned)
+    pinned.close()
+    whole = greedy(load(tiny_moe, cpu_moe=0, device="auto"))  # every expert on the GPU
+    # The pinned layer's experts compute on the CPU (other arithmetic than CUDA's): most tokens agree.
+    assert sum(a == b for a, b in zip(split, whole)) >= 12

@@ -1,0 +1,47 @@
+"""`moedesk serve --engine llama.cpp`: concurrent clients decode together, through llama.cpp's multi-sequence
+batches, and get the replies they get one at a time (the official openai client)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.app.serve_process import serve_process
+
+openai = pytest.importorskip("openai")
+KEY = "k"
+QUESTIONS = ["What is the capital of France?", "Name a fruit.", "Count to five.", "What colour is the sky?"]
+
+
+def ask(client, question):
+    return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": question}],
+                                          max_tokens=24, temperature=0)
+
+
+def test_four_concurrent_requests_equal_their_one_at_a_time_replies(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # torch's threads, which the llama.cpp engine takes: two shared cores
+    with serve_process(["--engine", "llama.cpp", "--model", "demo", "--context", "256", "--batch-size", "4"],
+                       KEY, startup_s=180) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=300, max_retries=0)
+        alone = [ask(client, q) for q in QUESTIONS]
+        together, errors = {}, []
+        start = threading.Barrier(len(QUESTIONS))
+
+        def one(q):
+            try:
+                start.wait()
+                together[q] = ask(client, q)
+            except Exception as e:  # noqa: BLE001 -- reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(q,)) for q in QUESTIONS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors
+        for q, reply in zip(QUESTIONS, alone):
+            assert together[q].choices[0].message.content == reply.choices[0].message.content, q
+            assert reply.choices[0].message.content  # something was said
+        batches = [together[q].model_extra["moedesk"]["mean_batch"] for q in QUESTIONS]
+        assert max(batches) > 1  # they shared llama_decode calls
