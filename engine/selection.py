@@ -52,12 +52,13 @@ def after_refusal(error: UnsupportedModelError, llama_cpp_problem=None) -> Choic
 
 def listed_engine(arch: str, gguf: bool, requested: str = "auto") -> Choice:
     """What would run a listed model (the Models screen), from its architecture alone: llama.cpp for a GGUF whose
-    architecture the native engine does not read (or when asked for), else native. `model` is left empty."""
+    architecture the native engine does not read (or when asked for), else native (an unreadable header's "?"
+    too: loading will say what is wrong). `model` is left empty."""
     from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
 
     if requested == "llama.cpp" and gguf:
         return Choice("llama.cpp", "", "llama.cpp engine, as set")
-    if requested == "auto" and gguf and arch not in NATIVE_ARCHITECTURES:
+    if requested == "auto" and gguf and arch not in ("?", "") and arch not in NATIVE_ARCHITECTURES:
         return Choice("llama.cpp", "", f"llama.cpp: the native engine does not run {arch}")
     return Choice("native", "", "native engine" + (", as set" if requested == "native" else ""))
 
