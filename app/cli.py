@@ -297,7 +297,7 @@ def run_bench_command(args) -> int:
     if args.speculative or args.beams:
         return _run_decoding_bench(args, log)
     if args.engine == "llama.cpp":
-        from moedesk.engine.llamacpp import bench as llama_bench
+        from moedesk.bench import llamacpp as llama_bench
 
         report = llama_bench.run(args.shape, args.layers, args.expert_format, args.gpu_budget, args.cpu_moe,
                                  args.device, args.decode_tokens or 64, tuple(args.prefill), args.batch,

@@ -1,5 +1,5 @@
 """`moedesk bench --engine llama.cpp`: decode, prefill and batched decode through moedesk's llama.cpp engine, on a
-benchmark shape written as GGUF (engine.llamacpp.synthetic_gguf) or on a GGUF file.
+benchmark shape written as GGUF (bench.synthetic_gguf) or on a GGUF file.
 
 Everything goes through the engine's scheduler, as the app's requests do: what llama-bench measures on the same
 file, plus what moedesk's wrapper costs (tests/perf/compare_llamacpp_engine.py puts the two side by side).
@@ -57,7 +57,7 @@ def run(shape: str | None, layers: int | None, expert_format: str, gpu_budget: f
     from moedesk.engine.llamacpp.engine import LlamaCppEngine
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.load.synthetic import shape_config
-    from moedesk.engine.llamacpp.synthetic_gguf import shape_gguf
+    from moedesk.bench.synthetic_gguf import shape_gguf
 
     if model is None:
         cfg = shape_config(shape, layers)
