@@ -98,3 +98,32 @@ class FusedExperts:
 def inner_shapes(inner) -> dict:
     """{name: shape} of the fused tensors, from the safetensors headers (nothing is read)."""
     return {name: tuple(inner.get_tensor_shape(name)) for name in inner.keys() if _FUSED.fullmatch(name)}
+
+
+def shapes_apart(shapes: dict) -> dict:
+    """{name: (shape, packed)} from a gpt-oss checkpoint's {name: shape}, under the names `FusedExperts` shows:
+    each fused expert matrix becomes one entry per expert and projection (packed: MXFP4 blocks), the rest stays
+    (packed False). For sizing a checkpoint from its headers alone, as `FusedExperts` would load it."""
+    apart = {}
+    for name, shape in shapes.items():
+        m = _FUSED.fullmatch(name)
+        if m is None:
+            apart[name] = (tuple(shape), False)
+            continue
+        stem, proj, kind = m.groups()
+        if kind == "_bias":  # [E, 2F] or [E, H]: the same shape, gate's then up's
+            apart[name] = (tuple(shape), False)
+        elif kind == "_scales":
+            continue
+        else:
+            packed = kind == "_blocks"
+            experts = shape[0]
+            if proj == "gate_up_proj":  # [E, H, 2F], or blocks [E, 2F, H / 32, 16]
+                width, hidden = (shape[1] // 2, shape[2] * 32) if packed else (shape[2] // 2, shape[1])
+                parts = {"gate": (width, hidden), "up": (width, hidden)}
+            else:  # [E, F, H], or blocks [E, H, F / 32, 16]
+                parts = {"down": (shape[1], shape[2] * 32) if packed else (shape[2], shape[1])}
+            for e in range(experts):
+                for part, dims in parts.items():
+                    apart[f"{stem}.{e}.{part}_proj.weight"] = (dims, packed)
+    return apart

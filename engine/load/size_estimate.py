@@ -117,6 +117,12 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
     them first: the config against the shapes, and no tensor the architecture does not know (one-line
     CheckpointError / UnsupportedModelError naming `path`)."""
+    if config.get("model_type") == "gpt_oss":  # fused experts, shown apart as engine.load.fused_experts loads them
+        from moedesk.engine.load.fused_experts import shapes_apart
+
+        stored = {name: t.stored for name, t in tensors.items()}
+        tensors = {name: TensorInfo(shape, "mxfp4" if packed else stored.get(name, "float"))
+                   for name, (shape, packed) in shapes_apart({n: t.shape for n, t in tensors.items()}).items()}
     cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
     rules = weight_name_map(cfg)
     other, float32, experts, stored = 0, 0, {}, {}

@@ -300,3 +300,10 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
     assert greedy(engine, prompts, 16) == [hf_greedy(reference, p, 16, eos) for p in prompts]
+    # The estimate from the headers alone sizes the packed stacks as loaded: 17 bytes per 32 weights.
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    estimate = summarize_path(folder).estimate("auto", "float32")
+    assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+    assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert estimate.experts_as == "mxfp4"
