@@ -298,28 +298,38 @@ def _tokenizer_metadata(w, folder: Path, vocab_size: int) -> None:
     w.add_chat_template(CHAT_TEMPLATE)
 
 
+def model_metadata(w, family: str, cfg: dict) -> None:
+    """Every key but the tokenizer's, for the transformers config dict cfg."""
+    _common_metadata(w, cfg, cfg["num_hidden_layers"])
+    FAMILIES[family].metadata(w, cfg)
+
+
+def gguf_tensors(family: str, cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """(GGUF name, tensor in GGUF's layout) for every Hub tensor of the checkpoint (meta tensors work too)."""
+    import gguf
+
+    fam = FAMILIES[family]
+    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == fam.gguf_arch)
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+    for name, t in fam.tensors(cfg, tensors):
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"{family}: no GGUF name for {name}")
+        yield gguf_name, t
+
+
 def write_gguf(family: str, folder: Path, out: Path) -> Path:
     """Convert the transformers checkpoint in folder (config.json, model.safetensors, tokenizer.json) to out."""
     import gguf
     from safetensors.torch import load_file
 
-    fam = FAMILIES[family]
     cfg = json.loads((folder / "config.json").read_text())
-    n_layers = cfg["num_hidden_layers"]
-    arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == fam.gguf_arch)
-    names = gguf.get_tensor_name_map(arch, n_layers)
-    tensors = load_file(folder / "model.safetensors")
-
-    w = gguf.GGUFWriter(str(out), fam.gguf_arch)
+    w = gguf.GGUFWriter(str(out), FAMILIES[family].gguf_arch)
     w.add_name(f"tiny-random-{family}")
-    _common_metadata(w, cfg, n_layers)
-    fam.metadata(w, cfg)
+    model_metadata(w, family, cfg)
     _tokenizer_metadata(w, folder, cfg["vocab_size"])
-    for name, t in fam.tensors(cfg, tensors):
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ValueError(f"{family}: no GGUF name for {name}")
-        w.add_tensor(gguf_name, t.to(torch.float32).contiguous().numpy())
+    for name, t in gguf_tensors(family, cfg, load_file(folder / "model.safetensors")):
+        w.add_tensor(name, t.to(torch.float32).contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
