@@ -6,6 +6,7 @@ Usage (GPU box, repo root, after `python3 tests/perf/make_mixtral_checkpoint.py 
     python3 tests/perf/bench_serve.py --model CKPT --streamed-vs-plain   (also what streaming costs the steps)
     python3 tests/perf/bench_serve.py --model CKPT --compare-bench       (moedesk bench --batch N before and after)
     python3 tests/perf/bench_serve.py --smoke      (CPU, a tiny Mixtral-shaped checkpoint, a few seconds)
+    python3 tests/perf/bench_serve.py --model FILE.gguf --engine llama.cpp --clients 4   (serve on llama.cpp)
 
 Starts `moedesk serve` as its own process (every expert in RAM by default: --gpu-budget 0) and measures:
 
@@ -96,6 +97,8 @@ class Server:
             cmd += ["--gpu-budget", str(args.gpu_budget)]
         if args.prefill_chunk:
             cmd += ["--prefill-chunk", str(args.prefill_chunk)]
+        if args.engine:
+            cmd += ["--engine", args.engine]
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(cmd, cwd=REPO, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         self.phases: dict[str, float] = {}
@@ -299,6 +302,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--engine", default=None, help="passed to serve: auto, native or llama.cpp (a .gguf --model)")
     parser.add_argument("--ready-timeout", type=float, default=1800)
     parser.add_argument("--prefill-chunk", type=int, default=None, help="passed to serve (default: serve's)")
     parser.add_argument("--compare-bench", action="store_true",
