@@ -219,7 +219,7 @@ class Server:
         whole = job.reader.whole
         if chat:
             message = {"role": "assistant", "content": whole.content if whole.content or not whole.tool_calls
-                       else None}
+                       else None, "refusal": None}
             if whole.reasoning:
                 message["reasoning_content"] = whole.reasoning
             if whole.tool_calls:

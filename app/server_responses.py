@@ -127,7 +127,7 @@ class ResponsesApi:
                       name=call.name, arguments=call.arguments),
                 event("response.output_item.done", output_index=index, item=item)]
 
-        start = {**head, "status": "in_progress", "output": [], "usage": None}
+        start = {**head, "status": "in_progress", "output": []}
         yield event("response.created", response=start)
         yield event("response.in_progress", response=start)
         try:
