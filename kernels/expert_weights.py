@@ -136,6 +136,10 @@ class ExpertWeights:
                              None if self.gate_up_bias is None else each(self.gate_up_bias),
                              None if self.down_bias is None else each(self.down_bias), self.glu)
 
+    def pin_memory(self) -> "ExpertWeights":
+        """A copy in page-locked host memory, biases and activation kept (copies to a GPU read it at full speed)."""
+        return self._like(self.gate_up.pin_memory(), self.down.pin_memory(), lambda t: t.pin_memory())
+
     def expert(self, e: int) -> "ExpertWeights":
         """Expert e alone, as a one-expert stack viewing the same memory."""
         return self._like(self.gate_up[e:e + 1], self.down[e:e + 1], lambda t: t[e:e + 1])

@@ -95,8 +95,7 @@ def stack_experts(model, pinned: bool) -> dict[int, ExpertWeights]:
     for moe in model.moe_blocks():
         host = moe.experts.empty_like("cpu")
         if pinned:
-            host = ExpertWeights(host.gate_up.pin_memory(), host.down.pin_memory(), host.hidden, host.width,
-                                 host.gate_up_format, host.down_format)
+            host = host.pin_memory()
         banks[moe.layer] = host.copy_(moe.experts)
     return banks
 

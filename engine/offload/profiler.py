@@ -147,9 +147,7 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
 
     x = torch.randn(4, staging.hidden, dtype=dtype, device=device)
     rows = torch.tensor([1, 2], device=device)
-    host = staging.empty_like("cpu")
-    host = ExpertWeights(host.gate_up.pin_memory(), host.down.pin_memory(), host.hidden, host.width,
-                         host.gate_up_format, host.down_format)
+    host = staging.empty_like("cpu").pin_memory()
     side = torch.cuda.Stream(device)
     return _host_ms(lambda: compute_copied(x[rows], staging, queue_copy(side, host, staging)), device, repeat)
 
