@@ -68,9 +68,17 @@ ARCHS = {
                                                          sliding_window=8, intermediate_size=64,
                                                          layer_types=["sliding_attention", "full_attention",
                                                                       "sliding_attention"])),
+    # MLA (a query bottleneck, values narrower than keys, interleaved RoPE, yarn with its softmax scale) and the
+    # routing GLM-4.x shares: 4 groups of 2, the best 2 kept.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        MOE, n_routed_experts=8, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, num_key_value_heads=4, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+            "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
 }
 # Parameters the reference initialises to zeros (or ones) that would leave a switch untested: drawn at random.
-RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
+RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "deepseek_v3": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
 
 
 def train_tokenizer():

@@ -33,6 +33,7 @@ class Architecture:
     router: str = "softmax"  # see ModelConfig.router
     partial_rotary: bool = False  # reads partial_rotary_factor (others refuse it)
     router_name: str = "gate"  # the checkpoint's name of the router inside the MoE module
+    latent_attention: bool = False  # DeepSeek's MLA
 
 
 ARCHITECTURES = {
@@ -52,6 +53,9 @@ ARCHITECTURES = {
                      partial_rotary=True),
         # gpt-oss: sinks, sliding and full layers alternating, biases everywhere, a clamped SwiGLU. Its experts
         # are fused in the checkpoint; engine.load.fused_experts shows them one by one, as the rest expect.
+        Architecture("deepseek_v3", moe_block="mlp", shared_expert=True, num_experts_key="n_routed_experts",
+                     norm_topk_prob_default=True, shared_expert_name="shared_experts", router="sigmoid",
+                     latent_attention=True),
         Architecture("gpt_oss", moe_block="mlp", num_experts_key="num_local_experts",
                      expert_width_key="intermediate_size", attention_bias=True, router="topk_softmax",
                      router_name="router"),
@@ -183,13 +187,19 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if bos is not None:
         count("bos_token_id", bos, minimum=0)
     max_pos = count("max_position_embeddings")
-    sliding = {}
+    extra = {}  # the switches of one family: MLA's, gpt-oss's
+    if arch.latent_attention:
+        extra = _latent_attention(hf, heads, count, path)
+        head_dim, kv_heads = extra.pop("head_dim"), heads
     if arch.model_type == "gpt_oss":
-        sliding = _gpt_oss_switches(hf, layers, count, positive, path)
+        extra = _gpt_oss_switches(hf, layers, count, positive, path)
     if hf.get("sliding_window") and arch.model_type == "mixtral":
         # Mixtral's window only matters past it: keep sequences inside it and stay exact.
         max_pos = min(max_pos, count("sliding_window"))
     clip = hf.get("clip_qkv")
+    rope = _parse_rope(hf, path)
+    if arch.latent_attention:
+        extra["attention_scale"] = _latent_scale(hf, rope, head_dim)
     qk_norm = arch.qk_norm
     if arch.partial_rotary and hf.get("use_qk_norm"):
         qk_norm = "head"
@@ -204,12 +214,13 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         intermediate_size=intermediate,
         rms_norm_eps=positive("rms_norm_eps", 1e-6),
         max_position_embeddings=max_pos,
-        rope=_parse_rope(hf, path),
+        rope=rope,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", hf.get("qkv_bias", arch.attention_bias))),
         qk_norm=qk_norm,
         clip_qkv=None if clip is None else positive("clip_qkv", clip),
-        rotary_dim=_rotary_dim(hf, head_dim, path) if arch.partial_rotary else 0,
+        rotary_dim=(_rotary_dim(hf, head_dim, path) if arch.partial_rotary
+                    else extra.get("qk_rope_head_dim", 0) if arch.latent_attention else 0),
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=expert_width,
@@ -219,11 +230,32 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         moe_layers=moe_layers,
         bos_token_id=bos,
         eos_token_ids=eos_ids,
-        **sliding,
+        **extra,
         mtp_layers=count("num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0, minimum=0,
                          limit=_LIMITS["layers"]),
         **routing,
     )
+
+
+def _latent_attention(hf: dict, heads: int, count, path) -> dict:
+    """MLA's dims; head_dim becomes the query/key width (nope + rope)."""
+    rope, nope = count("qk_rope_head_dim"), count("qk_nope_head_dim")
+    if rope % 2:
+        raise CheckpointError(path, f"config qk_rope_head_dim must be even, got {rope}")
+    return dict(kv_lora_rank=count("kv_lora_rank"), q_lora_rank=count("q_lora_rank", hf.get("q_lora_rank") or 0, minimum=0),
+                qk_rope_head_dim=rope, v_head_dim=count("v_head_dim"), head_dim=rope + nope,
+                rope_interleave=bool(hf.get("rope_interleave", True)))
+
+
+def _latent_scale(hf: dict, rope: RopeConfig, head_dim: int) -> float:
+    """DeepSeek's softmax scale: head_dim ** -0.5, times yarn's mscale squared where mscale_all_dim is set."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    scale = head_dim ** -0.5
+    all_dim = params.get("mscale_all_dim") if isinstance(params, dict) else None
+    if rope.kind != "default" and all_dim:
+        mscale = 1.0 if rope.factor <= 1 else 0.1 * all_dim * math.log(rope.factor) + 1.0
+        scale *= mscale * mscale
+    return scale
 
 
 def _gpt_oss_switches(hf: dict, layers: int, count, positive, path) -> dict:
@@ -446,6 +478,10 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
         rules.append((block + re.escape(arch.router_name) + r"\.(weight|bias)", r"layers.\1.moe.router.\2"))
         for ours, theirs in zip(("gate", "up", "down"), arch.expert_proj):
             rules.append((block + r"experts\.(\d+)\." + theirs + r"\.weight", rf"layers.\1.moe.experts.\2.{ours}.weight"))
+    if arch.latent_attention:
+        for theirs, ours in (("q_a_proj", "wq_a"), ("q_b_proj", "wq_b"), ("kv_a_proj_with_mqa", "wkv_a"),
+                             ("kv_b_proj", "wkv_b"), ("q_a_layernorm", "q_a_norm"), ("kv_a_layernorm", "kv_a_norm")):
+            rules.append((_LAYER + r"self_attn\." + theirs + r"\.(weight|bias)", rf"layers.\1.attn.{ours}.\2"))
     if arch.model_type == "gpt_oss":
         rules.append((_LAYER + r"self_attn\.sinks", r"layers.\1.attn.sinks"))
         rules.append((block + r"experts\.(gate_up|down)_proj_bias", r"layers.\1.moe.\2_bias"))

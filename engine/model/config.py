@@ -71,6 +71,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mtp_layers: int = 0  # checkpoint layers after the last one, for multi-token prediction: not loaded
+    # DeepSeek-V3's latent attention (engine.model.mla); kv_lora_rank 0: ordinary attention. head_dim is then the
+    # query/key width (nope + rope dims) and num_kv_heads num_heads: the plain form caches every head's key.
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0  # 0: queries straight from the hidden state
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    attention_scale: float | None = None  # None: head_dim ** -0.5
 
     def is_sliding_layer(self, layer: int) -> bool:
         return bool(self.sliding_window) and bool(self.sliding_layers) and self.sliding_layers[layer]

@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.generation.kv_cache import KVCache, write_rows
+from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
 from moedesk.engine.model.sinks import sink_attention, window_mask
 from moedesk.kernels import gpu_fused
@@ -317,7 +318,7 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, layer)
+        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer):
             self.moe = MoE(cfg, layer)

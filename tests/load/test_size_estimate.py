@@ -24,7 +24,7 @@ def loaded_bytes(model: str, expert_dtype: str, dtype: str) -> tuple[int, int, s
     return experts, other, {moe.experts.describe() for moe in net.moe_blocks()}
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "smollm", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "smollm", "glm4_moe", "gpt_oss", "deepseek_v3"])
 @pytest.mark.parametrize("expert_dtype", ["auto", "bf16", "int8", "int4"])
 def test_estimate_equals_the_loaded_stacks_of_a_16_bit_checkpoint(tiny_checkpoint, arch, expert_dtype):
     folder = tiny_checkpoint(arch)

@@ -40,7 +40,7 @@ def test_batched_greedy_generation_matches(pair):
         assert done[i].finish_reason == ("length" if len(expected) == 24 else "stop")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3"])
 def test_moe_layers_are_routed(arch, tiny_checkpoint):
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
     engine.executor.selections.clear()

@@ -307,3 +307,22 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
     assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
     assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
     assert estimate.experts_as == "mxfp4"
+
+
+# --- deepseek_v3 -------------------------------------------------------------------------------------------
+
+def test_deepseek_v3_latent_attention_offloaded_and_its_switches(tiny_checkpoint):
+    """MLA in its plain form (every head's key and value cached) with the group-limited routing, experts offloaded:
+    transformers' tokens. The softmax scale (yarn's mscale squared) and the query bottleneck are really used."""
+    folder = tiny_checkpoint("deepseek_v3")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    cfg = engine.config
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.v_head_dim, cfg.rope_dims) == (24, 32, 24, 12, 8)
+    assert cfg.attention_scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    expected = reference_greedy(folder, engine, prompts, 16)
+    for policy in ("copy", "cpu"):
+        engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
+                                  "cpu": lambda loads: (sorted(loads), [])}[policy]
+        assert greedy(engine, prompts, 16) == expected, policy
+    assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]
