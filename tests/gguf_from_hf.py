@@ -1,4 +1,4 @@
-"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, GLM-4.x-MoE, DeepSeek-V3), written from tiny
+"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2), written from tiny
 random transformers checkpoints with the gguf package: the test side of llama.cpp's convert_hf_to_gguf.py.
 
 `build(family, folder)` saves a transformers checkpoint (its Hub layout: one tensor per expert) and writes
@@ -34,7 +34,7 @@ class Family:
 
 # --- per-family rewrites ---------------------------------------------------------------------------------
 
-EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def _stack_experts(tensors: Tensors) -> Tensors:
@@ -42,12 +42,11 @@ def _stack_experts(tensors: Tensors) -> Tensors:
     out, per_layer = {}, {}
     for name, t in tensors.items():
         if m := EXPERT.fullmatch(name):
-            layer, e, proj = int(m[1]), int(m[2]), m[3]
-            per_layer.setdefault((layer, proj), {})[e] = t
+            per_layer.setdefault((m[1], m[3]), {})[int(m[2])] = t
         else:
             out[name] = t
-    for (layer, proj), experts in per_layer.items():
-        out[f"model.layers.{layer}.mlp.experts.{proj}.weight"] = torch.stack([experts[e] for e in sorted(experts)])
+    for (module, proj), experts in per_layer.items():
+        out[f"{module}.{proj}.weight"] = torch.stack([experts[e] for e in sorted(experts)])
     return out
 
 
@@ -215,6 +214,23 @@ def _deepseek_v3_metadata(w, cfg: dict) -> None:
     _routed_metadata(w, cfg)
 
 
+def _minimax_m2_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from _renamed_correction_bias(_stack_experts(tensors)).items()
+
+
+def _minimax_m2_metadata(w, cfg: dict) -> None:
+    import gguf
+
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)))
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_expert_count(cfg["num_local_experts"])
+    w.add_expert_feed_forward_length(cfg["intermediate_size"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
 MOE_COMMON = dict(COMMON, num_hidden_layers=4, num_key_value_heads=2)
 
 FAMILIES = {
@@ -248,6 +264,13 @@ FAMILIES = {
              norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
              v_head_dim=16, num_nextn_predict_layers=0),
         _deepseek_v3_metadata, _deepseek_v3_tensors),
+    "minimax-m2": Family(
+        "minimax-m2", "MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+        # MiniMax-M2's shape: q/k norms over all heads at once, half of each head rotated, sigmoid routing
+        # with a correction bias.
+        dict(MOE_COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+             rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
+        _minimax_m2_metadata, _minimax_m2_tensors),
 }
 
 
