@@ -1,0 +1,39 @@
+"""The cost of parsing a streamed chat reply (engine/load/reply_format.py re-parses its whole text per update).
+
+    python tests/perf/bench_reply_parse.py [--step 4] [--repeat 150]
+
+Prints microseconds per update for a reply of reasoning, an answer with HTML-like tags and a tool call, in
+Qwen3's, gpt-oss harmony's and a plain model's format. CPU only; docs/measurements.md keeps the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from moedesk.engine.load.reply_format import PLAIN, ReplyFormat, ReplyStream
+
+
+def reply(repeat: int) -> str:
+    return ("<think>\n" + "reasoning words here, " * repeat + "</think>\n\n" + "The answer <b>is</b> here. " * repeat
+            + '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--step", type=int, default=4, help="characters a stream update adds (default 4)")
+    parser.add_argument("--repeat", type=int, default=150, help="phrases of reasoning and of answer (default 150)")
+    args = parser.parse_args()
+    text = reply(args.repeat)
+    for name, fmt in (("qwen3", ReplyFormat(("<think>", "</think>"), "tagged")),
+                      ("harmony", ReplyFormat(None, "harmony")), ("plain", PLAIN)):
+        stream, updates = ReplyStream(fmt), 0
+        started = time.perf_counter()
+        for end in range(args.step, len(text) + args.step, args.step):
+            stream.update(text[:end])
+            updates += 1
+        elapsed = time.perf_counter() - started
+        print(f"{name}: {len(text)} characters, {updates} updates, {elapsed / updates * 1e6:.1f} us an update")
+
+
+if __name__ == "__main__":
+    main()
