@@ -146,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
-    bench.add_argument("--shape", default="mixtral-8x7b", help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, tiny-moe or tiny-glm")
+    bench.add_argument("--shape", default="mixtral-8x7b",
+                       help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, tiny-moe "
+                            "or tiny-glm")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
     bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
                        help="GPU memory for experts (default: 0, every expert in RAM)")
@@ -160,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="new tokens per sequence in each decode run (default: 64; 32 with --speculative or "
                             "--beams; 128 with --model)")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (the GPU tier simulated) or auto (default)")
-    bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],
+    bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"],
                        help="experts in 16 bits (dense, default) or packed in a GGUF block format")
     bench.add_argument("--json", action="store_true", help="print the full report as JSON")
     bench.add_argument("--engine", choices=["native", "llama.cpp"], default="native",

@@ -82,7 +82,7 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
                                 pin_memory=pinned)
         for stack, k in ((w.gate_up, H), (w.down, F_)):
             _tile(stack, _random_block(expert_format, k, dtype, gen))
-        moe.experts = banks[moe.layer] = w
+        moe.experts = banks[moe.layer] = moe.join_expert_function(w)  # gpt-oss's biases and activation
     return model.eval(), banks
 
 
@@ -96,14 +96,44 @@ def _random_block(fmt: str, k: int, dtype: torch.dtype, gen: torch.Generator) ->
         return quantize(weights, fmt).view(-1)
     f = packed_format(fmt)
     raw = torch.randint(0, 256, (rows * k // f.block, f.block_bytes), generator=gen, dtype=torch.uint8)
+    if fmt == "mxfp4":
+        raw[:, 0] = 120  # every block's exponent: weights up to 6 * 2^-7
     scale = torch.full((raw.shape[0], 1), 0.001, dtype=torch.float16).view(torch.uint8)
     for at in _SCALE_BYTES[fmt]:
         raw[:, at:at + 2] = scale
     return raw.view(-1)
 
 
-_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # where each k-quant block keeps its float16 scales
+_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,), "mxfp4": ()}  # where each block keeps float16 scales
 
+
+def _from_hub_config(config: dict) -> ModelConfig:
+    """What the loader makes of a model's config.json (so a shape cannot drift from what a real load runs)."""
+    from moedesk.engine.model.architectures import parse_config
+
+    return parse_config(config, "config.json", tensors={})
+
+
+_YARN = {"rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
+# openai/gpt-oss-120b's config.json: sliding (128) and full layers alternating, 128 experts top-4, MXFP4 experts on
+# the Hub (--expert-format mxfp4).
+SHAPES["gpt-oss-120b"] = _from_hub_config({
+    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
+    "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
+    "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072, "swiglu_limit": 7.0, "eos_token_id": 200002, "attention_bias": True,
+    "rope_scaling": {**_YARN, "factor": 32.0, "truncate": False}, "rope_theta": 150000.0,
+    "layer_types": ["sliding_attention", "full_attention"] * 18})
+# deepseek-ai/DeepSeek-V3's config.json: MLA, 256 experts top-8 in 8 groups (4 kept), 3 dense first layers.
+SHAPES["deepseek-v3"] = _from_hub_config({
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512,
+    "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "bos_token_id": 0, "eos_token_id": 1,
+    "num_nextn_predict_layers": 1, "rope_theta": 10000.0,
+    "rope_scaling": {**_YARN, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}})
 
 # A shape small enough for CI to run the benchmark code path on the CPU.
 SHAPES["tiny-moe"] = ModelConfig(

@@ -326,3 +326,28 @@ def test_deepseek_v3_latent_attention_offloaded_and_its_switches(tiny_checkpoint
                                   "cpu": lambda loads: (sorted(loads), [])}[policy]
         assert greedy(engine, prompts, 16) == expected, policy
     assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]
+
+
+@pytest.mark.parametrize("shape", ["gpt-oss-120b", "deepseek-v3"])
+def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape):
+    """The real shapes' switches (sinks and windows, biased MXFP4 experts; MLA and grouped routing) through the
+    synthetic model the benchmark builds, shrunk to a size the CPU runs: its forward pass gives finite logits."""
+    from moedesk.engine.load.synthetic import SHAPES, synthetic_model
+    from moedesk.engine.offload.executor import LocalExecutor
+
+    real = SHAPES[shape]
+    small = dataclasses.replace(real, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_experts=8,
+                                num_kv_heads=4 if real.kv_lora_rank else 2, moe_intermediate_size=64,
+                                intermediate_size=64, moe_layers=real.moe_layers[:4],
+                                sliding_layers=real.sliding_layers[:4], sliding_window=min(real.sliding_window, 4),
+                                n_group=min(real.n_group, 4), topk_group=min(real.topk_group, 2),
+                                num_experts_per_tok=min(real.num_experts_per_tok, 2),
+                                shared_expert_intermediate_size=64 if real.shared_expert_intermediate_size else 0,
+                                q_lora_rank=32 if real.q_lora_rank else 0, kv_lora_rank=32 if real.kv_lora_rank else 0,
+                                v_head_dim=16 if real.v_head_dim else 0)
+    fmt = "mxfp4" if shape.startswith("gpt-oss") else "dense"
+    model, banks = synthetic_model(small, torch.float32, "cpu", pinned=False, context=64, expert_format=fmt)
+    assert all(not w.plain for w in banks.values()) == shape.startswith("gpt-oss")
+    cache = KVCache(small, 1, 12, torch.float32, "cpu")
+    logits = model(torch.arange(12)[None], torch.arange(12)[None], cache, LocalExecutor())
+    assert logits.shape == (1, 12, 256) and torch.isfinite(logits).all()
