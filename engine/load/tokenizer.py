@@ -27,6 +27,7 @@ except ImportError:  # Windows: no memory watch, the other bounds still hold
 TEMPLATE_SECONDS = 5.0
 TEMPLATE_MAX_CHARS = 16 * 2**20  # longer than any prompt that fits a 1M-token context
 TEMPLATE_MAX_GROWTH = 256 << 20  # bytes the process's peak memory may grow by while a template renders
+TEMPLATE_MAX_ITEMS = 1 << 20  # a list built by a template: real ones hold messages and tools, not millions
 _HUGE_NUMBER = 10**7  # no template needs a width, count or repeat this large
 _WIDE_FORMAT = re.compile(r"[%{][^%{}a-zA-Z]*\d{7}")  # "%9999999d", "{:9999999}"
 
@@ -61,6 +62,46 @@ def _check_format(text) -> None:
         raise _TemplateLimit("a format width or precision too large for a template")
 
 
+# One filter or method call runs in C between two template lines, so the per-line watch of _render_bounded never
+# sees it: the calls that can make a value much larger than their inputs are sized before they run.
+
+def _check_length(length: int, what: str) -> None:
+    if length > TEMPLATE_MAX_CHARS:
+        raise _TemplateLimit(f"{what} of {length} characters is too large for a template")
+
+
+def _joined(items, separator) -> list:
+    """`items` as a list (a generator is read once, here), refused when joining them would be too long."""
+    items = list(items)
+    if len(items) > TEMPLATE_MAX_ITEMS:
+        raise _TemplateLimit(f"a join of {len(items)} items is too large for a template")
+    total = sum(len(x) if isinstance(x, str) else len(str(x)) for x in items)
+    _check_length(total + len(str(separator)) * max(len(items) - 1, 0), "a join")
+    return items
+
+
+def _check_replace(text, old, new, count=-1) -> None:
+    if isinstance(text, str) and isinstance(old, str) and isinstance(new, str) and len(new) > len(old):
+        found = text.count(old) if old else len(text) + 1
+        if isinstance(count, int) and count >= 0:
+            found = min(found, count)
+        _check_length(len(text) + found * (len(new) - len(old)), "a replace")
+
+
+def _check_method(method, args) -> list:
+    """The arguments of a str method call, checked (and a join's items read into a list)."""
+    name, owner = getattr(method, "__name__", None), getattr(method, "__self__", None)
+    if not isinstance(owner, str):
+        return list(args)
+    if name == "join" and args:
+        return [_joined(args[0], owner), *args[1:]]
+    if name == "replace" and len(args) >= 2:
+        _check_replace(owner, *args[:3])
+    elif name == "expandtabs" and args and isinstance(args[0], int):
+        _check_length(len(owner) + owner.count("\t") * max(args[0], 0), "expandtabs")
+    return list(args)
+
+
 class _BoundedSandbox(ImmutableSandboxedEnvironment):
     """The sandbox, with the operators and calls that can build huge values checked before they run."""
 
@@ -69,7 +110,9 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context, op, left, right):
         if op == "*":
             count, sized = (right, _size(left)) if _size(left) is not None else (left, _size(right))
-            if sized is not None and isinstance(count, int) and sized * count > TEMPLATE_MAX_CHARS:
+            items = isinstance(left, (list, tuple)) or isinstance(right, (list, tuple))
+            if sized is not None and isinstance(count, int) and \
+                    sized * count > (TEMPLATE_MAX_ITEMS if items else TEMPLATE_MAX_CHARS):
                 raise _TemplateLimit(f"a repeat to {sized * count} items is too large for a template")
             if isinstance(left, int) and isinstance(right, int) and left.bit_length() + right.bit_length() > 10**5:
                 raise _TemplateLimit("a product too large for a template")
@@ -93,6 +136,7 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
         _check_numbers([*args, *kwargs.values()])
         if getattr(__obj, "__name__", None) in ("format", "format_map"):
             _check_format(getattr(__obj, "__self__", None))
+        args = _check_method(__obj, args)
         return super().call(__context, __obj, *args, **kwargs)
 
 
@@ -103,8 +147,19 @@ def _checked_filter(name: str, function):
         _check_numbers([*args, *kwargs.values()])
         if name == "format":
             _check_format(next((a for a in args if isinstance(a, str)), None))
-        return function(*args, **kwargs)
+        # join(value, d="", attribute=None) and replace(s, old, new, count=None), after any context argument
+        first = next((i for i, a in enumerate(args) if not isinstance(a, _CONTEXTS)), len(args))
+        values = list(args[first:])
+        if name == "join" and values and kwargs.get("attribute") is None and (len(values) < 3 or values[2] is None):
+            values[0] = _joined(values[0], values[1] if len(values) > 1 else kwargs.get("d", ""))
+        elif name == "replace" and len(values) >= 3:
+            _check_replace(str(values[0]), values[1], values[2], values[3] if len(values) > 3 else
+                           kwargs.get("count") if kwargs.get("count") is not None else -1)
+        return function(*args[:first], *values, **kwargs)
     return checked
+
+
+_CONTEXTS = (jinja2.nodes.EvalContext, jinja2.runtime.Context, jinja2.Environment)
 
 
 def _render_bounded(template: jinja2.Template, **variables) -> str:
@@ -150,6 +205,7 @@ class ChatTemplating:
     def _template(self):
         env = _BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise_exception
+        del env.globals["lipsum"]  # placeholder text: no chat template needs it, and it writes megabytes per call
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(
             x, indent=indent, ensure_ascii=ensure_ascii)

@@ -274,3 +274,38 @@ def test_a_hanging_template_costs_its_line_not_the_batch(mixtral, tmp_path, monk
     records = read_jsonl(tmp_path / "out.jsonl")
     assert code == 1 and [r["id"] for r in records] == ["chat", "raw"] and "error" not in records[1]
     assert records[0]["error"] == f"line 1: {mixtral}: chat template failed: rendering took longer than 0.5 s"
+
+
+# Issue 46, item 12: one filter or method call that builds a huge value runs between two template lines, where
+# the per-line watch never looks. Each is bounded inside the call.
+HOSTILE_CALLS = {
+    "join": "{{ (['x' * 9999999] * 120)|join }}",
+    "str.join": "{{ ''.join(['x' * 9999999] * 120) }}",
+    "sorted repeat": "{{ ((range(99999)|list) * 160)|sort|first }}",
+    "lipsum": "{{ lipsum(300000) }}",
+    "replace": "{{ ('x' * 9999999)|replace('x', 'xxxxxxxxxx') }}",
+    "str.replace": "{{ ('x' * 9999999).replace('', 'yyyyyyyy') }}",
+    "expandtabs": "{{ ('\t' * 9999999).expandtabs(9999) }}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE_CALLS))
+def test_a_single_call_in_a_template_is_bounded(name):
+    import tracemalloc
+
+    import tokenizers
+    from tokenizers import models
+
+    tok = tokenizers.Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    hostile = tokenizer_module.Tokenizer(tok, {"chat_template": HOSTILE_CALLS[name]}, source="model")
+    tracemalloc.start()
+    started = time.perf_counter()
+    try:
+        with pytest.raises(MoedeskError) as e:
+            hostile.render_chat([{"role": "user", "content": "hi"}])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert time.perf_counter() - started < 10
+    assert peak < 300 << 20, f"{peak >> 20} MiB"
+    assert str(e.value).startswith("model: chat template failed: ") and "\n" not in str(e.value)
