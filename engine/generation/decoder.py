@@ -184,7 +184,7 @@ class Decoder:
             if not s.tokens:
                 s.first_token_at = now
             if token in self.eos_token_ids and (not s.params.ignore_eos or s.constraint is not None):
-                s.finish_reason = "stop"
+                s.finish_reason = "stop" if s.constraint is None or s.constraint.complete() else "length"
                 yield s, None
                 continue
             s.tokens.append(token)
@@ -192,7 +192,8 @@ class Decoder:
             s.text += added
             self._check_stop(s, len(added))
             if s.constraint is not None and s.constraint.accept(token) and not s.finish_reason:
-                s.finish_reason = "stop"  # the grammar is complete: nothing but the end may follow
+                # nothing but the end may follow: a complete match stops, a failed grammar ends as `length`
+                s.finish_reason = "stop" if s.constraint.complete() else "length"
             yield s, token
 
     def _check_stop(self, s: Sequence, added: int) -> None:

@@ -117,9 +117,14 @@ class TokenConstraint:
         return logits.masked_fill(~allowed, float("-inf"))
 
     def accept(self, token: int) -> bool:
-        """Advance past `token`; True when the grammar is complete and nothing but the end may follow."""
+        """Advance past `token`; True when nothing but the end may follow (the grammar is complete, or failed)."""
         self.matcher.consume_token(token)
         return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def complete(self) -> bool:
+        """The text so far is a whole match of the grammar: ending here is a `stop`. A grammar that failed (no
+        token could continue it, a lexer limit) or is still open ends as `length`: never invalid JSON as `stop`."""
+        return not self.matcher.is_error() and (self.matcher.is_stopped() or self.matcher.is_accepting())
 
 
 def compile_response_format(response_format, lltokenizer, vocab_size: int, eos_token_ids) -> Grammar | None:

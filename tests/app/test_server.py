@@ -627,3 +627,30 @@ def test_an_omitted_temperature_is_the_models_own_default(client, engine, monkey
     sampled = {client.completions.create(model="tiny", prompt="Hello", max_tokens=12, seed=s).choices[0].text
                for s in range(4)}
     assert len(sampled) > 1  # OpenAI's default, 1.0, samples
+
+
+UNFINISHABLE = {
+    "self reference": {"$ref": "#"},
+    "required recursion": {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"],
+                           "additionalProperties": False},
+    "huge pattern": {"type": "string", "pattern": "^a{1000000000}$"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNFINISHABLE))
+def test_a_format_that_cannot_complete_is_refused_or_ends_as_length(url, name):
+    # Issue 46, item 14: these ended in invalid JSON marked `stop`.
+    schema = UNFINISHABLE[name]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "JSON"}], "max_tokens": 24,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    for temperature in (0, 1.0):
+        r = raw(url, {**body, "temperature": temperature, "seed": 3})
+        if r.status_code == 400:
+            assert r.json()["error"]["param"] == "response_format"
+            continue
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        if choice["finish_reason"] == "stop":
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+        else:
+            assert choice["finish_reason"] == "length"
