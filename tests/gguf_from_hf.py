@@ -1,10 +1,12 @@
-"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2), written from tiny
-random transformers checkpoints with the gguf package: the test side of llama.cpp's convert_hf_to_gguf.py.
+"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2),
+written from tiny random transformers checkpoints with the gguf package: the test side of llama.cpp's
+convert_hf_to_gguf.py.
 
 `build(family, folder)` saves a transformers checkpoint (its Hub layout: one tensor per expert) and writes
 `model.gguf` beside it from those files, as llama.cpp's converter would: the family's metadata keys, gguf's
 TensorNameMap for names, and the converter's per-family rewrites (gpt-oss's interleaved gate/up split,
-Qwen3.5's A_log / conv / zero-centred norms and V-head order, DeepSeek's kv_b split, experts stacked).
+Qwen3.5's A_log / conv / zero-centred norms and V-head order, Qwen3-Next's qkvz split, DeepSeek's kv_b split,
+experts stacked).
 Weights stay float32, so llama.cpp computes with what transformers computes with.
 """
 from __future__ import annotations
@@ -102,13 +104,13 @@ def _reorder_v_heads(t: torch.Tensor, dim: int, k_heads: int, v_per_k: int, head
     return t.transpose(dim, dim + 1).reshape(shape)
 
 
-def _qwen35_moe_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+def _qwen35_moe_tensors(cfg: dict, tensors: Tensors, tiled_v_heads: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     k_heads, v_heads = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
     dk, dv, per_k = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"], v_heads // k_heads
     key_dim = k_heads * dk
 
     def by_v_head(t, dim, head_dim):
-        return _reorder_v_heads(t, dim, k_heads, per_k, head_dim) if per_k > 1 else t
+        return _reorder_v_heads(t, dim, k_heads, per_k, head_dim) if per_k > 1 and tiled_v_heads else t
 
     for name, t in _stack_experts(tensors).items():
         if name.endswith(".A_log"):
@@ -133,16 +135,34 @@ def _qwen35_moe_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torc
         yield name, t
 
 
-def _qwen35_moe_metadata(w, cfg: dict) -> None:
+def _qwen3_next_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-Next fuses q, k, v and the output gate z per K head in in_proj_qkvz; llama.cpp wants every head's
+    q, then k, then v in one tensor and z in another (and keeps in_proj_ba, and V heads, in the Hub's order)."""
+    k_heads, per_k = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"] // cfg["linear_num_key_heads"]
+    dk, dv = cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    parts = [dk, dk, per_k * dv, per_k * dv]
+    split = {}
+    for name, t in tensors.items():
+        if name.endswith("in_proj_qkvz.weight"):
+            q, k, v, z = (p.reshape(-1, t.shape[-1]) for p in t.reshape(k_heads, sum(parts), -1).split(parts, 1))
+            base = name.removesuffix("in_proj_qkvz.weight")
+            split[base + "in_proj_qkv.weight"], split[base + "in_proj_z.weight"] = torch.cat([q, k, v]), z
+        else:
+            split[name] = t
+    yield from _qwen35_moe_tensors(cfg, split, tiled_v_heads=False)
+
+
+def _qwen35_moe_metadata(w, cfg: dict, mrope: bool = True) -> None:
     rope = cfg["rope_parameters"]
     w.add_rope_freq_base(rope["rope_theta"])
     rope_dims = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 0.25))
     w.add_rope_dimension_count(rope_dims)
-    # Interleaved multimodal RoPE (pair i in section t, h, w as i % 3): text carries one position in the
-    # t, h and w sections, so RoPE on text is plain RoPE as long as no pair falls past them (llama.cpp's
-    # fourth section, which rotates text by position 0). Qwen3.5's own [11, 11, 10] at this size:
-    pairs = rope_dims // 2
-    w.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
+    if mrope:
+        # Interleaved multimodal RoPE (pair i in section t, h, w as i % 3): text carries one position in the
+        # t, h and w sections, so RoPE on text is plain RoPE as long as no pair falls past them (llama.cpp's
+        # fourth section, which rotates text by position 0). Qwen3.5's own [11, 11, 10] at this size:
+        pairs = rope_dims // 2
+        w.add_rope_dimension_sections([(pairs + 2) // 3, (pairs + 1) // 3, pairs // 3, 0])
     w.add_key_length(cfg["head_dim"])
     w.add_value_length(cfg["head_dim"])
     w.add_expert_count(cfg["num_experts"])
@@ -248,6 +268,13 @@ FAMILIES = {
              shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
         _qwen35_moe_metadata, _qwen35_moe_tensors),
+    "qwen3next": Family(
+        "qwen3next", "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        # Qwen3.5's layer pattern in Qwen3-Next's older layout: fused in_proj_qkvz and in_proj_ba, plain RoPE.
+        dict(MOE_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
+             linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
+        lambda w, cfg: _qwen35_moe_metadata(w, cfg, mrope=False), _qwen3_next_tensors),
     "glm4moe": Family(
         "glm4moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
         # GLM-4.5's shape: a dense first layer, q/k norms and biases, partial rotary, grouped sigmoid routing.
