@@ -654,3 +654,13 @@ def test_a_format_that_cannot_complete_is_refused_or_ends_as_length(url, name):
             jsonschema.validate(json.loads(choice["message"]["content"]), schema)
         else:
             assert choice["finish_reason"] == "length"
+
+
+def test_a_lone_surrogate_is_a_client_error_not_a_crash(url):
+    # Issue 46, item 15: echoed back in the error message, it failed the response's UTF-8 encoding: a 500.
+    base = '{"messages": [{"role": "user", "content": "hi"}], '
+    r = raw(url, base + '"model": "\\ud800"}')
+    assert r.status_code == 404 and "\\ud800" in r.json()["error"]["message"]
+    r = raw(url, base + '"model": "tiny", "moedesk": {"\\udfff": 1}}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
+    assert r.json()["error"]["param"] == "moedesk.\\udfff"
