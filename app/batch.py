@@ -36,6 +36,7 @@ except ImportError:  # not on Windows: runs there go unlocked
     fcntl = None
 
 from moedesk.app import chat_request
+from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
 from moedesk.engine.requests import Completion, Request, SamplingParams
@@ -82,10 +83,10 @@ class BatchSettings:
     ignore_eos: bool = SamplingParams.ignore_eos
     beams: int = 1  # above 1: beam search (engine.generation.beam), the beam lines in flight stepping together
     length_penalty: float = 1.0  # beam search's, as transformers applies it
-    speculative: str = "off"  # off | greedy | beam | auto (engine.speculative.options), with an EAGLE head
+    speculative: str = "off"  # one of engine.decoding.SPECULATIVE_MODES, with an EAGLE head
     draft: str | None = None  # the EAGLE head's folder
-    draft_length: int = 4
-    draft_width: int = 4
+    draft_length: int = DRAFT_LENGTH
+    draft_width: int = DRAFT_WIDTH
     batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
     gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
     dtype: str | None = None  # None: the engine's default for the device
@@ -226,7 +227,7 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="beam search over W hypotheses, unless the line sets beams (default 1: off)")
     parser.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
                         help="beam search scores sum(logprobs) / length**L, as transformers (default 1.0)")
-    parser.add_argument("--speculative", choices=("off", "greedy", "beam", "auto"), default="off",
+    parser.add_argument("--speculative", choices=SPECULATIVE_MODES, default="off",
                         help="speculative decoding with the EAGLE head --draft: chains (greedy), trees (beam), or auto: "
                              "draft lengths chosen from measured step times, plain decoding where drafting would "
                              "not pay (default off)")
@@ -251,8 +252,8 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
     settings = BatchSettings(**values, ignore_eos=args.ignore_eos, batch_size=args.batch_size,
                              beams=getattr(args, "beams", 1), length_penalty=getattr(args, "length_penalty", 1.0),
                              speculative=getattr(args, "speculative", "off"), draft=getattr(args, "draft", None),
-                             draft_length=getattr(args, "draft_length", 4), draft_width=getattr(args, "draft_width", 4),
-                             from_app=tuple(from_app),
+                             draft_length=getattr(args, "draft_length", DRAFT_LENGTH),
+                             draft_width=getattr(args, "draft_width", DRAFT_WIDTH), from_app=tuple(from_app),
                              sampling_unset=tuple(n for n in ("temperature", "top_p", "top_k") if n not in values))
     if settings.speculative != "off" and not settings.draft and getattr(args, "model", "demo") != "demo":
         # the demo has a head of its own (engine.speculative.demo_draft)
@@ -275,13 +276,8 @@ def speculative_options(engine, settings: BatchSettings):
     """The SpeculativeOptions of a run with --speculative, its draft head loaded now: a head that does not load
     (a folder without config.json, weights of the wrong shape) raises MoedeskError, one line, before any line runs.
     Loaded at the first step instead, it failed every step, and every line then ran again alone, plainly."""
-    from moedesk.engine.speculative.options import SpeculativeOptions
-    from moedesk.engine.speculative.demo_draft import resolve_draft
-
-    draft = resolve_draft(engine, settings.draft)
-    if not callable(draft):
-        engine.load_draft(draft)
-    return SpeculativeOptions(settings.speculative, draft, settings.draft_length, settings.draft_width)
+    choice = Decoding(settings.speculative, settings.draft, settings.draft_length, settings.draft_width)
+    return decoding_options(engine, choice, load_draft=True)
 
 
 def _is_regular_file(path: Path) -> bool:
@@ -757,9 +753,7 @@ class _Run:
         beam = self.beam_lines.get(request.tag)
         if beam is None:
             return None
-        from moedesk.engine.generation.beam import BeamOptions
-
-        return BeamOptions(beams=beam[0], length_penalty=beam[1])
+        return decoding_options(self.engine, Decoding(beams=beam[0], length_penalty=beam[1]))
 
     def _generate_plain(self, requests: Iterator[Request], batch_size: int) -> None:
         """Run the engine over `requests` to the end, whatever fails on the way.

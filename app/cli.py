@@ -6,6 +6,7 @@ import contextlib
 import math
 import sys
 
+from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES
 from moedesk.engine.errors import MoedeskError
 
 
@@ -34,9 +35,6 @@ def _finite(text: str) -> float:
 _positive_int.__name__ = "positive integer"  # how argparse names the type in its message
 _gib.__name__ = "GiB (a number >= 0)"
 _finite.__name__ = "finite number"
-
-SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
-
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, beams: bool, where: str) -> None:
     """How replies decode: speculative decoding with an EAGLE head (chat and serve), beam search (chat). Every
@@ -396,16 +394,14 @@ def server_speculation(engine, args):
     """The server's speculative options (app.server.Speculation) from its flags: the draft head resolved and
     loaded now, so a missing or bad one stops the start with one line, not the first request."""
     from moedesk.app.server import Speculation
-    from moedesk.app.tui.settings import resolve_draft
+    from moedesk.engine.decoding import speculative_draft
 
     mode = args.speculative or "off"
     if args.draft is None and mode == "off":
         return Speculation(default="off")  # requests may still ask for it, if the model has a head of its own
-    draft = resolve_draft(engine, decoding_flags(args).get("draft"))
-    if not callable(draft):
-        engine.load_draft(draft)
-    return Speculation(default=mode, draft=draft, draft_length=args.draft_length or 4,
-                       draft_width=args.draft_width or 4)
+    draft = speculative_draft(engine, decoding_flags(args).get("draft"))
+    return Speculation(default=mode, draft=draft, draft_length=args.draft_length or DRAFT_LENGTH,
+                       draft_width=args.draft_width or DRAFT_WIDTH)
 
 
 def _phase_times():

@@ -47,12 +47,12 @@ from starlette.routing import Route
 from moedesk.app import chat_request, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
+from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options,
+                                     speculative_draft)
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.generation.beam import BeamOptions
 from moedesk.engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
 from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
 from moedesk.engine.requests import Completion, Request, SamplingParams
-from moedesk.engine.speculative.options import SpeculativeOptions
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
@@ -65,7 +65,6 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
-SPECULATIVE_MODES = ("off", "greedy", "beam", "auto")
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
 
 
@@ -76,8 +75,8 @@ class Speculation:
 
     default: str = "off"
     draft: object = None
-    draft_length: int = 4
-    draft_width: int = 4
+    draft_length: int = DRAFT_LENGTH
+    draft_width: int = DRAFT_WIDTH
 
 
 @dataclass
@@ -480,7 +479,7 @@ class Server:
                                "moedesk.beams", "invalid_value")
             if constrained:
                 raise ApiError(400, "beam search cannot take a response_format", "moedesk.beams", "invalid_value")
-            return BeamOptions(beams, length_penalty)
+            return decoding_options(self.engine, Decoding(beams=beams, length_penalty=length_penalty))
         asked = mode is not None
         mode = mode if asked else self.speculation.default
         if mode == "off":
@@ -495,20 +494,16 @@ class Server:
             # fewer candidates than the width; chains are exact for any sampling.
             mode = "greedy"
         s = self.speculation
-        return SpeculativeOptions(mode, self._draft(), s.draft_length, s.draft_width)
+        return decoding_options(self.engine, Decoding(mode, self._draft(), s.draft_length, s.draft_width))
 
     def _draft(self):
         """The server's draft head: its flag's, else the model's own (resolved and loaded on first use)."""
         if self.speculation.draft is None:
-            from moedesk.app.tui.settings import resolve_draft
-
             try:
-                draft = resolve_draft(self.engine, None)
+                draft = speculative_draft(self.engine, None)
             except MoedeskError as e:
                 raise ApiError(400, f"This server cannot decode speculatively: {e}", "moedesk.speculative",
                                "invalid_value") from None
-            if not callable(draft):
-                self.engine.load_draft(draft)
             self.speculation = replace(self.speculation, draft=draft)
         return self.speculation.draft
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from moedesk.app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
+from moedesk.engine.decoding import SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.load.generation_defaults import resolve
 
 SETTINGS_FILE = "settings.json"
@@ -95,7 +96,7 @@ class Settings:
                                        "the guesses are good. greedy: a chain of guesses; beam: a tree of them "
                                        "(draft width per step); auto: only where this machine's measured step "
                                        "times say it pays, plain decoding elsewhere. Needs a draft head.",
-        choices=("off", "greedy", "beam", "auto"))
+        choices=SPECULATIVE_MODES)
     draft: str = setting(
         "", "Draft head", "Folder of an EAGLE draft head for the loaded model (config.json and its weights; "
                           "`moedesk train-draft` makes one). Blank: the model's own, where it has one (the demo).")
@@ -118,16 +119,9 @@ class Settings:
         """How the engine decodes a reply (Engine.stream's `decoding`): beam search when beams > 1, speculative
         decoding when it is on, else None (plain sampling). Raises MoedeskError (one line) when speculation is
         asked for and no draft head is set or known for `engine`'s model."""
-        if self.beams > 1:
-            from moedesk.engine.generation.beam import BeamOptions
-
-            return BeamOptions(self.beams, self.length_penalty)
-        if self.speculative == "off":
-            return None
-        from moedesk.engine.speculative.options import SpeculativeOptions
-
-        draft = resolve_draft(engine, str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None)
-        return SpeculativeOptions(self.speculative, draft, self.draft_length, self.draft_width)
+        draft = str(Path(self.draft.strip()).expanduser()) if self.draft.strip() else None
+        return decoding_options(engine, Decoding(self.speculative, draft, self.draft_length, self.draft_width,
+                                                 self.beams, self.length_penalty))
 
     def sampling_params(self, seed: int | None = None, model_defaults: dict | None = None, **overrides):
         """The engine's SamplingParams for one reply; `seed` is used when the settings leave it blank, and
@@ -284,14 +278,6 @@ def _fields() -> tuple[SettingField, ...]:
 
 FIELDS: tuple[SettingField, ...] = _fields()
 FIELDS_BY_NAME: dict[str, SettingField] = {f.name: f for f in FIELDS}
-
-
-def resolve_draft(engine, draft):
-    """The draft head for `engine`: `draft` when given, else the model's own (the demo ships one); MoedeskError,
-    one line, when there is none. engine.speculative.demo_draft decides, for every front end alike."""
-    from moedesk.engine.speculative.demo_draft import resolve_draft as engine_resolver
-
-    return engine_resolver(engine, draft)
 
 
 def settings_path() -> Path:

@@ -4,9 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-MODES = ("off", "greedy", "beam", "auto")
-
-
 def check_mode(mode: str, draft_length: int, draft_width: int) -> None:
     if mode not in ("greedy", "beam", "auto"):
         raise ValueError(f"speculative mode must be greedy, beam or auto here, got {mode!r}")
