@@ -43,6 +43,8 @@ class Engine(EngineFace):
         self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
         self._grammar_tokenizer = None
         self._beam: BeamSearch | None = None  # made at the first beam search; keeps its cache for the next
+        self.draft_heads: dict = {}  # EAGLE heads by folder, loaded once (engine.speculative.eagle_drafter.draft_head)
+        self.idle_speculators: list = []  # speculative jobs' Speculators (each a KV cache) between jobs
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
@@ -186,9 +188,10 @@ class Engine(EngineFace):
             if self._beam is not None and self._beam.graphs is not None:
                 self._beam.graphs.release()
             self._beam = None
-            for spec in self.__dict__.pop("_speculators", []):  # idle ones: a running job holds its own
+            for spec in self.idle_speculators:  # a running job holds its own
                 if getattr(spec.graphs, "release", None) is not None:
                     spec.graphs.release()
+            self.idle_speculators.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the device, not only to torch's caching allocator
 

@@ -299,7 +299,7 @@ def draft_head(engine, path):
     """The EAGLE head at `path` for this engine's model, loaded once and kept on the engine."""
     from moedesk.engine.speculative.eagle import load_eagle_head
 
-    heads = engine.__dict__.setdefault("_speculative_heads", {})
+    heads = engine.draft_heads
     key = str(path)
     if key not in heads:
         head = load_eagle_head(path, target_embed=engine.model.embed.weight.detach(),

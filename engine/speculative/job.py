@@ -73,7 +73,7 @@ class SpeculativeJob:
         engine, o = self.engine, self.options
         factory = o.draft if callable(o.draft) else eagle_factory(draft_head(engine, o.draft), engine.config.num_layers)
         costs = RunningCosts(engine_step_times(engine, self.limit, o.draft_length)) if o.mode == "auto" else None
-        idle = engine.__dict__.setdefault("_speculators", [])
+        idle = engine.idle_speculators
         self.spec = idle.pop() if idle else Speculator(engine.model, engine.device, engine.dtype,
                                                        engine.context_length, engine.config.eos_token_ids,
                                                        engine.tokenizer, on_oom=engine._on_oom,
@@ -145,6 +145,6 @@ class SpeculativeJob:
 
     def close(self) -> None:
         if self.spec is not None:
-            self.engine.__dict__.setdefault("_speculators", []).append(self.spec)
+            self.engine.idle_speculators.append(self.spec)
             self.spec = None
 

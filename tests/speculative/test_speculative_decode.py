@@ -446,6 +446,8 @@ def test_drafting_keeps_no_autograd_graphs(engines, tmp_path):
 
     head = eagle_drafter.draft_head(engine, tmp_path / "head")
     assert not any(p.requires_grad for p in head.parameters())
+    # loaded once, kept on the engine for every later request that names the folder
+    assert engine.draft_heads[str(tmp_path / "head")] is head and engine.load_draft(tmp_path / "head") is head
     factory = eagle_factory(head, engine.config.num_layers)
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=8)) for p in PROMPTS[:2]]
     done = engine.speculate(requests, lambda batch, capacity: Watching(factory(batch, capacity)), mode="greedy")

@@ -203,12 +203,13 @@ def test_engine_jobs_take_the_engines_graphs_setting(engines, monkeypatch):
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=10)) for p in PROMPTS[:2]]
     expected = plain(engine, requests)
     monkeypatch.setattr(engine, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
-    monkeypatch.setitem(engine.__dict__, "_speculators", [])
+    monkeypatch.setattr(engine, "idle_speculators", [])
     done = engine.speculate(requests, oracle_factory(expected, 0.0, engine.vocab_size), mode="greedy",
                             draft_length=3)
     assert [c.token_ids for c in done] == expected
-    spec = engine.__dict__["_speculators"][0]
+    spec = engine.idle_speculators[0]
     assert isinstance(spec.graphs, GraphedDecode) and not spec.graphs.capture and spec.graphs.captured
+    assert engine.release_cache() and engine.idle_speculators == []  # an idle speculator's cache goes back too
 
 
 @pytest.mark.parametrize("draft", ["oracle-chain", "eagle-tree"])
