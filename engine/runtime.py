@@ -133,7 +133,8 @@ class Engine(EngineFace):
             progress("profile", 1.0)
         if self.tokenizer is not None:
             key = f"{orchestra.profile_key}-{self.name.replace('/', '_')[-40:]}"
-            orchestra.calibrate(cached_popularity(cache_root(), key, self, reprofile))
+            experts = [moe.experts.num_experts for moe in self.model.moe_blocks()]
+            orchestra.calibrate(cached_popularity(cache_root(), key, self.tokenizer, self._route, experts, reprofile))
         if progress:
             progress("calibrate", 1.0)
         if gpu_budget is not None:
@@ -147,6 +148,12 @@ class Engine(EngineFace):
         self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
         if progress:
             progress("place", 1.0)
+
+    def _route(self, requests: list[Request]) -> dict:
+        """Run `requests` to their end and return how often the routers picked each expert for them, by layer."""
+        self.executor.selections.clear()
+        list(self.generate(requests, batch_size=4))
+        return self.executor.selections
 
     @property
     def description(self) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
 from moedesk.engine.json_cache import cached_json
 from moedesk.engine.requests import Request, SamplingParams
@@ -18,10 +19,15 @@ def calibration_prompts() -> list[str]:
     return [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
 
 
-def measure_popularity(engine, new_tokens: int = 16) -> list[list[list[int]]]:
+# route(requests) runs them to their end and returns the routers' selection counts for them, {layer: [expert]}:
+# the engine's generation, handed down so that calibration need not know the engine.
+Route = Callable[[list[Request]], dict]
+
+
+def measure_popularity(tokenizer, route: Route, new_tokens: int = 16) -> list[list[list[int]]]:
     """Route the calibration prompts (chat-formatted when the model has a template) and count selections:
     [counts of the even-numbered prompts, counts of the odd-numbered ones], each [layer][expert]."""
-    tok = engine.tokenizer
+    tok = tokenizer
     if tok is None:
         raise ValueError("popularity needs a tokenizer")
     prompts = [tok.chat_prompt([{"role": "user", "content": p}]) if tok.chat_template else tok.encode(p)
@@ -29,20 +35,19 @@ def measure_popularity(engine, new_tokens: int = 16) -> list[list[list[int]]]:
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     halves = []
     for half in (prompts[0::2], prompts[1::2]):
-        engine.executor.selections.clear()
-        list(engine.generate([Request(p, params) for p in half], batch_size=4))
-        counts = engine.executor.selections
+        counts = route([Request(p, params) for p in half])
         halves.append([counts[layer].tolist() for layer in sorted(counts)])
     return halves
 
 
-def cached_popularity(cache_dir: Path, key: str, engine, refresh: bool = False) -> list[list[list[int]]]:
+def cached_popularity(cache_dir: Path, key: str, tokenizer, route: Route, experts_per_layer: list[int],
+                      refresh: bool = False) -> list[list[list[int]]]:
     """The two halves' counts (measure_popularity), measured once per model and machine; a stored file that
     does not fit this model (edited, or from another version) is measured again."""
     path = Path(cache_dir) / f"popularity-halves-{key}.json"
-    halves = cached_json(path, lambda: measure_popularity(engine), refresh)
-    if not _fits(halves, [moe.experts.num_experts for moe in engine.model.moe_blocks()]):
-        halves = cached_json(path, lambda: measure_popularity(engine), refresh=True)
+    halves = cached_json(path, lambda: measure_popularity(tokenizer, route), refresh)
+    if not _fits(halves, experts_per_layer):
+        halves = cached_json(path, lambda: measure_popularity(tokenizer, route), refresh=True)
     return halves
 
 
