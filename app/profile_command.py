@@ -4,7 +4,7 @@ from __future__ import annotations
 
 def streaming_line(costs, top_k: int) -> str | None:
     """The measured decode splits (engine.offload.profiler.profile_streaming) and the one chosen; None if not measured."""
-    from moedesk.engine.offload.placement import lone_token_split
+    from moedesk.engine.offload.assignment import lone_token_split
 
     if not costs.streamed_split_ms:
         return None

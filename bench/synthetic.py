@@ -12,7 +12,7 @@ import torch
 
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.kv_cache import KVCache
-from moedesk.engine.offload.placement import lone_token_split
+from moedesk.engine.offload.assignment import lone_token_split
 from moedesk.engine.requests import Request, SamplingParams
 
 
@@ -133,7 +133,7 @@ class SyntheticBench:
                 "lone_token_split": self.lone_token_split()}
 
     def lone_token_split(self) -> dict:
-        """How decode of one token shares the offloaded experts with the GPU (engine.offload.placement
+        """How decode of one token shares the offloaded experts with the GPU (engine.offload.assignment
         .lone_token_split: whole experts, or every expert's last rows), as the profile decided it."""
         ranks, rows = lone_token_split(self.orchestra.top_k, self.orchestra.costs) if self.policy == "balanced" \
             else (0, 0)

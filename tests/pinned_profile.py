@@ -2,8 +2,8 @@
 
 Engine.load profiles one expert at start-up (engine.offload.profiler, cached per machine) and every expert
 decision is read off those timings: which offloaded experts the CPU computes and which are copied to the GPU
-(placement.assign_offloaded), whether resident experts move to the CPU (placement.resident_on_cpu), how many
-of a lone token's experts, or rows, the GPU reads from RAM itself (placement.lone_token_split), whole layers or
+(assignment.assign_offloaded), whether resident experts move to the CPU (assignment.resident_on_cpu), how many
+of a lone token's experts, or rows, the GPU reads from RAM itself (assignment.lone_token_split), whole layers or
 popularity first (placement.plan_placement), and so whether a batch-1 decode step is handed to the host
 (OffloadExecutor.host_only, which engine.generation.cuda_graphs asks). Beside another job on the same GPU and
 CPU the timings change, the engine picks another layout, and a test asserting the layout fails although

@@ -2,7 +2,7 @@
 
 Fitted once per machine, model shape and dtype from the profiler's measurements (see
 `engine.offload.profiler.profile_expert`) and cached as JSON; the per-step decisions in
-`engine.offload.placement` read it hundreds of times per token, so evaluating it is plain arithmetic.
+`engine.offload.assignment` read it hundreds of times per token, so evaluating it is plain arithmetic.
 
 The shapes follow what the hardware does (docs/measurements.md, "Facts measured on the GPU box"):
 

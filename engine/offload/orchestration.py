@@ -21,8 +21,9 @@ from moedesk.engine.offload.expert_cache import policy_from_env
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
-from moedesk.engine.offload.placement import (LayerCosts, Placement, RememberedSplit, assign_offloaded, fiddler_assign,
-                              plan_placement, resident_on_cpu, split_rows, streamed_ranks)
+from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, resident_on_cpu,
+                                               split_rows, streamed_ranks)
+from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
 from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
 

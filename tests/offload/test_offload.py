@@ -6,7 +6,8 @@ and the ordered sum run for real.
 import pytest
 
 from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
-from moedesk.engine.offload.placement import Costs, assign_offloaded, plan_placement
+from moedesk.engine.offload.assignment import Costs, assign_offloaded
+from moedesk.engine.offload.placement import plan_placement
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model

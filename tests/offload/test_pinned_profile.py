@@ -76,7 +76,7 @@ def test_the_copies_profile_copies_every_offloaded_expert(tiny_checkpoint, tmp_p
 def test_a_lone_tokens_experts_stay_on_the_cpu_once_the_profile_measured_its_streaming(
         tiny_checkpoint, tmp_path, monkeypatch):
     """The copying machine again, but its profile timed a lone token's GPU options (streaming whole experts, no
-    gain): the per-step rule leaves a lone token's experts on the CPU (placement.lone_token_measured), so a batch-1
+    gain): the per-step rule leaves a lone token's experts on the CPU (assignment.lone_token_measured), so a batch-1
     step is handed to the host whole, where before every step copied; steps of more tokens still copy."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     top_k = 2  # the tiny Mixtral's

@@ -7,10 +7,11 @@ import pytest
 
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.offload.latency_model import fit_latency_model
-from moedesk.engine.offload.placement import (
-    Assignment, BudgetError, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
-    LayerCosts, RememberedSplit, cpu_path_ms, finish_times, plan_placement, step_cost_ms,
+from moedesk.engine.offload.assignment import (
+    Assignment, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule, RememberedSplit,
+    cpu_path_ms, finish_times,
 )
+from moedesk.engine.offload.placement import BudgetError, LayerCosts, plan_placement, step_cost_ms
 
 MiB = 2**20
 
@@ -447,7 +448,7 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gp
     from dataclasses import replace
 
     from moedesk.engine.offload.latency_model import LatencyModel
-    from moedesk.engine.offload.placement import lone_token_measured
+    from moedesk.engine.offload.assignment import lone_token_measured
 
     predicted = LatencyModel(cpu_intercept_ms=1.16, cpu_per_token_ms=0.0, cpu_floor_ms=1.16, gpu_tokens=(1,),
                              gpu_ms=(0.23,), copy_expert_ms=1.85, contention=((1, 1.05, 1.01),))
@@ -514,9 +515,9 @@ def test_an_expert_priced_at_its_share_of_the_call_copies_less_than_priced_at_it
 
 
 def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
-    import moedesk.engine.offload.placement as placement
+    import moedesk.engine.offload.assignment as assignment
 
-    monkeypatch.setattr(placement, "_best_split", lambda *a: pytest.fail("searched"))
+    monkeypatch.setattr(assignment, "_best_split", lambda *a: pytest.fail("searched"))
     got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
     assert got.cpu == (3, 9) and got.copy == () and got.makespan_ms == pytest.approx(0.15)
 
@@ -530,7 +531,7 @@ class _WithResidentLaunch:
 
 
 def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_share():
-    from moedesk.engine.offload.placement import resident_on_cpu
+    from moedesk.engine.offload.assignment import resident_on_cpu
 
     model = _WithResidentLaunch(Costs(lambda n: 0.05 * n, lambda n: 0.01, 1.0), resident_launch_ms=0.2)
     assert resident_on_cpu({7: 1, 3: 1}, model) == [3, 7]  # 0.1 ms of CPU work < 0.2 ms of launches
@@ -544,7 +545,7 @@ def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_s
 def test_streamed_ranks_take_the_fastest_measured_split():
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.placement import streamed_ranks
+    from moedesk.engine.offload.assignment import streamed_ranks
 
     def measured(*split_ms, top_k=8):
         return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k)
@@ -563,7 +564,7 @@ def test_rows_split_when_they_beat_whole_experts():
     expert's rows does not (split_rows_ms); the fastest option wins, whole experts or rows, never both."""
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.placement import lone_token_split, split_rows, streamed_ranks
+    from moedesk.engine.offload.assignment import lone_token_split, split_rows, streamed_ranks
 
     def measured(split_ms, rows_ms, top_k=2):
         return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k, split_rows_ms=rows_ms)

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moedesk.bench.synthetic import measure_decode, measure_prefill, prepare_synthetic  # noqa: E402
 from moedesk.engine.offload.latency_model import fit_latency_model  # noqa: E402
-from moedesk.engine.offload.placement import RememberedSplit, assign_offloaded  # noqa: E402
+from moedesk.engine.offload.assignment import RememberedSplit, assign_offloaded  # noqa: E402
 from moedesk.kernels.experts import experts_forward_routed  # noqa: E402
 
 

@@ -1,12 +1,12 @@
 """Probe (GPU box; python3 tests/perf/probe_split_rows_decode.py [--formats q4_0,dense] [--rounds 3]): at one token,
 how fast does whole decode run with the GPU taking each share of every expert's rows (`OffloadExecutor.row_split`),
-and does the start-up profile's pick (engine.offload.placement.lone_token_split) land on the fastest?
+and does the start-up profile's pick (engine.offload.assignment.lone_token_split) land on the fastest?
 
 Per format one synthetic model (by default the mixtral-8x7b shape, 8 layers; GPU budget 0), profiled as
 `moedesk bench` profiles it. Then rounds of batch-1 decode in which the policies take turns, every format's in
 one rotating schedule (the box's RAM bandwidth drifts from minute to minute, so only figures timed side by side
 compare): "model" (the profile's pick), "model, priced" (the same split, with the per-step rule as it was before
-placement.lone_token_measured), "rows r" (the GPU the last r of every expert's rows; 0: no split, the per-step
+assignment.lone_token_measured), "rows r" (the GPU the last r of every expert's rows; 0: no split, the per-step
 rule decides) and "cpu only" (no split, no copies). Printed per format: the profile's times of one
 layer per option, tok/s per policy (median of the rounds) and the experts copied a token."""
 import argparse
@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moedesk.bench.synthetic import measure_decode, prepare_synthetic  # noqa: E402
-from moedesk.engine.offload.placement import RememberedSplit, assign_offloaded, lone_token_split  # noqa: E402
+from moedesk.engine.offload.assignment import RememberedSplit, assign_offloaded, lone_token_split  # noqa: E402
 from moedesk.engine.offload.profiler import split_row_candidates  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main():
         benches[fmt] = bench
         decide = bench.executor.decide
         policies.append((fmt, "model", bench.executor.split_rows, decide))
-        # The per-step rule without placement.lone_token_measured (the profile's streaming forgotten): a lone token
+        # The per-step rule without assignment.lone_token_measured (the profile's streaming forgotten): a lone token
         # priced from the latency model's costs, which may copy one of its experts (and then the step is not handed to
         # the host whole). Before a1c768e those costs timed each CPU expert in a call of its own.
         unmeasured[fmt] = replace(bench.orchestra.costs, streamed_split_ms=())

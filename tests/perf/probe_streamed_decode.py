@@ -1,7 +1,7 @@
 """Probe (GPU box; python3 tests/perf/probe_streamed_decode.py [qwen3|mixtral] [ROUNDS] [MAX]): decode speed at batch 1 as a
 function of how many of each token's experts the GPU streams from pinned RAM (kernels.gpu_streamed) while the CPU
 computes the rest. One model, one process, the counts interleaved over rounds, so the machine is the same for all.
-Prints tok/s per count (median of the rounds) and what the profile-based rule (engine.offload.placement.streamed_ranks)
+Prints tok/s per count (median of the rounds) and what the profile-based rule (engine.offload.assignment.streamed_ranks)
 would pick."""
 import statistics
 import sys
@@ -11,7 +11,7 @@ import torch
 from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
-from moedesk.engine.offload.placement import streamed_ranks
+from moedesk.engine.offload.assignment import streamed_ranks
 from moedesk.engine.offload.profiler import profile_expert, profile_streaming
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
 

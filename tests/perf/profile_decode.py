@@ -18,7 +18,7 @@ from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
 from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
-from moedesk.engine.offload.placement import assign_offloaded
+from moedesk.engine.offload.assignment import assign_offloaded
 from moedesk.engine.offload.profiler import profile_expert
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
 from moedesk.kernels import cpu_experts

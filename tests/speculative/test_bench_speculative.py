@@ -332,7 +332,7 @@ def test_bench_with_a_model_and_its_draft_head(tiny_checkpoint, tmp_path, capsys
 
 
 def test_bench_reports_how_one_token_shares_experts_with_the_gpu(tiny_bench):
-    """The header names the profile's decision (engine.offload.placement.lone_token_split): what to compare decode
+    """The header names the profile's decision (engine.offload.assignment.lone_token_split): what to compare decode
     figures by when a split was or was not taken."""
     from dataclasses import replace
 
