@@ -7,7 +7,7 @@ from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamS
 from moedesk.engine.load.checkpoint import open_checkpoint
 from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
 from moedesk.engine.errors import MoedeskError, UnsupportedModelError
-from moedesk.engine.offload.executor import LocalExecutor
+from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.kv_cache import KVCache
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype

@@ -156,7 +156,7 @@ class Handoff:
             raise HandoffTimeout(f"the GPU did not reach MoE layer {j}'s routing within {timeout_s:.0f} s")
 
     def ready(self, j: int) -> "_Ready":
-        """Layer j's routing as an event to wait for (engine.offload.executor.HostRouting.ready)."""
+        """Layer j's routing as an event to wait for (engine.offload.expert_executor.HostRouting.ready)."""
         return self._ready[j]
 
     def host_done(self, j: int) -> None:

@@ -42,7 +42,7 @@ import torch
 from moedesk.engine.generation.kv_cache import KVCache
 from moedesk.engine.graph_capture import capturing
 from moedesk.engine.model.transformer import Step, Transformer
-from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.kernels.host_handoff import Handoff, handoff_wanted
 
 log = logging.getLogger("moedesk")

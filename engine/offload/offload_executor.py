@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache
 from moedesk.kernels import gpu_streamed
 from moedesk.kernels.expert_weights import ExpertWeights

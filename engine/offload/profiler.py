@@ -242,7 +242,7 @@ def resident_launch_ms(w: ExpertWeights, dtype, device, repeat: int = 20) -> flo
     tries so that nothing blocks). A layer pays it once whenever any resident expert has tokens."""
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.executor import HostRouting
+    from moedesk.engine.offload.expert_executor import HostRouting
     from moedesk.engine.offload.offload_executor import OffloadExecutor
 
     stack = ExpertWeights(w.gate_up.expand(2, -1, -1), w.down.expand(2, -1, -1), w.hidden, w.width,

@@ -333,7 +333,7 @@ def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape)
     """The real shapes' switches (sinks and windows, biased MXFP4 experts; MLA and grouped routing) through the
     synthetic model the benchmark builds, shrunk to a size the CPU runs: its forward pass gives finite logits."""
     from moedesk.engine.load.synthetic import SHAPES, synthetic_model
-    from moedesk.engine.offload.executor import LocalExecutor
+    from moedesk.engine.offload.expert_executor import LocalExecutor
 
     real = SHAPES[shape]
     small = dataclasses.replace(real, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_experts=8,

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.kernels import host_handoff
 from moedesk.kernels.expert_weights import ExpertWeights

@@ -112,7 +112,7 @@ def test_streamed_ranks_are_left_to_the_gpu():
     streamed rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
     import torch
 
-    from moedesk.engine.offload.executor import HostRouting
+    from moedesk.engine.offload.expert_executor import HostRouting
     from moedesk.kernels.cpu_experts import expert_forward
     from moedesk.kernels.expert_weights import ExpertWeights
 

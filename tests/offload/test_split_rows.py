@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from moedesk.engine.offload.executor import HostRouting
+from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.profiler import split_row_candidates
 from moedesk.kernels.experts import reference_routed

@@ -1,4 +1,4 @@
-"""Where routed experts run. The model hands every MoE layer's tokens to an executor.
+"""The expert executor: what the model hands every MoE layer's tokens to (`ExpertExecutor`), and the simplest one.
 
 An executor computes each (token, expert) pair's output; the model weights and sums them
 (`MoE.combine`). `LocalExecutor` runs each expert on the device that holds its weights, one
