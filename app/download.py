@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -606,8 +607,10 @@ def _write_ref(storage: Path, revision: str, commit: str) -> None:
         return  # a commit names itself; huggingface_hub keeps no ref for it either
     ref = storage / "refs" / revision
     ref.parent.mkdir(parents=True, exist_ok=True)
-    tmp = ref.with_name(ref.name + ".tmp")
-    tmp.write_text(commit)
+    # a random name, created anew: a fixed one could be a planted link, written through
+    fd, tmp = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}-", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(commit)
     os.replace(tmp, ref)  # readers never see a half-written ref
 
 

@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 _unwritable: set[Path] = set()  # cache folders already reported unwritable in this process
@@ -23,14 +24,19 @@ def cached_json(path: Path, measure, refresh: bool = False):
         except (OSError, UnicodeDecodeError, ValueError, RecursionError):
             pass  # absent, unreadable or damaged: measure again
     value = measure()
-    tmp = path.with_suffix(".tmp")
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(value, indent=1))
+        # A new file under a random name: a fixed one (profile-<key>.tmp) could be a link planted in the cache
+        # folder, and writing through it overwrote whatever it pointed at.
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(value, indent=1))
         os.replace(tmp, path)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if path.parent not in _unwritable:
             _unwritable.add(path.parent)
             print(f"moedesk: {path.parent}: cannot write the cache folder ({folder_problem(path.parent, e)}); "

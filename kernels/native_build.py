@@ -111,7 +111,7 @@ def build_library(source: Path, flags: list[str], compiler: list[str] | None = N
                                      _compiler_identity(compiler).encode(), platform.machine().encode()]))
     folder = cache_root() / "kernels"
     target = folder / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
-    if target.is_file():
+    if _verified(target):
         return target
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -129,12 +129,43 @@ def build_library(source: Path, flags: list[str], compiler: list[str] | None = N
         Path(tmp).unlink(missing_ok=True)
         log = folder / f"{target.stem}.log"
         try:
-            log.write_text(shlex.join(command) + "\n\n" + done.stdout + done.stderr)
+            os.replace(_write_exclusive(folder, f".{target.stem}-", (shlex.join(command) + "\n\n" + done.stdout
+                                                                       + done.stderr).encode()), log)
         except OSError:
             log = None
         lines = (done.stderr or done.stdout).splitlines()
         first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else "")
         where = f" (full log: {log})" if log else ""
         raise BuildError(f"compiling {Path(source).name} failed: {first.strip()}{where}")
+    digest = _write_exclusive(folder, f".{target.stem}-", _sha256(Path(tmp)).encode())
+    os.replace(digest, _digest_path(target))
     os.replace(tmp, target)
     return target
+
+
+# The cache folder is not trusted: a library planted there (its constructor runs at load) or cut short (a SIGBUS
+# when a page past its end is touched) is not loaded. Its hash, recorded when it was built, is checked first,
+# and a library that does not match is built again.
+
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verified(library: Path) -> bool:
+    try:
+        return library.is_file() and not library.is_symlink() and \
+            _digest_path(library).read_text().strip() == _sha256(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _write_exclusive(folder: Path, prefix: str, data: bytes) -> str:
+    """A new file of `data` under a random name in `folder` (created, never opened through a planted link)."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    return tmp
