@@ -5,7 +5,8 @@ engine.llamacpp.engine.LlamaCppEngine both derive from `EngineFace`. Each gives 
 engine.generation.scheduler.Scheduler over its own decoder), `tokenizer`, `config`, `context_length`, `name`,
 `device`, `warnings`, `cache` (its `bytes_per_position()` and `ensure(rows, length)`), `_kind(decoding, limit)`
 (the scheduler's JobKind for a decoding option, or a one-line refusal), `description`, `expert_map()`,
-`expert_stats()`, `grammar(response_format)`, `beam_search`, `speculate`, `load_draft` and `release_cache`.
+`expert_stats()`, `grammar(response_format)`, `generation_defaults` (the model's own sampling defaults), `beam_search`,
+`speculate`, `load_draft` and `release_cache`.
 `kind` says which engine it is and `why` why it was chosen, in one line; front ends show them and never test them.
 """
 from __future__ import annotations

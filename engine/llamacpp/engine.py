@@ -45,6 +45,7 @@ class LlamaCppEngine(EngineFace):
         self.cache = _KVFace(self)
         self.scheduler = Scheduler(self._decoder, max_rows=context.slots, prefill_chunk=context.batch_tokens)
         self._grammar_tokenizer = None
+        self.generation_defaults: dict = {}  # the model's own sampling defaults, where the user set none
         self.overridden: dict[str, str] = {}  # tensor -> buffer type, as llama.cpp's load log said
 
     @classmethod
@@ -74,13 +75,14 @@ class LlamaCppEngine(EngineFace):
         use_gpu = bool(gpu_devices) and device != "cpu"
         if device.startswith("cuda") and not gpu_devices:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
-        sizes = _file_sizes(path)
+        reader = _header(path)
+        sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
         if progress:
             progress("load", 0.0)
         context = context_length or DEFAULT_CONTEXT
         mark = lib.log_mark()
         params = api.llama_model_default_params()
-        layers_meta = _meta_int_from_file(path, "block_count") or len(sizes.expert_bytes)
+        layers_meta = _arch_value(reader, "block_count") or len(sizes.expert_bytes)
         budget = 0
         if use_gpu:
             free = _gpu_free_bytes()
@@ -107,6 +109,7 @@ class LlamaCppEngine(EngineFace):
         engine = cls(api, handle, llama, vocab, config, placement, name or model, why, path)
         engine.warnings = warnings
         engine.overridden = overridden_tensors(lib.log_since(mark))
+        engine.generation_defaults = _generation_defaults(reader, name or model)
         if progress:
             progress("load", 1.0)
         return engine
@@ -240,25 +243,34 @@ def _gpu_free_bytes() -> int:
     return 0
 
 
-def _file_sizes(path: Path):
+def _header(path: Path):
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except Exception as e:  # noqa: BLE001 -- the reader validates by failing
         raise CheckpointError(path, f"not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-    return gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
 
 
-def _meta_int_from_file(path: Path, key: str) -> int | None:
-    from gguf import GGUFReader
+def _value(reader, key: str):
+    field = reader.fields.get(key)
+    return field.contents() if field is not None else None
 
-    reader = GGUFReader(path)
-    arch = reader.fields.get("general.architecture")
-    if arch is None:
-        return None
-    field = reader.fields.get(f"{arch.contents()}.{key}")
-    return int(field.contents()) if field is not None else None
+
+def _arch_value(reader, key: str) -> int | None:
+    value = _value(reader, f"{_value(reader, 'general.architecture')}.{key}")
+    return int(value) if isinstance(value, int) else None
+
+
+def _generation_defaults(reader, name: str) -> dict:
+    """The sampling the model recommends, as the native engine reads it (engine.load.generation_defaults)."""
+    from moedesk.engine.load.generation_defaults import checked, from_gguf_metadata
+
+    if name == "demo":  # the demo's recipe, as the native engine's demo has
+        from moedesk.engine.load.demo import recipe
+
+        return checked(recipe().get("generation", {}))
+    return from_gguf_metadata(lambda key: _value(reader, key))
 
 
 def _meta(api, model, key: str) -> str | None:
