@@ -1,5 +1,5 @@
-"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2),
-written from tiny random transformers checkpoints with the gguf package: the test side of llama.cpp's
+"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2,
+LFM2-MoE), written from tiny random transformers checkpoints with the gguf package: the test side of llama.cpp's
 convert_hf_to_gguf.py.
 
 `build(family, folder)` saves a transformers checkpoint (its Hub layout: one tensor per expert) and writes
@@ -36,7 +36,7 @@ class Family:
 
 # --- per-family rewrites ---------------------------------------------------------------------------------
 
-EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
+EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward)\.experts)\.(\d+)\.(\w+)\.weight")
 
 
 def _stack_experts(tensors: Tensors) -> Tensors:
@@ -251,6 +251,29 @@ def _minimax_m2_metadata(w, cfg: dict) -> None:
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
+def _lfm2_moe_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, t in _stack_experts(tensors).items():
+        if name.endswith(".expert_bias"):
+            name += ".bias"
+        elif name.endswith("conv.conv.weight"):
+            t = t.squeeze(1)  # [channels, 1, L] -> [channels, L]
+        elif ".experts." in name:
+            name = name.removeprefix("model.")  # where gguf's name map looks for LFM2's stacked experts
+        yield name, t
+
+
+def _lfm2_moe_metadata(w, cfg: dict) -> None:
+    import gguf
+
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_expert_count(cfg["num_experts"])
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_leading_dense_block_count(cfg["num_dense_layers"])
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_shortconv_l_cache(cfg["conv_L_cache"])
+
+
 MOE_COMMON = dict(COMMON, num_hidden_layers=4, num_key_value_heads=2)
 
 FAMILIES = {
@@ -298,6 +321,13 @@ FAMILIES = {
         dict(MOE_COMMON, head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
              rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
         _minimax_m2_metadata, _minimax_m2_tensors),
+    "lfm2moe": Family(
+        "lfm2moe", "Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+        # LFM2-MoE's shape: gated short-convolution layers between attention layers, a dense first layer,
+        # sigmoid routing with an expert bias, tied embeddings.
+        dict(MOE_COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, num_dense_layers=1,
+             layer_types=["conv", "full_attention", "conv", "full_attention"], tie_word_embeddings=True),
+        _lfm2_moe_metadata, _lfm2_moe_tensors),
 }
 
 
@@ -319,8 +349,11 @@ def _common_metadata(w, cfg: dict, n_layers: int) -> None:
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
-    w.add_head_count_kv(cfg["num_key_value_heads"] if "kv_lora_rank" not in cfg else 1)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    kv_heads = cfg["num_key_value_heads"] if "kv_lora_rank" not in cfg else 1  # MLA: one shared latent head
+    if "conv_L_cache" in cfg:  # LFM2: per layer, none in the short-convolution layers
+        kv_heads = [kv_heads if t == "full_attention" else 0 for t in cfg["layer_types"]]
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg.get("rms_norm_eps") or cfg["norm_eps"])
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     w.add_file_type(0)  # all float32
 

@@ -1,16 +1,16 @@
 """llama.cpp runs 2026's MoE families as transformers does: tiny random checkpoints of gpt-oss, Qwen3.5-MoE,
-Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3 and MiniMax-M2, written as GGUF by tests/gguf_from_hf.py, through
-llama-cpp-python's bundled llama.cpp on the CPU, and through moedesk's Engine.
+Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2 and LFM2-MoE, written as GGUF by tests/gguf_from_hf.py,
+through llama-cpp-python's bundled llama.cpp on the CPU, and through moedesk's Engine.
 
 Per family, on three prompts of 16 greedy tokens. Plain attention: llama.cpp tokenizes as the checkpoint's
-tokenizer does, its greedy ids equal transformers' exactly (all six families), and its logits along
+tokenizer does, its greedy ids equal transformers' exactly (all seven families), and its logits along
 transformers' greedy path stay within LOGIT_TOLERANCE (float32 weights on both sides: what is left is
 summation order). The logit bound catches a conversion that is almost right: an M-RoPE section layout that
 rotated one pair of Qwen3.5's rotary dims by position 0 kept the greedy ids of two prompts of three, with
 logits 2e-2 apart. Flash attention (what moedesk's llama.cpp engine runs, as llama-server does) rounds
-differently: exact for gpt-oss, qwen35moe, qwen3next and deepseek2; 47 of 48 top-1 for glm4moe (one token whose
-group-limited routing is a near-tie, group scores 2e-5 apart, choosing the other group) and for minimax-m2 (one
-token whose two best logits are 1.4e-4 apart).
+differently: exact for gpt-oss, qwen35moe, qwen3next, deepseek2 and lfm2moe; 47 of 48 top-1 for glm4moe (one
+token whose group-limited routing is a near-tie, group scores 2e-5 apart, choosing the other group) and for
+minimax-m2 (one token whose two best logits are 1.4e-4 apart).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ EOS = SPECIAL.index("<|im_end|>")
 LOGIT_TOLERANCE = 5e-3  # observed: at most 1.5e-3 on logits of standard deviation ~0.7
 # Teacher-forced top-1 agreement with transformers under flash attention, per family (the issue's floor: 95%).
 FLASH_AGREEMENT = {"gpt-oss": 1.0, "qwen35moe": 1.0, "deepseek2": 1.0, "glm4moe": 0.95, "minimax-m2": 0.95,
-                   "qwen3next": 1.0}
+                   "qwen3next": 1.0, "lfm2moe": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +155,8 @@ def routed_expert_bytes(config) -> int:
     f = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     experts = next(getattr(config, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
                    if getattr(config, k, None))
-    moe_layers = config.num_hidden_layers - getattr(config, "first_k_dense_replace", 0)
+    dense = getattr(config, "first_k_dense_replace", None) or getattr(config, "num_dense_layers", None) or 0
+    moe_layers = config.num_hidden_layers - dense
     return moe_layers * experts * 3 * h * f * 4
 
 
