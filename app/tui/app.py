@@ -114,6 +114,8 @@ class MoedeskApp(App[int]):
             return
         self.engine = engine
         self.model = engine.name
+        for warning in engine.warnings:  # what went less well than asked at load, e.g. llama.cpp without CUDA
+            self.notify(warning, title="model", severity="warning", timeout=15)
         if self.chat is None:
             self.chat = ChatScreen()
             if isinstance(self.screen, LoadingScreen):
