@@ -70,7 +70,7 @@ class Engine(EngineFace):
         if choice is None or choice.kind == "native":
             try:
                 loaded = cls._load_native(model, device, dtype, context_length, gpu_budget, offload, reprofile,
-                                          progress, expert_dtype)
+                                          progress, expert_dtype, native_asked=choice is not None)
                 loaded.why = choice.why if choice else f"native engine: it implements {loaded.config.arch}"
                 return loaded
             except UnsupportedModelError as refusal:
@@ -85,8 +85,8 @@ class Engine(EngineFace):
 
     @classmethod
     def _load_native(cls, model, device, dtype, context_length, gpu_budget, offload, reprofile, progress,
-                     expert_dtype) -> "Engine":
-        checkpoint = open_checkpoint(model)
+                     expert_dtype, native_asked: bool = False) -> "Engine":
+        checkpoint = open_checkpoint(model, native_asked)
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         if gpu_budget is not None and gpu_budget < 0:

@@ -173,8 +173,9 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0]
 
 
-def open_checkpoint(model: str):
-    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
+def open_checkpoint(model: str, native_asked: bool = False):
+    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache.
+    native_asked: the native engine was asked for (engine.load.gguf_checkpoint.GGUFCheckpoint)."""
     if model == "demo":
         from moedesk.engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
@@ -183,7 +184,7 @@ def open_checkpoint(model: str):
         if not path.is_file():
             raise CheckpointError(path, "no such file")
         from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-        return GGUFCheckpoint(path)
+        return GGUFCheckpoint(path, native_asked=native_asked)
     if path.is_dir():
         return _with_experts_apart(SafetensorsCheckpoint(path))
     if path.exists():
@@ -194,7 +195,7 @@ def open_checkpoint(model: str):
         # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
         if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
             from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-            return GGUFCheckpoint(ggufs[0])
+            return GGUFCheckpoint(ggufs[0], native_asked=native_asked)
         return _with_experts_apart(SafetensorsCheckpoint(cached))
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")

@@ -38,12 +38,16 @@ _MODEL_TYPES = {
     "qwen3moe": (None, "qwen3_moe"),
     "olmoe": (None, "olmoe"),
     "glm4moe": (None, "glm4_moe"),
+    "gpt-oss": (None, "gpt_oss"),
 }
+# Read natively only when the native engine is asked for: llama.cpp runs them faster until the native engine has a
+# kernel for their experts (gpt-oss's MXFP4 experts take the dequantising reference path).
+_ONLY_WHEN_ASKED = frozenset({"gpt-oss"})
 # The GGUF architectures the native engine runs; llama.cpp runs the others (engine.load.size_estimate sizes them).
-NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES)
+NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES) - _ONLY_WHEN_ASKED
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-               "glm4_moe": "Glm4MoeForCausalLM"}
+               "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 # llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
 # rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -64,14 +68,14 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "{moe}.gate",
+    "ffn_gate_inp": "{moe}.{router}",
     "ffn_gate_shexp": "mlp.{shared}.gate_proj",
     "ffn_up_shexp": "mlp.{shared}.up_proj",
     "ffn_down_shexp": "mlp.{shared}.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 # Whole names whose Hub name is not module + kind: the sigmoid router's correction bias.
-_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
+_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks"}
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 _EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -95,10 +99,11 @@ _DIGITS_PRE = {"smollm", "starcoder", "refact"}  # each digit alone, then GPT-2'
 class GGUFCheckpoint:
     """A .gguf file: `config`, `keys()`, `get_tensor(name)`, `tokenizer`, `tokenizer_config`."""
 
-    def __init__(self, path, header=None):
+    def __init__(self, path, header=None, native_asked: bool = False):
         """`header`: the file's header already parsed (engine.load.gguf_header, from bytes fetched without the
         tensor data) instead of the file at `path`, which then only names it in messages: `config`, `shapes()` and
-        `packed_format()` answer from it, nothing reads tensors."""
+        `packed_format()` answer from it, nothing reads tensors. native_asked: the user chose the native engine, which
+        then reads the architectures llama.cpp otherwise runs (_ONLY_WHEN_ASKED)."""
         self.path = Path(path)
         self._reader = _open_reader(self.path) if header is None else header
         if header is None:
@@ -109,6 +114,10 @@ class GGUFCheckpoint:
         if self.arch not in _MODEL_TYPES:
             raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
                                                    f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
+        if self.arch in _ONLY_WHEN_ASKED and not native_asked:
+            raise UnsupportedModelError(self.path, f"GGUF architecture {self.arch!r} runs on llama.cpp unless the "
+                                                   f"native engine is asked for (--engine native): its experts have "
+                                                   f"no native kernel yet")
         self.config = self._build_config()
         self._index = self._build_index()
 
@@ -228,6 +237,8 @@ class GGUFCheckpoint:
     def _moe_config(self, model_type: str, experts: int) -> dict:
         if model_type == "glm4_moe":
             return self._glm4_moe_config(experts)
+        if model_type == "gpt_oss":
+            return self._gpt_oss_config(experts)
         moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
                "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
         width = self._arch_meta("expert_feed_forward_length", int, None) or self._arch_meta("feed_forward_length", int)
@@ -271,6 +282,26 @@ class GGUFCheckpoint:
             "partial_rotary_factor": self._arch_meta("rope.dimension_count", int, head_dim) / head_dim,
         }
 
+    def _gpt_oss_config(self, experts: int) -> dict:
+        """llama.cpp writes the window but not which layers slide (it hard-codes every other one from the first)
+        nor the activation's constants (the reference's alpha and limit); the pattern is read where a file has it."""
+        layers = self._block_count()
+        pattern = self._meta(f"{self.arch}.attention.sliding_window_pattern", list, None)
+        slides = [bool(p) for p in pattern] if pattern else [i % 2 == 0 for i in range(layers)]
+        config = {
+            "num_local_experts": experts,
+            "num_experts_per_tok": self._arch_meta("expert_used_count", int),
+            "intermediate_size": self._arch_meta("expert_feed_forward_length", int),
+            "sliding_window": self._arch_meta("attention.sliding_window", int),
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in slides],
+        }
+        rope = self._rope_scaling()
+        if rope is not None and rope["rope_type"] == "yarn":  # gpt-oss's yarn keeps fractional corrections
+            rope.update(truncate=False, beta_fast=self._arch_meta("rope.scaling.yarn_beta_fast", float, 32.0),
+                        beta_slow=self._arch_meta("rope.scaling.yarn_beta_slow", float, 1.0))
+            config["rope_scaling"] = rope
+        return config
+
     # tensors -----------------------------------------------------------------------------------
 
     def _build_index(self) -> dict[str, tuple[str, int | None]]:
@@ -280,6 +311,8 @@ class GGUFCheckpoint:
         model_type = self.config["model_type"]
         moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
         shared = ARCHITECTURES[model_type].shared_expert_name
+        router = ARCHITECTURES[model_type].router_name
+        self._joined_biases: dict[str, dict[str, str]] = {}  # Hub name -> {GGUF leaf: GGUF name}
         layers = self.config["num_hidden_layers"]
         expert_proj = _EXPERT_PROJ.get(model_type, _DEFAULT_EXPERT_PROJ)
         index = {}
@@ -297,7 +330,12 @@ class GGUFCheckpoint:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
             layer, leaf, expert, kind = m.groups()
             prefix = f"model.layers.{layer}."
-            if stacked := _STACKED_EXPERTS.fullmatch(leaf):
+            if kind == "bias" and _STACKED_EXPERTS.fullmatch(leaf):  # gpt-oss: a layer's expert biases, stacked
+                if leaf == "ffn_down_exps":
+                    index[f"{prefix}mlp.experts.down_proj_bias"] = (name, None)
+                else:  # gate's [E, F] and up's [E, F] become one [E, 2F], gate's first (MoE.gate_up_bias)
+                    self._joined_biases.setdefault(f"{prefix}mlp.experts.gate_up_proj_bias", {})[leaf] = name
+            elif stacked := _STACKED_EXPERTS.fullmatch(leaf):
                 proj = expert_proj[stacked.group(1)]
                 for e in range(int(tensor.shape[-1])):  # GGUF dims are reversed: experts come last
                     index[f"{prefix}{moe}.experts.{e}.{proj}.{kind}"] = (name, e)
@@ -307,13 +345,20 @@ class GGUFCheckpoint:
             elif expert is None and f"{leaf}.{kind}" in _LAYER_TENSORS_WHOLE:
                 index[prefix + _LAYER_TENSORS_WHOLE[f"{leaf}.{kind}"]] = (name, None)
             elif expert is None and leaf in _LAYER_TENSORS:
-                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe, shared=shared)}.{kind}"] = (name, None)
+                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe, shared=shared, router=router)}.{kind}"] = (name, None)
             else:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
         return index
 
     def keys(self) -> list[str]:
-        return list(self._index)
+        return list(self._index) + list(self._joined_biases)
+
+    def _joined(self, name: str) -> list[str]:
+        parts = self._joined_biases[name]
+        if set(parts) != {"ffn_gate_exps", "ffn_up_exps"}:
+            raise CheckpointError(self.path, f"GGUF has {', '.join(sorted(parts.values()))} without its counterpart "
+                                             f"(ffn_gate_exps.bias and ffn_up_exps.bias go together)")
+        return [parts["ffn_gate_exps"], parts["ffn_up_exps"]]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape in Hub layout, from the file's header alone (what parse_config checks the
@@ -322,10 +367,15 @@ class GGUFCheckpoint:
         for name, (gguf_name, expert) in self._index.items():
             dims = tuple(int(d) for d in reversed(self._tensors[gguf_name].shape))
             shapes[name] = dims if expert is None else dims[1:]
+        for name in self._joined_biases:
+            gate, up = (tuple(int(d) for d in reversed(self._tensors[n].shape)) for n in self._joined(name))
+            shapes[name] = (gate[0], gate[1] + up[1])
         return shapes
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """One tensor in Hub layout: float32 if it was quantized, else its stored dtype."""
+        if name in self._joined_biases:
+            return torch.cat([self._read(self._tensors[n], None) for n in self._joined(name)], dim=1)
         gguf_name, expert = self._index[name]
         tensor = self._read(self._tensors[gguf_name], expert)
         leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
@@ -339,6 +389,8 @@ class GGUFCheckpoint:
     def packed_format(self, name: str) -> str | None:
         """The packed format (kernels.quant_formats) a tensor is stored in, when its blocks can be computed
         from as they are; None for float tensors and other quantisations (those are dequantised)."""
+        if name in self._joined_biases:
+            return None
         gguf_name, _ = self._index[name]
         fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))
         return None if fmt is None else fmt.name

@@ -351,3 +351,24 @@ def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape)
     cache = KVCache(small, 1, 12, torch.float32, "cpu")
     logits = model(torch.arange(12)[None], torch.arange(12)[None], cache, LocalExecutor())
     assert logits.shape == (1, 12, 256) and torch.isfinite(logits).all()
+
+
+def test_gpt_oss_gguf_generates_the_reference_tokens(tmp_path):
+    """gpt-oss as llama.cpp's converter writes it (tests/gguf_from_hf.py: gate and up apart, stacked biases, sinks,
+    yarn, the window): the native engine, asked for, loads it and gives transformers' tokens on the same weights.
+    Unasked, the file is llama.cpp's (faster until the native engine has an MXFP4 kernel): one line says so."""
+    from moedesk.engine.errors import UnsupportedModelError
+    from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES, GGUFCheckpoint
+    from tests.gguf_from_hf import build
+
+    built = build("gpt-oss", tmp_path / "gpt-oss")
+    assert "gpt-oss" not in NATIVE_ARCHITECTURES
+    with pytest.raises(UnsupportedModelError, match="--engine native"):
+        GGUFCheckpoint(built.gguf)
+    engine = Engine.load(str(built.gguf), device="cpu", dtype="float32", engine="native")
+    assert engine.kind == "native" and engine.config.sliding_layers == (True, False, True, False)
+    ours = Engine.load(str(built.folder), device="cpu", dtype="float32")
+    assert engine.config == ours.config
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    eos = ours.tokenizer.eos_token_ids | set(ours.config.eos_token_ids)
+    assert greedy(engine, prompts, 16) == [hf_greedy(built.model, p, 16, eos) for p in prompts]
