@@ -43,7 +43,9 @@ class LlamaContext:
         # One stream of cells per sequence: each attends over its own positions only (serve's clients share no
         # prefix), and a sequence's room is its context, whatever the others hold.
         params.kv_unified = False
-        params.n_batch = params.n_ubatch = self.batch_tokens
+        # A step's tokens go in one call (n_batch); llama.cpp computes them in micro-batches of its default size,
+        # as llama-bench and llama-server do.
+        params.n_batch, params.n_ubatch = self.batch_tokens, min(params.n_ubatch, self.batch_tokens)
         params.n_threads = params.n_threads_batch = self.threads
         params.offload_kqv = self.offload_kv
         params.no_perf = True

@@ -64,3 +64,16 @@ def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_mo
     whole = greedy(load(tiny_moe, cpu_moe=0, device="auto"))  # every expert on the GPU
     # The pinned layer's experts compute on the CPU (other arithmetic than CUDA's): most tokens agree.
     assert sum(a == b for a, b in zip(split, whole)) >= 12
+
+
+def test_profile_on_llama_cpp_says_which_engine_and_where_each_layers_experts_are(tiny_moe, capsys, monkeypatch):
+    from moedesk.app.cli import main
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert main(["profile", "--engine", "llama.cpp", "--model", str(tiny_moe), "--device", "cpu",
+                 "--context", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "engine: llama.cpp engine, as asked" in out and "on llama.cpp, no GPU for llama.cpp: all in RAM" in out
+    assert "placement per layer" in out and "0 of 12 experts on the GPU" in out
+    assert [line.strip() for line in out.splitlines() if line.strip().startswith("layer")] == [
+        f"layer   {i}: ...." for i in range(3)]

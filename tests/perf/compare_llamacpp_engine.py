@@ -32,7 +32,9 @@ MARGIN = GIB  # llama.cpp's compute buffers and the CUDA context, beside the wei
 
 def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int) -> dict:
     """{"pp": tok/s of a prompt of `prompt` tokens, "tg": tok/s of `tokens` generated} from llama-bench's JSON."""
-    out = subprocess.run([binary, "-m", gguf, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads),
+    # -fa 1: the engine keeps llama.cpp's own default, auto, which takes flash attention where it can (its
+    # graph runs FLASH_ATTN_EXT); llama-bench is told the same.
+    out = subprocess.run([binary, "-m", gguf, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads), "-fa", "1",
                           "-p", str(prompt), "-n", str(tokens), "-r", "2", "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     rates = {}
@@ -42,10 +44,13 @@ def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, t
     return rates
 
 
-def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, tokens: int) -> dict:
+def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, tokens: int, threads: int) -> dict:
+    import torch
+
     from moedesk.bench.llamacpp import measure
     from moedesk.engine.llamacpp.engine import LlamaCppEngine
 
+    torch.set_num_threads(threads)  # the engine runs as many threads as torch: llama-bench's -t
     engine = LlamaCppEngine.load(gguf, context_length=max(prompt, tokens + 32) + 64, cpu_moe=ncmoe,
                                  gpu_budget=budget_gib)
     try:
@@ -92,7 +97,7 @@ def main() -> int:
 
     n = layers if args.ncmoe is None else args.ncmoe
     theirs = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens)
-    mine = ours(gguf, n, None, args.prompt, args.tokens)
+    mine = ours(gguf, n, None, args.prompt, args.tokens, args.threads)
     report["wrapper"] = {"ncmoe": n, "llama_bench": theirs, "moedesk": mine,
                          "decode_ratio": round(mine["tg"] / theirs["tg"], 3),
                          "prefill_ratio": round(mine["pp"] / theirs["pp"], 3)}
@@ -112,7 +117,7 @@ def main() -> int:
         sweep = {m: llama_bench(args.llama_bench, gguf, m, args.threads, args.prompt, args.tokens)["tg"]
                  for m in range(fewest, layers + 1)}
         best = max(sweep, key=sweep.get)
-        auto = ours(gguf, None, expert_room / GIB, args.prompt, args.tokens)
+        auto = ours(gguf, None, expert_room / GIB, args.prompt, args.tokens, args.threads)
         ratio = auto["tg"] / sweep[best]
         report["placement"].append({"budget_gb": budget_gb, "sweep_tg": sweep, "best_ncmoe": best,
                                     "auto_ncmoe": auto["ncmoe"], "auto_tg": auto["tg"], "ratio": round(ratio, 3)})
