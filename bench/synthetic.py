@@ -140,6 +140,18 @@ class SyntheticBench:
         return {"gpu_experts": ranks, "gpu_rows": rows}
 
 
+def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda: bool) -> None:
+    """Refuse, in one line naming a --layers that fits, a model the RAM cannot hold (with a GPU: its experts)."""
+    import psutil
+
+    from moedesk.engine.memory_fit import check_bench_fits
+    from moedesk.kernels.quant_formats import FORMATS
+
+    element = torch.empty((), dtype=dtype).element_size()
+    bits = 8 * element if expert_format == "dense" else FORMATS[expert_format].bits_per_weight()
+    check_bench_fits(cfg, cfg.num_layers, 0 if on_cuda else element, bits, psutil.virtual_memory().available, shape)
+
+
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,
                       policy: str = "balanced", log=print, expert_format: str = "dense") -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
@@ -157,6 +169,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         leave_a_core_to_the_gpu_thread()
     dtype = torch.bfloat16 if on_cuda else torch.float32
     cfg = shape_config(shape, layers)
+    _check_fits(cfg, shape, dtype, expert_format, on_cuda)
     t0 = time.perf_counter()
     # The calibration below decodes 16 tokens past 32-token prompts.
     model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(context, 32 + 16 + 1),

@@ -95,6 +95,8 @@ class Engine(EngineFace):
         offload = torch_device.type == "cuda" if offload is None else offload
         warnings: list[str] = []
         allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
+        _check_memory(checkpoint.path, str(torch_dtype).removeprefix("torch."), expert_dtype,
+                      gpu=torch_device.type == "cuda")
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype)
         context = min(context, cfg.max_position_embeddings)
         tok_model = checkpoint.tokenizer
@@ -288,3 +290,25 @@ class Engine(EngineFace):
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, eos)
         return compile_response_format(response_format, self._grammar_tokenizer, self.vocab_size, eos)
+
+
+def available_ram() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def _check_memory(path, weights_dtype: str, expert_dtype: str, gpu: bool) -> None:
+    """Refuse (MoedeskError, one line naming an --expert-dtype that fits) a model whose weights the RAM cannot
+    hold, before reading them: read anyway, the load ended in a MemoryError traceback or the OOM killer."""
+    from moedesk.engine.load.size_estimate import summarize_path
+    from moedesk.engine.memory_fit import check_load_fits
+
+    try:
+        weights = summarize_path(path)
+        need = weights.estimate(expert_dtype, weights_dtype).ram_bytes(gpu)
+        smaller = {f"--expert-dtype {e}": weights.estimate(e, weights_dtype).ram_bytes(gpu)
+                   for e in ("int8", "int4") if e != expert_dtype}
+    except Exception:  # noqa: BLE001 -- what the estimate cannot read, the load reports in its own words
+        return
+    check_load_fits(need, available_ram(), str(path), smaller)

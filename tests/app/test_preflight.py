@@ -33,3 +33,48 @@ def test_a_free_port_and_a_bad_host():
         assert str(e).startswith("--host no.such.host.invalid: not an address")
     else:
         raise AssertionError("a host that does not resolve was accepted")
+
+
+class _Memory:
+    def __init__(self, available):
+        self.available = available
+
+
+def test_bench_refuses_a_model_bigger_than_the_ram_naming_layers_that_fit(monkeypatch, capsys):
+    import psutil
+
+    from moedesk.engine.load.synthetic import shape_config
+    from moedesk.engine.memory_fit import model_bytes, usable
+
+    available = 23 * 2**30
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _Memory(available))
+    assert main(["bench", "--device", "cpu"]) == 2  # float32 Mixtral-8x7B: ~175 GiB
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("moedesk: bench: mixtral-8x7b x32 layers needs ") and "23.0 GiB is available" in line
+    layers = int(line.rsplit("--layers ", 1)[1])
+    cfg = shape_config("mixtral-8x7b")
+    assert model_bytes(cfg, layers, 4, 32) <= usable(available) < model_bytes(cfg, layers + 1, 4, 32)
+
+
+def test_a_model_load_refuses_what_the_ram_cannot_hold_naming_an_expert_dtype(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                           capsys):
+    import moedesk.engine.runtime as runtime
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    folder = tiny_checkpoint("mixtral")
+    weights = summarize_path(folder)
+    full, int8 = (weights.estimate(e, "float32").ram_bytes(False) for e in ("auto", "int8"))
+    assert int8 < full
+    monkeypatch.setattr(runtime, "available_ram", lambda: int((int8 + full) / 2 / 0.9))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "Hi"}\n')
+    capsys.readouterr()
+    code = main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", str(folder), "--device", "cpu",
+                 "--dtype", "float32"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert code == 2 and line.startswith(f"moedesk: {folder} needs ") and line.endswith("try --expert-dtype int8")
+    monkeypatch.setattr(runtime, "available_ram", lambda: 64 * 2**30)
+    assert main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", str(folder), "--device", "cpu",
+                 "--dtype", "float32", "--max-new-tokens", "2"]) == 0

@@ -1,0 +1,65 @@
+"""Whether a model fits the memory before it is built or read: refused in one line that names a setting that
+fits, rather than a traceback (or a machine brought down) half way through.
+
+Pure functions of the sizes; the callers read what is available (RAM: psutil's `available`).
+"""
+from __future__ import annotations
+
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.model.config import ModelConfig
+
+GIB = 2**30
+# What else a process needs besides the weights (the KV cache, activations, torch itself): a model must leave
+# this much of the available memory free.
+HEADROOM = 0.10
+
+
+def gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def layer_weights(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """(expert weights, other weights) of one transformer layer, in parameters."""
+    hidden, heads, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attention = hidden * heads * hd * 2 + hidden * kv * hd * 2
+    moe = bool(cfg.moe_layers) and cfg.moe_layers[layer] if layer < len(cfg.moe_layers) else cfg.num_experts > 0
+    if not moe:
+        return 0, attention + 3 * hidden * cfg.intermediate_size
+    shared = 3 * hidden * cfg.shared_expert_intermediate_size
+    return 3 * hidden * cfg.moe_intermediate_size * cfg.num_experts, attention + shared + hidden * cfg.num_experts
+
+
+def model_bytes(cfg: ModelConfig, layers: int, dtype_bytes: int, expert_bits: float) -> int:
+    """Bytes of the first `layers` layers plus the embeddings, the experts at `expert_bits` per weight."""
+    total = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) * dtype_bytes
+    for layer in range(layers):
+        experts, other = layer_weights(cfg, layer)
+        total += int(experts * expert_bits / 8) + other * dtype_bytes
+    return total
+
+
+def usable(available: int) -> int:
+    return int(available * (1 - HEADROOM))
+
+
+def check_bench_fits(cfg: ModelConfig, layers: int, dtype_bytes: int, expert_bits: float, available: int,
+                     shape: str) -> None:
+    """MoedeskError unless the synthetic `shape` of `layers` layers fits: naming the --layers that would."""
+    need = model_bytes(cfg, layers, dtype_bytes, expert_bits)
+    if need <= usable(available):
+        return
+    fitting = max((n for n in range(1, layers) if model_bytes(cfg, n, dtype_bytes, expert_bits) <= usable(available)),
+                  default=0)
+    advice = f"use --layers {fitting}" if fitting else "use --shape tiny-moe"
+    raise MoedeskError(f"bench: {shape} x{layers} layers needs {gib(need)} of RAM, {gib(available)} is available; "
+                       f"{advice}")
+
+
+def check_load_fits(need: int, available: int, what: str, alternatives: dict[str, int]) -> None:
+    """MoedeskError unless `need` bytes fit `available`: naming the first of `alternatives` (a setting -> the bytes
+    it would need) that fits, if any."""
+    if need <= usable(available):
+        return
+    fits = next((setting for setting, size in alternatives.items() if size <= usable(available)), None)
+    advice = f"try {fits}" if fits else "it does not fit this machine's memory in any form moedesk has"
+    raise MoedeskError(f"{what} needs {gib(need)} of RAM once loaded, {gib(available)} is available; {advice}")
