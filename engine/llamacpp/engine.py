@@ -92,7 +92,26 @@ class LlamaCppEngine(EngineFace):
         overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
                               if placement.cpu_expert_layers() else [])
         overrides.install(params)
+        stopped: list[BaseException] = []
+
+        def on_progress(fraction, user_data) -> bool:
+            # The app's loading screen cancels by raising from `progress`: a ctypes callback cannot raise, so it
+            # returns False, which makes llama.cpp stop reading, and the exception is raised once it has.
+            try:
+                if progress:
+                    progress("load", min(float(fraction), 0.99))
+                return True
+            except BaseException as e:  # noqa: BLE001 -- handed back to the caller below
+                stopped.append(e)
+                return False
+
+        params.progress_callback = callback = api.llama_progress_callback(on_progress)
         handle = api.llama_model_load_from_file(str(path).encode(), params)
+        del callback  # llama.cpp calls it only while loading
+        if stopped:
+            if handle:
+                api.llama_model_free(handle)
+            raise stopped[0]
         if not handle:
             detail = next((line for line in reversed(lib.log_since(mark)) if "error" in line.lower()), "")
             raise CheckpointError(path, "llama.cpp could not load this file" + (f": {detail.strip()}" if detail else ""))

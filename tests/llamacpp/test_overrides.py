@@ -77,3 +77,25 @@ def test_profile_on_llama_cpp_says_which_engine_and_where_each_layers_experts_ar
     assert "placement per layer" in out and "0 of 12 experts on the GPU" in out
     assert [line.strip() for line in out.splitlines() if line.strip().startswith("layer")] == [
         f"layer   {i}: ...." for i in range(3)]
+
+
+def test_the_load_reports_progress_and_a_progress_that_raises_cancels_it(tiny_moe):
+    seen = []
+
+    def progress(phase, fraction):
+        seen.append((phase, fraction))
+
+    engine = Engine.load(str(tiny_moe), engine="llama.cpp", device="cpu", context_length=64, progress=progress)
+    engine.close()
+    fractions = [f for phase, f in seen if phase == "load"]
+    assert len(fractions) > 2 and fractions == sorted(fractions) and fractions[-1] == 1.0
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel(phase, fraction):
+        if fraction > 0:
+            raise Cancelled()
+
+    with pytest.raises(Cancelled):
+        Engine.load(str(tiny_moe), engine="llama.cpp", device="cpu", context_length=64, progress=cancel)

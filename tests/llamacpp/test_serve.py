@@ -1,7 +1,8 @@
 """`moedesk serve --engine llama.cpp`: concurrent clients decode together, through llama.cpp's multi-sequence
-batches, and get the replies they get one at a time (the official openai client)."""
+batches, and get the replies they get one at a time (the official openai client); response_format holds."""
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -45,3 +46,9 @@ def test_four_concurrent_requests_equal_their_one_at_a_time_replies(monkeypatch)
             assert reply.choices[0].message.content  # something was said
         batches = [together[q].model_extra["moedesk"]["mean_batch"] for q in QUESTIONS]
         assert max(batches) > 1  # they shared llama_decode calls
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+                  "additionalProperties": False}
+        shaped = client.chat.completions.create(
+            model="demo", messages=[{"role": "user", "content": "Give me a JSON object with a name."}], max_tokens=40,
+            temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}})
+        assert list(json.loads(shaped.choices[0].message.content)) == ["name"]  # llguidance's masks on llama.cpp
