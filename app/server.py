@@ -50,7 +50,7 @@ from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options,
                                      speculative_draft)
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.generation.scheduler import Group, QueueFull, TextDeltas, Update
+from moedesk.engine.interface import Group, QueueFull, TextDeltas, Update
 from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
 from moedesk.engine.requests import Completion, Request, SamplingParams
 
@@ -195,7 +195,7 @@ class Server:
                              "batch_size": self.group.limit, "max_queue": self.max_queue,
                              "speculative": self.speculation.default,
                              "context_length": self.engine.context_length,
-                             "scheduler": self.engine.scheduler.stats(), "experts": self.engine.expert_stats()})
+                             "scheduler": self.engine.queue_stats(), "experts": self.engine.expert_stats()})
 
     async def chat_completions(self, request: HttpRequest) -> Response:
         return await self._complete(request, chat=True)
@@ -247,7 +247,7 @@ class Server:
             handle = self.engine.submit(prepared.request, decoding=prepared.decoding, group=self.group,
                                         queue_limit=self.max_queue, sink=sink)
         except QueueFull as e:
-            retry = self.engine.scheduler.retry_after()
+            retry = self.engine.retry_after()
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
                            kind="server_error", headers={"Retry-After": str(retry)}) from None
         return Job(prepared, handle, updates, ReplyReader(prepared, self.engine.tokenizer))

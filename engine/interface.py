@@ -16,7 +16,11 @@ import threading
 from typing import Iterable, Iterator
 
 from moedesk.engine.requests import Completion, Request, SamplingParams, StreamChunk
-from moedesk.engine.generation.scheduler import Group, Handle, TextDeltas, Update, cancelled_after
+# What front ends use with `submit`, beside the request types: a Group of requests decoding at most N at once, the
+# Handle and the Updates a sink receives, QueueFull when the queue is, and TextDeltas (stop strings held back).
+from moedesk.engine.generation.scheduler import Group, Handle, QueueFull, TextDeltas, Update, cancelled_after
+
+__all__ = ["EngineFace", "Group", "Handle", "QueueFull", "TextDeltas", "Update", "DEFAULT_CONTEXT"]
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
 
@@ -34,6 +38,14 @@ class EngineFace:
         the same decode thread, between the plain batch's steps, and cancel as plain ones do."""
         group = options.get("group")
         return self.scheduler.submit(request, kind=self._kind(decoding, group.limit if group else None), **options)
+
+    def queue_stats(self) -> dict:
+        """The scheduler's counters since start, and what runs and waits now."""
+        return self.scheduler.stats()
+
+    def retry_after(self) -> int:
+        """Seconds a client refused with QueueFull might wait before trying again."""
+        return self.scheduler.retry_after()
 
     def generate(self, requests: Iterable[Request], batch_size: int = 8, decoding=None,
                  refill: int = 1) -> Iterator[Completion]:
