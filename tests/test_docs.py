@@ -237,16 +237,9 @@ def test_imports_are_read_as_the_interpreter_resolves_them():
     assert not any(m.startswith("moedesk.app") for m in graph["moedesk.engine.runtime"])
 
 
-# Circles that were there when this test was written, in code other work is moving (issue 44, item 2); each one
-# left is a debt. A circle not in this list fails the test.
-KNOWN_CIRCLES: list[frozenset[str]] = [
-    frozenset({"moedesk.app.tui.screens.models", "moedesk.app.tui.screens.download"}),
-]
-
-
 def test_no_modules_import_each_other_in_a_circle():
-    new = [sorted(c) for c in circles(import_graph()) if not any(c <= known for known in KNOWN_CIRCLES)]
-    assert not new, f"modules that import each other in a circle: {new}"
+    found = [sorted(c) for c in circles(import_graph())]
+    assert not found, f"modules that import each other in a circle: {found}"
 
 
 def test_the_layers_import_one_way():

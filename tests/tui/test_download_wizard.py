@@ -12,7 +12,7 @@ from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.settings import Settings
 from moedesk.app.tui.screens import download as wizard
 from moedesk.app.tui.screens.download import DownloadScreen
-from moedesk.app.tui.screens.models import LoadTarget
+from moedesk.app.tui.load_target import LoadTarget
 from moedesk.app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
 from tests.tui.helpers import chat_ready, wait_for

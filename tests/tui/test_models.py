@@ -8,7 +8,8 @@ import pytest
 
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.catalog import estimate_line, find_models, folder_size, human_size, scan_hf_cache
-from moedesk.app.tui.screens.models import LoadTarget, ModelsScreen, load_target
+from moedesk.app.tui.load_target import LoadTarget, load_target
+from moedesk.app.tui.screens.models import ModelsScreen
 from moedesk.app.tui.settings import Settings
 from moedesk.engine.load.size_estimate import MemoryEstimate
 from moedesk.engine.runtime import Engine

@@ -33,7 +33,7 @@ from textual.widgets.option_list import Option
 
 from moedesk.app import download as dl
 from moedesk.app.tui.catalog import estimate_line
-from moedesk.app.tui.screens.models import LoadTarget, load_target
+from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.widgets.fit_view import FitView
 from moedesk.app.tui.widgets.load_panel import one_line
 
