@@ -51,7 +51,7 @@ def _dense_heads(x: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / rms(x)) over the last dimension, normalised in float32 and rounded to x's dtype
-    before the weight (engine.model.transformer.rms_norm's rounding)."""
+    before the weight (engine.model.norm.rms_norm's rounding)."""
     d = x.shape[-1]
     out = torch.empty_like(x)
     block = triton.next_power_of_2(d)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.model.norm import RMSNorm
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -34,8 +35,6 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        from moedesk.engine.model.transformer import RMSNorm
-
         self.cfg = cfg
         heads, rope, nope = cfg.num_heads, cfg.qk_rope_head_dim, cfg.head_dim - cfg.qk_rope_head_dim
         self.nope = nope

@@ -1,7 +1,7 @@
 """The decoder-only transformer every supported architecture runs through.
 
 One module tree for dense and MoE models; `ModelConfig` switches the differences on.
-Routed experts are computed by an `ExpertExecutor` (engine.executor) so that where an expert
+Routed experts are computed by an `ExpertExecutor` (engine.offload.expert_executor) so that where an expert
 runs (GPU, CPU, copied over PCIe) is decided outside the model.
 """
 from __future__ import annotations
@@ -18,33 +18,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.generation.kv_cache import KVCache, write_rows
 from moedesk.engine.model.mla import LatentAttention
+from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
 from moedesk.engine.model.sinks import sink_attention, window_mask
 from moedesk.kernels import gpu_fused
 from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 
 log = logging.getLogger("moedesk")
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in float32 and cast back before the weight, as the reference implementations do,
-    # so that 16-bit runs round at the same places.
-    if gpu_fused.applies(x, weight):
-        return gpu_fused.rms_norm(x, weight, eps)
-    dtype = x.dtype
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:

@@ -52,7 +52,8 @@ from moedesk.engine import json_read
 from moedesk.engine.model.architectures import _parse_rope
 from moedesk.engine.model.config import RopeConfig
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
-from moedesk.engine.model.transformer import MLP, RMSNorm, apply_rope, rope_inv_freq
+from moedesk.engine.model.norm import RMSNorm
+from moedesk.engine.model.transformer import MLP, apply_rope, rope_inv_freq
 
 
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:

@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from moedesk.engine.model.transformer import MoE, apply_rope, rms_norm, top_k_route
+from moedesk.engine.model.norm import rms_norm
+from moedesk.engine.model.transformer import MoE, apply_rope, top_k_route
 from moedesk.kernels import gpu_fused
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
@@ -216,7 +217,7 @@ def test_fused_kernels_step_aside_when_a_gradient_is_wanted():
 def test_norm_trains_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from moedesk.engine.model.transformer import RMSNorm
+    from moedesk.engine.model.norm import RMSNorm
 
     norm = RMSNorm(64, 1e-6).cuda()
     x = torch.randn(3, 64, device="cuda", requires_grad=True)

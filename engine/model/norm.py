@@ -1,0 +1,29 @@
+"""RMS normalisation, the norm of every supported architecture: the transformer's layers and MLA's latent
+projections both use it."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moedesk.kernels import gpu_fused
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in float32 and cast back before the weight, as the reference implementations do,
+    # so that 16-bit runs round at the same places.
+    if gpu_fused.applies(x, weight):
+        return gpu_fused.rms_norm(x, weight, eps)
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
