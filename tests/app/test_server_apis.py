@@ -186,3 +186,16 @@ def test_cors_only_for_the_named_origins(url, engine):  # noqa: F811
         assert "access-control-allow-origin" not in r.headers
         r = httpx.get(plain + "/v1/models", headers={**AUTH, "Origin": "https://app.example"}, timeout=10)
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_structured_output_through_ollama_format_and_responses_text_format(local, client):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    reply = local.chat(model="tiny", messages=ASK, format=schema, think=False, options={"num_predict": 40, "seed": 2})
+    jsonschema.validate(json.loads(reply.message.content), schema)
+    reply = local.generate(model="tiny", prompt="JSON:", format="json", raw=True, options={"num_predict": 60})
+    assert isinstance(json.loads(reply.response), dict)
+    reply = client.responses.create(model="tiny", input="JSON:", max_output_tokens=40, extra_body={
+        "chat_template_kwargs": NOT_THINKING},
+        text={"format": {"type": "json_schema", "name": "ok", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(reply.output_text), schema)
