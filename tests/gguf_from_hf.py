@@ -32,6 +32,9 @@ class Family:
     config: dict
     metadata: Callable  # (writer, hf config dict) -> None: the family's own keys, beyond _common_metadata
     tensors: Callable  # (hf config dict, Hub tensors) -> (Hub-style name, tensor) pairs for TensorNameMap
+    # (model, seed) -> {Hub name: tensor or None (dropped)}: what the saved checkpoint holds instead, e.g. experts
+    # packed as the released checkpoints pack them; the model's own weights are set to what the file holds
+    repack: Callable | None = None
 
 
 # --- per-family rewrites ---------------------------------------------------------------------------------
@@ -56,9 +59,49 @@ def _renamed_correction_bias(tensors: Tensors) -> Tensors:
     return {name.replace("e_score_correction_bias", "e_score_correction.bias"): t for name, t in tensors.items()}
 
 
+def mxfp4_to_gguf(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 as the Hub's gpt-oss checkpoints pack it (blocks [..., G, 16]: weight 2i in byte i's low nibble, 2i + 1
+    in its high one; scales [..., G]: E8M0 exponents) -> GGUF's MXFP4 rows [..., G * 17]: per block the exponent,
+    then 16 bytes holding weight j in the low nibble and weight j + 16 in the high one."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2)  # [..., G, 32] in weight order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat([scales.unsqueeze(-1), packed], dim=-1).flatten(-2)
+
+
+def _gpt_oss_mxfp4_experts(model, seed: int) -> dict:
+    """Random MXFP4 experts in the released checkpoints' layout (gate_up_proj_blocks [E, 2F, H/32, 16], rows
+    interleaving gate and up; down_proj_blocks [E, H, F/32, 16]); the model computes with their values, as
+    transformers computes with such a checkpoint it dequantizes."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(seed + 2)
+    out = {}
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.mlp.experts
+        prefix = f"model.layers.{i}.mlp.experts."
+        for proj in ("gate_up_proj", "down_proj"):
+            e, k, rows = getattr(experts, proj).shape  # the float parameter is [experts, in, out]
+            blocks = torch.randint(0, 256, (e, rows, k // 32, 16), generator=g, dtype=torch.uint8)
+            scales = torch.randint(120, 124, (e, rows, k // 32), generator=g, dtype=torch.uint8)  # 2^-7..2^-4
+            with torch.no_grad():
+                getattr(experts, proj).copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32))
+            out.update({prefix + proj: None, prefix + proj + "_blocks": blocks, prefix + proj + "_scales": scales})
+    return out
+
+
 def _gpt_oss_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
     for name, t in tensors.items():
-        if name.endswith(".sinks"):
+        if name.endswith("_scales"):
+            continue  # with its blocks
+        if name.endswith("experts.gate_up_proj_blocks"):  # MXFP4, kept packed (uint8 rows)
+            base = name.removesuffix("gate_up_proj_blocks")
+            scales = tensors[name.removesuffix("_blocks") + "_scales"]
+            yield base + "gate_proj.weight", mxfp4_to_gguf(t[:, ::2], scales[:, ::2])
+            yield base + "up_proj.weight", mxfp4_to_gguf(t[:, 1::2], scales[:, 1::2])
+        elif name.endswith("experts.down_proj_blocks"):
+            base = name.removesuffix("_blocks")
+            yield base + ".weight", mxfp4_to_gguf(t, tensors[base + "_scales"])
+        elif name.endswith(".sinks"):
             yield name + ".weight", t
         elif name.endswith("experts.gate_up_proj"):
             # [experts, hidden, 2 * ff] with gate and up interleaved column by column
@@ -284,6 +327,12 @@ FAMILIES = {
         dict(MOE_COMMON, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
              sliding_window=8, max_position_embeddings=131072),
         _gpt_oss_metadata, _gpt_oss_tensors),
+    "gpt-oss-mxfp4": Family(
+        "gpt-oss", "GptOssConfig", "GptOssForCausalLM",
+        # The same with the experts in MXFP4 as openai/gpt-oss-* ship them, kept packed in the GGUF.
+        dict(MOE_COMMON, head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+             sliding_window=8, max_position_embeddings=131072),
+        _gpt_oss_metadata, _gpt_oss_tensors, _gpt_oss_mxfp4_experts),
     "qwen35moe": Family(
         "qwen35moe", "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
         # Three Gated DeltaNet layers then a gated full-attention layer; twice as many V heads as K heads.
@@ -412,7 +461,10 @@ def write_gguf(family: str, folder: Path, out: Path) -> Path:
     model_metadata(w, family, cfg)
     _tokenizer_metadata(w, folder, cfg["vocab_size"])
     for name, t in gguf_tensors(family, cfg, load_file(folder / "model.safetensors")):
-        w.add_tensor(name, t.to(torch.float32).contiguous().numpy())
+        if t.dtype == torch.uint8:  # packed MXFP4 rows (mxfp4_to_gguf)
+            w.add_tensor(name, t.contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
+        else:
+            w.add_tensor(name, t.to(torch.float32).contiguous().numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -435,8 +487,15 @@ def build(family: str, folder: Path, seed: int = 0) -> Built:
     torch.manual_seed(seed)
     model = getattr(transformers, fam.model_class)(config).eval()
     _perturb(model, seed)
+    repacked = fam.repack(model, seed) if fam.repack else {}
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
+    if repacked:
+        from safetensors.torch import load_file, save_file
+
+        saved = {**load_file(folder / "model.safetensors"), **repacked}
+        save_file({name: t.contiguous() for name, t in saved.items() if t is not None}, folder / "model.safetensors",
+                  metadata={"format": "pt"})
     tok = train_tokenizer()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

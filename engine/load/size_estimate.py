@@ -236,7 +236,8 @@ def file_weights(arch: str, tensors) -> FileWeights:
     for t in tensors:
         routed = _LLAMACPP_EXPERTS.match(t.name) is not None
         sizes[routed] += int(t.n_bytes)
-        formats[routed].add(GGMLQuantizationType(int(t.tensor_type)).name.lower())
+        if not (routed and t.name.endswith(".bias")):  # the experts' form is their matrices' (gpt-oss: mxfp4)
+            formats[routed].add(GGMLQuantizationType(int(t.tensor_type)).name.lower())
     return FileWeights(arch, sizes[True], sizes[False], tuple(sorted(formats[True])), "/".join(sorted(formats[False])))
 
 
