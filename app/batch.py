@@ -589,7 +589,8 @@ class _Run:
             line.error = f"not valid UTF-8 (byte {e.start + 1})"
             return line
         except json.JSONDecodeError as e:
-            line.error = f"malformed JSON ({e.msg} at column {e.colno})"
+            # some of json's messages end in "at" already ("Invalid control character at")
+            line.error = f"malformed JSON ({e.msg.removesuffix(' at')} at column {e.colno})"
             return line
         except RecursionError:
             line.error = "malformed JSON (nested too deeply)"

@@ -646,6 +646,8 @@ def _kind(value) -> str:
         return "null"
     if isinstance(value, bool):
         return "a boolean"
+    if isinstance(value, float) and not math.isfinite(value):  # json.loads takes NaN and Infinity
+        return "NaN" if value != value else "Infinity" if value > 0 else "-Infinity"
     return {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number"}.get(
         type(value), type(value).__name__)
 

@@ -512,3 +512,9 @@ def test_real_model_a_line_that_crashes_a_step_costs_only_that_line(model, tmp_p
     assert alone == [0] * 6
     assert [read_jsonl(tmp_path / f"one{i}.out")[0]["token_ids"] for i in range(7) if i != 3] == \
            [r["token_ids"] for i, r in enumerate(records) if i != 3]
+
+
+def test_a_control_character_is_reported_once_at_its_column(tmp_path):
+    # Issue 46, item 17: "Invalid control character at at column 8".
+    code, records, _, _ = batch(tmp_path, ['{"id": "\x01"}'])
+    assert code == 1 and records[0]["error"] == "line 1: malformed JSON (Invalid control character at column 9)"

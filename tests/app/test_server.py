@@ -664,3 +664,9 @@ def test_a_lone_surrogate_is_a_client_error_not_a_crash(url):
     r = raw(url, base + '"model": "tiny", "moedesk": {"\\udfff": 1}}')
     assert r.status_code == 400 and r.json()["error"]["code"] == "unknown_parameter"
     assert r.json()["error"]["param"] == "moedesk.\\udfff"
+
+
+def test_a_nan_temperature_is_named(url):
+    # Issue 46, item 17: the message read "must be a number, got a number".
+    r = raw(url, '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["message"].endswith("got NaN")
