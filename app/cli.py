@@ -341,11 +341,16 @@ def _run_draft_bench(args, log) -> int:
     from moedesk.bench.speculative import format_draft, load_prompts, run_draft_bench
     from moedesk.engine.runtime import Engine
 
-    if not (args.model and args.draft and args.prompts):
-        raise MoedeskError("bench: --model, --draft and --prompts go together")
+    from moedesk.engine.speculative.demo_draft import demo_head_folder
+
+    # The demo ships its own head: without --draft it is measured with that one.
+    draft = args.draft or (str(demo_head_folder()) if args.model == "demo" else None)
+    if not (args.model and draft and args.prompts):
+        raise MoedeskError("bench: --model and --prompts go together, with --draft unless the model is the demo")
+    check_draft_folder(draft)
     engine = Engine.load(args.model, device=args.device, gpu_budget=args.gpu_budget, progress=_load_progress())
     prompts = load_prompts(args.prompts, engine.tokenizer, args.max_prompts)
-    report = run_draft_bench(engine, args.draft, prompts, args.batches or (1, 4, 16), args.draft_length,
+    report = run_draft_bench(engine, draft, prompts, args.batches or (1, 4, 16), args.draft_length,
                              args.draft_width, args.decode_tokens or 128, log=log)
     print(json.dumps(report, indent=1) if args.json else format_draft(report))
     return 0
@@ -437,10 +442,20 @@ def run_train_draft_command(args) -> int:
     return run_train_draft(args, load_engine)
 
 
+def check_draft_folder(draft: str | None) -> None:
+    """MoedeskError (one line) unless `draft` is None or a folder holding a draft head's config.json."""
+    import os
+
+    if draft is not None and not os.path.isfile(os.path.join(draft, "config.json")):
+        what = "no such folder" if not os.path.exists(draft) else "no config.json in it"
+        raise MoedeskError(f"--draft {draft}: not an EAGLE draft head folder ({what}; `moedesk train-draft` makes one)")
+
+
 def run_chat_command(args) -> int:
     from moedesk.app.tui import run_app
 
     flags = decoding_flags(args)
+    check_draft_folder(flags.get("draft"))  # here, not at every reply once the app is open
     return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,
                    args.expert_dtype, **({"decoding": flags} if flags else {}),
                    **({"engine": args.engine} if args.engine else {}))

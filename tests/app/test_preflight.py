@@ -78,3 +78,33 @@ def test_a_model_load_refuses_what_the_ram_cannot_hold_naming_an_expert_dtype(ti
     monkeypatch.setattr(runtime, "available_ram", lambda: 64 * 2**30)
     assert main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--model", str(folder), "--device", "cpu",
                  "--dtype", "float32", "--max-new-tokens", "2"]) == 0
+
+
+def test_chat_refuses_a_draft_head_that_is_not_there_before_the_app_opens(monkeypatch, capsys, tmp_path):
+    import moedesk.app.tui as tui
+
+    monkeypatch.setattr(tui, "run_app", lambda *a, **k: (_ for _ in ()).throw(AssertionError("the app opened")))
+    assert main(["chat", "--speculative", "greedy", "--draft", "/no/such"]) == 2
+    assert capsys.readouterr().err.strip() == ("moedesk: --draft /no/such: not an EAGLE draft head folder (no such "
+                                               "folder; `moedesk train-draft` makes one)")
+    assert main(["chat", "--speculative", "greedy", "--draft", str(tmp_path)]) == 2
+    assert "no config.json in it" in capsys.readouterr().err
+
+
+def test_bench_on_the_demo_takes_its_shipped_head(monkeypatch):
+    # Issue 46, item 7: `bench --model demo --prompts F` asked for --draft although the demo ships a head.
+    import moedesk.bench.speculative as speculative
+    from moedesk.engine.speculative.demo_draft import demo_head_folder
+
+    seen = {}
+    monkeypatch.setattr(Engine, "load", staticmethod(lambda model, **kwargs: type("E", (), {"tokenizer": None})()))
+    monkeypatch.setattr(speculative, "load_prompts", lambda *a: [[1, 2]])
+
+    def run_draft_bench(engine, draft, *args, **kwargs):
+        seen["draft"] = draft
+        return {}
+
+    monkeypatch.setattr(speculative, "run_draft_bench", run_draft_bench)
+    monkeypatch.setattr(speculative, "format_draft", lambda report: "")
+    assert main(["bench", "--model", "demo", "--prompts", "p.jsonl"]) == 0
+    assert seen["draft"] == str(demo_head_folder())
