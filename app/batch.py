@@ -39,7 +39,7 @@ from moedesk.app import chat_request
 from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
-from moedesk.engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.requests import NOT_YET, Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
@@ -455,6 +455,46 @@ def _capped_lines(f) -> Iterator[bytes | None]:
             pass
 
 
+def _arrives_over_time(f) -> bool:
+    """Whether reading `f` may wait on a writer (a pipe, a terminal, a socket), rather than a file on disk."""
+    try:
+        mode = os.fstat(f.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # an in-memory stream (tests), or closed
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISSOCK(mode)
+
+
+def _read_ahead(lines: Iterator, wait_s: float = 0.05) -> Iterator:
+    """`lines`, read on a thread of their own: NOT_YET when none came within `wait_s`. From a pipe, a blocking read
+    held every line already received (and their answers) until the writer sent more or closed it."""
+    import queue
+    import threading
+
+    got: queue.SimpleQueue = queue.SimpleQueue()
+    end = object()
+
+    def read() -> None:
+        try:
+            for item in lines:
+                got.put(item)
+        except BaseException as e:  # noqa: BLE001 -- handed to the reading side, which raises it
+            got.put(e)
+        got.put(end)
+
+    threading.Thread(target=read, name="moedesk-batch-input", daemon=True).start()
+    while True:
+        try:
+            item = got.get(timeout=wait_s)
+        except queue.Empty:
+            yield NOT_YET
+            continue
+        if item is end:
+            return
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+
+
 def _input_lines(f) -> Iterator[tuple[int, bytes | None]]:
     """(line number, bytes or None when too long) of each non-blank line; numbers count every line from 1."""
     for number, raw in enumerate(_capped_lines(f), 1):
@@ -551,12 +591,16 @@ class _Run:
         """
         while True:
             try:
-                number, raw = next(lines)
+                item = next(lines)
             except StopIteration:
                 return
             except OSError as e:
                 raise _Stopped(f"{in_name}: cannot read the input ({e.strerror or e}); what is written stays: "
                                f"run the same command to go on") from None
+            if item is NOT_YET:  # a pipe with nothing new: the engine answers what it holds meanwhile
+                yield NOT_YET
+                continue
+            number, raw = item
             line, request = _Line(number, by_number=True), None
             try:
                 line = self._identify(number, raw)
@@ -1029,7 +1073,10 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
         report.start()
         stopped = None
         try:
-            requests = run.requests(_input_lines(source), STDIO if in_stdio else in_path)
+            lines = _input_lines(source)
+            if _arrives_over_time(source):  # a pipe or a terminal: lines come when they come
+                lines = _read_ahead(lines)
+            requests = run.requests(lines, STDIO if in_stdio else in_path)
             try:
                 run.generate(requests, settings.batch_size)
                 run.check_finished(requests)

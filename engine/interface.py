@@ -15,7 +15,7 @@ import queue
 import threading
 from typing import Iterable, Iterator
 
-from moedesk.engine.requests import Completion, Request, SamplingParams, StreamChunk
+from moedesk.engine.requests import NOT_YET, Completion, Request, SamplingParams, StreamChunk
 # What front ends use with `submit`, beside the request types: a Group of requests decoding at most N at once, the
 # Handle and the Updates a sink receives, QueueFull when the queue is, and TextDeltas (stop strings held back).
 from moedesk.engine.generation.scheduler import Group, Handle, QueueFull, TextDeltas, Update, cancelled_after
@@ -23,6 +23,7 @@ from moedesk.engine.generation.scheduler import Group, Handle, QueueFull, TextDe
 __all__ = ["EngineFace", "Group", "Handle", "QueueFull", "TextDeltas", "Update", "DEFAULT_CONTEXT"]
 
 DEFAULT_CONTEXT = 4096  # per sequence; the model may allow more, but the KV cache grows with it
+IDLE_POLL_S = 0.05  # while a request source has nothing to read: how long generate waits on running requests
 
 
 class EngineFace:
@@ -67,11 +68,14 @@ class EngineFace:
             while True:
                 # A batch's worth waits beyond the running ones, so a freed row takes the next request in the
                 # same step instead of after a round trip through this thread.
-                fresh = []
+                fresh, idle = [], False
                 while not exhausted and len(in_flight) + len(fresh) < 2 * batch_size:
                     request = next(source, None)
                     if request is None:
                         exhausted = True
+                        break
+                    if request is NOT_YET:  # nothing to read now: answer what runs, then ask again
+                        idle = True
                         break
                     fresh.append(request)
                 # Submitted together, so the decode thread admits them in one step: which requests share a step
@@ -83,9 +87,14 @@ class EngineFace:
                             request, decoding=choose(request), group=group,
                             sink=lambda u, n=number: finished.put((n, u)) if u.final else None)
                 if not in_flight:
+                    if not exhausted:
+                        continue  # the source waits a moment itself before it says NOT_YET again
                     self.scheduler.wait_idle()
                     return
-                n, update = finished.get()
+                try:
+                    n, update = finished.get(timeout=IDLE_POLL_S if idle else None)
+                except queue.Empty:
+                    continue
                 del in_flight[n]
                 if update.error is not None:
                     raise update.error

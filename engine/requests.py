@@ -57,3 +57,13 @@ class StreamChunk:
     text: str
     token_ids: list[int]
     completion: Completion | None = None  # set on the last chunk only
+
+
+class _NotYet:
+    def __repr__(self) -> str:
+        return "NOT_YET"
+
+
+# What a request source given to Engine.generate yields when it has no request now but may later (a pipe whose
+# writer is idle): generate answers the requests it runs meanwhile, then asks the source again.
+NOT_YET = _NotYet()
