@@ -25,6 +25,7 @@ class Engine(EngineFace):
     llama.cpp runs the model: front ends see either only through engine.interface.EngineFace."""
 
     kind = "native"
+    why = "native engine"  # Engine.load says more: why this engine was chosen
 
     def __init__(self, model, cfg, tokenizer: Tokenizer | None, device, dtype, context_length: int, name: str):
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
