@@ -85,8 +85,11 @@ class LlamaCppEngine(EngineFace):
         layers_meta = _arch_value(reader, "block_count") or len(sizes.expert_bytes)
         budget = 0
         if use_gpu:
-            free = _gpu_free_bytes()
-            budget = expert_budget(gpu_budget, free, sizes.other_bytes, 0)
+            from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED
+
+            # As the native engine: room for KV_ROWS_RESERVED full-context sequences' keys and values.
+            kv = KV_ROWS_RESERVED * context * _kv_bytes_per_position(reader, layers_meta)
+            budget = expert_budget(gpu_budget, _gpu_free_bytes(), sizes.other_bytes, kv)
         placement = place(sizes, layers_meta, use_gpu, budget, cpu_moe)
         params.n_gpu_layers = placement.gpu_layers
         overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
@@ -279,6 +282,21 @@ def _value(reader, key: str):
 def _arch_value(reader, key: str) -> int | None:
     value = _value(reader, f"{_value(reader, 'general.architecture')}.{key}")
     return int(value) if isinstance(value, int) else None
+
+
+def _kv_bytes_per_position(reader, layers: int) -> int:
+    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded)."""
+    def widest(key, default):
+        value = _value(reader, f"{_value(reader, 'general.architecture')}.{key}")
+        values = value if isinstance(value, list) else [value]
+        numbers = [v for v in values if isinstance(v, int)]
+        return max(numbers) if numbers else default
+
+    heads = widest("attention.head_count", 1) or 1
+    kv_heads = widest("attention.head_count_kv", heads) or heads
+    key = widest("attention.key_length", widest("embedding_length", 0) // heads)
+    value = widest("attention.value_length", key)
+    return 2 * layers * kv_heads * (key + value)
 
 
 def _generation_defaults(reader, name: str) -> dict:
