@@ -39,7 +39,7 @@ from moedesk.app import chat_request
 from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
-from moedesk.engine.requests import NOT_YET, Completion, Request, SamplingParams
+from moedesk.engine.requests import NOT_YET, TEMPERATURE_MAX, Completion, Request, SamplingParams
 
 PROMPT_KINDS = ("prompt", "messages", "prompt_ids")
 LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one line may set for itself
@@ -113,7 +113,11 @@ class BatchSettings:
                 return " (what free memory holds)"
             return "*" if name in self.from_app else "+" if name in self.from_model else ""
 
-        text = ", ".join(f"{f.name}={getattr(self, f.name)}{mark(f.name)}" for f in shown)
+        def value(name: str):
+            got = getattr(self, name)
+            return "auto" if got is None else got  # None: the engine decides (dtype, GPU budget), not "None"
+
+        text = ", ".join(f"{f.name}={value(f.name)}{mark(f.name)}" for f in shown)
         return text + (" (* from the app's settings)" if self.from_app else "") + \
             (" (+ the model's own default)" if self.from_model else "")
 
@@ -135,7 +139,7 @@ _INTEGERS = {"max_new_tokens", "seed", "top_k", "batch_size", "beams"}
 _RANGES = {
     "max_new_tokens": (lambda v: v >= 1, ">= 1"),
     "batch_size": (lambda v: v >= 1, ">= 1"),
-    "temperature": (lambda v: v >= 0, ">= 0"),
+    "temperature": (lambda v: 0 <= v <= TEMPERATURE_MAX, f"in [0, {TEMPERATURE_MAX:g}]"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0"),
     "seed": (lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**64)"),

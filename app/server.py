@@ -52,7 +52,7 @@ from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODE
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.interface import Group, QueueFull, TextDeltas, Update
 from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
-from moedesk.engine.requests import Completion, Request, SamplingParams
+from moedesk.engine.requests import TEMPERATURE_MAX, Completion, Request, SamplingParams
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
@@ -399,8 +399,8 @@ class Server:
         room = context - len(ids)
         # Omitted values: the model's own defaults (generation_config.json, GGUF metadata), else OpenAI's.
         recommended = getattr(engine, "generation_defaults", None) or {}
-        temperature = _field(body, "temperature", float, minimum=0, maximum=2,
-                             default=min(2.0, recommended.get("temperature", 1.0)))
+        temperature = _field(body, "temperature", float, minimum=0, maximum=TEMPERATURE_MAX,
+                             default=min(TEMPERATURE_MAX, recommended.get("temperature", 1.0)))
         top_p = _field(body, "top_p", float, default=recommended.get("top_p", 1.0))
         if not 0 < top_p <= 1:
             raise ApiError(400, f"top_p must be in (0, 1], got {top_p}", "top_p", "invalid_value")

@@ -4,6 +4,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+# The highest temperature every front end takes (OpenAI's): the app, batch and serve agree on one range.
+TEMPERATURE_MAX = 2.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from moedesk.app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
 from moedesk.engine.decoding import SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.load.generation_defaults import resolve
+from moedesk.engine.requests import TEMPERATURE_MAX
 
 SETTINGS_FILE = "settings.json"
 # What a blank sampling setting means when the model recommends nothing (engine.load.generation_defaults).
@@ -60,7 +61,7 @@ class Settings:
         "Sent first in every conversation, through the model's chat template. Blank: none.", multiline=True)
     temperature: float | None = setting(
         None, "Temperature", "0 always picks the most likely token (greedy, repeatable); higher is more varied. "
-                             "Blank: the model's own default, else 0.7.", check=between(0, 5))
+                             "Blank: the model's own default, else 0.7.", check=between(0, TEMPERATURE_MAX))
     top_p: float | None = setting(
         None, "Top-p", "Sample only from the most likely tokens that together hold this much probability. "
                        "Blank: the model's own default, else 0.95.", check=between(0, 1, low_open=True))

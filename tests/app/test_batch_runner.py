@@ -213,7 +213,7 @@ def test_per_line_overrides_reach_the_sampling_params(tmp_path):
 
 @pytest.mark.parametrize("override, words", [
     ({"temperature": "hot"}, "temperature must be a finite number"),
-    ({"temperature": -0.1}, "temperature must be >= 0"),
+    ({"temperature": -0.1}, "temperature must be in [0, 2]"),
     ({"temperature": float("nan")}, "temperature must be a finite number"),
     ({"top_p": 0}, "top_p must be in (0, 1]"),
     ({"top_p": 1.5}, "top_p must be in (0, 1]"),
@@ -690,3 +690,23 @@ def test_run_without_a_batch_size_takes_what_free_memory_holds(tmp_path, monkeyp
     assert run_batch(src, tmp_path / "again.jsonl", flagged, BatchSettings(temperature=0, max_new_tokens=4,
                                                                           batch_size=3), stderr=io.StringIO()) == 0
     assert flagged.max_active == 3
+
+
+def test_one_temperature_range_for_the_app_batch_and_serve():
+    # Issue 46, item 8: the app took up to 5, batch anything, serve up to 2.
+    from moedesk.app.batch import _check_param
+    from moedesk.app.tui.settings import FIELDS_BY_NAME
+    from moedesk.engine.requests import TEMPERATURE_MAX
+
+    assert TEMPERATURE_MAX == 2.0
+    _check_param("temperature", 2.0)
+    with pytest.raises(ValueError, match=r"in \[0, 2\]"):
+        _check_param("temperature", 2.5)
+    assert FIELDS_BY_NAME["temperature"].parse("2") == 2.0
+    with pytest.raises(ValueError):
+        FIELDS_BY_NAME["temperature"].parse("2.5")
+
+
+def test_the_header_says_auto_not_none():
+    text = BatchSettings(temperature=0).describe()
+    assert "dtype=auto" in text and "gpu_budget_gib=auto" in text and "None" not in text

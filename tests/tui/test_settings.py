@@ -43,7 +43,7 @@ def test_parse_and_validate():
     assert FIELDS_BY_NAME["gpu_budget_gib"].parse("") is None
     assert FIELDS_BY_NAME["gpu_budget_gib"].parse("12") == 12.0
     assert FIELDS_BY_NAME["seed"].parse("7") == 7
-    assert Settings(temperature=9.0).problems() == {"temperature": "must be ≥ 0 and ≤ 5"}
+    assert Settings(temperature=9.0).problems() == {"temperature": "must be ≥ 0 and ≤ 2"}
 
 
 def test_save_load_round_trip_keeps_unknown_keys_and_leaves_no_temp_files(tui_dirs):
@@ -97,7 +97,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, mon
 
         screen.query_one("#setting-temperature").value = "9"
         await pilot.pause()
-        assert "≤ 5" in str(screen.query_one("#error-temperature").render())
+        assert "≤ 2" in str(screen.query_one("#error-temperature").render())
         assert screen.query_one("#row-temperature").has_class("-invalid")
         await pilot.press("ctrl+s")
         await pilot.pause()
