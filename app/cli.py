@@ -339,12 +339,10 @@ def _run_draft_bench(args, log) -> int:
     import json
 
     from moedesk.bench.speculative import format_draft, load_prompts, run_draft_bench
+    from moedesk.engine.decoding import shipped_draft
     from moedesk.engine.runtime import Engine
 
-    from moedesk.engine.speculative.demo_draft import demo_head_folder
-
-    # The demo ships its own head: without --draft it is measured with that one.
-    draft = args.draft or (str(demo_head_folder()) if args.model == "demo" else None)
+    draft = args.draft or shipped_draft(args.model)  # the demo ships its own head: measured with it by default
     if not (args.model and draft and args.prompts):
         raise MoedeskError("bench: --model and --prompts go together, with --draft unless the model is the demo")
     check_draft_folder(draft)

@@ -26,6 +26,15 @@ class Decoding:
     length_penalty: float = 1.0
 
 
+def shipped_draft(model: str) -> str | None:
+    """The draft head that ships with `model` (the demo's), or None: what front ends use when given no --draft."""
+    if model != "demo":
+        return None
+    from moedesk.engine.speculative.demo_draft import demo_head_folder
+
+    return str(demo_head_folder())
+
+
 def speculative_draft(engine, draft, load: bool = True):
     """The draft head for `engine`'s model: `draft` when given, else the model's own; MoedeskError (one line) when
     there is none. load: load it now, so a head that does not load stops a front end before its first request
