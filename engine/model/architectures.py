@@ -181,11 +181,12 @@ def _parse_config(hf: dict, path) -> ModelConfig:
                        routed_scaling_factor=positive("routed_scaling_factor", 1.0))
     eos = hf.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    # An id outside the vocabulary is never sampled: every reply would run to max_new_tokens.
     for token in eos_ids:
-        count("eos_token_id", token, minimum=0)
+        count("eos_token_id", token, minimum=0, limit=vocab - 1)
     bos = hf.get("bos_token_id")
     if bos is not None:
-        count("bos_token_id", bos, minimum=0)
+        count("bos_token_id", bos, minimum=0, limit=vocab - 1)
     max_pos = count("max_position_embeddings")
     extra = {}  # the switches of one family: MLA's, gpt-oss's
     if arch.latent_attention:
@@ -400,6 +401,10 @@ def _parse_rope(hf: dict, path) -> RopeConfig:
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise CheckpointError(path, "config rope_parameters / rope_scaling must be objects")
     params = dict(params)
+    said = params.get("rope_type"), scaling.get("rope_type") or scaling.get("type")
+    if all(said) and said[0] != said[1]:  # which one transformers would follow depends on its version: refuse
+        raise UnsupportedModelError(path, f"config rope_parameters says rope_type {said[0]!r} but rope_scaling says "
+                                          f"{said[1]!r}")
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     source = params if params.get("rope_type") else scaling
 
