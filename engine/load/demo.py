@@ -66,6 +66,25 @@ def _check_writable(folder: Path) -> None:
                            f"set MOEDESK_CACHE_DIR to a folder you can write") from None
 
 
+def remove_abandoned_builds(folder: Path) -> None:
+    """Delete the staging folders (`<name>.<pid>.<random>`, most of a gigabyte each) of builds whose process is
+    gone: a build killed half way left one behind that nothing removed. A live process's is its own to finish."""
+    for staging in folder.parent.glob(f"{folder.name}.*.*"):
+        pid = staging.name[len(folder.name) + 1:].split(".", 1)[0]
+        if staging.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, another user's
+        return True
+    return True
+
+
 def build_demo(folder: Path, r: dict) -> None:
     from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
@@ -91,7 +110,8 @@ def build_demo(folder: Path, r: dict) -> None:
         if router not in tensors:
             tensors[router] = torch.randn(num_experts, hidden, generator=generator) * r["router_std"]
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    remove_abandoned_builds(folder)
+    staging = Path(tempfile.mkdtemp(prefix=f"{folder.name}.{os.getpid()}.", dir=folder.parent))
     try:
         save_file(tensors, str(staging / "model.safetensors"))
         dense.tokenizer.save(str(staging / "tokenizer.json"))

@@ -309,3 +309,23 @@ def test_a_single_call_in_a_template_is_bounded(name):
     assert time.perf_counter() - started < 10
     assert peak < 300 << 20, f"{peak >> 20} MiB"
     assert str(e.value).startswith("model: chat template failed: ") and "\n" not in str(e.value)
+
+
+def test_a_demo_build_killed_half_way_leaves_nothing_behind_at_the_next(tmp_path):
+    # Issue 46, item 17: a kill during the demo build left its 872 MB staging folder for good.
+    import subprocess
+    import sys
+
+    from moedesk.engine.load.demo import remove_abandoned_builds
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    folder = tmp_path / "moedesk-demo-v1"
+    abandoned = tmp_path / f"moedesk-demo-v1.{gone.pid}.abc123"
+    running = tmp_path / f"moedesk-demo-v1.{os.getpid()}.def456"
+    other = tmp_path / "moedesk-demo-v10.1.x"  # another version's name: not this build's
+    for path in (abandoned, running, other):
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x" * 100)
+    remove_abandoned_builds(folder)
+    assert not abandoned.exists() and running.exists() and other.exists()
