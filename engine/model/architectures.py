@@ -266,7 +266,7 @@ def _gpt_oss_switches(hf: dict, layers: int, count, positive, path) -> dict:
     if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
         raise CheckpointError(path, f"config layer_types must list sliding_attention or full_attention for each of "
                                     f"the {layers} layers, got {_show(kinds)}")
-    return dict(attention_out_bias=bool(hf.get("attention_bias", True)), attention_sinks=True,
+    return dict(attention_out_bias=bool(hf.get("attention_bias", True)), attention_sinks=True, norm_weight_first=True,
                 sliding_window=count("sliding_window"), sliding_layers=tuple(k == "sliding_attention" for k in kinds),
                 router="topk_softmax", router_bias=True, expert_bias=True,
                 swiglu_alpha=positive("swiglu_alpha", 1.702), swiglu_limit=positive("swiglu_limit", 7.0))

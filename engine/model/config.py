@@ -41,6 +41,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_out_bias: bool = False  # a bias on the output projection too (gpt-oss)
+    norm_weight_first: bool = False  # gpt-oss's norms apply their weight in float32, then round (engine.model.norm)
     attention_sinks: bool = False  # gpt-oss: a learned logit per head that takes part in the softmax, attends nothing
     sliding_window: int = 0  # keys a sliding layer's token sees: itself and the window - 1 before it
     sliding_layers: tuple[bool, ...] = ()  # which layers slide (empty: none)

@@ -372,3 +372,21 @@ def test_gpt_oss_gguf_generates_the_reference_tokens(tmp_path):
     prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
     eos = ours.tokenizer.eos_token_ids | set(ours.config.eos_token_ids)
     assert greedy(engine, prompts, 16) == [hf_greedy(built.model, p, 16, eos) for p in prompts]
+
+
+def test_gpt_oss_norms_round_where_the_reference_rounds():
+    """gpt-oss's RMSNorm applies its weight in float32 and rounds after it; in bfloat16 that differs from the
+    other families' order, and moedesk's norm for it equals the reference's bit for bit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from moedesk.engine.model.norm import RMSNorm
+
+    torch.manual_seed(0)
+    theirs, ours, others = GptOssRMSNorm(256, 1e-5), RMSNorm(256, 1e-5, weight_first=True), RMSNorm(256, 1e-5)
+    with torch.no_grad():
+        theirs.weight.normal_(1, 0.3)
+        ours.weight.copy_(theirs.weight)
+        others.weight.copy_(theirs.weight)
+    theirs, ours, others = theirs.bfloat16(), ours.bfloat16(), others.bfloat16()
+    x = torch.randn(64, 256).bfloat16()
+    assert torch.equal(ours(x), theirs(x)) and not torch.equal(others(x), theirs(x))
