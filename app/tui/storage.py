@@ -9,7 +9,6 @@ Folders (each overridable by an environment variable, which the tests use):
 """
 from __future__ import annotations
 
-from moedesk.engine import json_read
 import json
 import os
 import secrets
@@ -19,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import platformdirs
+
+from moedesk.engine import json_read
 
 
 def data_dir() -> Path:
@@ -159,6 +160,12 @@ def conversation_markdown(conversation: Conversation) -> str:
             heading = m.role.capitalize()
         lines += [f"## {heading}", "", m.content.rstrip(), ""]
     return "\n".join(lines)
+
+
+def export_folder() -> Path:
+    """Where an exported chat goes unless the user types another path: their documents folder, not wherever the
+    app happened to be started."""
+    return Path(platformdirs.user_documents_dir())
 
 
 def export_file_name(conversation: Conversation) -> str:

@@ -1,6 +1,8 @@
 """Issue 18: the app as a daily tool — nothing typed is lost, it fits 80x24, it says what it is doing."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from textual import events
 
@@ -420,7 +422,11 @@ async def test_palette_renames_exports_and_deletes_the_chat(engine, tmp_path):
 
         await run_command(pilot, "Export this chat")
         await wait_for(pilot, lambda: isinstance(app.screen, AskScreen), what="the export box")
-        assert app.screen.query_one("#dialog-input").value.endswith("Greetings.md")
+        from moedesk.app.tui.storage import export_folder
+
+        # the documents folder, not the folder the app was started in (issue 46, item 8)
+        assert app.screen.query_one("#dialog-input").value == str(export_folder() / "Greetings.md")
+        assert export_folder() != Path.cwd()
         target = tmp_path / "out" / "chat.md"
         app.screen.query_one("#dialog-input").value = str(target)
         await pilot.press("enter")

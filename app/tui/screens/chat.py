@@ -705,15 +705,13 @@ class ChatScreen(Screen):
         self.app.push_screen(AskScreen("Rename this chat", self.conversation.title), renamed)
 
     def action_export(self) -> None:
-        from pathlib import Path
-
         from moedesk.app.tui.screens.dialogs import AskScreen
-        from moedesk.app.tui.storage import export_file_name
+        from moedesk.app.tui.storage import export_file_name, export_folder
 
         if not self.conversation.messages:
             self.notify("Nothing to export yet.", severity="warning")
             return
-        default = Path.cwd() / export_file_name(self.conversation)
+        default = export_folder() / export_file_name(self.conversation)
         self.app.push_screen(AskScreen("Export this chat as Markdown to", str(default),
                                        "Enter writes the file (an existing one is replaced) · Esc cancels"),
                              self._export_to)
