@@ -71,12 +71,17 @@ def decoding_flags(args) -> dict:
     return {k: v for k, v in flags.items() if v is not None}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, several: bool = False) -> None:
     """The flags that say which model to load and how. engine: offer --engine (not where only the native engine
-    can do the job: train-draft reads the model's hidden states)."""
-    parser.add_argument("--model", default="demo",
-                        help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF cache "
-                             "(default: demo)")
+    can do the job: train-draft reads the model's hidden states). several: --model may be repeated (serve)."""
+    if several:
+        parser.add_argument("--model", action="append", default=None,
+                            help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF "
+                                 "cache; repeat it to serve several, the first loaded at start (default: demo)")
+    else:
+        parser.add_argument("--model", default="demo",
+                            help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF "
+                                 "cache (default: demo)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights and activations (default: the app's weights dtype setting for chat and batch, "
@@ -131,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "/v1/completions, /v1/models); requests decode together in one continuous "
                                        "batch.")
     add_serve_arguments(serve)
-    add_model_arguments(serve)
+    add_model_arguments(serve, several=True)
     train_draft = sub.add_parser("train-draft", help="train an EAGLE draft head on the model's own answers",
                                  description="The model answers a prompt set; an EAGLE-1/2 draft head learns its "
                                              "features and tokens. The folder written loads with --draft DIR.")
@@ -227,7 +232,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cors", default=None, metavar="ORIGINS",
                         help="let web pages of these comma-separated origins call the API ('*': any; default: none)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
-                        help="the model id clients send and /v1/models lists (default: the --model value)")
+                        help="the model id clients send and /v1/models lists for the first --model (default: the "
+                             "--model value)")
+    parser.add_argument("--keep-alive", default="-1", metavar="TIME",
+                        help="how long a model stays loaded while idle: 5m, 30s, 1h; 0 unloads it after each "
+                             "request; -1 never (default: -1; loading another model unloads an idle one anyway)")
     parser.add_argument("--batch-size", type=int, default=None, metavar="N",
                         help=f"requests decoded together (default: as many as half the free GPU memory, or RAM "
                              f"without a GPU, holds full-context KV caches for, at most {AUTO_BATCH_CAP})")
@@ -245,7 +254,8 @@ def load_engine(args, **overrides):
                    reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto",
                    # no --engine (train-draft): the native engine, the one whose hidden states it reads
                    engine=(args.engine or "auto") if hasattr(args, "engine") else "native")
-    return Engine.load(args.model, **{**options, **overrides})
+    model = overrides.pop("model", args.model)
+    return Engine.load(model, **{**options, **overrides})
 
 
 def _load_progress():
@@ -366,6 +376,17 @@ def run_serve_command(args) -> int:
                         ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and (value < (0 if flag == "--max-queue" else 1) or flag == "--port" and value > 65535):
             raise MoedeskError(f"{flag} {value}: out of range")
+    from moedesk.app.model_registry import parse_keep_alive
+
+    try:
+        keep_alive = parse_keep_alive(args.keep_alive)
+    except ValueError as e:
+        raise MoedeskError(f"--keep-alive: {e}") from None
+    sources = args.model or ["demo"]
+    if len(set(sources)) < len(sources):
+        raise MoedeskError(f"--model: {', '.join(sorted({s for s in sources if sources.count(s) > 1}))} given twice")
+    if len(sources) > 1 and (args.speculative not in (None, "off") or args.draft):
+        raise MoedeskError("--speculative and --draft serve one model: give one --model with them")
     from moedesk.app.ports import check_port
 
     check_port(args.host, args.port)  # before the load: minutes of it, then a port in use, was the old order
@@ -375,22 +396,68 @@ def run_serve_command(args) -> int:
               file=sys.stderr)
     import moedesk.engine.runtime  # noqa: F401 -- imported first, so the "load" time is the model's, not torch's import
 
-    engine = load_engine(args, progress=_phase_times())
-    if args.prefill_chunk:
-        engine.scheduler.prefill_chunk = args.prefill_chunk
-    batch_size = args.batch_size or batch_size_for_memory(
-        free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
-    # Every row's KV cache up front: grown later, it would be reallocated (and the CUDA graphs captured again)
-    # while clients wait, once for each client that arrives beyond the rows so far.
-    try:
-        engine.cache.ensure(batch_size, engine.context_length)
-    except torch.OutOfMemoryError:
-        print(f"moedesk: warning: no room for {batch_size} full-context KV caches up front; they grow as needed",
-              file=sys.stderr)
-    speculation = server_speculation(engine, args)
-    return run_server(engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr), api_key=api_key,
-                      batch_size=batch_size, max_queue=args.max_queue, model_name=args.model_name,
-                      speculation=speculation, cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()))
+    def load(source: str, progress=None):
+        """A model loaded and made ready to serve: (engine, the Group its requests decode in)."""
+        from moedesk.engine.interface import Group
+
+        engine = load_engine(args, model=source, **({"progress": progress} if progress else {}))
+        if args.prefill_chunk:
+            engine.scheduler.prefill_chunk = args.prefill_chunk
+        batch_size = args.batch_size or batch_size_for_memory(
+            free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
+        # Every row's KV cache up front: grown later, it would be reallocated (and the CUDA graphs captured again)
+        # while clients wait, once for each client that arrives beyond the rows so far.
+        try:
+            engine.cache.ensure(batch_size, engine.context_length)
+        except torch.OutOfMemoryError:
+            print(f"moedesk: warning: no room for {batch_size} full-context KV caches up front; they grow as needed",
+                  file=sys.stderr)
+        return engine, Group(batch_size)
+
+    pool = serve_pool(args, sources, load, keep_alive)
+    first = pool.entries[0]
+    first.engine, first.group = load(sources[0], progress=_phase_times())
+    speculation = server_speculation(first.engine, args)
+    return run_server(first.engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr),
+                      api_key=api_key, max_queue=args.max_queue, models=pool, speculation=speculation,
+                      cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()))
+
+
+def serve_pool(args, sources: list[str], load, keep_alive):
+    """The served models (app.model_registry): the --model ones, and any the local caches hold, found by name; each
+    checked against the RAM available before it loads, from its weights' size estimate."""
+    from pathlib import Path
+
+    from moedesk.app.model_registry import Entry, ModelPool
+    from moedesk.app.tui.storage import models_dir
+    from moedesk.engine.load.checkpoint import model_path
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    names = [args.model_name or sources[0], *sources[1:]]
+
+    def locate(name: str) -> str | None:
+        own = models_dir() / name  # moedesk's own models folder, then what --model would find
+        if "/" not in name.strip("/") and own.exists() and model_path(str(own)) is not None:
+            return str(own)
+        try:
+            return name if model_path(name) is not None else None
+        except Exception:  # noqa: BLE001 -- a name that is no model: unknown, not an error
+            return None
+
+    def need(source: str) -> int | None:
+        import torch
+
+        try:
+            gpu = args.device != "cpu" and torch.cuda.is_available()
+            dtype = args.dtype or ("bfloat16" if gpu else "float32")
+            path = model_path(source)
+            weights = summarize_path(Path(path)) if path is not None else None
+            return weights.estimate(args.expert_dtype or "auto", dtype).ram_bytes(gpu) if weights else None
+        except Exception:  # noqa: BLE001 -- what the estimate cannot read, the load reports in its own words
+            return None
+
+    return ModelPool([Entry(n, s) for n, s in zip(names, sources)], load=load, keep_alive=keep_alive, need=need,
+                     locate=locate)
 
 
 def server_speculation(engine, args):

@@ -10,6 +10,9 @@ or when its client goes away. Endpoints:
   request path (Server.start, .finish, .pieces)
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
 
+A request's `model` picks one of the served models (app/model_registry.py): loaded on first use, one at a time,
+refused with 503 and the reason when another is busy or it does not fit the RAM.
+
 Chat replies are parsed with engine/load/reply_format.py: a thinking model's reasoning comes back as
 `reasoning_content`, tool calls as `tool_calls` (app/chat_request.py checks tools and tool_choice). CORS is off
 unless --cors names origins.
@@ -46,6 +49,7 @@ from starlette.routing import Route
 
 from moedesk.app import chat_request, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
+from moedesk.app.model_registry import Entry, ModelBusy, ModelPool, NoRoom
 from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options,
                                      speculative_draft)
@@ -147,20 +151,22 @@ class Job:
     handle: object
     updates: asyncio.Queue
     reader: ReplyReader
+    release: object = None  # called once when the job is over: its model may unload
 
 
 class Server:
-    """The HTTP front of one loaded engine."""
+    """The HTTP front of a loaded engine, or of several models loaded one at a time (app.model_registry)."""
 
-    def __init__(self, engine, *, api_key: str | None = None, batch_size: int = 8,
+    def __init__(self, engine=None, *, api_key: str | None = None, batch_size: int = 8,
                  max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
-                 speculation: Speculation | None = None, cors: tuple[str, ...] = ()):
-        self.engine = engine
+                 speculation: Speculation | None = None, cors: tuple[str, ...] = (),
+                 models: ModelPool | None = None):
+        # the server's requests for a model decode at most batch_size at once (its Group)
+        self.pool = models or ModelPool.of_engine(engine, model_name or engine.name, Group(batch_size))
         self.speculation = speculation or Speculation()
         self.api_key = api_key or None
-        self.group = Group(batch_size)  # the server's requests decode at most this many at once
         self.max_queue = max_queue
-        self.model_id = model_name or engine.name
+        self.model_id = self.pool.entries[0].name
         self.created = int(time.time())
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -173,6 +179,26 @@ class Server:
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
             middleware=_cors(cors))
 
+    @property
+    def engine(self):
+        """The loaded model's engine (None when none is): a request holds its model loaded from `start` on."""
+        current = self.pool.current
+        return current.engine if current is not None else None
+
+    @property
+    def group(self):
+        current = self.pool.current
+        return current.group if current is not None else None
+
+    def entry(self, name) -> Entry:
+        """The model a request names; 404 as OpenAI's (the openai client's NotFoundError) for an unknown one."""
+        entry = self.pool.find(name) if isinstance(name, str) and name else None
+        if entry is None:
+            served = ", ".join(f"'{e.name}'" for e in self.pool.entries)
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves {served} and the models in "
+                                f"its local caches", "model", "model_not_found")
+        return entry
+
     # --- endpoints --------------------------------------------------------------------------
 
     async def health(self, request: HttpRequest) -> Response:
@@ -180,18 +206,18 @@ class Server:
 
     async def models(self, request: HttpRequest) -> Response:
         self._authorise(request)
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
+        return JSONResponse({"object": "list", "data": [self._model_card(e) for e in self.pool.entries]})
 
     async def model(self, request: HttpRequest) -> Response:
         self._authorise(request)
-        if request.path_params["model_id"] != self.model_id:
-            raise ApiError(404, f"The model '{request.path_params['model_id']}' does not exist", "model",
-                           "model_not_found")
-        return JSONResponse(self._model_card())
+        return JSONResponse(self._model_card(self.entry(request.path_params["model_id"])))
 
     async def stats(self, request: HttpRequest) -> Response:
         self._authorise(request)
-        return JSONResponse({"model": self.model_id, "description": self.engine.description,
+        current = self.pool.current
+        if current is None:
+            return JSONResponse({"model": None, "max_queue": self.max_queue})
+        return JSONResponse({"model": current.name, "description": self.engine.description,
                              "batch_size": self.group.limit, "max_queue": self.max_queue,
                              "speculative": self.speculation.default,
                              "context_length": self.engine.context_length,
@@ -233,7 +259,38 @@ class Server:
     # --- the request path every API shares ------------------------------------------------------
 
     async def start(self, body: dict, chat: bool) -> Job:
-        """Validate an OpenAI-style body and put it on the scheduler (503 when the queue is full)."""
+        """Validate an OpenAI-style body, load its model if need be, and put it on the scheduler (503 when the queue
+        is full, or the model cannot load now)."""
+        entry = await self.acquire(_field(body, "model", str, required=True))
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.pool.release(entry)
+        try:
+            return await self._start(body, chat, entry, release)
+        except BaseException:
+            release()
+            raise
+
+    async def acquire(self, name: str) -> Entry:
+        """The model `name` loaded and held for one request (ModelPool.release gives it back): 404 for an unknown
+        one, 503 with the reason when it cannot load now."""
+        entry = self.entry(name)
+        try:
+            return await self.pool.acquire(entry)
+        except ModelBusy as e:
+            raise ApiError(503, str(e), "model", "model_busy", kind="server_error",
+                           headers={"Retry-After": str(e.holder.engine.retry_after())}) from None
+        except NoRoom as e:
+            raise ApiError(503, str(e), "model", "insufficient_memory", kind="server_error") from None
+        except MoedeskError as e:
+            raise ApiError(503, f"'{entry.name}' cannot load: {e}", "model", "model_load_failed",
+                           kind="server_error") from None
+
+    async def _start(self, body: dict, chat: bool, entry: Entry, release) -> Job:
         # Tokenising, the chat template and compiling a schema are CPU work: off the event loop.
         prepared = await run_in_threadpool(self._prepare, body, chat)
         loop = asyncio.get_running_loop()
@@ -244,13 +301,13 @@ class Server:
                 loop.call_soon_threadsafe(updates.put_nowait, update)
 
         try:
-            handle = self.engine.submit(prepared.request, decoding=prepared.decoding, group=self.group,
+            handle = entry.engine.submit(prepared.request, decoding=prepared.decoding, group=entry.group,
                                         queue_limit=self.max_queue, sink=sink)
         except QueueFull as e:
-            retry = self.engine.retry_after()
+            retry = entry.engine.retry_after()
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
                            kind="server_error", headers={"Retry-After": str(retry)}) from None
-        return Job(prepared, handle, updates, ReplyReader(prepared, self.engine.tokenizer))
+        return Job(prepared, handle, updates, ReplyReader(prepared, entry.engine.tokenizer), release)
 
     async def finish(self, http: HttpRequest, job: Job) -> Completion | None:
         """The completion of a plain (not streamed) job, parsed into job.reader.whole; None when the client went
@@ -265,6 +322,7 @@ class Server:
                         return None
         finally:
             job.handle.cancel()  # no-op once finished; frees the row if the client left or this task was cancelled
+            job.release()
         if update.error is not None:
             raise _engine_error(update.error)
         job.reader.last(update.completion)
@@ -286,6 +344,7 @@ class Server:
                     yield piece, None
         finally:
             job.handle.cancel()
+            job.release()
 
     @staticmethod
     def streaming(events, media_type: str = "text/event-stream") -> StreamingResponse:
@@ -366,10 +425,7 @@ class Server:
 
     def _prepare(self, body: dict, chat: bool) -> Prepared:
         engine = self.engine
-        model = _field(body, "model", str, required=True)
-        if model != self.model_id:
-            raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.model_id}'", "model",
-                           "model_not_found")  # 404 as OpenAI's (the openai client's NotFoundError)
+        model = body["model"]  # found and loaded by `start`
         for name, neutral in (("n", 1), ("best_of", 1), ("presence_penalty", 0), ("frequency_penalty", 0),
                               ("logprobs", None), ("top_logprobs", None), ("echo", False), ("suffix", None),
                               ("functions", None), ("logit_bias", None)) + ((("tools", None),) if not chat else ()):
@@ -565,9 +621,12 @@ class Server:
             raise ApiError(400, "The prompt has no tokens", "prompt", "invalid_value")
         return ids, PLAIN, False
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "moedesk",
-                "context_length": self.engine.context_length}
+    def _model_card(self, entry: Entry) -> dict:
+        card = {"id": entry.name, "object": "model", "created": self.created, "owned_by": "moedesk",
+                "loaded": entry.loaded}
+        if entry.loaded:
+            card["context_length"] = entry.engine.context_length
+        return card
 
     # --- errors outside the endpoints -----------------------------------------------------------
 
@@ -608,7 +667,9 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, **o
 
     app = build_app(engine, **options)
     server: Server = app.state.server
-    log(f"moedesk serve: {engine.description}; http://{host}:{port}/v1 as model '{server.model_id}'; "
+    others = [e.name for e in server.pool.entries[1:]]
+    log(f"moedesk serve: {engine.description}; http://{host}:{port}/v1 as model '{server.model_id}'"
+        + (f" (and {', '.join(repr(n) for n in others)} on first use)" if others else "") + "; "
         f"{server.group.limit} requests decode together, {server.max_queue} may wait"
         + (f"; speculative {server.speculation.default}" if server.speculation.default != "off" else "")
         + ("" if server.api_key else "; no API key"))

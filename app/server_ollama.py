@@ -54,19 +54,29 @@ class OllamaApi:
         return await self._guarded(http, lambda: JSONResponse({"version": VERSION, "moedesk": moedesk_version}))
 
     async def tags(self, http: HttpRequest) -> Response:
-        return await self._guarded(http, lambda: JSONResponse({"models": [self._card()]}))
+        return await self._guarded(http, lambda: JSONResponse({"models": [self._card(e)
+                                                                           for e in self.server.pool.entries]}))
 
     async def ps(self, http: HttpRequest) -> Response:
-        until = (datetime.now(timezone.utc) + timedelta(days=365)).isoformat().replace("+00:00", "Z")
+        """What is loaded now, and until when it stays (as Ollama's; far ahead when it never unloads)."""
+        pool = self.server.pool
+
+        def expires(entry) -> str:
+            left = 365 * 86400 if pool.keep_alive is None or entry.busy or not entry.reloadable \
+                else max(0.0, pool.keep_alive - (pool.clock() - entry.last_used))
+            return (datetime.now(timezone.utc) + timedelta(seconds=left)).isoformat().replace("+00:00", "Z")
         return await self._guarded(http, lambda: JSONResponse({"models": [
-            {**self._card(), "expires_at": until, "size_vram": 0, "context_length": self.server.engine.context_length}
-        ]}))
+            {**self._card(e), "expires_at": expires(e), "size_vram": 0, "context_length": e.engine.context_length}
+            for e in pool.entries if e.loaded]}))
 
     async def show(self, http: HttpRequest) -> Response:
         async def answer():
             body = await self._body(http)
-            self._model(body)
-            engine = self.server.engine
+            entry = await self.server.acquire(self._model(body))  # its template and details are the loaded model's
+            try:
+                engine = entry.engine
+            finally:
+                self.server.pool.release(entry)
             tokenizer = engine.tokenizer
             fmt = tokenizer.reply_format if tokenizer is not None else None
             capabilities = ["completion"] + (["tools"] if fmt is not None and fmt.tools else []) + \
@@ -74,7 +84,7 @@ class OllamaApi:
             return JSONResponse({
                 "modelfile": f"# moedesk serves {engine.description}\n", "parameters": "", "license": "",
                 "template": (tokenizer.chat_template or "") if tokenizer is not None else "",
-                "details": self._details(), "capabilities": capabilities,
+                "details": self._details(entry), "capabilities": capabilities,
                 "model_info": {"general.architecture": engine.config.arch,
                                "general.context_length": engine.context_length},
                 "modified_at": _now()})
@@ -94,6 +104,7 @@ class OllamaApi:
             if prompt is not None and not isinstance(prompt, str):
                 raise OllamaError(400, "prompt must be a string")
             if not prompt:  # Ollama's way to load a model: nothing to generate
+                self.server.pool.release(await self.server.acquire(model))
                 return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
                                      "done_reason": "load"})
             return await self._reply(http, body, self._generate_body(body), chat_api=False)
@@ -116,13 +127,15 @@ class OllamaApi:
         return await self.server._json_body(http)
 
     def _model(self, body: dict) -> str:
+        """The id the server knows the requested model by (404 as Ollama's for one it cannot serve)."""
         name = body.get("model", body.get("name"))
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "model is required")
-        ours = self.server.model_id
-        if name not in (ours, self._name()) and name.split(":")[0] != ours.split(":")[0]:
-            raise OllamaError(404, f"model '{name}' not found; this server serves '{self._name()}'")
-        return name
+        entry = self.server.pool.find(name)
+        if entry is None:
+            served = ", ".join(f"'{_tagged(e.name)}'" for e in self.server.pool.entries)
+            raise OllamaError(404, f"model '{name}' not found; this server serves {served}")
+        return entry.name
 
     def _sampling(self, body: dict) -> dict:
         options = body.get("options")
@@ -159,7 +172,7 @@ class OllamaApi:
         return out
 
     def _chat_body(self, body: dict) -> dict:
-        self._model(body)
+        model = self._model(body)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise OllamaError(400, "messages must be a non-empty list")
@@ -182,13 +195,13 @@ class OllamaApi:
                                      else c for c in calls]
                 out.setdefault("content", "")
             converted.append(out)
-        chat = {"model": self.server.model_id, "messages": converted, **self._sampling(body)}
+        chat = {"model": model, "messages": converted, **self._sampling(body)}
         if body.get("tools"):
             chat["tools"] = body["tools"]
         return chat
 
     def _generate_body(self, body: dict) -> dict:
-        self._model(body)
+        model = self._model(body)
         for unsupported in ("images", "suffix", "context", "template"):
             if body.get(unsupported):
                 raise OllamaError(400, f"{unsupported} is not supported by this server")
@@ -196,11 +209,11 @@ class OllamaApi:
         if body.get("raw"):
             if "chat_template_kwargs" in sampling or "reasoning_effort" in sampling:
                 raise OllamaError(400, "think needs the chat template: it cannot be combined with raw")
-            return {"model": self.server.model_id, "prompt": body["prompt"], **sampling}
+            return {"model": model, "prompt": body["prompt"], **sampling}
         system = body.get("system")
         messages = ([{"role": "system", "content": system}] if isinstance(system, str) and system else []) + \
             [{"role": "user", "content": body["prompt"]}]
-        return {"model": self.server.model_id, "messages": messages, **sampling}
+        return {"model": model, "messages": messages, **sampling}
 
     # --- replies ------------------------------------------------------------------------------------------
 
@@ -252,19 +265,22 @@ class OllamaApi:
         whole = job.reader.whole
         return JSONResponse({**piece(whole.reasoning, whole.content, whole.tool_calls), **last(done)})
 
-    # --- the model ------------------------------------------------------------------------------------------
+    # --- the models ------------------------------------------------------------------------------------------
 
-    def _name(self) -> str:
-        ours = self.server.model_id
-        return ours if ":" in ours else f"{ours}:latest"
+    def _details(self, entry) -> dict:
+        engine = entry.engine
+        family = engine.config.arch if engine is not None else ""
+        source = str(engine.name if engine is not None else entry.source)
+        return {"parent_model": "", "format": "gguf" if source.endswith(".gguf") else "safetensors",
+                "family": family, "families": [family] if family else None, "parameter_size": "",
+                "quantization_level": ""}
 
-    def _details(self) -> dict:
-        engine = self.server.engine
-        family = engine.config.arch
-        return {"parent_model": "", "format": "gguf" if str(engine.name).endswith(".gguf") else "safetensors",
-                "family": family, "families": [family], "parameter_size": "", "quantization_level": ""}
-
-    def _card(self) -> dict:
-        name = self._name()
+    def _card(self, entry) -> dict:
+        name = _tagged(entry.name)
         return {"name": name, "model": name, "modified_at": _now(), "size": 0,
-                "digest": hashlib.sha256(str(self.server.engine.name).encode()).hexdigest(), "details": self._details()}
+                "digest": hashlib.sha256(entry.source.encode()).hexdigest(), "details": self._details(entry)}
+
+
+def _tagged(name: str) -> str:
+    """A model id as Ollama names models: with a tag (':latest' unless it has one)."""
+    return name if ":" in name else f"{name}:latest"

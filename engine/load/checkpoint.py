@@ -201,6 +201,20 @@ def open_checkpoint(model: str, native_asked: bool = False):
                        f"(download it first: moedesk download {model})")
 
 
+def model_path(model: str) -> Path | None:
+    """Where what `--model` names lies on disk ('demo', a folder, a .gguf file, a repo in the local HF cache), without
+    opening it; None when it is none of those."""
+    if model == "demo":
+        from moedesk.engine.load.demo import demo_checkpoint_dir
+        return demo_checkpoint_dir()
+    path = Path(os.path.expanduser(model))
+    if path.is_dir() and (path / "config.json").is_file() or path.suffix == ".gguf" and path.is_file():
+        return path
+    if path.exists():
+        return None
+    return _cached_repo(model)
+
+
 def _split_stem(path: Path) -> Path:
     """name-00001-of-00003.gguf -> name (in its folder): what the parts of one split GGUF share."""
     return path.with_name(re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", path.name))

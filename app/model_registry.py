@@ -1,0 +1,205 @@
+"""The models one `moedesk serve` answers for: which is loaded, which to unload, whether the next one fits.
+
+One model's experts on the GPU at a time: loading another first unloads the idle one; while the loaded one still
+has requests in flight, a request for another is refused (ModelBusy: 503 with Retry-After) rather than queued
+behind an unknown amount of work. A model loads on first use, after its weights' size estimate is checked against
+the RAM available (NoRoom: 503), and unloads after `keep_alive` seconds idle (0: after each request; None: never).
+
+The decisions are pure functions (tests/app/test_model_registry.py); `ModelPool` applies them, with the loading,
+the memory figures and the clock handed in.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from moedesk.engine.memory_fit import gib, usable
+
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+
+
+def parse_keep_alive(text: str) -> float | None:
+    """Seconds a model stays loaded while idle: '5m', '30s', '1h', '90' (seconds), '0' (unload after each request),
+    any negative number (never: None). ValueError (one line) otherwise."""
+    match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+    if match is None:
+        raise ValueError(f"{text!r} is no duration: give one such as 5m, 30s, 1h, 0 (unload after each request) "
+                         f"or -1 (never unload)")
+    value = float(match.group(1)) * _UNITS[match.group(2)]
+    return None if value < 0 else value
+
+
+@dataclass(eq=False)
+class Entry:
+    """One servable model: the id clients send, what `--model` would name for it, and its state."""
+
+    name: str
+    source: str
+    engine: object = None  # loaded: the EngineFace; None while unloaded
+    group: object = None  # the scheduler Group its requests decode in (made at load, sized for its KV caches)
+    busy: int = 0  # requests in flight
+    last_used: float = 0.0
+    reloadable: bool = True  # False: an engine handed in, which this pool cannot load again once dropped
+    expiry: object = field(default=None, repr=False)  # the pending idle-unload timer
+
+    @property
+    def loaded(self) -> bool:
+        return self.engine is not None
+
+
+class ModelBusy(Exception):
+    """Another model is loaded and still has requests in flight."""
+
+    def __init__(self, wanted: str, holder: Entry):
+        super().__init__(f"'{wanted}' cannot load while '{holder.name}' is answering {holder.busy} "
+                         f"request{'s' if holder.busy != 1 else ''} (one model at a time); retry when it is idle")
+        self.holder = holder
+
+
+class NoRoom(Exception):
+    """The model's weights do not fit the RAM available."""
+
+
+# --- pure decisions ------------------------------------------------------------------------------------------
+
+def blocker(entries, wanted: Entry) -> Entry | None:
+    """The loaded model (other than `wanted`) that cannot be unloaded now because it is busy, if any."""
+    return next((e for e in entries if e is not wanted and e.loaded and e.busy), None)
+
+
+def to_unload(entries, wanted: Entry) -> list[Entry]:
+    """The models to unload before `wanted` loads: every other loaded one (their experts hold the GPU)."""
+    return [e for e in entries if e is not wanted and e.loaded]
+
+
+def expired(entry: Entry, now: float, keep_alive: float | None) -> bool:
+    """Whether an idle loaded model has outlived its keep-alive (never, for one the pool could not load again)."""
+    return entry.loaded and not entry.busy and entry.reloadable and keep_alive is not None \
+        and now - entry.last_used >= keep_alive
+
+
+def room_refusal(name: str, need: int | None, available: int) -> str | None:
+    """Why `name` (needing `need` bytes of RAM; None: unknown) must not load with `available` free, or None."""
+    if need is None or need <= usable(available):
+        return None
+    return f"'{name}' needs {gib(need)} of RAM once loaded and {gib(available)} is available; not loaded, rather " \
+           f"than swap"
+
+
+# --- the pool -----------------------------------------------------------------------------------------------
+
+class ModelPool:
+    """The server's models. `load(source)` -> (engine, Group) loads one (on a worker thread); `need(source)` -> its
+    RAM in bytes or None; `available()` -> RAM available now; `locate(name)` -> the source of a model found in the
+    local caches, or None."""
+
+    def __init__(self, entries: list[Entry], *, load: Callable | None = None, keep_alive: float | None = None,
+                 need: Callable = lambda source: None, available: Callable | None = None,
+                 locate: Callable = lambda name: None, clock: Callable = time.monotonic):
+        self.entries = list(entries)
+        self.load, self.keep_alive, self.need, self.locate, self.clock = load, keep_alive, need, locate, clock
+        self.available = available or _available_ram
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    def of_engine(cls, engine, name: str, group) -> "ModelPool":
+        """A pool of one engine already loaded by the caller: never unloaded."""
+        return cls([Entry(name, name, engine, group, reloadable=False)])
+
+    @property
+    def current(self) -> Entry | None:
+        return next((e for e in self.entries if e.loaded), None)
+
+    def find(self, name: str) -> Entry | None:
+        """The entry clients call `name` (Ollama's ':latest' tag ignored), added if the local caches hold it."""
+        for candidate in (name, name.removesuffix(":latest")):
+            entry = next((e for e in self.entries if e.name == candidate), None)
+            if entry is not None:
+                return entry
+        if self.load is None:
+            return None
+        source = self.locate(name.removesuffix(":latest"))
+        if source is None:
+            return None
+        entry = Entry(name.removesuffix(":latest"), source)
+        self.entries.append(entry)
+        return entry
+
+    async def acquire(self, entry: Entry) -> Entry:
+        """Mark a request in flight on `entry`, loading it first if need be (ModelBusy, NoRoom)."""
+        async with self._lock:
+            if not entry.loaded:
+                holder = blocker(self.entries, entry)
+                if holder is not None:
+                    raise ModelBusy(entry.name, holder)
+                unload = to_unload(self.entries, entry)
+                for other in unload:
+                    if not other.reloadable:
+                        raise ModelBusy(entry.name, other)
+                # Refused before the loaded model is dropped: counting the RAM its unloading would free
+                need = await asyncio.to_thread(self.need, entry.source)
+                freed = sum(await asyncio.to_thread(lambda: [self.need(o.source) or 0 for o in unload]))
+                reason = room_refusal(entry.name, need, self.available() + freed)
+                if reason is not None:
+                    raise NoRoom(reason)
+                for other in unload:
+                    await asyncio.to_thread(self._drop, other)
+                entry.engine, entry.group = await asyncio.to_thread(self.load, entry.source)
+            entry.busy += 1
+            _cancel(entry)
+            return entry
+
+    def release(self, entry: Entry) -> None:
+        """A request on `entry` is over: once it is idle, unload it after the keep-alive."""
+        entry.busy -= 1
+        entry.last_used = self.clock()
+        if entry.busy or self.keep_alive is None or not entry.reloadable:
+            return
+        loop = asyncio.get_running_loop()
+        _cancel(entry)
+        entry.expiry = loop.call_later(self.keep_alive, lambda: loop.create_task(self._expire(entry)))
+
+    async def _expire(self, entry: Entry) -> None:
+        async with self._lock:
+            if expired(entry, self.clock(), self.keep_alive):
+                await asyncio.to_thread(self._drop, entry)
+
+    def _drop(self, entry: Entry) -> None:
+        """Unload: stop its decode thread, free its weights (and the GPU memory they held)."""
+        engine, entry.engine, entry.group = entry.engine, None, None
+        _cancel(entry)
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+        else:
+            engine.scheduler.close()
+        del engine, close
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # noqa: BLE001 -- freeing is best effort
+            pass
+
+    def close(self) -> None:
+        for entry in self.entries:
+            if entry.loaded and entry.reloadable:
+                self._drop(entry)
+
+
+def _cancel(entry: Entry) -> None:
+    if entry.expiry is not None:
+        entry.expiry.cancel()
+        entry.expiry = None
+
+
+def _available_ram() -> int:
+    import psutil
+
+    return psutil.virtual_memory().available
