@@ -229,6 +229,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on every request (default: the MOEDESK_API_KEY "
                              "environment variable, else no key)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="without --api-key, also answer requests whose Host header names NAME (repeatable; "
+                             "default: only this machine's loopback names and the --host address)")
     parser.add_argument("--cors", default=None, metavar="ORIGINS",
                         help="let web pages of these comma-separated origins call the API ('*': any; default: none)")
     parser.add_argument("--model-name", default=None, metavar="NAME",
@@ -420,7 +423,8 @@ def run_serve_command(args) -> int:
     speculation = server_speculation(first.engine, args)
     return run_server(first.engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr),
                       api_key=api_key, max_queue=args.max_queue, models=pool, speculation=speculation,
-                      cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()))
+                      cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()),
+                      allow_hosts=tuple(args.allow_host))
 
 
 def serve_pool(args, sources: list[str], load, keep_alive):

@@ -49,6 +49,7 @@ from starlette.routing import Route
 
 from moedesk.app import chat_request, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
+from moedesk.app.host_check import allowed_hosts, host_name
 from moedesk.app.model_registry import Entry, ModelBusy, ModelPool, NoRoom
 from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options,
@@ -160,9 +161,10 @@ class Server:
     def __init__(self, engine=None, *, api_key: str | None = None, batch_size: int = 8,
                  max_queue: int = DEFAULT_MAX_QUEUE, model_name: str | None = None,
                  speculation: Speculation | None = None, cors: tuple[str, ...] = (),
-                 models: ModelPool | None = None):
+                 models: ModelPool | None = None, hosts: frozenset[str] | None = None):
         # the server's requests for a model decode at most batch_size at once (its Group)
         self.pool = models or ModelPool.of_engine(engine, model_name or engine.name, Group(batch_size))
+        self.hosts = hosts  # without a key, only these Host names are answered (app.host_check); None: any
         self.speculation = speculation or Speculation()
         self.api_key = api_key or None
         self.max_queue = max_queue
@@ -397,6 +399,10 @@ class Server:
 
     def _authorise(self, http: HttpRequest) -> None:
         if self.api_key is None:
+            if self.hosts is not None and host_name(http.headers.get("host", "")) not in self.hosts:
+                raise ApiError(403, "This server answers only requests addressed to its own host name (a guard "
+                                    "against DNS rebinding): start it with --allow-host NAME or --api-key KEY",
+                               code="host_not_allowed")
             return
         given = http.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
@@ -662,10 +668,11 @@ def build_app(engine, **options) -> Starlette:
     return server.app
 
 
-def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, **options) -> int:
+def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, allow_hosts: tuple[str, ...] = (),
+               **options) -> int:
     import uvicorn
 
-    app = build_app(engine, **options)
+    app = build_app(engine, hosts=allowed_hosts(host, allow_hosts), **options)
     server: Server = app.state.server
     others = [e.name for e in server.pool.entries[1:]]
     log(f"moedesk serve: {engine.description}; http://{host}:{port}/v1 as model '{server.model_id}'"

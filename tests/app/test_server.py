@@ -670,3 +670,23 @@ def test_a_nan_temperature_is_named(url):
     # Issue 46, item 17: the message read "must be a number, got a number".
     r = raw(url, '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}')
     assert r.status_code == 400 and r.json()["error"]["message"].endswith("got NaN")
+
+
+def test_without_a_key_only_this_machines_host_names_are_answered(engine):
+    # Issue 46, item 17: with no key the server answered any Host header (DNS rebinding).
+    from moedesk.app.host_check import allowed_hosts, host_name
+
+    assert [host_name(h) for h in ("[::1]:8000", "LocalHost:80", "::1", "evil.example")] == \
+        ["::1", "localhost", "::1", "evil.example"]
+    assert allowed_hosts("0.0.0.0") is None and "my.box" in allowed_hosts("127.0.0.1", ("My.Box",))
+    with running_server(engine, hosts=allowed_hosts("127.0.0.1")) as base:
+        port = base.rsplit(":", 1)[1]
+        for host, status in ((f"127.0.0.1:{port}", 200), (f"localhost:{port}", 200), ("evil.example", 403),
+                             (f"evil.example:{port}", 403)):
+            r = httpx.get(base + "/v1/models", headers={"Host": host}, timeout=10)
+            assert r.status_code == status, host
+        assert r.json()["error"]["code"] == "host_not_allowed"
+    with running_server(engine, api_key=KEY, hosts=allowed_hosts("127.0.0.1")) as base:
+        r = httpx.get(base + "/v1/models", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"},
+                      timeout=10)
+        assert r.status_code == 200  # a key is the guard then
