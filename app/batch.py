@@ -209,6 +209,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 
     Sampling flags default to None here: the CLI fills them from the app's saved settings.
     """
+    # What a line may hold, where someone writing one looks first (the list is the one lines are checked against).
+    parser.epilog = (f"Each line of IN.jsonl is a JSON object with an id and one of {', '.join(PROMPT_KINDS)}. "
+                     f"It may also set: {', '.join(f for f in LINE_FIELDS if f != 'id' and f not in PROMPT_KINDS)}; "
+                     f"the flags above are the defaults for lines that do not.")
     parser.add_argument("input", metavar="IN.jsonl",
                         help="one JSON object per line: id plus one of prompt, messages, prompt_ids")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",

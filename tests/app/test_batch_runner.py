@@ -710,3 +710,14 @@ def test_one_temperature_range_for_the_app_batch_and_serve():
 def test_the_header_says_auto_not_none():
     text = BatchSettings(temperature=0).describe()
     assert "dtype=auto" in text and "gpu_budget_gib=auto" in text and "None" not in text
+
+
+def test_batch_help_lists_every_field_a_line_may_set(capsys):
+    # Issue 46, item 8: `moedesk batch --help` did not say what a line may hold.
+    from moedesk.app.batch import LINE_FIELDS
+    from moedesk.app.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["batch", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(field in text for field in LINE_FIELDS) and "response_format" in text
