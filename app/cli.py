@@ -144,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_draft_arguments(train_draft)
     add_model_arguments(train_draft, engine=False)
+    from moedesk.app.models_command import add_arguments as add_models_commands
+
+    add_models_commands(sub)  # list, rm, ps, pull
     add_decoding_arguments(serve, beams=False, where="of every request whose sampling allows it (a request's "
                                                       "\"moedesk\": {\"speculative\": ...} overrides it)")
     bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
@@ -541,6 +544,9 @@ def main(argv=None) -> int:
                     "profile": run_profile_command,
                     "bench": run_bench_command, "serve": run_serve_command,
                     "train-draft": run_train_draft_command}
+        from moedesk.app.models_command import COMMANDS as model_commands
+
+        commands.update(model_commands)
         return commands[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)

@@ -780,7 +780,7 @@ def run_download_command(args: argparse.Namespace, stderr: TextIO | None = None,
         if listing.gated:
             say("gated model: the download works once its licence is accepted on the Hub and `hf auth login` is done")
         say(check_fits(sum(f.size for f in selected)).summary)
-        snapshot = _download_with_bar(repo_id, revision, include, stderr)
+        snapshot = download_with_bar(repo_id, revision, include, stderr)
     except (KeyboardInterrupt, DownloadCancelled):
         say("moedesk: interrupted; the partial files are kept: run the same command again to resume")
         return 130
@@ -796,7 +796,7 @@ def run_download_command(args: argparse.Namespace, stderr: TextIO | None = None,
     return 0
 
 
-def _download_with_bar(repo_id: str, revision: str | None, include: list[str], stderr: TextIO) -> Path:
+def download_with_bar(repo_id: str, revision: str | None, include: list[str], stderr: TextIO) -> Path:
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
                                TransferSpeedColumn)

@@ -176,12 +176,20 @@ def _gguf_value(reader, key: str):
         return part[0] if len(part) else None
 
 
+def demo_folder() -> Path:
+    """Where the demo is built, in moedesk's cache (there or not)."""
+    from moedesk.engine.load.demo import cache_root, recipe
+
+    r = recipe()
+    return cache_root() / f"{r['name']}-v{r['version']}"
+
+
 def demo_model() -> LocalModel:
     try:
-        from moedesk.engine.load.demo import cache_root, recipe
+        from moedesk.engine.load.demo import recipe
 
         r = recipe()
-        folder = cache_root() / f"{r['name']}-v{r['version']}"
+        folder = demo_folder()
         built = (folder / "config.json").is_file()
         weights, why = _weights(folder) if built else (None, "")
         return LocalModel("demo", "demo (SmolLM2-135M as an MoE)", "demo", folder_size(folder) if built else None,

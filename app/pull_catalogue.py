@@ -1,0 +1,66 @@
+"""The short names `moedesk pull` knows: a few popular Mixture-of-Experts models, as Ollama users name them.
+
+A name is `NAME` or `NAME:TAG`. NAME is a key of CATALOGUE; TAG is a GGUF quantisation as the GGUF repo's
+file names write it, in any case (`q4_k_m`, `q8_0`, `mxfp4`), or `safetensors` for the original checkpoint.
+Without a tag the entry's default quantisation is taken, as Ollama's default tags are 4-bit.
+Anything with a slash is a Hugging Face repo id instead (`OWNER/NAME[:TAG]`), pulled as `moedesk download`
+would. Which files a quantisation is (one file, or the parts of a split one) is read from the repo's listing
+when pulling (app.download.group_choices), so the table holds only repo ids and tags.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moedesk.engine.errors import MoedeskError
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    gguf_repo: str  # a repo of GGUF quantisations of the model
+    default_tag: str  # the quantisation pulled when no tag is given
+    safetensors_repo: str  # the original checkpoint: `NAME:safetensors`
+    about: str
+
+
+CATALOGUE: dict[str, CatalogueEntry] = {
+    "qwen3:30b-a3b": CatalogueEntry("unsloth/Qwen3-30B-A3B-GGUF", "Q4_K_M", "Qwen/Qwen3-30B-A3B",
+                                    "Qwen3 30B, 128 experts, 3B active"),
+    "gpt-oss:20b": CatalogueEntry("ggml-org/gpt-oss-20b-GGUF", "MXFP4", "openai/gpt-oss-20b",
+                                  "OpenAI gpt-oss 20B, 32 experts, MXFP4 as released"),
+    "gpt-oss:120b": CatalogueEntry("ggml-org/gpt-oss-120b-GGUF", "MXFP4", "openai/gpt-oss-120b",
+                                   "OpenAI gpt-oss 120B, 128 experts, MXFP4 as released"),
+    "glm-4.5-air": CatalogueEntry("unsloth/GLM-4.5-Air-GGUF", "Q4_K_M", "zai-org/GLM-4.5-Air",
+                                  "GLM-4.5-Air 106B, 128 experts, 12B active"),
+    "mixtral:8x7b": CatalogueEntry("TheBloke/Mixtral-8x7B-Instruct-v0.1-GGUF", "Q4_K_M",
+                                   "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B Instruct, 8 experts, top-2"),
+}
+
+SAFETENSORS = "safetensors"
+
+
+@dataclass(frozen=True)
+class PullTarget:
+    repo_id: str
+    tag: str | None  # a GGUF quantisation, "safetensors", or None: the repo's default choice (as `download`)
+
+
+def resolve(name: str, catalogue: dict[str, CatalogueEntry] | None = None) -> PullTarget:
+    """What `moedesk pull NAME` downloads. Raises MoedeskError (one line) for a short name not in the catalogue."""
+    catalogue = CATALOGUE if catalogue is None else catalogue
+    name = name.strip()
+    if "/" in name:
+        repo, _, tag = name.partition(":")
+        return PullTarget(repo, tag or None)
+    lowered = name.lower()
+    if lowered in catalogue:
+        entry, tag = catalogue[lowered], None
+    else:
+        base, _, tag = lowered.rpartition(":")
+        entry = catalogue.get(base) if base else None
+        if entry is None or not tag:
+            raise MoedeskError(f"pull {name}: not a model moedesk knows by name (known: {', '.join(catalogue)}); "
+                               "or give a Hugging Face repo id, OWNER/NAME")
+    tag = tag or entry.default_tag
+    if tag == SAFETENSORS:
+        return PullTarget(entry.safetensors_repo, SAFETENSORS)
+    return PullTarget(entry.gguf_repo, tag)
