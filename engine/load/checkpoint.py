@@ -60,9 +60,12 @@ class SafetensorsCheckpoint:
             if not files:
                 raise CheckpointError(self.path, "no *.safetensors files (moedesk never loads pickled .bin weights)")
         where = {}
+        self._layout: dict[str, tuple[str, list[int], int, int]] = {}  # name -> (dtype, shape, first byte, end)
         for f in files:
-            for name in self._handle(f).keys():
+            for name in self._handle(f).keys():  # safe_open checks the header's offsets against the file
                 where[name] = f
+            self._layout.update(_tensor_layout(f))
+        self._fds: dict[Path, int] = {}
         return where
 
     def _handle(self, file: Path):
@@ -85,11 +88,18 @@ class SafetensorsCheckpoint:
         return None
 
     def close(self) -> None:
-        """Nothing to close: safetensors' handles are memory maps released with this object."""
+        """The files read from are closed; safetensors' handles are memory maps released with this object."""
+        with self._opening:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
     def get_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
         """Tensor `name`, or only its slice `index` along the first dimension (one expert of a fused stack)."""
         file = self._where[name]
+        dtype, shape, start, end = self._layout.get(name, (None, [], 0, 0))
+        if dtype in _DTYPES and (index is None or 0 <= index < (shape or [0])[0]):
+            return self._read(file, name, _DTYPES[dtype], shape, start, end, index)
         with self._opening:
             handle = self._open.get(file)
             if handle is None:
@@ -98,6 +108,27 @@ class SafetensorsCheckpoint:
             return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
+
+    def _read(self, file: Path, name: str, dtype: torch.dtype, shape: list[int], start: int, end: int,
+              index: int | None) -> torch.Tensor:
+        """One tensor (or its slice `index`) with plain reads at its offset. Not through safetensors' memory map:
+        each page of a map that is read stays in the process's resident memory until the map closes, which for a
+        one-file checkpoint meant holding the whole file until the end of the load."""
+        if index is not None:
+            row = (end - start) // shape[0]
+            start, end, shape = start + index * row, start + (index + 1) * row, shape[1:]
+        out = torch.empty(end - start, dtype=torch.uint8)
+        with self._opening:
+            fd = self._fds.get(file)
+            if fd is None:
+                fd = self._fds[file] = os.open(file, os.O_RDONLY)
+        view, done = memoryview(out.numpy()), 0
+        while done < len(view):  # positioned reads: threads read at once; one read moves at most ~2 GiB
+            got = os.preadv(fd, [view[done:]], start + done)
+            if got <= 0:
+                raise CheckpointError(file, f"truncated safetensors file: tensor {name} ends past the file's end")
+            done += got
+        return out.view(dtype).reshape(shape)
 
     def get_tensor_shape(self, name: str) -> list[int]:
         """A tensor's shape from its file's header, nothing read."""
@@ -115,6 +146,8 @@ class SafetensorsCheckpoint:
             self._unreleased[file] -= 1
             if self._unreleased[file] == 0:
                 self._open.pop(file, None)
+                if (fd := self._fds.pop(file, None)) is not None:
+                    os.close(fd)
 
     @property
     def tokenizer(self) -> tokenizers.Tokenizer | None:
@@ -142,6 +175,24 @@ class SafetensorsCheckpoint:
         if "chat_template" not in config and template_file.is_file():
             config["chat_template"] = template_file.read_text()
         return config
+
+
+# safetensors dtype names -> torch's; a tensor of any other dtype is read through safetensors itself.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _tensor_layout(file: Path) -> dict[str, tuple[str, list[int], int, int]]:
+    """name -> (dtype, shape, first byte, end byte) in `file`, from its header (which safe_open has checked)."""
+    from moedesk.engine.load.size_estimate import read_safetensors_header
+
+    header = read_safetensors_header(file)
+    with open(file, "rb") as f:
+        data = 8 + int.from_bytes(f.read(8), "little")
+    return {name: (str(e["dtype"]), [int(d) for d in e["shape"]], data + int(e["data_offsets"][0]),
+                   data + int(e["data_offsets"][1]))
+            for name, e in header.items() if name != "__metadata__"}
 
 
 def _is_gpt_oss_mxfp4(config: dict) -> bool:

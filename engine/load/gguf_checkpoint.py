@@ -405,14 +405,19 @@ class GGUFCheckpoint:
         if out.dtype != torch.uint8 or out.numel() != data.size or not out.is_contiguous():
             raise CheckpointError(self.path, f"tensor {gguf_name} holds {data.size} bytes per "
                                              f"{'expert' if expert is not None else 'tensor'}, not {out.numel()}")
-        offset = tensor.data_offset + (0 if expert is None else expert * data.size)
+        self._read_into(tensor, expert, out.numpy())
+
+    def _read_into(self, tensor, expert: int | None, out: np.ndarray) -> None:
+        """Tensor `tensor`'s bytes (or one expert's slice) into `out` with a plain read. Never through the reader's
+        memory map: every page of it that is touched counts in the process's resident memory until the map
+        closes, so reading through it held a second copy of everything read until the end of the load."""
+        offset = tensor.data_offset + (0 if expert is None else expert * out.nbytes)
         if self._file is None:
             self._file = open(self.path, "rb", buffering=0)
         self._file.seek(offset)
-        view = memoryview(out.numpy()).cast("B")
-        read = self._file.readinto(view)
-        if read != len(view):
-            raise CheckpointError(self.path, f"truncated GGUF file: tensor {gguf_name} ends past the file's end")
+        view = memoryview(out).cast("B")
+        if self._file.readinto(view) != len(view):
+            raise CheckpointError(self.path, f"truncated GGUF file: tensor {tensor.name} ends past the file's end")
 
     def close(self) -> None:
         if self._file is not None:
@@ -421,13 +426,15 @@ class GGUFCheckpoint:
 
     def _read(self, tensor, expert: int | None) -> torch.Tensor:
         """Read (and dequantize) one GGUF tensor, or one expert's slice of a stacked one."""
-        data = tensor.data if expert is None else tensor.data[expert]
+        mapped = tensor.data if expert is None else tensor.data[expert]  # its dtype and shape; nothing is read
+        data = np.empty(mapped.shape, dtype=mapped.dtype)
+        self._read_into(tensor, expert, data)
         shape = [int(d) for d in reversed(tensor.shape)][0 if expert is None else 1:]
         qtype = tensor.tensor_type
         if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the reader hands out raw bytes
-            return torch.from_numpy(np.array(data)).view(torch.bfloat16).reshape(shape)
-        if data.dtype != np.uint8:  # F32, F16, F64 and integer types come typed; copy out of the read-only map
-            return torch.from_numpy(np.array(data)).reshape(shape)
+            return torch.from_numpy(data).view(torch.bfloat16).reshape(shape)
+        if data.dtype != np.uint8:  # F32, F16, F64 and integer types come typed
+            return torch.from_numpy(data).reshape(shape)
         try:
             values = dequantize(data, qtype)
         except NotImplementedError:

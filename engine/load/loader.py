@@ -123,7 +123,11 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
             progress("load", (done + n) / total)
 
     try:
-        _fill_experts(checkpoint, experts, moes, dtype, device, filled, _load_threads(checkpoint, threads), landed)
+        # Quantising on the CPU is compute-bound and each torch op already spreads over the cores: one tensor at
+        # a time, since each loading thread keeps its own temporaries (and glibc arena) resident.
+        quantising_on_cpu = torch.device(device).type == "cpu" and expert_dtype in QUANTIZE_TO
+        threads = 1 if quantising_on_cpu else _load_threads(checkpoint, threads)
+        _fill_experts(checkpoint, experts, moes, dtype, device, filled, threads, landed)
     except BaseException:
         if finished:
             finished(False)
@@ -267,8 +271,16 @@ def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: s
     _check_dtype(checkpoint.path, name, tensor)
     if fmt == DENSE:
         rows.copy_(tensor.to(dtype))
+    elif torch.device(device).type == "cpu":
+        # A few rows at a time: quantize's float32 temporaries of a whole tensor were much of a load's peak.
+        step = max(1, _QUANTIZE_CHUNK // k)
+        for start in range(0, rows.shape[0], step):
+            rows[start:start + step].copy_(quantize(tensor[start:start + step], fmt))
     else:  # quantised where it will be computed (the GPU is much faster at it), one tensor at a time
         rows.copy_(quantize(tensor.to(device), fmt))
+
+
+_QUANTIZE_CHUNK = 1 << 18  # weights quantised at once on the CPU (1 MiB of float32)
 
 
 def _check_shape(path, name: str, shape, expected) -> None:
