@@ -219,7 +219,8 @@ class Server:
         current = self.pool.current
         if current is None:
             return JSONResponse({"model": None, "max_queue": self.max_queue})
-        return JSONResponse({"model": current.name, "description": self.engine.description,
+        return JSONResponse({"model": current.name,
+                             "description": _public(self.engine.description, {self.engine.name: current.name}),
                              "batch_size": self.group.limit, "max_queue": self.max_queue,
                              "speculative": self.speculation.default,
                              "context_length": self.engine.context_length,
@@ -289,7 +290,8 @@ class Server:
         except NoRoom as e:
             raise ApiError(503, str(e), "model", "insufficient_memory", kind="server_error") from None
         except MoedeskError as e:
-            raise ApiError(503, f"'{entry.name}' cannot load: {e}", "model", "model_load_failed",
+            raise ApiError(503, f"'{entry.name}' cannot load: {_public(str(e), {entry.source: entry.name})}", "model",
+                           "model_load_failed",
                            kind="server_error") from None
 
     async def _start(self, body: dict, chat: bool, entry: Entry, release) -> Job:
@@ -595,7 +597,8 @@ class Server:
                 text = tokenizer.render_chat(plain, tools=tools.offered, **options)
                 ids = tokenizer.encode(text, add_special_tokens=False)
             except MoedeskError as e:
-                raise ApiError(400, str(e), "messages") from None
+                raise ApiError(400, _public(str(e), {str(getattr(tokenizer, "source", "")): "the model",
+                                                     self.engine.name: self.pool.current.name}), "messages") from None
             except Exception as e:  # noqa: BLE001 -- odd text (lone surrogates) is the client's problem, not a crash
                 raise ApiError(400, f"Cannot tokenise the messages: {e}", "messages") from None
             reply = tokenizer.reply_format
@@ -707,6 +710,15 @@ def _field(body: dict, name: str, kind, *, required=False, default=None, minimum
         bounds = f">= {minimum}" if maximum is None else f"between {minimum} and {maximum}"
         raise ApiError(400, f"'{where}{name}' must be {bounds}, got {value}", where + name, "invalid_value")
     return float(value) if kind is float else value
+
+
+def _public(text: str, names: dict[str, str]) -> str:
+    """`text` with each local path in `names` replaced by what clients may see (the model's id): where the model
+    lies on this machine is not theirs to learn from an error message or the stats."""
+    for path, name in sorted(names.items(), key=lambda item: -len(item[0])):  # the longest first: a file in a folder
+        if path:
+            text = text.replace(path, name)
+    return text
 
 
 def _kind(value) -> str:

@@ -690,3 +690,17 @@ def test_without_a_key_only_this_machines_host_names_are_answered(engine):
         r = httpx.get(base + "/v1/models", headers={"Host": "evil.example", "Authorization": f"Bearer {KEY}"},
                       timeout=10)
         assert r.status_code == 200  # a key is the guard then
+
+
+def test_errors_and_stats_do_not_show_local_paths(url, engine, monkeypatch):
+    # Issue 46, item 17: a template error and /moedesk/stats told clients where the model lies on this machine.
+    path = str(engine.tokenizer.source)
+    assert "/" in path and path in engine.description
+    monkeypatch.setattr(engine.tokenizer, "chat_template", "{{ raise_exception('no system role') }}")
+    monkeypatch.delitem(engine.tokenizer.__dict__, "_template", raising=False)
+    r = raw(url, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "no system role" in message and path not in message
+    monkeypatch.undo()
+    engine.tokenizer.__dict__.pop("_template", None)  # the failing template, compiled and cached: not for later tests
+    assert path not in json.dumps(stats(url)) and "tiny" in stats(url)["description"]
