@@ -189,21 +189,45 @@ def loaded_models(url: str, api_key: str | None, timeout: float = 5.0) -> list[d
         raise MoedeskError(f"no server answers at {url} (start one with `moedesk serve`)") from None
     if isinstance(body, dict) and isinstance(body.get("models"), list):  # /api/ps
         return [{"name": m.get("name"), "format": (m.get("details") or {}).get("format"),
-                 "family": (m.get("details") or {}).get("family"), "context_length": m.get("context_length")}
+                 "family": (m.get("details") or {}).get("family"), "context_length": m.get("context_length"),
+                 "until": until(m.get("expires_at"))}
                 for m in body["models"] if isinstance(m, dict)]
     if isinstance(body, dict) and isinstance(body.get("data"), list):  # /v1/models
-        return [{"name": m.get("id"), "format": None, "family": None, "context_length": None}
+        return [{"name": m.get("id"), "format": None, "family": None, "context_length": None, "until": None}
                 for m in body["data"] if isinstance(m, dict)]
     raise MoedeskError(f"the server at {url} did not answer as a model server does")
+
+
+def until(expires_at, now=None) -> str | None:
+    """When a loaded model unloads, in words, from /api/ps's expires_at: "forever" (a server that never unloads
+    says a year ahead, as Ollama does), "in 4 minutes", "now"; None when absent or unreadable."""
+    from datetime import datetime, timezone
+
+    try:
+        when = datetime.fromisoformat(str(expires_at).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    if when.tzinfo is None:
+        return None
+    left = (when - (now or datetime.now(timezone.utc))).total_seconds()
+    if left > 300 * 86400:
+        return "forever"
+    if left < 1:
+        return "now"
+    for unit, seconds in (("day", 86400), ("hour", 3600), ("minute", 60), ("second", 1)):
+        if left >= seconds:
+            n = int(left // seconds)
+            return f"in {n} {unit}{'s' if n != 1 else ''}"
+    return "now"
 
 
 def run_ps(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     stdout = stdout or sys.stdout
     models = loaded_models(args.url, args.api_key or os.environ.get("MOEDESK_API_KEY") or None)
-    rows = [("NAME", "FORMAT", "ARCH", "CONTEXT")]
+    rows = [("NAME", "FORMAT", "ARCH", "CONTEXT", "UNTIL")]
     rows += [(str(m["name"]), m["format"] or "?", m["family"] or "?",
-              str(m["context_length"]) if m["context_length"] else "?") for m in models]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+              str(m["context_length"]) if m["context_length"] else "?", m["until"] or "?") for m in models]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows), file=stdout)
     return 0
 

@@ -156,8 +156,9 @@ def test_ps_shows_what_a_running_server_has_loaded(tiny_checkpoint, capsys):
         assert "--api-key" in one_line(capsys.readouterr().err)
         assert main(["ps", "--url", base, "--api-key", key]) == 0
         header, row = capsys.readouterr().out.splitlines()
-        assert header.split() == ["NAME", "FORMAT", "ARCH", "CONTEXT"]
-        assert row.split() == ["tiny-moe:latest", "safetensors", ARCH, "64"]  # the name Ollama's API gives it
+        assert header.split() == ["NAME", "FORMAT", "ARCH", "CONTEXT", "UNTIL"]
+        # the name Ollama's API gives it; loaded until the server stops (no --keep-alive)
+        assert row.split() == ["tiny-moe:latest", "safetensors", ARCH, "64", "forever"]
 
 
 def test_ps_asks_an_openai_only_server_for_its_models(capsys):
@@ -185,7 +186,19 @@ def test_ps_asks_an_openai_only_server_for_its_models(capsys):
     finally:
         server.shutdown()
         server.server_close()
-    assert capsys.readouterr().out.splitlines()[1].split() == ["some-model", "?", "?", "?"]
+    assert capsys.readouterr().out.splitlines()[1].split() == ["some-model", "?", "?", "?", "?"]
+
+
+def test_until_says_when_a_model_unloads():
+    from datetime import datetime, timezone
+
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    assert mc.until("2026-01-01T00:04:30Z", now) == "in 4 minutes"
+    assert mc.until("2026-01-01T00:00:01.5+00:00", now) == "in 1 second"
+    assert mc.until("2027-01-01T00:00:00Z", now) == "forever"
+    assert mc.until("2025-12-31T23:59:00Z", now) == "now"
+    assert mc.until("yesterday", now) is None and mc.until(None, now) is None
+    assert mc.until("2026-01-01T00:04:30", now) is None  # no time zone: not guessed
 
 
 def test_ps_without_a_server_says_so_in_one_line(capsys):
