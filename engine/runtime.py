@@ -294,9 +294,10 @@ class Engine(EngineFace):
 
 
 def available_ram() -> int:
-    import psutil
+    """The RAM available, or less where the process's cgroup (a container's limit) allows less."""
+    from moedesk.engine.host_memory import available_memory
 
-    return psutil.virtual_memory().available
+    return available_memory()
 
 
 def _check_memory(path, weights_dtype: str, expert_dtype: str, gpu: bool) -> None:

@@ -52,10 +52,11 @@ def memory_cell(model: LocalModel, target: LoadTarget) -> str:
     return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
 
 
-def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto") -> str:
+def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto", available: int | None = None) -> str:
     """The estimate in full, with the file's size: "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file
     86.9 GiB)"; the file's size alone where there is no estimate (and why, when the headers said). A model that
-    llama.cpp would run says so and why."""
+    llama.cpp would run says so and why; one bigger than the memory this process may use (`available`, default:
+    the RAM available or the cgroup's limit, engine.host_memory) says that it will not load."""
     from moedesk.engine.selection import listed_engine
 
     choice = listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
@@ -66,7 +67,15 @@ def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto") -> 
         why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
         return " · ".join(part for part in (file, why, engine_why) if part)
     return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "") + \
-        (f" · {engine_why}" if engine_why else "")
+        _too_big(estimate.ram_bytes(target.gpu), available) + (f" · {engine_why}" if engine_why else "")
+
+
+def _too_big(need: int, available: int | None) -> str:
+    from moedesk.engine.host_memory import available_memory
+    from moedesk.engine.memory_fit import usable
+
+    available = available_memory() if available is None else available
+    return "" if need <= usable(available) else f" · does not fit: {human_size(available)} of RAM is available"
 
 
 MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
