@@ -431,8 +431,9 @@ def run_serve_command(args) -> int:
 
 
 def serve_pool(args, sources: list[str], load, keep_alive):
-    """The served models (app.model_registry): the --model ones, and any the local caches hold, found by name; each
-    checked against the RAM available before it loads, from its weights' size estimate."""
+    """The served models (app.model_registry): the --model ones, and those in moedesk's models folder and the local
+    Hugging Face cache, listed and found by name; each checked against the RAM available before it loads, from its
+    weights' size estimate."""
     from pathlib import Path
 
     from moedesk.app.model_registry import Entry, ModelPool
@@ -451,6 +452,23 @@ def serve_pool(args, sources: list[str], load, keep_alive):
         except Exception:  # noqa: BLE001 -- a name that is no model: unknown, not an error
             return None
 
+    def discover() -> list[str]:
+        names = []
+        try:
+            names += [p.name for p in sorted(models_dir().iterdir())
+                      if not p.name.startswith(".") and model_path(str(p)) is not None]
+        except OSError:
+            pass
+        try:
+            from huggingface_hub import constants, scan_cache_dir
+
+            # scan_cache_dir's own default is HF_HUB_CACHE as it was when its module was first imported
+            cache = scan_cache_dir(constants.HF_HUB_CACHE)
+            names += sorted(r.repo_id for r in cache.repos if r.repo_type == "model" and r.revisions)
+        except Exception:  # noqa: BLE001 -- no cache yet (CacheNotFound), or an unreadable one: nothing to list
+            pass
+        return names
+
     def need(source: str) -> int | None:
         import torch
 
@@ -464,7 +482,7 @@ def serve_pool(args, sources: list[str], load, keep_alive):
             return None
 
     return ModelPool([Entry(n, s) for n, s in zip(names, sources)], load=load, keep_alive=keep_alive, need=need,
-                     locate=locate)
+                     locate=locate, discover=discover)
 
 
 def server_speculation(engine, args):

@@ -95,13 +95,15 @@ def room_refusal(name: str, need: int | None, available: int) -> str | None:
 class ModelPool:
     """The server's models. `load(source)` -> (engine, Group) loads one (on a worker thread); `need(source)` -> its
     RAM in bytes or None; `available()` -> RAM available now; `locate(name)` -> the source of a model found in the
-    local caches, or None."""
+    local caches, or None; `discover()` -> the names of the models the local caches hold."""
 
     def __init__(self, entries: list[Entry], *, load: Callable | None = None, keep_alive: float | None = None,
                  need: Callable = lambda source: None, available: Callable | None = None,
-                 locate: Callable = lambda name: None, clock: Callable = time.monotonic):
+                 locate: Callable = lambda name: None, discover: Callable = lambda: (),
+                 clock: Callable = time.monotonic):
         self.entries = list(entries)
         self.load, self.keep_alive, self.need, self.locate, self.clock = load, keep_alive, need, locate, clock
+        self.discover = discover
         self.available = available or _available_ram
         self._lock = asyncio.Lock()
 
@@ -128,6 +130,13 @@ class ModelPool:
         entry = Entry(name.removesuffix(":latest"), source)
         self.entries.append(entry)
         return entry
+
+    def listing(self) -> list[Entry]:
+        """The served models, then the others the local caches hold (the list clients choose from)."""
+        if self.load is not None:
+            for name in self.discover():
+                self.find(name)
+        return self.entries
 
     async def acquire(self, entry: Entry) -> Entry:
         """Mark a request in flight on `entry`, loading it first if need be (ModelBusy, NoRoom)."""

@@ -208,7 +208,7 @@ class Server:
 
     async def models(self, request: HttpRequest) -> Response:
         self._authorise(request)
-        return JSONResponse({"object": "list", "data": [self._model_card(e) for e in self.pool.entries]})
+        return JSONResponse({"object": "list", "data": [self._model_card(e) for e in self.pool.listing()]})
 
     async def model(self, request: HttpRequest) -> Response:
         self._authorise(request)

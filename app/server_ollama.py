@@ -55,7 +55,7 @@ class OllamaApi:
 
     async def tags(self, http: HttpRequest) -> Response:
         return await self._guarded(http, lambda: JSONResponse({"models": [self._card(e)
-                                                                           for e in self.server.pool.entries]}))
+                                                                           for e in self.server.pool.listing()]}))
 
     async def ps(self, http: HttpRequest) -> Response:
         """What is loaded now, and until when it stays (as Ollama's; far ahead when it never unloads)."""

@@ -2,7 +2,10 @@
 answering with its own greedy text (checked against a server of that model alone); the list says which is loaded;
 keep-alive 0 unloads; a model too big for a faked small RAM gets 503; an unknown name 404, in OpenAI's shape and
 Ollama's. A real uvicorn server and the official openai client."""
+import gc
+import shutil
 import time
+import weakref
 
 import httpx
 import openai
@@ -42,8 +45,8 @@ def reference(folder) -> str:
     return reply.choices[0].message.content
 
 
-def served(folders, **options):
-    pool = ModelPool([Entry(name, folder) for name, folder in folders.items()], load=load, **options)
+def served(folders, loader=load, **options):
+    pool = ModelPool([Entry(name, folder) for name, folder in folders.items()], load=loader, **options)
     return running_server(None, api_key=KEY, models=pool), pool
 
 
@@ -97,7 +100,14 @@ def _created(base):
 
 
 def test_keep_alive_zero_unloads_after_each_request(folders):
-    server, pool = served(folders, keep_alive=0)
+    engines = []
+
+    def loading(source):  # the engines it loads, watched: unloaded, nothing may keep one alive
+        engine, group = load(source)
+        engines.append(weakref.ref(engine))
+        return engine, group
+
+    server, pool = served(folders, loading, keep_alive=0)
     with server as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
         client.completions.create(model="alpha", prompt="The quick brown", max_tokens=4, temperature=0)
@@ -107,6 +117,13 @@ def test_keep_alive_zero_unloads_after_each_request(folders):
             time.sleep(0.05)
         assert loaded(base) == {"alpha": False, "beta": False}
         assert httpx.get(base + "/api/ps", headers=AUTH).json()["models"] == []
+        list(client.chat.completions.create(model="beta", messages=ASK, max_tokens=4, stream=True))
+        for _ in range(100):
+            if not loaded(base)["beta"]:
+                break
+            time.sleep(0.05)
+        gc.collect()
+        assert len(engines) == 2 and all(ref() is None for ref in engines)  # their memory is free
 
 
 def test_a_model_too_big_for_the_ram_is_refused_with_503(folders):
@@ -131,13 +148,25 @@ def test_a_model_too_big_for_the_ram_is_refused_with_503(folders):
 
 
 def test_serve_finds_models_in_the_local_caches_and_checks_its_flags(folders, tmp_path, monkeypatch):
-    monkeypatch.setenv("MOEDESK_MODELS_DIR", str(tmp_path))
-    (tmp_path / "own").symlink_to(folders["beta"])
+    import huggingface_hub.constants
+
+    own, hub = tmp_path / "own-models", tmp_path / "hub"
+    own.mkdir()
+    monkeypatch.setenv("MOEDESK_MODELS_DIR", str(own))
+    (own / "own").symlink_to(folders["beta"])
+    (own / "notes").mkdir()  # no model: not listed
+    repo = hub / "models--org--tiny"  # the local Hugging Face cache's layout
+    shutil.copytree(folders["alpha"], repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
     args = build_parser().parse_args(["serve", "--model", folders["alpha"], "--model-name", "alpha",
                                       "--keep-alive", "5m", "--device", "cpu"])
     pool = serve_pool(args, args.model, load, 300)
     assert [e.name for e in pool.entries] == ["alpha"] and pool.keep_alive == 300
-    assert pool.find("own").source == str(tmp_path / "own")  # moedesk's own models folder
+    assert [(e.name, e.source, e.loaded) for e in pool.listing()] == [
+        ("alpha", folders["alpha"], False), ("own", str(own / "own"), False), ("org/tiny", "org/tiny", False)]
+    assert pool.find("own").source == str(own / "own")  # moedesk's own models folder
     assert pool.find(folders["beta"]).source == folders["beta"]  # any path --model takes
     assert pool.find("nobody/nothing") is None and pool.find("no-such-model") is None
     assert pool.need(folders["beta"]) == summarize_path(folders["beta"]).estimate("auto", "float32").ram_bytes(False)
