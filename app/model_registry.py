@@ -209,6 +209,6 @@ def _cancel(entry: Entry) -> None:
 
 
 def _available_ram() -> int:
-    import psutil
+    from moedesk.engine.host_memory import available_memory  # psutil's available, within a container's limit
 
-    return psutil.virtual_memory().available
+    return available_memory()
