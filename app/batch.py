@@ -37,7 +37,7 @@ except ImportError:  # not on Windows: runs there go unlocked
 
 from moedesk.app import chat_request
 from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
-from moedesk.engine.errors import MoedeskError
+from moedesk.engine.errors import EngineUnavailable, MoedeskError
 from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
 from moedesk.engine.requests import NOT_YET, TEMPERATURE_MAX, Completion, Request, SamplingParams
 
@@ -826,6 +826,9 @@ class _Run:
                         return
                     except _Stopped:
                         raise
+                    except EngineUnavailable as error:
+                        raise _Stopped(f"{_describe(error)}; what is written stays: run the same command to go "
+                                       f"on") from None
                     except Exception as error:  # noqa: BLE001 -- see the docstring
                         if _out_of_memory(error):
                             # The KV caches only grow: without this the rows the batch no longer uses stay allocated

@@ -71,9 +71,11 @@ def decoding_flags(args) -> dict:
     return {k: v for k, v in flags.items() if v is not None}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, several: bool = False) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, several: bool = False,
+                        key_flag: str = "--api-key") -> None:
     """The flags that say which model to load and how. engine: offer --engine (not where only the native engine
-    can do the job: train-draft reads the model's hidden states). several: --model may be repeated (serve)."""
+    can do the job: train-draft reads the model's hidden states). several: --model may be repeated (serve).
+    key_flag: the remote server's key (serve's own --api-key is the key it asks of its clients)."""
     if several:
         parser.add_argument("--model", action="append", default=None,
                             help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF "
@@ -92,10 +94,17 @@ def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, se
                         help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
                              "has free after the other weights, a KV cache reserve and a 10%% margin)")
     if engine:
-        parser.add_argument("--engine", choices=["auto", "native", "llama.cpp"], default=None,
+        parser.add_argument("--engine", choices=["auto", "native", "llama.cpp", "remote"], default=None,
                             help="what runs the model: auto takes moedesk's own engine where it implements the "
-                                 "architecture, llama.cpp for a GGUF it does not (default: the app's engine setting "
-                                 "for chat and batch, else auto)")
+                                 "architecture, llama.cpp for a GGUF it does not; remote: the OpenAI-compatible "
+                                 "server at --url (--model then gives only the tokenizer and chat template) "
+                                 "(default: the app's engine setting for chat and batch, else auto)")
+        parser.add_argument("--url", default=None, metavar="URL",
+                            help="--engine remote: the server, e.g. http://gpu-box:8000 (vLLM, SGLang, llama-server "
+                                 "or moedesk serve) (default: the app's remote URL setting)")
+        parser.add_argument(key_flag, dest="remote_api_key", default=None, metavar="KEY",
+                            help="--engine remote: the server's API key (default: the app's setting, else the "
+                                 "MOEDESK_REMOTE_API_KEY environment variable, else none)")
     parser.add_argument("--reprofile", action="store_true",
                         help="measure expert latency and popularity again instead of using the cached ones")
     parser.add_argument("--expert-dtype", choices=["auto", "bf16", "int8", "int4"], default=None,
@@ -136,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "/v1/completions, /v1/models); requests decode together in one continuous "
                                        "batch.")
     add_serve_arguments(serve)
-    add_model_arguments(serve, several=True)
+    add_model_arguments(serve, several=True, key_flag="--remote-api-key")
     train_draft = sub.add_parser("train-draft", help="train an EAGLE draft head on the model's own answers",
                                  description="The model answers a prompt set; an EAGLE-1/2 draft head learns its "
                                              "features and tokens. The folder written loads with --draft DIR.")
@@ -259,7 +268,8 @@ def load_engine(args, **overrides):
     options = dict(device=args.device, dtype=args.dtype, context_length=args.context, gpu_budget=args.gpu_budget,
                    reprofile=args.reprofile, progress=_load_progress(), expert_dtype=args.expert_dtype or "auto",
                    # no --engine (train-draft): the native engine, the one whose hidden states it reads
-                   engine=(args.engine or "auto") if hasattr(args, "engine") else "native")
+                   engine=(args.engine or "auto") if hasattr(args, "engine") else "native",
+                   url=getattr(args, "url", None), api_key=getattr(args, "remote_api_key", None))
     model = overrides.pop("model", args.model)
     return Engine.load(model, **{**options, **overrides})
 
@@ -290,7 +300,9 @@ def run_batch_command(args) -> int:
     check_batch_paths(args.input, args.output)  # before the slow model load
     engine = load_engine(args, gpu_budget=settings.gpu_budget_gib, dtype=settings.dtype,
                          engine=args.engine or app_settings.engine,
-                         expert_dtype=settings.expert_dtype)
+                         expert_dtype=settings.expert_dtype,
+                         url=args.url or app_settings.remote_url.strip() or None,
+                         api_key=args.remote_api_key or app_settings.remote_api_key.strip() or None)
     settings = settings.with_model_defaults(engine.generation_defaults)
     try:
         return run_batch(args.input, args.output, engine, settings, stderr=sys.stderr, progress=sys.stderr.isatty())
@@ -548,7 +560,8 @@ def run_chat_command(args) -> int:
     check_draft_folder(flags.get("draft"))  # here, not at every reply once the app is open
     return run_app(args.model, args.device, args.dtype, args.gpu_budget, args.context, args.reprofile,
                    args.expert_dtype, **({"decoding": flags} if flags else {}),
-                   **({"engine": args.engine} if args.engine else {}))
+                   **({"engine": args.engine} if args.engine else {}),
+                   **{k: v for k, v in (("url", args.url), ("api_key", args.remote_api_key)) if v})
 
 
 def main(argv=None) -> int:

@@ -82,6 +82,9 @@ def run_profile(args, engine_loader, out=print) -> int:
 def _layer_placement(engine, out) -> int:
     """Where an engine that places whole layers' experts (llama.cpp) put them, a line per MoE layer."""
     stats = engine.expert_stats()
+    if isinstance(stats.get("placement"), str):  # a remote server's: it does not report where experts are
+        out(f"\nplacement: {stats['placement']}")
+        return 0
     out(f"\nplacement per layer (a GGUF holds a layer's experts as one tensor): {stats.get('experts_on_gpu', 0)} of "
         f"{stats.get('experts_total', 0)} experts on the GPU, {stats.get('expert_gib_in_ram', 0):.2f} GiB of experts "
         f"in RAM")

@@ -16,3 +16,8 @@ class CheckpointError(MoedeskError):
 
 class UnsupportedModelError(CheckpointError):
     """A well-formed checkpoint of an architecture or variant moedesk does not run."""
+
+
+class EngineUnavailable(MoedeskError):
+    """No request can run now, whichever it is (a remote server that cannot be reached): a batch run stops at once
+    with this line, rather than blaming each line in turn, and resumes on the next run."""

@@ -51,12 +51,13 @@ class Engine(EngineFace):
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
              reprofile: bool = False, progress=None, expert_dtype: str = "auto", engine: str = "auto",
-             cpu_moe: int | None = None) -> "Engine":
+             cpu_moe: int | None = None, url: str | None = None, api_key: str | None = None) -> "Engine":
         """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
         engine.selection), native or llama.cpp. cpu_moe: llama.cpp only, the first N layers' experts in RAM
-        (its --n-cpu-moe; None: chosen for the GPU budget).
+        (its --n-cpu-moe; None: chosen for the GPU budget). remote: an OpenAI-compatible server at `url` generates
+        (api_key: its key), `model` gives the tokenizer and chat template (engine.remote.engine.RemoteEngine).
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
@@ -67,6 +68,10 @@ class Engine(EngineFace):
         """
         from moedesk.engine.selection import after_refusal, choose_engine
 
+        if engine == "remote":
+            from moedesk.engine.remote.engine import RemoteEngine
+
+            return RemoteEngine.load(model, url=url, api_key=api_key, context_length=context_length, progress=progress)
         choice = choose_engine(model, engine)
         if choice is None or choice.kind == "native":
             try:

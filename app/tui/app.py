@@ -61,15 +61,17 @@ class MoedeskApp(App[int]):
     def __init__(self, engine=None, *, model: str = "demo", device: str = "auto", dtype: str | None = None,
                  settings: Settings | None = None, store: ConversationStore | None = None,
                  gpu_budget: float | None = None, context_length: int | None = None, reprofile: bool = False,
-                 expert_dtype: str | None = None, decoding: dict | None = None, engine_kind: str | None = None):
+                 expert_dtype: str | None = None, decoding: dict | None = None, engine_kind: str | None = None,
+                 url: str | None = None, api_key: str | None = None):
         """gpu_budget (GiB), dtype and expert_dtype override the settings of the same meaning for this run (the
         --gpu-budget, --dtype and --expert-dtype flags); context_length and reprofile (--context, --reprofile)
         apply to every model this run loads. decoding: settings of how replies are decoded (speculative, draft,
-        draft_length, draft_width, beams, length_penalty) that this run's flags set over the saved ones."""
+        draft_length, draft_width, beams, length_penalty) that this run's flags set over the saved ones. url and
+        api_key: the remote engine's server and key (--url, --api-key) over the settings'."""
         super().__init__()
         self.decoding_flags = {k: v for k, v in (decoding or {}).items() if v is not None}
         flags = {"gpu_budget": gpu_budget, "dtype": dtype, "reprofile": reprofile or None, "expert_dtype": expert_dtype,
-                 "engine": engine_kind}
+                 "engine": engine_kind, "url": url, "api_key": api_key}
 
         def load_options() -> dict:
             return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
@@ -217,9 +219,11 @@ class MoedeskApp(App[int]):
 
 def run_app(model: str = "demo", device: str = "auto", dtype: str | None = None, gpu_budget: float | None = None,
             context_length: int | None = None, reprofile: bool = False, expert_dtype: str | None = None,
-            decoding: dict | None = None, engine: str | None = None) -> int:
+            decoding: dict | None = None, engine: str | None = None, url: str | None = None,
+            api_key: str | None = None) -> int:
     """Run the terminal app until the user quits; returns the exit status."""
     app = MoedeskApp(model=model, device=device, dtype=dtype, gpu_budget=gpu_budget, context_length=context_length,
-                     reprofile=reprofile, expert_dtype=expert_dtype, decoding=decoding, engine_kind=engine)
+                     reprofile=reprofile, expert_dtype=expert_dtype, decoding=decoding, engine_kind=engine,
+                     url=url, api_key=api_key)
     app.run()
     return app.return_code or 0

@@ -89,8 +89,16 @@ class Settings:
     engine: str = setting(
         "auto", "Engine", "What runs the model. auto: moedesk's own engine where it implements the architecture "
                           "(faster), llama.cpp for the GGUF models it does not (gpt-oss, GLM, DeepSeek...); native "
-                          "or llama.cpp: that one. Takes effect when a model is loaded.",
-        choices=("auto", "native", "llama.cpp"))
+                          "or llama.cpp: that one; remote: the OpenAI-compatible server at the remote URL "
+                          "generates (vLLM, SGLang, llama-server, another moedesk serve), the model's files here "
+                          "give the tokenizer and chat template. Takes effect when a model is loaded.",
+        choices=("auto", "native", "llama.cpp", "remote"))
+    remote_url: str = setting(
+        "", "Remote URL", "The server the remote engine sends requests to, e.g. http://gpu-box:8000. Takes effect "
+                          "when a model is loaded.")
+    remote_api_key: str = setting(
+        "", "Remote API key", "The remote server's API key. Blank: the MOEDESK_REMOTE_API_KEY environment "
+                              "variable, else none. Kept in the settings file as it is typed.")
     speculative: str = setting(
         "off", "Speculative decoding", "A small draft head guesses the next tokens and the model checks them all in "
                                        "one step: the same reply (token for token at temperature 0), sooner when "
@@ -146,8 +154,9 @@ class Settings:
 
     def load_options(self) -> dict:
         """The settings that shape a model load, as `Engine.load` takes them."""
+        remote = {"url": self.remote_url.strip() or None, "api_key": self.remote_api_key.strip() or None}
         return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype, "expert_dtype": self.expert_dtype,
-                "engine": self.engine}
+                "engine": self.engine, **(remote if self.engine == "remote" else {})}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

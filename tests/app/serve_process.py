@@ -15,6 +15,13 @@ import httpx
 def serve_process(args: list[str], api_key: str, startup_s: float = 90):
     """Run `python -m moedesk serve ARGS --port P` with MOEDESK_API_KEY set; yield "http://127.0.0.1:P" once
     /health answers, and stop the server afterwards (killed if it does not end within 20 s)."""
+    with served(args, api_key, startup_s) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def served(args: list[str], api_key: str, startup_s: float = 90):
+    """As serve_process, yielding (url, the server's Popen) for a test that kills it on purpose."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -31,7 +38,7 @@ def serve_process(args: list[str], api_key: str, startup_s: float = 90):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                     break
             time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
         proc.terminate()
         try:
