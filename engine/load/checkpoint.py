@@ -18,7 +18,47 @@ from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 
 
-class SafetensorsCheckpoint:
+class ModelFiles:
+    """A Hugging Face model folder's small files: config.json (if any), the tokenizer and its template, the
+    generation defaults. What a front end needs of a model some other machine runs (engine.remote)."""
+
+    def __init__(self, folder):
+        self.path = Path(folder)
+        config_path = self.path / "config.json"
+        self.config = _read_json(config_path) if config_path.is_file() else {}
+
+    def shapes(self) -> None:
+        return None
+
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer | None:
+        path = self.path / "tokenizer.json"
+        if not path.is_file():
+            return None
+        try:
+            return tokenizers.Tokenizer.from_file(str(path))
+        except Exception as e:  # the tokenizers library raises plain Exception subclasses
+            raise CheckpointError(path, f"unreadable tokenizer ({_first_line(e)})") from None
+
+    @property
+    def generation_defaults(self) -> dict:
+        """The sampling generation_config.json recommends (engine.load.generation_defaults); {} without one."""
+        from moedesk.engine.load.generation_defaults import from_generation_config
+
+        path = self.path / "generation_config.json"
+        return from_generation_config(_read_json(path)) if path.is_file() else {}
+
+    @property
+    def tokenizer_config(self) -> dict:
+        path = self.path / "tokenizer_config.json"
+        config = _read_json(path) if path.is_file() else {}
+        template_file = self.path / "chat_template.jinja"  # where newer transformers save it
+        if "chat_template" not in config and template_file.is_file():
+            config["chat_template"] = template_file.read_text()
+        return config
+
+
+class SafetensorsCheckpoint(ModelFiles):
     """A Hugging Face model folder: config.json, one or many *.safetensors, optional tokenizer files."""
 
     # get_tensor only maps: the loader may copy several tensors out at once (engine.load.loader)
@@ -148,33 +188,6 @@ class SafetensorsCheckpoint:
                 self._open.pop(file, None)
                 if (fd := self._fds.pop(file, None)) is not None:
                     os.close(fd)
-
-    @property
-    def tokenizer(self) -> tokenizers.Tokenizer | None:
-        path = self.path / "tokenizer.json"
-        if not path.is_file():
-            return None
-        try:
-            return tokenizers.Tokenizer.from_file(str(path))
-        except Exception as e:  # the tokenizers library raises plain Exception subclasses
-            raise CheckpointError(path, f"unreadable tokenizer ({_first_line(e)})") from None
-
-    @property
-    def generation_defaults(self) -> dict:
-        """The sampling generation_config.json recommends (engine.load.generation_defaults); {} without one."""
-        from moedesk.engine.load.generation_defaults import from_generation_config
-
-        path = self.path / "generation_config.json"
-        return from_generation_config(_read_json(path)) if path.is_file() else {}
-
-    @property
-    def tokenizer_config(self) -> dict:
-        path = self.path / "tokenizer_config.json"
-        config = _read_json(path) if path.is_file() else {}
-        template_file = self.path / "chat_template.jinja"  # where newer transformers save it
-        if "chat_template" not in config and template_file.is_file():
-            config["chat_template"] = template_file.read_text()
-        return config
 
 
 # safetensors dtype names -> torch's; a tensor of any other dtype is read through safetensors itself.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import httpx
@@ -19,6 +20,7 @@ import httpx
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.scheduler import Handle, Update
 from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
+from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.remote import protocol
 from moedesk.engine.remote.protocol import RemoteError, RemoteUnavailable
 from moedesk.engine.remote.scheduler import RemoteScheduler
@@ -70,14 +72,20 @@ class RemoteEngine(EngineFace):
              **_) -> "RemoteEngine":
         """The local model's tokenizer and config (no weights read), and the server at `url`, asked once for its
         models so that a dead port or a wrong key is one line now rather than at the first request."""
-        from moedesk.engine.load.checkpoint import open_checkpoint
+        from moedesk.engine.load.checkpoint import ModelFiles, open_checkpoint
         from moedesk.engine.load.tokenizer import Tokenizer
         from moedesk.engine.model.architectures import parse_config
 
         root = protocol.base_url(url or "")
         api_key = api_key or os.environ.get(API_KEY_VARIABLE) or None
-        checkpoint = open_checkpoint(model)
-        config = parse_config(checkpoint.config, getattr(checkpoint, "path", "config.json"), tensors=checkpoint.shapes())
+        folder = Path(os.path.expanduser(model))
+        # A folder needs no weights here (its config and tokenizer files are enough): the server has them.
+        checkpoint = ModelFiles(folder) if folder.is_dir() else open_checkpoint(model)
+        try:
+            config = parse_config(checkpoint.config, getattr(checkpoint, "path", "config.json"),
+                                  tensors=checkpoint.shapes())
+        except MoedeskError:  # one moedesk does not run, or no weights here: described, never computed with
+            config = described_config(checkpoint.config)
         if checkpoint.tokenizer is None:
             raise MoedeskError(f"{model}: the remote engine needs the model's tokenizer here, and it has none")
         tokenizer = Tokenizer(checkpoint.tokenizer, checkpoint.tokenizer_config, config.eos_token_ids,
@@ -207,6 +215,33 @@ class RemoteEngine(EngineFace):
     def close(self) -> None:
         self.scheduler.close()
         self.client.close()
+
+
+def described_config(hf: dict) -> ModelConfig:
+    """What the app shows of a model moedesk cannot run itself (DeepSeek-V3, Kimi-K2, MiniMax-M2...) from its
+    config.json: its size and experts, and its special tokens. Nothing here computes with it."""
+    def number(*keys, default=0):
+        value = next((hf[k] for k in keys if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)), None)
+        return default if value is None else value
+
+    layers = max(1, number("num_hidden_layers", "n_layer", "num_layers", default=1))
+    heads = max(1, number("num_attention_heads", "n_head", default=1))
+    hidden = max(1, number("hidden_size", "n_embd", default=1))
+    experts = number("n_routed_experts", "num_local_experts", "num_experts")
+    dense_first = number("first_k_dense_replace")
+    eos = hf.get("eos_token_id")
+    eos = tuple(e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int))
+    bos = hf.get("bos_token_id")
+    return ModelConfig(arch=str(hf.get("model_type", "?")), vocab_size=max(1, number("vocab_size", default=1)),
+                       hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=max(1, number("num_key_value_heads", default=heads)),
+                       head_dim=max(1, number("head_dim", default=hidden // heads)),
+                       intermediate_size=number("intermediate_size"), rms_norm_eps=0.0,
+                       max_position_embeddings=max(1, number("max_position_embeddings", default=DEFAULT_CONTEXT)),
+                       num_experts=experts, num_experts_per_tok=number("num_experts_per_tok") if experts else 0,
+                       moe_intermediate_size=number("moe_intermediate_size"),
+                       moe_layers=tuple(bool(experts) and i >= dense_first for i in range(layers)),
+                       bos_token_id=bos if isinstance(bos, int) else None, eos_token_ids=eos)
 
 
 class _NoCache:
