@@ -233,8 +233,9 @@ class Scheduler:
                 self._send(handle, Update(None, "", completion=Completion(request.tag, [], "", "cancelled",
                                                                           len(request.prompt_ids))))
                 return handle
-            if queue_limit is not None and self._waiting() >= queue_limit:
-                raise QueueFull(f"{self._waiting()} requests are waiting for a free row (the limit is {queue_limit})")
+            if queue_limit is not None and self._waiting(group) >= queue_limit:
+                raise QueueFull(f"{self._waiting(group)} requests are waiting for a free row (the limit is "
+                                f"{queue_limit})")
             self._pending.append(handle)
             self.counters["requests"] += 1
             if self._thread is None:
@@ -334,8 +335,14 @@ class Scheduler:
             waiting = self._waiting()
         return max(1, min(60, round(self._recent_seconds * (waiting + 1) / rows)))
 
-    def _waiting(self) -> int:
-        return sum(not h.cancelled for h in self._pending)
+    def _waiting(self, group: Group | None = None) -> int:
+        """Requests queued for a row. Those of `group` that its free rows will take at the next step are not
+        waiting: counted, `--max-queue 4` with a batch of 2 turned away the fifth request, not the seventh."""
+        pending = [h for h in self._pending if not h.cancelled]
+        if group is None:
+            return len(pending)
+        taken = min(max(0, group.limit - group.active), sum(h.group is group for h in pending))
+        return len(pending) - taken
 
     # --- the decode thread ------------------------------------------------------------------
 
