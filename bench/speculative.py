@@ -44,7 +44,7 @@ from moedesk.bench.synthetic import SyntheticBench, random_prompt
 from moedesk.engine import json_read
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, synchronize
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.speculative import perf_model
 from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly
@@ -95,7 +95,7 @@ class LookaheadOracle:
         self.acceptance = acceptance
         self.vocab = model.cfg.vocab_size
         self.capacity, self.dtype = capacity, dtype
-        self.cache: KVCache | None = None  # made when a row first needs redrafting
+        self.cache = None  # made when a row first needs redrafting
         self.generator = torch.Generator().manual_seed(seed)
         b = len(prompts)
         self.references = [list(r) for r in references] if references is not None else None
@@ -196,7 +196,7 @@ class LookaheadOracle:
         one-token steps of all the rows together."""
         dev = self.device
         if self.cache is None:
-            self.cache = KVCache(self.model.cfg, len(self.prompts), self.capacity, self.dtype, dev)
+            self.cache = self.model.new_cache(len(self.prompts), self.capacity, self.dtype, dev)
         first = {}
         # Rows new to the cache apart from the others: their whole sequence against a few tokens would pad the
         # others far past their ends.
@@ -300,12 +300,12 @@ def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: in
     """Greedy tokens of every prompt decoded together as the engine does (CUDA graphs where it uses them), and
     tok/s from the second decode step to the last (the first captures the graphs), as `moedesk bench` times
     batched decode."""
-    from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+    from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
-    model, device, b = bench.model, bench.device, len(prompts)
-    cache = KVCache(bench.cfg, b, context, bench.dtype, device)
-    decoder = Decoder(model, cache, bench.executor, None, context_length=context,
-                      graphs=GraphedDecode(model, cache) if graphs_wanted(device) else None)
+    device, b = bench.device, len(prompts)
+    runner = ModelRunner(bench.model, device, bench.dtype, context, graphs=graphs_wanted(device))
+    runner.reserve(b, context)
+    decoder = Decoder(runner, bench.executor, None)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     tokens, start = {}, None
     for seq, _ in decoder.run([Request(p, params, tag=i) for i, p in enumerate(prompts)], batch_size=b):

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from moedesk.engine.generation.decoder import Decoder
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.offload.assignment import lone_token_split
 from moedesk.engine.requests import Request, SamplingParams
 
@@ -52,12 +52,12 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     would use them), which a chat pays once per batch size, not per token. The executor's stats
     restart there too, so they cover exactly the timed steps.
     """
-    from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+    from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
-    cache = KVCache(cfg, batch, prompt + new_tokens + 1, dtype, device)
     use_graphs = graphs_wanted(torch.device(device)) if graphs is None else graphs
-    decoder = Decoder(model, cache, executor, None, context_length=prompt + new_tokens + 1,
-                      graphs=GraphedDecode(model, cache) if use_graphs else None)
+    runner = ModelRunner(model, device, dtype, prompt + new_tokens + 1, graphs=use_graphs)
+    runner.reserve(batch, prompt + new_tokens + 1)
+    decoder = Decoder(runner, executor, None)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     requests = [Request(random_prompt(prompt, cfg.vocab_size, seed + i), params) for i in range(batch)]
     start = None
@@ -74,7 +74,7 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
 
 
 def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
-    cache = KVCache(cfg, 1, length, dtype, device)
+    cache = model.new_cache(1, length, dtype, device)
     tokens = torch.tensor([random_prompt(length, cfg.vocab_size, seed)], device=device)
     positions = torch.arange(length, device=device)[None]
     last = torch.tensor([length - 1], device=device)
@@ -286,7 +286,7 @@ def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, pr
             f"{beam_ms[-1]:.1f} ms/step ({runs[-1]['ratio']:.2f}x)")
     batched, beam = statistics.median(batched_ms), statistics.median(beam_ms)
     return {"beams": beams, "new_tokens": new_tokens, "prompt_tokens": prompt, "rounds": runs,
-            "graphs": search.graphs is not None and search.graphs.broken is None,
+            "graphs": search.runner.graphs is not None and search.runner.graphs.broken is None,
             "batched_step_ms": round(batched, 3), "beam_step_ms": round(beam, 3), "ratio": round(beam / batched, 4)}
 
 

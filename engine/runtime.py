@@ -5,11 +5,11 @@ import torch
 
 from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
 from moedesk.engine.load.checkpoint import open_checkpoint
-from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+from moedesk.engine.generation.cuda_graphs import graphs_wanted
 from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
@@ -38,8 +38,11 @@ class Engine(EngineFace):
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
         self.generation_defaults: dict = {}
-        self.cache = KVCache(cfg, rows=1, length=min(FIRST_CACHE_LENGTH, context_length), dtype=dtype, device=device)
-        self.graphs = GraphedDecode(model, self.cache) if graphs_wanted(torch.device(device)) else None
+        stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
+        # The plain batch's forwards, cache and CUDA graphs; beam search and speculation hold runners of their own.
+        self.runner = ModelRunner(model, device, dtype, context_length, stops, on_oom=self._on_oom,
+                                  graphs=graphs_wanted(torch.device(device)))
+        self.runner.reserve(1, min(FIRST_CACHE_LENGTH, context_length))
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
         self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
         self._grammar_tokenizer = None
@@ -181,9 +184,18 @@ class Engine(EngineFace):
             popularity.append([0] * experts if counts is None else counts.tolist())
         return on_gpu, popularity
 
+    @property
+    def cache(self):
+        """The plain batch's cache (its size tells front ends what a row costs)."""
+        return self.runner.cache
+
+    @property
+    def graphs(self):
+        """The plain batch's CUDA graphs (engine.generation.cuda_graphs.GraphedDecode), None where decode is eager."""
+        return self.runner.graphs
+
     def _decoder(self) -> Decoder:
-        return Decoder(self.model, self.cache, self.executor, self.tokenizer, self.context_length,
-                       self.config.eos_token_ids, on_oom=self._on_oom, graphs=self.graphs)
+        return Decoder(self.runner, self.executor, self.tokenizer)
 
     def _on_oom(self) -> bool:
         """Free GPU memory after an out-of-memory error in a step: experts leave the GPU, half at a time."""
@@ -197,11 +209,10 @@ class Engine(EngineFace):
         the engine busy for `timeout` seconds (nothing released)."""
 
         def release() -> None:
-            if self.graphs is not None:
-                self.graphs.release()  # its graphs hold memory of their own and read the old tensors
-            self.cache.shrink(1, min(FIRST_CACHE_LENGTH, self.context_length))
-            if self._beam is not None and self._beam.graphs is not None:
-                self._beam.graphs.release()
+            # Graphs hold memory of their own and read the old tensors: each runner drops its own.
+            self.runner.shrink(1, min(FIRST_CACHE_LENGTH, self.context_length))
+            if self._beam is not None:
+                self._beam.runner.release_graphs()
             self._beam = None
             for spec in self.idle_speculators:  # a running job holds its own
                 if getattr(spec.graphs, "release", None) is not None:
@@ -235,11 +246,11 @@ class Engine(EngineFace):
     def _beam_search(self) -> BeamSearch:
         if self._beam is None:  # on the decode thread: its CUDA graphs are captured there
             self._beam = BeamSearch(self.model, self.device, self.dtype, self.context_length, on_oom=self._on_oom,
-                                    graphs=self.graphs is not None)
+                                    graphs=self.runner.graphs is not None)
         return self._beam
 
     def _eos_ids(self) -> set:
-        return set(self.config.eos_token_ids) | set(self.tokenizer.eos_token_ids if self.tokenizer is not None else ())
+        return set(self.runner.stop_ids)
 
     def beam_search(self, prompt_ids: list[int], beams: int = 4, max_new_tokens: int = 256,
                     length_penalty: float = 1.0, early_stopping: bool | str = False, ignore_eos: bool = False,

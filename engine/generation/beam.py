@@ -36,8 +36,8 @@ from typing import Callable
 import torch
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.generation.decoder import retrying_oom, synchronize
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.generation.decoder import synchronize
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Completion
 
 _NEG = -1.0e9  # what transformers adds to rule a candidate out; the same value keeps ties and order alike
@@ -181,8 +181,9 @@ class _Search:
 
 
 class BeamSearch:
-    """Beam search over one model, several searches at once. Holds the hypotheses' KV cache (and CUDA graphs
-    over it) between searches, grown as the searches need, so a run of searches allocates and captures once.
+    """Beam search over one model, several searches at once. Its runner (engine.generation.runner) holds the
+    hypotheses' cache and the CUDA graphs over it between searches, grown as the searches need, so a run of
+    searches allocates and captures once.
 
     Each admitted search owns a block of W cache rows; a `step` runs one forward over every block (the rows of
     all searches, one token each), and a search's reordering (its best W hypotheses) gathers rows inside its own
@@ -199,13 +200,11 @@ class BeamSearch:
         """on_oom() frees GPU memory after an out-of-memory error and returns True to retry (as for
         engine.generation.decoder.Decoder). graphs: replay decode steps from CUDA graphs over this cache (keyed
         by the rows of all searches together). max_rows: hypotheses of all searches stepping together."""
-        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.model, self.device = model, torch.device(device)
         self.context_length = context_length
-        self.on_oom = on_oom
-        self.use_graphs = graphs
+        self.runner = ModelRunner(model, device, dtype, context_length, on_oom=on_oom, graphs=graphs,
+                                  advice="use fewer beams or fewer new tokens")
         self.max_rows = max_rows
-        self.cache: KVCache | None = None
-        self.graphs = None
         self.waiting: list[_Search] = []  # added, not yet admitted
         self.active: list[_Search] = []  # admitted: holding rows, in the order they were admitted
         self.counters = dict(forwards=0, prefills=0, rows_sum=0, max_rows=0)  # decode forwards and their rows
@@ -289,9 +288,9 @@ class BeamSearch:
             self.active.append(search)
             P = search.P
             rows = None if free[0] == 0 else torch.tensor([free[0]], device=self.device)
-            logits = self._retrying(lambda: self.model(
-                torch.tensor([search.prompt], device=self.device), torch.arange(P, device=self.device)[None],
-                self.cache, executor, rows=rows, logits_at=torch.tensor([P - 1], device=self.device)))
+            logits = self.runner.prefill(torch.tensor([search.prompt], device=self.device),
+                                         torch.arange(P, device=self.device)[None], executor, rows=rows,
+                                         logits_at=torch.tensor([P - 1], device=self.device))
             synchronize(self.device)
             search.decode_started = time.perf_counter()
             search.prefill_s = search.decode_started - started
@@ -300,13 +299,14 @@ class BeamSearch:
 
     def _forward(self, going: list[_Search], executor) -> None:
         for search in going:
-            self._reorder(search.rows, search.source, search.position)
+            # Hypothesis j continues what the block's row source[j] holds, inside the block.
+            self.runner.fork(search.rows, search.source, search.position)
         rows = [r for s in going for r in s.rows]
         tokens = torch.tensor([[h[-1]] for s in going for h in s.running], device=self.device)
         positions = torch.tensor([[s.position] for s in going for _ in range(s.W)], device=self.device)
         # Rows 0..N-1 in order need no index (as one search alone has them); else each token names its row.
         index = None if rows == list(range(len(rows))) else torch.tensor(rows, device=self.device)
-        logits = self._retrying(lambda: self._step(tokens, positions, index, executor))[:, -1]
+        logits = self.runner.step(tokens, positions, executor, index)[:, -1]
         at = 0
         for search in going:
             search.logits = logits[at:at + search.W]
@@ -323,43 +323,7 @@ class BeamSearch:
         """Room for `rows` hypotheses of `length` tokens, prompt included (a search does this itself; a caller
         may do it first so that a short warm-up captures the CUDA graphs of the cache a longer search uses)."""
         # The last token chosen is never fed back: its position needs no room.
-        length = min(length - 1, self.context_length)
-        if self.cache is None:
-            self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
-            if self.use_graphs:
-                from moedesk.engine.generation.cuda_graphs import GraphedDecode
-
-                self.graphs = GraphedDecode(self.model, self.cache)
-        else:
-            # Reallocating moves the tensors (keeping what the running searches hold); the graphs see that (their
-            # cache key) and capture again.
-            self._retrying(lambda: self.cache.ensure(rows, length))
-
-    def _reorder(self, block: list[int], source: list[int], length: int) -> None:
-        """Hypothesis j of a search continues what its block's row source[j] holds: gather the first `length`
-        positions of those rows into the block's rows, inside the block."""
-        W = len(block)
-        if source == list(range(W)):
-            return
-        index = torch.tensor(source, device=self.device)
-        start = block[0]
-        if block == list(range(start, start + W)):
-            for t in self.cache.k + self.cache.v:
-                t[start:start + W, :length] = t[start:start + W, :length].index_select(0, index)
-        else:
-            rows = torch.tensor(block, device=self.device)
-            origin = rows[index]
-            for t in self.cache.k + self.cache.v:
-                t[rows, :length] = t[origin, :length]
-
-    def _step(self, tokens, positions, rows, executor):
-        logits = self.graphs.decode(tokens, positions, executor, rows) if self.graphs is not None else None
-        if logits is None:
-            logits = self.model(tokens, positions, self.cache, executor, rows=rows)
-        return logits
-
-    def _retrying(self, step):
-        return retrying_oom(step, self.on_oom, "use fewer beams or fewer new tokens")
+        self.runner.reserve(rows, min(length - 1, self.context_length))
 
 
 class BeamJob:

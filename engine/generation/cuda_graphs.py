@@ -55,8 +55,9 @@ def graphs_wanted(device: torch.device) -> bool:
 
 
 class GraphedDecode:
-    """`decode(tokens, positions, executor, rows)` → logits [B, 1, vocab], as `Transformer.forward` gives them;
-    `forward` for k tokens per row (speculative verification)."""
+    """`forward(tokens, positions, executor, rows)` → logits [B, T, vocab], as `Transformer.forward` gives them,
+    for one token per row (a decode step) or k (speculative verification); an engine.generation.runner.ModelRunner
+    calls it and runs the forward eagerly where it returns None."""
 
     def __init__(self, model: Transformer, cache: KVCache, capture: bool = True, capture_after: int = 2,
                  max_shapes: int = 32):
@@ -80,10 +81,6 @@ class GraphedDecode:
         for captured in self.captured.values():
             captured.release()
         self.captured, self.seen, self.pool = {}, {}, None
-
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None):
-        """Logits, or None when graphs cannot be used (the caller runs the step eagerly)."""
-        return self.forward(tokens, positions, executor, rows)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, executor, rows: torch.Tensor | None = None,
@@ -212,8 +209,7 @@ class _Captured:
         if j == 0:
             self.step = Step(self.positions, self.rows, self.on_device, kv_len=cache.length, mask=self.mask,
                              slots=self.slots)
-            x = model.embed(self.tokens)
-            self.rope = model.rotary(self.positions, x.dtype)
+            x, self.rope = model.embed_tokens(self.tokens, self.positions)
             start = 0
         else:
             prev = self.moe_at[j - 1]
@@ -224,15 +220,10 @@ class _Captured:
             x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(y, weights))
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
-        for i in range(start, end):  # dense layers, and MoE layers run on the device alone
-            if i in self.features:
-                self.hidden[i] = x
-            x = blocks[i](x, self.rope, cache, self.step)
+        # Dense layers, and MoE layers run on the device alone: the model's own layer loop.
+        x = model.run_layers(x, self.rope, cache, self.step, start, end, self.features, self.hidden)
         if j == len(self.moe_at):
-            x = model.norm(x)
-            if "final" in self.features:
-                self.hidden["final"] = x
-            return model.lm_head(x).float()
+            return model.head(x, self.features, self.hidden)
         if end in self.features:
             self.hidden[end] = x
         x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.step)
@@ -391,7 +382,7 @@ class _Captured:
 
 
 def _cache_key(cache: KVCache, executor) -> tuple:
-    return cache.k[0].data_ptr(), cache.length, id(executor), getattr(executor, "placement_version", None)
+    return cache.storage_key(), id(executor), getattr(executor, "placement_version", None)
 
 
 class _OnDevice:

@@ -13,8 +13,8 @@ from typing import Iterable, Iterator
 
 import torch
 
-from moedesk.engine.errors import MoedeskError
 from moedesk.engine.requests import Completion, Request
+from moedesk.engine.generation.runner import ModelRunner, retrying_oom  # noqa: F401 -- retrying_oom: its users'
 from moedesk.engine.generation.sampling import sample_token, sample_tokens
 
 
@@ -40,20 +40,14 @@ class Sequence:
 
 
 class Decoder:
-    """Runs requests through a model and cache. Tokenizer is optional (prompt_ids-only models)."""
+    """Runs requests through a runner's model and cache (engine.generation.runner.ModelRunner: its CUDA graphs,
+    out-of-memory retry and stop set). Tokenizer is optional (prompt_ids-only models)."""
 
-    def __init__(self, model, cache, executor, tokenizer, context_length: int, eos_token_ids=(), on_oom=None,
-                 graphs=None):
-        """on_oom() is called when the GPU runs out of memory in a step: it frees memory (moves experts
-        off the GPU) and returns True to retry the step, or False to give up (the error propagates).
-        graphs: an engine.generation.cuda_graphs.GraphedDecode for the same model and cache, or None (eager decode)."""
-        self.model, self.cache, self.executor = model, cache, executor
-        self.graphs = graphs
-        self.on_oom = on_oom
-        self.tokenizer = tokenizer
-        self.context_length = context_length
-        self.eos_token_ids = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else frozenset())
-        self.device = cache.device
+    def __init__(self, runner: ModelRunner, executor, tokenizer):
+        self.runner, self.executor, self.tokenizer = runner, executor, tokenizer
+        self.context_length = runner.context_length
+        self.eos_token_ids = runner.stop_ids
+        self.device = runner.device
 
     def run(self, requests: Iterable[Request], batch_size: int, cancel=None) -> Iterator[tuple[Sequence, int | None]]:
         """Yield (sequence, new token) each time a sequence grows; token None when it finished without one.
@@ -105,7 +99,7 @@ class Decoder:
     def reserve(self, rows: int, seqs: list[Sequence]) -> None:
         """Grow the cache to `rows` rows, long enough for every one of `seqs` to run to its end."""
         need = max(min(self.context_length, len(s.request.prompt_ids) + s.params.max_new_tokens) for s in seqs)
-        self._retrying_oom(lambda: self.cache.ensure(rows, need))
+        self.runner.reserve(rows, need)
 
     def prefill(self, seqs: list[Sequence], budget: int | None = None) -> Iterator[tuple[Sequence, int | None]]:
         """One forward over the next piece of each sequence's prompt, at most `budget` prompt tokens in all
@@ -132,11 +126,10 @@ class Decoder:
         starts = torch.tensor([s.prefilled for s, _ in pieces])
         positions = (starts[:, None] + torch.arange(longest)).clamp(max=self.context_length - 1)
         rows = torch.tensor([s.row for s, _ in pieces])
-        self._retrying_oom(lambda: self.cache.ensure(self.cache.rows, int(positions.max()) + 1))
+        self.runner.reserve(self.runner.cache.rows, int(positions.max()) + 1)
         takes = torch.tensor([take for _, take in pieces])
-        logits = self._retrying_oom(lambda: self.model(
-            tokens.to(self.device), positions.to(self.device), self.cache, self.executor,
-            rows=rows.to(self.device), logits_at=takes.to(self.device) - 1))
+        logits = self.runner.prefill(tokens.to(self.device), positions.to(self.device), self.executor,
+                                     rows=rows.to(self.device), logits_at=takes.to(self.device) - 1)
         done, done_logits = [], []
         for i, (s, take) in enumerate(pieces):
             s.prefilled += take
@@ -152,20 +145,11 @@ class Decoder:
         tokens = torch.tensor([[s.tokens[-1]] for s in seqs])
         positions = torch.tensor([[s.position] for s in seqs])
         rows = None if [s.row for s in seqs] == list(range(len(seqs))) else torch.tensor([s.row for s in seqs])
-        logits = self._retrying_oom(lambda: self._step(tokens.to(self.device), positions.to(self.device),
-                                                       None if rows is None else rows.to(self.device)))
+        logits = self.runner.step(tokens.to(self.device), positions.to(self.device), self.executor,
+                                  None if rows is None else rows.to(self.device))
         for s in seqs:
             s.position += 1
         yield from self._accept(seqs, logits[:, -1])
-
-    def _step(self, tokens, positions, rows):
-        logits = self.graphs.decode(tokens, positions, self.executor, rows) if self.graphs is not None else None
-        if logits is None:
-            logits = self.model(tokens, positions, self.cache, self.executor, rows=rows)
-        return logits
-
-    def _retrying_oom(self, step):
-        return retrying_oom(step, self.on_oom, "use a shorter context or a smaller batch")
 
     def _accept(self, seqs, logits: torch.Tensor) -> Iterator[tuple[Sequence, int | None]]:
         # Every unconstrained row at once, on the logits' device: greedy rows take the argmax, sampled ones
@@ -234,20 +218,6 @@ def _freeing(events, slots) -> Iterator[tuple[Sequence, int | None]]:
         if seq.finish_reason:
             slots[seq.row] = None
         yield seq, token
-
-
-def retrying_oom(step, on_oom, advice: str):
-    """Run step(); after a GPU out-of-memory error let on_oom() free memory (move experts to RAM) and run it
-    again, until it has nothing left to free: then one line that ends with `advice`.
-
-    A step may run twice: it writes the same keys and values at the same positions, so the retry computes
-    what the first attempt would have. Every decoding mode (plain, beam, speculative) retries this way."""
-    while True:
-        try:
-            return step()
-        except torch.OutOfMemoryError as error:
-            if on_oom is None or not on_oom():
-                raise MoedeskError(f"GPU out of memory with nothing left to move to RAM: {advice}") from error
 
 
 def synchronize(device: torch.device) -> None:

@@ -48,6 +48,40 @@ class KVCache:
     def bytes_per_position(self) -> int:
         return 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim * self.dtype.itemsize
 
+    def storage_key(self) -> tuple:
+        """Changes whenever the tensors move (a reallocation): CUDA graphs read them in place."""
+        return self.k[0].data_ptr(), self.rows, self.length
+
+    def reorder(self, block: list[int], source: list[int], length: int) -> None:
+        """Row block[j] takes what row block[source[j]] holds in its first `length` positions (beam search's
+        hypotheses continuing others): one gather per tensor, on the device."""
+        W = len(block)
+        if source == list(range(W)):
+            return
+        index = torch.tensor(source, device=self.device)
+        start = block[0]
+        if block == list(range(start, start + W)):
+            for t in self.k + self.v:
+                t[start:start + W, :length] = t[start:start + W, :length].index_select(0, index)
+        else:
+            rows = torch.tensor(block, device=self.device)
+            origin = rows[index]
+            for t in self.k + self.v:
+                t[rows, :length] = t[origin, :length]
+
+    def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """Row rows[i]'s accepted draft nodes move from slots starts[i] + node to starts[i] + 1, + 2, ... (one
+        gather and one scatter per tensor; a chain is already in place). What the rejected nodes wrote stays
+        past the row's end, where the causal mask hides it until the row's own tokens overwrite it."""
+        moves = [(i, k + 1, node) for i, path in enumerate(paths) for k, node in enumerate(path) if node != k + 1]
+        if not moves:
+            return
+        index = torch.tensor([rows[i] for i, _, _ in moves], device=self.device)
+        dst = torch.tensor([starts[i] + k for i, k, _ in moves], device=self.device)
+        src = torch.tensor([starts[i] + node for i, _, node in moves], device=self.device)
+        for t in self.k + self.v:
+            t[index, dst] = t[index, src]
+
     def write_and_read(self, layer: int, k, v, rows, positions, kv_len: int, index_rows=None):
         """Store k/v [B, T, kv_heads, D] at `positions` [B, T] of `rows`; return keys/values [B, kv_len, ...].
         index_rows: the written rows as [B, 1] (`write_rows`), when the caller made it once for every layer."""

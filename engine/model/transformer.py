@@ -392,6 +392,10 @@ class Transformer(nn.Module):
     def parameter_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         return parameter_dtype(self.cfg, name, dtype)
 
+    def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache:
+        """The cache this model's layers write and read, for `rows` sequences of `length` positions."""
+        return KVCache(self.cfg, rows, length, dtype, device)
+
     def moe_blocks(self) -> list[MoE]:
         return [b.moe for b in self.layers if hasattr(b, "moe")]
 
@@ -420,20 +424,39 @@ class Transformer(nn.Module):
         """
         step = Step(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape), mask=mask,
                     kv_len=None if mask is None else mask.shape[-1], slots=slots)
-        x = self.embed(tokens)
-        rope = self.rotary(positions, x.dtype)
+        x, rope = self.embed_tokens(tokens, positions)
         hidden = {}
-        for i, block in enumerate(self.layers):
+        x = self.run_layers(x, rope, cache, step, 0, len(self.layers), features, hidden)
+        logits = self.head(x, features, hidden, logits_at)
+        return (logits, hidden) if features else logits
+
+    # The three parts of a forward, as `forward` runs them and as CUDA graphs capture them between the experts
+    # that run on the host (engine.generation.cuda_graphs): one layer loop for both.
+
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """Token embeddings [B, T, H] and the rotary tables of their positions."""
+        x = self.embed(tokens)
+        return x, self.rotary(positions, x.dtype)
+
+    def run_layers(self, x, rope, cache, step: Step, start: int, end: int, features: tuple = (),
+                   hidden: dict | None = None) -> torch.Tensor:
+        """Layers start..end-1 over the residual stream x; the residual entering layer i goes to hidden[i] where
+        i is in `features`."""
+        for i in range(start, end):
             if i in features:
                 hidden[i] = x
-            x = block(x, rope, cache, step)
+            x = self.layers[i](x, rope, cache, step)
+        return x
+
+    def head(self, x, features: tuple = (), hidden: dict | None = None, logits_at: torch.Tensor | None = None):
+        """Logits (float32) from the last layer's output: the final norm (kept as hidden["final"] where asked),
+        then at one position per row (logits_at) or at every position."""
         x = self.norm(x)
         if "final" in features:
             hidden["final"] = x
         if logits_at is not None:
             x = x[torch.arange(x.shape[0], device=x.device), logits_at].unsqueeze(1)
-        logits = self.lm_head(x).float()
-        return (logits, hidden) if features else logits
+        return self.lm_head(x).float()
 
 
 def fuse_attention_projections(blocks) -> int:

@@ -58,7 +58,7 @@ def main(argv=None) -> None:
             table[:, e] = -1e9  # no answer ends early
         table = table.to(device)
         engine.model.forward = lambda tokens, *a, **k: table[:tokens.shape[0], None, :]
-        engine.graphs = None
+        engine.runner.graphs = None
     prompts = T.load_prompts(T.default_prompts_path())
     requests = []
     for i in range(args.requests):

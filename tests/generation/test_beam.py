@@ -34,6 +34,7 @@ def hf_beam(model, prompt_ids, beams, max_new_tokens, eos, length_penalty=1.0, e
 def set_eos(engine, eos, monkeypatch):
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, eos_token_ids=tuple(eos)))
     monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset(eos))
+    monkeypatch.setattr(engine.runner, "stop_ids", frozenset(eos))  # the stop set every decoding mode reads
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +123,9 @@ def test_cache_rows_are_reused_and_grown_between_searches(engines):
     engine = engines("llama")
     ids = engine.tokenizer.encode(PROMPT)
     first = engine.beam_search(ids, beams=2, max_new_tokens=4)
-    cache = engine._beam.cache
+    cache = engine._beam.runner.cache
     wider = engine.beam_search(ids + ids, beams=4, max_new_tokens=NEW)
-    assert engine._beam.cache is cache and cache.rows >= 4 and cache.length >= 2 * len(ids) + NEW - 1
+    assert engine._beam.runner.cache is cache and cache.rows >= 4 and cache.length >= 2 * len(ids) + NEW - 1
     assert engine.beam_search(ids, beams=2, max_new_tokens=4).token_ids == first.token_ids  # stale rows unseen
     assert wider.stats["beam_steps"] <= NEW - 1
 
@@ -261,4 +262,4 @@ def test_cuda_beam_search_matches_transformers_with_experts_offloaded(arch, tiny
             done = engine.beam_search(ids, beams=beams, max_new_tokens=16, length_penalty=length_penalty,
                                       early_stopping=early_stopping)
             assert done.token_ids == hf_beam(ref, ids, beams, 16, eos, length_penalty, early_stopping)
-    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+    assert engine._beam.runner.graphs is not None and engine._beam.runner.graphs.broken is None

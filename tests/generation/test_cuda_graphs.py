@@ -4,10 +4,12 @@ On the CPU the segments run eagerly (capture=False): that checks the split at Mo
 layers between, shared experts), the fixed-length attention under the mask, and explicit cache
 rows. Capture and replay themselves are checked on the GPU box (tests/model/test_gpu_equivalence.py).
 """
+import inspect
+
 import pytest
 
 from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
-from moedesk.engine.generation.decoder import Decoder
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_model
@@ -25,9 +27,9 @@ def test_segments_decode_the_reference_tokens(arch, tiny_checkpoint, monkeypatch
     expected = [hf_greedy(hf_model(folder), p, n, eos) for p, n in zip(prompts, lengths)]
     graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     calls = []
-    decode = graphs.decode
-    monkeypatch.setattr(graphs, "decode", lambda *a, **k: calls.append(a[3] is not None) or decode(*a, **k))
-    engine.graphs = graphs
+    forward = graphs.forward
+    monkeypatch.setattr(graphs, "forward", lambda *a, **k: calls.append(a[3] is not None) or forward(*a, **k))
+    engine.runner.graphs = graphs
     # Batch 2 over 4 prompts: later prompts take freed rows, and at the end row 1 decodes alone
     # (explicit cache rows).
     requests = [Request(p, SamplingParams(max_new_tokens=n, temperature=0), tag=i)
@@ -46,7 +48,7 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
     assert graphs_wanted(torch.device("cuda"))
     monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
     assert not graphs_wanted(torch.device("cuda"))
-    assert Decoder.__init__.__defaults__[-1] is None  # eager unless given graphs
+    assert inspect.signature(ModelRunner).parameters["graphs"].default is False  # eager unless asked
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
@@ -76,7 +78,7 @@ def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_ch
         device_outputs = executor.device_expert_outputs
         monkeypatch.setattr(executor, "device_expert_outputs",
                             lambda moe, *a: on_device.append(moe.layer) or device_outputs(moe, *a))
-        engine.executor, engine.graphs = executor, graphs
+        engine.executor, engine.runner.graphs = executor, graphs
         requests = [Request(p, SamplingParams(max_new_tokens=10, temperature=0), tag=i) for i, p in enumerate(prompts)]
         done = {c.tag: c.token_ids for c in engine.generate(requests, batch_size=2)}
         assert [done[i] for i in range(len(prompts))] == expected, name
@@ -92,3 +94,30 @@ def test_layers_with_every_expert_resident_run_inside_the_segments(arch, tiny_ch
         assert counts == host_counts, name
         for field in ("selections", "gpu_hits", "gpu_experts", "cpu_experts"):
             assert getattr(stats, field) == getattr(host_stats, field), (name, field)
+
+
+def test_segments_run_the_models_own_layer_loop(tiny_checkpoint, monkeypatch):
+    """The graphs' segments are the model's forward cut at its host-run MoE layers: Transformer.run_layers over
+    the layers between them, not a loop of their own, and the same logits."""
+    import torch
+
+    from moedesk.engine.model.transformer import Transformer
+
+    engine = Engine.load(str(tiny_checkpoint("qwen2_moe")), device="cpu", dtype="float32")
+    model = engine.model
+    moe = [i for i, block in enumerate(model.layers) if hasattr(block, "moe")]
+    spans = []
+    run_layers = Transformer.run_layers
+    monkeypatch.setattr(Transformer, "run_layers",
+                        lambda self, x, rope, cache, step, start, end, *rest:
+                        spans.append((start, end)) or run_layers(self, x, rope, cache, step, start, end, *rest))
+    tokens, positions = torch.tensor([[5, 7, 9]]), torch.arange(3)[None]
+    eager = model(tokens, positions, model.new_cache(1, 8, torch.float32, "cpu"), engine.executor)
+    assert spans == [(0, len(model.layers))]
+    spans.clear()
+    cache = model.new_cache(1, 8, torch.float32, "cpu")
+    graphs = GraphedDecode(model, cache, capture=False, capture_after=1)
+    segmented = graphs.forward(tokens, positions, engine.executor)
+    ends = moe + [len(model.layers)]
+    assert spans == list(zip([0] + [i + 1 for i in moe], ends))
+    torch.testing.assert_close(segmented, eager)

@@ -91,7 +91,7 @@ def test_max_tokens_and_ignore_eos(engine):
 def test_eos_stops_generation(engine, monkeypatch):
     greedy = complete(engine, "Hello", temperature=0, max_new_tokens=12, ignore_eos=True)
     first = greedy.token_ids[3]
-    monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({first}))
+    monkeypatch.setattr(engine.runner, "stop_ids", frozenset({first}))
     stopped = complete(engine, "Hello", temperature=0, max_new_tokens=12)
     cut = greedy.token_ids.index(first)
     assert stopped.finish_reason == "stop" and stopped.token_ids == greedy.token_ids[:cut]

@@ -173,7 +173,7 @@ def test_beam_searches_together_on_cuda(arch, fresh_engine):
     beam search's CUDA graphs with a row index, and the graphs stay on."""
     engine = fresh_engine(arch)
     beams_together_equal_alone(engine, timeout=120)
-    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+    assert engine._beam.runner.graphs is not None and engine._beam.runner.graphs.broken is None
 
 
 def beams_together_equal_alone(engine, timeout=30.0):
@@ -359,7 +359,7 @@ def test_jobs_beside_plain_requests_on_cuda(arch, fresh_engine):
     for k in range(4):
         name = f"spec{k}" if k < 2 else f"plain{k}"
         assert rec.final(name).completion.token_ids == want[k], name
-    assert engine._beam.graphs is not None and engine._beam.graphs.broken is None
+    assert engine._beam.runner.graphs is not None and engine._beam.runner.graphs.broken is None
 
 
 # --- several searches coming and going --------------------------------------------------------------------------
@@ -400,6 +400,7 @@ def test_searches_coming_going_ending_and_cancelled_each_end_as_alone_and_the_th
     eos = (first, later) if later != first else (first,)
     engine.config = dataclasses.replace(engine.config, eos_token_ids=eos)
     engine.tokenizer.eos_token_ids = frozenset(eos)
+    engine.runner.stop_ids = frozenset(eos)
 
     def request(name):
         p, _, n, _, ignore, *_ = SEARCHES[name]

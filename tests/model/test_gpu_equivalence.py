@@ -163,7 +163,7 @@ def test_cuda_graphs_replay_what_the_segments_compute(arch, resident_share, prof
     assert all(c.graphs for c in engine.graphs.captured.values())
     if resident_share == 1:
         assert all(len(c.graphs) == 1 for c in engine.graphs.captured.values())
-    engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
+    engine.runner.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     assert run() == replayed
 
 
@@ -217,7 +217,7 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     assert not failures, failures[0]
     assert engine.graphs.broken is None and len(engine.graphs.captured) >= 2
     assert handed and all(handed)
-    engine.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
+    engine.runner.graphs = GraphedDecode(engine.model, engine.cache, capture=False)
     assert {batch: run(batch) for batch in (1, 3)} == captured
 
 
@@ -299,7 +299,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
 
     def run(**graphs):
         engine.graphs.release()
-        engine.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
+        engine.runner.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
         requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
         return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
 

@@ -202,7 +202,7 @@ def test_engine_jobs_take_the_engines_graphs_setting(engines, monkeypatch):
     engine = engines("qwen3_moe")
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=10)) for p in PROMPTS[:2]]
     expected = plain(engine, requests)
-    monkeypatch.setattr(engine, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
+    monkeypatch.setattr(engine.runner, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
     monkeypatch.setattr(engine, "idle_speculators", [])
     done = engine.speculate(requests, oracle_factory(expected, 0.0, engine.vocab_size), mode="greedy",
                             draft_length=3)
@@ -241,7 +241,7 @@ def test_auto_step_times_are_timed_through_the_graphs(engines, tmp_path, monkeyp
     timed = []
     monkeypatch.setattr(step_times, "measure_step_times", lambda *a, graphs=None, **k: timed.append(graphs) or {"1,1": 1.0})
     step_times.engine_step_times(engine, 1, 1)
-    monkeypatch.setattr(engine, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
+    monkeypatch.setattr(engine.runner, "graphs", GraphedDecode(engine.model, engine.cache, capture=False))
     step_times.engine_step_times(engine, 1, 1)
     assert timed[0] is False and callable(timed[1])
     assert len(list((tmp_path / "cache").glob("speculative-steps-*.json"))) == 2

@@ -1,0 +1,111 @@
+"""One model's forwards over one cache: what plain decoding, beam search and speculation all run through.
+
+A `ModelRunner` owns a cache (the kind the model makes, `Transformer.new_cache`), the CUDA graphs over it
+(engine.generation.cuda_graphs) with the eager forward as their fallback, the out-of-memory retry, and the
+stop set (the token ids that end a sequence). The decoder, a beam search and a speculator each hold one:
+their rows are their own, their forwards and cache operations the same code.
+
+`prefill` runs eagerly (prompt shapes vary); `step` replays graphs where they are on and the shape is
+captured, and runs the same forward eagerly otherwise. `fork` (beam search) and `accept` (speculation) are
+the cache kind's row operations.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from moedesk.engine.errors import MoedeskError
+
+
+class ModelRunner:
+    """Forwards of `model` over a cache of its own, grown on demand (`reserve`)."""
+
+    def __init__(self, model, device, dtype, context_length: int, stop_ids=frozenset(), on_oom=None,
+                 graphs: bool | Callable = False, advice: str = "use a shorter context or a smaller batch"):
+        """stop_ids: tokens that end a sequence. on_oom() frees GPU memory after an out-of-memory error (moves
+        experts to RAM) and returns True to retry, False to give up. graphs: replay `step` from CUDA graphs
+        (True), not (False), or a factory (model, cache) -> GraphedDecode (tests run capture=False segments on
+        the CPU). advice: how a user avoids the out-of-memory error nothing is left to free for."""
+        self.model, self.device, self.dtype = model, torch.device(device), dtype
+        self.context_length = context_length
+        self.stop_ids = frozenset(stop_ids)
+        self.on_oom = on_oom
+        self.use_graphs = graphs
+        self.advice = advice
+        self.cache = None  # made by the first `reserve`
+        self.graphs = None  # made with the cache, whose tensors its graphs read
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Room for `rows` sequences of `length` positions, keeping what the cache holds (it only grows; a
+        reallocation moves its tensors, which the graphs notice and capture again)."""
+        if self.cache is None:
+            self.cache = self.retrying(lambda: self.model.new_cache(rows, length, self.dtype, self.device))
+            if self.use_graphs:
+                from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+                make = self.use_graphs if callable(self.use_graphs) else GraphedDecode
+                self.graphs = make(self.model, self.cache)
+        else:
+            self.retrying(lambda: self.cache.ensure(rows, length))
+
+    def shrink(self, rows: int, length: int) -> None:
+        """Give the cache's memory back down to `rows` x `length` (nothing it holds is kept) and drop the graphs
+        over the old tensors: no sequence may be running."""
+        self.release_graphs()
+        if self.cache is not None:
+            self.cache.shrink(rows, length)
+
+    def release_graphs(self) -> None:
+        """Free every captured graph and the memory it holds now; later steps capture afresh."""
+        if self.graphs is not None and getattr(self.graphs, "release", None) is not None:
+            self.graphs.release()
+
+    def prefill(self, tokens, positions, executor, rows=None, logits_at=None, features: tuple = ()):
+        """The model's forward, eagerly (`Transformer.forward`'s arguments), retried after an out-of-memory
+        error: a retry writes the same keys and values at the same positions, so it computes what the first
+        attempt would have."""
+        return self.retrying(lambda: self.model(tokens, positions, self.cache, executor, rows=rows,
+                                                logits_at=logits_at, features=features))
+
+    def step(self, tokens, positions, executor, rows=None, mask=None, slots=None, features: tuple = ()):
+        """Every position's logits (and features) of tokens [B, T]: replayed from CUDA graphs where they are on
+        and the shape is captured, else the same forward eagerly; retried after an out-of-memory error."""
+        return self.retrying(lambda: self._step(tokens, positions, executor, rows, mask, slots, features))
+
+    def _step(self, tokens, positions, executor, rows, mask, slots, features):
+        out = None
+        if self.graphs is not None:
+            out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
+        if out is None:
+            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
+                             features=features)
+        return out
+
+    def fork(self, block: list[int], source: list[int], length: int) -> None:
+        """Row block[j] continues what row block[source[j]] holds, up to `length` positions (beam search)."""
+        self.cache.reorder(block, source, length)
+
+    def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """After a verify forward that wrote row rows[i]'s draft nodes at slots starts[i] + node: keep the nodes
+        of paths[i] (root excluded, root to leaf) as positions starts[i] + 1, + 2, ..., and nothing of the rest."""
+        self.cache.accept(rows, starts, paths)
+
+    def graph_captures(self) -> int:
+        """Shapes captured so far, and forwards left eager until their shape recurs: each a one-off cost a bench
+        leaves out (0 without graphs)."""
+        return self.graphs.captures + self.graphs.warmups if self.graphs is not None else 0
+
+    def retrying(self, step):
+        return retrying_oom(step, self.on_oom, self.advice)
+
+
+def retrying_oom(step, on_oom, advice: str):
+    """Run step(); after a GPU out-of-memory error let on_oom() free memory (move experts to RAM) and run it
+    again, until it has nothing left to free: then one line that ends with `advice`."""
+    while True:
+        try:
+            return step()
+        except torch.OutOfMemoryError as error:
+            if on_oom is None or not on_oom():
+                raise MoedeskError(f"GPU out of memory with nothing left to move to RAM: {advice}") from error

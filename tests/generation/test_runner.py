@@ -1,0 +1,99 @@
+"""ModelRunner's bookkeeping with a fake model and fake graphs: where a forward goes, the out-of-memory retry,
+and what reserve, shrink and release do to the cache and graphs it owns."""
+import pytest
+import torch
+
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.generation.runner import ModelRunner
+
+
+class FakeCache:
+    def __init__(self, rows, length):
+        self.rows, self.length, self.shrunk, self.forks, self.accepted = rows, length, [], [], []
+
+    def ensure(self, rows, length):
+        self.rows, self.length = max(self.rows, rows), max(self.length, length)
+
+    def shrink(self, rows, length):
+        self.shrunk.append((rows, length))
+        self.rows, self.length = rows, length
+
+    def reorder(self, block, source, length):
+        self.forks.append((block, source, length))
+
+    def accept(self, rows, starts, paths):
+        self.accepted.append((rows, starts, paths))
+
+
+class FakeModel:
+    def __init__(self, fail=0):
+        self.calls, self.fail = [], fail
+
+    def new_cache(self, rows, length, dtype, device):
+        return FakeCache(rows, length)
+
+    def __call__(self, tokens, positions, cache, executor, **kwargs):
+        if self.fail:
+            self.fail -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        self.calls.append(kwargs)
+        return "eager"
+
+
+class FakeGraphs:
+    def __init__(self, model, cache, answer=None):
+        self.model, self.cache, self.answer = model, cache, answer
+        self.forwards, self.released, self.captures, self.warmups = 0, 0, 2, 1
+
+    def forward(self, *args, **kwargs):
+        self.forwards += 1
+        return self.answer
+
+    def release(self):
+        self.released += 1
+
+
+def test_steps_replay_graphs_and_fall_back_to_the_eager_forward_prefills_are_eager():
+    model = FakeModel()
+    runner = ModelRunner(model, "cpu", torch.float32, 64, graphs=FakeGraphs)
+    runner.reserve(2, 16)
+    graphs = runner.graphs
+    assert graphs.cache is runner.cache and runner.cache.rows == 2
+    assert runner.step(None, None, "executor") == "eager" and graphs.forwards == 1  # not captured: eager
+    graphs.answer = "replayed"
+    assert runner.step(None, None, "executor") == "replayed" and len(model.calls) == 1
+    assert runner.prefill(None, None, "executor", logits_at="last") == "eager" and graphs.forwards == 2
+    assert model.calls[-1]["logits_at"] == "last"
+    assert runner.graph_captures() == 3
+    runner.reserve(4, 8)  # grows the same cache: the graphs notice the move themselves
+    assert runner.graphs is graphs and (runner.cache.rows, runner.cache.length) == (4, 16)
+
+
+def test_eager_without_graphs_and_row_operations_go_to_the_cache():
+    runner = ModelRunner(FakeModel(), "cpu", torch.float32, 64, stop_ids=[2, 3])
+    runner.reserve(1, 8)
+    assert runner.graphs is None and runner.graph_captures() == 0 and runner.stop_ids == frozenset({2, 3})
+    assert runner.step(None, None, None) == "eager"
+    runner.fork([4, 5], [1, 1], 7)
+    runner.accept([0], [3], [[2]])
+    assert runner.cache.forks == [([4, 5], [1, 1], 7)] and runner.cache.accepted == [([0], [3], [[2]])]
+
+
+def test_shrink_releases_the_graphs_before_the_cache():
+    runner = ModelRunner(FakeModel(), "cpu", torch.float32, 64, graphs=FakeGraphs)
+    runner.reserve(8, 32)
+    runner.shrink(1, 4)
+    assert runner.graphs.released == 1 and runner.cache.shrunk == [(1, 4)]
+
+
+def test_out_of_memory_is_retried_while_memory_is_freed_then_one_line_with_the_advice():
+    freed = []
+    model = FakeModel(fail=2)
+    runner = ModelRunner(model, "cpu", torch.float32, 64, on_oom=lambda: freed.append(1) or True)
+    runner.reserve(1, 8)
+    assert runner.step(None, None, None) == "eager" and len(freed) == 2
+    model.fail = 1
+    stuck = ModelRunner(model, "cpu", torch.float32, 64, on_oom=lambda: False, advice="use fewer beams")
+    stuck.reserve(1, 8)
+    with pytest.raises(MoedeskError, match="nothing left to move to RAM: use fewer beams$"):
+        stuck.prefill(None, None, None)
