@@ -148,6 +148,7 @@ def test_stops_where_plain_decoding_stops(engines, monkeypatch):
     eos = free[7]
     monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, eos_token_ids=(eos,)))
     monkeypatch.setattr(engine.tokenizer, "eos_token_ids", frozenset({eos}))
+    monkeypatch.setattr(engine.runner, "stop_ids", frozenset({eos}))
     cases = [Request(ids, greedy(max_new=30)), Request(ids, greedy(max_new=6)),
              Request(ids, greedy(max_new=30, ignore_eos=True))]
     stop_text = engine.tokenizer.decode(free[3:5])
