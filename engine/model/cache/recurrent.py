@@ -1,0 +1,122 @@
+"""A recurrent layer's state: Gated DeltaNet's (Qwen3-Next, Qwen3.5-MoE) per sequence, whatever its length.
+
+Each row holds a matrix state [heads, key_dim, value_dim], which the layer's recurrence updates token by token,
+and a short convolution's state [conv_dim, kernel - 1] (the inputs of the last kernel - 1 tokens). Nothing is
+indexed by position, so a token cannot simply be left past a row's end and overwritten later: a verify forward
+hands over the state after each of its tokens (`write`) and `accept` (or `rollback`) makes the state after the
+last accepted one current, so that a rejected draft leaves no trace. Keeping those states costs `history`
+states a row; the alternative, recomputing from the accepted tokens, would cost a second forward of the layer.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class RecurrentState:
+    """Per layer of `layers`: the current state and convolution state of every row, and the states after each
+    token of the last multi-token forward (up to `history` tokens: a verify forward's tokens)."""
+
+    def __init__(self, layers: Sequence[int], rows: int, heads: int, key_dim: int, value_dim: int, conv_dim: int,
+                 conv_kernel: int, history: int, device, state_dtype: torch.dtype = torch.float32,
+                 conv_dtype: torch.dtype = torch.float32):
+        """state_dtype: the matrix state's (float32 by default: it accumulates over the whole sequence);
+        conv_dtype: the convolution's inputs as the layer computes them. history: the most tokens one forward
+        may hand over states for (1 + the longest draft); 1 where nothing speculates."""
+        if history < 1:
+            raise ValueError(f"a recurrent state keeps at least one token's state, got history={history}")
+        self.layers = list(layers)
+        self.index = {layer: i for i, layer in enumerate(self.layers)}
+        self.state_shape, self.conv_shape = (heads, key_dim, value_dim), (conv_dim, conv_kernel - 1)
+        self.history = history
+        self.state_dtype, self.conv_dtype, self.device = state_dtype, conv_dtype, torch.device(device)
+        self.rows, self.length = 0, 0
+        self.state: list[torch.Tensor] = []  # per layer [rows, *state_shape]
+        self.conv: list[torch.Tensor] = []  # per layer [rows, *conv_shape]
+        self.kept_state: list[torch.Tensor] = []  # per layer [rows, history, *state_shape]: after each token
+        self.kept_conv: list[torch.Tensor] = []
+        self.ensure(rows, 0)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.state + self.conv + self.kept_state + self.kept_conv
+
+    def ensure(self, rows: int, length: int) -> None:
+        """Room for `rows` sequences (a state's size does not depend on `length`), keeping what is stored."""
+        self.length = max(self.length, length)
+        if rows <= self.rows:
+            return
+        n = range(len(self.layers))
+        make = lambda shape, dtype: [torch.zeros((rows, *shape), dtype=dtype, device=self.device) for _ in n]  # noqa: E731
+        state, conv = make(self.state_shape, self.state_dtype), make(self.conv_shape, self.conv_dtype)
+        kept_state = make((self.history, *self.state_shape), self.state_dtype)
+        kept_conv = make((self.history, *self.conv_shape), self.conv_dtype)
+        for new, old in zip(state + conv + kept_state + kept_conv, self._tensors()):
+            new[: old.shape[0]] = old
+        self.state, self.conv, self.kept_state, self.kept_conv = state, conv, kept_state, kept_conv
+        self.rows = rows
+
+    def shrink(self, rows: int, length: int) -> None:
+        self.state, self.conv, self.kept_state, self.kept_conv, self.rows, self.length = [], [], [], [], 0, 0
+        self.ensure(rows, length)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def bytes_per_position(self) -> int:
+        return 0  # a row's state is all it ever takes
+
+    def bytes_per_row(self) -> int:
+        return self.nbytes() // self.rows if self.rows else 0
+
+    def storage_key(self) -> tuple:
+        return (self.state[0].data_ptr() if self.state else 0), self.rows
+
+    def clear(self, rows: list[int]) -> None:
+        """Start these rows afresh (a new sequence in a freed row): zero state, nothing convolved yet."""
+        index = torch.tensor(rows, device=self.device)
+        for t in self.state + self.conv:
+            t[index] = 0
+
+    def read(self, layer: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (state, convolution state) of `rows` (a tensor of B row indices), as copies."""
+        i = self.index[layer]
+        return self.state[i][rows], self.conv[i][rows]
+
+    def write(self, layer: int, rows, states: torch.Tensor, convs: torch.Tensor) -> None:
+        """After a forward of T tokens: states [B, T, *state_shape] and convs [B, T, *conv_shape], the layer's
+        state after each token of rows `rows` (a tensor of B row indices). The last becomes current; with T > 1
+        (a verify forward) all T are kept for `accept`. A forward that will not be rolled back (a prompt) may
+        hand over the last token's alone (T = 1)."""
+        i = self.index[layer]
+        tokens = states.shape[1]
+        if tokens > self.history:
+            raise ValueError(f"{tokens} tokens' states, but this cache keeps {self.history}")
+        self.state[i][rows] = states[:, -1].to(self.state_dtype)
+        self.conv[i][rows] = convs[:, -1].to(self.conv_dtype)
+        if tokens > 1:
+            self.kept_state[i][rows, :tokens] = states.to(self.state_dtype)
+            self.kept_conv[i][rows, :tokens] = convs.to(self.conv_dtype)
+
+    def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
+        """After a verify forward whose token n (node n of a draft tree, the root 0) left kept state n: row
+        rows[i] continues from the state after its path's last node (the root's where nothing was accepted)."""
+        index = torch.tensor(rows, device=self.device)
+        last = torch.tensor([path[-1] if path else 0 for path in paths], device=self.device)
+        for i in range(len(self.layers)):
+            self.state[i][index] = self.kept_state[i][index, last]
+            self.conv[i][index] = self.kept_conv[i][index, last]
+
+    def rollback(self, rows: list[int], kept: list[int]) -> None:
+        """After a verify forward of a chain: row rows[i] keeps its first kept[i] tokens (>= 1, the root) and
+        forgets the rest, as if they had never been fed."""
+        self.accept(rows, [0] * len(rows), [list(range(1, k)) for k in kept])
+
+    def reorder(self, block: list[int], source: list[int], length: int) -> None:
+        """Row block[j] takes row block[source[j]]'s state (beam search)."""
+        if source == list(range(len(block))):
+            return
+        rows = torch.tensor(block, device=self.device)
+        origin = rows[torch.tensor(source, device=self.device)]
+        for t in self.state + self.conv:
+            t[rows] = t[origin]
