@@ -15,6 +15,7 @@ import torch
 
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, Sequence
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Request
 
 _DECODE_ERRORS = {1: "the KV cache has no room for this batch (a shorter context or fewer sequences at once)",
@@ -104,10 +105,12 @@ class LlamaCppDecoder(Decoder):
                  experts_per_token: tuple[int, int] = (0, 0)):
         """experts_per_token: (on the GPU, in RAM) routed experts one token runs, from the placement: llama.cpp
         computes a layer's experts where its tensors are, so each finished request's stats say where they ran."""
-        self.context = context  # llama.cpp's KV cache and batch; the native decoder's `cache` only names the device
+        self.context = context  # llama.cpp's KV cache and batch
         self.experts_per_token = experts_per_token
-        super().__init__(model=None, cache=_Host(), executor=_NoExperts(), tokenizer=tokenizer,
-                         context_length=context_length, eos_token_ids=eos_token_ids)
+        stops = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
+        # llama.cpp runs the forwards in its own cache: of the native runner only the device logits come back on,
+        # the context and the stop set are used.
+        super().__init__(ModelRunner(None, "cpu", None, context_length, stops), _NoExperts(), tokenizer)
 
     def start(self, request: Request, row: int) -> Sequence:
         if len(request.prompt_ids) >= self.context_length:
@@ -158,9 +161,3 @@ class LlamaCppDecoder(Decoder):
             done.stats["experts"] = {"experts_gpu": gpu * steps, "experts_cpu": cpu * steps,
                                      "gpu_hit_rate": gpu / (gpu + cpu)}
         return done
-
-
-class _Host:
-    """What the native decoder reads of its cache: the device logits come back on."""
-
-    device = torch.device("cpu")
