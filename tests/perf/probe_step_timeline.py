@@ -13,6 +13,7 @@ import torch
 
 import moedesk.engine.generation.cuda_graphs as cg
 import moedesk.engine.generation.decoder as gen
+import moedesk.engine.generation.runner as runner
 import moedesk.engine.offload.offload_executor as oe
 from moedesk.bench.synthetic import measure_decode
 from moedesk.engine.offload.orchestration import leave_a_core_to_the_gpu_thread
@@ -36,7 +37,7 @@ def around(cls, name, before, after):
     setattr(cls, name, wrapped)
 
 
-around(gen.Decoder, "_retrying_oom", "step>", "step<")  # the whole decode step call, inputs' H2D included
+around(runner.ModelRunner, "step", "step>", "step<")  # the whole decode step's forward (graphs or eager)
 around(cg._Captured, "_experts", "experts>", "experts<")
 around(cg._Captured, "_load", "load>", "load<")
 around(oe, "experts_forward_routed", "kernel>", "kernel<")
