@@ -215,8 +215,7 @@ class Engine(EngineFace):
                 self._beam.runner.release_graphs()
             self._beam = None
             for spec in self.idle_speculators:  # a running job holds its own
-                if getattr(spec.graphs, "release", None) is not None:
-                    spec.graphs.release()
+                spec.runner.release_graphs()
             self.idle_speculators.clear()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the device, not only to torch's caching allocator

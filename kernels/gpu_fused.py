@@ -84,8 +84,8 @@ def cache_write_fits(cache: torch.Tensor, *new: torch.Tensor) -> bool:
 def write_cache(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
                 slots: torch.Tensor) -> None:
     """cache_k[rows[b], slots[b, t]] = k[b, t] and the same for v, for keys/values [B, T, heads, D] (heads dense,
-    tokens strided as they come) and the written rows [B, 1] (kv_cache.write_rows): one kernel for what
-    indexed assignment does in two, and without their index bookkeeping."""
+    tokens strided as they come) and the written rows [B, 1] (engine.model.cache.positional.write_rows): one
+    kernel for what indexed assignment does in two, and without their index bookkeeping."""
     b, t, heads, d = k.shape
     _write_cache[(b * t,)](cache_k, cache_v, k, v, rows, slots, t, cache_k.stride(0), cache_k.stride(1),
                            k.stride(0), k.stride(1), v.stride(0), v.stride(1), rows.stride(0),

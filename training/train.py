@@ -439,7 +439,7 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Teacher-forced forwards (batches of similar length, right-padded) keeping the hidden states `keys`
     (concatenated, in `dtype`) at every position."""
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
 
     out: list[torch.Tensor | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
@@ -674,7 +674,7 @@ def _fit_fc(head: EagleHead, data: "DraftData", embed: torch.Tensor, ridge: floa
 
 def _scales(engine, sample_ids) -> tuple[float, float, float]:
     """RMS of the final feature, of the residual stream entering the last layer, and of a token embedding."""
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
 
     c = engine.config
     ids = list(sample_ids or range(1, 33))[:256]

@@ -39,7 +39,7 @@ from functools import partial
 
 import torch
 
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.graph_capture import capturing
 from moedesk.engine.model.transformer import Step, Transformer
 from moedesk.engine.offload.expert_executor import HostRouting

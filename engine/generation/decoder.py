@@ -14,7 +14,7 @@ from typing import Iterable, Iterator
 import torch
 
 from moedesk.engine.requests import Completion, Request
-from moedesk.engine.generation.runner import ModelRunner, retrying_oom  # noqa: F401 -- retrying_oom: its users'
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.generation.sampling import sample_token, sample_tokens
 
 

@@ -16,7 +16,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
-from moedesk.engine.generation.kv_cache import KVCache, write_rows
+from moedesk.engine.model.cache.kv import KVCache
+from moedesk.engine.model.cache.positional import write_rows
 from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax

@@ -78,8 +78,7 @@ class SpeculativeJob:
                                                        engine.context_length, engine.config.eos_token_ids,
                                                        engine.tokenizer, on_oom=engine._on_oom,
                                                        graphs=graphs_like(engine.graphs))
-        self.spec.eos = frozenset(engine.config.eos_token_ids) | (
-            engine.tokenizer.eos_token_ids if engine.tokenizer is not None else frozenset())
+        self.spec.runner.stop_ids = engine.runner.stop_ids
         room = (o.draft_length + 1) * o.width + 8
         # As a run sizes it for its requests, capped at a context's worth: rows come and go, so the drafter
         # compacts and grows its slots as it needs (EagleDrafter.grow) instead of holding a worst case.

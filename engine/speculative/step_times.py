@@ -8,7 +8,6 @@ import time
 import torch
 
 from moedesk.engine.generation.decoder import synchronize
-from moedesk.engine.generation.kv_cache import KVCache
 
 
 def graphs_like(graphs):
@@ -48,7 +47,7 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
     out = {}
     gen = torch.Generator().manual_seed(0)
     for b in batches:
-        cache = KVCache(cfg, b, prompt + max_k, dtype, device)
+        cache = model.new_cache(b, prompt + max_k, dtype, device)
         tokens = torch.randint(3, cfg.vocab_size, (b, prompt + max_k), generator=gen).to(device)
         positions = torch.arange(prompt + max_k, device=device).expand(b, -1)
         model(tokens[:, :prompt], positions[:, :prompt], cache, executor)

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.generation.decoder import retrying_oom, synchronize
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.generation.decoder import synchronize
+from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.generation.sampling import sample_token, sample_tokens
 from moedesk.engine.requests import Completion, Request, SamplingParams
 from moedesk.engine.speculative import perf_model, rejection
@@ -120,7 +120,8 @@ def check_request(request: Request, context_length: int) -> None:
 
 
 class Speculator:
-    """Speculative decoding of a batch of requests over one model, in a KV cache of its own."""
+    """Speculative decoding of a batch of requests over one model, through a runner of its own (`runner`:
+    engine.generation.runner.ModelRunner, its cache, CUDA graphs, out-of-memory retry and stop set)."""
 
     def __init__(self, model, device, dtype, context_length: int, eos_token_ids=(), tokenizer=None, on_oom=None,
                  graphs=None):
@@ -130,15 +131,14 @@ class Speculator:
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.tokenizer = tokenizer
-        self.eos = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
-        self.on_oom = on_oom
-        self.cache: KVCache | None = None
         if graphs is None:
             from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
             graphs = graphs_wanted(self.device)
-        self.use_graphs = graphs
-        self.graphs = None  # made with the cache, which its graphs read
+        stops = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
+        # The target's forwards over the speculator's own cache (its rows are the batch's), with their CUDA graphs.
+        self.runner = ModelRunner(model, device, dtype, context_length, stops, on_oom=on_oom, graphs=graphs,
+                                  advice="use a shorter draft or a smaller batch")
 
     @torch.no_grad()  # as the scheduler's decode thread runs: a drafter's forwards keep no autograd graphs
     def run(self, requests: list[Request], executor, drafter_factory, mode: str = "greedy", draft_length: int = 4,
@@ -171,16 +171,7 @@ class Speculator:
     # --- steps --------------------------------------------------------------------------------
 
     def _reserve(self, rows: int, length: int) -> None:
-        if self.cache is None:
-            self.cache = self._retrying(lambda: KVCache(self.model.cfg, rows, length, self.dtype, self.device))
-            if self.use_graphs:
-                from moedesk.engine.generation.cuda_graphs import GraphedDecode
-
-                make = self.use_graphs if callable(self.use_graphs) else GraphedDecode
-                self.graphs = make(self.model, self.cache)
-        else:
-            # Reallocating moves the tensors; the graphs see that (their cache key) and capture again.
-            self._retrying(lambda: self.cache.ensure(rows, length))
+        self.runner.reserve(rows, length)
 
     def _prefill(self, rows: list[_Row], executor, drafter) -> float:
         started = time.perf_counter()
@@ -194,9 +185,8 @@ class Speculator:
         indices = [r.index for r in rows]
         # Rows 0..n-1 (a whole run, or a job's first newcomers) as a slice; rows elsewhere by index.
         where = None if indices == list(range(len(rows))) else torch.tensor(indices, device=self.device)
-        out = self._retrying(lambda: self.model(tokens.to(self.device), positions.to(self.device), self.cache,
-                                                executor, rows=where, logits_at=last.to(self.device),
-                                                features=drafter.feature_keys))
+        out = self.runner.prefill(tokens.to(self.device), positions.to(self.device), executor, rows=where,
+                                  logits_at=last.to(self.device), features=drafter.feature_keys)
         logits, hidden = out if drafter.feature_keys else (out, None)
         feats = drafter.combine(hidden) if hidden is not None else None
         cpu_logits = logits[:, -1].float().cpu()
@@ -232,25 +222,14 @@ class Speculator:
                     tree[i, :, int(lengths[i]):int(lengths[i]) + n] = tree_mask(p)
                 mask = tree[:, None].to(self.device)
                 slots = (lengths[:, None] + torch.arange(n)).to(self.device)
-        out = self._target(tokens, positions, executor, rows, mask, slots, drafter.feature_keys)
+        out = self.runner.step(tokens, positions, executor, rows, mask, slots, drafter.feature_keys)
         logits, hidden = out if drafter.feature_keys else (out, None)
         return logits, (drafter.combine(hidden) if hidden is not None else None)
 
     def graph_captures(self) -> int:
         """CUDA graph shapes captured so far over this speculator's cache, and forwards left eager until their
         shape recurs (GraphedDecode.warmups): each a new shape's one-off cost (0 without graphs)."""
-        return self.graphs.captures + self.graphs.warmups if self.graphs is not None else 0
-
-    def _target(self, tokens, positions, executor, rows, mask, slots, features):
-        """The target's forward over [A, T] tokens: replayed from CUDA graphs where they are on and the shape is
-        captured (a γ=0 round is the plain decode step's graphs), else eagerly."""
-        out = None
-        if self.graphs is not None:
-            out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
-        if out is None:
-            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
-                             features=features)
-        return out
+        return self.runner.graph_captures()
 
     def _accept(self, active, proposal: Proposal, logits) -> tuple[list[list[int]], list[int]]:
         """Per active row: the accepted nodes (indices, root excluded, root-to-leaf) and the token after them."""
@@ -295,14 +274,7 @@ class Speculator:
     def _compact(self, active, paths, proposal: Proposal) -> None:
         """Move each row's accepted nodes from slots L + node to L + 1, L + 2, ... (one gather and one scatter
         per layer, on the device); chains are already in place."""
-        moves = [(i, k + 1, node) for i, path in enumerate(paths) for k, node in enumerate(path) if node != k + 1]
-        if not moves:
-            return
-        rows = torch.tensor([active[i].index for i, _, _ in moves], device=self.device)
-        dst = torch.tensor([active[i].length + k for i, k, _ in moves], device=self.device)
-        src = torch.tensor([active[i].length + node for i, _, node in moves], device=self.device)
-        for t in self.cache.k + self.cache.v:
-            t[rows, dst] = t[rows, src]
+        self.runner.accept([r.index for r in active], [r.length for r in active], paths)
 
     def _emit(self, active, proposal, paths, nexts, feats, drafter, alpha_counts, gamma) -> int:
         """Take each row's accepted path and next token; the number of tokens the rows took."""
@@ -355,7 +327,7 @@ class Speculator:
         for token in emitted:
             if r.tokens:
                 r.length += 1
-            if token in self.eos and not r.params.ignore_eos:
+            if token in self.runner.stop_ids and not r.params.ignore_eos:
                 r.finish_reason = "stop"
                 break
             r.tokens.append(token)
@@ -395,9 +367,6 @@ class Speculator:
         }
         return Completion(tag=r.request.tag, token_ids=list(r.tokens), text=r.text, finish_reason=r.finish_reason,
                           prompt_tokens=len(r.request.prompt_ids), stats=stats)
-
-    def _retrying(self, step):
-        return retrying_oom(step, self.on_oom, "use a shorter draft or a smaller batch")
 
 
 class SpeculativeBatch:
@@ -493,7 +462,7 @@ class SpeculativeBatch:
         spec, drafter = self.spec, self.drafter
         captures = spec.graph_captures()
         t1 = time.perf_counter()
-        logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
+        logits, feats = spec._verify(active, proposal, executor, drafter)
         synchronize(spec.device)
         t2 = time.perf_counter()
         emitted = spec._emit_plain(active, spec._plain_tokens(active, logits), feats, drafter)
@@ -510,7 +479,7 @@ class SpeculativeBatch:
         synchronize(spec.device)
         captures = spec.graph_captures()
         t1 = time.perf_counter()
-        logits, feats = spec._retrying(lambda: spec._verify(active, proposal, executor, drafter))
+        logits, feats = spec._verify(active, proposal, executor, drafter)
         synchronize(spec.device)
         t2 = time.perf_counter()
         if hasattr(self.costs, "observe_draft") and gamma:

@@ -73,7 +73,7 @@ def test_norm_rotary_takes_strided_tokens(interpreted, with_norm):
 
 @pytest.mark.parametrize("b,t,rows", [(1, 1, None), (3, 2, [4, 0, 2]), (2, 5, [1, 3])])
 def test_write_cache_is_indexed_assignment(interpreted, b, t, rows):
-    from moedesk.engine.generation.kv_cache import write_rows
+    from moedesk.engine.model.cache.positional import write_rows
 
     g = torch.Generator().manual_seed(b * 10 + t)
     heads, d, length = 2, 32, 12

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.runtime import Engine
 from tests.load.test_gguf_checkpoint import llama_cpp_permute, spm_vocab
 

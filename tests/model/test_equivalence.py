@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_last_logits, hf_model

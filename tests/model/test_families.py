@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.model.routing import grouped_sigmoid_top_k
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine

@@ -3,7 +3,7 @@ caller's mask, positions and cache slots in (a tree verified in one pass equals 
 import pytest
 import torch
 
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_model
 

@@ -52,7 +52,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
     engine = Engine.load(str(folder), device="cuda", dtype="float32")
     ref = hf_model(folder, torch.float32, "cuda")
     ids = engine.tokenizer.encode(PROMPTS[2])
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
     cache = KVCache(engine.config, 1, len(ids), torch.float32, "cuda")
     ours = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache,
                         engine.executor)[0, -1].cpu()
@@ -105,7 +105,7 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
 
 def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
     """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
 
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:

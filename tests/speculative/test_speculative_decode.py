@@ -209,7 +209,7 @@ def assert_two_tokens_follow_the_target(engine, done, prompt, params, n: int) ->
 
 
 def _logits(engine, ids):
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
 
     cache = KVCache(engine.config, 1, len(ids) + 1, torch.float32, "cpu")
     return engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moedesk.engine.generation.cuda_graphs import GraphedDecode
-from moedesk.engine.generation.kv_cache import KVCache
+from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.requests import Request
 from moedesk.engine.speculative import auto, proposal, step_times
 from moedesk.engine.speculative.eagle_drafter import eagle_factory
@@ -208,7 +208,8 @@ def test_engine_jobs_take_the_engines_graphs_setting(engines, monkeypatch):
                             draft_length=3)
     assert [c.token_ids for c in done] == expected
     spec = engine.idle_speculators[0]
-    assert isinstance(spec.graphs, GraphedDecode) and not spec.graphs.capture and spec.graphs.captured
+    graphs = spec.runner.graphs
+    assert isinstance(graphs, GraphedDecode) and not graphs.capture and graphs.captured
     assert engine.release_cache() and engine.idle_speculators == []  # an idle speculator's cache goes back too
 
 

@@ -69,8 +69,8 @@ def _run(engine, requests, factory, **kw):
     sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
                     engine.tokenizer)
     done, stats = sp.run(requests, engine.executor, factory, **kw)
-    assert sp.graphs is not None and sp.graphs.broken is None, sp.graphs and sp.graphs.broken
-    shapes = [key[:2] for key, c in sp.graphs.captured.items() if c.graphs]
+    assert sp.runner.graphs is not None and sp.runner.graphs.broken is None, sp.runner.graphs and sp.runner.graphs.broken
+    shapes = [key[:2] for key, c in sp.runner.graphs.captured.items() if c.graphs]
     return [c.token_ids for c in done], stats, shapes
 
 

@@ -34,7 +34,7 @@ def test_data_holds_the_three_layer_inputs_and_the_last_hidden_state(engine, dat
     # the first sequence's features are the target's own hidden states at those keys
     tokens, feats = data.sequence(0)
     keys = (*eagle3_feature_layers(engine.config.num_layers), "final")
-    from moedesk.engine.generation.kv_cache import KVCache
+    from moedesk.engine.model.cache.kv import KVCache
 
     cache = KVCache(engine.config, 1, len(tokens), engine.dtype, engine.device)
     _, hidden = engine.model(tokens[None], torch.arange(len(tokens))[None], cache, engine.executor, features=keys)
