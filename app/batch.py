@@ -189,14 +189,14 @@ def batch_size_for_memory(free_bytes: int, bytes_per_sequence: int, share: float
 
 
 def free_memory_bytes(device) -> int:
-    """Free memory where the KV cache lives: the GPU's, or the RAM available."""
+    """Free memory where the KV cache lives: the GPU's, or the RAM available (within a container's limit)."""
     if device.type == "cuda":
         import torch
 
         return torch.cuda.mem_get_info(device)[0]
-    import psutil
+    from moedesk.engine.host_memory import available_memory
 
-    return psutil.virtual_memory().available
+    return available_memory()
 
 
 def auto_batch_size(engine, positions: int) -> int:

@@ -65,3 +65,13 @@ def test_the_models_screen_says_a_model_bigger_than_the_memory_will_not_fit(tiny
     assert "does not fit" not in memory_note(model, target, available=need * 2)
     note = memory_note(model, target, available=need)
     assert "· does not fit: " in note and note.count("\n") == 0
+
+
+def test_batch_sizes_its_kv_cache_on_the_cpu_within_the_cgroup(monkeypatch):
+    import torch
+
+    import moedesk.engine.host_memory as host_memory
+    from moedesk.app.batch import free_memory_bytes
+
+    monkeypatch.setattr(host_memory, "cgroup_room", lambda root, membership: 3 * 2**20)
+    assert free_memory_bytes(torch.device("cpu")) == 3 * 2**20
