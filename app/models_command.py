@@ -172,6 +172,11 @@ def loaded_models(url: str, api_key: str | None, timeout: float = 5.0) -> list[d
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base = url.rstrip("/")
     try:
+        if httpx.URL(base).scheme not in ("http", "https"):
+            raise httpx.UnsupportedProtocol(base)
+    except (httpx.InvalidURL, httpx.UnsupportedProtocol):
+        raise MoedeskError(f"--url {url}: not an http(s) URL, e.g. {DEFAULT_URL}") from None
+    try:
         with httpx.Client(timeout=timeout, headers=headers) as client:
             response = client.get(base + "/api/ps")
             if response.status_code == 404:
@@ -181,12 +186,10 @@ def loaded_models(url: str, api_key: str | None, timeout: float = 5.0) -> list[d
             if response.status_code != 200:
                 raise MoedeskError(f"the server at {url} answered {response.status_code} to {response.url.path}")
             body = response.json()
-    except (httpx.HTTPError, ValueError) as e:
-        if isinstance(e, httpx.InvalidURL) or isinstance(e, httpx.UnsupportedProtocol):
-            raise MoedeskError(f"--url {url}: not an http(s) URL") from None
-        if isinstance(e, ValueError) and not isinstance(e, httpx.HTTPError):
-            raise MoedeskError(f"the server at {url} did not answer JSON; is it a model server?") from None
+    except httpx.HTTPError:
         raise MoedeskError(f"no server answers at {url} (start one with `moedesk serve`)") from None
+    except ValueError:
+        raise MoedeskError(f"the server at {url} did not answer JSON; is it a model server?") from None
     if isinstance(body, dict) and isinstance(body.get("models"), list):  # /api/ps
         return [{"name": m.get("name"), "format": (m.get("details") or {}).get("format"),
                  "family": (m.get("details") or {}).get("family"), "context_length": m.get("context_length"),

@@ -208,13 +208,17 @@ def test_ps_without_a_server_says_so_in_one_line(capsys):
     sock.close()  # nobody listens there now
     assert main(["ps", "--url", f"http://127.0.0.1:{port}"]) == 2
     assert f"no server answers at http://127.0.0.1:{port}" in one_line(capsys.readouterr().err)
+    for url in ("foo", "http://[::1", "ftp://x", "localhost:8000"):
+        assert main(["ps", "--url", url]) == 2
+        assert "not an http(s) URL" in one_line(capsys.readouterr().err), url
 
 
 # -- pull ------------------------------------------------------------------------------------------------------
 
 def test_catalogue_names_resolve_to_repos_and_quantisations():
     assert pull_catalogue.resolve("qwen3:30b-a3b") == pull_catalogue.PullTarget("unsloth/Qwen3-30B-A3B-GGUF", "Q4_K_M")
-    assert pull_catalogue.resolve("Qwen3:30B-A3B:q8_0") == pull_catalogue.PullTarget("unsloth/Qwen3-30B-A3B-GGUF", "q8_0")
+    assert pull_catalogue.resolve("Qwen3:30B-A3B:q8_0") == pull_catalogue.PullTarget("unsloth/Qwen3-30B-A3B-GGUF",
+                                                                                     "q8_0")
     assert pull_catalogue.resolve("gpt-oss:20b") == pull_catalogue.PullTarget("ggml-org/gpt-oss-20b-GGUF", "MXFP4")
     assert pull_catalogue.resolve("gpt-oss:120b:safetensors").repo_id == "openai/gpt-oss-120b"
     assert pull_catalogue.resolve("Org/Repo:q4_k_m") == pull_catalogue.PullTarget("Org/Repo", "q4_k_m")
