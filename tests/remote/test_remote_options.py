@@ -46,3 +46,13 @@ def test_a_folder_of_tokenizer_files_is_enough(tiny_checkpoint, tmp_path):
     assert (cfg.arch, cfg.num_experts, cfg.num_experts_per_tok, cfg.num_layers) == ("deepseek_v3", 256, 8, 61)
     assert [cfg.is_moe_layer(i) for i in (2, 3)] == [False, True] and cfg.eos_token_ids == (1,)
     assert parse_config(json.loads((source / "config.json").read_text()), source).arch == "qwen3_moe"
+
+
+def test_the_heat_map_says_a_remote_model_has_no_map_to_show():
+    from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
+
+    heatmap = ExpertHeatMap()
+    heatmap.device = "remote"
+    assert "not available" in heatmap._lines(40)[0].plain
+    heatmap.device = "cuda"
+    assert "dense model" in heatmap._lines(40)[0].plain  # a local model without experts, as before

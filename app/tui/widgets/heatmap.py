@@ -169,6 +169,8 @@ class ExpertHeatMap(Widget):
 
     def _lines(self, width: int) -> list[Text]:
         if not self.popularity:
+            if self.device == "remote":  # a server does not say where its experts are nor which it picked
+                return [Text("not available: the server runs the model", style="dim")]
             return [Text("dense model: no experts to map", style="dim")]
         return render_lines(self.current_layout(width), device=self.device, width=width)
 
