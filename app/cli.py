@@ -450,8 +450,8 @@ def serve_pool(args, sources: list[str], load, keep_alive):
 
     from moedesk.app.model_registry import Entry, ModelPool
     from moedesk.app.tui.storage import models_dir
-    from moedesk.engine.load.checkpoint import model_path
     from moedesk.engine.load.size_estimate import summarize_path
+    from moedesk.engine.selection import model_path
 
     names = [args.model_name or sources[0], *sources[1:]]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moedesk.engine.errors import MoedeskError, UnsupportedModelError
+from moedesk.engine.load.checkpoint import model_path  # noqa: F401 -- where a model's files are, for front ends
 
 ENGINES = ("auto", "native", "llama.cpp")
 

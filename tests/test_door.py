@@ -16,6 +16,8 @@ DOOR = {
     "moedesk.engine.load.reply_format",  # a reply's reasoning, answer and tool calls
     "moedesk.engine.load.size_estimate",  # what a model needs, before it is loaded
     "moedesk.engine.hardware",  # facts about this machine
+    "moedesk.engine.host_memory",  # the memory this process may use (RAM, or a cgroup's limit)
+    "moedesk.engine.memory_fit",  # whether a model fits that memory, before it is read
     "moedesk.engine.selection",  # which engine runs a model, and why
 }
 
