@@ -93,7 +93,8 @@ def test_every_front_end_offers_the_engines_modes():
 def test_the_server_refuses_a_mode_the_engine_does_not_offer():
     from moedesk.app.server import ApiError, Server
 
-    server = Server.__new__(Server)  # _decoding reads only the server's speculation and engine
-    server.engine, server.speculation = SimpleNamespace(name="some-moe"), None
+    server = Server.__new__(Server)  # _decoding reads only the server's speculation and (its pool's) engine
+    server.pool = SimpleNamespace(current=SimpleNamespace(engine=SimpleNamespace(name="some-moe")))
+    server.speculation = None
     with pytest.raises(ApiError, match="must be one of off, greedy, beam, auto"):
         server._decoding({"speculative": "sideways"}, None, False)

@@ -106,6 +106,7 @@ class GGUFCheckpoint:
         then reads the architectures llama.cpp otherwise runs (_ONLY_WHEN_ASKED)."""
         self.path = Path(path)
         self._reader = _open_reader(self.path) if header is None else header
+        self._fetched = header is not None  # its tensors' bytes came with the header (from the Hub): no file here
         if header is None:
             _refuse_split(self.path, self._reader)
         self._tensors = {t.name: t for t in self._reader.tensors}
@@ -427,8 +428,11 @@ class GGUFCheckpoint:
     def _read(self, tensor, expert: int | None) -> torch.Tensor:
         """Read (and dequantize) one GGUF tensor, or one expert's slice of a stacked one."""
         mapped = tensor.data if expert is None else tensor.data[expert]  # its dtype and shape; nothing is read
-        data = np.empty(mapped.shape, dtype=mapped.dtype)
-        self._read_into(tensor, expert, data)
+        if self._fetched:
+            data = np.array(mapped)
+        else:
+            data = np.empty(mapped.shape, dtype=mapped.dtype)
+            self._read_into(tensor, expert, data)
         shape = [int(d) for d in reversed(tensor.shape)][0 if expert is None else 1:]
         qtype = tensor.tensor_type
         if qtype == GGMLQuantizationType.BF16:  # numpy has no bfloat16: the reader hands out raw bytes
