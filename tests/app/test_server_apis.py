@@ -193,7 +193,9 @@ def test_structured_output_through_ollama_format_and_responses_text_format(local
               "additionalProperties": False}
     reply = local.chat(model="tiny", messages=ASK, format=schema, think=False, options={"num_predict": 40, "seed": 2})
     jsonschema.validate(json.loads(reply.message.content), schema)
-    reply = local.generate(model="tiny", prompt="JSON:", format="json", raw=True, options={"num_predict": 60})
+    # Greedy: sampled, the object was sometimes still open after 60 tokens (a `length` reply, not JSON).
+    reply = local.generate(model="tiny", prompt="JSON:", format="json", raw=True,
+                           options={"num_predict": 60, "temperature": 0})
     assert isinstance(json.loads(reply.response), dict)
     reply = client.responses.create(model="tiny", input="JSON:", max_output_tokens=40, extra_body={
         "chat_template_kwargs": NOT_THINKING},
