@@ -11,6 +11,7 @@ from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
+from moedesk.engine.offload.gpu_budget import prefill_workspace_bytes
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from moedesk.engine.requests import Completion, Request, SamplingParams
@@ -152,7 +153,11 @@ class Engine(EngineFace):
             budget = int(gpu_budget * GIB)
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = default_expert_budget(free, KV_ROWS_RESERVED * self.context_length * self.cache.bytes_per_position())
+            # The cache of a full context per reserved row, and what a prefill piece at that depth allocates.
+            kv = KV_ROWS_RESERVED * self.context_length * self.cache.bytes_per_position()
+            workspace = prefill_workspace_bytes(cfg, self.scheduler.prefill_chunk or self.context_length, self.context_length,
+                                                self.dtype.itemsize)
+            budget = default_expert_budget(free, kv + workspace)
         else:
             budget = 0
         orchestra.place(budget)
