@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from moedesk.engine.load.reply_format import ToolCall
+from moedesk.engine.load.reply_format import CALL_LIST, ToolCall, parse_reply
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # OpenAI's
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -172,12 +172,7 @@ def forced_response_format(schema: dict) -> dict:
 
 def forced_calls(text: str) -> tuple[ToolCall, ...]:
     """The calls of a forced reply (the constrained JSON list); () for a reply cut short before it closed."""
-    try:
-        calls = json.loads(text)
-    except ValueError:
-        return ()
-    return tuple(ToolCall(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in calls
-                 if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments"), dict))
+    return parse_reply(text, CALL_LIST).tool_calls
 
 
 def template_options(body: dict) -> dict:

@@ -56,7 +56,7 @@ from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODE
                                      speculative_draft)
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.interface import Group, QueueFull, TextDeltas, Update
-from moedesk.engine.load.reply_format import PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
+from moedesk.engine.load.reply_format import CALL_LIST, PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
 from moedesk.engine.requests import TEMPERATURE_MAX, Completion, Request, SamplingParams
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
@@ -101,23 +101,24 @@ class Prepared:
 
 class ReplyReader:
     """A request's engine updates as reply pieces: reasoning, answer and tool calls told apart
-    (engine.load.reply_format), never a partial character nor the possible start of a stop string."""
+    (engine.load.reply_format), never a partial character nor the possible start of a stop string. A reply forced
+    to call tools is the grammar's JSON list of calls, read as the CALL_LIST family."""
 
     def __init__(self, prepared: Prepared, tokenizer):
         self.prepared, self.tokenizer = prepared, tokenizer
         self.deltas = TextDeltas(prepared.request.params.stop)
-        self.raw = prepared.reply.keeps_special_tokens and tokenizer is not None
+        forced = prepared.tools.forced is not None
+        fmt = CALL_LIST if forced else prepared.reply
+        self.raw = fmt.keeps_special_tokens and tokenizer is not None
         self.ids: list[int] = []
         self.calls_sent = 0
-        tools = prepared.tools.offered is not None and prepared.tools.forced is None
-        self.stream = ReplyStream(prepared.reply, in_reasoning=prepared.in_reasoning, tools=tools)
+        tools = prepared.tools.offered is not None
+        self.stream = ReplyStream(fmt, in_reasoning=prepared.in_reasoning and not forced, tools=tools)
 
     def piece(self, update: Update) -> Parsed:
         self.deltas.chunk(update)
         if update.token_id is not None:
             self.ids.append(update.token_id)
-        if self.prepared.tools.forced is not None:
-            return Parsed()  # a forced reply is JSON: its calls come whole at the end
         text = self.tokenizer.decode(self.ids, skip_special_tokens=False).rstrip("\ufffd") if self.raw \
             else self.deltas.shown
         return self._limited(self.stream.update(text))
@@ -125,16 +126,13 @@ class ReplyReader:
     def last(self, done: Completion) -> Parsed:
         """What the finished reply adds; afterwards `whole` is all of it."""
         self.deltas.last(done)
-        if self.prepared.tools.forced is not None:
-            calls = chat_request.forced_calls(done.text)
-            self.stream.shown = Parsed("", "" if calls else done.text, calls)
-            return self._limited(self.stream.shown)
         text = self.tokenizer.decode(done.token_ids, skip_special_tokens=False) if self.raw else done.text
         return self._limited(self.stream.update(text, final=True))
 
     def _limited(self, new: Parsed) -> Parsed:
         if not self.prepared.tools.parallel:  # parallel_tool_calls false: the first call only
-            new = replace(new, tool_calls=new.tool_calls[:max(0, 1 - self.calls_sent)])
+            new = replace(new, tool_calls=new.tool_calls[:max(0, 1 - self.calls_sent)],
+                          call_deltas=tuple(d for d in new.call_deltas if d.index == 0))
         self.calls_sent += len(new.tool_calls)
         return new
 
@@ -142,7 +140,6 @@ class ReplyReader:
     def whole(self) -> Parsed:
         shown = self.stream.shown
         return shown if self.prepared.tools.parallel else replace(shown, tool_calls=shown.tool_calls[:1])
-
 
 @dataclass
 class Job:
@@ -344,7 +341,7 @@ class Server:
                     yield job.reader.last(update.completion), update.completion
                     return
                 piece = job.reader.piece(update)
-                if piece.reasoning or piece.content or piece.tool_calls:
+                if piece.reasoning or piece.content or piece.tool_calls or piece.call_deltas:
                     yield piece, None
         finally:
             job.handle.cancel()
@@ -373,7 +370,6 @@ class Server:
                 extra.setdefault("usage", None)
             return _sse({**head, "choices": [choice], **extra})
 
-        calls = 0
         try:
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
@@ -382,10 +378,12 @@ class Server:
                     yield chunk({"reasoning_content": piece.reasoning})
                 if piece.content:
                     yield chunk({"content": piece.content})
-                for call in piece.tool_calls:
-                    index, body = _openai_call(call, calls, reply_id)
-                    yield chunk({"tool_calls": [{"index": index, **body}]})
-                    calls += 1
+                for delta in piece.call_deltas:  # OpenAI's: id, type and name first, then argument fragments
+                    if delta.name is not None:
+                        body = _openai_call(delta, delta.index, reply_id)[1]
+                    else:
+                        body = {"function": {"arguments": delta.arguments}}
+                    yield chunk({"tool_calls": [{"index": delta.index, **body}]})
                 if done is not None:
                     yield chunk(None, _finish(done, job.reader.whole), moedesk=_extension(done))
                     if prepared.include_usage:

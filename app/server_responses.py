@@ -113,19 +113,31 @@ class ResponsesApi:
                                     content_index=0, delta=piece, logprobs=[]))
             return events
 
-        def call_events(call):
-            events = close()
-            item = _call(_id("fc"), call)
-            output.append(item)
-            index = len(output) - 1
-            return events + [
-                event("response.output_item.added", output_index=index,
-                      item={**item, "arguments": "", "status": "in_progress"}),
-                event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                      delta=call.arguments),
-                event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                      name=call.name, arguments=call.arguments),
-                event("response.output_item.done", output_index=index, item=item)]
+        calls: dict[int, dict] = {}  # a streamed call's item, by the call's index in the reply
+
+        def call_delta(delta):
+            events = []
+            if delta.name is not None:  # a call begins: its item, then its arguments as they are written
+                events += close()
+                item = _call(_id("fc"), delta)
+                item.update(arguments="", status="in_progress")
+                output.append(item)
+                calls[delta.index] = item
+                events.append(event("response.output_item.added", output_index=len(output) - 1, item=dict(item)))
+            item = calls[delta.index]
+            if delta.arguments:
+                item["arguments"] += delta.arguments
+                events.append(event("response.function_call_arguments.delta", item_id=item["id"],
+                                    output_index=output.index(item), delta=delta.arguments))
+            return events
+
+        def call_done(index: int, call):
+            item = calls[index]
+            item.update(arguments=call.arguments, status="completed")
+            at = output.index(item)
+            return [event("response.function_call_arguments.done", item_id=item["id"], output_index=at,
+                          name=call.name, arguments=call.arguments),
+                    event("response.output_item.done", output_index=at, item=dict(item))]
 
         start = {**head, "status": "in_progress", "output": []}
         yield event("response.created", response=start)
@@ -135,8 +147,11 @@ class ResponsesApi:
                 for chunk in (text("reasoning", piece.reasoning) if piece.reasoning else []) + \
                         (text("message", piece.content) if piece.content else []):
                     yield chunk
-                for call in piece.tool_calls:
-                    for chunk in call_events(call):
+                for delta in piece.call_deltas:
+                    for chunk in call_delta(delta):
+                        yield chunk
+                for call in piece.tool_calls:  # whole calls come in order
+                    for chunk in call_done(sum(c["status"] == "completed" for c in calls.values()), call):
                         yield chunk
                 if done is not None:
                     if not output:  # an empty answer is still a message

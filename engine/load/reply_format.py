@@ -9,7 +9,8 @@ Families (`ReplyFormat.tools`):
 - "mistral": `[TOOL_CALLS]` then a JSON list, or `NAME[ARGS]{...}` per call (newer tokenizers);
 - "deepseek": `<｜tool▁calls▁begin｜>` blocks of `function<｜tool▁sep｜>NAME` + a fenced JSON (V3, R1) or
   `NAME<｜tool▁sep｜>{...}` (V3.1);
-- "harmony": gpt-oss's channels: analysis is reasoning, final the answer, `to=functions.NAME` a call.
+- "harmony": gpt-oss's channels: analysis is reasoning, final the answer, `to=functions.NAME` a call;
+- "calls": the whole reply is a JSON list [{"name", "arguments"}, ...] (a reply the grammar forced to call).
 Reasoning sits between `<think>` and `</think>` (Qwen3, DeepSeek-R1, GLM), `[THINK]`...`[/THINK]` (Magistral)
 or in harmony's analysis channel; a prompt that ends inside an open think tag (DeepSeek-R1's template writes
 it) starts the reply in reasoning.
@@ -20,6 +21,10 @@ tokens kept (`ReplyFormat.keeps_special_tokens`).
 A stream is parsed by parsing its whole text so far again with `partial=True`, which holds back anything that
 may still turn into markup (a tail that could begin a tag, a call not yet closed): one parser serves both ways,
 at a cost per token that grows with the reply but stays small next to a decode step (docs/measurements.md).
+A call still being written is the parse's `pending` call (its name, and its arguments' text so far), so a stream
+gives a call's name first and then its arguments in fragments as the model writes them (`CallDelta`, as OpenAI
+streams them). A call's arguments are the model's own text where it wrote a JSON object, so the fragments add up
+to exactly the whole reply's arguments.
 """
 from __future__ import annotations
 
@@ -39,10 +44,21 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class CallDelta:
+    """A piece of a streamed call: its name in the call's first piece only, then the next text of its arguments."""
+
+    index: int
+    name: str | None
+    arguments: str
+
+
+@dataclass(frozen=True)
 class Parsed:
     reasoning: str = ""
     content: str = ""
-    tool_calls: tuple[ToolCall, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # whole calls
+    pending: ToolCall | None = None  # a partial parse's call still being written (its arguments so far)
+    call_deltas: tuple[CallDelta, ...] = ()  # a stream's new call pieces (ReplyStream only)
 
 
 @dataclass(frozen=True)
@@ -50,7 +66,7 @@ class ReplyFormat:
     """How one model family marks reasoning and tool calls (None: it does not)."""
 
     think: tuple[str, str] | None = None
-    tools: str | None = None  # "tagged", "llama3", "mistral", "deepseek", "harmony"
+    tools: str | None = None  # "tagged", "llama3", "mistral", "deepseek", "harmony", "calls"
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -62,6 +78,7 @@ class ReplyFormat:
 
 
 PLAIN = ReplyFormat()
+CALL_LIST = ReplyFormat(None, "calls")
 
 
 def detect_format(chat_template: str | None) -> ReplyFormat:
@@ -103,25 +120,42 @@ def parse_reply(text: str, fmt: ReplyFormat, *, in_reasoning: bool = False, tool
             return Parsed(reasoning, "", ())
     if not tools or fmt.tools is None:
         return Parsed(reasoning, _hold(rest, (), partial), ())
-    content, calls = _TOOL_PARSERS[fmt.tools](rest, partial)
-    return Parsed(reasoning, content, tuple(calls))
+    content, calls, pending = _TOOL_PARSERS[fmt.tools](rest, partial)
+    return Parsed(reasoning, content, tuple(calls), pending if partial else None)
 
 
 class ReplyStream:
     """Feeds a streamed reply's text (its whole text so far, as the engine's updates carry it) and gives what is
-    new each time: reasoning and answer pieces, and tool calls once each is whole."""
+    new each time: reasoning and answer pieces, tool calls once each is whole, and the calls' pieces as they are
+    written (`call_deltas`)."""
 
     def __init__(self, fmt: ReplyFormat, *, in_reasoning: bool = False, tools: bool = True):
         self.fmt, self.in_reasoning, self.tools = fmt, in_reasoning, tools
         self.shown = Parsed()
+        self.sent: dict[int, str] = {}  # each begun call's arguments text sent so far
 
     def update(self, text: str, final: bool = False) -> Parsed:
         now = parse_reply(text, self.fmt, in_reasoning=self.in_reasoning, tools=self.tools, partial=not final)
-        new = Parsed(_grown(self.shown.reasoning, now.reasoning), _grown(self.shown.content, now.content),
-                     now.tool_calls[len(self.shown.tool_calls):])
+        first = len(self.shown.tool_calls)
+        calls = now.tool_calls[first:]
+        deltas = [d for i, call in enumerate(calls, first) for d in self._delta(i, call)]
+        if now.pending is not None:
+            deltas += self._delta(len(now.tool_calls), now.pending)
+        new = Parsed(_grown(self.shown.reasoning, now.reasoning), _grown(self.shown.content, now.content), calls,
+                     call_deltas=tuple(deltas))
         self.shown = Parsed(self.shown.reasoning + new.reasoning, self.shown.content + new.content,
                             self.shown.tool_calls + new.tool_calls)
         return new
+
+    def _delta(self, index: int, call: ToolCall) -> list[CallDelta]:
+        sent = self.sent.get(index)
+        if sent is None:
+            self.sent[index] = call.arguments
+            return [CallDelta(index, call.name, call.arguments)]
+        if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
+            self.sent[index] = call.arguments
+            return [CallDelta(index, None, call.arguments[len(sent):])]
+        return []  # nothing new, or (a final parse that reads the call otherwise) nothing a stream can send
 
 
 def _grown(before: str, now: str) -> str:
@@ -166,22 +200,16 @@ def _hold(text: str, markers, partial: bool) -> str:
 # --- tool-call families --------------------------------------------------------------------------------------
 
 def _arguments(value) -> str | None:
-    """A call's arguments as the text of a JSON object (None when they are not one)."""
+    """A call's arguments as the text of a JSON object (None when they are not one): the model's own text when it
+    wrote one, so that a stream's fragments add up to it."""
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
+        text = value.strip()
+        value = _loads(text)
+        if isinstance(value, dict):
+            return text
     if value is None:
         value = {}
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
-
-
-def _json_call(obj) -> ToolCall | None:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = _arguments(obj.get("arguments", obj.get("parameters")))
-    return None if args is None else ToolCall(obj["name"], args)
 
 
 def _loads(text: str):
@@ -189,6 +217,129 @@ def _loads(text: str):
         return json.loads(text)
     except ValueError:
         return None
+
+
+# A JSON value's extent, scanned without parsing it, for calls still being written.
+_WS = re.compile(r"\s*")
+_SCALAR = re.compile(r"[^,}\]\s]*")
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value that begins at text[i] ends (just past it); None when the text ends first."""
+    if text[i] in "{[\"":
+        depth, quoted, escaped = 0, False, False
+        for j in range(i, len(text)):
+            c = text[j]
+            if quoted:
+                if escaped:
+                    escaped = False
+                elif c == "\\":
+                    escaped = True
+                elif c == '"':
+                    quoted = False
+                    if depth == 0:
+                        return j + 1
+            elif c == '"':
+                quoted = True
+            elif c in "{[":
+                depth += 1
+            elif c in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+        return None
+    end = _SCALAR.match(text, i).end()
+    return end if end < len(text) else None
+
+
+def _members(text: str) -> dict:
+    """The members of the JSON object `text` begins with, as far as it is written: {key: (start, end)} of each
+    value's text, end None for the one still being written."""
+    members: dict = {}
+    i = _WS.match(text).end()
+    if not text.startswith("{", i):
+        return members
+    i += 1
+    while True:
+        i = _WS.match(text, i).end()
+        if not text.startswith('"', i):
+            return members
+        end = _value_end(text, i)
+        if end is None:
+            return members
+        key, i = _loads(text[i:end]), _WS.match(text, end).end()
+        if not text.startswith(":", i):
+            return members
+        i = _WS.match(text, i + 1).end()
+        if i >= len(text):
+            return members
+        end = _value_end(text, i)
+        members[key] = (i, end)
+        if end is None:
+            return members
+        i = _WS.match(text, end).end()
+        if not text.startswith(",", i):
+            return members
+        i += 1
+
+
+def _object_prefix(text: str) -> str | None:
+    """The JSON object `text` begins with, or as much of it as is written (None: it does not begin with one)."""
+    text = text.lstrip()
+    if not text.startswith("{"):
+        return None
+    end = _value_end(text, 0)
+    return text if end is None else text[:end]
+
+
+def _json_call(text: str) -> ToolCall | None:
+    """A call written as the JSON object {"name", "arguments" (or "parameters")}."""
+    obj = _loads(text)
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = "arguments" if "arguments" in obj else "parameters"
+    span = _members(text).get(key)
+    if isinstance(obj.get(key), dict) and span is not None and span[1] is not None:
+        return ToolCall(obj["name"], text[span[0]:span[1]])
+    args = _arguments(obj.get(key))
+    return None if args is None else ToolCall(obj["name"], args)
+
+
+def _pending_json_call(text: str) -> ToolCall | None:
+    """A {"name", "arguments"} call still being written, once its name is whole and its arguments object begun."""
+    members = _members(text)
+    name, args = members.get("name"), members.get("arguments", members.get("parameters"))
+    if name is None or name[1] is None or args is None or not text.startswith("{", args[0]):
+        return None
+    name = _loads(text[name[0]:name[1]])
+    return ToolCall(name, _object_prefix(text[args[0]:])) if isinstance(name, str) else None
+
+
+def _json_list(text: str, partial: bool):
+    """Calls written as a JSON list of {"name", "arguments"} (Mistral's, and a reply forced to call): (calls, the
+    pending one); calls None when the list is not one of calls."""
+    body = text.strip()
+    if not body.startswith("["):
+        return None, None
+    if not partial and not isinstance(_loads(body), list):
+        return None, None
+    items = _split_top_level(body[1:], ",")
+    if items and items[-1].endswith("]") and (not partial or _value_end(body, 0) is not None):
+        items[-1] = items[-1][:-1].strip()  # the list's own closing bracket
+        items = [item for item in items if item]
+    elif partial and items:
+        return [_json_call(item) for item in items[:-1]], _pending_json_call(items[-1])
+    calls = [_json_call(item) for item in items]
+    return calls, None
+
+
+def _calls(text: str, partial: bool):
+    calls, pending = _json_list(text, partial)
+    if partial:
+        return "", [c for c in calls or () if c], pending
+    if calls and all(calls):
+        return "", calls, None
+    return text, [], None
 
 
 def _scalar(text: str):
@@ -205,7 +356,7 @@ _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re
 def _tagged_body(body: str) -> ToolCall | None:
     body = body.strip()
     if body.startswith("{"):
-        return _json_call(_loads(body))
+        return _json_call(body)
     match = _FUNCTION.match(body)
     if match:  # Qwen3-Coder
         args = {k: _scalar(v) for k, v in _PARAMETER.findall(match.group(2))}
@@ -218,8 +369,21 @@ def _tagged_body(body: str) -> ToolCall | None:
     return None
 
 
+def _pending_tagged(body: str) -> ToolCall | None:
+    body = body.strip()
+    if body.startswith("{"):
+        return _pending_json_call(body)
+    # Qwen3-Coder's and GLM's arguments are built from their markup: they come whole, the name first
+    match = re.match(r"<function=([^>\s]+)>", body)
+    if match:
+        return ToolCall(match.group(1), "")
+    name, sep, _ = body.partition("<arg_key>")
+    name = name.strip()
+    return ToolCall(name, "") if sep and name and not any(c in name for c in "<>{}\n") else None
+
+
 def _tagged(text: str, partial: bool):
-    content, calls, pos = [], [], 0
+    content, calls, pos, pending = [], [], 0, None
     while True:
         start = text.find("<tool_call>", pos)
         if start < 0:
@@ -228,14 +392,16 @@ def _tagged(text: str, partial: bool):
         content.append(text[pos:start])
         end = text.find("</tool_call>", start)
         if end < 0:
-            if not partial:  # cut short: keep what the model wrote rather than lose it
+            if partial:
+                pending = _pending_tagged(text[start + len("<tool_call>"):])
+            else:  # cut short: keep what the model wrote rather than lose it
                 call = _tagged_body(text[start + len("<tool_call>"):])
                 calls.append(call) if call else content.append(text[start:])
             break
         call = _tagged_body(text[start + len("<tool_call>"):end])
         calls.append(call) if call else content.append(text[start:end + len("</tool_call>")])
         pos = end + len("</tool_call>")
-    return _joined(content, calls), calls
+    return _joined(content, calls), calls, pending
 
 
 def _joined(content: list[str], calls: list) -> str:
@@ -249,16 +415,20 @@ def _llama3(text: str, partial: bool):
     if tagged:
         body = body[len("<|python_tag|>"):].strip()
     if body.startswith("{") or tagged or (partial and body and "<|python_tag|>".startswith(body)):
-        if partial:
-            return "", []  # a call is JSON: nothing to show until it is whole
-        calls = [_json_call(_loads(part)) for part in _split_top_level(body, ";")]
+        parts = _split_top_level(body, ";")
+        if partial:  # a call is JSON: nothing to show but the calls, whole or being written
+            whole = [_json_call(part) for part in parts[:-1]]
+            if all(whole) and parts:
+                return "", whole, _pending_json_call(parts[-1])
+            return "", [], None
+        calls = [_json_call(part) for part in parts]
         if calls and all(calls):
-            return "", calls
-    return text, []
+            return "", calls, None
+    return text, [], None
 
 
 def _split_top_level(text: str, separator: str) -> list[str]:
-    """JSON objects written one after another, split where `separator` stands outside any brace or string."""
+    """JSON values written one after another, split where `separator` stands outside any bracket or string."""
     parts, depth, start, quoted, escaped = [], 0, 0, False, False
     for i, ch in enumerate(text):
         if quoted:
@@ -280,38 +450,49 @@ def _split_top_level(text: str, separator: str) -> list[str]:
 def _mistral(text: str, partial: bool):
     start = text.find("[TOOL_CALLS]")
     if start < 0:
-        return _hold(text, ("[TOOL_CALLS]",), partial), []
+        return _hold(text, ("[TOOL_CALLS]",), partial), [], None
     content = text[:start]
-    if partial:
-        return content, []
-    body, calls = text[start + len("[TOOL_CALLS]"):].strip(), []
+    body, calls, pending = text[start + len("[TOOL_CALLS]"):].strip(), [], None
     if body.startswith("["):
-        listed = _loads(body)
-        calls = [_json_call(c) for c in listed] if isinstance(listed, list) else [None]
+        calls, pending = _json_list(body, partial)
+        calls = calls or [None]
     else:  # NAME[ARGS]{...}[TOOL_CALLS]NAME[ARGS]{...}
-        for piece in body.split("[TOOL_CALLS]"):
+        pieces = body.split("[TOOL_CALLS]")
+        for i, piece in enumerate(pieces):
             name, sep, args = piece.partition("[ARGS]")
             name = name.split("[CALL_ID]")[0].strip()
+            if partial and i == len(pieces) - 1:  # the last may still be written
+                args = _object_prefix(args) if sep else None
+                if name and args is not None:
+                    pending = ToolCall(name, _hold(args, ("[TOOL_CALLS]",), True))
+                break
             args = _arguments(args.strip()) if sep else None
             calls.append(ToolCall(name, args) if name and args is not None else None)
+    if partial:
+        return content, [c for c in calls if c], pending
     if calls and all(calls):
-        return content.strip(), calls
-    return text, []
+        return content.strip(), calls, None
+    return text, [], None
 
 
 _DS_FENCED = re.compile(r"^\s*(?:function)?\s*" + re.escape(DS_SEP) + r"\s*([^\n]+)\n```(?:json)?\s*(.*?)\s*```\s*$", re.S)
+_DS_FENCE_OPEN = re.compile(r"^\s*(?:function)?\s*" + re.escape(DS_SEP) + r"\s*([^\n]+)\n```(?:json)?\s*", re.S)
 
 
 def _deepseek(text: str, partial: bool):
     start = text.find(DS_CALLS)
     if start < 0:
-        return _hold(text, (DS_CALLS,), partial), []
-    content, calls = text[:start], []
+        return _hold(text, (DS_CALLS,), partial), [], None
+    content, calls, pending = text[:start], [], None
     end = text.find(DS_CALLS_END, start)
-    if end < 0 and partial:
-        return content, []
-    for block in text[start + len(DS_CALLS):end if end >= 0 else len(text)].split(DS_CALL)[1:]:
+    blocks = text[start + len(DS_CALLS):end if end >= 0 else len(text)].split(DS_CALL)[1:]
+    for i, block in enumerate(blocks):
+        closed = DS_CALL_END in block
         block = block.split(DS_CALL_END)[0]
+        if partial and not closed:
+            if i == len(blocks) - 1:
+                pending = _pending_deepseek(block)
+            break
         fenced = _DS_FENCED.match(block)
         if fenced:
             name, args = fenced.group(1).strip(), _arguments(fenced.group(2))
@@ -319,12 +500,27 @@ def _deepseek(text: str, partial: bool):
             name, _, args = block.partition(DS_SEP)
             name, args = name.strip(), _arguments(args.strip())
         calls.append(ToolCall(name, args) if name and args is not None else None)
+    if partial:
+        return content, [c for c in calls if c], pending
     if calls and all(calls):
-        return content.strip(), calls
-    return text, []
+        return content.strip(), calls, None
+    return text, [], None
 
 
-_TOOL_PARSERS = {"tagged": _tagged, "llama3": _llama3, "mistral": _mistral, "deepseek": _deepseek}
+def _pending_deepseek(block: str) -> ToolCall | None:
+    fenced = _DS_FENCE_OPEN.match(block)
+    if fenced:
+        name, args = fenced.group(1).strip(), block[fenced.end():]
+    else:
+        name, sep, args = block.partition(DS_SEP)
+        if not sep or "\n" in name.strip():
+            return None
+        name = name.strip()
+    args = _object_prefix(args)
+    return ToolCall(name, _hold(args, (DS_CALL_END, "`"), True)) if name and args is not None else None
+
+
+_TOOL_PARSERS = {"tagged": _tagged, "llama3": _llama3, "mistral": _mistral, "deepseek": _deepseek, "calls": _calls}
 
 # --- gpt-oss harmony -------------------------------------------------------------------------------------------
 
@@ -334,7 +530,7 @@ _RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 def _harmony(text: str, tools: bool, partial: bool) -> Parsed:
-    reasoning, content, calls = [], [], []
+    reasoning, content, calls, pending = [], [], [], None
     for i, message in enumerate(text.split("<|start|>")):
         header, sep, body = message.partition("<|message|>")
         if not sep:
@@ -349,8 +545,11 @@ def _harmony(text: str, tools: bool, partial: bool) -> Parsed:
             if whole or not partial:
                 args = _arguments(body.strip())
                 calls.append(ToolCall(recipient.group(1), args)) if args is not None else content.append(body)
+            else:
+                args = _object_prefix(body)
+                pending = ToolCall(recipient.group(1), _hold(args, _HARMONY_MARKERS, True)) if args else None
             continue
         if not whole:
             body = _hold(body, _HARMONY_MARKERS, partial)
         (reasoning if "<|channel|>analysis" in header else content).append(body)
-    return Parsed("".join(reasoning).strip(), "".join(content), tuple(calls))
+    return Parsed("".join(reasoning).strip(), "".join(content), tuple(calls), pending if partial else None)

@@ -136,6 +136,16 @@ def test_responses_reasoning_and_forced_function_calls(client):
                                           max_output_tokens=700, temperature=0.8, extra_body={"seed": 3}))
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [(e.name, e.arguments) for e in done] == [(c.name, c.arguments) for c in calls]
+    # Each call's item is added empty, then its arguments arrive in fragments that add up to the whole.
+    for call in done:
+        added = [e for e in events if e.type == "response.output_item.added" and e.item.id == call.item_id]
+        fragments = [e.delta for e in events if e.type == "response.function_call_arguments.delta"
+                     and e.item_id == call.item_id]
+        assert added[0].item.arguments == "" and added[0].item.name == call.name
+        assert len(fragments) > 5 and "".join(fragments) == call.arguments
+    assert events[-1].type == "response.completed"
+    assert [(c.name, c.arguments) for c in events[-1].response.output if c.type == "function_call"] == \
+        [(c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("body, param", [

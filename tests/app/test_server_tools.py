@@ -85,14 +85,34 @@ def test_a_forced_call_follows_the_functions_schema(client, choice):
     check_calls(out.message.tool_calls, tools)
     if isinstance(choice, dict):
         assert [c.function.name for c in out.message.tool_calls] == ["get_time"]
-    # Streamed, the same seed gives the same calls, as tool-call deltas the client can put together.
-    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice=choice,
-                                                 stream=True, **budget))
-    pieces = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    assert [(p.function.name, p.function.arguments) for p in pieces] == \
+    # Streamed, the same seed gives the same calls, in pieces the official client's stream helper puts together.
+    strict = [{"type": "function", "function": {**t["function"], "strict": True}} for t in tools]  # the helper asks it
+    with client.chat.completions.stream(model="tiny", messages=ASK, tools=strict, tool_choice=choice,
+                                        **budget) as stream:
+        final = stream.get_final_completion()
+    [streamed] = final.choices
+    assert streamed.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == \
         [(c.function.name, c.function.arguments) for c in out.message.tool_calls]
-    assert [p.index for p in pieces] == list(range(len(pieces)))
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [c.function.parsed_arguments for c in streamed.message.tool_calls] == \
+        [json.loads(c.function.arguments) for c in out.message.tool_calls]
+
+
+def test_a_streamed_call_comes_name_first_then_its_arguments_in_fragments(url):
+    body = {"model": "tiny", "messages": ASK, "tools": [WEATHER], "tool_choice": "required", "stream": True,
+            "parallel_tool_calls": False, "temperature": 0.8, "seed": 3, "max_tokens": 700}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                      timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    pieces = [p for c in chunks if c["choices"] for p in c["choices"][0]["delta"].get("tool_calls") or ()]
+    first, rest = pieces[0], pieces[1:]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather"
+    assert all(set(p) == {"index", "function"} and set(p["function"]) == {"arguments"} for p in rest)
+    fragments = [p["function"]["arguments"] for p in pieces if p["function"]["arguments"]]
+    assert len(fragments) > 5, fragments  # {"city":...,"days":...} arrives as the model writes it
+    jsonschema.validate(json.loads("".join(fragments)), WEATHER["function"]["parameters"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
 def test_parallel_tool_calls_false_gives_one_call(client):

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from moedesk.engine.load.reply_format import (DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, PLAIN, Parsed,
-                                              ReplyFormat, ReplyStream, ToolCall, detect_format, parse_reply,
+from moedesk.engine.load.reply_format import (CALL_LIST, DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, PLAIN,
+                                              Parsed, ReplyFormat, ReplyStream, ToolCall, detect_format, parse_reply,
                                               starts_in_reasoning)
 
 QWEN3 = ReplyFormat(("<think>", "</think>"), "tagged")
@@ -68,6 +68,9 @@ CASES = {
         "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary "
         'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", "days": 2}<|call|>',
         Parsed("Need weather.", "", (WEATHER,))),
+    "a forced list of calls": (
+        CALL_LIST, False, '[{"name":"get_weather","arguments":{"city": "Paris", "days": 2}},{"name":"get_time",'
+        '"arguments":{}}]', Parsed("", "", (WEATHER, ToolCall("get_time", "{}")))),
     "a broken call stays text": (
         QWEN3, False, "<tool_call>\n{not json}\n</tool_call>", Parsed("", "<tool_call>\n{not json}\n</tool_call>")),
 }
@@ -97,6 +100,46 @@ def test_a_stream_adds_up_to_the_whole_reply_and_never_shows_markup(name, step):
     assert reasoning.strip() == expected.reasoning
     assert content.strip() == expected.content
     assert tuple(calls) == expected.tool_calls
+
+
+# The families whose arguments are the model's own JSON object: they stream in fragments as it is written.
+FRAGMENTED = [name for name, (fmt, _, _, expected) in CASES.items() if expected.tool_calls and "xml" not in name
+              and "glm" not in name]
+
+
+@pytest.mark.parametrize("name", [name for name in CASES if CASES[name][3].tool_calls])
+def test_streamed_calls_come_name_first_then_argument_fragments_adding_up_to_the_call(name):
+    fmt, opened, text, expected = CASES[name]
+    stream = ReplyStream(fmt, in_reasoning=opened)
+    deltas = []
+    for end in range(1, len(text) + 1):
+        deltas += stream.update(text[:end]).call_deltas
+    deltas += stream.update(text, final=True).call_deltas
+    names = {d.index: d.name for d in deltas if d.name is not None}
+    arguments = {i: "".join(d.arguments for d in deltas if d.index == i) for i in names}
+    assert [ToolCall(names[i], arguments[i]) for i in sorted(names)] == list(expected.tool_calls)
+    for i in names:  # the name comes once, in the call's first piece
+        pieces = [d for d in deltas if d.index == i]
+        assert pieces[0].name is not None and all(d.name is None for d in pieces[1:])
+    weather = [d for d in deltas if d.index == 0]
+    if name in FRAGMENTED:  # {"city": "Paris", "days": 2} arrives a character or so at a time
+        assert len(weather) > 10, weather
+    else:  # arguments built from the model's markup come whole, after the name
+        assert len(weather) == 2 and weather[0].arguments == ""
+
+
+def test_a_call_written_as_a_json_string_of_arguments_comes_whole():
+    text = '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'
+    stream = ReplyStream(QWEN3)
+    deltas = [d for end in range(1, len(text) + 1) for d in stream.update(text[:end]).call_deltas]
+    deltas += stream.update(text, final=True).call_deltas
+    assert [(d.index, d.name, d.arguments) for d in deltas] == [(0, "f", '{"a": 1}')]
+
+
+def test_a_forced_list_cut_short_is_text_with_no_call():
+    text = '[{"name":"get_weather","arguments":{"city": "Pa'
+    assert parse_reply(text, CALL_LIST) == Parsed("", text)
+    assert parse_reply(text, CALL_LIST, partial=True).pending == ToolCall("get_weather", '{"city": "Pa')
 
 
 def test_without_tools_offered_nothing_is_a_call():
