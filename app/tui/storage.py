@@ -13,12 +13,14 @@ import json
 import os
 import secrets
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import platformdirs
 
+from moedesk.app.tui.conversation_lock import ConversationLock
 from moedesk.engine import json_read
 
 
@@ -193,8 +195,15 @@ class ConversationInfo:
     turns: int
 
 
+class ConversationBusy(OSError):
+    """Another window holds this conversation: saving or deleting it here would undo what that window wrote."""
+
+
 class ConversationStore:
     """Conversations as one JSON file each in a folder; unreadable files are skipped, never deleted.
+
+    A store (one per app window) writes only the conversation it holds (see `hold`): a second window on the
+    same folder can read a conversation the first has open, never save over it.
 
     `state.json` beside the folder remembers which conversation was open last, so a restart
     returns to it even when an older one was reopened; `draft.json` holds the message being typed
@@ -205,6 +214,38 @@ class ConversationStore:
         self.folder = Path(folder) if folder is not None else data_dir() / "conversations"
         self.state_path = self.folder.parent / "state.json"
         self.draft_path = self.folder.parent / "draft.json"
+        self._lock: ConversationLock | None = None
+        self._lock_id: str | None = None
+
+    # ------------------------------------------------------------------ who may write which conversation
+
+    def hold(self, conversation_id: str) -> str:
+        """Make this store the one writer of `conversation_id`, letting go of the one it held before. '' when it
+        holds it now, else one line saying why not (another window has it open). The caller reads the
+        conversation again after a successful hold: another window may have written it meanwhile."""
+        if self.holds(conversation_id):
+            return ""
+        try:
+            lock = ConversationLock.try_acquire(self.lock_path(conversation_id))
+        except OSError as e:
+            return f"cannot lock the conversation ({e})"
+        if isinstance(lock, str):
+            return f"This conversation is {lock}"
+        self.let_go()
+        self._lock, self._lock_id = lock, conversation_id
+        return ""
+
+    def holds(self, conversation_id: str) -> bool:
+        return self._lock_id == conversation_id and self._lock is not None and self._lock.held
+
+    def let_go(self) -> None:
+        """Stop holding any conversation (another window may then write it)."""
+        if self._lock is not None:
+            self._lock.release(remove=True)  # no lock file left behind per conversation ever opened
+        self._lock, self._lock_id = None, None
+
+    def lock_path(self, conversation_id: str) -> Path:
+        return self.path(conversation_id).with_suffix(".lock")
 
     def save_draft(self, text: str) -> None:
         """Keep the unsent message (atomically: a write cut short leaves the previous draft); OSError if it cannot."""
@@ -261,17 +302,38 @@ class ConversationStore:
         return self.folder / f"{conversation_id}.json"
 
     def save(self, conversation: Conversation) -> None:
-        conversation.updated = now_iso()
-        atomic_write_json(self.path(conversation.id), conversation.to_dict())
+        """Write the conversation; ConversationBusy (an OSError) when another window holds it. A conversation this
+        store does not hold is locked only for the write."""
+        with self._writing(conversation.id):
+            conversation.updated = now_iso()
+            atomic_write_json(self.path(conversation.id), conversation.to_dict())
 
     def load(self, conversation_id: str) -> Conversation:
         return Conversation.from_dict(read_json(self.path(conversation_id)))
 
     def delete(self, conversation_id: str) -> None:
+        """Remove the conversation; ConversationBusy (an OSError) when another window has it open. The one this
+        store holds stays held unless it is the one deleted."""
+        with self._writing(conversation_id):
+            try:
+                self.path(conversation_id).unlink()
+            except FileNotFoundError:
+                pass
+        if self.holds(conversation_id):
+            self.let_go()
+
+    @contextmanager
+    def _writing(self, conversation_id: str):
+        if self.holds(conversation_id):
+            yield
+            return
+        lock = ConversationLock.try_acquire(self.lock_path(conversation_id))
+        if isinstance(lock, str):
+            raise ConversationBusy(f"This conversation is {lock}")
         try:
-            self.path(conversation_id).unlink()
-        except FileNotFoundError:
-            pass
+            yield
+        finally:
+            lock.release(remove=True)
 
     def list(self) -> list[ConversationInfo]:
         """Every readable conversation, most recently updated first."""

@@ -138,6 +138,7 @@ class ChatScreen(Screen):
         self._draft_timer: Timer | None = None
         self._draft_text = ""  # the input box's text as of its last change
         self._draft_saved: str | None = None  # what draft.json holds, as far as this screen knows
+        self.read_only = ""  # why this window may not write the conversation on screen (another window has it)
 
     # ------------------------------------------------------------------ layout
 
@@ -249,6 +250,7 @@ class ChatScreen(Screen):
 
     def on_unmount(self) -> None:
         self.save_draft()  # the app closing by any other way than ctrl+q
+        self.app.store.let_go()  # now, not when the store is collected: another window may take the chat over
 
     @work(thread=True, group="set-aside", exit_on_error=False)
     def _set_aside_unreadable(self) -> None:
@@ -323,7 +325,40 @@ class ChatScreen(Screen):
 
     # ------------------------------------------------------------------ conversations
 
+    def _hold(self, conversation: Conversation) -> Conversation:
+        """Become the one writer of `conversation` if no other window is (`read_only` says why not), and return
+        its newest saved copy: another window may have added turns since it was read. A new, unsaved chat is
+        held from its first save."""
+        store = self.app.store
+        if not store.path(conversation.id).exists():
+            store.let_go()
+            self.read_only = ""
+            return conversation
+        self.read_only = store.hold(conversation.id)
+        if self.read_only:
+            return conversation
+        try:
+            return store.load(conversation.id)
+        except (OSError, ValueError):
+            return conversation
+
+    async def _take_over(self) -> bool:
+        """Before writing a read-only conversation: hold it if its other window has let go (then show its
+        newest copy), else say so. True when this window may write it now."""
+        if not self.read_only:
+            return True
+        old = self.conversation
+        newest = self._hold(old)
+        if self.read_only:
+            self.set_status(f"{self.read_only}: read-only here, your message stays in the box · ctrl+n new chat",
+                            error=True)
+            return False
+        if newest is not old:
+            await self.show_conversation(newest)
+        return True
+
     async def show_conversation(self, conversation: Conversation) -> None:
+        conversation = self._hold(conversation)
         self.conversation = conversation
         widgets = []
         for m in conversation.messages:
@@ -342,7 +377,11 @@ class ChatScreen(Screen):
         self.reset_map()
         self.stats.show_reply(last.meta if last else None, self._context_used(last))
         self.stats.set_speed_history(self._speed_history())
-        self.set_status("")
+        self.set_status(f"{self.read_only}: read-only here · ctrl+n new chat" if self.read_only else "",
+                        error=bool(self.read_only))
+        if self.read_only:
+            self.notify(f"{self.read_only}: it is read-only here. ctrl+n starts a new chat.",
+                        title="conversation", severity="warning", timeout=10)
         messages.anchor()  # stay on the newest message while replies stream in
 
     def _reply_title(self, meta: dict) -> str:
@@ -368,9 +407,14 @@ class ChatScreen(Screen):
     def save(self) -> None:
         if not self.conversation.messages:
             return
+        if self.read_only:  # callers take it over first (`_take_over`); a stale copy is never written
+            self.set_status(f"{self.read_only}: not saved here", error=True)
+            return
         if self.engine is not None and not self.conversation.model:
             self.conversation.model = self.engine.name
         try:
+            if not self.read_only:  # a new chat is held from its first save on
+                self.app.store.hold(self.conversation.id)
             self.app.store.save(self.conversation)
             self.app.store.remember(self.conversation.id)
         except OSError as e:
@@ -388,6 +432,8 @@ class ChatScreen(Screen):
             return
         if self.engine is None:
             self.set_status("No model loaded: press F3 to choose one.", error=True)
+            return
+        if not await self._take_over():
             return
         too_long = self._too_long(self.engine, text)
         if too_long:  # it could never be answered: it stays in the box to be shortened, out of the conversation
@@ -631,6 +677,8 @@ class ChatScreen(Screen):
         if self.generation is not None:
             self.stop_generation(then=self.action_regenerate)
             return
+        if not await self._take_over():
+            return
         history = self.conversation.messages
         if history and history[-1].role == "assistant":
             history.pop()
@@ -696,8 +744,8 @@ class ChatScreen(Screen):
             self.notify("Nothing to rename yet: an empty chat is not saved.", severity="warning")
             return
 
-        def renamed(title: str | None) -> None:
-            if title:
+        async def renamed(title: str | None) -> None:
+            if title and await self._take_over():
                 self.conversation.title = title
                 self.save()
                 self.notify(f"Renamed to “{title}”.")
@@ -748,7 +796,11 @@ class ChatScreen(Screen):
             if self.generation is not None:
                 self.stop_generation(then=lambda: answered(True))
                 return
-            self.app.store.delete(self.conversation.id)
+            try:
+                self.app.store.delete(self.conversation.id)
+            except OSError as e:
+                self.set_status(f"could not delete: {one_line(e)}", error=True)
+                return
             self.notify(f"Deleted “{self.conversation.title}”.")
             await self.action_new_chat()
 

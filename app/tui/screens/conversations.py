@@ -74,7 +74,11 @@ class ConversationsScreen(ModalScreen[str | None]):
 
         def answered(yes: bool | None) -> None:
             if yes:
-                self.store.delete(info.id)
+                try:
+                    self.store.delete(info.id)
+                except OSError as e:
+                    self.notify(f"Not deleted: {e}", severity="warning")
+                    return
                 self.notify(f"Deleted “{info.title}”.")
                 self.reload()
 

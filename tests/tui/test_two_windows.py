@@ -1,0 +1,129 @@
+"""Two app windows on one data folder never lose a turn: the first to open a conversation is its one writer
+(a lock the operating system drops when that window dies); the second shows it read-only and says so."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui.storage import Conversation, ConversationBusy, ConversationStore
+from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
+
+SIZE = (100, 30)
+
+
+def saved_turns(store: ConversationStore, conversation_id: str) -> list[str]:
+    return [m.content for m in store.load(conversation_id).messages]
+
+
+def a_saved_conversation(store: ConversationStore) -> Conversation:
+    c = Conversation()
+    c.add("user", "first question")
+    c.add("assistant", "first answer")
+    store.save(c)
+    return c
+
+
+def test_a_second_store_cannot_save_or_delete_what_the_first_holds(tui_dirs):
+    a, b = ConversationStore(), ConversationStore()
+    c = a_saved_conversation(a)
+    assert not a.holds(c.id)  # a save alone locks only while it writes
+    assert a.hold(c.id) == ""
+    assert "open in another window" in b.hold(c.id)
+
+    stale = b.load(c.id)
+    stale.add("user", "from b")
+    with pytest.raises(ConversationBusy, match="open in another window"):
+        b.save(stale)
+    with pytest.raises(ConversationBusy):
+        b.delete(c.id)
+    assert saved_turns(a, c.id) == ["first question", "first answer"]
+
+    # The holder writes on; once it lets go, the other store may write (after reading the newest copy).
+    mine = a.load(c.id)
+    mine.add("user", "from a")
+    a.save(mine)
+    a.let_go()
+    assert b.hold(c.id) == ""
+    assert "open in another window" in a.hold(c.id)
+    assert saved_turns(b, c.id) == ["first question", "first answer", "from a"]
+    assert not list(b.folder.glob("*.tmp"))
+
+
+def test_deleting_another_conversation_keeps_the_open_one_held(tui_dirs):
+    a, b = ConversationStore(), ConversationStore()
+    open_one, other = a_saved_conversation(a), Conversation()
+    other.add("user", "old")
+    b.save(other)
+    a.hold(open_one.id)
+    a.delete(other.id)
+    assert a.holds(open_one.id) and not b.path(other.id).exists()
+    assert not b.lock_path(other.id).exists()  # no lock file left for a conversation that is gone
+    assert b.hold(open_one.id) != ""
+
+
+def test_a_killed_window_leaves_no_lock_behind(tui_dirs):
+    store = ConversationStore()
+    c = a_saved_conversation(store)
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from moedesk.app.tui.storage import ConversationStore
+        store = ConversationStore()
+        assert store.hold({c.id!r}) == ""
+        print("held", flush=True)
+        import time; time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "held"
+        busy = store.hold(c.id)
+        assert f"process {child.pid}" in busy  # says who has it
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        child.kill()
+        child.stdout.close()
+    assert store.hold(c.id) == ""
+
+
+@pytest.mark.anyio
+async def test_two_windows_on_one_folder_keep_every_turn(engine, tui_dirs):
+    c = a_saved_conversation(ConversationStore())
+    first = MoedeskApp(engine, settings=greedy_settings())
+    second = MoedeskApp(engine, settings=greedy_settings())
+    async with first.run_test(size=SIZE) as a:
+        await wait_for(a, lambda: chat_ready(first), what="the first window")
+        async with second.run_test(size=SIZE) as b:
+            await wait_for(b, lambda: chat_ready(second), what="the second window")
+            # Both reopened the same conversation; only the first may write it.
+            assert first.chat.conversation.id == second.chat.conversation.id == c.id
+            assert not first.chat.read_only
+            assert "open in another window" in second.chat.read_only
+            assert any("open in another window" in str(n.message) for n in second._notifications)
+            assert "read-only" in str(second.chat.query_one("#chat-status").render())
+
+            first.chat.prompt.focus()
+            await a.press(*"from a", "enter")
+            await wait_idle(a, first)
+            second.chat.prompt.focus()
+            await b.press(*"from b", "enter")
+            await b.pause()
+            assert second.chat.prompt.text == "from b"  # refused, and kept
+            assert "read-only" in str(second.chat.query_one("#chat-status").render())
+            assert second.chat.generation is None
+            assert saved_turns(ConversationStore(), c.id)[2] == "from a"
+
+            await a.press("ctrl+q")  # the first window closes: the second may take the chat over
+            await a.pause()
+            await b.press("enter")
+            await wait_idle(b, second)
+            assert not second.chat.read_only
+            assert second.chat.prompt.text == ""
+    turns = saved_turns(ConversationStore(), c.id)
+    assert turns[:3] == ["first question", "first answer", "from a"]
+    assert turns[4] == "from b" and len(turns) == 6  # the first window's exchange, then the second's
+    assert [m["role"] for m in json.loads(ConversationStore().path(c.id).read_text())["messages"]] == \
+        ["user", "assistant"] * 3
