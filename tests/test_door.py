@@ -19,10 +19,11 @@ DOOR = {
     "moedesk.engine.host_memory",  # the memory this process may use (RAM, or a cgroup's limit)
     "moedesk.engine.memory_fit",  # whether a model fits that memory, before it is read
     "moedesk.engine.selection",  # which engine runs a model, and why
+    "moedesk.engine.json_read",  # JSON a file hands us, read so that nesting too deep is one line, not a traceback
+    "moedesk.engine.load.gguf_header",  # a GGUF file's header from its first bytes (estimates before downloading)
 }
 
 KNOWN_REACH_INS = {
-    ("moedesk.app.download", "moedesk.engine.load.gguf_header"),
     ("moedesk.app.profile_command", "moedesk.engine.offload.assignment"),
     ("moedesk.app.tui.catalog", "moedesk.engine.load.demo"),
     ("moedesk.app.tui.catalog", "moedesk.engine.load.gguf_checkpoint"),
@@ -30,7 +31,6 @@ KNOWN_REACH_INS = {
     ("moedesk.app.tui.screens.models", "moedesk.engine.load.checkpoint"),
     ("moedesk.app.tui.screens.models", "moedesk.engine.model.architectures"),
     ("moedesk.app.tui.settings", "moedesk.engine.load.generation_defaults"),
-    ("moedesk.app.tui.storage", "moedesk.engine.json_read"),
     ("moedesk.app.tui.widgets.load_panel", "moedesk.engine.load.demo"),
 }
 
