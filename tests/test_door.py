@@ -30,7 +30,6 @@ KNOWN_REACH_INS = {
     ("moedesk.app.tui.catalog", "moedesk.engine.model.architectures"),
     ("moedesk.app.tui.screens.models", "moedesk.engine.load.checkpoint"),
     ("moedesk.app.tui.screens.models", "moedesk.engine.model.architectures"),
-    ("moedesk.app.tui.settings", "moedesk.engine.load.generation_defaults"),
     ("moedesk.app.tui.widgets.load_panel", "moedesk.engine.load.demo"),
 }
 

@@ -22,12 +22,18 @@ from typing import Any, Callable
 
 from moedesk.app.tui.storage import atomic_write_json, config_dir, read_json, set_aside
 from moedesk.engine.decoding import SPECULATIVE_MODES, Decoding, decoding_options
-from moedesk.engine.load.generation_defaults import resolve
 from moedesk.engine.requests import TEMPERATURE_MAX
 
 SETTINGS_FILE = "settings.json"
-# What a blank sampling setting means when the model recommends nothing (engine.load.generation_defaults).
+# What a blank sampling setting means when the model recommends nothing (Engine.generation_defaults).
 SAMPLING_FALLBACKS = {"temperature": 0.7, "top_p": 0.95, "top_k": 0}
+
+
+def sampling_value(user_value, model_value, fallback):
+    """The value a sampling setting takes: the user's, else the model's (Engine.generation_defaults), else ours."""
+    if user_value is not None:
+        return user_value
+    return fallback if model_value is None else model_value
 
 Check = Callable[[Any], "str | None"]  # returns an error message, or None when the value is fine
 
@@ -138,7 +144,7 @@ class Settings:
         from moedesk.engine.requests import SamplingParams
 
         chosen = self.seed if self.seed is not None else (seed or 0)
-        sampling = {name: resolve(name, getattr(self, name), model_defaults, fallback)
+        sampling = {name: sampling_value(getattr(self, name), (model_defaults or {}).get(name), fallback)
                     for name, fallback in SAMPLING_FALLBACKS.items()}
         return SamplingParams(**{"max_new_tokens": self.max_new_tokens, **sampling, "seed": chosen, **overrides})
 

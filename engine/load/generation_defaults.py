@@ -44,12 +44,5 @@ def from_gguf_metadata(get) -> dict:
                     "top_k": get("general.sampling.top_k")})
 
 
-def resolve(name: str, user_value, model_defaults: dict | None, fallback):
-    """The value a sampling setting takes: the user's, else the model's, else the front end's fallback."""
-    if user_value is not None:
-        return user_value
-    return (model_defaults or {}).get(name, fallback)
-
-
 def _number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
