@@ -2,20 +2,19 @@
 from __future__ import annotations
 
 
-def streaming_line(costs, top_k: int) -> str | None:
-    """The measured decode splits (engine.offload.profiler.profile_streaming) and the one chosen; None if not measured."""
-    from moedesk.engine.offload.assignment import lone_token_split
-
+def streaming_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
+    """The measured decode splits (engine.offload.profiler.profile_streaming) and the one `chosen` (the orchestra's
+    lone_token_split: whole experts, rows); None if not measured."""
     if not costs.streamed_split_ms:
         return None
     splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.streamed_split_ms))
     line = f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}"
     if costs.split_rows_ms:
         line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_rows_ms)
-    ranks, rows = lone_token_split(top_k, costs)
-    chosen = f"decode streams {ranks}" if ranks else f"decode splits rows, the GPU the last {rows}" if rows \
+    ranks, rows = chosen
+    decision = f"decode streams {ranks}" if ranks else f"decode splits rows, the GPU the last {rows}" if rows \
         else "decode streams none"
-    return f"{line}; {chosen}"
+    return f"{line}; {decision}"
 
 
 def contention_line(costs) -> str | None:
@@ -56,7 +55,7 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"{'tokens':>8}{'CPU ms':>10}{'in a call':>11}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_alone_ms(n):>10.3f}{costs.cpu_expert_ms(n):>11.3f}{costs.gpu_expert_ms(n):>10.3f}")
-    streaming = streaming_line(costs, cfg.num_experts_per_tok)
+    streaming = streaming_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split())
     if streaming:
         out(streaming)
     summary = orchestra.summary()

@@ -24,7 +24,6 @@ DOOR = {
 }
 
 KNOWN_REACH_INS = {
-    ("moedesk.app.profile_command", "moedesk.engine.offload.assignment"),
     ("moedesk.app.tui.catalog", "moedesk.engine.load.demo"),
     ("moedesk.app.tui.catalog", "moedesk.engine.load.gguf_checkpoint"),
     ("moedesk.app.tui.catalog", "moedesk.engine.model.architectures"),

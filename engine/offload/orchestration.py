@@ -21,8 +21,8 @@ from moedesk.engine.offload.expert_cache import policy_from_env
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
-from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, resident_on_cpu,
-                                               split_rows, streamed_ranks)
+from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, lone_token_split,
+                                               resident_on_cpu, split_rows, streamed_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
 from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
@@ -106,6 +106,11 @@ class ExpertOrchestra:
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)
+
+    def lone_token_split(self) -> tuple[int, int]:
+        """How a lone decoded token's offloaded experts are shared with the GPU reading from RAM: (whole experts,
+        0) or (0, last rows of each); engine.offload.assignment.lone_token_split over this profile."""
+        return lone_token_split(self.top_k, self.costs)
 
     def calibrate(self, halves) -> None:
         """Popularity from the two halves of a calibration run: their counts, shrunk toward even routing as far
