@@ -64,6 +64,26 @@ def listed_engine(arch: str, gguf: bool, requested: str = "auto") -> Choice:
     return Choice("native", "", "native engine" + (", as set" if requested == "native" else ""))
 
 
+def preflight(model: str, engine: str = "auto") -> None:
+    """Refuse quickly (MoedeskError, one line) what Engine.load would refuse, before a front end lets the model it
+    has go: a missing file, an unreadable checkpoint, an architecture no engine runs. Reads headers only."""
+    if model == "demo":
+        return  # built on first use; nothing to check cheaply
+    from moedesk.engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.model.architectures import parse_config
+
+    if engine != "auto":
+        choose_engine(model, engine)  # a GGUF for llama.cpp, a llama.cpp that loads
+        if engine == "llama.cpp":
+            return
+    try:
+        checkpoint = open_checkpoint(model)
+    except UnsupportedModelError as refusal:
+        after_refusal(refusal)  # a GGUF llama.cpp runs passes; anything else is refused, saying what would run it
+        return
+    parse_config(checkpoint.config, checkpoint.path)
+
+
 def _llama_cpp_problem() -> str | None:
     from moedesk.engine.llamacpp.library import available
 

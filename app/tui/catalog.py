@@ -96,8 +96,8 @@ def folder_size(path: Path) -> int:
 
 def supported_architectures() -> set[str]:
     try:
-        from moedesk.engine.model.architectures import ARCHITECTURES
-        return set(ARCHITECTURES)
+        from moedesk.engine.listing import native_model_types
+        return set(native_model_types())
     except Exception:  # the engine is being edited elsewhere; a listing must not fail for it
         return set()
 
@@ -129,31 +129,26 @@ def gguf_model(path: Path) -> LocalModel:
     arch, experts, top_k, note = "?", 0, 0, ""
     weights, why = None, ""
     try:
-        # The engine's own reading of the header (parsing a large vocabulary takes seconds: once is enough);
-        # a file it refuses is read again below for what the listing shows.
-        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-        from moedesk.engine.load.size_estimate import gguf_tensors, summarize
+        # The engine's own reading of the header; a file it refuses is read again below for what the listing shows.
+        from moedesk.engine.listing import read_gguf
 
-        checkpoint = GGUFCheckpoint(path)
-        arch, experts, top_k = checkpoint.arch, *describe_config(checkpoint.config)[1:]
-        try:
-            weights = summarize(checkpoint.config, gguf_tensors(checkpoint), path)
-        except Exception as e:  # noqa: BLE001 -- see _weights
-            why = _one_line(e)
-        checkpoint.close()
+        listing = read_gguf(path)
+        arch, experts, top_k = listing.arch, *describe_config(listing.config)[1:]
+        weights = listing.weights
+        why = _one_line(listing.estimate_error) if listing.estimate_error is not None else ""
     except Exception as e:  # noqa: BLE001
         why = _one_line(e)
         try:
             from gguf import GGUFReader
 
-            from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
             from moedesk.engine.load.size_estimate import file_weights
+            from moedesk.engine.selection import listed_engine
 
             reader = GGUFReader(str(path))
             arch = _gguf_value(reader, "general.architecture") or "?"
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
-            if arch != "?" and arch not in NATIVE_ARCHITECTURES:  # llama.cpp runs it, from the file as it is
+            if listed_engine(arch, gguf=True).kind == "llama.cpp":  # it runs from the file as it is
                 weights, why = file_weights(arch, reader.tensors), ""
         except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
             note, why = f"unreadable header ({type(e).__name__})", ""
@@ -178,23 +173,19 @@ def _gguf_value(reader, key: str):
 
 def demo_folder() -> Path:
     """Where the demo is built, in moedesk's cache (there or not)."""
-    from moedesk.engine.load.demo import cache_root, recipe
+    from moedesk.engine.listing import demo_folder as folder
 
-    r = recipe()
-    return cache_root() / f"{r['name']}-v{r['version']}"
+    return folder()
 
 
 def demo_model() -> LocalModel:
     try:
-        from moedesk.engine.load.demo import recipe
+        from moedesk.engine.listing import demo_built, demo_shape
 
-        r = recipe()
-        folder = demo_folder()
-        built = (folder / "config.json").is_file()
+        folder, built = demo_folder(), demo_built()
         weights, why = _weights(folder) if built else (None, "")
         return LocalModel("demo", "demo (SmolLM2-135M as an MoE)", "demo", folder_size(folder) if built else None,
-                          "mixtral", int(r.get("num_experts", 0)), int(r.get("num_experts_per_tok", 0)), True,
-                          "" if built else "built on first use", weights, why)
+                          "mixtral", *demo_shape(), True, "" if built else "built on first use", weights, why)
     except Exception:
         return LocalModel("demo", "demo", "demo", None, "mixtral", 0, 0, True, "")
 

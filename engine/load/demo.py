@@ -42,9 +42,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOEDESK_CACHE_DIR") or platformdirs.user_cache_dir("moedesk"))
 
 
+def demo_folder(r: dict | None = None) -> Path:
+    """Where the demo of recipe `r` (default: the shipped one) is built in the cache folder, there or not yet."""
+    r = recipe() if r is None else r
+    return cache_root() / f"{r['name']}-v{r['version']}"
+
+
 def demo_checkpoint_dir() -> Path:
     r = recipe()
-    folder = cache_root() / f"{r['name']}-v{r['version']}"
+    folder = demo_folder(r)
     try:
         built = (folder / "config.json").is_file()
     except OSError as e:  # e.g. a cache folder we may not enter

@@ -20,31 +20,7 @@ from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, huma
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
-
-
-def preflight(model: str, engine: str = "auto") -> None:
-    """Refuse quickly (MoedeskError, one line) what Engine.load would refuse after the old model is gone:
-    a missing file, an unreadable checkpoint, an architecture no engine runs. Reads headers only."""
-    if model == "demo":
-        return  # built on first use; nothing to check cheaply
-    from moedesk.engine.errors import UnsupportedModelError
-    from moedesk.engine.load.checkpoint import open_checkpoint
-    from moedesk.engine.selection import after_refusal, choose_engine
-
-    if engine != "auto":
-        choose_engine(model, engine)  # a GGUF for llama.cpp, a llama.cpp that loads
-        if engine == "llama.cpp":
-            return
-    try:
-        checkpoint = open_checkpoint(model)
-    except UnsupportedModelError as refusal:
-        after_refusal(refusal)  # a GGUF llama.cpp runs passes; anything else is refused, saying what would run it
-        return
-    try:
-        from moedesk.engine.model.architectures import parse_config
-    except ImportError:
-        return
-    parse_config(checkpoint.config, checkpoint.path)
+from moedesk.engine.selection import preflight
 
 
 def memory_cell(model: LocalModel, target: LoadTarget) -> str:

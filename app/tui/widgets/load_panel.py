@@ -44,10 +44,9 @@ def stage_now(stage: str, fraction: float) -> str:
 def demo_needs_building() -> bool:
     """True before the demo model's first use: opening it builds it, which reports no progress."""
     try:
-        from moedesk.engine.load.demo import cache_root, recipe
+        from moedesk.engine.listing import demo_built
 
-        r = recipe()
-        return not (cache_root() / f"{r['name']}-v{r['version']}" / "config.json").is_file()
+        return not demo_built()
     except Exception:  # noqa: BLE001 - only chooses the words shown
         return False
 
