@@ -3,6 +3,11 @@
 bf16 keeps 8 significant bits: two candidate tokens whose logits differ by less than a few
 bf16 steps can swap places under any change of summation order. The test finds the first
 differing token and checks that the reference's own top-2 logits there are that close.
+
+A near-tie can also sit inside a router (random tiny models have many): a flipped expert changes the
+logits far more than rounding, so no tie shows at the output. Where a float32 reference is given, a
+divergence is accepted only if our bf16 logits, teacher-forced along the reference's tokens, are as close
+to transformers' float32 logits as transformers' own bf16 logits are (median over positions).
 """
 import pytest
 import torch
@@ -24,18 +29,45 @@ def within_bf16_rounding(logits: torch.Tensor) -> bool:
     return (top[0] - top[1]).item() <= BF16_STEPS * step
 
 
-def check_greedy(engine, ref, prompts_ids, new_tokens=24):
+def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
+    from moedesk.engine.model.cache.kv import KVCache
+
+    weight = next(engine.model.parameters())
+    device = weight.device
+    cache = KVCache(engine.config, 1, len(ids), weight.dtype, device)
+    with torch.no_grad():
+        return engine.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None], cache,
+                            engine.executor)[0].float().cpu()
+
+
+def as_exact_as_reference(engine, ref, ref32, ids: list[int]) -> tuple[bool, str]:
+    """Whether our bf16 logits along ids are no further from float32 transformers than bf16 transformers is."""
+    device = next(ref.parameters()).device
+    with torch.no_grad():
+        exact = ref32(torch.tensor([ids], device=device)).logits[0].float().cpu()
+        theirs = ref(torch.tensor([ids], device=device)).logits[0].float().cpu()
+    ours = teacher_forced_logits(engine, ids)
+    err = lambda a: ((a - exact).norm(dim=-1) / exact.norm(dim=-1)).median().item()
+    return err(ours) <= 1.5 * err(theirs), f"median relative error vs float32: ours {err(ours):.3g}, " \
+                                           f"transformers bf16 {err(theirs):.3g}"
+
+
+def check_greedy(engine, ref, prompts_ids, new_tokens=24, ref32=None):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
     eos = (engine.tokenizer.eos_token_ids if engine.tokenizer else frozenset()) | set(engine.config.eos_token_ids)
     done = {c.tag: c for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts_ids)], 4)}
     for i, prompt in enumerate(prompts_ids):
         ours, theirs = done[i].token_ids, hf_greedy(ref, prompt, new_tokens, eos)
+        if ref32 is not None:  # the arithmetic, whatever the tokens did
+            exact_enough, why = as_exact_as_reference(engine, ref, ref32, prompt + theirs)
+            assert exact_enough, f"prompt {i}: {why}"
         diverge = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
         if diverge is None:
             assert len(ours) == len(theirs) or min(len(ours), len(theirs)) == new_tokens
             continue
-        logits = hf_last_logits(ref, prompt + theirs[:diverge])
-        assert within_bf16_rounding(logits), f"prompt {i}: token {diverge} differs and the reference was not tied"
+        # A tie in the logits, or (as exact as transformers, checked above) a tie inside a router.
+        tied = within_bf16_rounding(hf_last_logits(ref, prompt + theirs[:diverge]))
+        assert tied or ref32 is not None, f"prompt {i}: token {diverge} differs and the reference was not tied"
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
@@ -43,7 +75,8 @@ def test_bf16_greedy_on_cuda(arch, tiny_checkpoint):
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cuda", dtype="bfloat16")
     ref = hf_model(folder, torch.bfloat16, "cuda")
-    check_greedy(engine, ref, [engine.tokenizer.encode(p) for p in PROMPTS])
+    ref32 = hf_model(folder, torch.float32, "cuda")
+    check_greedy(engine, ref, [engine.tokenizer.encode(p) for p in PROMPTS], ref32=ref32)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
