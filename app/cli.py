@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences in the batched-decode run (default: 16; 1 skips it)")
     bench.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], metavar="N",
                        help="prompt lengths of the prefill runs (default: 512 2048; none skips them)")
+    bench.add_argument("--context", type=_positive_int, nargs="+", default=(), metavar="N",
+                       help="also measure decode and a 512-token prefill after N tokens of context, at each N (as "
+                            "llama-bench's -d); --gpu-budget then counts the weights and the deepest KV cache too")
     bench.add_argument("--decode-tokens", type=_positive_int, default=None, metavar="N",
                        help="new tokens per sequence in each decode run (default: 64; 32 with --speculative or "
                             "--beams; 128 with --model)")
@@ -320,6 +323,10 @@ def run_bench_command(args) -> int:
     from moedesk.bench.synthetic import format_results, run_bench
 
     log = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if args.context and (args.model or args.draft or args.prompts or args.speculative or args.beams
+                         or args.engine == "llama.cpp"):
+        raise MoedeskError("bench: --context measures the native engine's plain runs; llama.cpp's depth is "
+                           "llama-bench -d (tests/perf/compare_llamacpp.sh)")
     if args.model or args.draft or args.prompts:
         return _run_draft_bench(args, log)
     if args.speculative or args.beams:
@@ -333,7 +340,8 @@ def run_bench_command(args) -> int:
         print(json.dumps(report, indent=1) if args.json else llama_bench.format_results(report))
         return 0
     report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens or 64,
-                       tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format)
+                       tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format,
+                       contexts=tuple(args.context))
     print(json.dumps(report, indent=1) if args.json else format_results(report))
     return 0
 

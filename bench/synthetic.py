@@ -24,6 +24,7 @@ class BenchResult:
     seconds: float
     tok_s: float
     bound_tok_s: float | None = None
+    depth: int = 0  # tokens of context already in the cache when the run starts (bench.depth)
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -114,6 +115,7 @@ class SyntheticBench:
     gpu_budget_gib: float
     experts_on_gpu: int
     whole_layers_on_gpu: int
+    budget_split: dict | None = None  # where the budget went when it counts the KV cache (engine.offload.gpu_budget)
 
     @property
     def executor(self):
@@ -130,7 +132,8 @@ class SyntheticBench:
                 "experts": next(iter(self.banks.values())).describe(), "policy": self.policy,
                 "experts_on_gpu": self.experts_on_gpu, "whole_layers_on_gpu": self.whole_layers_on_gpu,
                 "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads(),
-                "lone_token_split": self.lone_token_split()}
+                "lone_token_split": self.lone_token_split(),
+                **({"budget_split_bytes": self.budget_split} if self.budget_split else {})}
 
     def lone_token_split(self) -> dict:
         """How decode of one token shares the offloaded experts with the GPU (engine.offload.assignment
@@ -153,11 +156,14 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
 
 
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,
-                      policy: str = "balanced", log=print, expert_format: str = "dense") -> SyntheticBench:
+                      policy: str = "balanced", log=print, expert_format: str = "dense",
+                      kv_context: int = 0) -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
-    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k)."""
+    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k). kv_context: when > 0, the budget is the whole GPU's:
+    the non-expert weights, one sequence's KV cache of that many positions and attention's workspace come out of
+    it first (engine.offload.gpu_budget), the experts get the rest; else it is the experts' alone."""
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from moedesk.engine.load.synthetic import shape_config, synthetic_model
@@ -192,21 +198,50 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed)
         halves.append([executor.selections[layer].tolist() for layer in sorted(banks)])
     orchestra.calibrate(halves)
-    on_gpu = orchestra.place(int(gpu_budget_gib * 2**30)).as_lists()
+    expert_budget, split = int(gpu_budget_gib * 2**30), None
+    if kv_context and gpu_budget_gib > 0:
+        expert_budget, split = _context_split(cfg, expert_budget, kv_context, dtype, device)
+        log(f"budget at {kv_context} positions: {_split_text(split)}")
+    on_gpu = orchestra.place(expert_budget).as_lists()
     resident = sum(map(sum, on_gpu))
     whole = sum(all(row) for row in on_gpu)
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
-    return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole)
+    return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
+                          split)
+
+
+def _context_split(cfg, budget: int, context: int, dtype: torch.dtype, device) -> tuple[int, dict]:
+    """The experts' share of a whole-GPU budget at `context` positions, and the split in bytes for the report."""
+    from moedesk.engine.generation.scheduler import default_prefill_chunk
+    from moedesk.engine.offload.gpu_budget import (kv_bytes_per_position, non_expert_bytes, prefill_workspace_bytes,
+                                                   split_gpu_budget)
+
+    size = dtype.itemsize
+    split = split_gpu_budget(budget, non_expert_bytes(cfg, size), kv_bytes_per_position(cfg, size), context,
+                             prefill_workspace_bytes(cfg, default_prefill_chunk(device), context, size))
+    parts = ("weights", "kv_cache", "workspace", "slack", "experts")
+    return split.experts, {name: getattr(split, name) for name in parts}
+
+
+def _split_text(split: dict) -> str:
+    return ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in split.items())
 
 
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
               prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print,
-              expert_format: str = "dense") -> dict:
-    """Build the synthetic model, profile, place, measure; return every figure and its bound."""
-    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, max(prefill + (256,)) + decode_tokens, policy,
-                              log, expert_format)
+              expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512) -> dict:
+    """Build the synthetic model, profile, place, measure; return every figure and its bound.
+
+    contexts: depths at which decode and a prefill piece of `context_chunk` tokens are measured again after that
+    many tokens of context (bench.depth); the budget then counts the deepest one's KV cache."""
+    from moedesk.bench.depth import depth_context, measure_at_depth
+
+    deepest = max(contexts, default=0)
+    room = max(max(prefill + (256,)) + decode_tokens, depth_context(deepest, decode_tokens, context_chunk))
+    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format,
+                              kv_context=depth_context(deepest, decode_tokens, context_chunk) if contexts else 0)
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
 
@@ -226,6 +261,11 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
         r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens)
         r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, batch, expert_bytes, read_bps)
         results.append(r)
+    for depth in contexts:
+        log(f"context {depth}: prefilling it, then decode and a {context_chunk}-token prefill piece")
+        decode, piece = measure_at_depth(model, executor, cfg, device, dtype, depth, decode_tokens, context_chunk)
+        decode.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, 1, expert_bytes, read_bps)
+        results += [decode, piece]
     executor.stats = type(executor.stats)()
     return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results]}
 
@@ -234,11 +274,14 @@ def format_results(report: dict) -> str:
     lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
              f"budget {report['gpu_budget_gib']} GiB, "
              f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
-             f"{'mode':<16}{'tokens':>8}{'batch':>7}{'tok/s':>10}{'bound':>10}{'% bound':>9}"]
+             f"{'mode':<16}{'tokens':>8}{'batch':>7}{'depth':>8}{'tok/s':>10}{'bound':>10}{'% bound':>9}"]
+    if report.get("budget_split_bytes"):
+        lines.insert(1, f"budget: {_split_text(report['budget_split_bytes'])}")
     for r in report["results"]:
         bound = f"{r['bound_tok_s']:.1f}" if r["bound_tok_s"] else "-"
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"
-        lines.append(f"{r['mode']:<16}{r['tokens']:>8}{r['batch']:>7}{r['tok_s']:>10.1f}{bound:>10}{pct:>9}")
+        lines.append(f"{r['mode']:<16}{r['tokens']:>8}{r['batch']:>7}{r.get('depth', 0):>8}{r['tok_s']:>10.1f}"
+                     f"{bound:>10}{pct:>9}")
     return "\n".join(lines)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.memory_fit import gib
 from moedesk.engine.model.config import ModelConfig
 
 GIB = 2**30
@@ -90,8 +91,8 @@ def split_gpu_budget(budget: int, weights: int, kv_per_position: int, context: i
     split = BudgetSplit(budget, weights, kv, workspace, kept, budget - weights - kv - workspace - kept, context, rows)
     if split.experts < 0:
         raise ContextBudgetError(
-            f"a {budget / GIB:.1f} GiB GPU budget cannot hold the weights ({weights / GIB:.2f} GiB) and the KV cache "
-            f"of {rows} x {context} positions ({kv / GIB:.2f} GiB); {_advice(budget, weights, kv_per_position, workspace, rows, kv_per_row, kept)}")
+            f"a {gib(budget)} GPU budget cannot hold the weights ({gib(weights)}) and the KV cache of {rows} x "
+            f"{context} positions ({gib(kv)}); {_advice(budget, weights, kv_per_position, workspace, rows, kv_per_row, kept)}")
     return split
 
 

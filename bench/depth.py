@@ -1,0 +1,68 @@
+"""Decode and prefill at a depth: `depth` tokens of context prefilled first, then the runs measured over them,
+as llama-bench's -d measures (tests/perf/compare_llamacpp.sh runs both on one machine).
+
+The context is prefilled in the engine's prefill pieces through the same Decoder the engine runs, so attention
+reads a cache as deep as a long conversation's; decode is timed from its second step (the first captures the
+CUDA graphs), and the prefill piece is the best of `repeat` forwards of `chunk` tokens at positions depth onward.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from moedesk.engine.generation.decoder import Decoder, synchronize
+from moedesk.engine.generation.runner import ModelRunner
+from moedesk.engine.generation.scheduler import default_prefill_chunk
+from moedesk.engine.requests import Request, SamplingParams
+
+
+def depth_context(depth: int, decode_tokens: int, chunk: int) -> int:
+    """Positions a run at `depth` needs: the context, then the longer of the decode run and the prefill piece."""
+    return depth + max(chunk, decode_tokens + 2) + 1
+
+
+def measure_at_depth(model, executor, cfg, device, dtype, depth: int, decode_tokens: int = 64, chunk: int = 512,
+                     seed: int = 0, repeat: int = 2, graphs: bool | None = None, piece: int | None = None):
+    """(decode, prefill) BenchResults of one sequence at `depth` tokens of context. piece: prompt tokens per
+    prefill forward while filling the context (default: the engine's for the device)."""
+    from moedesk.bench.synthetic import BenchResult, random_prompt
+    from moedesk.engine.generation.cuda_graphs import graphs_wanted
+
+    device = torch.device(device)
+    use_graphs = graphs_wanted(device) if graphs is None else graphs
+    length = depth_context(depth, decode_tokens, chunk)
+    runner = ModelRunner(model, device, dtype, length, graphs=use_graphs)
+    runner.reserve(1, length)
+    decoder = Decoder(runner, executor, None)
+    params = SamplingParams(max_new_tokens=decode_tokens + 2, temperature=0, ignore_eos=True)
+    prompt = random_prompt(depth + chunk, cfg.vocab_size, seed)
+    seq = decoder.start(Request(prompt[:depth] or prompt[:1], params), 0)
+    piece = piece or default_prefill_chunk(device)
+    while seq.prefilled < len(seq.request.prompt_ids):
+        list(decoder.prefill([seq], budget=piece))
+
+    start = len(seq.request.prompt_ids)  # depth, or 1 where the depth is 0 (decode needs a token to follow)
+    tokens = torch.tensor([prompt[depth:depth + chunk]], device=device)
+    positions = torch.arange(start, start + chunk, device=device)[None]
+    last = torch.tensor([chunk - 1], device=device)
+    best = float("inf")
+    for _ in range(repeat):  # the piece rewrites the same positions each time: the decode below overwrites them
+        synchronize(device)
+        t0 = time.perf_counter()
+        runner.prefill(tokens, positions, executor, logits_at=last)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    prefill = BenchResult("prefill", chunk, 1, best, chunk / best, depth=depth)
+
+    list(decoder.decode([seq]))  # captures the graphs: not what a step costs
+    synchronize(device)
+    if hasattr(executor, "stats"):
+        executor.stats = type(executor.stats)()
+    t0 = time.perf_counter()
+    for _ in range(decode_tokens - 2):
+        list(decoder.decode([seq]))
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    decode = BenchResult("decode", decode_tokens, 1, seconds, (decode_tokens - 2) / seconds, depth=depth)
+    return decode, prefill

@@ -1,0 +1,69 @@
+"""`moedesk bench --context N`: decode and a prefill piece after N tokens of context, the budget counting the cache."""
+import torch
+
+from moedesk.app.cli import main
+from moedesk.bench.depth import depth_context, measure_at_depth
+from moedesk.bench.synthetic import run_bench
+from moedesk.engine.load.synthetic import shape_config, synthetic_model
+from moedesk.engine.generation.scheduler import PREFILL_CHUNK_CPU
+from moedesk.engine.offload.expert_executor import LocalExecutor
+from moedesk.engine.offload.gpu_budget import SLACK, kv_bytes_per_position, non_expert_bytes, prefill_workspace_bytes
+
+
+def test_bench_measures_each_depth_beside_depth_zero_and_counts_the_cache_in_the_budget():
+    cfg = shape_config("tiny-moe", 2)
+    deepest = depth_context(300, 6, 32)
+    fixed = (non_expert_bytes(cfg, 4) + deepest * kv_bytes_per_position(cfg, 4)
+             + prefill_workspace_bytes(cfg, PREFILL_CHUNK_CPU, deepest, 4))
+    budget = (fixed + 5.5 * _expert_bytes()) / (1 - SLACK) / 2**30  # room for 5 of the 16 experts beside the rest
+    report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=1,
+                       log=lambda *a: None, contexts=(40, 300), context_chunk=32)
+    rows = [(r["mode"], r["depth"], r["tokens"]) for r in report["results"]]
+    assert rows == [("decode", 0, 6), ("prefill", 0, 16), ("decode", 40, 6), ("prefill", 40, 32),
+                    ("decode", 300, 6), ("prefill", 300, 32)]
+    assert all(r["tok_s"] > 0 for r in report["results"])
+    split = report["budget_split_bytes"]
+    assert split["kv_cache"] > 0 and split["weights"] > 0
+    assert sum(split.values()) == int(budget * 2**30)  # every part of the budget, once
+    assert report["experts_on_gpu"] == 5  # what the weights, cache and workspace left, not the whole budget
+
+
+def _expert_bytes():
+    cfg = shape_config("tiny-moe")
+    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+
+
+def test_the_context_is_prefilled_in_pieces_into_the_cache_decode_reads(monkeypatch):
+    """The runs at a depth see the whole context: the cache after the piecewise fill holds what one forward over
+    the same tokens writes, at every position (so decode attends over `depth` real entries)."""
+    cfg = shape_config("tiny-moe", 2)
+    model, banks = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=256)
+    executor = LocalExecutor()
+    caches = []
+    from moedesk.engine.generation import runner as runner_module
+
+    made = runner_module.ModelRunner.reserve
+
+    def keep(self, rows, length):
+        made(self, rows, length)
+        if self.cache not in caches:
+            caches.append(self.cache)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "reserve", keep)
+    decode, piece = measure_at_depth(model, executor, cfg, "cpu", torch.float32, 100, decode_tokens=4, chunk=16,
+                                     graphs=False, piece=24)
+    assert decode.depth == piece.depth == 100 and piece.tokens == 16
+    from moedesk.bench.synthetic import random_prompt
+
+    tokens = torch.tensor([random_prompt(100 + 16, cfg.vocab_size, 0)[:100]])
+    whole = model.new_cache(1, 100, torch.float32, "cpu")
+    model(tokens, torch.arange(100)[None], whole, executor)
+    [cache] = caches
+    for mine, theirs in zip(cache.k, whole.k):
+        torch.testing.assert_close(mine[:, :100], theirs[:, :100], rtol=1e-4, atol=1e-5)
+
+
+def test_context_is_refused_in_one_line_where_it_does_not_apply(capsys):
+    assert main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--context", "64", "--speculative"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "--context" in line and "llama-bench -d" in line
