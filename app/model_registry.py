@@ -3,7 +3,8 @@
 One model's experts on the GPU at a time: loading another first unloads the idle one; while the loaded one still
 has requests in flight, a request for another is refused (ModelBusy: 503 with Retry-After) rather than queued
 behind an unknown amount of work. A model loads on first use, after its weights' size estimate is checked against
-the RAM available (NoRoom: 503), and unloads after `keep_alive` seconds idle (0: after each request; None: never).
+the RAM available (NoRoom: 503), and unloads after `keep_alive` seconds idle (0: after each request; None: never):
+the server's, or the one the model's latest request gave (Ollama's per-request `keep_alive`).
 
 The decisions are pure functions (tests/app/test_model_registry.py); `ModelPool` applies them, with the loading,
 the memory figures and the clock handed in.
@@ -19,18 +20,37 @@ from typing import Callable
 
 from moedesk.engine.memory_fit import gib, usable
 
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600}
+_UNITS = {"": 1, "ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1, "m": 60, "h": 3600}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
 
 
-def parse_keep_alive(text: str) -> float | None:
-    """Seconds a model stays loaded while idle: '5m', '30s', '1h', '90' (seconds), '0' (unload after each request),
-    any negative number (never: None). ValueError (one line) otherwise."""
-    match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
-    if match is None:
-        raise ValueError(f"{text!r} is no duration: give one such as 5m, 30s, 1h, 0 (unload after each request) "
-                         f"or -1 (never unload)")
-    value = float(match.group(1)) * _UNITS[match.group(2)]
-    return None if value < 0 else value
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET = _Unset()  # a request that gives no keep_alive: the server's applies
+
+
+def parse_keep_alive(value) -> float | None:
+    """Seconds a model stays loaded while idle, from a flag or an Ollama request's keep_alive: a number of seconds
+    (JSON number or text: '90'), a duration ('5m', '30s', '1h', '1h30m', '500ms', as Ollama's Go durations), 0
+    (unload after each request), anything negative (never: None). ValueError (one line) otherwise."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        text = value.strip() if isinstance(value, str) else None
+        sign, body = (-1, text[1:]) if text and text.startswith("-") else (1, text)
+        if body and re.fullmatch(r"\d+(?:\.\d+)?", body):
+            seconds = sign * float(body)
+        elif body and _DURATION.sub("", body) == "" and re.fullmatch(r"(?:\d+(?:\.\d+)?[a-zµ]+)+", body):
+            seconds = sign * sum(float(n) * _UNITS[unit] for n, unit in _DURATION.findall(body))
+        else:
+            raise ValueError(f"{value!r} is no duration: give one such as 5m, 30s, 1h, 0 (unload after each "
+                             f"request) or -1 (never unload)")
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValueError(f"{value!r} is no duration: give a finite number of seconds")
+    return None if seconds < 0 else seconds
 
 
 @dataclass(eq=False)
@@ -45,6 +65,7 @@ class Entry:
     last_used: float = 0.0
     reloadable: bool = True  # False: an engine handed in, which this pool cannot load again once dropped
     expiry: object = field(default=None, repr=False)  # the pending idle-unload timer
+    keep_alive: object = UNSET  # its latest request's keep-alive (seconds, None: never), else the server's
 
     @property
     def loaded(self) -> bool:
@@ -74,6 +95,20 @@ def blocker(entries, wanted: Entry) -> Entry | None:
 def to_unload(entries, wanted: Entry) -> list[Entry]:
     """The models to unload before `wanted` loads: every other loaded one (their experts hold the GPU)."""
     return [e for e in entries if e is not wanted and e.loaded]
+
+
+def keep_alive_of(entry: Entry, default: float | None) -> float | None:
+    """How long `entry` stays loaded once idle: what its latest request asked, else the server's `--keep-alive`."""
+    return default if entry.keep_alive is UNSET else entry.keep_alive
+
+
+def expires_in(entry: Entry, now: float, default: float | None) -> float | None:
+    """Seconds until a loaded `entry` unloads (None: not while it is busy, nor ever for a keep-alive of None or a
+    model the pool could not load again)."""
+    keep_alive = keep_alive_of(entry, default)
+    if keep_alive is None or entry.busy or not entry.reloadable:
+        return None
+    return max(0.0, keep_alive - (now - entry.last_used))
 
 
 def expired(entry: Entry, now: float, keep_alive: float | None) -> bool:
@@ -162,19 +197,31 @@ class ModelPool:
             _cancel(entry)
             return entry
 
-    def release(self, entry: Entry) -> None:
-        """A request on `entry` is over: once it is idle, unload it after the keep-alive."""
+    def release(self, entry: Entry, keep_alive=UNSET) -> None:
+        """A request on `entry` is over: once it is idle, unload it after the keep-alive (the request's own, in
+        seconds or None for never; UNSET: the server's)."""
         entry.busy -= 1
         entry.last_used = self.clock()
-        if entry.busy or self.keep_alive is None or not entry.reloadable:
+        entry.keep_alive = keep_alive
+        wait = keep_alive_of(entry, self.keep_alive)
+        if entry.busy or wait is None or not entry.reloadable:
             return
         loop = asyncio.get_running_loop()
         _cancel(entry)
-        entry.expiry = loop.call_later(self.keep_alive, lambda: loop.create_task(self._expire(entry)))
+        entry.expiry = loop.call_later(wait, lambda: loop.create_task(self._expire(entry)))
+
+    async def unload(self, entry: Entry) -> bool:
+        """Unload `entry` now if it is loaded, idle and could be loaded again (Ollama's keep_alive 0 with nothing to
+        generate); whether it is unloaded."""
+        async with self._lock:
+            entry.keep_alive = 0.0
+            if expired(entry, self.clock(), 0.0):
+                await asyncio.to_thread(self._drop, entry)
+        return not entry.loaded
 
     async def _expire(self, entry: Entry) -> None:
         async with self._lock:
-            if expired(entry, self.clock(), self.keep_alive):
+            if expired(entry, self.clock(), keep_alive_of(entry, self.keep_alive)):
                 await asyncio.to_thread(self._drop, entry)
 
     def _drop(self, entry: Entry) -> None:

@@ -50,7 +50,7 @@ from starlette.routing import Route
 from moedesk.app import chat_request, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.host_check import allowed_hosts, host_name
-from moedesk.app.model_registry import Entry, ModelBusy, ModelPool, NoRoom
+from moedesk.app.model_registry import UNSET, Entry, ModelBusy, ModelPool, NoRoom
 from moedesk.app.chat_request import NO_TOOLS, BadField, Tools
 from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options,
                                      speculative_draft)
@@ -258,9 +258,10 @@ class Server:
 
     # --- the request path every API shares ------------------------------------------------------
 
-    async def start(self, body: dict, chat: bool) -> Job:
+    async def start(self, body: dict, chat: bool, keep_alive=UNSET) -> Job:
         """Validate an OpenAI-style body, load its model if need be, and put it on the scheduler (503 when the queue
-        is full, or the model cannot load now)."""
+        is full, or the model cannot load now). keep_alive: how long the model stays loaded once idle after this
+        request (Ollama's per-request field; UNSET: the server's --keep-alive)."""
         entry = await self.acquire(_field(body, "model", str, required=True))
         released = False
 
@@ -268,7 +269,7 @@ class Server:
             nonlocal released
             if not released:
                 released = True
-                self.pool.release(entry)
+                self.pool.release(entry, keep_alive)
         try:
             return await self._start(body, chat, entry, release)
         except BaseException:

@@ -1,6 +1,10 @@
 """The Ollama API of `moedesk serve`, so that Ollama's clients work unchanged: /api/chat, /api/generate,
 /api/tags, /api/show, /api/ps, /api/version.
 
+A request's `keep_alive` (seconds, or a duration such as "5m"; 0: unload once idle; negative: never) sets how long
+its model stays loaded after it, as Ollama's does; without one, the server's --keep-alive applies. A load request
+(an empty prompt or no messages) with keep_alive 0 unloads the model, as `ollama stop` asks.
+
 Each request is turned into the OpenAI-style body the server's one request path takes (Server.start), and the
 reply back into Ollama's shape. Streaming is Ollama's: one JSON object per line (application/x-ndjson), the
 last with "done": true and the counts and durations (nanoseconds). Errors are Ollama's {"error": "..."} with
@@ -20,6 +24,7 @@ from starlette.routing import Route
 
 from moedesk import __version__ as moedesk_version
 from moedesk.app.api_errors import ApiError
+from moedesk.app.model_registry import UNSET, expires_in, parse_keep_alive
 
 VERSION = "0.12.0"  # the Ollama API version whose behaviour this follows; clients only compare it
 DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}  # the Ollama API's, where a request sets none
@@ -62,8 +67,8 @@ class OllamaApi:
         pool = self.server.pool
 
         def expires(entry) -> str:
-            left = 365 * 86400 if pool.keep_alive is None or entry.busy or not entry.reloadable \
-                else max(0.0, pool.keep_alive - (pool.clock() - entry.last_used))
+            left = expires_in(entry, pool.clock(), pool.keep_alive)
+            left = 365 * 86400 if left is None else left
             return (datetime.now(timezone.utc) + timedelta(seconds=left)).isoformat().replace("+00:00", "Z")
         return await self._guarded(http, lambda: JSONResponse({"models": [
             {**self._card(e), "expires_at": expires(e), "size_vram": 0, "context_length": e.engine.context_length}
@@ -93,22 +98,33 @@ class OllamaApi:
     async def chat(self, http: HttpRequest) -> Response:
         async def answer():
             body = await self._body(http)
+            if body.get("messages") in (None, []):  # Ollama's way to load (or, keep_alive 0, unload) a model
+                return await self._load(body, "message", {"role": "assistant", "content": ""})
             return await self._reply(http, body, self._chat_body(body), chat_api=True)
         return await self._guarded(http, answer)
 
     async def generate(self, http: HttpRequest) -> Response:
         async def answer():
             body = await self._body(http)
-            model = self._model(body)
             prompt = body.get("prompt")
             if prompt is not None and not isinstance(prompt, str):
                 raise OllamaError(400, "prompt must be a string")
-            if not prompt:  # Ollama's way to load a model: nothing to generate
-                self.server.pool.release(await self.server.acquire(model))
-                return JSONResponse({"model": model, "created_at": _now(), "response": "", "done": True,
-                                     "done_reason": "load"})
+            if not prompt:
+                return await self._load(body, "response", "")
             return await self._reply(http, body, self._generate_body(body), chat_api=False)
         return await self._guarded(http, answer)
+
+    async def _load(self, body: dict, field: str, empty) -> Response:
+        """A request with nothing to generate loads its model, or with keep_alive 0 unloads it."""
+        model, keep_alive = self._model(body), self._keep_alive(body)
+        if keep_alive == 0:
+            await self.server.pool.unload(self.server.pool.find(model))
+            reason = "unload"
+        else:
+            self.server.pool.release(await self.server.acquire(model), keep_alive)
+            reason = "load"
+        return JSONResponse({"model": body.get("model"), "created_at": _now(), field: empty, "done": True,
+                             "done_reason": reason})
 
     # --- requests --------------------------------------------------------------------------------------
 
@@ -136,6 +152,17 @@ class OllamaApi:
             served = ", ".join(f"'{_tagged(e.name)}'" for e in self.server.pool.entries)
             raise OllamaError(404, f"model '{name}' not found; this server serves {served}")
         return entry.name
+
+    @staticmethod
+    def _keep_alive(body: dict):
+        """The request's keep_alive in seconds (None: never unload; UNSET: none given, the server's applies)."""
+        value = body.get("keep_alive")
+        if value is None:
+            return UNSET
+        try:
+            return parse_keep_alive(value)
+        except ValueError as e:
+            raise OllamaError(400, f"keep_alive: {e}") from None
 
     def _sampling(self, body: dict) -> dict:
         options = body.get("options")
@@ -221,7 +248,7 @@ class OllamaApi:
         server = self.server
         model = body.get("model")
         started = time.perf_counter()
-        job = await server.start(openai_body, chat="messages" in openai_body)
+        job = await server.start(openai_body, chat="messages" in openai_body, keep_alive=self._keep_alive(body))
 
         def line(payload: dict) -> bytes:
             return json.dumps(payload, ensure_ascii=False).encode() + b"\n"

@@ -4,22 +4,38 @@ import asyncio
 
 import pytest
 
-from moedesk.app.model_registry import (Entry, ModelBusy, ModelPool, NoRoom, blocker, expired, parse_keep_alive,
-                                        room_refusal, to_unload)
+from moedesk.app.model_registry import (UNSET, Entry, ModelBusy, ModelPool, NoRoom, blocker, expired, expires_in,
+                                        keep_alive_of, parse_keep_alive, room_refusal, to_unload)
 
 GIB = 2**30
 
 
 @pytest.mark.parametrize("text, seconds", [("5m", 300), ("30s", 30), ("1h", 3600), ("90", 90), ("0", 0),
-                                           ("-1", None), ("-5m", None), ("1.5m", 90)])
+                                           ("-1", None), ("-5m", None), ("1.5m", 90), ("1h30m", 5400),
+                                           ("250ms", 0.25), (300, 300), (2.5, 2.5), (0, 0), (-1, None)])
 def test_keep_alive_durations(text, seconds):
     assert parse_keep_alive(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "soon", "5 minutes", "m", "5d"])
+@pytest.mark.parametrize("text", ["", "soon", "5 minutes", "m", "5d", "1h 30m", "--5m", True, None, [5],
+                                  float("nan"), float("inf")])
 def test_keep_alive_refuses_what_is_no_duration(text):
     with pytest.raises(ValueError, match="is no duration"):
         parse_keep_alive(text)
+
+
+def test_a_requests_keep_alive_wins_over_the_servers_until_the_next_request():
+    entry = Entry("a", "a", engine="A", last_used=100.0)
+    assert keep_alive_of(entry, 300.0) == 300.0 and expires_in(entry, 110.0, 300.0) == 290.0
+    entry.keep_alive = 60.0
+    assert keep_alive_of(entry, 300.0) == 60.0 and expires_in(entry, 110.0, 300.0) == 50.0
+    assert expires_in(entry, 1000.0, 300.0) == 0.0
+    entry.keep_alive = None  # a negative keep_alive: never
+    assert keep_alive_of(entry, 0.0) is None and expires_in(entry, 1e9, 0.0) is None
+    entry.keep_alive = UNSET
+    assert expires_in(entry, 1e9, None) is None
+    entry.busy = 1  # in use: no expiry yet
+    assert expires_in(entry, 110.0, 300.0) is None
 
 
 def test_one_model_on_the_gpu_at_a_time():

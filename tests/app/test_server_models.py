@@ -201,3 +201,51 @@ def test_serve_refuses_bad_model_flags_in_one_line_before_loading(flags, message
     assert main(["serve", *flags, "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(message) and "\n" not in err
+
+
+def _unloaded(base, name) -> bool:
+    for _ in range(200):
+        if not loaded(base)[name]:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_ollama_keep_alive_per_request_with_the_official_client(folders):
+    ollama = pytest.importorskip("ollama")  # the test extras install it
+    from datetime import datetime, timezone
+
+    server, pool = served(folders)  # the server's own keep-alive: never
+    short = {"num_predict": 2, "temperature": 0}
+    with server as base:
+        local = ollama.Client(host=base, headers=AUTH, timeout=120)
+
+        def left(name) -> float:  # seconds until /api/ps says it unloads
+            [model] = [m for m in local.ps().models if m.model == name]
+            return (model.expires_at - datetime.now(timezone.utc)).total_seconds()
+
+        local.chat(model="alpha", messages=ASK, options=short, keep_alive="10m")
+        assert 590 < left("alpha:latest") <= 600
+        local.generate(model="alpha", prompt="Hi", options=short, keep_alive=-1)  # negative: never
+        assert left("alpha:latest") > 300 * 86400
+        local.generate(model="alpha", prompt="Hi", options=short)  # none given: the server's, never
+        assert left("alpha:latest") > 300 * 86400
+        local.generate(model="alpha", prompt="Hi", options=short, keep_alive=0)  # 0: unloaded after this request
+        assert _unloaded(base, "alpha") and local.ps().models == []
+
+        # A number is seconds; streamed chat as well as plain.
+        assert list(local.chat(model="beta", messages=ASK, options=short, stream=True, keep_alive=1.5))[-1].done
+        assert 0 < left("beta:latest") <= 1.5
+        assert _unloaded(base, "beta")
+
+        # Ollama's load and `ollama stop`: nothing to generate, keep_alive 0 unloads at once.
+        assert local.generate(model="beta", keep_alive="1h30m").done_reason == "load"
+        assert 5390 < left("beta:latest") <= 5400 and loaded(base) == {"alpha": False, "beta": True}
+        assert local.generate(model="beta", keep_alive=0).done_reason == "unload"
+        assert loaded(base) == {"alpha": False, "beta": False}
+        assert local.chat(model="alpha", messages=[], keep_alive="5m").done_reason == "load"
+        assert loaded(base)["alpha"]
+
+        with pytest.raises(ollama.ResponseError) as caught:
+            local.chat(model="alpha", messages=ASK, options=short, keep_alive="soon")
+        assert caught.value.status_code == 400 and "keep_alive" in caught.value.error
