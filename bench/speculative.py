@@ -4,8 +4,8 @@ On a synthetic model of a real shape no trained draft head exists, so the draft 
 acceptance α is chosen: the target's own greedy continuation from the plain run, each drafted token replaced
 by a random other one with probability c. The target may reject an uncorrupted draft too: a k-token verify
 forward rounds in bf16 unlike the one-token forwards that made the continuation, so at a near tie (a
-random-weight model's logits are nearly flat) it may pick the other token; on the GPU box it did for ~15% of
-them, and a fixed c = 1 - α measured 0.67-0.71 for 0.8. So the oracle tracks q, the fraction of its
+random-weight model's logits are nearly flat) it may pick the other token, often enough that a fixed c = 1 - α
+measured well under α (docs/measurements.md, "Speculation and the benches"). So the oracle tracks q, the fraction of its
 uncorrupted drafts accepted so far, and corrupts with c = 1 - α / q: the measured acceptance is α (q stays 1
 in float32, where c is 1 - α; where α > q it cannot be reached, c = 0, and the report says so). From such a
 tie on, the precomputed continuation belongs to another sequence and every later draft of it would be wrong,
@@ -290,7 +290,7 @@ def full_batch_throughput(rounds, batch: int) -> tuple[float | None, int]:
 
 def timed_rounds(rounds) -> list:
     """The rounds a speed figure counts: not those whose forward captured CUDA graphs (a one-off cost of each
-    new shape, about 10% of a 96-token run of one Qwen3-shaped sequence on the GPU box)."""
+    new shape, a share of a short run worth leaving out: docs/measurements.md, "Speculation and the benches")."""
     return [r for r in rounds if not r.captured]
 
 
@@ -378,8 +378,8 @@ def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptanc
         auto_ratios, auto_whole = [], []
         for alpha in acceptances:
             # Each acceptance's runs are judged against plain decoding timed just before them: the same steps drift
-            # by up to 15% between the start of a batch size's runs and their end on the GPU box (plain B = 4 at
-            # 132 tok/s, auto's later rounds that drafted nothing, each a plain step, at 150-155).
+            # between the start of a batch size's runs and their end (docs/measurements.md, "Speculation and the
+            # benches").
             _, plain_tok_s, _ = plain_decode(bench, prompts, new_tokens + gamma, context)
             run = speculative_decode(bench, spec, prompts, new_tokens, alpha, gamma, seed=7, references=reference)
             row = _row(b, alpha, "greedy", gamma, run, plain_tok_s, plain_tokens, fit, table)

@@ -292,7 +292,7 @@ def _experts_per_step(stats, steps: int) -> float:
 def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, prompt: int = 32, rounds: int = 3,
                  log=print) -> dict:
     """Beam search of `beams` hypotheses against batched decode of `beams` sequences, step for step, on the same
-    executor and placement (issue 16: a beam step at most 1.2x a batched step). The rounds alternate the two,
+    executor and placement (issue 16's target: a beam step at most 1.2 batched steps). The rounds alternate the two,
     so that a drift of the machine hits both alike; medians over the rounds.
 
     A beam step is one forward of the W hypotheses plus choosing their continuations and gathering their cache

@@ -96,7 +96,7 @@ class TrainSettings:
     sample_temperature: float = 0.8
     # the LM-head products of the cross-entropy, most of the training's arithmetic (resolve_ce_dtype)
     ce_dtype: str = "auto"
-    # the token loss's softmax over the tokens the data holds ("data": 6.5k of the demo's 49k, 7x less of the
+    # the token loss's softmax over the tokens the data holds ("data": a fraction of the vocabulary, and so of the
     # arithmetic that dominates a step) or over the whole vocabulary ("full"). Drafting still scores every token:
     # the feature loss keeps the head's output near the target's, whose logits for tokens its answers never
     # use are low.
@@ -564,12 +564,9 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
     its expert 0, which in the upcycled demo is the dense MLP), rescaled from the residual stream's RMS (~36 on
     the demo) to the final features' (~2) that the head runs at, fc passing the feature through.
 
-    Measured on the demo (400 of the shipped prompts to train, 36 held out; top-1 agreement with the target at
-    draft depths 1-4 on the held-out answers, after 100 steps of 4 sequences): random 0.20/0.21/0.20/0.19,
-    last-layer 0.20/0.14/0.12/0.10 (copied unscaled: 0.001 at the start and a loss of 4e6 within 10 steps),
-    fit 0.29/0.22/0.21/0.21 before any step and 0.35/0.28/0.26/0.25 after them; random needed ~450 steps to
-    reach fit's starting point. The copied last layer maps a residual stream to the next layer's, not a final
-    feature to the next position's, so it is no better a start than noise."""
+    On the demo "fit" starts where random weights arrive only after hundreds of steps, and stays ahead
+    (docs/measurements.md, "The draft-head trainer"). The copied last layer maps a residual stream to the next
+    layer's, not a final feature to the next position's, so it is no better a start than noise."""
     if init not in INITS:
         raise MoedeskError(f"--init {init!r}: expected one of {', '.join(INITS)}")
     if cfg.version == 3:
@@ -588,8 +585,8 @@ def init_head(engine, cfg: EagleConfig, init: str, seed: int, sample_ids: list[i
         if init == "last-layer":
             _copy_last_layer(engine, head, feature, residual, embedding)
         else:
-            # the token matters as much as the feature, but its embedding is ~15x smaller (demo: RMS 0.13 against
-            # 1.9): equal weights would hide it until Adam had grown them over hundreds of steps
+            # the token matters as much as the feature, but its embedding is far smaller (the demo's: same section):
+            # equal weights would hide it until Adam had grown them over hundreds of steps
             head.fc.weight[:, :cfg.hidden_size] *= feature / max(embedding, 1e-6)
     return head.to(device=engine.device, dtype=torch.float32)
 
@@ -875,8 +872,8 @@ def _padded(data: DraftData, batch: list[int], source: torch.Tensor) -> tuple[to
 # --- the training loop ------------------------------------------------------------------------------
 
 def resolve_ce_dtype(choice: str, device) -> str:
-    """ "auto": bfloat16 on a GPU or on a CPU with native bf16 products (AVX512-BF16 or AMX: about 2.3x float32's
-    speed measured here), else float32 (emulated bf16 would be slower). From the hardware, not from a timing,
+    """ "auto": bfloat16 on a GPU or on a CPU with native bf16 products (AVX512-BF16 or AMX: faster than float32,
+    docs/measurements.md, "The draft-head trainer"), else float32 (emulated bf16 would be slower). From the hardware, not from a timing,
     so a run is the same run each time it starts."""
     if choice != "auto":
         return choice
@@ -955,7 +952,7 @@ def train(head: EagleHead, lm_head: torch.Tensor, data: DraftData, settings: Tra
     figures: dict = {}
     started, first = time.perf_counter(), step
     head.train()
-    order_of: tuple[int, list] = (-1, [])  # the epoch's batches, made once an epoch (~2 ms at 15k sequences)
+    order_of: tuple[int, list] = (-1, [])  # the epoch's batches, made once an epoch
     while step < total:
         epoch, index = divmod(step, per_epoch)
         if order_of[0] != epoch:

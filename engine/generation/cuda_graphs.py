@@ -1,10 +1,9 @@
 """Decode steps replayed from CUDA graphs: the GPU work between two MoE layers' experts, one graph each.
 
-Eager decode launches every small kernel of attention, norms and router from Python: on the
-H100 box that took 16-29 ms of a 37-54 ms Qwen3 step with all experts on the CPU
-(tests/perf/profile_decode.py), more than the experts. The work from one layer's experts to
-the next layer's routing is the same every step of a batch size, so it is captured once and
-replayed. The experts stay outside the graphs where the executor needs the routing on the host
+Eager decode launches every small kernel of attention, norms and router from Python, which took more of a
+Qwen3 step than its experts on the CPU (docs/measurements.md, "Decoding: graphs, sampling, the scheduler").
+The work from one layer's experts to the next layer's routing is the same every step of a batch size, so it is
+captured once and replayed. The experts stay outside the graphs where the executor needs the routing on the host
 to decide afresh each step; a layer whose experts all live on the GPU (the executor's
 `runs_on_device`) is captured whole, so it costs no round trip through the host. Each graph
 ends by copying its routing (tokens and expert ids) to pinned host memory, and the next one
@@ -15,8 +14,7 @@ their pinned host copies, while the host runs the others (a small graph of its o
 Where no layer needs a host decision (one token per step), the whole step is one graph instead, which hands
 each layer's routing to the host and waits on the GPU for its results through flags in pinned memory
 (kernels/host_handoff.py), computing the layer's resident experts itself meanwhile: the host launches
-nothing between layers, which took it ~110 µs a layer (tests/perf/probe_handoff.py, Qwen3-30B-A3B q4_k
-12 layers: every expert in RAM 178 → 204 tok/s; half of each layer's resident 159 → 341).
+nothing between layers, where its launches were a share of every layer's time (same section).
 A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
 hides what is past each row's position.
 
@@ -72,8 +70,8 @@ class GraphedDecode:
         self.broken: str | None = None  # why capturing failed; decode is eager from then on
         self.captures = 0  # shapes captured (set up, with capture=False) so far: a timing can leave those out
         # Forwards left eager because their multi-token shape was seen fewer than capture_after times: a new
-        # shape's one-off cost too (eager runs every kernel launch from Python: a Qwen3-shaped B = 16 verify
-        # took ~5x its replay), not what the shape costs once it recurs.
+        # shape's one-off cost too (eager runs every kernel launch from Python, several replays' worth), not what the
+        # shape costs once it recurs.
         self.warmups = 0
 
     def release(self) -> None:
@@ -237,7 +235,7 @@ class _Captured:
         moe = self.model.layers[self.moe_at[j]].moe
         if self.host is not None:
             # The step's stream, looked up once per step: Event.record() without one asks torch for the current
-            # stream, 30 µs per layer of host time on the GPU box (a Qwen3 q4_k decode step: 12 layers, 5.6 ms).
+            # stream, host time paid again at every layer.
             self.host.ready.record(stream)
             self.host.streamed, self.host.cpu_rows = self.streamed[j], self.cpu_rows[j]
             if self.streamed[j] or self.cpu_rows[j]:

@@ -16,9 +16,10 @@ def sample_tokens(logits: torch.Tensor, params: list[SamplingParams], generators
     generators[i] (a CPU torch.Generator, or None for the global one).
 
     A whole batch is sampled in a few tensor operations: one sort for the rows with top-p, not one per row on
-    the CPU (which cost ~2 ms a row at a 49k vocabulary, and made 256 sampled rows ten times slower than the
-    model's step on a GPU). Each row still takes exactly one uniform number from its own generator and is drawn
-    by inverting its cumulative distribution, so a seed gives the same tokens whatever else shares the batch.
+    the CPU (which at large batches took longer than the model's step on a GPU: docs/measurements.md, "Decoding:
+    graphs, sampling, the scheduler"). Each row still takes exactly one uniform number from its own generator and
+    is drawn by inverting its cumulative distribution, so a seed gives the same tokens whatever else shares the
+    batch.
     """
     if not params:
         return []

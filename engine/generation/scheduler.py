@@ -47,10 +47,8 @@ log = logging.getLogger("moedesk")
 
 # Prompt tokens per prefill piece while others decode. With the experts in RAM a piece's time is mostly each
 # layer's experts read or copied once, whatever its length, so on a GPU few long pieces stall the running
-# sequences less in all than many short ones: 16 clients' 128-token prompts arriving together (GPU box,
-# Mixtral shape, experts in RAM, tests/perf/bench_serve.py) all had a first token after 0.99-1.13 s in 2
-# pieces of 2048, after 3.31-3.51 s in 5 pieces of 512, and the whole run went from 65.5-72.1 to 84.3-87.2
-# tok/s. On the CPU a piece's time grows with its tokens: short pieces bound the others' wait.
+# sequences less in all than many short ones (docs/measurements.md, "Decoding: graphs, sampling, the scheduler").
+# On the CPU a piece's time grows with its tokens: short pieces bound the others' wait.
 PREFILL_CHUNK_GPU = 2048
 PREFILL_CHUNK_CPU = 512
 

@@ -69,18 +69,17 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     verify step); if that γ does not fit, the longest shorter one that fits (and, to exploit, still pays at
     alpha) is taken. So by construction, in the costs' own model and at a fixed B, auto's time for n tokens
     per row is at most plain decoding's plus EXPLORE_SHARE · max(n, horizon) · T(B, 1), whatever the
-    acceptance. The batch passes horizon = min(EXPLORE_HORIZON, its longest request): 1.01x plain for a run
-    of any length that goes to its end (a short run has little to gain and probes little), 1.017x at worst
-    for one cut short at 96 of 160 tokens.
+    acceptance. The batch passes horizon = min(EXPLORE_HORIZON, its longest request): plain decoding's time and
+    EXPLORE_SHARE more for a run of any length that goes to its end (a short run has little to gain and probes
+    little), a little more for one cut short.
 
     What the budget buys on the Qwen3 batch-1 shape (T(1,2) = 1.6 and T(1,5) = 1.96 times T(1,1), drafting
     free), for a run of 160 tokens or more: 1.6 plain steps at the start, i.e. a 4-draft probe in the first
     round (loses 0.96 steps if its first draft is rejected) and a 1-draft one after it (0.6), then one 4-draft
     probe per 96 plain steps; a probe that accepts j of 4 drafts books (0.96 - j) steps, so a good draft pays
-    for its next probes at once. Simulated there at acceptance 0.8 (the tests): the estimate alone drafts
-    within 24 rounds in 93 runs of 100 of 160 tokens (auto 1.65x plain on average against chains' 1.71x), in
-    81 of 100 of 96 tokens (1.55x). The old rule (a 1-draft probe after 64 plain steps in a row) never
-    speculated in a 96-token run on the GPU box (1.02x)."""
+    for its next probes at once. The tests simulate it there at acceptance 0.8; what it gained, and what the
+    old rule (a 1-draft probe after 64 plain steps in a row) did not, is in docs/measurements.md, "Speculation
+    and the benches"."""
     ar = costs.ar_ms(batch)
     if ar is None:
         return 0
@@ -105,7 +104,8 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
     draft length pay at this batch size, or where its first round, with no evidence yet, could not afford a probe
     (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no longer than that horizon does not grow
     with its plain rounds, so such a run would draft nothing to its end, paying for the speculative path's rounds
-    instead of plain steps (on the GPU box: Qwen3 shape, B = 1, 32 tokens: 0.90-1.00x plain in one run)."""
+    instead of plain steps (slower than plain on the GPU box: docs/measurements.md, "Speculation and the
+    benches")."""
     if not perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma:
         return True
     prior = acceptance_estimate(0, 0)
@@ -117,13 +117,12 @@ class RunningCosts:
     token as this run measures it.
 
     The table is the best of 3 bare forwards; a run's rounds also accept, compact and stream, on a machine
-    whose memory bandwidth varies from run to run. On the GPU box (Mixtral shape, B = 32) a round verifying 4
-    drafts took 335 ms against the table's 260, and auto, pricing drafts by the table, speculated at 0.87x
-    plain. So each round's own time (verify to streamed tokens) is divided by what the table says it should
+    whose memory bandwidth varies from run to run, and auto pricing drafts by the table alone speculated slower
+    than plain (docs/measurements.md, "Speculation and the benches"). So each round's own time (verify to streamed tokens) is divided by what the table says it should
     take, a running ratio for rounds that verify drafts and one for rounds that draft nothing, and verifying
     is priced at the table times how much more the first ratio is than the second (never less than the
     table: a machine slower all round, or plain rounds not seen yet, must not make drafting look cheaper;
-    scaling plain rounds up instead had auto draft at 0.83x on the box at B = 1)."""
+    scaling plain rounds up instead had auto draft slower than plain, same section)."""
 
     def __init__(self, target_ms: dict):
         self.table = perf_model.MeasuredCosts(target_ms)

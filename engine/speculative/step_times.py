@@ -34,8 +34,8 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
 
     graphs: as Speculator takes it (None: where the device wants CUDA graphs). The forwards are then replayed
     from graphs captured for each shape, as plain decode steps and speculative verify forwards run, so auto
-    prices what runs: eager forwards paid ~10-12 ms of kernel launches per step on the H100 box that the
-    graphed plain step does not."""
+    prices what runs: eager forwards pay kernel launches every step that the graphed plain step does not
+    (docs/measurements.md, "Speculation and the benches")."""
     if graphs is None:
         from moedesk.engine.generation.cuda_graphs import graphs_wanted
 

@@ -19,7 +19,7 @@ def visible(text: str) -> str:
 
 
 def meta_line(meta: dict) -> str:
-    """'42 tokens · 31.5 tok/s · stopped' from a reply's saved meta (no wall-clock times: it is saved)."""
+    """'<n> tokens · <rate> tok/s · stopped' from a reply's saved meta (no wall-clock times: it is saved)."""
     parts = []
     tokens = meta.get("tokens")
     if isinstance(tokens, int):
