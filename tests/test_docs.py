@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import ast
 import functools
+import io
 import re
 import shutil
 import subprocess
 import sys
+import tokenize
 import zipfile
 from pathlib import Path
 
@@ -52,6 +54,43 @@ def test_nothing_cites_a_document_outside_the_repository():
 def test_the_outside_pattern_catches_what_it_should():
     assert OUTSIDE.search("The contract (DESIGN.md, \"Contracts\")") and OUTSIDE.search("# DESIGN's example")
     assert OUTSIDE.search("SRC from ../shared/tools/llamacpp") and not OUTSIDE.search("the design of the kernel")
+
+
+# A measured speed in prose: tokens or bytes a second, or "N times" another way ("2.3x float32's", "3x faster").
+FIGURE = re.compile(r"(?i)\d\s*(?:tok(?:en)?s?/s|[kMGT]i?B/s)\b|\d\s*(?:%|[x×])\s*(?:faster|slower)\b"
+                    r"|\b\d+(?:\.\d+)?[x×](?=[\s,;:.)]|$)")  # "2 x L weights" is arithmetic, "2x" a ratio
+
+
+def prose(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every comment and docstring line in a Python file: where a figure would be a claim."""
+    source = path.read_text()
+    found = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                found += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return found
+
+
+def test_the_figure_pattern_catches_what_it_should():
+    for claim in ("decoded 101 tok/s", "read at 88-90 GB/s", "about 2.3x float32's speed", "took ~5x its replay",
+                  "1.01x plain", "3% faster", "2 x faster", "1.2 TB/s", "a 12 tokens/s run"):
+        assert FIGURE.search(claim), claim
+    for plain in ("0.1 x the cross-entropy", "units of 2 x L weights", "'<rate> tok/s'", "8x7B", "0x1f", "4x4 tiles", "at most 1.2 batched steps",
+                  "a 64-row tile", "top-8 of 128 experts"):
+        assert not FIGURE.search(plain), plain
+
+
+def test_code_comments_hold_no_measured_speeds():
+    """Measured speeds live in docs/measurements.md (with their source); a comment keeps the why and cites the
+    section by name."""
+    found = [f"{path.relative_to(ROOT)}:{line}: {text.strip()[:80]}"
+             for folder in (*layers(), "moedesk") for path in sorted((ROOT / folder).rglob("*.py"))
+             for line, text in prose(path) if FIGURE.search(text)]
+    assert not found, "move these figures to docs/measurements.md:\n" + "\n".join(found)
 
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
