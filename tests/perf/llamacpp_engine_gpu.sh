@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# On the GPU box, from the repo root: issue 40's targets for the llama.cpp engine, in two phases on one machine.
+#   bash tests/perf/llamacpp_engine_gpu.sh build     llama.cpp with CUDA (shared libraries + llama-bench) into /tmp/llb,
+#                                                      while `pytest -m gpu` runs (about 5 min)
+#   bash tests/perf/llamacpp_engine_gpu.sh compare   tests/perf/compare_llamacpp_engine.py on the built libraries
+# Needs .llamacpp (a llama.cpp source tree: docs/benchmarks.md, "Against llama.cpp") and .pylib/llama_cpp, the
+# llama-cpp-python package of the same version without its libraries: the CUDA ones built here are put beside it.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; B=/tmp/llb
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+case "${1:-}" in
+build)
+  (cmake -S .llamacpp -B "$B" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
+     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+     > "$OUT/cfg.log" 2>&1 && cmake --build "$B" --target llama llama-bench -j 14 > "$OUT/build.log" 2>&1) &
+  build=$!
+  python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests 2>&1 > "$OUT/pytest_gpu.txt"
+  tail -n 25 "$OUT/pytest_gpu.txt"
+  wait $build && echo "llama.cpp built" || { tail -n 30 "$OUT/cfg.log" "$OUT/build.log"; exit 1; } ;;
+compare)
+  rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
+  find "$B" -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+  python3 -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
+  python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
+    --expert-format q4_k --budgets "${BUDGETS:-3,5}" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
+  gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \
+    python3 tests/perf/bench_serve.py --model "$gguf" --engine llama.cpp --clients 4 2>&1 | tee "$OUT/serve.txt" | tail -n 8 ;;
+*) echo "usage: $0 build|compare"; exit 2 ;;
+esac
