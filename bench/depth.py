@@ -8,6 +8,7 @@ CUDA graphs), and the prefill piece is the best of `repeat` forwards of `chunk` 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -22,11 +23,21 @@ def depth_context(depth: int, decode_tokens: int, chunk: int) -> int:
     return depth + max(chunk, decode_tokens + 2) + 1
 
 
-def measure_at_depth(model, executor, cfg, device, dtype, depth: int, decode_tokens: int = 64, chunk: int = 512,
-                     seed: int = 0, repeat: int = 2, graphs: bool | None = None, piece: int | None = None):
-    """(decode, prefill) BenchResults of one sequence at `depth` tokens of context. piece: prompt tokens per
-    prefill forward while filling the context (default: the engine's for the device)."""
-    from moedesk.bench.synthetic import BenchResult, random_prompt
+@dataclass(frozen=True)
+class DepthTimes:
+    depth: int
+    decode_steps: int  # the decode steps timed (the first, which captures graphs, is not)
+    decode_s: float
+    chunk: int
+    prefill_s: float  # the best forward of `chunk` tokens at positions depth onward
+
+
+def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: int, decode_tokens: int = 64,
+                     chunk: int = 512, repeat: int = 2, graphs: bool | None = None,
+                     piece: int | None = None) -> DepthTimes:
+    """Decode and a prefill piece of one sequence after `depth` tokens of context, the first depth + chunk tokens
+    of `prompt` (the context, then the piece). piece: prompt tokens per prefill forward while filling the context
+    (default: the engine's for the device)."""
     from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
     device = torch.device(device)
@@ -36,15 +47,15 @@ def measure_at_depth(model, executor, cfg, device, dtype, depth: int, decode_tok
     runner.reserve(1, length)
     decoder = Decoder(runner, executor, None)
     params = SamplingParams(max_new_tokens=decode_tokens + 2, temperature=0, ignore_eos=True)
-    prompt = random_prompt(depth + chunk, cfg.vocab_size, seed)
-    seq = decoder.start(Request(prompt[:depth] or prompt[:1], params), 0)
+    if depth < 1 or len(prompt) < depth + chunk:
+        raise ValueError(f"need depth >= 1 and {depth + chunk} prompt tokens, got {depth} and {len(prompt)}")
+    seq = decoder.start(Request(prompt[:depth], params), 0)
     piece = piece or default_prefill_chunk(device)
     while seq.prefilled < len(seq.request.prompt_ids):
         list(decoder.prefill([seq], budget=piece))
 
-    start = len(seq.request.prompt_ids)  # depth, or 1 where the depth is 0 (decode needs a token to follow)
     tokens = torch.tensor([prompt[depth:depth + chunk]], device=device)
-    positions = torch.arange(start, start + chunk, device=device)[None]
+    positions = torch.arange(depth, depth + chunk, device=device)[None]
     last = torch.tensor([chunk - 1], device=device)
     best = float("inf")
     for _ in range(repeat):  # the piece rewrites the same positions each time: the decode below overwrites them
@@ -53,7 +64,6 @@ def measure_at_depth(model, executor, cfg, device, dtype, depth: int, decode_tok
         runner.prefill(tokens, positions, executor, logits_at=last)
         synchronize(device)
         best = min(best, time.perf_counter() - t0)
-    prefill = BenchResult("prefill", chunk, 1, best, chunk / best, depth=depth)
 
     list(decoder.decode([seq]))  # captures the graphs: not what a step costs
     synchronize(device)
@@ -63,6 +73,4 @@ def measure_at_depth(model, executor, cfg, device, dtype, depth: int, decode_tok
     for _ in range(decode_tokens - 2):
         list(decoder.decode([seq]))
     synchronize(device)
-    seconds = time.perf_counter() - t0
-    decode = BenchResult("decode", decode_tokens, 1, seconds, (decode_tokens - 2) / seconds, depth=depth)
-    return decode, prefill
+    return DepthTimes(depth, decode_tokens - 2, time.perf_counter() - t0, chunk, best)

@@ -263,9 +263,11 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
         results.append(r)
     for depth in contexts:
         log(f"context {depth}: prefilling it, then decode and a {context_chunk}-token prefill piece")
-        decode, piece = measure_at_depth(model, executor, cfg, device, dtype, depth, decode_tokens, context_chunk)
-        decode.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, 1, expert_bytes, read_bps)
-        results += [decode, piece]
+        t = measure_at_depth(model, executor, device, dtype, random_prompt(depth + context_chunk, cfg.vocab_size, depth),
+                             depth, decode_tokens, context_chunk)
+        results += [BenchResult("decode", decode_tokens, 1, t.decode_s, t.decode_steps / t.decode_s,
+                                traffic_bound(executor.stats, t.decode_steps, 1, expert_bytes, read_bps), depth),
+                    BenchResult("prefill", t.chunk, 1, t.prefill_s, t.chunk / t.prefill_s, depth=depth)]
     executor.stats = type(executor.stats)()
     return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results]}
 

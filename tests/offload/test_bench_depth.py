@@ -3,7 +3,7 @@ import torch
 
 from moedesk.app.cli import main
 from moedesk.bench.depth import depth_context, measure_at_depth
-from moedesk.bench.synthetic import run_bench
+from moedesk.bench.synthetic import random_prompt, run_bench
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
 from moedesk.engine.generation.scheduler import PREFILL_CHUNK_CPU
 from moedesk.engine.offload.expert_executor import LocalExecutor
@@ -50,12 +50,11 @@ def test_the_context_is_prefilled_in_pieces_into_the_cache_decode_reads(monkeypa
             caches.append(self.cache)
 
     monkeypatch.setattr(runner_module.ModelRunner, "reserve", keep)
-    decode, piece = measure_at_depth(model, executor, cfg, "cpu", torch.float32, 100, decode_tokens=4, chunk=16,
-                                     graphs=False, piece=24)
-    assert decode.depth == piece.depth == 100 and piece.tokens == 16
-    from moedesk.bench.synthetic import random_prompt
-
-    tokens = torch.tensor([random_prompt(100 + 16, cfg.vocab_size, 0)[:100]])
+    prompt = random_prompt(100 + 16, cfg.vocab_size, 0)
+    times = measure_at_depth(model, executor, "cpu", torch.float32, prompt, 100, decode_tokens=4, chunk=16,
+                             graphs=False, piece=24)
+    assert times.depth == 100 and times.chunk == 16 and times.decode_steps == 2 and times.decode_s > 0
+    tokens = torch.tensor([prompt[:100]])
     whole = model.new_cache(1, 100, torch.float32, "cpu")
     model(tokens, torch.arange(100)[None], whole, executor)
     [cache] = caches

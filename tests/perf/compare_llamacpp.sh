@@ -6,6 +6,10 @@
 # Quantised experts, the same way (after the llama phase built llama.cpp and wrote the F16 GGUFs):
 #   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh llama-quant     (llama-quantize to Q4_0, Q4_K_M, Q8_0 + bench)
 #   bash tests/perf/compare_llamacpp.sh moedesk-quant                  (our packed benches + ratios)
+# Long contexts (issue 42.3), the whole Mixtral-8x7B shape with Q4_K experts at a 16 GiB budget, three commands:
+#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-build    (llama.cpp with flash attention + the GGUF)
+#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-llama    (llama-bench -fa 1 -d 512,8192,16384,32768)
+#   bash tests/perf/compare_llamacpp.sh depth-moedesk                (bench --context at the same depths + ratios)
 # SRC is a llama.cpp source tree and TOOLS a folder with make_gguf.py (docs/benchmarks.md, "Against
 # llama.cpp"). Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
 # (tests/perf/make_qwen3_gguf.py), 16-bit weights, 16 threads.
@@ -146,5 +150,58 @@ for name, o, t, b16 in cases:
               f"{r['pct_of_bound'] or 0:>8.0f}%{x16:>11}")
 PY
   ;;
-*) echo "usage: $0 llama|moedesk|llama-quant|moedesk-quant"; exit 2 ;;
+depth-build)
+  # Flash attention compiled in (the phases above build without it): llama.cpp's best at depth. Rerun the phase
+  # if a device command's time ends before the build does: cmake carries on where it stopped.
+  (cd "$SRC" && cmake -B build-fa -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
+     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON > "$W/cfg_fa.log" 2>&1 \
+     && cmake --build build-fa --target llama-bench -j 15 > "$W/build_fa.log" 2>&1) &
+  build=$!
+  [ -f "$W/mix_q4k_whole.gguf" ] || { python3 tests/perf/make_mixtral_q4k_gguf.py "$W/mix_q4k_whole.partial" 32 \
+    > "$W/gguf_whole.log" 2>&1 && mv "$W/mix_q4k_whole.partial" "$W/mix_q4k_whole.gguf"; }
+  wait $build || { tail -n 20 "$W/cfg_fa.log" "$W/build_fa.log"; exit 1; }
+  ls -l "$W/mix_q4k_whole.gguf" "$SRC/build-fa/bin/llama-bench" ;;
+depth-llama)
+  # -ncmoe: the layers whose experts the 16 GiB left no room for once weights, the 32k KV cache and attention's
+  # workspace are counted (engine.offload.gpu_budget, as our bench places them), as whole layers.
+  export PYTHONPATH=${PYTHONPATH:-}:.
+  ncm=$(python3 -c "
+from moedesk.engine.load.synthetic import shape_config
+from moedesk.engine.offload.gpu_budget import *
+from moedesk.kernels.quant_formats import FORMATS
+c = shape_config('mixtral-8x7b'); n = 32768 + 512 + 1
+s = split_gpu_budget(16 * GIB, non_expert_bytes(c, 2), kv_bytes_per_position(c, 2), n, prefill_workspace_bytes(c, 2048, n, 2))
+e = int(3 * c.hidden_size * c.moe_intermediate_size * FORMATS['q4_k'].bits_per_weight() / 8)
+print(c.num_layers - s.experts_fit(e) // c.num_experts)")
+  echo "llama-bench -ncmoe $ncm (16 GiB at 32k)"
+  "$SRC/build-fa/bin/llama-bench" -m "$W/mix_q4k_whole.gguf" -ngl 99 -ncmoe "$ncm" -fa 1 -t 16 -p 512 -n 64 \
+    -d 512,8192,16384,32768 -r 1 -o json > "$W/llama_depth.json"
+  cp "$W/llama_depth.json" "$OUT"/ ;;
+depth-moedesk)
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH=${PYTHONPATH:-}:. PYTHONUNBUFFERED=1
+  rm -f "$W"/*.gguf  # the page cache and the disk back for our banks
+  python3 -m moedesk bench --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 --prefill 512 --batch 1 \
+    --context 512 8192 16384 32768 --json > "$W/ours_depth.json"
+  cp "$W/ours_depth.json" "$OUT"/
+  python3 - "$W" <<'PY'
+import json, sys
+w = sys.argv[1]
+ours = {(r["mode"], r["depth"]): r["tok_s"] for r in json.load(open(f"{w}/ours_depth.json"))["results"]}
+try:
+    theirs = {("prefill" if r["n_prompt"] else "decode", r["n_depth"]): r["avg_ts"]
+              for r in json.load(open(f"{w}/llama_depth.json"))}
+except FileNotFoundError:
+    theirs = {}
+print(f"{'depth':>6}{'decode':>9}{'llama':>8}{'ratio':>7}{'vs 512':>8}{'prefill 512':>13}{'llama':>8}{'ratio':>7}")
+for d in (512, 8192, 16384, 32768):
+    dec, pre = ours[("decode", d)], ours[("prefill", d)]
+    ld, lp = theirs.get(("decode", d)), theirs.get(("prefill", d))
+    print(f"{d:>6}{dec:>9.1f}{ld or 0:>8.1f}{dec / ld if ld else 0:>7.2f}{dec / ours[('decode', 512)]:>8.2f}"
+          f"{pre:>13.1f}{lp or 0:>8.1f}{pre / lp if lp else 0:>7.2f}")
+PY
+  ;;
+*) echo "usage: $0 llama|moedesk|llama-quant|moedesk-quant|depth-build|depth-llama|depth-moedesk"; exit 2 ;;
 esac
