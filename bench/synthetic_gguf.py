@@ -2,7 +2,8 @@
 
 Random weights (speed does not depend on the values) tiled from one block, written in F16 one tensor at a time and
 quantised by llama.cpp's own quantiser to the format asked for; the files are kept in the cache folder, a shape,
-layer count and format each, because a full-size write and quantisation takes minutes.
+layer count and format each, because a full-size write and quantisation takes minutes. tests/perf's GGUF writers
+(the llama-bench comparisons) take `tiled` and `add_placeholder_vocabulary` from here, and the Qwen3 one all of it.
 """
 from __future__ import annotations
 
@@ -77,12 +78,11 @@ def write_f16(cfg: ModelConfig, path: Path) -> None:
             tensors += [(p + "attn_q_norm.weight", (D,), "one"), (p + "attn_k_norm.weight", (D,), "one")]
 
     def value(shape, kind):
-        n = int(np.prod(shape))
         if kind == "one":
             return np.ones(shape, dtype=np.float32)
         if kind == "router":
             return rng.standard_normal(shape, dtype=np.float32)
-        return np.resize(block, n).reshape(shape)
+        return tiled(int(np.prod(shape)), block).reshape(shape)
 
     w = gguf.GGUFWriter(str(path), GGUF_ARCH[cfg.arch])
     w.add_name(f"{cfg.arch}-shape-random")
@@ -102,15 +102,7 @@ def write_f16(cfg: ModelConfig, path: Path) -> None:
     w.add_expert_count(E)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_file_type(1)
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    tokens += [f"t{i}" for i in range(V - len(tokens))]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * V)
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (V - 259))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_placeholder_vocabulary(w, V)
     for name, shape, kind in tensors:
         dtype = np.float32 if kind in ("one", "router") else np.float16
         w.add_tensor_info(name, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
@@ -120,3 +112,22 @@ def write_f16(cfg: ModelConfig, path: Path) -> None:
     for name, shape, kind in tensors:
         w.write_tensor_data(value(shape, kind))
     w.close()
+
+
+def tiled(n: int, block: np.ndarray) -> np.ndarray:
+    """`n` values repeating `block`: a tensor of random weights without drawing each one."""
+    return np.resize(block, n)
+
+
+def add_placeholder_vocabulary(w, size: int) -> None:
+    """A vocabulary of `size` tokens for GGUF writer `w`: llama's control and byte tokens, then t0, t1, ...
+    Enough for llama-bench and the llama.cpp engine, which time token ids and never read them as text."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += [f"t{i}" for i in range(size - len(tokens))]
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * size)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (size - 259))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import gguf  # noqa: E402
 from gguf.quants import quantize  # noqa: E402
 
+from moedesk.bench.synthetic_gguf import add_placeholder_vocabulary, tiled  # noqa: E402
 from tests.gguf_from_hf import FAMILIES, gguf_tensors, model_metadata  # noqa: E402
 
 SHAPES = {
@@ -58,11 +59,6 @@ QTYPES = {"mxfp4": gguf.GGMLQuantizationType.MXFP4, "q4_k": gguf.GGMLQuantizatio
 ROUTED = re.compile(r"blk\.\d+\.ffn_(?:gate|up|down)_exps\.weight")
 rng = np.random.default_rng(0)
 values = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02)
-
-
-def tiled(n: int, block: np.ndarray) -> np.ndarray:
-    reps = -(-n // block.size)
-    return np.tile(block, reps)[:n] if reps > 1 else block[:n].copy()
 
 
 def q4_k_block_row(k: int) -> np.ndarray:
@@ -114,16 +110,7 @@ def main() -> None:
     w = gguf.GGUFWriter(args.out, fam.gguf_arch)
     w.add_name(f"{args.shape}-shape-random-{args.layers}-layers")
     model_metadata(w, family, cfg)
-    vocab = cfg["vocab_size"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
-    tokens += [f"t{i}" for i in range(vocab - len(tokens))]
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (vocab - 259))
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_placeholder_vocabulary(w, cfg["vocab_size"])
     expert_format = args.experts or default_format
     for name, t in gguf_tensors(family, cfg, hub):
         shape = tuple(t.shape)

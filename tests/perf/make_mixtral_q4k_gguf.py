@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 import gguf  # noqa: E402
 
 from tests.load.test_gguf_checkpoint import spm_vocab  # noqa: E402
-from tests.perf.make_family_gguf import packed, tiled, values  # noqa: E402
+from moedesk.bench.synthetic_gguf import tiled  # noqa: E402
+from tests.perf.make_family_gguf import packed, values  # noqa: E402
 
 # mistralai/Mixtral-8x7B-v0.1's config.json, unless MIXTRAL_DIMS says otherwise
 H, F, E, TOP, HEADS, KV = (int(v) for v in os.environ.get("MIXTRAL_DIMS", "4096,14336,8,2,32,8").split(","))

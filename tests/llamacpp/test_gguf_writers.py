@@ -1,0 +1,31 @@
+"""tests/perf's GGUF writers for the llama-bench comparisons share bench/synthetic_gguf.py's: what they write,
+llama.cpp loads and runs (at toy sizes here; the GPU box writes the real shapes)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_qwen3_writer_is_the_bench_shape_and_llama_cpp_runs_it(tmp_path):
+    from gguf import GGUFReader
+
+    out = tmp_path / "qwen3.gguf"
+    done = subprocess.run([sys.executable, str(ROOT / "tests/perf/make_qwen3_gguf.py"), str(out), "2", "--tiny"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    reader = GGUFReader(out)
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert reader.fields["qwen3moe.expert_used_count"].contents() == 2
+    shapes = {t.name: tuple(int(d) for d in t.shape) for t in reader.tensors}
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (64, 32, 8)  # GGUF order: hidden, expert rows, experts
+    assert "blk.1.attn_k_norm.weight" in shapes and "blk.2.attn_norm.weight" not in shapes
+    model = llama_cpp.Llama(str(out), n_ctx=64, n_threads=1, verbose=False)
+    assert model.n_vocab() == 512
+    model.eval([1, 300, 301, 302])
+    assert model.scores[3].shape == (512,) and abs(float(model.scores[3].max())) < float("inf")
