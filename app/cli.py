@@ -235,7 +235,7 @@ _counts.__name__ = "comma-separated positive integers"
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from moedesk.app.batch import AUTO_BATCH_CAP
-    from moedesk.app.server import DEFAULT_MAX_QUEUE
+    from moedesk.app.server import DEFAULT_MAX_QUEUE, SHUTDOWN_GRACE_S
 
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default: 127.0.0.1, this machine only; 0.0.0.0 opens it to the "
@@ -261,6 +261,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE, metavar="N",
                         help=f"requests that may wait for a free slot; more get 503 with Retry-After "
                              f"(default: {DEFAULT_MAX_QUEUE})")
+    parser.add_argument("--shutdown-grace", type=float, default=SHUTDOWN_GRACE_S, metavar="S",
+                        help=f"on SIGTERM or ctrl+c, replies being written get S seconds to finish; then each ends "
+                             f"with an error event and [DONE] (default: {SHUTDOWN_GRACE_S:g})")
     parser.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                         help="prompt tokens prefilled per step while others decode (default: 2048 on a GPU, 512 on the CPU)")
 
@@ -402,6 +405,8 @@ def run_serve_command(args) -> int:
                         ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and (value < (0 if flag == "--max-queue" else 1) or flag == "--port" and value > 65535):
             raise MoedeskError(f"{flag} {value}: out of range")
+    if not 0 <= args.shutdown_grace <= 3600:  # NaN fails this too
+        raise MoedeskError(f"--shutdown-grace {args.shutdown_grace}: out of range (0 to 3600 seconds)")
     from moedesk.app.model_registry import parse_keep_alive
 
     try:
@@ -447,7 +452,7 @@ def run_serve_command(args) -> int:
     return run_server(first.engine, args.host, args.port, log=lambda line: print(line, file=sys.stderr),
                       api_key=api_key, max_queue=args.max_queue, models=pool, speculation=speculation,
                       cors=tuple(o.strip() for o in (args.cors or "").split(",") if o.strip()),
-                      allow_hosts=tuple(args.allow_host))
+                      allow_hosts=tuple(args.allow_host), grace_s=args.shutdown_grace)
 
 
 def serve_pool(args, sources: list[str], load, keep_alive):

@@ -71,6 +71,8 @@ MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
+SHUTDOWN_GRACE_S = 5.0  # on SIGTERM or ctrl+c, replies being written get this long before each is ended
+CUT = object()  # put on an open job's queue when the server stops before its reply is done
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class ReplyReader:
         shown = self.stream.shown
         return shown if self.prepared.tools.parallel else replace(shown, tool_calls=shown.tool_calls[:1])
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: the server keeps its open jobs in a set
 class Job:
     """A submitted request: its engine handle, the queue its updates arrive on, and their reader."""
 
@@ -167,6 +169,8 @@ class Server:
         self.max_queue = max_queue
         self.model_id = self.pool.entries[0].name
         self.created = int(time.time())
+        self.open_jobs: set[Job] = set()  # submitted and not yet answered: what a shutdown must end properly
+        self.stopping = False
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
@@ -262,19 +266,39 @@ class Server:
         """Validate an OpenAI-style body, load its model if need be, and put it on the scheduler (503 when the queue
         is full, or the model cannot load now). keep_alive: how long the model stays loaded once idle after this
         request (Ollama's per-request field; UNSET: the server's --keep-alive)."""
+        if self.stopping:
+            raise _stopping_error()
         entry = await self.acquire(_field(body, "model", str, required=True))
         released = False
+        job = None
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                self.open_jobs.discard(job)
                 self.pool.release(entry, keep_alive)
         try:
-            return await self._start(body, chat, entry, release)
+            job = await self._start(body, chat, entry, release)
         except BaseException:
             release()
             raise
+        self.open_jobs.add(job)
+        return job
+
+    def stop(self, grace_s: float = SHUTDOWN_GRACE_S) -> int:
+        """The server is shutting down (call on its event loop): new requests get 503 at once; replies being written
+        may finish within `grace_s`, then each still open ends as a failed request does (an error event and
+        [DONE], an Ollama line with done, a 503), never a stream just cut. Returns how many are open now."""
+        if not self.stopping:
+            self.stopping = True
+            asyncio.get_running_loop().call_later(grace_s, self._cut_open_jobs)
+        return len(self.open_jobs)
+
+    def _cut_open_jobs(self) -> None:
+        for job in list(self.open_jobs):
+            job.handle.cancel()  # its row is freed at the next step
+            job.updates.put_nowait(CUT)
 
     async def acquire(self, name: str) -> Entry:
         """The model `name` loaded and held for one request (ModelPool.release gives it back): 404 for an unknown
@@ -318,6 +342,8 @@ class Server:
             while True:
                 try:
                     update = await asyncio.wait_for(job.updates.get(), DISCONNECT_POLL_S)
+                    if update is CUT:
+                        raise _stopping_error(cut=True)
                     break
                 except asyncio.TimeoutError:
                     if await http.is_disconnected():
@@ -336,6 +362,8 @@ class Server:
         try:
             while True:
                 update = await job.updates.get()
+                if update is CUT:
+                    raise _stopping_error(cut=True)
                 if update.error is not None:
                     raise _engine_error(update.error)
                 if update.completion is not None:
@@ -671,8 +699,26 @@ def build_app(engine, **options) -> Starlette:
 
 
 def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, allow_hosts: tuple[str, ...] = (),
-               **options) -> int:
+               grace_s: float = SHUTDOWN_GRACE_S, **options) -> int:
     import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn that tells the server when a signal asks it to stop, so that open replies end properly."""
+
+        async def startup(self, sockets=None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit and getattr(self, "loop", None) is not None:
+                self.loop.call_soon_threadsafe(stopping)
+            super().handle_exit(sig, frame)
+
+    def stopping() -> None:
+        open_now = server.stop(grace_s)
+        if open_now:
+            log(f"moedesk serve: stopping; {open_now} open repl{'y gets' if open_now == 1 else 'ies get'} "
+                f"{grace_s:g} s to finish")
 
     app = build_app(engine, hosts=allowed_hosts(host, allow_hosts), **options)
     server: Server = app.state.server
@@ -682,7 +728,9 @@ def run_server(engine, host: str = "127.0.0.1", port: int = 8000, log=print, all
         f"{server.group.limit} requests decode together, {server.max_queue} may wait"
         + (f"; speculative {server.speculation.default}" if server.speculation.default != "off" else "")
         + ("" if server.api_key else "; no API key"))
-    uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # uvicorn cancels what is still running this long after the signal: after the cut replies have been ended
+    Uvicorn(uvicorn.Config(app, host=host, port=port, log_level="info",
+                           timeout_graceful_shutdown=grace_s + 5)).run()
     return 0
 
 
@@ -756,6 +804,11 @@ def _usage(done: Completion) -> dict:
 def _extension(done: Completion) -> dict:
     """The `moedesk` field: what batch output's stats hold (timings, shared steps, expert work) and the token ids."""
     return {**done.stats, "token_ids": list(done.token_ids)}
+
+
+def _stopping_error(cut: bool = False) -> ApiError:
+    what = "this reply was cut short" if cut else "it takes no new requests"
+    return ApiError(503, f"The server is shutting down: {what}.", code="server_shutting_down", kind="server_error")
 
 
 def _engine_error(error: BaseException) -> ApiError:

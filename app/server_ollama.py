@@ -283,8 +283,8 @@ class OllamaApi:
                             yield line({**piece(new.reasoning, new.content, new.tool_calls), "done": False})
                         if done is not None:
                             yield line({**piece("", "", ()), **last(done)})
-                except ApiError as e:
-                    yield line({"error": e.message})
+                except ApiError as e:  # the stream's last line: done, as every last line is
+                    yield line({"error": e.message, "done": True, "done_reason": "error"})
             return server.streaming(lines(), media_type="application/x-ndjson")
         done = await server.finish(http, job)
         if done is None:
