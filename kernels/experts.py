@@ -7,7 +7,7 @@ the packed kernels where they apply (kernels.cpu_quant, kernels.gpu_quant) and o
 slow but exact to the formats' definition, so every device and format computes something right.
 
 Experts that are not plain SwiGLU (gpt-oss's biases and clamped activation, ExpertWeights.plain) take the
-reference path whatever their format: no native kernel computes them yet.
+GPU's kernels (gpu_quant, gpu_experts), which compute them too, and the reference path on the CPU.
 
 Packed experts compute in float32 inside the expert (the packed kernels accumulate in float32 and
 may quantise activations to 8 bits, as llama.cpp does) and round the output to x's dtype.
@@ -24,10 +24,10 @@ from moedesk.kernels.expert_weights import ExpertWeights
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
     """A one-expert stack `w` applied to x [N, H]: [N, H] in x's dtype."""
-    if not w.plain:
-        return _reference_one(x, w, 0)
-    if not w.packed:
+    if not w.packed and w.plain:
         return cpu_experts.expert_forward(x, w.gate_up[0], w.down[0])
+    if not w.packed and x.is_cuda:
+        return gpu_experts.biased_expert_forward(x, w.gate_up[0], w.down[0], *_function(w, 0))
     if gpu_quant.applies(x, w):
         return gpu_quant.expert_forward(x, w)
     return _reference_one(x, w, 0)
@@ -64,8 +64,6 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
     """Whether `grouped_experts_forward` runs the experts in a few launches rather than one by one, for x and
     experts of w's formats and shapes on x's device (w itself may still be in host memory: placement asks
     before any expert is on the GPU)."""
-    if not w.plain:
-        return False
     if not w.packed:
         return gpu_experts.grouped_supported(x, w.gate_up)
     if w.device != x.device:  # asked before placement: would a resident copy of w take the packed kernels?
@@ -77,9 +75,10 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
     kernels.gpu_experts.grouped_experts_forward)."""
-    if w.plain and not w.packed:
-        return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends)
-    if w.plain and gpu_quant.applies(x, w):
+    if not w.packed:
+        return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends, gate_up_bias=w.gate_up_bias,
+                                                   down_bias=w.down_bias, glu=w.glu)
+    if gpu_quant.applies(x, w):
         return gpu_quant.grouped_experts_forward(x, w, ends)
     out = torch.empty_like(x)
     start = 0
@@ -88,6 +87,12 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
             out[start:end] = _reference_one(x[start:end], w, g)
         start = end
     return out
+
+
+def _function(w: ExpertWeights, e: int) -> tuple:
+    """Expert e's (gate_up bias, down bias, activation), None where it has none."""
+    return (None if w.gate_up_bias is None else w.gate_up_bias[e],
+            None if w.down_bias is None else w.down_bias[e], w.glu)
 
 
 # ---------------------------------------------------------------- the reference for packed experts

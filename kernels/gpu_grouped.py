@@ -9,7 +9,9 @@ need no host: group g is rows ends[g-1]:ends[g] of x, a program computes a tile 
 columns for a tile of its tokens (`tl.dot`), and programs past a group's last token return at once.
 
 Rounding is torch's: the gate and up products are rounded to x's dtype, SiLU is rounded, then their
-product, then the down projection's output, as `kernels.cpu_experts.expert_forward` does. Float32 x
+product, then the down projection's output, as `kernels.cpu_experts.expert_forward` does. gpt-oss's experts
+round as kernels.gpu_experts.biased_expert_forward's torch ops do: each bias added to the rounded product and
+rounded, then each step of the clamped SwiGLU. Float32 x
 multiplies with float32's accuracy (`FP32_DOT`), not TF32's, as torch's matmul does by default.
 """
 from __future__ import annotations
@@ -40,10 +42,12 @@ def applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
             and x.dim() == 2)
 
 
-def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                            ends: torch.Tensor) -> torch.Tensor:
+def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ends: torch.Tensor, *,
+                            gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                            glu=None) -> torch.Tensor:
     """kernels.gpu_experts.grouped_experts_forward's contract: x [M, H] grouped by expert, gate_up [G', 2F, H],
-    down [G', H, F] (G' >= G), ends [G] int32 on x's device, cumulative. Returns [M, H] in x's dtype."""
+    down [G', H, F] (G' >= G), ends [G] int32 on x's device, cumulative, and gpt-oss's biases [G', 2F] / [G', H]
+    and ClampedSwiGLU where given. Returns [M, H] in x's dtype."""
     x = x.contiguous()
     m, h = x.shape
     groups, f = ends.shape[0], down.shape[-1]
@@ -51,8 +55,8 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     if m == 0 or groups == 0:
         return out
     act = torch.empty(m, f, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, ends, act, rows=f, k=h, gated=True, m=m, groups=groups)
-    _launch(act, down, ends, out, rows=h, k=f, gated=False, m=m, groups=groups)
+    _launch(x, gate_up, ends, act, rows=f, k=h, gated=True, m=m, groups=groups, bias=gate_up_bias, glu=glu)
+    _launch(act, down, ends, out, rows=h, k=f, gated=False, m=m, groups=groups, bias=down_bias)
     return out
 
 
@@ -71,12 +75,16 @@ def _config(m: int, groups: int, interpreted: bool) -> dict:
                 num_stages=3)
 
 
-def _launch(x, stack, ends, out, *, rows, k, gated, m, groups):
+def _launch(x, stack, ends, out, *, rows, k, gated, m, groups, bias=None, glu=None):
     cfg = _config(m, groups, os.environ.get("TRITON_INTERPRET") == "1")
     split = cfg.pop("SPLIT")
     grid = (triton.cdiv(rows, cfg["BR"]), groups, split)
+    bias = None if bias is None else bias.contiguous()
     _grouped_mm[grid](x, x.stride(0), stack, stack.stride(0), stack.stride(1), ends, out, out.stride(0), rows, k,
-                      split, GATED=gated, FP32=FP32_DOT if x.dtype == torch.float32 else "", **cfg)
+                      split, out if bias is None else bias, 0 if bias is None else bias.stride(0),
+                      glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0,
+                      GATED=gated, FP32=FP32_DOT if x.dtype == torch.float32 else "", BIAS=bias is not None,
+                      CLAMPED=glu is not None, **cfg)
 
 
 if triton is not None:
@@ -106,23 +114,38 @@ if triton is not None:
 
     @triton.jit
     def _grouped_mm(x_ptr, x_stride, w_ptr, expert_stride, row_stride, ends_ptr, out_ptr, out_stride, R, K, SPLIT,
-                    GATED: tl.constexpr, FP32: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
-        """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
-        out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r), rounded at each step to out's dtype."""
+                    bias_ptr, bias_stride, alpha, limit, GATED: tl.constexpr, FP32: tl.constexpr, BIAS: tl.constexpr,
+                    CLAMPED: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+        """out[t, r] = x[t] . W_g[r] (+ bias_g[r]) for the tokens t of group g; GATED: W_g is [gate; up] (2R rows,
+        the bias likewise) and out[t, r] = silu(gate) * up, or where CLAMPED gpt-oss's
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), rounded at each step
+        to out's dtype."""
         g = tl.program_id(1)
         start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rlive = rows < R
         w_row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * row_stride)[:, None]
+        bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         dtype = out_ptr.dtype.element_ty
         for t0 in range(start + tl.program_id(2) * BT, end, SPLIT * BT):
             toks = t0 + tl.arange(0, BT)
             tlive = toks < end
             acc = _tile_dot(x_ptr, x_stride, toks, tlive, w_row, rlive, K, BT, BR, BK, FP32)
+            if BIAS:
+                acc = acc.to(dtype).to(tl.float32) + tl.load(bias, mask=rlive, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 up = _tile_dot(x_ptr, x_stride, toks, tlive, w_row + R * row_stride, rlive, K, BT, BR, BK, FP32)
+                if BIAS:
+                    up = up.to(dtype).to(tl.float32) + tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
                 gate = acc.to(dtype).to(tl.float32)
-                silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                acc = silu * up.to(dtype).to(tl.float32)
+                up = up.to(dtype).to(tl.float32)
+                if CLAMPED:
+                    gate = tl.minimum(gate, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                    sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+                    acc = (up + 1.0).to(dtype).to(tl.float32) * (gate * sig).to(dtype).to(tl.float32)
+                else:
+                    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+                    acc = silu * up
             dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(dtype), mask=tlive[:, None] & rlive[None, :])

@@ -7,11 +7,15 @@ rows once for all of its group's tokens. Nothing on the host depends on the rout
 are read on the device), so CUDA graphs capture it.
 
 How a tile is read. Every format is walked in units of 2 x L weights that share a byte run: L bytes (16
-for q4_0 and q8_0, 32 for the k-quants) give two planes of L weights each, e.g. a q4_0 block's low and
+for q4_0, q8_0 and mxfp4, 32 for the k-quants) give two planes of L weights each, e.g. a q4_0 block's low and
 high nibbles. A plane's weights are not consecutive columns of the matrix (a q4_0 byte holds columns j
 and j + 16), so rather than shuffling the weights into column order, the kernel gathers the matching
 elements of x, which are few and sit in L1. The bytes are read as they lie, in runs the hardware
-coalesces, and each byte is read once.
+coalesces, and each byte is read once. MXFP4 (gpt-oss) is q4_0's layout with an 8-bit exponent for the
+float16 scale and E2M1 codes for the integer nibbles.
+
+gpt-oss's experts (biases after both projections, the clamped SwiGLU: kernels.expert_weights) run in the same
+two launches: the bias is added to each float32 dot product and the activation is chosen at compile time.
 
 Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
 and the tokens split over programs, or, where measured faster, the experts dequantised to bf16 scratch
@@ -42,8 +46,8 @@ except ImportError:  # the CPU build of torch comes without Triton
 else:
     from moedesk.kernels.gpu_grouped import group_span
 
-_FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
-_LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16}  # L: bytes of a unit's run
+_FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5}
+_LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16, "mxfp4": 16}  # L: bytes of a unit's run
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -58,6 +62,7 @@ def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
     CPU tensors never apply, even under TRITON_INTERPRET=1, so the engine never sends CPU work to the
     interpreter; the tests call the kernels there directly."""
     return (gpu_fused.wanted() and x.is_cuda and x.device == w.gate_up.device == w.down.device
+            and all(b is None or b.device == x.device for b in (w.gate_up_bias, w.down_bias))
             and w.gate_up_format in _FMT_ID and w.down_format in _FMT_ID and x.dtype in _DTYPES
             and x.dim() == 2 and x.shape[-1] == w.hidden)
 
@@ -89,8 +94,10 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     f = w.width
     act = torch.empty(m, f, dtype=torch.float32, device=x.device)
     # Both launches take the tiles of x's dtype: the float32 activation is an intermediate, not a float32 layer.
-    _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g, dtype=x.dtype)
-    _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g, dtype=x.dtype)
+    _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g, dtype=x.dtype,
+            bias=w.gate_up_bias, glu=w.glu)
+    _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g, dtype=x.dtype,
+            bias=w.down_bias)
     return out
 
 
@@ -131,7 +138,9 @@ def _config(dtype: torch.dtype, m: int, g: int, units: int) -> dict:
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
-def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, config=None):
+def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=None, glu=None, config=None):
+    """One projection of every group. bias: [>=groups, rows (x2 where gated)], added before the activation (gated)
+    or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead of SwiGLU."""
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     cfg = dict(config or _OVERRIDE or _config(dtype, m, groups, units))
@@ -139,8 +148,12 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, confi
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
-    args = (x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split)
-    consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated)
+    bias = None if bias is None else bias.contiguous()
+    args = (x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split,
+            out if bias is None else bias, 0 if bias is None else bias.stride(0),
+            glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0)
+    consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated,
+                  BIAS=bias is not None, CLAMPED=glu is not None)
     try:
         _packed_mm[grid](*args, **consts, **cfg)
     except triton.CompilationError:
@@ -185,13 +198,21 @@ def dequantize_experts(stack: torch.Tensor, fmt: str, k: int, ends: torch.Tensor
 
 
 def _dequant_route(x, w: ExpertWeights, ends, out):
+    # Each row's group, for the biases: found on the device, so that nothing waits for the routing on the host.
+    group = None if w.plain else torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype,
+                                                                       device=ends.device), right=True)
     gate_up = dequantize_experts(w.gate_up, w.gate_up_format, w.hidden, ends, x.dtype)
-    h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
+    h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends).float()
     del gate_up
-    gate, up = h.float().chunk(2, dim=-1)
-    act = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    if w.gate_up_bias is not None:
+        h += w.gate_up_bias[group].float()
+    gate, up = h.chunk(2, dim=-1)
+    act = (w.glu(gate, up) if w.glu is not None else torch.nn.functional.silu(gate) * up).to(x.dtype)
     down = dequantize_experts(w.down, w.down_format, w.width, ends, x.dtype)
-    out.copy_(_grouped_mm(act, down.transpose(1, 2), offs=ends))
+    y = _grouped_mm(act, down.transpose(1, 2), offs=ends)
+    if w.down_bias is not None:
+        y = y.float() + w.down_bias[group].float()
+    out.copy_(y)
     return out
 
 
@@ -215,12 +236,39 @@ if triton is not None:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
+    def _e2m1_twice(c):
+        """Twice the E2M1 value of 4-bit codes c (int32): 0, 1, 2, 3, 4, 6, 8, 12 and their negatives, as float32.
+        Twice, so that every value is an integer and the block's scale 2^(e - 128) a float32 for every exponent
+        (kernels.quant_formats._mxfp4). Computed from the bits rather than looked up: no table load per weight."""
+        mag = c & 7
+        twice = tl.where(mag < 2, mag, (2 + (mag & 1)) << tl.maximum((mag >> 1) - 1, 0)).to(tl.float32)
+        return tl.where(c >= 8, -twice, twice)
+
+    @triton.jit
+    def _e8m0_half(e):
+        """2^(e - 128) for E8M0 exponents e (int32, 0..255) as float32, built from its bits: exact for every e,
+        e = 0 and 1 giving the subnormals 2^-128 and 2^-127, e = 255 the finite 2^127 (no NaN, as the reference)."""
+        bits = tl.where(e >= 2, (e - 1) << 23, 1 << (21 + tl.minimum(e, 1)))
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
     def _planes(row, u, l, umask, mask, FMT: tl.constexpr):
         """Unit u's two planes in rows `row`: weight = scale * q - offset, with q [R, NB, L] and scale,
         offset [R, NB, 1] (one per unit, so their decoding is paid once per L weights), and the matrix
         columns of each plane [1, NB, L]: (q0, s0, o0, col0, q1, s1, o1, col1). row: byte pointers
         [R, 1, 1]; u [1, NB, 1]; l [1, 1, L]; umask [R, NB, 1] and mask [R, NB, L] the live ones."""
-        if FMT == 0:  # q4_0: 18-byte blocks of 32; byte l: columns l (low nibble) and l + 16 (high)
+        if FMT == 5:  # mxfp4: 17-byte blocks of 32, an exponent then q4_0's nibble layout of E2M1 codes
+            base = row + u * 17
+            s0 = _e8m0_half(tl.load(base, mask=umask, other=0).to(tl.int32))
+            b = tl.load(base + 1 + l, mask=mask, other=0).to(tl.int32)
+            q0 = _e2m1_twice(b & 15)
+            q1 = _e2m1_twice(b >> 4)
+            s1 = s0
+            o0 = 0.0
+            o1 = 0.0
+            col0 = u * 32 + l
+            col1 = col0 + 16
+        elif FMT == 0:  # q4_0: 18-byte blocks of 32; byte l: columns l (low nibble) and l + 16 (high)
             base = row + u * 18
             s0 = _f16(base, umask)
             b = tl.load(base + 2 + l, mask=mask, other=0).to(tl.int32)
@@ -335,24 +383,36 @@ if triton is not None:
 
     @triton.jit
     def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
-                   FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
-                   DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr):
-        """out[t, r] = x[t] . W_g[r] for the tokens t of group g; GATED: W_g is [gate; up] (2R rows) and
-        out[t, r] = silu(x[t] . gate_r) * (x[t] . up_r) in float32."""
+                   bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
+                   ROWS: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr,
+                   BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+        """out[t, r] = x[t] . W_g[r] (+ bias_g[r] where BIAS) for the tokens t of group g. GATED: W_g is [gate; up]
+        (2R rows, the bias likewise) and out[t, r] = silu(gate) * up in float32, or where CLAMPED gpt-oss's
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
         g = tl.program_id(1)
         start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
         expert = w_ptr + g.to(tl.int64) * expert_stride
         row = (expert + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
+        bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         for t0 in range(start + tl.program_id(2) * BT, end, SPLIT * BT):
             toks = t0 + tl.arange(0, BT)
             tlive = toks < end
             acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, BT, ROWS, DOT, HALF, FMT)
+            if BIAS:
+                acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, BT, ROWS,
                               DOT, HALF, FMT)
-                acc = acc * tl.sigmoid(acc) * up
+                if BIAS:
+                    up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
+                if CLAMPED:
+                    gate = tl.minimum(acc, limit)
+                    up = tl.minimum(tl.maximum(up, -limit), limit)
+                    acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+                else:
+                    acc = acc * tl.sigmoid(acc) * up
             dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
 

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
 from moedesk.kernels import gpu_experts, gpu_grouped  # noqa: E402
-from tests.kernels.test_gpu_experts_kernel import per_expert, stacks  # noqa: E402
+from tests.kernels.test_gpu_experts_kernel import gpt_oss_function, per_expert, per_expert_biased, stacks  # noqa: E402
 
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="Triton's interpreter is used only where there is no GPU")
@@ -58,6 +58,21 @@ def test_tokens_split_over_programs(monkeypatch):
     assert_close(got, ref, 1e-5)
 
 
+@interpreted
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.float16, 2 ** -8)])
+def test_gpt_oss_function_rounds_as_torch_does(dtype, bound):
+    # Biases and the clamped SwiGLU (a limit where many clip) in the Triton launch: the per-expert torch ops'
+    # roundings, with hidden and width not multiples of the tiles and a group of one row.
+    sizes = [1, 0, 3, 18]
+    gate_up, down = stacks(len(sizes), 48, 40, dtype, "cpu")
+    function = gpt_oss_function(len(sizes), 48, 40, dtype, "cpu")
+    x = torch.randn(sum(sizes), 48, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    got = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends, **function)
+    assert got.dtype == dtype
+    assert_close(got, per_expert_biased(x, gate_up, down, sizes, **function), bound)
+
+
 def test_no_rows_or_no_groups_give_an_empty_result():
     gate_up, down = stacks(2, 16, 8, torch.float32, "cpu")
     empty = gpu_grouped.grouped_experts_forward(torch.zeros(0, 16), gate_up, down,
@@ -68,6 +83,19 @@ def test_no_rows_or_no_groups_give_an_empty_result():
 def test_only_cuda_tensors_of_the_stacks_dtype_apply():
     x, gate_up = torch.zeros(2, 16), torch.zeros(2, 16, 16)
     assert not gpu_grouped.applies(x, gate_up)  # the engine never sends CPU work to the interpreter
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sizes", [[1, 0, 2, 1, 0, 3, 1, 1], [300, 0, 17, 129]])
+def test_gpt_oss_function_close_to_per_expert_on_cuda(dtype, sizes):
+    # The Triton launch itself (torch's grouped GEMM takes bf16 on sm90 in the engine) at gpt-oss-120b's shape.
+    gate_up, down = stacks(len(sizes), 2880, 2880, dtype, "cuda")
+    function = gpt_oss_function(len(sizes), 2880, 2880, dtype, "cuda", limit=1.0)
+    x = torch.randn(sum(sizes), 2880, device="cuda").to(dtype)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    got = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends, **function)
+    assert_close(got, per_expert_biased(x, gate_up, down, sizes, **function), 1e-4 if dtype == torch.float32 else 2 ** -5)
 
 
 @pytest.mark.gpu

@@ -12,14 +12,16 @@ activation, rounded to bf16) to the tensor cores. Both round each weight or the 
 2^-9 relative, so the error against float64 is a few bf16 steps of the output's scale: the bound is
 2^-6 of the output's RMS per element and 2^-7 of its norm overall.
 """
+import math
 import os
 import warnings
 
 import pytest
 import torch
 
-from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 from moedesk.kernels.quant_formats import FORMATS, dequantize
+from tests.kernels.gpt_oss_reference import gpt_oss_experts
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
 from moedesk.kernels import gpu_quant  # noqa: E402
@@ -37,6 +39,11 @@ def random_stack(experts, rows, k, fmt, device="cpu", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     blocks = torch.randint(0, 256, (experts, rows, k // f.block, f.block_bytes), generator=g,
                            dtype=torch.uint8, device=device)
+    if fmt == "mxfp4":  # |E2M1| averages ~2.6: exponents 2^(e - 127) near 1 / (2.6 sqrt(k)), spread over 4 octaves
+        centre = 127 - round(math.log2(2.6 * k ** 0.5))
+        blocks[..., 0] = torch.randint(centre - 2, centre + 2, blocks.shape[:-1], generator=g, device=device,
+                                       dtype=torch.int32).to(torch.uint8)
+        return blocks.view(experts, rows, -1)
     off, n = _F16_FIELDS[fmt]
     # Typical |quant| times typical sub-block scale: ~8 for q4_0, ~64 for q8_0, ~32 x 8 (q4_k), 32 x 16
     # (q5_k) and 64 x 16 (q6_k) for the k-quants.
@@ -54,22 +61,41 @@ def random_experts(experts, hidden, width, gate_up_format, down_format=None, dev
 
 
 def reference(x, w: ExpertWeights, sizes):
-    """Each group's expert dequantised and applied in float64."""
+    """Each group's expert dequantised and applied in float64, with its biases and activation where it has them."""
     gate_up, down = (t.double() for t in w.dense(torch.float32))
     out, start = [], 0
     for g, n in enumerate(sizes):
         h = x[start:start + n].double() @ gate_up[g].T
+        if w.gate_up_bias is not None:
+            h += w.gate_up_bias[g].double()
         gate, up = h.chunk(2, dim=-1)
-        out.append((torch.nn.functional.silu(gate) * up) @ down[g].T)
+        y = (w.glu(gate, up) if w.glu is not None else torch.nn.functional.silu(gate) * up) @ down[g].T
+        out.append(y if w.down_bias is None else y + w.down_bias[g].double())
         start += n
     return torch.cat(out)
+
+
+def gpt_oss_function(w: ExpertWeights, limit: float, dtype=torch.float32, seed=0) -> ExpertWeights:
+    """w computing as gpt-oss's experts do: random biases about half the size of the projections' outputs (~1)
+    and the clamped SwiGLU with gpt-oss's alpha at `limit` (below 1, many of the outputs are clipped)."""
+    g = torch.Generator().manual_seed(seed)
+    e, f, h = w.num_experts, w.width, w.hidden
+    gate_up_bias = (torch.randn(e, 2 * f, generator=g) * 0.5).to(dtype).to(w.device)
+    down_bias = (torch.randn(e, h, generator=g) * 0.5).to(dtype).to(w.device)
+    return w.with_function(gate_up_bias, down_bias, ClampedSwiGLU(1.702, limit))
+
+
+def transformers_reference(x, w: ExpertWeights, sizes):
+    """transformers' GptOssExperts in float64 on w's experts dequantised (tests/kernels/gpt_oss_reference.py)."""
+    gate_up, down = w.dense(torch.float64)
+    return gpt_oss_experts(x, gate_up, down, w.gate_up_bias, w.down_bias, w.glu, sizes)
 
 
 def ends_of(sizes, device="cpu"):
     return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
 
 
-def assert_close(got, expected, per_element, overall, relative=0.0):
+def assert_close(got, expected, per_element, overall, relative=0.0, what=""):
     """|got - expected| <= relative * |expected| + per_element * RMS(expected) for every element, and the error's
     norm <= overall * expected's norm. SwiGLU outputs are heavy-tailed (the largest are tens of RMS), so an
     error proportional to each element's own size (rounding the output) is bounded apart from one that
@@ -79,9 +105,10 @@ def assert_close(got, expected, per_element, overall, relative=0.0):
     excess = err - relative * expected.abs()
     worst = excess.argmax()
     assert excess.max() <= per_element * scale, (
-        f"error {err.flatten()[worst]:.3g} at an output of {expected.flatten()[worst]:.3g}, RMS {scale:.3g}; "
-        f"norm-wise {err.norm() / expected.norm():.2e}")
-    assert err.norm() <= overall * expected.norm(), f"norm-wise error {err.norm() / expected.norm():.2e}"
+        f"{what}error {err.flatten()[worst]:.3g} at an output of {expected.flatten()[worst]:.3g}, RMS {scale:.3g} "
+        f"(bound {per_element * scale:.3g} + {relative:.3g} of the output); norm-wise {err.norm() / expected.norm():.2e}")
+    assert err.norm() <= overall * expected.norm(), \
+        f"{what}norm-wise error {err.norm() / expected.norm():.2e} above {overall:.2e}"
 
 
 def run_interpreted(x, w, sizes, **kw):
@@ -99,6 +126,7 @@ FORMAT_CASES = [
     (("q5_k",), 256, 256),
     (("q6_k",), 256, 256),
     (("q4_k", "q6_k"), 256, 512),  # a Q4_K_M layer: down projections in q6_k
+    (("mxfp4",), 96, 160),  # gpt-oss's experts: 3 and 5 blocks a row, 96 rows of down
 ]
 
 
@@ -138,9 +166,57 @@ def test_few_rows_per_expert_and_fewer_groups_than_experts(fmt):
 
 
 @interpreted
+@pytest.mark.parametrize("sizes,dtype", [([1, 0, 1, 1], torch.float32), ([1, 3, 0, 17, 33, 0], torch.float16)],
+                         ids=["one-row-fma", "tensor-core-tiles"])
+def test_gpt_oss_experts_against_transformers(sizes, dtype):
+    # MXFP4 experts with biases and a limit at which the clamps clip, on decode's one row per expert (float32 FMAs)
+    # and on the tensor-core tiles (fp16 here), against transformers' own expert module in float64.
+    w = gpt_oss_function(random_experts(len(sizes), 96, 160, "mxfp4", seed=21), limit=0.75, dtype=dtype, seed=22)
+    x = torch.randn(sum(sizes), 96, generator=torch.Generator().manual_seed(23)).to(dtype)
+    expected = transformers_reference(x, w, sizes)
+    assert torch.allclose(expected, reference(x, w, sizes))  # the two references agree on what the function is
+    pre = torch.cat([x[a:b].double() @ w.dense(torch.float64)[0][g].T + w.gate_up_bias[g].double()
+                     for g, (a, b) in enumerate(zip([0, *ends_of(sizes).tolist()], ends_of(sizes).tolist()))])
+    assert (pre.abs() > w.glu.limit).double().mean() > 0.2, "the case must clip many gate/up outputs"
+    got = run_interpreted(x, w, sizes)
+    assert got.dtype == dtype and got.shape == x.shape
+    if dtype == torch.float32:
+        assert_close(got, expected, 1e-4, 1e-5)
+    else:
+        assert_close(got, expected, 2 ** -8, 2 ** -9, 2 ** -10)
+
+
+@interpreted
+@pytest.mark.parametrize("fmt,biases,clamped", [("q4_0", True, False), ("q6_k", False, True)])
+def test_biases_and_clamp_apart_on_other_formats(fmt, biases, clamped):
+    # The function's parts are independent switches of the kernel, on any packed format.
+    sizes = [2, 0, 5]
+    w = random_experts(len(sizes), 256, 256, fmt, seed=31)
+    full = gpt_oss_function(w, limit=0.75, seed=32)
+    w = w.with_function(full.gate_up_bias if biases else None, full.down_bias if biases else None,
+                        full.glu if clamped else None)
+    x = torch.randn(sum(sizes), 256, generator=torch.Generator().manual_seed(33))
+    assert_close(run_interpreted(x, w, sizes), reference(x, w, sizes), 1e-4, 1e-5)
+
+
+@interpreted
+def test_mxfp4_every_exponent_dequantises_exactly():
+    # One block per row, every E8M0 exponent 0..255 (0 and 1 give float32 subnormals; the largest codes at 254 and
+    # 255 overflow to infinity, as in the reference) and every E2M1 code, through the planes the matmul reads too.
+    codes = torch.randint(0, 256, (256, 16), generator=torch.Generator().manual_seed(41), dtype=torch.uint8)
+    codes[:16, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code in both nibbles
+    stack = torch.cat([torch.arange(256, dtype=torch.uint8)[:, None], codes], dim=1)[None]  # [1, 256, 17]
+    got = gpu_quant.dequantize_experts(stack, "mxfp4", 32, dtype=torch.float32)
+    expected = dequantize(stack, "mxfp4", 32)
+    low = expected[0, :2].abs()
+    assert ((low > 0) & (low < torch.finfo(torch.float32).tiny)).any() and torch.isinf(expected[0, -1]).any()
+    assert torch.equal(got, expected), f"{(got != expected).sum()} of {got.numel()} weights differ"
+
+
+@interpreted
 @pytest.mark.parametrize("fmt", sorted(gpu_quant._FMT_ID))
 def test_dequantize_experts_is_exact(fmt):
-    k = 64 if fmt in ("q4_0", "q8_0") else 256
+    k = 64 if fmt in ("q4_0", "q8_0", "mxfp4") else 256
     stack = random_stack(2, 24, k, fmt, seed=5)
     got = gpu_quant.dequantize_experts(stack, fmt, k, dtype=torch.float32)
     assert torch.equal(got, dequantize(stack, fmt, k))
@@ -175,6 +251,30 @@ def test_expert_forward_one_expert():
     assert_close(got, reference(x, w.select([2]), [5]), 1e-4, 1e-5)
 
 
+@interpreted
+def test_experts_dispatch_takes_gpt_oss_experts_to_the_kernel(monkeypatch):
+    # kernels.experts no longer sends biased, clamped experts to its reference where the packed kernel applies
+    # (CPU tensors never apply in the engine: here they are let in, to run the dispatch in the interpreter).
+    from moedesk.kernels import experts
+
+    calls = []
+    kernel = gpu_quant.grouped_experts_forward
+    monkeypatch.setattr(gpu_quant, "applies", lambda x, w: True)
+    monkeypatch.setattr(gpu_quant, "grouped_experts_forward", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(experts, "_reference_one", None)  # any use of the reference fails
+    sizes = [2, 0, 1]
+    w = gpt_oss_function(random_experts(3, 64, 64, "mxfp4", seed=61), limit=0.75, seed=62)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(63))
+    assert experts.grouped_supported(x, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        grouped = experts.grouped_experts_forward(x, w, ends_of(sizes))
+        one = experts.expert_forward(x[:2], w.expert(0))
+    assert len(calls) == 2
+    assert_close(grouped, transformers_reference(x, w, sizes), 1e-4, 1e-5)
+    assert_close(one, transformers_reference(x[:2], w.select([0]), [2]), 1e-4, 1e-5)
+
+
 def test_applies_only_to_cuda_tensors_of_known_formats():
     w = random_experts(2, 64, 32, "q4_0")
     x = torch.randn(3, 64)
@@ -199,7 +299,8 @@ BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("formats", [("q4_0",), ("q8_0",), ("q4_k",), ("q5_k",), ("q6_k",), ("q4_k", "q6_k")])
+@pytest.mark.parametrize("formats", [("q4_0",), ("q8_0",), ("q4_k",), ("q5_k",), ("q6_k",), ("q4_k", "q6_k"),
+                                     ("mxfp4",)])
 @pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 2, 1, 1, 1], [1, 3, 17, 33, 0, 4, 16, 8], [300, 0, 212]])
 def test_real_shapes_on_cuda(shape, formats, sizes):
     dev = _cuda()
@@ -252,3 +353,46 @@ def test_captured_in_a_cuda_graph():
     # A q4_k/q6_k pair on the tensor-core tiles (2 rows per expert): test_real_shapes_on_cuda's bound for it. With
     # BF16_TOLERANCE, 2 of 40 random x exceeded the per-element bound on an H200 (worst 1.08x of it).
     assert_close(out, reference(x, w, sizes), 2 ** -3, 2 ** -7, 2 ** -7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sizes", [[1, 0, 1, 1, 2, 1, 1, 1], [1, 3, 17, 33, 0, 4, 16, 8], [300, 0, 212]],
+                         ids=["decode", "few-rows", "prefill"])
+def test_gpt_oss_120b_experts_on_cuda(sizes):
+    # gpt-oss-120b's expert shape (H = F = 2880: 90 blocks a row, not a multiple of the tiles), MXFP4 with bf16
+    # biases and a limit at which the clamps clip, on every route the rows per expert choose, and on the other
+    # prefill route too.
+    dev = _cuda()
+    w = gpt_oss_function(random_experts(len(sizes), 2880, 2880, "mxfp4", device=dev, seed=51), limit=1.0,
+                         dtype=torch.bfloat16, seed=52)
+    x = torch.randn(sum(sizes), 2880, device=dev).to(torch.bfloat16)
+    assert gpu_quant.applies(x, w), "gpt-oss's biased MXFP4 experts must take the packed kernels"
+    expected = reference(x, w, sizes)
+    ends = ends_of(sizes, dev)
+    route = gpu_quant._route(x, sum(sizes), len(sizes))
+    got = gpu_quant.grouped_experts_forward(x, w, ends)
+    bound = BF16_TOLERANCE if max(sizes) == 1 else (2 ** -3, 2 ** -7, 2 ** -7)
+    assert_close(got, expected, *bound, what=f"sizes {sizes}, route {route}: ")
+    if sum(sizes) >= 256 and gpu_quant._dequant_route_works(x):
+        other = "dequant" if route == "fused" else "fused"
+        assert_close(gpu_quant.grouped_experts_forward(x, w, ends, route=other), expected, 2 ** -3, 2 ** -7, 2 ** -7,
+                     what=f"sizes {sizes}, route {other}: ")
+
+
+@pytest.mark.gpu
+def test_gpt_oss_experts_captured_in_a_cuda_graph():
+    dev = _cuda()
+    w = gpt_oss_function(random_experts(8, 2880, 2880, "mxfp4", device=dev, seed=53), limit=1.0,
+                         dtype=torch.bfloat16, seed=54)
+    x = torch.randn(8, 2880, device=dev).to(torch.bfloat16)
+    ends = ends_of([1] * 8, dev)
+    gpu_quant.grouped_experts_forward(x, w, ends)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gpu_quant.grouped_experts_forward(x, w, ends)
+    sizes = [0, 3, 1, 0, 1, 2, 0, 1]  # other routing, other tokens: read from the device by the replay
+    x.copy_(torch.randn(8, 2880, device=dev))
+    ends.copy_(ends_of(sizes, dev))
+    graph.replay()
+    assert_close(out, reference(x, w, sizes), 2 ** -3, 2 ** -7, 2 ** -7, what=f"replayed with sizes {sizes}: ")

@@ -1,8 +1,10 @@
 """Packed experts on the GPU (kernels.gpu_quant) against the bf16 grouped GEMM, on real MoE shapes.
 
 Usage (repo root, GPU box):  python tests/perf/bench_gpu_quant.py [--no-sweep] [--formats q4_0,q4_k]
+                                 [--shapes mixtral,qwen3,gpt-oss]
 
-For Mixtral-8x7B (H=4096, F=14336) and Qwen3-30B-A3B (H=2048, F=768) experts in every packed format:
+For Mixtral-8x7B (H=4096, F=14336), Qwen3-30B-A3B (H=2048, F=768) and gpt-oss-120b (H=F=2880) experts in every
+packed format (mxfp4 ones with gpt-oss's biases and clamped SwiGLU, as its experts compute):
 decode, 8 resident experts with 1, 4 and 16 rows each, and prefill, 512 rows on 2 experts. Prints µs per
 call (gate/up and down together), the GB/s of packed expert bytes read (every expert's weights once per
 call), and the bf16 grouped path (kernels.gpu_experts) at the same shapes. Calls are captured in a CUDA
@@ -20,10 +22,11 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from moedesk.kernels import gpu_experts, gpu_quant  # noqa: E402
-from tests.kernels.test_gpu_quant_kernel import random_experts  # noqa: E402
+from moedesk.kernels.quant_formats import packed_format  # noqa: E402
+from tests.kernels.test_gpu_quant_kernel import gpt_oss_function, random_experts  # noqa: E402
 
-SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
-FORMATS = ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k"]
+SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768), "gpt-oss": (2880, 2880)}
+FORMATS = ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"]
 L2_FLUSH = 256 << 20  # bytes of weights cycled through between uses of one copy
 
 
@@ -58,9 +61,13 @@ def timed(fn, copies: int, reps: int = 24) -> float:
 
 
 def stacks(n_experts, h, f, fmt, dev):
-    one = random_experts(n_experts, h, f, fmt, device=dev)
+    def make(seed):
+        w = random_experts(n_experts, h, f, fmt, device=dev, seed=seed)
+        return gpt_oss_function(w, limit=7.0, dtype=torch.bfloat16) if fmt == "mxfp4" else w
+
+    one = make(0)
     copies = max(1, min(16, -(-L2_FLUSH // one.nbytes)))
-    return [one] + [random_experts(n_experts, h, f, fmt, device=dev, seed=2 * i + 3) for i in range(1, copies)]
+    return [one] + [make(2 * i + 3) for i in range(1, copies)]
 
 
 def bf16_stacks(n_experts, h, f, dev):
@@ -78,16 +85,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     print(f"{'shape':8} {'fmt':5} {'case':8} {'rows/exp':>8} {'µs':>9} {'GB/s':>7} {'bf16 µs':>9} {'bf16 GB/s':>9} "
           f"{'vs bf16':>7}  route", flush=True)
     bf16_time = {}
-    for shape, (h, f) in SHAPES.items():
+    for shape in args.shapes.split(","):
+        h, f = SHAPES[shape]
         base = {8: bf16_stacks(8, h, f, dev)}
         base[2] = [(gu[:2], d[:2]) for gu, d in base[8]]
         for fmt in args.formats.split(","):
+            if h % packed_format(fmt).block or f % packed_format(fmt).block:
+                continue  # gpt-oss's 2880 is no multiple of the k-quants' 256
             all_w = stacks(8, h, f, fmt, dev)
             for case, per, sizes in case_sizes():
                 g = len(sizes)

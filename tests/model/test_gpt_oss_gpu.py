@@ -1,0 +1,81 @@
+"""gpt-oss on CUDA with every expert on the GPU: its biased, clamped experts run in the GPU kernels (MXFP4 packed in
+kernels.gpu_quant, bf16 in kernels.gpu_experts / gpu_grouped), never the dequantising reference, and the greedy
+tokens are transformers' (in bfloat16 up to the reference's own ties: tests/model/test_gpu_equivalence.py)."""
+import pytest
+import torch
+
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.kernels import experts, gpu_experts, gpu_quant
+from tests.model.test_families import mxfp4_checkpoint
+from tests.model.test_gpu_equivalence import PROMPTS, check_greedy
+from tests.reference import hf_greedy
+
+pytestmark = pytest.mark.gpu
+
+
+def spy(monkeypatch, module, name, calls):
+    real = getattr(module, name)
+    tag = f"{module.__name__.rpartition('.')[2]}.{name}"
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(tag) or real(*a, **k))
+
+
+def load_on_gpu(folder, dtype, monkeypatch, tmp_path):
+    """The engine with every expert resident, and the kernel calls it makes; the reference path fails if taken."""
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+    spy(monkeypatch, gpu_quant, "grouped_experts_forward", calls)
+    spy(monkeypatch, gpu_experts, "grouped_experts_forward", calls)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("an expert took the dequantising reference path on the GPU")
+
+    monkeypatch.setattr(experts, "_reference_one", no_reference)
+    engine = Engine.load(str(folder), device="cuda", dtype=dtype)
+    stats = engine.expert_stats()
+    assert stats["experts_on_gpu"] == stats["experts_total"], stats
+    assert all(engine.executor.runs_on_device(layer) for layer in engine.executor.banks), \
+        "every layer should run on the device in one grouped launch (whole_layers_on_device)"
+    return engine, calls
+
+
+def reference_mxfp4(folder, dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, quantization_config=transformers.Mxfp4Config(dequantize=True)).to("cuda").eval()
+
+
+def test_gpt_oss_mxfp4_bf16_greedy_with_experts_packed_on_the_gpu(tiny_checkpoint, tmp_path, monkeypatch):
+    folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    engine, calls = load_on_gpu(folder, "bfloat16", monkeypatch, tmp_path)
+    bank = next(iter(engine.executor.banks.values())).gpu
+    assert bank.describe() == "mxfp4" and bank.gate_up.is_cuda and not bank.plain
+    check_greedy(engine, reference_mxfp4(folder, torch.bfloat16), [engine.tokenizer.encode(p) for p in PROMPTS])
+    assert calls and set(calls) == {"gpu_quant.grouped_experts_forward"}, set(calls)
+
+
+def test_gpt_oss_mxfp4_float32_greedy_equals_transformers(tiny_checkpoint, tmp_path, monkeypatch):
+    # float32: the packed kernel's FMAs differ from the reference only in summation order: the same tokens exactly.
+    folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    engine, calls = load_on_gpu(folder, "float32", monkeypatch, tmp_path)
+    ref = reference_mxfp4(folder, torch.float32)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    params = SamplingParams(max_new_tokens=20, temperature=0)
+    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)], 2)}
+    assert [done[i] for i in range(len(prompts))] == [hf_greedy(ref, p, 20, eos) for p in prompts]
+    assert calls and set(calls) == {"gpu_quant.grouped_experts_forward"}, set(calls)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_gpt_oss_dense_experts_on_the_gpu_without_the_reference(dtype, tiny_checkpoint, tmp_path, monkeypatch):
+    # bf16/float32 experts with biases and the clamped SwiGLU: torch's grouped GEMM (bf16 on sm90) or the Triton
+    # launch, rounding as transformers' torch ops do.
+    from tests.reference import hf_model
+
+    folder = tiny_checkpoint("gpt_oss")
+    engine, calls = load_on_gpu(folder, dtype, monkeypatch, tmp_path)
+    assert not next(iter(engine.executor.banks.values())).gpu.plain
+    check_greedy(engine, hf_model(folder, getattr(torch, dtype), "cuda"), [engine.tokenizer.encode(p) for p in PROMPTS])
+    assert calls and set(calls) == {"gpu_experts.grouped_experts_forward"}, set(calls)
