@@ -15,7 +15,7 @@ case "${1:-}" in
 build)
   (cmake -S .llamacpp -B "$B" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
      -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
-     > "$OUT/cfg.log" 2>&1 && cmake --build "$B" --target llama llama-bench -j 14 > "$OUT/build.log" 2>&1) &
+     > "$OUT/cfg.log" 2>&1 && cmake --build "$B" --target llama llama-bench llama-batched-bench -j 14 > "$OUT/build.log" 2>&1) &
   build=$!
   [ -n "${NOTEST:-}" ] || python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests > "$OUT/pytest_gpu.txt" 2>&1
   tail -n 25 "$OUT/pytest_gpu.txt"

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On the GPU box, from the repo root: issue 41's targets, each 2026 family's real shape (its first layers, every
+# expert in RAM) through llama.cpp and through moedesk in one run, in the issue's formats.
+#   bash tests/perf/families_vs_llamacpp.sh [glm|gpt-oss|deepseek ...]
+# Needs llama-bench and llama-batched-bench built with CUDA in $LLB (tests/perf/llamacpp_engine_gpu.sh build).
+# The box's 64 GB disk holds one family's GGUF at a time: each is written, benched by llama.cpp and deleted
+# before ours runs (ours builds the same shape in RAM: engine/load/synthetic.py). ENGINE_ON=glm-4.5-air also runs
+# tests/perf/compare_llamacpp_engine.py (issue 40: moedesk's llama.cpp engine against llama-bench) on that file.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LLB=${LLB:-/tmp/llb/bin}; W=/tmp/families; mkdir -p "$W"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+if [ -n "${ENGINE_ON:-}" ]; then  # llama-cpp-python's package (.pylib) over the CUDA libraries built in $LLB/..
+  rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
+  find "$LLB/.." -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+fi
+clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
+family() {  # name shape layers our-format gguf-experts
+  local name=$1 shape=$2 L=$3 fmt=$4 gexp=$5 f="$W/$1.gguf"
+  python3 tests/perf/make_family_gguf.py "$shape" "$f" "$L" --experts "$gexp" > "$OUT/${name}_write.log" 2>&1 \
+    || { echo "$name: GGUF not written"; tail -n 3 "$OUT/${name}_write.log"; return; }
+  "$LLB/llama-bench" -m "$f" -ngl 99 -ncmoe "$L" -t 16 -fa 1 -p 512 -n 64 -r 2 -o json > "$OUT/${name}_llama.json" \
+    2> "$OUT/${name}_llama.err" || echo "$name: llama-bench failed"
+  "$LLB/llama-batched-bench" -m "$f" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 -npl 16 \
+    2>&1 | grep -E '^\|' > "$OUT/${name}_llama_batched.txt"
+  if [ -n "${ENGINE_ON:-}" ] && [ "$name" = "$ENGINE_ON" ]; then  # issue 40: the llama.cpp engine on this file
+    python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$LLB/llama-bench" --gguf "$f" --budgets "${BUDGETS:-6}" \
+      --json "$OUT/llamacpp_engine.json" > "$OUT/llamacpp_engine.txt" 2>&1 || echo "llama.cpp engine compare failed"
+    tail -n 4 "$OUT/llamacpp_engine.txt"
+  fi
+  rm -f "$f"; clean
+  python3 -m moedesk bench --shape "$shape" --layers "$L" --gpu-budget 0 --expert-format "$fmt" --prefill 512 \
+    --decode-tokens 32 --batch 16 --json > "$OUT/${name}_ours.json" 2> "$OUT/${name}_ours.err" || echo "$name: ours failed"
+}
+for which in ${*:-glm gpt-oss deepseek}; do
+  case $which in
+    glm) family glm-4.5-air glm-4.5-air 12 q4_k q4_k ;;
+    gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
+    deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
+  esac
+done
+python3 - "$OUT" <<'PY'
+import glob, json, os, re, sys
+out = sys.argv[1]
+def load(path, parse):
+    try:
+        return parse(path)
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+def llama(path):
+    return {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in json.load(open(path))}
+def batched16(path):  # llama-batched-bench's S_TG t/s column on the 16-sequence row
+    return float([l for l in open(path) if re.match(r"\|\s+128", l)][-1].split("|")[8])
+def ours(path):
+    return {r["mode"]: r for r in json.load(open(path))["results"]}
+print(f"{'family':<15}{'case':<14}{'moedesk':>9}{'llama.cpp':>11}{'ratio':>7}{'% bound':>9}")
+for f in sorted(glob.glob(os.path.join(out, "*_ours.json"))):
+    name = os.path.basename(f)[:-len("_ours.json")]
+    mine, theirs = load(f, ours) or {}, load(f"{out}/{name}_llama.json", llama) or {}
+    theirs["batched_decode"] = load(f"{out}/{name}_llama_batched.txt", batched16)
+    for mode in ("decode", "prefill", "batched_decode"):
+        r, ref = mine.get(mode), theirs.get(mode)
+        if r is None:
+            continue
+        ratio = f"{r['tok_s'] / ref:.2f}" if ref else "-"
+        print(f"{name:<15}{mode:<14}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{ratio:>7}{(r.get('pct_of_bound') or 0):>8.0f}%")
+PY
