@@ -293,6 +293,17 @@ class Engine(EngineFace):
 
         return speculate(self, requests, draft, mode, draft_length, draft_width, budget)
 
+    def speculation_step_times(self, draft_length: int, measure: bool = False, progress=None):
+        """The step times T(B, k) auto prices a `stream`ed reply's rounds at: the ones measured before on this
+        machine, else measured now when `measure` (about half a minute on a CPU; progress(done in [0, 1]) as it
+        goes), else None."""
+        from moedesk.engine.speculative.job import SPECULATIVE_ROWS
+        from moedesk.engine.speculative.step_times import cached_step_times, engine_step_times
+
+        if not measure:
+            return cached_step_times(self, SPECULATIVE_ROWS, draft_length)
+        return engine_step_times(self, SPECULATIVE_ROWS, draft_length, progress=progress)
+
     def load_draft(self, path) -> object:
         """Load the EAGLE head at `path` for this model now (a bad folder raises one line here, not at the first
         speculative request); it is kept for every later request that names it."""

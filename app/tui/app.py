@@ -158,8 +158,11 @@ class MoedeskApp(App[int]):
     def action_settings(self) -> None:
         from moedesk.app.tui.screens.settings import SettingsScreen
 
-        self.push_screen(SettingsScreen(self.settings, model_defaults=getattr(self.engine, "generation_defaults", None)),
-                         self._settings_closed)
+        from moedesk.app.tui.speculation_outlook import speculation_note
+
+        notes = {"speculative": speculation_note(self.engine, self.reply_settings().draft_length)}
+        self.push_screen(SettingsScreen(self.settings, model_defaults=getattr(self.engine, "generation_defaults", None),
+                                        notes=notes), self._settings_closed)
 
     def _settings_closed(self, settings: Settings | None) -> None:
         if settings is not None:

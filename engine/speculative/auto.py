@@ -112,6 +112,34 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
     return not auto_gamma(costs, batch, prior, max_gamma, AutoLedger(), 0, min(horizon, EXPLORE_HORIZON))
 
 
+@dataclass(frozen=True)
+class Outlook:
+    """What one sequence could gain from drafting on measured step times: the best draft length's speedup over
+    plain decoding at OPTIMISTIC_ALPHA acceptance with drafting free (an upper bound), and what its verify step
+    costs in plain steps."""
+    gamma: int
+    speedup: float
+    verify_cost: float  # T(1, gamma + 1) / T(1, 1)
+
+    @property
+    def loses(self) -> bool:
+        return self.speedup < 1.0 + perf_model.SAFETY_MARGIN
+
+
+def batch_one_outlook(step_times, max_gamma: int) -> Outlook | None:
+    """Outlook for a lone sequence (a chat) from T(B, k) in ms keyed (B, k); None when batch 1 was not measured."""
+    costs = perf_model.MeasuredCosts(step_times)
+    ar = costs.ar_ms(1)
+    if ar is None:
+        return None
+    best = None
+    for gamma in range(1, max_gamma + 1):
+        s = perf_model.predicted_speedup(costs, 1, gamma, OPTIMISTIC_ALPHA)
+        if s is not None and (best is None or s > best.speedup):
+            best = Outlook(gamma, s, costs.verify_ms(1, gamma) / ar)
+    return best
+
+
 class RunningCosts:
     """Measured target step times, scaled to what this run's rounds take, plus the draft's cost per drafted
     token as this run measures it.

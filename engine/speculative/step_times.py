@@ -27,7 +27,7 @@ MEASURED_BATCHES = (1, 2, 4, 8, 16, 32)
 
 
 def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int, prompt: int = 32,
-                       repeat: int = 3, graphs=None) -> dict[str, float]:
+                       repeat: int = 3, graphs=None, progress=None) -> dict[str, float]:
     """T(B, k) in ms: one forward of B sequences with k new tokens each after a `prompt`-token prefix (the
     best of `repeat`), as "B,k" keys. Random tokens: what is timed is where the experts are and how many
     distinct ones the tokens reach, which random routing over-estimates only slightly.
@@ -73,19 +73,48 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
             out[f"{b},{k}"] = 1000 * best
         if graphed is not None:
             graphed.release()
+        if progress is not None:
+            progress((batches.index(b) + 1) / len(batches))
     return out
 
 
-def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False) -> dict[tuple[int, int], float]:
+def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False,
+                      progress=None) -> dict[tuple[int, int], float]:
     """The engine's T(B, k) for B up to `batch` (powers of two, and `batch`) and k up to max_gamma + 1, measured
-    once per machine, model, device, dtype and placement and cached beside the expert profile."""
+    once per machine, model, device, dtype and placement and cached beside the expert profile. progress(done),
+    done in [0, 1], is called as each batch size is measured (not when the cache has them)."""
+    from moedesk.engine.json_cache import cached_json
+
+    path, batches, graphs = _cache_entry(engine, batch, max_gamma)
+    measured = cached_json(path, lambda: measure_step_times(engine.model, engine.executor, engine.config,
+                                                           engine.device, engine.dtype, batches, max_gamma + 1,
+                                                           graphs=graphs, progress=progress), refresh)
+    return _table(measured)
+
+
+def cached_step_times(engine, batch: int, max_gamma: int) -> dict[tuple[int, int], float] | None:
+    """What `engine_step_times` would return, if it was measured before; None (never measuring) otherwise."""
+    import json
+
+    path, _, _ = _cache_entry(engine, batch, max_gamma)
+    try:
+        return _table(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError, TypeError):
+        return None
+
+
+def _table(measured: dict) -> dict[tuple[int, int], float]:
+    return {tuple(int(x) for x in k.split(",")): float(v) for k, v in measured.items()}
+
+
+def _cache_entry(engine, batch: int, max_gamma: int):
+    """(the cache file of these step times, the batches measured, the graphs they are timed through)."""
     import hashlib
     import json
     from pathlib import Path
 
-    from moedesk.engine.load.demo import cache_root
     from moedesk.engine.hardware import machine_fingerprint
-    from moedesk.engine.json_cache import cached_json
+    from moedesk.engine.load.demo import cache_root
 
     batches = sorted({b for b in MEASURED_BATCHES if b <= batch} | {batch})
     placement = engine.orchestra.summary() if engine.orchestra is not None else {}
@@ -94,8 +123,4 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False)
                       torch.get_num_threads(), json.dumps(placement, sort_keys=True, default=str), batches,
                       max_gamma + 1, bool(graphs)])
     key = hashlib.sha256(raw.encode()).hexdigest()[:16]
-    measured = cached_json(Path(cache_root()) / f"speculative-steps-{key}.json",
-                           lambda: measure_step_times(engine.model, engine.executor, engine.config, engine.device,
-                                                      engine.dtype, batches, max_gamma + 1, graphs=graphs), refresh)
-    return {tuple(int(x) for x in k.split(",")): float(v) for k, v in measured.items()}
-
+    return Path(cache_root()) / f"speculative-steps-{key}.json", batches, graphs

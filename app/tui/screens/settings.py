@@ -51,8 +51,11 @@ class SettingsScreen(Screen[Settings | None]):
         Binding("ctrl+d", "defaults", "Defaults", priority=True),
     ]
 
-    def __init__(self, settings: Settings, path=None, model_defaults: dict | None = None):
+    def __init__(self, settings: Settings, path=None, model_defaults: dict | None = None,
+                 notes: dict[str, str] | None = None):
+        """notes: a line about this machine under a field's help (the Speculative setting: whether it can pay)."""
         super().__init__()
+        self.notes = notes or {}
         self.initial = settings
         self.path = path
         self.model_defaults = model_defaults  # the loaded model's sampling defaults, shown in blank boxes
@@ -69,6 +72,9 @@ class SettingsScreen(Screen[Settings | None]):
                     with Vertical(classes="setting-body"):
                         yield editor_for(field, getattr(self.initial, field.name), self.model_defaults)
                         yield Static(field.help, classes="setting-help", markup=False)
+                        if self.notes.get(field.name):
+                            yield Static(self.notes[field.name], classes="setting-note", id=f"note-{field.name}",
+                                         markup=False)
                         yield Static("", classes="setting-error", id=f"error-{field.name}", markup=False)
         with Horizontal(id="settings-buttons"):
             yield Static(f"saved in {self.path or settings_path()}", classes="setting-help", markup=False)
