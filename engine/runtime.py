@@ -304,6 +304,14 @@ class Engine(EngineFace):
             return cached_step_times(self, SPECULATIVE_ROWS, draft_length)
         return engine_step_times(self, SPECULATIVE_ROWS, draft_length, progress=progress)
 
+    def speculation_outlook(self, draft_length: int):
+        """What drafting could gain a lone reply here (engine.speculative.auto.Outlook: the best draft length's
+        speedup at a high acceptance, whether it loses), from the step times measured before; None if never."""
+        from moedesk.engine.speculative.auto import batch_one_outlook
+
+        table = self.speculation_step_times(draft_length)
+        return batch_one_outlook(table, draft_length) if table else None
+
     def load_draft(self, path) -> object:
         """Load the EAGLE head at `path` for this model now (a bad folder raises one line here, not at the first
         speculative request); it is kept for every later request that names it."""

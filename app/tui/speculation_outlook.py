@@ -6,32 +6,29 @@ Speculative setting instead of leaving the user to find out from slower replies.
 """
 from __future__ import annotations
 
-from moedesk.engine.speculative.auto import OPTIMISTIC_ALPHA, Outlook, batch_one_outlook
-
 UNMEASURED = ("auto measures on its first reply whether drafting pays on this machine (about half a minute, "
               "once), and says so here afterwards")
 
 
-def outlook_note(outlook: Outlook | None) -> str:
-    """One line for the settings screen; `outlook` None: not measured yet."""
+def outlook_note(outlook) -> str:
+    """One line for the settings screen from Engine.speculation_outlook's answer (None: not measured yet)."""
     if outlook is None:
         return UNMEASURED
     if outlook.loses:
         return (f"On this machine speculation loses: checking {outlook.gamma} guesses costs "
-                f"{outlook.verify_cost:.1f} plain steps, so even with {OPTIMISTIC_ALPHA:.0%} of guesses right a "
+                f"{outlook.verify_cost:.1f} plain steps, so even with {outlook.alpha:.0%} of guesses right a "
                 f"reply would come at {outlook.speedup:.2f}x plain speed. auto decodes plainly here; greedy and beam "
                 f"are slower than off.")
     return (f"On this machine a good draft head can pay: up to {outlook.speedup:.2f}x plain speed with "
-            f"{outlook.gamma} guesses a step, {OPTIMISTIC_ALPHA:.0%} of them right.")
+            f"{outlook.gamma} guesses a step, {outlook.alpha:.0%} of them right.")
 
 
 def speculation_note(engine, draft_length: int) -> str:
     """The note for `engine` (empty for engines that do not measure step times: llama.cpp's, a remote one's)."""
-    step_times = getattr(engine, "speculation_step_times", None)
-    if step_times is None:
+    outlook_of = getattr(engine, "speculation_outlook", None)
+    if outlook_of is None:
         return ""
     try:
-        table = step_times(draft_length)
+        return outlook_note(outlook_of(draft_length))
     except Exception:  # noqa: BLE001 - a note is not worth a crash
         return ""
-    return outlook_note(batch_one_outlook(table, draft_length) if table else None)

@@ -120,6 +120,7 @@ class Outlook:
     gamma: int
     speedup: float
     verify_cost: float  # T(1, gamma + 1) / T(1, 1)
+    alpha: float = OPTIMISTIC_ALPHA
 
     @property
     def loses(self) -> bool:

@@ -34,6 +34,7 @@ def test_the_engine_measures_once_with_progress_then_reads_its_cache(engine):
     assert seen == sorted(seen) and seen[-1] == 1.0 and len(seen) > 1
     assert set(table) >= {(1, 1), (1, 2), (1, 3)} and all(ms > 0 for ms in table.values())
     assert engine.speculation_step_times(2) == table
+    assert engine.speculation_outlook(2) == batch_one_outlook(table, 2)
     assert "speculation" in speculation_note(engine, 2) or "draft head" in speculation_note(engine, 2)
     assert speculation_note(object(), 2) == ""  # an engine that does not measure step times: no note
 
@@ -41,8 +42,7 @@ def test_the_engine_measures_once_with_progress_then_reads_its_cache(engine):
 @pytest.mark.anyio
 async def test_the_settings_screen_says_speculation_loses_here(engine, monkeypatch):
     lengths = []
-    monkeypatch.setattr(engine, "speculation_step_times", lambda n, **kw: lengths.append(n) or CPU_LIKE,
-                        raising=False)
+    monkeypatch.setattr(engine, "speculation_step_times", lambda n, **kw: lengths.append(n) or CPU_LIKE)
     app = MoedeskApp(engine, settings=greedy_settings(draft_length=3))
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
