@@ -20,6 +20,11 @@ At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU,
 never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
 [first_row, F) (gate and up rows, down columns) into a partial output, the CPU kernels rows [0, first_row),
 and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.row_split).
+
+gpt-oss's experts (biases, the clamped SwiGLU: kernels.expert_weights) stream too, their biases read where they lie
+(pinned or on the device) and computed as the resident kernels compute them (kernels.gpu_grouped's roundings for
+dense stacks, gpu_quant's float32 for packed ones). The down bias belongs to the GPU's part of a split: the CPU
+kernels add it only to a whole expert.
 """
 from __future__ import annotations
 
@@ -45,8 +50,11 @@ def applies(device: torch.device, w: ExpertWeights) -> bool:
     """Whether `streamed_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
     host memory, dense (inputs in the stacks' dtype) or both halves in a format kernels.gpu_quant reads, Triton
     there and the fused kernels not turned off."""
-    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned() and w.plain):
+    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
         return False
+    if any(b is not None and not (b.is_contiguous() and (b.is_cuda or b.is_pinned()))
+           for b in (w.gate_up_bias, w.down_bias)):
+        return False  # the kernels read gpt-oss's biases where they lie
     return not w.packed or (w.gate_up_format in gpu_quant._FMT_ID and w.down_format in gpu_quant._FMT_ID)
 
 
@@ -74,12 +82,25 @@ def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: Exp
     act = torch.empty(n * ranks, f - first_row, dtype=x.dtype, device=x.device)
     block_h = min(triton.next_power_of_2(h), 2048)
     _gate_up[(triton.cdiv(f - first_row, _ROWS), n * ranks)](
-        x, pointer_arg(gate_up), ids, act, first_rank, ranks, first_row, H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h,
-        **_EXACT)
+        x, pointer_arg(gate_up), ids, act, first_rank, ranks, first_row, *_bias_args(w.gate_up_bias, act),
+        *_glu_args(w.glu), H=h, F=f, K=k, ROWS=_ROWS, BLOCK_H=block_h, **_EXACT)
     block_f = min(triton.next_power_of_2(f - first_row), 1024)
     _down[(triton.cdiv(h, _ROWS), n * ranks)](
-        act, pointer_arg(down), ids, out, first_rank, ranks, out.stride(0), first_row, H=h, F=f, K=k, ROWS=_ROWS,
-        BLOCK_F=block_f, **_EXACT)
+        act, pointer_arg(down), ids, out, first_rank, ranks, out.stride(0), first_row, *_bias_args(w.down_bias, out),
+        H=h, F=f, K=k, ROWS=_ROWS, BLOCK_F=block_f, **_EXACT)
+
+
+def _bias_args(bias, dummy) -> tuple:
+    """(pointer, its expert stride, BIAS) for a kernel reading `bias` [E, n] where it lies; `dummy` stands in
+    for no bias."""
+    if bias is None:
+        return dummy, 0, False
+    return pointer_arg(bias), bias.stride(0), True
+
+
+def _glu_args(glu) -> tuple:
+    """(alpha, limit, CLAMPED): gpt-oss's ClampedSwiGLU, or SwiGLU for None."""
+    return (glu.alpha, glu.limit, True) if glu is not None else (0.0, 0.0, False)
 
 
 def row_granule(w: ExpertWeights) -> int:
@@ -97,15 +118,15 @@ def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) 
     # The down rows' first `first_row` columns are whole blocks: skipping their bytes starts each row at column
     # first_row, which the activation's column 0 meets.
     skip = packed_format(w.down_format).row_bytes(first_row)
-    for src, stack, fmt, dst, rows, cols, gated, row0, col_bytes in (
-            (x, w.gate_up, w.gate_up_format, act, w.width, w.hidden, True, first_row, 0),
-            (act, w.down, w.down_format, out, w.hidden, width, False, 0, skip)):
+    for src, stack, fmt, dst, rows, cols, gated, row0, col_bytes, bias in (
+            (x, w.gate_up, w.gate_up_format, act, w.width, w.hidden, True, first_row, 0, w.gate_up_bias),
+            (act, w.down, w.down_format, out, w.hidden, width, False, 0, skip, w.down_bias)):
         lanes = gpu_quant._LANES[fmt]
         cfg = _PACKED_TILES_INTERPRETED if os.environ.get("TRITON_INTERPRET") == "1" else _PACKED_TILES
         _packed_pairs[(triton.cdiv(rows - row0, cfg["ROWS"]), n * ranks)](
             src, src.stride(0), pointer_arg(stack), stack.stride(0), ids, dst, dst.stride(0), first_rank, ranks, rows,
-            row0, stack.shape[-1], col_bytes, cols // (2 * lanes), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes,
-            GATED=gated, **cfg)
+            row0, stack.shape[-1], col_bytes, cols // (2 * lanes), *_bias_args(bias, dst),
+            *_glu_args(w.glu if gated else None), K=k, FMT=gpu_quant._FMT_ID[fmt], L=lanes, GATED=gated, **cfg)
 
 
 # gpu_quant's tiles for one row per expert (4 rows x 16 units, 2 warps): many small programs keep many reads in
@@ -137,9 +158,11 @@ if triton is not None:
     from moedesk.kernels.gpu_quant import _row_dot
 
     @triton.jit
-    def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, ROW0, H: tl.constexpr, F: tl.constexpr,
-                 K: tl.constexpr, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
-        """Intermediate rows [ROW0, F) of each pair, into act [pairs, F - ROW0]."""
+    def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, ROW0, bias_ptr, bias_stride, BIAS: tl.constexpr,
+                 alpha, limit, CLAMPED: tl.constexpr, H: tl.constexpr, F: tl.constexpr, K: tl.constexpr,
+                 ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+        """Intermediate rows [ROW0, F) of each pair, into act [pairs, F - ROW0]; gpt-oss's biases and clamped
+        SwiGLU where BIAS and CLAMPED, rounding as kernels.gpu_grouped does."""
         pair = tl.program_id(1)  # the pair's index among the streamed ones: token pair // RANKS
         token = pair // RANKS
         e = tl.load(ids_ptr + token * K + FIRST + pair % RANKS).to(tl.int64)
@@ -160,13 +183,24 @@ if triton is not None:
         dtype = act_ptr.dtype.element_ty
         gate = gate.to(dtype).to(tl.float32)
         up = up.to(dtype).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        tl.store(act_ptr + pair * (F - ROW0) + rows - ROW0, (silu * up).to(dtype), mask=live)
+        if BIAS:
+            bias = bias_ptr + e * bias_stride + rows
+            gate = (gate + tl.load(bias, mask=live, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+            up = (up + tl.load(bias + F, mask=live, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
+            act = (up + 1.0).to(dtype).to(tl.float32) * (gate * sig).to(dtype).to(tl.float32)
+        else:
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        tl.store(act_ptr + pair * (F - ROW0) + rows - ROW0, act.to(dtype), mask=live)
 
     @triton.jit
-    def _down(act_ptr, w_ptr, ids_ptr, out_ptr, FIRST, RANKS, out_stride, COL0, H: tl.constexpr, F: tl.constexpr,
-              K: tl.constexpr, ROWS: tl.constexpr, BLOCK_F: tl.constexpr):
-        """out rows from act [pairs, F - COL0] and the down columns [COL0, F)."""
+    def _down(act_ptr, w_ptr, ids_ptr, out_ptr, FIRST, RANKS, out_stride, COL0, bias_ptr, bias_stride,
+              BIAS: tl.constexpr, H: tl.constexpr, F: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr,
+              BLOCK_F: tl.constexpr):
+        """out rows from act [pairs, F - COL0] and the down columns [COL0, F), plus the down bias where BIAS."""
         pair = tl.program_id(1)
         token = pair // RANKS
         rank = FIRST + pair % RANKS
@@ -182,16 +216,22 @@ if triton is not None:
             w = tl.load(base + rows[:, None] * F + cols[None, :], mask=live[:, None] & inside[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.sum(w * a[None, :], axis=1)
+        if BIAS:  # rounded first, as a torch product then its bias would be
+            dtype = act_ptr.dtype.element_ty
+            acc = acc.to(dtype).to(tl.float32) + tl.load(bias_ptr + e * bias_stride + rows, mask=live,
+                                                          other=0.0).to(tl.float32)
         tl.store(out_ptr + (token * K + rank) * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _packed_pairs(x_ptr, x_stride, w_ptr, expert_stride, ids_ptr, out_ptr, out_stride, FIRST, RANKS, R, ROW0,
-                      ROW_BYTES, COL_BYTES, UNITS, K: tl.constexpr, FMT: tl.constexpr, L: tl.constexpr,
+                      ROW_BYTES, COL_BYTES, UNITS, bias_ptr, bias_stride, BIAS: tl.constexpr, alpha, limit,
+                      CLAMPED: tl.constexpr, K: tl.constexpr, FMT: tl.constexpr, L: tl.constexpr,
                       NB: tl.constexpr, ROWS: tl.constexpr, GATED: tl.constexpr):
         """One (token, rank) pair per program column, its expert from the routing on the device. GATED: the
         pair's x row is its token's and out[pair, r - ROW0] = silu(x . gate_r) * (x . up_r) for rows r in
         [ROW0, R); otherwise x is the activation of the pair, each row read from byte COL_BYTES on (UNITS units),
-        and the result goes to out[token * K + rank]."""
+        and the result goes to out[token * K + rank]. BIAS adds the expert's bias to each float32 dot product
+        (gate's rows then up's where GATED); CLAMPED: gpt-oss's activation (kernels.gpu_quant._packed_mm)."""
         pair = tl.program_id(1)
         token = pair // RANKS
         rank = FIRST + pair % RANKS
@@ -203,10 +243,20 @@ if triton is not None:
         toks = source + tl.arange(0, 1)
         tlive = toks >= 0
         acc = _row_dot(x_ptr, x_stride, toks, tlive, row, rlive, UNITS, L, NB, 1, ROWS, False, False, FMT)
+        bias = bias_ptr + e * bias_stride + rows
+        if BIAS:
+            acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)[None, :]
         if GATED:
             up = _row_dot(x_ptr, x_stride, toks, tlive, row + R * ROW_BYTES, rlive, UNITS, L, NB, 1, ROWS,
                                     False, False, FMT)
-            acc = acc * tl.sigmoid(acc) * up
+            if BIAS:
+                up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
+            if CLAMPED:
+                gate = tl.minimum(acc, limit)
+                up = tl.minimum(tl.maximum(up, -limit), limit)
+                acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+            else:
+                acc = acc * tl.sigmoid(acc) * up
             dst = pair
         else:
             dst = token * K + rank

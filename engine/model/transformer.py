@@ -261,14 +261,20 @@ class MoE(nn.Module):
 
     def join_expert_function(self, stack: ExpertWeights) -> ExpertWeights:
         """`stack` (these experts, wherever they live) computing with this layer's expert biases and activation,
-        where it has any (gpt-oss); the biases follow the stack's device."""
+        where it has any (gpt-oss); the biases follow the stack's device, pinned where it is (the GPU's kernels
+        read a pinned stack's experts and biases where they lie: kernels.gpu_streamed)."""
         cfg = self.cfg
         if not cfg.expert_bias and not cfg.swiglu_limit:
             return stack
-        device = stack.gate_up.device
+        device, pinned = stack.gate_up.device, stack.is_pinned()
+
+        def beside(bias):
+            bias = bias.detach().to(device)
+            return bias.pin_memory() if pinned else bias
+
         return stack.with_function(
-            self.gate_up_bias.detach().to(device) if cfg.expert_bias else None,
-            self.down_bias.detach().to(device) if cfg.expert_bias else None,
+            beside(self.gate_up_bias) if cfg.expert_bias else None,
+            beside(self.down_bias) if cfg.expert_bias else None,
             ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit else None)
 
     @staticmethod

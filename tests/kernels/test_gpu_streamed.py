@@ -133,16 +133,57 @@ def test_streamed_packed_experts_equal_resident_ones_on_cuda(formats):
 # ---------------------------------------------------------------- the tail of the rows (a split with the CPU)
 
 def _rows_reference(x, ids, w: ExpertWeights, first_row: int):
-    """Each pair's expert over intermediate rows [first_row, F) only, dequantised, in float64: [N*K, H]."""
+    """Each pair's expert over intermediate rows [first_row, F) only, dequantised, in float64: [N*K, H]. gpt-oss's
+    function where w has it: the gate/up biases of those rows, and the whole down bias (the GPU's part adds it)."""
     gate_up, down = (t.double() for t in w.dense(torch.float32))
     f = w.width
     rows = []
     for t in range(len(x)):
         for e in ids[t].tolist():
             h = x[t:t + 1].double() @ gate_up[e].T
+            if w.gate_up_bias is not None:
+                h += w.gate_up_bias[e].double()
             gate, up = h[:, first_row:f], h[:, f + first_row:]
-            rows.append((torch.nn.functional.silu(gate) * up) @ down[e][:, first_row:].T)
+            act = w.glu(gate, up) if w.glu is not None else torch.nn.functional.silu(gate) * up
+            y = act @ down[e][:, first_row:].T
+            rows.append(y if w.down_bias is None else y + w.down_bias[e].double())
     return torch.cat(rows)
+
+
+def _gpt_oss(w: ExpertWeights, seed=0) -> ExpertWeights:
+    from tests.kernels.test_gpu_quant_kernel import gpt_oss_function
+
+    return gpt_oss_function(w, limit=0.75, seed=seed)
+
+
+@pytest.mark.parametrize("formats,hidden,width,first_row", [((), 72, 96, 0), ((), 40, 64, 32),
+                                                            (("mxfp4",), 96, 160, 0), (("mxfp4",), 96, 160, 64)])
+def test_streamed_gpt_oss_experts_interpreted(formats, hidden, width, first_row):
+    """gpt-oss's biased, clamped experts streamed, whole (first_row 0) or their tail rows, dense and MXFP4."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU")
+    from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts
+
+    if formats:
+        w = _gpt_oss(random_experts(5, hidden, width, *formats, seed=hidden), seed=1)
+    else:
+        _, w = _stacks(5, width, hidden, torch.float32, seed=width)
+        w = _gpt_oss(w, seed=2)
+    x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[4, 0, 2], [1, 3, 4]])
+    out = torch.full((6, hidden), 7.0) if not first_row else torch.zeros(6, hidden)
+    first_rank = 0 if first_row else 1
+    gpu_streamed.streamed_experts(x, ids, first_rank, w, out, first_row=first_row)
+    expected = _rows_reference(x, ids, w, first_row).view(2, 3, hidden)
+    got = out.view(2, 3, hidden)
+    assert (got[:, :first_rank] == 7.0).all()
+    assert_close(got[:, first_rank:], expected[:, first_rank:], 1e-4, 1e-5)
+    if first_row == 0:  # the whole expert: transformers' GptOssExperts on the same weights
+        from tests.kernels.test_gpu_quant_kernel import transformers_reference
+
+        theirs = torch.cat([transformers_reference(x[t:t + 1], w.select([int(e)]), [1])
+                            for t in range(2) for e in ids[t, first_rank:]])
+        assert_close(got[:, first_rank:].reshape(-1, hidden), theirs, 1e-4, 1e-5)
 
 
 @pytest.mark.parametrize("formats,hidden,width,first_row", [
@@ -177,3 +218,28 @@ def test_streamed_rows_must_be_whole_blocks():
     with pytest.raises(ValueError, match="multiple of 256"):
         gpu_streamed.streamed_experts(torch.zeros(1, 256), torch.zeros(1, 1, dtype=torch.long), 0, w,
                                       torch.zeros(1, 256), first_row=128)
+
+
+@pytest.mark.gpu
+def test_streamed_gpt_oss_experts_equal_resident_ones_on_cuda():
+    """gpt-oss-120b's MXFP4 experts with their biases, both pinned, streamed: what the resident kernel computes;
+    biases in pageable memory keep the stack off the streamed path."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    from moedesk.kernels import gpu_quant
+    from tests.kernels.test_gpu_quant_kernel import assert_close, gpt_oss_function, random_experts
+
+    w = gpt_oss_function(random_experts(8, 2880, 2880, "mxfp4", seed=6), limit=1.0, dtype=torch.bfloat16, seed=7)
+    assert not gpu_streamed.applies(torch.device("cuda"), w.pin_memory().with_function(w.gate_up_bias, w.down_bias,
+                                                                                       w.glu))
+    host = w.pin_memory()
+    assert gpu_streamed.applies(torch.device("cuda"), host)
+    x = torch.randn(1, 2880, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16).cuda()
+    ids = torch.tensor([[6, 1, 3, 7]], device="cuda")
+    out = torch.zeros(4, 2880, dtype=torch.bfloat16, device="cuda")
+    gpu_streamed.streamed_experts(x, ids, 1, host, out)
+    assert (out[0] == 0).all()
+    resident = host.to("cuda")
+    for r in range(1, 4):
+        expected = gpu_quant.expert_forward(x, resident.expert(int(ids[0, r])))
+        assert_close(out[r:r + 1].float(), expected.double(), 2 ** -7, 2 ** -8, 2 ** -7, what=f"rank {r}: ")

@@ -79,3 +79,30 @@ def test_gpt_oss_dense_experts_on_the_gpu_without_the_reference(dtype, tiny_chec
     assert not next(iter(engine.executor.banks.values())).gpu.plain
     check_greedy(engine, hf_model(folder, getattr(torch, dtype), "cuda"), [engine.tokenizer.encode(p) for p in PROMPTS])
     assert calls and set(calls) == {"gpu_experts.grouped_experts_forward"}, set(calls)
+
+
+@pytest.mark.parametrize("share", ["streamed", "rows"])
+@pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "bf16"])
+def test_gpt_oss_streamed_from_ram_matches_all_on_gpu(packed, share, tiny_checkpoint, tmp_path, monkeypatch):
+    """Decode at batch 1 with every expert in pinned RAM and the GPU reading them there (kernels.gpu_streamed):
+    each token's every expert, or each expert's last 32 rows beside the CPU's first ones (the GPU's part adding the
+    down bias). The all-on-GPU run's tokens, up to bf16 ties; the biases travel pinned with the stacks."""
+    from tests.model.test_gpu_equivalence import check_matches_all_on_gpu
+    from tests.pinned_profile import pin_profile
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    pin_profile(monkeypatch)
+    folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4") if packed else tiny_checkpoint("gpt_oss")
+    resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
+    offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    host = next(iter(offloaded.executor.banks.values())).host
+    assert host.is_pinned() and host.gate_up_bias.is_pinned() and host.down_bias.is_pinned()
+    executor = offloaded.executor
+    if share == "streamed":
+        executor.streamed_ranks = lambda k: k
+    else:
+        executor.streamed_ranks = lambda k: 0
+        executor.split_rows = lambda k: host.width - 32
+    check_matches_all_on_gpu(offloaded, resident, batch_size=1)
+    stats = executor.stats
+    assert (stats.streamed_experts if share == "streamed" else stats.split_experts) > 0, stats
