@@ -39,7 +39,7 @@ import torch
 
 from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.graph_capture import capturing
-from moedesk.engine.model.transformer import Step, Transformer
+from moedesk.engine.model.transformer import ForwardBatch, Transformer
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.kernels.host_handoff import Handoff, handoff_wanted
 
@@ -205,8 +205,8 @@ class _Captured:
         model, cache = self.model, self.cache
         blocks = model.layers
         if j == 0:
-            self.step = Step(self.positions, self.rows, self.on_device, kv_len=cache.length, mask=self.mask,
-                             slots=self.slots)
+            self.forward_batch = ForwardBatch(self.positions, self.rows, self.on_device, kv_len=cache.length,
+                                              mask=self.mask, slots=self.slots)
             x, self.rope = model.embed_tokens(self.tokens, self.positions)
             start = 0
         else:
@@ -219,12 +219,12 @@ class _Captured:
             start = prev + 1
         end = self.moe_at[j] if j < len(self.moe_at) else len(blocks)
         # Dense layers, and MoE layers run on the device alone: the model's own layer loop.
-        x = model.run_layers(x, self.rope, cache, self.step, start, end, self.features, self.hidden)
+        x = model.run_layers(x, self.rope, cache, self.forward_batch, start, end, self.features, self.hidden)
         if j == len(self.moe_at):
             return model.head(x, self.features, self.hidden)
         if end in self.features:
             self.hidden[end] = x
-        x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.step)
+        x, flat, weights, ids = blocks[end].before_experts(x, self.rope, cache, self.forward_batch)
         if self.host is not None and to_host:
             self.host.x.copy_(flat, non_blocking=True)
             self.host.ids.copy_(ids, non_blocking=True)

@@ -52,7 +52,7 @@ class LatentAttention(nn.Module):
     def fuse_projections(self) -> None:
         """Nothing to fuse: kept for the model's loop over its layers' attention."""
 
-    def forward(self, x, rope, cache, layer: int, step):
+    def forward(self, x, rope, cache, layer: int, batch):
         cfg = self.cfg
         B, T, _ = x.shape
         heads, v_dim = cfg.num_heads, cfg.v_head_dim
@@ -66,7 +66,7 @@ class LatentAttention(nn.Module):
         k_rot = turn(k_rot.unsqueeze(2), *rope).expand(B, T, heads, cfg.qk_rope_head_dim)
         k = torch.cat([k_nope, k_rot], dim=-1)
         v = F.pad(v, (0, cfg.head_dim - v_dim))  # one cache width for keys and values
-        keys, values = cache.write_and_read(layer, k, v, step.rows, step.slots, step.kv_len, step.write_rows)
+        keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=step.attention_mask(q.dtype), scale=cfg.attention_scale)
+                                             attn_mask=batch.attention_mask(q.dtype), scale=cfg.attention_scale)
         return self.wo(out[..., :v_dim].transpose(1, 2).reshape(B, T, -1))

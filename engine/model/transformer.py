@@ -173,7 +173,7 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
 
-    def forward(self, x, rope, cache: KVCache, layer: int, step: "Step"):
+    def forward(self, x, rope, cache: KVCache, layer: int, batch: "ForwardBatch"):
         cfg = self.cfg
         B, T, _ = x.shape
         if hasattr(self, "qkv_weight"):
@@ -190,12 +190,12 @@ class Attention(nn.Module):
         head_norm = cfg.qk_norm == "head"
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
-        keys, values = cache.write_and_read(layer, k, v, step.rows, step.slots, step.kv_len, step.write_rows)
+        keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
         if cfg.attention_sinks:
-            mask = window_mask(step.mask, step.positions, self.window) if self.window else step.mask
+            mask = window_mask(batch.mask, batch.positions, self.window) if self.window else batch.mask
             out = sink_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, self.sinks)
             return self.wo(out.transpose(1, 2).reshape(B, T, -1))
-        out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), step.attention_mask(q.dtype),
+        out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.attention_mask(q.dtype),
                         cfg.num_kv_heads != cfg.num_heads)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
@@ -312,25 +312,25 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, rope, cache, step):
+    def forward(self, x, rope, cache, batch):
         if hasattr(self, "moe"):
-            x, flat, weights, ids = self.before_experts(x, rope, cache, step)
-            if step.real is None:
-                y = step.executor.expert_outputs(self.moe, flat, ids)
+            x, flat, weights, ids = self.before_experts(x, rope, cache, batch)
+            if batch.real is None:
+                y = batch.executor.expert_outputs(self.moe, flat, ids)
                 return self.after_experts(x, flat, self.moe.combine(y, weights))
             # A padded prompt batch: padding gets no expert (its output is never read), so the experts
             # neither compute nor count it.
-            y = step.executor.expert_outputs(self.moe, flat[step.real], ids[step.real])
-            routed = torch.zeros_like(flat).index_copy_(0, step.real, self.moe.combine(y, weights[step.real]))
+            y = batch.executor.expert_outputs(self.moe, flat[batch.real], ids[batch.real])
+            routed = torch.zeros_like(flat).index_copy_(0, batch.real, self.moe.combine(y, weights[batch.real]))
             return self.after_experts(x, flat, routed)
-        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
+        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, batch)
         return x + self.mlp(self.mlp_norm(x))
 
-    def before_experts(self, x, rope, cache, step):
+    def before_experts(self, x, rope, cache, batch):
         """An MoE block up to its routing: (residual, normalised tokens [N, H], weights, ids); the
         executor's experts and `after_experts` complete it. CUDA graphs capture the two parts apart
         (engine.generation.cuda_graphs), with the experts between them outside the graphs."""
-        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, step)
+        x = x + self.attn(self.attn_norm(x), rope, cache, self.layer, batch)
         flat = self.mlp_norm(x).reshape(-1, x.shape[-1])
         return x, flat, *self.moe.route(flat)
 
@@ -338,8 +338,9 @@ class Block(nn.Module):
         return x + self.moe.finish(flat, routed).view(x.shape)
 
 
-class Step:
-    """What one forward pass shares across layers: which cache rows, positions, mask, executor.
+class ForwardBatch:
+    """What one forward pass shares across its layers: which cache rows, positions, mask, executor. (A decode
+    "step" is the scheduler's: one forward of the running batch and what it does with the tokens.)
 
     kv_len: how many cache positions attention reads; by default up to the furthest position
     (read from the device), or a fixed length, which CUDA graphs need (the mask hides the rest).
@@ -364,7 +365,7 @@ class Step:
         self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as every layer's attention takes it. On CUDA, made once a step what SDPA would make of the
+        """The mask as every layer's attention takes it. On CUDA, made once a forward what SDPA would make of the
         boolean mask in every layer (0 where a token may attend, -inf elsewhere, in the queries' dtype; its rows
         16-aligned as the memory-efficient kernel wants them): that conversion and padding were five small
         kernels a layer. Elsewhere the boolean mask itself."""
@@ -422,18 +423,18 @@ class Transformer(nn.Module):
         so the tokens after it are padding, which no expert computes. None returns logits for every
         position.
         mask [B, 1, T, L] (bool, True = may attend) replaces the causal mask over the L = kv_len cache
-        positions the step reads, and slots [B, T] says where each token's key and value go in the cache
+        positions the forward reads, and slots [B, T] says where each token's key and value go in the cache
         (default: at its position): a draft tree verified in one pass, its nodes in slots one after another,
         siblings at one position, each token seeing its ancestors.
         features: also return hidden states, as (logits, {feature: [B, T, H]}): an int i is the residual
         stream entering layer i, "final" the last layer's output after the final norm (the features EAGLE
         heads draft from). Every position's, whatever logits_at picks.
         """
-        step = Step(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape), mask=mask,
+        batch = ForwardBatch(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape), mask=mask,
                     kv_len=None if mask is None else mask.shape[-1], slots=slots)
         x, rope = self.embed_tokens(tokens, positions)
         hidden = {}
-        x = self.run_layers(x, rope, cache, step, 0, len(self.layers), features, hidden)
+        x = self.run_layers(x, rope, cache, batch, 0, len(self.layers), features, hidden)
         logits = self.head(x, features, hidden, logits_at)
         return (logits, hidden) if features else logits
 
@@ -445,14 +446,14 @@ class Transformer(nn.Module):
         x = self.embed(tokens)
         return x, self.rotary(positions, x.dtype)
 
-    def run_layers(self, x, rope, cache, step: Step, start: int, end: int, features: tuple = (),
+    def run_layers(self, x, rope, cache, batch: ForwardBatch, start: int, end: int, features: tuple = (),
                    hidden: dict | None = None) -> torch.Tensor:
         """Layers start..end-1 over the residual stream x; the residual entering layer i goes to hidden[i] where
         i is in `features`."""
         for i in range(start, end):
             if i in features:
                 hidden[i] = x
-            x = self.layers[i](x, rope, cache, step)
+            x = self.layers[i](x, rope, cache, batch)
         return x
 
     def head(self, x, features: tuple = (), hidden: dict | None = None, logits_at: torch.Tensor | None = None):

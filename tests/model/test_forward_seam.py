@@ -107,27 +107,27 @@ def test_running_out_of_memory_while_fusing_leaves_the_layers_left_as_they_were(
 
 
 def test_attention_mask_is_the_boolean_one_off_cuda():
-    from moedesk.engine.model.transformer import Step
+    from moedesk.engine.model.transformer import ForwardBatch
 
-    step = Step(torch.tensor([[3, 4]]), None, None, kv_len=8)
-    assert step.attention_mask(torch.float32) is step.mask and step.mask.dtype == torch.bool
+    batch = ForwardBatch(torch.tensor([[3, 4]]), None, None, kv_len=8)
+    assert batch.attention_mask(torch.float32) is batch.mask and batch.mask.dtype == torch.bool
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_len", [7, 32])
 def test_attention_mask_on_cuda_is_what_sdpa_makes_of_the_boolean_one(kv_len):
-    """Made once a step: 0 / -inf in the queries' dtype, rows 16-aligned, and the same attention to the bit."""
+    """Made once a forward: 0 / -inf in the queries' dtype, rows 16-aligned, and the same attention to the bit."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    from moedesk.engine.model.transformer import Step, attention
+    from moedesk.engine.model.transformer import ForwardBatch, attention
 
     positions = torch.tensor([[kv_len - 3, kv_len - 2], [1, 2]], device="cuda")
-    step = Step(positions, None, None, kv_len=kv_len)
-    additive = step.attention_mask(torch.bfloat16)
-    assert additive is step.attention_mask(torch.bfloat16)  # once a step
+    batch = ForwardBatch(positions, None, None, kv_len=kv_len)
+    additive = batch.attention_mask(torch.bfloat16)
+    assert additive is batch.attention_mask(torch.bfloat16)  # once a forward
     assert additive.dtype == torch.bfloat16 and additive.stride(-2) % 16 == 0
-    assert torch.equal(additive == 0, step.mask) and bool(additive[~step.mask].eq(float("-inf")).all())
+    assert torch.equal(additive == 0, batch.mask) and bool(additive[~batch.mask].eq(float("-inf")).all())
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 8, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
     k, v = (torch.randn(2, 2, kv_len, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
-    assert torch.equal(attention(q, k, v, additive, True), attention(q, k, v, step.mask, True))
+    assert torch.equal(attention(q, k, v, additive, True), attention(q, k, v, batch.mask, True))
