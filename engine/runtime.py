@@ -112,7 +112,8 @@ class Engine(EngineFace):
         tok_model = checkpoint.tokenizer
         tokenizer = None
         if tok_model is not None:
-            tokenizer = Tokenizer(tok_model, checkpoint.tokenizer_config, cfg.eos_token_ids, source=str(checkpoint.path))
+            tokenizer = Tokenizer(tok_model, checkpoint.tokenizer_config, cfg.eos_token_ids, source=str(checkpoint.path),
+                                  architecture=cfg.arch)
             tokenizer.check_vocab(cfg.vocab_size)  # chat and serve refuse such a model at load, as batch does
         engine = cls(net, cfg, tokenizer, torch_device, torch_dtype, context, name=model)
         engine.warnings = warnings

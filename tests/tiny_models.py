@@ -81,21 +81,23 @@ ARCHS = {
 RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "deepseek_v3": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
 
 
-def train_tokenizer():
+def train_tokenizer(special_tokens: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=SPECIAL + list(special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def build(arch: str, folder: Path, seed: int = 0, chat_template: str = CHAT_TEMPLATE, **config) -> Path:
-    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it (config: fields to change)."""
+def build(arch: str, folder: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
+          special_tokens: tuple[str, ...] = (), eos_token: str = "<|im_end|>", **config) -> Path:
+    """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it (config: fields to change;
+    chat_template None: none written; special_tokens: the tokenizer's own after SPECIAL's, ids 3, 4, ...)."""
     import transformers
 
     config_name, model_name, extra = ARCHS[arch]
@@ -108,9 +110,10 @@ def build(arch: str, folder: Path, seed: int = 0, chat_template: str = CHAT_TEMP
                 tensor.copy_(torch.randn_like(tensor) * 0.1)
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    tok = train_tokenizer()
+    tok = train_tokenizer(special_tokens)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|endoftext|>", "eos_token": "<|im_end|>", "chat_template": chat_template,
-    }))
+    tokenizer_config = {"bos_token": "<|endoftext|>", "eos_token": eos_token}
+    if chat_template is not None:
+        tokenizer_config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return folder

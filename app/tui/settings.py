@@ -65,6 +65,10 @@ class Settings:
     system_prompt: str = setting(
         "You are a helpful assistant.", "System prompt",
         "Sent first in every conversation, through the model's chat template. Blank: none.", multiline=True)
+    reasoning_effort: str = setting(
+        "auto", "Reasoning effort", "How long a model that takes an effort reasons before it answers (gpt-oss: "
+                                    "low, medium or high), passed to its chat template; others ignore it. auto: "
+                                    "the template's own default.", choices=("auto", "low", "medium", "high"))
     temperature: float | None = setting(
         None, "Temperature", "0 always picks the most likely token (greedy, repeatable); higher is more varied. "
                              "Blank: the model's own default, else 0.7.", check=between(0, TEMPERATURE_MAX))
@@ -129,6 +133,10 @@ class Settings:
         1.0, "Length penalty", "Beam search ranks hypotheses by their log-probability / length ** this, as "
                                "transformers does: above 1 favours longer replies, below 1 shorter ones.",
         check=between(-10, 10))
+
+    def template_options(self) -> dict:
+        """The chat template's own switches these settings set (engine.load.tokenizer's render_chat options)."""
+        return {} if self.reasoning_effort == "auto" else {"reasoning_effort": self.reasoning_effort}
 
     def decoding(self, engine):
         """How the engine decodes a reply (Engine.stream's `decoding`): beam search when beams > 1, speculative

@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.load.tokenizer import ChatTemplating
+from moedesk.engine.load.tokenizer import ChatTemplating, fallback_template
 
 PIECE_BYTES = 256  # a token's text is rarely longer; longer ones are read again with the size llama.cpp asks for
 
@@ -21,6 +21,8 @@ class LlamaVocab(ChatTemplating):
         self.n_tokens = int(api.llama_vocab_n_tokens(self.vocab))
         template = api.llama_model_chat_template(model, None)
         self.chat_template: str | None = template.decode("utf-8", errors="replace") if template else None
+        if self.chat_template is None:  # a family whose format moedesk knows (gpt-oss: harmony)
+            self.chat_template = fallback_template(_architecture(api, model))
         bos, eos = api.llama_vocab_bos(self.vocab), api.llama_vocab_eos(self.vocab)
         self.bos_token_id = bos if 0 <= bos < self.n_tokens else None
         self.bos_token = self.piece(bos, special=True).decode(errors="replace") if self.bos_token_id is not None else None
@@ -85,3 +87,9 @@ class PieceStream:
             return text
         text, self.pending = self.pending.decode("utf-8", "replace"), b""  # not UTF-8 at all: as decode() shows it
         return text
+
+
+def _architecture(api, model) -> str | None:
+    buffer = ctypes.create_string_buffer(64)
+    n = api.llama_model_meta_val_str(model, b"general.architecture", buffer, 64)
+    return buffer.value.decode(errors="replace") if n >= 0 else None

@@ -197,6 +197,12 @@ def _render_bounded(template: jinja2.Template, **variables) -> str:
     return "".join(parts)
 
 
+def fallback_template(architecture: str | None) -> str | None:
+    from moedesk.engine.load.harmony import fallback_template as known
+
+    return known(architecture)
+
+
 class ChatTemplating:
     """A model's chat template rendered in the bounded sandbox: what both engines' tokenizers share. Subclasses
     set `chat_template`, `source`, `bos_token`, `eos_token` and give `encode`."""
@@ -246,7 +252,8 @@ class ChatTemplating:
 
 
 class Tokenizer(ChatTemplating):
-    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, eos_token_ids=(), source: str = "model"):
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict, eos_token_ids=(), source: str = "model",
+                 architecture: str | None = None):
         self._tok = tokenizer
         self.source = source
         self.bos_token = _token_text(config.get("bos_token"))
@@ -255,7 +262,8 @@ class Tokenizer(ChatTemplating):
         template = config.get("chat_template")
         if isinstance(template, list):  # several named templates: the default one is for chat
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
+        # A family whose format moedesk knows gets it when the checkpoint carries no template (gpt-oss: harmony)
+        self.chat_template: str | None = template or fallback_template(architecture)
         ids = set(eos_token_ids)
         if self.eos_token is not None and self.token_id(self.eos_token) is not None:
             ids.add(self.token_id(self.eos_token))

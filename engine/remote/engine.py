@@ -89,7 +89,7 @@ class RemoteEngine(EngineFace):
         if checkpoint.tokenizer is None:
             raise MoedeskError(f"{model}: the remote engine needs the model's tokenizer here, and it has none")
         tokenizer = Tokenizer(checkpoint.tokenizer, checkpoint.tokenizer_config, config.eos_token_ids,
-                              source=str(getattr(checkpoint, "path", model)))
+                              source=str(getattr(checkpoint, "path", model)), architecture=config.arch)
         if model == "demo":
             from moedesk.engine.load.demo import recipe
             from moedesk.engine.load.generation_defaults import checked

@@ -74,3 +74,29 @@ async def test_reasoning_then_answer_stream_apart_and_the_fold_opens(thinking_fo
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
         fold, shown = reasoning_of(app.chat.query(AssistantMessage).last())
         assert fold.display and fold.collapsed and shown == "Two and two."
+
+
+async def test_the_reasoning_effort_setting_reaches_the_chat_template(tmp_path):
+    from tests.app.test_server_harmony import HARMONY_TOKENS, RETURN
+
+    folder = tiny_models.build("gpt_oss", tmp_path / "oss", chat_template=None, special_tokens=HARMONY_TOKENS,
+                               eos_token="<|return|>", eos_token_id=[RETURN])
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")  # no template: harmony's, which reads the effort
+    prompts = []
+
+    def stream(prompt_ids, params, cancel=None, **kwargs):
+        prompts.append(list(prompt_ids))
+        yield StreamChunk("", [], Completion(None, [], "", "stop", len(prompt_ids)))
+
+    engine.stream = stream
+    for effort in ("high", "auto"):
+        settings = greedy_settings(reasoning_effort=effort)
+        app = MoedeskApp(engine, settings=settings)
+        async with app.run_test(size=SIZE) as pilot:
+            await say(pilot, "Why?")
+            await wait_idle(pilot, app)
+            asked = [{"role": m.role, "content": m.content} for m in app.chat.conversation.messages[:-1]]
+        turns = [{"role": "system", "content": settings.system_prompt}, *asked]  # the conversation goes on
+        text = engine.tokenizer.render_chat(turns, **({} if effort == "auto" else {"reasoning_effort": effort}))
+        assert f"Reasoning: {'medium' if effort == 'auto' else effort}\n" in text
+        assert prompts[-1] == engine.tokenizer.encode(text, add_special_tokens=False)

@@ -465,7 +465,7 @@ class ChatScreen(Screen):
         turns = [{"role": "system", "content": system}] if system.strip() else []
         turns.append({"role": "user", "content": text})
         try:
-            n = len(engine.tokenizer.chat_prompt(turns))
+            n = len(engine.tokenizer.chat_prompt(turns, **self.app.settings.template_options()))
         except Exception:  # noqa: BLE001 - the template's error is start_reply's to show
             return ""
         if n < engine.context_length:
@@ -486,7 +486,7 @@ class ChatScreen(Screen):
         start = 0
         while True:
             turns = [{"role": m.role, "content": m.content} for m in history[start:]]
-            text = engine.tokenizer.render_chat(system + turns)
+            text = engine.tokenizer.render_chat(system + turns, **settings.template_options())
             ids = engine.tokenizer.encode(text, add_special_tokens=False)
             self._in_reasoning = starts_in_reasoning(engine.tokenizer.reply_format, text)
             if len(ids) <= limit:
