@@ -237,6 +237,18 @@ def _routed_metadata(w, cfg: dict) -> None:
     w.add_expert_group_used_count(cfg["topk_group"])
 
 
+def _qwen3_moe_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from _stack_experts(tensors).items()
+
+
+def _qwen3_moe_metadata(w, cfg: dict) -> None:
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_expert_count(cfg.get("num_experts", cfg.get("num_local_experts")))  # transformers 5 saves the latter
+    w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+
+
 def _glm4_moe_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _renamed_correction_bias(_stack_experts(tensors)).items()
 
@@ -347,6 +359,12 @@ FAMILIES = {
              shared_expert_intermediate_size=48, linear_num_key_heads=2, linear_num_value_heads=4,
              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4),
         lambda w, cfg: _qwen35_moe_metadata(w, cfg, mrope=False), _qwen3_next_tensors),
+    "qwen3moe": Family(
+        "qwen3moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        # Qwen3-MoE, which the native engine runs too: q/k norms, normalised top-k routing; its templates think.
+        dict(MOE_COMMON, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             norm_topk_prob=True),
+        _qwen3_moe_metadata, _qwen3_moe_tensors),
     "glm4moe": Family(
         "glm4moe", "Glm4MoeConfig", "Glm4MoeForCausalLM",
         # GLM-4.5's shape: a dense first layer, q/k norms and biases, partial rotary, grouped sigmoid routing.
@@ -407,8 +425,9 @@ def _common_metadata(w, cfg: dict, n_layers: int) -> None:
     w.add_file_type(0)  # all float32
 
 
-def _tokenizer_metadata(w, folder: Path, vocab_size: int) -> None:
-    """The byte-level BPE as llama.cpp's "gpt2" tokenizer: tokens, merges, special ids, chat template."""
+def _tokenizer_metadata(w, folder: Path, vocab_size: int, chat_template: str | None = CHAT_TEMPLATE) -> None:
+    """The byte-level BPE as llama.cpp's "gpt2" tokenizer: tokens, merges, special ids, chat template (None:
+    none)."""
     import gguf
 
     spec = json.loads((folder / "tokenizer.json").read_text())
@@ -427,7 +446,8 @@ def _tokenizer_metadata(w, folder: Path, vocab_size: int) -> None:
     w.add_eos_token_id(SPECIAL.index("<|im_end|>"))
     w.add_pad_token_id(COMMON["pad_token_id"])
     w.add_add_bos_token(False)
-    w.add_chat_template(CHAT_TEMPLATE)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
 
 
 def model_metadata(w, family: str, cfg: dict) -> None:
@@ -450,7 +470,7 @@ def gguf_tensors(family: str, cfg: dict, tensors: Tensors) -> Iterator[tuple[str
         yield gguf_name, t
 
 
-def write_gguf(family: str, folder: Path, out: Path) -> Path:
+def write_gguf(family: str, folder: Path, out: Path, chat_template: str | None = CHAT_TEMPLATE) -> Path:
     """Convert the transformers checkpoint in folder (config.json, model.safetensors, tokenizer.json) to out."""
     import gguf
     from safetensors.torch import load_file
@@ -459,7 +479,7 @@ def write_gguf(family: str, folder: Path, out: Path) -> Path:
     w = gguf.GGUFWriter(str(out), FAMILIES[family].gguf_arch)
     w.add_name(f"tiny-random-{family}")
     model_metadata(w, family, cfg)
-    _tokenizer_metadata(w, folder, cfg["vocab_size"])
+    _tokenizer_metadata(w, folder, cfg["vocab_size"], chat_template)
     for name, t in gguf_tensors(family, cfg, load_file(folder / "model.safetensors")):
         if t.dtype == torch.uint8:  # packed MXFP4 rows (mxfp4_to_gguf)
             w.add_tensor(name, t.contiguous().numpy(), raw_dtype=gguf.GGMLQuantizationType.MXFP4)
