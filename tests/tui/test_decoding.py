@@ -172,3 +172,30 @@ async def test_chat_flags_decide_over_the_settings_for_the_run(engine, head, mon
         reply = flagged.chat.conversation.messages[-1]
         assert reply.content == expected.text and reply.meta["stats"]["speculative"]["mode"] == "greedy"
         assert flagged.settings.speculative == "off"  # the saved settings are untouched
+
+
+@pytest.mark.anyio
+async def test_autos_first_measurement_shows_its_progress_then_the_reply(engine, head, monkeypatch):
+    statuses, measured = [], []
+    real_status, real_times = ChatScreen.set_status, engine.speculation_step_times
+    monkeypatch.setattr(ChatScreen, "set_status", lambda self, text, error=False: (statuses.append(text),
+                                                                                  real_status(self, text, error)))
+    monkeypatch.setattr(engine, "speculation_step_times", lambda n, measure=False, progress=None: (
+        measured.append(measure), real_times(n, measure=measure, progress=progress))[1])
+    settings = greedy_settings(max_new_tokens=12, speculative="auto", draft=str(head), draft_length=2)
+    expected = plain(engine, settings, "Hello there")
+    app = MoedeskApp(engine, settings=settings)
+    async with app.run_test(size=SIZE) as pilot:
+        await say(pilot, "Hello there")
+        await wait_idle(pilot, app)
+        progress = [s for s in statuses if "measuring this machine's step times" in s]
+        shares = [int(s.split(": ")[-1].split("%")[0]) for s in progress]
+        assert shares[0] == 0 and len(shares) >= 3 and shares == sorted(shares)  # from the start, as it went on
+        assert statuses.index(progress[-1]) < len(statuses) - 1  # the writing status came back after it
+        assert app.chat.conversation.messages[-1].content == expected.text
+        assert measured.count(True) == 1
+
+        await say(pilot, "Again")  # measured once per machine: the next reply goes straight to writing
+        await wait_idle(pilot, app)
+        assert measured.count(True) == 1
+    assert engine.speculation_step_times(2) is not None

@@ -62,6 +62,14 @@ class ReplyFailed(Message):
         self.generation, self.error, self.tail = generation, error, tail
 
 
+class Measuring(Message):
+    """auto's one-off measurement of this machine's step times, `done` in [0, 1], before its first reply here."""
+
+    def __init__(self, generation: int, done: float):
+        super().__init__()
+        self.generation, self.done = generation, done
+
+
 @dataclass
 class Generation:
     number: int
@@ -72,6 +80,7 @@ class Generation:
     tokens: int = 0
     map_shown_at: float = 0.0
     fragments: list[str] = field(default_factory=list)
+    status: str = ""  # what the status line says while it runs
 
 
 def model_summary(engine) -> str:
@@ -528,7 +537,8 @@ class ChatScreen(Screen):
         await self.messages.mount(widget)
         note = f" · {left_out} oldest messages left out to fit the context" if left_out else ""
         note += f" · {decoding_note}" if decoding_note else ""
-        self.set_status(f"{writing(decoding)} Esc stops{note}")
+        generation.status = f"{writing(decoding)} Esc stops{note}"
+        self.set_status(generation.status)
         self.stats.show_live(0, 0.0, len(prompt_ids))
         self.refresh_bindings()
         reader = ReplyStream(engine.tokenizer.reply_format, in_reasoning=self._in_reasoning, tools=False)
@@ -550,6 +560,7 @@ class ChatScreen(Screen):
                 if raw else final_text
 
         try:
+            self._measure_for_auto(number, engine, decoding)
             extra = {"decoding": decoding} if decoding is not None else {}  # plain replies call stream as ever
             for chunk in engine.stream(prompt_ids, params, cancel=cancel, **extra):
                 tokens += len(chunk.token_ids)
@@ -576,6 +587,26 @@ class ChatScreen(Screen):
             self.post_message(ReplyFailed(number, "the engine ended the reply without a result", "".join(pending)))
         except BaseException as e:  # noqa: BLE001 - shown as one line; the UI goes on
             self.post_message(ReplyFailed(number, one_line(e), "".join(pending)))
+
+    def _measure_for_auto(self, number: int, engine, decoding) -> None:
+        """auto's first reply on this machine measures its step times first (about half a minute on a CPU): done
+        here, with progress on the status line, not inside the reply's first step where it looked like a hang."""
+        step_times = getattr(engine, "speculation_step_times", None)
+        if getattr(decoding, "mode", None) != "auto" or step_times is None \
+                or step_times(decoding.draft_length) is not None:
+            return
+        self.post_message(Measuring(number, 0.0))
+        step_times(decoding.draft_length, measure=True, progress=lambda done: self.post_message(Measuring(number, done)))
+
+    def on_measuring(self, message: Measuring) -> None:
+        g = self._current(message.generation)
+        if g is None:
+            return
+        if message.done >= 1.0:
+            self.set_status(g.status)
+        else:
+            self.set_status(f"auto: measuring this machine's step times, once, to see whether guessing pays: "
+                            f"{message.done:.0%} · then the reply is written")
 
     def _current(self, number: int) -> Generation | None:
         g = self.generation
