@@ -240,12 +240,12 @@ class Server:
         body = await self._json_body(http)
         job = await self.start(body, chat)
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        if job.prepared.stream:
-            return self.streaming(self._events(job, reply_id))
-        done = await self.finish(http, job)
-        if done is None:
-            return Response(status_code=499)
-        whole = job.reader.whole
+        return await self.reply(http, job, lambda: self._events(job, reply_id),
+                                lambda done: self._completion(job, done, reply_id))
+
+    def _completion(self, job: Job, done: Completion, reply_id: str) -> dict:
+        """A whole chat or text completion, as OpenAI's API returns it."""
+        chat, whole = job.prepared.chat, job.reader.whole
         if chat:
             message = {"role": "assistant", "content": whole.content if whole.content or not whole.tool_calls
                        else None, "refusal": None}
@@ -256,9 +256,9 @@ class Server:
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(done, whole)}
         else:
             choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": _finish(done)}
-        return JSONResponse({"id": reply_id, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": job.prepared.model, "choices": [choice],
-                             "usage": _usage(done), "moedesk": _extension(done)})
+        return {"id": reply_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": job.prepared.model, "choices": [choice], "usage": _usage(done),
+                "moedesk": _extension(done)}
 
     # --- the request path every API shares ------------------------------------------------------
 
@@ -334,6 +334,16 @@ class Server:
             raise ApiError(503, f"The server is busy: {e}. Retry after {retry} s.", code="queue_full",
                            kind="server_error", headers={"Retry-After": str(retry)}) from None
         return Job(prepared, handle, updates, ReplyReader(prepared, entry.engine.tokenizer), release)
+
+    async def reply(self, http: HttpRequest, job: Job, events, whole, media_type: str = "text/event-stream") -> Response:
+        """A started job's response, for every API: `events()` streamed when the request asked for a stream, else
+        the completion waited for and `whole(done)` as JSON; 499 when the client went away first."""
+        if job.prepared.stream:
+            return self.streaming(events(), media_type)
+        done = await self.finish(http, job)
+        if done is None:
+            return Response(status_code=499)
+        return JSONResponse(whole(done))
 
     async def finish(self, http: HttpRequest, job: Job) -> Completion | None:
         """The completion of a plain (not streamed) job, parsed into job.reader.whole; None when the client went

@@ -275,22 +275,21 @@ class OllamaApi:
                     "prompt_eval_count": done.prompt_tokens, "prompt_eval_duration": int(prefill * 1e9),
                     "eval_count": len(done.token_ids), "eval_duration": int(max(total - prefill, 0) * 1e9)}
 
-        if job.prepared.stream:
-            async def lines():
-                try:
-                    async for new, done in server.pieces(job):
-                        if new.reasoning or new.content or new.tool_calls:
-                            yield line({**piece(new.reasoning, new.content, new.tool_calls), "done": False})
-                        if done is not None:
-                            yield line({**piece("", "", ()), **last(done)})
-                except ApiError as e:  # the stream's last line: done, as every last line is
-                    yield line({"error": e.message, "done": True, "done_reason": "error"})
-            return server.streaming(lines(), media_type="application/x-ndjson")
-        done = await server.finish(http, job)
-        if done is None:
-            return Response(status_code=499)
-        whole = job.reader.whole
-        return JSONResponse({**piece(whole.reasoning, whole.content, whole.tool_calls), **last(done)})
+        async def lines():
+            try:
+                async for new, done in server.pieces(job):
+                    if new.reasoning or new.content or new.tool_calls:
+                        yield line({**piece(new.reasoning, new.content, new.tool_calls), "done": False})
+                    if done is not None:
+                        yield line({**piece("", "", ()), **last(done)})
+            except ApiError as e:  # the stream's last line: done, as every last line is
+                yield line({"error": e.message, "done": True, "done_reason": "error"})
+
+        def whole(done) -> dict:
+            reply = job.reader.whole
+            return {**piece(reply.reasoning, reply.content, reply.tool_calls), **last(done)}
+
+        return await server.reply(http, job, lines, whole, media_type="application/x-ndjson")
 
     # --- the models ------------------------------------------------------------------------------------------
 

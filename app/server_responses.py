@@ -12,7 +12,7 @@ import time
 import uuid
 
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from moedesk.app.api_errors import ApiError
@@ -30,6 +30,16 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def _output(whole) -> list[dict]:
+    """A whole reply's output items: its reasoning, its message (empty too, unless it only calls tools), its calls."""
+    output = []
+    if whole.reasoning:
+        output.append(_reasoning(_id("rs"), whole.reasoning))
+    if whole.content or not whole.tool_calls:
+        output.append(_message(_id("msg"), whole.content))
+    return output + [_call(_id("fc"), call) for call in whole.tool_calls]
+
+
 class ResponsesApi:
     def __init__(self, server):
         self.server = server
@@ -41,19 +51,8 @@ class ResponsesApi:
         chat = chat_body(body)
         job = await server.start(chat, chat=True)
         head = _head(body, chat)
-        if job.prepared.stream:
-            return server.streaming(self._events(job, head))
-        done = await server.finish(http, job)
-        if done is None:
-            return Response(status_code=499)
-        whole = job.reader.whole
-        output = []
-        if whole.reasoning:
-            output.append(_reasoning(_id("rs"), whole.reasoning))
-        if whole.content or not whole.tool_calls:
-            output.append(_message(_id("msg"), whole.content))
-        output += [_call(_id("fc"), call) for call in whole.tool_calls]
-        return JSONResponse(_finished(head, done, output))
+        return await server.reply(http, job, lambda: self._events(job, head),
+                                  lambda done: _finished(head, done, _output(job.reader.whole)))
 
     async def _events(self, job, head: dict):
         sequence = 0
