@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from moedesk.engine.offload.expert_cache import policy_from_env
+from moedesk.engine.offload.expert_cache import CachePolicy, policy_from_env
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
@@ -77,6 +77,9 @@ class ExpertOrchestra:
     warnings: list[str] = field(default_factory=list)
     profile_key: str = ""  # names this machine, expert shape and dtype in the measurement cache
     profile: dict = field(default_factory=dict)  # the raw measurements the latency model was fitted to
+    # Let the resident experts follow the routing (engine.offload.expert_cache); opt-in until it pays on a GPU
+    # (docs/expert-cache.md). None keeps the placement fixed.
+    cache: CachePolicy | None = field(default_factory=lambda: policy_from_env(os.environ.get("MOEDESK_EXPERT_CACHE")))
     top_k: int = 1  # experts per token: what a layer's offloaded share costs (placement's layer costs)
     evenness: float | None = None  # weight of even routing in `popularity` (engine.offload.popularity); None: not calibrated
 
@@ -122,14 +125,17 @@ class ExpertOrchestra:
 
     def place(self, budget_bytes: int, popularity: list[list[float]] | None = None) -> Placement:
         """Make the experts that fit `budget_bytes` resident (by popularity, or whole layers first where the
-        latency model says that is faster: engine.offload.placement.plan_placement); shrink the budget on GPU OOM."""
+        latency model says that is faster: engine.offload.placement.plan_placement); shrink the budget on GPU OOM.
+
+        With a cache the slots go expert by expert across every layer: the cache trades experts only within layers
+        partly on the GPU, and a layer made wholly resident would leave it nothing to follow the routing with."""
         if popularity is not None:
             self.popularity = popularity
         layers, experts = len(self.popularity), len(self.popularity[0])
+        layer_costs = None if self.cache else LayerCosts.from_model(self.costs, self.executor.whole_layers_on_device)
         while True:
             plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0,
-                                  layer_costs=LayerCosts.from_model(self.costs, self.executor.whole_layers_on_device),
-                                  top_k=self.top_k)
+                                  layer_costs=layer_costs, top_k=self.top_k)
             try:
                 self.executor.set_placement(plan.as_lists())
             except torch.OutOfMemoryError:
@@ -142,9 +148,8 @@ class ExpertOrchestra:
                                      f"GPU budget lowered to {budget_bytes / GIB:.2f} GiB")
                 continue
             self.placement, self.budget_bytes = plan, budget_bytes
-            policy = policy_from_env(os.environ.get("MOEDESK_EXPERT_CACHE"))
-            if policy is not None:  # opt-in until measured on a GPU (docs/expert-cache.md)
-                self.executor.follow_routing(policy)
+            if self.cache is not None:
+                self.executor.follow_routing(self.cache)
             return plan
 
     def back_off(self) -> bool:

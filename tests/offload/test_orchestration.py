@@ -135,10 +135,35 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
                             cpu_expert_ms=lambda tokens: 0.06)
     popularity = np.full((12, 16), 100)
     popularity[:, 4:8] = 101
-    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0, top_k=8)
+    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0, top_k=8,
+                                cache=None)
     plan = orchestra.place(48)
     assert plan.experts_on_gpu == 48 and placed == [plan.as_lists()]
     assert plan.on_gpu.all(axis=1).sum() == (3 if on_device else 0)
+
+
+def test_with_a_cache_the_slots_spread_over_every_layer_for_it_to_trade_in():
+    # The same costs that make whole layers pay on the device: with the cache on, no layer is made wholly
+    # resident (the cache trades only within partly resident layers) and the executor is told to follow.
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.expert_cache import CachePolicy
+    from moedesk.engine.offload.orchestration import ExpertOrchestra
+
+    placed, followed = [], []
+    executor = SimpleNamespace(whole_layers_on_device=True, set_placement=placed.append,
+                               follow_routing=followed.append)
+    costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
+                            cpu_expert_ms=lambda tokens: 0.06)
+    popularity = np.full((12, 16), 100)
+    popularity[:, 4:8] = 101
+    policy = CachePolicy(interval=8)
+    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0,
+                                top_k=8, cache=policy)
+    plan = orchestra.place(48)
+    assert plan.experts_on_gpu == 48 and not plan.on_gpu.all(axis=1).any()
+    assert (plan.on_gpu.sum(axis=1) == 4).all()  # the four most used experts of each layer
+    assert followed == [policy]
 
 
 def test_completions_report_the_expert_work_of_their_steps(tiny_checkpoint):
