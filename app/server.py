@@ -64,8 +64,8 @@ DEFAULT_MAX_QUEUE = 64
 # OpenAI's API takes 4 stop strings; tools written for local servers send more (Continue's autocomplete about 10)
 # and vLLM's and llama.cpp's servers take them. The bounds keep the check of a streamed reply's held-back text
 # for a stop's start (on the event loop for every token; engine.generation.scheduler._held_back: strings x the
-# places a stop's first character occurs in its length's tail) well under a millisecond (32 of 256 characters
-# over a 2,800-character reply: 0.10 ms a token on this 2-core CPU; its square-cost predecessor took 1.26).
+# places a stop's first character occurs in its length's tail) well under a millisecond a token
+# (docs/measurements.md, "The server's stop strings").
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there

@@ -102,8 +102,8 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
     return apply_rope(x if norm is None else norm(x), cos, sin)
 
 
-# On CUDA, SDPA with a boolean mask picks cuDNN's kernel, which measured 4.5 ms per decode call on
-# an H100 (tests/perf/profile_decode.py). Memory-efficient attention takes masks and is fast, but
+# On CUDA, SDPA with a boolean mask picks cuDNN's kernel, slower at decode than all else in the step
+# (docs/measurements.md, "The model's layers"). Memory-efficient attention takes masks and is fast, but
 # not enable_gqa (that falls back to the bf16 math path, which lost greedy equivalence in the GPU
 # tests), so for prefill key/value heads are repeated for it (decode folds the heads instead).
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
@@ -156,8 +156,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
 
     def fuse_projections(self) -> None:
-        """Compute q, k and v with one matmul from here on (as gpt-fast does): in a decode step on an H200 the
-        three small GEMVs took 17 µs a layer where one takes 7.4 (tests/perf/probe_segment.py). wq, wk and wv
+        """Compute q, k and v with one matmul from here on (as gpt-fast does): at decode one GEMV costs less than
+        three small ones (docs/measurements.md, "The model's layers"). wq, wk and wv
         keep their parameters, now views of the fused weight, so loading, state dicts and draft-head training
         see them as before."""
         projections = (self.wq, self.wk, self.wv)
