@@ -248,7 +248,7 @@ if triton is not None:
     def _e8m0_half(e):
         """2^(e - 128) for E8M0 exponents e (int32, 0..255) as float32, built from its bits: exact for every e,
         e = 0 and 1 giving the subnormals 2^-128 and 2^-127, e = 255 the finite 2^127 (no NaN, as the reference)."""
-        bits = tl.where(e >= 2, (e - 1) << 23, 1 << (21 + tl.minimum(e, 1)))
+        bits = tl.where(e >= 2, (e - 1) << 23, (e + 1) << 21)  # biased exponent e - 1, else the subnormals' bit
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit

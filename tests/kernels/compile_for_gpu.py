@@ -1,0 +1,80 @@
+"""Compile the expert kernels' variants to a Hopper (sm90) cubin on a machine without a GPU.
+
+Triton's interpreter, which CI runs the kernels under, executes their Python with numpy: code that only the
+compiler rejects (a type it cannot lower, a shape it cannot lay out) passes there and fails on the GPU box. Triton's
+compiler and ptxas need no GPU. Run as a module with TRITON_INTERPRET unset (tests/kernels/test_gpu_compile.py);
+prints one line per kernel family and "compiled N".
+"""
+from __future__ import annotations
+
+import os
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moedesk.kernels import gpu_grouped, gpu_quant, gpu_streamed
+
+TARGET = GPUTarget("cuda", 90, 32)
+# gpt-oss's expert function as each launch takes it: none; biases and the clamped SwiGLU (gate/up); a bias (down).
+FUNCTIONS = [dict(GATED=True, BIAS=False, CLAMPED=False), dict(GATED=True, BIAS=True, CLAMPED=True),
+             dict(GATED=False, BIAS=True, CLAMPED=False)]
+
+
+def build(fn, signature: dict, constexprs: dict, **options) -> None:
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=TARGET,
+                            options=options)
+    if not kernel.asm.get("cubin"):
+        raise RuntimeError(f"{fn.__name__}: no cubin")
+
+
+def main() -> int:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("run with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled")
+    count = 0
+    packed = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32",
+              "out_ptr": "*fp32", "out_stride": "i32", "R": "i32", "ROW_BYTES": "i32", "UNITS": "i32", "SPLIT": "i32",
+              "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}
+    tiles = [dict(NB=16, ROWS=4, BT=1, DOT=False), dict(NB=16, ROWS=4, BT=4, DOT=False),
+             dict(NB=2, ROWS=64, BT=16, DOT=True)]
+    for tile in tiles:
+        for function in FUNCTIONS:
+            build(gpu_quant._packed_mm, packed, dict(FMT=5, L=16, HALF=False, **tile, **function), num_warps=4)
+            count += 1
+    build(gpu_quant._dequant, {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16",
+                               "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
+          dict(FMT=5, L=16, ROWS=16, NB=8, SKIP=True))
+    count += 1
+    print("gpu_quant: mxfp4 tiles and functions", flush=True)
+    grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
+               "ends_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32", "K": "i32", "SPLIT": "i32",
+               "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}
+    for function in FUNCTIONS:
+        build(gpu_grouped._grouped_mm, grouped, dict(FP32="", BT=16, BR=64, BK=64, **function))
+        count += 1
+    print("gpu_grouped: functions", flush=True)
+    shapes = dict(H=2880, F=2880, K=4, ROWS=8)
+    for bias, clamped in ((False, False), (True, True)):
+        build(gpu_streamed._gate_up, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "act_ptr": "*bf16",
+                                      "FIRST": "i32", "RANKS": "i32", "ROW0": "i32", "bias_ptr": "*bf16",
+                                      "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"},
+              dict(BIAS=bias, CLAMPED=clamped, BLOCK_H=2048, **shapes), enable_fp_fusion=False)
+        build(gpu_streamed._down, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16",
+                                   "FIRST": "i32", "RANKS": "i32", "out_stride": "i32", "COL0": "i32",
+                                   "bias_ptr": "*bf16", "bias_stride": "i32"},
+              dict(BIAS=bias, BLOCK_F=1024, **shapes), enable_fp_fusion=False)
+        count += 2
+    pairs = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*u8", "expert_stride": "i64", "ids_ptr": "*i64",
+             "out_ptr": "*fp32", "out_stride": "i32", "FIRST": "i32", "RANKS": "i32", "R": "i32", "ROW0": "i32",
+             "ROW_BYTES": "i32", "COL_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32",
+             "alpha": "fp32", "limit": "fp32"}
+    for function in FUNCTIONS:
+        build(gpu_streamed._packed_pairs, pairs, dict(K=4, FMT=5, L=16, NB=16, ROWS=4, **function), num_warps=2)
+        count += 1
+    print("gpu_streamed: dense and mxfp4 functions", flush=True)
+    print(f"compiled {count}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
