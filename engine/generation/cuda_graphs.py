@@ -230,13 +230,13 @@ class _Captured:
             self.host.ids.copy_(ids, non_blocking=True)
         return x, flat, weights, ids
 
-    def _experts(self, j: int, executor, stream) -> None:
+    def _experts(self, j: int, executor, cuda_stream) -> None:
         _, flat, _, ids = self.outputs[j]
         moe = self.model.layers[self.moe_at[j]].moe
         if self.host is not None:
             # The step's stream, looked up once per step: Event.record() without one asks torch for the current
             # stream, host time paid again at every layer.
-            self.host.ready.record(stream)
+            self.host.ready.record(cuda_stream)
             self.host.streamed, self.host.cpu_rows = self.streamed[j], self.cpu_rows[j]
             if self.streamed[j] or self.cpu_rows[j]:
                 graph = self.stream_graphs.get(j)
@@ -292,22 +292,22 @@ class _Captured:
 
     def _run_eagerly(self, executor) -> torch.Tensor:
         self.outputs = []
-        stream = self._stream()
+        cuda_stream = self._cuda_stream()
         for j in range(len(self.moe_at) + 1):
             self.outputs.append(self._segment(j))
             if j < len(self.moe_at):
-                self._experts(j, executor, stream)
+                self._experts(j, executor, cuda_stream)
         return self.outputs[-1]
 
     def capture(self, tokens, positions, rows, mask, slots, executor, pool) -> None:
         """Run the step once eagerly on a side stream (it warms the kernels up and computes the step
         exactly as the graphs will, writing the same keys and values), then capture each segment."""
         self._load(tokens, positions, rows, mask, slots)
-        stream = torch.cuda.Stream(self.cache.device)
-        stream.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(stream):
+        side = torch.cuda.Stream(self.cache.device)
+        side.wait_stream(torch.cuda.current_stream(self.cache.device))
+        with torch.cuda.stream(side):
             self._run_eagerly(executor)
-        torch.cuda.current_stream(self.cache.device).wait_stream(stream)
+        torch.cuda.current_stream(self.cache.device).wait_stream(side)
         self.outputs, self.pool = [], pool
         if self.handoff is not None:
             self.handoff.warm_up(self.host_out, self.expert_out, self.host.x, self.host.ids)
@@ -353,7 +353,7 @@ class _Captured:
             self.mask[..., length:] = False  # past the caller's length: nothing a node may see
             self.slots.copy_(slots)
 
-    def _stream(self):
+    def _cuda_stream(self):
         return torch.cuda.current_stream(self.cache.device) if self.host is not None else None
 
     def replay(self, tokens, positions, rows, mask, slots, executor):
@@ -366,11 +366,11 @@ class _Captured:
             self._host_shares()
             logits = self.outputs[-1]
         else:
-            stream = self._stream()
+            cuda_stream = self._cuda_stream()
             for j, graph in enumerate(self.graphs):
                 graph.replay()
                 if j < len(self.moe_at):
-                    self._experts(j, executor, stream)
+                    self._experts(j, executor, cuda_stream)
             logits = self.outputs[-1]
         # The next replay overwrites the static outputs.
         logits = logits.clone()

@@ -100,14 +100,14 @@ def stack_experts(model, pinned: bool) -> dict[int, ExpertWeights]:
     return banks
 
 
-def queue_copy(stream, expert: ExpertWeights, staging: ExpertWeights, after=None):
-    """Queue one expert's host-to-GPU copy on `stream` (after the event `after`), its bytes as stored (a packed
-    expert crosses PCIe packed); the event that marks it done."""
-    with torch.cuda.stream(stream):
+def queue_copy(cuda_stream, expert: ExpertWeights, staging: ExpertWeights, after=None):
+    """Queue one expert's host-to-GPU copy on `cuda_stream` (after the event `after`), its bytes as stored (a
+    packed expert crosses PCIe packed); the event that marks it done."""
+    with torch.cuda.stream(cuda_stream):
         if after is not None:
-            stream.wait_event(after)
+            cuda_stream.wait_event(after)
         staging.copy_(expert, non_blocking=True)
-        return stream.record_event()
+        return cuda_stream.record_event()
 
 
 def compute_copied(xs, staging: ExpertWeights, ready=None):

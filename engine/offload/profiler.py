@@ -328,10 +328,10 @@ def contention(w: ExpertWeights, device, dtype: torch.dtype | None = None, token
 def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
     """Queue n copies on a side stream, time CPU calls one after another until they are done: (the CPU
     calls' times in ms, leaving out the last, which may have outlived the copies; the copies' total ms)."""
-    stream = torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize(device)
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(side):
         start.record()
         for _ in range(n):
             copy()
