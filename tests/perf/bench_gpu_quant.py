@@ -5,7 +5,7 @@ Usage (repo root, GPU box):  python tests/perf/bench_gpu_quant.py [--no-sweep] [
 
 For Mixtral-8x7B (H=4096, F=14336), Qwen3-30B-A3B (H=2048, F=768) and gpt-oss-120b (H=F=2880) experts in every
 packed format (mxfp4 ones with gpt-oss's biases and clamped SwiGLU, as its experts compute):
-decode, 8 resident experts with 1, 4 and 16 rows each, and prefill, 32 rows on each of 8 experts and 512 rows on 2.
+decode, 8 resident experts with 1, 4 and 16 rows each, and prefill, 64 rows on each of 8 experts and 512 rows on 2.
 Prints µs per call (gate/up and down together), the GB/s of packed expert bytes read (every expert's weights once
 per call), and the bf16 grouped path (kernels.gpu_experts) at the same shapes. Calls are captured in a CUDA
 graph, as decode runs them, and cycle over enough copies of the stacks that the weights come from
@@ -78,9 +78,9 @@ def bf16_stacks(n_experts, h, f, dev):
 
 
 def case_sizes():
-    # prefill at 32 rows on each of 8 experts: where gpu_quant._MANY hands it to the prefill route (many experts with
-    # few rows each, as gpt-oss's 128 at top-4 give a 1024-token chunk), besides 256 rows on each of 2
-    return [("decode", t, [t] * 8) for t in (1, 4, 16)] + [("prefill", 32, [32] * 8), ("prefill", 256, [256, 256])]
+    # prefill at 64 rows on each of 8 experts: many experts with few rows each, as gpt-oss's 128 at top-4 have in a
+    # 2048-token piece (past gpu_quant._MANY, so the prefill route by default), besides 256 rows on each of 2
+    return [("decode", t, [t] * 8) for t in (1, 4, 16)] + [("prefill", 64, [64] * 8), ("prefill", 256, [256, 256])]
 
 
 def main():
