@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root: `moedesk bench` on issue 41's family shapes, every expert in RAM, the first
 # layers of each, in the issue's formats (q4_k for GLM-4.5-Air and DeepSeek-V3, mxfp4 for gpt-oss-120b), plus the
-# 16-bit form as a reference point. gpt-oss's experts in RAM take the CPU's dequantising reference path (no MXFP4
-# CPU kernel yet), those on the GPU (copied at prefill, or resident: gpt-oss-gpu, every expert of its 8 layers
-# resident, then about a third of them) the packed Triton kernel, kernels/gpu_quant.py.
-# Usage: bash tests/perf/families_bench.sh [glm|deepseek|gpt-oss|gpt-oss-gpu ...]   (writes $OUT/<shape>_<format>.json)
+# 16-bit form as a reference point. gpt-oss's experts on the GPU (copied at prefill) take the packed Triton kernel,
+# kernels/gpu_quant.py; with experts resident too: tests/perf/gpt_oss_gpu.sh.
+# Usage: bash tests/perf/families_bench.sh [glm|deepseek|gpt-oss ...]   (writes $OUT/<shape>_<format>.json)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
@@ -20,10 +19,6 @@ for family in $which; do
          done ;;
     gpt-oss) run "gpt-oss-120b_mxfp4" --shape gpt-oss-120b --layers 8 --gpu-budget 0 --prefill 512 --decode-tokens 16 \
                --batch 4 --expert-format mxfp4 ;;
-    gpt-oss-gpu) for budget in 16 5; do  # GiB: 8 layers' 1024 experts take 13.5
-           run "gpt-oss-120b_mxfp4-gpu$budget" --shape gpt-oss-120b --layers 8 --gpu-budget $budget --prefill 512 \
-               --decode-tokens 32 --batch 16 --expert-format mxfp4
-         done ;;
   esac
 done
 python3 - "$OUT" <<'PY'
