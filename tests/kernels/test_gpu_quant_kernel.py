@@ -2,7 +2,9 @@
 
 The reference is kernels.quant_formats.dequantize (itself checked against the gguf package) and a
 float64 matmul. The packed stacks are random bytes, so every bit of every nibble, high bit and 6-bit
-scale is exercised, with the float16 scale fields overwritten by small finite values.
+scale is exercised, with the float16 scale fields overwritten by small finite values (MXFP4's exponents drawn
+near the weights' scale; every exponent is checked apart). gpt-oss's experts (biases, clamped SwiGLU) are checked
+against transformers' own GptOssExperts too (tests/kernels/gpt_oss_reference.py).
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 where
 there is no GPU), in float32 throughout: only the summation order differs from float64, so the
