@@ -162,8 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
                                        "the bound the measured bandwidths allow.")
     bench.add_argument("--shape", default="mixtral-8x7b",
-                       help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, tiny-moe "
-                            "or tiny-glm")
+                       help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, "
+                            "qwen3.5-35b-a3b, tiny-moe, tiny-glm or tiny-qwen35")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
     bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
                        help="GPU memory for experts (default: 0, every expert in RAM)")

@@ -5,6 +5,7 @@ import torch
 
 from moedesk.engine.generation.beam import BeamJob, BeamKind, BeamOptions, BeamSearch
 from moedesk.engine.load.checkpoint import open_checkpoint
+from moedesk.engine.model.architectures import reads_images
 from moedesk.engine.generation.cuda_graphs import graphs_wanted
 from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.offload.expert_executor import LocalExecutor
@@ -104,6 +105,8 @@ class Engine(EngineFace):
         context = context_length or DEFAULT_CONTEXT
         offload = torch_device.type == "cuda" if offload is None else offload
         warnings: list[str] = []
+        if reads_images(checkpoint.config):
+            warnings.append("this model also reads images; moedesk runs its text model only: images are not supported")
         allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
         _check_memory(checkpoint.path, str(torch_dtype).removeprefix("torch."), expert_dtype,
                       gpu=torch_device.type == "cuda")

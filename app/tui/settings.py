@@ -98,7 +98,7 @@ class Settings:
         choices=("auto", "bf16", "int8", "int4"))
     engine: str = setting(
         "auto", "Engine", "What runs the model. auto: moedesk's own engine where it implements the architecture "
-                          "(faster), llama.cpp for the GGUF models it does not (Qwen3.5, MiniMax, gpt-oss...); native "
+                          "(faster), llama.cpp for the GGUF models it does not (MiniMax, LFM2, gpt-oss...); native "
                           "or llama.cpp: that one; remote: the OpenAI-compatible server at the remote URL "
                           "generates (vLLM, SGLang, llama-server, another moedesk serve), the model's files here "
                           "give the tokenizer and chat template. Takes effect when a model is loaded.",

@@ -41,7 +41,7 @@ class ModelRunner:
         reallocation moves its tensors, which the graphs notice and capture again)."""
         if self.cache is None:
             self.cache = self.retrying(lambda: self.model.new_cache(rows, length, self.dtype, self.device))
-            if self.use_graphs:
+            if self.use_graphs and getattr(self.model, "supports_graphs", True):
                 from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
                 make = self.use_graphs if callable(self.use_graphs) else GraphedDecode
@@ -79,7 +79,7 @@ class ModelRunner:
             out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
         if out is None:
             out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
-                             features=features)
+                             features=features, drafts=True)
         return out
 
     def fork(self, block: list[int], source: list[int], length: int) -> None:

@@ -215,11 +215,23 @@ def _is_gpt_oss_mxfp4(config: dict) -> bool:
 
 
 def _with_experts_apart(checkpoint):
-    """gpt-oss's checkpoints fuse each layer's experts into a few tensors: shown one expert at a time."""
+    """gpt-oss's checkpoints fuse each layer's experts into a few tensors: shown one expert at a time. Qwen3-Next's
+    and Qwen3.5-MoE's are shown as their text model, with the layout of projections the model reads."""
     if checkpoint.config.get("model_type") == "gpt_oss":
         from moedesk.engine.load.fused_experts import FusedExperts
         return FusedExperts(checkpoint)
+    if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
+        from moedesk.engine.load.delta_projections import as_the_model_reads_it
+        return as_the_model_reads_it(checkpoint)
     return checkpoint
+
+
+def _gguf(path: Path, native_asked: bool):
+    """A GGUF file; Qwen3-Next's fused DeltaNet projections shown split (engine.load.delta_projections)."""
+    from moedesk.engine.load.delta_projections import as_the_model_reads_it
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+
+    return as_the_model_reads_it(GGUFCheckpoint(path, native_asked=native_asked))
 
 
 def _read_json(path: Path) -> dict:
@@ -247,8 +259,7 @@ def open_checkpoint(model: str, native_asked: bool = False):
     if path.suffix == ".gguf" and not path.is_dir():  # a folder named *.gguf is read as the folder it is
         if not path.is_file():
             raise CheckpointError(path, "no such file")
-        from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-        return GGUFCheckpoint(path, native_asked=native_asked)
+        return _gguf(path, native_asked)
     if path.is_dir():
         return _with_experts_apart(SafetensorsCheckpoint(path))
     if path.exists():
@@ -258,8 +269,7 @@ def open_checkpoint(model: str, native_asked: bool = False):
         ggufs = sorted(cached.rglob("*.gguf"))
         # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
         if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
-            from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
-            return GGUFCheckpoint(ggufs[0], native_asked=native_asked)
+            return _gguf(ggufs[0], native_asked)
         return _with_experts_apart(SafetensorsCheckpoint(cached))
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")

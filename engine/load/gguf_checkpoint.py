@@ -39,6 +39,8 @@ _MODEL_TYPES = {
     "olmoe": (None, "olmoe"),
     "glm4moe": (None, "glm4_moe"),
     "gpt-oss": (None, "gpt_oss"),
+    "qwen3next": (None, "qwen3_next"),
+    "qwen35moe": (None, "qwen3_5_moe"),
 }
 # Read natively only when the native engine is asked for: llama.cpp runs them faster until the native engine has a
 # kernel for their experts (gpt-oss's MXFP4 experts take the dequantising reference path).
@@ -47,7 +49,8 @@ _ONLY_WHEN_ASKED = frozenset({"gpt-oss"})
 NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES) - _ONLY_WHEN_ASKED
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-               "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
 # llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
 # rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -73,9 +76,28 @@ _LAYER_TENSORS = {
     "ffn_up_shexp": "mlp.{shared}.up_proj",
     "ffn_down_shexp": "mlp.{shared}.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    # Gated DeltaNet (qwen3next, qwen35moe)
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
 }
 # Whole names whose Hub name is not module + kind: the sigmoid router's correction bias.
-_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks"}
+_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks",
+                        "ssm_dt.bias": "linear_attn.dt_bias"}
+# Gated DeltaNet's decay rate: llama.cpp keeps A = -exp(A_log), under a name without a kind.
+_SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")
+# Norms that transformers' Qwen3-Next scales by 1 + weight and llama.cpp's converter stores plus one.
+_OFFSET_NORMS = {"attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm", "output_norm"}
+# Value-head-indexed Gated DeltaNet tensors of qwen35moe: llama.cpp tiles value heads over key heads (k0v0 k1v0 k0v1
+# ...); the Hub groups them by key head (k0v0 k0v1 k1v0 ...). (leaf, dim, which rows: all, or only past q and k)
+_BY_VALUE_HEAD = {"ssm_a": (0, "all"), "ssm_dt": (0, "all"), "ssm_alpha": (0, "all"), "ssm_beta": (0, "all"),
+                  "attn_gate": (0, "all"), "ssm_out": (1, "all"), "attn_qkv": (0, "values"),
+                  "ssm_conv1d": (0, "values")}
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 _EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
 _DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -240,6 +262,8 @@ class GGUFCheckpoint:
             return self._glm4_moe_config(experts)
         if model_type == "gpt_oss":
             return self._gpt_oss_config(experts)
+        if model_type in ("qwen3_next", "qwen3_5_moe"):
+            return self._delta_net_config(experts)
         moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
                "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
         width = self._arch_meta("expert_feed_forward_length", int, None) or self._arch_meta("feed_forward_length", int)
@@ -281,6 +305,26 @@ class GGUFCheckpoint:
             "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
             # Said even when whole: a config.json without it means half (transformers' default for GLM-4.x).
             "partial_rotary_factor": self._arch_meta("rope.dimension_count", int, head_dim) / head_dim,
+        }
+
+    def _delta_net_config(self, experts: int) -> dict:
+        """Qwen3-Next / Qwen3.5-MoE: the Gated DeltaNet dims from llama.cpp's ssm keys, every
+        full_attention_interval-th layer full attention (what llama.cpp assumes too)."""
+        value_heads = self._arch_meta("ssm.time_step_rank", int)
+        layers = self._block_count()
+        interval = self._arch_meta("full_attention_interval", int, 4)
+        return {
+            "num_experts": experts,
+            "num_experts_per_tok": self._arch_meta("expert_used_count", int),
+            "moe_intermediate_size": self._arch_meta("expert_feed_forward_length", int),
+            "shared_expert_intermediate_size": self._arch_meta("expert_shared_feed_forward_length", int),
+            "norm_topk_prob": True,
+            "linear_conv_kernel_dim": self._arch_meta("ssm.conv_kernel", int),
+            "linear_key_head_dim": self._arch_meta("ssm.state_size", int),
+            "linear_num_key_heads": self._arch_meta("ssm.group_count", int),
+            "linear_num_value_heads": value_heads,
+            "linear_value_head_dim": self._arch_meta("ssm.inner_size", int) // max(value_heads, 1),
+            "layer_types": ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
         }
 
     def _gpt_oss_config(self, experts: int) -> dict:
@@ -326,6 +370,9 @@ class GGUFCheckpoint:
                 continue  # all ones (anything else was refused in the config): plain RoPE
             if (block := _BLOCK_NUMBER.match(name)) and int(block.group(1)) >= layers:
                 continue  # a multi-token prediction layer (`_mtp_layers`), nextn.* tensors and all
+            if a := _SSM_A.fullmatch(name):
+                index[f"model.layers.{a.group(1)}.linear_attn.A_log"] = (name, None)
+                continue
             m = _LAYER_TENSOR_NAME.fullmatch(name)
             if m is None:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
@@ -385,7 +432,37 @@ class GGUFCheckpoint:
             tensor = _undo_rope_permutation(tensor, heads)
         if leaf == "ffn_gate_inp_shexp" and tensor.dim() == 1:
             tensor = tensor.reshape(1, -1)  # the Hub's Linear(hidden, 1); llama.cpp drops the 1
+        if self.config["model_type"] in ("qwen3_next", "qwen3_5_moe"):
+            tensor = self._delta_net_layout(gguf_name, leaf, tensor)
         return tensor
+
+    def _delta_net_layout(self, gguf_name: str, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Undo what llama.cpp's converter does to Qwen3-Next / Qwen3.5-MoE tensors: norms stored plus one, A stored
+        as -exp(A_log), the convolution without its middle dim, and (qwen35moe) value heads tiled over key heads."""
+        if gguf_name == "output_norm.weight" or leaf in _OFFSET_NORMS:
+            return tensor - 1
+        is_a = leaf == "ssm_a"
+        if self.arch == "qwen35moe" and leaf in _BY_VALUE_HEAD:
+            tensor = self._group_value_heads(tensor, *_BY_VALUE_HEAD[leaf], leaf)
+        if is_a:
+            return torch.log(-tensor)
+        if leaf == "ssm_conv1d":
+            return tensor.unsqueeze(1)
+        return tensor
+
+    def _group_value_heads(self, tensor: torch.Tensor, dim: int, rows: str, leaf: str) -> torch.Tensor:
+        c = self.config
+        key_heads, value_heads = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        per_key = value_heads // key_heads
+        if per_key == 1:
+            return tensor
+        head_dim = 1 if leaf in ("ssm_a", "ssm_dt", "ssm_alpha", "ssm_beta") else c["linear_value_head_dim"]
+        if rows == "values":  # q and k rows first, as they are
+            keys = 2 * key_heads * c["linear_key_head_dim"]
+            return torch.cat([tensor[:keys], self._group_value_heads(tensor[keys:], dim, "all", leaf)])
+        shape = list(tensor.shape)
+        tiled = tensor.reshape(*shape[:dim], per_key, key_heads, head_dim, *shape[dim + 1:])
+        return tiled.transpose(dim, dim + 1).reshape(shape)
 
     def packed_format(self, name: str) -> str | None:
         """The packed format (kernels.quant_formats) a tensor is stored in, when its blocks can be computed

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import struct
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -24,7 +25,8 @@ import torch
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
-from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from moedesk.engine.model.architectures import (is_ignored_tensor, map_weight_name, parse_config, text_config,
+                                                 weight_name_map)
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.model.transformer import parameter_dtype
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
@@ -123,6 +125,11 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
         stored = {name: t.stored for name, t in tensors.items()}
         tensors = {name: TensorInfo(shape, "mxfp4" if packed else stored.get(name, "float"))
                    for name, (shape, packed) in shapes_apart({n: t.shape for n, t in tensors.items()}).items()}
+    if text_config(config).get("model_type") in ("qwen3_next", "qwen3_5_moe"):  # as delta_projections shows them
+        from moedesk.engine.load.delta_projections import shapes_as_read
+
+        shown = shapes_as_read(config, {name: t.shape for name, t in tensors.items()})
+        tensors = {name: dataclasses.replace(tensors[source], shape=shape) for name, (shape, source) in shown.items()}
     cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
     rules = weight_name_map(cfg)
     other, float32, experts, stored = 0, 0, {}, {}

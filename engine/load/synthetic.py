@@ -43,7 +43,8 @@ def shape_config(name: str, layers: int | None = None) -> ModelConfig:
         raise KeyError(f"unknown shape {name!r} (known: {', '.join(SHAPES)})")
     cfg = SHAPES[name]
     if layers:
-        cfg = replace(cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers])
+        cfg = replace(cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers],
+                      linear_layers=cfg.linear_layers[:layers])
     return cfg
 
 
@@ -134,6 +135,17 @@ SHAPES["deepseek-v3"] = _from_hub_config({
     "rms_norm_eps": 1e-6, "max_position_embeddings": 163840, "bos_token_id": 0, "eos_token_id": 1,
     "num_nextn_predict_layers": 1, "rope_theta": 10000.0,
     "rope_scaling": {**_YARN, "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0}})
+# Qwen/Qwen3.5-35B-A3B's text_config: 40 layers, three Gated DeltaNet layers (16 key heads, 32 value heads of 128)
+# to each gated full-attention layer (16 heads of 256, 2 key/value heads, a quarter of each rotated), 256 experts
+# top-8 of width 512 and a gated shared expert of 512.
+SHAPES["qwen3.5-35b-a3b"] = _from_hub_config({
+    "model_type": "qwen3_5_moe", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+    "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "num_experts": 256, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}})
 
 # A shape small enough for CI to run the benchmark code path on the CPU.
 SHAPES["tiny-moe"] = ModelConfig(
@@ -146,3 +158,10 @@ SHAPES["tiny-glm"] = replace(SHAPES["glm-4.5-air"], vocab_size=512, hidden_size=
                              max_position_embeddings=4096, num_experts=8, num_experts_per_tok=2,
                              moe_intermediate_size=64, shared_expert_intermediate_size=64,
                              moe_layers=(False,) + (True,) * 3, eos_token_ids=(2,))
+# Qwen3.5's switches at that size: Gated DeltaNet layers beside a gated full-attention layer, a gated shared expert.
+SHAPES["tiny-qwen35"] = replace(SHAPES["qwen3.5-35b-a3b"], vocab_size=512, hidden_size=64, num_layers=4, num_heads=4,
+                                num_kv_heads=2, head_dim=16, rotary_dim=4, max_position_embeddings=4096,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                shared_expert_intermediate_size=64, moe_layers=(True,) * 4,
+                                linear_layers=(True, True, True, False), linear_key_heads=2, linear_value_heads=4,
+                                linear_key_dim=16, linear_value_dim=16)

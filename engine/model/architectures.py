@@ -34,6 +34,7 @@ class Architecture:
     partial_rotary: bool = False  # reads partial_rotary_factor (others refuse it)
     router_name: str = "gate"  # the checkpoint's name of the router inside the MoE module
     latent_attention: bool = False  # DeepSeek's MLA
+    delta_net: bool = False  # Gated DeltaNet layers beside gated full attention (Qwen3-Next, Qwen3.5-MoE)
 
 
 ARCHITECTURES = {
@@ -56,6 +57,12 @@ ARCHITECTURES = {
         Architecture("deepseek_v3", moe_block="mlp", shared_expert=True, num_experts_key="n_routed_experts",
                      norm_topk_prob_default=True, shared_expert_name="shared_experts", router="sigmoid",
                      latent_attention=True),
+        # Qwen3-Next and Qwen3.5/3.6-MoE: Gated DeltaNet layers, every fourth layer gated full attention with a
+        # quarter of each head rotated, zero-centred norms, many small experts and a gated shared expert.
+        Architecture("qwen3_next", moe_block="mlp", shared_expert=True, qk_norm="head", norm_topk_prob_default=True,
+                     partial_rotary=True, delta_net=True),
+        Architecture("qwen3_5_moe", moe_block="mlp", shared_expert=True, qk_norm="head", norm_topk_prob_default=True,
+                     partial_rotary=True, delta_net=True),
         Architecture("gpt_oss", moe_block="mlp", num_experts_key="num_local_experts",
                      expert_width_key="intermediate_size", attention_bias=True, router="topk_softmax",
                      router_name="router"),
@@ -101,7 +108,24 @@ def parse_config(hf: dict, path="config.json", tensors: dict | None = None) -> M
     return cfg
 
 
+def text_config(hf: dict) -> dict:
+    """The text model's config of a multimodal checkpoint (Qwen3.5-MoE nests it as text_config, under the
+    multimodal model's model_type); any other config as it is."""
+    if hf.get("model_type") == "qwen3_5_moe_text":  # the text model saved alone
+        return {**hf, "model_type": "qwen3_5_moe"}
+    inner = hf.get("text_config")
+    if hf.get("model_type") != "qwen3_5_moe" or not isinstance(inner, dict):
+        return hf
+    merged = {key: value for key, value in hf.items() if key not in ("text_config", "vision_config")}
+    return {**merged, **inner, "model_type": "qwen3_5_moe"}
+
+
+def reads_images(hf: dict) -> bool:
+    return isinstance(hf.get("vision_config"), dict)
+
+
 def _parse_config(hf: dict, path) -> ModelConfig:
+    hf = text_config(hf)
     arch = architecture_of(hf, path)
 
     def need(key):
@@ -194,6 +218,10 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         head_dim, kv_heads = extra.pop("head_dim"), heads
     if arch.model_type == "gpt_oss":
         extra = _gpt_oss_switches(hf, layers, count, positive, path)
+    if arch.delta_net:
+        extra = _delta_net_switches(hf, layers, count, path)
+        if arch.model_type == "qwen3_5_moe":  # its router always renormalises the top k
+            hf = {**hf, "norm_topk_prob": True}
     if hf.get("sliding_window") and arch.model_type == "mixtral":
         # Mixtral's window only matters past it: keep sequences inside it and stay exact.
         max_pos = min(max_pos, count("sliding_window"))
@@ -272,13 +300,36 @@ def _gpt_oss_switches(hf: dict, layers: int, count, positive, path) -> dict:
                 swiglu_alpha=positive("swiglu_alpha", 1.702), swiglu_limit=positive("swiglu_limit", 7.0))
 
 
+def _delta_net_switches(hf: dict, layers: int, count, path) -> dict:
+    """Which layers are Gated DeltaNet (layer_types, else every layer but each full_attention_interval-th, as the
+    reference defaults) and their dims; full-attention layers get the output gate, every norm is zero-centred."""
+    interval = count("full_attention_interval", hf.get("full_attention_interval") or 4)
+    kinds = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(layers)]
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"linear_attention", "full_attention"}:
+        raise CheckpointError(path, f"config layer_types must list linear_attention or full_attention for each of "
+                                    f"the {layers} layers, got {_show(kinds)}")
+    key_heads = count("linear_num_key_heads", limit=_LIMITS["heads"])
+    value_heads = count("linear_num_value_heads", limit=_LIMITS["heads"])
+    if value_heads % key_heads:
+        raise CheckpointError(path, f"config linear_num_value_heads={value_heads} is not a multiple of "
+                                    f"linear_num_key_heads={key_heads}")
+    return dict(linear_layers=tuple(k == "linear_attention" for k in kinds), linear_key_heads=key_heads,
+                linear_value_heads=value_heads, linear_key_dim=count("linear_key_head_dim"),
+                linear_value_dim=count("linear_value_head_dim"),
+                linear_conv_kernel=count("linear_conv_kernel_dim", hf.get("linear_conv_kernel_dim") or 4, minimum=2,
+                                         limit=64),
+                attention_gate=True, norm_offset=True)
+
+
 def _rotary_dim(hf: dict, head_dim: int, path) -> int:
     """How many of each head's dims RoPE turns: head_dim times partial_rotary_factor (in rope_parameters for
     transformers >= 5, at the top level on the Hub), an even number; 0 where that is all of them."""
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if factor is None:
-        factor = 0.5 if hf.get("model_type") == "glm4_moe" else 1.0  # transformers' default for GLM-4.x
+        # transformers' defaults: GLM-4.x turns half of each head, Qwen3-Next and Qwen3.5-MoE a quarter
+        factor = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}.get(hf.get("model_type"), 1.0)
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise CheckpointError(path, f"config partial_rotary_factor must be in (0, 1], got {_show(factor)}")
     dims = int(head_dim * factor)
@@ -360,12 +411,14 @@ def check_against_weights(cfg: ModelConfig, tensors: dict, path) -> None:
                                         f"weights has experts {_span(found)}")
     arch = ARCHITECTURES[cfg.arch]
     h = cfg.hidden_size
+    full = next((i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)), 0)
+    gated = 2 if cfg.attention_gate else 1  # the query's heads, each followed by its gate's
     expected = {
         "model.embed_tokens.weight": ((cfg.vocab_size, h), "vocab_size, hidden_size"),
-        "model.layers.0.self_attn.q_proj.weight": ((cfg.num_heads * cfg.head_dim, h),
-                                                   "num_attention_heads * head_dim, hidden_size"),
-        "model.layers.0.self_attn.k_proj.weight": ((cfg.num_kv_heads * cfg.head_dim, h),
-                                                   "num_key_value_heads * head_dim, hidden_size"),
+        f"model.layers.{full}.self_attn.q_proj.weight": ((gated * cfg.num_heads * cfg.head_dim, h),
+                                                         "num_attention_heads * head_dim, hidden_size"),
+        f"model.layers.{full}.self_attn.k_proj.weight": ((cfg.num_kv_heads * cfg.head_dim, h),
+                                                         "num_key_value_heads * head_dim, hidden_size"),
     }
     for layer in range(cfg.num_layers):
         if cfg.is_moe_layer(layer):
@@ -492,6 +545,12 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
         rules.append((block + r"experts\.(gate_up|down)_proj_bias", r"layers.\1.moe.\2_bias"))
     if arch.router == "sigmoid":
         rules.append((block + r"gate\.e_score_correction_bias", r"layers.\1.moe.score_bias"))
+    if arch.delta_net:
+        linear = _LAYER + r"linear_attn\."
+        for theirs, ours in (("in_proj_(qkv|z|b|a)\.weight", r"in_\2.weight"), ("conv1d\.weight", "conv"),
+                             ("(A_log|dt_bias)", r"\2"), ("norm\.weight", "norm.weight"),
+                             ("out_proj\.weight", "out.weight")):
+            rules.append((linear + theirs, r"layers.\1.attn." + ours))
     if arch.shared_expert:
         shared = re.escape(arch.shared_expert_name)
         rules.append((_LAYER + r"mlp\." + shared + r"\.(gate|up|down)_proj\.weight", r"layers.\1.moe.shared.\2.weight"))

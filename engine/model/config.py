@@ -80,9 +80,26 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = True
     attention_scale: float | None = None  # None: head_dim ** -0.5
+    # Qwen3-Next / Qwen3.5-MoE: Gated DeltaNet layers (engine.model.delta_net) beside gated full attention.
+    linear_layers: tuple[bool, ...] = ()  # which layers are Gated DeltaNet (empty: none)
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 0
+    attention_gate: bool = False  # q_proj also gives a per-channel gate: attention's output times sigmoid(gate)
+    norm_offset: bool = False  # RMSNorm scales by (1 + weight), weight stored zero-centred (Qwen3-Next)
 
     def is_sliding_layer(self, layer: int) -> bool:
         return bool(self.sliding_window) and bool(self.sliding_layers) and self.sliding_layers[layer]
+
+    def is_linear_layer(self, layer: int) -> bool:
+        return bool(self.linear_layers) and self.linear_layers[layer]
+
+    @property
+    def is_recurrent(self) -> bool:
+        """Some layers keep a recurrent state per sequence rather than keys and values per position."""
+        return any(self.linear_layers)
 
     @property
     def rope_dims(self) -> int:

@@ -17,7 +17,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.model.cache.kv import KVCache
+from moedesk.engine.model.cache.layers import LayerCaches
 from moedesk.engine.model.cache.positional import write_rows
+from moedesk.engine.model.cache.recurrent import RecurrentState
+from moedesk.engine.model.delta_net import GatedDeltaNet, tree_parents
 from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
@@ -96,6 +99,7 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
     x's heads must be dense; its tokens may be strided (a slice of the fused q/k/v projection)."""
     weights = () if norm is None else (norm.weight,)
     if (gpu_fused.applies(cos, sin, *weights, rows=(x,)) and gpu_fused.rotary_fits(x.shape[-1])
+            and not (norm is not None and norm.offset)
             and cos.shape[-1] == x.shape[-1]):
         return gpu_fused.norm_rotary(x, None if norm is None else norm.weight, 0.0 if norm is None else norm.eps,
                                      cos, sin)
@@ -142,15 +146,16 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.window = cfg.sliding_window if cfg.is_sliding_layer(layer) else 0
         q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.wq = nn.Linear(cfg.hidden_size, q_out, bias=cfg.attention_bias)
+        # With an output gate, each head's query is followed by its gate's head_dim channels (Qwen3-Next).
+        self.wq = nn.Linear(cfg.hidden_size, q_out * (2 if cfg.attention_gate else 1), bias=cfg.attention_bias)
         self.wk = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.wv = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.attention_bias)
         self.wo = nn.Linear(q_out, cfg.hidden_size, bias=cfg.attention_out_bias)
         if cfg.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, offset=cfg.norm_offset)
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(q_out, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(kv_out, cfg.rms_norm_eps)
@@ -184,7 +189,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, cfg.num_heads, cfg.head_dim)
+        gate = None
+        if cfg.attention_gate:
+            q, gate = q.view(B, T, cfg.num_heads, 2 * cfg.head_dim).split(cfg.head_dim, dim=-1)
+            gate = gate.reshape(B, T, -1)
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k = k.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(B, T, cfg.num_kv_heads, cfg.head_dim)
         head_norm = cfg.qk_norm == "head"
@@ -197,7 +206,8 @@ class Attention(nn.Module):
             return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.attention_mask(q.dtype),
                         cfg.num_kv_heads != cfg.num_heads)
-        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        return self.wo(out if gate is None else out * torch.sigmoid(gate))
 
 
 def top_k_route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -304,9 +314,12 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first)
-        self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layer)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first, cfg.norm_offset)
+        if cfg.is_linear_layer(layer):
+            self.attn = GatedDeltaNet(cfg, layer)
+        else:
+            self.attn = LatentAttention(cfg) if cfg.kv_lora_rank else Attention(cfg, layer)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first, cfg.norm_offset)
         if cfg.is_moe_layer(layer):
             self.moe = MoE(cfg, layer)
         else:
@@ -347,8 +360,14 @@ class ForwardBatch:
     """
 
     def __init__(self, positions: torch.Tensor, rows: torch.Tensor | None, executor, kv_len: int | None = None,
-                 real: torch.Tensor | None = None, mask: torch.Tensor | None = None, slots: torch.Tensor | None = None):
+                 real: torch.Tensor | None = None, mask: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                 lengths: torch.Tensor | None = None, keep_states: bool = False):
         self.positions = positions  # [B, T] absolute position of every token (its rotary angle)
+        self.lengths = lengths  # [B] real tokens of each right-padded row; None: all T of every row
+        # Recurrent layers hand over the state after every token (a verify forward, whose drafts may be
+        # rejected), not only the last one's.
+        self.keep_states = keep_states
+        self._parents = None
         self.slots = positions if slots is None else slots  # [B, T] where its key and value go in the cache
         self.real = real  # flat indices of the tokens that are not padding; None: every token is real
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
@@ -356,6 +375,7 @@ class ForwardBatch:
         self.executor = executor
         self._additive = None  # attention_mask's, once made
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
+        self.explicit_mask = mask is not None
         if mask is not None:  # the caller's: e.g. a draft tree, where a token sees its ancestors only
             self.mask = mask
             return
@@ -363,6 +383,20 @@ class ForwardBatch:
         # A token sees every cache entry at or before its own position. Rows are right-padded
         # with positions that run on, so stale entries past a row's end are never visible.
         self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
+
+    @property
+    def parents(self) -> torch.Tensor | None:
+        """[B, T] each token's parent in a draft tree verified in this forward (engine.model.delta_net.tree_parents);
+        None for a chain, whose parent is the token before."""
+        if self._parents is None and self.explicit_mask:
+            self._parents = tree_parents(self.mask, self.slots)
+        return self._parents
+
+    def real_mask(self, length: int) -> torch.Tensor | None:
+        """[B, T] float, 1 where a token is real and 0 where it pads its row; None where no row is padded."""
+        if self.lengths is None:
+            return None
+        return (torch.arange(length, device=self.lengths.device) < self.lengths.unsqueeze(1)).float()
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as every layer's attention takes it. On CUDA, made once a forward what SDPA would make of the
@@ -393,16 +427,31 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
 
     def parameter_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         return parameter_dtype(self.cfg, name, dtype)
 
-    def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache:
-        """The cache this model's layers write and read, for `rows` sequences of `length` positions."""
-        return KVCache(self.cfg, rows, length, dtype, device)
+    @property
+    def supports_graphs(self) -> bool:
+        """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): not through recurrent layers,
+        whose state the graphs do not capture."""
+        return not self.cfg.is_recurrent
+
+    def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LayerCaches:
+        """The cache this model's layers write and read, for `rows` sequences of `length` positions: keys and
+        values, and beside them a recurrent state for Gated DeltaNet layers (its matrix state in float32)."""
+        cfg = self.cfg
+        if not cfg.is_recurrent:
+            return KVCache(cfg, rows, length, dtype, device)
+        linear = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
+        full = [i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
+        conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
+        state = RecurrentState(linear, rows, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
+                               conv_dim, cfg.linear_conv_kernel, history=1, device=device, conv_dtype=dtype)
+        return LayerCaches([KVCache(cfg, rows, length, dtype, device, layers=full), state])
 
     def moe_blocks(self) -> list[MoE]:
         return [b.moe for b in self.layers if hasattr(b, "moe")]
@@ -416,7 +465,8 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, executor,
                 rows: torch.Tensor | None = None, logits_at: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, features: tuple = ()):
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, features: tuple = (),
+                drafts: bool = False):
         """Logits (float32) for tokens [B, T] at positions [B, T].
 
         logits_at [B] picks one position per row: the last real token of a right-padded prompt,
@@ -429,9 +479,13 @@ class Transformer(nn.Module):
         features: also return hidden states, as (logits, {feature: [B, T, H]}): an int i is the residual
         stream entering layer i, "final" the last layer's output after the final norm (the features EAGLE
         heads draft from). Every position's, whatever logits_at picks.
+        drafts: the tokens after each row's first may be rejected (a verify forward): recurrent layers keep the
+        state after each of them for the cache's `accept`.
         """
+        lengths = None if logits_at is None else logits_at + 1
         batch = ForwardBatch(positions, rows, executor, real=_real_tokens(logits_at, tokens.shape), mask=mask,
-                    kv_len=None if mask is None else mask.shape[-1], slots=slots)
+                             kv_len=None if mask is None else mask.shape[-1], slots=slots, lengths=lengths,
+                             keep_states=drafts and tokens.shape[1] > 1)
         x, rope = self.embed_tokens(tokens, positions)
         hidden = {}
         x = self.run_layers(x, rope, cache, batch, 0, len(self.layers), features, hidden)
@@ -471,6 +525,8 @@ def fuse_attention_projections(blocks) -> int:
     """Attention.fuse_projections for each block in turn, until memory runs out (a layer's weights exist twice for a
     moment); the layers left keep their three matmuls. Returns how many were fused."""
     for done, block in enumerate(blocks):
+        if not hasattr(block.attn, "fuse_projections"):  # a Gated DeltaNet layer: its projections are its own
+            continue
         try:
             block.attn.fuse_projections()
         except torch.OutOfMemoryError:

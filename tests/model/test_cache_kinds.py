@@ -226,8 +226,32 @@ def test_recurrent_fork_grow_and_limits():
     assert cache.bytes_per_position() == 0 and cache.bytes_per_row() * 5 == cache.nbytes()
     cache.clear([1])
     assert not cache.state[0][1].any() and cache.state[0][2].any()
-    with pytest.raises(ValueError, match="keeps 2"):
-        feed(cache, 0, token_inputs(gen, 3))
+    # A verify forward longer than any before: the cache keeps more states a row (its runner made it before the
+    # longest draft was known), and rolling back within them still forgets exactly the rejected tokens.
+    row0 = cache.state[0][0].clone()
+    drafts = token_inputs(gen, 3)
+    feed(cache, 0, drafts)
+    assert cache.history == 3 and cache.kept_state[0].shape[1] == 3
+    cache.rollback([0], [2])
+    state = row0
+    for t in drafts[:2]:
+        state, _, _ = gated_delta_step(state, cache.conv[0][0], **t)
+    torch.testing.assert_close(cache.state[0][0], state, rtol=0, atol=0)
+
+
+def test_recurrent_accept_after_a_forward_of_the_root_alone_keeps_its_state():
+    """A verify round that drafted nothing (the root alone, as a plain step): accepting no drafts keeps the state
+    after the root, not a state an earlier, longer round left among the kept ones."""
+    gen = torch.Generator().manual_seed(6)
+    cache = recurrent_cache(rows=1, history=4)
+    feed(cache, 0, token_inputs(gen, 3))
+    feed(cache, 0, token_inputs(gen, 4))  # a round of the root and 3 drafts
+    cache.rollback([0], [1])
+    root = token_inputs(gen, 1)
+    feed(cache, 0, root)
+    after_root = cache.state[0][0].clone()
+    cache.accept([0], [0], [[]])
+    torch.testing.assert_close(cache.state[0][0], after_root, rtol=0, atol=0)
 
 
 # --- a model's cache of several kinds ------------------------------------------------------------------------------

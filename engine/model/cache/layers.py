@@ -25,6 +25,10 @@ class LayerCaches:
     def __getitem__(self, layer: int):
         return self.of[layer]
 
+    def write_and_read(self, layer: int, *args, **kwargs):
+        """An attention layer's write and read, by the kind serving it (a KV cache)."""
+        return self.of[layer].write_and_read(layer, *args, **kwargs)
+
     @property
     def rows(self) -> int:
         return min(kind.rows for kind in self.kinds)

@@ -36,6 +36,7 @@ class RecurrentState:
         self.conv: list[torch.Tensor] = []  # per layer [rows, *conv_shape]
         self.kept_state: list[torch.Tensor] = []  # per layer [rows, history, *state_shape]: after each token
         self.kept_conv: list[torch.Tensor] = []
+        self.kept_tokens = [1] * len(self.layers)  # per layer: tokens whose states the last forward kept
         self.ensure(rows, 0)
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -91,12 +92,22 @@ class RecurrentState:
         i = self.index[layer]
         tokens = states.shape[1]
         if tokens > self.history:
-            raise ValueError(f"{tokens} tokens' states, but this cache keeps {self.history}")
+            self._keep_more(tokens)
         self.state[i][rows] = states[:, -1].to(self.state_dtype)
         self.conv[i][rows] = convs[:, -1].to(self.conv_dtype)
+        self.kept_tokens[i] = tokens
         if tokens > 1:
             self.kept_state[i][rows, :tokens] = states.to(self.state_dtype)
             self.kept_conv[i][rows, :tokens] = convs.to(self.conv_dtype)
+
+    def _keep_more(self, tokens: int) -> None:
+        """Room for `tokens` states a row: a longer verify forward than any before (the model's runner makes the
+        cache before it knows the longest draft)."""
+        rows = self.rows
+        self.history = tokens
+        make = lambda shape, dtype: [torch.zeros((rows, tokens, *shape), dtype=dtype, device=self.device)  # noqa: E731
+                                     for _ in self.layers]
+        self.kept_state, self.kept_conv = make(self.state_shape, self.state_dtype), make(self.conv_shape, self.conv_dtype)
 
     def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
         """After a verify forward whose token n (node n of a draft tree, the root 0) left kept state n: row
@@ -104,6 +115,8 @@ class RecurrentState:
         index = torch.tensor(rows, device=self.device)
         last = torch.tensor([path[-1] if path else 0 for path in paths], device=self.device)
         for i in range(len(self.layers)):
+            if self.kept_tokens[i] == 1:  # the forward was the root alone: its state is already current
+                continue
             self.state[i][index] = self.kept_state[i][index, last]
             self.conv[i][index] = self.kept_conv[i][index, last]
 

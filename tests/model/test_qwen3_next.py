@@ -1,0 +1,201 @@
+"""Qwen3-Next and Qwen3.5-MoE natively, against transformers on tiny random checkpoints (tests/gguf_from_hf.py:
+Gated DeltaNet layers with twice as many value heads as key heads, a gated full-attention layer, 8 experts and a
+gated shared expert, every constant-initialised weight perturbed).
+
+Several prompts of different lengths in one batch (one longer than a 64-token chunk), rows reused mid-run,
+prompts prefilled in pieces, experts in RAM and offloaded: transformers' greedy tokens, each prompt run alone.
+Beam search, and speculation in chains and trees (a rejected draft must leave no trace in the recurrent state),
+give what plain decoding gives.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.reference import hf_greedy
+
+FAMILIES = ["qwen3next", "qwen35moe"]
+TEXTS = ["Hi", "The quick brown fox jumps over the lazy",
+         "def add(a, b):\n    return a + b\n\nprint(add(2, 3)) " + "Experts live in RAM; the most popular ones live on "
+         "the GPU. Mixture of experts models route every token to a few experts out of many."]
+NEW = 16
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from tests.gguf_from_hf import build
+
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = build(family, tmp_path_factory.mktemp(family))
+        return made[family]
+
+    return get
+
+
+def prompts(engine) -> list[list[int]]:
+    ids = [engine.tokenizer.encode(t) for t in TEXTS]
+    assert len(ids[2]) > 64  # past one chunk of the chunked form
+    return ids
+
+
+def expected(built, engine, ids, new=NEW) -> list[list[int]]:
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    return [hf_greedy(built.model, p, new, eos) for p in ids]
+
+
+def greedy(engine, ids, new=NEW, batch_size=2) -> list[list[int]]:
+    params = SamplingParams(max_new_tokens=new, temperature=0)
+    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(ids)],
+                                                        batch_size=batch_size)}
+    return [done[i] for i in range(len(ids))]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_batched_greedy_equals_transformers_in_ram_and_offloaded(family, built):
+    b = built(family)
+    engine = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    cfg = engine.config
+    assert cfg.linear_layers == (True, True, True, False) and cfg.attention_gate and cfg.rope_dims == 4
+    ids = prompts(engine)
+    want = expected(b, engine, ids)
+    assert greedy(engine, ids) == want  # 3 prompts, 2 rows: right padding, and a row reused mid-run
+    engine.scheduler.prefill_chunk = 7  # prompts prefilled in pieces that continue the recurrent state
+    assert greedy(engine, ids, batch_size=3) == want
+    offloaded = Engine.load(str(b.folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    for policy in ("copy", "cpu"):
+        offloaded.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
+                                     "cpu": lambda loads: (sorted(loads), [])}[policy]
+        offloaded.executor.stats = type(offloaded.executor.stats)()
+        assert greedy(offloaded, ids) == want, policy
+        stats = offloaded.executor.stats
+        assert stats.gpu_experts > 0 and (stats.cpu_experts > 0) == (policy == "cpu")
+
+
+def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(built):
+    engine = Engine.load(str(built("qwen3next").folder), device="cpu", dtype="float32")
+    cache = engine.model.new_cache(2, 32, torch.float32, "cpu")
+    kv, state = cache.kinds
+    assert kv.layers == [3] and state.layers == [0, 1, 2]
+    assert state.state[0].shape == (2, 4, 16, 16) and state.conv[0].shape == (2, 2 * 2 * 16 + 4 * 16, 3)
+    assert cache.bytes_per_position() == kv.bytes_per_position() == 2 * 2 * 16 * 4  # keys and values of one layer
+    assert not engine.model.supports_graphs  # CUDA graphs do not capture the state: decode runs eagerly
+    # What CUDA loads do: the full-attention layer's q (with its gate), k and v in one matmul; DeltaNet layers as
+    # they are. The logits do not change.
+    from moedesk.engine.model.transformer import fuse_attention_projections
+
+    ids = torch.tensor([prompts(engine)[1]])
+    positions = torch.arange(ids.shape[1])[None]
+    before = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
+    assert fuse_attention_projections(engine.model.layers) == 4 and hasattr(engine.model.layers[3].attn, "qkv_weight")
+    after = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculation_in_chains_and_trees_is_lossless(family, built):
+    """An oracle draft (the greedy continuation, a third of it corrupted): chains and trees verified in one pass,
+    rejected drafts rolled back out of the recurrent state, equal plain greedy decoding, rows of several lengths."""
+    from moedesk.engine.speculative.oracle_drafter import oracle_factory
+    from moedesk.engine.speculative.verification import Speculator
+
+    engine = Engine.load(str(built(family).folder), device="cpu", dtype="float32")
+    ids = prompts(engine)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0)
+    requests = [Request(p, params, tag=i) for i, p in enumerate(ids)]
+    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
+    for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
+        sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
+                        engine.tokenizer)
+        done, _ = sp.run(requests, engine.executor, oracle_factory(plain, 0.3, engine.vocab_size, seed=1), mode=mode,
+                         draft_length=4, draft_width=width, budget=budget)
+        assert [c.token_ids for c in done] == plain, mode
+        spec = done[0].stats["speculative"]
+        assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]  # some drafts taken, some rejected
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_equals_transformers(family, built):
+    b = built(family)
+    engine = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    for ids in prompts(engine)[1:]:
+        for beams in (2, 4):
+            done = engine.beam_search(ids, beams=beams, max_new_tokens=8)
+            with torch.no_grad():
+                out = b.model.generate(torch.tensor([ids]), max_new_tokens=8, num_beams=beams, do_sample=False,
+                                       eos_token_id=sorted(eos), pad_token_id=0)
+            new = out[0, len(ids):].tolist()
+            end = next((i for i, t in enumerate(new) if t in eos), len(new))
+            assert done.token_ids == new[:end], beams
+
+
+def test_a_multimodal_qwen35_checkpoint_loads_its_text_model_and_says_images_are_not_supported(built, tmp_path,
+                                                                                             caplog):
+    """The released layout: the config nests the text model's as text_config beside a vision_config, the text
+    model's tensors live under model.language_model., a vision tower and an MTP layer beside them."""
+    b = built("qwen35moe")
+    folder = tmp_path / "multimodal"
+    shutil.copytree(b.folder, folder)
+    text = json.loads((b.folder / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "text_config": {**text, "model_type": "qwen3_5_moe_text"}, "vision_config": {"depth": 1},
+              "image_token_id": 300, "tie_word_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {(k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k): v
+               for k, v in load_file(b.folder / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    assert engine.config.arch == "qwen3_5_moe"
+    assert any("images are not supported" in w for w in engine.warnings)
+    ids = prompts(engine)[1:2]
+    assert greedy(engine, ids) == expected(b, engine, ids)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_runs_natively_with_the_reference_tokens_and_its_size_estimated(family, built):
+    """llama.cpp's tensor names and layouts (tests/gguf_from_hf.py: q/k/v and the gate split, A as -exp(A_log), norms
+    plus one, qwen35moe's value heads tiled): `auto` runs the file natively, with the safetensors' config and
+    transformers' tokens; the Models screen's estimate from the header is what loading allocates."""
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    b = built(family)
+    engine = Engine.load(str(b.gguf), device="cpu", dtype="float32")
+    ours = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    assert engine.kind == "native" and engine.config == ours.config
+    ids = prompts(ours)
+    assert [engine.tokenizer.encode(t) for t in TEXTS] == ids
+    assert greedy(engine, ids) == expected(b, ours, ids)
+    for path in (b.gguf, b.folder):
+        estimate = summarize_path(path).estimate("auto", "float32")
+        assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+        assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+def test_bench_runs_a_qwen35_shape_on_the_simulated_tier():
+    """`moedesk bench --shape qwen3.5-35b-a3b`'s path (recurrent layers, a gated full-attention layer, a gated shared
+    expert) at a size the CPU runs; the real shape's switches as its public config sets them."""
+    from moedesk.bench.synthetic import run_bench
+    from moedesk.engine.load.synthetic import SHAPES, shape_config
+
+    report = run_bench("tiny-qwen35", 4, 0.0002, device="cpu", decode_tokens=6, prefill=(80,), batch=2,
+                       log=lambda *a: None)
+    assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]
+    assert all(r["tok_s"] > 0 for r in report["results"])
+    real = shape_config("qwen3.5-35b-a3b", layers=8)
+    assert real.linear_layers == (True, True, True, False) * 2 and real.rope_dims == 64
+    assert (real.num_experts, real.num_experts_per_tok, real.linear_value_heads) == (256, 8, 32)
+    assert SHAPES["qwen3.5-35b-a3b"].num_layers == 40 and real.attention_gate and real.norm_offset
