@@ -445,6 +445,8 @@ class GGUFCheckpoint:
         if self.arch == "qwen35moe" and leaf in _BY_VALUE_HEAD:
             tensor = self._group_value_heads(tensor, *_BY_VALUE_HEAD[leaf], leaf)
         if is_a:
+            if not bool((tensor < 0).all()):  # log(-A) would be NaN: every later token too
+                raise CheckpointError(self.path, f"tensor {gguf_name} holds A = -exp(A_log), which must be negative")
             return torch.log(-tensor)
         if leaf == "ssm_conv1d":
             return tensor.unsqueeze(1)

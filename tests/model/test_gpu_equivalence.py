@@ -30,11 +30,9 @@ def within_bf16_rounding(logits: torch.Tensor) -> bool:
 
 
 def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
-    from moedesk.engine.model.cache.kv import KVCache
-
     weight = next(engine.model.parameters())
     device = weight.device
-    cache = KVCache(engine.config, 1, len(ids), weight.dtype, device)
+    cache = engine.model.new_cache(1, len(ids), weight.dtype, device)  # the model's own kinds (recurrent state too)
     with torch.no_grad():
         return engine.model(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None], cache,
                             engine.executor)[0].float().cpu()

@@ -125,6 +125,46 @@ def test_speculation_in_chains_and_trees_is_lossless(family, built):
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]  # some drafts taken, some rejected
 
 
+def test_a_tree_verified_in_one_pass_equals_each_branch_run_alone(built):
+    """The model's forward over a draft tree (its mask and slots as verification builds them): every node's logits
+    are those of its root-to-node branch fed after the prompt as a plain chain, through the recurrent layers (each
+    node from its parent's state) and the full-attention layer (each node seeing its ancestors); accepting a branch
+    leaves the state that branch alone leaves."""
+    from moedesk.engine.speculative.proposal import node_depths, tree_mask
+
+    engine = Engine.load(str(built("qwen35moe").folder), device="cpu", dtype="float32")
+    model, run = engine.model, engine.executor
+    prompt = prompts(engine)[1]
+    parents, tokens = [-1, 0, 0, 1, 2, 2, 4], [11, 57, 90, 13, 200, 7, 42]
+    L, n = len(prompt), len(parents)
+
+    def prefilled():
+        cache = model.new_cache(1, L + n, torch.float32, "cpu")
+        model(torch.tensor([prompt]), torch.arange(L)[None], cache, run)
+        return cache
+
+    cache = prefilled()
+    mask = torch.zeros(1, 1, n, L + n, dtype=torch.bool)
+    mask[0, 0, :, :L] = True
+    mask[0, 0, :, L:] = tree_mask(parents)
+    positions = (L + torch.tensor(node_depths(parents)))[None]
+    tree = model(torch.tensor([tokens]), positions, cache, run, mask=mask, slots=(L + torch.arange(n))[None],
+                 drafts=True)[0]
+    for node in range(n):
+        branch = [node]
+        while parents[branch[0]] >= 0:
+            branch.insert(0, parents[branch[0]])
+        alone = model(torch.tensor([[tokens[i] for i in branch]]), torch.arange(L, L + len(branch))[None],
+                      prefilled(), run, drafts=True)[0, -1]
+        torch.testing.assert_close(tree[node], alone, rtol=1e-5, atol=1e-5)
+    # Accept the branch root -> 2 -> 4 -> 6: the recurrent state is that branch's alone.
+    cache.accept([0], [L], [[2, 4, 6]])
+    chain = prefilled()
+    model(torch.tensor([[tokens[i] for i in (0, 2, 4, 6)]]), torch.arange(L, L + 4)[None], chain, run)
+    for ours, theirs in zip(cache.kinds[1].state, chain.kinds[1].state):
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_beam_search_equals_transformers(family, built):
     b = built(family)
@@ -199,3 +239,34 @@ def test_bench_runs_a_qwen35_shape_on_the_simulated_tier():
     assert real.linear_layers == (True, True, True, False) * 2 and real.rope_dims == 64
     assert (real.num_experts, real.num_experts_per_tok, real.linear_value_heads) == (256, 8, 32)
     assert SHAPES["qwen3.5-35b-a3b"].num_layers == 40 and real.attention_gate and real.norm_offset
+
+
+def test_a_gguf_whose_decay_rate_is_not_negative_is_refused_in_one_line(built):
+    """llama.cpp keeps A = -exp(A_log); a file holding A >= 0 would turn every later token into NaN."""
+    from moedesk.engine.errors import CheckpointError
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(built("qwen3next").gguf)
+    with pytest.raises(CheckpointError, match="must be negative"):
+        checkpoint._delta_net_layout("blk.0.ssm_a", "ssm_a", torch.tensor([-1.0, 0.5, -2.0, -0.1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_float32_in_place_and_offloaded_and_bf16(family, built):
+    """On the GPU: float32 all on the GPU and with experts offloaded give transformers' tokens; bf16 within what
+    bf16 rounding allows (tests/model/test_gpu_equivalence.py's rule)."""
+    from tests.model.test_gpu_equivalence import check_greedy
+    from tests.reference import hf_model
+
+    b = built(family)
+    cpu = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    ids = prompts(cpu)
+    want = expected(b, cpu, ids)
+    for kw in ({}, dict(offload=True, gpu_budget=0.0001)):
+        engine = Engine.load(str(b.folder), device="cuda", dtype="float32", **kw)
+        assert engine.runner.graphs is None  # recurrent layers decode eagerly
+        assert greedy(engine, ids) == want, kw
+    engine = Engine.load(str(b.folder), device="cuda", dtype="bfloat16")
+    check_greedy(engine, hf_model(b.folder, torch.bfloat16, "cuda"), ids, NEW, ref32=hf_model(b.folder, torch.float32,
+                                                                                              "cuda"))

@@ -3,11 +3,11 @@
 # layers of each, in the formats (q4_k for GLM-4.5-Air and DeepSeek-V3, mxfp4 for gpt-oss-120b), plus the
 # 16-bit form as a reference point. gpt-oss's experts on the GPU (copied at prefill) take the packed Triton kernel,
 # kernels/gpu_quant.py; with experts resident too: tests/perf/gpt_oss_gpu.sh.
-# Usage: bash tests/perf/families_bench.sh [glm|deepseek|gpt-oss ...]   (writes $OUT/<shape>_<format>.json)
+# Usage: bash tests/perf/families_bench.sh [glm|deepseek|gpt-oss|qwen35 ...]   (writes $OUT/<shape>_<format>.json)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
-which=${*:-glm deepseek gpt-oss}
+which=${*:-glm deepseek gpt-oss qwen35}
 run() { name=$1; shift; python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/families.log" || echo "$name failed"; }
 for family in $which; do
   case $family in
@@ -16,6 +16,10 @@ for family in $which; do
          done ;;
     deepseek) for f in q4_k dense; do
            run "deepseek-v3_$f" --shape deepseek-v3 --layers 8 --gpu-budget 0 --prefill 512 --decode-tokens 32 --expert-format "$f"
+         done ;;
+    qwen35) for f in q4_k dense; do
+           run "qwen3.5-35b-a3b_$f" --shape qwen3.5-35b-a3b --layers 12 --gpu-budget 0 --prefill 512 --decode-tokens 64 \
+               --expert-format "$f"
          done ;;
     gpt-oss) run "gpt-oss-120b_mxfp4" --shape gpt-oss-120b --layers 8 --gpu-budget 0 --prefill 512 --decode-tokens 16 \
                --batch 4 --expert-format mxfp4 ;;

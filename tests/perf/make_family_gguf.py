@@ -3,7 +3,7 @@
 Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N]
 
 SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air,
-deepseek-v3 (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata come from
+deepseek-v3, qwen3.5-35b-a3b (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata come from
 tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
 transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the
 values: every tensor tiles one random block, the rest of the model in F16 (1-D tensors F32). A q4_k tensor whose
@@ -52,6 +52,16 @@ SHAPES = {
         n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
         norm_topk_prob=True, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
         v_head_dim=128, max_position_embeddings=163840, rms_norm_eps=1e-6, num_nextn_predict_layers=0)),
+    # Qwen/Qwen3.5-35B-A3B's text_config (engine/load/synthetic.py's qwen3.5-35b-a3b): Gated DeltaNet layers, every
+    # fourth gated full attention, 256 experts top-8 and a shared expert
+    "qwen3.5-35b-a3b": ("qwen35moe", "q4_k", dict(
+        vocab_size=248320, hidden_size=2048, intermediate_size=512, num_hidden_layers=40, num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                            "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
 }
 QTYPES = {"mxfp4": gguf.GGMLQuantizationType.MXFP4, "q4_k": gguf.GGMLQuantizationType.Q4_K,
           "q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0,
@@ -119,6 +129,8 @@ def main() -> None:
             w.add_tensor(name, data, raw_dtype=qtype)
         elif len(shape) >= 2 and name.endswith(".weight"):
             w.add_tensor(name, tiled(int(np.prod(shape)), values).astype(np.float16).reshape(shape))
+        elif name.endswith(".ssm_a"):  # Gated DeltaNet's A = -exp(A_log): negative, or the state grows without bound
+            w.add_tensor(name, -np.abs(tiled(int(np.prod(shape)), values).reshape(shape)) - 0.5)
         else:  # norms, biases, sinks: float32, as the converter keeps them
             w.add_tensor(name, tiled(int(np.prod(shape)), values).reshape(shape) + 1.0)
     w.write_header_to_file()
