@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moedesk.bench.report_text import text_table
 from moedesk.bench.synthetic import SyntheticBench, random_prompt
 from moedesk.engine import json_read
 from moedesk.engine.errors import MoedeskError
@@ -506,10 +507,8 @@ def format_speculative(report: dict) -> str:
               "speedup: tok/s of the whole run over plain decoding's; full-batch: of the rounds that ran all B rows",
               "(continuous batching keeps them full); α req, α meas: the oracle's acceptance requested and measured; "
               "agree: the",
-              "fraction of its uncorrupted drafts the target accepted (below α req, α cannot be reached)",
-              f"{'B':>4}{'α req':>6}{'mode':>8}{'plain':>9}{'spec':>9}{'speedup':>9}{'full-batch':>11}{'model':>8}"
-              f"{'α meas':>8}{'agree':>7}{'tok/step':>9}{'γ used':>10}"]
-    capped = False
+              "fraction of its uncorrupted drafts the target accepted (below α req, α cannot be reached)"]
+    capped, rows = False, []
     for r in s["runs"]:
         model = f"{r['predicted_speedup']:.2f}x" if r.get("predicted_speedup") is not None else "-"
         full = f"{r['full_batch_speedup']:.2f}x" if r.get("full_batch_speedup") is not None else "-"
@@ -519,8 +518,11 @@ def format_speculative(report: dict) -> str:
         q = f"{r['agreement']:.2f}" if r.get("agreement") is not None else "-"
         tps = f"{r['tokens_per_step']:.2f}" if r.get("tokens_per_step") is not None else "-"
         used = "plain path" if r.get("path") == "plain" else ",".join(map(str, r.get("gammas", [])))
-        lines.append(f"{r['batch']:>4}{r['acceptance']:>6}{r['mode']:>8}{r['plain_tok_s']:>9.1f}{r['tok_s']:>9.1f}"
-                     f"{r['speedup']:>8.2f}x{full:>11}{model:>8}{acc:>8}{q:>7}{tps:>9}{used:>10}")
+        rows.append([str(r["batch"]), str(r["acceptance"]), r["mode"], f"{r['plain_tok_s']:.1f}", f"{r['tok_s']:.1f}",
+                     f"{r['speedup']:.2f}x", full, model, acc, q, tps, used])
+    # Each column as wide as its widest cell, two spaces apart: "plain path" no longer ran into the column before.
+    lines += text_table(["B", "α req", "mode", "plain", "spec", "speedup", "full-batch", "model", "α meas", "agree",
+                         "tok/step", "γ used"], rows, left=0)
     if capped:
         lines.append("* requested α above the agreement: the oracle corrupted nothing and cannot reach it")
     worst = min(s["per_batch"], key=lambda p: p["auto_min_speedup"] if p["auto_min_speedup"] is not None else 9)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moedesk.bench.machine_load import CpuLoad, busy_warning
+from moedesk.bench.report_text import profile_line, significant, text_table
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.offload.assignment import lone_token_split
@@ -25,6 +27,7 @@ class BenchResult:
     tok_s: float
     bound_tok_s: float | None = None
     depth: int = 0  # tokens of context already in the cache when the run starts (bench.depth)
+    spread: float | None = None  # (slowest - fastest) / median over its rounds: decode steps, prefill repeats
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -62,16 +65,22 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     requests = [Request(random_prompt(prompt, cfg.vocab_size, seed + i), params) for i in range(batch)]
     start = None
+    step_ends = []  # when each timed step's last row came out: the steps' times are the rounds' spread
     for seq, token in decoder.run(requests, batch_size=batch):
         if start is None and len(seq.tokens) == 2 and seq.row == batch - 1:
             _sync(device)
             if hasattr(executor, "stats"):
                 executor.stats = type(executor.stats)()
             start = time.perf_counter()  # every sequence has two tokens: the first decode step is done
+            step_ends.append(start)
+        elif start is not None and seq.row == batch - 1:
+            step_ends.append(time.perf_counter())
     _sync(device)
     seconds = time.perf_counter() - start
     generated = batch * (new_tokens - 2)
-    return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds)
+    steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds,
+                       spread=spread(steps))
 
 
 def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
@@ -79,14 +88,25 @@ def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int 
     tokens = torch.tensor([random_prompt(length, cfg.vocab_size, seed)], device=device)
     positions = torch.arange(length, device=device)[None]
     last = torch.tensor([length - 1], device=device)
-    best = float("inf")
+    times = []
     for _ in range(repeat):
         _sync(device)
         start = time.perf_counter()
         model(tokens, positions, cache, executor, logits_at=last)
         _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return BenchResult("prefill", length, 1, best, length / best)
+        times.append(time.perf_counter() - start)
+    best = min(times)
+    return BenchResult("prefill", length, 1, best, length / best, spread=spread(times))
+
+
+def spread(times: list[float]) -> float | None:
+    """(slowest - fastest) / median of a run's rounds; None for fewer than two."""
+    if len(times) < 2:
+        return None
+    ordered = sorted(times)
+    middle = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
+                                                                 + ordered[len(ordered) // 2]) / 2
+    return (ordered[-1] - ordered[0]) / middle if middle > 0 else None
 
 
 def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, bytes_per_s: float) -> float | None:
@@ -187,8 +207,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
                                       top_k=cfg.num_experts_per_tok, dtype=dtype)
     profile, executor = orchestra.profile, orchestra.executor
-    log(f"profile: cpu {profile['cpu_expert_ms']} gpu {profile['gpu_expert_ms']} copy {profile['copy_expert_ms']:.2f}ms "
-        f"read {profile['cpu_read_gbs']:.0f} GB/s h2d {profile['h2d_gbs']:.0f} GB/s")
+    log(profile_line(profile))
 
     # Popularity as the app calibrates a real model (engine.offload.calibration): two halves of prompts, each
     # prefilled and decoded for a few tokens, all experts on the CPU. Seeds apart from the measured runs'.
@@ -238,6 +257,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     many tokens of context (bench.depth); the budget then counts the deepest one's KV cache."""
     from moedesk.bench.depth import depth_context, measure_at_depth
 
+    load = CpuLoad()  # from the build on: a profile measured beside other work misplaces experts too
     deepest = max(contexts, default=0)
     room = max(max(prefill + (256,)) + decode_tokens, depth_context(deepest, decode_tokens, context_chunk))
     bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format,
@@ -254,7 +274,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     results.append(r)
     for n in prefill:
         executor.stats = type(executor.stats)()
-        r = measure_prefill(model, executor, cfg, device, dtype, n, repeat=2)
+        r = measure_prefill(model, executor, cfg, device, dtype, n, repeat=3)
         r.bound_tok_s = traffic_bound(executor.stats, 2, n, expert_bytes, h2d_bps)
         results.append(r)
     if batch > 1:
@@ -269,21 +289,26 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
                                 traffic_bound(executor.stats, t.decode_steps, 1, expert_bytes, read_bps), depth),
                     BenchResult("prefill", t.chunk, 1, t.prefill_s, t.chunk / t.prefill_s, depth=depth)]
     executor.stats = type(executor.stats)()
-    return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results]}
+    return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results],
+            "other_cpu_share": round(load.others(), 3)}
 
 
 def format_results(report: dict) -> str:
     lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
              f"budget {report['gpu_budget_gib']} GiB, "
-             f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
-             f"{'mode':<16}{'tokens':>8}{'batch':>7}{'depth':>8}{'tok/s':>10}{'bound':>10}{'% bound':>9}"]
+             f"{report['experts_on_gpu']} experts on GPU, {report['policy']}"]
     if report.get("budget_split_bytes"):
-        lines.insert(1, f"budget: {_split_text(report['budget_split_bytes'])}")
+        lines.append(f"budget: {_split_text(report['budget_split_bytes'])}")
+    rows = []
     for r in report["results"]:
-        bound = f"{r['bound_tok_s']:.1f}" if r["bound_tok_s"] else "-"
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"
-        lines.append(f"{r['mode']:<16}{r['tokens']:>8}{r['batch']:>7}{r.get('depth', 0):>8}{r['tok_s']:>10.1f}"
-                     f"{bound:>10}{pct:>9}")
+        spread_ = f"±{50 * r['spread']:.0f}%" if r.get("spread") is not None else "-"
+        rows.append([r["mode"], str(r["tokens"]), str(r["batch"]), str(r.get("depth", 0)), significant(r["tok_s"]),
+                     spread_, significant(r["bound_tok_s"]), pct])
+    lines += text_table(["mode", "tokens", "batch", "depth", "tok/s", "spread", "bound", "% bound"], rows)
+    warning = busy_warning(report.get("other_cpu_share") or 0.0)
+    if warning:
+        lines.append(warning)
     return "\n".join(lines)
 
 

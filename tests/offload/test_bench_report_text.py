@@ -1,0 +1,91 @@
+"""bench's report reads: three significant digits, columns that never run together, the profile in words, the
+spread of its rounds, and a warning when other processes took the CPU while it ran (issue 46, item 8)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import psutil
+
+from moedesk.bench.machine_load import BUSY_SHARE, CpuLoad, busy_warning, others_share
+from moedesk.bench.report_text import profile_line, significant, text_table
+from moedesk.bench.synthetic import format_results, spread
+
+# What the bench printed on this machine's CPU (issue 46): 17-digit floats in raw dicts.
+PROFILE = {"cpu_expert_ms": {"1": 15.65594199928455, "4": 163.99032399931457, "256": 226.64315000110946},
+           "gpu_expert_ms": {"1": 1.260761000594357, "4096": 1867.0337639996433}, "copy_expert_ms": 59.79,
+           "cpu_read_gbs": 5.4, "h2d_gbs": 0.0}
+
+
+def test_three_significant_digits_without_exponents():
+    assert [significant(x) for x in (15.65594199928455, 1867.0337639996433, 0.0123456, 1.26076, 4576.6126, 0.0,
+                                     None)] == ["15.7", "1870", "0.0123", "1.26", "4580", "0", "-"]
+    assert significant(12628255.6) == "12600000"
+
+
+def test_the_profile_line_has_no_raw_dicts_or_long_floats():
+    line = profile_line(PROFILE)
+    assert "{" not in line and "15655" not in line
+    assert "1: 15.7 · 4: 164 · 256: 227 ms" in line and "4096: 1870 ms" in line and "copy 59.8 ms" in line
+
+
+def test_columns_are_apart_however_long_the_numbers():
+    lines = text_table(["mode", "tok/s", "bound"], [["prefill", "4576.6", "12628255.6"], ["decode", "2.4", "-"]])
+    assert "4576.6  12628255.6" in lines[1]  # once "4576.612628255.6"
+    assert len({len(line) for line in lines[:2]}) == 1
+    rows = text_table(["tok/step", "γ used"], [["1.00", "plain path"]], left=0)
+    assert rows[1] == "    1.00  plain path"  # once "1.00-plain path" under a 9-wide column
+
+
+def report(**changes) -> dict:
+    r = {"shape": "qwen3-30b-a3b", "layers": 1, "experts": 128, "gpu_budget_gib": 0.0, "experts_on_gpu": 0,
+         "policy": "balanced", "other_cpu_share": 0.0,
+         "results": [{"mode": "prefill", "tokens": 512, "batch": 1, "depth": 0, "tok_s": 4576.612628, "spread": 0.08,
+                      "bound_tok_s": 255.6, "pct_of_bound": 1790.5},
+                     {"mode": "decode", "tokens": 64, "batch": 1, "depth": 0, "tok_s": 2.4, "spread": None,
+                      "bound_tok_s": None, "pct_of_bound": None}]}
+    r.update(changes)
+    return r
+
+
+def test_the_results_table_shows_the_spread_and_warns_when_busy():
+    text = format_results(report())
+    header, prefill = text.splitlines()[1:3]
+    assert header.split() == ["mode", "tokens", "batch", "depth", "tok/s", "spread", "bound", "%", "bound"]
+    assert prefill.split() == ["prefill", "512", "1", "0", "4580", "±4%", "256", "1790"]
+    assert "warning" not in text
+    busy = format_results(report(other_cpu_share=0.35))
+    assert busy.splitlines()[-1].startswith("warning: other processes took 35% of the CPU")
+
+
+def test_spread_of_rounds():
+    assert spread([1.0]) is None
+    assert spread([1.0, 1.1, 1.2]) == (1.2 - 1.0) / 1.1
+    assert abs(spread([2.0, 1.0, 1.0, 3.0]) - 2.0 / 1.5) < 1e-12
+
+
+def test_the_load_of_other_processes_is_measured():
+    assert others_share(system_busy_s=3.0, own_s=1.0, wall_s=2.0, cores=2) == 0.5
+    assert others_share(1.0, 2.0, 1.0, 2) == 0.0  # never negative
+    assert busy_warning(BUSY_SHARE - 0.01) is None and busy_warning(BUSY_SHARE) is not None
+    load = CpuLoad()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 1.5\nwhile time.time() < end: pass"])
+    try:
+        time.sleep(1.5)
+    finally:
+        spinner.wait(10)
+    # Another process spinning a whole core for the whole time (the machine's other load only adds to it).
+    assert load.others() > 0.5 / psutil.cpu_count()
+
+
+def test_a_real_bench_reports_its_spread_and_the_machines_load():
+    from moedesk.bench.synthetic import run_bench
+
+    lines = []
+    r = run_bench("tiny-moe", 2, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lines.append)
+    assert all(x["spread"] is not None and x["spread"] >= 0 for x in r["results"])  # decode steps, prefill repeats
+    assert 0 <= r["other_cpu_share"] <= 1
+    assert any(line.startswith("profile: one expert on the CPU") and "{" not in line for line in lines)
+    text = format_results(r)
+    assert "±" in text and ("warning" in text) == (r["other_cpu_share"] >= BUSY_SHARE)
