@@ -47,7 +47,7 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"\none expert ({orchestra.expert_bytes / 2**20:.1f} MiB), {tier}; "
         f"CPU read {orchestra.profile['cpu_read_gbs']:.0f} GB/s, "
         f"copy {costs.copy_expert_ms:.2f} ms")
-    out(f"CPU experts: {orchestra.profile.get('cpu_experts', 'torch')}")
+    out(f"CPU experts: {orchestra.cpu_path()}")
     contention = contention_line(costs)
     if contention:
         out(contention)

@@ -110,6 +110,13 @@ class ExpertOrchestra:
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)
 
+    def cpu_path(self) -> str:
+        """What computes this model's experts on the CPU, in words (kernels.experts.cpu_path of its first layer's
+        experts): asked now, not read from the cached profile, which names the native kernel whatever the model."""
+        from moedesk.kernels.experts import cpu_path
+
+        return cpu_path(next(iter(self.executor.banks.values())).host)
+
     def lone_token_split(self) -> tuple[int, int]:
         """How a lone decoded token's offloaded experts are shared with the GPU reading from RAM: (whole experts,
         0) or (0, last rows of each); engine.offload.assignment.lone_token_split over this profile."""

@@ -12,6 +12,9 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     out = capsys.readouterr().out
     assert "RAM" in out and "CPU" in out
     assert "CPU experts: " in out  # which code computes CPU experts here
+    # A float32 model's experts: the native kernel computes bfloat16 ones, so it is not named as if it ran (#46.8).
+    line = next(x for x in out.splitlines() if x.startswith("CPU experts: "))
+    assert line.startswith("CPU experts: torch (float32 experts") and "native" in line and "bf16" not in line
     assert re.search(r"^\s+256\s+\d", out, re.M)  # latency table reaches 256 tokens
     assert re.search(r"tokens\s+CPU ms\s+in a call\s+GPU ms", out)
     latency = re.findall(r"^\s+\d+\s+([\d.]+)\s+([\d.]+)\s+[\d.]+$", out, re.M)
@@ -67,3 +70,21 @@ def test_contention_line_shows_each_token_count():
         "CPU experts and copies at once, slower by (tokens an expert: CPU, copies) "
         "1: x1.23, x1.07 · 4: x1.10, x1.09 · 16: x1.00, x1.08")
     assert contention_line(costs()) is None and contention_line(costs(((1, 1.0, 1.0),))) is None
+
+
+def test_the_cpu_path_named_is_the_one_the_dispatch_takes():
+    import torch
+
+    from moedesk.kernels import cpu_experts, cpu_quant
+    from moedesk.kernels.experts import cpu_path
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    def dense(dtype):
+        return ExpertWeights(torch.zeros(2, 64, 32, dtype=dtype), torch.zeros(2, 32, 32, dtype=dtype), 32, 32)
+
+    assert cpu_path(dense(torch.bfloat16)) == cpu_experts.describe()
+    assert cpu_path(dense(torch.float32)).startswith("torch (float32 experts")
+    packed = ExpertWeights.empty(2, 32, 32, dtype=torch.bfloat16, gate_up_format="q8_0", down_format="q8_0")
+    assert cpu_path(packed) == cpu_quant.describe()
+    biased = dense(torch.bfloat16).with_function(down_bias=torch.zeros(2, 32, dtype=torch.bfloat16))
+    assert cpu_path(biased).startswith("torch (experts with biases")
