@@ -86,9 +86,9 @@
 
 typedef uint16_t bf16;
 
-enum { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q5_K = 3, Q6_K = 4, NFMT };
-static const int BLOCK[NFMT] = {32, 32, 256, 256, 256};
-static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210};
+enum { Q4_0 = 0, Q8_0 = 1, Q4_K = 2, Q5_K = 3, Q6_K = 4, MXFP4 = 5, NFMT };
+static const int BLOCK[NFMT] = {32, 32, 256, 256, 256, 32};
+static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210, 17};
 
 #define ROWS 4       /* weight rows worked together */
 #define TOK 32       /* token rows per pass over a group of rows (more: the rows again, from L2) */
@@ -133,7 +133,7 @@ static void qrow_pad(uint8_t *row, int64_t K) {
 }
 
 /* The unsigned offset of each format's weights as the VNNI kernels feed them to vpdpbusd. */
-static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
+static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32, 12};
 
 /*
  * Where the VNNI kernels want the 256 values of a whole segment of x (the layouts are the VNNI
@@ -143,7 +143,7 @@ static const int W_OFFSET[NFMT] = {8, 128, 0, 0, 32};
  * that write act rows own whole 32-blocks, not whole segments.
  */
 enum { LAY_NATURAL, LAY_Q4_0, LAY_QK, LAY_Q6_K };
-static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K};
+static const int SEG_LAYOUT[NFMT] = {LAY_Q4_0, LAY_QK, LAY_QK, LAY_QK, LAY_Q6_K, LAY_Q4_0};
 /* quantize_block's fmt for the AVX2 lane path (the AVX2 section): LANE8 | the weights' format. Whole segments
  * in that path's layout, the rest in order as the VNNI path has it (signed q, lane d and offset sums). */
 #define LANE8 16
@@ -266,6 +266,37 @@ static inline float f16(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/*
+ * mxfp4 (gpt-oss's experts): a block is an E8M0 exponent e and 16 bytes of E2M1 codes, byte j holding weight j in
+ * its low nibble and j + 16 in its high one, as q4_0 keeps them. Twice an E2M1 value is an integer in [-12, 12],
+ * so a 16-entry table turns a nibble into a byte the integer dot products take as they take q4_0's (offset 12,
+ * unsigned for vpdpbusd; signed for AMX), and the block's scale is 2^(e - 128), exact for every e: 2^(e - 128) as
+ * float bits, (e - 1) << 23 for e >= 2, the subnormals 2^-127 and 2^-128 for e = 1, 0.
+ */
+static const int8_t MXFP4_U[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};  /* 2 fp4 + 12 */
+static const int8_t MXFP4_S[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};  /* 2 fp4 */
+
+static inline float e8m0(uint8_t e) {
+    const uint32_t bits = e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* e8m0 of 8 exponents (int32 lanes). */
+static inline __m256 e8m0_8(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(tiny, normal, _mm256_cmpgt_epi32(e, _mm256_set1_epi32(1))));
+}
+
+/* The exponents of the 8 blocks from b (17 bytes apart) as one byte each, in order. */
+static inline uint64_t mxfp4_exponents(const uint8_t *b) {
+    uint64_t e = 0;
+    for (int i = 0; i < 8; i++) e |= (uint64_t)b[17 * i] << (8 * i);
+    return e;
+}
+
 /* ---------------------------------------------------------------- AVX2 lane path: weights unpacked in registers */
 
 /*
@@ -316,6 +347,18 @@ static inline __attribute__((always_inline)) void seg8_q4_0(const uint8_t *b, Se
     }
     g->s = _mm256_cvtph_ps(_mm_setr_epi16(ld16(b), ld16(b + 18), ld16(b + 36), ld16(b + 54), ld16(b + 72),
                                           ld16(b + 90), ld16(b + 108), ld16(b + 126)));
+}
+
+/* mxfp4: as q4_0 (blocks 17 bytes apart, the codes from byte 1), each nibble through the offset table. */
+static inline __attribute__((always_inline)) void seg8_mxfp4(const uint8_t *b, SegW8 *g) {
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_U));
+    __m256i G[4];
+    transpose16(b + 1, 17, G);
+    for (int m = 0; m < 4; m++) {
+        g->w[m] = _mm256_shuffle_epi8(table, _mm256_and_si256(G[m], lo4));
+        g->w[m + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(G[m], 4), lo4));
+    }
+    g->s = e8m0_8(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mxfp4_exponents(b))));
 }
 
 /* q4_k / q5_k: sub-block L is the low (L even) or high nibbles of qs bytes 32 (L / 2)..; with Q[j] those 32 bytes,
@@ -444,6 +487,7 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
         }
         SegW8 g;
         if (fmt == Q4_0) seg8_q4_0(w + at, &g);
+        else if (fmt == MXFP4) seg8_mxfp4(w + at, &g);
         else if (fmt == Q6_K) seg8_q6_k(w + at, &g);
         else seg8_qk(fmt, w + at, &g);
         for (int t = 0; t < TT; t++) {
@@ -457,10 +501,11 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
                 acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(g.mn, _mm256_loadu_ps(xd + 8)), acc[t]);
                 continue;
             }
-            __m256i i = lane8_dot(g.w, xr, 0, 8, fmt == Q5_K ? 4 : 8); /* 5-bit weights: runs of 4 */
-            if (fmt == Q4_0) i = _mm256_add_epi32(i, _mm256_loadu_si256((const __m256i *)xc));
+            /* 5-bit weights and mxfp4's (up to 24): runs of 4 */
+            __m256i i = lane8_dot(g.w, xr, 0, 8, fmt == Q5_K || fmt == MXFP4 ? 4 : 8);
+            if (fmt == Q4_0 || fmt == MXFP4) i = _mm256_add_epi32(i, _mm256_loadu_si256((const __m256i *)xc));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(g.s, _mm256_loadu_ps(xd)), acc[t]);
-            if (fmt != Q4_0) acc[t] = _mm256_fnmadd_ps(g.mn, _mm256_loadu_ps(XM(x[t], Kc) + k0 / 32), acc[t]);
+            if (fmt == Q4_K || fmt == Q5_K) acc[t] = _mm256_fnmadd_ps(g.mn, _mm256_loadu_ps(XM(x[t], Kc) + k0 / 32), acc[t]);
         }
     }
     for (int64_t k = Kf; fmt == Q4_0 && k < K; k += 32) { /* natural layout: weights 0-15 low nibbles, 16-31 high */
@@ -468,6 +513,19 @@ static inline __attribute__((always_inline)) void lane8_row(const int fmt, const
         const __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), lo4 = _mm_set1_epi8(0x0F);
         const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), lo4), _mm_and_si128(q, lo4));
         const __m256 d = _mm256_set1_ps(f16(b));
+        for (int t = 0; t < TT; t++) {
+            const __m256i i = lane8_add(_mm256_loadu_si256((const __m256i *)(XC(x[t], Kc) + k / 4)), wv,
+                                        _mm256_loadu_si256((const __m256i *)(x[t] + k)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, _mm256_loadu_ps(XD(x[t], Kc) + k / 4)), acc[t]);
+        }
+    }
+    for (int64_t k = Kf; fmt == MXFP4 && k < K; k += 32) { /* natural layout, as q4_0's */
+        const uint8_t *b = w + k / 32 * 17;
+        const __m128i q = _mm_loadu_si128((const __m128i *)(b + 1)), lo4 = _mm_set1_epi8(0x0F);
+        const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_U);
+        const __m256i wv = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q, 4), lo4)),
+                                            _mm_shuffle_epi8(table, _mm_and_si128(q, lo4)));
+        const __m256 d = _mm256_set1_ps(e8m0(b[0]));
         for (int t = 0; t < TT; t++) {
             const __m256i i = lane8_add(_mm256_loadu_si256((const __m256i *)(XC(x[t], Kc) + k / 4)), wv,
                                         _mm256_loadu_si256((const __m256i *)(x[t] + k)));
@@ -503,11 +561,12 @@ LANE8_FORMAT(lane8_q4_k, Q4_K)
 LANE8_FORMAT(lane8_q5_k, Q5_K)
 LANE8_FORMAT(lane8_q6_k, Q6_K)
 LANE8_FORMAT(lane8_q8_0, Q8_0)
+LANE8_FORMAT(lane8_mxfp4, MXFP4)
 #ifdef MQ_AVXVNNI
 #pragma GCC pop_options
 #endif
 typedef void (*lane8_fn)(const uint8_t *, uint8_t *const *, int, int64_t, float *, int64_t);
-static const lane8_fn LANE8_DOT[NFMT] = {lane8_q4_0, lane8_q8_0, lane8_q4_k, lane8_q5_k, lane8_q6_k};
+static const lane8_fn LANE8_DOT[NFMT] = {lane8_q4_0, lane8_q8_0, lane8_q4_k, lane8_q5_k, lane8_q6_k, lane8_mxfp4};
 
 static int use_vnni = 0;
 static int use_amx = 0; /* groups of AMX_MIN+ tokens on AMX tiles (mq_set_path) */
@@ -558,8 +617,27 @@ VI __m512 d2_lanes(const uint8_t *b0, const uint8_t *b1, int half) { /* fp16 d a
     return _mm512_cvtph_ps(h);
 }
 
-/* Weights k..k+63 of a q4_0 / q8_0 row (k a multiple of 64); half: only k..k+31 exist. */
+/* 16 lanes of e8m0 (lane 2i, 2i + 1: byte i of the low qword of e): the scales of 8 mxfp4 blocks, two lanes each. */
+VI __m512 e8m0_pairs(uint64_t e8) {
+    const __m128i v = _mm_cvtsi64_si128((long long)e8);
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(v, v));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i tiny = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(1)), tiny, normal));
+}
+
+/* Weights k..k+63 of a q4_0 / q8_0 / mxfp4 row (k a multiple of 64); half: only k..k+31 exist. */
 VI void chunk_nat(const int fmt, const uint8_t *row, int64_t k, const int half, __m512i *w, __m512 *s) {
+    if (fmt == MXFP4) { /* q4_0's order; each nibble through the table */
+        const uint8_t *b = row + k / 32 * 17;
+        __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 1)));
+        if (!half) z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128((const __m128i *)(b + 18)));
+        const __m512i nib = _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), _mm512_set1_epi8(0x0F));
+        *w = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U)), nib);
+        const __m512 e = e8m0_pairs(0x0101010101010101ull * b[0]);
+        *s = half ? _mm512_maskz_mov_ps(0x00FF, e) : _mm512_mask_mov_ps(e, 0xFF00, e8m0_pairs(0x0101010101010101ull * b[17]));
+        return;
+    }
     if (fmt == Q4_0) {
         const uint8_t *b = row + k / 32 * 18;
         __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(b + 2)));
@@ -626,6 +704,28 @@ VI void seg_q8_0(const uint8_t *b, SegW *g) {
     g->s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_mov_epi16(d03, 0xFF00, d47)));
 }
 
+/* mxfp4: q4_0's layout (qword i of chunks 0, 1: the low, high nibbles of block i's code bytes 0-7; chunks 2, 3 of
+ * bytes 8-15). The blocks are 17 bytes, so the pieces start on odd bytes: four 16-byte loads per zmm, then one
+ * 64-bit permute per pair of chunks; the nibbles through the table. */
+VI void seg_mxfp4(const uint8_t *b, SegW *g) {
+    __m512i Z[2];
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *p = b + 68 * h + 1;
+        Z[h] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 17)), 1);
+        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 34)), 2);
+        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 51)), 3);
+    }
+    const __m512i c0 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), Z[1]);
+    const __m512i c1 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), Z[1]);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
+    g->w[0] = _mm512_shuffle_epi8(table, _mm512_and_si512(c0, lo4));
+    g->w[1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c0, 4), lo4));
+    g->w[2] = _mm512_shuffle_epi8(table, _mm512_and_si512(c1, lo4));
+    g->w[3] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c1, 4), lo4));
+    g->s = e8m0_pairs(mxfp4_exponents(b));
+}
+
 /* q4_k / q5_k: sub-block p = 2c + h is the low (h 0) or high (h 1) nibbles of bytes 32c.. of qs; qword p of
  * chunk m is its weights 8m..8m+7, one 64-bit permute of qs per chunk. q5_k: bit p of qh[8m..8m+7] is
  * their fifth bit. Scales and mins: the 6-bit pairs, four bytes at a time. */
@@ -683,6 +783,7 @@ VI void seg_q6_k(const uint8_t *b, SegW *g) {
 
 VI void seg_unpack(const int fmt, const uint8_t *b, SegW *g) {
     if (fmt == Q4_0) seg_q4_0(b, g);
+    else if (fmt == MXFP4) seg_mxfp4(b, g);
     else if (fmt == Q8_0) seg_q8_0(b, g);
     else if (fmt == Q6_K) seg_q6_k(b, g);
     else seg_qk(fmt, b, g);
@@ -765,7 +866,7 @@ VI void vnni_tile(const int fmt, const int R, const int TT, const uint8_t *const
             }
         }
     }
-    for (int64_t k = Kf; (fmt == Q4_0 || fmt == Q8_0) && k < K; k += 64) { /* natural layout (k-quant rows are whole segments) */
+    for (int64_t k = Kf; (fmt == Q4_0 || fmt == Q8_0 || fmt == MXFP4) && k < K; k += 64) { /* natural layout (k-quant rows are whole segments) */
         const int half = K - k == 32;
         const int64_t at = k / per * bb;
 #pragma GCC unroll 4
@@ -840,12 +941,13 @@ VNNI_FORMAT(vnni_q8_0, Q8_0)
 VNNI_FORMAT(vnni_q4_k, Q4_K)
 VNNI_FORMAT(vnni_q5_k, Q5_K)
 VNNI_FORMAT(vnni_q6_k, Q6_K)
+VNNI_FORMAT(vnni_mxfp4, MXFP4)
 
 #ifndef MAX_TT
 #define MAX_TT 8
 #endif
 typedef void (*vnni_fn)(const uint8_t *const *, uint8_t *const *, int, int64_t, float *, int, int64_t, int64_t);
-static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k};
+static const vnni_fn VNNI_DOT[NFMT] = {vnni_q4_0, vnni_q8_0, vnni_q4_k, vnni_q5_k, vnni_q6_k, vnni_mxfp4};
 
 /*
  * out[r * n + t] = dot(row rows[r] of W, token row t) for ROWS weight rows (indices may repeat) and n
@@ -875,7 +977,7 @@ static inline void rows_dot(int fmt, const uint8_t *W, int64_t row_bytes, int64_
  * int32 C tile, then an epilogue converts its 16 x 16 sums and accumulates them scaled into 16 zmm (one per
  * row, a lane per token). A group's x / act rows are quantised straight into B-tile order (amx_quantize) so
  * B tiles load as they are; a row's weights are unpacked per 256 to signed bytes (q4_0 q - 8, q8_0 as stored,
- * q4_k / q5_k q) in an L1 buffer that the A tile loads. q6_k's 16-weight scales would halve the block and
+ * q4_k / q5_k q, mxfp4 twice the E2M1 value) in an L1 buffer that the A tile loads. q6_k's 16-weight scales would halve the block and
  * double the epilogue: q6_k stays on the VNNI path. Chosen by mq_set_path(2) where the CPU and OS allow
  * (mq_amx_supported); built with -DMQ_AMX_EMULATE the tile instructions are emulated in C, so that the
  * layouts and the epilogue are tested on CPUs without AMX (tests/kernels/test_cpu_quant_amx.py).
@@ -958,6 +1060,19 @@ static inline AMXF void amx_unpack(const int fmt, const uint8_t *row, int64_t b0
             else _mm256_storeu_si256((__m256i *)(a + 32 * i), _mm512_castsi512_si256(w));
             sc[i] = f16(blk + 18 * i);
             if (two) sc[i + 1] = f16(blk + 18 * i + 18);
+        }
+    } else if (fmt == MXFP4) { /* as q4_0, through the signed table */
+        const uint8_t *blk = row + b0 * 17;
+        const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_S));
+        for (int i = 0; i < nb; i += 2) {
+            const int two = i + 1 < nb;
+            __m512i z = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(blk + 17 * i + 1)));
+            if (two) z = _mm512_mask_broadcast_i32x4(z, 0xFF00, _mm_loadu_si128((const __m128i *)(blk + 17 * i + 18)));
+            const __m512i w = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_mask_srli_epi16(z, 0xFF00FF00u, z, 4), lo4));
+            if (two) _mm512_storeu_si512(a + 32 * i, w);
+            else _mm256_storeu_si256((__m256i *)(a + 32 * i), _mm512_castsi512_si256(w));
+            sc[i] = e8m0(blk[17 * i]);
+            if (two) sc[i + 1] = e8m0(blk[17 * i + 17]);
         }
     } else if (fmt == Q8_0) {
         const uint8_t *blk = row + b0 * 34;
@@ -1042,7 +1157,8 @@ AMX_FORMAT(amx_q4_0, Q4_0)
 AMX_FORMAT(amx_q8_0, Q8_0)
 AMX_FORMAT(amx_q4_k, Q4_K)
 AMX_FORMAT(amx_q5_k, Q5_K)
-static const amx_fn AMX_ROWS[NFMT] = {amx_q4_0, amx_q8_0, amx_q4_k, amx_q5_k, NULL}; /* q6_k: see amx_format */
+AMX_FORMAT(amx_mxfp4, MXFP4)
+static const amx_fn AMX_ROWS[NFMT] = {amx_q4_0, amx_q8_0, amx_q4_k, amx_q5_k, NULL, amx_mxfp4}; /* q6_k: see amx_format */
 
 static inline void amx_rows(int fmt, const uint8_t *const *w, const uint8_t *tile, int tn, int64_t K, int64_t ahead,
                             float *out) {
@@ -1072,6 +1188,12 @@ typedef struct {
     const int32_t *row_gi; /* scratch row -> group */
     uint8_t *xt, *at;     /* AMX groups' x rows (gate_up's) and act rows (down's) as token tiles */
     int64_t xt_bytes, at_bytes;
+    /* gpt-oss's expert function (NULL / 0: plain SwiGLU): gate_up's bias [E][2F] added before the activation,
+     * down's [E][H] to the output (only where R = F: with a split the other part's owner adds it), both bf16 or
+     * fp32 (bias_f32); glu 1: the clamped SwiGLU with alpha and limit instead of silu(gate) * up */
+    const void *gu_bias, *d_bias;
+    int bias_f32, glu;
+    float alpha, limit;
     /* R: the intermediate rows computed, [0, R) of F (the call's `rows`): gate / up rows [0, R), the first R
      * weights of each down row (d_row, from F, stays the stride); the act rows have R values */
     int64_t H, F, R, gu_row, d_row, xq_row, aq_row, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
@@ -1105,6 +1227,37 @@ static inline __m256 exp8(__m256 x) {
 static inline __m256 act8(__m256 gate, __m256 up) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), gate));
     return _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(_mm256_set1_ps(1.f), e)), up);
+}
+
+/* gpt-oss's act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit), 8 at a time
+ * (kernels/expert_weights.py's ClampedSwiGLU; min and max with the input second pass a NaN on, as torch's clamp). */
+static inline __m256 clamped8(__m256 gate, __m256 up, float alpha, float limit) {
+    const __m256 lim = _mm256_set1_ps(limit);
+    const __m256 g = _mm256_min_ps(lim, gate);
+    const __m256 u = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), lim), _mm256_min_ps(lim, up));
+    const __m256 e = exp8(_mm256_mul_ps(_mm256_set1_ps(-alpha), g));
+    const __m256 glu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    return _mm256_mul_ps(_mm256_add_ps(u, _mm256_set1_ps(1.f)), glu);
+}
+
+/* 8 values of a bias vector from index i, as fp32. */
+static inline __m256 bias8(const void *b, int64_t i, int f32) {
+    if (f32) return _mm256_loadu_ps((const float *)b + i);
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const bf16 *)b + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+static inline float bias1(const void *b, int64_t i, int f32) {
+    if (f32) return ((const float *)b)[i];
+    const uint32_t u = (uint32_t)((const bf16 *)b)[i] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Down's bias for output row h of expert e; 0 where there is none or the call computes part of the rows. */
+static inline float down_bias(const Job *j, int64_t e, int64_t h) {
+    return j->d_bias && j->R == j->F ? bias1(j->d_bias, e * j->H + h, j->bias_f32) : 0.f;
 }
 
 /* out[o] = v in out's dtype (bf16: round to nearest even, NaN kept a NaN). */
@@ -1168,9 +1321,11 @@ static AMXF void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
             for (int r = 0; r < 16; r++) w[r] = W + (h + r < H ? h + r : H - 1) * j->d_row;
             amx_rows(j->fmt_d, w, tile, tn, j->R, ahead, o);
             const int64_t rn = h1 - h < 16 ? h1 - h : 16;
+            float bias[16];
+            for (int64_t r = 0; r < rn; r++) bias[r] = down_bias(j, j->eid[g], h + r);
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, at = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
-                for (int64_t r = 0; r < rn; r++) put_out(j, at + r, o[16 * r + t]);
+                for (int64_t r = 0; r < rn; r++) put_out(j, at + r, o[16 * r + t] + bias[r]);
             }
         }
     }
@@ -1208,7 +1363,14 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         float *act = j->act + (r0 + t) * R;
         const float *up = j->up + (r0 + t) * R;
         uint8_t *row = j->aq + (r0 + t) * j->aq_row;
-        for (int64_t f = f0; f < f1; f += 8) _mm256_storeu_ps(act + f, act8(_mm256_loadu_ps(act + f), _mm256_loadu_ps(up + f)));
+        for (int64_t f = f0; f < f1; f += 8) {
+            __m256 gate = _mm256_loadu_ps(act + f), u = _mm256_loadu_ps(up + f);
+            if (j->gu_bias) {
+                gate = _mm256_add_ps(gate, bias8(j->gu_bias, j->eid[g] * 2 * F + f, j->bias_f32));
+                u = _mm256_add_ps(u, bias8(j->gu_bias, j->eid[g] * 2 * F + F + f, j->bias_f32));
+            }
+            _mm256_storeu_ps(act + f, j->glu ? clamped8(gate, u, j->alpha, j->limit) : act8(gate, u));
+        }
         if (amx_out) {
             uint8_t *tile = amx_tile(j->at, j->at_bytes, j, gi, t);
             for (int64_t f = f0; f < f1; f += 32) amx_quantize(act + f, tile, R, f / 32, (int)(t % AMX_T));
@@ -1232,9 +1394,11 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
             for (int r = 0; r < ROWS; r++) rows[r] = h + r < H ? h + r : H - 1;
             rows_dot(j->fmt_d, W, j->d_row, j->R, rows, aq, tn, s, prefetch_ahead(j->d_row, ROWS), prefetch_next(j->d_row, ROWS));
             const int64_t rn = h1 - h < ROWS ? h1 - h : ROWS;
+            float bias[ROWS];
+            for (int64_t r = 0; r < rn; r++) bias[r] = down_bias(j, j->eid[g], h + r);
             for (int t = 0; t < tn; t++) {
                 const int64_t i = a + t0 + t, o = (j->out_rows ? j->out_rows[i] : i) * j->out_stride + h;
-                for (int64_t r = 0; r < rn; r++) put_out(j, o + r, s[r * tn + t]);
+                for (int64_t r = 0; r < rn; r++) put_out(j, o + r, s[r * tn + t] + bias[r]);
             }
         }
     }
@@ -1319,11 +1483,15 @@ enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, 
  * act blocks; a down row's first R / BLOCK blocks, its stride still F's). Every path takes it, AMX included:
  * the act token tiles are laid out for K = R and amx_rows reads each down row's first R weights, as the VNNI
  * and AVX2 dots do. R = F computes exactly what the call computed before it had R.
+ *
+ * gu_bias, d_bias, bias_f32, glu, alpha, limit: gpt-oss's expert function (Job says how; NULL, NULL, 0, 0: plain
+ * SwiGLU). Down's bias is added only with R = F.
  */
 int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t H,
                       const int64_t *pair_expert, int64_t P, int64_t k, const int64_t *chosen, int64_t n_chosen,
                       const uint8_t *gate_up, const uint8_t *down, int64_t E, int64_t F, int fmt_gu, int fmt_d,
-                      void *out, int64_t out_stride, int64_t out_len, int out_f32, int64_t *index, int64_t R) {
+                      void *out, int64_t out_stride, int64_t out_len, int out_f32, int64_t *index, int64_t R,
+                      const void *gu_bias, const void *d_bias, int bias_f32, int glu, float alpha, float limit) {
     if (fmt_gu < 0 || fmt_gu >= NFMT || fmt_d < 0 || fmt_d >= NFMT) return BAD_FORMAT;
     if (H <= 0 || F <= 0 || H % BLOCK[fmt_gu] || F % BLOCK[fmt_d] || F % 32) return BAD_SHAPE;
     if (R <= 0 || R > F || R % BLOCK[fmt_d] || R % 32) return BAD_SHAPE;
@@ -1415,6 +1583,12 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->xq_row = xq_row;
     j->aq_row = aq_row;
     j->out_stride = out_stride;
+    j->gu_bias = gu_bias;
+    j->d_bias = d_bias;
+    j->bias_f32 = bias_f32;
+    j->glu = glu;
+    j->alpha = alpha;
+    j->limit = limit;
     j->FB = FB;
     j->HB = HB;
     j->nb1 = nb1;

@@ -7,7 +7,9 @@ pair_expert[p]; the chosen experts' pairs are computed into out's row p, other r
 The arithmetic is the formats' own (kernels/quant_formats.py) with two differences from dequantising
 to float: activations and act rows are quantised to int8 per 32 values for integer dot products,
 and act = silu(gate) * up is fp32; the header of cpu_quant.c says why. Both gate_up and down must
-be packed (any of q4_0, q8_0, q4_k, q5_k, q6_k, the two may differ); x and out bf16 or float32.
+be packed (any of q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4, the two may differ); x and out bf16 or float32.
+gpt-oss's expert function (ExpertWeights' gate_up_bias, down_bias and ClampedSwiGLU) is computed in the
+same call: the biases in fp32 around the dot products, the clamped activation in place of silu.
 
 Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2, FMA and F16C; where the CPU
 has AVX-VNNI, as Intel's desktop cores since Alder Lake do, the library is built to use it on the AVX2 path).
@@ -29,7 +31,7 @@ import numpy as np
 import torch
 
 from moedesk.kernels import cpu_experts
-from moedesk.kernels.expert_weights import ExpertWeights
+from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 from moedesk.kernels.native_build import build_name, missing_cpu_flags, open_library
 from moedesk.kernels.quant_formats import FORMATS
 
@@ -38,7 +40,7 @@ FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", "-mavx2",
          cpu_experts.header_flag()]
 CPU_FLAGS = ("avx2", "fma", "f16c")
 AVXVNNI = "-DMQ_AVXVNNI"  # the AVX2 path's dot products in AVX-VNNI; `build_variant(["-UMQ_AVXVNNI"])` builds without
-FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4}
+FORMAT_CODES = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5}
 PATHS = ("avx2", "vnni", "amx")  # mq_get_path's codes
 _ERRORS = {-2: "more pairs than tokens * k", -3: "pair_expert or chosen holds an index outside the expert stack",
            -4: "out of memory for the kernel's scratch buffers", -5: "more pairs than rows of out",
@@ -56,10 +58,13 @@ def _disabled() -> bool:
 
 def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
     """Whether `experts_forward_routed` runs natively for x and w: CPU tensors, both halves packed in a
-    supported format, x bf16 or float32, and the library built for this CPU. Runs per layer per token,
-    so it uses the cheap accessors."""
+    supported format, x bf16 or float32, no expert function but gpt-oss's (biases on the CPU, ClampedSwiGLU),
+    and the library built for this CPU. Runs per layer per token, so it uses the cheap accessors."""
     if (w.gate_up_format not in FORMAT_CODES or w.down_format not in FORMAT_CODES or x.dtype not in _FLOATS
             or not x.is_cpu or not w.gate_up.is_cpu or not w.down.is_cpu or _disabled()):
+        return False
+    if not (w.glu is None or type(w.glu) is ClampedSwiGLU) \
+            or not all(b is None or b.is_cpu for b in (w.gate_up_bias, w.down_bias)):
         return False
     return "lib" in _state or (not _state and available())
 
@@ -101,7 +106,9 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
         out = target.to("cpu", torch.float32, copy=True).contiguous()  # a copy: rows not computed stay as they are
     if not _index_fits(index, pe.shape[0], w.num_experts):
         index = torch.empty(2 * pe.shape[0] + 2 * w.num_experts + 1, dtype=torch.int64)
-    _check_rc(lib.mq_routed_forward(*_routed_args(x, pe, k, chosen, w, out, index, rows)[0]))
+    args, keep = _routed_args(x, pe, k, chosen, w, out, index, rows)  # keep: alive until the call returns
+    _check_rc(lib.mq_routed_forward(*args))
+    del keep
     if target is not out:
         target.copy_(out)
     return target
@@ -161,12 +168,33 @@ def _routed_args(x, pe, k: int, chosen, w: ExpertWeights, out, index, rows) -> t
     gate_up, down = w.gate_up, w.down
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         gate_up, down = gate_up.contiguous(), down.contiguous()
+    gu_bias, d_bias, bias_f32 = _biases(w)
+    glu = w.glu
     args = (x.data_ptr(), x.shape[0], x.stride(0), int(x.dtype is torch.float32), H, pe.data_ptr(), pe.shape[0], k,
             None if picked is None else picked.ctypes.data, 0 if picked is None else len(picked),
             gate_up.data_ptr(), down.data_ptr(), w.num_experts, F, FORMAT_CODES[w.gate_up_format],
             FORMAT_CODES[w.down_format], out.data_ptr(), out.stride(0), out.shape[0], int(out.dtype is torch.float32),
-            index.data_ptr(), R)
-    return args, (x, pe, picked, gate_up, down, out, index)
+            index.data_ptr(), R, None if gu_bias is None else gu_bias.data_ptr(),
+            None if d_bias is None else d_bias.data_ptr(), bias_f32, int(glu is not None),
+            0.0 if glu is None else float(glu.alpha), 0.0 if glu is None else float(glu.limit))
+    return args, (x, pe, picked, gate_up, down, out, index, gu_bias, d_bias)
+
+
+def _biases(w: ExpertWeights):
+    """(gate_up bias, down bias, whether they are float32): as the kernel reads them, contiguous and of one dtype,
+    bf16 or float32 (as a model keeps them they are already; anything else is copied to float32)."""
+    biases = [w.gate_up_bias, w.down_bias]
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None, None, 0
+    shapes = ((w.num_experts, 2 * w.width), (w.num_experts, w.hidden))
+    if any(b is not None and tuple(b.shape) != shape for b, shape in zip(biases, shapes)):
+        raise ValueError(f"expert biases must be [E, 2F] and [E, H] for E={w.num_experts}, F={w.width}, "
+                         f"H={w.hidden}")
+    dtype = present[0].dtype if present[0].dtype in _FLOATS and all(b.dtype == present[0].dtype for b in present) \
+        else torch.float32
+    biases = [None if b is None else b.to("cpu", dtype).contiguous() for b in biases]
+    return biases[0], biases[1], int(dtype is torch.float32)
 
 
 def _check_rc(rc: int) -> None:
@@ -219,7 +247,8 @@ def _configure(lib) -> None:
     spinning are shared."""
     i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     lib.mq_routed_forward.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64,
-                                      c_int, c_int, ptr, i64, i64, c_int, ptr, i64]
+                                      c_int, c_int, ptr, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int,
+                                      ctypes.c_float, ctypes.c_float]
     lib.mq_routed_forward.restype = c_int
     lib.mq_set_path.argtypes = [c_int]
     lib.mq_set_path.restype = c_int

@@ -7,7 +7,8 @@ the packed kernels where they apply (kernels.cpu_quant, kernels.gpu_quant) and o
 slow but exact to the formats' definition, so every device and format computes something right.
 
 Experts that are not plain SwiGLU (gpt-oss's biases and clamped activation, ExpertWeights.plain) take the
-GPU's kernels (gpu_quant, gpu_experts), which compute them too, and the reference path on the CPU.
+GPU's kernels (gpu_quant, gpu_experts) and the CPU's packed kernel (kernels.cpu_quant), which compute them too;
+16-bit ones on the CPU take the reference path.
 
 Packed experts compute in float32 inside the expert (the packed kernels accumulate in float32 and
 may quantise activations to 8 bits, as llama.cpp does) and round the output to x's dtype.
@@ -41,13 +42,11 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     rows: only intermediate rows [0, rows) of F, each expert's output head (the GPU computes the tail at one
     token, kernels/gpu_streamed.py); None: all F. Its granularity is the path's: cpu_experts.check_rows (dense),
     cpu_quant.check_rows (packed)."""
-    if not w.plain:
-        return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out, rows=rows)
-    if not w.packed:
+    if w.packed and cpu_quant.applies(x, w):  # gpt-oss's expert function included
+        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
+    if w.plain and not w.packed:
         return cpu_experts.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w.gate_up, w.down, out, index,
                                                   rows=rows)
-    if cpu_quant.applies(x, w):
-        return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
     return reference_routed(x, pair_expert, k, cpu_experts_ids, w, out, rows=rows)
 
 
@@ -68,7 +67,7 @@ def prepare_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWeights, ou
     """`experts_forward_routed` prepared once for buffers a caller reuses (kernels.cpu_quant.prepare_routed): a
     function of no arguments, or None where only the unprepared call applies (16-bit experts, whose native
     call has its own fallbacks, or no native packed kernel)."""
-    if not w.plain or not w.packed or not cpu_quant.applies(x, w):
+    if not w.packed or not cpu_quant.applies(x, w):
         return None
     return cpu_quant.prepare_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)
 

@@ -41,9 +41,10 @@ def emulated(tmp_path_factory):
 
 # (gate_up format, down format, H, F): every format AMX takes, a q6_k half (which stays on VNNI: the other half
 # on tiles, the act rows in the VNNI layout or the other way round), rows of a whole and a partial segment
-# (q4_0 / q8_0: 288 = 256 + 32), k-quant rows of 1 and 2 super-blocks.
+# (q4_0 / q8_0 / mxfp4: 288 = 256 + 32), k-quant rows of 1 and 2 super-blocks.
 SHAPES = [("q4_0", "q4_0", 288, 160), ("q8_0", "q8_0", 96, 288), ("q4_k", "q4_k", 256, 512),
-          ("q5_k", "q5_k", 512, 256), ("q4_k", "q6_k", 256, 256), ("q6_k", "q4_0", 256, 96), ("q8_0", "q4_k", 64, 256)]
+          ("q5_k", "q5_k", 512, 256), ("q4_k", "q6_k", 256, 256), ("q6_k", "q4_0", 256, 96), ("q8_0", "q4_k", 64, 256),
+          ("mxfp4", "mxfp4", 288, 160), ("q4_k", "mxfp4", 256, 96)]
 
 
 @pytest.mark.parametrize("fu,fd,H,F_", SHAPES)
