@@ -181,9 +181,9 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
-    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k). kv_context: when > 0, the budget is the whole GPU's:
-    the non-expert weights, one sequence's KV cache of that many positions and attention's workspace come out of
-    it first (engine.offload.gpu_budget), the experts get the rest; else it is the experts' alone."""
+    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4). kv_context: when > 0, the budget is the whole
+    GPU's: the non-expert weights, one sequence's KV cache of that many positions and attention's workspace come out
+    of it first (engine.offload.gpu_budget), the experts get the rest; else it is the experts' alone."""
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from moedesk.engine.load.synthetic import shape_config, synthetic_model

@@ -1,6 +1,7 @@
 /*
  * All CPU-resident experts of one MoE layer for one step, from packed GGUF blocks (q4_0, q8_0,
- * q4_k, q5_k, q6_k; kernels/quant_formats.py has the layouts), in one parallel region.
+ * q4_k, q5_k, q6_k, mxfp4; kernels/quant_formats.py has the layouts), in one parallel region.
+ * gpt-oss's experts compute their biases and clamped SwiGLU in the same call (Job's gu_bias ... limit).
  *
  * Shape of a call, as cpu_experts.c for bf16: phase 0 quantises the x rows (shared among the
  * threads); phase-1 items (group, block of F rows) compute gate and up together, act = silu(gate) *

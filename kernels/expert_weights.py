@@ -12,8 +12,9 @@ a quarter of the time), and each kernel dispatches on `gate_up_format` / `down_f
 
 gpt-oss's experts compute more than SwiGLU: a bias after each matrix and a clamped activation
 (`ClampedSwiGLU`). They ride along here (`gate_up_bias`, `down_bias`, `glu`) so that every executor carries
-them wherever the weights go; `plain` says whether an expert is the SwiGLU every native kernel computes, and
-kernels.experts sends the others to its reference path.
+them wherever the weights go; `plain` says whether an expert is the SwiGLU every native kernel computes. The
+packed CPU kernel computes gpt-oss's function too (kernels.cpu_quant); kernels.experts sends the other non-plain
+stacks to its reference path.
 """
 from __future__ import annotations
 

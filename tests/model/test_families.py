@@ -398,6 +398,42 @@ def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape)
     assert logits.shape == (1, 12, 256) and torch.isfinite(logits).all()
 
 
+def test_bench_gpt_oss_mxfp4_experts_in_ram_take_the_native_kernel(monkeypatch):
+    """`moedesk bench --shape gpt-oss-120b --expert-format mxfp4 --gpu-budget 0`'s path at a size the CPU runs: every
+    expert in RAM, computed by the native packed kernel (biases and clamped SwiGLU in the call), never through the
+    dequantising reference; the bound it reports reads 17 bytes per 32 weights."""
+    from moedesk.bench.synthetic import run_bench
+    from moedesk.engine.load import synthetic
+    from moedesk.kernels import cpu_quant, experts
+
+    if not cpu_quant.available():
+        pytest.skip(f"no native packed kernel here: {cpu_quant.unavailable_reason()}")
+    real = synthetic.SHAPES["gpt-oss-120b"]
+    small = dataclasses.replace(real, vocab_size=512, hidden_size=96, num_layers=4, num_heads=4, num_kv_heads=2,
+                                head_dim=16, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=64,
+                                intermediate_size=64, moe_layers=real.moe_layers[:4],
+                                sliding_layers=real.sliding_layers[:4], sliding_window=8)
+    monkeypatch.setitem(synthetic.SHAPES, "tiny-gpt-oss", small)
+    calls = []
+    native = cpu_quant.experts_forward_routed
+
+    def counted(x, pair_expert, k, chosen, w, *args, **kwargs):
+        calls.append((w.gate_up_format, w.plain))
+        return native(x, pair_expert, k, chosen, w, *args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the bench's MXFP4 experts took the dequantising reference path")
+
+    monkeypatch.setattr(cpu_quant, "experts_forward_routed", counted)
+    monkeypatch.setattr(experts, "reference_routed", refused)
+    report = run_bench("tiny-gpt-oss", 4, 0, device="cpu", decode_tokens=6, prefill=(16,), batch=2,
+                       log=lambda *a: None, expert_format="mxfp4")
+    assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]
+    assert all(r["tok_s"] > 0 for r in report["results"])
+    assert calls and set(calls) == {("mxfp4", False)}
+    assert report["experts"] == "mxfp4" and report["profile"]["expert_bytes"] == 3 * 64 * 96 * 17 // 32
+
+
 def test_gpt_oss_gguf_generates_the_reference_tokens(tmp_path):
     """gpt-oss as llama.cpp's converter writes it (tests/gguf_from_hf.py: gate and up apart, stacked biases, sinks,
     yarn, the window): the native engine, asked for, loads it and gives transformers' tokens on the same weights.

@@ -5,9 +5,11 @@ Usage (repo root; GPU box: 16 cores):
     python3 tests/perf/bench_cpu_quant.py --per-core    # one thread: GB/s of packed bytes one core computes
     python3 tests/perf/bench_cpu_quant.py --define along=-DSHORT_ROW_BYTES=0 --define pf2k=-DPREFETCH=2048
     python3 tests/perf/bench_cpu_quant.py --smoke       # tiny shapes, one repeat: checks the script runs
+    python3 tests/perf/bench_cpu_quant.py --formats mxfp4 --shapes gpt-oss-120b   # gpt-oss's experts as they run
 
 Shapes (--shapes): Mixtral-8x7B (8 experts of H=4096, F=14336, 2 per call), Qwen3-30B-A3B (128 experts of
-H=2048, F=768, 8 per call), `mixtral-layer` (all 8 of a Mixtral layer's experts per call, from a stack
+H=2048, F=768, 8 per call), gpt-oss-120b (128 experts of H=F=2880, 4 per call, with gpt-oss's expert biases and
+clamped SwiGLU computed in the call as the model runs them), `mixtral-layer` (all 8 of a Mixtral layer's experts per call, from a stack
 of 16: 16 sequences decoding together) and `tiny` (16 experts of 256 x 256, 8 per call: what a call costs beyond its
 weights: thread hand-out, phases, the wrapper). Each call computes `experts` distinct experts with exactly
 T tokens each (--tokens, default 1, 2, 4, 8, 16), the experts picked at random per call from the whole
@@ -41,7 +43,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from moedesk.kernels import cpu_experts as ce  # noqa: E402
 from moedesk.kernels import cpu_quant as cq  # noqa: E402
-from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
+from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights  # noqa: E402
 from moedesk.kernels.quant_formats import packed_format  # noqa: E402
 
 SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per call)
@@ -49,12 +51,13 @@ SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per cal
     "qwen3-30b-a3b": (128, 2048, 768, 8),
     # all 8 experts of a Mixtral layer in one call: 16 sequences decoding together give each ~4 tokens
     "mixtral-layer": (16, 4096, 14336, 8),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
 }
 # 7 MB of q4_0 that stays in the last-level cache: with one thread, the rate the instructions allow
 CACHED = {"cached": (4, 2048, 512, 4)}
 SMOKE = {"smoke": (4, 256, 512, 2)}
 TINY = {"tiny": (16, 256, 256, 8)}
-SCALE_AT = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}
+SCALE_AT = {"q4_0": [0], "q8_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208], "mxfp4": []}
 
 
 def packed_stack(fmt, E, R, K, pinned):
@@ -67,6 +70,8 @@ def packed_stack(fmt, E, R, K, pinned):
     pattern = torch.randint(0, 256, (4096, f.block_bytes), dtype=torch.uint8)
     for at in SCALE_AT[fmt]:
         pattern[:, at:at + 2] = torch.full((4096,), 1e-3, dtype=torch.float16).view(torch.uint8).view(-1, 2)
+    if fmt == "mxfp4":
+        pattern[:, 0] = 120  # E8M0: weights up to 6 * 2^-7
     full = blocks.shape[0] // 4096 * 4096
     blocks[:full].view(-1, 4096, f.block_bytes).copy_(pattern.expand(full // 4096, 4096, f.block_bytes))
     blocks[full:].copy_(pattern[:blocks.shape[0] - full])
@@ -190,6 +195,9 @@ def main():
             del gate_up, down
         for fmt in args.formats.split(","):
             w = ExpertWeights(packed_stack(fmt, E, 2 * F, H, True), packed_stack(fmt, E, H, F, True), H, F, fmt, fmt)
+            if name == "gpt-oss-120b":  # its biases (bf16, as the model keeps them) and activation, in the call
+                w = w.with_function(torch.randn(E, 2 * F).bfloat16(), torch.randn(E, H).bfloat16(),
+                                    ClampedSwiGLU(alpha=1.702, limit=7.0))
             for path in paths:
                 rows = {b: [] for b in builds}
                 for T in tokens:

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root: `moedesk bench` on issue 41's family shapes, every expert in RAM, the first
 # layers of each, in the issue's formats (q4_k for GLM-4.5-Air and DeepSeek-V3, mxfp4 for gpt-oss-120b), plus the
-# 16-bit form as a reference point. gpt-oss's experts on the GPU (copied at prefill) take the packed Triton kernel,
-# kernels/gpu_quant.py; with experts resident too: tests/perf/gpt_oss_gpu.sh.
+# 16-bit form as a reference point. gpt-oss's MXFP4 experts in RAM take the packed CPU kernel (kernels/cpu_quant.c,
+# biases and clamped SwiGLU in the call; issue 41's target for its decode is 85% of the RAM-bandwidth bound), those
+# on the GPU (copied at prefill) the packed Triton kernel, kernels/gpu_quant.py; with experts resident too:
+# tests/perf/gpt_oss_gpu.sh.
 # Usage: bash tests/perf/families_bench.sh [glm|deepseek|gpt-oss|qwen35 ...]   (writes $OUT/<shape>_<format>.json)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
