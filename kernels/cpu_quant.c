@@ -705,26 +705,56 @@ VI void seg_q8_0(const uint8_t *b, SegW *g) {
     g->s = _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_mask_mov_epi16(d03, 0xFF00, d47)));
 }
 
+/* AVX512-VBMI's two-table byte permute (Ice Lake, Sapphire Rapids and later; Zen 4). In asm: the library's VNNI
+ * functions are built for AVX512F/BW/VL/VNNI, which the compiler would not let use it; it runs only where
+ * mq_set_path found VBMI (use_vbmi). */
+static int use_vbmi = 0;
+VI __m512i permt2b(__m512i a, __m512i idx, __m512i b) {
+    __asm__("vpermt2b %[b], %[idx], %[a]" : [a] "+v"(a) : [idx] "v"(idx), [b] "v"(b));
+    return a;
+}
+
+/* qword i: bytes 17i + 1 .. 17i + 8 (block i's code bytes 0-7 from a segment; 8-15 from 8 bytes on); words
+ * 32 + i: byte 17i twice (block i's exponent, for its two lanes) */
+static const uint8_t MXFP4_GATHER[64] = {
+    1, 2, 3, 4, 5, 6, 7, 8, 18, 19, 20, 21, 22, 23, 24, 25, 35, 36, 37, 38, 39, 40, 41, 42,
+    52, 53, 54, 55, 56, 57, 58, 59, 69, 70, 71, 72, 73, 74, 75, 76, 86, 87, 88, 89, 90, 91, 92, 93,
+    103, 104, 105, 106, 107, 108, 109, 110, 120, 121, 122, 123, 124, 125, 126, 127};
+static const uint8_t MXFP4_EXPONENTS[16] = {0, 0, 17, 17, 34, 34, 51, 51, 68, 68, 85, 85, 102, 102, 119, 119};
+
 /* mxfp4: q4_0's layout (qword i of chunks 0, 1: the low, high nibbles of block i's code bytes 0-7; chunks 2, 3 of
- * bytes 8-15). The blocks are 17 bytes, so the pieces start on odd bytes: four 16-byte loads per zmm, then one
- * 64-bit permute per pair of chunks; the nibbles through the table. */
+ * bytes 8-15); the nibbles through the table, the scales 2^(e - 128) by scalef (exact, subnormals included).
+ * The blocks are 17 bytes, so the pieces start on odd bytes: with VBMI one byte permute per pair of chunks and one
+ * for the exponents; without, four 16-byte loads per zmm, then a 64-bit permute per pair of chunks, and the
+ * exponents one by one. */
 VI void seg_mxfp4(const uint8_t *b, SegW *g) {
-    __m512i Z[2];
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *p = b + 68 * h + 1;
-        Z[h] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
-        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 17)), 1);
-        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 34)), 2);
-        Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 51)), 3);
+    __m512i c0, c1;
+    __m128i e2;
+    if (use_vbmi) {
+        const __m512i idx = _mm512_loadu_si512(MXFP4_GATHER), A = _mm512_loadu_si512(b), B = _mm512_loadu_si512(b + 64);
+        c0 = permt2b(A, idx, B);
+        c1 = permt2b(_mm512_loadu_si512(b + 8), idx, _mm512_loadu_si512(b + 72));
+        e2 = _mm512_castsi512_si128(permt2b(A, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)MXFP4_EXPONENTS)), B));
+    } else {
+        __m512i Z[2];
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *p = b + 68 * h + 1;
+            Z[h] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)p));
+            Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 17)), 1);
+            Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 34)), 2);
+            Z[h] = _mm512_inserti32x4(Z[h], _mm_loadu_si128((const __m128i *)(p + 51)), 3);
+        }
+        c0 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), Z[1]);
+        c1 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), Z[1]);
+        const __m128i v = _mm_cvtsi64_si128((long long)mxfp4_exponents(b));
+        e2 = _mm_unpacklo_epi8(v, v);
     }
-    const __m512i c0 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(0, 2, 4, 6, 8, 10, 12, 14), Z[1]);
-    const __m512i c1 = _mm512_permutex2var_epi64(Z[0], _mm512_setr_epi64(1, 3, 5, 7, 9, 11, 13, 15), Z[1]);
     const __m512i lo4 = _mm512_set1_epi8(0x0F), table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MXFP4_U));
     g->w[0] = _mm512_shuffle_epi8(table, _mm512_and_si512(c0, lo4));
     g->w[1] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c0, 4), lo4));
     g->w[2] = _mm512_shuffle_epi8(table, _mm512_and_si512(c1, lo4));
     g->w[3] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(c1, 4), lo4));
-    g->s = e8m0_pairs(mxfp4_exponents(b));
+    g->s = _mm512_scalef_ps(_mm512_set1_ps(1.f), _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(e2)), _mm512_set1_ps(128.f)));
 }
 
 /* q4_k / q5_k: sub-block p = 2c + h is the low (h 0) or high (h 1) nibbles of bytes 32c.. of qs; qword p of
@@ -1635,6 +1665,21 @@ int mq_vnni_supported(void) {
     return (b & need) == need && (c & (1u << 11));
 }
 
+/* AVX512-VBMI (the VNNI path's byte permutes for mxfp4, where it has them). */
+int mq_vbmi_supported(void) {
+    unsigned a, b, c, d;
+    return mq_vnni_supported() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 1));
+}
+
+/* Whether the VNNI path may gather mxfp4's bytes with VBMI where the CPU has it (tests turn it off to run the other
+ * gather); returns whether it does now. */
+static int vbmi_allowed = 1;
+int mq_allow_vbmi(int allow) {
+    vbmi_allowed = allow;
+    use_vbmi = use_vnni && mq_vbmi_supported() && vbmi_allowed;
+    return use_vbmi;
+}
+
 /* AMX-TILE and AMX-INT8 with the OS saving the tile state, the VNNI path (its epilogue is AVX-512), and
  * Linux's permission for this process to use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, asked once:
  * it holds for every thread of the process). Built with -DMQ_AMX_EMULATE: the VNNI path is enough. */
@@ -1653,6 +1698,7 @@ int mq_amx_supported(void) {
  * path the CPU or OS lacks is refused for the next best). */
 int mq_set_path(int path) {
     use_vnni = path >= 1 && mq_vnni_supported();
+    use_vbmi = use_vnni && mq_vbmi_supported() && vbmi_allowed;
     use_amx = path >= 2 && mq_amx_supported();
     return use_amx ? 2 : use_vnni;
 }

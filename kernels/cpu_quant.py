@@ -255,6 +255,8 @@ def _configure(lib) -> None:
     lib.mq_get_path.restype = c_int
     lib.mq_vnni_supported.restype = c_int
     lib.mq_amx_supported.restype = c_int
+    lib.mq_allow_vbmi.argtypes = [c_int]
+    lib.mq_allow_vbmi.restype = c_int
     lib.mq_lane_vnni.restype = c_int
     lib.mq_set_threads.argtypes = [c_int]
     lib.mq_set_spin_us.argtypes = [i64]
@@ -328,6 +330,14 @@ def set_path(name: str | None) -> str:
         raise ValueError("this CPU or OS lacks AMX-INT8 (or Linux refused the tile state)")
     lib.mq_set_path(PATHS.index(name or "vnni"))
     return get_path()
+
+
+def allow_vbmi(allow: bool) -> bool:
+    """Whether the VNNI path may gather MXFP4's bytes with AVX512-VBMI where the CPU has it (the default), or must
+    take the gather without it (the tests run both); returns whether it uses VBMI now."""
+    if not available():
+        raise RuntimeError(f"native packed-experts kernel unavailable: {unavailable_reason()}")
+    return bool(_state["lib"].mq_allow_vbmi(int(allow)))
 
 
 def get_path() -> str:

@@ -153,3 +153,23 @@ def test_dispatch_takes_the_kernel_for_gpt_oss_experts(path, monkeypatch):
     with pytest.raises(ValueError, match="biases"):
         cq.experts_forward_routed(x, pe, 1, None, w.with_function(w.gate_up_bias[:, :64], w.down_bias, GLU),
                                   torch.zeros(4, 96))
+
+
+def test_the_two_gathers_of_the_vnni_path_agree(path):
+    """The VNNI path gathers MXFP4's odd-aligned blocks with AVX512-VBMI's byte permute where the CPU has it, and
+    with 16-byte loads otherwise: the same bytes, so the same results bit for bit, on a row of whole segments and a
+    chunk after them."""
+    if path != "vnni":
+        pytest.skip("the gathers are the VNNI path's")
+    g = torch.Generator().manual_seed(9)
+    w = gpt_oss_case(2880, 320, 3, g)
+    x = torch.randn(9, 2880, generator=g) * 1.5
+    pe = torch.tensor([0, 1, 1, 2, 2, 2, 0, 1, 2])
+    results = []
+    for allow in (True, False):
+        uses = cq.allow_vbmi(allow)
+        assert not uses or allow
+        results.append(cq.experts_forward_routed(x, pe, 1, None, w, torch.zeros(9, 2880)))
+    cq.allow_vbmi(True)
+    check(results[0], x, pe, 1, None, w, torch.zeros(9, 2880))
+    assert torch.equal(results[0], results[1])
