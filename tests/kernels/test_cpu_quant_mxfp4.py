@@ -2,7 +2,8 @@
 SwiGLU, the down bias after, in the one native call, against float64 from `dequantize`d weights.
 
 The two references are test_cpu_quant_kernel's (`exact`, and `emulated`: x and the act rows quantised to int8 as
-the kernel does), with the biases and ClampedSwiGLU computed in float64. The limit is small enough that the clamps
+the kernel does), with the biases and ClampedSwiGLU computed in float64; `exact` is itself checked against
+transformers' GptOssExperts on the same dequantised weights (tests/kernels/gpt_oss_reference.py). The limit is small enough that the clamps
 really clip (each case asserts a share of clipped gate and up values), so a missing or misplaced clamp, bias or
 alpha shows as O(1). Every path the CPU has runs them (the `path` fixture: VNNI, AVX2 with and without AVX-VNNI,
 AMX where present); tests/kernels/test_cpu_quant_amx.py runs MXFP4 through the emulated AMX build.
@@ -16,6 +17,7 @@ import torch
 from moedesk.kernels import cpu_quant as cq
 from moedesk.kernels import experts
 from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
+from tests.kernels.gpt_oss_reference import gpt_oss_experts
 from tests.kernels.test_cpu_quant_kernel import (ERR_EMULATED, ERR_EXACT, built, maddubs_build, path,  # noqa: F401
                                                  q8_emulated, random_packed)
 
@@ -59,6 +61,13 @@ def check(out, x, pe, k, chosen, w, before, rows=None):
     exact, clipped = reference(x, pe, k, chosen, w, before, emulate=False, rows=rows)
     emulated, _ = reference(x, pe, k, chosen, w, before, emulate=True, rows=rows)
     exact, emulated, got = exact[computed], emulated[computed], out.double()[computed]
+    if rows is None:  # the float64 reference is transformers' function
+        order = sorted(computed, key=lambda p: pe[p])
+        sizes = torch.bincount(pe[order], minlength=w.num_experts).tolist()
+        gu, dn = w.dense(torch.float64)
+        theirs = gpt_oss_experts(x[torch.tensor(order) // k].double(), gu, dn, w.gate_up_bias, w.down_bias, GLU, sizes)
+        mine = exact[[computed.index(p) for p in order]]
+        assert torch.allclose(theirs, mine, rtol=1e-9, atol=1e-9 * float(mine.abs().max()))
     rounding = 2 ** -7 if out.dtype == torch.bfloat16 else 0.0
     assert clipped.min() > 0.1, clipped  # the clamps are exercised on both gate and up
     assert float((got - exact).norm() / exact.norm()) < ERR_EXACT + rounding
