@@ -21,7 +21,11 @@ def gib(n: int) -> str:
 def layer_weights(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     """(expert weights, other weights) of one transformer layer, in parameters."""
     hidden, heads, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    attention = hidden * heads * hd * 2 + hidden * kv * hd * 2
+    attention = hidden * heads * hd * (3 if cfg.attention_gate else 2) + hidden * kv * hd * 2
+    if cfg.is_linear_layer(layer):  # Gated DeltaNet: q, k, v and the gate z in, beta and the decay, out; the conv
+        keys, values = cfg.linear_key_heads * cfg.linear_key_dim, cfg.linear_value_heads * cfg.linear_value_dim
+        attention = (hidden * (2 * keys + 3 * values + 2 * cfg.linear_value_heads)
+                     + (2 * keys + values) * cfg.linear_conv_kernel)
     moe = bool(cfg.moe_layers) and cfg.moe_layers[layer] if layer < len(cfg.moe_layers) else cfg.num_experts > 0
     if not moe:
         return 0, attention + 3 * hidden * cfg.intermediate_size

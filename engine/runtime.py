@@ -159,6 +159,7 @@ class Engine(EngineFace):
             free, _ = torch.cuda.mem_get_info(self.device)
             # The cache of a full context per reserved row, and what a prefill piece at that depth allocates.
             kv = KV_ROWS_RESERVED * self.context_length * self.cache.bytes_per_position()
+            kv += KV_ROWS_RESERVED * getattr(self.cache, "bytes_per_row", lambda: 0)()  # a recurrent state per row
             workspace = prefill_workspace_bytes(cfg, self.scheduler.prefill_chunk or self.context_length, self.context_length,
                                                 self.dtype.itemsize)
             budget = default_expert_budget(free, kv + workspace)

@@ -560,8 +560,11 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
 
 def is_ignored_tensor(name: str, cfg: ModelConfig | None = None) -> bool:
     """Tensors some checkpoints carry that hold nothing the forward pass needs: RoPE tables, and the layers of
-    multi-token prediction (GLM-4.x, DeepSeek-V3: after the last layer; moedesk does not run them)."""
+    multi-token prediction (GLM-4.x, DeepSeek-V3: after the last layer; Qwen3-Next: under mtp.; moedesk does not run
+    them)."""
     if name.endswith("rotary_emb.inv_freq"):
+        return True
+    if cfg is not None and cfg.is_recurrent and name.startswith("mtp."):  # Qwen3-Next's multi-token prediction
         return True
     if cfg is not None and cfg.mtp_layers and (m := _LAYER_NUMBER.match(name)):
         return int(m.group(1)) >= cfg.num_layers

@@ -57,8 +57,10 @@ def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 
 def kv_bytes_per_position(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """One position's keys and values over every layer (the full-attention KV cache, engine.model.cache.kv)."""
-    return cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    """One position's keys and values over every attention layer (the full-attention KV cache, engine.model.cache.kv;
+    Gated DeltaNet layers keep a state per sequence instead)."""
+    attending = sum(not cfg.is_linear_layer(layer) for layer in range(cfg.num_layers))
+    return attending * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
 def prefill_workspace_bytes(cfg: ModelConfig, piece: int, context: int, dtype_bytes: int) -> int:

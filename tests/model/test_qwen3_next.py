@@ -270,3 +270,26 @@ def test_on_cuda_float32_in_place_and_offloaded_and_bf16(family, built):
     engine = Engine.load(str(b.folder), device="cuda", dtype="bfloat16")
     check_greedy(engine, hf_model(b.folder, torch.bfloat16, "cuda"), ids, NEW, ref32=hf_model(b.folder, torch.float32,
                                                                                               "cuda"))
+
+
+def test_memory_sums_count_deltanet_layers_and_the_kv_cache_of_full_layers_only(built, tmp_path):
+    """The bench's fit check and the GPU budget's split size a layer as the model holds it (DeltaNet projections and
+    convolution, the gated query), and the KV cache by the full-attention layers alone; a checkpoint's multi-token
+    prediction layer (Qwen3-Next ships one under mtp.) is read past."""
+    from moedesk.engine.memory_fit import layer_weights
+    from moedesk.engine.offload.gpu_budget import kv_bytes_per_position
+
+    b = built("qwen3next")
+    folder = tmp_path / "with-mtp"
+    shutil.copytree(b.folder, folder)
+    tensors = load_file(b.folder / "model.safetensors")
+    tensors["mtp.fc.weight"] = torch.zeros(64, 128)
+    tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    cfg = engine.config
+    for i, block in enumerate(engine.model.layers):
+        held = sum(p.numel() for name, p in block.named_parameters() if p.dim() > 1 and "shared_gate" not in name)
+        assert layer_weights(cfg, i)[1] == held, i
+    cache = engine.model.new_cache(1, 8, torch.float32, "cpu")
+    assert kv_bytes_per_position(cfg, 4) == cache.bytes_per_position() == 2 * 2 * 16 * 4
