@@ -5,7 +5,8 @@ scheduler (engine/generation/scheduler.py): it joins the running batch at the ne
 or when its client goes away. Endpoints:
 
 - GET  /v1/models, /v1/models/{id}
-- POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE])
+- POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE]); each of
+  these also without the /v1, as llama-server has them
 - POST /v1/responses (app/server_responses.py) and Ollama's /api/* (app/server_ollama.py), through the same
   request path (Server.start, .finish, .pieces)
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
@@ -173,10 +174,12 @@ class Server:
         self.stopping = False
         self.app = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
+            # each OpenAI route also without /v1, as llama-server serves them (llama.cpp's own clients and tests)
+            *(route for prefix in ("/v1", "") for route in (
+                Route(f"{prefix}/models", self.models, methods=["GET"]),
+                Route(f"{prefix}/models/{{model_id:path}}", self.model, methods=["GET"]),
+                Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
+                Route(f"{prefix}/completions", self.completions, methods=["POST"]))),
             Route("/moedesk/stats", self.stats, methods=["GET"]),
             *server_responses.routes(self), *server_ollama.routes(self),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
@@ -411,7 +414,7 @@ class Server:
 
         try:
             if chat:
-                yield chunk({"role": "assistant", "content": ""})
+                yield chunk({"role": "assistant", "content": None})  # null, not "": no delta's content is empty
             async for piece, done in self.pieces(job):
                 if piece.reasoning and chat:
                     yield chunk({"reasoning_content": piece.reasoning})

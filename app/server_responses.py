@@ -23,7 +23,7 @@ MESSAGE_ROLES = ("system", "developer", "user", "assistant")
 
 def routes(server) -> list[Route]:
     api = ResponsesApi(server)
-    return [Route("/v1/responses", api.create, methods=["POST"])]
+    return [Route(path, api.create, methods=["POST"]) for path in ("/v1/responses", "/responses")]
 
 
 def _id(prefix: str) -> str:

@@ -187,3 +187,21 @@ def test_batch_lines_take_the_same_fields(folder, engine, tmp_path):
     assert thinking["text"] == "" and thinking["reasoning"] == engine.tokenizer.decode(thinking["token_ids"]).strip()
     assert "reasoning" not in records["not thinking"]
     assert records["not thinking"]["text"] == engine.tokenizer.decode(records["not thinking"]["token_ids"])
+
+
+def test_the_routes_answer_without_v1_as_llama_server_s_do(url):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "tiny", "messages": ASK, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    replies = [httpx.post(url + path, json=body, headers=auth, timeout=120).json() for path in
+               ("/v1/chat/completions", "/chat/completions")]
+    assert replies[0]["moedesk"]["token_ids"] == replies[1]["moedesk"]["token_ids"]
+    prompt = {"model": "tiny", "prompt": "Hello", "temperature": 0, "max_tokens": 3}
+    assert httpx.post(url + "/completions", json=prompt, headers=auth, timeout=120).json()["choices"][0]["text"] == \
+        httpx.post(url + "/v1/completions", json=prompt, headers=auth, timeout=120).json()["choices"][0]["text"]
+    assert httpx.get(url + "/models", headers=auth).json() == httpx.get(url + "/v1/models", headers=auth).json()
+    # Streamed, the first delta names the role with a null content, and no later content delta is empty.
+    with httpx.stream("POST", url + "/chat/completions", json={**body, "stream": True}, headers=auth,
+                      timeout=120) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines() if line.startswith("data: {")]
+    assert deltas[0] == {"role": "assistant", "content": None}
+    assert all(d.get("content") is None or d["content"] for d in deltas)

@@ -1,0 +1,113 @@
+"""llama.cpp's own server tests (tools/server/tests in a llama.cpp source tree) run against `moedesk serve` on the
+demo, in their external mode: one moedesk server on the port they expect, their pytest sending it requests
+(tests/serve/llama_server_plugin.py adapts their harness). Nothing of theirs is copied into this repository.
+
+    python -m tests.serve.llama_server_suite LLAMA_CPP_DIR   # prints each file's tally and every failure's reason
+
+A llama.cpp tree: a checkout, or llama-cpp-python's source archive (`pip download llama-cpp-python --no-deps
+--no-binary :all:`), whose vendor/llama.cpp is the llama.cpp its wheel bundles. docs/serve.md has the last tally.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import httpx
+
+FILES = ("unit/test_chat_completion.py", "unit/test_tool_call.py", "unit/test_completion.py")
+PORT = 8081  # test_tool_call.py pins its server to 8081; the others read PORT, set to the same
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def suite_dir(source: Path) -> Path | None:
+    """Their tests folder in a llama.cpp tree (or in llama-cpp-python's source tree, under vendor/llama.cpp)."""
+    for base in (source, source / "vendor" / "llama.cpp"):
+        if (base / "tools" / "server" / "tests" / "utils.py").is_file():
+            return base / "tools" / "server" / "tests"
+    return None
+
+
+@contextlib.contextmanager
+def moedesk_server(model: str = "demo", startup_s: float = 300):
+    """`moedesk serve --model MODEL` on 127.0.0.1:PORT without a key, as llama-server runs in their tests."""
+    env = {k: v for k, v in os.environ.items() if k != "MOEDESK_API_KEY"}
+    proc = subprocess.Popen([sys.executable, "-m", "moedesk", "serve", "--model", model, "--port", str(PORT),
+                             "--context", "4096"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"moedesk serve ended: {proc.stdout.read()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("moedesk serve did not come up")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def run(source: Path, files=FILES, model: str = "demo", timeout_s: float = 3000) -> dict[str, tuple[str, str]]:
+    """{test id: (passed | failed | skipped, the reason's first line)} for their tests `files` (slow ones left out,
+    as their CI leaves them out)."""
+    here = suite_dir(source)
+    if here is None:
+        raise FileNotFoundError(f"{source} holds no tools/server/tests")
+    with tempfile.TemporaryDirectory(prefix="llama-suite-") as tmp, moedesk_server(model):
+        report = Path(tmp) / "junit.xml"
+        env = {**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(PORT), "MOEDESK_SUITE_MODEL": model,
+               "PYTHONPATH": os.pathsep.join([str(here), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        subprocess.run([sys.executable, "-m", "pytest", *files, "-m", "not slow", "-q", "-p",
+                        "tests.serve.llama_server_plugin", f"--junitxml={report}", "-o", f"cache_dir={tmp}/cache",
+                        f"--basetemp={tmp}/pt", "-p", "no:randomly"], cwd=here, env=env, timeout=timeout_s,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return outcomes(report.read_text())
+
+
+def outcomes(junit_xml: str) -> dict[str, tuple[str, str]]:
+    results = {}
+    for case in ElementTree.fromstring(junit_xml).iter("testcase"):
+        name = f"{case.get('classname', '').rpartition('.')[2]}::{case.get('name')}"
+        outcome, reason = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            node = case.find(kind)
+            if node is not None:
+                outcome = "skipped" if kind == "skipped" else "failed"
+                reason = (node.get("message") or node.text or "").strip().splitlines()[0][:160] if \
+                    (node.get("message") or node.text) else kind
+                break
+        results[name] = (outcome, reason)
+    return results
+
+
+def tally(results: dict[str, tuple[str, str]]) -> str:
+    lines, by_file = [], {}
+    for name, (outcome, _) in results.items():
+        counts = by_file.setdefault(name.split("::")[0], {"passed": 0, "failed": 0, "skipped": 0})
+        counts[outcome] += 1
+    for file, counts in by_file.items():
+        lines.append(f"{file}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
+    lines += [f"  {outcome.upper()} {name}: {reason}" for name, (outcome, reason) in sorted(results.items())
+              if outcome != "passed"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m tests.serve.llama_server_suite LLAMA_CPP_DIR")
+    found = run(Path(sys.argv[1]))
+    print(tally(found))
+    print("PASSED " + " ".join(sorted(n for n, (o, _) in found.items() if o == "passed")))
