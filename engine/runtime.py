@@ -51,6 +51,7 @@ class Engine(EngineFace):
         self._beam: BeamSearch | None = None  # made at the first beam search; keeps its cache for the next
         self.draft_heads: dict = {}  # EAGLE heads by folder, loaded once (engine.speculative.eagle_drafter.draft_head)
         self.idle_speculators: list = []  # speculative jobs' Speculators (each a KV cache) between jobs
+        self.acceptance: dict = {}  # draft -> (accepted, tested) drafts auto measured (engine.speculative.auto)
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,

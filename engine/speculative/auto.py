@@ -4,6 +4,7 @@ costs it prices rounds at (`RunningCosts`: measured step times scaled to what th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moedesk.engine.speculative import perf_model
@@ -18,19 +19,23 @@ def acceptance_estimate(accepted: int, tested: int, prior_accepted: float = 1.0,
 # Speculate at all, in auto mode, only if even this acceptance would make it pay (else plain decoding
 # through the engine's own decode path, CUDA graphs included).
 OPTIMISTIC_ALPHA = 0.9
-# Auto's exploration (auto_gamma): rounds may lose at most this share of plain decoding's time...
-
-
-EXPLORE_SHARE = 0.01
-# ...counted as at least this many plain steps (or the run's length, if shorter), so that a run can probe in
-
-
-# its first rounds.
+# Auto's exploration (auto_gamma): rounds may lose at most this share of plain decoding's time, counted as at least
+# this many plain steps (or the run's length, if shorter), so that even a short run can probe in its first rounds.
+# Kept under what issue 42's target for auto (near the best of plain and drafting) leaves for exploring.
+EXPLORE_SHARE = 0.04
 EXPLORE_HORIZON = 160
-# Probe while this many more accepted drafts would make drafting pay: the evidence behind the estimate.
-
-
-OPTIMISM = 4
+# A probe prices drafts at the acceptance this many standard deviations above the estimate: high while the
+# evidence is thin, the estimate itself once it is not.
+PROBE_Z = 2.0
+# Tested drafts before the estimate alone may decide to draft (before them, every drafting round is a probe).
+MIN_EVIDENCE = 4
+# The least predicted gain auto drafts for. Below perf_model's SAFETY_MARGIN: auto prices rounds at what this run's
+# rounds took (RunningCosts), not at a table measured once, so what is left to cover is the acceptance's noise.
+AUTO_MARGIN = 0.03
+# A probe needs a real gain in sight at the optimistic acceptance: perf_model's margin.
+PROBE_MARGIN = perf_model.SAFETY_MARGIN
+# Tested drafts an engine remembers per draft between requests (carried_counts).
+ACCEPTANCE_MEMORY = 64
 
 
 @dataclass(frozen=True)
@@ -54,62 +59,78 @@ class AutoLedger:
         return EXPLORE_SHARE * max(self.plain_ms, horizon * ar_ms) - self.loss_ms
 
 
+def optimistic_acceptance(alpha: float, evidence: float, z: float | None = None) -> float:
+    """What the acceptance may still be, `z` standard deviations above the estimate alpha of `evidence` tested
+    drafts (the prior's two counted too): high while the evidence is thin, alpha itself once it is not."""
+    z = PROBE_Z if z is None else z
+    n = evidence + 2
+    return min(1.0, alpha + z * math.sqrt(alpha * (1 - alpha) / (n + 1)))
+
+
 def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma: int,
                ledger: AutoLedger = AutoLedger(), evidence: int = 0, horizon: int = EXPLORE_HORIZON) -> int:
     """The draft length of the next round in auto mode, 0 for a plain step.
 
-    alpha is acceptance_estimate's, over `evidence` tested drafts. Exploit: the γ that choose_draft_length
-    finds pays at alpha. Else probe: the γ that would pay if the next OPTIMISM drafts tested were all
-    accepted, (accepted + 1 + 4) / (tested + 2 + 4): 5/6 before any evidence, 5/9 after three rejections,
-    under the 0.56 a Qwen3 batch-1 table needs, so probing ends on its own for a bad draft. One good probe
-    of 4 drafts (or one accepted 1-draft probe) lifts the estimate itself past that.
+    alpha is acceptance_estimate's, over `evidence` tested drafts (carried over from earlier requests of the same
+    draft where the engine kept them). Exploit: with MIN_EVIDENCE drafts tested, the γ that choose_draft_length
+    finds pays at alpha by AUTO_MARGIN. Else probe: the γ that would pay by PROBE_MARGIN at the optimistic
+    acceptance (optimistic_acceptance): near 1 before any evidence, near alpha once there is much of it, so a bad
+    draft stops being probed on its own.
 
-    Either way a round goes ahead only if, with nothing accepted, it leaves the ledger within its budget: a
-    round of γ drafts loses at most γ·T_draft + T(B, γ+1) + T_reject - T(B, 1) (one token for the price of a
-    verify step); if that γ does not fit, the longest shorter one that fits (and, to exploit, still pays at
-    alpha) is taken. So by construction, in the costs' own model and at a fixed B, auto's time for n tokens
-    per row is at most plain decoding's plus EXPLORE_SHARE · max(n, horizon) · T(B, 1), whatever the
-    acceptance. The batch passes horizon = min(EXPLORE_HORIZON, its longest request): plain decoding's time and
-    EXPLORE_SHARE more for a run of any length that goes to its end (a short run has little to gain and probes
-    little), a little more for one cut short.
-
-    What the budget buys on the Qwen3 batch-1 shape (T(1,2) = 1.6 and T(1,5) = 1.96 times T(1,1), drafting
-    free), for a run of 160 tokens or more: 1.6 plain steps at the start, i.e. a 4-draft probe in the first
-    round (loses 0.96 steps if its first draft is rejected) and a 1-draft one after it (0.6), then one 4-draft
-    probe per 96 plain steps; a probe that accepts j of 4 drafts books (0.96 - j) steps, so a good draft pays
-    for its next probes at once. The tests simulate it there at acceptance 0.8; what it gained, and what the
-    old rule (a 1-draft probe after 64 plain steps in a row) did not, is in docs/measurements.md, "Speculation
-    and the benches"."""
+    The exploration budget (AutoLedger.room_ms: EXPLORE_SHARE of plain decoding's time so far, at least `horizon`
+    steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
+    ahead only if, with nothing accepted, it still fits (a round of γ drafts loses at most γ·T_draft + T(B, γ+1) +
+    T_reject - T(B, 1)), and preferably leaves room for a 1-draft probe after it, since one rejected first draft is
+    thin evidence. An exploiting round is not held to the budget: it pays at the estimate, and one unlucky round must
+    not stop a good draft for the rest of a short run (the estimate, updated every round, stops it where the draft
+    is worse than it looked). So, in the costs' own model at a fixed B, probing costs at most EXPLORE_SHARE ·
+    max(n, horizon) · T(B, 1) over plain decoding's time, whatever the acceptance; the batch passes horizon =
+    min(EXPLORE_HORIZON, its longest request). tests/speculative/test_auto_grid.py simulates auto against the best
+    fixed choice on the Mixtral and Qwen3 shapes' step times."""
     ar = costs.ar_ms(batch)
     if ar is None:
         return 0
-    gamma = perf_model.choose_draft_length(costs, batch, alpha, max_gamma).gamma
-    probe = not gamma
-    if probe:
-        n = evidence + 2  # acceptance_estimate's prior counts too
-        gamma = perf_model.choose_draft_length(costs, batch, (alpha * n + OPTIMISM) / (n + OPTIMISM), max_gamma).gamma
+    if evidence >= MIN_EVIDENCE:  # exploit where the evidence says a draft length pays
+        gamma = perf_model.choose_draft_length(costs, batch, alpha, max_gamma, AUTO_MARGIN).gamma
+        if gamma:
+            return gamma
+    # Else probe, at what the acceptance may still be, within the budget even if its first draft is rejected.
+    hopeful = optimistic_acceptance(alpha, evidence)
+    gamma = perf_model.choose_draft_length(costs, batch, hopeful, max_gamma, PROBE_MARGIN).gamma
     room = ledger.room_ms(ar, horizon)
-    for g in range(gamma, 0, -1):
-        step = perf_model.step_ms(costs, batch, g)
-        if step is not None and step - ar <= room and (
-                probe or perf_model.predicted_speedup(costs, batch, g, alpha) >= 1.0 + perf_model.SAFETY_MARGIN):
-            return g
-    return 0
+    loss = {g: perf_model.step_ms(costs, batch, g) - ar for g in range(1, gamma + 1)
+            if perf_model.step_ms(costs, batch, g) is not None}
+    fits = [g for g in range(gamma, 0, -1) if g in loss and loss[g] <= room
+            and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
+    # Preferably one whose failure leaves room for a 1-draft probe: one rejected first draft is thin evidence.
+    again = [g for g in fits if loss[g] + loss.get(1, 0.0) <= room]
+    return (again or fits or [0])[0]
 
 
 def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int,
-                         horizon: int = EXPLORE_HORIZON) -> bool:
+                         horizon: int = EXPLORE_HORIZON, counts: tuple[float, float] = (0, 0)) -> bool:
     """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
     graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
-    draft length pay at this batch size, or where its first round, with no evidence yet, could not afford a probe
-    (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no longer than that horizon does not grow
-    with its plain rounds, so such a run would draft nothing to its end, paying for the speculative path's rounds
-    instead of plain steps (slower than plain on the GPU box: docs/measurements.md, "Speculation and the
-    benches")."""
+    draft length pay at this batch size, or where its first round, with the acceptance `counts` (accepted, tested)
+    known so far, would draft nothing (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no
+    longer than that horizon does not grow with its plain rounds, so such a run would draft nothing to its end,
+    paying for the speculative path's rounds instead of plain steps (slower than plain on the GPU box:
+    docs/measurements.md, "Speculation and the benches")."""
     if not perf_model.choose_draft_length(costs, batch, OPTIMISTIC_ALPHA, max_gamma).gamma:
         return True
-    prior = acceptance_estimate(0, 0)
-    return not auto_gamma(costs, batch, prior, max_gamma, AutoLedger(), 0, min(horizon, EXPLORE_HORIZON))
+    accepted, tested = counts
+    return not auto_gamma(costs, batch, acceptance_estimate(accepted, tested), max_gamma, AutoLedger(), tested,
+                          min(horizon, EXPLORE_HORIZON))
+
+
+def carried_counts(accepted: float, tested: float, memory: float | None = None) -> tuple[float, float]:
+    """Acceptance counts as an engine keeps them between requests of one draft: scaled down to at most `memory`
+    tested drafts, so a new request starts from what earlier ones measured and a change of subject still moves
+    the estimate within a reply or two."""
+    memory = ACCEPTANCE_MEMORY if memory is None else memory
+    if tested <= memory:
+        return accepted, tested
+    return accepted * memory / tested, memory
 
 
 @dataclass(frozen=True)

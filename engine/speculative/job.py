@@ -5,7 +5,7 @@ between the plain batch's steps; and the entry points that submit speculative re
 from __future__ import annotations
 
 from moedesk.engine.requests import Completion, Request
-from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly
+from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly, carried_counts
 from moedesk.engine.speculative.eagle_drafter import draft_head, eagle_factory
 from moedesk.engine.speculative.options import SpeculativeOptions
 from moedesk.engine.speculative.step_times import engine_step_times, graphs_like
@@ -92,7 +92,16 @@ class SpeculativeJob:
                 made.draft_room = room
             return made
 
-        self.batch = SpeculativeBatch(self.spec, drafter, o.mode, o.draft_length, o.width, o.budget, costs, capacity)
+        self.batch = SpeculativeBatch(self.spec, drafter, o.mode, o.draft_length, o.width, o.budget, costs, capacity,
+                                      self._known_acceptance())
+
+    def _acceptance_key(self):
+        draft = self.options.draft
+        return draft if callable(draft) else str(draft)
+
+    def _known_acceptance(self) -> tuple[float, float]:
+        """(accepted, tested) drafts of this draft in the engine's earlier requests, as carried_counts keeps them."""
+        return getattr(self.engine, "acceptance", {}).get(self._acceptance_key(), (0, 0))
 
     def step(self):
         engine = self.engine
@@ -103,7 +112,7 @@ class SpeculativeJob:
             self.decided = True
             o = self.options
             horizon = max(h.request.params.max_new_tokens for h in fresh)
-            if auto_decodes_plainly(self.batch.costs, len(fresh), o.draft_length, horizon):
+            if auto_decodes_plainly(self.batch.costs, len(fresh), o.draft_length, horizon, self._known_acceptance()):
                 for handle in fresh:
                     handle.extra_stats["speculative"] = {"mode": "auto", "plain": True}
                 self.plain.extend(fresh)
@@ -143,6 +152,10 @@ class SpeculativeJob:
         return self._finish(handle, self.engine.executor)
 
     def close(self) -> None:
+        if (self.batch is not None and self.options.mode == "auto" and self.batch.alpha_counts[1]
+                and hasattr(self.engine, "acceptance")):
+            # What this job learnt of the draft's acceptance starts the next job's estimate.
+            self.engine.acceptance[self._acceptance_key()] = carried_counts(*self.batch.alpha_counts)
         if self.spec is not None:
             self.engine.idle_speculators.append(self.spec)
             self.spec = None

@@ -379,7 +379,7 @@ class SpeculativeBatch:
     EAGLE one) gets more rows when newcomers need them, one without keeps what it was made with."""
 
     def __init__(self, spec: Speculator, drafter_factory, mode: str, draft_length: int, width: int,
-                 budget: int | None, costs, capacity: int):
+                 budget: int | None, costs, capacity: int, counts: tuple[float, float] = (0, 0)):
         self.spec, self.factory = spec, drafter_factory
         self.mode, self.draft_length, self.width = mode, draft_length, width
         self.budget = budget or draft_length * width
@@ -388,7 +388,7 @@ class SpeculativeBatch:
         self.drafter = None
         self.rows: list[_Row | None] = []
         self.stats = RunStats(mode)
-        self.alpha_counts = [0, 0]  # accepted, tested (auto's running acceptance)
+        self.alpha_counts = list(counts)  # accepted, tested: auto's running acceptance, from earlier requests on
         self.ledger = AutoLedger()
 
     def active(self) -> list[_Row]:
