@@ -63,10 +63,14 @@ def applies(x: torch.Tensor, w: ExpertWeights) -> bool:
     if (w.gate_up_format not in FORMAT_CODES or w.down_format not in FORMAT_CODES or x.dtype not in _FLOATS
             or not x.is_cpu or not w.gate_up.is_cpu or not w.down.is_cpu or _disabled()):
         return False
-    if not (w.glu is None or type(w.glu) is ClampedSwiGLU) \
-            or not all(b is None or b.is_cpu for b in (w.gate_up_bias, w.down_bias)):
+    if not computes_function(w) or not all(b is None or b.is_cpu for b in (w.gate_up_bias, w.down_bias)):
         return False
     return "lib" in _state or (not _state and available())
+
+
+def computes_function(w: ExpertWeights) -> bool:
+    """Whether the kernel computes w's expert function: SwiGLU, or gpt-oss's ClampedSwiGLU, biases or not."""
+    return w.glu is None or type(w.glu) is ClampedSwiGLU
 
 
 def check_rows(rows: int | None, w: ExpertWeights) -> int:

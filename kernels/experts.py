@@ -53,11 +53,13 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
 def cpu_path(w: ExpertWeights) -> str:
     """What `experts_forward_routed` computes experts of w's format with on this machine, in words: the native
     kernel only where its dispatch takes them (the 16-bit kernel takes bfloat16, not a float32 model's experts)."""
-    if not w.plain:
-        return "torch (experts with biases or another activation than SiLU)"
     if w.packed:
         native = w.gate_up_format in cpu_quant.FORMAT_CODES and w.down_format in cpu_quant.FORMAT_CODES
+        if native and not cpu_quant.computes_function(w):
+            return "dequantise + torch (an expert activation the native kernel does not compute)"
         return cpu_quant.describe() if native else f"dequantise + torch ({w.describe()} has no native kernel)"
+    if not w.plain:
+        return "torch (experts with biases or another activation than SiLU)"
     if w.dense_dtype is not torch.bfloat16:
         return f"torch ({w.describe()} experts; the native kernel computes bfloat16 ones)"
     return cpu_experts.describe()

@@ -157,6 +157,7 @@ def test_dispatch_takes_the_kernel_for_gpt_oss_experts(path, monkeypatch):
         pass
 
     other = w.with_function(w.gate_up_bias, w.down_bias, OtherGLU(GLU.alpha, GLU.limit))
+    assert experts.cpu_path(w) == cq.describe() and experts.cpu_path(other).startswith("dequantise + torch")
     assert not cq.applies(x, other) and experts.prepare_routed(x, pe, 1, None, other, torch.zeros(4, 96), index) is None
     assert torch.equal(experts.experts_forward_routed(x, pe, 1, None, other, torch.zeros(4, 96)), expected)
     with pytest.raises(ValueError, match="biases"):
