@@ -90,6 +90,8 @@ def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(b
     assert kv.layers == [3] and state.layers == [0, 1, 2]
     assert state.state[0].shape == (2, 4, 16, 16) and state.conv[0].shape == (2, 2 * 2 * 16 + 4 * 16, 3)
     assert cache.bytes_per_position() == kv.bytes_per_position() == 2 * 2 * 16 * 4  # keys and values of one layer
+    # Plain decoding keeps no per-token states: a row's state is its matrix and its convolution's inputs, per layer.
+    assert not state.kept_state and cache.bytes_per_row() == 3 * (4 * 16 * 16 + (2 * 2 * 16 + 4 * 16) * 3) * 4
     assert not engine.model.supports_graphs  # CUDA graphs do not capture the state: decode runs eagerly
     # What CUDA loads do: the full-attention layer's q (with its gate), k and v in one matmul; DeltaNet layers as
     # they are. The logits do not change.

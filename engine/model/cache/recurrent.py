@@ -50,9 +50,13 @@ class RecurrentState:
         n = range(len(self.layers))
         make = lambda shape, dtype: [torch.zeros((rows, *shape), dtype=dtype, device=self.device) for _ in n]  # noqa: E731
         state, conv = make(self.state_shape, self.state_dtype), make(self.conv_shape, self.conv_dtype)
-        kept_state = make((self.history, *self.state_shape), self.state_dtype)
-        kept_conv = make((self.history, *self.conv_shape), self.conv_dtype)
-        for new, old in zip(state + conv + kept_state + kept_conv, self._tensors()):
+        # history 1 keeps nothing apart: a one-token forward's state is the current one (accept has nothing to undo)
+        keeps = self.history > 1
+        kept_state = make((self.history, *self.state_shape), self.state_dtype) if keeps else []
+        kept_conv = make((self.history, *self.conv_shape), self.conv_dtype) if keeps else []
+        for new, old in zip(state + conv, self.state + self.conv):
+            new[: old.shape[0]] = old
+        for new, old in zip(kept_state + kept_conv, self.kept_state + self.kept_conv):
             new[: old.shape[0]] = old
         self.state, self.conv, self.kept_state, self.kept_conv = state, conv, kept_state, kept_conv
         self.rows = rows
