@@ -214,7 +214,10 @@ def test_gguf_runs_natively_with_the_reference_tokens_and_its_size_estimated(fam
     transformers' tokens; the Models screen's estimate from the header is what loading allocates."""
     from moedesk.engine.load.size_estimate import summarize_path
 
+    from moedesk.engine.selection import listed_engine
+
     b = built(family)
+    assert listed_engine(family, gguf=True).kind == "native"  # what the Models screen says will run it
     engine = Engine.load(str(b.gguf), device="cpu", dtype="float32")
     ours = Engine.load(str(b.folder), device="cpu", dtype="float32")
     assert engine.kind == "native" and engine.config == ours.config
