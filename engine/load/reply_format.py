@@ -24,7 +24,8 @@ at a cost per token that grows with the reply but stays small next to a decode s
 A call still being written is the parse's `pending` call (its name, and its arguments' text so far), so a stream
 gives a call's name first and then its arguments in fragments as the model writes them (`CallDelta`, as OpenAI
 streams them). A call's arguments are the model's own text where it wrote a JSON object, so the fragments add up
-to exactly the whole reply's arguments.
+to exactly the whole reply's arguments. A stream cannot take back a call it began: one the final parse does not
+read as a call (its JSON never closed into an object) stays begun in the stream while the whole reply has it as text.
 """
 from __future__ import annotations
 

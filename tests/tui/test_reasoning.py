@@ -76,12 +76,41 @@ async def test_reasoning_then_answer_stream_apart_and_the_fold_opens(thinking_fo
         assert fold.display and fold.collapsed and shown == "Two and two."
 
 
-async def test_the_reasoning_effort_setting_reaches_the_chat_template(tmp_path):
+@pytest.fixture(scope="module")
+def harmony_folder(tmp_path_factory):
     from tests.app.test_server_harmony import HARMONY_TOKENS, RETURN
 
-    folder = tiny_models.build("gpt_oss", tmp_path / "oss", chat_template=None, special_tokens=HARMONY_TOKENS,
-                               eos_token="<|return|>", eos_token_id=[RETURN])
-    engine = Engine.load(str(folder), device="cpu", dtype="float32")  # no template: harmony's, which reads the effort
+    return tiny_models.build("gpt_oss", tmp_path_factory.mktemp("oss"), chat_template=None,
+                             special_tokens=HARMONY_TOKENS, eos_token="<|return|>", eos_token_id=[RETURN])
+
+
+async def test_harmonys_analysis_channel_is_the_folded_reasoning(harmony_folder, monkeypatch):
+    from moedesk.app.tui.screens.chat import ChatScreen
+    from tests.app.test_server_harmony import ANSWERED
+
+    monkeypatch.setattr(ChatScreen, "STREAM_INTERVAL_S", 0.0)
+    engine = Engine.load(str(harmony_folder), device="cpu", dtype="float32")
+    ids = engine.tokenizer.encode(ANSWERED, add_special_tokens=False)  # its channels are special tokens
+
+    def stream(prompt_ids, params, cancel=None, **kwargs):
+        for i in ids:
+            yield StreamChunk(engine.tokenizer.decode([i]), [i])  # the text a stream shows leaves specials out
+        yield StreamChunk("", [], Completion(None, ids, engine.tokenizer.decode(ids), "stop", len(prompt_ids)))
+
+    engine.stream = stream
+    app = MoedeskApp(engine, settings=greedy_settings())
+    async with app.run_test(size=SIZE) as pilot:
+        await say(pilot, "Weather?")
+        await wait_idle(pilot, app)
+        reply = app.chat.conversation.messages[-1]
+        assert reply.content == "Sunny, 21 C." and reply.meta["reasoning"] == "The user wants weather."
+        assert "".join(app.chat.last_fragments) == "Sunny, 21 C."  # no channel marker reached the answer
+        fold, shown = reasoning_of(app.chat.query(AssistantMessage).last())
+        assert shown == "The user wants weather." and fold.collapsed
+
+
+async def test_the_reasoning_effort_setting_reaches_the_chat_template(harmony_folder):
+    engine = Engine.load(str(harmony_folder), device="cpu", dtype="float32")  # no template: harmony's, which reads it
     prompts = []
 
     def stream(prompt_ids, params, cancel=None, **kwargs):
