@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 
-def streaming_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
-    """The measured decode splits (engine.offload.profiler.profile_streaming) and the one `chosen` (the orchestra's
+def zero_copy_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
+    """The measured decode splits (engine.offload.profiler.profile_zero_copy) and the one `chosen` (the orchestra's
     lone_token_split: whole experts, rows); None if not measured."""
-    if not costs.streamed_split_ms:
+    if not costs.zero_copy_split_ms:
         return None
-    splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.streamed_split_ms))
+    splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.zero_copy_split_ms))
     line = f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}"
     if costs.split_rows_ms:
         line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_rows_ms)
@@ -55,9 +55,9 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"{'tokens':>8}{'CPU ms':>10}{'in a call':>11}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_alone_ms(n):>10.3f}{costs.cpu_expert_ms(n):>11.3f}{costs.gpu_expert_ms(n):>10.3f}")
-    streaming = streaming_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split())
-    if streaming:
-        out(streaming)
+    zero_copy = zero_copy_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split())
+    if zero_copy:
+        out(zero_copy)
     summary = orchestra.summary()
     hit = summary["expected_gpu_hit_rate"]
     out(f"\nplacement at {summary['gpu_budget_gib']:.2f} GiB: {summary['experts_on_gpu']} of "

@@ -116,7 +116,7 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
     CPU, copied, or streamed by the GPU) counts once, which is the routing the run really had, not a
     calibration estimate. None when no step read an offloaded expert.
     """
-    offloaded = (stats.cpu_experts + stats.copied_experts + stats.streamed_experts) / steps
+    offloaded = (stats.cpu_experts + stats.copied_experts + stats.zero_copy_experts) / steps
     return tokens_per_step * bytes_per_s / (offloaded * expert_bytes) if offloaded else None
 
 
@@ -313,7 +313,7 @@ def format_results(report: dict) -> str:
 
 
 def _experts_per_step(stats, steps: int) -> float:
-    return round((stats.gpu_experts + stats.cpu_experts + stats.copied_experts + stats.streamed_experts) / steps, 1)
+    return round((stats.gpu_experts + stats.cpu_experts + stats.copied_experts + stats.zero_copy_experts) / steps, 1)
 
 
 def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, prompt: int = 32, rounds: int = 3,

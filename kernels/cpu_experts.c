@@ -657,7 +657,7 @@ enum { OK = 0, BAD_OFFSETS = -1, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, 
  * R (the Python side's `rows`): the intermediate rows computed, [0, R) of F; R = F is the whole experts,
  * exactly as before the parameter existed. With R < F each result is the head of its expert's output,
  * act[0, R) . down[:, 0:R)^T from gate / up rows [0, R): at one token the GPU computes the rest from pinned
- * RAM (kernels/gpu_streamed.py), using the PCIe link that idles while this call is bound by RAM bandwidth.
+ * RAM (kernels/gpu_zero_copy.py), using the PCIe link that idles while this call is bound by RAM bandwidth.
  * R < F must be a multiple of 32 (phase 1's blocks and the split act layout work in 32s); every path takes
  * it, AMX included (its A tiles load the down rows' first R values at the row stride of F).
  */

@@ -157,7 +157,7 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     out: [>= P, H]; rows of pairs not computed are left as they are. index: int64 CPU scratch of at least
     2P + 2E + 1 entries (E experts in the stacks), allocated when None. rows: compute only intermediate rows
     [0, rows) of F, i.e. each expert's output head act[:rows] @ down[:, :rows].T (the GPU computes the rest at
-    one token, kernels/gpu_streamed.py); None: all F; a multiple of 32 unless F (`check_rows`).
+    one token, kernels/gpu_zero_copy.py); None: all F; a multiple of 32 unless F (`check_rows`).
 
     The decode path calls this for every MoE layer of every token. Where the native kernel applies, it groups the
     pairs itself and checks every index, so the call goes straight to it: grouping in numpy and `experts_forward`'s

@@ -1509,7 +1509,7 @@ enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, 
  *
  * R (the Python side's `rows`): the intermediate rows computed, [0, R) of F; R = F is the whole experts. With
  * R < F each result is the head of its expert's output, act[0, R) . down[:, 0:R)^T from gate / up rows [0, R):
- * at one token the GPU computes the rest from pinned RAM (kernels/gpu_streamed.py), using the PCIe link that
+ * at one token the GPU computes the rest from pinned RAM (kernels/gpu_zero_copy.py), using the PCIe link that
  * idles while this call is bound by RAM bandwidth. R is a multiple of 32 and of fmt_d's block (whole quantised
  * act blocks; a down row's first R / BLOCK blocks, its stride still F's). Every path takes it, AMX included:
  * the act token tiles are laid out for K = R and amx_rows reads each down row's first R weights, as the VNNI

@@ -95,7 +95,7 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     bf16 or float32 (another float dtype goes through a float32 copy). index: int64 CPU scratch of at least
     2P + 2E + 1 entries, reused across calls (the decode path passes one), allocated when None or too small.
     rows: compute only intermediate rows [0, rows) of F, i.e. each expert's output head act[:rows] @
-    down[:, :rows].T (the GPU computes the rest at one token, kernels/gpu_streamed.py); None: all F. A multiple
+    down[:, :rows].T (the GPU computes the rest at one token, kernels/gpu_zero_copy.py); None: all F. A multiple
     of 32 and of the down format's block (`check_rows`).
     Raises ValueError on bad indices or rows.
     """

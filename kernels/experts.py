@@ -40,7 +40,7 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts_ids, w: ExpertWei
     experts computed into its pair's row of `out` (pair p = token p // k's rank p % k).
 
     rows: only intermediate rows [0, rows) of F, each expert's output head (the GPU computes the tail at one
-    token, kernels/gpu_streamed.py); None: all F. Its granularity is the path's: cpu_experts.check_rows (dense),
+    token, kernels/gpu_zero_copy.py); None: all F. Its granularity is the path's: cpu_experts.check_rows (dense),
     cpu_quant.check_rows (packed)."""
     if w.packed and cpu_quant.applies(x, w):  # gpt-oss's expert function included
         return cpu_quant.experts_forward_routed(x, pair_expert, k, cpu_experts_ids, w, out, index, rows=rows)

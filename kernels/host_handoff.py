@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moedesk.kernels.gpu_streamed import pointer_arg
+from moedesk.kernels.gpu_zero_copy import pointer_arg
 from moedesk.kernels.native_build import open_library
 
 try:

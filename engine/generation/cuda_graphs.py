@@ -164,10 +164,10 @@ class _Captured:
             self.host = HostRouting(torch.zeros(tokens, hidden, dtype=dtype, pin_memory=True),
                                     torch.zeros(tokens, top_k, dtype=torch.long, pin_memory=True), torch.cuda.Event())
         # Per host-run MoE layer: how many of the token's last ranks the GPU computes from RAM itself while
-        # the host runs the rest (engine.offload.offload_executor.OffloadExecutor.streamed_share), in a graph of its own
+        # the host runs the rest (engine.offload.offload_executor.OffloadExecutor.zero_copy_share), in a graph of its own
         # replayed after the host's copy of the routing is queued, so the host need not wait for it.
-        share = getattr(executor, "streamed_share", None)
-        self.streamed = [share(model.layers[i].moe.layer, tokens, top_k) if share and self.host else 0
+        share = getattr(executor, "zero_copy_share", None)
+        self.zero_copy = [share(model.layers[i].moe.layer, tokens, top_k) if share and self.host else 0
                          for i in self.moe_at]
         # Or how many of every expert's first rows the host computes, the GPU the rest into `split_out`, which
         # the next segment adds (OffloadExecutor.row_split); 0: none.
@@ -185,7 +185,7 @@ class _Captured:
                 and all(host_only(model.layers[i].moe.layer, tokens, top_k) for i in self.moe_at)):
             self.handoff = Handoff(len(self.moe_at), device)
             self.host_out = torch.zeros(tokens * top_k, hidden, dtype=dtype, pin_memory=True)
-        self.stream_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.zero_copy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids), the last: logits
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.pool = None
@@ -195,9 +195,9 @@ class _Captured:
 
     def release(self) -> None:
         """Free the graphs and their outputs now."""
-        for graph in [*self.graphs, *self.stream_graphs.values()]:
+        for graph in [*self.graphs, *self.zero_copy_graphs.values()]:
             graph.reset()
-        self.graphs, self.stream_graphs, self.outputs, self.hidden, self.host_plans = [], {}, [], {}, []
+        self.graphs, self.zero_copy_graphs, self.outputs, self.hidden, self.host_plans = [], {}, [], {}, []
 
     def _segment(self, j: int, to_host: bool = True):
         """Segment j's work; to_host: end by queueing the copy of its routing to the host (False: the handoff's
@@ -237,21 +237,21 @@ class _Captured:
             # The step's stream, looked up once per step: Event.record() without one asks torch for the current
             # stream, host time paid again at every layer.
             self.host.ready.record(cuda_stream)
-            self.host.streamed, self.host.cpu_rows = self.streamed[j], self.cpu_rows[j]
-            if self.streamed[j] or self.cpu_rows[j]:
-                graph = self.stream_graphs.get(j)
+            self.host.zero_copy, self.host.cpu_rows = self.zero_copy[j], self.cpu_rows[j]
+            if self.zero_copy[j] or self.cpu_rows[j]:
+                graph = self.zero_copy_graphs.get(j)
                 if graph is not None:
                     graph.replay()
                 else:
-                    self._stream_share(j, executor, moe, flat, ids)
+                    self._zero_copy_share(j, executor, moe, flat, ids)
         executor.expert_outputs(moe, flat, ids, out=self.expert_out, host=self.host)
 
-    def _stream_share(self, j: int, executor, moe, flat, ids) -> None:
+    def _zero_copy_share(self, j: int, executor, moe, flat, ids) -> None:
         """Queue the GPU's share of host-run MoE layer j read from RAM: whole experts or every expert's last rows."""
-        if self.streamed[j]:
-            executor.stream_experts(moe, flat, ids, self.streamed[j], self.expert_out)
+        if self.zero_copy[j]:
+            executor.zero_copy_experts(moe, flat, ids, self.zero_copy[j], self.expert_out)
         else:
-            executor.stream_rows(moe, flat, ids, self.cpu_rows[j], self.split_out)
+            executor.zero_copy_rows(moe, flat, ids, self.cpu_rows[j], self.split_out)
 
     def _hand_over(self, j: int, executor) -> None:
         """Captured after segment j: the routing to the host, the GPU's own share, and once the host is done
@@ -260,9 +260,9 @@ class _Captured:
         moe = self.model.layers[self.moe_at[j]].moe
         self.handoff.signal(j, (flat, self.host.x), (ids, self.host.ids))
         resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
-        if self.streamed[j] or self.cpu_rows[j]:
-            self._stream_share(j, executor, moe, flat, ids)
-        rows = self.host_out.shape[0] - self.streamed[j]
+        if self.zero_copy[j] or self.cpu_rows[j]:
+            self._zero_copy_share(j, executor, moe, flat, ids)
+        rows = self.host_out.shape[0] - self.zero_copy[j]
         self.handoff.wait(j, self.host_out[:rows], self.expert_out[:rows])
         if resident is not None:
             y, mask = resident
@@ -274,7 +274,7 @@ class _Captured:
         plan = getattr(executor, "host_plan", None)
         self.host_plans = []
         for j, i in enumerate(self.moe_at):
-            host = HostRouting(self.host.x, self.host.ids, self.handoff.ready(j), self.streamed[j], self.cpu_rows[j])
+            host = HostRouting(self.host.x, self.host.ids, self.handoff.ready(j), self.zero_copy[j], self.cpu_rows[j])
             moe = self.model.layers[i].moe
             self.host_plans.append(plan(moe, host, self.host_out) if plan is not None
                                    else partial(executor.host_share, moe, host, self.host_out))
@@ -330,17 +330,17 @@ class _Captured:
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
-        for j, (ranks, rows) in enumerate(zip(self.streamed, self.cpu_rows)):
+        for j, (ranks, rows) in enumerate(zip(self.zero_copy, self.cpu_rows)):
             if ranks or rows:
                 _, flat, _, ids = self.outputs[j]
                 graph = torch.cuda.CUDAGraph()
                 with capturing(graph, self.pool):
-                    self._stream_share(j, executor, self.model.layers[self.moe_at[j]].moe, flat, ids)
+                    self._zero_copy_share(j, executor, self.model.layers[self.moe_at[j]].moe, flat, ids)
                 self.pool = graph.pool()
-                self.stream_graphs[j] = graph
+                self.zero_copy_graphs[j] = graph
         log.info("captured %d CUDA graphs for %d x %d tokens%s (%d layers stream experts from RAM)",
-                 len(self.graphs) + len(self.stream_graphs), *tokens.shape, " (a tree)" if self.mask is not None
-                 else "", len(self.stream_graphs))
+                 len(self.graphs) + len(self.zero_copy_graphs), *tokens.shape, " (a tree)" if self.mask is not None
+                 else "", len(self.zero_copy_graphs))
 
     def _load(self, tokens, positions, rows, mask, slots) -> None:
         self.tokens.copy_(tokens)

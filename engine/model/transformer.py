@@ -272,7 +272,7 @@ class MoE(nn.Module):
     def join_expert_function(self, stack: ExpertWeights) -> ExpertWeights:
         """`stack` (these experts, wherever they live) computing with this layer's expert biases and activation,
         where it has any (gpt-oss); the biases follow the stack's device, pinned where it is (the GPU's kernels
-        read a pinned stack's experts and biases where they lie: kernels.gpu_streamed)."""
+        read a pinned stack's experts and biases where they lie: kernels.gpu_zero_copy)."""
         cfg = self.cfg
         if not cfg.expert_bias and not cfg.swiglu_limit:
             return stack

@@ -198,16 +198,16 @@ def resident_on_cpu(loads: dict[int, int], model: ExpertCosts) -> list[int]:
 
 # A split must beat the CPU alone by this much at start-up to be used: the medians of a few tries move by
 # a few percent between runs.
-STREAM_MIN_GAIN = 0.05
+ZERO_COPY_MIN_GAIN = 0.05
 
 
 def lone_token_split(top_k: int, model) -> tuple[int, int]:
     """How a lone decoded token's `top_k` offloaded experts are shared between the CPU and the GPU, which reads
-    its share of the weights from pinned RAM (kernels.gpu_streamed): (ranks, 0) — the GPU computes the last
+    its share of the weights from pinned RAM (kernels.gpu_zero_copy): (ranks, 0) — the GPU computes the last
     `ranks` experts whole, the CPU the others — or (0, rows) — the GPU computes the last `rows` intermediate
     rows of every expert, the CPU the first ones. The option whose measured time (the model's
-    `streamed_split_ms` and `split_rows_ms`, engine.offload.profiler.profile_streaming) was the shortest, and
-    (0, 0) unless it beat the CPU alone by STREAM_MIN_GAIN, or nothing was measured
+    `zero_copy_split_ms` and `split_rows_ms`, engine.offload.profiler.profile_zero_copy) was the shortest, and
+    (0, 0) unless it beat the CPU alone by ZERO_COPY_MIN_GAIN, or nothing was measured
     for this top_k.
 
     Measured, not predicted from one expert's costs: predicted from them (with the contention factors of copies), the
@@ -215,21 +215,21 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     Splitting rows is what lets the GPU help at top-2 (Mixtral), where one whole expert over PCIe takes longer than
     both on the CPU.
     """
-    split = getattr(model, "streamed_split_ms", ())
-    if getattr(model, "streamed_top_k", 0) != top_k or len(split) < 2:
+    split = getattr(model, "zero_copy_split_ms", ())
+    if getattr(model, "zero_copy_top_k", 0) != top_k or len(split) < 2:
         return 0, 0
     options = [((g, 0), ms) for g, ms in enumerate(split)]
     options += [((0, rows), ms) for rows, ms in getattr(model, "split_rows_ms", ())]
     (ranks, rows), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then fewer rows
-    return (ranks, rows) if best <= (1 - STREAM_MIN_GAIN) * split[0] else (0, 0)
+    return (ranks, rows) if best <= (1 - ZERO_COPY_MIN_GAIN) * split[0] else (0, 0)
 
 
 def lone_token_measured(loads: dict[int, int], model) -> bool:
     """Whether the start-up profile measured the GPU's part in these loads directly, so that the CPU computes them
-    all: one token an expert, no more experts than the profile's `streamed_top_k`, and its `streamed_split_ms`
+    all: one token an expert, no more experts than the profile's `zero_copy_top_k`, and its `zero_copy_split_ms`
     measured. `lone_token_split` has then weighed the GPU reading whole experts or every expert's last rows from
     pinned RAM against the CPU alone, and the executor gives the GPU what it chose; copying an expert moves the
-    same bytes over PCIe as streaming it, and pays its staging and launches on top.
+    same bytes over PCIe as reading it zero-copy, and pays its staging and launches on top.
 
     Priced instead by `assign_offloaded` from a profile that timed each CPU expert in a call of its own (before
     `cpu_call_ms`), a call of Mixtral's two q4_0 experts cost the CPU twice one expert's call, where one call of both
@@ -237,12 +237,12 @@ def lone_token_measured(loads: dict[int, int], model) -> bool:
     than the profile's row split (tests/perf/probe_split_rows_decode.py; docs/measurements.md, "The placement's rules
     and the latency model"). The measured split stays the better guide for a lone token: it timed the very layer step,
     the prices only its parts."""
-    split = getattr(model, "streamed_split_ms", ())
-    return (len(split) >= 2 and len(loads) <= getattr(model, "streamed_top_k", 0)
+    split = getattr(model, "zero_copy_split_ms", ())
+    return (len(split) >= 2 and len(loads) <= getattr(model, "zero_copy_top_k", 0)
             and all(n == 1 for n in loads.values()))
 
 
-def streamed_ranks(top_k: int, model) -> int:
+def zero_copy_ranks(top_k: int, model) -> int:
     """`lone_token_split`'s whole experts for the GPU."""
     return lone_token_split(top_k, model)[0]
 

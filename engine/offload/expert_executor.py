@@ -21,14 +21,14 @@ class HostRouting:
     there inside the graph): x [N, H] and ids [N, K], valid once `ready.synchronize()` returned (a CUDA
     event, or a layer's flag of kernels.host_handoff).
     streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
-    experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.stream_experts), into `out`.
+    experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.zero_copy_experts), into `out`.
     cpu_rows: the host computes only each expert's first `cpu_rows` intermediate rows; the caller has the GPU
-    compute the rest (OffloadExecutor.stream_rows) and adds the two (0: every row)."""
+    compute the rest (OffloadExecutor.zero_copy_rows) and adds the two (0: every row)."""
 
     x: torch.Tensor
     ids: torch.Tensor
     ready: Any = None  # torch.cuda.Event, or anything else with synchronize()
-    streamed: int = 0
+    zero_copy: int = 0
     cpu_rows: int = 0
 
 

@@ -65,10 +65,10 @@ class LatencyModel:
     contention: tuple[tuple[float, float, float], ...] = ()
     copy_launch_ms: float = 0.0  # host time to queue one expert's copy and GPU compute (the CPU side pays it)
     resident_launch_ms: float = 0.0  # host time to queue a layer step's resident experts on the GPU
-    # A decode layer of one token, g of its streamed_top_k experts read from RAM by the GPU and the rest on the
-    # CPU: ms until both are done, indexed by g (engine.offload.profiler.profile_streaming; empty: not measured).
-    streamed_split_ms: tuple[float, ...] = ()
-    streamed_top_k: int = 0
+    # A decode layer of one token, g of its zero_copy_top_k experts read from RAM by the GPU and the rest on the
+    # CPU: ms until both are done, indexed by g (engine.offload.profiler.profile_zero_copy; empty: not measured).
+    zero_copy_split_ms: tuple[float, ...] = ()
+    zero_copy_top_k: int = 0
     # The same layer with every expert's intermediate rows split instead: the GPU reads the last r rows of
     # each from RAM while the CPU computes the others; ((r, ms), ...) by increasing r (empty: not measured).
     split_rows_ms: tuple[tuple[int, float], ...] = ()
@@ -80,7 +80,7 @@ class LatencyModel:
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
         object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
-        object.__setattr__(self, "streamed_split_ms", tuple(float(x) for x in self.streamed_split_ms))
+        object.__setattr__(self, "zero_copy_split_ms", tuple(float(x) for x in self.zero_copy_split_ms))
         object.__setattr__(self, "split_rows_ms", tuple((int(r), float(ms)) for r, ms in self.split_rows_ms))
         object.__setattr__(self, "contention", tuple(tuple(float(x) for x in point) for point in self.contention))
         object.__setattr__(self, "cpu_call", tuple((float(n), float(ms)) for n, ms in self.cpu_call))
@@ -89,7 +89,7 @@ class LatencyModel:
         split_rows = tuple(x for pair in self.split_rows_ms for x in pair)
         call = tuple(x for pair in self.cpu_call for x in pair)
         if not all(math.isfinite(x) and x >= 0
-                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.streamed_split_ms + split_rows + call):
+                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.zero_copy_split_ms + split_rows + call):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if any(len(point) != 3 for point in self.contention):
             raise ProfileError("latency model: contention points must be (tokens, CPU slowdown, copy slowdown)")
@@ -255,7 +255,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
     (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0),
-    streamed_split_ms {g: ms} for g = 0, 1, ... with streamed_top_k, and split_rows_ms {rows: ms} (missing →
+    zero_copy_split_ms {g: ms} for g = 0, 1, ... with zero_copy_top_k, and split_rows_ms {rows: ms} (missing →
     not measured). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
@@ -285,8 +285,8 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         contention=_contention(profile_points),
         copy_launch_ms=_milliseconds(profile_points, "copy_launch_ms"),
         resident_launch_ms=_milliseconds(profile_points, "resident_launch_ms"),
-        streamed_split_ms=_streamed_split(profile_points),
-        streamed_top_k=int(profile_points.get("streamed_top_k") or 0),
+        zero_copy_split_ms=_zero_copy_split(profile_points),
+        zero_copy_top_k=int(profile_points.get("zero_copy_top_k") or 0),
         split_rows_ms=_split_rows(profile_points),
         cpu_call=cpu_call,
     )
@@ -325,15 +325,15 @@ def _split_rows(profile: dict) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
-def _streamed_split(profile: dict) -> tuple[float, ...]:
-    """streamed_split_ms as a tuple indexed by the experts streamed; its keys must run 0, 1, ..."""
-    split = profile.get("streamed_split_ms") or {}
+def _zero_copy_split(profile: dict) -> tuple[float, ...]:
+    """zero_copy_split_ms as a tuple indexed by the experts streamed; its keys must run 0, 1, ..."""
+    split = profile.get("zero_copy_split_ms") or {}
     try:
         by_count = {int(g): float(ms) for g, ms in split.items()}
     except (AttributeError, TypeError, ValueError):
-        raise ProfileError("profile: 'streamed_split_ms' must map expert counts to times") from None
+        raise ProfileError("profile: 'zero_copy_split_ms' must map expert counts to times") from None
     if sorted(by_count) != list(range(len(by_count))):
-        raise ProfileError("profile: 'streamed_split_ms' must have the counts 0, 1, 2, ...")
+        raise ProfileError("profile: 'zero_copy_split_ms' must have the counts 0, 1, 2, ...")
     return tuple(by_count[g] for g in range(len(by_count)))
 
 

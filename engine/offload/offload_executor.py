@@ -31,7 +31,7 @@ import torch
 
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache
-from moedesk.kernels import gpu_streamed
+from moedesk.kernels import gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
                              prepare_routed)
@@ -57,7 +57,7 @@ class StepStats:
     gpu_experts: int = 0  # resident on the GPU, computed there
     copied_experts: int = 0  # copied over PCIe, computed on the GPU
     cpu_experts: int = 0  # computed on the CPU
-    streamed_experts: int = 0  # computed on the GPU from their pinned host copies, read over PCIe as it ran
+    zero_copy_experts: int = 0  # computed on the GPU from their pinned host copies, read over PCIe as it ran
     split_experts: int = 0  # of the CPU's, those whose last rows the GPU computed from their pinned host copies
     cpu_ms: float = 0.0
     wait_ms: float = 0.0  # blocked on the GPU for the routing (the attention and router work before it)
@@ -74,10 +74,10 @@ class StepStats:
         return replace(self)
 
     def as_dict(self) -> dict:
-        total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.streamed_experts
+        total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.zero_copy_experts
         return {
             "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
-            "experts_streamed": self.streamed_experts, "experts_split": self.split_experts,
+            "experts_streamed": self.zero_copy_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
@@ -161,19 +161,19 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 streamed_ranks=None, split_rows=None):
+                 zero_copy_ranks=None, split_rows=None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
         this step, asked only when the CPU computes experts of the layer anyway (None: never);
-        streamed_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
-        the CPU computes the others (`streamed_share`; None: never);
+        zero_copy_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
+        the CPU computes the others (`zero_copy_share`; None: never);
         split_rows(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
         compute from RAM while the CPU computes the first ones (`row_split`; None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
-        self.streamed_ranks = streamed_ranks
+        self.zero_copy_ranks = zero_copy_ranks
         self.split_rows = split_rows
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(w, [None] * w.num_experts) for layer, w in banks.items()}
@@ -295,37 +295,37 @@ class OffloadExecutor:
         per_expert[1] += counts > 0
         return _grouped_pairs(x, k, order, counts, bank.gpu)
 
-    def streamed_share(self, layer: int, batch: int, top_k: int) -> int:
+    def zero_copy_share(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each token's last ranks a captured decode step has the GPU compute from the experts'
-        pinned host copies (`stream_experts`, launched from the routing on the device, so inside the CUDA
+        pinned host copies (`zero_copy_experts`, launched from the routing on the device, so inside the CUDA
         graphs), while the host runs the rest. 0 unless the batch is one token (tokens sharing an expert
         would each read it over PCIe), no expert of the layer is resident (those run on the GPU already),
         and the stacks are pinned and Triton is there."""
-        if self.streamed_ranks is None or batch != 1 or self.simulated:
+        if self.zero_copy_ranks is None or batch != 1 or self.simulated:
             return 0
         bank = self.banks[layer]
-        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.host):
+        if any(slot is not None for slot in bank.gpu_slot) or not gpu_zero_copy.applies(self.device, bank.host):
             return 0
-        return min(top_k, max(0, int(self.streamed_ranks(top_k))))
+        return min(top_k, max(0, int(self.zero_copy_ranks(top_k))))
 
     def row_split(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each expert's first intermediate rows the host computes in a captured decode step whose
-        GPU computes the rest from the experts' pinned host copies (`stream_rows`, into a partial output the
-        step adds); 0: no split. Where `streamed_share` applies, and only where it streams no whole expert."""
-        if self.split_rows is None or batch != 1 or self.simulated or self.streamed_share(layer, batch, top_k):
+        GPU computes the rest from the experts' pinned host copies (`zero_copy_rows`, into a partial output the
+        step adds); 0: no split. Where `zero_copy_share` applies, and only where it reads no whole expert zero-copy."""
+        if self.split_rows is None or batch != 1 or self.simulated or self.zero_copy_share(layer, batch, top_k):
             return 0
         bank = self.banks[layer]
-        if any(slot is not None for slot in bank.gpu_slot) or not gpu_streamed.applies(self.device, bank.host):
+        if any(slot is not None for slot in bank.gpu_slot) or not gpu_zero_copy.applies(self.device, bank.host):
             return 0
         cpu_rows = bank.host.width - int(self.split_rows(top_k))
-        if not 0 < cpu_rows < bank.host.width or cpu_rows % gpu_streamed.row_granule(bank.host):
+        if not 0 < cpu_rows < bank.host.width or cpu_rows % gpu_zero_copy.row_granule(bank.host):
             return 0
         return cpu_rows
 
     def host_only(self, layer: int, batch: int, top_k: int) -> bool:
         """Whether a captured decode step of `batch` tokens may hand this layer to `host_share` without asking
         `expert_outputs`: one token, and the per-step rule computes its offloaded experts on the CPU (with
-        `streamed_share` or `row_split` as they say), so no host decision depends on the routing and the
+        `zero_copy_share` or `row_split` as they say), so no host decision depends on the routing and the
         step's graph can run on while the host computes (kernels.host_handoff). Resident experts then run on
         the GPU inside the graph (`device_share`), beside the host's; `resident_to_cpu`, which weighs the host's
         cost of launching them, does not apply there."""
@@ -388,24 +388,24 @@ class OffloadExecutor:
         k = pair_expert.shape[0]
         index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
         is_offloaded, offloaded = self._slots(moe.layer)[2:] if self.has_resident(moe.layer) else (None, None)
-        experts_forward_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
+        experts_forward_routed(host.x, pair_expert[:k - host.zero_copy], k, offloaded, bank.host, out, index,
                                rows=host.cpu_rows or None)
-        self._host_tally(moe.layer, pair_expert.numpy(), host.streamed, bool(host.cpu_rows), is_offloaded, started,
+        self._host_tally(moe.layer, pair_expert.numpy(), host.zero_copy, bool(host.cpu_rows), is_offloaded, started,
                          routed)
 
-    def _host_tally(self, layer: int, experts_of: np.ndarray, streamed: int, split: bool, is_offloaded, started: float,
+    def _host_tally(self, layer: int, experts_of: np.ndarray, zero_copy: int, split: bool, is_offloaded, started: float,
                     routed: float) -> None:
         """A host share's counts and times: experts_of the layer's routing, is_offloaded its map where the GPU
         computes the resident experts (None: every expert is the host's or streamed)."""
         self._count(layer, np.bincount(experts_of, minlength=len(self.banks[layer].gpu_slot)))
         s, k = self._stats, len(experts_of)
-        on_cpu = k - streamed  # a lone token's experts are distinct: its first ranks are the CPU's
+        on_cpu = k - zero_copy  # a lone token's experts are distinct: its first ranks are the CPU's
         if is_offloaded is not None:
             on_cpu = int(is_offloaded[experts_of].sum())
             s.gpu_experts += k - on_cpu
             s.gpu_hits += k - on_cpu
         s.cpu_experts += on_cpu
-        s.streamed_experts += streamed
+        s.zero_copy_experts += zero_copy
         s.split_experts += on_cpu if split else 0
         s.selections += k
         done = time.perf_counter()
@@ -423,32 +423,32 @@ class OffloadExecutor:
         k = pair_expert.shape[0]
         index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
         is_offloaded, offloaded = self._slots(layer)[2:] if self.has_resident(layer) else (None, None)
-        call = prepare_routed(host.x, pair_expert[:k - host.streamed], k, offloaded, bank.host, out, index,
+        call = prepare_routed(host.x, pair_expert[:k - host.zero_copy], k, offloaded, bank.host, out, index,
                               rows=host.cpu_rows or None)
         if call is None:
             return partial(self.host_share, moe, host, out)
-        experts_of, streamed, split = pair_expert.numpy(), host.streamed, bool(host.cpu_rows)
+        experts_of, zero_copy, split = pair_expert.numpy(), host.zero_copy, bool(host.cpu_rows)
 
         def run() -> None:
             started = time.perf_counter()
             host.ready.synchronize()
             routed = time.perf_counter()
             call()
-            self._host_tally(layer, experts_of, streamed, split, is_offloaded, started, routed)
+            self._host_tally(layer, experts_of, zero_copy, split, is_offloaded, started, routed)
 
         return run
 
-    def stream_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
+    def zero_copy_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
         """Queue the GPU's share of a `row_split` layer: every pair's expert over intermediate rows [cpu_rows,
         F), read from pinned RAM, into `out` (float32 [N*K, H]), which the caller adds to the host's rows."""
-        gpu_streamed.streamed_experts(x, ids, 0, self.banks[moe.layer].host, out, first_row=cpu_rows)
+        gpu_zero_copy.zero_copy_experts(x, ids, 0, self.banks[moe.layer].host, out, first_row=cpu_rows)
 
-    def stream_experts(self, moe, x, ids, ranks: int, out) -> None:
+    def zero_copy_experts(self, moe, x, ids, ranks: int, out) -> None:
         """Queue the GPU's computation of each token's last `ranks` experts into their rows of `out`, reading
-        their weights from pinned RAM (kernels.gpu_streamed); the host's `expert_outputs` for the same step is
+        their weights from pinned RAM (kernels.gpu_zero_copy); the host's `expert_outputs` for the same step is
         then given `HostRouting.streamed = ranks` and leaves those rows alone."""
         bank = self.banks[moe.layer]
-        gpu_streamed.streamed_experts(x, ids, ids.shape[1] - ranks, bank.host, out)
+        gpu_zero_copy.zero_copy_experts(x, ids, ids.shape[1] - ranks, bank.host, out)
 
     def _fold_tallies(self) -> None:
         if not self._tallies:
@@ -500,16 +500,16 @@ class OffloadExecutor:
         counts = np.bincount(experts_of, minlength=len(bank.gpu_slot))
         self._count(moe.layer, counts)
         count, active = counts.tolist(), counts.nonzero()[0].tolist()
-        streamed = host.streamed if host is not None else 0
+        zero_copy = host.zero_copy if host is not None else 0
         cpu_rows = host.cpu_rows if host is not None else 0
-        if streamed:  # the GPU computes the lone token's last ranks (`streamed_share`)
-            assert n == 1, "streamed experts are for a batch of one token"
-            on_gpu_already = set(experts_of[k - streamed:].tolist())
+        if zero_copy:  # the GPU computes the lone token's last ranks (`zero_copy_share`)
+            assert n == 1, "zero-copy experts are for a batch of one token"
+            on_gpu_already = set(experts_of[k - zero_copy:].tolist())
             active = [e for e in active if e not in on_gpu_already]
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
         if cpu_rows:  # the GPU computes the last rows of every expert (`row_split`), the CPU the first ones
-            assert n == 1 and not streamed and not resident, "split rows are for a lone token, all experts offloaded"
+            assert n == 1 and not zero_copy and not resident, "split rows are for a lone token, all experts offloaded"
             on_cpu, to_copy = active, []
         else:
             on_cpu, to_copy = self.decide(offloaded) if offloaded else ([], [])
@@ -533,13 +533,13 @@ class OffloadExecutor:
             cpu_started = time.perf_counter()
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-            chosen = None if len(on_cpu) == len(active) and not streamed else on_cpu  # None: every pair
+            chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
             experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_rows or None)
             # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
-            if streamed:
-                out[:n * k - streamed].copy_(host_y[:n * k - streamed], non_blocking=True)
+            if zero_copy:
+                out[:n * k - zero_copy].copy_(host_y[:n * k - zero_copy], non_blocking=True)
             else:
                 out.copy_(host_y, non_blocking=True)
             self._stats.cpu_ms += (time.perf_counter() - cpu_started) * 1e3
@@ -550,7 +550,7 @@ class OffloadExecutor:
         s.gpu_experts += len(resident)
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
-        s.streamed_experts += streamed
+        s.zero_copy_experts += zero_copy
         s.split_experts += len(on_cpu) if cpu_rows else 0
         s.selections += n * k
         s.gpu_hits += sum(count[e] for e in resident)

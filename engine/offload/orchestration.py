@@ -22,10 +22,10 @@ from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
 from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, lone_token_split,
-                                               resident_on_cpu, split_rows, streamed_ranks)
+                                               resident_on_cpu, split_rows, zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
-from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_streaming
+from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_zero_copy
 
 log = logging.getLogger("moedesk")
 
@@ -97,14 +97,14 @@ class ExpertOrchestra:
         first = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, first.describe(), device)
         points = cached_profile(cache_dir, key, lambda: {**profile_expert(first, device, dtype),
-                                                        **profile_streaming(first, top_k, device, dtype=dtype)}, reprofile)
+                                                        **profile_zero_copy(first, top_k, device, dtype=dtype)}, reprofile)
         costs = fit_latency_model(points)
         nothing = [[False] * first.num_experts for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
         balanced = policy == "balanced"
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
-                                   streamed_ranks=(lambda k: streamed_ranks(k, costs)) if balanced else None,
+                                   zero_copy_ranks=(lambda k: zero_copy_ranks(k, costs)) if balanced else None,
                                    split_rows=(lambda k: split_rows(k, costs)) if balanced else None)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,

@@ -5,7 +5,7 @@ What is measured: one expert's latency on the CPU for 1..256 tokens (and calls o
 1..4096 tokens, the pinned host-to-GPU copy of one expert, an activation round trip, the CPU's
 read bandwidth, how much CPU expert reads and copies slow each other down when they run
 together, and a decode layer's experts split between the CPU and the GPU reading some of them
-straight from RAM (`profile_streaming`). Without a GPU the "GPU" tier is the CPU (the simulated
+straight from RAM (`profile_zero_copy`). Without a GPU the "GPU" tier is the CPU (the simulated
 tier CI runs).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from moedesk.engine.graph_capture import capturing
 from moedesk.engine.json_cache import cached_json
-from moedesk.kernels import cpu_experts, cpu_quant, gpu_streamed
+from moedesk.kernels import cpu_experts, cpu_quant, gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import expert_forward, experts_forward_routed
 from moedesk.kernels.quant_formats import FORMATS
@@ -152,12 +152,12 @@ def copy_launch_ms(staging: ExpertWeights, dtype, device, repeat: int = 20) -> f
     return _host_ms(lambda: compute_copied(x[rows], staging, queue_copy(side, host, staging)), device, repeat)
 
 
-def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 15,
+def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repeat: int = 15,
                       dtype: torch.dtype | None = None) -> dict:
     """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
-    pinned RAM (kernels.gpu_streamed), timed as decode runs them: {"streamed_split_ms": {g: ms}} for g = 0..
-    min(top_k, most) experts streamed, each the median time until both sides are done, and "streamed_top_k".
-    {} where streaming does not apply.
+    pinned RAM (kernels.gpu_zero_copy), timed as decode runs them: {"zero_copy_split_ms": {g: ms}} for g = 0..
+    min(top_k, most) experts streamed, each the median time until both sides are done, and "zero_copy_top_k".
+    {} where zero-copy reads do not apply.
 
     Measured rather than predicted from one expert's costs: SMs and the CPU reading RAM together slow each
     other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
@@ -169,7 +169,7 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     The options take turns, try by try: timed one after another, the CPU alone came out faster in one start-up than
     in others, and that run streamed nothing and decoded slower (docs/measurements.md, "The start-up profile")."""
     device = torch.device(device)
-    if not gpu_streamed.applies(device, w):
+    if not gpu_zero_copy.applies(device, w):
         return {}
     experts, hidden = w.num_experts, w.hidden
     dtype = w.dense_dtype or dtype or torch.bfloat16  # packed experts take the model's activations
@@ -186,18 +186,18 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
         return [(first + i) % experts for i in range(n)]
 
     def gpu_share(ids: torch.Tensor, **kw) -> torch.cuda.CUDAGraph:
-        gpu_streamed.streamed_experts(x, ids, 0, w, **kw)  # compiles before the capture
+        gpu_zero_copy.zero_copy_experts(x, ids, 0, w, **kw)  # compiles before the capture
         torch.cuda.synchronize(device)
         graph = torch.cuda.CUDAGraph()
         with capturing(graph):
-            gpu_streamed.streamed_experts(x, ids, 0, w, **kw)
+            gpu_zero_copy.zero_copy_experts(x, ids, 0, w, **kw)
         return graph
 
     # (key, streamed experts, the CPU's rows of each expert, graph of the GPU's share, its expert ids)
     options = []
-    for streamed in range(min(top_k, most) + 1):
-        ids = torch.zeros(1, max(streamed, 1), dtype=torch.int64, device=device)
-        options.append((("split", streamed), streamed, None, gpu_share(ids, out=gpu_out) if streamed else None, ids))
+    for zero_copy in range(min(top_k, most) + 1):
+        ids = torch.zeros(1, max(zero_copy, 1), dtype=torch.int64, device=device)
+        options.append((("split", zero_copy), zero_copy, None, gpu_share(ids, out=gpu_out) if zero_copy else None, ids))
     for gpu_rows in split_row_candidates(w):
         ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
         cpu_rows = w.width - gpu_rows
@@ -205,11 +205,11 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     times = {key: [] for key, *_ in options}
     for i in range(repeat + 1):
         for j in range(len(options)):
-            key, streamed, cpu_rows, graph, ids = options[(i + j) % len(options)]  # a rotating order
+            key, zero_copy, cpu_rows, graph, ids = options[(i + j) % len(options)]  # a rotating order
             if cpu_rows is None:  # whole experts: the GPU the last `streamed`, the CPU the others
-                if streamed:
-                    ids.copy_(torch.tensor([next_experts(streamed)]))
-                pairs = torch.tensor(sorted(next_experts(top_k - streamed)), dtype=torch.int64)
+                if zero_copy:
+                    ids.copy_(torch.tensor([next_experts(zero_copy)]))
+                pairs = torch.tensor(sorted(next_experts(top_k - zero_copy)), dtype=torch.int64)
             else:  # every expert: the CPU its first rows, the GPU the rest
                 pairs = torch.tensor(sorted(next_experts(top_k)), dtype=torch.int64)
                 ids.copy_(pairs.view(1, -1))
@@ -223,15 +223,15 @@ def profile_streaming(w: ExpertWeights, top_k: int, device, most: int = 4, repea
             if i:  # the first round warms up
                 times[key].append((time.perf_counter() - start) * 1e3)
     median = {key: statistics.median(v) for key, v in times.items()}
-    return {"streamed_split_ms": {g: ms for (kind, g), ms in median.items() if kind == "split"},
-            "streamed_top_k": top_k,
+    return {"zero_copy_split_ms": {g: ms for (kind, g), ms in median.items() if kind == "split"},
+            "zero_copy_top_k": top_k,
             "split_rows_ms": {rows: ms for (kind, rows), ms in median.items() if kind == "rows"}}
 
 
 def split_row_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:
-    """The GPU's shares of every expert's intermediate rows that profile_streaming times: about 1/16, 2/16, ... of
-    the width up to `most` of it, the CPU's first rows a whole number of granules (kernels.gpu_streamed.row_granule)."""
-    granule, width = gpu_streamed.row_granule(w), w.width
+    """The GPU's shares of every expert's intermediate rows that profile_zero_copy times: about 1/16, 2/16, ... of
+    the width up to `most` of it, the CPU's first rows a whole number of granules (kernels.gpu_zero_copy.row_granule)."""
+    granule, width = gpu_zero_copy.row_granule(w), w.width
     shares = {width - -(-(width * (steps - i) // steps) // granule) * granule for i in range(1, steps + 1)}
     return sorted(r for r in shares if 0 < r < width and r <= most * width)
 
@@ -347,11 +347,11 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
-# through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: streamed_split_ms;
-# 6: streamed_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns;
+# through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: zero_copy_split_ms;
+# 6: zero_copy_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns;
 # 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts;
-# 10: cpu_call_ms, calls of several experts).
-PROFILE_FORMAT = 10
+# 10: cpu_call_ms, calls of several experts; 11: the zero-copy keys, named streamed_* before).
+PROFILE_FORMAT = 11
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -373,7 +373,7 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "streamed_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
+    for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "zero_copy_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
                 "copy_slowdown_during_cpu"):
         if isinstance(points.get(key), dict):
             points[key] = {int(n): ms for n, ms in points[key].items()}

@@ -38,21 +38,21 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert "3 whole layers on the GPU (run inside the decode graphs)" in capsys.readouterr().out
 
 
-def test_streaming_line_shows_the_measured_splits_and_the_choice():
-    from moedesk.app.profile_command import streaming_line
+def test_zero_copy_line_shows_the_measured_splits_and_the_choice():
+    from moedesk.app.profile_command import zero_copy_line
     from moedesk.engine.offload.assignment import lone_token_split
     from moedesk.engine.offload.latency_model import LatencyModel
 
     def line(costs, top_k):
-        return streaming_line(costs, top_k, lone_token_split(top_k, costs))  # as the orchestra decides
+        return zero_copy_line(costs, top_k, lone_token_split(top_k, costs))  # as the orchestra decides
 
-    costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, streamed_split_ms=(0.69, 0.68, 0.6),
-                         streamed_top_k=8)
+    costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(0.69, 0.68, 0.6),
+                         zero_copy_top_k=8)
     assert line(costs, 8) == ("one token's 8 experts, n of them read by the GPU from RAM (n: ms) "
                               "0: 0.690 · 1: 0.680 · 2: 0.600; decode streams 2")
     assert line(costs, 2).endswith("decode streams none")  # measured for another top-k
     assert line(LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2), 8) is None
-    rows = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, streamed_split_ms=(1.46, 2.1), streamed_top_k=2,
+    rows = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(1.46, 2.1), zero_copy_top_k=2,
                         split_rows_ms=((1792, 1.3), (3584, 1.1)))
     assert line(rows, 2) == ("one token's 2 experts, n of them read by the GPU from RAM (n: ms) "
                              "0: 1.460 · 1: 2.100; or the last r rows of each (r: ms) 1792: 1.300 · "

@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moedesk.kernels import gpu_grouped, gpu_quant, gpu_streamed
+from moedesk.kernels import gpu_grouped, gpu_quant, gpu_zero_copy
 
 TARGET = GPUTarget("cuda", 90, 32)
 # gpt-oss's expert function as each launch takes it: none; biases and the clamped SwiGLU (gate/up); a bias (down).
@@ -55,11 +55,11 @@ def main() -> int:
     print("gpu_grouped: functions", flush=True)
     shapes = dict(H=2880, F=2880, K=4, ROWS=8)
     for bias, clamped in ((False, False), (True, True)):
-        build(gpu_streamed._gate_up, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "act_ptr": "*bf16",
+        build(gpu_zero_copy._gate_up, {"x_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "act_ptr": "*bf16",
                                       "FIRST": "i32", "RANKS": "i32", "ROW0": "i32", "bias_ptr": "*bf16",
                                       "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"},
               dict(BIAS=bias, CLAMPED=clamped, BLOCK_H=2048, **shapes), enable_fp_fusion=False)
-        build(gpu_streamed._down, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16",
+        build(gpu_zero_copy._down, {"act_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16",
                                    "FIRST": "i32", "RANKS": "i32", "out_stride": "i32", "COL0": "i32",
                                    "bias_ptr": "*bf16", "bias_stride": "i32"},
               dict(BIAS=bias, BLOCK_F=1024, **shapes), enable_fp_fusion=False)
@@ -69,9 +69,9 @@ def main() -> int:
              "ROW_BYTES": "i32", "COL_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32",
              "alpha": "fp32", "limit": "fp32"}
     for function in FUNCTIONS:
-        build(gpu_streamed._packed_pairs, pairs, dict(K=4, FMT=5, L=16, NB=16, ROWS=4, **function), num_warps=2)
+        build(gpu_zero_copy._packed_pairs, pairs, dict(K=4, FMT=5, L=16, NB=16, ROWS=4, **function), num_warps=2)
         count += 1
-    print("gpu_streamed: dense and mxfp4 functions", flush=True)
+    print("gpu_zero_copy: dense and mxfp4 functions", flush=True)
     print(f"compiled {count}")
     return 0
 

@@ -221,9 +221,9 @@ def test_a_failed_load_drops_the_locks_not_yet_begun(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.gpu
-def test_registered_banks_copy_asynchronously_and_serve_the_streamed_kernel():
+def test_registered_banks_copy_asynchronously_and_serve_the_zero_copy_kernel():
     from moedesk.engine.offload.pinned_memory import CudaRegistrar
-    from moedesk.kernels import gpu_fused, gpu_streamed
+    from moedesk.kernels import gpu_fused, gpu_zero_copy
     from moedesk.kernels.cpu_experts import expert_forward
 
     device = torch.device("cuda")
@@ -250,11 +250,11 @@ def test_registered_banks_copy_asynchronously_and_serve_the_streamed_kernel():
 
     bank = ExpertWeights(gate_up, down, H, F)
     if gpu_fused.wanted():  # zero-copy: the kernel reads the registered pages through their host address (UVA)
-        assert gpu_streamed.applies(device, bank)
+        assert gpu_zero_copy.applies(device, bank)
         x = (torch.randn(2, H, generator=gen) * 0.5).to(torch.bfloat16).to(device)
         ids = torch.tensor([[1, 3], [2, 0]], device=device)
         out = torch.empty(4, H, dtype=torch.bfloat16, device=device)
-        gpu_streamed.streamed_experts(x, ids, 0, bank, out)
+        gpu_zero_copy.zero_copy_experts(x, ids, 0, bank, out)
         for t in range(2):
             for r in range(2):
                 e = ids[t, r].item()

@@ -84,8 +84,8 @@ def test_gpt_oss_dense_experts_on_the_gpu_without_the_reference(dtype, tiny_chec
 
 @pytest.mark.parametrize("share", ["streamed", "rows"])
 @pytest.mark.parametrize("packed", [True, False], ids=["mxfp4", "bf16"])
-def test_gpt_oss_streamed_from_ram_matches_all_on_gpu(packed, share, tiny_checkpoint, tmp_path, monkeypatch):
-    """Decode at batch 1 with every expert in pinned RAM and the GPU reading them there (kernels.gpu_streamed):
+def test_gpt_oss_zero_copy_from_ram_matches_all_on_gpu(packed, share, tiny_checkpoint, tmp_path, monkeypatch):
+    """Decode at batch 1 with every expert in pinned RAM and the GPU reading them there (kernels.gpu_zero_copy):
     each token's every expert, or each expert's last 32 rows beside the CPU's first ones (the GPU's part adding the
     down bias). The all-on-GPU run's tokens, up to bf16 ties; the biases travel pinned with the stacks."""
     from tests.model.test_gpu_equivalence import check_matches_all_on_gpu
@@ -100,10 +100,10 @@ def test_gpt_oss_streamed_from_ram_matches_all_on_gpu(packed, share, tiny_checkp
     assert host.is_pinned() and host.gate_up_bias.is_pinned() and host.down_bias.is_pinned()
     executor = offloaded.executor
     if share == "streamed":
-        executor.streamed_ranks = lambda k: k
+        executor.zero_copy_ranks = lambda k: k
     else:
-        executor.streamed_ranks = lambda k: 0
+        executor.zero_copy_ranks = lambda k: 0
         executor.split_rows = lambda k: host.width - 32
     check_matches_all_on_gpu(offloaded, resident, batch_size=1)
     stats = executor.stats
-    assert (stats.streamed_experts if share == "streamed" else stats.split_experts) > 0, stats
+    assert (stats.zero_copy_experts if share == "streamed" else stats.split_experts) > 0, stats

@@ -258,27 +258,27 @@ def check_graph_layout(captured, handoff: bool, streams: bool) -> None:
     needs the executor to send every offloaded expert of the step to the CPU (OffloadExecutor.host_only), which
     the profile decides: callers pin it (tests.pinned_profile), else a busy machine's timings may copy them."""
     if handoff:
-        assert captured.handoff is not None and len(captured.graphs) == 1 and not captured.stream_graphs
+        assert captured.handoff is not None and len(captured.graphs) == 1 and not captured.zero_copy_graphs
     else:
         assert captured.handoff is None and len(captured.graphs) == len(captured.moe_at) + 1
-        assert len(captured.stream_graphs) == (len(captured.moe_at) if streams else 0)
+        assert len(captured.zero_copy_graphs) == (len(captured.moe_at) if streams else 0)
 
 
 @pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "graph-per-segment"])
 @pytest.mark.parametrize("streamed", ["one", "all"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_streamed_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkpoint, tmp_path, monkeypatch):
+def test_zero_copy_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkpoint, tmp_path, monkeypatch):
     """Decode at batch 1 with the GPU computing one, or all, of each token's experts from pinned RAM inside
-    the graphs (kernels.gpu_streamed) and the CPU the rest: the all-on-GPU run's tokens, up to bf16 ties."""
+    the graphs (kernels.gpu_zero_copy) and the CPU the rest: the all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
     pin_profile(monkeypatch)  # the CPU computes the rest, so a handed-over step is possible (check_graph_layout)
     folder = tiny_checkpoint(arch)
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
-    offloaded.executor.streamed_ranks = (lambda k: 1) if streamed == "one" else (lambda k: k)
+    offloaded.executor.zero_copy_ranks = (lambda k: 1) if streamed == "one" else (lambda k: k)
     check_matches_all_on_gpu(offloaded, resident, batch_size=1)
-    assert offloaded.executor.stats.streamed_experts > 0
+    assert offloaded.executor.stats.zero_copy_experts > 0
     top_k = offloaded.config.num_experts_per_tok
     for captured in offloaded.graphs.captured.values():  # counted from decode only: prefill is eager, all on the CPU
         assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
@@ -298,7 +298,7 @@ def test_split_rows_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, m
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     width = next(iter(offloaded.executor.banks.values())).host.width
-    offloaded.executor.streamed_ranks = lambda k: 0
+    offloaded.executor.zero_copy_ranks = lambda k: 0
     offloaded.executor.split_rows = lambda k: width - 32
     check_matches_all_on_gpu(offloaded, resident, batch_size=1)
     assert offloaded.executor.stats.split_experts > 0
@@ -324,7 +324,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="bfloat16", gpu_budget=0)
     executor = engine.executor
     width = next(iter(executor.banks.values())).host.width
-    executor.streamed_ranks = (lambda k: 1) if share == "streamed" else (lambda k: 0)
+    executor.zero_copy_ranks = (lambda k: 1) if share == "streamed" else (lambda k: 0)
     executor.split_rows = (lambda k: width - 32) if share == "rows" else (lambda k: 0)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 

@@ -52,16 +52,16 @@ def test_resident_launch_time_is_host_time_only():
 
 
 @pytest.mark.gpu
-def test_streaming_split_is_measured_from_ram():
+def test_zero_copy_split_is_measured_from_ram():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moedesk.engine.offload.profiler import profile_streaming, split_row_candidates
+    from moedesk.engine.offload.profiler import profile_zero_copy, split_row_candidates
 
     stacks = ExpertWeights(torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory(),
                            torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory(), hidden=2048, width=768)
-    points = profile_streaming(stacks, 8, torch.device("cuda"))
-    split = points["streamed_split_ms"]
-    assert points["streamed_top_k"] == 8 and sorted(split) == [0, 1, 2, 3, 4]
+    points = profile_zero_copy(stacks, 8, torch.device("cuda"))
+    split = points["zero_copy_split_ms"]
+    assert points["zero_copy_top_k"] == 8 and sorted(split) == [0, 1, 2, 3, 4]
     expert_bytes = 3 * 768 * 2048 * 2
     for g, ms in split.items():
         # The GPU's share crosses PCIe (under ~64 GB/s on Gen5 x16): not served from a cache the last try filled.
@@ -70,4 +70,4 @@ def test_streaming_split_is_measured_from_ram():
     assert sorted(rows) == split_row_candidates(stacks) == [32, 96, 128, 192, 224, 288, 320, 384]  # to half
     for r, ms in rows.items():  # the GPU reads r rows of each of the 8 experts over PCIe
         assert 8 * r / 768 * expert_bytes / 64e6 < ms < 100
-    assert profile_streaming(stacks, 8, torch.device("cpu")) == {}  # nothing to stream to
+    assert profile_zero_copy(stacks, 8, torch.device("cpu")) == {}  # nothing to stream to

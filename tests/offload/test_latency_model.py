@@ -180,16 +180,16 @@ def test_copy_launch_time_is_read_and_checked():
         fit_latency_model(profile(lambda n: 5.0, copy_launch_ms=-0.1))
 
 
-def test_streamed_split_is_read_and_checked():
-    assert fit_latency_model(profile(lambda n: 5.0)).streamed_split_ms == ()  # not measured: no streaming
+def test_zero_copy_split_is_read_and_checked():
+    assert fit_latency_model(profile(lambda n: 5.0)).zero_copy_split_ms == ()  # not measured: no streaming
     # As JSON gives it back: string keys, in any order.
-    model = fit_latency_model(profile(lambda n: 5.0, streamed_split_ms={"1": 0.5, "0": 0.7, "2": 0.6},
-                                      streamed_top_k=8))
-    assert model.streamed_split_ms == (0.7, 0.5, 0.6) and model.streamed_top_k == 8
+    model = fit_latency_model(profile(lambda n: 5.0, zero_copy_split_ms={"1": 0.5, "0": 0.7, "2": 0.6},
+                                      zero_copy_top_k=8))
+    assert model.zero_copy_split_ms == (0.7, 0.5, 0.6) and model.zero_copy_top_k == 8
     assert LatencyModel.from_dict(model.to_dict()) == model
     for bad in ({"0": 0.7, "2": 0.6}, {"0": -1.0}, {"0": float("nan")}, [0.7, 0.5]):
         with pytest.raises(ProfileError):
-            fit_latency_model(profile(lambda n: 5.0, streamed_split_ms=bad, streamed_top_k=8))
+            fit_latency_model(profile(lambda n: 5.0, zero_copy_split_ms=bad, zero_copy_top_k=8))
 
 
 def test_resident_launch_time_is_read_and_checked():

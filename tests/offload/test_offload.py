@@ -104,10 +104,10 @@ def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
     assert traffic_bound(stats, 10, 16, expert_bytes=2e9, bytes_per_s=100e9) == pytest.approx(200)
     assert traffic_bound(StepStats(gpu_experts=8), 4, 1, 2e9, 100e9) is None  # nothing offloaded: no bound
     # Experts the GPU streamed from RAM were read from it as well.
-    assert traffic_bound(StepStats(cpu_experts=30, streamed_experts=10), 10, 1, 2e9, 100e9) == pytest.approx(12.5)
+    assert traffic_bound(StepStats(cpu_experts=30, zero_copy_experts=10), 10, 1, 2e9, 100e9) == pytest.approx(12.5)
 
 
-def test_streamed_ranks_are_left_to_the_gpu():
+def test_zero_copy_ranks_are_left_to_the_gpu():
     """With `HostRouting.streamed` set, the host computes only the token's other experts and leaves the
     streamed rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
     import torch
@@ -123,14 +123,14 @@ def test_streamed_ranks_are_left_to_the_gpu():
     moe = type("Moe", (), {"layer": 0})()
     x, ids = torch.randn(1, 12, generator=g), torch.tensor([[0, 2, 3, 5]])
     out = torch.full((4, 12), 7.0)
-    executor.expert_outputs(moe, x, ids, out=out, host=HostRouting(x, ids, None, streamed=2))
+    executor.expert_outputs(moe, x, ids, out=out, host=HostRouting(x, ids, None, zero_copy=2))
     for rank in (0, 1):
         torch.testing.assert_close(out[rank:rank + 1], expert_forward(x, gate_up[ids[0, rank]], down[ids[0, rank]]))
     assert (out[2:] == 7.0).all()
     stats = executor.stats
-    assert (stats.cpu_experts, stats.streamed_experts, stats.selections) == (2, 2, 4)
+    assert (stats.cpu_experts, stats.zero_copy_experts, stats.selections) == (2, 2, 4)
     assert executor.selections[0].tolist() == [1, 0, 1, 1, 0, 1]  # streamed experts count for popularity too
-    assert executor.streamed_share(0, 1, 4) == 0  # the simulated tier never streams
+    assert executor.zero_copy_share(0, 1, 4) == 0  # the simulated tier never streams
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

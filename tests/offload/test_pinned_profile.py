@@ -25,7 +25,7 @@ def test_a_pinned_profile_sends_every_offloaded_expert_to_the_cpu_and_hands_batc
     for loads in ({e: 1 for e in range(top_k)}, {0: 3, 1: 40, 2: 1}, {e: 512 for e in range(experts)}):
         on_cpu, to_copy = executor.decide(loads)
         assert sorted(on_cpu) == sorted(loads) and not to_copy, loads
-    assert executor.streamed_ranks(top_k) == 0 and executor.split_rows(top_k) == 0
+    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_rows(top_k) == 0
     assert executor.resident_to_cpu({0: 1, 1: 2}) == []
 
     # What engine.generation.cuda_graphs asks before handing a batch-1 step to the host, as on a GPU (the
@@ -68,19 +68,19 @@ def test_the_copies_profile_copies_every_offloaded_expert(tiny_checkpoint, tmp_p
     for loads in ({e: 1 for e in range(top_k)}, {0: 3, 1: 40, 2: 1}):
         on_cpu, to_copy = executor.decide(loads)
         assert not on_cpu and sorted(to_copy) == sorted(loads), loads
-    assert executor.streamed_ranks(top_k) == 0 and executor.resident_to_cpu({0: 1, 1: 2}) == []
+    assert executor.zero_copy_ranks(top_k) == 0 and executor.resident_to_cpu({0: 1, 1: 2}) == []
     executor.simulated = False
     assert not any(executor.host_only(layer, 1, top_k) for layer in executor.banks)
 
 
-def test_a_lone_tokens_experts_stay_on_the_cpu_once_the_profile_measured_its_streaming(
+def test_a_lone_tokens_experts_stay_on_the_cpu_once_the_profile_measured_its_zero_copy(
         tiny_checkpoint, tmp_path, monkeypatch):
     """The copying machine again, but its profile timed a lone token's GPU options (streaming whole experts, no
     gain): the per-step rule leaves a lone token's experts on the CPU (assignment.lone_token_measured), so a batch-1
     step is handed to the host whole, where before every step copied; steps of more tokens still copy."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     top_k = 2  # the tiny Mixtral's
-    pin_profile(monkeypatch, {**COPIES, "streamed_split_ms": {0: 1.0, 1: 1.2, 2: 1.5}, "streamed_top_k": top_k})
+    pin_profile(monkeypatch, {**COPIES, "zero_copy_split_ms": {0: 1.0, 1: 1.2, 2: 1.5}, "zero_copy_top_k": top_k})
     engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
     assert engine.config.num_experts_per_tok == top_k
     executor = engine.executor
@@ -88,6 +88,6 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_once_the_profile_measured_its_str
     assert executor.decide(lone) == (sorted(lone), [])
     on_cpu, to_copy = executor.decide({0: 3, 1: 40, 2: 1})
     assert not on_cpu and sorted(to_copy) == [0, 1, 2]
-    assert executor.streamed_ranks(top_k) == 0 and executor.split_rows(top_k) == 0  # nothing beat the CPU
+    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_rows(top_k) == 0  # nothing beat the CPU
     executor.simulated = False
     assert all(executor.host_only(layer, 1, top_k) for layer in executor.banks)

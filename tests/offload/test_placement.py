@@ -454,7 +454,7 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gp
                              gpu_ms=(0.23,), copy_expert_ms=1.85, contention=((1, 1.05, 1.01),))
     lone = {3: 1, 6: 1}
     assert assign_offloaded(lone, predicted).copy != ()  # the prediction: 2.10 ms copying one against 2.32
-    measured = replace(predicted, streamed_split_ms=(1.96, 2.33), streamed_top_k=2)
+    measured = replace(predicted, zero_copy_split_ms=(1.96, 2.33), zero_copy_top_k=2)
     got = assign_offloaded(lone, measured)
     assert (got.cpu, got.copy, got.method) == ((3, 6), (), "measured")
     assert lone_token_measured(lone, measured) and lone_token_measured({3: 1}, measured)
@@ -462,7 +462,7 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_where_the_profile_measured_the_gp
     assert not lone_token_measured(batch_of_two, measured)
     assert assign_offloaded(batch_of_two, measured) == assign_offloaded(batch_of_two, predicted)
     assert not lone_token_measured({3: 2, 6: 1}, measured)  # two tokens on one expert
-    assert not lone_token_measured(lone, replace(measured, streamed_split_ms=(1.96,)))  # nothing to compare
+    assert not lone_token_measured(lone, replace(measured, zero_copy_split_ms=(1.96,)))  # nothing to compare
 
 
 def _with_call(costs: Costs, call_ms: float, copy_launch_ms: float = 0.0):
@@ -542,21 +542,21 @@ def test_resident_experts_go_to_the_cpu_only_when_that_beats_launching_the_gpu_s
     assert resident_on_cpu({1: 1}, Costs(lambda n: 0.05, lambda n: 0.01, 1.0)) == []  # nothing measured: stay
 
 
-def test_streamed_ranks_take_the_fastest_measured_split():
+def test_zero_copy_ranks_take_the_fastest_measured_split():
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.assignment import streamed_ranks
+    from moedesk.engine.offload.assignment import zero_copy_ranks
 
     def measured(*split_ms, top_k=8):
-        return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k)
+        return SimpleNamespace(zero_copy_split_ms=split_ms, zero_copy_top_k=top_k)
 
-    assert streamed_ranks(8, measured(0.68, 0.62, 0.54, 0.57)) == 2
-    assert streamed_ranks(8, measured(0.68, 0.54, 0.54)) == 1  # a tie: the fewer
-    assert streamed_ranks(2, measured(5.8, 7.3, top_k=2)) == 0  # Mixtral: the GPU's share takes longer
-    assert streamed_ranks(8, measured(0.68, 0.66, 0.65)) == 0  # under 5% faster: not worth the change
-    assert streamed_ranks(4, measured(0.68, 0.3, 0.2)) == 0  # measured for another top_k
-    assert streamed_ranks(8, measured(0.68)) == 0 and streamed_ranks(8, measured()) == 0  # nothing to choose
-    assert streamed_ranks(8, Costs(lambda n: 0.08, lambda n: 0.01, 1.0)) == 0  # a model without the measurement
+    assert zero_copy_ranks(8, measured(0.68, 0.62, 0.54, 0.57)) == 2
+    assert zero_copy_ranks(8, measured(0.68, 0.54, 0.54)) == 1  # a tie: the fewer
+    assert zero_copy_ranks(2, measured(5.8, 7.3, top_k=2)) == 0  # Mixtral: the GPU's share takes longer
+    assert zero_copy_ranks(8, measured(0.68, 0.66, 0.65)) == 0  # under 5% faster: not worth the change
+    assert zero_copy_ranks(4, measured(0.68, 0.3, 0.2)) == 0  # measured for another top_k
+    assert zero_copy_ranks(8, measured(0.68)) == 0 and zero_copy_ranks(8, measured()) == 0  # nothing to choose
+    assert zero_copy_ranks(8, Costs(lambda n: 0.08, lambda n: 0.01, 1.0)) == 0  # a model without the measurement
 
 
 def test_rows_split_when_they_beat_whole_experts():
@@ -564,14 +564,14 @@ def test_rows_split_when_they_beat_whole_experts():
     expert's rows does not (split_rows_ms); the fastest option wins, whole experts or rows, never both."""
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.assignment import lone_token_split, split_rows, streamed_ranks
+    from moedesk.engine.offload.assignment import lone_token_split, split_rows, zero_copy_ranks
 
     def measured(split_ms, rows_ms, top_k=2):
-        return SimpleNamespace(streamed_split_ms=split_ms, streamed_top_k=top_k, split_rows_ms=rows_ms)
+        return SimpleNamespace(zero_copy_split_ms=split_ms, zero_copy_top_k=top_k, split_rows_ms=rows_ms)
 
     mixtral = measured((1.46, 2.1, 4.0), ((1792, 1.3), (3584, 1.1), (5376, 1.2)))
     assert lone_token_split(2, mixtral) == (0, 3584)
-    assert (streamed_ranks(2, mixtral), split_rows(2, mixtral)) == (0, 3584)
+    assert (zero_copy_ranks(2, mixtral), split_rows(2, mixtral)) == (0, 3584)
     assert lone_token_split(2, measured((1.46, 1.0, 4.0), ((3584, 1.1),))) == (1, 0)  # a whole expert was faster
     assert lone_token_split(2, measured((1.46, 2.1), ((3584, 1.42),))) == (0, 0)  # under 5% faster
     assert lone_token_split(8, mixtral) == (0, 0)  # measured for another top_k

@@ -1,5 +1,5 @@
 """A lone token's experts split by rows: the host computes each expert's first intermediate rows
-(HostRouting.cpu_rows), the GPU the rest from pinned RAM (OffloadExecutor.stream_rows), and their sum is the
+(HostRouting.cpu_rows), the GPU the rest from pinned RAM (OffloadExecutor.zero_copy_rows), and their sum is the
 expert. Here both halves run on the CPU (the GPU kernel under Triton's interpreter, as tests/conftest.py
 sets it where there is no GPU); tests/model/test_gpu_equivalence.py runs the split inside the decode graphs."""
 import os
@@ -26,7 +26,7 @@ def _bank(fmt: str | None):
 
 
 @pytest.mark.parametrize("fmt", [None, "q4_0", "q4_k"])
-def test_host_rows_plus_streamed_rows_are_the_experts(fmt):
+def test_host_rows_plus_zero_copy_rows_are_the_experts(fmt):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is used only where there is no GPU")
     from tests.kernels.test_gpu_quant_kernel import assert_close
@@ -39,7 +39,7 @@ def test_host_rows_plus_streamed_rows_are_the_experts(fmt):
     host_part = executor.expert_outputs(moe, x, ids, out=torch.zeros(2, bank.hidden),
                                         host=HostRouting(x, ids, None, cpu_rows=cpu_rows))
     gpu_part = torch.zeros(2, bank.hidden)
-    executor.stream_rows(moe, x, ids, cpu_rows, gpu_part)
+    executor.zero_copy_rows(moe, x, ids, cpu_rows, gpu_part)
     whole = reference_routed(x, ids.view(-1), 2, None, bank, torch.zeros(2, bank.hidden))
     # The packed CPU kernel rounds its inputs to int8 (tests/kernels/test_cpu_quant_kernel.py): ~1% off.
     assert_close(host_part + gpu_part, whole.double(), 5e-2 if fmt else 1e-4, 2e-2 if fmt else 1e-5)
@@ -50,7 +50,7 @@ def test_host_rows_plus_streamed_rows_are_the_experts(fmt):
 
 def test_the_simulated_tier_never_splits():
     executor = OffloadExecutor({0: _bank(None)}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []),
-                               streamed_ranks=lambda k: 0, split_rows=lambda k: 32)
+                               zero_copy_ranks=lambda k: 0, split_rows=lambda k: 32)
     assert executor.row_split(0, 1, 2) == 0
 
 

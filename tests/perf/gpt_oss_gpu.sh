@@ -11,7 +11,7 @@ for part in $which; do
   case $part in
     tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu_quant_kernel.py \
              tests/kernels/test_gpu_experts_kernel.py tests/kernels/test_gpu_grouped_kernel.py \
-             tests/kernels/test_gpu_streamed.py tests/model/test_gpt_oss_gpu.py \
+             tests/kernels/test_gpu_zero_copy.py tests/model/test_gpt_oss_gpu.py \
              "tests/model/test_gpu_equivalence.py::test_bf16_greedy_on_cuda[gpt_oss]" 2>&1 \
              | tee "$OUT/pytest_gpt_oss_gpu.txt" | tail -25 ;;
     kernels) python3 tests/perf/bench_gpu_quant.py --no-sweep --shapes gpt-oss --formats mxfp4,q4_0,q8_0 2>&1 \

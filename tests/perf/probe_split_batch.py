@@ -1,6 +1,6 @@
 """Probe (GPU box; python3 tests/perf/probe_split_batch.py [--format q4_0] [--tokens 1,2,4,8]): at a few tokens
 per expert, would a layer of packed Mixtral experts go faster with the GPU reading part of every expert's rows from
-pinned RAM (kernels/gpu_streamed.py) while the CPU kernel computes the rest?
+pinned RAM (kernels/gpu_zero_copy.py) while the CPU kernel computes the rest?
 
 At one token the CPU kernel reads RAM at ~130 GB/s and the split gains ~6%: the two slow each other's reads. With
 16 sequences each of a layer's 8 experts gets ~4 tokens and the kernel computes at ~115 GB/s, bound by its
@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_quant import packed_stack, use_threads  # noqa: E402
-from moedesk.kernels import cpu_quant, gpu_streamed  # noqa: E402
+from moedesk.kernels import cpu_quant, gpu_zero_copy  # noqa: E402
 from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
 
 E, H, F, ACTIVE = 16, 4096, 14336, 8  # a stack of 16 Mixtral experts; the CPU's call computes 8 of them
@@ -68,7 +68,7 @@ def main():
             torch.cuda.synchronize()
             t = time.perf_counter()
             if gpu_rows:
-                gpu_streamed.streamed_experts(x_dev, ids_r, 0, w, gpu_out, first_row=F - gpu_rows)
+                gpu_zero_copy.zero_copy_experts(x_dev, ids_r, 0, w, gpu_out, first_row=F - gpu_rows)
             cpu_quant.experts_forward_routed(x, pe_r, 1, None, w, cpu_out, rows=F - gpu_rows if gpu_rows else None)
             torch.cuda.synchronize()
             return (time.perf_counter() - t) * 1e3

@@ -4,7 +4,7 @@
 
 Per configuration (format, build of kernels/cpu_quant.c for the packed formats, CPU threads) and GPU share r (the
 last r of F intermediate rows of a token's two Mixtral experts): the CPU's rows alone, the GPU's alone
-(kernels/gpu_streamed.py reading pinned RAM), both launched together (the GPU's first, as the decode graph does)
+(kernels/gpu_zero_copy.py reading pinned RAM), both launched together (the GPU's first, as the decode graph does)
 and timed until both are done; `slow` is both against the slower alone, and in both, when the CPU's call
 returned and how long the GPU's kernels took. Each call takes the next two experts of a stack of 16, so little is
 left in the last-level cache from the call before, as in decode. Every case of every configuration takes turns in
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cpu_quant import bf16_stacks, packed_stack, use_threads  # noqa: E402
-from moedesk.kernels import cpu_experts, cpu_quant, experts, gpu_streamed  # noqa: E402
+from moedesk.kernels import cpu_experts, cpu_quant, experts, gpu_zero_copy  # noqa: E402
 from moedesk.kernels.expert_weights import ExpertWeights  # noqa: E402
 
 E, H, F, K = 16, 4096, 14336, 2  # Mixtral: a stack of 16 experts, a token's two a call
@@ -72,7 +72,7 @@ class Config:
         t = time.perf_counter()
         if gpu:
             self.start.record()
-            gpu_streamed.streamed_experts(self.x_dev, ids, 0, self.w, self.gpu_out, first_row=F - gpu_rows)
+            gpu_zero_copy.zero_copy_experts(self.x_dev, ids, 0, self.w, self.gpu_out, first_row=F - gpu_rows)
             self.end.record()
         if cpu:
             experts.experts_forward_routed(self.x, pair_expert, K, None, self.w, self.cpu_out, rows=rows)

@@ -44,7 +44,7 @@ def main():
         # The per-step rule without assignment.lone_token_measured (the profile's streaming forgotten): a lone token
         # priced from the latency model's costs, which may copy one of its experts (and then the step is not handed to
         # the host whole). Before a1c768e those costs timed each CPU expert in a call of its own.
-        unmeasured[fmt] = replace(bench.orchestra.costs, streamed_split_ms=())
+        unmeasured[fmt] = replace(bench.orchestra.costs, zero_copy_split_ms=())
         policies.append((fmt, "model, priced", bench.executor.split_rows,
                          RememberedSplit(lambda loads, c=unmeasured[fmt]: assign_offloaded(loads, c))))
         policies.append((fmt, "cpu only", lambda k: 0, lambda loads: (sorted(loads), [])))
@@ -68,7 +68,7 @@ def main():
     for fmt, bench in benches.items():
         costs = bench.orchestra.costs
         prof = bench.profile
-        report[fmt] = {"split_rows_ms": dict(costs.split_rows_ms), "streamed_split_ms": list(costs.streamed_split_ms),
+        report[fmt] = {"split_rows_ms": dict(costs.split_rows_ms), "zero_copy_split_ms": list(costs.zero_copy_split_ms),
                        "pick": lone_token_split(bench.cfg.num_experts_per_tok, costs),
                        "priced_rule_copies": len(assign_offloaded(
                            {e: 1 for e in range(bench.cfg.num_experts_per_tok)}, unmeasured[fmt]).copy),
@@ -77,7 +77,7 @@ def main():
                        "copied_a_token": {name: statistics.median(v) for (f, name), v in copied.items() if f == fmt}}
     json.dump(report, open(f"{out}/split_rows_decode.json", "w"), indent=1)
     for fmt, rep in report.items():
-        alone = rep["streamed_split_ms"][0] if rep["streamed_split_ms"] else float("nan")
+        alone = rep["zero_copy_split_ms"][0] if rep["zero_copy_split_ms"] else float("nan")
         times = " ".join(f"{r}:{ms:.3f}" for r, ms in rep["split_rows_ms"].items())
         print(f"{fmt}: read {rep['cpu_read_gbs']:.0f} GB/s; profile ms a layer: CPU alone {alone:.3f}, rows {times}; "
               f"pick {rep['pick']}; the priced rule copies {rep['priced_rule_copies']} of a lone token's experts")

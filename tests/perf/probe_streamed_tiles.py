@@ -1,4 +1,4 @@
-"""How fast the GPU reads a packed expert's rows straight from pinned RAM (kernels.gpu_streamed) per tile shape.
+"""How fast the GPU reads a packed expert's rows straight from pinned RAM (kernels.gpu_zero_copy) per tile shape.
 
 The row split (OffloadExecutor.row_split) pays only if the GPU's share crosses PCIe near the link's speed; bf16's
 dense kernels do, this times the packed one's tiles. Mixtral-8x7B expert shape, two experts a try (fresh ones each
@@ -12,7 +12,7 @@ import statistics
 
 import torch
 
-from moedesk.kernels import gpu_streamed
+from moedesk.kernels import gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.quant_formats import packed_format
 
@@ -40,7 +40,7 @@ read = 2 * (2 * args.rows * fmt.row_bytes(H) + H * fmt.row_bytes(args.rows))
 turn = itertools.count()
 results = []
 for rows, nb, warps in itertools.product((2, 4, 8, 16), (8, 16, 32), (1, 2, 4)):
-    gpu_streamed._PACKED_TILES.update(ROWS=rows, NB=nb, num_warps=warps)
+    gpu_zero_copy._PACKED_TILES.update(ROWS=rows, NB=nb, num_warps=warps)
     times = []
     try:
         for i in range(args.repeat + 1):
@@ -49,7 +49,7 @@ for rows, nb, warps in itertools.product((2, 4, 8, 16), (8, 16, 32), (1, 2, 4)):
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            gpu_streamed.streamed_experts(x, ids, 0, w, out, first_row=first_row)
+            gpu_zero_copy.zero_copy_experts(x, ids, 0, w, out, first_row=first_row)
             end.record()
             end.synchronize()
             if i:

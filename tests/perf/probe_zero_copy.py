@@ -6,7 +6,7 @@ Question: how fast do SMs read pinned host memory over PCIe, and does that slow 
 add up, a layer's experts could be split between them with no copy queued by the host (which costs ~0.7 ms of host
 time per copied expert on this box, so decode copies none today).
 Prints, per case, medians over rotating experts (the set read per trial exceeds the last-level cache). The kernels
-are kernels.gpu_streamed's; an earlier version of this probe (64cdc74) tried six tilings of its own, all within 3%."""
+are kernels.gpu_zero_copy's; an earlier version of this probe (64cdc74) tried six tilings of its own, all within 3%."""
 import statistics
 import sys
 import time
@@ -14,7 +14,7 @@ import time
 import torch
 
 from moedesk.kernels.expert_weights import ExpertWeights
-from moedesk.kernels import cpu_experts, gpu_streamed
+from moedesk.kernels import cpu_experts, gpu_zero_copy
 
 SHAPES = {"qwen3": (128, 768, 2048, 8), "mixtral": (8, 14336, 4096, 2)}  # experts, F, H, top-k
 
@@ -36,7 +36,7 @@ def main():
     results = {}
 
     def zc(ids_dev, out):
-        gpu_streamed.streamed_experts(x_dev, ids_dev.view(1, -1), 0, ExpertWeights(gate_up, down, H, F), out)
+        gpu_zero_copy.zero_copy_experts(x_dev, ids_dev.view(1, -1), 0, ExpertWeights(gate_up, down, H, F), out)
 
     # Correctness of the probe kernels against the engine's expert arithmetic on one expert.
     ids = torch.tensor([3 % E], device=dev)

@@ -11,17 +11,17 @@ The arithmetic rounds where engine.offload.offload_executor.expert_forward's tor
 their product, the output), each dot product summed in float32. TRITON_INTERPRET=1 runs it on the CPU,
 which is how CI checks it.
 
-Packed (GGUF-quantised) stacks stream too, read as they lie, a quarter of the bf16 bytes at 4 bits: the packed CPU
+Packed (GGUF-quantised) stacks are read this way too, as they lie, a quarter of the bf16 bytes at 4 bits: the packed CPU
 kernel is bound by unpacking instructions, not by RAM (docs/measurements.md, "The GPU kernels"), so RAM and PCIe have
-room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path (the same `_row_dot`), so a streamed
+room for the GPU's share. Their arithmetic is kernels.gpu_quant's one-row path (the same `_row_dot`), so a zero-copy
 packed expert equals a resident one.
 
-At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU, so streaming whole experts
-never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
+At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU, so reading whole experts
+this way never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
 [first_row, F) (gate and up rows, down columns) into a partial output, the CPU kernels rows [0, first_row),
 and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.row_split).
 
-gpt-oss's experts (biases, the clamped SwiGLU: kernels.expert_weights) stream too, their biases read where they lie
+gpt-oss's experts (biases, the clamped SwiGLU: kernels.expert_weights) are read so too, their biases read where they lie
 (pinned or on the device) and computed as the resident kernels compute them (kernels.gpu_grouped's roundings for
 dense stacks, gpu_quant's float32 for packed ones). The down bias belongs to the GPU's part of a split: the CPU
 kernels add it only to a whole expert.
@@ -47,7 +47,7 @@ _ROWS = 8  # rows of a weight per program: enough programs for two experts to fi
 
 
 def applies(device: torch.device, w: ExpertWeights) -> bool:
-    """Whether `streamed_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
+    """Whether `zero_copy_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
     host memory, dense (inputs in the stacks' dtype) or both halves in a format kernels.gpu_quant reads, Triton
     there and the fused kernels not turned off."""
     if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
@@ -58,7 +58,7 @@ def applies(device: torch.device, w: ExpertWeights) -> bool:
     return not w.packed or (w.gate_up_format in gpu_quant._FMT_ID and w.down_format in gpu_quant._FMT_ID)
 
 
-def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: ExpertWeights,
+def zero_copy_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: ExpertWeights,
                      out: torch.Tensor, first_row: int = 0) -> None:
     """out[t*K + r] = expert ids[t, r] of `w` applied to x[t] for every token t and rank r >= first_rank.
 
@@ -73,7 +73,7 @@ def streamed_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: Exp
     if first_row and (first_row % row_granule(w) or not 0 < first_row < w.width):
         raise ValueError(f"first_row {first_row} must be a multiple of {row_granule(w)} below {w.width}")
     if w.packed:
-        return _streamed_packed(x, ids, first_rank, w, out, first_row)
+        return _zero_copy_packed(x, ids, first_rank, w, out, first_row)
     n, k = ids.shape
     ranks = k - first_rank
     gate_up, down = w.gate_up, w.down
@@ -109,7 +109,7 @@ def row_granule(w: ExpertWeights) -> int:
     return math.lcm(32, packed_format(w.down_format).block) if w.packed else 32
 
 
-def _streamed_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) -> None:
+def _zero_copy_packed(x, ids, first_rank, w: ExpertWeights, out, first_row: int) -> None:
     n, k = ids.shape
     ranks = k - first_rank
     x = x.contiguous()
