@@ -301,8 +301,8 @@ class Engine(EngineFace):
 
     def speculation_step_times(self, draft_length: int, measure: bool = False, progress=None):
         """The step times T(B, k) auto prices a `stream`ed reply's rounds at: the ones measured before on this
-        machine, else measured now when `measure` (about half a minute on a CPU; progress(done in [0, 1]) as it
-        goes), else None."""
+        machine, else measured now when `measure` (a while on a CPU, hence progress(done in [0, 1]) as it goes), else
+        None."""
         from moedesk.engine.speculative.job import SPECULATIVE_ROWS
         from moedesk.engine.speculative.step_times import cached_step_times, engine_step_times
 
