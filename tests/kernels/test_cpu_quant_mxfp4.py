@@ -183,3 +183,22 @@ def test_the_two_gathers_of_the_vnni_path_agree(path):
     cq.allow_vbmi(True)
     check(results[0], x, pe, 1, None, w, torch.zeros(9, 2880))
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("exponent", [0, 1, 2, 127, 245])
+def test_scales_at_the_ends_of_e8m0(path, exponent):
+    """Down rows whose every block has one exponent: 2^-128 and 2^-127 (subnormal floats, which the kernel's scales
+    build apart), 2^-126, 1 and 2^117, each path against float64 (plain SwiGLU: only the scale is under test)."""
+    g = torch.Generator().manual_seed(exponent)
+    H, F_ = 288, 96
+    w = ExpertWeights(random_packed("mxfp4", 2, 2 * F_, H, g), random_packed("mxfp4", 2, H, F_, g), H, F_,
+                      "mxfp4", "mxfp4")
+    w.down.view(-1, 17)[:, 0] = exponent
+    x = torch.randn(5, H, generator=g)
+    pe = torch.tensor([0, 1, 1, 0, 1])
+    out = cq.experts_forward_routed(x, pe, 1, None, w, torch.zeros(5, H))
+    gu, dn = w.dense(torch.float64)
+    gate, up = torch.einsum("nh,nfh->nf", x.double(), gu[pe]).chunk(2, dim=-1)
+    exact = torch.einsum("nf,nhf->nh", torch.nn.functional.silu(gate) * up, dn[pe])
+    assert torch.isfinite(out).all() and exact.abs().max() > 0
+    assert float((out.double() - exact).norm() / exact.norm()) < ERR_EXACT
