@@ -203,6 +203,11 @@ def test_a_multimodal_qwen35_checkpoint_loads_its_text_model_and_says_images_are
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
     assert engine.config.arch == "qwen3_5_moe"
     assert any("images are not supported" in w for w in engine.warnings)
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    estimate = summarize_path(folder).estimate("auto", "float32")  # the Models screen: the text model alone
+    assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
     ids = prompts(engine)[1:2]
     assert greedy(engine, ids) == expected(b, engine, ids)
 
