@@ -40,11 +40,16 @@ def load_on_gpu(folder, dtype, monkeypatch, tmp_path):
     return engine, calls
 
 
-def reference_mxfp4(folder, dtype):
+def reference_mxfp4(folder, dtype, device="cuda"):
+    """transformers' model of the MXFP4 checkpoint, dequantised, in `dtype`. Its dequantiser writes bf16 whatever
+    dtype is asked for; MXFP4 values are exact in bf16 and in float32, so the cast loses nothing."""
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=dtype, quantization_config=transformers.Mxfp4Config(dequantize=True)).to("cuda").eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=dtype, quantization_config=transformers.Mxfp4Config(dequantize=True)).to(device).eval()
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 def test_gpt_oss_mxfp4_bf16_greedy_with_experts_packed_on_the_gpu(tiny_checkpoint, tmp_path, monkeypatch):
