@@ -17,6 +17,14 @@ from moedesk.app.tui.settings import (FIELDS, FIELDS_BY_NAME, SAMPLING_FALLBACKS
                                       settings_path)
 
 
+def home_short(path) -> str:
+    """A path with the home folder as ~: the settings file's place fits the buttons' line at 80 columns."""
+    from pathlib import Path
+
+    path, home = Path(path), Path.home()
+    return f"~/{path.relative_to(home)}" if path.is_relative_to(home) else str(path)
+
+
 def blank_means(field: SettingField, model_defaults: dict | None) -> str:
     """An empty box's placeholder: what a blank value stands for (a sampling value: the model's own default)."""
     if field.name in SAMPLING_FALLBACKS:
@@ -77,7 +85,8 @@ class SettingsScreen(Screen[Settings | None]):
                                          markup=False)
                         yield Static("", classes="setting-error", id=f"error-{field.name}", markup=False)
         with Horizontal(id="settings-buttons"):
-            yield Static(f"saved in {self.path or settings_path()}", classes="setting-help", markup=False)
+            yield Static(f"saved in {home_short(self.path or settings_path())}", classes="setting-help",
+                         id="settings-file", markup=False)
             yield Button("Save", variant="primary", id="save", compact=True)
             yield Button("Cancel", id="cancel", compact=True)
         yield Footer()
@@ -87,6 +96,23 @@ class SettingsScreen(Screen[Settings | None]):
         first = self.query_one(f"#setting-{FIELDS[0].name}")
         first.focus()
         self.shown = {field.name: self.raw_value(field) for field in FIELDS}
+        for select in self.query("#settings-form Select"):
+            self.watch(select, "expanded", self._on_list_toggled(select), init=False)
+
+    def _on_list_toggled(self, select: Select):
+        def toggled(expanded: bool) -> None:  # one parameter: Textual passes (old, new) to a callback taking two
+            if expanded:
+                self.call_after_refresh(self._room_for, select)
+        return toggled
+
+    def _room_for(self, select: Select) -> None:
+        """Scroll the form so that an opened list fits above the buttons: it floats over the screen and, on a
+        field near the bottom, covered the buttons and the footer."""
+        form = self.query_one("#settings-form", VerticalScroll)
+        overlay = select.query_one("SelectOverlay")
+        below = overlay.region.bottom - form.region.bottom
+        if below > 0:
+            form.scroll_relative(y=below, animate=False, immediate=True)
 
     def changed(self) -> bool:
         """The form holds something other than what it opened with."""
