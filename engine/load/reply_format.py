@@ -220,37 +220,31 @@ def _loads(text: str):
         return None
 
 
-# A JSON value's extent, scanned without parsing it, for calls still being written.
+# A JSON value's extent, scanned without parsing it, for calls still being written: the regex engine skips whole
+# strings (a call's arguments are mostly one long string of code or text), Python only counts brackets.
 _WS = re.compile(r"\s*")
 _SCALAR = re.compile(r"[^,}\]\s]*")
+_STRING = r'"(?:[^"\\]++|\\.)*+"'
+_STRUCTURE = re.compile(_STRING + r'|"|[{}\[\]]')  # a lone '"' is a string not yet closed
 
 
 def _value_end(text: str, i: int) -> int | None:
     """Where the JSON value that begins at text[i] ends (just past it); None when the text ends first."""
-    if text[i] in "{[\"":
-        depth, quoted, escaped = 0, False, False
-        for j in range(i, len(text)):
-            c = text[j]
-            if quoted:
-                if escaped:
-                    escaped = False
-                elif c == "\\":
-                    escaped = True
-                elif c == '"':
-                    quoted = False
-                    if depth == 0:
-                        return j + 1
-            elif c == '"':
-                quoted = True
-            elif c in "{[":
-                depth += 1
-            elif c in "}]":
-                depth -= 1
-                if depth == 0:
-                    return j + 1
-        return None
-    end = _SCALAR.match(text, i).end()
-    return end if end < len(text) else None
+    if text[i] not in "{[\"":
+        end = _SCALAR.match(text, i).end()
+        return end if end < len(text) else None
+    depth = 0
+    for match in _STRUCTURE.finditer(text, i):
+        token = match.group()
+        if token == '"':
+            return None
+        if token[0] in "{[":
+            depth += 1
+        elif token[0] in "}]":
+            depth -= 1
+        if depth == 0:
+            return match.end()
+    return None
 
 
 def _members(text: str) -> dict:
@@ -313,7 +307,8 @@ def _pending_json_call(text: str) -> ToolCall | None:
     if name is None or name[1] is None or args is None or not text.startswith("{", args[0]):
         return None
     name = _loads(text[name[0]:name[1]])
-    return ToolCall(name, _object_prefix(text[args[0]:])) if isinstance(name, str) else None
+    return ToolCall(name, text[args[0]:args[1]] if args[1] is not None else text[args[0]:]) \
+        if isinstance(name, str) else None
 
 
 def _json_list(text: str, partial: bool):
@@ -430,20 +425,18 @@ def _llama3(text: str, partial: bool):
 
 def _split_top_level(text: str, separator: str) -> list[str]:
     """JSON values written one after another, split where `separator` stands outside any bracket or string."""
-    parts, depth, start, quoted, escaped = [], 0, 0, False, False
-    for i, ch in enumerate(text):
-        if quoted:
-            escaped, quoted = (not escaped and ch == "\\"), quoted and (escaped or ch != '"')
-            continue
-        if ch == '"':
-            quoted = True
-        elif ch in "{[":
+    parts, depth, start = [], 0, 0
+    for match in re.finditer(_STRING + r'|"|[{}\[\]' + re.escape(separator) + "]", text):
+        token = match.group()
+        if token == '"':
+            break  # a string not yet closed: the rest is one part
+        if token[0] in "{[":
             depth += 1
-        elif ch in "}]":
+        elif token[0] in "}]":
             depth -= 1
-        elif ch == separator and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
+        elif token == separator and depth == 0:
+            parts.append(text[start:match.start()])
+            start = match.end()
     parts.append(text[start:])
     return [p.strip() for p in parts if p.strip()]
 
