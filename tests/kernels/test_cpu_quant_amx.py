@@ -124,3 +124,19 @@ def test_the_amx_segments_probe_computes_what_the_vnni_tiles_do(tmp_path):
     run = subprocess.run([str(binary), "32", "1"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count("max err") == 4
+
+
+@pytest.mark.parametrize("n", [8, 17])
+def test_amx_gpt_oss_experts(emulated, n):
+    """gpt-oss's function on the tiles: the gate_up bias and clamped SwiGLU before the act rows go to token tiles,
+    the down bias in the AMX epilogue's output, beside an expert of 3 tokens on VNNI."""
+    from tests.kernels.test_cpu_quant_mxfp4 import check as check_gpt_oss, gpt_oss_case
+
+    g = torch.Generator().manual_seed(n)
+    w = gpt_oss_case(288, 160, 3, g, torch.bfloat16)
+    x = torch.randn(n + 3, 288, generator=g) * 1.5
+    pe = torch.tensor([1] * n + [2] * 3)
+    out = torch.randn(n + 3, 288, generator=g)
+    before = out.clone()
+    cq.experts_forward_routed(x, pe, 1, None, w, out)
+    check_gpt_oss(out, x, pe, 1, None, w, before)
