@@ -38,7 +38,7 @@ class ConversationLock:
             except BlockingIOError:
                 holder = _read_pid(fd)
                 os.close(fd)
-                return "open in another window" + (f" (process {holder})" if holder else "")
+                return "open in another window" + (f" (pid {holder})" if holder else "")
             except BaseException:
                 os.close(fd)
                 raise

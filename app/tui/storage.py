@@ -230,7 +230,7 @@ class ConversationStore:
         except OSError as e:
             return f"cannot lock the conversation ({e})"
         if isinstance(lock, str):
-            return f"This conversation is {lock}"
+            return f"This chat is {lock}"
         self.let_go()
         self._lock, self._lock_id = lock, conversation_id
         return ""
@@ -329,7 +329,7 @@ class ConversationStore:
             return
         lock = ConversationLock.try_acquire(self.lock_path(conversation_id))
         if isinstance(lock, str):
-            raise ConversationBusy(f"This conversation is {lock}")
+            raise ConversationBusy(f"This chat is {lock}")
         try:
             yield
         finally:

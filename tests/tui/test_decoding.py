@@ -188,8 +188,9 @@ async def test_autos_first_measurement_shows_its_progress_then_the_reply(engine,
     async with app.run_test(size=SIZE) as pilot:
         await say(pilot, "Hello there")
         await wait_idle(pilot, app)
-        progress = [s for s in statuses if "measuring this machine's step times" in s]
+        progress = [s for s in statuses if "auto measures this machine's steps" in s]
         shares = [int(s.split(": ")[-1].split("%")[0]) for s in progress]
+        assert all(len(s) <= 76 for s in progress)  # whole on an 80-column screen
         assert shares[0] == 0 and len(shares) >= 3 and shares == sorted(shares)  # from the start, as it went on
         assert statuses.index(progress[-1]) < len(statuses) - 1  # the writing status came back after it
         assert app.chat.conversation.messages[-1].content == expected.text

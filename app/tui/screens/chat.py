@@ -359,7 +359,7 @@ class ChatScreen(Screen):
         old = self.conversation
         newest = self._hold(old)
         if self.read_only:
-            self.set_status(f"{self.read_only}: read-only here, your message stays in the box · ctrl+n new chat",
+            self.set_status(f"{self.read_only}: not sent · ctrl+n new chat",
                             error=True)
             return False
         if newest is not old:
@@ -386,7 +386,7 @@ class ChatScreen(Screen):
         self.reset_map()
         self.stats.show_reply(last.meta if last else None, self._context_used(last))
         self.stats.set_speed_history(self._speed_history())
-        self.set_status(f"{self.read_only}: read-only here · ctrl+n new chat" if self.read_only else "",
+        self.set_status(f"{self.read_only}: read-only · ctrl+n new chat" if self.read_only else "",
                         error=bool(self.read_only))
         if self.read_only:
             self.notify(f"{self.read_only}: it is read-only here. ctrl+n starts a new chat.",
@@ -605,8 +605,8 @@ class ChatScreen(Screen):
         if message.done >= 1.0:
             self.set_status(g.status)
         else:
-            self.set_status(f"auto: measuring this machine's step times, once, to see whether guessing pays: "
-                            f"{message.done:.0%} · then the reply is written")
+            # short enough for 80 columns, the share last but one: it must not be cut off
+            self.set_status(f"auto measures this machine's steps, once: {message.done:.0%} · then it replies")
 
     def _current(self, number: int) -> Generation | None:
         g = self.generation
