@@ -25,7 +25,7 @@ from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
 from moedesk.engine.model.sinks import sink_attention, window_mask
-from moedesk.kernels import gpu_fused
+from moedesk.kernels import gpu_decode_attention, gpu_fused
 from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 
 log = logging.getLogger("moedesk")
@@ -199,6 +199,14 @@ class Attention(nn.Module):
         head_norm = cfg.qk_norm == "head"
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
+        if (T == 1 and not batch.explicit_mask and not cfg.attention_sinks and not self.window
+                and isinstance(cache, KVCache) and gpu_decode_attention.applies(q[:, 0], cache.k[cache.index[layer]])):
+            # Decode over the cache in place, split over its keys (kernels.gpu_decode_attention): a long context's
+            # keys are read by the whole GPU, not by one program per key/value head.
+            cache_k, cache_v = cache.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
+            out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths)
+            out = out.reshape(B, 1, -1)
+            return self.wo(out if gate is None else out * torch.sigmoid(gate))
         keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
         if cfg.attention_sinks:
             mask = window_mask(batch.mask, batch.positions, self.window) if self.window else batch.mask
@@ -374,6 +382,7 @@ class ForwardBatch:
         self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
         self._additive = None  # attention_mask's, once made
+        self._key_lengths = None  # key_lengths', once made
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         self.explicit_mask = mask is not None
         if mask is not None:  # the caller's: e.g. a draft tree, where a token sees its ancestors only
@@ -383,6 +392,13 @@ class ForwardBatch:
         # A token sees every cache entry at or before its own position. Rows are right-padded
         # with positions that run on, so stale entries past a row's end are never visible.
         self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
+
+    @property
+    def key_lengths(self) -> torch.Tensor:
+        """[B] cache positions each row's last token attends to (up to its own position), made once a forward."""
+        if self._key_lengths is None:
+            self._key_lengths = self.positions[:, -1] + 1
+        return self._key_lengths
 
     @property
     def parents(self) -> torch.Tensor | None:

@@ -7,6 +7,7 @@ import torch
 from moedesk.engine.load.synthetic import shape_config
 from moedesk.engine.model.transformer import ForwardBatch, attention
 from moedesk.engine.offload.gpu_budget import prefill_workspace_bytes
+from moedesk.kernels import gpu_decode_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +47,22 @@ def test_attention_at_32k_is_flash_style_and_right(shape, tokens):
     assert used <= budgeted, f"{shape}, {tokens} tokens at {CONTEXT}: attention took {used} bytes, budget {budgeted}"
     expected = reference(q, k, v, positions)
     torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_decode_at_32k_goes_through_the_split_kernel_and_is_right(shape):
+    """The model's decode path at depth (kernels.gpu_decode_attention, reading the cache in place): rows of
+    different lengths, one of them the whole 32k context."""
+    cfg = shape_config(shape)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    cache_k = torch.randn(2, CONTEXT, cfg.num_kv_heads, cfg.head_dim, generator=gen, device="cuda",
+                          dtype=torch.bfloat16)
+    cache_v = torch.randn(cache_k.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(2, cfg.num_heads, cfg.head_dim, generator=gen, device="cuda", dtype=torch.bfloat16)
+    assert gpu_decode_attention.applies(q, cache_k)
+    lengths = torch.tensor([CONTEXT, 5000], device="cuda")
+    out = gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, lengths)
+    for b in range(2):
+        expected = reference(q[b:b + 1, :, None], cache_k[b:b + 1].transpose(1, 2), cache_v[b:b + 1].transpose(1, 2),
+                             torch.tensor([[int(lengths[b]) - 1]], device="cuda"))
+        torch.testing.assert_close(out[b].float(), expected[0, :, 0], rtol=2e-2, atol=2e-2)

@@ -1,7 +1,8 @@
-"""Attention alone at depth on the GPU: what our path (engine.model.transformer.attention: the memory-efficient kernel
-with an additive mask; decode folds a key/value head's query heads into its rows, prefill repeats keys and values)
-costs per layer against SDPA's flash kernel with no mask (decode) or a lower-right causal bias (a prefill piece),
-which cannot take our masks but shows what is left on the table. Every layer of a step pays this once.
+"""Attention alone at depth on the GPU: what our paths cost per layer (decode: the split-key kernel,
+kernels.gpu_decode_attention, which the model takes for one token; both: engine.model.transformer.attention, the
+memory-efficient kernel with an additive mask, which prefill takes) against SDPA's flash kernel with no mask (decode)
+or a lower-right causal bias (a prefill piece), which cannot take our masks but shows what is left on the table.
+Every layer of a step pays this once.
 
 Usage (GPU box): python tests/perf/probe_long_attention.py [--shape mixtral-8x7b] [--depths 512,8192,16384,32768]
 Prints ms per layer and, times the shape's layer count, per token (decode) or per piece.
@@ -18,6 +19,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from moedesk.engine.load.synthetic import shape_config
 from moedesk.engine.model.transformer import ForwardBatch, attention
+from moedesk.kernels import gpu_decode_attention
 
 
 def timed(fn, repeat: int = 20) -> float:
@@ -42,7 +44,8 @@ def main() -> None:
     cfg = shape_config(args.shape)
     dev, dt = "cuda", torch.bfloat16
     print(f"{args.shape}: {cfg.num_heads} heads, {cfg.num_kv_heads} kv heads of {cfg.head_dim}, {cfg.num_layers} layers")
-    print(f"{'depth':>6}{'tokens':>7}{'ours ms':>9}{'flash ms':>10}{'ours/flash':>11}{'ours x layers':>15}")
+    print(f"{'depth':>6}{'tokens':>7}{'split ms':>9}{'sdpa ms':>9}{'flash ms':>10}{'ours/flash':>11}"
+          f"{'ours x layers':>15}")
     for depth in (int(d) for d in args.depths.split(",")):
         for tokens in (1, args.piece):
             length = depth + tokens
@@ -51,7 +54,14 @@ def main() -> None:
             q = torch.randn(1, cfg.num_heads, tokens, cfg.head_dim, device=dev, dtype=dt)
             positions = torch.arange(depth, length, device=dev)[None]
             mask = ForwardBatch(positions, None, None, kv_len=length).attention_mask(dt)
-            ours = timed(lambda: attention(q, k, v, mask, gqa=True))
+            sdpa = timed(lambda: attention(q, k, v, mask, gqa=True))
+            split = float("nan")
+            if tokens == 1:
+                cache_k, cache_v = k.transpose(1, 2), v.transpose(1, 2)  # [1, length, kv_heads, D], as the cache
+                lengths = torch.tensor([length], device=dev)
+                split = timed(lambda: gpu_decode_attention.decode_attention(q[:, :, 0], cache_k, cache_v, None,
+                                                                            lengths))
+            ours = split if tokens == 1 else sdpa
             bias = None if tokens == 1 else causal_lower_right(tokens, length)
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                 try:
@@ -59,7 +69,8 @@ def main() -> None:
                 except RuntimeError as error:  # no flash kernel for this case on this build
                     print(f"flash: {error}".splitlines()[0])
                     flash = float("nan")
-            print(f"{depth:>6}{tokens:>7}{ours:>9.3f}{flash:>10.3f}{ours / flash:>11.2f}{ours * cfg.num_layers:>15.2f}")
+            print(f"{depth:>6}{tokens:>7}{split:>9.3f}{sdpa:>9.3f}{flash:>10.3f}{ours / flash:>11.2f}"
+                  f"{ours * cfg.num_layers:>15.2f}")
 
 
 if __name__ == "__main__":
