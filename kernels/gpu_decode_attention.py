@@ -13,6 +13,8 @@ TRITON_INTERPRET=1 runs it on the CPU, which is how CI checks it (tests/kernels/
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from moedesk.kernels import gpu_fused
@@ -28,9 +30,11 @@ BLOCK = 64  # keys per step of a program's loop
 
 
 def applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
-    """Whether the kernel takes queries q [B, H, D] against cache_k [rows, length, kv_heads, D] (16-bit, on a GPU)."""
+    """Whether the kernel takes queries q [B, H, D] against cache_k [rows, length, kv_heads, D] (16-bit, on a GPU).
+    MOEDESK_NO_SPLIT_DECODE=1 leaves decode to SDPA (to compare the two in one tree)."""
     d, kv_heads = cache_k.shape[-1], cache_k.shape[2]
-    return (gpu_fused.wanted() and q.is_cuda and cache_k.is_cuda and q.dtype == cache_k.dtype
+    off = os.environ.get("MOEDESK_NO_SPLIT_DECODE", "").strip().lower() not in ("", "0", "false", "no")
+    return (not off and gpu_fused.wanted() and q.is_cuda and cache_k.is_cuda and q.dtype == cache_k.dtype
             and q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0
             and q.shape[1] % kv_heads == 0 and cache_k.stride(-1) == 1 and not torch.is_grad_enabled())
 
