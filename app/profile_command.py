@@ -9,8 +9,8 @@ def zero_copy_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
         return None
     splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.zero_copy_split_ms))
     line = f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}"
-    if costs.split_rows_ms:
-        line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_rows_ms)
+    if costs.split_width_ms:
+        line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_width_ms)
     ranks, rows = chosen
     decision = f"decode streams {ranks}" if ranks else f"decode splits rows, the GPU the last {rows}" if rows \
         else "decode streams none"

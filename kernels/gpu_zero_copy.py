@@ -19,7 +19,7 @@ packed expert equals a resident one.
 At top-2 (Mixtral) one whole expert over PCIe takes longer than both on the CPU, so reading whole experts
 this way never pays; splitting every expert's intermediate rows does: with `first_row` the kernels compute only rows
 [first_row, F) (gate and up rows, down columns) into a partial output, the CPU kernels rows [0, first_row),
-and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.row_split).
+and the decode graph adds the two (engine.offload.offload_executor.OffloadExecutor.width_split).
 
 gpt-oss's experts (biases, the clamped SwiGLU: kernels.expert_weights) are read so too, their biases read where they lie
 (pinned or on the device) and computed as the resident kernels compute them (kernels.gpu_grouped's roundings for
@@ -67,7 +67,7 @@ def zero_copy_experts(x: torch.Tensor, ids: torch.Tensor, first_rank: int, w: Ex
     dtype where first_row > 0. Rows of ranks below first_rank are left as they are.
 
     first_row > 0: only the expert's intermediate rows [first_row, F) (gate and up rows, down columns), a
-    partial output the CPU's rows [0, first_row) complete by addition (`split_rows`); a multiple of
+    partial output the CPU's rows [0, first_row) complete by addition (`split_width`); a multiple of
     `row_granule(w)`.
     """
     if first_row and (first_row % row_granule(w) or not 0 < first_row < w.width):

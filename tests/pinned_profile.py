@@ -17,7 +17,7 @@ under any load.
   without a search);
 - no resident expert moves to the CPU (resident_launch_ms 0: launching them costs the host nothing);
 - the GPU streams no expert and no rows from RAM (no zero_copy_split_ms measured: lone_token_split says (0, 0));
-  tests that want streaming set `executor.zero_copy_ranks` / `split_rows` themselves;
+  tests that want streaming set `executor.zero_copy_ranks` / `split_width` themselves;
 - placement goes by popularity (no round trip and no launch cost: whole layers never save anything);
 - hence every layer of a batch-1 step with experts in RAM is `host_only`, and on the GPU (Triton and the
   native handoff there, MOEDESK_NO_HANDOFF unset) the step is one handed-over graph.

@@ -170,12 +170,12 @@ class _Captured:
         self.zero_copy = [share(model.layers[i].moe.layer, tokens, top_k) if share and self.host else 0
                          for i in self.moe_at]
         # Or how many of every expert's first rows the host computes, the GPU the rest into `split_out`, which
-        # the next segment adds (OffloadExecutor.row_split); 0: none.
-        split = getattr(executor, "row_split", None)
-        self.cpu_rows = [split(model.layers[i].moe.layer, tokens, top_k) if split and self.host else 0
+        # the next segment adds (OffloadExecutor.width_split); 0: none.
+        split = getattr(executor, "width_split", None)
+        self.cpu_width = [split(model.layers[i].moe.layer, tokens, top_k) if split and self.host else 0
                          for i in self.moe_at]
         self.split_out = torch.zeros(tokens * top_k, hidden, dtype=torch.float32, device=device) \
-            if any(self.cpu_rows) else None
+            if any(self.cpu_width) else None
         # Where no host-run layer needs a host decision, the step is one graph that hands each layer to the
         # host and back through flags (kernels.host_handoff): nothing is launched between layers.
         self.handoff: Handoff | None = None
@@ -213,7 +213,7 @@ class _Captured:
             prev = self.moe_at[j - 1]
             x_prev, flat_prev, weights, _ = self.outputs[j - 1]
             y = self.expert_out
-            if self.cpu_rows[j - 1]:  # the host's rows of each expert plus the GPU's
+            if self.cpu_width[j - 1]:  # the host's rows of each expert plus the GPU's
                 y = (y.float() + self.split_out).to(y.dtype)
             x = blocks[prev].after_experts(x_prev, flat_prev, blocks[prev].moe.combine(y, weights))
             start = prev + 1
@@ -237,8 +237,8 @@ class _Captured:
             # The step's stream, looked up once per step: Event.record() without one asks torch for the current
             # stream, host time paid again at every layer.
             self.host.ready.record(cuda_stream)
-            self.host.zero_copy, self.host.cpu_rows = self.zero_copy[j], self.cpu_rows[j]
-            if self.zero_copy[j] or self.cpu_rows[j]:
+            self.host.zero_copy, self.host.cpu_width = self.zero_copy[j], self.cpu_width[j]
+            if self.zero_copy[j] or self.cpu_width[j]:
                 graph = self.zero_copy_graphs.get(j)
                 if graph is not None:
                     graph.replay()
@@ -251,7 +251,7 @@ class _Captured:
         if self.zero_copy[j]:
             executor.zero_copy_experts(moe, flat, ids, self.zero_copy[j], self.expert_out)
         else:
-            executor.zero_copy_rows(moe, flat, ids, self.cpu_rows[j], self.split_out)
+            executor.zero_copy_width(moe, flat, ids, self.cpu_width[j], self.split_out)
 
     def _hand_over(self, j: int, executor) -> None:
         """Captured after segment j: the routing to the host, the GPU's own share, and once the host is done
@@ -260,7 +260,7 @@ class _Captured:
         moe = self.model.layers[self.moe_at[j]].moe
         self.handoff.signal(j, (flat, self.host.x), (ids, self.host.ids))
         resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
-        if self.zero_copy[j] or self.cpu_rows[j]:
+        if self.zero_copy[j] or self.cpu_width[j]:
             self._zero_copy_share(j, executor, moe, flat, ids)
         rows = self.host_out.shape[0] - self.zero_copy[j]
         self.handoff.wait(j, self.host_out[:rows], self.expert_out[:rows])
@@ -274,7 +274,7 @@ class _Captured:
         plan = getattr(executor, "host_plan", None)
         self.host_plans = []
         for j, i in enumerate(self.moe_at):
-            host = HostRouting(self.host.x, self.host.ids, self.handoff.ready(j), self.zero_copy[j], self.cpu_rows[j])
+            host = HostRouting(self.host.x, self.host.ids, self.handoff.ready(j), self.zero_copy[j], self.cpu_width[j])
             moe = self.model.layers[i].moe
             self.host_plans.append(plan(moe, host, self.host_out) if plan is not None
                                    else partial(executor.host_share, moe, host, self.host_out))
@@ -330,7 +330,7 @@ class _Captured:
                 self.outputs.append(self._segment(j))
             self.pool = graph.pool()
             self.graphs.append(graph)
-        for j, (ranks, rows) in enumerate(zip(self.zero_copy, self.cpu_rows)):
+        for j, (ranks, rows) in enumerate(zip(self.zero_copy, self.cpu_width)):
             if ranks or rows:
                 _, flat, _, ids = self.outputs[j]
                 graph = torch.cuda.CUDAGraph()

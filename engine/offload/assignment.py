@@ -206,7 +206,7 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     its share of the weights from pinned RAM (kernels.gpu_zero_copy): (ranks, 0) — the GPU computes the last
     `ranks` experts whole, the CPU the others — or (0, rows) — the GPU computes the last `rows` intermediate
     rows of every expert, the CPU the first ones. The option whose measured time (the model's
-    `zero_copy_split_ms` and `split_rows_ms`, engine.offload.profiler.profile_zero_copy) was the shortest, and
+    `zero_copy_split_ms` and `split_width_ms`, engine.offload.profiler.profile_zero_copy) was the shortest, and
     (0, 0) unless it beat the CPU alone by ZERO_COPY_MIN_GAIN, or nothing was measured
     for this top_k.
 
@@ -219,7 +219,7 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     if getattr(model, "zero_copy_top_k", 0) != top_k or len(split) < 2:
         return 0, 0
     options = [((g, 0), ms) for g, ms in enumerate(split)]
-    options += [((0, rows), ms) for rows, ms in getattr(model, "split_rows_ms", ())]
+    options += [((0, rows), ms) for rows, ms in getattr(model, "split_width_ms", ())]
     (ranks, rows), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then fewer rows
     return (ranks, rows) if best <= (1 - ZERO_COPY_MIN_GAIN) * split[0] else (0, 0)
 
@@ -247,7 +247,7 @@ def zero_copy_ranks(top_k: int, model) -> int:
     return lone_token_split(top_k, model)[0]
 
 
-def split_rows(top_k: int, model) -> int:
+def split_width(top_k: int, model) -> int:
     """`lone_token_split`'s rows of every expert for the GPU."""
     return lone_token_split(top_k, model)[1]
 

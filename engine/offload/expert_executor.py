@@ -22,14 +22,14 @@ class HostRouting:
     event, or a layer's flag of kernels.host_handoff).
     streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
     experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.zero_copy_experts), into `out`.
-    cpu_rows: the host computes only each expert's first `cpu_rows` intermediate rows; the caller has the GPU
-    compute the rest (OffloadExecutor.zero_copy_rows) and adds the two (0: every row)."""
+    cpu_width: the host computes only each expert's first `cpu_width` intermediate rows; the caller has the GPU
+    compute the rest (OffloadExecutor.zero_copy_width) and adds the two (0: every row)."""
 
     x: torch.Tensor
     ids: torch.Tensor
     ready: Any = None  # torch.cuda.Event, or anything else with synchronize()
     zero_copy: int = 0
-    cpu_rows: int = 0
+    cpu_width: int = 0
 
 
 class ExpertExecutor(Protocol):

@@ -71,7 +71,7 @@ class LatencyModel:
     zero_copy_top_k: int = 0
     # The same layer with every expert's intermediate rows split instead: the GPU reads the last r rows of
     # each from RAM while the CPU computes the others; ((r, ms), ...) by increasing r (empty: not measured).
-    split_rows_ms: tuple[tuple[int, float], ...] = ()
+    split_width_ms: tuple[tuple[int, float], ...] = ()
     # A CPU call's own cost, beyond its experts' shares: ((tokens an expert, ms), ...) by increasing tokens
     # (empty: not measured, and cpu_expert_ms is a call of one expert).
     cpu_call: tuple[tuple[float, float], ...] = ()
@@ -81,15 +81,15 @@ class LatencyModel:
         object.__setattr__(self, "gpu_tokens", tuple(float(x) for x in self.gpu_tokens))
         object.__setattr__(self, "gpu_ms", tuple(float(x) for x in self.gpu_ms))
         object.__setattr__(self, "zero_copy_split_ms", tuple(float(x) for x in self.zero_copy_split_ms))
-        object.__setattr__(self, "split_rows_ms", tuple((int(r), float(ms)) for r, ms in self.split_rows_ms))
+        object.__setattr__(self, "split_width_ms", tuple((int(r), float(ms)) for r, ms in self.split_width_ms))
         object.__setattr__(self, "contention", tuple(tuple(float(x) for x in point) for point in self.contention))
         object.__setattr__(self, "cpu_call", tuple((float(n), float(ms)) for n, ms in self.cpu_call))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
-        split_rows = tuple(x for pair in self.split_rows_ms for x in pair)
+        split_width = tuple(x for pair in self.split_width_ms for x in pair)
         call = tuple(x for pair in self.cpu_call for x in pair)
         if not all(math.isfinite(x) and x >= 0
-                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.zero_copy_split_ms + split_rows + call):
+                   for x in scalars + self.gpu_tokens + self.gpu_ms + self.zero_copy_split_ms + split_width + call):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
         if any(len(point) != 3 for point in self.contention):
             raise ProfileError("latency model: contention points must be (tokens, CPU slowdown, copy slowdown)")
@@ -255,7 +255,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     activation_roundtrip_ms (ms at one token, or {tokens: ms}; missing → 0, Fiddler found
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
     (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0),
-    zero_copy_split_ms {g: ms} for g = 0, 1, ... with zero_copy_top_k, and split_rows_ms {rows: ms} (missing →
+    zero_copy_split_ms {g: ms} for g = 0, 1, ... with zero_copy_top_k, and split_width_ms {rows: ms} (missing →
     not measured). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
@@ -287,7 +287,7 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         resident_launch_ms=_milliseconds(profile_points, "resident_launch_ms"),
         zero_copy_split_ms=_zero_copy_split(profile_points),
         zero_copy_top_k=int(profile_points.get("zero_copy_top_k") or 0),
-        split_rows_ms=_split_rows(profile_points),
+        split_width_ms=_split_width(profile_points),
         cpu_call=cpu_call,
     )
 
@@ -314,14 +314,14 @@ def _cpu_shares(profile: dict, n: np.ndarray, alone: np.ndarray, floor_ms: float
     return np.maximum(shares, np.minimum(floor_ms, alone)), tuple(own)
 
 
-def _split_rows(profile: dict) -> tuple[tuple[int, float], ...]:
-    """split_rows_ms as ((rows, ms), ...) by increasing rows, each a positive count."""
+def _split_width(profile: dict) -> tuple[tuple[int, float], ...]:
+    """split_width_ms as ((rows, ms), ...) by increasing rows, each a positive count."""
     try:
-        pairs = sorted((int(r), float(ms)) for r, ms in (profile.get("split_rows_ms") or {}).items())
+        pairs = sorted((int(r), float(ms)) for r, ms in (profile.get("split_width_ms") or {}).items())
     except (AttributeError, TypeError, ValueError):
-        raise ProfileError("profile: 'split_rows_ms' must map row counts to times") from None
+        raise ProfileError("profile: 'split_width_ms' must map row counts to times") from None
     if any(r <= 0 for r, _ in pairs):
-        raise ProfileError("profile: 'split_rows_ms' row counts must be positive")
+        raise ProfileError("profile: 'split_width_ms' row counts must be positive")
     return tuple(pairs)
 
 

@@ -161,20 +161,20 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 zero_copy_ranks=None, split_rows=None):
+                 zero_copy_ranks=None, split_width=None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
         this step, asked only when the CPU computes experts of the layer anyway (None: never);
         zero_copy_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
         the CPU computes the others (`zero_copy_share`; None: never);
-        split_rows(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
-        compute from RAM while the CPU computes the first ones (`row_split`; None: never)."""
+        split_width(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
+        compute from RAM while the CPU computes the first ones (`width_split`; None: never)."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
         self.zero_copy_ranks = zero_copy_ranks
-        self.split_rows = split_rows
+        self.split_width = split_width
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(w, [None] * w.num_experts) for layer, w in banks.items()}
         any_bank = next(iter(self.banks.values())).host
@@ -308,24 +308,24 @@ class OffloadExecutor:
             return 0
         return min(top_k, max(0, int(self.zero_copy_ranks(top_k))))
 
-    def row_split(self, layer: int, batch: int, top_k: int) -> int:
+    def width_split(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each expert's first intermediate rows the host computes in a captured decode step whose
-        GPU computes the rest from the experts' pinned host copies (`zero_copy_rows`, into a partial output the
+        GPU computes the rest from the experts' pinned host copies (`zero_copy_width`, into a partial output the
         step adds); 0: no split. Where `zero_copy_share` applies, and only where it reads no whole expert zero-copy."""
-        if self.split_rows is None or batch != 1 or self.simulated or self.zero_copy_share(layer, batch, top_k):
+        if self.split_width is None or batch != 1 or self.simulated or self.zero_copy_share(layer, batch, top_k):
             return 0
         bank = self.banks[layer]
         if any(slot is not None for slot in bank.gpu_slot) or not gpu_zero_copy.applies(self.device, bank.host):
             return 0
-        cpu_rows = bank.host.width - int(self.split_rows(top_k))
-        if not 0 < cpu_rows < bank.host.width or cpu_rows % gpu_zero_copy.row_granule(bank.host):
+        cpu_width = bank.host.width - int(self.split_width(top_k))
+        if not 0 < cpu_width < bank.host.width or cpu_width % gpu_zero_copy.row_granule(bank.host):
             return 0
-        return cpu_rows
+        return cpu_width
 
     def host_only(self, layer: int, batch: int, top_k: int) -> bool:
         """Whether a captured decode step of `batch` tokens may hand this layer to `host_share` without asking
         `expert_outputs`: one token, and the per-step rule computes its offloaded experts on the CPU (with
-        `zero_copy_share` or `row_split` as they say), so no host decision depends on the routing and the
+        `zero_copy_share` or `width_split` as they say), so no host decision depends on the routing and the
         step's graph can run on while the host computes (kernels.host_handoff). Resident experts then run on
         the GPU inside the graph (`device_share`), beside the host's; `resident_to_cpu`, which weighs the host's
         cost of launching them, does not apply there."""
@@ -377,7 +377,7 @@ class OffloadExecutor:
 
     def host_share(self, moe, host: HostRouting, out) -> None:
         """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.streamed`
-        ranks; every expert's first `host.cpu_rows` rows where set) applied to `host.x`, into rows [0, K -
+        ranks; every expert's first `host.cpu_width` rows where set) applied to `host.x`, into rows [0, K -
         streamed) of the pinned `out`, from the routing the step's graph copied to `host` once `host.ready`
         says it is there."""
         started = time.perf_counter()
@@ -389,8 +389,8 @@ class OffloadExecutor:
         index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
         is_offloaded, offloaded = self._slots(moe.layer)[2:] if self.has_resident(moe.layer) else (None, None)
         experts_forward_routed(host.x, pair_expert[:k - host.zero_copy], k, offloaded, bank.host, out, index,
-                               rows=host.cpu_rows or None)
-        self._host_tally(moe.layer, pair_expert.numpy(), host.zero_copy, bool(host.cpu_rows), is_offloaded, started,
+                               rows=host.cpu_width or None)
+        self._host_tally(moe.layer, pair_expert.numpy(), host.zero_copy, bool(host.cpu_width), is_offloaded, started,
                          routed)
 
     def _host_tally(self, layer: int, experts_of: np.ndarray, zero_copy: int, split: bool, is_offloaded, started: float,
@@ -424,10 +424,10 @@ class OffloadExecutor:
         index = self._buffer("cpu_index", (2 * k + 2 * len(bank.gpu_slot) + 1,), torch.int64, pinned=False)
         is_offloaded, offloaded = self._slots(layer)[2:] if self.has_resident(layer) else (None, None)
         call = prepare_routed(host.x, pair_expert[:k - host.zero_copy], k, offloaded, bank.host, out, index,
-                              rows=host.cpu_rows or None)
+                              rows=host.cpu_width or None)
         if call is None:
             return partial(self.host_share, moe, host, out)
-        experts_of, zero_copy, split = pair_expert.numpy(), host.zero_copy, bool(host.cpu_rows)
+        experts_of, zero_copy, split = pair_expert.numpy(), host.zero_copy, bool(host.cpu_width)
 
         def run() -> None:
             started = time.perf_counter()
@@ -438,10 +438,10 @@ class OffloadExecutor:
 
         return run
 
-    def zero_copy_rows(self, moe, x, ids, cpu_rows: int, out) -> None:
-        """Queue the GPU's share of a `row_split` layer: every pair's expert over intermediate rows [cpu_rows,
+    def zero_copy_width(self, moe, x, ids, cpu_width: int, out) -> None:
+        """Queue the GPU's share of a `width_split` layer: every pair's expert over intermediate rows [cpu_width,
         F), read from pinned RAM, into `out` (float32 [N*K, H]), which the caller adds to the host's rows."""
-        gpu_zero_copy.zero_copy_experts(x, ids, 0, self.banks[moe.layer].host, out, first_row=cpu_rows)
+        gpu_zero_copy.zero_copy_experts(x, ids, 0, self.banks[moe.layer].host, out, first_row=cpu_width)
 
     def zero_copy_experts(self, moe, x, ids, ranks: int, out) -> None:
         """Queue the GPU's computation of each token's last `ranks` experts into their rows of `out`, reading
@@ -501,14 +501,14 @@ class OffloadExecutor:
         self._count(moe.layer, counts)
         count, active = counts.tolist(), counts.nonzero()[0].tolist()
         zero_copy = host.zero_copy if host is not None else 0
-        cpu_rows = host.cpu_rows if host is not None else 0
+        cpu_width = host.cpu_width if host is not None else 0
         if zero_copy:  # the GPU computes the lone token's last ranks (`zero_copy_share`)
             assert n == 1, "zero-copy experts are for a batch of one token"
             on_gpu_already = set(experts_of[k - zero_copy:].tolist())
             active = [e for e in active if e not in on_gpu_already]
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
-        if cpu_rows:  # the GPU computes the last rows of every expert (`row_split`), the CPU the first ones
+        if cpu_width:  # the GPU computes the last rows of every expert (`width_split`), the CPU the first ones
             assert n == 1 and not zero_copy and not resident, "split rows are for a lone token, all experts offloaded"
             on_cpu, to_copy = active, []
         else:
@@ -534,7 +534,7 @@ class OffloadExecutor:
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
             chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
-            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_rows or None)
+            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_width or None)
             # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
@@ -551,7 +551,7 @@ class OffloadExecutor:
         s.copied_experts += len(to_copy)
         s.cpu_experts += len(on_cpu)
         s.zero_copy_experts += zero_copy
-        s.split_experts += len(on_cpu) if cpu_rows else 0
+        s.split_experts += len(on_cpu) if cpu_width else 0
         s.selections += n * k
         s.gpu_hits += sum(count[e] for e in resident)
         s.layer_ms += (time.perf_counter() - started) * 1e3

@@ -22,7 +22,7 @@ from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
 from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, lone_token_split,
-                                               resident_on_cpu, split_rows, zero_copy_ranks)
+                                               resident_on_cpu, split_width, zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
 from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_zero_copy
@@ -105,7 +105,7 @@ class ExpertOrchestra:
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    zero_copy_ranks=(lambda k: zero_copy_ranks(k, costs)) if balanced else None,
-                                   split_rows=(lambda k: split_rows(k, costs)) if balanced else None)
+                                   split_width=(lambda k: split_width(k, costs)) if balanced else None)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)

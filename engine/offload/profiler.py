@@ -163,8 +163,8 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     other by amounts that varied between runs on one machine, and a layer's fixed host costs sit on the CPU's
     side. w is a layer's pinned stacks, dense or packed (then dtype is the activations'); each try takes experts
     the last tries did not, so that they come from RAM, not from a cache. The GPU's share is replayed from a CUDA
-    graph, as in decode. "split_rows_ms": {rows: ms} the same with every expert's last `rows` intermediate rows
-    on the GPU and the first ones on the CPU (`split_row_candidates`).
+    graph, as in decode. "split_width_ms": {rows: ms} the same with every expert's last `rows` intermediate rows
+    on the GPU and the first ones on the CPU (`split_width_candidates`).
 
     The options take turns, try by try: timed one after another, the CPU alone came out faster in one start-up than
     in others, and that run streamed nothing and decoded slower (docs/measurements.md, "The start-up profile")."""
@@ -198,15 +198,15 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     for zero_copy in range(min(top_k, most) + 1):
         ids = torch.zeros(1, max(zero_copy, 1), dtype=torch.int64, device=device)
         options.append((("split", zero_copy), zero_copy, None, gpu_share(ids, out=gpu_out) if zero_copy else None, ids))
-    for gpu_rows in split_row_candidates(w):
+    for gpu_rows in split_width_candidates(w):
         ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
-        cpu_rows = w.width - gpu_rows
-        options.append((("rows", gpu_rows), 0, cpu_rows, gpu_share(ids, out=gpu_partial, first_row=cpu_rows), ids))
+        cpu_width = w.width - gpu_rows
+        options.append((("rows", gpu_rows), 0, cpu_width, gpu_share(ids, out=gpu_partial, first_row=cpu_width), ids))
     times = {key: [] for key, *_ in options}
     for i in range(repeat + 1):
         for j in range(len(options)):
-            key, zero_copy, cpu_rows, graph, ids = options[(i + j) % len(options)]  # a rotating order
-            if cpu_rows is None:  # whole experts: the GPU the last `streamed`, the CPU the others
+            key, zero_copy, cpu_width, graph, ids = options[(i + j) % len(options)]  # a rotating order
+            if cpu_width is None:  # whole experts: the GPU the last `streamed`, the CPU the others
                 if zero_copy:
                     ids.copy_(torch.tensor([next_experts(zero_copy)]))
                 pairs = torch.tensor(sorted(next_experts(top_k - zero_copy)), dtype=torch.int64)
@@ -218,17 +218,17 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
             if graph is not None:
                 graph.replay()
             if len(pairs):
-                experts_forward_routed(x_host, pairs, len(pairs), None, w, cpu_out, index, rows=cpu_rows)
+                experts_forward_routed(x_host, pairs, len(pairs), None, w, cpu_out, index, rows=cpu_width)
             torch.cuda.synchronize(device)
             if i:  # the first round warms up
                 times[key].append((time.perf_counter() - start) * 1e3)
     median = {key: statistics.median(v) for key, v in times.items()}
     return {"zero_copy_split_ms": {g: ms for (kind, g), ms in median.items() if kind == "split"},
             "zero_copy_top_k": top_k,
-            "split_rows_ms": {rows: ms for (kind, rows), ms in median.items() if kind == "rows"}}
+            "split_width_ms": {rows: ms for (kind, rows), ms in median.items() if kind == "rows"}}
 
 
-def split_row_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:
+def split_width_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:
     """The GPU's shares of every expert's intermediate rows that profile_zero_copy times: about 1/16, 2/16, ... of
     the width up to `most` of it, the CPU's first rows a whole number of granules (kernels.gpu_zero_copy.row_granule)."""
     granule, width = gpu_zero_copy.row_granule(w), w.width
@@ -348,10 +348,11 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # Part of every profile's cache key: raise it when the profiler measures something new, so that profiles
 # cached before are measured again rather than read without it (2: resident_launch_ms; 3: CPU experts timed
 # through the routed call the executor now makes; 4: streamed_expert_ms, no longer measured; 5: zero_copy_split_ms;
-# 6: zero_copy_split_ms of packed experts too; 7: split_rows_ms; 8: the streaming options timed taking turns;
+# 6: zero_copy_split_ms of packed experts too; 7: split_width_ms; 8: the streaming options timed taking turns;
 # 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts;
-# 10: cpu_call_ms, calls of several experts; 11: the zero-copy keys, named streamed_* before).
-PROFILE_FORMAT = 11
+# 10: cpu_call_ms, calls of several experts; 11: the zero-copy keys, named streamed_* before; 12: split_width_ms,
+# named split_rows_ms before).
+PROFILE_FORMAT = 12
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -373,7 +374,7 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
-    for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "zero_copy_split_ms", "split_rows_ms", "cpu_slowdown_during_copy",
+    for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "zero_copy_split_ms", "split_width_ms", "cpu_slowdown_during_copy",
                 "copy_slowdown_during_cpu"):
         if isinstance(points.get(key), dict):
             points[key] = {int(n): ms for n, ms in points[key].items()}

@@ -53,7 +53,7 @@ def test_zero_copy_line_shows_the_measured_splits_and_the_choice():
     assert line(costs, 2).endswith("decode streams none")  # measured for another top-k
     assert line(LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2), 8) is None
     rows = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(1.46, 2.1), zero_copy_top_k=2,
-                        split_rows_ms=((1792, 1.3), (3584, 1.1)))
+                        split_width_ms=((1792, 1.3), (3584, 1.1)))
     assert line(rows, 2) == ("one token's 2 experts, n of them read by the GPU from RAM (n: ms) "
                              "0: 1.460 · 1: 2.100; or the last r rows of each (r: ms) 1792: 1.300 · "
                              "3584: 1.100; decode splits rows, the GPU the last 3584")

@@ -192,7 +192,7 @@ def test_zero_copy_gpt_oss_experts_interpreted(formats, hidden, width, first_row
     (("q5_k",), 256, 512, 256)])
 def test_zero_copy_tail_rows_interpreted(formats, hidden, width, first_row):
     """first_row > 0: the GPU's part of every pair, rows [first_row, F) (the CPU computes rows [0, first_row):
-    tests/offload/test_split_rows.py checks the two together)."""
+    tests/offload/test_split_width.py checks the two together)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton's interpreter is used only where there is no GPU")
     from tests.kernels.test_gpu_quant_kernel import assert_close, random_experts

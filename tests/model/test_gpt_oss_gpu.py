@@ -108,7 +108,7 @@ def test_gpt_oss_zero_copy_from_ram_matches_all_on_gpu(packed, share, tiny_check
         executor.zero_copy_ranks = lambda k: k
     else:
         executor.zero_copy_ranks = lambda k: 0
-        executor.split_rows = lambda k: host.width - 32
+        executor.split_width = lambda k: host.width - 32
     check_matches_all_on_gpu(offloaded, resident, batch_size=1)
     stats = executor.stats
     assert (stats.zero_copy_experts if share == "streamed" else stats.split_experts) > 0, stats

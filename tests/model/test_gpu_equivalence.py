@@ -287,9 +287,9 @@ def test_zero_copy_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkp
 
 @pytest.mark.parametrize("handoff", [True, False], ids=["handoff", "graph-per-segment"])
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
-def test_split_rows_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, monkeypatch):
+def test_split_width_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, monkeypatch):
     """Decode at batch 1 with the CPU computing each expert's first 32 intermediate rows and the GPU the rest
-    from pinned RAM inside the graphs (OffloadExecutor.row_split), the two added by the next segment: the
+    from pinned RAM inside the graphs (OffloadExecutor.width_split), the two added by the next segment: the
     all-on-GPU run's tokens, up to bf16 ties."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOEDESK_NO_HANDOFF", "" if handoff else "1")
@@ -299,11 +299,11 @@ def test_split_rows_match_all_on_gpu(arch, handoff, tiny_checkpoint, tmp_path, m
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     width = next(iter(offloaded.executor.banks.values())).host.width
     offloaded.executor.zero_copy_ranks = lambda k: 0
-    offloaded.executor.split_rows = lambda k: width - 32
+    offloaded.executor.split_width = lambda k: width - 32
     check_matches_all_on_gpu(offloaded, resident, batch_size=1)
     assert offloaded.executor.stats.split_experts > 0
     for captured in offloaded.graphs.captured.values():
-        assert captured.cpu_rows == [32] * len(captured.moe_at)
+        assert captured.cpu_width == [32] * len(captured.moe_at)
         check_graph_layout(captured, handoff, streams=True)
 
 
@@ -325,7 +325,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     executor = engine.executor
     width = next(iter(executor.banks.values())).host.width
     executor.zero_copy_ranks = (lambda k: 1) if share == "streamed" else (lambda k: 0)
-    executor.split_rows = (lambda k: width - 32) if share == "rows" else (lambda k: 0)
+    executor.split_width = (lambda k: width - 32) if share == "rows" else (lambda k: 0)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
     def run(**graphs):

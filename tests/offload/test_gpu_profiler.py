@@ -55,7 +55,7 @@ def test_resident_launch_time_is_host_time_only():
 def test_zero_copy_split_is_measured_from_ram():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from moedesk.engine.offload.profiler import profile_zero_copy, split_row_candidates
+    from moedesk.engine.offload.profiler import profile_zero_copy, split_width_candidates
 
     stacks = ExpertWeights(torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory(),
                            torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory(), hidden=2048, width=768)
@@ -66,8 +66,8 @@ def test_zero_copy_split_is_measured_from_ram():
     for g, ms in split.items():
         # The GPU's share crosses PCIe (under ~64 GB/s on Gen5 x16): not served from a cache the last try filled.
         assert g * expert_bytes / 64e6 < ms < 100
-    rows = points["split_rows_ms"]
-    assert sorted(rows) == split_row_candidates(stacks) == [32, 96, 128, 192, 224, 288, 320, 384]  # to half
+    rows = points["split_width_ms"]
+    assert sorted(rows) == split_width_candidates(stacks) == [32, 96, 128, 192, 224, 288, 320, 384]  # to half
     for r, ms in rows.items():  # the GPU reads r rows of each of the 8 experts over PCIe
         assert 8 * r / 768 * expert_bytes / 64e6 < ms < 100
     assert profile_zero_copy(stacks, 8, torch.device("cpu")) == {}  # nothing to stream to

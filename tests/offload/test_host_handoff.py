@@ -108,21 +108,21 @@ class _Flag:
         self.waited += 1
 
 
-@pytest.mark.parametrize("zero_copy, cpu_rows", [(0, 0), (1, 0), (0, 64)])
-def test_host_share_is_what_expert_outputs_computes_for_the_host(zero_copy, cpu_rows):
+@pytest.mark.parametrize("zero_copy, cpu_width", [(0, 0), (1, 0), (0, 64)])
+def test_host_share_is_what_expert_outputs_computes_for_the_host(zero_copy, cpu_width):
     moe = type("Moe", (), {"layer": 0})()
     x, ids = torch.randn(1, 64, generator=torch.Generator().manual_seed(1)), torch.tensor([[4, 1, 5]])
     expected = _executor().expert_outputs(moe, x, ids, out=torch.zeros(3, 64),
-                                          host=HostRouting(x, ids, None, cpu_rows=cpu_rows))
+                                          host=HostRouting(x, ids, None, cpu_width=cpu_width))
     executor, flag, out = _executor(), _Flag(), torch.full((3, 64), float("nan"))
-    executor.host_share(moe, HostRouting(x, ids, flag, zero_copy=zero_copy, cpu_rows=cpu_rows), out)
+    executor.host_share(moe, HostRouting(x, ids, flag, zero_copy=zero_copy, cpu_width=cpu_width), out)
     assert flag.waited == 1
     on_cpu = 3 - zero_copy
     torch.testing.assert_close(out[:on_cpu], expected[:on_cpu], rtol=0, atol=0)
     assert out[on_cpu:].isnan().all()  # the GPU's rows are left alone
     s = executor.stats
     assert (s.cpu_experts, s.zero_copy_experts, s.selections) == (on_cpu, zero_copy, 3)
-    assert s.split_experts == (on_cpu if cpu_rows else 0)
+    assert s.split_experts == (on_cpu if cpu_width else 0)
     assert executor.selections[0].tolist() == [0, 1, 0, 0, 1, 1]
 
 
@@ -138,9 +138,9 @@ def _packed_executor():
     return OffloadExecutor({0: bank}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []))
 
 
-@pytest.mark.parametrize("zero_copy, cpu_rows, resident", [(0, 0, False), (1, 0, False), (0, 64, False),
+@pytest.mark.parametrize("zero_copy, cpu_width, resident", [(0, 0, False), (1, 0, False), (0, 64, False),
                                                            (0, 0, True)])
-def test_a_host_plan_is_host_share_prepared_once(zero_copy, cpu_rows, resident):
+def test_a_host_plan_is_host_share_prepared_once(zero_copy, cpu_width, resident):
     """The host's side of a captured step, prepared at capture: each call reads the routing buffers as they are
     then (the graph rewrites them every layer) and computes and counts what host_share does."""
     moe = type("Moe", (), {"layer": 0})()
@@ -152,7 +152,7 @@ def test_a_host_plan_is_host_share_prepared_once(zero_copy, cpu_rows, resident):
             executor.set_placement([[e == 4 for e in range(6)]])
     plan_out, share_out = torch.full((3, 64), float("nan")), torch.full((3, 64), float("nan"))
     flag = _Flag()
-    plan = planned.host_plan(moe, HostRouting(x, ids, flag, zero_copy=zero_copy, cpu_rows=cpu_rows), plan_out)
+    plan = planned.host_plan(moe, HostRouting(x, ids, flag, zero_copy=zero_copy, cpu_width=cpu_width), plan_out)
     assert not isinstance(plan, functools.partial)  # prepared, not host_share again
     g = torch.Generator().manual_seed(2)
     for step in range(3):
@@ -160,7 +160,7 @@ def test_a_host_plan_is_host_share_prepared_once(zero_copy, cpu_rows, resident):
         ids.copy_(torch.randperm(6, generator=g)[:3].sort().values)
         plan()
         assert flag.waited == step + 1
-        shared.host_share(moe, HostRouting(x.clone(), ids.clone(), _Flag(), zero_copy=zero_copy, cpu_rows=cpu_rows),
+        shared.host_share(moe, HostRouting(x.clone(), ids.clone(), _Flag(), zero_copy=zero_copy, cpu_width=cpu_width),
                           share_out)
         on_cpu = 3 - zero_copy
         rows = [r for r in range(on_cpu) if not (resident and int(ids[0, r]) == 4)]  # the GPU's are left alone

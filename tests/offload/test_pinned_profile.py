@@ -25,7 +25,7 @@ def test_a_pinned_profile_sends_every_offloaded_expert_to_the_cpu_and_hands_batc
     for loads in ({e: 1 for e in range(top_k)}, {0: 3, 1: 40, 2: 1}, {e: 512 for e in range(experts)}):
         on_cpu, to_copy = executor.decide(loads)
         assert sorted(on_cpu) == sorted(loads) and not to_copy, loads
-    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_rows(top_k) == 0
+    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_width(top_k) == 0
     assert executor.resident_to_cpu({0: 1, 1: 2}) == []
 
     # What engine.generation.cuda_graphs asks before handing a batch-1 step to the host, as on a GPU (the
@@ -88,6 +88,6 @@ def test_a_lone_tokens_experts_stay_on_the_cpu_once_the_profile_measured_its_zer
     assert executor.decide(lone) == (sorted(lone), [])
     on_cpu, to_copy = executor.decide({0: 3, 1: 40, 2: 1})
     assert not on_cpu and sorted(to_copy) == [0, 1, 2]
-    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_rows(top_k) == 0  # nothing beat the CPU
+    assert executor.zero_copy_ranks(top_k) == 0 and executor.split_width(top_k) == 0  # nothing beat the CPU
     executor.simulated = False
     assert all(executor.host_only(layer, 1, top_k) for layer in executor.banks)

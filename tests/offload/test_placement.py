@@ -561,17 +561,17 @@ def test_zero_copy_ranks_take_the_fastest_measured_split():
 
 def test_rows_split_when_they_beat_whole_experts():
     """Mixtral's top-2: one whole expert over PCIe takes longer than both on the CPU, a quarter of every
-    expert's rows does not (split_rows_ms); the fastest option wins, whole experts or rows, never both."""
+    expert's rows does not (split_width_ms); the fastest option wins, whole experts or rows, never both."""
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.assignment import lone_token_split, split_rows, zero_copy_ranks
+    from moedesk.engine.offload.assignment import lone_token_split, split_width, zero_copy_ranks
 
     def measured(split_ms, rows_ms, top_k=2):
-        return SimpleNamespace(zero_copy_split_ms=split_ms, zero_copy_top_k=top_k, split_rows_ms=rows_ms)
+        return SimpleNamespace(zero_copy_split_ms=split_ms, zero_copy_top_k=top_k, split_width_ms=rows_ms)
 
     mixtral = measured((1.46, 2.1, 4.0), ((1792, 1.3), (3584, 1.1), (5376, 1.2)))
     assert lone_token_split(2, mixtral) == (0, 3584)
-    assert (zero_copy_ranks(2, mixtral), split_rows(2, mixtral)) == (0, 3584)
+    assert (zero_copy_ranks(2, mixtral), split_width(2, mixtral)) == (0, 3584)
     assert lone_token_split(2, measured((1.46, 1.0, 4.0), ((3584, 1.1),))) == (1, 0)  # a whole expert was faster
     assert lone_token_split(2, measured((1.46, 2.1), ((3584, 1.42),))) == (0, 0)  # under 5% faster
     assert lone_token_split(8, mixtral) == (0, 0)  # measured for another top_k

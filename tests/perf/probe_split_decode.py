@@ -1,6 +1,6 @@
 """Probe (GPU box; python3 tests/perf/probe_split_decode.py [--formats q4_0,bf16] [--define NAME=-DFLAG ...]
 [--threads 16,12]): at one token, how much do the CPU's and the GPU's shares of a row split
-(`OffloadExecutor.row_split`) slow each other, packed against bf16?
+(`OffloadExecutor.width_split`) slow each other, packed against bf16?
 
 Per configuration (format, build of kernels/cpu_quant.c for the packed formats, CPU threads) and GPU share r (the
 last r of F intermediate rows of a token's two Mixtral experts): the CPU's rows alone, the GPU's alone
@@ -59,7 +59,7 @@ class Config:
         self.calls = 0
         self.mb = K * w.expert_bytes / 1e6
 
-    def run(self, gpu_rows, cpu, gpu, cpu_rows=None):
+    def run(self, gpu_rows, cpu, gpu, cpu_width=None):
         """ms until both are done, until the CPU's call returned, the GPU's kernels' own time"""
         first = (2 * self.calls) % (E - 1)
         self.calls += 1
@@ -67,7 +67,7 @@ class Config:
         if self.lib is not None:
             cpu_quant.use_library(self.lib)
         use_threads(self.threads or cpu_experts.default_num_threads())
-        rows = cpu_rows or (F - gpu_rows if gpu_rows else None)
+        rows = cpu_width or (F - gpu_rows if gpu_rows else None)
         torch.cuda.synchronize()
         t = time.perf_counter()
         if gpu:
@@ -104,8 +104,8 @@ def main():
             for threads in (int(t) for t in args.threads.split(",")):
                 configs.append(Config(fmt, w, build, lib, threads, dev, x))
     rows = [int(r) for r in args.gpu_rows.split(",")]
-    if args.cpu_rows:
-        kinds = [(f"cpu {c}", 0, True, False, int(c)) for c in args.cpu_rows.split(",")]
+    if args.cpu_width:
+        kinds = [(f"cpu {c}", 0, True, False, int(c)) for c in args.cpu_width.split(",")]
     else:
         kinds = [("cpu", 0, True, False, None)] + [(f"{kind} {r}", r, kind != "gpu", kind != "cpu", None)
                                                    for r in rows for kind in ("cpu", "gpu", "both")]
@@ -122,7 +122,7 @@ def main():
     summary = []
     for c in configs:
         m = {name: med[c.label, name] for name, *_ in kinds}
-        if args.cpu_rows:
+        if args.cpu_width:
             fit = [(c.mb * int(name.split()[1]) / F, m[name][0]) for name, *_ in kinds]
             slope, cost = fit_line(fit)
             print(f"{c.label}, the CPU alone: " + ", ".join(f"{name[4:]} rows {m[name][0]:.3f}" for name, *_ in kinds)

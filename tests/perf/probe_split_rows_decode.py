@@ -1,5 +1,5 @@
 """Probe (GPU box; python3 tests/perf/probe_split_rows_decode.py [--formats q4_0,dense] [--rounds 3]): at one token,
-how fast does whole decode run with the GPU taking each share of every expert's rows (`OffloadExecutor.row_split`),
+how fast does whole decode run with the GPU taking each share of every expert's rows (`OffloadExecutor.width_split`),
 and does the start-up profile's pick (engine.offload.assignment.lone_token_split) land on the fastest?
 
 Per format one synthetic model (by default the mixtral-8x7b shape, 8 layers; GPU budget 0), profiled as
@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from moedesk.bench.synthetic import measure_decode, prepare_synthetic  # noqa: E402
 from moedesk.engine.offload.assignment import RememberedSplit, assign_offloaded, lone_token_split  # noqa: E402
-from moedesk.engine.offload.profiler import split_row_candidates  # noqa: E402
+from moedesk.engine.offload.profiler import split_width_candidates  # noqa: E402
 
 
 def main():
@@ -40,15 +40,15 @@ def main():
         bank = next(iter(bench.banks.values()))
         benches[fmt] = bench
         decide = bench.executor.decide
-        policies.append((fmt, "model", bench.executor.split_rows, decide))
+        policies.append((fmt, "model", bench.executor.split_width, decide))
         # The per-step rule without assignment.lone_token_measured (the profile's streaming forgotten): a lone token
         # priced from the latency model's costs, which may copy one of its experts (and then the step is not handed to
         # the host whole). Before a1c768e those costs timed each CPU expert in a call of its own.
         unmeasured[fmt] = replace(bench.orchestra.costs, zero_copy_split_ms=())
-        policies.append((fmt, "model, priced", bench.executor.split_rows,
+        policies.append((fmt, "model, priced", bench.executor.split_width,
                          RememberedSplit(lambda loads, c=unmeasured[fmt]: assign_offloaded(loads, c))))
         policies.append((fmt, "cpu only", lambda k: 0, lambda loads: (sorted(loads), [])))
-        for rows in [0] + split_row_candidates(bank, most=args.most):
+        for rows in [0] + split_width_candidates(bank, most=args.most):
             policies.append((fmt, f"rows {rows}", lambda k, rows=rows: rows, decide))
     runs = {(fmt, name): [] for fmt, name, *_ in policies}
     copied = {key: [] for key in runs}
@@ -57,10 +57,10 @@ def main():
             fmt, name, rows, decide = policies[(j + r) % len(policies)]
             bench = benches[fmt]
             ex = bench.executor
-            kept = ex.split_rows, ex.decide
-            ex.split_rows, ex.decide = rows, decide
+            kept = ex.split_width, ex.decide
+            ex.split_width, ex.decide = rows, decide
             res = measure_decode(bench.model, ex, bench.cfg, bench.device, bench.dtype, 1, args.tokens, seed=100 * r)
-            ex.split_rows, ex.decide = kept
+            ex.split_width, ex.decide = kept
             runs[(fmt, name)].append(res.tok_s)
             copied[(fmt, name)].append(ex.stats.copied_experts / (args.tokens - 2))
     out = os.environ.get("OUT", "/tmp")
@@ -68,7 +68,7 @@ def main():
     for fmt, bench in benches.items():
         costs = bench.orchestra.costs
         prof = bench.profile
-        report[fmt] = {"split_rows_ms": dict(costs.split_rows_ms), "zero_copy_split_ms": list(costs.zero_copy_split_ms),
+        report[fmt] = {"split_width_ms": dict(costs.split_width_ms), "zero_copy_split_ms": list(costs.zero_copy_split_ms),
                        "pick": lone_token_split(bench.cfg.num_experts_per_tok, costs),
                        "priced_rule_copies": len(assign_offloaded(
                            {e: 1 for e in range(bench.cfg.num_experts_per_tok)}, unmeasured[fmt]).copy),
@@ -78,7 +78,7 @@ def main():
     json.dump(report, open(f"{out}/split_rows_decode.json", "w"), indent=1)
     for fmt, rep in report.items():
         alone = rep["zero_copy_split_ms"][0] if rep["zero_copy_split_ms"] else float("nan")
-        times = " ".join(f"{r}:{ms:.3f}" for r, ms in rep["split_rows_ms"].items())
+        times = " ".join(f"{r}:{ms:.3f}" for r, ms in rep["split_width_ms"].items())
         print(f"{fmt}: read {rep['cpu_read_gbs']:.0f} GB/s; profile ms a layer: CPU alone {alone:.3f}, rows {times}; "
               f"pick {rep['pick']}; the priced rule copies {rep['priced_rule_copies']} of a lone token's experts")
         print(f"  {'policy':<15}{'tok/s':>8}{'copied':>8}  runs")

@@ -1,6 +1,6 @@
 """How fast the GPU reads a packed expert's rows straight from pinned RAM (kernels.gpu_zero_copy) per tile shape.
 
-The row split (OffloadExecutor.row_split) pays only if the GPU's share crosses PCIe near the link's speed; bf16's
+The row split (OffloadExecutor.width_split) pays only if the GPU's share crosses PCIe near the link's speed; bf16's
 dense kernels do, this times the packed one's tiles. Mixtral-8x7B expert shape, two experts a try (fresh ones each
 try, as decode reads them), the last `--rows` intermediate rows of each. Prints GB/s of packed bytes per tile:
 

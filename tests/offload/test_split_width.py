@@ -1,5 +1,5 @@
 """A lone token's experts split by rows: the host computes each expert's first intermediate rows
-(HostRouting.cpu_rows), the GPU the rest from pinned RAM (OffloadExecutor.zero_copy_rows), and their sum is the
+(HostRouting.cpu_width), the GPU the rest from pinned RAM (OffloadExecutor.zero_copy_width), and their sum is the
 expert. Here both halves run on the CPU (the GPU kernel under Triton's interpreter, as tests/conftest.py
 sets it where there is no GPU); tests/model/test_gpu_equivalence.py runs the split inside the decode graphs."""
 import os
@@ -9,7 +9,7 @@ import torch
 
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.offload_executor import OffloadExecutor
-from moedesk.engine.offload.profiler import split_row_candidates
+from moedesk.engine.offload.profiler import split_width_candidates
 from moedesk.kernels.experts import reference_routed
 
 pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
@@ -32,14 +32,14 @@ def test_host_rows_plus_zero_copy_rows_are_the_experts(fmt):
     from tests.kernels.test_gpu_quant_kernel import assert_close
 
     bank = _bank(fmt)
-    cpu_rows = bank.width - split_row_candidates(bank)[-1]
+    cpu_width = bank.width - split_width_candidates(bank)[-1]
     executor = OffloadExecutor({0: bank}, [[False] * 6], "cpu", lambda loads: ([], sorted(loads)))  # would copy all
     moe = type("Moe", (), {"layer": 0})()
     x, ids = torch.randn(1, bank.hidden, generator=torch.Generator().manual_seed(1)), torch.tensor([[1, 4]])
     host_part = executor.expert_outputs(moe, x, ids, out=torch.zeros(2, bank.hidden),
-                                        host=HostRouting(x, ids, None, cpu_rows=cpu_rows))
+                                        host=HostRouting(x, ids, None, cpu_width=cpu_width))
     gpu_part = torch.zeros(2, bank.hidden)
-    executor.zero_copy_rows(moe, x, ids, cpu_rows, gpu_part)
+    executor.zero_copy_width(moe, x, ids, cpu_width, gpu_part)
     whole = reference_routed(x, ids.view(-1), 2, None, bank, torch.zeros(2, bank.hidden))
     # The packed CPU kernel rounds its inputs to int8 (tests/kernels/test_cpu_quant_kernel.py): ~1% off.
     assert_close(host_part + gpu_part, whole.double(), 5e-2 if fmt else 1e-4, 2e-2 if fmt else 1e-5)
@@ -50,15 +50,15 @@ def test_host_rows_plus_zero_copy_rows_are_the_experts(fmt):
 
 def test_the_simulated_tier_never_splits():
     executor = OffloadExecutor({0: _bank(None)}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []),
-                               zero_copy_ranks=lambda k: 0, split_rows=lambda k: 32)
-    assert executor.row_split(0, 1, 2) == 0
+                               zero_copy_ranks=lambda k: 0, split_width=lambda k: 32)
+    assert executor.width_split(0, 1, 2) == 0
 
 
 def test_split_candidates_leave_the_cpu_whole_granules():
     from types import SimpleNamespace
 
     mixtral_q4_0 = SimpleNamespace(width=14336, packed=True, down_format="q4_0")
-    assert split_row_candidates(mixtral_q4_0) == [896 * i for i in range(1, 9)]  # sixteenths up to half
+    assert split_width_candidates(mixtral_q4_0) == [896 * i for i in range(1, 9)]  # sixteenths up to half
     qwen3_q4_k = SimpleNamespace(width=768, packed=True, down_format="q6_k")  # 256-weight blocks: 3 per row
-    assert split_row_candidates(qwen3_q4_k) == [256]
-    assert split_row_candidates(SimpleNamespace(width=48, packed=False)) == [16]  # the CPU keeps 32 rows
+    assert split_width_candidates(qwen3_q4_k) == [256]
+    assert split_width_candidates(SimpleNamespace(width=48, packed=False)) == [16]  # the CPU keeps 32 rows
