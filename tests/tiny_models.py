@@ -76,9 +76,15 @@ ARCHS = {
         v_head_dim=12, num_key_value_heads=4, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # GLM-4.7-Flash's MLA (the DeepSeek-V3 form, plain RoPE) with its dense layers named in mlp_layer_types.
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        MOE, n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
+        q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+        num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 # Parameters the reference initialises to zeros (or ones) that would leave a switch untested: drawn at random.
-RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "deepseek_v3": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
+RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "deepseek_v3": ("e_score_correction_bias",),
+              "glm4_moe_lite": ("e_score_correction_bias",), "gpt_oss": ("sinks", "bias")}
 
 
 def train_tokenizer(special_tokens: tuple[str, ...] = ()):

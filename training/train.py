@@ -439,8 +439,6 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
               dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Teacher-forced forwards (batches of similar length, right-padded) keeping the hidden states `keys`
     (concatenated, in `dtype`) at every position."""
-    from moedesk.engine.model.cache.kv import KVCache
-
     out: list[torch.Tensor | None] = [None] * len(seqs)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     done = 0
@@ -452,7 +450,7 @@ def _features(engine, seqs: list[list[int]], batch: int, progress: Progress | No
             tokens[row, :len(seqs[i])] = torch.tensor(seqs[i])
         positions = torch.arange(longest).expand(len(group), longest)
         last = torch.tensor([len(seqs[i]) - 1 for i in group])
-        cache = KVCache(engine.config, len(group), longest, engine.dtype, engine.device)
+        cache = engine.model.new_cache(len(group), longest, engine.dtype, engine.device)
         # logits_at: one row of logits instead of [B, T, vocab], and the padding skips the experts
         _, hidden = engine.model(tokens.to(engine.device), positions.to(engine.device), cache, engine.executor,
                                  logits_at=last.to(engine.device), features=keys)
@@ -671,13 +669,11 @@ def _fit_fc(head: EagleHead, data: "DraftData", embed: torch.Tensor, ridge: floa
 
 def _scales(engine, sample_ids) -> tuple[float, float, float]:
     """RMS of the final feature, of the residual stream entering the last layer, and of a token embedding."""
-    from moedesk.engine.model.cache.kv import KVCache
-
     c = engine.config
     ids = list(sample_ids or range(1, 33))[:256]
     tokens = torch.tensor([ids], device=engine.device)
     positions = torch.arange(len(ids), device=engine.device)[None]
-    cache = KVCache(c, 1, len(ids), engine.dtype, engine.device)
+    cache = engine.model.new_cache(1, len(ids), engine.dtype, engine.device)
     _, hidden = engine.model(tokens, positions, cache, engine.executor, features=(c.num_layers - 1, "final"))
     rms = lambda x: float(x.float().pow(2).mean(-1).sqrt().mean())  # noqa: E731
     return rms(hidden["final"]), rms(hidden[c.num_layers - 1]), rms(engine.model.embed.weight[tokens[0]])

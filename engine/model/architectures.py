@@ -63,6 +63,10 @@ ARCHITECTURES = {
                      partial_rotary=True, delta_net=True),
         Architecture("qwen3_5_moe", moe_block="mlp", shared_expert=True, qk_norm="head", norm_topk_prob_default=True,
                      partial_rotary=True, delta_net=True),
+        # GLM-4.7-Flash: DeepSeek-V3's attention and routing; its dense layers listed in mlp_layer_types.
+        Architecture("glm4_moe_lite", moe_block="mlp", shared_expert=True, num_experts_key="n_routed_experts",
+                     norm_topk_prob_default=True, shared_expert_name="shared_experts", router="sigmoid",
+                     latent_attention=True),
         Architecture("gpt_oss", moe_block="mlp", num_experts_key="num_local_experts",
                      expert_width_key="intermediate_size", attention_bias=True, router="topk_softmax",
                      router_name="router"),
@@ -184,6 +188,12 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if "first_k_dense_replace" in hf:  # DeepSeek-V3, GLM-4.x: the first k layers are dense
         dense = count("first_k_dense_replace", hf["first_k_dense_replace"], minimum=0)
         moe_layers = tuple(moe and i >= dense for i, moe in enumerate(moe_layers))
+    if "mlp_layer_types" in hf:  # GLM-4.7-Flash: "dense" or "sparse" for each layer
+        kinds = hf["mlp_layer_types"]
+        if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= {"dense", "sparse"}:
+            raise CheckpointError(path, f"config mlp_layer_types must list dense or sparse for each of the {layers} "
+                                        f"layers, got {_show(kinds)}")
+        moe_layers = tuple(moe and kind == "sparse" for moe, kind in zip(moe_layers, kinds))
     intermediate = count("intermediate_size", hf.get("intermediate_size") or 0, minimum=0)
     if intermediate == 0 and not all(moe_layers):
         raise CheckpointError(path, "config intermediate_size must be >= 1 for a model with dense MLP layers")

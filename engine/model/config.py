@@ -72,8 +72,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     mtp_layers: int = 0  # checkpoint layers after the last one, for multi-token prediction: not loaded
-    # DeepSeek-V3's latent attention (engine.model.mla); kv_lora_rank 0: ordinary attention. head_dim is then the
-    # query/key width (nope + rope dims) and num_kv_heads num_heads: the plain form caches every head's key.
+    # Latent attention (engine.model.mla: DeepSeek-V3, GLM-4.7-Flash); kv_lora_rank 0: ordinary attention. head_dim
+    # is then the query/key width (nope + rope dims) and num_kv_heads num_heads; the cache holds the latent.
     kv_lora_rank: int = 0
     q_lora_rank: int = 0  # 0: queries straight from the hidden state
     qk_rope_head_dim: int = 0

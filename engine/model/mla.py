@@ -1,11 +1,18 @@
-"""DeepSeek-V3's multi-head latent attention (MLA), in its plain form.
+"""Multi-head latent attention (MLA): DeepSeek-V3, Kimi-K2, GLM-4.7-Flash.
 
 Keys and values come from one compressed latent per token (kv_lora_rank dims, RMS-normed) through kv_b_proj,
 plus a rotary key part (qk_rope_head_dim dims) shared by every head; queries from an optional low-rank
-bottleneck. This plain form expands every head's key and value and keeps them in the ordinary KV cache (values
-zero-padded to the key width, so one cache shape holds both), as transformers' reference computes them. The
-latent cache (only kv_lora_rank + rope dims a token) and the absorbed form of decode are the model runner's
-cache kind (issue 41, item 0), not this module's.
+bottleneck. The cache keeps only the latent and the rotated shared key (engine.model.cache.positional.LatentCache:
+kv_lora_rank + qk_rope_head_dim values a token and layer, against 2 x heads x head_dim for the expanded keys and
+values), and each forward attends one of two ways, the same function of the weights:
+
+- expanded: kv_b_proj turns every cached latent into each head's key and value, then ordinary attention. Cheap
+  when a forward brings many tokens (a prompt): the expansion is paid once for all of them;
+- absorbed: kv_b_proj's key half is folded into the query (q_nope W_UK: a query in latent space) and its value half
+  into the output (the latent-space context times W_UV), so attention runs against the cached latents directly.
+  Cheap when few tokens attend a long cache (decode, a speculative verify): nothing is expanded per position.
+
+`absorb_pays` picks by counting multiply-adds; both read the same cache, so a sequence may switch at any step.
 """
 from __future__ import annotations
 
@@ -32,6 +39,18 @@ def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
 
 
+def absorb_pays(tokens: int, kv_len: int, cfg: ModelConfig) -> bool:
+    """Whether the absorbed form costs fewer multiply-adds (per row and head) than expanding the cache, for a
+    forward of `tokens` tokens a row attending `kv_len` positions. Expanding costs kv_len latents through kv_b_proj
+    plus attention at head width; absorbing costs each token's query and output through W_UK and W_UV plus
+    attention at latent width."""
+    rank, rope, v = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    nope = cfg.head_dim - rope
+    expanded = kv_len * rank * (nope + v) + tokens * kv_len * (nope + rope + v)
+    absorbed = tokens * (nope * rank + kv_len * (2 * rank + rope) + rank * v)
+    return absorbed < expanded
+
+
 class LatentAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -48,6 +67,7 @@ class LatentAttention(nn.Module):
         self.kv_a_norm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         self.wkv_b = nn.Linear(cfg.kv_lora_rank, heads * (nope + cfg.v_head_dim), bias=False)
         self.wo = nn.Linear(heads * cfg.v_head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.absorb: bool | None = None  # None: as absorb_pays decides; True / False: always (tests compare them)
 
     def fuse_projections(self) -> None:
         """Nothing to fuse: kept for the model's loop over its layers' attention."""
@@ -55,18 +75,48 @@ class LatentAttention(nn.Module):
     def forward(self, x, rope, cache, layer: int, batch):
         cfg = self.cfg
         B, T, _ = x.shape
-        heads, v_dim = cfg.num_heads, cfg.v_head_dim
         q = self.wq_b(self.q_a_norm(self.wq_a(x))) if cfg.q_lora_rank else self.wq(x)
-        q = q.view(B, T, heads, cfg.head_dim)
+        q_nope, q_rot = q.view(B, T, cfg.num_heads, cfg.head_dim).split([self.nope, cfg.qk_rope_head_dim], dim=-1)
         latent, k_rot = self.wkv_a(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        kv = self.wkv_b(self.kv_a_norm(latent)).view(B, T, heads, self.nope + v_dim)
-        k_nope, v = kv.split([self.nope, v_dim], dim=-1)
         turn = rope_pairs if cfg.rope_interleave else rope_halves
-        q = torch.cat([q[..., :self.nope], turn(q[..., self.nope:], *rope)], dim=-1)
-        k_rot = turn(k_rot.unsqueeze(2), *rope).expand(B, T, heads, cfg.qk_rope_head_dim)
-        k = torch.cat([k_nope, k_rot], dim=-1)
-        v = F.pad(v, (0, cfg.head_dim - v_dim))  # one cache width for keys and values
-        keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=batch.attention_mask(q.dtype), scale=cfg.attention_scale)
-        return self.wo(out[..., :v_dim].transpose(1, 2).reshape(B, T, -1))
+        q_rot = turn(q_rot, *rope)
+        k_rot = turn(k_rot.unsqueeze(2), *rope).squeeze(2)
+        stored = cache.write_and_read(layer, {"latent": self.kv_a_norm(latent), "rope": k_rot}, batch.rows,
+                                      batch.slots, batch.kv_len, batch.write_rows)
+        mask = batch.attention_mask(q.dtype)
+        absorb = absorb_pays(T, batch.kv_len, cfg) if self.absorb is None else self.absorb
+        attend = self.absorbed if absorb else self.expanded
+        out = attend(q_nope, q_rot, stored["latent"], stored["rope"], mask)  # [B, T, heads, v_head_dim]
+        return self.wo(out.reshape(B, T, -1))
+
+    def expanded(self, q_nope, q_rot, latent, k_rot, mask):
+        """Every cached position's keys and values expanded per head, then ordinary attention (the reference's
+        computation). q_nope/q_rot [B, T, H, *]; latent [B, L, rank]; k_rot [B, L, rope]."""
+        cfg = self.cfg
+        B, L = latent.shape[:2]
+        k_nope, v = self.wkv_b(latent).view(B, L, cfg.num_heads, -1).split([self.nope, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rot.unsqueeze(2).expand(B, L, cfg.num_heads, cfg.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([q_nope, q_rot], dim=-1)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                             attn_mask=mask, scale=cfg.attention_scale)
+        return out.transpose(1, 2)
+
+    def absorbed(self, q_nope, q_rot, latent, k_rot, mask):
+        """Attention against the cached latents: score = (q_nope W_UK_h) . latent + q_rot . k_rot, and the output
+        (softmax . latent) W_UV_h, with W_UK_h and W_UV_h head h's blocks of kv_b_proj (views, no copies).
+        The heads share one key, so each row's heads and tokens are the rows of one matrix product."""
+        cfg = self.cfg
+        B, T, H, _ = q_nope.shape
+        w = self.wkv_b.weight.view(H, self.nope + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
+        q_latent = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk).reshape(B, H * T, -1)
+        scores = torch.baddbmm(q_latent @ latent.transpose(1, 2),  # [B, H*T, L]: rows head-major
+                               q_rot.transpose(1, 2).reshape(B, H * T, -1), k_rot.transpose(1, 2))
+        scores = scores.view(B, H, T, -1) * (cfg.attention_scale or cfg.head_dim ** -0.5)
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:  # the additive mask ForwardBatch makes on CUDA
+            scores = scores + mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(latent.dtype)
+        context = probs.view(B, H * T, -1) @ latent  # [B, H*T, rank]
+        return torch.einsum("bhtc,hvc->bthv", context.view(B, H, T, -1), w_uv)

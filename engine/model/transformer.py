@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.model.cache.layers import LayerCaches
-from moedesk.engine.model.cache.positional import write_rows
+from moedesk.engine.model.cache.positional import LatentCache, write_rows
 from moedesk.engine.model.cache.recurrent import RecurrentState
 from moedesk.engine.model.delta_net import GatedDeltaNet, tree_parents
 from moedesk.engine.model.mla import LatentAttention
@@ -456,10 +456,14 @@ class Transformer(nn.Module):
         whose state the graphs do not capture."""
         return not self.cfg.is_recurrent
 
-    def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LayerCaches:
+    def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LatentCache | LayerCaches:
         """The cache this model's layers write and read, for `rows` sequences of `length` positions: keys and
-        values, and beside them a recurrent state for Gated DeltaNet layers (its matrix state in float32)."""
+        values, MLA's latent where the attention is latent, and beside them a recurrent state for Gated DeltaNet
+        layers (its matrix state in float32)."""
         cfg = self.cfg
+        if cfg.kv_lora_rank:
+            return LatentCache(range(cfg.num_layers), rows, length, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype,
+                               device)
         if not cfg.is_recurrent:
             return KVCache(cfg, rows, length, dtype, device)
         linear = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]

@@ -2,7 +2,6 @@
 import pytest
 import torch
 
-from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_last_logits, hf_model
@@ -21,7 +20,7 @@ def test_last_position_logits_match(pair):
     engine, ref = pair
     for prompt in PROMPTS:
         ids = engine.tokenizer.encode(prompt)
-        cache = KVCache(engine.config, 1, len(ids), torch.float32, "cpu")
+        cache = engine.model.new_cache(1, len(ids), torch.float32, "cpu")
         ours = engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0, -1]
         theirs = hf_last_logits(ref, ids)
         assert ((ours - theirs).norm() / theirs.norm()).item() < 1e-4

@@ -393,7 +393,7 @@ def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape)
     fmt = "mxfp4" if shape.startswith("gpt-oss") else "dense"
     model, banks = synthetic_model(small, torch.float32, "cpu", pinned=False, context=64, expert_format=fmt)
     assert all(not w.plain for w in banks.values()) == shape.startswith("gpt-oss")
-    cache = KVCache(small, 1, 12, torch.float32, "cpu")
+    cache = model.new_cache(1, 12, torch.float32, "cpu")
     logits = model(torch.arange(12)[None], torch.arange(12)[None], cache, LocalExecutor())
     assert logits.shape == (1, 12, 256) and torch.isfinite(logits).all()
 

@@ -83,8 +83,7 @@ def test_float32_logits_on_cuda(arch, tiny_checkpoint):
     engine = Engine.load(str(folder), device="cuda", dtype="float32")
     ref = hf_model(folder, torch.float32, "cuda")
     ids = engine.tokenizer.encode(PROMPTS[2])
-    from moedesk.engine.model.cache.kv import KVCache
-    cache = KVCache(engine.config, 1, len(ids), torch.float32, "cuda")
+    cache = engine.model.new_cache(1, len(ids), torch.float32, "cuda")
     ours = engine.model(torch.tensor([ids], device="cuda"), torch.arange(len(ids), device="cuda")[None], cache,
                         engine.executor)[0, -1].cpu()
     theirs = hf_last_logits(ref, ids)
@@ -136,8 +135,6 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
 
 def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
     """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
-    from moedesk.engine.model.cache.kv import KVCache
-
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:
         ids = resident.tokenizer.encode(prompt)
@@ -148,7 +145,7 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
             assert ours.token_ids == theirs.token_ids
             continue
         prefix = ids + theirs.token_ids[:k]
-        cache = KVCache(resident.config, 1, len(prefix), torch.bfloat16, "cuda")
+        cache = resident.model.new_cache(1, len(prefix), torch.bfloat16, "cuda")
         logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
                                 cache, resident.executor)[0, -1]
         assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"

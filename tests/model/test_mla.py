@@ -1,0 +1,187 @@
+"""Multi-head latent attention (engine.model.mla) with its latent cache: DeepSeek-V3's and GLM-4.7-Flash's.
+
+The cache holds kv_lora_rank + rope dims a token and layer; prompts attend expanded keys and values, decode
+attends the latents directly (the absorbed form). Against references nobody here wrote: transformers' greedy
+tokens and beam search on tiny random checkpoints; and against the model itself: speculation lossless at
+temperature 0, a draft tree verified in one pass equal to each branch run alone, the two forms of attention equal
+in float64.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moedesk.engine.model import mla
+from moedesk.engine.model.cache.positional import LatentCache
+from moedesk.engine.model.transformer import ForwardBatch, Rotary
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.reference import hf_greedy, hf_model
+
+PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 4, "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    made = {}
+
+    def get(arch):
+        if arch not in made:
+            made[arch] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
+        return made[arch]
+
+    yield get
+    for engine in made.values():
+        engine.scheduler.close()
+
+
+def count_forms(monkeypatch) -> dict[str, int]:
+    """How many layer forwards took each form from here on."""
+    calls = {"expanded": 0, "absorbed": 0}
+    for form in calls:
+        original = getattr(mla.LatentAttention, form)
+
+        def counted(self, *args, _form=form, _original=original):
+            calls[_form] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(mla.LatentAttention, form, counted)
+    return calls
+
+
+def test_the_cache_holds_the_latent_and_rope_dims_a_token_and_layer(engines):
+    engine = engines("deepseek_v3")
+    cfg = engine.config
+    list(engine.generate([Request(engine.tokenizer.encode(PROMPTS[1]), SamplingParams(max_new_tokens=4,
+                                                                                       temperature=0))]))
+    cache = engine.cache
+    expected = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * cfg.num_layers * 4  # float32
+    assert isinstance(cache, LatentCache) and cache.bytes_per_position() == expected
+    per_token = cache.nbytes() / (cache.rows * cache.length)
+    assert abs(per_token / expected - 1) < 0.05
+    plain = 2 * cfg.num_heads * cfg.head_dim * cfg.num_layers * 4  # every head's key and value
+    assert per_token < plain / 4
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_greedy_tokens_over_many_decode_steps_are_transformers(arch, engines, tiny_checkpoint, monkeypatch):
+    """Prompts of 1 to 40-odd tokens, two rows at a time (one reused mid-run), 40 tokens each: prompts expand the
+    cache, every decode step after them attends the latents directly."""
+    engine = engines(arch)
+    forms = count_forms(monkeypatch)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_new_tokens=NEW, temperature=0)
+    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)],
+                                                        batch_size=2)}
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    reference = hf_model(tiny_checkpoint(arch))
+    for i, p in enumerate(prompts):
+        assert done[i] == hf_greedy(reference, p, NEW, eos), i
+    assert max(map(len, done.values())) > 30
+    layers = engine.config.num_layers
+    assert forms["absorbed"] >= 30 * layers and forms["expanded"] >= layers
+
+
+def test_beam_search_forks_the_latent_cache_as_transformers_searches(engines, tiny_checkpoint):
+    from tests.generation.test_beam import hf_beam
+
+    engine = engines("deepseek_v3")
+    reference = hf_model(tiny_checkpoint("deepseek_v3"))
+    eos = set(engine.config.eos_token_ids) | engine.tokenizer.eos_token_ids
+    for text in (PROMPTS[1], "Hi"):
+        ids = engine.tokenizer.encode(text)
+        for beams in (2, 4):
+            assert engine.beam_search(ids, beams=beams, max_new_tokens=10).token_ids == hf_beam(
+                reference, ids, beams, 10, eos), (text, beams)
+
+
+def test_speculation_is_lossless_at_temperature_0(engines):
+    """Oracle drafts (the model's own continuation, 30% corrupted): chains and trees, one row and three, accepted
+    nodes off the first child compacted in the latent cache, rejected ones leaving no trace."""
+    from moedesk.engine.speculative.oracle_drafter import oracle_factory
+    from moedesk.engine.speculative.verification import Speculator
+
+    engine = engines("deepseek_v3")
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    requests = [Request(engine.tokenizer.encode(p), params, tag=i) for i, p in enumerate(PROMPTS)]
+    expected = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
+    factory = oracle_factory(expected, 0.3, engine.vocab_size, seed=1)
+    for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
+        for batch in (requests[:1], requests):
+            sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length,
+                            engine.config.eos_token_ids, engine.tokenizer)
+            done, _ = sp.run(batch, engine.executor, factory, mode=mode, draft_length=4, draft_width=width,
+                             budget=budget)
+            for c, want in zip(done, expected):
+                assert c.token_ids == want, (mode, len(batch), c.tag)
+            spec = done[0].stats["speculative"]
+            assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]
+
+
+def run(engine, cache, ids, start, **kw):
+    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
+    return engine.model(torch.tensor([ids]), positions, cache, engine.executor, **kw)
+
+
+@pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
+def test_a_tree_in_one_pass_equals_each_branch_alone(engines, absorb, monkeypatch):
+    """Root r at position p, children a and b both at p + 1, a's child c at p + 2, in slots p..p+3 of the latent
+    cache; each node sees the prompt and its ancestors only. Either form of attention."""
+    engine = engines("deepseek_v3")
+    for block in engine.model.layers:
+        monkeypatch.setattr(block.attn, "absorb", absorb)
+    prompt = engine.tokenizer.encode("hello world over the lazy")
+    p = len(prompt)
+    r, a, b, c = 5, 17, 23, 42
+    tree_cache = engine.model.new_cache(1, 32, torch.float32, "cpu")
+    run(engine, tree_cache, prompt, 0)
+    parents = [-1, 0, 0, 1]
+    seen = torch.zeros(4, 4, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        seen[node] = seen[parent] if parent >= 0 else False
+        seen[node, node] = True
+    mask = torch.cat([torch.ones(4, p, dtype=torch.bool), seen], dim=1).view(1, 1, 4, p + 4)
+    tree = engine.model(torch.tensor([[r, a, b, c]]), torch.tensor([[p, p + 1, p + 1, p + 2]]), tree_cache,
+                        engine.executor, mask=mask, slots=torch.arange(p, p + 4).unsqueeze(0))[0]
+    for branch, nodes in (([r, a, c], [0, 1, 3]), ([r, b], [0, 2])):
+        cache = engine.model.new_cache(1, 32, torch.float32, "cpu")
+        run(engine, cache, prompt, 0)
+        torch.testing.assert_close(tree[nodes], run(engine, cache, branch, p)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_absorbed_form_computes_the_expanded_one(engines):
+    """In float64, on several rows of a cache at different lengths, with a query bottleneck and without: the
+    absorbed attention equals the expanded one to rounding."""
+    base = engines("deepseek_v3").config
+    for cfg in (base, dataclasses.replace(base, q_lora_rank=0, rope_interleave=False)):
+        torch.manual_seed(0)
+        attn = mla.LatentAttention(cfg).double()
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.normal_(0, 0.3)
+        rotary = Rotary(cfg, 64)
+        cache = LatentCache([0], 3, 40, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float64, "cpu")
+        rows = torch.tensor([2, 0])
+        prompt = torch.randn(2, 30, cfg.hidden_size, dtype=torch.float64)
+        positions = torch.arange(30).expand(2, 30)
+        attn(prompt, rotary(positions, torch.float64), cache, 0, ForwardBatch(positions, rows, None))
+        new = torch.randn(2, 3, cfg.hidden_size, dtype=torch.float64)
+        positions = torch.tensor([[30, 31, 32], [20, 21, 22]])  # row 0 continues shorter: a stale tail masked
+        outs = {}
+        for form in (True, False):
+            attn.absorb = form
+            outs[form] = attn(new, rotary(positions, torch.float64), cache, 0, ForwardBatch(positions, rows, None))
+        torch.testing.assert_close(outs[True], outs[False], atol=1e-10, rtol=1e-10)
+
+
+def test_absorbing_pays_for_few_tokens_against_a_long_cache():
+    from moedesk.engine.load.synthetic import SHAPES
+
+    v3 = SHAPES["deepseek-v3"]
+    assert mla.absorb_pays(1, 512, v3) and mla.absorb_pays(8, 8192, v3)  # decode, a speculative verify
+    assert not mla.absorb_pays(512, 512, v3)  # a prompt
+    assert not mla.absorb_pays(1, 1, v3)  # nothing cached yet: expanding one latent is cheaper
+
