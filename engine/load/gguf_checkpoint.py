@@ -41,6 +41,7 @@ _MODEL_TYPES = {
     "gpt-oss": (None, "gpt_oss"),
     "qwen3next": (None, "qwen3_next"),
     "qwen35moe": (None, "qwen3_5_moe"),
+    "deepseek2": (None, "deepseek_v3"),  # DeepSeek-V3/R1, Kimi-K2 and GLM-4.7-Flash: MLA, sigmoid routing
 }
 # Read natively only when the native engine is asked for: llama.cpp runs them faster until the native engine has a
 # kernel for their experts (gpt-oss's MXFP4 experts take the dequantising reference path).
@@ -50,7 +51,8 @@ NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES) - _ONLY_WHEN_ASKED
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}
+               "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+               "deepseek_v3": "DeepseekV3ForCausalLM"}
 # llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
 # rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -85,7 +87,17 @@ _LAYER_TENSORS = {
     "ssm_conv1d": "linear_attn.conv1d",
     "ssm_norm": "linear_attn.norm",
     "ssm_out": "linear_attn.out_proj",
+    # MLA (deepseek2): the query bottleneck, the latent's projection and norm, its expansion (older files whole)
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
+# Newer deepseek2 files split kv_b per head into K's part, transposed ([heads, rank, nope]), and V's ([heads, v,
+# rank]) for llama.cpp's absorbed attention; joined back into the Hub's kv_b_proj [heads * (nope + v), rank].
+_SPLIT_KV_B = ("attn_k_b", "attn_v_b")
 # Whole names whose Hub name is not module + kind: the sigmoid router's correction bias.
 _LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks",
                         "ssm_dt.bias": "linear_attn.dt_bias"}
@@ -176,9 +188,26 @@ class GGUFCheckpoint:
         hidden = self._arch_meta("embedding_length", int)
         heads = self._arch_meta("attention.head_count", int)
         kv_heads = self._arch_meta("attention.head_count_kv", int, heads)
+        if self.arch == "deepseek2":
+            return self._with_latent_attention(hidden, heads)
         head_dim = self._arch_meta("attention.key_length", int, hidden // heads)
         if self._arch_meta("attention.value_length", int, head_dim) != head_dim:
             raise UnsupportedModelError(self.path, "attention.value_length differs from attention.key_length")
+        config = self._common_config(model_type, hidden, heads, kv_heads)
+        if head_dim != hidden // heads:
+            config["head_dim"] = head_dim
+        rotary = self._arch_meta("rope.dimension_count", int, head_dim)
+        if rotary != head_dim:  # stated so that a loader that cannot run partial RoPE refuses it
+            config["partial_rotary_factor"] = rotary / head_dim
+        if (scaling := self._rope_scaling()) is not None:
+            config["rope_scaling"] = scaling
+        if (clip := self._arch_meta("attention.clamp_kqv", float, None)) is not None:
+            config["clip_qkv"] = clip  # OLMoE
+        if experts:
+            config.update(self._moe_config(model_type, experts))
+        return config
+
+    def _common_config(self, model_type: str, hidden: int, heads: int, kv_heads: int) -> dict:
         embeddings = self._tensors.get("token_embd.weight")
         vocab_size = self._arch_meta("vocab_size", int, None)
         if vocab_size is None:  # older files: the vocabulary's length, or the embedding's rows
@@ -186,7 +215,6 @@ class GGUFCheckpoint:
             vocab_size = len(tokens) if tokens else int(embeddings.shape[-1]) if embeddings is not None else None
         if vocab_size is None:
             raise CheckpointError(self.path, "GGUF file states no vocabulary size and has no token_embd.weight")
-
         config = {
             "architectures": [_HF_CLASSES[model_type]],
             "model_type": model_type,
@@ -208,17 +236,32 @@ class GGUFCheckpoint:
         }
         if (pad := self._meta("tokenizer.ggml.padding_token_id", int, None)) is not None:
             config["pad_token_id"] = pad
-        if head_dim != hidden // heads:
-            config["head_dim"] = head_dim
-        rotary = self._arch_meta("rope.dimension_count", int, head_dim)
-        if rotary != head_dim:  # stated so that a loader that cannot run partial RoPE refuses it
-            config["partial_rotary_factor"] = rotary / head_dim
+        return config
+
+    def _with_latent_attention(self, hidden: int, heads: int) -> dict:
+        """deepseek2's config: MLA's ranks and head widths, yarn with DeepSeek's softmax scale, the routing.
+        Newer files state the per-head widths as key/value_length_mla (key/value_length then being the latent's,
+        as llama.cpp attends it); older ones as key/value_length."""
+        experts = self._arch_meta("expert_count", int, 0)
+        rope = self._arch_meta("rope.dimension_count", int)
+        key = self._arch_meta("attention.key_length_mla", int, None) or self._arch_meta("attention.key_length", int)
+        value = self._arch_meta("attention.value_length_mla", int, None) or self._arch_meta("attention.value_length",
+                                                                                            int)
+        if key <= rope:
+            raise CheckpointError(self.path, f"GGUF key length {key} leaves no room beside {rope} rotary dims")
+        config = self._common_config("deepseek_v3", hidden, heads, heads)
+        config.update(kv_lora_rank=self._arch_meta("attention.kv_lora_rank", int),
+                      q_lora_rank=self._arch_meta("attention.q_lora_rank", int, 0) or None,
+                      qk_rope_head_dim=rope, qk_nope_head_dim=key - rope, v_head_dim=value, rope_interleave=True)
         if (scaling := self._rope_scaling()) is not None:
+            if scaling["rope_type"] == "yarn":
+                # llama.cpp's yarn_log_multiplier is 0.1 x the Hub's mscale_all_dim; with mscale equal to it the
+                # rotary tables stay unscaled and the softmax scale takes the whole factor, as llama.cpp computes.
+                all_dim = self._arch_meta("rope.scaling.yarn_log_multiplier", float, 0.0) / 0.1
+                if all_dim:
+                    scaling.update(mscale=all_dim, mscale_all_dim=all_dim)
             config["rope_scaling"] = scaling
-        if (clip := self._arch_meta("attention.clamp_kqv", float, None)) is not None:
-            config["clip_qkv"] = clip  # OLMoE
-        if experts:
-            config.update(self._moe_config(model_type, experts))
+        config.update(self._routed_config(experts, norm_default=False))
         return config
 
     def _rope_scaling(self) -> dict | None:
@@ -285,12 +328,22 @@ class GGUFCheckpoint:
         return moe
 
     def _glm4_moe_config(self, experts: int) -> dict:
-        gating = self._arch_meta("expert_gating_func", int, _SIGMOID_GATING)
-        if gating != _SIGMOID_GATING:
-            raise UnsupportedModelError(self.path, f"glm4moe with expert_gating_func {gating} (moedesk runs the "
-                                                   f"sigmoid gating, {_SIGMOID_GATING})")
         head_dim = self._arch_meta("attention.key_length", int,
                                    self._arch_meta("embedding_length", int) // self._arch_meta("attention.head_count", int))
+        return {
+            **self._routed_config(experts, norm_default=True),
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
+            # Said even when whole: a config.json without it means half (transformers' default for GLM-4.x).
+            "partial_rotary_factor": self._arch_meta("rope.dimension_count", int, head_dim) / head_dim,
+        }
+
+    def _routed_config(self, experts: int, norm_default: bool) -> dict:
+        """Sigmoid scores with a correction bias, group-limited top-k, shared experts, dense first layers (GLM-4.x,
+        DeepSeek-V3). norm_default: whether llama.cpp renormalises the top k where the file does not say."""
+        gating = self._arch_meta("expert_gating_func", int, _SIGMOID_GATING)
+        if gating != _SIGMOID_GATING:
+            raise UnsupportedModelError(self.path, f"{self.arch} with expert_gating_func {gating} (moedesk runs the "
+                                                   f"sigmoid gating, {_SIGMOID_GATING})")
         return {
             "n_routed_experts": experts,
             "num_experts_per_tok": self._arch_meta("expert_used_count", int),
@@ -298,13 +351,10 @@ class GGUFCheckpoint:
             "n_shared_experts": self._arch_meta("expert_shared_count", int, 0),
             "first_k_dense_replace": self._arch_meta("leading_dense_block_count", int, 0),
             "routed_scaling_factor": self._arch_meta("expert_weights_scale", float, 1.0),
-            "norm_topk_prob": self._arch_meta("expert_weights_norm", bool, True),
+            "norm_topk_prob": self._arch_meta("expert_weights_norm", bool, norm_default),
             "n_group": self._arch_meta("expert_group_count", int, 1),
             "topk_group": self._arch_meta("expert_group_used_count", int, 1),
             "num_nextn_predict_layers": self._mtp_layers(),
-            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
-            # Said even when whole: a config.json without it means half (transformers' default for GLM-4.x).
-            "partial_rotary_factor": self._arch_meta("rope.dimension_count", int, head_dim) / head_dim,
         }
 
     def _delta_net_config(self, experts: int) -> dict:
@@ -358,6 +408,7 @@ class GGUFCheckpoint:
         shared = ARCHITECTURES[model_type].shared_expert_name
         router = ARCHITECTURES[model_type].router_name
         self._joined_biases: dict[str, dict[str, str]] = {}  # Hub name -> {GGUF leaf: GGUF name}
+        self._joined_kv_b: dict[str, dict[str, str]] = {}  # likewise, kv_b_proj from attn_k_b and attn_v_b
         layers = self.config["num_hidden_layers"]
         expert_proj = _EXPERT_PROJ.get(model_type, _DEFAULT_EXPERT_PROJ)
         index = {}
@@ -390,6 +441,8 @@ class GGUFCheckpoint:
             elif expert is not None and leaf in ("ffn_gate", "ffn_up", "ffn_down"):
                 proj = expert_proj[leaf.removeprefix("ffn_")]
                 index[f"{prefix}{moe}.experts.{expert}.{proj}.{kind}"] = (name, None)
+            elif expert is None and leaf in _SPLIT_KV_B and kind == "weight":
+                self._joined_kv_b.setdefault(f"{prefix}self_attn.kv_b_proj.weight", {})[leaf] = name
             elif expert is None and f"{leaf}.{kind}" in _LAYER_TENSORS_WHOLE:
                 index[prefix + _LAYER_TENSORS_WHOLE[f"{leaf}.{kind}"]] = (name, None)
             elif expert is None and leaf in _LAYER_TENSORS:
@@ -399,7 +452,7 @@ class GGUFCheckpoint:
         return index
 
     def keys(self) -> list[str]:
-        return list(self._index) + list(self._joined_biases)
+        return list(self._index) + list(self._joined_biases) + list(self._joined_kv_b)
 
     def _joined(self, name: str) -> list[str]:
         parts = self._joined_biases[name]
@@ -407,6 +460,20 @@ class GGUFCheckpoint:
             raise CheckpointError(self.path, f"GGUF has {', '.join(sorted(parts.values()))} without its counterpart "
                                              f"(ffn_gate_exps.bias and ffn_up_exps.bias go together)")
         return [parts["ffn_gate_exps"], parts["ffn_up_exps"]]
+
+    def _split_kv_b(self, name: str) -> tuple[str, str]:
+        parts = self._joined_kv_b[name]
+        if set(parts) != set(_SPLIT_KV_B):
+            raise CheckpointError(self.path, f"GGUF has {', '.join(sorted(parts.values()))} without its counterpart "
+                                             f"(attn_k_b and attn_v_b go together)")
+        return parts["attn_k_b"], parts["attn_v_b"]
+
+    def _kv_b_shape(self, name: str) -> tuple[int, int]:
+        """kv_b_proj's Hub shape [heads * (nope + v), rank] from k_b [heads, rank, nope] and v_b [heads, v, rank]."""
+        k, v = (tuple(int(d) for d in reversed(self._tensors[n].shape)) for n in self._split_kv_b(name))
+        if len(k) != 3 or len(v) != 3 or k[0] != v[0] or k[1] != v[2]:
+            raise CheckpointError(self.path, f"GGUF attn_k_b {k} and attn_v_b {v} do not split one kv_b projection")
+        return k[0] * (k[2] + v[1]), k[1]
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor's shape in Hub layout, from the file's header alone (what parse_config checks the
@@ -418,12 +485,18 @@ class GGUFCheckpoint:
         for name in self._joined_biases:
             gate, up = (tuple(int(d) for d in reversed(self._tensors[n].shape)) for n in self._joined(name))
             shapes[name] = (gate[0], gate[1] + up[1])
+        for name in self._joined_kv_b:
+            shapes[name] = self._kv_b_shape(name)
         return shapes
 
     def get_tensor(self, name: str) -> torch.Tensor:
         """One tensor in Hub layout: float32 if it was quantized, else its stored dtype."""
         if name in self._joined_biases:
             return torch.cat([self._read(self._tensors[n], None) for n in self._joined(name)], dim=1)
+        if name in self._joined_kv_b:
+            shape = self._kv_b_shape(name)
+            k_b, v_b = (self._read(self._tensors[n], None) for n in self._split_kv_b(name))
+            return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(shape)
         gguf_name, expert = self._index[name]
         tensor = self._read(self._tensors[gguf_name], expert)
         leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
@@ -469,7 +542,7 @@ class GGUFCheckpoint:
     def packed_format(self, name: str) -> str | None:
         """The packed format (kernels.quant_formats) a tensor is stored in, when its blocks can be computed
         from as they are; None for float tensors and other quantisations (those are dequantised)."""
-        if name in self._joined_biases:
+        if name in self._joined_biases or name in self._joined_kv_b:
             return None
         gguf_name, _ = self._index[name]
         fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))

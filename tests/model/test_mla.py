@@ -185,3 +185,61 @@ def test_absorbing_pays_for_few_tokens_against_a_long_cache():
     assert not mla.absorb_pays(512, 512, v3)  # a prompt
     assert not mla.absorb_pays(1, 1, v3)  # nothing cached yet: expanding one latent is cheaper
 
+
+# --- deepseek2 GGUF, as llama.cpp's converter writes it ---------------------------------------------------------
+
+def _whole_kv_b(cfg, tensors):
+    """An older converter's tensors: kv_b_proj whole (attn_kv_b), not split into attn_k_b and attn_v_b."""
+    from tests.gguf_from_hf import _renamed_correction_bias, _stack_experts
+
+    yield from _renamed_correction_bias(_stack_experts(tensors)).items()
+
+
+def _older_widths_and_yarn(w, cfg):
+    """An older file's head widths (key/value_length per head, no *_mla keys), and DeepSeek-V3's yarn as llama.cpp's
+    converter writes it: the factor, the original context, 0.1 x mscale_all_dim as the log multiplier."""
+    import gguf
+
+    from tests.gguf_from_hf import _routed_metadata
+
+    rope = cfg["rope_parameters"]
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(cfg["qk_rope_head_dim"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_q_lora_rank(cfg["q_lora_rank"])
+    w.add_kv_lora_rank(cfg["kv_lora_rank"])
+    w.add_key_length(cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"])
+    w.add_value_length(cfg["v_head_dim"])
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    _routed_metadata(w, cfg)
+
+
+@pytest.mark.parametrize("variant", ["split-kv-b", "whole-kv-b-yarn"])
+def test_deepseek2_gguf_runs_natively_with_transformers_tokens(variant, tmp_path, monkeypatch):
+    """tests/gguf_from_hf.py's deepseek2 file (attn_kv_a_mqa, attn_k_b/attn_v_b, attn_q_a/q_b, exp_probs_b...) and
+    an older converter's (attn_kv_b whole, per-head widths in key/value_length) with DeepSeek-V3's yarn: engine
+    "auto" runs them natively, with the safetensors' config and transformers' greedy tokens."""
+    from tests import gguf_from_hf
+
+    if variant != "split-kv-b":
+        family = gguf_from_hf.FAMILIES["deepseek2"]
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.7}
+        monkeypatch.setitem(gguf_from_hf.FAMILIES, "deepseek2", dataclasses.replace(
+            family, config=dict(family.config, rope_parameters=yarn), metadata=_older_widths_and_yarn,
+            tensors=_whole_kv_b))
+    built = gguf_from_hf.build("deepseek2", tmp_path / "deepseek2")
+    engine = Engine.load(str(built.gguf), device="cpu", dtype="float32")
+    ours = Engine.load(str(built.folder), device="cpu", dtype="float32")
+    assert engine.kind == "native" and isinstance(engine.cache, LatentCache)
+    assert engine.config == ours.config
+    prompts = [ours.tokenizer.encode(p) for p in PROMPTS]
+    assert [engine.tokenizer.encode(p) for p in PROMPTS] == prompts
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)],
+                                                        batch_size=2)}
+    eos = ours.tokenizer.eos_token_ids | set(ours.config.eos_token_ids)
+    assert [done[i] for i in range(len(prompts))] == [hf_greedy(built.model, p, 24, eos) for p in prompts]
