@@ -136,6 +136,7 @@ class SyntheticBench:
     experts_on_gpu: int
     whole_layers_on_gpu: int
     budget_split: dict | None = None  # where the budget went when it counts the KV cache (engine.offload.gpu_budget)
+    format_notes: tuple[str, ...] = ()  # projections stored in another format than asked (format_fallbacks)
 
     @property
     def executor(self):
@@ -152,7 +153,7 @@ class SyntheticBench:
                 "experts": next(iter(self.banks.values())).describe(), "policy": self.policy,
                 "experts_on_gpu": self.experts_on_gpu, "whole_layers_on_gpu": self.whole_layers_on_gpu,
                 "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads(),
-                "lone_token_split": self.lone_token_split(),
+                "lone_token_split": self.lone_token_split(), "format_notes": list(self.format_notes),
                 **({"budget_split_bytes": self.budget_split} if self.budget_split else {})}
 
     def lone_token_split(self) -> dict:
@@ -186,7 +187,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     of it first (engine.offload.gpu_budget), the experts get the rest; else it is the experts' alone."""
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
-    from moedesk.engine.load.synthetic import shape_config, synthetic_model
+    from moedesk.engine.load.synthetic import format_fallbacks, shape_config, synthetic_model
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           ("cpu" if device == "auto" else device))
@@ -202,6 +203,9 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
                                    expert_format=expert_format)
     log(f"built {shape} x{cfg.num_layers} layers, experts {next(iter(banks.values())).describe()}, "
         f"in {time.perf_counter() - t0:.1f}s")
+    notes = tuple(format_fallbacks(expert_format, cfg.hidden_size, cfg.moe_intermediate_size))
+    for note in notes:
+        log(note)
     # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
     shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(dtype))
     orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
@@ -228,7 +232,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
     return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
-                          split)
+                          split, notes)
 
 
 def _context_split(cfg, budget: int, context: int, dtype: torch.dtype, device) -> tuple[int, dict]:
@@ -296,7 +300,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
 def format_results(report: dict) -> str:
     lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
              f"budget {report['gpu_budget_gib']} GiB, "
-             f"{report['experts_on_gpu']} experts on GPU, {report['policy']}"]
+             f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
+             *report.get("format_notes", ())]
     if report.get("budget_split_bytes"):
         lines.append(f"budget: {_split_text(report['budget_split_bytes'])}")
     rows = []

@@ -58,6 +58,22 @@ BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_0"}
 
 
+# llama.cpp's quantiser, asked for a k-quant whose 256-weight blocks do not tile a tensor's rows (GLM-4.5-Air's
+# 1408-wide down projection), falls back for that tensor alone to a format of 32-weight blocks (llama-quant.cpp:
+# q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0), and to 16 bits where even those do not fit. The same rule over the
+# formats these kernels compute: q4_0 for q4_k (as many bits; q5_0 is not one of them), q8_0 for q5_k and q6_k.
+FALLBACK = {"q4_k": "q4_0", "q5_k": "q8_0", "q6_k": "q8_0"}
+
+
+def format_for_rows(name: str, k: int) -> str | None:
+    """The format a tensor of k-weight rows is stored in when `name` is asked for: `name` where its blocks tile the
+    rows, else its fallback where that fits, else None (keep the tensor in floats)."""
+    for candidate in (name, FALLBACK.get(name)):
+        if candidate is not None and k % packed_format(candidate).block == 0:
+            return candidate
+    return None
+
+
 def packed_format(name: str) -> PackedFormat:
     try:
         return FORMATS[name]

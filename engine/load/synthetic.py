@@ -13,7 +13,7 @@ import torch
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.model.transformer import Rotary, Transformer
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
-from moedesk.kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
+from moedesk.kernels.quant_formats import QUANTIZE_TO, format_for_rows, packed_format, quantize
 
 SHAPES = {
     "mixtral-8x7b": ModelConfig(
@@ -79,12 +79,33 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
     E, F_, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     banks = {}
     for moe in model.moe_blocks():
-        w = ExpertWeights.empty(E, H, F_, dtype=dtype, gate_up_format=expert_format, down_format=expert_format,
+        gate_up_format, down_format = expert_formats(expert_format, H, F_)
+        w = ExpertWeights.empty(E, H, F_, dtype=dtype, gate_up_format=gate_up_format, down_format=down_format,
                                 pin_memory=pinned)
-        for stack, k in ((w.gate_up, H), (w.down, F_)):
-            _tile(stack, _random_block(expert_format, k, dtype, gen))
+        for stack, fmt, k in ((w.gate_up, gate_up_format, H), (w.down, down_format, F_)):
+            _tile(stack, _random_block(fmt, k, dtype, gen))
         moe.experts = banks[moe.layer] = moe.join_expert_function(w)  # gpt-oss's biases and activation
     return model.eval(), banks
+
+
+def expert_formats(expert_format: str, hidden: int, width: int) -> tuple[str, str]:
+    """(gate_up, down) formats for `expert_format`: each projection falls back on its own where the format's blocks
+    do not tile its rows (hidden weights for gate/up, width for down), as llama.cpp's quantiser does
+    (kernels.quant_formats.format_for_rows)."""
+    if expert_format == DENSE:
+        return DENSE, DENSE
+    return tuple(format_for_rows(expert_format, k) or DENSE for k in (hidden, width))
+
+
+def format_fallbacks(expert_format: str, hidden: int, width: int) -> list[str]:
+    """One line for each projection that `expert_formats` stores in another format than the one asked for."""
+    lines = []
+    for proj, k, fmt in zip(("gate/up", "down"), (hidden, width), expert_formats(expert_format, hidden, width)):
+        if fmt != expert_format:
+            block = packed_format(expert_format).block
+            lines.append(f"{proj} projection: rows of {k} weights are not whole {expert_format} blocks of {block}, "
+                         f"stored as {fmt} (llama.cpp's quantiser falls back per tensor likewise)")
+    return lines
 
 
 def _random_block(fmt: str, k: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -111,3 +111,16 @@ def test_expert_weights_checks_shapes_and_dtypes():
     with pytest.raises(ValueError, match="cannot be"):
         ExpertWeights(torch.zeros(2, 8, 34, dtype=torch.float32), torch.zeros(2, 32, 4), hidden=32, width=4,
                       gate_up_format="q8_0")
+
+
+def test_a_k_quant_that_does_not_tile_a_row_falls_back_as_llama_cpps_quantiser_does():
+    """llama-quant.cpp: q4_k -> q5_0, q5_k -> q5_1, q6_k -> q8_0 where 256-weight blocks do not tile the rows, 16
+    bits where 32-weight ones do not either. Over these kernels' formats: q4_0 (q4_k's bits), q8_0, floats."""
+    from moedesk.kernels.quant_formats import format_for_rows
+
+    assert format_for_rows("q4_k", 4096) == "q4_k" and format_for_rows("q4_k", 1408) == "q4_0"  # GLM-4.5-Air
+    assert format_for_rows("q5_k", 1408) == "q8_0" and format_for_rows("q6_k", 1408) == "q8_0"
+    assert format_for_rows("q4_0", 1408) == "q4_0" and format_for_rows("mxfp4", 2880) == "mxfp4"
+    assert format_for_rows("q4_k", 100) is None and format_for_rows("q8_0", 48) is None
+    for fmt in ("q4_k", "q5_k", "q6_k"):  # a fallback keeps at least the bits asked for
+        assert FORMATS[format_for_rows(fmt, 1408)].bits_per_weight() >= FORMATS[fmt].bits_per_weight() - 1e-9

@@ -227,6 +227,25 @@ def test_bench_runs_a_glm_shape_on_the_simulated_tier():
     assert air.moe_layers == (False,) + (True,) * 7 and SHAPES["glm-4.5-air"].rope_dims == 64
 
 
+def test_bench_stores_a_down_projection_q4_k_does_not_tile_as_q4_0_and_says_so(monkeypatch):
+    """GLM-4.5-Air's experts are 1408 wide: not whole q4_k blocks of 256. The bench keeps gate/up q4_k and stores down
+    as q4_0 (llama.cpp's quantiser falls back per tensor likewise), runs, and says so in its report."""
+    from moedesk.bench.synthetic import format_results, run_bench
+    from moedesk.engine.load import synthetic
+
+    air = synthetic.SHAPES["glm-4.5-air"]
+    assert synthetic.expert_formats("q4_k", air.hidden_size, air.moe_intermediate_size) == ("q4_k", "q4_0")
+    # GLM-4.5-Air's switches with rows of 256 (gate/up) and 96 (down) weights: a size the CPU runs
+    small = dataclasses.replace(synthetic.SHAPES["tiny-glm"], hidden_size=256, moe_intermediate_size=96)
+    monkeypatch.setitem(synthetic.SHAPES, "tiny-glm-96", small)
+    lines = []
+    report = run_bench("tiny-glm-96", 2, 0.0, device="cpu", decode_tokens=4, prefill=(8,), batch=1,
+                       log=lines.append, expert_format="q4_k")
+    assert report["experts"] == "q4_k/q4_0" and all(r["tok_s"] > 0 for r in report["results"])
+    note = "down projection: rows of 96 weights are not whole q4_k blocks of 256, stored as q4_0"
+    assert any(note in line for line in lines) and note in format_results(report)
+
+
 # --- gpt_oss -----------------------------------------------------------------------------------------------
 
 def test_gpt_oss_prompts_past_the_window_offloaded_and_in_ram(tiny_checkpoint):
