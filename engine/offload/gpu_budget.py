@@ -58,7 +58,10 @@ def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 def kv_bytes_per_position(cfg: ModelConfig, dtype_bytes: int) -> int:
     """One position's keys and values over every attention layer (the full-attention KV cache, engine.model.cache.kv;
-    Gated DeltaNet layers keep a state per sequence instead)."""
+    Gated DeltaNet layers keep a state per sequence instead), or for latent attention its latent and rotary key
+    (engine.model.cache.positional.LatentCache)."""
+    if cfg.kv_lora_rank:
+        return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
     attending = sum(not cfg.is_linear_layer(layer) for layer in range(cfg.num_layers))
     return attending * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 

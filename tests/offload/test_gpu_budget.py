@@ -74,6 +74,19 @@ def test_the_sizes_are_those_of_the_model_and_cache_the_engine_builds():
     assert cache.nbytes() == 64 * kv_bytes_per_position(cfg, 2)
 
 
+def test_latent_attention_budgets_its_latent_cache():
+    """DeepSeek-V3 caches kv_lora_rank + rope dims a token and layer (engine.model.mla), not every head's keys and
+    values: the budget counts what the model's cache holds, at a size the CPU builds."""
+    import dataclasses
+
+    v3 = shape_config("deepseek-v3")
+    assert kv_bytes_per_position(v3, 2) == v3.num_layers * (512 + 64) * 2
+    small = dataclasses.replace(v3, num_layers=2, moe_layers=v3.moe_layers[:2], hidden_size=64, vocab_size=64,
+                                num_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)
+    cache = Transformer(small, 16).new_cache(1, 16, torch.bfloat16, "cpu")
+    assert kv_bytes_per_position(small, 2) == cache.bytes_per_position() and cache.nbytes() == 16 * 2 * 2 * 576
+
+
 def test_negative_sizes_are_refused():
     with pytest.raises(ValueError):
         split_gpu_budget(GIB, -1, 10, 10, 0)
