@@ -17,7 +17,7 @@ from tests.reference import hf_greedy, hf_model
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b", "Once"]
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "llama", "deepseek_v3"])
 def test_segments_decode_the_reference_tokens(arch, tiny_checkpoint, monkeypatch):
     folder = tiny_checkpoint(arch)
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
