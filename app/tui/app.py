@@ -214,7 +214,7 @@ class MoedeskApp(App[int]):
         if self.chat is not None:
             self.chat.keep_reply_so_far()
             self.chat.save_draft()
-        self.store.let_go()  # at once: another window may take this conversation over while this one closes
+        self.store.close()  # at once: another window may take this conversation over while this one closes
         for screen in self.screen_stack:
             for panel in screen.query("LoadPanel"):
                 panel.cancel()

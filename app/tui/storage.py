@@ -9,6 +9,7 @@ Folders (each overridable by an environment variable, which the tests use):
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -74,6 +75,14 @@ def set_aside(path: Path) -> Path:
         target = path.with_name(f"{path.name}.unreadable-{stamp}-{n}")
     os.replace(path, target)
     return target
+
+
+def _try_lock(path: Path) -> ConversationLock | None:
+    try:
+        lock = ConversationLock.try_acquire(path)
+    except OSError:
+        return None
+    return lock if isinstance(lock, ConversationLock) else None
 
 
 def now_iso() -> str:
@@ -213,9 +222,42 @@ class ConversationStore:
     def __init__(self, folder: Path | None = None):
         self.folder = Path(folder) if folder is not None else data_dir() / "conversations"
         self.state_path = self.folder.parent / "state.json"
-        self.draft_path = self.folder.parent / "draft.json"
         self._lock: ConversationLock | None = None
         self._lock_id: str | None = None
+        self._draft_path: Path | None = None
+        self._draft_lock: ConversationLock | None = None
+
+    @property
+    def draft_path(self) -> Path:
+        """Where the unsent message is kept: draft.json, or a second window's own file (see `claim_draft`)."""
+        return self._draft_path or self.folder.parent / "draft.json"
+
+    def claim_draft(self) -> None:
+        """An app window starts: draft.json is its if it is the first window on this folder; a second one gets a
+        file of its own (draft-<pid>-<random>.json), so that two windows never write over each other's message.
+        The first window to start after that one closed takes its message back (`load_draft`)."""
+        if self._draft_lock is not None:
+            return
+        path = self.folder.parent / "draft.json"
+        lock = _try_lock(path.with_suffix(".lock"))
+        if lock is None:
+            path = self.folder.parent / f"draft-{os.getpid()}-{secrets.token_hex(3)}.json"
+            lock = _try_lock(path.with_suffix(".lock"))  # held while this window runs: not an orphan yet
+        self._draft_path, self._draft_lock = path, lock
+
+    def close(self) -> None:
+        """The window closes: let go of its conversation and its draft file (a second window's empty one goes)."""
+        self.let_go()
+        path, lock = self._draft_path, self._draft_lock
+        if path is not None and path.name != "draft.json":
+            try:
+                if not read_json(path).get("text"):
+                    path.unlink()
+            except (OSError, ValueError, AttributeError):
+                pass
+        if lock is not None:
+            lock.release(remove=True)
+        self._draft_path, self._draft_lock = None, None
 
     # ------------------------------------------------------------------ who may write which conversation
 
@@ -253,9 +295,44 @@ class ConversationStore:
 
     def load_draft(self) -> tuple[str, str]:
         """(the unsent message of the last run, a problem to report). A draft file that cannot be read is set
-        aside (see `set_aside`), never overwritten by the next draft."""
+        aside (see `set_aside`), never overwritten by the next draft. The first window also takes back what
+        second windows, closed since, left unsent (one message after another), and keeps it in draft.json
+        before their files go."""
+        text, problem = self._read_draft(self.draft_path)
+        if self.draft_path.name != "draft.json":
+            return "", ""  # a second window: draft.json is the first one's message, on its screen
+        left = self._orphan_drafts()
+        if not left or problem:
+            return text, problem
+        merged = "\n\n".join(t for t in [text, *(t for _, t in left)] if t)
         try:
-            value = read_json(self.draft_path)
+            self.save_draft(merged)
+        except OSError:
+            return text, problem  # their files stay for a later start
+        for path, _ in left:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return merged, ""
+
+    def _orphan_drafts(self) -> list[tuple[Path, str]]:
+        """Drafts of second windows that are gone (their lock is free), with their text; oldest first."""
+        found = []
+        for path in sorted(self.folder.parent.glob("draft-*.json"), key=lambda p: p.stat().st_mtime):
+            lock = _try_lock(path.with_suffix(".lock"))
+            if lock is None:
+                continue  # that window still runs
+            lock.release(remove=True)
+            try:
+                value = read_json(path)
+            except (OSError, ValueError):
+                continue
+            if isinstance(value, dict) and isinstance(value.get("text"), str):
+                found.append((path, value["text"]))
+        return found
+
+    def _read_draft(self, path: Path) -> tuple[str, str]:
+        try:
+            value = read_json(path)
         except FileNotFoundError:
             return "", ""
         except (OSError, ValueError) as e:
@@ -265,7 +342,7 @@ class ConversationStore:
         if value is not None:
             error = ValueError("no text in it")
         try:
-            kept = f"kept as {set_aside(self.draft_path).name}"
+            kept = f"kept as {set_aside(path).name}"
         except OSError as e2:
             kept = f"left where it is ({e2})"
         return "", f"The unsent message of the last run could not be read ({error}); {kept}."

@@ -127,3 +127,48 @@ async def test_two_windows_on_one_folder_keep_every_turn(engine, tui_dirs):
     assert turns[4] == "from b" and len(turns) == 6  # the first window's exchange, then the second's
     assert [m["role"] for m in json.loads(ConversationStore().path(c.id).read_text())["messages"]] == \
         ["user", "assistant"] * 3
+
+
+@pytest.mark.anyio
+async def test_two_windows_unsent_messages_both_come_back(engine, tui_dirs, monkeypatch):
+    from moedesk.app.tui.screens.chat import ChatScreen
+
+    monkeypatch.setattr(ChatScreen, "DRAFT_SAVE_S", 0.05)
+    first = MoedeskApp(engine, settings=greedy_settings())
+    second = MoedeskApp(engine, settings=greedy_settings())
+    async with first.run_test(size=SIZE) as a:
+        await wait_for(a, lambda: chat_ready(first), what="the first window")
+        async with second.run_test(size=SIZE) as b:
+            await wait_for(b, lambda: chat_ready(second), what="the second window")
+            first.chat.prompt.focus()
+            await a.press(*"typed in a")
+            second.chat.prompt.focus()
+            await b.press(*"typed in b")
+            await wait_for(b, lambda: len(list(tui_dirs["data"].glob("draft*.json"))) == 2, what="both drafts")
+            await a.pause(0.2)
+            await b.press("ctrl+q")
+        await a.press("ctrl+q")  # each quit with its message unsent: once, the last one wrote over the other
+    third = MoedeskApp(engine, settings=greedy_settings())
+    async with third.run_test(size=SIZE) as c:
+        await wait_for(c, lambda: chat_ready(third), what="a new window")
+        assert third.chat.prompt.text == "typed in a\n\ntyped in b"
+    assert [p.name for p in tui_dirs["data"].glob("draft*.json")] == ["draft.json"]
+    assert not list(tui_dirs["data"].glob("*.lock"))
+
+
+def test_a_second_window_that_sent_everything_leaves_no_draft_file(tui_dirs):
+    a, b = ConversationStore(), ConversationStore()
+    a.claim_draft()
+    b.claim_draft()
+    a.save_draft("a's")
+    b.save_draft("b's")
+    assert a.draft_path.name == "draft.json" and b.draft_path.name.startswith("draft-")
+    assert b.load_draft() == ("", "")  # not the first window's message, which is on its screen
+    b.save_draft("")
+    b.close()
+    a.close()
+    c = ConversationStore()
+    c.claim_draft()
+    assert c.load_draft() == ("a's", "")
+    c.close()
+    assert [p.name for p in tui_dirs["data"].glob("draft*")] == ["draft.json"]

@@ -224,6 +224,7 @@ class ChatScreen(Screen):
     # ------------------------------------------------------------------ the unsent message
 
     def _restore_draft(self) -> None:
+        self.app.store.claim_draft()
         text, problem = self.app.store.load_draft()
         if problem:
             self.notify(problem, title="unsent message", severity="warning", timeout=10)
@@ -259,7 +260,7 @@ class ChatScreen(Screen):
 
     def on_unmount(self) -> None:
         self.save_draft()  # the app closing by any other way than ctrl+q
-        self.app.store.let_go()  # now, not when the store is collected: another window may take the chat over
+        self.app.store.close()  # now, not when the store is collected: another window may take the chat over
 
     @work(thread=True, group="set-aside", exit_on_error=False)
     def _set_aside_unreadable(self) -> None:
