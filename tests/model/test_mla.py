@@ -243,3 +243,41 @@ def test_deepseek2_gguf_runs_natively_with_transformers_tokens(variant, tmp_path
                                                         batch_size=2)}
     eos = ours.tokenizer.eos_token_ids | set(ours.config.eos_token_ids)
     assert [done[i] for i in range(len(prompts))] == [hf_greedy(built.model, p, 24, eos) for p in prompts]
+
+
+def test_bench_depth_fills_the_latent_cache_as_one_forward_writes_it():
+    """`moedesk bench --shape deepseek-v3 --context N`'s path at a size the CPU runs: the context prefilled in pieces
+    into the latent cache holds what one forward over the same tokens writes, and decode runs over it."""
+    from moedesk.bench.depth import measure_at_depth
+    from moedesk.bench.synthetic import random_prompt
+    from moedesk.engine.generation import runner as runner_module
+    from moedesk.engine.load.synthetic import SHAPES, synthetic_model
+    from moedesk.engine.offload.expert_executor import LocalExecutor
+
+    v3 = SHAPES["deepseek-v3"]
+    cfg = dataclasses.replace(v3, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4,
+                              num_experts=8, moe_intermediate_size=64, intermediate_size=64,
+                              moe_layers=v3.moe_layers[:4], n_group=4, topk_group=2, num_experts_per_tok=2,
+                              shared_expert_intermediate_size=64, q_lora_rank=32, kv_lora_rank=32, v_head_dim=16)
+    model, _ = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=256)
+    executor, caches = LocalExecutor(), []
+    made = runner_module.ModelRunner.reserve
+
+    def keep(self, rows, length):
+        made(self, rows, length)
+        if self.cache not in caches:
+            caches.append(self.cache)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner_module.ModelRunner, "reserve", keep)
+        prompt = random_prompt(100 + 16, cfg.vocab_size, 0)
+        times = measure_at_depth(model, executor, "cpu", torch.float32, prompt, 100, decode_tokens=4, chunk=16,
+                                 graphs=False, piece=24)
+    assert times.depth == 100 and times.decode_s > 0
+    whole = model.new_cache(1, 100, torch.float32, "cpu")
+    model(torch.tensor([prompt[:100]]), torch.arange(100)[None], whole, executor)
+    [cache] = caches
+    assert isinstance(cache, LatentCache)
+    for part in ("latent", "rope"):
+        for mine, theirs in zip(cache.tensors[part], whole.tensors[part]):
+            torch.testing.assert_close(mine[:, :100], theirs[:, :100], rtol=1e-4, atol=1e-5)
