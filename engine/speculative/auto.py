@@ -187,6 +187,12 @@ class RunningCosts:
             self._table_ms[key] = self.table.ar_ms(batch) if k == 1 else self.table.verify_ms(batch, k - 1)
         return self._table_ms[key]
 
+    def keeping(self, earlier: "RunningCosts") -> "RunningCosts":
+        """These step times with what `earlier` learnt of this run (the draft's cost, the rounds' corrections)."""
+        self.draft_token_ms = earlier.draft_token_ms
+        self.scale, self.rounds = dict(earlier.scale), dict(earlier.rounds)
+        return self
+
     def observe_draft(self, ms: float, tokens: int) -> None:
         if tokens:
             per = ms / tokens

@@ -8,7 +8,7 @@ from moedesk.engine.requests import Completion, Request
 from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly, carried_counts
 from moedesk.engine.speculative.eagle_drafter import draft_head, eagle_factory
 from moedesk.engine.speculative.options import SpeculativeOptions
-from moedesk.engine.speculative.step_times import engine_step_times, graphs_like
+from moedesk.engine.speculative.step_times import cached_step_times, engine_step_times, graphs_like
 from moedesk.engine.speculative.verification import SpeculativeBatch, Speculator, check_request
 
 
@@ -64,6 +64,7 @@ class SpeculativeJob:
         self.batch: SpeculativeBatch | None = None
         self.spec: Speculator | None = None
         self.decided = options.mode != "auto"  # whether drafting can pay here was decided
+        self.measured_rows = 0  # the largest batch auto's step times were measured for
 
     def admit(self, handle) -> None:
         check_request(handle.request, self.engine.context_length)
@@ -72,7 +73,7 @@ class SpeculativeJob:
     def _start(self, first: list) -> None:
         engine, o = self.engine, self.options
         factory = o.draft if callable(o.draft) else eagle_factory(draft_head(engine, o.draft), engine.config.num_layers)
-        costs = RunningCosts(engine_step_times(engine, self.limit, o.draft_length)) if o.mode == "auto" else None
+        costs = self._measured_costs(len(first)) if o.mode == "auto" else None
         idle = engine.idle_speculators
         self.spec = idle.pop() if idle else Speculator(engine.model, engine.device, engine.dtype,
                                                        engine.context_length, engine.config.eos_token_ids,
@@ -94,6 +95,25 @@ class SpeculativeJob:
 
         self.batch = SpeculativeBatch(self.spec, drafter, o.mode, o.draft_length, o.width, o.budget, costs, capacity,
                                       self._known_acceptance())
+
+    def _measured_costs(self, rows: int, earlier: RunningCosts | None = None) -> RunningCosts:
+        """Step times for batches up to `rows` (rounded up to a power of two, within the job's limit): what the rows
+        at hand need, so a lone chat's first reply waits for one batch size's timing, not for every size up to the
+        limit; a batch that outgrows them has them measured then (`_grow_costs`). earlier: costs whose run-time
+        corrections the new ones keep."""
+        gamma = self.options.draft_length
+        table = cached_step_times(self.engine, self.limit, gamma)  # every size, where measured before (the app does)
+        if table is not None:
+            self.measured_rows = self.limit
+        else:
+            self.measured_rows = min(self.limit, 1 << max(0, rows - 1).bit_length())
+            table = engine_step_times(self.engine, self.measured_rows, gamma)
+        costs = RunningCosts(table)
+        return costs if earlier is None else costs.keeping(earlier)
+
+    def _grow_costs(self) -> None:
+        if self.batch.costs is not None and len(self.batch.active()) > self.measured_rows:
+            self.batch.costs = self._measured_costs(len(self.batch.active()), self.batch.costs)
 
     def _acceptance_key(self):
         draft = self.options.draft
@@ -121,6 +141,7 @@ class SpeculativeJob:
         if fresh:
             for handle, row in zip(fresh, self.batch.admit([h.request for h in fresh], executor, streamed=True)):
                 self.rows[handle] = row
+            self._grow_costs()
         if self.batch is not None and self.batch.active():
             self.batch.round(executor)
         return self._events(executor)

@@ -271,6 +271,33 @@ def test_engine_speculate_auto_sends_runs_too_short_to_probe_to_plain_decoding(e
         assert (done[0].stats["speculative"] == {"mode": "auto", "plain": True}) == went_plain, new_tokens
 
 
+def test_auto_measures_step_times_for_the_rows_at_hand_only(engines, monkeypatch):
+    """A lone request waits for batch 1's step times, not every size up to the job's limit; more rows joining
+    later have theirs measured then."""
+    engine = engines("qwen3_moe")
+    asked = []
+
+    def step_times(engine_, batch, max_gamma, **kw):
+        asked.append(batch)
+        return _table(batch, max_gamma + 1, lambda b, k: 10.0)
+
+    monkeypatch.setattr(job, "engine_step_times", step_times)
+    monkeypatch.setattr(job, "cached_step_times", lambda *a: None)
+    requests = [Request(engine.tokenizer.encode(p), greedy(max_new=8), tag=i) for i, p in enumerate(PROMPTS)]
+    expected = plain(engine, requests)
+    done = engine.speculate(requests[:1], oracle_factory(expected[:1], 0.0, engine.vocab_size), mode="auto")
+    assert done[0].token_ids == expected[0] and asked == [1]
+    asked.clear()
+    done = engine.speculate(requests, oracle_factory(expected, 0.0, engine.vocab_size), mode="auto")
+    assert [c.token_ids for c in done] == expected and asked == [3]  # three rows, the job's limit here
+    # measured before (as the app measures them with a progress bar): every size at once, nothing measured now
+    asked.clear()
+    monkeypatch.setattr(job, "cached_step_times",
+                        lambda engine_, batch, gamma: _table(batch, gamma + 1, lambda b, k: 10.0))
+    engine.speculate(requests[:1], oracle_factory(expected[:1], 0.0, engine.vocab_size), mode="auto")
+    assert asked == []
+
+
 def test_engine_speculate_auto_starts_from_what_earlier_requests_measured(engines, monkeypatch):
     engine = engines("qwen3_moe")
     requests = [Request(engine.tokenizer.encode(p), greedy(max_new=8), tag=i) for i, p in enumerate(PROMPTS)]
