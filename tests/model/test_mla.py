@@ -281,3 +281,14 @@ def test_bench_depth_fills_the_latent_cache_as_one_forward_writes_it():
     for part in ("latent", "rope"):
         for mine, theirs in zip(cache.tensors[part], whole.tensors[part]):
             torch.testing.assert_close(mine[:, :100], theirs[:, :100], rtol=1e-4, atol=1e-5)
+
+
+def test_glm4_moe_lite_is_sized_as_it_loads(engines, tiny_checkpoint):
+    """The Models screen's estimate of a GLM-4.7-Flash folder (from its headers alone) is what loading allocates."""
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    engine = engines("glm4_moe_lite")
+    estimate = summarize_path(tiny_checkpoint("glm4_moe_lite")).estimate("auto", "float32")
+    assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+    assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]  # mlp_layer_types
