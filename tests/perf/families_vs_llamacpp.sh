@@ -34,11 +34,12 @@ family() {  # name shape layers our-format gguf-experts
   python3 -m moedesk bench --shape "$shape" --layers "$L" --gpu-budget 0 --expert-format "$fmt" --prefill 512 \
     --decode-tokens 32 --batch 16 --json > "$OUT/${name}_ours.json" 2> "$OUT/${name}_ours.err" || echo "$name: ours failed"
 }
-for which in ${*:-glm gpt-oss deepseek}; do
+for which in ${*:-glm gpt-oss deepseek qwen35}; do
   case $which in
     glm) family glm-4.5-air glm-4.5-air 12 q4_k q4_k ;;
     gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
     deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
+    qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
     qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
   esac
 done
