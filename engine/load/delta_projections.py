@@ -139,7 +139,8 @@ def shapes_as_read(config: dict, shapes: dict[str, tuple]) -> dict[str, tuple[tu
                 shown[m.group(1) + "in_proj_qkv.weight"] = ((rows - z_rows, cols), name)
                 shown[m.group(1) + "in_proj_z.weight"] = ((z_rows, cols), name)
             else:
-                shown[m.group(1) + "in_proj_b.weight"] = shown[m.group(1) + "in_proj_a.weight"] = ((rows // 2, cols), name)
+                for part in ("b", "a"):
+                    shown[f"{m.group(1)}in_proj_{part}.weight"] = ((rows // 2, cols), name)
             continue
         shown[ours] = (tuple(shape), name)
     return shown

@@ -40,6 +40,8 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
         from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
         graphs = graphs_wanted(torch.device(device))
+    if not getattr(model, "supports_graphs", True):  # recurrent layers: the runner decodes them eagerly, so timed so
+        graphs = None
     if graphs and not callable(graphs):
         from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
@@ -58,7 +60,7 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
         def forward(k):
             args = tokens[:, prompt:prompt + k], positions[:, prompt:prompt + k]
             if graphed is None or graphed.forward(*args, executor) is None:
-                model(*args, cache, executor)
+                model(*args, cache, executor, drafts=True)  # as a verify forward runs (recurrent layers keep states)
 
         for k in range(1, max_k + 1):
             if graphed is not None:

@@ -303,3 +303,18 @@ def test_memory_sums_count_deltanet_layers_and_the_kv_cache_of_full_layers_only(
         assert layer_weights(cfg, i)[1] == held, i
     cache = engine.model.new_cache(1, 8, torch.float32, "cpu")
     assert kv_bytes_per_position(cfg, 4) == cache.bytes_per_position() == 2 * 2 * 16 * 4
+
+
+def test_auto_speculations_step_times_are_measured_eagerly_as_the_runner_decodes_them(built):
+    """Auto speculation times T(B, k) of the verify forwards it would run; for a recurrent model those run eagerly
+    (no CUDA graphs), so a graphs factory asked for is not used, and every k is timed."""
+    from moedesk.engine.speculative.step_times import measure_step_times
+
+    engine = Engine.load(str(built("qwen3next").folder), device="cpu", dtype="float32")
+
+    def no_graphs(model, cache):
+        raise AssertionError("graphs over a recurrent model's cache")
+
+    times = measure_step_times(engine.model, engine.executor, engine.config, torch.device("cpu"), torch.float32,
+                               [1, 2], 3, prompt=8, repeat=1, graphs=no_graphs)
+    assert sorted(times) == ["1,1", "1,2", "1,3", "2,1", "2,2", "2,3"] and all(t > 0 for t in times.values())
