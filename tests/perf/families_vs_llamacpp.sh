@@ -40,7 +40,6 @@ for which in ${*:-glm gpt-oss deepseek qwen35}; do
     gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
     deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
     qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
-    qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
   esac
 done
 python3 - "$OUT" <<'PY'
