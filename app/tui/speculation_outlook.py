@@ -19,8 +19,9 @@ def outlook_note(outlook) -> str:
                 f"{outlook.verify_cost:.1f} plain steps, so even with {outlook.alpha:.0%} of guesses right a "
                 f"reply would come at {outlook.speedup:.2f}x plain speed. auto decodes plainly here; greedy and beam "
                 f"are slower than off.")
-    return (f"On this machine a good draft head can pay: up to {outlook.speedup:.2f}x plain speed with "
-            f"{outlook.gamma} guesses a step, {outlook.alpha:.0%} of them right.")
+    return (f"On this machine speculation pays only with a draft head that guesses at least {outlook.break_even:.0%} "
+            f"of tokens right (checking {outlook.gamma} guesses costs {outlook.verify_cost:.1f} plain steps); "
+            f"up to {outlook.speedup:.2f}x at {outlook.alpha:.0%}. auto tries and keeps it only where it pays.")
 
 
 def speculation_note(engine, draft_length: int) -> str:

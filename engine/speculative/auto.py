@@ -135,16 +135,18 @@ def carried_counts(accepted: float, tested: float, memory: float | None = None) 
 
 @dataclass(frozen=True)
 class Outlook:
-    """What one sequence could gain from drafting on measured step times: the best draft length's speedup over
-    plain decoding at OPTIMISTIC_ALPHA acceptance with drafting free (an upper bound), and what its verify step
-    costs in plain steps."""
+    """What one sequence could gain from drafting on measured step times (drafting itself taken as free, so an upper
+    bound): the best draft length at OPTIMISTIC_ALPHA acceptance, its speedup over plain decoding, what its verify
+    step costs in plain steps, and the lowest acceptance at which any draft length pays (None: not even at 1)."""
     gamma: int
     speedup: float
     verify_cost: float  # T(1, gamma + 1) / T(1, 1)
+    break_even: float | None = None
     alpha: float = OPTIMISTIC_ALPHA
 
     @property
     def loses(self) -> bool:
+        """As auto decides: not even OPTIMISTIC_ALPHA acceptance makes drafting pay."""
         return self.speedup < 1.0 + perf_model.SAFETY_MARGIN
 
 
@@ -154,12 +156,19 @@ def batch_one_outlook(step_times, max_gamma: int) -> Outlook | None:
     ar = costs.ar_ms(1)
     if ar is None:
         return None
-    best = None
-    for gamma in range(1, max_gamma + 1):
-        s = perf_model.predicted_speedup(costs, 1, gamma, OPTIMISTIC_ALPHA)
-        if s is not None and (best is None or s > best.speedup):
-            best = Outlook(gamma, s, costs.verify_ms(1, gamma) / ar)
-    return best
+
+    def best(alpha: float) -> tuple[float, int] | None:
+        found = [(s, g) for g in range(1, max_gamma + 1)
+                 if (s := perf_model.predicted_speedup(costs, 1, g, alpha)) is not None]
+        return max(found) if found else None
+
+    top = best(OPTIMISTIC_ALPHA)
+    if top is None:
+        return None
+    speedup, gamma = top
+    even = next((a / 100 for a in range(101) if (b := best(a / 100)) and b[0] >= 1.0 + perf_model.SAFETY_MARGIN),
+                None)
+    return Outlook(gamma, speedup, costs.verify_ms(1, gamma) / ar, even)
 
 
 class RunningCosts:

@@ -23,7 +23,12 @@ def test_the_outlook_tells_a_losing_machine_from_a_paying_one():
     assert batch_one_outlook({(2, 1): 1.0, (2, 2): 1.1}, 4) is None  # batch 1 never measured
 
     assert "loses" in outlook_note(cpu) and "greedy and beam are slower" in outlook_note(cpu)
-    assert "can pay" in outlook_note(gpu) and f"{gpu.speedup:.2f}x" in outlook_note(gpu)
+    assert cpu.break_even is None  # 5 tokens for the price of 5 plain steps: not even all guesses right pays
+    assert 0.1 < gpu.break_even < 0.5  # a verify step of 5 tokens costs 1.2 plain steps
+    assert "at least" in outlook_note(gpu) and f"{gpu.speedup:.2f}x" in outlook_note(gpu)
+    middle = batch_one_outlook({(1, k): 10.0 * (1 + 0.45 * (k - 1)) for k in range(1, 6)}, 4)  # a middle case: a verify step of 5 tokens at 2.8 plain steps
+    assert not middle.loses and 0.5 < middle.break_even < 0.9
+    assert f"at least {middle.break_even:.0%} of tokens right" in outlook_note(middle)
     assert outlook_note(None) == UNMEASURED
 
 
