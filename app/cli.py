@@ -330,22 +330,36 @@ def run_bench_command(args) -> int:
                          or args.engine == "llama.cpp"):
         raise MoedeskError("bench: --context measures the native engine's plain runs; llama.cpp's depth is "
                            "llama-bench -d (tests/perf/compare_llamacpp.sh)")
-    if args.model or args.draft or args.prompts:
-        return _run_draft_bench(args, log)
-    if args.speculative or args.beams:
-        return _run_decoding_bench(args, log)
-    if args.engine == "llama.cpp":
-        from moedesk.bench import llamacpp as llama_bench
+    if args.model or args.draft or args.prompts or args.speculative or args.beams or args.engine == "llama.cpp":
+        from moedesk.bench.machine_load import CpuLoad, busy_warning
 
-        report = llama_bench.run(args.shape, args.layers, args.expert_format, args.gpu_budget, args.cpu_moe,
-                                 args.device, args.decode_tokens or 64, tuple(args.prefill), args.batch,
-                                 model=args.gguf, log=log)
-        print(json.dumps(report, indent=1) if args.json else llama_bench.format_results(report))
-        return 0
+        load = CpuLoad()  # the plain runs' report says it itself; these say it after theirs
+        code = _run_other_bench(args, log)
+        warning = busy_warning(load.others())
+        if warning:
+            print(f"moedesk: {warning}", file=sys.stderr)
+        return code
     report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens or 64,
                        tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format,
                        contexts=tuple(args.context))
     print(json.dumps(report, indent=1) if args.json else format_results(report))
+    return 0
+
+
+def _run_other_bench(args, log) -> int:
+    """A draft head's bench, speculative decoding or beam search, or llama.cpp's runs."""
+    import json
+
+    if args.model or args.draft or args.prompts:
+        return _run_draft_bench(args, log)
+    if args.speculative or args.beams:
+        return _run_decoding_bench(args, log)
+    from moedesk.bench import llamacpp as llama_bench
+
+    report = llama_bench.run(args.shape, args.layers, args.expert_format, args.gpu_budget, args.cpu_moe,
+                             args.device, args.decode_tokens or 64, tuple(args.prefill), args.batch,
+                             model=args.gguf, log=log)
+    print(json.dumps(report, indent=1) if args.json else llama_bench.format_results(report))
     return 0
 
 

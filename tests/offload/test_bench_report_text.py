@@ -89,3 +89,18 @@ def test_a_real_bench_reports_its_spread_and_the_machines_load():
     assert any(line.startswith("profile: one expert on the CPU") and "{" not in line for line in lines)
     text = format_results(r)
     assert "±" in text and ("warning" in text) == (r["other_cpu_share"] >= BUSY_SHARE)
+
+
+def test_every_bench_mode_warns_when_the_machine_was_busy(monkeypatch, capsys):
+    import moedesk.app.cli as cli
+    import moedesk.bench.machine_load as machine_load
+
+    ran = []
+    monkeypatch.setattr(cli, "_run_decoding_bench", lambda args, log: ran.append("decoding") or 0)
+    monkeypatch.setattr(machine_load.CpuLoad, "others", lambda self: 0.4)
+    assert cli.main(["bench", "--speculative", "--device", "cpu"]) == 0
+    assert ran == ["decoding"]
+    assert "moedesk: warning: other processes took 40% of the CPU" in capsys.readouterr().err
+    monkeypatch.setattr(machine_load.CpuLoad, "others", lambda self: 0.01)
+    assert cli.main(["bench", "--beams", "4", "--device", "cpu"]) == 0
+    assert "warning" not in capsys.readouterr().err
