@@ -69,3 +69,42 @@ def test_a_reply_that_finishes_within_the_grace_ends_as_usual(tiny_checkpoint):
     assert not any("error" in c for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(bool(c["choices"][0]["delta"].get("content")) for c in chunks) > 1
+
+
+def test_a_stopping_server_refuses_new_requests_and_cuts_a_plain_one(tiny_checkpoint):
+    import asyncio
+
+    from moedesk.app.api_errors import ApiError
+    from moedesk.app.server import Server
+    from moedesk.engine.runtime import Engine
+
+    engine = Engine.load(str(tiny_checkpoint(ARCH)), device="cpu", dtype="float32")
+    server = Server(engine, model_name="tiny")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Count."}], "max_tokens": 100000,
+            "ignore_eos": True}
+
+    class StillThere:  # a client that never goes away
+        async def is_disconnected(self):
+            return False
+
+    async def scenario():
+        job = await server.start(dict(body), chat=True)
+        assert server.stop(grace_s=0.2) == 1
+        try:
+            await server.start(dict(body), chat=True)
+            raise AssertionError("a new request was taken while stopping")
+        except ApiError as e:
+            refused = e
+        try:
+            await asyncio.wait_for(server.finish(StillThere(), job), 30)
+            raise AssertionError("the open reply was not cut")
+        except ApiError as e:
+            cut = e
+        while engine.queue_stats()["running"]:  # the cancelled row leaves at the next step, while the loop is open
+            await asyncio.sleep(0.02)
+        return refused, cut
+
+    refused, cut = asyncio.run(scenario())
+    assert refused.status == 503 and refused.code == "server_shutting_down"
+    assert cut.status == 503 and "cut short" in cut.message
+    assert not server.open_jobs
