@@ -36,7 +36,8 @@ def applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
     off = os.environ.get("MOEDESK_NO_SPLIT_DECODE", "").strip().lower() not in ("", "0", "false", "no")
     return (not off and gpu_fused.wanted() and q.is_cuda and cache_k.is_cuda and q.dtype == cache_k.dtype
             and q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0
-            and q.shape[1] % kv_heads == 0 and cache_k.stride(-1) == 1 and not torch.is_grad_enabled())
+            and q.shape[1] % kv_heads == 0 and cache_k.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (q.requires_grad or cache_k.requires_grad)))
 
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor | None,

@@ -557,9 +557,9 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
         rules.append((block + r"gate\.e_score_correction_bias", r"layers.\1.moe.score_bias"))
     if arch.delta_net:
         linear = _LAYER + r"linear_attn\."
-        for theirs, ours in (("in_proj_(qkv|z|b|a)\.weight", r"in_\2.weight"), ("conv1d\.weight", "conv"),
-                             ("(A_log|dt_bias)", r"\2"), ("norm\.weight", "norm.weight"),
-                             ("out_proj\.weight", "out.weight")):
+        for theirs, ours in ((r"in_proj_(qkv|z|b|a)\.weight", r"in_\2.weight"), (r"conv1d\.weight", "conv"),
+                             (r"(A_log|dt_bias)", r"\2"), (r"norm\.weight", "norm.weight"),
+                             (r"out_proj\.weight", "out.weight")):
             rules.append((linear + theirs, r"layers.\1.attn." + ours))
     if arch.shared_expert:
         shared = re.escape(arch.shared_expert_name)

@@ -109,6 +109,8 @@ def test_gpt_oss_zero_copy_from_ram_matches_all_on_gpu(packed, share, tiny_check
     else:
         executor.zero_copy_ranks = lambda k: 0
         executor.split_width = lambda k: host.width - 32
-    check_matches_all_on_gpu(offloaded, resident, batch_size=1)
+    # The CPU's rows of packed experts take the int8 kernel (kernels.cpu_quant), the all-GPU run does not.
+    check_matches_all_on_gpu(offloaded, resident, batch_size=1,
+                             tied=within_int8_rounding if packed and share == "rows" else None)
     stats = executor.stats
     assert (stats.zero_copy_experts if share == "streamed" else stats.split_experts) > 0, stats

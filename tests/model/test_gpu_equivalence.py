@@ -29,6 +29,13 @@ def within_bf16_rounding(logits: torch.Tensor) -> bool:
     return (top[0] - top[1]).item() <= BF16_STEPS * step
 
 
+def within_int8_rounding(logits: torch.Tensor) -> bool:
+    """A tie for a run whose CPU experts round activations to int8 (kernels.cpu_quant, as llama.cpp does): their
+    logits move by about 5% of the logits' spread (tests/model/test_families.py measures the gpt-oss case)."""
+    top = torch.topk(logits.float(), 2).values
+    return (top[0] - top[1]).item() <= 0.1 * (logits.max() - logits.min()).item()
+
+
 def teacher_forced_logits(engine, ids: list[int]) -> torch.Tensor:
     weight = next(engine.model.parameters())
     device = weight.device
@@ -60,8 +67,9 @@ def check_greedy(engine, ref, prompts_ids, new_tokens=24, ref32=None):
             exact_enough, why = as_exact_as_reference(engine, ref, ref32, prompt + theirs)
             assert exact_enough, f"prompt {i}: {why}"
         diverge = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if diverge is None and len(ours) != len(theirs) and min(len(ours), len(theirs)) < new_tokens:
+            diverge = min(len(ours), len(theirs))  # one of the two ended there: an end-of-sequence token
         if diverge is None:
-            assert len(ours) == len(theirs) or min(len(ours), len(theirs)) == new_tokens
             continue
         # A tie in the logits, or (as exact as transformers, checked above) a tie inside a router.
         tied = within_bf16_rounding(hf_last_logits(ref, prompt + theirs[:diverge]))
@@ -133,8 +141,10 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
     check_matches_all_on_gpu(offloaded, resident)
 
 
-def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
-    """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part."""
+def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8, tied=None):
+    """Greedy tokens of every prompt equal the all-on-GPU engine's, unless that run was tied where they part
+    (`tied`: within_bf16_rounding unless the offloaded arithmetic differs more, e.g. the CPU's int8 activations)."""
+    tied = tied or within_bf16_rounding
     params = SamplingParams(max_new_tokens=24, temperature=0)
     for prompt in PROMPTS:
         ids = resident.tokenizer.encode(prompt)
@@ -148,7 +158,7 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8):
         cache = resident.model.new_cache(1, len(prefix), torch.bfloat16, "cuda")
         logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
                                 cache, resident.executor)[0, -1]
-        assert within_bf16_rounding(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
+        assert tied(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
 
 
 @pytest.mark.parametrize("resident_share,profile", [(0, "cpu"), (0.5, "cpu"), (1, "cpu"), (0.5, "copies")])
@@ -278,7 +288,7 @@ def test_zero_copy_experts_match_all_on_gpu(arch, streamed, handoff, tiny_checkp
     assert offloaded.executor.stats.zero_copy_experts > 0
     top_k = offloaded.config.num_experts_per_tok
     for captured in offloaded.graphs.captured.values():  # counted from decode only: prefill is eager, all on the CPU
-        assert captured.streamed == [1 if streamed == "one" else top_k] * len(captured.moe_at)
+        assert captured.zero_copy == [1 if streamed == "one" else top_k] * len(captured.moe_at)
         check_graph_layout(captured, handoff, streams=True)
 
 

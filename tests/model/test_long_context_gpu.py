@@ -50,6 +50,7 @@ def test_attention_at_32k_is_flash_style_and_right(shape, tokens):
 
 
 @pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b"])
+@torch.no_grad()  # as the engine decodes: the kernel leaves autograd's work to SDPA
 def test_decode_at_32k_goes_through_the_split_kernel_and_is_right(shape):
     """The model's decode path at depth (kernels.gpu_decode_attention, reading the cache in place): rows of
     different lengths, one of them the whole 32k context."""
