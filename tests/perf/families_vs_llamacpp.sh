@@ -7,7 +7,9 @@
 # before ours runs (ours builds the same shape in RAM: engine/load/synthetic.py). ENGINE_ON=glm-4.5-air also runs
 # tests/perf/compare_llamacpp_engine.py (issue 40: moedesk's llama.cpp engine against llama-bench) on that file.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LLB=${LLB:-/tmp/llb/bin}; W=/tmp/families; mkdir -p "$W"
+# Results gather in $R; after each family its summary table and one archive of them are put in $OUT (the device
+# hands back a few files per run, and a run cut at its time limit keeps the families done so far).
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LLB=${LLB:-/tmp/llb/bin}; W=/tmp/families; R=$W/results; mkdir -p "$R"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
@@ -19,30 +21,23 @@ fi
 clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
 family() {  # name shape layers our-format gguf-experts
   local name=$1 shape=$2 L=$3 fmt=$4 gexp=$5 f="$W/$1.gguf"
-  python3 tests/perf/make_family_gguf.py "$shape" "$f" "$L" --experts "$gexp" > "$OUT/${name}_write.log" 2>&1 \
-    || { echo "$name: GGUF not written"; tail -n 3 "$OUT/${name}_write.log"; return; }
-  "$LLB/llama-bench" -m "$f" -ngl 99 -ncmoe "$L" -t 16 -fa 1 -p 512 -n 64 -r 2 -o json > "$OUT/${name}_llama.json" \
-    2> "$OUT/${name}_llama.err" || echo "$name: llama-bench failed"
+  python3 tests/perf/make_family_gguf.py "$shape" "$f" "$L" --experts "$gexp" > "$R/${name}_write.log" 2>&1 \
+    || { echo "$name: GGUF not written"; tail -n 3 "$R/${name}_write.log"; return; }
+  "$LLB/llama-bench" -m "$f" -ngl 99 -ncmoe "$L" -t 16 -fa 1 -p 512 -n 64 -r 2 -o json > "$R/${name}_llama.json" \
+    2> "$R/${name}_llama.err" || echo "$name: llama-bench failed"
   "$LLB/llama-batched-bench" -m "$f" -ngl 99 -ncmoe "$L" -t 16 -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 -npl 16 \
-    2>&1 | grep -E '^\|' > "$OUT/${name}_llama_batched.txt"
+    2>&1 | grep -E '^\|' > "$R/${name}_llama_batched.txt"
   if [ -n "${ENGINE_ON:-}" ] && [ "$name" = "$ENGINE_ON" ]; then  # issue 40: the llama.cpp engine on this file
     python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$LLB/llama-bench" --gguf "$f" --budgets "${BUDGETS:-6}" \
-      --json "$OUT/llamacpp_engine.json" > "$OUT/llamacpp_engine.txt" 2>&1 || echo "llama.cpp engine compare failed"
-    tail -n 4 "$OUT/llamacpp_engine.txt"
+      --json "$R/llamacpp_engine.json" > "$R/llamacpp_engine.txt" 2>&1 || echo "llama.cpp engine compare failed"
+    tail -n 4 "$R/llamacpp_engine.txt"
   fi
   rm -f "$f"; clean
   python3 -m moedesk bench --shape "$shape" --layers "$L" --gpu-budget 0 --expert-format "$fmt" --prefill 512 \
-    --decode-tokens 32 --batch 16 --json > "$OUT/${name}_ours.json" 2> "$OUT/${name}_ours.err" || echo "$name: ours failed"
+    --decode-tokens 32 --batch 16 --json > "$R/${name}_ours.json" 2> "$R/${name}_ours.err" || echo "$name: ours failed"
 }
-for which in ${*:-glm gpt-oss deepseek qwen35}; do
-  case $which in
-    glm) family glm-4.5-air glm-4.5-air 12 q4_k q4_k ;;
-    gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
-    deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
-    qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
-  esac
-done
-python3 - "$OUT" <<'PY'
+summary() {
+  python3 - "$R" > "$OUT/summary.txt" <<'PY'
 import glob, json, os, re, sys
 out = sys.argv[1]
 def load(path, parse):
@@ -68,3 +63,15 @@ for f in sorted(glob.glob(os.path.join(out, "*_ours.json"))):
         ratio = f"{r['tok_s'] / ref:.2f}" if ref else "-"
         print(f"{name:<15}{mode:<14}{r['tok_s']:>9.1f}{(ref or 0):>11.1f}{ratio:>7}{(r.get('pct_of_bound') or 0):>8.0f}%")
 PY
+  tar czf "$OUT/families.tgz" -C "$R" .
+}
+for which in ${*:-glm gpt-oss deepseek qwen35}; do
+  case $which in
+    glm) family glm-4.5-air glm-4.5-air 12 q4_k q4_k ;;
+    gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
+    deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
+    qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
+  esac
+  summary
+done
+cat "$OUT/summary.txt"
