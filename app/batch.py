@@ -88,7 +88,7 @@ class BatchSettings:
     draft_length: int = DRAFT_LENGTH
     draft_width: int = DRAFT_WIDTH
     batch_size: int | None = None  # None: as many as free memory holds, chosen when the run starts
-    gpu_budget_gib: float | None = None  # None: the engine decides from free GPU memory
+    gpu_budget_gib: float | tuple[float, ...] | None = None  # None: the engine decides; a tuple: one per GPU
     dtype: str | None = None  # None: the engine's default for the device
     expert_dtype: str = "auto"  # how routed experts are kept (engine.load.loader.expert_formats)
     from_app: tuple[str, ...] = ()  # which of these came from the app's saved settings
@@ -275,7 +275,7 @@ def settings_from_args(args: argparse.Namespace, app_settings=None) -> BatchSett
             _check_param(name, getattr(settings, name))
         except ValueError as e:
             raise BatchUsageError(f"--{name.replace('_', '-')}: {e}") from None
-    if settings.gpu_budget_gib is not None and settings.gpu_budget_gib < 0:
+    if isinstance(settings.gpu_budget_gib, (int, float)) and settings.gpu_budget_gib < 0:  # a tuple: one per GPU
         raise BatchUsageError(f"--gpu-budget: must be >= 0 GiB, got {settings.gpu_budget_gib}")
     return settings
 

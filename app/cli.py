@@ -25,6 +25,13 @@ def _gib(text: str) -> float:
     return value
 
 
+def gpu_budget(text: str) -> float | tuple[float, ...]:
+    """--gpu-budget: one figure (GiB), today's budget, or one per GPU ("16,16"), carried as a tuple; how many
+    GPUs there are is checked where the engine loads (engine.offload.devices.check_device_budgets)."""
+    figures = tuple(_gib(part.strip()) for part in text.split(","))
+    return figures[0] if len(figures) == 1 else figures
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -34,6 +41,7 @@ def _finite(text: str) -> float:
 
 _positive_int.__name__ = "positive integer"  # how argparse names the type in its message
 _gib.__name__ = "GiB (a number >= 0)"
+gpu_budget.__name__ = "GiB (a number >= 0, or one per GPU: 16,16)"
 _finite.__name__ = "finite number"
 
 def add_decoding_arguments(parser: argparse.ArgumentParser, beams: bool, where: str) -> None:
@@ -90,9 +98,10 @@ def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, se
                              "else float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--context", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
-    parser.add_argument("--gpu-budget", type=_gib, default=None, metavar="GiB",
+    parser.add_argument("--gpu-budget", type=gpu_budget, default=None, metavar="GiB",
                         help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
-                             "has free after the other weights, a KV cache reserve and a 10%% margin)")
+                             "has free after the other weights, a KV cache reserve and a 10%% margin); one figure "
+                             "per GPU (16,16) plans several GPUs (shown by profile; runs on one GPU for now)")
     if engine:
         parser.add_argument("--engine", choices=["auto", "native", "llama.cpp", "remote"], default=None,
                             help="what runs the model: auto takes moedesk's own engine where it implements the "

@@ -112,6 +112,11 @@ def _torch_capability() -> str:
         return ""
 
 
+def cuda_device_count() -> int:
+    """How many CUDA GPUs torch sees (0 without CUDA): what per-device budgets are checked against."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def _detect_gpus() -> tuple[GpuInfo, ...]:
     if not torch.cuda.is_available():
         return ()

@@ -37,6 +37,7 @@ class Engine(EngineFace):
         self.name = name
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
+        self.device_plan = None  # engine.offload.devices.DevicePlan when --gpu-budget named several GPUs: planned only
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
         self.generation_defaults: dict = {}
@@ -55,9 +56,10 @@ class Engine(EngineFace):
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
-             context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
-             reprofile: bool = False, progress=None, expert_dtype: str = "auto", engine: str = "auto",
-             cpu_moe: int | None = None, url: str | None = None, api_key: str | None = None) -> "Engine":
+             context_length: int | None = None, gpu_budget: float | tuple[float, ...] | None = None,
+             offload: bool | None = None, reprofile: bool = False, progress=None, expert_dtype: str = "auto",
+             engine: str = "auto", cpu_moe: int | None = None, url: str | None = None,
+             api_key: str | None = None) -> "Engine":
         """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
@@ -68,9 +70,10 @@ class Engine(EngineFace):
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
         tier (how tests run the orchestration without a GPU). gpu_budget None: what the GPU has
-        free after the other weights, a KV cache reserve and a margin. expert_dtype: how routed experts are
-        stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4: quantised while
-        loading; engine.load.loader.expert_formats).
+        free after the other weights, a KV cache reserve and a margin; a tuple: one figure per GPU, checked
+        against the GPUs detected and planned (`device_plan`) while the run keeps to one device. expert_dtype: how
+        routed experts are stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4:
+        quantised while loading; engine.load.loader.expert_formats).
         """
         from moedesk.engine.selection import after_refusal, choose_engine
 
@@ -78,17 +81,30 @@ class Engine(EngineFace):
             from moedesk.engine.remote.engine import RemoteEngine
 
             return RemoteEngine.load(model, url=url, api_key=api_key, context_length=context_length, progress=progress)
+        budgets = None
+        if isinstance(gpu_budget, (tuple, list)):  # one figure per GPU (--gpu-budget 16,16)
+            from moedesk.engine.hardware import cuda_device_count
+            from moedesk.engine.offload.devices import check_device_budgets
+
+            budgets = check_device_budgets(gpu_budget, cuda_device_count())
+            # Several GPUs are planned only: this run takes the one device it would anyway, budgeted as by default.
+            gpu_budget = budgets[0] if len(budgets) == 1 else None
         choice = choose_engine(model, engine)
         if choice is None or choice.kind == "native":
             try:
                 loaded = cls._load_native(model, device, dtype, context_length, gpu_budget, offload, reprofile,
                                           progress, expert_dtype, native_asked=choice is not None)
                 loaded.why = choice.why if choice else f"native engine: it implements {loaded.config.arch}"
+                if budgets and len(budgets) > 1:
+                    loaded._plan_devices(budgets)
                 return loaded
             except UnsupportedModelError as refusal:
                 if choice is not None:
                     raise
                 choice = after_refusal(refusal)
+        if budgets and len(budgets) > 1:
+            raise MoedeskError("--gpu-budget: one figure per GPU is planned for the native engine only; the llama.cpp "
+                               "engine takes one figure")
         from moedesk.engine.llamacpp.engine import LlamaCppEngine
 
         return LlamaCppEngine.load(choice.model, device=device, context_length=context_length, gpu_budget=gpu_budget,
@@ -170,6 +186,26 @@ class Engine(EngineFace):
         self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
         if progress:
             progress("place", 1.0)
+
+    def _plan_devices(self, budgets: tuple[float, ...]) -> None:
+        """The per-device plan for `budgets` (GiB, one per GPU; engine.offload.devices), kept in `device_plan` for
+        `moedesk profile`. Executing it is not implemented: the model runs on one device, which a warning says."""
+        from moedesk.engine.offload.devices import layer_sizes, plan_devices
+        from moedesk.engine.offload.placement import LayerCosts
+
+        orchestra, cfg = self.orchestra, self.config
+        note = (f"--gpu-budget {','.join(f'{b:g}' for b in budgets)}: planned only; running on more than one GPU is "
+                f"not implemented yet, so this run uses {self.device} alone with the default budget")
+        self.warnings.append(note)
+        if orchestra is None:
+            return  # a dense model, or experts not offloaded: nothing to plan per device
+        weights, kv, moe, first, last = layer_sizes(cfg, self.dtype.itemsize, KV_ROWS_RESERVED * self.context_length,
+                                                    len(budgets))
+        costs = None if orchestra.cache else LayerCosts.from_model(orchestra.costs,
+                                                                   orchestra.executor.whole_layers_on_device)
+        self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
+                                        len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
+                                        last, layer_costs=costs, top_k=orchestra.top_k)
 
     def _route(self, requests: list[Request]) -> dict:
         """Run `requests` to their end and return how often the routers picked each expert for them, by layer."""

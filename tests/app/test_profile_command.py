@@ -88,3 +88,49 @@ def test_the_cpu_path_named_is_the_one_the_dispatch_takes():
     assert cpu_path(packed) == cpu_quant.describe()
     biased = dense(torch.bfloat16).with_function(down_bias=torch.zeros(2, 32, dtype=torch.bfloat16))
     assert cpu_path(biased).startswith("torch (experts with biases")
+
+
+def test_profile_prints_the_per_device_plan_of_several_budgets_as_planned(tiny_checkpoint, tmp_path, monkeypatch,
+                                                                          capsys):
+    """Two simulated GPUs (the count detection sees is patched): the plan is printed, marked as not running."""
+    import moedesk.engine.hardware as hardware
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "cuda_device_count", lambda: 2)
+    folder = str(tiny_checkpoint("mixtral"))
+    args = ["profile", "--model", folder, "--device", "cpu", "--dtype", "float32", "--context", "64",
+            "--gpu-budget", "0.01,0.01"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "per-device plan over 2 GPUs (planned; running on more than one GPU is not implemented yet)" in out
+    gpus = re.findall(r"^  GPU (\d): layers (\d)-(\d), ", out, re.M)
+    assert [g[0] for g in gpus] == ["0", "1"]
+    assert int(gpus[0][1]) == 0 and int(gpus[1][2]) == 2 and int(gpus[1][1]) == int(gpus[0][2]) + 1  # consecutive
+    assert "warning: --gpu-budget 0.01,0.01: planned only; running on more than one GPU is not implemented yet" in out
+
+
+def test_per_device_budgets_that_do_not_match_the_gpus_are_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    import moedesk.engine.hardware as hardware
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "cuda_device_count", lambda: 1)
+    folder = str(tiny_checkpoint("mixtral"))
+    assert main(["profile", "--model", folder, "--device", "cpu", "--gpu-budget", "16,16"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "names 2 GPUs and this machine has 1 CUDA GPU" in err
+
+
+def test_gpu_budget_takes_one_figure_or_one_per_gpu(capsys):
+    import pytest
+
+    from moedesk.app.cli import build_parser
+
+    parser = build_parser()
+    one = parser.parse_args(["profile", "--gpu-budget", "16"]).gpu_budget
+    assert one == 16.0 and isinstance(one, float)  # one GPU: exactly today's value
+    assert parser.parse_args(["profile", "--gpu-budget", "16, 12.5"]).gpu_budget == (16.0, 12.5)
+    for bad in ("16,x", "16,-1", "16,,16", "nan,16"):
+        with pytest.raises(SystemExit) as exit_:
+            parser.parse_args(["profile", "--gpu-budget", bad])
+        assert exit_.value.code == 2
+        assert "--gpu-budget" in capsys.readouterr().err.strip().splitlines()[-1]
