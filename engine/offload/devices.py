@@ -112,7 +112,7 @@ def split_layers(budgets: Sequence[int], layer_bytes: Sequence[int], first_bytes
     cuts, start = [], 0
     for d in range(devices - 1):
         target = whole * sum(budgets[:d + 1]) / total_budget
-        room_after = devices - 1 - d  # later devices each need one layer
+        room_after = devices - 1 - d if n >= devices else 0  # later devices each need one layer, if there are enough
         lo, hi = start + (1 if n >= devices else 0), max(start, n - room_after)
         # the number of layers before the cut, among lo..hi, whose end lies nearest the target
         candidates = range(lo, hi + 1)

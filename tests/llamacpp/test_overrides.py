@@ -99,3 +99,15 @@ def test_the_load_reports_progress_and_a_progress_that_raises_cancels_it(tiny_mo
 
     with pytest.raises(Cancelled):
         Engine.load(str(tiny_moe), engine="llama.cpp", device="cpu", context_length=64, progress=cancel)
+
+
+def test_several_gpu_budgets_are_one_line_on_llama_cpp(tiny_moe, capsys, monkeypatch):
+    """Per-GPU budgets are planned for the native engine only (engine.offload.devices): llama.cpp says so."""
+    import moedesk.engine.hardware as hardware
+    from moedesk.app.cli import main
+
+    monkeypatch.setattr(hardware, "cuda_device_count", lambda: 2)
+    assert main(["profile", "--engine", "llama.cpp", "--model", str(tiny_moe), "--device", "cpu",
+                 "--gpu-budget", "1,1"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "the llama.cpp engine takes one figure" in err

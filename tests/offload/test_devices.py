@@ -102,3 +102,32 @@ def test_the_plan_is_printed_as_planned_not_running():
     assert "planned; running on more than one GPU is not implemented yet" in lines[0]
     assert lines[1].startswith("  GPU 0: layers 0-3") and lines[2].startswith("  GPU 1: layers 4-7")
     assert "10 of 16 experts" in lines[1] and "hit rate" in lines[1]
+
+
+def test_a_layer_count_below_the_device_count_leaves_the_last_devices_empty():
+    plan = plan_devices([100 * MIB] * 3, 10 * MIB, EXPERTS, np.ones((2, EXPERTS)), [20 * MIB] * 2, [5 * MIB] * 2)
+    owner = plan.device_of_layer
+    assert len(owner) == 2 and list(owner) == sorted(owner) and plan.crossings() == 1
+    empty = ({0, 1, 2} - set(owner)).pop()
+    assert plan.layers(empty) == range(0) and plan.placements[empty].experts_on_gpu == 0
+    assert f"GPU {empty}: no layers" in format_device_plan(plan)[1 + empty]
+
+
+@pytest.mark.gpu
+def test_two_real_gpus_are_counted_and_planned(tmp_path, monkeypatch, capsys):
+    """On the two-GPU box: detection counts both, and `moedesk profile` plans the demo over them (still run on one)."""
+    import torch
+
+    from moedesk.app.cli import main
+    from moedesk.engine.hardware import cuda_device_count, detect_hardware
+
+    if cuda_device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
+    assert cuda_device_count() == torch.cuda.device_count() == len(detect_hardware().gpus)
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    figures = ",".join(["1"] * cuda_device_count())
+    assert main(["profile", "--model", "demo", "--context", "1024", "--gpu-budget", figures]) == 0
+    out = capsys.readouterr().out
+    assert f"per-device plan over {cuda_device_count()} GPUs (planned;" in out and "  GPU 1: layers " in out
+    assert main(["profile", "--model", "demo", "--gpu-budget", figures + ",1"]) != 0
+    assert "names" in capsys.readouterr().err
