@@ -199,8 +199,10 @@ class Engine(EngineFace):
         self.warnings.append(note)
         if orchestra is None:
             return  # a dense model, or experts not offloaded: nothing to plan per device
-        weights, kv, moe, first, last = layer_sizes(cfg, self.dtype.itemsize, KV_ROWS_RESERVED * self.context_length,
-                                                    len(budgets))
+        weights, kv, _, first, last = layer_sizes(cfg, self.dtype.itemsize, KV_ROWS_RESERVED * self.context_length,
+                                                  len(budgets))
+        routed = {moe.layer for moe in self.model.moe_blocks()}  # the layers whose popularity rows the orchestra has
+        moe = [layer in routed for layer in range(cfg.num_layers)]
         costs = None if orchestra.cache else LayerCosts.from_model(orchestra.costs,
                                                                    orchestra.executor.whole_layers_on_device)
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,

@@ -158,9 +158,9 @@ def plan_devices(budgets: Sequence[int], expert_bytes: int, num_experts: int, po
         fixed = sum(layer_non_expert_bytes[i] for i in mine) + (first_bytes if d == 0 else 0) \
             + (last_bytes if d == len(budgets) - 1 else 0)
         kv = sum(layer_kv_bytes[i] for i in mine)
+        rows = counts[moe_index[list(moe_mine)]] if moe_mine else np.zeros((0, num_experts))
         try:
-            plan = plan_placement(expert_bytes, len(moe_mine), num_experts, counts[moe_index[list(moe_mine)]]
-                                  if moe_mine else np.zeros((0, num_experts)), budget, fixed, kv,
+            plan = plan_placement(expert_bytes, len(moe_mine), num_experts, rows, budget, fixed, kv,
                                   layer_costs=layer_costs, top_k=top_k)
         except BudgetError:
             if len(budgets) == 1:

@@ -131,3 +131,26 @@ def test_two_real_gpus_are_counted_and_planned(tmp_path, monkeypatch, capsys):
     assert f"per-device plan over {cuda_device_count()} GPUs (planned;" in out and "  GPU 1: layers " in out
     assert main(["profile", "--model", "demo", "--gpu-budget", figures + ",1"]) != 0
     assert "names" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shape", ["mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "qwen3.5-35b-a3b"])
+def test_layer_sizes_add_up_to_the_single_budget_figures(shape):
+    """Per layer sizes sum to what engine.offload.gpu_budget counts for the whole model on one GPU."""
+    from moedesk.engine.load.synthetic import shape_config
+    from moedesk.engine.offload.devices import layer_sizes
+    from moedesk.engine.offload.gpu_budget import kv_bytes_per_position, non_expert_bytes
+
+    cfg = shape_config(shape)
+    weights, kv, moe, first, last = layer_sizes(cfg, 2, 4096)
+    assert sum(weights) + first + last == non_expert_bytes(cfg, 2)
+    assert sum(kv) == 4096 * kv_bytes_per_position(cfg, 2)
+    assert any(moe) and len(weights) == len(kv) == cfg.num_layers
+    # on two GPUs a tied head needs its own copy on the last one
+    assert layer_sizes(cfg, 2, 4096, devices=2)[4] == cfg.vocab_size * cfg.hidden_size * 2
+    fixed, expert = sum(weights) + sum(kv) + first + last, 3 * cfg.hidden_size * cfg.moe_intermediate_size * 2
+    plan = plan_devices([fixed, fixed], expert, cfg.num_experts, np.ones((sum(moe), cfg.num_experts)), weights, kv,
+                        moe, first, last)
+    # equal budgets: the two halves of the model's bytes differ by less than a layer (dense layers are lighter)
+    size = [w + c + (cfg.num_experts * expert if m else 0) for w, c, m in zip(weights, kv, moe)]
+    halves = [sum(size[i] for i in plan.layers(d)) for d in (0, 1)]
+    assert plan.crossings() == 1 and abs(halves[0] + first - halves[1] - last) <= max(size)
