@@ -99,9 +99,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, se
     parser.add_argument("--context", type=_positive_int, default=None, metavar="N",
                         help="longest prompt + reply per sequence in tokens (default: 4096, capped by the model)")
     parser.add_argument("--gpu-budget", type=gpu_budget, default=None, metavar="GiB",
-                        help="GPU memory for the most popular experts; the rest stay in RAM (default: what the GPU "
-                             "has free after the other weights, a KV cache reserve and a 10%% margin); one figure "
-                             "per GPU (16,16) plans several GPUs (shown by profile; runs on one GPU for now)")
+                        help="all the GPU memory moedesk may use: the other weights, one sequence's KV cache at "
+                             "--context and attention's workspace first, the most popular experts in the rest, the "
+                             "others in RAM; 0: every expert in RAM (default: what the GPU has free after the other "
+                             "weights, a KV cache reserve and a 10%% margin); one figure per GPU (16,16) plans "
+                             "several GPUs (shown by profile; runs on one GPU for now)")
     if engine:
         parser.add_argument("--engine", choices=["auto", "native", "llama.cpp", "remote"], default=None,
                             help="what runs the model: auto takes moedesk's own engine where it implements the "

@@ -12,7 +12,7 @@ from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
-from moedesk.engine.offload.gpu_budget import prefill_workspace_bytes
+from moedesk.engine.offload.gpu_budget import BudgetSplit, budget_holding, model_split, prefill_workspace_bytes
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from moedesk.engine.requests import Completion, Request, SamplingParams
@@ -38,6 +38,7 @@ class Engine(EngineFace):
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
         self.device_plan = None  # engine.offload.devices.DevicePlan when --gpu-budget named several GPUs: planned only
+        self.budget_split: BudgetSplit | None = None  # where an explicit GPU budget went (engine.offload.gpu_budget)
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
         self.generation_defaults: dict = {}
@@ -69,11 +70,14 @@ class Engine(EngineFace):
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
-        tier (how tests run the orchestration without a GPU). gpu_budget None: what the GPU has
-        free after the other weights, a KV cache reserve and a margin; a tuple: one figure per GPU, checked
-        against the GPUs detected and planned (`device_plan`) while the run keeps to one device. expert_dtype: how
-        routed experts are stored (auto: as the file has them, packed GGUF blocks included; bf16; int8 / int4:
-        quantised while loading; engine.load.loader.expert_formats).
+        tier (how tests run the orchestration without a GPU). gpu_budget: GiB of GPU memory for everything, split
+        by engine.offload.gpu_budget.model_split (the non-expert weights, one sequence's KV cache at the whole
+        context, attention's workspace and slack first, experts the rest; ContextBudgetError naming the longest
+        context that fits, before the weights are read, when they do not fit); 0: every expert in RAM; None: what
+        the GPU has free after the other weights, a KV cache reserve and a margin; a tuple: one figure per GPU,
+        checked against the GPUs detected and planned (`device_plan`) while the run keeps to one device.
+        expert_dtype: how routed experts are stored (auto: as the file has them, packed GGUF blocks included; bf16;
+        int8 / int4: quantised while loading; engine.load.loader.expert_formats).
         """
         from moedesk.engine.selection import after_refusal, choose_engine
 
@@ -127,6 +131,13 @@ class Engine(EngineFace):
         allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
         _check_memory(checkpoint.path, str(torch_dtype).removeprefix("torch."), expert_dtype,
                       gpu=torch_device.type == "cuda")
+        if offload and gpu_budget:  # refuse a budget too small for the weights and the cache before reading them
+            from moedesk.engine.model.architectures import parse_config
+
+            early = parse_config(checkpoint.config, checkpoint.path, tensors=checkpoint.shapes())
+            if early.is_moe:
+                model_split(early, int(gpu_budget * GIB), min(context, early.max_position_embeddings),
+                            torch_dtype.itemsize, default_prefill_chunk(torch_device))
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype)
         context = min(context, cfg.max_position_embeddings)
         tok_model = checkpoint.tokenizer
@@ -170,8 +181,11 @@ class Engine(EngineFace):
             orchestra.calibrate(cached_popularity(cache_root(), key, self.tokenizer, self._route, experts, reprofile))
         if progress:
             progress("calibrate", 1.0)
-        if gpu_budget is not None:
-            budget = int(gpu_budget * GIB)
+        if gpu_budget:
+            self.budget_split = self.gpu_budget_split(int(gpu_budget * GIB))
+            budget = self.budget_split.experts
+        elif gpu_budget == 0:
+            budget = 0
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             # The cache of a full context per reserved row, and what a prefill piece at that depth allocates.
@@ -208,6 +222,20 @@ class Engine(EngineFace):
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
+    def gpu_budget_split(self, budget: int) -> BudgetSplit:
+        """How `budget` bytes of GPU would split for this model at its context, from the sizes of what it loaded
+        (engine.offload.gpu_budget.model_split; ContextBudgetError when too small). The routed experts are no
+        parameters of the model: its parameters and buffers are what stays on the GPU whatever the placement."""
+        held = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        return model_split(self.config, budget, self.context_length, self.dtype.itemsize,
+                           self.scheduler.prefill_chunk or self.context_length, held, self.cache.bytes_per_position(),
+                           getattr(self.cache, "bytes_per_row", lambda: 0)())
+
+    def gpu_budget_for_experts(self, count: int) -> float:
+        """The least GPU budget (GiB) whose split keeps `count` experts resident beside what it holds first."""
+        whole = self.gpu_budget_split(2**62)
+        fixed = whole.weights + whole.kv_cache + whole.workspace
+        return (budget_holding(fixed, count * self.orchestra.expert_bytes) + 16) / GIB  # 16: float rounding
 
     def _route(self, requests: list[Request]) -> dict:
         """Run `requests` to their end and return how often the routers picked each expert for them, by layer."""

@@ -123,3 +123,13 @@ def build(arch: str, folder: Path, seed: int = 0, chat_template: str | None = CH
         tokenizer_config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return folder
+
+
+def budget_for_experts(folder, count: int, device: str = "cpu", dtype: str = "float32") -> float:
+    """The --gpu-budget (GiB) that keeps `count` experts of the model at `folder` resident beside what the budget
+    holds first (its weights, the cache of its whole context, workspace): a probe loaded with every expert in RAM
+    says (Engine.gpu_budget_for_experts)."""
+    from moedesk.engine.runtime import Engine
+
+    probe = Engine.load(str(folder), device=device, dtype=dtype, offload=True, gpu_budget=0)
+    return probe.gpu_budget_for_experts(count)

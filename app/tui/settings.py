@@ -83,8 +83,9 @@ class Settings:
     seed: int | None = setting(
         None, "Seed", "Random seed for sampling. Blank: a new seed for every reply.", check=between(0, 2**63 - 1))
     gpu_budget_gib: float | None = setting(
-        None, "GPU budget (GiB)", "GPU memory moedesk may use for experts. Blank: decide automatically. "
-                                  "Takes effect when a model is loaded.", check=between(0, 100_000))
+        None, "GPU budget (GiB)", "All the GPU memory moedesk may use: the model's other weights "
+                                  "and one context's KV cache first, experts the rest; 0: every expert in RAM. "
+                                  "Blank: decide automatically. Takes effect when a model is loaded.", check=between(0, 100_000))
     dtype: str = setting(
         "auto", "Weights dtype", "What weights are held and computed in (experts too, unless the expert dtype "
                                  "says otherwise). auto: bfloat16 on a GPU, float32 on the CPU. Takes effect when a "

@@ -85,11 +85,8 @@ class LlamaCppEngine(EngineFace):
         layers_meta = _arch_value(reader, "block_count") or len(sizes.expert_bytes)
         budget = 0
         if use_gpu:
-            from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED
-
-            # As the native engine: room for KV_ROWS_RESERVED full-context sequences' keys and values.
-            kv = KV_ROWS_RESERVED * context * _kv_bytes_per_position(reader, layers_meta)
-            budget = expert_budget(gpu_budget, _gpu_free_bytes(), sizes.other_bytes, kv)
+            budget = expert_budget(gpu_budget, _gpu_free_bytes(), sizes.other_bytes,
+                                   _kv_bytes_per_position(reader, layers_meta), context)
         placement = place(sizes, layers_meta, use_gpu, budget, cpu_moe)
         params.n_gpu_layers = placement.gpu_layers
         overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]

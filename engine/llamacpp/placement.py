@@ -52,14 +52,22 @@ def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int) -> int:
     return len(expert_bytes)
 
 
-def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes: int, kv_bytes: int) -> int:
-    """GPU bytes for experts: the budget the user named, else what is free once the other weights, the KV cache
-    and the native engine's margin are set aside (engine.offload.orchestration.default_expert_budget)."""
-    from moedesk.engine.offload.orchestration import default_expert_budget
+def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes: int, kv_per_position: int,
+                  context: int) -> int:
+    """GPU bytes for experts. A budget the user named is the whole GPU's, as for the native engine
+    (engine.offload.gpu_budget): the other weights, one sequence's KV cache at the whole context and slack first,
+    experts the rest (ContextBudgetError naming a context that fits when they do not); 0 keeps every expert in RAM.
+    Else what is free once the other weights, KV_ROWS_RESERVED sequences' cache and the native engine's margin are
+    set aside (engine.offload.orchestration.default_expert_budget)."""
+    from moedesk.engine.offload.gpu_budget import split_gpu_budget
+    from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED, default_expert_budget
 
-    if gpu_budget_gib is not None:
-        return int(gpu_budget_gib * GIB)
-    return default_expert_budget(max(0, free_gpu_bytes - other_bytes), kv_bytes)
+    if gpu_budget_gib == 0:
+        return 0
+    if gpu_budget_gib is not None:  # llama.cpp sizes its compute buffers itself: no workspace is counted here
+        return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context, 0).experts
+    kv = KV_ROWS_RESERVED * context * kv_per_position
+    return default_expert_budget(max(0, free_gpu_bytes - other_bytes), kv)
 
 
 @dataclass(frozen=True)

@@ -57,12 +57,12 @@ def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 
 def kv_bytes_per_position(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """One position's keys and values over every attention layer (the full-attention KV cache, engine.model.cache.kv;
-    Gated DeltaNet layers keep a state per sequence instead), or for latent attention its latent and rotary key
-    (engine.model.cache.positional.LatentCache)."""
+    """One position's keys and values over every full-attention layer (engine.model.cache.kv; Gated DeltaNet layers
+    keep a state per sequence instead, sliding layers a ring per sequence), or for latent attention its latent and
+    rotary key (engine.model.cache.positional.LatentCache)."""
     if cfg.kv_lora_rank:
         return cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
-    attending = sum(not cfg.is_linear_layer(layer) for layer in range(cfg.num_layers))
+    attending = sum(not (cfg.is_linear_layer(layer) or cfg.is_sliding_layer(layer)) for layer in range(cfg.num_layers))
     return attending * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
 
 
@@ -99,6 +99,48 @@ def split_gpu_budget(budget: int, weights: int, kv_per_position: int, context: i
             f"a {gib(budget)} GPU budget cannot hold the weights ({gib(weights)}) and the KV cache of {rows} x "
             f"{context} positions ({gib(kv)}); {_advice(budget, weights, kv_per_position, workspace, rows, kv_per_row, kept)}")
     return split
+
+
+def model_split(cfg: ModelConfig, budget: int, context: int, dtype_bytes: int, prefill_piece: int,
+                weights: int | None = None, kv_per_position: int | None = None, kv_per_row: int = 0) -> BudgetSplit:
+    """An explicit --gpu-budget's split for a model: its non-expert weights, one sequence's KV cache at the whole
+    context the engine reserves, a prefill piece's workspace at that depth, slack, then experts (ContextBudgetError
+    when the fixed part does not fit). The loaded model's and cache's own sizes once they exist; before, a floor
+    from the config (no norms, biases or sliding rings; for latent attention, whose projections layer_weights does
+    not model, the embeddings alone): never more than the loaded sizes, so a refusal then is certain."""
+    if weights is None:
+        embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) * dtype_bytes
+        weights = embeddings if cfg.kv_lora_rank else non_expert_bytes(cfg, dtype_bytes)
+    per = kv_bytes_per_position(cfg, dtype_bytes) if kv_per_position is None else kv_per_position
+
+    def at(positions: int) -> BudgetSplit:
+        workspace = prefill_workspace_bytes(cfg, min(prefill_piece, positions), positions, dtype_bytes)
+        return split_gpu_budget(budget, weights, per, positions, workspace, 1, kv_per_row)
+
+    try:
+        return at(context)
+    except ContextBudgetError:
+        pass
+    # The workspace grows with the context too: the longest that fits, by bisection (the fixed part only grows).
+    fits, too_long = 0, context
+    while too_long - fits > 1:
+        middle = (fits + too_long) // 2
+        try:
+            at(middle)
+            fits = middle
+        except ContextBudgetError:
+            too_long = middle
+    advice = f"use a context of at most {fits} or raise --gpu-budget" if fits else "raise --gpu-budget"
+    raise ContextBudgetError(f"a {gib(budget)} GPU budget cannot hold the weights ({gib(weights)}) and the KV cache "
+                             f"of {context} positions ({gib(context * per + kv_per_row)}); {advice}")
+
+
+def budget_holding(fixed: int, experts: int, slack: float = SLACK) -> int:
+    """The least budget whose split leaves `experts` bytes for experts beside `fixed` (weights, cache, workspace)."""
+    budget = int((fixed + experts) / (1 - slack))
+    while budget - fixed - int(budget * slack) < experts:
+        budget += 1
+    return budget
 
 
 def longest_context(budget: int, weights: int, kv_per_position: int, workspace: int, rows: int = 1,

@@ -7,7 +7,7 @@ import pytest
 from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.llamacpp.library import CUDA_REBUILD, cuda_hint
 from moedesk.engine.llamacpp.overrides import experts_pattern, matches, overridden_tensors
-from moedesk.engine.llamacpp.placement import GIB, cpu_moe_layers, gguf_sizes, place
+from moedesk.engine.llamacpp.placement import GIB, cpu_moe_layers, expert_budget, gguf_sizes, place
 from moedesk.engine.selection import after_refusal, choose_engine
 
 MIB = 2**20
@@ -27,6 +27,19 @@ def test_sizes_split_routed_experts_per_layer_from_the_rest():
 @pytest.mark.parametrize("budget_mib,expected", [(0, 4), (99, 4), (100, 3), (250, 2), (400, 0), (10_000, 0)])
 def test_the_fewest_layers_in_ram_whose_remaining_experts_fit_the_budget(budget_mib, expected):
     assert cpu_moe_layers((100 * MIB,) * 4, budget_mib * MIB) == expected
+
+
+def test_a_named_budget_is_the_whole_gpus_and_the_cache_of_the_context_comes_before_experts():
+    """As for the native engine: other weights, one sequence's cache at the context, 5% slack, then experts."""
+    from moedesk.engine.offload.gpu_budget import ContextBudgetError
+
+    per = 128 * 1024  # Mixtral's f16 keys and values per position
+    experts = expert_budget(16, 0, 3 * GIB, per, 32768)
+    assert experts == 16 * GIB - 3 * GIB - 4 * GIB - int(0.05 * 16 * GIB)
+    assert expert_budget(16, 0, 3 * GIB, per, 8192) - experts == 3 * GIB  # a shorter context: more experts
+    assert expert_budget(0, 0, 3 * GIB, per, 32768) == 0  # 0: every expert in RAM
+    with pytest.raises(ContextBudgetError, match=r"at most \d+ or raise --gpu-budget"):
+        expert_budget(6, 0, 3 * GIB, per, 32768)
 
 
 def test_placement_without_a_gpu_keeps_everything_in_ram_and_overrides_nothing():

@@ -20,7 +20,7 @@ from moedesk.engine.model.routing import grouped_sigmoid_top_k
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy, hf_last_logits, hf_model
-from tests.tiny_models import SPECIAL
+from tests.tiny_models import SPECIAL, budget_for_experts
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
 
@@ -77,7 +77,7 @@ def test_grouped_sigmoid_routing_matches_the_glm4_moe_router(groups, top_groups,
 def test_glm4_moe_offloaded_generates_the_reference_tokens(tiny_checkpoint):
     """Experts in RAM on the simulated GPU tier, none and some of them resident: transformers' tokens."""
     folder = tiny_checkpoint("glm4_moe")
-    for budget in (0, 0.0002):  # GiB: none, and about a third of the 16 experts
+    for budget in (0, budget_for_experts(folder, 5)):  # GiB: none, and about a third of the 16 experts
         engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=budget)
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
         expected = reference_greedy(folder, engine, prompts, 16)
@@ -257,7 +257,8 @@ def test_gpt_oss_prompts_past_the_window_offloaded_and_in_ram(tiny_checkpoint):
     assert engine.config.sliding_window == 8 and max(map(len, prompts)) > 3 * 8
     expected = reference_greedy(folder, engine, prompts, 20)
     assert greedy(engine, prompts, 20) == expected
-    offloaded = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    offloaded = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
+                            gpu_budget=budget_for_experts(folder, 2))
     for policy in ("copy", "cpu"):
         offloaded.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
                                      "cpu": lambda loads: (sorted(loads), [])}[policy]
@@ -379,7 +380,8 @@ def test_deepseek_v3_latent_attention_offloaded_and_its_switches(tiny_checkpoint
     """MLA in its plain form (every head's key and value cached) with the group-limited routing, experts offloaded:
     transformers' tokens. The softmax scale (yarn's mscale squared) and the query bottleneck are really used."""
     folder = tiny_checkpoint("deepseek_v3")
-    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
+                         gpu_budget=budget_for_experts(folder, 2))
     cfg = engine.config
     assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.head_dim, cfg.v_head_dim, cfg.rope_dims) == (24, 32, 24, 12, 8)
     assert cfg.attention_scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2)

@@ -125,7 +125,7 @@ def test_offloaded_float32_greedy_on_cuda_at_every_budget(arch, tiny_checkpoint,
     total = probe.expert_stats()["experts_total"]
     for fits in (0, total // 2, total):
         engine = Engine.load(str(folder), device="cuda", dtype="float32",
-                             gpu_budget=fits * probe.orchestra.expert_bytes / 2**30)
+                             gpu_budget=probe.gpu_budget_for_experts(fits))
         assert engine.expert_stats()["experts_on_gpu"] == fits
         done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)], 2)}
         assert [done[i] for i in range(len(prompts))] == expected, fits

@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.reference import hf_greedy
+from tests.tiny_models import budget_for_experts
 
 FAMILIES = ["qwen3next", "qwen35moe"]
 TEXTS = ["Hi", "The quick brown fox jumps over the lazy",
@@ -73,7 +74,8 @@ def test_batched_greedy_equals_transformers_in_ram_and_offloaded(family, built):
     assert greedy(engine, ids) == want  # 3 prompts, 2 rows: right padding, and a row reused mid-run
     engine.scheduler.prefill_chunk = 7  # prompts prefilled in pieces that continue the recurrent state
     assert greedy(engine, ids, batch_size=3) == want
-    offloaded = Engine.load(str(b.folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    offloaded = Engine.load(str(b.folder), device="cpu", dtype="float32", offload=True,
+                            gpu_budget=budget_for_experts(b.folder, 2))
     for policy in ("copy", "cpu"):
         offloaded.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
                                      "cpu": lambda loads: (sorted(loads), [])}[policy]
@@ -273,7 +275,7 @@ def test_on_cuda_float32_in_place_and_offloaded_and_bf16(family, built):
     cpu = Engine.load(str(b.folder), device="cpu", dtype="float32")
     ids = prompts(cpu)
     want = expected(b, cpu, ids)
-    for kw in ({}, dict(offload=True, gpu_budget=0.0001)):
+    for kw in ({}, dict(offload=True, gpu_budget=budget_for_experts(b.folder, 2, "cuda"))):
         engine = Engine.load(str(b.folder), device="cuda", dtype="float32", **kw)
         assert engine.runner.graphs is None  # recurrent layers decode eagerly
         assert greedy(engine, ids) == want, kw

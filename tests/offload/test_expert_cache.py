@@ -198,7 +198,7 @@ def test_an_engine_whose_experts_follow_the_routing_matches_transformers(arch, t
     total = sum(map(len, probe.expert_map()[0]))
     monkeypatch.setenv("MOEDESK_EXPERT_CACHE", "1")
     engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
-                         gpu_budget=(total // 4) * probe.orchestra.expert_bytes / 2**30)
+                         gpu_budget=probe.gpu_budget_for_experts(total // 4))
     assert engine.executor.cache is not None
     before = [row[:] for row in engine.expert_map()[0]]
     done = [next(engine.generate([Request(p, greedy)], 1)) for p in prompts]  # one at a time: many steps

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moedesk.engine.offload import calibration
+from moedesk.engine.offload.gpu_budget import non_expert_bytes
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
@@ -23,10 +24,6 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     return tmp_path
-
-
-def _expert_bytes(engine) -> int:
-    return engine.orchestra.expert_bytes
 
 
 def _generate(engine, prompts=PROMPTS, batch_size=2):
@@ -48,10 +45,74 @@ def test_offloaded_engine_matches_transformers_at_every_budget(arch, tiny_checkp
     total = sum(map(len, probe.expert_map()[0]))
     for fits in (0, 1, total // 2, total):
         engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
-                             gpu_budget=fits * _expert_bytes(probe) / 2**30)
+                             gpu_budget=probe.gpu_budget_for_experts(fits))
         on_gpu, _ = engine.expert_map()
         assert sum(map(sum, on_gpu)) == fits
         assert [c.token_ids for c in _generate(engine)] == expected, fits
+
+
+def test_an_explicit_budget_holds_the_weights_and_the_whole_context_cache_before_experts(tiny_checkpoint):
+    """--gpu-budget is all the GPU memory moedesk may use: the non-expert weights (as the loaded model holds them),
+    one sequence's cache at the whole context and attention's workspace come out of it; experts get the rest."""
+    folder = str(tiny_checkpoint("mixtral"))
+    probe = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    expert_bytes = probe.orchestra.expert_bytes
+    budget_gib = probe.gpu_budget_for_experts(5) + 0.5 * expert_bytes / 2**30  # room for five and a half
+    engine = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=budget_gib)
+    split = engine.budget_split
+    # What stays on the GPU whatever the placement: the estimate from the config (no norms or tables) is a floor.
+    held = sum(t.numel() * t.element_size() for t in (*engine.model.parameters(), *engine.model.buffers()))
+    assert non_expert_bytes(engine.config, 4) < split.weights == held
+    assert split.kv_cache == engine.context_length * engine.cache.bytes_per_position() > 0 and split.workspace > 0
+    assert split.weights + split.kv_cache + split.workspace + split.slack + split.experts == int(budget_gib * 2**30)
+    assert engine.expert_stats()["experts_on_gpu"] == 5 == split.experts // expert_bytes
+    # The same budget at a quarter of the context: what its cache and workspace leave goes to experts only.
+    shorter = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=budget_gib,
+                          context_length=engine.context_length // 4)
+    assert 4 * shorter.budget_split.kv_cache == split.kv_cache  # (the rotary tables shrink with it too)
+    assert shorter.budget_split.experts - split.experts == split.fixed - shorter.budget_split.fixed > 0
+    assert shorter.expert_stats()["experts_on_gpu"] > 5
+
+
+def test_a_budget_too_small_for_the_context_is_refused_before_the_weights_are_read(tiny_checkpoint, monkeypatch):
+    from moedesk.engine import runtime
+
+    folder = str(tiny_checkpoint("mixtral"))
+    probe = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=0, context_length=128)
+    budget_gib = probe.gpu_budget_for_experts(0)  # 128 positions' cache and nothing more
+    monkeypatch.setattr(runtime, "load_model", lambda *a, **k: pytest.fail("weights read for a refused budget"))
+    with pytest.raises(MoedeskError) as refused:
+        Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=budget_gib,
+                    context_length=4 * probe.context_length)
+    message = str(refused.value)
+    assert "\n" not in message and "--gpu-budget" in message
+    fits = int(message.split("at most ")[1].split()[0])
+    assert probe.context_length <= fits < 4 * probe.context_length
+    monkeypatch.undo()
+    try:
+        engine = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=budget_gib,
+                             context_length=fits)
+    except MoedeskError as exact:  # before reading, norms and tables are left out: the loaded sizes may take a bit more
+        fits_loaded = int(str(exact).split("at most ")[1].split()[0])
+        assert 0.9 * fits <= fits_loaded < fits
+        engine = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=budget_gib,
+                             context_length=fits_loaded)
+    assert engine.budget_split.experts >= 0 and engine.expert_stats()["experts_on_gpu"] == 0
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3",
+                                  "glm4_moe_lite"])
+def test_the_refusal_before_reading_never_counts_more_than_the_loaded_model_takes(arch, tiny_checkpoint):
+    """The check before the weights are read works from the config: it must never refuse a budget the loaded sizes
+    fit, so its weights and cache are a floor of what the loaded model and its cache really take."""
+    from moedesk.engine.generation.scheduler import default_prefill_chunk
+    from moedesk.engine.offload.gpu_budget import model_split
+
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    loaded = engine.gpu_budget_split(2**40)
+    before = model_split(engine.config, 2**40, engine.context_length, 4, default_prefill_chunk("cpu"))
+    assert before.weights <= loaded.weights and before.kv_cache <= loaded.kv_cache, arch
+    assert before.workspace == loaded.workspace and before.fixed <= loaded.fixed
 
 
 def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_checkpoint, cache_dir, monkeypatch):
@@ -64,7 +125,7 @@ def test_experts_are_loaded_into_host_banks_and_the_most_popular_placed(tiny_che
 
     # A second load reads popularity and profile from the cache instead of measuring again.
     monkeypatch.setattr(calibration, "measure_popularity", lambda *_: pytest.fail("calibrated twice"))
-    three = 3 * _expert_bytes(engine) / 2**30
+    three = engine.gpu_budget_for_experts(3)
     placed = Engine.load(folder, device="cpu", dtype="float32", offload=True, gpu_budget=three)
     popularity = placed.orchestra.popularity
     on_gpu = placed.expert_map()[0]

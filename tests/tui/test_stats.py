@@ -7,6 +7,7 @@ from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.widgets.heatmap import GPU_MARK, LABEL_WIDTH, ExpertHeatMap, layout, level_of, render_lines
 from moedesk.app.tui.widgets.stats import StatsPanel
 from moedesk.engine.runtime import Engine
+from tests.tiny_models import budget_for_experts
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
 
@@ -95,7 +96,8 @@ def test_expert_rows_per_generated_token():
 
 @pytest.mark.anyio
 async def test_offloaded_engine_shows_resident_experts_and_where_experts_ran(tiny_folder):
-    engine = Engine.load(str(tiny_folder), device="cpu", dtype="float32", offload=True, gpu_budget=0.0001)
+    engine = Engine.load(str(tiny_folder), device="cpu", dtype="float32", offload=True,
+                         gpu_budget=budget_for_experts(tiny_folder, 2))
     resident = engine.expert_stats()["experts_on_gpu"]
     assert resident > 0
     app = MoedeskApp(engine, settings=greedy_settings())
