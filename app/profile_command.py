@@ -63,6 +63,11 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"\nplacement at {summary['gpu_budget_gib']:.2f} GiB: {summary['experts_on_gpu']} of "
         f"{summary['experts_total']} experts on the GPU"
         + (f", expected GPU hit rate {hit:.0%}" if hit is not None else " (no popularity: the model has no tokenizer)"))
+    split = getattr(engine, "budget_split", None)  # where a named budget went before the experts
+    if split is not None:
+        out(f"GPU budget {_mib(split.budget)}: weights {_mib(split.weights)}, KV cache of {split.context} positions "
+            f"{_mib(split.kv_cache)}, workspace {_mib(split.workspace)}, slack {_mib(split.slack)}, "
+            f"experts {_mib(split.experts)}")
     if summary["popularity_evenness"] is not None:
         out(f"popularity: {summary['popularity_evenness']:.0%} even routing mixed into the calibration counts "
             f"(how little one half of the calibration prompts predicted the other)")
@@ -99,3 +104,7 @@ def _layer_placement(engine, out) -> int:
     for warning in engine.warnings:
         out(f"warning: {warning}")
     return 0
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
