@@ -66,6 +66,8 @@ def test_generated_requests_never_get_a_500_and_answers_follow_the_spec(spec, ba
     operation = spec[path][method]
     statuses = []
 
+    stream_schema = spec_validator(spec, STREAM_SCHEMAS[path]) if path in STREAM_SCHEMAS else None
+
     @hypothesis.given(case=operation.as_strategy())
     @hypothesis.settings(max_examples=examples, deadline=None, derandomize=True, database=None,
                          suppress_health_check=list(hypothesis.HealthCheck), phases=[hypothesis.Phase.generate])
@@ -73,11 +75,26 @@ def test_generated_requests_never_get_a_500_and_answers_follow_the_spec(spec, ba
         case.body = _short(case.body, path)
         response = case.call(base_url=base, headers=AUTH, timeout=60)
         statuses.append(response.status_code)
-        case.validate_response(response, checks=[not_a_server_error, response_schema_conformance])
+        # The spec gives a stream's schema as its events' payload; schemathesis checks it against the SSE event
+        # itself ({"event", "data": "<JSON text>"}), which never matches: a stream's payloads are checked here.
+        streamed = response.headers.get("content-type", [""])
+        streamed = "text/event-stream" in (streamed[0] if isinstance(streamed, list) else streamed)
+        case.validate_response(response, checks=[not_a_server_error] + ([] if streamed else [response_schema_conformance]))
+        if streamed:
+            bad = [(e.get("type"), x.message) for e in _payloads(response.text) for x in stream_schema.iter_errors(e)]
+            assert not bad, bad[:3]
 
     run()
     print(path, "statuses:", dict(Counter(statuses)))  # the tally the issue's closing note asks for (-s shows it)
     assert statuses and max(statuses) < 500
+
+
+STREAM_SCHEMAS = {"/chat/completions": "CreateChatCompletionStreamResponse", "/completions": "CreateCompletionResponse",
+                  "/responses": "ResponseStreamEvent"}
+
+
+def _payloads(text: str) -> list[dict]:
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
 
 
 def spec_validator(spec, name: str):
@@ -110,8 +127,7 @@ def _draft():
 
 
 def _events(response: httpx.Response) -> list[dict]:
-    return [json.loads(line[6:]) for line in response.text.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return _payloads(response.text)
 
 
 def test_well_formed_replies_validate_streamed_ones_included(spec, base):
