@@ -78,12 +78,10 @@ def run_profile(args, engine_loader, out=print) -> int:
                                                   if orchestra.executor.whole_layers_on_device else ""))
     for layer, row in enumerate(on_gpu):
         out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
-    plan = getattr(engine, "device_plan", None)
-    if plan is not None:  # --gpu-budget named several GPUs
-        from moedesk.engine.offload.devices import format_device_plan
-
+    plan = engine.device_plan_lines()  # --gpu-budget named several GPUs
+    if plan:
         out("")
-        for line in format_device_plan(plan, orchestra.popularity):
+        for line in plan:
             out(line)
     for warning in engine.warnings:
         out(f"warning: {warning}")

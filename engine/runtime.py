@@ -222,6 +222,15 @@ class Engine(EngineFace):
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
+
+    def device_plan_lines(self) -> list[str]:
+        """`moedesk profile`'s lines for the per-device plan; none unless --gpu-budget named several GPUs."""
+        if self.device_plan is None:
+            return []
+        from moedesk.engine.offload.devices import format_device_plan
+
+        return format_device_plan(self.device_plan, self.orchestra.popularity if self.orchestra else None)
+
     def gpu_budget_split(self, budget: int) -> BudgetSplit:
         """How `budget` bytes of GPU would split for this model at its context, from the sizes of what it loaded
         (engine.offload.gpu_budget.model_split; ContextBudgetError when too small). The routed experts are no
