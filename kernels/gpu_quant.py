@@ -220,6 +220,16 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
 
 if triton is not None:
     @triton.jit
+    def _gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
+        """The activation between a packed expert's projections, in float32: silu(gate) * up, or where CLAMPED
+        gpt-oss's (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+        return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
     def _f16(p, mask):
         """Little-endian float16s at byte addresses p (every format keeps them 2-byte aligned), as float32."""
         return tl.load(p.to(tl.pointer_type(tl.float16)), mask=mask, other=0.0).to(tl.float32)
@@ -407,12 +417,7 @@ if triton is not None:
                               DOT, HALF, FMT)
                 if BIAS:
                     up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
-                if CLAMPED:
-                    gate = tl.minimum(acc, limit)
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                    acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-                else:
-                    acc = acc * tl.sigmoid(acc) * up
+                acc = _gated(acc, up, alpha, limit, CLAMPED)
             dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
 

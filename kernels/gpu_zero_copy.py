@@ -155,7 +155,7 @@ def pointer_arg(t: torch.Tensor):
 _EXACT = dict(enable_fp_fusion=False)  # two roundings where torch has two (kernels.gpu_fused)
 
 if triton is not None:
-    from moedesk.kernels.gpu_quant import _row_dot
+    from moedesk.kernels.gpu_quant import _gated, _row_dot
 
     @triton.jit
     def _gate_up(x_ptr, w_ptr, ids_ptr, act_ptr, FIRST, RANKS, ROW0, bias_ptr, bias_stride, BIAS: tl.constexpr,
@@ -251,12 +251,7 @@ if triton is not None:
                                     False, False, FMT)
             if BIAS:
                 up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
-            if CLAMPED:
-                gate = tl.minimum(acc, limit)
-                up = tl.minimum(tl.maximum(up, -limit), limit)
-                acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
-            else:
-                acc = acc * tl.sigmoid(acc) * up
+            acc = _gated(acc, up, alpha, limit, CLAMPED)
             dst = pair
         else:
             dst = token * K + rank
