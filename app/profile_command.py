@@ -4,16 +4,17 @@ from __future__ import annotations
 
 def zero_copy_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
     """The measured decode splits (engine.offload.profiler.profile_zero_copy) and the one `chosen` (the orchestra's
-    lone_token_split: whole experts, rows); None if not measured."""
+    lone_token_split: whole experts, width); None if not measured."""
     if not costs.zero_copy_split_ms:
         return None
     splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.zero_copy_split_ms))
     line = f"one token's {top_k} experts, n of them read by the GPU from RAM (n: ms) {splits}"
     if costs.split_width_ms:
-        line += "; or the last r rows of each (r: ms) " + " · ".join(f"{r}: {ms:.3f}" for r, ms in costs.split_width_ms)
-    ranks, rows = chosen
-    decision = f"decode streams {ranks}" if ranks else f"decode splits rows, the GPU the last {rows}" if rows \
-        else "decode streams none"
+        line += ("; or the last w of each one's width (w: ms) "
+                 + " · ".join(f"{w}: {ms:.3f}" for w, ms in costs.split_width_ms))
+    ranks, width = chosen
+    decision = f"decode reads {ranks} zero-copy" if ranks else \
+        f"decode splits the width, the GPU the last {width}" if width else "decode reads none zero-copy"
     return f"{line}; {decision}"
 
 

@@ -113,7 +113,7 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
     """Tokens/s if a step took only the time to read its offloaded experts at `bytes_per_s`.
 
     stats: the executor's StepStats over `steps` steps; every offloaded expert a step computed (on the
-    CPU, copied, or streamed by the GPU) counts once, which is the routing the run really had, not a
+    CPU, copied, or read zero-copy by the GPU) counts once, which is the routing the run really had, not a
     calibration estimate. None when no step read an offloaded expert.
     """
     offloaded = (stats.cpu_experts + stats.copied_experts + stats.zero_copy_experts) / steps
@@ -158,10 +158,10 @@ class SyntheticBench:
 
     def lone_token_split(self) -> dict:
         """How decode of one token shares the offloaded experts with the GPU (engine.offload.assignment
-        .lone_token_split: whole experts, or every expert's last rows), as the profile decided it."""
-        ranks, rows = lone_token_split(self.orchestra.top_k, self.orchestra.costs) if self.policy == "balanced" \
+        .lone_token_split: whole experts, or the last part of every expert's width), as the profile decided it."""
+        ranks, width = lone_token_split(self.orchestra.top_k, self.orchestra.costs) if self.policy == "balanced" \
             else (0, 0)
-        return {"gpu_experts": ranks, "gpu_rows": rows}
+        return {"gpu_experts": ranks, "gpu_width": width}
 
 
 def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda: bool) -> None:

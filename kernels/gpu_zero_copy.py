@@ -163,7 +163,7 @@ if triton is not None:
                  ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
         """Intermediate rows [ROW0, F) of each pair, into act [pairs, F - ROW0]; gpt-oss's biases and clamped
         SwiGLU where BIAS and CLAMPED, rounding as kernels.gpu_grouped does."""
-        pair = tl.program_id(1)  # the pair's index among the streamed ones: token pair // RANKS
+        pair = tl.program_id(1)  # the pair's index among the zero-copy ones: token pair // RANKS
         token = pair // RANKS
         e = tl.load(ids_ptr + token * K + FIRST + pair % RANKS).to(tl.int64)
         rows = ROW0 + tl.program_id(0) * ROWS + tl.arange(0, ROWS)

@@ -7,7 +7,7 @@ whole step is one graph: after each MoE layer's routing one kernel writes the ro
 step's number into the layer's `ready` flag (`signal`), and the next spins on the GPU until the host has written the
 same number into the layer's `done` flag, and copies the host's results in; the host, meanwhile, waits for `ready`,
 computes the experts and sets `done`. Nothing is launched between layers, and the GPU does its own share of the layer
-(resident experts, streamed rows) while it waits.
+(resident experts, zero-copy ones) while it waits.
 
 The step's number comes from the host (`next_step`) and a kernel reads it at the graph's start, so a step
 that failed half-way cannot leave the two sides counting differently. Both waits give up after a bound

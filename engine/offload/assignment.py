@@ -204,8 +204,8 @@ ZERO_COPY_MIN_GAIN = 0.05
 def lone_token_split(top_k: int, model) -> tuple[int, int]:
     """How a lone decoded token's `top_k` offloaded experts are shared between the CPU and the GPU, which reads
     its share of the weights from pinned RAM (kernels.gpu_zero_copy): (ranks, 0) — the GPU computes the last
-    `ranks` experts whole, the CPU the others — or (0, rows) — the GPU computes the last `rows` intermediate
-    rows of every expert, the CPU the first ones. The option whose measured time (the model's
+    `ranks` experts whole, the CPU the others — or (0, width) — the GPU computes the last `width` of every
+    expert's intermediate width, the CPU the rest. The option whose measured time (the model's
     `zero_copy_split_ms` and `split_width_ms`, engine.offload.profiler.profile_zero_copy) was the shortest, and
     (0, 0) unless it beat the CPU alone by ZERO_COPY_MIN_GAIN, or nothing was measured
     for this top_k.
@@ -219,9 +219,9 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     if getattr(model, "zero_copy_top_k", 0) != top_k or len(split) < 2:
         return 0, 0
     options = [((g, 0), ms) for g, ms in enumerate(split)]
-    options += [((0, rows), ms) for rows, ms in getattr(model, "split_width_ms", ())]
-    (ranks, rows), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then fewer rows
-    return (ranks, rows) if best <= (1 - ZERO_COPY_MIN_GAIN) * split[0] else (0, 0)
+    options += [((0, width), ms) for width, ms in getattr(model, "split_width_ms", ())]
+    (ranks, width), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then less width
+    return (ranks, width) if best <= (1 - ZERO_COPY_MIN_GAIN) * split[0] else (0, 0)
 
 
 def lone_token_measured(loads: dict[int, int], model) -> bool:
@@ -248,7 +248,7 @@ def zero_copy_ranks(top_k: int, model) -> int:
 
 
 def split_width(top_k: int, model) -> int:
-    """`lone_token_split`'s rows of every expert for the GPU."""
+    """`lone_token_split`'s width of every expert for the GPU."""
     return lone_token_split(top_k, model)[1]
 
 

@@ -20,7 +20,7 @@ class HostRouting:
     """A step's routing on its way to pinned host memory, queued by the caller (CUDA graphs copy it
     there inside the graph): x [N, H] and ids [N, K], valid once `ready.synchronize()` returned (a CUDA
     event, or a layer's flag of kernels.host_handoff).
-    streamed: the caller has the GPU compute each token's last `streamed` ranks itself, from the
+    zero_copy: the caller has the GPU compute each token's last `zero_copy` ranks itself, from the
     experts' pinned host copies (engine.offload.offload_executor.OffloadExecutor.zero_copy_experts), into `out`.
     cpu_width: the host computes only each expert's first `cpu_width` intermediate rows; the caller has the GPU
     compute the rest (OffloadExecutor.zero_copy_width) and adds the two (0: every row)."""

@@ -326,7 +326,7 @@ def _split_width(profile: dict) -> tuple[tuple[int, float], ...]:
 
 
 def _zero_copy_split(profile: dict) -> tuple[float, ...]:
-    """zero_copy_split_ms as a tuple indexed by the experts streamed; its keys must run 0, 1, ..."""
+    """zero_copy_split_ms as a tuple indexed by the experts read zero-copy; its keys must run 0, 1, ..."""
     split = profile.get("zero_copy_split_ms") or {}
     try:
         by_count = {int(g): float(ms) for g, ms in split.items()}

@@ -77,7 +77,7 @@ class StepStats:
         total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.zero_copy_experts
         return {
             "experts_gpu": self.gpu_experts, "experts_copied": self.copied_experts, "experts_cpu": self.cpu_experts,
-            "experts_streamed": self.zero_copy_experts, "experts_split": self.split_experts,
+            "experts_zero_copy": self.zero_copy_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
@@ -376,9 +376,9 @@ class OffloadExecutor:
         return known[1:]
 
     def host_share(self, moe, host: HostRouting, out) -> None:
-        """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.streamed`
+        """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.zero_copy`
         ranks; every expert's first `host.cpu_width` rows where set) applied to `host.x`, into rows [0, K -
-        streamed) of the pinned `out`, from the routing the step's graph copied to `host` once `host.ready`
+        zero_copy) of the pinned `out`, from the routing the step's graph copied to `host` once `host.ready`
         says it is there."""
         started = time.perf_counter()
         host.ready.synchronize()
@@ -396,7 +396,7 @@ class OffloadExecutor:
     def _host_tally(self, layer: int, experts_of: np.ndarray, zero_copy: int, split: bool, is_offloaded, started: float,
                     routed: float) -> None:
         """A host share's counts and times: experts_of the layer's routing, is_offloaded its map where the GPU
-        computes the resident experts (None: every expert is the host's or streamed)."""
+        computes the resident experts (None: every expert is the host's or zero-copy)."""
         self._count(layer, np.bincount(experts_of, minlength=len(self.banks[layer].gpu_slot)))
         s, k = self._stats, len(experts_of)
         on_cpu = k - zero_copy  # a lone token's experts are distinct: its first ranks are the CPU's
@@ -446,7 +446,7 @@ class OffloadExecutor:
     def zero_copy_experts(self, moe, x, ids, ranks: int, out) -> None:
         """Queue the GPU's computation of each token's last `ranks` experts into their rows of `out`, reading
         their weights from pinned RAM (kernels.gpu_zero_copy); the host's `expert_outputs` for the same step is
-        then given `HostRouting.streamed = ranks` and leaves those rows alone."""
+        then given `HostRouting.zero_copy = ranks` and leaves those rows alone."""
         bank = self.banks[moe.layer]
         gpu_zero_copy.zero_copy_experts(x, ids, ids.shape[1] - ranks, bank.host, out)
 
@@ -535,7 +535,7 @@ class OffloadExecutor:
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
             chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
             experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_width or None)
-            # One copy back for all CPU experts (not over the streamed rows, last, which the GPU writes). The
+            # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
             if zero_copy:

@@ -32,7 +32,7 @@ PAGE = mmap.PAGESIZE
 
 # Portable: locked for every CUDA context, not only the current device's. Mapped: the device may read the
 # pages through their host address (UVA), which kernels/gpu_zero_copy.py does; on UVA systems the default
-# flags imply both, said here so the streamed kernels never depend on that.
+# flags imply both, said here so the zero-copy kernels never depend on that.
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_MAPPED = 2
 

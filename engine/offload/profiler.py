@@ -156,7 +156,7 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
                       dtype: torch.dtype | None = None) -> dict:
     """A decode layer's experts for one token split between the CPU and the GPU, which reads its share from
     pinned RAM (kernels.gpu_zero_copy), timed as decode runs them: {"zero_copy_split_ms": {g: ms}} for g = 0..
-    min(top_k, most) experts streamed, each the median time until both sides are done, and "zero_copy_top_k".
+    min(top_k, most) experts read zero-copy, each the median time until both sides are done, and "zero_copy_top_k".
     {} where zero-copy reads do not apply.
 
     Measured rather than predicted from one expert's costs: SMs and the CPU reading RAM together slow each
@@ -167,7 +167,7 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     on the GPU and the first ones on the CPU (`split_width_candidates`).
 
     The options take turns, try by try: timed one after another, the CPU alone came out faster in one start-up than
-    in others, and that run streamed nothing and decoded slower (docs/measurements.md, "The start-up profile")."""
+    in others, and that run read nothing zero-copy and decoded slower (docs/measurements.md, "The start-up profile")."""
     device = torch.device(device)
     if not gpu_zero_copy.applies(device, w):
         return {}
@@ -193,24 +193,24 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
             gpu_zero_copy.zero_copy_experts(x, ids, 0, w, **kw)
         return graph
 
-    # (key, streamed experts, the CPU's rows of each expert, graph of the GPU's share, its expert ids)
+    # (key, zero-copy experts, the CPU's width of each expert, graph of the GPU's share, its expert ids)
     options = []
     for zero_copy in range(min(top_k, most) + 1):
         ids = torch.zeros(1, max(zero_copy, 1), dtype=torch.int64, device=device)
         options.append((("split", zero_copy), zero_copy, None, gpu_share(ids, out=gpu_out) if zero_copy else None, ids))
-    for gpu_rows in split_width_candidates(w):
+    for gpu_width in split_width_candidates(w):
         ids = torch.zeros(1, top_k, dtype=torch.int64, device=device)
-        cpu_width = w.width - gpu_rows
-        options.append((("rows", gpu_rows), 0, cpu_width, gpu_share(ids, out=gpu_partial, first_row=cpu_width), ids))
+        cpu_width = w.width - gpu_width
+        options.append((("width", gpu_width), 0, cpu_width, gpu_share(ids, out=gpu_partial, first_row=cpu_width), ids))
     times = {key: [] for key, *_ in options}
     for i in range(repeat + 1):
         for j in range(len(options)):
             key, zero_copy, cpu_width, graph, ids = options[(i + j) % len(options)]  # a rotating order
-            if cpu_width is None:  # whole experts: the GPU the last `streamed`, the CPU the others
+            if cpu_width is None:  # whole experts: the GPU the last `zero_copy`, the CPU the others
                 if zero_copy:
                     ids.copy_(torch.tensor([next_experts(zero_copy)]))
                 pairs = torch.tensor(sorted(next_experts(top_k - zero_copy)), dtype=torch.int64)
-            else:  # every expert: the CPU its first rows, the GPU the rest
+            else:  # every expert: the CPU the first of its width, the GPU the rest
                 pairs = torch.tensor(sorted(next_experts(top_k)), dtype=torch.int64)
                 ids.copy_(pairs.view(1, -1))
             torch.cuda.synchronize(device)
@@ -225,7 +225,7 @@ def profile_zero_copy(w: ExpertWeights, top_k: int, device, most: int = 4, repea
     median = {key: statistics.median(v) for key, v in times.items()}
     return {"zero_copy_split_ms": {g: ms for (kind, g), ms in median.items() if kind == "split"},
             "zero_copy_top_k": top_k,
-            "split_width_ms": {rows: ms for (kind, rows), ms in median.items() if kind == "rows"}}
+            "split_width_ms": {width: ms for (kind, width), ms in median.items() if kind == "width"}}
 
 
 def split_width_candidates(w: ExpertWeights, most: float = 0.5, steps: int = 16) -> list[int]:

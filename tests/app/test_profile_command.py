@@ -53,14 +53,14 @@ def test_zero_copy_line_shows_the_measured_splits_and_the_choice():
     costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(0.69, 0.68, 0.6),
                          zero_copy_top_k=8)
     assert line(costs, 8) == ("one token's 8 experts, n of them read by the GPU from RAM (n: ms) "
-                              "0: 0.690 · 1: 0.680 · 2: 0.600; decode streams 2")
-    assert line(costs, 2).endswith("decode streams none")  # measured for another top-k
+                              "0: 0.690 · 1: 0.680 · 2: 0.600; decode reads 2 zero-copy")
+    assert line(costs, 2).endswith("decode reads none zero-copy")  # measured for another top-k
     assert line(LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2), 8) is None
     rows = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(1.46, 2.1), zero_copy_top_k=2,
                         split_width_ms=((1792, 1.3), (3584, 1.1)))
     assert line(rows, 2) == ("one token's 2 experts, n of them read by the GPU from RAM (n: ms) "
-                             "0: 1.460 · 1: 2.100; or the last r rows of each (r: ms) 1792: 1.300 · "
-                             "3584: 1.100; decode splits rows, the GPU the last 3584")
+                             "0: 1.460 · 1: 2.100; or the last w of each one's width (w: ms) 1792: 1.300 · "
+                             "3584: 1.100; decode splits the width, the GPU the last 3584")
 
 
 def test_contention_line_shows_each_token_count():

@@ -103,13 +103,24 @@ def test_traffic_bound_counts_the_offloaded_experts_each_step_read():
     assert traffic_bound(stats, 10, 1, expert_bytes=2e9, bytes_per_s=100e9) == pytest.approx(12.5)
     assert traffic_bound(stats, 10, 16, expert_bytes=2e9, bytes_per_s=100e9) == pytest.approx(200)
     assert traffic_bound(StepStats(gpu_experts=8), 4, 1, 2e9, 100e9) is None  # nothing offloaded: no bound
-    # Experts the GPU streamed from RAM were read from it as well.
+    # Experts the GPU read zero-copy from RAM were read from it as well.
     assert traffic_bound(StepStats(cpu_experts=30, zero_copy_experts=10), 10, 1, 2e9, 100e9) == pytest.approx(12.5)
 
 
+def test_step_stats_name_each_place_an_expert_ran():
+    """The keys a reply's expert stats publish (the app's panel, /moedesk/stats, batch output), one per place,
+    in docs/architecture.md's names: experts the GPU read from pinned RAM are zero-copy, not "streamed"."""
+    from moedesk.engine.offload.offload_executor import StepStats
+
+    stats = StepStats(gpu_experts=5, copied_experts=1, cpu_experts=3, zero_copy_experts=2, split_experts=1).as_dict()
+    places = ("experts_gpu", "experts_copied", "experts_cpu", "experts_zero_copy", "experts_split")
+    assert [stats[key] for key in places] == [5, 1, 3, 2, 1]
+    assert stats["active_experts"] == 11  # a split expert is one of the CPU's, counted once
+    assert not [key for key in stats if "streamed" in key]
+
 def test_zero_copy_ranks_are_left_to_the_gpu():
-    """With `HostRouting.streamed` set, the host computes only the token's other experts and leaves the
-    streamed rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
+    """With `HostRouting.zero_copy` set, the host computes only the token's other experts and leaves the
+    zero-copy ranks' rows of `out` as the GPU wrote them (on CUDA, engine.generation.cuda_graphs launches the GPU's share)."""
     import torch
 
     from moedesk.engine.offload.expert_executor import HostRouting

@@ -337,13 +337,13 @@ def test_bench_reports_how_one_token_shares_experts_with_the_gpu(tiny_bench):
     from dataclasses import replace
 
     costs, policy = tiny_bench.orchestra.costs, tiny_bench.policy
-    assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 0}  # simulated: none measured
+    assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_width": 0}  # simulated: none measured
     k = tiny_bench.orchestra.top_k
     try:
         tiny_bench.orchestra.costs = replace(costs, zero_copy_split_ms=(1.8, 2.5), zero_copy_top_k=k,
                                              split_width_ms=((32, 1.5),))
-        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 32}
+        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_width": 32}
         tiny_bench.policy = "fiddler"  # never splits
-        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_rows": 0}
+        assert tiny_bench.header()["lone_token_split"] == {"gpu_experts": 0, "gpu_width": 0}
     finally:
         tiny_bench.orchestra.costs, tiny_bench.policy = costs, policy

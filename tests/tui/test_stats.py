@@ -81,10 +81,10 @@ def test_expert_rows_per_generated_token():
     from moedesk.app.tui.widgets.stats import expert_rows
 
     assert expert_rows(None, 5) == [] and expert_rows({}, 5) == []
-    rows = expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_streamed": 15,
+    rows = expert_rows({"experts_gpu": 10, "experts_cpu": 5, "experts_copied": 0, "experts_zero_copy": 15,
                         "gpu_hit_rate": 0.625}, 5)
     assert rows == [("GPU hit rate", "62%"), ("experts on GPU", "2.0 per token"), ("experts on CPU", "1.0 per token"),
-                    ("experts streamed", "3.0 per token")]  # none copied: no row
+                    ("experts zero-copy", "3.0 per token")]  # none copied: no row
     rows = dict(expert_rows({"experts_gpu": 0, "experts_cpu": 4, "experts_copied": 6, "gpu_hit_rate": None}, 2))
     assert rows == {"GPU hit rate": "—", "experts on GPU": "0.0 per token", "experts on CPU": "2.0 per token",
                     "experts copied": "3.0 per token"}

@@ -37,7 +37,7 @@ def expert_rows(experts: dict | None, tokens: int | None, seconds: float | None 
     """Where the reply's experts ran (engine stats under "experts"), per generated token; none without offload.
 
     A row per place, each short enough for the panel (one row of all four was cut off at 100 columns);
-    copied and streamed only when some were, since most replies have none of one or the other."""
+    copied and zero-copy (read by the GPU from RAM) only when some were: most replies have neither."""
     if not experts:
         return []
     steps = max(1, tokens or 1)
@@ -45,7 +45,7 @@ def expert_rows(experts: dict | None, tokens: int | None, seconds: float | None 
     rows = [("GPU hit rate", "—" if hit is None else f"{hit:.0%}")]
     for label, key, always in (("experts on GPU", "experts_gpu", True), ("experts on CPU", "experts_cpu", True),
                                ("experts copied", "experts_copied", False),
-                               ("experts streamed", "experts_streamed", False)):
+                               ("experts zero-copy", "experts_zero_copy", False)):
         count = experts.get(key, 0)
         if always or count:
             rows.append((label, f"{count / steps:.1f} per token"))
