@@ -1,15 +1,17 @@
 """Write a random-weight GGUF of a 2026 MoE family's real shape (its first L layers) for llama.cpp speed runs.
 
-Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N]
+Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N] [--tiny]
 
 SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air,
 deepseek-v3, qwen3.5-35b-a3b (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata come from
 tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
 transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the
-values: every tensor tiles one random block, the rest of the model in F16 (1-D tensors F32). A q4_k tensor whose
+values: every tensor tiles one random block, the rest of the model in F16, except what llama.cpp's converter always
+keeps in F32 (1-D tensors, routers, Gated DeltaNet's convolution: llama.cpp's CPU kernel for it reads F32 only and
+aborts on anything else). A q4_k tensor whose
 rows are not whole 256-weight blocks (GLM-4.5-Air's 1408-wide down projection) falls back to q4_0, as
 llama.cpp's own quantiser falls back. The vocabulary is placeholder tokens, enough for llama-bench and
-`moedesk bench --engine llama.cpp`.
+`moedesk bench --engine llama.cpp`. --tiny keeps the family and its switches at toy sizes (TINY), for the CPU tests.
 """
 from __future__ import annotations
 
@@ -63,6 +65,15 @@ SHAPES = {
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                             "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
 }
+# --tiny: each shape's dimensions cut down (a key the shape does not have is not added); every switch stays.
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, num_local_experts=8, n_routed_experts=8, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=256, shared_expert_intermediate_size=256, linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32, n_group=4, topk_group=2,
+            q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+            sliding_window=8, max_position_embeddings=4096)
+# What llama.cpp's converter writes in F32 whatever the file type (conversion/base.py), among these families' tensors.
+ALWAYS_F32 = re.compile(r"blk\.\d+\.(?:ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight")
 QTYPES = {"mxfp4": gguf.GGMLQuantizationType.MXFP4, "q4_k": gguf.GGMLQuantizationType.Q4_K,
           "q4_0": gguf.GGMLQuantizationType.Q4_0, "q8_0": gguf.GGMLQuantizationType.Q8_0,
           "f16": gguf.GGMLQuantizationType.F16}
@@ -106,8 +117,13 @@ def main() -> None:
     ap.add_argument("layers", type=int)
     ap.add_argument("--experts", choices=sorted(QTYPES), help="the routed experts' format (default: the shape's)")
     ap.add_argument("--vocab", type=int, help="a smaller vocabulary, to check quickly that llama.cpp loads the file")
+    ap.add_argument("--tiny", action="store_true", help="toy dimensions, the same architecture (for CPU tests)")
     args = ap.parse_args()
     family, default_format, config = SHAPES[args.shape]
+    if args.tiny:
+        config = {**config, **{key: value for key, value in TINY.items() if key in config}}
+        if config.get("num_key_value_heads") == SHAPES[args.shape][2].get("num_attention_heads"):  # MLA: one per head
+            config["num_key_value_heads"] = config["num_attention_heads"]
     if args.vocab:
         config = {**config, "vocab_size": args.vocab}
     fam = FAMILIES[family]
@@ -127,6 +143,8 @@ def main() -> None:
         if ROUTED.fullmatch(name):
             data, qtype = packed(shape, expert_format)
             w.add_tensor(name, data, raw_dtype=qtype)
+        elif ALWAYS_F32.fullmatch(name):
+            w.add_tensor(name, tiled(int(np.prod(shape)), values).reshape(shape))
         elif len(shape) >= 2 and name.endswith(".weight"):
             w.add_tensor(name, tiled(int(np.prod(shape)), values).astype(np.float16).reshape(shape))
         elif name.endswith(".ssm_a"):  # Gated DeltaNet's A = -exp(A_log): negative, or the state grows without bound
