@@ -96,6 +96,19 @@ if triton is not None:
         return start, end
 
     @triton.jit
+    def _gated_rounded(gate, up, alpha, limit, DTYPE: tl.constexpr, CLAMPED: tl.constexpr):
+        """The activation between a dense expert's projections, gate and up already rounded to DTYPE and each
+        step rounded to it as torch's ops round: silu(gate) * up, or where CLAMPED gpt-oss's
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). The last product
+        stays float32 for the caller's store to round."""
+        if CLAMPED:
+            gate = tl.minimum(gate, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+            sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(DTYPE).to(tl.float32)))).to(DTYPE).to(tl.float32)
+            return (up + 1.0).to(DTYPE).to(tl.float32) * (gate * sig).to(DTYPE).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate))).to(DTYPE).to(tl.float32) * up
+
+    @triton.jit
     def _tile_dot(x_ptr, x_stride, toks, tlive, w_row, rlive, K, BT: tl.constexpr, BR: tl.constexpr,
                   BK: tl.constexpr, FP32: tl.constexpr):
         """[BT, BR]: tokens `toks` of x against the weight rows at `w_row` ([BR, 1] pointers), float32 sums."""
@@ -117,9 +130,7 @@ if triton is not None:
                     bias_ptr, bias_stride, alpha, limit, GATED: tl.constexpr, FP32: tl.constexpr, BIAS: tl.constexpr,
                     CLAMPED: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
         """out[t, r] = x[t] . W_g[r] (+ bias_g[r]) for the tokens t of group g; GATED: W_g is [gate; up] (2R rows,
-        the bias likewise) and out[t, r] = silu(gate) * up, or where CLAMPED gpt-oss's
-        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit), rounded at each step
-        to out's dtype."""
+        the bias likewise) and out[t, r] = _gated_rounded(gate, up), rounded at each step to out's dtype."""
         g = tl.program_id(1)
         start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -137,15 +148,7 @@ if triton is not None:
                 up = _tile_dot(x_ptr, x_stride, toks, tlive, w_row + R * row_stride, rlive, K, BT, BR, BK, FP32)
                 if BIAS:
                     up = up.to(dtype).to(tl.float32) + tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
-                gate = acc.to(dtype).to(tl.float32)
-                up = up.to(dtype).to(tl.float32)
-                if CLAMPED:
-                    gate = tl.minimum(gate, limit)
-                    up = tl.minimum(tl.maximum(up, -limit), limit)
-                    sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
-                    acc = (up + 1.0).to(dtype).to(tl.float32) * (gate * sig).to(dtype).to(tl.float32)
-                else:
-                    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-                    acc = silu * up
+                acc = _gated_rounded(acc.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), alpha, limit, dtype,
+                                     CLAMPED)
             dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
             tl.store(dst, acc.to(dtype), mask=tlive[:, None] & rlive[None, :])

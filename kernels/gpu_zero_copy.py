@@ -155,6 +155,7 @@ def pointer_arg(t: torch.Tensor):
 _EXACT = dict(enable_fp_fusion=False)  # two roundings where torch has two (kernels.gpu_fused)
 
 if triton is not None:
+    from moedesk.kernels.gpu_grouped import _gated_rounded
     from moedesk.kernels.gpu_quant import _gated, _row_dot
 
     @triton.jit
@@ -187,13 +188,7 @@ if triton is not None:
             bias = bias_ptr + e * bias_stride + rows
             gate = (gate + tl.load(bias, mask=live, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
             up = (up + tl.load(bias + F, mask=live, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-        if CLAMPED:
-            gate = tl.minimum(gate, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            sig = (1.0 / (1.0 + tl.exp(-(gate * alpha).to(dtype).to(tl.float32)))).to(dtype).to(tl.float32)
-            act = (up + 1.0).to(dtype).to(tl.float32) * (gate * sig).to(dtype).to(tl.float32)
-        else:
-            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up
+        act = _gated_rounded(gate, up, alpha, limit, dtype, CLAMPED)
         tl.store(act_ptr + pair * (F - ROW0) + rows - ROW0, act.to(dtype), mask=live)
 
     @triton.jit
