@@ -286,6 +286,14 @@ class ConversationStore:
             self._lock.release(remove=True)  # no lock file left behind per conversation ever opened
         self._lock, self._lock_id = None, None
 
+    def held_elsewhere(self) -> set[str]:
+        """The conversations another window has open (read from their lock files without taking the locks)."""
+        held = set()
+        for lock in self.folder.glob("*.lock") if self.folder.is_dir() else ():
+            if not self.holds(lock.stem) and ConversationLock.holder(lock) is not None:
+                held.add(lock.stem)
+        return held
+
     def lock_path(self, conversation_id: str) -> Path:
         return self.path(conversation_id).with_suffix(".lock")
 

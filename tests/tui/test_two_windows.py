@@ -2,19 +2,57 @@
 (a lock the operating system drops when that window dies); the second shows it read-only and says so."""
 from __future__ import annotations
 
+import importlib
 import json
 import signal
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
-from moedesk.app.tui import MoedeskApp
+from moedesk.app.tui import MoedeskApp, conversation_lock
 from moedesk.app.tui.storage import Conversation, ConversationBusy, ConversationStore
 from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
 
 SIZE = (100, 30)
+
+# A child process that holds a conversation, told which lock to use: the lock-file fallback is forced by
+# taking fcntl away before anything imports it, as on a system without it.
+HOLDER = """
+import sys
+if {fallback!r}:
+    sys.modules["fcntl"] = None
+from moedesk.app.tui.storage import ConversationStore
+store = ConversationStore()
+assert store.hold({cid!r}) == ""
+print("held", flush=True)
+if sys.stdin.readline():
+    store.let_go()
+    print("let go", flush=True)
+    sys.stdin.readline()
+"""
+
+
+@pytest.fixture(params=["flock", "lock file"])
+def lock_kind(request):
+    """Each test runs with the lock this system has and again with the fallback for systems without fcntl."""
+    fallback = request.param == "lock file"
+    if fallback:
+        with pytest.MonkeyPatch.context() as m:
+            m.setitem(sys.modules, "fcntl", None)
+            importlib.reload(conversation_lock)
+        assert conversation_lock.fcntl is None
+    yield request.param
+    if fallback:
+        importlib.reload(conversation_lock)
+    assert conversation_lock.fcntl is not None
+
+
+def start_holder(conversation_id: str, fallback: bool) -> subprocess.Popen:
+    child = subprocess.Popen([sys.executable, "-c", HOLDER.format(fallback=fallback, cid=conversation_id)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "held"
+    return child
 
 
 def saved_turns(store: ConversationStore, conversation_id: str) -> list[str]:
@@ -29,7 +67,7 @@ def a_saved_conversation(store: ConversationStore) -> Conversation:
     return c
 
 
-def test_a_second_store_cannot_save_or_delete_what_the_first_holds(tui_dirs):
+def test_a_second_store_cannot_save_or_delete_what_the_first_holds(tui_dirs, lock_kind):
     a, b = ConversationStore(), ConversationStore()
     c = a_saved_conversation(a)
     assert not a.holds(c.id)  # a save alone locks only while it writes
@@ -55,7 +93,7 @@ def test_a_second_store_cannot_save_or_delete_what_the_first_holds(tui_dirs):
     assert not list(b.folder.glob("*.tmp"))
 
 
-def test_deleting_another_conversation_keeps_the_open_one_held(tui_dirs):
+def test_deleting_another_conversation_keeps_the_open_one_held(tui_dirs, lock_kind):
     a, b = ConversationStore(), ConversationStore()
     open_one, other = a_saved_conversation(a), Conversation()
     other.add("user", "old")
@@ -67,30 +105,49 @@ def test_deleting_another_conversation_keeps_the_open_one_held(tui_dirs):
     assert b.hold(open_one.id) != ""
 
 
-def test_a_killed_window_leaves_no_lock_behind(tui_dirs):
+def test_a_killed_window_leaves_no_lock_behind(tui_dirs, lock_kind):
     store = ConversationStore()
     c = a_saved_conversation(store)
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
-        from moedesk.app.tui.storage import ConversationStore
-        store = ConversationStore()
-        assert store.hold({c.id!r}) == ""
-        print("held", flush=True)
-        import time; time.sleep(60)
-        """)], stdout=subprocess.PIPE, text=True)
+    child = start_holder(c.id, fallback=lock_kind == "lock file")
     try:
-        assert child.stdout.readline().strip() == "held"
         busy = store.hold(c.id)
         assert f"pid {child.pid}" in busy  # says who has it
+        assert store.held_elsewhere() == {c.id}
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
     finally:
         child.kill()
+        child.stdin.close()
         child.stdout.close()
+    # Its lock file is still there (the fallback's file is the lock), naming a process that is gone.
+    assert store.lock_path(c.id).read_text().split()[0] == str(child.pid)
+    assert store.held_elsewhere() == set()
     assert store.hold(c.id) == ""
+    assert ConversationStore().hold(c.id) != ""  # and the new holder's lock works
+    store.let_go()
+    assert not store.lock_path(c.id).exists()
+
+
+def test_a_window_that_lets_go_frees_the_conversation_at_once(tui_dirs, lock_kind):
+    store = ConversationStore()
+    c = a_saved_conversation(store)
+    child = start_holder(c.id, fallback=lock_kind == "lock file")
+    try:
+        assert "open in another window" in store.hold(c.id)
+        child.stdin.write("let go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "let go"
+        assert store.held_elsewhere() == set()
+        assert store.hold(c.id) == ""  # while that window still runs
+    finally:
+        child.kill()
+        child.wait(timeout=10)
+        child.stdin.close()
+        child.stdout.close()
 
 
 @pytest.mark.anyio
-async def test_two_windows_on_one_folder_keep_every_turn(engine, tui_dirs):
+async def test_two_windows_on_one_folder_keep_every_turn(engine, tui_dirs, lock_kind):
     c = a_saved_conversation(ConversationStore())
     first = MoedeskApp(engine, settings=greedy_settings())
     second = MoedeskApp(engine, settings=greedy_settings())
@@ -130,7 +187,7 @@ async def test_two_windows_on_one_folder_keep_every_turn(engine, tui_dirs):
 
 
 @pytest.mark.anyio
-async def test_two_windows_unsent_messages_both_come_back(engine, tui_dirs, monkeypatch):
+async def test_two_windows_unsent_messages_both_come_back(engine, tui_dirs, monkeypatch, lock_kind):
     from moedesk.app.tui.screens.chat import ChatScreen
 
     monkeypatch.setattr(ChatScreen, "DRAFT_SAVE_S", 0.05)
@@ -156,7 +213,7 @@ async def test_two_windows_unsent_messages_both_come_back(engine, tui_dirs, monk
     assert not list(tui_dirs["data"].glob("*.lock"))
 
 
-def test_a_second_window_that_sent_everything_leaves_no_draft_file(tui_dirs):
+def test_a_second_window_that_sent_everything_leaves_no_draft_file(tui_dirs, lock_kind):
     a, b = ConversationStore(), ConversationStore()
     a.claim_draft()
     b.claim_draft()
