@@ -229,3 +229,54 @@ def test_a_second_window_that_sent_everything_leaves_no_draft_file(tui_dirs, loc
     assert c.load_draft() == ("a's", "")
     c.close()
     assert [p.name for p in tui_dirs["data"].glob("draft*")] == ["draft.json"]
+
+
+@pytest.mark.anyio
+async def test_the_chats_list_marks_what_another_window_has_open(engine, tui_dirs, monkeypatch, lock_kind):
+    from moedesk.app.tui.screens.conversations import ConversationsScreen
+
+    monkeypatch.setattr(ConversationsScreen, "WATCH_S", 0.05)
+    store = ConversationStore()
+    elsewhere, other, current = (Conversation(id=f"2025010{n}-000000-aaaaaa") for n in range(1, 4))
+    for c in (elsewhere, other, current):
+        c.add("user", f"question of {c.id[:8]}")
+        store.save(c)
+    store.remember(current.id)
+    window = start_holder(elsewhere.id, fallback=lock_kind == "lock file")
+    app = MoedeskApp(engine, settings=greedy_settings())
+
+    def marked(screen) -> set[str]:
+        options = screen.query_one("#conversations")
+        return {options.get_option_at_index(i).id for i in range(options.option_count)
+                if "open in another window" in str(options.get_option_at_index(i).prompt)}
+
+    try:
+        async with app.run_test(size=SIZE) as pilot:
+            await wait_for(pilot, lambda: chat_ready(app), what="the window")
+            await pilot.press("ctrl+o")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConversationsScreen), what="the list")
+            picker = app.screen
+            assert marked(picker) == {elsewhere.id}  # not the one open here, which has its own mark
+            assert not store.lock_path(other.id).exists()  # read without taking the lock
+            row = [i.id for i in picker.infos].index(elsewhere.id)
+            picker.query_one("#conversations").highlighted = row
+
+            third = ConversationStore()  # a window in this process opens another chat: marked too
+            assert third.hold(other.id) == ""
+            await wait_for(pilot, lambda: marked(picker) == {elsewhere.id, other.id}, what="the new mark")
+            third.let_go()
+            window.stdin.write("let go\n")  # the other process's window moves on
+            window.stdin.flush()
+            assert window.stdout.readline().strip() == "let go"
+            await wait_for(pilot, lambda: marked(picker) == set(), what="the marks to go")
+            assert picker.query_one("#conversations").highlighted == row  # the cursor stayed where it was
+
+            await pilot.press("enter")  # and it opens writable here now
+            await wait_for(pilot, lambda: chat_ready(app) and app.chat.conversation.id == elsewhere.id,
+                           what="the chat")
+            assert not app.chat.read_only
+    finally:
+        window.kill()
+        window.wait(timeout=10)
+        window.stdin.close()
+        window.stdout.close()
