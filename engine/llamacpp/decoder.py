@@ -27,8 +27,9 @@ class LlamaContext:
     batch every step is written into. Used by the decode thread only (and by `resize` while nothing runs)."""
 
     def __init__(self, api, model, context_length: int, slots: int, batch_tokens: int, threads: int,
-                 offload_kv: bool):
-        self.api, self.model = api, model
+                 offload_kv: bool, counter=None):
+        """counter: an engine.llamacpp.expert_counts.ExpertCounter whose callback the context runs (None: none)."""
+        self.api, self.model, self.counter = api, model, counter
         self.context_length, self.batch_tokens, self.threads, self.offload_kv = context_length, batch_tokens, threads, offload_kv
         self.n_vocab = int(api.llama_vocab_n_tokens(api.llama_model_get_vocab(model)))
         self.ctx, self.slots = None, 0
@@ -50,6 +51,8 @@ class LlamaContext:
         params.n_threads = params.n_threads_batch = self.threads
         params.offload_kqv = self.offload_kv
         params.no_perf = True
+        if self.counter is not None:
+            params.cb_eval, params.cb_eval_user_data = self.counter.callback, self.counter.user_data
         ctx = api.llama_init_from_model(self.model, params)
         if not ctx:
             raise MoedeskError(f"llama.cpp could not make a context of {slots} x {self.context_length} positions "

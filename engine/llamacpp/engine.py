@@ -14,6 +14,7 @@ import torch
 from moedesk.engine.errors import CheckpointError, MoedeskError
 from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
 from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
+from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
 from moedesk.engine.llamacpp.placement import GIB, Placement, expert_budget, gguf_sizes, place
@@ -52,9 +53,12 @@ class LlamaCppEngine(EngineFace):
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | None = None, offload: bool | None = None,
              reprofile: bool = False, progress=None, expert_dtype: str = "auto", cpu_moe: int | None = None,
-             name: str | None = None, why: str = "llama.cpp engine, as asked", **_) -> "LlamaCppEngine":
+             name: str | None = None, why: str = "llama.cpp engine, as asked", count_experts: bool = True,
+             **_) -> "LlamaCppEngine":
         """Load the GGUF file `model` (path) with llama.cpp. cpu_moe: pin the first N layers' experts to RAM
-        (llama.cpp's --n-cpu-moe); None: chosen for the GPU budget (engine.llamacpp.placement)."""
+        (llama.cpp's --n-cpu-moe); None: chosen for the GPU budget (engine.llamacpp.placement). count_experts:
+        count the routers' picks per layer and expert (the heat map's counts; engine.llamacpp.expert_counts), at
+        some cost in speed; `count_experts(False)` turns it off later."""
         global _hinted
         lib = library()
         api = lib.api
@@ -121,7 +125,10 @@ class LlamaCppEngine(EngineFace):
             context = min(context, config.max_position_embeddings or context)
             threads = max(1, torch.get_num_threads())
             batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
-            llama = LlamaContext(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv=use_gpu)
+            counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts) \
+                if count_experts and config.is_moe else None
+            llama = LlamaContext(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv=use_gpu,
+                                 counter=counter)
         except BaseException:
             api.llama_model_free(handle)
             raise
@@ -166,20 +173,47 @@ class LlamaCppEngine(EngineFace):
         return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on llama.cpp, {self.placement.why}"
 
     def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
-        """Per MoE layer and expert: on the GPU (a whole layer's experts are, or none); llama.cpp counts no picks."""
+        """Per MoE layer and expert: on the GPU (a whole layer's experts are, or none), and how often the router
+        picked it since load (zeros while counting is off)."""
         cfg = self.config
         layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        counter = self.llama.counter
+        counts = counter.snapshot()[0] if counter is not None else None
         return ([[self.placement.expert_layer_on_gpu(i)] * cfg.num_experts for i in layers],
-                [[0] * cfg.num_experts for _ in layers])
+                [counts[i].tolist() if counts is not None else [0] * cfg.num_experts for i in layers])
 
     def expert_stats(self) -> dict:
+        """Where the experts are and, while counting, where the picks since load ran: a layer's experts compute
+        where its tensors are."""
         if not self.config.is_moe:
             return {}
-        on_gpu, _ = self.expert_map()
+        on_gpu, picks = self.expert_map()
         total = sum(len(row) for row in on_gpu)
-        return {"engine": self.kind, "experts_on_gpu": sum(map(sum, on_gpu)), "experts_total": total,
-                "expert_layers_in_ram": sum(not any(row) for row in on_gpu),
-                "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3)}
+        stats = {"engine": self.kind, "experts_on_gpu": sum(map(sum, on_gpu)), "experts_total": total,
+                 "expert_layers_in_ram": sum(not any(row) for row in on_gpu),
+                 "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3),
+                 "expert_counts": self.llama.counter is not None}
+        if self.llama.counter is not None:
+            gpu = sum(sum(row) for row, where in zip(picks, on_gpu) if any(where))
+            cpu = sum(sum(row) for row, where in zip(picks, on_gpu) if not any(where))
+            stats.update(experts_gpu=gpu, experts_cpu=cpu, gpu_hit_rate=gpu / (gpu + cpu) if gpu + cpu else None)
+        return stats
+
+    def count_experts(self, on: bool, timeout: float = 30.0) -> bool:
+        """Count the routers' picks (on) or not, from the next step: the context is made again (what it held is
+        gone) while nothing runs; False if requests kept it busy for `timeout` seconds. Counts start at zero."""
+        if not self.config.is_moe or on == (self.llama.counter is not None):
+            return True
+        lib = library()
+
+        def switch():
+            old = self.llama.counter  # alive until the context that calls it is gone
+            self.llama.counter = ExpertCounter(self.api, lib.ggml, self.config.num_layers,
+                                               self.config.num_experts) if on else None
+            self.llama.resize(self.llama.slots)
+            del old
+
+        return self.scheduler.when_idle(switch, timeout)
 
     def grammar(self, response_format):
         """As the native engine's (the same llguidance masks), over llama.cpp's own vocabulary."""

@@ -83,7 +83,8 @@ class _Library:
 
 
 def _ggml(folder: Path):
-    """libggml's device functions (llama-cpp-python binds llama.h only)."""
+    """libggml's device and tensor functions (llama-cpp-python binds llama.h only; dlsym through libggml's handle
+    finds libggml-base's functions too)."""
     lib = ctypes.CDLL(str(folder / "libggml.so")) if (folder / "libggml.so").exists() else ctypes.CDLL(
         str(next(folder.glob("*ggml.*"))))
     p, size = ctypes.c_void_p, ctypes.c_size_t
@@ -91,7 +92,10 @@ def _ggml(folder: Path):
                                     ("ggml_backend_dev_name", ctypes.c_char_p, [p]),
                                     ("ggml_backend_dev_type", ctypes.c_int, [p]),
                                     ("ggml_backend_dev_buffer_type", p, [p]),
-                                    ("ggml_backend_buft_name", ctypes.c_char_p, [p])):
+                                    ("ggml_backend_buft_name", ctypes.c_char_p, [p]),
+                                    # what engine.llamacpp.expert_counts reads of a graph node
+                                    ("ggml_get_name", ctypes.c_char_p, [p]), ("ggml_nbytes", size, [p]),
+                                    ("ggml_backend_tensor_get", None, [p, p, size, size])):
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes
     return lib

@@ -1,5 +1,6 @@
 """The chat app on the llama.cpp engine: a reply streams and equals the engine's own greedy reply, Esc stops one,
-the stats panel says which engine runs the model and why, and load warnings are shown."""
+the stats panel says which engine runs the model and why, load warnings are shown, and a MoE model's heat map
+holds the picks llama.cpp made."""
 from __future__ import annotations
 
 import pytest
@@ -36,3 +37,25 @@ async def test_a_reply_on_llama_cpp_streams_and_equals_the_engines_greedy_reply(
         summary = str(app.chat.stats.query_one("#stats-model").render())
         assert "llama.cpp engine, as asked" in summary
         assert any("without CUDA" in str(n.message) for n in app._notifications)
+
+
+async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
+    """A MoE GGUF on llama.cpp: after a reply, the chat's heat map holds every pick the engine counted for it."""
+    from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
+    from moedesk.engine.runtime import Engine
+    from tests.gguf_from_hf import build
+
+    built = build("qwen3moe", tmp_path / "q")
+    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=256)
+    try:
+        app = MoedeskApp(engine, settings=greedy_settings(max_new_tokens=6))
+        async with app.run_test(size=(160, 50)) as pilot:
+            await say(pilot, "Hi")
+            await wait_idle(pilot, app)
+            app.chat.refresh_map()
+            heatmap = app.chat.query_one(ExpertHeatMap)
+            shown = [[c.count for c in row] for row in heatmap.current_layout().rows]
+            counted = engine.expert_map()[1]
+            assert sum(map(sum, counted)) > 0 and sum(map(sum, shown)) == sum(map(sum, counted))
+    finally:
+        engine.close()

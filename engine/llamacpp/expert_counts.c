@@ -1,0 +1,80 @@
+// llama.cpp's eval callback (cb_eval) that counts the routers' picks, in C: llama.cpp asks the callback about every
+// node of every graph, and a Python callback costs microseconds a node. engine/llamacpp/expert_counts.py builds
+// this file, fills a `counter` and passes `moedesk_count_experts` with it; the ggml functions come as pointers from
+// the library llama-cpp-python loaded, so nothing here links against ggml.
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+// The first fields of ggml.h's struct ggml_tensor.
+struct tensor_head {
+    int type;
+    void *buffer;
+    int64_t ne[4];
+    size_t nb[4];
+};
+
+enum { GGML_TYPE_I32 = 26 };
+static const char PREFIX[] = "ffn_moe_topk-";
+
+struct counter {
+    const char *(*get_name)(const void *tensor);
+    size_t (*nbytes)(const void *tensor);
+    void (*tensor_get)(const void *tensor, void *data, size_t offset, size_t size);
+    int64_t layers, experts;
+    int64_t *counts;  // [layers][experts], owned by the caller
+    int64_t *tokens;  // [layers]
+    int64_t errors;   // nodes that could not be read (wrong type, layer or expert id out of range)
+    char *scratch;    // the node's bytes, grown as needed; freed by moedesk_counter_free
+    size_t scratch_bytes;
+};
+
+// The layer of a node named ffn_moe_topk-<layer>, or -1.
+static int64_t topk_layer(const char *name) {
+    if (name == NULL || strncmp(name, PREFIX, sizeof PREFIX - 1) != 0) return -1;
+    const char *digits = name + sizeof PREFIX - 1;
+    if (*digits == 0) return -1;
+    int64_t layer = 0;
+    for (; *digits; digits++) {
+        if (*digits < '0' || *digits > '9') return -1;
+        layer = layer * 10 + (*digits - '0');
+    }
+    return layer;
+}
+
+bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
+    struct counter *c = user_data;
+    int64_t layer = topk_layer(c->get_name(tensor));
+    if (ask || layer < 0) return layer >= 0;
+    const struct tensor_head *t = tensor;
+    if (t->type != GGML_TYPE_I32 || layer >= c->layers || t->ne[2] * t->ne[3] != 1) {
+        c->errors++;
+        return true;  // false would stop the graph
+    }
+    size_t size = c->nbytes(tensor);
+    if (size > c->scratch_bytes) {
+        char *grown = realloc(c->scratch, size);
+        if (grown == NULL) { c->errors++; return true; }
+        c->scratch = grown, c->scratch_bytes = size;
+    }
+    c->tensor_get(tensor, c->scratch, 0, size);  // copied from the GPU where llama.cpp computed it there
+    int64_t *row = c->counts + layer * c->experts;
+    // [top-k, tokens]: a token's ids sit nb[1] bytes apart (a view of every expert's sorted ids).
+    for (int64_t token = 0; token < t->ne[1]; token++) {
+        const char *ids = c->scratch + token * t->nb[1];
+        for (int64_t j = 0; j < t->ne[0]; j++) {
+            int32_t id;
+            memcpy(&id, ids + j * t->nb[0], sizeof id);
+            if (id >= 0 && id < c->experts) row[id]++;
+            else c->errors++;
+        }
+    }
+    c->tokens[layer] += t->ne[1];
+    return true;
+}
+
+void moedesk_counter_free(struct counter *c) {
+    free(c->scratch);
+    c->scratch = NULL, c->scratch_bytes = 0;
+}

@@ -1,0 +1,143 @@
+"""How often llama.cpp's routers picked each expert, per layer: read from its graph through the eval callback.
+
+llama.cpp names the router's choice `ffn_moe_topk-<layer>` in every MoE layer's graph ([top-k, tokens] int32, a
+view of the sorted expert ids). A context made with `ExpertCounter.callback` as its `cb_eval` asks for those nodes
+only; llama.cpp then computes the graph in pieces that end at them and hands each one over once computed, and the
+counter adds its expert ids up. llama.cpp calls the callback for every node of every graph, so it is C
+(expert_counts.c, built at first use by kernels.native_build), with this module's Python callback where no compiler
+is found; and the graph is split at each MoE layer. It costs speed either way: contexts take it only when counting
+is on.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("expert_counts.c")
+FLAGS = ["-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall"]
+
+TOPK_PREFIX = b"ffn_moe_topk-"
+
+
+class TensorHead(ctypes.Structure):
+    """The first fields of ggml.h's `struct ggml_tensor`: what reading a strided tensor needs beyond its name."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4)]
+
+
+GGML_TYPE_I32 = 26  # ggml.h: the type of argsort's expert ids
+
+
+def topk_layer(name: bytes) -> int | None:
+    """The layer of a graph node named `ffn_moe_topk-<layer>`; None for any other node."""
+    if not name.startswith(TOPK_PREFIX):
+        return None
+    suffix = name[len(TOPK_PREFIX):]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def chosen_ids(raw: bytes, ne: tuple[int, ...], nb: tuple[int, ...]) -> np.ndarray:
+    """The expert ids of a [top-k, tokens, ...] int32 tensor laid out with byte strides `nb`, read from `raw` (its
+    bytes from its first element to its last, as ggml_nbytes counts them): [tokens, top-k]."""
+    k, rows = int(ne[0]), int(np.prod(ne[1:]))
+    flat = np.frombuffer(raw, dtype=np.int32)
+    # The view's rows sit nb[1] bytes apart (argsort kept every expert's id; the view shows the first k).
+    if rows > 1 and any(ne[d] > 1 for d in (2, 3)):
+        raise ValueError(f"expert ids of shape {tuple(ne)}: expected [top-k, tokens]")
+    return np.lib.stride_tricks.as_strided(flat, shape=(rows, k), strides=(int(nb[1]), int(nb[0])), writeable=False)
+
+
+class _Counter(ctypes.Structure):
+    """expert_counts.c's `struct counter`."""
+
+    _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
+                ("layers", ctypes.c_int64), ("experts", ctypes.c_int64), ("counts", ctypes.c_void_p),
+                ("tokens", ctypes.c_void_p), ("errors", ctypes.c_int64), ("scratch", ctypes.c_void_p),
+                ("scratch_bytes", ctypes.c_size_t)]
+
+
+_native, _native_why = None, None
+_native_lock = threading.Lock()
+
+
+def native_library():
+    """(expert_counts.c built and loaded, None) or (None, one line saying why not); built once a process."""
+    global _native, _native_why
+    with _native_lock:
+        if _native is None and _native_why is None:
+            from moedesk.kernels.native_build import BuildError, build_library, find_compiler
+
+            if find_compiler() is None:
+                _native_why = "no C compiler found (install gcc or set CC)"
+                return None, _native_why
+            try:
+                _native = ctypes.CDLL(str(build_library(SOURCE, FLAGS)))
+            except (BuildError, OSError) as e:
+                _native_why = str(e).splitlines()[0]
+                return None, _native_why
+            _native.moedesk_counter_free.argtypes = [ctypes.c_void_p]
+            _native.moedesk_counter_free.restype = None
+        return _native, _native_why
+
+
+class ExpertCounter:
+    """Counts per (layer, expert) since it was made; `snapshot()` copies them. A context made with `callback` and
+    `user_data` as its cb_eval and cb_eval_user_data counts into it; the callback runs on the thread that calls
+    llama_decode (the decode thread), snapshots on any. native: the C callback where it builds (else Python's)."""
+
+    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True):
+        self.counts = np.zeros((layers, experts), dtype=np.int64)
+        self.tokens = np.zeros(layers, dtype=np.int64)  # tokens routed per layer
+        self._python_errors = 0
+        self._name, self._nbytes, self._get = ggml.ggml_get_name, ggml.ggml_nbytes, ggml.ggml_backend_tensor_get
+        lib, _ = native_library() if native else (None, None)
+        self._lib, self._struct = lib, None
+        if lib is not None:
+            address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+            self._struct = _Counter(address(self._name), address(self._nbytes), address(self._get), layers, experts,
+                                    self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0)
+            self.callback = api.ggml_backend_sched_eval_callback(address(lib.moedesk_count_experts))
+            self.user_data = ctypes.addressof(self._struct)
+        else:
+            self.callback = api.ggml_backend_sched_eval_callback(self._on_node)  # kept alive with the counter
+            self.user_data = None
+
+    @property
+    def native(self) -> bool:
+        return self._lib is not None
+
+    @property
+    def errors(self) -> int:
+        """Nodes (or ids) that could not be read: 0 unless llama.cpp's graph changed shape."""
+        return self._struct.errors if self._struct is not None else self._python_errors
+
+    def _on_node(self, tensor, ask, user_data) -> bool:
+        try:
+            layer = topk_layer(self._name(tensor))
+            if ask or layer is None:
+                return layer is not None
+            head = TensorHead.from_address(tensor)
+            if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
+                raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")
+            size = self._nbytes(tensor)
+            raw = ctypes.create_string_buffer(size)
+            self._get(tensor, raw, 0, size)  # from the GPU where llama.cpp computed it there
+            ids = chosen_ids(raw.raw, tuple(head.ne), tuple(head.nb))
+            experts = self.counts.shape[1]
+            self.counts[layer] += np.bincount(ids.ravel(), minlength=experts)[:experts]
+            self.tokens[layer] += ids.shape[0]
+        except Exception:  # noqa: BLE001 -- raising through llama.cpp's C frames would crash the process
+            self._python_errors += 1
+        return True  # in the compute phase False would stop the graph
+
+    def snapshot(self) -> tuple[np.ndarray, np.ndarray]:
+        """(counts [layers, experts], tokens [layers]) so far, copied (a step running meanwhile may be half in)."""
+        return self.counts.copy(), self.tokens.copy()
+
+    def __del__(self):
+        if self._struct is not None:
+            self._lib.moedesk_counter_free(ctypes.addressof(self._struct))

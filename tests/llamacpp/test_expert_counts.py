@@ -1,0 +1,151 @@
+"""Per-expert counts on the llama.cpp engine (engine/llamacpp/expert_counts.py): what llama.cpp's routers picked,
+read from its graph, against transformers' own routers on the same tiny random checkpoints.
+
+Tiny Qwen3-MoE, gpt-oss and DeepSeek-V3 GGUFs (tests/gguf_from_hf.py: float32 weights, so both sides compute the
+same routing) decode three prompts together through the engine; transformers then runs each prompt and its reply
+teacher-forced with a hook on every router, and its picks, counted per layer and expert, must equal the engine's.
+llama.cpp computes the last layer of most architectures for the tokens whose logits it returns only, so there the
+counts cover the last prompt token and each generated one; gpt-oss's graph drops the other tokens after the layer.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from moedesk.engine.llamacpp.expert_counts import chosen_ids, topk_layer
+
+llama_cpp = pytest.importorskip("llama_cpp")
+
+PROMPTS = ["The quick brown fox jumps over", "def add(a, b):\n    return", "Experts live in RAM; the popular ones"]
+NEW_TOKENS = 6
+WHOLE_LAST_LAYER = {"gpt-oss"}  # families whose last MoE layer llama.cpp runs for every token
+
+
+def test_topk_layer_reads_only_the_routers_choice():
+    assert topk_layer(b"ffn_moe_topk-0") == 0 and topk_layer(b"ffn_moe_topk-61") == 61
+    for name in (b"ffn_moe_topk", b"ffn_moe_topk-", b"ffn_moe_topk-3 (view)", b"ffn_moe_weights-3", b"attn_norm-3"):
+        assert topk_layer(name) is None, name
+
+
+def test_chosen_ids_reads_the_first_k_of_each_tokens_sorted_experts():
+    """llama.cpp's ffn_moe_topk is a view: the first k ids of each token's row of all n_expert sorted ids."""
+    sorted_ids = np.array([[5, 2, 7, 0, 1, 3, 4, 6], [1, 0, 2, 3, 4, 5, 6, 7], [7, 6, 5, 4, 3, 2, 1, 0]],
+                          dtype=np.int32)
+    k, tokens, experts = 2, 3, 8
+    raw = sorted_ids.tobytes()[:((tokens - 1) * experts + k) * 4]  # ggml_nbytes of the view: first to last element
+    ids = chosen_ids(raw, (k, tokens, 1, 1), (4, experts * 4, experts * 4 * tokens, experts * 4 * tokens))
+    assert ids.tolist() == [[5, 2], [1, 0], [7, 6]]
+
+
+def transformers_picks(model, sequences: list[tuple[list[int], int]], layers: int, experts: int) -> np.ndarray:
+    """[layers, experts] counts of the routers' picks as transformers makes them, each sequence (ids, first token
+    of the last layer) run teacher-forced: every token in every layer but the last, from that one on in the last."""
+    picks = np.zeros((layers, experts), dtype=np.int64)
+    seen: dict[int, torch.Tensor] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        if type(module).__name__.endswith("Router"):  # Qwen3MoeTopKRouter, GptOssTopKRouter, DeepseekV3TopkRouter
+            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))
+            hooks.append(module.register_forward_hook(lambda m, args, out, layer=layer: seen.__setitem__(layer, out[2])))
+    assert hooks, "no router modules found"
+    try:
+        for ids, first_output in sequences:
+            seen.clear()
+            with torch.no_grad():
+                model(torch.tensor([ids]))
+            for layer, chosen in seen.items():
+                chosen = chosen.reshape(len(ids), -1)
+                if layer == layers - 1:
+                    chosen = chosen[first_output:]
+                picks[layer] += np.bincount(chosen.flatten().numpy(), minlength=experts)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return picks
+
+
+@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss", "deepseek2"])
+@pytest.mark.usefixtures("one_torch_thread")
+def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_path):
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.gguf_from_hf import build
+
+    built = build(family, tmp_path / family)
+    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128)
+    try:
+        cfg = engine.config
+        counter = engine.llama.counter
+        assert counter is not None and counter.native  # the C callback (gcc is on every machine that runs this)
+        requests = [Request(engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                                      ignore_eos=True)) for p in PROMPTS]
+        done = engine.complete(requests)
+        counts, tokens = counter.snapshot()
+        assert counter.errors == 0
+
+        fed = sum(len(r.prompt_ids) + NEW_TOKENS - 1 for r in requests)  # the last token is never fed back
+        outputs = len(requests) * NEW_TOKENS
+        moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+        last = cfg.num_layers - 1
+        k = cfg.num_experts_per_tok
+        assert moe and last in moe
+        whole = family in WHOLE_LAST_LAYER
+        expected_tokens = [(outputs if i == last and not whole else fed) if i in moe else 0
+                           for i in range(cfg.num_layers)]
+        assert tokens.tolist() == expected_tokens
+        assert counts.sum(axis=1).tolist() == [n * k for n in expected_tokens]
+
+        sequences = [(r.prompt_ids + c.token_ids[:-1], 0 if whole else len(r.prompt_ids) - 1)
+                     for r, c in zip(requests, done)]
+        reference = transformers_picks(built.model, sequences, cfg.num_layers, cfg.num_experts)
+        assert counts.tolist() == reference.tolist(), family
+
+        on_gpu, popularity = engine.expert_map()  # what the heat map shows: the MoE layers' rows
+        assert popularity == [counts[i].tolist() for i in moe] and len(on_gpu) == len(moe)
+        stats = engine.expert_stats()
+        assert stats["expert_counts"] and stats["experts_cpu"] == int(counts.sum()) and stats["experts_gpu"] == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_path):
+    """Off: no callback in the context (it costs speed) and zeros in the map. On again: counting from zero. The
+    Python callback (where no C compiler is found) counts what the C one counts."""
+    from moedesk.engine.llamacpp.expert_counts import ExpertCounter
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.gguf_from_hf import build
+
+    built = build("qwen3moe", tmp_path / "q")
+    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128)
+    request = Request(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                                         ignore_eos=True))
+    try:
+        assert engine.count_experts(False) and engine.llama.counter is None
+        off = engine.complete([request])[0]
+        assert not any(map(any, engine.expert_map()[1]))
+        assert engine.expert_stats()["expert_counts"] is False and "gpu_hit_rate" not in engine.expert_stats()
+
+        assert engine.count_experts(True)
+        on = engine.complete([request])[0]
+        assert on.token_ids == off.token_ids  # counting changes nothing of the reply
+        native, _ = engine.llama.counter.snapshot()
+        assert native.sum() > 0
+
+        def python_counter():
+            engine.llama.counter = ExpertCounter(engine.api, library().ggml, engine.config.num_layers,
+                                                 engine.config.num_experts, native=False)
+            engine.llama.resize(engine.llama.slots)
+
+        assert engine.scheduler.when_idle(python_counter)
+        assert not engine.llama.counter.native
+        assert engine.complete([request])[0].token_ids == off.token_ids
+        python, _ = engine.llama.counter.snapshot()
+        assert python.tolist() == native.tolist() and engine.llama.counter.errors == 0
+    finally:
+        engine.close()
