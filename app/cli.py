@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "qwen3.5-35b-a3b, tiny-moe, tiny-glm or tiny-qwen35")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
     bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
-                       help="GPU memory for experts (default: 0, every expert in RAM)")
+                       help="the whole GPU's, as the app's: the weights, the KV cache of the context the runs build "
+                            "and workspace first, experts the rest (default: 0, every expert in RAM)")
     bench.add_argument("--policy", choices=["balanced", "fiddler"], default="balanced",
                        help="how offloaded experts are split between CPU and copy-to-GPU (default: balanced)")
     bench.add_argument("--batch", type=int, default=16, metavar="N",
@@ -186,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt lengths of the prefill runs (default: 512 2048; none skips them)")
     bench.add_argument("--context", type=_positive_int, nargs="+", default=(), metavar="N",
                        help="also measure decode and a 512-token prefill after N tokens of context, at each N (as "
-                            "llama-bench's -d); --gpu-budget then counts the weights and the deepest KV cache too")
+                            "llama-bench's -d); --gpu-budget then counts the deepest one's KV cache")
     bench.add_argument("--decode-tokens", type=_positive_int, default=None, metavar="N",
                        help="new tokens per sequence in each decode run (default: 64; 32 with --speculative or "
                             "--beams; 128 with --model)")

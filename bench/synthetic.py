@@ -135,8 +135,13 @@ class SyntheticBench:
     gpu_budget_gib: float
     experts_on_gpu: int
     whole_layers_on_gpu: int
-    budget_split: dict | None = None  # where the budget went when it counts the KV cache (engine.offload.gpu_budget)
+    budget_split: dict | None = None  # bytes of the budget per use (bench.budget); None: every expert in RAM
     format_notes: tuple[str, ...] = ()  # projections stored in another format than asked (format_fallbacks)
+
+    @property
+    def expert_budget(self) -> int:
+        """Bytes of the budget left to resident experts once the weights, cache and workspace are counted."""
+        return self.budget_split["experts"] if self.budget_split else 0
 
     @property
     def executor(self):
@@ -177,14 +182,16 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
 
 
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,
-                      policy: str = "balanced", log=print, expert_format: str = "dense",
-                      kv_context: int = 0) -> SyntheticBench:
+                      policy: str = "balanced", log=print, expert_format: str = "dense") -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
+    gpu_budget_gib: the whole GPU's, as a user's --gpu-budget: the non-expert weights, one sequence's KV cache of
+    `context` positions, a prefill piece's workspace and slack come out of it first (bench.budget), the experts get
+    the rest; a budget too small for the first part is refused before the model is built. 0: every expert in RAM.
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
-    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4). kv_context: when > 0, the budget is the whole
-    GPU's: the non-expert weights, one sequence's KV cache of that many positions and attention's workspace come out
-    of it first (engine.offload.gpu_budget), the experts get the rest; else it is the experts' alone."""
+    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4)."""
+    from moedesk.bench.budget import bench_dtype, bench_split
+    from moedesk.engine.generation.scheduler import default_prefill_chunk
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from moedesk.engine.load.synthetic import format_fallbacks, shape_config, synthetic_model
@@ -194,13 +201,14 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     on_cuda = device.type == "cuda"
     if on_cuda:
         leave_a_core_to_the_gpu_thread()
-    dtype = torch.bfloat16 if on_cuda else torch.float32
+    dtype = bench_dtype(device)
     cfg = shape_config(shape, layers)
+    context = max(context, 32 + 16 + 1)  # the calibration below decodes 16 tokens past 32-token prompts
+    split = bench_split(cfg, int(gpu_budget_gib * 2**30), context, dtype, default_prefill_chunk(device)) \
+        if gpu_budget_gib > 0 else None
     _check_fits(cfg, shape, dtype, expert_format, on_cuda)
     t0 = time.perf_counter()
-    # The calibration below decodes 16 tokens past 32-token prompts.
-    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=max(context, 32 + 16 + 1),
-                                   expert_format=expert_format)
+    model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=context, expert_format=expert_format)
     log(f"built {shape} x{cfg.num_layers} layers, experts {next(iter(banks.values())).describe()}, "
         f"in {time.perf_counter() - t0:.1f}s")
     notes = tuple(format_fallbacks(expert_format, cfg.hidden_size, cfg.moe_intermediate_size))
@@ -221,35 +229,32 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed)
         halves.append([executor.selections[layer].tolist() for layer in sorted(banks)])
     orchestra.calibrate(halves)
-    expert_budget, split = int(gpu_budget_gib * 2**30), None
-    if kv_context and gpu_budget_gib > 0:
-        expert_budget, split = _context_split(cfg, expert_budget, kv_context, dtype, device)
-        log(f"budget at {kv_context} positions: {_split_text(split)}")
-    on_gpu = orchestra.place(expert_budget).as_lists()
+    parts = None
+    if split is not None:
+        parts = {name: getattr(split, name) for name in ("weights", "kv_cache", "workspace", "slack", "experts")}
+        log(f"budget at {context} positions: {_split_text(parts)}")
+    on_gpu = orchestra.place(split.experts if split else 0).as_lists()
     resident = sum(map(sum, on_gpu))
     whole = sum(all(row) for row in on_gpu)
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
     return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
-                          split, notes)
-
-
-def _context_split(cfg, budget: int, context: int, dtype: torch.dtype, device) -> tuple[int, dict]:
-    """The experts' share of a whole-GPU budget at `context` positions, and the split in bytes for the report."""
-    from moedesk.engine.generation.scheduler import default_prefill_chunk
-    from moedesk.engine.offload.gpu_budget import (kv_bytes_per_position, non_expert_bytes, prefill_workspace_bytes,
-                                                   split_gpu_budget)
-
-    size = dtype.itemsize
-    split = split_gpu_budget(budget, non_expert_bytes(cfg, size), kv_bytes_per_position(cfg, size), context,
-                             prefill_workspace_bytes(cfg, default_prefill_chunk(device), context, size))
-    parts = ("weights", "kv_cache", "workspace", "slack", "experts")
-    return split.experts, {name: getattr(split, name) for name in parts}
+                          parts, notes)
 
 
 def _split_text(split: dict) -> str:
     return ", ".join(f"{name} {value / 2**30:.2f} GiB" for name, value in split.items())
+
+
+def bench_context(prefill: tuple[int, ...] = (512, 2048), decode_tokens: int = 64, contexts: tuple[int, ...] = (),
+                  context_chunk: int = 512) -> int:
+    """Positions `run_bench` builds its model and cache for: the longest prefill (256 at least) then a decode run,
+    or the deepest context's run (bench.depth.depth_context)."""
+    from moedesk.bench.depth import depth_context
+
+    return max(max(prefill + (256,)) + decode_tokens, depth_context(max(contexts, default=0), decode_tokens,
+                                                                    context_chunk))
 
 
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
@@ -258,14 +263,13 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
     """Build the synthetic model, profile, place, measure; return every figure and its bound.
 
     contexts: depths at which decode and a prefill piece of `context_chunk` tokens are measured again after that
-    many tokens of context (bench.depth); the budget then counts the deepest one's KV cache."""
-    from moedesk.bench.depth import depth_context, measure_at_depth
+    many tokens of context (bench.depth). The budget counts the KV cache of the whole context built (bench_context):
+    the deepest run's when there are depths."""
+    from moedesk.bench.depth import measure_at_depth
 
     load = CpuLoad()  # from the build on: a profile measured beside other work misplaces experts too
-    deepest = max(contexts, default=0)
-    room = max(max(prefill + (256,)) + decode_tokens, depth_context(deepest, decode_tokens, context_chunk))
-    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format,
-                              kv_context=depth_context(deepest, decode_tokens, context_chunk) if contexts else 0)
+    room = bench_context(prefill, decode_tokens, contexts, context_chunk)
+    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format)
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
 

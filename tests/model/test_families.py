@@ -216,10 +216,12 @@ def test_glm4_moe_gguf_generates_like_llama_cpp(tiny_checkpoint, tmp_path):
 def test_bench_runs_a_glm_shape_on_the_simulated_tier():
     """`moedesk bench --shape glm-4.5-air`'s path (a dense first layer, sigmoid routing, a shared expert) at a size
     the CPU runs; the full shape's figures come from the GPU box."""
-    from moedesk.bench.synthetic import run_bench
+    from moedesk.bench.budget import budget_for_experts
+    from moedesk.bench.synthetic import bench_context, run_bench
     from moedesk.engine.load.synthetic import SHAPES, shape_config
 
-    report = run_bench("tiny-glm", 3, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2,
+    budget = budget_for_experts(shape_config("tiny-glm", 3), 4, bench_context((16,), 6), "dense", "cpu")
+    report = run_bench("tiny-glm", 3, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=2,
                        log=lambda *a: None)
     assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]
     assert all(r["tok_s"] > 0 for r in report["results"])

@@ -240,10 +240,12 @@ def test_gguf_runs_natively_with_the_reference_tokens_and_its_size_estimated(fam
 def test_bench_runs_a_qwen35_shape_on_the_simulated_tier():
     """`moedesk bench --shape qwen3.5-35b-a3b`'s path (recurrent layers, a gated full-attention layer, a gated shared
     expert) at a size the CPU runs; the real shape's switches as its public config sets them."""
-    from moedesk.bench.synthetic import run_bench
+    from moedesk.bench.budget import budget_for_experts
+    from moedesk.bench.synthetic import bench_context, run_bench
     from moedesk.engine.load.synthetic import SHAPES, shape_config
 
-    report = run_bench("tiny-qwen35", 4, 0.0002, device="cpu", decode_tokens=6, prefill=(80,), batch=2,
+    budget = budget_for_experts(shape_config("tiny-qwen35", 4), 4, bench_context((80,), 6), "dense", "cpu")
+    report = run_bench("tiny-qwen35", 4, budget, device="cpu", decode_tokens=6, prefill=(80,), batch=2,
                        log=lambda *a: None)
     assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]
     assert all(r["tok_s"] > 0 for r in report["results"])

@@ -2,20 +2,18 @@
 import torch
 
 from moedesk.app.cli import main
+from moedesk.bench.budget import budget_for_experts
 from moedesk.bench.depth import depth_context, measure_at_depth
 from moedesk.bench.synthetic import random_prompt, run_bench
 from moedesk.engine.load.synthetic import shape_config, synthetic_model
-from moedesk.engine.generation.scheduler import PREFILL_CHUNK_CPU
 from moedesk.engine.offload.expert_executor import LocalExecutor
-from moedesk.engine.offload.gpu_budget import SLACK, kv_bytes_per_position, non_expert_bytes, prefill_workspace_bytes
+from moedesk.engine.offload.gpu_budget import kv_bytes_per_position
 
 
 def test_bench_measures_each_depth_beside_depth_zero_and_counts_the_cache_in_the_budget():
     cfg = shape_config("tiny-moe", 2)
     deepest = depth_context(300, 6, 32)
-    fixed = (non_expert_bytes(cfg, 4) + deepest * kv_bytes_per_position(cfg, 4)
-             + prefill_workspace_bytes(cfg, PREFILL_CHUNK_CPU, deepest, 4))
-    budget = (fixed + 5.5 * _expert_bytes()) / (1 - SLACK) / 2**30  # room for 5 of the 16 experts beside the rest
+    budget = budget_for_experts(cfg, 5, deepest)  # room for 5 of the 16 experts beside the rest at the deepest
     report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=1,
                        log=lambda *a: None, contexts=(40, 300), context_chunk=32)
     rows = [(r["mode"], r["depth"], r["tokens"]) for r in report["results"]]
@@ -26,11 +24,7 @@ def test_bench_measures_each_depth_beside_depth_zero_and_counts_the_cache_in_the
     assert split["kv_cache"] > 0 and split["weights"] > 0
     assert sum(split.values()) == int(budget * 2**30)  # every part of the budget, once
     assert report["experts_on_gpu"] == 5  # what the weights, cache and workspace left, not the whole budget
-
-
-def _expert_bytes():
-    cfg = shape_config("tiny-moe")
-    return 3 * cfg.hidden_size * cfg.moe_intermediate_size * 4
+    assert split["kv_cache"] == deepest * kv_bytes_per_position(cfg, 4)  # the deepest run's cache, in float32
 
 
 def test_the_context_is_prefilled_in_pieces_into_the_cache_decode_reads(monkeypatch):

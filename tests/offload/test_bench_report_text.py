@@ -10,7 +10,9 @@ import psutil
 
 from moedesk.bench.machine_load import BUSY_SHARE, CpuLoad, busy_warning, others_share
 from moedesk.bench.report_text import profile_line, significant, text_table
-from moedesk.bench.synthetic import format_results, spread
+from moedesk.bench.budget import budget_for_experts
+from moedesk.bench.synthetic import bench_context, format_results, spread
+from moedesk.engine.load.synthetic import shape_config
 
 # What the bench printed on this machine's CPU (issue 46): 17-digit floats in raw dicts.
 PROFILE = {"cpu_expert_ms": {"1": 15.65594199928455, "4": 163.99032399931457, "256": 226.64315000110946},
@@ -83,7 +85,8 @@ def test_a_real_bench_reports_its_spread_and_the_machines_load():
     from moedesk.bench.synthetic import run_bench
 
     lines = []
-    r = run_bench("tiny-moe", 2, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lines.append)
+    budget = budget_for_experts(shape_config("tiny-moe", 2), 2, bench_context((16,), 6), "dense", "cpu")
+    r = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lines.append)
     assert all(x["spread"] is not None and x["spread"] >= 0 for x in r["results"])  # decode steps, prefill repeats
     assert 0 <= r["other_cpu_share"] <= 1
     assert any(line.startswith("profile: one expert on the CPU") and "{" not in line for line in lines)

@@ -84,9 +84,12 @@ def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkp
 
 
 def test_bench_runs_on_the_simulated_tier():
-    from moedesk.bench.synthetic import run_bench
+    from moedesk.bench.budget import budget_for_experts
+    from moedesk.bench.synthetic import bench_context, run_bench
+    from moedesk.engine.load.synthetic import shape_config
 
-    report = run_bench("tiny-moe", 2, 0.0002, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lambda *a: None)
+    budget = budget_for_experts(shape_config("tiny-moe", 2), 2, bench_context((16,), 6), "dense", "cpu")
+    report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=2, log=lambda *a: None)
     modes = [r["mode"] for r in report["results"]]
     assert modes == ["decode", "prefill", "batched_decode"]
     assert all(r["tok_s"] > 0 and r["bound_tok_s"] > 0 for r in report["results"])

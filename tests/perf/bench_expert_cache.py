@@ -44,7 +44,7 @@ def main() -> int:
     cfg, executor, orchestra = bench.cfg, bench.executor, bench.orchestra
     layers = sorted(bench.banks)
     shape = TraceShape(len(layers), cfg.num_experts, cfg.num_experts_per_tok)
-    budget = int(args.gpu_budget * 2**30)
+    budget = bench.expert_budget  # what the whole-GPU budget leaves experts (bench.budget)
     rows = []
     for name, params in (("conversation", CONVERSATION), ("no locality", NO_LOCALITY)):
         calibration = sum(step_counts(s, shape.experts) for s in synthetic_trace(shape, 300, params, seed=99))
@@ -74,8 +74,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**header, "rows": rows}, f, indent=1)
-    print(f"{args.shape} x{cfg.num_layers}, {len(layers) * cfg.num_experts} experts, {args.gpu_budget} GiB of them "
-          f"on the GPU, {header['experts']}, {bench.device}")
+    print(f"{args.shape} x{cfg.num_layers}, {len(layers) * cfg.num_experts} experts, a {args.gpu_budget:.4g} GiB GPU "
+          f"budget, {budget / 2**30:.4g} GiB of it for experts, {header['experts']}, {bench.device}")
     print(f"{'trace':<14}{'placement':<19}{'resident':>9}{'whole':>6}{'tok/s':>8}{'vs fixed':>10}{'GPU hits':>10}"
           f"{'swaps/step':>12}")
     for r in rows:

@@ -49,12 +49,13 @@ moedesk)
   # compacting memory (kcompactd busy) and one run's Qwen3 decode fell from ~70 to 38 tok/s. Each bench
   # starts with a clean page cache.
   clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "could not drop the page cache"; }
-  # 2 of 8 layers' experts: 16 experts of 352 MiB (0.336 GiB each) = 5.4 GiB.
+  # A budget is the whole GPU's (bench/budget.py): the one holding 2 of 8 layers' experts (16) beside the weights
+  # and the cache of the 576 positions these runs build, and the one holding a quarter of Qwen3's (3 x 128).
+  two=$(python3 -m moedesk.bench.budget mixtral-8x7b "$L" 16 576); quarter=$(python3 -m moedesk.bench.budget qwen3-30b-a3b "$QL" $((QL * 32)) 576)
   clean; python3 -m moedesk bench --shape mixtral-8x7b --layers "$L" --gpu-budget 0 --prefill 512 --json > "$W/ours_cpu.json"
-  clean; python3 -m moedesk bench --shape mixtral-8x7b --layers "$L" --gpu-budget 5.4 --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
-  # A quarter of the 12 layers' experts: 3 x 128 experts of 9 MiB (0.00879 GiB each) = 3.375 GiB.
+  clean; python3 -m moedesk bench --shape mixtral-8x7b --layers "$L" --gpu-budget "$two" --prefill 512 --batch 1 --json > "$W/ours_2layers.json"
   clean; python3 -m moedesk bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 0 --prefill 512 --json > "$W/ours_qwen3_cpu.json"
-  clean; python3 -m moedesk bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget 3.375 --prefill 512 --batch 1 --json \
+  clean; python3 -m moedesk bench --shape qwen3-30b-a3b --layers "$QL" --gpu-budget "$quarter" --prefill 512 --batch 1 --json \
     > "$W/ours_qwen3_quarter.json"
   cp "$W"/ours_* "$OUT"/
   [ -f "$W/llama_batched.txt" ] || { echo "no llama.cpp results in $W: run the llama phase first"; exit 1; }
@@ -163,16 +164,15 @@ depth-build)
   ls -l "$W/mix_q4k_whole.gguf" "$SRC/build-fa/bin/llama-bench" ;;
 depth-llama)
   # -ncmoe: the layers whose experts the 16 GiB left no room for once weights, the 32k KV cache and attention's
-  # workspace are counted (engine.offload.gpu_budget, as our bench places them), as whole layers.
+  # workspace are counted (bench/budget.py, as our bench places them), as whole layers.
   export PYTHONPATH=${PYTHONPATH:-}:.
   ncm=$(python3 -c "
+import torch
+from moedesk.bench.budget import bench_split, expert_bytes, planned_experts
 from moedesk.engine.load.synthetic import shape_config
-from moedesk.engine.offload.gpu_budget import *
-from moedesk.kernels.quant_formats import FORMATS
 c = shape_config('mixtral-8x7b'); n = 32768 + 512 + 1
-s = split_gpu_budget(16 * GIB, non_expert_bytes(c, 2), kv_bytes_per_position(c, 2), n, prefill_workspace_bytes(c, 2048, n, 2))
-e = int(3 * c.hidden_size * c.moe_intermediate_size * FORMATS['q4_k'].bits_per_weight() / 8)
-print(c.num_layers - s.experts_fit(e) // c.num_experts)")
+s = bench_split(c, 16 * 2**30, n, torch.bfloat16, 2048)
+print(c.num_layers - planned_experts(s, expert_bytes(c, 'q4_k', torch.bfloat16), c) // c.num_experts)")
   echo "llama-bench -ncmoe $ncm (16 GiB at 32k)"
   "$SRC/build-fa/bin/llama-bench" -m "$W/mix_q4k_whole.gguf" -ngl 99 -ncmoe "$ncm" -fa 1 -t 16 -p 512 -n 64 \
     -d 512,8192,16384,32768 -r 1 -o json > "$W/llama_depth.json"

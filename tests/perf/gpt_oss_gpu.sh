@@ -16,14 +16,15 @@ for part in $which; do
              | tee "$OUT/pytest_gpt_oss_gpu.txt" | tail -25 ;;
     kernels) python3 tests/perf/bench_gpu_quant.py --no-sweep --shapes gpt-oss --formats mxfp4,q4_0,q8_0 2>&1 \
                | tee "$OUT/bench_gpu_quant_gpt_oss.txt" ;;
-    bench) for budget in 16 5 0; do  # GiB: the 8 layers' 1024 experts take 13.5
+    bench) for experts in 1024 341 0; do  # of the 8 layers' 1024: a whole-GPU budget holding them (bench/budget.py)
+             budget=$( ((experts)) && python3 -m moedesk.bench.budget gpt-oss-120b 8 $experts 544 mxfp4 || echo 0)
              python3 -m moedesk bench --shape gpt-oss-120b --layers 8 --expert-format mxfp4 --gpu-budget $budget \
-               --prefill 512 --decode-tokens 32 --batch 16 --json > "$OUT/gpt-oss-120b_mxfp4_gpu$budget.json" \
-               2>>"$OUT/gpt_oss_bench.log" || echo "budget $budget failed (see $OUT/gpt_oss_bench.log)"
+               --prefill 512 --decode-tokens 32 --batch 16 --json > "$OUT/gpt-oss-120b_mxfp4_experts$experts.json" \
+               2>>"$OUT/gpt_oss_bench.log" || echo "$experts experts ($budget GiB) failed (see $OUT/gpt_oss_bench.log)"
            done
            python3 - "$OUT" <<'PY'
 import glob, json, os, sys
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "gpt-oss-120b_mxfp4_gpu*.json"))):
+for f in sorted(glob.glob(os.path.join(sys.argv[1], "gpt-oss-120b_mxfp4_experts*.json"))):
     try:
         d = json.load(open(f))
     except (OSError, ValueError):

@@ -15,7 +15,9 @@ tail -n 25 "$OUT/cpu_experts_kernel.txt"
 run() { name=$1; shift; python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }
 run mixtral_cpu_balanced --shape mixtral-8x7b --layers 8 --gpu-budget 0
 run mixtral_cpu_fiddler --shape mixtral-8x7b --layers 8 --gpu-budget 0 --policy fiddler --batch 1 --prefill 512
-run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget 5.3 --batch 1 --prefill 512
+# the whole-GPU budget (bench/budget.py) that holds 2 of the 8 layers' experts beside the weights and the cache
+run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget "$(python3 -m moedesk.bench.budget mixtral-8x7b 8 16 576)" \
+  --batch 1 --prefill 512
 run qwen3_cpu --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --prefill 512
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os

@@ -23,7 +23,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def tiny_bench():
     from moedesk.bench.synthetic import prepare_synthetic
 
-    return prepare_synthetic("tiny-moe", 2, 0.0002, "cpu", context=160, log=lambda *a: None)
+    return prepare_synthetic("tiny-moe", 2, _two_experts(160), "cpu", context=160, log=lambda *a: None)
+
+
+def _two_experts(context: int) -> float:
+    """The GPU budget (GiB) that keeps 2 of tiny-moe's 16 experts resident beside its weights and cache."""
+    from moedesk.bench.budget import budget_for_experts
+    from moedesk.engine.load.synthetic import shape_config
+
+    return budget_for_experts(shape_config("tiny-moe", 2), 2, context)
 
 
 def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatch):
@@ -32,7 +40,10 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
     from moedesk.bench.speculative import format_speculative
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
-    assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--gpu-budget", "0.0002", "--device", "cpu",
+    from moedesk.bench.speculative import PROMPT_TOKENS
+
+    budget = _two_experts(PROMPT_TOKENS + 10 + 2 * (2 + 1) + 8)  # the context the command builds for these flags
+    assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--gpu-budget", str(budget), "--device", "cpu",
                  "--speculative", "--beams", "2", "--batches", "1,2", "--acceptance", "0.5,0.9",
                  "--draft-length", "2", "--decode-tokens", "10", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -1,0 +1,82 @@
+"""`moedesk bench --gpu-budget` is the whole GPU's, split as a user's named budget is (bench.budget)."""
+import pytest
+import torch
+
+from moedesk.app.cli import main
+from moedesk.bench.budget import bench_split, budget_for_experts, expert_bytes, planned_experts
+from moedesk.bench.synthetic import bench_context, run_bench
+from moedesk.engine.generation.scheduler import PREFILL_CHUNK_GPU
+from moedesk.engine.load.synthetic import shape_config
+from moedesk.engine.offload.gpu_budget import ContextBudgetError, prefill_workspace_bytes
+
+GIB = 2**30
+
+
+def test_whole_mixtral_at_16_gib_keeps_what_weights_cache_and_workspace_leave():
+    """Mixtral-8x7B's published architecture counted by hand: 4096 hidden, 32 layers, 32 query and 8 key/value heads
+    of 128, 8 experts of 14336, a 32000-token vocabulary with its own head (46.7B parameters in all)."""
+    cfg = shape_config("mixtral-8x7b")
+    context = bench_context()  # prefill 2048 then 64 decoded tokens
+    assert context == 2112
+    split = bench_split(cfg, 16 * GIB, context, torch.bfloat16, PREFILL_CHUNK_GPU)
+    per_layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 4096 + 2 * 4096  # q, o; k, v; router; two norms
+    non_expert = 2 * 32000 * 4096 + 32 * per_layer + 4096
+    assert non_expert + 32 * 8 * 3 * 4096 * 14336 == pytest.approx(46.7e9, rel=1e-3)
+    rotary = 2 * context * 128 * 4  # cos and sin in float32
+    assert split.weights == 2 * non_expert + rotary
+    assert split.kv_cache == context * 32 * 2 * 8 * 128 * 2
+    assert split.workspace == prefill_workspace_bytes(cfg, 2048, context, 2)
+    assert split.slack == int(0.05 * 16 * GIB)
+    assert split.weights + split.kv_cache + split.workspace + split.slack + split.experts == 16 * GIB
+    q4_k = expert_bytes(cfg, "q4_k", torch.bfloat16)
+    assert q4_k == 3 * 4096 * 14336 // 256 * 144  # 144 bytes a block of 256 weights
+    # Experts only, 16 GiB would hold 173 of them; the rest of the GPU's needs take 49.
+    assert (16 * GIB) // q4_k == 173
+    assert planned_experts(split, q4_k, cfg) == 124
+
+
+def test_the_planned_experts_shrink_with_the_context_and_a_budget_too_small_is_refused():
+    cfg = shape_config("qwen3-30b-a3b")  # the whole 48 layers, the 8 GiB target of issue 42
+    one = expert_bytes(cfg, "q4_k", torch.bfloat16)
+    counts = [planned_experts(bench_split(cfg, 8 * GIB, n, torch.bfloat16, PREFILL_CHUNK_GPU), one, cfg)
+              for n in (2112, 8192 + 577, 32768 + 577)]
+    assert 0 < counts[2] < counts[1] < counts[0] < (8 * GIB) // one
+    with pytest.raises(ContextBudgetError, match="use a context of at most"):
+        bench_split(cfg, 4 * GIB, 32768 + 577, torch.bfloat16, PREFILL_CHUNK_GPU)
+    every = planned_experts(bench_split(cfg, 200 * GIB, 2112, torch.bfloat16, PREFILL_CHUNK_GPU), one, cfg)
+    assert every == 48 * 128  # never more than the model has
+
+
+def test_the_bench_split_is_a_loaded_models_split(tiny_checkpoint):
+    """The bench's sizes, taken from its model made on the meta device, are what Engine counts of a loaded model of
+    the same config: the same budget keeps the same bytes for experts."""
+    from moedesk.engine.runtime import Engine
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0,
+                         context_length=300)
+    budget = 4 * 2**20
+    theirs = engine.gpu_budget_split(budget)
+    mine = bench_split(engine.config, budget, engine.context_length, torch.float32,
+                       engine.scheduler.prefill_chunk or engine.context_length)
+    assert mine == theirs
+
+
+def test_bench_places_what_the_split_leaves_at_its_context(capsys):
+    cfg = shape_config("tiny-moe", 2)
+    context = bench_context((16,), 6)
+    budget = budget_for_experts(cfg, 5, context, "dense", "cpu")
+    report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=1,
+                       log=lambda *a: None)
+    assert report["experts_on_gpu"] == 5  # the same budget for experts alone would hold all 16
+    assert int(budget * GIB) // expert_bytes(cfg, "dense", torch.float32) >= 16
+    split = report["budget_split_bytes"]
+    assert sum(split.values()) == int(budget * GIB) and split["kv_cache"] > 0 and split["weights"] > 0
+
+
+def test_a_budget_too_small_is_refused_in_one_line_before_the_model_is_built(monkeypatch, capsys):
+    from moedesk.engine.load import synthetic
+
+    monkeypatch.setattr(synthetic, "synthetic_model", lambda *a, **k: pytest.fail("built before the budget's check"))
+    assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--device", "cpu", "--gpu-budget", "0.0002"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "GPU budget cannot hold the weights" in line and "--gpu-budget" in line
