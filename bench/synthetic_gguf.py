@@ -1,18 +1,19 @@
 """The benchmark shapes (engine.load.synthetic.SHAPES) written as GGUF files, for `moedesk bench --engine llama.cpp`.
 
 Random weights (speed does not depend on the values) tiled from one block, written in F16 one tensor at a time and
-quantised by llama.cpp's own quantiser to the format asked for; the files are kept in the cache folder, a shape,
-layer count and format each, because a full-size write and quantisation takes minutes. tests/perf's GGUF writers
-(the llama-bench comparisons) take `tiled` and `add_placeholder_vocabulary` from here, and the Qwen3 one all of it.
+quantised by llama.cpp's own quantiser to the format asked for (bench.gguf_quantize); the files are kept in the
+cache folder, a shape, layer count and format each, because a full-size write and quantisation takes minutes.
+tests/perf's GGUF writers (the llama-bench comparisons) take `tiled` and `add_placeholder_vocabulary` from here, and
+the Qwen3 one all of it.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 from pathlib import Path
 
 import numpy as np
 
+from moedesk.bench.gguf_quantize import quantize
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.model.config import ModelConfig
 
@@ -40,20 +41,8 @@ def shape_gguf(cfg: ModelConfig, name: str, expert_format: str, folder: Path, lo
     if expert_format == "dense":
         return f16
     log(f"quantising to {expert_format} with llama.cpp's quantiser")
-    quantize(f16, final, FILE_TYPES[expert_format])
+    quantize(f16, final, FILE_TYPES[expert_format], log=log)
     return final
-
-
-def quantize(source: Path, out: Path, file_type: int) -> None:
-    from moedesk.engine.llamacpp.library import library
-
-    api = library().api
-    params = api.llama_model_quantize_default_params()
-    params.ftype, params.nthread = file_type, os.cpu_count() or 1
-    partial = out.with_suffix(".partial")
-    if api.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params)) != 0:
-        raise MoedeskError(f"{source}: llama.cpp could not quantise it (file type {file_type})")
-    os.replace(partial, out)
 
 
 def write_f16(cfg: ModelConfig, path: Path) -> None:
