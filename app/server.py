@@ -57,7 +57,8 @@ from moedesk.engine.decoding import (DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODE
                                      speculative_draft)
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.interface import Group, QueueFull, TextDeltas, Update
-from moedesk.engine.load.reply_format import CALL_LIST, PLAIN, Parsed, ReplyFormat, ReplyStream, starts_in_reasoning
+from moedesk.engine.load.reply_format import CALL_LIST, PLAIN, Parsed, ReplyFormat, starts_in_reasoning
+from moedesk.engine.load.reply_stream import ReplyStream
 from moedesk.engine.requests import TEMPERATURE_MAX, Completion, Request, SamplingParams
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack

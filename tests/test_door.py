@@ -14,6 +14,7 @@ DOOR = {
     "moedesk.engine.errors",
     "moedesk.engine.decoding",  # decoding options, built once for every front end
     "moedesk.engine.load.reply_format",  # a reply's reasoning, answer and tool calls
+    "moedesk.engine.load.reply_stream",  # the same, read as a stream arrives
     "moedesk.engine.load.size_estimate",  # what a model needs, before it is loaded
     "moedesk.engine.hardware",  # facts about this machine
     "moedesk.engine.host_memory",  # the memory this process may use (RAM, or a cgroup's limit)

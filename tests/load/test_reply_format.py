@@ -4,8 +4,9 @@ import json
 import pytest
 
 from moedesk.engine.load.reply_format import (CALL_LIST, DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, PLAIN,
-                                              Parsed, ReplyFormat, ReplyStream, ToolCall, detect_format, parse_reply,
+                                              Parsed, ReplyFormat, ToolCall, detect_format, parse_reply,
                                               starts_in_reasoning)
+from moedesk.engine.load.reply_stream import ReplyStream
 
 QWEN3 = ReplyFormat(("<think>", "</think>"), "tagged")
 WEATHER = ToolCall("get_weather", json.dumps({"city": "Paris", "days": 2}))
@@ -139,7 +140,9 @@ def test_a_call_written_as_a_json_string_of_arguments_comes_whole():
 def test_a_forced_list_cut_short_is_text_with_no_call():
     text = '[{"name":"get_weather","arguments":{"city": "Pa'
     assert parse_reply(text, CALL_LIST) == Parsed("", text)
-    assert parse_reply(text, CALL_LIST, partial=True).pending == ToolCall("get_weather", '{"city": "Pa')
+    stream = ReplyStream(CALL_LIST)
+    stream.update(text)
+    assert stream.pending == ToolCall("get_weather", '{"city": "Pa')
 
 
 def test_without_tools_offered_nothing_is_a_call():

@@ -1,4 +1,4 @@
-"""The cost of parsing a streamed chat reply (engine/load/reply_format.py re-parses its whole text per update).
+"""The cost of reading a streamed chat reply (engine/load/reply_stream.py), per update.
 
     python tests/perf/bench_reply_parse.py [--step 4] [--repeat 150]
 
@@ -13,7 +13,8 @@ import argparse
 import json
 import time
 
-from moedesk.engine.load.reply_format import CALL_LIST, PLAIN, ReplyFormat, ReplyStream
+from moedesk.engine.load.reply_format import CALL_LIST, PLAIN, ReplyFormat
+from moedesk.engine.load.reply_stream import ReplyStream
 
 
 def reply(repeat: int) -> str:

@@ -30,7 +30,8 @@ from moedesk.app.tui.widgets.load_panel import one_line, short_model_name
 from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage
 from moedesk.app.tui.widgets.prompt import PromptArea
 from moedesk.app.tui.widgets.stats import StatsPanel
-from moedesk.engine.load.reply_format import ReplyStream, parse_reply, starts_in_reasoning
+from moedesk.engine.load.reply_format import parse_reply, starts_in_reasoning
+from moedesk.engine.load.reply_stream import ReplyStream
 
 MAP_REFRESH_S = 0.5
 
