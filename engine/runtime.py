@@ -60,13 +60,15 @@ class Engine(EngineFace):
              context_length: int | None = None, gpu_budget: float | tuple[float, ...] | None = None,
              offload: bool | None = None, reprofile: bool = False, progress=None, expert_dtype: str = "auto",
              engine: str = "auto", cpu_moe: int | None = None, url: str | None = None,
-             api_key: str | None = None) -> "Engine":
+             api_key: str | None = None, count_experts: bool = True) -> "Engine":
         """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
         engine.selection), native or llama.cpp. cpu_moe: llama.cpp only, the first N layers' experts in RAM
-        (its --n-cpu-moe; None: chosen for the GPU budget). remote: an OpenAI-compatible server at `url` generates
-        (api_key: its key), `model` gives the tokenizer and chat template (engine.remote.engine.RemoteEngine).
+        (its --n-cpu-moe; None: chosen for the GPU budget); count_experts: llama.cpp only, count the routers' picks
+        for the heat map (the native engine always counts; llama.cpp's counting costs some speed). remote: an
+        OpenAI-compatible server at `url` generates (api_key: its key), `model` gives the tokenizer and chat template
+        (engine.remote.engine.RemoteEngine).
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU
@@ -113,7 +115,7 @@ class Engine(EngineFace):
 
         return LlamaCppEngine.load(choice.model, device=device, context_length=context_length, gpu_budget=gpu_budget,
                                    progress=progress, expert_dtype=expert_dtype, cpu_moe=cpu_moe, name=model,
-                                   why=choice.why)
+                                   why=choice.why, count_experts=count_experts)
 
     @classmethod
     def _load_native(cls, model, device, dtype, context_length, gpu_budget, offload, reprofile, progress,

@@ -122,11 +122,11 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
     from tests.gguf_from_hf import build
 
     built = build("qwen3moe", tmp_path / "q")
-    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128)
+    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128, count_experts=False)
     request = Request(engine.tokenizer.encode(PROMPTS[0]), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
                                                                          ignore_eos=True))
     try:
-        assert engine.count_experts(False) and engine.llama.counter is None
+        assert engine.llama.counter is None
         off = engine.complete([request])[0]
         assert not any(map(any, engine.expert_map()[1]))
         assert engine.expert_stats()["expert_counts"] is False and "gpu_hit_rate" not in engine.expert_stats()
@@ -147,5 +147,6 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
         assert engine.complete([request])[0].token_ids == off.token_ids
         python, _ = engine.llama.counter.snapshot()
         assert python.tolist() == native.tolist() and engine.llama.counter.errors == 0
+        assert engine.count_experts(False) and engine.llama.counter is None
     finally:
         engine.close()
