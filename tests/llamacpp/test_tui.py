@@ -1,6 +1,6 @@
-"""The chat app on the llama.cpp engine: a reply streams and equals the engine's own greedy reply, Esc stops one,
-the stats panel says which engine runs the model and why, load warnings are shown, and a MoE model's heat map
-holds the picks llama.cpp made."""
+"""The chat app on the llama.cpp engine: a reply streams and equals the engine's own greedy reply, Esc stops one and
+Ctrl+R regenerates it, the stats panel says which engine runs the model and why, load warnings are shown, and a MoE
+model's heat map holds the picks llama.cpp made."""
 from __future__ import annotations
 
 import pytest
@@ -9,8 +9,8 @@ from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.screens.chat import ChatScreen
 from moedesk.engine.requests import Request, SamplingParams
 from tests.tui.conftest import tui_dirs  # noqa: F401 -- private data, config and cache folders for the app
-from tests.tui.helpers import greedy_settings, wait_idle
-from tests.tui.test_chat import say
+from tests.tui.helpers import greedy_settings, hold_first_reply, wait_for, wait_idle
+from tests.tui.test_chat import reference, say
 
 pytestmark = pytest.mark.anyio
 
@@ -59,3 +59,27 @@ async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
             assert sum(map(sum, counted)) > 0 and sum(map(sum, shown)) == sum(map(sum, counted))
     finally:
         engine.close()
+
+
+async def test_escape_stops_a_reply_and_regenerate_gives_the_greedy_one(demo_llama, monkeypatch):
+    monkeypatch.setattr(ChatScreen, "STREAM_INTERVAL_S", 0.0)
+    monkeypatch.setattr(demo_llama, "stream", demo_llama.stream)  # undone after: the engine is the session's
+    settings = greedy_settings(max_new_tokens=32)
+    prompt = "Tell me about the sea"
+    full = reference(demo_llama, settings, [{"role": "user", "content": prompt}])
+    assert len(full.token_ids) > 8, "the demo must talk long enough to be interrupted"
+    app = MoedeskApp(hold_first_reply(demo_llama), settings=settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await say(pilot, prompt)
+        await wait_for(pilot, lambda: app.chat.generation is not None and app.chat.generation.tokens > 0,
+                       what="the first token")
+        await pilot.press("escape")
+        await wait_idle(pilot, app)
+        stopped = app.chat.conversation.messages[-1]
+        assert stopped.meta["finish_reason"] == "cancelled" and 0 < stopped.meta["tokens"] < len(full.token_ids)
+        await pilot.press("ctrl+r")
+        await wait_for(pilot, lambda: app.chat.generation is None and app.chat.conversation.messages[-1] is not stopped,
+                       what="the regenerated reply")
+        await pilot.pause()
+        messages = app.chat.conversation.messages
+        assert [m.role for m in messages] == ["user", "assistant"] and messages[-1].content == full.text
