@@ -6,14 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 _V1_UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+# Where the kernel shows the cgroup file system and this process's groups; read at each call, so a test can point
+# them at a fake cgroup laid out as the kernel lays one out.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+OWN_CGROUPS = Path("/proc/self/cgroup")
 
 
-def available_memory(root: Path = Path("/sys/fs/cgroup"), own: Path = Path("/proc/self/cgroup")) -> int:
+def available_memory(root: Path | None = None, own: Path | None = None) -> int:
     """Bytes this process may still allocate: min(RAM available, room left under every cgroup limit above it)."""
     import psutil
 
     ram = psutil.virtual_memory().available
-    room = cgroup_room(root, _read(own) or "")
+    room = cgroup_room(root or CGROUP_ROOT, _read(own or OWN_CGROUPS) or "")
     return ram if room is None else min(ram, room)
 
 

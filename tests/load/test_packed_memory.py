@@ -1,5 +1,5 @@
-"""Memory of a packed model, measured: loading a few-hundred-MB checkpoint (a 4-bit GGUF, or a 16-bit safetensors
-folder whose experts are quantised to q4_0 while they load) never raises the process's resident memory by more than
+"""Memory of a packed model, measured: loading a few-hundred-MB checkpoint (a GGUF with q4_0 or q4_k experts, a
+16-bit safetensors folder as stored or with its experts quantised to q4_0 while they load) never raises the process's resident memory by more than
 1.1x the packed model plus the KV cache, at the load's peak. The load runs in a child process, after a small load
 of the same kind (the code a load brings in is not the model's), and the peak is the kernel's own high-water mark
 (VmHWM) reset just before it (clear_refs 5): the lifetime maximum (ru_maxrss) would include whatever came before."""
@@ -147,4 +147,44 @@ def test_loading_16_bit_safetensors_as_int4_peaks_within_a_tenth_of_the_packed_s
           f"+{(m['after'] - m['before']) / 2**20:.0f} MiB after load, peak +{peak / 2**20:.0f} MiB "
           f"({peak / m['packed']:.2f}x the packed model)")
     assert m["packed"] < size / 2
+    assert peak <= 1.1 * m["packed"] + m["kv"]
+
+
+def write_q4_k_mixtral(path: Path, dims: str, layers: int) -> None:
+    """The writer of tests/perf/load_under_cgroup.sh's whole-model file (Q4_K experts, F16 rest), at a small shape."""
+    import os
+
+    script = Path(__file__).resolve().parents[1] / "perf" / "make_mixtral_q4k_gguf.py"
+    done = subprocess.run([sys.executable, str(script), str(path), str(layers)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "MIXTRAL_DIMS": dims})
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_loading_a_q4_k_gguf_as_the_box_writes_it_peaks_within_a_tenth_of_its_packed_size(tmp_path):
+    """What a Q4_K_M file's experts are: the box's whole-model file at 8 layers of 1024 x 2816 (~310 MB)."""
+    path, small = tmp_path / "q4_k-moe.gguf", tmp_path / "small.gguf"
+    write_q4_k_mixtral(path, "1024,2816,8,2,8,2", 8)
+    write_q4_k_mixtral(small, "256,256,2,2,4,2", 1)
+    size = path.stat().st_size
+    m = measure(path, small)
+    assert m["formats"] == ["q4_k"]
+    peak = m["peak"] - m["before"]
+    print(f"file {size / 2**20:.0f} MiB, packed {m['packed'] / 2**20:.0f} MiB: peak +{peak / 2**20:.0f} MiB "
+          f"({peak / m['packed']:.2f}x the packed model)")
+    assert size > 250 * 2**20 and m["packed"] <= size
+    assert peak <= 1.1 * m["packed"] + m["kv"]
+
+
+def test_loading_16_bit_safetensors_as_stored_peaks_within_a_tenth_of_its_size(tmp_path, tiny_checkpoint):
+    """Experts kept in the file's 16 bits: the packed model is the file, and the load holds little beyond it."""
+    template = tiny_checkpoint("mixtral")
+    write_mixtral_safetensors(tmp_path / "big", template)
+    write_mixtral_safetensors(tmp_path / "small", template, H=256, F=256, E=2, L=1)
+    size = (tmp_path / "big" / "model.safetensors").stat().st_size
+    m = measure(tmp_path / "big", tmp_path / "small")
+    assert m["formats"] == ["bfloat16"]
+    peak = m["peak"] - m["before"]
+    print(f"file {size / 2**20:.0f} MiB, packed {m['packed'] / 2**20:.0f} MiB: peak +{peak / 2**20:.0f} MiB "
+          f"({peak / m['packed']:.2f}x the packed model)")
+    assert m["packed"] >= 0.95 * size
     assert peak <= 1.1 * m["packed"] + m["kv"]

@@ -5,7 +5,8 @@
 # Needs ~27 GB of disk for the file (kept in $DIR between runs) and a writable cgroup file system.
 # Usage: bash tests/perf/load_under_cgroup.sh [FACTOR]   (FACTOR: 1.15 by default; writes $OUT/load_under_cgroup.log)
 #
-# Without a writable cgroup (v2 or v1) the script stops and says so, rather than fall back to prlimit: RLIMIT_AS
+# Without a writable cgroup (v2 or v1) it asks systemd-run for a scope with MemoryMax and MemorySwapMax=0; without
+# either the script stops and says so, rather than fall back to prlimit: RLIMIT_AS
 # bounds address space, not memory, and both the GGUF reader's map of the whole file and CUDA's reservations are
 # address space that is never resident, so a prlimit at 1.15x fails for reasons that say nothing about the load.
 set -uo pipefail
@@ -36,23 +37,31 @@ elif [ -d /sys/fs/cgroup/memory ]; then  # v1
   echo "$LIMIT" > "$GROUP/memory.memsw.limit_in_bytes" 2>/dev/null  # no swap either, where swap is accounted
   PEAK_FILE=memory.max_usage_in_bytes; EVENTS="$GROUP/memory.oom_control"
 fi
-if [ -z "$GROUP" ]; then
-  echo "no writable cgroup on this machine: the target needs one (see the comment at the top; prlimit proves nothing)" \
-    | tee -a "$LOG"
-  exit 2
-fi
-
-# The shell joins the group, then runs the load: everything the process does is charged to it, the page cache of
-# the file's reads too (reclaimable: the kernel drops it before it would kill the process).
 TIMER=(); [ -x /usr/bin/time ] && TIMER=(/usr/bin/time -v)  # its maximum resident size beside the group's peak
-( echo $BASHPID > "$GROUP/cgroup.procs" &&
-  "${TIMER[@]}" python3 -m moedesk batch "$DIR/in.jsonl" -o "$DIR/out.jsonl" --model "$MODEL" --device cuda \
-    --max-new-tokens 32 ) >>"$LOG" 2>&1
-RC=$?
+LOAD=(python3 -m moedesk batch "$DIR/in.jsonl" -o "$DIR/out.jsonl" --model "$MODEL" --device cuda --max-new-tokens 32)
+if [ -z "$GROUP" ] && command -v systemd-run >/dev/null && systemd-run --scope --quiet true 2>/dev/null; then
+  # No cgroup folder of our own to write, but systemd manages the cgroups: a transient scope with the same limits.
+  # The scope's cgroup goes with it: its peak and events are copied out before the scope ends.
+  systemd-run --scope --quiet --unit "moedesk-load-$$" -p MemoryMax="$LIMIT" -p MemorySwapMax=0 bash -c '
+    g=/sys/fs/cgroup$(sed -n "s/^0:://p" /proc/self/cgroup); "${@:2}"; rc=$?
+    cat "$g/memory.peak" > "$1/scope.peak"; cat "$g/memory.events" > "$1/scope.events"; exit $rc' \
+    _ "$DIR" "${TIMER[@]}" "${LOAD[@]}" >>"$LOG" 2>&1
+  RC=$?
+  GROUP=$DIR; PEAK_FILE=scope.peak; EVENTS="$DIR/scope.events"
+elif [ -z "$GROUP" ]; then
+  echo "no writable cgroup and no systemd-run on this machine: the target needs one (see the comment at the top;" \
+    "prlimit proves nothing)" | tee -a "$LOG"
+  exit 2
+else
+  # The shell joins the group, then runs the load: everything the process does is charged to it, the page cache of
+  # the file's reads too (reclaimable: the kernel drops it before it would kill the process).
+  ( echo $BASHPID > "$GROUP/cgroup.procs" && "${TIMER[@]}" "${LOAD[@]}" ) >>"$LOG" 2>&1
+  RC=$?
+fi
 echo "exit $RC; group's peak $(cat "$GROUP/$PEAK_FILE" 2>/dev/null) bytes ($(python3 -c "
 import sys; print(f'{int(sys.argv[1]) / $SIZE:.3f}x the file')" "$(cat "$GROUP/$PEAK_FILE" 2>/dev/null || echo 0)"))" | tee -a "$LOG"
 grep -E "Maximum resident|Elapsed" "$LOG" | tail -2
 cat "$EVENTS" 2>/dev/null | tee -a "$LOG"
 head -c 400 "$DIR/out.jsonl" 2>/dev/null; echo
-rmdir "$GROUP" 2>/dev/null
+[ "$GROUP" = "$DIR" ] || rmdir "$GROUP" 2>/dev/null
 exit $RC
