@@ -1,6 +1,8 @@
 """The tensor-override path: a tiny MoE GGUF (written with the gguf package, quantised by llama.cpp's quantiser)
 loaded with N layers' experts pinned to the CPU buffer has exactly those tensors overridden, as llama.cpp's load
-log says while it applies them, and gives the same greedy text as without the override."""
+log says while it applies them, has them in the CPU's buffers as ggml's API reads back from the tensors its graph
+computes with (on the GPU: the other layers' experts in the GPU's), and gives the same greedy text as without the
+override."""
 from __future__ import annotations
 
 import ctypes
@@ -26,6 +28,56 @@ def tiny_moe(tmp_path_factory):
     return folder / "q4_0.gguf"
 
 
+class Node(ctypes.Structure):
+    """ggml.h's `struct ggml_tensor` up to its sources (GGML_MAX_OP_PARAMS 64 bytes, GGML_MAX_SRC 10)."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10)]
+
+
+class ExpertBuffers:
+    """An eval callback that asks for no node but, offered each, notes the buffer type of every routed-expert
+    tensor the node reads: {tensor name: (buffer type name, its device a CPU)}. (Not "a host buffer": the CPU's
+    repacked Q4_0 is not readable as stored, so ggml does not call it one.)"""
+
+    def __init__(self, api, ggml):
+        p = ctypes.c_void_p
+        for name, restype, argtypes in (("ggml_backend_buffer_get_type", p, [p]),
+                                        ("ggml_backend_buft_get_device", p, [p])):
+            getattr(ggml, name).restype, getattr(ggml, name).argtypes = restype, argtypes
+        self.ggml, self.found, self.user_data = ggml, {}, None
+        self.callback = api.ggml_backend_sched_eval_callback(self._on_node)
+
+    def _on_node(self, tensor, ask, user_data) -> bool:
+        for src in Node.from_address(tensor).src:
+            name = self.ggml.ggml_get_name(src) if src else b""
+            buffer = Node.from_address(src).buffer if b"_exps." in name else None
+            if buffer:
+                buft = self.ggml.ggml_backend_buffer_get_type(buffer)
+                device = self.ggml.ggml_backend_buft_get_device(buft)
+                self.found[name.decode()] = (self.ggml.ggml_backend_buft_name(buft).decode(),
+                                             self.ggml.ggml_backend_dev_type(device) == 0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+        return False
+
+
+def expert_buffers(engine) -> dict[str, tuple[str, bool]]:
+    """Where the engine's model keeps each routed-expert tensor, read back through ggml's API: a context of its own
+    over the same weights runs one step with an ExpertBuffers callback."""
+    from moedesk.engine.llamacpp.decoder import LlamaContext
+    from moedesk.engine.llamacpp.library import library
+
+    probe = ExpertBuffers(engine.api, library().ggml)
+    context = LlamaContext(engine.api, engine._model, 64, 1, 64, 1, engine.device.type == "cuda", counter=probe)
+    try:
+        # A few tokens: from 32 on, llama.cpp copies experts kept in RAM to the GPU for the op (the node then reads
+        # the copy).
+        context.run([(0, engine.tokenizer.encode("the quick brown fox"), 0, True)])
+    finally:
+        context.close()
+    return probe.found
+
+
 def load(path, cpu_moe, device="cpu"):
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -48,6 +100,9 @@ def test_pinned_layers_experts_are_overridden_and_the_text_is_the_same(tiny_moe)
     pinned = load(tiny_moe, cpu_moe=2)
     assert set(pinned.overridden) == {f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1) for p in ("gate", "up", "down")}
     assert all(buffer.startswith("CPU") for buffer in pinned.overridden.values())  # CPU, or its repacked form
+    found = expert_buffers(pinned)
+    assert set(found) == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(3) for p in ("gate", "up", "down")}
+    assert all(found[name] == (buffer, True) for name, buffer in pinned.overridden.items())
     assert greedy(pinned) == expected
     pinned.close()
 
@@ -59,6 +114,9 @@ def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_mo
     assert set(pinned.overridden) == {f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
     on_gpu, _ = pinned.expert_map()
     assert [all(row) for row in on_gpu] == [False, True, True]
+    found = expert_buffers(pinned)  # read back: the pinned layer's experts in RAM, the others in the GPU's memory
+    assert {name: on_cpu for name, (_, on_cpu) in found.items()} == {
+        f"blk.{i}.ffn_{p}_exps.weight": i == 0 for i in range(3) for p in ("gate", "up", "down")}
     split = greedy(pinned)
     pinned.close()
     whole = greedy(load(tiny_moe, cpu_moe=0, device="auto"))  # every expert on the GPU
