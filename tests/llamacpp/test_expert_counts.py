@@ -150,3 +150,32 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
         assert engine.count_experts(False) and engine.llama.counter is None
     finally:
         engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_torch_thread")
+def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
+    """llama.cpp built with CUDA routes on the GPU: the counter copies the ids back (ggml_backend_tensor_get), and
+    they are the CPU's picks but for near-ties in the GPU's arithmetic; with one layer's experts pinned to RAM the
+    stats split the picks by where each layer's experts are."""
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.gguf_from_hf import build
+
+    built = build("qwen3moe", tmp_path / "q")
+    counts = {}
+    for device in ("cpu", "auto"):
+        engine = Engine.load(str(built.gguf), engine="llama.cpp", device=device, context_length=128, cpu_moe=1)
+        try:
+            assert (engine.device.type == "cuda") == (device == "auto"), " / ".join(engine.warnings)
+            requests = [Request(engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                                          ignore_eos=True)) for p in PROMPTS]
+            engine.complete(requests)
+            counts[device], _ = engine.llama.counter.snapshot()
+            stats = engine.expert_stats()
+        finally:
+            engine.close()
+    gpu, cpu = counts["auto"], counts["cpu"]
+    assert gpu.sum(axis=1).tolist() == cpu.sum(axis=1).tolist()
+    assert np.minimum(gpu, cpu).sum() >= 0.95 * cpu.sum()
+    assert stats["experts_cpu"] == int(gpu[0].sum()) and stats["experts_gpu"] == int(gpu[1:].sum())

@@ -2,7 +2,8 @@
 # On the GPU box, from the repo root: issue 40's targets for the llama.cpp engine, in two phases on one machine.
 #   bash tests/perf/llamacpp_engine_gpu.sh build     llama.cpp with CUDA (shared libraries + llama-bench) into /tmp/llb,
 #                                                      while `pytest -m gpu` runs (about 5 min)
-#   bash tests/perf/llamacpp_engine_gpu.sh compare   tests/perf/compare_llamacpp_engine.py on the built libraries
+#   bash tests/perf/llamacpp_engine_gpu.sh compare   the engine's GPU tests, then tests/perf/compare_llamacpp_engine.py,
+#                                                      on the built libraries
 # Needs .llamacpp (a llama.cpp source tree: docs/benchmarks.md, "Against llama.cpp") and .pylib/llama_cpp, the
 # llama-cpp-python package of the same version without its libraries: the CUDA ones built here are put beside it.
 set -uo pipefail
@@ -24,6 +25,9 @@ compare)
   rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
   find "$B" -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
   python3 -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
+  # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory.
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_overrides.py tests/llamacpp/test_expert_counts.py \
+    2>&1 | tee "$OUT/pytest_llamacpp_gpu.txt" | tail -n 5
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
     --expert-format q4_k --budgets "${BUDGETS:-3,5}" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
   gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \
