@@ -5,7 +5,8 @@ Tiny Qwen3-MoE, gpt-oss and DeepSeek-V3 GGUFs (tests/gguf_from_hf.py: float32 we
 same routing) decode three prompts together through the engine; transformers then runs each prompt and its reply
 teacher-forced with a hook on every router, and its picks, counted per layer and expert, must equal the engine's.
 llama.cpp computes the last layer of most architectures for the tokens whose logits it returns only, so there the
-counts cover the last prompt token and each generated one; gpt-oss's graph drops the other tokens after the layer.
+counts cover the last prompt token and each generated one (gpt-oss, Qwen3.5 and Qwen3-Next drop the other tokens
+after it). On every family the tests write, the counts add up to tokens x top-k in each MoE layer.
 """
 from __future__ import annotations
 
@@ -16,12 +17,15 @@ import pytest
 import torch
 
 from moedesk.engine.llamacpp.expert_counts import chosen_ids, topk_layer
+from tests.gguf_from_hf import FAMILIES, build
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
 PROMPTS = ["The quick brown fox jumps over", "def add(a, b):\n    return", "Experts live in RAM; the popular ones"]
 NEW_TOKENS = 6
-WHOLE_LAST_LAYER = {"gpt-oss"}  # families whose last MoE layer llama.cpp runs for every token
+# Families whose last layer llama.cpp runs for every token (the others: for the tokens whose logits it returns)
+WHOLE_LAST_LAYER = {"gpt-oss", "gpt-oss-mxfp4", "qwen35moe", "qwen3next"}
+COMPARED = ["qwen3moe", "gpt-oss", "deepseek2"]  # softmax, softmax over the top-k, grouped sigmoid with a bias
 
 
 def test_topk_layer_reads_only_the_routers_choice():
@@ -67,12 +71,48 @@ def transformers_picks(model, sequences: list[tuple[list[int], int]], layers: in
     return picks
 
 
-@pytest.mark.parametrize("family", ["qwen3moe", "gpt-oss", "deepseek2"])
+def check_sums(family, cfg, requests, counts, tokens) -> list[int]:
+    """Each MoE layer's picks are its tokens x top-k: every token fed, or in the last layer of most families the
+    tokens whose logits came back; dense layers have none. The MoE layers, in order."""
+    fed = sum(len(r.prompt_ids) + NEW_TOKENS - 1 for r in requests)  # the last token is never fed back
+    outputs = len(requests) * NEW_TOKENS
+    moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
+    last = cfg.num_layers - 1
+    assert moe and last in moe
+    expected = [(outputs if i == last and family not in WHOLE_LAST_LAYER else fed) if i in moe else 0
+                for i in range(cfg.num_layers)]
+    assert tokens.tolist() == expected, family
+    assert counts.sum(axis=1).tolist() == [n * cfg.num_experts_per_tok for n in expected], family
+    return moe
+
+
+def run_prompts(engine):
+    from moedesk.engine.requests import Request, SamplingParams
+
+    requests = [Request(engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
+                                                                  ignore_eos=True)) for p in PROMPTS]
+    return requests, engine.complete(requests)
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - set(COMPARED)))
+@pytest.mark.usefixtures("one_torch_thread")
+def test_counts_add_up_to_tokens_times_top_k_on_the_other_families(family, tmp_path):
+    from moedesk.engine.runtime import Engine
+
+    engine = Engine.load(str(build(family, tmp_path / family).gguf), engine="llama.cpp", context_length=128)
+    try:
+        requests, _ = run_prompts(engine)
+        counts, tokens = engine.llama.counter.snapshot()
+        assert engine.llama.counter.errors == 0
+        check_sums(family, engine.config, requests, counts, tokens)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("family", COMPARED)
 @pytest.mark.usefixtures("one_torch_thread")
 def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_path):
-    from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
-    from tests.gguf_from_hf import build
 
     built = build(family, tmp_path / family)
     engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128)
@@ -80,24 +120,12 @@ def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_pat
         cfg = engine.config
         counter = engine.llama.counter
         assert counter is not None and counter.native  # the C callback (gcc is on every machine that runs this)
-        requests = [Request(engine.tokenizer.encode(p), SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0,
-                                                                      ignore_eos=True)) for p in PROMPTS]
-        done = engine.complete(requests)
+        requests, done = run_prompts(engine)
         counts, tokens = counter.snapshot()
         assert counter.errors == 0
 
-        fed = sum(len(r.prompt_ids) + NEW_TOKENS - 1 for r in requests)  # the last token is never fed back
-        outputs = len(requests) * NEW_TOKENS
-        moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-        last = cfg.num_layers - 1
-        k = cfg.num_experts_per_tok
-        assert moe and last in moe
+        moe = check_sums(family, cfg, requests, counts, tokens)
         whole = family in WHOLE_LAST_LAYER
-        expected_tokens = [(outputs if i == last and not whole else fed) if i in moe else 0
-                           for i in range(cfg.num_layers)]
-        assert tokens.tolist() == expected_tokens
-        assert counts.sum(axis=1).tolist() == [n * k for n in expected_tokens]
-
         sequences = [(r.prompt_ids + c.token_ids[:-1], 0 if whole else len(r.prompt_ids) - 1)
                      for r, c in zip(requests, done)]
         reference = transformers_picks(built.model, sequences, cfg.num_layers, cfg.num_experts)
@@ -119,7 +147,6 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
     from moedesk.engine.llamacpp.library import library
     from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
-    from tests.gguf_from_hf import build
 
     built = build("qwen3moe", tmp_path / "q")
     engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128, count_experts=False)
@@ -160,7 +187,6 @@ def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
     stats split the picks by where each layer's experts are."""
     from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
-    from tests.gguf_from_hf import build
 
     built = build("qwen3moe", tmp_path / "q")
     counts = {}
