@@ -34,8 +34,11 @@ MIN_EVIDENCE = 4
 AUTO_MARGIN = 0.03
 # A probe needs a real gain in sight at the optimistic acceptance: perf_model's margin.
 PROBE_MARGIN = perf_model.SAFETY_MARGIN
-# Tested drafts an engine remembers per draft between requests (carried_counts).
+# Tested drafts auto's running acceptance remembers (carried_counts), within a request and between requests.
 ACCEPTANCE_MEMORY = 64
+# Plain steps after which the evidence about a draft has halved (learn_acceptance): a draft auto stopped using is
+# probed again after a few dozen plain steps, so one that starts to guess well (a reply turning to code) is drafted.
+FORGET_HALF_LIFE = 24
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,20 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
     accepted, tested = counts
     return not auto_gamma(costs, batch, acceptance_estimate(accepted, tested), max_gamma, AutoLedger(), tested,
                           min(horizon, EXPLORE_HORIZON))
+
+
+def learn_acceptance(counts: tuple[float, float], accepted: float, tested: float,
+                     plain_steps: int = 0) -> tuple[float, float]:
+    """Auto's running acceptance counts (accepted, tested) after a round in which `tested` drafts were reached and
+    `accepted` taken, or `plain_steps` steps drafted nothing: online, so the estimate follows the draft as a reply
+    goes on. The counts keep the last ACCEPTANCE_MEMORY tested drafts' worth (carried_counts), so acceptance that
+    falls turns drafting off within a few rounds; plain steps fade them (FORGET_HALF_LIFE) toward the prior, whose
+    optimistic acceptance (auto_gamma's probes) then rises until a probe tests the draft again."""
+    accepted, tested = counts[0] + accepted, counts[1] + tested
+    if plain_steps:
+        kept = 0.5 ** (plain_steps / FORGET_HALF_LIFE)
+        accepted, tested = accepted * kept, tested * kept
+    return carried_counts(accepted, tested)
 
 
 def carried_counts(accepted: float, tested: float, memory: float | None = None) -> tuple[float, float]:

@@ -5,7 +5,7 @@ between the plain batch's steps; and the entry points that submit speculative re
 from __future__ import annotations
 
 from moedesk.engine.requests import Completion, Request
-from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly, carried_counts
+from moedesk.engine.speculative.auto import RunningCosts, auto_decodes_plainly, carried_counts, learn_acceptance
 from moedesk.engine.speculative.eagle_drafter import draft_head, eagle_factory
 from moedesk.engine.speculative.options import SpeculativeOptions
 from moedesk.engine.speculative.step_times import cached_step_times, engine_step_times, graphs_like
@@ -132,10 +132,15 @@ class SpeculativeJob:
             self.decided = True
             o = self.options
             horizon = max(h.request.params.max_new_tokens for h in fresh)
-            if auto_decodes_plainly(self.batch.costs, len(fresh), o.draft_length, horizon, self._known_acceptance()):
+            known = self._known_acceptance()
+            if auto_decodes_plainly(self.batch.costs, len(fresh), o.draft_length, horizon, known):
                 for handle in fresh:
                     handle.extra_stats["speculative"] = {"mode": "auto", "plain": True}
                 self.plain.extend(fresh)
+                # Their plain steps (at most `horizon`) fade what earlier requests measured, as a run's plain rounds
+                # do (learn_acceptance): after a few such requests the next one probes the draft again. close()
+                # keeps the faded counts for the engine.
+                self.batch.alpha_counts = list(learn_acceptance(known, 0, 0, horizon))
                 return []
         executor = engine.executor
         if fresh:

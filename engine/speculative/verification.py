@@ -40,7 +40,8 @@ from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.generation.sampling import sample_token, sample_tokens
 from moedesk.engine.requests import Completion, Request, SamplingParams
 from moedesk.engine.speculative import perf_model, rejection
-from moedesk.engine.speculative.auto import EXPLORE_HORIZON, AutoLedger, acceptance_estimate, auto_gamma
+from moedesk.engine.speculative.auto import (EXPLORE_HORIZON, AutoLedger, acceptance_estimate, auto_gamma,
+                                             learn_acceptance)
 from moedesk.engine.speculative.options import check_mode
 from moedesk.engine.speculative.proposal import Proposal, node_depths, tree_mask
 from moedesk.engine.speculative.rejection import processed_probs
@@ -451,6 +452,8 @@ class SpeculativeBatch:
         if self.mode == "auto":
             self.ledger = self.ledger.book(self.costs, len(active), gamma,
                                            1 + (self.alpha_counts[0] - accepted) / len(active))
+            self.alpha_counts = list(learn_acceptance((accepted, tested), self.alpha_counts[0] - accepted,
+                                                      self.alpha_counts[1] - tested, 0 if gamma else 1))
 
     def _plain_round(self, active, proposal, executor, t0) -> None:
         """A round that drafts nothing (γ = 0: auto priced drafting out, or no room is left) at a plain decode step's

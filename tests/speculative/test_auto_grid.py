@@ -50,8 +50,8 @@ def simulate(costs, batch: int, alpha: float, tokens: int, seed: int, gamma: int
             while taken < g and rng.random() < alpha:
                 taken += 1
             takes.append(taken)
-        accepted += sum(takes)
-        tested += sum(t + (t < g) for t in takes)
+        accepted, tested = auto.learn_acceptance((accepted, tested), sum(takes), sum(t + (t < g) for t in takes),
+                                                 0 if g else 1)
         ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
         ms += perf_model.step_ms(costs, batch, g)
         made += batch + sum(takes)
@@ -110,3 +110,36 @@ def test_auto_stays_near_plain_where_drafting_loses(shape, batch):
         worst = max(perf_model.step_ms(costs, batch, g) for g in range(1, 5)) / costs.ar_ms(batch) - 1
         floor = 1 / (1 + auto.EXPLORE_SHARE + worst / tokens)
         assert min(simulate(costs, batch, 0.0, tokens, s)[0] for s in range(10)) >= floor - 1e-9
+
+
+def gammas(costs, batch: int, phases, seed: int) -> list[list[int]]:
+    """Auto's draft length each round of one run whose rows accept drafts at α, phase after phase of (α, rounds)."""
+    rng = random.Random(seed)
+    counts, ledger, chosen = (0, 0), auto.AutoLedger(), []
+    for alpha, rounds in phases:
+        chosen.append([])
+        for _ in range(rounds):
+            g = auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1])
+            takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
+            counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
+            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
+            chosen[-1].append(g)
+    return chosen
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("batch", [1, 4, 16, 32])
+def test_auto_switches_drafting_on_and_off_as_the_acceptance_changes_within_a_run(shape, batch):
+    """A reply whose draft guesses well (α 0.9), then badly (0.1: a change of subject), then well again: auto drafts
+    in the first part, mostly decodes plainly in the second where drafting loses there, and drafts again in the
+    third. Its acceptance is learnt online (auto.learn_acceptance: the last 64 drafts' worth, faded by plain steps),
+    not averaged over the whole run, which kept it drafting through the bad part and plain through the good one."""
+    costs = auto.RunningCosts(step_table(shape, batch))
+    # Mixtral at 16 and 32 rows: drafting still gains a little at 0.1 (1.07x, 1.12x), so staying on is right there.
+    drafting_loses_when_bad = best_fixed(costs, batch, 0.1, 96) <= 1.0
+    for seed in range(20):
+        good, bad, again = gammas(costs, batch, [(0.9, 60), (0.1, 120), (0.9, 160)], seed)
+        assert all(good[-30:]), good
+        if drafting_loses_when_bad:
+            assert sum(g > 0 for g in bad[-60:]) <= 15, bad  # probes, within the exploration budget
+        assert all(again[-40:]), again

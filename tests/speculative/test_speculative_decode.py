@@ -257,6 +257,47 @@ def test_an_engine_keeps_what_auto_learnt_of_a_draft_for_its_next_requests():
     assert tested == auto.ACCEPTANCE_MEMORY and accepted / tested == pytest.approx(0.8)
 
 
+def test_auto_learns_acceptance_online_and_forgets_it_over_plain_steps():
+    """Within a run the counts keep the last ACCEPTANCE_MEMORY drafts' worth: a draft that turns bad is judged by
+    its recent rounds, not its average since the start; plain steps fade them until auto probes the draft again."""
+    counts = (0, 0)
+    for _ in range(40):  # 400 drafts at 0.9
+        counts = auto.learn_acceptance(counts, 9, 10)
+    assert counts[1] == auto.ACCEPTANCE_MEMORY and auto.acceptance_estimate(*counts) > 0.85
+    for _ in range(6):  # 60 at 0.1: the whole-run average would still be 0.83
+        counts = auto.learn_acceptance(counts, 1, 10)
+    assert auto.acceptance_estimate(*counts) < 0.45
+    faded = auto.learn_acceptance(counts, 0, 0, plain_steps=auto.FORGET_HALF_LIFE)
+    assert faded[1] == pytest.approx(counts[1] / 2) and faded[0] / faded[1] == pytest.approx(counts[0] / counts[1])
+    costs = auto.RunningCosts({(1, k): 10.0 * (1 + 0.5 * (k - 1)) for k in range(1, 6)})
+    bad = (2.0, 40.0)
+    assert auto.auto_gamma(costs, 1, auto.acceptance_estimate(*bad), 4, evidence=bad[1]) == 0
+    steps = next(n for n in range(1, 1000) if auto.auto_gamma(
+        costs, 1, auto.acceptance_estimate(*(f := auto.learn_acceptance(bad, 0, 0, n))), 4, evidence=f[1]))
+    assert steps <= 5 * auto.FORGET_HALF_LIFE  # probed again within a few half-lives of plain steps, not never
+
+
+def test_plain_requests_fade_a_bad_drafts_record_until_one_probes_it_again(engines, monkeypatch):
+    engine = engines("qwen3_moe")
+    requests = [Request(engine.tokenizer.encode(p), greedy(max_new=40), tag=i) for i, p in enumerate(PROMPTS)]
+    expected = plain(engine, requests)
+    monkeypatch.setattr(job, "engine_step_times", lambda *a, **k: _table(3, 5, lambda b, k: 10.0 * (1 + 0.5 * (k - 1))))
+    draft = oracle_factory(expected, 0.0, engine.vocab_size)  # every draft right, though earlier ones were not
+    engine.acceptance[draft] = (2, 64)
+    paths = []
+    for _ in range(4):
+        before = engine.acceptance[draft]
+        done = engine.speculate(requests, draft, mode="auto", draft_length=4)
+        assert [c.token_ids for c in done] == expected
+        paths.append("plain" if "plain" in done[0].stats["speculative"] else "speculative")
+        if paths[-1] == "plain":
+            assert engine.acceptance[draft][1] < before[1]  # faded by the request's plain steps
+        else:
+            break
+    assert paths[0] == "plain" and paths[-1] == "speculative", paths
+    assert auto.acceptance_estimate(*engine.acceptance[draft]) > 0.5  # it learnt the draft is good now
+
+
 def test_engine_speculate_auto_sends_runs_too_short_to_probe_to_plain_decoding(engines, monkeypatch):
     engine = engines("qwen3_moe")
     table = _table(3, 5, lambda b, k: 10.0 * (1 + 0.5 * (k - 1)))  # drafting pays, but a probe risks 0.5 steps
