@@ -15,6 +15,9 @@ mkdir -p "$OUT" "$DIR"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 LOG=$OUT/load_under_cgroup.log
 MODEL=$DIR/mixtral-8x7b-q4k.gguf
+# The same file compare_llamacpp.sh depth-build writes: taken from there if it is on the disk already (two copies
+# of 26 GB would leave the box's 64 GB little room).
+[ -f "$MODEL" ] || [ ! -f /tmp/compare/mix_q4k_whole.gguf ] || MODEL=/tmp/compare/mix_q4k_whole.gguf
 if [ ! -f "$MODEL" ]; then
   python3 tests/perf/make_mixtral_q4k_gguf.py "$MODEL.partial" 32 >>"$LOG" 2>&1 && mv "$MODEL.partial" "$MODEL" \
     || { echo "writing $MODEL failed (see $LOG)"; exit 1; }
