@@ -55,10 +55,12 @@ def format_results(report: dict) -> str:
 def run(shape: str | None, layers: int | None, expert_format: str, gpu_budget: float | None, cpu_moe: int | None,
         device: str, decode_tokens: int, prefills, batch: int, model: str | None = None, log=print) -> dict:
     from moedesk.engine.llamacpp.engine import LlamaCppEngine
+    from moedesk.engine.llamacpp.library import library
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.load.synthetic import shape_config
     from moedesk.bench.synthetic_gguf import shape_gguf
 
+    library()  # without llama.cpp: its one line now, not after minutes of writing a GGUF it cannot run
     if model is None:
         cfg = shape_config(shape, layers)
         model = str(shape_gguf(cfg, shape, expert_format, cache_root() / "bench-gguf", log=log))

@@ -50,3 +50,15 @@ def test_a_library_that_does_not_load_is_one_line(monkeypatch):
     problem = library.available()
     assert "does not load (libllama.so: cannot open shared object file" in problem and "\n" not in problem
     assert "pip install --force-reinstall" in problem
+
+
+def test_bench_on_llama_cpp_without_it_is_one_line_before_writing_anything(no_llama_cpp, tmp_path, monkeypatch,
+                                                                              capsys):
+    from moedesk.app.cli import main
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    assert main(["bench", "--engine", "llama.cpp", "--shape", "tiny-moe", "--layers", "2", "--expert-format",
+                 "q4_0"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "llama-cpp-python is not installed" in err and "\n" not in err
+    assert not (tmp_path / "bench-gguf").exists()
