@@ -402,6 +402,7 @@ def _run_decoding_bench(args, log) -> int:
 
 def _run_draft_bench(args, log) -> int:
     import json
+    import os
 
     from moedesk.bench.speculative import format_draft, load_prompts, run_draft_bench
     from moedesk.engine.decoding import shipped_draft
@@ -411,6 +412,8 @@ def _run_draft_bench(args, log) -> int:
     if not (args.model and draft and args.prompts):
         raise MoedeskError("bench: --model and --prompts go together, with --draft unless the model is the demo")
     check_draft_folder(draft)
+    if not os.path.isfile(args.prompts):  # before the model loads, not after
+        raise MoedeskError(f"--prompts {args.prompts}: no such file")
     engine = Engine.load(args.model, device=args.device, gpu_budget=args.gpu_budget, progress=_load_progress())
     prompts = load_prompts(args.prompts, engine.tokenizer, args.max_prompts)
     report = run_draft_bench(engine, draft, prompts, args.batches or (1, 4, 16), args.draft_length,

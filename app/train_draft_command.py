@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -146,10 +147,20 @@ def _duration(seconds: float) -> str:
 
 
 def run_train_draft(args, load_engine) -> int:
-    from moedesk.training import train as T
-
     settings, given = settings_from_args(args)
     out = Path(args.out)
+    made = not out.exists()
+    try:
+        return _train_into(args, load_engine, settings, given, out)
+    finally:
+        if made:  # a run that failed before writing anything leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                out.rmdir()
+
+
+def _train_into(args, load_engine, settings, given, out: Path) -> int:
+    from moedesk.training import train as T
+
     # the cheap checks first: a bad --out or prompts file should not wait for the model to load
     T.check_output_folder(out)
     T.load_prompts(args.prompts or T.default_prompts_path())

@@ -545,7 +545,10 @@ def load_prompts(path, tokenizer, limit: int | None = None) -> list[list[int]]:
     """Token ids of the prompts in a JSONL file (or a JSON list): each item a string (raw text), or an object
     with `prompt_ids`, `messages` (through the chat template), `turns` (MT-bench: its first turn as the user's
     message, through the chat template) or `prompt` (raw text, e.g. HumanEval)."""
-    text = Path(path).read_text(encoding="utf-8")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise MoedeskError(f"--prompts {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     try:
         items = json_read.loads(text)
         items = items if isinstance(items, list) else [items]

@@ -91,7 +91,7 @@ def test_chat_refuses_a_draft_head_that_is_not_there_before_the_app_opens(monkey
     assert "no config.json in it" in capsys.readouterr().err
 
 
-def test_bench_on_the_demo_takes_its_shipped_head(monkeypatch):
+def test_bench_on_the_demo_takes_its_shipped_head(monkeypatch, tmp_path):
     # Issue 46, item 7: `bench --model demo --prompts F` asked for --draft although the demo ships a head.
     import moedesk.bench.speculative as speculative
     from moedesk.engine.speculative.demo_draft import demo_head_folder
@@ -106,5 +106,33 @@ def test_bench_on_the_demo_takes_its_shipped_head(monkeypatch):
 
     monkeypatch.setattr(speculative, "run_draft_bench", run_draft_bench)
     monkeypatch.setattr(speculative, "format_draft", lambda report: "")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.jsonl").write_text('"a prompt"\n')
     assert main(["bench", "--model", "demo", "--prompts", "p.jsonl"]) == 0
     assert seen["draft"] == str(demo_head_folder())
+
+
+def test_bench_names_a_prompts_file_that_is_not_there_before_loading(monkeypatch, capsys, tmp_path):
+    # Found on a fresh machine: a mistyped --prompts path ended in a FileNotFoundError traceback.
+    import pytest
+
+    from moedesk.bench.speculative import load_prompts
+    from moedesk.engine.errors import MoedeskError
+
+    monkeypatch.setattr(Engine, "load", lambda *a, **k: (_ for _ in ()).throw(AssertionError("the model loaded")))
+    missing = tmp_path / "no-such.jsonl"
+    assert main(["bench", "--model", "demo", "--prompts", str(missing)]) == 2
+    assert capsys.readouterr().err.strip() == f"moedesk: --prompts {missing}: no such file"
+    with pytest.raises(MoedeskError, match="cannot read it"):
+        load_prompts(tmp_path, None)  # a folder: read fails, one line
+
+
+def test_train_draft_that_fails_before_training_leaves_no_empty_folder(capsys, tmp_path):
+    # Found on a fresh machine: the README's `train-draft --model M --out DIR` left an empty DIR behind.
+    out, kept = tmp_path / "new" / "head", tmp_path / "kept"
+    kept.mkdir()
+    assert main(["train-draft", "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 2
+    assert "no such model folder" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["train-draft", "--model", str(tmp_path / "no-model"), "--out", str(kept)]) == 2
+    assert kept.is_dir()  # a folder the user had stays

@@ -54,3 +54,19 @@ def test_the_demo_asks_for_greedy(demo):
     from moedesk.app.tui.settings import Settings
 
     assert Settings().sampling_params(seed=1, model_defaults=engine.generation_defaults).temperature == 0.0
+
+
+def test_the_readme_profile_example_fits_the_demo(demo):
+    # Found on a fresh machine: once an explicit budget had to hold the weights and a context's KV cache too,
+    # the README's `moedesk profile --model demo --gpu-budget 0.05` only said "raise --gpu-budget".
+    import re
+
+    from moedesk.engine.offload.gpu_budget import GIB
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    budget = float(re.search(r"^moedesk profile --model demo --gpu-budget ([\d.]+)$", readme, re.M).group(1))
+    engine, _ = demo  # float32, as on the CPU: the largest the demo gets
+    split = engine.gpu_budget_split(int(budget * GIB))
+    cfg = engine.config
+    expert = 3 * cfg.hidden_size * (cfg.moe_intermediate_size or cfg.intermediate_size) * 4
+    assert split.experts >= 4 * expert  # some experts on the GPU: something for the example to show
