@@ -168,7 +168,20 @@ ROUTES = [("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None), ("GET",
           ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 1, "stream": True}),
           ("POST", "/api/chat", {"model": "tiny", "messages": ASK}), ("POST", "/api/generate", {"model": "tiny"}),
           ("GET", "/api/tags", None), ("POST", "/api/show", {"model": "tiny"}), ("GET", "/api/ps", None),
-          ("GET", "/api/version", None)]
+          ("GET", "/api/version", None),
+          # the OpenAI routes without /v1, as llama-server serves them
+          ("GET", "/models", None), ("GET", "/models/tiny", None),
+          ("POST", "/chat/completions", {"model": "tiny", "messages": ASK, "max_tokens": 1, "stream": True}),
+          ("POST", "/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1, "stream": True}),
+          ("POST", "/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 1})]
+
+
+def test_the_key_test_covers_every_route_the_server_serves(engine):  # noqa: F811
+    from moedesk.app.server import Server
+
+    served = {(method, route.path.replace("{model_id:path}", "tiny")) for route in Server(engine).app.routes
+              for method in route.methods - {"HEAD"}}
+    assert served - {("GET", "/health")} == {(method, path) for method, path, _ in ROUTES}
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES)
