@@ -147,3 +147,27 @@ def test_a_commentary_call_is_a_tool_call_streamed_in_fragments(client, url, for
     assert pieces[0]["function"]["name"] == "get_weather" and pieces[0]["id"].startswith("call_")
     assert len(pieces) > 5 and "".join(p["function"]["arguments"] for p in pieces) == call.function.arguments
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_calls_come_back_through_ollamas_api_and_the_responses_api(url, client, forced):
+    """The same forced call through the official ollama client (arguments as an object, a streamed call whole in one
+    line, as Ollama streams it) and through /v1/responses (a function_call item)."""
+    ollama = pytest.importorskip("ollama")
+    forced(CALLED)
+    local = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    common = dict(model="oss", messages=ASK, tools=[WEATHER], format="json", options={"temperature": 0,
+                                                                                       "num_predict": 200})
+    reply = local.chat(**common)
+    assert reply.message.thinking == "The user wants weather." and not reply.message.content
+    [call] = reply.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", {"city": "Paris", "days": 2})
+    parts = list(local.chat(**common, stream=True))
+    calls = [c for p in parts for c in p.message.tool_calls or ()]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    assert parts[-1].done and "".join(p.message.thinking or "" for p in parts) == "The user wants weather."
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    response = client.responses.create(model="oss", input=ASK, tools=[tool], max_output_tokens=200, temperature=0,
+                                       text={"format": {"type": "json_object"}})
+    [reasoning, function_call] = response.output
+    assert reasoning.type == "reasoning" and function_call.type == "function_call"
+    assert (function_call.name, function_call.arguments) == ("get_weather", '{"city": "Paris", "days": 2}')
