@@ -91,6 +91,32 @@ def test_unknown_model_is_404_in_openai_and_ollama_shapes(folders):
         assert loaded(base) == {"alpha": False, "beta": False}
 
 
+def test_another_model_is_503_with_retry_after_while_the_loaded_one_answers(folders):
+    """A request for a model other than the loaded one, while that one still answers, is refused at once (503
+    model_busy with a Retry-After, in OpenAI's and Ollama's shapes) rather than queued; once it is idle, it loads."""
+    server, _ = served(folders)
+    long_reply = {"model": "alpha", "messages": ASK, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                  "stream": True}
+    with server as base:
+        with httpx.stream("POST", base + "/v1/chat/completions", json=long_reply, headers=AUTH, timeout=120) as r:
+            lines = r.iter_lines()  # held: a closed iterator would close the stream, and alpha's request with it
+            next(line for line in lines if line.startswith("data: {"))  # alpha is answering
+            refused = httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=60,
+                                 json={"model": "beta", "messages": ASK, "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_busy", refused.text
+            assert int(refused.headers["retry-after"]) >= 1 and "'alpha'" in refused.json()["error"]["message"]
+            ollama = httpx.post(base + "/api/chat", headers=AUTH, timeout=60, json={"model": "beta", "messages": ASK})
+            assert ollama.status_code == 503 and "alpha" in ollama.json()["error"]
+            assert loaded(base) == {"alpha": True, "beta": False}
+        for _ in range(200):  # the disconnected stream frees alpha at its next step
+            answer = httpx.post(base + "/v1/chat/completions", headers=AUTH, timeout=120,
+                                json={"model": "beta", "messages": ASK, "max_tokens": 2})
+            if answer.status_code != 503:
+                break
+            time.sleep(0.1)
+        assert answer.status_code == 200 and loaded(base) == {"alpha": False, "beta": True}
+
+
 def _card(name):
     return {"id": name, "object": "model", "owned_by": "moedesk", "loaded": False}
 
