@@ -2,7 +2,8 @@
 demo, in their external mode: one moedesk server on the port they expect, their pytest sending it requests
 (tests/serve/llama_server_plugin.py adapts their harness). Nothing of theirs is copied into this repository.
 
-    python -m tests.serve.llama_server_suite LLAMA_CPP_DIR   # prints each file's tally and every failure's reason
+    python -m tests.serve.llama_server_suite LLAMA_CPP_DIR [unit/test_FILE.py ...] [--log FILE]
+    # prints each file's tally and every failure's reason (default: the files in FILES)
 
 A llama.cpp tree: a checkout, or llama-cpp-python's source archive (`pip download llama-cpp-python --no-deps
 --no-binary :all:`), whose vendor/llama.cpp is the llama.cpp its wheel bundles. docs/serve.md has the last tally.
@@ -20,7 +21,13 @@ from pathlib import Path
 
 import httpx
 
-FILES = ("unit/test_chat_completion.py", "unit/test_tool_call.py", "unit/test_completion.py")
+# Their files run here, each with what its preset starts llama-server with that `moedesk serve` has too
+SECURITY_KEY = "sk-this-is-the-secret-key"  # test_security.py's preset's --api-key
+FILES: dict[str, tuple[str, ...]] = {
+    "unit/test_chat_completion.py": (), "unit/test_tool_call.py": (), "unit/test_completion.py": (),
+    "unit/test_basic.py": (), "unit/test_compat_oai_responses.py": (), "unit/test_ignore_eos.py": (),
+    "unit/test_tokenize.py": (), "unit/test_template.py": (), "unit/test_security.py": ("--api-key", SECURITY_KEY),
+}
 PORT = 8081  # test_tool_call.py pins its server to 8081; the others read PORT, set to the same
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,11 +41,13 @@ def suite_dir(source: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def moedesk_server(model: str = "demo", startup_s: float = 300):
-    """`moedesk serve --model MODEL` on 127.0.0.1:PORT without a key, as llama-server runs in their tests."""
+def moedesk_server(model: str = "demo", args: tuple[str, ...] = (), startup_s: float = 300):
+    """`moedesk serve --model MODEL ARGS` on 127.0.0.1:PORT (without a key unless ARGS give one), as llama-server runs
+    in their tests."""
     env = {k: v for k, v in os.environ.items() if k != "MOEDESK_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "moedesk", "serve", "--model", model, "--port", str(PORT),
-                             "--context", "4096"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--context", "4096", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
     try:
         deadline = time.monotonic() + startup_s
         while True:
@@ -60,21 +69,29 @@ def moedesk_server(model: str = "demo", startup_s: float = 300):
             proc.wait(10)
 
 
-def run(source: Path, files=FILES, model: str = "demo", timeout_s: float = 3000) -> dict[str, tuple[str, str]]:
+def run(source: Path, files=tuple(FILES), model: str = "demo", timeout_s: float = 3000,
+        log: Path | None = None) -> dict[str, tuple[str, str]]:
     """{test id: (passed | failed | skipped, the reason's first line)} for their tests `files` (slow ones left out,
-    as their CI leaves them out)."""
+    as their CI leaves them out), a server per set of server arguments. log: where their pytest's output goes."""
     here = suite_dir(source)
     if here is None:
         raise FileNotFoundError(f"{source} holds no tools/server/tests")
-    with tempfile.TemporaryDirectory(prefix="llama-suite-") as tmp, moedesk_server(model):
-        report = Path(tmp) / "junit.xml"
-        env = {**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(PORT), "MOEDESK_SUITE_MODEL": model,
-               "PYTHONPATH": os.pathsep.join([str(here), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        subprocess.run([sys.executable, "-m", "pytest", *files, "-m", "not slow", "-q", "-p",
-                        "tests.serve.llama_server_plugin", f"--junitxml={report}", "-o", f"cache_dir={tmp}/cache",
-                        f"--basetemp={tmp}/pt", "-p", "no:randomly"], cwd=here, env=env, timeout=timeout_s,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        return outcomes(report.read_text())
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for file in files:
+        groups.setdefault(FILES.get(file, ()), []).append(file)
+    results = {}
+    for args, group in groups.items():
+        with tempfile.TemporaryDirectory(prefix="llama-suite-") as tmp, moedesk_server(model, args):
+            report = Path(tmp) / "junit.xml"
+            env = {**os.environ, "DEBUG_EXTERNAL": "1", "PORT": str(PORT), "MOEDESK_SUITE_MODEL": model,
+                   "PYTHONPATH": os.pathsep.join([str(here), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+            with open(log or os.devnull, "a") as out:
+                subprocess.run([sys.executable, "-m", "pytest", *group, "-m", "not slow", "-q", "-p",
+                                "tests.serve.llama_server_plugin", f"--junitxml={report}", "-o",
+                                f"cache_dir={tmp}/cache", f"--basetemp={tmp}/pt", "-p", "no:randomly"], cwd=here,
+                               env=env, timeout=timeout_s, stdout=out, stderr=subprocess.STDOUT)
+            results.update(outcomes(report.read_text()))
+    return results
 
 
 def outcomes(junit_xml: str) -> dict[str, tuple[str, str]]:
@@ -106,8 +123,11 @@ def tally(results: dict[str, tuple[str, str]]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m tests.serve.llama_server_suite LLAMA_CPP_DIR")
-    found = run(Path(sys.argv[1]))
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m tests.serve.llama_server_suite LLAMA_CPP_DIR [unit/test_FILE.py ...] [--log FILE]")
+    argv = sys.argv[1:]
+    log_to = Path(argv.pop(argv.index("--log") + 1)) if "--log" in argv else None
+    argv = [a for a in argv if a != "--log"]
+    found = run(Path(argv[0]), tuple(argv[1:]) or tuple(FILES), log=log_to)
     print(tally(found))
     print("PASSED " + " ".join(sorted(n for n, (o, _) in found.items() if o == "passed")))
