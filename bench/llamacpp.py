@@ -66,7 +66,7 @@ def run(shape: str | None, layers: int | None, expert_format: str, gpu_budget: f
         model = str(shape_gguf(cfg, shape, expert_format, cache_root() / "bench-gguf", log=log))
     context = max([32 + decode_tokens + 8, *[p + 8 for p in prefills]])
     engine = LlamaCppEngine.load(model, device=device, context_length=context, gpu_budget=gpu_budget,
-                                 cpu_moe=cpu_moe, why="llama.cpp engine, as asked")
+                                 cpu_moe=cpu_moe, why="llama.cpp engine, as asked", count_experts=False)  # as serve
     try:
         engine.make_room(max(1, batch))
         return measure(engine, decode_tokens, prefills, batch, log)

@@ -21,6 +21,7 @@ def test_flags_reach_engine_load(monkeypatch):
         seen.clear()
         load_engine(parser.parse_args(argv))
         assert (seen["engine"], seen["url"], seen["api_key"]) == ("remote", "h:1", "k"), argv
+        assert seen["count_experts"] is False, argv  # no heat map there: llama.cpp's counting is not paid for
 
 
 def test_a_folder_of_tokenizer_files_is_enough(tiny_checkpoint, tmp_path):
