@@ -114,18 +114,18 @@ class ReplyReader:
         forced = prepared.tools.forced is not None
         fmt = CALL_LIST if forced else prepared.reply
         self.raw = fmt.keeps_special_tokens and tokenizer is not None
-        self.ids: list[int] = []
+        # such a reply's markers are special tokens: its text is decoded with them kept, a token at a time
+        self.decoder = tokenizer.stream_decoder(skip_special_tokens=False) if self.raw else None
+        self.raw_text = ""
         self.calls_sent = 0
         tools = prepared.tools.offered is not None
         self.stream = ReplyStream(fmt, in_reasoning=prepared.in_reasoning and not forced, tools=tools)
 
     def piece(self, update: Update) -> Parsed:
         self.deltas.chunk(update)
-        if update.token_id is not None:
-            self.ids.append(update.token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=False).rstrip("\ufffd") if self.raw \
-            else self.deltas.shown
-        return self._limited(self.stream.update(text))
+        if self.raw and update.token_id is not None:
+            self.raw_text += self.decoder.step(update.token_id)
+        return self._limited(self.stream.update(self.raw_text if self.raw else self.deltas.shown))
 
     def last(self, done: Completion) -> Parsed:
         """What the finished reply adds; afterwards `whole` is all of it."""

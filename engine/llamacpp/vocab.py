@@ -65,19 +65,19 @@ class LlamaVocab(ChatTemplating):
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return b"".join(self.piece(int(t), special=not skip_special_tokens) for t in ids).decode("utf-8", "replace")
 
-    def stream_decoder(self) -> "PieceStream":
-        return PieceStream(self)
+    def stream_decoder(self, skip_special_tokens: bool = True) -> "PieceStream":
+        return PieceStream(self, special=not skip_special_tokens)
 
 
 class PieceStream:
     """Text of ids that arrive one at a time: a character split over byte tokens comes out whole, once complete.
     Concatenated, it is `decode(ids)` wherever the ids spell valid UTF-8."""
 
-    def __init__(self, vocab: LlamaVocab):
-        self.vocab, self.pending = vocab, b""
+    def __init__(self, vocab: LlamaVocab, special: bool = False):
+        self.vocab, self.special, self.pending = vocab, special, b""
 
     def step(self, token_id: int) -> str:
-        self.pending += self.vocab.piece(token_id)
+        self.pending += self.vocab.piece(token_id, special=self.special)
         for end in range(len(self.pending), max(len(self.pending) - 4, -1), -1):
             try:
                 text = self.pending[:end].decode("utf-8")

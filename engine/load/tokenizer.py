@@ -299,17 +299,17 @@ class Tokenizer(ChatTemplating):
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream_decoder(self) -> "StreamDecoder":
+    def stream_decoder(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         """Text of ids that arrive one at a time, without decoding all of them again for each."""
-        return StreamDecoder(self._tok)
+        return StreamDecoder(self._tok, skip_special_tokens)
 
 
 class StreamDecoder:
     """tokenizers' DecodeStream: `step(id)` gives the text that id completes ('' while a character split
     over byte tokens is still partial). Concatenated, it is decode(ids) wherever the ids spell valid UTF-8."""
 
-    def __init__(self, tok: tokenizers.Tokenizer):
-        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=True)
+    def __init__(self, tok: tokenizers.Tokenizer, skip_special_tokens: bool = True):
+        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tok, token_id) or ""

@@ -79,6 +79,16 @@ def test_a_gpt_oss_model_without_a_template_gets_harmonys(engine):
     assert tokenizer.encode("<|channel|>", add_special_tokens=False) == [3 + HARMONY_TOKENS.index("<|channel|>")]
 
 
+def test_a_streamed_reply_is_decoded_a_token_at_a_time_with_its_special_tokens_kept(engine):
+    """The server and the app read a harmony reply from text decoded a token at a time (not all its ids again for
+    each): it is the whole decode, special tokens kept, or without them when asked so."""
+    ids = engine.tokenizer.encode(CALLED + "<|call|>", add_special_tokens=False)
+    for skip in (False, True):
+        decoder = engine.tokenizer.stream_decoder(skip_special_tokens=skip)
+        assert "".join(decoder.step(i) for i in ids) == engine.tokenizer.decode(ids, skip_special_tokens=skip)
+    assert engine.tokenizer.decode(ids, skip_special_tokens=False) == CALLED + "<|call|>"
+
+
 def test_a_tool_turn_goes_back_as_harmony_writes_it(engine):
     calls = [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
     turns = ASK + [{"role": "assistant", "content": "", "reasoning_content": "Need weather.", "tool_calls": calls},

@@ -235,5 +235,10 @@ def test_a_gpt_oss_gguf_without_a_template_gets_harmonys_on_llama_cpp(tmp_path):
             if harmony:
                 assert engine.tokenizer.render_chat([{"role": "user", "content": "Hi"}], reasoning_effort="low"
                                                     ).endswith("<|start|>user<|message|>Hi<|end|><|start|>assistant")
+                # a streamed reply is decoded a token at a time, its special tokens kept (the server's raw text)
+                ids = engine.tokenizer.encode("<|channel|>final<|message|>Hi é<|return|>", add_special_tokens=False)
+                decoder = engine.tokenizer.stream_decoder(skip_special_tokens=False)
+                assert "".join(decoder.step(i) for i in ids) == engine.tokenizer.decode(ids, skip_special_tokens=False)
+                assert "<|message|>" in engine.tokenizer.decode(ids, skip_special_tokens=False)
         finally:
             engine.close()

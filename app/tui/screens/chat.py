@@ -551,33 +551,31 @@ class ChatScreen(Screen):
                   decoding, reader: ReplyStream) -> None:
         pending: list[str] = []
         thoughts: list[str] = []  # reasoning not posted yet
-        text, ids = "", []
+        text, raw_text = "", ""
         tokens = 0
         posted_at = 0.0
-        # Harmony's channels are special tokens: its replies are read from text that keeps them.
+        # Harmony's channels are special tokens: its replies are read from text that keeps them, a token at a time.
         raw = reader.fmt.keeps_special_tokens
-
-        def reply_text(final_text: str, final_ids=None) -> str:
-            return engine.tokenizer.decode(final_ids if final_ids is not None else ids, skip_special_tokens=False) \
-                if raw else final_text
+        decoder = engine.tokenizer.stream_decoder(skip_special_tokens=False) if raw else None
 
         try:
             self._measure_for_auto(number, engine, decoding)
             extra = {"decoding": decoding} if decoding is not None else {}  # plain replies call stream as ever
             for chunk in engine.stream(prompt_ids, params, cancel=cancel, **extra):
                 tokens += len(chunk.token_ids)
-                ids += chunk.token_ids
                 text += chunk.text
+                if raw:
+                    raw_text += "".join(decoder.step(i) for i in chunk.token_ids)
                 if chunk.completion is not None:
                     done = chunk.completion
-                    final = reply_text(done.text, done.token_ids)
+                    final = engine.tokenizer.decode(done.token_ids, skip_special_tokens=False) if raw else done.text
                     piece = reader.update(final, final=True)
                     whole = parse_reply(final, reader.fmt, in_reasoning=reader.in_reasoning, tools=False)
                     self.post_message(ReplyDone(number, done, "".join(pending) + piece.content, whole.content,
                                                 whole.reasoning, "".join(thoughts) + piece.reasoning))
                     return
                 if chunk.text or raw:
-                    piece = reader.update(reply_text(text).rstrip("\ufffd"))
+                    piece = reader.update(raw_text if raw else text)
                     pending.append(piece.content)
                     thoughts.append(piece.reasoning)
                 now = time.monotonic()
