@@ -70,6 +70,9 @@ def test_ollama_generate_and_tool_turns(local, engine):  # noqa: F811
     options = {"temperature": 0, "num_predict": 8, "seed": 1}
     raw = local.generate(model="tiny", prompt="The quick brown", raw=True, options=options)
     assert raw.response and raw.prompt_eval_count == len(engine.tokenizer.encode("The quick brown"))
+    parts = list(local.generate(model="tiny", prompt="The quick brown", raw=True, options=options, stream=True))
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and len(parts) > 2
+    assert "".join(p.response for p in parts) == raw.response and parts[-1].eval_count == raw.eval_count
     assert local.generate(model="tiny", prompt="").done_reason == "load"  # Ollama's way to load a model
     calls = [{"function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 1}}}]
     turns = ASK + [{"role": "assistant", "content": "", "tool_calls": calls},
