@@ -6,6 +6,7 @@ runs (GPU, CPU, copied over PCIe) is decided outside the model.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -393,6 +394,15 @@ class ForwardBatch:
         # with positions that run on, so stale entries past a row's end are never visible.
         self.mask = (keys.view(1, 1, 1, -1) <= positions.unsqueeze(1).unsqueeze(-1))
 
+    def to(self, device) -> "ForwardBatch":
+        """This batch for layers on `device` (engine.model.layer_devices): its tensors copied there, the rest shared."""
+        moved = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, torch.Tensor):
+                setattr(moved, name, value.to(device))
+        moved._additive = None  # made again there, in the queries' dtype
+        return moved
+
     @property
     def key_lengths(self) -> torch.Tensor:
         """[B] cache positions each row's last token attends to (up to its own position), made once a forward."""
@@ -446,6 +456,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg, max_positions)
+        self.spread = None  # engine.model.layer_devices.LayerDevices once its layers run on several devices
 
     def parameter_dtype(self, name: str, dtype: torch.dtype) -> torch.dtype:
         return parameter_dtype(self.cfg, name, dtype)
@@ -453,21 +464,30 @@ class Transformer(nn.Module):
     @property
     def supports_graphs(self) -> bool:
         """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): not through recurrent layers,
-        whose state the graphs do not capture."""
-        return not self.cfg.is_recurrent
+        whose state the graphs do not capture, nor over several devices (a graph holds one device's stream)."""
+        return not self.cfg.is_recurrent and self.spread is None
 
     def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LatentCache | LayerCaches:
         """The cache this model's layers write and read, for `rows` sequences of `length` positions: keys and
         values, MLA's latent where the attention is latent, and beside them a recurrent state for Gated DeltaNet
-        layers (its matrix state in float32)."""
+        layers (its matrix state in float32). Over several devices, one such cache per run of layers on its device
+        (`device` is then the first's)."""
+        if self.spread is not None:
+            return LayerCaches([self.layers_cache(rows, length, dtype, self.spread.devices[d], range(start, stop))
+                                for d, start, stop in self.spread.runs])
+        return self.layers_cache(rows, length, dtype, device)
+
+    def layers_cache(self, rows: int, length: int, dtype: torch.dtype, device, layers: range | None = None):
+        """new_cache's cache for `layers` only (None: every layer)."""
         cfg = self.cfg
         if cfg.kv_lora_rank:
-            return LatentCache(range(cfg.num_layers), rows, length, cfg.kv_lora_rank, cfg.qk_rope_head_dim, dtype,
-                               device)
+            return LatentCache(range(cfg.num_layers) if layers is None else layers, rows, length, cfg.kv_lora_rank,
+                               cfg.qk_rope_head_dim, dtype, device)
         if not cfg.is_recurrent:
-            return KVCache(cfg, rows, length, dtype, device)
-        linear = [i for i in range(cfg.num_layers) if cfg.is_linear_layer(i)]
-        full = [i for i in range(cfg.num_layers) if not cfg.is_linear_layer(i)]
+            return KVCache(cfg, rows, length, dtype, device, layers=layers)
+        layers = range(cfg.num_layers) if layers is None else layers
+        linear = [i for i in layers if cfg.is_linear_layer(i)]
+        full = [i for i in layers if not cfg.is_linear_layer(i)]
         conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
         state = RecurrentState(linear, rows, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
                                conv_dim, cfg.linear_conv_kernel, history=1, device=device, conv_dtype=dtype)
@@ -508,6 +528,9 @@ class Transformer(nn.Module):
                              keep_states=drafts and tokens.shape[1] > 1)
         x, rope = self.embed_tokens(tokens, positions)
         hidden = {}
+        if self.spread is not None:  # layers on several devices: engine.model.layer_devices runs them
+            logits = self.spread.forward(self, x, rope, cache, batch, features, hidden, logits_at)
+            return (logits, hidden) if features else logits
         x = self.run_layers(x, rope, cache, batch, 0, len(self.layers), features, hidden)
         logits = self.head(x, features, hidden, logits_at)
         return (logits, hidden) if features else logits

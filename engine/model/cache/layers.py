@@ -25,6 +25,11 @@ class LayerCaches:
     def __getitem__(self, layer: int):
         return self.of[layer]
 
+    @property
+    def layers(self) -> list[int]:
+        """The model layers it serves: a LayerCaches may itself be one kind of another (a device's layers)."""
+        return sorted(self.of)
+
     def write_and_read(self, layer: int, *args, **kwargs):
         """An attention layer's write and read, by the kind serving it (a KV cache)."""
         return self.of[layer].write_and_read(layer, *args, **kwargs)

@@ -1,0 +1,117 @@
+"""A model's layers over several devices (engine.model.layer_devices): the same logits as on one device, the hidden
+state copied once at each cut the plan makes, each run of layers with its own cache part on its device.
+
+Devices may repeat: two or three "cpu" entries stand for GPUs here, where every move is a no-op but still counted;
+tests/model/test_layer_devices_gpu.py runs the same on two CUDA devices.
+"""
+import pytest
+import torch
+
+from moedesk.engine.load.synthetic import SHAPES, synthetic_model
+from moedesk.engine.model.cache.kv import KVCache
+from moedesk.engine.model.cache.layers import LayerCaches
+from moedesk.engine.model.layer_devices import LayerDevices, spread_model
+from moedesk.engine.offload.expert_executor import LocalExecutor
+
+
+@pytest.fixture(scope="module")
+def built():
+    """built(shape) -> a synthetic model of that tiny shape, made once (a build takes seconds), on one device again."""
+    models = {}
+
+    def get(shape: str):
+        if shape not in models:
+            models[shape] = synthetic_model(SHAPES[shape], torch.float32, "cpu", pinned=False, context=64)[0]
+        models[shape].spread = None
+        return models[shape]
+
+    return get
+
+
+def _decode(model, device, steps: int = 4, prompt=(5, 17, 3, 99, 42, 7), features: tuple = ()):
+    """Logits of a two-row prompt (one row right-padded) and of `steps` greedy steps after it, one forward each."""
+    executor = LocalExecutor()
+    cache = model.new_cache(2, 32, torch.float32, device)
+    tokens = torch.tensor([list(prompt), list(prompt[:4]) + [0, 0]], device=device)
+    positions = torch.arange(len(prompt), device=device).expand(2, -1)
+    last = torch.tensor([len(prompt) - 1, 3], device=device)
+    out = [model(tokens, positions, cache, executor, logits_at=last)]
+    at = last.clone()
+    for _ in range(steps):
+        token = out[-1][:, -1].argmax(-1, keepdim=True)
+        at = at + 1
+        step = model(token, at[:, None], cache, executor, features=features)
+        if features:
+            step, hidden = step
+            out += [hidden[f] for f in features]
+        out.append(step)
+    return out
+
+
+@pytest.mark.parametrize("shape, owner", [("tiny-moe", (0, 0, 1, 1)), ("tiny-moe", (0, 1, 1, 2)),
+                                          ("tiny-moe", (0, 0, 0, 1)), ("tiny-glm", (0, 1, 1, 1)),
+                                          ("tiny-qwen35", (0, 0, 1, 1))])
+def test_spread_layers_give_one_devices_logits_with_one_copy_per_cut(built, shape, owner):
+    """Mixtral's layers, GLM's dense first layer and sigmoid routing, Qwen3.5's recurrent layers beside attention."""
+    model = built(shape)
+    expected = _decode(model, "cpu")
+    spread = spread_model(model, ["cpu"] * (max(owner) + 1), owner)
+    assert not model.supports_graphs  # one graph cannot hold several devices' streams
+    got = _decode(model, "cpu")
+    assert spread.crossings == len(got) * spread.cuts() == len(got) * (max(owner))  # one copy per cut, per forward
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_each_run_of_layers_has_its_own_cache_part_on_its_device(built):
+    model = built("tiny-qwen35")  # three Gated DeltaNet layers, then a full-attention one
+    spread_model(model, ["cpu", "cpu"], (0, 0, 1, 1))
+    cache = model.new_cache(2, 16, torch.float32, "cpu")
+    assert isinstance(cache, LayerCaches) and [part.layers for part in cache.kinds] == [[0, 1], [2, 3]]
+    assert cache[0] is cache[1] and cache[2] is cache[3] and cache[1] is not cache[2]
+    assert cache.bytes_per_position() == model.layers_cache(2, 16, torch.float32, "cpu").bytes_per_position()
+    mixtral = built("tiny-moe")
+    spread_model(mixtral, ["cpu", "cpu"], (0, 1, 1, 1))
+    parts = mixtral.new_cache(1, 8, torch.float32, "cpu").kinds
+    assert all(isinstance(p, KVCache) for p in parts) and [p.layers for p in parts] == [[0], [1, 2, 3]]
+
+
+def test_features_come_back_to_the_first_device_unchanged(built):
+    """EAGLE heads read hidden states of several layers and the final norm: they come back as on one device."""
+    model = built("tiny-moe")
+    features = (1, 3, "final")
+    expected = _decode(model, "cpu", steps=2, features=features)
+    spread_model(model, ["cpu", "cpu"], (0, 0, 1, 1))
+    for a, b in zip(expected, _decode(model, "cpu", steps=2, features=features)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_runs_and_cuts_follow_the_device_of_each_layer():
+    spread = LayerDevices(["cpu", "cpu", "cpu"], (0, 0, 1, 1, 1, 2))
+    assert spread.runs == ((0, 0, 2), (1, 2, 5), (2, 5, 6)) and spread.cuts() == 2
+    assert LayerDevices(["cpu", "cpu"], (1, 1)).cuts() == 1  # the embeddings sit on the first device
+    with pytest.raises(ValueError):
+        LayerDevices(["cpu"], (0, 1))
+
+
+@pytest.mark.gpu
+def test_two_cuda_devices_give_one_devices_logits():
+    """On the two-GPU box: the blocks, their cache parts and the head really sit on their GPUs, and the logits are
+    cuda:0's alone."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
+    model = synthetic_model(SHAPES["tiny-moe"], torch.float32, "cuda:0", pinned=False, context=64)[0]
+    for moe in model.moe_blocks():
+        moe.experts = moe.experts.to("cuda:0")  # beside the block's weights: spread_model moves them with it
+    expected = _decode(model, "cuda:0")
+    spread = spread_model(model, ["cuda:0", "cuda:1"], (0, 0, 1, 1))
+    devices = [{p.device for p in block.parameters()} for block in model.layers]
+    assert devices == [{torch.device("cuda:0")}] * 2 + [{torch.device("cuda:1")}] * 2
+    assert model.lm_head.weight.device == torch.device("cuda:1") and model.embed.weight.device == torch.device("cuda:0")
+    assert [part.device for part in model.new_cache(1, 8, torch.float32, "cuda:0").kinds] == [
+        torch.device("cuda:0"), torch.device("cuda:1")]
+    got = _decode(model, "cuda:0")
+    assert spread.crossings == len(got) and all(t.device == torch.device("cuda:0") for t in got)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b)
+        assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1))
