@@ -37,7 +37,7 @@ class Engine(EngineFace):
         self.name = name
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
-        self.device_plan = None  # engine.offload.devices.DevicePlan when --gpu-budget named several GPUs: planned only
+        self.device_plan = None  # engine.offload.devices.DevicePlan when --gpu-budget named several GPUs
         self.budget_split: BudgetSplit | None = None  # where an explicit GPU budget went (engine.offload.gpu_budget)
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
@@ -60,7 +60,7 @@ class Engine(EngineFace):
              context_length: int | None = None, gpu_budget: float | tuple[float, ...] | None = None,
              offload: bool | None = None, reprofile: bool = False, progress=None, expert_dtype: str = "auto",
              engine: str = "auto", cpu_moe: int | None = None, url: str | None = None,
-             api_key: str | None = None, count_experts: bool = True) -> "Engine":
+             api_key: str | None = None, count_experts: bool = True, devices=None) -> "Engine":
         """Open and load `model` (see engine.load.checkpoint.open_checkpoint). Errors are MoedeskError, one line.
 
         engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
@@ -77,7 +77,10 @@ class Engine(EngineFace):
         context, attention's workspace and slack first, experts the rest; ContextBudgetError naming the longest
         context that fits, before the weights are read, when they do not fit); 0: every expert in RAM; None: what
         the GPU has free after the other weights, a KV cache reserve and a margin; a tuple: one figure per GPU,
-        checked against the GPUs detected and planned (`device_plan`) while the run keeps to one device.
+        checked against the GPUs detected: an offloaded MoE model's layers then run spread over them as the
+        per-device plan says (`device_plan`; engine.model.layer_devices, engine.offload.device_orchestra). devices:
+        the torch devices those figures stand for (default cuda:0, cuda:1, ...; on the CPU the CPU repeated, how
+        tests run the several-device path).
         expert_dtype: how routed experts are stored (auto: as the file has them, packed GGUF blocks included; bf16;
         int8 / int4: quantised while loading; engine.load.loader.expert_formats).
         """
@@ -92,17 +95,15 @@ class Engine(EngineFace):
             from moedesk.engine.hardware import cuda_device_count
             from moedesk.engine.offload.devices import check_device_budgets
 
-            budgets = check_device_budgets(gpu_budget, cuda_device_count())
-            # Several GPUs are planned only: this run takes the one device it would anyway, budgeted as by default.
-            gpu_budget = budgets[0] if len(budgets) == 1 else None
+            budgets = check_device_budgets(gpu_budget, cuda_device_count() if devices is None else len(devices))
+            gpu_budget = budgets[0] if len(budgets) == 1 else None  # several: budgeted per device
         choice = choose_engine(model, engine)
         if choice is None or choice.kind == "native":
             try:
                 loaded = cls._load_native(model, device, dtype, context_length, gpu_budget, offload, reprofile,
-                                          progress, expert_dtype, native_asked=choice is not None)
+                                          progress, expert_dtype, native_asked=choice is not None,
+                                          budgets=budgets if budgets and len(budgets) > 1 else None, devices=devices)
                 loaded.why = choice.why if choice else f"native engine: it implements {loaded.config.arch}"
-                if budgets and len(budgets) > 1:
-                    loaded._plan_devices(budgets)
                 return loaded
             except UnsupportedModelError as refusal:
                 if choice is not None:
@@ -119,9 +120,14 @@ class Engine(EngineFace):
 
     @classmethod
     def _load_native(cls, model, device, dtype, context_length, gpu_budget, offload, reprofile, progress,
-                     expert_dtype, native_asked: bool = False) -> "Engine":
+                     expert_dtype, native_asked: bool = False, budgets: tuple[float, ...] | None = None,
+                     devices=None) -> "Engine":
         checkpoint = open_checkpoint(model, native_asked)
         torch_device = resolve_device(device)
+        if budgets:  # one figure per device: the first device loads the model, the plan spreads its layers
+            devices = _plan_devices_for(torch_device, len(budgets)) if devices is None else \
+                [torch.device(d) for d in devices]
+            torch_device = devices[0]
         torch_dtype = resolve_dtype(dtype, torch_device)
         if gpu_budget is not None and gpu_budget < 0:
             raise MoedeskError(f"--gpu-budget {gpu_budget}: must be >= 0 GiB")
@@ -142,6 +148,12 @@ class Engine(EngineFace):
                             torch_dtype.itemsize, default_prefill_chunk(torch_device))
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype)
         context = min(context, cfg.max_position_embeddings)
+        spread = None
+        if budgets and banks:
+            spread = _spread(net, cfg, banks, budgets, devices, torch_dtype, context)
+        elif budgets:
+            warnings.append(f"--gpu-budget {','.join(f'{b:g}' for b in budgets)}: several GPUs run a model whose "
+                            f"experts are offloaded (an MoE model on a GPU); this one runs on {torch_device} alone")
         tok_model = checkpoint.tokenizer
         tokenizer = None
         if tok_model is not None:
@@ -157,32 +169,24 @@ class Engine(EngineFace):
             engine.generation_defaults = checked(recipe().get("generation", {}))
         else:
             engine.generation_defaults = checkpoint.generation_defaults
-        if banks:
+        if spread is not None:
+            engine._orchestrate_devices(banks, budgets, reprofile, progress)
+        elif banks:
             engine._orchestrate(banks, gpu_budget, reprofile, progress)
         return engine
 
     def _orchestrate(self, banks: dict, gpu_budget: float | None, reprofile: bool, progress) -> None:
         """Profile one expert, count expert popularity (both cached), place the most popular on the GPU."""
-        from moedesk.engine.offload.calibration import cached_popularity
         from moedesk.engine.load.demo import cache_root
-        from moedesk.engine.hardware import machine_fingerprint
 
         cfg = self.config
         if self.device.type == "cuda":
             leave_a_core_to_the_gpu_thread()
-        shape = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(self.dtype))
-        key_parts = (machine_fingerprint(), shape)
-        self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, key_parts, cache_root(), reprofile,
-                                                           self.warnings, top_k=cfg.num_experts_per_tok, dtype=self.dtype)
+        self.orchestra = orchestra = ExpertOrchestra.start(banks, self.device, self._profile_key_parts(), cache_root(),
+                                                           reprofile, self.warnings, top_k=cfg.num_experts_per_tok,
+                                                           dtype=self.dtype)
         self.executor = orchestra.executor
-        if progress:
-            progress("profile", 1.0)
-        if self.tokenizer is not None:
-            key = f"{orchestra.profile_key}-{self.name.replace('/', '_')[-40:]}"
-            experts = [moe.experts.num_experts for moe in self.model.moe_blocks()]
-            orchestra.calibrate(cached_popularity(cache_root(), key, self.tokenizer, self._route, experts, reprofile))
-        if progress:
-            progress("calibrate", 1.0)
+        self._calibrate(reprofile, progress)
         if gpu_budget:
             self.budget_split = self.gpu_budget_split(int(gpu_budget * GIB))
             budget = self.budget_split.experts
@@ -203,27 +207,61 @@ class Engine(EngineFace):
         if progress:
             progress("place", 1.0)
 
-    def _plan_devices(self, budgets: tuple[float, ...]) -> None:
-        """The per-device plan for `budgets` (GiB, one per GPU; engine.offload.devices), kept in `device_plan` for
-        `moedesk profile`. Executing it is not implemented: the model runs on one device, which a warning says."""
-        from moedesk.engine.offload.devices import layer_sizes, plan_devices
+    def _profile_key_parts(self) -> tuple:
+        from moedesk.engine.hardware import machine_fingerprint
+
+        cfg = self.config
+        return machine_fingerprint(), (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(self.dtype))
+
+    def _calibrate(self, reprofile: bool, progress) -> None:
+        """The routing's popularity on the calibration prompts (cached per model), for the placement."""
+        from moedesk.engine.offload.calibration import cached_popularity
+        from moedesk.engine.load.demo import cache_root
+
+        orchestra = self.orchestra
+        if progress:
+            progress("profile", 1.0)
+        if self.tokenizer is not None:
+            key = f"{orchestra.profile_key}-{self.name.replace('/', '_')[-40:]}"
+            experts = [moe.experts.num_experts for moe in self.model.moe_blocks()]
+            orchestra.calibrate(cached_popularity(cache_root(), key, self.tokenizer, self._route, experts, reprofile))
+        if progress:
+            progress("calibrate", 1.0)
+
+    def _orchestrate_devices(self, banks: dict, budgets: tuple[float, ...], reprofile: bool, progress) -> None:
+        """_orchestrate over the devices the model's layers run on: an orchestra per device (its own profile and
+        costs: engine.offload.device_orchestra), one calibration, then each device's hot experts as the per-device
+        plan places them (`device_plan`)."""
+        from moedesk.engine.load.demo import cache_root
+        from moedesk.engine.offload.device_orchestra import DeviceOrchestra
+        from moedesk.engine.offload.devices import plan_devices
         from moedesk.engine.offload.placement import LayerCosts
 
-        orchestra, cfg = self.orchestra, self.config
-        note = (f"--gpu-budget {','.join(f'{b:g}' for b in budgets)}: planned only; running on more than one GPU is "
-                f"not implemented yet, so this run uses {self.device} alone with the default budget")
-        self.warnings.append(note)
-        if orchestra is None:
-            return  # a dense model, or experts not offloaded: nothing to plan per device
-        weights, kv, _, first, last = layer_sizes(cfg, self.dtype.itemsize, KV_ROWS_RESERVED * self.context_length,
-                                                  len(budgets))
-        routed = {moe.layer for moe in self.model.moe_blocks()}  # the layers whose popularity rows the orchestra has
-        moe = [layer in routed for layer in range(cfg.num_layers)]
-        costs = None if orchestra.cache else LayerCosts.from_model(orchestra.costs,
-                                                                   orchestra.executor.whole_layers_on_device)
+        cfg, spread = self.config, self.model.spread
+        if self.device.type == "cuda":
+            leave_a_core_to_the_gpu_thread()
+        self.orchestra = orchestra = DeviceOrchestra.start(banks, spread.devices, spread.device_of_layer,
+                                                           self._profile_key_parts(), cache_root(), reprofile,
+                                                           self.warnings, top_k=cfg.num_experts_per_tok,
+                                                           dtype=self.dtype)
+        self.executor = orchestra.executor
+        self._calibrate(reprofile, progress)
+        costs = [None] * len(spread.devices)  # each device's placement priced by its own profile
+        for part, d in zip(orchestra.parts, orchestra.device_of_part):
+            costs[d] = None if part.cache else LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device)
+        weights, kv, moe, first, last = _device_layer_sizes(self.model, cfg, self.dtype, self.context_length,
+                                                            len(budgets))
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
+        assert self.device_plan.device_of_layer == spread.device_of_layer, "the plan moved layers after the load"
+        orchestra.place_plan(self.device_plan)
+        if spread.devices[0].type == "cuda":
+            self.warnings.append("CUDA graphs are off over several GPUs: a graph replays one device's stream, and "
+                                 "each run of layers launches on its own GPU")
+        self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
+        if progress:
+            progress("place", 1.0)
 
     def device_plan_lines(self) -> list[str]:
         """`moedesk profile`'s lines for the per-device plan; none unless --gpu-budget named several GPUs."""
@@ -231,7 +269,11 @@ class Engine(EngineFace):
             return []
         from moedesk.engine.offload.devices import format_device_plan
 
-        return format_device_plan(self.device_plan, self.orchestra.popularity if self.orchestra else None)
+        lines = format_device_plan(self.device_plan, self.orchestra.popularity)
+        for part, d in zip(self.orchestra.parts, self.orchestra.device_of_part):  # what each GPU's split is priced by
+            lines.append(f"  GPU {d} ({part.executor.device}): copies an expert in {part.costs.copy_expert_ms:.3f} ms, "
+                         f"computes one token's in {part.costs.gpu_expert_ms(1):.3f} ms")
+        return lines
 
     def gpu_budget_split(self, budget: int) -> BudgetSplit:
         """How `budget` bytes of GPU would split for this model at its context, from the sizes of what it loaded
@@ -413,6 +455,38 @@ class Engine(EngineFace):
         if self._grammar_tokenizer is None:
             self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, self.vocab_size, eos)
         return compile_response_format(response_format, self._grammar_tokenizer, self.vocab_size, eos)
+
+
+def _plan_devices_for(device: torch.device, count: int) -> list[torch.device]:
+    """The devices `count` budget figures stand for: the CUDA GPUs in order, or on the CPU the CPU `count` times
+    (it stands in for the GPU tier there, as for one figure)."""
+    if device.type == "cpu":
+        return [device] * count
+    return [torch.device("cuda", i) for i in range(count)]
+
+
+def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int):
+    """engine.offload.devices.layer_sizes for this model: per layer its weights and KV cache (the default budget's
+    KV_ROWS_RESERVED sequences of the whole context) and whether its experts are routed, then the embeddings and
+    head."""
+    from moedesk.engine.offload.devices import layer_sizes
+
+    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, KV_ROWS_RESERVED * context, devices)
+    routed = {moe.layer for moe in model.moe_blocks()}  # the layers whose popularity rows the orchestra has
+    return weights, kv, [layer in routed for layer in range(cfg.num_layers)], first, last
+
+
+def _spread(model, cfg, banks: dict, budgets: tuple[float, ...], devices, dtype: torch.dtype, context: int):
+    """Spread the loaded model's layers over `devices` as the per-device plan splits them (by sizes, before the
+    popularity that picks each device's experts): engine.model.layer_devices."""
+    from moedesk.engine.model.layer_devices import spread_model
+    from moedesk.engine.offload.devices import layer_owner
+
+    weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets))
+    bank = next(iter(banks.values()))
+    owner = layer_owner([int(b * GIB) for b in budgets], bank.expert_bytes, bank.num_experts, weights, kv, moe,
+                        first, last)
+    return spread_model(model, devices, owner)
 
 
 def available_ram() -> int:

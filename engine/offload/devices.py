@@ -4,7 +4,8 @@ A pure decision over sizes, like engine.offload.placement, which it reuses devic
 run of consecutive layers (a token then crosses from one device to the next once per step, not once per layer),
 as many as its share of the budgets says; the first device also holds the embeddings, the last the output head.
 Each device's budget covers what it holds: its layers' non-expert weights, their KV cache and its resident experts.
-Nothing here runs a layer on a second device yet: the plan is shown (`moedesk profile`), not executed.
+engine.model.layer_devices runs the layers where the plan puts them; engine.offload.device_orchestra places each
+device's experts.
 """
 from __future__ import annotations
 
@@ -125,18 +126,29 @@ def split_layers(budgets: Sequence[int], layer_bytes: Sequence[int], first_bytes
     return tuple(owner)
 
 
+def layer_owner(budgets: Sequence[int], expert_bytes: int, num_experts: int, layer_non_expert_bytes: Sequence[int],
+                layer_kv_bytes: Sequence[int], is_moe: Sequence[bool], first_bytes: int = 0,
+                last_bytes: int = 0) -> tuple[int, ...]:
+    """The device index of each layer as plan_devices splits them: by sizes alone (every expert of a layer counted),
+    so it is known before the popularity that chooses each device's hot experts."""
+    sizes = [w + kv + (expert_bytes * num_experts if moe else 0)
+             for w, kv, moe in zip(layer_non_expert_bytes, layer_kv_bytes, is_moe)]
+    return split_layers(tuple(int(b) for b in budgets), sizes, first_bytes, last_bytes)
+
+
 def plan_devices(budgets: Sequence[int], expert_bytes: int, num_experts: int, popularity,
                  layer_non_expert_bytes: Sequence[int], layer_kv_bytes: Sequence[int],
                  is_moe: Sequence[bool] | None = None, first_bytes: int = 0, last_bytes: int = 0,
-                 layer_costs: LayerCosts | None = None, top_k: int = 1) -> DevicePlan:
+                 layer_costs: LayerCosts | Sequence[LayerCosts | None] | None = None, top_k: int = 1) -> DevicePlan:
     """Plan `budgets` (bytes, one per GPU) over the model's layers.
 
     popularity: one row of `num_experts` counts per MoE layer (the orchestra's). layer_non_expert_bytes and
     layer_kv_bytes: one figure per transformer layer; is_moe says which layers have routed experts (default all).
     first_bytes / last_bytes: the embeddings and the output head, on the first and last device. Layers split by
     `split_layers`, sized with every expert of a layer counted; then each device's hot experts are chosen by
-    engine.offload.placement.plan_placement over its own MoE layers and budget. With one budget the plan is
-    exactly plan_placement's over the whole model. BudgetError, naming the device, when a budget cannot hold its
+    engine.offload.placement.plan_placement over its own MoE layers and budget, priced by layer_costs: one for
+    every device, or one per device (each device's own copies and calls). With one budget the plan is exactly
+    plan_placement's over the whole model. BudgetError, naming the device, when a budget cannot hold its
     layers' non-expert weights and KV cache.
     """
     n = len(layer_non_expert_bytes)
@@ -147,9 +159,9 @@ def plan_devices(budgets: Sequence[int], expert_bytes: int, num_experts: int, po
     if len(is_moe) != n or counts.shape[0] != sum(is_moe):
         raise ValueError(f"popularity has {counts.shape[0]} rows for {sum(is_moe)} MoE layers of {n}")
     budgets = tuple(int(b) for b in budgets)
-    sizes = [w + kv + (expert_bytes * num_experts if moe else 0)
-             for w, kv, moe in zip(layer_non_expert_bytes, layer_kv_bytes, is_moe)]
-    owner = split_layers(budgets, sizes, first_bytes, last_bytes)
+    owner = layer_owner(budgets, expert_bytes, num_experts, layer_non_expert_bytes, layer_kv_bytes, is_moe,
+                        first_bytes, last_bytes)
+    per_device = layer_costs if isinstance(layer_costs, (list, tuple)) else [layer_costs] * len(budgets)
     moe_index = np.cumsum(is_moe) - 1  # row of `counts` for each MoE layer
     placements, kv_per_device, moe_layers = [], [], []
     for d, budget in enumerate(budgets):
@@ -161,7 +173,7 @@ def plan_devices(budgets: Sequence[int], expert_bytes: int, num_experts: int, po
         rows = counts[moe_index[list(moe_mine)]] if moe_mine else np.zeros((0, num_experts))
         try:
             plan = plan_placement(expert_bytes, len(moe_mine), num_experts, rows, budget, fixed, kv,
-                                  layer_costs=layer_costs, top_k=top_k)
+                                  layer_costs=per_device[d], top_k=top_k)
         except BudgetError:
             if len(budgets) == 1:
                 raise
@@ -176,9 +188,8 @@ def plan_devices(budgets: Sequence[int], expert_bytes: int, num_experts: int, po
 
 
 def format_device_plan(plan: DevicePlan, popularity=None) -> list[str]:
-    """Lines for `moedesk profile`: per device its layers, bytes and resident experts; marked as planned only."""
-    lines = [f"per-device plan over {plan.devices} GPUs (planned; running on more than one GPU is not implemented "
-             f"yet), {plan.crossings()} device crossing(s) per token:"]
+    """Lines for `moedesk profile`: per device its layers, bytes and resident experts."""
+    lines = [f"per-device plan over {plan.devices} GPUs, {plan.crossings()} device crossing(s) per token:"]
     counts = None if popularity is None else np.asarray(popularity, dtype=float)
     for d, place in enumerate(plan.placements):
         layers = plan.layers(d)

@@ -73,6 +73,10 @@ class StepStats:
     def copy(self) -> "StepStats":
         return replace(self)
 
+    def __add__(self, other: "StepStats") -> "StepStats":
+        """Both counts together (the executors of several devices, one model's)."""
+        return StepStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
     def as_dict(self) -> dict:
         total = self.gpu_experts + self.copied_experts + self.cpu_experts + self.zero_copy_experts
         return {
@@ -161,7 +165,7 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 zero_copy_ranks=None, split_width=None):
+                 zero_copy_ranks=None, split_width=None, selections: dict | None = None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
@@ -169,7 +173,8 @@ class OffloadExecutor:
         zero_copy_ranks(top_k) -> how many of a lone token's experts the GPU should read from RAM itself while
         the CPU computes the others (`zero_copy_share`; None: never);
         split_width(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
-        compute from RAM while the CPU computes the first ones (`width_split`; None: never)."""
+        compute from RAM while the CPU computes the first ones (`width_split`; None: never);
+        selections: the dict its counts go to (`selections`), shared by the executors of one model's devices."""
         self.device = torch.device(device)
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
@@ -181,7 +186,7 @@ class OffloadExecutor:
         # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
         probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
         self.whole_layers_on_device = self.simulated or grouped_supported(probe, any_bank)
-        self._selections: dict[int, torch.Tensor] = {}
+        self._selections: dict[int, torch.Tensor] = {} if selections is None else selections
         self._slot_maps: dict[int, tuple] = {}  # layer -> (placement_version, its `_slots`)
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there

@@ -86,13 +86,14 @@ class ExpertOrchestra:
     @classmethod
     def start(cls, banks: dict, device: torch.device, profile_key_parts: tuple, cache_dir: Path,
               reprofile: bool = False, warnings: list[str] | None = None, policy: str = "balanced",
-              top_k: int = 1, dtype: torch.dtype | None = None) -> "ExpertOrchestra":
+              top_k: int = 1, dtype: torch.dtype | None = None, selections: dict | None = None) -> "ExpertOrchestra":
         """Profile one expert (cached) and build the executor with no expert resident yet.
 
         policy: "balanced" splits offloaded experts so the CPU and the copies finish together, and lets
         the GPU compute some of a lone token's experts, or the last rows of each, from RAM while the CPU
         computes the rest;
         "fiddler" decides expert by expert (kept for comparison). dtype: the activations' (the model's).
+        selections: where the executor counts the routing (OffloadExecutor), shared by one model's devices.
         """
         first = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, first.describe(), device)
@@ -105,7 +106,8 @@ class ExpertOrchestra:
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    zero_copy_ranks=(lambda k: zero_copy_ranks(k, costs)) if balanced else None,
-                                   split_width=(lambda k: split_width(k, costs)) if balanced else None)
+                                   split_width=(lambda k: split_width(k, costs)) if balanced else None,
+                                   selections=selections)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
                    profile_key=key, profile=points, top_k=top_k)

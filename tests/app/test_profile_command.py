@@ -94,9 +94,9 @@ def test_the_cpu_path_named_is_the_one_the_dispatch_takes():
     assert cpu_path(biased).startswith("torch (experts with biases")
 
 
-def test_profile_prints_the_per_device_plan_of_several_budgets_as_planned(tiny_checkpoint, tmp_path, monkeypatch,
-                                                                          capsys):
-    """Two simulated GPUs (the count detection sees is patched): the plan is printed, marked as not running."""
+def test_profile_prints_the_per_device_plan_of_several_budgets(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Two simulated GPUs (the count detection sees is patched; on the CPU the CPU stands in for each): the model
+    loads spread over them and the plan it runs is printed, device by device."""
     import moedesk.engine.hardware as hardware
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
@@ -106,11 +106,12 @@ def test_profile_prints_the_per_device_plan_of_several_budgets_as_planned(tiny_c
             "--gpu-budget", "0.01,0.01"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "per-device plan over 2 GPUs (planned; running on more than one GPU is not implemented yet)" in out
+    assert "per-device plan over 2 GPUs, 1 device crossing(s) per token:" in out
     gpus = re.findall(r"^  GPU (\d): layers (\d)-(\d), ", out, re.M)
     assert [g[0] for g in gpus] == ["0", "1"]
     assert int(gpus[0][1]) == 0 and int(gpus[1][2]) == 2 and int(gpus[1][1]) == int(gpus[0][2]) + 1  # consecutive
-    assert "warning: --gpu-budget 0.01,0.01: planned only; running on more than one GPU is not implemented yet" in out
+    assert "planned only" not in out and "warning:" not in out
+    assert re.search(r"^  GPU 1 \(cpu\): copies an expert in \d+\.\d+ ms", out, re.M)
 
 
 def test_per_device_budgets_that_do_not_match_the_gpus_are_one_line(tiny_checkpoint, tmp_path, monkeypatch, capsys):

@@ -95,11 +95,11 @@ def test_budget_figures_against_the_gpus_detected():
         check_device_budgets([16, -1], 2)
 
 
-def test_the_plan_is_printed_as_planned_not_running():
+def test_the_plan_is_printed_device_by_device():
     pop = _popularity()
     plan = _plan([200, 200], popularity=pop)
     lines = format_device_plan(plan, pop)
-    assert "planned; running on more than one GPU is not implemented yet" in lines[0]
+    assert lines[0] == "per-device plan over 2 GPUs, 1 device crossing(s) per token:"
     assert lines[1].startswith("  GPU 0: layers 0-3") and lines[2].startswith("  GPU 1: layers 4-7")
     assert "10 of 16 experts" in lines[1] and "hit rate" in lines[1]
 
@@ -115,7 +115,7 @@ def test_a_layer_count_below_the_device_count_leaves_the_last_devices_empty():
 
 @pytest.mark.gpu
 def test_two_real_gpus_are_counted_and_planned(tmp_path, monkeypatch, capsys):
-    """On the two-GPU box: detection counts both, and `moedesk profile` plans the demo over them (still run on one)."""
+    """On the two-GPU box: detection counts both, and `moedesk profile` plans and loads the demo over them."""
     import torch
 
     from moedesk.app.cli import main
@@ -128,7 +128,7 @@ def test_two_real_gpus_are_counted_and_planned(tmp_path, monkeypatch, capsys):
     figures = ",".join(["1"] * cuda_device_count())
     assert main(["profile", "--model", "demo", "--context", "1024", "--gpu-budget", figures]) == 0
     out = capsys.readouterr().out
-    assert f"per-device plan over {cuda_device_count()} GPUs (planned;" in out and "  GPU 1: layers " in out
+    assert f"per-device plan over {cuda_device_count()} GPUs, " in out and "  GPU 1: layers " in out
     assert main(["profile", "--model", "demo", "--gpu-budget", figures + ",1"]) != 0
     assert "names" in capsys.readouterr().err
 
