@@ -176,9 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, "
                             "qwen3.5-35b-a3b, tiny-moe, tiny-glm or tiny-qwen35")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
-    bench.add_argument("--gpu-budget", type=float, default=0.0, metavar="GiB",
+    bench.add_argument("--gpu-budget", type=gpu_budget, default=0.0, metavar="GiB",
                        help="the whole GPU's, as the app's: the weights, the KV cache of the context the runs build "
-                            "and workspace first, experts the rest (default: 0, every expert in RAM)")
+                            "and workspace first, experts the rest (default: 0, every expert in RAM); one figure per "
+                            "GPU (16,16): each GPU's whole budget, the layers spread over them")
     bench.add_argument("--policy", choices=["balanced", "fiddler"], default="balanced",
                        help="how offloaded experts are split between CPU and copy-to-GPU (default: balanced)")
     bench.add_argument("--batch", type=int, default=16, metavar="N",
@@ -345,6 +346,9 @@ def run_bench_command(args) -> int:
                          or args.engine == "llama.cpp"):
         raise MoedeskError("bench: --context measures the native engine's plain runs; llama.cpp's depth is "
                            "llama-bench -d (tests/perf/compare_llamacpp.sh)")
+    if isinstance(args.gpu_budget, tuple) and args.engine == "llama.cpp":
+        raise MoedeskError("bench: one --gpu-budget figure per GPU is for the native engine; llama.cpp's split over "
+                           "GPUs is its tensor split")
     if args.model or args.draft or args.prompts or args.speculative or args.beams or args.engine == "llama.cpp":
         from moedesk.bench.machine_load import CpuLoad, busy_warning
 

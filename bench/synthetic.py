@@ -15,6 +15,7 @@ from moedesk.bench.report_text import profile_line, significant, text_table
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.offload.assignment import lone_token_split
+from moedesk.engine.offload.devices import format_device_plan
 from moedesk.engine.requests import Request, SamplingParams
 
 
@@ -132,7 +133,7 @@ class SyntheticBench:
     device: torch.device
     dtype: torch.dtype
     policy: str
-    gpu_budget_gib: float
+    gpu_budget_gib: float | tuple[float, ...]  # several: one per GPU, the layers spread over them
     experts_on_gpu: int
     whole_layers_on_gpu: int
     budget_split: dict | None = None  # bytes of the budget per use (bench.budget); None: every expert in RAM
@@ -159,7 +160,8 @@ class SyntheticBench:
                 "experts_on_gpu": self.experts_on_gpu, "whole_layers_on_gpu": self.whole_layers_on_gpu,
                 "popularity_evenness": round(self.orchestra.evenness, 4), "threads": torch.get_num_threads(),
                 "lone_token_split": self.lone_token_split(), "format_notes": list(self.format_notes),
-                **({"budget_split_bytes": self.budget_split} if self.budget_split else {})}
+                **({"budget_split_bytes": self.budget_split} if self.budget_split else {}),
+                **({"devices": self.orchestra.device_lines()} if hasattr(self.orchestra, "device_lines") else {})}
 
     def lone_token_split(self) -> dict:
         """How decode of one token shares the offloaded experts with the GPU (engine.offload.assignment
@@ -181,13 +183,17 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
     check_bench_fits(cfg, cfg.num_layers, 0 if on_cuda else element, bits, psutil.virtual_memory().available, shape)
 
 
-def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", context: int = 4096,
-                      policy: str = "balanced", log=print, expert_format: str = "dense") -> SyntheticBench:
+def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
+                      context: int = 4096, policy: str = "balanced", log=print,
+                      expert_format: str = "dense") -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     gpu_budget_gib: the whole GPU's, as a user's --gpu-budget: the non-expert weights, one sequence's KV cache of
     `context` positions, a prefill piece's workspace and slack come out of it first (bench.budget), the experts get
     the rest; a budget too small for the first part is refused before the model is built. 0: every expert in RAM.
+    Several figures: one per GPU (cuda:0, cuda:1, ...; on the CPU the CPU repeated), each that GPU's whole budget as
+    the engine's per-device plan counts it (its layers' weights, their KV cache of `context` positions, then its hot
+    experts; engine.offload.devices): the layers run spread over the GPUs (engine.model.layer_devices).
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
     kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4)."""
     from moedesk.bench.budget import bench_dtype, bench_split
@@ -198,6 +204,11 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           ("cpu" if device == "auto" else device))
+    budgets = tuple(gpu_budget_gib) if isinstance(gpu_budget_gib, (tuple, list)) and len(gpu_budget_gib) > 1 else None
+    if isinstance(gpu_budget_gib, (tuple, list)) and not budgets:
+        gpu_budget_gib = gpu_budget_gib[0]
+    devices = _bench_devices(device, len(budgets)) if budgets else None
+    device = devices[0] if budgets else device
     on_cuda = device.type == "cuda"
     if on_cuda:
         leave_a_core_to_the_gpu_thread()
@@ -205,7 +216,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     cfg = shape_config(shape, layers)
     context = max(context, 32 + 16 + 1)  # the calibration below decodes 16 tokens past 32-token prompts
     split = bench_split(cfg, int(gpu_budget_gib * 2**30), context, dtype, default_prefill_chunk(device)) \
-        if gpu_budget_gib > 0 else None
+        if not budgets and gpu_budget_gib > 0 else None
     _check_fits(cfg, shape, dtype, expert_format, on_cuda)
     t0 = time.perf_counter()
     model, banks = synthetic_model(cfg, dtype, device, pinned=on_cuda, context=context, expert_format=expert_format)
@@ -216,10 +227,20 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         log(note)
     # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
     shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(dtype))
-    orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True, policy=policy,
-                                      top_k=cfg.num_experts_per_tok, dtype=dtype)
+    if budgets:
+        from moedesk.engine.model.layer_devices import spread_model
+        from moedesk.engine.offload.device_orchestra import DeviceOrchestra
+
+        sizes = _device_sizes(cfg, dtype, context, budgets, banks)
+        owner = spread_model(model, devices, _owner(budgets, banks, sizes)).device_of_layer
+        orchestra = DeviceOrchestra.start(banks, devices, owner, ("bench", shape_key), cache_root(), reprofile=True,
+                                          policy=policy, top_k=cfg.num_experts_per_tok, dtype=dtype)
+    else:
+        orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True,
+                                          policy=policy, top_k=cfg.num_experts_per_tok, dtype=dtype)
     profile, executor = orchestra.profile, orchestra.executor
-    log(profile_line(profile))
+    for part, d in zip(getattr(orchestra, "parts", [orchestra]), getattr(orchestra, "device_of_part", [None])):
+        log(profile_line(part.profile) if d is None else f"GPU {d}: {profile_line(part.profile)}")
 
     # Popularity as the app calibrates a real model (engine.offload.calibration): two halves of prompts, each
     # prefilled and decoded for a few tokens, all experts on the CPU. Seeds apart from the measured runs'.
@@ -233,7 +254,12 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
     if split is not None:
         parts = {name: getattr(split, name) for name in ("weights", "kv_cache", "workspace", "slack", "experts")}
         log(f"budget at {context} positions: {_split_text(parts)}")
-    on_gpu = orchestra.place(split.experts if split else 0).as_lists()
+    if budgets:
+        for line in format_device_plan(_place_devices(orchestra, budgets, sizes), orchestra.popularity):
+            log(line)
+        on_gpu = executor.on_gpu()
+    else:
+        on_gpu = orchestra.place(split.experts if split else 0).as_lists()
     resident = sum(map(sum, on_gpu))
     whole = sum(all(row) for row in on_gpu)
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
@@ -241,6 +267,47 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float, dev
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
     return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
                           parts, notes)
+
+
+def _bench_devices(device: torch.device, count: int) -> list[torch.device]:
+    """The devices several budget figures stand for: the CUDA GPUs in order, or the CPU repeated (simulated)."""
+    from moedesk.engine.errors import MoedeskError
+
+    if device.type == "cpu":
+        return [device] * count
+    if torch.cuda.device_count() < count:
+        raise MoedeskError(f"--gpu-budget names {count} GPUs and this machine has {torch.cuda.device_count()}")
+    return [torch.device("cuda", i) for i in range(count)]
+
+
+def _device_sizes(cfg, dtype: torch.dtype, context: int, budgets, banks) -> tuple:
+    """engine.offload.devices.layer_sizes at one sequence of `context` positions (the bench's), the MoE layers
+    being those with banks."""
+    from moedesk.engine.offload.devices import layer_sizes
+
+    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, context, len(budgets))
+    return weights, kv, [layer in banks for layer in range(cfg.num_layers)], first, last
+
+
+def _owner(budgets, banks, sizes) -> tuple[int, ...]:
+    from moedesk.engine.offload.devices import layer_owner
+
+    bank = next(iter(banks.values()))
+    return layer_owner([int(b * 2**30) for b in budgets], bank.expert_bytes, bank.num_experts, *sizes)
+
+
+def _place_devices(orchestra, budgets, sizes):
+    """The per-device plan over the calibrated popularity, each device priced by its own profile; placed."""
+    from moedesk.engine.offload.devices import plan_devices
+    from moedesk.engine.offload.placement import LayerCosts
+
+    costs = [None] * len(budgets)
+    for part, d in zip(orchestra.parts, orchestra.device_of_part):
+        costs[d] = None if part.cache else LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device)
+    plan = plan_devices([int(b * 2**30) for b in budgets], orchestra.expert_bytes, len(orchestra.popularity[0]),
+                        orchestra.popularity, *sizes, layer_costs=costs, top_k=orchestra.top_k)
+    orchestra.place_plan(plan)
+    return plan
 
 
 def _split_text(split: dict) -> str:
@@ -257,8 +324,9 @@ def bench_context(prefill: tuple[int, ...] = (512, 2048), decode_tokens: int = 6
                                                                     context_chunk))
 
 
-def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="auto", decode_tokens: int = 64,
-              prefill: tuple[int, ...] = (512, 2048), batch: int = 16, policy: str = "balanced", log=print,
+def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
+              decode_tokens: int = 64, prefill: tuple[int, ...] = (512, 2048), batch: int = 16,
+              policy: str = "balanced", log=print,
               expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512) -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound.
 
@@ -302,10 +370,15 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float, device="aut
 
 
 def format_results(report: dict) -> str:
+    budget = report["gpu_budget_gib"]
+    budget = ",".join(f"{b:g}" for b in budget) if isinstance(budget, (list, tuple)) else budget
     lines = [f"{report['shape']} x{report['layers']} layers, {report['experts']} experts, "
-             f"budget {report['gpu_budget_gib']} GiB, "
+             f"budget {budget} GiB, "
              f"{report['experts_on_gpu']} experts on GPU, {report['policy']}",
              *report.get("format_notes", ())]
+    for d in report.get("devices", ()):  # layers spread over several GPUs
+        lines.append(f"GPU {d['device']} ({d['torch_device']}): MoE layers {d['moe_layers'][0]}-{d['moe_layers'][1]}, "
+                     f"{d['experts_on_gpu']} of {d['experts_total']} experts")
     if report.get("budget_split_bytes"):
         lines.append(f"budget: {_split_text(report['budget_split_bytes'])}")
     rows = []

@@ -107,3 +107,26 @@ def test_every_bench_mode_warns_when_the_machine_was_busy(monkeypatch, capsys):
     monkeypatch.setattr(machine_load.CpuLoad, "others", lambda self: 0.01)
     assert cli.main(["bench", "--beams", "4", "--device", "cpu"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_bench_spreads_the_layers_over_one_budget_per_device(capsys, monkeypatch, tmp_path):
+    """`bench --gpu-budget A,B`: each figure a device's whole budget, the layers spread (on the CPU, the CPU twice);
+    the report names each device's MoE layers and resident experts, and llama.cpp refuses several figures."""
+    import json
+
+    import moedesk.app.cli as cli
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    args = ["bench", "--shape", "tiny-moe", "--layers", "2", "--device", "cpu", "--decode-tokens", "4",
+            "--prefill", "8", "--batch", "1"]
+    assert cli.main([*args, "--gpu-budget", "0.0008,0.0008", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu_budget_gib"] == [0.0008, 0.0008]
+    devices = report["devices"]
+    assert [d["moe_layers"] for d in devices] == [[0, 0], [1, 1]]
+    assert sum(d["experts_on_gpu"] for d in devices) == report["experts_on_gpu"] > 0
+    assert all(0 < d["experts_on_gpu"] < d["experts_total"] for d in devices)  # both tiers on both devices
+    assert "GPU 1 (cpu): MoE layers 1-1" in format_results(report)
+    assert cli.main([*args, "--gpu-budget", "1,1", "--engine", "llama.cpp"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "one --gpu-budget figure per GPU is for the native engine" in err
