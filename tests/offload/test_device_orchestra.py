@@ -64,7 +64,7 @@ def test_two_devices_give_transformers_greedy_text_with_each_devices_own_experts
     assert _generate(engine) == expected
     stats = engine.expert_stats()
     # Resident and offloaded experts both ran (the offloaded on the CPU or copied over, as each step's split says).
-    assert 0 < stats["experts_gpu"] and 0 < stats["experts_cpu"] + stats["experts_copied"] + stats["experts_streamed"]
+    assert 0 < stats["experts_gpu"] and 0 < stats["experts_cpu"] + stats["experts_copied"] + stats["experts_zero_copy"]
     assert [d["experts_on_gpu"] for d in stats["devices"]] == [3, 5]
     assert [d["moe_layers"] for d in stats["devices"]] == [[0, 1], [2, 3]]
     assert stats["experts_on_gpu"] == 8 and stats["experts_total"] == 16
