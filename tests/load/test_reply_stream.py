@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moedesk.engine.load.reply_format import (CALL_LIST, DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, PLAIN,
-                                              ReplyFormat, parse_reply)
+                                              ReplyFormat, ToolCall, parse_reply)
 from moedesk.engine.load.reply_stream import ReplyStream
 
 QWEN3 = ReplyFormat(("<think>", "</think>"), "tagged")
@@ -123,3 +123,65 @@ def test_whitespace_the_whole_reply_strips_is_held_not_shown():
     assert "".join(n.reasoning for n in news) == "plan"
     assert "".join(n.content for n in news) == "Let me check."
     assert all(not n.reasoning.isspace() and not n.content.isspace() for n in news)
+
+
+def random_reply(rng) -> tuple[ReplyFormat, str]:
+    """A well-formed reply of a random family: reasoning, text with markup-like pieces, one to three calls."""
+    def words():
+        return "".join(rng.choice(["a", "<b>", "x < y", " ", "\n", "[1]", "{", "}", "`c`", "é", "\n\n", "<tool",
+                                   "[TOOL", "<|st"]) for _ in range(rng.randint(0, 8)))
+
+    def args():
+        return json.dumps({"k": words(), "n": [rng.randint(0, 9), {"z": words()}]}, ensure_ascii=rng.random() < 0.5)
+
+    def think(tags=("<think>", "</think>")):
+        return tags[0] + words() + tags[1] if rng.random() < 0.6 else ""
+
+    n = range(rng.randint(1, 3))
+    family = rng.randrange(9)
+    if family == 0:
+        return QWEN3, think() + words() + "".join(
+            f'<tool_call>\n{{"name": "f{i}", "arguments": {args()}}}\n</tool_call>' + rng.choice(["", "\n"]) for i in n)
+    if family == 1:
+        return QWEN3, think() + "".join(f"<tool_call>f{i}\n<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n</tool_call>"
+                                        for i in n)
+    if family == 2:
+        return ReplyFormat(None, "llama3"), rng.choice(["", "<|python_tag|>"]) + "; ".join(
+            f'{{"name": "f{i}", "parameters": {args()}}}' for i in n)
+    if family == 3:
+        return ReplyFormat(None, "mistral"), words() + "[TOOL_CALLS][" + ", ".join(
+            f'{{"name": "f{i}", "arguments": {args()}}}' for i in n) + "]"
+    if family == 4:
+        return ReplyFormat(("[THINK]", "[/THINK]"), "mistral"), think(("[THINK]", "[/THINK]")) + "".join(
+            f"[TOOL_CALLS]f{i}[ARGS]{args()}" for i in n)
+    if family == 5:
+        return ReplyFormat(None, "deepseek"), words() + DS_CALLS + "".join(
+            f"{DS_CALL}function{DS_SEP}f{i}\n```json\n{args()}\n```{DS_CALL_END}" for i in n) + DS_CALLS_END
+    if family == 6:
+        return ReplyFormat(("<think>", "</think>"), "deepseek"), think() + DS_CALLS + "".join(
+            f"{DS_CALL}f{i}{DS_SEP}{args()}{DS_CALL_END}" for i in n) + DS_CALLS_END
+    if family == 7:
+        last = (f"<|channel|>commentary to=functions.f <|constrain|>json<|message|>{args()}<|call|>"
+                if rng.random() < 0.5 else f"<|channel|>final<|message|>{words()}<|return|>")
+        return HARMONY, f"<|channel|>analysis<|message|>{words()}<|end|><|start|>assistant{last}"
+    return CALL_LIST, "[" + ",".join(f'{{"name":"f{i}","arguments":{args()}}}' for i in n) + "]"
+
+
+def test_random_replies_in_random_pieces_give_the_whole_replys_parse():
+    import random
+
+    rng = random.Random(43)
+    for _ in range(400):
+        fmt, text = random_reply(rng)
+        whole = parse_reply(text, fmt)
+        stream, news, end = ReplyStream(fmt), [], 0
+        while end < len(text):
+            end = min(len(text), end + rng.randint(1, 5))
+            news.append(stream.update(text[:end]))
+        news.append(stream.update(text, final=True))
+        deltas = [d for new in news for d in new.call_deltas]
+        names = {d.index: d.name for d in deltas if d.name is not None}
+        rebuilt = tuple(ToolCall(names[i], "".join(d.arguments for d in deltas if d.index == i)) for i in sorted(names))
+        assert "".join(n.reasoning for n in news) == whole.reasoning, text
+        assert "".join(n.content for n in news).strip() == whole.content.strip(), text
+        assert tuple(c for n in news for c in n.tool_calls) == whole.tool_calls == rebuilt, text
