@@ -485,7 +485,10 @@ async def test_first_run_says_the_demo_is_being_built_and_cancel_acts_at_once():
 async def test_each_stage_in_words(tiny_folder):
     import threading
 
+    import torch
+
     from moedesk.app.tui.screens.loading import LoadingScreen
+    from moedesk.app.tui.widgets.load_panel import stage_words
 
     steps = [("load", 0.5), ("load", 1.0), ("profile", 1.0), ("calibrate", 1.0)]
     go_on = threading.Event()
@@ -506,8 +509,21 @@ async def test_each_stage_in_words(tiny_folder):
         for n, words in enumerate(expected):
             await wait_for(pilot, lambda: len(at) > n and isinstance(app.screen, LoadingScreen)
                            and words in str(app.screen.panel.query_one(".load-stage").render()), what=words)
+            if words == "Preparing the model":  # the GPU's steps only where the load goes to one
+                shown = str(app.screen.panel.query_one(".load-stage").render())
+                assert shown.startswith(stage_words("loaded", gpu=torch.cuda.is_available()) + "…")
             go_on.set()
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+
+
+def test_a_machine_without_a_gpu_is_not_told_its_gpu_is_measured():
+    from moedesk.app.tui.widgets.load_panel import stage_words
+
+    # Found on a fresh CPU-only machine: the first load said "measuring CPU, GPU and copy speed".
+    assert stage_words("loaded", gpu=False) == "Preparing the model"
+    assert "GPU and copy speed" in stage_words("loaded", gpu=True)
+    assert stage_words("profile", gpu=False) == stage_words("profile", gpu=True)
+    assert stage_words("something new", gpu=True) == "Something new"
 
 
 # ---------------------------------------------------------------- 5. copying

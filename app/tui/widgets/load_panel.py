@@ -26,12 +26,23 @@ STAGE_WORDS = {
     "open": "Opening the model files",
     "build": "Building the demo model (first run only, about 20 s)",
     "load": "Loading weights",
-    "loaded": "Preparing the model (with experts offloaded: measuring CPU, GPU and copy speed, once per machine)",
+    "loaded": "Preparing the model",
     "profile": "Counting which experts the router picks on sample prompts (once per model)",
     "calibrate": "Placing the most picked experts on the GPU",
     "place": "Ready",
     "done": "Ready",
 }
+
+
+# With a GPU the experts are offloaded after the weights load, which measures the machine first.
+GPU_STAGE_WORDS = {
+    "loaded": "Preparing the model (with experts offloaded: measuring CPU, GPU and copy speed, once per machine)",
+}
+
+
+def stage_words(stage: str, gpu: bool) -> str:
+    """What the screen says of a stage; the GPU's steps are not promised on a machine without one."""
+    return (gpu and GPU_STAGE_WORDS.get(stage)) or STAGE_WORDS.get(stage) or stage.capitalize()
 
 
 def stage_now(stage: str, fraction: float) -> str:
@@ -47,6 +58,15 @@ def demo_needs_building() -> bool:
         from moedesk.engine.listing import demo_built
 
         return not demo_built()
+    except Exception:  # noqa: BLE001 - only chooses the words shown
+        return False
+
+
+def _loads_on_gpu(app) -> bool:
+    try:
+        from moedesk.app.tui.load_target import load_target
+
+        return load_target(app).gpu
     except Exception:  # noqa: BLE001 - only chooses the words shown
         return False
 
@@ -105,6 +125,7 @@ class LoadPanel(Vertical):
         self._cancel = threading.Event()
         self._attempt = 0  # messages of an earlier, cancelled load are dropped
         self._started = 0.0
+        self._gpu = False  # whether this load goes to a GPU: only the words shown depend on it
 
     def compose(self) -> ComposeResult:
         yield Static("", classes="load-title", markup=False)
@@ -123,6 +144,7 @@ class LoadPanel(Vertical):
         self._cancel = threading.Event()
         self._attempt += 1
         self._started = time.monotonic()
+        self._gpu = _loads_on_gpu(self.app)
         self.query_one(".load-title", Static).update(f"Loading {short_model_name(model)}")
         self.query_one(".load-error", Static).update("")
         self.remove_class("-failed", "-cancelled")
@@ -176,7 +198,7 @@ class LoadPanel(Vertical):
         """The stage's words and the seconds so far, so that a long step still shows the app is alive."""
         if not self.busy:
             return
-        words = STAGE_WORDS.get(self.stage, self.stage.capitalize())
+        words = stage_words(self.stage, self._gpu)
         seconds = int(time.monotonic() - self._started)
         self.query_one(".load-stage", Static).update(f"{words}… {seconds} s · Esc cancels")
 
