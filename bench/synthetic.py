@@ -225,7 +225,9 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     notes = tuple(format_fallbacks(expert_format, cfg.hidden_size, cfg.moe_intermediate_size))
     for note in notes:
         log(note)
-    # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile.
+    # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile. Said first:
+    # on a slow or busy CPU it takes minutes.
+    log("profiling one expert's latency and the copies to the GPU...")
     shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(dtype))
     if budgets:
         from moedesk.engine.model.layer_devices import spread_model

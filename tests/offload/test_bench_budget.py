@@ -65,8 +65,10 @@ def test_bench_places_what_the_split_leaves_at_its_context(capsys):
     cfg = shape_config("tiny-moe", 2)
     context = bench_context((16,), 6)
     budget = budget_for_experts(cfg, 5, context, "dense", "cpu")
-    report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=1,
-                       log=lambda *a: None)
+    said = []
+    report = run_bench("tiny-moe", 2, budget, device="cpu", decode_tokens=6, prefill=(16,), batch=1, log=said.append)
+    # The profile takes minutes on a busy CPU: a line says so before it starts, not only after.
+    assert said[0].startswith("built tiny-moe") and said[1].startswith("profiling one expert's latency")
     assert report["experts_on_gpu"] == 5  # the same budget for experts alone would hold all 16
     assert int(budget * GIB) // expert_bytes(cfg, "dense", torch.float32) >= 16
     split = report["budget_split_bytes"]
