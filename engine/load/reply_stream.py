@@ -134,6 +134,9 @@ class _New:
 
 
 class _Reader:
+    """A stream's reading: the text so far, the family's generator that keeps its place in it, and what the
+    current update gives."""
+
     def __init__(self, fmt: ReplyFormat, in_reasoning: bool, tools: bool):
         self.text, self.pos, self.read = "", 0, 0
         # a run of whitespace waits for what follows it where the whole parse strips the text it ends
