@@ -101,7 +101,7 @@ class Engine(EngineFace):
         if choice is None or choice.kind == "native":
             try:
                 loaded = cls._load_native(model, device, dtype, context_length, gpu_budget, offload, reprofile,
-                                          progress, expert_dtype, native_asked=choice is not None,
+                                          progress, expert_dtype,
                                           budgets=budgets if budgets and len(budgets) > 1 else None, devices=devices)
                 loaded.why = choice.why if choice else f"native engine: it implements {loaded.config.arch}"
                 return loaded
@@ -120,9 +120,9 @@ class Engine(EngineFace):
 
     @classmethod
     def _load_native(cls, model, device, dtype, context_length, gpu_budget, offload, reprofile, progress,
-                     expert_dtype, native_asked: bool = False, budgets: tuple[float, ...] | None = None,
+                     expert_dtype, budgets: tuple[float, ...] | None = None,
                      devices=None) -> "Engine":
-        checkpoint = open_checkpoint(model, native_asked)
+        checkpoint = open_checkpoint(model)
         torch_device = resolve_device(device)
         if budgets:  # one figure per device: the first device loads the model, the plan spreads its layers
             devices = _plan_devices_for(torch_device, len(budgets)) if devices is None else \

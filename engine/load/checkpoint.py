@@ -226,12 +226,12 @@ def _with_experts_apart(checkpoint):
     return checkpoint
 
 
-def _gguf(path: Path, native_asked: bool):
+def _gguf(path: Path):
     """A GGUF file; Qwen3-Next's fused DeltaNet projections shown split (engine.load.delta_projections)."""
     from moedesk.engine.load.delta_projections import as_the_model_reads_it
     from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
-    return as_the_model_reads_it(GGUFCheckpoint(path, native_asked=native_asked))
+    return as_the_model_reads_it(GGUFCheckpoint(path))
 
 
 def _read_json(path: Path) -> dict:
@@ -249,9 +249,8 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0]
 
 
-def open_checkpoint(model: str, native_asked: bool = False):
-    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache.
-    native_asked: the native engine was asked for (engine.load.gguf_checkpoint.GGUFCheckpoint)."""
+def open_checkpoint(model: str):
+    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
     if model == "demo":
         from moedesk.engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
@@ -259,7 +258,7 @@ def open_checkpoint(model: str, native_asked: bool = False):
     if path.suffix == ".gguf" and not path.is_dir():  # a folder named *.gguf is read as the folder it is
         if not path.is_file():
             raise CheckpointError(path, "no such file")
-        return _gguf(path, native_asked)
+        return _gguf(path)
     if path.is_dir():
         return _with_experts_apart(SafetensorsCheckpoint(path))
     if path.exists():
@@ -269,7 +268,7 @@ def open_checkpoint(model: str, native_asked: bool = False):
         ggufs = sorted(cached.rglob("*.gguf"))
         # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
         if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
-            return _gguf(ggufs[0], native_asked)
+            return _gguf(ggufs[0])
         return _with_experts_apart(SafetensorsCheckpoint(cached))
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")

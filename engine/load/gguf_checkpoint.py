@@ -43,11 +43,8 @@ _MODEL_TYPES = {
     "qwen35moe": (None, "qwen3_5_moe"),
     "deepseek2": (None, "deepseek_v3"),  # DeepSeek-V3/R1, Kimi-K2 and GLM-4.7-Flash: MLA, sigmoid routing
 }
-# Read natively only when the native engine is asked for: llama.cpp runs them faster until the native engine has a
-# kernel for their experts (gpt-oss's MXFP4 experts take the dequantising reference path).
-_ONLY_WHEN_ASKED = frozenset({"gpt-oss"})
 # The GGUF architectures the native engine runs; llama.cpp runs the others (engine.load.size_estimate sizes them).
-NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES) - _ONLY_WHEN_ASKED
+NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES)
 _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
@@ -133,11 +130,10 @@ _DIGITS_PRE = {"smollm", "starcoder", "refact"}  # each digit alone, then GPT-2'
 class GGUFCheckpoint:
     """A .gguf file: `config`, `keys()`, `get_tensor(name)`, `tokenizer`, `tokenizer_config`."""
 
-    def __init__(self, path, header=None, native_asked: bool = False):
+    def __init__(self, path, header=None):
         """`header`: the file's header already parsed (engine.load.gguf_header, from bytes fetched without the
         tensor data) instead of the file at `path`, which then only names it in messages: `config`, `shapes()` and
-        `packed_format()` answer from it, nothing reads tensors. native_asked: the user chose the native engine, which
-        then reads the architectures llama.cpp otherwise runs (_ONLY_WHEN_ASKED)."""
+        `packed_format()` answer from it, nothing reads tensors."""
         self.path = Path(path)
         self._reader = _open_reader(self.path) if header is None else header
         self._fetched = header is not None  # its tensors' bytes came with the header (from the Hub): no file here
@@ -149,10 +145,6 @@ class GGUFCheckpoint:
         if self.arch not in _MODEL_TYPES:
             raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
                                                    f"(supported: {', '.join(sorted(_MODEL_TYPES))})")
-        if self.arch in _ONLY_WHEN_ASKED and not native_asked:
-            raise UnsupportedModelError(self.path, f"GGUF architecture {self.arch!r} runs on llama.cpp unless the "
-                                                   f"native engine is asked for (--engine native): its experts have "
-                                                   f"no native kernel yet")
         self.config = self._build_config()
         self._index = self._build_index()
 

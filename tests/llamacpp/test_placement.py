@@ -98,19 +98,20 @@ def test_engine_choice(tmp_path):
 
 
 def test_auto_after_a_refusal_takes_llama_cpp_for_a_gguf_and_says_what_to_do_otherwise(tmp_path):
-    refusal = UnsupportedModelError(tmp_path / "m.gguf", "unsupported GGUF architecture 'gpt-oss'")
+    refusal = UnsupportedModelError(tmp_path / "m.gguf", "unsupported GGUF architecture 'minimax-m2'")
     chosen = after_refusal(refusal, lambda: None)
-    assert chosen.kind == "llama.cpp" and "gpt-oss" in chosen.why and chosen.model.endswith("m.gguf")
-    with pytest.raises(UnsupportedModelError, match="gpt-oss.*not installed"):
+    assert chosen.kind == "llama.cpp" and "minimax-m2" in chosen.why and chosen.model.endswith("m.gguf")
+    with pytest.raises(UnsupportedModelError, match="minimax-m2.*not installed"):
         after_refusal(refusal, lambda: "llama.cpp engine unavailable: not installed")
     with pytest.raises(UnsupportedModelError, match="use a GGUF of this model"):
-        after_refusal(UnsupportedModelError(tmp_path, "unsupported model_type 'gpt_oss'"), lambda: None)
+        after_refusal(UnsupportedModelError(tmp_path, "unsupported model_type 'minimax_m2'"), lambda: None)
 
 
 def test_the_models_screen_names_llama_cpp_for_a_gguf_of_an_architecture_native_lacks():
     from moedesk.engine.selection import listed_engine
 
-    assert listed_engine("gpt-oss", gguf=True).kind == "llama.cpp" and "gpt-oss" in listed_engine("gpt-oss", True).why
+    assert listed_engine("lfm2moe", gguf=True).kind == "llama.cpp" and "lfm2moe" in listed_engine("lfm2moe", True).why
+    assert listed_engine("gpt-oss", gguf=True).kind == "native"
     assert listed_engine("qwen3moe", gguf=True).kind == "native"
     assert listed_engine("qwen3moe", gguf=True, requested="llama.cpp").kind == "llama.cpp"
     assert listed_engine("mixtral", gguf=False, requested="llama.cpp").kind == "native"  # llama.cpp reads GGUF only

@@ -29,8 +29,8 @@ def test_a_missing_llama_cpp_is_one_line_and_native_still_loads(no_llama_cpp, tm
     # auto on a GGUF the native engine refuses: the refusal and why llama.cpp cannot take it, in one line
     from moedesk.engine.selection import after_refusal
 
-    with pytest.raises(UnsupportedModelError, match="gpt-oss.*not installed") as refused:
-        after_refusal(UnsupportedModelError(gguf, "unsupported GGUF architecture 'gpt-oss'"))
+    with pytest.raises(UnsupportedModelError, match="minimax-m2.*not installed") as refused:
+        after_refusal(UnsupportedModelError(gguf, "unsupported GGUF architecture 'minimax-m2'"))
     assert "\n" not in str(refused.value)
     engine = Engine.load("demo", device="cpu", context_length=64)  # auto: native, which never needs llama_cpp
     assert engine.kind == "native" and engine.why == "native engine: it implements mixtral"

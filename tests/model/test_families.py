@@ -459,17 +459,14 @@ def test_bench_gpt_oss_mxfp4_experts_in_ram_take_the_native_kernel(monkeypatch):
 
 def test_gpt_oss_gguf_generates_the_reference_tokens(tmp_path):
     """gpt-oss as llama.cpp's converter writes it (tests/gguf_from_hf.py: gate and up apart, stacked biases, sinks,
-    yarn, the window): the native engine, asked for, loads it and gives transformers' tokens on the same weights.
-    Unasked, the file is llama.cpp's (faster until the native engine has an MXFP4 kernel): one line says so."""
-    from moedesk.engine.errors import UnsupportedModelError
-    from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES, GGUFCheckpoint
+    yarn, the window): the native engine, which `auto` picks for it, loads it and gives transformers' tokens on the
+    same weights (tests/llamacpp/test_new_archs.py compares it with llama.cpp on MXFP4 experts)."""
+    from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
     from tests.gguf_from_hf import build
 
     built = build("gpt-oss", tmp_path / "gpt-oss")
-    assert "gpt-oss" not in NATIVE_ARCHITECTURES
-    with pytest.raises(UnsupportedModelError, match="--engine native"):
-        GGUFCheckpoint(built.gguf)
-    engine = Engine.load(str(built.gguf), device="cpu", dtype="float32", engine="native")
+    assert "gpt-oss" in NATIVE_ARCHITECTURES
+    engine = Engine.load(str(built.gguf), device="cpu", dtype="float32")
     assert engine.kind == "native" and engine.config.sliding_layers == (True, False, True, False)
     ours = Engine.load(str(built.folder), device="cpu", dtype="float32")
     assert engine.config == ours.config
