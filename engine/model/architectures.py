@@ -112,11 +112,16 @@ def parse_config(hf: dict, path="config.json", tensors: dict | None = None) -> M
     return cfg
 
 
+# model_types that name an architecture moedesk runs under another name: Kimi-K2 ships DeepSeek-V3's architecture as
+# "kimi_k2" (so that engines can tell them apart), and Qwen3.5-MoE's text model saved alone is "qwen3_5_moe_text".
+_SAME_AS = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
 def text_config(hf: dict) -> dict:
-    """The text model's config of a multimodal checkpoint (Qwen3.5-MoE nests it as text_config, under the
-    multimodal model's model_type); any other config as it is."""
-    if hf.get("model_type") == "qwen3_5_moe_text":  # the text model saved alone
-        return {**hf, "model_type": "qwen3_5_moe"}
+    """The config of the text model moedesk runs: a multimodal checkpoint's text_config (Qwen3.5-MoE nests it, under
+    the multimodal model's model_type), a model_type of `_SAME_AS` under the architecture's; any other as it is."""
+    if hf.get("model_type") in _SAME_AS:
+        return {**hf, "model_type": _SAME_AS[hf["model_type"]]}
     inner = hf.get("text_config")
     if hf.get("model_type") != "qwen3_5_moe" or not isinstance(inner, dict):
         return hf
@@ -173,7 +178,7 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if heads % kv_heads:
         raise CheckpointError(path, f"config num_attention_heads={heads} is not a multiple of "
                                     f"num_key_value_heads={kv_heads}")
-    if not hf.get("head_dim") and hidden % heads:
+    if not hf.get("head_dim") and hidden % heads and not arch.latent_attention:  # MLA's widths are its own keys
         raise CheckpointError(path, f"config hidden_size={hidden} is not a multiple of num_attention_heads={heads} "
                                     f"(and no head_dim is given)")
     head_dim = count("head_dim", hf.get("head_dim") or hidden // heads)
@@ -229,6 +234,9 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if arch.model_type == "gpt_oss":
         extra = _gpt_oss_switches(hf, layers, count, positive, path)
     if arch.delta_net:
+        if hf.get("attn_output_gate", True) is not True:  # Qwen3.5 says so; Qwen3-Next's attention is always gated
+            raise UnsupportedModelError(path, f"unsupported config field attn_output_gate="
+                                              f"{_show(hf['attn_output_gate'])}")
         extra = _delta_net_switches(hf, layers, count, path)
         if arch.model_type == "qwen3_5_moe":  # its router always renormalises the top k
             hf = {**hf, "norm_topk_prob": True}
