@@ -134,29 +134,35 @@ class SafetensorsCheckpoint(ModelFiles):
                 os.close(fd)
             self._fds.clear()
 
-    def get_tensor(self, name: str, index: int | None = None) -> torch.Tensor:
-        """Tensor `name`, or only its slice `index` along the first dimension (one expert of a fused stack)."""
+    def get_tensor(self, name: str, index: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its slice `index` along the first dimension (one expert of a fused stack); `part`
+        (i, n): only the i-th of that slice's n equal pieces along its own first dimension (gate's or up's rows of
+        an expert whose two are fused), read alone."""
         file = self._where[name]
         dtype, shape, start, end = self._layout.get(name, (None, [], 0, 0))
         if dtype in _DTYPES and (index is None or 0 <= index < (shape or [0])[0]):
-            return self._read(file, name, _DTYPES[dtype], shape, start, end, index)
+            return self._read(file, name, _DTYPES[dtype], shape, start, end, index, part)
         with self._opening:
             handle = self._open.get(file)
             if handle is None:
                 handle = self._open[file] = self._handle(file)
         try:
-            return handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
+            tensor = handle.get_tensor(name) if index is None else handle.get_slice(name)[index]
         except (SafetensorError, OSError, ValueError, RuntimeError) as e:
             raise CheckpointError(file, f"cannot read tensor {name} ({_first_line(e)})") from None
+        return tensor if part is None else tensor.chunk(part[1])[part[0]]
 
     def _read(self, file: Path, name: str, dtype: torch.dtype, shape: list[int], start: int, end: int,
-              index: int | None) -> torch.Tensor:
-        """One tensor (or its slice `index`) with plain reads at its offset. Not through safetensors' memory map:
-        each page of a map that is read stays in the process's resident memory until the map closes, which for a
-        one-file checkpoint meant holding the whole file until the end of the load."""
+              index: int | None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor (or its slice `index`, or that slice's `part`) with plain reads at its offset. Not through
+        safetensors' memory map: each page of a map that is read stays in the process's resident memory until the
+        map closes, which for a one-file checkpoint meant holding the whole file until the end of the load."""
         if index is not None:
             row = (end - start) // shape[0]
             start, end, shape = start + index * row, start + (index + 1) * row, shape[1:]
+        if part is not None:
+            (i, n), piece = part, (end - start) // part[1]
+            start, end, shape = start + i * piece, start + (i + 1) * piece, [shape[0] // n, *shape[1:]]
         out = torch.empty(end - start, dtype=torch.uint8)
         with self._opening:
             fd = self._fds.get(file)
@@ -215,15 +221,15 @@ def _is_gpt_oss_mxfp4(config: dict) -> bool:
 
 
 def _with_experts_apart(checkpoint):
-    """gpt-oss's checkpoints fuse each layer's experts into a few tensors: shown one expert at a time. Qwen3-Next's
-    and Qwen3.5-MoE's are shown as their text model, with the layout of projections the model reads."""
-    if checkpoint.config.get("model_type") == "gpt_oss":
-        from moedesk.engine.load.fused_experts import FusedExperts
-        return FusedExperts(checkpoint)
+    """Qwen3-Next's and Qwen3.5-MoE's checkpoints are shown as their text model, with the layout of projections the
+    model reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few tensors, shown one
+    expert at a time."""
+    from moedesk.engine.load.fused_experts import FusedExperts, has_fused_experts
+
     if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
         from moedesk.engine.load.delta_projections import as_the_model_reads_it
-        return as_the_model_reads_it(checkpoint)
-    return checkpoint
+        checkpoint = as_the_model_reads_it(checkpoint)
+    return FusedExperts(checkpoint) if has_fused_experts(checkpoint) else checkpoint
 
 
 def _gguf(path: Path):

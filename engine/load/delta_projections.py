@@ -115,6 +115,9 @@ class TextModel:
     def release(self, name: str) -> None:
         getattr(self.inner, "release", lambda _: None)(self._names.get(name, name))
 
+    def get_tensor_shape(self, name: str) -> list[int]:
+        return self.inner.get_tensor_shape(self._names.get(name, name))
+
     def packed_format(self, name: str):
         return self.inner.packed_format(self._names.get(name, name))
 

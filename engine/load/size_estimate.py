@@ -119,17 +119,17 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
     them first: the config against the shapes, and no tensor the architecture does not know (one-line
     CheckpointError / UnsupportedModelError naming `path`)."""
-    if config.get("model_type") == "gpt_oss":  # fused experts, shown apart as engine.load.fused_experts loads them
-        from moedesk.engine.load.fused_experts import shapes_apart
-
-        stored = {name: t.stored for name, t in tensors.items()}
-        tensors = {name: TensorInfo(shape, "mxfp4" if packed else stored.get(name, "float"))
-                   for name, (shape, packed) in shapes_apart({n: t.shape for n, t in tensors.items()}).items()}
     if text_config(config).get("model_type") in ("qwen3_next", "qwen3_5_moe"):  # as delta_projections shows them
         from moedesk.engine.load.delta_projections import shapes_as_read
 
         shown = shapes_as_read(config, {name: t.shape for name, t in tensors.items()})
         tensors = {name: dataclasses.replace(tensors[source], shape=shape) for name, (shape, source) in shown.items()}
+    from moedesk.engine.load.fused_experts import fused_layout, shapes_apart
+
+    if (layout := fused_layout(config)) is not None:  # fused experts, shown apart as engine.load.fused_experts does
+        apart = shapes_apart({n: t.shape for n, t in tensors.items()}, layout)
+        tensors = {name: TensorInfo(shape, "mxfp4" if packed else tensors[source].stored)
+                   for name, (shape, packed, source) in apart.items()}
     cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
     rules = weight_name_map(cfg)
     other, float32, experts, stored = 0, 0, {}, {}

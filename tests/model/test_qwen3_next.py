@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 
 import pytest
@@ -185,10 +186,30 @@ def test_beam_search_equals_transformers(family, built):
             assert done.token_ids == new[:end], beams
 
 
+def fuse_experts(tensors: dict) -> dict:
+    """Each layer's experts as the released Qwen3.5-MoE checkpoints hold them (their index names
+    model.language_model.layers.N.mlp.experts.gate_up_proj [256, 1024, 2048] and down_proj [256, 2048, 512] for the
+    35B-A3B): gate_up_proj [E, 2F, H], gate's rows then up's, and down_proj [E, H, F]; transformers fuses them so too
+    (its qwen2_moe conversion: MergeModulelist, then Concatenate on dim 1)."""
+    out, layers = {}, {}
+    for name, t in tensors.items():
+        if m := re.fullmatch(r"(model\.language_model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)_proj\.weight", name):
+            layers.setdefault(m[1], {}).setdefault(m[3], {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for stem, parts in layers.items():
+        stack = {part: torch.stack([experts[e] for e in sorted(experts)]) for part, experts in parts.items()}
+        out[f"{stem}.gate_up_proj"] = torch.cat([stack["gate"], stack["up"]], dim=1)
+        out[f"{stem}.down_proj"] = stack["down"]
+    return out
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["experts-apart", "experts-fused"])
 def test_a_multimodal_qwen35_checkpoint_loads_its_text_model_and_says_images_are_not_supported(built, tmp_path,
-                                                                                             caplog):
+                                                                                             caplog, fused):
     """The released layout: the config nests the text model's as text_config beside a vision_config, the text
-    model's tensors live under model.language_model., a vision tower and an MTP layer beside them."""
+    model's tensors live under model.language_model., a vision tower and an MTP layer beside them; each layer's
+    experts fused into two tensors (`fuse_experts`), the MTP layer's apart, as released; or every expert apart."""
     b = built("qwen35moe")
     folder = tmp_path / "multimodal"
     shutil.copytree(b.folder, folder)
@@ -201,6 +222,11 @@ def test_a_multimodal_qwen35_checkpoint_loads_its_text_model_and_says_images_are
                for k, v in load_file(b.folder / "model.safetensors").items()}
     tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3)
     tensors["mtp.layers.0.input_layernorm.weight"] = torch.zeros(64)
+    tensors["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = torch.zeros(32, 64)
+    if fused:
+        tensors = fuse_experts(tensors)
+        assert tensors["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (8, 64, 64)
+        assert not any(".mlp.experts.0." in n for n in tensors if n.startswith("model."))
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
     assert engine.config.arch == "qwen3_5_moe"
