@@ -32,10 +32,11 @@ from typing import Iterator
 
 try:
     import fcntl
-except ImportError:  # not on Windows: runs there go unlocked
+except ImportError:  # Windows: a lock file beside the output instead (see _lock_output)
     fcntl = None
 
 from moedesk.app import chat_request
+from moedesk.app.tui.conversation_lock import ConversationLock
 from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.errors import EngineUnavailable, MoedeskError
 from moedesk.engine.load.reply_format import Parsed, parse_reply, starts_in_reasoning
@@ -338,7 +339,9 @@ def check_batch_paths(in_path, out_path) -> None:
         if _is_regular_file(out_path):
             try:
                 with open(out_path, "ab") as f:
-                    _lock_output(f, out_path)
+                    lock = _lock_output(f, out_path)
+                    if lock is not None:
+                        lock.release()
             except OSError as e:
                 raise BatchUsageError(f"{out_path}: cannot write the output file ({e.strerror})") from None
     elif not os.access(parent, os.W_OK):
@@ -362,21 +365,28 @@ def _wide_encoding(head: bytes) -> str | None:
     return None
 
 
-def _lock_output(out, out_path) -> None:
+def _lock_output(out, out_path) -> ConversationLock | None:
     """Hold an exclusive lock on the output while the run writes it; refuse if another run holds it.
 
     Two runs appending to one file would each skip only what the other had written when it
-    started, and write every other line twice. The lock goes with the file's closing (or the process).
+    started, and write every other line twice. A flock goes with the file's closing (or the process); without
+    flock (Windows) the lock is `<output>.lock` beside it, returned for the caller to release (a killed run's
+    is stale and broken by the next, see app.tui.conversation_lock).
     """
+    busy = BatchUsageError(f"{out_path}: another moedesk batch is writing this file; let it finish "
+                           f"(rerunning afterwards completes what it did not) or choose another -o")
     if fcntl is None:
-        return
+        lock = ConversationLock.try_acquire(Path(f"{out_path}.lock"))
+        if isinstance(lock, str):
+            raise busy
+        return lock
     try:
         fcntl.flock(out.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise BatchUsageError(f"{out_path}: another moedesk batch is writing this file; let it finish "
-                              f"(rerunning afterwards completes what it did not) or choose another -o") from None
+        raise busy from None
     except OSError:
         pass  # a file system without locks (some network mounts): run unlocked rather than not at all
+    return None
 
 
 # --- what an earlier run already wrote --------------------------------------------------------
@@ -1049,7 +1059,9 @@ def run_batch(in_path, out_path, engine, settings: BatchSettings, *, stderr=sys.
             resumable = _is_regular_file(out_path)
         written = _Written()
         if resumable:
-            _lock_output(out, out_path)  # before reading what is done: no other run may add to it now
+            lock = _lock_output(out, out_path)  # before reading what is done: no other run may add to it now
+            if lock is not None:
+                stack.callback(lock.release)
             try:
                 with open(out_path, "rb") as f:
                     written = _read_written(f, out_path)

@@ -15,7 +15,7 @@ Two ways to hold it, behind one interface:
   another process keeps open, and because this one runs, and is tested, on every system.
 
 Either way the file holds "<pid> <start time>", so that a reader can say who has a conversation without
-taking its lock (`holder`).
+taking its lock (`holder`). `moedesk batch` takes the same lock beside its output where flock is missing.
 """
 from __future__ import annotations
 

@@ -243,6 +243,35 @@ def test_two_runs_at_once_write_every_line_once(tmp_path):
     assert [r["id"] for r in read_jsonl(out)] == [line["id"] for line in LINES]
 
 
+def test_without_flock_a_lock_file_beside_the_output_keeps_one_run_at_a_time(tmp_path, monkeypatch):
+    # Windows has no fcntl: runs there went unlocked. Forced here by taking fcntl away from both modules.
+    import importlib
+
+    from moedesk.app.tui import conversation_lock
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "fcntl", None)
+        importlib.reload(conversation_lock)
+    monkeypatch.setattr(batch_module, "fcntl", None)
+    try:
+        src = write_jsonl(tmp_path / "in.jsonl", LINES)
+        out, lock_file = tmp_path / "out.jsonl", tmp_path / "out.jsonl.lock"
+        out.touch()
+        other = conversation_lock.ConversationLock.try_acquire(lock_file)  # what a run in progress holds
+        for attempt in (lambda: check_batch_paths(src, out),
+                        lambda: run_batch(src, out, FakeEngine(), BatchSettings(temperature=0), stderr=io.StringIO())):
+            with pytest.raises(BatchUsageError, match="another moedesk batch is writing this file"):
+                attempt()
+        assert out.read_text() == ""
+        other.release()
+        lock_file.write_text("999999999 1.00\n")  # a run killed while it wrote: its lock file stays, stale
+        assert batch(tmp_path, LINES)[0] == 0
+        assert [r["id"] for r in read_jsonl(out)] == [line["id"] for line in LINES]
+        assert not lock_file.exists()  # a run that ends removes its lock file
+    finally:
+        importlib.reload(conversation_lock)
+
+
 def test_a_rerun_over_an_output_holding_duplicates_adds_nothing(tmp_path):
     reference = batch(tmp_path, LINES, out="reference.jsonl")[1]
     doubled = [record for record in reference for _ in (0, 1)]
