@@ -253,3 +253,20 @@ def test_a_kimi_k2_checkpoint_loads_as_the_deepseek_v3_it_is(tiny_checkpoint, tm
         cache = engine.model.new_cache(1, len(ids), torch.float32, "cpu")
         logits.append(engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0])
     assert torch.equal(*logits)
+
+
+def test_mla_with_heads_that_do_not_divide_the_hidden_size_runs_as_transformers(tmp_path):
+    """GLM-4.7-Flash's 20 heads do not divide its 2048 hidden size, which MLA never needs: a tiny glm4_moe_lite of 5
+    heads over 64 loads and gives transformers' greedy tokens."""
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests import tiny_models
+    from tests.reference import hf_greedy, hf_model
+
+    folder = tiny_models.build("glm4_moe_lite", tmp_path / "glm", num_attention_heads=5, num_key_value_heads=5)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    assert (engine.config.hidden_size, engine.config.num_heads) == (64, 5)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    done = engine.complete([Request(prompt, SamplingParams(max_new_tokens=12, temperature=0))])
+    assert done[0].token_ids == hf_greedy(hf_model(folder), prompt, 12, eos)
