@@ -188,6 +188,33 @@ def test_native_gpt_oss_mxfp4_gguf_agrees_with_llama_cpp_on_the_same_file(family
     assert in_ram.executor.stats.cpu_experts > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["gpt-oss-mxfp4"], indirect=True)
+def test_native_gpt_oss_mxfp4_gguf_on_cuda_agrees_with_llama_cpp(family, tmp_path, monkeypatch):
+    """The same comparison on the GPU: every expert resident, computed packed by kernels.gpu_quant (never the
+    dequantising reference), in float32, against llama.cpp's CPU logits on the same file; the same bound."""
+    from tokenizers import Tokenizer
+
+    from tests.model.test_families import teacher_forced
+    from tests.model.test_gpt_oss_gpu import load_on_gpu
+
+    name, built, llm, _ = family
+    tokenizer = Tokenizer.from_file(str(built.folder / "tokenizer.json"))
+    engine, calls = load_on_gpu(built.gguf, "float32", monkeypatch, tmp_path)
+    assert engine.kind == "native" and next(iter(engine.executor.banks.values())).gpu.describe() == "mxfp4"
+    errors, agree = [], []
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt).ids
+        ids += hf_greedy(built.model, ids, NEW_TOKENS)[:-1]
+        theirs, ours = llama_logits(llm, ids), teacher_forced(engine, ids).numpy()
+        errors.append(float(np.abs(ours - theirs).mean() / theirs.std()))
+        agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+    print(f"native on CUDA vs llama.cpp on {name}: mean logit error {max(errors):.4f} of their spread, "
+          f"top-1 {np.mean(agree):.3f}")
+    assert max(errors) <= 0.1 and np.mean(agree) >= 0.9, (errors, np.mean(agree))
+    assert calls and set(calls) == {"gpu_quant.grouped_experts_forward"}, set(calls)
+
+
 def routed_expert_bytes(config, mxfp4: bool = False) -> int:
     """The routed experts' bytes, by hand from the transformers config: float32, or MXFP4 (17 bytes per 32)."""
     h = config.hidden_size
