@@ -270,3 +270,57 @@ def test_mla_with_heads_that_do_not_divide_the_hidden_size_runs_as_transformers(
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
     done = engine.complete([Request(prompt, SamplingParams(max_new_tokens=12, temperature=0))])
     assert done[0].token_ids == hf_greedy(hf_model(folder), prompt, 12, eos)
+
+
+@pytest.mark.parametrize("hf, config_class", [(GPT_OSS_20B, "GptOssConfig"), (DEEPSEEK_V3, "DeepseekV3Config"),
+                                              (KIMI_K2, "DeepseekV3Config")], ids=["gpt-oss-20b", "deepseek-v3", "kimi-k2"])
+def test_the_yarn_rope_of_each_release_is_transformers(hf, config_class):
+    """Their rope scaling (gpt-oss's untruncated, DeepSeek's with mscale, Kimi-K2's with beta_fast = beta_slow) gives
+    transformers' own frequencies and attention factor, from the same config."""
+    import torch
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moedesk.engine.model.transformer import rope_inv_freq
+
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in hf.items() if k not in ("model_type", "auto_map")})
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs, "cpu")
+    cfg = parse_config(hf)
+    assert torch.equal(rope_inv_freq(cfg.rope, cfg.rope_dims), inv_freq)
+    assert cfg.rope.attention_factor == pytest.approx(attention_factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("hf, config_class, attention", [
+    (DEEPSEEK_V3, "DeepseekV3Config", "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"),
+    (KIMI_K2, "DeepseekV3Config", "deepseek_v3.modeling_deepseek_v3.DeepseekV3Attention"),
+    (GLM_4_7_FLASH, "Glm4MoeLiteConfig", "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteAttention")],
+    ids=["deepseek-v3", "kimi-k2", "glm-4.7-flash"])
+def test_the_latent_attentions_softmax_scale_is_transformers(hf, config_class, attention):
+    """MLA's softmax scale (yarn's mscale squared where mscale_all_dim is set) as transformers' attention module
+    computes it from the same config (built on the meta device: nothing is allocated)."""
+    import importlib
+
+    import torch
+    import transformers
+
+    module, _, name = attention.rpartition(".")
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in hf.items() if k not in ("model_type", "auto_map")})
+    with torch.device("meta"):
+        layer = getattr(importlib.import_module(f"transformers.models.{module}"), name)(theirs, layer_idx=3)
+    assert parse_config(hf).attention_scale == pytest.approx(layer.scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("hf, config_class", [(QWEN3_NEXT_80B, "Qwen3NextConfig"), (QWEN3_5_35B_A3B, "Qwen3_5MoeConfig"),
+                                              (GPT_OSS_20B, "GptOssConfig")], ids=["qwen3-next", "qwen3.5", "gpt-oss"])
+def test_the_layer_kinds_and_rotary_width_are_transformers(hf, config_class):
+    """Which layers are Gated DeltaNet (or slide), and how many of a head's dims RoPE turns, as transformers' config
+    class derives them from the same file (Qwen3-Next's layer_types from full_attention_interval)."""
+    import transformers
+
+    theirs = getattr(transformers, config_class)(**{k: v for k, v in hf.items() if k != "model_type"})
+    theirs = getattr(theirs, "text_config", None) or theirs
+    cfg = parse_config(hf)
+    kinds = cfg.sliding_layers if cfg.sliding_layers else cfg.linear_layers
+    assert kinds == tuple(k in ("linear_attention", "sliding_attention") for k in theirs.layer_types)
+    factor = theirs.rope_parameters.get("partial_rotary_factor", 1.0)
+    assert cfg.rope_dims == int(theirs.head_dim * factor)
