@@ -31,10 +31,14 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    folder = tiny_models.build("gpt_oss", tmp_path_factory.mktemp("harmony"), chat_template=None,
-                               special_tokens=HARMONY_TOKENS, eos_token="<|return|>", eos_token_id=[RETURN, CALL],
-                               max_position_embeddings=2048)
+def folder(tmp_path_factory):
+    return tiny_models.build("gpt_oss", tmp_path_factory.mktemp("harmony"), chat_template=None,
+                             special_tokens=HARMONY_TOKENS, eos_token="<|return|>", eos_token_id=[RETURN, CALL],
+                             max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def engine(folder):
     return Engine.load(str(folder), device="cpu", dtype="float32")
 
 
@@ -119,6 +123,31 @@ def test_each_effort_is_its_own_prompt(client):
     counts = {e: client.chat.completions.create(model="oss", messages=ASK, reasoning_effort=e, max_tokens=1
                                                 ).usage.prompt_tokens for e in ("low", "medium")}
     assert counts["low"] != counts["medium"]
+
+
+def test_the_effort_reaches_the_template_through_every_api_and_batch_lines(client, url, engine, folder, tmp_path):
+    """reasoning_effort on chat, reasoning.effort on /v1/responses, Ollama's `think` level and a batch line's field:
+    each gives the prompt the template writes for that effort."""
+    from moedesk.app.cli import main
+
+    ollama = pytest.importorskip("ollama")
+    local = ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+    efforts = ("low", "high")
+    expected = {e: len(engine.tokenizer.encode(engine.tokenizer.render_chat(ASK, reasoning_effort=e),
+                                               add_special_tokens=False)) for e in efforts}
+    assert expected["low"] != expected["high"]
+    for effort in efforts:
+        chat = client.chat.completions.create(model="oss", messages=ASK, reasoning_effort=effort, max_tokens=1)
+        responses = client.responses.create(model="oss", input=ASK, reasoning={"effort": effort}, max_output_tokens=1)
+        thought = local.chat(model="oss", messages=ASK, think=effort, options={"num_predict": 1})
+        assert chat.usage.prompt_tokens == responses.usage.input_tokens == thought.prompt_eval_count == \
+            expected[effort], effort
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": e, "messages": ASK, "reasoning_effort": e}) + "\n" for e in efforts))
+    assert main(["batch", str(src), "-o", str(out), "--model", str(folder), "--device", "cpu", "--dtype", "float32",
+                 "--max-new-tokens", "1"]) == 0
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert {e: records[e]["usage"]["prompt_tokens"] for e in efforts} == expected
 
 
 def test_the_analysis_channel_comes_back_as_reasoning(client, forced):
