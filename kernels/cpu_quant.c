@@ -162,10 +162,14 @@ static inline int32_t hsum4i(__m128i s) {
     return _mm_cvtsi128_si32(s);
 }
 
-/* 32 fp32 values into block b of a quantised row of K values; fmt: the format of the weights the VNNI
- * kernels will dot it with (its offset and segment layout), or LANE8 + that format for the AVX2 lane path. */
-static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64_t b, int fmt) {
-    const int64_t Kc = round_up(K, 64);
+/* 32 fp32 values as int8s of scale d = amax / 127, each rounded to nearest (ties to even): the 32 bytes in
+ * order, and the same values as int32s, eight a vector, for the sums of q the dot products subtract. */
+typedef struct {
+    __m256i bytes, q[4];
+    float d;
+} Quant32;
+
+static inline Quant32 quantize32(const float *v) {
     __m256 a[4], m = _mm256_setzero_ps();
     const __m256 sign = _mm256_set1_ps(-0.f);
     for (int i = 0; i < 4; i++) {
@@ -175,13 +179,24 @@ static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64
     __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
     h = _mm_max_ps(h, _mm_movehl_ps(h, h));
     h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id))); /* nearest, ties to even */
+    const float amax = _mm_cvtss_f32(h), id = amax > 0.f ? 127.f / amax : 0.f;
+    Quant32 r = {.d = amax / 127.f};
+    for (int i = 0; i < 4; i++) r.q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id)));
     /* packs interleave 128-bit halves; the permute puts the 32 bytes back in order */
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    const __m256i ordered = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(r.q[0], r.q[1]), _mm256_packs_epi32(r.q[2], r.q[3]));
+    r.bytes = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    return r;
+}
+
+/* 32 fp32 values into block b of a quantised row of K values; fmt: the format of the weights the VNNI
+ * kernels will dot it with (its offset and segment layout), or LANE8 + that format for the AVX2 lane path. */
+static inline void quantize_block(const float *v, uint8_t *row, int64_t K, int64_t b, int fmt) {
+    const int64_t Kc = round_up(K, 64);
+    const Quant32 qb = quantize32(v);
+    const __m256i *q = qb.q;
+    const __m256i ordered = qb.bytes;
     const __m256i q01 = _mm256_add_epi32(q[0], q[1]), q23 = _mm256_add_epi32(q[2], q[3]);
+    const float d = qb.d;
     XM(row, Kc)[b] = d * (float)hsum8i(_mm256_add_epi32(q01, q23));
     const int lane8 = fmt >= LANE8;
     if (lane8) fmt -= LANE8;
@@ -1026,26 +1041,15 @@ static int64_t amx_tile_bytes(int64_t K) { return 16 * K + 2 * (K / 32) * 64; }
 
 static inline int amx_format(int fmt) { return fmt != Q6_K; }
 
-/* 32 fp32 values as block b of token t (0-15) of a token tile; the rounding is quantize_block's. */
+/* 32 fp32 values as block b of token t (0-15) of a token tile, rounded as quantize_block rounds (quantize32). */
 static inline void amx_quantize(const float *v, uint8_t *tile, int64_t K, int64_t b, int t) {
-    __m256 a[4], m = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int i = 0; i < 4; i++) {
-        a[i] = _mm256_loadu_ps(v + 8 * i);
-        m = _mm256_max_ps(m, _mm256_andnot_ps(sign, a[i]));
-    }
-    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_max_ss(h, _mm_movehdup_ps(h));
-    const float amax = _mm_cvtss_f32(h), d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    __m256i q[4];
-    for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], _mm256_set1_ps(id)));
-    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    const Quant32 q = quantize32(v);
     _Alignas(32) uint32_t dw[8];
-    _mm256_store_si256((__m256i *)dw, _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    _mm256_store_si256((__m256i *)dw, q.bytes);
     for (int i = 0; i < 8; i++) memcpy(tile + (8 * b + i) * 64 + 4 * t, &dw[i], 4);
-    AMX_XD(tile, K)[16 * b + t] = d;
-    AMX_XM(tile, K)[16 * b + t] = d * (float)hsum8i(_mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3])));
+    AMX_XD(tile, K)[16 * b + t] = q.d;
+    AMX_XM(tile, K)[16 * b + t] = q.d * (float)hsum8i(_mm256_add_epi32(_mm256_add_epi32(q.q[0], q.q[1]),
+                                                                        _mm256_add_epi32(q.q[2], q.q[3])));
 }
 
 #define AMXF __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")))
