@@ -34,6 +34,25 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoint):
+    """engines(arch, offload=False, device="cpu") -> a float32 engine of that tiny model (experts offloaded to the
+    GPU tier, simulated on the CPU, at budget 0 when offload), loaded once per module."""
+    from moedesk.engine.runtime import Engine
+
+    made = {}
+
+    def get(arch, offload=False, device="cpu"):
+        if (arch, offload, device) not in made:
+            kw = dict(offload=True, gpu_budget=0) if offload else {}
+            made[arch, offload, device] = Engine.load(str(tiny_checkpoint(arch)), device=device, dtype="float32", **kw)
+        return made[arch, offload, device]
+
+    yield get
+    for engine in made.values():
+        engine.scheduler.close()  # what a failed test left in flight: no decode thread outlives the module
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """Profiles, popularity counts and step timings of the tests' throwaway checkpoints are keyed by their paths:

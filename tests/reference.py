@@ -1,4 +1,5 @@
-"""Hugging Face transformers as the reference: greedy tokens and logits for a checkpoint folder."""
+"""The references: Hugging Face transformers' greedy tokens and logits for a checkpoint folder, llama.cpp's
+(llama-cpp-python) greedy tokens for a GGUF file."""
 from __future__ import annotations
 
 import functools
@@ -31,3 +32,15 @@ def hf_last_logits(model, prompt_ids: list[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     with torch.no_grad():
         return model(torch.tensor([prompt_ids], device=device)).logits[0, -1].float().cpu()
+
+
+def llama_greedy(llm, prompt_ids: list[int], n: int, stop=()) -> list[int]:
+    """llama-cpp-python's greedy continuation of up to n tokens, cut before the first token in `stop`."""
+    out = []
+    for token in llm.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        if int(token) in stop:
+            break
+        out.append(int(token))
+        if len(out) == n:
+            break
+    return out

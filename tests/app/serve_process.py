@@ -20,13 +20,17 @@ def serve_process(args: list[str], api_key: str, startup_s: float = 90):
 
 
 @contextlib.contextmanager
-def served(args: list[str], api_key: str, startup_s: float = 90):
-    """As serve_process, yielding (url, the server's Popen) for a test that kills it on purpose."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    env = {**os.environ, "MOEDESK_API_KEY": api_key}
+def served(args: list[str], api_key: str | None, startup_s: float = 90, port: int | None = None):
+    """As serve_process, yielding (url, the server's Popen) for a test that kills it on purpose. api_key None: the
+    server runs without one; port None: a free one."""
+    if port is None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        sock.close()
+    env = {k: v for k, v in os.environ.items() if k != "MOEDESK_API_KEY"}
+    if api_key is not None:
+        env["MOEDESK_API_KEY"] = api_key
     proc = subprocess.Popen([sys.executable, "-m", "moedesk", "serve", *args, "--port", str(port)],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

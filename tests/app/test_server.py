@@ -14,6 +14,7 @@ from moedesk.app.server import build_app
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.app.serve_process import serve_process
+from tests.at_once import at_once
 
 KEY = "sk-test-key"
 ARCH = "qwen3_moe"
@@ -157,23 +158,9 @@ def test_eight_concurrent_streams_complete_and_share_steps(client, engine, url):
     expected = {c.tag: c.text for c in engine.generate(
         [Request(engine.tokenizer.encode(p), params, tag=p) for p in prompts], batch_size=1)}
     before = stats(url)["scheduler"]
-    results, errors = {}, []
-    start = threading.Barrier(len(prompts))
-
-    def one(p):
-        try:
-            start.wait()
-            results[p] = streamed(client, chat=False, prompt=p, max_tokens=32, temperature=0,
-                                  stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        except Exception as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=one, args=(p,)) for p in prompts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors
+    results = dict(zip(prompts, at_once(lambda p: streamed(
+        client, chat=False, prompt=p, max_tokens=32, temperature=0, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}), prompts, 120)))
     for p in prompts:
         text, chunks = results[p]
         assert text == expected[p]

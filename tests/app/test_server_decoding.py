@@ -5,7 +5,6 @@ At temperature 0 every reply equals plain greedy decoding's (speculation is loss
 usage and the `moedesk` stats count the drafts the model accepted; bad extension values are 400 error objects.
 """
 import json
-import threading
 
 import httpx
 import openai
@@ -16,6 +15,7 @@ from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.app.serve_process import serve_process
 from tests.app.test_server import ARCH, KEY, running_server
+from tests.at_once import at_once
 from tests.speculative.test_speculative_decode import random_head
 
 MESSAGES = [{"role": "user", "content": "Hello, fox!"}]
@@ -88,19 +88,9 @@ def test_concurrent_speculative_requests_verify_together(engine, spec_url):
     want = [engine.tokenizer.decode(greedy_reference(engine, [{"role": "user", "content": p}], 24).token_ids)
             for p in prompts]
     client = client_of(spec_url)
-    start = threading.Barrier(len(prompts))
-    results = [None] * len(prompts)
-
-    def ask(k):
-        start.wait()
-        results[k] = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompts[k]}],
-                                                    max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
-
-    threads = [threading.Thread(target=ask, args=(k,)) for k in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    results = at_once(lambda p: client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": p}], max_tokens=24, temperature=0,
+        extra_body={"ignore_eos": True}), prompts, 120)
     assert [r.choices[0].message.content for r in results] == want
     # They verified in one job's forwards: more than one row per round on average, for some of them at least.
     assert max(r.model_extra["moedesk"]["speculative"]["mean_rows"] for r in results) > 1

@@ -9,6 +9,7 @@ import pytest
 
 from moedesk.engine.runtime import Engine
 from tests import tiny_models
+from tests.app.openai_checks import assert_all_reasoning
 from tests.app.test_server import running_server
 
 KEY = "sk-tools"
@@ -48,15 +49,7 @@ def client(url):
 
 def test_reasoning_comes_apart_from_the_answer_and_the_switch_reaches_the_template(client, engine):
     # The template opens <think>: a random model never closes it, so its whole reply is reasoning.
-    reply = client.chat.completions.create(model="tiny", messages=ASK, **GREEDY)
-    text = engine.tokenizer.decode(reply.model_extra["moedesk"]["token_ids"])
-    message = reply.choices[0].message
-    assert message.model_extra["reasoning_content"] == text.strip() and text.strip()
-    assert message.content == ""
-    streamed = list(client.chat.completions.create(model="tiny", messages=ASK, stream=True, **GREEDY))
-    deltas = [c.choices[0].delta for c in streamed if c.choices]
-    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == text.strip()
-    assert "".join(d.content or "" for d in deltas) == ""
+    assert_all_reasoning(client, "tiny", ASK, engine.tokenizer.decode, **GREEDY)
 
     # enable_thinking false: the template writes an empty think block, and the same kind of reply is the answer.
     off = dict(GREEDY, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})

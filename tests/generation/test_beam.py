@@ -37,20 +37,6 @@ def set_eos(engine, eos, monkeypatch):
     monkeypatch.setattr(engine.runner, "stop_ids", frozenset(eos))  # the stop set every decoding mode reads
 
 
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
-        return made[arch]
-
-    yield get
-    for engine in made.values():
-        engine.scheduler.close()  # what a failed test left in flight: no decode thread outlives the module
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_models_own_eos_and_widths_2_and_4_match_transformers(arch, engines, tiny_checkpoint):
     engine = engines(arch)

@@ -7,6 +7,7 @@ import pytest
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from moedesk.engine.generation.scheduler import Group, QueueFull
+from tests.at_once import at_once
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -42,19 +43,12 @@ def test_requests_from_several_threads_share_steps_and_match_running_alone(engin
     ids = [engine.tokenizer.encode(p) for p in prompts]
     expected = [alone(engine, i).token_ids for i in ids]
     before = engine.scheduler.stats()
-    start = threading.Barrier(len(ids))
-    results = [None] * len(ids)
 
-    def client(k):
-        start.wait()
-        handle = engine.submit(Request(ids[k], SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)))
-        results[k] = [u for u in handle.updates(timeout=30)][-1].completion
+    def client(prompt_ids):
+        handle = engine.submit(Request(prompt_ids, SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)))
+        return [u for u in handle.updates(timeout=30)][-1].completion
 
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(len(ids))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    results = at_once(client, ids, 60)
     for k, done in enumerate(results):
         assert done.token_ids[:12] == expected[k] and len(done.token_ids) == 24
         assert done.stats["decode_steps"] == 23

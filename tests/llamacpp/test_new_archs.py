@@ -21,7 +21,7 @@ import torch
 
 from tests.gguf_from_hf import FAMILIES, build
 from tests.tiny_models import SPECIAL
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, llama_greedy
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -54,16 +54,6 @@ def family(request, tmp_path_factory):
     yield name, built, llm, flash
     llm.close()
     flash.close()
-
-
-def llama_greedy(llm, prompt_ids: list[int], n: int) -> list[int]:
-    llm.reset()
-    out = []
-    for token in llm.generate(prompt_ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
-        out.append(int(token))
-        if len(out) == n:
-            return out
-    return out
 
 
 def llama_logits(llm, ids: list[int]) -> np.ndarray:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.app.openai_checks import assert_all_reasoning
 from tests.app.serve_process import serve_process
 from tests.tiny_models import TOOLS_TEMPLATE
 
@@ -38,15 +39,7 @@ def test_serve_on_llama_cpp_returns_the_reasoning_apart(gguf, monkeypatch):
                        KEY, startup_s=180) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=300, max_retries=0)
         assert client.models.list().data[0].id == "thinker"
-        reply = client.chat.completions.create(model="thinker", messages=ASK, **GREEDY)
-        text = decode(reply.model_extra["moedesk"]["token_ids"])
-        message = reply.choices[0].message
-        assert message.model_extra["reasoning_content"] == text.strip() and text.strip()
-        assert message.content == ""
-        streamed = list(client.chat.completions.create(model="thinker", messages=ASK, stream=True, **GREEDY))
-        deltas = [c.choices[0].delta for c in streamed if c.choices]
-        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == text.strip()
-        assert "".join(d.content or "" for d in deltas) == ""
+        assert_all_reasoning(client, "thinker", ASK, decode, **GREEDY)
         # Thinking off: the template writes an empty think block, and the reply is the answer.
         off = dict(GREEDY, extra_body={"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}})
         plain = client.chat.completions.create(model="thinker", messages=ASK, **off)

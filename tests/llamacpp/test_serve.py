@@ -3,11 +3,11 @@ batches, and get the replies they get one at a time (the official openai client)
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 
 from tests.app.serve_process import serve_process
+from tests.at_once import at_once
 
 openai = pytest.importorskip("openai")
 KEY = "k"
@@ -25,22 +25,7 @@ def test_four_concurrent_requests_equal_their_one_at_a_time_replies(monkeypatch)
                        KEY, startup_s=180) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, timeout=300, max_retries=0)
         alone = [ask(client, q) for q in QUESTIONS]
-        together, errors = {}, []
-        start = threading.Barrier(len(QUESTIONS))
-
-        def one(q):
-            try:
-                start.wait()
-                together[q] = ask(client, q)
-            except Exception as e:  # noqa: BLE001 -- reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=one, args=(q,)) for q in QUESTIONS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert not errors
+        together = dict(zip(QUESTIONS, at_once(lambda q: ask(client, q), QUESTIONS, 300)))
         for q, reply in zip(QUESTIONS, alone):
             assert together[q].choices[0].message.content == reply.choices[0].message.content, q
             assert reply.choices[0].message.content  # something was said

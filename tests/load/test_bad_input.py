@@ -25,13 +25,6 @@ from tests.load.test_gguf_checkpoint import write_tiny_mixtral
 WEIGHTS = "model.safetensors"
 
 
-@pytest.fixture
-def mixtral(tiny_checkpoint, tmp_path):
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_checkpoint("mixtral"), folder)
-    return folder
-
-
 def fingerprint(folder: Path) -> dict:
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
 

@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+from tests.reference import llama_greedy
 
 
 def smollm_path() -> Path:
@@ -281,11 +282,7 @@ def test_tiny_mixtral_generates_like_llama_cpp(tmp_path):
         ids = engine.tokenizer.encode(text)
         assert ids == reference.tokenize(text.encode(), add_bos=True)
         done = next(engine.generate([Request(ids, SamplingParams(max_new_tokens=12, temperature=0))]))
-        theirs = []
-        for token in reference.generate(ids, temp=0.0, top_k=1, reset=True):
-            if token == 2 or len(theirs) == 12:
-                break
-            theirs.append(token)
+        theirs = llama_greedy(reference, ids, 12, stop={2})
         assert theirs and done.token_ids == theirs, text
 
 

@@ -4,7 +4,6 @@ import io
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -20,13 +19,6 @@ from moedesk.engine.runtime import Engine
 from tests.app.test_batch_runner import FakeEngine, FakeTokenizer, read_jsonl, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def mixtral(tiny_checkpoint, tmp_path):
-    folder = tmp_path / "model"
-    shutil.copytree(tiny_checkpoint("mixtral"), folder)
-    return folder
 
 
 def edit_json(path, **changes):

@@ -19,7 +19,7 @@ from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.model.routing import grouped_sigmoid_top_k
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
-from tests.reference import hf_greedy, hf_last_logits, hf_model
+from tests.reference import hf_greedy, hf_model, llama_greedy
 from tests.tiny_models import SPECIAL, budget_for_experts
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
@@ -205,11 +205,7 @@ def test_glm4_moe_gguf_generates_like_llama_cpp(tiny_checkpoint, tmp_path):
         ids = engine.tokenizer.encode(text)
         assert ids == reference.tokenize(text.encode(), add_bos=False, special=True)
         done = next(engine.generate([Request(ids, SamplingParams(max_new_tokens=12, temperature=0))]))
-        theirs = []
-        for token in reference.generate(ids, temp=0.0, top_k=1, reset=True):
-            if token == 2 or len(theirs) == 12:
-                break
-            theirs.append(token)
+        theirs = llama_greedy(reference, ids, 12, stop={2})
         assert theirs and done.token_ids == theirs, text
 
 
@@ -315,6 +311,26 @@ def mxfp4_checkpoint(folder, out):
     return out
 
 
+def native_packed_calls(monkeypatch, what: str) -> list[tuple[str, bool]]:
+    """(format, plain) of each call of cpu_quant's native routed kernel from here on; a call of the dequantising
+    reference path fails the test, naming `what` took it."""
+    from moedesk.kernels import cpu_quant, experts
+
+    calls = []
+    native = cpu_quant.experts_forward_routed
+
+    def counted(x, pair_expert, k, chosen, w, *args, **kwargs):
+        calls.append((w.gate_up_format, w.plain))
+        return native(x, pair_expert, k, chosen, w, *args, **kwargs)
+
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{what} took the dequantising reference path")
+
+    monkeypatch.setattr(cpu_quant, "experts_forward_routed", counted)
+    monkeypatch.setattr(experts, "reference_routed", refused)
+    return calls
+
+
 def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch):
     """A checkpoint whose experts are MXFP4 as released: moedesk keeps them packed (4.25 bits a weight) and computes
     them, giving the tokens of transformers, which dequantises them on load (the local executor computes each expert
@@ -329,7 +345,7 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
     spread (measured 5.1% at worst) and the next token the same at 90% of positions (measured 93%)."""
     import transformers
 
-    from moedesk.kernels import cpu_quant, experts
+    from moedesk.kernels import cpu_quant
 
     folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
@@ -346,18 +362,7 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
         pytest.skip(f"no native packed kernel here: {cpu_quant.unavailable_reason()}")
     in_ram = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0)
     in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
-    calls = []
-    native = cpu_quant.experts_forward_routed
-
-    def counted(x, pair_expert, k, chosen, w, *args, **kwargs):
-        calls.append((w.gate_up_format, w.plain))
-        return native(x, pair_expert, k, chosen, w, *args, **kwargs)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("gpt-oss's MXFP4 experts took the dequantising reference path")
-
-    monkeypatch.setattr(cpu_quant, "experts_forward_routed", counted)
-    monkeypatch.setattr(experts, "reference_routed", refused)
+    calls = native_packed_calls(monkeypatch, "gpt-oss's MXFP4 experts")
     errors, agreement = [], []
     for prompt, continuation in zip(prompts, expected):
         ids = prompt + continuation
@@ -427,7 +432,7 @@ def test_bench_gpt_oss_mxfp4_experts_in_ram_take_the_native_kernel(monkeypatch):
     dequantising reference; the bound it reports reads 17 bytes per 32 weights."""
     from moedesk.bench.synthetic import run_bench
     from moedesk.engine.load import synthetic
-    from moedesk.kernels import cpu_quant, experts
+    from moedesk.kernels import cpu_quant
 
     if not cpu_quant.available():
         pytest.skip(f"no native packed kernel here: {cpu_quant.unavailable_reason()}")
@@ -437,18 +442,7 @@ def test_bench_gpt_oss_mxfp4_experts_in_ram_take_the_native_kernel(monkeypatch):
                                 intermediate_size=64, moe_layers=real.moe_layers[:4],
                                 sliding_layers=real.sliding_layers[:4], sliding_window=8)
     monkeypatch.setitem(synthetic.SHAPES, "tiny-gpt-oss", small)
-    calls = []
-    native = cpu_quant.experts_forward_routed
-
-    def counted(x, pair_expert, k, chosen, w, *args, **kwargs):
-        calls.append((w.gate_up_format, w.plain))
-        return native(x, pair_expert, k, chosen, w, *args, **kwargs)
-
-    def refused(*args, **kwargs):
-        raise AssertionError("the bench's MXFP4 experts took the dequantising reference path")
-
-    monkeypatch.setattr(cpu_quant, "experts_forward_routed", counted)
-    monkeypatch.setattr(experts, "reference_routed", refused)
+    calls = native_packed_calls(monkeypatch, "the bench's MXFP4 experts")
     report = run_bench("tiny-gpt-oss", 4, 0, device="cpu", decode_tokens=6, prefill=(16,), batch=2,
                        log=lambda *a: None, expert_format="mxfp4")
     assert [r["mode"] for r in report["results"]] == ["decode", "prefill", "batched_decode"]

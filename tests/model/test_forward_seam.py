@@ -5,13 +5,8 @@ import torch
 
 from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.runtime import Engine
+from tests.model.forward_checks import assert_tree_equals_each_branch, run
 from tests.reference import hf_model
-
-
-def run(engine, cache, ids, start, **kw):
-    tokens = torch.tensor([ids])
-    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
-    return engine.model(tokens, positions, cache, engine.executor, **kw)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
@@ -34,29 +29,9 @@ def test_features_are_transformers_hidden_states(tiny_checkpoint, arch):
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
 def test_a_tree_in_one_pass_equals_each_branch_alone(tiny_checkpoint, arch):
-    """Prompt, then a tree: root r at position p, children a and b both at p + 1, a's child c at p + 2.
-    The four nodes go into cache slots p..p+3 and each sees the prompt and its ancestors only."""
-    engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
-    prompt = engine.tokenizer.encode("hello world over the lazy")
-    p = len(prompt)
-    r, a, b, c = 5, 17, 23, 42
-    tree_cache = KVCache(engine.config, rows=1, length=32, dtype=torch.float32, device="cpu")
-    run(engine, tree_cache, prompt, 0)
-    parents = [-1, 0, 0, 1]
-    seen = torch.zeros(4, 4, dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        seen[node] = seen[parent] if parent >= 0 else False
-        seen[node, node] = True
-    mask = torch.cat([torch.ones(4, p, dtype=torch.bool), seen], dim=1).view(1, 1, 4, p + 4)
-    positions = torch.tensor([[p, p + 1, p + 1, p + 2]])
-    slots = torch.arange(p, p + 4).unsqueeze(0)
-    tree = engine.model(torch.tensor([[r, a, b, c]]), positions, tree_cache, engine.executor, mask=mask,
-                        slots=slots)[0]
-    for branch, nodes in (([r, a, c], [0, 1, 3]), ([r, b], [0, 2])):
-        cache = KVCache(engine.config, rows=1, length=32, dtype=torch.float32, device="cpu")
-        run(engine, cache, prompt, 0)
-        alone = run(engine, cache, branch, p)[0]
-        torch.testing.assert_close(tree[nodes], alone, atol=1e-5, rtol=1e-5)
+    """A draft tree's nodes, given the caller's mask, positions and cache slots, each see the prompt and their
+    ancestors only (tests.model.forward_checks)."""
+    assert_tree_equals_each_branch(Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32"))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # query/key norm; projection biases

@@ -18,24 +18,11 @@ from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.transformer import ForwardBatch, Rotary
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
+from tests.model.forward_checks import assert_tree_equals_each_branch
 from tests.reference import hf_greedy, hf_model
 
 PROMPTS = ["Hi", "The quick brown fox jumps over the lazy dog. " * 4, "def add(a, b):\n    return a + b\n\nprint(add(2, 3))"]
 NEW = 40
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    made = {}
-
-    def get(arch):
-        if arch not in made:
-            made[arch] = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
-        return made[arch]
-
-    yield get
-    for engine in made.values():
-        engine.scheduler.close()
 
 
 def count_forms(monkeypatch) -> dict[str, int]:
@@ -121,35 +108,14 @@ def test_speculation_is_lossless_at_temperature_0(engines):
             assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]
 
 
-def run(engine, cache, ids, start, **kw):
-    positions = torch.arange(start, start + len(ids)).unsqueeze(0)
-    return engine.model(torch.tensor([ids]), positions, cache, engine.executor, **kw)
-
-
 @pytest.mark.parametrize("absorb", [True, False], ids=["absorbed", "expanded"])
 def test_a_tree_in_one_pass_equals_each_branch_alone(engines, absorb, monkeypatch):
-    """Root r at position p, children a and b both at p + 1, a's child c at p + 2, in slots p..p+3 of the latent
-    cache; each node sees the prompt and its ancestors only. Either form of attention."""
+    """A draft tree in the latent cache, each node seeing the prompt and its ancestors only
+    (tests.model.forward_checks), in either form of attention."""
     engine = engines("deepseek_v3")
     for block in engine.model.layers:
         monkeypatch.setattr(block.attn, "absorb", absorb)
-    prompt = engine.tokenizer.encode("hello world over the lazy")
-    p = len(prompt)
-    r, a, b, c = 5, 17, 23, 42
-    tree_cache = engine.model.new_cache(1, 32, torch.float32, "cpu")
-    run(engine, tree_cache, prompt, 0)
-    parents = [-1, 0, 0, 1]
-    seen = torch.zeros(4, 4, dtype=torch.bool)
-    for node, parent in enumerate(parents):
-        seen[node] = seen[parent] if parent >= 0 else False
-        seen[node, node] = True
-    mask = torch.cat([torch.ones(4, p, dtype=torch.bool), seen], dim=1).view(1, 1, 4, p + 4)
-    tree = engine.model(torch.tensor([[r, a, b, c]]), torch.tensor([[p, p + 1, p + 1, p + 2]]), tree_cache,
-                        engine.executor, mask=mask, slots=torch.arange(p, p + 4).unsqueeze(0))[0]
-    for branch, nodes in (([r, a, c], [0, 1, 3]), ([r, b], [0, 2])):
-        cache = engine.model.new_cache(1, 32, torch.float32, "cpu")
-        run(engine, cache, prompt, 0)
-        torch.testing.assert_close(tree[nodes], run(engine, cache, branch, p)[0], atol=1e-5, rtol=1e-5)
+    assert_tree_equals_each_branch(engine)
 
 
 def test_the_absorbed_form_computes_the_expanded_one(engines):

@@ -2,12 +2,7 @@
 # On the GPU box, from the repo root: the GPU test subset, then the benchmarks of the offload engine.
 # Usage: bash tests/perf/gpu_check.sh [quick]   (needs $OUT; wheels in .whl when packages are missing)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:.
-fi
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_gpu_equivalence.py tests/kernels/test_gpu_experts_kernel.py tests/offload/test_gpu_profiler.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -15
 python3 tests/perf/bench_cpu_experts.py --quick > "$OUT/cpu_experts_kernel.txt" 2>&1 || echo "kernel bench failed"

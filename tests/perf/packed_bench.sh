@@ -4,12 +4,7 @@
 # same shapes and formats, measured by tests/perf/compare_llamacpp.sh).
 # Usage: bash tests/perf/packed_bench.sh [mixtral|qwen3|both] [formats...]   (needs $OUT; wheels in .whl)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:.
-fi
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 which=${1:-both}; shift || true
 formats=${*:-dense q4_0 q4_k q8_0}
 run() { name=$1; shift; python3 -m moedesk bench "$@" --json > "$OUT/$name.json" 2>>"$OUT/bench.log" || echo "$name failed"; }

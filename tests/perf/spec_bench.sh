@@ -10,12 +10,7 @@
 #
 # TOKENS (new tokens per sequence, default 32) and ACCEPT (default 0.5,0.7,0.8,0.9) change the runs' size.
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:.
-fi
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+. "$(dirname "$0")/gpu_env.sh"
 TOKENS=${TOKENS:-32}
 ACCEPT=${ACCEPT:-0.5,0.7,0.8,0.9}
 phases=("$@"); [ ${#phases[@]} -eq 0 ] && phases=(mixtral qwen3)

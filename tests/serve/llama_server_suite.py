@@ -15,11 +15,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
-import httpx
+from tests.app.serve_process import served
 
 # Their files run here, each with what its preset starts llama-server with that `moedesk serve` has too
 SECURITY_KEY = "sk-this-is-the-secret-key"  # test_security.py's preset's --api-key
@@ -44,29 +43,8 @@ def suite_dir(source: Path) -> Path | None:
 def moedesk_server(model: str = "demo", args: tuple[str, ...] = (), startup_s: float = 300):
     """`moedesk serve --model MODEL ARGS` on 127.0.0.1:PORT (without a key unless ARGS give one), as llama-server runs
     in their tests."""
-    env = {k: v for k, v in os.environ.items() if k != "MOEDESK_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "moedesk", "serve", "--model", model, "--port", str(PORT),
-                             "--context", "4096", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"moedesk serve ended: {proc.stdout.read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("moedesk serve did not come up")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    with served(["--model", model, "--context", "4096", *args], None, startup_s, port=PORT):
         yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
 
 
 def run(source: Path, files=tuple(FILES), model: str = "demo", timeout_s: float = 3000,

@@ -12,7 +12,6 @@ import torch
 
 from moedesk.engine.generation.cuda_graphs import GraphedDecode
 from moedesk.engine.requests import Request
-from moedesk.engine.runtime import Engine
 from moedesk.engine.speculative import auto, eagle_drafter, step_times
 from moedesk.engine.speculative.oracle_drafter import oracle_factory
 from moedesk.engine.speculative.verification import Speculator
@@ -23,16 +22,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def engines(tiny_checkpoint):
-    made = {}
-
-    def get(arch, device="cuda"):
-        if (arch, device) not in made:
-            kw = dict(offload=True, gpu_budget=0) if device == "cuda" else {}
-            made[arch, device] = Engine.load(str(tiny_checkpoint(arch)), device=device, dtype="float32", **kw)
-        return made[arch, device]
-
-    return get
+def engines(engines):
+    """tests/conftest.py's engines, on the GPU with every expert in RAM unless device is "cpu"."""
+    return lambda arch, device="cuda": engines(arch, offload=device == "cuda", device=device)
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])

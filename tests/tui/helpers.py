@@ -22,6 +22,21 @@ async def wait_for(pilot, condition, timeout: float = 20.0, what: str = "conditi
     await pilot.pause()  # let what the change queued run (Textual queues header title updates on the app)
 
 
+async def open_settings(pilot):
+    """F2, then the settings screen once it shows."""
+    await pilot.press("f2")
+    await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "SettingsScreen", what="settings")
+    return pilot.app.screen
+
+
+async def open_models(pilot):
+    """F3, then the models screen once it lists what it found."""
+    await pilot.press("f3")
+    await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "ModelsScreen" and pilot.app.screen.models,
+                   what="the list")
+    return pilot.app.screen
+
+
 async def wait_idle(pilot, app, timeout: float = 20.0):
     """Until the chat has no reply running, then one more pause so the UI settles."""
     await wait_for(pilot, lambda: app.chat is not None and app.chat.generation is None, timeout, "the reply")

@@ -9,7 +9,7 @@ from textual import events
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.storage import Conversation, ConversationStore
 from moedesk.app.tui.widgets.messages import UserMessage
-from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
+from tests.tui.helpers import chat_ready, greedy_settings, open_models, open_settings, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
 
@@ -188,16 +188,13 @@ async def test_wide_screens_show_the_stats_panel_unasked(engine):
 async def test_models_table_fits_80_columns(engine, tui_dirs, tiny_folder):
     import shutil
 
-    from moedesk.app.tui.screens.models import ModelsScreen
-
     long_name = "a-rather-long-model-name-as-hub-repos-have-it-Instruct-2507"
     shutil.copytree(tiny_folder, tui_dirs["models"] / "acme" / long_name)
     (tui_dirs["models"] / "broken-with-a-long-name.gguf").write_bytes(b"not a gguf file at all")
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=(80, 24)) as pilot:
         await open_chat(pilot)
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        await open_models(pilot)
         await pilot.pause()
         table = app.screen.query_one("#models-table")
         assert table.virtual_size.width <= table.scrollable_content_region.width
@@ -251,14 +248,12 @@ async def test_deleting_a_chat_asks_first(engine):
 
 
 async def test_settings_show_focus_and_keep_bad_input_with_a_message(engine):
-    from moedesk.app.tui.screens.settings import SettingsScreen
     from moedesk.app.tui.settings import Settings
 
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(80, 24)) as pilot:
         await open_chat(pilot)
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await open_settings(pilot)
         screen = app.screen
         top_k = screen.query_one("#setting-top_k")
         top_k.focus()

@@ -11,7 +11,7 @@ from moedesk.app.tui.screens.chat import ChatScreen
 from moedesk.app.tui.settings import FIELDS_BY_NAME, Settings, load_settings, settings_path
 from moedesk.engine.requests import Request, SamplingParams
 from tests.speculative.test_speculative_decode import random_head
-from tests.tui.helpers import chat_ready, greedy_settings, wait_for, wait_idle
+from tests.tui.helpers import chat_ready, greedy_settings, open_settings, wait_for, wait_idle
 
 SIZE = (100, 30)
 
@@ -61,8 +61,7 @@ async def test_settings_screen_sets_speculation_and_beams(engine, head, tui_dirs
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         screen = app.screen
         screen.query_one("#setting-speculative").focus()
         await pilot.press("enter", "down", "down", "down", "enter")  # off, greedy, beam, auto

@@ -15,7 +15,7 @@ from moedesk.app.tui.screens.download import DownloadScreen
 from moedesk.app.tui.load_target import LoadTarget
 from moedesk.app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
-from tests.tui.helpers import chat_ready, wait_for
+from tests.tui.helpers import chat_ready, open_settings, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -238,8 +238,7 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_pa
         assert loaded() == (f"loaded  ~{dl.format_bytes(int4 + other)} in RAM, {dl.format_bytes(int4)} of it "
                             "q4_0/f32 experts · expert dtype int4 (F2)")
 
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         app.screen.query_one("#setting-expert_dtype").value = "bf16"
         await pilot.pause()
         await pilot.press("ctrl+s")
@@ -252,8 +251,7 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_pa
         await wait_for(pilot, lambda: "reading" not in loaded(), what="the GGUF estimate")
         assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
         assert loaded().endswith("f32 experts · expert dtype bf16 (F2)")
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         app.screen.query_one("#setting-expert_dtype").value = "auto"
         await pilot.pause()
         await pilot.press("ctrl+s")

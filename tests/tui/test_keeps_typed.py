@@ -10,7 +10,7 @@ from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.screens.chat import ChatScreen
 from moedesk.app.tui.storage import Conversation, ConversationStore, atomic_write_json
 from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage, visible
-from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, wait_for, wait_idle
+from tests.tui.helpers import chat_ready, greedy_settings, hold_first_reply, open_settings, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
 SIZE = (100, 30)
@@ -249,19 +249,16 @@ def test_atomic_write_keeps_the_old_file_when_the_rename_fails(tmp_path, monkeyp
 
 
 async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dirs):
-    from moedesk.app.tui.screens.settings import SettingsScreen
     from moedesk.app.tui.settings import load_settings
 
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=SIZE) as pilot:
         await open_chat(pilot)
-        await pilot.press("f2")  # nothing changed: Esc leaves at once
-        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await open_settings(pilot)  # nothing changed: Esc leaves at once
         await pilot.press("escape")
         await wait_for(pilot, lambda: app.screen is app.chat, what="the chat")
 
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await open_settings(pilot)
         screen = app.screen
         prompt = screen.query_one("#setting-system_prompt")
         prompt.focus()
@@ -288,7 +285,6 @@ async def test_settings_typed_and_not_saved_need_a_second_escape(engine, tui_dir
 
 
 async def test_a_settings_file_that_cannot_be_read_is_set_aside_not_overwritten(engine, tui_dirs):
-    from moedesk.app.tui.screens.settings import SettingsScreen
     from moedesk.app.tui.settings import load_settings, settings_path
 
     hand_edited = b'{"temperature": 0.2, "system_prompt": "my long prompt",}\n'  # a trailing comma
@@ -298,8 +294,7 @@ async def test_a_settings_file_that_cannot_be_read_is_set_aside_not_overwritten(
     async with app.run_test(size=SIZE) as pilot:
         await open_chat(pilot)
         assert any("unreadable" in n for n in notices(app))
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: isinstance(app.screen, SettingsScreen), what="settings")
+        await open_settings(pilot)
         app.screen.query_one("#setting-max_new_tokens").value = "33"
         await pilot.pause()
         await pilot.press("ctrl+s")

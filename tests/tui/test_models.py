@@ -9,11 +9,10 @@ import pytest
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.catalog import estimate_line, find_models, folder_size, human_size, scan_hf_cache
 from moedesk.app.tui.load_target import LoadTarget, load_target
-from moedesk.app.tui.screens.models import ModelsScreen
 from moedesk.app.tui.settings import Settings
 from moedesk.engine.load.size_estimate import MemoryEstimate
 from moedesk.engine.runtime import Engine
-from tests.tui.helpers import chat_ready, wait_for
+from tests.tui.helpers import chat_ready, open_models, open_settings, wait_for
 
 
 def loaded_bytes(engine) -> int:
@@ -77,8 +76,7 @@ async def test_models_screen_lists_and_loads_a_model(models_folder, engine):
     app = MoedeskApp(engine)  # the factory follows the engine's device: cpu, so float32 (the auto dtype)
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        await open_models(pilot)
         screen = app.screen
         table = screen.query_one("#models-table")
         names = [table.get_row_at(i)[1] for i in range(table.row_count)]
@@ -117,8 +115,7 @@ async def test_models_screen_from_a_failed_start(models_folder):
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: "LoadingScreen" == type(app.screen).__name__
                        and str(app.screen.query_one(".load-error").render()), what="the start-up error")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        await open_models(pilot)
         table = app.screen.query_one("#models-table")
         names = [table.get_row_at(i)[1] for i in range(table.row_count)]
         table.move_cursor(row=names.index("acme/tiny-moe"))
@@ -142,8 +139,7 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(120, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await pilot.press("f3")
-        await wait_for(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.models, what="the list")
+        await open_models(pilot)
         screen = app.screen
         table = screen.query_one("#models-table")
         names = [table.get_row_at(i)[1] for i in range(table.row_count)]
@@ -163,8 +159,7 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
         table.move_cursor(row=row)
         await pilot.pause()
 
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         app.screen.query_one("#setting-expert_dtype").value = "int4"
         await pilot.pause()
         await pilot.press("ctrl+s")

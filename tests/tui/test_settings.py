@@ -7,7 +7,7 @@ import pytest
 
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.settings import FIELDS, FIELDS_BY_NAME, Settings, load_settings, save_settings, settings_path
-from tests.tui.helpers import chat_ready, wait_for
+from tests.tui.helpers import chat_ready, open_settings, wait_for
 
 
 def test_fields_describe_themselves():
@@ -88,8 +88,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, mon
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         screen = app.screen
         # one row per field
         assert len(screen.query(".setting-row")) == len(FIELDS)
@@ -125,8 +124,7 @@ async def test_settings_screen_validates_saves_and_cancels(engine, tui_dirs, mon
         assert asked == ["float16"]
 
         # Esc leaves without saving (over a change, at the second Esc: the first one warns).
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         assert "float16" in str(app.screen.query_one("#setting-dtype #label").render())
         app.screen.query_one("#setting-max_new_tokens").value = "5"
         await pilot.pause()

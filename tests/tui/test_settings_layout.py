@@ -6,15 +6,9 @@ import pytest
 
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.screens.settings import home_short
-from tests.tui.helpers import chat_ready, greedy_settings, wait_for
+from tests.tui.helpers import chat_ready, greedy_settings, open_settings, wait_for
 
 pytestmark = pytest.mark.anyio
-
-
-async def open_settings(pilot):
-    await wait_for(pilot, lambda: chat_ready(pilot.app), what="the chat")
-    await pilot.press("f2")
-    await wait_for(pilot, lambda: type(pilot.app.screen).__name__ == "SettingsScreen", what="settings")
 
 
 def overlaps(a, b) -> bool:
@@ -25,6 +19,7 @@ def overlaps(a, b) -> bool:
 async def test_an_opened_list_stays_above_the_buttons_and_the_footer(engine, size):
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=size) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
         await open_settings(pilot)
         screen = app.screen
         form, select = screen.query_one("#settings-form"), screen.query_one("#setting-speculative")
@@ -48,6 +43,7 @@ async def test_an_opened_list_stays_above_the_buttons_and_the_footer(engine, siz
 async def test_the_settings_files_line_is_one_line_at_80_columns(engine, tui_dirs):
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=(80, 24)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
         await open_settings(pilot)
         line = app.screen.query_one("#settings-file")
         assert line.region.height == 1  # wrapped, it broke "settin / gs.json" over three lines

@@ -6,7 +6,7 @@ import pytest
 from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.speculation_outlook import UNMEASURED, outlook_note, speculation_note
 from moedesk.engine.speculative.auto import batch_one_outlook
-from tests.tui.helpers import chat_ready, greedy_settings, wait_for
+from tests.tui.helpers import chat_ready, greedy_settings, open_settings, wait_for
 
 # T(B, k) in ms. On a CPU a verify step of k tokens reads about k tokens' experts: k plain steps' worth.
 CPU_LIKE = {(b, k): 10.0 * b * k for b in (1, 2, 4) for k in range(1, 6)}
@@ -51,8 +51,7 @@ async def test_the_settings_screen_says_speculation_loses_here(engine, monkeypat
     app = MoedeskApp(engine, settings=greedy_settings(draft_length=3))
     async with app.run_test(size=(100, 30)) as pilot:
         await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await pilot.press("f2")
-        await wait_for(pilot, lambda: type(app.screen).__name__ == "SettingsScreen", what="settings")
+        await open_settings(pilot)
         note = app.screen.query_one("#note-speculative")
         assert "On this machine speculation loses" in str(note.render())
         assert note.region.height >= 1  # on screen, under the field
