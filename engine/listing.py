@@ -11,10 +11,10 @@ from pathlib import Path
 
 
 def native_model_types() -> frozenset[str]:
-    """The config.json `model_type`s the native engine implements."""
-    from moedesk.engine.model.architectures import ARCHITECTURES
+    """The config.json `model_type`s the native engine implements, and those that name one of them (Kimi-K2's)."""
+    from moedesk.engine.model.architectures import ARCHITECTURES, SAME_AS
 
-    return frozenset(ARCHITECTURES)
+    return frozenset(ARCHITECTURES) | frozenset(SAME_AS)
 
 
 @dataclass(frozen=True)

@@ -114,14 +114,14 @@ def parse_config(hf: dict, path="config.json", tensors: dict | None = None) -> M
 
 # model_types that name an architecture moedesk runs under another name: Kimi-K2 ships DeepSeek-V3's architecture as
 # "kimi_k2" (so that engines can tell them apart), and Qwen3.5-MoE's text model saved alone is "qwen3_5_moe_text".
-_SAME_AS = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
+SAME_AS = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 def text_config(hf: dict) -> dict:
     """The config of the text model moedesk runs: a multimodal checkpoint's text_config (Qwen3.5-MoE nests it, under
-    the multimodal model's model_type), a model_type of `_SAME_AS` under the architecture's; any other as it is."""
-    if hf.get("model_type") in _SAME_AS:
-        return {**hf, "model_type": _SAME_AS[hf["model_type"]]}
+    the multimodal model's model_type), a model_type of `SAME_AS` under the architecture's; any other as it is."""
+    if hf.get("model_type") in SAME_AS:
+        return {**hf, "model_type": SAME_AS[hf["model_type"]]}
     inner = hf.get("text_config")
     if hf.get("model_type") != "qwen3_5_moe" or not isinstance(inner, dict):
         return hf

@@ -253,6 +253,9 @@ def test_a_kimi_k2_checkpoint_loads_as_the_deepseek_v3_it_is(tiny_checkpoint, tm
         cache = engine.model.new_cache(1, len(ids), torch.float32, "cpu")
         logits.append(engine.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, engine.executor)[0])
     assert torch.equal(*logits)
+    from moedesk.app.tui.catalog import folder_model
+
+    assert folder_model(kimi, "folder").supported  # the Models screen lists it as one the native engine runs
 
 
 def test_mla_with_heads_that_do_not_divide_the_hidden_size_runs_as_transformers(tmp_path):
