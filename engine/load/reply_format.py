@@ -28,6 +28,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from moedesk.engine.load.json_scan import loads, member_span, split_top_level
+
 THINK_TAGS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
 DS_CALLS, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 DS_CALL, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -142,7 +144,7 @@ def arguments_text(value) -> str | None:
     wrote one, so that a stream's fragments add up to it."""
     if isinstance(value, str):
         text = value.strip()
-        value = _loads(text)
+        value = loads(text)
         if isinstance(value, dict):
             return text
     if value is None:
@@ -150,78 +152,13 @@ def arguments_text(value) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-# A JSON value's extent, scanned without parsing it: the regex engine skips whole strings, Python only counts
-# brackets.
-_WS = re.compile(r"\s*")
-_SCALAR = re.compile(r"[^,}\]\s]*")
-_STRING = r'"(?:[^"\\]++|\\.)*+"'
-_STRUCTURE = re.compile(_STRING + r'|"|[{}\[\]]')  # a lone '"' is a string not closed
-
-
-def _value_end(text: str, i: int) -> int | None:
-    """Where the JSON value that begins at text[i] ends (just past it); None when the text ends first."""
-    if text[i] not in "{[\"":
-        end = _SCALAR.match(text, i).end()
-        return end if end < len(text) else None
-    depth = 0
-    for match in _STRUCTURE.finditer(text, i):
-        token = match.group()
-        if token == '"':
-            return None
-        if token[0] in "{[":
-            depth += 1
-        elif token[0] in "}]":
-            depth -= 1
-        if depth == 0:
-            return match.end()
-    return None
-
-
-def _arguments_span(text: str, key: str) -> tuple[int, int] | None:
-    """Where the value of the JSON object `text`'s member `key` is written (the last such member, as json.loads
-    keeps it)."""
-    span, i = None, _WS.match(text).end()
-    if not text.startswith("{", i):
-        return None
-    i += 1
-    while True:
-        i = _WS.match(text, i).end()
-        if not text.startswith('"', i):
-            return span
-        end = _value_end(text, i)
-        if end is None:
-            return span
-        name, i = _loads(text[i:end]), _WS.match(text, end).end()
-        if not text.startswith(":", i):
-            return span
-        i = _WS.match(text, i + 1).end()
-        if i >= len(text):
-            return span
-        end = _value_end(text, i)
-        if end is None:
-            return span
-        if name == key:
-            span = (i, end)
-        i = _WS.match(text, end).end()
-        if not text.startswith(",", i):
-            return span
-        i += 1
-
-
 def json_call(text: str) -> ToolCall | None:
     """A call written as the JSON object {"name", "arguments" (or "parameters")}."""
-    obj = _loads(text)
+    obj = loads(text)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     key = "arguments" if "arguments" in obj else "parameters"
-    span = _arguments_span(text, key)
+    span = member_span(text, key)
     if isinstance(obj.get(key), dict) and span is not None:
         return ToolCall(obj["name"], text[span[0]:span[1]])
     args = arguments_text(obj.get(key))
@@ -232,9 +169,9 @@ def _json_list(text: str) -> list | None:
     """Calls written as a JSON list of {"name", "arguments"} (Mistral's, and a reply forced to call); None when the
     text is not a JSON list."""
     body = text.strip()
-    if not body.startswith("[") or not isinstance(_loads(body), list):
+    if not body.startswith("[") or not isinstance(loads(body), list):
         return None
-    items = _split_top_level(body[1:], ",")
+    items = split_top_level(body[1:], ",")
     if items and items[-1].endswith("]"):
         items[-1] = items[-1][:-1].strip()  # the list's own closing bracket
         items = [item for item in items if item]
@@ -248,7 +185,7 @@ def _calls(text: str):
 
 def _scalar(text: str):
     """A parameter value written as text: JSON where it reads as JSON, else the string itself."""
-    value = _loads(text)
+    value = loads(text)
     return text if value is None and text.strip() != "null" else value
 
 
@@ -300,28 +237,10 @@ def _llama3(text: str):
     if tagged:
         body = body[len("<|python_tag|>"):].strip()
     if body.startswith("{") or tagged:
-        calls = [json_call(part) for part in _split_top_level(body, ";")]
+        calls = [json_call(part) for part in split_top_level(body, ";")]
         if calls and all(calls):
             return "", calls
     return text, []
-
-
-def _split_top_level(text: str, separator: str) -> list[str]:
-    """JSON values written one after another, split where `separator` stands outside any bracket or string."""
-    parts, depth, start = [], 0, 0
-    for match in re.finditer(_STRING + r'|"|[{}\[\]' + re.escape(separator) + "]", text):
-        token = match.group()
-        if token == '"':
-            break  # a string not closed: the rest is one part
-        if token[0] in "{[":
-            depth += 1
-        elif token[0] in "}]":
-            depth -= 1
-        elif token == separator and depth == 0:
-            parts.append(text[start:match.start()])
-            start = match.end()
-    parts.append(text[start:])
-    return [p.strip() for p in parts if p.strip()]
 
 
 def _mistral(text: str):

@@ -14,10 +14,10 @@ whole parse does not read as a call stays begun in the stream while the whole re
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 
+from moedesk.engine.load.json_scan import WS, Members, Scan, Tape, Value, loads
 from moedesk.engine.load.reply_format import (DS_CALL, DS_CALL_END, DS_CALLS, DS_CALLS_END, DS_SEP, HARMONY_ENDS,
                                               RECIPIENT, CallDelta, Parsed, ReplyFormat, ToolCall, arguments_text,
                                               deepseek_block, json_call, parse_reply, tagged_body)
@@ -133,12 +133,13 @@ class _New:
         self.deltas: list[CallDelta] = []
 
 
-class _Reader:
-    """A stream's reading: the text so far, the family's generator that keeps its place in it, and what the
-    current update gives."""
+class _Reader(Tape):
+    """A stream's reading: the text so far (a Tape: the characters looked at are counted), the family's generator
+    that keeps its place in it, and what the current update gives."""
 
     def __init__(self, fmt: ReplyFormat, in_reasoning: bool, tools: bool):
-        self.text, self.pos, self.read = "", 0, 0
+        super().__init__()
+        self.pos = 0
         # a run of whitespace waits for what follows it where the whole parse strips the text it ends
         self.trim = {"reasoning": True, "content": tools and fmt.tools not in (None, "harmony")}
         self.space: dict[str, list[str]] = {"reasoning": [], "content": []}
@@ -154,27 +155,6 @@ class _Reader:
             next(self.steps)
         new, self.new = self.new, _New()
         return Parsed("".join(new.reasoning), "".join(new.content), tuple(new.calls), call_deltas=tuple(new.deltas))
-
-    # -- looking at the text: each look is counted -------------------------------------------------------------
-
-    def search(self, pattern: re.Pattern, pos: int):
-        found = pattern.search(self.text, pos)
-        self.read += (found.end() if found else len(self.text)) - pos
-        return found
-
-    def match(self, pattern: re.Pattern, pos: int):
-        found = pattern.match(self.text, pos)
-        self.read += found.end() - pos + 1
-        return found
-
-    def find(self, sub: str, pos: int) -> int:
-        at = self.text.find(sub, pos)
-        self.read += (at + len(sub) if at >= 0 else len(self.text)) - pos
-        return at
-
-    def slice(self, start: int, end: int) -> str:
-        self.read += max(0, end - start)
-        return self.text[start:end]
 
     # -- waiting for text (generators: `yield from` them) --------------------------------------------------------
 
@@ -198,7 +178,7 @@ class _Reader:
     def skip_space(self, pos: int):
         """The first character at or after pos that is not whitespace, once written."""
         while True:
-            pos = self.match(_WS, pos).end()
+            pos = self.match(WS, pos).end()
             if pos < len(self.text):
                 return pos
             yield
@@ -260,9 +240,6 @@ class _Reader:
         return None if self.open is None else ToolCall(self.open.name, self.sent(self.open.index))
 
 
-_WS = re.compile(r"\s*")
-
-
 def _reply(r: _Reader, fmt: ReplyFormat, in_reasoning: bool, tools: bool):
     if fmt.tools == "harmony":
         yield from _harmony(r, tools)
@@ -292,119 +269,26 @@ def _think(r: _Reader, tags: tuple[str, str], in_reasoning: bool):
     r.pos = yield from r.skip_space(closed.end())
 
 
-# --- JSON as it is written ---------------------------------------------------------------------------------------
-
-_STRING_BODY = re.compile(r'(?:[^"\\]++|\\.)*+', re.S)  # up to a string's closing quote (or a lone trailing \)
-_STRUCTURE = re.compile(r'["{}\[\],;]')
-_SCALAR = re.compile(r"[^,}\]\s]*")
-
-
-class _Scan:
-    """JSON text's brackets and separators outside strings, as the text arrives: each character is looked at once
-    (a string's body by the regex engine, which skips it whole)."""
-
-    def __init__(self, pos: int):
-        self.pos, self.depth, self.in_string = pos, 0, False
-
-    def tokens(self, r: _Reader):
-        """Each structural character now readable ('"' for a string's end) and the position just after it; `depth`
-        counts the brackets open after it."""
-        while True:
-            if self.in_string:
-                self.pos = r.match(_STRING_BODY, self.pos).end()
-                if self.pos >= len(r.text) or r.text[self.pos] != '"':
-                    return
-                self.pos, self.in_string = self.pos + 1, False
-                yield '"', self.pos
-                continue
-            found = r.search(_STRUCTURE, self.pos)
-            if found is None:
-                self.pos = len(r.text)
-                return
-            self.pos, token = found.end(), found.group()
-            if token == '"':
-                self.in_string = True
-                continue
-            self.depth += (token in "{[") - (token in "}]")
-            yield token, self.pos
-
-
-class _Value:
-    """Where the JSON value that begins at `start` ends (`end`; None until it is written)."""
-
-    def __init__(self, r: _Reader, start: int):
-        self.scalar = r.text[start] not in '{["'
-        self.scan, self.end = _Scan(start), None
-
-    def read(self, r: _Reader) -> int | None:
-        if self.end is None and self.scalar:
-            self.scan.pos = r.match(_SCALAR, self.scan.pos).end()
-            self.end = self.scan.pos if self.scan.pos < len(r.text) else None
-        elif self.end is None:
-            for _, after in self.scan.tokens(r):
-                if self.scan.depth == 0:
-                    self.end = after
-                    break
-        return self.end
-
+# --- calls being written ---------------------------------------------------------------------------------------
 
 class _JsonCall:
     """A call written as the JSON object {"name", "arguments" (or "parameters")}, read member by member as it is
     written: once its name is whole and its arguments object begun, the arguments stream."""
 
     def __init__(self, start: int):
-        self.pos, self.state = start, "open"
-        self.key: str | None = None
-        self.key_value: _Value | None = None
-        self.members: dict = {}  # key: (where its value begins, the value's _Value)
-        self.name: str | None = None
+        self.members, self.name = Members(start), None
 
     def __call__(self, r: _Reader, limit: int) -> None:
-        self._read_members(r)
+        members = self.members.read(r)
         if self.name is None:
-            name = self.members.get("name")
+            name = members.get("name")
             if name is None or name[1].end is None:
                 return
-            self.name = _loads(r.slice(name[0], name[1].end))
-        args = self.members.get("arguments", self.members.get("parameters"))
+            self.name = loads(r.slice(name[0], name[1].end))
+        args = members.get("arguments", members.get("parameters"))
         if isinstance(self.name, str) and args is not None and r.text[args[0]] == "{":
             end = args[1].end
             r.stream_call(self.name, args[0], end if end is not None else limit)
-
-    def _read_members(self, r: _Reader) -> None:
-        while self.state != "done":
-            if self.state == "value":  # a member's value being written
-                value = self.members[self.key][1]
-                if value.read(r) is None:
-                    return
-                self.pos, self.state = value.end, ","
-                continue
-            if self.state == "key":
-                if self.key_value.read(r) is None:
-                    return
-                self.key = _loads(r.slice(self.pos, self.key_value.end))
-                self.pos, self.state = self.key_value.end, ":"
-                continue
-            pos = r.match(_WS, self.pos).end()
-            if pos >= len(r.text):
-                return
-            self.pos, char = pos, r.text[pos]
-            if self.state == "before value":
-                self.members[self.key] = (pos, _Value(r, pos))
-                self.state = "value"
-            elif self.state == "before key":
-                self.key_value, self.state = (_Value(r, pos), "key") if char == '"' else (None, "done")
-            else:  # "open", ":" or ",": the character that must come next
-                expected = "{" if self.state == "open" else self.state
-                self.pos += 1
-                self.state = "done" if char != expected else "before value" if char == ":" else "before key"
-
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
 
 
 class _Object:
@@ -417,10 +301,10 @@ class _Object:
     def __call__(self, limit: int) -> None:
         r = self.r
         if self.value is None:
-            self.pos = r.match(_WS, self.pos).end()
+            self.pos = r.match(WS, self.pos).end()
             if self.pos >= len(r.text) or r.text[self.pos] != "{":
                 return
-            self.value = _Value(r, self.pos)
+            self.value = Value(r, self.pos)
         end = self.value.read(r)
         r.stream_call(self.name, self.pos, end if end is not None else limit)
 
@@ -457,7 +341,7 @@ class _TaggedHead:
     def __call__(self, limit: int) -> None:
         r = self.r
         if self.kind is None:
-            self.at = self.search = r.match(_WS, self.at).end()
+            self.at = self.search = r.match(WS, self.at).end()
             if self.at >= len(r.text):
                 return
             self.kind = {"{": "json", "<": "function"}.get(r.text[self.at], "glm")
@@ -486,7 +370,7 @@ def _json_items(r: _Reader, start: int, separator: str, closing: bool):
     """Calls written one after another as JSON values, split where `separator` stands outside any bracket or string
     (a list's items from after its '[', which a ']' closes; Llama 3's ';'-separated calls). Each whole item must be
     a call; the one being written streams."""
-    scan = _Scan(start)
+    scan = Scan(start)
     while True:
         item = yield from r.skip_space(scan.pos)
         head, end = _JsonCall(item), None
@@ -603,7 +487,7 @@ class _DeepseekHead:
                 return
             self.search, self.name = brace + 1, _deepseek_name(r.slice(self.block, brace))
             if self.name:
-                self.start, self.args = brace, _Value(r, brace)
+                self.start, self.args = brace, Value(r, brace)
         end = self.args.read(r)
         r.stream_call(self.name, self.start, end if end is not None else limit)
 
