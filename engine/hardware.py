@@ -117,6 +117,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def on_device(device: torch.device):
+    """Make `device` the current CUDA device while in the block (Triton launches on the current device, not on its
+    tensors'); nothing for any other device. Several GPUs run layers and experts on each under it."""
+    import contextlib
+
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _detect_gpus() -> tuple[GpuInfo, ...]:
     if not torch.cuda.is_available():
         return ()

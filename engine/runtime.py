@@ -480,13 +480,15 @@ def _spread(model, cfg, banks: dict, budgets: tuple[float, ...], devices, dtype:
     """Spread the loaded model's layers over `devices` as the per-device plan splits them (by sizes, before the
     popularity that picks each device's experts): engine.model.layer_devices."""
     from moedesk.engine.model.layer_devices import spread_model
-    from moedesk.engine.offload.devices import layer_owner
+    from moedesk.engine.offload.devices import plan_devices
 
     weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets))
     bank = next(iter(banks.values()))
-    owner = layer_owner([int(b * GIB) for b in budgets], bank.expert_bytes, bank.num_experts, weights, kv, moe,
-                        first, last)
-    return spread_model(model, devices, owner)
+    # Planned once without popularity: the split is by sizes alone, and a figure too small for its layers' weights
+    # and cache is refused here (BudgetError naming the GPU), before the profile and the calibration.
+    plan = plan_devices([int(b * GIB) for b in budgets], bank.expert_bytes, bank.num_experts,
+                        [[0] * bank.num_experts for _ in banks], weights, kv, moe, first, last)
+    return spread_model(model, devices, plan.device_of_layer)
 
 
 def available_ram() -> int:

@@ -11,11 +11,12 @@ move is a no-op yet still counted (`crossings`). The model keeps no device bookk
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
 from torch import nn
+
+from moedesk.engine.hardware import on_device
 
 
 class LayerDevices:
@@ -65,11 +66,6 @@ class LayerDevices:
     def _cross(self, x, rope, batch, device):
         self.crossings += 1
         return x.to(device), tuple(t.to(device) for t in rope), batch.to(device)
-
-
-def on_device(device: torch.device):
-    """Make `device` the current CUDA device (Triton launches its kernels on the current one); nothing elsewhere."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> LayerDevices:

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
+from moedesk.engine.hardware import on_device
 from moedesk.engine.offload.devices import DevicePlan
 from moedesk.engine.offload.offload_executor import StepStats
 from moedesk.engine.offload.orchestration import GIB, ExpertOrchestra
@@ -117,8 +118,9 @@ class DeviceOrchestra:
             mine = {layer: bank for layer, bank in sorted(banks.items()) if device_of_layer[layer] == d}
             if not mine:
                 continue
-            parts.append(ExpertOrchestra.start(mine, device, profile_key_parts, cache_dir, reprofile, warnings, policy,
-                                               top_k, dtype, selections=selections))
+            with on_device(device):  # the profile's kernels run on that GPU
+                parts.append(ExpertOrchestra.start(mine, device, profile_key_parts, cache_dir, reprofile, warnings,
+                                                   policy, top_k, dtype, selections=selections))
             owners.append(d)
             layers.append(sorted(mine))
         return cls(parts, devices, owners, layers)
@@ -146,11 +148,15 @@ class DeviceOrchestra:
         self.plan = plan
         for part, d in zip(self.parts, self.device_of_part):
             placed = plan.placements[d]
-            part.place(placed.budget_bytes - placed.non_expert_bytes - placed.reserve_bytes)
+            with on_device(self.devices[d]):
+                part.place(placed.budget_bytes - placed.non_expert_bytes - placed.reserve_bytes)
 
     def back_off(self) -> bool:
         """After a GPU out-of-memory error (on whichever device): every device halves its resident experts."""
-        moved = [part.back_off() for part in self.parts]
+        moved = []
+        for part, d in zip(self.parts, self.device_of_part):
+            with on_device(self.devices[d]):
+                moved.append(part.back_off())
         return any(moved)
 
     def cpu_path(self) -> str:

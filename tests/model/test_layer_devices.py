@@ -63,6 +63,20 @@ def test_spread_layers_give_one_devices_logits_with_one_copy_per_cut(built, shap
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "gpt_oss"])
+def test_latent_caches_and_sinks_spread_too(arch, tiny_checkpoint):
+    """MLA's latent cache in parts, and gpt-oss's sinks and sliding layers, from real (tiny) checkpoints."""
+    from moedesk.engine.runtime import Engine
+
+    model = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32", offload=False).model
+    expected = _decode(model, "cpu")
+    spread = spread_model(model, ["cpu", "cpu"], (0, 1, 1))
+    got = _decode(model, "cpu")
+    assert spread.crossings == len(got)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_each_run_of_layers_has_its_own_cache_part_on_its_device(built):
     model = built("tiny-qwen35")  # three Gated DeltaNet layers, then a full-attention one
     spread_model(model, ["cpu", "cpu"], (0, 0, 1, 1))

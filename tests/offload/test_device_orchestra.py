@@ -136,8 +136,8 @@ def test_device_executors_read_as_one_models_executor():
 
 @pytest.mark.gpu
 def test_two_cuda_devices_give_one_gpus_greedy_text(four_layers):
-    """On the two-GPU box: each GPU holds its layers, their cache and its own resident experts (and staging slots),
-    and the text equals one GPU's token for token."""
+    """On the two-GPU box: each GPU holds its layers and its own resident experts, and the greedy text is
+    transformers' on one GPU, token for token."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
     budgets = _budgets_holding(four_layers, (3, 5))  # the same bytes on a GPU: float32 both
@@ -151,7 +151,18 @@ def test_two_cuda_devices_give_one_gpus_greedy_text(four_layers):
             executor.device}
     assert [block.attn_norm.weight.device.index for block in engine.model.layers] == [0, 0, 1, 1]
     assert engine.runner.graphs is None and any("CUDA graphs are off" in w for w in engine.warnings)
-    one = Engine.load(str(four_layers), device="cuda", dtype="float32", offload=True, context_length=64,
-                      gpu_budget=0)
-    assert _generate(engine) == _generate(one)
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    ref = hf_model(four_layers, torch.float32, "cuda")  # as tests/model/test_gpu_equivalence.py checks one GPU
+    assert _generate(engine) == [hf_greedy(ref, engine.tokenizer.encode(p), GREEDY.max_new_tokens, eos)
+                                 for p in PROMPTS]
     assert [d["experts_on_gpu"] for d in engine.expert_stats()["devices"]] == [3, 5]
+
+
+def test_a_figure_too_small_for_its_layers_is_one_line_naming_the_gpu(four_layers):
+    from moedesk.engine.errors import MoedeskError
+
+    with pytest.raises(MoedeskError) as refused:
+        Engine.load(str(four_layers), device="cpu", dtype="float32", offload=True, context_length=64,
+                    gpu_budget=(1.0, 0.0001), devices=("cpu", "cpu"))
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith("GPU 1's budget") and "raise its figure in --gpu-budget" in message
