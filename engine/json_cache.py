@@ -45,6 +45,16 @@ def cached_json(path: Path, measure, refresh: bool = False):
     return value
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why files cannot be created in `folder` (made if missing), in words (folder_problem); None if they can."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        return folder_problem(folder, e)
+    return None
+
+
 def folder_problem(folder: Path, error: OSError) -> str:
     """Why files cannot be made in `folder`, in words (the errno's own are cryptic for the file cases)."""
     try:

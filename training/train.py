@@ -43,7 +43,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import tempfile
 import time
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
@@ -53,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.json_cache import unwritable
 from moedesk.engine.model.transformer import apply_rope
 from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, checkpoint_tensors, config_dict, eagle3_feature_layers
 from moedesk.training.files import atomic_write
@@ -1139,11 +1139,9 @@ def head_metadata(engine, settings: TrainSettings, data: DraftData, prompts_path
 
 def check_output_folder(out: Path) -> None:
     """MoedeskError (one line) unless files can be created in `out` (made if missing)."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out).close()
-    except OSError as e:
-        raise MoedeskError(f"{out}: cannot write the draft head there ({e.strerror or e})") from None
+    problem = unwritable(out)
+    if problem:
+        raise MoedeskError(f"{out}: cannot write the draft head there ({problem})")
     if (out / "config.json").exists() and not (out / TRAINING_DIR).is_dir():
         raise MoedeskError(f"{out}: already holds a model that train-draft did not write; choose another --out")
 

@@ -19,7 +19,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.json_cache import folder_problem
+from moedesk.engine.json_cache import unwritable
 
 
 def recipe() -> dict:
@@ -64,12 +64,10 @@ def demo_checkpoint_dir() -> Path:
 
 def _check_writable(folder: Path) -> None:
     """Raise MoedeskError (one line: which folder, why) unless files can be created in `folder`."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
-    except OSError as e:
-        raise MoedeskError(f"{folder}: cannot build the demo model in this cache folder ({folder_problem(folder, e)}); "
-                           f"set MOEDESK_CACHE_DIR to a folder you can write") from None
+    problem = unwritable(folder)
+    if problem:
+        raise MoedeskError(f"{folder}: cannot build the demo model in this cache folder ({problem}); "
+                           f"set MOEDESK_CACHE_DIR to a folder you can write")
 
 
 def remove_abandoned_builds(folder: Path) -> None:

@@ -170,7 +170,7 @@ def test_bad_inputs_end_in_one_line(capsys, tmp_path, prompts_file, tiny_checkpo
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(blocker / "sub")])
-    assert "cannot write" in err
+    assert err.endswith(f"{blocker / 'sub'}: cannot write the draft head there (a part of its path is a file, not a folder)")
     bad = tmp_path / "bad.jsonl"
     bad.write_text(prompts_file.read_text().splitlines()[0] + "\n{not json\n")
     err = one_line_error(capsys, ["train-draft", "--model", model, "--out", str(tmp_path / "o"), "--prompts", str(bad)])
