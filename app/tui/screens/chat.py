@@ -88,8 +88,16 @@ def model_summary(engine) -> str:
     cfg = engine.config
     experts = f"{cfg.num_experts} experts, {cfg.num_experts_per_tok} per token" if cfg.is_moe else "dense"
     dtype = str(engine.dtype).removeprefix("torch.") if engine.dtype is not None else "file's formats"
+    spread = device_summary(engine.expert_stats()) if cfg.is_moe and hasattr(engine, "expert_stats") else ""
     return f"{short_model_name(engine.name)}\n{cfg.arch} · {cfg.num_layers} layers\n{experts}\n" \
-           f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}"
+           f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}{spread}"
+
+
+def device_summary(expert_stats: dict) -> str:
+    """Which GPU holds which MoE layers and how many of their experts, a line each, where the layers run on several
+    GPUs (the engine's expert stats list them); '' on one."""
+    return "".join(f"\nGPU {d['device']}: MoE layers {d['moe_layers'][0]}-{d['moe_layers'][1]} · "
+                   f"{d['experts_on_gpu']} experts" for d in expert_stats.get("devices", ()))
 
 
 def writing(decoding) -> str:
