@@ -1,6 +1,6 @@
 """llama.cpp's server tests against `moedesk serve` (tests/serve/llama_server_suite.py): with a llama.cpp tree named
 by LLAMA_CPP_SOURCE, every test that passed when docs/serve.md's tally was taken still passes. Without one, skipped:
-the tree is not part of this repository (.ci/run takes one from llama-cpp-python's source archive on PyPI)."""
+the tree is not part of this repository (docs/serve.md says where to get one; CI does not: nine minutes)."""
 from __future__ import annotations
 
 import os
