@@ -38,6 +38,7 @@ class Engine(EngineFace):
         self.executor = LocalExecutor()
         self.orchestra: ExpertOrchestra | None = None  # set when experts are split between GPU and RAM
         self.device_plan = None  # engine.offload.devices.DevicePlan when --gpu-budget named several GPUs
+        self.device_links: list = []  # (from, to, engine.offload.profiler.device_link) of each cut between GPUs
         self.budget_split: BudgetSplit | None = None  # where an explicit GPU budget went (engine.offload.gpu_budget)
         self.warnings: list[str] = []  # what went less well than asked (OOM back-off, unpinned RAM), one line each
         # The model's own sampling defaults (engine.load.generation_defaults): used where the user set no value.
@@ -255,6 +256,7 @@ class Engine(EngineFace):
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
         assert self.device_plan.device_of_layer == spread.device_of_layer, "the plan moved layers after the load"
+        self.device_links = _measure_links(spread, cfg.hidden_size, self.dtype)
         orchestra.place_plan(self.device_plan)
         if spread.devices[0].type == "cuda":
             self.warnings.append("CUDA graphs are off over several GPUs: a graph replays one device's stream, and "
@@ -273,6 +275,9 @@ class Engine(EngineFace):
         for part, d in zip(self.orchestra.parts, self.orchestra.device_of_part):  # what each GPU's split is priced by
             lines.append(f"  GPU {d} ({part.executor.device}): copies an expert in {part.costs.copy_expert_ms:.3f} ms, "
                          f"computes one token's in {part.costs.gpu_expert_ms(1):.3f} ms")
+        for a, b, link in self.device_links:
+            lines.append(f"  cut GPU {a} -> GPU {b}: one token's hidden state {link['token_ms']:.3f} ms, "
+                         f"link {link['gbs']:.1f} GB/s")
         return lines
 
     def gpu_budget_split(self, budget: int) -> BudgetSplit:
@@ -474,6 +479,16 @@ def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: i
     weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, KV_ROWS_RESERVED * context, devices)
     routed = {moe.layer for moe in model.moe_blocks()}  # the layers whose popularity rows the orchestra has
     return weights, kv, [layer in routed for layer in range(cfg.num_layers)], first, last
+
+
+def _measure_links(spread, hidden: int, dtype: torch.dtype) -> list:
+    """(from, to, engine.offload.profiler.device_link) for each cut between two distinct devices (none between a
+    device and itself, as when the CPU stands for each GPU)."""
+    from moedesk.engine.offload.profiler import device_link
+
+    held = [run[0] for run in spread.runs]
+    return [(a, b, device_link(spread.devices[a], spread.devices[b], hidden, dtype))
+            for a, b in zip(held, held[1:]) if spread.devices[a] != spread.devices[b]]
 
 
 def _spread(model, cfg, banks: dict, budgets: tuple[float, ...], devices, dtype: torch.dtype, context: int):

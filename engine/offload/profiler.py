@@ -49,6 +49,31 @@ def _timed_ms(fn, device: torch.device, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def device_link(src, dst, hidden: int, dtype: torch.dtype, megabytes: int = 64, repeat: int = 10) -> dict:
+    """What a cut between two devices costs (engine.model.layer_devices): one token's hidden state copied across
+    (ms, mostly the link's latency) and the link's bandwidth on a `megabytes` block (GB/s: PCIe or NVLink)."""
+    src, dst = torch.device(src), torch.device(dst)
+
+    def timed(tensor) -> float:
+        times = []
+        for i in range(repeat + 1):
+            for d in {src, dst}:
+                if d.type == "cuda":
+                    torch.cuda.synchronize(d)
+            start = time.perf_counter()
+            tensor.to(dst, copy=True)
+            for d in {src, dst}:
+                if d.type == "cuda":
+                    torch.cuda.synchronize(d)
+            if i:  # the first is a warm-up (peer access set up)
+                times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
+
+    token = torch.zeros(1, hidden, dtype=dtype, device=src)
+    block = torch.zeros(megabytes * 2**20, dtype=torch.uint8, device=src)
+    return {"token_ms": timed(token) * 1e3, "gbs": block.numel() / timed(block) / 1e9}
+
+
 def cpu_read_gbs(megabytes: int = 1024) -> float:
     """The CPU's read bandwidth over a buffer far larger than the caches: the faster of a parallel
     torch sum (as docs/measurements.md, "Facts measured on the GPU box", measured it) and, where it runs,

@@ -53,6 +53,7 @@ def test_two_devices_give_transformers_greedy_text_with_each_devices_own_experts
                          gpu_budget=budgets, devices=("cpu", "cpu"))
     plan, spread = engine.device_plan, engine.model.spread
     assert spread.device_of_layer == plan.device_of_layer == (0, 0, 1, 1)
+    assert engine.device_links == []  # a device and itself: no link to time
     assert [p.experts_on_gpu for p in plan.placements] == [3, 5]
     # Each device's executor holds its own layers' banks and exactly the experts the plan chose for them.
     parts = engine.executor.executors
@@ -159,6 +160,9 @@ def test_two_cuda_devices_give_one_gpus_greedy_text(four_layers):
     assert _generate(engine) == [hf_greedy(ref, engine.tokenizer.encode(p), GREEDY.max_new_tokens, eos)
                                  for p in PROMPTS]
     assert [d["experts_on_gpu"] for d in engine.expert_stats()["devices"]] == [3, 5]
+    (a, b, link), = engine.device_links  # the one cut, timed on the real link
+    assert (a, b) == (0, 1) and link["gbs"] > 1 and any(line.startswith("  cut GPU 0 -> GPU 1: ")
+                                                         for line in engine.device_plan_lines())
 
 
 def test_a_figure_too_small_for_its_layers_is_one_line_naming_the_gpu(four_layers):
@@ -169,3 +173,10 @@ def test_a_figure_too_small_for_its_layers_is_one_line_naming_the_gpu(four_layer
                     gpu_budget=(1.0, 0.0001), devices=("cpu", "cpu"))
     message = str(refused.value)
     assert "\n" not in message and message.startswith("GPU 1's budget") and "raise its figure in --gpu-budget" in message
+
+
+def test_a_link_is_timed_as_a_tokens_copy_and_a_bandwidth():
+    from moedesk.engine.offload.profiler import device_link
+
+    link = device_link("cpu", "cpu", 64, torch.float32, megabytes=4, repeat=3)
+    assert link["token_ms"] > 0 and link["gbs"] > 0
