@@ -35,6 +35,7 @@ class Architecture:
     router_name: str = "gate"  # the checkpoint's name of the router inside the MoE module
     latent_attention: bool = False  # DeepSeek's MLA
     delta_net: bool = False  # Gated DeltaNet layers beside gated full attention (Qwen3-Next, Qwen3.5-MoE)
+    score_bias_name: str = "gate.e_score_correction_bias"  # a sigmoid router's correction bias, in the MoE module
 
 
 ARCHITECTURES = {
@@ -70,6 +71,12 @@ ARCHITECTURES = {
         Architecture("gpt_oss", moe_block="mlp", num_experts_key="num_local_experts",
                      expert_width_key="intermediate_size", attention_bias=True, router="topk_softmax",
                      router_name="router"),
+        # MiniMax-M2: Mixtral's module names, q/k norms over all heads at once (OLMoE's), part of each head rotated
+        # (rotary_dim), sigmoid routing with a correction bias beside the router, the top k always renormalised.
+        Architecture("minimax_m2", moe_block="block_sparse_moe", expert_proj=("w1", "w3", "w2"), qk_norm="full",
+                     num_experts_key="num_local_experts", expert_width_key="intermediate_size",
+                     norm_topk_prob_default=True, router="sigmoid", partial_rotary=True,
+                     score_bias_name="e_score_correction_bias"),
     ]
 }
 
@@ -170,6 +177,8 @@ def _parse_config(hf: dict, path) -> ModelConfig:
             raise UnsupportedModelError(path, f"unsupported config field {key}={hf[key]!r}")
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         raise UnsupportedModelError(path, "unsupported config field use_sliding_window=true")
+    if arch.model_type == "minimax_m2":
+        hf = _minimax_m2_checked(hf, path)
 
     hidden, heads = count("hidden_size"), count("num_attention_heads", limit=_LIMITS["heads"])
     layers = count("num_hidden_layers", limit=_LIMITS["layers"])
@@ -248,7 +257,7 @@ def _parse_config(hf: dict, path) -> ModelConfig:
     if arch.latent_attention:
         extra["attention_scale"] = _latent_scale(hf, rope, head_dim)
     qk_norm = arch.qk_norm
-    if arch.partial_rotary and hf.get("use_qk_norm"):
+    if arch.model_type == "glm4_moe" and hf.get("use_qk_norm"):
         qk_norm = "head"
     return ModelConfig(
         arch=arch.model_type,
@@ -278,10 +287,26 @@ def _parse_config(hf: dict, path) -> ModelConfig:
         bos_token_id=bos,
         eos_token_ids=eos_ids,
         **extra,
-        mtp_layers=count("num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or 0, minimum=0,
-                         limit=_LIMITS["layers"]),
+        # DeepSeek-V3 and GLM-4.x say num_nextn_predict_layers, MiniMax-M2 num_mtp_modules
+        mtp_layers=count("num_nextn_predict_layers", hf.get("num_nextn_predict_layers") or hf.get("num_mtp_modules")
+                         or 0, minimum=0, limit=_LIMITS["layers"]),
         **routing,
     )
+
+
+# MiniMax-M2's config keys for what transformers' implementation always does: anything else is another model.
+_MINIMAX_M2_FIXED = {"scoring_func": "sigmoid", "use_routing_bias": True, "use_qk_norm": True,
+                     "qk_norm_type": "per_layer", "shared_intermediate_size": 0}
+
+
+def _minimax_m2_checked(hf: dict, path) -> dict:
+    """MiniMax-M2's config, its fixed switches checked (one line for a value the reference does not run), the top k
+    always renormalised (transformers' router divides by their sum whatever the config says)."""
+    for key, fixed in _MINIMAX_M2_FIXED.items():
+        if hf.get(key) is not None and hf[key] != fixed:
+            raise UnsupportedModelError(path, f"unsupported config field {key}={_show(hf[key])} (MiniMax-M2 runs "
+                                              f"{key}={_show(fixed)})")
+    return {**hf, "norm_topk_prob": True}
 
 
 def _latent_attention(hf: dict, heads: int, count, path) -> dict:
@@ -345,6 +370,9 @@ def _rotary_dim(hf: dict, head_dim: int, path) -> int:
     transformers >= 5, at the top level on the Hub), an even number; 0 where that is all of them."""
     params = hf.get("rope_parameters") if isinstance(hf.get("rope_parameters"), dict) else {}
     factor = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if factor is None and hf.get("model_type") == "minimax_m2" and hf.get("rotary_dim") is not None:
+        factor = hf["rotary_dim"]  # the released MiniMax-M2 configs' own key: dims, not a share
+        factor = factor / head_dim if isinstance(factor, int) and not isinstance(factor, bool) else factor
     if factor is None:
         # transformers' defaults: GLM-4.x turns half of each head, Qwen3-Next and Qwen3.5-MoE a quarter
         factor = {"glm4_moe": 0.5, "qwen3_next": 0.25, "qwen3_5_moe": 0.25}.get(hf.get("model_type"), 1.0)
@@ -562,7 +590,7 @@ def weight_name_map(cfg: ModelConfig) -> list[tuple[re.Pattern, str]]:
         rules.append((_LAYER + r"self_attn\.sinks", r"layers.\1.attn.sinks"))
         rules.append((block + r"experts\.(gate_up|down)_proj_bias", r"layers.\1.moe.\2_bias"))
     if arch.router == "sigmoid":
-        rules.append((block + r"gate\.e_score_correction_bias", r"layers.\1.moe.score_bias"))
+        rules.append((block + re.escape(arch.score_bias_name), r"layers.\1.moe.score_bias"))
     if arch.delta_net:
         linear = _LAYER + r"linear_attn\."
         for theirs, ours in ((r"in_proj_(qkv|z|b|a)\.weight", r"in_\2.weight"), (r"conv1d\.weight", "conv"),

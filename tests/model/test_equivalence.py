@@ -39,7 +39,8 @@ def test_batched_greedy_generation_matches(pair):
         assert done[i].finish_reason == ("length" if len(expected) == 24 else "stop")
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "deepseek_v3",
+                                  "minimax_m2"])
 def test_moe_layers_are_routed(arch, tiny_checkpoint):
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cpu", dtype="float32")
     engine.executor.selections.clear()

@@ -485,3 +485,61 @@ def test_gpt_oss_norms_round_where_the_reference_rounds():
     theirs, ours, others = theirs.bfloat16(), ours.bfloat16(), others.bfloat16()
     x = torch.randn(64, 256).bfloat16()
     assert torch.equal(ours(x), theirs(x)) and not torch.equal(others(x), theirs(x))
+
+
+# --- minimax_m2 --------------------------------------------------------------------------------------------
+
+def test_minimax_m2_routing_matches_its_router():
+    """Sigmoid scores, chosen with the correction bias, weighted without it and renormalised: the grouped rule with
+    one group and no scaling is MiniMax-M2's router, bit for bit."""
+    import transformers
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2TopKRouter
+
+    router = MiniMaxM2TopKRouter(transformers.MiniMaxM2Config(hidden_size=32, num_local_experts=16,
+                                                              num_experts_per_tok=4))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.3)
+    bias = torch.randn(16) * 0.2  # large enough to change choices
+    x = torch.randn(200, 32)
+    _, their_weights, their_ids = router(x, bias)
+    weights, ids = grouped_sigmoid_top_k(x @ router.weight.T, bias, 4, 1, 1, True, 1.0)
+    order = their_ids.argsort(dim=-1)
+    assert torch.equal(ids, their_ids.gather(1, order))
+    torch.testing.assert_close(weights, their_weights.gather(1, order), rtol=1e-6, atol=1e-7)
+    _, plain_ids = grouped_sigmoid_top_k(x @ router.weight.T, torch.zeros(16), 4, 1, 1, True, 1.0)
+    assert not torch.equal(plain_ids, ids)
+
+
+def test_minimax_m2_offloaded_and_its_multi_token_prediction_layers(tiny_checkpoint, tmp_path):
+    """Experts in RAM, computed on the CPU or copied to the simulated GPU: transformers' tokens, the router and its
+    correction bias kept in float32. A checkpoint's multi-token prediction modules (the released one's config says
+    num_mtp_modules; vLLM reads them as layers after the last) are read past and change nothing."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder = tiny_checkpoint("minimax_m2")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
+                         gpu_budget=budget_for_experts(folder, 4))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    expected = reference_greedy(folder, engine, prompts, 16)
+    for policy in ("copy", "cpu"):
+        engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
+                                  "cpu": lambda loads: (sorted(loads), [])}[policy]
+        assert greedy(engine, prompts, 16) == expected, policy
+    moe = Engine.load(str(folder), device="cpu", dtype="bfloat16").model.moe_blocks()[0]
+    assert moe.router.weight.dtype == moe.score_bias.dtype == torch.float32
+
+    mtp = tmp_path / "with-mtp"
+    shutil.copytree(folder, mtp)
+    config = json.loads((folder / "config.json").read_text())
+    (mtp / "config.json").write_text(json.dumps({**config, "use_mtp": True, "num_mtp_modules": 1}))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        layer = {k.replace("layers.2.", "layers.3."): f.get_tensor(k) for k in f.keys() if ".layers.2." in k}
+    save_file(layer, str(mtp / "mtp.safetensors"))
+    with_mtp = Engine.load(str(mtp), device="cpu", dtype="float32")
+    plain = Engine.load(str(folder), device="cpu", dtype="float32")
+    assert with_mtp.config.num_layers == 3 and with_mtp.config.mtp_layers == 1
+    ids = plain.tokenizer.encode(PROMPTS[1])
+    assert torch.equal(last_logits(with_mtp, ids), last_logits(plain, ids))

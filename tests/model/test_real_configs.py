@@ -223,10 +223,43 @@ def test_a_qwen3_5_config_without_the_attention_output_gate_is_refused():
         parse_config({**QWEN3_5_35B_A3B, "text_config": text})
 
 
-def test_minimax_m2_is_refused_in_one_line_naming_its_architecture():
-    """The native engine does not run MiniMax-M2 (llama.cpp runs its GGUFs): the refusal names the model_type."""
-    with pytest.raises(UnsupportedModelError, match="unsupported architecture 'minimax_m2'") as refused:
-        parse_config(MINIMAX_M2)
+def test_minimax_m2():
+    cfg = parse_config(MINIMAX_M2)
+    assert (cfg.arch, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "minimax_m2", 62, 3072, 48, 8, 128)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size) == (256, 8, 1536)
+    assert cfg.moe_layers == (True,) * 62 and cfg.shared_expert_intermediate_size == 0
+    assert (cfg.router, cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.norm_topk_prob) == (
+        "sigmoid", 1, 1, 1.0, True)
+    assert cfg.qk_norm == "full" and cfg.rope_dims == 64 and cfg.rotary_dim == 64  # rotary_dim: half of each head
+    assert cfg.rope.kind == "default" and cfg.rope.theta == 5000000 and not cfg.attention_bias
+    assert (cfg.vocab_size, cfg.max_position_embeddings, cfg.rms_norm_eps, cfg.tie_word_embeddings) == (
+        200064, 196608, 1e-6, False)
+
+
+@pytest.mark.parametrize("extra", [{}, {"rotary_dim": 32}, {"partial_rotary_factor": 0.25},
+                                   {"rope_parameters": {"rope_type": "default", "rope_theta": 5e6,
+                                                        "partial_rotary_factor": 0.75}}],
+                         ids=["released", "rotary-dim", "factor", "rope-parameters"])
+def test_minimax_m2_rotary_width_is_transformers(extra):
+    """How many of each head's dims RoPE turns, from the released rotary_dim or the newer keys, as transformers'
+    config class derives it from the same file (built on the meta device: nothing is allocated)."""
+    import torch
+    import transformers
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RotaryEmbedding
+
+    hf = {**MINIMAX_M2, **extra}
+    theirs = transformers.MiniMaxM2Config(**{k: v for k, v in hf.items() if k != "model_type"})
+    with torch.device("meta"):
+        rotary = MiniMaxM2RotaryEmbedding(theirs)
+    assert parse_config(hf).rope_dims == 2 * rotary.inv_freq.shape[0]
+
+
+@pytest.mark.parametrize("key, value", [("scoring_func", "softmax"), ("use_routing_bias", False),
+                                        ("qk_norm_type", "per_head"), ("shared_intermediate_size", 1024)])
+def test_a_minimax_m2_config_transformers_would_not_run_as_written_is_refused_in_one_line(key, value):
+    with pytest.raises(UnsupportedModelError, match=f"unsupported config field {key}=") as refused:
+        parse_config({**MINIMAX_M2, key: value})
     assert "\n" not in str(refused.value)
 
 
