@@ -99,7 +99,7 @@ class Settings:
         choices=("auto", "bf16", "int8", "int4"))
     engine: str = setting(
         "auto", "Engine", "What runs the model. auto: moedesk's own engine where it implements the architecture "
-                          "(faster), llama.cpp for the GGUF models it does not (MiniMax, LFM2...); native "
+                          "(faster), llama.cpp for the GGUF models it does not (LFM2...); native "
                           "or llama.cpp: that one; remote: the OpenAI-compatible server at the remote URL "
                           "generates (vLLM, SGLang, llama-server, another moedesk serve), the model's files here "
                           "give the tokenizer and chat template. Takes effect when a model is loaded.",

@@ -42,6 +42,7 @@ _MODEL_TYPES = {
     "qwen3next": (None, "qwen3_next"),
     "qwen35moe": (None, "qwen3_5_moe"),
     "deepseek2": (None, "deepseek_v3"),  # DeepSeek-V3/R1, Kimi-K2 and GLM-4.7-Flash: MLA, sigmoid routing
+    "minimax-m2": (None, "minimax_m2"),
 }
 # The GGUF architectures the native engine runs; llama.cpp runs the others (engine.load.size_estimate sizes them).
 NATIVE_ARCHITECTURES = frozenset(_MODEL_TYPES)
@@ -49,7 +50,7 @@ _HF_CLASSES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM", "qw
                "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
                "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "minimax_m2": "MiniMaxM2ForCausalLM"}
 # llama.cpp runs these with its interleaved ("normal") RoPE, so its converter reorders their q/k
 # rows; the other architectures use NEOX RoPE, the Hub's own layout, and are stored as they are.
 _PERMUTED_QK_ARCHS = {"llama"}
@@ -95,8 +96,9 @@ _LAYER_TENSORS = {
 # Newer deepseek2 files split kv_b per head into K's part, transposed ([heads, rank, nope]), and V's ([heads, v,
 # rank]) for llama.cpp's absorbed attention; joined back into the Hub's kv_b_proj [heads * (nope + v), rank].
 _SPLIT_KV_B = ("attn_k_b", "attn_v_b")
-# Whole names whose Hub name is not module + kind: the sigmoid router's correction bias.
-_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias", "attn_sinks.weight": "self_attn.sinks",
+# Whole names whose Hub name is not module + kind: the sigmoid router's correction bias (in the MoE module, where
+# its architecture keeps it), gpt-oss's sinks, Gated DeltaNet's time-step bias.
+_LAYER_TENSORS_WHOLE = {"exp_probs_b.bias": "{moe}.{score_bias}", "attn_sinks.weight": "self_attn.sinks",
                         "ssm_dt.bias": "linear_attn.dt_bias"}
 # Gated DeltaNet's decay rate: llama.cpp keeps A = -exp(A_log), under a name without a kind.
 _SSM_A = re.compile(r"blk\.(\d+)\.ssm_a")
@@ -108,8 +110,6 @@ _BY_VALUE_HEAD = {"ssm_a": (0, "all"), "ssm_dt": (0, "all"), "ssm_alpha": (0, "a
                   "attn_gate": (0, "all"), "ssm_out": (1, "all"), "attn_qkv": (0, "values"),
                   "ssm_conv1d": (0, "values")}
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
-_EXPERT_PROJ = {"mixtral": {"gate": "w1", "up": "w3", "down": "w2"}}
-_DEFAULT_EXPERT_PROJ = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 # blk.{layer}.{leaf}[.{expert}].{weight|bias}; a numbered expert is how older Mixtral files store them.
 _LAYER_TENSOR_NAME = re.compile(r"blk\.(\d+)\.(\w+?)(?:\.(\d+))?\.(weight|bias)")
 _BLOCK_NUMBER = re.compile(r"blk\.(\d+)\.")
@@ -299,6 +299,8 @@ class GGUFCheckpoint:
             return self._gpt_oss_config(experts)
         if model_type in ("qwen3_next", "qwen3_5_moe"):
             return self._delta_net_config(experts)
+        if model_type == "minimax_m2":
+            return self._minimax_m2_config(experts)
         moe = {"num_local_experts" if model_type == "mixtral" else "num_experts": experts,
                "num_experts_per_tok": self._arch_meta("expert_used_count", int)}
         width = self._arch_meta("expert_feed_forward_length", int, None) or self._arch_meta("feed_forward_length", int)
@@ -332,10 +334,7 @@ class GGUFCheckpoint:
     def _routed_config(self, experts: int, norm_default: bool) -> dict:
         """Sigmoid scores with a correction bias, group-limited top-k, shared experts, dense first layers (GLM-4.x,
         DeepSeek-V3). norm_default: whether llama.cpp renormalises the top k where the file does not say."""
-        gating = self._arch_meta("expert_gating_func", int, _SIGMOID_GATING)
-        if gating != _SIGMOID_GATING:
-            raise UnsupportedModelError(self.path, f"{self.arch} with expert_gating_func {gating} (moedesk runs the "
-                                                   f"sigmoid gating, {_SIGMOID_GATING})")
+        self._sigmoid_gating()
         return {
             "n_routed_experts": experts,
             "num_experts_per_tok": self._arch_meta("expert_used_count", int),
@@ -348,6 +347,19 @@ class GGUFCheckpoint:
             "topk_group": self._arch_meta("expert_group_used_count", int, 1),
             "num_nextn_predict_layers": self._mtp_layers(),
         }
+
+    def _minimax_m2_config(self, experts: int) -> dict:
+        """MiniMax-M2: sigmoid routing with a correction bias, the top k always renormalised (llama.cpp hard-codes it
+        as transformers does); its partial RoPE is the common rope.dimension_count."""
+        self._sigmoid_gating()
+        return {"num_local_experts": experts, "num_experts_per_tok": self._arch_meta("expert_used_count", int),
+                "intermediate_size": self._arch_meta("expert_feed_forward_length", int)}
+
+    def _sigmoid_gating(self) -> None:
+        gating = self._arch_meta("expert_gating_func", int, _SIGMOID_GATING)
+        if gating != _SIGMOID_GATING:
+            raise UnsupportedModelError(self.path, f"{self.arch} with expert_gating_func {gating} (moedesk runs the "
+                                                   f"sigmoid gating, {_SIGMOID_GATING})")
 
     def _delta_net_config(self, experts: int) -> dict:
         """Qwen3-Next / Qwen3.5-MoE: the Gated DeltaNet dims from llama.cpp's ssm keys, every
@@ -396,13 +408,13 @@ class GGUFCheckpoint:
         from moedesk.engine.model.architectures import ARCHITECTURES
 
         model_type = self.config["model_type"]
-        moe = "block_sparse_moe" if model_type == "mixtral" else "mlp"
-        shared = ARCHITECTURES[model_type].shared_expert_name
-        router = ARCHITECTURES[model_type].router_name
+        arch = ARCHITECTURES[model_type]
+        moe, shared, router = arch.moe_block, arch.shared_expert_name, arch.router_name
+        names = dict(moe=moe, shared=shared, router=router, score_bias=arch.score_bias_name)
         self._joined_biases: dict[str, dict[str, str]] = {}  # Hub name -> {GGUF leaf: GGUF name}
         self._joined_kv_b: dict[str, dict[str, str]] = {}  # likewise, kv_b_proj from attn_k_b and attn_v_b
         layers = self.config["num_hidden_layers"]
-        expert_proj = _EXPERT_PROJ.get(model_type, _DEFAULT_EXPERT_PROJ)
+        expert_proj = dict(zip(("gate", "up", "down"), arch.expert_proj))
         index = {}
         for name, tensor in self._tensors.items():
             stem, _, kind = name.rpartition(".")
@@ -436,9 +448,9 @@ class GGUFCheckpoint:
             elif expert is None and leaf in _SPLIT_KV_B and kind == "weight":
                 self._joined_kv_b.setdefault(f"{prefix}self_attn.kv_b_proj.weight", {})[leaf] = name
             elif expert is None and f"{leaf}.{kind}" in _LAYER_TENSORS_WHOLE:
-                index[prefix + _LAYER_TENSORS_WHOLE[f"{leaf}.{kind}"]] = (name, None)
+                index[prefix + _LAYER_TENSORS_WHOLE[f"{leaf}.{kind}"].format(**names)] = (name, None)
             elif expert is None and leaf in _LAYER_TENSORS:
-                index[f"{prefix}{_LAYER_TENSORS[leaf].format(moe=moe, shared=shared, router=router)}.{kind}"] = (name, None)
+                index[f"{prefix}{_LAYER_TENSORS[leaf].format(**names)}.{kind}"] = (name, None)
             else:
                 raise UnsupportedModelError(self.path, f"unexpected GGUF tensor {name}")
         return index

@@ -300,3 +300,38 @@ def test_a_gpt_oss_gguf_without_a_template_gets_harmonys_on_llama_cpp(tmp_path):
                 assert "<|message|>" in engine.tokenizer.decode(ids, skip_special_tokens=False)
         finally:
             engine.close()
+
+
+@pytest.mark.parametrize("family", ["minimax-m2"], indirect=True)
+@pytest.mark.usefixtures("one_torch_thread")
+def test_native_minimax_m2_gguf_agrees_with_llama_cpp_on_the_same_file(family):
+    """The file `auto` runs natively, against llama.cpp's logits on the same file (transformers' greedy paths,
+    teacher-forced), experts in memory and in RAM: float32 weights on both sides, so the bound is the one llama.cpp
+    meets against transformers (LOGIT_TOLERANCE), and the next token is llama.cpp's wherever its two best logits are
+    further apart than that."""
+    from tokenizers import Tokenizer
+
+    from moedesk.engine.runtime import Engine
+    from tests.model.test_families import teacher_forced
+
+    name, built, llm, _ = family
+    tokenizer = Tokenizer.from_file(str(built.folder / "tokenizer.json"))
+    paths = [(ids := tokenizer.encode(p).ids) + hf_greedy(built.model, ids, NEW_TOKENS)[:-1] for p in PROMPTS]
+    resident = Engine.load(str(built.gguf), device="cpu", dtype="float32")
+    in_ram = Engine.load(str(built.gguf), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
+    for engine in (resident, in_ram):
+        assert engine.kind == "native" and engine.config.arch == "minimax_m2"
+        gaps, agree = [], []
+        for ids in paths:
+            theirs = llama_logits(llm, ids)
+            ours = teacher_forced(engine, ids).numpy()
+            gaps.append(float(np.abs(ours - theirs).max()))
+            top2 = np.sort(theirs, axis=-1)[:, -2:]
+            clear = top2[:, 1] - top2[:, 0] > LOGIT_TOLERANCE
+            assert clear.mean() > 0.9 and (ours.argmax(-1) == theirs.argmax(-1))[clear].all()
+            agree += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+        print(f"native {'in RAM' if engine is in_ram else 'resident'} vs llama.cpp on {name}: logits at most "
+              f"{max(gaps):.1e} apart, top-1 {np.mean(agree):.3f}")
+        assert max(gaps) < LOGIT_TOLERANCE, gaps
+    assert in_ram.executor.stats.cpu_experts > 0

@@ -484,7 +484,7 @@ def test_unsupported_architecture(tmp_path):
     path = write_minimal(tmp_path / "mamba.gguf", arch="mamba")
     with pytest.raises(UnsupportedModelError) as e:
         GGUFCheckpoint(path)
-    assert_one_line(e, path, "unsupported GGUF architecture 'mamba' (supported: deepseek2, glm4moe, gpt-oss, llama, olmoe, qwen2, qwen2moe, qwen35moe, qwen3moe, qwen3next)")
+    assert_one_line(e, path, "unsupported GGUF architecture 'mamba' (supported: deepseek2, glm4moe, gpt-oss, llama, minimax-m2, olmoe, qwen2, qwen2moe, qwen35moe, qwen3moe, qwen3next)")
 
 
 def test_missing_metadata(tmp_path):
