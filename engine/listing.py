@@ -11,10 +11,11 @@ from pathlib import Path
 
 
 def native_model_types() -> frozenset[str]:
-    """The config.json `model_type`s the native engine implements, and those that name one of them (Kimi-K2's)."""
-    from moedesk.engine.model.architectures import ARCHITECTURES, SAME_AS
+    """The config.json `model_type`s the native engine implements, those that name one of them (Kimi-K2's), and the
+    multimodal ones whose text model it runs (Kimi-K2.5's)."""
+    from moedesk.engine.model.architectures import ARCHITECTURES, SAME_AS, TEXT_MODELS
 
-    return frozenset(ARCHITECTURES) | frozenset(SAME_AS)
+    return frozenset(ARCHITECTURES) | frozenset(SAME_AS) | frozenset(TEXT_MODELS)
 
 
 @dataclass(frozen=True)

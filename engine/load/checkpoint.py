@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
+from moedesk.engine.model.architectures import text_config
 
 
 class ModelFiles:
@@ -70,7 +71,8 @@ class SafetensorsCheckpoint(ModelFiles):
         if not config_path.is_file():
             raise CheckpointError(self.path, "no config.json in this folder")
         self.config = _read_json(config_path)
-        quantization = self.config.get("quantization_config")
+        # A multimodal checkpoint may say it of its text model alone (Kimi-K2.5's INT4 experts)
+        quantization = self.config.get("quantization_config") or text_config(self.config).get("quantization_config")
         if _is_gpt_oss_mxfp4(self.config):
             quantization = None  # its experts' blocks are kept as they are (engine.load.fused_experts)
         if quantization is not None:  # FP8, GPTQ, AWQ, bitsandbytes...: tensors that mean nothing without their scales
@@ -221,12 +223,12 @@ def _is_gpt_oss_mxfp4(config: dict) -> bool:
 
 
 def _with_experts_apart(checkpoint):
-    """Qwen3-Next's and Qwen3.5-MoE's checkpoints are shown as their text model, with the layout of projections the
-    model reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few tensors, shown one
-    expert at a time."""
+    """Qwen3-Next's, Qwen3.5-MoE's and Kimi-K2.5's checkpoints are shown as their text model, with the layout of
+    projections the model reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few
+    tensors, shown one expert at a time."""
     from moedesk.engine.load.fused_experts import FusedExperts, has_fused_experts
 
-    if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
+    if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_k25"):
         from moedesk.engine.load.delta_projections import as_the_model_reads_it
         checkpoint = as_the_model_reads_it(checkpoint)
     return FusedExperts(checkpoint) if has_fused_experts(checkpoint) else checkpoint

@@ -4,9 +4,7 @@
   head, its q and k rows, then the v and z rows of the value heads it serves; `in_proj_ba` likewise beta's then
   the decay's rows. Qwen3.5 (and moedesk's layer) keep q, k and v of every head in `in_proj_qkv` (all q heads, all
   k heads, all v heads) and z, b and a apart. `SplitProjections` shows the fused tensors as the split ones.
-- Qwen3.5-MoE's released checkpoints are multimodal: the text model under `model.language_model.`, a vision
-  tower under `model.visual.`, and multi-token prediction layers under `mtp.`. `TextModel` shows the text
-  model under `model.` and hides the rest (moedesk runs text only).
+- Qwen3.5-MoE's released checkpoints are multimodal: engine.load.text_model shows the text model alone.
 """
 from __future__ import annotations
 
@@ -14,6 +12,7 @@ import re
 
 import torch
 
+from moedesk.engine.load.text_model import TextModel, layout_of, text_names
 from moedesk.engine.model.architectures import text_config
 
 _FUSED = re.compile(r"(.*\.linear_attn\.)in_proj_(qkvz|ba)\.weight")
@@ -84,55 +83,14 @@ class SplitProjections:
         return split_ba(tensor, self.key_heads)[part].contiguous()
 
 
-_TEXT = "model.language_model."
-_NOT_TEXT = ("model.visual.", "mtp.")
-
-
-class TextModel:
-    """A multimodal Qwen3.5-MoE checkpoint's text model, under the names a text-only checkpoint has."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self._names = {}
-        for name in inner.keys():
-            if name.startswith(_NOT_TEXT):
-                continue
-            self._names["model." + name[len(_TEXT):] if name.startswith(_TEXT) else name] = name
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def keys(self) -> list[str]:
-        return list(self._names)
-
-    def shapes(self):
-        shapes = self.inner.shapes()
-        return None if shapes is None else {ours: shapes[theirs] for ours, theirs in self._names.items()}
-
-    def get_tensor(self, name: str, *args) -> torch.Tensor:
-        return self.inner.get_tensor(self._names.get(name, name), *args)
-
-    def release(self, name: str) -> None:
-        getattr(self.inner, "release", lambda _: None)(self._names.get(name, name))
-
-    def get_tensor_shape(self, name: str) -> list[int]:
-        return self.inner.get_tensor_shape(self._names.get(name, name))
-
-    def packed_format(self, name: str):
-        return self.inner.packed_format(self._names.get(name, name))
-
-    def read_packed(self, name: str, out) -> None:
-        self.inner.read_packed(self._names.get(name, name), out)
-
-
 def shapes_as_read(config: dict, shapes: dict[str, tuple]) -> dict[str, tuple[tuple, str]]:
     """What `as_the_model_reads_it` shows, from tensor shapes alone (the size estimate's view of a checkpoint):
     {shown name: (shape, the checkpoint's name it comes from)}."""
+    layout = layout_of(config, shapes)
+    names = text_names(layout, shapes) if layout is not None else {name: name for name in shapes}
     shown = {}
-    for name, shape in shapes.items():
-        if config.get("model_type") == "qwen3_5_moe" and name.startswith(_NOT_TEXT):
-            continue
-        ours = "model." + name[len(_TEXT):] if name.startswith(_TEXT) else name
+    for ours, name in names.items():
+        shape = shapes[name]
         if m := _FUSED.fullmatch(ours):
             hf = text_config(config)
             rows, cols = shape
@@ -152,8 +110,8 @@ def shapes_as_read(config: dict, shapes: dict[str, tuple]) -> dict[str, tuple[tu
 def as_the_model_reads_it(checkpoint):
     """`checkpoint` under the text model's names, with fused DeltaNet projections split, where it needs either."""
     hf = checkpoint.config
-    if hf.get("model_type") == "qwen3_5_moe" and any(n.startswith((_TEXT, *_NOT_TEXT)) for n in checkpoint.keys()):
-        checkpoint = TextModel(checkpoint)
+    if (layout := layout_of(hf, checkpoint.keys())) is not None:
+        checkpoint = TextModel(checkpoint, layout)
     if text_config(hf).get("model_type") in ("qwen3_next", "qwen3_5_moe") and any(
             _FUSED.fullmatch(n) for n in checkpoint.keys()):
         checkpoint = SplitProjections(checkpoint)

@@ -25,8 +25,8 @@ import torch
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
-from moedesk.engine.model.architectures import (is_ignored_tensor, map_weight_name, parse_config, text_config,
-                                                 weight_name_map)
+from moedesk.engine.model.architectures import (TEXT_MODELS, is_ignored_tensor, map_weight_name, parse_config,
+                                                 text_config, weight_name_map)
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.model.transformer import parameter_dtype
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
@@ -119,8 +119,8 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
     them first: the config against the shapes, and no tensor the architecture does not know (one-line
     CheckpointError / UnsupportedModelError naming `path`)."""
-    if text_config(config).get("model_type") in ("qwen3_next", "qwen3_5_moe"):  # as delta_projections shows them
-        from moedesk.engine.load.delta_projections import shapes_as_read
+    if config.get("model_type") in TEXT_MODELS or text_config(config).get("model_type") == "qwen3_next":
+        from moedesk.engine.load.delta_projections import shapes_as_read  # as the loader is shown them
 
         shown = shapes_as_read(config, {name: t.shape for name, t in tensors.items()})
         tensors = {name: dataclasses.replace(tensors[source], shape=shape) for name, (shape, source) in shown.items()}

@@ -124,16 +124,21 @@ def parse_config(hf: dict, path="config.json", tensors: dict | None = None) -> M
 SAME_AS = {"kimi_k2": "deepseek_v3", "qwen3_5_moe_text": "qwen3_5_moe"}
 
 
+# Multimodal model_types whose text model moedesk runs (its config nested as text_config), and that model's
+# architecture: Qwen3.5-MoE's, and Kimi-K2.5's, which is Kimi-K2's (DeepSeek-V3's) with a vision tower beside it.
+TEXT_MODELS = {"qwen3_5_moe": "qwen3_5_moe", "kimi_k25": "deepseek_v3"}
+
+
 def text_config(hf: dict) -> dict:
-    """The config of the text model moedesk runs: a multimodal checkpoint's text_config (Qwen3.5-MoE nests it, under
-    the multimodal model's model_type), a model_type of `SAME_AS` under the architecture's; any other as it is."""
+    """The config of the text model moedesk runs: a multimodal checkpoint's text_config (`TEXT_MODELS`, its keys over
+    the outer config's), a model_type of `SAME_AS` under the architecture's; any other as it is."""
     if hf.get("model_type") in SAME_AS:
         return {**hf, "model_type": SAME_AS[hf["model_type"]]}
     inner = hf.get("text_config")
-    if hf.get("model_type") != "qwen3_5_moe" or not isinstance(inner, dict):
+    if hf.get("model_type") not in TEXT_MODELS or not isinstance(inner, dict):
         return hf
     merged = {key: value for key, value in hf.items() if key not in ("text_config", "vision_config")}
-    return {**merged, **inner, "model_type": "qwen3_5_moe"}
+    return {**merged, **inner, "model_type": TEXT_MODELS[hf["model_type"]]}
 
 
 def reads_images(hf: dict) -> bool:

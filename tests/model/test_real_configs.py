@@ -291,6 +291,77 @@ def test_a_kimi_k2_checkpoint_loads_as_the_deepseek_v3_it_is(tiny_checkpoint, tm
     assert folder_model(kimi, "folder").supported  # the Models screen lists it as one the native engine runs
 
 
+def kimi_k25_folder(deepseek, out, quantised_text: bool = False):
+    """A Kimi-K2.5 checkpoint as Moonshot lays it out, around the tiny DeepSeek-V3 in `deepseek`: config.json of
+    model_type kimi_k25 nesting the text model's (model_type kimi_k2) and a vision tower's, the text model's tensors
+    under language_model.model. and language_model.lm_head., the vision tower and its projector beside them."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    shutil.copytree(deepseek, out)
+    text = json.loads((deepseek / "config.json").read_text())
+    if quantised_text:
+        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": {**text, "model_type": "kimi_k2"}, "media_placeholder_token_id": 163605,
+              "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "hidden_size": 32,
+                                "num_hidden_layers": 1}, "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(config))
+    with safe_open(str(deepseek / "model.safetensors"), "pt") as f:
+        tensors = {("language_model." + k if k.startswith(("model.", "lm_head.")) else k): f.get_tensor(k)
+                   for k in f.keys()}
+    tensors["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.randn(96, 32)
+    tensors["mm_projector.proj.0.weight"] = torch.randn(64, 128)
+    (out / "model.safetensors").unlink()
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_kimi_k25_parses_as_the_deepseek_v3_text_model_it_nests():
+    """Kimi-K2.5 is Kimi-K2's text model (DeepSeek-V3's architecture) with a vision tower: its config nests the text
+    model's; here Kimi-K2's, as transformers' Kimi_K25Config nests it (model_type kimi_k2 read as deepseek_v3)."""
+    import transformers
+
+    hf = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+          "text_config": KIMI_K2, "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14}}
+    cfg = parse_config(hf)
+    assert cfg == parse_config(KIMI_K2) and reads_images(hf)
+    theirs = transformers.Kimi_K25Config(text_config={k: v for k, v in KIMI_K2.items() if k != "auto_map"})
+    assert theirs.text_config.model_type == "deepseek_v3" and theirs.text_config.n_routed_experts == cfg.num_experts
+
+
+def test_a_kimi_k25_checkpoint_runs_its_text_model_and_says_images_are_not(tiny_checkpoint, tmp_path):
+    """The text model's tensors under Moonshot's names load as DeepSeek-V3 and give transformers' tokens (its
+    DeepseekV3 on the same weights: what Kimi_K25ForConditionalGeneration runs on text); the vision tower is not
+    loaded, with one warning saying so; the size estimate counts the text model alone; the Models screen lists it.
+    Its text model quantised (the release's INT4 experts) is refused in one line naming the method."""
+    from moedesk.app.tui.catalog import folder_model
+    from moedesk.engine.load.size_estimate import summarize_path
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.reference import hf_greedy, hf_model
+
+    deepseek = tiny_checkpoint("deepseek_v3")
+    kimi = kimi_k25_folder(deepseek, tmp_path / "kimi-k2.5")
+    engine = Engine.load(str(kimi), device="cpu", dtype="float32")
+    assert engine.config.arch == "deepseek_v3" and any("images are not supported" in w for w in engine.warnings)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    done = engine.complete([Request(prompt, SamplingParams(max_new_tokens=12, temperature=0))])
+    assert done[0].token_ids == hf_greedy(hf_model(deepseek), prompt, 12, eos)
+    assert summarize_path(kimi).estimate("auto", "float32") == summarize_path(deepseek).estimate("auto", "float32")
+    assert folder_model(kimi, "folder").supported
+
+    quantised = kimi_k25_folder(deepseek, tmp_path / "kimi-k2.5-int4", quantised_text=True)
+    with pytest.raises(UnsupportedModelError, match="quantised with 'compressed-tensors'") as refused:
+        Engine.load(str(quantised), device="cpu", dtype="float32")
+    assert "\n" not in str(refused.value)
+
+
 def test_mla_with_heads_that_do_not_divide_the_hidden_size_runs_as_transformers(tmp_path):
     """GLM-4.7-Flash's 20 heads do not divide its 2048 hidden size, which MLA never needs: a tiny glm4_moe_lite of 5
     heads over 64 loads and gives transformers' greedy tokens."""
