@@ -48,3 +48,12 @@ def test_ci_finds_the_readme_commands_it_runs_as_written():
     assert test.startswith("pip install -e '.[test]'") and "pytest" in test
     with pytest.raises(ValueError):
         module.readme_commands("```bash\npip install -e .\n```\n")
+
+
+def test_the_first_screen_says_how_to_install_without_an_nvidia_gpu():
+    # Issue 46.2: pip on Linux takes CUDA torch (6 GB) even where no NVIDIA GPU can use it; the way around and
+    # what it saves are said before a new user scrolls.
+    first_screen = "\n".join(README.splitlines()[:40])
+    assert "Without an NVIDIA GPU" in first_screen
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in first_screen
+    assert re.search(r"\d+ GB environment", first_screen) and "minute install" in first_screen
