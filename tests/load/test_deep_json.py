@@ -6,7 +6,7 @@ from moedesk.app.tui.settings import load_settings
 from moedesk.app.tui.storage import ConversationStore
 from moedesk.engine.errors import CheckpointError
 from moedesk.engine.speculative.eagle import load_eagle_head
-from tests.load.test_bad_input import batch_error, mixtral  # noqa: F401 -- the fixture
+from tests.load.test_bad_input import batch_error
 
 DEEP = "[" * 100_000 + "]" * 100_000
 DEEP_OBJECT = '{"a":' * 100_000 + "1" + "}" * 100_000
