@@ -167,6 +167,13 @@ SHAPES["qwen3.5-35b-a3b"] = _from_hub_config({
     "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
     "max_position_embeddings": 262144,
     "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}})
+# MiniMaxAI/MiniMax-M2's config.json: 62 layers of 48 heads (8 key/value heads of 128, half of each rotated, q/k
+# norms over all heads), 256 experts top-8 of width 1536, sigmoid routing with a correction bias.
+SHAPES["minimax-m2"] = _from_hub_config({
+    "model_type": "minimax_m2", "vocab_size": 200064, "hidden_size": 3072, "intermediate_size": 1536,
+    "num_hidden_layers": 62, "num_attention_heads": 48, "num_key_value_heads": 8, "head_dim": 128,
+    "num_local_experts": 256, "num_experts_per_tok": 8, "rotary_dim": 64, "rope_theta": 5e6, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 196608, "eos_token_id": 200020, "scoring_func": "sigmoid", "use_qk_norm": True})
 
 # A shape small enough for CI to run the benchmark code path on the CPU.
 SHAPES["tiny-moe"] = ModelConfig(

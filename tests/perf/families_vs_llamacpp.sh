@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root: issue 41's targets, each 2026 family's real shape (its first layers, every
 # expert in RAM) through llama.cpp and through moedesk in one run, in the issue's formats.
-#   bash tests/perf/families_vs_llamacpp.sh [glm|gpt-oss|deepseek|qwen35 ...]
+#   bash tests/perf/families_vs_llamacpp.sh [glm|gpt-oss|deepseek|qwen35|minimax ...]
 # Needs llama-bench and llama-batched-bench built with CUDA in $LLB (tests/perf/llamacpp_engine_gpu.sh build).
 # The box's 64 GB disk holds one family's GGUF at a time: each is written, benched by llama.cpp and deleted
 # before ours runs (ours builds the same shape in RAM: engine/load/synthetic.py). ENGINE_ON=glm-4.5-air also runs
@@ -65,12 +65,13 @@ for f in sorted(glob.glob(os.path.join(out, "*_ours.json"))):
 PY
   tar czf "$OUT/families.tgz" -C "$R" .
 }
-for which in ${*:-glm gpt-oss deepseek qwen35}; do
+for which in ${*:-glm gpt-oss deepseek qwen35 minimax}; do
   case $which in
     glm) family glm-4.5-air glm-4.5-air 12 q4_k q4_k ;;
     gpt-oss) family gpt-oss-120b gpt-oss-120b 8 mxfp4 mxfp4 ;;
     deepseek) family deepseek-v3 deepseek-v3 8 q4_k q4_k ;;
     qwen35) family qwen3.5-35b-a3b qwen3.5-35b-a3b 12 q4_k q4_k ;;
+    minimax) family minimax-m2 minimax-m2 8 q4_k q4_k ;;
   esac
   summary
 done

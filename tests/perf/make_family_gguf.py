@@ -3,7 +3,7 @@
 Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N] [--tiny]
 
 SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air,
-deepseek-v3, qwen3.5-35b-a3b (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata come from
+deepseek-v3, qwen3.5-35b-a3b, minimax-m2 (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata come from
 tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
 transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the
 values: every tensor tiles one random block, the rest of the model in F16, except what llama.cpp's converter always
@@ -64,6 +64,13 @@ SHAPES = {
         moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                             "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
+    # MiniMaxAI/MiniMax-M2's config.json (engine/load/synthetic.py's minimax-m2): q/k norms over all heads, half of
+    # each head rotated, 256 experts top-8, sigmoid routing
+    "minimax-m2": ("minimax-m2", "q4_k", dict(
+        vocab_size=200064, hidden_size=3072, intermediate_size=1536, num_hidden_layers=62, num_attention_heads=48,
+        num_key_value_heads=8, head_dim=128, num_local_experts=256, num_experts_per_tok=8,
+        max_position_embeddings=196608, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5})),
 }
 # --tiny: each shape's dimensions cut down (a key the shape does not have is not added); every switch stays.
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
