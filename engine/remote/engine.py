@@ -218,7 +218,7 @@ class RemoteEngine(EngineFace):
 
 
 def described_config(hf: dict) -> ModelConfig:
-    """What the app shows of a model moedesk cannot run itself (DeepSeek-V3, Kimi-K2, MiniMax-M2...) from its
+    """What the app shows of a model moedesk cannot run itself (an architecture or a quantisation the native engine does not run) from its
     config.json: its size and experts, and its special tokens. Nothing here computes with it."""
     def number(*keys, default=0):
         value = next((hf[k] for k in keys if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)), None)

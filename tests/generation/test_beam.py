@@ -37,7 +37,7 @@ def set_eos(engine, eos, monkeypatch):
     monkeypatch.setattr(engine.runner, "stop_ids", frozenset(eos))  # the stop set every decoding mode reads
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + ["minimax_m2"])
 def test_the_models_own_eos_and_widths_2_and_4_match_transformers(arch, engines, tiny_checkpoint):
     engine = engines(arch)
     ref = hf_model(tiny_checkpoint(arch))

@@ -25,7 +25,7 @@ from moedesk.engine.speculative.oracle_drafter import oracle_factory
 from moedesk.engine.speculative.verification import Speculator
 from moedesk.engine.speculative.eagle import EagleConfig, EagleHead, load_eagle_head, save_eagle_head
 
-ARCHS = ["mixtral", "qwen3_moe", "qwen2_moe"]
+ARCHS = ["mixtral", "qwen3_moe", "qwen2_moe", "minimax_m2"]
 PROMPTS = ["The quick brown fox jumps over the lazy", "Hello, world!", "def add(a, b):"]
 NEW = 20
 
