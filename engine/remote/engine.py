@@ -218,8 +218,8 @@ class RemoteEngine(EngineFace):
 
 
 def described_config(hf: dict) -> ModelConfig:
-    """What the app shows of a model moedesk cannot run itself (an architecture or a quantisation the native engine does not run) from its
-    config.json: its size and experts, and its special tokens. Nothing here computes with it."""
+    """What the app shows of a model moedesk cannot run itself (an architecture or a quantisation the native engine
+    does not run) from its config.json: its size and experts, and its special tokens. Nothing here computes with it."""
     def number(*keys, default=0):
         value = next((hf[k] for k in keys if isinstance(hf.get(k), int) and not isinstance(hf.get(k), bool)), None)
         return default if value is None else value
