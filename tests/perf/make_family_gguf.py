@@ -2,16 +2,16 @@
 
 Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N] [--tiny]
 
-SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air,
-deepseek-v3, qwen3.5-35b-a3b, minimax-m2 (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names
-and metadata come from tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
-transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the
-values: every tensor tiles one random block, the rest of the model in F16, except what llama.cpp's converter always
-keeps in F32 (1-D tensors, routers, Gated DeltaNet's convolution: llama.cpp's CPU kernel for it reads F32 only and
-aborts on anything else). A q4_k tensor whose
-rows are not whole 256-weight blocks (GLM-4.5-Air's 1408-wide down projection) falls back to q4_0, as
-llama.cpp's own quantiser falls back. The vocabulary is placeholder tokens, enough for llama-bench and
-`moedesk bench --engine llama.cpp`. --tiny keeps the family and its switches at toy sizes (TINY), for the CPU tests.
+SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air, deepseek-v3,
+qwen3.5-35b-a3b, minimax-m2 (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata
+come from tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
+transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the values:
+every tensor tiles one random block, the rest of the model in F16, except what llama.cpp's converter always keeps in
+F32 (1-D tensors, routers, Gated DeltaNet's convolution: llama.cpp's CPU kernel for it reads F32 only and aborts on
+anything else). A q4_k tensor whose rows are not whole 256-weight blocks (GLM-4.5-Air's 1408-wide down projection)
+falls back to q4_0, as llama.cpp's own quantiser falls back. The vocabulary is placeholder tokens, enough for
+llama-bench and `moedesk bench --engine llama.cpp`. --tiny keeps the family and its switches at toy sizes (TINY),
+for the CPU tests.
 """
 from __future__ import annotations
 
