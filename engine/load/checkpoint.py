@@ -16,7 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
-from moedesk.engine.model.architectures import text_config
+from moedesk.engine.load.fp8_blocks import FP8Blocks, weight_blocks
 
 
 class ModelFiles:
@@ -71,15 +71,10 @@ class SafetensorsCheckpoint(ModelFiles):
         if not config_path.is_file():
             raise CheckpointError(self.path, "no config.json in this folder")
         self.config = _read_json(config_path)
-        # A multimodal checkpoint may say it of its text model alone (Kimi-K2.5's INT4 experts)
-        quantization = self.config.get("quantization_config") or text_config(self.config).get("quantization_config")
-        if _is_gpt_oss_mxfp4(self.config):
-            quantization = None  # its experts' blocks are kept as they are (engine.load.fused_experts)
-        if quantization is not None:  # FP8, GPTQ, AWQ, bitsandbytes...: tensors that mean nothing without their scales
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-            raise UnsupportedModelError(config_path, f"weights quantised with {method!r} (its quantization_config), "
-                                                     f"which moedesk does not load: use the model's unquantised "
-                                                     f"safetensors or a GGUF of it")
+        # FP8 blocks are dequantised as read (engine.load.fp8_blocks, applied by open_checkpoint); gpt-oss's MXFP4
+        # experts are kept as they are (engine.load.fused_experts); any other quantisation is refused here (a
+        # multimodal checkpoint may say it of its text model alone: Kimi-K2.5's INT4 experts).
+        self.fp8_blocks = None if _is_gpt_oss_mxfp4(self.config) else weight_blocks(self.config, config_path)
         self._where = self._index_tensors()
         self._open = {}
         self._opening = threading.Lock()
@@ -178,6 +173,10 @@ class SafetensorsCheckpoint(ModelFiles):
             done += got
         return out.view(dtype).reshape(shape)
 
+    def tensor_dtype(self, name: str) -> str:
+        """A tensor's dtype as its file's header names it (F8_E4M3, BF16...), nothing read."""
+        return self._layout[name][0]
+
     def get_tensor_shape(self, name: str) -> list[int]:
         """A tensor's shape from its file's header, nothing read."""
         file = self._where[name]
@@ -201,7 +200,7 @@ class SafetensorsCheckpoint(ModelFiles):
 # safetensors dtype names -> torch's; a tensor of any other dtype is read through safetensors itself.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E8M0": torch.float8_e8m0fnu}
 
 
 def _tensor_layout(file: Path) -> dict[str, tuple[str, list[int], int, int]]:
@@ -223,11 +222,14 @@ def _is_gpt_oss_mxfp4(config: dict) -> bool:
 
 
 def _with_experts_apart(checkpoint):
-    """Qwen3-Next's, Qwen3.5-MoE's and Kimi-K2.5's checkpoints are shown as their text model, with the layout of
-    projections the model reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few
-    tensors, shown one expert at a time."""
+    """A block-FP8 release's weights dequantised as they are read (engine.load.fp8_blocks). Qwen3-Next's,
+    Qwen3.5-MoE's and Kimi-K2.5's checkpoints are shown as their text model, with the layout of projections the model
+    reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few tensors, shown one expert at
+    a time."""
     from moedesk.engine.load.fused_experts import FusedExperts, has_fused_experts
 
+    if checkpoint.fp8_blocks is not None:
+        checkpoint = FP8Blocks(checkpoint, checkpoint.fp8_blocks)
     if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_k25"):
         from moedesk.engine.load.delta_projections import as_the_model_reads_it
         checkpoint = as_the_model_reads_it(checkpoint)

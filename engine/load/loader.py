@@ -59,6 +59,8 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     timings = {} if timings is None else timings
     clock = time.perf_counter()
     path = checkpoint.path
+    if (dequantise_in := getattr(checkpoint, "dequantise_in", None)) is not None:
+        dequantise_in(dtype)  # an FP8 release's weights computed straight into the model's dtype (engine.load.fp8_blocks)
     cfg = parse_config(checkpoint.config, path, tensors=checkpoint.shapes())
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
@@ -231,10 +233,14 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
     """(gate_up, down) storage formats of one layer's experts (kernels.quant_formats names, or "dense").
 
     auto: a matrix stays packed where every expert's tensors of it are stored in one packed format (gate
-    and up must share it, being one matrix here); anything else is dense. int8 / int4: what would be dense
+    and up must share it, being one matrix here); anything else is dense, except experts released in FP8
+    (engine.load.fp8_blocks), which auto takes as int8: q8_0 keeps the byte a weight the user downloaded (16-bit
+    experts would double it) and rounds more finely than the FP8 blocks did. int8 / int4: what would be dense
     is quantised to q8_0 / q4_0 instead (where its rows are whole blocks); packed experts stay as they are.
     bf16: everything dense, in the model's dtype.
     """
+    if expert_dtype == "auto" and _released_in_fp8(checkpoint, experts, layer, cfg.num_experts):
+        expert_dtype = "int8"
     def stored(projections) -> str:
         found = {checkpoint.packed_format(experts[layer, e, p]) for e in range(cfg.num_experts) for p in projections
                  if (layer, e, p) in experts}
@@ -249,6 +255,12 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
             if chosen[i] == DENSE and k % target.block == 0:
                 chosen[i] = target.name
     return chosen[0], chosen[1]
+
+
+def _released_in_fp8(checkpoint, experts: dict, layer: int, count: int) -> bool:
+    stored_fp8 = getattr(checkpoint, "stored_fp8", None)
+    return stored_fp8 is not None and any(stored_fp8(experts[layer, e, p]) for e in range(count) for p in _PROJECTIONS
+                                          if (layer, e, p) in experts)
 
 
 def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: str, dtype, device) -> None:
@@ -294,6 +306,9 @@ def _check_dtype(path, name: str, tensor: torch.Tensor) -> None:
     if not tensor.is_floating_point():
         raise CheckpointError(path, f"tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values, "
                                     f"not floating-point weights")
+    if tensor.element_size() == 1:  # fp8 read without its block scales (no fp8 quantization_config says they exist)
+        raise CheckpointError(path, f"tensor {name} holds {str(tensor.dtype).removeprefix('torch.')} values without "
+                                    f"their scales (the config has no fp8 quantization_config)")
 
 
 def _set_parameter(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -89,6 +89,10 @@ class ModelWeights:
         fmt = self.stored[name]
         return fmt if fmt in FORMATS else None
 
+    def stored_fp8(self, name: str) -> bool:
+        """What `expert_formats` asks a block-FP8 release (engine.load.fp8_blocks)."""
+        return self.stored[name] == "F8_E4M3"
+
     def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
         """The weights' bytes once loaded with `--expert-dtype expert_dtype` and `--dtype weights_dtype`
         (float32, bfloat16 or float16: what `auto` resolves to on the device that will load it)."""
@@ -119,6 +123,9 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
     them first: the config against the shapes, and no tensor the architecture does not know (one-line
     CheckpointError / UnsupportedModelError naming `path`)."""
+    from moedesk.engine.load.fp8_blocks import without_scales
+
+    tensors = without_scales(config, tensors, path)  # weights are sized as dequantised, by the loader's rules
     if config.get("model_type") in TEXT_MODELS or text_config(config).get("model_type") == "qwen3_next":
         from moedesk.engine.load.delta_projections import shapes_as_read  # as the loader is shown them
 

@@ -104,10 +104,20 @@ def reshaped(folder: Path, name: str) -> None:
     save_file(tensors, folder / WEIGHTS)
 
 
-def quantised(folder: Path, method: str) -> None:
+def quantised(folder: Path, method: str, **fields) -> None:
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": method, "weight_block_size": [128, 128], **fields}
     (folder / "config.json").write_text(json.dumps(config))
+
+
+def fp8_weight(folder: Path, name: str, scale_shape: tuple | None) -> None:
+    """`name` as float8_e4m3fn, with a scale of `scale_shape` beside it (None: none), under an fp8 config."""
+    quantised(folder, "fp8", fmt="e4m3", activation_scheme="dynamic")
+    tensors = load_file(folder / WEIGHTS)
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    if scale_shape is not None:
+        tensors[name + "_scale_inv"] = torch.ones(scale_shape)
+    save_file(tensors, folder / WEIGHTS)
 
 
 def emptied(folder: Path) -> None:
@@ -133,10 +143,30 @@ CASES = {
                            "tokenizer.json", "unreadable tokenizer"),
     "auto_map": (with_auto_map, "", "unsupported architecture 'evil_moe'"),
     "empty folder": (emptied, "", "no config.json in this folder"),
-    # FP8 tensors without their scales would load as numbers 100s of times too small (and GPTQ/AWQ ones were refused
-    # as an "unexpected tensor ...qweight"): the config says what they are.
-    "fp8 quantised": (lambda f: quantised(f, "fp8"), "config.json",
-                      "weights quantised with 'fp8' (its quantization_config), which moedesk does not load"),
+    # GPTQ/AWQ tensors would be refused as an "unexpected tensor ...qweight": the config says what they are. Block
+    # FP8 loads (tests/load/test_fp8_blocks.py), but not a variant whose numbers or math differ, nor fp8 numbers
+    # without their scales (the weights divided by them: 100s of times too small).
+    "gptq quantised": (lambda f: quantised(f, "gptq"), "config.json",
+                       "weights quantised with 'gptq' (its quantization_config), which moedesk does not load"),
+    "fp8 e5m2": (lambda f: quantised(f, "fp8", fmt="e5m2"), "config.json",
+                 "fp8 weights with fmt 'e5m2' (its quantization_config), which moedesk does not load"),
+    "fp8 static activations": (lambda f: quantised(f, "fp8", activation_scheme="static"), "config.json",
+                               "fp8 weights with activation_scheme 'static' (its quantization_config)"),
+    "fp8 fp4 experts": (lambda f: quantised(f, "fp8", expert_dtype="fp4"), "config.json",
+                        "fp8 weights with expert_dtype 'fp4'"),
+    "fp8 per tensor": (lambda f: quantised(f, "fp8", weight_block_size=None), "config.json",
+                       "fp8 weights with weight_block_size None (two positive whole numbers expected)"),
+    "fp8 weight without its scale": (
+        lambda f: fp8_weight(f, "model.layers.0.self_attn.q_proj.weight", None), "",
+        "tensor model.layers.0.self_attn.q_proj.weight holds F8_E4M3 values without its "
+        "model.layers.0.self_attn.q_proj.weight_scale_inv"),
+    "fp8 scale of the wrong shape": (
+        lambda f: fp8_weight(f, "model.layers.1.block_sparse_moe.experts.2.w2.weight", (2, 1)), "",
+        "tensor model.layers.1.block_sparse_moe.experts.2.w2.weight_scale_inv has shape (2, 1): "
+        "model.layers.1.block_sparse_moe.experts.2.w2.weight of shape (64, 48) in 128x128 blocks implies (1, 1)"),
+    "fp8 weights without an fp8 config": (
+        lambda f: retype(f, "model.layers.0.self_attn.o_proj.weight", torch.float8_e4m3fn), "",
+        "tensor model.layers.0.self_attn.o_proj.weight holds float8_e4m3fn values without their scales"),
     "pickled .bin only": (pickled_only, "", "no *.safetensors files (moedesk never loads pickled .bin weights)"),
     "index not JSON": (lambda f: broken_index(f, '{"weight_map": '), "model.safetensors.index.json", "unreadable JSON"),
     "index without weight_map": (lambda f: broken_index(f, '{"metadata": {}}'), "model.safetensors.index.json",

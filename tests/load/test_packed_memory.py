@@ -234,3 +234,62 @@ def test_loading_fused_qwen35_experts_peaks_within_a_tenth_of_the_model(tmp_path
           f"({peak / m['packed']:.2f}x the model)")
     assert m["formats"] == ["bfloat16"] and m["packed"] >= 0.9 * size
     assert peak <= 1.1 * m["packed"] + m["kv"]
+
+
+def write_fp8_qwen3(folder: Path, template: Path, H=1056, F=352, E=40, L=6, heads=8, kv=2, hd=128) -> None:
+    """A Qwen3-MoE checkpoint as the "-FP8" releases lay it out (~270 MB, the Hub's names, one tensor per expert):
+    every linear weight but the router's float8_e4m3fn in 128x128 blocks, with its float32 weight_scale_inv; the
+    sizes end in partial blocks (1056 = 8 x 128 + 32, 352 = 2 x 128 + 96)."""
+    from safetensors.torch import save_file
+
+    from tests.load.test_fp8_blocks import to_fp8
+
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(template / name, folder / name)
+    config = json.loads((template / "config.json").read_text())
+    config.update(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_local_experts=E, num_hidden_layers=L,
+                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, dtype="bfloat16",
+                  quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                       "weight_block_size": [128, 128]})
+    (folder / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(0)
+    vocab, tensors = config["vocab_size"], {}
+
+    def w(*shape):
+        return (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+
+    def fp8(name, *shape):
+        tensors[name], tensors[name + "_scale_inv"] = to_fp8(w(*shape), (128, 128))
+
+    tensors.update({"model.embed_tokens.weight": w(vocab, H), "lm_head.weight": w(vocab, H),
+                    "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)})
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for norm, size in (("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.q_norm", hd),
+                           ("self_attn.k_norm", hd)):
+            tensors[f"{p}{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
+        tensors[p + "mlp.gate.weight"] = w(E, H)
+        fp8(p + "self_attn.q_proj.weight", heads * hd, H); fp8(p + "self_attn.k_proj.weight", kv * hd, H)
+        fp8(p + "self_attn.v_proj.weight", kv * hd, H); fp8(p + "self_attn.o_proj.weight", H, heads * hd)
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            fp8(q + "gate_proj.weight", F, H); fp8(q + "up_proj.weight", F, H); fp8(q + "down_proj.weight", H, F)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("expert_dtype, formats", [("auto", ["q8_0"]), ("bf16", ["bfloat16"])])
+def test_loading_an_fp8_release_peaks_within_a_tenth_of_the_model(tmp_path, tiny_checkpoint, expert_dtype, formats):
+    """Block-FP8 weights dequantised one tensor at a time: the peak stays within the issue-42 bound of the model as
+    loaded, its experts in q8_0 (auto: about the file's size) or 16-bit (twice it)."""
+    template = tiny_checkpoint("qwen3_moe")
+    write_fp8_qwen3(tmp_path / "big", template)
+    write_fp8_qwen3(tmp_path / "small", template, H=256, F=256, E=2, L=1)
+    size = (tmp_path / "big" / "model.safetensors").stat().st_size
+    m = measure(tmp_path / "big", tmp_path / "small", expert_dtype)
+    peak = m["peak"] - m["before"]
+    print(f"file {size / 2**20:.0f} MiB, model {m['packed'] / 2**20:.0f} MiB: resident "
+          f"+{(m['after'] - m['before']) / 2**20:.0f} MiB after load, peak +{peak / 2**20:.0f} MiB "
+          f"({peak / m['packed']:.2f}x the model)")
+    assert m["formats"] == formats and size > 200 * 2**20
+    assert peak <= 1.1 * m["packed"] + m["kv"]
