@@ -112,6 +112,8 @@ def test_exponent_scales_are_powers_of_two():
     weight = torch.tensor([[1.5, -2.0, 0.25]]).to(torch.float8_e4m3fn)
     scale = torch.tensor([[127, 130]], dtype=torch.uint8)
     assert dequantize_blocks(weight, scale, (1, 2)).tolist() == [[1.5, -2.0, 0.25 * 8]]
+    as_e8m0 = scale.view(torch.float8_e8m0fnu)  # safetensors' F8_E8M0
+    assert dequantize_blocks(weight, as_e8m0, (1, 2)).tolist() == [[1.5, -2.0, 0.25 * 8]]
 
 
 # --- whole models ------------------------------------------------------------------------------------------------
