@@ -163,6 +163,10 @@ def test_auto_keeps_fp8_experts_in_int8_sized_as_estimated_and_close_to_exact(tm
     estimate = summarize_path(release).estimate("auto", "float32")
     assert estimate.experts_as == "q8_0" and estimate.expert_bytes == sum(s.nbytes for s in stacks)
     assert estimate.other_bytes == sum(p.numel() * p.element_size() for p in auto.model.parameters())
+    from moedesk.app.tui.catalog import folder_model
+
+    listed = folder_model(release, "folder")  # the Models screen: supported, sized as loaded
+    assert listed.supported and listed.weights.estimate("auto", "float32") == estimate, listed.estimate_error
 
     errors, agreement = [], []
     eos = auto.tokenizer.eos_token_ids | set(auto.config.eos_token_ids)
@@ -189,3 +193,21 @@ def test_kimi_k2_and_minimax_spellings_of_the_config_load(tiny_checkpoint, tmp_p
                              scale_fmt="ue8m0", ignored_layers=["lm_head"], modules_to_not_convert=["gate"])
     engine = Engine.load(str(release), device="cpu", dtype="float32", expert_dtype="bf16")
     assert engine.model.moe_blocks()[0].experts.describe() == "float32"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, expert_dtype", [("qwen3_moe", "auto"), ("deepseek_v3", "bf16")])
+def test_an_fp8_release_on_cuda(arch, expert_dtype, tiny_checkpoint, tmp_path):
+    """On the GPU in bfloat16: the release's tokens as transformers' bf16 on the dequantised copy, or a tie, and no
+    further from its float32 logits than transformers' bf16 is (tests/model/test_gpu_equivalence.py's check); auto's
+    experts in q8_0, quantised on the GPU as they load."""
+    from tests.model.test_gpu_equivalence import check_greedy
+
+    build_args = {"moe_intermediate_size": 64} if expert_dtype == "auto" else {}  # q8_0 rows of 32s
+    folder = build(arch, tmp_path / "tiny", **build_args) if build_args else tiny_checkpoint(arch)
+    release, copy = fp8_release(folder, tmp_path / arch)
+    engine = Engine.load(str(release), device="cuda", dtype="bfloat16", expert_dtype=expert_dtype)
+    formats = {moe.experts.describe() for moe in engine.model.moe_blocks()}
+    assert formats == ({"q8_0"} if expert_dtype == "auto" else {"bfloat16"}), formats
+    check_greedy(engine, hf_model(copy, torch.bfloat16, "cuda"), [engine.tokenizer.encode(p) for p in PROMPTS],
+                 ref32=hf_model(copy, torch.float32, "cuda"))
