@@ -60,7 +60,8 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     clock = time.perf_counter()
     path = checkpoint.path
     if (dequantise_in := getattr(checkpoint, "dequantise_in", None)) is not None:
-        dequantise_in(dtype)  # an FP8 release's weights computed straight into the model's dtype (engine.load.fp8_blocks)
+        # an FP8 release's weights computed straight into the model's dtype, where it runs (engine.load.fp8_blocks)
+        dequantise_in(dtype, device)
     cfg = parse_config(checkpoint.config, path, tensors=checkpoint.shapes())
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
     with torch.device("meta"):
