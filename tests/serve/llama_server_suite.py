@@ -101,9 +101,11 @@ def tally(results: dict[str, tuple[str, str]]) -> str:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m tests.serve.llama_server_suite LLAMA_CPP_DIR [unit/test_FILE.py ...] [--log FILE]")
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        sys.exit("usage: bash tests/perf/llama_server_suite.sh LLAMA_CPP_DIR [unit/test_FILE.py ...] [--log FILE]")
     argv = sys.argv[1:]
+    if suite_dir(Path(argv[0])) is None:
+        sys.exit(f"{argv[0]}: no llama.cpp tree with tools/server/tests there (docs/serve.md says where to get one)")
     log_to = Path(argv.pop(argv.index("--log") + 1)) if "--log" in argv else None
     argv = [a for a in argv if a != "--log"]
     found = run(Path(argv[0]), tuple(argv[1:]) or tuple(FILES), log=log_to)
