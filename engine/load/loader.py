@@ -128,7 +128,10 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     try:
         # Quantising on the CPU is compute-bound and each torch op already spreads over the cores: one tensor at
         # a time, since each loading thread keeps its own temporaries (and glibc arena) resident.
-        quantising_on_cpu = torch.device(device).type == "cpu" and expert_dtype in QUANTIZE_TO
+        # (auto quantises an FP8 release's experts: the formats say, not the option; packed GGUF blocks are copied,
+        # one reader at a time anyway)
+        quantised = {f for pair in formats.values() for f in pair} & set(QUANTIZE_TO.values())
+        quantising_on_cpu = torch.device(device).type == "cpu" and bool(quantised)
         threads = 1 if quantising_on_cpu else _load_threads(checkpoint, threads)
         _fill_experts(checkpoint, experts, moes, dtype, device, filled, threads, landed)
     except BaseException:
