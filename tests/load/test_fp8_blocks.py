@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from moedesk.engine.load.checkpoint import open_checkpoint
 from moedesk.engine.load.fp8_blocks import dequantize_blocks
-from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
+from tests.model.test_families import greedy, teacher_forced
 from tests.reference import hf_greedy, hf_model
 from tests.tiny_models import build
 
@@ -69,19 +69,6 @@ def fp8_release(folder, out, block=BLOCK, **quantization):
     save_file({n: exact.get(n, t.float()) for n, t in tensors.items() if not n.endswith("_scale_inv")},
               str(copy / "model.safetensors"), metadata={"format": "pt"})
     return out, copy
-
-
-def greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    params = SamplingParams(max_new_tokens=tokens, temperature=0)
-    done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)],
-                                                        batch_size=2)}
-    return [done[i] for i in range(len(prompts))]
-
-
-def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:
-    cache = engine.model.new_cache(1, len(ids), engine.dtype, engine.device)
-    positions = torch.arange(len(ids), device=engine.device)[None]
-    return engine.model(torch.tensor([ids], device=engine.device), positions, cache, engine.executor)[0].float().cpu()
 
 
 # --- the rule --------------------------------------------------------------------------------------------------
