@@ -62,6 +62,24 @@ def llama_logits(llm, ids: list[int]) -> np.ndarray:
     return np.array(llm.scores[:len(ids)], dtype=np.float32)
 
 
+def greedy_paths(built) -> list[list[int]]:
+    """Each prompt followed by transformers' greedy tokens: the paths the native engine is teacher-forced along."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(built.folder / "tokenizer.json"))
+    return [(ids := tokenizer.encode(p).ids) + hf_greedy(built.model, ids, NEW_TOKENS)[:-1] for p in PROMPTS]
+
+
+def native_engines(built):
+    """The native engine on the GGUF twice: experts resident, and every expert computed in RAM."""
+    from moedesk.engine.runtime import Engine
+
+    resident = Engine.load(str(built.gguf), device="cpu", dtype="float32")
+    in_ram = Engine.load(str(built.gguf), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
+    return resident, in_ram
+
+
 @pytest.mark.parametrize("family", NEW_FAMILIES, indirect=True)
 @pytest.mark.usefixtures("one_torch_thread")
 def test_llamacpp_greedy_equals_transformers(family):
@@ -151,17 +169,10 @@ def test_native_gpt_oss_mxfp4_gguf_agrees_with_llama_cpp_on_the_same_file(family
     through the packed kernel. llama.cpp rounds activations to 8 bits for MXFP4 dot products and the kernel does
     too, so the criterion is the other MXFP4 tests': mean error within 10% of the logits' spread, top-1 the same at
     90% of positions (docs/measurements.md has the figures)."""
-    from tokenizers import Tokenizer
-
-    from moedesk.engine.runtime import Engine
     from tests.model.test_families import teacher_forced
 
     name, built, llm, _ = family
-    tokenizer = Tokenizer.from_file(str(built.folder / "tokenizer.json"))
-    paths = [(ids := tokenizer.encode(p).ids) + hf_greedy(built.model, ids, NEW_TOKENS)[:-1] for p in PROMPTS]
-    exact = Engine.load(str(built.gguf), device="cpu", dtype="float32")
-    in_ram = Engine.load(str(built.gguf), device="cpu", dtype="float32", offload=True, gpu_budget=0)
-    in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
+    paths, (exact, in_ram) = greedy_paths(built), native_engines(built)
     for engine in (exact, in_ram):
         assert engine.kind == "native" and "gpt_oss" in engine.why
         stacks = engine.model.moe_blocks()[0].experts
@@ -309,17 +320,10 @@ def test_native_minimax_m2_gguf_agrees_with_llama_cpp_on_the_same_file(family):
     teacher-forced), experts in memory and in RAM: float32 weights on both sides, so the bound is the one llama.cpp
     meets against transformers (LOGIT_TOLERANCE), and the next token is llama.cpp's wherever its two best logits are
     further apart than that."""
-    from tokenizers import Tokenizer
-
-    from moedesk.engine.runtime import Engine
     from tests.model.test_families import teacher_forced
 
     name, built, llm, _ = family
-    tokenizer = Tokenizer.from_file(str(built.folder / "tokenizer.json"))
-    paths = [(ids := tokenizer.encode(p).ids) + hf_greedy(built.model, ids, NEW_TOKENS)[:-1] for p in PROMPTS]
-    resident = Engine.load(str(built.gguf), device="cpu", dtype="float32")
-    in_ram = Engine.load(str(built.gguf), device="cpu", dtype="float32", offload=True, gpu_budget=0)
-    in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
+    paths, (resident, in_ram) = greedy_paths(built), native_engines(built)
     for engine in (resident, in_ram):
         assert engine.kind == "native" and engine.config.arch == "minimax_m2"
         gaps, agree = [], []
