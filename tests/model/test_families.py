@@ -32,6 +32,15 @@ def greedy(engine: Engine, prompts: list[list[int]], tokens: int) -> list[list[i
     return [done[i] for i in range(len(prompts))]
 
 
+def each_policy(engine: Engine):
+    """Every offloaded expert copied to the (simulated) GPU, then every one computed on the CPU: yields each policy's
+    name with the executor's stats reset."""
+    for policy, decide in (("copy", lambda loads: ([], sorted(loads))), ("cpu", lambda loads: (sorted(loads), []))):
+        engine.executor.decide = decide
+        engine.executor.stats = type(engine.executor.stats)()
+        yield policy
+
+
 def teacher_forced(engine: Engine, ids: list[int]) -> torch.Tensor:
     """[T, V] float32 logits of every position of ids, in one forward pass."""
     cache = engine.model.new_cache(1, len(ids), engine.dtype, engine.device)
@@ -81,10 +90,7 @@ def test_glm4_moe_offloaded_generates_the_reference_tokens(tiny_checkpoint):
         engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=budget)
         prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
         expected = reference_greedy(folder, engine, prompts, 16)
-        for policy in ("copy", "cpu"):  # every offloaded expert copied to the (simulated) GPU, or computed on the CPU
-            engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
-                                      "cpu": lambda loads: (sorted(loads), [])}[policy]
-            engine.executor.stats = type(engine.executor.stats)()
+        for policy in each_policy(engine):
             assert greedy(engine, prompts, 16) == expected, (budget, policy)
             stats = engine.executor.stats
             assert (stats.cpu_experts > 0) == (policy == "cpu") and (stats.gpu_experts > 0) == (budget > 0)
@@ -257,10 +263,7 @@ def test_gpt_oss_prompts_past_the_window_offloaded_and_in_ram(tiny_checkpoint):
     assert greedy(engine, prompts, 20) == expected
     offloaded = Engine.load(str(folder), device="cpu", dtype="float32", offload=True,
                             gpu_budget=budget_for_experts(folder, 2))
-    for policy in ("copy", "cpu"):
-        offloaded.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
-                                     "cpu": lambda loads: (sorted(loads), [])}[policy]
-        offloaded.executor.stats = type(offloaded.executor.stats)()
+    for policy in each_policy(offloaded):
         assert greedy(offloaded, prompts, 20) == expected, policy
         stats = offloaded.executor.stats
         assert stats.gpu_experts > 0 and (stats.cpu_experts > 0) == (policy == "cpu")
@@ -394,9 +397,7 @@ def test_deepseek_v3_latent_attention_offloaded_and_its_switches(tiny_checkpoint
     assert cfg.attention_scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     expected = reference_greedy(folder, engine, prompts, 16)
-    for policy in ("copy", "cpu"):
-        engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
-                                  "cpu": lambda loads: (sorted(loads), [])}[policy]
+    for policy in each_policy(engine):
         assert greedy(engine, prompts, 16) == expected, policy
     assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]
 
@@ -524,9 +525,7 @@ def test_minimax_m2_offloaded_and_its_multi_token_prediction_layers(tiny_checkpo
                          gpu_budget=budget_for_experts(folder, 4))
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     expected = reference_greedy(folder, engine, prompts, 16)
-    for policy in ("copy", "cpu"):
-        engine.executor.decide = {"copy": lambda loads: ([], sorted(loads)),
-                                  "cpu": lambda loads: (sorted(loads), [])}[policy]
+    for policy in each_policy(engine):
         assert greedy(engine, prompts, 16) == expected, policy
     moe = Engine.load(str(folder), device="cpu", dtype="bfloat16").model.moe_blocks()[0]
     assert moe.router.weight.dtype == moe.score_bias.dtype == torch.float32
