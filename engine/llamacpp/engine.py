@@ -7,6 +7,7 @@ speculation are native-engine features: asking for them here is one line.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -17,7 +18,8 @@ from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
-from moedesk.engine.llamacpp.placement import GIB, Placement, expert_budget, gguf_sizes, place
+from moedesk.engine.llamacpp.placement import (GIB, Placement, backed_off, backed_off_budget, expert_budget,
+                                              gguf_sizes, place, ram_need)
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
@@ -84,34 +86,32 @@ class LlamaCppEngine(EngineFace):
         if progress:
             progress("load", 0.0)
         context = context_length or DEFAULT_CONTEXT
-        mark = lib.log_mark()
-        params = api.llama_model_default_params()
         layers_meta = _arch_value(reader, "block_count") or len(sizes.expert_bytes)
+        kv_per_position = _kv_bytes_per_position(reader, layers_meta)
         budget = 0
         if use_gpu:
-            budget = expert_budget(gpu_budget, _gpu_free_bytes(), sizes.other_bytes,
-                                   _kv_bytes_per_position(reader, layers_meta), context)
+            free = _gpu_free_bytes()
+            gpu_budget, lowered = backed_off_budget(gpu_budget, free)
+            warnings += [lowered] if lowered else []
+            budget = expert_budget(gpu_budget, free, sizes.other_bytes, kv_per_position, context)
         placement = place(sizes, layers_meta, use_gpu, budget, cpu_moe)
-        params.n_gpu_layers = placement.gpu_layers
-        overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
-                              if placement.cpu_expert_layers() else [])
-        overrides.install(params)
-        stopped: list[BaseException] = []
-
-        def on_progress(fraction, user_data) -> bool:
-            # The app's loading screen cancels by raising from `progress`: a ctypes callback cannot raise, so it
-            # returns False, which makes llama.cpp stop reading, and the exception is raised once it has.
-            try:
-                if progress:
-                    progress("load", min(float(fraction), 0.99))
-                return True
-            except BaseException as e:  # noqa: BLE001 -- handed back to the caller below
-                stopped.append(e)
-                return False
-
-        params.progress_callback = callback = api.llama_progress_callback(on_progress)
-        handle = api.llama_model_load_from_file(str(path).encode(), params)
-        del callback  # llama.cpp calls it only while loading
+        while True:
+            # Before llama.cpp reads a byte of the weights: the memory the process may use must hold what stays
+            # in RAM under this placement (a cgroup's limit otherwise ends the process half way through).
+            _check_ram(path, sizes, placement, kv_per_position,
+                       min(context, _arch_value(reader, "context_length") or context))
+            mark = lib.log_mark()
+            handle, stopped = _load_file(lib, path, placement, progress)
+            if handle or stopped or not _gpu_allocation_failed(lib.log_since(mark)):
+                break
+            fewer = backed_off(sizes, placement)
+            if fewer is None:
+                break
+            # As the native engine does on the GPU's out-of-memory: fewer experts there, and a line that says so.
+            placement = replace(place(sizes, layers_meta, True, 0, fewer),
+                                why=f"experts of {fewer} of {len(sizes.expert_bytes)} layers in RAM: the GPU could "
+                                    f"not hold more")
+            warnings.append(f"llama.cpp could not allocate its GPU buffers; {placement.why}")
         if stopped:
             if handle:
                 api.llama_model_free(handle)
@@ -282,6 +282,52 @@ class _KVFace:
     def ensure(self, rows: int, length: int) -> None:
         if not self.engine.make_room(rows):
             raise MoedeskError("the llama.cpp engine is busy: its context cannot grow now")
+
+
+def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | None, list[BaseException]]:
+    """llama.cpp's model handle (None when it could not load) under `placement`, and what `progress` raised."""
+    api = lib.api
+    params = api.llama_model_default_params()
+    params.n_gpu_layers = placement.gpu_layers
+    overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
+                          if placement.cpu_expert_layers() else [])
+    overrides.install(params)
+    stopped: list[BaseException] = []
+
+    def on_progress(fraction, user_data) -> bool:
+        # The app's loading screen cancels by raising from `progress`: a ctypes callback cannot raise, so it
+        # returns False, which makes llama.cpp stop reading, and the exception is raised once it has.
+        try:
+            if progress:
+                progress("load", min(float(fraction), 0.99))
+            return True
+        except BaseException as e:  # noqa: BLE001 -- handed back to the caller
+            stopped.append(e)
+            return False
+
+    params.progress_callback = callback = api.llama_progress_callback(on_progress)
+    handle = api.llama_model_load_from_file(str(path).encode(), params)
+    del callback, overrides  # llama.cpp reads them only while loading
+    return handle, stopped
+
+
+def _gpu_allocation_failed(log: list[str]) -> bool:
+    """Whether llama.cpp's load log says a buffer could not be allocated (on the GPU: the one it offloads to)."""
+    return any("failed to allocate" in line or "out of memory" in line.lower() for line in log)
+
+
+def _check_ram(path: Path, sizes, placement: Placement, kv_per_position: int, context: int) -> None:
+    """MoedeskError, one line, unless the memory this process may use (engine.host_memory: the RAM available or a
+    cgroup's room) holds what llama.cpp keeps in RAM under `placement`; naming a shorter --context that fits,
+    where the cache in RAM is what tips it."""
+    from moedesk.engine.host_memory import available_memory
+    from moedesk.engine.memory_fit import check_load_fits
+
+    need = ram_need(sizes, placement, kv_per_position, context)
+    shorter = [context >> n for n in range(1, 8) if context >> n >= 512]
+    check_load_fits(need, available_memory(), str(path),
+                    {f"--context {c}": ram_need(sizes, placement, kv_per_position, c) for c in shorter}
+                    if not placement.gpu_layers else {})
 
 
 def _nvidia_gpus() -> int:

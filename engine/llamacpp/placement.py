@@ -22,6 +22,7 @@ class GGUFSizes:
 
     expert_bytes: tuple[int, ...]  # per layer (0 for a layer without routed experts)
     other_bytes: int
+    input_bytes: int = 0  # the token embeddings (in other_bytes): llama.cpp keeps them in RAM whatever it offloads
 
     @property
     def total_bytes(self) -> int:
@@ -31,15 +32,16 @@ class GGUFSizes:
 def gguf_sizes(tensors) -> GGUFSizes:
     """tensors: (name, n_bytes) of every tensor in the file."""
     per_layer: dict[int, int] = {}
-    other = 0
+    other = embeddings = 0
     for name, size in tensors:
         m = EXPERT_TENSOR.match(name)
         if m:
             per_layer[int(m.group(1))] = per_layer.get(int(m.group(1)), 0) + int(size)
         else:
             other += int(size)
+            embeddings += int(size) if name.startswith("token_embd.") else 0
     layers = max(per_layer, default=-1) + 1
-    return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other)
+    return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other, embeddings)
 
 
 def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int) -> int:
@@ -68,6 +70,17 @@ def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes
         return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context, 0).experts
     kv = KV_ROWS_RESERVED * context * kv_per_position
     return default_expert_budget(max(0, free_gpu_bytes - other_bytes), kv)
+
+
+def backed_off_budget(gpu_budget_gib: float | None, free_gpu_bytes: int) -> tuple[float | None, str | None]:
+    """A named budget larger than the GPU's free memory, lowered to it (and the line that says so), as the native
+    engine lowers its budget on the GPU's out-of-memory: llama.cpp would fail the whole load instead. Unchanged
+    where nothing was named or the free memory is unknown (0: torch sees no CUDA device)."""
+    if not gpu_budget_gib or free_gpu_bytes <= 0 or gpu_budget_gib * GIB <= free_gpu_bytes:
+        return gpu_budget_gib, None
+    lowered = free_gpu_bytes / GIB
+    return lowered, (f"--gpu-budget {gpu_budget_gib:g}: the GPU has {lowered:.1f} GiB free; placed for "
+                     f"{lowered:.1f} GiB")
 
 
 @dataclass(frozen=True)
@@ -104,3 +117,21 @@ def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: 
         why = f"experts of the first {cpu_moe} layers in RAM, as asked"
     cpu_moe = max(0, min(cpu_moe, len(sizes.expert_bytes)))
     return Placement(layers + 1, cpu_moe, layers, sum(sizes.expert_bytes[:cpu_moe]), why)
+
+
+def ram_need(sizes: GGUFSizes, placement: Placement, kv_per_position: int, context: int, slots: int = 1) -> int:
+    """Bytes the process holds in RAM once llama.cpp has loaded the model under `placement`: without a GPU the
+    whole file and the KV cache of `slots` sequences at `context` positions; with one, the experts pinned to RAM
+    and the token embeddings (the cache is on the GPU with the layers)."""
+    if not placement.gpu_layers:
+        return sizes.total_bytes + slots * context * kv_per_position
+    return placement.expert_bytes_in_ram + sizes.input_bytes
+
+
+def backed_off(sizes: GGUFSizes, placement: Placement) -> int | None:
+    """After llama.cpp could not allocate its GPU buffers: the cpu_moe that keeps half the layers whose experts
+    were on the GPU in RAM instead, None when none were left there to move."""
+    on_gpu = [i for i in range(placement.cpu_moe, len(sizes.expert_bytes)) if sizes.expert_bytes[i]]
+    if not placement.gpu_layers or not on_gpu:
+        return None
+    return on_gpu[len(on_gpu) // 2] if len(on_gpu) > 1 else len(sizes.expert_bytes)
