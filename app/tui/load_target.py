@@ -11,10 +11,12 @@ class LoadTarget(NamedTuple):
     expert_dtype: str  # auto | bf16 | int8 | int4
     weights_dtype: str  # float32 | bfloat16 | float16: the weights dtype setting with auto resolved
     gpu: bool  # a CUDA GPU: experts in RAM, the rest on it
+    budgets: tuple[float, ...] = ()  # GiB per GPU, where --gpu-budget names several (the layers spread over them)
 
     def describe(self) -> str:
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.weights_dtype]
-        return f"expert dtype {self.expert_dtype}, {short} weights{' on the GPU' if self.gpu else ''}"
+        spread = f", GPU budgets {' + '.join(f'{b:g}' for b in self.budgets)} GiB" if self.budgets else ""
+        return f"expert dtype {self.expert_dtype}, {short} weights{' on the GPU' if self.gpu else ''}{spread}"
 
 
 def load_target(app) -> LoadTarget:
@@ -31,4 +33,6 @@ def load_target(app) -> LoadTarget:
     dtype = options.get("dtype")
     if dtype is None:  # as engine.load.loader.resolve_dtype decides it
         dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if gpu else "float32"
-    return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu)
+    budget = options.get("gpu_budget")
+    budgets = tuple(budget) if isinstance(budget, (tuple, list)) and len(budget) > 1 else ()
+    return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu, budgets)

@@ -166,11 +166,19 @@ class DeviceOrchestra:
         return self.parts[0].lone_token_split()
 
     def device_lines(self) -> list[dict]:
-        """Per device holding MoE layers: which device, its MoE layers and its resident experts."""
-        return [{"device": d, "torch_device": str(self.devices[d]), "moe_layers": [mine[0], mine[-1]],
-                 "experts_on_gpu": part.placement.experts_on_gpu if part.placement else 0,
-                 "experts_total": len(mine) * len(part.popularity[0])}
-                for part, d, mine in zip(self.parts, self.device_of_part, self.layers)]
+        """Per device holding MoE layers: which device, its MoE layers and its resident experts; once placed, its
+        budget and what it holds of it (its layers' weights and KV cache, and the experts resident now)."""
+        lines = []
+        for part, d, mine in zip(self.parts, self.device_of_part, self.layers):
+            resident = part.placement.experts_on_gpu if part.placement else 0
+            line = {"device": d, "torch_device": str(self.devices[d]), "moe_layers": [mine[0], mine[-1]],
+                    "experts_on_gpu": resident, "experts_total": len(mine) * len(part.popularity[0])}
+            if self.plan is not None:
+                placed = self.plan.placements[d]
+                held = placed.non_expert_bytes + placed.reserve_bytes + resident * self.expert_bytes
+                line.update(budget_bytes=self.plan.budgets[d], held_bytes=held)
+            lines.append(line)
+        return lines
 
     def summary(self) -> dict:
         placed = [part.placement for part in self.parts]

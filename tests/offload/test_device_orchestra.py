@@ -69,9 +69,13 @@ def test_two_devices_give_transformers_greedy_text_with_each_devices_own_experts
     assert [d["experts_on_gpu"] for d in stats["devices"]] == [3, 5]
     assert [d["moe_layers"] for d in stats["devices"]] == [[0, 1], [2, 3]]
     assert stats["experts_on_gpu"] == 8 and stats["experts_total"] == 16
+    from moedesk.app.tui.catalog import human_size
     from moedesk.app.tui.screens.chat import model_summary  # the chat's stats panel says the same
 
-    assert model_summary(engine).endswith("\nGPU 0: MoE layers 0-1 · 3 experts\nGPU 1: MoE layers 2-3 · 5 experts")
+    assert model_summary(engine).split("\n")[-2:] == [
+        f"GPU {d['device']}: MoE layers {d['moe_layers'][0]}-{d['moe_layers'][1]} · {d['experts_on_gpu']} experts · "
+        f"{human_size(d['held_bytes'])} of {human_size(d['budget_bytes'])}" for d in stats["devices"]]
+    assert [int(b * GIB) for b in budgets] == [d["budget_bytes"] for d in stats["devices"]]
     # One hidden-state copy per forward at the one cut: a lone forward shows it.
     before = spread.crossings
     engine.model(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], engine.model.new_cache(1, 8, torch.float32, "cpu"),

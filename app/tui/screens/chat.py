@@ -25,6 +25,7 @@ from textual.screen import Screen
 from textual.timer import Timer
 from textual.widgets import Footer, Header, Static, TextArea
 
+from moedesk.app.tui.catalog import human_size
 from moedesk.app.tui.storage import Conversation
 from moedesk.app.tui.widgets.load_panel import one_line, short_model_name
 from moedesk.app.tui.widgets.messages import AssistantMessage, UserMessage
@@ -94,10 +95,32 @@ def model_summary(engine) -> str:
 
 
 def device_summary(expert_stats: dict) -> str:
-    """Which GPU holds which MoE layers and how many of their experts, a line each, where the layers run on several
-    GPUs (the engine's expert stats list them); '' on one."""
+    """Which GPU holds which MoE layers and how many of their experts, and how much of its budget it holds, a line
+    each, where the layers run on several GPUs (the engine's expert stats list them); '' on one."""
     return "".join(f"\nGPU {d['device']}: MoE layers {d['moe_layers'][0]}-{d['moe_layers'][1]} · "
-                   f"{d['experts_on_gpu']} experts" for d in expert_stats.get("devices", ()))
+                   f"{d['experts_on_gpu']} experts" + _budget(d) for d in expert_stats.get("devices", ()))
+
+
+def _budget(device: dict) -> str:
+    if device.get("budget_bytes") is None:
+        return ""
+    return f" · {human_size(device['held_bytes'])} of {human_size(device['budget_bytes'])}"
+
+
+def row_devices(engine) -> tuple[list[int] | None, tuple[str, ...]]:
+    """Per heat-map row (MoE layer), the GPU holding it, and each GPU's torch device, where the layers run on
+    several GPUs; (None, ()) on one."""
+    if not engine.config.is_moe or not hasattr(engine, "expert_stats"):
+        return None, ()
+    lines = engine.expert_stats().get("devices") or []
+    if len(lines) < 2:
+        return None, ()
+    names = [""] * (max(d["device"] for d in lines) + 1)
+    for d in lines:
+        names[d["device"]] = d["torch_device"]
+    owner = [next((d["device"] for d in lines if d["moe_layers"][0] <= i <= d["moe_layers"][1]), 0)
+             for i in range(engine.config.num_layers) if engine.config.is_moe_layer(i)]
+    return owner, tuple(names)
 
 
 def writing(decoding) -> str:
@@ -287,7 +310,7 @@ class ChatScreen(Screen):
             return
         self.sub_title = short_model_name(engine.name)
         self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
-                             engine.device.type)
+                             engine.device.type, *row_devices(engine))
         self.map_baseline = None  # another model's counts
         self.refresh_map()
         if self.ready:

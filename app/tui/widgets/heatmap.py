@@ -3,7 +3,8 @@
 Each cell is one expert (or a bin of neighbouring experts when a row would not fit). Popularity
 is a five-step colour ramp relative to the most-picked expert of the whole model; placement is a
 colour family (blue on the GPU, orange in RAM: apart for colour-blind eyes too) and a glyph
-(GPU cells carry a ◆, RAM cells are plain), so either cue alone tells them apart.
+(GPU cells carry a ◆, RAM cells are plain), so either cue alone tells them apart. Where the layers
+run on several GPUs, each row also carries a tag naming the GPU its resident experts sit on ("G1").
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ UNUSED_STYLE = "#5c5c5c"
 GPU_MARK, UNUSED_GLYPH = "◆", "·"
 LABEL_WIDTH = 4  # "L12 "
 MAX_CELL_WIDTH = 4
+DEVICE_TAG_WIDTH = 3  # "G1 ", after the label, where the layers run on several GPUs
+# A colour per GPU for its tag (the tag's digit says it too): none of them the heat ramps' blue or orange.
+DEVICE_COLOURS = ("#7b4fc9", "#2e8b57", "#c2185b", "#8d8d2a", "#00838f", "#6d4c41", "#5c6bc0", "#9e9d24")
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,12 @@ class HeatMapLayout:
     cell_width: int  # characters per cell: 1 to MAX_CELL_WIDTH
     bin_size: int  # experts per cell
     max_count: int
+    devices: list[int] | None = None  # per row, the GPU holding that layer (None: one device)
+    device_names: tuple[str, ...] = ()  # per GPU, its torch device ("cuda:1"), for the legend
+
+    @property
+    def label_width(self) -> int:
+        return LABEL_WIDTH + (DEVICE_TAG_WIDTH if self.devices else 0)
 
 
 def level_of(count: int, max_count: int) -> int:
@@ -46,11 +56,14 @@ def level_of(count: int, max_count: int) -> int:
 
 
 def layout(on_gpu: list[list[bool]], popularity: list[list[int]], width: int,
-           labels: list[str] | None = None) -> HeatMapLayout:
+           labels: list[str] | None = None, devices: list[int] | None = None,
+           device_names: tuple[str, ...] = ()) -> HeatMapLayout:
     """Cells for a map `width` characters wide: up to MAX_CELL_WIDTH characters per expert, at least 1;
-    when even 1 does not fit, neighbouring experts share a cell."""
+    when even 1 does not fit, neighbouring experts share a cell. `devices`: per row, the GPU that holds
+    the layer, where the layers run on several (their tags take DEVICE_TAG_WIDTH of the width)."""
+    devices = list(devices) if devices and len(devices) == len(popularity) else None
     num_experts = max((len(row) for row in popularity), default=0)
-    room = max(1, width - LABEL_WIDTH)
+    room = max(1, width - LABEL_WIDTH - (DEVICE_TAG_WIDTH if devices else 0))
     if 2 * num_experts <= room:
         cell_width, bin_size = min(MAX_CELL_WIDTH, room // max(1, num_experts)), 1
     elif num_experts <= room:
@@ -68,7 +81,12 @@ def layout(on_gpu: list[list[bool]], popularity: list[list[int]], width: int,
     max_count = max((count for row in binned for _, count, _ in row), default=0)
     rows = [[Cell(experts, count, gpu, level_of(count, max_count)) for experts, count, gpu in row] for row in binned]
     labels = labels if labels is not None else [f"L{i}" for i in range(len(rows))]
-    return HeatMapLayout(rows, labels, cell_width, bin_size, max_count)
+    return HeatMapLayout(rows, labels, cell_width, bin_size, max_count, devices, tuple(device_names))
+
+
+def device_tag(device: int) -> Text:
+    """A GPU's tag: its number on its own colour."""
+    return Text(f"G{device}", style=f"#ffffff on {DEVICE_COLOURS[device % len(DEVICE_COLOURS)]}")
 
 
 def cell_text(cell: Cell, width: int) -> Text:
@@ -87,7 +105,7 @@ def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda"
     lines = legend_lines(hm, device, width) if legend else []
     if hm.rows:
         cells = len(hm.rows[0])
-        header = Text(" " * LABEL_WIDTH, style="dim")
+        header = Text(" " * hm.label_width, style="dim")
         step = {1: 8, 2: 4}.get(hm.cell_width, 2)  # column numbers every few cells, never overlapping
         col = 0
         while col < cells:
@@ -96,8 +114,10 @@ def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda"
             header.append(tag.ljust(span)[:span], style="dim")
             col += step
         lines.append(header)
-    for label, row in zip(hm.labels, hm.rows):
+    for i, (label, row) in enumerate(zip(hm.labels, hm.rows)):
         line = Text(label[: LABEL_WIDTH - 1].rjust(LABEL_WIDTH - 1) + " ", style="dim")
+        if hm.devices:
+            line.append_text(device_tag(hm.devices[i])).append(" " * (DEVICE_TAG_WIDTH - 2))
         for cell in row:
             line.append_text(cell_text(cell, hm.cell_width))
         lines.append(line)
@@ -119,6 +139,13 @@ def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80) -> li
         items.append(cell_text(Cell(range(1), 1, False, 4), 2).append(f" {words}"))
     items.append(Text(UNUSED_GLYPH * 2, style=UNUSED_STYLE).append(" unused"))
     lines = _flow(items, width)
+    if hm.devices:  # which GPU each row's tag names, and what that GPU is on this machine
+        tags = []
+        for d in sorted(set(hm.devices)):
+            name = hm.device_names[d] if d < len(hm.device_names) else ""
+            where = f" ({name})" if name and device == "cuda" else f" (simulated on {name})" if name else ""
+            tags.append(device_tag(d).append(f" layers on GPU {d}{where}"))
+        lines += _flow(tags, width)
     ramp = Text("picked ")
     for ramp_colours, used in ((GPU_RAMP, any_gpu), (RAM_RAMP, any_ram)):
         if used:
@@ -156,6 +183,8 @@ class ExpertHeatMap(Widget):
         self.popularity: list[list[int]] = []
         self.labels: list[str] | None = None
         self.device = "cuda"  # the engine's device type: the legend's words depend on it
+        self.devices: list[int] | None = None  # per row, the GPU holding the layer, where there are several
+        self.device_names: tuple[str, ...] = ()
 
     def update_map(self, on_gpu: list[list[bool]], popularity: list[list[int]],
                    labels: list[str] | None = None) -> None:
@@ -165,7 +194,8 @@ class ExpertHeatMap(Widget):
             self.refresh(layout=True)
 
     def current_layout(self, width: int | None = None) -> HeatMapLayout:
-        return layout(self.on_gpu, self.popularity, self.content_size.width if width is None else width, self.labels)
+        return layout(self.on_gpu, self.popularity, self.content_size.width if width is None else width, self.labels,
+                      self.devices, self.device_names)
 
     def _lines(self, width: int) -> list[Text]:
         if not self.popularity:

@@ -115,11 +115,15 @@ class StatsPanel(VerticalScroll):
         return self.query_one(ExpertHeatMap)
 
     def set_model(self, summary: str, context_length: int, layer_labels: list[str] | None,
-                  device: str = "cuda") -> None:
+                  device: str = "cuda", row_devices: list[int] | None = None,
+                  device_names: tuple[str, ...] = ()) -> None:
+        """row_devices: per heat-map row, the GPU holding that layer, where the layers run on several."""
         self.query_one("#stats-model", Static).update(summary)
         self.context_length = context_length
         self.heatmap.labels = layer_labels
         self.heatmap.device = device
+        self.heatmap.devices, self.heatmap.device_names = row_devices, device_names
+        self.heatmap.refresh(layout=True)
         self._show_context()
 
     def show_reply(self, meta: dict | None, context_used: int | None = None) -> None:
