@@ -16,6 +16,7 @@ from safetensors import SafetensorError, safe_open
 
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
+from moedesk.engine.load.compressed_tensors import CompressedTensors, plan
 from moedesk.engine.load.fp8_blocks import FP8Blocks, weight_blocks
 
 
@@ -71,10 +72,12 @@ class SafetensorsCheckpoint(ModelFiles):
         if not config_path.is_file():
             raise CheckpointError(self.path, "no config.json in this folder")
         self.config = _read_json(config_path)
-        # FP8 blocks are dequantised as read (engine.load.fp8_blocks, applied by open_checkpoint); gpt-oss's MXFP4
-        # experts are kept as they are (engine.load.fused_experts); any other quantisation is refused here (a
-        # multimodal checkpoint may say it of its text model alone: Kimi-K2.5's INT4 experts).
+        # FP8 blocks and compressed-tensors weights are dequantised as read (engine.load.fp8_blocks and
+        # engine.load.compressed_tensors, applied by open_checkpoint); gpt-oss's MXFP4 experts are kept as they are
+        # (engine.load.fused_experts); any other quantisation is refused here (a multimodal checkpoint may say it of
+        # its text model alone: Kimi-K2.5's INT4 experts).
         self.fp8_blocks = None if _is_gpt_oss_mxfp4(self.config) else weight_blocks(self.config, config_path)
+        self.compressed = plan(self.config, config_path)
         self._where = self._index_tensors()
         self._open = {}
         self._opening = threading.Lock()
@@ -222,7 +225,8 @@ def _is_gpt_oss_mxfp4(config: dict) -> bool:
 
 
 def _with_experts_apart(checkpoint):
-    """A block-FP8 release's weights dequantised as they are read (engine.load.fp8_blocks). Qwen3-Next's,
+    """A block-FP8 or compressed-tensors release's weights dequantised as they are read (engine.load.fp8_blocks,
+    engine.load.compressed_tensors). Qwen3-Next's,
     Qwen3.5-MoE's and Kimi-K2.5's checkpoints are shown as their text model, with the layout of projections the model
     reads; gpt-oss's and the released Qwen3.5-MoE's fuse each layer's experts into a few tensors, shown one expert at
     a time."""
@@ -230,6 +234,8 @@ def _with_experts_apart(checkpoint):
 
     if checkpoint.fp8_blocks is not None:
         checkpoint = FP8Blocks(checkpoint, checkpoint.fp8_blocks)
+    elif checkpoint.compressed is not None:
+        checkpoint = CompressedTensors(checkpoint, checkpoint.compressed)
     if checkpoint.config.get("model_type") in ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text", "kimi_k25"):
         from moedesk.engine.load.delta_projections import as_the_model_reads_it
         checkpoint = as_the_model_reads_it(checkpoint)

@@ -26,14 +26,17 @@ _SCALE_FMTS = (None, "float", "ue8m0")  # ue8m0 (DeepSeek-V3.1): powers of two, 
 
 
 def weight_blocks(config: dict, path) -> tuple[int, int] | None:
-    """(B0, B1), the scale blocks of a block-FP8 checkpoint's config; None when it has no quantization_config. One-line
+    """(B0, B1), the scale blocks of a block-FP8 checkpoint's config; None when it has no quantization_config, or a
+    compressed-tensors one (engine.load.compressed_tensors reads those). One-line
     UnsupportedModelError naming what this module does not load: another quant_method, or an fp8 variant whose
     numbers or math differ (fmt e5m2, static activation scales, FP4 experts, no block size)."""
-    quantization = _quantization(config)
+    quantization = quantization_config(config)
     if quantization is None:
         return None
     method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-    if method != "fp8":  # GPTQ, AWQ, bitsandbytes, compressed-tensors...: tensors meaningless without their own rule
+    if method == "compressed-tensors":
+        return None
+    if method != "fp8":  # GPTQ, AWQ, bitsandbytes...: tensors meaningless without their own rule
         raise UnsupportedModelError(path, f"weights quantised with {method!r} (its quantization_config), which moedesk "
                                           f"does not load: use the model's unquantised or FP8 safetensors, or a GGUF")
 
@@ -55,14 +58,14 @@ def weight_blocks(config: dict, path) -> tuple[int, int] | None:
 def without_scales(config: dict, tensors: dict, path) -> dict:
     """A checkpoint's {name: ...} as FP8Blocks shows it, for sizing it from its headers: a block-FP8 release's scales
     left out (its config checked as weight_blocks does); any other checkpoint's as it is."""
-    quantization = _quantization(config)
+    quantization = quantization_config(config)
     if not isinstance(quantization, dict) or quantization.get("quant_method") != "fp8":
         return tensors
     weight_blocks(config, path)
     return {name: t for name, t in tensors.items() if not name.endswith(SCALE)}
 
 
-def _quantization(config: dict):
+def quantization_config(config: dict):
     """The quantization_config, or a multimodal checkpoint's text model's (Kimi-K2.5's)."""
     return config.get("quantization_config") or text_config(config).get("quantization_config")
 
@@ -135,8 +138,13 @@ class FP8Blocks:
         self.dtype, self.device = dtype, torch.device(device)
 
     def stored_fp8(self, name: str) -> bool:
-        """Whether tensor `name` is fp8 in the file (engine.load.loader.expert_formats' `auto` asks)."""
+        """Whether tensor `name` is fp8 in the file."""
         return name in self._scales
+
+    def released_as(self, name: str) -> str | None:
+        """What `--expert-dtype auto` quantises weight `name` to (engine.load.loader.expert_formats): an fp8 one to
+        int8, a byte a weight as released."""
+        return "int8" if name in self._scales else None
 
     def get_tensor(self, name: str, index: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
         """As SafetensorsCheckpoint.get_tensor; a quantised weight dequantised, in float32 unless dequantise_in said

@@ -60,7 +60,8 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     clock = time.perf_counter()
     path = checkpoint.path
     if (dequantise_in := getattr(checkpoint, "dequantise_in", None)) is not None:
-        # an FP8 release's weights computed straight into the model's dtype, where it runs (engine.load.fp8_blocks)
+        # a quantised release's weights computed straight into the model's dtype, where it runs
+        # (engine.load.fp8_blocks, engine.load.compressed_tensors)
         dequantise_in(dtype, device)
     cfg = parse_config(checkpoint.config, path, tensors=checkpoint.shapes())
     max_positions = min(context_length or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -237,14 +238,16 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
     """(gate_up, down) storage formats of one layer's experts (kernels.quant_formats names, or "dense").
 
     auto: a matrix stays packed where every expert's tensors of it are stored in one packed format (gate
-    and up must share it, being one matrix here); anything else is dense, except experts released in FP8
-    (engine.load.fp8_blocks), which auto takes as int8: q8_0 keeps the byte a weight the user downloaded (16-bit
-    experts would double it) and rounds more finely than the FP8 blocks did. int8 / int4: what would be dense
+    and up must share it, being one matrix here); anything else is dense, except experts released quantised
+    (engine.load.fp8_blocks, engine.load.compressed_tensors), which auto takes as the checkpoint's `released_as`
+    says: FP8 as int8 (q8_0 keeps the byte a weight the user downloaded, where 16-bit experts would double it,
+    and rounds more finely than the FP8 blocks did), 4-bit integers as int4. int8 / int4: what would be dense
     is quantised to q8_0 / q4_0 instead (where its rows are whole blocks); packed experts stay as they are.
     bf16: everything dense, in the model's dtype.
     """
-    if expert_dtype == "auto" and _released_in_fp8(checkpoint, experts, layer, cfg.num_experts):
-        expert_dtype = "int8"
+    if expert_dtype == "auto":
+        expert_dtype = _released_as(checkpoint, experts, layer, cfg.num_experts) or "auto"
+
     def stored(projections) -> str:
         found = {checkpoint.packed_format(experts[layer, e, p]) for e in range(cfg.num_experts) for p in projections
                  if (layer, e, p) in experts}
@@ -261,10 +264,13 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
     return chosen[0], chosen[1]
 
 
-def _released_in_fp8(checkpoint, experts: dict, layer: int, count: int) -> bool:
-    stored_fp8 = getattr(checkpoint, "stored_fp8", None)
-    return stored_fp8 is not None and any(stored_fp8(experts[layer, e, p]) for e in range(count) for p in _PROJECTIONS
-                                          if (layer, e, p) in experts)
+def _released_as(checkpoint, experts: dict, layer: int, count: int) -> str | None:
+    """The wider of what the checkpoint says a layer's quantised experts are released as (int8 over int4)."""
+    released_as = getattr(checkpoint, "released_as", None)
+    if released_as is None:
+        return None
+    found = {released_as(experts[layer, e, p]) for e in range(count) for p in _PROJECTIONS if (layer, e, p) in experts}
+    return "int8" if "int8" in found else "int4" if "int4" in found else None
 
 
 def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: str, dtype, device) -> None:

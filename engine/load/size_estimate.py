@@ -33,6 +33,8 @@ from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import FORMATS
 
 _SHORT_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+# Stored forms that `--expert-dtype auto` quantises as they load (engine.load.compressed_tensors.Stored.label)
+_RELEASED_AS = {"F8_E4M3": "int8", "int8": "int8", "int4": "int4"}
 
 
 @dataclass(frozen=True)
@@ -89,9 +91,9 @@ class ModelWeights:
         fmt = self.stored[name]
         return fmt if fmt in FORMATS else None
 
-    def stored_fp8(self, name: str) -> bool:
-        """What `expert_formats` asks a block-FP8 release (engine.load.fp8_blocks)."""
-        return self.stored[name] == "F8_E4M3"
+    def released_as(self, name: str) -> str | None:
+        """What `expert_formats` asks a quantised release (engine.load.fp8_blocks, engine.load.compressed_tensors)."""
+        return _RELEASED_AS.get(self.stored[name])
 
     def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
         """The weights' bytes once loaded with `--expert-dtype expert_dtype` and `--dtype weights_dtype`
@@ -123,9 +125,12 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
     """Sort a checkpoint's tensors (Hub names) as `engine.load.loader.load_model` does, checked as it checks
     them first: the config against the shapes, and no tensor the architecture does not know (one-line
     CheckpointError / UnsupportedModelError naming `path`)."""
+    from moedesk.engine.load.compressed_tensors import shown_headers
     from moedesk.engine.load.fp8_blocks import without_scales
 
     tensors = without_scales(config, tensors, path)  # weights are sized as dequantised, by the loader's rules
+    shown = shown_headers(config, {n: (t.stored, t.shape) for n, t in tensors.items()}, path)
+    tensors = {n: TensorInfo(tuple(shape), stored) for n, (stored, shape) in shown.items()}
     if config.get("model_type") in TEXT_MODELS or text_config(config).get("model_type") == "qwen3_next":
         from moedesk.engine.load.delta_projections import shapes_as_read  # as the loader is shown them
 

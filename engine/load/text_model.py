@@ -78,3 +78,7 @@ class TextModel:
 
     def read_packed(self, name: str, out) -> None:
         self.inner.read_packed(self._names.get(name, name), out)
+
+    def released_as(self, name: str) -> str | None:
+        released_as = getattr(self.inner, "released_as", None)
+        return None if released_as is None else released_as(self._names.get(name, name))

@@ -291,7 +291,7 @@ def test_a_kimi_k2_checkpoint_loads_as_the_deepseek_v3_it_is(tiny_checkpoint, tm
     assert folder_model(kimi, "folder").supported  # the Models screen lists it as one the native engine runs
 
 
-def kimi_k25_folder(deepseek, out, quantised_text: bool = False):
+def kimi_k25_folder(deepseek, out):
     """A Kimi-K2.5 checkpoint as Moonshot lays it out, around the tiny DeepSeek-V3 in `deepseek`: config.json of
     model_type kimi_k25 nesting the text model's (model_type kimi_k2) and a vision tower's, the text model's tensors
     under language_model.model. and language_model.lm_head., the vision tower and its projector beside them."""
@@ -304,8 +304,6 @@ def kimi_k25_folder(deepseek, out, quantised_text: bool = False):
 
     shutil.copytree(deepseek, out)
     text = json.loads((deepseek / "config.json").read_text())
-    if quantised_text:
-        text["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
     config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
               "text_config": {**text, "model_type": "kimi_k2"}, "media_placeholder_token_id": 163605,
               "vision_config": {"model_type": "kimi_k25_vision", "patch_size": 14, "hidden_size": 32,
@@ -338,11 +336,13 @@ def test_a_kimi_k25_checkpoint_runs_its_text_model_and_says_images_are_not(tiny_
     """The text model's tensors under Moonshot's names load as DeepSeek-V3 and give transformers' tokens (its
     DeepseekV3 on the same weights: what Kimi_K25ForConditionalGeneration runs on text); the vision tower is not
     loaded, with one warning saying so; the size estimate counts the text model alone; the Models screen lists it.
-    Its text model quantised (the release's INT4 experts) is refused in one line naming the method."""
+    Its routed experts in INT4 as the release has them (compressed-tensors, Moonshot's ignore list under its own
+    names) load too, and give transformers' tokens on the dequantised weights."""
     from moedesk.app.tui.catalog import folder_model
     from moedesk.engine.load.size_estimate import summarize_path
     from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
+    from tests.load.test_compressed_tensors import kimi_k2
     from tests.reference import hf_greedy, hf_model
 
     deepseek = tiny_checkpoint("deepseek_v3")
@@ -356,10 +356,13 @@ def test_a_kimi_k25_checkpoint_runs_its_text_model_and_says_images_are_not(tiny_
     assert summarize_path(kimi).estimate("auto", "float32") == summarize_path(deepseek).estimate("auto", "float32")
     assert folder_model(kimi, "folder").supported
 
-    quantised = kimi_k25_folder(deepseek, tmp_path / "kimi-k2.5-int4", quantised_text=True)
-    with pytest.raises(UnsupportedModelError, match="quantised with 'compressed-tensors'") as refused:
-        Engine.load(str(quantised), device="cpu", dtype="float32")
-    assert "\n" not in str(refused.value)
+    int4, dequantised, _ = kimi_k2(deepseek, tmp_path / "kimi-k2-int4")
+    quantised = kimi_k25_folder(int4, tmp_path / "kimi-k2.5-int4")
+    engine = Engine.load(str(quantised), device="cpu", dtype="float32")
+    assert {m.experts.gate_up_format for m in engine.model.moe_blocks()} == {"q4_0"}
+    done = engine.complete([Request(prompt, SamplingParams(max_new_tokens=12, temperature=0))])
+    assert done[0].token_ids == hf_greedy(hf_model(dequantised), prompt, 12, eos)
+    assert folder_model(quantised, "folder").supported
 
 
 def test_mla_with_heads_that_do_not_divide_the_hidden_size_runs_as_transformers(tmp_path):
