@@ -242,7 +242,7 @@ def _read_gguf_weights(listing: RepoListing, choice: DownloadChoice, first_bytes
     with _hub_errors(listing.repo_id, listing.revision):
         with ThreadPoolExecutor(max_workers=min(8, len(parts))) as pool:
             headers = list(pool.map(header, parts))
-    return summarize_gguf_header(headers, f"{listing.repo_id}/{parts[0]}")
+    return summarize_gguf_header(headers, f"{listing.repo_id}/{parts[0]}", [f"{listing.repo_id}/{p}" for p in parts])
 
 
 def _read_gguf_header(listing: RepoListing, path: str, size: int | None, first_bytes: int, max_bytes: int):

@@ -91,14 +91,24 @@ def _llama_cpp_problem() -> str | None:
 
 
 def _gguf_for_llama_cpp(model: str) -> str:
-    """The GGUF file llama.cpp loads for `model`: the demo's source file, or the .gguf named."""
+    """The GGUF file llama.cpp loads for `model`: the demo's source file, the .gguf named, or the one in the folder
+    or downloaded repo named; of a split GGUF, its first part (llama.cpp finds the others by their names), once
+    every part is there."""
+    from moedesk.engine.load.gguf_split import check_present, gguf_in_folder, part_paths
+
     if model == "demo":
         from moedesk.engine.load.demo import source_gguf
 
         return str(source_gguf())
     path = Path(model).expanduser()
+    if path.is_dir():
+        path = gguf_in_folder(path) or path
+    elif not path.exists() and (cached := model_path(model)) is not None:  # a repo id in the HF cache
+        path = gguf_in_folder(cached, recursive=True) or path
     if path.suffix == ".gguf" and path.is_file():
-        return str(path)
+        parts = part_paths(path)
+        check_present(parts)
+        return str(parts[0])
     if path.is_file() or path.is_dir():
         raise MoedeskError(f"{model}: the llama.cpp engine runs GGUF files; this is not one (--engine native)")
     raise MoedeskError(f"{model}: no such GGUF file for the llama.cpp engine")

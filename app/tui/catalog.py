@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from moedesk.app.tui.storage import models_dir, read_json
+from moedesk.engine.errors import MoedeskError
 
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_top_k", "num_experts_per_token")
@@ -126,6 +127,9 @@ def folder_model(path: Path, source: str, spec: str | None = None, name: str | N
 
 
 def gguf_model(path: Path) -> LocalModel:
+    """A .gguf file, or the first part of a split one: listed once, its size that of every part."""
+    from moedesk.engine.load.gguf_split import part_paths
+
     arch, experts, top_k, note = "?", 0, 0, ""
     weights, why = None, ""
     try:
@@ -141,21 +145,36 @@ def gguf_model(path: Path) -> LocalModel:
         try:
             from gguf import GGUFReader
 
+            from moedesk.engine.load.gguf_split import open_gguf
             from moedesk.engine.load.size_estimate import file_weights
             from moedesk.engine.selection import listed_engine
 
-            reader = GGUFReader(str(path))
+            reader = open_gguf(path, GGUFReader)
             arch = _gguf_value(reader, "general.architecture") or "?"
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
             if listed_engine(arch, gguf=True).kind == "llama.cpp":  # it runs from the file as it is
                 weights, why = file_weights(arch, reader.tensors), ""
+        except MoedeskError as e:  # a split GGUF missing a part: the line that names it
+            why = _one_line(e)
         except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
             note, why = f"unreadable header ({type(e).__name__})", ""
     # GGUF architecture names differ from config.json's (Mixtral is "llama" with experts): support is
     # left unknown here, and loading says what is wrong.
-    size = path.stat().st_size if path.exists() else None
+    parts = part_paths(path)
+    size = sum(p.stat().st_size for p in parts) if all(p.exists() for p in parts) else None
     return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note, weights, why)
+
+
+def _models_among(files: list[Path]) -> list[Path]:
+    """The .gguf files that are models: each single file, and of a split GGUF its first part alone (or, with the
+    first missing, the first found, which loading names the missing part of)."""
+    from moedesk.engine.load.gguf_split import split_stem
+
+    firsts: dict[Path, Path] = {}
+    for f in sorted(files):
+        firsts.setdefault(split_stem(f), f)
+    return [firsts[stem] for stem in sorted(firsts, key=lambda p: str(firsts[p]).lower())]
 
 
 def _gguf_value(reader, key: str):
@@ -202,10 +221,11 @@ def scan_models_dir(folder: Path, known: set[str] | None = None) -> list[LocalMo
             entries = sorted(directory.iterdir(), key=lambda p: p.name.lower())
         except OSError:
             return
+        ggufs = _models_among([e for e in entries if e.is_file() and e.suffix == ".gguf" and not e.name.startswith(".")])
         for entry in entries:
             if entry.name.startswith("."):
                 continue
-            if entry.is_file() and entry.suffix == ".gguf":
+            if entry in ggufs:
                 found.append(gguf_model(entry))
             elif entry.is_dir():
                 if (entry / "config.json").is_file():
@@ -238,9 +258,10 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
             out.append(folder_model(snapshot, "hf cache", spec=repo.repo_id, name=repo.repo_id,
                                     size=repo.size_on_disk, known=known))
         else:
-            for gguf in sorted(snapshot.glob("*.gguf")):
+            # A quantisation may sit in a sub-folder (Q4_K_M/name-00001-of-00003.gguf), as large split ones do.
+            for gguf in _models_among([p for p in snapshot.rglob("*.gguf") if not p.name.lower().startswith("mmproj")]):
                 m = gguf_model(gguf)
-                out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.name}", "hf cache", m.size_bytes, m.arch,
+                out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.relative_to(snapshot).as_posix()}", "hf cache", m.size_bytes, m.arch,
                                       m.num_experts, m.top_k, m.supported, m.note, m.weights, m.estimate_error))
     return out
 

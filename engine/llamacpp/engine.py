@@ -82,6 +82,7 @@ class LlamaCppEngine(EngineFace):
         if device.startswith("cuda") and not gpu_devices:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
         reader = _header(path)
+        path = Path(reader.paths[0])  # of a split GGUF, the first part: llama.cpp loads the others from its name
         sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
         if progress:
             progress("load", 0.0)
@@ -343,12 +344,20 @@ def _gpu_free_bytes() -> int:
 
 
 def _header(path: Path):
+    """The GGUF's metadata and tensor infos; of a split GGUF, the first part's metadata and every part's tensors
+    (engine.load.gguf_split), so that placement sizes the whole model."""
     from gguf import GGUFReader
 
-    try:
-        return GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 -- the reader validates by failing
-        raise CheckpointError(path, f"not a readable GGUF file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    from moedesk.engine.load.gguf_split import open_gguf
+
+    def read(part: Path):
+        try:
+            return GGUFReader(part)
+        except Exception as e:  # noqa: BLE001 -- the reader validates by failing
+            raise CheckpointError(part, f"not a readable GGUF file "
+                                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+    return open_gguf(path, read)
 
 
 def _value(reader, key: str):

@@ -6,7 +6,6 @@ Every kind of checkpoint presents the same face: `config` (a config.json dict), 
 from __future__ import annotations
 
 import os
-import re
 import threading
 from pathlib import Path
 
@@ -265,8 +264,19 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0]
 
 
+def _folder(folder: Path, recursive: bool):
+    """A model folder, or a folder of one GGUF (one file, or the parts of one split file) without safetensors."""
+    from moedesk.engine.load.gguf_split import gguf_in_folder
+
+    if not list(folder.glob("*.safetensors")):
+        if (gguf := gguf_in_folder(folder, recursive)) is not None:
+            return _gguf(gguf)
+    return _with_experts_apart(SafetensorsCheckpoint(folder))
+
+
 def open_checkpoint(model: str):
-    """Open what `--model` names: 'demo', a .gguf file, a model folder, or a repo id in the HF cache."""
+    """Open what `--model` names: 'demo', a .gguf file (or any part of a split one), a model folder (or a folder of
+    one GGUF), or a repo id in the HF cache."""
     if model == "demo":
         from moedesk.engine.load.demo import demo_checkpoint_dir
         return SafetensorsCheckpoint(demo_checkpoint_dir())
@@ -276,16 +286,12 @@ def open_checkpoint(model: str):
             raise CheckpointError(path, "no such file")
         return _gguf(path)
     if path.is_dir():
-        return _with_experts_apart(SafetensorsCheckpoint(path))
+        return _folder(path, recursive=False)
     if path.exists():
         raise CheckpointError(path, "not a model folder or .gguf file")
     cached = _cached_repo(model)
     if cached is not None:
-        ggufs = sorted(cached.rglob("*.gguf"))
-        # a downloaded GGUF quantisation: one file, or the parts of one split file (which say how to merge them)
-        if not list(cached.glob("*.safetensors")) and ggufs and len({_split_stem(g) for g in ggufs}) == 1:
-            return _gguf(ggufs[0])
-        return _with_experts_apart(SafetensorsCheckpoint(cached))
+        return _folder(cached, recursive=True)  # a downloaded GGUF quantisation may sit in a sub-folder
     raise MoedeskError(f"{model}: no such model folder, .gguf file, or repo in the local Hugging Face cache "
                        f"(download it first: moedesk download {model})")
 
@@ -296,17 +302,16 @@ def model_path(model: str) -> Path | None:
     if model == "demo":
         from moedesk.engine.load.demo import demo_checkpoint_dir
         return demo_checkpoint_dir()
+    from moedesk.engine.load.gguf_split import gguf_in_folder
+
     path = Path(os.path.expanduser(model))
     if path.is_dir() and (path / "config.json").is_file() or path.suffix == ".gguf" and path.is_file():
+        return path
+    if path.is_dir() and gguf_in_folder(path) is not None:
         return path
     if path.exists():
         return None
     return _cached_repo(model)
-
-
-def _split_stem(path: Path) -> Path:
-    """name-00001-of-00003.gguf -> name (in its folder): what the parts of one split GGUF share."""
-    return path.with_name(re.sub(r"-\d{5}-of-\d{5}\.gguf$", "", path.name))
 
 
 def _cached_repo(repo_id: str) -> Path | None:

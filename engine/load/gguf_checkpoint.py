@@ -13,7 +13,8 @@ here, so the rest of the engine never knows the model came from a GGUF file:
   experts in a format moedesk computes from directly (kernels.quant_formats), which `read_packed`
   hands over as they are.
 
-The file stays memory-mapped (GGUFReader); nothing is read until `get_tensor` asks for it.
+The file stays memory-mapped (GGUFReader); nothing is read until `get_tensor` asks for it. A GGUF split in parts
+(engine.load.gguf_split) opens from any part: its metadata from the first, its tensors from each part's file.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
+from moedesk.engine.load.gguf_split import open_gguf
 from moedesk.kernels.quant_formats import BY_GGML_TYPE
 
 # general.architecture -> Hugging Face model_type (without experts, with experts).
@@ -135,12 +137,19 @@ class GGUFCheckpoint:
         tensor data) instead of the file at `path`, which then only names it in messages: `config`, `shapes()` and
         `packed_format()` answer from it, nothing reads tensors."""
         self.path = Path(path)
-        self._reader = _open_reader(self.path) if header is None else header
         self._fetched = header is not None  # its tensors' bytes came with the header (from the Hub): no file here
         if header is None:
-            _refuse_split(self.path, self._reader)
+            # A split GGUF (engine.load.gguf_split) from any of its parts: the metadata from the first, which then
+            # names the model, the tensors from every part, each part memory-mapped as a single file is.
+            self._reader = open_gguf(self.path, _open_reader)
+            self.path = Path(self._reader.paths[0])
+        else:
+            self._reader = header
         self._tensors = {t.name: t for t in self._reader.tensors}
-        self._file = None  # opened by the first read_packed
+        # The part holding each tensor (a single file: all in part 0), and its file once a read opens it.
+        self._part_of = getattr(self._reader, "part_of", None) or dict.fromkeys(self._tensors, 0)
+        self._parts = tuple(getattr(self._reader, "paths", (self.path,)))
+        self._files: dict[int, object] = {}
         self.arch = self._meta("general.architecture", str)
         if self.arch not in _MODEL_TYPES:
             raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
@@ -569,17 +578,25 @@ class GGUFCheckpoint:
         memory map: every page of it that is touched counts in the process's resident memory until the map
         closes, so reading through it held a second copy of everything read until the end of the load."""
         offset = tensor.data_offset + (0 if expert is None else expert * out.nbytes)
-        if self._file is None:
-            self._file = open(self.path, "rb", buffering=0)
-        self._file.seek(offset)
+        part = self._part_of[tensor.name]
+        if part not in self._files:
+            self._files[part] = open(self._parts[part], "rb", buffering=0)
+        file = self._files[part]
+        file.seek(offset)
         view = memoryview(out).cast("B")
-        if self._file.readinto(view) != len(view):
-            raise CheckpointError(self.path, f"truncated GGUF file: tensor {tensor.name} ends past the file's end")
+        if file.readinto(view) != len(view):
+            raise CheckpointError(self._parts[part], f"truncated GGUF file: tensor {tensor.name} ends past the "
+                                                     f"file's end")
+
+    @property
+    def parts(self) -> tuple[Path, ...]:
+        """The files the model is in: the GGUF, or a split GGUF's parts, the first first."""
+        return tuple(Path(p) for p in self._parts)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
 
     def _read(self, tensor, expert: int | None) -> torch.Tensor:
         """Read (and dequantize) one GGUF tensor, or one expert's slice of a stacked one."""
@@ -654,34 +671,6 @@ class GGUFCheckpoint:
         if (template := self._meta("tokenizer.chat_template", str, None)) is not None:
             config["chat_template"] = template
         return config
-
-
-def _refuse_split(path: Path, reader) -> None:
-    """A part of a split GGUF (llama.cpp's gguf-split: name-00001-of-00003.gguf, metadata in the first part, the
-    tensors spread over all) is refused with one line: a missing part is named, else how to merge them. Read as a
-    whole file, the first part only ever said its block_count disagreed with its layers."""
-    field = reader.fields.get("split.count")
-    count = int(field.contents()) if field is not None else 0
-    if count <= 1:
-        return
-    named = _SPLIT_PART.fullmatch(path.name)
-    if named:
-        stem, width = named.group(1), len(named.group(3))
-        parts = [path.with_name(f"{stem}-{i:0{width}d}-of-{count:0{width}d}.gguf") for i in range(1, count + 1)]
-        for i, part in enumerate(parts, 1):
-            if not part.is_file():
-                raise CheckpointError(part, f"missing: part {i} of the GGUF split in {count} files that "
-                                            f"{parts[0].name} begins")
-        index = f"part {int(named.group(2))}"
-        merged = f"{stem}.gguf"
-    else:
-        index, merged, parts = "a part", "merged.gguf", [path]
-    raise CheckpointError(path, f"{index} of a GGUF split in {count} files, which moedesk does not load: merge "
-                                f"them into one file with llama.cpp's llama-gguf-split --merge {parts[0].name} "
-                                f"{merged}, then load that")
-
-
-_SPLIT_PART = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
 
 
 def _open_reader(path: Path) -> GGUFReader:

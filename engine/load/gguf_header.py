@@ -96,24 +96,16 @@ def parse_header(data: bytes, path) -> GGUFHeader:
     return _Parser(memoryview(data), path).header()
 
 
-def merge_parts(parts: list[GGUFHeader], path) -> GGUFHeader:
+def merge_parts(parts: list[GGUFHeader], path, names: list | None = None) -> GGUFHeader:
     """One header for a split GGUF (`-00001-of-0000N`), its parts' headers given in order: llama.cpp's gguf-split
-    writes the metadata into the first part and spreads the tensors over all of them. Each tensor's data_offset
-    stays that of its own part."""
-    if len(parts) == 1:
+    writes the metadata into the first part and spreads the tensors over all of them (engine.load.gguf_split, which
+    checks them). Each tensor's data_offset stays that of its own part. `names`: the parts' names in messages
+    (default: `path` for each)."""
+    from moedesk.engine.load.gguf_split import join
+
+    if len(parts) == 1 and "split.count" not in parts[0].fields:
         return parts[0]
-    first = parts[0]
-    count = first.fields.get("split.count")
-    if count is not None and count.contents() != len(parts):
-        raise CheckpointError(path, f"split GGUF of {count.contents()} parts, but {len(parts)} were given")
-    tensors, seen = [], set()
-    for part in parts:
-        for tensor in part.tensors:
-            if tensor.name in seen:
-                raise CheckpointError(path, f"tensor {tensor.name} is in two parts of the split GGUF")
-            seen.add(tensor.name)
-            tensors.append(tensor)
-    return replace(first, tensors=tensors)
+    return replace(parts[0], tensors=join(parts, names or [path] * len(parts)).tensors)
 
 
 class _Parser:

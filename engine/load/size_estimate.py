@@ -272,7 +272,9 @@ def _gguf_weights(path, header=None) -> ModelWeights | FileWeights:
         if header is None:
             from gguf import GGUFReader
 
-            header = GGUFReader(str(path))
+            from moedesk.engine.load.gguf_split import open_gguf
+
+            header = open_gguf(Path(path), GGUFReader)  # a split GGUF's tensors from all its parts
         field = header.fields.get("general.architecture")
         arch = field.contents() if field is not None else None
         if not isinstance(arch, str) or arch in NATIVE_ARCHITECTURES:
@@ -284,21 +286,26 @@ def _gguf_weights(path, header=None) -> ModelWeights | FileWeights:
         checkpoint.close()
 
 
-def summarize_gguf_header(parts, path) -> ModelWeights | FileWeights:
+def summarize_gguf_header(parts, path, names: list | None = None) -> ModelWeights | FileWeights:
     """`summarize` for a GGUF file from its header alone (`engine.load.gguf_header.GGUFHeader`, parsed from bytes
     fetched without the tensor data), exactly as `summarize_path` does for the file on disk: the config
     GGUFCheckpoint derives from the metadata, the tensors under the Hub's names. `parts`: the one header, or
-    a split GGUF's (-00001-of-0000N) in order. `path` names the file in messages."""
+    a split GGUF's (-00001-of-0000N) in order. `path` names the file in messages, `names` each part (default:
+    `path`)."""
     from moedesk.engine.load.gguf_header import GGUFHeader, merge_parts
 
     parts = [parts] if isinstance(parts, GGUFHeader) else list(parts)
-    return _gguf_weights(path, merge_parts(parts, path))
+    return _gguf_weights(path, merge_parts(parts, path, names))
 
 
 def summarize_path(path) -> ModelWeights | FileWeights:
     """`summarize` for a model folder or a .gguf file on disk, from config.json and the headers alone (a GGUF only
     llama.cpp runs: its FileWeights)."""
     path = Path(path)
+    if path.is_dir() and not any(path.glob("*.safetensors")):  # a folder (a Hub snapshot) of one GGUF, split or not
+        from moedesk.engine.load.gguf_split import gguf_in_folder
+
+        path = gguf_in_folder(path, recursive=True) or path
     if path.suffix == ".gguf":
         return _gguf_weights(path)
     config_path = path / "config.json"

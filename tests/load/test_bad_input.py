@@ -12,7 +12,6 @@ import shutil
 import struct
 from pathlib import Path
 
-import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -196,40 +195,6 @@ def test_a_file_of_another_kind_is_one_line(name, mixtral, tmp_path, capsys):
     assert line == f"moedesk: {mixtral / name}: not a model folder or .gguf file"
 
 
-def write_split(folder: Path) -> list[Path]:
-    """tiny.gguf written by gguf's writer in 3 parts, as llama.cpp's gguf-split lays them out."""
-    real = gguf.GGUFWriter.__init__
-
-    def split_writer(self, path, arch, *args, **kwargs):
-        real(self, path, arch, *args, split_max_tensors=8, **kwargs)
-
-    gguf.GGUFWriter.__init__ = split_writer
-    try:
-        write_tiny_mixtral(folder / "tiny.gguf")
-    finally:
-        gguf.GGUFWriter.__init__ = real
-    parts = sorted(folder.glob("*.gguf"))
-    assert [p.name for p in parts] == [f"tiny-0000{i}-of-00003.gguf" for i in (1, 2, 3)]
-    return parts
-
-
-def test_a_split_gguf_is_one_line_saying_how_to_merge_it(tmp_path, capsys):
-    (tmp_path / "m").mkdir()
-    parts = write_split(tmp_path / "m")
-    for part in (parts[0], parts[2]):
-        line = batch_error(part, tmp_path, capsys)
-        assert line.startswith(f"moedesk: {part}: part {parts.index(part) + 1} of a GGUF split in 3 files") \
-            and "llama-gguf-split --merge" in line, line
-
-
-def test_a_split_gguf_missing_a_part_names_the_part(tmp_path, capsys):
-    (tmp_path / "m").mkdir()
-    parts = write_split(tmp_path / "m")
-    parts[1].unlink()
-    line = batch_error(parts[0], tmp_path, capsys)
-    assert line == f"moedesk: {parts[1]}: missing: part 2 of the GGUF split in 3 files that {parts[0].name} begins"
-
-
 def test_an_unknown_gguf_tensor_type_is_named(tmp_path):
     path = tmp_path / "odd.gguf"
     write_tiny_mixtral(path)
@@ -243,19 +208,6 @@ def test_an_unknown_gguf_tensor_type_is_named(tmp_path):
     with pytest.raises(CheckpointError) as e:
         GGUFCheckpoint(path)
     assert str(e.value) == f"{path}: corrupt GGUF header (tensor token_embd.weight has unknown type 99)"
-
-
-def test_a_downloaded_split_gguf_in_the_hub_cache_says_how_to_merge_it(tmp_path, monkeypatch, capsys):
-    """A repo id whose cached snapshot holds one split quantisation is that GGUF, not a folder without config.json."""
-    import moedesk.engine.load.checkpoint as checkpoint
-
-    snapshot = tmp_path / "snapshot"
-    (snapshot / "Q8_0").mkdir(parents=True)
-    parts = write_split(snapshot / "Q8_0")
-    monkeypatch.setattr(checkpoint, "_cached_repo", lambda repo_id: snapshot)
-    with pytest.raises(CheckpointError) as e:
-        checkpoint.open_checkpoint("someone/tiny-GGUF")
-    assert str(e.value).startswith(f"{parts[0]}: part 1 of a GGUF split in 3 files"), str(e.value)
 
 
 def test_a_folder_where_a_file_should_be_is_one_line(mixtral, tmp_path, capsys):

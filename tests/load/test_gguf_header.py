@@ -119,9 +119,9 @@ def test_split_parts_hold_the_metadata_first_and_the_tensors_spread(tmp_path):
     got = summarize_gguf_header(headers, parts[0])
     for dtype in ("auto", "int4", "bf16"):
         assert got.estimate(dtype, "bfloat16") == expected.estimate(dtype, "bfloat16")
-    with pytest.raises(CheckpointError, match=f"split GGUF of {len(parts)} parts, but {len(parts) - 1} were given"):
+    with pytest.raises(CheckpointError, match=f"split in {len(parts)} files, but {len(parts) - 1} parts were found"):
         merge_parts(headers[:-1], parts[0])
-    with pytest.raises(CheckpointError, match="is in two parts"):
+    with pytest.raises(CheckpointError, match=f"not part {len(parts)} of the GGUF split"):  # part 2 again, last
         merge_parts(headers[:-1] + [headers[1]], parts[0])
 
 
