@@ -1,5 +1,6 @@
 """What front ends show of a model on disk before loading it: the architectures the native engine implements, a GGUF
-file as the native engine reads its header, and where the built-in demo is built and its shape.
+file as the native engine reads its header (a split GGUF listed once, from its parts), and where the built-in demo
+is built and its shape.
 
 Headers and the demo's recipe only: nothing here reads a weight or builds the demo. Imports stay inside the
 functions, so that a front end listing models does not pay for torch before it needs it.
@@ -41,6 +42,34 @@ def read_gguf(path) -> GGUFListing:
         return GGUFListing(checkpoint.arch, checkpoint.config, weights, error)
     finally:
         checkpoint.close()
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """The files a GGUF is in: itself, or every part of the split GGUF it is a part of (by name; there or not)."""
+    from moedesk.engine.load.gguf_split import part_paths
+
+    return part_paths(Path(path))
+
+
+def gguf_models(files: list[Path]) -> list[Path]:
+    """Of these .gguf files, those a listing shows as models: each single file, and of a split GGUF its first
+    part alone (or, where that is missing, the first part found, which loading names the missing part of)."""
+    from moedesk.engine.load.gguf_split import split_stem
+
+    firsts: dict[Path, Path] = {}
+    for f in sorted(files):
+        firsts.setdefault(split_stem(f), f)
+    return sorted(firsts.values(), key=lambda p: str(p).lower())
+
+
+def gguf_header(path):
+    """A GGUF's metadata and tensor infos as gguf's reader reads them (`fields`, `tensors`), every part of a split one
+    joined: for a file the native engine refuses, what llama.cpp would run."""
+    from gguf import GGUFReader
+
+    from moedesk.engine.load.gguf_split import open_gguf
+
+    return open_gguf(Path(path), GGUFReader)
 
 
 def demo_folder() -> Path:

@@ -128,7 +128,7 @@ def folder_model(path: Path, source: str, spec: str | None = None, name: str | N
 
 def gguf_model(path: Path) -> LocalModel:
     """A .gguf file, or the first part of a split one: listed once, its size that of every part."""
-    from moedesk.engine.load.gguf_split import part_paths
+    from moedesk.engine.listing import gguf_parts
 
     arch, experts, top_k, note = "?", 0, 0, ""
     weights, why = None, ""
@@ -143,13 +143,11 @@ def gguf_model(path: Path) -> LocalModel:
     except Exception as e:  # noqa: BLE001
         why = _one_line(e)
         try:
-            from gguf import GGUFReader
-
-            from moedesk.engine.load.gguf_split import open_gguf
+            from moedesk.engine.listing import gguf_header
             from moedesk.engine.load.size_estimate import file_weights
             from moedesk.engine.selection import listed_engine
 
-            reader = open_gguf(path, GGUFReader)
+            reader = gguf_header(path)
             arch = _gguf_value(reader, "general.architecture") or "?"
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
@@ -161,20 +159,9 @@ def gguf_model(path: Path) -> LocalModel:
             note, why = f"unreadable header ({type(e).__name__})", ""
     # GGUF architecture names differ from config.json's (Mixtral is "llama" with experts): support is
     # left unknown here, and loading says what is wrong.
-    parts = part_paths(path)
+    parts = gguf_parts(path)
     size = sum(p.stat().st_size for p in parts) if all(p.exists() for p in parts) else None
     return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note, weights, why)
-
-
-def _models_among(files: list[Path]) -> list[Path]:
-    """The .gguf files that are models: each single file, and of a split GGUF its first part alone (or, with the
-    first missing, the first found, which loading names the missing part of)."""
-    from moedesk.engine.load.gguf_split import split_stem
-
-    firsts: dict[Path, Path] = {}
-    for f in sorted(files):
-        firsts.setdefault(split_stem(f), f)
-    return [firsts[stem] for stem in sorted(firsts, key=lambda p: str(firsts[p]).lower())]
 
 
 def _gguf_value(reader, key: str):
@@ -211,6 +198,8 @@ def demo_model() -> LocalModel:
 
 def scan_models_dir(folder: Path, known: set[str] | None = None) -> list[LocalModel]:
     """Model folders (with config.json) and .gguf files in `folder`, up to two levels down (org/name)."""
+    from moedesk.engine.listing import gguf_models
+
     found = []
     if not folder.is_dir():
         return found
@@ -221,7 +210,8 @@ def scan_models_dir(folder: Path, known: set[str] | None = None) -> list[LocalMo
             entries = sorted(directory.iterdir(), key=lambda p: p.name.lower())
         except OSError:
             return
-        ggufs = _models_among([e for e in entries if e.is_file() and e.suffix == ".gguf" and not e.name.startswith(".")])
+        # a split GGUF's parts are one model: its first part stands for it
+        ggufs = gguf_models([e for e in entries if e.is_file() and e.suffix == ".gguf" and not e.name.startswith(".")])
         for entry in entries:
             if entry.name.startswith("."):
                 continue
@@ -246,6 +236,8 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
         info = scan_cache_dir(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE)
     except Exception:  # no cache yet (CacheNotFound) or an unreadable one
         return []
+    from moedesk.engine.listing import gguf_models
+
     known = supported_architectures() if known is None else known
     out = []
     for repo in sorted(info.repos, key=lambda r: r.repo_id.lower()):
@@ -259,7 +251,7 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
                                     size=repo.size_on_disk, known=known))
         else:
             # A quantisation may sit in a sub-folder (Q4_K_M/name-00001-of-00003.gguf), as large split ones do.
-            for gguf in _models_among([p for p in snapshot.rglob("*.gguf") if not p.name.lower().startswith("mmproj")]):
+            for gguf in gguf_models([p for p in snapshot.rglob("*.gguf") if not p.name.lower().startswith("mmproj")]):
                 m = gguf_model(gguf)
                 out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.relative_to(snapshot).as_posix()}", "hf cache", m.size_bytes, m.arch,
                                       m.num_experts, m.top_k, m.supported, m.note, m.weights, m.estimate_error))

@@ -446,3 +446,43 @@ def test_token_goes_to_the_hub_but_not_to_the_cdn(hub, monkeypatch):
     with pytest.raises(DownloadError) as excinfo:  # logged in, licence not accepted: 403 GatedRepo
         download("moe/gated")
     assert_one_line(excinfo.value, "gated", "accept its licence")
+
+
+@pytest.fixture
+def split_repo(hub, tmp_path):
+    """moe/split-gguf: one quantisation, a real tiny GGUF split in 3 parts in a sub-folder, as large releases are."""
+    from tests.gguf_split import split_gguf
+    from tests.load.test_gguf_checkpoint import write_tiny_mixtral
+
+    write_tiny_mixtral(tmp_path / "tiny.gguf")
+    parts = split_gguf(tmp_path / "tiny.gguf", tmp_path / "parts" / "tiny-Q8_0.gguf", 3)
+    files = {f"Q8_0/{p.name}": p.read_bytes() for p in parts}
+    hub.add_repo("moe/split-gguf", {"README.md": b"# split\n", **files})
+    return tmp_path / "tiny.gguf", files
+
+
+def test_cli_downloads_every_part_of_a_split_gguf_resuming_and_lists_one_model(hub, split_repo):
+    from moedesk.app.tui.catalog import scan_hf_cache
+    from moedesk.engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    single, files = split_repo
+    names = sorted(files)
+    listing = list_repo_files_with_sizes("moe/split-gguf")
+    [choice] = [c for c in listing.choices if c.kind == "gguf"]
+    assert choice.files == tuple(names) and choice.total_bytes == sum(map(len, files.values()))
+    assert dl.read_choice_weights(listing, choice).estimate() == summarize_path(single).estimate()
+
+    hub.cut_once("moe/split-gguf", names[1], after=len(files[names[1]]) // 2)
+    code, out, err = run_cli("moe/split-gguf")
+    assert code == 0, err
+    first = Path(out.strip())
+    assert first.name == "tiny-Q8_0-00001-of-00003.gguf" and f"moedesk --model {first}" in err
+    for name in names:
+        assert (first.parent.parent / name).read_bytes() == files[name]
+    assert len(hub.gets("moe/split-gguf", names[1])) == 2 and hub.gets("moe/split-gguf", names[1])[1].range
+
+    [model] = [m for m in scan_hf_cache() if m.name.startswith("moe/split-gguf")]  # one model, not three parts
+    assert model.name == "moe/split-gguf/Q8_0/tiny-Q8_0-00001-of-00003.gguf"
+    assert model.size_bytes == sum(map(len, files.values()))
+    assert open_checkpoint("moe/split-gguf").parts == tuple(first.parent / Path(n).name for n in names)

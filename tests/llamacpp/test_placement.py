@@ -91,8 +91,10 @@ def test_engine_choice(tmp_path):
     assert chosen.kind == "llama.cpp" and chosen.model == str(gguf)
     with pytest.raises(MoedeskError, match="not installed"):
         choose_engine(str(gguf), "llama.cpp", lambda: "llama.cpp engine unavailable: not installed")
+    assert choose_engine(str(tmp_path), "llama.cpp", lambda: None).model == str(gguf)  # a folder of one GGUF
+    (tmp_path / "safetensors").mkdir()
     with pytest.raises(MoedeskError, match="runs GGUF files"):
-        choose_engine(str(tmp_path), "llama.cpp", lambda: None)
+        choose_engine(str(tmp_path / "safetensors"), "llama.cpp", lambda: None)
     with pytest.raises(MoedeskError, match="choose one of"):
         choose_engine("demo", "vllm")
 
