@@ -101,6 +101,21 @@ def test_loading_a_4_bit_gguf_peaks_within_a_tenth_of_its_packed_size(tmp_path):
     assert peak <= 1.1 * m["packed"] + m["kv"]
 
 
+def test_loading_a_split_gguf_peaks_within_a_tenth_of_its_packed_size(tmp_path):
+    """The same model split in 3 parts (engine.load.gguf_split): each part is mapped as a single file is, and read
+    with plain reads, so the parts add nothing to the peak."""
+    from tests.gguf_split import split_gguf
+
+    path, small = tmp_path / "q4_0-moe.gguf", tmp_path / "small.gguf"
+    write_q4_0_moe(path)
+    write_q4_0_moe(small, H=256, F=256, E=2, L=1)
+    parts = split_gguf(path, tmp_path / "parts" / "q4_0-moe.gguf", 3)
+    path.unlink()
+    m = measure(parts[0], small)
+    assert m["formats"] == ["q4_0"] and m["packed"] <= sum(p.stat().st_size for p in parts)
+    assert m["peak"] - m["before"] <= 1.1 * m["packed"] + m["kv"]
+
+
 def write_mixtral_safetensors(folder: Path, template: Path, H=512, F=1024, E=32, L=5, heads=8, kv=2) -> None:
     """A Mixtral checkpoint folder of bfloat16 tensors (the Hub's names, one tensor per expert; ~500 MB), beside
     the tiny transformers checkpoint's tokenizer. Many small experts: the load copies a few expert tensors at
