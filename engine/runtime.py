@@ -147,11 +147,20 @@ class Engine(EngineFace):
             if early.is_moe:
                 model_split(early, int(gpu_budget * GIB), min(context, early.max_position_embeddings),
                             torch_dtype.itemsize, default_prefill_chunk(torch_device))
-        net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype)
+        owner: list = []  # the device index of each layer, once the banks say what an expert takes
+
+        def layer_devices(model, cfg, banks):
+            owner[:] = _layer_owner(model, cfg, banks, budgets, torch_dtype, min(context, cfg.max_position_embeddings))
+            return [devices[d] for d in owner]
+
+        net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype,
+                                     layer_devices=layer_devices if budgets else None)
         context = min(context, cfg.max_position_embeddings)
         spread = None
         if budgets and banks:
-            spread = _spread(net, cfg, banks, budgets, devices, torch_dtype, context)
+            from moedesk.engine.model.layer_devices import spread_model
+
+            spread = spread_model(net, devices, owner)  # each layer's weights are on its device: this wires the runs
         elif budgets:
             warnings.append(f"--gpu-budget {','.join(f'{b:g}' for b in budgets)}: several GPUs run a model whose "
                             f"experts are offloaded (an MoE model on a GPU); this one runs on {torch_device} alone")
@@ -491,10 +500,10 @@ def _measure_links(spread, hidden: int, dtype: torch.dtype) -> list:
             for a, b in zip(held, held[1:]) if spread.devices[a] != spread.devices[b]]
 
 
-def _spread(model, cfg, banks: dict, budgets: tuple[float, ...], devices, dtype: torch.dtype, context: int):
-    """Spread the loaded model's layers over `devices` as the per-device plan splits them (by sizes, before the
-    popularity that picks each device's experts): engine.model.layer_devices."""
-    from moedesk.engine.model.layer_devices import spread_model
+def _layer_owner(model, cfg, banks: dict, budgets: tuple[float, ...], dtype: torch.dtype,
+                 context: int) -> tuple[int, ...]:
+    """The device index of each layer as the per-device plan splits them (by sizes, before the popularity that picks
+    each device's experts), asked by the loader once the banks exist, before the other weights are read."""
     from moedesk.engine.offload.devices import plan_devices
 
     weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets))
@@ -503,7 +512,7 @@ def _spread(model, cfg, banks: dict, budgets: tuple[float, ...], devices, dtype:
     # and cache is refused here (BudgetError naming the GPU), before the profile and the calibration.
     plan = plan_devices([int(b * GIB) for b in budgets], bank.expert_bytes, bank.num_experts,
                         [[0] * bank.num_experts for _ in banks], weights, kv, moe, first, last)
-    return spread_model(model, devices, plan.device_of_layer)
+    return plan.device_of_layer
 
 
 def available_ram() -> int:

@@ -5,6 +5,7 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,7 +41,7 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_length: int | None = None,
                progress=None, expert_banks=None, expert_dtype: str = "auto", threads: int | None = None,
-               timings: dict | None = None) -> tuple[Transformer, ModelConfig, dict]:
+               timings: dict | None = None, layer_devices=None) -> tuple[Transformer, ModelConfig, dict]:
     """Build the model on the meta device, then fill it with the checkpoint's tensors one at a time.
 
     Routed experts become one `ExpertWeights` stack per MoE layer, in the formats `expert_formats` picks
@@ -52,7 +53,11 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     (engine.offload.pinned_memory.HostBanks page-locks each layer there while the next one fills).
     threads: how many expert tensors are copied at once (default_load_threads; 1 where the checkpoint's reads
     are not thread-safe). timings, when given, gets the seconds each part took (build, plain, experts,
-    banks_done). Returns (model, config, banks); banks is {} without expert_banks.
+    banks_done). layer_devices(model, cfg, banks) -> a torch device per transformer layer, or None: asked once the
+    banks say what an expert takes, before any other weight is read, so that each layer's weights go straight to
+    its own device (the embeddings to `device`, the final norm and head to the last layer's), never through
+    `device` (engine.model.layer_devices then has nothing left to move). Returns (model, config, banks); banks is {}
+    without expert_banks.
     """
     if expert_dtype not in EXPERT_DTYPES:
         raise MoedeskError(f"--expert-dtype {expert_dtype}: choose one of {', '.join(EXPERT_DTYPES)}")
@@ -102,21 +107,28 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
                                               down_format=formats[layer][1], device=device)
     total, done = len(plain) + len(experts), 0
     loaded = set()
+    spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
+    target = _parameter_device(device, spread)
     clock = _lap(timings, "build", clock)
     for name, ours in plain:
         done += 1
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
             release(name)
             continue
+        where = target(ours)
+        if dequantise_in is not None and spread is not None:
+            dequantise_in(dtype, where)  # an FP8 weight computed on the device it stays on
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)
-        _set_parameter(model, ours, tensor.to(device=device, dtype=model.parameter_dtype(ours, dtype)))
+        _set_parameter(model, ours, tensor.to(device=where, dtype=model.parameter_dtype(ours, dtype)))
         del tensor
         release(name)
         loaded.add(ours)
         if progress:
             progress("load", done / total)
+    if dequantise_in is not None and spread is not None:
+        dequantise_in(dtype, device)  # experts: dequantised where the load began, as on one device
     clock = _lap(timings, "plain", clock)
     filled = getattr(expert_banks, "filled", None) if banks else None
     finished = getattr(expert_banks, "done", None) if banks else None
@@ -160,6 +172,22 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     model.rotary = Rotary(cfg, max_positions).to(device)
     model.fuse_projections()
     return model.eval(), cfg, banks
+
+
+def _parameter_device(device: torch.device, layer_devices) -> Callable[[str], torch.device]:
+    """Where a parameter (by its name in the model) is first put: `device`, or with a device per layer, its layer's;
+    the final norm and the head go to the last layer's (where engine.model.layer_devices runs them)."""
+    if layer_devices is None:
+        return lambda name: device
+    layer_devices = [torch.device(d) for d in layer_devices]
+
+    def where(name: str) -> torch.device:
+        part, _, rest = name.partition(".")
+        if part == "layers":
+            return layer_devices[int(rest.partition(".")[0])]
+        return layer_devices[-1] if part in ("norm", "lm_head") else device
+
+    return where
 
 
 def default_load_threads() -> int:

@@ -70,15 +70,17 @@ class LayerDevices:
 
 def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> LayerDevices:
     """Move `model`'s blocks to their devices (a block's experts too where they live beside its weights, not in host
-    banks) and its final norm and head to the last layer's; the model then runs through the returned LayerDevices."""
+    banks) and its final norm and head to the last layer's; the model then runs through the returned LayerDevices.
+    A model the loader already put there (engine.load.loader.load_model's layer_devices) has nothing moved."""
     spread = LayerDevices(devices, device_of_layer)
     home = model.embed.weight.device
     for block, d in zip(model.layers, spread.device_of_layer):
         device = spread.devices[d]
-        block.to(device)
-        if hasattr(block.attn, "qkv_weight"):
-            # Moving copies q, k and v apart from their fused weight: fuse again so each is held once.
-            block.attn.fuse_projections()
+        if not all(_same(p.device, device) for p in block.parameters()):
+            block.to(device)
+            if hasattr(block.attn, "qkv_weight"):
+                # Moving copies q, k and v apart from their fused weight: fuse again so each is held once.
+                block.attn.fuse_projections()
         moe = getattr(block, "moe", None)
         if moe is not None and moe.experts.gate_up.device == home:
             moe.experts = moe.experts.to(device)
@@ -93,3 +95,8 @@ def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> La
     if home.type == "cuda":
         torch.cuda.empty_cache()  # the moved blocks' old copies, back to the first device
     return spread
+
+
+def _same(held: torch.device, wanted: torch.device) -> bool:
+    """Whether a tensor on `held` is on `wanted` ("cuda" means the current GPU: index 0 unless set)."""
+    return held.type == wanted.type and (held.index or 0) == (wanted.index or 0)

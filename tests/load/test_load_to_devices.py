@@ -1,0 +1,89 @@
+"""Over several devices each layer's non-expert weights are put straight on its own device as they are read, never
+first on the first device and moved (issue 45: "the first GPU briefly holds all non-expert weights during load").
+
+The CPU listed twice cannot tell one device from the other, so on the CPU the second device is the meta device: a
+tensor put there has a device of its own, and what the loader put where is recorded at the one call that places each
+weight (engine.load.loader._set_parameter). On two CUDA GPUs (`pytest -m gpu`), the first GPU's peak memory during the
+load says the same."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moedesk.engine.load.loader as loader
+from moedesk.engine.runtime import Engine
+from tests.offload.test_device_orchestra import _budgets_holding
+from tests.tiny_models import build
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    return build("mixtral", tmp_path_factory.mktemp("mixtral4"), num_hidden_layers=4)
+
+
+def record_placements(monkeypatch) -> dict[str, list[torch.device]]:
+    """Every device each parameter was put on by the loader, in order."""
+    placed: dict[str, list[torch.device]] = {}
+    real = loader._set_parameter
+
+    def spy(model, name, tensor):
+        placed.setdefault(name, []).append(tensor.device)
+        return real(model, name, tensor)
+
+    monkeypatch.setattr(loader, "_set_parameter", spy)
+    return placed
+
+
+def expected_device(name: str, owner: tuple[int, ...], devices: list[torch.device]) -> torch.device:
+    part, _, rest = name.partition(".")
+    if part == "layers":
+        return devices[owner[int(rest.split(".")[0])]]
+    return devices[owner[-1]] if part in ("norm", "lm_head") else devices[0]
+
+
+def test_each_layers_weights_go_straight_to_its_device(four_layers, monkeypatch):
+    budgets = _budgets_holding(four_layers, (3, 5))
+    placed = record_placements(monkeypatch)
+    # Past the load, the orchestras would profile and calibrate on the meta device: what is tested is done by then.
+    monkeypatch.setattr(Engine, "_orchestrate_devices", lambda self, *args: None)
+    engine = Engine.load(str(four_layers), device="cpu", dtype="float32", offload=True, context_length=64,
+                         gpu_budget=budgets, devices=("cpu", "meta"))
+    owner = engine.model.spread.device_of_layer
+    assert owner == (0, 0, 1, 1)
+    devices = [torch.device("cpu"), torch.device("meta")]
+    assert placed and all(len(where) == 1 for where in placed.values())  # each weight placed once
+    wrong = {name: where[0] for name, where in placed.items() if where[0] != expected_device(name, owner, devices)}
+    assert not wrong, wrong
+    assert {name.split(".")[1] for name, where in placed.items() if where[0].type == "meta" and
+            name.startswith("layers.")} == {"2", "3"}
+    # and nothing was moved afterwards: every weight is where it was first put
+    for name, parameter in engine.model.named_parameters():
+        if name in placed:
+            assert parameter.device == placed[name][0], name
+
+
+@pytest.mark.gpu
+def test_the_first_gpu_never_holds_the_second_gpus_weights(four_layers, monkeypatch):
+    """On two CUDA GPUs: every weight is first put on its own GPU, and cuda:0's peak during the load stays below
+    what it holds plus the second GPU's layers (what it reached when every weight went through it)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
+    budgets = _budgets_holding(four_layers, (3, 5))
+    placed = record_placements(monkeypatch)
+    torch.cuda.reset_peak_memory_stats(0)
+    engine = Engine.load(str(four_layers), device="cuda", dtype="float32", offload=True, context_length=64,
+                         gpu_budget=budgets, devices=("cuda:0", "cuda:1"))
+    owner = engine.model.spread.device_of_layer
+    devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    wrong = {name: where[0] for name, where in placed.items() if where[0] != expected_device(name, owner, devices)}
+    assert not wrong, wrong
+    second = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
+                 if expected_device(name, owner, devices).index == 1)
+    first = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
+                if p.device.index == 0)
+    assert second > 0 and torch.cuda.max_memory_allocated(0) < first + second
