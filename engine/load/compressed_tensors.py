@@ -242,9 +242,10 @@ def shown_headers(config: dict, headers: dict, path) -> dict:
     """A checkpoint's {name: (dtype, shape)} as `CompressedTensors` shows it (each quantised weight as M.weight of its
     dequantised shape and its stored label, the scales and shapes hidden); any other checkpoint's as it is."""
     plan_ = plan(config, path)
-    if plan_ is None:
-        return headers
-    stored = stored_weights(plan_, headers, path)
+    return headers if plan_ is None else _shown(headers, stored_weights(plan_, headers, path))
+
+
+def _shown(headers: dict, stored: dict[str, Stored]) -> dict:
     hidden = {s.scale for s in stored.values()} | {s.values for s in stored.values()} \
         | {n.removesuffix("weight") + SHAPE for n in stored}
     shown = {n: h for n, h in headers.items() if n not in hidden}
@@ -313,7 +314,7 @@ class CompressedTensors:
         self.dtype, self.device = torch.float32, torch.device("cpu")
         headers = {n: (inner.tensor_dtype(n), tuple(inner.get_tensor_shape(n))) for n in inner.keys()}
         self._stored = stored_weights(plan_, headers, inner.path)
-        self._keys = list(shown_headers(inner.config, headers, inner.path))
+        self._keys = list(_shown(headers, self._stored))
 
     def __getattr__(self, name):  # path, config, tokenizer, tokenizer_config, close, concurrent_reads...
         return getattr(self.inner, name)

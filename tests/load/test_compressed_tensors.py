@@ -266,6 +266,54 @@ def test_every_linear_in_int4_with_partial_groups_loads_dequantised(tiny_checkpo
     assert greedy(engine, prompts, 16) == [hf_greedy(hf_model(copy), p, 16, eos) for p in prompts]
 
 
+@pytest.mark.parametrize("bits, group, formats", [(4, 16, ("q4_0", "q4_0")), (4, None, ("q4_0", "q4_0")),
+                                                   (8, 32, ("q8_0", "q8_0"))])
+def test_other_integer_schemes_are_dequantised_and_auto_requantises_them(bits, group, formats, tmp_path):
+    """4 bits in groups of 16 or per channel, 8 bits in groups of 32: not q4_0's bytes, so read as the format's
+    product and quantised by auto to the block format of as many bits (int4: q4_0, int8: q8_0), the estimate
+    agreeing; with the experts dense, transformers' tokens."""
+    from moedesk.engine.load.size_estimate import summarize_path
+
+    folder = build("deepseek_v3", tmp_path / "tiny", moe_intermediate_size=64)
+    int_release, copy, exact = release(folder, tmp_path / "int", ct_config(int_weights(bits, group), "pack-quantized",
+                                                                          KIMI_IGNORE), routed_expert,
+                                       ("int", bits, group))
+    checkpoint = open_checkpoint(str(int_release))
+    assert not any(checkpoint.packed_format(n) for n in exact)
+    for name in exact:
+        assert torch.equal(checkpoint.get_tensor(name), exact[name].float()), name
+    auto = Engine.load(str(int_release), device="cpu", dtype="float32")
+    stacks = [moe.experts for moe in auto.model.moe_blocks()]
+    assert {(s.gate_up_format, s.down_format) for s in stacks} == {formats}
+    assert summarize_path(int_release).estimate("auto", "float32").expert_bytes == sum(s.nbytes for s in stacks)
+    engine = Engine.load(str(int_release), device="cpu", dtype="float32", expert_dtype="bf16")
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[1:]]
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    assert greedy(engine, prompts, 12) == [hf_greedy(hf_model(copy), p, 12, eos) for p in prompts]
+
+
+def test_a_mixed_precision_config_gives_each_module_its_groups_scheme():
+    """format mixed-precision, each group with its own: INT4 experts and FP8 attention; ignore before targets,
+    regexes matched from the name's start, exact names whole, Linear for any module."""
+    experts = {"targets": ["re:.*mlp\\.experts\\."], "format": "pack-quantized", "weights": int_weights(4)}
+    attention = {"targets": ["re:.*self_attn\\.(q|kv)_", "model.layers.0.self_attn.o_proj"],
+                 "format": "float-quantized", "weights": fp8_weights("block", [128, 128]),
+                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 128,
+                                       "dynamic": True}}
+    rest = {"targets": ["Linear"], "format": "float-quantized", "weights": fp8_weights("channel")}
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "mixed-precision",
+                                      "ignore": ["lm_head", "re:.*experts\\.7\\."],
+                                      "config_groups": {"a": experts, "b": attention, "c": rest}}}
+    plan = ct.plan(config, "config.json")
+    assert plan.scheme_of("model.layers.1.mlp.experts.3.up_proj") == ct.Scheme("int", 4, (1, 32))
+    assert plan.scheme_of("model.layers.1.mlp.experts.7.up_proj") is None and plan.scheme_of("lm_head") is None
+    assert plan.scheme_of("model.layers.2.self_attn.kv_b_proj") == ct.Scheme("float", 8, (128, 128))
+    assert plan.scheme_of("model.layers.0.self_attn.o_proj") == ct.Scheme("float", 8, (128, 128))
+    assert plan.scheme_of("model.layers.1.self_attn.o_proj") == ct.Scheme("float", 8, (1, None))  # Linear
+    assert plan.scheme_of("xmodel.layers.1.mlp.experts.3.up_proj") == ct.Scheme("int", 4, (1, 32))  # .* from start
+    assert ct.plan({"quantization_config": {"quant_method": "fp8"}}, "x") is None and ct.plan({}, "x") is None
+
+
 GLM_FP8 = {  # GLM-4.5-FP8's scheme: fp8 weights per output channel, activations rounded per token at run time
     "channel": (fp8_weights("channel"), (1, None)),
     "block": (fp8_weights("block", [32, 40]), (32, 40)),
@@ -384,3 +432,24 @@ def test_tensors_that_disagree_with_the_config_are_refused_in_one_line(tmp_path)
         with pytest.raises((CheckpointError, UnsupportedModelError)) as refused:
             Engine.load(str(bad), device="cpu", dtype="float32")
         assert named in str(refused.value) and "\n" not in str(refused.value), (case, str(refused.value))
+
+
+@pytest.mark.gpu
+def test_compressed_tensors_releases_on_cuda(tmp_path):
+    """On the GPU in bfloat16: Kimi-K2's INT4 experts as q4_0 (read on the CPU, copied packed) and GLM's per-channel
+    FP8 weights dequantised on the GPU as they load; tokens as transformers' bf16 on the dequantised copy, or a tie
+    (tests/model/test_gpu_equivalence.py's check)."""
+    from tests.model.test_gpu_equivalence import check_greedy
+
+    deepseek = build("deepseek_v3", tmp_path / "deepseek", moe_intermediate_size=64)
+    kimi, kimi_copy, _ = kimi_k2(deepseek, tmp_path / "kimi")
+    glm4 = build("glm4_moe", tmp_path / "glm4", moe_intermediate_size=64)
+    glm, glm_copy, _ = release(glm4, tmp_path / "glm", ct_config(fp8_weights("channel"), "float-quantized",
+                                                                  ["lm_head"] + [f"model.layers.{i}.mlp.gate"
+                                                                                 for i in range(3)]),
+                               linear, ("float", (1, None)))
+    for folder, copy, formats in ((kimi, kimi_copy, {"q4_0"}), (glm, glm_copy, {"q8_0"})):
+        engine = Engine.load(str(folder), device="cuda", dtype="bfloat16")
+        assert {moe.experts.describe() for moe in engine.model.moe_blocks()} == formats
+        check_greedy(engine, hf_model(copy, torch.bfloat16, "cuda"), [engine.tokenizer.encode(p) for p in PROMPTS],
+                     ref32=hf_model(copy, torch.float32, "cuda"))
