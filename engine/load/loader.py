@@ -117,7 +117,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
             continue
         where = target(ours)
         if dequantise_in is not None and spread is not None:
-            dequantise_in(dtype, where)  # an FP8 weight computed on the device it stays on
+            dequantise_in(dtype, where)  # a quantised release's weight computed on the device it stays on
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)

@@ -140,3 +140,21 @@ def test_the_models_screen_says_a_llama_cpp_model_will_not_fit_the_group(lfm2, t
     assert "· does not fit: " in note and "llama.cpp" in note and "\n" not in note
     limits(monkeypatch, tmp_path, ram=64 * GIB, memory_max=16 * GIB)
     assert "does not fit" not in memory_note(model, target)
+
+
+@pytest.mark.gpu
+def test_a_budget_beyond_the_gpu_is_lowered_and_the_model_loads_there(tmp_path):
+    """On the GPU box, with llama-cpp-python built with CUDA: a named budget far beyond the GPU is lowered to what is
+    free, said in one warning, and the model loads with its layers on the GPU."""
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.load.demo import source_gguf
+    from moedesk.engine.runtime import Engine
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    engine = Engine.load(str(source_gguf()), engine="llama.cpp", context_length=512, gpu_budget=100_000)
+    try:
+        assert engine.placement.gpu_layers > 0
+        assert any(w.startswith("--gpu-budget 100000: the GPU has ") for w in engine.warnings), engine.warnings
+    finally:
+        engine.close()
