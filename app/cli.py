@@ -514,10 +514,14 @@ def serve_pool(args, sources: list[str], load, keep_alive):
             return None
 
     def discover() -> list[str]:
+        from moedesk.engine.listing import gguf_models
+
         names = []
         try:
-            names += [p.name for p in sorted(models_dir().iterdir())
-                      if not p.name.startswith(".") and model_path(str(p)) is not None]
+            found = [p for p in sorted(models_dir().iterdir())
+                     if not p.name.startswith(".") and model_path(str(p)) is not None]
+            firsts = set(gguf_models([p for p in found if p.suffix == ".gguf"]))  # a split GGUF is one model
+            names += [p.name for p in found if p.suffix != ".gguf" or p in firsts]
         except OSError:
             pass
         try:

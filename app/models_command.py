@@ -45,7 +45,7 @@ def listed(model) -> ListedModel:
         engine = "none"  # a safetensors architecture the native engine does not implement; llama.cpp needs a GGUF
     name = model.spec
     if model.source == "hf cache" and gguf:  # the repo id: what rm takes; the file is in the format column
-        name = model.name.rsplit("/", 1)[0]
+        name = "/".join(model.name.split("/")[:2])  # owner/repo, whatever sub-folder the file is in
     return ListedModel(name, fmt, model.size_bytes, model.arch, model.experts, engine, model.source, model.note)
 
 

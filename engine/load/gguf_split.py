@@ -102,8 +102,9 @@ def join(headers: list, paths: list) -> Joined:
                                         f"another model?")
         for tensor in header.tensors:
             if tensor.name in part_of:
-                raise CheckpointError(path, f"tensor {tensor.name} is also in "
-                                            f"{Path(str(paths[part_of[tensor.name]])).name}: a part of another model?")
+                other = Path(str(paths[part_of[tensor.name]])).name
+                raise CheckpointError(path, f"tensor {tensor.name} is also in {other}: a part of another model, or "
+                                            f"of another split of it?")
             part_of[tensor.name] = i
             tensors.append(tensor)
     if len(tensors) != total:

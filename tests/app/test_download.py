@@ -462,6 +462,7 @@ def split_repo(hub, tmp_path):
 
 
 def test_cli_downloads_every_part_of_a_split_gguf_resuming_and_lists_one_model(hub, split_repo):
+    from moedesk.app.models_command import listed
     from moedesk.app.tui.catalog import scan_hf_cache
     from moedesk.engine.load.checkpoint import open_checkpoint
     from moedesk.engine.load.size_estimate import summarize_path
@@ -485,4 +486,5 @@ def test_cli_downloads_every_part_of_a_split_gguf_resuming_and_lists_one_model(h
     [model] = [m for m in scan_hf_cache() if m.name.startswith("moe/split-gguf")]  # one model, not three parts
     assert model.name == "moe/split-gguf/Q8_0/tiny-Q8_0-00001-of-00003.gguf"
     assert model.size_bytes == sum(map(len, files.values()))
+    assert listed(model).name == "moe/split-gguf" and listed(model).format == "GGUF Q8_0"  # what rm and --model take
     assert open_checkpoint("moe/split-gguf").parts == tuple(first.parent / Path(n).name for n in names)

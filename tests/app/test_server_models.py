@@ -181,6 +181,8 @@ def test_serve_finds_models_in_the_local_caches_and_checks_its_flags(folders, tm
     monkeypatch.setenv("MOEDESK_MODELS_DIR", str(own))
     (own / "own").symlink_to(folders["beta"])
     (own / "notes").mkdir()  # no model: not listed
+    for i in (1, 2):  # a split GGUF's parts: one model, named by its first part
+        (own / f"split-0000{i}-of-00002.gguf").write_bytes(b"GGUF")
     repo = hub / "models--org--tiny"  # the local Hugging Face cache's layout
     shutil.copytree(folders["alpha"], repo / "snapshots" / "abc123")
     (repo / "refs").mkdir()
@@ -191,7 +193,8 @@ def test_serve_finds_models_in_the_local_caches_and_checks_its_flags(folders, tm
     pool = serve_pool(args, args.model, load, 300)
     assert [e.name for e in pool.entries] == ["alpha"] and pool.keep_alive == 300
     assert [(e.name, e.source, e.loaded) for e in pool.listing()] == [
-        ("alpha", folders["alpha"], False), ("own", str(own / "own"), False), ("org/tiny", "org/tiny", False)]
+        ("alpha", folders["alpha"], False), ("own", str(own / "own"), False),
+        ("split-00001-of-00002.gguf", str(own / "split-00001-of-00002.gguf"), False), ("org/tiny", "org/tiny", False)]
     assert pool.find("own").source == str(own / "own")  # moedesk's own models folder
     assert pool.find(folders["beta"]).source == folders["beta"]  # any path --model takes
     assert pool.find("nobody/nothing") is None and pool.find("no-such-model") is None

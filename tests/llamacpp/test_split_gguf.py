@@ -73,3 +73,21 @@ def test_auto_routes_a_split_gguf_as_the_single_file(split):
     assert kind == ("native" if family == "qwen3moe" else "llama.cpp"), why
     got = engine_greedy(str(parts[1]), "auto")
     assert got[:2] == (kind, why) and got[3] == expected
+
+
+def test_a_missing_or_foreign_part_is_one_line_before_llama_cpp_reads_anything(split, tmp_path):
+    from moedesk.engine.errors import CheckpointError
+
+    _, _, parts, bare = split
+    copies = []
+    for p in parts:
+        copies.append(tmp_path / p.name)
+        copies[-1].write_bytes(p.read_bytes())
+    copies[1].unlink()
+    with pytest.raises(CheckpointError) as e:
+        Engine.load(str(copies[2]), engine="llama.cpp", context_length=128)
+    assert str(e.value) == f"{copies[1]}: missing: part 2 of the GGUF split in 3 files that {copies[0].name} begins"
+    copies[1].write_bytes(bare[1].read_bytes())  # the same model split otherwise: its tensors overlap part 1's
+    with pytest.raises(CheckpointError) as e:
+        Engine.load(str(copies[0]), engine="llama.cpp", context_length=128)
+    assert str(e.value).startswith(f"{copies[1]}: tensor ") and "is also in" in str(e.value), str(e.value)
