@@ -59,24 +59,25 @@ class Scheme:
 
 @dataclass(frozen=True)
 class Plan:
-    """A checkpoint's quantization_config, checked: its groups' (targets, scheme) and the modules it ignores."""
+    """A checkpoint's quantization_config, checked: each target's scheme (a target named by two groups takes the
+    later's, as compressed-tensors maps them) and the modules it ignores."""
 
-    groups: tuple[tuple[tuple[str, ...], Scheme], ...]
+    targets: tuple[tuple[str, Scheme], ...]
     ignore: tuple[str, ...]
 
     def scheme_of(self, module: str) -> Scheme | None:
-        """The scheme the config gives `module`; None where it leaves it unquantised."""
-        if any(_matches(module, target) for target in self.ignore):
+        """The scheme the config gives `module`; None where it leaves it unquantised. Where several targets match,
+        compressed-tensors' order decides: exact names, then regexes in sorted order, then the class Linear."""
+        if any(_named(module, target) or target == "Linear" for target in self.ignore):
             return None
-        return next((scheme for targets, scheme in self.groups if any(_matches(module, t) for t in targets)), None)
+        ordered = sorted(self.targets, key=lambda ts: (ts[0].startswith("re:"), ts[0]))
+        by_name = (scheme for target, scheme in ordered if _named(module, target))
+        return next(by_name, dict(self.targets).get("Linear"))
 
 
-def _matches(module: str, target: str) -> bool:
-    # compressed-tensors matches a regex from the name's start; "Linear" names a class, which every module that has
-    # quantised tensors is
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return target == "Linear" or target == module
+def _named(module: str, target: str) -> bool:
+    """compressed-tensors' name match: a regex from the name's start, or the whole name."""
+    return re.match(target[3:], module) is not None if target.startswith("re:") else target == module
 
 
 def plan(config: dict, path) -> Plan | None:
@@ -108,7 +109,7 @@ def plan(config: dict, path) -> Plan | None:
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         raise refuse(f"ignore {ignore!r} (a list of module names expected)")
-    planned = []
+    planned = {}
     for name, group in groups.items():
         if not isinstance(group, dict):
             raise refuse(f"config group {name!r} that is not an object")
@@ -118,8 +119,9 @@ def plan(config: dict, path) -> Plan | None:
         for target in targets:  # a class name other than Linear: which tensors it covers is the model code's
             if not target.startswith("re:") and target[:1].isupper() and target != "Linear":
                 raise refuse(f"the target {target!r} (a module class moedesk does not map to tensors)")
-        planned.append((tuple(targets), _scheme(group, group.get("format") or q.get("format"), name, refuse)))
-    return Plan(tuple(planned), tuple(ignore))
+        scheme = _scheme(group, group.get("format") or q.get("format"), name, refuse)
+        planned.update({target: scheme for target in targets})
+    return Plan(tuple(planned.items()), tuple(ignore))
 
 
 def _scheme(group: dict, fmt, name: str, refuse) -> Scheme:

@@ -294,7 +294,9 @@ def test_other_integer_schemes_are_dequantised_and_auto_requantises_them(bits, g
 
 def test_a_mixed_precision_config_gives_each_module_its_groups_scheme():
     """format mixed-precision, each group with its own: INT4 experts and FP8 attention; ignore before targets,
-    regexes matched from the name's start, exact names whole, Linear for any module."""
+    regexes matched from the name's start, exact names whole, Linear for any module; where several match, as
+    compressed-tensors orders them: an exact name, then regexes in sorted order, then Linear, whatever the groups'
+    order."""
     experts = {"targets": ["re:.*mlp\\.experts\\."], "format": "pack-quantized", "weights": int_weights(4)}
     attention = {"targets": ["re:.*self_attn\\.(q|kv)_", "model.layers.0.self_attn.o_proj"],
                  "format": "float-quantized", "weights": fp8_weights("block", [128, 128]),
@@ -303,7 +305,7 @@ def test_a_mixed_precision_config_gives_each_module_its_groups_scheme():
     rest = {"targets": ["Linear"], "format": "float-quantized", "weights": fp8_weights("channel")}
     config = {"quantization_config": {"quant_method": "compressed-tensors", "format": "mixed-precision",
                                       "ignore": ["lm_head", "re:.*experts\\.7\\."],
-                                      "config_groups": {"a": experts, "b": attention, "c": rest}}}
+                                      "config_groups": {"c": rest, "a": experts, "b": attention}}}
     plan = ct.plan(config, "config.json")
     assert plan.scheme_of("model.layers.1.mlp.experts.3.up_proj") == ct.Scheme("int", 4, (1, 32))
     assert plan.scheme_of("model.layers.1.mlp.experts.7.up_proj") is None and plan.scheme_of("lm_head") is None
@@ -311,6 +313,13 @@ def test_a_mixed_precision_config_gives_each_module_its_groups_scheme():
     assert plan.scheme_of("model.layers.0.self_attn.o_proj") == ct.Scheme("float", 8, (128, 128))
     assert plan.scheme_of("model.layers.1.self_attn.o_proj") == ct.Scheme("float", 8, (1, None))  # Linear
     assert plan.scheme_of("xmodel.layers.1.mlp.experts.3.up_proj") == ct.Scheme("int", 4, (1, 32))  # .* from start
+    both = {"targets": ["re:.*self_attn\\.q_a", "model.layers.0.self_attn.q_a_proj"], "format": "float-quantized",
+            "weights": fp8_weights("tensor")}
+    config["quantization_config"]["config_groups"]["d"] = both
+    plan = ct.plan(config, "config.json")
+    assert plan.scheme_of("model.layers.0.self_attn.q_a_proj") == ct.Scheme("float", 8, (None, None))  # exact name
+    assert plan.scheme_of("model.layers.1.self_attn.q_a_proj") == ct.Scheme("float", 8, (128, 128))  # "(q|kv)_" < "q_a"
+    assert plan.scheme_of("model.layers.1.mlp.shared_experts.up_proj") == ct.Scheme("float", 8, (1, None))
     assert ct.plan({"quantization_config": {"quant_method": "fp8"}}, "x") is None and ct.plan({}, "x") is None
 
 
