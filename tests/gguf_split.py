@@ -1,13 +1,15 @@
 """A GGUF file written again in parts, as llama.cpp's `llama-gguf-split --split` lays them out: gguf's own writer with
 its split options (what convert_hf_to_gguf.py --split-max-tensors runs), fed the file's metadata and tensor bytes
-as they are. llama-cpp-python loading the parts (tests/llamacpp/test_split_gguf.py) shows they are a real split."""
+as they are. llama-cpp-python loading the parts (tests/llamacpp/test_split_gguf.py) shows they are a real split.
+
+Usage: python -m tests.gguf_split IN.gguf OUT.gguf N [--first-empty]   (writes OUT-00001-of-0000N.gguf ...)"""
 from __future__ import annotations
 
+import argparse
 import math
 from pathlib import Path
 
 import gguf
-import numpy as np
 
 
 def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -> list[Path]:
@@ -26,8 +28,9 @@ def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
     for tensor in reader.tensors:
-        data = np.array(tensor.data)  # typed as the reader hands it out: quantised blocks and BF16 as bytes
-        writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+        # The reader's memory-mapped view, typed as it hands it out (quantised blocks and BF16 as bytes): written
+        # from the page cache, so a whole model splits without being held in memory.
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -35,3 +38,25 @@ def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -
     written = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
     assert [p.name for p in written] == [f"{out.stem}-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)], written
     return written
+
+
+def parts_size(path: Path) -> int:
+    """Bytes on disk of a GGUF: the file, or every part of the split one it is a part of."""
+    from moedesk.engine.listing import gguf_parts
+
+    return sum(p.stat().st_size for p in gguf_parts(path))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("single", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("parts", type=int)
+    ap.add_argument("--first-empty", action="store_true", help="the metadata alone in the first part")
+    args = ap.parse_args()
+    for part in split_gguf(args.single, args.out, args.parts, args.first_empty):
+        print(part)
+
+
+if __name__ == "__main__":
+    main()

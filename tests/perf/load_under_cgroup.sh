@@ -4,6 +4,8 @@
 # 1.15x the file's size (swap off for it), through the user's path: `moedesk batch --model FILE` on the GPU.
 # Needs ~27 GB of disk for the file (kept in $DIR between runs) and a writable cgroup file system.
 # Usage: bash tests/perf/load_under_cgroup.sh [FACTOR]   (FACTOR: 1.15 by default; writes $OUT/load_under_cgroup.log)
+# SPLIT=N: the same file split in N parts as llama.cpp's gguf-split lays them out (tests/gguf_split.py, written once
+# into $DIR/split, another ~26 GB of disk), loaded from its first part, the limit FACTOR x the parts' sizes.
 #
 # Without a writable cgroup (v2 or v1) it asks systemd-run for a scope with MemoryMax and MemorySwapMax=0; without
 # either the script stops and says so, rather than fall back to prlimit: RLIMIT_AS
@@ -22,7 +24,14 @@ if [ ! -f "$MODEL" ]; then
   python3 tests/perf/make_mixtral_q4k_gguf.py "$MODEL.partial" 32 >>"$LOG" 2>&1 && mv "$MODEL.partial" "$MODEL" \
     || { echo "writing $MODEL failed (see $LOG)"; exit 1; }
 fi
-SIZE=$(stat -c %s "$MODEL")
+if [ "${SPLIT:-1}" -gt 1 ]; then
+  FIRST=$DIR/split/mixtral-8x7b-q4k-00001-of-$(printf %05d "$SPLIT").gguf
+  [ -f "$FIRST" ] || python3 -m tests.gguf_split "$MODEL" "$DIR/split/mixtral-8x7b-q4k.gguf" "$SPLIT" >>"$LOG" 2>&1 \
+    || { echo "splitting $MODEL failed (see $LOG)"; exit 1; }
+  MODEL=$FIRST
+fi
+SIZE=$(python3 -c "import sys; sys.path.insert(0, '.'); from pathlib import Path; from tests.gguf_split import parts_size
+print(parts_size(Path(sys.argv[1])))" "$MODEL")
 LIMIT=$(python3 -c "print(int($SIZE * $FACTOR))")
 echo "file $SIZE bytes, memory.max $LIMIT ($FACTOR x)" | tee -a "$LOG"
 echo '{"id": "a", "prompt": "the quick brown fox"}' > "$DIR/in.jsonl"
