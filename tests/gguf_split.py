@@ -36,7 +36,8 @@ def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -
     writer.write_tensors_to_file()
     writer.close()
     written = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
-    assert [p.name for p in written] == [f"{out.stem}-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)], written
+    expected = [f"{out.stem}-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)]
+    assert [p.name for p in written] == expected, written
     return written
 
 

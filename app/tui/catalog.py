@@ -253,8 +253,9 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
             # A quantisation may sit in a sub-folder (Q4_K_M/name-00001-of-00003.gguf), as large split ones do.
             for gguf in gguf_models([p for p in snapshot.rglob("*.gguf") if not p.name.lower().startswith("mmproj")]):
                 m = gguf_model(gguf)
-                out.append(LocalModel(m.spec, f"{repo.repo_id}/{gguf.relative_to(snapshot).as_posix()}", "hf cache", m.size_bytes, m.arch,
-                                      m.num_experts, m.top_k, m.supported, m.note, m.weights, m.estimate_error))
+                name = f"{repo.repo_id}/{gguf.relative_to(snapshot).as_posix()}"
+                out.append(LocalModel(m.spec, name, "hf cache", m.size_bytes, m.arch, m.num_experts, m.top_k,
+                                      m.supported, m.note, m.weights, m.estimate_error))
     return out
 
 
