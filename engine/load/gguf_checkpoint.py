@@ -29,7 +29,7 @@ from gguf.quants import dequantize
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
-from moedesk.engine.load.gguf_split import open_gguf
+from moedesk.engine.load.gguf_split import Joined, open_gguf
 from moedesk.kernels.quant_formats import BY_GGML_TYPE
 
 # general.architecture -> Hugging Face model_type (without experts, with experts).
@@ -133,23 +133,20 @@ class GGUFCheckpoint:
     """A .gguf file: `config`, `keys()`, `get_tensor(name)`, `tokenizer`, `tokenizer_config`."""
 
     def __init__(self, path, header=None):
-        """`header`: the file's header already parsed (engine.load.gguf_header, from bytes fetched without the
+        """`path`: a .gguf file, or any part of a split one (engine.load.gguf_split: the metadata from the first
+        part, which then names the model, the tensors from every part, each memory-mapped as a single file is).
+        `header`: the file's header already parsed (engine.load.gguf_header, from bytes fetched without the
         tensor data) instead of the file at `path`, which then only names it in messages: `config`, `shapes()` and
         `packed_format()` answer from it, nothing reads tensors."""
-        self.path = Path(path)
         self._fetched = header is not None  # its tensors' bytes came with the header (from the Hub): no file here
         if header is None:
-            # A split GGUF (engine.load.gguf_split) from any of its parts: the metadata from the first, which then
-            # names the model, the tensors from every part, each part memory-mapped as a single file is.
-            self._reader = open_gguf(self.path, _open_reader)
-            self.path = Path(self._reader.paths[0])
+            self._reader = open_gguf(Path(path), _open_reader)
         else:
-            self._reader = header
+            self._reader = Joined(header.fields, list(header.tensors), dict.fromkeys((t.name for t in header.tensors), 0),
+                                  (Path(path),))
+        self.path = Path(self._reader.paths[0])
         self._tensors = {t.name: t for t in self._reader.tensors}
-        # The part holding each tensor (a single file: all in part 0), and its file once a read opens it.
-        self._part_of = getattr(self._reader, "part_of", None) or dict.fromkeys(self._tensors, 0)
-        self._parts = tuple(getattr(self._reader, "paths", (self.path,)))
-        self._files: dict[int, object] = {}
+        self._files: dict[int, object] = {}  # each part's file, once a read needs it
         self.arch = self._meta("general.architecture", str)
         if self.arch not in _MODEL_TYPES:
             raise UnsupportedModelError(self.path, f"unsupported GGUF architecture {self.arch!r} "
@@ -578,20 +575,20 @@ class GGUFCheckpoint:
         memory map: every page of it that is touched counts in the process's resident memory until the map
         closes, so reading through it held a second copy of everything read until the end of the load."""
         offset = tensor.data_offset + (0 if expert is None else expert * out.nbytes)
-        part = self._part_of[tensor.name]
+        part = self._reader.part_of[tensor.name]
         if part not in self._files:
-            self._files[part] = open(self._parts[part], "rb", buffering=0)
+            self._files[part] = open(self._reader.paths[part], "rb", buffering=0)
         file = self._files[part]
         file.seek(offset)
         view = memoryview(out).cast("B")
         if file.readinto(view) != len(view):
-            raise CheckpointError(self._parts[part], f"truncated GGUF file: tensor {tensor.name} ends past the "
-                                                     f"file's end")
+            raise CheckpointError(self._reader.paths[part], f"truncated GGUF file: tensor {tensor.name} ends past "
+                                                            f"the file's end")
 
     @property
     def parts(self) -> tuple[Path, ...]:
         """The files the model is in: the GGUF, or a split GGUF's parts, the first first."""
-        return tuple(Path(p) for p in self._parts)
+        return tuple(Path(p) for p in self._reader.paths)
 
     def close(self) -> None:
         for file in self._files.values():
