@@ -142,8 +142,8 @@ class GGUFCheckpoint:
         if header is None:
             self._reader = open_gguf(Path(path), _open_reader)
         else:
-            self._reader = Joined(header.fields, list(header.tensors), dict.fromkeys((t.name for t in header.tensors), 0),
-                                  (Path(path),))
+            tensors = list(header.tensors)
+            self._reader = Joined(header.fields, tensors, dict.fromkeys((t.name for t in tensors), 0), (Path(path),))
         self.path = Path(self._reader.paths[0])
         self._tensors = {t.name: t for t in self._reader.tensors}
         self._files: dict[int, object] = {}  # each part's file, once a read needs it
