@@ -164,3 +164,36 @@ def test_a_downloaded_split_gguf_in_the_hub_cache_opens_from_its_repo_id(mixtral
     opened = open_checkpoint("someone/tiny-GGUF")
     assert opened.path == parts[0] and opened.parts == tuple(parts)
     assert summarize_path(snapshot).estimate() == summarize_path(parts[0]).estimate()
+
+
+def fake_part(no: int, count: int, total: int, tensors: list[str]):
+    from types import SimpleNamespace
+
+    from gguf import GGUFValueType
+
+    from moedesk.engine.load.gguf_header import HeaderField
+
+    values = {"split.no": (no, GGUFValueType.UINT16), "split.count": (count, GGUFValueType.UINT16),
+              "split.tensors.count": (total, GGUFValueType.INT32)}
+    fields = {k: HeaderField(k, v, [t]) for k, (v, t) in values.items()}
+    return SimpleNamespace(fields=fields, tensors=[SimpleNamespace(name=n) for n in tensors])
+
+
+def test_join_checks_the_parts_as_llama_cpp_does():
+    from moedesk.engine.load.gguf_split import join
+
+    names = [Path(f"m-0000{i}-of-00002.gguf") for i in (1, 2)]
+    joined = join([fake_part(0, 2, 3, ["a"]), fake_part(1, 2, 3, ["b", "c"])], names)
+    assert [t.name for t in joined.tensors] == ["a", "b", "c"] and joined.part_of == {"a": 0, "b": 1, "c": 1}
+    cases = [
+        ([fake_part(0, 2, 4, ["a"]), fake_part(1, 2, 4, ["b", "c"])], names[0], "holds 3 tensors, but says 4"),
+        ([fake_part(0, 2, 3, ["a"]), fake_part(0, 2, 3, ["b", "c"])], names[1], "says part 1 of 2"),
+        ([fake_part(0, 3, 3, ["a"]), fake_part(1, 3, 3, ["b"])], names[0], "split in 3 files, but 2 parts were found"),
+        ([fake_part(0, 2, 3, ["a", "b"]), fake_part(1, 2, 3, ["b"])], names[1], "tensor b is also in m-00001-of-00002"),
+    ]
+    for parts, named, says in cases:
+        with pytest.raises(CheckpointError) as e:
+            join(parts, names)
+        assert str(e.value).startswith(f"{named}: ") and says in str(e.value), str(e.value)
+    assert part_paths(Path("x/m-00002-of-00003.gguf")) == [Path(f"x/m-0000{i}-of-00003.gguf") for i in (1, 2, 3)]
+    assert part_paths(Path("x/m.gguf")) == [Path("x/m.gguf")]
