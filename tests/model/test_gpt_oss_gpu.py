@@ -93,7 +93,7 @@ def test_gpt_oss_zero_copy_from_ram_matches_all_on_gpu(packed, share, tiny_check
     """Decode at batch 1 with every expert in pinned RAM and the GPU reading them there (kernels.gpu_zero_copy):
     each token's every expert, or each expert's last 32 rows beside the CPU's first ones (the GPU's part adding the
     down bias). The all-on-GPU run's tokens, up to bf16 ties; the biases travel pinned with the stacks."""
-    from tests.model.test_gpu_equivalence import check_matches_all_on_gpu
+    from tests.model.test_gpu_equivalence import check_matches_all_on_gpu, within_int8_rounding
     from tests.pinned_profile import pin_profile
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
