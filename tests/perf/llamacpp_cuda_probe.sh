@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On the GPU box, after `bash tests/perf/llamacpp_engine_gpu.sh build` on the same machine: where does a model load
+# through moedesk's llama.cpp engine segfault on llama.cpp's CUDA build (llama-bench on the same libraries runs)?
+# Quantises a tiny F32 GGUF (Q, torch not imported), then loads it four ways, each in its own process, and says which
+# crash:
+#   A  llama-cpp-python's own Llama(n_gpu_layers=99), torch not imported
+#   B  the same after torch has initialised CUDA (two CUDA runtimes in one process?)
+#   C  moedesk's Engine.load(engine="llama.cpp", device="auto"), no expert pinned
+#   D  the same with one layer's experts pinned to RAM (the tensor-buffer override)
+# then a gdb backtrace of the first that crashes, and which CUDA libraries each side maps.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; B=/tmp/llb; W=/tmp/probe; mkdir -p "$W"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
+find "$B" -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+python3 -c "from tests.load.test_packed_experts import write_f32_moe; write_f32_moe('$W/f32.gguf', 'llama', L=3)"
+G=$W/f32.gguf
+declare -A CASE=(
+  [Q]="import ctypes, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); p.ftype, p.nthread = 2, 1; print(llama_cpp.llama_model_quantize(b'$G', b'$W/q4_0.gguf', ctypes.byref(p)))"
+  [A]="import llama_cpp; m = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); print(m('the', max_tokens=4)['choices'][0]['text'])"
+  [B]="import torch; torch.zeros(1, device='cuda'); import llama_cpp; m = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); print(m('the', max_tokens=4)['choices'][0]['text'])"
+  [C]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64); print(e.device, e.warnings)"
+  [D]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64, cpu_moe=1); print(e.device, e.overridden)"
+)
+first=""
+for c in Q A B C D; do
+  python3 -c "${CASE[$c]}" > "$W/$c.log" 2>&1; rc=$?
+  echo "case $c: exit $rc"; tail -n 3 "$W/$c.log"
+  ((rc != 0)) && [ -z "$first" ] && first=$c
+done
+if [ -n "$first" ] && command -v gdb >/dev/null; then
+  gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -c "${CASE[$first]}" > "$W/gdb_$first.txt" 2>&1
+  grep -A25 "SIGSEGV" "$W/gdb_$first.txt" | head -n 30
+fi
+python3 -c "import torch; torch.zeros(1, device='cuda'); print(''.join(sorted({l.split()[-1] + '\n' for l in open('/proc/self/maps') if 'libcu' in l or 'libnv' in l})))" > "$W/torch_maps.txt" 2>&1
+ldd /tmp/site/llama_cpp/lib/libggml-cuda.so > "$W/ldd_ggml_cuda.txt" 2>&1
+echo "torch maps:"; cat "$W/torch_maps.txt"; echo "libggml-cuda needs:"; grep -i "cu\|nv" "$W/ldd_ggml_cuda.txt"
+tar czf "$OUT/llamacpp_cuda_probe.tgz" -C "$W" --exclude='*.gguf' .
