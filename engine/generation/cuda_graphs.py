@@ -18,6 +18,11 @@ nothing between layers, where its launches were a share of every layer's time (s
 A graph needs fixed shapes, so attention reads the cache's whole allocated length and the mask
 hides what is past each row's position.
 
+Recurrent layers (Gated DeltaNet) replay too: each reads its rows' matrix and convolution states from the cache's
+tensors and writes them back in place (engine.model.cache.recurrent), a verify forward's per-token states into the
+kept ones, so replaying is feeding the tokens. That is why a new shape's eager warm-up is that call's result rather
+than followed by a replay: a state, unlike a KV cache entry, would take the tokens twice.
+
 The same segments run k tokens per row: a speculative verify forward (engine.speculative.verification) scores a
 chain of γ drafts (k = γ + 1, the causal mask built from the positions inside the graph) or a draft tree of
 a fixed node count (its mask over the cache and the slots its nodes write are inputs too). The host-run
@@ -116,20 +121,26 @@ class GraphedDecode:
                 self.pool = None  # its graphs are gone; a fresh capture starts a fresh pool
             captured = _Captured(self.model, self.cache, batch, length, rows is not None, mask is not None,
                                  features, executor)
+            # The new shape's step runs once eagerly (warming its kernels up) and that run is this call's result:
+            # replaying on top of it would feed the tokens twice to a recurrent state, which, unlike a KV cache's
+            # entries, is not simply overwritten.
+            self.captures += 1
+            result = captured.warm_up(tokens, positions, rows, mask, slots, executor)
             try:
-                self.captures += 1
                 if self.capture:
-                    captured.capture(tokens, positions, rows, mask, slots, executor, self.pool)
-            except torch.OutOfMemoryError:
+                    captured.capture(executor, self.pool)
+            except RuntimeError as e:  # out of memory too: the step is done, later ones run eagerly until it passes
                 captured.release()
-                raise  # the decoder's out-of-memory handling frees memory and retries
-            except RuntimeError as e:
-                captured.release()
+                if isinstance(e, torch.OutOfMemoryError):
+                    log.warning("out of memory capturing CUDA graphs for %d x %d tokens: this step ran eagerly",
+                                batch, length)
+                    return result
                 self.broken = str(e).splitlines()[0] if str(e) else type(e).__name__
                 log.warning("CUDA graphs off, decoding eagerly: %s", self.broken)
-                return None
+                return result
             self.pool = captured.pool
             self.captured[key] = captured
+            return result
         return captured.replay(tokens, positions, rows, mask, slots, executor)
 
 
@@ -205,8 +216,10 @@ class _Captured:
         model, cache = self.model, self.cache
         blocks = model.layers
         if j == 0:
+            # Several tokens a row are a verify forward: recurrent layers keep each token's state for `accept`.
             self.forward_batch = ForwardBatch(self.positions, self.rows, self.on_device, kv_len=cache.length,
-                                              mask=self.mask, slots=self.slots)
+                                              mask=self.mask, slots=self.slots,
+                                              keep_states=self.tokens.shape[1] > 1)
             x, self.rope = model.embed_tokens(self.tokens, self.positions)
             start = 0
         else:
@@ -299,15 +312,23 @@ class _Captured:
                 self._experts(j, executor, cuda_stream)
         return self.outputs[-1]
 
-    def capture(self, tokens, positions, rows, mask, slots, executor, pool) -> None:
-        """Run the step once eagerly on a side stream (it warms the kernels up and computes the step
-        exactly as the graphs will, writing the same keys and values), then capture each segment."""
+    def warm_up(self, tokens, positions, rows, mask, slots, executor):
+        """Run the step once eagerly, exactly as the graphs will compute it (on a side stream on CUDA): it warms the
+        kernels up and is the step's result, (logits, hidden) as `replay` gives them."""
         self._load(tokens, positions, rows, mask, slots)
-        side = torch.cuda.Stream(self.cache.device)
-        side.wait_stream(torch.cuda.current_stream(self.cache.device))
-        with torch.cuda.stream(side):
-            self._run_eagerly(executor)
-        torch.cuda.current_stream(self.cache.device).wait_stream(side)
+        if self.cache.device.type != "cuda":
+            logits = self._run_eagerly(executor)
+        else:
+            side = torch.cuda.Stream(self.cache.device)
+            side.wait_stream(torch.cuda.current_stream(self.cache.device))
+            with torch.cuda.stream(side):
+                logits = self._run_eagerly(executor)
+            torch.cuda.current_stream(self.cache.device).wait_stream(side)
+        self.cache_key = _cache_key(self.cache, executor)  # a verify longer than any before grew the kept states
+        return self._result(logits)
+
+    def capture(self, executor, pool) -> None:
+        """Capture each segment (after `warm_up`, whose inputs the static tensors still hold)."""
         self.outputs, self.pool = [], pool
         if self.handoff is not None:
             self.handoff.warm_up(self.host_out, self.expert_out, self.host.x, self.host.ids)
@@ -321,8 +342,8 @@ class _Captured:
             self.pool = graph.pool()
             self.graphs.append(graph)
             self._plan_host_shares(executor)
-            log.info("captured one CUDA graph for %d x %d tokens, handing %d MoE layers to the host", *tokens.shape,
-                     len(self.moe_at))
+            log.info("captured one CUDA graph for %d x %d tokens, handing %d MoE layers to the host",
+                     *self.tokens.shape, len(self.moe_at))
             return
         for j in range(len(self.moe_at) + 1):
             graph = torch.cuda.CUDAGraph()
@@ -339,7 +360,7 @@ class _Captured:
                 self.pool = graph.pool()
                 self.zero_copy_graphs[j] = graph
         log.info("captured %d CUDA graphs for %d x %d tokens%s (%d layers stream experts from RAM)",
-                 len(self.graphs) + len(self.zero_copy_graphs), *tokens.shape, " (a tree)" if self.mask is not None
+                 len(self.graphs) + len(self.zero_copy_graphs), *self.tokens.shape, " (a tree)" if self.mask is not None
                  else "", len(self.zero_copy_graphs))
 
     def _load(self, tokens, positions, rows, mask, slots) -> None:
@@ -372,6 +393,9 @@ class _Captured:
                 if j < len(self.moe_at):
                     self._experts(j, executor, cuda_stream)
             logits = self.outputs[-1]
+        return self._result(logits)
+
+    def _result(self, logits):
         # The next replay overwrites the static outputs.
         logits = logits.clone()
         if not self.features:

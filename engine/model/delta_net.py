@@ -60,21 +60,40 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     return out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), state
 
 
+def delta_step(state, q, k, v, g, beta):
+    """One token of the recurrence for every row and head at once: (output [B, Hv, dv], state after it).
+    state [B, Hv, dk, dv] float32; q, k [B, Hk, dk] (q scaled); v [B, Hv, dv]; g, beta [B, Hv]. Value heads come
+    in groups sharing a key head (Hv = Hk * group): the key heads are broadcast over their group, not repeated."""
+    B, Hv, dk, dv = state.shape
+    Hk = k.shape[1]
+    grouped = state.view(B, Hk, Hv // Hk, dk, dv)
+    q, k = q.view(B, Hk, 1, 1, dk), k.view(B, Hk, 1, 1, dk)
+    grouped = grouped * g.exp().view(B, Hk, -1, 1, 1)
+    remembered = k @ grouped  # [B, Hk, G, 1, dv]: S^T k
+    delta = (v.view(B, Hk, -1, 1, dv) - remembered) * beta.view(B, Hk, -1, 1, 1)
+    grouped = grouped + k.transpose(-1, -2) * delta  # the outer product k delta^T
+    return (q @ grouped).view(B, Hv, dv), grouped.view(B, Hv, dk, dv)
+
+
 def recurrent_delta_rule(q, k, v, g, beta, state, parents: torch.Tensor | None = None):
-    """Outputs [B, T, H, dv] and the state after each token [B, T, H, dk, dv]; parents [B, T] (-1: the root, which
-    continues from `state`) or None for a chain."""
-    B, T = q.shape[:2]
+    """Outputs [B, T, Hv, dv] and the state after each token [B, T, Hv, dk, dv] for q, k [B, T, Hk, dk] and v
+    [B, T, Hv, dv] (Hv a multiple of Hk); parents [B, T] (-1: the root, which continues from `state`) or None
+    for a chain."""
+    T = q.shape[1]
     states, outs = [], []
     current = state
     for t in range(T):
         if parents is not None and t > 0:
             current = _from_parents(state, torch.stack(states, 1), parents[:, t])
-        current = current * g[:, t].exp()[..., None, None]
-        remembered = (current * k[:, t].unsqueeze(-1)).sum(-2)
-        current = current + k[:, t].unsqueeze(-1) * ((v[:, t] - remembered) * beta[:, t].unsqueeze(-1)).unsqueeze(-2)
-        outs.append((current * q[:, t].unsqueeze(-1)).sum(-2))
+        out, current = delta_step(current, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t])
+        outs.append(out)
         states.append(current)
-    return torch.stack(outs, 1), torch.stack(states, 1)
+    return _stack(outs), _stack(states)
+
+
+def _stack(items: list[torch.Tensor]) -> torch.Tensor:
+    """torch.stack(items, 1), a view where there is one (a decode step's token)."""
+    return items[0].unsqueeze(1) if len(items) == 1 else torch.stack(items, 1)
 
 
 def _from_parents(initial: torch.Tensor, after: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -95,7 +114,8 @@ def tree_parents(mask: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm of each value head's output times silu(z), z the layer's output gate."""
+    """RMSNorm of each value head's output times silu(z), z the layer's output gate, in z's dtype. The output is
+    taken as the recurrence left it (float32), not rounded to the model's dtype first (one round trip fewer)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -103,7 +123,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x, z):
-        dtype = x.dtype
+        dtype = z.dtype
         x32 = x.float()
         x = self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
         return (x * F.silu(z.float())).to(dtype)
@@ -130,18 +150,33 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.value_dim, cfg.rms_norm_eps)
         self.out = nn.Linear(values, cfg.hidden_size, bias=False)
 
+    def fuse_projections(self) -> None:
+        """On CUDA: the four input projections as one matmul, and the decay rate -exp(A_log) computed once (a decode
+        step's layer is launch bound: every kernel saved counts). The parameters stay as loaded."""
+        parts = (self.in_qkv, self.in_z, self.in_b, self.in_a)
+        self.in_sizes = [p.out_features for p in parts]
+        self.register_buffer("in_weight", torch.cat([p.weight.detach() for p in parts]), persistent=False)
+        self.register_buffer("decay_rate", -self.A_log.detach().float().exp(), persistent=False)
+
+    def project(self, x):
+        """(mixed [B, T, C], z, beta's logits, the decay's logits) from x [B, T, H]."""
+        if hasattr(self, "in_weight"):
+            return F.linear(x, self.in_weight).split(self.in_sizes, dim=-1)
+        return self.in_qkv(x), self.in_z(x), self.in_b(x), self.in_a(x)
+
     def forward(self, x, rope, cache, layer: int, batch) -> torch.Tensor:
         B, T, _ = x.shape
         state_cache = cache[layer]
-        rows = batch.rows if batch.rows is not None else torch.arange(B, device=x.device)
-        state, conv_state = state_cache.read(layer, rows)
-        fresh = batch.positions[:, 0] == 0  # a new sequence in this row: nothing before it
-        state = torch.where(fresh.view(B, 1, 1, 1), 0, state).float()
-        conv_state = torch.where(fresh.view(B, 1, 1), 0, conv_state).to(x.dtype)
-        mixed = self.in_qkv(x)  # [B, T, C]
-        z = self.in_z(x).view(B, T, self.value_heads, self.value_dim)
-        beta = torch.sigmoid(self.in_b(x)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_a(x).float() + self.dt_bias)
+        state, conv_state = state_cache.read(layer, batch.rows, B)
+        # A new sequence in a row (its first position 0) starts from nothing; on the device, no host decision.
+        fresh = (batch.positions[:, 0] == 0).view(B, 1, 1)
+        state = torch.where(fresh.unsqueeze(-1), 0, state.float())
+        conv_state = torch.where(fresh, 0, conv_state.to(x.dtype))
+        mixed, z, b, a = self.project(x)
+        z = z.reshape(B, T, self.value_heads, self.value_dim)
+        beta = torch.sigmoid(b.float())
+        decay_rate = self.decay_rate if hasattr(self, "decay_rate") else -self.A_log.float().exp()
+        g = decay_rate * F.softplus(a.float() + self.dt_bias)
         recurrent = T == 1 or batch.keep_states
         if recurrent:
             mixed, convs = self._conv_steps(mixed, conv_state, batch.parents if T > 1 else None)
@@ -150,22 +185,22 @@ class GatedDeltaNet(nn.Module):
             real = batch.real_mask(T)
             if real is not None:  # padding leaves the state as the row's last real token left it
                 beta, g = beta * real.unsqueeze(-1), g * real.unsqueeze(-1)
-        q, k, v = mixed.split([self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim], dim=-1)
-        q, k = (l2_normalise(t.reshape(B, T, self.key_heads, self.key_dim).float()) for t in (q, k))
-        group = self.value_heads // self.key_heads
-        if group > 1:
-            q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+        keys = self.key_heads * self.key_dim
+        # q and k normalised together; value heads share their group's key head (no repeated copies).
+        qk = l2_normalise(mixed[..., :2 * keys].reshape(B, T, 2 * self.key_heads, self.key_dim).float())
+        q, k = qk.split(self.key_heads, dim=2)
         q = q * self.key_dim ** -0.5
-        v = v.reshape(B, T, self.value_heads, self.value_dim).float()
+        v = mixed[..., 2 * keys:].reshape(B, T, self.value_heads, self.value_dim).float()
         if recurrent:
             out, states = recurrent_delta_rule(q, k, v, g, beta, state, batch.parents if T > 1 else None)
-            if not batch.keep_states:
-                states = states[:, -1:]
         else:
+            group = self.value_heads // self.key_heads
+            if group > 1:
+                q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
             out, last = chunked_delta_rule(q, k, v, g, beta, state)
             states = last.unsqueeze(1)
-        state_cache.write(layer, rows, states, convs)
-        out = self.norm(out.to(x.dtype), z)
+        state_cache.write(layer, batch.rows, states, convs)
+        out = self.norm(out, z)
         return self.out(out.reshape(B, T, -1))
 
     def _conv_sequence(self, mixed, conv_state, lengths):
@@ -192,7 +227,7 @@ class GatedDeltaNet(nn.Module):
             if parents is not None and t > 0:
                 current = _from_parents(conv_state, torch.stack(states, 1), parents[:, t])
             window = torch.cat([current, mixed[:, t, :, None]], dim=-1)  # [B, C, K]
-            outs.append(F.silu((window.to(weight.dtype) * weight).sum(-1)).to(mixed.dtype))
+            outs.append(F.silu((window * weight).sum(-1)))
             current = window[..., 1:]
             states.append(current)
-        return torch.stack(outs, 1), torch.stack(states, 1)
+        return _stack(outs), _stack(states)

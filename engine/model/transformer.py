@@ -565,11 +565,10 @@ class Transformer(nn.Module):
 
 
 def fuse_attention_projections(blocks) -> int:
-    """Attention.fuse_projections for each block in turn, until memory runs out (a layer's weights exist twice for a
-    moment); the layers left keep their three matmuls. Returns how many were fused."""
+    """Each block's token mixer's fuse_projections (attention's, MLA's, a Gated DeltaNet's) in turn, until memory
+    runs out (a layer's weights exist twice for a moment); the layers left keep theirs apart. Returns how many were
+    fused."""
     for done, block in enumerate(blocks):
-        if not hasattr(block.attn, "fuse_projections"):  # a Gated DeltaNet layer: its projections are its own
-            continue
         try:
             block.attn.fuse_projections()
         except torch.OutOfMemoryError:

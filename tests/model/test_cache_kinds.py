@@ -166,7 +166,7 @@ def recurrent_cache(rows, history):
 def feed(cache, row, tokens, parents=None):
     """A forward of `tokens` through row `row`'s state, handing every token's state over; parents: a draft tree
     (token n continues from token parents[n]'s state, the root from the row's current state)."""
-    state, conv = (t[0] for t in cache.read(2, torch.tensor([row])))
+    state, conv = (t[0] for t in cache.read(2, torch.tensor([row]), 1))
     states, convs = [], []
     for n, t in enumerate(tokens):
         if n > 0:

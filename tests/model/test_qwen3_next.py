@@ -96,14 +96,15 @@ def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(b
     # Plain decoding keeps no per-token states: a row's state is its matrix and its convolution's inputs, per layer.
     assert not state.kept_state and cache.bytes_per_row() == 3 * (4 * 16 * 16 + (2 * 2 * 16 + 4 * 16) * 3) * 4
     assert not engine.model.supports_graphs  # CUDA graphs do not capture the state: decode runs eagerly
-    # What CUDA loads do: the full-attention layer's q (with its gate), k and v in one matmul; DeltaNet layers as
-    # they are. The logits do not change.
+    # What CUDA loads do: the full-attention layer's q (with its gate), k and v in one matmul, and a DeltaNet layer's
+    # four input projections in one. The logits do not change.
     from moedesk.engine.model.transformer import fuse_attention_projections
 
     ids = torch.tensor([prompts(engine)[1]])
     positions = torch.arange(ids.shape[1])[None]
     before = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
     assert fuse_attention_projections(engine.model.layers) == 4 and hasattr(engine.model.layers[3].attn, "qkv_weight")
+    assert all(hasattr(engine.model.layers[i].attn, "in_weight") for i in range(3))
     after = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 

@@ -36,7 +36,6 @@ class RecurrentState:
         self.conv: list[torch.Tensor] = []  # per layer [rows, *conv_shape]
         self.kept_state: list[torch.Tensor] = []  # per layer [rows, history, *state_shape]: after each token
         self.kept_conv: list[torch.Tensor] = []
-        self.kept_tokens = [1] * len(self.layers)  # per layer: tokens whose states the last forward kept
         self.ensure(rows, 0)
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -75,7 +74,8 @@ class RecurrentState:
         return self.nbytes() // self.rows if self.rows else 0
 
     def storage_key(self) -> tuple:
-        return (self.state[0].data_ptr() if self.state else 0), self.rows
+        """Changes when any tensor moves: graphs write the kept states too, which grow apart (`_keep_more`)."""
+        return tuple(t.data_ptr() for t in self._tensors()[:1] + self.kept_state[:1]), self.rows, self.history
 
     def clear(self, rows: list[int]) -> None:
         """Start these rows afresh (a new sequence in a freed row): zero state, nothing convolved yet."""
@@ -83,26 +83,30 @@ class RecurrentState:
         for t in self.state + self.conv:
             t[index] = 0
 
-    def read(self, layer: int, rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The current (state, convolution state) of `rows` (a tensor of B row indices), as copies."""
+    def read(self, layer: int, rows, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The current (state, convolution state) of `rows` (a tensor of `batch` row indices: copies), or of rows
+        0..batch-1 where rows is None (views)."""
         i = self.index[layer]
+        if rows is None:
+            return self.state[i][:batch], self.conv[i][:batch]
         return self.state[i][rows], self.conv[i][rows]
 
     def write(self, layer: int, rows, states: torch.Tensor, convs: torch.Tensor) -> None:
         """After a forward of T tokens: states [B, T, *state_shape] and convs [B, T, *conv_shape], the layer's
-        state after each token of rows `rows` (a tensor of B row indices). The last becomes current; with T > 1
-        (a verify forward) all T are kept for `accept`. A forward that will not be rolled back (a prompt) may
-        hand over the last token's alone (T = 1)."""
+        state after each token of rows `rows` (a tensor of B row indices; None: rows 0..B-1). The last becomes
+        current; where drafts may be rolled back (history > 1) all T are kept for `accept`, a one-token forward's
+        too, so that what `accept` reads never depends on what the host saw of the forward (CUDA graphs replay it
+        without the host). A forward that will not be rolled back (a prompt) may hand over the last token's alone
+        (T = 1). Everything is written in place: the tensors stay where graphs captured them."""
         i = self.index[layer]
         tokens = states.shape[1]
         if tokens > self.history:
             self._keep_more(tokens)
-        self.state[i][rows] = states[:, -1].to(self.state_dtype)
-        self.conv[i][rows] = convs[:, -1].to(self.conv_dtype)
-        self.kept_tokens[i] = tokens
-        if tokens > 1:
-            self.kept_state[i][rows, :tokens] = states.to(self.state_dtype)
-            self.kept_conv[i][rows, :tokens] = convs.to(self.conv_dtype)
+        _put(self.state[i], rows, states[:, -1])
+        _put(self.conv[i], rows, convs[:, -1])
+        if self.kept_state:
+            _put(self.kept_state[i], rows, states, tokens)
+            _put(self.kept_conv[i], rows, convs, tokens)
 
     def _keep_more(self, tokens: int) -> None:
         """Room for `tokens` states a row: a longer verify forward than any before (the model's runner makes the
@@ -116,11 +120,11 @@ class RecurrentState:
     def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
         """After a verify forward whose token n (node n of a draft tree, the root 0) left kept state n: row
         rows[i] continues from the state after its path's last node (the root's where nothing was accepted)."""
+        if not self.kept_state:  # nothing speculates: every forward's last state is already current
+            return
         index = torch.tensor(rows, device=self.device)
         last = torch.tensor([path[-1] if path else 0 for path in paths], device=self.device)
         for i in range(len(self.layers)):
-            if self.kept_tokens[i] == 1:  # the forward was the root alone: its state is already current
-                continue
             self.state[i][index] = self.kept_state[i][index, last]
             self.conv[i][index] = self.kept_conv[i][index, last]
 
@@ -137,3 +141,16 @@ class RecurrentState:
         origin = rows[torch.tensor(source, device=self.device)]
         for t in self.state + self.conv:
             t[rows] = t[origin]
+
+
+def _put(target: torch.Tensor, rows, value: torch.Tensor, tokens: int | None = None) -> None:
+    """target[rows] = value in place (rows None: the first value.shape[0] rows); with `tokens`, into the first
+    `tokens` entries of each row's history."""
+    value = value.to(target.dtype)
+    if rows is None:
+        view = target[: value.shape[0]]
+        (view if tokens is None else view[:, :tokens]).copy_(value)
+    elif tokens is None:
+        target[rows] = value
+    else:
+        target[rows, :tokens] = value

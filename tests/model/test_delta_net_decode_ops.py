@@ -1,0 +1,111 @@
+"""A decode step of the Gated DeltaNet layers issues no host sync and few kernels (issue 41: on the GPU its layers
+were launch bound, and CUDA graphs can only replay a step that never waits for the host).
+
+The aten ops of the step are recorded on the CPU with a TorchDispatchMode: what would sync the host on CUDA (reading
+a value back, a data-dependent shape) must not appear, in plain decoding, with explicit cache rows, and where drafts
+are kept for speculation; and the ops that compute (views and no-op casts left out) stay few per layer.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from moedesk.engine.model.delta_net import GatedDeltaNet
+from moedesk.engine.runtime import Engine
+
+# Ops that read a device value back to the host, or whose output shape depends on the data.
+SYNCS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2",
+         "allclose", "tolist", "repeat_interleave"}
+VIEWS = {"view", "reshape", "unsqueeze", "squeeze", "select", "slice", "split", "split_with_sizes", "transpose", "t",
+         "expand", "permute", "as_strided", "alias", "detach", "_unsafe_view", "unbind"}
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Recorder(TorchDispatchMode):
+    """The ops that run inside GatedDeltaNet.forward, per call: (name, computes) pairs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[list[tuple[str, bool]]] = []
+        self.inside = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.inside:
+            name = func.overloadpacket.__name__
+            computes = name not in VIEWS and not (name in ("to", "_to_copy", "contiguous") and out is args[0])
+            self.calls[-1].append((name, computes))
+        return out
+
+
+def recorded_step(model, cache, executor, tokens, positions, rows=None, drafts=False) -> list[list[tuple[str, bool]]]:
+    recorder = Recorder()
+    forward = GatedDeltaNet.forward
+
+    def watched(self, *args, **kwargs):
+        recorder.calls.append([])
+        recorder.inside = True
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            recorder.inside = False
+
+    GatedDeltaNet.forward = watched
+    try:
+        with recorder:
+            model(tokens, positions, cache, executor, rows=rows, drafts=drafts)
+    finally:
+        GatedDeltaNet.forward = forward
+    return recorder.calls
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from tests.gguf_from_hf import build
+
+    return Engine.load(str(build("qwen35moe", tmp_path_factory.mktemp("qwen35moe")).folder), device="cpu",
+                       dtype="float32")
+
+
+def prefilled(engine, history: int = 1):
+    model = engine.model
+    cache = model.new_cache(3, 32, torch.float32, "cpu")
+    if history > 1:
+        cache.kinds[1]._keep_more(history)
+    prompt = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14], [15, 16, 17, 18, 19]])
+    model(prompt, torch.arange(5).expand(3, 5), cache, engine.executor)
+    return cache
+
+
+@pytest.mark.parametrize("case", ["rows-0-to-B", "explicit-rows", "speculating", "verify-chain"])
+def test_a_decode_step_of_the_recurrent_layers_never_syncs_the_host(engine, case):
+    model = engine.model
+    cache = prefilled(engine, history=4 if case in ("speculating", "verify-chain") else 1)
+    T = 3 if case == "verify-chain" else 1
+    tokens = torch.tensor([[3, 4, 5][:T], [6, 7, 8][:T]])
+    positions = (5 + torch.arange(T)).expand(2, T)
+    rows = torch.tensor([2, 0]) if case == "explicit-rows" else None
+    calls = recorded_step(model, cache, engine.executor, tokens, positions, rows, drafts=T > 1)
+    assert len(calls) == sum(model.cfg.linear_layers)  # every DeltaNet layer was recorded
+    for ops in calls:
+        assert not SYNCS & {name for name, _ in ops}, sorted(SYNCS & {name for name, _ in ops})
+    if case in ("rows-0-to-B", "speculating"):
+        # A handful of kernels for the projections, the convolution's shift, the delta rule's update, the norm and
+        # the cache's update (docs/measurements.md has the count before and after).
+        computing = [sum(c for _, c in ops) for ops in calls]
+        assert max(computing) <= (44 if case == "rows-0-to-B" else 46), computing
+
+
+def test_decoding_in_place_continues_the_state_as_explicit_rows_do(engine):
+    """Rows 0..B-1 are updated through views of the cache, explicit rows by index: the same states and logits."""
+    model = engine.model
+    tokens, positions = torch.tensor([[3], [4]]), torch.tensor([[5], [5]])
+    views, indexed = prefilled(engine), prefilled(engine)
+    a = model(tokens, positions, views, engine.executor)
+    b = model(tokens, positions, indexed, engine.executor, rows=torch.tensor([0, 1]))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for x, y in zip(views.kinds[1].state + views.kinds[1].conv, indexed.kinds[1].state + indexed.kinds[1].conv):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert not torch.equal(views.kinds[1].state[0][:2], prefilled(engine).kinds[1].state[0][:2])  # it moved on
