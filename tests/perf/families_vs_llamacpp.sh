@@ -15,8 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 if [ -n "${ENGINE_ON:-}" ]; then  # llama-cpp-python's package (.pylib) over the CUDA libraries built in $LLB/..
-  rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
-  find "$LLB/.." -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+  . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$LLB/.."
 fi
 clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
 family() {  # name shape layers our-format gguf-experts

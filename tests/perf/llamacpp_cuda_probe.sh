@@ -7,15 +7,15 @@
 #   B  the same after torch has initialised CUDA (two CUDA runtimes in one process?)
 #   C  moedesk's Engine.load(engine="llama.cpp", device="auto"), no expert pinned
 #   D  the same with one layer's experts pinned to RAM (the tensor-buffer override)
-# then a gdb backtrace of the first that crashes, and which CUDA libraries each side maps.
+# (M: which libggml/libllama files the process maps), each with the libraries copied and then linked; then a gdb
+# backtrace of the first that crashes, and which CUDA libraries each side maps.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; B=/tmp/llb; W=/tmp/probe; mkdir -p "$W"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
-find "$B" -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+. tests/perf/llamacpp_libs.sh  # install_llamacpp_libs: the libraries copied (as when the loads crashed) or linked
 python3 -c "from tests.load.test_packed_experts import write_f32_moe; write_f32_moe('$W/f32.gguf', 'llama', L=3)"
 G=$W/f32.gguf
 declare -A CASE=(
@@ -25,13 +25,18 @@ declare -A CASE=(
   [C]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64); print(e.device, e.warnings)"
   [D]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64, cpu_moe=1); print(e.device, e.overridden)"
 )
+CASE[M]="from moedesk.engine.llamacpp.library import library; library(); print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l or 'libllama' in l}))"
 first=""
-for c in Q A B C D; do
-  python3 -c "${CASE[$c]}" > "$W/$c.log" 2>&1; rc=$?
-  echo "case $c: exit $rc"; tail -n 3 "$W/$c.log"
-  ((rc != 0)) && [ -z "$first" ] && first=$c
+for mode in copy link; do
+  install_llamacpp_libs "$B" $mode; echo "== libraries ${mode}"
+  for c in M Q A B C D; do
+    python3 -c "${CASE[$c]}" > "$W/${mode}_$c.log" 2>&1; rc=$?
+    echo "case $c: exit $rc"; tail -n 3 "$W/${mode}_$c.log" | cut -c1-400
+    ((rc != 0)) && [ -z "$first" ] && first=$c && firstmode=$mode
+  done
 done
 if [ -n "$first" ] && command -v gdb >/dev/null; then
+  install_llamacpp_libs "$B" $firstmode
   gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 -c "${CASE[$first]}" > "$W/gdb_$first.txt" 2>&1
   grep -A25 "SIGSEGV" "$W/gdb_$first.txt" | head -n 30
 fi

@@ -22,8 +22,7 @@ build)
   tail -n 25 "$OUT/pytest_gpu.txt"
   wait $build && echo "llama.cpp built" || { tail -n 30 "$OUT/cfg.log" "$OUT/build.log"; exit 1; } ;;
 compare)
-  rm -rf /tmp/site/llama_cpp && cp -r .pylib/llama_cpp /tmp/site/ && mkdir -p /tmp/site/llama_cpp/lib
-  find "$B" -name 'lib*.so*' -exec cp -a {} /tmp/site/llama_cpp/lib/ \;
+  . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$B"
   python3 -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
   # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_overrides.py tests/llamacpp/test_expert_counts.py \
