@@ -463,9 +463,10 @@ class Transformer(nn.Module):
 
     @property
     def supports_graphs(self) -> bool:
-        """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): not through recurrent layers,
-        whose state the graphs do not capture, nor over several devices (a graph holds one device's stream)."""
-        return not self.cfg.is_recurrent and self.spread is None
+        """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): not over several devices (a
+        graph holds one device's stream). Recurrent layers replay too: their state is updated in place in the
+        cache's tensors, which the graphs read and write where they were captured."""
+        return self.spread is None
 
     def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LatentCache | LayerCaches:
         """The cache this model's layers write and read, for `rows` sequences of `length` positions: keys and
@@ -490,7 +491,8 @@ class Transformer(nn.Module):
         full = [i for i in layers if not cfg.is_linear_layer(i)]
         conv_dim = 2 * cfg.linear_key_heads * cfg.linear_key_dim + cfg.linear_value_heads * cfg.linear_value_dim
         state = RecurrentState(linear, rows, cfg.linear_value_heads, cfg.linear_key_dim, cfg.linear_value_dim,
-                               conv_dim, cfg.linear_conv_kernel, history=1, device=device, conv_dtype=dtype)
+                               conv_dim, cfg.linear_conv_kernel, history=1, device=device, conv_dtype=dtype,
+                               length=length)
         return LayerCaches([KVCache(cfg, rows, length, dtype, device, layers=full), state])
 
     def moe_blocks(self) -> list[MoE]:

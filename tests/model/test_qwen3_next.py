@@ -95,7 +95,7 @@ def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(b
     assert cache.bytes_per_position() == kv.bytes_per_position() == 2 * 2 * 16 * 4  # keys and values of one layer
     # Plain decoding keeps no per-token states: a row's state is its matrix and its convolution's inputs, per layer.
     assert not state.kept_state and cache.bytes_per_row() == 3 * (4 * 16 * 16 + (2 * 2 * 16 + 4 * 16) * 3) * 4
-    assert not engine.model.supports_graphs  # CUDA graphs do not capture the state: decode runs eagerly
+    assert engine.model.supports_graphs  # CUDA graphs update the state in place (engine.generation.cuda_graphs)
     # What CUDA loads do: the full-attention layer's q (with its gate), k and v in one matmul, and a DeltaNet layer's
     # four input projections in one. The logits do not change.
     from moedesk.engine.model.transformer import fuse_attention_projections
@@ -129,6 +129,94 @@ def test_speculation_in_chains_and_trees_is_lossless(family, built):
         assert [c.token_ids for c in done] == plain, mode
         spec = done[0].stats["speculative"]
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]  # some drafts taken, some rejected
+
+
+def segments(made: list, after: int = 2):
+    """A factory of CUDA graphs' segments run eagerly (capture=False: the CPU's stand-in for capture and replay),
+    each kept in `made`; multi-token shapes go through them once seen `after` times."""
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    def make(model, cache):
+        made.append(GraphedDecode(model, cache, capture=False, capture_after=after))
+        return made[-1]
+
+    return make
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graph_segments_decode_the_reference_tokens(family, built, monkeypatch):
+    """Decode steps through the fixed-shape segments CUDA graphs replay: each recurrent layer reads and writes its
+    rows' state in place in the cache, the attention reads the cache's whole length under the mask. Rows of
+    different lengths, rows reused mid-run, explicit rows: transformers' tokens, and no step left to eager."""
+    b = built(family)
+    engine = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    assert engine.model.supports_graphs
+    ids = prompts(engine)
+    want = expected(b, engine, ids)
+    made = []
+    engine.runner.graphs = segments(made)(engine.model, engine.cache)
+    graphs = made[0]
+    answered = []
+    forward = graphs.forward
+    monkeypatch.setattr(graphs, "forward",
+                        lambda *a, **k: answered.append((a[3] is not None, forward(*a, **k))) or answered[-1][1])
+    assert greedy(engine, ids) == want
+    assert answered and all(out is not None for _, out in answered) and graphs.broken is None
+
+
+def test_graph_segments_step_explicit_rows_of_different_lengths_as_the_eager_forward(built):
+    """Explicit cache rows (a subset, out of order) at different positions, after a right-padded prompt batch: the
+    segments' logits and the recurrent states they leave equal the eager forward's, step after step."""
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    engine = Engine.load(str(built("qwen35moe").folder), device="cpu", dtype="float32")
+    model, run = engine.model, engine.executor
+    ids = prompts(engine)
+    lengths = torch.tensor([len(p) for p in ids])
+    padded = torch.tensor([p + [0] * (int(lengths.max()) - len(p)) for p in ids])
+
+    def prefilled():
+        cache = model.new_cache(3, int(lengths.max()) + 8, torch.float32, "cpu")
+        model(padded, torch.arange(padded.shape[1]).expand(3, -1), cache, run, logits_at=lengths - 1)
+        return cache
+
+    eager, replayed = prefilled(), prefilled()
+    graphs = GraphedDecode(model, replayed, capture=False)
+    rows = torch.tensor([2, 0])
+    for step, tokens in enumerate(([[7], [9]], [[11], [13]], [[5], [3]])):
+        positions = (lengths[rows] + step).unsqueeze(1)
+        want = model(torch.tensor(tokens), positions, eager, run, rows=rows, drafts=True)
+        torch.testing.assert_close(graphs.forward(torch.tensor(tokens), positions, run, rows), want, rtol=1e-5,
+                                   atol=1e-5)
+    for ours, theirs in zip(replayed.kinds[1].state + replayed.kinds[1].conv, eager.kinds[1].state + eager.kinds[1].conv):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert graphs.captures == 1 and graphs.broken is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculation_through_graph_segments_rolls_rejected_drafts_back(family, built):
+    """Verify forwards of chains and trees replayed from the segments (every shape from its first sighting): each
+    token's state kept in place for `accept`, a rejected draft leaving no trace; plain greedy decoding's tokens."""
+    from moedesk.engine.speculative.oracle_drafter import oracle_factory
+    from moedesk.engine.speculative.verification import Speculator
+
+    engine = Engine.load(str(built(family).folder), device="cpu", dtype="float32")
+    ids = prompts(engine)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0)
+    requests = [Request(p, params, tag=i) for i, p in enumerate(ids)]
+    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
+    for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
+        made = []
+        sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
+                        engine.tokenizer, graphs=segments(made, after=1))
+        done, _ = sp.run(requests, engine.executor, oracle_factory(plain, 0.3, engine.vocab_size, seed=1), mode=mode,
+                         draft_length=4, draft_width=width, budget=budget)
+        assert [c.token_ids for c in done] == plain, mode
+        spec = done[0].stats["speculative"]
+        assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]
+        shapes = [key for graphs in made for key in graphs.captured]
+        assert any(key[1] > 1 for key in shapes), shapes  # verify forwards went through the segments
+        assert any(key[3] for key in shapes) == (mode == "beam")  # trees, with their mask and slots
 
 
 def test_a_tree_verified_in_one_pass_equals_each_branch_run_alone(built):
@@ -306,11 +394,70 @@ def test_on_cuda_float32_in_place_and_offloaded_and_bf16(family, built):
     want = expected(b, cpu, ids)
     for kw in ({}, dict(offload=True, gpu_budget=budget_for_experts(b.folder, 2, "cuda"))):
         engine = Engine.load(str(b.folder), device="cuda", dtype="float32", **kw)
-        assert engine.runner.graphs is None  # recurrent layers decode eagerly
+        assert engine.runner.graphs is not None  # recurrent layers replay CUDA graphs too
         assert greedy(engine, ids) == want, kw
     engine = Engine.load(str(b.folder), device="cuda", dtype="bfloat16")
     check_greedy(engine, hf_model(b.folder, torch.bfloat16, "cuda"), ids, NEW, ref32=hf_model(b.folder, torch.float32,
                                                                                               "cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_on_cuda_graphs_replay_what_eager_decoding_computes(family, built, monkeypatch):
+    """Captured CUDA graphs against the eager forward on CUDA, float32: the greedy ids of rows of different lengths
+    (rows reused mid-run); every step's logits and the recurrent states left, over explicit rows after a padded
+    prompt batch; speculation's verify forwards replayed, chains and trees, rejected drafts rolled back."""
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.speculative.oracle_drafter import oracle_factory
+    from moedesk.engine.speculative.verification import Speculator
+
+    b = built(family)
+    graphed = Engine.load(str(b.folder), device="cuda", dtype="float32")
+    assert isinstance(graphed.runner.graphs, GraphedDecode) and graphed.runner.graphs.capture
+    monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
+    eager = Engine.load(str(b.folder), device="cuda", dtype="float32")
+    monkeypatch.delenv("MOEDESK_NO_CUDA_GRAPHS")
+    assert eager.runner.graphs is None
+    ids = prompts(graphed)
+    plain = greedy(eager, ids)
+    assert greedy(graphed, ids) == plain
+    assert graphed.runner.graphs.broken is None and graphed.runner.graphs.captures > 0
+
+    model, run = graphed.model, graphed.executor
+    lengths = torch.tensor([len(p) for p in ids], device="cuda")
+    padded = torch.tensor([p + [0] * (int(lengths.max()) - len(p)) for p in ids], device="cuda")
+
+    def prefilled():
+        cache = model.new_cache(3, int(lengths.max()) + 16, torch.float32, "cuda")
+        model(padded, torch.arange(padded.shape[1], device="cuda").expand(3, -1), cache, run, logits_at=lengths - 1)
+        return cache
+
+    reference, replayed = prefilled(), prefilled()
+    graphs = GraphedDecode(model, replayed)
+    rows = torch.tensor([2, 0], device="cuda")
+    token = torch.tensor([[7], [9]], device="cuda")
+    for step in range(6):
+        positions = (lengths[rows] + step).unsqueeze(1)
+        want = model(token, positions, reference, run, rows=rows, drafts=True)
+        got = graphs.forward(token, positions, run, rows)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        token = want[:, -1].argmax(-1, keepdim=True)
+    assert graphs.broken is None and all(c.graphs for c in graphs.captured.values())
+    for ours, theirs in zip(replayed.kinds[1].state, reference.kinds[1].state):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+    params = SamplingParams(max_new_tokens=NEW, temperature=0)
+    requests = [Request(p, params, tag=i) for i, p in enumerate(ids)]
+    alone = [next(iter(eager.generate([r], batch_size=1))).token_ids for r in requests]
+    for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
+        made = []
+        sp = Speculator(model, graphed.device, graphed.dtype, graphed.context_length, graphed.config.eos_token_ids,
+                        graphed.tokenizer,
+                        graphs=lambda m, c: made.append(GraphedDecode(m, c, capture_after=1)) or made[-1])
+        done, _ = sp.run(requests, run, oracle_factory(alone, 0.3, graphed.vocab_size, seed=1), mode=mode,
+                         draft_length=4, draft_width=width, budget=budget)
+        assert [c.token_ids for c in done] == alone, mode
+        assert any(key[1] > 1 and c.graphs for g in made for key, c in g.captured.items()), mode
 
 
 def test_memory_sums_count_deltanet_layers_and_the_kv_cache_of_full_layers_only(built, tmp_path):
@@ -336,16 +483,14 @@ def test_memory_sums_count_deltanet_layers_and_the_kv_cache_of_full_layers_only(
     assert kv_bytes_per_position(cfg, 4) == cache.bytes_per_position() == 2 * 2 * 16 * 4
 
 
-def test_auto_speculations_step_times_are_measured_eagerly_as_the_runner_decodes_them(built):
-    """Auto speculation times T(B, k) of the verify forwards it would run; for a recurrent model those run eagerly
-    (no CUDA graphs), so a graphs factory asked for is not used, and every k is timed."""
+def test_auto_speculations_step_times_are_measured_through_graphs_as_the_runner_decodes_them(built):
+    """Auto speculation times T(B, k) of the verify forwards it would run; for a recurrent model too those replay
+    CUDA graphs (here their segments, eagerly), so the graphs factory asked for is used, and every k is timed."""
     from moedesk.engine.speculative.step_times import measure_step_times
 
     engine = Engine.load(str(built("qwen3next").folder), device="cpu", dtype="float32")
-
-    def no_graphs(model, cache):
-        raise AssertionError("graphs over a recurrent model's cache")
-
+    made = []
     times = measure_step_times(engine.model, engine.executor, engine.config, torch.device("cpu"), torch.float32,
-                               [1, 2], 3, prompt=8, repeat=1, graphs=no_graphs)
+                               [1, 2], 3, prompt=8, repeat=1, graphs=segments(made))
     assert sorted(times) == ["1,1", "1,2", "1,3", "2,1", "2,2", "2,3"] and all(t > 0 for t in times.values())
+    assert len(made) == 2 and all(graphs.captures == 3 and graphs.broken is None for graphs in made)  # k = 1, 2, 3

@@ -20,10 +20,12 @@ class RecurrentState:
 
     def __init__(self, layers: Sequence[int], rows: int, heads: int, key_dim: int, value_dim: int, conv_dim: int,
                  conv_kernel: int, history: int, device, state_dtype: torch.dtype = torch.float32,
-                 conv_dtype: torch.dtype = torch.float32):
+                 conv_dtype: torch.dtype = torch.float32, length: int = 0):
         """state_dtype: the matrix state's (float32 by default: it accumulates over the whole sequence);
         conv_dtype: the convolution's inputs as the layer computes them. history: the most tokens one forward
-        may hand over states for (1 + the longest draft); 1 where nothing speculates."""
+        may hand over states for (1 + the longest draft); 1 where nothing speculates. length: the positions the
+        model's other kinds hold (a state has no positions; a LayerCaches' `length` is its kinds' least, which CUDA
+        graphs read as the attention's length)."""
         if history < 1:
             raise ValueError(f"a recurrent state keeps at least one token's state, got history={history}")
         self.layers = list(layers)
@@ -36,7 +38,7 @@ class RecurrentState:
         self.conv: list[torch.Tensor] = []  # per layer [rows, *conv_shape]
         self.kept_state: list[torch.Tensor] = []  # per layer [rows, history, *state_shape]: after each token
         self.kept_conv: list[torch.Tensor] = []
-        self.ensure(rows, 0)
+        self.ensure(rows, length)
 
     def _tensors(self) -> list[torch.Tensor]:
         return self.state + self.conv + self.kept_state + self.kept_conv
