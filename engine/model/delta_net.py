@@ -44,19 +44,22 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()  # [.., t, j]
     k_beta = k * beta.unsqueeze(-1)
-    # The corrections u solve (I + L) u = beta v - beta exp(cum) k S0, L[t, j] = beta_t decay[t, j] k_t.k_j (j < t).
+    grown = cum.exp().unsqueeze(-1)  # exp(cum[t]): the chunk's start state decayed to token t
+    # The corrections u solve (I + L) u = beta v - beta exp(cum) k S0, L[t, j] = beta_t decay[t, j] k_t.k_j (j < t):
+    # both right-hand sides in one triangular solve.
     system = (k_beta @ k.transpose(-1, -2)) * decay
-    solve = lambda rhs: torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)  # noqa: E731
-    u_fixed = solve(v * beta.unsqueeze(-1))
-    u_per_state = solve(k_beta * cum.exp().unsqueeze(-1))
+    u_fixed, u_per_state = torch.linalg.solve_triangular(
+        system, torch.cat([v * beta.unsqueeze(-1), k_beta * grown], dim=-1), upper=False, unitriangular=True,
+    ).split([dv, dk], dim=-1)
     within = (q @ k.transpose(-1, -2)) * decay
-    q_decayed = q * cum.exp().unsqueeze(-1)
-    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    q_decayed = q * grown
+    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
+    ends = cum[..., -1, None, None].exp()  # [B, H, n, 1, 1]: a whole chunk's decay
     out = torch.empty(B, H, n, chunk, dv, dtype=v.dtype, device=v.device)
     for c in range(n):
         u = u_fixed[:, :, c] - u_per_state[:, :, c] @ state
         out[:, :, c] = q_decayed[:, :, c] @ state + within[:, :, c] @ u
-        state = state * cum[:, :, c, -1, None, None].exp() + k_to_end[:, :, c].transpose(-1, -2) @ u
+        state = state * ends[:, :, c] + k_to_end[:, :, c] @ u
     return out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), state
 
 
@@ -195,8 +198,9 @@ class GatedDeltaNet(nn.Module):
             out, states = recurrent_delta_rule(q, k, v, g, beta, state, batch.parents if T > 1 else None)
         else:
             group = self.value_heads // self.key_heads
-            if group > 1:
-                q, k = q.repeat_interleave(group, dim=2), k.repeat_interleave(group, dim=2)
+            if group > 1:  # each key head beside its group's value heads (one copy, no host-side repeat count)
+                q, k = (t.unsqueeze(3).expand(B, T, self.key_heads, group, self.key_dim)
+                        .reshape(B, T, self.value_heads, self.key_dim) for t in (q, k))
             out, last = chunked_delta_rule(q, k, v, g, beta, state)
             states = last.unsqueeze(1)
         state_cache.write(layer, batch.rows, states, convs)

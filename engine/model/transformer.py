@@ -384,6 +384,7 @@ class ForwardBatch:
         self.executor = executor
         self._additive = None  # attention_mask's, once made
         self._key_lengths = None  # key_lengths', once made
+        self._real_mask = None  # real_mask's, once made
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         self.explicit_mask = mask is not None
         if mask is not None:  # the caller's: e.g. a draft tree, where a token sees its ancestors only
@@ -422,7 +423,9 @@ class ForwardBatch:
         """[B, T] float, 1 where a token is real and 0 where it pads its row; None where no row is padded."""
         if self.lengths is None:
             return None
-        return (torch.arange(length, device=self.lengths.device) < self.lengths.unsqueeze(1)).float()
+        if self._real_mask is None or self._real_mask.shape[1] != length:  # once a forward, not once a layer
+            self._real_mask = (torch.arange(length, device=self.lengths.device) < self.lengths.unsqueeze(1)).float()
+        return self._real_mask
 
     def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as every layer's attention takes it. On CUDA, made once a forward what SDPA would make of the
