@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moedesk.engine.model.delta_net import GatedDeltaNet
 from moedesk.engine.runtime import Engine
+from moedesk.engine.speculative.proposal import tree_mask
 
 # Ops that read a device value back to the host, or whose output shape depends on the data.
 SYNCS = {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2",
@@ -109,3 +110,42 @@ def test_decoding_in_place_continues_the_state_as_explicit_rows_do(engine):
     for x, y in zip(views.kinds[1].state + views.kinds[1].conv, indexed.kinds[1].state + indexed.kinds[1].conv):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
     assert not torch.equal(views.kinds[1].state[0][:2], prefilled(engine).kinds[1].state[0][:2])  # it moved on
+
+
+@pytest.mark.parametrize("tokens,tree", [(1, False), (3, False), (3, True)])
+def test_what_cuda_graphs_capture_of_a_qwen35_step_never_syncs_the_host(engine, tokens, tree):
+    """The segments a graph captures (everything but the host-run experts: embedding, DeltaNet and gated attention
+    layers, routing, head), a decode step and a verify forward: no op that would sync, which capture refuses."""
+    from moedesk.engine.generation import cuda_graphs
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    model = engine.model
+    cache = prefilled(engine, history=4)
+    graphs = GraphedDecode(model, cache, capture=False, capture_after=1)
+    seen: list[str] = []
+    segment = cuda_graphs._Captured._segment
+
+    class Syncs(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    def watched(self, *args, **kwargs):
+        with Syncs():
+            return segment(self, *args, **kwargs)
+
+    cuda_graphs._Captured._segment = watched
+    try:
+        ids = torch.tensor([[3, 4, 5][:tokens], [6, 7, 8][:tokens]])
+        extra = {}
+        if tree:  # the root and two children, in slots 5, 6, 7
+            mask = torch.zeros(2, 1, 3, 8, dtype=torch.bool)
+            mask[..., :5] = True
+            mask[..., 5:] = tree_mask([-1, 0, 0])
+            extra = dict(mask=mask, slots=(5 + torch.arange(3)).expand(2, 3))
+        positions = (5 + torch.tensor([0, 1, 1] if tree else list(range(tokens)))).expand(2, tokens)
+        for _ in range(2):  # the warm-up, then a replay (here the segments again)
+            assert graphs.forward(ids, positions, engine.executor, torch.tensor([1, 0]), **extra) is not None
+    finally:
+        cuda_graphs._Captured._segment = segment
+    assert seen and not SYNCS & set(seen), sorted(SYNCS & set(seen))
