@@ -25,11 +25,13 @@ class GGUFListing:
     config: dict  # the config.json the native engine derives from the file's metadata
     weights: object = None  # size_estimate.ModelWeights: what loading takes; None where it could not be said
     estimate_error: Exception | None = None  # why there is no `weights`
+    llama_shape: object = None  # engine.llamacpp.fit.GGUFShape: what llama.cpp's placement needs of it
 
 
 def read_gguf(path) -> GGUFListing:
     """A GGUF file as the native engine reads its header (parsing a large vocabulary takes seconds: a listing reads
     it once). Raises what the engine raises for a file it refuses (UnsupportedModelError, CheckpointError, ...)."""
+    from moedesk.engine.llamacpp.fit import gguf_shape
     from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
     from moedesk.engine.load.size_estimate import gguf_tensors, summarize
 
@@ -39,7 +41,7 @@ def read_gguf(path) -> GGUFListing:
             weights, error = summarize(checkpoint.config, gguf_tensors(checkpoint), path), None
         except Exception as e:  # noqa: BLE001 -- the listing shows why, and loading says it again
             weights, error = None, e
-        return GGUFListing(checkpoint.arch, checkpoint.config, weights, error)
+        return GGUFListing(checkpoint.arch, checkpoint.config, weights, error, gguf_shape(checkpoint.header))
     finally:
         checkpoint.close()
 

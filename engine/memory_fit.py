@@ -59,11 +59,18 @@ def check_bench_fits(cfg: ModelConfig, layers: int, dtype_bytes: int, expert_bit
                        f"{advice}")
 
 
-def check_load_fits(need: int, available: int, what: str, alternatives: dict[str, int]) -> None:
-    """MoedeskError unless `need` bytes fit `available`: naming the first of `alternatives` (a setting -> the bytes
-    it would need) that fits, if any."""
+def shortfall(need: int, available: int, alternatives: dict[str, int]) -> str | None:
+    """None when `need` bytes fit `available`; else what is short, in words, naming the first of `alternatives` (a
+    setting -> the bytes it would need) that fits, if any."""
     if need <= usable(available):
-        return
+        return None
     fits = next((setting for setting, size in alternatives.items() if size <= usable(available)), None)
     advice = f"try {fits}" if fits else "it does not fit this machine's memory in any form moedesk has"
-    raise MoedeskError(f"{what} needs {gib(need)} of RAM once loaded, {gib(available)} is available; {advice}")
+    return f"needs {gib(need)} of RAM once loaded, {gib(available)} is available; {advice}"
+
+
+def check_load_fits(need: int, available: int, what: str, alternatives: dict[str, int]) -> None:
+    """MoedeskError unless `need` bytes fit `available`: `what` and its shortfall, in one line."""
+    short = shortfall(need, available, alternatives)
+    if short is not None:
+        raise MoedeskError(f"{what} {short}")

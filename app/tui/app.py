@@ -77,6 +77,9 @@ class MoedeskApp(App[int]):
             return {**self.settings.load_options(), **{k: v for k, v in flags.items() if v is not None}}
 
         self.load_options = load_options  # what the next load gets: the models screen's memory estimate follows it
+        # The same, for what load_options leaves out: the device and context every load of this run is asked for
+        self.load_device = engine.device.type if _is_engine(engine) and hasattr(engine, "device") else device
+        self.context_length = context_length
 
         if engine is not None and _is_engine(engine):
             self.engine = engine

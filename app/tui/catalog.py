@@ -33,6 +33,9 @@ class LocalModel:
     # expert dtype re-estimates without reading headers again; None with `estimate_error` saying why.
     weights: object = field(default=None, compare=False, repr=False)
     estimate_error: str = ""
+    # A GGUF's header as llama.cpp's placement reads it (engine.llamacpp.fit.GGUFShape): what its fit line is planned
+    # from where llama.cpp would run it; None for other models.
+    llama_shape: object = field(default=None, compare=False, repr=False)
 
     def estimate(self, expert_dtype: str, weights_dtype: str):
         """The MemoryEstimate of loading it with these dtypes; None when its headers could not be sorted."""
@@ -131,19 +134,20 @@ def gguf_model(path: Path) -> LocalModel:
     from moedesk.engine.listing import gguf_parts
 
     arch, experts, top_k, note = "?", 0, 0, ""
-    weights, why = None, ""
+    weights, why, shape = None, "", None
     try:
         # The engine's own reading of the header; a file it refuses is read again below for what the listing shows.
         from moedesk.engine.listing import read_gguf
 
         listing = read_gguf(path)
         arch, experts, top_k = listing.arch, *describe_config(listing.config)[1:]
-        weights = listing.weights
+        weights, shape = listing.weights, listing.llama_shape
         why = _one_line(listing.estimate_error) if listing.estimate_error is not None else ""
     except Exception as e:  # noqa: BLE001
         why = _one_line(e)
         try:
             from moedesk.engine.listing import gguf_header
+            from moedesk.engine.llamacpp.fit import gguf_shape
             from moedesk.engine.load.size_estimate import file_weights
             from moedesk.engine.selection import listed_engine
 
@@ -152,7 +156,7 @@ def gguf_model(path: Path) -> LocalModel:
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
             if listed_engine(arch, gguf=True).kind == "llama.cpp":  # it runs from the file as it is
-                weights, why = file_weights(arch, reader.tensors), ""
+                weights, why, shape = file_weights(arch, reader.tensors), "", gguf_shape(reader)
         except MoedeskError as e:  # a split GGUF missing a part: the line that names it
             why = _one_line(e)
         except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
@@ -161,7 +165,7 @@ def gguf_model(path: Path) -> LocalModel:
     # left unknown here, and loading says what is wrong.
     parts = gguf_parts(path)
     size = sum(p.stat().st_size for p in parts) if all(p.exists() for p in parts) else None
-    return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note, weights, why)
+    return LocalModel(str(path), path.name, "gguf", size, arch, experts, top_k, None, note, weights, why, shape)
 
 
 def _gguf_value(reader, key: str):
@@ -255,7 +259,7 @@ def scan_hf_cache(cache_dir: Path | str | None = None, known: set[str] | None = 
                 m = gguf_model(gguf)
                 name = f"{repo.repo_id}/{gguf.relative_to(snapshot).as_posix()}"
                 out.append(LocalModel(m.spec, name, "hf cache", m.size_bytes, m.arch, m.num_experts, m.top_k,
-                                      m.supported, m.note, m.weights, m.estimate_error))
+                                      m.supported, m.note, m.weights, m.estimate_error, m.llama_shape))
     return out
 
 

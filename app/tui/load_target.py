@@ -12,6 +12,9 @@ class LoadTarget(NamedTuple):
     weights_dtype: str  # float32 | bfloat16 | float16: the weights dtype setting with auto resolved
     gpu: bool  # a CUDA GPU: experts in RAM, the rest on it
     budgets: tuple[float, ...] = ()  # GiB per GPU, where --gpu-budget names several (the layers spread over them)
+    gpu_budget: float | None = None  # GiB, where --gpu-budget names one figure
+    context: int | None = None  # --context (None: the engine's default)
+    device: str = "auto"  # what the next load is asked for: "cpu" keeps llama.cpp off the GPU too
 
     def describe(self) -> str:
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.weights_dtype]
@@ -30,9 +33,12 @@ def load_target(app) -> LoadTarget:
         gpu = engine.device.type == "cuda"
     else:
         gpu = torch.cuda.is_available()
+    device = getattr(app, "load_device", None) or "auto"  # the device every load of this run is asked for
     dtype = options.get("dtype")
     if dtype is None:  # as engine.load.loader.resolve_dtype decides it
         dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if gpu else "float32"
     budget = options.get("gpu_budget")
     budgets = tuple(budget) if isinstance(budget, (tuple, list)) and len(budget) > 1 else ()
-    return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu, budgets)
+    one = budget[0] if isinstance(budget, (tuple, list)) and len(budget) == 1 else None if budgets else budget
+    return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu, budgets, one,
+                      getattr(app, "context_length", None), device)

@@ -18,14 +18,13 @@ from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
-from moedesk.engine.llamacpp.placement import (GIB, Placement, backed_off, backed_off_budget, expert_budget,
-                                              gguf_sizes, place, ram_need)
+from moedesk.engine.llamacpp.fit import FIRST_SLOTS, gguf_shape, plan, this_machine, value
+from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
-from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
+from moedesk.engine.interface import EngineFace
 
 NATIVE_ONLY = "{what} is a native-engine feature; this model runs on llama.cpp (--engine native where it loads)"
-FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
 _hinted = False  # the CUDA rebuild line is said once a process
 
 
@@ -50,6 +49,7 @@ class LlamaCppEngine(EngineFace):
         self._grammar_tokenizer = None
         self.generation_defaults: dict = {}  # the model's own sampling defaults, where the user set none
         self.overridden: dict[str, str] = {}  # tensor -> buffer type, as llama.cpp's load log said
+        self.fit = None  # engine.llamacpp.fit.Fit: what the load decided it holds in RAM and on the GPU
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
@@ -73,34 +73,29 @@ class LlamaCppEngine(EngineFace):
                             f"file's formats")
         if gpu_budget is not None and gpu_budget < 0:
             raise MoedeskError(f"--gpu-budget {gpu_budget}: must be >= 0 GiB")
-        gpu_devices = [n for n, kind in lib.devices() if kind in ("gpu", "igpu")]
         hint = cuda_hint(_nvidia_gpus(), lib.gpu_offload())
         if hint and not _hinted:
             warnings.append(hint)
             _hinted = True
-        use_gpu = bool(gpu_devices) and device != "cpu"
-        if device.startswith("cuda") and not gpu_devices:
+        machine = this_machine(device)
+        use_gpu = machine.gpu
+        if device.startswith("cuda") and not use_gpu:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
         reader = _header(path)
         path = Path(reader.paths[0])  # of a split GGUF, the first part: llama.cpp loads the others from its name
-        sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
+        shape = gguf_shape(reader)
+        sizes = shape.sizes
         if progress:
             progress("load", 0.0)
-        context = context_length or DEFAULT_CONTEXT
-        layers_meta = _arch_value(reader, "block_count") or len(sizes.expert_bytes)
-        kv_per_position = _kv_bytes_per_position(reader, layers_meta)
-        budget = 0
-        if use_gpu:
-            free = _gpu_free_bytes()
-            gpu_budget, lowered = backed_off_budget(gpu_budget, free)
-            warnings += [lowered] if lowered else []
-            budget = expert_budget(gpu_budget, free, sizes.other_bytes, kv_per_position, context)
-        placement = place(sizes, layers_meta, use_gpu, budget, cpu_moe)
+        # The Models screen asks the same plan of the same header and machine: it says what this load decides.
+        fit = plan(shape, machine, context_length, gpu_budget, cpu_moe)
+        warnings += fit.notes
+        placement = fit.placement
         while True:
             # Before llama.cpp reads a byte of the weights: the memory the process may use must hold what stays
             # in RAM under this placement (a cgroup's limit otherwise ends the process half way through).
-            _check_ram(path, sizes, placement, kv_per_position,
-                       min(context, _arch_value(reader, "context_length") or context))
+            if not fit.fits:
+                raise MoedeskError(fit.refusal(str(path)))
             mark = lib.log_mark()
             handle, stopped = _load_file(lib, path, placement, progress)
             if handle or stopped or not _gpu_allocation_failed(lib.log_since(mark)):
@@ -109,7 +104,8 @@ class LlamaCppEngine(EngineFace):
             if fewer is None:
                 break
             # As the native engine does on the GPU's out-of-memory: fewer experts there, and a line that says so.
-            placement = replace(place(sizes, layers_meta, True, 0, fewer),
+            fit = plan(shape, machine, context_length, gpu_budget, fewer)
+            placement = replace(fit.placement,
                                 why=f"experts of {fewer} of {len(sizes.expert_bytes)} layers in RAM: the GPU could "
                                     f"not hold more")
             warnings.append(f"llama.cpp could not allocate its GPU buffers; {placement.why}")
@@ -123,7 +119,7 @@ class LlamaCppEngine(EngineFace):
         try:
             vocab = LlamaVocab(api, handle, str(path))
             config = _config(api, handle, vocab, sizes)
-            context = min(context, config.max_position_embeddings or context)
+            context = min(fit.context, config.max_position_embeddings or fit.context)
             threads = max(1, torch.get_num_threads())
             batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
             counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts) \
@@ -134,6 +130,7 @@ class LlamaCppEngine(EngineFace):
             api.llama_model_free(handle)
             raise
         engine = cls(api, handle, llama, vocab, config, placement, name or model, why, path)
+        engine.fit = replace(fit, placement=placement)
         engine.warnings = warnings
         engine.overridden = overridden_tensors(lib.log_since(mark))
         engine.generation_defaults = _generation_defaults(reader, name or model)
@@ -317,30 +314,10 @@ def _gpu_allocation_failed(log: list[str]) -> bool:
     return any("failed to allocate" in line or "out of memory" in line.lower() for line in log)
 
 
-def _check_ram(path: Path, sizes, placement: Placement, kv_per_position: int, context: int) -> None:
-    """MoedeskError, one line, unless the memory this process may use (engine.host_memory: the RAM available or a
-    cgroup's room) holds what llama.cpp keeps in RAM under `placement`; naming a shorter --context that fits,
-    where the cache in RAM is what tips it."""
-    from moedesk.engine.host_memory import available_memory
-    from moedesk.engine.memory_fit import check_load_fits
-
-    need = ram_need(sizes, placement, kv_per_position, context)
-    shorter = [context >> n for n in range(1, 8) if context >> n >= 512]
-    check_load_fits(need, available_memory(), str(path),
-                    {f"--context {c}": ram_need(sizes, placement, kv_per_position, c) for c in shorter}
-                    if not placement.gpu_layers else {})
-
-
 def _nvidia_gpus() -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return int(os.path.exists("/proc/driver/nvidia/version"))
-
-
-def _gpu_free_bytes() -> int:
-    if torch.cuda.is_available():
-        return int(torch.cuda.mem_get_info()[0])
-    return 0
 
 
 def _header(path: Path):
@@ -360,31 +337,6 @@ def _header(path: Path):
     return open_gguf(path, read)
 
 
-def _value(reader, key: str):
-    field = reader.fields.get(key)
-    return field.contents() if field is not None else None
-
-
-def _arch_value(reader, key: str) -> int | None:
-    value = _value(reader, f"{_value(reader, 'general.architecture')}.{key}")
-    return int(value) if isinstance(value, int) else None
-
-
-def _kv_bytes_per_position(reader, layers: int) -> int:
-    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded)."""
-    def widest(key, default):
-        value = _value(reader, f"{_value(reader, 'general.architecture')}.{key}")
-        values = value if isinstance(value, list) else [value]
-        numbers = [v for v in values if isinstance(v, int)]
-        return max(numbers) if numbers else default
-
-    heads = widest("attention.head_count", 1) or 1
-    kv_heads = widest("attention.head_count_kv", heads) or heads
-    key = widest("attention.key_length", widest("embedding_length", 0) // heads)
-    value = widest("attention.value_length", key)
-    return 2 * layers * kv_heads * (key + value)
-
-
 def _generation_defaults(reader, name: str) -> dict:
     """The sampling the model recommends, as the native engine reads it (engine.load.generation_defaults)."""
     from moedesk.engine.load.generation_defaults import checked, from_gguf_metadata
@@ -393,7 +345,7 @@ def _generation_defaults(reader, name: str) -> dict:
         from moedesk.engine.load.demo import recipe
 
         return checked(recipe().get("generation", {}))
-    return from_gguf_metadata(lambda key: _value(reader, key))
+    return from_gguf_metadata(lambda key: value(reader, key))
 
 
 def _meta(api, model, key: str) -> str | None:

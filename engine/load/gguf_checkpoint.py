@@ -590,6 +590,11 @@ class GGUFCheckpoint:
         """The files the model is in: the GGUF, or a split GGUF's parts, the first first."""
         return tuple(Path(p) for p in self._reader.paths)
 
+    @property
+    def header(self):
+        """The metadata and tensor infos as read (`fields`, `tensors`; a split GGUF's parts joined)."""
+        return self._reader
+
     def close(self) -> None:
         for file in self._files.values():
             file.close()

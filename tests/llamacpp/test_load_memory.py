@@ -54,12 +54,10 @@ def lfm2(tmp_path_factory):
 def need_on_cpu(path, context: int) -> int:
     from gguf import GGUFReader
 
-    from moedesk.engine.llamacpp.engine import _arch_value, _kv_bytes_per_position
+    from moedesk.engine.llamacpp.fit import gguf_shape
 
-    reader = GGUFReader(path)
-    sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
-    per = _kv_bytes_per_position(reader, _arch_value(reader, "block_count"))
-    return ram_need(sizes, place(sizes, len(sizes.expert_bytes), False, 0), per, context)
+    shape = gguf_shape(GGUFReader(path))
+    return ram_need(shape.sizes, place(shape.sizes, shape.layers, False, 0), shape.kv_per_position, context)
 
 
 def no_weights_read(monkeypatch) -> list:

@@ -149,13 +149,13 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
         note = lambda: str(screen.query_one("#models-note").render())  # noqa: E731
         status = lambda: str(screen.query_one("#models-status").render())  # noqa: E731
         assert note() == (f"acme/tiny-moe · ~{human_size(auto_experts + other)} in RAM, {human_size(auto_experts)} "
-                          f"of it f32 experts (file {human_size(folder_size(folder))})")
+                          f"of it f32 experts (file {human_size(folder_size(folder))}) · native engine")
         assert "memory with expert dtype auto, f32 weights (F2)" in status()
         # No estimate without readable headers (nor for the demo before its first build): the file's size, below.
         assert table.get_row_at(names.index("broken.gguf"))[5] == "—" and table.get_row_at(0)[5] == "—"
         table.move_cursor(row=names.index("broken.gguf"))
         await pilot.pause()
-        assert note() == "broken.gguf · file 22 B · unreadable header (ValueError)"
+        assert note() == "broken.gguf · file 22 B · native engine · unreadable header (ValueError)"
         table.move_cursor(row=row)
         await pilot.pause()
 
@@ -167,14 +167,16 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
         await wait_for(pilot, lambda: "int4" in status(), what="the new estimate")
         assert table.get_row_at(row)[5] == f"~{human_size(int4_experts + other)}"
         assert note() == (f"acme/tiny-moe · ~{human_size(int4_experts + other)} in RAM, {human_size(int4_experts)} "
-                          f"of it q4_0/f32 experts (file {human_size(folder_size(folder))})")
+                          f"of it q4_0/f32 experts (file {human_size(folder_size(folder))}) · native engine")
         assert "memory with expert dtype int4, f32 weights (F2)" in status()
 
 
 def test_the_flags_of_this_run_win_over_the_settings_and_a_gpu_holds_the_rest(engine):
     app = MoedeskApp(engine, settings=Settings(expert_dtype="int4", dtype="bfloat16"), expert_dtype="int8")
-    assert load_target(app) == LoadTarget("int8", "bfloat16", gpu=False)  # the engine's device: the CPU
-    assert load_target(MoedeskApp(engine, settings=Settings())) == LoadTarget("auto", "float32", gpu=False)
+    # the engine's device, the CPU: later loads are asked for it too
+    assert load_target(app) == LoadTarget("int8", "bfloat16", gpu=False, device="cpu")
+    assert load_target(MoedeskApp(engine, settings=Settings())) == LoadTarget("auto", "float32", gpu=False,
+                                                                              device="cpu")
     estimate = MemoryEstimate(expert_bytes=26_400 * 2**20, other_bytes=3 * 2**30, expert_formats=("q4_0",),
                               weights_dtype="bfloat16")
     assert estimate_line(estimate, True, human_size) == "~25.8 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU"

@@ -29,21 +29,39 @@ def memory_cell(model: LocalModel, target: LoadTarget) -> str:
 
 
 def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto", available: int | None = None) -> str:
-    """The estimate in full, with the file's size: "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file
-    86.9 GiB)"; the file's size alone where there is no estimate (and why, when the headers said). A model that
-    llama.cpp would run says so and why; one bigger than the memory this process may use (`available`, default:
-    the RAM available or the cgroup's limit, engine.host_memory) says that it will not load."""
+    """The estimate in full, with the file's size, and the engine it assumes (auto's choice, engine.selection):
+    "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file 86.9 GiB) · native engine"; the file's size alone
+    where there is no estimate (and why, when the headers said). A GGUF llama.cpp would run is planned as its load
+    plans it (engine.llamacpp.fit: the same placement, figures and refusal). One bigger than the memory this
+    process may use (`available`, default: the RAM available or the cgroup's limit) says that it will not load."""
     from moedesk.engine.selection import listed_engine
 
     choice = listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
-    engine_why = choice.why if choice.kind == "llama.cpp" else ""  # the native engine is the default: unsaid
     file = f"file {human_size(model.size_bytes)}" if model.size_bytes is not None else ""
+    if choice.kind == "llama.cpp" and model.llama_shape is not None:
+        return " · ".join(part for part in (llama_fit_line(model.llama_shape, target, available), file, choice.why)
+                          if part)
     estimate = model.estimate(target.expert_dtype, target.weights_dtype)
     if estimate is None:
         why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
-        return " · ".join(part for part in (file, why, engine_why) if part)
+        return " · ".join(part for part in (file, why, choice.why) if part)
     return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "") + \
-        _too_big(estimate.ram_bytes(target.gpu), available) + (f" · {engine_why}" if engine_why else "")
+        _too_big(estimate.ram_bytes(target.gpu), available) + f" · {choice.why}"
+
+
+def llama_fit_line(shape, target: LoadTarget, available: int | None = None) -> str:
+    """What the llama.cpp engine's load would hold where for a GGUF of `shape` (engine.llamacpp.fit.GGUFShape) with
+    this run's device, context and GPU budget, and its refusal when it would refuse."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.llamacpp.fit import plan, this_machine
+
+    if target.budgets:
+        return f"does not load: llama.cpp takes one --gpu-budget figure, not {len(target.budgets)}"
+    try:
+        fit = plan(shape, this_machine(target.device, available), target.context, target.gpu_budget)
+    except MoedeskError as e:  # a named budget that cannot hold the rest: the load's own line
+        return f"does not fit: {e}"
+    return fit.summary() + ("" if fit.fits else f" · does not fit: {fit.problem}")
 
 
 def _too_big(need: int, available: int | None) -> str:

@@ -1,0 +1,158 @@
+"""What a GGUF needs in RAM and on the GPU on the llama.cpp engine, under the placement that engine chooses for this
+machine's GPU, budget and context: one decision that the load (before llama.cpp reads a weight) and the Models
+screen (before anything is loaded) both ask, so that the screen says a model does not fit exactly when its load
+refuses it, in the same figures.
+
+`plan` is pure (the header's sizes and a `Machine` in, a `Fit` out); `this_machine` reads the machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moedesk.engine.interface import DEFAULT_CONTEXT
+from moedesk.engine.llamacpp.placement import (GGUFSizes, Placement, backed_off_budget, expert_budget, gguf_sizes,
+                                              place, ram_need)
+from moedesk.engine.memory_fit import gib, shortfall
+from moedesk.engine.offload.gpu_budget import ContextBudgetError
+
+FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
+SHORTEST_ADVISED = 512  # a shorter context offered instead is at least this long
+
+
+@dataclass(frozen=True)
+class GGUFShape:
+    """What the decision needs of a GGUF, from its header alone."""
+
+    sizes: GGUFSizes
+    layers: int  # block_count
+    kv_per_position: int  # keys and values of one position in llama.cpp's f16 cache, every layer
+    trained_context: int | None  # the context it was trained for: llama.cpp allocates no more
+
+
+def gguf_shape(header) -> GGUFShape:
+    """The shape of a GGUF from its metadata and tensor infos (gguf's reader, or a split GGUF's joined view)."""
+    sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in header.tensors)
+    layers = arch_value(header, "block_count") or len(sizes.expert_bytes)
+    return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers), arch_value(header, "context_length"))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What placement is decided for."""
+
+    gpu: bool  # llama.cpp offloads to a GPU: its build has one, and --device is not cpu
+    gpu_free: int  # bytes free on that GPU (0: unknown)
+    available: int  # bytes this process may still use (engine.host_memory: RAM, or a cgroup's room)
+
+
+def llama_gpu() -> tuple[bool, int]:
+    """Whether the llama.cpp here offloads to a GPU, and the bytes free on it as torch sees them (0: unknown). No GPU
+    where llama.cpp itself is missing: the load then says so in its own line."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.llamacpp.library import library
+
+    try:
+        gpu = any(kind in ("gpu", "igpu") for _, kind in library().devices())
+    except MoedeskError:
+        return False, 0
+    import torch
+
+    return gpu, int(torch.cuda.mem_get_info()[0]) if gpu and torch.cuda.is_available() else 0
+
+
+def this_machine(device: str = "auto", available: int | None = None) -> Machine:
+    """This machine as the llama.cpp engine would load on it with `--device device`."""
+    from moedesk.engine.host_memory import available_memory
+
+    gpu, free = llama_gpu()
+    return Machine(gpu and device != "cpu", free, available_memory() if available is None else available)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A placement and what it holds where. `problem`: None when it fits, else the shortfall in words (naming a
+    shorter context that would fit, where one does); `notes`: what was changed on the way (a budget lowered)."""
+
+    placement: Placement
+    context: int  # positions the cache holds
+    ram_bytes: int
+    gpu_bytes: int
+    available: int
+    problem: str | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    def refusal(self, what: str) -> str:
+        return f"{what} {self.problem}"
+
+    def summary(self) -> str:
+        """"~1.2 GiB in RAM + 0.8 GiB on the GPU at 4096 positions (experts of 2 of 4 layers in RAM ...)"."""
+        where = f"~{gib(self.ram_bytes)} in RAM"
+        if self.placement.gpu_layers:
+            where += f" + {gib(self.gpu_bytes)} on the GPU"
+        return f"{where} at {self.context} positions ({self.placement.why})"
+
+
+def plan(shape: GGUFShape, machine: Machine, context: int | None = None, gpu_budget: float | None = None,
+         cpu_moe: int | None = None) -> Fit:
+    """Where the llama.cpp engine puts a GGUF of `shape` on `machine` at `context` positions (None: the default,
+    within what the model was trained for), for `gpu_budget` GiB (None: what is free), with the first `cpu_moe`
+    layers' experts in RAM (None: as few as the budget allows), and whether what stays in RAM fits the memory
+    the process may use. ContextBudgetError (one line) where a named budget cannot hold the rest."""
+    context = min(context or DEFAULT_CONTEXT, shape.trained_context or context or DEFAULT_CONTEXT)
+    gpu_budget, lowered = backed_off_budget(gpu_budget, machine.gpu_free) if machine.gpu else (gpu_budget, None)
+    placement, ram, gpu = _placed(shape, machine, context, gpu_budget, cpu_moe)
+    shorter = {}
+    for c in (context >> n for n in range(1, 8)):
+        if c < SHORTEST_ADVISED:
+            break
+        try:
+            shorter[f"--context {c}"] = _placed(shape, machine, c, gpu_budget, cpu_moe)[1]
+        except ContextBudgetError:
+            continue
+    return Fit(placement, context, ram, gpu, machine.available, shortfall(ram, machine.available, shorter),
+               (lowered,) if lowered else ())
+
+
+def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float | None,
+            cpu_moe: int | None) -> tuple[Placement, int, int]:
+    """(placement, bytes in RAM, bytes on the GPU) at `context` positions."""
+    sizes, kv = shape.sizes, shape.kv_per_position
+    budget = expert_budget(gpu_budget, machine.gpu_free, sizes.other_bytes, kv, context) if machine.gpu else 0
+    placement = place(sizes, shape.layers, machine.gpu, budget, cpu_moe)
+    ram = ram_need(sizes, placement, kv, context, FIRST_SLOTS)
+    if not placement.gpu_layers:
+        return placement, ram, 0
+    # On the GPU: every weight but the token embeddings and the experts pinned to RAM, and the cache
+    gpu = sizes.total_bytes - sizes.input_bytes - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
+    return placement, ram, gpu
+
+
+# --- the header's values -----------------------------------------------------------------------------------
+
+def value(header, key: str):
+    field = header.fields.get(key)
+    return field.contents() if field is not None else None
+
+
+def arch_value(header, key: str) -> int | None:
+    found = value(header, f"{value(header, 'general.architecture')}.{key}")
+    return int(found) if isinstance(found, int) else None
+
+
+def _kv_bytes_per_position(header, layers: int) -> int:
+    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded)."""
+    def widest(key, default):
+        found = value(header, f"{value(header, 'general.architecture')}.{key}")
+        values = found if isinstance(found, list) else [found]
+        numbers = [v for v in values if isinstance(v, int)]
+        return max(numbers) if numbers else default
+
+    heads = widest("attention.head_count", 1) or 1
+    kv_heads = widest("attention.head_count_kv", heads) or heads
+    key = widest("attention.key_length", widest("embedding_length", 0) // heads)
+    width = widest("attention.value_length", key)
+    return 2 * layers * kv_heads * (key + width)
