@@ -21,12 +21,32 @@ def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -
     holding = parts - 1 if first_empty else parts
     writer = gguf.GGUFWriter(str(out), arch, split_max_tensors=math.ceil(len(reader.tensors) / holding),
                              small_first_shard=first_empty)
+    _copy(reader, writer)
+    written = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
+    expected = [f"{out.stem}-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)]
+    assert [p.name for p in written] == expected, written
+    return written
+
+
+def with_metadata(single: Path, out: Path, **values: int) -> Path:
+    """`single` written again as `out` with some integer metadata changed (key=value; "__" stands for "."), as a
+    file converted with other settings would hold them: lfm2moe__context_length=8192."""
+    reader = gguf.GGUFReader(single)
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    _copy(reader, writer, {key.replace("__", "."): value for key, value in values.items()})
+    return out
+
+
+def _copy(reader, writer, changed: dict | None = None) -> None:
+    """Every field and tensor of `reader` through `writer`, with the `changed` fields' values instead."""
+    changed = changed or {}
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name in ("general.architecture", "general.alignment"):
             continue  # the writer writes these itself
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        writer.add_key_value(field.name, changed.pop(field.name, field.contents()), kind, sub_type=sub)
+    assert not changed, f"no such fields: {sorted(changed)}"
     for tensor in reader.tensors:
         # The reader's memory-mapped view, typed as it hands it out (quantised blocks and BF16 as bytes): written
         # from the page cache, so a whole model splits without being held in memory.
@@ -35,10 +55,6 @@ def split_gguf(single: Path, out: Path, parts: int, first_empty: bool = False) -
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    written = sorted(out.parent.glob(f"{out.stem}-*-of-*.gguf"))
-    expected = [f"{out.stem}-{i:05d}-of-{parts:05d}.gguf" for i in range(1, parts + 1)]
-    assert [p.name for p in written] == expected, written
-    return written
 
 
 def parts_size(path: Path) -> int:

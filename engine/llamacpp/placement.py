@@ -10,6 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from moedesk.engine.memory_fit import gib
+
 GIB = 2**30
 # Routed experts as llama.cpp's converter names them: ffn_{gate,up,down,gate_up}_exps (their .weight and, in
 # gpt-oss, .bias); "chexps" are chunked experts. Shared experts (ffn_*_shexp) are not routed: they stay.
@@ -112,7 +114,8 @@ def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: 
         return Placement(0, pinned, layers, total_experts, "no GPU for llama.cpp: all in RAM")
     if cpu_moe is None:
         cpu_moe = cpu_moe_layers(sizes.expert_bytes, budget_bytes)
-        why = f"experts of {cpu_moe} of {len(sizes.expert_bytes)} layers in RAM for a {budget_bytes / GIB:.1f} GiB budget"
+        why = (f"experts of {cpu_moe} of {len(sizes.expert_bytes)} layers in RAM, {gib(budget_bytes)} of the GPU left "
+               f"for experts")
     else:
         why = f"experts of the first {cpu_moe} layers in RAM, as asked"
     cpu_moe = max(0, min(cpu_moe, len(sizes.expert_bytes)))
