@@ -188,7 +188,8 @@ def test_graph_segments_step_explicit_rows_of_different_lengths_as_the_eager_for
         want = model(torch.tensor(tokens), positions, eager, run, rows=rows, drafts=True)
         torch.testing.assert_close(graphs.forward(torch.tensor(tokens), positions, run, rows), want, rtol=1e-5,
                                    atol=1e-5)
-    for ours, theirs in zip(replayed.kinds[1].state + replayed.kinds[1].conv, eager.kinds[1].state + eager.kinds[1].conv):
+    ours, theirs = replayed.kinds[1], eager.kinds[1]
+    for ours, theirs in zip(ours.state + ours.conv, theirs.state + theirs.conv):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert graphs.captures == 1 and graphs.broken is None
 
@@ -273,6 +274,28 @@ def test_beam_search_equals_transformers(family, built):
             new = out[0, len(ids):].tolist()
             end = next((i for i, t in enumerate(new) if t in eos), len(new))
             assert done.token_ids == new[:end], beams
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_beam_search_through_graph_segments_equals_transformers(family, built):
+    """Beam search's steps replayed from the segments: its forks reorder the recurrent state in place (rows
+    gathered within each search's block), where the graphs read it."""
+    from moedesk.engine.generation.beam import BeamSearch
+
+    b = built(family)
+    engine = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    ids = prompts(engine)[1]
+    made = []
+    search = BeamSearch(engine.model, engine.device, engine.dtype, engine.context_length, graphs=segments(made))
+    done = search.run(ids, engine.executor, 3, 8, eos)
+    with torch.no_grad():
+        out = b.model.generate(torch.tensor([ids]), max_new_tokens=8, num_beams=3, do_sample=False,
+                               eos_token_id=sorted(eos), pad_token_id=0)
+    new = out[0, len(ids):].tolist()
+    end = next((i for i, t in enumerate(new) if t in eos), len(new))
+    assert done.tokens[:len(done.tokens) - done.ended_by_eos] == new[:end]
+    assert made and made[0].captured and made[0].broken is None
 
 
 def fuse_experts(tensors: dict) -> dict:
@@ -406,7 +429,8 @@ def test_on_cuda_float32_in_place_and_offloaded_and_bf16(family, built):
 def test_on_cuda_graphs_replay_what_eager_decoding_computes(family, built, monkeypatch):
     """Captured CUDA graphs against the eager forward on CUDA, float32: the greedy ids of rows of different lengths
     (rows reused mid-run); every step's logits and the recurrent states left, over explicit rows after a padded
-    prompt batch; speculation's verify forwards replayed, chains and trees, rejected drafts rolled back."""
+    prompt batch; speculation's verify forwards replayed, chains and trees, rejected drafts rolled back; beam search's
+    forks."""
     from moedesk.engine.generation.cuda_graphs import GraphedDecode
     from moedesk.engine.speculative.oracle_drafter import oracle_factory
     from moedesk.engine.speculative.verification import Speculator
@@ -458,6 +482,15 @@ def test_on_cuda_graphs_replay_what_eager_decoding_computes(family, built, monke
                          draft_length=4, draft_width=width, budget=budget)
         assert [c.token_ids for c in done] == alone, mode
         assert any(key[1] > 1 and c.graphs for g in made for key, c in g.captured.items()), mode
+
+    from moedesk.engine.generation.beam import BeamSearch
+
+    eos = graphed.tokenizer.eos_token_ids | set(graphed.config.eos_token_ids)
+    searches = [BeamSearch(model, graphed.device, graphed.dtype, graphed.context_length, graphs=on)
+                for on in (True, False)]
+    for prompt in ids[1:]:
+        assert searches[0].run(prompt, run, 3, 8, eos).tokens == searches[1].run(prompt, run, 3, 8, eos).tokens
+    assert searches[0].runner.graphs.captures and searches[0].runner.graphs.broken is None
 
 
 def test_memory_sums_count_deltanet_layers_and_the_kv_cache_of_full_layers_only(built, tmp_path):
