@@ -155,10 +155,14 @@ class GatedDeltaNet(nn.Module):
 
     def fuse_projections(self) -> None:
         """On CUDA: the four input projections as one matmul, and the decay rate -exp(A_log) computed once (a decode
-        step's layer is launch bound: every kernel saved counts). The parameters stay as loaded."""
+        step's layer is launch bound: every kernel saved counts). The parameters become views of the fused weight."""
         parts = (self.in_qkv, self.in_z, self.in_b, self.in_a)
-        self.in_sizes = [p.out_features for p in parts]
-        self.register_buffer("in_weight", torch.cat([p.weight.detach() for p in parts]), persistent=False)
+        sizes = [p.out_features for p in parts]
+        weight = torch.cat([p.weight.detach() for p in parts])  # made first: out of memory here changes nothing
+        for p, part in zip(parts, weight.split(sizes)):  # the parameters become views of it: no second copy
+            p.weight.data = part
+        self.in_sizes = sizes
+        self.register_buffer("in_weight", weight, persistent=False)
         self.register_buffer("decay_rate", -self.A_log.detach().float().exp(), persistent=False)
 
     def project(self, x):

@@ -104,7 +104,10 @@ def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(b
     positions = torch.arange(ids.shape[1])[None]
     before = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
     assert fuse_attention_projections(engine.model.layers) == 4 and hasattr(engine.model.layers[3].attn, "qkv_weight")
-    assert all(hasattr(engine.model.layers[i].attn, "in_weight") for i in range(3))
+    for i in range(3):  # a DeltaNet's projections are views of the fused weight, not a second copy
+        mixer = engine.model.layers[i].attn
+        assert mixer.in_qkv.weight.data_ptr() == mixer.in_weight.data_ptr()
+        assert mixer.in_a.weight.untyped_storage().data_ptr() == mixer.in_weight.untyped_storage().data_ptr()
     after = engine.model(ids, positions, engine.model.new_cache(1, 64, torch.float32, "cpu"), engine.executor)
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
