@@ -32,7 +32,8 @@ a = torch.randn(n, n)
 torch.mm(a, a)  # timed warm: a first call's thread-pool start made the op too short, and give-up saw no step left
 started = time.perf_counter()
 torch.mm(a, a)
-n = min(4096, int(n * (1.0 / max(time.perf_counter() - started, 1e-6)) ** (1 / 3)))
+# At least 2048: timed on a busy machine the small op runs slow and the scaled one came out far under a second.
+n = max(2048, min(4096, int(n * (1.0 / max(time.perf_counter() - started, 1e-6)) ** (1 / 3))))
 big = torch.randn(n, n)
 forward = engine.model.forward
 
