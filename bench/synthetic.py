@@ -29,6 +29,7 @@ class BenchResult:
     bound_tok_s: float | None = None
     depth: int = 0  # tokens of context already in the cache when the run starts (bench.depth)
     spread: float | None = None  # (slowest - fastest) / median over its rounds: decode steps, prefill repeats
+    noise: float | None = None  # standard error of the mean step time over the decode steps, relative to it
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -50,13 +51,16 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: int = 64, prompt: int = 32,
-                   seed: int = 0, graphs: bool | None = None) -> BenchResult:
-    """Generated tokens per second over all sequences, timed from the second decode step to the last.
+                   seed: int = 0, graphs: bool | None = None, warmup: int = 1) -> BenchResult:
+    """Generated tokens per second over all sequences, timed from decode step `warmup` + 1 to the last.
 
     The first decode step is left out: it captures the CUDA graphs (graphs None: where the engine
-    would use them), which a chat pays once per batch size, not per token. The executor's stats
-    restart there too, so they cover exactly the timed steps.
+    would use them), which a chat pays once per batch size, not per token. A larger `warmup` leaves out
+    more (a cache's first steps of a conversation). The executor's stats restart where the timing
+    starts, so they cover exactly the timed steps.
     """
+    if warmup < 1 or (warmup > 1 and warmup > new_tokens - 2):
+        raise ValueError(f"warmup {warmup}: at least the first decode step, and a step left to time of {new_tokens}")
     from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
     use_graphs = graphs_wanted(torch.device(device)) if graphs is None else graphs
@@ -68,20 +72,20 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     start = None
     step_ends = []  # when each timed step's last row came out: the steps' times are the rounds' spread
     for seq, token in decoder.run(requests, batch_size=batch):
-        if start is None and len(seq.tokens) == 2 and seq.row == batch - 1:
+        if start is None and len(seq.tokens) == 1 + warmup and seq.row == batch - 1:
             _sync(device)
             if hasattr(executor, "stats"):
                 executor.stats = type(executor.stats)()
-            start = time.perf_counter()  # every sequence has two tokens: the first decode step is done
+            start = time.perf_counter()  # every sequence has 1 + warmup tokens: the untimed decode steps are done
             step_ends.append(start)
         elif start is not None and seq.row == batch - 1:
             step_ends.append(time.perf_counter())
     _sync(device)
     seconds = time.perf_counter() - start
-    generated = batch * (new_tokens - 2)
+    generated = batch * (new_tokens - 1 - warmup)
     steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
     return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds,
-                       spread=spread(steps))
+                       spread=spread(steps), noise=noise(steps))
 
 
 def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
@@ -108,6 +112,16 @@ def spread(times: list[float]) -> float | None:
     middle = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
                                                                  + ordered[len(ordered) // 2]) / 2
     return (ordered[-1] - ordered[0]) / middle if middle > 0 else None
+
+
+def noise(times: list[float]) -> float | None:
+    """Standard error of the mean of a run's rounds, relative to the mean: how far its rate may be off by chance
+    (two runs' ratio: the square root of the sum of their squares). None for fewer than two."""
+    if len(times) < 2:
+        return None
+    mean = sum(times) / len(times)
+    var = sum((t - mean) ** 2 for t in times) / (len(times) - 1)
+    return (var / len(times)) ** 0.5 / mean if mean > 0 else None
 
 
 def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, bytes_per_s: float) -> float | None:
@@ -185,7 +199,7 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
 
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
                       context: int = 4096, policy: str = "balanced", log=print,
-                      expert_format: str = "dense") -> SyntheticBench:
+                      expert_format: str = "dense", reprofile: bool = True, calibration=None) -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     gpu_budget_gib: the whole GPU's, as a user's --gpu-budget: the non-expert weights, one sequence's KV cache of
@@ -195,7 +209,10 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     the engine's per-device plan counts it (its layers' weights, their KV cache of `context` positions, then its hot
     experts; engine.offload.devices): the layers run spread over the GPUs (engine.model.layer_devices).
     expert_format: the experts' storage, "dense" (16-bit on the GPU box) or a packed format of
-    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4)."""
+    kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4).
+    reprofile False: a profile this machine stored for the same shape and experts (an earlier bench's) is used.
+    calibration: two halves of selections per [MoE layer, expert] to calibrate popularity from, in place of the
+    calibration decodes (a bench that replays a routing trace: tests/perf/bench_expert_cache.py)."""
     from moedesk.bench.budget import bench_dtype, bench_split
     from moedesk.engine.generation.scheduler import default_prefill_chunk
     from moedesk.engine.load.demo import cache_root
@@ -227,7 +244,8 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
         log(note)
     # A benchmark measures afresh every run (reprofile), and stores it like a real model's profile. Said first:
     # on a slow or busy CPU it takes minutes.
-    log("profiling one expert's latency and the copies to the GPU...")
+    log("profiling one expert's latency and the copies to the GPU..." if reprofile else
+        "the profile stored for this shape and these experts, or measured now if there is none...")
     shape_key = (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, str(dtype))
     if budgets:
         from moedesk.engine.model.layer_devices import spread_model
@@ -235,10 +253,10 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
 
         sizes = _device_sizes(cfg, dtype, context, budgets, banks)
         owner = spread_model(model, devices, _owner(budgets, banks, sizes)).device_of_layer
-        orchestra = DeviceOrchestra.start(banks, devices, owner, ("bench", shape_key), cache_root(), reprofile=True,
+        orchestra = DeviceOrchestra.start(banks, devices, owner, ("bench", shape_key), cache_root(), reprofile,
                                           policy=policy, top_k=cfg.num_experts_per_tok, dtype=dtype)
     else:
-        orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=True,
+        orchestra = ExpertOrchestra.start(banks, device, ("bench", shape_key), cache_root(), reprofile=reprofile,
                                           policy=policy, top_k=cfg.num_experts_per_tok, dtype=dtype)
     profile, executor = orchestra.profile, orchestra.executor
     for part, d in zip(getattr(orchestra, "parts", [orchestra]), getattr(orchestra, "device_of_part", [None])):
@@ -246,8 +264,8 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
 
     # Popularity as the app calibrates a real model (engine.offload.calibration): two halves of prompts, each
     # prefilled and decoded for a few tokens, all experts on the CPU. Seeds apart from the measured runs'.
-    halves = []
-    for seed in (1000, 2000):
+    halves = calibration or []
+    for seed in () if calibration else (1000, 2000):
         executor.selections.clear()
         measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed)
         halves.append([executor.selections[layer].tolist() for layer in sorted(banks)])

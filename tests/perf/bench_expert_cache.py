@@ -2,87 +2,217 @@
 
 A synthetic model of a real shape is built and profiled as `moedesk bench` builds it; its router is replaced by
 a trace (engine.offload.routing_trace.replace_router) of the CONVERSATION preset (recent-use locality) and of
-NO_LOCALITY. The fixed placement is planned from another conversation of the same model, as calibration
-would, as the engine plans it without a cache (whole layers where the latency model says they pay); the cache
-starts from the placement the engine plans with one (the same popularity, expert by expert over every layer) and
-follows the routing. "fixed, per expert" is that second placement held fixed: what the cache adds to it. Decode
-of one sequence, eager (a replayed router runs outside CUDA graphs, for all), tokens per second and the GPU hit
-rate of the timed steps.
+NO_LOCALITY. Popularity is calibrated, as the engine calibrates it, from another conversation of the same model
+(two halves of a trace of the same preset, another seed). The fixed placement is planned from it as the engine
+plans it without a cache (whole layers where the latency model says they pay); the cache starts from the
+placement the engine plans with one (the same popularity, expert by expert over every layer) and follows the
+routing. "fixed, per expert" is that second placement held fixed: what the cache adds to it. Decode of one
+sequence, eager (a replayed router runs outside CUDA graphs, for all), on the same prompt and trace in every case;
+the first --warmup decode steps are untimed in every case (the cache starts learning there, as in a conversation's
+first tokens); tokens per second, its noise (standard error over the timed steps) and the GPU hit rate of the
+timed steps.
 
-    python3 tests/perf/bench_expert_cache.py --shape qwen3-30b-a3b --layers 12 --gpu-budget 4
-    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --decode-tokens 24   (a dry run)
+Cases run in the order issue 42's targets need them, so that a run cut short has the ratios first:
+    conversation fixed, conversation cache every I1 (target >= 1.25x), no locality fixed, no locality cache every
+    I1 (target >= 0.98x); then each further interval of --intervals on both traces; then "fixed, per expert".
+--json is rewritten after every case; with --time-limit a case starts only where the slowest case so far would
+still end in time, so the run ends on its own with what it finished rather than being cut mid-case.
+
+Time on the GPU box, predicted (not measured) for issue42_targets.sh's phase, the whole Mixtral-8x7B shape with
+q4_k experts at 16 GiB, from session 33's log (docs/measurements.md: the build 42 s; 131 of 256 experts resident;
+the whole model decoding at ~17 tok/s with CUDA graphs, slower eager, so 7-17 tok/s here):
+    start-up (imports, CUDA) ~10 s; build 42 s; profile ~0 s with --reuse-profile after `moedesk bench` of the
+    same shape and format on the machine (otherwise measured: 10-30 s); traces ~3 s (no calibration decodes)
+    each case: placement (<= 13 GB over PCIe, < 1 s), a 32-token prompt, 16 + 96 decode steps: 7-17 s
+    the four target cases: 30-70 s, 85-125 s in all; the other four: 30-70 s more, 115-195 s in all.
+96 timed steps: if a step's time varies by 10% (how many of its 64 experts are resident), a rate's standard error
+is 1% and a ratio's 1.5%, well inside 1.25x; the table shows it beside each ratio.
+
+    python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 \\
+        --reuse-profile --time-limit 190 --json expert_cache.json
+    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --gpu-budget 0.2 --decode-tokens 24 \\
+        --warmup 4   (a dry run)
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
+import time
+from dataclasses import dataclass
 
-import numpy as np
+from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceRouter, TraceShape,
+                                                  replace_router, step_counts, synthetic_trace)
 
-from moedesk.bench.synthetic import measure_decode, prepare_synthetic
-from moedesk.engine.offload.expert_cache import CachePolicy
-from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceRouter, TraceShape, replace_router,
-                                                  step_counts, synthetic_trace)
+TRACES = {"conversation": CONVERSATION, "no locality": NO_LOCALITY}
+CALIBRATION_STEPS = 300  # the other conversation popularity is calibrated from, in two halves
+
+
+@dataclass(frozen=True)
+class Case:
+    trace: str  # a key of TRACES
+    placement: str
+    interval: int | None  # None: planned as without a cache; 0: the cache's placement held fixed; N: swaps every N
+
+
+def case_plan(intervals: list[int]) -> list[Case]:
+    """The cases in the order the targets need them: each trace's fixed placement beside the first interval's
+    cache (conversation first), then the other intervals, then the cache's own placement held fixed."""
+    def both(label: str, interval: int | None) -> list[Case]:
+        return [Case(trace, label, interval) for trace in TRACES]
+
+    first, *others = intervals
+    plan = [case for pair in zip(both("fixed", None), both(f"cache every {first}", first)) for case in pair]
+    for n in others:
+        plan += both(f"cache every {n}", n)
+    return plan + both("fixed, per expert", 0)
+
+
+def fits(elapsed: float, limit: float | None, durations: list[float], margin: float = 5.0) -> bool:
+    """Whether a case started `elapsed` seconds into the run ends before `limit`, priced as the slowest case so far
+    (the first one: whenever any time is left)."""
+    if limit is None:
+        return True
+    return elapsed + (max(durations) + margin if durations else 0.0) < limit
+
+
+def calibration_halves(shape: TraceShape, params: TraceParams, seed: int = 99) -> list[list[list[int]]]:
+    """Selections per [layer, expert] of another conversation of the same model, in two halves (what the engine's
+    calibration gives ExpertOrchestra.calibrate)."""
+    counts = [step_counts(s, shape.experts) for s in synthetic_trace(shape, CALIBRATION_STEPS, params, seed=seed)]
+    half = len(counts) // 2
+    return [sum(counts[:half]).tolist(), sum(counts[half:]).tolist()]
+
+
+def ratio_noise(a: float | None, b: float | None) -> float | None:
+    """Relative noise of a ratio of two independent rates from theirs."""
+    return None if a is None or b is None else math.hypot(a, b)
+
+
+def write_json(path: str, report: dict) -> None:
+    """Whole or not at all: a run cut while writing keeps the previous case's file."""
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1)
+    os.replace(tmp, path)
 
 
 def main() -> int:
+    started = time.monotonic()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, default=None, help="keep the first N layers (default: all)")
     parser.add_argument("--gpu-budget", type=float, default=4.0, metavar="GiB")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--expert-format", default="dense")
-    parser.add_argument("--decode-tokens", type=int, default=256)
-    parser.add_argument("--intervals", default="1,16", help="swap rounds every N steps, each tried")
+    parser.add_argument("--decode-tokens", type=int, default=112, help="tokens decoded per case, warm-up included")
+    parser.add_argument("--warmup", type=int, default=16, help="the first decode steps of each case, untimed")
+    parser.add_argument("--intervals", default="16,1", help="swap rounds every N steps, each tried, the first first")
+    parser.add_argument("--reuse-profile", action="store_true",
+                        help="the profile an earlier bench stored for this shape and format on this machine")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="start no case that would end more than S seconds after this script started")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
+    try:
+        intervals = [int(n) for n in args.intervals.split(",")]
+    except ValueError:
+        parser.error(f"--intervals {args.intervals!r}: expected steps separated by commas, e.g. 16,1")
+    if min(intervals) < 1 or not 1 <= args.warmup <= args.decode_tokens - 3:
+        parser.error("intervals must be >= 1 and --warmup in 1..--decode-tokens - 3 (two steps timed at least)")
 
-    log = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
-    bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, 64 + args.decode_tokens,
-                              log=log, expert_format=args.expert_format)
-    cfg, executor, orchestra = bench.cfg, bench.executor, bench.orchestra
+    from moedesk.bench.synthetic import measure_decode, prepare_synthetic
+    from moedesk.engine.load.synthetic import shape_config
+    from moedesk.engine.offload.expert_cache import CachePolicy
+
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    cfg = shape_config(args.shape, args.layers)
+    shape = TraceShape(sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts, cfg.num_experts_per_tok)
+    t = time.monotonic()
+    calibrations = {name: calibration_halves(shape, params) for name, params in TRACES.items()}
+    traces = {name: list(synthetic_trace(shape, args.decode_tokens + 8, params, seed=5))
+              for name, params in TRACES.items()}
+    log(f"traces in {time.monotonic() - t:.1f}s")
+    t = time.monotonic()
+    bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, 64 + args.decode_tokens, log=log,
+                              expert_format=args.expert_format, reprofile=not args.reuse_profile,
+                              calibration=calibrations["conversation"])
+    executor, orchestra = bench.executor, bench.orchestra
     layers = sorted(bench.banks)
-    shape = TraceShape(len(layers), cfg.num_experts, cfg.num_experts_per_tok)
     budget = bench.expert_budget  # what the whole-GPU budget leaves experts (bench.budget)
-    rows = []
-    for name, params in (("conversation", CONVERSATION), ("no locality", NO_LOCALITY)):
-        calibration = sum(step_counts(s, shape.experts) for s in synthetic_trace(shape, 300, params, seed=99))
-        trace = list(synthetic_trace(shape, args.decode_tokens + 8, params, seed=5))
-        fixed = None
-        for label, interval in [("fixed", None), ("fixed, per expert", 0),
-                                *((f"cache every {n}", n) for n in map(int, args.intervals.split(",")))]:
+    report = {**bench.header(), "decode_tokens": args.decode_tokens, "warmup_steps": args.warmup,
+              "prepare_s": round(time.monotonic() - t, 1), "rows": [], "skipped": [], "complete": False}
+    plan = case_plan(intervals)
+    fixed: dict[str, dict] = {}
+    durations: list[float] = []
+    for case in plan:
+        elapsed = time.monotonic() - started
+        if not fits(elapsed, args.time_limit, durations):
+            log(f"{case.trace}, {case.placement}: skipped ({elapsed:.0f} s of {args.time_limit:.0f} gone, "
+                f"a case takes up to {max(durations, default=0):.0f} s)")
+            report["skipped"].append(f"{case.trace}, {case.placement}")
+            continue
+        t = time.monotonic()
+        executor.follow_routing(None)
+        orchestra.cache = None if case.interval is None else CachePolicy(interval=max(1, case.interval))
+        orchestra.calibrate(calibrations[case.trace])
+        orchestra.place(budget)
+        if case.interval == 0:
             executor.follow_routing(None)
-            orchestra.cache = None if interval is None else CachePolicy(interval=max(1, interval))
-            orchestra.place(budget, popularity=calibration.tolist())
-            if interval == 0:
-                executor.follow_routing(None)
-            replace_router(bench.model, TraceRouter(trace, layers, shape.top_k))
+        replace_router(bench.model, TraceRouter(traces[case.trace], layers, shape.top_k))
+        try:
             result = measure_decode(bench.model, executor, cfg, bench.device, bench.dtype, 1, args.decode_tokens,
-                                    graphs=False)
+                                    graphs=False, warmup=args.warmup)
+        finally:
             replace_router(bench.model, None)
-            stats = executor.stats.as_dict()
-            fixed = fixed or result.tok_s
-            rows.append({"trace": name, "placement": label, "experts_on_gpu": orchestra.placement.experts_on_gpu,
-                         "whole_layers": int(orchestra.placement.on_gpu.all(axis=1).sum()),
-                         "tok_s": round(result.tok_s, 2), "vs_fixed": round(result.tok_s / fixed, 3),
-                         "gpu_hit_rate": stats["gpu_hit_rate"],
-                         "swaps_per_step": round(stats["expert_swaps"] / (args.decode_tokens - 2), 2)})
+        stats = executor.stats.as_dict()
+        timed = args.decode_tokens - 1 - args.warmup
+        base = fixed.setdefault(case.trace, {"tok_s": result.tok_s, "noise": result.noise})
+        row = {"trace": case.trace, "placement": case.placement, "experts_on_gpu": orchestra.placement.experts_on_gpu,
+               "whole_layers": int(orchestra.placement.on_gpu.all(axis=1).sum()), "timed_steps": timed,
+               "tok_s": round(result.tok_s, 2), "noise": None if result.noise is None else round(result.noise, 4),
+               "vs_fixed": round(result.tok_s / base["tok_s"], 3),
+               "vs_fixed_noise": None if case.interval is None else _round(ratio_noise(result.noise, base["noise"])),
+               "gpu_hit_rate": stats["gpu_hit_rate"], "swaps_per_step": round(stats["expert_swaps"] / timed, 2),
+               "selections": executor.stats.selections,  # (token, expert) pairs of the timed steps: alike in all
+               "seconds": round(time.monotonic() - t, 1)}
+        durations.append(time.monotonic() - t)
+        report["rows"].append(row)
+        log(f"{case.trace}, {case.placement}: {row['tok_s']} tok/s, {row['vs_fixed']}x fixed, in {row['seconds']} s")
+        if args.json:
+            write_json(args.json, report)
     executor.follow_routing(None)
     orchestra.cache = None
-    header = bench.header()
+    report["complete"] = not report["skipped"]
+    report["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({**header, "rows": rows}, f, indent=1)
+        write_json(args.json, report)
     print(f"{args.shape} x{cfg.num_layers}, {len(layers) * cfg.num_experts} experts, a {args.gpu_budget:.4g} GiB GPU "
-          f"budget, {budget / 2**30:.4g} GiB of it for experts, {header['experts']}, {bench.device}")
-    print(f"{'trace':<14}{'placement':<19}{'resident':>9}{'whole':>6}{'tok/s':>8}{'vs fixed':>10}{'GPU hits':>10}"
-          f"{'swaps/step':>12}")
+          f"budget, {budget / 2**30:.4g} GiB of it for experts, {report['experts']}, {bench.device}; "
+          f"{args.warmup} + {args.decode_tokens - 1 - args.warmup} decode steps a case, the first untimed")
+    print(format_rows(report["rows"]))
+    for name in report["skipped"]:
+        print(f"skipped at the time limit: {name}")
+    return 0
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def format_rows(rows: list[dict]) -> str:
+    """The table of cases (also issue42_targets.sh's summary)."""
+    lines = [f"{'trace':<14}{'placement':<19}{'resident':>9}{'whole':>6}{'tok/s':>8}{'vs fixed':>15}{'GPU hits':>10}"
+             f"{'swaps/step':>12}"]
     for r in rows:
         hit = "-" if r["gpu_hit_rate"] is None else f"{r['gpu_hit_rate']:.0%}"
-        print(f"{r['trace']:<14}{r['placement']:<19}{r['experts_on_gpu']:>9}{r['whole_layers']:>6}{r['tok_s']:>8.1f}"
-              f"{r['vs_fixed']:>9.2f}x{hit:>10}{r['swaps_per_step']:>12.2f}")
-    return 0
+        noise = f" ±{r['vs_fixed_noise']:.1%}" if r.get("vs_fixed_noise") is not None else ""
+        ratio = f"{r['vs_fixed']:.2f}x{noise}"
+        lines.append(f"{r['trace']:<14}{r['placement']:<19}{r['experts_on_gpu']:>9}{r['whole_layers']:>6}"
+                     f"{r['tok_s']:>8.1f}{ratio:>15}{hit:>10}{r['swaps_per_step']:>12.2f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,12 @@
 #   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh llama-quant     (llama-quantize to Q4_0, Q4_K_M, Q8_0 + bench)
 #   bash tests/perf/compare_llamacpp.sh moedesk-quant                  (our packed benches + ratios)
 # Long contexts (issue 42.3), the whole Mixtral-8x7B shape with Q4_K experts at a 16 GiB budget, three commands:
-#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-build    (llama.cpp with flash attention + the GGUF)
-#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-llama    (llama-bench -fa 1 -d 512,8192,16384,32768)
+#   SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-build    (llama-bench with flash attention + the GGUF)
+#   bash tests/perf/compare_llamacpp.sh depth-llama                  (llama-bench -fa 1 -d 512,8192,16384,32768)
 #   bash tests/perf/compare_llamacpp.sh depth-moedesk                (bench --context at the same depths + ratios)
+# (depth-llama and depth-moedesk run inside tests/perf/issue42_targets.sh too.) llama-bench is the one
+# tests/perf/llamacpp_engine_gpu.sh build puts in $LLB (/tmp/llb: outside the carried .llamacpp, so later commands
+# on the same machine keep it), flash attention compiled in as by default.
 # SRC is a llama.cpp source tree and TOOLS a folder with make_gguf.py (docs/benchmarks.md, "Against
 # llama.cpp"). Mixtral-8x7B shape, first 8 layers, and Qwen3-30B-A3B shape, first 12 layers
 # (tests/perf/make_qwen3_gguf.py), 16-bit weights, 16 threads.
@@ -152,20 +155,30 @@ for name, o, t, b16 in cases:
 PY
   ;;
 depth-build)
-  # Flash attention compiled in (the phases above build without it): llama.cpp's best at depth. Rerun the phase
-  # if a device command's time ends before the build does: cmake carries on where it stopped.
-  (cd "$SRC" && cmake -B build-fa -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DLLAMA_BUILD_TESTS=OFF \
-     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DGGML_NATIVE=ON > "$W/cfg_fa.log" 2>&1 \
-     && cmake --build build-fa --target llama-bench -j 15 > "$W/build_fa.log" 2>&1) &
-  build=$!
+  # Predicted, not measured on the box: building llama-bench with CUDA and flash attention, ~4-5 min on 15 cores,
+  # unless $LLB has it (llamacpp_engine_gpu.sh build ran first: then the GGUF alone); beside it the 26 GB GGUF,
+  # written at the disk's speed (the script prints its rate): ~165 s at a slow virtual disk's 160 MB/s, 30-90 s on
+  # NVMe. So ~300 s at most: one device command.
+  LLB=${LLB:-/tmp/llb}
+  if [ -x "$LLB/bin/llama-bench" ]; then
+    build=
+  else  # configured as llamacpp_engine_gpu.sh build configures it, so either build goes on from the other's
+    (cmake -S "$SRC" -B "$LLB" -G Ninja -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DBUILD_SHARED_LIBS=ON \
+       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+       -DLLAMA_CURL=OFF -DGGML_NATIVE=ON > "$W/cfg_fa.log" 2>&1 && cmake --build "$LLB" --target llama-bench -j 15 \
+       > "$W/build_fa.log" 2>&1) &
+    build=$!
+  fi
   [ -f "$W/mix_q4k_whole.gguf" ] || { python3 tests/perf/make_mixtral_q4k_gguf.py "$W/mix_q4k_whole.partial" 32 \
     > "$W/gguf_whole.log" 2>&1 && mv "$W/mix_q4k_whole.partial" "$W/mix_q4k_whole.gguf"; }
-  wait $build || { tail -n 20 "$W/cfg_fa.log" "$W/build_fa.log"; exit 1; }
-  ls -l "$W/mix_q4k_whole.gguf" "$SRC/build-fa/bin/llama-bench" ;;
+  tail -n 1 "$W/gguf_whole.log" 2>/dev/null
+  [ -z "$build" ] || wait $build || { tail -n 20 "$W/cfg_fa.log" "$W/build_fa.log"; exit 1; }
+  ls -l "$W/mix_q4k_whole.gguf" "$LLB/bin/llama-bench" ;;
 depth-llama)
   # -ncmoe: the layers whose experts the 16 GiB left no room for once weights, the 32k KV cache and attention's
   # workspace are counted (bench/budget.py, as our bench places them), as whole layers.
   export PYTHONPATH=${PYTHONPATH:-}:.
+  LLB=${LLB:-/tmp/llb}
   ncm=$(python3 -c "
 import torch
 from moedesk.bench.budget import bench_split, expert_bytes, planned_experts
@@ -174,7 +187,7 @@ c = shape_config('mixtral-8x7b'); n = 32768 + 512 + 1
 s = bench_split(c, 16 * 2**30, n, torch.bfloat16, 2048)
 print(c.num_layers - planned_experts(s, expert_bytes(c, 'q4_k', torch.bfloat16), c) // c.num_experts)")
   echo "llama-bench -ncmoe $ncm (16 GiB at 32k)"
-  "$SRC/build-fa/bin/llama-bench" -m "$W/mix_q4k_whole.gguf" -ngl 99 -ncmoe "$ncm" -fa 1 -t 16 -p 512 -n 64 \
+  "$LLB/bin/llama-bench" -m "$W/mix_q4k_whole.gguf" -ngl 99 -ncmoe "$ncm" -fa 1 -t 16 -p 512 -n 64 \
     -d 512,8192,16384,32768 -r 1 -o json > "$W/llama_depth.json"
   cp "$W/llama_depth.json" "$OUT"/ ;;
 depth-moedesk)

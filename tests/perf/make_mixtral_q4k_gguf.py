@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -56,7 +57,10 @@ def main() -> None:
         w.add_tensor(p + "ffn_gate_inp.weight", router)
         for leaf, data in (("gate", gate_up), ("up", gate_up), ("down", down)):
             w.add_tensor(f"{p}ffn_{leaf}_exps.weight", data, raw_dtype=qtype)
+    start = time.perf_counter()
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(progress=True); w.close()
+    seconds, size = time.perf_counter() - start, os.path.getsize(out)
+    print(f"wrote {size / 1e9:.2f} GB in {seconds:.0f} s ({size / 1e9 / seconds:.2f} GB/s)", flush=True)
 
 
 if __name__ == "__main__":
