@@ -81,10 +81,13 @@ ARCHS = {
         MOE, n_routed_experts=8, n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=1.8,
         q_lora_rank=32, kv_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
         num_key_value_heads=4, mlp_layer_types=["dense", "sparse", "sparse"])),
-    # MiniMax-M2: q/k norms over all heads at once, half of each head rotated (its rotary_dim), sigmoid routing with
-    # a correction bias and no groups.
-    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2,
-                                                                   head_dim=16, intermediate_size=48, rotary_dim=8)),
+    # MiniMax-M2: q/k norms over all heads at once, half of each head rotated, sigmoid routing with a correction bias
+    # and no groups. The half is said twice, as transformers writes it since its fix for huggingface/transformers#48241:
+    # before it (the GPU box's 5.17) a rotary_dim alone, as released configs say it, was ignored and the whole head
+    # turned, which the released weights were not trained with.
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, head_dim=16, intermediate_size=48, rotary_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5})),
 }
 # Parameters the reference initialises to zeros (or ones) that would leave a switch untested: drawn at random.
 RANDOMISED = {"glm4_moe": ("e_score_correction_bias",), "deepseek_v3": ("e_score_correction_bias",),

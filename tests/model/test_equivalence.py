@@ -4,6 +4,7 @@ import torch
 
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
+from tests.model.test_gpu_equivalence import check_greedy
 from tests.reference import hf_greedy, hf_last_logits, hf_model
 from tests.tiny_models import ARCHS
 
@@ -14,6 +15,13 @@ PROMPTS = ["Hi", "The quick brown fox jumps over the lazy", "def add(a, b):\n   
 def pair(request, tiny_checkpoint):
     folder = tiny_checkpoint(request.param)
     return Engine.load(str(folder), device="cpu", dtype="float32"), hf_model(folder)
+
+
+def test_rotary_width_is_the_references(pair):
+    # Where transformers versions read a config differently (MiniMax-M2's rotary_dim before
+    # huggingface/transformers#48241), this fails by name rather than as logits far apart.
+    engine, ref = pair
+    assert engine.config.rope_dims == 2 * ref.model.rotary_emb.inv_freq.numel()
 
 
 def test_last_position_logits_match(pair):
@@ -51,3 +59,13 @@ def test_moe_layers_are_routed(arch, tiny_checkpoint):
         # every token picks exactly top-k experts
         assert counts.sum().item() % engine.config.num_experts_per_tok == 0
         assert (counts > 0).sum().item() >= engine.config.num_experts_per_tok
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_bf16_on_the_cpu_is_as_exact_as_transformers_bf16(arch, tiny_checkpoint):
+    """tests/model/test_gpu_equivalence.py's bf16 check on the CPU: logits along transformers' greedy tokens no further
+    from its float32 ones than its own bf16 are, and greedy tokens equal unless the reference was tied."""
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cpu", dtype="bfloat16")
+    check_greedy(engine, hf_model(folder, torch.bfloat16), [engine.tokenizer.encode(p) for p in PROMPTS],
+                 ref32=hf_model(folder))

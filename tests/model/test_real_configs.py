@@ -248,6 +248,10 @@ def test_minimax_m2_rotary_width_is_transformers(extra):
     import transformers
     from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RotaryEmbedding
 
+    says_factor = "partial_rotary_factor" in {**extra, **extra.get("rope_parameters", {})}
+    if not says_factor and "partial_rotary_factor" not in transformers.MiniMaxM2Config(rotary_dim=64).rope_parameters:
+        pytest.skip(f"transformers {transformers.__version__} turns the whole head where a config says rotary_dim "
+                    f"alone (huggingface/transformers#48241): no reference for the released key")
     hf = {**MINIMAX_M2, **extra}
     theirs = transformers.MiniMaxM2Config(**{k: v for k, v in hf.items() if k != "model_type"})
     with torch.device("meta"):
