@@ -122,6 +122,13 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)
         _set_parameter(model, ours, tensor.to(device=where, dtype=model.parameter_dtype(ours, dtype)))
+        if ours == "embed.weight" and cfg.tie_word_embeddings and not _same_device(target("lm_head.weight"), where):
+            # Layers spread over devices: a tied head is a copy of the table on the last layer's device, made here
+            # from the checkpoint's tensor, never through the first device's copy.
+            head = target("lm_head.weight")
+            _set_parameter(model, "lm_head.weight",
+                           tensor.to(device=head, dtype=model.parameter_dtype("lm_head.weight", dtype)))
+            loaded.add("lm_head.weight")
         del tensor
         release(name)
         loaded.add(ours)
@@ -158,7 +165,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     if progress and experts:
         progress("load", 1.0)
     checkpoint.close()
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head.weight" not in loaded:
         model.lm_head.weight = model.embed.weight
         loaded.add("lm_head.weight")
     missing = sorted(set(expected) - loaded) + missing
@@ -188,6 +195,11 @@ def _parameter_device(device: torch.device, layer_devices) -> Callable[[str], to
         return layer_devices[-1] if part in ("norm", "lm_head") else device
 
     return where
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether `a` and `b` are one device ("cuda" is the current GPU: index 0 unless set)."""
+    return a.type == b.type and (a.index or 0) == (b.index or 0)
 
 
 def default_load_threads() -> int:

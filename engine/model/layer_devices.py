@@ -88,6 +88,7 @@ def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> La
     model.norm.to(last)
     if model.lm_head.weight is model.embed.weight and last != home:
         # A tied head reads the embedding table: the last device gets a copy of its own (as the plan counts it).
+        # The loader makes it from the checkpoint there (engine.load.loader); this copy is for a model loaded whole.
         model.lm_head.weight = nn.Parameter(model.embed.weight.detach().to(last), requires_grad=False)
     else:
         model.lm_head.to(last)

@@ -87,3 +87,26 @@ def test_the_first_gpu_never_holds_the_second_gpus_weights(four_layers, monkeypa
     first = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
                 if p.device.index == 0)
     assert second > 0 and torch.cuda.max_memory_allocated(0) < first + second
+
+
+def test_a_tied_head_is_read_onto_the_last_layers_device_not_copied_from_the_first(tmp_path, monkeypatch):
+    """A model whose output head is its embedding table (tie_word_embeddings): over two devices the table stays on
+    the first and the head is put once, from the checkpoint, straight on the last layer's device (before, the
+    spread copied it there from the first device's table). Where both are one device it stays the table itself."""
+    tied = build("mixtral", tmp_path / "tied", num_hidden_layers=4, tie_word_embeddings=True)
+    budgets = _budgets_holding(tied, (3, 5))
+    monkeypatch.setattr(Engine, "_orchestrate_devices", lambda self, *args: None)
+    placed = record_placements(monkeypatch)
+    engine = Engine.load(str(tied), device="cpu", dtype="float32", offload=True, context_length=64,
+                         gpu_budget=budgets, devices=("cpu", "meta"))
+    assert engine.config.tie_word_embeddings and engine.model.spread.device_of_layer == (0, 0, 1, 1)
+    assert placed["embed.weight"] == [torch.device("cpu")]
+    assert placed["lm_head.weight"] == [torch.device("meta")]  # put once, where the last layers are
+    head, table = engine.model.lm_head.weight, engine.model.embed.weight
+    assert head.device.type == "meta" and table.device.type == "cpu"
+    assert head.shape == table.shape and head.dtype == table.dtype
+
+    placed.clear()
+    engine = Engine.load(str(tied), device="cpu", dtype="float32", offload=True, context_length=64,
+                         gpu_budget=budgets, devices=("cpu", "cpu"))
+    assert engine.model.lm_head.weight is engine.model.embed.weight and "lm_head.weight" not in placed
