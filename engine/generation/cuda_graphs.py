@@ -129,9 +129,12 @@ class GraphedDecode:
             try:
                 if self.capture:
                     captured.capture(executor, self.pool)
-            except RuntimeError as e:  # out of memory too: the step is done, later ones run eagerly until it passes
+            except RuntimeError as e:
                 captured.release()
                 if isinstance(e, torch.OutOfMemoryError):
+                    if not getattr(self.cache, "stateful", False):
+                        raise  # the decoder frees memory and runs the step again: a KV cache takes it twice unchanged
+                    # A recurrent state has taken the step already: it is done; the next one tries capturing again.
                     log.warning("out of memory capturing CUDA graphs for %d x %d tokens: this step ran eagerly",
                                 batch, length)
                     return result

@@ -149,3 +149,29 @@ def test_what_cuda_graphs_capture_of_a_qwen35_step_never_syncs_the_host(engine, 
     finally:
         cuda_graphs._Captured._segment = segment
     assert seen and not SYNCS & set(seen), sorted(SYNCS & set(seen))
+
+
+@pytest.mark.parametrize("failure", ["out of memory", "capture refused"])
+def test_a_failed_capture_still_feeds_the_step_once(engine, monkeypatch, failure):
+    """A new shape's step runs once eagerly before its capture; when the capture then fails, that run is the step's
+    result. Running it again (the out-of-memory retry, the eager fallback) would feed the tokens to the recurrent
+    state twice: the logits and the state equal one eager forward's."""
+    from moedesk.engine.generation import cuda_graphs
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    def fail(self, executor, pool):
+        raise torch.OutOfMemoryError("CUDA out of memory") if failure == "out of memory" else RuntimeError("no graphs")
+
+    monkeypatch.setattr(cuda_graphs._Captured, "capture", fail)
+    model = engine.model
+    reference, graphed = prefilled(engine), prefilled(engine)
+    assert graphed.stateful and not getattr(graphed.kinds[0], "stateful", False)  # the KV cache's kind is not
+    graphs = GraphedDecode(model, graphed, capture=True)
+    tokens, positions = torch.tensor([[3], [4]]), torch.tensor([[5], [5]])
+    got = graphs.forward(tokens, positions, engine.executor)
+    want = model(tokens, positions, reference, engine.executor)
+    # The segments' attention reads the cache's whole length (rounding apart); a second feed would move far more.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(graphed.kinds[1].state, reference.kinds[1].state):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert not graphs.captured and (graphs.broken is None) == (failure == "out of memory")

@@ -6,6 +6,8 @@ which is all a runner (engine.generation.runner) asks of a cache:
 - `ensure(rows, length)` grows it, keeping what it holds; `shrink(rows, length)` reallocates it empty;
 - `nbytes()`, `bytes_per_position()`: its memory now, and what one more position of every row costs;
 - `storage_key()` changes whenever its tensors move (CUDA graphs read them in place);
+- `stateful` (optional, default False): a forward run twice would feed its tokens twice (a recurrent state), so
+  nothing may run a step again after it ran once (CUDA graphs' warm-up, an out-of-memory retry of a capture);
 - `reorder(block, source, length)`: row block[j] takes what row block[source[j]] holds (beam search's forks);
 - `accept(rows, starts, paths)`: after a verify forward that wrote draft node n of row rows[i] at slot
   starts[i] + n (the root, node 0, at starts[i]), keep the nodes of paths[i] (root to leaf, root excluded) as

@@ -35,6 +35,11 @@ class LayerCaches:
         return self.of[layer].write_and_read(layer, *args, **kwargs)
 
     @property
+    def stateful(self) -> bool:
+        """Whether a forward run twice changes what it holds twice (a recurrent state among its kinds)."""
+        return any(getattr(kind, "stateful", False) for kind in self.kinds)
+
+    @property
     def rows(self) -> int:
         return min(kind.rows for kind in self.kinds)
 

@@ -18,6 +18,8 @@ class RecurrentState:
     """Per layer of `layers`: the current state and convolution state of every row, and the states after each
     token of the last multi-token forward (up to `history` tokens: a verify forward's tokens)."""
 
+    stateful = True  # a forward run twice feeds its tokens twice (a KV cache would be rewritten unchanged)
+
     def __init__(self, layers: Sequence[int], rows: int, heads: int, key_dim: int, value_dim: int, conv_dim: int,
                  conv_kernel: int, history: int, device, state_dtype: torch.dtype = torch.float32,
                  conv_dtype: torch.dtype = torch.float32, length: int = 0):
