@@ -2,12 +2,13 @@
 
 A synthetic model of a real shape is built and profiled as `moedesk bench` builds it; its router is replaced by
 a trace (engine.offload.routing_trace.replace_router) of the CONVERSATION preset (recent-use locality) and of
-NO_LOCALITY. Popularity is calibrated, as the engine calibrates it, from another conversation of the same model
-(two halves of a trace of the same preset, another seed). The fixed placement is planned from it as the engine
-plans it without a cache (whole layers where the latency model says they pay); the cache starts from the
-placement the engine plans with one (the same popularity, expert by expert over every layer) and follows the
-routing. "fixed, per expert" is that second placement held fixed: what the cache adds to it. Decode of one
-sequence, eager (a replayed router runs outside CUDA graphs, for all), on the same prompt and trace in every case;
+NO_LOCALITY. Popularity is counted from another conversation of the same model (a trace of the same preset,
+another seed), as calibration would count it, not shrunk toward even routing (the engine's calibration would
+shrink it: these counts keep the model's static skew for the fixed placement). The fixed placement is planned
+from it as the engine plans it without a cache (whole layers where the latency model says they pay); the cache
+starts from the placement the engine plans with one (the same popularity, expert by expert over every layer) and
+follows the routing. "fixed, per expert" is that second placement held fixed: what the cache adds to it. Decode of
+one sequence, eager (a replayed router runs outside CUDA graphs, for all), on the same prompt and trace in every case;
 the first --warmup decode steps are untimed in every case (the cache starts learning there, as in a conversation's
 first tokens); tokens per second, its noise (standard error over the timed steps) and the GPU hit rate of the
 timed steps.
@@ -42,6 +43,8 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceRouter, TraceShape,
                                                   replace_router, step_counts, synthetic_trace)
@@ -79,8 +82,8 @@ def fits(elapsed: float, limit: float | None, durations: list[float], margin: fl
 
 
 def calibration_halves(shape: TraceShape, params: TraceParams, seed: int = 99) -> list[list[list[int]]]:
-    """Selections per [layer, expert] of another conversation of the same model, in two halves (what the engine's
-    calibration gives ExpertOrchestra.calibrate)."""
+    """Selections per [layer, expert] of another conversation of the same model, in two halves (as the engine's
+    calibration gives them to ExpertOrchestra.calibrate: prepare_synthetic's, in place of its calibration decodes)."""
     counts = [step_counts(s, shape.experts) for s in synthetic_trace(shape, CALIBRATION_STEPS, params, seed=seed)]
     half = len(counts) // 2
     return [sum(counts[:half]).tolist(), sum(counts[half:]).tolist()]
@@ -157,8 +160,7 @@ def main() -> int:
         t = time.monotonic()
         executor.follow_routing(None)
         orchestra.cache = None if case.interval is None else CachePolicy(interval=max(1, case.interval))
-        orchestra.calibrate(calibrations[case.trace])
-        orchestra.place(budget)
+        orchestra.place(budget, popularity=np.add(*calibrations[case.trace]).tolist())
         if case.interval == 0:
             executor.follow_routing(None)
         replace_router(bench.model, TraceRouter(traces[case.trace], layers, shape.top_k))
