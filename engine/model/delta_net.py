@@ -202,7 +202,7 @@ class GatedDeltaNet(nn.Module):
             out, states = recurrent_delta_rule(q, k, v, g, beta, state, batch.parents if T > 1 else None)
         else:
             group = self.value_heads // self.key_heads
-            if group > 1:  # each key head beside its group's value heads (one copy, no host-side repeat count)
+            if group > 1:  # each key head beside its group's value heads, in one copy (no repeat_interleave)
                 q, k = (t.unsqueeze(3).expand(B, T, self.key_heads, group, self.key_dim)
                         .reshape(B, T, self.value_heads, self.key_dim) for t in (q, k))
             out, last = chunked_delta_rule(q, k, v, g, beta, state)
