@@ -27,13 +27,16 @@ class GGUFShape:
     layers: int  # block_count
     kv_per_position: int  # keys and values of one position in llama.cpp's f16 cache, every layer
     trained_context: int | None  # the context it was trained for: llama.cpp allocates no more
+    tied_output: bool = False  # no output.weight: llama.cpp puts a copy of the token embeddings where the head runs
 
 
 def gguf_shape(header) -> GGUFShape:
     """The shape of a GGUF from its metadata and tensor infos (gguf's reader, or a split GGUF's joined view)."""
     sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in header.tensors)
     layers = arch_value(header, "block_count") or len(sizes.expert_bytes)
-    return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers), arch_value(header, "context_length"))
+    tied = not any(t.name == "output.weight" for t in header.tensors)
+    return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers), arch_value(header, "context_length"),
+                     tied)
 
 
 @dataclass(frozen=True)
@@ -126,8 +129,10 @@ def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float 
     ram = ram_need(sizes, placement, kv, context, FIRST_SLOTS)
     if not placement.gpu_layers:
         return placement, ram, 0
-    # On the GPU: every weight but the token embeddings and the experts pinned to RAM, and the cache
-    gpu = sizes.total_bytes - sizes.input_bytes - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
+    # On the GPU: every weight but the token embeddings (a tied head's copy of them aside) and the experts pinned to
+    # RAM, and the cache
+    head = sizes.input_bytes if shape.tied_output else 0
+    gpu = sizes.total_bytes - sizes.input_bytes + head - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
     return placement, ram, gpu
 
 
@@ -144,15 +149,21 @@ def arch_value(header, key: str) -> int | None:
 
 
 def _kv_bytes_per_position(header, layers: int) -> int:
-    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded)."""
+    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded). Where
+    the key/value heads are given per layer (LFM2's short-convolution layers have none), only the layers with
+    heads hold a cache, as llama.cpp allocates it."""
+    arch = value(header, "general.architecture")
+
     def widest(key, default):
-        found = value(header, f"{value(header, 'general.architecture')}.{key}")
+        found = value(header, f"{arch}.{key}")
         values = found if isinstance(found, list) else [found]
         numbers = [v for v in values if isinstance(v, int)]
         return max(numbers) if numbers else default
 
     heads = widest("attention.head_count", 1) or 1
-    kv_heads = widest("attention.head_count_kv", heads) or heads
+    per_layer = value(header, f"{arch}.attention.head_count_kv")
+    if not (isinstance(per_layer, list) and all(isinstance(n, int) for n in per_layer)):
+        per_layer = [widest("attention.head_count_kv", heads) or heads] * layers
     key = widest("attention.key_length", widest("embedding_length", 0) // heads)
     width = widest("attention.value_length", key)
-    return 2 * layers * kv_heads * (key + width)
+    return 2 * sum(per_layer[:layers]) * (key + width)

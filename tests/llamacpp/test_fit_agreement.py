@@ -142,7 +142,8 @@ async def test_a_gguf_that_fits_only_because_its_experts_go_to_the_gpu(ggufs, tu
     machine(monkeypatch, tmp_path, room, gpu_free=8 * GIB)
     placed = await agree_it_fits(tui_dirs["models"], parts, {}, {})
     assert placed.ram_bytes == sizes.embeddings and placed.placement.cpu_moe == 0
-    assert placed.gpu_bytes == sizes.total - sizes.embeddings + 4096 * sizes.kv_per_position
+    # on the GPU the rest, the head's copy of the (tied) embeddings and the cache
+    assert placed.gpu_bytes == sizes.total + 4096 * sizes.kv_per_position
     assert placed.context == 4096  # the engine's default, within the 8192 the file was converted for
 
     said = await agree_it_does_not(tui_dirs["models"], parts, {"device": "cpu"}, {"device": "cpu"})
@@ -183,3 +184,64 @@ async def test_a_named_budget_keeps_the_first_layers_experts_in_ram_on_both(gguf
     machine(monkeypatch, tmp_path, usable_between(sizes.embeddings, in_ram), gpu_free=8 * GIB)
     assert "does not fit this machine's memory" in await agree_it_does_not(tui_dirs["models"], parts, options,
                                                                           options)
+
+
+def llama_buffers(log: list[str]) -> dict[str, int]:
+    """Bytes of each buffer llama.cpp's load log reports (its model and KV buffers, in MiB with two decimals),
+    summed by where they are: "CPU" (CPU, CPU_Mapped, ...) or the GPU's name."""
+    found: dict[str, int] = {}
+    for line in log:
+        if m := re.search(r"(\S+) (?:model|KV) buffer size =\s+([\d.]+) MiB", line):
+            where = "CPU" if m.group(1).startswith("CPU") else m.group(1)
+            found[where] = found.get(where, 0) + int(float(m.group(2)) * 2**20)
+    return found
+
+
+def loaded_with_log(path, **options):
+    from moedesk.engine.llamacpp.library import library
+
+    mark = library().log_mark()
+    engine = Engine.load(str(path), engine="llama.cpp", **options)
+    return engine, library().log_since(mark)
+
+
+@pytest.mark.parametrize("which", ["lfm2moe", "demo"])
+def test_what_the_plan_puts_in_ram_is_what_llama_cpp_allocates(which, ggufs, tmp_path, monkeypatch):
+    """The figures the screen and the load show, against llama.cpp's own: on the CPU, its model buffers and KV cache
+    (the cache only in the layers that have attention, as LFM2's per-layer head counts say) add up to the plan's
+    RAM, within the log's rounding."""
+    from moedesk.engine.load.demo import source_gguf
+
+    path = ggufs["long"][0] if which == "lfm2moe" else source_gguf()
+    engine, log = loaded_with_log(path, device="cpu", context_length=1024)
+    try:
+        buffers = llama_buffers(log)
+        assert set(buffers) == {"CPU"}, log
+        assert abs(buffers["CPU"] - engine.fit.ram_bytes) <= 0.01 * 2**20 + 0.005 * engine.fit.ram_bytes, \
+            (buffers, engine.fit)
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+def test_what_the_plan_puts_on_the_gpu_is_what_llama_cpp_allocates(tmp_path):
+    """On the GPU box, with llama-cpp-python built with CUDA: a Qwen3-MoE GGUF (an untied head) with a budget that
+    keeps some layers' experts in RAM; llama.cpp's CPU buffers hold the plan's RAM and its GPU buffers the plan's
+    GPU bytes (its compute buffers aside), within 2%."""
+    from moedesk.engine.llamacpp.library import library
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    path = build("qwen3moe", tmp_path / "q").gguf
+    sizes = Sizes([path])
+    budget = (sizes.total - sum(sizes.experts.values()) + 512 * sizes.kv_per_position
+              + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB
+    engine, log = loaded_with_log(path, context_length=512, gpu_budget=budget)
+    try:
+        buffers = llama_buffers(log)
+        gpu = sum(n for where, n in buffers.items() if where != "CPU")
+        assert 0 < engine.fit.placement.cpu_moe < len(sizes.experts), engine.fit
+        assert abs(buffers.get("CPU", 0) - engine.fit.ram_bytes) <= 0.02 * engine.fit.ram_bytes, (buffers, engine.fit)
+        assert abs(gpu - engine.fit.gpu_bytes) <= 0.02 * engine.fit.gpu_bytes, (buffers, engine.fit)
+    finally:
+        engine.close()
