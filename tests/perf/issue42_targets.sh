@@ -34,7 +34,16 @@ phase() {
   timeout "$left" "$@" > "$R/$name.log" 2>&1
   local rc=$?
   echo "$name: exit $rc after $((SECONDS - start)) s$( ((rc == 124)) && echo ' (cut at the deadline)')" | tee -a "$LOG"
+  wrap_up
   return $rc
+}
+
+# The summary and the archive of what has finished, redone after every phase: a command stopped from outside still
+# returns the phases before.
+wrap_up() {
+  python3 tests/perf/issue42_summary.py "$R" > "$DEST/issue42_summary.txt" 2>&1
+  cp "$LOG" "$R/" 2>/dev/null
+  tar -czf "$DEST/issue42_targets.tar.gz" -C "$(dirname "$R")" "$(basename "$R")"
 }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpu.txt" 2>/dev/null
@@ -52,7 +61,5 @@ phase expert_cache 100 python3 tests/perf/bench_expert_cache.py --shape mixtral-
   --gpu-budget 16 --decode-tokens "$TOKENS" --warmup 16 --intervals 16,1 --reuse-profile \
   --time-limit $((DEADLINE - SECONDS - 15)) --json "$R/expert_cache.json"
 
-python3 tests/perf/issue42_summary.py "$R" > "$DEST/issue42_summary.txt" 2>&1
+wrap_up
 cat "$DEST/issue42_summary.txt"
-cp "$LOG" "$R/" 2>/dev/null
-tar -czf "$DEST/issue42_targets.tar.gz" -C "$(dirname "$R")" "$(basename "$R")"
