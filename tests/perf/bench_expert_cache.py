@@ -31,7 +31,7 @@ is 1% and a ratio's 1.5%, well inside 1.25x; the table shows it beside each rati
 
     python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 \\
         --reuse-profile --time-limit 190 --json expert_cache.json
-    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --gpu-budget 0.2 --decode-tokens 24 \\
+    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --gpu-budget 0.003 --decode-tokens 24 \\
         --warmup 4   (a dry run)
 """
 from __future__ import annotations
