@@ -18,7 +18,7 @@ from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
-from moedesk.engine.llamacpp.fit import FIRST_SLOTS, gguf_shape, plan, this_machine, value
+from moedesk.engine.llamacpp.fit import FIRST_SLOTS, gguf_shape, plan, read_header, this_machine, value
 from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
@@ -81,7 +81,7 @@ class LlamaCppEngine(EngineFace):
         use_gpu = machine.gpu
         if device.startswith("cuda") and not use_gpu:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
-        reader = _header(path)
+        reader = read_header(path)
         path = Path(reader.paths[0])  # of a split GGUF, the first part: llama.cpp loads the others from its name
         shape = gguf_shape(reader)
         sizes = shape.sizes
@@ -318,23 +318,6 @@ def _nvidia_gpus() -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
     return int(os.path.exists("/proc/driver/nvidia/version"))
-
-
-def _header(path: Path):
-    """The GGUF's metadata and tensor infos; of a split GGUF, the first part's metadata and every part's tensors
-    (engine.load.gguf_split), so that placement sizes the whole model."""
-    from gguf import GGUFReader
-
-    from moedesk.engine.load.gguf_split import open_gguf
-
-    def read(part: Path):
-        try:
-            return GGUFReader(part)
-        except Exception as e:  # noqa: BLE001 -- the reader validates by failing
-            raise CheckpointError(part, f"not a readable GGUF file "
-                                        f"({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-
-    return open_gguf(path, read)
 
 
 def _generation_defaults(reader, name: str) -> dict:

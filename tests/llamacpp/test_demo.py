@@ -74,10 +74,9 @@ def test_beam_search_and_speculation_are_one_line_native_features(demo_llama):
 
 
 def test_the_kv_cache_reserve_is_sized_from_the_header_as_the_loaded_model_states_it(demo_llama):
-    from moedesk.engine.llamacpp.engine import _header
-    from moedesk.engine.llamacpp.fit import gguf_shape
+    from moedesk.engine.llamacpp.fit import gguf_shape, read_header
 
     # SmolLM2-135M: 30 layers, 3 key/value heads of 64, f16 keys and values
-    shape = gguf_shape(_header(demo_llama.path))
+    shape = gguf_shape(read_header(demo_llama.path))
     assert shape.layers == 30 and shape.kv_per_position == 2 * 30 * 3 * (64 + 64)
     assert demo_llama.cache.bytes_per_position() == 2 * 30 * 3 * (64 + 64)

@@ -245,3 +245,21 @@ def test_what_the_plan_puts_on_the_gpu_is_what_llama_cpp_allocates(tmp_path):
         assert abs(gpu - engine.fit.gpu_bytes) <= 0.02 * engine.fit.gpu_bytes, (buffers, engine.fit)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("gpu_free", [None, 8 * GIB])
+def test_serve_weighs_a_llama_cpp_model_as_its_load_plans_it(gpu_free, ggufs, tmp_path, monkeypatch):
+    """`moedesk serve` refuses a model that does not fit before unloading the one it has: for a GGUF llama.cpp runs, by
+    the RAM its load would plan (the cache in RAM without a GPU, only the embeddings with one), not the file's size."""
+    from moedesk.app.cli import build_parser, serve_pool
+
+    parts, sizes = ggufs["long"], Sizes(ggufs["long"])
+    machine(monkeypatch, tmp_path, 16 * GIB, gpu_free)
+    args = build_parser().parse_args(["serve", "--model", str(parts[0]), "--context", "2048"])
+    need = serve_pool(args, args.model, lambda source: None, 300).need(str(parts[0]))
+    engine = load(parts, context_length=2048)
+    try:
+        assert need == engine.fit.ram_bytes
+        assert need == (sizes.embeddings if gpu_free else sizes.total + 2048 * sizes.kv_per_position)
+    finally:
+        engine.close()
