@@ -72,6 +72,27 @@ def estimate_line(estimate, gpu: bool, size: Callable[[int], str]) -> str:
     return f"~{size(estimate.total_bytes)} in RAM, {size(estimate.expert_bytes)} of it {experts}"
 
 
+def llama_fit(shape, target, available: int | None = None):
+    """What the llama.cpp engine's load would plan for a GGUF of `shape` (engine.llamacpp.fit.GGUFShape) with the
+    device, context and GPU budget of `target` (app.tui.load_target.LoadTarget): its Fit, or the one line saying why
+    the load would stop before placing anything."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.llamacpp.fit import plan, this_machine
+
+    if target.budgets:
+        return f"does not load: llama.cpp takes one --gpu-budget figure, not {len(target.budgets)}"
+    try:
+        return plan(shape, this_machine(target.device, available), target.context, target.gpu_budget)
+    except MoedeskError as e:  # a named budget that cannot hold the rest: the load's own line
+        return f"does not fit: {e}"
+
+
+def llama_fit_line(shape, target, available: int | None = None) -> str:
+    """`llama_fit` in words: where what goes, and the load's refusal where it would refuse."""
+    fit = llama_fit(shape, target, available)
+    return fit if isinstance(fit, str) else fit.line()
+
+
 def _weights(path: Path) -> tuple[object, str]:
     """(ModelWeights, "") for a model folder or .gguf file, or (None, why not) in a few words."""
     try:

@@ -99,6 +99,10 @@ class Fit:
             where += f" + {gib(self.gpu_bytes)} on the GPU"
         return f"{where} at {self.context} positions ({self.placement.why})"
 
+    def line(self) -> str:
+        """The summary, and the shortfall where it does not fit: what the Models screen shows."""
+        return self.summary() + ("" if self.fits else f" · does not fit: {self.problem}")
+
 
 def plan(shape: GGUFShape, machine: Machine, context: int | None = None, gpu_budget: float | None = None,
          cpu_moe: int | None = None) -> Fit:

@@ -238,6 +238,8 @@ class FileWeights:
     other_bytes: int
     expert_formats: tuple[str, ...]  # ggml type names: "mxfp4", "q4_k/q6_k", "f16"
     other_formats: str
+    # engine.llamacpp.fit.GGUFShape: what llama.cpp's placement needs of the header, to plan its load
+    llama_shape: object = field(default=None, compare=False, repr=False)
 
     def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
         if expert_dtype not in EXPERT_DTYPES:
@@ -279,7 +281,9 @@ def _gguf_weights(path, header=None) -> ModelWeights | FileWeights:
         arch = field.contents() if field is not None else None
         if not isinstance(arch, str) or arch in NATIVE_ARCHITECTURES:
             raise
-        return file_weights(arch, header.tensors)
+        from moedesk.engine.llamacpp.fit import gguf_shape
+
+        return dataclasses.replace(file_weights(arch, header.tensors), llama_shape=gguf_shape(header))
     try:
         return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
     finally:

@@ -263,3 +263,26 @@ def test_serve_weighs_a_llama_cpp_model_as_its_load_plans_it(gpu_free, ggufs, tm
         assert need == (sizes.embeddings if gpu_free else sizes.total + 2048 * sizes.kv_per_position)
     finally:
         engine.close()
+
+
+def test_the_download_wizard_plans_a_hub_gguf_as_its_load_will(ggufs, tmp_path, monkeypatch):
+    """Before a GGUF only llama.cpp runs is downloaded, the wizard reads its header from the Hub's first bytes: its
+    line is the plan the load of the downloaded file makes on this machine, whole (weights and cache) as the total
+    it weighs against RAM + VRAM."""
+    from moedesk.app.download import DownloadChoice
+    from moedesk.app.tui.load_target import LoadTarget
+    from moedesk.app.tui.screens.download import loaded_estimate
+    from moedesk.engine.load.gguf_header import parse_header
+    from moedesk.engine.load.size_estimate import summarize_gguf_header
+
+    path = ggufs["long"][0]
+    machine(monkeypatch, tmp_path, 16 * GIB, gpu_free=8 * GIB)
+    weights = summarize_gguf_header(parse_header(path.read_bytes(), path), path)
+    choice = DownloadChoice("F32", "gguf", (path.name,), path.stat().st_size, (path.name,))
+    text, total = loaded_estimate(choice, weights, LoadTarget("auto", "float32", False, context=2048))
+    engine = load([path], context_length=2048)
+    try:
+        assert text == f"{engine.fit.line()} · llama.cpp: the native engine does not run lfm2moe"
+        assert total == engine.fit.ram_bytes + engine.fit.gpu_bytes and "on the GPU" in text
+    finally:
+        engine.close()

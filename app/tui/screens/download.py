@@ -32,7 +32,7 @@ from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressB
 from textual.widgets.option_list import Option
 
 from moedesk.app import download as dl
-from moedesk.app.tui.catalog import estimate_line
+from moedesk.app.tui.catalog import estimate_line, llama_fit
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.widgets.fit_view import FitView
 from moedesk.app.tui.widgets.load_panel import one_line
@@ -94,6 +94,13 @@ def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> t
         return "reading config.json and the shards' headers for an estimate…", None
     if isinstance(weights, str):
         return f"no estimate before downloading: {weights}", None
+    if getattr(weights, "llama_shape", None) is not None:  # a GGUF only llama.cpp runs: planned as its load plans
+        from moedesk.engine.selection import listed_engine
+
+        fit = llama_fit(weights.llama_shape, target)
+        if isinstance(fit, str):
+            return f"{fit} · {listed_engine(weights.arch, gguf=True).why}", None
+        return f"{fit.line()} · {listed_engine(weights.arch, gguf=True).why}", fit.ram_bytes + fit.gpu_bytes
     estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
     text = estimate_line(estimate, target.gpu, dl.format_bytes)
     return f"{text} · expert dtype {target.expert_dtype} (F2)", estimate.total_bytes

@@ -16,7 +16,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size
+from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size, llama_fit_line
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
@@ -47,21 +47,6 @@ def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto", ava
         return " · ".join(part for part in (file, why, choice.why) if part)
     return estimate_line(estimate, target.gpu, human_size) + (f" ({file})" if file else "") + \
         _too_big(estimate.ram_bytes(target.gpu), available) + f" · {choice.why}"
-
-
-def llama_fit_line(shape, target: LoadTarget, available: int | None = None) -> str:
-    """What the llama.cpp engine's load would hold where for a GGUF of `shape` (engine.llamacpp.fit.GGUFShape) with
-    this run's device, context and GPU budget, and its refusal when it would refuse."""
-    from moedesk.engine.errors import MoedeskError
-    from moedesk.engine.llamacpp.fit import plan, this_machine
-
-    if target.budgets:
-        return f"does not load: llama.cpp takes one --gpu-budget figure, not {len(target.budgets)}"
-    try:
-        fit = plan(shape, this_machine(target.device, available), target.context, target.gpu_budget)
-    except MoedeskError as e:  # a named budget that cannot hold the rest: the load's own line
-        return f"does not fit: {e}"
-    return fit.summary() + ("" if fit.fits else f" · does not fit: {fit.problem}")
 
 
 def _too_big(need: int, available: int | None) -> str:
