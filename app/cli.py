@@ -542,11 +542,11 @@ def serve_pool(args, sources: list[str], load, keep_alive):
             dtype = args.dtype or ("bfloat16" if gpu else "float32")
             path = model_path(source)
             if path is not None and not isinstance(args.gpu_budget, (tuple, list)):
-                from moedesk.engine.llamacpp.fit import gguf_plan
+                from moedesk.engine.selection import llama_cpp_plan
 
                 # A GGUF llama.cpp runs: what its load would plan (its experts may sit on the GPU, its cache in RAM)
-                fit = gguf_plan(path, getattr(args, "engine", None) or "auto", args.device, args.context,
-                               args.gpu_budget)
+                fit = llama_cpp_plan(path, getattr(args, "engine", None) or "auto", args.device, args.context,
+                                     args.gpu_budget)
                 if fit is not None:
                     return fit.ram_bytes
             weights = summarize_path(Path(path)) if path is not None else None

@@ -64,6 +64,25 @@ def listed_engine(arch: str, gguf: bool, requested: str = "auto") -> Choice:
     return Choice("native", "", "native engine" + (", as set" if requested == "native" else ""))
 
 
+def llama_cpp_plan(model, requested: str = "auto", device: str = "auto", context: int | None = None,
+                   gpu_budget: float | None = None):
+    """What the llama.cpp engine's load would plan for `model` (a .gguf, any part of a split one, or a folder holding
+    one) on this machine (engine.llamacpp.fit.Fit), where it would run it (auto's choice from its architecture, or
+    `requested`); None where it would not. Reads the header alone."""
+    from moedesk.engine.llamacpp.fit import gguf_shape, plan, read_header, this_machine, value
+    from moedesk.engine.load.gguf_split import gguf_in_folder
+
+    path = Path(model)
+    if path.is_dir():
+        path = gguf_in_folder(path, recursive=True) or path
+    if path.suffix != ".gguf" or not path.is_file():
+        return None
+    header = read_header(path)
+    if listed_engine(str(value(header, "general.architecture") or "?"), True, requested).kind != "llama.cpp":
+        return None
+    return plan(gguf_shape(header), this_machine(device), context, gpu_budget)
+
+
 def preflight(model: str, engine: str = "auto") -> None:
     """Refuse quickly (MoedeskError, one line) what Engine.load would refuse, before a front end lets the model it
     has go: a missing file, an unreadable checkpoint, an architecture no engine runs. Reads headers only."""

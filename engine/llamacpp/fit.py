@@ -141,25 +141,6 @@ def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float 
     return placement, ram, gpu
 
 
-def gguf_plan(model, requested: str = "auto", device: str = "auto", context: int | None = None,
-              gpu_budget: float | None = None) -> Fit | None:
-    """The plan for `model` (a .gguf, any part of a split one, or a folder holding one) on this machine where the
-    llama.cpp engine would run it (auto's choice from its architecture, engine.selection.listed_engine, or
-    `requested`); None where it would not. Reads the header alone."""
-    from moedesk.engine.load.gguf_split import gguf_in_folder
-    from moedesk.engine.selection import listed_engine
-
-    path = Path(model)
-    if path.is_dir():
-        path = gguf_in_folder(path, recursive=True) or path
-    if path.suffix != ".gguf" or not path.is_file():
-        return None
-    header = read_header(path)
-    if listed_engine(str(value(header, "general.architecture") or "?"), True, requested).kind != "llama.cpp":
-        return None
-    return plan(gguf_shape(header), this_machine(device), context, gpu_budget)
-
-
 def read_header(path: Path):
     """The GGUF's metadata and tensor infos; of a split GGUF, the first part's metadata and every part's tensors
     (engine.load.gguf_split), so that placement sizes the whole model. CheckpointError (one line) for a file gguf's
