@@ -110,3 +110,27 @@ def test_a_tied_head_is_read_onto_the_last_layers_device_not_copied_from_the_fir
     engine = Engine.load(str(tied), device="cpu", dtype="float32", offload=True, context_length=64,
                          gpu_budget=budgets, devices=("cpu", "cpu"))
     assert engine.model.lm_head.weight is engine.model.embed.weight and "lm_head.weight" not in placed
+
+
+@pytest.mark.gpu
+def test_a_tied_head_on_two_gpus_is_read_onto_the_second_and_decodes_as_on_one(tmp_path, monkeypatch):
+    """On two CUDA GPUs: a tied model's table stays on cuda:0 and its head is put once on cuda:1, straight from the
+    checkpoint; greedy ids equal the one-GPU load's."""
+    from moedesk.engine.requests import Request, SamplingParams
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
+    tied = build("mixtral", tmp_path / "tied", num_hidden_layers=4, tie_word_embeddings=True)
+
+    def greedy(engine):
+        return engine.complete([Request(engine.tokenizer.encode("The sea is"),
+                                        SamplingParams(max_new_tokens=8, temperature=0))])[0].token_ids
+
+    one = Engine.load(str(tied), device="cuda", dtype="float32", context_length=64)
+    expected = greedy(one)
+    del one
+    placed = record_placements(monkeypatch)
+    two = Engine.load(str(tied), device="cuda", dtype="float32", offload=True, context_length=64,
+                      gpu_budget=_budgets_holding(tied, (3, 5)), devices=("cuda:0", "cuda:1"))
+    assert placed["embed.weight"] == [torch.device("cuda", 0)] and placed["lm_head.weight"] == [torch.device("cuda", 1)]
+    assert greedy(two) == expected
