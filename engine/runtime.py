@@ -46,7 +46,7 @@ class Engine(EngineFace):
         stops = set(cfg.eos_token_ids) | set(tokenizer.eos_token_ids if tokenizer is not None else ())
         # The plain batch's forwards, cache and CUDA graphs; beam search and speculation hold runners of their own.
         self.runner = ModelRunner(model, device, dtype, context_length, stops, on_oom=self._on_oom,
-                                  graphs=graphs_wanted(torch.device(device)))
+                                  graphs=graphs_wanted(torch.device(device)), can_free=self._can_free)
         self.runner.reserve(1, min(FIRST_CACHE_LENGTH, context_length))
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
         self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
@@ -345,6 +345,11 @@ class Engine(EngineFace):
         """Free GPU memory after an out-of-memory error in a step: experts leave the GPU, half at a time."""
         return self.orchestra is not None and self.orchestra.back_off()
 
+    def _can_free(self) -> bool:
+        """Whether `_on_oom` has experts on the GPU to move, so that a step that runs out of memory is retried."""
+        placement = self.orchestra.placement if self.orchestra is not None else None
+        return placement is not None and placement.experts_on_gpu > 0
+
     def release_cache(self, timeout: float = 30.0) -> bool:
         """Give the KV caches' memory back, once no request runs (what an out-of-memory back-off to fewer rows at
         once does: the caches only ever grow, so the rows no longer used would stay allocated): the plain batch's
@@ -389,7 +394,7 @@ class Engine(EngineFace):
     def _beam_search(self) -> BeamSearch:
         if self._beam is None:  # on the decode thread: its CUDA graphs are captured there
             self._beam = BeamSearch(self.model, self.device, self.dtype, self.context_length, on_oom=self._on_oom,
-                                    graphs=self.runner.graphs is not None)
+                                    graphs=self.runner.graphs is not None, can_free=self._can_free)
         return self._beam
 
     def _eos_ids(self) -> set:

@@ -196,14 +196,15 @@ class BeamSearch:
     """
 
     def __init__(self, model, device, dtype, context_length: int, on_oom=None, graphs: bool = False,
-                 max_rows: int = BEAM_ROWS):
+                 max_rows: int = BEAM_ROWS, can_free=None):
         """on_oom() frees GPU memory after an out-of-memory error and returns True to retry (as for
         engine.generation.decoder.Decoder). graphs: replay decode steps from CUDA graphs over this cache (keyed
-        by the rows of all searches together). max_rows: hypotheses of all searches stepping together."""
+        by the rows of all searches together). max_rows: hypotheses of all searches stepping together.
+        can_free: as ModelRunner's."""
         self.model, self.device = model, torch.device(device)
         self.context_length = context_length
         self.runner = ModelRunner(model, device, dtype, context_length, on_oom=on_oom, graphs=graphs,
-                                  advice="use fewer beams or fewer new tokens")
+                                  advice="use fewer beams or fewer new tokens", can_free=can_free)
         self.max_rows = max_rows
         self.waiting: list[_Search] = []  # added, not yet admitted
         self.active: list[_Search] = []  # admitted: holding rows, in the order they were admitted

@@ -6,8 +6,18 @@ stop set (the token ids that end a sequence). The decoder, a beam search and a s
 their rows are their own, their forwards and cache operations the same code.
 
 `prefill` runs eagerly (prompt shapes vary); `step` replays graphs where they are on and the shape is
-captured, and runs the same forward eagerly otherwise. `fork` (beam search) and `accept` (speculation) are
-the cache kind's row operations.
+captured, and runs the same forward eagerly otherwise.
+
+A retry after an out-of-memory error must compute what one successful run would. A KV cache is rewritten
+unchanged by it; a recurrent state (Gated DeltaNet) is not: the layers before the failure have already taken
+the tokens, and would take them twice. So before a forward over a stateful cache the runner copies the current
+states of the rows it touches (`save`) and puts them back before a retry. That copy is one read and write of
+those rows' states per step, two copies a recurrent layer; deferring the layers' writes to the end of the
+forward instead would copy nothing more, but CUDA graphs write in place and can fail between their segments (a
+host-run layer's experts), and a copy that covers every path is the smaller risk. No retry, no copy: it is
+taken only while `can_free()` says an out-of-memory error would be retried (experts left on the GPU to move).
+
+`fork` (beam search) and `accept` (speculation) are the cache kind's row operations.
 """
 from __future__ import annotations
 
@@ -22,15 +32,19 @@ class ModelRunner:
     """Forwards of `model` over a cache of its own, grown on demand (`reserve`)."""
 
     def __init__(self, model, device, dtype, context_length: int, stop_ids=frozenset(), on_oom=None,
-                 graphs: bool | Callable = False, advice: str = "use a shorter context or a smaller batch"):
+                 graphs: bool | Callable = False, advice: str = "use a shorter context or a smaller batch",
+                 can_free: Callable[[], bool] | None = None):
         """stop_ids: tokens that end a sequence. on_oom() frees GPU memory after an out-of-memory error (moves
         experts to RAM) and returns True to retry, False to give up. graphs: replay `step` from CUDA graphs
         (True), not (False), or a factory (model, cache) -> GraphedDecode (tests run capture=False segments on
-        the CPU). advice: how a user avoids the out-of-memory error nothing is left to free for."""
+        the CPU). advice: how a user avoids the out-of-memory error nothing is left to free for. can_free():
+        whether on_oom() may free anything now (None: assume it may), asked before each forward over a recurrent
+        state, whose rows are copied only where a retry may follow."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.stop_ids = frozenset(stop_ids)
         self.on_oom = on_oom
+        self.can_free = can_free
         self.use_graphs = graphs
         self.advice = advice
         self.cache = None  # made by the first `reserve`
@@ -63,15 +77,16 @@ class ModelRunner:
 
     def prefill(self, tokens, positions, executor, rows=None, logits_at=None, features: tuple = ()):
         """The model's forward, eagerly (`Transformer.forward`'s arguments), retried after an out-of-memory
-        error: a retry writes the same keys and values at the same positions, so it computes what the first
-        attempt would have."""
+        error: a retry writes the same keys and values at the same positions, and starts from the recurrent
+        states the first attempt started from, so it computes what the first attempt would have."""
         return self.retrying(lambda: self.model(tokens, positions, self.cache, executor, rows=rows,
-                                                logits_at=logits_at, features=features))
+                                                logits_at=logits_at, features=features), (rows, tokens))
 
     def step(self, tokens, positions, executor, rows=None, mask=None, slots=None, features: tuple = ()):
         """Every position's logits (and features) of tokens [B, T]: replayed from CUDA graphs where they are on
         and the shape is captured, else the same forward eagerly; retried after an out-of-memory error."""
-        return self.retrying(lambda: self._step(tokens, positions, executor, rows, mask, slots, features))
+        return self.retrying(lambda: self._step(tokens, positions, executor, rows, mask, slots, features),
+                             (rows, tokens))
 
     def _step(self, tokens, positions, executor, rows, mask, slots, features):
         out = None
@@ -96,16 +111,37 @@ class ModelRunner:
         leaves out (0 without graphs)."""
         return self.graphs.captures + self.graphs.warmups if self.graphs is not None else 0
 
-    def retrying(self, step):
-        return retrying_oom(step, self.on_oom, self.advice)
+    def retrying(self, step, touched: tuple | None = None):
+        """step() retried after out-of-memory errors; touched: (rows, tokens) of a forward over the cache, whose
+        recurrent states a failed attempt may have fed part way (put back before the retry, or the error)."""
+        saved = None
+        if (touched is None or self.on_oom is None or not getattr(self.cache, "stateful", False)
+                or (self.can_free is not None and not self.can_free())):
+            return retrying_oom(step, self.on_oom, self.advice)
+
+        def attempt():
+            nonlocal saved
+            if saved is None:  # inside the retry: a copy that finds no room is retried like the forward
+                rows, tokens = touched
+                saved = self.cache.save(rows, tokens.shape[0])
+            return step()
+
+        def undo():
+            if saved is not None:
+                self.cache.restore(saved)
+
+        return retrying_oom(attempt, self.on_oom, self.advice, undo)
 
 
-def retrying_oom(step, on_oom, advice: str):
-    """Run step(); after a GPU out-of-memory error let on_oom() free memory (move experts to RAM) and run it
-    again, until it has nothing left to free: then one line that ends with `advice`."""
+def retrying_oom(step, on_oom, advice: str, undo=None):
+    """Run step(); after a GPU out-of-memory error undo() what the failed attempt changed, let on_oom() free
+    memory (move experts to RAM) and run it again, until it has nothing left to free: then one line that ends
+    with `advice`."""
     while True:
         try:
             return step()
         except torch.OutOfMemoryError as error:
+            if undo is not None:
+                undo()
             if on_oom is None or not on_oom():
                 raise MoedeskError(f"GPU out of memory with nothing left to move to RAM: {advice}") from error

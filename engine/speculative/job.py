@@ -78,6 +78,7 @@ class SpeculativeJob:
         self.spec = idle.pop() if idle else Speculator(engine.model, engine.device, engine.dtype,
                                                        engine.context_length, engine.config.eos_token_ids,
                                                        engine.tokenizer, on_oom=engine._on_oom,
+                                                       can_free=engine._can_free,
                                                        graphs=graphs_like(engine.graphs))
         self.spec.runner.stop_ids = engine.runner.stop_ids
         room = (o.draft_length + 1) * o.width + 8

@@ -125,10 +125,11 @@ class Speculator:
     engine.generation.runner.ModelRunner, its cache, CUDA graphs, out-of-memory retry and stop set)."""
 
     def __init__(self, model, device, dtype, context_length: int, eos_token_ids=(), tokenizer=None, on_oom=None,
-                 graphs=None):
+                 graphs=None, can_free=None):
         """graphs: replay target forwards from CUDA graphs over this speculator's cache (engine.generation.
         cuda_graphs): None where the device wants them (graphs_wanted), True/False, or a factory
-        (model, cache) -> GraphedDecode (tests inject capture=False segments on the CPU)."""
+        (model, cache) -> GraphedDecode (tests inject capture=False segments on the CPU). on_oom, can_free: as
+        ModelRunner's."""
         self.model, self.device, self.dtype = model, torch.device(device), dtype
         self.context_length = context_length
         self.tokenizer = tokenizer
@@ -139,7 +140,7 @@ class Speculator:
         stops = frozenset(eos_token_ids) | (tokenizer.eos_token_ids if tokenizer is not None else frozenset())
         # The target's forwards over the speculator's own cache (its rows are the batch's), with their CUDA graphs.
         self.runner = ModelRunner(model, device, dtype, context_length, stops, on_oom=on_oom, graphs=graphs,
-                                  advice="use a shorter draft or a smaller batch")
+                                  advice="use a shorter draft or a smaller batch", can_free=can_free)
 
     @torch.no_grad()  # as the scheduler's decode thread runs: a drafter's forwards keep no autograd graphs
     def run(self, requests: list[Request], executor, drafter_factory, mode: str = "greedy", draft_length: int = 4,

@@ -97,3 +97,45 @@ def test_out_of_memory_is_retried_while_memory_is_freed_then_one_line_with_the_a
     stuck.reserve(1, 8)
     with pytest.raises(MoedeskError, match="nothing left to move to RAM: use fewer beams$"):
         stuck.prefill(None, None, None)
+
+
+class StatefulCache(FakeCache):
+    """A cache whose forwards change what they read (a recurrent state): what was saved, what put back."""
+    stateful = True
+
+    def __init__(self, rows, length):
+        super().__init__(rows, length)
+        self.saves, self.restores = [], 0
+
+    def save(self, rows, batch):
+        self.saves.append((rows, batch))
+        return len(self.saves)
+
+    def restore(self, saved):
+        assert saved == len(self.saves)
+        self.restores += 1
+
+
+class StatefulModel(FakeModel):
+    def new_cache(self, rows, length, dtype, device):
+        return StatefulCache(rows, length)
+
+
+def test_a_stateful_cache_saves_the_touched_rows_once_and_puts_them_back_before_each_retry():
+    model = StatefulModel(fail=2)
+    runner = ModelRunner(model, "cpu", torch.float32, 64, on_oom=lambda: True)
+    runner.reserve(4, 8)
+    rows = torch.tensor([3, 1])
+    assert runner.step(torch.zeros(2, 1, dtype=torch.long), None, None, rows) == "eager"
+    assert runner.cache.saves == [(rows, 2)] and runner.cache.restores == 2
+    assert runner.prefill(torch.zeros(3, 5, dtype=torch.long), None, None) == "eager"
+    assert runner.cache.saves[-1] == (None, 3) and runner.cache.restores == 2  # no failure: nothing put back
+    model.fail = 1
+    runner.on_oom = lambda: False  # the error, with the states as they were
+    with pytest.raises(MoedeskError):
+        runner.step(torch.zeros(1, 1, dtype=torch.long), None, None)
+    assert runner.cache.restores == 3
+    lone = ModelRunner(StatefulModel(), "cpu", torch.float32, 64)  # no retry: no copy
+    lone.reserve(1, 8)
+    lone.step(torch.zeros(1, 1, dtype=torch.long), None, None)
+    assert lone.cache.saves == []

@@ -274,3 +274,27 @@ def test_layer_caches_route_layers_and_reach_every_kind():
     assert caches.storage_key() != key
     with pytest.raises(ValueError, match="two caches"):
         LayerCaches([full, PositionalCache([2], {"k": (DIM,)}, 1, 1, torch.float64, "cpu")])
+
+
+def test_saved_rows_of_a_recurrent_state_come_back_in_place_and_only_they():
+    """What an out-of-memory retry puts back (engine.generation.runner): the current states of the rows a forward
+    touched, by index or as rows 0..B-1, into the same tensors; kinds without a state have nothing to save."""
+    gen = torch.Generator().manual_seed(7)
+    full = PositionalCache([0], {"k": (DIM,)}, 3, 8, torch.float64, "cpu")
+    state = recurrent_cache(rows=3, history=1)
+    outer = LayerCaches([LayerCaches([full, state])])  # a device's caches within the model's (layer_devices)
+    for row in range(3):
+        feed(state, row, token_inputs(gen, 2))
+    tensors = [t.data_ptr() for t in state.state + state.conv]
+    for rows, batch in ((torch.tensor([2, 0]), 2), (None, 2)):
+        before = [t.clone() for t in state.state + state.conv]
+        saved = outer.save(rows, batch)
+        assert len(saved) == 1  # the positional kind saves nothing
+        for row in range(3):
+            feed(state, row, token_inputs(gen, 1))
+        touched = [2, 0] if rows is not None else [0, 1]
+        outer.restore(saved)
+        assert [t.data_ptr() for t in state.state + state.conv] == tensors
+        for now, then in zip(state.state + state.conv, before):
+            for row in range(3):
+                assert torch.equal(now[row], then[row]) == (row in touched)

@@ -8,6 +8,8 @@ which is all a runner (engine.generation.runner) asks of a cache:
 - `storage_key()` changes whenever its tensors move (CUDA graphs read them in place);
 - `stateful` (optional, default False): a forward run twice would feed its tokens twice (a recurrent state), so
   nothing may run a step again after it ran once (CUDA graphs' warm-up, an out-of-memory retry of a capture);
+  such a kind has `save(rows, batch)` (copies of what a forward over those rows changes) and `restore(saved)`,
+  which a runner uses to retry a forward that ran out of memory part way;
 - `reorder(block, source, length)`: row block[j] takes what row block[source[j]] holds (beam search's forks);
 - `accept(rows, starts, paths)`: after a verify forward that wrote draft node n of row rows[i] at slot
   starts[i] + n (the root, node 0, at starts[i]), keep the nodes of paths[i] (root to leaf, root excluded) as

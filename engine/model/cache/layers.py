@@ -39,6 +39,15 @@ class LayerCaches:
         """Whether a forward run twice changes what it holds twice (a recurrent state among its kinds)."""
         return any(getattr(kind, "stateful", False) for kind in self.kinds)
 
+    def save(self, rows, batch: int) -> list:
+        """Each stateful kind's `save` of these rows (None: 0..batch-1), for `restore`."""
+        return [(kind, kind.save(rows if rows is None else rows.to(kind.device), batch))
+                for kind in self.kinds if getattr(kind, "stateful", False)]
+
+    def restore(self, saved: list) -> None:
+        for kind, state in saved:
+            kind.restore(state)
+
     @property
     def rows(self) -> int:
         return min(kind.rows for kind in self.kinds)

@@ -87,6 +87,20 @@ class RecurrentState:
         for t in self.state + self.conv:
             t[index] = 0
 
+    def save(self, rows, batch: int) -> tuple:
+        """Copies of the current state and convolution state of `rows` (a tensor of row indices; None: rows
+        0..batch-1), all a forward over those rows changes that a second run would not simply overwrite (the kept
+        states it rewrites whole): `restore` puts them back after a forward that failed part way."""
+        tensors = self.state + self.conv
+        copies = [t[:batch].clone() for t in tensors] if rows is None else [t[rows] for t in tensors]
+        return rows, copies
+
+    def restore(self, saved: tuple) -> None:
+        """The rows `save` copied hold what they held then, in place (where graphs read them)."""
+        rows, copies = saved
+        for t, old in zip(self.state + self.conv, copies):
+            _put(t, rows, old)
+
     def read(self, layer: int, rows, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The current (state, convolution state) of `rows` (a tensor of `batch` row indices: copies), or of rows
         0..batch-1 where rows is None (views)."""
