@@ -83,6 +83,22 @@ def llama_cpp_plan(model, requested: str = "auto", device: str = "auto", context
     return plan(gguf_shape(header), this_machine(device), context, gpu_budget)
 
 
+def llama_cpp_shape(header):
+    """What the llama.cpp engine's placement reads of a GGUF header (engine.llamacpp.fit.GGUFShape)."""
+    from moedesk.engine.llamacpp.fit import gguf_shape
+
+    return gguf_shape(header)
+
+
+def llama_cpp_fit(shape, device: str = "auto", context: int | None = None, gpu_budget: float | None = None,
+                  available: int | None = None):
+    """The llama.cpp engine's plan (engine.llamacpp.fit.Fit) for a GGUF of `shape` on this machine; `available`
+    stands in for the memory this process may use. MoedeskError, one line, where a named budget cannot hold the rest."""
+    from moedesk.engine.llamacpp.fit import plan, this_machine
+
+    return plan(shape, this_machine(device, available), context, gpu_budget)
+
+
 def preflight(model: str, engine: str = "auto") -> None:
     """Refuse quickly (MoedeskError, one line) what Engine.load would refuse, before a front end lets the model it
     has go: a missing file, an unreadable checkpoint, an architecture no engine runs. Reads headers only."""

@@ -77,12 +77,12 @@ def llama_fit(shape, target, available: int | None = None):
     device, context and GPU budget of `target` (app.tui.load_target.LoadTarget): its Fit, or the one line saying why
     the load would stop before placing anything."""
     from moedesk.engine.errors import MoedeskError
-    from moedesk.engine.llamacpp.fit import plan, this_machine
+    from moedesk.engine.selection import llama_cpp_fit
 
     if target.budgets:
         return f"does not load: llama.cpp takes one --gpu-budget figure, not {len(target.budgets)}"
     try:
-        return plan(shape, this_machine(target.device, available), target.context, target.gpu_budget)
+        return llama_cpp_fit(shape, target.device, target.context, target.gpu_budget, available)
     except MoedeskError as e:  # a named budget that cannot hold the rest: the load's own line
         return f"does not fit: {e}"
 
@@ -168,16 +168,15 @@ def gguf_model(path: Path) -> LocalModel:
         why = _one_line(e)
         try:
             from moedesk.engine.listing import gguf_header
-            from moedesk.engine.llamacpp.fit import gguf_shape
             from moedesk.engine.load.size_estimate import file_weights
-            from moedesk.engine.selection import listed_engine
+            from moedesk.engine.selection import listed_engine, llama_cpp_shape
 
             reader = gguf_header(path)
             arch = _gguf_value(reader, "general.architecture") or "?"
             experts = int(_gguf_value(reader, f"{arch}.expert_count") or 0)
             top_k = int(_gguf_value(reader, f"{arch}.expert_used_count") or 0)
             if listed_engine(arch, gguf=True).kind == "llama.cpp":  # it runs from the file as it is
-                weights, why, shape = file_weights(arch, reader.tensors), "", gguf_shape(reader)
+                weights, why, shape = file_weights(arch, reader.tensors), "", llama_cpp_shape(reader)
         except MoedeskError as e:  # a split GGUF missing a part: the line that names it
             why = _one_line(e)
         except Exception as e:  # a truncated or foreign file: list it anyway, loading will say what is wrong
