@@ -251,13 +251,11 @@ def test_loading_fused_qwen35_experts_peaks_within_a_tenth_of_the_model(tmp_path
     assert peak <= 1.1 * m["packed"] + m["kv"]
 
 
-def write_fp8_qwen3(folder: Path, template: Path, H=1056, F=352, E=40, L=6, heads=8, kv=2, hd=128) -> None:
-    """A Qwen3-MoE checkpoint as the "-FP8" releases lay it out (~270 MB, the Hub's names, one tensor per expert):
-    every linear weight but the router's float8_e4m3fn in 128x128 blocks, with its float32 weight_scale_inv; the
-    sizes end in partial blocks (1056 = 8 x 128 + 32, 352 = 2 x 128 + 96)."""
+def write_qwen3_release(folder: Path, template: Path, quantization: dict, store, H, F, E, L, heads, kv, hd) -> None:
+    """A Qwen3-MoE checkpoint as quantised releases lay it out (the Hub's names, one tensor per expert), with
+    `quantization` as its config's quantization_config: every weight is drawn at random in bf16 and handed to
+    `store(tensors, name, weight, expert)`, which puts it (or its quantised tensors) in `tensors`."""
     from safetensors.torch import save_file
-
-    from tests.load.test_fp8_blocks import to_fp8
 
     folder.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -265,17 +263,13 @@ def write_fp8_qwen3(folder: Path, template: Path, H=1056, F=352, E=40, L=6, head
     config = json.loads((template / "config.json").read_text())
     config.update(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_local_experts=E, num_hidden_layers=L,
                   num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, dtype="bfloat16",
-                  quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                       "weight_block_size": [128, 128]})
+                  quantization_config=quantization)
     (folder / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(0)
     vocab, tensors = config["vocab_size"], {}
 
     def w(*shape):
         return (torch.randn(shape, generator=gen) * 0.02).bfloat16()
-
-    def fp8(name, *shape):
-        tensors[name], tensors[name + "_scale_inv"] = to_fp8(w(*shape), (128, 128))
 
     tensors.update({"model.embed_tokens.weight": w(vocab, H), "lm_head.weight": w(vocab, H),
                     "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)})
@@ -285,12 +279,26 @@ def write_fp8_qwen3(folder: Path, template: Path, H=1056, F=352, E=40, L=6, head
                            ("self_attn.k_norm", hd)):
             tensors[f"{p}{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
         tensors[p + "mlp.gate.weight"] = w(E, H)
-        fp8(p + "self_attn.q_proj.weight", heads * hd, H); fp8(p + "self_attn.k_proj.weight", kv * hd, H)
-        fp8(p + "self_attn.v_proj.weight", kv * hd, H); fp8(p + "self_attn.o_proj.weight", H, heads * hd)
+        for proj, shape in (("q", (heads * hd, H)), ("k", (kv * hd, H)), ("v", (kv * hd, H)), ("o", (H, heads * hd))):
+            store(tensors, f"{p}self_attn.{proj}_proj.weight", w(*shape), False)
         for e in range(E):
             q = f"{p}mlp.experts.{e}."
-            fp8(q + "gate_proj.weight", F, H); fp8(q + "up_proj.weight", F, H); fp8(q + "down_proj.weight", H, F)
+            for proj, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+                store(tensors, f"{q}{proj}_proj.weight", w(*shape), True)
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_fp8_qwen3(folder: Path, template: Path, H=1056, F=352, E=40, L=6, heads=8, kv=2, hd=128) -> None:
+    """A Qwen3-MoE checkpoint as the "-FP8" releases lay it out (~270 MB): every linear weight but the router's
+    float8_e4m3fn in 128x128 blocks, with its float32 weight_scale_inv; the sizes end in partial blocks
+    (1056 = 8 x 128 + 32, 352 = 2 x 128 + 96)."""
+    from tests.load.test_fp8_blocks import to_fp8
+
+    def store(tensors, name, weight, expert):
+        tensors[name], tensors[name + "_scale_inv"] = to_fp8(weight, (128, 128))
+
+    write_qwen3_release(folder, template, {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                           "weight_block_size": [128, 128]}, store, H, F, E, L, heads, kv, hd)
 
 
 @pytest.mark.parametrize("expert_dtype, formats", [("auto", ["q8_0"]), ("bf16", ["bfloat16"])])
@@ -312,57 +320,28 @@ def test_loading_an_fp8_release_peaks_within_a_tenth_of_the_model(tmp_path, tiny
 
 def write_compressed_qwen3(folder: Path, template: Path, scheme: str, H=1024, F=512, E=32, L=8, heads=8, kv=2,
                            hd=128) -> None:
-    """A Qwen3-MoE checkpoint in the compressed-tensors format as the releases lay it out (one tensor per expert):
-    int4, Kimi-K2-Thinking's scheme (routed experts packed 8 to an int32, a bf16 scale per 32 weights, the rest
-    bf16; ~270 MB), or fp8, GLM-4.5-FP8's (every projection float8_e4m3fn with a scale per output channel)."""
-    from safetensors.torch import save_file
-
+    """A Qwen3-MoE checkpoint in the compressed-tensors format as the releases lay it out: int4, Kimi-K2-Thinking's
+    scheme (routed experts packed 8 to an int32, a bf16 scale per 32 weights, the rest bf16; ~270 MB), or fp8,
+    GLM-4.5-FP8's (every projection float8_e4m3fn with a scale per output channel)."""
     from tests.load.test_compressed_tensors import (KIMI_IGNORE, ct_config, fp8_weights, int_weights, pack,
                                                     quantise_fp8, quantise_int)
 
-    folder.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(template / name, folder / name)
-    config = json.loads((template / "config.json").read_text())
     quantization = (ct_config(int_weights(4), "pack-quantized", KIMI_IGNORE) if scheme == "int4" else
                     ct_config(fp8_weights("channel"), "float-quantized", ["lm_head"] + [
                         f"model.layers.{i}.mlp.gate" for i in range(L)]))
-    config.update(hidden_size=H, moe_intermediate_size=F, num_experts=E, num_local_experts=E, num_hidden_layers=L,
-                  num_attention_heads=heads, num_key_value_heads=kv, head_dim=hd, dtype="bfloat16",
-                  quantization_config=quantization)
-    (folder / "config.json").write_text(json.dumps(config))
-    gen = torch.Generator().manual_seed(0)
-    vocab, tensors = config["vocab_size"], {}
 
-    def w(*shape):
-        return (torch.randn(shape, generator=gen) * 0.02).bfloat16()
-
-    def quantised(name, *shape, expert=True):
+    def store(tensors, name, weight, expert):
         module = name.removesuffix(".weight")
         if scheme == "int4" and expert:
-            q, tensors[module + ".weight_scale"] = quantise_int(w(*shape).float(), 4, 32)
+            q, tensors[module + ".weight_scale"] = quantise_int(weight.float(), 4, 32)
             tensors[module + ".weight_packed"] = pack(q, 4)
-            tensors[module + ".weight_shape"] = torch.tensor(list(shape), dtype=torch.int32)
+            tensors[module + ".weight_shape"] = torch.tensor(list(weight.shape), dtype=torch.int32)
         elif scheme == "fp8":
-            tensors[name], tensors[module + ".weight_scale"] = quantise_fp8(w(*shape).float(), (1, None))
+            tensors[name], tensors[module + ".weight_scale"] = quantise_fp8(weight.float(), (1, None))
         else:
-            tensors[name] = w(*shape)
+            tensors[name] = weight
 
-    tensors.update({"model.embed_tokens.weight": w(vocab, H), "lm_head.weight": w(vocab, H),
-                    "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)})
-    for i in range(L):
-        p = f"model.layers.{i}."
-        for norm, size in (("input_layernorm", H), ("post_attention_layernorm", H), ("self_attn.q_norm", hd),
-                           ("self_attn.k_norm", hd)):
-            tensors[f"{p}{norm}.weight"] = torch.ones(size, dtype=torch.bfloat16)
-        tensors[p + "mlp.gate.weight"] = w(E, H)
-        for proj, shape in (("q", (heads * hd, H)), ("k", (kv * hd, H)), ("v", (kv * hd, H)), ("o", (H, heads * hd))):
-            quantised(f"{p}self_attn.{proj}_proj.weight", *shape, expert=False)
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            quantised(q + "gate_proj.weight", F, H); quantised(q + "up_proj.weight", F, H)
-            quantised(q + "down_proj.weight", H, F)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    write_qwen3_release(folder, template, quantization, store, H, F, E, L, heads, kv, hd)
 
 
 @pytest.mark.parametrize("scheme, experts, formats", [("int4", 32, ["q4_0"]), ("fp8", 16, ["q8_0"])])

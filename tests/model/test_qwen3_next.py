@@ -112,10 +112,10 @@ def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(b
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_speculation_in_chains_and_trees_is_lossless(family, built):
-    """An oracle draft (the greedy continuation, a third of it corrupted): chains and trees verified in one pass,
-    rejected drafts rolled back out of the recurrent state, equal plain greedy decoding, rows of several lengths."""
+def speculate(family, built, graphs=None):
+    """(mode, the Speculator's completions, plain greedy's tokens) of an oracle draft (the greedy continuation, a
+    third of it corrupted) verified in chains ("greedy") and trees ("beam"), rows of several lengths; graphs(): the
+    Speculator's graphs for each mode (None: eager)."""
     from moedesk.engine.speculative.oracle_drafter import oracle_factory
     from moedesk.engine.speculative.verification import Speculator
 
@@ -125,10 +125,19 @@ def test_speculation_in_chains_and_trees_is_lossless(family, built):
     requests = [Request(p, params, tag=i) for i, p in enumerate(ids)]
     plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
     for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
+        extra = {} if graphs is None else {"graphs": graphs()}
         sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
-                        engine.tokenizer)
+                        engine.tokenizer, **extra)
         done, _ = sp.run(requests, engine.executor, oracle_factory(plain, 0.3, engine.vocab_size, seed=1), mode=mode,
                          draft_length=4, draft_width=width, budget=budget)
+        yield mode, done, plain
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculation_in_chains_and_trees_is_lossless(family, built):
+    """Chains and trees verified in one pass, rejected drafts rolled back out of the recurrent state, equal plain
+    greedy decoding."""
+    for mode, done, plain in speculate(family, built):
         assert [c.token_ids for c in done] == plain, mode
         spec = done[0].stats["speculative"]
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]  # some drafts taken, some rejected
@@ -201,20 +210,13 @@ def test_graph_segments_step_explicit_rows_of_different_lengths_as_the_eager_for
 def test_speculation_through_graph_segments_rolls_rejected_drafts_back(family, built):
     """Verify forwards of chains and trees replayed from the segments (every shape from its first sighting): each
     token's state kept in place for `accept`, a rejected draft leaving no trace; plain greedy decoding's tokens."""
-    from moedesk.engine.speculative.oracle_drafter import oracle_factory
-    from moedesk.engine.speculative.verification import Speculator
+    made = []
 
-    engine = Engine.load(str(built(family).folder), device="cpu", dtype="float32")
-    ids = prompts(engine)
-    params = SamplingParams(max_new_tokens=NEW, temperature=0)
-    requests = [Request(p, params, tag=i) for i, p in enumerate(ids)]
-    plain = [next(iter(engine.generate([r], batch_size=1))).token_ids for r in requests]
-    for mode, width, budget in (("greedy", 1, None), ("beam", 3, 7)):
-        made = []
-        sp = Speculator(engine.model, engine.device, engine.dtype, engine.context_length, engine.config.eos_token_ids,
-                        engine.tokenizer, graphs=segments(made, after=1))
-        done, _ = sp.run(requests, engine.executor, oracle_factory(plain, 0.3, engine.vocab_size, seed=1), mode=mode,
-                         draft_length=4, draft_width=width, budget=budget)
+    def fresh():
+        made.clear()
+        return segments(made, after=1)
+
+    for mode, done, plain in speculate(family, built, graphs=fresh):
         assert [c.token_ids for c in done] == plain, mode
         spec = done[0].stats["speculative"]
         assert spec["accepted"] > 0 and spec["drafted"] > spec["accepted"]

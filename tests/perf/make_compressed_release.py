@@ -24,16 +24,16 @@ releases against transformers on CUDA:
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
-import shutil
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+from make_fp8_release import quantised as linear_weight, rewrite_release  # noqa: E402
 
 E4M3_MAX = 448.0
 GROUP = 32
@@ -66,8 +66,7 @@ def fp8(w: torch.Tensor) -> dict[str, torch.Tensor]:
 def quantised(scheme: str, name: str, t: torch.Tensor) -> bool:
     if scheme == "int4":
         return ROUTED.fullmatch(name) is not None and t.shape[1] % GROUP == 0
-    return (t.dim() == 2 and name.endswith(".weight") and "norm" not in name and "embed" not in name
-            and not name.startswith("lm_head") and not name.endswith((".gate.weight", ".router.weight")))
+    return linear_weight(name, t)
 
 
 def quantization_config(scheme: str, routers: list[str]) -> dict:
@@ -88,32 +87,17 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--scheme", choices=("int4", "fp8"), default="int4")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for extra in args.src.iterdir():
-        if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(extra, args.out / extra.name)
-    weight_map, routers, started = {}, [], time.perf_counter()
-    for shard in sorted(args.src.glob("*.safetensors")):
-        out = {}
-        with safe_open(str(shard), "pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if name.endswith((".gate.weight", ".router.weight")):
-                    routers.append(name.removesuffix(".weight"))
-                if quantised(args.scheme, name, t):
-                    module = name.removesuffix(".weight")
-                    out.update({f"{module}.{k}": v for k, v in (int4 if args.scheme == "int4" else fp8)(t).items()})
-                else:
-                    out[name] = t
-        save_file(out, str(args.out / shard.name), metadata={"format": "pt"})
-        weight_map.update({name: shard.name for name in out})
-        print(f"{shard.name}: {sum(t.numel() * t.element_size() for t in out.values()) / 1e9:.2f} GB, "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
-        del out
-    config = json.loads((args.src / "config.json").read_text())
-    config["quantization_config"] = quantization_config(args.scheme, sorted(routers))
-    (args.out / "config.json").write_text(json.dumps(config, indent=2))
-    (args.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    routers = []
+
+    def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+        if name.endswith((".gate.weight", ".router.weight")):
+            routers.append(name.removesuffix(".weight"))
+        if not quantised(args.scheme, name, t):
+            return {name: t}
+        module = name.removesuffix(".weight")
+        return {f"{module}.{k}": v for k, v in (int4 if args.scheme == "int4" else fp8)(t).items()}
+
+    rewrite_release(args.src, args.out, convert, lambda: quantization_config(args.scheme, sorted(routers)))
 
 
 if __name__ == "__main__":

@@ -50,35 +50,45 @@ def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.float8_e4m3fn).contiguous(), scale
 
 
+def rewrite_release(src: Path, out: Path, convert, quantization) -> None:
+    """A release of the checkpoint folder `src` in `out`: each source shard read one at a time, every tensor turned
+    by convert(name, tensor) into the release's {name: tensor}, written as one shard of the release; the other files
+    copied, and the config given quantization() (called once every tensor was seen) as its quantization_config."""
+    out.mkdir(parents=True, exist_ok=True)
+    for extra in src.iterdir():
+        if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(extra, out / extra.name)
+    weight_map, started = {}, time.perf_counter()
+    for shard in sorted(src.glob("*.safetensors")):
+        written = {}
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                written.update(convert(name, f.get_tensor(name)))
+        save_file(written, str(out / shard.name), metadata={"format": "pt"})
+        weight_map.update({name: shard.name for name in written})
+        print(f"{shard.name}: {sum(t.numel() * t.element_size() for t in written.values()) / 1e9:.2f} GB, "
+              f"{time.perf_counter() - started:.0f} s", flush=True)
+        del written
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+def convert(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    if not quantised(name, t):
+        return {name: t}
+    q, scale = to_fp8(t.float())
+    return {name: q, name + "_scale_inv": scale}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("src", type=Path)
     parser.add_argument("out", type=Path)
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    for extra in args.src.iterdir():
-        if extra.suffix != ".safetensors" and extra.name not in ("config.json", "model.safetensors.index.json"):
-            shutil.copy(extra, args.out / extra.name)
-    config = json.loads((args.src / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [BLOCK, BLOCK]}
-    (args.out / "config.json").write_text(json.dumps(config, indent=2))
-    weight_map, started = {}, time.perf_counter()
-    for shard in sorted(args.src.glob("*.safetensors")):
-        out = {}
-        with safe_open(str(shard), "pt") as f:
-            for name in f.keys():
-                t = f.get_tensor(name)
-                if quantised(name, t):
-                    out[name], out[name + "_scale_inv"] = to_fp8(t.float())
-                else:
-                    out[name] = t
-        save_file(out, str(args.out / shard.name), metadata={"format": "pt"})
-        weight_map.update({name: shard.name for name in out})
-        print(f"{shard.name}: {sum(t.numel() * t.element_size() for t in out.values()) / 1e9:.2f} GB, "
-              f"{time.perf_counter() - started:.0f} s", flush=True)
-        del out
-    (args.out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    rewrite_release(args.src, args.out, convert, lambda: {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]})
 
 
 if __name__ == "__main__":
