@@ -30,6 +30,8 @@ class BenchResult:
     depth: int = 0  # tokens of context already in the cache when the run starts (bench.depth)
     spread: float | None = None  # (slowest - fastest) / median over its rounds: decode steps, prefill repeats
     noise: float | None = None  # standard error of the mean step time over the decode steps, relative to it
+    rounds: int = 1  # runs the figure is the best of (prefill); the executor's counts cover them all
+    experts: dict | None = None  # where the offloaded experts ran, summed over the rounds (StepStats.as_dict)
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -101,7 +103,7 @@ def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int 
         _sync(device)
         times.append(time.perf_counter() - start)
     best = min(times)
-    return BenchResult("prefill", length, 1, best, length / best, spread=spread(times))
+    return BenchResult("prefill", length, 1, best, length / best, spread=spread(times), rounds=repeat)
 
 
 def spread(times: list[float]) -> float | None:
@@ -371,7 +373,9 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
     for n in prefill:
         executor.stats = type(executor.stats)()
         r = measure_prefill(model, executor, cfg, device, dtype, n, repeat=3)
-        r.bound_tok_s = traffic_bound(executor.stats, 2, n, expert_bytes, h2d_bps)
+        # Per run: the counts cover every round (a bound over fewer steps than ran overstated the % of bound).
+        r.bound_tok_s = traffic_bound(executor.stats, r.rounds, n, expert_bytes, h2d_bps)
+        r.experts = executor.stats.as_dict()
         results.append(r)
     if batch > 1:
         r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens)
@@ -408,10 +412,19 @@ def format_results(report: dict) -> str:
         rows.append([r["mode"], str(r["tokens"]), str(r["batch"]), str(r.get("depth", 0)), significant(r["tok_s"]),
                      spread_, significant(r["bound_tok_s"]), pct])
     lines += text_table(["mode", "tokens", "batch", "depth", "tok/s", "spread", "bound", "% bound"], rows)
+    lines += [prefill_split_line(r) for r in report["results"] if r.get("experts")]
     warning = busy_warning(report.get("other_cpu_share") or 0.0)
     if warning:
         lines.append(warning)
     return "\n".join(lines)
+
+
+def prefill_split_line(result: dict) -> str:
+    """Where a prefill's offloaded experts ran, per run: the split the CPU and the copies shared."""
+    e, rounds = result["experts"], result.get("rounds") or 1
+    return (f"prefill {result['tokens']}, per run: {e['experts_cpu'] / rounds:.0f} experts on the CPU, "
+            f"{e['experts_copied'] / rounds:.0f} copied, {e['experts_gpu'] / rounds:.0f} resident; "
+            f"{e['moe_ms'] / rounds:.1f} ms in the experts ({e['cpu_expert_ms'] / rounds:.1f} of it the CPU's call)")
 
 
 def _experts_per_step(stats, steps: int) -> float:

@@ -92,6 +92,9 @@ def test_a_real_bench_reports_its_spread_and_the_machines_load():
     assert any(line.startswith("profile: one expert on the CPU") and "{" not in line for line in lines)
     text = format_results(r)
     assert "±" in text and ("warning" in text) == (r["other_cpu_share"] >= BUSY_SHARE)
+    e = r["results"][1]["experts"]  # the prefill's split, per run, in words
+    assert f"prefill 16, per run: {e['experts_cpu'] / 3:.0f} experts on the CPU, {e['experts_copied'] / 3:.0f} copied" \
+        in text
 
 
 def test_every_bench_mode_warns_when_the_machine_was_busy(monkeypatch, capsys):
