@@ -87,12 +87,6 @@ def llama_fit(shape, target, available: int | None = None):
         return f"does not fit: {e}"
 
 
-def llama_fit_line(shape, target, available: int | None = None) -> str:
-    """`llama_fit` in words: where what goes, and the load's refusal where it would refuse."""
-    fit = llama_fit(shape, target, available)
-    return fit if isinstance(fit, str) else fit.line()
-
-
 def _weights(path: Path) -> tuple[object, str]:
     """(ModelWeights, "") for a model folder or .gguf file, or (None, why not) in a few words."""
     try:

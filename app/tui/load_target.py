@@ -15,11 +15,17 @@ class LoadTarget(NamedTuple):
     gpu_budget: float | None = None  # GiB, where --gpu-budget names one figure
     context: int | None = None  # --context (None: the engine's default)
     device: str = "auto"  # what the next load is asked for: "cpu" keeps llama.cpp off the GPU too
+    engine: str = "auto"  # the engine setting (--engine): which rows the llama.cpp engine's plan sizes
 
     def describe(self) -> str:
         short = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}[self.weights_dtype]
-        spread = f", GPU budgets {' + '.join(f'{b:g}' for b in self.budgets)} GiB" if self.budgets else ""
-        return f"expert dtype {self.expert_dtype}, {short} weights{' on the GPU' if self.gpu else ''}{spread}"
+        spread = f", GPU budgets {' + '.join(f'{b:g}' for b in self.budgets)} GiB" if self.budgets else \
+            f", GPU budget {self.gpu_budget:g} GiB" if self.gpu_budget is not None else ""
+        # What else sizes a llama.cpp plan, where set
+        context = f", context {self.context}" if self.context else ""
+        engine = f", engine {self.engine}" if self.engine != "auto" else ""
+        return f"expert dtype {self.expert_dtype}, {short} weights{' on the GPU' if self.gpu else ''}{spread}" \
+               f"{context}{engine}"
 
 
 def load_target(app) -> LoadTarget:
@@ -41,4 +47,4 @@ def load_target(app) -> LoadTarget:
     budgets = tuple(budget) if isinstance(budget, (tuple, list)) and len(budget) > 1 else ()
     one = budget[0] if isinstance(budget, (tuple, list)) and len(budget) == 1 else None if budgets else budget
     return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu, budgets, one,
-                      getattr(app, "context_length", None), device)
+                      getattr(app, "context_length", None), device, options.get("engine") or "auto")

@@ -2,7 +2,9 @@
 
 Listing runs in a thread worker (sizes need a walk over files, estimates a read of the headers);
 loading goes through a `LoadPanel`. The memory column is what loading would take with the expert
-dtype and weights dtype in force (F2 changes them; the estimate follows when the settings close).
+dtype and weights dtype in force (F2 changes them; the estimate follows when the settings close);
+for a GGUF the llama.cpp engine would load, the RAM and GPU of the plan that engine's load makes
+for the GPU budget and context in force, marked where the load would refuse it.
 F6 opens the download wizard over it, and a download finished there loads from here. Dismisses
 with the new engine, or None when left without loading.
 """
@@ -16,31 +18,74 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size, llama_fit_line
+from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size, llama_fit
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
 from moedesk.engine.selection import preflight
 
 
-def memory_cell(model: LocalModel, target: LoadTarget) -> str:
+ASK = object()  # memory_cell's and memory_note's `plan` when the caller has not planned the row
+
+
+def row_engine(model: LocalModel, engine: str):
+    """What would load the row with the engine setting `engine` (engine.selection.listed_engine's Choice)."""
+    from moedesk.engine.selection import listed_engine
+
+    return listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
+
+
+def llama_plan(model: LocalModel, target: LoadTarget, available: int | None = None):
+    """For a row the llama.cpp engine would load (with `target.engine`): the plan its load makes on this machine
+    (catalog.llama_fit: a Fit, or the line saying why the load stops before placing anything). None for a row the
+    native engine loads. `available` stands in for the memory this process may use."""
+    if model.llama_shape is None or row_engine(model, target.engine).kind != "llama.cpp":
+        return None
+    return llama_fit(model.llama_shape, target, available)
+
+
+def memory_cell(model: LocalModel, target: LoadTarget, plan=ASK) -> str:
+    """The memory column: the llama.cpp plan (`plan_cell`) for a row that engine loads, else the native estimate's
+    total. `plan`: the row's `llama_plan` where the caller has it (the screen plans each row once, for this cell
+    and the note alike)."""
+    plan = llama_plan(model, target) if plan is ASK else plan
+    if plan is not None:
+        return plan_cell(plan)
     estimate = model.estimate(target.expert_dtype, target.weights_dtype)
     return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
 
 
-def memory_note(model: LocalModel, target: LoadTarget, engine: str = "auto", available: int | None = None) -> str:
-    """The estimate in full, with the file's size, and the engine it assumes (auto's choice, engine.selection):
-    "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file 86.9 GiB) · native engine"; the file's size alone
-    where there is no estimate (and why, when the headers said). A GGUF llama.cpp would run is planned as its load
-    plans it (engine.llamacpp.fit: the same placement, figures and refusal). One bigger than the memory this
-    process may use (`available`, default: the RAM available or the cgroup's limit) says that it will not load."""
-    from moedesk.engine.selection import listed_engine
+def plan_cell(plan) -> str:
+    """A llama.cpp plan in a few columns, in the figures its note and the load's line give: "1.1M RAM" all in RAM,
+    "0.3G+16.3G GPU" with layers on the GPU, "✗ " before either where the load would refuse it, "✗ GPU budget"
+    where the budget leaves no plan at all."""
+    if isinstance(plan, str):
+        return "✗ GPU budget"
+    where = f"{brief(plan.ram_bytes)}+{brief(plan.gpu_bytes)} GPU" if plan.placement.gpu_layers \
+        else f"{brief(plan.ram_bytes)} RAM"
+    return where if plan.fits else f"✗ {where}"
 
-    choice = listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
+
+def brief(n: int) -> str:
+    """engine.memory_fit.gib's figure with its unit's letter: "16.3G", "0.3M"."""
+    from moedesk.engine.memory_fit import gib
+
+    return gib(n).replace(" GiB", "G").replace(" MiB", "M")
+
+
+def memory_note(model: LocalModel, target: LoadTarget, available: int | None = None, plan=ASK) -> str:
+    """The estimate in full, with the file's size, and the engine it assumes (the target's engine setting; auto's
+    choice, engine.selection): "~26.4 GiB in RAM as q4_0 experts + 3.0 GiB on the GPU (file 86.9 GiB) ·
+    native engine"; the file's size alone where there is no estimate (and why, when the headers said). A GGUF
+    llama.cpp would run is planned as its load plans it (`llama_plan`: the same placement, figures and refusal).
+    One bigger than the memory this process may use (`available`, default: the RAM available or the cgroup's
+    limit) says that it will not load."""
+    choice = row_engine(model, target.engine)
     file = f"file {human_size(model.size_bytes)}" if model.size_bytes is not None else ""
-    if choice.kind == "llama.cpp" and model.llama_shape is not None:
-        return " · ".join(part for part in (llama_fit_line(model.llama_shape, target, available), file, choice.why)
-                          if part)
+    plan = llama_plan(model, target, available) if plan is ASK else plan
+    if plan is not None:
+        line = plan if isinstance(plan, str) else plan.line()
+        return " · ".join(part for part in (line, file, choice.why) if part)
     estimate = model.estimate(target.expert_dtype, target.weights_dtype)
     if estimate is None:
         why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
@@ -59,6 +104,35 @@ def _too_big(need: int, available: int | None) -> str:
 
 MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
                  "size": "memory", "note": "note"}
+FIXED = ("source", "arch", "experts", "size")  # as wide as their widest value
+NAME_SHORTEST, NOTE_SHORTEST = 12, 8
+
+
+def column_layout(rows: list[tuple[str, ...]], width: int, padding: int) -> dict[str, tuple[str, int]]:
+    """(label, width) of each column shown, for `rows` (a value per MODEL_COLUMNS key) in `width` columns where
+    each cell takes `padding` beside its text. The fixed columns take their widest value; the name and the note
+    share the rest, the note giving way first (the highlighted row's is shown whole below the table), then the
+    name down to NAME_SHORTEST. Where that is not enough (80 columns, a llama.cpp plan's cell, an "hf cache"
+    row) the architecture is headed "arch", then the note column is left out."""
+    keys = list(MODEL_COLUMNS)
+    labels = dict(MODEL_COLUMNS)
+
+    def need(key: str) -> int:
+        return max([len(row[keys.index(key)]) for row in rows] + [len(labels[key])])
+
+    name_need, note_need = max(need("name"), 5), need("note")
+    for short_arch, with_note in ((False, True), (True, True), (True, False)):
+        labels = {**MODEL_COLUMNS, "arch": "arch" if short_arch else MODEL_COLUMNS["arch"]}
+        if not with_note:
+            del labels["note"]
+        fixed = {key: need(key) for key in FIXED}
+        room = width - padding * len(labels) - 1 - sum(fixed.values())  # 1: the mark
+        note = min(note_need, max(NOTE_SHORTEST, room - name_need)) if with_note else 0
+        name = min(name_need, max(NAME_SHORTEST, room - note))
+        if name + note <= room:
+            break
+    widths = {"mark": 1, "name": name, **fixed, "note": note}
+    return {key: (label, widths[key]) for key, label in labels.items()}
 
 
 def fit(text: str, width: int) -> str:
@@ -85,6 +159,7 @@ class ModelsScreen(Screen):
         self.current = current
         self.models: list[LocalModel] = []
         self.target: LoadTarget | None = None  # what the estimates shown are for
+        self.plans: list = []  # each model's llama_plan for self.target
 
     def compose(self) -> ComposeResult:
         yield Header()
@@ -118,6 +193,7 @@ class ModelsScreen(Screen):
             status.update(f"could not list models: {message.error}")
             return
         self.models = message.models
+        self._plan_rows()
         self._fill_table()
         self._show_status()
 
@@ -139,33 +215,30 @@ class ModelsScreen(Screen):
             return
         self.target = target
         if self.models:
+            self._plan_rows()
             self._fill_table()
             self._show_status()
 
+    def _plan_rows(self) -> None:
+        """Each row's llama.cpp plan (None for rows the native engine loads), made once for its cell and its note."""
+        self.plans = [llama_plan(m, self.target) for m in self.models]
+
     def _fill_table(self) -> None:
-        """The rows, with the name and note columns sharing what the fixed columns leave of the width:
-        at 80 columns a long repo id and its note pushed the other columns off screen."""
+        """The rows, in columns that fit the width (`column_layout`): at 80 columns a long repo id and its note
+        pushed the other columns off screen."""
         table = self.query_one(DataTable)
         cursor = table.cursor_row
         rows = [("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts,
-                 memory_cell(m, self.target), m.note or ("architecture not supported" if m.supported is False else ""))
-                for m in self.models]
-        fixed = {"source": 8, "arch": 12, "experts": 9, "size": 8}
-        for key, index in (("source", 2), ("arch", 3), ("experts", 4), ("size", 5)):
-            fixed[key] = max([len(r[index]) for r in rows] + [len(MODEL_COLUMNS[key])])
-        padding = 2 * table.cell_padding * len(MODEL_COLUMNS)
-        room = max(20, self.size.width - 4 - padding - 1 - sum(fixed.values()))  # 4: body padding and scrollbar
-        # The note gives way first (down to a word or so), since the highlighted row's note is shown in full below.
-        note_need = max([len(r[6]) for r in rows] + [4])
-        name_need = max([len(r[1]) for r in rows] + [5])
-        note_width = min(note_need, max(10, room - name_need))
-        name_width = min(name_need, max(16, room - note_width))
-        widths = {"mark": 1, "name": name_width, **fixed, "note": note_width}
+                 memory_cell(m, self.target, plan), m.note or ("architecture not supported" if m.supported is False
+                                                             else ""))
+                for m, plan in zip(self.models, self.plans)]
+        layout = column_layout(rows, self.size.width - 4, 2 * table.cell_padding)  # 4: body padding, scrollbar
         table.clear(columns=True)
-        for key, label in MODEL_COLUMNS.items():
-            table.add_column(label, key=key, width=widths[key])
+        for key, (label, width) in layout.items():
+            table.add_column(label, key=key, width=width)
         for n, row in enumerate(rows):
-            table.add_row(*row[:1], fit(row[1], name_width), *row[2:6], fit(row[6], note_width), key=str(n))
+            values = dict(zip(MODEL_COLUMNS, row))
+            table.add_row(*(fit(values[key], width) for key, (_, width) in layout.items()), key=str(n))
         if rows:
             table.move_cursor(row=min(max(cursor, 0), len(rows) - 1))
             self._show_note(table.cursor_row)
@@ -185,8 +258,7 @@ class ModelsScreen(Screen):
             return
         m = self.models[index]
         note = m.note or ("architecture not supported" if m.supported is False else "")
-        parts = [m.name, memory_note(m, self.target, self.app.load_options().get("engine") or "auto"
-                                     if hasattr(self.app, "load_options") else "auto"), note]
+        parts = [m.name, memory_note(m, self.target, plan=self.plans[index]), note]
         self.query_one("#models-note", Static).update(" · ".join(part for part in parts if part))
 
     # -------------------------------------------------------------- loading
