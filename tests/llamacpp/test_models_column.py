@@ -182,17 +182,19 @@ async def test_the_table_stays_whole_with_plans_in_it(size, ggufs, qwen3moe, tui
 
 
 def test_the_columns_give_way_in_order():
-    """The note gives way first, then the name down to 12 characters, then "architecture" is headed "arch", then the
-    note column goes; the fixed columns are never cut."""
+    """The note gives way first, then the name down to 16 characters, then "architecture" is headed "arch", then the
+    note column goes, then the name goes down to 12; the fixed columns are never cut."""
     row = ("", "n" * 40, "hf cache", "qwen3moe", "128 × top-8", "✗ 123.4G+16.3G GPU", "built on first use")
-    wide = column_layout([row], 156, 2)
-    assert {k: w for k, (_, w) in wide.items()} == {"mark": 1, "name": 40, "source": 8, "arch": 12, "experts": 11,
-                                                    "size": 18, "note": 18}
-    for width in (100, 90, 80, 76, 70):
-        layout = column_layout([row], width, 2)
-        widths = {k: w for k, (_, w) in layout.items()}
-        assert widths["size"] == 18 and widths["experts"] == 11 and widths["source"] == 8
-        assert sum(widths.values()) + 2 * len(layout) <= width or widths["name"] == 12
-    narrow = column_layout([row], 76, 2)
-    assert narrow["arch"] == ("arch", 8) and "note" not in narrow and narrow["name"][1] >= 12
-    assert column_layout([row], 90, 2)["arch"] == ("architecture", 12)
+
+    def widths(width):
+        return {key: w for key, (_, w) in column_layout([row], width, 2).items()}
+
+    assert widths(156) == {"mark": 1, "name": 40, "source": 8, "arch": 12, "experts": 11, "size": 18, "note": 18}
+    for width in range(130, 60, -1):
+        shown = widths(width)
+        assert (shown["source"], shown["arch"] in (8, 12), shown["experts"], shown["size"]) == (8, True, 11, 18)
+        assert sum(shown.values()) + 2 * len(shown) <= width or shown["name"] == 12, width
+    assert widths(95) == {"mark": 1, "name": 23, "source": 8, "arch": 12, "experts": 11, "size": 18, "note": 8}
+    assert widths(88)["name"] == 16 and widths(88)["arch"] == 12 and widths(87)["arch"] == 8  # "arch" first
+    assert widths(84)["note"] == 8 and "note" not in widths(83) and widths(83)["name"] == 25
+    assert widths(70)["name"] == 12 and column_layout([row], 90, 2)["arch"] == ("architecture", 12)

@@ -105,15 +105,16 @@ def _too_big(need: int, available: int | None) -> str:
 MODEL_COLUMNS = {"mark": "", "name": "model", "source": "from", "arch": "architecture", "experts": "experts",
                  "size": "memory", "note": "note"}
 FIXED = ("source", "arch", "experts", "size")  # as wide as their widest value
-NAME_SHORTEST, NOTE_SHORTEST = 12, 8
+NAME_SHORT, NAME_SHORTEST, NOTE_SHORTEST = 16, 12, 8
 
 
 def column_layout(rows: list[tuple[str, ...]], width: int, padding: int) -> dict[str, tuple[str, int]]:
     """(label, width) of each column shown, for `rows` (a value per MODEL_COLUMNS key) in `width` columns where
     each cell takes `padding` beside its text. The fixed columns take their widest value; the name and the note
     share the rest, the note giving way first (the highlighted row's is shown whole below the table), then the
-    name down to NAME_SHORTEST. Where that is not enough (80 columns, a llama.cpp plan's cell, an "hf cache"
-    row) the architecture is headed "arch", then the note column is left out."""
+    name down to NAME_SHORT. Where that is not enough (80 columns, a llama.cpp plan's cell, an "hf cache" row) the
+    architecture is headed "arch", then the note column is left out (a name cut shorter tells models apart no
+    more), and only then is the name cut down to NAME_SHORTEST."""
     keys = list(MODEL_COLUMNS)
     labels = dict(MODEL_COLUMNS)
 
@@ -121,14 +122,15 @@ def column_layout(rows: list[tuple[str, ...]], width: int, padding: int) -> dict
         return max([len(row[keys.index(key)]) for row in rows] + [len(labels[key])])
 
     name_need, note_need = max(need("name"), 5), need("note")
-    for short_arch, with_note in ((False, True), (True, True), (True, False)):
+    for short_arch, with_note, shortest in ((False, True, NAME_SHORT), (True, True, NAME_SHORT),
+                                            (True, False, NAME_SHORTEST)):
         labels = {**MODEL_COLUMNS, "arch": "arch" if short_arch else MODEL_COLUMNS["arch"]}
         if not with_note:
             del labels["note"]
         fixed = {key: need(key) for key in FIXED}
         room = width - padding * len(labels) - 1 - sum(fixed.values())  # 1: the mark
         note = min(note_need, max(NOTE_SHORTEST, room - name_need)) if with_note else 0
-        name = min(name_need, max(NAME_SHORTEST, room - note))
+        name = min(name_need, max(shortest, room - note))
         if name + note <= room:
             break
     widths = {"mark": 1, "name": name, **fixed, "note": note}
