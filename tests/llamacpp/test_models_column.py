@@ -198,3 +198,24 @@ def test_the_columns_give_way_in_order():
     assert widths(88)["name"] == 16 and widths(88)["arch"] == 12 and widths(87)["arch"] == 8  # "arch" first
     assert widths(84)["note"] == 8 and "note" not in widths(83) and widths(83)["name"] == 25
     assert widths(70)["name"] == 12 and column_layout([row], 90, 2)["arch"] == ("architecture", 12)
+
+
+@pytest.mark.gpu
+async def test_on_the_gpu_box_the_cell_is_what_the_load_then_plans(qwen3moe, tui_dirs):
+    """On the GPU box, with llama-cpp-python built with CUDA and nothing faked: a budget that keeps some layers'
+    experts in RAM; the cell before loading is the plan of the load that follows (test_fit_agreement checks that
+    plan against llama.cpp's own buffers)."""
+    from moedesk.engine.llamacpp.library import library
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    sizes = Sizes([qwen3moe])
+    budget = round((sizes.total - sum(sizes.experts.values()) + CONTEXT * sizes.kv_per_position
+                    + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB, 6)
+    shutil.copy(qwen3moe, tui_dirs["models"] / "qwen3moe.gguf")
+    app = MoedeskApp(no_model, model="nothing", context_length=CONTEXT, gpu_budget=budget, engine_kind="llama.cpp")
+    async with app.run_test(size=(160, 50)) as pilot:
+        await models_screen(pilot)
+        shown = cell(await row_on_screen(pilot, "qwen3moe.gguf"))
+    planned = loaded_fit(qwen3moe, engine="llama.cpp", gpu_budget=budget)
+    assert 0 < planned.placement.cpu_moe < len(sizes.experts) and shown == plan_cell(planned), (shown, planned)
