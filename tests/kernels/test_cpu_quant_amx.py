@@ -41,10 +41,11 @@ def emulated(tmp_path_factory):
 
 # (gate_up format, down format, H, F): every format AMX takes, a q6_k half (which stays on VNNI: the other half
 # on tiles, the act rows in the VNNI layout or the other way round), rows of a whole and a partial segment
-# (q4_0 / q8_0 / mxfp4: 288 = 256 + 32), k-quant rows of 1 and 2 super-blocks.
+# (q4_0 / q8_0 / mxfp4: 288 = 256 + 32; mxfp4 320 = 256 + 64, the two blocks of gpt-oss's 2880 = 11 * 256 + 64),
+# k-quant rows of 1 and 2 super-blocks.
 SHAPES = [("q4_0", "q4_0", 288, 160), ("q8_0", "q8_0", 96, 288), ("q4_k", "q4_k", 256, 512),
           ("q5_k", "q5_k", 512, 256), ("q4_k", "q6_k", 256, 256), ("q6_k", "q4_0", 256, 96), ("q8_0", "q4_k", 64, 256),
-          ("mxfp4", "mxfp4", 288, 160), ("q4_k", "mxfp4", 256, 96)]
+          ("mxfp4", "mxfp4", 288, 160), ("q4_k", "mxfp4", 256, 96), ("mxfp4", "mxfp4", 320, 96)]
 
 
 @pytest.mark.parametrize("fu,fd,H,F_", SHAPES)
@@ -109,6 +110,17 @@ def test_amx_rows(emulated, fu, fd, H, F_, R):
     assert torch.equal(cq.experts_forward_routed(x, pe, 1, None, poison_tail(w, R), before.clone(), rows=R), out)
 
 
+def test_amx_rows_of_mxfp4(emulated):
+    """rows = R < F of MXFP4 experts on the tiles, against float64 on the experts cut to rows [0, R)."""
+    g = torch.Generator().manual_seed(11)
+    w, _, _ = make_case("mxfp4", "mxfp4", 320, 160, 3, 1, 1, g)
+    x = torch.randn(20, 320, generator=g)
+    pe = torch.tensor([1] * 17 + [2] * 3)
+    before = torch.randn(20, 320, generator=g)
+    out = cq.experts_forward_routed(x, pe, 1, None, w, before.clone(), rows=64)
+    check(out, x, pe, 1, None, w, before, f_rows=64)
+
+
 def test_the_amx_segments_probe_computes_what_the_vnni_tiles_do(tmp_path):
     """tests/perf/probe_amx_segments.c (an AMX-INT8 layout measured against the VNNI tiles and not kept) builds
     against this kernel's internals; emulated, its tiles give the VNNI tiles' results (it exits 1 when not)."""
@@ -140,3 +152,47 @@ def test_amx_gpt_oss_experts(emulated, n):
     before = out.clone()
     cq.experts_forward_routed(x, pe, 1, None, w, out)
     check_gpt_oss(out, x, pe, 1, None, w, before)
+
+
+def test_the_profile_times_amx_beside_vnni_where_it_agrees_and_leaves_the_path_as_found(emulated):
+    """engine.offload.profiler.profile_prefill_cpu on gpt-oss's experts: both paths timed at prefill loads, one of
+    them chosen, and the kernel back on the path it was on."""
+    from moedesk.engine.offload.profiler import amx_agrees, profile_prefill_cpu
+    from tests.kernels.test_cpu_quant_mxfp4 import gpt_oss_case
+
+    w = gpt_oss_case(288, 160, 6, torch.Generator().manual_seed(3), torch.bfloat16)
+    cq.set_path("vnni")
+    try:
+        assert amx_agrees(w, torch.bfloat16) and cq.get_path() == "vnni"
+        points = profile_prefill_cpu(w, torch.bfloat16, tokens=(8, 16), experts=2, repeat=1)
+        assert cq.get_path() == "vnni"
+    finally:
+        cq.set_path("amx")
+    assert set(points["cpu_prefill_ms"]) == {"vnni", "amx"} and points["cpu_prefill_experts"] == 2
+    assert all(set(t) == {8, 16} and min(t.values()) > 0 for t in points["cpu_prefill_ms"].values())
+    assert points["cpu_path"] in ("vnni", "amx")
+
+
+def test_an_amx_path_that_computes_otherwise_is_never_timed(emulated, monkeypatch):
+    """The safeguard before AMX is first timed on a new CPU: tiles whose results differ from VNNI's (here made to)
+    leave the profile on VNNI alone."""
+    from moedesk.engine.offload import profiler
+    from tests.kernels.test_cpu_quant_mxfp4 import gpt_oss_case
+
+    routed = profiler.experts_forward_routed
+
+    def off_on_amx(x, pe, k, chosen, w, out, *rest, **kw):
+        result = routed(x, pe, k, chosen, w, out, *rest, **kw)
+        if cq.get_path() == "amx":
+            out[0, 0] += 0.01 * out.abs().max() + 1
+        return result
+
+    monkeypatch.setattr(profiler, "experts_forward_routed", off_on_amx)
+    w = gpt_oss_case(288, 160, 4, torch.Generator().manual_seed(4), torch.bfloat16)
+    cq.set_path("vnni")
+    try:
+        assert not profiler.amx_agrees(w, torch.bfloat16)
+        points = profiler.profile_prefill_cpu(w, torch.bfloat16, tokens=(8,), experts=2, repeat=1)
+    finally:
+        cq.set_path("amx")
+    assert set(points["cpu_prefill_ms"]) == {"vnni"} and points["cpu_path"] == "vnni"
