@@ -15,8 +15,9 @@ Paths: AVX512-VNNI where the CPU has it, AVX2 otherwise (the library needs AVX2,
 has AVX-VNNI, as Intel's desktop cores since Alder Lake do, the library is built to use it on the AVX2 path).
 MOEDESK_QUANT_PATH=avx2 (or `set_path("avx2")`) forces the fallback; MOEDESK_QUANT_PATH=amx (or
 `set_path("amx")`) computes the experts with 8 or more tokens with AMX-INT8 tiles (Sapphire Rapids and
-later, Linux granting the tile state), the rest with VNNI: opt-in until it has been measured on such a
-CPU. MOEDESK_NO_NATIVE_KERNELS=1 turns the kernel off (kernels/experts.py then uses its dequantising
+later, Linux granting the tile state), the rest with VNNI. The engine's start-up profile takes it where its
+results match VNNI's and it measured faster at prefill loads (engine.offload.cpu_paths); it has not yet run on
+such a CPU. MOEDESK_NO_NATIVE_KERNELS=1 turns the kernel off (kernels/experts.py then uses its dequantising
 reference).
 """
 from __future__ import annotations

@@ -63,10 +63,11 @@ class Contended:
 
     model: ExpertCosts
     tokens: float = 1.0
+    apart: bool = False  # each side alone (no contention), still priced at these loads (`copy_launch_ms`)
     factors: tuple[float, float] = field(init=False)  # (CPU, copy); every cost the split search prices reads them
 
     def __post_init__(self):
-        slowdowns = getattr(self.model, "slowdowns", None)
+        slowdowns = None if self.apart else getattr(self.model, "slowdowns", None)
         object.__setattr__(self, "factors", slowdowns(self.tokens) if slowdowns else (1.0, 1.0))
 
     @property
@@ -75,7 +76,9 @@ class Contended:
 
     @property
     def copy_launch_ms(self) -> float:
-        return copy_launch_ms(self.model)
+        # Queued back to back for a step of these loads where the profile measured that (a prefill's copies).
+        at = getattr(self.model, "copy_launch_at", None)
+        return at(self.tokens) if at else copy_launch_ms(self.model)
 
     def cpu_expert_ms(self, tokens: int) -> float:
         return self.model.cpu_expert_ms(tokens) * self.factors[0]
@@ -522,8 +525,9 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return split
     # A split was costed as if the CPU and the copies ran side by side all the step long, which
     # over-charges it; running everything on one side has no contention at all.
-    sides = [assignment_for(active, [], model, gpu_busy_ms, split.method),
-             assignment_for(active, list(active), model, gpu_busy_ms, split.method)]
+    alone = Contended(model, mean_load(active), apart=True)
+    sides = [assignment_for(active, [], alone, gpu_busy_ms, split.method),
+             assignment_for(active, list(active), alone, gpu_busy_ms, split.method)]
     return min([split, *sides], key=lambda a: a.makespan_ms)
 
 

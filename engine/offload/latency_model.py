@@ -28,7 +28,14 @@ The shapes follow what the hardware does (docs/measurements.md, "Facts measured 
   token counts per CPU expert (a call that waits on RAM suffers more than one its arithmetic
   holds), and between those counts they are interpolated.
 - Copy launch: the host thread queues each copy and its GPU compute before it joins the CPU
-  experts, so every copy delays the CPU side by that much host time.
+  experts, so every copy delays the CPU side by that much host time. Queued back to back for a prefill's
+  tokens it costs more than the lone drained copy `copy_launch_ms` times (docs/measurements.md), so where
+  the profile measured that (`copy_launch_at`), a step reads it at its experts' mean load, joined by a straight
+  line to the lone copy's price at its two tokens.
+- Prefill loads: from the first load measured (8 tokens) the CPU's share is read from calls of several experts at
+  those loads on the kernel path the profile chose (`cpu_share`; engine.offload.cpu_paths), not from the line above,
+  which one-expert calls set: one expert cannot give every thread work, so their slope overprices a prefill step's
+  experts. Below it the line, capped at the first load's share.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import numpy as np
 from moedesk.engine.errors import MoedeskError
 
 FORMAT_VERSION = 2
+LONE_COPY_TOKENS = 2  # the tokens of the copy `copy_launch_ms` times (engine.offload.profiler.copy_launch_ms)
 
 
 class ProfileError(MoedeskError):
@@ -75,6 +83,11 @@ class LatencyModel:
     # A CPU call's own cost, beyond its experts' shares: ((tokens an expert, ms), ...) by increasing tokens
     # (empty: not measured, and cpu_expert_ms is a call of one expert).
     cpu_call: tuple[tuple[float, float], ...] = ()
+    # An expert's share of a CPU call at prefill loads: ((tokens an expert, ms), ...) by increasing tokens, from calls
+    # of several experts on the chosen kernel path (empty: not measured; the line above prices every load).
+    cpu_share: tuple[tuple[float, float], ...] = ()
+    # Host time to queue one copy and its GPU compute back to back, ((tokens, ms), ...) (empty: copy_launch_ms).
+    copy_launch_by_tokens: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
@@ -84,13 +97,21 @@ class LatencyModel:
         object.__setattr__(self, "split_width_ms", tuple((int(r), float(ms)) for r, ms in self.split_width_ms))
         object.__setattr__(self, "contention", tuple(tuple(float(x) for x in point) for point in self.contention))
         object.__setattr__(self, "cpu_call", tuple((float(n), float(ms)) for n, ms in self.cpu_call))
+        object.__setattr__(self, "cpu_share", tuple((float(n), float(ms)) for n, ms in self.cpu_share))
+        object.__setattr__(self, "copy_launch_by_tokens",
+                           tuple((float(n), float(ms)) for n, ms in self.copy_launch_by_tokens))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
                    self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
         split_width = tuple(x for pair in self.split_width_ms for x in pair)
-        call = tuple(x for pair in self.cpu_call for x in pair)
+        call = tuple(x for pairs in (self.cpu_call, self.cpu_share, self.copy_launch_by_tokens)
+                     for pair in pairs for x in pair)
         if not all(math.isfinite(x) and x >= 0
                    for x in scalars + self.gpu_tokens + self.gpu_ms + self.zero_copy_split_ms + split_width + call):
             raise ProfileError("latency model: every time and count must be finite and >= 0")
+        for name in ("cpu_share", "copy_launch_by_tokens"):
+            points = getattr(self, name)
+            if any(n < 1 for n, _ in points) or any(b[0] <= a[0] for a, b in zip(points, points[1:])):
+                raise ProfileError(f"latency model: {name} token counts must be >= 1 and strictly increasing")
         if any(len(point) != 3 for point in self.contention):
             raise ProfileError("latency model: contention points must be (tokens, CPU slowdown, copy slowdown)")
         if not all(math.isfinite(x) and x >= 1 for point in self.contention for x in point):
@@ -108,7 +129,11 @@ class LatencyModel:
         """One expert's share of a CPU call on the whole pool, `tokens` tokens (0 tokens: nothing to run)."""
         if tokens <= 0:
             return 0.0
-        return max(self.cpu_intercept_ms + self.cpu_per_token_ms * tokens, self.cpu_floor_ms)
+        if self.cpu_share and tokens >= self.cpu_share[0][0]:  # prefill loads (held to the read time at the fit)
+            return _extended_line(self.cpu_share, tokens)
+        line = max(self.cpu_intercept_ms + self.cpu_per_token_ms * tokens, self.cpu_floor_ms)
+        # Fewer tokens never cost more than the first prefill load's share (decode's few tokens stay under it).
+        return min(line, self.cpu_share[0][1]) if self.cpu_share else line
 
     def cpu_call_ms(self, tokens: float) -> float:
         """A CPU call's own cost when its experts have about `tokens` tokens each: the measured points joined
@@ -136,6 +161,16 @@ class LatencyModel:
             return ys[-1] + slope * (tokens - xs[-1])
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def copy_launch_at(self, tokens: float) -> float:
+        """Host time to queue one copy and its GPU compute in a step whose experts have about `tokens` tokens each:
+        the back-to-back measurements joined by straight lines and held beyond them, else `copy_launch_ms`."""
+        points = self.copy_launch_by_tokens
+        if not points:
+            return self.copy_launch_ms
+        if points[0][0] > LONE_COPY_TOKENS:  # from the lone drained copy's load up to the first measured
+            points = ((LONE_COPY_TOKENS, self.copy_launch_ms),) + points
+        return _held_line(points, tokens)
 
     def slowdowns(self, tokens: float) -> tuple[float, float]:
         """(CPU, copy) slowdown factors while CPU experts of `tokens` tokens each and copies run at the same time:
@@ -177,6 +212,15 @@ def _held_line(points, x: float) -> float:
         return points[min(i, len(points) - 1)][1]
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _extended_line(points, x: float) -> float:
+    """The (x, y) points joined by straight lines, continued past the last along the last segment's slope (work
+    keeps growing with tokens) and held below the first."""
+    if x >= points[-1][0] and len(points) > 1:
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+        return y1 + max(0.0, (y1 - y0) / (x1 - x0)) * (x - x1)
+    return _held_line(points, x)
 
 
 def _points(profile: dict, key: str) -> tuple[np.ndarray, np.ndarray]:
@@ -246,7 +290,7 @@ def _roundtrip(profile: dict) -> tuple[float, float]:
     return value, 0.0
 
 
-def fit_latency_model(profile_points: dict) -> LatencyModel:
+def fit_latency_model(profile_points: dict, cpu_path: str | None = None, prefill_rates: bool = True) -> LatencyModel:
     """Build the model from the profiler's raw measurements.
 
     Keys read: cpu_expert_ms {tokens: ms}, gpu_expert_ms {tokens: ms}, copy_expert_ms (ms),
@@ -256,7 +300,10 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
     activation copies under 1% of the time), cpu_slowdown_during_copy and copy_slowdown_during_cpu
     (each a factor or {tokens: factor}; missing → 1), copy_launch_ms and resident_launch_ms (missing → 0),
     zero_copy_split_ms {g: ms} for g = 0, 1, ... with zero_copy_top_k, and split_width_ms {rows: ms} (missing →
-    not measured). Other keys are ignored.
+    not measured); cpu_prefill_ms {path: {tokens: ms}} with cpu_prefill_experts (calls of that many experts at
+    prefill loads on each kernel path; the shares are read on `cpu_path`, default the profile's own "cpu_path") and
+    copy_launch_prefill_ms {tokens: ms} (missing, or prefill_rates False → the model prices prefill as before
+    they were measured). Other keys are ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -289,7 +336,36 @@ def fit_latency_model(profile_points: dict) -> LatencyModel:
         zero_copy_top_k=int(profile_points.get("zero_copy_top_k") or 0),
         split_width_ms=_split_width(profile_points),
         cpu_call=cpu_call,
+        cpu_share=prefill_shares(profile_points, cpu_path, dram_floor_ms) if prefill_rates else (),
+        copy_launch_by_tokens=_copy_launches(profile_points) if prefill_rates else (),
     )
+
+
+def prefill_shares(profile: dict, path: str | None = None, floor_ms: float = 0.0) -> tuple[tuple[int, float], ...]:
+    """An expert's share of a prefill step's CPU call at each measured load, on kernel `path` (default: the one the
+    profile chose, its "cpu_path"): a call of `cpu_prefill_experts` experts over their number, kept non-decreasing
+    in tokens and at least `floor_ms` (reading the expert's bytes from RAM). () where the profile has no such calls
+    on that path."""
+    by_path = profile.get("cpu_prefill_ms") or {}
+    if not isinstance(by_path, dict):
+        raise ProfileError("profile: 'cpu_prefill_ms' must map kernel paths to {tokens: ms}")
+    path = path or profile.get("cpu_path")
+    if path not in by_path:
+        return ()
+    experts = int(profile.get("cpu_prefill_experts") or 0)
+    if experts < 1:
+        raise ProfileError("profile: 'cpu_prefill_ms' needs 'cpu_prefill_experts' >= 1")
+    key = f"cpu_prefill_ms[{path}]"
+    n, y = _points({key: by_path[path]}, key)
+    y = np.maximum.accumulate(np.maximum(y / experts, floor_ms))  # more tokens are never less work
+    return tuple((int(a), float(b)) for a, b in zip(n, y))
+
+
+def _copy_launches(profile: dict) -> tuple[tuple[int, float], ...]:
+    if not profile.get("copy_launch_prefill_ms"):
+        return ()
+    n, y = _points(profile, "copy_launch_prefill_ms")
+    return tuple((int(a), float(b)) for a, b in zip(n, y))
 
 
 def _cpu_shares(profile: dict, n: np.ndarray, alone: np.ndarray, floor_ms: float):

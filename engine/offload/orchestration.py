@@ -25,7 +25,9 @@ from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded
                                                resident_on_cpu, split_width, zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
-from moedesk.engine.offload.profiler import cached_profile, profile_expert, profile_key, profile_zero_copy
+from moedesk.engine.offload.cpu_paths import apply_cpu_path
+from moedesk.engine.offload.profiler import (cached_profile, copy_launch_prefill_ms, profile_expert, profile_key,
+                                             profile_prefill_cpu, profile_zero_copy)
 
 log = logging.getLogger("moedesk")
 
@@ -97,9 +99,10 @@ class ExpertOrchestra:
         """
         first = next(iter(banks.values()))
         key = profile_key(*profile_key_parts, first.describe(), device)
-        points = cached_profile(cache_dir, key, lambda: {**profile_expert(first, device, dtype),
-                                                        **profile_zero_copy(first, top_k, device, dtype=dtype)}, reprofile)
-        costs = fit_latency_model(points)
+        points = cached_profile(cache_dir, key, lambda: measure_profile(first, top_k, device, dtype), reprofile)
+        warnings = [] if warnings is None else warnings
+        rates = prefill_rates_wanted()  # off: prefill priced, and the kernel's path kept, as before they were measured
+        costs = fit_latency_model(points, apply_cpu_path(points, warnings) if rates else None, prefill_rates=rates)
         nothing = [[False] * first.num_experts for _ in banks]
         rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
         balanced = policy == "balanced"
@@ -109,7 +112,7 @@ class ExpertOrchestra:
                                    split_width=(lambda k: split_width(k, costs)) if balanced else None,
                                    selections=selections)
         uniform = [[0] * first.num_experts for _ in banks]
-        return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=[] if warnings is None else warnings,
+        return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
                    profile_key=key, profile=points, top_k=top_k)
 
     def cpu_path(self) -> str:
@@ -183,6 +186,21 @@ class ExpertOrchestra:
             "expected_gpu_hit_rate": round(plan.gpu_hit_rate(self.popularity), 4) if plan and any(map(any, self.popularity)) else None,
             "popularity_evenness": None if self.evenness is None else round(self.evenness, 4),
         }
+
+
+def measure_profile(first, top_k: int, device: torch.device, dtype: torch.dtype | None) -> dict:
+    """Every start-up measurement of one layer's experts `first` (engine.offload.profiler)."""
+    points = {**profile_expert(first, device, dtype), **profile_zero_copy(first, top_k, device, dtype=dtype),
+              **profile_prefill_cpu(first, dtype)}
+    if torch.device(device).type == "cuda":
+        points.update(copy_launch_prefill_ms(first, dtype, device))
+    return points
+
+
+def prefill_rates_wanted() -> bool:
+    """MOEDESK_NO_PREFILL_RATES=1 prices prefill steps as before their rates were measured (the CPU's share from
+    one-expert calls, each copy's launch from a lone drained one): for measuring the difference."""
+    return os.environ.get("MOEDESK_NO_PREFILL_RATES", "").strip().lower() in ("", "0", "false", "no")
 
 
 def _empty_device_cache(device: torch.device) -> None:

@@ -296,6 +296,91 @@ def _host_ms(call, device, repeat: int) -> float:
     return times[len(times) // 2]
 
 
+# A prefill step's CPU call: this many experts at each of these loads (a 512-token prompt gives gpt-oss's 128
+# experts ~16 tokens each). From 8 tokens (the AMX path's least) the latency model reads an expert's share here.
+PREFILL_EXPERTS = 8
+PREFILL_TOKENS = (8, 16, 32, 64)
+
+
+def profile_prefill_cpu(w: ExpertWeights, dtype: torch.dtype | None = None, tokens=PREFILL_TOKENS,
+                        experts: int = PREFILL_EXPERTS, repeat: int = 3) -> dict:
+    """Calls of `experts` experts of the stack w at prefill loads, on every path of the CPU kernel this machine may
+    take: {"cpu_prefill_ms": {path: {tokens: ms}}, "cpu_prefill_experts": experts, "cpu_path": the path chosen}.
+
+    Packed experts: the kernel's path in use ("vnni" normally), and "amx" beside it where the CPU has AMX-INT8, the
+    user forced no path, and a call on the tiles gives what the path in use gives (`amx_agrees`); the faster is
+    chosen (engine.offload.cpu_paths.choose_cpu_path). 16-bit experts: their one kernel, "bf16". The calls take the
+    stack's experts in turn, from RAM, as a step does; the kernel's path is left as it was found."""
+    from moedesk.engine.offload.cpu_paths import choose_cpu_path, forced_path
+
+    dtype = dtype or w.dense_dtype or torch.bfloat16
+    group = min(experts, w.num_experts)
+    inputs = {n: (torch.randn(n * group, w.hidden, dtype=dtype), torch.empty(n * group, w.hidden, dtype=dtype))
+              for n in tokens}
+    packed = cpu_quant.applies(inputs[tokens[0]][0], w)
+    before = cpu_quant.get_path() if packed else "bf16"
+    paths = [before]
+    if packed and before == "vnni" and forced_path() is None and cpu_quant.amx_supported() and amx_agrees(w, dtype):
+        paths.append("amx")
+    calls = {}
+    try:
+        for path in paths:
+            if packed:
+                cpu_quant.set_path(path)
+            calls[path] = {n: _timed_ms(_taking_turns(w, x, out, group), torch.device("cpu"), repeat)
+                           for n, (x, out) in inputs.items()}
+    finally:
+        if packed:
+            cpu_quant.set_path(before)
+    return {"cpu_prefill_ms": calls, "cpu_prefill_experts": group, "cpu_path": choose_cpu_path(calls, before)}
+
+
+def amx_agrees(w: ExpertWeights, dtype: torch.dtype, tokens: int = 16, rel: float = 1e-3) -> bool:
+    """Whether the packed kernel's AMX path computes two experts of w at `tokens` tokens each as the path in use
+    does (the same arithmetic, summed in another order: within `rel` of the output's largest value), and runs at
+    all: a safeguard before a path first run on a new CPU is timed, let alone chosen."""
+    before = cpu_quant.get_path()
+    x = torch.randn(2 * tokens, w.hidden, dtype=torch.float32)
+    pairs = torch.tensor([0] * tokens + [min(1, w.num_experts - 1)] * tokens)
+    outs = []
+    try:
+        for path in (before, "amx"):
+            cpu_quant.set_path(path)
+            out = torch.zeros(2 * tokens, w.hidden, dtype=torch.float32)
+            experts_forward_routed(x, pairs, 1, None, w, out)
+            outs.append(out)
+    except (RuntimeError, ValueError):
+        return False
+    finally:
+        cpu_quant.set_path(before)
+    reference, amx = outs
+    scale = float(reference.abs().max())
+    return bool(torch.isfinite(amx).all()) and float((amx - reference).abs().max()) <= rel * max(scale, 1e-30)
+
+
+def copy_launch_prefill_ms(w: ExpertWeights, dtype, device, tokens=(16, 64), copies: int = 8, repeat: int = 5) -> dict:
+    """Host time per copied expert when a prefill step queues `copies` of them back to back (the executor's own
+    two calls each, the GPU drained only between tries), at each of `tokens` tokens an expert:
+    {"copy_launch_prefill_ms": {tokens: ms}}. The lone drained copy of `copy_launch_ms` underprices these."""
+    from moedesk.engine.offload.offload_executor import compute_copied, queue_copy
+
+    dtype = dtype or w.dense_dtype or torch.bfloat16
+    staging = [w.expert(0).empty_like(device) for _ in range(copies)]
+    side = torch.cuda.Stream(device)
+    turn = [0]
+    result = {}
+    for n in tokens:
+        x = torch.randn(n, w.hidden, dtype=dtype, device=device)
+
+        def queue_all():
+            first, turn[0] = turn[0], turn[0] + copies
+            for i, slot in enumerate(staging):
+                compute_copied(x, slot, queue_copy(side, w.expert((first + i) % w.num_experts), slot))
+
+        result[n] = _host_ms(queue_all, device, repeat) / copies
+    return {"copy_launch_prefill_ms": result}
+
+
 CONTENTION_TOKENS = (1, 4, 16)
 
 
@@ -376,8 +461,8 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # 6: zero_copy_split_ms of packed experts too; 7: split_width_ms; 8: the streaming options timed taking turns;
 # 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts;
 # 10: cpu_call_ms, calls of several experts; 11: the zero-copy keys, named streamed_* before; 12: split_width_ms,
-# named split_rows_ms before).
-PROFILE_FORMAT = 12
+# named split_rows_ms before; 13: cpu_prefill_ms per kernel path with cpu_path, copy_launch_prefill_ms).
+PROFILE_FORMAT = 13
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:
@@ -400,7 +485,10 @@ def cached_profile(cache_dir: Path, key: str, measure, reprofile: bool = False) 
 def _with_int_keys(points: dict) -> dict:
     # JSON turns the token-count keys into strings.
     for key in ("cpu_expert_ms", "cpu_call_ms", "gpu_expert_ms", "zero_copy_split_ms", "split_width_ms", "cpu_slowdown_during_copy",
-                "copy_slowdown_during_cpu"):
+                "copy_slowdown_during_cpu", "copy_launch_prefill_ms"):
         if isinstance(points.get(key), dict):
             points[key] = {int(n): ms for n, ms in points[key].items()}
+    if isinstance(points.get("cpu_prefill_ms"), dict):
+        points["cpu_prefill_ms"] = {path: {int(n): ms for n, ms in calls.items()}
+                                    for path, calls in points["cpu_prefill_ms"].items() if isinstance(calls, dict)}
     return points

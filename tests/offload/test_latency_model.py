@@ -243,3 +243,65 @@ def test_an_experts_share_never_falls_below_reading_its_bytes():
 def test_calls_of_several_experts_that_do_not_fit_the_one_expert_calls_are_refused(bad):
     with pytest.raises(ProfileError):
         fit_latency_model(profile(lambda n: 1.0, cpu_call_experts=4, **bad))
+
+
+def _prefill(cpu_line, shares, path="vnni", experts=8, **extra):
+    """A profile whose one-expert calls follow cpu_line and whose calls of `experts` experts at prefill loads took
+    experts * shares[n] on `path` (engine.offload.profiler.profile_prefill_cpu)."""
+    return profile(cpu_line, cpu_prefill_ms={path: {n: experts * ms for n, ms in shares.items()}},
+                   cpu_prefill_experts=experts, cpu_path=path, **extra)
+
+
+def test_prefill_loads_are_priced_from_calls_of_several_experts_at_those_loads():
+    # One-expert calls leave threads idle: their slope (0.03 ms a token) overprices a prefill step's experts,
+    # whose share the calls of eight measured at 0.16 ms at 8 tokens up to 0.60 at 64.
+    shares = {8: 0.16, 16: 0.2, 32: 0.33, 64: 0.6}
+    model = fit_latency_model(_prefill(lambda n: 0.1 + 0.03 * n, shares))
+    assert model.cpu_share == tuple(shares.items())
+    for n, ms in shares.items():
+        assert model.cpu_expert_ms(n) == pytest.approx(ms)
+    assert model.cpu_expert_ms(24) == pytest.approx((0.2 + 0.33) / 2)  # between counts: a straight line
+    assert model.cpu_expert_ms(128) == pytest.approx(0.6 + 64 * (0.6 - 0.33) / 32)  # past them: the last slope
+    assert model.cpu_expert_ms(1) == pytest.approx(0.1 + 0.03)  # below 8 tokens the line,
+    assert model.cpu_expert_ms(4) == pytest.approx(0.16)  # never above the 8-token share
+    assert LatencyModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+    # Read back from JSON (string keys) the profile fits the same model.
+    assert fit_latency_model(json.loads(json.dumps(_prefill(lambda n: 0.1 + 0.03 * n, shares)))) == model
+
+
+def test_prefill_shares_are_read_on_the_path_in_use_and_can_be_left_out():
+    raw = _prefill(lambda n: 0.1 + 0.03 * n, {8: 0.12, 16: 0.2}, path="amx")
+    raw["cpu_prefill_ms"]["vnni"] = {8: 8 * 0.3, 16: 8 * 0.5}
+    assert fit_latency_model(raw).cpu_expert_ms(16) == pytest.approx(0.2)  # the profile's choice
+    assert fit_latency_model(raw, cpu_path="vnni").cpu_expert_ms(16) == pytest.approx(0.5)  # AMX refused here
+    assert fit_latency_model(raw, cpu_path="avx2").cpu_share == ()  # a path not measured: the line prices it
+    old = fit_latency_model(raw, prefill_rates=False)
+    assert old.cpu_share == () and old.cpu_expert_ms(16) == pytest.approx(0.1 + 0.03 * 16)
+
+
+def test_a_prefill_share_never_falls_below_reading_the_expert_nor_with_more_tokens():
+    floor = 13 * MiB / 100e6
+    model = fit_latency_model(_prefill(lambda n: 0.2 + 0.03 * n, {8: 0.05, 16: 0.2, 32: 0.18},
+                                       expert_bytes=13 * MiB, cpu_read_gbs=100.0))
+    assert model.cpu_expert_ms(8) == pytest.approx(floor)
+    assert model.cpu_expert_ms(32) == pytest.approx(0.2)  # a dip measured at 32 is noise
+
+
+def test_copies_queued_back_to_back_are_priced_at_the_steps_load():
+    model = fit_latency_model(profile(lambda n: 1.0, copy_launch_ms=0.2, copy_launch_prefill_ms={16: 0.4, 64: 0.6}))
+    assert model.copy_launch_ms == 0.2  # a lone drained copy, as decode queues it
+    assert model.copy_launch_at(16) == pytest.approx(0.4) and model.copy_launch_at(40) == pytest.approx(0.5)
+    assert model.copy_launch_at(512) == pytest.approx(0.6)  # held past the last load measured
+    # Below it, a line down to the lone drained copy at its two tokens (decode's price).
+    assert model.copy_launch_at(2) == pytest.approx(0.2) and model.copy_launch_at(9) == pytest.approx(0.3)
+    without = fit_latency_model(profile(lambda n: 1.0, copy_launch_ms=0.2))
+    assert without.copy_launch_at(16) == 0.2
+
+
+@pytest.mark.parametrize("bad", [{"cpu_prefill_ms": {"vnni": {8: -1.0}}, "cpu_prefill_experts": 8},
+                                 {"cpu_prefill_ms": {"vnni": {8: 1.0}}},  # no experts count
+                                 {"cpu_prefill_ms": [1, 2], "cpu_prefill_experts": 8},
+                                 {"copy_launch_prefill_ms": {0: 0.3}}])
+def test_bad_prefill_measurements_are_refused(bad):
+    with pytest.raises(ProfileError):
+        fit_latency_model(profile(lambda n: 1.0, cpu_path="vnni", **bad))
