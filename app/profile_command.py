@@ -26,6 +26,20 @@ def contention_line(costs) -> str | None:
             + " · ".join(f"{n:.0f}: x{cpu:.2f}, x{copy:.2f}" for n, cpu, copy in costs.contention))
 
 
+def prefill_line(costs, profile: dict) -> str | None:
+    """What a prefill step's experts are priced at (engine.offload.latency_model's cpu_share and copy_launch_at): an
+    expert's share of a CPU call at each load measured, on the kernel path chosen, and each copy's launch queued
+    back to back; None if neither was measured."""
+    parts = []
+    if costs.cpu_share:
+        parts.append(f"an expert's share of a CPU call on {profile.get('cpu_path', '?')} (tokens: ms) "
+                     + " · ".join(f"{n:.0f}: {ms:.3f}" for n, ms in costs.cpu_share))
+    if costs.copy_launch_by_tokens:
+        parts.append("a copy's launch queued back to back " + " · ".join(
+            f"{n:.0f}: {ms:.3f}" for n, ms in costs.copy_launch_by_tokens))
+    return "prefill loads: " + "; ".join(parts) if parts else None
+
+
 def run_profile(args, engine_loader, out=print) -> int:
     from moedesk.engine.hardware import detect_hardware, format_hardware
 
@@ -56,6 +70,9 @@ def run_profile(args, engine_loader, out=print) -> int:
     out(f"{'tokens':>8}{'CPU ms':>10}{'in a call':>11}{'GPU ms':>10}")
     for n in (1, 4, 16, 64, 256):
         out(f"{n:>8}{costs.cpu_alone_ms(n):>10.3f}{costs.cpu_expert_ms(n):>11.3f}{costs.gpu_expert_ms(n):>10.3f}")
+    prefill = prefill_line(costs, orchestra.profile)
+    if prefill:
+        out(prefill)
     zero_copy = zero_copy_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split())
     if zero_copy:
         out(zero_copy)

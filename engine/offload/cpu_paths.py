@@ -44,7 +44,7 @@ def apply_cpu_path(profile: dict, warnings: list[str] | None = None) -> str | No
         return None
     from moedesk.kernels import cpu_quant
 
-    if chosen not in cpu_quant.PATHS:  # 16-bit experts: one kernel, nothing to set
+    if chosen not in cpu_quant.PATHS:  # unpacked experts: one path, nothing to set
         return chosen
     if not cpu_quant.available():
         return None

@@ -309,7 +309,7 @@ def profile_prefill_cpu(w: ExpertWeights, dtype: torch.dtype | None = None, toke
 
     Packed experts: the kernel's path in use ("vnni" normally), and "amx" beside it where the CPU has AMX-INT8, the
     user forced no path, and a call on the tiles gives what the path in use gives (`amx_agrees`); the faster is
-    chosen (engine.offload.cpu_paths.choose_cpu_path). 16-bit experts: their one kernel, "bf16". The calls take the
+    chosen (engine.offload.cpu_paths.choose_cpu_path). Unpacked experts: their one path, "dense". The calls take the
     stack's experts in turn, from RAM, as a step does; the kernel's path is left as it was found."""
     from moedesk.engine.offload.cpu_paths import choose_cpu_path, forced_path
 
@@ -318,7 +318,7 @@ def profile_prefill_cpu(w: ExpertWeights, dtype: torch.dtype | None = None, toke
     inputs = {n: (torch.randn(n * group, w.hidden, dtype=dtype), torch.empty(n * group, w.hidden, dtype=dtype))
               for n in tokens}
     packed = cpu_quant.applies(inputs[tokens[0]][0], w)
-    before = cpu_quant.get_path() if packed else "bf16"
+    before = cpu_quant.get_path() if packed else "dense"
     paths = [before]
     if packed and before == "vnni" and forced_path() is None and cpu_quant.amx_supported() and amx_agrees(w, dtype):
         paths.append("amx")

@@ -24,6 +24,9 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert len(latency) == 5  # 1, 4, 16, 64 and 256 tokens
     for alone, share in latency:
         assert float(share) <= float(alone)  # one more expert in a call costs no more than a call of its own
+    # Prefill loads priced from calls of several experts at them, on the one path unpacked experts have.
+    assert re.search(r"^prefill loads: an expert's share of a CPU call on dense \(tokens: ms\) 8: [\d.]+ · 16: [\d.]+ · "
+                     r"32: [\d.]+ · 64: [\d.]+$", out, re.M)
     placed = re.search(r"(\d+) of 12 experts on the GPU", out)
     assert placed and int(placed.group(1)) == 2
     assert re.search(r"^GPU budget [\d.]+ MiB: weights [\d.]+ MiB, KV cache of 512 positions [\d.]+ MiB, workspace", out,

@@ -91,7 +91,7 @@ def test_the_faster_path_is_chosen_only_when_it_gains_enough():
     assert choose_cpu_path({"vnni": vnni, "amx": {16: 0.5}}) == "amx"
     assert choose_cpu_path({"vnni": vnni, "amx": {128: 0.5}}) == "vnni"
     assert choose_cpu_path({"amx": amx}) == "vnni"
-    assert choose_cpu_path({"bf16": vnni}, default="bf16") == "bf16"
+    assert choose_cpu_path({"dense": vnni}, default="dense") == "dense"
 
 
 def test_the_profiles_path_is_taken_where_this_process_can_and_vnni_where_it_cannot(monkeypatch):
@@ -102,7 +102,7 @@ def test_the_profiles_path_is_taken_where_this_process_can_and_vnni_where_it_can
         pytest.skip("needs the packed kernel's VNNI path on a CPU without AMX")
     monkeypatch.delenv("MOEDESK_QUANT_PATH", raising=False)
     assert apply_cpu_path({}) is None  # a profile from before paths were measured
-    assert apply_cpu_path({"cpu_path": "bf16"}) == "bf16"  # 16-bit experts: nothing to set
+    assert apply_cpu_path({"cpu_path": "dense"}) == "dense"  # unpacked experts: nothing to set
     warnings = []
     assert apply_cpu_path({"cpu_path": "amx"}, warnings) == "vnni" == cq.get_path()  # a profile cached elsewhere
     assert len(warnings) == 1 and "amx" in warnings[0] and "using vnni" in warnings[0]

@@ -55,10 +55,10 @@ def test_a_call_can_take_several_experts_at_a_time(monkeypatch):
     assert calls == [[0, 0, 1, 1], [2, 2, 0, 0], [0, 0, 1, 1]]
 
 
-def test_prefill_calls_of_16_bit_experts_are_timed_on_their_one_kernel(monkeypatch):
+def test_prefill_calls_of_unpacked_experts_are_timed_on_their_one_path(monkeypatch):
     calls = _recording(monkeypatch)
     points = profiler.profile_prefill_cpu(_stack(8), torch.float32, tokens=(8, 16), experts=4, repeat=1)
-    assert points["cpu_prefill_ms"].keys() == {"bf16"} and points["cpu_path"] == "bf16"
-    assert set(points["cpu_prefill_ms"]["bf16"]) == {8, 16} and points["cpu_prefill_experts"] == 4
+    assert points["cpu_prefill_ms"].keys() == {"dense"} and points["cpu_path"] == "dense"
+    assert set(points["cpu_prefill_ms"]["dense"]) == {8, 16} and points["cpu_prefill_experts"] == 4
     # A warm-up and one timed call per load, four experts of the stack in turn, 8 then 16 tokens each.
     assert calls == [[e for e in range(first, first + 4) for _ in range(n)] for n in (8, 16) for first in (0, 4)]
