@@ -112,3 +112,21 @@ def test_the_profiles_path_is_taken_where_this_process_can_and_vnni_where_it_can
         assert apply_cpu_path({"cpu_path": "vnni"}) == "avx2" == cq.get_path()
     finally:
         cq.set_path(None)
+
+
+def test_the_orchestra_prices_prefill_from_its_profile_unless_told_not_to(tmp_path, monkeypatch):
+    import torch
+
+    from moedesk.engine.offload.orchestration import ExpertOrchestra
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    hidden, width = 64, 32
+    banks = {0: ExpertWeights(torch.randn(8, 2 * width, hidden), torch.randn(8, hidden, width), hidden, width)}
+    monkeypatch.delenv("MOEDESK_NO_PREFILL_RATES", raising=False)
+    measured = ExpertOrchestra.start(banks, torch.device("cpu"), ("test", (hidden, width)), tmp_path, top_k=2)
+    assert measured.profile["cpu_path"] == "dense" and set(measured.profile["cpu_prefill_ms"]["dense"]) == {8, 16, 32, 64}
+    assert [n for n, _ in measured.costs.cpu_share] == [8, 16, 32, 64]
+    monkeypatch.setenv("MOEDESK_NO_PREFILL_RATES", "1")
+    before = ExpertOrchestra.start(banks, torch.device("cpu"), ("test", (hidden, width)), tmp_path, top_k=2)
+    assert before.profile == measured.profile  # the cached profile, priced as before its prefill rates
+    assert before.costs.cpu_share == () and before.costs.copy_launch_by_tokens == ()
