@@ -159,6 +159,7 @@ depth-build)
   # unless $LLB has it (llamacpp_engine_gpu.sh build ran first: then the GGUF alone); beside it the 26 GB GGUF,
   # written at the disk's speed (the script prints its rate): ~165 s at a slow virtual disk's 160 MB/s, 30-90 s on
   # NVMe. So ~300 s at most: one device command.
+  . tests/perf/gpu_env.sh  # the GGUF writer needs gguf, which the box lacks
   LLB=${LLB:-/tmp/llb}
   if [ -x "$LLB/bin/llama-bench" ]; then
     build=

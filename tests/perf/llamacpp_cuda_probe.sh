@@ -16,7 +16,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 . tests/perf/llamacpp_libs.sh  # install_llamacpp_libs: the libraries copied (as when the loads crashed) or linked
-python3 -c "from tests.load.test_packed_experts import write_f32_moe; write_f32_moe('$W/f32.gguf', 'llama', L=3)"
+python3 -c "from tests.load.test_packed_experts import write_f32_moe; write_f32_moe('$W/f32.gguf', 'llama', L=3)" \
+  > "$W/write.log" 2>&1 || { echo "the tiny GGUF was not written:"; tail -n 15 "$W/write.log"; \
+  tar czf "$OUT/llamacpp_cuda_probe.tgz" -C "$W" .; exit 1; }
 G=$W/f32.gguf
 declare -A CASE=(
   [Q]="import ctypes, llama_cpp; p = llama_cpp.llama_model_quantize_default_params(); p.ftype, p.nthread = 2, 1; print(llama_cpp.llama_model_quantize(b'$G', b'$W/q4_0.gguf', ctypes.byref(p)))"

@@ -6,8 +6,7 @@
 # (tests/perf/families_vs_llamacpp.sh has llama.cpp's side).
 # Usage: bash tests/perf/qwen35_graphs.sh [tests|profile|bench ...]   (writes to $OUT, default /tmp/out)
 set -uo pipefail
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+. tests/perf/gpu_env.sh  # $OUT, and the wheels the box lacks (platformdirs: tests/conftest.py needs it)
 which=${*:-tests profile bench}
 for part in $which; do
   case $part in
