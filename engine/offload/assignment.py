@@ -64,6 +64,9 @@ class Contended:
     model: ExpertCosts
     tokens: float = 1.0
     apart: bool = False  # each side alone (no contention), still priced at these loads (`copy_launch_ms`)
+    # The executor's CPU call runs beside the queueing of the copies (OffloadExecutor's overlap_copies): a copy's
+    # launch then holds back the copies that follow it, not the CPU.
+    overlap: bool = False
     factors: tuple[float, float] = field(init=False)  # (CPU, copy); every cost the split search prices reads them
 
     def __post_init__(self):
@@ -72,10 +75,14 @@ class Contended:
 
     @property
     def copy_expert_ms(self) -> float:
-        return self.model.copy_expert_ms * self.factors[1]
+        copy = self.model.copy_expert_ms * self.factors[1]
+        return max(copy, self._launch()) if self.overlap else copy  # the link waits for each copy to be queued
 
     @property
     def copy_launch_ms(self) -> float:
+        return 0.0 if self.overlap else self._launch()
+
+    def _launch(self) -> float:
         # Queued back to back for a step of these loads where the profile measured that (a prefill's copies).
         at = getattr(self.model, "copy_launch_at", None)
         return at(self.tokens) if at else copy_launch_ms(self.model)
@@ -484,7 +491,7 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
 
 
 def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
-                     exact_limit: int = EXACT_LIMIT) -> Assignment:
+                     exact_limit: int = EXACT_LIMIT, overlap: bool = False) -> Assignment:
     """Split the offloaded experts active in one layer step between the CPU and copy-to-GPU, minimising the makespan.
 
     loads: expert id → tokens routed to it, for the CPU-resident experts of the layer (experts
@@ -505,7 +512,8 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     (`Contended`) and kept only when it beats running everything on one side, uncontended.
     Assumed, as in Fiddler: enough staging slots for every copy of the step. A lone token's experts
     whose GPU options the start-up profile measured directly stay on the CPU (method "measured",
-    `lone_token_measured`).
+    `lone_token_measured`). overlap: the executor runs the CPU's call beside the queueing of the copies
+    (`Contended.overlap`), so their launches pace the link instead of delaying the CPU.
     """
     active = {e: int(n) for e, n in loads.items() if n > 0}
     if not active:
@@ -519,13 +527,13 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
-    contended = Contended(model, mean_load(active))
+    contended = Contended(model, mean_load(active), overlap=overlap)
     split = _best_split(active, contended, gpu_busy_ms, exact_limit)
     if contended.factors == (1.0, 1.0):
         return split
     # A split was costed as if the CPU and the copies ran side by side all the step long, which
     # over-charges it; running everything on one side has no contention at all.
-    alone = Contended(model, mean_load(active), apart=True)
+    alone = Contended(model, mean_load(active), apart=True, overlap=overlap)
     sides = [assignment_for(active, [], alone, gpu_busy_ms, split.method),
              assignment_for(active, list(active), alone, gpu_busy_ms, split.method)]
     return min([split, *sides], key=lambda a: a.makespan_ms)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
@@ -86,6 +87,30 @@ class StepStats:
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
         }
+
+
+class _Background:
+    """fn() on a thread of its own, in the caller's inference and grad modes (torch keeps them per thread); `join`
+    waits for it and raises what it raised."""
+
+    def __init__(self, fn):
+        self.error = None
+        modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self.thread = threading.Thread(target=self._run, args=(fn, modes), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, modes) -> None:
+        inference, grad = modes
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn()
+        except BaseException as e:  # handed to the caller's thread
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
 
 
 @contextlib.contextmanager
@@ -165,7 +190,7 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 zero_copy_ranks=None, split_width=None, selections: dict | None = None):
+                 zero_copy_ranks=None, split_width=None, selections: dict | None = None, overlap_copies: bool = False):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
@@ -174,8 +199,11 @@ class OffloadExecutor:
         the CPU computes the others (`zero_copy_share`; None: never);
         split_width(top_k) -> how many of the last intermediate rows of a lone token's every expert the GPU should
         compute from RAM while the CPU computes the first ones (`width_split`; None: never);
-        selections: the dict its counts go to (`selections`), shared by the executors of one model's devices."""
+        selections: the dict its counts go to (`selections`), shared by the executors of one model's devices;
+        overlap_copies: a step's CPU call runs on a thread of its own while this one queues the step's copies (as
+        `decide` must then price it: engine.offload.assignment.assign_offloaded's overlap), else after them."""
         self.device = torch.device(device)
+        self.overlap_copies = overlap_copies
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
         self.zero_copy_ranks = zero_copy_ranks
@@ -529,17 +557,25 @@ class OffloadExecutor:
         if out is None:
             out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=self.device)
 
+        cpu_call = background = None
+        if on_cpu:
+            cpu_started = time.perf_counter()
+            host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
+            index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
+            chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
+            cpu_call = partial(experts_forward_routed, x_host, pair_expert, k, chosen, bank.host, host_y, index,
+                               rows=cpu_width or None)
+            if to_copy and self.overlap_copies:
+                # The CPU's call starts now, beside the host's queueing of the copies (the native call lets go of the
+                # GIL): a prefill's many copies no longer hold its experts back (engine.offload.assignment's overlap).
+                background = _Background(cpu_call)
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         if resident or to_copy:
             gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy)
         else:
             gpu = None
         if on_cpu:
-            cpu_started = time.perf_counter()
-            host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
-            index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-            chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
-            experts_forward_routed(x_host, pair_expert, k, chosen, bank.host, host_y, index, rows=cpu_width or None)
+            background.join() if background is not None else cpu_call()
             # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.

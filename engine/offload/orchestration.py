@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -104,13 +105,15 @@ class ExpertOrchestra:
         rates = prefill_rates_wanted()  # off: prefill priced, and the kernel's path kept, as before they were measured
         costs = fit_latency_model(points, apply_cpu_path(points, warnings) if rates else None, prefill_rates=rates)
         nothing = [[False] * first.num_experts for _ in banks]
-        rule = {"balanced": assign_offloaded, "fiddler": fiddler_assign}[policy]
         balanced = policy == "balanced"
+        # The CPU's call beside the queueing of the copies, priced so (assign_offloaded's overlap); off with the rates.
+        overlap = balanced and rates
+        rule = partial(assign_offloaded, overlap=overlap) if balanced else fiddler_assign
         executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    zero_copy_ranks=(lambda k: zero_copy_ranks(k, costs)) if balanced else None,
                                    split_width=(lambda k: split_width(k, costs)) if balanced else None,
-                                   selections=selections)
+                                   selections=selections, overlap_copies=overlap)
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
                    profile_key=key, profile=points, top_k=top_k)
@@ -199,7 +202,8 @@ def measure_profile(first, top_k: int, device: torch.device, dtype: torch.dtype 
 
 def prefill_rates_wanted() -> bool:
     """MOEDESK_NO_PREFILL_RATES=1 prices prefill steps as before their rates were measured (the CPU's share from
-    one-expert calls, each copy's launch from a lone drained one): for measuring the difference."""
+    one-expert calls, each copy's launch from a lone drained one) and runs the CPU's call after the copies are
+    queued, as before: for measuring the difference."""
     return os.environ.get("MOEDESK_NO_PREFILL_RATES", "").strip().lower() in ("", "0", "false", "no")
 
 

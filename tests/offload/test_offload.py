@@ -37,8 +37,9 @@ def test_every_budget_and_policy_generates_the_reference_tokens(arch, tiny_check
         on_gpu = plan_placement(expert_bytes, len(popularity), len(popularity[0]), popularity,
                                 fits * expert_bytes, 0).as_lists()
         assert sum(map(sum, on_gpu)) == fits
-        for name, decide in POLICIES.items():
-            engine.executor = OffloadExecutor(banks, on_gpu, "cpu", decide)
+        for (name, decide), overlap in zip(POLICIES.items(), (False, False, True)):
+            # balanced's steps run the CPU's call beside the queueing of the copies (overlap_copies)
+            engine.executor = OffloadExecutor(banks, on_gpu, "cpu", decide, overlap_copies=overlap)
             done = {c.tag: c.token_ids for c in engine.generate(
                 [Request(p, params, tag=i) for i, p in enumerate(prompts)], batch_size=2)}
             assert [done[i] for i in range(len(prompts))] == expected, (fits, name)
@@ -49,6 +50,8 @@ def test_every_budget_and_policy_generates_the_reference_tokens(arch, tiny_check
             if fits == 0:
                 assert stats.gpu_experts == 0
                 assert (stats.cpu_experts == 0) == (name == "all-copy")
+                if name == "balanced":  # steps that computed beside their copies' queueing
+                    assert stats.cpu_experts and stats.copied_experts
 
 
 def test_resident_experts_moved_to_the_cpu_keep_the_reference_tokens(tiny_checkpoint):
@@ -244,3 +247,22 @@ def test_eager_steps_skip_the_host_only_for_few_tokens_an_expert(tiny_checkpoint
         ids = torch.rand(tokens, experts, generator=g).topk(2, dim=1).indices
         assert torch.allclose(executor.expert_outputs(moe, x, ids), host_path.expert_outputs(moe, x, ids), atol=1e-6)
     assert on_device == [3]  # the long prefill went through the host
+
+
+def test_the_cpu_call_beside_the_copies_keeps_the_callers_modes_and_hands_back_its_error():
+    import torch
+
+    from moedesk.engine.offload.offload_executor import _Background
+
+    seen = []
+    with torch.inference_mode():
+        _Background(lambda: seen.append(torch.is_inference_mode_enabled())).join()
+    with torch.no_grad():
+        _Background(lambda: seen.append(torch.is_grad_enabled())).join()
+    assert seen == [True, False]
+
+    def fails():
+        raise ValueError("pair_expert or chosen holds an index outside the expert stack")
+
+    with pytest.raises(ValueError, match="outside the expert stack"):
+        _Background(fails).join()

@@ -62,6 +62,24 @@ def test_copies_queued_back_to_back_move_experts_to_the_cpu():
     assert queued.makespan_ms == pytest.approx(sum(SHARES[16] + (n - 16) * 0.01 for n in loads.values()), rel=0.1)
 
 
+def test_with_the_cpu_call_beside_the_queueing_the_launches_pace_the_copies_not_the_cpu():
+    """OffloadExecutor's overlap_copies: the CPU computes while the host queues the copies, so a launch dearer
+    than the link paces the copies, and the CPU and the copies share the step again."""
+    loads = prefill_loads(seed=1)
+    model = fit_latency_model(gpt_oss_profile(rates=True, launch_back_to_back=0.4))
+    serial = assign_offloaded(loads, model)
+    overlapped = assign_offloaded(loads, model, overlap=True)
+    assert not serial.copy and 30 < len(overlapped.copy) < 70
+    assert overlapped.makespan_ms < 0.75 * serial.makespan_ms
+    assert overlapped.gpu_finish_ms == pytest.approx(0.4 * len(overlapped.copy) + 0.025, rel=0.05)  # 0.4 a copy
+    assert abs(overlapped.cpu_finish_ms - overlapped.gpu_finish_ms) <= 0.4 + model.cpu_expert_ms(max(loads.values()))
+    # A launch cheaper than the link: the link's pace, and the CPU pays nothing for the copies.
+    cheap = fit_latency_model(gpt_oss_profile(rates=True, launch_back_to_back=0.1))
+    split = assign_offloaded(loads, cheap, overlap=True)
+    assert split.gpu_finish_ms == pytest.approx(0.245 * len(split.copy) + 0.025, rel=0.05)
+    assert split.cpu_finish_ms == pytest.approx(sum(cheap.cpu_expert_ms(loads[e]) for e in split.cpu), rel=1e-6)
+
+
 def test_the_split_with_contention_still_compares_each_side_alone_at_the_steps_prices():
     # Contention measured: the split is weighed against each side alone, which pays the back-to-back launches too.
     loads = prefill_loads(seed=2)

@@ -9,9 +9,10 @@ from them against the split priced as before. One command on the GPU box (< 300 
    in the call) and Q4_K on Qwen3-30B-A3B's (H = 2048, F = 768: gpt-oss's 2880 is no whole number of Q4_K's 256).
 2. `moedesk bench --shape gpt-oss-120b --layers 8 --expert-format mxfp4 --gpu-budget 0 --prefill 512` twice, each
    in a process of its own: "before" with MOEDESK_NO_PREFILL_RATES=1 (the split priced from one-expert calls and the
-   lone drained copy's launch, the kernel on vnni), "after" as it runs by default (engine.offload.cpu_paths,
-   latency_model's cpu_share and copy_launch_at). Each reports how many experts its prefill computed on the CPU and
-   how many it copied, per run, and the CPU path its profile chose.
+   lone drained copy's launch, the kernel on vnni, the CPU's call after the copies are queued), "after" as it runs by
+   default (engine.offload.cpu_paths, latency_model's cpu_share and copy_launch_at, the CPU's call beside the
+   copies' queueing). Each reports how many experts its prefill computed on the CPU and how many it copied, per run,
+   the CPU path its profile chose and a copy's launch queued back to back at 16 tokens.
 
 Writes $OUT/gpt_oss_prefill_split.json (OUT defaults to the current folder) and prints a short table last; the
 llama.cpp figure to compare with is session 33's (docs/measurements.md): 957.4 tok/s at prefill 512.
@@ -97,9 +98,10 @@ def bench_row(name: str, result: dict) -> str:
     report = result["report"]
     r = next(x for x in report["results"] if x["mode"] == "prefill")
     e, rounds, profile = r["experts"], r["rounds"], report["profile"]
+    launches = profile.get("copy_launch_prefill_ms") or {}
     return (f"{name:<7} {r['tok_s']:8.0f} {r['tok_s'] / LLAMA_CPP_PREFILL_512:6.2f}x {r['pct_of_bound'] or 0:6.0f}% "
             f"{e['experts_cpu'] / rounds:8.0f} {e['experts_copied'] / rounds:7.0f} "
-            f"{profile.get('cpu_path', '-'):>6} {profile.get('copy_launch_ms', 0):7.3f}")
+            f"{profile.get('cpu_path', '-'):>6} {launches.get('16', launches.get(16, 0)):7.3f}")
 
 
 def main() -> None:
