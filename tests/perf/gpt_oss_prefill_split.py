@@ -1,7 +1,7 @@
 """Issue 41's gpt-oss prefill: the CPU kernel's rates at prefill loads, and a prefill 512 with the split priced
 from them against the split priced as before. One command on the GPU box (< 300 s):
 
-    OUT=/tmp/out python3 tests/perf/gpt_oss_prefill_split.py [--only kernel|bench] [--layers 8]
+    . tests/perf/gpu_env.sh; python3 tests/perf/gpt_oss_prefill_split.py [--only kernel|bench] [--layers 8]
 
 1. The packed CPU kernel (kernels/cpu_quant.c) on calls of 8 experts, as a prefill step's call takes them (each
    call on experts the call before did not read), at 1 / 4 / 16 / 64 tokens an expert, on the vnni path and, where
