@@ -40,6 +40,25 @@ def test_copy_launch_time_is_host_time_only():
 
 
 @pytest.mark.gpu
+def test_copies_queued_back_to_back_are_timed_per_copy_at_each_load():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from moedesk.engine.offload.latency_model import fit_latency_model
+    from moedesk.engine.offload.profiler import copy_launch_prefill_ms
+
+    hidden, width = 2048, 1024
+    w = ExpertWeights(torch.randn(8, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
+                      torch.randn(8, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+    points = copy_launch_prefill_ms(w, torch.bfloat16, torch.device("cuda"), tokens=(16, 64), copies=4)
+    launches = points["copy_launch_prefill_ms"]
+    # Host time per copy: API calls, never the 12 MiB copy waited for (~0.25 ms a copy at PCIe speed, 4 of them).
+    assert set(launches) == {16, 64} and all(0.005 < ms < 2.0 for ms in launches.values()), launches
+    model = fit_latency_model({"cpu_expert_ms": {1: 1.0}, "gpu_expert_ms": {1: 0.1}, "copy_expert_ms": 0.25,
+                               **points})
+    assert model.copy_launch_at(16) == pytest.approx(launches[16])
+
+
+@pytest.mark.gpu
 def test_resident_launch_time_is_host_time_only():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
