@@ -5,7 +5,8 @@ memory-efficient and flash kernels) runs rows x key/value heads programs, each r
 alone: a handful of the GPU's multiprocessors at batch 1, however long the context. Here each program takes one
 key/value head of one row and one slice of SPLIT keys, with every query head that shares that key/value head as
 the rows of its dot products (no key or value is repeated), and keeps a running max, sum and weighted value sum
-(online softmax); a few torch operations then combine the slices by their log-sum-exp. The cache is read in place
+(online softmax); a second kernel combines a row's slices by their maxima, up to its last slice. 16-bit caches are
+multiplied on the tensor cores, whose products of 16-bit numbers are exact in float32. The cache is read in place
 ([rows, length, kv_heads, D], the rows a batch uses picked by index), up to each row's own length, which the kernel
 reads from the device: no mask is made, and CUDA graphs replay it as positions move.
 
@@ -48,64 +49,121 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     kv_heads, length = cache_k.shape[2], cache_k.shape[1]
     groups = heads // kv_heads
     padded = max(16, triton.next_power_of_2(groups))  # the rows of a dot product: at least 16
+    # Slices over the cache's whole length, so that CUDA graphs replay one grid as positions move; a slice past a
+    # row's length returns at once and the combine never reads it.
     splits = triton.cdiv(length, SPLIT)
-    acc = torch.empty(batch, kv_heads, splits, padded, d, dtype=torch.float32, device=q.device)
-    top = torch.empty(batch, kv_heads, splits, padded, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, kv_heads, splits, groups, d, dtype=torch.float32, device=q.device)
+    top = torch.empty(batch, kv_heads, splits, groups, dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
     q = q.contiguous()
+    rows_or_lengths = rows if rows is not None else lengths
     _split_attention[(batch * kv_heads, splits)](
-        q, cache_k, cache_v, rows if rows is not None else lengths, lengths, acc, top, total,
+        q, cache_k, cache_v, rows_or_lengths, lengths, acc, top, total,
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), d ** -0.5,
-        KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK, ROWS=rows is not None)
-    # The slices' partial results, weighted by how their maxima compare with the row's overall maximum.
-    best = top.amax(dim=2, keepdim=True)
-    weight = torch.exp(top - best)  # a slice past a row's length kept -inf: weight 0
-    out = (acc * weight.unsqueeze(-1)).sum(2) / (total * weight).sum(2).unsqueeze(-1)
-    return out[:, :, :groups].reshape(batch, heads, d).to(q.dtype)
+        KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK, ROWS=rows is not None,
+        TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16), INTERPRETED=_interpreted())
+    out = torch.empty(batch, heads, d, dtype=q.dtype, device=q.device)
+    _combine[(batch * kv_heads,)](acc, top, total, lengths, out, splits, KV_HEADS=kv_heads, GROUPS=groups,
+                                  PADDED=padded, D=d, SPLIT=SPLIT)
+    return out
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() not in ("", "0", "false", "no")
 
 
 if triton is not None:
     @triton.jit
+    def _dot16(a, b, INTERPRETED: tl.constexpr):
+        """a·b of 16-bit tiles into float32. Triton's CPU interpreter multiplies 16-bit dots wrongly (its bf16
+        products come out as garbage): there the same exact products are taken in float32."""
+        if INTERPRETED:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
     def _split_attention(q_ptr, k_ptr, v_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
                          stride_qb, stride_qh, stride_kr, stride_kl, stride_kh, stride_vr, stride_vl, stride_vh, scale,
                          KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // KV_HEADS
         h = pid % KV_HEADS
-        row = tl.load(rows_ptr + b) if ROWS else b
         length = tl.load(lengths_ptr + b)
+        start = split * SPLIT
+        if start < length:
+            row = tl.load(rows_ptr + b) if ROWS else b
+            g = tl.arange(0, PADDED)
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + b * stride_qb + (h * GROUPS + g)[:, None] * stride_qh + d[None, :],
+                        mask=(g < GROUPS)[:, None], other=0.0)
+            if not TENSOR_CORES:
+                q = q.to(tl.float32)
+            top = tl.full([PADDED], float("-inf"), tl.float32)
+            total = tl.zeros([PADDED], tl.float32)
+            acc = tl.zeros([PADDED, D], tl.float32)
+            end = tl.minimum(start + SPLIT, length)
+            k_base = k_ptr + row.to(tl.int64) * stride_kr + h * stride_kh
+            v_base = v_ptr + row.to(tl.int64) * stride_vr + h * stride_vh
+            for n0 in range(start, end, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                valid = n < end
+                k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kl + d[None, :], mask=valid[:, None], other=0.0)
+                v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vl + d[None, :], mask=valid[:, None], other=0.0)
+                if TENSOR_CORES:
+                    # 16-bit products are exact in the float32 accumulator, so q·k on the tensor cores is the
+                    # float32 path's up to summation order; the weights p go in as two 16-bit halves (high and
+                    # the rest), which keeps p·v near float32 too. The IEEE float32 dot (FMA) that ran here made
+                    # each program compute-bound.
+                    scores = _dot16(q, tl.trans(k), INTERPRETED) * scale
+                else:
+                    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_top = tl.maximum(top, tl.max(scores, 1))
+                p = tl.exp(scores - new_top[:, None])
+                rescale = tl.exp(top - new_top)
+                if TENSOR_CORES:
+                    high = p.to(v.dtype)
+                    low = (p - high.to(tl.float32)).to(v.dtype)
+                    weighted = _dot16(high, v, INTERPRETED) + _dot16(low, v, INTERPRETED)
+                else:
+                    weighted = tl.dot(p, v, input_precision="ieee")
+                acc = acc * rescale[:, None] + weighted
+                total = total * rescale + tl.sum(p, 1)
+                top = new_top
+            at = (pid * tl.num_programs(1) + split) * GROUPS + g
+            real = g < GROUPS
+            tl.store(top_ptr + at, top, mask=real)
+            tl.store(total_ptr + at, total, mask=real)
+            tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
+    def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, out_ptr, splits,
+                 KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
+                 SPLIT: tl.constexpr):
+        """The slices of one row and key/value head merged by their maxima (online, as the slices' own keys were),
+        up to the row's last slice: [B, H, D] in the output's dtype."""
+        pid = tl.program_id(0)
+        length = tl.load(lengths_ptr + pid // KV_HEADS)
         g = tl.arange(0, PADDED)
         d = tl.arange(0, D)
-        # In float32 throughout (IEEE products, not TF32): a decode step is bound by reading the cache, not by
-        # these few products, and the softmax then rounds as the reference's float32 path does.
-        q = tl.load(q_ptr + b * stride_qb + (h * GROUPS + g)[:, None] * stride_qh + d[None, :],
-                    mask=(g < GROUPS)[:, None], other=0.0).to(tl.float32)
-        top = tl.full([PADDED], float("-inf"), tl.float32)
+        real = g < GROUPS
+        best = tl.full([PADDED], float("-inf"), tl.float32)
         total = tl.zeros([PADDED], tl.float32)
         acc = tl.zeros([PADDED, D], tl.float32)
-        start = split * SPLIT
-        end = tl.minimum(start + SPLIT, length)
-        k_base = k_ptr + row.to(tl.int64) * stride_kr + h * stride_kh
-        v_base = v_ptr + row.to(tl.int64) * stride_vr + h * stride_vh
-        for n0 in range(start, end, BLOCK):
-            n = n0 + tl.arange(0, BLOCK)
-            valid = n < end
-            k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kl + d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-            scores = tl.where(valid[None, :], scores, float("-inf"))
-            new_top = tl.maximum(top, tl.max(scores, 1))
-            p = tl.exp(scores - new_top[:, None])
-            rescale = tl.exp(top - new_top)
-            v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vl + d[None, :], mask=valid[:, None],
-                        other=0.0).to(tl.float32)
-            acc = acc * rescale[:, None] + tl.dot(p, v, input_precision="ieee")
-            total = total * rescale + tl.sum(p, 1)
-            top = new_top
-        at = (pid * tl.num_programs(1) + split) * PADDED + g
-        tl.store(top_ptr + at, top)
-        tl.store(total_ptr + at, total)
-        tl.store(acc_ptr + at[:, None] * D + d[None, :], acc)
+        for s in range(0, tl.cdiv(length, SPLIT)):  # slice 0 holds a key at least: `best` is finite from then on
+            at = (pid * splits + s) * GROUPS + g
+            top = tl.load(top_ptr + at, mask=real, other=0.0)
+            new_best = tl.maximum(best, top)
+            old = tl.exp(best - new_best)
+            weight = tl.exp(top - new_best)
+            total = total * old + tl.load(total_ptr + at, mask=real, other=0.0) * weight
+            part = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
+            acc = acc * old[:, None] + part * weight[:, None]
+            best = new_best
+        out = acc / tl.where(real, total, 1.0)[:, None]
+        tl.store(out_ptr + (pid * GROUPS + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=real[:, None])
