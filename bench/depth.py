@@ -8,6 +8,7 @@ CUDA graphs), and the prefill piece is the best of `repeat` forwards of `chunk` 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -34,10 +35,11 @@ class DepthTimes:
 
 def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: int, decode_tokens: int = 64,
                      chunk: int = 512, repeat: int = 2, graphs: bool | None = None,
-                     piece: int | None = None) -> DepthTimes:
+                     piece: int | None = None, around_decode=None) -> DepthTimes:
     """Decode and a prefill piece of one sequence after `depth` tokens of context, the first depth + chunk tokens
     of `prompt` (the context, then the piece). piece: prompt tokens per prefill forward while filling the context
-    (default: the engine's for the device)."""
+    (default: the engine's for the device). around_decode: a context manager entered around the timed decode steps
+    alone (a profiler, which should see neither the context's prefill nor the step that captures graphs)."""
     from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
     device = torch.device(device)
@@ -69,8 +71,10 @@ def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: i
     synchronize(device)
     if hasattr(executor, "stats"):
         executor.stats = type(executor.stats)()
-    t0 = time.perf_counter()
-    for _ in range(decode_tokens - 2):
-        list(decoder.decode([seq]))
-    synchronize(device)
-    return DepthTimes(depth, decode_tokens - 2, time.perf_counter() - t0, chunk, best)
+    with around_decode or nullcontext():
+        t0 = time.perf_counter()
+        for _ in range(decode_tokens - 2):
+            list(decoder.decode([seq]))
+        synchronize(device)
+        elapsed = time.perf_counter() - t0
+    return DepthTimes(depth, decode_tokens - 2, elapsed, chunk, best)

@@ -60,3 +60,30 @@ def test_context_is_refused_in_one_line_where_it_does_not_apply(capsys):
     assert main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--context", "64", "--speculative"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "--context" in line and "llama-bench -d" in line
+
+
+def test_around_decode_wraps_the_timed_decode_steps_alone(monkeypatch):
+    """tests/perf/profile_depth.py profiles decode at depth through this hook: neither the context's prefill nor the
+    first (graph-capturing) step may fall inside it."""
+    from contextlib import contextmanager
+
+    from moedesk.engine.generation.decoder import Decoder
+
+    cfg = shape_config("tiny-moe", 2)
+    model, _ = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=256)
+    inside, calls = [False], []
+    for name in ("decode", "prefill"):
+        real = getattr(Decoder, name)
+        monkeypatch.setattr(Decoder, name, lambda self, *a, _real=real, _name=name, **k:
+                            calls.append((_name, inside[0])) or _real(self, *a, **k))
+
+    @contextmanager
+    def around():
+        inside[0] = True
+        yield
+        inside[0] = False
+
+    measure_at_depth(model, LocalExecutor(), "cpu", torch.float32, random_prompt(116, cfg.vocab_size, 0), 100,
+                     decode_tokens=6, chunk=16, graphs=False, piece=48, around_decode=around())
+    assert [c for c in calls if c[1]] == [("decode", True)] * 4
+    assert ("decode", False) in calls and all(not inside for name, inside in calls if name == "prefill")
