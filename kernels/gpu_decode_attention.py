@@ -8,7 +8,8 @@ the rows of its dot products (no key or value is repeated), and keeps a running 
 (online softmax); a second kernel combines a row's slices by their maxima, up to its last slice. 16-bit caches are
 multiplied on the tensor cores, whose products of 16-bit numbers are exact in float32. The cache is read in place
 ([rows, length, kv_heads, D], the rows a batch uses picked by index), up to each row's own length, which the kernel
-reads from the device: no mask is made, and CUDA graphs replay it as positions move.
+reads from the device: no mask is made, and CUDA graphs replay it as positions move. A sliding layer's row reads its
+window alone, and gpt-oss's sinks join each head's softmax in the combine.
 
 TRITON_INTERPRET=1 runs it on the CPU, which is how CI checks it (tests/kernels/test_gpu_decode_attention.py).
 """
@@ -42,9 +43,11 @@ def applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor | None,
-                     lengths: torch.Tensor) -> torch.Tensor:
+                     lengths: torch.Tensor, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q·kᵀ/√D)·v for queries q [B, H, D], row b attending to the first lengths[b] positions of cache row
-    rows[b] (None: b) of cache_k/cache_v [rows, length, kv_heads, D]; returns [B, H, D] in q's dtype."""
+    rows[b] (None: b) of cache_k/cache_v [rows, length, kv_heads, D]; returns [B, H, D] in q's dtype.
+    window: a sliding layer's (0: none), whose row sees only its last `window` positions; sinks [H]: a logit per
+    query head that joins the softmax and attends to nothing (gpt-oss, engine.model.sinks)."""
     batch, heads, d = q.shape
     kv_heads, length = cache_k.shape[2], cache_k.shape[1]
     groups = heads // kv_heads
@@ -62,10 +65,12 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), d ** -0.5,
         KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK, ROWS=rows is not None,
+        WINDOW=window,
         TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16), INTERPRETED=_interpreted())
     out = torch.empty(batch, heads, d, dtype=q.dtype, device=q.device)
-    _combine[(batch * kv_heads,)](acc, top, total, lengths, out, splits, KV_HEADS=kv_heads, GROUPS=groups,
-                                  PADDED=padded, D=d, SPLIT=SPLIT)
+    _combine[(batch * kv_heads,)](acc, top, total, lengths, sinks if sinks is not None else top, out, splits,
+                                  KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, WINDOW=window,
+                                  SINKS=sinks is not None)
     return out
 
 
@@ -86,15 +91,18 @@ if triton is not None:
     def _split_attention(q_ptr, k_ptr, v_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
                          stride_qb, stride_qh, stride_kr, stride_kl, stride_kh, stride_vr, stride_vl, stride_vh, scale,
                          KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                         INTERPRETED: tl.constexpr):
+                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WINDOW: tl.constexpr,
+                         TENSOR_CORES: tl.constexpr, INTERPRETED: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // KV_HEADS
         h = pid % KV_HEADS
         length = tl.load(lengths_ptr + b)
+        end = tl.minimum(split * SPLIT + SPLIT, length)
         start = split * SPLIT
-        if start < length:
+        if WINDOW:
+            start = tl.maximum(start, length - WINDOW)
+        if start < end:  # else a slice past the row's length or before its window: the combine never reads it
             row = tl.load(rows_ptr + b) if ROWS else b
             g = tl.arange(0, PADDED)
             d = tl.arange(0, D)
@@ -105,7 +113,6 @@ if triton is not None:
             top = tl.full([PADDED], float("-inf"), tl.float32)
             total = tl.zeros([PADDED], tl.float32)
             acc = tl.zeros([PADDED, D], tl.float32)
-            end = tl.minimum(start + SPLIT, length)
             k_base = k_ptr + row.to(tl.int64) * stride_kr + h * stride_kh
             v_base = v_ptr + row.to(tl.int64) * stride_vr + h * stride_vh
             for n0 in range(start, end, BLOCK):
@@ -141,20 +148,21 @@ if triton is not None:
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=real[:, None])
 
     @triton.jit
-    def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, out_ptr, splits,
+    def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, sinks_ptr, out_ptr, splits,
                  KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
-                 SPLIT: tl.constexpr):
+                 SPLIT: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
         """The slices of one row and key/value head merged by their maxima (online, as the slices' own keys were),
-        up to the row's last slice: [B, H, D] in the output's dtype."""
+        from the row's first slice to its last, and the sinks' logits joined: [B, H, D] in the output's dtype."""
         pid = tl.program_id(0)
         length = tl.load(lengths_ptr + pid // KV_HEADS)
+        first = tl.maximum(length - WINDOW, 0) // SPLIT if WINDOW else 0
         g = tl.arange(0, PADDED)
         d = tl.arange(0, D)
         real = g < GROUPS
         best = tl.full([PADDED], float("-inf"), tl.float32)
         total = tl.zeros([PADDED], tl.float32)
         acc = tl.zeros([PADDED, D], tl.float32)
-        for s in range(0, tl.cdiv(length, SPLIT)):  # slice 0 holds a key at least: `best` is finite from then on
+        for s in range(first, tl.cdiv(length, SPLIT)):  # the first holds a key at least: `best` is finite after it
             at = (pid * splits + s) * GROUPS + g
             top = tl.load(top_ptr + at, mask=real, other=0.0)
             new_best = tl.maximum(best, top)
@@ -164,6 +172,12 @@ if triton is not None:
             part = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
             acc = acc * old[:, None] + part * weight[:, None]
             best = new_best
+        if SINKS:  # one more term of each softmax's sum, none of its values
+            sink = tl.load(sinks_ptr + (pid % KV_HEADS) * GROUPS + g, mask=real, other=0.0).to(tl.float32)
+            new_best = tl.maximum(best, sink)
+            old = tl.exp(best - new_best)
+            total = total * old + tl.exp(sink - new_best)
+            acc = acc * old[:, None]
         out = acc / tl.where(real, total, 1.0)[:, None]
         tl.store(out_ptr + (pid * GROUPS + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=real[:, None])

@@ -200,12 +200,14 @@ class Attention(nn.Module):
         head_norm = cfg.qk_norm == "head"
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
-        if (T == 1 and not batch.explicit_mask and not cfg.attention_sinks and not self.window
+        # (Windows are applied with sinks only, gpt-oss's pair; the SDPA path below applies none.)
+        if (T == 1 and not batch.explicit_mask and (cfg.attention_sinks or not self.window)
                 and isinstance(cache, KVCache) and gpu_decode_attention.applies(q[:, 0], cache.k[cache.index[layer]])):
             # Decode over the cache in place, split over its keys (kernels.gpu_decode_attention): a long context's
-            # keys are read by the whole GPU, not by one program per key/value head.
+            # keys are read by the whole GPU, not by one program per key/value head, and a window's alone.
             cache_k, cache_v = cache.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
-            out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths)
+            out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths,
+                                                        self.window, self.sinks if cfg.attention_sinks else None)
             out = out.reshape(B, 1, -1)
             return self.wo(out if gate is None else out * torch.sigmoid(gate))
         keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)

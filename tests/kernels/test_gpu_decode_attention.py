@@ -1,5 +1,6 @@
 """The split-key decode attention kernel against a float64 reference, in Triton's CPU interpreter here and on the
-GPU box: rows picked by index, lengths that end mid-block, mid-slice and at one key, grouped and plain heads."""
+GPU box: rows picked by index, lengths that end mid-block, mid-slice and at one key, grouped and plain heads, sliding
+windows and sinks (gpt-oss's)."""
 import pytest
 import torch
 
@@ -8,17 +9,21 @@ from moedesk.kernels import gpu_decode_attention as kernel
 pytestmark = pytest.mark.skipif(kernel.triton is None, reason="needs Triton")
 
 
-def reference(q, cache_k, cache_v, rows, lengths):
+def reference(q, cache_k, cache_v, rows, lengths, window=0, sinks=None):
     batch, heads, d = q.shape
     groups = heads // cache_k.shape[2]
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(batch):
         row = b if rows is None else int(rows[b])
         n = int(lengths[b])
+        first = max(n - window, 0) if window else 0
         for h in range(heads):
-            k = cache_k[row, :n, h // groups].double().cpu()
-            v = cache_v[row, :n, h // groups].double().cpu()
-            weights = (k @ q[b, h].double().cpu() / d ** 0.5).softmax(0)
+            k = cache_k[row, first:n, h // groups].double().cpu()
+            v = cache_v[row, first:n, h // groups].double().cpu()
+            scores = k @ q[b, h].double().cpu() / d ** 0.5
+            if sinks is not None:  # a logit that joins the softmax and weighs no value
+                scores = torch.cat([scores, sinks[h].double().cpu()[None]])
+            weights = scores.softmax(0)[:n - first]
             out[b, h] = weights @ v
     return out
 
@@ -40,6 +45,30 @@ def test_split_decode_attention_matches_the_reference(heads, kv_heads, dtype):
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.double().cpu(), reference(q, cache_k, cache_v, rows, lengths),
                                    rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("window", [0, 100, kernel.SPLIT + 30])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_and_sinks_match_the_reference(window, dtype):
+    """A window that starts mid-slice or slices before the row's end, and rows shorter than it; sinks as large as
+    the scores (a weight to take) and far above them (the weights of the keys nearly vanish)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(window)
+    heads, kv_heads, d, length = 8, 2, 32, kernel.SPLIT * 2 + 100
+    cache_k = torch.randn(3, length, kv_heads, d, generator=gen).to(device, dtype)
+    cache_v = torch.randn(3, length, kv_heads, d, generator=gen).to(device, dtype)
+    q = torch.randn(3, heads, d, generator=gen).to(device, dtype)
+    lengths = torch.tensor([length, 90, kernel.SPLIT + 7])
+    for sinks in (None, torch.randn(heads, generator=gen), torch.full((heads,), 40.0)):
+        sinks_d = None if sinks is None else sinks.to(device, dtype)
+        out = kernel.decode_attention(q, cache_k, cache_v, None, lengths.to(device), window, sinks_d)
+        expected = reference(q, cache_k, cache_v, None, lengths, window, None if sinks is None else sinks_d.cpu())
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double().cpu(), expected, rtol=tolerance, atol=tolerance)
+    if window:  # the window is what changed the result, not something else
+        windowed = kernel.decode_attention(q, cache_k, cache_v, None, lengths.to(device), window)
+        whole = kernel.decode_attention(q, cache_k, cache_v, None, lengths.to(device))
+        assert (whole[0] - windowed[0]).abs().max() > 1e-2
 
 
 def test_it_applies_only_to_16_bit_cuda_tensors():

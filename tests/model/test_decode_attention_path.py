@@ -1,18 +1,35 @@
 """The model's decode step through the split-key attention kernel (kernels.gpu_decode_attention, which the model
-takes for 16-bit CUDA tensors): run here in Triton's interpreter on the CPU, its logits are the SDPA path's, for
-rows picked out of order and of different lengths."""
+takes for 16-bit CUDA tensors): run here in Triton's interpreter on the CPU, its logits are the SDPA path's (and,
+with gpt-oss's sinks and sliding windows, the sink path's), for rows picked out of order and of different lengths."""
+import dataclasses
+
+import pytest
 import torch
 
-from moedesk.engine.load.synthetic import shape_config, synthetic_model
+from moedesk.engine.load.synthetic import SHAPES, shape_config, synthetic_model
 from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.kernels import gpu_decode_attention
 
 
-def test_decode_through_the_kernel_gives_the_sdpa_logits(monkeypatch):
-    cfg = shape_config("tiny-moe", 2)
+def tiny_gpt_oss():
+    """gpt-oss at a CPU size: sinks in every layer, a window of 8 in every other one (prompts run past it)."""
+    real = SHAPES["gpt-oss-120b"]
+    return dataclasses.replace(real, vocab_size=256, hidden_size=64, num_layers=2, num_heads=8, num_kv_heads=2,
+                               head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                               intermediate_size=64, moe_layers=real.moe_layers[:2],
+                               sliding_layers=real.sliding_layers[:2], sliding_window=8)
+
+
+@pytest.mark.parametrize("shape", ["tiny-moe", "gpt-oss"])
+def test_decode_through_the_kernel_gives_the_sdpa_logits(monkeypatch, shape):
+    cfg = tiny_gpt_oss() if shape == "gpt-oss" else shape_config("tiny-moe", 2)
     model, _ = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=128)
-    executor = LocalExecutor()
     gen = torch.Generator().manual_seed(0)
+    if cfg.attention_sinks:
+        assert any(b.attn.window for b in model.layers) and not all(b.attn.window for b in model.layers)
+        for block in model.layers:  # sinks that weigh: zero ones would hide a sink left out of the softmax
+            block.attn.sinks.data = torch.randn(cfg.num_heads, generator=gen) * 2
+    executor = LocalExecutor()
     prompts = {2: torch.randint(3, cfg.vocab_size, (1, 40), generator=gen),
                0: torch.randint(3, cfg.vocab_size, (1, 9), generator=gen)}
     step = torch.randint(3, cfg.vocab_size, (2, 1), generator=gen)
