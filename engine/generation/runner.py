@@ -12,9 +12,9 @@ A retry after an out-of-memory error must compute what one successful run would.
 unchanged by it; a recurrent state (Gated DeltaNet) is not: the layers before the failure have already taken
 the tokens, and would take them twice. So before a forward over a stateful cache the runner copies the current
 states of the rows it touches (`save`) and puts them back before a retry. That copy is one read and write of
-those rows' states per step, two copies a recurrent layer; deferring the layers' writes to the end of the
-forward instead would copy nothing more, but CUDA graphs write in place and can fail between their segments (a
-host-run layer's experts), and a copy that covers every path is the smaller risk. No retry, no copy: it is
+those rows' states per step, in two copies (every layer's state is a view of one tensor); deferring the layers'
+writes to the end of the forward instead would copy nothing more, but CUDA graphs write in place and can fail
+between their segments (a host-run layer's experts), and a copy that covers every path is the smaller risk. No retry, no copy: it is
 taken only while `can_free()` says an out-of-memory error would be retried (experts left on the GPU to move).
 
 `fork` (beam search) and `accept` (speculation) are the cache kind's row operations.

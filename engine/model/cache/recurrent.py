@@ -36,10 +36,9 @@ class RecurrentState:
         self.history = history
         self.state_dtype, self.conv_dtype, self.device = state_dtype, conv_dtype, torch.device(device)
         self.rows, self.length = 0, 0
-        self.state: list[torch.Tensor] = []  # per layer [rows, *state_shape]
-        self.conv: list[torch.Tensor] = []  # per layer [rows, *conv_shape]
-        self.kept_state: list[torch.Tensor] = []  # per layer [rows, history, *state_shape]: after each token
-        self.kept_conv: list[torch.Tensor] = []
+        # per layer: state [rows, *state_shape], conv [rows, *conv_shape], kept_state [rows, history,
+        # *state_shape] after each token, kept_conv: views of the four tensors _all_* [layers, rows, ...]
+        self._set(None, None, None, None)
         self.ensure(rows, length)
 
     def _tensors(self) -> list[torch.Tensor]:
@@ -50,22 +49,29 @@ class RecurrentState:
         self.length = max(self.length, length)
         if rows <= self.rows:
             return
-        n = range(len(self.layers))
-        make = lambda shape, dtype: [torch.zeros((rows, *shape), dtype=dtype, device=self.device) for _ in n]  # noqa: E731
+        # Each of the four is one tensor [layers, rows, ...] whose per-layer views the layers use: the retry's `save`
+        # (before every step), `restore`, `accept` and `reorder` are then one copy each, not one a layer.
+        make = lambda shape, dtype: torch.zeros((len(self.layers), rows, *shape), dtype=dtype, device=self.device)  # noqa: E731
         state, conv = make(self.state_shape, self.state_dtype), make(self.conv_shape, self.conv_dtype)
         # history 1 keeps nothing apart: a one-token forward's state is the current one (accept has nothing to undo)
         keeps = self.history > 1
-        kept_state = make((self.history, *self.state_shape), self.state_dtype) if keeps else []
-        kept_conv = make((self.history, *self.conv_shape), self.conv_dtype) if keeps else []
-        for new, old in zip(state + conv, self.state + self.conv):
-            new[: old.shape[0]] = old
-        for new, old in zip(kept_state + kept_conv, self.kept_state + self.kept_conv):
-            new[: old.shape[0]] = old
-        self.state, self.conv, self.kept_state, self.kept_conv = state, conv, kept_state, kept_conv
+        kept_state = make((self.history, *self.state_shape), self.state_dtype) if keeps else None
+        kept_conv = make((self.history, *self.conv_shape), self.conv_dtype) if keeps else None
+        for new, old in ((state, self._all_state), (conv, self._all_conv), (kept_state, self._all_kept_state),
+                         (kept_conv, self._all_kept_conv)):
+            if new is not None and old is not None:
+                new[:, : old.shape[1]] = old
+        self._set(state, conv, kept_state, kept_conv)
         self.rows = rows
 
+    def _set(self, state, conv, kept_state, kept_conv) -> None:
+        self._all_state, self._all_conv, self._all_kept_state, self._all_kept_conv = state, conv, kept_state, kept_conv
+        views = lambda t: list(t.unbind(0)) if t is not None else []  # noqa: E731
+        self.state, self.conv, self.kept_state, self.kept_conv = map(views, (state, conv, kept_state, kept_conv))
+
     def shrink(self, rows: int, length: int) -> None:
-        self.state, self.conv, self.kept_state, self.kept_conv, self.rows, self.length = [], [], [], [], 0, 0
+        self._set(None, None, None, None)
+        self.rows, self.length = 0, 0
         self.ensure(rows, length)
 
     def nbytes(self) -> int:
@@ -84,22 +90,25 @@ class RecurrentState:
     def clear(self, rows: list[int]) -> None:
         """Start these rows afresh (a new sequence in a freed row): zero state, nothing convolved yet."""
         index = torch.tensor(rows, device=self.device)
-        for t in self.state + self.conv:
-            t[index] = 0
+        for t in (self._all_state, self._all_conv):
+            t[:, index] = 0
 
     def save(self, rows, batch: int) -> tuple:
         """Copies of the current state and convolution state of `rows` (a tensor of row indices; None: rows
         0..batch-1), all a forward over those rows changes that a second run would not simply overwrite (the kept
         states it rewrites whole): `restore` puts them back after a forward that failed part way."""
-        tensors = self.state + self.conv
-        copies = [t[:batch].clone() for t in tensors] if rows is None else [t[rows] for t in tensors]
+        tensors = (self._all_state, self._all_conv)
+        copies = [t[:, :batch].clone() for t in tensors] if rows is None else [t[:, rows] for t in tensors]
         return rows, copies
 
     def restore(self, saved: tuple) -> None:
         """The rows `save` copied hold what they held then, in place (where graphs read them)."""
         rows, copies = saved
-        for t, old in zip(self.state + self.conv, copies):
-            _put(t, rows, old)
+        for t, old in zip((self._all_state, self._all_conv), copies):
+            if rows is None:
+                t[:, : old.shape[1]].copy_(old)
+            else:
+                t[:, rows] = old
 
     def read(self, layer: int, rows, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The current (state, convolution state) of `rows` (a tensor of `batch` row indices: copies), or of rows
@@ -129,11 +138,11 @@ class RecurrentState:
     def _keep_more(self, tokens: int) -> None:
         """Room for `tokens` states a row: a longer verify forward than any before (the model's runner makes the
         cache before it knows the longest draft)."""
-        rows = self.rows
         self.history = tokens
-        make = lambda shape, dtype: [torch.zeros((rows, tokens, *shape), dtype=dtype, device=self.device)  # noqa: E731
-                                     for _ in self.layers]
-        self.kept_state, self.kept_conv = make(self.state_shape, self.state_dtype), make(self.conv_shape, self.conv_dtype)
+        make = lambda shape, dtype: torch.zeros((len(self.layers), self.rows, tokens, *shape), dtype=dtype,  # noqa: E731
+                                                device=self.device)
+        self._set(self._all_state, self._all_conv, make(self.state_shape, self.state_dtype),
+                  make(self.conv_shape, self.conv_dtype))
 
     def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
         """After a verify forward whose token n (node n of a draft tree, the root 0) left kept state n: row
@@ -142,9 +151,8 @@ class RecurrentState:
             return
         index = torch.tensor(rows, device=self.device)
         last = torch.tensor([path[-1] if path else 0 for path in paths], device=self.device)
-        for i in range(len(self.layers)):
-            self.state[i][index] = self.kept_state[i][index, last]
-            self.conv[i][index] = self.kept_conv[i][index, last]
+        self._all_state[:, index] = self._all_kept_state[:, index, last]
+        self._all_conv[:, index] = self._all_kept_conv[:, index, last]
 
     def rollback(self, rows: list[int], kept: list[int]) -> None:
         """After a verify forward of a chain: row rows[i] keeps its first kept[i] tokens (>= 1, the root) and
@@ -157,8 +165,8 @@ class RecurrentState:
             return
         rows = torch.tensor(block, device=self.device)
         origin = rows[torch.tensor(source, device=self.device)]
-        for t in self.state + self.conv:
-            t[rows] = t[origin]
+        for t in (self._all_state, self._all_conv):
+            t[:, rows] = t[:, origin]
 
 
 def _put(target: torch.Tensor, rows, value: torch.Tensor, tokens: int | None = None) -> None:
