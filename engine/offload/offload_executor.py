@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from functools import cached_property, partial
 from typing import Callable
@@ -90,27 +90,26 @@ class StepStats:
 
 
 class _Background:
-    """fn() on a thread of its own, in the caller's inference and grad modes (torch keeps them per thread); `join`
-    waits for it and raises what it raised."""
+    """fn() on one long-lived worker thread (a thread started per call costs more than a decode step's share of it),
+    in the caller's inference and grad modes (torch keeps them per thread); `join` waits for it and raises what it
+    raised."""
+
+    _worker: ThreadPoolExecutor | None = None
 
     def __init__(self, fn):
-        self.error = None
+        if _Background._worker is None:
+            _Background._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moedesk-cpu-experts")
         modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
-        self.thread = threading.Thread(target=self._run, args=(fn, modes), daemon=True)
-        self.thread.start()
+        self.future = _Background._worker.submit(self._run, fn, modes)
 
-    def _run(self, fn, modes) -> None:
+    @staticmethod
+    def _run(fn, modes) -> None:
         inference, grad = modes
-        try:
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                fn()
-        except BaseException as e:  # handed to the caller's thread
-            self.error = e
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            fn()
 
     def join(self) -> None:
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
+        self.future.result()  # raises what fn raised
 
 
 @contextlib.contextmanager

@@ -266,3 +266,25 @@ def test_the_cpu_call_beside_the_copies_keeps_the_callers_modes_and_hands_back_i
 
     with pytest.raises(ValueError, match="outside the expert stack"):
         _Background(fails).join()
+
+
+def test_background_call_runs_on_one_worker_in_the_callers_modes_and_hands_back_its_error():
+    """overlap_copies' CPU call: one long-lived thread (not one a step), torch's per-thread inference mode carried
+    over, and an error raised where the caller joins."""
+    import threading
+
+    from moedesk.engine.offload.offload_executor import _Background
+
+    seen = []
+    for _ in range(3):
+        with torch.inference_mode():
+            call = _Background(lambda: seen.append((threading.get_ident(), torch.is_inference_mode_enabled())))
+        call.join()
+    assert len({ident for ident, _ in seen}) == 1 and seen[0][0] != threading.get_ident()
+    assert all(inference for _, inference in seen)
+
+    def fail():
+        raise RuntimeError("the CPU experts' call failed")
+
+    with pytest.raises(RuntimeError, match="call failed"):
+        _Background(fail).join()
