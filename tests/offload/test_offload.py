@@ -273,6 +273,8 @@ def test_background_call_runs_on_one_worker_in_the_callers_modes_and_hands_back_
     over, and an error raised where the caller joins."""
     import threading
 
+    import torch
+
     from moedesk.engine.offload.offload_executor import _Background
 
     seen = []
