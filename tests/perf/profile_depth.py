@@ -28,6 +28,7 @@ parser.add_argument("--depths", default="512,32768")
 parser.add_argument("--graphs", default="on,off")
 parser.add_argument("--expert-format", default="q4_k")
 parser.add_argument("--profiled-steps", type=int, default=6)
+parser.add_argument("--budget-s", type=float, default=140, help="a profile that would end past it is skipped")
 parser.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
 args = parser.parse_args()
 
@@ -57,14 +58,17 @@ def use(attention: str) -> None:
     os.environ["MOEDESK_NO_SPLIT_DECODE"] = "1" if attention == "sdpa" else ""
 
 
-rows = []
+rows, deepest_s = [], 0.0
 for attention in ("split", "sdpa"):
     use(attention)
     for graphs in args.graphs.split(","):
         for depth in depths:
+            run_started = time.perf_counter()
             t = measure_at_depth(model, ex, device, dtype, random_prompt(depth + 512, cfg.vocab_size, depth), depth,
                                  decode_tokens=tokens, graphs=graphs == "on")
             rows.append((attention, graphs, depth, 1000 * t.decode_s / t.decode_steps, 512 / t.prefill_s))
+            if depth == max(depths):
+                deepest_s = max(deepest_s, time.perf_counter() - run_started)
             say(f"{attention} graphs {graphs} depth {depth}: {rows[-1][3]:.2f} ms a step "
                 f"({time.perf_counter() - started:.0f} s)")
 
@@ -80,6 +84,9 @@ def profiled(holder: list):
 # Eager steps, so that each kernel is its own row; only the timed decode steps at the deepest depth are inside.
 deepest = max(depths)
 for attention in ("split", "sdpa"):
+    if time.perf_counter() - started + deepest_s > args.budget_s:
+        say(f"\n{attention}: profile skipped, it would end past {args.budget_s:.0f} s")
+        continue
     use(attention)
     holder: list = []
     t = measure_at_depth(model, ex, device, dtype, random_prompt(deepest + 512, cfg.vocab_size, 1), deepest,
