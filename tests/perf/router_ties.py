@@ -7,7 +7,9 @@ choice where our bf16 run picks other experts than our float32 run (which equals
 the float32 margin of that choice in bf16 steps (tests/router_ties.py: the k-th expert's ranked score over the
 (k+1)-th, and the kept groups' over the next where routing is group-limited); and our bf16 error once those choices
 alone are pinned to the float32 run's. A margin far below a bf16 step that, pinned, brings our error back to
-transformers' is a tie either bf16 run may fall on either side of, not arithmetic that rounds worse.
+transformers' is a tie either bf16 run may fall on either side of, not arithmetic that rounds worse. A pinned error
+still above 1.5x transformers' is the CUDA path's arithmetic: run again under MOEDESK_NO_FUSED_KERNELS=1 to take
+the Triton kernels (kernels/gpu_fused.py) out of it.
 """
 import sys
 import tempfile
