@@ -22,7 +22,10 @@ build)
   tail -n 25 "$OUT/pytest_gpu.txt"
   wait $build && echo "llama.cpp built" || { tail -n 30 "$OUT/cfg.log" "$OUT/build.log"; exit 1; } ;;
 compare)
-  . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$B"
+  # LLAMA_SITE=/tmp/site-cuda: llama-cpp-python as pip built it with CUDA (llamacpp_python_cuda.sh), else our build's
+  # libraries beside .pylib's bindings
+  if [ -n "${LLAMA_SITE:-}" ]; then export PYTHONPATH=$LLAMA_SITE:$PYTHONPATH; else
+    . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$B"; fi
   python3 -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
   # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_overrides.py tests/llamacpp/test_expert_counts.py \
