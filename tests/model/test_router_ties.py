@@ -12,7 +12,7 @@ import torch
 from moedesk.engine.runtime import Engine
 from tests.model.test_gpu_equivalence import PROMPTS
 from tests.reference import hf_greedy, hf_model
-from tests.router_ties import TIE, flipped, pinned_logits, routed_logits
+from tests.router_ties import TIE, flipped, patched_route, pinned_logits, ranked_scores, routed_logits
 
 
 @pytest.mark.parametrize("arch", ["minimax_m2", "glm4_moe", "deepseek_v3"])
@@ -32,7 +32,38 @@ def test_bf16_leaves_float32_routing_only_at_ties(arch, tiny_checkpoint):
         ours, routes = routed_logits(ours16, ids)
         flips = flipped(routes, routed_logits(ours32, ids)[1])
         margins = [margin for tokens in flips.values() for _, margin in tokens.values()]
-        assert all(m < TIE for m in margins), f"prompt {i}: an expert changed against a float32 margin of {max(margins)}"
+        assert all(m < TIE for m in margins), f"prompt {i}: a choice lost by {max(margins):.3g} bf16 steps"
         pinned = pinned_logits(ours16, ids, flips) if flips else ours
         assert err(pinned) <= 1.5 * err(theirs), f"prompt {i}: ours {err(pinned):.3g} with ties pinned, " \
                                                  f"transformers bf16 {err(theirs):.3g}"
+
+
+def test_a_lost_choice_is_found_with_its_margin_and_pinned_back(tiny_checkpoint):
+    """Our bf16 MiniMax-M2 made to lose two choices of prompt 1: its closest one (a tie) and its clearest one. `flipped`
+    finds both, only the first under TIE, and pinning what changed gives the run's own logits back bit for bit."""
+    folder = tiny_checkpoint("minimax_m2")
+    ours16 = Engine.load(str(folder), device="cpu", dtype="bfloat16")
+    ids = ours16.tokenizer.encode(PROMPTS[1])
+    ids = ids + hf_greedy(hf_model(folder, torch.bfloat16), ids, 24, {2})
+    logits, routes = routed_logits(ours16, ids)
+    exact = routed_logits(Engine.load(str(folder), device="cpu", dtype="float32"), ids)[1]
+    margin = lambda layer, t: exact[layer][1][t].item()
+    spots = [(layer, t) for layer in exact for t in range(len(ids))]
+    closest, clearest = min(spots, key=lambda s: margin(*s)), max(spots, key=lambda s: margin(*s))
+    assert margin(*closest) < TIE <= margin(*clearest)
+
+    def runner_up(moe, x, original):  # the k-th expert swapped for the (k+1)-th; the weights left as they were
+        weights, chosen = original(moe, x)
+        for layer, t in (closest, clearest):
+            if moe.layer == layer:
+                ranked = ranked_scores(moe, x)[0][t].topk(chosen.shape[1] + 1).indices
+                chosen = chosen.clone()
+                chosen[t] = torch.cat([ranked[:-2], ranked[-1:]]).sort().values
+        return weights, chosen
+
+    with patched_route(runner_up):
+        lost, lost_routes = routed_logits(ours16, ids)
+        back = pinned_logits(ours16, ids, flipped(lost_routes, routes))
+    found = flipped(lost_routes, exact)
+    assert found[closest[0]][closest[1]][1] < TIE <= found[clearest[0]][clearest[1]][1]
+    assert not torch.equal(lost, logits) and torch.equal(back, logits)
