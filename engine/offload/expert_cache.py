@@ -8,8 +8,18 @@ takes the slot of the weakest resident one of its layer when its score beats tha
 (hysteresis: two experts of nearly equal use never trade places back and forth), a few swaps per step
 at most, so the copies fit between steps on the copy stream.
 
+With a `SwapPrice` (the placement's perf model: what an offloaded expert's selection costs the CPU, what a copy
+costs) a swap must pay: a decayed score is about the selections an expert will get over the cache's memory, so
+(newcomer's score - resident's score - their noise) x the CPU's price of a selection is the predicted saving, and it
+must exceed the copy's price. The noise (what recent-use counts of equally used experts differ by) is the
+hysteresis: routing without locality then makes next to no swaps.
+
+Swaps stay within a layer (each layer's GPU slots are one tensor), so a layer whose every expert is resident never
+changes: it runs inside the decode graphs with no handoff, which the placement priced when it made it whole
+(engine.offload.placement.plan_placement); the cache follows the routing in the layers partly resident.
+
 Decisions only: `ExpertCache` holds scores and residency and says what to swap; the executor does
-the copies (engine.offload.offload_executor). Layers whose every expert is resident never change.
+the copies (engine.offload.offload_executor).
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ import numpy as np
 @dataclass(frozen=True)
 class CachePolicy:
     half_life: float = 32.0  # steps after which a selection counts half
-    margin: float = 1.5  # a newcomer's score must exceed the resident's by this factor
+    margin: float = 1.5  # unpriced: a newcomer's score must exceed the resident's by this factor
     min_score: float = 1.0  # and reach this: one selection long ago does not earn a copy
     swaps_per_step: int = 4  # across all layers, on average
     interval: int = 1  # steps between two rounds of swaps (each round changes the maps CUDA graphs captured)
@@ -29,6 +39,22 @@ class CachePolicy:
     def __post_init__(self):
         if self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0 or self.interval < 1:
             raise ValueError("half_life must be > 0, margin >= 1, swaps_per_step >= 0 and interval >= 1")
+
+
+@dataclass(frozen=True)
+class SwapPrice:
+    """The placement's perf model as a swap sees it, in ms."""
+
+    cpu_selection_ms: float  # one selection of an offloaded expert, one token (placement.LayerCosts.cpu_expert_ms)
+    copy_ms: float  # one expert onto the GPU: the copy and the host's queueing of it
+    # Standard deviations of the scores' noise a difference must clear (the hysteresis): two, as the pairs compared are
+    # extremes (a layer's strongest outsiders against its weakest residents) of many noisy counts.
+    noise_sigmas: float = 2.0
+
+    @classmethod
+    def from_model(cls, costs) -> "SwapPrice":
+        """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
+        return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms + costs.copy_launch_ms)
 
 
 @dataclass(frozen=True)
@@ -41,9 +67,11 @@ class Swap:
 class ExpertCache:
     """Scores and residency of [layers, experts]; `observe` a step's selections, get the swaps to make."""
 
-    def __init__(self, resident: np.ndarray, policy: CachePolicy = CachePolicy(), scores: np.ndarray | None = None):
+    def __init__(self, resident: np.ndarray, policy: CachePolicy = CachePolicy(), scores: np.ndarray | None = None,
+                 price: SwapPrice | None = None):
+        """price None: a newcomer replaces a resident when its score is `margin` times the resident's (unpriced)."""
         self.resident = np.array(resident, dtype=bool)
-        self.policy = policy
+        self.policy, self.price = policy, price
         self.scores = np.zeros(self.resident.shape) if scores is None else np.array(scores, dtype=float)
         self._decay = 0.5 ** (1.0 / policy.half_life)
         # A layer entirely on the GPU (or entirely off it) has nothing to trade.
@@ -74,7 +102,7 @@ class ExpertCache:
         outside = np.argsort(np.where(on, np.inf, -score), axis=1, kind="stable")[:, :n]
         inside = np.argsort(np.where(on, score, np.inf), axis=1, kind="stable")[:, :n]
         admit_score = np.take_along_axis(score, outside, axis=1)
-        gain = admit_score - self.policy.margin * np.take_along_axis(score, inside, axis=1)
+        gain = swap_gain(admit_score, np.take_along_axis(score, inside, axis=1), self.policy, self.price)
         # A pair counts only while every stronger pair of its layer does too.
         good = (gain > 0) & (admit_score >= self.policy.min_score) & (np.arange(n) < pairs)
         good = np.cumprod(good, axis=1).astype(bool)
@@ -94,6 +122,18 @@ class ExpertCache:
         return self.hits / self.selections if self.selections else 0.0
 
 
+def swap_gain(admit: np.ndarray, evict: np.ndarray, policy: CachePolicy, price: SwapPrice | None) -> np.ndarray:
+    """What admitting an expert of score `admit` in place of a resident of score `evict` is worth; > 0: swap.
+    Priced: ms saved over the scores' memory (a score counts the selections of about that many steps) less a copy,
+    the difference first cut by its noise (two decayed Poisson counts differ with variance (a + e) / (1 + decay)):
+    the hysteresis, so experts used alike never trade places. Unpriced: `admit` must be `margin` times `evict`."""
+    if price is None:
+        return admit - policy.margin * evict
+    decay = 0.5 ** (1.0 / policy.half_life)
+    noise = price.noise_sigmas * np.sqrt((admit + evict) / (1.0 + decay))
+    return (admit - evict - noise) * price.cpu_selection_ms - price.copy_ms
+
+
 @dataclass(frozen=True)
 class Replay:
     hit_rate: float
@@ -105,10 +145,10 @@ class Replay:
         return self.swaps / self.steps if self.steps else 0.0
 
 
-def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None) -> Replay:
+def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None, price: SwapPrice | None = None) -> Replay:
     """Hit rate and swaps over a trace's steps (per-step [layer, expert] counts). policy None: the placement
     stays fixed. A swap decided after step t serves from step t + 1 on, as in the engine."""
-    cache = ExpertCache(resident, policy or CachePolicy(swaps_per_step=0))
+    cache = ExpertCache(resident, policy or CachePolicy(swaps_per_step=0), price=price)
     steps = 0
     for counts in counts_per_step:
         cache.observe(counts)

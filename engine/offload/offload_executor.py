@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from moedesk.engine.offload.expert_executor import HostRouting
-from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache
+from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
 from moedesk.kernels import gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
@@ -246,7 +246,7 @@ class OffloadExecutor:
                     self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
         self._refresh_slot_maps()
         if self.cache is not None:
-            self.follow_routing(self.cache.policy, self.cache.scores)
+            self.follow_routing(self.cache.policy, self.cache.scores, self.cache.price)
 
     def _refresh_slot_maps(self) -> None:
         self._slot_maps = {}
@@ -254,13 +254,13 @@ class OffloadExecutor:
             if any(slot is not None for slot in bank.gpu_slot):
                 self._slots(layer)
 
-    def follow_routing(self, policy: CachePolicy | None, scores=None) -> None:
+    def follow_routing(self, policy: CachePolicy | None, scores=None, price: SwapPrice | None = None) -> None:
         """Let the resident experts follow the routing (engine.offload.expert_cache): after each step the cache
-        may swap experts of layers partly on the GPU; None keeps the placement fixed."""
+        may swap experts of layers partly on the GPU, where `price` says a swap pays; None keeps the placement fixed."""
         if policy is None:
             self.cache = None
             return
-        self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores)
+        self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores, price)
         layers = sorted(self.banks)
         mixed = [layers[i] for i in self.cache.mixed_layers]
         self._row_of = {layer: i for i, layer in enumerate(layers)}

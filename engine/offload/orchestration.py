@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from moedesk.engine.offload.expert_cache import CachePolicy, policy_from_env
+from moedesk.engine.offload.expert_cache import CachePolicy, SwapPrice, policy_from_env
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
@@ -138,16 +138,18 @@ class ExpertOrchestra:
         log.info("expert popularity: %.0f%% even routing mixed in (how little one half of the calibration "
                  "predicted the other)", 100 * self.evenness)
 
-    def place(self, budget_bytes: int, popularity: list[list[float]] | None = None) -> Placement:
+    def place(self, budget_bytes: int, popularity: list[list[float]] | None = None,
+              whole_layers: bool = True) -> Placement:
         """Make the experts that fit `budget_bytes` resident (by popularity, or whole layers first where the
         latency model says that is faster: engine.offload.placement.plan_placement); shrink the budget on GPU OOM.
 
-        With a cache the slots go expert by expert across every layer: the cache trades experts only within layers
-        partly on the GPU, and a layer made wholly resident would leave it nothing to follow the routing with."""
+        A cache starts from the same plan, whole layers kept (no handoff, inside the graphs), and follows the routing
+        in the layers partly resident, swapping where the same latency model says a swap pays. whole_layers=False:
+        expert by expert across every layer (for comparison)."""
         if popularity is not None:
             self.popularity = popularity
         layers, experts = len(self.popularity), len(self.popularity[0])
-        layer_costs = None if self.cache else LayerCosts.from_model(self.costs, self.executor.whole_layers_on_device)
+        layer_costs = LayerCosts.from_model(self.costs, self.executor.whole_layers_on_device) if whole_layers else None
         while True:
             plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0,
                                   layer_costs=layer_costs, top_k=self.top_k)
@@ -164,7 +166,7 @@ class ExpertOrchestra:
                 continue
             self.placement, self.budget_bytes = plan, budget_bytes
             if self.cache is not None:
-                self.executor.follow_routing(self.cache)
+                self.executor.follow_routing(self.cache, price=SwapPrice.from_model(self.costs))
             return plan
 
     def back_off(self) -> bool:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, replay
+from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, SwapPrice, replay, swap_gain
 from moedesk.engine.offload.placement import plan_placement
 from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, read_trace,
                                                   step_counts, synthetic_trace, write_trace)
@@ -57,6 +57,24 @@ def test_layers_wholly_on_or_off_the_gpu_never_change():
     for _ in range(10):
         assert cache.observe(counts(2, 2, [(1, 0, 5), (1, 1, 5)])) == []
     assert cache.resident.tolist() == resident.tolist()
+
+
+def test_a_priced_swap_happens_only_where_its_saving_pays_the_copy():
+    # 20 selections against none, noise sqrt(20 / 2) ~ 3.2 (no decay): 16.8 selections of 1 ms saved per copy.
+    step = counts(1, 2, [(0, 1, 20)])
+    costly = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=1e9), price=SwapPrice(1.0, 17.5, 1.0))
+    assert costly.observe(step) == []
+    cheap = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=1e9), price=SwapPrice(1.0, 16.0, 1.0))
+    assert cheap.observe(step) == [Swap(0, 0, 1)]
+    gain = swap_gain(np.array([20.0]), np.array([0.0]), CachePolicy(half_life=1e9), SwapPrice(1.0, 10.0))
+    assert gain[0] == pytest.approx(20 - 2 * np.sqrt(10) - 10)  # two sigmas by default
+
+
+def test_priced_experts_used_alike_never_trade_places_even_with_free_copies():
+    cache = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=4), price=SwapPrice(1.0, 0.0))
+    for step in range(200):
+        cache.observe(counts(1, 2, [(0, step % 2, 1)]))
+    assert cache.swaps == 0
 
 
 def test_old_use_decays():
@@ -157,14 +175,14 @@ def test_no_locality_means_recent_use_predicts_nothing():
     assert lru_hit_rate(steps, 64) == pytest.approx(64 / 512, abs=0.03)
 
 
-def compare(params, shape, share, steps=800):
+def compare(params, shape, share, steps=800, price=None):
     """(fixed placement's hit rate, the cache's) on one conversation, the placement planned from another."""
     e = shape.experts
     calibration = sum(step_counts(s, e) for s in synthetic_trace(shape, 300, params, seed=99))
     fits = int(share * shape.layers * e)
     on_gpu = plan_placement(1, shape.layers, e, calibration, fits, 0).on_gpu
     trace = [step_counts(s, e) for s in synthetic_trace(shape, steps, params, seed=5)]
-    return replay(trace, on_gpu, None), replay(trace, on_gpu, CachePolicy())
+    return replay(trace, on_gpu, None), replay(trace, on_gpu, CachePolicy(), price)
 
 
 def test_the_cache_follows_a_conversation_that_a_fixed_placement_cannot():
@@ -177,6 +195,24 @@ def test_without_locality_the_cache_stays_near_the_fixed_placement_and_rarely_sw
     fixed, cached = compare(NO_LOCALITY, TraceShape(4, 128, 8), 0.25)
     assert cached.hit_rate >= 0.98 * fixed.hit_rate
     assert cached.swaps_per_step < 3
+
+
+# Prices as the H200 box's profile gives them (RAM read ~118 GB/s, PCIe ~40 GB/s): a Q4_K expert of Qwen3-30B-A3B
+# (2.65 MB) and of Mixtral-8x7B (99 MB), one token on the CPU against one copy.
+QWEN3_PRICE, MIXTRAL_PRICE = SwapPrice(0.03, 0.08), SwapPrice(0.84, 2.5)
+
+
+def test_priced_the_cache_still_follows_a_conversation():
+    fixed, cached = compare(CONVERSATION, TraceShape(4, 128, 8), 0.36, price=QWEN3_PRICE)
+    assert cached.hit_rate > 1.15 * fixed.hit_rate
+
+
+@pytest.mark.parametrize("shape, share, price", [(TraceShape(4, 128, 8), 0.36, QWEN3_PRICE),
+                                                 (TraceShape(8, 8, 2), 0.5, MIXTRAL_PRICE)])
+def test_priced_without_locality_next_to_no_swaps(shape, share, price):
+    fixed, cached = compare(NO_LOCALITY, shape, share, price=price)
+    assert cached.hit_rate >= 0.99 * fixed.hit_rate
+    assert cached.swaps_per_step < 0.1  # unpriced: 2.7 and 0.19 a step
 
 
 # The executor following the routing (the GPU tier simulated on the CPU, as in tests/offload/test_orchestration.py)

@@ -203,28 +203,31 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     assert plan.on_gpu.all(axis=1).sum() == (3 if on_device else 0)
 
 
-def test_with_a_cache_the_slots_spread_over_every_layer_for_it_to_trade_in():
-    # The same costs that make whole layers pay on the device: with the cache on, no layer is made wholly
-    # resident (the cache trades only within partly resident layers) and the executor is told to follow.
+def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_swaps_by_its_costs():
+    # Costs that make whole layers pay on the device: the cache keeps them (no handoff, inside the graphs) and
+    # follows the routing in the rest, its swaps priced by the same latency model; per expert only when asked.
     from types import SimpleNamespace
 
-    from moedesk.engine.offload.expert_cache import CachePolicy
+    from moedesk.engine.offload.expert_cache import CachePolicy, SwapPrice
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed, followed = [], []
     executor = SimpleNamespace(whole_layers_on_device=True, set_placement=placed.append,
-                               follow_routing=followed.append)
+                               follow_routing=lambda policy, price: followed.append((policy, price)))
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
-                            cpu_expert_ms=lambda tokens: 0.06)
+                            cpu_expert_ms=lambda tokens: 0.06, copy_expert_ms=0.5, copy_launch_ms=0.02)
     popularity = np.full((12, 16), 100)
     popularity[:, 4:8] = 101
     policy = CachePolicy(interval=8)
     orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0,
-                                top_k=8, cache=policy)
+                                top_k=8, cache=None)
+    fixed = orchestra.place(48)
+    orchestra.cache = policy
     plan = orchestra.place(48)
-    assert plan.experts_on_gpu == 48 and not plan.on_gpu.all(axis=1).any()
-    assert (plan.on_gpu.sum(axis=1) == 4).all()  # the four most used experts of each layer
-    assert followed == [policy]
+    assert plan.on_gpu.all(axis=1).sum() == 3 and (plan.on_gpu == fixed.on_gpu).all()
+    assert followed == [(policy, SwapPrice(0.06, 0.52))]
+    per_expert = orchestra.place(48, whole_layers=False)
+    assert not per_expert.on_gpu.all(axis=1).any() and (per_expert.on_gpu.sum(axis=1) == 4).all()
 
 
 def test_completions_report_the_expert_work_of_their_steps(tiny_checkpoint):
