@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the GPU box, from the repo root, in one device command (< 300 s): the expert cache against fixed placement on
+# replayed traces (tests/perf/bench_expert_cache.py) for both shapes of issue 42, each whole with Q4_K experts:
+#   1. Mixtral-8x7B at 16 GiB (the issue's target: >= 1.25x fixed with locality, >= 0.98x without): 8 experts a
+#      layer, whole layers pay, the cache follows the routing in the layers partly resident;
+#   2. Qwen3-30B-A3B at 8 GiB: 128 experts a layer, per-expert caching the natural unit.
+# Each bench's own time limit ends it with the cases it finished, the four target cases first; Mixtral's leaves
+# Qwen3 QWEN_S seconds. Leaves in $OUT: expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every
+# case), their logs, and expert_cache_targets.txt (both tables, printed last).
+# Usage: [BUDGET_S=290] [QWEN_S=110] [TOKENS=112] bash tests/perf/expert_cache_targets.sh
+set -uo pipefail
+DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-290}; QWEN_S=${QWEN_S:-110}; TOKENS=${TOKENS:-112}
+mkdir -p "$DEST"
+export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
+# run NAME SHAPE BUDGET_GIB SECONDS
+run() {
+  if (($4 < 30)); then echo "$1: skipped ($4 s left)" >> "$DEST/expert_cache_targets.log"; return; fi
+  timeout "$4" python3 tests/perf/bench_expert_cache.py --shape "$2" --expert-format q4_k --gpu-budget "$3" \
+    --decode-tokens "$TOKENS" --warmup 16 --intervals 16,1 --reuse-profile --time-limit $(($4 - 10)) \
+    --json "$DEST/expert_cache_$1.json" > "$DEST/expert_cache_$1.txt" 2> "$DEST/expert_cache_$1.log"
+  echo "$1: exit $? after $SECONDS s" >> "$DEST/expert_cache_targets.log"
+}
+run mixtral mixtral-8x7b 16 $((BUDGET_S - QWEN_S))
+sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null  # Mixtral's pinned RAM and page cache given back
+run qwen3 qwen3-30b-a3b 8 $((BUDGET_S - SECONDS))
+# The tables from the JSON files, so that a bench cut from outside still has its finished cases shown.
+python3 - "$DEST"/expert_cache_mixtral.json "$DEST"/expert_cache_qwen3.json > "$DEST/expert_cache_targets.txt" <<'PY'
+import json, sys
+sys.path.insert(0, "tests/perf")
+from bench_expert_cache import format_rows
+for path in sys.argv[1:]:
+    try:
+        report = json.load(open(path))
+    except (OSError, ValueError) as e:
+        print(f"{path}: nothing measured ({e})")
+        continue
+    print(f"{report['shape']} x{report['layers']}, {report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts "
+          f"resident, {report['whole_layers_on_gpu']} whole layers at load; skipped: {report['skipped'] or 'none'}")
+    print(format_rows(report["rows"]))
+PY
+cat "$DEST/expert_cache_targets.log" "$DEST/expert_cache_targets.txt"
