@@ -33,12 +33,16 @@ class CachePolicy:
     half_life: float = 32.0  # steps after which a selection counts half
     margin: float = 1.5  # unpriced: a newcomer's score must exceed the resident's by this factor
     min_score: float = 1.0  # and reach this: one selection long ago does not earn a copy
-    swaps_per_step: int = 4  # across all layers, on average
+    swaps_per_step: int = 4  # across all layers, on average (unpriced)
+    copy_ms_per_step: float = 1.0  # priced: the copies' time across all layers, on average (a few big experts, or
+    # many small ones: Mixtral's 99 MB and Qwen3-30B-A3B's 2.6 MB Q4_K experts)
     interval: int = 1  # steps between two rounds of swaps (each round changes the maps CUDA graphs captured)
 
     def __post_init__(self):
-        if self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0 or self.interval < 1:
-            raise ValueError("half_life must be > 0, margin >= 1, swaps_per_step >= 0 and interval >= 1")
+        if (self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0 or self.copy_ms_per_step < 0
+                or self.interval < 1):
+            raise ValueError("half_life must be > 0, margin >= 1, swaps_per_step and copy_ms_per_step >= 0 and "
+                             "interval >= 1")
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class ExpertCache:
         self._decay = 0.5 ** (1.0 / policy.half_life)
         # A layer entirely on the GPU (or entirely off it) has nothing to trade.
         self.mixed_layers = self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
+        self._credit_ms = 0.0  # copy time paid for and not spent (priced)
         self.hits = 0
         self.selections = 0
         self.swaps = 0
@@ -91,8 +96,10 @@ class ExpertCache:
         self.scores += counts
         self.steps += 1
         swaps: list[Swap] = []
-        budget = self.policy.swaps_per_step * self.policy.interval
-        if budget == 0 or len(self._mixed) == 0 or self.steps % self.policy.interval:
+        if len(self._mixed) == 0 or self.steps % self.policy.interval:
+            return swaps
+        budget = self.swap_budget()
+        if budget == 0:
             return swaps
         # Per layer, the strongest outsiders against the weakest residents, paired in order; all layers at once.
         rows = self._mixed
@@ -115,7 +122,22 @@ class ExpertCache:
             self.resident[layer, evict], self.resident[layer, admit] = False, True
             swaps.append(Swap(layer, evict, admit))
         self.swaps += len(swaps)
+        if self.price is not None:
+            self._credit_ms = max(0.0, self._credit_ms - len(swaps) * self.price.copy_ms)
         return swaps
+
+    def swap_budget(self) -> int:
+        """Swaps this round may make (asked once a round). Priced: as many copies as `copy_ms_per_step` has paid for since the last ones,
+        unspent time carried over up to a round's or one copy's worth (so an expert bigger than a round's budget
+        still moves, less often)."""
+        policy = self.policy
+        if self.price is None:
+            return policy.swaps_per_step * policy.interval
+        if self.price.copy_ms <= 0:
+            return int(self.resident.sum())
+        round_ms = policy.copy_ms_per_step * policy.interval
+        self._credit_ms = min(self._credit_ms + round_ms, max(round_ms, self.price.copy_ms))
+        return int(self._credit_ms / self.price.copy_ms)
 
     @property
     def hit_rate(self) -> float:

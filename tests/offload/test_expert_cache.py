@@ -62,9 +62,10 @@ def test_layers_wholly_on_or_off_the_gpu_never_change():
 def test_a_priced_swap_happens_only_where_its_saving_pays_the_copy():
     # 20 selections against none, noise sqrt(20 / 2) ~ 3.2 (no decay): 16.8 selections of 1 ms saved per copy.
     step = counts(1, 2, [(0, 1, 20)])
-    costly = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=1e9), price=SwapPrice(1.0, 17.5, 1.0))
+    policy = CachePolicy(half_life=1e9, copy_ms_per_step=20.0)
+    costly = ExpertCache(np.array([[True, False]]), policy, price=SwapPrice(1.0, 17.5, 1.0))
     assert costly.observe(step) == []
-    cheap = ExpertCache(np.array([[True, False]]), CachePolicy(half_life=1e9), price=SwapPrice(1.0, 16.0, 1.0))
+    cheap = ExpertCache(np.array([[True, False]]), policy, price=SwapPrice(1.0, 16.0, 1.0))
     assert cheap.observe(step) == [Swap(0, 0, 1)]
     gain = swap_gain(np.array([20.0]), np.array([0.0]), CachePolicy(half_life=1e9), SwapPrice(1.0, 10.0))
     assert gain[0] == pytest.approx(20 - 2 * np.sqrt(10) - 10)  # two sigmas by default
@@ -75,6 +76,25 @@ def test_priced_experts_used_alike_never_trade_places_even_with_free_copies():
     for step in range(200):
         cache.observe(counts(1, 2, [(0, step % 2, 1)]))
     assert cache.swaps == 0
+
+
+def test_priced_a_round_makes_the_copies_its_time_budget_pays_for():
+    policy = CachePolicy(interval=16, copy_ms_per_step=1.0)
+    resident = np.zeros((2, 8), dtype=bool)
+    resident[:, 0] = True
+    assert ExpertCache(resident, policy, price=SwapPrice(0.8, 2.5)).swap_budget() == 6  # Mixtral-sized experts
+    assert ExpertCache(resident, policy, price=SwapPrice(0.03, 0.08)).swap_budget() == 200  # Qwen3-sized
+    assert ExpertCache(resident, policy).swap_budget() == 64  # unpriced: swaps_per_step
+    every_step = ExpertCache(resident, CachePolicy(interval=1), price=SwapPrice(0.8, 2.5))
+    assert [every_step.swap_budget() for _ in range(3)] == [0, 0, 1]  # a copy bigger than a step's time: every 3rd
+
+
+def test_priced_copies_spent_are_paid_for_again_before_the_next():
+    resident = np.array([[True] + [False] * 6])
+    cache = ExpertCache(resident, CachePolicy(half_life=1e9), price=SwapPrice(1.0, 2.0, 0.0))
+    # Each step a new expert, used twice as much as the one before: every round has a swap that pays.
+    moves = [len(cache.observe(counts(1, 7, [(0, 1 + step, 1000 * 2**step)]))) for step in range(6)]
+    assert moves == [0, 1, 0, 1, 0, 1]  # 1 ms a step, 2 ms a copy
 
 
 def test_old_use_decays():
