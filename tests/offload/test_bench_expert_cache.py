@@ -71,9 +71,10 @@ def test_the_summary_judges_each_interval_on_both_traces_and_says_what_was_not_m
         "experts_on_gpu": 131, "experts": "q4_k", "complete": False,
         "skipped": ["no locality, cache every 16", "no locality, fixed, per expert"],
         "rows": [_row("conversation", "fixed", 1.0), _row("conversation", "cache every 16", 1.3),
-                 _row("no locality", "fixed", 1.0)]}))
+                 _row("no locality", "fixed", 1.0), _row("conversation", "cache every 16, per expert", 0.9)]}))
     text = summary(str(tmp_path))
-    assert "cut at the time limit after 3 cases; not run: no locality, cache every 16" in text
+    assert "per expert / fixed" not in text  # shown in the table, not judged: the engine's cache keeps whole layers
+    assert "cut at the time limit after 4 cases; not run: no locality, cache every 16" in text
     lines = {line.split("  ")[0]: line for line in text.splitlines() if line.startswith("cache every")}
     assert lines["cache every 16 / fixed, conversation trace"].endswith("1.30x  1.25x  yes")
     assert lines["cache every 16 / fixed, no locality trace"].endswith("-  0.98x  not measured")
