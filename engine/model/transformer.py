@@ -113,22 +113,39 @@ def norm_and_rope(x: torch.Tensor, norm: RMSNorm | None, cos: torch.Tensor, sin:
 # tests), so for prefill key/value heads are repeated for it (decode folds the heads instead).
 _CUDA_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION]
 _SDPA_FLAGS = threading.Lock()
+# Query tokens a row up to which the heads that share a key/value head are folded into its rows (decode, a
+# speculative verify); a longer piece (prefill) repeats the keys and values instead.
+FOLD_TOKENS = 8
 
 
 def attention(q, k, v, mask, gqa: bool):
     b, heads, t, d = q.shape
     kv_heads = k.shape[1]
-    if gqa and t == 1:
-        # Decode: the query heads that share a key/value head become its query rows (the mask [B, 1, 1, L]
-        # holds for each), rather than repeating keys and values over the whole cache in every layer,
-        # which costs kernels now and bandwidth as the context grows.
-        out = _sdpa(q.reshape(b, kv_heads, heads // kv_heads, d), k, v, mask, gqa=False)
-        return out.reshape(b, heads, 1, d)
+    if gqa and t <= FOLD_TOKENS:
+        # The query heads that share a key/value head become its query rows, (head, token) pairs each with its
+        # token's mask row, rather than repeating keys and values over the whole cache in every layer, which costs
+        # a copy of the cache per layer and as many reads of it as there are query heads.
+        groups = heads // kv_heads
+        out = _sdpa(q.reshape(b, kv_heads, groups * t, d), k, v, fold_mask(mask, groups), gqa=False)
+        return out.reshape(b, heads, t, d)
     if gqa and q.is_cuda:
         groups = heads // kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         gqa = False
     return _sdpa(q, k, v, mask, gqa)
+
+
+def fold_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:
+    """mask [B, 1, T, L] for queries folded as `attention` folds them: [B, 1, groups * T, L], row g * T + t being
+    token t's. One token's row holds for every head as it is. The rows of a copy stay 16-aligned (attention_mask's
+    layout, which the memory-efficient kernel takes without padding it again)."""
+    if mask.shape[-2] == 1:
+        return mask
+    *lead, t, length = mask.shape
+    aligned = -(-length // 16) * 16 if mask.is_cuda else length
+    folded = torch.empty(*lead, groups * t, aligned, dtype=mask.dtype, device=mask.device)[..., :length]
+    folded.view(*lead, groups, t, length).copy_(mask.unsqueeze(-3).expand(*lead, groups, t, length))
+    return folded
 
 
 def _sdpa(q, k, v, mask, gqa: bool):
