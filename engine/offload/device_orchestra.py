@@ -84,9 +84,9 @@ class DeviceExecutors:
             executor.set_placement(rows[:len(mine)])
             rows = rows[len(mine):]
 
-    def follow_routing(self, policy, scores=None) -> None:
+    def follow_routing(self, policy, scores=None, price=None) -> None:
         for executor in self.executors:
-            executor.follow_routing(policy)
+            executor.follow_routing(policy, price=price)
 
 
 class DeviceOrchestra:
