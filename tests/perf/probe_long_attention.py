@@ -57,7 +57,8 @@ def main() -> None:
             sdpa = timed(lambda: attention(q, k, v, mask, gqa=True))
             split = float("nan")
             if tokens == 1:
-                cache_k, cache_v = k.transpose(1, 2), v.transpose(1, 2)  # [1, length, kv_heads, D], as the cache
+                # [1, length, kv_heads, D] laid out as the cache is (a key's heads side by side), not a view
+                cache_k, cache_v = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
                 lengths = torch.tensor([length], device=dev)
                 split = timed(lambda: gpu_decode_attention.decode_attention(q[:, :, 0], cache_k, cache_v, None,
                                                                             lengths))
