@@ -170,7 +170,7 @@ class Replay:
 def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None, price: SwapPrice | None = None) -> Replay:
     """Hit rate and swaps over a trace's steps (per-step [layer, expert] counts). policy None: the placement
     stays fixed. A swap decided after step t serves from step t + 1 on, as in the engine."""
-    cache = ExpertCache(resident, policy or CachePolicy(swaps_per_step=0), price=price)
+    cache = ExpertCache(resident, policy or CachePolicy(swaps_per_step=0), price=price if policy else None)
     steps = 0
     for counts in counts_per_step:
         cache.observe(counts)

@@ -225,6 +225,8 @@ QWEN3_PRICE, MIXTRAL_PRICE = SwapPrice(0.03, 0.08), SwapPrice(0.84, 2.5)
 def test_priced_the_cache_still_follows_a_conversation():
     fixed, cached = compare(CONVERSATION, TraceShape(4, 128, 8), 0.36, price=QWEN3_PRICE)
     assert cached.hit_rate > 1.15 * fixed.hit_rate
+    trace = [step_counts(s, 8) for s in synthetic_trace(TraceShape(2, 8, 2), 50, CONVERSATION)]
+    assert replay(trace, np.eye(2, 8, dtype=bool), None, MIXTRAL_PRICE).swaps == 0  # no policy: fixed, priced or not
 
 
 @pytest.mark.parametrize("shape, share, price", [(TraceShape(4, 128, 8), 0.36, QWEN3_PRICE),
