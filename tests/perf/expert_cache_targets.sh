@@ -7,9 +7,9 @@
 # Each bench's own time limit ends it with the cases it finished, the four target cases first; Mixtral's leaves
 # Qwen3 QWEN_S seconds. Leaves in $OUT: expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every
 # case), their logs, and expert_cache_targets.txt (both tables, printed last).
-# Usage: [BUDGET_S=290] [QWEN_S=110] [TOKENS=112] bash tests/perf/expert_cache_targets.sh
+# Usage: [BUDGET_S=295] [QWEN_S=120] [TOKENS=112] bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
-DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-290}; QWEN_S=${QWEN_S:-110}; TOKENS=${TOKENS:-112}
+DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-120}; TOKENS=${TOKENS:-112}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
