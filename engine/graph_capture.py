@@ -17,14 +17,15 @@ import torch
 
 
 @contextlib.contextmanager
-def capturing(graph: torch.cuda.CUDAGraph, pool=None):
-    """`torch.cuda.graph(graph, pool)` without a garbage collection inside it, in thread-local error mode: other
-    threads' CUDA calls (another model freeing memory, a server's own work) cannot break the capture, only this
-    thread's."""
+def capturing(graph: torch.cuda.CUDAGraph, pool=None, stream: torch.cuda.Stream | None = None):
+    """`torch.cuda.graph(graph, pool, stream)` without a garbage collection inside it, in thread-local error mode:
+    other threads' CUDA calls (another model freeing memory, a server's own work) cannot break the capture, only
+    this thread's. stream: on the graph's device; None is torch's one side stream, made on the first device that
+    captured, so a graph for another GPU names a stream of its own."""
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             yield graph
     finally:
         if collecting:

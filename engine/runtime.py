@@ -267,9 +267,6 @@ class Engine(EngineFace):
         assert self.device_plan.device_of_layer == spread.device_of_layer, "the plan moved layers after the load"
         self.device_links = _measure_links(spread, cfg.hidden_size, self.dtype)
         orchestra.place_plan(self.device_plan)
-        if spread.devices[0].type == "cuda":
-            self.warnings.append("CUDA graphs are off over several GPUs: a graph replays one device's stream, and "
-                                 "each run of layers launches on its own GPU")
         self.executor.stats = type(self.executor.stats)()  # calibration's work is not the user's
         if progress:
             progress("place", 1.0)

@@ -485,10 +485,10 @@ class Transformer(nn.Module):
 
     @property
     def supports_graphs(self) -> bool:
-        """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): not over several devices (a
-        graph holds one device's stream). Recurrent layers replay too: their state is updated in place in the
-        cache's tensors, which the graphs read and write where they were captured."""
-        return self.spread is None
+        """Whether CUDA graphs can replay its decode (engine.generation.cuda_graphs): yes, over several devices too
+        (a graph per device's stretch of layers). Recurrent layers replay too: their state is updated in place in
+        the cache's tensors, which the graphs read and write where they were captured."""
+        return True
 
     def new_cache(self, rows: int, length: int, dtype: torch.dtype, device) -> KVCache | LatentCache | LayerCaches:
         """The cache this model's layers write and read, for `rows` sequences of `length` positions: keys and

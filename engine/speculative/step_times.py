@@ -40,7 +40,7 @@ def measure_step_times(model, executor, cfg, device, dtype, batches, max_k: int,
         from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
         graphs = graphs_wanted(torch.device(device))
-    if not getattr(model, "supports_graphs", True):  # several devices: the runner decodes them eagerly, so timed so
+    if not getattr(model, "supports_graphs", True):  # a model graphs cannot replay: the runner decodes it eagerly, so timed so
         graphs = None
     if graphs and not callable(graphs):
         from moedesk.engine.generation.cuda_graphs import GraphedDecode

@@ -7,6 +7,7 @@ tests/model/test_layer_devices_gpu.py runs the same on two CUDA devices.
 import pytest
 import torch
 
+from moedesk.engine.generation.cuda_graphs import GraphedDecode, Segment, plan_segments
 from moedesk.engine.load.synthetic import SHAPES, synthetic_model
 from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.model.cache.layers import LayerCaches
@@ -56,7 +57,7 @@ def test_spread_layers_give_one_devices_logits_with_one_copy_per_cut(built, shap
     model = built(shape)
     expected = _decode(model, "cpu")
     spread = spread_model(model, ["cpu"] * (max(owner) + 1), owner)
-    assert not model.supports_graphs  # one graph cannot hold several devices' streams
+    assert model.supports_graphs  # a graph per device's stretch of layers (engine.generation.cuda_graphs)
     got = _decode(model, "cpu")
     assert spread.crossings == len(got) * spread.cuts() == len(got) * (max(owner))  # one copy per cut, per forward
     for a, b in zip(expected, got):
@@ -129,3 +130,72 @@ def test_two_cuda_devices_give_one_devices_logits():
     for a, b in zip(expected, got):
         torch.testing.assert_close(a, b)
         assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1))
+
+
+def _graphed_decode(model, device, graphs_of, steps: int = 4, prompt=(5, 17, 3, 99, 42, 7), features: tuple = ()):
+    """`_decode`'s prompt forward, then its steps through GraphedDecode's segments (graphs_of(model, cache))."""
+    executor = LocalExecutor()  # every MoE layer's experts through the host's hands: a segment cut at each
+    cache = model.new_cache(2, 32, torch.float32, device)
+    graphs = graphs_of(model, cache)
+    tokens = torch.tensor([list(prompt), list(prompt[:4]) + [0, 0]], device=device)
+    positions = torch.arange(len(prompt), device=device).expand(2, -1)
+    last = torch.tensor([len(prompt) - 1, 3], device=device)
+    out = [model(tokens, positions, cache, executor, logits_at=last)]
+    at = last.clone()
+    for _ in range(steps):
+        token = out[-1][:, -1].argmax(-1, keepdim=True)
+        at = at + 1
+        step = graphs.forward(token, at[:, None], executor, features=features)
+        if features:
+            step, hidden = step
+            out += [hidden[f] for f in features]
+        out.append(step)
+    return out, graphs
+
+
+def test_segments_cut_at_host_run_layers_and_at_each_change_of_device():
+    assert plan_segments((0, 0, 0, 0), (1, 3)) == [  # one device: exactly the cuts at host-run layers
+        Segment(0, 0, 1, False, True), Segment(0, 1, 3, True, True), Segment(0, 3, 4, True, False)]
+    assert plan_segments((0, 0, 0), ()) == [Segment(0, 0, 3, False, False)]
+    # The residual after layer 1's experts is finished on device 0, then handed to device 1 for layers 2 and 3.
+    assert plan_segments((0, 0, 1, 1), (1, 3)) == [
+        Segment(0, 0, 1, False, True), Segment(0, 1, 2, True, False), Segment(1, 2, 3, False, True),
+        Segment(1, 3, 4, True, False)]
+    assert plan_segments((0, 1, 1, 2), ()) == [
+        Segment(0, 0, 1, False, False), Segment(1, 1, 3, False, False), Segment(2, 3, 4, False, False)]
+    # Layers all on device 1: the embeddings alone on device 0, then everything on device 1.
+    assert plan_segments((1, 1), (0,)) == [
+        Segment(0, 0, 0, False, False), Segment(1, 0, 0, False, True), Segment(1, 0, 2, True, False)]
+    for owner, host in (((0, 0, 1, 1), (0, 1, 2, 3)), ((0, 1, 1, 2), (2,)), ((0, 0, 0, 1), (3,))):
+        segments = plan_segments(owner, host)
+        assert all(seg.device == owner[seg.start] or (seg.start, seg.end) == (0, 0) for seg in segments)
+        # No segment holds layers of two devices; a layer runs whole in one segment, or (host-run) is routed at the
+        # end of one and finished at the start of the next, on the same device.
+        whole = [i for seg in segments for i in range(seg.start + seg.resumes, seg.end)]
+        routed = [seg.end for seg in segments if seg.routes]
+        assert routed == list(host) and sorted(whole + routed) == list(range(len(owner)))
+        for seg, after in zip(segments, segments[1:]):
+            assert not seg.routes or (after.resumes, after.start, after.device) == (True, seg.end, seg.device)
+
+
+@pytest.mark.parametrize("shape, owner", [("tiny-moe", (0, 0, 1, 1)), ("tiny-moe", (0, 1, 1, 2)),
+                                          ("tiny-moe", (1, 1, 1, 1)), ("tiny-glm", (0, 1, 1, 1)),
+                                          ("tiny-qwen35", (0, 0, 1, 1))])
+def test_graph_segments_over_several_devices_decode_as_one_device_eagerly(built, shape, owner):
+    """The segments CUDA graphs replay (capture=False: run as they would be captured), cut at each device change and
+    the hidden state handed over between them: the eager forward's logits and greedy ids, its features too."""
+    model = built(shape)
+    features = (1, "final")
+    expected = _decode(model, "cpu", features=features)
+    spread = spread_model(model, ["cpu"] * (max(owner) + 1), owner)
+    got, graphs = _graphed_decode(model, "cpu", lambda m, c: GraphedDecode(m, c, capture=False), features=features)
+    (captured,) = graphs.captured.values()
+    moe = [i for i, block in enumerate(model.layers) if hasattr(block, "moe")]
+    assert captured.segments == plan_segments(owner, moe)
+    assert len(captured.segments) == len(moe) + 1 + spread.cuts()
+    assert spread.crossings == 1 * spread.cuts()  # the prompt's eager forward; the steps cross between segments
+    assert graphs.broken is None and graphs.captures == 1
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b)
+    ids = [step[:, -1].argmax(-1).tolist() for step in expected[::len(features) + 1]]
+    assert ids == [step[:, -1].argmax(-1).tolist() for step in got[::len(features) + 1]]
