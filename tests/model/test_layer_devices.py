@@ -199,3 +199,63 @@ def test_graph_segments_over_several_devices_decode_as_one_device_eagerly(built,
         torch.testing.assert_close(a, b)
     ids = [step[:, -1].argmax(-1).tolist() for step in expected[::len(features) + 1]]
     assert ids == [step[:, -1].argmax(-1).tolist() for step in got[::len(features) + 1]]
+
+
+@pytest.mark.parametrize("shape, tree", [("tiny-moe", False), ("tiny-moe", True), ("tiny-qwen35", False)])
+def test_a_verify_forward_with_rows_and_a_tree_crosses_devices_in_segments(built, shape, tree):
+    """A speculative verify forward through the segments over two devices: explicit cache rows, several tokens a
+    row and a tree's mask and slots reach the second device's layers as the eager spread forward gives them."""
+    from moedesk.engine.speculative.proposal import tree_mask
+
+    model = built(shape)
+    spread_model(model, ["cpu", "cpu"], (0, 0, 1, 1))
+    executor = LocalExecutor()
+    prompt = torch.tensor([[5, 17, 3, 99, 42], [7, 8, 9, 10, 11]])
+    rows = torch.tensor([1, 0])
+    tokens, extra = torch.tensor([[3, 4, 5], [6, 7, 8]]), {}
+    positions = (5 + torch.arange(3)).expand(2, 3)
+    if tree:  # the root and two children, in slots 5, 6, 7
+        mask = torch.zeros(2, 1, 3, 8, dtype=torch.bool)
+        mask[..., :5] = True
+        mask[..., 5:] = tree_mask([-1, 0, 0])
+        positions = (5 + torch.tensor([0, 1, 1])).expand(2, 3)
+        extra = dict(mask=mask, slots=(5 + torch.arange(3)).expand(2, 3))
+    results = []
+    for graphed in (False, True):
+        cache = model.new_cache(2, 16, torch.float32, "cpu")
+        model(prompt, torch.arange(5).expand(2, -1), cache, executor)
+        if graphed:
+            graphs = GraphedDecode(model, cache, capture=False, capture_after=1)
+            results.append(graphs.forward(tokens, positions, executor, rows, **extra))
+            assert graphs.captures == 1 and len(next(iter(graphs.captured.values())).inputs) == 2
+        else:
+            results.append(model(tokens, positions, cache, executor, rows=rows, drafts=True, **extra))
+    torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.gpu
+def test_two_cuda_devices_replay_a_graph_per_device(monkeypatch):
+    """On the two-GPU box: decode replayed from CUDA graphs captured on each GPU, into each GPU's pool, gives the eager
+    forward's logits and greedy ids, and every step replays graphs of both GPUs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
+    model = synthetic_model(SHAPES["tiny-moe"], torch.float32, "cuda:0", pinned=False, context=64)[0]
+    for moe in model.moe_blocks():
+        moe.experts = moe.experts.to("cuda:0")  # beside the block's weights: spread_model moves them with it
+    expected = _decode(model, "cuda:0")
+    spread_model(model, ["cuda:0", "cuda:1"], (0, 0, 1, 1))
+    replayed = []
+    replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replayed.append(self) or replay(self))
+    got, graphs = _graphed_decode(model, "cuda:0", GraphedDecode)
+    (captured,) = graphs.captured.values()
+    both = {torch.device("cuda:0"), torch.device("cuda:1")}
+    assert graphs.broken is None and set(captured.pool) == both and len(captured.graphs) == len(captured.segments)
+    # The first step is the eager warm-up; each later one replays every segment's graph, on its own GPU.
+    assert len(replayed) == 3 * len(captured.graphs)
+    assert {captured.devices[seg.device] for graph, seg in zip(captured.graphs, captured.segments)
+            if any(graph is r for r in replayed)} == both
+    assert all(t.device == torch.device("cuda:0") for t in got)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(a, b)
+        assert torch.equal(a[:, -1].argmax(-1), b[:, -1].argmax(-1))

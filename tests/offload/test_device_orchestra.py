@@ -144,8 +144,8 @@ def test_device_executors_read_as_one_models_executor():
 
 @pytest.mark.gpu
 def test_two_cuda_devices_give_one_gpus_greedy_text(four_layers):
-    """On the two-GPU box: each GPU holds its layers and its own resident experts, and the greedy text is
-    transformers' on one GPU, token for token."""
+    """On the two-GPU box: each GPU holds its layers and its own resident experts, decode replays CUDA graphs on
+    each, and the greedy text is transformers' on one GPU, token for token."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
     budgets = _budgets_holding(four_layers, (3, 5))  # the same bytes on a GPU: float32 both
@@ -164,6 +164,8 @@ def test_two_cuda_devices_give_one_gpus_greedy_text(four_layers):
     assert _generate(engine) == [hf_greedy(ref, engine.tokenizer.encode(p), GREEDY.max_new_tokens, eos)
                                  for p in PROMPTS]
     assert [d["experts_on_gpu"] for d in engine.expert_stats()["devices"]] == [3, 5]
+    # Decode replayed CUDA graphs captured on both GPUs (engine.generation.cuda_graphs, a pool per device).
+    assert any(len(c.pool or ()) == 2 and c.graphs for c in engine.runner.graphs.captured.values())
     (a, b, link), = engine.device_links  # the one cut, timed on the real link
     assert (a, b) == (0, 1) and link["gbs"] > 1 and any(line.startswith("  cut GPU 0 -> GPU 1: ")
                                                          for line in engine.device_plan_lines())
