@@ -9,7 +9,8 @@ the rows of its dot products (no key or value is repeated), and keeps a running 
 multiplied on the tensor cores, whose products of 16-bit numbers are exact in float32. The cache is read in place
 ([rows, length, kv_heads, D], the rows a batch uses picked by index), up to each row's own length, which the kernel
 reads from the device: no mask is made, and CUDA graphs replay it as positions move. A sliding layer's row reads its
-window alone, and gpt-oss's sinks join each head's softmax in the combine.
+window alone, and gpt-oss's sinks join each head's softmax in the combine. A speculative verify's chain (a few
+tokens a row, each seeing up to its own position) runs the same way, its (head, token) pairs the program's rows.
 
 TRITON_INTERPRET=1 runs it on the CPU, which is how CI checks it (tests/kernels/test_gpu_decode_attention.py).
 """
@@ -42,36 +43,57 @@ def applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
             and not (torch.is_grad_enabled() and (q.requires_grad or cache_k.requires_grad)))
 
 
+# Query rows (heads a group x tokens a row, padded to a power of 2) x head_dim a program holds: compiled for sm_90,
+# 64 x 128 spilled its registers (tests/kernels/test_gpu_decode_attention_build.py).
+MAX_TILE = 4096
+
+
+def rows_fit(heads: int, kv_heads: int, tokens: int, head_dim: int) -> bool:
+    """Whether `tokens` queries a row of `heads` heads fit one program's tile."""
+    return max(16, triton.next_power_of_2(heads // kv_heads * tokens)) * head_dim <= MAX_TILE
+
+
+def takes(q: torch.Tensor, cache_k: torch.Tensor, tokens: int) -> bool:
+    """Whether decode_attention takes `tokens` queries a row of q's [B, H, D] heads at once (a speculative verify's
+    chain): applies, and the program's tile fits."""
+    return applies(q, cache_k) and rows_fit(q.shape[1], cache_k.shape[2], tokens, cache_k.shape[-1])
+
+
 def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor, rows: torch.Tensor | None,
                      lengths: torch.Tensor, window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q·kᵀ/√D)·v for queries q [B, H, D], row b attending to the first lengths[b] positions of cache row
-    rows[b] (None: b) of cache_k/cache_v [rows, length, kv_heads, D]; returns [B, H, D] in q's dtype.
-    window: a sliding layer's (0: none), whose row sees only its last `window` positions; sinks [H]: a logit per
-    query head that joins the softmax and attends to nothing (gpt-oss, engine.model.sinks)."""
-    batch, heads, d = q.shape
+    rows[b] (None: b) of cache_k/cache_v [rows, length, kv_heads, D]; returns [B, H, D] in q's dtype. Or several
+    tokens a row: q [B, T, H, D] and lengths [B, T] (token t of row b sees the first lengths[b, t] positions: a
+    chain's causal mask), returning [B, T, H, D].
+    window: a sliding layer's (0: none), whose token sees only the last `window` of its positions; sinks [H]: a logit
+    per query head that joins the softmax and attends to nothing (gpt-oss, engine.model.sinks)."""
+    one = q.dim() == 3
+    if one:
+        q, lengths = q[:, None], lengths[:, None]
+    batch, tokens, heads, d = q.shape
     kv_heads, length = cache_k.shape[2], cache_k.shape[1]
     groups = heads // kv_heads
-    padded = max(16, triton.next_power_of_2(groups))  # the rows of a dot product: at least 16
+    padded = max(16, triton.next_power_of_2(groups * tokens))  # the rows of a dot product: at least 16
     # Slices over the cache's whole length, so that CUDA graphs replay one grid as positions move; a slice past a
-    # row's length returns at once and the combine never reads it.
+    # row's keys returns at once and the combine never reads it.
     splits = triton.cdiv(length, SPLIT)
-    acc = torch.empty(batch, kv_heads, splits, groups, d, dtype=torch.float32, device=q.device)
-    top = torch.empty(batch, kv_heads, splits, groups, dtype=torch.float32, device=q.device)
+    acc = torch.empty(batch, kv_heads, splits, groups * tokens, d, dtype=torch.float32, device=q.device)
+    top = torch.empty(batch, kv_heads, splits, groups * tokens, dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
-    q = q.contiguous()
+    q, lengths = q.contiguous(), lengths.contiguous()
     rows_or_lengths = rows if rows is not None else lengths
     _split_attention[(batch * kv_heads, splits)](
         q, cache_k, cache_v, rows_or_lengths, lengths, acc, top, total,
-        q.stride(0), q.stride(1), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+        q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), d ** -0.5,
-        KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK, ROWS=rows is not None,
-        WINDOW=window,
-        TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16), INTERPRETED=_interpreted())
-    out = torch.empty(batch, heads, d, dtype=q.dtype, device=q.device)
+        KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK,
+        ROWS=rows is not None, WINDOW=window, TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16),
+        INTERPRETED=_interpreted())
+    out = torch.empty(batch, tokens, heads, d, dtype=q.dtype, device=q.device)
     _combine[(batch * kv_heads,)](acc, top, total, lengths, sinks if sinks is not None else top, out, splits,
-                                  KV_HEADS=kv_heads, GROUPS=groups, PADDED=padded, D=d, SPLIT=SPLIT, WINDOW=window,
-                                  SINKS=sinks is not None)
-    return out
+                                  KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT,
+                                  WINDOW=window, SINKS=sinks is not None)
+    return out[:, 0] if one else out
 
 
 def _interpreted() -> bool:
@@ -88,26 +110,36 @@ if triton is not None:
         return tl.dot(a, b)
 
     @triton.jit
+    def _key_range(lengths_ptr, b, t, TOKENS: tl.constexpr, WINDOW: tl.constexpr):
+        """Per query row of the program (head g of the group, token t: row g * TOKENS + t) the first position it sees
+        and one past its last, and over the rows the least first and the most last."""
+        last = tl.load(lengths_ptr + b * TOKENS + t)
+        first = tl.maximum(last - WINDOW, 0) if WINDOW else tl.zeros_like(last)
+        return first, last, tl.min(first, 0), tl.max(last, 0)
+
+    @triton.jit
     def _split_attention(q_ptr, k_ptr, v_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
-                         stride_qb, stride_qh, stride_kr, stride_kl, stride_kh, stride_vr, stride_vl, stride_vh, scale,
-                         KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
-                         SPLIT: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WINDOW: tl.constexpr,
-                         TENSOR_CORES: tl.constexpr, INTERPRETED: tl.constexpr):
+                         stride_qb, stride_qt, stride_qh, stride_kr, stride_kl, stride_kh, stride_vr, stride_vl,
+                         stride_vh, scale, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, TOKENS: tl.constexpr,
+                         PADDED: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                         ROWS: tl.constexpr, WINDOW: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
         pid = tl.program_id(0)
         split = tl.program_id(1)
         b = pid // KV_HEADS
         h = pid % KV_HEADS
-        length = tl.load(lengths_ptr + b)
-        end = tl.minimum(split * SPLIT + SPLIT, length)
-        start = split * SPLIT
-        if WINDOW:
-            start = tl.maximum(start, length - WINDOW)
-        if start < end:  # else a slice past the row's length or before its window: the combine never reads it
+        r = tl.arange(0, PADDED)
+        real = r < GROUPS * TOKENS
+        g = r // TOKENS
+        t = tl.where(real, r % TOKENS, 0)
+        first, last, lo, hi = _key_range(lengths_ptr, b, t, TOKENS, WINDOW)
+        start = tl.maximum(split * SPLIT, lo)
+        end = tl.minimum(split * SPLIT + SPLIT, hi)
+        if start < end:  # else a slice past every row's keys or before every window: the combine never reads it
             row = tl.load(rows_ptr + b) if ROWS else b
-            g = tl.arange(0, PADDED)
             d = tl.arange(0, D)
-            q = tl.load(q_ptr + b * stride_qb + (h * GROUPS + g)[:, None] * stride_qh + d[None, :],
-                        mask=(g < GROUPS)[:, None], other=0.0)
+            q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + (h * GROUPS + g)[:, None] * stride_qh
+                        + d[None, :], mask=real[:, None], other=0.0)
             if not TENSOR_CORES:
                 q = q.to(tl.float32)
             top = tl.full([PADDED], float("-inf"), tl.float32)
@@ -124,14 +156,17 @@ if triton is not None:
                     # 16-bit products are exact in the float32 accumulator, so q·k on the tensor cores is the
                     # float32 path's up to summation order; the weights p go in as two 16-bit halves (high and
                     # the rest), which keeps p·v near float32 too. The IEEE float32 dot (FMA) that ran here made
-                    # each program compute-bound.
+                    # each program spill and compute rather than read.
                     scores = _dot16(q, tl.trans(k), INTERPRETED) * scale
                 else:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-                scores = tl.where(valid[None, :], scores, float("-inf"))
+                seen = valid[None, :] & (n[None, :] >= first[:, None]) & (n[None, :] < last[:, None])
+                scores = tl.where(seen, scores, float("-inf"))
                 new_top = tl.maximum(top, tl.max(scores, 1))
-                p = tl.exp(scores - new_top[:, None])
-                rescale = tl.exp(top - new_top)
+                # A row that has seen no key yet (a chain's earlier token, past its end) keeps -inf: 0, not NaN.
+                safe = tl.where(new_top == float("-inf"), 0.0, new_top)
+                p = tl.exp(scores - safe[:, None])
+                rescale = tl.exp(top - safe)
                 if TENSOR_CORES:
                     high = p.to(v.dtype)
                     low = (p - high.to(tl.float32)).to(v.dtype)
@@ -141,43 +176,47 @@ if triton is not None:
                 acc = acc * rescale[:, None] + weighted
                 total = total * rescale + tl.sum(p, 1)
                 top = new_top
-            at = (pid * tl.num_programs(1) + split) * GROUPS + g
-            real = g < GROUPS
+            at = (pid * tl.num_programs(1) + split) * GROUPS * TOKENS + r
             tl.store(top_ptr + at, top, mask=real)
             tl.store(total_ptr + at, total, mask=real)
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, sinks_ptr, out_ptr, splits,
-                 KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr,
-                 SPLIT: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
+                 KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, TOKENS: tl.constexpr, PADDED: tl.constexpr,
+                 D: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
         """The slices of one row and key/value head merged by their maxima (online, as the slices' own keys were),
-        from the row's first slice to its last, and the sinks' logits joined: [B, H, D] in the output's dtype."""
+        over the slices any of its tokens read, and the sinks' logits joined: [B, T, H, D] in the output's dtype."""
         pid = tl.program_id(0)
-        length = tl.load(lengths_ptr + pid // KV_HEADS)
-        first = tl.maximum(length - WINDOW, 0) // SPLIT if WINDOW else 0
-        g = tl.arange(0, PADDED)
+        b = pid // KV_HEADS
+        h = pid % KV_HEADS
+        r = tl.arange(0, PADDED)
         d = tl.arange(0, D)
-        real = g < GROUPS
+        real = r < GROUPS * TOKENS
+        g = r // TOKENS
+        t = tl.where(real, r % TOKENS, 0)
+        first, last, lo, hi = _key_range(lengths_ptr, b, t, TOKENS, WINDOW)
         best = tl.full([PADDED], float("-inf"), tl.float32)
         total = tl.zeros([PADDED], tl.float32)
         acc = tl.zeros([PADDED, D], tl.float32)
-        for s in range(first, tl.cdiv(length, SPLIT)):  # the first holds a key at least: `best` is finite after it
-            at = (pid * splits + s) * GROUPS + g
-            top = tl.load(top_ptr + at, mask=real, other=0.0)
+        for s in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):  # every slice here was written (for each row: -inf if idle)
+            at = (pid * splits + s) * GROUPS * TOKENS + r
+            top = tl.load(top_ptr + at, mask=real, other=float("-inf"))
             new_best = tl.maximum(best, top)
-            old = tl.exp(best - new_best)
-            weight = tl.exp(top - new_best)
+            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
+            old = tl.exp(best - safe)
+            weight = tl.exp(top - safe)
             total = total * old + tl.load(total_ptr + at, mask=real, other=0.0) * weight
             part = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
             acc = acc * old[:, None] + part * weight[:, None]
             best = new_best
         if SINKS:  # one more term of each softmax's sum, none of its values
-            sink = tl.load(sinks_ptr + (pid % KV_HEADS) * GROUPS + g, mask=real, other=0.0).to(tl.float32)
+            sink = tl.load(sinks_ptr + h * GROUPS + g, mask=real, other=0.0).to(tl.float32)
             new_best = tl.maximum(best, sink)
             old = tl.exp(best - new_best)
             total = total * old + tl.exp(sink - new_best)
             acc = acc * old[:, None]
         out = acc / tl.where(real, total, 1.0)[:, None]
-        tl.store(out_ptr + (pid * GROUPS + g)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=real[:, None])
+        heads = KV_HEADS * GROUPS
+        tl.store(out_ptr + ((b * TOKENS + t) * heads + h * GROUPS + g)[:, None] * D + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=real[:, None])

@@ -218,14 +218,20 @@ class Attention(nn.Module):
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         # (Windows are applied with sinks only, gpt-oss's pair; the SDPA path below applies none.)
-        if (T == 1 and not batch.explicit_mask and (cfg.attention_sinks or not self.window)
-                and isinstance(cache, KVCache) and gpu_decode_attention.applies(q[:, 0], cache.k[cache.index[layer]])):
-            # Decode over the cache in place, split over its keys (kernels.gpu_decode_attention): a long context's
-            # keys are read by the whole GPU, not by one program per key/value head, and a window's alone.
+        if (T <= FOLD_TOKENS and not batch.explicit_mask and (cfg.attention_sinks or not self.window)
+                and isinstance(cache, KVCache) and gpu_decode_attention.takes(q[:, 0], cache.k[cache.index[layer]], T)):
+            # Decode, or a speculative verify's chain, over the cache in place, split over its keys
+            # (kernels.gpu_decode_attention): a long context's keys are read by the whole GPU, not by one program
+            # per key/value head, and a window's alone.
             cache_k, cache_v = cache.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
-            out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths,
-                                                        self.window, self.sinks if cfg.attention_sinks else None)
-            out = out.reshape(B, 1, -1)
+            sinks = self.sinks if cfg.attention_sinks else None
+            if T == 1:
+                out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths,
+                                                            self.window, sinks)
+            else:
+                out = gpu_decode_attention.decode_attention(q, cache_k, cache_v, batch.rows, batch.token_lengths,
+                                                            self.window, sinks)
+            out = out.reshape(B, T, -1)
             return self.wo(out if gate is None else out * torch.sigmoid(gate))
         keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
         if cfg.attention_sinks:
@@ -403,6 +409,7 @@ class ForwardBatch:
         self.executor = executor
         self._additive = None  # attention_mask's, once made
         self._key_lengths = None  # key_lengths', once made
+        self._token_lengths = None  # token_lengths', once made
         self._real_mask = None  # real_mask's, once made
         self.kv_len = int(positions.max()) + 1 if kv_len is None else kv_len
         self.explicit_mask = mask is not None
@@ -429,6 +436,14 @@ class ForwardBatch:
         if self._key_lengths is None:
             self._key_lengths = self.positions[:, -1] + 1
         return self._key_lengths
+
+    @property
+    def token_lengths(self) -> torch.Tensor:
+        """[B, T] cache positions each token attends to (up to its own position: a chain's causal mask), made once a
+        forward."""
+        if self._token_lengths is None:
+            self._token_lengths = self.positions + 1
+        return self._token_lengths
 
     @property
     def parents(self) -> torch.Tensor | None:

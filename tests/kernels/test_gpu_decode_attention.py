@@ -71,6 +71,30 @@ def test_windows_and_sinks_match_the_reference(window, dtype):
         assert (whole[0] - windowed[0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("tokens, window, sinks", [(2, 0, False), (5, 0, True), (4, 130, True), (8, 0, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_tokens_a_row_see_each_their_own_positions(tokens, window, sinks, dtype):
+    """A speculative verify's chain: token t of a row sees up to its own position, so its rows in a program stop
+    at different keys (one of them at a slice's edge), with windows and sinks as one token would."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d, length = 8, 2, 32, kernel.SPLIT * 2 + 100
+    cache_k = torch.randn(4, length, kv_heads, d, generator=gen).to(device, dtype)
+    cache_v = torch.randn(4, length, kv_heads, d, generator=gen).to(device, dtype)
+    q = torch.randn(2, tokens, heads, d, generator=gen).to(device, dtype)
+    ends = torch.tensor([kernel.SPLIT - 2, 40])  # row 0's chain crosses into the second slice
+    lengths = ends[:, None] + torch.arange(1, tokens + 1)[None]
+    rows = torch.tensor([3, 1])
+    sink = torch.randn(heads, generator=gen).to(device, dtype) if sinks else None
+    out = kernel.decode_attention(q, cache_k, cache_v, rows.to(device), lengths.to(device), window, sink)
+    assert out.shape == q.shape
+    for t in range(tokens):
+        expected = reference(q[:, t], cache_k, cache_v, rows, lengths[:, t], window,
+                             None if sink is None else sink.cpu())
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out[:, t].double().cpu(), expected, rtol=tolerance, atol=tolerance)
+
+
 def test_it_applies_only_to_16_bit_cuda_tensors():
     q = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
     cache = torch.zeros(1, 16, 2, 64, dtype=torch.bfloat16)

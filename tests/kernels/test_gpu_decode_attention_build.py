@@ -14,8 +14,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 POINTERS = ("q_ptr", "k_ptr", "v_ptr", "rows_ptr", "lengths_ptr", "acc_ptr", "top_ptr", "total_ptr")
-STRIDES = ("stride_qb", "stride_qh", "stride_kr", "stride_kl", "stride_kh", "stride_vr", "stride_vl", "stride_vh")
-SHAPES = {"mixtral": (8, 4, 128, 0), "gpt-oss": (8, 8, 64, 128)}  # kv heads, query heads a group, head_dim, window
+STRIDES = ("stride_qb", "stride_qt", "stride_qh", "stride_kr", "stride_kl", "stride_kh", "stride_vr", "stride_vl", "stride_vh")
+# kv heads, query heads a group, head_dim, window, tokens a row (a decode step; a verify's chain at most rows)
+SHAPES = {"mixtral": (8, 4, 128, 0, 1), "gpt-oss": (8, 8, 64, 128, 1), "mixtral-verify": (8, 4, 128, 0, 8),
+          "gpt-oss-verify": (8, 8, 64, 128, 8)}
 
 
 def build(shape: str) -> dict:
@@ -29,9 +31,11 @@ def build(shape: str) -> dict:
 
     from moedesk.kernels import gpu_decode_attention as kernel
 
-    kv_heads, groups, d, window = SHAPES[shape]
-    constants = dict(KV_HEADS=kv_heads, GROUPS=groups, PADDED=16, D=d, SPLIT=kernel.SPLIT, BLOCK=kernel.BLOCK,
-                     ROWS=True, WINDOW=window, TENSOR_CORES=True, INTERPRETED=False)
+    kv_heads, groups, d, window, tokens = SHAPES[shape]
+    assert kernel.rows_fit(kv_heads * groups, kv_heads, tokens, d)
+    constants = dict(KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=max(16, groups * tokens), D=d,
+                     SPLIT=kernel.SPLIT, BLOCK=kernel.BLOCK, ROWS=True, WINDOW=window, TENSOR_CORES=True,
+                     INTERPRETED=False)
     signature = {**{p: "*bf16" for p in POINTERS[:3]}, "rows_ptr": "*i64", "lengths_ptr": "*i64",
                  **{p: "*fp32" for p in POINTERS[5:]}, **{s: "i32" for s in STRIDES}, "scale": "fp32",
                  **{name: "constexpr" for name in constants}}

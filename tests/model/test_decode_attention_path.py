@@ -1,6 +1,7 @@
 """The model's decode step through the split-key attention kernel (kernels.gpu_decode_attention, which the model
 takes for 16-bit CUDA tensors): run here in Triton's interpreter on the CPU, its logits are the SDPA path's (and,
-with gpt-oss's sinks and sliding windows, the sink path's), for rows picked out of order and of different lengths."""
+with gpt-oss's sinks and sliding windows, the sink path's), for rows picked out of order and of different lengths,
+one token a row and a verify's chain of three."""
 import dataclasses
 
 import pytest
@@ -33,19 +34,21 @@ def test_decode_through_the_kernel_gives_the_sdpa_logits(monkeypatch, shape):
     prompts = {2: torch.randint(3, cfg.vocab_size, (1, 40), generator=gen),
                0: torch.randint(3, cfg.vocab_size, (1, 9), generator=gen)}
     step = torch.randint(3, cfg.vocab_size, (2, 1), generator=gen)
+    chain = torch.randint(3, cfg.vocab_size, (2, 3), generator=gen)  # a verify forward's three tokens a row
 
     def decode():
         cache = model.new_cache(3, 128, torch.float32, "cpu")
         for row, tokens in prompts.items():
             model(tokens, torch.arange(tokens.shape[1])[None], cache, executor, rows=torch.tensor([row]))
-        positions = torch.tensor([[40], [9]])
-        return model(step, positions, cache, executor, rows=torch.tensor([2, 0]))
+        one = model(step, torch.tensor([[40], [9]]), cache, executor, rows=torch.tensor([2, 0]))
+        three = model(chain, torch.tensor([[41, 42, 43], [10, 11, 12]]), cache, executor, rows=torch.tensor([2, 0]))
+        return torch.cat([one, three], dim=1)
 
     expected = decode()
     calls = []
     real = gpu_decode_attention.decode_attention
-    monkeypatch.setattr(gpu_decode_attention, "applies", lambda q, cache_k: True)
+    monkeypatch.setattr(gpu_decode_attention, "applies", lambda q, cache_k: True)  # takes asks it too
     monkeypatch.setattr(gpu_decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
     got = decode()
-    assert len(calls) == cfg.num_layers  # every layer's decode went through the kernel
+    assert len(calls) == 2 * cfg.num_layers  # every layer's decode and verify went through the kernel
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
