@@ -208,6 +208,8 @@ class _Captured:
         self.segments = plan_segments(owner, self.moe_at)
         self.routed_by = [k for k, seg in enumerate(self.segments) if seg.routes]  # host-run layer j's segment
         self.moe_index = {layer: j for j, layer in enumerate(self.moe_at)}
+        # Per segment, the host-run layer (index into moe_at) whose experts run after it, or None: looked up each replay.
+        self.experts_after = [self.moe_index[seg.end] if seg.routes else None for seg in self.segments]
         used = sorted({seg.device for seg in self.segments})
         # Where each device's first segment builds its ForwardBatch (mask, write rows) from its copy of the inputs.
         self.first_on = {d: next(k for k, seg in enumerate(self.segments) if seg.device == d) for d in used}
@@ -321,10 +323,14 @@ class _Captured:
 
     def _between(self, k: int, executor, streams: dict) -> None:
         """The host's work after segment k: its layer's experts, or the hidden state copied to the next device."""
-        seg = self.segments[k]
-        if seg.routes:
-            with self._on(seg.device):
-                self._experts(self.moe_index[seg.end], executor, streams.get(seg.device))
+        j = self.experts_after[k]
+        if j is not None:
+            if self.spread is None:
+                self._experts(j, executor, streams.get(0))
+            else:
+                d = self.segments[k].device
+                with on_device(self.devices[d]):
+                    self._experts(j, executor, streams.get(d))
         elif k + 1 < len(self.segments):
             self.x_in[k + 1].copy_(self.outputs[k], non_blocking=True)
             there = self.segments[k + 1].device
