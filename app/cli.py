@@ -164,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_draft_arguments(train_draft)
     add_model_arguments(train_draft, engine=False)
+    export_draft = sub.add_parser("export-draft", help="write an EAGLE-3 draft head in the layout vLLM and SGLang load",
+                                  description="Copy a head made by `moedesk train-draft --head eagle3` to a folder "
+                                              "vLLM's and SGLang's EAGLE-3 drafting load, with the model layers it "
+                                              "reads stated in their numbering.")
+    export_draft.add_argument("head", metavar="DIR", help="the head's folder (`moedesk train-draft --out DIR`)")
+    export_draft.add_argument("--out", required=True, metavar="OUT", help="new or empty folder to write")
+    export_draft.add_argument("--for", dest="engines", choices=("vllm", "sglang", "both"), default="both",
+                              help="the engine(s) whose config keys to write (default both: one folder for either)")
+    export_draft.add_argument("--target-layers", type=int, default=None, metavar="N",
+                              help="the model's layer count, for heads whose config.json does not record it")
     from moedesk.app.models_command import add_arguments as add_models_commands
 
     add_models_commands(sub)  # list, rm, ps, pull
@@ -605,6 +615,16 @@ def run_train_draft_command(args) -> int:
     return run_train_draft(args, load_engine)
 
 
+def run_export_draft_command(args) -> int:
+    from moedesk.engine.speculative.eagle_export import ENGINES, export_eagle3
+
+    engines = ENGINES if args.engines == "both" else (args.engines,)
+    out = export_eagle3(args.head, args.out, engines, args.target_layers)
+    print(f"moedesk: wrote {out} (EAGLE-3, for {' and '.join(engines)}); docs/scale-out.md has the serve flags",
+          file=sys.stderr)
+    return 0
+
+
 def check_draft_folder(draft: str | None) -> None:
     """MoedeskError (one line) unless `draft` is None or a folder holding a draft head's config.json."""
     import os
@@ -635,7 +655,7 @@ def main(argv=None) -> int:
         commands = {"chat": run_chat_command, "download": run_download_command, "batch": run_batch_command,
                     "profile": run_profile_command,
                     "bench": run_bench_command, "serve": run_serve_command,
-                    "train-draft": run_train_draft_command}
+                    "train-draft": run_train_draft_command, "export-draft": run_export_draft_command}
         from moedesk.app.models_command import COMMANDS as model_commands
 
         commands.update(model_commands)

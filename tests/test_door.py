@@ -23,6 +23,7 @@ DOOR = {
     "moedesk.engine.listing",  # a model on disk as listed: native architectures, a GGUF's header, the demo
     "moedesk.engine.json_read",  # JSON a file hands us, read so that nesting too deep is one line, not a traceback
     "moedesk.engine.load.gguf_header",  # a GGUF file's header from its first bytes (estimates before downloading)
+    "moedesk.engine.speculative.eagle_export",  # a draft head folder rewritten for vLLM/SGLang (export-draft)
 }
 
 

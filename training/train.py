@@ -1124,7 +1124,9 @@ def write_head(head: EagleHead, folder: Path, metadata: dict, dtype: torch.dtype
 
 
 def head_metadata(engine, settings: TrainSettings, data: DraftData, prompts_path: str) -> dict:
-    meta = {"trained_by": "moedesk train-draft", "target": engine.name, "prompts": Path(prompts_path).name,
+    # target_layers: which of the model's layers an EAGLE-3 head reads, for `moedesk export-draft`
+    meta = {"trained_by": "moedesk train-draft", "target": engine.name, "target_layers": engine.config.num_layers,
+            "prompts": Path(prompts_path).name,
             "sequences": data.sequences, "answer_tokens": data.answer_tokens(),
             "settings": {k: v for k, v in asdict(settings).items()}}
     if engine.name == "demo":

@@ -337,6 +337,11 @@ def load_eagle_head(folder, target_embed: torch.Tensor | None = None, target_lm_
                                             f"({cfg.vocab_size}, {cfg.hidden_size}) from config.json")
     head = EagleHead(cfg)
     names = _names(cfg)
+    if cfg.version == 3 and cfg.draft_vocab_size == cfg.vocab_size and "lm_head.weight" in tensors:
+        # over the whole vocabulary the map may be left out (vLLM refuses one there); a permuted one is undone, so
+        # that such a head's draft ids are target ids (target_vocab_logits counts on it)
+        tensors.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.int64))
+        tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     missing = sorted(set(names) - set(tensors))
     if missing:
         raise CheckpointError(weights_path, f"missing tensor {missing[0]}" + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
@@ -355,12 +360,24 @@ def load_eagle_head(folder, target_embed: torch.Tensor | None = None, target_lm_
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size or len(ids.unique()) != len(ids)):
             raise CheckpointError(weights_path, "d2t maps a draft id outside the target's vocabulary or two draft ids "
                                                 "to one target id (draft id i is target id i + d2t[i])")
+        if cfg.draft_vocab_size == cfg.vocab_size and bool(state["d2t"].any()):
+            # a permuted whole vocabulary: draft ids made target ids, as target_vocab_logits takes them
+            state.update(whole_vocabulary_in_target_order(state))
     head.load_state_dict(state)
     head.to(device=device, dtype=dtype)  # buffers d2t/t2d keep their integer/bool dtypes
     head.embed = embed.to(device=device, dtype=dtype)
     if target_lm_head is not None:
         head.target_lm_head = target_lm_head.to(device)
     return head
+
+
+def whole_vocabulary_in_target_order(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """lm_head.weight with row i at target id i + d2t[i], and the identity d2t, for a head over the whole
+    vocabulary (each target id once: checked by the caller or by load_eagle_head)."""
+    target_ids = torch.arange(len(tensors["d2t"])) + tensors["d2t"].long()
+    lm_head = tensors["lm_head.weight"]
+    return {"lm_head.weight": torch.empty_like(lm_head).index_copy_(0, target_ids, lm_head),
+            "d2t": torch.zeros_like(tensors["d2t"])}
 
 
 def checkpoint_tensors(head: EagleHead, with_embedding: bool = True) -> dict[str, torch.Tensor]:

@@ -5,13 +5,17 @@ lowers the token loss on a fixed batch; the folder written loads as an EAGLE-3 h
 and speculative decoding with it is plain greedy token for token (chains and trees); eagle1 data is not reused. (A
 run interrupted and resumed ends bit for bit where an uninterrupted one does: test_train_draft.py, for both kinds.)
 """
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from moedesk.app.cli import main
+from moedesk.engine.errors import MoedeskError
 from moedesk.training import train as T
 from moedesk.engine.speculative.eagle import _names, eagle3_feature_layers, load_eagle_head
+from moedesk.engine.speculative.eagle_export import export_eagle3
 from tests.speculative.train_helpers import assert_speculation_is_plain_greedy, figures_before_and_after_training
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -83,6 +87,16 @@ def test_head_loads_as_eagle3_and_speculation_with_it_is_lossless(engine, prompt
     assert head.fc.weight.shape == (engine.config.hidden_size, 3 * engine.config.hidden_size)
     assert head.t2d.all() and not head.d2t.any()
     assert_speculation_is_plain_greedy(engine, tmp_path)
+    # the head records the model's layer count, which `moedesk export-draft` reads: this model's 3 layers give
+    # features (2, 1, 0), out of the layer order vLLM and SGLang concatenate in, refused in one line
+    out = tmp_path.parent / f"{tmp_path.name}-export"
+    assert json.loads((tmp_path / "config.json").read_text())["moedesk"]["target_layers"] == engine.config.num_layers
+    with pytest.raises(MoedeskError, match=f"a model of {engine.config.num_layers} layers") as err:
+        export_eagle3(tmp_path, out)
+    assert "\n" not in str(err.value) and not out.exists()
+    # told another count, the folder written still loads here and drafts as the head did
+    export_eagle3(tmp_path, out, target_layers=48)
+    assert_speculation_is_plain_greedy(engine, out)
 
 
 def test_cli_head_flag(engine, prompts_file, tmp_path, capsys):
