@@ -137,6 +137,19 @@ def test_config_holds_the_keys_those_loaders_read(tmp_path):
     assert "attention_bias" not in hf and hf["moedesk"]["feature_layers"] == [2, 24, 45]
 
 
+def test_config_reads_through_transformers_as_those_engines_read_it(tmp_path):
+    # both build the draft's hf_config with transformers' AutoConfig, then getattr the keys above
+    from transformers import AutoConfig
+
+    _, src = head_folder(tmp_path, EQUAL_WIDTH)
+    c = AutoConfig.from_pretrained(str(export_eagle3(src, tmp_path / "out", target_layers=TARGET_LAYERS)))
+    assert type(c).__name__ == "LlamaConfig" and c.architectures == ["LlamaForCausalLMEagle3"]
+    assert (c.tie_word_embeddings, c.bias, c.attention_bias) == (False, False, False)
+    assert (c.draft_vocab_size, c.target_hidden_size, c.head_dim, c.num_hidden_layers) == (20, 64, 16, 1)
+    assert c.eagle_aux_hidden_state_layer_ids == [2, 24, 45]
+    assert c.eagle_config["eagle_aux_hidden_state_layer_ids"] == [1, 23, 44]
+
+
 def test_each_engines_layer_ids_capture_the_layers_the_head_was_trained_on():
     # vLLM: id j is the stream entering layer j; SGLang: id j is the output of layer j, the stream entering j + 1
     captured = {"vllm": lambda j: j, "sglang": lambda j: j + 1}
