@@ -51,7 +51,7 @@ def export_config(source: dict, cfg, target_layers: int, engines=ENGINES) -> dic
     hf = config_dict(cfg)
     hf.update(model_type="llama", bias=False, tie_word_embeddings=False,
               # the length of those engines' rotary tables for the head; they draft within the target's context
-              max_position_embeddings=int(source.get("max_position_embeddings") or 32768))
+              max_position_embeddings=_positive_int(source.get("max_position_embeddings")) or 32768)
     if "torch_dtype" in source:
         hf["torch_dtype"] = source["torch_dtype"]
     if "vllm" in engines:
@@ -59,9 +59,14 @@ def export_config(source: dict, cfg, target_layers: int, engines=ENGINES) -> dic
     if "sglang" in engines:
         hf["eagle_config"] = {"use_aux_hidden_state": True,
                               "eagle_aux_hidden_state_layer_ids": aux_layer_ids(target_layers, "sglang")}
-    hf["moedesk"] = {**source.get("moedesk", {}), "target_layers": target_layers,
+    ours = source.get("moedesk") if isinstance(source.get("moedesk"), dict) else {}
+    hf["moedesk"] = {**ours, "target_layers": target_layers,
                      "feature_layers": list(eagle3_feature_layers(target_layers)), "exported_for": list(engines)}
     return hf
+
+
+def _positive_int(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def _check_map(d2t: torch.Tensor, cfg, path) -> None:
@@ -108,9 +113,12 @@ def export_eagle3(head_dir, out, engines=ENGINES, target_layers: int | None = No
         # vLLM makes no parameter for d2t over the whole vocabulary and would refuse the tensor
         keep.update(whole_vocabulary_in_target_order(keep))
         del keep["d2t"], keep["t2d"]
+    if target_layers is not None and _positive_int(target_layers) is None:
+        raise MoedeskError(f"--target-layers {target_layers}: must be a positive layer count")
     if target_layers is None:
-        target_layers = (source.get("moedesk") or {}).get("target_layers")
-    if not isinstance(target_layers, int) or isinstance(target_layers, bool):
+        recorded = source.get("moedesk")
+        target_layers = recorded.get("target_layers") if isinstance(recorded, dict) else None
+    if _positive_int(target_layers) is None:
         raise MoedeskError(f"{head_dir}: the model's layer count is not recorded in its config.json; give it with "
                            "--target-layers N (num_hidden_layers of the model the head was trained for)")
     problem = layer_count_problem(target_layers)

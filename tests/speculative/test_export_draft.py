@@ -243,6 +243,7 @@ def test_an_output_folder_holding_files_is_left_alone(tmp_path):
 def test_the_layer_count_comes_from_the_head_or_the_flag(tmp_path):
     _, src = head_folder(tmp_path, EQUAL_WIDTH)
     assert "--target-layers" in one_line(lambda: export_eagle3(src, tmp_path / "a"))
+    assert "positive" in one_line(lambda: export_eagle3(src, tmp_path / "a", target_layers=0))
     hf = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**hf, "moedesk": {"target_layers": 16}}))
     _, out = read_back(export_eagle3(src, tmp_path / "b"))
