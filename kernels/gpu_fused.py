@@ -104,8 +104,8 @@ def weighted_sum(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def route_fits(num_experts: int) -> bool:
-    """Whether `route` takes this many experts: it compares every pair, which stays cheap up to 256."""
-    return num_experts <= 256
+    """Whether `route` takes this many experts: one program holds a row's logits (k passes over them)."""
+    return num_experts <= 4096
 
 
 def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +121,10 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -
     weights = torch.empty(n, k, dtype=dtype, device=logits.device)
     ids = torch.empty(n, k, dtype=torch.int64, device=logits.device)
     block = triton.next_power_of_2(e)
+    # One warp up to 512 experts: each of the 2 + 2k reductions is then warp shuffles, with no shared memory
+    # round trip and barrier between warps (the former every-pair ranking held E^2 values in a program).
     _route[(n,)](logits, weights, ids, e, K=k, RENORMALISE=renormalise, BLOCK=block,
-                 num_warps=4 if block <= 128 else 8, **_EXACT)
+                 num_warps=1 if block <= 512 else 4, **_EXACT)
     return weights, ids
 
 
@@ -194,13 +196,16 @@ if triton is not None:
         x = tl.load(logits_ptr + row * E + cols, mask=inside, other=-float("inf")).to(tl.float32)
         e = tl.exp(x - tl.max(x, axis=0))  # padding: exp(-inf) = 0
         p = e / tl.sum(e, axis=0)
-        # An expert's rank in torch.topk's order: the experts more probable than it, and the equally
-        # probable ones of lower id. The k of rank below k are chosen. Ranking the probabilities, not
-        # the logits, keeps torch's ties where exp underflows to zero; padding (zero, the highest ids)
-        # ranks last.
-        mine, theirs = p[:, None], p[None, :]
-        ahead = (theirs > mine) | ((theirs == mine) & (cols[None, :] < cols[:, None]))
-        chosen = tl.sum(ahead.to(tl.int32), axis=1) < K
+        # k rounds of "the most probable left, the lower id among equals" (torch.topk's order on CUDA): O(k E)
+        # work in a few registers a thread. Ranking the probabilities, not the logits, keeps torch's ties where
+        # exp underflows to zero; padding (below every probability) is never picked while real experts are left.
+        left = tl.where(inside, p, -1.0)
+        chosen = cols < 0
+        for _ in tl.static_range(K):
+            best = tl.max(left, axis=0)
+            first = tl.min(tl.where(left == best, cols, BLOCK), axis=0)
+            chosen = chosen | (cols == first)
+            left = tl.where(cols == first, -2.0, left)
         # Chosen experts are written in ascending id: each one's slot is the count of chosen below it.
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
         if RENORMALISE:

@@ -110,6 +110,26 @@ def test_route_interpreted(interpreted, n, e, k, renormalise):
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("n,e,k,renormalise", [(4, 256, 8, False), (3, 256, 8, True), (2, 1000, 10, True)])
+def test_route_many_tied_experts_interpreted(interpreted, n, e, k, renormalise):
+    """Whole-number logits: many experts tie, at the k-th place too, so the tie rule decides which are chosen
+    (Qwen3.5's 256 experts, and more than one warp's 512 for the wider layout). torch.topk on the CPU breaks ties
+    its own way, so the reference here is top_k_route's softmax with a stable sort: equals keep the lower id first,
+    as torch.topk does on CUDA (the GPU test compares with it there)."""
+    logits = _router_logits(n, e, torch.float32, seed=e + k, ties=True)
+    weights, ids = interpreted.route(logits, k, renormalise, torch.float32)
+    probs = torch.softmax(logits, -1, dtype=torch.float32)
+    top, order = probs.sort(dim=-1, descending=True, stable=True)
+    top, order = top[:, :k], order[:, :k]
+    assert (top[:, -1] == probs.sort(-1, descending=True).values[:, k]).any()  # a tie at the k-th place decides
+    if renormalise:
+        top = top / top.sum(-1, keepdim=True)
+    expected_ids, rank = order.sort(-1)
+    expected_weights = top.gather(-1, rank)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+
+
 def test_route_ties_go_to_the_lower_id(interpreted):
     logits = torch.tensor([[0.0, 1.0, 1.0, -2.0, 1.0, 1.0], [5.0, 1.0, 1.0, 1.0, 1.0, 5.0]])
     weights, ids = interpreted.route(logits, 3, True, torch.float32)
