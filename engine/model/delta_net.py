@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moedesk.engine.model.config import ModelConfig
+from moedesk.kernels import gpu_delta_net
 
 CHUNK = 64
 
@@ -174,6 +175,10 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, rope, cache, layer: int, batch) -> torch.Tensor:
         B, T, _ = x.shape
         state_cache = cache[layer]
+        if T == 1:
+            state, conv, kept_state, kept_conv = state_cache.layer_tensors(layer)
+            if gpu_delta_net.fits(x, state, conv, self.key_dim, self.value_dim, self.conv.shape[-1]):
+                return self._fused_step(x, batch, state, conv, kept_state, kept_conv)
         state, conv_state = state_cache.read(layer, batch.rows, B)
         # A new sequence in a row (its first position 0) starts from nothing; on the device, no host decision.
         fresh = (batch.positions[:, 0] == 0).view(B, 1, 1)
@@ -210,6 +215,18 @@ class GatedDeltaNet(nn.Module):
         state_cache.write(layer, batch.rows, states, convs)
         out = self.norm(out, z)
         return self.out(out.reshape(B, T, -1))
+
+    def _fused_step(self, x, batch, state, conv, kept_state, kept_conv) -> torch.Tensor:
+        """A decode step's token through kernels.gpu_delta_net: the cache's rows updated in place, as `forward`'s
+        torch path leaves them."""
+        B = x.shape[0]
+        mixed, z, b, a = self.project(x)
+        out = gpu_delta_net.decode_step(mixed, a, b, self.conv, self.A_log, self.dt_bias, batch.positions,
+                                        batch.rows, state, conv, kept_state, kept_conv, self.key_heads,
+                                        self.key_dim, self.value_dim)
+        z = z.reshape(B, 1, self.value_heads, self.value_dim)
+        out = gpu_delta_net.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
+        return self.out(out.reshape(B, 1, -1))
 
     def _conv_sequence(self, mixed, conv_state, lengths):
         """A prompt's causal convolution (then silu) over [state, tokens], and the convolution state after each

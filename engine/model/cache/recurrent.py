@@ -118,6 +118,14 @@ class RecurrentState:
             return self.state[i][:batch], self.conv[i][:batch]
         return self.state[i][rows], self.conv[i][rows]
 
+    def layer_tensors(self, layer: int) -> tuple:
+        """The layer's whole tensors, for a kernel that updates rows in place: (state [rows, ...], conv, kept_state
+        [rows, history, ...] or None, kept_conv or None)."""
+        i = self.index[layer]
+        if self.kept_state:
+            return self.state[i], self.conv[i], self.kept_state[i], self.kept_conv[i]
+        return self.state[i], self.conv[i], None, None
+
     def write(self, layer: int, rows, states: torch.Tensor, convs: torch.Tensor) -> None:
         """After a forward of T tokens: states [B, T, *state_shape] and convs [B, T, *conv_shape], the layer's
         state after each token of rows `rows` (a tensor of B row indices; None: rows 0..B-1). The last becomes
