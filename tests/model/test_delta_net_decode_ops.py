@@ -175,3 +175,66 @@ def test_a_failed_capture_still_feeds_the_step_once(engine, monkeypatch, failure
     for ours, theirs in zip(graphed.kinds[1].state, reference.kinds[1].state):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert not graphs.captured and (graphs.broken is None) == (failure == "out of memory")
+
+
+class Launches:
+    """A Triton kernel whose launches the recorder counts as one op each, its interpreted insides unrecorded."""
+
+    def __init__(self, kernel, recorder: Recorder):
+        self.kernel, self.recorder = kernel, recorder
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.recorder.calls[-1].append((f"triton:{self.kernel.fn.__name__}", True))
+            inside, self.recorder.inside = self.recorder.inside, False
+            try:
+                return self.kernel[grid](*args, **kwargs)
+            finally:
+                self.recorder.inside = inside
+        return launch
+
+
+@pytest.mark.skipif(__import__("os").environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter on the CPU")
+def test_the_fused_decode_step_is_five_kernels_a_layer(engine, monkeypatch):
+    """kernels.gpu_delta_net (CUDA's path, run here by Triton's interpreter): the projection's matmul, the
+    convolution's step, the delta rule's step, the gated norm and the output's matmul; no sync. The torch path's
+    count beside it is what it replaces (docs/measurements.md)."""
+    from moedesk.kernels import gpu_delta_net
+
+    model = engine.model
+    for module in model.modules():  # one input matmul, as CUDA loads it (views: same numbers)
+        if isinstance(module, GatedDeltaNet) and not hasattr(module, "in_weight"):
+            module.fuse_projections()
+    tokens, positions = torch.tensor([[3], [4]]), torch.tensor([[5], [5]])
+    torch_calls = recorded_step(model, prefilled(engine), engine.executor, tokens, positions)
+    monkeypatch.setattr(gpu_delta_net, "fits", lambda *a: True)
+    recorder_holder: list[Recorder] = []
+    original = Recorder.__init__
+
+    def init(self):
+        original(self)
+        recorder_holder.append(self)
+        for name in ("_conv_step", "_delta_step", "_gated_norm"):
+            monkeypatch.setattr(gpu_delta_net, name, Launches(getattr(gpu_delta_net, name).kernel
+                                                              if isinstance(getattr(gpu_delta_net, name), Launches)
+                                                              else getattr(gpu_delta_net, name), self))
+
+    monkeypatch.setattr(Recorder, "__init__", init)
+    fused_cache, torch_cache = prefilled(engine), prefilled(engine)
+    fused_calls = recorded_step(model, fused_cache, engine.executor, tokens, positions)
+    matmuls = {"linear", "mm", "addmm", "matmul"}
+    computing = lambda ops: ["matmul" if name in matmuls else name  # noqa: E731
+                             for name, computes in ops if computes and name != "empty"]
+    for ops in fused_calls:
+        assert not SYNCS & {name for name, _ in ops}
+        assert computing(ops) == ["matmul", "triton:_conv_step", "triton:_delta_step", "triton:_gated_norm",
+                                  "matmul"], ops
+    assert min(len(computing(ops)) for ops in torch_calls) > 30  # what the torch path issues for the same step
+    # And the same step: logits and states as the torch path leaves them.
+    monkeypatch.setattr(gpu_delta_net, "fits", lambda *a: False)
+    want = model(tokens, positions, torch_cache, engine.executor)
+    monkeypatch.setattr(gpu_delta_net, "fits", lambda *a: True)
+    got = model(tokens, positions, prefilled(engine), engine.executor)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(fused_cache.kinds[1].state, torch_cache.kinds[1].state):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)

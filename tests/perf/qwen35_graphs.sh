@@ -10,7 +10,8 @@ set -uo pipefail
 which=${*:-tests profile bench}
 for part in $which; do
   case $part in
-    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_qwen3_next.py 2>&1 \
+    tests) python3 -m pytest -m gpu -q -p no:cacheprovider tests/model/test_qwen3_next.py tests/kernels/test_gpu_delta_net.py \
+             tests/kernels/test_gpu_fused_kernels.py 2>&1 \
              | tee "$OUT/pytest_qwen35_graphs.txt" | tail -25 ;;
     profile) for eager in 0 1; do
                MOEDESK_NO_CUDA_GRAPHS=$eager python3 tests/perf/profile_decode.py qwen3.5-35b-a3b:12 --variants gpu,native \
