@@ -462,6 +462,14 @@ def test_on_cuda_graphs_replay_what_eager_decoding_computes(family, built, monke
         return cache
 
     reference, replayed = prefilled(), prefilled()
+    from moedesk.engine.model.delta_net import GatedDeltaNet
+    from moedesk.kernels import gpu_delta_net
+
+    mixer = next(m for m in model.modules() if isinstance(m, GatedDeltaNet))
+    state, conv, _, _ = replayed.kinds[1].layer_tensors(replayed.kinds[1].layers[0])
+    probe = torch.zeros(1, 1, 1, device="cuda")
+    # the decode steps below go through kernels.gpu_delta_net, graphed and eager
+    assert gpu_delta_net.fits(probe, state, conv, mixer.key_dim, mixer.value_dim, mixer.conv.shape[-1])
     graphs = GraphedDecode(model, replayed)
     rows = torch.tensor([2, 0], device="cuda")
     token = torch.tensor([[7], [9]], device="cuda")
