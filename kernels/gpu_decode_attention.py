@@ -12,6 +12,10 @@ reads from the device: no mask is made, and CUDA graphs replay it as positions m
 window alone, and gpt-oss's sinks join each head's softmax in the combine. A speculative verify's chain (a few
 tokens a row, each seeing up to its own position) runs the same way, its (head, token) pairs the program's rows.
 
+MLA's absorbed decode (engine.model.mla) is the same computation with one key/value "head" that every query head
+shares: keys are the cached latent and rotary key side by side, values the latent itself, so `latent_decode_attention`
+reads each cached position's latent once per block of query heads and uses it for both products.
+
 TRITON_INTERPRET=1 runs it on the CPU, which is how CI checks it (tests/kernels/test_gpu_decode_attention.py).
 """
 from __future__ import annotations
@@ -94,6 +98,64 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
                                   KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT,
                                   WINDOW=window, SINKS=sinks is not None)
     return out[:, 0] if one else out
+
+
+LATENT_HEADS = 16  # query heads a latent program takes: its [heads, kv_lora_rank] float32 sum fits in registers
+LATENT_BLOCK = 32  # latent positions a step: a [32, 512] 16-bit tile
+
+
+def latent_applies(q_latent: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
+    """Whether `latent_decode_attention` takes queries q_latent [B, H, C] against latent [rows, length, C] and
+    rope [rows, length, R]: 16-bit on a GPU, C and R powers of two from 16, and H in blocks of LATENT_HEADS (or
+    fewer heads than one block). MOEDESK_NO_SPLIT_DECODE=1 leaves it to the eager absorbed form."""
+    heads, c, r = q_latent.shape[1], latent.shape[-1], rope.shape[-1]
+    off = os.environ.get("MOEDESK_NO_SPLIT_DECODE", "").strip().lower() not in ("", "0", "false", "no")
+    return (not off and gpu_fused.wanted() and q_latent.is_cuda and latent.is_cuda
+            and q_latent.dtype == latent.dtype == rope.dtype and q_latent.dtype in (torch.bfloat16, torch.float16)
+            and all(n >= 16 and n & (n - 1) == 0 for n in (c, r))
+            and (heads % LATENT_HEADS == 0 or heads < LATENT_HEADS)
+            and latent.stride(-1) == 1 and rope.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (q_latent.requires_grad or latent.requires_grad)))
+
+
+def latent_split(length: int, programs_per_slice: int, target: int = 256) -> int:
+    """Keys per slice for a cache of `length` positions: about `target` programs over the whole length (two per
+    multiprocessor of a large GPU), never under SPLIT. Each slice writes a [heads, kv_lora_rank] float32 partial
+    sum that the combine reads back, so slices of SPLIT keys at 32k would move nearly as many bytes as the latents
+    themselves; depends on the reserved length alone, so CUDA graphs keep one grid."""
+    wanted = -(-length * programs_per_slice // target)
+    return max(SPLIT, 1 << max(wanted - 1, 0).bit_length())
+
+
+def latent_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                            rows: torch.Tensor | None, lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """MLA's absorbed attention for one token a row: softmax((q_latent·cᵀ + q_rope·rᵀ)·scale)·c for queries
+    q_latent [B, H, C] (q_nope through W_UK) and q_rope [B, H, R], row b attending to the first lengths[b] positions
+    of cache row rows[b] (None: b) of latent [rows, length, C] and rope [rows, length, R]. Returns [B, H, C], the
+    context in latent space (W_UV turns it into each head's value)."""
+    batch, heads, c = q_latent.shape
+    r, length = rope.shape[-1], latent.shape[1]
+    groups = min(heads, LATENT_HEADS)
+    blocks = heads // groups
+    padded = max(16, triton.next_power_of_2(groups))
+    split = latent_split(length, batch * blocks)
+    splits = triton.cdiv(length, split)
+    acc = torch.empty(batch, blocks, splits, groups, c, dtype=torch.float32, device=q_latent.device)
+    top = torch.empty(batch, blocks, splits, groups, dtype=torch.float32, device=q_latent.device)
+    total = torch.empty_like(top)
+    q_latent, q_rope = q_latent.contiguous(), q_rope.contiguous()
+    _split_latent_attention[(batch * blocks, splits)](
+        q_latent, q_rope, latent, rope, rows if rows is not None else lengths, lengths, acc, top, total,
+        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1), scale,
+        BLOCKS=blocks, GROUPS=groups, PADDED=padded, C=c, R=r, SPLIT=split, BLOCK=LATENT_BLOCK,
+        ROWS=rows is not None, TENSOR_CORES=q_latent.dtype in (torch.bfloat16, torch.float16),
+        INTERPRETED=_interpreted())
+    out = torch.empty(batch, heads, c, dtype=q_latent.dtype, device=q_latent.device)
+    # The combine sees each block of query heads as a key/value head of `groups` query heads.
+    _combine[(batch * blocks,)](acc, top, total, lengths, top, out, splits, KV_HEADS=blocks, GROUPS=groups,
+                                PADDED=padded, D=c, SPLIT=split, WINDOW=0, SINKS=False)
+    return out
 
 
 def _interpreted() -> bool:
@@ -180,6 +242,66 @@ if triton is not None:
             tl.store(top_ptr + at, top, mask=real)
             tl.store(total_ptr + at, total, mask=real)
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
+    def _split_latent_attention(q_ptr, qr_ptr, c_ptr, r_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
+                                stride_qb, stride_qh, stride_qrb, stride_qrh, stride_cr, stride_cl, stride_rr,
+                                stride_rl, scale, BLOCKS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr,
+                                C: tl.constexpr, R: tl.constexpr, SPLIT: tl.constexpr, BLOCK: tl.constexpr,
+                                ROWS: tl.constexpr, TENSOR_CORES: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One row, one block of GROUPS query heads, one slice of SPLIT positions: each block of latents is loaded
+        once and is both the keys' first part and the values."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        b = pid // BLOCKS
+        first_head = (pid % BLOCKS) * GROUPS
+        length = tl.load(lengths_ptr + b)
+        start = split * SPLIT
+        end = tl.minimum(start + SPLIT, length)
+        if start < end:  # else a slice past the row's length: the combine never reads it
+            row = tl.load(rows_ptr + b) if ROWS else b
+            g = tl.arange(0, PADDED)
+            c = tl.arange(0, C)
+            r = tl.arange(0, R)
+            real = g < GROUPS
+            q = tl.load(q_ptr + b * stride_qb + (first_head + g)[:, None] * stride_qh + c[None, :],
+                        mask=real[:, None], other=0.0)
+            qr = tl.load(qr_ptr + b * stride_qrb + (first_head + g)[:, None] * stride_qrh + r[None, :],
+                         mask=real[:, None], other=0.0)
+            if not TENSOR_CORES:
+                q, qr = q.to(tl.float32), qr.to(tl.float32)
+            top = tl.full([PADDED], float("-inf"), tl.float32)
+            total = tl.zeros([PADDED], tl.float32)
+            acc = tl.zeros([PADDED, C], tl.float32)
+            c_base = c_ptr + row.to(tl.int64) * stride_cr
+            r_base = r_ptr + row.to(tl.int64) * stride_rr
+            for n0 in range(start, end, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                valid = n < end
+                lat = tl.load(c_base + n[:, None].to(tl.int64) * stride_cl + c[None, :], mask=valid[:, None], other=0.0)
+                kr = tl.load(r_base + n[:, None].to(tl.int64) * stride_rl + r[None, :], mask=valid[:, None], other=0.0)
+                if TENSOR_CORES:  # as in _split_attention: exact 16-bit products, p in two 16-bit halves
+                    scores = (_dot16(q, tl.trans(lat), INTERPRETED) + _dot16(qr, tl.trans(kr), INTERPRETED)) * scale
+                else:
+                    scores = (tl.dot(q, tl.trans(lat), input_precision="ieee")
+                              + tl.dot(qr, tl.trans(kr), input_precision="ieee")) * scale
+                scores = tl.where(valid[None, :], scores, float("-inf"))
+                new_top = tl.maximum(top, tl.max(scores, 1))
+                p = tl.exp(scores - new_top[:, None])
+                rescale = tl.exp(top - new_top)
+                if TENSOR_CORES:
+                    high = p.to(lat.dtype)
+                    low = (p - high.to(tl.float32)).to(lat.dtype)
+                    weighted = _dot16(high, lat, INTERPRETED) + _dot16(low, lat, INTERPRETED)
+                else:
+                    weighted = tl.dot(p, lat, input_precision="ieee")
+                acc = acc * rescale[:, None] + weighted
+                total = total * rescale + tl.sum(p, 1)
+                top = new_top
+            at = (pid * tl.num_programs(1) + split) * GROUPS + g
+            tl.store(top_ptr + at, top, mask=real)
+            tl.store(total_ptr + at, total, mask=real)
+            tl.store(acc_ptr + at[:, None] * C + c[None, :], acc, mask=real[:, None])
 
     @triton.jit
     def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, sinks_ptr, out_ptr, splits,

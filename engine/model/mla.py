@@ -13,6 +13,9 @@ values), and each forward attends one of two ways, the same function of the weig
   Cheap when few tokens attend a long cache (decode, a speculative verify): nothing is expanded per position.
 
 `absorb_pays` picks by counting multiply-adds; both read the same cache, so a sequence may switch at any step.
+A decode step on the GPU takes the absorbed form through the split-key kernel (kernels.gpu_decode_attention), which
+reads each row's latents in place up to its own length, once per block of query heads: no scores over the whole
+cache in memory, no gathered copy of the rows, nothing past a row's end when CUDA graphs reserve a longer cache.
 """
 from __future__ import annotations
 
@@ -20,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.model.norm import RMSNorm
+from moedesk.kernels import gpu_decode_attention
 
 
 def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -81,10 +86,19 @@ class LatentAttention(nn.Module):
         turn = rope_pairs if cfg.rope_interleave else rope_halves
         q_rot = turn(q_rot, *rope)
         k_rot = turn(k_rot.unsqueeze(2), *rope).squeeze(2)
-        stored = cache.write_and_read(layer, {"latent": self.kv_a_norm(latent), "rope": k_rot}, batch.rows,
-                                      batch.slots, batch.kv_len, batch.write_rows)
-        mask = batch.attention_mask(q.dtype)
+        values = {"latent": self.kv_a_norm(latent), "rope": k_rot}
         absorb = absorb_pays(T, batch.kv_len, cfg) if self.absorb is None else self.absorb
+        if T == 1 and absorb and not batch.explicit_mask and isinstance(cache, LatentCache):
+            q_latent = self.query_in_latent(q_nope)[:, 0]  # [B, H, rank]
+            whole = cache.tensors
+            i = cache.index[layer]
+            if gpu_decode_attention.latent_applies(q_latent, whole["latent"][i], whole["rope"][i]):
+                whole = cache.write(layer, values, batch.rows, batch.slots, batch.write_rows)
+                context = gpu_decode_attention.latent_decode_attention(
+                    q_latent, q_rot[:, 0], whole["latent"], whole["rope"], batch.rows, batch.key_lengths, self.scale)
+                return self.wo(self.latent_to_values(context[:, None]).reshape(B, T, -1))
+        stored = cache.write_and_read(layer, values, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
+        mask = batch.attention_mask(q.dtype)
         attend = self.absorbed if absorb else self.expanded
         out = attend(q_nope, q_rot, stored["latent"], stored["rope"], mask)  # [B, T, heads, v_head_dim]
         return self.wo(out.reshape(B, T, -1))
@@ -105,18 +119,33 @@ class LatentAttention(nn.Module):
         """Attention against the cached latents: score = (q_nope W_UK_h) . latent + q_rot . k_rot, and the output
         (softmax . latent) W_UV_h, with W_UK_h and W_UV_h head h's blocks of kv_b_proj (views, no copies).
         The heads share one key, so each row's heads and tokens are the rows of one matrix product."""
-        cfg = self.cfg
         B, T, H, _ = q_nope.shape
-        w = self.wkv_b.weight.view(H, self.nope + cfg.v_head_dim, cfg.kv_lora_rank)
-        w_uk, w_uv = w[:, :self.nope], w[:, self.nope:]
-        q_latent = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk).reshape(B, H * T, -1)
+        q_latent = self.query_in_latent(q_nope).transpose(1, 2).reshape(B, H * T, -1)
         scores = torch.baddbmm(q_latent @ latent.transpose(1, 2),  # [B, H*T, L]: rows head-major
                                q_rot.transpose(1, 2).reshape(B, H * T, -1), k_rot.transpose(1, 2))
-        scores = scores.view(B, H, T, -1) * (cfg.attention_scale or cfg.head_dim ** -0.5)
+        scores = scores.view(B, H, T, -1) * self.scale
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:  # the additive mask ForwardBatch makes on CUDA
             scores = scores + mask
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(latent.dtype)
         context = probs.view(B, H * T, -1) @ latent  # [B, H*T, rank]
-        return torch.einsum("bhtc,hvc->bthv", context.view(B, H, T, -1), w_uv)
+        return self.latent_to_values(context.view(B, H, T, -1).transpose(1, 2))
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.attention_scale or self.cfg.head_dim ** -0.5
+
+    def _absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, nope, rank] and W_UV [H, v, rank]: head h's blocks of kv_b_proj (views, no copies)."""
+        cfg = self.cfg
+        w = self.wkv_b.weight.view(cfg.num_heads, self.nope + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, :self.nope], w[:, self.nope:]
+
+    def query_in_latent(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope [B, T, H, nope] through W_UK: [B, T, H, rank], the query's non-rotary part in latent space."""
+        return torch.einsum("bthn,hnc->bthc", q_nope, self._absorbed_weights()[0])
+
+    def latent_to_values(self, context: torch.Tensor) -> torch.Tensor:
+        """A latent-space context [B, T, H, rank] through W_UV: [B, T, H, v_head_dim]."""
+        return torch.einsum("bthc,hvc->bthv", context, self._absorbed_weights()[1])

@@ -105,16 +105,21 @@ class PositionalCache:
         """Store each part's values [B, T, *shape] at `slots` [B, T] of `rows` (None: rows 0..B-1; index_rows:
         the same as [B, 1], made once a step by `write_rows`); return each part's first kv_len positions of
         those rows, [B, kv_len, *shape]."""
-        i = self.index[layer]
         batch = slots.shape[0]
+        whole = self.write(layer, values, rows, slots, index_rows)
+        return {name: stored[:batch, :kv_len] if rows is None else stored[rows, :kv_len]
+                for name, stored in whole.items()}
+
+    def write(self, layer: int, values: dict[str, torch.Tensor], rows, slots,
+              index_rows=None) -> dict[str, torch.Tensor]:
+        """Store each part's values as `write_and_read` does; return the layer's whole tensors [rows, length,
+        *shape] (a kernel that reads the cache in place, up to each row's length, takes them)."""
+        i = self.index[layer]
         if index_rows is None:
-            index_rows = write_rows(rows, batch, slots.device)
-        out = {}
+            index_rows = write_rows(rows, slots.shape[0], slots.device)
         for name, value in values.items():
-            stored = self.tensors[name][i]
-            stored[index_rows, slots] = value
-            out[name] = stored[:batch, :kv_len] if rows is None else stored[rows, :kv_len]
-        return out
+            self.tensors[name][i][index_rows, slots] = value
+        return {name: self.tensors[name][i] for name in values}
 
 
 class LatentCache(PositionalCache):
