@@ -143,6 +143,40 @@ def test_the_absorbed_form_computes_the_expanded_one(engines):
         torch.testing.assert_close(outs[True], outs[False], atol=1e-10, rtol=1e-10)
 
 
+def test_a_decode_step_through_the_split_kernel_is_the_eager_absorbed_form(engines, monkeypatch):
+    """The decode path that takes kernels.gpu_decode_attention on the GPU, run here through Triton's interpreter (its
+    applicability test forced): rows picked by index at different lengths, a cache reserved longer than either (as
+    CUDA graphs reserve it), and the output equal to the eager absorbed form's."""
+    from moedesk.kernels import gpu_decode_attention
+    if gpu_decode_attention.triton is None:
+        pytest.skip("needs Triton")
+    base = engines("deepseek_v3").config
+    cfg = dataclasses.replace(base, kv_lora_rank=32, qk_rope_head_dim=16, rotary_dim=16, head_dim=32)  # the kernel's powers of two
+    torch.manual_seed(0)
+    attn = mla.LatentAttention(cfg)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.normal_(0, 0.3)
+    rotary = Rotary(cfg, 800)
+    cache = LatentCache([0], 3, 800, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32, "cpu")
+    cache.tensors["latent"][0].normal_()
+    cache.tensors["rope"][0].normal_()
+    rows, positions = torch.tensor([2, 0]), torch.tensor([[600], [7]])
+    x = torch.randn(2, 1, cfg.hidden_size)
+    calls = []
+    original = gpu_decode_attention.latent_decode_attention
+    monkeypatch.setattr(gpu_decode_attention, "latent_decode_attention", lambda *a: calls.append(1) or original(*a))
+    outs = {}
+    attn.absorb = True
+    with torch.no_grad():
+        for kernel in (True, False):
+            monkeypatch.setattr(gpu_decode_attention, "latent_applies", lambda *a, _k=kernel: _k)
+            outs[kernel] = attn(x, rotary(positions, torch.float32), cache, 0,
+                                ForwardBatch(positions, rows, None, kv_len=800))
+    assert calls == [1]
+    torch.testing.assert_close(outs[True], outs[False], atol=1e-4, rtol=1e-4)
+
+
 def test_absorbing_pays_for_few_tokens_against_a_long_cache():
     from moedesk.engine.load.synthetic import SHAPES
 

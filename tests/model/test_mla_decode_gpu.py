@@ -1,0 +1,78 @@
+"""MLA's decode at depth on the GPU (issue 41: decode at 8k >= 0.8x decode at 512): one DeepSeek-V3-shaped layer
+(128 heads, kv_lora_rank 512, rope dim 64), bf16, a 32k latent cache reserved as CUDA graphs reserve it. The step
+goes through the split-key kernel, equals the eager absorbed form, and reads the latents near copy speed."""
+import pytest
+import torch
+
+from moedesk.engine.load.synthetic import shape_config
+from moedesk.engine.model import mla
+from moedesk.engine.model.cache.positional import LatentCache
+from moedesk.engine.model.transformer import ForwardBatch, Rotary
+from moedesk.kernels import gpu_decode_attention
+
+pytestmark = pytest.mark.gpu
+
+CONTEXT = 32768
+
+
+def _layer():
+    cfg = shape_config("deepseek-v3")
+    torch.manual_seed(0)
+    attn = mla.LatentAttention(cfg).to("cuda", torch.bfloat16)
+    for p in attn.parameters():
+        p.data.normal_(0, 0.02)
+    attn.absorb = True
+    cache = LatentCache([0], 2, CONTEXT, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.bfloat16, "cuda")
+    cache.tensors["latent"][0].normal_()
+    cache.tensors["rope"][0].normal_()
+    return cfg, attn, cache, Rotary(cfg, CONTEXT).to("cuda")
+
+
+def _ms(fn, repeat: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def test_deepseek_v3_decode_at_32k_goes_through_the_kernel_and_equals_the_eager_form(monkeypatch):
+    cfg, attn, cache, rotary = _layer()
+    rows, positions = torch.tensor([1, 0], device="cuda"), torch.tensor([[CONTEXT - 1], [5000]], device="cuda")
+    x = torch.randn(2, 1, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    rope = rotary(positions, torch.bfloat16)
+    calls = []
+    original = gpu_decode_attention.latent_decode_attention
+    monkeypatch.setattr(gpu_decode_attention, "latent_decode_attention", lambda *a: calls.append(1) or original(*a))
+    fast = attn(x, rope, cache, 0, ForwardBatch(positions, rows, None, kv_len=CONTEXT))
+    assert calls == [1], "the decode step did not take the split kernel"
+    monkeypatch.setenv("MOEDESK_NO_SPLIT_DECODE", "1")
+    eager = attn(x, rope, cache, 0, ForwardBatch(positions, rows, None, kv_len=CONTEXT))
+    assert calls == [1]
+    torch.testing.assert_close(fast.float(), eager.float(), rtol=3e-2, atol=3e-2)
+
+
+@torch.no_grad()
+def test_the_latent_kernel_at_32k_reads_the_cache_near_copy_speed():
+    """Within twice what copying one row's latents and rotary keys takes (a copy reads and writes each byte); a row
+    at 512 in the same reserved cache costs less than the whole row."""
+    cfg = shape_config("deepseek-v3")
+    latent = torch.randn(1, CONTEXT, cfg.kv_lora_rank, device="cuda", dtype=torch.bfloat16)
+    rope = torch.randn(1, CONTEXT, cfg.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    q_latent = torch.randn(1, cfg.num_heads, cfg.kv_lora_rank, device="cuda", dtype=torch.bfloat16) / 8
+    q_rope = torch.randn(1, cfg.num_heads, cfg.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
+    whole, short = torch.tensor([CONTEXT], device="cuda"), torch.tensor([512], device="cuda")
+    scale = cfg.attention_scale or cfg.head_dim ** -0.5
+    copy = _ms(lambda: (latent.clone(), rope.clone()))
+    full = _ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, whole, scale))
+    shallow = _ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, short,
+                                                                       scale))
+    print(f"copy {copy:.3f} ms, latent kernel at {CONTEXT} {full:.3f}, at 512 {shallow:.3f}")
+    assert full <= 2 * copy, f"the latent kernel took {full:.3f} ms at {CONTEXT}, copying the cache {copy:.3f} ms"
+    assert shallow < full, (full, shallow)
