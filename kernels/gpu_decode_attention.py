@@ -100,8 +100,12 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     return out[:, 0] if one else out
 
 
-LATENT_HEADS = 16  # query heads a latent program takes: its [heads, kv_lora_rank] float32 sum fits in registers
-LATENT_BLOCK = 32  # latent positions a step: a [32, 512] 16-bit tile
+# Query heads a latent program takes, its positions a step and its warps: for kv_lora_rank 512 the largest block whose
+# [heads, rank] float32 sum stays in registers when compiled for sm_90 (tests/kernels/test_gpu_decode_attention_build.py).
+# Fewer heads a program would read each latent from L2 more often (once per block of heads).
+LATENT_HEADS = 32
+LATENT_BLOCK = 32
+LATENT_WARPS = 8
 
 
 def latent_applies(q_latent: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor) -> bool:
@@ -118,11 +122,11 @@ def latent_applies(q_latent: torch.Tensor, latent: torch.Tensor, rope: torch.Ten
             and not (torch.is_grad_enabled() and (q_latent.requires_grad or latent.requires_grad)))
 
 
-def latent_split(length: int, programs_per_slice: int, target: int = 256) -> int:
-    """Keys per slice for a cache of `length` positions: about `target` programs over the whole length (two per
-    multiprocessor of a large GPU), never under SPLIT. Each slice writes a [heads, kv_lora_rank] float32 partial
-    sum that the combine reads back, so slices of SPLIT keys at 32k would move nearly as many bytes as the latents
-    themselves; depends on the reserved length alone, so CUDA graphs keep one grid."""
+def latent_split(length: int, programs_per_slice: int, target: int = 128) -> int:
+    """Keys per slice for a cache of `length` positions: about `target` programs over the whole length (one per
+    multiprocessor of a large GPU, as many as fit at LATENT_WARPS' registers), never under SPLIT. Each slice writes a
+    [heads, kv_lora_rank] float32 partial sum that the combine reads back: slices of SPLIT keys at 32k would move
+    half as many bytes as the latents themselves. Depends on the reserved length alone, so CUDA graphs keep one grid."""
     wanted = -(-length * programs_per_slice // target)
     return max(SPLIT, 1 << max(wanted - 1, 0).bit_length())
 
@@ -150,11 +154,12 @@ def latent_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent
         latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1), scale,
         BLOCKS=blocks, GROUPS=groups, PADDED=padded, C=c, R=r, SPLIT=split, BLOCK=LATENT_BLOCK,
         ROWS=rows is not None, TENSOR_CORES=q_latent.dtype in (torch.bfloat16, torch.float16),
-        INTERPRETED=_interpreted())
+        INTERPRETED=_interpreted(), num_warps=LATENT_WARPS)
     out = torch.empty(batch, heads, c, dtype=q_latent.dtype, device=q_latent.device)
     # The combine sees each block of query heads as a key/value head of `groups` query heads.
     _combine[(batch * blocks,)](acc, top, total, lengths, top, out, splits, KV_HEADS=blocks, GROUPS=groups,
-                                PADDED=padded, D=c, SPLIT=split, WINDOW=0, SINKS=False)
+                                TOKENS=1, PADDED=padded, D=c, SPLIT=split, WINDOW=0, SINKS=False,
+                                num_warps=LATENT_WARPS)
     return out
 
 
