@@ -4,6 +4,9 @@ something else that grows with the context), far more than reading the cache onc
 
 Usage (GPU box, repo root): OUT=dir python3 tests/perf/profile_depth.py [SHAPE:LAYERS] [--depths 512,32768]
 [--graphs on,off] [--expert-format q4_k]   (under 150 s on the H200 with the defaults)
+MLA (issue 41, decode at 8k >= 0.8x decode at 512): `profile_depth.py deepseek-v3:4 --depths 512,8192,32768`; the
+first three layers are dense, the fourth has DeepSeek-V3's 256 experts. There the path beside the split kernel is
+the eager absorbed form (torch ops over [heads, positions] scores), labelled "eager".
 Every expert resident on the GPU, so a step is the non-expert work plus the GPU experts. Per decode attention (the
 split kernel, then SDPA with MOEDESK_NO_SPLIT_DECODE=1), graphs on and off, and depth: the ms of a decode step
 (bench/depth.py's measure_at_depth). Then, per attention, a torch.profiler table of eager decode steps at the deepest
@@ -54,12 +57,15 @@ ex = OffloadExecutor(banks, [[True] * cfg.num_experts for _ in banks], device, l
 say(f"model built in {time.perf_counter() - started:.0f} s")
 
 
+ATTENTIONS = ("split", "eager" if cfg.kv_lora_rank else "sdpa")  # MLA's unsplit decode is the absorbed form in torch
+
+
 def use(attention: str) -> None:
-    os.environ["MOEDESK_NO_SPLIT_DECODE"] = "1" if attention == "sdpa" else ""
+    os.environ["MOEDESK_NO_SPLIT_DECODE"] = "" if attention == "split" else "1"
 
 
 rows, deepest_s = [], 0.0
-for attention in ("split", "sdpa"):
+for attention in ATTENTIONS:
     use(attention)
     for graphs in args.graphs.split(","):
         for depth in depths:
@@ -83,7 +89,7 @@ def profiled(holder: list):
 
 # Eager steps, so that each kernel is its own row; only the timed decode steps at the deepest depth are inside.
 deepest = max(depths)
-for attention in ("split", "sdpa"):
+for attention in ATTENTIONS:
     if time.perf_counter() - started + deepest_s > args.budget_s:
         say(f"\n{attention}: profile skipped, it would end past {args.budget_s:.0f} s")
         continue
