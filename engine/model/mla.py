@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moedesk.engine.model.cache.layers import LayerCaches
 from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.model.norm import RMSNorm
@@ -88,12 +89,14 @@ class LatentAttention(nn.Module):
         k_rot = turn(k_rot.unsqueeze(2), *rope).squeeze(2)
         values = {"latent": self.kv_a_norm(latent), "rope": k_rot}
         absorb = absorb_pays(T, batch.kv_len, cfg) if self.absorb is None else self.absorb
-        if T == 1 and absorb and not batch.explicit_mask and isinstance(cache, LatentCache):
+        own = cache
+        while isinstance(own, LayerCaches):  # layers spread over devices: this layer's own latent cache
+            own = own[layer]
+        if T == 1 and absorb and not batch.explicit_mask and isinstance(own, LatentCache):
             q_latent = self.query_in_latent(q_nope)[:, 0]  # [B, H, rank]
-            whole = cache.tensors
-            i = cache.index[layer]
-            if gpu_decode_attention.latent_applies(q_latent, whole["latent"][i], whole["rope"][i]):
-                whole = cache.write(layer, values, batch.rows, batch.slots, batch.write_rows)
+            i = own.index[layer]
+            if gpu_decode_attention.latent_applies(q_latent, own.tensors["latent"][i], own.tensors["rope"][i]):
+                whole = own.write(layer, values, batch.rows, batch.slots, batch.write_rows)
                 context = gpu_decode_attention.latent_decode_attention(
                     q_latent, q_rot[:, 0], whole["latent"], whole["rope"], batch.rows, batch.key_lengths, self.scale)
                 return self.wo(self.latent_to_values(context[:, None]).reshape(B, T, -1))

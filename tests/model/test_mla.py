@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moedesk.engine.model import mla
+from moedesk.engine.model.cache.layers import LayerCaches
 from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.transformer import ForwardBatch, Rotary
 from moedesk.engine.requests import Request, SamplingParams
@@ -146,7 +147,7 @@ def test_the_absorbed_form_computes_the_expanded_one(engines):
 def test_a_decode_step_through_the_split_kernel_is_the_eager_absorbed_form(engines, monkeypatch):
     """The decode path that takes kernels.gpu_decode_attention on the GPU, run here through Triton's interpreter (its
     applicability test forced): rows picked by index at different lengths, a cache reserved longer than either (as
-    CUDA graphs reserve it), and the output equal to the eager absorbed form's."""
+    CUDA graphs reserve it) and held in a LayerCaches, and the output equal to the eager absorbed form's."""
     from moedesk.kernels import gpu_decode_attention
     if gpu_decode_attention.triton is None:
         pytest.skip("needs Triton")
@@ -158,9 +159,10 @@ def test_a_decode_step_through_the_split_kernel_is_the_eager_absorbed_form(engin
         for p in attn.parameters():
             p.normal_(0, 0.3)
     rotary = Rotary(cfg, 800)
-    cache = LatentCache([0], 3, 800, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32, "cpu")
-    cache.tensors["latent"][0].normal_()
-    cache.tensors["rope"][0].normal_()
+    latent = LatentCache([0], 3, 800, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32, "cpu")
+    latent.tensors["latent"][0].normal_()
+    latent.tensors["rope"][0].normal_()
+    cache = LayerCaches([latent])  # as layers spread over devices hold it: the layer finds its own kind
     rows, positions = torch.tensor([2, 0]), torch.tensor([[600], [7]])
     x = torch.randn(2, 1, cfg.hidden_size)
     calls = []
