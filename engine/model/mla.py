@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moedesk.engine.model.cache.layers import LayerCaches
+from moedesk.engine.model.cache.layers import own_kind
 from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.model.norm import RMSNorm
@@ -89,9 +89,7 @@ class LatentAttention(nn.Module):
         k_rot = turn(k_rot.unsqueeze(2), *rope).squeeze(2)
         values = {"latent": self.kv_a_norm(latent), "rope": k_rot}
         absorb = absorb_pays(T, batch.kv_len, cfg) if self.absorb is None else self.absorb
-        own = cache
-        while isinstance(own, LayerCaches):  # layers spread over devices: this layer's own latent cache
-            own = own[layer]
+        own = own_kind(cache, layer)  # layers spread over devices: this layer's own latent cache
         if T == 1 and absorb and not batch.explicit_mask and isinstance(own, LatentCache):
             q_latent = self.query_in_latent(q_nope)[:, 0]  # [B, H, rank]
             i = own.index[layer]

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.model.cache.kv import KVCache
-from moedesk.engine.model.cache.layers import LayerCaches
+from moedesk.engine.model.cache.layers import LayerCaches, own_kind
 from moedesk.engine.model.cache.positional import LatentCache, write_rows
 from moedesk.engine.model.cache.recurrent import RecurrentState
 from moedesk.engine.model.delta_net import GatedDeltaNet, tree_parents
@@ -218,12 +218,13 @@ class Attention(nn.Module):
         q = norm_and_rope(q, self.q_norm if head_norm else None, *rope)
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         # (Windows are applied with sinks only, gpt-oss's pair; the SDPA path below applies none.)
+        own = own_kind(cache, layer)  # inside LayerCaches too: Qwen3.5's and gpt-oss's kinds, a device's layers
         if (T <= FOLD_TOKENS and not batch.explicit_mask and (cfg.attention_sinks or not self.window)
-                and isinstance(cache, KVCache) and gpu_decode_attention.takes(q[:, 0], cache.k[cache.index[layer]], T)):
+                and isinstance(own, KVCache) and gpu_decode_attention.takes(q[:, 0], own.k[own.index[layer]], T)):
             # Decode, or a speculative verify's chain, over the cache in place, split over its keys
             # (kernels.gpu_decode_attention): a long context's keys are read by the whole GPU, not by one program
             # per key/value head, and a window's alone.
-            cache_k, cache_v = cache.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
+            cache_k, cache_v = own.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
             sinks = self.sinks if cfg.attention_sinks else None
             if T == 1:
                 out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths,

@@ -21,9 +21,11 @@ def tiny_gpt_oss():
                                sliding_layers=real.sliding_layers[:2], sliding_window=8)
 
 
-@pytest.mark.parametrize("shape", ["tiny-moe", "gpt-oss"])
+@pytest.mark.parametrize("shape", ["tiny-moe", "gpt-oss", "tiny-qwen35"])
 def test_decode_through_the_kernel_gives_the_sdpa_logits(monkeypatch, shape):
-    cfg = tiny_gpt_oss() if shape == "gpt-oss" else shape_config("tiny-moe", 2)
+    """tiny-qwen35: gated attention layers whose KV cache sits inside a LayerCaches beside the recurrent state (the
+    kernel was passed over there until it looked for the layer's own kind)."""
+    cfg = tiny_gpt_oss() if shape == "gpt-oss" else shape_config(shape, 2 if shape == "tiny-moe" else None)
     model, _ = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=128)
     gen = torch.Generator().manual_seed(0)
     if cfg.attention_sinks:
@@ -50,5 +52,6 @@ def test_decode_through_the_kernel_gives_the_sdpa_logits(monkeypatch, shape):
     monkeypatch.setattr(gpu_decode_attention, "applies", lambda q, cache_k: True)  # takes asks it too
     monkeypatch.setattr(gpu_decode_attention, "decode_attention", lambda *a: calls.append(1) or real(*a))
     got = decode()
-    assert len(calls) == 2 * cfg.num_layers  # every layer's decode and verify went through the kernel
+    attention_layers = sum(not cfg.is_linear_layer(i) for i in range(cfg.num_layers))
+    assert attention_layers and len(calls) == 2 * attention_layers  # every attention layer's decode and verify
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

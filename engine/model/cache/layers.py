@@ -83,3 +83,11 @@ class LayerCaches:
     def accept(self, rows: list[int], starts: list[int], paths: list[list[int]]) -> None:
         for kind in self.kinds:
             kind.accept(rows, starts, paths)
+
+
+def own_kind(cache, layer: int):
+    """The kind that holds `layer`'s entries: `cache` itself, or the innermost one serving it inside LayerCaches
+    (a model's kinds, and within them a device's layers), for the decode kernels that read it in place."""
+    while isinstance(cache, LayerCaches):
+        cache = cache[layer]
+    return cache
