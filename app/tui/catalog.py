@@ -87,6 +87,18 @@ def llama_fit(shape, target, available: int | None = None):
         return f"does not fit: {e}"
 
 
+def gguf_engine_plan(arch: str, shape, target, available: int | None = None):
+    """(what loads a GGUF of `arch` with the target's engine setting: engine.selection.listed_engine's Choice; for
+    llama.cpp, the plan its load makes from the header's `shape`, else None). The Models screen and the download
+    wizard both decide here, so that they show the same engine and figures for the same file."""
+    from moedesk.engine.selection import listed_engine
+
+    choice = listed_engine(arch, True, target.engine)
+    if choice.kind != "llama.cpp" or shape is None:
+        return choice, None
+    return choice, llama_fit(shape, target, available)
+
+
 def _weights(path: Path) -> tuple[object, str]:
     """(ModelWeights, "") for a model folder or .gguf file, or (None, why not) in a few words."""
     try:

@@ -85,6 +85,10 @@ class ModelWeights:
     stored: dict  # checkpoint name -> TensorInfo.stored, for the routed experts
     float32_params: int = 0  # parameters kept in float32 whatever the weights dtype (a sigmoid router's)
     _cache: dict = field(default_factory=dict, repr=False)
+    # Of a GGUF: its general.architecture and engine.llamacpp.fit.GGUFShape, so that a screen can plan the file
+    # for the llama.cpp engine too where the engine setting asks for it
+    arch: str = ""
+    llama_shape: object = field(default=None, compare=False, repr=False)
 
     def packed_format(self, name: str) -> str | None:
         """What `engine.load.loader.expert_formats` asks a checkpoint."""
@@ -285,7 +289,10 @@ def _gguf_weights(path, header=None) -> ModelWeights | FileWeights:
 
         return dataclasses.replace(file_weights(arch, header.tensors), llama_shape=gguf_shape(header))
     try:
-        return summarize(checkpoint.config, gguf_tensors(checkpoint), path)
+        from moedesk.engine.llamacpp.fit import gguf_shape
+
+        return dataclasses.replace(summarize(checkpoint.config, gguf_tensors(checkpoint), path), arch=checkpoint.arch,
+                                   llama_shape=gguf_shape(checkpoint.header))
     finally:
         checkpoint.close()
 

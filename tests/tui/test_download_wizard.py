@@ -263,6 +263,47 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_pa
 
 
 @pytest.mark.anyio
+async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, engine, tmp_path):
+    """A GGUF the native engine runs (Mixtral's llama architecture): with the engine setting auto, the native
+    estimate; set to llama.cpp (F2 in the wizard), the llama.cpp engine's plan for the same header, figures equal to
+    engine.selection's plan of the file on disk, as the Models screen shows it. Back to auto, the native one again."""
+    from moedesk.engine.selection import llama_cpp_plan
+
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(120, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("down")
+        fit = screen.query_one("FitView")
+        loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the GGUF estimate")
+        native = gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
+        assert loaded() == native
+
+        async def engine_setting(value: str) -> None:
+            await open_settings(pilot)
+            app.screen.query_one("#setting-engine").value = value
+            await pilot.pause()
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
+                           what=f"the wizard with engine {value}")
+
+        await engine_setting("llama.cpp")
+        target = screen.target
+        plan = llama_cpp_plan(tmp_path / "tiny-moe-Q4_K_M.gguf", "llama.cpp", target.device, target.context,
+                              target.gpu_budget)
+        assert plan is not None and llama_cpp_plan(tmp_path / "tiny-moe-Q4_K_M.gguf", "auto") is None
+        assert loaded() == f"loaded  {plan.line()} · llama.cpp engine, as set"
+        choice = screen.highlighted_choice()
+        text, total = wizard.loaded_estimate(choice, screen.weights[choice.name], target)
+        assert total == plan.ram_bytes + plan.gpu_bytes
+        assert len(hub.gets(REPO, "tiny-moe-Q4_K_M.gguf", headers=True)) == 1  # planned from the header read once
+
+        await engine_setting("auto")
+        assert loaded() == native
+
+
+@pytest.mark.anyio
 async def test_no_estimate_is_one_line_and_the_fit_weighs_the_estimate(hub, engine, monkeypatch):
     """A header that cannot be read: one line instead of the estimate. Memory that the file's size would overflow
     but the int4 estimate does not: the note goes by the estimate."""

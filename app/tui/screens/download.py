@@ -9,6 +9,8 @@ The fit view estimates the memory the highlighted choice takes once loaded, with
 force (F2 changes it), read from the Hub in a worker without the weights: for a safetensors checkpoint
 from its config.json and its shards' headers, for a GGUF quantisation from its file's header (every
 part's, for a split one), which holds its metadata and every tensor's type and shape.
+A GGUF the engine setting (or auto) would load with llama.cpp shows that engine's plan instead, decided as the
+Models screen decides it (catalog.gguf_engine_plan).
 
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
@@ -32,7 +34,7 @@ from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressB
 from textual.widgets.option_list import Option
 
 from moedesk.app import download as dl
-from moedesk.app.tui.catalog import estimate_line, llama_fit
+from moedesk.app.tui.catalog import estimate_line, gguf_engine_plan
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.widgets.fit_view import FitView
 from moedesk.app.tui.widgets.load_panel import one_line
@@ -94,13 +96,12 @@ def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> t
         return "reading config.json and the shards' headers for an estimate…", None
     if isinstance(weights, str):
         return f"no estimate before downloading: {weights}", None
-    if getattr(weights, "llama_shape", None) is not None:  # a GGUF only llama.cpp runs: planned as its load plans
-        from moedesk.engine.selection import listed_engine
-
-        fit = llama_fit(weights.llama_shape, target)
+    if choice.kind == "gguf":  # a GGUF the engine setting (or auto) loads with llama.cpp: planned as its load plans
+        engine, fit = gguf_engine_plan(weights.arch or "?", weights.llama_shape, target)
         if isinstance(fit, str):
-            return f"{fit} · {listed_engine(weights.arch, gguf=True).why}", None
-        return f"{fit.line()} · {listed_engine(weights.arch, gguf=True).why}", fit.ram_bytes + fit.gpu_bytes
+            return f"{fit} · {engine.why}", None
+        if fit is not None:
+            return f"{fit.line()} · {engine.why}", fit.ram_bytes + fit.gpu_bytes
     estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
     text = estimate_line(estimate, target.gpu, dl.format_bytes)
     return f"{text} · expert dtype {target.expert_dtype} (F2)", estimate.total_bytes

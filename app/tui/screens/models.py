@@ -18,7 +18,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, human_size, llama_fit
+from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, gguf_engine_plan, human_size
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
@@ -39,9 +39,9 @@ def llama_plan(model: LocalModel, target: LoadTarget, available: int | None = No
     """For a row the llama.cpp engine would load (with `target.engine`): the plan its load makes on this machine
     (catalog.llama_fit: a Fit, or the line saying why the load stops before placing anything). None for a row the
     native engine loads. `available` stands in for the memory this process may use."""
-    if model.llama_shape is None or row_engine(model, target.engine).kind != "llama.cpp":
+    if row_engine(model, target.engine).kind != "llama.cpp":
         return None
-    return llama_fit(model.llama_shape, target, available)
+    return gguf_engine_plan(model.arch, model.llama_shape, target, available)[1]
 
 
 def memory_cell(model: LocalModel, target: LoadTarget, plan=ASK) -> str:
