@@ -569,10 +569,15 @@ class OffloadExecutor:
                 # GIL): a prefill's many copies no longer hold its experts back (engine.offload.assignment's overlap).
                 background = _Background(cpu_call)
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
-        if resident or to_copy:
-            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy)
-        else:
-            gpu = None
+        try:
+            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy) if resident or to_copy \
+                else None
+        except BaseException:
+            # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
+            if background is not None:
+                with contextlib.suppress(Exception):
+                    background.join()
+            raise
         if on_cpu:
             background.join() if background is not None else cpu_call()
             # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The

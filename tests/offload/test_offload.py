@@ -290,3 +290,39 @@ def test_background_call_runs_on_one_worker_in_the_callers_modes_and_hands_back_
 
     with pytest.raises(RuntimeError, match="call failed"):
         _Background(fail).join()
+
+
+def test_a_failed_queueing_waits_for_the_cpu_call_beside_it(tiny_checkpoint, monkeypatch):
+    """overlap_copies: when queueing the copies fails (a CUDA OOM the caller retries), the CPU call on the worker has
+    finished before the error reaches the caller, so a retry's CPU call cannot write the same host buffer beside it."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from moedesk.engine.offload import offload_executor as oe
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    banks = stack_experts(engine.model, pinned=False)
+    layer = min(banks)
+    on_gpu = [[False] * bank.num_experts for bank in banks.values()]
+    half = lambda loads: (sorted(loads)[::2], sorted(loads)[1::2])  # noqa: E731
+    executor = OffloadExecutor(banks, on_gpu, "cpu", half, overlap_copies=True)
+    finished = threading.Event()
+
+    def slow_call(*args, **kwargs):
+        time.sleep(0.3)
+        finished.set()
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(oe, "experts_forward_routed", slow_call)
+    monkeypatch.setattr(executor, "_queue_gpu", oom)
+    hidden = engine.config.hidden_size
+    x = torch.randn(4, hidden)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3]])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
+    assert finished.is_set()
