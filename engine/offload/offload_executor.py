@@ -100,13 +100,17 @@ class _Background:
         if _Background._worker is None:
             _Background._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moedesk-cpu-experts")
         modes = (torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+        self.seconds = 0.0  # fn's own time, once joined
         self.future = _Background._worker.submit(self._run, fn, modes)
 
-    @staticmethod
-    def _run(fn, modes) -> None:
+    def _run(self, fn, modes) -> None:
         inference, grad = modes
-        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-            fn()
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                fn()
+        finally:
+            self.seconds = time.perf_counter() - started
 
     def join(self) -> None:
         self.future.result()  # raises what fn raised
@@ -558,7 +562,6 @@ class OffloadExecutor:
 
         cpu_call = background = None
         if on_cpu:
-            cpu_started = time.perf_counter()
             host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
             chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
@@ -579,7 +582,13 @@ class OffloadExecutor:
                     background.join()
             raise
         if on_cpu:
-            background.join() if background is not None else cpu_call()
+            # cpu_ms: the CPU's call and its copy back, not the queueing of the GPU's share before it
+            cpu_started = time.perf_counter()
+            if background is not None:
+                background.join()
+                cpu_started -= background.seconds
+            else:
+                cpu_call()
             # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.

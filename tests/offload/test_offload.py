@@ -326,3 +326,33 @@ def test_a_failed_queueing_waits_for_the_cpu_call_beside_it(tiny_checkpoint, mon
     with pytest.raises(RuntimeError, match="out of memory"):
         executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
     assert finished.is_set()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_the_cpu_time_counts_the_cpu_call_not_the_queueing_of_the_gpu_work(tiny_checkpoint, monkeypatch, overlap):
+    """StepStats.cpu_ms (the `cpu_expert_ms` users and the perf scripts read): the CPU's call, not the host's
+    queueing of the GPU's share before it (a step without overlap runs them one after the other)."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    banks = stack_experts(engine.model, pinned=False)
+    layer = min(banks)
+    on_gpu = [[e < 2 for e in range(bank.num_experts)] for bank in banks.values()]  # experts 0, 1 resident
+    split = lambda loads: (sorted(loads)[:1], sorted(loads)[1:])  # noqa: E731  (the overlap needs a copy)
+    executor = OffloadExecutor(banks, on_gpu, "cpu", split, overlap_copies=overlap)
+    queue = executor._queue_gpu
+
+    def slow_queue(*args, **kwargs):
+        time.sleep(0.3)
+        return queue(*args, **kwargs)
+
+    monkeypatch.setattr(executor, "_queue_gpu", slow_queue)
+    x = torch.randn(4, engine.config.hidden_size)
+    ids = torch.tensor([[0, 2], [1, 3], [0, 3], [1, 2]])
+    executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
+    stats = executor.stats
+    assert (stats.cpu_experts, stats.copied_experts, stats.gpu_experts) == (1, 1, 2)
+    assert stats.layer_ms >= 300 and stats.cpu_ms < 150
