@@ -186,3 +186,16 @@ def test_a_link_is_timed_as_a_tokens_copy_and_a_bandwidth():
 
     link = device_link("cpu", "cpu", 64, torch.float32, megabytes=4, repeat=3)
     assert link["token_ms"] > 0 and link["gbs"] > 0
+
+
+def test_with_the_expert_cache_each_device_places_the_experts_its_plan_chose(four_layers, monkeypatch):
+    """MOEDESK_EXPERT_CACHE=1: the per-device plan prices whole layers as each device's own placement does (the
+    cache starts from that placement, engine.offload.orchestration.ExpertOrchestra.place), so what a device holds is
+    what the plan, and `moedesk profile`'s lines from it, say."""
+    monkeypatch.setenv("MOEDESK_EXPERT_CACHE", "1")
+    for held in ((3, 5), (4, 6), (2, 7)):
+        engine = Engine.load(str(four_layers), device="cpu", dtype="float32", offload=True, context_length=64,
+                             gpu_budget=_budgets_holding(four_layers, held), devices=("cpu", "cpu"))
+        assert all(part.cache is not None for part in engine.orchestra.parts)
+        plan = engine.device_plan
+        assert [e.on_gpu() for e in engine.executor.executors] == [p.on_gpu.tolist() for p in plan.placements], held
