@@ -12,15 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.kernels.test_gpu_decode_attention_build import nvidia_backend
+from tests.kernels.test_gpu_decode_attention_build import inspect, nvidia_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def stack_bytes(name: str, fn, signature: dict, constants: dict, num_warps: int) -> dict:
     """fn compiled for sm_90 with Qwen3.5's sizes: its registers and stack a thread, from cuobjdump."""
-    import tempfile
-
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -30,14 +28,7 @@ def stack_bytes(name: str, fn, signature: dict, constants: dict, num_warps: int)
     source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
     binary = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": num_warps, "enable_fp_fusion": False})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(binary.asm["cubin"])
-        cubin.flush()
-        out = subprocess.run([cuobjdump, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                             check=True).stdout
-    line = next(line for line in out.splitlines() if "REG:" in line)
-    return {k: int(v) for k, v in (f.split(":") for f in line.split() if f.count(":") == 1 and f.split(":")[1].isdigit())}
+    return inspect(binary)["resources"]
 
 
 def build_all() -> dict:

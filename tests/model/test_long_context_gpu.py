@@ -8,6 +8,7 @@ from moedesk.engine.load.synthetic import shape_config
 from moedesk.engine.model.transformer import ForwardBatch, attention
 from moedesk.engine.offload.gpu_budget import prefill_workspace_bytes
 from moedesk.kernels import gpu_decode_attention
+from tests.cuda_timing import median_ms
 
 pytestmark = pytest.mark.gpu
 
@@ -69,20 +70,6 @@ def test_decode_at_32k_goes_through_the_split_kernel_and_is_right(shape):
         torch.testing.assert_close(out[b].float(), expected[0, :, 0], rtol=2e-2, atol=2e-2)
 
 
-def _ms(fn, repeat: int = 20) -> float:
-    """The median of `repeat` timed calls, in ms, after a warm-up (the kernel's compile)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
 @torch.no_grad()
 def test_split_kernel_at_32k_reads_the_cache_near_copy_speed():
     """Issue 42: at 32k a step's attention cost 1.4-1.7 ms a layer where reading one layer's keys and values takes
@@ -94,10 +81,10 @@ def test_split_kernel_at_32k_reads_the_cache_near_copy_speed():
     cache_v = torch.randn_like(cache_k)
     q = torch.randn(1, cfg.num_heads, cfg.head_dim, device="cuda", dtype=torch.bfloat16)
     whole, short = torch.tensor([CONTEXT], device="cuda"), torch.tensor([512], device="cuda")
-    copy = _ms(lambda: (cache_k.clone(), cache_v.clone()))
-    full = _ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, whole))
-    shallow = _ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, short))
-    window = _ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, whole, 128))
+    copy = median_ms(lambda: (cache_k.clone(), cache_v.clone()))
+    full = median_ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, whole))
+    shallow = median_ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, short))
+    window = median_ms(lambda: gpu_decode_attention.decode_attention(q, cache_k, cache_v, None, whole, 128))
     print(f"copy {copy:.3f} ms, kernel at {CONTEXT} {full:.3f}, at 512 {shallow:.3f}, window 128 {window:.3f}")
     assert full <= 2 * copy, f"the split kernel took {full:.3f} ms at {CONTEXT}, copying the cache {copy:.3f} ms"
     # A 512-long row and a window skip the idle slices, but not the launch of the cache's whole grid and the merge:

@@ -9,6 +9,7 @@ from moedesk.engine.model import mla
 from moedesk.engine.model.cache.positional import LatentCache
 from moedesk.engine.model.transformer import ForwardBatch, Rotary
 from moedesk.kernels import gpu_decode_attention
+from tests.cuda_timing import median_ms
 
 pytestmark = pytest.mark.gpu
 
@@ -26,19 +27,6 @@ def _layer():
     cache.tensors["latent"][0].normal_()
     cache.tensors["rope"][0].normal_()
     return cfg, attn, cache, Rotary(cfg, CONTEXT).to("cuda")
-
-
-def _ms(fn, repeat: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 @torch.no_grad()
@@ -69,9 +57,9 @@ def test_the_latent_kernel_at_32k_reads_the_cache_near_copy_speed():
     q_rope = torch.randn(1, cfg.num_heads, cfg.qk_rope_head_dim, device="cuda", dtype=torch.bfloat16)
     whole, short = torch.tensor([CONTEXT], device="cuda"), torch.tensor([512], device="cuda")
     scale = cfg.attention_scale or cfg.head_dim ** -0.5
-    copy = _ms(lambda: (latent.clone(), rope.clone()))
-    full = _ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, whole, scale))
-    shallow = _ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, short,
+    copy = median_ms(lambda: (latent.clone(), rope.clone()))
+    full = median_ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, whole, scale))
+    shallow = median_ms(lambda: gpu_decode_attention.latent_decode_attention(q_latent, q_rope, latent, rope, None, short,
                                                                        scale))
     print(f"copy {copy:.3f} ms, latent kernel at {CONTEXT} {full:.3f}, at 512 {shallow:.3f}")
     assert full <= 2 * copy, f"the latent kernel took {full:.3f} ms at {CONTEXT}, copying the cache {copy:.3f} ms"
