@@ -7,6 +7,7 @@
 #   B  the same after torch has initialised CUDA (two CUDA runtimes in one process?)
 #   C  moedesk's Engine.load(engine="llama.cpp", device="auto"), no expert pinned
 #   D  the same with one layer's experts pinned to RAM (the tensor-buffer override)
+#   E  A after `import torch` without CUDA; F  llama.cpp's CUDA first (one load), then torch's, then A again
 # (M: which libggml/libllama files the process maps), each with the libraries copied and then linked; then a gdb
 # backtrace of the first that crashes, and which CUDA libraries each side maps.
 set -uo pipefail
@@ -26,12 +27,14 @@ declare -A CASE=(
   [B]="import torch; torch.zeros(1, device='cuda'); import llama_cpp; m = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); print(m('the', max_tokens=4)['choices'][0]['text'])"
   [C]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64); print(e.device, e.warnings)"
   [D]="from moedesk.engine.runtime import Engine; e = Engine.load('$G', engine='llama.cpp', device='auto', context_length=64, cpu_moe=1); print(e.device, e.overridden)"
+  [E]="import torch; import llama_cpp; m = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); print(m('the', max_tokens=4)['choices'][0]['text'])"
+  [F]="import llama_cpp; m0 = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); import torch; torch.zeros(1, device='cuda'); m = llama_cpp.Llama('$G', n_gpu_layers=99, verbose=False); print(m('the', max_tokens=4)['choices'][0]['text'])"
 )
 CASE[M]="from moedesk.engine.llamacpp.library import library; library(); print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libggml' in l or 'libllama' in l}))"
 first=""
 for mode in copy link; do
   install_llamacpp_libs "$B" $mode; echo "== libraries ${mode}"
-  for c in M Q A B C D; do
+  for c in M Q A E B F C D; do
     python3 -c "${CASE[$c]}" > "$W/${mode}_$c.log" 2>&1; rc=$?
     echo "case $c: exit $rc"; tail -n 3 "$W/${mode}_$c.log" | cut -c1-400
     ((rc != 0)) && [ -z "$first" ] && first=$c && firstmode=$mode
