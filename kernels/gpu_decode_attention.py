@@ -221,9 +221,10 @@ if triton is not None:
                 v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vl + d[None, :], mask=valid[:, None], other=0.0)
                 if TENSOR_CORES:
                     # 16-bit products are exact in the float32 accumulator, so q·k on the tensor cores is the
-                    # float32 path's up to summation order; the weights p go in as two 16-bit halves (high and
-                    # the rest), which keeps p·v near float32 too. The IEEE float32 dot (FMA) that ran here made
-                    # each program spill and compute rather than read.
+                    # float32 path's up to summation order. The weights p go into p·v rounded to the cache's
+                    # 16 bits, as SDPA's flash kernel and transformers' eager attention round them: greedy decoding
+                    # follows the references' arithmetic (with p kept near float32, greedy runs parted from them on
+                    # the GPU box: docs/measurements.md, session 35). The IEEE float32 dot (FMA) made programs spill.
                     scores = _dot16(q, tl.trans(k), INTERPRETED) * scale
                 else:
                     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -235,9 +236,7 @@ if triton is not None:
                 p = tl.exp(scores - safe[:, None])
                 rescale = tl.exp(top - safe)
                 if TENSOR_CORES:
-                    high = p.to(v.dtype)
-                    low = (p - high.to(tl.float32)).to(v.dtype)
-                    weighted = _dot16(high, v, INTERPRETED) + _dot16(low, v, INTERPRETED)
+                    weighted = _dot16(p.to(v.dtype), v, INTERPRETED)
                 else:
                     weighted = tl.dot(p, v, input_precision="ieee")
                 acc = acc * rescale[:, None] + weighted
@@ -285,7 +284,7 @@ if triton is not None:
                 valid = n < end
                 lat = tl.load(c_base + n[:, None].to(tl.int64) * stride_cl + c[None, :], mask=valid[:, None], other=0.0)
                 kr = tl.load(r_base + n[:, None].to(tl.int64) * stride_rl + r[None, :], mask=valid[:, None], other=0.0)
-                if TENSOR_CORES:  # as in _split_attention: exact 16-bit products, p in two 16-bit halves
+                if TENSOR_CORES:  # as in _split_attention: exact 16-bit products, p rounded to 16 bits
                     scores = (_dot16(q, tl.trans(lat), INTERPRETED) + _dot16(qr, tl.trans(kr), INTERPRETED)) * scale
                 else:
                     scores = (tl.dot(q, tl.trans(lat), input_precision="ieee")
@@ -295,9 +294,7 @@ if triton is not None:
                 p = tl.exp(scores - new_top[:, None])
                 rescale = tl.exp(top - new_top)
                 if TENSOR_CORES:
-                    high = p.to(lat.dtype)
-                    low = (p - high.to(tl.float32)).to(lat.dtype)
-                    weighted = _dot16(high, lat, INTERPRETED) + _dot16(low, lat, INTERPRETED)
+                    weighted = _dot16(p.to(lat.dtype), lat, INTERPRETED)
                 else:
                     weighted = tl.dot(p, lat, input_precision="ieee")
                 acc = acc * rescale[:, None] + weighted
