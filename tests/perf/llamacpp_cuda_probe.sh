@@ -17,6 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 . tests/perf/llamacpp_libs.sh  # install_llamacpp_libs: the libraries copied (as when the loads crashed) or linked
+install_llamacpp_libs "$B" link  # the tiny GGUF's writer (tests/load/test_packed_experts.py) imports llama_cpp
 python3 -c "from tests.load.test_packed_experts import write_f32_moe; write_f32_moe('$W/f32.gguf', 'llama', L=3)" \
   > "$W/write.log" 2>&1 || { echo "the tiny GGUF was not written:"; tail -n 15 "$W/write.log"; \
   tar czf "$OUT/llamacpp_cuda_probe.tgz" -C "$W" .; exit 1; }
@@ -36,9 +37,25 @@ for mode in copy link; do
   install_llamacpp_libs "$B" $mode; echo "== libraries ${mode}"
   for c in M Q A E B F C D; do
     python3 -c "${CASE[$c]}" > "$W/${mode}_$c.log" 2>&1; rc=$?
-    echo "case $c: exit $rc"; tail -n 3 "$W/${mode}_$c.log" | cut -c1-400
+    echo "case $c: exit $rc" | tee -a "$W/exits.txt"; tail -n 3 "$W/${mode}_$c.log" | cut -c1-400
     ((rc != 0)) && [ -z "$first" ] && first=$c && firstmode=$mode
   done
+done
+# Session 35: A alone works, and torch's import in either order breaks it (docs/measurements.md). Which shared
+# libraries are there twice, and does E run when llama.cpp takes torch's own CUDA libraries (one copy of each) or
+# torch's OpenMP runtime?
+TORCH_LIB=$(python3 -c "import os, torch; print(os.path.dirname(torch.__file__))")/lib
+TORCH_CU=$(dirname "$TORCH_LIB")/../nvidia/cu13/lib
+python3 -c "import torch, llama_cpp; llama_cpp.llama_backend_init(); print(''.join(sorted({l.split()[-1] + '\n' for l in open('/proc/self/maps') if any(n in l for n in ('libstdc++', 'libgomp', 'libcudart', 'libcublas', 'libggml', 'libomp'))})))" \
+  > "$W/maps_torch_then_llama.txt" 2>&1; echo "== mapped with torch and llama_cpp's library both loaded:"; cat "$W/maps_torch_then_llama.txt"
+ls "$TORCH_LIB" > "$W/torch_lib.txt" 2>&1
+for lib in /tmp/site/llama_cpp/lib/libggml-cpu.so /tmp/site/llama_cpp/lib/libggml-base.so /tmp/site/llama_cpp/lib/libllama.so; do
+  echo "== $lib"; ldd "$lib"; done > "$W/ldd_ggml_rest.txt" 2>&1
+gomp=$(ls "$TORCH_LIB"/libgomp*.so* 2>/dev/null | head -n 1)
+for variant in "torch's CUDA libraries first on the path|LD_LIBRARY_PATH=$TORCH_CU:${LD_LIBRARY_PATH:-}" \
+    "torch's libgomp preloaded|LD_PRELOAD=${gomp:-/nonexistent}" "system libstdc++ preloaded|LD_PRELOAD=$(ldconfig -p | awk '/libstdc\+\+.so.6 /{print $NF; exit}')"; do
+  env "${variant#*|}" python3 -c "${CASE[E]}" > "$W/E_variant.log" 2>&1; rc=$?
+  echo "case E, ${variant%%|*}: exit $rc" | tee -a "$W/exits.txt"; tail -n 2 "$W/E_variant.log" | cut -c1-300
 done
 if [ -n "$first" ] && command -v gdb >/dev/null; then
   install_llamacpp_libs "$B" $firstmode
