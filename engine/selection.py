@@ -43,12 +43,34 @@ def after_refusal(error: UnsupportedModelError, llama_cpp_problem=None) -> Choic
     for a GGUF file; otherwise the refusal again, saying what would run it."""
     path = str(error.path)
     if not path.endswith(".gguf"):
-        raise UnsupportedModelError(error.path, f"{error.problem}; llama.cpp runs GGUF files: use a GGUF of this "
-                                                f"model (--engine llama.cpp)") from None
+        raise UnsupportedModelError(error.path, not_gguf("auto", error.problem)) from None
     problem = (llama_cpp_problem or _llama_cpp_problem)()
     if problem:
         raise UnsupportedModelError(error.path, f"{error.problem}, and {problem}") from None
     return Choice("llama.cpp", path, f"llama.cpp: the native engine does not run it ({error.problem})")
+
+
+GGUF_ONLY = "the llama.cpp engine reads GGUF files only"
+
+
+def not_gguf(requested: str, native_problem: str | None = None, read: bool = True) -> str | None:
+    """Why loading a checkpoint that is no GGUF (safetensors) with the engine setting `requested` stops, in the line
+    Engine.load stops with (after the model's name); None where the native engine loads it. native_problem: the
+    native engine's refusal of it (UnsupportedModelError.problem); read=False: its config was not read, so whether
+    the native engine runs it is not known. The download wizard says the same before downloading."""
+    if requested == "llama.cpp":
+        stop = f"{GGUF_ONLY}, so with the engine set to llama.cpp it would not load"
+        if not read:
+            return f"{stop}; set the engine to auto or native to run it natively, if the native engine implements " \
+                   f"its architecture, or use a GGUF of this model"
+        if native_problem:
+            return f"{stop}, nor natively ({native_problem}): use a GGUF of this model"
+        return f"{stop}; set the engine to auto or native to run it natively, or use a GGUF of this model"
+    if native_problem is None:
+        return None
+    if requested == "native":
+        return native_problem
+    return f"{native_problem}, and {GGUF_ONLY}: use a GGUF of this model"
 
 
 def listed_engine(arch: str, gguf: bool, requested: str = "auto") -> Choice:
@@ -139,11 +161,27 @@ def _gguf_for_llama_cpp(model: str) -> str:
     if path.is_dir():
         path = gguf_in_folder(path) or path
     elif not path.exists() and (cached := model_path(model)) is not None:  # a repo id in the HF cache
-        path = gguf_in_folder(cached, recursive=True) or path
+        path = gguf_in_folder(cached, recursive=True) or cached
     if path.suffix == ".gguf" and path.is_file():
         parts = part_paths(path)
         check_present(parts)
         return str(parts[0])
     if path.is_file() or path.is_dir():
-        raise MoedeskError(f"{model}: the llama.cpp engine runs GGUF files; this is not one (--engine native)")
+        raise MoedeskError(f"{model}: {not_gguf('llama.cpp', *_native_refusal(model))}")
     raise MoedeskError(f"{model}: no such GGUF file for the llama.cpp engine")
+
+
+def _native_refusal(model: str) -> tuple[str | None, bool]:
+    """(the native engine's refusal of `model`, or None; whether its config could be read), from its headers as
+    `preflight` reads them: what `not_gguf` needs to say what else would run it."""
+    from moedesk.engine.load.checkpoint import open_checkpoint
+    from moedesk.engine.model.architectures import parse_config
+
+    try:
+        checkpoint = open_checkpoint(model)
+        parse_config(checkpoint.config, checkpoint.path)
+    except UnsupportedModelError as refusal:
+        return refusal.problem, True
+    except Exception:  # noqa: BLE001 -- unreadable: the line leaves open whether the native engine runs it
+        return None, False
+    return None, True

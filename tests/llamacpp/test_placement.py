@@ -93,10 +93,24 @@ def test_engine_choice(tmp_path):
         choose_engine(str(gguf), "llama.cpp", lambda: "llama.cpp engine unavailable: not installed")
     assert choose_engine(str(tmp_path), "llama.cpp", lambda: None).model == str(gguf)  # a folder of one GGUF
     (tmp_path / "safetensors").mkdir()
-    with pytest.raises(MoedeskError, match="runs GGUF files"):
+    with pytest.raises(MoedeskError, match="reads GGUF files only, so with the engine set to llama.cpp it would not load"):
         choose_engine(str(tmp_path / "safetensors"), "llama.cpp", lambda: None)
     with pytest.raises(MoedeskError, match="choose one of"):
         choose_engine("demo", "vllm")
+
+
+def test_what_stops_a_checkpoint_that_is_no_gguf_for_each_engine_setting():
+    from moedesk.engine.selection import not_gguf
+
+    refused = "unsupported architecture 'lfm2_moe'"
+    assert not_gguf("auto") is None and not_gguf("native") is None  # the native engine loads it
+    assert not_gguf("native", refused) == refused
+    assert not_gguf("auto", refused).startswith(refused) and "reads GGUF files only" in not_gguf("auto", refused)
+    for read, problem in ((True, None), (True, refused), (False, None)):
+        line = not_gguf("llama.cpp", problem, read)
+        assert line.startswith("the llama.cpp engine reads GGUF files only") and line.endswith("GGUF of this model")
+        assert ("auto or native" in line) == (problem is None)  # offered only where the native engine may run it
+        assert ("if the native engine implements" in line) == (not read) and (refused in line) == bool(problem)
 
 
 def test_auto_after_a_refusal_takes_llama_cpp_for_a_gguf_and_says_what_to_do_otherwise(tmp_path):

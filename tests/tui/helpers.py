@@ -1,6 +1,8 @@
 """Helpers for driving the app in tests."""
 from __future__ import annotations
 
+import html
+import re
 import time
 
 
@@ -66,3 +68,19 @@ def hold_first_reply(engine):
 def chat_ready(app) -> bool:
     """The chat screen is the one showing and has put the saved conversation on screen."""
     return app.chat is not None and app.screen is app.chat and app.chat.ready
+
+
+def screen_lines(app) -> list[str]:
+    """The exported screenshot's text, a string per screen row. Textual writes each run of text as a <text> at its
+    row's y and its first column's x (runs of plain spaces are left out: gaps), textLength wide."""
+    runs = [(float(x), float(y), float(length), html.unescape(text).replace("\xa0", " "))
+            for x, y, length, text in re.findall(
+                r'<text[^>]*? x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>(.*?)</text>',
+                app.export_screenshot())]
+    cell = next(length / len(text) for _, _, length, text in runs if text)
+    rows: dict[float, list[str]] = {}
+    for x, y, _, text in runs:
+        row, col = rows.setdefault(y, []), round(x / cell)
+        row.extend(" " * (col + len(text) - len(row)))
+        row[col:col + len(text)] = text
+    return ["".join(row).rstrip() for _, row in sorted(rows.items())]

@@ -4,7 +4,6 @@ budget it holds; the Models screen shows the per-GPU budgets the next load takes
 GPUs, as in tests/offload/test_device_orchestra.py; what is checked is the screen as exported (its SVG's text)."""
 from __future__ import annotations
 
-import html
 import re
 
 import pytest
@@ -15,23 +14,7 @@ from moedesk.app.tui.widgets.heatmap import LABEL_WIDTH, layout, render_lines
 from moedesk.engine.runtime import Engine
 from tests.offload.test_device_orchestra import _budgets_holding
 from tests.tiny_models import build
-from tests.tui.helpers import chat_ready, greedy_settings, open_models, wait_for, wait_idle
-
-
-def screen_lines(app) -> list[str]:
-    """The exported screenshot's text, a string per screen row. Textual writes each run of text as a <text> at its
-    row's y and its first column's x (runs of plain spaces are left out: gaps), textLength wide."""
-    runs = [(float(x), float(y), float(length), html.unescape(text).replace("\xa0", " "))
-            for x, y, length, text in re.findall(
-                r'<text[^>]*? x="([\d.]+)" y="([\d.]+)" textLength="([\d.]+)"[^>]*>(.*?)</text>',
-                app.export_screenshot())]
-    cell = next(length / len(text) for _, _, length, text in runs if text)
-    rows: dict[float, list[str]] = {}
-    for x, y, _, text in runs:
-        row, col = rows.setdefault(y, []), round(x / cell)
-        row.extend(" " * (col + len(text) - len(row)))
-        row[col:col + len(text)] = text
-    return ["".join(row).rstrip() for _, row in sorted(rows.items())]
+from tests.tui.helpers import chat_ready, greedy_settings, open_models, screen_lines, wait_for, wait_idle
 
 
 def test_rows_carry_their_gpus_tag_and_the_legend_names_each_gpu():

@@ -15,7 +15,7 @@ from moedesk.app.tui.screens.download import DownloadScreen
 from moedesk.app.tui.load_target import LoadTarget
 from moedesk.app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
-from tests.tui.helpers import chat_ready, open_settings, wait_for
+from tests.tui.helpers import chat_ready, open_settings, screen_lines, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -81,6 +81,18 @@ FIXED = {  # bytes that never change, so the snapshot's commit hash and sizes ne
 }
 
 
+LFM = "moe/tiny-lfm2"  # a safetensors checkpoint of an architecture the native engine does not implement
+
+
+def lfm_files() -> dict[str, bytes]:
+    import torch
+    from safetensors.torch import save
+
+    config = {"model_type": "lfm2_moe", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 128}
+    return {"config.json": json.dumps(config).encode(), "tokenizer.json": b'{"version": "1.0"}',
+            "model.safetensors": save({"model.embed_tokens.weight": torch.zeros(128, 64, dtype=torch.bfloat16)})}
+
+
 @pytest.fixture
 def hub(tui_dirs, tiny_folder, monkeypatch):
     """A fake Hub serving the tiny test model (loadable) plus GGUF files, and huggingface_hub pointed at it.
@@ -95,6 +107,7 @@ def hub(tui_dirs, tiny_folder, monkeypatch):
     fake.add_repo(REPO, {**files, "README.md": b"# tiny\n", **GGUFS})
     fake.add_repo("moe/gated", {"config.json": b"{}", "model.safetensors": blob(10, 20_000)}, gated=True)
     fake.add_repo("moe/snap", FIXED)
+    fake.add_repo(LFM, lfm_files())
     fake.start()
     home = tui_dirs["cache"] / "hf-home"
     point_client_at(fake, monkeypatch, home, tui_dirs["hf-cache"], CHUNK)
@@ -301,6 +314,84 @@ async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, en
 
         await engine_setting("auto")
         assert loaded() == native
+
+
+@pytest.mark.anyio
+async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its_load(hub, engine):
+    """llama.cpp reads GGUF files only. A safetensors choice with the engine set to llama.cpp: instead of the native
+    estimate, the line Engine.load stops with once it is downloaded; auto estimates it natively where the native
+    engine implements its architecture, and says what would run it where it does not. At 80x24 the line wraps
+    whole inside the fit view."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.runtime import Engine
+    from moedesk.engine.selection import not_gguf
+
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await open_wizard(pilot)
+        fit = screen.query_one("FitView")
+        loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+
+        async def engine_setting(value: str) -> None:
+            await open_settings(pilot)
+            app.screen.query_one("#setting-engine").value = value
+            await pilot.pause()
+            await pilot.press("ctrl+s")
+            await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
+                           what=f"the wizard with engine {value}")
+
+        def on_screen() -> str:
+            """The fit view's rows as exported, the border's sides cut off, joined as the words wrap."""
+            rows = [row.strip().strip("│╭╮╰╯─").strip() for row in screen_lines(app)]
+            start = next(i for i, row in enumerate(rows) if row.startswith("loaded"))
+            end = next(i for i in range(start, len(rows)) if rows[i].startswith("the weights"))
+            print("\n".join(screen_lines(app)))  # shown when the test fails
+            return " ".join(" ".join(rows[start:end]).split())
+
+        await list_repo(pilot, screen, REPO)  # the native engine runs it (qwen3_moe)
+        assert screen.highlighted_choice().kind == "safetensors"
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
+        native = loaded()
+        assert native.startswith("loaded  ~") and "in RAM" in native  # auto: the native estimate
+
+        await engine_setting("llama.cpp")
+        stop = not_gguf("llama.cpp")
+        assert loaded() == f"loaded  {stop}" and "~" not in loaded()
+        assert "reads GGUF files only" in stop and "auto or native" in stop and "GGUF of this model" in stop
+        assert on_screen() == " ".join(f"loaded  {stop}".split())  # every word of it shows, at 80 columns
+
+        await list_repo(pilot, screen, LFM)  # the native engine refuses lfm2_moe
+        await wait_for(pilot, lambda: "reading" not in loaded(), what="the refusal")
+        problem = "unsupported architecture 'lfm2_moe'"
+        lfm_stop = loaded().removeprefix("loaded  ")
+        assert lfm_stop.startswith("the llama.cpp engine reads GGUF files only") and problem in lfm_stop
+        assert "auto or native" not in lfm_stop and lfm_stop.endswith("use a GGUF of this model")
+        assert on_screen() == " ".join(f"loaded  {lfm_stop}".split())
+
+        # What the load of each, once downloaded, stops with: the same words.
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == LFM, status(screen)
+        with pytest.raises(MoedeskError) as refused:
+            Engine.load(LFM, engine="llama.cpp")
+        assert str(refused.value) == f"{LFM}: {lfm_stop}"
+
+        await engine_setting("auto")  # the native engine refuses it and llama.cpp has no GGUF to read
+        auto_stop = loaded().removeprefix("loaded  ")
+        assert auto_stop.startswith(problem) and auto_stop.endswith("reads GGUF files only: use a GGUF of this model")
+        assert on_screen() == " ".join(loaded().split())
+        with pytest.raises(MoedeskError) as refused:
+            Engine.load(LFM, engine="auto")
+        assert str(refused.value).endswith(f": {auto_stop}")
+
+        await list_repo(pilot, screen, REPO)
+        await pilot.press("enter")
+        await wait_stopped(pilot, screen)
+        assert screen.spec == REPO, status(screen)
+        with pytest.raises(MoedeskError) as refused:
+            Engine.load(REPO, engine="llama.cpp")
+        assert str(refused.value) == f"{REPO}: {stop}"
+        assert loaded() == native  # auto again: the native estimate
 
 
 @pytest.mark.anyio

@@ -10,7 +10,9 @@ force (F2 changes it), read from the Hub in a worker without the weights: for a 
 from its config.json and its shards' headers, for a GGUF quantisation from its file's header (every
 part's, for a split one), which holds its metadata and every tensor's type and shape.
 A GGUF the engine setting (or auto) would load with llama.cpp shows that engine's plan instead, decided as the
-Models screen decides it (catalog.gguf_engine_plan).
+Models screen decides it (catalog.gguf_engine_plan). A safetensors choice that setting would not load (llama.cpp
+reads GGUF files only; the native engine refuses some architectures) shows the line its load would stop with
+instead of an estimate (engine.selection.not_gguf).
 
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
@@ -38,6 +40,8 @@ from moedesk.app.tui.catalog import estimate_line, gguf_engine_plan
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.widgets.fit_view import FitView
 from moedesk.app.tui.widgets.load_panel import one_line
+from moedesk.engine.errors import UnsupportedModelError
+from moedesk.engine.selection import not_gguf
 
 
 # The Hub's rule for a repo id: an optional owner and a name of letters, digits and - _ . (no -- or ..,
@@ -89,11 +93,19 @@ def choice_label(choice: dl.DownloadChoice) -> Text:
 
 def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> tuple[str, int | None]:
     """(the memory the choice takes once loaded, in words; its bytes, or None when not known). `weights`: the
-    choice's ModelWeights once its headers are read, the one line saying why they could not be, or None."""
+    choice's ModelWeights once its headers are read, the native engine's refusal of it (UnsupportedModelError), the
+    one line saying why they could not be read, or None."""
     if weights is None:
         if choice.kind == "gguf":
             return f"reading the GGUF header{'s' if len(choice.files) > 1 else ''} for an estimate…", None
         return "reading config.json and the shards' headers for an estimate…", None
+    if choice.kind != "gguf":  # safetensors: where the engine setting would stop its load, Engine.load's own line
+        refusal = weights.problem if isinstance(weights, UnsupportedModelError) else None
+        stop = not_gguf(target.engine, refusal, read=not isinstance(weights, str))
+        if stop is not None:
+            return stop, None
+    if isinstance(weights, UnsupportedModelError):  # a GGUF the native engine refuses: no estimate, as any error
+        weights = one_line(weights)
     if isinstance(weights, str):
         return f"no estimate before downloading: {weights}", None
     if choice.kind == "gguf":  # a GGUF the engine setting (or auto) loads with llama.cpp: planned as its load plans
@@ -303,6 +315,8 @@ class DownloadScreen(Screen[str | None]):
     def _read_headers(self, serial: int, listing: dl.RepoListing, choice: dl.DownloadChoice) -> None:
         try:
             weights = dl.read_choice_weights(listing, choice)
+        except UnsupportedModelError as refusal:  # kept whole: what the engine setting makes of it (`loaded_estimate`)
+            weights = refusal
         except Exception as e:  # noqa: BLE001 - an estimate is advice: one line says why there is none
             weights = one_line(e)
         self.post_message(self.HeadersRead(serial, choice.name, weights))
