@@ -668,7 +668,9 @@ class TextDeltas:
 
     def last(self, completion: Completion, token_id: int | None = None) -> StreamChunk:
         text = completion.text
-        rest = text[len(self.shown):] if text.startswith(self.shown) else ""
+        # The whole decode may have rewritten bytes already shown (ByteFallback: one U+FFFD for each, as
+        # engine.load.tokenizer.StreamDecoder says): they stay as shown, and what lies past them is still new.
+        rest = text[len(self.shown):]
         self.shown = text
         return StreamChunk(rest, [] if token_id is None else [token_id], completion)
 

@@ -305,14 +305,52 @@ class Tokenizer(ChatTemplating):
 
 
 class StreamDecoder:
-    """tokenizers' DecodeStream: `step(id)` gives the text that id completes ('' while a character split
-    over byte tokens is still partial). Concatenated, it is decode(ids) wherever the ids spell valid UTF-8."""
+    """Text of ids that arrive one at a time: `step(id)` gives the text that id completes ('' while a character
+    split over byte tokens is still partial). Concatenated, it is decode(ids) wherever that has no U+FFFD.
+
+    tokenizers' DecodeStream does the work, re-decoding only a window of the last ids. It raises where a decoder
+    rewrites text it has already given (ByteFallback turns a whole byte run with an undecodable byte in it into
+    one U+FFFD per byte, the valid bytes before it included); then, as for any step whose text has U+FFFD in it,
+    the full decode of the ids so far says what is new, and a fresh DecodeStream goes on from there.
+    step() never raises: a reply must not die of its text."""
 
     def __init__(self, tok: tokenizers.Tokenizer, skip_special_tokens: bool = True):
-        self._tok, self._stream = tok, DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._tok, self._skip = tok, skip_special_tokens
+        self._stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._shown = 0  # characters given so far
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._tok, token_id) or ""
+        self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._tok, token_id) or ""
+                # A U+FFFD may stand for bytes the window rewrote unseen (a Strip decoder hides the space that
+                # was given before it turned into U+FFFD): only the full decode says how much of it is new.
+                if "\ufffd" not in piece:
+                    self._shown += len(piece)
+                    return piece
+            except Exception:  # the window's text no longer extends what was given
+                pass
+            self._stream = None  # until the full decode is whole text again
+        return self._catch_up()
+
+    def _catch_up(self) -> str:
+        try:
+            text = self._tok.decode(self._ids, skip_special_tokens=self._skip)
+        except Exception:
+            return ""  # the next id decodes them all again
+        if text.endswith("\ufffd"):
+            return ""  # a character still split over byte tokens
+        # Where decode rewrote text already given, what lies past as many characters as were given is new:
+        # ByteFallback swaps each ASCII byte for one U+FFFD, so "N", "O", then <0xAC> t12 gives "\ufffdt12", the
+        # bytes' own reading (a 2-4 byte character in such a run turns into as many U+FFFD, one to three more than
+        # llama.cpp would show). Given text is never taken back: text that shrank gives nothing until it outgrows it.
+        piece = text[self._shown:]
+        self._shown += len(piece)
+        # Back to the fast path, its window starting at the last id (whole text now, so a fair prefix).
+        self._stream = DecodeStream(ids=self._ids[-1:], skip_special_tokens=self._skip)
+        return piece
 
 
 def _first_line(e: BaseException) -> str:

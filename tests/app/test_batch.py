@@ -251,3 +251,23 @@ def test_a_draft_head_that_does_not_load_is_a_usage_error_before_any_line(model,
     assert err[-1].startswith("moedesk: ") and "config.json" in err[-1], err
     assert not any("ok," in line for line in err)  # the run never started
     assert not out.exists() or out.read_text() == ""
+
+
+def test_batch_lines_survive_byte_tokens_that_break_decodestream(tmp_path):
+    """The synthetic GGUF writer's model (random weights, a vocabulary half <0xXX> byte tokens) answers with byte
+    runs that tokenizers' DecodeStream cannot stream: every line failed on the GPU box. Now each gets its text."""
+    from moedesk.bench.synthetic_gguf import write_f16
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+    from moedesk.engine.load.synthetic import shape_config
+
+    model = tmp_path / "tiny-moe.gguf"
+    write_f16(shape_config("tiny-moe", 2), model)
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"p{i}", "prompt": "Hello there", "seed": i} for i in range(4)])
+    out = tmp_path / "out.jsonl"
+    assert main(["batch", str(src), "-o", str(out), "--model", str(model), "--temperature", "1",
+                 "--max-new-tokens", "48", "--dtype", "float32", "--device", "cpu"]) == 0
+    results = read_jsonl(out)
+    assert [r["id"] for r in results] == ["p0", "p1", "p2", "p3"] and not any("error" in r for r in results)
+    tokenizer = GGUFCheckpoint(model).tokenizer
+    texts = [tokenizer.decode(r["token_ids"]) for r in results]
+    assert [r["text"] for r in results] == texts and all("t" in t and "\ufffd" in t for t in texts)

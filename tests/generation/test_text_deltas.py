@@ -26,3 +26,15 @@ def test_safe_prefix_is_the_definition_on_random_text():
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 30)))
         stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3)))
         assert _safe_prefix(text, stops) == _reference(text, stops), (text, stops)
+
+
+def test_the_last_chunk_brings_what_lies_past_text_the_whole_decode_rewrote():
+    """Streamed "NO", then bytes that make decode() rewrite "NO" as U+FFFD: the end still brings the new tail."""
+    from moedesk.engine.generation.scheduler import TextDeltas, Update
+    from moedesk.engine.requests import Completion
+
+    deltas = TextDeltas()
+    assert [deltas.chunk(Update(i, t)).text for i, t in [(1, "N"), (2, "NO"), (3, "NO\ufffd")]] == ["N", "O", ""]
+    done = Completion(tag=None, token_ids=[1, 2, 3, 4], text="\ufffd\ufffd\ufffdt12\ufffd", finish_reason="length",
+                      prompt_tokens=1)
+    assert deltas.last(done).text == "\ufffdt12\ufffd"
