@@ -268,7 +268,8 @@ def profile_shape(spec: str, args, say) -> ShapeResult:
         if clock.cuda:
             device_ms = expert_device_ms(prof.events())
             say("device ms inside the experts' calls: " + ", ".join(f"{k} {v:.2f}" for k, v in device_ms.items()))
-    result = ShapeResult(spec, fmt, args.tokens, timed.tok_s, 1e3 * timed.seconds, per_run, split, times.wall, device_ms)
+    result = ShapeResult(spec, fmt, args.tokens, timed.tok_s, 1e3 * timed.seconds, per_run, split, times.wall,
+                         device_ms)
     del bench, model, executor
     gc.collect()
     if device.type == "cuda":
