@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moedesk.bench.feed import experts_touched, fed_tokens, selection_counts
 from moedesk.engine.generation.decoder import Decoder, synchronize
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.generation.scheduler import default_prefill_chunk
@@ -31,15 +32,19 @@ class DepthTimes:
     decode_s: float
     chunk: int
     prefill_s: float  # the best forward of `chunk` tokens at positions depth onward
+    feed: str = "random"  # what each decode step fed (bench.feed.fed_tokens)
+    experts_touched: int | None = None  # (layer, expert) pairs the timed decode steps selected at least once
 
 
 def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: int, decode_tokens: int = 64,
                      chunk: int = 512, repeat: int = 2, graphs: bool | None = None,
-                     piece: int | None = None, around_decode=None) -> DepthTimes:
+                     piece: int | None = None, around_decode=None, feed: str = "random", seed: int = 0) -> DepthTimes:
     """Decode and a prefill piece of one sequence after `depth` tokens of context, the first depth + chunk tokens
     of `prompt` (the context, then the piece). piece: prompt tokens per prefill forward while filling the context
     (default: the engine's for the device). around_decode: a context manager entered around the timed decode steps
-    alone (a profiler, which should see neither the context's prefill nor the step that captures graphs)."""
+    alone (a profiler, which should see neither the context's prefill nor the step that captures graphs).
+    feed, seed: what each decode step feeds (bench.feed.fed_tokens: random tokens of `seed`'s stream, or the
+    model's own choice), through the decoder's own step."""
     from moedesk.engine.generation.cuda_graphs import graphs_wanted
 
     device = torch.device(device)
@@ -51,7 +56,8 @@ def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: i
     params = SamplingParams(max_new_tokens=decode_tokens + 2, temperature=0, ignore_eos=True)
     if depth < 1 or len(prompt) < depth + chunk:
         raise ValueError(f"need depth >= 1 and {depth + chunk} prompt tokens, got {depth} and {len(prompt)}")
-    seq = decoder.start(Request(prompt[:depth], params), 0)
+    fed = fed_tokens(feed, params.max_new_tokens, model.cfg.vocab_size, seed)
+    seq = decoder.start(Request(prompt[:depth], params, fed_tokens=fed), 0)
     piece = piece or default_prefill_chunk(device)
     while seq.prefilled < len(seq.request.prompt_ids):
         list(decoder.prefill([seq], budget=piece))
@@ -71,10 +77,11 @@ def measure_at_depth(model, executor, device, dtype, prompt: list[int], depth: i
     synchronize(device)
     if hasattr(executor, "stats"):
         executor.stats = type(executor.stats)()
+    before = selection_counts(executor)
     with around_decode or nullcontext():
         t0 = time.perf_counter()
         for _ in range(decode_tokens - 2):
             list(decoder.decode([seq]))
         synchronize(device)
         elapsed = time.perf_counter() - t0
-    return DepthTimes(depth, decode_tokens - 2, elapsed, chunk, best)
+    return DepthTimes(depth, decode_tokens - 2, elapsed, chunk, best, feed, experts_touched(executor, before))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from moedesk.bench.feed import experts_touched, fed_tokens, selection_counts
 from moedesk.bench.machine_load import CpuLoad, busy_warning
 from moedesk.bench.report_text import profile_line, significant, text_table
 from moedesk.engine.generation.decoder import Decoder
@@ -32,6 +33,8 @@ class BenchResult:
     noise: float | None = None  # standard error of the mean step time over the decode steps, relative to it
     rounds: int = 1  # runs the figure is the best of (prefill); the executor's counts cover them all
     experts: dict | None = None  # where the offloaded experts ran, summed over the rounds (StepStats.as_dict)
+    feed: str | None = None  # decode: what each step fed, "random" tokens (as llama-bench) or "greedy" (its own)
+    experts_touched: int | None = None  # decode: (layer, expert) pairs the timed steps selected at least once
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -53,13 +56,14 @@ def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
 
 
 def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: int = 64, prompt: int = 32,
-                   seed: int = 0, graphs: bool | None = None, warmup: int = 1) -> BenchResult:
+                   seed: int = 0, graphs: bool | None = None, warmup: int = 1, feed: str = "random") -> BenchResult:
     """Generated tokens per second over all sequences, timed from decode step `warmup` + 1 to the last.
 
     The first decode step is left out: it captures the CUDA graphs (graphs None: where the engine
     would use them), which a chat pays once per batch size, not per token. A larger `warmup` leaves out
     more (a cache's first steps of a conversation). The executor's stats restart where the timing
-    starts, so they cover exactly the timed steps.
+    starts, so they cover exactly the timed steps. feed: what each step feeds (fed_tokens), through the
+    decoder's own step either way: the model still computes and chooses its token, which is then replaced.
     """
     if warmup < 1 or (warmup > 1 and warmup > new_tokens - 2):
         raise ValueError(f"warmup {warmup}: at least the first decode step, and a step left to time of {new_tokens}")
@@ -70,14 +74,16 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     runner.reserve(batch, prompt + new_tokens + 1)
     decoder = Decoder(runner, executor, None)
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
-    requests = [Request(random_prompt(prompt, cfg.vocab_size, seed + i), params) for i in range(batch)]
-    start = None
+    requests = [Request(random_prompt(prompt, cfg.vocab_size, seed + i), params,
+                        fed_tokens=fed_tokens(feed, new_tokens, cfg.vocab_size, seed + i)) for i in range(batch)]
+    start, before = None, None
     step_ends = []  # when each timed step's last row came out: the steps' times are the rounds' spread
     for seq, token in decoder.run(requests, batch_size=batch):
         if start is None and len(seq.tokens) == 1 + warmup and seq.row == batch - 1:
             _sync(device)
             if hasattr(executor, "stats"):
                 executor.stats = type(executor.stats)()
+            before = selection_counts(executor)
             start = time.perf_counter()  # every sequence has 1 + warmup tokens: the untimed decode steps are done
             step_ends.append(start)
         elif start is not None and seq.row == batch - 1:
@@ -87,7 +93,8 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     generated = batch * (new_tokens - 1 - warmup)
     steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
     return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds,
-                       spread=spread(steps), noise=noise(steps))
+                       spread=spread(steps), noise=noise(steps), feed=feed,
+                       experts_touched=experts_touched(executor, before))
 
 
 def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
@@ -201,7 +208,8 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
 
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
                       context: int = 4096, policy: str = "balanced", log=print,
-                      expert_format: str = "dense", reprofile: bool = True, calibration=None) -> SyntheticBench:
+                      expert_format: str = "dense", reprofile: bool = True, calibration=None,
+                      feed: str = "random") -> SyntheticBench:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     gpu_budget_gib: the whole GPU's, as a user's --gpu-budget: the non-expert weights, one sequence's KV cache of
@@ -214,7 +222,9 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     kernels.quant_formats (q4_0, q8_0, q4_k, q5_k, q6_k, mxfp4).
     reprofile False: a profile this machine stored for the same shape and experts (an earlier bench's) is used.
     calibration: two halves of selections per [MoE layer, expert] to calibrate popularity from, in place of the
-    calibration decodes (a bench that replays a routing trace: tests/perf/bench_expert_cache.py)."""
+    calibration decodes (a bench that replays a routing trace: tests/perf/bench_expert_cache.py).
+    feed: what the calibration decodes feed (bench.feed.fed_tokens): the measured runs' feed, so that popularity
+    is learned from the routing they will see."""
     from moedesk.bench.budget import bench_dtype, bench_split
     from moedesk.engine.generation.scheduler import default_prefill_chunk
     from moedesk.engine.load.demo import cache_root
@@ -269,7 +279,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     halves = calibration or []
     for seed in () if calibration else (1000, 2000):
         executor.selections.clear()
-        measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed)
+        measure_decode(model, executor, cfg, device, dtype, 4, new_tokens=16, prompt=32, seed=seed, feed=feed)
         halves.append([executor.selections[layer].tolist() for layer in sorted(banks)])
     orchestra.calibrate(halves)
     parts = None
@@ -349,8 +359,12 @@ def bench_context(prefill: tuple[int, ...] = (512, 2048), decode_tokens: int = 6
 def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
               decode_tokens: int = 64, prefill: tuple[int, ...] = (512, 2048), batch: int = 16,
               policy: str = "balanced", log=print,
-              expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512) -> dict:
+              expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512,
+              feed: str = "random") -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound.
+
+    feed: what every decode step feeds, calibration's included (bench.feed.fed_tokens): "random" tokens, as
+    llama-bench does, or "greedy", the model's own choice.
 
     contexts: depths at which decode and a prefill piece of `context_chunk` tokens are measured again after that
     many tokens of context (bench.depth). The budget counts the KV cache of the whole context built (bench_context):
@@ -359,7 +373,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
 
     load = CpuLoad()  # from the build on: a profile measured beside other work misplaces experts too
     room = bench_context(prefill, decode_tokens, contexts, context_chunk)
-    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format)
+    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format, feed=feed)
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
 
@@ -367,7 +381,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).
     read_bps, h2d_bps = profile["cpu_read_gbs"] * 1e9, profile["h2d_gbs"] * 1e9
     results = []
-    r = measure_decode(model, executor, cfg, device, dtype, 1, decode_tokens)
+    r = measure_decode(model, executor, cfg, device, dtype, 1, decode_tokens, feed=feed)
     r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, 1, expert_bytes, read_bps)
     results.append(r)
     for n in prefill:
@@ -378,18 +392,19 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
         r.experts = executor.stats.as_dict()
         results.append(r)
     if batch > 1:
-        r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens)
+        r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens, feed=feed)
         r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, batch, expert_bytes, read_bps)
         results.append(r)
     for depth in contexts:
         log(f"context {depth}: prefilling it, then decode and a {context_chunk}-token prefill piece")
         t = measure_at_depth(model, executor, device, dtype, random_prompt(depth + context_chunk, cfg.vocab_size, depth),
-                             depth, decode_tokens, context_chunk)
+                             depth, decode_tokens, context_chunk, feed=feed, seed=depth)
         results += [BenchResult("decode", decode_tokens, 1, t.decode_s, t.decode_steps / t.decode_s,
-                                traffic_bound(executor.stats, t.decode_steps, 1, expert_bytes, read_bps), depth),
+                                traffic_bound(executor.stats, t.decode_steps, 1, expert_bytes, read_bps), depth,
+                                feed=feed, experts_touched=t.experts_touched),
                     BenchResult("prefill", t.chunk, 1, t.prefill_s, t.chunk / t.prefill_s, depth=depth)]
     executor.stats = type(executor.stats)()
-    return {**bench.header(), "profile": dict(profile), "results": [x.as_dict() for x in results],
+    return {**bench.header(), "feed": feed, "profile": dict(profile), "results": [x.as_dict() for x in results],
             "other_cpu_share": round(load.others(), 3)}
 
 
@@ -405,6 +420,9 @@ def format_results(report: dict) -> str:
                      f"{d['experts_on_gpu']} of {d['experts_total']} experts")
     if report.get("budget_split_bytes"):
         lines.append(f"budget: {_split_text(report['budget_split_bytes'])}")
+    if report.get("feed"):
+        lines.append("decode steps feed " + ("random tokens, as llama-bench" if report["feed"] == "random" else
+                                             "the model's own greedy choice"))
     rows = []
     for r in report["results"]:
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"
@@ -454,7 +472,9 @@ def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, pr
     search.run(random_prompt(prompt, cfg.vocab_size, 99), executor, beams, 3)
     batched_ms, beam_ms, runs = [], [], []
     for r in range(rounds):
-        result = measure_decode(model, executor, cfg, device, dtype, beams, new_tokens, prompt, seed=10 * r)
+        # Greedy: beam search's rows follow the model's own choices too, so both sides decode their own trajectories.
+        result = measure_decode(model, executor, cfg, device, dtype, beams, new_tokens, prompt, seed=10 * r,
+                                feed="greedy")
         steps = new_tokens - 2
         batched_ms.append(1000 * result.seconds / steps)
         batched_active = _experts_per_step(executor.stats, steps) if hasattr(executor, "stats") else None

@@ -39,6 +39,9 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     tag: Any = None
     grammar: Any = None  # engine.generation.sampling.Grammar: only tokens it allows are chosen (structured output)
+    # The reply's first tokens, chosen in advance: token i is fed_tokens[i] whatever the model predicts, the model
+    # chooses the rest. A benchmark's feed (llama-bench's random tokens); plain decoding only, without a grammar.
+    fed_tokens: tuple[int, ...] = ()
 
 
 @dataclass

@@ -93,6 +93,8 @@ class Decoder:
         if request.params.temperature > 0:
             seq.generator = torch.Generator().manual_seed(request.params.seed)
         if request.grammar is not None:
+            if request.fed_tokens:
+                raise ValueError("a request takes fed tokens or a grammar, not both")
             seq.constraint = request.grammar.matcher()
         return seq
 
@@ -165,6 +167,9 @@ class Decoder:
                 token = int(torch.argmax(row)) if s.params.temperature == 0 else sample_token(row, s.params, s.generator)
             else:
                 token = picked[i]
+            if len(s.tokens) < len(s.request.fed_tokens):
+                # Chosen (the step's work is a real one's) and then replaced: what the next step reads is the fed one.
+                token = s.request.fed_tokens[len(s.tokens)]
             if not s.tokens:
                 s.first_token_at = now
             if token in self.eos_token_ids and (not s.params.ignore_eos or s.constraint is not None):

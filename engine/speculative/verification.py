@@ -118,6 +118,8 @@ def check_request(request: Request, context_length: int) -> None:
         raise MoedeskError(f"prompt has {len(request.prompt_ids)} tokens; the context is {context_length}")
     if request.grammar is not None:
         raise MoedeskError("speculative decoding does not take a response_format")
+    if request.fed_tokens:
+        raise MoedeskError("speculative decoding does not take fed tokens")
 
 
 class Speculator:
