@@ -34,6 +34,7 @@ except ImportError:  # the CPU build of torch comes without Triton
 
 SPLIT = 512  # keys per program: enough to amortise a program's start, few enough to fill the GPU at batch 1
 BLOCK = 64  # keys per step of a program's loop
+COMBINE_COLUMNS = 64  # of head_dim (or MLA's kv_lora_rank) a combine program merges: more programs, less each
 
 
 def applies(q: torch.Tensor, cache_k: torch.Tensor) -> bool:
@@ -94,9 +95,10 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
         ROWS=rows is not None, WINDOW=window, TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16),
         INTERPRETED=_interpreted())
     out = torch.empty(batch, tokens, heads, d, dtype=q.dtype, device=q.device)
-    _combine[(batch * kv_heads,)](acc, top, total, lengths, sinks if sinks is not None else top, out, splits,
-                                  KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT,
-                                  WINDOW=window, SINKS=sinks is not None)
+    dc = min(d, COMBINE_COLUMNS)
+    _combine[(batch * kv_heads, d // dc)](acc, top, total, lengths, sinks if sinks is not None else top, out, splits,
+                                          KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, DC=dc,
+                                          SPLIT=SPLIT, WINDOW=window, SINKS=sinks is not None)
     return out[:, 0] if one else out
 
 
@@ -157,9 +159,9 @@ def latent_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent
         INTERPRETED=_interpreted(), num_warps=LATENT_WARPS)
     out = torch.empty(batch, heads, c, dtype=q_latent.dtype, device=q_latent.device)
     # The combine sees each block of query heads as a key/value head of `groups` query heads.
-    _combine[(batch * blocks,)](acc, top, total, lengths, top, out, splits, KV_HEADS=blocks, GROUPS=groups,
-                                TOKENS=1, PADDED=padded, D=c, SPLIT=split, WINDOW=0, SINKS=False,
-                                num_warps=LATENT_WARPS)
+    dc = min(c, COMBINE_COLUMNS)
+    _combine[(batch * blocks, c // dc)](acc, top, total, lengths, top, out, splits, KV_HEADS=blocks, GROUPS=groups,
+                                        TOKENS=1, PADDED=padded, D=c, DC=dc, SPLIT=split, WINDOW=0, SINKS=False)
     return out
 
 
@@ -308,21 +310,24 @@ if triton is not None:
     @triton.jit
     def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, sinks_ptr, out_ptr, splits,
                  KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, TOKENS: tl.constexpr, PADDED: tl.constexpr,
-                 D: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
+                 D: tl.constexpr, DC: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
+                 SINKS: tl.constexpr):
         """The slices of one row and key/value head merged by their maxima (online, as the slices' own keys were),
-        over the slices any of its tokens read, and the sinks' logits joined: [B, T, H, D] in the output's dtype."""
+        over the slices any of its tokens read, and the sinks' logits joined: [B, T, H, D] in the output's dtype.
+        Each program takes DC of the D columns (the second grid axis): MLA's latent partials are [heads, 512]
+        float32 a slice, which one program a block of heads read alone, slice after slice."""
         pid = tl.program_id(0)
         b = pid // KV_HEADS
         h = pid % KV_HEADS
         r = tl.arange(0, PADDED)
-        d = tl.arange(0, D)
+        d = tl.program_id(1) * DC + tl.arange(0, DC)
         real = r < GROUPS * TOKENS
         g = r // TOKENS
         t = tl.where(real, r % TOKENS, 0)
         first, last, lo, hi = _key_range(lengths_ptr, b, t, TOKENS, WINDOW)
         best = tl.full([PADDED], float("-inf"), tl.float32)
         total = tl.zeros([PADDED], tl.float32)
-        acc = tl.zeros([PADDED, D], tl.float32)
+        acc = tl.zeros([PADDED, DC], tl.float32)
         for s in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):  # every slice here was written (for each row: -inf if idle)
             at = (pid * splits + s) * GROUPS * TOKENS + r
             top = tl.load(top_ptr + at, mask=real, other=float("-inf"))
