@@ -408,8 +408,9 @@ def _run_decoding_bench(args, log) -> int:
 
     tokens = args.decode_tokens or 32
     context = PROMPT_TOKENS + tokens + 2 * (args.draft_length + 1) + 8
+    # Calibrated on greedy decodes: speculation and beam search run the model's own choices (bench.feed).
     bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, context, args.policy, log,
-                              args.expert_format)
+                              args.expert_format, feed="greedy")
     report = {**bench.header(), "profile": dict(bench.profile)}
     if args.speculative:
         report["speculative"] = measure_speculative(bench, args.batches or (1, 4, 16, 32), args.acceptance,

@@ -171,12 +171,38 @@ def test_decode_at_depth_feeds_random_tokens_by_default(tiny, monkeypatch):
     assert [row[0] for row in steps] != list(want[:5])
 
 
-def test_bench_reports_its_feed_and_the_cli_takes_it_for_plain_runs_alone(capsys):
+@pytest.mark.parametrize("feed", ["random", "greedy"])
+def test_bench_calibrates_and_measures_with_its_feed_and_reports_it(feed, monkeypatch):
+    """The calibration decodes feed what the measured runs feed: placement learns the routing they will see."""
+    from moedesk.bench import synthetic
+
+    fed = []
+    real = synthetic.measure_decode
+    monkeypatch.setattr(synthetic, "measure_decode", lambda *a, **k: fed.append(k["feed"]) or real(*a, **k))
     report = run_bench("tiny-moe", 2, 0, device="cpu", decode_tokens=6, prefill=(), batch=2, log=lambda *a: None,
-                       contexts=(40,), context_chunk=16, feed="greedy")
-    assert report["feed"] == "greedy"
+                       contexts=(40,), context_chunk=16, feed=feed)
+    assert fed == [feed] * 4  # the two calibration halves, then one sequence and the batch
+    assert report["feed"] == feed
     decodes = [r for r in report["results"] if r["mode"] != "prefill"]
-    assert len(decodes) == 3 and all(r["feed"] == "greedy" and r["experts_touched"] > 0 for r in decodes)
+    assert len(decodes) == 3 and all(r["feed"] == feed and r["experts_touched"] > 0 for r in decodes)
+
+
+def test_the_cli_feeds_random_tokens_unless_told_and_refuses_feed_where_runs_decode_their_own(capsys, monkeypatch):
+    from moedesk.bench import synthetic
+
+    asked = []
+
+    def stop(*a, feed=None, **k):
+        asked.append(feed)
+        raise MoedeskError("stopped before building")
+
+    monkeypatch.setattr(synthetic, "run_bench", stop)
+    monkeypatch.setattr(synthetic, "prepare_synthetic", stop)
+    assert main(["bench", "--shape", "tiny-moe", "--device", "cpu"]) == 2
+    assert main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--feed", "greedy"]) == 2
+    assert main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--beams", "4"]) == 2  # calibrated greedy
+    assert asked == ["random", "greedy", "greedy"]
+    capsys.readouterr()
     assert main(["bench", "--shape", "tiny-moe", "--device", "cpu", "--feed", "greedy", "--beams", "4"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
-    assert "--feed" in line
+    assert "--feed" in line and len(asked) == 3
