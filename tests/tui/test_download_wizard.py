@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -317,20 +318,24 @@ async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, en
 
 
 @pytest.mark.anyio
-async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its_load(hub, engine):
+@pytest.mark.parametrize("size", [(80, 24), (160, 50)])
+async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its_load(hub, engine, size):
     """llama.cpp reads GGUF files only. A safetensors choice with the engine set to llama.cpp: instead of the native
     estimate, the line Engine.load stops with once it is downloaded; auto estimates it natively where the native
-    engine implements its architecture, and says what would run it where it does not. At 80x24 the line wraps
-    whole inside the fit view."""
+    engine implements its architecture, and says what would run it where it does not. At 160x50 the line wraps
+    whole inside the fit view; at 80x24 its brief shows (the whole in its tooltip), and at both the buttons stay on
+    screen, whatever the lines above them say."""
     from moedesk.engine.errors import MoedeskError
     from moedesk.engine.runtime import Engine
     from moedesk.engine.selection import not_gguf
 
+    short = size == (80, 24)
     app = MoedeskApp(engine)
-    async with app.run_test(size=(80, 24)) as pilot:
+    async with app.run_test(size=size) as pilot:
         screen = await open_wizard(pilot)
         fit = screen.query_one("FitView")
         loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
+        assert ("-short" in screen.classes) == short
 
         async def engine_setting(value: str) -> None:
             await open_settings(pilot)
@@ -341,24 +346,58 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
                            what=f"the wizard with engine {value}")
 
         def on_screen() -> str:
-            """The fit view's rows as exported, the border's sides cut off, joined as the words wrap."""
-            rows = [row.strip().strip("│╭╮╰╯─").strip() for row in screen_lines(app)]
-            start = next(i for i, row in enumerate(rows) if row.startswith("loaded"))
-            end = next(i for i in range(start, len(rows)) if rows[i].startswith("the weights"))
-            print("\n".join(screen_lines(app)))  # shown when the test fails
-            return " ".join(" ".join(rows[start:end]).split())
+            """The fit view's `loaded` rows as exported, the border's sides cut off, joined as the words wrap: up to
+            the note, or to the view's last row on screen."""
+            rows = [row.strip() for row in screen_lines(app)]
+            start = next(i for i, row in enumerate(rows) if row.startswith("│ loaded"))
+            shown = []
+            for row in rows[start:]:
+                text = row.strip("│ ")
+                if not row.startswith("│") or text.startswith("the weights"):
+                    break
+                shown.append(text)
+            return " ".join(" ".join(shown).split())
+
+        def shows(stop: str) -> None:
+            """What the fit view shows of `stop` (the brief on a short screen, its tooltip the whole), with the
+            buttons below it on screen."""
+            lines = screen_lines(app)
+            print("\n".join(lines))  # shown when the test fails
+            whole = f"loaded  {stop}"
+            assert loaded() == whole
+            if short:
+                assert on_screen() == " ".join(f"loaded  {wizard.brief(stop)}".split())
+                assert fit.query_one(".fit-brief").tooltip == stop
+            else:
+                assert on_screen() == " ".join(whole.split())  # every word of it shows
+            buttons_shown()
+
+        def buttons_shown() -> None:
+            """Download (and Load model, once there is something to load) inside the screen, above the footer, and
+            in its export. (screen_lines leaves blank rows out: the labels are looked for by their words.)"""
+            lines = screen_lines(app)
+            assert "Back / cancel download" in lines[-1]  # the footer: the export's last row
+            labels = {"#download-start": "Download"} | ({"#download-load": "Load model"} if screen.spec else {})
+            for wid, label in labels.items():
+                button = screen.query_one(wid)
+                assert button.display and button.region.bottom <= size[1] - 1, (label, button.region, "\n".join(lines))
+                assert any(re.search(rf"\b{label}\b", row) for row in lines[:-1]), "\n".join(lines)
 
         await list_repo(pilot, screen, REPO)  # the native engine runs it (qwen3_moe)
         assert screen.highlighted_choice().kind == "safetensors"
         await wait_for(pilot, lambda: "reading" not in loaded(), what="the estimate")
         native = loaded()
         assert native.startswith("loaded  ~") and "in RAM" in native  # auto: the native estimate
+        assert on_screen() == " ".join(native.split()) and "-briefed" not in fit.classes  # an estimate shows whole
+        buttons_shown()
 
         await engine_setting("llama.cpp")
         stop = not_gguf("llama.cpp")
-        assert loaded() == f"loaded  {stop}" and "~" not in loaded()
+        assert "~" not in loaded()
         assert "reads GGUF files only" in stop and "auto or native" in stop and "GGUF of this model" in stop
-        assert on_screen() == " ".join(f"loaded  {stop}".split())  # every word of it shows, at 80 columns
+        assert wizard.brief(stop) == "the llama.cpp engine reads GGUF files only, so with the engine set to " \
+                                     "llama.cpp it would not load"
+        shows(stop)
 
         await list_repo(pilot, screen, LFM)  # the native engine refuses lfm2_moe
         await wait_for(pilot, lambda: "reading" not in loaded(), what="the refusal")
@@ -366,12 +405,16 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         lfm_stop = loaded().removeprefix("loaded  ")
         assert lfm_stop.startswith("the llama.cpp engine reads GGUF files only") and problem in lfm_stop
         assert "auto or native" not in lfm_stop and lfm_stop.endswith("use a GGUF of this model")
-        assert on_screen() == " ".join(f"loaded  {lfm_stop}".split())
+        assert wizard.brief(lfm_stop) == f"{wizard.brief(stop)}, nor natively"
+        shows(lfm_stop)
 
         # What the load of each, once downloaded, stops with: the same words.
         await pilot.press("enter")
         await wait_stopped(pilot, screen)
         assert screen.spec == LFM, status(screen)
+        # The progress bar and a status of four lines (the snapshot's path) join the buttons at the bottom: at 80x24
+        # the fit view's last rows give way to them, not the buttons.
+        shows(lfm_stop)
         with pytest.raises(MoedeskError) as refused:
             Engine.load(LFM, engine="llama.cpp")
         assert str(refused.value) == f"{LFM}: {lfm_stop}"
@@ -379,7 +422,8 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         await engine_setting("auto")  # the native engine refuses it and llama.cpp has no GGUF to read
         auto_stop = loaded().removeprefix("loaded  ")
         assert auto_stop.startswith(problem) and auto_stop.endswith("reads GGUF files only: use a GGUF of this model")
-        assert on_screen() == " ".join(loaded().split())
+        assert wizard.brief(auto_stop) == f"{problem}, and the llama.cpp engine reads GGUF files only"
+        shows(auto_stop)
         with pytest.raises(MoedeskError) as refused:
             Engine.load(LFM, engine="auto")
         assert str(refused.value).endswith(f": {auto_stop}")
@@ -388,10 +432,18 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         await pilot.press("enter")
         await wait_stopped(pilot, screen)
         assert screen.spec == REPO, status(screen)
+        buttons_shown()
         with pytest.raises(MoedeskError) as refused:
             Engine.load(REPO, engine="llama.cpp")
         assert str(refused.value) == f"{REPO}: {stop}"
         assert loaded() == native  # auto again: the native estimate
+
+
+def test_a_brief_is_the_first_clause_without_its_asides():
+    assert wizard.brief("no (really: none) such thing; try another: here") == "no such thing"
+    assert wizard.brief("unsupported architecture 'x' (supported: a, b), and more: advice") == \
+        "unsupported architecture 'x', and more"
+    assert wizard.brief("one whole line") == "one whole line"
 
 
 @pytest.mark.anyio

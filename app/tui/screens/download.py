@@ -12,7 +12,10 @@ part's, for a split one), which holds its metadata and every tensor's type and s
 A GGUF the engine setting (or auto) would load with llama.cpp shows that engine's plan instead, decided as the
 Models screen decides it (catalog.gguf_engine_plan). A safetensors choice that setting would not load (llama.cpp
 reads GGUF files only; the native engine refuses some architectures) shows the line its load would stop with
-instead of an estimate (engine.selection.not_gguf).
+instead of an estimate (engine.selection.not_gguf); a screen too short for all of it shows its brief.
+
+Progress, status and buttons are docked at the bottom, so the Download button stays on screen at 80x24 whatever
+the lines above it say.
 
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
@@ -91,6 +94,31 @@ def choice_label(choice: dl.DownloadChoice) -> Text:
     return text
 
 
+def load_stop(choice: dl.DownloadChoice, weights, target: LoadTarget) -> str | None:
+    """Where loading a safetensors choice with the target's engine setting would stop, in Engine.load's own line
+    (after the model's name); None where it would load, for a GGUF, and before its headers are read."""
+    if weights is None or choice.kind == "gguf":
+        return None
+    refusal = weights.problem if isinstance(weights, UnsupportedModelError) else None
+    return not_gguf(target.engine, refusal, read=not isinstance(weights, str))
+
+
+def brief(line: str) -> str:
+    """A line's first clause, its parenthesised asides left out: what a short screen shows of it. The clause ends at
+    the first ; or : outside parentheses (before the advice that follows)."""
+    depth, kept = 0, []
+    for char in line:
+        if char == "(":
+            depth += 1
+        elif char == ")" and depth:
+            depth -= 1
+        elif depth == 0:
+            if char in ";:":
+                break
+            kept.append(char)
+    return " ".join("".join(kept).replace(" ,", ",").split())
+
+
 def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> tuple[str, int | None]:
     """(the memory the choice takes once loaded, in words; its bytes, or None when not known). `weights`: the
     choice's ModelWeights once its headers are read, the native engine's refusal of it (UnsupportedModelError), the
@@ -99,11 +127,8 @@ def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> t
         if choice.kind == "gguf":
             return f"reading the GGUF header{'s' if len(choice.files) > 1 else ''} for an estimate…", None
         return "reading config.json and the shards' headers for an estimate…", None
-    if choice.kind != "gguf":  # safetensors: where the engine setting would stop its load, Engine.load's own line
-        refusal = weights.problem if isinstance(weights, UnsupportedModelError) else None
-        stop = not_gguf(target.engine, refusal, read=not isinstance(weights, str))
-        if stop is not None:
-            return stop, None
+    if (stop := load_stop(choice, weights, target)) is not None:
+        return stop, None
     if isinstance(weights, UnsupportedModelError):  # a GGUF the native engine refuses: no estimate, as any error
         weights = one_line(weights)
     if isinstance(weights, str):
@@ -128,6 +153,7 @@ def model_spec(listing: dl.RepoListing, choice: dl.DownloadChoice, snapshot: Pat
 
 
 class DownloadScreen(Screen[str | None]):
+    VERTICAL_BREAKPOINTS = [(0, "-short"), (32, "-tall")]  # -short: a load's stop shows its brief (FitView)
     BINDINGS = [
         Binding("escape", "back", "Back / cancel download"),
         Binding("ctrl+l", "focus_repo", "Repo id"),
@@ -179,12 +205,13 @@ class DownloadScreen(Screen[str | None]):
                 yield Button("List files", id="download-list")
             yield OptionList(id="download-choices")
             yield FitView(id="download-fit")
-            yield ProgressBar(total=None, show_eta=False, id="download-bar")
-            yield Static("", id="download-status", markup=False)
-            with Horizontal(id="download-buttons"):
-                yield Button("Download", variant="primary", id="download-start", disabled=True)
-                yield Button("Cancel", id="download-cancel", disabled=True)
-                yield Button("Load model", variant="success", id="download-load", disabled=True)
+            with Vertical(id="download-foot"):
+                yield ProgressBar(total=None, show_eta=False, id="download-bar")
+                yield Static("", id="download-status", markup=False)
+                with Horizontal(id="download-buttons"):
+                    yield Button("Download", variant="primary", id="download-start", disabled=True)
+                    yield Button("Cancel", id="download-cancel", disabled=True)
+                    yield Button("Load model", variant="success", id="download-load", disabled=True)
         yield Footer()
 
     def on_mount(self) -> None:
@@ -308,8 +335,11 @@ class DownloadScreen(Screen[str | None]):
     def _show_fit(self) -> None:
         choice = self.highlighted_choice()
         if choice is not None and choice.name in self.fits:
-            loaded, loaded_bytes = loaded_estimate(choice, self.weights.get(choice.name), self.target)
-            self.query_one(FitView).show(choice, self.fits[choice.name], loaded, loaded_bytes)
+            weights = self.weights.get(choice.name)
+            loaded, loaded_bytes = loaded_estimate(choice, weights, self.target)
+            stop = load_stop(choice, weights, self.target)
+            self.query_one(FitView).show(choice, self.fits[choice.name], loaded, loaded_bytes,
+                                         brief(stop) if stop else "")
 
     @work(thread=True, group="download-headers", exit_on_error=False)
     def _read_headers(self, serial: int, listing: dl.RepoListing, choice: dl.DownloadChoice) -> None:

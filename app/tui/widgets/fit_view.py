@@ -4,6 +4,9 @@ and what the model takes once loaded (the screen's estimate: packed experts are 
 Running out of disk stops a download, so that line turns into a warning; memory is only advice (the
 engine keeps the experts that miss the GPU in RAM, so a model larger than RAM + VRAM may still be
 worth having on disk), so it never looks like an error.
+
+A long `loaded` line (where a load would stop, and why) can come with a brief: a screen too short for the whole
+shows the brief, the whole in its tooltip (the stylesheet swaps them on the screen's `-short` class).
 """
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class FitView(Vertical):
         yield Static("", classes="fit-disk", markup=False)
         yield Static("", classes="fit-memory", markup=False)
         yield Static("", classes="fit-loaded", markup=False)
+        yield Static("", classes="fit-brief", markup=False)
         yield Static("", classes="fit-note", markup=False)
 
     def on_mount(self) -> None:
@@ -63,14 +67,15 @@ class FitView(Vertical):
 
     def clear(self) -> None:
         self.add_class("-empty")
-        self.remove_class("-no-room", "-too-big")
+        self.remove_class("-no-room", "-too-big", "-briefed", "-unloaded")
         for line in self.query(Static):
             line.update("")
+            line.tooltip = None
 
     def show(self, choice: DownloadChoice, report: FitReport, loaded: str = "",
-             loaded_bytes: int | None = None) -> None:
+             loaded_bytes: int | None = None, brief: str = "") -> None:
         """`loaded`: the memory estimate in words (its line is left out when empty); `loaded_bytes`: its total, which
-        the RAM + VRAM note weighs instead of the file's size."""
+        the RAM + VRAM note weighs instead of the file's size; `brief`: what a short screen shows of `loaded`."""
         self.remove_class("-empty")
         self.set_class(not report.fits_on_disk, "-no-room")
         self.set_class(not fits_in_memory(report, loaded_bytes), "-too-big")
@@ -79,5 +84,10 @@ class FitView(Vertical):
         self.query_one(".fit-memory", Static).update(memory_line(report))
         line = self.query_one(".fit-loaded", Static)
         line.update(f"loaded  {loaded}" if loaded else "")
-        line.display = bool(loaded)
+        self.set_class(not loaded, "-unloaded")  # a class, not `display`: an inline style would beat the brief's swap
+        short = self.query_one(".fit-brief", Static)
+        briefed = bool(loaded and brief and brief != loaded)
+        self.set_class(briefed, "-briefed")
+        short.update(f"loaded  {brief}" if briefed else "")
+        short.tooltip = loaded if briefed else None
         self.query_one(".fit-note", Static).update(memory_note(report, loaded_bytes))
