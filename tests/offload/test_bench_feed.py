@@ -185,6 +185,8 @@ def test_bench_calibrates_and_measures_with_its_feed_and_reports_it(feed, monkey
     assert report["feed"] == feed
     decodes = [r for r in report["results"] if r["mode"] != "prefill"]
     assert len(decodes) == 3 and all(r["feed"] == feed and r["experts_touched"] > 0 for r in decodes)
+    said = {"random": "decode steps feed random tokens, as llama-bench", "greedy": "the model's own greedy choice"}
+    assert said[feed] in synthetic.format_results(report)
 
 
 def test_the_cli_feeds_random_tokens_unless_told_and_refuses_feed_where_runs_decode_their_own(capsys, monkeypatch):
