@@ -1,0 +1,88 @@
+"""tests/perf/simulate_expert_cache.py's pieces: the step's price, the copies', the LRU and clairvoyant caches, the
+replay, on hand-made numbers and small traces (no GPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, replay
+from moedesk.engine.offload.routing_trace import CONVERSATION, TraceShape, step_counts, synthetic_trace
+from tests.perf import simulate_expert_cache as sim
+
+PRICES = sim.StepPrices(roundtrip_ms=0.1, call_ms=0.2, share_ms=0.01, resident_launch_ms=0.5, copy_ms=1.0,
+                        copy_launch_ms=0.25, link_gbs=40.0, expert_bytes=1)
+
+
+def test_a_step_costs_the_handoff_of_each_partly_resident_layer_and_its_misses():
+    resident = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=bool)
+    counts = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1], [1, 1, 0, 0]])
+    # layer 0 whole: free; 1: round trip, call, one miss, a launch; 2: no hits, no launch; 3: like 1.
+    expected = 3 * 0.1 + 3 * 0.2 + 4 * 0.01 + 2 * 0.5
+    assert sim.moe_ms(resident, counts, PRICES) == pytest.approx(expected)
+    # every selection of a partly resident layer a hit: the call and the shares go, the round trip stays
+    all_hits = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
+    assert sim.moe_ms(resident, all_hits, PRICES) == pytest.approx(3 * 0.1 + 2 * 0.5)
+
+
+def test_copies_stall_the_step_unless_the_link_moves_them_beside_it():
+    assert sim.copies_ms(4, 10.0, PRICES, "stalled") == pytest.approx(4 * 1.25)
+    assert sim.copies_ms(4, 10.0, PRICES, "overlapped") == pytest.approx(4 * 0.25)  # the link has time: launches only
+    assert sim.copies_ms(4, 10.0, PRICES, "batched") == 0.0
+    assert sim.copies_ms(14, 10.0, PRICES, "batched") == pytest.approx(4.0)  # what the step's time cannot hide
+
+
+def test_lru_admits_the_misses_in_place_of_the_least_recently_used_within_its_budget():
+    resident = np.array([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=bool)
+    cache = sim.LruCache(resident, copies_per_step=1)
+    cache.observe(np.array([[1, 0, 0, 0], [0, 0, 0, 0]]))  # expert 0 used: 1 is now the oldest resident
+    assert cache.resident[0].tolist() == [True, True, False, False]
+    swaps = cache.observe(np.array([[0, 0, 2, 1], [1, 1, 0, 0]]))
+    assert [(s.layer, s.evict, s.admit) for s in swaps] == [(0, 1, 2)]  # the most used miss first; one a step
+    assert cache.resident[0].tolist() == [True, False, True, False]
+    assert cache.resident[1].all()  # a whole layer never changes
+    assert (cache.hits, cache.selections, cache.swaps) == (3, 6, 1)
+
+
+def test_lru_never_evicts_an_expert_the_step_used():
+    cache = sim.LruCache(np.array([[1, 1, 0, 0]], dtype=bool))
+    assert cache.observe(np.array([[1, 1, 1, 0]])) == []
+    assert cache.resident[0].tolist() == [True, True, False, False]
+
+
+def conversation(shape: TraceShape, steps: int) -> list[np.ndarray]:
+    return [step_counts(s, shape.experts) for s in synthetic_trace(shape, steps, CONVERSATION, seed=3)]
+
+
+def test_the_clairvoyant_bound_beats_lru_and_hits_everything_with_top_k_slots():
+    shape = TraceShape(2, 32, 4)
+    trace = conversation(shape, 120)
+    few = np.zeros((2, 32), dtype=bool)
+    few[:, :8] = True
+    lru = sim.simulate(trace, sim.LruCache(few), PRICES, 0.0, warmup=0)
+    bound = sim.simulate(trace, sim.Clairvoyant(few, trace), PRICES, 0.0, warmup=0)
+    assert bound.hit_rate >= lru.hit_rate
+    top_k = np.zeros((2, 32), dtype=bool)
+    top_k[:, :4] = True
+    assert sim.simulate(trace, sim.Clairvoyant(top_k, trace), PRICES, 0.0, warmup=1).hit_rate == 1.0
+
+
+@pytest.mark.parametrize("policy", [None, CachePolicy()])
+def test_simulate_replays_as_replay_does(policy):
+    shape = TraceShape(3, 16, 2)
+    trace = conversation(shape, 60)
+    resident = np.zeros((3, 16), dtype=bool)
+    resident[:, :5] = True
+    expected = replay(trace, resident, policy)
+    got = sim.simulate(trace, ExpertCache(resident, policy or CachePolicy(swaps_per_step=0)), PRICES, 2.0, warmup=0)
+    assert got.hit_rate == pytest.approx(expected.hit_rate)
+    # swaps decided after the last step are never paid for: the replay's count less those
+    assert got.swaps_per_step * len(trace) <= expected.swaps
+    assert got.step_ms["stalled"] >= got.step_ms["overlapped"] >= got.step_ms["batched"] >= 2.0 + got.moe_ms - 1e-9
+
+
+def test_a_spread_placement_keeps_the_busiest_layers_whole_and_shares_the_rest_evenly():
+    popularity = np.array([[5.0, 4, 3, 2], [9, 9, 9, 9], [1, 2, 3, 4]])
+    on = sim.spread_placement(popularity, 4 + 3, whole=1)
+    assert on[1].all()
+    assert on.sum(axis=1).tolist() == [2, 4, 1]
+    assert on[0].tolist() == [True, True, False, False] and on[2].tolist() == [False, False, False, True]
