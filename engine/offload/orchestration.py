@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
@@ -117,6 +117,20 @@ class ExpertOrchestra:
         uniform = [[0] * first.num_experts for _ in banks]
         return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
                    profile_key=key, profile=points, top_k=top_k)
+
+    def twin(self) -> "ExpertOrchestra":
+        """Another orchestra over the same host experts, latency model and popularity, with an executor of its own
+        (its own GPU copies, remembered splits, buffers and cache) and nothing resident: two placements kept side by
+        side and measured in turns, neither re-copied between them nor sharing what the other learned
+        (tests/perf/bench_expert_cache.py)."""
+        old = self.executor
+        decide = RememberedSplit(old.decide.rule) if isinstance(old.decide, RememberedSplit) else old.decide
+        banks = {layer: bank.host for layer, bank in old.banks.items()}
+        executor = OffloadExecutor(banks, [[False] * bank.host.num_experts for _, bank in sorted(old.banks.items())],
+                                   old.device, decide=decide, staging_slots=len(old.staging),
+                                   resident_to_cpu=old.resident_to_cpu, zero_copy_ranks=old.zero_copy_ranks,
+                                   split_width=old.split_width, overlap_copies=old.overlap_copies)
+        return replace(self, executor=executor, placement=None, budget_bytes=0, warnings=[])
 
     def cpu_path(self) -> str:
         """What computes this model's experts on the CPU, in words (kernels.experts.cpu_path of its first layer's

@@ -3,7 +3,9 @@ the run with the finished cases written, and tests/perf/issue42_summary.py readi
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,27 +13,38 @@ from tests.perf import bench_expert_cache as bench
 from tests.perf.issue42_summary import summary
 
 
-def test_the_targets_four_cases_come_first_then_the_other_intervals_then_the_cache_started_per_expert():
-    plan = [(c.trace, c.placement, c.interval, c.whole_layers) for c in bench.case_plan([16, 1])]
-    assert plan[:4] == [("conversation", "fixed", None, True), ("conversation", "cache every 16", 16, True),
-                        ("no locality", "fixed", None, True), ("no locality", "cache every 16", 16, True)]
-    assert plan[4:] == [("conversation", "cache every 1", 1, True), ("no locality", "cache every 1", 1, True),
-                        ("conversation", "cache every 16, per expert", 16, False),
-                        ("no locality", "cache every 16, per expert", 16, False)]
+def test_the_targets_two_pairs_come_first_then_the_control_the_other_intervals_and_the_cache_started_per_expert():
+    plan = [(p.trace, p.placement, p.interval, p.whole_layers) for p in bench.pair_plan([16, 1])]
+    assert plan == [("conversation", "cache every 16", 16, True), ("no locality", "cache every 16", 16, True),
+                    ("conversation", "fixed again", None, True),
+                    ("conversation", "cache every 1", 1, True), ("no locality", "cache every 1", 1, True),
+                    ("conversation", "cache every 16, per expert", 16, False),
+                    ("no locality", "cache every 16, per expert", 16, False)]
+
+
+def test_the_turns_alternate_which_placement_goes_first_after_a_warm_up_round_of_each():
+    assert bench.turns(3) == [(0, "fixed"), (0, "other"), (1, "other"), (1, "fixed"), (2, "fixed"), (2, "other"),
+                              (3, "other"), (3, "fixed")]
+    ratio = bench.paired_ratio([10.0, 20.0, 10.0], [12.0, 18.0, 10.0])  # round by round, not medians' ratio
+    assert ratio == {"ratios": [1.2, 0.9, 1.0], "vs_fixed": 1.0, "vs_fixed_range": [0.9, 1.2]}
+    with pytest.raises(ValueError):
+        bench.paired_ratio([10.0], [])
 
 
 def test_a_case_starts_only_where_the_slowest_so_far_still_ends_in_time():
     assert bench.fits(50.0, None, [30.0])
-    assert bench.fits(50.0, 100.0, [])  # the first case: whenever time is left
+    assert bench.fits(50.0, 100.0, [])  # the first pair: whenever time is left
     assert not bench.fits(100.0, 100.0, [])
     assert bench.fits(50.0, 100.0, [20.0, 40.0])  # 50 + 40 + 5 < 100
     assert not bench.fits(60.0, 100.0, [20.0, 40.0])
-    assert bench.ratio_noise(0.03, 0.04) == pytest.approx(0.05)
 
 
-def test_a_run_cut_by_its_time_limit_keeps_what_it_finished(tmp_path, monkeypatch, capsys):
-    """Three cases fit (the limit's decision replaced, so that the test does not hang on this machine's speed):
-    the file holds them in the plan's order, each timed over the same steps of the same trace, and names the rest."""
+def test_a_run_cut_by_its_time_limit_keeps_its_paired_rounds_and_the_control_straddles_one(tmp_path, monkeypatch,
+                                                                                           capsys):
+    """Three pairs fit (the limit's decision replaced, so that the test does not hang on this machine's speed): the
+    file holds them in the plan's order, each round timing both placements over the same trace positions, the ratios
+    computed from those times, and the fixed placement against itself (the control) has a range of ratios holding
+    1.0 (11 rounds: a chance of 1 in 1024 that noise alone puts every round on one side). No timing is asserted."""
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
     from moedesk.engine.offload.expert_cache import SwapPrice
 
@@ -40,44 +53,74 @@ def test_a_run_cut_by_its_time_limit_keeps_what_it_finished(tmp_path, monkeypatc
     monkeypatch.setattr(SwapPrice, "from_model", classmethod(lambda cls, costs: cls(1.0, 0.0, 0.0)))
     out = tmp_path / "expert_cache.json"
     monkeypatch.setattr(sys, "argv", ["bench_expert_cache.py", "--shape", "tiny-moe", "--device", "cpu",
-                                      "--gpu-budget", "0.003", "--decode-tokens", "24", "--warmup", "4",
-                                      "--time-limit", "1", "--json", str(out)])
+                                      "--gpu-budget", "0.003", "--rounds", "11", "--decode-tokens", "6",
+                                      "--warmup", "1", "--intervals", "4,1", "--time-limit", "1", "--json", str(out)])
     assert bench.main() == 0
     report = json.loads(out.read_text())
-    rows = report["rows"]
-    assert [(r["trace"], r["placement"]) for r in rows] == [
-        ("conversation", "fixed"), ("conversation", "cache every 16"), ("no locality", "fixed")]
-    assert report["skipped"] == ["no locality, cache every 16", "conversation, cache every 1",
-                                 "no locality, cache every 1", "conversation, cache every 16, per expert",
-                                 "no locality, cache every 16, per expert"]
-    assert report["complete"] is False and report["warmup_steps"] == 4
-    # tiny-moe: 4 MoE layers, top-2; 24 tokens = the prompt's + 4 untimed + 19 timed decode steps (a swap round at 16)
-    assert all(r["timed_steps"] == 19 and r["selections"] == 19 * 4 * 2 for r in rows)
-    assert 0 < rows[0]["experts_on_gpu"] == rows[1]["experts_on_gpu"] < 32  # one budget, the experts partly resident
-    assert rows[0]["whole_layers"] == rows[1]["whole_layers"]  # the cache starts from the fixed placement
-    assert rows[0]["swaps_per_step"] == 0 and rows[1]["swaps_per_step"] > 0  # the cache moved experts
-    assert rows[0]["vs_fixed"] == 1.0 and rows[0]["vs_fixed_noise"] is None and rows[1]["vs_fixed_noise"] > 0
-    assert "skipped at the time limit: no locality, cache every 16, per expert" in capsys.readouterr().out
+    pairs = report["pairs"]
+    assert [(p["trace"], p["placement"]) for p in pairs] == [
+        ("conversation", "cache every 4"), ("no locality", "cache every 4"), ("conversation", "fixed again")]
+    assert report["skipped"] == ["conversation, cache every 1", "no locality, cache every 1",
+                                 "conversation, cache every 4, per expert", "no locality, cache every 4, per expert"]
+    assert report["complete"] is False and report["rounds"] == 11 and report["warmup_steps"] == 1
+    # tiny-moe: 4 MoE layers, top-2; 6 tokens a round = the prompt's + 1 untimed + 4 timed decode steps
+    assert report["timed_steps"] == 4
+    for p in pairs:
+        assert p["selections"] == p["fixed_selections"] == 11 * 4 * 4 * 2  # the same steps of the same trace
+        rounds = p["rounds"]
+        assert [x["round"] for x in rounds] == list(range(1, 12))
+        assert [x["first"] for x in rounds] == ["other", "fixed"] * 5 + ["other"]
+        ratios = [x["other_tok_s"] / x["fixed_tok_s"] for x in rounds]
+        assert [x["ratio"] for x in rounds] == pytest.approx(ratios, rel=1e-3)
+        assert p["vs_fixed"] == pytest.approx(sorted(ratios)[5], rel=1e-3)
+        assert p["vs_fixed_range"] == pytest.approx([min(ratios), max(ratios)], rel=1e-3)
+        assert all(x["fixed_swaps"] == 0 for x in rounds)
+    cache, _, control = pairs
+    assert 0 < cache["experts_on_gpu"] == control["experts_on_gpu"] < 32  # one budget, the experts partly resident
+    assert cache["whole_layers"] == control["whole_layers"]  # the cache starts from the fixed placement
+    assert cache["swaps_per_step"] > 0 and control["swaps_per_step"] == 0  # the cache moved experts; the control not
+    assert cache["gpu_hit_rate"] != cache["fixed_gpu_hit_rate"]  # so it served other selections than the fixed one
+    assert control["gpu_hit_rate"] == control["fixed_gpu_hit_rate"]  # the same placement on the same routing
+    low, high = control["vs_fixed_range"]
+    assert low <= 1.0 <= high
+    out_text = capsys.readouterr().out
+    assert "skipped at the time limit: no locality, cache every 4, per expert" in out_text
+    assert "conversation  fixed again" in out_text
+    # expert_cache_targets.sh's tables, read from the file (and a file missing said so)
+    script = (Path(bench.__file__).parent / "expert_cache_targets.sh").read_text()
+    tables = script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+    shown = subprocess.run([sys.executable, "-", str(out), str(tmp_path / "absent.json")], input=tables, text=True,
+                           capture_output=True, cwd=Path(bench.__file__).parents[2], check=True).stdout
+    assert "11 paired rounds of 4 timed steps" in shown and "conversation  fixed again" in shown
+    assert f"{tmp_path / 'absent.json'}: nothing measured" in shown
 
 
-def _row(trace, placement, vs_fixed):
-    return {"trace": trace, "placement": placement, "experts_on_gpu": 131, "whole_layers": 0, "tok_s": 10 * vs_fixed,
-            "vs_fixed": vs_fixed, "vs_fixed_noise": None if placement == "fixed" else 0.012, "gpu_hit_rate": 0.5,
-            "swaps_per_step": 0.0}
+def _pair(trace, placement, vs_fixed, spread=0.05):
+    return {"trace": trace, "placement": placement, "experts_on_gpu": 131, "whole_layers": 0, "fixed_tok_s": 10.0,
+            "tok_s": 10 * vs_fixed, "vs_fixed": vs_fixed, "vs_fixed_range": [vs_fixed - spread, vs_fixed + spread],
+            "gpu_hit_rate": 0.5, "swaps_per_step": 0.0}
 
 
-def test_the_summary_judges_each_interval_on_both_traces_and_says_what_was_not_measured(tmp_path):
+def test_the_summary_judges_each_interval_on_both_traces_by_its_median_and_says_what_was_not_measured(tmp_path):
     (tmp_path / "expert_cache.json").write_text(json.dumps({
-        "experts_on_gpu": 131, "experts": "q4_k", "complete": False,
-        "skipped": ["no locality, cache every 16", "no locality, fixed, per expert"],
-        "rows": [_row("conversation", "fixed", 1.0), _row("conversation", "cache every 16", 1.3),
-                 _row("no locality", "fixed", 1.0), _row("conversation", "cache every 16, per expert", 0.9)]}))
+        "experts_on_gpu": 131, "experts": "q4_k", "complete": False, "rounds": 5,
+        "skipped": ["no locality, cache every 16", "conversation, cache every 1"],
+        "pairs": [_pair("conversation", "cache every 16", 1.3, 0.04), _pair("conversation", "fixed again", 1.01),
+                  _pair("conversation", "cache every 1", 1.27), _pair("no locality", "cache every 1", 0.99, 0.1),
+                  _pair("conversation", "cache every 16, per expert", 0.9)]}))
     text = summary(str(tmp_path))
     assert "per expert / fixed" not in text  # shown in the table, not judged: the engine's cache keeps whole layers
-    assert "cut at the time limit after 4 cases; not run: no locality, cache every 16" in text
+    assert "fixed again / fixed" not in text  # the control: shown, not judged
+    assert "cut at the time limit after 5 pairs; not run: no locality, cache every 16" in text
+    assert "5 paired rounds of each placement" in text
     lines = {line.split("  ")[0]: line for line in text.splitlines() if line.startswith("cache every")}
-    assert lines["cache every 16 / fixed, conversation trace"].endswith("1.30x  1.25x  yes")
+    assert lines["cache every 16 / fixed, conversation trace"].endswith("1.30x  1.25x  yes (rounds 1.26-1.34x)")
     assert lines["cache every 16 / fixed, no locality trace"].endswith("-  0.98x  not measured")
-    assert "1.30x ±1.2%" in text
+    assert lines["cache every 1 / fixed, conversation trace"].endswith(
+        "1.27x  1.25x  yes (rounds 1.22-1.32x, the goal within them)")
+    assert lines["cache every 1 / fixed, no locality trace"].endswith(
+        "0.99x  0.98x  yes (rounds 0.89-1.09x, the goal within them)")
+    table = [line for line in text.splitlines() if line.startswith("conversation  fixed again")]
+    assert table and table[0].split()[-4:-1] == ["1.01x", "0.96-1.06x", "50%"]
     assert summary(str(tmp_path / "absent")).endswith("nothing measured: see issue42_targets.log and the logs in the "
                                                       "archive")

@@ -230,6 +230,32 @@ def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_sw
     assert not per_expert.on_gpu.all(axis=1).any() and (per_expert.on_gpu.sum(axis=1) == 4).all()
 
 
+def test_a_twin_holds_a_placement_of_its_own_over_the_same_host_experts_and_computes_the_same(tiny_checkpoint):
+    """Two placements side by side (tests/perf/bench_expert_cache.py): the twin starts with nothing resident, shares
+    the host experts, the latency model and the popularity, keeps its own splits, and places without moving the
+    original's experts; a forward through either gives the same logits."""
+    from moedesk.engine.offload.assignment import RememberedSplit
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    orchestra, model = engine.orchestra, engine.model
+    experts = orchestra.expert_bytes
+    orchestra.place(3 * experts)
+    twin = orchestra.twin()
+    assert twin.executor is not orchestra.executor and not any(map(any, twin.executor.on_gpu()))
+    assert all(twin.executor.banks[layer].host is bank.host for layer, bank in orchestra.executor.banks.items())
+    assert twin.costs is orchestra.costs and twin.popularity == orchestra.popularity and twin.placement is None
+    assert isinstance(twin.executor.decide, RememberedSplit) and twin.executor.decide is not orchestra.executor.decide
+    before = orchestra.executor.on_gpu()
+    twin.place(7 * experts)
+    assert sum(map(sum, twin.executor.on_gpu())) == 7 and orchestra.executor.on_gpu() == before
+    tokens = torch.tensor([engine.tokenizer.encode(PROMPTS[0])])
+    positions = torch.arange(tokens.shape[1])[None]
+    last = torch.tensor([tokens.shape[1] - 1])
+    logits = [model(tokens, positions, model.new_cache(1, tokens.shape[1], torch.float32, "cpu"), o.executor,
+                    logits_at=last) for o in (orchestra, twin)]
+    assert torch.allclose(*logits, atol=1e-5)
+
+
 def test_completions_report_the_expert_work_of_their_steps(tiny_checkpoint):
     engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", offload=True, gpu_budget=0)
     before = engine.expert_stats()

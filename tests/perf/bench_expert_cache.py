@@ -1,4 +1,4 @@
-"""The GPU expert cache against the fixed placement, on routing replayed from traces (docs/expert-cache.md).
+"""The GPU expert cache against the fixed placement, in paired turns on the same routing (docs/expert-cache.md).
 
 A synthetic model of a real shape is built and profiled as `moedesk bench` builds it; its router is replaced by
 a trace (engine.offload.routing_trace.replace_router) of the CONVERSATION preset (recent-use locality) and of
@@ -8,11 +8,37 @@ shrink it: these counts keep the model's static skew for the fixed placement). T
 from it as the engine plans it (whole layers where the latency model says they pay); the cache starts from that
 same placement, whole layers kept, and swaps within the layers partly resident where the latency model says a swap
 pays (engine.offload.expert_cache.SwapPrice). "cache every N, per expert" starts from a placement made expert by
-expert over every layer instead (the cache before session 35): what keeping whole layers is worth. Decode of one
-sequence, eager (a replayed router runs outside CUDA graphs, for all), on the same prompt and trace in every case;
-the first --warmup decode steps are untimed in every case (the cache starts learning there, as in a conversation's
-first tokens); tokens per second, its noise (standard error over the timed steps) and the GPU hit rate of the
-timed steps.
+expert over every layer instead (the cache before session 35): what keeping whole layers is worth. "fixed again"
+is the control: the fixed placement against itself, whose ratio says how far two identical placements differ here.
+
+Paired rounds. Each pair keeps its two placements side by side, each in an executor of its own
+(ExpertOrchestra.twin: its own GPU copies, so neither is re-copied between turns). Both replay one conversation:
+an untimed warm-up round, then --rounds timed rounds, round r decoding the trace's positions r*T .. r*T + T - 1
+(T = --decode-tokens: a 32-token prompt's prefill, then T - 1 decode steps, the first --warmup untimed) for both
+placements, in the order fixed, other | other, fixed | fixed, other ... (ABBA), so that a drift of the machine
+over the run falls on both alike. The cache's state (resident experts, decayed scores, copy credit) carries over
+from each of its rounds to its next, and it keeps learning in all of them: a conversation's cache has seen every
+earlier token, the fixed placement has seen the calibration, and neither sees a round's routing before it runs
+it, so each round is the next stretch of one conversation for both. Each round's ratio is the other
+placement's rate over the fixed one's; a pair reports the median ratio and the least and greatest of its rounds
+(with 5 rounds the range holds the true median ratio 94% of the time, whatever the noise's shape). The standard
+error within a round (over its steps, "step_se" in the JSON) says only how steady that round was.
+
+What else makes two identical placements time differently in one process, and what the bench does about it:
+  - first use: each executor's pinned staging buffers, remembered splits (RememberedSplit) and the allocator's
+    blocks for the KV cache are made on first use, and the CPU's clocks rise under load: the untimed warm-up round
+    of each placement pays them;
+  - what one placement learned serving the other: none, each executor learns its own splits and cache;
+  - the order of the turns (a placement that follows another's round): ABBA, and both read the same pinned host
+    experts (built once, pinned at build); a step reads far more experts than the CPU's caches hold;
+  - Python's garbage collection: collected before each round (what the build made frozen out of it) and off
+    during it;
+  - CUDA graphs: none (a replayed router runs eager, for all); the page cache: nothing is read from files after
+    the build (the profile's JSON at most).
+Out of its control: other work on the machine, the clocks and temperature of the CPU and GPU over the run, and
+which NUMA node holds the pages of the experts each placement leaves in RAM (they differ between placements).
+Both placements' copies are on the GPU at once, twice the budget (the H200 holds both; speed does not depend on
+unused GPU memory).
 
 Where the traces' parameters come from (engine.offload.routing_trace, docs/expert-cache.md): llama.cpp #27861
 measured, on a 512-expert top-10 model, little static skew and strong recent-use locality (a per-layer LRU of 64
@@ -25,33 +51,33 @@ property of many experts: with 8 a layer and a 16-step reuse window nearly every
 the trace leaves a cache little to follow; on Qwen3-30B-A3B (128 a layer, top-8), where whole layers are costly
 and per-expert caching is the natural unit, it leaves much.
 
-Cases run in the order issue 42's targets need them, so that a run cut short has the ratios first:
-    conversation fixed, conversation cache every I1 (target >= 1.25x), no locality fixed, no locality cache every
-    I1 (target >= 0.98x); then each further interval of --intervals on both traces; then "cache every I1, per expert"
-    (skipped where that placement is the fixed one).
---json is rewritten after every case; with --time-limit a case starts only where the slowest case so far would
-still end in time, so the run ends on its own with what it finished rather than being cut mid-case.
+Pairs run in the order issue 42's targets need them, so that a run cut short has the ratios first:
+    conversation: cache every I1 (target >= 1.25x), no locality: cache every I1 (target >= 0.98x), the control
+    (conversation, fixed again); then each further interval of --intervals on both traces; then "cache every I1,
+    per expert" (skipped where that placement is the fixed one).
+--json is rewritten after every pair; with --time-limit a pair starts only where the slowest pair so far would
+still end in time, so the run ends on its own with what it finished rather than being cut mid-pair.
 tests/perf/expert_cache_targets.sh runs both shapes in one device command.
 
 Time on the GPU box, predicted (not measured): the whole Mixtral-8x7B shape with q4_k experts at 16 GiB: start-up
 ~10 s, build 42 s (session 33), profile ~0 s with --reuse-profile after a bench of the same shape and format on the
-machine (otherwise 10-30 s), traces ~1 s; each case (placement <= 13 GB over PCIe, a 32-token prompt, 16 + 96 decode
-steps at 9-11 tok/s eager, session 34) ~12 s: the four target cases ~50 s, ~110-140 s with the two per-expert ones.
-Qwen3-30B-A3B whole at 8 GiB: build ~25 s (16 GB of q4_k), traces ~5 s, cases ~4-8 s each: ~60-90 s in all.
-96 timed steps: if a step's time varies by 10% (how many of its experts are resident), a rate's standard error
-is 1% and a ratio's 1.5%, well inside 1.25x; the table shows it beside each ratio.
+machine (otherwise 10-30 s), traces ~1 s; each pair two placements (<= 13 GB each over PCIe, ~2 s) and
+2 x 6 rounds of 20 tokens (a 32-token prefill ~0.5 s, 19 steps at 11-15 tok/s eager, sessions 34-35) ~35 s: the
+two target pairs ~70 s, ~105 s with the control. Qwen3-30B-A3B whole at 8 GiB: build ~25 s (16 GB of q4_k),
+traces ~5 s, pairs ~15-20 s each.
 
     python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 \\
         --reuse-profile --time-limit 190 --json expert_cache.json
-    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --gpu-budget 0.003 --decode-tokens 24 \\
-        --warmup 4   (a dry run)
+    python3 tests/perf/bench_expert_cache.py --shape tiny-moe --device cpu --gpu-budget 0.003 --decode-tokens 12 \\
+        --rounds 5   (a dry run)
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import math
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -63,31 +89,51 @@ from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, Tra
 
 TRACES = {"conversation": CONVERSATION, "no locality": NO_LOCALITY}
 CALIBRATION_STEPS = 300  # the other conversation popularity is calibrated from, in two halves
+CONTROL = "fixed again"
 
 
 @dataclass(frozen=True)
-class Case:
+class Pair:
+    """The fixed placement against another on one trace."""
     trace: str  # a key of TRACES
-    placement: str
-    interval: int | None  # None: the placement fixed; N: swaps every N steps
-    whole_layers: bool = True  # False: the placement made expert by expert over every layer
+    placement: str  # the other's name
+    interval: int | None  # None: the fixed placement again (the control); N: a cache swapping every N steps
+    whole_layers: bool = True  # False: the other placement made expert by expert over every layer
 
 
-def case_plan(intervals: list[int]) -> list[Case]:
-    """The cases in the order the targets need them: each trace's fixed placement beside the first interval's
-    cache (conversation first), then the other intervals, then the first interval's cache started per expert."""
-    def both(label: str, interval: int | None, whole_layers: bool = True) -> list[Case]:
-        return [Case(trace, label, interval, whole_layers) for trace in TRACES]
+def pair_plan(intervals: list[int]) -> list[Pair]:
+    """The pairs in the order the targets need them: the first interval's cache on each trace (conversation first),
+    the control, then the other intervals, then the first interval's cache started per expert."""
+    def both(label: str, interval: int, whole_layers: bool = True) -> list[Pair]:
+        return [Pair(trace, label, interval, whole_layers) for trace in TRACES]
 
     first, *others = intervals
-    plan = [case for pair in zip(both("fixed", None), both(f"cache every {first}", first)) for case in pair]
+    plan = both(f"cache every {first}", first) + [Pair("conversation", CONTROL, None)]
     for n in others:
         plan += both(f"cache every {n}", n)
     return plan + both(f"cache every {first}, per expert", first, whole_layers=False)
 
 
+def turns(rounds: int) -> list[tuple[int, str]]:
+    """(round, side) in the order they run: round 0 the untimed warm-up, then rounds 1..`rounds`; the side going
+    first alternates (fixed, other | other, fixed | ...: ABBA), so a drift over the run weighs on both alike."""
+    order = []
+    for r in range(rounds + 1):
+        order += [(r, "fixed"), (r, "other")] if r % 2 == 0 else [(r, "other"), (r, "fixed")]
+    return order
+
+
+def paired_ratio(fixed_tok_s: list[float], other_tok_s: list[float]) -> dict:
+    """The rounds' ratios (other / fixed, round by round), their median and range."""
+    if len(fixed_tok_s) != len(other_tok_s) or not fixed_tok_s:
+        raise ValueError("one rate of each placement a round, one round at least")
+    ratios = [b / a for a, b in zip(fixed_tok_s, other_tok_s)]
+    return {"ratios": [round(x, 4) for x in ratios], "vs_fixed": round(statistics.median(ratios), 4),
+            "vs_fixed_range": [round(min(ratios), 4), round(max(ratios), 4)]}
+
+
 def fits(elapsed: float, limit: float | None, durations: list[float], margin: float = 5.0) -> bool:
-    """Whether a case started `elapsed` seconds into the run ends before `limit`, priced as the slowest case so far
+    """Whether a pair started `elapsed` seconds into the run ends before `limit`, priced as the slowest pair so far
     (the first one: whenever any time is left)."""
     if limit is None:
         return True
@@ -102,17 +148,22 @@ def calibration_halves(shape: TraceShape, params: TraceParams, seed: int = 99) -
     return [sum(counts[:half]).tolist(), sum(counts[half:]).tolist()]
 
 
-def ratio_noise(a: float | None, b: float | None) -> float | None:
-    """Relative noise of a ratio of two independent rates from theirs."""
-    return None if a is None or b is None else math.hypot(a, b)
-
-
 def write_json(path: str, report: dict) -> None:
-    """Whole or not at all: a run cut while writing keeps the previous case's file."""
+    """Whole or not at all: a run cut while writing keeps the previous pair's file."""
     tmp = f"{path}.partial"
     with open(tmp, "w") as f:
         json.dump(report, f, indent=1)
     os.replace(tmp, path)
+
+
+def release(orchestra) -> None:
+    """Give back a placement's GPU copies (the next pair places its own)."""
+    import torch
+
+    orchestra.executor.follow_routing(None)
+    orchestra.executor.set_placement([[False] * len(row) for row in orchestra.executor.on_gpu()])
+    if orchestra.executor.device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
@@ -123,21 +174,23 @@ def main() -> int:
     parser.add_argument("--gpu-budget", type=float, default=4.0, metavar="GiB")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--expert-format", default="dense")
-    parser.add_argument("--decode-tokens", type=int, default=112, help="tokens decoded per case, warm-up included")
-    parser.add_argument("--warmup", type=int, default=16, help="the first decode steps of each case, untimed")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds of each placement, after a warm-up round")
+    parser.add_argument("--decode-tokens", type=int, default=20, help="tokens decoded a round, its untimed ones included")
+    parser.add_argument("--warmup", type=int, default=2, help="the first decode steps of each round, untimed")
     parser.add_argument("--intervals", default="16,1", help="swap rounds every N steps, each tried, the first first")
     parser.add_argument("--reuse-profile", action="store_true",
                         help="the profile an earlier bench stored for this shape and format on this machine")
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
-                        help="start no case that would end more than S seconds after this script started")
+                        help="start no pair that would end more than S seconds after this script started")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     try:
         intervals = [int(n) for n in args.intervals.split(",")]
     except ValueError:
         parser.error(f"--intervals {args.intervals!r}: expected steps separated by commas, e.g. 16,1")
-    if min(intervals) < 1 or not 1 <= args.warmup <= args.decode_tokens - 3:
-        parser.error("intervals must be >= 1 and --warmup in 1..--decode-tokens - 3 (two steps timed at least)")
+    if min(intervals) < 1 or args.rounds < 1 or not 1 <= args.warmup <= args.decode_tokens - 3:
+        parser.error("intervals and --rounds must be >= 1 and --warmup in 1..--decode-tokens - 3 "
+                     "(two steps a round timed at least)")
 
     from moedesk.bench.synthetic import measure_decode, prepare_synthetic
     from moedesk.engine.load.synthetic import shape_config
@@ -146,74 +199,108 @@ def main() -> int:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     cfg = shape_config(args.shape, args.layers)
     shape = TraceShape(sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts, cfg.num_experts_per_tok)
+    span = args.decode_tokens  # trace positions a round takes: its prefill's, then one a decode step
     t = time.monotonic()
     calibrations = {name: calibration_halves(shape, params) for name, params in TRACES.items()}
-    traces = {name: list(synthetic_trace(shape, args.decode_tokens + 8, params, seed=5))
+    traces = {name: list(synthetic_trace(shape, (args.rounds + 1) * span + 8, params, seed=5))
               for name, params in TRACES.items()}
     log(f"traces in {time.monotonic() - t:.1f}s")
     t = time.monotonic()
     bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, 64 + args.decode_tokens, log=log,
                               expert_format=args.expert_format, reprofile=not args.reuse_profile,
                               calibration=calibrations["conversation"])
-    executor, orchestra = bench.executor, bench.orchestra
     layers = sorted(bench.banks)
     budget = bench.expert_budget  # what the whole-GPU budget leaves experts (bench.budget)
-    report = {**bench.header(), "decode_tokens": args.decode_tokens, "warmup_steps": args.warmup,
-              "prepare_s": round(time.monotonic() - t, 1), "rows": [], "skipped": [],
-              "same_as_fixed": [], "complete": False}
-    fixed: dict[str, dict] = {}
+    release(bench.orchestra)  # each pair places its own two
+    gc.collect()
+    gc.freeze()  # the model, traces and modules: never garbage, and the collection before each round skips them
+    timed = args.decode_tokens - 1 - args.warmup
+    report = {**bench.header(), "rounds": args.rounds, "decode_tokens": args.decode_tokens,
+              "warmup_steps": args.warmup, "timed_steps": timed, "prepare_s": round(time.monotonic() - t, 1),
+              "pairs": [], "skipped": [], "same_as_fixed": [], "complete": False}
     fixed_plans: dict[str, np.ndarray] = {}
     durations: list[float] = []
-    for case in case_plan(intervals):
+
+    def one_round(orchestra, trace: str, r: int):
+        """Round r of one placement: the trace from position r * span, its stats over the timed steps."""
+        router = TraceRouter(traces[trace][r * span:], layers, shape.top_k)
+        replace_router(bench.model, router)
+        gc.collect()
+        gc.disable()  # a collection landing in one placement's round is the bench's noise, not the placement's
+        try:
+            result = measure_decode(bench.model, orchestra.executor, cfg, bench.device, bench.dtype, 1,
+                                    args.decode_tokens, seed=r, graphs=False, warmup=args.warmup)
+        finally:
+            gc.enable()
+            replace_router(bench.model, None)
+        if router.step + 1 != span:
+            raise RuntimeError(f"a round took {router.step + 1} trace positions, not {span}")
+        return result, orchestra.executor.stats
+
+    for pair in pair_plan(intervals):
+        name = f"{pair.trace}, {pair.placement}"
         elapsed = time.monotonic() - started
         if not fits(elapsed, args.time_limit, durations):
-            log(f"{case.trace}, {case.placement}: skipped ({elapsed:.0f} s of {args.time_limit:.0f} gone, "
-                f"a case takes up to {max(durations, default=0):.0f} s)")
-            report["skipped"].append(f"{case.trace}, {case.placement}")
+            log(f"{name}: skipped ({elapsed:.0f} s of {args.time_limit:.0f} gone, "
+                f"a pair takes up to {max(durations, default=0):.0f} s)")
+            report["skipped"].append(name)
             continue
         t = time.monotonic()
-        executor.follow_routing(None)
-        orchestra.cache = None if case.interval is None else CachePolicy(interval=case.interval)
-        plan = orchestra.place(budget, popularity=np.add(*calibrations[case.trace]).tolist(),
-                               whole_layers=case.whole_layers)
-        if not case.whole_layers and np.array_equal(plan.on_gpu, fixed_plans.get(case.trace)):
-            log(f"{case.trace}, {case.placement}: not run, the same placement as fixed")
-            report["same_as_fixed"].append(f"{case.trace}, {case.placement}")
+        popularity = np.add(*calibrations[pair.trace]).tolist()
+        sides = {"fixed": bench.orchestra.twin(), "other": bench.orchestra.twin()}
+        sides["fixed"].cache = None
+        fixed_plans[pair.trace] = sides["fixed"].place(budget, popularity=popularity).on_gpu
+        sides["other"].cache = None if pair.interval is None else CachePolicy(interval=pair.interval)
+        plan = sides["other"].place(budget, popularity=popularity, whole_layers=pair.whole_layers)
+        if pair.interval is not None and not pair.whole_layers and np.array_equal(plan.on_gpu,
+                                                                                  fixed_plans[pair.trace]):
+            log(f"{name}: not run, the same placement as fixed")
+            report["same_as_fixed"].append(name)
+            for side in sides.values():
+                release(side)
             continue
-        if case.interval is None:
-            fixed_plans[case.trace] = plan.on_gpu
-        replace_router(bench.model, TraceRouter(traces[case.trace], layers, shape.top_k))
-        try:
-            result = measure_decode(bench.model, executor, cfg, bench.device, bench.dtype, 1, args.decode_tokens,
-                                    graphs=False, warmup=args.warmup)
-        finally:
-            replace_router(bench.model, None)
-        stats = executor.stats.as_dict()
-        timed = args.decode_tokens - 1 - args.warmup
-        base = fixed.setdefault(case.trace, {"tok_s": result.tok_s, "noise": result.noise})
-        row = {"trace": case.trace, "placement": case.placement, "experts_on_gpu": orchestra.placement.experts_on_gpu,
-               "whole_layers": int(plan.on_gpu.all(axis=1).sum()), "timed_steps": timed,
-               "tok_s": round(result.tok_s, 2), "noise": None if result.noise is None else round(result.noise, 4),
-               "vs_fixed": round(result.tok_s / base["tok_s"], 3),
-               "vs_fixed_noise": None if case.interval is None else _round(ratio_noise(result.noise, base["noise"])),
-               "gpu_hit_rate": stats["gpu_hit_rate"], "swaps_per_step": round(stats["expert_swaps"] / timed, 2),
-               "selections": executor.stats.selections,  # (token, expert) pairs of the timed steps: alike in all
+        rounds = [{"round": r, "first": "fixed" if r % 2 == 0 else "other"} for r in range(1, args.rounds + 1)]
+        totals = {side: type(bench.executor.stats)() for side in sides}
+        for r, side in turns(args.rounds):
+            result, stats = one_round(sides[side], pair.trace, r)
+            if r == 0:
+                continue  # the warm-up round
+            rounds[r - 1].update({f"{side}_tok_s": round(result.tok_s, 3),
+                                  f"{side}_step_se": None if result.noise is None else round(result.noise, 4),
+                                  f"{side}_swaps": stats.swaps})
+            for field in ("selections", "gpu_hits", "swaps"):
+                setattr(totals[side], field, getattr(totals[side], field) + getattr(stats, field))
+        for side in sides.values():
+            release(side)
+        ratio = paired_ratio([x["fixed_tok_s"] for x in rounds], [x["other_tok_s"] for x in rounds])
+        for x, value in zip(rounds, ratio["ratios"]):
+            x["ratio"] = value
+        steps = timed * args.rounds
+        row = {"trace": pair.trace, "placement": pair.placement, "experts_on_gpu": int(plan.on_gpu.sum()),
+               "whole_layers": int(plan.on_gpu.all(axis=1).sum()),
+               "fixed_tok_s": round(statistics.median(x["fixed_tok_s"] for x in rounds), 2),
+               "tok_s": round(statistics.median(x["other_tok_s"] for x in rounds), 2),
+               "vs_fixed": ratio["vs_fixed"], "vs_fixed_range": ratio["vs_fixed_range"],
+               "gpu_hit_rate": _rate(totals["other"]), "fixed_gpu_hit_rate": _rate(totals["fixed"]),
+               "swaps_per_step": round(totals["other"].swaps / steps, 2),
+               "selections": totals["other"].selections,  # (token, expert) pairs of the timed steps: alike in all
+               "fixed_selections": totals["fixed"].selections, "rounds": rounds,
                "seconds": round(time.monotonic() - t, 1)}
         durations.append(time.monotonic() - t)
-        report["rows"].append(row)
-        log(f"{case.trace}, {case.placement}: {row['tok_s']} tok/s, {row['vs_fixed']}x fixed, in {row['seconds']} s")
+        report["pairs"].append(row)
+        log(f"{name}: {row['vs_fixed']}x fixed (rounds {row['vs_fixed_range'][0]}-{row['vs_fixed_range'][1]}), "
+            f"{row['tok_s']} against {row['fixed_tok_s']} tok/s, in {row['seconds']} s")
         if args.json:
             write_json(args.json, report)
-    executor.follow_routing(None)
-    orchestra.cache = None
+    gc.unfreeze()  # for the interpreter's exit, which frees what it can find
     report["complete"] = not report["skipped"]
     report["seconds"] = round(time.monotonic() - started, 1)
     if args.json:
         write_json(args.json, report)
     print(f"{args.shape} x{cfg.num_layers}, {len(layers) * cfg.num_experts} experts, a {args.gpu_budget:.4g} GiB GPU "
           f"budget, {budget / 2**30:.4g} GiB of it for experts, {report['experts']}, {bench.device}; "
-          f"{args.warmup} + {args.decode_tokens - 1 - args.warmup} decode steps a case, the first untimed")
-    print(format_rows(report["rows"]))
+          f"{args.rounds} rounds of each placement in turns after a warm-up round, {timed} decode steps of each timed")
+    print(format_rows(report["pairs"]))
     for name in report["skipped"]:
         print(f"skipped at the time limit: {name}")
     for name in report["same_as_fixed"]:
@@ -221,20 +308,21 @@ def main() -> int:
     return 0
 
 
-def _round(x: float | None) -> float | None:
-    return None if x is None else round(x, 4)
+def _rate(stats) -> float | None:
+    return round(stats.gpu_hits / stats.selections, 4) if stats.selections else None
 
 
-def format_rows(rows: list[dict]) -> str:
-    """The table of cases (also issue42_targets.sh's summary)."""
-    lines = [f"{'trace':<14}{'placement':<28}{'resident':>9}{'whole':>6}{'tok/s':>8}{'vs fixed':>15}{'GPU hits':>10}"
-             f"{'swaps/step':>12}"]
-    for r in rows:
+def format_rows(pairs: list[dict]) -> str:
+    """The table of pairs (also the targets scripts' summaries): medians over the rounds, and the least and
+    greatest of the rounds' ratios."""
+    lines = [f"{'trace':<14}{'placement':<28}{'resident':>9}{'whole':>6}{'fixed tok/s':>12}{'tok/s':>8}"
+             f"{'vs fixed':>9}{'rounds':>13}{'GPU hits':>10}{'swaps/step':>12}"]
+    for r in pairs:
         hit = "-" if r["gpu_hit_rate"] is None else f"{r['gpu_hit_rate']:.0%}"
-        noise = f" ±{r['vs_fixed_noise']:.1%}" if r.get("vs_fixed_noise") is not None else ""
-        ratio = f"{r['vs_fixed']:.2f}x{noise}"
+        low, high = r["vs_fixed_range"]
         lines.append(f"{r['trace']:<14}{r['placement']:<28}{r['experts_on_gpu']:>9}{r['whole_layers']:>6}"
-                     f"{r['tok_s']:>8.1f}{ratio:>15}{hit:>10}{r['swaps_per_step']:>12.2f}")
+                     f"{r['fixed_tok_s']:>12.1f}{r['tok_s']:>8.1f}{r['vs_fixed']:>8.2f}x{f'{low:.2f}-{high:.2f}x':>13}"
+                     f"{hit:>10}{r['swaps_per_step']:>12.2f}")
     return "\n".join(lines)
 
 

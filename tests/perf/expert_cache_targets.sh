@@ -4,12 +4,14 @@
 #   1. Mixtral-8x7B at 16 GiB (the target: >= 1.25x fixed with locality, >= 0.98x without): 8 experts a
 #      layer, whole layers pay, the cache follows the routing in the layers partly resident;
 #   2. Qwen3-30B-A3B at 8 GiB: 128 experts a layer, per-expert caching the natural unit.
-# Each bench's own time limit ends it with the cases it finished, the four target cases first; Mixtral's leaves
-# Qwen3 QWEN_S seconds. Leaves in $OUT: expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every
-# case), their logs, and expert_cache_targets.txt (both tables, printed last).
-# Usage: [BUDGET_S=295] [QWEN_S=120] [TOKENS=112] bash tests/perf/expert_cache_targets.sh
+# Each pair runs the fixed placement and the other in alternating rounds on the same trace positions (the bench's
+# docstring). Each bench's own time limit ends it with the pairs it finished, the two target pairs first, then the
+# control (fixed against fixed: the noise floor); Mixtral's leaves Qwen3 QWEN_S seconds. Leaves in $OUT:
+# expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every pair), their logs, and
+# expert_cache_targets.txt (both tables, printed last).
+# Usage: [BUDGET_S=295] [QWEN_S=110] [ROUNDS=5] [TOKENS=20] bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
-DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-120}; TOKENS=${TOKENS:-112}
+DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-110}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
@@ -17,7 +19,7 @@ git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
 run() {
   if (($4 < 30)); then echo "$1: skipped ($4 s left)" >> "$DEST/expert_cache_targets.log"; return; fi
   timeout "$4" python3 tests/perf/bench_expert_cache.py --shape "$2" --expert-format q4_k --gpu-budget "$3" \
-    --decode-tokens "$TOKENS" --warmup 16 --intervals 16,1 --reuse-profile --time-limit $(($4 - 10)) \
+    --rounds "$ROUNDS" --decode-tokens "$TOKENS" --intervals 16,1 --reuse-profile --time-limit $(($4 - 10)) \
     --json "$DEST/expert_cache_$1.json" > "$DEST/expert_cache_$1.txt" 2> "$DEST/expert_cache_$1.log"
   echo "$1: exit $? after $SECONDS s" >> "$DEST/expert_cache_targets.log"
 }
@@ -36,7 +38,8 @@ for path in sys.argv[1:]:
         print(f"{path}: nothing measured ({e})")
         continue
     print(f"{report['shape']} x{report['layers']}, {report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts "
-          f"resident, {report['whole_layers_on_gpu']} whole layers at load; skipped: {report['skipped'] or 'none'}")
-    print(format_rows(report["rows"]))
+          f"resident, {report['whole_layers_on_gpu']} whole layers at load; {report['rounds']} paired rounds of "
+          f"{report['timed_steps']} timed steps; skipped: {report['skipped'] or 'none'}")
+    print(format_rows(report["pairs"]))
 PY
 cat "$DEST/expert_cache_targets.log" "$DEST/expert_cache_targets.txt"

@@ -8,15 +8,15 @@
 #      flash attention in $LLB (tests/perf/llamacpp_engine_gpu.sh build, or compare_llamacpp.sh depth-build) and the
 #      whole-model GGUF (SRC=.llamacpp bash tests/perf/compare_llamacpp.sh depth-build, a device command of its own).
 #      Targets: decode at 32k >= 0.8x decode at 512, >= 1.5x llama.cpp at 32k.
-#   2. expert cache: bench_expert_cache.py on replayed traces, the cache against fixed placement, the profile the
-#      depth phase stored reused; its own time limit ends it with the cases it finished, the targets' four first
-#      (its docstring predicts 85-125 s for those, 115-195 s for all eight).
+#   2. expert cache: bench_expert_cache.py on replayed traces, the cache against fixed placement in paired rounds,
+#      the profile the depth phase stored reused; its own time limit ends it with the pairs it finished, the targets'
+#      two first (its docstring predicts ~125 s with start-up and build for those, ~160 s with the control).
 #      Targets: >= 1.25x fixed on the conversation trace, >= 0.98x fixed on the trace without locality.
 # Leaves three files in $OUT: issue42_summary.txt (the table, from what finished: tests/perf/issue42_summary.py),
 # issue42_targets.tar.gz (every log and JSON), issue42_targets.log (what ran, when).
-# Usage: [SRC=.llamacpp] [LLB=/tmp/llb] [BUDGET_S=540] [TOKENS=112] bash tests/perf/issue42_targets.sh
+# Usage: [SRC=.llamacpp] [LLB=/tmp/llb] [BUDGET_S=540] [ROUNDS=5] bash tests/perf/issue42_targets.sh
 set -uo pipefail
-DEST=${OUT:-/tmp/out}; SRC=${SRC:-.llamacpp}; LLB=${LLB:-/tmp/llb}; BUDGET_S=${BUDGET_S:-540}; TOKENS=${TOKENS:-112}
+DEST=${OUT:-/tmp/out}; SRC=${SRC:-.llamacpp}; LLB=${LLB:-/tmp/llb}; BUDGET_S=${BUDGET_S:-540}; ROUNDS=${ROUNDS:-5}
 W=/tmp/compare; R=/tmp/issue42; mkdir -p "$DEST" "$W" "$R"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 OUT=$R  # compare_llamacpp.sh copies its results to $OUT
 LOG=$DEST/issue42_targets.log
@@ -55,10 +55,10 @@ else
 fi
 phase depth_moedesk 140 bash tests/perf/compare_llamacpp.sh depth-moedesk
 sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null  # the last bench's pinned RAM and page cache given back
-# Started with 100 s left at least: the build, start-up and the first cases; its limit leaves 15 s to free 25 GB of
+# Started with 100 s left at least: the build, start-up and the first pair; its limit leaves 15 s to free 25 GB of
 # pinned RAM and exit before the phase's timeout.
 phase expert_cache 100 python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k \
-  --gpu-budget 16 --decode-tokens "$TOKENS" --warmup 16 --intervals 16,1 --reuse-profile \
+  --gpu-budget 16 --rounds "$ROUNDS" --intervals 16,1 --reuse-profile \
   --time-limit $((DEADLINE - SECONDS - 15)) --json "$R/expert_cache.json"
 
 wrap_up
