@@ -59,12 +59,12 @@ Pairs run in the order issue 42's targets need them, so that a run cut short has
 still end in time, so the run ends on its own with what it finished rather than being cut mid-pair.
 tests/perf/expert_cache_targets.sh runs both shapes in one device command.
 
-Time on the GPU box, predicted (not measured): the whole Mixtral-8x7B shape with q4_k experts at 16 GiB: start-up
-~10 s, build 42 s (session 33), profile ~0 s with --reuse-profile after a bench of the same shape and format on the
-machine (otherwise 10-30 s), traces ~1 s; each pair two placements (<= 13 GB each over PCIe, ~2 s) and
-2 x 6 rounds of 20 tokens (a 32-token prefill ~0.5 s, 19 steps at 11-15 tok/s eager, sessions 34-35) ~35 s: the
-two target pairs ~70 s, ~105 s with the control. Qwen3-30B-A3B whole at 8 GiB: build ~25 s (16 GB of q4_k),
-traces ~5 s, pairs ~15-20 s each.
+Time on the GPU box, predicted from session 35's logs of the bench before it (not measured for this one): the whole
+Mixtral-8x7B shape with q4_k experts at 16 GiB: start-up and build ~40 s with --reuse-profile after a bench of the
+same shape and format on the machine (otherwise 10-30 s more); a case then (a placement, a prefill and 111 steps at
+~14.5 tok/s eager) took ~12 s, ~4 s of it outside the steps; a pair here is two placements (~3 s each) and 2 x 6
+rounds of 20 tokens (~1.3 s of steps and ~0.5 s of prefill each): ~28 s. The two target pairs end ~100 s in, the
+control ~130 s. Qwen3-30B-A3B whole at 8 GiB (17 tok/s eager then): start-up and build ~45 s, pairs ~20 s each.
 
     python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 \\
         --reuse-profile --time-limit 190 --json expert_cache.json

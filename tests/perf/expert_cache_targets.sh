@@ -9,9 +9,9 @@
 # control (fixed against fixed: the noise floor); Mixtral's leaves Qwen3 QWEN_S seconds. Leaves in $OUT:
 # expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every pair), their logs, and
 # expert_cache_targets.txt (both tables, printed last).
-# Usage: [BUDGET_S=295] [QWEN_S=110] [ROUNDS=5] [TOKENS=20] bash tests/perf/expert_cache_targets.sh
+# Usage: [BUDGET_S=295] [QWEN_S=125] [ROUNDS=5] [TOKENS=20] bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
-DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-110}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
+DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-125}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
 mkdir -p "$DEST"
 export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null

@@ -10,7 +10,7 @@
 #      Targets: decode at 32k >= 0.8x decode at 512, >= 1.5x llama.cpp at 32k.
 #   2. expert cache: bench_expert_cache.py on replayed traces, the cache against fixed placement in paired rounds,
 #      the profile the depth phase stored reused; its own time limit ends it with the pairs it finished, the targets'
-#      two first (its docstring predicts ~125 s with start-up and build for those, ~160 s with the control).
+#      two first (its docstring predicts ~100 s with start-up and build for those, ~130 s with the control).
 #      Targets: >= 1.25x fixed on the conversation trace, >= 0.98x fixed on the trace without locality.
 # Leaves three files in $OUT: issue42_summary.txt (the table, from what finished: tests/perf/issue42_summary.py),
 # issue42_targets.tar.gz (every log and JSON), issue42_targets.log (what ran, when).
