@@ -86,3 +86,13 @@ def test_a_spread_placement_keeps_the_busiest_layers_whole_and_shares_the_rest_e
     assert on[1].all()
     assert on.sum(axis=1).tolist() == [2, 4, 1]
     assert on[0].tolist() == [True, True, False, False] and on[2].tolist() == [False, False, False, True]
+
+
+def test_a_copy_pays_when_its_extra_hits_outweigh_its_time():
+    assert sim.break_even(PRICES, "stalled") == pytest.approx(125.0)  # 1.25 ms of copy against 0.01 ms a hit
+    assert sim.break_even(PRICES, "overlapped") == pytest.approx(25.0)
+    shape = TraceShape(4, 8, 2)  # 8 selections a step
+    fixed = sim.Prediction(0.25, 0.0, 1.0, {})
+    cache = sim.Prediction(0.5, 4.0, 1.0, {})
+    assert sim.hits_per_copy(cache, fixed, shape) == pytest.approx(0.5)  # 2 more hits a step for 4 copies
+    assert sim.hits_per_copy(fixed, fixed, shape) is None

@@ -216,6 +216,20 @@ def simulate(trace: list[np.ndarray], cache, prices: StepPrices, outside_ms: flo
     return Prediction(hits / max(1, selections), swaps / n, moe / n, {m: v / n for m, v in step.items()})
 
 
+def hits_per_copy(cache: Prediction, fixed: Prediction, shape: TraceShape) -> float | None:
+    """Selections a copy turned into hits: the cache's hits a step beyond the same placement kept fixed, per swap
+    (one token a step). None without swaps."""
+    if cache.swaps_per_step <= 0:
+        return None
+    return (cache.hit_rate - fixed.hit_rate) * shape.layers * shape.top_k / cache.swaps_per_step
+
+
+def break_even(prices: StepPrices, mode: str) -> float:
+    """Hits a copy must bring to pay for itself, in shares: what `copies_ms` adds for it where the step leaves the
+    link time to move it (stalled: all of it; overlapped: its launch; batched: nothing)."""
+    return copies_ms(1, np.inf, prices, mode) / prices.share_ms
+
+
 def spread_placement(popularity: np.ndarray, fits: int, whole: int) -> np.ndarray:
     """`whole` layers (the busiest) wholly resident, the other slots shared evenly by the other layers, each
     filling its share with its most popular experts: every partly resident layer gets a cache of the same size."""
@@ -236,7 +250,7 @@ def spread_placement(popularity: np.ndarray, fits: int, whole: int) -> np.ndarra
 @dataclass(frozen=True)
 class Candidate:
     label: str
-    placement: str  # "fixed": the placement the engine plans; "spread N": spread_placement with N whole layers
+    placement: str  # a placement_for name
     make: Callable | str  # resident -> cache; "clairvoyant": Clairvoyant, which needs the trace
 
 
@@ -259,6 +273,7 @@ def candidates(prices: StepPrices, whole_for_spread: tuple[int, ...]) -> list[Ca
         Candidate("unpriced (margin 1.5, 4 a step)", "fixed", lambda r: ExpertCache(r, CachePolicy())),
         Candidate("LRU, 4 copies a step", "fixed", lambda r: LruCache(r, 4)),
         Candidate("LRU, unlimited", "fixed", lambda r: LruCache(r)),
+        Candidate("fixed", "whole", lambda r: ExpertCache(r, never)),
     ]
     for whole in whole_for_spread:
         where = f"spread {whole}"
@@ -284,10 +299,12 @@ def traces_for(setting: Setting, params: TraceParams, steps: int) -> tuple[np.nd
 
 
 def placement_for(name: str, calibration: np.ndarray, setting: Setting, prices: StepPrices) -> np.ndarray:
-    if name == "fixed":
+    """"fixed": the engine's plan; "whole": its whole layers alone, the slots left over empty; "spread N"."""
+    if name in ("fixed", "whole"):
         layers, experts = calibration.shape
-        return plan_placement(1, layers, experts, calibration, setting.resident, 0, layer_costs=prices.layer_costs(),
+        plan = plan_placement(1, layers, experts, calibration, setting.resident, 0, layer_costs=prices.layer_costs(),
                               top_k=setting.shape.top_k).on_gpu
+        return plan if name == "fixed" else plan & plan.all(axis=1, keepdims=True)
     return spread_placement(calibration, setting.resident, int(name.split()[1]))
 
 
@@ -310,12 +327,15 @@ def main() -> int:
             prices = replace(prices, resident_launch_ms=args.resident_launch_ms)
         print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
               f"{setting.resident} resident; prices (ms) {prices}")
-        print(f"{'trace':13} {'placement':9} {'policy':34} {'whole':>5} {'hits':>5} {'swaps/step':>10} "
-              f"{'MoE ms':>7} " + " ".join(f"{m + ' ms':>13} {'vs fixed':>8}" for m in COPY_MODES))
+        print(f"a copy pays when it brings {break_even(prices, 'stalled'):.1f} more hits (stalled), "
+              f"{break_even(prices, 'overlapped'):.1f} (overlapped), 0 (batched) where the link has time")
+        print(f"{'trace':13} {'placement':9} {'policy':36} {'whole':>5} {'hits':>5} {'swaps/step':>10} "
+              f"{'hits/copy':>9} {'MoE ms':>7} " + " ".join(f"{m + ' ms':>13} {'vs fixed':>8}" for m in COPY_MODES))
         for trace_name, params in TRACES.items():
             calibration, trace = traces_for(setting, params, args.steps)
             outside = None
             base = None
+            still: dict[str, Prediction] = {}  # each placement's fixed row
             for cand in candidates(prices, spread):
                 resident = placement_for(cand.placement, calibration, setting, prices)
                 if outside is None:  # the first row is the engine's fixed placement: the bench's step sets the rest
@@ -325,9 +345,12 @@ def main() -> int:
                 cache = Clairvoyant(resident, trace) if cand.make == "clairvoyant" else cand.make(resident)
                 p = simulate(trace, cache, prices, outside, args.warmup)
                 base = base or p
+                still.setdefault(cand.placement, p)
+                gained = hits_per_copy(p, still[cand.placement], setting.shape)
                 cells = " ".join(f"{p.step_ms[m]:13.2f} {base.step_ms[m] / p.step_ms[m]:7.3f}x" for m in COPY_MODES)
-                print(f"{trace_name:13} {cand.placement:9} {cand.label:34} {int(resident.all(axis=1).sum()):5} "
-                      f"{p.hit_rate:5.0%} {p.swaps_per_step:10.2f} {p.moe_ms:7.2f} {cells}", flush=True)
+                print(f"{trace_name:13} {cand.placement:9} {cand.label:36} {int(resident.all(axis=1).sum()):5} "
+                      f"{p.hit_rate:5.0%} {p.swaps_per_step:10.2f} {'' if gained is None else f'{gained:.2f}':>9} "
+                      f"{p.moe_ms:7.2f} {cells}", flush=True)
     return 0
 
 
