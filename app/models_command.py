@@ -27,32 +27,42 @@ class ListedModel:
     size_bytes: int | None
     arch: str
     experts: str
-    engine: str  # "native", "llama.cpp", or "none" (an architecture nothing here runs)
+    engine: str  # "native", "llama.cpp", or "none" (the engine setting would not load it)
     where: str  # "demo" | "folder" | "gguf" | "hf cache"
     note: str = ""
+    why: str = ""  # for engine "none": the line its load would stop with (after its name)
 
 
-def listed(model) -> ListedModel:
+def listed(model, requested: str = "auto") -> ListedModel:
     """A catalog.LocalModel as `moedesk list` shows it: the format from the file names, the engine from the
-    architecture (engine.selection.listed_engine, the Models screen's decision)."""
+    architecture and the engine setting `requested` (catalog.row_engine, the Models screen's decision)."""
     from moedesk.app.download import gguf_quant
-    from moedesk.engine.selection import listed_engine
+    from moedesk.app.tui.catalog import row_engine
 
     gguf = model.spec.endswith(".gguf")
     fmt = f"GGUF {gguf_quant(Path(model.spec).name).upper()}" if gguf else "safetensors"
-    engine = listed_engine(model.arch, gguf).kind
-    if model.supported is False and engine == "native":
-        engine = "none"  # a safetensors architecture the native engine does not implement; llama.cpp needs a GGUF
+    choice = row_engine(model, requested)
     name = model.spec
     if model.source == "hf cache" and gguf:  # the repo id: what rm takes; the file is in the format column
         name = "/".join(model.name.split("/")[:2])  # owner/repo, whatever sub-folder the file is in
-    return ListedModel(name, fmt, model.size_bytes, model.arch, model.experts, engine, model.source, model.note)
+    return ListedModel(name, fmt, model.size_bytes, model.arch, model.experts, choice.kind, model.source, model.note,
+                       choice.why if choice.kind == "none" else "")
 
 
-def find_listed() -> list[ListedModel]:
+def find_listed(requested: str = "auto") -> list[ListedModel]:
     from moedesk.app.tui.catalog import find_models
 
-    return [listed(m) for m in find_models()]
+    return [listed(m, requested) for m in find_models()]
+
+
+def list_engine(args: argparse.Namespace) -> str:
+    """The engine setting `list` decides for: --engine, else the app's setting (remote: what auto would run here)."""
+    if getattr(args, "engine", None):
+        return args.engine
+    from moedesk.app.tui.settings import load_settings
+
+    engine = load_settings(problems=[]).engine
+    return engine if engine in ("auto", "native", "llama.cpp") else "auto"
 
 
 def format_table(models: list[ListedModel]) -> str:
@@ -62,7 +72,10 @@ def format_table(models: list[ListedModel]) -> str:
     rows += [(m.name, m.format, human_size(m.size_bytes) if m.size_bytes is not None else m.note or "—",
               m.arch, m.experts, m.engine, m.where) for m in models]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    # Below the table, why each "none" row would not load: the line Engine.load stops with.
+    stops = [f"{m.name}: {m.why}" for m in models if m.why]
+    return "\n".join(table + ([""] + stops if stops else []))
 
 
 def run_list(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
@@ -70,7 +83,7 @@ def run_list(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
     from dataclasses import asdict
 
     stdout = stdout or sys.stdout
-    models = find_listed()
+    models = find_listed(list_engine(args))
     if args.json:
         print(json.dumps([asdict(m) for m in models], indent=1), file=stdout)
     else:
@@ -323,6 +336,9 @@ def add_arguments(sub) -> None:
                              description="List the models moedesk finds: the demo, your models folder and the "
                                          "Hugging Face cache; headers only, no weights are read.")
     listing.add_argument("--json", action="store_true", help="print the list as JSON")
+    listing.add_argument("--engine", choices=["auto", "native", "llama.cpp"], default=None,
+                         help="the engine setting the ENGINE column is decided for; none: it would not load, and "
+                              "the lines below the table say why (default: the app's engine setting)")
     rm = sub.add_parser("rm", help="remove a model from the caches",
                         description="Remove a model downloaded into the Hugging Face cache (every revision), or "
                                     "the demo's build; says what and how much first.")

@@ -15,7 +15,7 @@ ENGINES = ("auto", "native", "llama.cpp")
 
 @dataclass(frozen=True)
 class Choice:
-    kind: str  # "native" | "llama.cpp"
+    kind: str  # "native" | "llama.cpp"; "none" from listed_engine: the setting would not load it
     model: str  # what that engine loads: for llama.cpp a GGUF path ("demo" is its source GGUF)
     why: str
 
@@ -73,12 +73,17 @@ def not_gguf(requested: str, native_problem: str | None = None, read: bool = Tru
     return f"{native_problem}, and {GGUF_ONLY}: use a GGUF of this model"
 
 
-def listed_engine(arch: str, gguf: bool, requested: str = "auto") -> Choice:
-    """What would run a listed model (the Models screen), from its architecture alone: llama.cpp for a GGUF whose
-    architecture the native engine does not read (or when asked for), else native (an unreadable header's "?"
-    too: loading will say what is wrong). `model` is left empty."""
+def listed_engine(arch: str, gguf: bool, requested: str = "auto", native_problem: str | None = None,
+                  read: bool = True) -> Choice:
+    """What would run a listed model (the Models screen, `moedesk list`), from its architecture alone: llama.cpp for a
+    GGUF whose architecture the native engine does not read (or when asked for), else native (an unreadable header's
+    "?" too: loading will say what is wrong). A checkpoint that is no GGUF and that the setting would not load
+    (`not_gguf`, with its native refusal and whether its config was read) gets kind "none", `why` the line its load
+    would stop with. `model` is left empty."""
     from moedesk.engine.load.gguf_checkpoint import NATIVE_ARCHITECTURES
 
+    if not gguf and (stop := not_gguf(requested, native_problem, read)) is not None:
+        return Choice("none", "", stop)
     if requested == "llama.cpp" and gguf:
         return Choice("llama.cpp", "", "llama.cpp engine, as set")
     if requested == "auto" and gguf and arch not in ("?", "") and arch not in NATIVE_ARCHITECTURES:
@@ -167,19 +172,28 @@ def _gguf_for_llama_cpp(model: str) -> str:
         check_present(parts)
         return str(parts[0])
     if path.is_file() or path.is_dir():
-        raise MoedeskError(f"{model}: {not_gguf('llama.cpp', *_native_refusal(model))}")
+        raise MoedeskError(f"{model}: {not_gguf('llama.cpp', *native_refusal(model))}")
     raise MoedeskError(f"{model}: no such GGUF file for the llama.cpp engine")
 
 
-def _native_refusal(model: str) -> tuple[str | None, bool]:
+def native_refusal(model: str) -> tuple[str | None, bool]:
     """(the native engine's refusal of `model`, or None; whether its config could be read), from its headers as
     `preflight` reads them: what `not_gguf` needs to say what else would run it."""
     from moedesk.engine.load.checkpoint import open_checkpoint
-    from moedesk.engine.model.architectures import parse_config
 
     try:
         checkpoint = open_checkpoint(model)
-        parse_config(checkpoint.config, checkpoint.path)
+    except Exception:  # noqa: BLE001 -- unreadable: the line leaves open whether the native engine runs it
+        return None, False
+    return config_refusal(checkpoint.config, checkpoint.path)
+
+
+def config_refusal(config: dict, path) -> tuple[str | None, bool]:
+    """`native_refusal` from a config.json already read (the model listings read it for their rows)."""
+    from moedesk.engine.model.architectures import parse_config
+
+    try:
+        parse_config(config, path)
     except UnsupportedModelError as refusal:
         return refusal.problem, True
     except Exception:  # noqa: BLE001 -- unreadable: the line leaves open whether the native engine runs it

@@ -36,6 +36,10 @@ class LocalModel:
     # A GGUF's header as llama.cpp's placement reads it (engine.llamacpp.fit.GGUFShape): what its fit line is planned
     # from where llama.cpp would run it; None for other models.
     llama_shape: object = field(default=None, compare=False, repr=False)
+    # A checkpoint's config.json as the native engine's load judges it (engine.selection.config_refusal): its refusal,
+    # or None; whether the config could be read. What row_engine needs for a setting that would not load it.
+    refusal: str | None = None
+    config_read: bool = True
 
     def estimate(self, expert_dtype: str, weights_dtype: str):
         """The MemoryEstimate of loading it with these dtypes; None when its headers could not be sorted."""
@@ -85,6 +89,17 @@ def llama_fit(shape, target, available: int | None = None):
         return llama_cpp_fit(shape, target.device, target.context, target.gpu_budget, available)
     except MoedeskError as e:  # a named budget that cannot hold the rest: the load's own line
         return f"does not fit: {e}"
+
+
+def row_engine(model: LocalModel, requested: str):
+    """What would load a listed model with the engine setting `requested`: engine.selection.listed_engine's Choice,
+    of kind "none" (its `why` the line the load would stop with) for a checkpoint that setting would not load. The
+    Models screen and `moedesk list` both decide here. The demo is a GGUF to llama.cpp (its source file)."""
+    from moedesk.engine.selection import listed_engine
+
+    gguf = (model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf")) or \
+        (model.spec == "demo" and requested == "llama.cpp")
+    return listed_engine(model.arch, gguf, requested, model.refusal, model.config_read)
 
 
 def gguf_engine_plan(arch: str, shape, target, available: int | None = None):
@@ -143,17 +158,22 @@ def describe_config(config: dict) -> tuple[str, int, int]:
 
 def folder_model(path: Path, source: str, spec: str | None = None, name: str | None = None,
                  size: int | None = None, known: set[str] | None = None) -> LocalModel:
+    from moedesk.engine.selection import config_refusal
+
+    refusal, read = None, False
     try:
         config = read_json(path / "config.json")
         arch, experts, top_k = describe_config(config if isinstance(config, dict) else {})
         note = "" if any(path.glob("*.safetensors")) else "no .safetensors files"
+        if isinstance(config, dict):
+            refusal, read = config_refusal(config, path / "config.json")
     except (OSError, ValueError):
         arch, experts, top_k, note = "?", 0, 0, "unreadable config.json"
     known = supported_architectures() if known is None else known
     supported = (arch in known) if known and arch != "?" else None
     weights, why = _weights(path) if supported is not False and not note else (None, "")
     return LocalModel(spec or str(path), name or path.name, source, folder_size(path) if size is None else size,
-                      arch, experts, top_k, supported, note, weights, why)
+                      arch, experts, top_k, supported, note, weights, why, refusal=refusal, config_read=read)
 
 
 def gguf_model(path: Path) -> LocalModel:

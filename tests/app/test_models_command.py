@@ -99,6 +99,65 @@ def test_list_shows_cached_models_with_size_format_arch_and_engine(hub, tiny_che
     assert "GGUF Q4_K_M" in row and "futuremoe" in row and "llama.cpp" in row
 
 
+def lfm_repo() -> dict[str, bytes]:
+    """A safetensors checkpoint of an architecture the native engine does not implement (LFM2-MoE)."""
+    import torch
+    from safetensors.torch import save
+
+    config = {"model_type": "lfm2_moe", "hidden_size": 64, "num_hidden_layers": 1, "vocab_size": 128}
+    return {"config.json": json.dumps(config).encode(), "tokenizer.json": b'{"version": "1.0"}',
+            "model.safetensors": save({"model.embed_tokens.weight": torch.zeros(128, 64, dtype=torch.bfloat16)})}
+
+
+def test_list_says_what_the_engine_setting_would_do_with_a_safetensors_checkpoint(hub, capsys):
+    """llama.cpp reads GGUF files only: with the engine set to llama.cpp (--engine, else the app's setting) a
+    safetensors checkpoint is listed under engine "none", and the line below the table is the one Engine.load stops
+    with; one the native engine refuses is "none" under auto too. A GGUF and the demo (its source GGUF) stay
+    llama.cpp's."""
+    from moedesk.app.tui.settings import Settings, save_settings
+    from moedesk.engine.runtime import Engine
+    from moedesk.engine.selection import not_gguf
+
+    hub.add_repo("moe/tiny-lfm2", lfm_repo())
+    for repo in ("moe/tiny", "moe/tiny-lfm2"):
+        download(repo)
+    download("moe/tiny-GGUF", include=["*Q4_K_M*"])
+
+    def listed(*flags: str) -> dict[str, dict]:
+        assert main(["list", "--json", *flags]) == 0
+        return {m["name"]: m for m in json.loads(capsys.readouterr().out)}
+
+    def refusal(repo: str, engine: str) -> str:
+        with pytest.raises(MoedeskError) as refused:
+            Engine.load(repo, engine=engine)
+        return str(refused.value)
+
+    auto = listed()
+    assert auto["moe/tiny"]["engine"] == "native" and auto["moe/tiny"]["why"] == ""
+    lfm = auto["moe/tiny-lfm2"]
+    assert lfm["engine"] == "none" and lfm["why"].startswith("unsupported architecture 'lfm2_moe'")
+    assert refusal("moe/tiny-lfm2", "auto").endswith(f": {lfm['why']}")  # the load names the folder it read
+
+    llama = listed("--engine", "llama.cpp")
+    tiny, lfm = llama["moe/tiny"], llama["moe/tiny-lfm2"]
+    assert tiny["engine"] == "none" and tiny["why"] == not_gguf("llama.cpp")
+    assert refusal("moe/tiny", "llama.cpp") == f"moe/tiny: {tiny['why']}"
+    assert lfm["engine"] == "none" and "nor natively (unsupported architecture 'lfm2_moe'" in lfm["why"]
+    assert refusal("moe/tiny-lfm2", "llama.cpp") == f"moe/tiny-lfm2: {lfm['why']}"
+    assert llama["moe/tiny-GGUF"]["engine"] == "llama.cpp" and llama["demo"]["engine"] == "llama.cpp"
+    assert listed("--engine", "native")["moe/tiny-lfm2"]["why"] == auto["moe/tiny-lfm2"]["why"].split(", and ")[0]
+
+    save_settings(Settings(engine="llama.cpp"))  # the app's setting is list's default
+    assert listed()["moe/tiny"]["engine"] == "none"
+    assert main(["list"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    row = next(line for line in table if line.startswith("moe/tiny "))
+    assert " none " in row and "qwen3_moe" in row, row
+    assert f"moe/tiny: {not_gguf('llama.cpp')}" in table and f"moe/tiny-lfm2: {lfm['why']}" in table
+    assert main(["list", "--engine", "auto"]) == 0
+    assert "moe/tiny: " not in capsys.readouterr().out  # auto runs it natively: no line below the table
+
+
 # -- rm --------------------------------------------------------------------------------------------------------
 
 def test_rm_removes_only_that_repo_and_wants_yes_off_a_terminal(hub, capsys):

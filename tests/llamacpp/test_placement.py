@@ -124,10 +124,17 @@ def test_auto_after_a_refusal_takes_llama_cpp_for_a_gguf_and_says_what_to_do_oth
 
 
 def test_the_models_screen_names_llama_cpp_for_a_gguf_of_an_architecture_native_lacks():
-    from moedesk.engine.selection import listed_engine
+    from moedesk.engine.selection import Choice, listed_engine, not_gguf
 
     assert listed_engine("lfm2moe", gguf=True).kind == "llama.cpp" and "lfm2moe" in listed_engine("lfm2moe", True).why
     assert listed_engine("gpt-oss", gguf=True).kind == "native"
     assert listed_engine("qwen3moe", gguf=True).kind == "native"
     assert listed_engine("qwen3moe", gguf=True, requested="llama.cpp").kind == "llama.cpp"
-    assert listed_engine("mixtral", gguf=False, requested="llama.cpp").kind == "native"  # llama.cpp reads GGUF only
+    # A safetensors checkpoint: what its load would do with the setting, in the line the load stops with.
+    assert listed_engine("mixtral", gguf=False, requested="llama.cpp") == Choice("none", "", not_gguf("llama.cpp"))
+    assert listed_engine("mixtral", gguf=False, requested="llama.cpp", read=False).why == \
+        not_gguf("llama.cpp", read=False)
+    refused = "unsupported architecture 'lfm2_moe'"
+    for requested in ("auto", "native", "llama.cpp"):
+        assert listed_engine("lfm2_moe", False, requested, refused) == Choice("none", "", not_gguf(requested, refused))
+    assert listed_engine("mixtral", gguf=False).kind == "native" == listed_engine("mixtral", False, "native").kind

@@ -89,7 +89,9 @@ async def test_models_screen_lists_and_loads_a_model(models_folder, engine):
         table.move_cursor(row=names.index("dense-thing"))
         await pilot.press("enter")
         await pilot.pause()
-        assert "not supported" in str(screen.query_one(".load-error").render()) and app.engine is engine
+        error = str(screen.query_one(".load-error").render())
+        assert error.startswith("dense-thing: unsupported architecture 'gpt2'") and app.engine is engine
+        assert error.endswith("the llama.cpp engine reads GGUF files only: use a GGUF of this model")
 
         # A path that is not a model: one line, and the loaded model stays.
         screen.query_one("#model-path").value = str(models_folder / "nowhere.gguf")
@@ -169,6 +171,49 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
         assert note() == (f"acme/tiny-moe · ~{human_size(int4_experts + other)} in RAM, {human_size(int4_experts)} "
                           f"of it q4_0/f32 experts (file {human_size(folder_size(folder))}) · native engine")
         assert "memory with expert dtype int4, f32 weights (F2)" in status()
+
+
+@pytest.mark.anyio
+async def test_a_safetensors_row_says_what_the_engine_setting_would_do(models_folder, engine):
+    """llama.cpp reads GGUF files only: with the engine set to llama.cpp, the tiny safetensors model's row says it
+    would not load (memory column), its note and the line below the table give the line Engine.load stops with,
+    and Enter refuses it at once, in those words, keeping the loaded model. Set back to auto, it is the native
+    engine's again."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.selection import not_gguf
+    from moedesk.app.tui.screens.models import WONT_LOAD
+
+    folder = models_folder / "acme" / "tiny-moe"
+    stop = not_gguf("llama.cpp")
+    with pytest.raises(MoedeskError) as refused:
+        Engine.load(str(folder), engine="llama.cpp")
+    assert str(refused.value) == f"{folder}: {stop}"
+
+    app = MoedeskApp(engine, settings=Settings(engine="llama.cpp"))
+    async with app.run_test(size=(160, 40)) as pilot:
+        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
+        await open_models(pilot)
+        screen = app.screen
+        table = screen.query_one("#models-table")
+        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        row = names.index("acme/tiny-moe")
+        note = lambda: str(screen.query_one("#models-note").render())  # noqa: E731
+        cells = table.get_row_at(row)
+        assert cells[5] == WONT_LOAD and cells[6] == stop[:len(cells[6]) - 1] + "…"  # the note column, cut
+        table.move_cursor(row=row)
+        await pilot.pause()
+        assert note() == f"acme/tiny-moe · file {human_size(folder_size(folder))} · {stop}"
+        await pilot.press("enter")
+        await pilot.pause()
+        assert str(screen.query_one(".load-error").render()) == f"acme/tiny-moe: {stop}" and app.engine is engine
+
+        await open_settings(pilot)
+        app.screen.query_one("#setting-engine").value = "auto"
+        await pilot.pause()
+        await pilot.press("ctrl+s")
+        await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == "auto", what="auto")
+        assert table.get_row_at(row)[5] == f"~{human_size(loaded_bytes(engine))}"
+        assert note().endswith(" · native engine")
 
 
 def test_the_flags_of_this_run_win_over_the_settings_and_a_gpu_holds_the_rest(engine):

@@ -4,7 +4,9 @@ Listing runs in a thread worker (sizes need a walk over files, estimates a read 
 loading goes through a `LoadPanel`. The memory column is what loading would take with the expert
 dtype and weights dtype in force (F2 changes them; the estimate follows when the settings close);
 for a GGUF the llama.cpp engine would load, the RAM and GPU of the plan that engine's load makes
-for the GPU budget and context in force, marked where the load would refuse it.
+for the GPU budget and context in force, marked where the load would refuse it. A checkpoint the engine setting
+would not load at all (llama.cpp reads GGUF files only; the native engine refuses some architectures) is marked
+so, its note the line the load would stop with (catalog.row_engine, as `moedesk list` decides).
 F6 opens the download wizard over it, and a download finished there loads from here. Dismisses
 with the new engine, or None when left without loading.
 """
@@ -18,7 +20,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 
-from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, gguf_engine_plan, human_size
+from moedesk.app.tui.catalog import LocalModel, estimate_line, find_models, gguf_engine_plan, human_size, row_engine
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.storage import models_dir
 from moedesk.app.tui.widgets.load_panel import LoadPanel, one_line
@@ -28,11 +30,7 @@ from moedesk.engine.selection import preflight
 ASK = object()  # memory_cell's and memory_note's `plan` when the caller has not planned the row
 
 
-def row_engine(model: LocalModel, engine: str):
-    """What would load the row with the engine setting `engine` (engine.selection.listed_engine's Choice)."""
-    from moedesk.engine.selection import listed_engine
-
-    return listed_engine(model.arch, model.source in ("gguf", "hf cache") and model.spec.endswith(".gguf"), engine)
+WONT_LOAD = "✗ won't load"  # the memory column of a row the engine setting would not load: its note says why
 
 
 def llama_plan(model: LocalModel, target: LoadTarget, available: int | None = None):
@@ -51,6 +49,8 @@ def memory_cell(model: LocalModel, target: LoadTarget, plan=ASK) -> str:
     plan = llama_plan(model, target) if plan is ASK else plan
     if plan is not None:
         return plan_cell(plan)
+    if row_engine(model, target.engine).kind == "none":
+        return WONT_LOAD
     estimate = model.estimate(target.expert_dtype, target.weights_dtype)
     return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
 
@@ -82,6 +82,8 @@ def memory_note(model: LocalModel, target: LoadTarget, available: int | None = N
     limit) says that it will not load."""
     choice = row_engine(model, target.engine)
     file = f"file {human_size(model.size_bytes)}" if model.size_bytes is not None else ""
+    if choice.kind == "none":  # where the load would stop, in its own words (engine.selection.not_gguf)
+        return " · ".join(part for part in (file, choice.why) if part)
     plan = llama_plan(model, target, available) if plan is ASK else plan
     if plan is not None:
         line = plan if isinstance(plan, str) else plan.line()
@@ -231,8 +233,7 @@ class ModelsScreen(Screen):
         table = self.query_one(DataTable)
         cursor = table.cursor_row
         rows = [("●" if m.spec == self.current else "", m.name, m.source, m.arch, m.experts,
-                 memory_cell(m, self.target, plan), m.note or ("architecture not supported" if m.supported is False
-                                                             else ""))
+                 memory_cell(m, self.target, plan), m.note or self._stop(m))
                 for m, plan in zip(self.models, self.plans)]
         layout = column_layout(rows, self.size.width - 4, 2 * table.cell_padding)  # 4: body padding, scrollbar
         table.clear(columns=True)
@@ -259,8 +260,7 @@ class ModelsScreen(Screen):
         if not 0 <= index < len(self.models):
             return
         m = self.models[index]
-        note = m.note or ("architecture not supported" if m.supported is False else "")
-        parts = [m.name, memory_note(m, self.target, plan=self.plans[index]), note]
+        parts = [m.name, memory_note(m, self.target, plan=self.plans[index]), m.note]
         self.query_one("#models-note", Static).update(" · ".join(part for part in parts if part))
 
     # -------------------------------------------------------------- loading
@@ -269,10 +269,15 @@ class ModelsScreen(Screen):
     def row_chosen(self, event: DataTable.RowSelected) -> None:
         index = int(event.row_key.value)
         model = self.models[index]
-        if model.supported is False:
-            self._fail(f"{model.name}: architecture {model.arch!r} is not supported")
+        if stop := self._stop(model):  # refused at once, as the load would, without unloading the current model
+            self._fail(f"{model.name}: {stop}")
             return
         self.load(model.spec)
+
+    def _stop(self, model: LocalModel) -> str:
+        """The line loading `model` with the engine setting would stop with; "" where it would load."""
+        choice = row_engine(model, self.target.engine)
+        return choice.why if choice.kind == "none" else ""
 
     @on(Input.Submitted, "#model-path")
     def path_entered(self, event: Input.Submitted) -> None:
