@@ -71,6 +71,24 @@ def test_windows_and_sinks_match_the_reference(window, dtype):
         assert (whole[0] - windowed[0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_combine_split_over_columns_writes_every_column(monkeypatch, dtype):
+    """Each combine program merges COMBINE_COLUMNS of head_dim: with fewer columns a program than head_dim (as
+    MLA's 512 are on the GPU), every program's columns land in their place, sinks and a window included."""
+    monkeypatch.setattr(kernel, "COMBINE_COLUMNS", 8)  # head_dim 32: four programs a head
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, d, length = 8, 2, 32, kernel.SPLIT + 100
+    cache_k = torch.randn(2, length, kv_heads, d, generator=gen).to(device, dtype)
+    cache_v = torch.randn(2, length, kv_heads, d, generator=gen).to(device, dtype)
+    q = torch.randn(2, heads, d, generator=gen).to(device, dtype)
+    lengths, sinks = torch.tensor([length, 90]), torch.randn(heads, generator=gen).to(device, dtype)
+    out = kernel.decode_attention(q, cache_k, cache_v, None, lengths.to(device), 300, sinks)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), reference(q, cache_k, cache_v, None, lengths, 300, sinks.cpu()),
+                               rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("tokens, window, sinks", [(2, 0, False), (5, 0, True), (4, 130, True), (8, 0, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_several_tokens_a_row_see_each_their_own_positions(tokens, window, sinks, dtype):

@@ -23,7 +23,9 @@ def reference(q_latent, q_rope, latent, rope, rows, lengths, scale):
 
 @pytest.mark.parametrize("heads", [4, 64])  # fewer heads than a block; two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_decode_attention_matches_the_reference(heads, dtype):
+@pytest.mark.parametrize("columns", [kernel.COMBINE_COLUMNS, 16])  # 16: the combine's rank split over 4 programs
+def test_latent_decode_attention_matches_the_reference(heads, dtype, columns, monkeypatch):
+    monkeypatch.setattr(kernel, "COMBINE_COLUMNS", columns)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(heads)
     rank, rope_dim, length = 64, 16, kernel.SPLIT * 2 + 100  # three slices, the last one short
