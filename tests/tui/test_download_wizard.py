@@ -176,6 +176,17 @@ async def list_repo(pilot, screen: DownloadScreen, repo_id: str) -> None:
     await wait_for(pilot, lambda: screen.listing is not None or failed(), what=f"the listing of {repo_id}")
 
 
+async def set_engine(pilot, screen: DownloadScreen, value: str) -> None:
+    """The engine setting changed in the settings screen, back at the wizard once it follows it."""
+    app = pilot.app
+    await open_settings(pilot)
+    app.screen.query_one("#setting-engine").value = value
+    await pilot.pause()
+    await pilot.press("ctrl+s")
+    await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
+                   what=f"the wizard with engine {value}")
+
+
 async def wait_stopped(pilot, screen: DownloadScreen, what: str = "the download to stop") -> None:
     await wait_for(pilot, lambda: not screen.downloading, what=what)
 
@@ -294,15 +305,7 @@ async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, en
         native = gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
         assert loaded() == native
 
-        async def engine_setting(value: str) -> None:
-            await open_settings(pilot)
-            app.screen.query_one("#setting-engine").value = value
-            await pilot.pause()
-            await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
-                           what=f"the wizard with engine {value}")
-
-        await engine_setting("llama.cpp")
+        await set_engine(pilot, screen, "llama.cpp")
         target = screen.target
         plan = llama_cpp_plan(tmp_path / "tiny-moe-Q4_K_M.gguf", "llama.cpp", target.device, target.context,
                               target.gpu_budget)
@@ -313,7 +316,7 @@ async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, en
         assert total == plan.ram_bytes + plan.gpu_bytes
         assert len(hub.gets(REPO, "tiny-moe-Q4_K_M.gguf", headers=True)) == 1  # planned from the header read once
 
-        await engine_setting("auto")
+        await set_engine(pilot, screen, "auto")
         assert loaded() == native
 
 
@@ -336,14 +339,6 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         fit = screen.query_one("FitView")
         loaded = lambda: str(fit.query_one(".fit-loaded").render())  # noqa: E731
         assert ("-short" in screen.classes) == short
-
-        async def engine_setting(value: str) -> None:
-            await open_settings(pilot)
-            app.screen.query_one("#setting-engine").value = value
-            await pilot.pause()
-            await pilot.press("ctrl+s")
-            await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
-                           what=f"the wizard with engine {value}")
 
         def on_screen() -> str:
             """The fit view's `loaded` rows as exported, the border's sides cut off, joined as the words wrap: up to
@@ -391,7 +386,7 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         assert on_screen() == " ".join(native.split()) and "-briefed" not in fit.classes  # an estimate shows whole
         buttons_shown()
 
-        await engine_setting("llama.cpp")
+        await set_engine(pilot, screen, "llama.cpp")
         stop = not_gguf("llama.cpp")
         assert "~" not in loaded()
         assert "reads GGUF files only" in stop and "auto or native" in stop and "GGUF of this model" in stop
@@ -419,7 +414,7 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
             Engine.load(LFM, engine="llama.cpp")
         assert str(refused.value) == f"{LFM}: {lfm_stop}"
 
-        await engine_setting("auto")  # the native engine refuses it and llama.cpp has no GGUF to read
+        await set_engine(pilot, screen, "auto")  # the native engine refuses it and llama.cpp has no GGUF to read
         auto_stop = loaded().removeprefix("loaded  ")
         assert auto_stop.startswith(problem) and auto_stop.endswith("reads GGUF files only: use a GGUF of this model")
         assert wizard.brief(auto_stop) == f"{problem}, and the llama.cpp engine reads GGUF files only"
