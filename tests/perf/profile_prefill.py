@@ -1,5 +1,5 @@
-"""Where does a prefill's time go? Issue 41's prefill 512: Qwen3.5-35B-A3B's first 12 layers (Q4_K experts in RAM) ran
-at 0.56x llama.cpp on the H200, gpt-oss-120b's first 8 (MXFP4) at 1.66x; the target is 4x.
+"""Where does a prefill's time go? Issue 41's prefill 512: Qwen3.5-35B-A3B's first 12 layers (Q4_K experts in RAM) and
+gpt-oss-120b's first 8 (MXFP4) against llama.cpp on the H200 (docs/measurements.md, session 35); the target is 4x.
 
 Usage (GPU box, repo root): . tests/perf/gpu_env.sh; python3 tests/perf/profile_prefill.py [SHAPE:LAYERS ...]
 [--tokens 512] [--expert-format q4_k] [--gpu-budget 0] [--device cpu] [--no-trace]
