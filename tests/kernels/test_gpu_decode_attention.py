@@ -74,7 +74,7 @@ def test_windows_and_sinks_match_the_reference(window, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_combine_split_over_columns_writes_every_column(monkeypatch, dtype):
     """Each combine program merges COMBINE_COLUMNS of head_dim: with fewer columns a program than head_dim (as
-    MLA's 512 are on the GPU), every program's columns land in their place, sinks and a window included."""
+    MLA's 512 are on the GPU), every program's columns land in their place: sinks and a window, and a verify's chain."""
     monkeypatch.setattr(kernel, "COMBINE_COLUMNS", 8)  # head_dim 32: four programs a head
     device = "cuda" if torch.cuda.is_available() else "cpu"
     gen = torch.Generator().manual_seed(8)
@@ -87,6 +87,13 @@ def test_the_combine_split_over_columns_writes_every_column(monkeypatch, dtype):
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), reference(q, cache_k, cache_v, None, lengths, 300, sinks.cpu()),
                                rtol=tolerance, atol=tolerance)
+    # A verify's chain of 3 tokens a row, rows picked by index: each token's columns land in its own place too.
+    chain = torch.randn(2, 3, heads, d, generator=gen).to(device, dtype)
+    ends, rows = torch.tensor([[kernel.SPLIT - 1], [40]]) + torch.arange(1, 4)[None], torch.tensor([1, 0])
+    out = kernel.decode_attention(chain, cache_k, cache_v, rows.to(device), ends.to(device))
+    for t in range(3):
+        torch.testing.assert_close(out[:, t].double().cpu(), reference(chain[:, t], cache_k, cache_v, rows, ends[:, t]),
+                                   rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("tokens, window, sinks", [(2, 0, False), (5, 0, True), (4, 130, True), (8, 0, False)])
