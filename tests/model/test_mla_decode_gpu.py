@@ -1,6 +1,6 @@
 """MLA's decode at depth on the GPU (issue 41: decode at 8k >= 0.8x decode at 512): one DeepSeek-V3-shaped layer
 (128 heads, kv_lora_rank 512, rope dim 64), bf16, a 32k latent cache reserved as CUDA graphs reserve it. The step
-goes through the split-key kernel, equals the eager absorbed form, and reads the latents near copy speed."""
+goes through the split-key kernel and equals the eager absorbed form (its speed: tests/perf/probe_decode_kernels.py)."""
 import pytest
 import torch
 
