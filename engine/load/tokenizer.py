@@ -348,8 +348,14 @@ class StreamDecoder:
         # llama.cpp would show). Given text is never taken back: text that shrank gives nothing until it outgrows it.
         piece = text[self._shown:]
         self._shown += len(piece)
-        # Back to the fast path, its window starting at the last id (whole text now, so a fair prefix).
-        self._stream = DecodeStream(ids=self._ids[-1:], skip_special_tokens=self._skip)
+        # Back to the fast path, its window starting at the last id (whole text now, so a fair prefix): stepped in,
+        # as tokenizers 0.21 (pyproject's floor) takes no DecodeStream(ids=...). Failing that, full decodes go on.
+        try:
+            stream = DecodeStream(skip_special_tokens=self._skip)
+            stream.step(self._tok, self._ids[-1])
+            self._stream = stream
+        except Exception:  # noqa: BLE001 - the stream must not die of its text
+            pass
         return piece
 
 

@@ -107,6 +107,21 @@ def test_after_a_fallback_the_stream_keeps_going(placeholder_gguf):
     assert reference.detokenize(ids).decode("utf-8", "replace") == "NO" + FFFD + "t12" + FFFD + "t5ét7t8"
 
 
+def test_the_fallback_needs_no_decodestream_prefill_and_returns_to_the_window(placeholder_gguf, monkeypatch):
+    """tokenizers 0.21 (pyproject's floor) has DecodeStream(skip_special_tokens) alone, no `ids` to start from: the
+    fallback still streams the same text and the fast path takes over again after it."""
+    from moedesk.engine.load import tokenizer as module
+
+    real = module.DecodeStream
+    monkeypatch.setattr(module, "DecodeStream",
+                        lambda skip_special_tokens=False: real(skip_special_tokens=skip_special_tokens))
+    tokenizer = _tokenizers(placeholder_gguf)["placeholder-gguf"]
+    ids = [N, O, X_AC, T12, X_AC, 259 + 5, 3 + 0xC3, 3 + 0xA9, 259 + 7, 259 + 8]
+    decoder = tokenizer.stream_decoder()
+    assert "".join(decoder.step(i) for i in ids) == "NO" + FFFD + "t12" + FFFD + "t5ét7t8"
+    assert decoder._stream is not None  # the window again, not a full decode for every id from the first fallback
+
+
 def test_an_engine_stream_of_byte_tokens_keeps_every_character(tmp_path):
     """Engine.stream (what the chat screen and the server's streams read) on the synthetic GGUF writer's model,
     random weights answering in byte runs DecodeStream cannot stream: the chunks are the reply's text, up to
