@@ -2,6 +2,8 @@
 replay, on hand-made numbers and small traces (no GPU)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -16,12 +18,22 @@ PRICES = sim.StepPrices(roundtrip_ms=0.1, call_ms=0.2, share_ms=0.01, resident_l
 def test_a_step_costs_the_handoff_of_each_partly_resident_layer_and_its_misses():
     resident = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]], dtype=bool)
     counts = np.array([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 1, 1], [1, 1, 0, 0]])
+    costly = replace(PRICES, share_ms=0.6)  # a hit's share above the launch: the GPU computes it
     # layer 0 whole: free; 1: round trip, call, one miss, a launch; 2: no hits, no launch; 3: like 1.
-    expected = 3 * 0.1 + 3 * 0.2 + 4 * 0.01 + 2 * 0.5
-    assert sim.moe_ms(resident, counts, PRICES) == pytest.approx(expected)
+    expected = 3 * 0.1 + 3 * 0.2 + 4 * 0.6 + 2 * 0.5
+    assert sim.moe_ms(resident, counts, costly) == pytest.approx(expected)
     # every selection of a partly resident layer a hit: the call and the shares go, the round trip stays
     all_hits = np.array([[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 0]])
-    assert sim.moe_ms(resident, all_hits, PRICES) == pytest.approx(3 * 0.1 + 2 * 0.5)
+    assert sim.moe_ms(resident, all_hits, costly) == pytest.approx(3 * 0.1 + 2 * 0.5)
+
+
+def test_hits_cheaper_on_the_cpu_than_a_launch_join_the_cpu_call_and_save_nothing():
+    resident = np.array([[1, 1, 0, 0], [1, 1, 0, 0]], dtype=bool)
+    counts = np.array([[1, 0, 1, 0], [1, 1, 0, 0]])
+    # layer 0: its hit's share (0.01) is below the launch (0.5), so the CPU takes it; layer 1 has no CPU call to join
+    expected = 2 * 0.1 + 0.2 + 2 * 0.01 + 0.5
+    assert sim.moe_ms(resident, counts, PRICES) == pytest.approx(expected)
+    assert sim.moe_ms(np.zeros_like(resident[:1]), counts[:1], PRICES) == pytest.approx(0.1 + 0.2 + 2 * 0.01)
 
 
 def test_copies_stall_the_step_unless_the_link_moves_them_beside_it():

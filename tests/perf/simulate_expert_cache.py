@@ -89,14 +89,18 @@ SETTINGS = {
 
 
 def moe_ms(resident: np.ndarray, counts: np.ndarray, prices: StepPrices) -> float:
-    """Host ms of one step's MoE layers, as placement.step_cost_ms prices a placement, from this step's selections:
-    a wholly resident layer costs nothing (it runs inside the decode graphs); any other pays the round trip, the CPU
-    call and its offloaded selections' shares where it has any, and the launch of its GPU experts where it has hits."""
+    """Host ms of one step's MoE layers, as placement.step_cost_ms prices a placement, from this step's selections
+    (one token): a wholly resident layer costs nothing (it runs inside the decode graphs); any other pays the round
+    trip, the CPU call and its offloaded selections' shares where it has any, and the launch of its GPU experts where
+    it has hits, unless the executor computes those on the CPU too, as it does where their shares cost less than
+    the launch (engine.offload.assignment.resident_on_cpu): then a hit saves nothing."""
     partial = ~resident.all(axis=1)
     misses = np.where(resident, 0, counts).sum(axis=1)[partial]
     hits = np.where(resident, counts, 0).sum(axis=1)[partial]
+    moved = (misses > 0) & (hits * prices.share_ms < prices.resident_launch_ms)
+    launched = (hits > 0) & ~moved
     return float(partial.sum() * prices.roundtrip_ms + (misses > 0).sum() * prices.call_ms
-                 + misses.sum() * prices.share_ms + (hits > 0).sum() * prices.resident_launch_ms)
+                 + (misses.sum() + hits[moved].sum()) * prices.share_ms + launched.sum() * prices.resident_launch_ms)
 
 
 COPY_MODES = ("stalled", "overlapped", "batched")
