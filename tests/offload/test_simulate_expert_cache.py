@@ -108,3 +108,31 @@ def test_a_copy_pays_when_its_extra_hits_outweigh_its_time():
     cache = sim.Prediction(0.5, 4.0, 1.0, {})
     assert sim.hits_per_copy(cache, fixed, shape) == pytest.approx(0.5)  # 2 more hits a step for 4 copies
     assert sim.hits_per_copy(fixed, fixed, shape) is None
+
+
+def test_prices_from_a_profile_are_the_ones_the_engine_plans_and_swaps_with():
+    from moedesk.engine.offload.expert_cache import SwapPrice
+    from moedesk.engine.offload.latency_model import fit_latency_model
+    from moedesk.engine.offload.placement import LayerCosts
+
+    profile = {"cpu_expert_ms": {1: 0.07, 2: 0.065, 4: 0.078, 8: 0.116, 16: 0.18},
+               "cpu_call_ms": {1: 0.11, 2: 0.11, 4: 0.13, 8: 0.22, 16: 0.38}, "cpu_call_experts": 4,
+               "gpu_expert_ms": {1: 0.2, 16: 0.2}, "copy_expert_ms": 0.066, "activation_roundtrip_ms": 0.034,
+               "expert_bytes": 2654208, "cpu_read_gbs": 148.0, "h2d_gbs": 40.2, "copy_launch_ms": 0.19,
+               "resident_launch_ms": 0.47}
+    prices = sim.StepPrices.from_profile(profile)
+    model = fit_latency_model(profile)
+    assert prices.layer_costs() == LayerCosts.from_model(model)
+    assert prices.swap_price() == SwapPrice.from_model(model)
+    assert prices.share_ms < 0.07  # a share of a call, less than a call of one expert
+    assert (prices.link_gbs, prices.expert_bytes) == (40.2, 2654208)
+
+
+def test_a_bad_profile_is_one_line(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "profile.json"
+    bad.write_text('{"cpu_expert_ms": {}}')
+    monkeypatch.setattr("sys.argv", ["simulate", "--shape", "mixtral-8x7b", "--profile", str(bad)])
+    with pytest.raises(SystemExit):
+        sim.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--profile" in err[-1] and "cpu_expert_ms" in err[-1] and "Traceback" not in "".join(err)

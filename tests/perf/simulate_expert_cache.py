@@ -18,17 +18,22 @@ time, so the step times read against that bench's tok/s.
 
     python3 tests/perf/simulate_expert_cache.py                 # both shapes, both traces, ~2 min on one core
     python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --steps 128
+    python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --profile ~/.cache/moedesk/profile-<key>.json
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.offload.assignment import cpu_call_ms
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, SwapPrice
+from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.placement import LayerCosts, plan_placement
 from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, step_counts,
                                                   synthetic_trace)
@@ -48,6 +53,16 @@ class StepPrices:
     copy_launch_ms: float  # the host queueing one copy
     link_gbs: float  # host-to-device GB/s: what the link moves within a step
     expert_bytes: int
+
+    @classmethod
+    def from_profile(cls, profile: dict) -> "StepPrices":
+        """From a start-up profile's measurements (the JSON the engine caches as profile-<key>.json), read as the
+        engine reads them (engine.offload.latency_model.fit_latency_model)."""
+        model = fit_latency_model(profile)
+        return cls(roundtrip_ms=model.activation_roundtrip_ms(1), call_ms=cpu_call_ms(model, 1),
+                   share_ms=model.cpu_expert_ms(1), resident_launch_ms=model.resident_launch_ms,
+                   copy_ms=model.copy_expert_ms, copy_launch_ms=model.copy_launch_ms,
+                   link_gbs=float(profile.get("h2d_gbs") or 0.0), expert_bytes=model.expert_bytes)
 
     def layer_costs(self) -> LayerCosts:
         return LayerCosts(self.roundtrip_ms, self.resident_launch_ms, self.share_ms, True, self.call_ms)
@@ -319,14 +334,25 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=16)
     parser.add_argument("--spread", default="0,7", help="whole layers of the spread placements tried")
     parser.add_argument("--resident-launch-ms", type=float, help="in place of the profile's (a sensitivity check)")
+    parser.add_argument("--profile", metavar="JSON", help="price from this start-up profile (profile-<key>.json in "
+                        "the engine's cache) in place of PRICES; with one --shape")
     parser.add_argument("--outside-ms", type=float,
                         help="the step outside the experts, in place of the eager bench's (e.g. with CUDA graphs)")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be in 0..--steps - 1")
     spread = tuple(int(n) for n in args.spread.split(",") if n)
+    measured = None
+    if args.profile:
+        if len(args.shape or []) != 1:
+            parser.error("--profile prices one shape: name it with --shape")
+        try:
+            with open(args.profile) as f:
+                measured = StepPrices.from_profile(json.load(f))
+        except (OSError, ValueError, MoedeskError) as e:
+            parser.error(f"--profile {args.profile}: {e}")
     for name in args.shape or list(SETTINGS):
-        setting, prices = SETTINGS[name], PRICES[name]
+        setting, prices = SETTINGS[name], measured or PRICES[name]
         if args.resident_launch_ms is not None:
             prices = replace(prices, resident_launch_ms=args.resident_launch_ms)
         print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
