@@ -31,6 +31,16 @@ async def open_settings(pilot):
     return pilot.app.screen
 
 
+async def apply_setting(pilot, name: str, value) -> None:
+    """F2, setting `name` (its field #setting-NAME) to `value`, ctrl+s, and back on the screen it was opened from."""
+    back = pilot.app.screen
+    await open_settings(pilot)
+    pilot.app.screen.query_one(f"#setting-{name}").value = value
+    await pilot.pause()
+    await pilot.press("ctrl+s")
+    await wait_for(pilot, lambda: pilot.app.screen is back, what=f"the screen again after {name} {value}")
+
+
 async def open_models(pilot):
     """F3, then the models screen once it lists what it found."""
     await pilot.press("f3")

@@ -16,7 +16,7 @@ from moedesk.app.tui.screens.download import DownloadScreen
 from moedesk.app.tui.load_target import LoadTarget
 from moedesk.app.tui.screens.models import ModelsScreen
 from tests.fake_hub import FakeHub, point_client_at
-from tests.tui.helpers import chat_ready, open_settings, screen_lines, wait_for
+from tests.tui.helpers import apply_setting, chat_ready, screen_lines, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -178,13 +178,8 @@ async def list_repo(pilot, screen: DownloadScreen, repo_id: str) -> None:
 
 async def set_engine(pilot, screen: DownloadScreen, value: str) -> None:
     """The engine setting changed in the settings screen, back at the wizard once it follows it."""
-    app = pilot.app
-    await open_settings(pilot)
-    app.screen.query_one("#setting-engine").value = value
-    await pilot.pause()
-    await pilot.press("ctrl+s")
-    await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == value,
-                   what=f"the wizard with engine {value}")
+    await apply_setting(pilot, "engine", value)
+    await wait_for(pilot, lambda: screen.target.engine == value, what=f"the wizard with engine {value}")
 
 
 async def wait_stopped(pilot, screen: DownloadScreen, what: str = "the download to stop") -> None:
@@ -263,11 +258,7 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_pa
         assert loaded() == (f"loaded  ~{dl.format_bytes(int4 + other)} in RAM, {dl.format_bytes(int4)} of it "
                             "q4_0/f32 experts · expert dtype int4 (F2)")
 
-        await open_settings(pilot)
-        app.screen.query_one("#setting-expert_dtype").value = "bf16"
-        await pilot.pause()
-        await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: app.screen is screen, what="the wizard again")
+        await apply_setting(pilot, "expert_dtype", "bf16")
         await wait_for(pilot, lambda: "bf16" in loaded(), what="the new estimate")
         experts = sum(moe.experts.nbytes for moe in engine.model.moe_blocks())  # float32 on this CPU
         assert loaded() == (f"loaded  ~{dl.format_bytes(experts + other)} in RAM, {dl.format_bytes(experts)} of it "
@@ -276,10 +267,7 @@ async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_pa
         await wait_for(pilot, lambda: "reading" not in loaded(), what="the GGUF estimate")
         assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
         assert loaded().endswith("f32 experts · expert dtype bf16 (F2)")
-        await open_settings(pilot)
-        app.screen.query_one("#setting-expert_dtype").value = "auto"
-        await pilot.pause()
-        await pilot.press("ctrl+s")
+        await apply_setting(pilot, "expert_dtype", "auto")
         await wait_for(pilot, lambda: "auto" in loaded(), what="the new estimate")
         assert loaded() == gguf_estimate(tmp_path, "tiny-moe-Q4_K_M.gguf", screen.target)
         assert "q4_k/q8_0 experts" in loaded()

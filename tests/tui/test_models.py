@@ -12,7 +12,7 @@ from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.settings import Settings
 from moedesk.engine.load.size_estimate import MemoryEstimate
 from moedesk.engine.runtime import Engine
-from tests.tui.helpers import chat_ready, open_models, open_settings, wait_for
+from tests.tui.helpers import apply_setting, chat_ready, open_models, wait_for
 
 
 def loaded_bytes(engine) -> int:
@@ -39,6 +39,14 @@ def fake_hf_cache(root, tiny_folder, repo="acme/cached-moe"):
         shutil.copy(tiny_folder / name, blob)
         (snapshot / name).symlink_to(blob)
     return repo
+
+
+async def models_table(pilot):
+    """The chat once ready, then the models screen (F3): (that screen, its table, the rows' names in order)."""
+    await wait_for(pilot, lambda: chat_ready(pilot.app), what="the chat")
+    screen = await open_models(pilot)
+    table = screen.query_one("#models-table")
+    return screen, table, [table.get_row_at(i)[1] for i in range(table.row_count)]
 
 
 @pytest.fixture
@@ -75,11 +83,7 @@ def test_find_models_lists_demo_folders_gguf_and_hf_cache(models_folder, tui_dir
 async def test_models_screen_lists_and_loads_a_model(models_folder, engine):
     app = MoedeskApp(engine)  # the factory follows the engine's device: cpu, so float32 (the auto dtype)
     async with app.run_test(size=(100, 30)) as pilot:
-        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await open_models(pilot)
-        screen = app.screen
-        table = screen.query_one("#models-table")
-        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        screen, table, names = await models_table(pilot)
         assert "acme/tiny-moe" in names and "broken.gguf" in names
         row = names.index("acme/tiny-moe")
         # The memory column: what loading takes (on this CPU: float32, experts as the file holds them).
@@ -140,11 +144,7 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
     int4_experts = L * E * (2 * F * H // 32 * 18 + H * F * 4)
     app = MoedeskApp(engine, settings=Settings())
     async with app.run_test(size=(120, 30)) as pilot:
-        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await open_models(pilot)
-        screen = app.screen
-        table = screen.query_one("#models-table")
-        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        screen, table, names = await models_table(pilot)
         row = names.index("acme/tiny-moe")
         table.move_cursor(row=row)
         await pilot.pause()
@@ -161,11 +161,7 @@ async def test_models_screen_estimates_memory_with_the_expert_dtype_in_force(mod
         table.move_cursor(row=row)
         await pilot.pause()
 
-        await open_settings(pilot)
-        app.screen.query_one("#setting-expert_dtype").value = "int4"
-        await pilot.pause()
-        await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: app.screen is screen, what="the models screen again")
+        await apply_setting(pilot, "expert_dtype", "int4")
         await wait_for(pilot, lambda: "int4" in status(), what="the new estimate")
         assert table.get_row_at(row)[5] == f"~{human_size(int4_experts + other)}"
         assert note() == (f"acme/tiny-moe · ~{human_size(int4_experts + other)} in RAM, {human_size(int4_experts)} "
@@ -191,11 +187,7 @@ async def test_a_safetensors_row_says_what_the_engine_setting_would_do(models_fo
 
     app = MoedeskApp(engine, settings=Settings(engine="llama.cpp"))
     async with app.run_test(size=(160, 40)) as pilot:
-        await wait_for(pilot, lambda: chat_ready(app), what="the chat")
-        await open_models(pilot)
-        screen = app.screen
-        table = screen.query_one("#models-table")
-        names = [table.get_row_at(i)[1] for i in range(table.row_count)]
+        screen, table, names = await models_table(pilot)
         row = names.index("acme/tiny-moe")
         note = lambda: str(screen.query_one("#models-note").render())  # noqa: E731
         cells = table.get_row_at(row)
@@ -207,11 +199,8 @@ async def test_a_safetensors_row_says_what_the_engine_setting_would_do(models_fo
         await pilot.pause()
         assert str(screen.query_one(".load-error").render()) == f"acme/tiny-moe: {stop}" and app.engine is engine
 
-        await open_settings(pilot)
-        app.screen.query_one("#setting-engine").value = "auto"
-        await pilot.pause()
-        await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: app.screen is screen and screen.target.engine == "auto", what="auto")
+        await apply_setting(pilot, "engine", "auto")
+        await wait_for(pilot, lambda: screen.target.engine == "auto", what="auto")
         assert table.get_row_at(row)[5] == f"~{human_size(loaded_bytes(engine))}"
         assert note().endswith(" · native engine")
 
