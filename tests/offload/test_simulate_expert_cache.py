@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, replay
-from moedesk.engine.offload.routing_trace import CONVERSATION, TraceShape, step_counts, synthetic_trace
+from moedesk.engine.offload.routing_trace import CONVERSATION, NO_LOCALITY, TraceShape, step_counts, synthetic_trace
 from tests.perf import simulate_expert_cache as sim
 
 PRICES = sim.StepPrices(roundtrip_ms=0.1, call_ms=0.2, share_ms=0.01, resident_launch_ms=0.5, copy_ms=1.0,
@@ -136,3 +136,92 @@ def test_a_bad_profile_is_one_line(tmp_path, capsys, monkeypatch):
         sim.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert "--profile" in err[-1] and "cpu_expert_ms" in err[-1] and "Traceback" not in "".join(err)
+
+
+# Prefetch from a predictor of the next layer's experts.
+
+def test_the_predictor_keeps_each_true_expert_with_its_accuracy_and_fills_in_wrong_ones():
+    rng = np.random.default_rng(0)
+    chosen = np.array([3, 7, 9, 12])
+    assert sorted(sim.predict(chosen, 16, 1.0, rng).tolist()) == [3, 7, 9, 12]
+    wrong = sim.predict(chosen, 16, 0.0, rng)
+    assert len(wrong) == 4 and not set(wrong.tolist()) & {3, 7, 9, 12}
+    kept = [len(set(sim.predict(chosen, 16, 0.7, rng).tolist()) & {3, 7, 9, 12}) / 4 for _ in range(2000)]
+    assert np.mean(kept) == pytest.approx(0.7, abs=0.02)
+
+
+def test_copies_start_only_when_they_land_before_the_next_layer_needs_them():
+    # 1 ms a copy; the link free now; a 2.5 ms window: two fit (batched: one launch, 0.25 ms, before them)
+    assert sim.in_time(2, 0.0, 0.0, 2.5, PRICES, "batched")
+    assert not sim.in_time(3, 0.0, 0.0, 2.5, PRICES, "batched")
+    assert not sim.in_time(2, 0.0, 1.0, 2.5, PRICES, "batched")  # the link still busy with earlier copies
+    assert sim.launches(3, PRICES, "overlapped") == pytest.approx(0.75)
+    assert sim.launches(3, PRICES, "batched") == pytest.approx(0.25)
+
+
+def test_a_perfect_predictor_with_time_to_copy_equals_the_clairvoyant_bound():
+    shape = TraceShape(4, 16, 2)
+    trace = conversation(shape, 80)
+    resident = np.zeros((4, 16), dtype=bool)
+    resident[0] = True  # no earlier layer predicts the first: keep it whole
+    resident[1:, :2] = True
+    staged = np.array([False, True, True, True])
+    free_launch = replace(PRICES, share_ms=0.6, copy_launch_ms=0.0)  # hits on the GPU; copies queued for free
+    bound_slots = resident.copy()
+    bound_slots[1:, 2:6] = True  # the bound gets the staging area's 4 slots a layer as cache slots
+    bound = sim.simulate(trace, sim.Clairvoyant(bound_slots, trace), free_launch, 1e6, warmup=1)
+    for mode in sim.PREFETCH_MODES:
+        run = sim.simulate_prefetch(trace, resident, staged, sim.Prefetch(1.0, 4), free_launch, 1e6, 1, mode)
+        assert run.hit_rate == bound.hit_rate == 1.0
+        assert run.moe_ms == pytest.approx(bound.moe_ms)
+        assert run.step_ms == pytest.approx(bound.step_ms["batched"])
+        assert run.skipped == 0.0 and run.copies_per_step > 0
+
+
+def small_plan(calibration: np.ndarray):
+    from moedesk.engine.offload.placement import plan_placement
+
+    layers, experts = calibration.shape
+    costs = replace(PRICES, share_ms=0.6).layer_costs()
+    return lambda fits: plan_placement(1, layers, experts, calibration, fits, 0, layer_costs=costs, top_k=2).on_gpu
+
+
+def test_the_staging_area_is_taken_from_the_resident_experts_budget():
+    shape = TraceShape(8, 16, 2)
+    calibration = sum(conversation(shape, 100)).astype(float)
+    plan = small_plan(calibration)
+    fits = 40
+    full = plan(fits)
+    resident, staged = sim.staged_placement(plan, fits, staging=2)
+    assert not staged[0]
+    assert staged[1:].tolist() == (~resident.all(axis=1))[1:].tolist()
+    assert resident.sum() + 2 * staged.sum() <= fits
+    assert resident.sum() < full.sum()  # the memory came out of the resident experts
+    _, later = sim.staged_placement(plan, fits, staging=2, horizon=3)
+    assert not later[:3].any()  # predicted three layers ahead: the first three have nothing early enough
+
+
+@pytest.mark.parametrize("params", [CONVERSATION, NO_LOCALITY])
+@pytest.mark.parametrize("mode", sim.PREFETCH_MODES)
+def test_a_predictor_that_is_always_wrong_never_beats_the_fixed_placement(params, mode):
+    shape = TraceShape(8, 16, 2)
+    calibration = sum(step_counts(s, 16) for s in synthetic_trace(shape, 100, params, seed=9)).astype(float)
+    trace = [step_counts(s, 16) for s in synthetic_trace(shape, 120, params, seed=4)]
+    prices = replace(PRICES, share_ms=0.6)
+    plan = small_plan(calibration)
+    fixed = sim.simulate(trace, ExpertCache(plan(40), CachePolicy(swaps_per_step=0)), prices, 5.0, warmup=8)
+    resident, staged = sim.staged_placement(plan, 40, staging=2)
+    for seed in range(3):
+        wrong = sim.simulate_prefetch(trace, resident, staged, sim.Prefetch(0.0, 2, seed=seed), prices, 5.0, 8, mode)
+        assert wrong.step_ms >= fixed.step_ms["batched"]
+    right = sim.simulate_prefetch(trace, resident, staged, sim.Prefetch(1.0, 2), prices, 50.0, 8, mode)
+    assert right.hit_rate > fixed.hit_rate  # with time to copy, a perfect one does gain hits
+
+
+@pytest.mark.parametrize("bad", [["--accuracy", "1.5"], ["--accuracy", "high"], ["--horizon", "0"]])
+def test_a_bad_prefetch_option_is_one_line(bad, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["simulate", "--prefetch", *bad])
+    with pytest.raises(SystemExit):
+        sim.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--accuracy" in err[-1] and "Traceback" not in "".join(err)

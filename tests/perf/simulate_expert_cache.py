@@ -19,6 +19,7 @@ time, so the step times read against that bench's tok/s.
     python3 tests/perf/simulate_expert_cache.py                 # both shapes, both traces, ~2 min on one core
     python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --steps 128
     python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --profile ~/.cache/moedesk/profile-<key>.json
+    python3 tests/perf/simulate_expert_cache.py --prefetch       # a predictor of the next layer's experts, ~1 min
 """
 from __future__ import annotations
 
@@ -109,13 +110,21 @@ def moe_ms(resident: np.ndarray, counts: np.ndarray, prices: StepPrices) -> floa
     trip, the CPU call and its offloaded selections' shares where it has any, and the launch of its GPU experts where
     it has hits, unless the executor computes those on the CPU too, as it does where their shares cost less than
     the launch (engine.offload.assignment.resident_on_cpu): then a hit saves nothing."""
-    partial = ~resident.all(axis=1)
-    misses = np.where(resident, 0, counts).sum(axis=1)[partial]
-    hits = np.where(resident, counts, 0).sum(axis=1)[partial]
+    return float(layers_ms(resident, counts, prices).sum())
+
+
+def layers_ms(present: np.ndarray, counts: np.ndarray, prices: StepPrices,
+              whole: np.ndarray | None = None) -> np.ndarray:
+    """moe_ms layer by layer. `whole` marks the layers that run inside the graphs (default: those with every expert
+    `present`); a layer whose experts are all present only with staged ones is still priced as partly resident."""
+    partial = ~(present.all(axis=1) if whole is None else whole)
+    misses = np.where(present, 0, counts).sum(axis=1)
+    hits = np.where(present, counts, 0).sum(axis=1)
     moved = (misses > 0) & (hits * prices.share_ms < prices.resident_launch_ms)
     launched = (hits > 0) & ~moved
-    return float(partial.sum() * prices.roundtrip_ms + (misses > 0).sum() * prices.call_ms
-                 + (misses.sum() + hits[moved].sum()) * prices.share_ms + launched.sum() * prices.resident_launch_ms)
+    cost = (prices.roundtrip_ms + (misses > 0) * prices.call_ms + (misses + moved * hits) * prices.share_ms
+            + launched * prices.resident_launch_ms)
+    return np.where(partial, cost, 0.0)
 
 
 COPY_MODES = ("stalled", "overlapped", "batched")
@@ -201,6 +210,137 @@ class Clairvoyant:
                 on[evict], on[admit] = False, True
                 swaps.append(Swap(int(layer), evict, int(admit)))
         return swaps
+
+
+PREFETCH_MODES = ("overlapped", "batched", "in graph")
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """A predictor of layer l + 1's experts made at layer l (the next router applied early), and the GPU memory and
+    copies spent acting on it."""
+
+    accuracy: float  # each of the step's true top-k is in the prediction with this probability; wrong experts fill in
+    staging: int  # slots of a prefetched layer's staging area, taken from the resident experts' budget
+    copies: int | None = None  # copies a layer at most (None: as many as the staging area holds)
+    seed: int = 0
+    horizon: int = 1  # layers ahead: the prediction for layer l + horizon is made at layer l
+
+
+@dataclass(frozen=True)
+class PrefetchRun:
+    hit_rate: float  # selections served by the GPU: resident, or staged and landed before the layer needed them
+    copies_per_step: float
+    skipped: float  # share of the wanted copies not started: they would have landed after their layer needed them
+    moe_ms: float
+    step_ms: float
+
+
+def predict(chosen: np.ndarray, experts: int, accuracy: float, rng: np.random.Generator) -> np.ndarray:
+    """The predictor's guess at a layer's experts: each of `chosen` kept with probability `accuracy`, each dropped
+    one replaced by an expert not chosen, in an order that says nothing of which are right. Draws as many numbers
+    whatever the outcome, so runs that differ only in timing see the same guesses."""
+    kept = rng.random(len(chosen)) < accuracy
+    others = np.setdiff1d(np.arange(experts), chosen)
+    wrong = rng.choice(others, size=min(len(others), int((~kept).sum())), replace=False)
+    return rng.permutation(np.concatenate([chosen[kept], wrong]))
+
+
+def staged_placement(plan: Callable[[int], np.ndarray], fits: int, staging: int,
+                     horizon: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(resident, staged): `plan(n)`'s placement of n experts, n the largest for which the plan's experts and a
+    staging area of `staging` slots in each layer it leaves not wholly resident fit in `fits`. The first `horizon`
+    layers have no staging area: no layer of the step comes early enough to predict them."""
+    budget = fits
+    while True:
+        resident = plan(budget)
+        staged = ~resident.all(axis=1)
+        staged[:horizon] = False
+        area = staging * int(staged.sum())
+        if int(resident.sum()) + area <= fits or budget <= 0:
+            return resident, staged
+        budget = max(0, min(budget - 1, fits - area))
+
+
+def launches(copies: int, prices: StepPrices, mode: str) -> float:
+    """The host's ms queueing a layer's `copies`: one launch each (overlapped), one for all (batched), none where
+    the decode graph holds a gather that reads the predicted ids on the GPU and pulls the experts from pinned RAM
+    (in graph)."""
+    if mode == "in graph":
+        return 0.0
+    return prices.copy_launch_ms * (copies if mode == "overlapped" else min(copies, 1))
+
+
+def in_time(copies: int, clock: float, link: float, window_ms: float, prices: StepPrices, mode: str) -> bool:
+    """Whether `copies` queued now, the copy stream busy until `link`, all land within `window_ms` of the host
+    having queued them: the copy stream moves one expert in copy_ms at the measured PCIe rate."""
+    queued = clock + launches(copies, prices, mode)
+    return max(queued, link) + copies * prices.copy_ms <= queued + window_ms
+
+
+def simulate_prefetch(trace: list[np.ndarray], resident: np.ndarray, staged: np.ndarray, prefetch: Prefetch,
+                      prices: StepPrices, outside_ms: float, warmup: int, mode: str) -> PrefetchRun:
+    """Replay `trace` with the fixed placement `resident` and, in each `staged` layer, a staging area filled ahead.
+
+    A step runs its layers in turn, each taking outside_ms / layers (attention and the rest) and then its experts,
+    priced by layers_ms with the staged experts that have landed counted as resident (the layer still priced as
+    partly resident: staged experts are not in the decode graphs). When layer l's experts start, the predictor
+    names layer l + h's (h the horizon); those neither resident nor staged there are copied, at most `copies`,
+    each into the staging slot whose expert the prediction does not name and was used longest ago. The host queues
+    them before it runs layer l (`launches`). The copy stream moves one expert in copy_ms, one after another, across
+    layers and steps. Only copies in time start (`in_time`): the link's queue and layer l's priced time are known
+    when the prediction is made, and a copy landing after layer l + h's experts start would only hold up later
+    ones. The window counted is layer l's experts and h layers' share of the outside; the experts of the layers
+    between are left out (unknown when deciding), so a copy judged in time is in time and, for h > 1, a few that
+    would have been are not started."""
+    layers, experts = resident.shape
+    whole = resident.all(axis=1)
+    budget = prefetch.staging if prefetch.copies is None else min(prefetch.copies, prefetch.staging)
+    slot = np.full((layers, prefetch.staging), -1)  # the expert each staging slot holds
+    used = np.full((layers, prefetch.staging), -1)  # the step its expert was last predicted or used
+    landed = np.full((layers, prefetch.staging), np.inf)  # when its copy lands, on the run's clock
+    rng = np.random.default_rng(prefetch.seed)
+    outside = outside_ms / layers
+    clock = link = 0.0
+    hits = selections = copies = skipped = 0
+    moe = step = 0.0
+    for t, counts in enumerate(trace):
+        timed, begun = t >= warmup, clock
+        for layer in range(layers):
+            clock += outside
+            present = resident[layer].copy()
+            ready = slot[layer][(slot[layer] >= 0) & (landed[layer] <= clock)]
+            present[ready] = True
+            cost = float(layers_ms(present[None], counts[layer][None], prices, whole[layer:layer + 1])[0])
+            used[layer][np.isin(slot[layer], np.flatnonzero(counts[layer]))] = t
+            if timed:
+                hits += int(counts[layer][present].sum())
+                selections += int(counts[layer].sum())
+                moe += cost
+            nxt = layer + prefetch.horizon
+            if nxt < layers and staged[nxt]:
+                guess = predict(np.flatnonzero(trace[t][nxt]), experts, prefetch.accuracy, rng)
+                guess = guess[~resident[nxt, guess]]
+                used[nxt][np.isin(slot[nxt], guess)] = t
+                wanted = [int(e) for e in guess if e not in slot[nxt]][:budget]
+                free = np.flatnonzero(~np.isin(slot[nxt], guess))  # slots the guess does not need, oldest first
+                free = free[np.argsort(used[nxt][free], kind="stable")][:len(wanted)]
+                n = len(free)
+                while n and not in_time(n, clock, link, cost + prefetch.horizon * outside, prices, mode):
+                    n -= 1
+                if timed:
+                    copies += n
+                    skipped += len(wanted) - n
+                if n:
+                    clock += launches(n, prices, mode)
+                    for expert, victim in zip(wanted, free[:n]):
+                        link = max(clock, link) + prices.copy_ms
+                        slot[nxt, victim], used[nxt, victim], landed[nxt, victim] = expert, t, link
+            clock += cost
+        if timed:
+            step += clock - begun
+    n = max(1, len(trace) - warmup)
+    return PrefetchRun(hits / max(1, selections), copies / n, skipped / max(1, copies + skipped), moe / n, step / n)
 
 
 @dataclass(frozen=True)
@@ -317,14 +457,70 @@ def traces_for(setting: Setting, params: TraceParams, steps: int) -> tuple[np.nd
     return np.asarray(calibration, dtype=float), trace
 
 
+def engine_plan(calibration: np.ndarray, setting: Setting, prices: StepPrices, fits: int) -> np.ndarray:
+    """The engine's placement of `fits` experts (whole layers where the latency model says they pay)."""
+    layers, experts = calibration.shape
+    return plan_placement(1, layers, experts, calibration, fits, 0, layer_costs=prices.layer_costs(),
+                          top_k=setting.shape.top_k).on_gpu
+
+
 def placement_for(name: str, calibration: np.ndarray, setting: Setting, prices: StepPrices) -> np.ndarray:
     """"fixed": the engine's plan; "whole": its whole layers alone, the slots left over empty; "spread N"."""
     if name in ("fixed", "whole"):
-        layers, experts = calibration.shape
-        plan = plan_placement(1, layers, experts, calibration, setting.resident, 0, layer_costs=prices.layer_costs(),
-                              top_k=setting.shape.top_k).on_gpu
+        plan = engine_plan(calibration, setting, prices, setting.resident)
         return plan if name == "fixed" else plan & plan.all(axis=1, keepdims=True)
     return spread_placement(calibration, setting.resident, int(name.split()[1]))
+
+
+# Staging slots a layer tried by default: a token's top-k and twice that (Mixtral: one and two of its 99 MB experts).
+STAGING = {"qwen3-30b-a3b": (8, 16), "mixtral-8x7b": (1, 2)}
+TARGET = 1.25  # issue 42's expert cache target against the fixed placement
+
+
+def prefetch_table(name: str, setting: Setting, prices: StepPrices, accuracies: list[float], stagings, horizons,
+                   args: argparse.Namespace) -> None:
+    """Prefetch at each staging size and accuracy against the engine's fixed placement at the whole budget, both
+    traces; then the least accuracy that reaches TARGET."""
+    gib = prices.expert_bytes / 2 ** 30
+    print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
+          f"{setting.resident} resident ({setting.resident * gib:.1f} GiB of experts); prices (ms) {prices}")
+    print(f"{'trace':13} {'horizon':>7} {'staging':>7} {'GiB':>5} {'resident':>8} {'whole':>5} {'accuracy':>8} "
+          f"{'hits':>5} {'copies/step':>11} {'skipped':>7} "
+          + " ".join(f"{m + ' ms':>13} {'vs fixed':>8}" for m in PREFETCH_MODES))
+    reached: dict[tuple, float] = {}
+    for trace_name, params in TRACES.items():
+        calibration, trace = traces_for(setting, params, args.steps)
+        fixed_resident = engine_plan(calibration, setting, prices, setting.resident)
+        still = simulate(trace, ExpertCache(fixed_resident, CachePolicy(swaps_per_step=0)), prices, 0.0, args.warmup)
+        fixed_moe = still.moe_ms
+        outside = setting.fixed_step_ms[trace_name] - fixed_moe if args.outside_ms is None else args.outside_ms
+        fixed = outside + fixed_moe
+        print(f"{trace_name:13} {'':>7} {'fixed':>7} {0:5.1f} {int(fixed_resident.sum()):8} "
+              f"{int(fixed_resident.all(axis=1).sum()):5} {'':>8} {still.hit_rate:5.0%}"
+              f" {0:11.2f} {'':>7} " + " ".join(f"{fixed:13.2f} {1:7.3f}x" for _ in PREFETCH_MODES))
+        for horizon, staging in [(h, n) for h in horizons for n in stagings]:
+            resident, staged = staged_placement(lambda n: engine_plan(calibration, setting, prices, n),
+                                                setting.resident, staging, horizon)
+            area = staging * int(staged.sum())
+            for accuracy in accuracies:
+                prefetch = Prefetch(accuracy, staging, horizon=horizon)
+                runs = {m: simulate_prefetch(trace, resident, staged, prefetch, prices, outside, args.warmup, m)
+                        for m in PREFETCH_MODES}
+                first = runs[PREFETCH_MODES[-1]]
+                cells = " ".join(f"{r.step_ms:13.2f} {fixed / r.step_ms:7.3f}x" for r in runs.values())
+                print(f"{trace_name:13} {horizon:7} {staging:7} {area * gib:5.1f} {int(resident.sum()):8} "
+                      f"{int(resident.all(axis=1).sum()):5} {accuracy:8.2f} {first.hit_rate:5.0%} "
+                      f"{first.copies_per_step:11.2f} {first.skipped:7.0%} {cells}", flush=True)
+                for mode, r in runs.items():
+                    if fixed / r.step_ms >= TARGET:
+                        key = (trace_name, horizon, staging, mode)
+                        reached[key] = min(reached.get(key, np.inf), accuracy)
+    for trace_name in TRACES:
+        for horizon, staging in [(h, n) for h in horizons for n in stagings]:
+            key = (trace_name, horizon, staging)
+            found = ", ".join(f"{m} from accuracy {reached[(*key, m)]:.2f}" if (*key, m) in reached
+                              else f"{m} never" for m in PREFETCH_MODES)
+            print(f"{TARGET}x fixed on {trace_name}, horizon {horizon}, staging {staging} a layer: {found}")
 
 
 def main() -> int:
@@ -338,6 +534,13 @@ def main() -> int:
                         "the engine's cache) in place of PRICES; with one --shape")
     parser.add_argument("--outside-ms", type=float,
                         help="the step outside the experts, in place of the eager bench's (e.g. with CUDA graphs)")
+    parser.add_argument("--prefetch", action="store_true",
+                        help="replay prefetch from a predictor of the next layer's experts instead of the caches")
+    parser.add_argument("--accuracy", default="0.5,0.7,0.8,0.9,1.0", help="the predictor's accuracies (--prefetch)")
+    parser.add_argument("--horizon", default="1", help="layers ahead the predictor names, comma-separated "
+                        "(--prefetch; its accuracy is the same at each: say so when reading a row)")
+    parser.add_argument("--staging", help="staging slots a layer, comma-separated (--prefetch; default: the "
+                        "shape's STAGING)")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be in 0..--steps - 1")
@@ -351,10 +554,21 @@ def main() -> int:
                 measured = StepPrices.from_profile(json.load(f))
         except (OSError, ValueError, MoedeskError) as e:
             parser.error(f"--profile {args.profile}: {e}")
+    try:
+        accuracies = [float(a) for a in args.accuracy.split(",") if a]
+        stagings = [int(n) for n in args.staging.split(",") if n] if args.staging else None
+        horizons = [int(n) for n in args.horizon.split(",") if n]
+    except ValueError as e:
+        parser.error(f"--accuracy / --staging / --horizon: {e}")
+    if not all(0 <= a <= 1 for a in accuracies) or min([*(stagings or []), *horizons], default=1) < 1:
+        parser.error("--accuracy takes values in 0..1, --staging and --horizon counts >= 1")
     for name in args.shape or list(SETTINGS):
         setting, prices = SETTINGS[name], measured or PRICES[name]
         if args.resident_launch_ms is not None:
             prices = replace(prices, resident_launch_ms=args.resident_launch_ms)
+        if args.prefetch:
+            prefetch_table(name, setting, prices, accuracies, stagings or STAGING[name], horizons, args)
+            continue
         print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
               f"{setting.resident} resident; prices (ms) {prices}")
         print(f"a copy pays when it brings {break_even(prices, 'stalled'):.1f} more hits (stalled), "
