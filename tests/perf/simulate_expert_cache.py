@@ -10,6 +10,9 @@ with the profile's copy and launch times, in three ways: stalled (today's execut
 copies its host queued), overlapped (the copies run beside the step, the host still queues each one) and batched
 (overlapped, one launch for all: only what the link cannot move within the step is paid).
 
+With --prefetch it replays a predictor of the experts a few layers ahead instead (the next router applied early),
+copying its guesses into a staging area taken from the budget (simulate_prefetch).
+
 The prices are the H200 box's, session 35 (docs/measurements.md): the bench's start-up profiles (one expert on the
 CPU at one token, one copy, the read bandwidth) and, for what those logs do not print (a call's own cost, the round
 trip, the launches), the full profiles of the same session's Qwen3.5 and gpt-oss runs; `PRICES` says which is which.
@@ -19,7 +22,8 @@ time, so the step times read against that bench's tok/s.
     python3 tests/perf/simulate_expert_cache.py                 # both shapes, both traces, ~2 min on one core
     python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --steps 128
     python3 tests/perf/simulate_expert_cache.py --shape qwen3-30b-a3b --profile ~/.cache/moedesk/profile-<key>.json
-    python3 tests/perf/simulate_expert_cache.py --prefetch       # a predictor of the next layer's experts, ~1 min
+    python3 tests/perf/simulate_expert_cache.py --prefetch       # a predictor of the next layers' experts instead
+    python3 tests/perf/simulate_expert_cache.py --prefetch --shape mixtral-8x7b --horizon 1,2,4 --accuracy 0.9
 """
 from __future__ import annotations
 
