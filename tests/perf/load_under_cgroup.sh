@@ -14,7 +14,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; DIR=${DIR:-/tmp/moedesk-cgroup}; FACTOR=${1:-1.15}
 mkdir -p "$OUT" "$DIR"
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
+. tests/perf/gpu_env.sh  # the project's wheels the box lacks (gguf, platformdirs) ahead on PYTHONPATH
 LOG=$OUT/load_under_cgroup.log
 MODEL=$DIR/mixtral-8x7b-q4k.gguf
 # The same file compare_llamacpp.sh depth-build writes: taken from there if it is on the disk already (two copies
@@ -32,6 +32,8 @@ if [ "${SPLIT:-1}" -gt 1 ]; then
 fi
 SIZE=$(python3 -c "import sys; sys.path.insert(0, '.'); from pathlib import Path; from tests.gguf_split import parts_size
 print(parts_size(Path(sys.argv[1])))" "$MODEL")
+# Without a size the limit would be empty and the group unlimited or broken: stop rather than measure nothing.
+[ -n "$SIZE" ] || { echo "the size of $MODEL could not be read (see above)" | tee -a "$LOG"; exit 1; }
 LIMIT=$(python3 -c "print(int($SIZE * $FACTOR))")
 echo "file $SIZE bytes, memory.max $LIMIT ($FACTOR x)" | tee -a "$LOG"
 echo '{"id": "a", "prompt": "the quick brown fox"}' > "$DIR/in.jsonl"
