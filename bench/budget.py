@@ -67,11 +67,28 @@ def budget_for_experts(cfg: ModelConfig, count: int, context: int, expert_format
     return (budget_holding(fixed, count * expert_bytes(cfg, expert_format, dtype)) + 16) / GIB  # 16: GiB's rounding
 
 
-if __name__ == "__main__":  # for tests/perf scripts: python3 -m moedesk.bench.budget SHAPE LAYERS EXPERTS CONTEXT [FORMAT]
+def layers_in_ram(cfg: ModelConfig, budget_gib: float, context: int, expert_format: str, device="cuda") -> int:
+    """llama.cpp's `-ncmoe` at the bench's budget: a GGUF holds a layer's experts as one tensor, so the experts our
+    split leaves room for go to the GPU as whole layers, and the MoE layers left over keep theirs in RAM."""
+    from moedesk.engine.generation.scheduler import default_prefill_chunk
+
+    dtype = bench_dtype(device)
+    split = bench_split(cfg, int(budget_gib * GIB), context, dtype, default_prefill_chunk(device))
+    moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
+    return moe_layers - planned_experts(split, expert_bytes(cfg, expert_format, dtype), cfg) // cfg.num_experts
+
+
+if __name__ == "__main__":
+    # for tests/perf scripts: python3 -m moedesk.bench.budget SHAPE LAYERS EXPERTS CONTEXT [FORMAT]  (the budget)
+    # or python3 -m moedesk.bench.budget --ncmoe SHAPE LAYERS GIB CONTEXT FORMAT  (llama.cpp's -ncmoe at that budget)
     import sys
 
     from moedesk.engine.load.synthetic import shape_config
 
+    if sys.argv[1] == "--ncmoe":
+        shape, layers, gib, context, fmt = sys.argv[2:]
+        print(layers_in_ram(shape_config(shape, int(layers) or None), float(gib), int(context), fmt))
+        sys.exit()
     shape, layers, count, context, *fmt = sys.argv[1:]
     print(budget_for_experts(shape_config(shape, int(layers) or None), int(count), int(context),
                              fmt[0] if fmt else "dense", "cuda"))

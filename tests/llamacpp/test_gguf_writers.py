@@ -45,7 +45,8 @@ print(model.metadata["general.architecture"], scores.shape[1], bool(np.isfinite(
 
 
 @pytest.mark.parametrize("shape, arch", [("qwen3.5-35b-a3b", "qwen35moe"), ("deepseek-v3", "deepseek2"),
-                                         ("glm-4.5-air", "glm4moe"), ("gpt-oss-20b", "gpt-oss")])
+                                         ("glm-4.5-air", "glm4moe"), ("gpt-oss-20b", "gpt-oss"),
+                                         ("qwen3-30b-a3b", "qwen3moe")])
 def test_the_family_writer_at_toy_sizes_writes_what_llama_cpp_runs(tmp_path, shape, arch, monkeypatch):
     """make_family_gguf.py's files for llama-bench, with --tiny dimensions: llama.cpp loads them and computes finite,
     varied logits. The tensors llama.cpp's converter keeps in F32 (routers, the DeltaNet convolution) stay F32."""

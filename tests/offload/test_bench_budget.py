@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from moedesk.app.cli import main
-from moedesk.bench.budget import bench_split, budget_for_experts, expert_bytes, planned_experts
+from moedesk.bench.budget import bench_split, budget_for_experts, expert_bytes, layers_in_ram, planned_experts
 from moedesk.bench.synthetic import bench_context, run_bench
 from moedesk.engine.generation.scheduler import PREFILL_CHUNK_GPU
 from moedesk.engine.load.synthetic import shape_config
@@ -82,3 +82,14 @@ def test_a_budget_too_small_is_refused_in_one_line_before_the_model_is_built(mon
     assert main(["bench", "--shape", "tiny-moe", "--layers", "2", "--device", "cpu", "--gpu-budget", "0.0002"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "GPU budget cannot hold the weights" in line and "--gpu-budget" in line
+
+
+def test_llamacpp_keeps_in_ram_the_layers_whose_whole_experts_the_split_leaves_no_room_for():
+    """-ncmoe for llama.cpp at the bench's budget: 124 Mixtral experts at 16 GiB (above) are 15 whole layers of 8,
+    so 17 of 32 layers keep their experts in RAM; a bigger budget keeps fewer there, none when all fit."""
+    cfg = shape_config("mixtral-8x7b")
+    assert layers_in_ram(cfg, 16, bench_context(), "q4_k") == 32 - 124 // 8
+    assert layers_in_ram(cfg, 24, bench_context(), "q4_k") < layers_in_ram(cfg, 16, bench_context(), "q4_k")
+    assert layers_in_ram(cfg, 1000, bench_context(), "q4_k") == 0
+    # A longer context's cache takes room from the experts: more layers stay in RAM.
+    assert layers_in_ram(cfg, 16, 32768, "q4_k") > layers_in_ram(cfg, 16, bench_context(), "q4_k")

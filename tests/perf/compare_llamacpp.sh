@@ -180,13 +180,7 @@ depth-llama)
   # workspace are counted (bench/budget.py, as our bench places them), as whole layers.
   export PYTHONPATH=${PYTHONPATH:-}:.
   LLB=${LLB:-/tmp/llb}
-  ncm=$(python3 -c "
-import torch
-from moedesk.bench.budget import bench_split, expert_bytes, planned_experts
-from moedesk.engine.load.synthetic import shape_config
-c = shape_config('mixtral-8x7b'); n = 32768 + 512 + 1
-s = bench_split(c, 16 * 2**30, n, torch.bfloat16, 2048)
-print(c.num_layers - planned_experts(s, expert_bytes(c, 'q4_k', torch.bfloat16), c) // c.num_experts)")
+  ncm=$(python3 -m moedesk.bench.budget --ncmoe mixtral-8x7b 0 16 $((32768 + 512 + 1)) q4_k)
   echo "llama-bench -ncmoe $ncm (16 GiB at 32k)"
   "$LLB/bin/llama-bench" -m "$W/mix_q4k_whole.gguf" -ngl 99 -ncmoe "$ncm" -fa 1 -t 16 -p 512 -n 64 \
     -d 512,8192,16384,32768 -r 1 -o json > "$W/llama_depth.json"

@@ -3,7 +3,7 @@
 Usage: python tests/perf/make_family_gguf.py SHAPE OUT.gguf L [--experts mxfp4|q4_k|q4_0|q8_0|f16] [--vocab N] [--tiny]
 
 SHAPE: gpt-oss-120b, gpt-oss-20b (experts MXFP4 by default, as the released checkpoints), glm-4.5-air, deepseek-v3,
-qwen3.5-35b-a3b, minimax-m2 (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata
+qwen3.5-35b-a3b, minimax-m2, qwen3-30b-a3b (experts q4_k by default: the bulk of a Q4_K_M file). The tensors, names and metadata
 come from tests/gguf_from_hf.py (the families that test_new_archs.py checks against transformers), laid out from the
 transformers model built on the meta device, so no full-size float copy exists. Speed does not depend on the values:
 every tensor tiles one random block, the rest of the model in F16, except what llama.cpp's converter always keeps in
@@ -64,6 +64,11 @@ SHAPES = {
         moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
                                             "mrope_section": [11, 11, 10], "mrope_interleaved": True})),
+    # Qwen/Qwen3-30B-A3B's config.json (engine/load/synthetic.py's qwen3-30b-a3b): issue 42's whole-model 8 GiB target
+    "qwen3-30b-a3b": ("qwen3moe", "q4_k", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True, max_position_embeddings=40960, rope_theta=1e6, rms_norm_eps=1e-6)),
     # MiniMaxAI/MiniMax-M2's config.json (engine/load/synthetic.py's minimax-m2): q/k norms over all heads, half of
     # each head rotated, 256 experts top-8, sigmoid routing
     "minimax-m2": ("minimax-m2", "q4_k", dict(

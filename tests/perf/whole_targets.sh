@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# On the GPU box, from the repo root, in one device command: issue 42's whole-model targets against llama.cpp's best
+# -ncmoe for the same GPU budget. Mixtral-8x7B (32 layers) at 16 GiB and Qwen3-30B-A3B (48 layers) at 8 GiB, Q4_K
+# experts, random weights, both sides fed random tokens.
+#   llama.cpp: the GGUF written quantised from the start (make_mixtral_q4k_gguf.py, make_family_gguf.py), then
+#     llama-bench -ngl 99 -fa 1 -t 16 -p 512 -n 64 at every -ncmoe from the least that fits the budget (our split of
+#     it, in whole layers: python3 -m moedesk.bench.budget --ncmoe) to SWEEP layers more, and with every expert in RAM;
+#     llama-batched-bench's 16 sequences at the best of them.
+#   moedesk: moedesk bench --gpu-budget G --expert-format q4_k --prefill 512 (decode, prefill 512, 16 sequences).
+# Targets: Mixtral decode >= 2x llama.cpp's best, prefill 512 >= 4x, 16 sequences >= 3x; Qwen3 decode >= 1.5x.
+# Needs llama-bench and llama-batched-bench in $LLB (tests/perf/llamacpp_engine_gpu.sh build). Leaves in $OUT:
+# whole_summary.txt (the sweep and the ratios) and whole_targets.tar.gz (every JSON and log).
+# Usage: [LLB=/tmp/llb] [SWEEP=3] bash tests/perf/whole_targets.sh [mixtral] [qwen3]   (both by default)
+set -uo pipefail
+. tests/perf/gpu_env.sh
+LLB=${LLB:-/tmp/llb}; SWEEP=${SWEEP:-3}; W=/tmp/whole; mkdir -p "$W"
+MODELS=${*:-mixtral qwen3}
+[ -x "$LLB/bin/llama-bench" ] && [ -x "$LLB/bin/llama-batched-bench" ] \
+  || { echo "no llama-bench/llama-batched-bench in $LLB: run tests/perf/llamacpp_engine_gpu.sh build first"; exit 1; }
+clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }  # each side starts from a cold page cache
+
+for m in $MODELS; do
+  case $m in
+    mixtral) shape=mixtral-8x7b; layers=32; gib=16
+             write=(python3 tests/perf/make_mixtral_q4k_gguf.py "$W/$m.gguf" 32) ;;
+    qwen3) shape=qwen3-30b-a3b; layers=48; gib=8
+           write=(python3 tests/perf/make_family_gguf.py qwen3-30b-a3b "$W/$m.gguf" 48) ;;
+    *) echo "unknown model $m (mixtral, qwen3)"; exit 2 ;;
+  esac
+  [ -f "$W/$m.gguf" ] || "${write[@]}" > "$W/${m}_write.log" 2>&1 || { tail -n 5 "$W/${m}_write.log"; continue; }
+  least=$(python3 -m moedesk.bench.budget --ncmoe "$shape" 0 "$gib" $((512 + 64 + 1)) q4_k)
+  sweep=$(seq "$least" $((least + SWEEP > layers ? layers : least + SWEEP)); echo "$layers")
+  echo "$m: llama-bench -ncmoe $(echo $sweep | tr ' ' ,) ($gib GiB fits $least and up)"
+  clean
+  for n in $(echo "$sweep" | sort -un); do
+    timeout 300 "$LLB/bin/llama-bench" -m "$W/$m.gguf" -ngl 99 -ncmoe "$n" -fa 1 -t 16 -p 512 -n 64 -r 2 -o json \
+      > "$W/${m}_llama_ncmoe$n.json" 2> "$W/${m}_llama_ncmoe$n.log"
+  done
+  best=$(python3 - "$W" "$m" <<'PY'
+import glob, json, re, sys
+w, m = sys.argv[1:]
+decode = {}
+for path in glob.glob(f"{w}/{m}_llama_ncmoe*.json"):
+    try:
+        decode[int(re.search(r"ncmoe(\d+)", path).group(1))] = next(r["avg_ts"] for r in json.load(open(path))
+                                                                       if not r["n_prompt"])
+    except (ValueError, StopIteration):
+        pass
+print(max(decode, key=decode.get) if decode else "")
+PY
+)
+  [ -n "$best" ] && timeout 300 "$LLB/bin/llama-batched-bench" -m "$W/$m.gguf" -ngl 99 -ncmoe "$best" -fa 1 -t 16 \
+    -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' > "$W/${m}_llama_batched.txt"
+  rm -f "$W/$m.gguf"  # the disk and the page cache back for our banks
+  clean
+  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format q4_k --gpu-budget "$gib" --prefill 512 \
+    --json > "$W/${m}_ours.json" 2> "$W/${m}_ours.log" || tail -n 5 "$W/${m}_ours.log"
+done
+
+python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
+import glob, json, re, sys
+w, models = sys.argv[1], sys.argv[2:]
+goals = {"mixtral": {"decode": 2.0, "prefill": 4.0, "batched_decode": 3.0}, "qwen3": {"decode": 1.5}}
+for m in models:
+    sweep = {}
+    for path in glob.glob(f"{w}/{m}_llama_ncmoe*.json"):
+        try:
+            rows = json.load(open(path))
+        except ValueError:
+            continue
+        n = int(re.search(r"ncmoe(\d+)", path).group(1))
+        sweep[n] = {("prefill" if r["n_prompt"] else "decode"): r["avg_ts"] for r in rows}
+    print(f"{m}: llama-bench by -ncmoe (decode / prefill 512)")
+    for n in sorted(sweep):
+        print(f"  -ncmoe {n:>2}: {sweep[n].get('decode', 0):7.1f} / {sweep[n].get('prefill', 0):8.1f}")
+    try:
+        ours = {r["mode"]: r for r in json.load(open(f"{w}/{m}_ours.json"))["results"]}
+    except (FileNotFoundError, ValueError):
+        print("  moedesk: no result"); continue
+    batched = None
+    try:  # llama-batched-bench's S_TG t/s column on the 16-sequence row
+        rows = [line for line in open(f"{w}/{m}_llama_batched.txt") if re.match(r"\|\s+128", line)]
+        batched = float(rows[-1].split("|")[8]) if rows else None
+    except FileNotFoundError:
+        pass
+    best = {k: max((s.get(k, 0) for s in sweep.values()), default=0) for k in ("decode", "prefill")}
+    best["batched_decode"] = batched
+    print(f"  {'case':<16}{'moedesk':>9}{'llama best':>12}{'ratio':>7}{'goal':>6}{'% bound':>9}")
+    for mode in ("decode", "prefill", "batched_decode"):
+        r, ref = ours.get(mode), best.get(mode)
+        if not r:
+            continue
+        ratio = r["tok_s"] / ref if ref else 0
+        goal = goals[m].get(mode)
+        print(f"  {mode:<16}{r['tok_s']:>9.1f}{ref or 0:>12.1f}{ratio:>7.2f}{goal or 0:>6.1f}"
+              f"{r.get('pct_of_bound') or 0:>8.0f}%{'  met' if goal and ratio >= goal else ''}")
+PY
+tar czf "$OUT/whole_targets.tar.gz" -C "$W" --exclude='*.gguf' .
