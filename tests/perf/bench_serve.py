@@ -46,12 +46,25 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # moedesk from this checkout, as the server it starts
 
 
-def read_once(folder: Path) -> tuple[int, float]:
+def model_facts(model: Path) -> tuple[int, int, list[Path]]:
+    """(layers, vocabulary size, weight files) of a Hugging Face folder (its config.json, its safetensors) or of a
+    GGUF file (its header; of a split GGUF, every part), the two kinds of --model serve takes."""
+    if model.is_file():
+        from moedesk.engine.llamacpp.fit import arch_value, read_header, value
+
+        header = read_header(model)
+        return arch_value(header, "block_count"), len(value(header, "tokenizer.ggml.tokens")), list(header.paths)
+    config = json.loads((model / "config.json").read_text())
+    return config["num_hidden_layers"], config["vocab_size"], sorted(model.glob("*.safetensors"))
+
+
+def read_once(files: list[Path]) -> tuple[int, float]:
     """Read every weight file once (into the page cache); (bytes, seconds)."""
     total, started = 0, time.perf_counter()
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in files:
         with open(file, "rb", buffering=0) as f:
             while chunk := f.read(64 << 20):
                 total += len(chunk)
@@ -326,10 +339,10 @@ def main() -> None:
         args.clients, args.prompt_tokens, args.max_tokens, args.context = 4, 32, 16, 256
     if args.model is None:
         parser.error("--model is required (or --smoke)")
-    config = json.loads((args.model / "config.json").read_text())
-    shards = len(list(args.model.glob("*.safetensors")))
-    size, seconds = read_once(args.model)
-    bench = [bench_batched(args, config["num_hidden_layers"])] if args.compare_bench else []
+    layers, vocab, files = model_facts(args.model)
+    shards = len(files)
+    size, seconds = read_once(files)
+    bench = [bench_batched(args, layers)] if args.compare_bench else []
     server = Server(args)
     try:
         ready = server.wait_ready(args.ready_timeout)
@@ -337,15 +350,15 @@ def main() -> None:
             pin_this_process(cpu_list(args.client_cpus))
         rss_after = rss_kib(server.proc.pid)
         rss_parts = {part: rss_kib(server.proc.pid, part) * 1024 / 1e9 for part in ("RssAnon", "RssFile", "RssShmem")}
-        results = asyncio.run(run_clients(server.url, args, config["vocab_size"]))
+        results = asyncio.run(run_clients(server.url, args, vocab))
         if args.streamed_vs_plain:
-            results["streamed_vs_plain"] = asyncio.run(streamed_vs_plain(server.url, args, config["vocab_size"]))
+            results["streamed_vs_plain"] = asyncio.run(streamed_vs_plain(server.url, args, vocab))
     finally:
         server.stop()
         if scratch is not None:
             scratch.cleanup()
     if args.compare_bench:
-        bench.append(bench_batched(args, config["num_hidden_layers"]))
+        bench.append(bench_batched(args, layers))
         results["bench_tok_s"] = bench
     load_s = server.phases.get("load")
     gb = size / 1e9
