@@ -39,7 +39,8 @@ class Node(ctypes.Structure):
 class ExpertBuffers:
     """An eval callback that asks for no node but, offered each, notes the buffer type of every routed-expert
     tensor the node reads: {tensor name: (buffer type name, its device a CPU)}. (Not "a host buffer": the CPU's
-    repacked Q4_0 is not readable as stored, so ggml does not call it one.)"""
+    repacked Q4_0 is not readable as stored, so ggml does not call it one.) It reads the nodes' headers only,
+    which ggml keeps in host memory wherever the data is."""
 
     def __init__(self, api, ggml):
         p = ctypes.c_void_p
@@ -56,8 +57,10 @@ class ExpertBuffers:
             if buffer:
                 buft = self.ggml.ggml_backend_buffer_get_type(buffer)
                 device = self.ggml.ggml_backend_buft_get_device(buft)
-                self.found[name.decode()] = (self.ggml.ggml_backend_buft_name(buft).decode(),
-                                             self.ggml.ggml_backend_dev_type(device) == 0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+                # ggml-base's own CPU buffer types ("CPU", and "CPU_Mapped" over an mmapped file) have no device
+                # (a FIXME in ggml-backend.cpp), and ggml_backend_dev_type(NULL) aborts the process.
+                on_cpu = not device or self.ggml.ggml_backend_dev_type(device) == 0  # GGML_BACKEND_DEVICE_TYPE_CPU
+                self.found[name.decode()] = (self.ggml.ggml_backend_buft_name(buft).decode(), on_cpu)
         return False
 
 
@@ -105,6 +108,17 @@ def test_pinned_layers_experts_are_overridden_and_the_text_is_the_same(tiny_moe)
     assert all(found[name] == (buffer, True) for name, buffer in pinned.overridden.items())
     assert greedy(pinned) == expected
     pinned.close()
+
+
+def test_experts_in_ggmls_plain_cpu_buffers_read_back_as_on_the_cpu(tiny_moe):
+    """F32 experts are not repacked: pinned, they stay in ggml's mmapped CPU buffer, whose type has no device (so
+    are a GPU load's pinned experts): reading them back must not abort."""
+    pinned = load(tiny_moe.with_name("f32.gguf"), cpu_moe=2)
+    assert set(pinned.overridden) == {f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1) for p in ("gate", "up", "down")}
+    found = expert_buffers(pinned)
+    pinned.close()
+    assert set(found) == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(3) for p in ("gate", "up", "down")}
+    assert all(buffer.startswith("CPU") and on_cpu for buffer, on_cpu in found.values()), found
 
 
 @pytest.mark.gpu
