@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moedesk.engine.interface import DEFAULT_CONTEXT
+from moedesk.engine.llamacpp.compute import GraphShape, activation_bytes, graph_shape, offload_copy_bytes
 from moedesk.engine.llamacpp.placement import (GGUFSizes, Placement, backed_off_budget, expert_budget, gguf_sizes,
                                               place, ram_need)
 from moedesk.engine.memory_fit import gib, shortfall
@@ -29,6 +30,13 @@ class GGUFShape:
     kv_per_position: int  # keys and values of one position in llama.cpp's f16 cache, every layer
     trained_context: int | None  # the context it was trained for: llama.cpp allocates no more
     tied_output: bool = False  # no output.weight: llama.cpp puts a copy of the token embeddings where the head runs
+    graph: GraphShape | None = None  # what llama.cpp's compute buffer is sized by (None: not counted)
+
+    @property
+    def other_on_gpu(self) -> int:
+        """The non-expert weights llama.cpp puts on the GPU: all but the token embeddings, which it keeps in RAM
+        (a tied head's copy of them aside)."""
+        return self.sizes.other_bytes - self.sizes.input_bytes + (self.sizes.input_bytes if self.tied_output else 0)
 
 
 def gguf_shape(header) -> GGUFShape:
@@ -37,7 +45,7 @@ def gguf_shape(header) -> GGUFShape:
     layers = arch_value(header, "block_count") or len(sizes.expert_bytes)
     tied = not any(t.name == "output.weight" for t in header.tensors)
     return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers), arch_value(header, "context_length"),
-                     tied)
+                     tied, graph_shape(header.tensors, arch_value(header, "expert_used_count") or 0))
 
 
 @dataclass(frozen=True)
@@ -80,10 +88,11 @@ class Fit:
     placement: Placement
     context: int  # positions the cache holds
     ram_bytes: int
-    gpu_bytes: int
+    gpu_bytes: int  # weights and KV cache: llama.cpp's model and KV buffers on the GPU
     available: int
     problem: str | None
     notes: tuple[str, ...] = ()
+    compute_bytes: int = 0  # llama.cpp's compute buffer on the GPU, as estimated (engine.llamacpp.compute)
 
     @property
     def fits(self) -> bool:
@@ -112,7 +121,7 @@ def plan(shape: GGUFShape, machine: Machine, context: int | None = None, gpu_bud
     the process may use. ContextBudgetError (one line) where a named budget cannot hold the rest."""
     context = min(context or DEFAULT_CONTEXT, shape.trained_context or context or DEFAULT_CONTEXT)
     gpu_budget, lowered = backed_off_budget(gpu_budget, machine.gpu_free) if machine.gpu else (gpu_budget, None)
-    placement, ram, gpu = _placed(shape, machine, context, gpu_budget, cpu_moe)
+    placement, ram, gpu, compute = _placed(shape, machine, context, gpu_budget, cpu_moe)
     shorter = {}
     for c in (context >> n for n in range(1, 8)):
         if c < SHORTEST_ADVISED:
@@ -122,23 +131,25 @@ def plan(shape: GGUFShape, machine: Machine, context: int | None = None, gpu_bud
         except ContextBudgetError:
             continue
     return Fit(placement, context, ram, gpu, machine.available, shortfall(ram, machine.available, shorter),
-               (lowered,) if lowered else ())
+               (lowered,) if lowered else (), compute)
 
 
 def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float | None,
-            cpu_moe: int | None) -> tuple[Placement, int, int]:
-    """(placement, bytes in RAM, bytes on the GPU) at `context` positions."""
+            cpu_moe: int | None) -> tuple[Placement, int, int, int]:
+    """(placement, bytes in RAM, weights and cache on the GPU, compute buffer on the GPU) at `context` positions.
+    The budget is spent as llama.cpp spends the GPU: the non-expert weights it puts there, the cache, its compute
+    buffer (one expert tensor's copy more once any layer's experts stay in RAM), then experts."""
     sizes, kv = shape.sizes, shape.kv_per_position
-    budget = expert_budget(gpu_budget, machine.gpu_free, sizes.other_bytes, kv, context) if machine.gpu else 0
-    placement = place(sizes, shape.layers, machine.gpu, budget, cpu_moe)
+    activations = activation_bytes(shape.graph, context) if shape.graph else 0
+    copy = offload_copy_bytes(shape.graph, context) if shape.graph else 0
+    budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, context, activations) \
+        if machine.gpu else 0
+    placement = place(sizes, shape.layers, machine.gpu, budget, cpu_moe, copy)
     ram = ram_need(sizes, placement, kv, context, FIRST_SLOTS)
     if not placement.gpu_layers:
-        return placement, ram, 0
-    # On the GPU: every weight but the token embeddings (a tied head's copy of them aside) and the experts pinned to
-    # RAM, and the cache
-    head = sizes.input_bytes if shape.tied_output else 0
-    gpu = sizes.total_bytes - sizes.input_bytes + head - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
-    return placement, ram, gpu
+        return placement, ram, 0, 0
+    gpu = shape.other_on_gpu + sum(sizes.expert_bytes) - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
+    return placement, ram, gpu, activations + (copy if placement.cpu_moe else 0)
 
 
 def read_header(path: Path):

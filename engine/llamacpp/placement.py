@@ -46,32 +46,36 @@ def gguf_sizes(tensors) -> GGUFSizes:
     return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other, embeddings)
 
 
-def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int) -> int:
-    """The smallest N such that the experts of every layer from N on fit in `budget_bytes` of GPU memory."""
+def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int, pinned_extra: int = 0) -> int:
+    """The smallest N such that the experts of every layer from N on fit in `budget_bytes` of GPU memory, with
+    `pinned_extra` more taken once any layer's experts stay in RAM (llama.cpp's copy of one for a prefill:
+    engine.llamacpp.compute)."""
     on_gpu = sum(expert_bytes)
     for n, size in enumerate(expert_bytes):
-        if on_gpu <= budget_bytes:
+        if on_gpu + (pinned_extra if n else 0) <= budget_bytes:
             return n
         on_gpu -= size
     return len(expert_bytes)
 
 
 def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes: int, kv_per_position: int,
-                  context: int) -> int:
+                  context: int, compute_bytes: int = 0) -> int:
     """GPU bytes for experts. A budget the user named is the whole GPU's, as for the native engine
-    (engine.offload.gpu_budget): the other weights, one sequence's KV cache at the whole context and slack first,
-    experts the rest (ContextBudgetError naming a context that fits when they do not); 0 keeps every expert in RAM.
-    Else what is free once the other weights, KV_ROWS_RESERVED sequences' cache and the native engine's margin are
-    set aside (engine.offload.orchestration.default_expert_budget)."""
+    (engine.offload.gpu_budget): the other weights on the GPU, one sequence's KV cache at the whole context,
+    llama.cpp's compute buffer (`compute_bytes`: engine.llamacpp.compute) and slack first, experts the rest
+    (ContextBudgetError naming a context that fits when they do not); 0 keeps every expert in RAM. Else what is
+    free once the same weights and compute buffer, KV_ROWS_RESERVED sequences' cache and the native engine's
+    margin are set aside (engine.offload.orchestration.default_expert_budget)."""
     from moedesk.engine.offload.gpu_budget import split_gpu_budget
     from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED, default_expert_budget
 
     if gpu_budget_gib == 0:
         return 0
-    if gpu_budget_gib is not None:  # llama.cpp sizes its compute buffers itself: no workspace is counted here
-        return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context, 0).experts
+    if gpu_budget_gib is not None:
+        return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context,
+                                compute_bytes).experts
     kv = KV_ROWS_RESERVED * context * kv_per_position
-    return default_expert_budget(max(0, free_gpu_bytes - other_bytes), kv)
+    return default_expert_budget(max(0, free_gpu_bytes - other_bytes - compute_bytes), kv)
 
 
 def backed_off_budget(gpu_budget_gib: float | None, free_gpu_bytes: int) -> tuple[float | None, str | None]:
@@ -104,16 +108,17 @@ class Placement:
         return self.gpu_layers > 0 and layer >= self.cpu_moe
 
 
-def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: int | None = None) -> Placement:
+def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: int | None = None,
+          pinned_extra: int = 0) -> Placement:
     """The placement for a model of `layers` blocks: everything in RAM without a GPU; with one, every layer on it
-    and the first `cpu_moe` (chosen for `budget_bytes` when None) layers' experts in RAM, pinned there by a
-    buffer override."""
+    and the first `cpu_moe` (chosen for `budget_bytes` when None, `pinned_extra` taken from it once any are
+    pinned) layers' experts in RAM, pinned there by a buffer override."""
     total_experts = sum(sizes.expert_bytes)
     if not gpu:  # all in RAM already; experts pinned on request still get their override (what tests check here)
         pinned = max(0, min(cpu_moe or 0, len(sizes.expert_bytes)))
         return Placement(0, pinned, layers, total_experts, "no GPU for llama.cpp: all in RAM")
     if cpu_moe is None:
-        cpu_moe = cpu_moe_layers(sizes.expert_bytes, budget_bytes)
+        cpu_moe = cpu_moe_layers(sizes.expert_bytes, budget_bytes, pinned_extra)
         why = (f"experts of {cpu_moe} of {len(sizes.expert_bytes)} layers in RAM, {gib(budget_bytes)} of the GPU left "
                f"for experts")
     else:

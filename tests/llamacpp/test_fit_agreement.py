@@ -57,7 +57,16 @@ class Sizes:
         for name, n in tensors:
             if m := re.match(r"blk\.(\d+)\.ffn_\w+_exps\.", name):
                 self.experts[int(m.group(1))] = self.experts.get(int(m.group(1)), 0) + n
-        self.kv_per_position = fit.gguf_shape(open_gguf(parts[0], GGUFReader)).kv_per_position
+        self.shape = fit.gguf_shape(open_gguf(parts[0], GGUFReader))
+        self.kv_per_position = self.shape.kv_per_position
+
+    def before_experts(self, context: int) -> int:
+        """What a named GPU budget holds before any expert once some stay in RAM: the other weights llama.cpp puts
+        on the GPU, one sequence's cache and its compute buffer (engine.llamacpp.compute: tested on its own)."""
+        from moedesk.engine.llamacpp.compute import activation_bytes, offload_copy_bytes
+
+        return (self.shape.other_on_gpu + context * self.kv_per_position + activation_bytes(self.shape.graph, context)
+                + offload_copy_bytes(self.shape.graph, context))
 
 
 def usable_between(low: int, high: int) -> int:
@@ -167,13 +176,13 @@ async def test_a_split_gguf_that_fits_only_at_a_shorter_context_loads_at_the_one
 
 
 async def test_a_named_budget_keeps_the_first_layers_experts_in_ram_on_both(ggufs, tui_dirs, tmp_path, monkeypatch):
-    """A --gpu-budget that holds the other weights, the cache and one and a half layers' experts: the last layer's
+    """A --gpu-budget that holds the other weights, the cache, llama.cpp's compute buffer and one and a half layers'
+    experts: the last layer's
     experts go to the GPU, the others stay in RAM (as llama.cpp's --n-cpu-moe 3), on the screen as in the load; and
     a room too small for those is refused by both."""
     parts, sizes = ggufs["long"], Sizes(ggufs["long"])
     layer = max(sizes.experts.values())
-    other = sizes.total - sum(sizes.experts.values())
-    budget = (other + 512 * sizes.kv_per_position + 1.5 * layer) / (1 - SLACK) / GIB
+    budget = (sizes.before_experts(512) + 1.5 * layer) / (1 - SLACK) / GIB
     in_ram = sizes.embeddings + sum(sizes.experts.values()) - sizes.experts[max(sizes.experts)]
     options = {"context_length": 512, "gpu_budget": budget}
     machine(monkeypatch, tmp_path, usable_between(in_ram, sizes.total), gpu_free=8 * GIB)
@@ -234,8 +243,7 @@ def test_what_the_plan_puts_on_the_gpu_is_what_llama_cpp_allocates(tmp_path):
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
     path = build("qwen3moe", tmp_path / "q").gguf
     sizes = Sizes([path])
-    budget = (sizes.total - sum(sizes.experts.values()) + 512 * sizes.kv_per_position
-              + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB
+    budget = (sizes.before_experts(512) + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB
     engine, log = loaded_with_log(path, context_length=512, gpu_budget=budget)
     try:
         buffers = llama_buffers(log)

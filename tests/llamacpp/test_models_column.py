@@ -85,8 +85,7 @@ async def test_the_cell_is_the_loads_plan_and_follows_the_gpu_budget(ggufs, tui_
     RAM and GPU bytes of the plan the load then made, and those are the header's bytes where they go."""
     path, sizes = ggufs["long"][0], Sizes(ggufs["long"])
     layer = max(sizes.experts.values())
-    other = sizes.total - sum(sizes.experts.values())
-    budget = round((other + CONTEXT * sizes.kv_per_position + 1.5 * layer) / (1 - SLACK) / GIB, 6)
+    budget = round((sizes.before_experts(CONTEXT) + 1.5 * layer) / (1 - SLACK) / GIB, 6)
     machine(monkeypatch, tmp_path, 16 * GIB, gpu_free=8 * GIB)
     shutil.copy(path, tui_dirs["models"] / path.name)
     app = MoedeskApp(no_model, model="nothing", settings=Settings(gpu_budget_gib=budget), context_length=CONTEXT)
@@ -210,8 +209,7 @@ async def test_on_the_gpu_box_the_cell_is_what_the_load_then_plans(qwen3moe, tui
     if not library().gpu_offload():
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
     sizes = Sizes([qwen3moe])
-    budget = round((sizes.total - sum(sizes.experts.values()) + CONTEXT * sizes.kv_per_position
-                    + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB, 6)
+    budget = round((sizes.before_experts(CONTEXT) + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB, 6)
     shutil.copy(qwen3moe, tui_dirs["models"] / "qwen3moe.gguf")
     app = MoedeskApp(no_model, model="nothing", context_length=CONTEXT, gpu_budget=budget, engine_kind="llama.cpp")
     async with app.run_test(size=(160, 50)) as pilot:

@@ -1,0 +1,32 @@
+"""llama.cpp's own account of the memory it took: the buffer sizes its load and its context creation log.
+
+Lines such as "CUDA0 model buffer size = 3254.20 MiB", "CPU_Mapped model buffer size = ...", "CUDA0 KV buffer
+size = ...", "CUDA0 compute buffer size = ...", "CUDA_Host compute buffer size = ...": where (the buffer type's
+name) and what (model, KV, compute, output), in MiB with two decimals. What the estimate in engine.llamacpp.fit
+and engine.llamacpp.compute is checked against.
+"""
+from __future__ import annotations
+
+import re
+
+_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+
+
+def llama_buffers(log) -> dict[tuple[str, str], int]:
+    """{(where, what): bytes} over the log's lines, summed where a buffer type appears more than once."""
+    found: dict[tuple[str, str], int] = {}
+    for line in log:
+        if m := _LINE.search(line):
+            key = (m.group(1), m.group(2))
+            found[key] = found.get(key, 0) + round(float(m.group(3)) * 2**20)
+    return found
+
+
+def on_device(buffers: dict[tuple[str, str], int]) -> dict[str, int]:
+    """{what: bytes} of the buffers in the GPU's own memory: not the CPU's (CPU, CPU_Mapped, CPU_REPACK...) nor
+    the host memory a GPU backend pins for its transfers (CUDA_Host)."""
+    found: dict[str, int] = {}
+    for (where, what), size in buffers.items():
+        if not (where.startswith("CPU") or where.endswith("_Host")):
+            found[what] = found.get(what, 0) + size
+    return found

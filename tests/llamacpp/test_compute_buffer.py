@@ -1,0 +1,166 @@
+"""llama.cpp's compute buffer, estimated before loading (engine.llamacpp.compute), against the size llama.cpp itself
+reports; and the automatic placement it feeds, on the file issue 40's GPU comparison ran: the first 8 layers of
+Mixtral-8x7B in Q4_K_M, whose choice at a 5 GB budget kept one layer's experts too many in RAM."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from gguf import GGUFReader
+
+from moedesk.engine.llamacpp.buffers import llama_buffers, on_device
+from moedesk.engine.llamacpp.compute import activation_bytes, graph_shape, offload_copy_bytes
+from moedesk.engine.llamacpp.fit import GGUFShape, Machine, arch_value, plan
+from moedesk.engine.llamacpp.placement import GIB, gguf_sizes
+from moedesk.engine.offload.gpu_budget import SLACK
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+MIB = 2**20
+
+
+def test_llama_cpp_s_buffer_lines_are_read_by_where_and_what():
+    log = ["load_tensors:        CUDA0 model buffer size =  3254.20 MiB",
+           "load_tensors:   CPU_Mapped model buffer size =  4120.55 MiB",
+           "llama_context:  CUDA_Host  output buffer size =     0.12 MiB",
+           "llama_kv_cache:      CUDA0 KV buffer size =    18.00 MiB",
+           "sched_reserve:      CUDA0 compute buffer size =   560.03 MiB",
+           "sched_reserve:  CUDA_Host compute buffer size =    17.02 MiB"]
+    buffers = llama_buffers(log)
+    assert buffers[("CUDA0", "model")] == round(3254.20 * MIB) and buffers[("CPU_Mapped", "model")] == round(4120.55 * MIB)
+    assert on_device(buffers) == {"model": round(3254.20 * MIB), "KV": 18 * MIB, "compute": round(560.03 * MIB)}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory):
+    """Real GGUFs whose graphs peak in different places: the demo (a 49k vocabulary: the logits), a Qwen3-MoE with
+    wide experts and four picks a token (the routed feed-forward), gpt-oss (two caches, a sliding one)."""
+    import tests.gguf_from_hf as hf
+    from moedesk.engine.load.demo import source_gguf
+
+    folder = tmp_path_factory.mktemp("compute")
+    wide = dataclasses.replace(hf.FAMILIES["qwen3moe"],
+                               config={**hf.FAMILIES["qwen3moe"].config, "moe_intermediate_size": 1024,
+                                       "num_experts_per_tok": 4})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(hf.FAMILIES, "qwen3moe-wide", wide)
+        built = {"qwen3moe-wide": hf.build("qwen3moe-wide", folder / "wide").gguf,
+                 "gpt-oss": hf.build("gpt-oss", folder / "gpt-oss").gguf}
+    return {"demo": source_gguf(), **built}
+
+
+def shape_of(path) -> object:
+    reader = GGUFReader(path)
+    return graph_shape(reader.tensors, arch_value(reader, "expert_used_count") or 0)
+
+
+@pytest.mark.parametrize("which", ["demo", "qwen3moe-wide", "gpt-oss"])
+def test_the_estimate_holds_what_llama_cpp_reserves_for_its_graph(which, ggufs):
+    """On the CPU llama.cpp puts the whole graph in one buffer: the activations the estimate sizes (a GPU's adds the
+    copy of a pinned expert tensor, which no CPU run makes). Never below llama.cpp's figure; above it by no more
+    than the attention mask's allowance and a tenth."""
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.runtime import Engine
+
+    graph = shape_of(ggufs[which])
+    for context in (256, 2048):
+        mark = library().log_mark()
+        engine = Engine.load(str(ggufs[which]), engine="llama.cpp", device="cpu", context_length=context)
+        try:
+            context = engine.fit.context  # within what the file was trained for
+            reserved = llama_buffers(library().log_since(mark))[("CPU", "compute")]
+        finally:
+            engine.close()
+        estimate = activation_bytes(graph, context)
+        assert reserved <= estimate <= 1.1 * reserved + 12 * min(512, context) * context, (which, context, reserved, estimate)
+
+
+# --- the file the GPU box compared on -------------------------------------------------------------------------
+# Mixtral-8x7B's first 8 layers as llama.cpp's quantiser writes Q4_K_M: gate and up experts in Q4_K (144 bytes a
+# block of 256), down in Q6_K (210 bytes) in layers 0, 3, 6 and 7 (its use_more_bits rule) and Q4_K elsewhere; the
+# rest 0.393 GiB, of which the token embeddings (Q4_K, kept in RAM by llama.cpp) 73.7 MB, as the run's report read
+# them from the header (layer 0's experts 0.851 GiB).
+HIDDEN, FFN, EXPERTS, VOCAB, LAYERS = 4096, 14336, 8, 32000, 8
+Q4K, Q6K = 144 / 256, 210 / 256
+EMBEDDINGS = int(HIDDEN * VOCAB * Q4K)
+
+
+def mixtral_8l_q4_k_m() -> GGUFShape:
+    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
+    per_expert = HIDDEN * FFN * EXPERTS
+    tensors = [tensor("token_embd.weight", (HIDDEN, VOCAB), EMBEDDINGS),
+               tensor("output.weight", (HIDDEN, VOCAB), HIDDEN * VOCAB * Q6K)]
+    for layer in range(LAYERS):
+        down = Q6K if layer in (0, 3, 6, 7) else Q4K
+        tensors += [tensor(f"blk.{layer}.ffn_gate_exps.weight", (HIDDEN, FFN, EXPERTS), per_expert * Q4K),
+                    tensor(f"blk.{layer}.ffn_up_exps.weight", (HIDDEN, FFN, EXPERTS), per_expert * Q4K),
+                    tensor(f"blk.{layer}.ffn_down_exps.weight", (FFN, HIDDEN, EXPERTS), per_expert * down)]
+    rest = int(0.393 * GIB) - sum(t.n_bytes for t in tensors[:2])
+    tensors += [tensor(f"blk.{layer}.attn_q.weight", (HIDDEN, HIDDEN), rest // LAYERS) for layer in range(LAYERS)]
+    sizes = gguf_sizes((t.name, t.n_bytes) for t in tensors)
+    assert round(sizes.expert_bytes[0] / GIB, 3) == 0.851 and round(sizes.other_bytes / GIB, 3) == 0.393
+    kv = 2 * LAYERS * 8 * (128 + 128)  # 8 key/value heads of 128, f16
+    return GGUFShape(sizes, LAYERS, kv, 32768, False, graph_shape(tensors, 2))
+
+
+H200 = Machine(gpu=True, gpu_free=140 * GIB, available=512 * GIB)
+CONTEXT = 576  # what tests/perf/compare_llamacpp_engine.py loads with: a 512-token prompt, 64 tokens and room
+
+
+def need_on_gpu(shape: GGUFShape, budget_gb: float, cpu_moe: int) -> int:
+    fit = plan(shape, H200, CONTEXT, budget_gb * 1e9 / GIB, cpu_moe)
+    return fit.gpu_bytes + fit.compute_bytes
+
+
+# 5.1 GB: without llama.cpp's compute buffer in the count, the plan kept 3 layers' experts in RAM, which then needed
+# 4.9 GiB of a 4.75 GiB budget
+@pytest.mark.parametrize("budget_gb,chosen", [(3, 6), (5, 4), (5.1, 4), (8, 0)])
+def test_a_whole_gpu_budget_keeps_no_more_layers_experts_in_ram_than_it_must(budget_gb, chosen):
+    """The budget is the whole GPU's (the comparison's sweep counts it the same way): the weights llama.cpp puts
+    there, the cache, its compute buffer and slack, experts the rest. The choice holds with all that in the
+    budget, and one layer fewer in RAM would not."""
+    shape = mixtral_8l_q4_k_m()
+    budget = budget_gb * 1e9
+    fit = plan(shape, H200, CONTEXT, budget / GIB)
+    assert fit.placement.cpu_moe == chosen, fit.placement.why
+    assert need_on_gpu(shape, budget_gb, chosen) <= budget * (1 - SLACK)
+    if chosen:
+        assert need_on_gpu(shape, budget_gb, chosen - 1) > budget * (1 - SLACK)
+    # the compute buffer: the routed feed-forward of 512 tokens (two 14336-wide picks) and a pinned layer's Q6_K
+    # down experts copied for a prefill
+    graph = shape.graph
+    assert activation_bytes(graph, CONTEXT) == 4 * 512 * (2 * (3 * FFN + HIDDEN) + 3 * HIDDEN) + 6 * 512 * CONTEXT
+    assert offload_copy_bytes(graph, CONTEXT) == int(HIDDEN * FFN * EXPERTS * Q6K)
+    assert fit.compute_bytes == activation_bytes(graph, CONTEXT) + (offload_copy_bytes(graph, CONTEXT) if chosen else 0)
+
+
+def test_the_weights_on_the_gpu_leave_out_the_token_embeddings_llama_cpp_keeps_in_ram():
+    shape = mixtral_8l_q4_k_m()
+    assert shape.other_on_gpu == shape.sizes.other_bytes - EMBEDDINGS
+    assert dataclasses.replace(shape, tied_output=True).other_on_gpu == shape.sizes.other_bytes  # the head's copy
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_llama_cpp_s_buffers_stay_within_the_plan(ggufs):
+    """On the GPU box (llama-cpp-python built with CUDA): a budget that keeps some layers' experts in RAM; the
+    model, KV and compute buffers llama.cpp reports on the GPU stay within what the plan set aside for them."""
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.runtime import Engine
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    path = ggufs["qwen3moe-wide"]
+    reader = GGUFReader(path)
+    sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
+    mark = library().log_mark()
+    engine = Engine.load(str(path), engine="llama.cpp", context_length=512, cpu_moe=2)
+    try:
+        used = on_device(llama_buffers(library().log_since(mark)))
+        fit = engine.fit
+    finally:
+        engine.close()
+    assert fit.placement.cpu_moe == 2 < len(sizes.expert_bytes)
+    assert used["compute"] <= fit.compute_bytes, (used, fit)
+    assert used["model"] + used["KV"] <= 1.02 * fit.gpu_bytes, (used, fit)
