@@ -9,10 +9,11 @@ The issue's targets (#40), each printed with its ratio:
 - wrapper: decode (tg64) and prefill (pp512) through moedesk's engine with `--ncmoe N` layers' experts in RAM,
   over llama-bench `-ngl 99 -ncmoe N` on the same file (target >= 0.95x), with the engine counting the routers'
   picks as the app does, and again without (what counting costs);
-- placement: for each GPU budget (GB of GPU memory for the whole model: weights, KV cache), llama-bench's decode
-  at every -ncmoe that fits it (the sweep), and moedesk's automatic placement at that budget (the N it chose and
-  its decode) over the best of the sweep (target >= 0.95x). What fits: the non-expert tensors, the experts of
-  the layers from N on and the KV cache within the budget (less a 1 GiB margin for llama.cpp's compute buffers).
+- placement: for each GPU budget (GB of GPU memory for the whole model), llama-bench's decode at every -ncmoe that
+  fits it (the sweep), and moedesk's automatic placement given that same budget (`--gpu-budget`, the whole GPU's:
+  the N it chose and its decode) over the best of the sweep (target >= 0.95x). What fits is llama.cpp's own
+  account: the model, KV and compute buffers it reports on the GPU when the engine loads the file with -ncmoe N at
+  the comparison's context, within the budget (each N's figures are printed beside moedesk's estimate of them).
 Without --gguf the shape is written as a GGUF once (bench/synthetic_gguf.py, cached). A gpt-oss-120b-shape MXFP4
 file (first 8 layers) is not written here: pass one with --gguf. Four concurrent streams through serve:
 tests/perf/bench_serve.py --model FILE --engine llama.cpp --clients 4 (its "over one client" line).
@@ -28,7 +29,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 GIB = 2**30
-MARGIN = GIB  # llama.cpp's compute buffers and the CUDA context, beside the weights and the KV cache
 
 
 def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int) -> dict:
@@ -45,23 +45,62 @@ def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, t
     return rates
 
 
-def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, tokens: int, threads: int,
-         count_experts: bool = True) -> dict:
+def context_for(prompt: int, tokens: int) -> int:
+    return max(prompt, tokens + 32) + 64
+
+
+def loaded(gguf: str, ncmoe: int | None, budget_gib: float | None, context: int, threads: int,
+           count_experts: bool = True):
+    """moedesk's llama.cpp engine on the file, and what llama.cpp reported on the GPU while loading it:
+    {"model", "KV", "compute"} bytes (engine.llamacpp.buffers)."""
     import torch
 
-    from moedesk.bench.llamacpp import measure
+    from moedesk.engine.llamacpp.buffers import llama_buffers, on_device
     from moedesk.engine.llamacpp.engine import LlamaCppEngine
+    from moedesk.engine.llamacpp.library import library
 
     torch.set_num_threads(threads)  # the engine runs as many threads as torch: llama-bench's -t
-    engine = LlamaCppEngine.load(gguf, context_length=max(prompt, tokens + 32) + 64, cpu_moe=ncmoe,
-                                 gpu_budget=budget_gib, count_experts=count_experts)
+    mark = library().log_mark()
+    engine = LlamaCppEngine.load(gguf, context_length=context, cpu_moe=ncmoe, gpu_budget=budget_gib,
+                                 count_experts=count_experts)
+    return engine, on_device(llama_buffers(library().log_since(mark)))
+
+
+def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, tokens: int, threads: int,
+         count_experts: bool = True) -> dict:
+    from moedesk.bench.llamacpp import measure
+
+    engine, gpu = loaded(gguf, ncmoe, budget_gib, context_for(prompt, tokens), threads, count_experts)
     try:
         report = measure(engine, tokens, (prompt,), batch=1, log=lambda *a: None)
     finally:
         engine.close()
     rates = {r["mode"]: r["tok_s"] for r in report["results"]}
     return {"pp": rates["prefill"], "tg": rates["decode"], "ncmoe": engine.placement.cpu_moe,
-            "why": engine.placement.why, "warnings": report["warnings"]}
+            "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
+
+
+def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, dict]:
+    """For every -ncmoe N: what llama.cpp reports on the GPU with the engine loaded that way ("llama_cpp": model, KV,
+    compute and their total), beside moedesk's estimate of the same (fit.gpu_bytes, fit.compute_bytes). An N whose
+    weights alone exceed `most` bytes is not loaded (its total is those weights)."""
+    found = {}
+    for n in range(len(shape.sizes.expert_bytes) + 1):
+        weights = shape.other_on_gpu + sum(shape.sizes.expert_bytes[n:])
+        if weights > most:
+            found[n] = {"llama_cpp": {"total": weights, "not_loaded": True}}
+            continue
+        engine, gpu = loaded(gguf, n, None, context, threads, count_experts=False)
+        fit = engine.fit
+        engine.close()
+        found[n] = {"llama_cpp": {**gpu, "total": sum(gpu.values())},
+                    "estimate": {"weights_kv": fit.gpu_bytes, "compute": fit.compute_bytes,
+                                 "total": fit.gpu_bytes + fit.compute_bytes}}
+        mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+        print(f"-ncmoe {n}: llama.cpp on the GPU model {mib(gpu.get('model', 0))} + KV {mib(gpu.get('KV', 0))} + "
+              f"compute {mib(gpu.get('compute', 0))} = {mib(sum(gpu.values()))} MiB; moedesk's estimate weights+KV "
+              f"{mib(fit.gpu_bytes)} + compute {mib(fit.compute_bytes)} = {mib(fit.gpu_bytes + fit.compute_bytes)} MiB")
+    return found
 
 
 def main() -> int:
@@ -81,7 +120,7 @@ def main() -> int:
 
     from gguf import GGUFReader
 
-    from moedesk.engine.llamacpp.placement import cpu_moe_layers, gguf_sizes
+    from moedesk.engine.llamacpp.fit import gguf_shape
 
     gguf = args.gguf
     if gguf is None:
@@ -91,8 +130,8 @@ def main() -> int:
 
         gguf = str(shape_gguf(shape_config(args.shape, args.layers), args.shape, args.expert_format,
                               cache_root() / "bench-gguf"))
-    reader = GGUFReader(gguf)
-    sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
+    shape = gguf_shape(GGUFReader(gguf))
+    sizes = shape.sizes
     layers = len(sizes.expert_bytes)
     report = {"gguf": gguf, "expert_gib_per_layer": round(sizes.expert_bytes[0] / GIB, 3),
               "other_gib": round(sizes.other_bytes / GIB, 3)}
@@ -109,25 +148,29 @@ def main() -> int:
               f"{theirs['tg']:.1f} tok/s = {report[label]['decode_ratio']:.3f}x; prefill {args.prompt} "
               f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x)")
 
-    kv = 0  # the short context of these runs: its KV cache is within the margin
     report["placement"] = []
-    for budget_gb in (float(b) for b in args.budgets.split(",")):
+    budgets = [float(b) for b in args.budgets.split(",")]
+    # One definition of a budget for the sweep and the engine: GPU bytes for everything llama.cpp puts there.
+    need = needs(gguf, shape, int(max(budgets) * 1e9), context_for(args.prompt, args.tokens), args.threads)
+    report["need_by_ncmoe"] = need
+    for budget_gb in budgets:
         budget = int(budget_gb * 1e9)
-        expert_room = budget - sizes.other_bytes - kv - MARGIN
-        if expert_room < 0:
-            print(f"budget {budget_gb:g} GB: the non-expert weights alone do not fit")
+        fitting = [m for m in need if need[m]["llama_cpp"]["total"] <= budget]
+        if not fitting:
+            print(f"budget {budget_gb:g} GB: llama.cpp needs more than that at every -ncmoe")
             continue
-        fewest = cpu_moe_layers(sizes.expert_bytes, expert_room)
         sweep = {m: llama_bench(args.llama_bench, gguf, m, args.threads, args.prompt, args.tokens)["tg"]
-                 for m in range(fewest, layers + 1)}
+                 for m in fitting}
         best = max(sweep, key=sweep.get)
-        auto = ours(gguf, None, expert_room / GIB, args.prompt, args.tokens, args.threads)
+        auto = ours(gguf, None, budget / GIB, args.prompt, args.tokens, args.threads)
         ratio = auto["tg"] / sweep[best]
         report["placement"].append({"budget_gb": budget_gb, "sweep_tg": sweep, "best_ncmoe": best,
-                                    "auto_ncmoe": auto["ncmoe"], "auto_tg": auto["tg"], "ratio": round(ratio, 3)})
+                                    "auto_ncmoe": auto["ncmoe"], "auto_tg": auto["tg"], "ratio": round(ratio, 3),
+                                    "auto_gpu_bytes": auto["gpu_bytes"], "auto_fits": auto["gpu_bytes"] <= budget})
         print(f"budget {budget_gb:g} GB: llama-bench decode by -ncmoe {sweep}; best -ncmoe {best} "
-              f"{sweep[best]:.1f} tok/s; moedesk chose {auto['ncmoe']} ({auto['why']}): {auto['tg']:.1f} tok/s = "
-              f"{ratio:.3f}x (target >= 0.95x)")
+              f"{sweep[best]:.1f} tok/s; moedesk chose {auto['ncmoe']} ({auto['why']}; llama.cpp took "
+              f"{auto['gpu_bytes'] / 1e9:.2f} GB of the GPU{'' if auto['gpu_bytes'] <= budget else ': OVER'}): "
+              f"{auto['tg']:.1f} tok/s = {ratio:.3f}x (target >= 0.95x)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0

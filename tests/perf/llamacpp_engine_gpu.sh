@@ -30,6 +30,9 @@ compare)
   # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_overrides.py tests/llamacpp/test_expert_counts.py \
     2>&1 | tee "$OUT/pytest_llamacpp_gpu.txt" | tail -n 5
+  # The placement's estimate against llama.cpp's own GPU buffers (a run of its own: an abort above stops no more).
+  python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_compute_buffer.py tests/llamacpp/test_fit_agreement.py \
+    2>&1 | tee "$OUT/pytest_llamacpp_fit.txt" | tail -n 5
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
     --expert-format q4_k --budgets "${BUDGETS:-3,5}" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
   gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \
