@@ -7,6 +7,12 @@ installing (the GPU box does), the same names resolve to those folders through t
 from importlib.metadata import PackageNotFoundError, version as _version
 from pathlib import Path as _Path
 
+from moedesk import libstdcxx as _libstdcxx
+
+# First, before any layer imports torch: llama.cpp's CUDA build loads beside torch only with the C++ runtime ahead
+# of torch's libraries in the global symbol scope (moedesk/libstdcxx.py). Never raises.
+_libstdcxx.preload()
+
 _checkout = _Path(__file__).resolve().parent.parent
 if (_checkout / "engine" / "runtime.py").is_file() and (_checkout / "app" / "cli.py").is_file():
     __path__.append(str(_checkout))  # noqa: F821 -- a package's __path__, set by the import system

@@ -1,5 +1,6 @@
 import os
 
+import moedesk  # noqa: F401 -- first, as the CLI's import is: its C++ runtime preload precedes torch's
 import pytest
 import torch
 

@@ -10,6 +10,8 @@
 #   E  A after `import torch` without CUDA; F  llama.cpp's CUDA first (one load), then torch's, then A again
 # (M: which libggml/libllama files the process maps), each with the libraries copied and then linked; then a gdb
 # backtrace of the first that crashes, and which CUDA libraries each side maps.
+# Session 36 found the fix (the system libstdc++ preloaded); `import moedesk` now does it (moedesk/libstdcxx.py), so
+# C and D go through it: tests/perf/llamacpp_cuda_torch.sh is the short check of that path.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; B=/tmp/llb; W=/tmp/probe; mkdir -p "$W"
 if ls .whl/*.whl >/dev/null 2>&1; then

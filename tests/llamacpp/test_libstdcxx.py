@@ -1,0 +1,99 @@
+"""moedesk's import puts the system libstdc++ in the global symbol scope before torch is imported, so that
+llama.cpp's libraries, opened later, find the C++ runtime ahead of torch's (moedesk/libstdcxx.py). What a CUDA
+build then does is the GPU box's to show (tests/perf/llamacpp_cuda_probe.sh, case P); here, the order the dynamic
+loader reports and the preload's failure paths."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from moedesk import libstdcxx
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the preload is Linux's (ld.so) only")
+
+
+def run(code: str, **env) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (the preload happens once a process) on this checkout's moedesk."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.getcwd(), **env})
+
+
+def global_scope_of(stderr: str, library: str) -> list[str]:
+    """The global lookup scope (LD_DEBUG=scopes' "scope 0") the loader gave `library` when it opened it."""
+    lines = stderr.splitlines()
+    for i, line in enumerate(lines[:-1]):
+        if "object=" in line and line.split("object=", 1)[1].split()[0].endswith(library):
+            head, _, scope = lines[i + 1].partition("scope 0:")
+            if scope:
+                return scope.split()
+    raise AssertionError(f"ld.so reported no scope for {library}")
+
+
+@linux
+def test_importing_moedesk_puts_libstdcxx_in_the_global_scope_before_torch():
+    code = ("import ctypes, sys; everywhere = ctypes.CDLL(None); symbol = '_ZSt9terminatev'  # std::terminate\n"
+            "before = hasattr(everywhere, symbol); import moedesk\n"
+            "print(before, hasattr(everywhere, symbol), 'torch' in sys.modules)")
+    done = run(code)
+    assert done.returncode == 0, done.stderr
+    before, after, torch_imported = done.stdout.split()
+    if before == "True":
+        pytest.skip("this Python has libstdc++ in its global scope from the start: nothing for moedesk to add")
+    assert (after, torch_imported) == ("True", "False")
+
+
+@linux
+def test_llama_cpps_library_opened_after_torch_finds_libstdcxx_ahead_of_torchs_libraries():
+    """The product's path: the CLI's import, then torch, then llama.cpp's library, as Engine.load does them."""
+    pytest.importorskip("llama_cpp")
+    done = run("import moedesk.app.cli, torch, llama_cpp", LD_DEBUG="scopes")
+    assert done.returncode == 0, done.stderr[-2000:]
+    scope = global_scope_of(done.stderr, "libllama.so")
+    cxx = next(i for i, path in enumerate(scope) if "libstdc++" in os.path.basename(path))
+    torch_libs = [i for i, path in enumerate(scope) if f"{os.sep}torch{os.sep}" in path]
+    assert torch_libs, scope  # torch's libtorch_global_deps is opened RTLD_GLOBAL: it is there to be beaten
+    assert cxx < min(torch_libs), scope
+
+
+@linux
+def test_without_moedesk_torch_leaves_libstdcxx_out_of_the_global_scope():
+    """What the preload changes: the same loads without moedesk's import (the order that crashed on CUDA)."""
+    pytest.importorskip("llama_cpp")
+    done = run("import torch, llama_cpp", LD_DEBUG="scopes")
+    assert done.returncode == 0, done.stderr[-2000:]
+    scope = global_scope_of(done.stderr, "libllama.so")
+    before_torch = scope[:min(i for i, path in enumerate(scope) if f"{os.sep}torch{os.sep}" in path)]
+    assert not any("libstdc++" in os.path.basename(path) for path in before_torch), scope
+
+
+def test_the_preload_is_skipped_off_linux(monkeypatch):
+    def opened(*args, **kwargs):
+        raise AssertionError("no library is opened off Linux")
+
+    monkeypatch.setattr(libstdcxx.sys, "platform", "darwin")
+    monkeypatch.setattr(libstdcxx.ctypes, "CDLL", opened)
+    assert libstdcxx.preload() is False
+
+
+@linux
+def test_a_missing_libstdcxx_is_false_not_an_error(monkeypatch):
+    monkeypatch.setattr(libstdcxx, "SONAME", "libmoedesk-no-such-runtime.so.6")
+    assert libstdcxx.preload() is False
+
+
+@pytest.mark.parametrize("error", [OSError("cannot open shared object file"), TypeError("mode"), RuntimeError()])
+def test_the_preload_never_raises(monkeypatch, error):
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(libstdcxx.sys, "platform", "linux")
+    monkeypatch.setattr(libstdcxx.ctypes, "CDLL", broken)
+    assert libstdcxx.preload() is False
+
+
+@linux
+def test_the_preload_is_true_where_the_loader_finds_libstdcxx():
+    assert libstdcxx.preload() is True
