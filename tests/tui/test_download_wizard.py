@@ -395,8 +395,8 @@ async def test_a_safetensors_choice_says_where_the_engine_setting_would_stop_its
         await pilot.press("enter")
         await wait_stopped(pilot, screen)
         assert screen.spec == LFM, status(screen)
-        # The progress bar and a status of four lines (the snapshot's path) join the buttons at the bottom: at 80x24
-        # the fit view's last rows give way to them, not the buttons.
+        # The progress bar, the status and the snapshot's folder join the buttons at the bottom (at 80x24 the folder
+        # on one line: test_after_a_download_at_80x24_the_fit_box_stays_whole).
         shows(lfm_stop)
         with pytest.raises(MoedeskError) as refused:
             Engine.load(LFM, engine="llama.cpp")
@@ -516,6 +516,29 @@ async def test_keyboard_only_download_then_load(hub, engine):
 
 
 @pytest.mark.anyio
+async def test_after_a_download_at_80x24_the_fit_box_stays_whole(hub, engine):
+    """The finished status names the snapshot's folder, a long path: on a short screen it takes one line (cut with
+    an ellipsis, the whole in its tooltip), so the fit box keeps its bottom border and the buttons their place."""
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await download_default_choice(pilot, REPO)
+        assert screen.spec == REPO, status(screen)
+        lines = screen_lines(app)
+        print("\n".join(lines))  # shown when the test fails
+        fit = screen.query_one("FitView")
+        assert fit.region.bottom <= 24 - 1 and fit.region.bottom <= screen.query_one("#download-foot").region.y
+        top = next(i for i, row in enumerate(lines) if "will it fit?" in row)
+        bottom = next(i for i, row in enumerate(lines) if row.strip().startswith("╰"))
+        assert bottom > top and all(row.strip().startswith("│") for row in lines[top + 1:bottom]), "\n".join(lines)
+        assert any(row.strip("│ ").startswith("the weights") for row in lines[top:bottom]), "\n".join(lines)
+        assert any(re.search(r"\bLoad model\b", row) for row in lines[bottom:-1])
+        snapshot = repo_dir() / "snapshots" / hub.repos[REPO].commit
+        [where] = [row.strip() for row in lines if row.strip().startswith("files in ")]
+        assert where.endswith("…") and f"files in {snapshot}".startswith(where[:-1])
+        assert screen.query_one("#download-where").tooltip == str(snapshot)
+
+
+@pytest.mark.anyio
 async def test_gguf_choice_shows_up_in_the_models_list(hub, engine):
     app = MoedeskApp(engine)
     async with app.run_test(size=(100, 30)) as pilot:
@@ -580,7 +603,7 @@ async def test_cancel_keeps_the_partial_file_and_the_next_download_resumes_it(hu
 
         statuses = []
         show = screen._status
-        screen._status = lambda text, kind="": (statuses.append(text), show(text, kind))
+        screen._status = lambda text, kind="", **where: (statuses.append(text), show(text, kind, **where))
         assert screen.focused is screen.query_one("#download-start")
         await pilot.press("enter")
         await wait_stopped(pilot, screen)

@@ -15,7 +15,8 @@ reads GGUF files only; the native engine refuses some architectures) shows the l
 instead of an estimate (engine.selection.not_gguf); a screen too short for all of it shows its brief.
 
 Progress, status and buttons are docked at the bottom, so the Download button stays on screen at 80x24 whatever
-the lines above it say.
+the lines above it say. A finished download's folder, a long path, has a line of its own below the status: a short
+screen cuts it to one line (the whole in its tooltip), so the fit view above keeps its bottom border.
 
 Dismisses with what the engine loads (a cached repo id, or a .gguf path inside the cache) once a
 download finished and the person chose to load it; None otherwise.
@@ -208,6 +209,7 @@ class DownloadScreen(Screen[str | None]):
             with Vertical(id="download-foot"):
                 yield ProgressBar(total=None, show_eta=False, id="download-bar")
                 yield Static("", id="download-status", markup=False)
+                yield Static("", id="download-where", markup=False)
                 with Horizontal(id="download-buttons"):
                     yield Button("Download", variant="primary", id="download-start", disabled=True)
                     yield Button("Cancel", id="download-cancel", disabled=True)
@@ -227,11 +229,16 @@ class DownloadScreen(Screen[str | None]):
 
     # -------------------------------------------------------------- helpers
 
-    def _status(self, text: str, kind: str = "") -> None:
+    def _status(self, text: str, kind: str = "", where: Path | None = None) -> None:
+        """`where`: the folder a finished download is in, shown below the status (hidden for any other status)."""
         status = self.query_one("#download-status", Static)
         status.update(text)
         for name in ("error", "warning", "ok"):
             status.set_class(kind == name, f"-{name}")
+        folder = self.query_one("#download-where", Static)
+        folder.update(f"files in {where}" if where is not None else "")
+        folder.tooltip = str(where) if where is not None else None
+        folder.set_class(where is not None, "-shown")
 
     @property
     def choices(self) -> OptionList:
@@ -433,8 +440,8 @@ class DownloadScreen(Screen[str | None]):
         bar.update(total=max(message.choice.total_bytes, 1), progress=max(message.choice.total_bytes, 1))
         self._set_buttons()
         self.query_one("#download-load", Button).focus()
-        self._status(f"downloaded {message.choice.description} · Enter loads it, Esc goes back · files in "
-                     f"{message.snapshot}", "ok")
+        self._status(f"downloaded {message.choice.description} · Enter loads it, Esc goes back", "ok",
+                     where=message.snapshot)
 
     def on_download_screen_stopped(self, message: Stopped) -> None:
         self.downloading = False
