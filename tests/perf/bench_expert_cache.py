@@ -57,14 +57,7 @@ Pairs run in the order issue 42's targets need them, so that a run cut short has
     per expert" (skipped where that placement is the fixed one).
 --json is rewritten after every pair; with --time-limit a pair starts only where the slowest pair so far would
 still end in time, so the run ends on its own with what it finished rather than being cut mid-pair.
-tests/perf/expert_cache_targets.sh runs both shapes in one device command.
-
-Time on the GPU box, predicted from session 35's logs of the bench before it (not measured for this one): the whole
-Mixtral-8x7B shape with q4_k experts at 16 GiB: start-up and build ~40 s with --reuse-profile after a bench of the
-same shape and format on the machine (otherwise 10-30 s more); a case then (a placement, a prefill and 111 steps at
-~14.5 tok/s eager) took ~12 s, ~4 s of it outside the steps; a pair here is two placements (~3 s each) and 2 x 6
-rounds of 20 tokens (~1.3 s of steps and ~0.5 s of prefill each): ~28 s. The two target pairs end ~100 s in, the
-control ~130 s. Qwen3-30B-A3B whole at 8 GiB (17 tok/s eager then): start-up and build ~45 s, pairs ~20 s each.
+tests/perf/expert_cache_targets.sh runs both shapes in one device command (its time: docs/benchmarks.md).
 
     python3 tests/perf/bench_expert_cache.py --shape mixtral-8x7b --expert-format q4_k --gpu-budget 16 \\
         --reuse-profile --time-limit 190 --json expert_cache.json
