@@ -12,8 +12,8 @@
 # Usage: [BUDGET_S=295] [QWEN_S=125] [ROUNDS=5] [TOKENS=20] bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
 DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-125}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
+. tests/perf/gpu_env.sh  # the wheels in .whl (platformdirs and the rest the box lacks) ahead of the checkout
 mkdir -p "$DEST"
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
 # run NAME SHAPE BUDGET_GIB SECONDS
 run() {

@@ -10,17 +10,20 @@
 #      Targets: decode at 32k >= 0.8x decode at 512, >= 1.5x llama.cpp at 32k.
 #   2. expert cache: bench_expert_cache.py on replayed traces, the cache against fixed placement in paired rounds,
 #      the profile the depth phase stored reused; its own time limit ends it with the pairs it finished, the targets'
-#      two first (its docstring predicts ~100 s with start-up and build for those, ~130 s with the control).
+#      two first (docs/benchmarks.md predicts ~100 s with start-up and build for those, ~130 s with the control).
 #      Targets: >= 1.25x fixed on the conversation trace, >= 0.98x fixed on the trace without locality.
 # Leaves three files in $OUT: issue42_summary.txt (the table, from what finished: tests/perf/issue42_summary.py),
 # issue42_targets.tar.gz (every log and JSON), issue42_targets.log (what ran, when).
 # Usage: [SRC=.llamacpp] [LLB=/tmp/llb] [BUDGET_S=540] [ROUNDS=5] bash tests/perf/issue42_targets.sh
 set -uo pipefail
 DEST=${OUT:-/tmp/out}; SRC=${SRC:-.llamacpp}; LLB=${LLB:-/tmp/llb}; BUDGET_S=${BUDGET_S:-540}; ROUNDS=${ROUNDS:-5}
-W=/tmp/compare; R=/tmp/issue42; mkdir -p "$DEST" "$W" "$R"
-export PYTHONPATH=${PYTHONPATH:-.}:. PYTHONUNBUFFERED=1 OUT=$R  # compare_llamacpp.sh copies its results to $OUT
-LOG=$DEST/issue42_targets.log
 DEADLINE=$((SECONDS + BUDGET_S))
+# The wheels in .whl (platformdirs and the rest the box lacks) under /tmp/site, ahead of the checkout on PYTHONPATH,
+# for every phase: the expert cache's bench is run here, not by compare_llamacpp.sh, which installs them for its own.
+. tests/perf/gpu_env.sh
+W=/tmp/compare; R=/tmp/issue42; mkdir -p "$DEST" "$W" "$R"
+export OUT=$R  # compare_llamacpp.sh copies its results to $OUT
+LOG=$DEST/issue42_targets.log
 
 # phase NAME SECONDS_NEEDED CMD...: run CMD into $R/NAME.log if its usual time still fits before the deadline,
 # cut at the deadline if it runs over.
