@@ -9,8 +9,10 @@ the rows of its dot products (no key or value is repeated), and keeps a running 
 multiplied on the tensor cores, whose products of 16-bit numbers are exact in float32. The cache is read in place
 ([rows, length, kv_heads, D], the rows a batch uses picked by index), up to each row's own length, which the kernel
 reads from the device: no mask is made, and CUDA graphs replay it as positions move. A sliding layer's row reads its
-window alone, and gpt-oss's sinks join each head's softmax in the combine. A speculative verify's chain (a few
-tokens a row, each seeing up to its own position) runs the same way, its (head, token) pairs the program's rows.
+window alone. gpt-oss's layers (sinks: a logit per head that joins its softmax) follow their eager reference's
+16-bit roundings, which need the row's max and sum before any weight: three passes over the keys. A speculative
+verify's chain (a few tokens a row, each seeing up to its own position) runs the same way, its (head, token) pairs
+the program's rows.
 
 MLA's absorbed decode (engine.model.mla) is the same computation with one key/value "head" that every query head
 shares: keys are the cached latent and rotary key side by side, values the latent itself, so `latent_decode_attention`
@@ -29,6 +31,7 @@ from moedesk.kernels import gpu_fused
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 
@@ -86,19 +89,28 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     top = torch.empty(batch, kv_heads, splits, groups * tokens, dtype=torch.float32, device=q.device)
     total = torch.empty_like(top)
     q, lengths = q.contiguous(), lengths.contiguous()
-    rows_or_lengths = rows if rows is not None else lengths
-    _split_attention[(batch * kv_heads, splits)](
-        q, cache_k, cache_v, rows_or_lengths, lengths, acc, top, total,
-        q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
-        cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), d ** -0.5,
-        KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK,
-        ROWS=rows is not None, WINDOW=window, TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16),
-        INTERPRETED=_interpreted())
+    args = (q, cache_k, cache_v, rows if rows is not None else lengths, lengths, acc, top, total,
+            q.stride(0), q.stride(1), q.stride(2), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
+            cache_v.stride(0), cache_v.stride(1), cache_v.stride(2), d ** -0.5)
+    meta = dict(KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, SPLIT=SPLIT, BLOCK=BLOCK,
+                ROWS=rows is not None, WINDOW=window, TENSOR_CORES=q.dtype in (torch.bfloat16, torch.float16),
+                INTERPRETED=_interpreted())
+    if sinks is None:
+        _split_attention[(batch * kv_heads, splits)](*args, **meta)
+    else:
+        # The sinks' reference is eager attention (engine.model.sinks, transformers' gpt-oss), which rounds the
+        # scores, their difference from the row's max and the normalised weights to 16 bits each: the first needs
+        # the max over every slice and the sink, the last the sum. So three passes over the keys (max, sum, p·v),
+        # each slice's values then already normalised: the combine adds them. Sinks cast as the reference casts them.
+        sinks = sinks.to(q.dtype)
+        for phase in range(3):
+            _split_sink_attention[(batch * kv_heads, splits)](*args, sinks, PHASE=phase, **meta)
     out = torch.empty(batch, tokens, heads, d, dtype=q.dtype, device=q.device)
     dc = min(d, COMBINE_COLUMNS)
-    _combine[(batch * kv_heads, d // dc)](acc, top, total, lengths, sinks if sinks is not None else top, out, splits,
+    _combine[(batch * kv_heads, d // dc)](acc, top, total, lengths, out, splits,
                                           KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=padded, D=d, DC=dc,
-                                          SPLIT=SPLIT, WINDOW=window, SINKS=sinks is not None)
+                                          SPLIT=SPLIT, WINDOW=window, SINKS=sinks is not None,
+                                          INTERPRETED=_interpreted())
     return out[:, 0] if one else out
 
 
@@ -160,8 +172,9 @@ def latent_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent
     out = torch.empty(batch, heads, c, dtype=q_latent.dtype, device=q_latent.device)
     # The combine sees each block of query heads as a key/value head of `groups` query heads.
     dc = min(c, COMBINE_COLUMNS)
-    _combine[(batch * blocks, c // dc)](acc, top, total, lengths, top, out, splits, KV_HEADS=blocks, GROUPS=groups,
-                                        TOKENS=1, PADDED=padded, D=c, DC=dc, SPLIT=split, WINDOW=0, SINKS=False)
+    _combine[(batch * blocks, c // dc)](acc, top, total, lengths, out, splits, KV_HEADS=blocks, GROUPS=groups,
+                                        TOKENS=1, PADDED=padded, D=c, DC=dc, SPLIT=split, WINDOW=0, SINKS=False,
+                                        INTERPRETED=_interpreted())
     return out
 
 
@@ -250,6 +263,105 @@ if triton is not None:
             tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=real[:, None])
 
     @triton.jit
+    def _to16(x, dtype: tl.constexpr, INTERPRETED: tl.constexpr):
+        """float32 x rounded to `dtype` (to nearest, ties to even, as the GPU's cast rounds), still in float32.
+        Triton's interpreter casts float32 to bf16 by dropping the low 16 bits: there the rounding is done on them."""
+        if INTERPRETED and dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        return x.to(dtype).to(tl.float32)
+
+    @triton.jit
+    def _exp(x, INTERPRETED: tl.constexpr):
+        """exp as CUDA's expf takes it (torch's softmax calls that), not Triton's faster approximation."""
+        if INTERPRETED:
+            return tl.exp(x)
+        return libdevice.exp(x)
+
+    @triton.jit
+    def _split_sink_attention(q_ptr, k_ptr, v_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
+                              stride_qb, stride_qt, stride_qh, stride_kr, stride_kl, stride_kh, stride_vr, stride_vl,
+                              stride_vh, scale, sinks_ptr, KV_HEADS: tl.constexpr, GROUPS: tl.constexpr,
+                              TOKENS: tl.constexpr, PADDED: tl.constexpr, D: tl.constexpr, SPLIT: tl.constexpr,
+                              BLOCK: tl.constexpr, ROWS: tl.constexpr, WINDOW: tl.constexpr,
+                              TENSOR_CORES: tl.constexpr, INTERPRETED: tl.constexpr, PHASE: tl.constexpr):
+        """Attention with sinks rounded where eager attention rounds it in the cache's dtype (engine.model.sinks,
+        transformers' gpt-oss): x = q·kᵀ, then x·scale, then y = x - m (m: the max over the row's keys and its
+        sink), then p = exp(y) / Σ exp(y) (the sink's term included), each rounded to 16 bits; then p·v.
+        One slice of one row and key/value head a program, in three launches: PHASE 0 stores the slice's max of
+        x, 1 its Σ exp(y) (m from every slice's max), 2 its p·v (the sum from every slice's and the sink's)."""
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        splits = tl.num_programs(1)
+        b = pid // KV_HEADS
+        h = pid % KV_HEADS
+        r = tl.arange(0, PADDED)
+        real = r < GROUPS * TOKENS
+        g = r // TOKENS
+        t = tl.where(real, r % TOKENS, 0)
+        first, last, lo, hi = _key_range(lengths_ptr, b, t, TOKENS, WINDOW)
+        start = tl.maximum(split * SPLIT, lo)
+        end = tl.minimum(split * SPLIT + SPLIT, hi)
+        if start < end:  # else a slice no pass reads (as in _split_attention)
+            row = tl.load(rows_ptr + b) if ROWS else b
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + b * stride_qb + t[:, None] * stride_qt + (h * GROUPS + g)[:, None] * stride_qh
+                        + d[None, :], mask=real[:, None], other=0.0)
+            if not TENSOR_CORES:
+                q = q.to(tl.float32)
+            dtype = k_ptr.dtype.element_ty
+            rows_here = pid * splits * GROUPS * TOKENS + r  # each row's entry in slice 0
+            if PHASE > 0:  # m, over the slices any token here reads (a row's unseen ones hold -inf)
+                sink = tl.load(sinks_ptr + h * GROUPS + g, mask=real, other=0.0).to(tl.float32)
+                top = sink
+                for s in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):
+                    at = rows_here + s * GROUPS * TOKENS
+                    top = tl.maximum(top, tl.load(top_ptr + at, mask=real, other=float("-inf")))
+            if PHASE == 2:  # the softmax's sum, the sink's term last as the reference's row ends with it
+                total = tl.zeros([PADDED], tl.float32)
+                for s in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):
+                    total += tl.load(total_ptr + rows_here + s * GROUPS * TOKENS, mask=real, other=0.0)
+                total += _exp(_to16(sink - top, dtype, INTERPRETED), INTERPRETED)
+            most = tl.full([PADDED], float("-inf"), tl.float32)
+            part = tl.zeros([PADDED], tl.float32)
+            acc = tl.zeros([PADDED, D], tl.float32)
+            k_base = k_ptr + row.to(tl.int64) * stride_kr + h * stride_kh
+            v_base = v_ptr + row.to(tl.int64) * stride_vr + h * stride_vh
+            for n0 in range(start, end, BLOCK):
+                n = n0 + tl.arange(0, BLOCK)
+                valid = n < end
+                k = tl.load(k_base + n[:, None].to(tl.int64) * stride_kl + d[None, :], mask=valid[:, None], other=0.0)
+                if TENSOR_CORES:  # exact 16-bit products summed in float32, rounded once as a 16-bit matmul rounds
+                    x = _dot16(q, tl.trans(k), INTERPRETED)
+                else:
+                    x = tl.dot(q, tl.trans(k), input_precision="ieee")
+                x = _to16(_to16(x, dtype, INTERPRETED) * scale, dtype, INTERPRETED)
+                seen = valid[None, :] & (n[None, :] >= first[:, None]) & (n[None, :] < last[:, None])
+                x = tl.where(seen, x, float("-inf"))
+                if PHASE == 0:
+                    most = tl.maximum(most, tl.max(x, 1))
+                else:
+                    e = _exp(_to16(x - top[:, None], dtype, INTERPRETED), INTERPRETED)
+                    if PHASE == 1:
+                        part += tl.sum(e, 1)
+                    else:
+                        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vl + d[None, :], mask=valid[:, None],
+                                    other=0.0)
+                        p = tl.math.div_rn(e, total[:, None])  # IEEE division, as CUDA's softmax divides
+                        if TENSOR_CORES:
+                            acc += _dot16(_to16(p, dtype, INTERPRETED).to(dtype), v, INTERPRETED)
+                        else:
+                            acc += tl.dot(p, v, input_precision="ieee")
+            mine = rows_here + split * GROUPS * TOKENS
+            if PHASE == 0:
+                tl.store(top_ptr + mine, most, mask=real)
+            elif PHASE == 1:
+                tl.store(total_ptr + mine, part, mask=real)
+            else:
+                tl.store(acc_ptr + mine[:, None] * D + d[None, :], acc, mask=real[:, None])
+
+    @triton.jit
     def _split_latent_attention(q_ptr, qr_ptr, c_ptr, r_ptr, rows_ptr, lengths_ptr, acc_ptr, top_ptr, total_ptr,
                                 stride_qb, stride_qh, stride_qrb, stride_qrh, stride_cr, stride_cl, stride_rr,
                                 stride_rl, scale, BLOCKS: tl.constexpr, GROUPS: tl.constexpr, PADDED: tl.constexpr,
@@ -308,12 +420,13 @@ if triton is not None:
             tl.store(acc_ptr + at[:, None] * C + c[None, :], acc, mask=real[:, None])
 
     @triton.jit
-    def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, sinks_ptr, out_ptr, splits,
+    def _combine(acc_ptr, top_ptr, total_ptr, lengths_ptr, out_ptr, splits,
                  KV_HEADS: tl.constexpr, GROUPS: tl.constexpr, TOKENS: tl.constexpr, PADDED: tl.constexpr,
                  D: tl.constexpr, DC: tl.constexpr, SPLIT: tl.constexpr, WINDOW: tl.constexpr,
-                 SINKS: tl.constexpr):
+                 SINKS: tl.constexpr, INTERPRETED: tl.constexpr):
         """The slices of one row and key/value head merged by their maxima (online, as the slices' own keys were),
-        over the slices any of its tokens read, and the sinks' logits joined: [B, T, H, D] in the output's dtype.
+        over the slices any of its tokens read: [B, T, H, D] in the output's dtype. With sinks the slices' sums are
+        already weighted by the whole softmax (_split_sink_attention), and only added.
         Each program takes DC of the D columns (the second grid axis): MLA's latent partials are [heads, 512]
         float32 a slice, which one program a block of heads read alone, slice after slice."""
         pid = tl.program_id(0)
@@ -330,22 +443,20 @@ if triton is not None:
         acc = tl.zeros([PADDED, DC], tl.float32)
         for s in range(lo // SPLIT, tl.cdiv(hi, SPLIT)):  # every slice here was written (for each row: -inf if idle)
             at = (pid * splits + s) * GROUPS * TOKENS + r
-            top = tl.load(top_ptr + at, mask=real, other=float("-inf"))
-            new_best = tl.maximum(best, top)
-            safe = tl.where(new_best == float("-inf"), 0.0, new_best)
-            old = tl.exp(best - safe)
-            weight = tl.exp(top - safe)
-            total = total * old + tl.load(total_ptr + at, mask=real, other=0.0) * weight
             part = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=real[:, None], other=0.0)
-            acc = acc * old[:, None] + part * weight[:, None]
-            best = new_best
-        if SINKS:  # one more term of each softmax's sum, none of its values
-            sink = tl.load(sinks_ptr + h * GROUPS + g, mask=real, other=0.0).to(tl.float32)
-            new_best = tl.maximum(best, sink)
-            old = tl.exp(best - new_best)
-            total = total * old + tl.exp(sink - new_best)
-            acc = acc * old[:, None]
-        out = acc / tl.where(real, total, 1.0)[:, None]
+            if SINKS:
+                acc += part
+            else:
+                top = tl.load(top_ptr + at, mask=real, other=float("-inf"))
+                new_best = tl.maximum(best, top)
+                safe = tl.where(new_best == float("-inf"), 0.0, new_best)
+                old = tl.exp(best - safe)
+                weight = tl.exp(top - safe)
+                total = total * old + tl.load(total_ptr + at, mask=real, other=0.0) * weight
+                acc = acc * old[:, None] + part * weight[:, None]
+                best = new_best
+        out = acc if SINKS else acc / tl.where(real, total, 1.0)[:, None]
         heads = KV_HEADS * GROUPS
+        dtype = out_ptr.dtype.element_ty
         tl.store(out_ptr + ((b * TOKENS + t) * heads + h * GROUPS + g)[:, None] * D + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=real[:, None])
+                 _to16(out, dtype, INTERPRETED).to(dtype), mask=real[:, None])

@@ -20,6 +20,8 @@ STRIDES = ("stride_qb", "stride_qt", "stride_qh", "stride_kr", "stride_kl", "str
 SHAPES = {"mixtral": (8, 4, 128, 0, 1), "gpt-oss": (8, 8, 64, 128, 1), "mixtral-verify": (8, 4, 128, 0, 8),
           "gpt-oss-verify": (8, 8, 64, 128, 8)}
 LATENT = "deepseek-v3-latent"
+# gpt-oss's sinks take _split_sink_attention, three passes over the keys: each one compiled
+SINKS = [f"{shape}+sinks{phase}" for shape in ("gpt-oss", "gpt-oss-verify") for phase in range(3)]
 
 
 def build(shape: str) -> dict:
@@ -31,16 +33,17 @@ def build(shape: str) -> dict:
 
     from moedesk.kernels import gpu_decode_attention as kernel
 
+    shape, _, phase = shape.partition("+sinks")
     kv_heads, groups, d, window, tokens = SHAPES[shape]
     assert kernel.rows_fit(kv_heads * groups, kv_heads, tokens, d)
     constants = dict(KV_HEADS=kv_heads, GROUPS=groups, TOKENS=tokens, PADDED=max(16, groups * tokens), D=d,
                      SPLIT=kernel.SPLIT, BLOCK=kernel.BLOCK, ROWS=True, WINDOW=window, TENSOR_CORES=True,
-                     INTERPRETED=False)
+                     INTERPRETED=False, **({"PHASE": int(phase)} if phase else {}))
     signature = {**{p: "*bf16" for p in POINTERS[:3]}, "rows_ptr": "*i64", "lengths_ptr": "*i64",
                  **{p: "*fp32" for p in POINTERS[5:]}, **{s: "i32" for s in STRIDES}, "scale": "fp32",
-                 **{name: "constexpr" for name in constants}}
+                 **({"sinks_ptr": "*bf16"} if phase else {}), **{name: "constexpr" for name in constants}}
     names = list(signature)
-    source = ASTSource(fn=kernel._split_attention, signature=signature,
+    source = ASTSource(fn=kernel._split_sink_attention if phase else kernel._split_attention, signature=signature,
                        constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in POINTERS + STRIDES})
     return inspect(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}))
@@ -101,7 +104,7 @@ def nvidia_backend() -> bool:
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason="needs Triton's NVIDIA backend")
-@pytest.mark.parametrize("shape", [*SHAPES, LATENT])
+@pytest.mark.parametrize("shape", [*SHAPES, *SINKS, LATENT])
 def test_the_kernel_compiles_for_the_h200_without_spilling_on_tensor_cores(shape):
     env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, __file__, shape], capture_output=True, text=True, env=env, cwd=ROOT,
