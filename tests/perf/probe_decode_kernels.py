@@ -1,9 +1,10 @@
 """The split decode kernels against a copy of the cache they read (GPU box; python3 tests/perf/probe_decode_kernels.py).
 
 One layer's cache of 32k positions on the real shapes: Mixtral-8x7B's keys and values through `decode_attention`
-(the whole row, a row of 512 in the same reserved cache, a 128-position window) and DeepSeek-V3's latents and rotary
-keys through `latent_decode_attention` (the whole row, a row of 512), each against cloning what it reads (a copy
-reads and writes each byte, so a kernel at twice the copy's time reads at a quarter of its rate). Issue 42's
+(the whole row, a row of 512 in the same reserved cache, a 128-position window), gpt-oss-120b's the same with its
+sinks (three passes) and without, and DeepSeek-V3's latents and rotary keys through `latent_decode_attention` (the
+whole row, a row of 512), each against cloning what it reads (a copy reads and writes each byte, so a kernel at
+twice the copy's time reads at a quarter of its rate). Issue 42's
 context targets rest on these reads; session 35 took the timed asserts that stood here as tests out of the suite
 (the brief: speed is measured by benchmarks, not timed tests). GPU time per call, median of CUDA-event timings.
 Then a sweep of the constants that set each kernel's grid at 32k, for the next choice: SPLIT (keys a program), the
@@ -32,6 +33,20 @@ copy = median_ms(lambda: (k.clone(), v.clone()))
 rows += [("mixtral-8x7b keys+values", copy, median_ms(lambda: kernel.decode_attention(q, k, v, None, whole)),
           median_ms(lambda: kernel.decode_attention(q, k, v, None, short)),
           median_ms(lambda: kernel.decode_attention(q, k, v, None, whole, 128)))]
+del k, v
+
+# gpt-oss's sink layers take three passes over the keys (max, sum, p·v) to round as its eager reference does: their
+# price against the one-pass kernel on the same cache, without sinks.
+cfg = shape_config("gpt-oss-120b")
+k = torch.randn(1, CONTEXT, cfg.num_kv_heads, cfg.head_dim, **bf16)
+v = torch.randn_like(k)
+q = torch.randn(1, cfg.num_heads, cfg.head_dim, **bf16)
+sinks = torch.randn(cfg.num_heads, **bf16)
+copy = median_ms(lambda: (k.clone(), v.clone()))
+for name, s in (("gpt-oss-120b, sinks", sinks), ("gpt-oss-120b, no sinks", None)):
+    rows += [(name, copy, median_ms(lambda: kernel.decode_attention(q, k, v, None, whole, 0, s)),
+              median_ms(lambda: kernel.decode_attention(q, k, v, None, short, 0, s)),
+              median_ms(lambda: kernel.decode_attention(q, k, v, None, whole, 128, s)))]
 del k, v
 
 cfg = shape_config("deepseek-v3")
