@@ -145,6 +145,10 @@ class ExpertWeights:
         """Expert e alone, as a one-expert stack viewing the same memory."""
         return self._like(self.gate_up[e:e + 1], self.down[e:e + 1], lambda t: t[e:e + 1])
 
+    def span(self, start: int, stop: int) -> "ExpertWeights":
+        """Experts [start, stop) as a stack viewing the same memory (a run of staging slots, a run of ids)."""
+        return self._like(self.gate_up[start:stop], self.down[start:stop], lambda t: t[start:stop])
+
     def select(self, index) -> "ExpertWeights":
         """A new stack of the experts in `index` (a list or tensor of ids), in that order."""
         index = torch.as_tensor(index, dtype=torch.int64)
@@ -155,9 +159,12 @@ class ExpertWeights:
                           self.down.to(device, non_blocking=non_blocking),
                           lambda t: t.to(device, non_blocking=non_blocking))
 
-    def empty_like(self, device=None) -> "ExpertWeights":
-        return self._like(torch.empty_like(self.gate_up, device=device), torch.empty_like(self.down, device=device),
-                          lambda t: torch.empty_like(t, device=device))
+    def empty_like(self, device=None, experts: int | None = None) -> "ExpertWeights":
+        """Uninitialised stacks of this kind on `device`, of `experts` experts (None: as many as this one has)."""
+        def like(t):
+            shape = t.shape if experts is None else (experts, *t.shape[1:])
+            return torch.empty(shape, dtype=t.dtype, device=t.device if device is None else device)
+        return self._like(like(self.gate_up), like(self.down), like)
 
     def copy_(self, other: "ExpertWeights", non_blocking: bool = False) -> "ExpertWeights":
         self.gate_up.copy_(other.gate_up, non_blocking=non_blocking)

@@ -67,6 +67,9 @@ class Contended:
     # The executor's CPU call runs beside the queueing of the copies (OffloadExecutor's overlap_copies): a copy's
     # launch then holds back the copies that follow it, not the CPU.
     overlap: bool = False
+    # A prefill step's copied experts computed in chunks, one grouped launch each (OffloadExecutor's copy_chunks): a
+    # copy then costs the host only its queueing, and the step one launch (`copy_step_ms`).
+    batched: bool = False
     factors: tuple[float, float] = field(init=False)  # (CPU, copy); every cost the split search prices reads them
 
     def __post_init__(self):
@@ -82,7 +85,19 @@ class Contended:
     def copy_launch_ms(self) -> float:
         return 0.0 if self.overlap else self._launch()
 
+    @property
+    def copy_step_ms(self) -> float:
+        """Added to the GPU's finish once a step copies anything: batched, the chunk's grouped launch (host time, as
+        one copy's launch measured) and its compute after the last copy landed (one expert's at the mean load)."""
+        if not self.batched:
+            return 0.0
+        at = getattr(self.model, "copy_launch_at", None)
+        launch = at(self.tokens) if at else copy_launch_ms(self.model)
+        return launch + self.model.gpu_expert_ms(max(1, round(self.tokens)))
+
     def _launch(self) -> float:
+        if self.batched:  # the copy's queueing alone: its compute is the chunk's launch
+            return getattr(self.model, "copy_queue_ms", 0.0)
         # Queued back to back for a step of these loads where the profile measured that (a prefill's copies).
         at = getattr(self.model, "copy_launch_at", None)
         return at(self.tokens) if at else copy_launch_ms(self.model)
@@ -94,10 +109,75 @@ class Contended:
         return cpu_call_ms(self.model, tokens)  # waking the pool and quantising activations: not reads
 
     def gpu_expert_ms(self, tokens: int) -> float:
-        return self.model.gpu_expert_ms(tokens)
+        # Batched, a copied expert's device time hides under the link's (a copied q4_k Qwen3.5 expert computed in
+        # 0.035 ms of kernels against 0.048 of link, computed alone): the chunk's launch is `copy_step_ms`.
+        return 0.0 if self.batched else self.model.gpu_expert_ms(tokens)
 
     def activation_roundtrip_ms(self, tokens: int) -> float:
         return self.model.activation_roundtrip_ms(tokens)
+
+
+# From this many tokens an expert on average (a prefill's chunk of a prompt, not a decode step's few), a step's copied
+# experts are computed in chunks, one grouped launch each (OffloadExecutor's copy_chunks); decode keeps one by one.
+BATCHED_MIN_LOAD = 4.0
+MAX_CHUNKS = 4  # chunk counts tried beyond the fewest the size limit allows
+# A chunk of packed experts with many tokens is dequantised to bf16 scratch for torch's grouped GEMM
+# (kernels.gpu_quant): this much GPU memory at most, so that a small GPU's chunks stay small.
+CHUNK_SCRATCH_BYTES = 1 << 30
+
+
+def chunk_limit(hidden: int, width: int) -> int:
+    """The most experts of this shape (H, F) a chunk may hold: their gate/up and down in bf16 within
+    CHUNK_SCRATCH_BYTES."""
+    return max(1, CHUNK_SCRATCH_BYTES // (3 * hidden * width * 2))
+
+
+def copy_chunks(loads: dict[int, int], copy: Sequence[int], model, limit: int | None = None) -> list[int] | None:
+    """The sizes of the chunks a step's copied experts `copy` (in copy order) are computed in, one grouped launch each
+    once the chunk's copies landed; None: one by one, as each copy lands (a decode step's few tokens an expert:
+    BATCHED_MIN_LOAD). Of even chunks of at most `limit` experts (`chunk_limit`; None: any), from the fewest to
+    MAX_CHUNKS more, the count whose `chunked_gpu_ms` is the least (ties: fewer): more chunks start the GPU earlier
+    and leave less compute after the last copy, but each costs the host a launch."""
+    if not copy or mean_load(loads) < BATCHED_MIN_LOAD:
+        return None
+    fewest = -(-len(copy) // limit) if limit else 1
+    options = [_even(len(copy), k) for k in range(fewest, min(fewest + MAX_CHUNKS - 1, len(copy)) + 1)]
+    return min(options, key=lambda sizes: chunked_gpu_ms([loads[e] for e in copy], sizes, model))
+
+
+def _even(count: int, parts: int) -> list[int]:
+    return [count // parts + (i < count % parts) for i in range(parts)]
+
+
+def chunked_gpu_ms(loads: Sequence[int], sizes: Sequence[int], model) -> float:
+    """When the GPU finishes a step's copied experts (tokens `loads`, in copy order) computed in chunks of `sizes`.
+
+    The host queues the first chunk's copies, then for each chunk the next chunk's copies and this chunk's grouped
+    launch (OffloadExecutor._queue_chunks): each copy costs it `copy_queue_ms` and the link `copy_expert_ms` once
+    queued, each launch `copy_launch_at` the mean load; a chunk computes (as one expert of all its tokens,
+    `gpu_expert_ms`) once its copies landed, its launch is queued and the chunk before it is done."""
+    queue, link_ms = getattr(model, "copy_queue_ms", 0.0), model.copy_expert_ms
+    at = getattr(model, "copy_launch_at", None)
+    launch = at(mean_load(dict(enumerate(loads)))) if at else copy_launch_ms(model)
+    starts = list(accumulate(sizes, initial=0))
+    host = link = gpu = 0.0
+    ready = []
+
+    def queue_chunk(j: int) -> None:
+        nonlocal host, link
+        for _ in range(sizes[j]):
+            host += queue
+            link = max(link, host) + link_ms
+        ready.append(link)
+
+    queue_chunk(0)
+    for j in range(len(sizes)):
+        if j + 1 < len(sizes):
+            queue_chunk(j + 1)
+        host += launch
+        tokens = sum(loads[starts[j]:starts[j + 1]])
+        gpu = max(gpu, host, ready[j]) + model.gpu_expert_ms(tokens)
+    return gpu
 
 
 @dataclass(frozen=True)
@@ -176,7 +256,12 @@ def finish_times(loads: dict[int, int], copy: Sequence[int], model: ExpertCosts,
     for e in copy:
         link += model.copy_expert_ms
         gpu = max(gpu, link) + model.gpu_expert_ms(loads[e])
-    return cpu, gpu
+    return cpu, gpu + (copy_step_ms(model) if copy else 0.0)
+
+
+def copy_step_ms(model: ExpertCosts) -> float:
+    """GPU-side time a step with any copy pays once (`Contended.copy_step_ms`); 0 where a model has none."""
+    return getattr(model, "copy_step_ms", 0.0)
 
 
 def assignment_for(loads: dict[int, int], copy: Iterable[int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
@@ -316,6 +401,7 @@ class _Groups:
     gpu_busy_ms: float
     cpu_base: float = 0.0  # CPU-side time whatever the split (see _group)
     cpu_call: float = 0.0  # the CPU call's own cost, paid unless every expert is copied (in cpu_base if it must be)
+    copy_step: float = 0.0  # added to the GPU finish once anything is copied (`copy_step_ms`)
 
     @property
     def sizes(self) -> list[int]:
@@ -332,7 +418,7 @@ class _Groups:
                 # bottleneck from the first copy on (g >= d) or waits for the last (g < d).
                 gpu = max(gpu + xk * g, link + max(d + xk * g, xk * d + g))
                 link += xk * d
-        return cpu, gpu
+        return cpu, gpu + (self.copy_step if any(x) else 0.0)
 
     def makespan(self, x: Sequence[int]) -> float:
         return max(self.finish(x))
@@ -362,7 +448,8 @@ def _group(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, call_t
     order = sorted(by_load, key=lambda n: (-costs[n][1], -n))
     return _Groups(ids=[sorted(by_load[n]) for n in order], cpu=[costs[n][0] for n in order],
                    gpu=[costs[n][1] for n in order], copy_ms=model.copy_expert_ms, gpu_busy_ms=gpu_busy_ms,
-                   cpu_base=launch * len(loads), cpu_call=cpu_call_ms(model, call_tokens))
+                   cpu_base=launch * len(loads), cpu_call=cpu_call_ms(model, call_tokens),
+                   copy_step=copy_step_ms(model))
 
 
 def _greedy(groups: _Groups, fiddler: list[int]) -> list[int]:
@@ -473,6 +560,7 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
                 for xk in range(lo, m + 1):
                     link = link0 + xk * d
                     gpu = max(gpu0 + xk * g, link0 + max(d + xk * g, xk * d + g)) if xk else gpu0
+                    gpu += groups.copy_step if xk and not copies else 0.0  # the step's once-only GPU-side cost
                     if gpu >= best - _EPS:
                         break
                     cpu = cpu0 + (m - xk) * c
@@ -491,7 +579,7 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
 
 
 def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
-                     exact_limit: int = EXACT_LIMIT, overlap: bool = False) -> Assignment:
+                     exact_limit: int = EXACT_LIMIT, overlap: bool = False, batched: bool = False) -> Assignment:
     """Split the offloaded experts active in one layer step between the CPU and copy-to-GPU, minimising the makespan.
 
     loads: expert id → tokens routed to it, for the CPU-resident experts of the layer (experts
@@ -513,7 +601,8 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     Assumed, as in Fiddler: enough staging slots for every copy of the step. A lone token's experts
     whose GPU options the start-up profile measured directly stay on the CPU (method "measured",
     `lone_token_measured`). overlap: the executor runs the CPU's call beside the queueing of the copies
-    (`Contended.overlap`), so their launches pace the link instead of delaying the CPU.
+    (`Contended.overlap`), so their launches pace the link instead of delaying the CPU. batched: the executor computes
+    a prefill step's copies in chunks (`copy_chunks`), so a copy costs the host its queueing, not its compute's launch.
     """
     active = {e: int(n) for e, n in loads.items() if n > 0}
     if not active:
@@ -527,13 +616,14 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
-    contended = Contended(model, mean_load(active), overlap=overlap)
+    batched = batched and mean_load(active) >= BATCHED_MIN_LOAD
+    contended = Contended(model, mean_load(active), overlap=overlap, batched=batched)
     split = _best_split(active, contended, gpu_busy_ms, exact_limit)
     if contended.factors == (1.0, 1.0):
         return split
     # A split was costed as if the CPU and the copies ran side by side all the step long, which
     # over-charges it; running everything on one side has no contention at all.
-    alone = Contended(model, mean_load(active), apart=True, overlap=overlap)
+    alone = Contended(model, mean_load(active), apart=True, overlap=overlap, batched=batched)
     sides = [assignment_for(active, [], alone, gpu_busy_ms, split.method),
              assignment_for(active, list(active), alone, gpu_busy_ms, split.method)]
     return min([split, *sides], key=lambda a: a.makespan_ms)

@@ -88,6 +88,9 @@ class LatencyModel:
     cpu_share: tuple[tuple[float, float], ...] = ()
     # Host time to queue one copy and its GPU compute back to back, ((tokens, ms), ...) (empty: copy_launch_ms).
     copy_launch_by_tokens: tuple[tuple[float, float], ...] = ()
+    # Host time to queue one expert's copy alone, back to back with others (a prefill's chunked copies compute in one
+    # launch a chunk: engine.offload.assignment.copy_chunks); 0: not measured (the link alone paces them).
+    copy_queue_ms: float = 0.0
 
     def __post_init__(self):
         # Tuples, so that a model read back from JSON compares equal and stays hashable.
@@ -101,7 +104,8 @@ class LatencyModel:
         object.__setattr__(self, "copy_launch_by_tokens",
                            tuple((float(n), float(ms)) for n, ms in self.copy_launch_by_tokens))
         scalars = (self.cpu_intercept_ms, self.cpu_per_token_ms, self.cpu_floor_ms, self.copy_expert_ms,
-                   self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms)
+                   self.roundtrip_base_ms, self.roundtrip_per_token_ms, self.copy_launch_ms, self.resident_launch_ms,
+                   self.copy_queue_ms)
         split_width = tuple(x for pair in self.split_width_ms for x in pair)
         call = tuple(x for pairs in (self.cpu_call, self.cpu_share, self.copy_launch_by_tokens)
                      for pair in pairs for x in pair)
@@ -303,7 +307,8 @@ def fit_latency_model(profile_points: dict, cpu_path: str | None = None, prefill
     not measured); cpu_prefill_ms {path: {tokens: ms}} with cpu_prefill_experts (calls of that many experts at
     prefill loads on each kernel path; the shares are read on `cpu_path`, default the profile's own "cpu_path") and
     copy_launch_prefill_ms {tokens: ms} (missing, or prefill_rates False → the model prices prefill as before
-    they were measured). Other keys are ignored.
+    they were measured); copy_queue_prefill_ms (ms, a copy queued alone back to back; missing → 0). Other keys are
+    ignored.
     """
     if not isinstance(profile_points, dict):
         raise ProfileError("profile: expected a dict of measurements")
@@ -338,6 +343,7 @@ def fit_latency_model(profile_points: dict, cpu_path: str | None = None, prefill
         cpu_call=cpu_call,
         cpu_share=prefill_shares(profile_points, cpu_path, dram_floor_ms) if prefill_rates else (),
         copy_launch_by_tokens=_copy_launches(profile_points) if prefill_rates else (),
+        copy_queue_ms=_milliseconds(profile_points, "copy_queue_prefill_ms"),
     )
 
 

@@ -193,7 +193,8 @@ class OffloadExecutor:
     """Runs each layer's experts where a placement and a per-step decision say."""
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
-                 zero_copy_ranks=None, split_width=None, selections: dict | None = None, overlap_copies: bool = False):
+                 zero_copy_ranks=None, split_width=None, selections: dict | None = None, overlap_copies: bool = False,
+                 copy_chunks: Callable[[dict, list[int]], list[int] | None] | None = None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
@@ -204,9 +205,14 @@ class OffloadExecutor:
         compute from RAM while the CPU computes the first ones (`width_split`; None: never);
         selections: the dict its counts go to (`selections`), shared by the executors of one model's devices;
         overlap_copies: a step's CPU call runs on a thread of its own while this one queues the step's copies (as
-        `decide` must then price it: engine.offload.assignment.assign_offloaded's overlap), else after them."""
+        `decide` must then price it: engine.offload.assignment.assign_offloaded's overlap), else after them;
+        copy_chunks(loads of the offloaded experts, the experts to copy) -> the sizes of the chunks the copied experts
+        are computed in, one grouped launch a chunk once its copies landed (`_queue_chunks`;
+        engine.offload.assignment.copy_chunks), as `decide` must price them (assign_offloaded's batched), or None;
+        None (or no copy_chunks): each copied expert computed on its own, after its own copy."""
         self.device = torch.device(device)
         self.overlap_copies = overlap_copies
+        self.copy_chunks = copy_chunks
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
         self.zero_copy_ranks = zero_copy_ranks
@@ -225,7 +231,9 @@ class OffloadExecutor:
         self.cache: ExpertCache | None = None  # set by `follow_routing`
         self.set_placement(on_gpu)
         slots = staging_slots or any_bank.num_experts
-        self.staging = [any_bank.expert(0).empty_like(self.device) for _ in range(slots)]
+        # One stack, so that a run of slots is one grouped launch's experts; `staging` views its slots one by one.
+        self.staging_stack = any_bank.expert(0).empty_like(self.device, experts=slots)
+        self.staging = [self.staging_stack.expert(slot) for slot in range(slots)]
         self.copy_stream = None if self.simulated else torch.cuda.Stream(self.device)
         self.slot_free = [None] * slots  # CUDA event: the last compute that read this staging slot
         self._buffers: dict[str, torch.Tensor] = {}
@@ -573,8 +581,9 @@ class OffloadExecutor:
                 background = _Background(cpu_call)
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
-            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy) if resident or to_copy \
-                else None
+            chunk_sizes = self.copy_chunks(offloaded, to_copy) if to_copy and self.copy_chunks else None
+            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy, chunk_sizes) \
+                if resident or to_copy else None
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
             if background is not None:
@@ -611,9 +620,11 @@ class OffloadExecutor:
         s.layer_ms += (time.perf_counter() - started) * 1e3
         return out
 
-    def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy) -> tuple:
+    def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy,
+                   chunk_sizes: list[int] | None = None) -> tuple:
         """Queue the resident experts (one grouped launch per projection while every expert has at most
         GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
+        chunk_sizes: the copied experts computed in chunks of these sizes (`_queue_chunks`), None: one by one.
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         resident_rows = pairs.of(resident)  # expert by expert in ascending id
         by_slot = sorted(resident, key=bank.gpu_slot.__getitem__)  # the GPU's work goes slot by slot
@@ -623,6 +634,9 @@ class OffloadExecutor:
             resident = by_slot
         sizes = [pairs.count[e] for e in resident]
         grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu)
+        chunks = _runs_by_id(to_copy, chunk_sizes) if to_copy and chunk_sizes else None
+        if chunks is not None:
+            to_copy = [e for chunk in chunks for e in chunk]  # slot order: each chunk's experts by id
         pair_rows = np.concatenate([resident_rows] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         ends = np.zeros(0, dtype=np.int32)
@@ -630,6 +644,11 @@ class OffloadExecutor:
             tokens = np.zeros(bank.gpu.num_experts, dtype=np.int64)
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
             ends = np.cumsum(tokens)
+        resident_ends = len(ends)
+        if chunks is not None:  # each chunk's cumulative token counts per slot, from 0, after the resident ends
+            ends = np.concatenate([_aligned(ends)] + [_aligned(np.cumsum([pairs.count[e] for e in chunk]))
+                                                      for chunk in chunks])
+            resident_ends = _padded(resident_ends)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host tens of
         # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
         index = self._buffer("gpu_index", (4 * m + len(ends),), torch.int32, pinned=not self.simulated)
@@ -639,22 +658,63 @@ class OffloadExecutor:
         index = index.to(self.device, non_blocking=True)
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)
         xs = x.index_select(0, token_rows)
-        copies = self._start_copies(bank, to_copy)
+        if chunks is None:
+            copies = self._start_copies(bank, to_copy)
+        else:  # the first chunk's copies before the resident experts' launch: the link starts at once
+            copies = self._start_copies(bank, chunks[0], first_slot=0)
         ys, at = [], 0
         if grouped:
             at = sum(sizes)
-            ys.append(grouped_experts_forward(xs[:at], bank.gpu, index[4 * m:]))
+            ys.append(grouped_experts_forward(xs[:at], bank.gpu, index[4 * m:4 * m + len(tokens)]))
         else:
             for e, n in zip(resident, sizes):
                 slot = bank.gpu_slot[e]
                 ys.append(expert_forward(xs[at:at + n], bank.gpu.expert(slot)))
                 at += n
+        if chunks is not None:
+            ys += self._queue_chunks(bank, xs[at:], chunks, copies, pairs, index[4 * m + resident_ends:])
+            return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
         for e, (slot, ready) in copies.items():
             n = pairs.count[e]
             y, self.slot_free[slot] = compute_copied(xs[at:at + n], self.staging[slot], ready)
             ys.append(y)
             at += n
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _queue_chunks(self, bank: LayerBank, xs, chunks: list[list[int]], first: dict, pairs: "_Pairs", ends) -> list:
+        """The copied experts' outputs, chunk by chunk: each chunk's experts sit in consecutive staging slots, and
+        once their copies landed one grouped launch computes them all (a copied expert computed alone costs the host
+        about ten times its link time). The next chunk's copies are queued before this chunk's launch, so the link
+        keeps busy while the host launches. `first`: the first chunk's copies, already queued; ends: each chunk's
+        cumulative token counts, on the device, one after another, each from a 16-byte boundary (`_aligned`)."""
+        ys, at, slot, copies = [], 0, 0, first
+        for i, chunk in enumerate(chunks):
+            ready = next(iter(copies.values()))[1]
+            if i + 1 < len(chunks):
+                copies = self._start_copies(bank, chunks[i + 1], first_slot=slot + len(chunk))
+            n = sum(pairs.count[e] for e in chunk)
+            stack = self.staging_stack.span(slot, slot + len(chunk))
+            ys.append(self._compute_chunk(xs[at:at + n], stack, ends[:len(chunk)], ready,
+                                          [pairs.count[e] for e in chunk]))
+            if not self.simulated:
+                done = torch.cuda.current_stream(self.device).record_event()
+                self.slot_free[slot:slot + len(chunk)] = [done] * len(chunk)
+            ends, at, slot = ends[_padded(len(chunk)):], at + n, slot + len(chunk)
+        return ys
+
+    @staticmethod
+    def _compute_chunk(xs, stack: ExpertWeights, ends, ready, sizes: list[int]):
+        """xs's rows, grouped by the experts of the staging run `stack` (token counts `sizes`), once `ready` (their
+        copies' event; None on the simulated tier) has passed: one grouped launch where the kernels take it."""
+        if ready is not None:
+            torch.cuda.current_stream(xs.device).wait_event(ready)
+        if grouped_supported(xs, stack):
+            return grouped_experts_forward(xs, stack, ends)
+        out, at = [], 0
+        for j, n in enumerate(sizes):
+            out.append(expert_forward(xs[at:at + n], stack.expert(j)))
+            at += n
+        return torch.cat(out)
 
     def _count(self, layer: int, counts: np.ndarray) -> None:
         if self.cache is not None and self._first_mixed is not None:
@@ -688,8 +748,13 @@ class OffloadExecutor:
         view = self._views[key] = buf[:numel].view(shape)
         return view
 
-    def _start_copies(self, bank: LayerBank, experts) -> dict:
-        """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event)."""
+    def _start_copies(self, bank: LayerBank, experts, first_slot: int | None = None) -> dict:
+        """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event).
+
+        first_slot given (a chunk, `_queue_chunks`): into slots first_slot, first_slot + 1, ... in the order given,
+        each run of consecutive ids as one copy, with one event for them all."""
+        if first_slot is not None:
+            return self._copy_run(bank, experts, first_slot)
         started = {}
         for i, e in enumerate(experts):
             slot = i % len(self.staging)
@@ -701,3 +766,56 @@ class OffloadExecutor:
             started[e] = (slot, queue_copy(self.copy_stream, bank.host.expert(e), staging,
                                            after=self.slot_free[slot]))
         return started
+
+    def _copy_run(self, bank: LayerBank, experts: list[int], first: int) -> dict:
+        slots = range(first, first + len(experts))
+        runs = _id_runs(experts)
+        if self.simulated:
+            for e, n, at in runs:
+                self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n))
+            return {e: (slot, None) for e, slot in zip(experts, slots)}
+        with torch.cuda.stream(self.copy_stream):
+            waited = set()
+            for event in self.slot_free[first:first + len(experts)]:
+                if event is not None and id(event) not in waited:  # the kernels still reading these slots
+                    self.copy_stream.wait_event(event)
+                    waited.add(id(event))
+            for e, n, at in runs:
+                self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n), non_blocking=True)
+            ready = self.copy_stream.record_event()
+        return {e: (slot, ready) for e, slot in zip(experts, slots)}
+
+
+_ALIGN = 4  # int32 words: each chunk's ends start on a 16-byte boundary, as the resident ones do
+
+
+def _padded(n: int) -> int:
+    return n + -n % _ALIGN
+
+
+def _aligned(words: np.ndarray) -> np.ndarray:
+    """words padded with zeros to a multiple of _ALIGN."""
+    return np.concatenate([words, np.zeros(_padded(len(words)) - len(words), dtype=words.dtype)])
+
+
+def _runs_by_id(experts: list[int], sizes: list[int]) -> list[list[int]]:
+    """`experts` (in copy order) cut into consecutive chunks of `sizes`, each chunk sorted by id so that
+    neighbouring ids share one copy (`_id_runs`)."""
+    chunks, at = [], 0
+    for size in sizes:
+        if size > 0:
+            chunks.append(sorted(experts[at:at + size]))
+        at += size
+    assert at == len(experts), "chunk sizes must add up to the copies"
+    return chunks
+
+
+def _id_runs(experts: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, length, offset in `experts`) of each run of consecutive ids in `experts` (sorted)."""
+    runs = []
+    for i, e in enumerate(experts):
+        if runs and e == runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+        else:
+            runs.append((e, 1, i))
+    return runs

@@ -22,13 +22,14 @@ from moedesk.engine.offload.expert_cache import CachePolicy, SwapPrice, policy_f
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
-from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, fiddler_assign, lone_token_split,
-                                               resident_on_cpu, split_width, zero_copy_ranks)
+from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, chunk_limit, copy_chunks,
+                                               fiddler_assign, lone_token_split, resident_on_cpu, split_width,
+                                               zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
 from moedesk.engine.offload.cpu_paths import apply_cpu_path
-from moedesk.engine.offload.profiler import (cached_profile, copy_launch_prefill_ms, profile_expert, profile_key,
-                                             profile_prefill_cpu, profile_zero_copy)
+from moedesk.engine.offload.profiler import (cached_profile, copy_launch_prefill_ms, copy_queue_prefill_ms,
+                                             profile_expert, profile_key, profile_prefill_cpu, profile_zero_copy)
 
 log = logging.getLogger("moedesk")
 
@@ -108,15 +109,27 @@ class ExpertOrchestra:
         balanced = policy == "balanced"
         # The CPU's call beside the queueing of the copies, priced so (assign_offloaded's overlap); off with the rates.
         overlap = balanced and rates
-        rule = partial(assign_offloaded, overlap=overlap) if balanced else fiddler_assign
-        executor = OffloadExecutor(banks, nothing, device, decide=RememberedSplit(lambda loads: rule(loads, costs)),
+        executor = OffloadExecutor(banks, nothing, device, decide=None,
                                    resident_to_cpu=lambda loads: resident_on_cpu(loads, costs),
                                    zero_copy_ranks=(lambda k: zero_copy_ranks(k, costs)) if balanced else None,
                                    split_width=(lambda k: split_width(k, costs)) if balanced else None,
                                    selections=selections, overlap_copies=overlap)
         uniform = [[0] * first.num_experts for _ in banks]
-        return cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
-                   profile_key=key, profile=points, top_k=top_k)
+        orchestra = cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
+                        profile_key=key, profile=points, top_k=top_k)
+        orchestra.batch_copies(balanced and overlap and copies_batched_wanted(), balanced)
+        return orchestra
+
+    def batch_copies(self, on: bool, balanced: bool = True) -> None:
+        """Compute a prefill step's copied experts in chunks, one grouped launch each, and price its split so
+        (engine.offload.assignment.copy_chunks, assign_offloaded's batched); off: each copied expert on its own and
+        priced so, as before. Settable on a running model, for measuring both on one build (profile_prefill.py)."""
+        costs, overlap = self.costs, self.executor.overlap_copies
+        rule = partial(assign_offloaded, overlap=overlap, batched=on) if balanced else fiddler_assign
+        self.executor.decide = RememberedSplit(lambda loads: rule(loads, costs))
+        host = next(iter(self.executor.banks.values())).host
+        limit = chunk_limit(host.hidden, host.width)
+        self.executor.copy_chunks = (lambda loads, copy: copy_chunks(loads, copy, costs, limit)) if on else None
 
     def twin(self) -> "ExpertOrchestra":
         """Another orchestra over the same host experts, latency model and popularity, with an executor of its own
@@ -129,7 +142,8 @@ class ExpertOrchestra:
         executor = OffloadExecutor(banks, [[False] * bank.host.num_experts for _, bank in sorted(old.banks.items())],
                                    old.device, decide=decide, staging_slots=len(old.staging),
                                    resident_to_cpu=old.resident_to_cpu, zero_copy_ranks=old.zero_copy_ranks,
-                                   split_width=old.split_width, overlap_copies=old.overlap_copies)
+                                   split_width=old.split_width, overlap_copies=old.overlap_copies,
+                                   copy_chunks=old.copy_chunks)
         return replace(self, executor=executor, placement=None, budget_bytes=0, warnings=[])
 
     def cpu_path(self) -> str:
@@ -213,7 +227,14 @@ def measure_profile(first, top_k: int, device: torch.device, dtype: torch.dtype 
               **profile_prefill_cpu(first, dtype)}
     if torch.device(device).type == "cuda":
         points.update(copy_launch_prefill_ms(first, dtype, device))
+        points.update(copy_queue_prefill_ms(first, device))
     return points
+
+
+def copies_batched_wanted() -> bool:
+    """MOEDESK_COPIES_ONE_BY_ONE=1 computes a prefill's copied experts one by one and prices them so, as before the
+    chunks (`ExpertOrchestra.batch_copies`): for measuring the difference."""
+    return os.environ.get("MOEDESK_COPIES_ONE_BY_ONE", "").strip().lower() in ("", "0", "false", "no")
 
 
 def prefill_rates_wanted() -> bool:

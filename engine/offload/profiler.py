@@ -381,6 +381,26 @@ def copy_launch_prefill_ms(w: ExpertWeights, dtype, device, tokens=(16, 64), cop
     return {"copy_launch_prefill_ms": result}
 
 
+def copy_queue_prefill_ms(w: ExpertWeights, device, copies: int = 16, repeat: int = 5) -> dict:
+    """Host time per copy when a prefill step's chunk queues `copies` experts' copies back to back, no two of them
+    neighbours (so each its own copy), with one event for them all, as OffloadExecutor._copy_run does:
+    {"copy_queue_prefill_ms": ms}. Their compute is one grouped launch a chunk, which `copy_launch_prefill_ms` prices."""
+    copies = max(1, min(copies, (w.num_experts + 1) // 2))
+    staging = w.expert(0).empty_like(device, experts=copies)
+    side = torch.cuda.Stream(device)
+    turn = [0]
+
+    def queue_all():
+        first, turn[0] = turn[0], turn[0] + 2 * copies
+        with torch.cuda.stream(side):
+            for i in range(copies):
+                e = (first + 2 * i) % w.num_experts
+                staging.span(i, i + 1).copy_(w.span(e, e + 1), non_blocking=True)
+            side.record_event()
+
+    return {"copy_queue_prefill_ms": _host_ms(queue_all, device, repeat) / copies}
+
+
 CONTENTION_TOKENS = (1, 4, 16)
 
 
@@ -461,8 +481,9 @@ def _overlapped(cpu_call, copy, n: int, device) -> tuple[list[float], float]:
 # 6: zero_copy_split_ms of packed experts too; 7: split_width_ms; 8: the streaming options timed taking turns;
 # 9: the CPU's experts timed taking turns, and the contention factors per token count, with the model's experts;
 # 10: cpu_call_ms, calls of several experts; 11: the zero-copy keys, named streamed_* before; 12: split_width_ms,
-# named split_rows_ms before; 13: cpu_prefill_ms per kernel path with cpu_path, copy_launch_prefill_ms).
-PROFILE_FORMAT = 13
+# named split_rows_ms before; 13: cpu_prefill_ms per kernel path with cpu_path, copy_launch_prefill_ms;
+# 14: copy_queue_prefill_ms).
+PROFILE_FORMAT = 14
 
 
 def profile_key(fingerprint: str, shape: tuple, dtype, device) -> str:

@@ -16,6 +16,9 @@ then:
    by CUDA time and by self CPU time, the device time inside the experts' ranges split into the experts' copies
    (weights to the GPU), other transfers (the routing and tokens to the host, the CPU's results back) and kernels;
    the trace goes to $OUT/prefill-trace-SHAPE.json.gz.
+--compare measures each shape twice on one build: first with a prefill step's copied experts computed one by one and
+priced so (as before 2026-11-29, MOEDESK_COPIES_ONE_BY_ONE=1), then in chunks of one grouped launch each
+(engine.offload.assignment.copy_chunks); the profiled prefill (step 3) only for the second.
 The whole output also goes to $OUT/profile_prefill.txt (OUT unset: the current folder); the short table comes last.
 The marks are module hooks and a wrapper around the executor's methods set up here: engine/ has no profiling code.
 """
@@ -88,10 +91,10 @@ def marked(model, executor, mark):
         finally:
             mark("experts", moe.layer, False)
 
-    def start_copies(bank, experts):
+    def start_copies(bank, experts, **kwargs):
         mark("copies", current[0], True)
         try:
-            return real_copies(bank, experts)
+            return real_copies(bank, experts, **kwargs)
         finally:
             mark("copies", current[0], False)
 
@@ -207,7 +210,7 @@ def profile_prefill(model, executor, cfg, run, cuda: bool):
 
 @dataclass
 class ShapeResult:
-    spec: str
+    spec: str  # SHAPE:LAYERS, with "/one-by-one" or "/chunked" under --compare
     expert_format: str
     tokens: int
     tok_s: float
@@ -218,13 +221,38 @@ class ShapeResult:
     device: dict | None  # expert_device_ms of the profiled prefill; None without a profile or a GPU
 
 
-def profile_shape(spec: str, args, say) -> ShapeResult:
+def profile_shape(spec: str, args, say) -> list[ShapeResult]:
+    """The shape built once and measured (`measure_shape`): as the engine runs, or under --compare both ways."""
     shape, layers = spec.split(":")
     fmt = args.expert_format or issue_format(shape)
     say(f"\n=== {shape}, first {layers} layers, {fmt} experts, --gpu-budget {args.gpu_budget:g}, prefill "
         f"{args.tokens}")
     bench = prepare_synthetic(shape, int(layers), args.gpu_budget, args.device, args.tokens + 64, args.policy, say,
                               fmt)
+    profile = bench.orchestra.profile
+    say(f"copies at prefill: each queued with its compute {profile.get('copy_launch_prefill_ms')} ms (by tokens), "
+        f"queued alone {profile.get('copy_queue_prefill_ms')} ms; CPU calls of {profile.get('cpu_prefill_experts')} "
+        f"experts {profile.get('cpu_prefill_ms')} ms, path {profile.get('cpu_path')}")
+    if not args.compare:
+        results = [measure_shape(spec, fmt, bench, args, say, trace=not args.no_trace)]
+    else:
+        results = []
+        for chunked in (False, True):
+            bench.orchestra.batch_copies(chunked)
+            say(f"\n--- {'chunked: one grouped launch a chunk of copies' if chunked else 'one by one: as before'}")
+            results.append(measure_shape(f"{spec}/{'chunked' if chunked else 'one-by-one'}", fmt, bench, args, say,
+                                         trace=chunked and not args.no_trace))
+    device = bench.device
+    del bench
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return results
+
+
+def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeResult:
+    """Steps 1-3 of the module docstring on a built shape."""
+    shape = spec.split(":")[0]
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     clock = Clock(device)
 
@@ -254,7 +282,7 @@ def profile_shape(spec: str, args, say) -> ShapeResult:
         say(f"{layer:>5} {mixer_kind(cfg, layer):<10}{mixer:9.2f}{total - mixer:8.2f}{experts}")
 
     device_ms = None
-    if not args.no_trace:
+    if trace:
         prof = profile_prefill(model, executor, cfg, prefill, clock.cuda)
         os.makedirs(args.out, exist_ok=True)
         trace = os.path.join(args.out, f"prefill-trace-{shape}.json.gz")
@@ -268,13 +296,8 @@ def profile_shape(spec: str, args, say) -> ShapeResult:
         if clock.cuda:
             device_ms = expert_device_ms(prof.events())
             say("device ms inside the experts' calls: " + ", ".join(f"{k} {v:.2f}" for k, v in device_ms.items()))
-    result = ShapeResult(spec, fmt, args.tokens, timed.tok_s, 1e3 * timed.seconds, per_run, split, times.wall,
-                         device_ms)
-    del bench, model, executor
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return result
+    return ShapeResult(spec, fmt, args.tokens, timed.tok_s, 1e3 * timed.seconds, per_run, split, times.wall,
+                       device_ms)
 
 
 SUMMARY_COLUMNS = ("shape", "format", "tok/s", "ms", *KINDS, "mlp", "moe", "experts", "cpu", "wait", "copies",
@@ -298,7 +321,8 @@ def summary_row(r: ShapeResult) -> dict:
 
 def format_summary(rows: list[dict]) -> list[str]:
     """The last table: text columns left-aligned, figures right-aligned, "-" for a part the shape lacks."""
-    width = {c: 20 if c == "shape" else max(8, len(c) + 1) for c in SUMMARY_COLUMNS}
+    width = {c: max(20, 2 + max((len(row["shape"]) for row in rows), default=0)) if c == "shape"
+             else max(8, len(c) + 1) for c in SUMMARY_COLUMNS}
 
     def cell(c, v):
         if c in ("shape", "format"):
@@ -321,6 +345,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="auto", help="cpu: the script itself on a tiny shape, no CUDA activity")
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--no-trace", action="store_true", help="no profiled prefill (no tables, no trace)")
+    parser.add_argument("--compare", action="store_true", help="each shape's copies one by one (as before), then in "
+                        "chunks of one grouped launch, on one build")
     args = parser.parse_args(argv)
     args.out = os.environ.get("OUT") or "."
     os.makedirs(args.out, exist_ok=True)
@@ -330,7 +356,7 @@ def main(argv=None) -> list[dict]:
             report.write(text + "\n")
             report.flush()
 
-        results = [profile_shape(spec, args, say) for spec in args.shapes]
+        results = [result for spec in args.shapes for result in profile_shape(spec, args, say)]
         rows = [summary_row(r) for r in results]
         say(f"\nprefill {args.tokens}, ms of one prefill: per token mixer kind and feed-forward part (marked prefill), "
             f"in the experts' call; cpu / wait: host ms in the CPU experts' call / the wait for the routing; copies / "

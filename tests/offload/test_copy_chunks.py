@@ -1,0 +1,187 @@
+"""A prefill step's copied experts computed in chunks, one grouped launch each (engine.offload.assignment's
+copy_chunks and batched pricing, OffloadExecutor's copy_chunks): the timeline's arithmetic, the split priced from the
+numbers session 36 measured on the H200 box, and the executor's results on the simulated tier."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moedesk.engine.offload import offload_executor as oe
+from moedesk.engine.offload.assignment import (BATCHED_MIN_LOAD, Contended, assign_offloaded, assignment_for,
+                                               chunk_limit, chunked_gpu_ms, copy_chunks, mean_load)
+from moedesk.engine.offload.latency_model import ProfileError, fit_latency_model
+from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
+from moedesk.engine.runtime import Engine
+
+
+def timeline_model(link=1.0, queue=0.5, launch=2.0, gpu=lambda tokens: 3.0):
+    return SimpleNamespace(copy_expert_ms=link, copy_queue_ms=queue, copy_launch_at=lambda tokens: launch,
+                           gpu_expert_ms=gpu)
+
+
+def test_the_chunked_timeline_queues_the_next_chunks_copies_before_this_chunks_launch():
+    model = timeline_model()
+    # One chunk: copies queued at 0.5 and 1.0 land at 1.5 and 2.5; the launch is queued at 3.0; computed by 6.0.
+    assert chunked_gpu_ms([4, 4], [2], model) == pytest.approx(6.0)
+    # Two: both chunks' copies first (ready 1.5, 2.5), launches at 3.0 and 5.0: 6.0, then 9.0.
+    assert chunked_gpu_ms([4, 4], [1, 1], model) == pytest.approx(9.0)
+    assert copy_chunks({0: 4, 1: 4}, [0, 1], model) == [2]  # a dear launch: one chunk
+    # A cheap launch and compute that grows with the tokens: chunks overlap the compute with the link.
+    cheap = timeline_model(queue=0.0, launch=0.1, gpu=lambda tokens: float(tokens) / 4)
+    assert chunked_gpu_ms([4] * 4, [4], cheap) == pytest.approx(8.0)
+    assert chunked_gpu_ms([4] * 4, [1, 1, 1, 1], cheap) == pytest.approx(5.0)
+    assert copy_chunks({e: 4 for e in range(4)}, [0, 1, 2, 3], cheap) == [1, 1, 1, 1]
+    # Nine: three chunks and four both end at 12 (the last chunk after the last copy); the fewer launches win.
+    assert chunked_gpu_ms([4] * 9, [3, 2, 2, 2], cheap) == pytest.approx(12.0)
+    assert copy_chunks({e: 4 for e in range(9)}, list(range(9)), cheap) == [3, 3, 3]
+
+
+def test_decode_steps_keep_their_copies_one_by_one_and_their_split():
+    """A decode step's few tokens an expert: no chunks, and the split priced exactly as before."""
+    model = fit_latency_model(qwen35_profile(launch=0.55, queue=0.06))
+    decode = {e: 1 + (e % 3 == 0) for e in range(40)}  # 16 sequences' top-8 over 256 experts: ~1.3 an expert
+    assert mean_load(decode) < BATCHED_MIN_LOAD
+    assert copy_chunks(decode, [0, 1, 2], model) is None
+    assert assign_offloaded(decode, model, overlap=True, batched=True) == assign_offloaded(decode, model, overlap=True)
+    assert copy_chunks(dict(enumerate(LAYER_LOADS)), [], model) is None  # nothing copied
+
+
+# Tokens per active expert of a 512-token prefill in the third MoE layer of the synthetic Qwen3.5-35B-A3B (bench's
+# random weights, prompt seed 0, as profile_prefill.py runs it), counted by the executor on the shared dev CPU.
+LAYER_LOADS = [271] * 6 + [265, 264, 220, 211, 166, 155, 140, 109, 99, 89, 81, 80, 62, 59, 38, 38, 32, 27, 23, 22, 22,
+                           18, 16, 16, 15, 13, 12, 11, 8, 8, 7, 6, 6] + [5] * 4 + [4] * 5 + [3] * 2 + [2] * 13 + [1] * 60
+
+
+def qwen35_profile(launch: float, queue: float | None = None) -> dict:
+    """Session 36's start-up profile of a Qwen3.5-35B-A3B q4_k expert on the H200 box (profile_prefill.txt: one
+    expert's CPU and GPU times, its copy, the read rate); the CPU's shares at prefill loads are session 35's q4_k
+    calls of eight on AMX (Qwen3's F = 768, scaled to 512) times 1.35, which matches this run's CPU call (116 ms for
+    1,271 experts); the contention factors are session 35's Qwen3 ones. launch: host ms a copied expert costs queued
+    one by one (copy and compute), queue: a copy alone."""
+    shares = {8: 0.26, 16: 0.453, 32: 0.78, 64: 1.44}
+    points = {"cpu_expert_ms": {1: 0.0653, 2: 0.0661, 4: 0.106, 8: 0.116, 16: 0.172, 32: 0.273, 64: 0.475,
+                                128: 0.945, 256: 1.59},
+              "gpu_expert_ms": {1: 0.145, 4: 0.146, 16: 0.137, 64: 0.414, 256: 0.405, 1024: 0.397, 4096: 0.269},
+              "copy_expert_ms": 0.0483, "expert_bytes": 1_769_472, "cpu_read_gbs": 125.0,
+              "cpu_prefill_ms": {"amx": {n: 1.35 * ms for n, ms in shares.items()}}, "cpu_prefill_experts": 8,
+              "cpu_path": "amx", "cpu_slowdown_during_copy": {1: 1.20, 4: 1.15, 16: 1.05},
+              "copy_slowdown_during_cpu": {1: 1.15, 4: 1.09, 16: 1.06}, "copy_launch_ms": 0.25,
+              "copy_launch_prefill_ms": {16: launch, 64: launch}}
+    if queue is not None:
+        points["copy_queue_prefill_ms"] = queue
+    return points
+
+
+def test_qwen35s_prefill_step_was_bound_by_launching_each_copied_expert_not_by_the_cpu():
+    """Session 36 (profile_prefill.py on the H200): a layer's experts' call took 14-16 ms, the CPU's call 9.7 of it;
+    the trace shows the host thread queueing one copied expert's compute after another (0.66 ms each, 0.12 for its
+    copy) until the step's end, the CPU done ~4 ms before. Priced one by one at the launch measured with the CPU
+    idle (0.55), the split balanced both sides near 7.6 ms; at the 0.9 a copied expert really cost the host beside
+    the CPU's call, the GPU's side is the step's critical path. Chunked (one launch, a copy queued at ~0.06), the
+    split copies three times as many experts and the step is predicted at half or less."""
+    loads = dict(enumerate(LAYER_LOADS))
+    assert len(loads) == 123 and sum(loads.values()) == 4096
+    before = assign_offloaded(loads, fit_latency_model(qwen35_profile(launch=0.55)), overlap=True)
+    assert 8 <= len(before.copy) <= 20
+    assert before.cpu_finish_ms == pytest.approx(before.gpu_finish_ms, rel=0.1)
+    measured = assignment_for(loads, before.copy, Contended(fit_latency_model(qwen35_profile(launch=0.9)),
+                                                             mean_load(loads), overlap=True))
+    assert measured.gpu_finish_ms > 1.4 * measured.cpu_finish_ms  # the CPU finished first
+    assert 11 < measured.makespan_ms < 14
+
+    model = fit_latency_model(qwen35_profile(launch=0.78, queue=0.06))
+    after = assign_offloaded(loads, model, overlap=True, batched=True)
+    assert len(after.copy) >= 3 * len(before.copy)
+    assert after.makespan_ms < 0.35 * measured.makespan_ms
+    assert max(loads[e] for e in after.cpu) <= min(loads[e] for e in after.copy)  # the CPU keeps the lightest
+    # The executor's chunks: with a copy queued slower than the link carries it, one launch; its timeline agrees
+    # with the split's price of the GPU's side.
+    sizes = copy_chunks(loads, list(after.copy), model)
+    assert sizes == [len(after.copy)]
+    assert chunked_gpu_ms([loads[e] for e in after.copy], sizes, model) == pytest.approx(after.gpu_finish_ms, rel=0.15)
+
+
+def test_a_chunk_holds_no_more_experts_than_its_scratch_allows():
+    """gpt-oss-120b's experts (H 2880, F 2880) dequantised to bf16 take 50 MB each: 21 a chunk within a GiB."""
+    assert chunk_limit(2880, 2880) == 21 and chunk_limit(2048, 512) == 170 and chunk_limit(10**5, 10**5) == 1
+    cheap = timeline_model(queue=0.0, launch=0.1, gpu=lambda tokens: float(tokens) / 4)
+    loads = {e: 16 for e in range(100)}
+    # From the fewest chunks the limit allows (5) to MAX_CHUNKS - 1 more: a dear launch takes the fewest, a cheap one
+    # the most tried.
+    assert copy_chunks(loads, list(range(100)), timeline_model(), limit=21) == [20] * 5
+    assert copy_chunks(loads, list(range(100)), cheap, limit=21) == [13] * 4 + [12] * 4
+
+
+def test_the_profile_reads_a_copys_queueing_and_refuses_a_bad_one():
+    assert fit_latency_model(qwen35_profile(0.5, queue=0.06)).copy_queue_ms == pytest.approx(0.06)
+    assert fit_latency_model(qwen35_profile(0.5)).copy_queue_ms == 0.0  # older profiles: the link alone paces
+    with pytest.raises(ProfileError, match="copy_queue_prefill_ms"):
+        fit_latency_model(qwen35_profile(0.5, queue=-1.0))
+
+
+def test_chunks_are_sorted_by_id_and_neighbouring_ids_share_a_copy():
+    assert oe._runs_by_id([9, 3, 4, 7, 5, 1], [4, 2]) == [[3, 4, 7, 9], [1, 5]]
+    assert oe._id_runs([3, 4, 5, 7, 9, 10]) == [(3, 3, 0), (7, 1, 3), (9, 2, 4)]
+    with pytest.raises(AssertionError):
+        oe._runs_by_id([1, 2, 3], [2])
+
+
+@pytest.fixture
+def mixtral(tiny_checkpoint):
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    return engine, stack_experts(engine.model, pinned=False)
+
+
+@pytest.mark.parametrize("resident", [0, 3])
+def test_chunked_copies_compute_what_copies_one_by_one_do(mixtral, resident):
+    """With or without resident experts before them (whose group ends precede the chunks' in the index)."""
+    engine, banks = mixtral
+    layer = min(banks)
+    experts = banks[layer].num_experts
+    nothing = [[e < resident for e in range(bank.num_experts)] for bank in banks.values()]
+    torch.manual_seed(0)
+    x = torch.randn(24, engine.config.hidden_size)
+    ids = torch.stack([torch.randperm(experts)[:2] for _ in range(24)])
+    moe = SimpleNamespace(layer=layer)
+    outputs, staged = {}, {}
+    for name, chunks in (("one by one", None), ("chunked", lambda loads, copy: [2, len(copy) - 2]),
+                         ("all-cpu", None)):
+        # copies in descending id (decide's order), which the chunks sort back within themselves
+        decide = (lambda loads: (sorted(loads), [])) if name == "all-cpu" else \
+            (lambda loads: ([], sorted(loads, reverse=True)))
+        executor = OffloadExecutor(banks, nothing, "cpu", decide, copy_chunks=chunks)
+        outputs[name] = executor.expert_outputs(moe, x, ids).clone()
+        staged[name] = executor.staging_stack
+        assert executor.stats.copied_experts == (0 if name == "all-cpu" else experts - resident)
+        assert executor.stats.gpu_experts == resident
+    torch.testing.assert_close(outputs["chunked"], outputs["one by one"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["chunked"], outputs["all-cpu"], rtol=1e-4, atol=1e-4)
+    # Each chunk holds its experts in id order, in consecutive slots: the two highest ids, then the others.
+    offloaded = list(range(resident, experts))
+    slots = offloaded[-2:] + offloaded[:-2]
+    host = banks[layer]
+    for slot, e in enumerate(slots):
+        assert torch.equal(staged["chunked"].gate_up[slot], host.gate_up[e])
+        assert torch.equal(staged["chunked"].down[slot], host.down[e])
+
+
+def test_chunked_copies_keep_the_reference_tokens(tiny_checkpoint):
+    from moedesk.engine.requests import Request, SamplingParams
+    from tests.reference import hf_greedy, hf_model
+
+    folder = tiny_checkpoint("qwen2_moe")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    expected = hf_greedy(hf_model(folder), prompt, 12, eos)
+    banks = stack_experts(engine.model, pinned=False)
+    nothing = [[False] * bank.num_experts for bank in banks.values()]
+    half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
+    engine.executor = OffloadExecutor(banks, nothing, "cpu", half, overlap_copies=True,
+                                      copy_chunks=lambda loads, copy: [1] * len(copy))
+    [done] = engine.generate([Request(prompt, params)])
+    assert done.token_ids == expected
+    assert engine.executor.stats.copied_experts > 0
