@@ -15,6 +15,8 @@ import sys
 # subprocess at every import.
 SONAME = "libstdc++.so.6"
 
+before_torch = False  # set by moedesk's import: whether preload() ran, and worked, before torch was first imported
+
 
 def preload() -> bool:
     """Load libstdc++ into the global scope (Linux only). True when it is there, False when not: no Linux, no

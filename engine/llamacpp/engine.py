@@ -7,16 +7,18 @@ speculation are native-engine features: asking for them here is one line.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from moedesk import libstdcxx
 from moedesk.engine.errors import CheckpointError, MoedeskError
 from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
 from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
-from moedesk.engine.llamacpp.library import cuda_hint, library
+from moedesk.engine.llamacpp.library import cuda_hint, library, torch_first_hint
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
 from moedesk.engine.llamacpp.fit import FIRST_SLOTS, gguf_shape, plan, read_header, this_machine, value
 from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off
@@ -79,6 +81,10 @@ class LlamaCppEngine(EngineFace):
             _hinted = True
         machine = this_machine(device)
         use_gpu = machine.gpu
+        late = torch_first_hint(use_gpu, libstdcxx.before_torch, sys.platform.startswith("linux"))
+        if late:
+            print(f"moedesk: {late}", file=sys.stderr, flush=True)  # now: a crash in the load would take a warning
+            warnings.append(late)
         if device.startswith("cuda") and not use_gpu:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
         reader = read_header(path)

@@ -123,6 +123,15 @@ def available() -> str | None:
     return None
 
 
+def torch_first_hint(on_gpu: bool, before_torch: bool, linux: bool) -> str | None:
+    """The line for a load onto llama.cpp's GPU in a process whose libstdc++ did not go in ahead of torch's libraries
+    (torch imported before moedesk: moedesk/libstdcxx.py), where llama.cpp's CUDA build can crash; None otherwise."""
+    if on_gpu and linux and not before_torch:
+        return ("torch was imported before moedesk, and llama.cpp's CUDA build can crash beside it: import moedesk "
+                "first (or run with LD_PRELOAD=libstdc++.so.6)")
+    return None
+
+
 def cuda_hint(nvidia_gpus: int, gpu_offload: bool) -> str | None:
     """The one line for a machine with an NVIDIA GPU whose llama.cpp was built without CUDA; None otherwise."""
     if nvidia_gpus and not gpu_offload:

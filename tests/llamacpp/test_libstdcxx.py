@@ -1,7 +1,7 @@
 """moedesk's import puts the system libstdc++ in the global symbol scope before torch is imported, so that
 llama.cpp's libraries, opened later, find the C++ runtime ahead of torch's (moedesk/libstdcxx.py). What a CUDA
-build then does is the GPU box's to show (tests/perf/llamacpp_cuda_probe.sh, case P); here, the order the dynamic
-loader reports and the preload's failure paths."""
+build then does is the GPU box's to show (tests/perf/llamacpp_cuda_torch.sh, cases P and L); here, the order the dynamic
+loader reports, the preload's failure paths, and the line a GPU load gives where torch came first."""
 from __future__ import annotations
 
 import os
@@ -97,3 +97,56 @@ def test_the_preload_never_raises(monkeypatch, error):
 @linux
 def test_the_preload_is_true_where_the_loader_finds_libstdcxx():
     assert libstdcxx.preload() is True
+
+
+@linux
+@pytest.mark.parametrize("order, expected", [("moedesk, torch", "True"), ("torch, moedesk", "False")])
+def test_moedesk_knows_whether_it_came_before_torch(order, expected):
+    done = run(f"import {order}; from moedesk import libstdcxx; print(libstdcxx.before_torch)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == expected
+
+
+def test_a_gpu_load_after_torch_came_first_is_one_line_and_nothing_else_is():
+    from moedesk.engine.llamacpp.library import torch_first_hint
+
+    line = torch_first_hint(on_gpu=True, before_torch=False, linux=True)
+    assert "\n" not in line and "import moedesk first" in line
+    assert torch_first_hint(on_gpu=False, before_torch=False, linux=True) is None  # the CPU build does not crash
+    assert torch_first_hint(on_gpu=True, before_torch=True, linux=True) is None
+    assert torch_first_hint(on_gpu=True, before_torch=False, linux=False) is None
+
+
+def test_a_cpu_load_says_nothing_of_torchs_order(tmp_path, monkeypatch, capsys):
+    from moedesk.engine.runtime import Engine
+    from tests.load.test_packed_experts import write_f32_moe
+
+    write_f32_moe(tmp_path / "f32.gguf", "llama", L=1)
+    monkeypatch.setattr(libstdcxx, "before_torch", False)
+    engine = Engine.load(str(tmp_path / "f32.gguf"), engine="llama.cpp", device="cpu", context_length=64)
+    engine.close()
+    assert not any("torch was imported" in w for w in engine.warnings)
+    assert "torch was imported" not in capsys.readouterr().err
+
+
+def test_a_gpu_load_after_torch_came_first_says_so_on_stderr_before_reading_the_file(tmp_path, monkeypatch, capsys):
+    """Before the load: a crash inside llama.cpp would take the engine's warnings with it."""
+    import moedesk.engine.llamacpp.engine as llama_engine
+    from moedesk.engine.llamacpp.fit import Machine
+    from moedesk.engine.runtime import Engine
+
+    class Reached(Exception):
+        pass
+
+    def read_header(path):
+        raise Reached()
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(libstdcxx, "before_torch", False)
+    monkeypatch.setattr(llama_engine.sys, "platform", "linux")
+    monkeypatch.setattr(llama_engine, "this_machine", lambda device: Machine(True, 0, 1 << 30))
+    monkeypatch.setattr(llama_engine, "read_header", read_header)
+    with pytest.raises(Reached):
+        Engine.load(str(tmp_path / "m.gguf"), engine="llama.cpp", device="auto", context_length=64)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moedesk: torch was imported before moedesk"), err
