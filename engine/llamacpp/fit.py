@@ -18,6 +18,12 @@ from moedesk.engine.memory_fit import gib, shortfall
 from moedesk.engine.offload.gpu_budget import ContextBudgetError
 
 FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
+CELL_PAD = 256  # llama.cpp rounds a context up to a multiple of this many cache cells
+
+
+def cache_cells(context: int) -> int:
+    """The cache cells llama.cpp allocates for `context` positions a sequence."""
+    return -(-context // CELL_PAD) * CELL_PAD
 SHORTEST_ADVISED = 512  # a shorter context offered instead is at least this long
 
 
@@ -139,16 +145,16 @@ def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float 
     """(placement, bytes in RAM, weights and cache on the GPU, compute buffer on the GPU) at `context` positions.
     The budget is spent as llama.cpp spends the GPU: the non-expert weights it puts there, the cache, its compute
     buffer (one expert tensor's copy more once any layer's experts stay in RAM), then experts."""
-    sizes, kv = shape.sizes, shape.kv_per_position
-    activations = activation_bytes(shape.graph, context) if shape.graph else 0
-    copy = offload_copy_bytes(shape.graph, context) if shape.graph else 0
-    budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, context, activations) \
+    sizes, kv, cells = shape.sizes, shape.kv_per_position, cache_cells(context)
+    activations = activation_bytes(shape.graph, cells) if shape.graph else 0
+    copy = offload_copy_bytes(shape.graph, cells) if shape.graph else 0
+    budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, cells, activations) \
         if machine.gpu else 0
     placement = place(sizes, shape.layers, machine.gpu, budget, cpu_moe, copy)
-    ram = ram_need(sizes, placement, kv, context, FIRST_SLOTS)
+    ram = ram_need(sizes, placement, kv, cells, FIRST_SLOTS)
     if not placement.gpu_layers:
         return placement, ram, 0, 0
-    gpu = shape.other_on_gpu + sum(sizes.expert_bytes) - placement.expert_bytes_in_ram + FIRST_SLOTS * context * kv
+    gpu = shape.other_on_gpu + sum(sizes.expert_bytes) - placement.expert_bytes_in_ram + FIRST_SLOTS * cells * kv
     return placement, ram, gpu, activations + (copy if placement.cpu_moe else 0)
 
 

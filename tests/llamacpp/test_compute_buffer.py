@@ -130,10 +130,11 @@ def test_a_whole_gpu_budget_keeps_no_more_layers_experts_in_ram_than_it_must(bud
         assert need_on_gpu(shape, budget_gb, chosen - 1) > budget * (1 - SLACK)
     # the compute buffer: the routed feed-forward of 512 tokens (two 14336-wide picks) and a pinned layer's Q6_K
     # down experts copied for a prefill
-    graph = shape.graph
-    assert activation_bytes(graph, CONTEXT) == 4 * 512 * (2 * (3 * FFN + HIDDEN) + 3 * HIDDEN) + 6 * 512 * CONTEXT
-    assert offload_copy_bytes(graph, CONTEXT) == int(HIDDEN * FFN * EXPERTS * Q6K)
-    assert fit.compute_bytes == activation_bytes(graph, CONTEXT) + (offload_copy_bytes(graph, CONTEXT) if chosen else 0)
+    graph, cells = shape.graph, 768  # llama.cpp's cache holds the 576 positions in a multiple of 256 cells
+    assert activation_bytes(graph, cells) == 4 * 512 * (2 * (3 * FFN + HIDDEN) + 3 * HIDDEN) + 6 * 512 * cells
+    assert offload_copy_bytes(graph, cells) == int(HIDDEN * FFN * EXPERTS * Q6K)
+    assert fit.compute_bytes == activation_bytes(graph, cells) + (offload_copy_bytes(graph, cells) if chosen else 0)
+    assert fit.gpu_bytes == shape.other_on_gpu + sum(shape.sizes.expert_bytes[chosen:]) + cells * shape.kv_per_position
 
 
 def test_the_weights_on_the_gpu_leave_out_the_token_embeddings_llama_cpp_keeps_in_ram():
@@ -164,3 +165,25 @@ def test_on_the_gpu_llama_cpp_s_buffers_stay_within_the_plan(ggufs):
     assert fit.placement.cpu_moe == 2 < len(sizes.expert_bytes)
     assert used["compute"] <= fit.compute_bytes, (used, fit)
     assert used["model"] + used["KV"] <= 1.02 * fit.gpu_bytes, (used, fit)
+
+
+def test_the_cache_is_planned_in_the_cells_llama_cpp_allocates(ggufs):
+    """A context that is no multiple of 256 positions: llama.cpp rounds its cache up, and the plan's RAM follows."""
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.runtime import Engine
+
+    mark = library().log_mark()
+    engine = Engine.load(str(ggufs["demo"]), engine="llama.cpp", device="cpu", context_length=576)
+    try:
+        buffers = llama_buffers(library().log_since(mark))
+        held = sum(size for (where, what), size in buffers.items() if what in ("model", "KV") and where.startswith("CPU"))
+        assert abs(held - engine.fit.ram_bytes) <= 0.01 * MIB + 0.005 * engine.fit.ram_bytes, (buffers, engine.fit)
+        assert buffers[("CPU", "KV")] == pytest.approx(768 * shape_kv(ggufs["demo"]), abs=0.01 * MIB)
+    finally:
+        engine.close()
+
+
+def shape_kv(path) -> int:
+    from moedesk.engine.llamacpp.fit import gguf_shape
+
+    return gguf_shape(GGUFReader(path)).kv_per_position
