@@ -347,7 +347,10 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
             "gammas": sorted({r.gamma for r in rounds}),
             "verify_ms": sum(r.verify_ms for r in rounds) / len(rounds) if rounds else None,
             "accept_ms": sum(r.accept_ms for r in rounds) / len(rounds) if rounds else 0.0,
-            "oracle_s": oracle.seconds, "redrafted": oracle.redrafted}
+            "oracle_s": oracle.seconds, "redrafted": oracle.redrafted,
+            # every round as it ran, so auto's decisions can be replayed on what each shape took
+            "round_log": [[r.gamma, r.rows, round(r.verify_ms, 3), round(r.accept_ms, 3), r.emitted, r.captured]
+                          for r in rounds]}
 
 
 def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
@@ -456,7 +459,9 @@ def _row(b, alpha, mode, gamma, run, plain_tok_s, plain_tokens, fit, table) -> d
            # Temperature 0 decodes plain greedy's tokens up to rounding: in float32 exactly, in bf16 a k-token
            # forward may take the other side of a near tie, and the sequence goes its own way from there.
            "same_as_plain": round(sum(a == p for a, p in zip(run["tokens"], plain_tokens)) / len(plain_tokens), 3),
-           "oracle_s": round(run["oracle_s"], 3), "redrafted_sequences": run["redrafted"]}
+           "oracle_s": round(run["oracle_s"], 3), "redrafted_sequences": run["redrafted"],
+           # [γ, rows, verify ms, accept ms, tokens emitted, graph shapes captured] of each round
+           "round_log": run["round_log"]}
     if run["tokens_per_step"] is not None and mode == "greedy":
         # The model's acceptance: the α whose expected tokens per step match the measured ones. Its T_reject is
         # this run's own host time per round (accepting, moving accepted keys and values): the draft is free.

@@ -34,6 +34,9 @@ MIN_EVIDENCE = 4
 AUTO_MARGIN = 0.03
 # A probe needs a real gain in sight at the optimistic acceptance: perf_model's margin.
 PROBE_MARGIN = perf_model.SAFETY_MARGIN
+# How much cheaper than the table a plain step may run (plain_probe): about the least the GPU box's plain decoding
+# took against the table's T(B, 1) (docs/measurements.md, "Auto against chains on the Qwen3 shape").
+PLAIN_DOUBT = 0.7
 # Tested drafts auto's running acceptance remembers (carried_counts), within a request and between requests.
 ACCEPTANCE_MEMORY = 64
 # Plain steps after which the evidence about a draft has halved (learn_acceptance): a draft auto stopped using is
@@ -78,7 +81,9 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     draft where the engine kept them). Exploit: with MIN_EVIDENCE drafts tested, the γ that choose_draft_length
     finds pays at alpha by AUTO_MARGIN. Else probe: the γ that would pay by PROBE_MARGIN at the optimistic
     acceptance (optimistic_acceptance): near 1 before any evidence, near alpha once there is much of it, so a bad
-    draft stops being probed on its own.
+    draft stops being probed on its own. With the evidence, two probes of the step costs (RunningCosts learns them
+    from the rounds that ran): a longer draft whose verify has not been timed and may cost as little as a shorter
+    one's (cost_probe), and one plain round where the gain hinges on what a plain step costs (plain_probe).
 
     The exploration budget (AutoLedger.room_ms: EXPLORE_SHARE of plain decoding's time so far, at least `horizon`
     steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
@@ -94,7 +99,10 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     if ar is None:
         return 0
     if evidence >= MIN_EVIDENCE:  # exploit where the evidence says a draft length pays
-        gamma = perf_model.choose_draft_length(costs, batch, alpha, max_gamma, AUTO_MARGIN).gamma
+        choice = perf_model.choose_draft_length(costs, batch, alpha, max_gamma, AUTO_MARGIN)
+        if choice.gamma and plain_probe(costs, batch, choice):
+            return 0
+        gamma = cost_probe(costs, batch, alpha, max_gamma, choice, ledger.room_ms(ar, horizon)) or choice.gamma
         if gamma:
             return gamma
     # Else probe, at what the acceptance may still be, within the budget even if its first draft is rejected.
@@ -108,6 +116,63 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     # Preferably one whose failure leaves room for a 1-draft probe: one rejected first draft is thin evidence.
     again = [g for g in fits if loss[g] + loss.get(1, 0.0) <= room]
     return (again or fits or [0])[0]
+
+
+class _AtFloor:
+    """Step costs with each verify size not yet timed priced at the least it may cost (verify_floor_ms)."""
+
+    def __init__(self, costs):
+        self.costs = costs
+
+    def ar_ms(self, batch):
+        return self.costs.ar_ms(batch)
+
+    def verify_ms(self, batch, gamma):
+        floor = self.costs.verify_floor_ms(batch, gamma)
+        return self.costs.verify_ms(batch, gamma) if floor is None else floor
+
+    def draft_ms(self, batch):
+        return self.costs.draft_ms(batch)
+
+    def reject_ms(self, batch):
+        return self.costs.reject_ms(batch)
+
+
+def plain_probe(costs, batch: int, choice: perf_model.Choice) -> bool:
+    """Whether to run one plain round, to time it, before drafting on: where the chosen draft length's rounds were
+    timed in this run but no plain round of about this batch size was, and the choice's predicted gain would vanish
+    were plain steps PLAIN_DOUBT times the table's. Why: auto weighs drafting against the table's plain step, which
+    was off either way from the plain decoding beside it on the GPU box (docs/measurements.md, "Auto against chains
+    on the Qwen3 shape"); once a plain round is timed, RunningCosts prices verifying against it. One plain round
+    costs at most the choice's gain over one round."""
+    timed = getattr(costs, "timed", None)
+    return (timed is not None and not timed(batch, 1) and timed(batch, choice.gamma + 1)
+            and choice.speedup * PLAIN_DOUBT < 1.0 + AUTO_MARGIN)
+
+
+def cost_probe(costs, batch: int, alpha: float, max_gamma: int, choice: perf_model.Choice,
+               room_ms: float) -> int | None:
+    """A draft length to try instead of the one the prices chose, because its verify has not been timed yet and, at
+    the least it may cost (RunningCosts.verify_floor_ms), it would beat the choice by AUTO_MARGIN; None if none.
+
+    Why: a table of random tokens' forwards can price a long verify far above what the run's rounds take (the GPU
+    box's Qwen3 shape at batch 1: docs/measurements.md, "Auto against chains on the Qwen3 shape"), and auto only
+    learns a size's price by running it. Held to the exploration budget: what the probe is expected to lose against plain decoding at the acceptance
+    alpha if it costs its full price must fit `room_ms` (AutoLedger.room_ms), so a wrong guess costs what a probe
+    of the acceptance may."""
+    if not hasattr(costs, "verify_floor_ms"):
+        return None
+    ar, low = costs.ar_ms(batch), _AtFloor(costs)
+    # Nearest the choice first (longer before shorter): the least guessed of the sizes not timed.
+    for gamma in sorted(range(1, max_gamma + 1), key=lambda g: (abs(g - choice.gamma), -g)):
+        floor, price = costs.verify_floor_ms(batch, gamma), costs.verify_ms(batch, gamma)
+        if floor is None or price is None or floor >= price:
+            continue  # timed already, or nothing says the table is too dear
+        hope = perf_model.predicted_speedup(low, batch, gamma, alpha)
+        risk = perf_model.step_ms(costs, batch, gamma) - ar * perf_model.tokens_per_step(alpha, gamma)
+        if hope >= choice.speedup * (1 + PROBE_MARGIN) and risk <= room_ms:
+            return gamma
+    return None
 
 
 def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int,
@@ -188,23 +253,38 @@ def batch_one_outlook(step_times, max_gamma: int) -> Outlook | None:
     return Outlook(gamma, speedup, costs.verify_ms(1, gamma) / ar, even)
 
 
+def _size_class(batch: int) -> int:
+    """Batch sizes whose rounds RunningCosts times together: those nearest the same power of two (a batch whose rows
+    finish one by one keeps what its full rounds measured)."""
+    return round(math.log2(max(1, batch)))
+
+
 class RunningCosts:
-    """Measured target step times, scaled to what this run's rounds take, plus the draft's cost per drafted
+    """Measured target step times, corrected by what this run's rounds take, plus the draft's cost per drafted
     token as this run measures it.
 
-    The table is the best of 3 bare forwards; a run's rounds also accept, compact and stream, on a machine
-    whose memory bandwidth varies from run to run, and auto pricing drafts by the table alone speculated slower
-    than plain (docs/measurements.md, "Speculation and the benches"). So each round's own time (verify to streamed tokens) is divided by what the table says it should
-    take, a running ratio for rounds that verify drafts and one for rounds that draft nothing, and verifying
-    is priced at the table times how much more the first ratio is than the second (never less than the
-    table: a machine slower all round, or plain rounds not seen yet, must not make drafting look cheaper;
-    scaling plain rounds up instead had auto draft slower than plain, same section)."""
+    The table is the best of 3 bare forwards of random tokens; a run's rounds also accept, compact and stream, on a
+    machine whose memory bandwidth varies from run to run, and their tokens reach other experts than random ones
+    do: on the GPU box's Qwen3 shape, rounds of 4 drafts at batch 1 took far less than the table's T(1, 5), plain
+    steps at batch 32 less than its T(32, 1) (docs/measurements.md, "Auto against chains on the Qwen3 shape"). So
+    each round's time (verify to streamed tokens) over the table's is kept per tokens per row and batch size
+    (_size_class), a running average, and
+
+    - a verify size this run has timed is priced at what its rounds took, scaled by the table's plain step over
+      what this run's plain rounds took where any were timed (both sides measured: what auto weighs is the ratio);
+    - one it has not is priced at the table times how much dearer verifying rounds ran than plain ones so far
+      (never less than the table: a machine slower all round, or plain rounds not timed yet, must not make drafting
+      look cheaper), and never above a larger size's timed price (a forward of more tokens is never cheaper).
+
+    verify_floor_ms is the least a size not yet timed may cost: what auto's cost probes price it at (cost_probe);
+    timed(B, k) says whether rounds of that shape ran (plain_probe)."""
 
     def __init__(self, target_ms: dict):
         self.table = perf_model.MeasuredCosts(target_ms)
         self.draft_token_ms: float = 0.0  # 0 until a round drafts: optimistic, so auto tries once
         self.scale = {False: 1.0, True: 1.0}  # observed / table: rounds that draft nothing, rounds that verify
         self.rounds = {False: 0, True: 0}
+        self.ratios: dict = {}  # (size class, k) -> this run's rounds of that shape over the table's, running average
         self._table_ms: dict = {}  # (B, k) -> the table's T(B, k): interpolated once, asked for every round
 
     def _table(self, batch: int, k: int) -> float | None:
@@ -216,7 +296,7 @@ class RunningCosts:
     def keeping(self, earlier: "RunningCosts") -> "RunningCosts":
         """These step times with what `earlier` learnt of this run (the draft's cost, the rounds' corrections)."""
         self.draft_token_ms = earlier.draft_token_ms
-        self.scale, self.rounds = dict(earlier.scale), dict(earlier.rounds)
+        self.scale, self.rounds, self.ratios = dict(earlier.scale), dict(earlier.rounds), dict(earlier.ratios)
         return self
 
     def observe_draft(self, ms: float, tokens: int) -> None:
@@ -232,17 +312,53 @@ class RunningCosts:
         side, ratio = gamma > 0, ms / table
         self.scale[side] = ratio if not self.rounds[side] else 0.7 * self.scale[side] + 0.3 * ratio
         self.rounds[side] += 1
+        key = (_size_class(batch), gamma + 1)
+        self.ratios[key] = ratio if key not in self.ratios else 0.7 * self.ratios[key] + 0.3 * ratio
+
+    def timed(self, batch: int, k: int) -> bool:
+        """Whether rounds of about `batch` rows and k tokens each ran in this run."""
+        return (_size_class(batch), k) in self.ratios
 
     def ar_ms(self, batch):
         return self._table(batch, 1)
 
+    def _timed_ms(self, batch: int, k: int) -> float | None:
+        """The price of a timed verify size (the class's note), None where it was not timed."""
+        ratio, table = self.ratios.get((_size_class(batch), k)), self._table(batch, k)
+        if ratio is None or table is None:
+            return None
+        return table * ratio / self.ratios.get((_size_class(batch), 1), 1.0)
+
     def verify_ms(self, batch, gamma):
+        timed = self._timed_ms(batch, gamma + 1)
+        if timed is not None:
+            return timed
         t = self._table(batch, gamma + 1)
-        return None if t is None else t * max(1.0, self.scale[True] / self.scale[False])
+        if t is None:
+            return None
+        price = t * max(1.0, self.scale[True] / self.scale[False])
+        size = _size_class(batch)
+        above = [self._timed_ms(batch, k) for (c, k) in self.ratios if c == size and k > gamma + 1]
+        return min([price] + [a for a in above if a is not None])
+
+    def verify_floor_ms(self, batch, gamma):
+        """The least γ drafts' verify may cost: its price where timed, else the price of the largest smaller size timed
+        at this batch size, plain rounds included; None where none is, or where that size's rounds ran dearer than the
+        table by more than its noise (perf_model.SAFETY_MARGIN): then nothing says the table is too dear."""
+        timed = self._timed_ms(batch, gamma + 1)
+        if timed is not None:
+            return timed
+        size = _size_class(batch)
+        timed = [k for (c, k) in self.ratios if c == size]
+        below = [k for k in timed if k < gamma + 1]
+        if not below:  # a verify costs at least a plain step
+            return self.ar_ms(batch) if timed else None
+        k = max(below)
+        price = self._timed_ms(batch, k)
+        return None if price > self._table(batch, k) * (1 + perf_model.SAFETY_MARGIN) else price
 
     def draft_ms(self, batch):
         return self.draft_token_ms
 
     def reject_ms(self, batch):
         return 0.0
-

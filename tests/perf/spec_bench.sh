@@ -8,11 +8,14 @@
 #   bash tests/perf/spec_bench.sh demo             # the demo model with DRAFT=<head folder> PROMPTS=<jsonl>
 #   bash tests/perf/spec_bench.sh table DIR...     # the table of reports already written (default: $OUT)
 #
-# TOKENS (new tokens per sequence, default 32) and ACCEPT (default 0.5,0.7,0.8,0.9) change the runs' size.
+# TOKENS (new tokens per sequence, default 32), ACCEPT (default 0.5,0.7,0.8,0.9) and BATCHES (default 1,4,16,32)
+# change the runs' size; the short check of auto on the Qwen3 shape (about 2 minutes):
+#   BATCHES=1,16 ACCEPT=0.5,0.8 bash tests/perf/spec_bench.sh qwen3
 set -uo pipefail
 . "$(dirname "$0")/gpu_env.sh"
 TOKENS=${TOKENS:-32}
 ACCEPT=${ACCEPT:-0.5,0.7,0.8,0.9}
+BATCHES=${BATCHES:-1,4,16,32}
 phases=("$@"); [ ${#phases[@]} -eq 0 ] && phases=(mixtral qwen3)
 
 bench() {  # name, bench arguments: the JSON report to $OUT/name.json, the human table to $OUT/name.txt
@@ -31,11 +34,11 @@ for phase in "${phases[@]}"; do
   case $phase in
     mixtral)
       nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-      bench mixtral --shape mixtral-8x7b --layers 8 --gpu-budget 0 --speculative --batches 1,4,16,32 \
+      bench mixtral --shape mixtral-8x7b --layers 8 --gpu-budget 0 --speculative --batches "$BATCHES" \
         --acceptance "$ACCEPT" --draft-length 4 --decode-tokens "$TOKENS" --beams 8 ;;
     qwen3)
       nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-      bench qwen3 --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --speculative --batches 1,4,16,32 \
+      bench qwen3 --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --speculative --batches "$BATCHES" \
         --acceptance "$ACCEPT" --draft-length 4 --decode-tokens "$TOKENS" ;;
     demo)
       if [ -z "${DRAFT:-}" ] || [ -z "${PROMPTS:-}" ]; then echo "demo needs DRAFT=<head folder> PROMPTS=<file>"; continue; fi

@@ -63,6 +63,10 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
     for r in runs:
         assert r["tok_s"] > 0 and r["speedup"] == pytest.approx(r["tok_s"] / r["plain_tok_s"], rel=1e-2)
         assert r["full_batch_speedup"] == pytest.approx(r["full_batch_tok_s"] / r["plain_tok_s"], rel=1e-2)
+        if r.get("path") != "plain":  # each round as it ran: [γ, rows, verify ms, accept ms, emitted, captured]
+            log = r["round_log"]
+            assert len(log) == r["rounds"] and sorted({g for g, *_ in log}) == r["gammas"]
+            assert all(1 <= rows <= r["batch"] and v > 0 and e >= rows for _, rows, v, _, e, _ in log)
         if r["mode"] == "greedy":
             assert r["predicted_speedup"] > 0 and 0 <= r["measured_acceptance"] <= 1
             assert r["same_as_plain"] == 1.0  # float32 on the CPU: lossless to the token
