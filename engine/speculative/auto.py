@@ -272,9 +272,10 @@ class RunningCosts:
 
     - a verify size this run has timed is priced at what its rounds took, scaled by the table's plain step over
       what this run's plain rounds took where any were timed (both sides measured: what auto weighs is the ratio);
-    - one it has not is priced at the table times how much dearer verifying rounds ran than plain ones so far
-      (never less than the table: a machine slower all round, or plain rounds not timed yet, must not make drafting
-      look cheaper), and never above a larger size's timed price (a forward of more tokens is never cheaper).
+    - one it has not is priced at the table times how much dearer than the table, against plain rounds, the nearest
+      size timed ran (every verifying round so far where none was; never less than the table: a machine slower all
+      round, or plain rounds not timed yet, must not make drafting look cheaper), and never above a larger size's
+      timed price (a forward of more tokens is never cheaper).
 
     verify_floor_ms is the least a size not yet timed may cost: what auto's cost probes price it at (cost_probe);
     timed(B, k) says whether rounds of that shape ran (plain_probe)."""
@@ -336,23 +337,32 @@ class RunningCosts:
         t = self._table(batch, gamma + 1)
         if t is None:
             return None
-        price = t * max(1.0, self.scale[True] / self.scale[False])
         size = _size_class(batch)
-        above = [self._timed_ms(batch, k) for (c, k) in self.ratios if c == size and k > gamma + 1]
+        verified = [k for (c, k) in self.ratios if c == size and k > 1]
+        if verified:  # as much dearer than the table as the nearest size timed, against plain rounds
+            near = min(verified, key=lambda k: (abs(k - gamma - 1), k))
+            dearer = self.ratios[size, near] / self.ratios.get((size, 1), self.scale[False])
+        else:
+            dearer = self.scale[True] / self.scale[False]
+        price = t * max(1.0, dearer)
+        above = [self._timed_ms(batch, k) for k in verified if k > gamma + 1]
         return min([price] + [a for a in above if a is not None])
 
     def verify_floor_ms(self, batch, gamma):
         """The least γ drafts' verify may cost: its price where timed, else the price of the largest smaller size timed
-        at this batch size, plain rounds included; None where none is, or where that size's rounds ran dearer than the
-        table by more than its noise (perf_model.SAFETY_MARGIN): then nothing says the table is too dear."""
+        at this batch size, plain rounds included, or with none a plain step's where a longer size ran under the table
+        by more than its noise (perf_model.SAFETY_MARGIN). None where nothing says the table is too dear: no such
+        size, or the smaller one's rounds ran dearer than the table by more than its noise."""
         timed = self._timed_ms(batch, gamma + 1)
         if timed is not None:
             return timed
         size = _size_class(batch)
         timed = [k for (c, k) in self.ratios if c == size]
         below = [k for k in timed if k < gamma + 1]
-        if not below:  # a verify costs at least a plain step
-            return self.ar_ms(batch) if timed else None
+        if not below:  # a verify costs at least a plain step: the floor where a longer one ran under the table
+            cheaper = [k for k in timed if k > gamma + 1
+                       and self._timed_ms(batch, k) < self._table(batch, k) * (1 - perf_model.SAFETY_MARGIN)]
+            return self.ar_ms(batch) if cheaper else None
         k = max(below)
         price = self._timed_ms(batch, k)
         return None if price > self._table(batch, k) * (1 + perf_model.SAFETY_MARGIN) else price

@@ -168,3 +168,34 @@ def test_a_fresh_32_token_run_on_the_measured_costs(batch, alpha):
     per size), 0.91x at batch 4, 0.94x and more above."""
     runs = mean(simulate(batch, alpha, 32, s)[0] for s in range(SEEDS))
     assert runs >= (0.82 if batch == 1 else 0.9 if batch == 4 else 0.93) * best_fixed(batch, alpha, 32)
+
+
+@pytest.mark.parametrize("shape", ["mixtral", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 4, 16, 32])
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_probes_cost_little_where_the_table_is_right(shape, batch, alpha):
+    """Rounds that take what the table says, give or take 10% (test_auto_grid's step times): auto's probes of sizes
+    and plain steps find nothing to correct, and cost it at most 5% of the best choice over 96 tokens a row."""
+    from tests.speculative.test_auto_grid import step_table
+
+    table = step_table(shape, batch)
+    truth = perf_model.MeasuredCosts(table)
+
+    def run(seed: int, gamma: int | None = None) -> float:
+        rng, wobble = random.Random(seed), random.Random(seed + 1000)
+        costs, ledger, counts = auto.RunningCosts(table), auto.AutoLedger(), (0, 0)
+        made, ms = 0, 0.0
+        while made < batch * 96:
+            g = gamma if gamma is not None else auto.auto_gamma(
+                costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1], 96)
+            takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
+            took = perf_model.step_ms(truth, batch, g) * (1 + 0.1 * (2 * wobble.random() - 1))
+            costs.observe_round(batch, g, took)
+            counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
+            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
+            ms += took
+            made += batch + sum(takes)
+        return made / ms * truth.ar_ms(batch) / batch
+
+    best = max(mean(run(s, g) for s in range(SEEDS)) for g in range(5))
+    assert mean(run(s) for s in range(SEEDS)) >= 0.95 * best
