@@ -28,30 +28,33 @@ ROUNDS = {  # (B, α) -> {k: ms of a round of B rows x k tokens each, as the run
 SEEDS = 40
 
 
-def true_costs(batch: int, alpha: float) -> dict[int, float]:
-    """A round's time for k = 1..5: measured where ROUNDS has it, else between the measured neighbours in the
-    proportions of the table's, never less than k - 1's."""
-    measured, out = ROUNDS[batch, alpha], {}
-    for k in range(1, 6):
+def true_costs(batch: int, alpha: float, table: dict = TABLE, rounds: dict = ROUNDS) -> dict[int, float]:
+    """A round's time for k = 1..5 (or as far as the table goes): measured where `rounds` has it, else between the
+    measured neighbours in the proportions of the table's, never less than k - 1's."""
+    measured, out = rounds[batch, alpha], {}
+    for k in range(1, max(k for b, k in table if b == batch) + 1):
         lo, hi = max(m for m in measured if m <= k), min(m for m in measured if m >= k)
-        share = 0.0 if lo == hi else (TABLE[batch, k] - TABLE[batch, lo]) / (TABLE[batch, hi] - TABLE[batch, lo])
+        share = 0.0 if lo == hi else (table[batch, k] - table[batch, lo]) / (table[batch, hi] - table[batch, lo])
         out[k] = max(out.get(k - 1, 0.0), measured[lo] + (measured[hi] - measured[lo]) * min(1.0, max(0.0, share)))
     return out
 
 
-def table_of(batch: int) -> dict:
-    return {key: ms for key, ms in TABLE.items() if key[0] == batch}
+def table_of(batch: int, table: dict = TABLE) -> dict:
+    return {key: ms for key, ms in table.items() if key[0] == batch}
 
 
-def simulate(batch: int, alpha: float, tokens: int, seed: int, gamma: int | None = None) -> tuple[float, list]:
+def simulate(batch: int, alpha: float, tokens: int, seed: int, gamma: int | None = None, table: dict = TABLE,
+             rounds: dict = ROUNDS) -> tuple[float, list]:
     """(speedup over plain decoding's true step, each round's γ) of `tokens` new tokens a row; gamma None: auto
-    decides every round from a fresh start, its RunningCosts timing each round as SpeculativeBatch does."""
-    true, rng = true_costs(batch, alpha), random.Random(seed)
-    costs, ledger, counts = auto.RunningCosts(table_of(batch)), auto.AutoLedger(), (0, 0)
+    decides every round from a fresh start (draft lengths up to the table's), its RunningCosts timing each round
+    as SpeculativeBatch does."""
+    true, rng = true_costs(batch, alpha, table, rounds), random.Random(seed)
+    costs, ledger, counts = auto.RunningCosts(table_of(batch, table)), auto.AutoLedger(), (0, 0)
     made, ms, chosen = 0, 0.0, []
     while made < batch * tokens:
-        g = gamma if gamma is not None else auto.auto_gamma(
-            costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1], min(auto.EXPLORE_HORIZON, tokens))
+        g = gamma if gamma is not None else auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts),
+                                                            len(true) - 1, ledger, counts[1],
+                                                            min(auto.EXPLORE_HORIZON, tokens))
         takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
         costs.observe_round(batch, g, true[g + 1])
         counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
@@ -67,8 +70,15 @@ def mean(values) -> float:
     return sum(values) / len(values)
 
 
+def fixed_choices(batch: int, alpha: float, tokens: int, table: dict = TABLE, rounds: dict = ROUNDS) -> list[float]:
+    """Mean speedup of plain decoding (0) and of chains of each length, on the replayed costs."""
+    longest = max(k for b, k in table if b == batch) - 1
+    return [mean(simulate(batch, alpha, tokens, s, g, table, rounds)[0] for s in range(SEEDS))
+            for g in range(longest + 1)]
+
+
 def best_fixed(batch: int, alpha: float, tokens: int) -> float:
-    return max(mean(simulate(batch, alpha, tokens, s, gamma=g)[0] for s in range(SEEDS)) for g in range(5))
+    return max(fixed_choices(batch, alpha, tokens))
 
 
 def test_the_replayed_costs_are_the_runs():

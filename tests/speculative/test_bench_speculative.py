@@ -82,6 +82,21 @@ def test_bench_speculative_and_beams_run_end_to_end(capsys, tmp_path, monkeypatc
         assert p["auto_min_speedup_whole_run"] == min(r["speedup"] for r in runs if r["batch"] == p["batch"]
                                                       and r["mode"] == "auto")
     assert s["auto_judged_on"] == "full_batch"
+    # tests/perf/replay_auto.py reads the rounds back: a cost per draft length that ran, plain's from its tok/s
+    from tests.perf import replay_auto
+
+    table, rounds = replay_auto.round_costs(report)
+    assert sorted(table) == sorted(tuple(int(x) for x in k.split(",")) for k in s["step_times_ms"])
+    assert sorted(rounds) == [(b, a) for b in (1, 2) for a in (0.5, 0.9)]
+    for (b, a), ks in rounds.items():
+        plain = next(r["plain_tok_s"] for r in runs if (r["batch"], r["acceptance"]) == (b, a))
+        assert ks[1] == pytest.approx(1000 * b / plain) and all(ms > 0 for ms in ks.values())
+        assert 3 in ks  # the greedy chains of 2, every one of them ran both rows (continuous batching keeps them full)
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    assert replay_auto.main([str(path), "--tokens", "8"]) == 0
+    replayed = capsys.readouterr().out.splitlines()
+    assert replayed[0].startswith("B ") and len(replayed) == 5
     b = report["beam"]
     assert b["beams"] == 2 and len(b["rounds"]) == 3
     assert b["ratio"] == pytest.approx(b["beam_step_ms"] / b["batched_step_ms"], rel=1e-2)
