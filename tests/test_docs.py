@@ -56,9 +56,11 @@ def test_the_outside_pattern_catches_what_it_should():
     assert OUTSIDE.search("SRC from ../shared/tools/llamacpp") and not OUTSIDE.search("the design of the kernel")
 
 
-# A measured speed in prose: tokens or bytes a second, or "N times" another way ("2.3x float32's", "3x faster").
+# A measured speed in prose: tokens or bytes a second, or "N times" another way ("2.3x float32's", "3x faster"), or a
+# timing read off a trace ("0.035 ms of kernels": a decimal of milliseconds).
 FIGURE = re.compile(r"(?i)\d\s*(?:tok(?:en)?s?/s|[kMGT]i?B/s)\b|\d\s*(?:%|[x×])\s*(?:faster|slower)\b"
-                    r"|\b\d+(?:\.\d+)?[x×](?=[\s,;:.)]|$)")  # "2 x L weights" is arithmetic, "2x" a ratio
+                    r"|\b\d+(?:\.\d+)?[x×](?=[\s,;:.)]|$)"  # "2 x L weights" is arithmetic, "2x" a ratio
+                    r"|\d\.\d+\s*ms\b")
 
 
 def prose(path: Path) -> list[tuple[int, str]]:
@@ -77,9 +79,11 @@ def prose(path: Path) -> list[tuple[int, str]]:
 
 def test_the_figure_pattern_catches_what_it_should():
     for claim in ("decoded 101 tok/s", "read at 88-90 GB/s", "about 2.3x float32's speed", "took ~5x its replay",
-                  "1.01x plain", "3% faster", "2 x faster", "1.2 TB/s", "a 12 tokens/s run"):
+                  "1.01x plain", "3% faster", "2 x faster", "1.2 TB/s", "a 12 tokens/s run",
+                  "computed in 0.035 ms of kernels", "0.66ms each"):
         assert FIGURE.search(claim), claim
     for plain in ("0.1 x the cross-entropy", "units of 2 x L weights", "'<rate> tok/s'", "8x7B", "0x1f", "4x4 tiles", "at most 1.2 batched steps",
+                  "{tokens: ms}", "the step's ms", "(default 20 ms)",
                   "a 64-row tile", "top-8 of 128 experts"):
         assert not FIGURE.search(plain), plain
 

@@ -109,8 +109,8 @@ class Contended:
         return cpu_call_ms(self.model, tokens)  # waking the pool and quantising activations: not reads
 
     def gpu_expert_ms(self, tokens: int) -> float:
-        # Batched, a copied expert's device time hides under the link's (a copied q4_k Qwen3.5 expert computed in
-        # 0.035 ms of kernels against 0.048 of link, computed alone): the chunk's launch is `copy_step_ms`.
+        # Batched, a copied expert's device time hides under the link's (Qwen3.5's q4_k experts in session 36's
+        # trace: docs/measurements.md, "Prefill's copies"): the chunk's launch is `copy_step_ms`.
         return 0.0 if self.batched else self.model.gpu_expert_ms(tokens)
 
     def activation_roundtrip_ms(self, tokens: int) -> float:

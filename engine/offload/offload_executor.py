@@ -684,9 +684,10 @@ class OffloadExecutor:
     def _queue_chunks(self, bank: LayerBank, xs, chunks: list[list[int]], first: dict, pairs: "_Pairs", ends) -> list:
         """The copied experts' outputs, chunk by chunk: each chunk's experts sit in consecutive staging slots, and
         once their copies landed one grouped launch computes them all (a copied expert computed alone costs the host
-        about ten times its link time). The next chunk's copies are queued before this chunk's launch, so the link
-        keeps busy while the host launches. `first`: the first chunk's copies, already queued; ends: each chunk's
-        cumulative token counts, on the device, one after another, each from a 16-byte boundary (`_aligned`)."""
+        more than its link time: docs/measurements.md, "Prefill's copies"). The next chunk's copies are queued before
+        this chunk's launch, so the link keeps busy while the host launches. `first`: the first chunk's copies,
+        already queued; ends: each chunk's cumulative token counts, on the device, one after another, each from a
+        16-byte boundary (`_aligned`)."""
         ys, at, slot, copies = [], 0, 0, first
         for i, chunk in enumerate(chunks):
             ready = next(iter(copies.values()))[1]
