@@ -19,12 +19,12 @@ from moedesk.engine.offload.gpu_budget import ContextBudgetError
 
 FIRST_SLOTS = 1  # sequences the context holds at load; serve and batch make room for theirs before they start
 CELL_PAD = 256  # llama.cpp rounds a context up to a multiple of this many cache cells
+SHORTEST_ADVISED = 512  # a shorter context offered instead is at least this long
 
 
 def cache_cells(context: int) -> int:
     """The cache cells llama.cpp allocates for `context` positions a sequence."""
     return -(-context // CELL_PAD) * CELL_PAD
-SHORTEST_ADVISED = 512  # a shorter context offered instead is at least this long
 
 
 @dataclass(frozen=True)
