@@ -560,17 +560,19 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
                 for xk in range(lo, m + 1):
                     link = link0 + xk * d
                     gpu = max(gpu0 + xk * g, link0 + max(d + xk * g, xk * d + g)) if xk else gpu0
-                    gpu += groups.copy_step if xk and not copies else 0.0  # the step's once-only GPU-side cost
-                    if gpu >= best - _EPS:
+                    # The step's once-only GPU-side cost comes after the pipeline, as `_Groups.finish` adds it: kept
+                    # out of the state, or a later group's link-bound copies would absorb it.
+                    finish = gpu + (groups.copy_step if copies + xk else 0.0)
+                    if finish >= best - _EPS:
                         break
                     cpu = cpu0 + (m - xk) * c
                     all_cpu = cpu + rest_cpu[k + 1]
                     if (cpu >= best - _EPS
                             or _balanced_bound(all_cpu, link, rest_link[k + 1]) >= best - _EPS
-                            or _balanced_bound(all_cpu, gpu, rest_gpu[k + 1]) >= best - _EPS):
+                            or _balanced_bound(all_cpu, finish, rest_gpu[k + 1]) >= best - _EPS):
                         continue
                     # Every remaining expert on the CPU completes this state: a cheap incumbent.
-                    done = max(all_cpu, gpu)
+                    done = max(all_cpu, finish)
                     if done < best - _EPS:
                         best, best_x = done, x + (xk,) + (0,) * (K - k - 1)
                     grown.setdefault(copies + xk, []).append((cpu, gpu, x + (xk,)))
