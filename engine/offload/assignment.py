@@ -120,7 +120,7 @@ class Contended:
 # From this many tokens an expert on average (a prefill's chunk of a prompt, not a decode step's few), a step's copied
 # experts are computed in chunks, one grouped launch each (OffloadExecutor's copy_chunks); decode keeps one by one.
 BATCHED_MIN_LOAD = 4.0
-MAX_CHUNKS = 4  # chunk counts tried beyond the fewest the size limit allows
+MAX_CHUNKS = 4  # chunk counts tried, from the fewest the size limit allows up
 # A chunk of packed experts with many tokens is dequantised to bf16 scratch for torch's grouped GEMM
 # (kernels.gpu_quant): this much GPU memory at most, so that a small GPU's chunks stay small.
 CHUNK_SCRATCH_BYTES = 1 << 30
@@ -135,8 +135,8 @@ def chunk_limit(hidden: int, width: int) -> int:
 def copy_chunks(loads: dict[int, int], copy: Sequence[int], model, limit: int | None = None) -> list[int] | None:
     """The sizes of the chunks a step's copied experts `copy` (in copy order) are computed in, one grouped launch each
     once the chunk's copies landed; None: one by one, as each copy lands (a decode step's few tokens an expert:
-    BATCHED_MIN_LOAD). Of even chunks of at most `limit` experts (`chunk_limit`; None: any), from the fewest to
-    MAX_CHUNKS more, the count whose `chunked_gpu_ms` is the least (ties: fewer): more chunks start the GPU earlier
+    BATCHED_MIN_LOAD). Of even chunks of at most `limit` experts (`chunk_limit`; None: any), MAX_CHUNKS counts from
+    the fewest up, the count whose `chunked_gpu_ms` is the least (ties: fewer): more chunks start the GPU earlier
     and leave less compute after the last copy, but each costs the host a launch."""
     if not copy or mean_load(loads) < BATCHED_MIN_LOAD:
         return None

@@ -109,7 +109,7 @@ def test_a_chunk_holds_no_more_experts_than_its_scratch_allows():
     assert chunk_limit(2880, 2880) == 21 and chunk_limit(2048, 512) == 170 and chunk_limit(10**5, 10**5) == 1
     cheap = timeline_model(queue=0.0, launch=0.1, gpu=lambda tokens: float(tokens) / 4)
     loads = {e: 16 for e in range(100)}
-    # From the fewest chunks the limit allows (5) to MAX_CHUNKS - 1 more: a dear launch takes the fewest, a cheap one
+    # MAX_CHUNKS counts from the fewest the limit allows (5) up: a dear launch takes the fewest, a cheap one
     # the most tried.
     assert copy_chunks(loads, list(range(100)), timeline_model(), limit=21) == [20] * 5
     assert copy_chunks(loads, list(range(100)), cheap, limit=21) == [13] * 4 + [12] * 4
