@@ -30,3 +30,15 @@ def on_device(buffers: dict[tuple[str, str], int]) -> dict[str, int]:
         if not (where.startswith("CPU") or where.endswith("_Host")):
             found[what] = found.get(what, 0) + size
     return found
+
+
+_FAILED = re.compile(r"failed to allocate (\S+) buffer of size (\d+)")
+
+
+def failed_gpu_bytes(log) -> int | None:
+    """Bytes of the largest buffer the log says llama.cpp could not allocate in a GPU's own memory (as
+    ggml's allocators word it: "failed to allocate CUDA0 buffer of size 1073741824"); None when no GPU allocation
+    failed (one in RAM did, or something else went wrong)."""
+    sizes = [int(m.group(2)) for line in log if (m := _FAILED.search(line))
+             and not (m.group(1).startswith("CPU") or m.group(1).endswith("_Host"))]
+    return max(sizes, default=None)

@@ -18,8 +18,15 @@ from moedesk.engine.generation.decoder import Decoder, Sequence
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Request
 
+# llama_decode's statuses (llama.h); -2 and -3 are ggml's allocation and computation failures.
 _DECODE_ERRORS = {1: "the KV cache has no room for this batch (a shorter context or fewer sequences at once)",
-                  2: "aborted"}
+                  2: "aborted", -1: "the batch is invalid",
+                  -2: "out of memory for the computation (a shorter context or fewer sequences at once)",
+                  -3: "the computation failed (llama.cpp's log says why)"}
+
+
+class NoContext(MoedeskError):
+    """llama.cpp could not make a context (llama_init_from_model gave NULL): its log says why."""
 
 
 class LlamaContext:
@@ -34,7 +41,11 @@ class LlamaContext:
         self.n_vocab = int(api.llama_vocab_n_tokens(api.llama_model_get_vocab(model)))
         self.ctx, self.slots = None, 0
         self.batch = api.llama_batch_init(batch_tokens, 0, 1)
-        self.resize(slots)
+        try:
+            self.resize(slots)
+        except BaseException:
+            self.close()
+            raise
 
     def resize(self, slots: int) -> None:
         """A new context for `slots` sequences; what the old one held is gone (call it when nothing runs)."""
@@ -55,8 +66,8 @@ class LlamaContext:
             params.cb_eval, params.cb_eval_user_data = self.counter.callback, self.counter.user_data
         ctx = api.llama_init_from_model(self.model, params)
         if not ctx:
-            raise MoedeskError(f"llama.cpp could not make a context of {slots} x {self.context_length} positions "
-                               f"(out of memory?): use a shorter --context")
+            raise NoContext(f"llama.cpp could not make a context of {slots} x {self.context_length} positions "
+                            f"(out of memory?): use a shorter --context")
         if self.ctx is not None:
             api.llama_free(self.ctx)
         self.ctx, self.slots = ctx, slots
@@ -87,6 +98,8 @@ class LlamaContext:
         rows = np.empty((len(wanted), self.n_vocab), dtype=np.float32)
         for i, index in enumerate(wanted):
             pointer = self.api.llama_get_logits_ith(self.ctx, index)
+            if not pointer:  # NULL: llama.cpp has no logits for that token (its log says why)
+                raise MoedeskError(f"llama.cpp gave no logits for token {index} of a batch of {n}")
             rows[i] = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
         return torch.from_numpy(rows)
 

@@ -15,13 +15,17 @@ import torch
 
 from moedesk import libstdcxx
 from moedesk.engine.errors import CheckpointError, MoedeskError
+from moedesk.engine.memory_fit import shortfall
 from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
-from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder
+from moedesk.engine.llamacpp.buffers import failed_gpu_bytes
+from moedesk.engine.llamacpp.compute import offload_copy_bytes
+from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder, NoContext
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library, torch_first_hint
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
-from moedesk.engine.llamacpp.fit import FIRST_SLOTS, gguf_shape, plan, read_header, this_machine, value
-from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off
+from moedesk.engine.llamacpp.fit import (FIRST_SLOTS, Fit, Machine, cache_cells, gguf_shape, plan, read_header,
+                                        this_machine, value)
+from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off, context_backed_off
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.interface import EngineFace
@@ -96,7 +100,7 @@ class LlamaCppEngine(EngineFace):
         # The Models screen asks the same plan of the same header and machine: it says what this load decides.
         fit = plan(shape, machine, context_length, gpu_budget, cpu_moe)
         warnings += fit.notes
-        placement = fit.placement
+        placement, offload_kv = fit.placement, use_gpu
         while True:
             # Before llama.cpp reads a byte of the weights: the memory the process may use must hold what stays
             # in RAM under this placement (a cgroup's limit otherwise ends the process half way through).
@@ -104,37 +108,57 @@ class LlamaCppEngine(EngineFace):
                 raise MoedeskError(fit.refusal(str(path)))
             mark = lib.log_mark()
             handle, stopped = _load_file(lib, path, placement, progress)
-            if handle or stopped or not _gpu_allocation_failed(lib.log_since(mark)):
-                break
-            fewer = backed_off(sizes, placement)
-            if fewer is None:
-                break
-            # As the native engine does on the GPU's out-of-memory: fewer experts there, and a line that says so.
-            fit = plan(shape, machine, context_length, gpu_budget, fewer)
-            placement = replace(fit.placement,
-                                why=f"experts of {fewer} of {len(sizes.expert_bytes)} layers in RAM: the GPU could "
-                                    f"not hold more")
-            warnings.append(f"llama.cpp could not allocate its GPU buffers; {placement.why}")
-        if stopped:
-            if handle:
+            if stopped:
+                if handle:
+                    api.llama_model_free(handle)
+                raise stopped[0]
+            if not handle:
+                fewer = backed_off(sizes, placement) if _gpu_allocation_failed(lib.log_since(mark)) else None
+                if fewer is None:
+                    raise CheckpointError(path, "llama.cpp could not load this file"
+                                                + _detail(lib.log_since(mark), "error"))
+                # As the native engine does on the GPU's out-of-memory: fewer experts there, and a line that says so.
+                fit, placement = _fewer_on_gpu(shape, machine, context_length, gpu_budget, fewer)
+                warnings.append(f"llama.cpp could not allocate its GPU buffers; {placement.why}")
+                continue
+            made = lib.log_mark()
+            try:
+                vocab = LlamaVocab(api, handle, str(path))
+                config = _config(api, handle, vocab, sizes)
+                context = min(fit.context, config.max_position_embeddings or fit.context)
+                threads = max(1, torch.get_num_threads())
+                batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
+                counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts) \
+                    if count_experts and config.is_moe else None
+                llama = _make_context(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv, counter)
+            except BaseException:
                 api.llama_model_free(handle)
-            raise stopped[0]
-        if not handle:
-            detail = next((line for line in reversed(lib.log_since(mark)) if "error" in line.lower()), "")
-            raise CheckpointError(path, "llama.cpp could not load this file" + (f": {detail.strip()}" if detail else ""))
-        try:
-            vocab = LlamaVocab(api, handle, str(path))
-            config = _config(api, handle, vocab, sizes)
-            context = min(fit.context, config.max_position_embeddings or fit.context)
-            threads = max(1, torch.get_num_threads())
-            batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
-            counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts) \
-                if count_experts and config.is_moe else None
-            llama = LlamaContext(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv=use_gpu,
-                                 counter=counter)
-        except BaseException:
+                raise
+            if llama is not None:
+                break
+            # The weights fit the GPU but the context (KV cache, compute buffer) did not fit beside them: load
+            # again with room made, smallest step first.
             api.llama_model_free(handle)
-            raise
+            log = lib.log_since(made)
+            short, cells = failed_gpu_bytes(log), cache_cells(context)
+            kv = FIRST_SLOTS * cells * shape.kv_per_position
+            fewer = None if short is None else context_backed_off(
+                sizes, placement, short + (offload_copy_bytes(shape.graph, cells) if shape.graph and not
+                                           placement.cpu_moe else 0))  # the first pinned layer grows the buffer
+            if fewer is not None:
+                fit, placement = _fewer_on_gpu(shape, machine, context_length, gpu_budget, fewer)
+            elif short is not None and offload_kv and kv >= short:
+                # Last: llama.cpp keeps the cache (and attention over it) in RAM, which frees what was asked.
+                offload_kv, ram = False, fit.ram_bytes + kv
+                fit = replace(fit, ram_bytes=ram, gpu_bytes=fit.gpu_bytes - kv,
+                              problem=shortfall(ram, fit.available, {}))
+                placement = replace(placement, why=f"{placement.why}; the KV cache in RAM: the GPU could not hold it")
+            else:
+                where = " on the GPU with every expert in RAM" if short is not None else ""
+                raise NoContext(f"llama.cpp could not make a context of {context} positions{where}"
+                                f"{_detail(log, 'failed to initialize the context', 'error')}: use a shorter "
+                                f"--context")
+            warnings.append(f"llama.cpp could not make its context on the GPU; {placement.why}")
         engine = cls(api, handle, llama, vocab, config, placement, name or model, why, path)
         engine.fit = replace(fit, placement=placement)
         engine.warnings = warnings
@@ -205,7 +229,8 @@ class LlamaCppEngine(EngineFace):
 
     def count_experts(self, on: bool, timeout: float = 30.0) -> bool:
         """Count the routers' picks (on) or not, from the next step: the context is made again (what it held is
-        gone) while nothing runs; False if requests kept it busy for `timeout` seconds. Counts start at zero."""
+        gone) while nothing runs; False if requests kept it busy for `timeout` seconds. Counts start at zero. NoContext
+        (one line) where llama.cpp cannot make the new context: the old one, and its counting, go on."""
         if not self.config.is_moe or on == (self.llama.counter is not None):
             return True
         lib = library()
@@ -214,7 +239,11 @@ class LlamaCppEngine(EngineFace):
             old = self.llama.counter  # alive until the context that calls it is gone
             self.llama.counter = ExpertCounter(self.api, lib.ggml, self.config.num_layers,
                                                self.config.num_experts) if on else None
-            self.llama.resize(self.llama.slots)
+            try:
+                self.llama.resize(self.llama.slots)
+            except BaseException:
+                self.llama.counter = old  # the old context, which llama.cpp kept, still calls it
+                raise
             del old
 
         return self.scheduler.when_idle(switch, timeout)
@@ -233,7 +262,8 @@ class LlamaCppEngine(EngineFace):
 
     def make_room(self, sequences: int, timeout: float = 30.0) -> bool:
         """A context for `sequences` decoding together (serve's and batch's batch size), made while nothing runs;
-        False if requests kept it busy for `timeout` seconds."""
+        False if requests kept it busy for `timeout` seconds; NoContext (one line) where llama.cpp cannot make it (the
+        old context goes on)."""
         sequences = max(1, min(sequences, self.llama.batch_tokens))
         if sequences <= self.llama.slots:
             return True
@@ -313,6 +343,31 @@ def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | N
     handle = api.llama_model_load_from_file(str(path).encode(), params)
     del callback, overrides  # llama.cpp reads them only while loading
     return handle, stopped
+
+
+def _make_context(api, model, context: int, slots: int, batch_tokens: int, threads: int, offload_kv: bool,
+                  counter) -> LlamaContext | None:
+    """A context over the loaded model; None when llama.cpp could not make one (its log says why)."""
+    try:
+        return LlamaContext(api, model, context, slots, batch_tokens, threads, offload_kv=offload_kv, counter=counter)
+    except NoContext:
+        return None
+
+
+def _fewer_on_gpu(shape, machine: Machine, context_length, gpu_budget, cpu_moe: int) -> tuple[Fit, Placement]:
+    """The plan with the first `cpu_moe` layers' experts in RAM, and its placement saying why."""
+    fit = plan(shape, machine, context_length, gpu_budget, cpu_moe)
+    return fit, replace(fit.placement, why=f"experts of {cpu_moe} of {len(shape.sizes.expert_bytes)} layers in RAM: "
+                                           f"the GPU could not hold more")
+
+
+def _detail(log: list[str], *words: str) -> str:
+    """": <llama.cpp's line>" of the newest line holding the first of `words` found; "" when none does."""
+    for word in words:
+        line = next((line for line in reversed(log) if word in line.lower()), None)
+        if line:
+            return f": {line.strip()}"
+    return ""
 
 
 def _gpu_allocation_failed(log: list[str]) -> bool:

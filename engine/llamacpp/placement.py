@@ -143,3 +143,19 @@ def backed_off(sizes: GGUFSizes, placement: Placement) -> int | None:
     if not placement.gpu_layers or not on_gpu:
         return None
     return on_gpu[len(on_gpu) // 2] if len(on_gpu) > 1 else len(sizes.expert_bytes)
+
+
+def context_backed_off(sizes: GGUFSizes, placement: Placement, short_bytes: int) -> int | None:
+    """After llama.cpp loaded the model but could not make its context (KV cache or compute buffer) on the GPU: the
+    cpu_moe that keeps at least one more layer's experts in RAM, as many as free `short_bytes` (what the failed
+    allocation asked: a context is short by little, so halving as `backed_off` does would give away too much).
+    None when no layer's experts were left on the GPU to move."""
+    on_gpu = [i for i in range(placement.cpu_moe, len(sizes.expert_bytes)) if sizes.expert_bytes[i]]
+    if not placement.gpu_layers or not on_gpu:
+        return None
+    freed = 0
+    for layer in on_gpu:
+        freed += sizes.expert_bytes[layer]
+        if freed >= short_bytes:
+            return layer + 1
+    return len(sizes.expert_bytes)

@@ -1,0 +1,239 @@
+"""When llama.cpp loads the model but cannot make its context (KV cache or compute buffer) on the GPU, the load frees
+the model and loads again with at least one more layer's experts in RAM, as many as the failed buffer asked for, and,
+once none are left on the GPU, with the KV cache in RAM where that frees as much (engine.llamacpp.engine.
+LlamaContext's load loop), saying so in one line. Here the machine has a GPU (faked) and llama.cpp's context fails as
+CUDA's does, in its own log's words, where tests/llamacpp/test_gpu_backoff.py fails the model's load; the model loads
+are real, and the last context too. Also: the other failures of llama.cpp after a load (a failed decode, no logits, a
+context that cannot be made again) give one line, and the engine goes on."""
+from __future__ import annotations
+
+import pytest
+
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.llamacpp.buffers import failed_gpu_bytes
+from moedesk.engine.llamacpp.fit import Machine, cache_cells, gguf_shape, read_header
+from moedesk.engine.llamacpp.placement import GIB, GGUFSizes, Placement, context_backed_off
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.gguf_from_hf import build
+
+llama_cpp = pytest.importorskip("llama_cpp")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+CONTEXT = 256
+
+
+def cuda_context_oom(size: int, what: str) -> list[bytes]:
+    """What llama.cpp's CUDA backend and context log when a KV cache ("kv") or compute buffer does not fit."""
+    failed = (f"alloc_tensor_range: failed to allocate CUDA0 buffer of size {size}\n" if what == "kv" else
+              f"ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size {size}\n")
+    why = "failed to allocate buffer for kv cache" if what == "kv" else "failed to allocate compute pp buffers"
+    return [f"ggml_backend_cuda_buffer_type_alloc_buffer: allocating {size / 2**20:.2f} MiB on device 0: cudaMalloc "
+            f"failed: out of memory\n".encode(), failed.encode(),
+            f"llama_init_from_model: failed to initialize the context: {why}\n".encode()]
+
+
+def greedy(engine) -> list[int]:
+    request = Request([5, 17, 33, 2], SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
+    return engine.complete([request])[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    path = build("qwen3moe", tmp_path_factory.mktemp("q")).gguf
+    return path, gguf_shape(read_header(path))
+
+
+@pytest.fixture
+def faked(monkeypatch):
+    """A machine with a GPU, and llama.cpp's contexts failing as `failures` says, one entry an attempt: (size, "kv"
+    or "compute") fails it on the GPU, None makes it for real. Returns (failures, attempts): attempts gets
+    (experts layers in RAM, KV cache on the GPU) for every context tried."""
+    import moedesk.engine.llamacpp.engine as llama_engine
+
+    monkeypatch.setattr(llama_engine, "this_machine", lambda device="auto": Machine(True, 8 * GIB, 64 * GIB))
+    real_load, real_context = llama_engine._load_file, llama_engine._make_context
+    failures, attempts, pinned = [], [], []
+
+    def load_file(lib, gguf, placement, progress):
+        pinned.append(placement.cpu_moe)
+        return real_load(lib, gguf, placement, progress)
+
+    def make_context(api, model, context, slots, batch_tokens, threads, offload_kv, counter):
+        attempts.append((pinned[-1], offload_kv))
+        failure = failures.pop(0) if failures else None
+        if failure is None:
+            return real_context(api, model, context, slots, batch_tokens, threads, offload_kv, counter)
+        from moedesk.engine.llamacpp.library import library
+
+        for line in cuda_context_oom(*failure):
+            library()._log(4, line, None)
+        return None
+
+    monkeypatch.setattr(llama_engine, "_load_file", load_file)
+    monkeypatch.setattr(llama_engine, "_make_context", make_context)
+    return failures, attempts
+
+
+def direct(path, cpu_moe: int) -> list[int]:
+    """Greedy ids of a load asked for the first `cpu_moe` layers' experts in RAM, as `-ncmoe` would be."""
+    import moedesk.engine.llamacpp.engine as llama_engine
+
+    engine = llama_engine.LlamaCppEngine.load(str(path), context_length=CONTEXT, cpu_moe=cpu_moe)
+    try:
+        assert engine.placement.cpu_moe == cpu_moe
+        return greedy(engine)
+    finally:
+        engine.close()
+
+
+def test_a_context_that_does_not_fit_beside_the_weights_keeps_as_many_more_layers_in_ram_as_it_asked(qwen, faked):
+    path, shape = qwen
+    layer = shape.sizes.expert_bytes[0]
+    assert set(shape.sizes.expert_bytes) == {layer} and len(shape.sizes.expert_bytes) == 4
+    failures, attempts = faked
+    # The compute buffer first (more than one layer's experts, with the copy the first pinned layer adds), then the
+    # KV cache (less than one layer's): two layers' experts, then a third.
+    failures += [(layer + layer // 2, "compute"), (layer // 2, "kv"), None]
+    engine = Engine.load(str(path), engine="llama.cpp", context_length=CONTEXT, gpu_budget=4)
+    try:
+        assert attempts == [(0, True), (2, True), (3, True)]
+        assert engine.placement.cpu_moe == 3 and engine.llama.offload_kv
+        assert engine.placement.why == "experts of 3 of 4 layers in RAM: the GPU could not hold more"
+        lines = [w for w in engine.warnings if w.startswith("llama.cpp could not make its context on the GPU")]
+        assert lines == ["llama.cpp could not make its context on the GPU; experts of 2 of 4 layers in RAM: the GPU "
+                         "could not hold more",
+                         "llama.cpp could not make its context on the GPU; experts of 3 of 4 layers in RAM: the GPU "
+                         "could not hold more"]
+        pinned = {name for name, where in engine.overridden.items() if where.startswith("CPU")}
+        assert pinned == {f"blk.{i}.ffn_{p}_exps.weight" for i in (0, 1, 2) for p in ("gate", "up", "down")}
+        backed_off = greedy(engine)
+    finally:
+        engine.close()
+    assert len(backed_off) == 6 and backed_off == direct(path, 3)  # as if -ncmoe 3 had been asked
+
+
+def test_once_every_expert_is_in_ram_the_kv_cache_goes_there_too(qwen, faked):
+    path, shape = qwen
+    kv = cache_cells(CONTEXT) * shape.kv_per_position
+    failures, attempts = faked
+    failures += [(kv, "kv")] * 5 + [None]
+    engine = Engine.load(str(path), engine="llama.cpp", context_length=CONTEXT, gpu_budget=4)
+    try:
+        assert attempts == [(0, True), (1, True), (2, True), (3, True), (4, True), (4, False)]
+        assert engine.placement.cpu_moe == 4 and not engine.llama.offload_kv
+        assert engine.warnings[-1] == ("llama.cpp could not make its context on the GPU; experts of 4 of 4 layers in "
+                                       "RAM: the GPU could not hold more; the KV cache in RAM: the GPU could not hold "
+                                       "it")
+        assert engine.fit.ram_bytes >= kv + sum(shape.sizes.expert_bytes)
+        backed_off = greedy(engine)
+    finally:
+        engine.close()
+    assert backed_off == direct(path, 4)
+
+
+def test_a_context_that_the_cache_in_ram_would_not_free_enough_for_is_one_line(qwen, faked):
+    path, shape = qwen
+    failures, attempts = faked
+    failures += [(GIB, "compute")]
+    with pytest.raises(MoedeskError) as error:
+        Engine.load(str(path), engine="llama.cpp", context_length=CONTEXT, gpu_budget=4, cpu_moe=4)
+    assert attempts == [(4, True)]  # nothing left to move that would free a GiB: no reload
+    assert str(error.value) == (f"llama.cpp could not make a context of {CONTEXT} positions on the GPU with every "
+                                f"expert in RAM: llama_init_from_model: failed to initialize the context: failed to "
+                                f"allocate compute pp buffers: use a shorter --context")
+
+
+def test_a_context_that_ram_cannot_hold_is_not_retried(qwen, faked, monkeypatch):
+    """A failed CPU buffer: keeping experts in RAM would not help."""
+    import moedesk.engine.llamacpp.engine as llama_engine
+
+    path, _ = qwen
+    failures, attempts = faked
+
+    def cpu_oom(*args):
+        from moedesk.engine.llamacpp.library import library
+
+        attempts.append("cpu")
+        for line in (b"ggml_aligned_malloc: insufficient memory (attempted to allocate 36000.00 MB)\n",
+                     b"alloc_tensor_range: failed to allocate CPU buffer of size 37748736000\n",
+                     b"llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv "
+                     b"cache\n"):
+            library()._log(4, line, None)
+        return None
+
+    monkeypatch.setattr(llama_engine, "_make_context", cpu_oom)
+    with pytest.raises(MoedeskError, match=r"^llama.cpp could not make a context of 256 positions: llama_init_from_"
+                                           r"model: .*kv cache: use a shorter --context$"):
+        Engine.load(str(path), engine="llama.cpp", context_length=CONTEXT, gpu_budget=4)
+    assert attempts == ["cpu"]
+
+
+def test_the_failed_gpu_buffer_is_read_from_the_log_and_cpu_ones_are_not():
+    log = [line.decode() for line in cuda_context_oom(1234, "compute") + cuda_context_oom(99, "kv")]
+    assert failed_gpu_bytes(log) == 1234
+    assert failed_gpu_bytes(["alloc_tensor_range: failed to allocate CPU buffer of size 5000",
+                             "ggml_gallocr_reserve_n: failed to allocate CUDA_Host buffer of size 7000"]) is None
+    assert failed_gpu_bytes(["llama_init_from_model: failed to initialize the context: failed to allocate buffer "
+                             "for kv cache"]) is None
+
+
+def test_context_back_off_moves_at_least_one_layer_and_as_many_as_asked():
+    sizes = GGUFSizes((0, 100, 100, 50, 100), 10)  # layer 0 is dense
+    on_gpu = Placement(6, 0, 5, 0, "")
+    assert context_backed_off(sizes, on_gpu, 1) == 2  # the dense layer frees nothing: the first with experts
+    assert context_backed_off(sizes, on_gpu, 150) == 3
+    assert context_backed_off(sizes, on_gpu, 250) == 4
+    assert context_backed_off(sizes, on_gpu, 10**9) == 5  # every layer: more could not help, but all moved
+    assert context_backed_off(sizes, Placement(6, 3, 5, 200, ""), 10) == 4
+    assert context_backed_off(sizes, Placement(6, 5, 5, 350, ""), 10) is None  # none left on the GPU
+    assert context_backed_off(sizes, Placement(0, 0, 5, 350, ""), 10) is None  # no GPU
+
+
+# --- the other failures of llama.cpp after a load ---------------------------------------------------------------
+
+@pytest.fixture
+def engine(qwen):
+    engine = Engine.load(str(qwen[0]), engine="llama.cpp", context_length=CONTEXT)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("status, words", [(-2, "out of memory for the computation"), (-3, "the computation failed"),
+                                           (-1, "the batch is invalid"), (-7, "error -7")])
+def test_a_failed_decode_is_one_line_and_the_next_request_decodes(engine, monkeypatch, status, words):
+    expected = greedy(engine)
+    real = engine.llama.api.llama_decode
+    monkeypatch.setattr(engine.llama.api, "llama_decode", lambda ctx, batch: status)
+    with pytest.raises(MoedeskError, match=f"^llama.cpp could not decode a batch of 4 tokens: {words}"):
+        greedy(engine)
+    monkeypatch.setattr(engine.llama.api, "llama_decode", real)
+    assert greedy(engine) == expected
+
+
+def test_no_logits_from_llama_cpp_is_one_line(engine, monkeypatch):
+    import ctypes
+
+    monkeypatch.setattr(engine.llama.api, "llama_get_logits_ith", lambda ctx, i: ctypes.POINTER(ctypes.c_float)())
+    with pytest.raises(MoedeskError, match="^llama.cpp gave no logits for token 3 of a batch of 4$"):
+        greedy(engine)
+
+
+def test_a_context_that_cannot_be_made_again_leaves_the_old_one_counting(engine, monkeypatch):
+    """Switching expert counting off makes a new context; where llama.cpp gives none, the old one (whose callback
+    is the old counter) goes on, counter and all."""
+    from moedesk.engine.llamacpp.decoder import NoContext
+
+    expected = greedy(engine)
+    counter = engine.llama.counter
+    assert counter is not None
+    before = counter.snapshot()[0].sum()
+    real = engine.llama.api.llama_init_from_model
+    monkeypatch.setattr(engine.llama.api, "llama_init_from_model", lambda model, params: None)
+    with pytest.raises(NoContext, match="^llama.cpp could not make a context of 1 x 256 positions"):
+        engine.count_experts(False)
+    with pytest.raises(NoContext):
+        engine.make_room(4)
+    assert engine.llama.counter is counter and engine.llama.slots == 1
+    monkeypatch.setattr(engine.llama.api, "llama_init_from_model", real)
+    assert greedy(engine) == expected
+    assert counter.snapshot()[0].sum() > before  # the old context still counted, into the counter kept alive
