@@ -237,3 +237,30 @@ def test_a_context_that_cannot_be_made_again_leaves_the_old_one_counting(engine,
     monkeypatch.setattr(engine.llama.api, "llama_init_from_model", real)
     assert greedy(engine) == expected
     assert counter.snapshot()[0].sum() > before  # the old context still counted, into the counter kept alive
+
+
+# --- as a person sees it ------------------------------------------------------------------------------------------
+
+def test_moedesk_batch_says_the_back_off_in_a_line_and_a_context_that_cannot_fit_in_one(qwen, faked, tmp_path,
+                                                                                      capsys):
+    from moedesk.app.cli import main
+    from tests.app.test_batch import read_jsonl, write_jsonl
+
+    path, shape = qwen
+    failures, attempts = faked
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "Experts live in", "temperature": 0,
+                                               "max_new_tokens": 4}])
+    # --batch-size: the faked GPU is not torch's, which the batch size from memory would ask
+    flags = ["--engine", "llama.cpp", "--model", str(path), "--context", str(CONTEXT), "--batch-size", "1"]
+    failures += [(cache_cells(CONTEXT) * shape.kv_per_position, "kv"), None]
+    assert main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), *flags]) == 0
+    assert attempts == [(0, True), (1, True)]
+    assert "llama.cpp could not make its context on the GPU; experts of 1 of 4 layers in RAM" in capsys.readouterr().err
+    assert len(read_jsonl(tmp_path / "out.jsonl")) == 1
+
+    failures[:], attempts[:] = [(GIB, "compute")] * 2, []
+    assert main(["batch", str(src), "-o", str(tmp_path / "again.jsonl"), *flags]) != 0
+    assert attempts == [(0, True), (4, True)]  # a GiB short: every layer's experts at once, then nothing to move
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("moedesk: ")
+    assert "could not make a context of 256 positions on the GPU with every expert in RAM" in err.splitlines()[-1]
