@@ -1,15 +1,16 @@
 """llama.cpp's own account of the memory it took: the buffer sizes its load and its context creation log.
 
 Lines such as "CUDA0 model buffer size = 3254.20 MiB", "CPU_Mapped model buffer size = ...", "CUDA0 KV buffer
-size = ...", "CUDA0 compute buffer size = ...", "CUDA_Host compute buffer size = ...": where (the buffer type's
-name) and what (model, KV, compute, output), in MiB with two decimals. What the estimate in engine.llamacpp.fit
+size = ...", "CUDA0 compute buffer size = ...", "CUDA_Host compute buffer size = ...", and a recurrent model's
+"CUDA0 RS buffer size = ..." (its layers' state, beside the KV cache): where (the buffer type's name) and what
+(model, KV, RS, compute, output), in MiB with two decimals. What the estimate in engine.llamacpp.fit
 and engine.llamacpp.compute is checked against.
 """
 from __future__ import annotations
 
 import re
 
-_LINE = re.compile(r"(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+_LINE = re.compile(r"(\S+)\s+(model|KV|RS|compute|output) buffer size =\s+([\d.]+) MiB")
 
 
 def llama_buffers(log) -> dict[tuple[str, str], int]:

@@ -33,6 +33,14 @@ def test_llama_cpp_s_buffer_lines_are_read_by_where_and_what():
     assert on_device(buffers) == {"model": round(3254.20 * MIB), "KV": 18 * MIB, "compute": round(560.03 * MIB)}
 
 
+def test_a_recurrent_models_state_buffer_counts_on_the_gpu():
+    """Qwen3.5's Gated DeltaNet layers keep their state in llama.cpp's recurrent memory, logged as an RS buffer."""
+    log = ["llama_kv_cache:      CUDA0 KV buffer size =    20.00 MiB",
+           "llama_memory_recurrent:      CUDA0 RS buffer size =    62.81 MiB",
+           "llama_memory_recurrent:        CPU RS buffer size =     1.50 MiB"]
+    assert on_device(llama_buffers(log)) == {"KV": 20 * MIB, "RS": round(62.81 * MIB)}
+
+
 @pytest.fixture(scope="module")
 def ggufs(tmp_path_factory):
     """Real GGUFs whose graphs peak in different places: the demo (a 49k vocabulary: the logits), a Qwen3-MoE with
