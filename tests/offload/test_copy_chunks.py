@@ -181,11 +181,12 @@ def test_chunked_copies_keep_the_reference_tokens(tiny_checkpoint):
     banks = stack_experts(engine.model, pinned=False)
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
+    chunked = []  # the steps whose copies went in chunks: the path under test ran, not only one by one
     engine.executor = OffloadExecutor(banks, nothing, "cpu", half, overlap_copies=True,
-                                      copy_chunks=lambda loads, copy: [1] * len(copy))
+                                      copy_chunks=lambda loads, copy: chunked.append(len(copy)) or [1] * len(copy))
     [done] = engine.generate([Request(prompt, params)])
     assert done.token_ids == expected
-    assert engine.executor.stats.copied_experts > 0
+    assert engine.executor.stats.copied_experts > 0 and sum(chunked) == engine.executor.stats.copied_experts
 
 
 @pytest.mark.gpu
