@@ -264,3 +264,55 @@ def test_moedesk_batch_says_the_back_off_in_a_line_and_a_context_that_cannot_fit
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err and err.splitlines()[-1].startswith("moedesk: ")
     assert "could not make a context of 256 positions on the GPU with every expert in RAM" in err.splitlines()[-1]
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_kv_cache_that_does_not_fit_beside_the_weights_moves_experts_to_ram(tmp_path):
+    """On the GPU box (llama-cpp-python built with CUDA), a real out-of-memory: torch holds all of the GPU but the
+    weights' room and three quarters of the KV cache's, so llama.cpp loads the weights and then cannot allocate the
+    cache. The load keeps enough layers' experts in RAM (100 MiB a layer, the cache 256 MiB) and decodes, once torch
+    lets go, as a load asked for that placement does."""
+    import dataclasses
+
+    import torch
+
+    import tests.gguf_from_hf as hf
+    from moedesk.engine.llamacpp.buffers import llama_buffers, on_device
+    from moedesk.engine.llamacpp.library import library
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    qwen3 = hf.FAMILIES["qwen3moe"]
+    big = dataclasses.replace(qwen3, config={**qwen3.config, "hidden_size": 512, "moe_intermediate_size": 2048,
+                                             "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 128,
+                                             "max_position_embeddings": 32768})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(hf.FAMILIES, "qwen3moe-big", big)
+        path = str(hf.build("qwen3moe-big", tmp_path / "big").gguf)
+    context = 16384
+
+    mark = library().log_mark()
+    engine = Engine.load(path, engine="llama.cpp", context_length=context, cpu_moe=0)
+    used = on_device(llama_buffers(library().log_since(mark)))
+    engine.close()
+    torch.cuda.synchronize()
+    hog = torch.empty(torch.cuda.mem_get_info()[0] - used["model"] - used["KV"] * 3 // 4, dtype=torch.uint8,
+                      device="cuda")
+    try:
+        engine = Engine.load(path, engine="llama.cpp", context_length=context, cpu_moe=0)
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    try:
+        said = [w for w in engine.warnings if w.startswith("llama.cpp could not make its context on the GPU")]
+        assert said and engine.llama.offload_kv, (engine.warnings, used)
+        pinned = engine.placement.cpu_moe
+        assert 0 < pinned < 4, engine.placement.why
+        backed_off = greedy(engine)
+    finally:
+        engine.close()
+    direct = Engine.load(path, engine="llama.cpp", context_length=context, cpu_moe=pinned)
+    try:
+        assert greedy(direct) == backed_off
+    finally:
+        direct.close()

@@ -27,8 +27,10 @@ compare)
   if [ -n "${LLAMA_SITE:-}" ]; then export PYTHONPATH=$LLAMA_SITE:$PYTHONPATH; else
     . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$B"; fi
   python3 -c "import llama_cpp; print('llama.cpp GPU offload:', llama_cpp.llama_supports_gpu_offload())"
-  # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory.
+  # The llama.cpp engine's GPU tests need these CUDA libraries: pinned experts read back, counts from GPU memory, a
+  # context that runs out of GPU memory backing off.
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_overrides.py tests/llamacpp/test_expert_counts.py \
+    tests/llamacpp/test_context_backoff.py \
     2>&1 | tee "$OUT/pytest_llamacpp_gpu.txt" | tail -n 5
   # The placement's estimate against llama.cpp's own GPU buffers (a run of its own: an abort above stops no more).
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_compute_buffer.py tests/llamacpp/test_fit_agreement.py \
