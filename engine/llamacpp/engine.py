@@ -6,6 +6,7 @@ speculation are native-engine features: asking for them here is one line.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from dataclasses import replace
@@ -30,6 +31,7 @@ from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.interface import EngineFace
 
+log = logging.getLogger("moedesk")
 NATIVE_ONLY = "{what} is a native-engine feature; this model runs on llama.cpp (--engine native where it loads)"
 _hinted = False  # the CUDA rebuild line is said once a process
 
@@ -56,6 +58,7 @@ class LlamaCppEngine(EngineFace):
         self.generation_defaults: dict = {}  # the model's own sampling defaults, where the user set none
         self.overridden: dict[str, str] = {}  # tensor -> buffer type, as llama.cpp's load log said
         self.fit = None  # engine.llamacpp.fit.Fit: what the load decided it holds in RAM and on the GPU
+        self._most_sequences: int | None = None  # the most llama.cpp could make a context for, once it could not
 
     @classmethod
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
@@ -262,15 +265,27 @@ class LlamaCppEngine(EngineFace):
 
     def make_room(self, sequences: int, timeout: float = 30.0) -> bool:
         """A context for `sequences` decoding together (serve's and batch's batch size), made while nothing runs;
-        False if requests kept it busy for `timeout` seconds; NoContext (one line) where llama.cpp cannot make it (the
-        old context goes on)."""
-        sequences = max(1, min(sequences, self.llama.batch_tokens))
+        False if requests kept it busy for `timeout` seconds. Where llama.cpp cannot make one that large (out of
+        memory), half as many, and so on down to the sequences it has, with a warning: the requests beyond wait."""
+        sequences = max(1, min(sequences, self.llama.batch_tokens, self._most_sequences or sequences))
         if sequences <= self.llama.slots:
             return True
 
         def grow():
-            self.llama.resize(sequences)
-            self.scheduler.max_rows = sequences
+            want = sequences
+            while want > self.llama.slots:
+                try:
+                    self.llama.resize(want)
+                    break
+                except NoContext:
+                    want //= 2
+            if self.llama.slots < sequences:
+                self._most_sequences = self.llama.slots  # not tried again, nor said again
+                line = (f"llama.cpp could not make a context for {sequences} sequences of {self.context_length} "
+                        f"positions; {self.llama.slots} decode together, the others wait")
+                self.warnings.append(line)
+                log.warning("%s", line)
+            self.scheduler.max_rows = self.llama.slots
 
         return self.scheduler.when_idle(grow, timeout)
 

@@ -231,12 +231,33 @@ def test_a_context_that_cannot_be_made_again_leaves_the_old_one_counting(engine,
     monkeypatch.setattr(engine.llama.api, "llama_init_from_model", lambda model, params: None)
     with pytest.raises(NoContext, match="^llama.cpp could not make a context of 1 x 256 positions"):
         engine.count_experts(False)
-    with pytest.raises(NoContext):
-        engine.make_room(4)
-    assert engine.llama.counter is counter and engine.llama.slots == 1
+    assert engine.make_room(4)  # no context for 4, nor 2: the one it has goes on
+    assert engine.llama.counter is counter and engine.llama.slots == 1 and engine.scheduler.max_rows == 1
     monkeypatch.setattr(engine.llama.api, "llama_init_from_model", real)
     assert greedy(engine) == expected
     assert counter.snapshot()[0].sum() > before  # the old context still counted, into the counter kept alive
+
+
+def test_sequences_llama_cpp_cannot_make_a_context_for_decode_as_many_at_once_as_it_can(engine, monkeypatch):
+    """serve and batch ask for a context of their batch size; where it does not fit, half as many, with a line, and
+    the requests beyond wait: their replies are the ones each gets alone."""
+    prompts = [[5, 17, 33, 2], [9, 4], [40, 41, 42], [7]]
+    requests = [Request(p, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)) for p in prompts]
+    alone = [engine.complete([r])[0].token_ids for r in requests]
+    real, asked = engine.llama.api.llama_init_from_model, []
+
+    def at_most_two(model, params):
+        asked.append(params.n_seq_max)
+        return real(model, params) if params.n_seq_max <= 2 else None
+
+    monkeypatch.setattr(engine.llama.api, "llama_init_from_model", at_most_two)
+    assert engine.make_room(8)
+    assert asked == [8, 4, 2] and engine.llama.slots == 2 and engine.scheduler.max_rows == 2
+    line = "llama.cpp could not make a context for 8 sequences of 256 positions; 2 decode together, the others wait"
+    assert engine.warnings[-1] == line
+    together = [c.token_ids for c in engine.complete(requests)]
+    assert asked == [8, 4, 2] and engine.warnings.count(line) == 1  # not tried, nor said, again
+    assert together == alone
 
 
 # --- as a person sees it ------------------------------------------------------------------------------------------
