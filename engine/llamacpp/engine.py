@@ -377,7 +377,7 @@ def _fewer_on_gpu(shape, machine: Machine, context_length, gpu_budget, cpu_moe: 
 
 
 def _detail(log: list[str], *words: str) -> str:
-    """": <llama.cpp's line>" of the newest line holding the first of `words` found; "" when none does."""
+    """': LINE', LINE being llama.cpp's newest log line that holds the first of `words` found; '' when none does."""
     for word in words:
         line = next((line for line in reversed(log) if word in line.lower()), None)
         if line:
