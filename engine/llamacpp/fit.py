@@ -14,6 +14,7 @@ from moedesk.engine.interface import DEFAULT_CONTEXT
 from moedesk.engine.llamacpp.compute import GraphShape, activation_bytes, graph_shape, offload_copy_bytes
 from moedesk.engine.llamacpp.placement import (GGUFSizes, Placement, backed_off_budget, expert_budget, gguf_sizes,
                                               place, ram_need)
+from moedesk.engine.llamacpp.state import recurrent_layers, state_bytes_per_sequence
 from moedesk.engine.memory_fit import gib, shortfall
 from moedesk.engine.offload.gpu_budget import ContextBudgetError
 
@@ -33,10 +34,11 @@ class GGUFShape:
 
     sizes: GGUFSizes
     layers: int  # block_count
-    kv_per_position: int  # keys and values of one position in llama.cpp's f16 cache, every layer
+    kv_per_position: int  # keys and values of one position in llama.cpp's f16 cache, every attention layer
     trained_context: int | None  # the context it was trained for: llama.cpp allocates no more
     tied_output: bool = False  # no output.weight: llama.cpp puts a copy of the token embeddings where the head runs
     graph: GraphShape | None = None  # what llama.cpp's compute buffer is sized by (None: not counted)
+    state_per_sequence: int = 0  # a hybrid model's recurrent state, each sequence (engine.llamacpp.state)
 
     @property
     def other_on_gpu(self) -> int:
@@ -50,8 +52,16 @@ def gguf_shape(header) -> GGUFShape:
     sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in header.tensors)
     layers = arch_value(header, "block_count") or len(sizes.expert_bytes)
     tied = not any(t.name == "output.weight" for t in header.tensors)
-    return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers), arch_value(header, "context_length"),
-                     tied, graph_shape(header.tensors, arch_value(header, "expert_used_count") or 0))
+    arch = value(header, "general.architecture")
+
+    def meta(key: str):
+        return value(header, f"{arch}.{key}")
+
+    recurrent = recurrent_layers(arch, meta, layers)
+    return GGUFShape(sizes, layers, _kv_bytes_per_position(header, layers, recurrent),
+                     arch_value(header, "context_length"), tied,
+                     graph_shape(header.tensors, arch_value(header, "expert_used_count") or 0),
+                     state_bytes_per_sequence(arch, meta, layers))
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,7 @@ class Fit:
     placement: Placement
     context: int  # positions the cache holds
     ram_bytes: int
-    gpu_bytes: int  # weights and KV cache: llama.cpp's model and KV buffers on the GPU
+    gpu_bytes: int  # weights, KV cache and recurrent state: llama.cpp's model, KV and RS buffers on the GPU
     available: int
     problem: str | None
     notes: tuple[str, ...] = ()
@@ -107,11 +117,16 @@ class Fit:
     def refusal(self, what: str) -> str:
         return f"{what} {self.problem}"
 
+    @property
+    def gpu_total(self) -> int:
+        """All the plan takes on the GPU, its compute buffer included: what a GPU budget is spent on."""
+        return self.gpu_bytes + self.compute_bytes
+
     def summary(self) -> str:
         """"~1.2 GiB in RAM + 0.8 GiB on the GPU at 4096 positions (experts of 2 of 4 layers in RAM ...)"."""
         where = f"~{gib(self.ram_bytes)} in RAM"
         if self.placement.gpu_layers:
-            where += f" + {gib(self.gpu_bytes)} on the GPU"
+            where += f" + {gib(self.gpu_total)} on the GPU"
         return f"{where} at {self.context} positions ({self.placement.why})"
 
     def line(self) -> str:
@@ -142,19 +157,21 @@ def plan(shape: GGUFShape, machine: Machine, context: int | None = None, gpu_bud
 
 def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float | None,
             cpu_moe: int | None) -> tuple[Placement, int, int, int]:
-    """(placement, bytes in RAM, weights and cache on the GPU, compute buffer on the GPU) at `context` positions.
-    The budget is spent as llama.cpp spends the GPU: the non-expert weights it puts there, the cache, its compute
-    buffer (one expert tensor's copy more once any layer's experts stay in RAM), then experts."""
-    sizes, kv, cells = shape.sizes, shape.kv_per_position, cache_cells(context)
+    """(placement, bytes in RAM, weights, cache and state on the GPU, compute buffer on the GPU) at `context`
+    positions.
+    The budget is spent as llama.cpp spends the GPU: the non-expert weights it puts there, the cache and recurrent
+    state, its compute buffer (one expert tensor's copy more once any layer's experts stay in RAM), then experts."""
+    sizes, kv, cells, state = shape.sizes, shape.kv_per_position, cache_cells(context), shape.state_per_sequence
     activations = activation_bytes(shape.graph, cells) if shape.graph else 0
     copy = offload_copy_bytes(shape.graph, cells) if shape.graph else 0
-    budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, cells, activations) \
+    budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, cells, activations, state) \
         if machine.gpu else 0
     placement = place(sizes, shape.layers, machine.gpu, budget, cpu_moe, copy)
-    ram = ram_need(sizes, placement, kv, cells, FIRST_SLOTS)
+    ram = ram_need(sizes, placement, kv, cells, FIRST_SLOTS, state)
     if not placement.gpu_layers:
         return placement, ram, 0, 0
-    gpu = shape.other_on_gpu + sum(sizes.expert_bytes) - placement.expert_bytes_in_ram + FIRST_SLOTS * cells * kv
+    gpu = (shape.other_on_gpu + sum(sizes.expert_bytes) - placement.expert_bytes_in_ram
+           + FIRST_SLOTS * (cells * kv + state))
     return placement, ram, gpu, activations + (copy if placement.cpu_moe else 0)
 
 
@@ -189,10 +206,10 @@ def arch_value(header, key: str) -> int | None:
     return int(found) if isinstance(found, int) else None
 
 
-def _kv_bytes_per_position(header, layers: int) -> int:
-    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded). Where
-    the key/value heads are given per layer (LFM2's short-convolution layers have none), only the layers with
-    heads hold a cache, as llama.cpp allocates it."""
+def _kv_bytes_per_position(header, layers: int, recurrent=()) -> int:
+    """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded). Only
+    the layers with attention hold a cache, as llama.cpp allocates it: not the `recurrent` ones (Qwen3.5's Gated
+    DeltaNet), nor those whose key/value heads are given per layer as none (LFM2's short convolutions)."""
     arch = value(header, "general.architecture")
 
     def widest(key, default):
@@ -207,4 +224,5 @@ def _kv_bytes_per_position(header, layers: int) -> int:
         per_layer = [widest("attention.head_count_kv", heads) or heads] * layers
     key = widest("attention.key_length", widest("embedding_length", 0) // heads)
     width = widest("attention.value_length", key)
-    return 2 * sum(per_layer[:layers]) * (key + width)
+    skipped = set(recurrent)
+    return 2 * sum(n for i, n in enumerate(per_layer[:layers]) if i not in skipped) * (key + width)

@@ -59,13 +59,14 @@ def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int, pinned_extr
 
 
 def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes: int, kv_per_position: int,
-                  context: int, compute_bytes: int = 0) -> int:
+                  context: int, compute_bytes: int = 0, state_per_sequence: int = 0) -> int:
     """GPU bytes for experts. A budget the user named is the whole GPU's, as for the native engine
-    (engine.offload.gpu_budget): the other weights on the GPU, one sequence's KV cache at the whole context,
-    llama.cpp's compute buffer (`compute_bytes`: engine.llamacpp.compute) and slack first, experts the rest
-    (ContextBudgetError naming a context that fits when they do not); 0 keeps every expert in RAM. Else what is
-    free once the same weights and compute buffer, KV_ROWS_RESERVED sequences' cache and the native engine's
-    margin are set aside (engine.offload.orchestration.default_expert_budget)."""
+    (engine.offload.gpu_budget): the other weights on the GPU, one sequence's KV cache at the whole context and its
+    recurrent state (`state_per_sequence`: engine.llamacpp.state), llama.cpp's compute buffer (`compute_bytes`:
+    engine.llamacpp.compute) and slack first, experts the rest (ContextBudgetError naming a context that fits when
+    they do not); 0 keeps every expert in RAM. Else what is free once the same weights and compute buffer,
+    KV_ROWS_RESERVED sequences' cache and state and the native engine's margin are set aside
+    (engine.offload.orchestration.default_expert_budget)."""
     from moedesk.engine.offload.gpu_budget import split_gpu_budget
     from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED, default_expert_budget
 
@@ -73,8 +74,8 @@ def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes
         return 0
     if gpu_budget_gib is not None:
         return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context,
-                                compute_bytes).experts
-    kv = KV_ROWS_RESERVED * context * kv_per_position
+                                compute_bytes, kv_per_row=state_per_sequence).experts
+    kv = KV_ROWS_RESERVED * (context * kv_per_position + state_per_sequence)
     return default_expert_budget(max(0, free_gpu_bytes - other_bytes - compute_bytes), kv)
 
 
@@ -127,12 +128,13 @@ def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: 
     return Placement(layers + 1, cpu_moe, layers, sum(sizes.expert_bytes[:cpu_moe]), why)
 
 
-def ram_need(sizes: GGUFSizes, placement: Placement, kv_per_position: int, context: int, slots: int = 1) -> int:
+def ram_need(sizes: GGUFSizes, placement: Placement, kv_per_position: int, context: int, slots: int = 1,
+             state_per_sequence: int = 0) -> int:
     """Bytes the process holds in RAM once llama.cpp has loaded the model under `placement`: without a GPU the
-    whole file and the KV cache of `slots` sequences at `context` positions; with one, the experts pinned to RAM
-    and the token embeddings (the cache is on the GPU with the layers)."""
+    whole file and the KV cache (and recurrent state) of `slots` sequences at `context` positions; with one, the
+    experts pinned to RAM and the token embeddings (the cache is on the GPU with the layers)."""
     if not placement.gpu_layers:
-        return sizes.total_bytes + slots * context * kv_per_position
+        return sizes.total_bytes + slots * (context * kv_per_position + state_per_sequence)
     return placement.expert_bytes_in_ram + sizes.input_bytes
 
 

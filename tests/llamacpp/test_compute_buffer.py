@@ -145,6 +145,20 @@ def test_a_whole_gpu_budget_keeps_no_more_layers_experts_in_ram_than_it_must(bud
     assert fit.gpu_bytes == shape.other_on_gpu + sum(shape.sizes.expert_bytes[chosen:]) + cells * shape.kv_per_position
 
 
+def test_the_line_the_screens_show_counts_what_the_choice_counts():
+    """The Models screen's and the download wizard's "X on the GPU" is what the budget was spent on, the compute
+    buffer (here with a pinned layer's expert copy) included: within the budget, where the weights and cache alone
+    would say less than the GPU will hold."""
+    from moedesk.engine.memory_fit import gib
+
+    budget = 5e9
+    fit = plan(mixtral_8l_q4_k_m(), H200, CONTEXT, budget / GIB)
+    assert fit.gpu_total == fit.gpu_bytes + fit.compute_bytes <= budget * (1 - SLACK)
+    assert gib(fit.gpu_total) != gib(fit.gpu_bytes)
+    assert f"+ {gib(fit.gpu_total)} on the GPU at {CONTEXT} positions" in fit.summary()
+    assert fit.line() == fit.summary()  # it fits: nothing more to say
+
+
 def test_the_weights_on_the_gpu_leave_out_the_token_embeddings_llama_cpp_keeps_in_ram():
     shape = mixtral_8l_q4_k_m()
     assert shape.other_on_gpu == shape.sizes.other_bytes - EMBEDDINGS

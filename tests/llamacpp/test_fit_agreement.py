@@ -59,14 +59,16 @@ class Sizes:
                 self.experts[int(m.group(1))] = self.experts.get(int(m.group(1)), 0) + n
         self.shape = fit.gguf_shape(open_gguf(parts[0], GGUFReader))
         self.kv_per_position = self.shape.kv_per_position
+        self.state = self.shape.state_per_sequence  # LFM2's short convolutions: llama.cpp's RS buffer, a sequence
 
     def before_experts(self, context: int) -> int:
         """What a named GPU budget holds before any expert once some stay in RAM: the other weights llama.cpp puts
-        on the GPU, one sequence's cache and its compute buffer (engine.llamacpp.compute: tested on its own)."""
+        on the GPU, one sequence's cache and recurrent state, and its compute buffer (engine.llamacpp.compute and
+        .state: tested on their own)."""
         from moedesk.engine.llamacpp.compute import activation_bytes, offload_copy_bytes
 
-        return (self.shape.other_on_gpu + context * self.kv_per_position + activation_bytes(self.shape.graph, context)
-                + offload_copy_bytes(self.shape.graph, context))
+        return (self.shape.other_on_gpu + context * self.kv_per_position + self.state
+                + activation_bytes(self.shape.graph, context) + offload_copy_bytes(self.shape.graph, context))
 
 
 def usable_between(low: int, high: int) -> int:
@@ -151,8 +153,8 @@ async def test_a_gguf_that_fits_only_because_its_experts_go_to_the_gpu(ggufs, tu
     machine(monkeypatch, tmp_path, room, gpu_free=8 * GIB)
     placed = await agree_it_fits(tui_dirs["models"], parts, {}, {})
     assert placed.ram_bytes == sizes.embeddings and placed.placement.cpu_moe == 0
-    # on the GPU the rest, the head's copy of the (tied) embeddings and the cache
-    assert placed.gpu_bytes == sizes.total + 4096 * sizes.kv_per_position
+    # on the GPU the rest, the head's copy of the (tied) embeddings, the cache and the short convolutions' state
+    assert placed.gpu_bytes == sizes.total + 4096 * sizes.kv_per_position + sizes.state
     assert placed.context == 4096  # the engine's default, within the 8192 the file was converted for
 
     said = await agree_it_does_not(tui_dirs["models"], parts, {"device": "cpu"}, {"device": "cpu"})
@@ -166,7 +168,7 @@ async def test_a_split_gguf_that_fits_only_at_a_shorter_context_loads_at_the_one
     """No GPU: the whole model (every part) and the cache at 8192 positions stay in RAM; the room holds the cache of
     2048 positions but not of 4096, so both name --context 2048, and at 2048 it loads as the screen said."""
     parts, sizes = ggufs["split"], Sizes(ggufs["split"])
-    need = {c: sizes.total + c * sizes.kv_per_position for c in (2048, 4096, 8192)}
+    need = {c: sizes.total + c * sizes.kv_per_position + sizes.state for c in (2048, 4096, 8192)}
     machine(monkeypatch, tmp_path, usable_between(need[2048], need[4096]), gpu_free=None)
     long, short = {"context_length": 8192}, {"context_length": 2048}
     said = await agree_it_does_not(tui_dirs["models"], parts, long, long)
@@ -196,11 +198,11 @@ async def test_a_named_budget_keeps_the_first_layers_experts_in_ram_on_both(gguf
 
 
 def llama_buffers(log: list[str]) -> dict[str, int]:
-    """Bytes of each buffer llama.cpp's load log reports (its model and KV buffers, in MiB with two decimals),
+    """Bytes of each buffer llama.cpp's load log reports (its model, KV and RS buffers, in MiB with two decimals),
     summed by where they are: "CPU" (CPU, CPU_Mapped, ...) or the GPU's name."""
     found: dict[str, int] = {}
     for line in log:
-        if m := re.search(r"(\S+) (?:model|KV) buffer size =\s+([\d.]+) MiB", line):
+        if m := re.search(r"(\S+) (?:model|KV|RS) buffer size =\s+([\d.]+) MiB", line):
             where = "CPU" if m.group(1).startswith("CPU") else m.group(1)
             found[where] = found.get(where, 0) + int(float(m.group(2)) * 2**20)
     return found
@@ -268,7 +270,7 @@ def test_serve_weighs_a_llama_cpp_model_as_its_load_plans_it(gpu_free, ggufs, tm
     engine = load(parts, context_length=2048)
     try:
         assert need == engine.fit.ram_bytes
-        assert need == (sizes.embeddings if gpu_free else sizes.total + 2048 * sizes.kv_per_position)
+        assert need == (sizes.embeddings if gpu_free else sizes.total + 2048 * sizes.kv_per_position + sizes.state)
     finally:
         engine.close()
 
@@ -291,6 +293,6 @@ def test_the_download_wizard_plans_a_hub_gguf_as_its_load_will(ggufs, tmp_path, 
     engine = load([path], context_length=2048)
     try:
         assert text == f"{engine.fit.line()} · llama.cpp: the native engine does not run lfm2moe"
-        assert total == engine.fit.ram_bytes + engine.fit.gpu_bytes and "on the GPU" in text
+        assert total == engine.fit.ram_bytes + engine.fit.gpu_total and "on the GPU" in text
     finally:
         engine.close()

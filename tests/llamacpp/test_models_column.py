@@ -95,7 +95,7 @@ async def test_the_cell_is_the_loads_plan_and_follows_the_gpu_budget(ggufs, tui_
         planned = loaded_fit(path, gpu_budget=budget)
         in_ram = sizes.embeddings + sum(sizes.experts.values()) - sizes.experts[max(sizes.experts)]
         assert planned.fits and planned.ram_bytes == in_ram and planned.placement.cpu_moe == 3
-        assert first == f"{brief(in_ram)}+{brief(planned.gpu_bytes)} GPU" == plan_cell(planned)
+        assert first == f"{brief(in_ram)}+{brief(planned.gpu_total)} GPU" == plan_cell(planned)
         assert planned.summary() in note(app)  # the note below says the same plan in words
 
         await open_settings(pilot)
@@ -107,7 +107,7 @@ async def test_the_cell_is_the_loads_plan_and_follows_the_gpu_budget(ggufs, tui_
         second = cell(await row_on_screen(pilot, path.name))
         planned = loaded_fit(path, gpu_budget=4)
         assert planned.ram_bytes == sizes.embeddings and planned.placement.cpu_moe == 0
-        assert second == f"{brief(sizes.embeddings)}+{brief(planned.gpu_bytes)} GPU" == plan_cell(planned)
+        assert second == f"{brief(sizes.embeddings)}+{brief(planned.gpu_total)} GPU" == plan_cell(planned)
         assert second != first and planned.summary() in note(app)
 
 

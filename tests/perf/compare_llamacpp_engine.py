@@ -82,7 +82,8 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
 
 def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, dict]:
     """For every -ncmoe N: what llama.cpp reports on the GPU with the engine loaded that way ("llama_cpp": model, KV,
-    compute and their total), beside moedesk's estimate of the same (fit.gpu_bytes, fit.compute_bytes). An N whose
+    a hybrid model's recurrent state (RS), compute and their total), beside moedesk's estimate of the same
+    (fit.gpu_bytes, fit.compute_bytes). An N whose
     weights alone exceed `most` bytes is not loaded (its total is those weights)."""
     found = {}
     for n in range(len(shape.sizes.expert_bytes) + 1):
@@ -94,12 +95,13 @@ def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, 
         fit = engine.fit
         engine.close()
         found[n] = {"llama_cpp": {**gpu, "total": sum(gpu.values())},
-                    "estimate": {"weights_kv": fit.gpu_bytes, "compute": fit.compute_bytes,
-                                 "total": fit.gpu_bytes + fit.compute_bytes}}
+                    "estimate": {"weights_kv_rs": fit.gpu_bytes, "compute": fit.compute_bytes,
+                                 "total": fit.gpu_total}}
         mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
         print(f"-ncmoe {n}: llama.cpp on the GPU model {mib(gpu.get('model', 0))} + KV {mib(gpu.get('KV', 0))} + "
-              f"compute {mib(gpu.get('compute', 0))} = {mib(sum(gpu.values()))} MiB; moedesk's estimate weights+KV "
-              f"{mib(fit.gpu_bytes)} + compute {mib(fit.compute_bytes)} = {mib(fit.gpu_bytes + fit.compute_bytes)} MiB")
+              f"RS {mib(gpu.get('RS', 0))} + compute {mib(gpu.get('compute', 0))} = {mib(sum(gpu.values()))} MiB; "
+              f"moedesk's estimate weights+KV+RS {mib(fit.gpu_bytes)} + compute {mib(fit.compute_bytes)} = "
+              f"{mib(fit.gpu_total)} MiB")
     return found
 
 

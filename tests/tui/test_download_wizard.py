@@ -301,7 +301,7 @@ async def test_a_native_gguf_is_planned_for_the_engine_the_setting_names(hub, en
         assert loaded() == f"loaded  {plan.line()} · llama.cpp engine, as set"
         choice = screen.highlighted_choice()
         text, total = wizard.loaded_estimate(choice, screen.weights[choice.name], target)
-        assert total == plan.ram_bytes + plan.gpu_bytes
+        assert total == plan.ram_bytes + plan.gpu_total
         assert len(hub.gets(REPO, "tiny-moe-Q4_K_M.gguf", headers=True)) == 1  # planned from the header read once
 
         await set_engine(pilot, screen, "auto")

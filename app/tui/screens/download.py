@@ -139,7 +139,7 @@ def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> t
         if isinstance(fit, str):
             return f"{fit} · {engine.why}", None
         if fit is not None:
-            return f"{fit.line()} · {engine.why}", fit.ram_bytes + fit.gpu_bytes
+            return f"{fit.line()} · {engine.why}", fit.ram_bytes + fit.gpu_total
     estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
     text = estimate_line(estimate, target.gpu, dl.format_bytes)
     return f"{text} · expert dtype {target.expert_dtype} (F2)", estimate.total_bytes

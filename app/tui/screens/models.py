@@ -61,7 +61,7 @@ def plan_cell(plan) -> str:
     where the budget leaves no plan at all."""
     if isinstance(plan, str):
         return "✗ GPU budget"
-    where = f"{brief(plan.ram_bytes)}+{brief(plan.gpu_bytes)} GPU" if plan.placement.gpu_layers \
+    where = f"{brief(plan.ram_bytes)}+{brief(plan.gpu_total)} GPU" if plan.placement.gpu_layers \
         else f"{brief(plan.ram_bytes)} RAM"
     return where if plan.fits else f"✗ {where}"
 
