@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moedesk.engine.model.config import ModelConfig
-from moedesk.kernels import gpu_delta_net
+from moedesk.kernels import gpu_delta_chunks, gpu_delta_net
 
 CHUNK = 64
 
@@ -54,14 +54,25 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     ).split([dv, dk], dim=-1)
     within = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * grown
-    k_to_end = (k * (cum[..., -1:] - cum).exp().unsqueeze(-1)).transpose(-1, -2)
-    ends = cum[..., -1, None, None].exp()  # [B, H, n, 1, 1]: a whole chunk's decay
-    out = torch.empty(B, H, n, chunk, dv, dtype=v.dtype, device=v.device)
+    k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # each key decayed to its chunk's end
+    ends = cum[..., -1].exp()  # [B, H, n]: a whole chunk's decay
+    if gpu_delta_chunks.fits(state, chunk, dk):  # the walk in one launch, not nine a chunk
+        out, state = gpu_delta_chunks.walk_chunks(u_fixed, u_per_state, q_decayed, within, k_to_end, ends, state)
+    else:
+        out, state = walk_chunks(u_fixed, u_per_state, q_decayed, within, k_to_end, ends, state)
+    return out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), state
+
+
+def walk_chunks(u_fixed, u_per_state, q_decayed, within, k_to_end, ends, state):
+    """The state carried from chunk to chunk: (outputs [B, H, n, C, dv], the last state), shapes as
+    kernels.gpu_delta_chunks.walk_chunks takes them (which computes the same on CUDA)."""
+    B, H, n, chunk, dv = u_fixed.shape
+    out = torch.empty(B, H, n, chunk, dv, dtype=u_fixed.dtype, device=u_fixed.device)
     for c in range(n):
         u = u_fixed[:, :, c] - u_per_state[:, :, c] @ state
         out[:, :, c] = q_decayed[:, :, c] @ state + within[:, :, c] @ u
-        state = state * ends[:, :, c] + k_to_end[:, :, c] @ u
-    return out.reshape(B, H, -1, dv)[:, :, :T].transpose(1, 2), state
+        state = state * ends[:, :, c, None, None] + k_to_end[:, :, c].transpose(-1, -2) @ u
+    return out, state
 
 
 def delta_step(state, q, k, v, g, beta):

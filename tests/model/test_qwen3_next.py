@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import shutil
 
@@ -84,6 +85,36 @@ def test_batched_greedy_equals_transformers_in_ram_and_offloaded(family, built):
         assert greedy(offloaded, ids) == want, policy
         stats = offloaded.executor.stats
         assert stats.gpu_experts > 0 and (stats.cpu_experts > 0) == (policy == "cpu")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_through_the_chunk_walk_kernel_equals_transformers(family, built, monkeypatch):
+    """What CUDA runs: each prompt's walk over its chunks in kernels.gpu_delta_chunks (here under Triton's
+    interpreter), rows of different lengths in one batch and prompts prefilled in pieces; transformers' tokens."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton's interpreter is used only where there is no GPU; tests/perf covers CUDA")
+    from moedesk.kernels import gpu_delta_chunks
+
+    b = built(family)
+    engine = Engine.load(str(b.folder), device="cpu", dtype="float32")
+    ids = prompts(engine)
+    longest = torch.tensor([ids[2]])  # two chunks: the logits and states the torch loop leaves, through the kernel
+
+    def prefill():
+        cache = engine.model.new_cache(1, 128, torch.float32, "cpu")
+        logits = engine.model(longest, torch.arange(longest.shape[1])[None], cache, engine.executor)
+        return logits, [cache.kinds[1].state[layer].clone() for layer in (0, 1, 2)]
+
+    torch_loop = prefill()
+    walks = []
+    monkeypatch.setattr(gpu_delta_chunks, "fits", lambda *a: walks.append(a) or True)
+    torch.testing.assert_close(prefill(), torch_loop, rtol=1e-4, atol=1e-5)
+    want = expected(b, engine, ids)
+    assert greedy(engine, ids, batch_size=3) == want
+    engine.scheduler.prefill_chunk = 40  # a prompt's pieces continue the state the kernel handed back
+    assert greedy(engine, ids, batch_size=3) == want
+    assert walks
 
 
 def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(built):
