@@ -119,3 +119,26 @@ def test_a_gpu_budget_sets_the_state_aside_before_experts(hybrids):
     assert expert_budget(1.0, 0, *fixed, state) == expert_budget(1.0, 0, *fixed) - state
     free = 8 * GIB
     assert expert_budget(None, free, *fixed, state) == expert_budget(None, free, *fixed) - KV_ROWS_RESERVED * state
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_state_is_in_the_gpu_s_buffers_as_planned(hybrids):
+    """On the GPU box (llama-cpp-python built with CUDA): toy Qwen3.5-MoE with the first 2 layers' experts in RAM;
+    llama.cpp's RS buffer on the GPU is the plan's state, and its model, KV and RS buffers there stay within the
+    plan's GPU bytes (its compute buffer within the plan's)."""
+    from moedesk.engine.llamacpp.buffers import on_device
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.runtime import Engine
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    shape = gguf_shape(read_header(hybrids["qwen35moe"]))
+    mark = library().log_mark()
+    engine = Engine.load(str(hybrids["qwen35moe"]), engine="llama.cpp", context_length=CONTEXT, cpu_moe=2)
+    try:
+        used, fit = on_device(llama_buffers(library().log_since(mark))), engine.fit
+    finally:
+        engine.close()
+    assert fit.placement.cpu_moe == 2 and used["RS"] == as_logged(shape.state_per_sequence), (used, fit)
+    assert used["model"] + used["KV"] + used["RS"] <= 1.02 * fit.gpu_bytes, (used, fit)
+    assert used["compute"] <= fit.compute_bytes, (used, fit)

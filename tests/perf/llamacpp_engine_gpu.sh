@@ -34,6 +34,7 @@ compare)
     2>&1 | tee "$OUT/pytest_llamacpp_gpu.txt" | tail -n 5
   # The placement's estimate against llama.cpp's own GPU buffers (a run of its own: an abort above stops no more).
   python3 -m pytest -m gpu -q -p no:cacheprovider tests/llamacpp/test_compute_buffer.py tests/llamacpp/test_fit_agreement.py \
+    tests/llamacpp/test_recurrent_state.py \
     2>&1 | tee "$OUT/pytest_llamacpp_fit.txt" | tail -n 5
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
     --expert-format q4_k --budgets "${BUDGETS:-3,5}" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
