@@ -42,8 +42,8 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     # Within a chunk, token t sees the state at the chunk's start decayed by exp(cum[t]) and token j's write
     # decayed by exp(cum[t] - cum[j]).
     cum = g.cumsum(-1)
-    later = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(later, float("-inf")).exp()  # [.., t, j]
+    # [.., t, j]; exp's overflow above the diagonal (j > t) is zeroed by tril, which selects rather than multiplies.
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).exp().tril()
     k_beta = k * beta.unsqueeze(-1)
     grown = cum.exp().unsqueeze(-1)  # exp(cum[t]): the chunk's start state decayed to token t
     # The corrections u solve (I + L) u = beta v - beta exp(cum) k S0, L[t, j] = beta_t decay[t, j] k_t.k_j (j < t):
@@ -55,7 +55,7 @@ def chunked_delta_rule(q, k, v, g, beta, state, chunk: int = CHUNK):
     within = (q @ k.transpose(-1, -2)) * decay
     q_decayed = q * grown
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)  # each key decayed to its chunk's end
-    ends = cum[..., -1].exp()  # [B, H, n]: a whole chunk's decay
+    ends = grown[..., -1, 0]  # [B, H, n]: a whole chunk's decay
     if gpu_delta_chunks.fits(state, chunk, dk):  # the walk in one launch, not nine a chunk
         out, state = gpu_delta_chunks.walk_chunks(u_fixed, u_per_state, q_decayed, within, k_to_end, ends, state)
     else:
