@@ -209,7 +209,9 @@ def arch_value(header, key: str) -> int | None:
 def _kv_bytes_per_position(header, layers: int, recurrent=()) -> int:
     """Keys and values of one position in llama.cpp's f16 cache, from the header (before anything is loaded). Only
     the layers with attention hold a cache, as llama.cpp allocates it: not the `recurrent` ones (Qwen3.5's Gated
-    DeltaNet), nor those whose key/value heads are given per layer as none (LFM2's short convolutions)."""
+    DeltaNet), nor those whose key/value heads are given per layer as none (LFM2's short convolutions). Latent
+    attention (DeepSeek's MLA: key_length_mla and value_length_mla in the file) caches keys alone, its values
+    being a view of them."""
     arch = value(header, "general.architecture")
 
     def widest(key, default):
@@ -223,6 +225,7 @@ def _kv_bytes_per_position(header, layers: int, recurrent=()) -> int:
     if not (isinstance(per_layer, list) and all(isinstance(n, int) for n in per_layer)):
         per_layer = [widest("attention.head_count_kv", heads) or heads] * layers
     key = widest("attention.key_length", widest("embedding_length", 0) // heads)
-    width = widest("attention.value_length", key)
+    width = 0 if value(header, f"{arch}.attention.key_length_mla") and value(
+        header, f"{arch}.attention.value_length_mla") else widest("attention.value_length", key)
     skipped = set(recurrent)
     return 2 * sum(n for i, n in enumerate(per_layer[:layers]) if i not in skipped) * (key + width)

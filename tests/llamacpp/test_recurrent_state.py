@@ -1,6 +1,6 @@
 """A hybrid model's recurrent state (llama.cpp's RS buffer) and its KV cache, estimated from the GGUF's header
 (engine.llamacpp.state, engine.llamacpp.fit), against the sizes llama.cpp itself logs when it loads tiny Qwen3.5-MoE,
-Qwen3-Next and LFM2-MoE files on the CPU; and the plan that counts them."""
+Qwen3-Next and LFM2-MoE files on the CPU; and the plan that counts them. Beside them, latent attention's cache."""
 from __future__ import annotations
 
 import sys
@@ -73,6 +73,32 @@ def test_the_state_and_cache_are_what_llama_cpp_allocates(family, hybrids):
         assert many["KV"] == as_logged(SEQUENCES * cache_cells(CONTEXT) * shape.kv_per_position)
     finally:
         engine.close()
+
+
+def test_latent_attention_caches_keys_alone_as_llama_cpp_does(tmp_path):
+    """DeepSeek-V3's MLA in llama.cpp: one cached "head" of kv_lora_rank + rope dimensions a layer, no separate
+    values (a view of the keys). The estimate equals llama.cpp's KV buffer, where counting values too said 1.8x."""
+    from gguf import GGUFReader
+
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.runtime import Engine
+    from tests.gguf_from_hf import build
+
+    path = build("deepseek2", tmp_path / "ds").gguf
+    shape = gguf_shape(read_header(path))
+    rank_and_rope = sum(GGUFReader(path).fields[f"deepseek2.{key}"].contents()
+                        for key in ("attention.kv_lora_rank", "rope.dimension_count"))
+    assert shape.kv_per_position == 2 * shape.layers * rank_and_rope  # f16
+    mark = library().log_mark()
+    engine = Engine.load(str(path), engine="llama.cpp", device="cpu", context_length=CONTEXT)
+    try:
+        mark, first = library().log_mark(), logged(mark)
+        assert engine.make_room(SEQUENCES)
+        many = logged(mark)
+    finally:
+        engine.close()
+    assert first["KV"] == as_logged(cache_cells(CONTEXT) * shape.kv_per_position)
+    assert many["KV"] == as_logged(SEQUENCES * cache_cells(CONTEXT) * shape.kv_per_position)
 
 
 def qwen35_35b_a3b(key: str):
