@@ -67,7 +67,7 @@ def test_the_state_and_cache_are_what_llama_cpp_allocates(family, hybrids):
         assert engine.fit.ram_bytes == weights + cache_cells(CONTEXT) * shape.kv_per_position + shape.state_per_sequence
 
         mark = library().log_mark()
-        assert engine.make_room(SEQUENCES)
+        assert engine.make_room(SEQUENCES) and engine.llama.slots == SEQUENCES  # not backed off to fewer
         many = logged(mark)
         assert many["RS"] == as_logged(SEQUENCES * shape.state_per_sequence), (many, shape)
         assert many["KV"] == as_logged(SEQUENCES * cache_cells(CONTEXT) * shape.kv_per_position)
@@ -93,7 +93,7 @@ def test_latent_attention_caches_keys_alone_as_llama_cpp_does(tmp_path):
     engine = Engine.load(str(path), engine="llama.cpp", device="cpu", context_length=CONTEXT)
     try:
         mark, first = library().log_mark(), logged(mark)
-        assert engine.make_room(SEQUENCES)
+        assert engine.make_room(SEQUENCES) and engine.llama.slots == SEQUENCES  # not backed off to fewer
         many = logged(mark)
     finally:
         engine.close()
