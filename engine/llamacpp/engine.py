@@ -144,14 +144,16 @@ class LlamaCppEngine(EngineFace):
             api.llama_model_free(handle)
             log = lib.log_since(made)
             short, cells = failed_gpu_bytes(log), cache_cells(context)
-            kv = FIRST_SLOTS * cells * shape.kv_per_position
+            # llama.cpp keeps a recurrent model's state where it keeps the KV cache (one offload setting for both)
+            kv = FIRST_SLOTS * (cells * shape.kv_per_position + shape.state_per_sequence)
             fewer = None if short is None else context_backed_off(
                 sizes, placement, short + (offload_copy_bytes(shape.graph, cells) if shape.graph and not
                                            placement.cpu_moe else 0))  # the first pinned layer grows the buffer
             if fewer is not None:
                 fit, placement = _fewer_on_gpu(shape, machine, context_length, gpu_budget, fewer)
             elif short is not None and offload_kv and kv >= short:
-                # Last: llama.cpp keeps the cache (and attention over it) in RAM, which frees what was asked.
+                # Last: llama.cpp keeps the cache (and attention over it, and any recurrent state) in RAM, which
+                # frees what was asked.
                 offload_kv, ram = False, fit.ram_bytes + kv
                 fit = replace(fit, ram_bytes=ram, gpu_bytes=fit.gpu_bytes - kv,
                               problem=shortfall(ram, fit.available, {}))

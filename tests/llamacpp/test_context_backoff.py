@@ -11,7 +11,7 @@ import pytest
 
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.llamacpp.buffers import failed_gpu_bytes
-from moedesk.engine.llamacpp.fit import Machine, cache_cells, gguf_shape, read_header
+from moedesk.engine.llamacpp.fit import FIRST_SLOTS, Machine, cache_cells, gguf_shape, read_header
 from moedesk.engine.llamacpp.placement import GIB, GGUFSizes, Placement, context_backed_off
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
@@ -129,6 +129,25 @@ def test_once_every_expert_is_in_ram_the_kv_cache_goes_there_too(qwen, faked):
     finally:
         engine.close()
     assert backed_off == direct(path, 4)
+
+
+def test_a_hybrid_models_state_leaves_the_gpu_with_its_kv_cache(tmp_path, faked):
+    """A recurrent model's state sits where llama.cpp keeps the KV cache: a failed buffer the size of both is what
+    moving the cache to RAM frees, so the load goes on rather than stopping."""
+    path = build("qwen35moe", tmp_path).gguf
+    shape = gguf_shape(read_header(path))
+    layers = len(shape.sizes.expert_bytes)
+    assert shape.state_per_sequence > 0
+    both = FIRST_SLOTS * (cache_cells(CONTEXT) * shape.kv_per_position + shape.state_per_sequence)
+    failures, attempts = faked
+    failures += [(both, "kv"), None]
+    engine = Engine.load(str(path), engine="llama.cpp", context_length=CONTEXT, gpu_budget=4, cpu_moe=layers)
+    try:
+        assert attempts == [(layers, True), (layers, False)] and not engine.llama.offload_kv
+        assert engine.warnings[-1].endswith("the KV cache in RAM: the GPU could not hold it")
+        assert len(greedy(engine)) == 6
+    finally:
+        engine.close()
 
 
 def test_a_context_that_the_cache_in_ram_would_not_free_enough_for_is_one_line(qwen, faked):
