@@ -67,9 +67,9 @@ class Contended:
     # The executor's CPU call runs beside the queueing of the copies (OffloadExecutor's overlap_copies): a copy's
     # launch then holds back the copies that follow it, not the CPU.
     overlap: bool = False
-    # A prefill step's copied experts computed in chunks, one grouped launch each (OffloadExecutor's copy_chunks): a
+    # A prefill step's copied experts computed in copy runs, one grouped launch each (OffloadExecutor's copy_runs): a
     # copy then costs the host only its queueing, and the step one launch (`copy_step_ms`).
-    batched: bool = False
+    grouped_copies: bool = False
     factors: tuple[float, float] = field(init=False)  # (CPU, copy); every cost the split search prices reads them
 
     def __post_init__(self):
@@ -87,16 +87,17 @@ class Contended:
 
     @property
     def copy_step_ms(self) -> float:
-        """Added to the GPU's finish once a step copies anything: batched, the chunk's grouped launch (host time, as
-        one copy's launch measured) and its compute after the last copy landed (one expert's at the mean load)."""
-        if not self.batched:
+        """Added to the GPU's finish once a step copies anything: with grouped copies, a copy run's launch (host
+        time, as one copy's launch measured) and its compute after the last copy landed (one expert's at the mean
+        load)."""
+        if not self.grouped_copies:
             return 0.0
         at = getattr(self.model, "copy_launch_at", None)
         launch = at(self.tokens) if at else copy_launch_ms(self.model)
         return launch + self.model.gpu_expert_ms(max(1, round(self.tokens)))
 
     def _launch(self) -> float:
-        if self.batched:  # the copy's queueing alone: its compute is the chunk's launch
+        if self.grouped_copies:  # the copy's queueing alone: its compute is the run's launch
             return getattr(self.model, "copy_queue_ms", 0.0)
         # Queued back to back for a step of these loads where the profile measured that (a prefill's copies).
         at = getattr(self.model, "copy_launch_at", None)
@@ -109,53 +110,53 @@ class Contended:
         return cpu_call_ms(self.model, tokens)  # waking the pool and quantising activations: not reads
 
     def gpu_expert_ms(self, tokens: int) -> float:
-        # Batched, a copied expert's device time hides under the link's (Qwen3.5's q4_k experts in session 36's
-        # trace: docs/measurements.md, "Prefill's copies"): the chunk's launch is `copy_step_ms`.
-        return 0.0 if self.batched else self.model.gpu_expert_ms(tokens)
+        # Grouped, a copied expert's device time hides under the link's (Qwen3.5's q4_k experts in session 36's
+        # trace: docs/measurements.md, "Prefill's copies"): the run's launch is `copy_step_ms`.
+        return 0.0 if self.grouped_copies else self.model.gpu_expert_ms(tokens)
 
     def activation_roundtrip_ms(self, tokens: int) -> float:
         return self.model.activation_roundtrip_ms(tokens)
 
 
-# From this many tokens an expert on average (a prefill's chunk of a prompt, not a decode step's few), a step's copied
-# experts are computed in chunks, one grouped launch each (OffloadExecutor's copy_chunks); decode keeps one by one.
-BATCHED_MIN_LOAD = 4.0
-MAX_CHUNKS = 4  # chunk counts tried, from the fewest the size limit allows up
-# A chunk of packed experts with many tokens is dequantised to bf16 scratch for torch's grouped GEMM
-# (kernels.gpu_quant): this much GPU memory at most, so that a small GPU's chunks stay small.
-CHUNK_SCRATCH_BYTES = 1 << 30
+# From this many tokens an expert on average (a prefill chunk of a prompt, not a decode step's few), a step's copied
+# experts are computed in copy runs, one grouped launch each (OffloadExecutor's copy_runs); decode keeps one by one.
+GROUPED_COPIES_MIN_LOAD = 4.0
+MAX_COPY_RUNS = 4  # run counts tried, from the fewest the size limit allows up
+# A copy run of packed experts with many tokens is dequantised to bf16 scratch for torch's grouped GEMM
+# (kernels.gpu_quant): this much GPU memory at most, so that a small GPU's runs stay small.
+COPY_RUN_SCRATCH_BYTES = 1 << 30
 
 
-def chunk_limit(hidden: int, width: int) -> int:
-    """The most experts of this shape (H, F) a chunk may hold: their gate/up and down in bf16 within
-    CHUNK_SCRATCH_BYTES."""
-    return max(1, CHUNK_SCRATCH_BYTES // (3 * hidden * width * 2))
+def copy_run_limit(hidden: int, width: int) -> int:
+    """The most experts of this shape (H, F) a copy run may hold: their gate/up and down in bf16 within
+    COPY_RUN_SCRATCH_BYTES."""
+    return max(1, COPY_RUN_SCRATCH_BYTES // (3 * hidden * width * 2))
 
 
-def copy_chunks(loads: dict[int, int], copy: Sequence[int], model, limit: int | None = None) -> list[int] | None:
-    """The sizes of the chunks a step's copied experts `copy` (in copy order) are computed in, one grouped launch each
-    once the chunk's copies landed; None: one by one, as each copy lands (a decode step's few tokens an expert:
-    BATCHED_MIN_LOAD). Of even chunks of at most `limit` experts (`chunk_limit`; None: any), MAX_CHUNKS counts from
-    the fewest up, the count whose `chunked_gpu_ms` is the least (ties: fewer): more chunks start the GPU earlier
-    and leave less compute after the last copy, but each costs the host a launch."""
-    if not copy or mean_load(loads) < BATCHED_MIN_LOAD:
+def copy_runs(loads: dict[int, int], copy: Sequence[int], model, limit: int | None = None) -> list[int] | None:
+    """The sizes of the copy runs a step's copied experts `copy` (in copy order) are computed in, one grouped launch
+    each once the run's copies landed; None: one by one, as each copy lands (a decode step's few tokens an expert:
+    GROUPED_COPIES_MIN_LOAD). Of even runs of at most `limit` experts (`copy_run_limit`; None: any), MAX_COPY_RUNS
+    counts from the fewest up, the count whose `copy_runs_gpu_ms` is the least (ties: fewer): more runs start the GPU
+    earlier and leave less compute after the last copy, but each costs the host a launch."""
+    if not copy or mean_load(loads) < GROUPED_COPIES_MIN_LOAD:
         return None
     fewest = -(-len(copy) // limit) if limit else 1
-    options = [_even(len(copy), k) for k in range(fewest, min(fewest + MAX_CHUNKS - 1, len(copy)) + 1)]
-    return min(options, key=lambda sizes: chunked_gpu_ms([loads[e] for e in copy], sizes, model))
+    options = [_even(len(copy), k) for k in range(fewest, min(fewest + MAX_COPY_RUNS - 1, len(copy)) + 1)]
+    return min(options, key=lambda sizes: copy_runs_gpu_ms([loads[e] for e in copy], sizes, model))
 
 
 def _even(count: int, parts: int) -> list[int]:
     return [count // parts + (i < count % parts) for i in range(parts)]
 
 
-def chunked_gpu_ms(loads: Sequence[int], sizes: Sequence[int], model) -> float:
-    """When the GPU finishes a step's copied experts (tokens `loads`, in copy order) computed in chunks of `sizes`.
+def copy_runs_gpu_ms(loads: Sequence[int], sizes: Sequence[int], model) -> float:
+    """When the GPU finishes a step's copied experts (tokens `loads`, in copy order) in copy runs of `sizes`.
 
-    The host queues the first chunk's copies, then for each chunk the next chunk's copies and this chunk's grouped
-    launch (OffloadExecutor._queue_chunks): each copy costs it `copy_queue_ms` and the link `copy_expert_ms` once
-    queued, each launch `copy_launch_at` the mean load; a chunk computes (as one expert of all its tokens,
-    `gpu_expert_ms`) once its copies landed, its launch is queued and the chunk before it is done."""
+    The host queues the first run's copies, then for each run the next run's copies and this run's grouped launch
+    (OffloadExecutor._queue_copy_runs): each copy costs it `copy_queue_ms` and the link `copy_expert_ms` once
+    queued, each launch `copy_launch_at` the mean load; a run computes (as one expert of all its tokens,
+    `gpu_expert_ms`) once its copies landed, its launch is queued and the run before it is done."""
     queue, link_ms = getattr(model, "copy_queue_ms", 0.0), model.copy_expert_ms
     at = getattr(model, "copy_launch_at", None)
     launch = at(mean_load(dict(enumerate(loads)))) if at else copy_launch_ms(model)
@@ -163,17 +164,17 @@ def chunked_gpu_ms(loads: Sequence[int], sizes: Sequence[int], model) -> float:
     host = link = gpu = 0.0
     ready = []
 
-    def queue_chunk(j: int) -> None:
+    def queue_run(j: int) -> None:
         nonlocal host, link
         for _ in range(sizes[j]):
             host += queue
             link = max(link, host) + link_ms
         ready.append(link)
 
-    queue_chunk(0)
+    queue_run(0)
     for j in range(len(sizes)):
         if j + 1 < len(sizes):
-            queue_chunk(j + 1)
+            queue_run(j + 1)
         host += launch
         tokens = sum(loads[starts[j]:starts[j + 1]])
         gpu = max(gpu, host, ready[j]) + model.gpu_expert_ms(tokens)
@@ -581,7 +582,8 @@ def _exact(groups: _Groups, start: list[int]) -> list[int]:
 
 
 def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: float = 0.0,
-                     exact_limit: int = EXACT_LIMIT, overlap: bool = False, batched: bool = False) -> Assignment:
+                     exact_limit: int = EXACT_LIMIT, overlap: bool = False,
+                     grouped_copies: bool = False) -> Assignment:
     """Split the offloaded experts active in one layer step between the CPU and copy-to-GPU, minimising the makespan.
 
     loads: expert id → tokens routed to it, for the CPU-resident experts of the layer (experts
@@ -603,8 +605,9 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     Assumed, as in Fiddler: enough staging slots for every copy of the step. A lone token's experts
     whose GPU options the start-up profile measured directly stay on the CPU (method "measured",
     `lone_token_measured`). overlap: the executor runs the CPU's call beside the queueing of the copies
-    (`Contended.overlap`), so their launches pace the link instead of delaying the CPU. batched: the executor computes
-    a prefill step's copies in chunks (`copy_chunks`), so a copy costs the host its queueing, not its compute's launch.
+    (`Contended.overlap`), so their launches pace the link instead of delaying the CPU.
+    grouped_copies: the executor computes a prefill step's copies in copy runs of one grouped launch each
+    (`copy_runs`), so a copy costs the host its queueing, not its compute's launch.
     """
     active = {e: int(n) for e, n in loads.items() if n > 0}
     if not active:
@@ -618,14 +621,14 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
-    batched = batched and mean_load(active) >= BATCHED_MIN_LOAD
-    contended = Contended(model, mean_load(active), overlap=overlap, batched=batched)
+    grouped_copies = grouped_copies and mean_load(active) >= GROUPED_COPIES_MIN_LOAD
+    contended = Contended(model, mean_load(active), overlap=overlap, grouped_copies=grouped_copies)
     split = _best_split(active, contended, gpu_busy_ms, exact_limit)
     if contended.factors == (1.0, 1.0):
         return split
     # A split was costed as if the CPU and the copies ran side by side all the step long, which
     # over-charges it; running everything on one side has no contention at all.
-    alone = Contended(model, mean_load(active), apart=True, overlap=overlap, batched=batched)
+    alone = Contended(model, mean_load(active), apart=True, overlap=overlap, grouped_copies=grouped_copies)
     sides = [assignment_for(active, [], alone, gpu_busy_ms, split.method),
              assignment_for(active, list(active), alone, gpu_busy_ms, split.method)]
     return min([split, *sides], key=lambda a: a.makespan_ms)

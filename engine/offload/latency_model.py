@@ -88,8 +88,8 @@ class LatencyModel:
     cpu_share: tuple[tuple[float, float], ...] = ()
     # Host time to queue one copy and its GPU compute back to back, ((tokens, ms), ...) (empty: copy_launch_ms).
     copy_launch_by_tokens: tuple[tuple[float, float], ...] = ()
-    # Host time to queue one expert's copy alone, back to back with others (a prefill's chunked copies compute in one
-    # launch a chunk: engine.offload.assignment.copy_chunks); 0: not measured (the link alone paces them).
+    # Host time to queue one expert's copy alone, back to back with others (a prefill's grouped copies compute in one
+    # launch a copy run: engine.offload.assignment.copy_runs); 0: not measured (the link alone paces them).
     copy_queue_ms: float = 0.0
 
     def __post_init__(self):

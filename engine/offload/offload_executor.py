@@ -194,7 +194,7 @@ class OffloadExecutor:
 
     def __init__(self, banks: dict, on_gpu, device, decide, staging_slots: int | None = None, resident_to_cpu=None,
                  zero_copy_ranks=None, split_width=None, selections: dict | None = None, overlap_copies: bool = False,
-                 copy_chunks: Callable[[dict, list[int]], list[int] | None] | None = None):
+                 copy_runs: Callable[[dict, list[int]], list[int] | None] | None = None):
         """banks: layer -> ExpertWeights in host memory; on_gpu[i][expert]: resident on the GPU (i-th MoE layer);
         decide(loads: {expert: tokens}) -> (cpu experts, experts to copy);
         resident_to_cpu(loads of the resident experts) -> those the CPU should compute from their host copies
@@ -206,13 +206,13 @@ class OffloadExecutor:
         selections: the dict its counts go to (`selections`), shared by the executors of one model's devices;
         overlap_copies: a step's CPU call runs on a thread of its own while this one queues the step's copies (as
         `decide` must then price it: engine.offload.assignment.assign_offloaded's overlap), else after them;
-        copy_chunks(loads of the offloaded experts, the experts to copy) -> the sizes of the chunks the copied experts
-        are computed in, one grouped launch a chunk once its copies landed (`_queue_chunks`;
-        engine.offload.assignment.copy_chunks), as `decide` must price them (assign_offloaded's batched), or None;
-        None (or no copy_chunks): each copied expert computed on its own, after its own copy."""
+        copy_runs(loads of the offloaded experts, the experts to copy) -> the sizes of the copy runs the copied experts
+        are computed in, one grouped launch a run once its copies landed (`_queue_copy_runs`;
+        engine.offload.assignment.copy_runs), as `decide` must price them (assign_offloaded's grouped_copies), or None;
+        None (or no copy_runs): each copied expert computed on its own, after its own copy."""
         self.device = torch.device(device)
         self.overlap_copies = overlap_copies
-        self.copy_chunks = copy_chunks
+        self.copy_runs = copy_runs
         self.decide = decide
         self.resident_to_cpu = resident_to_cpu
         self.zero_copy_ranks = zero_copy_ranks
@@ -581,8 +581,8 @@ class OffloadExecutor:
                 background = _Background(cpu_call)
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
-            chunk_sizes = self.copy_chunks(offloaded, to_copy) if to_copy and self.copy_chunks else None
-            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy, chunk_sizes) \
+            run_sizes = self.copy_runs(offloaded, to_copy) if to_copy and self.copy_runs else None
+            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy, run_sizes) \
                 if resident or to_copy else None
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
@@ -621,10 +621,10 @@ class OffloadExecutor:
         return out
 
     def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy,
-                   chunk_sizes: list[int] | None = None) -> tuple:
+                   run_sizes: list[int] | None = None) -> tuple:
         """Queue the resident experts (one grouped launch per projection while every expert has at most
         GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
-        chunk_sizes: the copied experts computed in chunks of these sizes (`_queue_chunks`), None: one by one.
+        run_sizes: the copied experts computed in copy runs of these sizes (`_queue_copy_runs`), None: one by one.
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         resident_rows = pairs.of(resident)  # expert by expert in ascending id
         by_slot = sorted(resident, key=bank.gpu_slot.__getitem__)  # the GPU's work goes slot by slot
@@ -634,9 +634,9 @@ class OffloadExecutor:
             resident = by_slot
         sizes = [pairs.count[e] for e in resident]
         grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu)
-        chunks = _runs_by_id(to_copy, chunk_sizes) if to_copy and chunk_sizes else None
-        if chunks is not None:
-            to_copy = [e for chunk in chunks for e in chunk]  # slot order: each chunk's experts by id
+        runs = _runs_by_id(to_copy, run_sizes) if to_copy and run_sizes else None
+        if runs is not None:
+            to_copy = [e for run in runs for e in run]  # slot order: each run's experts by id
         pair_rows = np.concatenate([resident_rows] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         ends = np.zeros(0, dtype=np.int32)
@@ -645,9 +645,9 @@ class OffloadExecutor:
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
             ends = np.cumsum(tokens)
         resident_ends = len(ends)
-        if chunks is not None:  # each chunk's cumulative token counts per slot, from 0, after the resident ends
-            ends = np.concatenate([_aligned(ends)] + [_aligned(np.cumsum([pairs.count[e] for e in chunk]))
-                                                      for chunk in chunks])
+        if runs is not None:  # each run's cumulative token counts per slot, from 0, after the resident ends
+            ends = np.concatenate([_aligned(ends)] + [_aligned(np.cumsum([pairs.count[e] for e in run]))
+                                                      for run in runs])
             resident_ends = _padded(resident_ends)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host tens of
         # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
@@ -658,10 +658,10 @@ class OffloadExecutor:
         index = index.to(self.device, non_blocking=True)
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)
         xs = x.index_select(0, token_rows)
-        if chunks is None:
+        if runs is None:
             copies = self._start_copies(bank, to_copy)
-        else:  # the first chunk's copies before the resident experts' launch: the link starts at once
-            copies = self._start_copies(bank, chunks[0], first_slot=0)
+        else:  # the first run's copies before the resident experts' launch: the link starts at once
+            copies = self._start_copies(bank, runs[0], first_slot=0)
         ys, at = [], 0
         if grouped:
             at = sum(sizes)
@@ -671,8 +671,8 @@ class OffloadExecutor:
                 slot = bank.gpu_slot[e]
                 ys.append(expert_forward(xs[at:at + n], bank.gpu.expert(slot)))
                 at += n
-        if chunks is not None:
-            ys += self._queue_chunks(bank, xs[at:], chunks, copies, pairs, index[4 * m + resident_ends:])
+        if runs is not None:
+            ys += self._queue_copy_runs(bank, xs[at:], runs, copies, pairs, index[4 * m + resident_ends:])
             return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
         for e, (slot, ready) in copies.items():
             n = pairs.count[e]
@@ -681,31 +681,31 @@ class OffloadExecutor:
             at += n
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
 
-    def _queue_chunks(self, bank: LayerBank, xs, chunks: list[list[int]], first: dict, pairs: "_Pairs", ends) -> list:
-        """The copied experts' outputs, chunk by chunk: each chunk's experts sit in consecutive staging slots, and
+    def _queue_copy_runs(self, bank: LayerBank, xs, runs: list[list[int]], first: dict, pairs: "_Pairs", ends) -> list:
+        """The copied experts' outputs, run by run: each copy run's experts sit in consecutive staging slots, and
         once their copies landed one grouped launch computes them all (a copied expert computed alone costs the host
-        more than its link time: docs/measurements.md, "Prefill's copies"). The next chunk's copies are queued before
-        this chunk's launch, so the link keeps busy while the host launches. `first`: the first chunk's copies,
-        already queued; ends: each chunk's cumulative token counts, on the device, one after another, each from a
+        more than its link time: docs/measurements.md, "Prefill's copies"). The next run's copies are queued before
+        this run's launch, so the link keeps busy while the host launches. `first`: the first run's copies,
+        already queued; ends: each run's cumulative token counts, on the device, one after another, each from a
         16-byte boundary (`_aligned`)."""
         ys, at, slot, copies = [], 0, 0, first
-        for i, chunk in enumerate(chunks):
+        for i, run in enumerate(runs):
             ready = next(iter(copies.values()))[1]
-            if i + 1 < len(chunks):
-                copies = self._start_copies(bank, chunks[i + 1], first_slot=slot + len(chunk))
-            n = sum(pairs.count[e] for e in chunk)
-            stack = self.staging_stack.span(slot, slot + len(chunk))
-            ys.append(self._compute_chunk(xs[at:at + n], stack, ends[:len(chunk)], ready,
-                                          [pairs.count[e] for e in chunk]))
+            if i + 1 < len(runs):
+                copies = self._start_copies(bank, runs[i + 1], first_slot=slot + len(run))
+            n = sum(pairs.count[e] for e in run)
+            stack = self.staging_stack.span(slot, slot + len(run))
+            ys.append(self._compute_copy_run(xs[at:at + n], stack, ends[:len(run)], ready,
+                                             [pairs.count[e] for e in run]))
             if not self.simulated:
                 done = torch.cuda.current_stream(self.device).record_event()
-                self.slot_free[slot:slot + len(chunk)] = [done] * len(chunk)
-            ends, at, slot = ends[_padded(len(chunk)):], at + n, slot + len(chunk)
+                self.slot_free[slot:slot + len(run)] = [done] * len(run)
+            ends, at, slot = ends[_padded(len(run)):], at + n, slot + len(run)
         return ys
 
     @staticmethod
-    def _compute_chunk(xs, stack: ExpertWeights, ends, ready, sizes: list[int]):
-        """xs's rows, grouped by the experts of the staging run `stack` (token counts `sizes`), once `ready` (their
+    def _compute_copy_run(xs, stack: ExpertWeights, ends, ready, sizes: list[int]):
+        """xs's rows, grouped by the experts of the copy run `stack` (token counts `sizes`), once `ready` (their
         copies' event; None on the simulated tier) has passed: one grouped launch where the kernels take it."""
         if ready is not None:
             torch.cuda.current_stream(xs.device).wait_event(ready)
@@ -752,8 +752,8 @@ class OffloadExecutor:
     def _start_copies(self, bank: LayerBank, experts, first_slot: int | None = None) -> dict:
         """Queue host-to-GPU copies of `experts` into staging slots; expert -> (slot, ready event).
 
-        first_slot given (a chunk, `_queue_chunks`): into slots first_slot, first_slot + 1, ... in the order given,
-        each run of consecutive ids as one copy, with one event for them all."""
+        first_slot given (a copy run, `_queue_copy_runs`): into slots first_slot, first_slot + 1, ... in the order
+        given, each span of consecutive ids as one copy (`_id_spans`), with one event for them all."""
         if first_slot is not None:
             return self._copy_run(bank, experts, first_slot)
         started = {}
@@ -770,9 +770,9 @@ class OffloadExecutor:
 
     def _copy_run(self, bank: LayerBank, experts: list[int], first: int) -> dict:
         slots = range(first, first + len(experts))
-        runs = _id_runs(experts)
+        spans = _id_spans(experts)
         if self.simulated:
-            for e, n, at in runs:
+            for e, n, at in spans:
                 self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n))
             return {e: (slot, None) for e, slot in zip(experts, slots)}
         with torch.cuda.stream(self.copy_stream):
@@ -781,13 +781,13 @@ class OffloadExecutor:
                 if event is not None and id(event) not in waited:  # the kernels still reading these slots
                     self.copy_stream.wait_event(event)
                     waited.add(id(event))
-            for e, n, at in runs:
+            for e, n, at in spans:
                 self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n), non_blocking=True)
             ready = self.copy_stream.record_event()
         return {e: (slot, ready) for e, slot in zip(experts, slots)}
 
 
-_ALIGN = 4  # int32 words: each chunk's ends start on a 16-byte boundary, as the resident ones do
+_ALIGN = 4  # int32 words: each copy run's ends start on a 16-byte boundary, as the resident ones do
 
 
 def _padded(n: int) -> int:
@@ -800,23 +800,23 @@ def _aligned(words: np.ndarray) -> np.ndarray:
 
 
 def _runs_by_id(experts: list[int], sizes: list[int]) -> list[list[int]]:
-    """`experts` (in copy order) cut into consecutive chunks of `sizes`, each chunk sorted by id so that
-    neighbouring ids share one copy (`_id_runs`)."""
-    chunks, at = [], 0
+    """`experts` (in copy order) cut into consecutive copy runs of `sizes`, each run sorted by id so that
+    neighbouring ids share one copy (`_id_spans`)."""
+    runs, at = [], 0
     for size in sizes:
         if size > 0:
-            chunks.append(sorted(experts[at:at + size]))
+            runs.append(sorted(experts[at:at + size]))
         at += size
-    assert at == len(experts), "chunk sizes must add up to the copies"
-    return chunks
-
-
-def _id_runs(experts: list[int]) -> list[tuple[int, int, int]]:
-    """(first id, length, offset in `experts`) of each run of consecutive ids in `experts` (sorted)."""
-    runs = []
-    for i, e in enumerate(experts):
-        if runs and e == runs[-1][0] + runs[-1][1]:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
-        else:
-            runs.append((e, 1, i))
+    assert at == len(experts), "copy run sizes must add up to the copies"
     return runs
+
+
+def _id_spans(experts: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, length, offset in `experts`) of each span of consecutive ids in `experts` (sorted): one copy each."""
+    spans = []
+    for i, e in enumerate(experts):
+        if spans and e == spans[-1][0] + spans[-1][1]:
+            spans[-1] = (spans[-1][0], spans[-1][1] + 1, spans[-1][2])
+        else:
+            spans.append((e, 1, i))
+    return spans

@@ -22,7 +22,7 @@ from moedesk.engine.offload.expert_cache import CachePolicy, SwapPrice, policy_f
 from moedesk.engine.offload.latency_model import LatencyModel, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.engine.offload.pinned_memory import HostBanks
-from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, chunk_limit, copy_chunks,
+from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded, copy_run_limit, copy_runs,
                                                fiddler_assign, lone_token_split, resident_on_cpu, split_width,
                                                zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
@@ -117,19 +117,19 @@ class ExpertOrchestra:
         uniform = [[0] * first.num_experts for _ in banks]
         orchestra = cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
                         profile_key=key, profile=points, top_k=top_k)
-        orchestra.batch_copies(balanced and overlap and copies_batched_wanted(), balanced)
+        orchestra.group_copies(balanced and overlap and grouped_copies_wanted(), balanced)
         return orchestra
 
-    def batch_copies(self, on: bool, balanced: bool = True) -> None:
-        """Compute a prefill step's copied experts in chunks, one grouped launch each, and price its split so
-        (engine.offload.assignment.copy_chunks, assign_offloaded's batched); off: each copied expert on its own and
+    def group_copies(self, on: bool, balanced: bool = True) -> None:
+        """Compute a prefill step's copied experts in copy runs, one grouped launch each, and price its split so
+        (engine.offload.assignment.copy_runs, assign_offloaded's grouped_copies); off: each copied expert on its own and
         priced so, as before. Settable on a running model, for measuring both on one build (profile_prefill.py)."""
         costs, overlap = self.costs, self.executor.overlap_copies
-        rule = partial(assign_offloaded, overlap=overlap, batched=on) if balanced else fiddler_assign
+        rule = partial(assign_offloaded, overlap=overlap, grouped_copies=on) if balanced else fiddler_assign
         self.executor.decide = RememberedSplit(lambda loads: rule(loads, costs))
         host = next(iter(self.executor.banks.values())).host
-        limit = chunk_limit(host.hidden, host.width)
-        self.executor.copy_chunks = (lambda loads, copy: copy_chunks(loads, copy, costs, limit)) if on else None
+        limit = copy_run_limit(host.hidden, host.width)
+        self.executor.copy_runs = (lambda loads, copy: copy_runs(loads, copy, costs, limit)) if on else None
 
     def twin(self) -> "ExpertOrchestra":
         """Another orchestra over the same host experts, latency model and popularity, with an executor of its own
@@ -143,7 +143,7 @@ class ExpertOrchestra:
                                    old.device, decide=decide, staging_slots=len(old.staging),
                                    resident_to_cpu=old.resident_to_cpu, zero_copy_ranks=old.zero_copy_ranks,
                                    split_width=old.split_width, overlap_copies=old.overlap_copies,
-                                   copy_chunks=old.copy_chunks)
+                                   copy_runs=old.copy_runs)
         return replace(self, executor=executor, placement=None, budget_bytes=0, warnings=[])
 
     def cpu_path(self) -> str:
@@ -231,9 +231,9 @@ def measure_profile(first, top_k: int, device: torch.device, dtype: torch.dtype 
     return points
 
 
-def copies_batched_wanted() -> bool:
+def grouped_copies_wanted() -> bool:
     """MOEDESK_COPIES_ONE_BY_ONE=1 computes a prefill's copied experts one by one and prices them so, as before the
-    chunks (`ExpertOrchestra.batch_copies`): for measuring the difference."""
+    copy runs (`ExpertOrchestra.group_copies`): for measuring the difference."""
     return os.environ.get("MOEDESK_COPIES_ONE_BY_ONE", "").strip().lower() in ("", "0", "false", "no")
 
 

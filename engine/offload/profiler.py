@@ -382,9 +382,9 @@ def copy_launch_prefill_ms(w: ExpertWeights, dtype, device, tokens=(16, 64), cop
 
 
 def copy_queue_prefill_ms(w: ExpertWeights, device, copies: int = 16, repeat: int = 5) -> dict:
-    """Host time per copy when a prefill step's chunk queues `copies` experts' copies back to back, no two of them
+    """Host time per copy when a prefill step's copy run queues `copies` experts' copies back to back, no two of them
     neighbours (so each its own copy), with one event for them all, as OffloadExecutor._copy_run does:
-    {"copy_queue_prefill_ms": ms}. Their compute is one grouped launch a chunk, which `copy_launch_prefill_ms` prices."""
+    {"copy_queue_prefill_ms": ms}. Their compute is one grouped launch a run, which `copy_launch_prefill_ms` prices."""
     copies = max(1, min(copies, (w.num_experts + 1) // 2))
     staging = w.expert(0).empty_like(device, experts=copies)
     side = torch.cuda.Stream(device)

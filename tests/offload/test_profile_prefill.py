@@ -73,14 +73,14 @@ def test_the_script_profiles_a_prefill_on_the_cpu_and_ends_with_one_row_a_shape(
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_compare_measures_copies_one_by_one_then_in_chunks_on_one_build(tmp_path, monkeypatch, capsys):
+def test_compare_measures_copies_one_by_one_then_grouped_on_one_build(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
     rows = pp.main(["tiny-qwen35:4", "--device", "cpu", "--tokens", "48", "--expert-format", "dense", "--compare",
                     "--no-trace"])
     out = capsys.readouterr().out
-    assert [row["shape"] for row in rows] == ["tiny-qwen35:4/one-by-one", "tiny-qwen35:4/chunked"]
+    assert [row["shape"] for row in rows] == ["tiny-qwen35:4/one-by-one", "tiny-qwen35:4/grouped"]
     assert all(row["tok/s"] > 0 and row["experts"] > 0 for row in rows)
-    assert out.count("built tiny-qwen35") == 1 and "one by one: as before" in out and "chunked: one grouped" in out
+    assert out.count("built tiny-qwen35") == 1 and "one by one: as before" in out and "grouped: one launch" in out
     assert [line.split()[0] for line in out.strip().splitlines()[-2:]] == [row["shape"] for row in rows]
     assert not list(tmp_path.glob("prefill-trace-*"))

@@ -17,8 +17,8 @@ then:
    (weights to the GPU), other transfers (the routing and tokens to the host, the CPU's results back) and kernels;
    the trace goes to $OUT/prefill-trace-SHAPE.json.gz.
 --compare measures each shape twice on one build: first with a prefill step's copied experts computed one by one and
-priced so (as before 2026-11-29, MOEDESK_COPIES_ONE_BY_ONE=1), then in chunks of one grouped launch each
-(engine.offload.assignment.copy_chunks); the profiled prefill (step 3) only for the second.
+priced so (as before 2026-11-29, MOEDESK_COPIES_ONE_BY_ONE=1), then in copy runs of one grouped launch each
+(engine.offload.assignment.copy_runs); the profiled prefill (step 3) only for the second.
 The whole output also goes to $OUT/profile_prefill.txt (OUT unset: the current folder); the short table comes last.
 The marks are module hooks and a wrapper around the executor's methods set up here: engine/ has no profiling code.
 """
@@ -210,7 +210,7 @@ def profile_prefill(model, executor, cfg, run, cuda: bool):
 
 @dataclass
 class ShapeResult:
-    spec: str  # SHAPE:LAYERS, with "/one-by-one" or "/chunked" under --compare
+    spec: str  # SHAPE:LAYERS, with "/one-by-one" or "/grouped" under --compare
     expert_format: str
     tokens: int
     tok_s: float
@@ -237,11 +237,11 @@ def profile_shape(spec: str, args, say) -> list[ShapeResult]:
         results = [measure_shape(spec, fmt, bench, args, say, trace=not args.no_trace)]
     else:
         results = []
-        for chunked in (False, True):
-            bench.orchestra.batch_copies(chunked)
-            say(f"\n--- {'chunked: one grouped launch a chunk of copies' if chunked else 'one by one: as before'}")
-            results.append(measure_shape(f"{spec}/{'chunked' if chunked else 'one-by-one'}", fmt, bench, args, say,
-                                         trace=chunked and not args.no_trace))
+        for grouped in (False, True):
+            bench.orchestra.group_copies(grouped)
+            say(f"\n--- {'grouped: one launch a copy run' if grouped else 'one by one: as before'}")
+            results.append(measure_shape(f"{spec}/{'grouped' if grouped else 'one-by-one'}", fmt, bench, args, say,
+                                         trace=grouped and not args.no_trace))
     device = bench.device
     del bench
     gc.collect()
@@ -346,7 +346,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--no-trace", action="store_true", help="no profiled prefill (no tables, no trace)")
     parser.add_argument("--compare", action="store_true", help="each shape's copies one by one (as before), then in "
-                        "chunks of one grouped launch, on one build")
+                        "copy runs of one grouped launch, on one build")
     args = parser.parse_args(argv)
     args.out = os.environ.get("OUT") or "."
     os.makedirs(args.out, exist_ok=True)

@@ -1,5 +1,5 @@
-"""A prefill step's copied experts computed in chunks, one grouped launch each (engine.offload.assignment's
-copy_chunks and batched pricing, OffloadExecutor's copy_chunks): the timeline's arithmetic, the split priced from the
+"""A prefill step's copied experts computed in copy runs, one grouped launch each (engine.offload.assignment's
+copy_runs and grouped_copies pricing, OffloadExecutor's copy_runs): the timeline's arithmetic, the split priced from the
 numbers session 36 measured on the H200 box, and the executor's results on the simulated tier."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moedesk.engine.offload import offload_executor as oe
-from moedesk.engine.offload.assignment import (BATCHED_MIN_LOAD, Contended, assign_offloaded, assignment_for,
-                                               chunk_limit, chunked_gpu_ms, copy_chunks, mean_load)
+from moedesk.engine.offload.assignment import (GROUPED_COPIES_MIN_LOAD, Contended, assign_offloaded, assignment_for,
+                                               copy_run_limit, copy_runs_gpu_ms, copy_runs, mean_load)
 from moedesk.engine.offload.latency_model import ProfileError, fit_latency_model
 from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
 from moedesk.engine.runtime import Engine
@@ -22,31 +22,32 @@ def timeline_model(link=1.0, queue=0.5, launch=2.0, gpu=lambda tokens: 3.0):
                            gpu_expert_ms=gpu)
 
 
-def test_the_chunked_timeline_queues_the_next_chunks_copies_before_this_chunks_launch():
+def test_the_copy_runs_timeline_queues_the_next_runs_copies_before_this_runs_launch():
     model = timeline_model()
-    # One chunk: copies queued at 0.5 and 1.0 land at 1.5 and 2.5; the launch is queued at 3.0; computed by 6.0.
-    assert chunked_gpu_ms([4, 4], [2], model) == pytest.approx(6.0)
-    # Two: both chunks' copies first (ready 1.5, 2.5), launches at 3.0 and 5.0: 6.0, then 9.0.
-    assert chunked_gpu_ms([4, 4], [1, 1], model) == pytest.approx(9.0)
-    assert copy_chunks({0: 4, 1: 4}, [0, 1], model) == [2]  # a dear launch: one chunk
-    # A cheap launch and compute that grows with the tokens: chunks overlap the compute with the link.
+    # One run: copies queued at 0.5 and 1.0 land at 1.5 and 2.5; the launch is queued at 3.0; computed by 6.0.
+    assert copy_runs_gpu_ms([4, 4], [2], model) == pytest.approx(6.0)
+    # Two: both runs' copies first (ready 1.5, 2.5), launches at 3.0 and 5.0: 6.0, then 9.0.
+    assert copy_runs_gpu_ms([4, 4], [1, 1], model) == pytest.approx(9.0)
+    assert copy_runs({0: 4, 1: 4}, [0, 1], model) == [2]  # a dear launch: one run
+    # A cheap launch and compute that grows with the tokens: runs overlap the compute with the link.
     cheap = timeline_model(queue=0.0, launch=0.1, gpu=lambda tokens: float(tokens) / 4)
-    assert chunked_gpu_ms([4] * 4, [4], cheap) == pytest.approx(8.0)
-    assert chunked_gpu_ms([4] * 4, [1, 1, 1, 1], cheap) == pytest.approx(5.0)
-    assert copy_chunks({e: 4 for e in range(4)}, [0, 1, 2, 3], cheap) == [1, 1, 1, 1]
-    # Nine: three chunks and four both end at 12 (the last chunk after the last copy); the fewer launches win.
-    assert chunked_gpu_ms([4] * 9, [3, 2, 2, 2], cheap) == pytest.approx(12.0)
-    assert copy_chunks({e: 4 for e in range(9)}, list(range(9)), cheap) == [3, 3, 3]
+    assert copy_runs_gpu_ms([4] * 4, [4], cheap) == pytest.approx(8.0)
+    assert copy_runs_gpu_ms([4] * 4, [1, 1, 1, 1], cheap) == pytest.approx(5.0)
+    assert copy_runs({e: 4 for e in range(4)}, [0, 1, 2, 3], cheap) == [1, 1, 1, 1]
+    # Nine: three runs and four both end at 12 (the last run after the last copy); the fewer launches win.
+    assert copy_runs_gpu_ms([4] * 9, [3, 2, 2, 2], cheap) == pytest.approx(12.0)
+    assert copy_runs({e: 4 for e in range(9)}, list(range(9)), cheap) == [3, 3, 3]
 
 
 def test_decode_steps_keep_their_copies_one_by_one_and_their_split():
-    """A decode step's few tokens an expert: no chunks, and the split priced exactly as before."""
+    """A decode step's few tokens an expert: no runs, and the split priced exactly as before."""
     model = fit_latency_model(qwen35_profile(launch=0.55, queue=0.06))
     decode = {e: 1 + (e % 3 == 0) for e in range(40)}  # 16 sequences' top-8 over 256 experts: ~1.3 an expert
-    assert mean_load(decode) < BATCHED_MIN_LOAD
-    assert copy_chunks(decode, [0, 1, 2], model) is None
-    assert assign_offloaded(decode, model, overlap=True, batched=True) == assign_offloaded(decode, model, overlap=True)
-    assert copy_chunks(dict(enumerate(LAYER_LOADS)), [], model) is None  # nothing copied
+    assert mean_load(decode) < GROUPED_COPIES_MIN_LOAD
+    assert copy_runs(decode, [0, 1, 2], model) is None
+    grouped = assign_offloaded(decode, model, overlap=True, grouped_copies=True)
+    assert grouped == assign_offloaded(decode, model, overlap=True)
+    assert copy_runs(dict(enumerate(LAYER_LOADS)), [], model) is None  # nothing copied
 
 
 # Tokens per active expert of a 512-token prefill in the third MoE layer of the synthetic Qwen3.5-35B-A3B (bench's
@@ -80,7 +81,7 @@ def test_qwen35s_prefill_step_was_bound_by_launching_each_copied_expert_not_by_t
     the trace shows the host thread queueing one copied expert's compute after another (0.66 ms each, 0.12 for its
     copy) until the step's end, the CPU done ~4 ms before. Priced one by one at the launch measured with the CPU
     idle (0.55), the split balanced both sides near 7.6 ms; at the 0.9 a copied expert really cost the host beside
-    the CPU's call, the GPU's side is the step's critical path. Chunked (one launch, a copy queued at ~0.06), the
+    the CPU's call, the GPU's side is the step's critical path. Grouped (one launch, a copy queued at ~0.06), the
     split copies three times as many experts and the step is predicted at half or less."""
     loads = dict(enumerate(LAYER_LOADS))
     assert len(loads) == 123 and sum(loads.values()) == 4096
@@ -93,26 +94,27 @@ def test_qwen35s_prefill_step_was_bound_by_launching_each_copied_expert_not_by_t
     assert 11 < measured.makespan_ms < 14
 
     model = fit_latency_model(qwen35_profile(launch=0.78, queue=0.06))
-    after = assign_offloaded(loads, model, overlap=True, batched=True)
+    after = assign_offloaded(loads, model, overlap=True, grouped_copies=True)
     assert len(after.copy) >= 3 * len(before.copy)
     assert after.makespan_ms < 0.35 * measured.makespan_ms
     assert max(loads[e] for e in after.cpu) <= min(loads[e] for e in after.copy)  # the CPU keeps the lightest
-    # The executor's chunks: with a copy queued slower than the link carries it, one launch; its timeline agrees
+    # The executor's runs: with a copy queued slower than the link carries it, one launch; its timeline agrees
     # with the split's price of the GPU's side.
-    sizes = copy_chunks(loads, list(after.copy), model)
+    sizes = copy_runs(loads, list(after.copy), model)
     assert sizes == [len(after.copy)]
-    assert chunked_gpu_ms([loads[e] for e in after.copy], sizes, model) == pytest.approx(after.gpu_finish_ms, rel=0.15)
+    timeline = copy_runs_gpu_ms([loads[e] for e in after.copy], sizes, model)
+    assert timeline == pytest.approx(after.gpu_finish_ms, rel=0.15)
 
 
-def test_a_chunk_holds_no_more_experts_than_its_scratch_allows():
-    """gpt-oss-120b's experts (H 2880, F 2880) dequantised to bf16 take 50 MB each: 21 a chunk within a GiB."""
-    assert chunk_limit(2880, 2880) == 21 and chunk_limit(2048, 512) == 170 and chunk_limit(10**5, 10**5) == 1
+def test_a_copy_run_holds_no_more_experts_than_its_scratch_allows():
+    """gpt-oss-120b's experts (H 2880, F 2880) dequantised to bf16 take 50 MB each: 21 a run within a GiB."""
+    assert copy_run_limit(2880, 2880) == 21 and copy_run_limit(2048, 512) == 170 and copy_run_limit(10**5, 10**5) == 1
     cheap = timeline_model(queue=0.0, launch=0.1, gpu=lambda tokens: float(tokens) / 4)
     loads = {e: 16 for e in range(100)}
-    # MAX_CHUNKS counts from the fewest the limit allows (5) up: a dear launch takes the fewest, a cheap one
+    # MAX_COPY_RUNS counts from the fewest the limit allows (5) up: a dear launch takes the fewest, a cheap one
     # the most tried.
-    assert copy_chunks(loads, list(range(100)), timeline_model(), limit=21) == [20] * 5
-    assert copy_chunks(loads, list(range(100)), cheap, limit=21) == [13] * 4 + [12] * 4
+    assert copy_runs(loads, list(range(100)), timeline_model(), limit=21) == [20] * 5
+    assert copy_runs(loads, list(range(100)), cheap, limit=21) == [13] * 4 + [12] * 4
 
 
 def test_the_profile_reads_a_copys_queueing_and_refuses_a_bad_one():
@@ -122,9 +124,9 @@ def test_the_profile_reads_a_copys_queueing_and_refuses_a_bad_one():
         fit_latency_model(qwen35_profile(0.5, queue=-1.0))
 
 
-def test_chunks_are_sorted_by_id_and_neighbouring_ids_share_a_copy():
+def test_copy_runs_are_sorted_by_id_and_neighbouring_ids_share_a_copy():
     assert oe._runs_by_id([9, 3, 4, 7, 5, 1], [4, 2]) == [[3, 4, 7, 9], [1, 5]]
-    assert oe._id_runs([3, 4, 5, 7, 9, 10]) == [(3, 3, 0), (7, 1, 3), (9, 2, 4)]
+    assert oe._id_spans([3, 4, 5, 7, 9, 10]) == [(3, 3, 0), (7, 1, 3), (9, 2, 4)]
     with pytest.raises(AssertionError):
         oe._runs_by_id([1, 2, 3], [2])
 
@@ -136,8 +138,8 @@ def mixtral(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("resident", [0, 3])
-def test_chunked_copies_compute_what_copies_one_by_one_do(mixtral, resident):
-    """With or without resident experts before them (whose group ends precede the chunks' in the index)."""
+def test_grouped_copies_compute_what_copies_one_by_one_do(mixtral, resident):
+    """With or without resident experts before them (whose group ends precede the runs' in the index)."""
     engine, banks = mixtral
     layer = min(banks)
     experts = banks[layer].num_experts
@@ -147,28 +149,28 @@ def test_chunked_copies_compute_what_copies_one_by_one_do(mixtral, resident):
     ids = torch.stack([torch.randperm(experts)[:2] for _ in range(24)])
     moe = SimpleNamespace(layer=layer)
     outputs, staged = {}, {}
-    for name, chunks in (("one by one", None), ("chunked", lambda loads, copy: [2, len(copy) - 2]),
+    for name, runs in (("one by one", None), ("grouped", lambda loads, copy: [2, len(copy) - 2]),
                          ("all-cpu", None)):
-        # copies in descending id (decide's order), which the chunks sort back within themselves
+        # copies in descending id (decide's order), which the runs sort back within themselves
         decide = (lambda loads: (sorted(loads), [])) if name == "all-cpu" else \
             (lambda loads: ([], sorted(loads, reverse=True)))
-        executor = OffloadExecutor(banks, nothing, "cpu", decide, copy_chunks=chunks)
+        executor = OffloadExecutor(banks, nothing, "cpu", decide, copy_runs=runs)
         outputs[name] = executor.expert_outputs(moe, x, ids).clone()
         staged[name] = executor.staging_stack
         assert executor.stats.copied_experts == (0 if name == "all-cpu" else experts - resident)
         assert executor.stats.gpu_experts == resident
-    torch.testing.assert_close(outputs["chunked"], outputs["one by one"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(outputs["chunked"], outputs["all-cpu"], rtol=1e-4, atol=1e-4)
-    # Each chunk holds its experts in id order, in consecutive slots: the two highest ids, then the others.
+    torch.testing.assert_close(outputs["grouped"], outputs["one by one"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["grouped"], outputs["all-cpu"], rtol=1e-4, atol=1e-4)
+    # Each run holds its experts in id order, in consecutive slots: the two highest ids, then the others.
     offloaded = list(range(resident, experts))
     slots = offloaded[-2:] + offloaded[:-2]
     host = banks[layer]
     for slot, e in enumerate(slots):
-        assert torch.equal(staged["chunked"].gate_up[slot], host.gate_up[e])
-        assert torch.equal(staged["chunked"].down[slot], host.down[e])
+        assert torch.equal(staged["grouped"].gate_up[slot], host.gate_up[e])
+        assert torch.equal(staged["grouped"].down[slot], host.down[e])
 
 
-def test_chunked_copies_keep_the_reference_tokens(tiny_checkpoint):
+def test_grouped_copies_keep_the_reference_tokens(tiny_checkpoint):
     from moedesk.engine.requests import Request, SamplingParams
     from tests.reference import hf_greedy, hf_model
 
@@ -181,18 +183,18 @@ def test_chunked_copies_keep_the_reference_tokens(tiny_checkpoint):
     banks = stack_experts(engine.model, pinned=False)
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
-    chunked = []  # the steps whose copies went in chunks: the path under test ran, not only one by one
+    grouped = []  # the steps whose copies went in copy runs: the path under test ran, not only one by one
     engine.executor = OffloadExecutor(banks, nothing, "cpu", half, overlap_copies=True,
-                                      copy_chunks=lambda loads, copy: chunked.append(len(copy)) or [1] * len(copy))
+                                      copy_runs=lambda loads, copy: grouped.append(len(copy)) or [1] * len(copy))
     [done] = engine.generate([Request(prompt, params)])
     assert done.token_ids == expected
-    assert engine.executor.stats.copied_experts > 0 and sum(chunked) == engine.executor.stats.copied_experts
+    assert engine.executor.stats.copied_experts > 0 and sum(grouped) == engine.executor.stats.copied_experts
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "q4_k", "mxfp4"])
-def test_chunked_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
-    """The CUDA side: copies of id runs on the copy stream, one event a chunk, each chunk one grouped launch, the slots
+def test_grouped_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
+    """The CUDA side: copies of id spans on the copy stream, one event a run, each run one grouped launch, the slots
     reused by the next step only after its kernels; layer after layer, resident experts beside them, against the same
     steps with each copied expert computed alone. 32 tokens an expert: q4_k's prefill route (bf16 scratch)."""
     if not torch.cuda.is_available():
@@ -214,15 +216,15 @@ def test_chunked_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
     x = torch.randn(tokens, hidden, device="cuda").bfloat16()
     ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
     results = {}
-    for name, chunks in (("alone", None), ("chunked", lambda loads, copy: [3, 5, len(copy) - 8])):
-        executor = OffloadExecutor(banks, on_gpu, "cuda", copy_all, copy_chunks=chunks)
+    for name, runs in (("alone", None), ("grouped", lambda loads, copy: [3, 5, len(copy) - 8])):
+        executor = OffloadExecutor(banks, on_gpu, "cuda", copy_all, copy_runs=runs)
         results[name] = [executor.expert_outputs(SimpleNamespace(layer=layer), x, ids).float().cpu()
                          for layer in (0, 1, 2, 0)]
         assert executor.stats.copied_experts == 4 * (experts - 2) and executor.stats.gpu_experts == 4 * 2
-    for alone, chunked in zip(results["alone"], results["chunked"]):
-        torch.testing.assert_close(chunked, alone, rtol=2e-2, atol=2e-2)
+    for alone, grouped in zip(results["alone"], results["grouped"]):
+        torch.testing.assert_close(grouped, alone, rtol=2e-2, atol=2e-2)
     # The same step again, its slots reused after three steps' copies
-    torch.testing.assert_close(results["chunked"][3], results["chunked"][0], rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(results["grouped"][3], results["grouped"][0], rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
@@ -238,7 +240,7 @@ def test_a_copys_queueing_is_host_time_only():
     assert 0.002 < ms < 1.0  # two API calls a copy, never the 12 MiB copy waited for (~0.3 ms)
 
 
-def test_the_exact_split_of_a_batched_step_equals_brute_force():
+def test_the_exact_split_of_a_grouped_copies_step_equals_brute_force():
     """The step's one launch (`copy_step_ms`) comes after the copies' pipeline: the exact search once folded it into a
     partial split's GPU finish, where a later group's link-bound copies absorbed it, and chose slower splits than the
     best."""
@@ -251,7 +253,7 @@ def test_the_exact_split_of_a_batched_step_equals_brute_force():
     for _ in range(120):
         model = fit_latency_model(qwen35_profile(launch=rng.uniform(0.2, 1.2), queue=rng.uniform(0.0, 0.1)))
         loads = {e: rng.choice([4, 8, 16, 32, 64, 128]) for e in range(rng.randint(3, 9))}
-        groups = assignment._group(loads, Contended(model, mean_load(loads), overlap=True, batched=True), 0.0,
+        groups = assignment._group(loads, Contended(model, mean_load(loads), overlap=True, grouped_copies=True), 0.0,
                                    mean_load(loads))
         assert groups.copy_step > 0
         best = min(groups.makespan(x) for x in itertools.product(*(range(m + 1) for m in groups.sizes)))
