@@ -32,6 +32,13 @@ def global_scope_of(stderr: str, library: str) -> list[str]:
     raise AssertionError(f"ld.so reported no scope for {library}")
 
 
+def libllama_scope(code: str) -> list[str]:
+    """The global scope llama.cpp's libllama got when `code` ran in a fresh Python."""
+    done = run(code, LD_DEBUG="scopes")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return global_scope_of(done.stderr, "libllama.so")
+
+
 @linux
 def test_importing_moedesk_puts_libstdcxx_in_the_global_scope_before_torch():
     code = ("import ctypes, sys; everywhere = ctypes.CDLL(None); symbol = '_ZSt9terminatev'  # std::terminate\n"
@@ -49,9 +56,7 @@ def test_importing_moedesk_puts_libstdcxx_in_the_global_scope_before_torch():
 def test_llama_cpps_library_opened_after_torch_finds_libstdcxx_ahead_of_torchs_libraries():
     """The product's path: the CLI's import, then torch, then llama.cpp's library, as Engine.load does them."""
     pytest.importorskip("llama_cpp")
-    done = run("import moedesk.app.cli, torch, llama_cpp", LD_DEBUG="scopes")
-    assert done.returncode == 0, done.stderr[-2000:]
-    scope = global_scope_of(done.stderr, "libllama.so")
+    scope = libllama_scope("import moedesk.app.cli, torch, llama_cpp")
     cxx = next(i for i, path in enumerate(scope) if "libstdc++" in os.path.basename(path))
     torch_libs = [i for i, path in enumerate(scope) if f"{os.sep}torch{os.sep}" in path]
     assert torch_libs, scope  # torch's libtorch_global_deps is opened RTLD_GLOBAL: it is there to be beaten
@@ -62,9 +67,7 @@ def test_llama_cpps_library_opened_after_torch_finds_libstdcxx_ahead_of_torchs_l
 def test_without_moedesk_torch_leaves_libstdcxx_out_of_the_global_scope():
     """What the preload changes: the same loads without moedesk's import (the order that crashed on CUDA)."""
     pytest.importorskip("llama_cpp")
-    done = run("import torch, llama_cpp", LD_DEBUG="scopes")
-    assert done.returncode == 0, done.stderr[-2000:]
-    scope = global_scope_of(done.stderr, "libllama.so")
+    scope = libllama_scope("import torch, llama_cpp")
     before_torch = scope[:min(i for i, path in enumerate(scope) if f"{os.sep}torch{os.sep}" in path)]
     assert not any("libstdc++" in os.path.basename(path) for path in before_torch), scope
 
