@@ -234,8 +234,9 @@ def test_a_copys_queueing_is_host_time_only():
     from moedesk.engine.offload.profiler import copy_queue_prefill_ms
 
     hidden, width = 2048, 1024
-    w = ExpertWeights(torch.randn(8, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
-                      torch.randn(8, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+    from tests.offload.test_gpu_profiler import pinned_bf16_experts
+
+    w = pinned_bf16_experts(8, hidden, width)
     ms = copy_queue_prefill_ms(w, torch.device("cuda"), copies=4)["copy_queue_prefill_ms"]
     assert 0.002 < ms < 1.0  # two API calls a copy, never the 12 MiB copy waited for (~0.3 ms)
 

@@ -8,14 +8,19 @@ from moedesk.engine.offload.profiler import contention
 from moedesk.kernels.expert_weights import ExpertWeights
 
 
+def pinned_bf16_experts(count: int, hidden: int, width: int) -> ExpertWeights:
+    """Random bf16 experts in pinned host memory, as the profiler's copies read them."""
+    return ExpertWeights(torch.randn(count, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
+                         torch.randn(count, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+
+
 @pytest.mark.gpu
 def test_contention_measures_both_sides_while_they_overlap():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     # Four pinned bf16 experts of 24 MiB: the calls take them in turn, two at a time (megabytes=40).
     hidden, width = 2048, 2048
-    w = ExpertWeights(torch.randn(4, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
-                      torch.randn(4, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+    w = pinned_bf16_experts(4, hidden, width)
     factors = contention(w, torch.device("cuda"), tokens=(1, 8), megabytes=40)
     assert set(factors) == {"cpu_slowdown_during_copy", "copy_slowdown_during_cpu"}
     # Reading host memory on both sides can only slow each down, within reason; noise can put a factor
@@ -47,8 +52,7 @@ def test_copies_queued_back_to_back_are_timed_per_copy_at_each_load():
     from moedesk.engine.offload.profiler import copy_launch_prefill_ms
 
     hidden, width = 2048, 1024
-    w = ExpertWeights(torch.randn(8, 2 * width, hidden).to(torch.bfloat16).pin_memory(),
-                      torch.randn(8, hidden, width).to(torch.bfloat16).pin_memory(), hidden=hidden, width=width)
+    w = pinned_bf16_experts(8, hidden, width)
     points = copy_launch_prefill_ms(w, torch.bfloat16, torch.device("cuda"), tokens=(16, 64), copies=4)
     launches = points["copy_launch_prefill_ms"]
     # Host time per copy: API calls, never the 12 MiB copy waited for (~0.25 ms a copy at PCIe speed, 4 of them).
@@ -76,8 +80,7 @@ def test_zero_copy_split_is_measured_from_ram():
         pytest.skip("needs CUDA")
     from moedesk.engine.offload.profiler import profile_zero_copy, split_width_candidates
 
-    stacks = ExpertWeights(torch.randn(8, 2 * 768, 2048).to(torch.bfloat16).pin_memory(),
-                           torch.randn(8, 2048, 768).to(torch.bfloat16).pin_memory(), hidden=2048, width=768)
+    stacks = pinned_bf16_experts(8, 2048, 768)
     points = profile_zero_copy(stacks, 8, torch.device("cuda"))
     split = points["zero_copy_split_ms"]
     assert points["zero_copy_top_k"] == 8 and sorted(split) == [0, 1, 2, 3, 4]
