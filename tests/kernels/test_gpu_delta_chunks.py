@@ -90,8 +90,8 @@ def test_on_cuda_the_compiled_kernel_walks_as_the_torch_loop_does(monkeypatch):
     x = dict(q=q * dk ** -0.5, k=k, v=torch.randn(B, T, H, dv, device="cuda"),
              g=-torch.rand(B, T, H, device="cuda") * 0.05, beta=torch.rand(B, T, H, device="cuda"),
              state=torch.randn(B, H, dk, dv, device="cuda") * 0.3)
-    assert gpu_delta_chunks.fits(x["state"], 64, dk)
-    with torch.no_grad():
+    with torch.inference_mode():  # as the engine's forwards run: `fits` takes no walk that autograd would record
+        assert gpu_delta_chunks.fits(x["state"], 64, dk)
         out, last = chunked_delta_rule(**x)
         monkeypatch.setattr(gpu_delta_chunks, "fits", lambda *a: False)
         want_out, want_last = chunked_delta_rule(**x)

@@ -117,6 +117,26 @@ def test_prefill_through_the_chunk_walk_kernel_equals_transformers(family, built
     assert walks
 
 
+def test_every_way_the_engine_runs_a_prompt_asks_for_the_chunk_walk_with_gradients_off(built, monkeypatch):
+    """kernels.gpu_delta_chunks takes a prefill's walk only where no gradient is wanted (`fits`): were a path to run
+    its forward with autograd on, CUDA would silently take the torch loop. Plain batches (the decode thread), beam
+    search and speculation all ask with gradients off."""
+    from moedesk.kernels import gpu_delta_chunks
+
+    real, asked = gpu_delta_chunks.fits, []
+    monkeypatch.setattr(gpu_delta_chunks, "fits", lambda *a: asked.append(torch.is_grad_enabled()) or real(*a))
+    engine = Engine.load(str(built("qwen35moe").folder), device="cpu", dtype="float32")
+    ids = prompts(engine)[1:]
+    greedy(engine, ids, new=2)
+    plain = len(asked)
+    engine.beam_search(ids[0], beams=2, max_new_tokens=2)
+    beam = len(asked) - plain
+    mode, done, _ = next(speculate("qwen35moe", built))
+    assert mode == "greedy" and done
+    assert plain and beam and len(asked) > plain + beam
+    assert not any(asked), f"{sum(asked)} of {len(asked)} prefill walks were asked for with autograd on"
+
+
 def test_the_cache_is_keys_and_values_for_full_layers_and_a_state_for_the_rest(built):
     engine = Engine.load(str(built("qwen3next").folder), device="cpu", dtype="float32")
     cache = engine.model.new_cache(2, 32, torch.float32, "cpu")
