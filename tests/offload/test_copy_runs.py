@@ -191,14 +191,12 @@ def test_grouped_copies_keep_the_reference_tokens(tiny_checkpoint):
     assert engine.executor.stats.copied_experts > 0 and sum(grouped) == engine.executor.stats.copied_experts
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bf16", "q4_k", "mxfp4"])
-def test_grouped_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
-    """The CUDA side: copies of id spans on the copy stream, one event a run, each run one grouped launch, the slots
-    reused by the next step only after its kernels; layer after layer, resident experts beside them, against the same
-    steps with each copied expert computed alone. 32 tokens an expert: q4_k's prefill route (bf16 scratch)."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
+def copied_steps(fmt: str, device: str):
+    """Four steps (layers 0, 1, 2, then 0 again) in which every expert but the resident 0 and 5 is copied, computed
+    with each copied expert alone and in copy runs of 3, 5 and the rest: (x, ids, the experts, {"alone": outputs,
+    "grouped": outputs}). On CUDA the copies go on the copy stream, one event a run, the slots reused by the next step
+    only after its kernels; on the CPU the simulated tier copies synchronously. 32 tokens an expert on average: q4_k's
+    prefill route (bf16 scratch) for some experts, the tensor-core tiles for others."""
     from tests.kernels.test_gpu_quant_kernel import random_experts
 
     hidden, width, experts, top_k, tokens = 512, 256, 16, 4, 128
@@ -209,20 +207,115 @@ def test_grouped_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
                               hidden, width)
     else:
         stack = random_experts(experts, hidden, width, fmt)
-    banks = {layer: stack.pin_memory() for layer in (0, 1, 2)}
+    banks = {layer: stack.pin_memory() if device == "cuda" else stack for layer in (0, 1, 2)}
     on_gpu = [[e in (0, 5) for e in range(experts)] for _ in banks]
     copy_all = lambda loads: ([], sorted(loads, key=lambda e: -loads[e]))  # noqa: E731
     torch.manual_seed(1)
-    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
-    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
+    x = torch.randn(tokens, hidden, device=device).bfloat16()
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).to(device)
     results = {}
     for name, runs in (("alone", None), ("grouped", lambda loads, copy: [3, 5, len(copy) - 8])):
-        executor = OffloadExecutor(banks, on_gpu, "cuda", copy_all, copy_runs=runs)
+        executor = OffloadExecutor(banks, on_gpu, device, copy_all, copy_runs=runs)
         results[name] = [executor.expert_outputs(SimpleNamespace(layer=layer), x, ids).float().cpu()
                          for layer in (0, 1, 2, 0)]
         assert executor.stats.copied_experts == 4 * (experts - 2) and executor.stats.gpu_experts == 4 * 2
-    for alone, grouped in zip(results["alone"], results["grouped"]):
-        torch.testing.assert_close(grouped, alone, rtol=2e-2, atol=2e-2)
+    return x.cpu(), ids.cpu(), stack, results
+
+
+_BF16 = 2.0 ** -9  # bf16's unit roundoff: rounding to nearest moves a value by at most 2^-9 of itself
+_SUMS = 2.0 ** -23  # a float32 accumulator's step per addition, truncating (as tensor cores may) rather than rounding
+
+
+def _bf16_weight_error(w: torch.Tensor) -> torch.Tensor:
+    """How far a weight moves as a bf16 tile operand: not at all where it is a bf16 value (every mxfp4 weight is:
+    two bits of E2M1 times a power of two), else one bf16 rounding of its float32 form."""
+    return torch.where(w.to(torch.bfloat16).double() == w, 0.0, (_BF16 + _SUMS) * w.abs())
+
+
+def rounding_bound(x, gate_up, down):
+    """(the SwiGLU expert's output in float64, a bound on how far bf16 arithmetic may move each element) for x [N, H]
+    (bf16 values) and the expert's dequantised weights, gate_up [2F, H] and down [H, F] (float64).
+
+    The bound follows every rounding either GPU route makes (kernels.gpu_quant): the weights as bf16 tile operands,
+    float32 sums, gate and up rounded to bf16 (the scratch route's grouped GEMM), the activation rounded to bf16 for
+    the down projection, the output rounded to bf16; each error carried forward through the next step's terms."""
+    h = x @ gate_up.T
+    dh = x.abs() @ _bf16_weight_error(gate_up).T + x.shape[1] * _SUMS * (x.abs() @ gate_up.abs().T)
+    dh = dh + _BF16 * (h.abs() + dh)
+    (gate, up), (dgate, dup) = h.chunk(2, dim=-1), dh.chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate) * up
+    dact = 1.1 * dgate * (up.abs() + dup) + torch.nn.functional.silu(gate).abs() * dup  # |silu'| < 1.1 everywhere
+    dact = dact + _BF16 * (act.abs() + dact)
+    y = act @ down.T
+    reach = act.abs() + dact
+    dy = dact @ down.abs().T + reach @ _bf16_weight_error(down).T + down.shape[1] * _SUMS * (reach @ down.abs().T)
+    # x 1.01: float32's elementwise errors (silu's exp) and the second-order terms, each far below 2^-20 of a term
+    return y, 1.01 * (dy + _BF16 * (y.abs() + dy))
+
+
+def packed_reference(x, ids, stack: ExpertWeights):
+    """Row t * K + r: expert ids[t, r] of `stack` applied to x[t] in float64, and its `rounding_bound`."""
+    gate_up, down = (t.double() for t in stack.dense(torch.float32))
+    pairs = ids.reshape(-1)
+    want = torch.empty(len(pairs), x.shape[1], dtype=torch.float64)
+    bound = torch.empty_like(want)
+    for e in pairs.unique().tolist():
+        rows = (pairs == e).nonzero().squeeze(1)
+        want[rows], bound[rows] = rounding_bound(x[rows // ids.shape[1]].double(), gate_up[e], down[e])
+    return want, bound
+
+
+def assert_within(got, want, bound, what: str):
+    outside = (got.double() - want).abs() > bound
+    if outside.any():
+        worst = ((got.double() - want).abs() / bound).argmax()
+        raise AssertionError(f"{what}: {int(outside.sum())} of {outside.numel()} elements beyond bf16's rounding of "
+                             f"float64; worst {got.flatten()[worst]:.4g} for {want.flatten()[worst]:.4g}, bound "
+                             f"{bound.flatten()[worst]:.3g}")
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "mxfp4"])
+def test_packed_copies_lie_within_bf16s_rounding_of_float64_and_a_wrong_expert_does_not(fmt):
+    """The simulated tier's copied experts, alone and in runs, within `rounding_bound` of float64; so are the GPU
+    routes' roundings, modelled here in float64 (bf16 scratch: gate and up rounded; tiles: kept in float32), while
+    a step that took each pair's neighbouring expert is far outside it: the bound tells rounding from a wrong slot."""
+    x, ids, stack, results = copied_steps(fmt, "cpu")
+    want, bound = packed_reference(x, ids, stack)
+    for name, outputs in results.items():
+        for step, got in enumerate(outputs):
+            assert_within(got, want, bound, f"{fmt} {name} step {step}")
+    bf16 = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+    gate_up, down = (bf16(t.double()) for t in stack.dense(torch.float32))
+    pairs = ids.reshape(-1)
+    for scratch in (True, False):
+        modelled = torch.empty_like(want)
+        for e in pairs.unique().tolist():
+            rows = (pairs == e).nonzero().squeeze(1)
+            h = (x[rows // ids.shape[1]].double() @ gate_up[e].T).float().double()
+            gate, up = (bf16(h) if scratch else h).chunk(2, dim=-1)
+            modelled[rows] = bf16((bf16(torch.nn.functional.silu(gate) * up) @ down[e].T).float().double())
+        assert_within(modelled, want, bound, f"{fmt} modelled {'scratch' if scratch else 'tiles'}")
+    wrong, _ = packed_reference(x, (ids + 1) % stack.num_experts, stack)
+    assert ((wrong - want).abs() > bound).float().mean() > 0.25
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "q4_k", "mxfp4"])
+def test_grouped_copies_on_the_gpu_compute_what_copies_one_by_one_do(fmt):
+    """The CUDA side of `copied_steps`. Alone and in a run a copied expert may take different gpu_quant routes (by
+    its rows: bf16 scratch rounds gate and up, the tiles keep them in float32), so packed experts are checked, both
+    ways, against float64 within `rounding_bound`; bf16 ones round at the same places either way."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    x, ids, stack, results = copied_steps(fmt, "cuda")
+    if fmt == "bf16":
+        for alone, grouped in zip(results["alone"], results["grouped"]):
+            torch.testing.assert_close(grouped, alone, rtol=2e-2, atol=2e-2)
+    else:
+        want, bound = packed_reference(x, ids, stack)
+        for name, outputs in results.items():
+            for step, got in enumerate(outputs):
+                assert_within(got, want, bound, f"{fmt} {name} step {step}")
     # The same step again, its slots reused after three steps' copies
     torch.testing.assert_close(results["grouped"][3], results["grouped"][0], rtol=1e-3, atol=1e-3)
 
