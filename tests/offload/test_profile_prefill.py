@@ -70,6 +70,11 @@ def test_the_script_profiles_a_prefill_on_the_cpu_and_ends_with_one_row_a_shape(
     cpu, copied, resident = map(int, re.search(r"per prefill (\d+) experts on the CPU, (\d+) copied, (\d+) resident",
                                                out).groups())
     assert cpu + copied + resident > 0 and (cpu > 0) == (row["cpu"] > 0)
+    # The outlook, priced from the marked prefill's own routing, makes the executor's splits.
+    outlook = re.search(r"outlook from this prefill's routing .*?: (\d+) experts on the CPU, (\d+) copied \(the "
+                        r"executor: (\d+), (\d+)\)", out)
+    assert outlook and outlook.group(1, 2) == outlook.group(3, 4) and sum(map(int, outlook.group(1, 2))) > 0
+    assert re.search(r"bounds on the \d+ offloaded experts it touched: the link alone [\d.]+ ms", out)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

@@ -12,6 +12,10 @@ then:
 2. one prefill with marks at each layer's start and end, its token mixer's (attention, sliding attention, Gated
    DeltaNet, MLA) and its experts' (the executor's call): the wall time per layer kind (CUDA events on the GPU,
    so the GPU's timeline, idle gaps included);
+   and, from that prefill's own routing, the outlook (engine.offload.prefill_outlook): the split each layer's
+   offloaded experts get and its predicted CPU, link and GPU ms beside the measured ones, the time outside the layers'
+   expert windows, the bench's bound (every touched expert copied) and the bound with the CPU and the link sharing
+   them; --target TOK_S says how much time outside the windows a prefill at that rate may take;
 3. one prefill under torch.profiler (CPU and, on a GPU, CUDA activities) with the same marks as ranges: the top ops
    by CUDA time and by self CPU time, the device time inside the experts' ranges split into the experts' copies
    (weights to the GPU), other transfers (the routing and tokens to the host, the CPU's results back) and kernels;
@@ -34,6 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moedesk.bench.synthetic import measure_prefill, prepare_synthetic
+from moedesk.engine.offload.offload_executor import GROUPED_MAX_TOKENS
+from moedesk.engine.offload.prefill_outlook import (fixed_ms_for, link_bound_ms, prefill_outlook, resident_gpu_ms,
+                                                    shared_bound_ms)
 
 DEFAULT_SHAPES = ("qwen3.5-35b-a3b:12", "gpt-oss-120b:8")
 KINDS = ("attention", "sliding", "deltanet", "mla")  # token mixers, the order the tables list them in
@@ -109,6 +116,58 @@ def marked(model, executor, mark):
         del executor.expert_outputs
         if real_copies is not None:
             del executor._start_copies
+
+
+@contextmanager
+def routed(executor):
+    """The tokens per expert of each MoE layer the prefills run inside route (the executor's own count, copied)."""
+    counts, real = {}, executor._count
+
+    def count(layer, per_expert):
+        counts[layer] = per_expert.copy()
+        return real(layer, per_expert)
+
+    executor._count = count
+    try:
+        yield counts
+    finally:
+        del executor._count
+
+
+def outlook_of(bench, counts: dict, tokens: int):
+    """The prefill predicted from its routing `counts` (`routed`): per layer the offloaded experts' loads and the
+    resident ones' GPU time, priced by the orchestra's latency model as its executor runs (overlap, copy runs).
+    Returns the outlook, its layers by MoE layer index, and the tokens of every offloaded expert touched."""
+    executor, costs = bench.executor, bench.orchestra.costs
+    layers = []
+    for layer, per_expert in sorted(counts.items()):
+        slots = executor.banks[layer].gpu_slot
+        resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
+        offloaded = {e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0}
+        layers.append((offloaded, resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS)))
+    outlook = prefill_outlook(layers, costs, tokens, fixed_ms=0.0, overlap=executor.overlap_copies,
+                              grouped_copies=executor.copy_runs is not None)
+    return outlook, dict(zip(sorted(counts), outlook.layers)), [n for offloaded, _ in layers for n in offloaded.values()]
+
+
+def say_outlook(outlook, touched: list[int], marked, times, costs, args, say) -> None:
+    """The outlook's lines: predicted against measured, what lies outside the expert windows, the two bounds.
+    touched: the tokens of every offloaded expert the prefill touched."""
+    cpu, copied = outlook.counts()
+    windows, wall = outlook.expert_ms, times.wall
+    say(f"outlook from this prefill's routing (engine.offload.prefill_outlook): {cpu} experts on the CPU, {copied} "
+        f"copied (the executor: {marked.cpu_experts}, {marked.copied_experts}); the CPU's calls {outlook.cpu_ms:.1f} ms "
+        f"(measured {marked.cpu_ms:.1f}), the link {outlook.link_ms:.1f} ms, the GPU's sides {outlook.gpu_ms:.1f} ms, "
+        f"both at once {outlook.overlap_ms:.1f} ms; the expert windows {windows:.1f} ms (measured calls "
+        f"{sum(times.experts.values()):.1f}) of the {wall:.1f} ms prefill, outside them {wall - windows:.1f} ms; link "
+        f"busy {100 * outlook.link_ms / wall:.0f}% of the prefill")
+    link, shared = link_bound_ms(len(touched), costs.copy_expert_ms), shared_bound_ms(touched, costs)
+    say(f"bounds on the {len(touched)} offloaded experts it touched: the link alone {link:.1f} ms "
+        f"({1e3 * args.tokens / link:.0f} tok/s, the bench's), the CPU and the link sharing them {shared:.1f} ms")
+    if args.target:
+        say(f"at {args.target:.0f} tok/s a prefill may spend {fixed_ms_for(args.target, args.tokens, windows):.1f} ms "
+            f"outside these expert windows ({fixed_ms_for(args.target, args.tokens, shared):.1f} with windows at the "
+            f"shared bound); this one spent {wall - windows:.1f}")
 
 
 def range_name(cfg, part: str, layer: int) -> str:
@@ -271,15 +330,23 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
         f"{per_run['moe_ms'] - per_run['cpu_expert_ms'] - per_run['gpu_wait_ms']:.2f} (below 0 where the CPU's call "
         f"ran beside the copies' queueing)")
 
-    times = time_layers(model, executor, clock, prefill)
+    before = executor.stats.copy()
+    with routed(executor) as counts:
+        times = time_layers(model, executor, clock, prefill)
+    marked = executor.stats.since(before)
+    outlook, predicted, touched = outlook_of(bench, counts, args.tokens) if args.policy == "balanced" else (None, {}, [])
     split = kind_split(cfg, times)
     say(f"\nmarked prefill, wall ms per part ({'CUDA events' if clock.cuda else 'host clock'}): {times.wall:.2f} ms, "
-        f"its layers {sum(times.layer.values()):.2f}")
-    say(f"{'layer':>5} {'mixer':<10}{'mixer ms':>9}{'ffn ms':>8}{'experts':>8}")
+        f"its layers {sum(times.layer.values()):.2f}; predicted: each MoE layer's CPU call, GPU side and copies")
+    say(f"{'layer':>5} {'mixer':<10}{'mixer ms':>9}{'ffn ms':>8}{'experts':>8}{'cpu':>7}{'gpu':>7}{'copies':>7}")
     for layer, total in sorted(times.layer.items()):
         mixer = times.mixer[layer]
         experts = f"{times.experts[layer]:8.2f}" if layer in times.experts else f"{'-':>8}"
-        say(f"{layer:>5} {mixer_kind(cfg, layer):<10}{mixer:9.2f}{total - mixer:8.2f}{experts}")
+        guess = predicted.get(layer)
+        guess = f"{guess.cpu_ms:7.2f}{guess.gpu_ms:7.2f}{guess.copies:7d}" if guess else ""
+        say(f"{layer:>5} {mixer_kind(cfg, layer):<10}{mixer:9.2f}{total - mixer:8.2f}{experts}{guess}")
+    if outlook:
+        say_outlook(outlook, touched, marked, times, bench.orchestra.costs, args, say)
 
     device_ms = None
     if trace:
@@ -345,6 +412,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--device", default="auto", help="cpu: the script itself on a tiny shape, no CUDA activity")
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--no-trace", action="store_true", help="no profiled prefill (no tables, no trace)")
+    parser.add_argument("--target", type=float, default=0.0, help="tok/s: the time outside the expert windows a "
+                        "prefill at this rate may take (issue 42's Mixtral prefill: 3407, 4x llama.cpp's 851.8)")
     parser.add_argument("--compare", action="store_true", help="each shape's copies one by one (as before), then in "
                         "copy runs of one grouped launch, on one build")
     args = parser.parse_args(argv)
