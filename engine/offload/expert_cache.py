@@ -12,7 +12,9 @@ With a `SwapPrice` (the placement's perf model: what an offloaded expert's selec
 costs) a swap must pay: a decayed score is about the selections an expert will get over the cache's memory, so
 (newcomer's score - resident's score - their noise) x the CPU's price of a selection is the predicted saving, and it
 must exceed the copy's price. The noise (what recent-use counts of equally used experts differ by) is the
-hysteresis: routing without locality then makes next to no swaps.
+hysteresis: routing without locality then makes next to no swaps. A hit saves that price only where the executor
+launches the layer's GPU share; where the layer's hits a step would cost the CPU less than the launch, it computes
+them on the CPU and a swap into that layer buys nothing (`hits_launched`).
 
 Swaps stay within a layer (each layer's GPU slots are one tensor), so a layer whose every expert is resident never
 changes: it runs inside the decode graphs with no handoff, which the placement priced when it made it whole
@@ -54,11 +56,15 @@ class SwapPrice:
     # Standard deviations of the scores' noise a difference must clear (the hysteresis): two, as the pairs compared are
     # extremes (a layer's strongest outsiders against its weakest residents) of many noisy counts.
     noise_sigmas: float = 2.0
+    # The host's queueing of a partly resident layer's GPU experts. Where their selections cost the CPU less, the
+    # executor computes them there (engine.offload.assignment.resident_on_cpu): such hits save nothing.
+    resident_launch_ms: float = 0.0
 
     @classmethod
     def from_model(cls, costs) -> "SwapPrice":
         """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
-        return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms + costs.copy_launch_ms)
+        return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms + costs.copy_launch_ms,
+                   resident_launch_ms=getattr(costs, "resident_launch_ms", 0.0))
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,9 @@ class ExpertCache:
         self.policy, self.price = policy, price
         self.scores = np.zeros(self.resident.shape) if scores is None else np.array(scores, dtype=float)
         self._decay = 0.5 ** (1.0 / policy.half_life)
+        # The decayed count of steps the scores hold (scores given: as many as they would hold in the long run), so
+        # that score / weight is selections a step from the first step on.
+        self._weight = 0.0 if scores is None else 1.0 / (1.0 - self._decay)
         # A layer entirely on the GPU (or entirely off it) has nothing to trade.
         self.mixed_layers = self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
         self._credit_ms = 0.0  # copy time paid for and not spent (priced)
@@ -94,6 +103,7 @@ class ExpertCache:
         self.selections += int(counts.sum())
         self.scores *= self._decay
         self.scores += counts
+        self._weight = self._weight * self._decay + 1.0
         self.steps += 1
         swaps: list[Swap] = []
         if len(self._mixed) == 0 or self.steps % self.policy.interval:
@@ -109,7 +119,12 @@ class ExpertCache:
         outside = np.argsort(np.where(on, np.inf, -score), axis=1, kind="stable")[:, :n]
         inside = np.argsort(np.where(on, score, np.inf), axis=1, kind="stable")[:, :n]
         admit_score = np.take_along_axis(score, outside, axis=1)
-        gain = swap_gain(admit_score, np.take_along_axis(score, inside, axis=1), self.policy, self.price)
+        evict_score = np.take_along_axis(score, inside, axis=1)
+        gain = swap_gain(admit_score, evict_score, self.policy, self.price)
+        if self.price is not None:  # a layer whose hits, swaps made, still go to the CPU gains nothing from them
+            resident_after = np.where(on, score, 0.0).sum(axis=1, keepdims=True) + np.cumsum(
+                np.where(np.arange(n) < pairs, admit_score - evict_score, 0.0), axis=1)
+            gain = np.where(hits_launched(resident_after / self._weight, self.price), gain, -np.inf)
         # A pair counts only while every stronger pair of its layer does too.
         good = (gain > 0) & (admit_score >= self.policy.min_score) & (np.arange(n) < pairs)
         good = np.cumprod(good, axis=1).astype(bool)
@@ -154,6 +169,14 @@ def swap_gain(admit: np.ndarray, evict: np.ndarray, policy: CachePolicy, price: 
     decay = 0.5 ** (1.0 / policy.half_life)
     noise = price.noise_sigmas * np.sqrt((admit + evict) / (1.0 + decay))
     return (admit - evict - noise) * price.cpu_selection_ms - price.copy_ms
+
+
+def hits_launched(hits_a_step: np.ndarray, price: SwapPrice) -> np.ndarray:
+    """Whether a partly resident layer whose resident experts get `hits_a_step` selections a step has them computed
+    on the GPU: the executor launches the GPU's share only where those selections would cost the CPU more than the
+    launch (assignment.resident_on_cpu). Where not (Qwen3-30B-A3B's 2.6 MB experts at one token: a few hits a step
+    against a 0.2-0.5 ms launch), a swap into the layer buys no time and only costs its copy."""
+    return hits_a_step * price.cpu_selection_ms >= price.resident_launch_ms
 
 
 @dataclass(frozen=True)

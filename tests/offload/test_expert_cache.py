@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, SwapPrice, replay, swap_gain
+from moedesk.engine.offload.expert_cache import (CachePolicy, ExpertCache, Swap, SwapPrice, hits_launched, replay,
+                                                  swap_gain)
 from moedesk.engine.offload.placement import plan_placement
 from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, read_trace,
                                                   step_counts, synthetic_trace, write_trace)
@@ -319,3 +321,63 @@ def test_replace_router_swaps_the_ids_and_keeps_the_weights_until_undone():
     assert ids1.tolist() == [[3, 4]] and ids2.tolist() == [[5, 6]] and w1.tolist() == [[1.0, 1.0]]
     replace_router(model, None)
     assert model.blocks[0].route(torch.zeros((1, 8)))[1].tolist() == [[0, 0]]
+
+
+# Where a hit saves nothing: a partly resident layer whose few hits a step the executor computes on the CPU, as
+# cheaper than launching them (assignment.resident_on_cpu). Prices of the H200 box's Qwen3-30B-A3B Q4_K profile
+# (session 37: one expert at one token 0.0735 ms, a copy 0.0617 ms and its launch 0.19) and a resident launch of 0.47.
+QWEN3_BOX = SwapPrice(0.0735, 0.0617 + 0.19, resident_launch_ms=0.47)
+
+
+def test_hits_count_only_where_the_gpu_share_is_launched():
+    price = SwapPrice(0.1, 1.0, resident_launch_ms=0.5)
+    assert hits_launched(np.array([4.0, 5.0, 6.0]), price).tolist() == [False, True, True]
+    assert hits_launched(np.array([0.0, 1.0]), replace(price, resident_launch_ms=0.0)).all()
+
+
+def test_a_layer_s_hits_a_step_are_read_from_its_scores_from_the_first_step_on():
+    # After the swap the layer's resident expert would get 4 hits a step (at 0.1 ms: short of a 0.5 ms launch) or 6
+    # (clear of it): from the first step, decay or not.
+    price = SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5)
+    for half_life in (4.0, 1e9):
+        for newcomer_hits, swaps in ((4, 0), (6, 1)):
+            cache = ExpertCache(np.array([[True, False, False]]), CachePolicy(half_life=half_life), price=price)
+            step = counts(1, 3, [(0, 0, 1), (0, 1, 1), (0, 2, newcomer_hits)])
+            assert len(cache.observe(step)) == swaps, (half_life, newcomer_hits)
+
+
+def recorded_trace(tmp_path, shape, steps, tokens=1):
+    """A CONVERSATION trace written as a routing-trace file and read back: what the bench replays."""
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, shape, synthetic_trace(shape, steps, CONVERSATION, tokens=tokens, seed=5))
+    return [step_counts(s, shape.experts) for s in read_trace(path)[1]]
+
+
+def partly_resident(layers, experts, slots):
+    on = np.zeros((layers, experts), dtype=bool)
+    on[:, :slots] = True
+    return on
+
+
+def test_no_swaps_into_layers_whose_hits_the_cpu_takes_anyway(tmp_path):
+    # Qwen3's shape at one token a step: 32 of 128 resident, about 2 hits a step, 0.15 ms on the CPU < a 0.47 launch.
+    trace = recorded_trace(tmp_path, TraceShape(4, 128, 8), 96)
+    on = partly_resident(4, 128, 32)
+    policy = CachePolicy(copy_ms_per_step=20.0)
+    assert replay(trace, on, policy, QWEN3_BOX).swaps == 0
+    # The same decisions without the launch (the price before session 37): dozens of copies that buy nothing.
+    assert replay(trace, on, policy, replace(QWEN3_BOX, resident_launch_ms=0.0)).swaps > 20
+
+
+def test_swaps_resume_where_enough_hits_a_step_pay_the_launch(tmp_path):
+    # 16 tokens a step (a batch): the same layers' resident experts get ~30 selections a step, worth the launch.
+    trace = recorded_trace(tmp_path, TraceShape(4, 128, 8), 48, tokens=16)
+    assert replay(trace, partly_resident(4, 128, 32), CachePolicy(copy_ms_per_step=20.0), QWEN3_BOX).swaps > 0
+
+
+def test_mixtral_sized_hits_pay_the_launch_alone():
+    # One 99 MB expert's selection (0.93 ms on the CPU) outweighs the launch (0.22 ms): the rule changes nothing.
+    price = SwapPrice(0.93, 2.0, resident_launch_ms=0.22)
+    cache = ExpertCache(np.array([[True, False] + [False] * 6]), CachePolicy(half_life=1e9, copy_ms_per_step=20.0),
+                        price=price)
+    assert cache.observe(counts(1, 8, [(0, 1, 10)])) == [Swap(0, 0, 1)]
