@@ -225,3 +225,57 @@ def test_a_bad_prefetch_option_is_one_line(bad, capsys, monkeypatch):
         sim.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert "--accuracy" in err[-1] and "Traceback" not in "".join(err)
+
+
+# What the traces leave a cache to follow (--locality).
+
+def test_reuse_is_chance_without_locality_and_above_it_with():
+    shape = TraceShape(2, 64, 4)
+    _, fresh = sim.reuse([step_counts(s, 64) for s in synthetic_trace(shape, 200, NO_LOCALITY, seed=1)])
+    chance, again = sim.reuse(conversation(shape, 200))
+    assert chance == pytest.approx(4 / 64)
+    assert fresh == pytest.approx(chance, abs=0.02)
+    assert again > 2 * chance
+    repeated = [np.array([[1, 1, 0, 0]])] * 3
+    assert sim.reuse(repeated) == (0.5, 1.0)
+
+
+def test_the_best_fixed_placement_knowing_the_trace_takes_the_most_used():
+    trace = [np.array([[3, 0, 1, 0], [0, 2, 0, 5]]), np.array([[3, 0, 0, 1], [0, 2, 0, 0]])]
+    assert sim.hindsight_placement(trace, 2).tolist() == [[True, False, False, False], [False, False, False, True]]
+    assert sim.hindsight_placement(trace, [1, 2]).tolist() == [[True, False, False, False],
+                                                              [False, True, False, True]]
+
+
+def test_belady_copies_each_expert_once_when_all_fit_and_evicts_the_one_needed_last():
+    a, b, c = (np.eye(1, 3, k, dtype=int) for k in range(3))
+    assert sim.belady_copies([a, b, a, b], 2) == pytest.approx(2 / 4)  # a and b, once each
+    # one slot: a, b, a, b each a copy; three experts in two slots: a b c a b -> c evicts b (used after a), b again
+    assert sim.belady_copies([a, b, a, b], 1) == 1.0
+    assert sim.belady_copies([a, b, c, a, b], 2) == pytest.approx(4 / 5)
+    trace = conversation(TraceShape(2, 16, 2), 80)
+    assert sim.belady_copies(trace, 8) <= sim.belady_copies(trace, 4) < 4
+
+
+@pytest.mark.parametrize("trace", ["conversation", "no locality"])
+def test_on_mixtral_only_a_predictor_could_reach_the_target_and_on_qwen3_nothing(trace):
+    # The box's session 37 fixed rows: Mixtral at 16 GiB 13.9 tok/s, Qwen3-30B-A3B at 8 GiB 13.2.
+    rows = {r.placement: r for r in sim.locality_rows(sim.SETTINGS["mixtral-8x7b"], sim.PRICES["mixtral-8x7b"],
+                                                     trace, 64, 8, 1000 / 13.9)}
+    assert rows["fixed (the engine's plan)"].vs_fixed == pytest.approx(1.0)
+    assert rows["every hit: clairvoyant, all layers, link free"].vs_fixed > 1.25  # the experts: 40% of the step
+    assert max(r.vs_fixed for label, r in rows.items() if not label.startswith("every hit")) < 1.1
+    qwen3 = sim.SETTINGS["qwen3-30b-a3b"]
+    short = sim.Setting(sim.TraceShape(12, 128, 8), qwen3.resident * 12 // 48, qwen3.fixed_step_ms)
+    rows = {r.placement: r for r in sim.locality_rows(short, sim.PRICES["qwen3-30b-a3b"], trace, 48, 8,
+                                                     1000 / 13.2 / 4)}
+    assert rows["every hit: clairvoyant, all layers, link free"].vs_fixed < 1.25  # the experts: 11% of the step
+
+
+@pytest.mark.parametrize("bad", ["14", "14,x", "14,0"])
+def test_a_bad_fixed_rate_is_one_line(bad, capsys, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["simulate", "--locality", "--fixed-tok-s", bad])
+    with pytest.raises(SystemExit):
+        sim.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--fixed-tok-s" in err[-1] and "Traceback" not in "".join(err)

@@ -217,6 +217,112 @@ class Clairvoyant:
         return swaps
 
 
+def reuse(trace: list[np.ndarray]) -> tuple[float, float]:
+    """(chance, reuse): how often an expert is chosen at a step, and how often one chosen at step t is chosen again
+    at t + 1. Recency can only predict where reuse exceeds chance."""
+    chosen = np.stack(trace) > 0
+    return float(chosen.mean()), float((chosen[1:] & chosen[:-1]).sum() / max(1, chosen[:-1].sum()))
+
+
+def hindsight_placement(trace: list[np.ndarray], slots) -> np.ndarray:
+    """The fixed placement that hits most of `trace`, knowing it: `slots` an int (the experts most used, any layer)
+    or one count a layer (each layer's most used, as many as its slots). The bound on any cache that never copies."""
+    total = np.sum(trace, axis=0)
+    on = np.zeros(total.shape, dtype=bool)
+    if np.ndim(slots) == 0:
+        on.flat[np.argsort(-total, axis=None, kind="stable")[:int(slots)]] = True
+        return on
+    for layer, n in enumerate(slots):
+        on[layer, np.argsort(-total[layer], kind="stable")[:int(n)]] = True
+    return on
+
+
+def belady_copies(trace: list[np.ndarray], slots: int) -> float:
+    """Copies a step a clairvoyant cache of `slots` experts shared by all layers needs to hit every selection
+    (Belady's rule: each expert a step needs and lacks is copied, evicting those not needed for longest): the fewest
+    any cache of that size needs. Each must cross the link before its layer runs."""
+    flat = [t.ravel() > 0 for t in trace]
+    later = np.full((len(flat) + 1, flat[0].size), np.inf)  # [t]: the first step at or after t using each expert
+    for t in range(len(flat) - 1, -1, -1):
+        later[t] = np.where(flat[t], t, later[t + 1])
+    on = np.zeros(flat[0].size, dtype=bool)
+    copies = 0
+    for t, used in enumerate(flat):
+        needed = np.flatnonzero(used & ~on)
+        copies += len(needed)
+        on[needed] = True
+        over = int(on.sum()) - slots
+        if over > 0:
+            spare = np.flatnonzero(on & ~used)
+            on[spare[np.argsort(-later[t + 1][spare], kind="stable")[:over]]] = False
+    return copies / max(1, len(flat))
+
+
+@dataclass(frozen=True)
+class LocalityRow:
+    trace: str
+    placement: str
+    whole: int | None  # layers wholly resident (None: not one placement)
+    hit_rate: float
+    copies_per_step: float
+    moe_ms: float
+    vs_fixed: float  # predicted step against the fixed placement's, copies batched beside the step
+
+
+def locality_rows(setting: Setting, prices: StepPrices, trace_name: str, steps: int, warmup: int,
+                  fixed_step_ms: float) -> list[LocalityRow]:
+    """What one trace leaves a cache to follow, and what following it could be worth: the hits of the fixed
+    placement, of the best fixed placements knowing the trace (within the plan's slots a layer, and anywhere), of
+    today's cache, an LRU and Belady's rule within the plan's slots, each with its predicted step against fixed
+    (the step outside the experts: `fixed_step_ms` less the fixed placement's MoE layers); last, the ceiling where
+    every selection hits, with the copies a clairvoyant cache of the whole budget needs for that."""
+    calibration, trace = traces_for(setting, TRACES[trace_name], steps)
+    timed = trace[warmup:]
+    plan = engine_plan(calibration, setting, prices, setting.resident)
+    never = CachePolicy(swaps_per_step=0)
+    fixed_moe = simulate(trace, ExpertCache(plan, never), prices, 0.0, warmup).moe_ms
+    outside = fixed_step_ms - fixed_moe
+    caches = [("fixed (the engine's plan)", ExpertCache(plan, never)),
+              ("best fixed knowing the trace, plan's slots",
+               ExpertCache(hindsight_placement(timed, plan.sum(axis=1)), never)),
+              ("best fixed knowing the trace, any layer", ExpertCache(hindsight_placement(timed, setting.resident),
+                                                                     never)),
+              ("today's priced cache, every 16", ExpertCache(plan, CachePolicy(interval=16),
+                                                             price=prices.swap_price())),
+              ("LRU, plan's slots, unlimited copies", LruCache(plan)),
+              ("Belady, plan's slots, unlimited copies", Clairvoyant(plan, trace))]
+    rows = []
+    for label, cache in caches:
+        whole = int(cache.resident.all(axis=1).sum())
+        p = simulate(trace, cache, prices, outside, warmup)
+        rows.append(LocalityRow(trace_name, label, whole, p.hit_rate, p.swaps_per_step, p.moe_ms,
+                                fixed_step_ms / p.step_ms["batched"]))
+    rows.append(LocalityRow(trace_name, "every hit: clairvoyant, all layers, link free", None, 1.0,
+                            belady_copies(timed, setting.resident), 0.0, fixed_step_ms / outside))
+    return rows
+
+
+def locality_table(name: str, setting: Setting, prices: StepPrices, args: argparse.Namespace) -> None:
+    """locality_rows for both traces, with reuse against chance and what a hit and a copy are worth."""
+    print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
+          f"{setting.resident} resident; a hit saves {prices.share_ms} ms of the CPU where launched (a partly resident "
+          f"layer's hits under the {prices.resident_launch_ms} ms launch save nothing), a copy costs "
+          f"{prices.copy_ms} ms of link and {prices.copy_launch_ms} ms to queue: it pays from "
+          f"{break_even(prices, 'stalled'):.1f} extra hits (stalled), {break_even(prices, 'overlapped'):.1f} "
+          f"(overlapped); vs fixed: copies batched beside the step")
+    print(f"{'trace':13} {'chance':>6} {'reuse':>6} {'placement':46} {'whole':>5} {'hits':>5} {'copies/step':>11} "
+          f"{'MoE ms':>7} {'vs fixed':>8}")
+    for i, trace_name in enumerate(TRACES):
+        fixed_step = 1000 / args.fixed_tok_s[i] if args.fixed_tok_s else setting.fixed_step_ms[trace_name]
+        _, trace = traces_for(setting, TRACES[trace_name], args.steps)
+        chance, again = reuse(trace[args.warmup:])
+        for row in locality_rows(setting, prices, trace_name, args.steps, args.warmup, fixed_step):
+            print(f"{trace_name:13} {chance:6.3f} {again:6.3f} {row.placement:46} "
+                  f"{'' if row.whole is None else row.whole:>5} {row.hit_rate:5.0%} {row.copies_per_step:11.1f} "
+                  f"{row.moe_ms:7.2f} {row.vs_fixed:7.3f}x", flush=True)
+        print(f"{trace_name:13} the fixed step {fixed_step:.1f} ms")
+
+
 PREFETCH_MODES = ("overlapped", "batched", "in graph")
 
 
@@ -539,6 +645,11 @@ def main() -> int:
                         "the engine's cache) in place of PRICES; with one --shape")
     parser.add_argument("--outside-ms", type=float,
                         help="the step outside the experts, in place of the eager bench's (e.g. with CUDA graphs)")
+    parser.add_argument("--locality", action="store_true",
+                        help="what the traces leave a cache to follow and the bounds on what following it gains")
+    parser.add_argument("--fixed-tok-s", metavar="CONV,NOLOC",
+                        help="the fixed placement's measured tok/s on each trace, in place of the bench's rows "
+                        "(SETTINGS)")
     parser.add_argument("--prefetch", action="store_true",
                         help="replay prefetch from a predictor of the next layer's experts instead of the caches")
     parser.add_argument("--accuracy", default="0.5,0.7,0.8,0.9,1.0", help="the predictor's accuracies (--prefetch)")
@@ -550,6 +661,13 @@ def main() -> int:
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be in 0..--steps - 1")
     spread = tuple(int(n) for n in args.spread.split(",") if n)
+    if args.fixed_tok_s is not None:
+        try:
+            args.fixed_tok_s = [float(x) for x in args.fixed_tok_s.split(",")]
+        except ValueError as e:
+            parser.error(f"--fixed-tok-s: {e}")
+        if len(args.fixed_tok_s) != len(TRACES) or min(args.fixed_tok_s) <= 0:
+            parser.error(f"--fixed-tok-s takes {len(TRACES)} rates > 0: conversation, no locality")
     measured = None
     if args.profile:
         if len(args.shape or []) != 1:
@@ -571,6 +689,9 @@ def main() -> int:
         setting, prices = SETTINGS[name], measured or PRICES[name]
         if args.resident_launch_ms is not None:
             prices = replace(prices, resident_launch_ms=args.resident_launch_ms)
+        if args.locality:
+            locality_table(name, setting, prices, args)
+            continue
         if args.prefetch:
             prefetch_table(name, setting, prices, accuracies, stagings or STAGING[name], horizons, args)
             continue
