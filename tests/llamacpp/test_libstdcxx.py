@@ -16,9 +16,11 @@ linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the pre
 
 
 def run(code: str, **env) -> subprocess.CompletedProcess:
-    """`code` in a fresh interpreter (the preload happens once a process) on this checkout's moedesk."""
+    """`code` in a fresh interpreter (the preload happens once a process) on this checkout's moedesk, and on this
+    one's path after it: llama_cpp may come from a folder named on it alone (the GPU box's PYTHONPATH)."""
+    path = os.pathsep.join([os.getcwd(), *(p for p in sys.path if p)])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": os.getcwd(), **env})
+                          env={**os.environ, "PYTHONPATH": path, **env})
 
 
 def global_scope_of(stderr: str, library: str) -> list[str]:
