@@ -6,6 +6,7 @@ speculation are native-engine features: asking for them here is one line.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import sys
@@ -340,6 +341,11 @@ def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | N
     api = lib.api
     params = api.llama_model_default_params()
     params.n_gpu_layers = placement.gpu_layers
+    no_devices = (ctypes.c_void_p * 1)()  # a list of none, its NULL end alone: llama.cpp's `--device none`
+    if not placement.gpu_layers:
+        # Nothing offloaded: no GPU device either, or a CUDA build would still compute large batches there (op
+        # offload), keep a compute buffer there and pick its pinned host memory for the weights in RAM.
+        params.devices = ctypes.cast(no_devices, ctypes.c_void_p)
     overrides = Overrides([(experts_pattern(placement.cpu_expert_layers()), lib.cpu_buffer_type())]
                           if placement.cpu_expert_layers() else [])
     overrides.install(params)
@@ -358,7 +364,7 @@ def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | N
 
     params.progress_callback = callback = api.llama_progress_callback(on_progress)
     handle = api.llama_model_load_from_file(str(path).encode(), params)
-    del callback, overrides  # llama.cpp reads them only while loading
+    del callback, overrides, no_devices  # llama.cpp reads them only while loading
     return handle, stopped
 
 
@@ -410,8 +416,6 @@ def _generation_defaults(reader, name: str) -> dict:
 
 
 def _meta(api, model, key: str) -> str | None:
-    import ctypes
-
     buffer = ctypes.create_string_buffer(512)
     n = api.llama_model_meta_val_str(model, key.encode(), buffer, 512)
     return buffer.value.decode(errors="replace") if n >= 0 else None

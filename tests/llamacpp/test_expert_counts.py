@@ -115,7 +115,9 @@ def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_pat
     from moedesk.engine.runtime import Engine
 
     built = build(family, tmp_path / family)
-    engine = Engine.load(str(built.gguf), engine="llama.cpp", context_length=128)
+    # The CPU's arithmetic, as transformers' here (a CUDA build would put every layer on the GPU by default: the
+    # GPU's test is below)
+    engine = Engine.load(str(built.gguf), engine="llama.cpp", device="cpu", context_length=128)
     try:
         cfg = engine.config
         counter = engine.llama.counter

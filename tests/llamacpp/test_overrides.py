@@ -121,6 +121,49 @@ def test_experts_in_ggmls_plain_cpu_buffers_read_back_as_on_the_cpu(tiny_moe):
     assert all(buffer.startswith("CPU") and on_cpu for buffer, on_cpu in found.values()), found
 
 
+def test_with_no_layer_offloaded_llama_cpp_is_given_no_gpu_device(tiny_moe, monkeypatch):
+    """--device cpu (or a machine without a GPU) hands llama.cpp an empty device list, as its `--device none` does: a
+    CUDA build then neither computes large batches on the GPU nor keeps the weights in RAM in its pinned memory.
+    With a GPU (faked here), the default: NULL, every GPU."""
+    import moedesk.engine.llamacpp.engine as llama_engine
+    from moedesk.engine.llamacpp.fit import Machine
+    from moedesk.engine.llamacpp.library import library
+
+    api, given = library().api, []
+    real = api.llama_model_load_from_file
+
+    def load_from_file(path, params):
+        devices, step = [], ctypes.sizeof(ctypes.c_void_p)
+        while params.devices and (entry := ctypes.c_void_p.from_address(params.devices + step * len(devices)).value):
+            devices.append(entry)
+        given.append(devices if params.devices else None)
+        return real(path, params)
+
+    monkeypatch.setattr(api, "llama_model_load_from_file", load_from_file)
+    load(tiny_moe, cpu_moe=1).close()
+    monkeypatch.setattr(llama_engine, "this_machine", lambda device="auto": Machine(True, 8 * 2**30, 64 * 2**30))
+    offloaded = load(tiny_moe, cpu_moe=1, device="auto")
+    assert offloaded.placement.gpu_layers > 0
+    offloaded.close()
+    assert given == [[], None]
+
+
+@pytest.mark.gpu
+def test_on_a_cuda_build_device_cpu_leaves_the_gpu_alone(tiny_moe):
+    """Every buffer llama.cpp makes for a --device cpu load is the CPU's: no compute buffer on the GPU (nothing
+    computes there) and no weights in its pinned host memory."""
+    from moedesk.engine.llamacpp.buffers import llama_buffers
+    from moedesk.engine.llamacpp.library import library
+
+    if not library().gpu_offload():
+        pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
+    mark = library().log_mark()
+    engine = load(tiny_moe, cpu_moe=2)
+    buffers = llama_buffers(library().log_since(mark))
+    engine.close()
+    assert ("CPU", "compute") in buffers and all(where.startswith("CPU") for where, _ in buffers), buffers
+
+
 @pytest.mark.gpu
 def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_moe):
     pinned = load(tiny_moe, cpu_moe=1, device="auto")
