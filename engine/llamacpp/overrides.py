@@ -44,13 +44,17 @@ class Overrides:
 
 
 OVERRIDDEN = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+MAPPED = re.compile(r"loading model tensors.*\(load_mode = mmap")
 
 
 def overridden_tensors(log_lines) -> dict[str, str]:
-    """Tensor name -> buffer type, from the lines llama.cpp logs while it applies overrides at load."""
-    found = {}
+    """Tensor name -> the buffer type llama.cpp keeps it in, from the lines it logs while it applies overrides at
+    load. It logs its first choice, which on a GPU build is the GPU's pinned host memory ("CUDA_Host": the GPU then
+    copies it faster for a large batch); with the file memory-mapped its loader then takes the CPU's own buffer
+    instead (llama-model-loader.cpp: "avoid using a host buffer when using mmap"), and so does this."""
+    found, mapped = {}, False
     for line in log_lines:
-        m = OVERRIDDEN.search(line)
-        if m:
-            found[m.group(1)] = m.group(2)
+        mapped = mapped or MAPPED.search(line) is not None
+        if m := OVERRIDDEN.search(line):
+            found[m.group(1)] = "CPU" if mapped and m.group(2).endswith("_Host") else m.group(2)
     return found

@@ -174,6 +174,9 @@ def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_mo
     found = expert_buffers(pinned)  # read back: the pinned layer's experts in RAM, the others in the GPU's memory
     assert {name: on_cpu for name, (_, on_cpu) in found.items()} == {
         f"blk.{i}.ffn_{p}_exps.weight": i == 0 for i in range(3) for p in ("gate", "up", "down")}
+    # What the load says it kept them in is what they are in: the CPU's buffer ("CPU_Mapped" over the file)
+    assert pinned.overridden and all(found[name][0].startswith(buffer) and buffer.startswith("CPU")
+                                     for name, buffer in pinned.overridden.items()), (pinned.overridden, found)
     split = greedy(pinned)
     pinned.close()
     whole = greedy(load(tiny_moe, cpu_moe=0, device="auto"))  # every expert on the GPU

@@ -76,6 +76,16 @@ def test_overridden_tensors_are_read_from_llama_cpps_load_log():
     assert overridden_tensors(log) == {"blk.0.ffn_gate_exps.weight": "CPU_REPACK", "blk.0.ffn_down_exps.weight": "CPU"}
 
 
+
+def test_a_gpu_host_buffer_chosen_for_a_mapped_file_is_read_as_the_cpus():
+    """A CUDA build logs its pinned host memory as the choice for experts pinned to RAM; from a memory-mapped file
+    llama.cpp keeps them in the CPU's buffer instead (what the GPU box's read-back finds), from a read one there."""
+    choice = ["tensor blk.0.ffn_up_exps.weight (2 MiB f32) buffer type overridden to CUDA_Host"]
+    mapped = "load_tensors: loading model tensors, this can take a while... (load_mode = mmap)"
+    read = "load_tensors: loading model tensors, this can take a while... (load_mode = none)"
+    assert overridden_tensors([mapped, *choice]) == {"blk.0.ffn_up_exps.weight": "CPU"}
+    assert overridden_tensors([read, *choice]) == {"blk.0.ffn_up_exps.weight": "CUDA_Host"}
+
 def test_the_cuda_rebuild_line_only_where_an_nvidia_gpu_meets_a_cpu_build():
     line = cuda_hint(1, gpu_offload=False)
     assert CUDA_REBUILD in line and "\n" not in line
