@@ -47,17 +47,27 @@ FORGET_HALF_LIFE = 24
 @dataclass(frozen=True)
 class AutoLedger:
     """Auto's rounds priced by the step costs against plain decoding of the tokens they took: its exploration
-    budget. Per batch, as the acceptance counts are."""
+    budget. Per batch, as the acceptance counts are. The opening probe's loss is not booked: it has its own budget
+    (auto_gamma)."""
     plain_ms: float = 0.0  # plain decoding's time for those tokens: T(B, 1) per token of each row
     loss_ms: float = 0.0  # the rounds' time less plain_ms; negative where drafting gained
+    drafted: int = 0  # rounds that drafted
 
-    def book(self, costs: perf_model.StepCosts, batch: int, gamma: int, tokens_per_row: float) -> AutoLedger:
-        """After a round of `gamma` drafts in which each of the `batch` rows took `tokens_per_row` on average."""
+    def book(self, costs: perf_model.StepCosts, batch: int, gamma: int, tokens_per_row: float,
+             evidence: float = 0) -> AutoLedger:
+        """After a round of `gamma` drafts in which each of the `batch` rows took `tokens_per_row` on average, decided
+        with `evidence` tested drafts known. An opening round (opens) has its gain booked but not its loss."""
         ar, step = costs.ar_ms(batch), perf_model.step_ms(costs, batch, gamma)
         if ar is None or step is None:
             return self
         plain = tokens_per_row * ar
-        return AutoLedger(self.plain_ms + plain, self.loss_ms + step - plain)
+        loss = min(0.0, step - plain) if gamma and self.opens(evidence) else step - plain
+        return AutoLedger(self.plain_ms + plain, self.loss_ms + loss, self.drafted + (gamma > 0))
+
+    def opens(self, evidence: float) -> bool:
+        """Whether the next drafting round is the opening probe, outside the budget (auto_gamma): none has drafted
+        yet and too little is known of the draft to decide without one."""
+        return not self.drafted and evidence < MIN_EVIDENCE
 
     def room_ms(self, ar_ms: float, horizon: int = EXPLORE_HORIZON) -> float:
         """What a round may still lose: EXPLORE_SHARE of plain decoding's time so far (at least `horizon` steps
@@ -89,10 +99,13 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
     ahead only if, with nothing accepted, it still fits (a round of γ drafts loses at most γ·T_draft + T(B, γ+1) +
     T_reject - T(B, 1)), and preferably leaves room for a 1-draft probe after it, since one rejected first draft is
-    thin evidence. An exploiting round is not held to the budget: it pays at the estimate, and one unlucky round must
+    thin evidence. The opening probe (AutoLedger.opens: the first drafting round, with fewer than MIN_EVIDENCE drafts
+    known) has a budget of its own as large and spends none of the run's: the longest draft that pays at the
+    optimistic acceptance, so a good draft is drafted from the first round of a short run. An exploiting round is not held to the budget: it pays at the estimate, and one unlucky round must
     not stop a good draft for the rest of a short run (the estimate, updated every round, stops it where the draft
     is worse than it looked). So, in the costs' own model at a fixed B, probing costs at most EXPLORE_SHARE ·
-    max(n, horizon) · T(B, 1) over plain decoding's time, whatever the acceptance; the batch passes horizon =
+    max(n, horizon) · T(B, 1) over plain decoding's time, and the opening EXPLORE_SHARE · horizon · T(B, 1),
+    whatever the acceptance; the batch passes horizon =
     min(EXPLORE_HORIZON, its longest request). tests/speculative/test_auto_grid.py simulates auto against the best
     fixed choice on the Mixtral and Qwen3 shapes' step times."""
     ar = costs.ar_ms(batch)
@@ -108,13 +121,15 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     # Else probe, at what the acceptance may still be, within the budget even if its first draft is rejected.
     hopeful = optimistic_acceptance(alpha, evidence)
     gamma = perf_model.choose_draft_length(costs, batch, hopeful, max_gamma, PROBE_MARGIN).gamma
-    room = ledger.room_ms(ar, horizon)
+    # The opening leaves the run's whole budget for probing again if its first draft is rejected; later probes
+    # preferably leave room for a 1-draft probe after them: one rejected first draft is thin evidence.
+    opening = ledger.opens(evidence)
+    room = (AutoLedger() if opening else ledger).room_ms(ar, horizon)
     loss = {g: perf_model.step_ms(costs, batch, g) - ar for g in range(1, gamma + 1)
             if perf_model.step_ms(costs, batch, g) is not None}
     fits = [g for g in range(gamma, 0, -1) if g in loss and loss[g] <= room
             and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
-    # Preferably one whose failure leaves room for a 1-draft probe: one rejected first draft is thin evidence.
-    again = [g for g in fits if loss[g] + loss.get(1, 0.0) <= room]
+    again = [g for g in fits if opening or loss[g] + loss.get(1, 0.0) <= room]
     return (again or fits or [0])[0]
 
 
@@ -351,7 +366,9 @@ class RunningCosts:
     def verify_floor_ms(self, batch, gamma):
         """The least γ drafts' verify may cost: its price where timed, else the price of the largest smaller size timed
         at this batch size, plain rounds included, or with none a plain step's where a longer size ran under the table
-        by more than its noise (perf_model.SAFETY_MARGIN). None where nothing says the table is too dear: no such
+        by more than its noise (perf_model.SAFETY_MARGIN); with a longer size timed too, the chord from that price to
+        the nearest longer one's (a plain step's price alone made every size below a timed chain look worth a probe,
+        and auto probed them one after another). None where nothing says the table is too dear: no such
         size, or the smaller one's rounds ran dearer than the table by more than its noise."""
         timed = self._timed_ms(batch, gamma + 1)
         if timed is not None:
@@ -359,13 +376,20 @@ class RunningCosts:
         size = _size_class(batch)
         timed = [k for (c, k) in self.ratios if c == size]
         below = [k for k in timed if k < gamma + 1]
-        if not below:  # a verify costs at least a plain step: the floor where a longer one ran under the table
-            cheaper = [k for k in timed if k > gamma + 1
-                       and self._timed_ms(batch, k) < self._table(batch, k) * (1 - perf_model.SAFETY_MARGIN)]
-            return self.ar_ms(batch) if cheaper else None
-        k = max(below)
-        price = self._timed_ms(batch, k)
-        return None if price > self._table(batch, k) * (1 + perf_model.SAFETY_MARGIN) else price
+        above = [k for k in timed if k > gamma + 1]
+        if below:
+            k = max(below)
+            price = self._timed_ms(batch, k)
+            if price > self._table(batch, k) * (1 + perf_model.SAFETY_MARGIN):
+                return None
+        elif any(self._timed_ms(batch, h) < self._table(batch, h) * (1 - perf_model.SAFETY_MARGIN) for h in above):
+            k, price = 1, self.ar_ms(batch)  # a verify costs at least a plain step
+        else:
+            return None
+        if above:  # a forward's cost is concave in its tokens (the experts they reach saturate): not under the chord
+            h = min(above)
+            price += (self._timed_ms(batch, h) - price) * (gamma + 1 - k) / (h - k)
+        return price
 
     def draft_ms(self, batch):
         return self.draft_token_ms

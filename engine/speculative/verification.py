@@ -454,7 +454,7 @@ class SpeculativeBatch:
             self._verify_round(active, proposal, executor, gamma, t0)
         if self.mode == "auto":
             self.ledger = self.ledger.book(self.costs, len(active), gamma,
-                                           1 + (self.alpha_counts[0] - accepted) / len(active))
+                                           1 + (self.alpha_counts[0] - accepted) / len(active), tested)
             self.alpha_counts = list(learn_acceptance((accepted, tested), self.alpha_counts[0] - accepted,
                                                       self.alpha_counts[1] - tested, 0 if gamma else 1))
 

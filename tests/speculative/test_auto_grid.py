@@ -50,9 +50,9 @@ def simulate(costs, batch: int, alpha: float, tokens: int, seed: int, gamma: int
             while taken < g and rng.random() < alpha:
                 taken += 1
             takes.append(taken)
+        ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, tested)
         accepted, tested = auto.learn_acceptance((accepted, tested), sum(takes), sum(t + (t < g) for t in takes),
                                                  0 if g else 1)
-        ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
         ms += perf_model.step_ms(costs, batch, g)
         made += batch + sum(takes)
     return made / ms * costs.ar_ms(batch) / batch, (accepted, tested)
@@ -121,8 +121,8 @@ def gammas(costs, batch: int, phases, seed: int) -> list[list[int]]:
         for _ in range(rounds):
             g = auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1])
             takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
+            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, counts[1])
             counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
-            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
             chosen[-1].append(g)
     return chosen
 

@@ -57,8 +57,8 @@ def simulate(batch: int, alpha: float, tokens: int, seed: int, gamma: int | None
                                                             min(auto.EXPLORE_HORIZON, tokens))
         takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
         costs.observe_round(batch, g, true[g + 1])
+        ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, counts[1])
         counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
-        ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
         ms += true[g + 1]
         made += batch + sum(takes)
         chosen.append(g)
@@ -201,8 +201,8 @@ def test_probes_cost_little_where_the_table_is_right(shape, batch, alpha):
             takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
             took = perf_model.step_ms(truth, batch, g) * (1 + 0.1 * (2 * wobble.random() - 1))
             costs.observe_round(batch, g, took)
+            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, counts[1])
             counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)
-            ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch)
             ms += took
             made += batch + sum(takes)
         return made / ms * truth.ar_ms(batch) / batch

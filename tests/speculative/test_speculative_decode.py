@@ -238,8 +238,10 @@ def test_auto_decodes_plainly_where_a_run_is_too_short_to_afford_a_probe():
     # would draft nothing, so the plain path takes the run
     assert auto.auto_gamma(costs, 1, prior, 4, horizon=8) == 0
     assert auto.auto_decodes_plainly(costs, 1, 4, horizon=8)
-    # 32 tokens buy 1.28 steps: a probe of 4 would fit (1.13) but leave no room for another, a probe of 2 does
-    assert auto.auto_gamma(costs, 1, prior, 4, horizon=32) == 2
+    # 32 tokens buy 1.28 steps: the opening probe has them to itself, so it drafts 4 (a rejected one loses 1.13)
+    # and leaves the run's budget whole for another
+    assert auto.auto_gamma(costs, 1, prior, 4, horizon=32) == 4
+    assert auto.auto_gamma(costs, 1, prior, 4, auto.AutoLedger(drafted=1), horizon=32) == 2  # a later probe shares it
     assert not auto.auto_decodes_plainly(costs, 1, 4, horizon=32)
     assert auto.auto_gamma(costs, 1, prior, 4, horizon=160) == 4  # 6.4 steps: the longest probe at once
     assert not auto.auto_decodes_plainly(costs, 1, 4, horizon=10**6)  # the budget's horizon is capped
@@ -461,8 +463,8 @@ def _simulate_auto(costs, batch, alpha, tokens, seed, horizon=None):
         taken = 0
         while taken < gamma and rng.random() < alpha:
             taken += 1
+        ledger = ledger.book(costs, batch, gamma, 1 + taken, tested)
         accepted, tested = accepted + taken * batch, tested + (taken + (taken < gamma)) * batch
-        ledger = ledger.book(costs, batch, gamma, 1 + taken)
         ms += perf_model.step_ms(costs, batch, gamma)
         made += 1 + taken
         gammas.append(gamma)
@@ -524,13 +526,17 @@ def test_auto_stays_within_its_budget_at_every_round_and_batch():
         costs = auto.RunningCosts({(batch, k): 20.0 * batch ** 0.3 * (1 + growth * (k - 1)) for k in range(1, 6)})
         costs.observe_draft(float(rng.uniform(0, 0.2)) * costs.ar_ms(batch), 1)
         alpha = float(rng.uniform(0, 1))
-        _, gammas, _, ledgers = _simulate_auto(costs, batch, alpha, 200, trial)
+        ratio, gammas, _, ledgers = _simulate_auto(costs, batch, alpha, 200, trial)
         a = costs.ar_ms(batch)
         for ledger in ledgers:
             budget = auto.EXPLORE_SHARE * max(ledger.plain_ms, auto.EXPLORE_HORIZON * a)
             assert ledger.loss_ms <= budget + _worst_round(costs, batch) * a + 1e-9
+        # the opening probe is not booked (its own budget, as large as a fresh run's): the whole run's loss is
+        # within both budgets and one round
+        opening = auto.EXPLORE_SHARE * auto.EXPLORE_HORIZON * a
+        assert (ratio - 1) * 200 * a <= opening + budget + _worst_round(costs, batch) * a + 1e-9
         spoke += max(gammas) > 0
-        lost += ledgers[-1].loss_ms > 0
+        lost += ratio > 1
     assert spoke >= 10 and lost >= 3  # drafting that paid, and probes that did not, both exercised
 
 
