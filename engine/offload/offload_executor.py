@@ -153,6 +153,17 @@ def compute_copied(xs, staging: ExpertWeights, ready=None):
     return out, current.record_event()
 
 
+def _cpu_share_rows(pairs: "_Pairs", on_cpu: list[int], tokens: int, lone_token_share: bool) -> torch.Tensor | None:
+    """The pair indices the CPU computes, when it should be handed those pairs' tokens alone rather than every token:
+    when they are fewer than the tokens (a prefill layer whose CPU takes a few light experts moves a few rows to the
+    host and back, not the whole activations and every pair's result); None otherwise, and for a lone token's
+    zero-copy or split-row shares, which the GPU completes in place."""
+    if lone_token_share:
+        return None
+    rows = pairs.of(sorted(on_cpu))
+    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)) if len(rows) < tokens else None
+
+
 class _Pairs:
     """A step's (token, rank) pairs grouped by expert: `order` lists pair indices (token * K + rank),
     ascending by expert; `count[e]` is expert e's number of pairs, `active` the experts with any."""
@@ -563,18 +574,29 @@ class OffloadExecutor:
             if moved:
                 on_cpu = [*on_cpu, *moved]
                 resident = [e for e in resident if e not in moved]
+        pairs = _Pairs(experts_of, counts)
+        cpu_rows = None  # the CPU's pairs, when it computes only them (`_cpu_share_rows`)
         if on_cpu and x_host is None:
-            x_host = x.cpu()  # before any GPU work is queued: this copy waits for the stream to drain
+            cpu_rows = _cpu_share_rows(pairs, on_cpu, n, bool(zero_copy or cpu_width))
+            if cpu_rows is not None:
+                cpu_rows_on_device = cpu_rows.to(self.device)
+            # Before any GPU work is queued: this copy waits for the stream to drain.
+            x_host = x.cpu() if cpu_rows is None else x.index_select(0, cpu_rows_on_device // k).cpu()
         if out is None:
             out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=self.device)
 
         cpu_call = background = None
         if on_cpu:
-            host_y = self._buffer("cpu_out", (n * k, x.shape[1]), x.dtype, pinned=not self.simulated)
-            index = self._buffer("cpu_index", (2 * n * k + 2 * len(counts) + 1,), torch.int64, pinned=False)
-            chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
-            cpu_call = partial(experts_forward_routed, x_host, pair_expert, k, chosen, bank.host, host_y, index,
-                               rows=cpu_width or None)
+            m = n * k if cpu_rows is None else len(cpu_rows)
+            host_y = self._buffer("cpu_out", (m, x.shape[1]), x.dtype, pinned=not self.simulated)
+            index = self._buffer("cpu_index", (2 * m + 2 * len(counts) + 1,), torch.int64, pinned=False)
+            if cpu_rows is None:
+                chosen = None if len(on_cpu) == len(active) and not zero_copy else on_cpu  # None: every pair
+                cpu_call = partial(experts_forward_routed, x_host, pair_expert, k, chosen, bank.host, host_y, index,
+                                   rows=cpu_width or None)
+            else:  # row i: pair cpu_rows[i]'s token (gathered), its expert, one "rank" a row
+                cpu_call = partial(experts_forward_routed, x_host, pair_expert.index_select(0, cpu_rows), 1, None,
+                                   bank.host, host_y, index)
             if to_copy and self.overlap_copies:
                 # The CPU's call starts now, beside the host's queueing of the copies (the native call lets go of the
                 # GIL): a prefill's many copies no longer hold its experts back (engine.offload.assignment's overlap).
@@ -582,7 +604,7 @@ class OffloadExecutor:
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
             run_sizes = self.copy_runs(offloaded, to_copy) if to_copy and self.copy_runs else None
-            gpu = self._queue_gpu(bank, x, k, _Pairs(experts_of, counts), resident, to_copy, run_sizes) \
+            gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy, run_sizes) \
                 if resident or to_copy else None
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
@@ -601,7 +623,9 @@ class OffloadExecutor:
             # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The
             # buffer may be reused once the next layer's routing is in: that wait comes after this copy on
             # the same stream.
-            if zero_copy:
+            if cpu_rows is not None:
+                out.index_copy_(0, cpu_rows_on_device, host_y.to(self.device, non_blocking=True))
+            elif zero_copy:
                 out[:n * k - zero_copy].copy_(host_y[:n * k - zero_copy], non_blocking=True)
             else:
                 out.copy_(host_y, non_blocking=True)

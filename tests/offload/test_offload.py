@@ -3,6 +3,8 @@
 Without a GPU the "GPU" tier is simulated on the CPU, so placement, decisions, staging copies
 and the ordered sum run for real.
 """
+from types import SimpleNamespace
+
 import pytest
 
 from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
@@ -356,3 +358,93 @@ def test_the_cpu_time_counts_the_cpu_call_not_the_queueing_of_the_gpu_work(tiny_
     stats = executor.stats
     assert (stats.cpu_experts, stats.copied_experts, stats.gpu_experts) == (1, 1, 2)
     assert stats.layer_ms >= 300 and stats.cpu_ms < 150
+
+
+@pytest.mark.parametrize("cpu_takes", ["lightest", "all but the heaviest"])
+def test_a_cpu_share_of_few_pairs_is_handed_their_tokens_alone(tiny_checkpoint, monkeypatch, cpu_takes):
+    """A prefill layer whose CPU computes fewer pairs than there are tokens moves those pairs' tokens to the host and
+    their results back, not the whole activations; every output matches the all-resident host path. A CPU share of
+    more pairs than tokens still takes every token (the pairs would repeat them)."""
+    import torch
+
+    from moedesk.engine.offload import offload_executor
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32")
+    banks = stack_experts(engine.model, pinned=False)
+    layer = sorted(banks)[0]
+    experts = banks[layer].num_experts
+    # The lightest of the odd experts (the even ones resident), or every expert but the heaviest (none resident).
+    offload = (lambda e: e % 2) if cpu_takes == "lightest" else (lambda e: True)
+    placement = [[not offload(e) for e in range(b.num_experts)] for _, b in sorted(banks.items())]
+
+    def split(loads):
+        order = sorted(loads, key=lambda e: (loads[e], e))
+        cpu = order[:1] if cpu_takes == "lightest" else order[:-1]
+        return sorted(cpu), [e for e in order if e not in cpu]
+
+    executor = OffloadExecutor(banks, placement, "cpu", split, overlap_copies=True)
+    reference = OffloadExecutor(banks, [[True] * b.num_experts for _, b in sorted(banks.items())], "cpu",
+                                POLICIES["all-cpu"])
+    reference.runs_on_device = lambda layer: False
+    calls, real = [], offload_executor.experts_forward_routed
+    monkeypatch.setattr(offload_executor, "experts_forward_routed",
+                        lambda x, pair_expert, k, *a, **kw: calls.append((len(x), len(pair_expert), k)) or
+                        real(x, pair_expert, k, *a, **kw))
+    moe = next(b.moe for b in engine.model.layers if hasattr(b, "moe") and b.moe.layer == layer)
+    g = torch.Generator().manual_seed(1)
+    tokens = 40
+    x = torch.randn(tokens, engine.config.hidden_size, generator=g)
+    ids = torch.rand(tokens, experts, generator=g).topk(2, dim=1).indices
+    assert torch.allclose(executor.expert_outputs(moe, x, ids), reference.expert_outputs(moe, x, ids), atol=1e-5)
+    counts = torch.bincount(ids.view(-1), minlength=experts).tolist()
+    offloaded = {e: n for e, n in enumerate(counts) if n and offload(e)}
+    cpu, _ = split(offloaded)
+    pairs = sum(offloaded[e] for e in cpu)
+    [(rows, pair_rows, k)] = calls
+    assert (pairs < tokens) == (cpu_takes == "lightest")  # each case takes its own path
+    if pairs < tokens:
+        assert (rows, pair_rows, k) == (pairs, pairs, 1)
+    else:
+        assert (rows, pair_rows, k) == (tokens, 2 * tokens, 2)
+    assert executor.stats.cpu_experts == len(cpu)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_cpu_share_of_few_pairs_matches_every_token_sent_to_the_host(monkeypatch):
+    """The CUDA side of the test above: pinned banks, copy runs on the copy stream, the CPU's call beside them; the
+    CPU's few pairs gathered on the device and scattered back give what the whole activations sent to the host give."""
+    import torch
+
+    from moedesk.engine.offload import offload_executor
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hidden, width, experts, top_k, tokens = 512, 256, 16, 4, 128
+    g = torch.Generator().manual_seed(0)
+    stack = ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
+                          (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(), hidden, width)
+    banks = {layer: stack.pin_memory() for layer in (0, 1)}
+    on_gpu = [[e in (0, 5) for e in range(experts)] for _ in banks]
+
+    def two_lightest_on_the_cpu(loads):
+        order = sorted(loads, key=lambda e: (loads[e], e))
+        return sorted(order[:2]), order[2:]
+
+    x = torch.randn(tokens, hidden, generator=g).bfloat16().cuda()
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+    calls, real = [], offload_executor.experts_forward_routed
+    monkeypatch.setattr(offload_executor, "experts_forward_routed",
+                        lambda x_, pe, k, *a, **kw: calls.append(k) or real(x_, pe, k, *a, **kw))
+    outputs = {}
+    for name in ("their tokens", "every token"):
+        if name == "every token":
+            monkeypatch.setattr(offload_executor, "_cpu_share_rows", lambda *a: None)
+        executor = OffloadExecutor(banks, on_gpu, "cuda", two_lightest_on_the_cpu, overlap_copies=True,
+                                   copy_runs=lambda loads, copy: [len(copy)])
+        outputs[name] = [executor.expert_outputs(SimpleNamespace(layer=layer), x, ids).float().cpu()
+                         for layer in (0, 1, 0)]
+        assert executor.stats.cpu_experts == 3 * 2
+    assert calls == [1, 1, 1, top_k, top_k, top_k]
+    for got, want in zip(outputs["their tokens"], outputs["every token"]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
