@@ -22,6 +22,21 @@ def test_the_targets_two_pairs_come_first_then_the_control_the_other_intervals_a
                     ("no locality", "cache every 16, per expert", 16, False)]
 
 
+def test_the_pairs_of_one_trace_alone_keep_its_control():
+    plan = [(p.trace, p.placement) for p in bench.pair_plan([16], ("conversation",))]
+    assert plan == [("conversation", "cache every 16"), ("conversation", "fixed again"),
+                    ("conversation", "cache every 16, per expert")]
+    assert bench.pair_plan([4], ("no locality",))[1] == bench.Pair("no locality", "fixed again", None)
+
+
+@pytest.mark.parametrize("bad", ["", "conversation,chat"])
+def test_a_bad_trace_name_is_one_line(bad):
+    run = subprocess.run([sys.executable, "tests/perf/bench_expert_cache.py", "--traces", bad], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 2
+    assert "--traces" in run.stderr.strip().splitlines()[-1] and "Traceback" not in run.stderr
+
+
 def test_the_turns_alternate_which_placement_goes_first_after_a_warm_up_round_of_each():
     assert bench.turns(3) == [(0, "fixed"), (0, "other"), (1, "other"), (1, "fixed"), (2, "fixed"), (2, "other"),
                               (3, "other"), (3, "fixed")]

@@ -94,14 +94,15 @@ class Pair:
     whole_layers: bool = True  # False: the other placement made expert by expert over every layer
 
 
-def pair_plan(intervals: list[int]) -> list[Pair]:
+def pair_plan(intervals: list[int], traces: tuple[str, ...] = tuple(TRACES)) -> list[Pair]:
     """The pairs in the order the targets need them: the first interval's cache on each trace (conversation first),
-    the control, then the other intervals, then the first interval's cache started per expert."""
+    the control, then the other intervals, then the first interval's cache started per expert; only on `traces`
+    (the control on the first of them)."""
     def both(label: str, interval: int, whole_layers: bool = True) -> list[Pair]:
-        return [Pair(trace, label, interval, whole_layers) for trace in TRACES]
+        return [Pair(trace, label, interval, whole_layers) for trace in traces]
 
     first, *others = intervals
-    plan = both(f"cache every {first}", first) + [Pair("conversation", CONTROL, None)]
+    plan = both(f"cache every {first}", first) + [Pair(traces[0], CONTROL, None)]
     for n in others:
         plan += both(f"cache every {n}", n)
     return plan + both(f"cache every {first}, per expert", first, whole_layers=False)
@@ -171,6 +172,8 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=20, help="tokens decoded a round, its untimed ones included")
     parser.add_argument("--warmup", type=int, default=2, help="the first decode steps of each round, untimed")
     parser.add_argument("--intervals", default="16,1", help="swap rounds every N steps, each tried, the first first")
+    parser.add_argument("--traces", default=",".join(TRACES),
+                        help=f"the traces replayed, comma-separated, from: {', '.join(TRACES)}")
     parser.add_argument("--reuse-profile", action="store_true",
                         help="the profile an earlier bench stored for this shape and format on this machine")
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
@@ -181,6 +184,9 @@ def main() -> int:
         intervals = [int(n) for n in args.intervals.split(",")]
     except ValueError:
         parser.error(f"--intervals {args.intervals!r}: expected steps separated by commas, e.g. 16,1")
+    traces_run = tuple(dict.fromkeys(t.strip() for t in args.traces.split(",") if t.strip()))
+    if not traces_run or set(traces_run) - set(TRACES):
+        parser.error(f"--traces {args.traces!r}: expected some of {', '.join(TRACES)}, separated by commas")
     if min(intervals) < 1 or args.rounds < 1 or not 1 <= args.warmup <= args.decode_tokens - 3:
         parser.error("intervals and --rounds must be >= 1 and --warmup in 1..--decode-tokens - 3 "
                      "(two steps a round timed at least)")
@@ -194,14 +200,14 @@ def main() -> int:
     shape = TraceShape(sum(map(cfg.is_moe_layer, range(cfg.num_layers))), cfg.num_experts, cfg.num_experts_per_tok)
     span = args.decode_tokens  # trace positions a round takes: its prefill's, then one a decode step
     t = time.monotonic()
-    calibrations = {name: calibration_halves(shape, params) for name, params in TRACES.items()}
-    traces = {name: list(synthetic_trace(shape, (args.rounds + 1) * span + 8, params, seed=5))
-              for name, params in TRACES.items()}
+    calibrations = {name: calibration_halves(shape, TRACES[name]) for name in traces_run}
+    traces = {name: list(synthetic_trace(shape, (args.rounds + 1) * span + 8, TRACES[name], seed=5))
+              for name in traces_run}
     log(f"traces in {time.monotonic() - t:.1f}s")
     t = time.monotonic()
     bench = prepare_synthetic(args.shape, args.layers, args.gpu_budget, args.device, 64 + args.decode_tokens, log=log,
                               expert_format=args.expert_format, reprofile=not args.reuse_profile,
-                              calibration=calibrations["conversation"])
+                              calibration=calibrations[traces_run[0]])
     layers = sorted(bench.banks)
     budget = bench.expert_budget  # what the whole-GPU budget leaves experts (bench.budget)
     release(bench.orchestra)  # each pair places its own two
@@ -230,7 +236,7 @@ def main() -> int:
             raise RuntimeError(f"a round took {router.step + 1} trace positions, not {span}")
         return result, orchestra.executor.stats
 
-    for pair in pair_plan(intervals):
+    for pair in pair_plan(intervals, traces_run):
         name = f"{pair.trace}, {pair.placement}"
         elapsed = time.monotonic() - started
         if not fits(elapsed, args.time_limit, durations):
