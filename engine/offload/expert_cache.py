@@ -174,8 +174,9 @@ def swap_gain(admit: np.ndarray, evict: np.ndarray, policy: CachePolicy, price: 
 def hits_launched(hits_a_step: np.ndarray, price: SwapPrice) -> np.ndarray:
     """Whether a partly resident layer whose resident experts get `hits_a_step` selections a step has them computed
     on the GPU: the executor launches the GPU's share only where those selections would cost the CPU more than the
-    launch (assignment.resident_on_cpu). Where not (Qwen3-30B-A3B's 2.6 MB experts at one token: a few hits a step
-    against a 0.2-0.5 ms launch), a swap into the layer buys no time and only costs its copy."""
+    launch (assignment.resident_on_cpu). Where not (Qwen3-30B-A3B's small experts at one token, a few hits a step:
+    docs/measurements.md, "what the expert cache's traces leave to follow"), a swap into the layer buys no time and
+    only costs its copy."""
     return hits_a_step * price.cpu_selection_ms >= price.resident_launch_ms
 
 
