@@ -27,6 +27,10 @@ def test_the_pairs_of_one_trace_alone_keep_its_control():
     assert plan == [("conversation", "cache every 16"), ("conversation", "fixed again"),
                     ("conversation", "cache every 16, per expert")]
     assert bench.pair_plan([4], ("no locality",))[1] == bench.Pair("no locality", "fixed again", None)
+    with_ceiling = bench.pair_plan([16], ("conversation",), ceiling=True)
+    assert [p.placement for p in with_ceiling[:3]] == ["cache every 16", "fixed again", "every expert resident"]
+    assert with_ceiling[2].every_expert and with_ceiling[2].interval is None
+    assert not any(p.every_expert for p in bench.pair_plan([16, 1]))
 
 
 @pytest.mark.parametrize("bad", ["", "conversation,chat"])

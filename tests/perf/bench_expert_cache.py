@@ -10,6 +10,8 @@ same placement, whole layers kept, and swaps within the layers partly resident w
 pays (engine.offload.expert_cache.SwapPrice). "cache every N, per expert" starts from a placement made expert by
 expert over every layer instead (the cache before session 35): what keeping whole layers is worth. "fixed again"
 is the control: the fixed placement against itself, whose ratio says how far two identical placements differ here.
+"every expert resident" (--ceiling) is the bound: what a cache or a prefetch that made every selection a hit without
+a copy would gain at this budget (docs/measurements.md predicts it from the step's parts).
 
 Paired rounds. Each pair keeps its two placements side by side, each in an executor of its own
 (ExpertOrchestra.twin: its own GPU copies, so neither is re-copied between turns). Both replay one conversation:
@@ -83,6 +85,7 @@ from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, Tra
 TRACES = {"conversation": CONVERSATION, "no locality": NO_LOCALITY}
 CALIBRATION_STEPS = 300  # the other conversation popularity is calibrated from, in two halves
 CONTROL = "fixed again"
+CEILING = "every expert resident"
 
 
 @dataclass(frozen=True)
@@ -92,17 +95,21 @@ class Pair:
     placement: str  # the other's name
     interval: int | None  # None: the fixed placement again (the control); N: a cache swapping every N steps
     whole_layers: bool = True  # False: the other placement made expert by expert over every layer
+    every_expert: bool = False  # True: the other placement holds every expert (a budget the whole model fits)
 
 
-def pair_plan(intervals: list[int], traces: tuple[str, ...] = tuple(TRACES)) -> list[Pair]:
+def pair_plan(intervals: list[int], traces: tuple[str, ...] = tuple(TRACES), ceiling: bool = False) -> list[Pair]:
     """The pairs in the order the targets need them: the first interval's cache on each trace (conversation first),
     the control, then the other intervals, then the first interval's cache started per expert; only on `traces`
-    (the control on the first of them)."""
+    (the control on the first of them). ceiling: after the control, every expert resident against the fixed
+    placement, the bound on what any cache or prefetch of this budget can gain (every selection a hit, no copy)."""
     def both(label: str, interval: int, whole_layers: bool = True) -> list[Pair]:
         return [Pair(trace, label, interval, whole_layers) for trace in traces]
 
     first, *others = intervals
     plan = both(f"cache every {first}", first) + [Pair(traces[0], CONTROL, None)]
+    if ceiling:
+        plan.append(Pair(traces[0], CEILING, None, every_expert=True))
     for n in others:
         plan += both(f"cache every {n}", n)
     return plan + both(f"cache every {first}, per expert", first, whole_layers=False)
@@ -178,6 +185,9 @@ def main() -> int:
                         help="the profile an earlier bench stored for this shape and format on this machine")
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="start no pair that would end more than S seconds after this script started")
+    parser.add_argument("--ceiling", action="store_true",
+                        help=f"after the control, '{CEILING}' against the fixed placement: what every hit is worth "
+                        "(needs the GPU to hold the whole model's experts and the fixed placement's)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     try:
@@ -236,7 +246,7 @@ def main() -> int:
             raise RuntimeError(f"a round took {router.step + 1} trace positions, not {span}")
         return result, orchestra.executor.stats
 
-    for pair in pair_plan(intervals, traces_run):
+    for pair in pair_plan(intervals, traces_run, args.ceiling):
         name = f"{pair.trace}, {pair.placement}"
         elapsed = time.monotonic() - started
         if not fits(elapsed, args.time_limit, durations):
@@ -250,7 +260,9 @@ def main() -> int:
         sides["fixed"].cache = None
         fixed_plans[pair.trace] = sides["fixed"].place(budget, popularity=popularity).on_gpu
         sides["other"].cache = None if pair.interval is None else CachePolicy(interval=pair.interval)
-        plan = sides["other"].place(budget, popularity=popularity, whole_layers=pair.whole_layers)
+        every = sides["other"].expert_bytes * len(layers) * cfg.num_experts
+        plan = sides["other"].place(every if pair.every_expert else budget, popularity=popularity,
+                                    whole_layers=pair.whole_layers)
         if pair.interval is not None and not pair.whole_layers and np.array_equal(plan.on_gpu,
                                                                                   fixed_plans[pair.trace]):
             log(f"{name}: not run, the same placement as fixed")

@@ -10,14 +10,16 @@
 # expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every pair), their logs, and
 # expert_cache_targets.txt (both tables, printed last).
 # Usage: [BUDGET_S=295] [QWEN_S=125] [ROUNDS=5] [TOKENS=20] [INTERVALS=16,1] [TRACES=conversation,no locality] \
-#   bash tests/perf/expert_cache_targets.sh
+#   [CEILING=1] bash tests/perf/expert_cache_targets.sh    (CEILING=1: the bench's --ceiling, every expert resident)
 # At 295 s session 37's run finished 4 pairs of Mixtral and 2 of Qwen3: each bench's time limit skipped the rest (a
 # pair takes 25-27 s; a shape's start, build, profile and traces 46-64 s). Cut down to ~180 s: the conversation trace
-# alone, each shape's cache every 16 steps and its control (fixed against itself):
-#   BUDGET_S=195 QWEN_S=90 TOKENS=12 INTERVALS=16 TRACES=conversation bash tests/perf/expert_cache_targets.sh
+# alone, 3 rounds of 7 timed steps (a range that holds the median 75% of the time, not 94%), each shape's cache every
+# 16 steps, its control (fixed against itself) and the ceiling (every expert resident):
+#   BUDGET_S=195 QWEN_S=90 ROUNDS=3 TOKENS=10 INTERVALS=16 TRACES=conversation CEILING=1 \
+#     bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
 DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-125}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
-INTERVALS=${INTERVALS:-16,1}; TRACES=${TRACES:-conversation,no locality}
+INTERVALS=${INTERVALS:-16,1}; TRACES=${TRACES:-conversation,no locality}; CEILING=${CEILING:-}
 . tests/perf/gpu_env.sh  # the wheels in .whl (platformdirs and the rest the box lacks) ahead of the checkout
 mkdir -p "$DEST"
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
@@ -25,7 +27,8 @@ git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
 run() {
   if (($4 < 30)); then echo "$1: skipped ($4 s left)" >> "$DEST/expert_cache_targets.log"; return; fi
   timeout "$4" python3 tests/perf/bench_expert_cache.py --shape "$2" --expert-format q4_k --gpu-budget "$3" \
-    --rounds "$ROUNDS" --decode-tokens "$TOKENS" --intervals "$INTERVALS" --traces "$TRACES" --reuse-profile --time-limit $(($4 - 10)) \
+    --rounds "$ROUNDS" --decode-tokens "$TOKENS" --intervals "$INTERVALS" --traces "$TRACES" ${CEILING:+--ceiling} \
+    --reuse-profile --time-limit $(($4 - 10)) \
     --json "$DEST/expert_cache_$1.json" > "$DEST/expert_cache_$1.txt" 2> "$DEST/expert_cache_$1.log"
   echo "$1: exit $? after $SECONDS s" >> "$DEST/expert_cache_targets.log"
 }
