@@ -164,6 +164,56 @@ class TraceRouter:
         return torch.from_numpy(np.resize(trace, n * k).reshape(n, k)).to(like.device, like.dtype)
 
 
+class TraceRecorder:
+    """Writes the routing a model runs as a trace (`record_routing`): a step begins each time the first MoE layer
+    routes, and holds every layer's ids for that step's tokens, in token order (a prefill's many, a decode's one).
+    Each step is written when the next begins, the last by `close`: a run cut short keeps its finished steps."""
+
+    def __init__(self, path, layers: list[int], experts: int, top_k: int):
+        self.row = {layer: i for i, layer in enumerate(sorted(layers))}
+        self.first, self.top_k = min(layers), top_k
+        self.shape = TraceShape(len(layers), experts, top_k)
+        self._file = open(path, "w")
+        self._file.write(json.dumps(self.shape.header()) + "\n")
+        self._step: list[list[int]] | None = None
+        self.steps = 0
+
+    def ids(self, layer: int, ids) -> None:
+        """Layer `layer` routed its tokens to `ids` [N, K] (a tensor or array)."""
+        if layer == self.first:
+            self._flush()
+            self._step = [[] for _ in self.row]
+        if self._step is not None:
+            self._step[self.row[layer]] += np.asarray(ids.tolist(), dtype=np.int64).reshape(-1).tolist()
+
+    def _flush(self) -> None:
+        if self._step is not None:
+            self._file.write(json.dumps({"experts": self._step}) + "\n")
+            self._file.flush()
+            self.steps += 1
+            self._step = None
+
+    def close(self) -> None:
+        self._flush()
+        self._file.close()
+
+
+def record_routing(model, recorder: TraceRecorder | None) -> None:
+    """Record `model`'s routing into `recorder` (None: stop): its MoE layers route as before, and each layer's ids
+    go to the recorder. Reads the ids on the host every layer, so only eagerly (no CUDA graphs)."""
+    for moe in model.moe_blocks():
+        moe.__dict__.pop("route", None)
+        if recorder is not None:
+            own = moe.route
+
+            def route(x, own=own, layer=moe.layer):
+                weights, ids = own(x)
+                recorder.ids(layer, ids)
+                return weights, ids
+
+            moe.route = route
+
+
 def replace_router(model, router: "TraceRouter | None") -> None:
     """Route `model`'s MoE layers by `router` (None: by their own routers again), weights as the router gives."""
     for moe in model.moe_blocks():

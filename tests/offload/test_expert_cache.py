@@ -381,3 +381,72 @@ def test_mixtral_sized_hits_pay_the_launch_alone():
     cache = ExpertCache(np.array([[True, False] + [False] * 6]), CachePolicy(half_life=1e9, copy_ms_per_step=20.0),
                         price=price)
     assert cache.observe(counts(1, 8, [(0, 1, 10)])) == [Swap(0, 0, 1)]
+
+
+# Recording a model's routing as a trace: what a real conversation's locality is read from.
+
+def test_a_recorder_writes_each_step_s_ids_per_layer_in_token_order(tmp_path):
+    import torch
+
+    from moedesk.engine.offload.routing_trace import TraceRecorder, record_routing
+
+    class Block:
+        def __init__(self, layer, ids):
+            self.layer, self.fixed = layer, ids
+
+        def route(self, x):
+            return torch.ones((len(x), 2)), self.fixed[:len(x)]
+
+    class Model:
+        blocks = [Block(3, torch.tensor([[0, 1], [2, 3], [1, 2]])), Block(5, torch.tensor([[4, 5], [0, 5], [3, 4]]))]
+
+        def moe_blocks(self):
+            return self.blocks
+
+    model, path = Model(), tmp_path / "recorded.jsonl"
+    recorder = TraceRecorder(path, layers=[3, 5], experts=6, top_k=2)
+    record_routing(model, recorder)
+    for tokens in (3, 1, 1):  # a prefill of 3 tokens, then two decode steps
+        for block in model.blocks:
+            assert block.route(torch.zeros((tokens, 4)))[0].shape == (tokens, 2)
+    record_routing(model, None)
+    recorder.close()
+    shape, steps = read_trace(path)
+    assert (shape.layers, shape.experts, shape.top_k) == (2, 6, 2)
+    assert [[ids.tolist() for ids in step] for step in steps] == [
+        [[0, 1, 2, 3, 1, 2], [4, 5, 0, 5, 3, 4]], [[0, 1], [4, 5]], [[0, 1], [4, 5]]]
+    model.blocks[0].route(torch.zeros((1, 4)))  # unwrapped: nothing more recorded
+    assert recorder.steps == 3
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_the_recorded_routing_is_the_one_transformers_chooses(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    import torch
+
+    from moedesk.engine.offload.routing_trace import TraceRecorder, record_routing
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+    from tests.reference import hf_model
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder = tiny_checkpoint(arch)
+    engine = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0)
+    blocks = engine.model.moe_blocks()
+    recorder = TraceRecorder(tmp_path / "t.jsonl", [b.layer for b in blocks], engine.config.num_experts,
+                             engine.config.num_experts_per_tok)
+    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
+    record_routing(engine.model, recorder)
+    try:
+        done = next(engine.generate([Request(prompt, SamplingParams(max_new_tokens=6, temperature=0))], 1))
+    finally:
+        record_routing(engine.model, None)
+        recorder.close()
+    _, steps = read_trace(tmp_path / "t.jsonl")
+    tokens = prompt + done.token_ids[:-1]  # every token the model ran: the last one generated is never fed back
+    k = engine.config.num_experts_per_tok
+    ours = [np.concatenate([step[i] for step in steps]).reshape(-1, k) for i in range(len(blocks))]
+    with torch.no_grad():
+        out = hf_model(folder)(torch.tensor([tokens]), output_router_logits=True)
+    for layer, logits in enumerate(out.router_logits):
+        theirs = torch.topk(logits.reshape(len(tokens), -1), k).indices.sort(dim=1).values
+        assert np.sort(ours[layer], axis=1).tolist() == theirs.tolist(), layer

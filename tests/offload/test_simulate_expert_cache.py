@@ -279,3 +279,49 @@ def test_a_bad_fixed_rate_is_one_line(bad, capsys, monkeypatch):
         sim.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert "--fixed-tok-s" in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_a_recorded_conversation_is_replayed_in_place_of_the_synthetic_ones(tmp_path, capsys, monkeypatch):
+    from moedesk.engine.offload.routing_trace import write_trace
+
+    shape = sim.SETTINGS["mixtral-8x7b"].shape
+    path = tmp_path / "recorded.jsonl"
+    prefill = [np.tile(np.arange(2), 5) for _ in range(shape.layers)]  # 5 tokens: left out
+    write_trace(path, shape, [prefill, *synthetic_trace(shape, 40, CONVERSATION, seed=2)])
+    calibration, trace = sim.read_recorded(path, shape)
+    assert len(trace) == 20 and calibration.sum() == 20 * shape.layers * shape.top_k
+    monkeypatch.setattr("sys.argv", ["simulate", "--locality", "--shape", "mixtral-8x7b", "--trace", str(path),
+                                     "--warmup", "2", "--fixed-tok-s", "14"])
+    assert sim.main() == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("recorded")]
+    assert len(rows) == 8 and "every hit" in rows[-2]
+
+
+@pytest.mark.parametrize("shape, why", [("qwen3-30b-a3b", "layers"), ("mixtral-8x7b", "decode steps")])
+def test_a_recorded_trace_of_another_shape_or_too_short_is_one_line(shape, why, tmp_path, capsys, monkeypatch):
+    from moedesk.engine.offload.routing_trace import write_trace
+
+    path = tmp_path / "short.jsonl"
+    mixtral = sim.SETTINGS["mixtral-8x7b"].shape
+    write_trace(path, mixtral, synthetic_trace(mixtral, 3, CONVERSATION))
+    monkeypatch.setattr("sys.argv", ["simulate", "--locality", "--shape", shape, "--trace", str(path)])
+    with pytest.raises(SystemExit):
+        sim.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--trace" in err[-1] and why in err[-1] and "Traceback" not in "".join(err)
+
+
+def test_the_routing_recorder_script_writes_a_trace_of_the_model_s_shape(tiny_checkpoint, tmp_path, capsys,
+                                                                         monkeypatch):
+    from moedesk.engine.offload.routing_trace import read_trace
+    from tests.perf import record_routing
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    folder, out = tiny_checkpoint("mixtral"), tmp_path / "routing.jsonl"
+    monkeypatch.setattr("sys.argv", ["record", str(folder), "--prompt", "Hi there", "--prompt", "def f(x):",
+                                     "--max-new-tokens", "5", "--device", "cpu", "--out", str(out)])
+    assert record_routing.main() == 0
+    shape, steps = read_trace(out)
+    decode = [s for s in steps if len(s[0]) == shape.top_k]
+    assert len(steps) == len(decode) + 2 and len(decode) == 2 * 4  # a prefill and 4 decode steps a prompt
+    assert f"{len(steps)} steps" in capsys.readouterr().out

@@ -40,8 +40,8 @@ from moedesk.engine.offload.assignment import cpu_call_ms
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, Swap, SwapPrice
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.placement import LayerCosts, plan_placement
-from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, step_counts,
-                                                  synthetic_trace)
+from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceShape, read_trace,
+                                                  step_counts, synthetic_trace)
 
 TRACES = {"conversation": CONVERSATION, "no locality": NO_LOCALITY}
 
@@ -270,13 +270,15 @@ class LocalityRow:
 
 
 def locality_rows(setting: Setting, prices: StepPrices, trace_name: str, steps: int, warmup: int,
-                  fixed_step_ms: float) -> list[LocalityRow]:
+                  fixed_step_ms: float, recorded: tuple[np.ndarray, list[np.ndarray]] | None = None
+                  ) -> list[LocalityRow]:
     """What one trace leaves a cache to follow, and what following it could be worth: the hits of the fixed
     placement, of the best fixed placements knowing the trace (within the plan's slots a layer, and anywhere), of
     today's cache, an LRU and Belady's rule within the plan's slots, each with its predicted step against fixed
     (the step outside the experts: `fixed_step_ms` less the fixed placement's MoE layers); last, the ceiling where
-    every selection hits, with the copies a clairvoyant cache of the whole budget needs for that."""
-    calibration, trace = traces_for(setting, TRACES[trace_name], steps)
+    every selection hits, with the copies a clairvoyant cache of the whole budget needs for that. recorded:
+    (calibration, trace) of a recorded conversation in place of the synthetic trace `trace_name`."""
+    calibration, trace = recorded or traces_for(setting, TRACES[trace_name], steps)
     timed = trace[warmup:]
     plan = engine_plan(calibration, setting, prices, setting.resident)
     never = CachePolicy(swaps_per_step=0)
@@ -302,6 +304,21 @@ def locality_rows(setting: Setting, prices: StepPrices, trace_name: str, steps: 
     return rows
 
 
+def read_recorded(path, shape: TraceShape) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(calibration, trace) from a recorded routing trace (engine.offload.routing_trace.TraceRecorder): its decode
+    steps (one token each), the first half counted as the calibration the placement is planned from, the second
+    replayed. MoedeskError, one line, where the file is not a trace of `shape` or has too few decode steps."""
+    got, steps = read_trace(path)
+    if got != shape:
+        raise MoedeskError(f"{path}: a trace of {got.layers} layers, {got.experts} experts, top-{got.top_k}; the shape "
+                           f"has {shape.layers}, {shape.experts}, top-{shape.top_k}")
+    decode = [step_counts(s, shape.experts) for s in steps if all(len(ids) == shape.top_k for ids in s)]
+    if len(decode) < 4:
+        raise MoedeskError(f"{path}: {len(decode)} decode steps; at least 4 needed")
+    half = len(decode) // 2
+    return np.sum(decode[:half], axis=0).astype(float), decode[half:]
+
+
 def locality_table(name: str, setting: Setting, prices: StepPrices, args: argparse.Namespace) -> None:
     """locality_rows for both traces, with reuse against chance and what a hit and a copy are worth."""
     print(f"{name}: {setting.shape.layers} layers of {setting.shape.experts} experts, top-{setting.shape.top_k}, "
@@ -312,11 +329,13 @@ def locality_table(name: str, setting: Setting, prices: StepPrices, args: argpar
           f"(overlapped); vs fixed: copies batched beside the step")
     print(f"{'trace':13} {'chance':>6} {'reuse':>6} {'placement':46} {'whole':>5} {'hits':>5} {'copies/step':>11} "
           f"{'MoE ms':>7} {'vs fixed':>8}")
-    for i, trace_name in enumerate(TRACES):
-        fixed_step = 1000 / args.fixed_tok_s[i] if args.fixed_tok_s else setting.fixed_step_ms[trace_name]
-        _, trace = traces_for(setting, TRACES[trace_name], args.steps)
+    recorded = read_recorded(args.trace, setting.shape) if args.trace else None
+    for i, trace_name in enumerate(["recorded"] if recorded else TRACES):
+        fixed_step = 1000 / args.fixed_tok_s[i] if args.fixed_tok_s else setting.fixed_step_ms["conversation"
+                                                                                                if recorded else trace_name]
+        trace = recorded[1] if recorded else traces_for(setting, TRACES[trace_name], args.steps)[1]
         chance, again = reuse(trace[args.warmup:])
-        for row in locality_rows(setting, prices, trace_name, args.steps, args.warmup, fixed_step):
+        for row in locality_rows(setting, prices, trace_name, args.steps, args.warmup, fixed_step, recorded):
             print(f"{trace_name:13} {chance:6.3f} {again:6.3f} {row.placement:46} "
                   f"{'' if row.whole is None else row.whole:>5} {row.hit_rate:5.0%} {row.copies_per_step:11.1f} "
                   f"{row.moe_ms:7.2f} {row.vs_fixed:7.3f}x", flush=True)
@@ -649,7 +668,9 @@ def main() -> int:
                         help="what the traces leave a cache to follow and the bounds on what following it gains")
     parser.add_argument("--fixed-tok-s", metavar="CONV,NOLOC",
                         help="the fixed placement's measured tok/s on each trace, in place of the bench's rows "
-                        "(SETTINGS)")
+                        "(SETTINGS); with --trace, one rate")
+    parser.add_argument("--trace", metavar="JSONL", help="--locality on a recorded routing trace of the --shape "
+                        "(tests/perf/record_routing.py) in place of the synthetic ones")
     parser.add_argument("--prefetch", action="store_true",
                         help="replay prefetch from a predictor of the next layer's experts instead of the caches")
     parser.add_argument("--accuracy", default="0.5,0.7,0.8,0.9,1.0", help="the predictor's accuracies (--prefetch)")
@@ -666,8 +687,12 @@ def main() -> int:
             args.fixed_tok_s = [float(x) for x in args.fixed_tok_s.split(",")]
         except ValueError as e:
             parser.error(f"--fixed-tok-s: {e}")
-        if len(args.fixed_tok_s) != len(TRACES) or min(args.fixed_tok_s) <= 0:
-            parser.error(f"--fixed-tok-s takes {len(TRACES)} rates > 0: conversation, no locality")
+        wanted = 1 if args.trace else len(TRACES)
+        if len(args.fixed_tok_s) != wanted or min(args.fixed_tok_s) <= 0:
+            parser.error(f"--fixed-tok-s takes {wanted} rate(s) > 0: " + ("the recorded trace's" if args.trace
+                                                                            else "conversation, no locality"))
+    if args.trace and (not args.locality or len(args.shape or []) != 1):
+        parser.error("--trace is read by --locality, for one --shape")
     measured = None
     if args.profile:
         if len(args.shape or []) != 1:
@@ -690,7 +715,10 @@ def main() -> int:
         if args.resident_launch_ms is not None:
             prices = replace(prices, resident_launch_ms=args.resident_launch_ms)
         if args.locality:
-            locality_table(name, setting, prices, args)
+            try:
+                locality_table(name, setting, prices, args)
+            except MoedeskError as e:
+                parser.error(f"--trace: {e}")
             continue
         if args.prefetch:
             prefetch_table(name, setting, prices, accuracies, stagings or STAGING[name], horizons, args)
