@@ -25,6 +25,7 @@ class LayerOutlook:
     link_ms: float  # the copies on the link
     cpu_experts: int
     copies: int
+    ahead_link_ms: float = 0.0  # copies of this layer's experts made during the layer before (`prefetch_ahead`)
 
     def window_ms(self, hidden_ms: float = 0.0) -> float:
         """The layer's expert window: the later side, the GPU's less what of it `hidden_ms` of host work after the
@@ -50,7 +51,8 @@ class PrefillOutlook:
 
     @property
     def link_ms(self) -> float:
-        return sum(x.link_ms for x in self.layers)
+        """The link's time on copies, those made a layer ahead included."""
+        return sum(x.link_ms + x.ahead_link_ms for x in self.layers)
 
     @property
     def gpu_ms(self) -> float:
@@ -85,22 +87,42 @@ class PrefillOutlook:
 
 
 def layer_outlook(offloaded: dict[int, int], model, resident_ms: float = 0.0, overlap: bool = True,
-                  grouped_copies: bool = True) -> LayerOutlook:
+                  grouped_copies: bool = True, ahead: Iterable[int] = ()) -> LayerOutlook:
     """One layer: the split the executor makes (`assign_offloaded`, which is not told `resident_ms`), priced with the
     GPU busy `resident_ms` first on its resident experts, as the executor queues them before the copies' compute.
 
     offloaded: expert id -> tokens of the layer's experts in RAM; overlap and grouped_copies as the executor runs
-    (ExpertOrchestra.start's defaults on a GPU)."""
-    active = {e: n for e, n in offloaded.items() if n > 0}
+    (ExpertOrchestra.start's defaults on a GPU). ahead: experts copied during the layer before (`prefetch_ahead`):
+    the GPU computes them with the resident ones (one grouped launch), the split sees the rest."""
+    ahead = {e for e in ahead if e in offloaded}
+    landed = [offloaded[e] for e in ahead if offloaded[e] > 0]
+    resident_ms += model.gpu_expert_ms(sum(landed)) if landed else 0.0
+    ahead_link_ms = len(ahead) * model.copy_expert_ms
+    active = {e: n for e, n in offloaded.items() if n > 0 and e not in ahead}
     if not active:
-        return LayerOutlook(0.0, resident_ms, 0.0, 0, 0)
+        return LayerOutlook(0.0, resident_ms, 0.0, 0, 0, ahead_link_ms)
     split = assign_offloaded(active, model, overlap=overlap, grouped_copies=grouped_copies)
     grouped = grouped_copies and mean_load(active) >= GROUPED_COPIES_MIN_LOAD
     # Both sides at work: the contention the split priced; one side alone: none (assign_offloaded's `alone`).
     both = bool(split.cpu) and bool(split.copy)
     priced = Contended(model, mean_load(active), apart=not both, overlap=overlap, grouped_copies=grouped)
     cpu, gpu = finish_times(active, list(split.copy), priced, gpu_busy_ms=resident_ms)
-    return LayerOutlook(cpu, gpu, len(split.copy) * priced.copy_expert_ms, len(split.cpu), len(split.copy))
+    return LayerOutlook(cpu, gpu, len(split.copy) * priced.copy_expert_ms, len(split.cpu), len(split.copy),
+                        ahead_link_ms)
+
+
+def prefetch_ahead(expected: dict[int, float], model, link_free_ms: float, slots: int) -> list[int]:
+    """The next layer's offloaded experts to copy during this layer of a prefill: the dearest on the CPU at their
+    expected loads first, as many as the link's free time in this layer and the free staging slots hold.
+
+    expected: expert id -> the tokens it expects in the next layer (its calibrated popularity's share of the prefill's
+    selections). The link idles while a layer's mixer, routing and host work run (`PrefillOutlook.link_busy`), so a copy
+    made then costs the next layer only its compute; one whose expert gets no token costs nothing but the link."""
+    link = model.copy_expert_ms
+    fits = slots if link <= 0 else min(slots, int(link_free_ms // link))
+    order = sorted((e for e, n in expected.items() if n > 0),
+                   key=lambda e: (-cpu_path_ms(max(1, round(expected[e])), model), e))
+    return order[:max(0, fits)]
 
 
 def prefill_outlook(layers: Sequence[tuple[dict[int, int], float]], model, tokens: int, fixed_ms: float,
@@ -108,6 +130,22 @@ def prefill_outlook(layers: Sequence[tuple[dict[int, int], float]], model, token
     """A prefill from each MoE layer's (offloaded loads, resident GPU ms); `split`: layer_outlook's options."""
     return PrefillOutlook(tokens, tuple(layer_outlook(loads, model, resident, **split) for loads, resident in layers),
                           fixed_ms, hidden_ms)
+
+
+def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expected: Sequence[dict[int, float]], model,
+                          tokens: int, fixed_ms: float, slots: int, hidden_ms: float = 0.0, **split) -> PrefillOutlook:
+    """The same prefill with each layer's copies for the next one made during it (`prefetch_ahead`, from `expected`,
+    one dict a layer): the link's free time in a layer is its share of `fixed_ms` and its window, less its own
+    copies; the first layer gets nothing ahead."""
+    fixed_a_layer = fixed_ms / len(layers) if layers else 0.0
+    done, ahead = [], []
+    for i, (loads, resident) in enumerate(layers):
+        layer = layer_outlook(loads, model, resident, ahead=ahead, **split)
+        done.append(layer)
+        if i + 1 < len(layers):
+            free = fixed_a_layer + layer.window_ms(hidden_ms) - layer.link_ms
+            ahead = prefetch_ahead(expected[i + 1], model, free, slots)
+    return PrefillOutlook(tokens, tuple(done), fixed_ms, hidden_ms)
 
 
 def resident_gpu_ms(loads: Iterable[int], model, grouped_max: int) -> float:

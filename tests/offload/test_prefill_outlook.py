@@ -7,7 +7,8 @@ import pytest
 from moedesk.engine.offload.assignment import Costs, assign_offloaded
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.prefill_outlook import (LayerOutlook, PrefillOutlook, fixed_ms_for, layer_outlook,
-                                                    link_bound_ms, prefill_outlook, resident_gpu_ms, shared_bound_ms)
+                                                    link_bound_ms, prefetch_ahead, prefill_outlook,
+                                                    prefill_outlook_ahead, resident_gpu_ms, shared_bound_ms)
 
 # CPU: 0.1 ms a token an expert; a copy 2 ms; the GPU's compute free (Costs has no contention, launches or call cost).
 LINEAR = Costs(cpu_ms=lambda n: 0.1 * n, gpu_ms=lambda n: 0.0, copy_ms=2.0)
@@ -66,6 +67,41 @@ def test_resident_experts_are_one_grouped_launch_up_to_its_limit_then_one_gemm_e
     assert resident_gpu_ms([64, 10, 0], gpu, grouped_max=64) == pytest.approx(0.5 + 0.074)
     assert resident_gpu_ms([65, 10], gpu, grouped_max=64) == pytest.approx(0.565 + 0.51)
     assert resident_gpu_ms([], gpu, grouped_max=64) == 0.0
+
+
+def test_prefetch_takes_the_dearest_on_the_cpu_first_within_the_links_free_time_and_the_slots():
+    expected = {3: 5.0, 1: 40.0, 2: 10.0, 4: 0.0}
+    assert prefetch_ahead(expected, LINEAR, link_free_ms=4.5, slots=8) == [1, 2]  # two 2 ms copies fit in 4.5 ms
+    assert prefetch_ahead(expected, LINEAR, link_free_ms=100.0, slots=8) == [1, 2, 3]  # never one expecting nothing
+    assert prefetch_ahead(expected, LINEAR, link_free_ms=100.0, slots=1) == [1]
+    assert prefetch_ahead(expected, LINEAR, link_free_ms=1.9, slots=8) == []
+
+
+def test_an_expert_copied_a_layer_ahead_costs_the_layer_its_compute_alone():
+    loads = {0: 40, 1: 10, 2: 5}
+    gpu = Costs(cpu_ms=lambda n: 0.1 * n, gpu_ms=lambda n: 0.01 * n, copy_ms=2.0)
+    layer = layer_outlook(loads, gpu, resident_ms=0.5, ahead=[0, 1, 9])  # 9: not offloaded here, ignored
+    # Left to the split: expert 2 (0.5 ms on the CPU, against a 2 ms copy); 0 and 1 computed after the resident ones.
+    assert (layer.cpu_experts, layer.copies) == (1, 0)
+    assert layer.cpu_ms == pytest.approx(0.5) and layer.gpu_ms == pytest.approx(0.5 + 0.5)
+    assert (layer.link_ms, layer.ahead_link_ms) == (0.0, pytest.approx(4.0))
+    everything = layer_outlook(loads, gpu, ahead=[0, 1, 2])
+    assert (everything.cpu_ms, everything.cpu_experts, everything.copies) == (0.0, 0, 0)
+
+
+def test_copies_made_a_layer_ahead_shorten_a_prefill_whose_link_idles():
+    # Two layers of one heavy and one light expert; 3 ms a layer outside the windows.
+    layers = [({0: 40, 1: 5}, 0.0), ({0: 40, 1: 5}, 0.0)]
+    expected = [{0: 40.0, 1: 5.0}, {0: 40.0, 1: 5.0}]
+    today = prefill_outlook(layers, LINEAR, tokens=512, fixed_ms=6.0)
+    ahead = prefill_outlook_ahead(layers, expected, LINEAR, tokens=512, fixed_ms=6.0, slots=8)
+    # Today each layer copies the heavy one (GPU 2 ms, CPU 0.5): windows 2 + 2. Ahead: layer 0 as today; during it
+    # the link has 3 + 2 - 2 = 3 ms free, one copy's worth: layer 1's heavy expert lands early, its CPU keeps the
+    # light one (0.5 ms).
+    assert today.expert_ms == pytest.approx(4.0)
+    assert ahead.expert_ms == pytest.approx(2.0 + 0.5) and ahead.tok_s > today.tok_s
+    assert ahead.link_ms == pytest.approx(today.link_ms)  # the same copies, made earlier
+    assert prefill_outlook_ahead(layers, expected, LINEAR, 512, 6.0, slots=0).expert_ms == pytest.approx(4.0)
 
 
 def test_the_time_left_outside_the_experts_for_a_target():

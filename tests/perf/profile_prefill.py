@@ -39,8 +39,8 @@ import torch
 
 from moedesk.bench.synthetic import measure_prefill, prepare_synthetic
 from moedesk.engine.offload.offload_executor import GROUPED_MAX_TOKENS
-from moedesk.engine.offload.prefill_outlook import (fixed_ms_for, link_bound_ms, prefill_outlook, resident_gpu_ms,
-                                                    shared_bound_ms)
+from moedesk.engine.offload.prefill_outlook import (fixed_ms_for, link_bound_ms, prefill_outlook,
+                                                    prefill_outlook_ahead, resident_gpu_ms, shared_bound_ms)
 
 DEFAULT_SHAPES = ("qwen3.5-35b-a3b:12", "gpt-oss-120b:8")
 KINDS = ("attention", "sliding", "deltanet", "mla")  # token mixers, the order the tables list them in
@@ -148,6 +148,26 @@ def outlook_of(bench, counts: dict, tokens: int):
     outlook = prefill_outlook(layers, costs, tokens, fixed_ms=0.0, overlap=executor.overlap_copies,
                               grouped_copies=executor.copy_runs is not None)
     return outlook, dict(zip(sorted(counts), outlook.layers)), [n for offloaded, _ in layers for n in offloaded.values()]
+
+
+def outlook_ahead(bench, counts: dict, tokens: int, fixed_ms: float):
+    """The same prefill with each layer's copies for the next made during it (prefetch_ahead), the next layer's
+    expected loads read from the calibrated popularity, the free staging slots those the layer's own copies leave."""
+    executor, costs, popularity = bench.executor, bench.orchestra.costs, bench.orchestra.popularity
+    layers, expected = [], []
+    top_k = bench.cfg.num_experts_per_tok
+    for layer, per_expert in sorted(counts.items()):
+        slots = executor.banks[layer].gpu_slot
+        resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
+        layers.append(({e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0},
+                       resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS)))
+        share = popularity[sorted(executor.banks).index(layer)]
+        total = sum(share) or 1.0
+        expected.append({e: tokens * top_k * p / total for e, p in enumerate(share) if slots[e] is None})
+    room = len(executor.staging) - max((x.copies for x in prefill_outlook(layers, costs, tokens, 0.0).layers),
+                                       default=0)
+    return prefill_outlook_ahead(layers, expected, costs, tokens, fixed_ms, max(0, room),
+                                 overlap=executor.overlap_copies, grouped_copies=executor.copy_runs is not None)
 
 
 def say_outlook(outlook, touched: list[int], marked, times, costs, args, say) -> None:
@@ -347,6 +367,13 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
         say(f"{layer:>5} {mixer_kind(cfg, layer):<10}{mixer:9.2f}{total - mixer:8.2f}{experts}{guess}")
     if outlook:
         say_outlook(outlook, touched, marked, times, bench.orchestra.costs, args, say)
+        if clock.cuda:  # the simulated tier copies synchronously: nothing to make ahead
+            ahead = outlook_ahead(bench, counts, args.tokens, times.wall - outlook.expert_ms)
+            cpu, copied = ahead.counts()
+            say(f"with copies a layer ahead (prefetch_ahead on the calibrated popularity; not what runs): "
+                f"{ahead.tok_s:.0f} tok/s predicted against {ahead.tokens * 1e3 / times.wall:.0f} measured, windows "
+                f"{ahead.expert_ms:.1f} ms, {cpu} experts on the CPU, {copied} copied in their layer, link busy "
+                f"{100 * ahead.link_busy:.0f}%")
 
     device_ms = None
     if trace:
