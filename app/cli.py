@@ -302,8 +302,8 @@ def load_engine(args, **overrides):
                    # no --engine (train-draft): the native engine, the one whose hidden states it reads
                    engine=(args.engine or "auto") if hasattr(args, "engine") else "native",
                    url=getattr(args, "url", None), api_key=getattr(args, "remote_api_key", None),
-                   # no heat map in batch, serve or profile: llama.cpp's counting (its graph cut at each MoE layer)
-                   # would cost speed for nothing; the chat app, which shows one, counts
+                   # no heat map in batch, serve or profile: llama.cpp's counting (its graph cut at each MoE layer,
+                   # on a sample of the steps) would cost speed for nothing; the chat app, which shows one, counts
                    count_experts=False)
     model = overrides.pop("model", args.model)
     return Engine.load(model, **{**options, **overrides})

@@ -67,9 +67,9 @@ class Engine(EngineFace):
         engine: auto (the native engine where it implements the architecture, llama.cpp for a GGUF it does not;
         engine.selection), native or llama.cpp. cpu_moe: llama.cpp only, the first N layers' experts in RAM
         (its --n-cpu-moe; None: chosen for the GPU budget); count_experts: llama.cpp only, count the routers' picks
-        for the heat map (the native engine always counts; llama.cpp's counting costs some speed). remote: an
-        OpenAI-compatible server at `url` generates (api_key: its key), `model` gives the tokenizer and chat template
-        (engine.remote.engine.RemoteEngine).
+        for the heat map (the native engine always counts; llama.cpp's, a sample of the decode steps, costs a
+        little speed). remote: an OpenAI-compatible server at `url` generates (api_key: its key), `model` gives the
+        tokenizer and chat template (engine.remote.engine.RemoteEngine).
 
         offload: keep routed experts in (pinned) RAM and only the most popular `gpu_budget` GiB
         of them on the GPU. Default: on for MoE models on a GPU. On the CPU it simulates the GPU

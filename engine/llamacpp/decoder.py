@@ -76,9 +76,10 @@ class LlamaContext:
         """Drop what sequence `seq_id` holds in the KV cache (its row starts a new request)."""
         self.api.llama_memory_seq_rm(self.api.llama_get_memory(self.ctx), seq_id, -1, -1)
 
-    def run(self, pieces: list[tuple[int, list[int], int, bool]]) -> torch.Tensor:
+    def run(self, pieces: list[tuple[int, list[int], int, bool]], prefill: bool = False) -> torch.Tensor:
         """One llama_decode of (seq_id, tokens, first position, wants logits) pieces; the logits of each wanting
-        piece's last token, [wanting, vocab] float32."""
+        piece's last token, [wanting, vocab] float32. prefill: the pieces are prompts' tokens (the expert counter
+        counts every such step, a sample of the decode ones)."""
         batch, n = self.batch, 0
         wanted = []
         for seq_id, tokens, start, logits in pieces:
@@ -91,6 +92,8 @@ class LlamaContext:
                     wanted.append(n)
                 n += 1
         batch.n_tokens = n
+        if self.counter is not None:
+            self.counter.begin_step(prefill)
         code = self.api.llama_decode(self.ctx, batch)
         if code != 0:
             raise MoedeskError(f"llama.cpp could not decode a batch of {n} tokens: "
@@ -158,7 +161,7 @@ class LlamaCppDecoder(Decoder):
                 done.append(s)
         if not pieces:
             return
-        logits = self.context.run(pieces)
+        logits = self.context.run(pieces, prefill=True)
         if done:
             yield from self._accept(done, logits)
 

@@ -69,8 +69,8 @@ class LlamaCppEngine(EngineFace):
              **_) -> "LlamaCppEngine":
         """Load the GGUF file `model` (path) with llama.cpp. cpu_moe: pin the first N layers' experts to RAM
         (llama.cpp's --n-cpu-moe); None: chosen for the GPU budget (engine.llamacpp.placement). count_experts:
-        count the routers' picks per layer and expert (the heat map's counts; engine.llamacpp.expert_counts), at
-        some cost in speed; `count_experts(False)` turns it off later."""
+        count the routers' picks per layer and expert (the heat map's counts; engine.llamacpp.expert_counts: a
+        sample of the decode steps, for speed); `count_experts(False)` turns it off later."""
         global _hinted
         lib = library()
         api = lib.api
@@ -208,7 +208,7 @@ class LlamaCppEngine(EngineFace):
 
     def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
         """Per MoE layer and expert: on the GPU (a whole layer's experts are, or none), and how often the router
-        picked it since load (zeros while counting is off)."""
+        picked it since load, estimated from a sample (engine.llamacpp.expert_counts; zeros while counting is off)."""
         cfg = self.config
         layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
         counter = self.llama.counter
@@ -218,7 +218,8 @@ class LlamaCppEngine(EngineFace):
 
     def expert_stats(self) -> dict:
         """Where the experts are and, while counting, where the picks since load ran: a layer's experts compute
-        where its tensors are."""
+        where its tensors are. The picks are estimates: prompts counted whole, one decode step in
+        `expert_count_every` counted that many times."""
         if not self.config.is_moe:
             return {}
         on_gpu, picks = self.expert_map()
@@ -228,6 +229,7 @@ class LlamaCppEngine(EngineFace):
                  "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3),
                  "expert_counts": self.llama.counter is not None}
         if self.llama.counter is not None:
+            stats["expert_count_every"] = self.llama.counter.every
             gpu = sum(sum(row) for row, where in zip(picks, on_gpu) if any(where))
             cpu = sum(sum(row) for row, where in zip(picks, on_gpu) if not any(where))
             stats.update(experts_gpu=gpu, experts_cpu=cpu, gpu_hit_rate=gpu / (gpu + cpu) if gpu + cpu else None)

@@ -1,7 +1,8 @@
 // llama.cpp's eval callback (cb_eval) that counts the routers' picks, in C: llama.cpp asks the callback about every
 // node of every graph, and a Python callback costs microseconds a node. engine/llamacpp/expert_counts.py builds
 // this file, fills a `counter` and passes `moedesk_count_experts` with it; the ggml functions come as pointers from
-// the library llama-cpp-python loaded, so nothing here links against ggml.
+// the library llama-cpp-python loaded, so nothing here links against ggml. A step the counter skips (weight 0)
+// declines every node when llama.cpp asks, so llama.cpp computes that step's graph in one piece.
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -28,6 +29,8 @@ struct counter {
     int64_t errors;   // nodes that could not be read (wrong type, layer or expert id out of range)
     char *scratch;    // the node's bytes, grown as needed; freed by moedesk_counter_free
     size_t scratch_bytes;
+    int64_t weight;   // what each pick of this step adds: the steps it stands for, 0 to skip the step
+    int64_t reads;    // nodes read (each one cut llama.cpp's graph there)
 };
 
 // The layer of a node named ffn_moe_topk-<layer>, or -1.
@@ -45,6 +48,7 @@ static int64_t topk_layer(const char *name) {
 
 bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
     struct counter *c = user_data;
+    if (ask && c->weight == 0) return false;
     int64_t layer = topk_layer(c->get_name(tensor));
     if (ask || layer < 0) return layer >= 0;
     const struct tensor_head *t = tensor;
@@ -58,6 +62,7 @@ bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
         if (grown == NULL) { c->errors++; return true; }
         c->scratch = grown, c->scratch_bytes = size;
     }
+    c->reads++;
     c->tensor_get(tensor, c->scratch, 0, size);  // copied from the GPU where llama.cpp computed it there
     int64_t *row = c->counts + layer * c->experts;
     // [top-k, tokens]: a token's ids sit nb[1] bytes apart (a view of every expert's sorted ids).
@@ -66,11 +71,11 @@ bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
         for (int64_t j = 0; j < t->ne[0]; j++) {
             int32_t id;
             memcpy(&id, ids + j * t->nb[0], sizeof id);
-            if (id >= 0 && id < c->experts) row[id]++;
+            if (id >= 0 && id < c->experts) row[id] += c->weight;
             else c->errors++;
         }
     }
-    c->tokens[layer] += t->ne[1];
+    c->tokens[layer] += t->ne[1] * c->weight;
     return true;
 }
 

@@ -5,8 +5,9 @@ view of the sorted expert ids). A context made with `ExpertCounter.callback` as 
 only; llama.cpp then computes the graph in pieces that end at them and hands each one over once computed, and the
 counter adds its expert ids up. llama.cpp calls the callback for every node of every graph, so it is C
 (expert_counts.c, built at first use by kernels.native_build), with this module's Python callback where no compiler
-is found; and the graph is split at each MoE layer. It costs speed either way: contexts take it only when counting
-is on.
+is found. Cutting the graph costs decode speed (a wait for the GPU at each MoE layer), so the counts are a sample:
+prompts are counted whole, decode one step in `DECODE_EVERY`, each of its picks counted that many times
+(`step_weight`); on the other steps the callback declines every node and llama.cpp runs the graph in one piece.
 """
 from __future__ import annotations
 
@@ -30,6 +31,22 @@ class TensorHead(ctypes.Structure):
 
 
 GGML_TYPE_I32 = 26  # ggml.h: the type of argsort's expert ids
+
+# Decode steps per counted one: the cost of counting (one step in this many cut at each MoE layer) against how
+# fast the heat map fills (several counted steps a second at the decode speeds the app sees).
+DECODE_EVERY = 8
+
+
+def step_weight(prefill: bool, decode_step: int, every: int) -> int:
+    """What each router pick of a llama_decode step adds to the counts: 1 for a prompt's (counted whole: its graph
+    is long enough that the cuts cost nothing visible), `every` for the first of each `every` decode steps
+    (`decode_step` counts them from 0; the step stands for itself and the skipped ones after it), 0 for the others
+    (skipped: the callback declines every node)."""
+    if every < 1:
+        raise ValueError(f"count one decode step in {every}: must be at least 1")
+    if prefill:
+        return 1
+    return every if decode_step % every == 0 else 0
 
 
 def topk_layer(name: bytes) -> int | None:
@@ -57,7 +74,7 @@ class _Counter(ctypes.Structure):
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
                 ("layers", ctypes.c_int64), ("experts", ctypes.c_int64), ("counts", ctypes.c_void_p),
                 ("tokens", ctypes.c_void_p), ("errors", ctypes.c_int64), ("scratch", ctypes.c_void_p),
-                ("scratch_bytes", ctypes.c_size_t)]
+                ("scratch_bytes", ctypes.c_size_t), ("weight", ctypes.c_int64), ("reads", ctypes.c_int64)]
 
 
 _native, _native_why = None, None
@@ -85,21 +102,27 @@ def native_library():
 
 
 class ExpertCounter:
-    """Counts per (layer, expert) since it was made; `snapshot()` copies them. A context made with `callback` and
-    `user_data` as its cb_eval and cb_eval_user_data counts into it; the callback runs on the thread that calls
-    llama_decode (the decode thread), snapshots on any. native: the C callback where it builds (else Python's)."""
+    """Counts per (layer, expert) since it was made, a sample (`step_weight`): `snapshot()` copies them. A context
+    made with `callback` and `user_data` as its cb_eval and cb_eval_user_data counts into it; `begin_step` before
+    each llama_decode says what that step counts for. The callback runs on the thread that calls llama_decode (the
+    decode thread), snapshots on any. native: the C callback where it builds (else Python's). every: one decode
+    step in this many is counted (None: DECODE_EVERY)."""
 
-    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True):
+    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True, every: int | None = None):
         self.counts = np.zeros((layers, experts), dtype=np.int64)
-        self.tokens = np.zeros(layers, dtype=np.int64)  # tokens routed per layer
-        self._python_errors = 0
+        self.tokens = np.zeros(layers, dtype=np.int64)  # tokens routed per layer, weighted as the counts
+        self.every = DECODE_EVERY if every is None else every
+        step_weight(False, 0, self.every)  # a bad `every` fails here, not in the decode thread
+        self.steps = self.counted_steps = self.decode_steps = 0
+        self._python_errors = self._python_reads = 0
+        self._python_weight = 1
         self._name, self._nbytes, self._get = ggml.ggml_get_name, ggml.ggml_nbytes, ggml.ggml_backend_tensor_get
         lib, _ = native_library() if native else (None, None)
         self._lib, self._struct = lib, None
         if lib is not None:
             address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
             self._struct = _Counter(address(self._name), address(self._nbytes), address(self._get), layers, experts,
-                                    self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0)
+                                    self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0, 1, 0)
             self.callback = api.ggml_backend_sched_eval_callback(address(lib.moedesk_count_experts))
             self.user_data = ctypes.addressof(self._struct)
         else:
@@ -115,7 +138,26 @@ class ExpertCounter:
         """Nodes (or ids) that could not be read: 0 unless llama.cpp's graph changed shape."""
         return self._struct.errors if self._struct is not None else self._python_errors
 
+    @property
+    def reads(self) -> int:
+        """Nodes read since it was made: each one cut a graph there (none on a skipped step)."""
+        return self._struct.reads if self._struct is not None else self._python_reads
+
+    def begin_step(self, prefill: bool) -> int:
+        """Before a llama_decode of a prompt's tokens (prefill) or of decode tokens: sets and returns the weight of
+        its picks (0: skipped). Decode thread only."""
+        weight = step_weight(prefill, self.decode_steps, self.every)
+        self.decode_steps += not prefill
+        self.steps += 1
+        self.counted_steps += weight > 0
+        if self._struct is not None:
+            self._struct.weight = weight
+        self._python_weight = weight
+        return weight
+
     def _on_node(self, tensor, ask, user_data) -> bool:
+        if ask and self._python_weight == 0:
+            return False
         try:
             layer = topk_layer(self._name(tensor))
             if ask or layer is None:
@@ -124,12 +166,13 @@ class ExpertCounter:
             if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
                 raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")
             size = self._nbytes(tensor)
+            self._python_reads += 1
             raw = ctypes.create_string_buffer(size)
             self._get(tensor, raw, 0, size)  # from the GPU where llama.cpp computed it there
             ids = chosen_ids(raw.raw, tuple(head.ne), tuple(head.nb))
             experts = self.counts.shape[1]
-            self.counts[layer] += np.bincount(ids.ravel(), minlength=experts)[:experts]
-            self.tokens[layer] += ids.shape[0]
+            self.counts[layer] += self._python_weight * np.bincount(ids.ravel(), minlength=experts)[:experts]
+            self.tokens[layer] += self._python_weight * ids.shape[0]
         except Exception:  # noqa: BLE001 -- raising through llama.cpp's C frames would crash the process
             self._python_errors += 1
         return True  # in the compute phase False would stop the graph

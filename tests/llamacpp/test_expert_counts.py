@@ -4,6 +4,9 @@ read from its graph, against transformers' own routers on the same tiny random c
 Tiny Qwen3-MoE, gpt-oss and DeepSeek-V3 GGUFs (tests/gguf_from_hf.py: float32 weights, so both sides compute the
 same routing) decode three prompts together through the engine; transformers then runs each prompt and its reply
 teacher-forced with a hook on every router, and its picks, counted per layer and expert, must equal the engine's.
+The engine counts a sample (expert_counts.step_weight): the prompts whole, decode one step in EVERY (here 2, so
+that a few replies' counted and skipped steps both occur), each pick of a counted step EVERY times; the reference
+weighs each position alike, and a skipped step must not call the callback for any node.
 llama.cpp computes the last layer of most architectures for the tokens whose logits it returns only, so there the
 counts cover the last prompt token and each generated one (gpt-oss, Qwen3.5 and Qwen3-Next drop the other tokens
 after it). On every family the tests write, the counts add up to tokens x top-k in each MoE layer.
@@ -16,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from moedesk.engine.llamacpp.expert_counts import chosen_ids, topk_layer
+from moedesk.engine.llamacpp import expert_counts
+from moedesk.engine.llamacpp.expert_counts import chosen_ids, step_weight, topk_layer
 from tests.gguf_from_hf import FAMILIES, build
 
 llama_cpp = pytest.importorskip("llama_cpp")
@@ -26,6 +30,43 @@ NEW_TOKENS = 6
 # Families whose last layer llama.cpp runs for every token (the others: for the tokens whose logits it returns)
 WHOLE_LAST_LAYER = {"gpt-oss", "gpt-oss-mxfp4", "qwen35moe", "qwen3next"}
 COMPARED = ["qwen3moe", "gpt-oss", "deepseek2"]  # softmax, softmax over the top-k, grouped sigmoid with a bias
+EVERY = 2  # decode steps per counted one in these tests
+
+
+@pytest.fixture(autouse=True)
+def count_every_other_step(monkeypatch):
+    """EVERY for the engine's counters, each of which keeps a trace: (weight, nodes read before it) per step."""
+    monkeypatch.setattr(expert_counts, "DECODE_EVERY", EVERY)
+    begin = expert_counts.ExpertCounter.begin_step
+
+    def traced(counter, prefill):
+        weight = begin(counter, prefill)
+        counter.__dict__.setdefault("trace", []).append((weight, counter.reads))
+        return weight
+
+    monkeypatch.setattr(expert_counts.ExpertCounter, "begin_step", traced)
+
+
+def reads_per_step(counter) -> list[tuple[int, int]]:
+    """(weight, nodes the callback read) of each step the counter saw."""
+    marks = [reads for _, reads in counter.trace] + [counter.reads]
+    return [(weight, marks[i + 1] - marks[i]) for i, (weight, _) in enumerate(counter.trace)]
+
+
+def test_step_weight_counts_prompts_whole_and_one_decode_step_in_every():
+    assert [step_weight(False, step, 4) for step in range(9)] == [4, 0, 0, 0, 4, 0, 0, 0, 4]
+    assert step_weight(True, 3, 4) == 1 and step_weight(True, 0, 8) == 1  # prompts whatever the decode phase
+    assert [step_weight(False, step, 1) for step in range(3)] == [1, 1, 1]  # every step: the exact count
+    # a long run's weighted steps add up to the steps they stand for
+    assert sum(step_weight(False, step, 8) for step in range(800)) == 800
+    with pytest.raises(ValueError, match="at least 1"):
+        step_weight(False, 0, 0)
+
+
+def position_weights(prompt: int, fed: int) -> list[int]:
+    """What each position of a prompt and its fed-back reply tokens counts for when its sequence decodes in
+    lockstep with the others: the prompt's 1, reply token j (fed by decode step j) EVERY on every EVERY-th step."""
+    return [1] * prompt + [EVERY if j % EVERY == 0 else 0 for j in range(fed)]
 
 
 def test_topk_layer_reads_only_the_routers_choice():
@@ -44,9 +85,11 @@ def test_chosen_ids_reads_the_first_k_of_each_tokens_sorted_experts():
     assert ids.tolist() == [[5, 2], [1, 0], [7, 6]]
 
 
-def transformers_picks(model, sequences: list[tuple[list[int], int]], layers: int, experts: int) -> np.ndarray:
-    """[layers, experts] counts of the routers' picks as transformers makes them, each sequence (ids, first token
-    of the last layer) run teacher-forced: every token in every layer but the last, from that one on in the last."""
+def transformers_picks(model, sequences: list[tuple[list[int], list[int], int]], layers: int,
+                       experts: int) -> np.ndarray:
+    """[layers, experts] counts of the routers' picks as transformers makes them, each sequence (ids, weight per
+    position, first token of the last layer) run teacher-forced: every token in every layer but the last, from
+    that one on in the last; each pick counted its position's weight times."""
     picks = np.zeros((layers, experts), dtype=np.int64)
     seen: dict[int, torch.Tensor] = {}
     hooks = []
@@ -56,26 +99,31 @@ def transformers_picks(model, sequences: list[tuple[list[int], int]], layers: in
             hooks.append(module.register_forward_hook(lambda m, args, out, layer=layer: seen.__setitem__(layer, out[2])))
     assert hooks, "no router modules found"
     try:
-        for ids, first_output in sequences:
+        for ids, weights, first_output in sequences:
             seen.clear()
             with torch.no_grad():
                 model(torch.tensor([ids]))
             for layer, chosen in seen.items():
-                chosen = chosen.reshape(len(ids), -1)
+                chosen = chosen.reshape(len(ids), -1).numpy()
+                w = np.repeat(np.array(weights)[:, None], chosen.shape[1], axis=1)
                 if layer == layers - 1:
-                    chosen = chosen[first_output:]
-                picks[layer] += np.bincount(chosen.flatten().numpy(), minlength=experts)
+                    chosen, w = chosen[first_output:], w[first_output:]
+                picks[layer] += np.bincount(chosen.flatten(), weights=w.flatten(), minlength=experts).astype(np.int64)
     finally:
         for hook in hooks:
             hook.remove()
     return picks
 
 
-def check_sums(family, cfg, requests, counts, tokens) -> list[int]:
-    """Each MoE layer's picks are its tokens x top-k: every token fed, or in the last layer of most families the
-    tokens whose logits came back; dense layers have none. The MoE layers, in order."""
-    fed = sum(len(r.prompt_ids) + NEW_TOKENS - 1 for r in requests)  # the last token is never fed back
-    outputs = len(requests) * NEW_TOKENS
+def check_sums(family, cfg, requests, counter) -> list[int]:
+    """Each MoE layer's picks are its weighted tokens x top-k: every token fed, or in the last layer of most families
+    the tokens whose logits came back; dense layers have none. Only counted steps read nodes, one per MoE layer
+    and micro-batch (llama.cpp makes one per sequence of a prompts' step). The MoE layers, in order."""
+    counts, tokens = counter.snapshot()
+    assert counter.errors == 0
+    weights = [position_weights(len(r.prompt_ids), NEW_TOKENS - 1) for r in requests]  # the last token is never fed
+    fed = sum(map(sum, weights))
+    outputs = sum(sum(w[len(r.prompt_ids) - 1:]) for r, w in zip(requests, weights))  # from the last prompt token
     moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
     last = cfg.num_layers - 1
     assert moe and last in moe
@@ -83,6 +131,11 @@ def check_sums(family, cfg, requests, counts, tokens) -> list[int]:
                 for i in range(cfg.num_layers)]
     assert tokens.tolist() == expected, family
     assert counts.sum(axis=1).tolist() == [n * cfg.num_experts_per_tok for n in expected], family
+    # the prompts' step and decode steps 0, 2, 4 of 5 counted; the skipped ones asked the callback for nothing
+    assert (counter.steps, counter.counted_steps) == (1 + NEW_TOKENS - 1, 1 + len(range(0, NEW_TOKENS - 1, EVERY)))
+    steps = reads_per_step(counter)
+    assert all(reads == 0 for weight, reads in steps if weight == 0), (family, steps)
+    assert all(reads > 0 and reads % len(moe) == 0 for weight, reads in steps if weight), (family, steps)
     return moe
 
 
@@ -102,9 +155,7 @@ def test_counts_add_up_to_tokens_times_top_k_on_the_other_families(family, tmp_p
     engine = Engine.load(str(build(family, tmp_path / family).gguf), engine="llama.cpp", context_length=128)
     try:
         requests, _ = run_prompts(engine)
-        counts, tokens = engine.llama.counter.snapshot()
-        assert engine.llama.counter.errors == 0
-        check_sums(family, engine.config, requests, counts, tokens)
+        check_sums(family, engine.config, requests, engine.llama.counter)
     finally:
         engine.close()
 
@@ -123,12 +174,11 @@ def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_pat
         counter = engine.llama.counter
         assert counter is not None and counter.native  # the C callback (gcc is on every machine that runs this)
         requests, done = run_prompts(engine)
-        counts, tokens = counter.snapshot()
-        assert counter.errors == 0
-
-        moe = check_sums(family, cfg, requests, counts, tokens)
+        counts, _ = counter.snapshot()
+        moe = check_sums(family, cfg, requests, counter)
         whole = family in WHOLE_LAST_LAYER
-        sequences = [(r.prompt_ids + c.token_ids[:-1], 0 if whole else len(r.prompt_ids) - 1)
+        sequences = [(r.prompt_ids + c.token_ids[:-1], position_weights(len(r.prompt_ids), len(c.token_ids) - 1),
+                      0 if whole else len(r.prompt_ids) - 1)
                      for r, c in zip(requests, done)]
         reference = transformers_picks(built.model, sequences, cfg.num_layers, cfg.num_experts)
         assert counts.tolist() == reference.tolist(), family
@@ -137,6 +187,7 @@ def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_pat
         assert popularity == [counts[i].tolist() for i in moe] and len(on_gpu) == len(moe)
         stats = engine.expert_stats()
         assert stats["expert_counts"] and stats["experts_cpu"] == int(counts.sum()) and stats["experts_gpu"] == 0
+        assert stats["expert_count_every"] == EVERY  # what the heat map's legend says
     finally:
         engine.close()
 
@@ -164,7 +215,8 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
         on = engine.complete([request])[0]
         assert on.token_ids == off.token_ids  # counting changes nothing of the reply
         native, _ = engine.llama.counter.snapshot()
-        assert native.sum() > 0
+        native_reads = engine.llama.counter.reads
+        assert native.sum() > 0 and 0 < engine.llama.counter.counted_steps < engine.llama.counter.steps
 
         def python_counter():
             engine.llama.counter = ExpertCounter(engine.api, library().ggml, engine.config.num_layers,
@@ -176,6 +228,7 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
         assert engine.complete([request])[0].token_ids == off.token_ids
         python, _ = engine.llama.counter.snapshot()
         assert python.tolist() == native.tolist() and engine.llama.counter.errors == 0
+        assert engine.llama.counter.reads == native_reads  # it too declines every node on a skipped step
         assert engine.count_experts(False) and engine.llama.counter is None
     finally:
         engine.close()

@@ -50,6 +50,10 @@ class ExpertBuffers:
         self.ggml, self.found, self.user_data = ggml, {}, None
         self.callback = api.ggml_backend_sched_eval_callback(self._on_node)
 
+    def begin_step(self, prefill: bool) -> int:
+        """As ExpertCounter's, which LlamaContext calls before each step: every step is looked at."""
+        return 1
+
     def _on_node(self, tensor, ask, user_data) -> bool:
         for src in Node.from_address(tensor).src:
             name = self.ggml.ggml_get_name(src) if src else b""

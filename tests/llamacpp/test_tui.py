@@ -40,7 +40,8 @@ async def test_a_reply_on_llama_cpp_streams_and_equals_the_engines_greedy_reply(
 
 
 async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
-    """A MoE GGUF on llama.cpp: after a reply, the chat's heat map holds every pick the engine counted for it."""
+    """A MoE GGUF on llama.cpp: after a reply, the chat's heat map holds every pick the engine counted for it, and
+    says they are estimates from a sample of the decode steps."""
     from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
     from moedesk.engine.runtime import Engine
     from tests.gguf_from_hf import build
@@ -57,6 +58,8 @@ async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
             shown = [[c.count for c in row] for row in heatmap.current_layout().rows]
             counted = engine.expert_map()[1]
             assert sum(map(sum, counted)) > 0 and sum(map(sum, shown)) == sum(map(sum, counted))
+            every = engine.expert_stats()["expert_count_every"]  # a sample: the legend says so
+            assert any(f"1 decode step in {every}" in line for line in heatmap.render().plain.splitlines())
     finally:
         engine.close()
 

@@ -37,7 +37,8 @@ compare)
     tests/llamacpp/test_recurrent_state.py \
     2>&1 | tee "$OUT/pytest_llamacpp_fit.txt" | tail -n 5
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
-    --expert-format q4_k --budgets "${BUDGETS:-3,5}" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
+    --expert-format q4_k --budgets "${BUDGETS:-3,5}" --count-every "${COUNT_EVERY:-8,1,32}" \
+    --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
   gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \
     python3 tests/perf/bench_serve.py --model "$gguf" --engine llama.cpp --clients 4 2>&1 | tee "$OUT/serve.txt" | tail -n 8 ;;
 *) echo "usage: $0 build|compare"; exit 2 ;;

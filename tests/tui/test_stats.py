@@ -42,6 +42,18 @@ def test_render_lines_marks_gpu_cells_and_has_a_legend():
     assert [level_of(c, 10) for c in (0, 1, 2, 5, 10)] == [0, 1, 1, 3, 5]
 
 
+def test_a_sampled_map_says_its_counts_are_estimates():
+    """llama.cpp's engine counts one decode step in N (each pick N times): the legend says the top count is an
+    estimate and how it was made; an exact map (the native engine's) says neither."""
+    hm = layout([[True, False]], [[40, 8]], width=40, labels=["L0"])
+    exact = [line.plain for line in render_lines(hm, width=40)]
+    sampled = [line.plain for line in render_lines(hm, width=40, sample_every=8)]
+    assert any(line.endswith("few → 40") for line in exact) and not any("estimated" in line for line in exact)
+    assert any(line.endswith("few → ~40") for line in sampled)
+    assert "estimated: prompts and 1 decode step in 8 counted" in sampled
+    assert len(sampled) == len(exact) + 1
+
+
 @pytest.mark.anyio
 async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
     app = MoedeskApp(engine, settings=greedy_settings())
