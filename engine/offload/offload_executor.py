@@ -153,15 +153,12 @@ def compute_copied(xs, staging: ExpertWeights, ready=None):
     return out, current.record_event()
 
 
-def _cpu_share_rows(pairs: "_Pairs", on_cpu: list[int], tokens: int, lone_token_share: bool) -> torch.Tensor | None:
-    """The pair indices the CPU computes, when it should be handed those pairs' tokens alone rather than every token:
-    when they are fewer than the tokens (a prefill layer whose CPU takes a few light experts moves a few rows to the
-    host and back, not the whole activations and every pair's result); None otherwise, and for a lone token's
-    zero-copy or split-row shares, which the GPU completes in place."""
-    if lone_token_share:
-        return None
-    rows = pairs.of(sorted(on_cpu))
-    return torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)) if len(rows) < tokens else None
+def _gathers_cpu_share(cpu_pairs: int, tokens: int, lone_token_share: bool) -> bool:
+    """Whether the CPU is handed its pairs' tokens alone rather than every token: when its pairs are fewer than the
+    tokens (a prefill layer whose CPU takes a few light experts moves a few rows to the host and back, not the whole
+    activations and every pair's result). Never for a lone token's zero-copy or split-row shares, which the GPU
+    completes in place."""
+    return not lone_token_share and cpu_pairs < tokens
 
 
 class _Pairs:
@@ -574,14 +571,16 @@ class OffloadExecutor:
             if moved:
                 on_cpu = [*on_cpu, *moved]
                 resident = [e for e in resident if e not in moved]
-        pairs = _Pairs(experts_of, counts)
-        cpu_rows = None  # the CPU's pairs, when it computes only them (`_cpu_share_rows`)
+        pairs = cpu_rows = cpu_rows_on_device = None  # cpu_rows: the CPU's pairs, when it gets their tokens alone
         if on_cpu and x_host is None:
-            cpu_rows = _cpu_share_rows(pairs, on_cpu, n, bool(zero_copy or cpu_width))
-            if cpu_rows is not None:
-                cpu_rows_on_device = cpu_rows.to(self.device)
             # Before any GPU work is queued: this copy waits for the stream to drain.
-            x_host = x.cpu() if cpu_rows is None else x.index_select(0, cpu_rows_on_device // k).cpu()
+            if _gathers_cpu_share(sum(count[e] for e in on_cpu), n, bool(zero_copy or cpu_width)):
+                pairs = _Pairs(experts_of, counts)
+                cpu_rows = torch.from_numpy(np.ascontiguousarray(pairs.of(sorted(on_cpu)), dtype=np.int64))
+                cpu_rows_on_device = cpu_rows.to(self.device)
+                x_host = x.index_select(0, cpu_rows_on_device // k).cpu()
+            else:
+                x_host = x.cpu()
         if out is None:
             out = torch.empty((n * k, x.shape[1]), dtype=x.dtype, device=self.device)
 
@@ -604,7 +603,7 @@ class OffloadExecutor:
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
             run_sizes = self.copy_runs(offloaded, to_copy) if to_copy and self.copy_runs else None
-            gpu = self._queue_gpu(bank, x, k, pairs, resident, to_copy, run_sizes) \
+            gpu = self._queue_gpu(bank, x, k, pairs or _Pairs(experts_of, counts), resident, to_copy, run_sizes) \
                 if resident or to_copy else None
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.

@@ -439,7 +439,7 @@ def test_on_cuda_a_cpu_share_of_few_pairs_matches_every_token_sent_to_the_host(m
     outputs = {}
     for name in ("their tokens", "every token"):
         if name == "every token":
-            monkeypatch.setattr(offload_executor, "_cpu_share_rows", lambda *a: None)
+            monkeypatch.setattr(offload_executor, "_gathers_cpu_share", lambda *a: False)
         executor = OffloadExecutor(banks, on_gpu, "cuda", two_lightest_on_the_cpu, overlap_copies=True,
                                    copy_runs=lambda loads, copy: [len(copy)])
         outputs[name] = [executor.expert_outputs(SimpleNamespace(layer=layer), x, ids).float().cpu()
