@@ -153,12 +153,12 @@ def compute_copied(xs, staging: ExpertWeights, ready=None):
     return out, current.record_event()
 
 
-def _gathers_cpu_share(cpu_pairs: int, tokens: int, lone_token_share: bool) -> bool:
+def _gathers_cpu_share(cpu_pairs: int, tokens: int) -> bool:
     """Whether the CPU is handed its pairs' tokens alone rather than every token: when its pairs are fewer than the
     tokens (a prefill layer whose CPU takes a few light experts moves a few rows to the host and back, not the whole
-    activations and every pair's result). Never for a lone token's zero-copy or split-row shares, which the GPU
-    completes in place."""
-    return not lone_token_share and cpu_pairs < tokens
+    activations and every pair's result). Asked only where the activations are not on the host already: a captured
+    step's lone token (its zero-copy and split-row shares included) comes with them."""
+    return cpu_pairs < tokens
 
 
 class _Pairs:
@@ -574,7 +574,7 @@ class OffloadExecutor:
         pairs = cpu_rows = cpu_rows_on_device = None  # cpu_rows: the CPU's pairs, when it gets their tokens alone
         if on_cpu and x_host is None:
             # Before any GPU work is queued: this copy waits for the stream to drain.
-            if _gathers_cpu_share(sum(count[e] for e in on_cpu), n, bool(zero_copy or cpu_width)):
+            if _gathers_cpu_share(sum(count[e] for e in on_cpu), n):
                 pairs = _Pairs(experts_of, counts)
                 cpu_rows = torch.from_numpy(np.ascontiguousarray(pairs.of(sorted(on_cpu)), dtype=np.int64))
                 cpu_rows_on_device = cpu_rows.to(self.device)
