@@ -127,6 +127,26 @@ MAX_COPY_RUNS = 4  # run counts tried, from the fewest the size limit allows up
 COPY_RUN_SCRATCH_BYTES = 1 << 30
 
 
+# Experts of at most this many weights (3·H·F) run in one grouped launch at any load: one GEMM an expert is
+# launch-bound on small experts, paying off on large ones only (docs/measurements.md, "The offload path").
+SMALL_EXPERT_WEIGHTS = 1 << 24
+
+
+def resident_grouped(sizes: Sequence[int], hidden: int, width: int, grouped_max: int,
+                     slots: int | None = None) -> bool:
+    """Whether a step's resident experts (tokens `sizes`) run in one grouped launch rather than one GEMM each: always
+    while none has more than `grouped_max` tokens (a decode step's few); at prefill loads only for small experts
+    (SMALL_EXPERT_WEIGHTS), and only where a copy run's scratch (`copy_run_limit`) holds the `slots` experts the launch
+    spans (default: len(sizes)), as it dequantises them to bf16 there."""
+    active = [n for n in sizes if n > 0]
+    if not active:
+        return False
+    if max(active) <= grouped_max:
+        return True
+    spans = len(sizes) if slots is None else slots
+    return 3 * hidden * width <= SMALL_EXPERT_WEIGHTS and spans <= copy_run_limit(hidden, width)
+
+
 def copy_run_limit(hidden: int, width: int) -> int:
     """The most experts of this shape (H, F) a copy run may hold: their gate/up and down in bf16 within
     COPY_RUN_SCRATCH_BYTES."""

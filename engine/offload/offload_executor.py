@@ -30,6 +30,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from moedesk.engine.offload.assignment import resident_grouped
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
 from moedesk.kernels import gpu_zero_copy
@@ -37,8 +38,8 @@ from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
                              prepare_routed)
 
-# Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's
-# savings (EPS-MoE); below it, launches dominate. A choice, not yet a measurement.
+# Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's savings on large
+# experts (EPS-MoE); below it, launches dominate. Small experts stay grouped above it too (`resident_grouped`).
 GROUPED_MAX_TOKENS = 64
 
 __all__ = ["OffloadExecutor", "stack_experts"]
@@ -645,8 +646,9 @@ class OffloadExecutor:
 
     def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy,
                    run_sizes: list[int] | None = None) -> tuple:
-        """Queue the resident experts (one grouped launch per projection while every expert has at most
-        GROUPED_MAX_TOKENS tokens, as in decode; else one GEMM per expert) and the copied ones.
+        """Queue the resident experts (one grouped launch per projection where `resident_grouped` says so: every
+        expert at most GROUPED_MAX_TOKENS tokens, as in decode, or small experts; else one GEMM per expert) and the
+        copied ones.
         run_sizes: the copied experts computed in copy runs of these sizes (`_queue_copy_runs`), None: one by one.
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         resident_rows = pairs.of(resident)  # expert by expert in ascending id
@@ -656,7 +658,9 @@ class OffloadExecutor:
             resident_rows = resident_rows[np.argsort(slot_of[pairs.experts[resident_rows]], kind="stable")]
             resident = by_slot
         sizes = [pairs.count[e] for e in resident]
-        grouped = bool(resident) and max(sizes) <= GROUPED_MAX_TOKENS and grouped_supported(x, bank.gpu)
+        gpu = bank.gpu
+        grouped = (bool(resident) and grouped_supported(x, gpu)
+                   and resident_grouped(sizes, gpu.hidden, gpu.width, GROUPED_MAX_TOKENS, gpu.num_experts))
         runs = _runs_by_id(to_copy, run_sizes) if to_copy and run_sizes else None
         if runs is not None:
             to_copy = [e for run in runs for e in run]  # slot order: each run's experts by id

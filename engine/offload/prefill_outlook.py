@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from moedesk.engine.offload.assignment import (GROUPED_COPIES_MIN_LOAD, Contended, assign_offloaded, cpu_path_ms,
-                                               finish_times, mean_load)
+                                               finish_times, mean_load, resident_grouped)
 
 
 @dataclass(frozen=True)
@@ -148,13 +148,17 @@ def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expect
     return PrefillOutlook(tokens, tuple(done), fixed_ms, hidden_ms)
 
 
-def resident_gpu_ms(loads: Iterable[int], model, grouped_max: int) -> float:
-    """The GPU's time on a layer's resident experts (tokens `loads`), queued as the executor queues them: one grouped
-    launch while none has more than `grouped_max` tokens (priced as one expert of them all), else one GEMM an expert."""
+def resident_gpu_ms(loads: Iterable[int], model, grouped_max: int, shape: tuple[int, int] | None = None) -> float:
+    """The GPU's time on a layer's resident experts (tokens `loads`, one a resident slot), queued as the executor
+    queues them: one grouped launch (priced as one expert of them all) while none has more than `grouped_max` tokens,
+    or at any load where the experts of `shape` (H, F) are small (`resident_grouped`); else one GEMM an expert."""
+    loads = list(loads)
     active = [n for n in loads if n > 0]
     if not active:
         return 0.0
-    if max(active) <= grouped_max:
+    grouped = (max(active) <= grouped_max if shape is None
+               else resident_grouped(loads, *shape, grouped_max=grouped_max))
+    if grouped:
         return model.gpu_expert_ms(sum(active))
     return sum(model.gpu_expert_ms(n) for n in active)
 

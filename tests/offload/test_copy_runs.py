@@ -353,3 +353,48 @@ def test_the_exact_split_of_a_grouped_copies_step_equals_brute_force():
         best = min(groups.makespan(x) for x in itertools.product(*(range(m + 1) for m in groups.sizes)))
         start = assignment._greedy(groups, [0] * len(groups.sizes))
         assert groups.makespan(assignment._exact(groups, start)) == pytest.approx(best, abs=1e-9)
+
+
+def test_small_experts_stay_in_one_grouped_launch_at_prefill_loads_and_large_ones_do_not():
+    """Qwen3-30B-A3B's experts (H 2048, F 768) one GEMM each were launch-bound at prefill; Mixtral's (4096, 14336) ran
+    faster so from 16 tokens (docs/measurements.md, "The offload path")."""
+    from moedesk.engine.offload.assignment import SMALL_EXPERT_WEIGHTS, resident_grouped
+
+    prefill = [145] * 20  # a mixed layer's resident experts in session 37's Qwen3 prefill 512
+    assert resident_grouped(prefill, 2048, 768, grouped_max=64)
+    assert not resident_grouped([256] * 4, 4096, 14336, grouped_max=64)
+    assert resident_grouped([64, 3, 0], 4096, 14336, grouped_max=64)  # decode's few: grouped, whatever the size
+    # The dequantising launch spans every resident slot: a stack past a copy run's scratch goes one by one.
+    assert resident_grouped(prefill, 2048, 768, 64, slots=copy_run_limit(2048, 768))
+    assert not resident_grouped(prefill, 2048, 768, 64, slots=copy_run_limit(2048, 768) + 1)
+    edge = SMALL_EXPERT_WEIGHTS // 3
+    assert resident_grouped([100], edge, 1, 64) and not resident_grouped([100], edge + 1, 1, 64)
+    assert not resident_grouped([0, 0], 2048, 768, 64) and not resident_grouped([], 2048, 768, 64)
+
+
+@pytest.mark.parametrize("grouped_above", [False, True])
+def test_a_prefills_resident_experts_over_the_decode_limit_compute_the_same_grouped_or_one_by_one(
+        mixtral, monkeypatch, grouped_above):
+    """The tiny Mixtral's experts are small, so a resident expert with more than GROUPED_MAX_TOKENS tokens no longer
+    sends the layer's resident experts one GEMM each; forced back (large experts), the outputs are the same."""
+    engine, banks = mixtral
+    layer = min(banks)
+    experts = banks[layer].num_experts
+    resident = [[e < 3 for e in range(bank.num_experts)] for bank in banks.values()]
+    tokens = oe.GROUPED_MAX_TOKENS + 40
+    torch.manual_seed(1)
+    x = torch.randn(tokens, engine.config.hidden_size)
+    ids = torch.stack([torch.tensor([0, 3 + t % (experts - 3)]) for t in range(tokens)])  # expert 0: every token
+    launches = []
+    real = oe.grouped_experts_forward
+    monkeypatch.setattr(oe, "grouped_experts_forward", lambda *a: launches.append(len(a[0])) or real(*a))
+    if not grouped_above:
+        monkeypatch.setattr(oe, "resident_grouped", lambda sizes, *a: max(sizes) <= oe.GROUPED_MAX_TOKENS)
+    executor = OffloadExecutor(banks, resident, "cpu", lambda loads: (sorted(loads), []))
+    got = executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
+    reference = OffloadExecutor(banks, [[False] * bank.num_experts for bank in banks.values()], "cpu",
+                                lambda loads: (sorted(loads), []))
+    expected = reference.expert_outputs(SimpleNamespace(layer=layer), x, ids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert executor.stats.gpu_experts == 1  # expert 0 alone of the resident ones has tokens
+    assert launches == ([tokens] if grouped_above else [])

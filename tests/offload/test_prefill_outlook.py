@@ -67,6 +67,9 @@ def test_resident_experts_are_one_grouped_launch_up_to_its_limit_then_one_gemm_e
     assert resident_gpu_ms([64, 10, 0], gpu, grouped_max=64) == pytest.approx(0.5 + 0.074)
     assert resident_gpu_ms([65, 10], gpu, grouped_max=64) == pytest.approx(0.565 + 0.51)
     assert resident_gpu_ms([], gpu, grouped_max=64) == 0.0
+    # Given the experts' shape, as the executor decides (`resident_grouped`): small ones stay grouped past the limit.
+    assert resident_gpu_ms([65, 10], gpu, 64, shape=(2048, 768)) == pytest.approx(0.5 + 0.075)
+    assert resident_gpu_ms([65, 10], gpu, 64, shape=(4096, 14336)) == pytest.approx(0.565 + 0.51)
 
 
 def test_prefetch_takes_the_dearest_on_the_cpu_first_within_the_links_free_time_and_the_slots():

@@ -134,6 +134,12 @@ def routed(executor):
         del executor._count
 
 
+def shape_of(executor, layer: int) -> tuple[int, int]:
+    """A layer's experts' (H, F), which decide whether its resident ones run grouped (`resident_grouped`)."""
+    host = executor.banks[layer].host
+    return host.hidden, host.width
+
+
 def outlook_of(bench, counts: dict, tokens: int):
     """The prefill predicted from its routing `counts` (`routed`): per layer the offloaded experts' loads and the
     resident ones' GPU time, priced by the orchestra's latency model as its executor runs (overlap, copy runs).
@@ -144,7 +150,8 @@ def outlook_of(bench, counts: dict, tokens: int):
         slots = executor.banks[layer].gpu_slot
         resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
         offloaded = {e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0}
-        layers.append((offloaded, resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS)))
+        busy = resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS, shape_of(executor, layer))
+        layers.append((offloaded, busy))
     outlook = prefill_outlook(layers, costs, tokens, fixed_ms=0.0, overlap=executor.overlap_copies,
                               grouped_copies=executor.copy_runs is not None)
     return outlook, dict(zip(sorted(counts), outlook.layers)), [n for offloaded, _ in layers for n in offloaded.values()]
@@ -160,7 +167,8 @@ def outlook_ahead(bench, counts: dict, tokens: int, fixed_ms: float):
         slots = executor.banks[layer].gpu_slot
         resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
         layers.append(({e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0},
-                       resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS)))
+                       resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS,
+                                       shape_of(executor, layer))))
         share = popularity[sorted(executor.banks).index(layer)]
         total = sum(share) or 1.0
         expected.append({e: tokens * top_k * p / total for e, p in enumerate(share) if slots[e] is None})
