@@ -346,6 +346,36 @@ def test_a_layer_s_hits_a_step_are_read_from_its_scores_from_the_first_step_on()
             assert len(cache.observe(step)) == swaps, (half_life, newcomer_hits)
 
 
+def test_scores_carried_to_a_new_cache_keep_the_steps_they_hold():
+    # One step's scores carried to a new cache (a new placement): read as one step's selections, the newcomer's 6
+    # hits a step clear the 0.5 ms launch; read as the long run's (46 steps at a half-life of 32), a fraction of one.
+    price = SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5)
+    on, step = np.array([[True, False, False]]), counts(1, 3, [(0, 0, 1), (0, 1, 1), (0, 2, 6)])
+    first = ExpertCache(on, CachePolicy(interval=2), price=price)
+    assert first.observe(step) == [] and first.weight == 1.0  # no round at its first step
+    carried = ExpertCache(on, CachePolicy(), first.scores, price, weight=first.weight)
+    assert carried.observe(step) == [Swap(0, 0, 2)]
+    assert ExpertCache(on, CachePolicy(), first.scores, price).observe(step) == []
+
+
+def test_a_new_placement_keeps_the_cache_s_scores_and_their_weight():
+    import torch
+
+    from moedesk.engine.offload.offload_executor import OffloadExecutor
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    g = torch.Generator().manual_seed(0)
+    stack = ExpertWeights(torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g), 8, 8)
+    executor = OffloadExecutor({0: stack}, [[True, False, False, False]], "cpu", lambda loads: (sorted(loads), []))
+    executor.follow_routing(CachePolicy(interval=1000), price=SwapPrice(0.1, 0.0, resident_launch_ms=0.5))
+    for _ in range(3):
+        executor.cache.observe(counts(1, 4, [(0, 1, 2), (0, 3, 1)]))
+    scores, weight = executor.cache.scores.copy(), executor.cache.weight
+    executor.set_placement([[False, True, False, False]])
+    assert executor.cache is not None and executor.cache.resident.tolist() == [[False, True, False, False]]
+    assert executor.cache.scores.tolist() == scores.tolist() and executor.cache.weight == weight < 3
+
+
 def recorded_trace(tmp_path, shape, steps, tokens=1):
     """A CONVERSATION trace written as a routing-trace file and read back: what the bench replays."""
     path = tmp_path / "trace.jsonl"
