@@ -619,7 +619,8 @@ class OffloadExecutor:
             cpu_started = time.perf_counter()
             if background is not None:
                 background.join()
-                cpu_started -= background.seconds
+                # The call's own time: its wait in the join is part of it, not time beside it.
+                cpu_started = time.perf_counter() - background.seconds
             else:
                 cpu_call()
             # One copy back for all CPU experts (not over the zero-copy ranks' rows, last, which the GPU writes). The

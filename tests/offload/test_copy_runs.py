@@ -398,3 +398,34 @@ def test_a_prefills_resident_experts_over_the_decode_limit_compute_the_same_grou
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert executor.stats.gpu_experts == 1  # expert 0 alone of the resident ones has tokens
     assert launches == ([tokens] if grouped_above else [])
+
+
+def test_the_cpu_calls_time_beside_the_copies_queueing_is_the_calls_own(mixtral, monkeypatch):
+    """With the CPU's call beside the queueing of the GPU's share (overlap_copies), `cpu_expert_ms` counts the call
+    once: the join's wait is part of the call, not time to add to it (it read 2 x call - queueing before)."""
+    import time
+
+    engine, banks = mixtral
+    layer = min(banks)
+    call_s, queue_s = 0.12, 0.08
+    real_call, real_queue = oe.experts_forward_routed, OffloadExecutor._queue_gpu
+
+    def slow_call(*args, **kwargs):
+        time.sleep(call_s)
+        return real_call(*args, **kwargs)
+
+    def slow_queue(self, *args, **kwargs):
+        time.sleep(queue_s)
+        return real_queue(self, *args, **kwargs)
+
+    monkeypatch.setattr(oe, "experts_forward_routed", slow_call)
+    monkeypatch.setattr(OffloadExecutor, "_queue_gpu", slow_queue)
+    nothing = [[False] * bank.num_experts for bank in banks.values()]
+    half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
+    executor = OffloadExecutor(banks, nothing, "cpu", half, overlap_copies=True)
+    torch.manual_seed(0)
+    x = torch.randn(8, engine.config.hidden_size)
+    ids = torch.stack([torch.randperm(banks[layer].num_experts)[:2] for _ in range(8)])
+    executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
+    assert executor.stats.copied_experts > 0 and executor.stats.cpu_experts > 0
+    assert 1e3 * call_s <= executor.stats.cpu_ms < 1e3 * (2 * call_s - queue_s) - 20
