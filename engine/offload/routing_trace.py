@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
 from moedesk.engine.errors import MoedeskError
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "moedesk-routing-trace"
 
@@ -139,29 +142,79 @@ def synthetic_trace(shape: TraceShape, steps: int, params: TraceParams, tokens: 
 class TraceRouter:
     """Replays a trace in place of the model's router (`replace_router`): each step's ids per layer,
     the trace's tokens repeated or cut to the step's, the trace itself repeated when it runs out. Expert
-    outputs are then wrong, so only for measuring speed on routing of a known shape."""
+    outputs are then wrong, so only for measuring speed on routing of a known shape.
+
+    The trace and the step counter live on the device, and a step's ids are computed there: the first MoE layer
+    advances the counter and gathers every layer's ids into one fixed buffer per token count, of which each layer
+    gets its row. So a CUDA graph captured over the router replays the trace as it would read the router, with
+    nothing run on the host; the host sees the ids where it sees the router's (the graph's copy, or the eager
+    forward's read)."""
 
     def __init__(self, steps: list[list[np.ndarray]], layers: list[int], top_k: int):
         if not steps:
             raise MoedeskError("the routing trace has no steps")
         if len(steps[0]) < len(layers):
             raise MoedeskError(f"the routing trace has {len(steps[0])} layers; the model has {len(layers)} MoE layers")
-        self.steps, self.top_k = steps, top_k
+        self.top_k = top_k
         self.row = {layer: i for i, layer in enumerate(sorted(layers))}
         self.first = min(layers)
-        self.step = -1
+        self.flat, self.offsets, self.lengths = packed_trace(steps, len(layers))
+        self._device: dict | None = None  # the tensors above on the routing's device, made at the first step
+        self._current: dict[int, torch.Tensor] = {}  # tokens n -> this step's ids of every layer [L, n, K]
+        self._pairs: dict[int, torch.Tensor] = {}  # tokens n -> 0 .. n * K - 1, the step's pair positions [1, n * K]
+
+    @property
+    def step(self) -> int:
+        """Trace positions taken so far, less one (-1 before the first): read from the device, a wait."""
+        return -1 if self._device is None else int(self._device["taken"].item()) - 1
 
     def ids(self, layer: int, like):
-        """The ids for `layer` this step, shaped and placed like the router's `like` [N, K]."""
-        import torch
-
-        if layer == self.first:
-            self.step += 1
-        trace = self.steps[self.step % len(self.steps)][self.row[layer]]
+        """The ids for `layer` this step, shaped and placed like the router's `like` [N, K]: a view of a buffer
+        that the next step overwrites in place (CUDA graphs read it there)."""
         n, k = like.shape
         if k != self.top_k:
             raise MoedeskError(f"the routing trace has top-{self.top_k}; the model routes to {k}")
-        return torch.from_numpy(np.resize(trace, n * k).reshape(n, k)).to(like.device, like.dtype)
+        if layer == self.first:
+            self._advance(n, like)
+        current = self._current.get(n)
+        if current is None:
+            raise MoedeskError(f"MoE layer {layer} routed {n} tokens before the first MoE layer did")
+        return current[self.row[layer]].to(like.device, like.dtype)
+
+    def _advance(self, n: int, like) -> None:
+        """The next trace position's ids of every layer into `_current[n]`: device work alone (captured in a graph,
+        it replays the trace)."""
+        import torch
+
+        if self._device is None:
+            with torch.inference_mode(False):  # updated in place inside and outside inference mode alike
+                self._device = {"flat": torch.from_numpy(self.flat).to(like.device, like.dtype),
+                                "offsets": torch.from_numpy(self.offsets).to(like.device),
+                                "lengths": torch.from_numpy(self.lengths).to(like.device),
+                                "taken": torch.zeros(1, dtype=torch.int64, device=like.device)}
+        d = self._device
+        if n not in self._current:
+            with torch.inference_mode(False):
+                self._current[n] = torch.empty((len(self.row), n, self.top_k), dtype=d["flat"].dtype,
+                                               device=d["flat"].device)
+                self._pairs[n] = torch.arange(n * self.top_k, device=d["flat"].device)[None]
+        at = torch.remainder(d["taken"], len(self.offsets))
+        d["taken"].add_(1)
+        start, length = d["offsets"].index_select(0, at).T, d["lengths"].index_select(0, at).T  # [L, 1]
+        index = start + torch.remainder(self._pairs[n], length)  # np.resize: a layer's ids repeated, or cut, to n * K
+        torch.index_select(d["flat"], 0, index.view(-1), out=self._current[n].view(-1))
+
+
+def packed_trace(steps: list[list[np.ndarray]], layers: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ids, offsets [S, layers], lengths [S, layers]): the first `layers` layers' ids of every step one after
+    another, and where each step's layer starts and how many it has. Each must have one at least."""
+    lengths = np.array([[len(step[r]) for r in range(layers)] for step in steps], dtype=np.int64)
+    if not lengths.all():
+        s, r = np.argwhere(lengths == 0)[0]
+        raise MoedeskError(f"the routing trace's step {s + 1} has no ids for MoE layer {r + 1}")
+    flat = np.concatenate([np.asarray(step[r], dtype=np.int64) for step in steps for r in range(layers)])
+    offsets = (np.cumsum(lengths.reshape(-1)) - lengths.reshape(-1)).reshape(lengths.shape)
+    return flat, offsets, lengths
 
 
 class TraceRecorder:

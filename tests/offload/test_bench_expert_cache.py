@@ -143,3 +143,53 @@ def test_the_summary_judges_each_interval_on_both_traces_by_its_median_and_says_
     assert table and table[0].split()[-4:-1] == ["1.01x", "0.96-1.06x", "50%"]
     assert summary(str(tmp_path / "absent")).endswith("nothing measured: see issue42_targets.log and the logs in the "
                                                       "archive")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_replayed_trace_reaches_the_executor_alike_through_the_graphs_and_eagerly(device, tmp_path, monkeypatch):
+    """The bench's decode with CUDA graphs, the trace router stepping on the device: on the GPU captured and replayed
+    (a replay runs no Python of the router), on the CPU the same segments eagerly (capture=False). Every layer's
+    selections of every expert, over a round's prefill and decode steps, are the trace's (np.resize of each position's
+    ids to the step's tokens), through the graphs as through the eager forward, with experts partly resident (some
+    run inside the graphs, some on the host between or beside them)."""
+    import numpy as np
+
+    from moedesk.bench.feed import selection_counts
+    from moedesk.bench.synthetic import measure_decode, prepare_synthetic
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.offload.routing_trace import (CONVERSATION, TraceRouter, TraceShape, replace_router,
+                                                      synthetic_trace)
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    tokens, prompt = 6, 32
+    made = prepare_synthetic("tiny-moe", None, 0.003, device, 64 + tokens, log=lambda *a: None)
+    layers, cfg = sorted(made.banks), made.cfg
+    shape = TraceShape(len(layers), cfg.num_experts, cfg.num_experts_per_tok)
+    trace = list(synthetic_trace(shape, tokens + 3, CONVERSATION, seed=5))
+    on_gpu = np.array(made.executor.on_gpu())
+    assert 0 < on_gpu.sum() < on_gpu.size
+    expected = {layer: np.zeros(cfg.num_experts, dtype=np.int64) for layer in layers}
+    for position in range(tokens):
+        n = prompt if position == 0 else 1
+        for r, layer in enumerate(layers):
+            expected[layer] += np.bincount(np.resize(trace[position][r], n * shape.top_k), minlength=cfg.num_experts)
+    segments = []
+
+    def graphed(model, cache):
+        segments.append(GraphedDecode(model, cache, capture=device == "cuda"))
+        return segments[-1]
+
+    for graphs in (False, graphed):
+        router = TraceRouter(trace, layers, shape.top_k)
+        replace_router(made.model, router)
+        made.executor.stats  # noqa: B018 (folds the counts of layers run on the device alone)
+        before = selection_counts(made.executor)
+        measure_decode(made.model, made.executor, cfg, made.device, made.dtype, 1, tokens, prompt=prompt, graphs=graphs)
+        replace_router(made.model, None)
+        made.executor.stats  # noqa: B018
+        after = selection_counts(made.executor)
+        assert router.step + 1 == tokens
+        got = {layer: (after[layer] - before.get(layer, 0)).numpy() for layer in layers}
+        assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in expected.items()}, graphs
+    assert len(segments) == 1 and segments[0].captured and segments[0].broken is None
+    assert all(bool(c.graphs) == (device == "cuda") for c in segments[0].captured.values())

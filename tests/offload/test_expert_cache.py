@@ -285,14 +285,44 @@ def test_a_trace_router_gives_each_layer_its_ids_step_by_step():
     steps = [[np.array([0, 1, 2, 3]), np.array([4, 5, 6, 7])], [np.array([1, 0, 3, 2]), np.array([5, 4, 7, 6])]]
     router = TraceRouter(steps, layers=[3, 7], top_k=2)
     like = torch.zeros((3, 2), dtype=torch.int64)
+    assert router.step == -1
     assert router.ids(3, like).tolist() == [[0, 1], [2, 3], [0, 1]]  # the trace's two tokens, repeated to three
-    assert router.ids(7, like[:1]).tolist() == [[4, 5]]
-    assert router.ids(3, like[:1]).tolist() == [[1, 0]]  # the first layer again: the next step
+    assert router.ids(7, like).tolist() == [[4, 5], [6, 7], [4, 5]]
+    assert router.ids(3, like[:1]).tolist() == [[1, 0]]  # the first layer again: the next step, cut to one token
+    assert router.ids(7, like[:1]).tolist() == [[5, 4]]
     assert router.ids(3, like[:1]).tolist() == [[0, 1]]  # past the end: from the start
+    assert router.step == 2
     with pytest.raises(MoedeskError, match="top-2"):
         router.ids(7, torch.zeros((1, 3), dtype=torch.int64))
+    with pytest.raises(MoedeskError, match="before the first MoE layer"):
+        router.ids(7, torch.zeros((2, 2), dtype=torch.int64))  # a token count the first layer has not routed
     with pytest.raises(MoedeskError, match="MoE layers"):
         TraceRouter(steps, layers=[0, 1, 2], top_k=2)
+    with pytest.raises(MoedeskError, match="step 2 has no ids for MoE layer 1"):
+        TraceRouter([steps[0], [np.array([], dtype=np.int64), steps[1][1]]], layers=[3, 7], top_k=2)
+
+
+def test_a_trace_router_steps_on_the_device_alone_as_a_graph_replays_it():
+    """What a CUDA graph captured over the router replays: the first MoE layer's routing, device work alone,
+    refills the one buffer every layer's ids were handed from, so layers whose Python never runs again (a replay)
+    read each later step's ids, equal to np.resize of the trace's (ragged steps, a prefill's many tokens, then one)."""
+    import torch
+
+    from moedesk.engine.offload.routing_trace import TraceRouter
+
+    rng = np.random.default_rng(0)
+    steps = [[rng.integers(0, 16, size=2 * int(rng.integers(1, 4))) for _ in range(3)] for _ in range(5)]
+    router = TraceRouter(steps, layers=[1, 4, 6], top_k=2)
+    with torch.inference_mode():  # as the model's forward runs it
+        prefill = [router.ids(layer, torch.zeros((7, 2), dtype=torch.int64)) for layer in (1, 4, 6)]
+    assert [ids.tolist() for ids in prefill] == [np.resize(steps[0][r], 14).reshape(7, 2).tolist() for r in range(3)]
+    captured = [router.ids(layer, torch.zeros((1, 2), dtype=torch.int64)) for layer in (1, 4, 6)]  # "the capture"
+    for position in range(2, 12):
+        first = router.ids(1, torch.zeros((1, 2), dtype=torch.int64))  # all the replay runs of the router
+        assert first.data_ptr() == captured[0].data_ptr()
+        step = steps[position % len(steps)]
+        assert [ids.tolist() for ids in captured] == [[list(step[r][:2])] for r in range(3)]
+    assert router.step == 11
 
 
 def test_replace_router_swaps_the_ids_and_keeps_the_weights_until_undone():

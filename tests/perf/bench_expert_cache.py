@@ -35,8 +35,12 @@ What else makes two identical placements time differently in one process, and wh
     experts (built once, pinned at build); a step reads far more experts than the CPU's caches hold;
   - Python's garbage collection: collected before each round (what the build made frozen out of it) and off
     during it;
-  - CUDA graphs: none (a replayed router runs eager, for all); the page cache: nothing is read from files after
-    the build (the profile's JSON at most).
+  - CUDA graphs: on where the engine decodes with them (CUDA, MOEDESK_NO_CUDA_GRAPHS unset), for both placements:
+    the trace router steps on the device (TraceRouter), so the captured steps replay the trace. Each round's first
+    decode step captures them (untimed), and a swap of the cache makes the next step capture again, which is the
+    engine's cost of a swap today and falls in the timed steps. --eager replays eagerly (before session 38: the
+    eager harness's Python diluted what a cache gains ~9x on Qwen3-30B-A3B); the page cache: nothing is read from
+    files after the build (the profile's JSON at most).
 Out of its control: other work on the machine, the clocks and temperature of the CPU and GPU over the run, and
 which NUMA node holds the pages of the experts each placement leaves in RAM (they differ between placements).
 Both placements' copies are on the GPU at once, twice the budget (the H200 holds both; speed does not depend on
@@ -188,6 +192,8 @@ def main() -> int:
     parser.add_argument("--ceiling", action="store_true",
                         help=f"after the control, '{CEILING}' against the fixed placement: what every hit is worth "
                         "(needs the GPU to hold the whole model's experts and the fixed placement's)")
+    parser.add_argument("--eager", action="store_true",
+                        help="decode eagerly (no CUDA graphs), as the bench did before session 38")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     try:
@@ -202,6 +208,7 @@ def main() -> int:
                      "(two steps a round timed at least)")
 
     from moedesk.bench.synthetic import measure_decode, prepare_synthetic
+    from moedesk.engine.generation.cuda_graphs import graphs_wanted
     from moedesk.engine.load.synthetic import shape_config
     from moedesk.engine.offload.expert_cache import CachePolicy
 
@@ -224,7 +231,8 @@ def main() -> int:
     gc.collect()
     gc.freeze()  # the model, traces and modules: never garbage, and the collection before each round skips them
     timed = args.decode_tokens - 1 - args.warmup
-    report = {**bench.header(), "rounds": args.rounds, "decode_tokens": args.decode_tokens,
+    graphs = not args.eager and graphs_wanted(bench.device)
+    report = {**bench.header(), "graphs": graphs, "rounds": args.rounds, "decode_tokens": args.decode_tokens,
               "warmup_steps": args.warmup, "timed_steps": timed, "prepare_s": round(time.monotonic() - t, 1),
               "pairs": [], "skipped": [], "same_as_fixed": [], "complete": False}
     fixed_plans: dict[str, np.ndarray] = {}
@@ -238,7 +246,7 @@ def main() -> int:
         gc.disable()  # a collection landing in one placement's round is the bench's noise, not the placement's
         try:
             result = measure_decode(bench.model, orchestra.executor, cfg, bench.device, bench.dtype, 1,
-                                    args.decode_tokens, seed=r, graphs=False, warmup=args.warmup)
+                                    args.decode_tokens, seed=r, graphs=graphs, warmup=args.warmup)
         finally:
             gc.enable()
             replace_router(bench.model, None)
@@ -310,7 +318,8 @@ def main() -> int:
         write_json(args.json, report)
     print(f"{args.shape} x{cfg.num_layers}, {len(layers) * cfg.num_experts} experts, a {args.gpu_budget:.4g} GiB GPU "
           f"budget, {budget / 2**30:.4g} GiB of it for experts, {report['experts']}, {bench.device}; "
-          f"{args.rounds} rounds of each placement in turns after a warm-up round, {timed} decode steps of each timed")
+          f"{args.rounds} rounds of each placement in turns after a warm-up round, {timed} decode steps of each timed, "
+          f"{'CUDA graphs' if graphs else 'eager'}")
     print(format_rows(report["pairs"]))
     for name in report["skipped"]:
         print(f"skipped at the time limit: {name}")
