@@ -10,7 +10,8 @@
 # expert_cache_mixtral.json, expert_cache_qwen3.json (rewritten after every pair), their logs, and
 # expert_cache_targets.txt (both tables, printed last).
 # Usage: [BUDGET_S=295] [QWEN_S=125] [ROUNDS=5] [TOKENS=20] [INTERVALS=16,1] [TRACES=conversation,no locality] \
-#   [CEILING=1] bash tests/perf/expert_cache_targets.sh    (CEILING=1: the bench's --ceiling, every expert resident)
+#   [CEILING=1] [EAGER=1] bash tests/perf/expert_cache_targets.sh    (CEILING=1: the bench's --ceiling, every expert
+#   resident; EAGER=1: its --eager, no CUDA graphs, as before session 38)
 # At 295 s session 37's run finished 4 pairs of Mixtral and 2 of Qwen3: each bench's time limit skipped the rest (a
 # pair takes 25-27 s; a shape's start, build, profile and traces 46-64 s). Cut down to ~180 s: the conversation trace
 # alone, 3 rounds of 7 timed steps (a range that holds the median 75% of the time, not 94%), each shape's cache every
@@ -19,7 +20,7 @@
 #     bash tests/perf/expert_cache_targets.sh
 set -uo pipefail
 DEST=${OUT:-/tmp/out}; BUDGET_S=${BUDGET_S:-295}; QWEN_S=${QWEN_S:-125}; ROUNDS=${ROUNDS:-5}; TOKENS=${TOKENS:-20}
-INTERVALS=${INTERVALS:-16,1}; TRACES=${TRACES:-conversation,no locality}; CEILING=${CEILING:-}
+INTERVALS=${INTERVALS:-16,1}; TRACES=${TRACES:-conversation,no locality}; CEILING=${CEILING:-}; EAGER=${EAGER:-}
 . tests/perf/gpu_env.sh  # the wheels in .whl (platformdirs and the rest the box lacks) ahead of the checkout
 mkdir -p "$DEST"
 git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
@@ -27,7 +28,7 @@ git log -1 --format='%h %s' > "$DEST/commit.txt" 2>/dev/null
 run() {
   if (($4 < 30)); then echo "$1: skipped ($4 s left)" >> "$DEST/expert_cache_targets.log"; return; fi
   timeout "$4" python3 tests/perf/bench_expert_cache.py --shape "$2" --expert-format q4_k --gpu-budget "$3" \
-    --rounds "$ROUNDS" --decode-tokens "$TOKENS" --intervals "$INTERVALS" --traces "$TRACES" ${CEILING:+--ceiling} \
+    --rounds "$ROUNDS" --decode-tokens "$TOKENS" --intervals "$INTERVALS" --traces "$TRACES" ${CEILING:+--ceiling} ${EAGER:+--eager} \
     --reuse-profile --time-limit $(($4 - 10)) \
     --json "$DEST/expert_cache_$1.json" > "$DEST/expert_cache_$1.txt" 2> "$DEST/expert_cache_$1.log"
   echo "$1: exit $? after $SECONDS s" >> "$DEST/expert_cache_targets.log"
@@ -48,7 +49,8 @@ for path in sys.argv[1:]:
         continue
     print(f"{report['shape']} x{report['layers']}, {report['gpu_budget_gib']} GiB, {report['experts_on_gpu']} experts "
           f"resident, {report['whole_layers_on_gpu']} whole layers at load; {report['rounds']} paired rounds of "
-          f"{report['timed_steps']} timed steps; skipped: {report['skipped'] or 'none'}")
+          f"{report['timed_steps']} timed steps, {'CUDA graphs' if report.get('graphs') else 'eager'}; "
+          f"skipped: {report['skipped'] or 'none'}")
     print(format_rows(report["pairs"]))
 PY
 cat "$DEST/expert_cache_targets.log" "$DEST/expert_cache_targets.txt"
