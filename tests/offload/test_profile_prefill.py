@@ -89,3 +89,29 @@ def test_compare_measures_copies_one_by_one_then_grouped_on_one_build(tmp_path, 
     assert out.count("built tiny-qwen35") == 1 and "one by one: as before" in out and "grouped: one launch" in out
     assert [line.split()[0] for line in out.strip().splitlines()[-2:]] == [row["shape"] for row in rows]
     assert not list(tmp_path.glob("prefill-trace-*"))
+
+
+def test_the_outlook_with_copies_ahead_prices_each_layer_as_the_executor_splits_it():
+    """outlook_ahead (printed on the GPU only): each layer's loads and resident GPU time as outlook_of reads them, the
+    next layer's expected loads from the calibrated popularity over its offloaded experts, the staging slots its own
+    copies leave, and the executor's split options (here no overlap, copies one by one) throughout."""
+    from moedesk.engine.offload.assignment import Costs
+    from moedesk.engine.offload.prefill_outlook import prefill_outlook, prefill_outlook_ahead
+
+    costs = Costs(cpu_ms=lambda n: 0.1 * n, gpu_ms=lambda n: 0.01 * n, copy_ms=2.0)
+    bank = lambda resident: SimpleNamespace(gpu_slot=[0 if e in resident else None for e in range(4)],  # noqa: E731
+                                            host=SimpleNamespace(hidden=8, width=8))
+    executor = SimpleNamespace(banks={3: bank({0}), 5: bank({1})}, staging=[None] * 3, overlap_copies=False,
+                               copy_runs=None)
+    bench = SimpleNamespace(executor=executor, cfg=SimpleNamespace(num_experts_per_tok=2),
+                            orchestra=SimpleNamespace(costs=costs, popularity=[[4, 3, 2, 1], [1, 1, 1, 1]]))
+    counts = {3: [30, 20, 10, 0], 5: [5, 25, 15, 15]}
+    layers = [({1: 20, 2: 10}, costs.gpu_expert_ms(30)), ({0: 5, 2: 15, 3: 15}, costs.gpu_expert_ms(25))]
+    options = {"overlap": False, "grouped_copies": False}
+    outlook, by_layer, touched = pp.outlook_of(bench, counts, tokens=30)
+    assert outlook == prefill_outlook(layers, costs, 30, 0.0, **options) and sorted(by_layer) == [3, 5]
+    assert sorted(touched) == [5, 10, 15, 15, 20]
+    expected = [{1: 18.0, 2: 12.0, 3: 6.0}, {0: 15.0, 2: 15.0, 3: 15.0}]  # 30 tokens x top-2 by popularity
+    room = 3 - max(x.copies for x in outlook.layers)
+    assert pp.outlook_ahead(bench, counts, tokens=30, fixed_ms=4.0) == prefill_outlook_ahead(
+        layers, expected, costs, 30, 4.0, room, **options)

@@ -140,20 +140,30 @@ def shape_of(executor, layer: int) -> tuple[int, int]:
     return host.hidden, host.width
 
 
-def outlook_of(bench, counts: dict, tokens: int):
-    """The prefill predicted from its routing `counts` (`routed`): per layer the offloaded experts' loads and the
-    resident ones' GPU time, priced by the orchestra's latency model as its executor runs (overlap, copy runs).
-    Returns the outlook, its layers by MoE layer index, and the tokens of every offloaded expert touched."""
+def priced_layers(bench, counts: dict) -> list[tuple[dict[int, int], float]]:
+    """Each MoE layer's (offloaded experts' loads, resident ones' GPU ms) from its routing `counts` (`routed`), in
+    layer order, priced by the orchestra's latency model as its executor queues them."""
     executor, costs = bench.executor, bench.orchestra.costs
     layers = []
     for layer, per_expert in sorted(counts.items()):
         slots = executor.banks[layer].gpu_slot
         resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
         offloaded = {e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0}
-        busy = resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS, shape_of(executor, layer))
-        layers.append((offloaded, busy))
-    outlook = prefill_outlook(layers, costs, tokens, fixed_ms=0.0, overlap=executor.overlap_copies,
-                              grouped_copies=executor.copy_runs is not None)
+        layers.append((offloaded, resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS, shape_of(executor, layer))))
+    return layers
+
+
+def split_options(executor) -> dict:
+    """The outlook's split options as `executor` runs: overlap and copy runs."""
+    return {"overlap": executor.overlap_copies, "grouped_copies": executor.copy_runs is not None}
+
+
+def outlook_of(bench, counts: dict, tokens: int):
+    """The prefill predicted from its routing `counts` (`routed`): per layer the offloaded experts' loads and the
+    resident ones' GPU time (`priced_layers`), split as its executor runs (overlap, copy runs).
+    Returns the outlook, its layers by MoE layer index, and the tokens of every offloaded expert touched."""
+    layers = priced_layers(bench, counts)
+    outlook = prefill_outlook(layers, bench.orchestra.costs, tokens, fixed_ms=0.0, **split_options(bench.executor))
     return outlook, dict(zip(sorted(counts), outlook.layers)), [n for offloaded, _ in layers for n in offloaded.values()]
 
 
@@ -161,21 +171,17 @@ def outlook_ahead(bench, counts: dict, tokens: int, fixed_ms: float):
     """The same prefill with each layer's copies for the next made during it (prefetch_ahead), the next layer's
     expected loads read from the calibrated popularity, the free staging slots those the layer's own copies leave."""
     executor, costs, popularity = bench.executor, bench.orchestra.costs, bench.orchestra.popularity
-    layers, expected = [], []
+    layers, options = priced_layers(bench, counts), split_options(executor)
     top_k = bench.cfg.num_experts_per_tok
-    for layer, per_expert in sorted(counts.items()):
+    expected = []
+    for layer in sorted(counts):
         slots = executor.banks[layer].gpu_slot
-        resident = [int(n) for e, n in enumerate(per_expert) if slots[e] is not None]
-        layers.append(({e: int(n) for e, n in enumerate(per_expert) if slots[e] is None and n > 0},
-                       resident_gpu_ms(resident, costs, GROUPED_MAX_TOKENS,
-                                       shape_of(executor, layer))))
         share = popularity[sorted(executor.banks).index(layer)]
         total = sum(share) or 1.0
         expected.append({e: tokens * top_k * p / total for e, p in enumerate(share) if slots[e] is None})
-    room = len(executor.staging) - max((x.copies for x in prefill_outlook(layers, costs, tokens, 0.0).layers),
-                                       default=0)
-    return prefill_outlook_ahead(layers, expected, costs, tokens, fixed_ms, max(0, room),
-                                 overlap=executor.overlap_copies, grouped_copies=executor.copy_runs is not None)
+    own = prefill_outlook(layers, costs, tokens, 0.0, **options).layers
+    room = len(executor.staging) - max((x.copies for x in own), default=0)
+    return prefill_outlook_ahead(layers, expected, costs, tokens, fixed_ms, max(0, room), **options)
 
 
 def say_outlook(outlook, touched: list[int], marked, times, costs, args, say) -> None:
