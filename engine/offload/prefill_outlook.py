@@ -93,11 +93,12 @@ def layer_outlook(offloaded: dict[int, int], model, resident_ms: float = 0.0, ov
 
     offloaded: expert id -> tokens of the layer's experts in RAM; overlap and grouped_copies as the executor runs
     (ExpertOrchestra.start's defaults on a GPU). ahead: experts copied during the layer before (`prefetch_ahead`):
-    the GPU computes them with the resident ones (one grouped launch), the split sees the rest."""
-    ahead = {e for e in ahead if e in offloaded}
-    landed = [offloaded[e] for e in ahead if offloaded[e] > 0]
-    resident_ms += model.gpu_expert_ms(sum(landed)) if landed else 0.0
+    the GPU computes them with the resident ones (one grouped launch), the split sees the rest; each took the link,
+    whether this layer routes it a token or not."""
+    ahead = set(ahead)
     ahead_link_ms = len(ahead) * model.copy_expert_ms
+    landed = [offloaded[e] for e in ahead if offloaded.get(e, 0) > 0]
+    resident_ms += model.gpu_expert_ms(sum(landed)) if landed else 0.0
     active = {e: n for e, n in offloaded.items() if n > 0 and e not in ahead}
     if not active:
         return LayerOutlook(0.0, resident_ms, 0.0, 0, 0, ahead_link_ms)

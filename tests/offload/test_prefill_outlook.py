@@ -2,6 +2,8 @@
 timelines can be worked out on paper, no GPU."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from moedesk.engine.offload.assignment import Costs, assign_offloaded
@@ -83,11 +85,12 @@ def test_prefetch_takes_the_dearest_on_the_cpu_first_within_the_links_free_time_
 def test_an_expert_copied_a_layer_ahead_costs_the_layer_its_compute_alone():
     loads = {0: 40, 1: 10, 2: 5}
     gpu = Costs(cpu_ms=lambda n: 0.1 * n, gpu_ms=lambda n: 0.01 * n, copy_ms=2.0)
-    layer = layer_outlook(loads, gpu, resident_ms=0.5, ahead=[0, 1, 9])  # 9: not offloaded here, ignored
+    layer = layer_outlook(loads, gpu, resident_ms=0.5, ahead=[0, 1, 9])  # 9: copied, but routed nothing here
     # Left to the split: expert 2 (0.5 ms on the CPU, against a 2 ms copy); 0 and 1 computed after the resident ones.
     assert (layer.cpu_experts, layer.copies) == (1, 0)
     assert layer.cpu_ms == pytest.approx(0.5) and layer.gpu_ms == pytest.approx(0.5 + 0.5)
-    assert (layer.link_ms, layer.ahead_link_ms) == (0.0, pytest.approx(4.0))
+    assert (layer.link_ms, layer.ahead_link_ms) == (0.0, pytest.approx(6.0))  # a copy that bought nothing took the link
+    assert layer_outlook(loads, gpu, resident_ms=0.5, ahead=[0, 1]) == replace(layer, ahead_link_ms=pytest.approx(4.0))
     everything = layer_outlook(loads, gpu, ahead=[0, 1, 2])
     assert (everything.cpu_ms, everything.cpu_experts, everything.copies) == (0.0, 0, 0)
 
