@@ -99,15 +99,15 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
     ahead only if, with nothing accepted, it still fits (a round of γ drafts loses at most γ·T_draft + T(B, γ+1) +
     T_reject - T(B, 1)), and preferably leaves room for a 1-draft probe after it, since one rejected first draft is
-    thin evidence. The opening probe (AutoLedger.opens: the first drafting round, with fewer than MIN_EVIDENCE drafts
-    known) has a budget of its own as large and spends none of the run's: the longest draft that pays at the
-    optimistic acceptance, so a good draft is drafted from the first round of a short run. An exploiting round is not held to the budget: it pays at the estimate, and one unlucky round must
-    not stop a good draft for the rest of a short run (the estimate, updated every round, stops it where the draft
-    is worse than it looked). So, in the costs' own model at a fixed B, probing costs at most EXPLORE_SHARE ·
-    max(n, horizon) · T(B, 1) over plain decoding's time, and the opening EXPLORE_SHARE · horizon · T(B, 1),
-    whatever the acceptance; the batch passes horizon =
-    min(EXPLORE_HORIZON, its longest request). tests/speculative/test_auto_grid.py simulates auto against the best
-    fixed choice on the Mixtral and Qwen3 shapes' step times."""
+    thin evidence. The opening probe (AutoLedger.opens: the first drafting round, with fewer than MIN_EVIDENCE
+    drafts known) has a budget of its own as large and spends none of the run's: the longest draft that pays at the
+    optimistic acceptance, so a good draft is drafted from the first round of a short run. An exploiting round is
+    not held to the budget: it pays at the estimate, and one unlucky round must not stop a good draft for the rest
+    of a short run (the estimate, updated every round, stops it where the draft is worse than it looked). So, in the
+    costs' own model at a fixed B, probing costs at most EXPLORE_SHARE · max(n, horizon) · T(B, 1) over plain
+    decoding's time, and the opening EXPLORE_SHARE · horizon · T(B, 1), whatever the acceptance; the batch passes
+    horizon = min(EXPLORE_HORIZON, its longest request). tests/speculative/test_auto_grid.py simulates auto against
+    the best fixed choice on the Mixtral and Qwen3 shapes' step times."""
     ar = costs.ar_ms(batch)
     if ar is None:
         return 0
