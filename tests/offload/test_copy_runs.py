@@ -429,3 +429,42 @@ def test_the_cpu_calls_time_beside_the_copies_queueing_is_the_calls_own(mixtral,
     executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
     assert executor.stats.copied_experts > 0 and executor.stats.cpu_experts > 0
     assert 1e3 * call_s <= executor.stats.cpu_ms < 1e3 * (2 * call_s - queue_s) - 20
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "q4_k", "mxfp4"])
+def test_small_resident_experts_past_the_decode_limit_on_the_gpu_compute_what_one_gemm_each_does(fmt, monkeypatch):
+    """`resident_grouped` on CUDA: 15 resident experts with ~128 tokens each (past GROUPED_MAX_TOKENS) in one grouped
+    launch, against one GEMM each; packed experts also against float64 within `rounding_bound`."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.kernels.test_gpu_quant_kernel import random_experts
+
+    hidden, width, experts, top_k, tokens = 512, 256, 16, 4, 512
+    if fmt == "bf16":
+        g = torch.Generator().manual_seed(0)
+        stack = ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
+                              (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(),
+                              hidden, width)
+    else:
+        stack = random_experts(experts, hidden, width, fmt)
+    banks = {0: stack.pin_memory()}
+    on_gpu = [[e != 7 for e in range(experts)]]
+    torch.manual_seed(2)
+    x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(experts)[:top_k] for _ in range(tokens)]).cuda()
+    launches, real = [], oe.grouped_experts_forward
+    monkeypatch.setattr(oe, "grouped_experts_forward", lambda *a: launches.append(len(a[0])) or real(*a))
+    copy_all = lambda loads: ([], sorted(loads))  # noqa: E731
+    grouped = OffloadExecutor(banks, on_gpu, "cuda", copy_all).expert_outputs(
+        SimpleNamespace(layer=0), x, ids).float().cpu()
+    assert launches and launches[0] > oe.GROUPED_MAX_TOKENS * (experts - 1)  # the resident share, grouped
+    monkeypatch.setattr(oe, "resident_grouped", lambda sizes, *a: False)
+    alone = OffloadExecutor(banks, on_gpu, "cuda", copy_all).expert_outputs(
+        SimpleNamespace(layer=0), x, ids).float().cpu()
+    if fmt == "bf16":
+        torch.testing.assert_close(grouped, alone, rtol=2e-2, atol=2e-2)
+    else:
+        want, bound = packed_reference(x.cpu(), ids.cpu(), stack)
+        assert_within(grouped, want, bound, f"{fmt} resident grouped")
+        assert_within(alone, want, bound, f"{fmt} resident one GEMM each")
