@@ -78,16 +78,18 @@ class ExpertCache:
     """Scores and residency of [layers, experts]; `observe` a step's selections, get the swaps to make."""
 
     def __init__(self, resident: np.ndarray, policy: CachePolicy = CachePolicy(), scores: np.ndarray | None = None,
-                 price: SwapPrice | None = None, weight: float | None = None):
+                 price: SwapPrice | None = None, score_steps: float | None = None):
         """price None: a newcomer replaces a resident when its score is `margin` times the resident's (unpriced).
-        weight: the decayed count of steps `scores` hold (an earlier cache's `weight`, carried with its scores)."""
+        score_steps: the decayed count of steps `scores` hold (an earlier cache's, carried with its scores)."""
         self.resident = np.array(resident, dtype=bool)
         self.policy, self.price = policy, price
         self.scores = np.zeros(self.resident.shape) if scores is None else np.array(scores, dtype=float)
         self._decay = 0.5 ** (1.0 / policy.half_life)
         # The decayed count of steps the scores hold (scores given without it: as many as they would hold in the long
-        # run), so that score / weight is selections a step from the first step on.
-        self.weight = weight if weight is not None else 0.0 if scores is None else 1.0 / (1.0 - self._decay)
+        # run), so that score / score_steps is selections a step from the first step on.
+        if score_steps is None:
+            score_steps = 0.0 if scores is None else 1.0 / (1.0 - self._decay)
+        self.score_steps = score_steps
         # A layer entirely on the GPU (or entirely off it) has nothing to trade.
         self.mixed_layers = self._mixed = np.flatnonzero(self.resident.any(axis=1) & ~self.resident.all(axis=1))
         self._credit_ms = 0.0  # copy time paid for and not spent (priced)
@@ -104,7 +106,7 @@ class ExpertCache:
         self.selections += int(counts.sum())
         self.scores *= self._decay
         self.scores += counts
-        self.weight = self.weight * self._decay + 1.0
+        self.score_steps = self.score_steps * self._decay + 1.0
         self.steps += 1
         swaps: list[Swap] = []
         if len(self._mixed) == 0 or self.steps % self.policy.interval:
@@ -125,7 +127,7 @@ class ExpertCache:
         if self.price is not None:  # a layer whose hits, swaps made, still go to the CPU gains nothing from them
             resident_after = np.where(on, score, 0.0).sum(axis=1, keepdims=True) + np.cumsum(
                 np.where(np.arange(n) < pairs, admit_score - evict_score, 0.0), axis=1)
-            gain = np.where(hits_launched(resident_after / self.weight, self.price), gain, -np.inf)
+            gain = np.where(hits_launched(resident_after / self.score_steps, self.price), gain, -np.inf)
         # A pair counts only while every stronger pair of its layer does too.
         good = (gain > 0) & (admit_score >= self.policy.min_score) & (np.arange(n) < pairs)
         good = np.cumprod(good, axis=1).astype(bool)

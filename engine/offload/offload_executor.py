@@ -267,7 +267,7 @@ class OffloadExecutor:
                     self._tallies[layer] = torch.zeros(2 * len(row), dtype=torch.int64, device=self.device)
         self._refresh_slot_maps()
         if self.cache is not None:
-            self.follow_routing(self.cache.policy, self.cache.scores, self.cache.price, self.cache.weight)
+            self.follow_routing(self.cache.policy, self.cache.scores, self.cache.price, self.cache.score_steps)
 
     def _refresh_slot_maps(self) -> None:
         self._slot_maps = {}
@@ -276,14 +276,14 @@ class OffloadExecutor:
                 self._slots(layer)
 
     def follow_routing(self, policy: CachePolicy | None, scores=None, price: SwapPrice | None = None,
-                       weight: float | None = None) -> None:
+                       score_steps: float | None = None) -> None:
         """Let the resident experts follow the routing (engine.offload.expert_cache): after each step the cache
         may swap experts of layers partly on the GPU, where `price` says a swap pays; None keeps the placement fixed.
-        scores and weight: an earlier cache's, carried over a new placement."""
+        scores and score_steps: an earlier cache's, carried over a new placement."""
         if policy is None:
             self.cache = None
             return
-        self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores, price, weight)
+        self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores, price, score_steps)
         layers = sorted(self.banks)
         mixed = [layers[i] for i in self.cache.mixed_layers]
         self._row_of = {layer: i for i, layer in enumerate(layers)}

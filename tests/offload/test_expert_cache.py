@@ -382,13 +382,13 @@ def test_scores_carried_to_a_new_cache_keep_the_steps_they_hold():
     price = SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5)
     on, step = np.array([[True, False, False]]), counts(1, 3, [(0, 0, 1), (0, 1, 1), (0, 2, 6)])
     first = ExpertCache(on, CachePolicy(interval=2), price=price)
-    assert first.observe(step) == [] and first.weight == 1.0  # no round at its first step
-    carried = ExpertCache(on, CachePolicy(), first.scores, price, weight=first.weight)
+    assert first.observe(step) == [] and first.score_steps == 1.0  # no round at its first step
+    carried = ExpertCache(on, CachePolicy(), first.scores, price, score_steps=first.score_steps)
     assert carried.observe(step) == [Swap(0, 0, 2)]
     assert ExpertCache(on, CachePolicy(), first.scores, price).observe(step) == []
 
 
-def test_a_new_placement_keeps_the_cache_s_scores_and_their_weight():
+def test_a_new_placement_keeps_the_cache_s_scores_and_the_steps_they_hold():
     import torch
 
     from moedesk.engine.offload.offload_executor import OffloadExecutor
@@ -400,10 +400,10 @@ def test_a_new_placement_keeps_the_cache_s_scores_and_their_weight():
     executor.follow_routing(CachePolicy(interval=1000), price=SwapPrice(0.1, 0.0, resident_launch_ms=0.5))
     for _ in range(3):
         executor.cache.observe(counts(1, 4, [(0, 1, 2), (0, 3, 1)]))
-    scores, weight = executor.cache.scores.copy(), executor.cache.weight
+    scores, steps = executor.cache.scores.copy(), executor.cache.score_steps
     executor.set_placement([[False, True, False, False]])
     assert executor.cache is not None and executor.cache.resident.tolist() == [[False, True, False, False]]
-    assert executor.cache.scores.tolist() == scores.tolist() and executor.cache.weight == weight < 3
+    assert executor.cache.scores.tolist() == scores.tolist() and executor.cache.score_steps == steps < 3
 
 
 def recorded_trace(tmp_path, shape, steps, tokens=1):
