@@ -297,13 +297,15 @@ def test_a_recorded_conversation_is_replayed_in_place_of_the_synthetic_ones(tmp_
     assert len(rows) == 8 and "every hit" in rows[-2]
 
 
-@pytest.mark.parametrize("shape, why", [("qwen3-30b-a3b", "layers"), ("mixtral-8x7b", "decode steps")])
-def test_a_recorded_trace_of_another_shape_or_too_short_is_one_line(shape, why, tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("shape, steps, why", [("qwen3-30b-a3b", 3, "layers"), ("mixtral-8x7b", 3, "decode steps"),
+                                               ("mixtral-8x7b", 20, "--warmup 16 leaves none timed")])
+def test_a_recorded_trace_of_another_shape_or_too_short_is_one_line(shape, steps, why, tmp_path, capsys,
+                                                                     monkeypatch):
     from moedesk.engine.offload.routing_trace import write_trace
 
     path = tmp_path / "short.jsonl"
     mixtral = sim.SETTINGS["mixtral-8x7b"].shape
-    write_trace(path, mixtral, synthetic_trace(mixtral, 3, CONVERSATION))
+    write_trace(path, mixtral, synthetic_trace(mixtral, steps, CONVERSATION))
     monkeypatch.setattr("sys.argv", ["simulate", "--locality", "--shape", shape, "--trace", str(path)])
     with pytest.raises(SystemExit):
         sim.main()

@@ -304,10 +304,11 @@ def locality_rows(setting: Setting, prices: StepPrices, trace_name: str, steps: 
     return rows
 
 
-def read_recorded(path, shape: TraceShape) -> tuple[np.ndarray, list[np.ndarray]]:
+def read_recorded(path, shape: TraceShape, warmup: int = 0) -> tuple[np.ndarray, list[np.ndarray]]:
     """(calibration, trace) from a recorded routing trace (engine.offload.routing_trace.TraceRecorder): its decode
     steps (one token each), the first half counted as the calibration the placement is planned from, the second
-    replayed. MoedeskError, one line, where the file is not a trace of `shape` or has too few decode steps."""
+    replayed. MoedeskError, one line, where the file is not a trace of `shape` or has too few decode steps (at least
+    4, and a replayed half longer than its `warmup`)."""
     got, steps = read_trace(path)
     if got != shape:
         raise MoedeskError(f"{path}: a trace of {got.layers} layers, {got.experts} experts, top-{got.top_k}; the shape "
@@ -316,6 +317,9 @@ def read_recorded(path, shape: TraceShape) -> tuple[np.ndarray, list[np.ndarray]
     if len(decode) < 4:
         raise MoedeskError(f"{path}: {len(decode)} decode steps; at least 4 needed")
     half = len(decode) // 2
+    if len(decode) - half <= warmup:
+        raise MoedeskError(f"{path}: {len(decode)} decode steps, half of them replayed; --warmup {warmup} leaves none "
+                           f"timed")
     return np.sum(decode[:half], axis=0).astype(float), decode[half:]
 
 
@@ -329,7 +333,7 @@ def locality_table(name: str, setting: Setting, prices: StepPrices, args: argpar
           f"(overlapped); vs fixed: copies batched beside the step")
     print(f"{'trace':13} {'chance':>6} {'reuse':>6} {'placement':46} {'whole':>5} {'hits':>5} {'copies/step':>11} "
           f"{'MoE ms':>7} {'vs fixed':>8}")
-    recorded = read_recorded(args.trace, setting.shape) if args.trace else None
+    recorded = read_recorded(args.trace, setting.shape, args.warmup) if args.trace else None
     for i, trace_name in enumerate(["recorded"] if recorded else TRACES):
         fixed_step = 1000 / args.fixed_tok_s[i] if args.fixed_tok_s else setting.fixed_step_ms["conversation"
                                                                                                 if recorded else trace_name]
