@@ -194,3 +194,36 @@ def test_a_replayed_trace_reaches_the_executor_alike_through_the_graphs_and_eage
         assert {k: v.tolist() for k, v in got.items()} == {k: v.tolist() for k, v in expected.items()}, graphs
     assert len(segments) == 1 and segments[0].captured and segments[0].broken is None
     assert all(bool(c.graphs) == (device == "cuda") for c in segments[0].captured.values())
+
+
+
+def test_the_bench_decodes_through_the_graphs_where_the_engine_would_and_eagerly_when_asked(tmp_path, monkeypatch):
+    """Where the engine would use CUDA graphs (here: told so, the segments run eagerly in their place), every round of
+    both placements decodes through them, on the same trace positions; --eager decodes without."""
+    from moedesk.engine.generation import cuda_graphs
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    original, made = cuda_graphs.GraphedDecode, []
+
+    def graphed(model, cache):
+        made.append(original(model, cache, capture=False))
+        return made[-1]
+
+    monkeypatch.setattr(cuda_graphs, "graphs_wanted", lambda device: True)
+    monkeypatch.setattr(cuda_graphs, "GraphedDecode", graphed)
+    monkeypatch.setattr(bench, "fits", lambda elapsed, limit, durations: not durations)  # the first pair alone
+    for eager in (False, True):
+        made.clear()
+        out = tmp_path / f"eager{eager}.json"
+        monkeypatch.setattr(sys, "argv", ["bench_expert_cache.py", "--shape", "tiny-moe", "--device", "cpu",
+                                          "--gpu-budget", "0.003", "--rounds", "1", "--decode-tokens", "5",
+                                          "--warmup", "1", "--intervals", "4", "--traces", "conversation",
+                                          "--time-limit", "1", "--json", str(out)] + ["--eager"] * eager)
+        assert bench.main() == 0
+        report = json.loads(out.read_text())
+        assert report["graphs"] is not eager
+        assert [p["placement"] for p in report["pairs"]] == ["cache every 4"]
+        assert len(made) == (0 if eager else 4)  # a warm-up and a timed round a side
+        assert all(g.captured and g.broken is None for g in made)
+        pair = report["pairs"][0]
+        assert pair["selections"] == pair["fixed_selections"] == 3 * 4 * 2  # 3 timed steps, 4 MoE layers, top-2
