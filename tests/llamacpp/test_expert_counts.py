@@ -63,6 +63,19 @@ def test_step_weight_counts_prompts_whole_and_one_decode_step_in_every():
         step_weight(False, 0, 0)
 
 
+@pytest.mark.parametrize("bad", ["0", "8,x", "8,-1"])
+def test_the_compare_script_takes_only_a_sample_of_one_step_in_at_least_one(bad):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([sys.executable, "tests/perf/compare_llamacpp_engine.py", "--llama-bench", "none",
+                          "--count-every", bad], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2],
+                         timeout=120)
+    assert run.returncode == 2
+    assert "--count-every" in run.stderr.strip().splitlines()[-1] and "Traceback" not in run.stderr
+
+
 def position_weights(prompt: int, fed: int) -> list[int]:
     """What each position of a prompt and its fed-back reply tokens counts for when its sequence decodes in
     lockstep with the others: the prompt's 1, reply token j (fed by decode step j) EVERY on every EVERY-th step."""

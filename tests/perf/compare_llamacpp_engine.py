@@ -126,7 +126,12 @@ def main() -> int:
 
     from moedesk.engine.llamacpp import expert_counts
 
-    everies = [int(e) for e in args.count_every.split(",")] if args.count_every else [expert_counts.DECODE_EVERY]
+    try:
+        everies = [int(e) for e in args.count_every.split(",")] if args.count_every else [expert_counts.DECODE_EVERY]
+    except ValueError:
+        everies = []
+    if not everies or min(everies) < 1:
+        parser.error(f"--count-every {args.count_every!r}: expected whole numbers >= 1 separated by commas, e.g. 8,1,32")
 
     from gguf import GGUFReader
 
