@@ -327,3 +327,15 @@ def test_the_routing_recorder_script_writes_a_trace_of_the_model_s_shape(tiny_ch
     decode = [s for s in steps if len(s[0]) == shape.top_k]
     assert len(steps) == len(decode) + 2 and len(decode) == 2 * 4  # a prefill and 4 decode steps a prompt
     assert f"{len(steps)} steps" in capsys.readouterr().out
+
+
+def test_the_routing_recorder_says_in_one_line_where_it_cannot_write(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    from tests.perf import record_routing
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "missing" / "routing.jsonl"
+    monkeypatch.setattr("sys.argv", ["record", str(tiny_checkpoint("mixtral")), "--prompt", "Hi", "--device", "cpu",
+                                     "--out", str(out)])
+    assert record_routing.main() == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"record_routing: --out {out}") and not out.exists()

@@ -45,8 +45,12 @@ def main() -> int:
         print(f"record_routing: {args.model} has no MoE layers moedesk's own engine runs: nothing to record",
               file=sys.stderr)
         return 1
-    recorder = TraceRecorder(args.out, [b.layer for b in blocks], engine.config.num_experts,
-                             engine.config.num_experts_per_tok)
+    try:
+        recorder = TraceRecorder(args.out, [b.layer for b in blocks], engine.config.num_experts,
+                                 engine.config.num_experts_per_tok)
+    except OSError as e:
+        print(f"record_routing: --out {args.out}: {e.strerror}", file=sys.stderr)
+        return 1
     greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     record_routing(engine.model, recorder)
     try:
