@@ -1,0 +1,139 @@
+"""The offload executor's host time in a whole-model prefill, without the model: Mixtral's routing shape driven
+through `OffloadExecutor.expert_outputs` layer after layer, with experts narrow enough that their arithmetic is
+cheap and the bookkeeping shows (issue 42; docs/measurements.md, "Session 37: where Mixtral's prefill 512 at 16 GiB
+goes").
+
+The routing is the one session 37's run was rebuilt to (8 experts, top-2, 512 tokens, 32 layers): 16 layers whose
+offloaded experts have loads {56, 6, 4}, 9 with {60, 6}, 5 with {6, 4, 2}, 2 with every expert resident; the heavy
+one of each layer is copied, the light ones go to the CPU (56 CPU experts, 25 copies a prefill, as in the run). The
+executor runs as the engine builds it for a balanced prefill: the CPU's call beside the queueing of the copies,
+copied experts in one copy run, a remembered split.
+
+Printed per prefill (best of --rounds): the executor's time (`moe_ms`), the CPU experts' call, the wait for the
+routing and what is left, the host's bookkeeping; with --profile, the top ops by self CPU time (torch.profiler) and
+the top Python functions (cProfile).
+
+Usage, repo root:
+  python tests/perf/host_prefill.py [--rounds 5] [--width 16] [--hidden 4096] [--profile]     (the simulated tier)
+  python3 tests/perf/host_prefill.py --device cuda --profile                                  (the GPU box)
+On the simulated tier the "GPU's" share (resident experts, copies) is computed on the CPU as it is queued, so its
+arithmetic counts in the executor's time; keep --width small. On CUDA that share is queued, and what is left beside
+the CPU's call is host time.
+"""
+import argparse
+import cProfile
+import io
+import pstats
+import time
+
+import torch
+
+from moedesk.engine.offload.assignment import RememberedSplit
+from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
+from moedesk.kernels.expert_weights import ExpertWeights
+
+EXPERTS, TOP_K, TOKENS = 8, 2, 512
+RESIDENT = 4  # experts 0-3 resident in every layer that is not whole on the GPU; 4-7 offloaded
+# Offloaded experts' loads per layer kind, and how many layers of each (session 37's rebuilt routing).
+LAYER_KINDS = [((56, 6, 4), 16), ((60, 6), 9), ((6, 4, 2), 5), ((), 2)]
+COPY_MIN_LOAD = 20  # an offloaded expert with this many tokens or more is copied, as the run's split did
+
+
+class Layer:  # what expert_outputs reads of an MoE block
+    def __init__(self, layer: int):
+        self.layer = layer
+
+
+def split(loads: dict[int, int]) -> tuple[list[int], list[int]]:
+    """The run's split: the heavy offloaded expert copied, the light ones on the CPU."""
+    return sorted(e for e, n in loads.items() if n < COPY_MIN_LOAD), [e for e, n in loads.items() if n >= COPY_MIN_LOAD]
+
+
+def layer_ids(offloaded_loads: tuple, whole: bool, g: torch.Generator) -> torch.Tensor:
+    """[TOKENS, TOP_K] expert ids, distinct per token, with exactly these offloaded loads (experts 4, 5, ...) and the
+    rest of the pairs spread over the resident experts."""
+    loads = [0] * EXPERTS
+    for i, n in enumerate(offloaded_loads):
+        loads[RESIDENT + i] = n
+    spread = list(range(EXPERTS if whole else RESIDENT))
+    left = TOKENS * TOP_K - sum(loads)
+    for i, e in enumerate(spread):
+        loads[e] += left // len(spread) + (i < left % len(spread))
+    pairs = torch.repeat_interleave(torch.arange(EXPERTS), torch.tensor(loads))  # sorted: no expert over TOKENS
+    ids = torch.stack([pairs[:TOKENS], pairs[TOKENS:]], dim=1)  # token t: pairs t and t + TOKENS, distinct
+    ids = ids[torch.randperm(TOKENS, generator=g)]
+    flip = torch.rand(TOKENS, generator=g) < 0.5
+    return torch.where(flip[:, None], ids.flip(1), ids)
+
+
+def build(hidden: int, width: int, device: str, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    kinds = [(loads, whole) for (loads, count) in LAYER_KINDS for whole in [not loads] * count]
+    banks, on_gpu, routing = {}, [], []
+    stack = ExpertWeights((torch.randn(EXPERTS, 2 * width, hidden, generator=g) / hidden ** 0.5).to(dtype),
+                          (torch.randn(EXPERTS, hidden, width, generator=g) / width ** 0.5).to(dtype), hidden, width)
+    if device != "cpu":
+        stack = stack.pin_memory()
+    for layer, (loads, whole) in enumerate(kinds):
+        banks[layer] = stack  # one stack for every layer: the host time does not depend on which weights
+        on_gpu.append([whole or e < RESIDENT for e in range(EXPERTS)])
+        routing.append(layer_ids(loads, whole, g).to(device))
+    executor = OffloadExecutor(banks, on_gpu, device, RememberedSplit(split), resident_to_cpu=lambda loads: [],
+                               overlap_copies=True, copy_runs=lambda loads, copy: [len(copy)])
+    x = (torch.randn(TOKENS, hidden, generator=g) / 4).to(dtype).to(device)
+    return executor, x, routing
+
+
+def prefill(executor, x, routing, sync) -> list:
+    outs = [executor.expert_outputs(Layer(layer), x, ids) for layer, ids in enumerate(routing)]
+    sync()
+    return outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--hidden", type=int, default=4096, help="Mixtral's; the activations' bytes follow it")
+    parser.add_argument("--width", type=int, default=16, help="each expert's intermediate size (Mixtral: 14336)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's and cProfile's top entries")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    executor, x, routing = build(args.hidden, args.width, args.device, torch.bfloat16)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    with torch.inference_mode():
+        prefill(executor, x, routing, sync)  # warm: buffers, the remembered split, the kernels' first calls
+        best = None
+        for _ in range(args.rounds):
+            before = executor.stats.copy()
+            started = time.perf_counter()
+            prefill(executor, x, routing, sync)
+            wall = (time.perf_counter() - started) * 1e3
+            s = executor.stats.since(before)
+            if best is None or s.layer_ms < best[1].layer_ms:
+                best = (wall, s)
+        wall, s = best
+        print(f"{args.device}, hidden {args.hidden}, width {args.width}, {len(routing)} layers of {TOKENS} tokens, "
+              f"best of {args.rounds}")
+        print(f"  wall {wall:.1f} ms, moe_ms {s.layer_ms:.1f}: CPU experts' call {s.cpu_ms:.1f}, wait {s.wait_ms:.1f}, "
+              f"the rest (host) {s.layer_ms - s.cpu_ms - s.wait_ms:.1f} ms")
+        print(f"  experts: {s.cpu_experts} CPU, {s.copied_experts} copied, {s.gpu_experts} resident")
+        if not args.profile:
+            return
+        from torch.profiler import ProfilerActivity, profile
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        with profile(activities=activities) as prof:
+            prefill(executor, x, routing, sync)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        profiler = cProfile.Profile()
+        profiler.enable()
+        prefill(executor, x, routing, sync)
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.top)
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
