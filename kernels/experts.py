@@ -86,6 +86,13 @@ def grouped_supported(x: torch.Tensor, w: ExpertWeights) -> bool:
     return gpu_quant.applies(x, w)
 
 
+def grouped_alike(x: torch.Tensor, w: ExpertWeights, sizes) -> bool:
+    """Whether one `grouped_experts_forward` over groups of `sizes` rows computes each group as `expert_forward`
+    computes it alone (packed experts on the GPU, where both take the same route: kernels.gpu_quant.groups_alike),
+    so that one call may replace one an expert whatever their sizes."""
+    return w.packed and gpu_quant.groups_alike(x, w, sizes)
+
+
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
     kernels.gpu_experts.grouped_experts_forward)."""

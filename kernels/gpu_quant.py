@@ -110,6 +110,15 @@ _MANY = 32
 _PREFILL_ROUTE = "dequant"
 
 
+def groups_alike(x: torch.Tensor, w: ExpertWeights, sizes) -> bool:
+    """Whether one `grouped_experts_forward` over groups of `sizes` rows of x computes each group as a call of
+    its own would: both take the dequant route (bf16 weights per group, one grouped GEMM a projection, the rest
+    row by row), so one call replaces len(sizes) and their launches. Empty groups count toward the route."""
+    if not (sizes and applies(x, w)) or _route(x, sum(sizes), len(sizes)) != "dequant":
+        return False
+    return all(_route(x, n, 1) == "dequant" for n in sizes if n)
+
+
 def _route(x: torch.Tensor, m: int, g: int) -> str:
     if m < _MANY * g or _PREFILL_ROUTE == "fused" or not _dequant_route_works(x):
         return "fused"

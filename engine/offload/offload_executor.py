@@ -23,20 +23,20 @@ import contextlib
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property, partial
 from typing import Callable
 
 import numpy as np
 import torch
 
-from moedesk.engine.offload.assignment import resident_grouped
+from moedesk.engine.offload.assignment import copy_run_limit, resident_grouped
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
 from moedesk.kernels import gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
-from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_experts_forward, grouped_supported,
-                             prepare_routed)
+from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_alike, grouped_experts_forward,
+                                     grouped_supported, prepare_routed)
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's savings on large
 # experts (EPS-MoE); below it, launches dominate. Small experts stay grouped above it too (`resident_grouped`).
@@ -50,6 +50,8 @@ class LayerBank:
     host: ExpertWeights  # every expert of the layer, in host memory
     gpu_slot: list  # expert -> its index in `gpu`, or None when offloaded
     gpu: ExpertWeights | None = None  # the resident experts, in ascending id order
+    # gpu's slots as one-expert stacks, made once: a view costs the host its checks in every prefill layer
+    slot_views: list = field(default_factory=list)
 
 
 @dataclass
@@ -256,11 +258,12 @@ class OffloadExecutor:
         self.placement_version += 1  # CUDA graphs that captured the old resident weights are stale
         for (layer, bank), row in zip(sorted(self.banks.items()), on_gpu):
             resident = [e for e, flag in enumerate(row) if flag]
-            bank.gpu = None  # free the old copies before making new ones
+            bank.gpu, bank.slot_views = None, []  # free the old copies before making new ones
             bank.gpu_slot = [None] * len(row)
             if resident:
                 index = torch.tensor(resident)
                 bank.gpu = bank.host.select(index).to(self.device)
+                bank.slot_views = [bank.gpu.expert(slot) for slot in range(len(resident))]
                 for slot, e in enumerate(resident):
                     bank.gpu_slot[e] = slot
                 if len(resident) == len(row) and self.whole_layers_on_device:
@@ -579,9 +582,14 @@ class OffloadExecutor:
             # Before any GPU work is queued: this copy waits for the stream to drain.
             if _gathers_cpu_share(sum(count[e] for e in on_cpu), n):
                 pairs = _Pairs(experts_of, counts)
-                cpu_rows = torch.from_numpy(np.ascontiguousarray(pairs.of(sorted(on_cpu)), dtype=np.int64))
-                cpu_rows_on_device = cpu_rows.to(self.device)
-                x_host = x.index_select(0, cpu_rows_on_device // k).cpu()
+                rows = pairs.of(sorted(on_cpu))
+                # The pairs' rows, their tokens and their experts in one buffer, the first two to the device in one
+                # copy: no index arithmetic launched there. Reused next layer: the .cpu() below waits for the copy.
+                cpu_rows = self._buffer("cpu_rows", (3, len(rows)), torch.int64, pinned=not self.simulated)
+                words = cpu_rows.numpy()
+                words[0], words[1], words[2] = rows, rows // k, experts_of[rows]
+                cpu_rows_on_device, tokens_on_device = cpu_rows[:2].to(self.device, non_blocking=True)
+                x_host = x.index_select(0, tokens_on_device).cpu()
             else:
                 x_host = x.cpu()
         if out is None:
@@ -589,7 +597,7 @@ class OffloadExecutor:
 
         cpu_call = background = None
         if on_cpu:
-            m = n * k if cpu_rows is None else len(cpu_rows)
+            m = n * k if cpu_rows is None else cpu_rows.shape[1]
             host_y = self._buffer("cpu_out", (m, x.shape[1]), x.dtype, pinned=not self.simulated)
             index = self._buffer("cpu_index", (2 * m + 2 * len(counts) + 1,), torch.int64, pinned=False)
             if cpu_rows is None:
@@ -597,8 +605,7 @@ class OffloadExecutor:
                 cpu_call = partial(experts_forward_routed, x_host, pair_expert, k, chosen, bank.host, host_y, index,
                                    rows=cpu_width or None)
             else:  # row i: pair cpu_rows[i]'s token (gathered), its expert, one "rank" a row
-                cpu_call = partial(experts_forward_routed, x_host, pair_expert.index_select(0, cpu_rows), 1, None,
-                                   bank.host, host_y, index)
+                cpu_call = partial(experts_forward_routed, x_host, cpu_rows[2], 1, None, bank.host, host_y, index)
             if to_copy and self.overlap_copies:
                 # The CPU's call starts now, beside the host's queueing of the copies (the native call lets go of the
                 # GIL): a prefill's many copies no longer hold its experts back (engine.offload.assignment's overlap).
@@ -664,21 +671,24 @@ class OffloadExecutor:
         gpu = bank.gpu
         grouped = (bool(resident) and grouped_supported(x, gpu)
                    and resident_grouped(sizes, gpu.hidden, gpu.width, GROUPED_MAX_TOKENS, gpu.num_experts))
+        spans = None if grouped or not resident else _resident_spans(x, bank, resident, sizes)
         runs = _runs_by_id(to_copy, run_sizes) if to_copy and run_sizes else None
         if runs is not None:
             to_copy = [e for run in runs for e in run]  # slot order: each run's experts by id
         pair_rows = np.concatenate([resident_rows] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
-        ends = np.zeros(0, dtype=np.int32)
-        if grouped:  # cumulative token counts per resident slot; slots hold resident experts in id order
+        parts = []  # int32 words of group ends: the resident experts', then each copy run's
+        if grouped or spans:  # cumulative token counts per resident slot; slots hold resident experts in id order
             tokens = np.zeros(bank.gpu.num_experts, dtype=np.int64)
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
-            ends = np.cumsum(tokens)
-        resident_ends = len(ends)
+            # Each span's ends from 0, from a 16-byte boundary (`_aligned`), as a copy run's.
+            parts = [np.cumsum(tokens)] if grouped else [_aligned(np.cumsum(tokens[a:b])) for a, b in spans]
         if runs is not None:  # each run's cumulative token counts per slot, from 0, after the resident ends
-            ends = np.concatenate([_aligned(ends)] + [_aligned(np.cumsum([pairs.count[e] for e in run]))
-                                                      for run in runs])
-            resident_ends = _padded(resident_ends)
+            parts = [_aligned(p) for p in parts]
+        resident_ends = sum(len(p) for p in parts)
+        if runs is not None:
+            parts += [_aligned(np.cumsum([pairs.count[e] for e in run])) for run in runs]
+        ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host tens of
         # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
         index = self._buffer("gpu_index", (4 * m + len(ends),), torch.int32, pinned=not self.simulated)
@@ -696,10 +706,16 @@ class OffloadExecutor:
         if grouped:
             at = sum(sizes)
             ys.append(grouped_experts_forward(xs[:at], bank.gpu, index[4 * m:4 * m + len(tokens)]))
+        elif spans:
+            word = 4 * m
+            for a, b in spans:
+                n = int(tokens[a:b].sum())
+                ys.append(grouped_experts_forward(xs[at:at + n], bank.gpu.span(a, b), index[word:word + b - a]))
+                at, word = at + n, word + _padded(b - a)
         else:
             for e, n in zip(resident, sizes):
                 slot = bank.gpu_slot[e]
-                ys.append(expert_forward(xs[at:at + n], bank.gpu.expert(slot)))
+                ys.append(expert_forward(xs[at:at + n], bank.slot_views[slot]))
                 at += n
         if runs is not None:
             ys += self._queue_copy_runs(bank, xs[at:], runs, copies, pairs, index[4 * m + resident_ends:])
@@ -827,6 +843,33 @@ def _padded(n: int) -> int:
 def _aligned(words: np.ndarray) -> np.ndarray:
     """words padded with zeros to a multiple of _ALIGN."""
     return np.concatenate([words, np.zeros(_padded(len(words)) - len(words), dtype=words.dtype)])
+
+
+def _slot_spans(slots: list[int], limit: int) -> list[tuple[int, int]]:
+    """Ascending `slots` cut into spans [first, stop) of at most `limit` slots each, greedily from the first: the
+    slots between in a span (experts with no tokens this step) count toward its limit."""
+    spans = []
+    for s in slots:
+        if spans and s + 1 - spans[-1][0] <= limit:
+            spans[-1] = (spans[-1][0], s + 1)
+        else:
+            spans.append((s, s + 1))
+    return spans
+
+
+def _resident_spans(x, bank: LayerBank, resident: list[int], sizes: list[int]) -> list[tuple[int, int]] | None:
+    """Spans of the resident slots (`_slot_spans`) to compute one grouped call each in place of one call an expert,
+    where that computes each expert as its own call would (`grouped_alike`: packed experts on the GPU) and saves a
+    call; each span's dequantised scratch within a copy run's (`copy_run_limit`). None: one call an expert.
+    resident: the step's resident experts with tokens, in slot order; sizes: their tokens."""
+    slots = [bank.gpu_slot[e] for e in resident]
+    spans = _slot_spans(slots, copy_run_limit(bank.gpu.hidden, bank.gpu.width))
+    if len(spans) == len(resident):
+        return None
+    tokens = dict(zip(slots, sizes))
+    if all(grouped_alike(x, bank.gpu.span(a, b), [tokens.get(s, 0) for s in range(a, b)]) for a, b in spans):
+        return spans
+    return None
 
 
 def _runs_by_id(experts: list[int], sizes: list[int]) -> list[list[int]]:

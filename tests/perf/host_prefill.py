@@ -11,7 +11,8 @@ copied experts in one copy run, a remembered split.
 
 Printed per prefill (best of --rounds): the executor's time (`moe_ms`), the CPU experts' call, the wait for the
 routing and what is left, the host's bookkeeping; with --profile, the top ops by self CPU time (torch.profiler) and
-the top Python functions (cProfile).
+the top Python functions (cProfile); with --calls, the torch calls the executor's thread makes, by caller line (each
+a dispatch on any device and a launch on a GPU).
 
 Usage, repo root:
   python tests/perf/host_prefill.py [--rounds 5] [--width 16] [--hidden 4096] [--profile]     (the simulated tier)
@@ -28,8 +29,9 @@ import time
 
 import torch
 
-from moedesk.engine.offload.assignment import RememberedSplit
-from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats
+from moedesk.engine.offload import offload_executor
+from moedesk.engine.offload.assignment import RememberedSplit, resident_grouped
+from moedesk.engine.offload.offload_executor import OffloadExecutor
 from moedesk.kernels.expert_weights import ExpertWeights
 
 EXPERTS, TOP_K, TOKENS = 8, 2, 512
@@ -37,6 +39,7 @@ RESIDENT = 4  # experts 0-3 resident in every layer that is not whole on the GPU
 # Offloaded experts' loads per layer kind, and how many layers of each (session 37's rebuilt routing).
 LAYER_KINDS = [((56, 6, 4), 16), ((60, 6), 9), ((6, 4, 2), 5), ((), 2)]
 COPY_MIN_LOAD = 20  # an offloaded expert with this many tokens or more is copied, as the run's split did
+MIXTRAL_HF = (4096, 14336)  # the shape the executor's size-dependent decisions are taken for, whatever --width
 
 
 class Layer:  # what expert_outputs reads of an MoE block
@@ -78,6 +81,8 @@ def build(hidden: int, width: int, device: str, dtype: torch.dtype, seed: int = 
         banks[layer] = stack  # one stack for every layer: the host time does not depend on which weights
         on_gpu.append([whole or e < RESIDENT for e in range(EXPERTS)])
         routing.append(layer_ids(loads, whole, g).to(device))
+    # Narrow experts would be "small" (one grouped launch for the resident share); Mixtral's take one call each.
+    offload_executor.resident_grouped = lambda sizes, hidden, width, *rest: resident_grouped(sizes, *MIXTRAL_HF, *rest)
     executor = OffloadExecutor(banks, on_gpu, device, RememberedSplit(split), resident_to_cpu=lambda loads: [],
                                overlap_copies=True, copy_runs=lambda loads, copy: [len(copy)])
     x = (torch.randn(TOKENS, hidden, generator=g) / 4).to(dtype).to(device)
@@ -90,6 +95,41 @@ def prefill(executor, x, routing, sync) -> list:
     return outs
 
 
+def count_calls(executor, x, routing, sync, top: int) -> None:
+    """The torch calls the executor's thread makes (the CPU's call on its worker thread left out), by the line of
+    moedesk that makes them: each costs the host its dispatch on any device, and a launch on a GPU."""
+    import collections
+    import sys
+
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.depth = collections.Counter(), 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if self.depth == 0:  # only calls made from outside torch
+                frame = sys._getframe(1)
+                while frame is not None and "/torch/" in frame.f_code.co_filename:
+                    frame = frame.f_back
+                where = "?" if frame is None else f"{frame.f_code.co_filename.split('/')[-1]}:{frame.f_lineno}"
+                self.calls[(getattr(func, "__name__", str(func)), where)] += 1
+            self.depth += 1
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.depth -= 1
+
+    counter = Count()
+    with counter:
+        prefill(executor, x, routing, sync)
+    total = sum(counter.calls.values())
+    print(f"  torch calls by the executor's thread: {total} a prefill, {total / len(routing):.1f} a layer")
+    for (name, where), n in counter.calls.most_common(top):
+        print(f"    {n:5d}  {name:<16s} {where}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -98,6 +138,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's and cProfile's top entries")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--calls", action="store_true",
+                        help="count the torch calls the executor's thread makes per layer, by caller line")
     args = parser.parse_args()
     torch.manual_seed(0)
     executor, x, routing = build(args.hidden, args.width, args.device, torch.bfloat16)
@@ -119,6 +161,8 @@ def main() -> None:
         print(f"  wall {wall:.1f} ms, moe_ms {s.layer_ms:.1f}: CPU experts' call {s.cpu_ms:.1f}, wait {s.wait_ms:.1f}, "
               f"the rest (host) {s.layer_ms - s.cpu_ms - s.wait_ms:.1f} ms")
         print(f"  experts: {s.cpu_experts} CPU, {s.copied_experts} copied, {s.gpu_experts} resident")
+        if args.calls:
+            count_calls(executor, x, routing, sync, args.top)
         if not args.profile:
             return
         from torch.profiler import ProfilerActivity, profile
