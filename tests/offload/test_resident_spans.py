@@ -21,7 +21,7 @@ def test_slot_spans_hold_at_most_the_limit_counting_the_empty_slots_between():
 
 
 def prefill_layers(device: str, stack: ExpertWeights, hidden: int, tokens: int = 512):
-    """Four layers of `tokens` tokens, top-2 of 8 experts: 0-3 resident with ~240 tokens each (slot 1's expert gets
+    """Four layers of `tokens` tokens, top-2 of 8 experts: 0-3 resident with 200-260 tokens each (slot 1's expert gets
     none in the second layer), 4 copied, 5 on the CPU; and every expert resident in the third."""
     banks = {layer: stack.pin_memory() if device == "cuda" else stack for layer in range(4)}
     on_gpu = [[e < 4 for e in range(8)], [e < 4 for e in range(8)], [True] * 8, [e < 4 for e in range(8)]]
@@ -91,7 +91,7 @@ def test_no_spans_where_the_predicate_says_the_calls_differ(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q4_k", "q4_0"])
 def test_on_cuda_packed_resident_spans_equal_one_call_an_expert_bit_for_bit(monkeypatch, fmt):
-    """Packed resident experts of ~240 tokens each, in spans of up to 3 slots, give exactly what one call an
+    """Packed resident experts of 200-260 tokens each, in spans of up to 3 slots, give exactly what one call an
     expert gives (both take the dequant route: per-group bf16 weights, one grouped GEMM a projection)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
