@@ -39,7 +39,7 @@ What else makes two identical placements time differently in one process, and wh
     the trace router steps on the device (TraceRouter), so the captured steps replay the trace. Each round's first
     decode step captures them (untimed), and a swap of the cache makes the next step capture again, which is the
     engine's cost of a swap today and falls in the timed steps. --eager replays eagerly (before session 38: the
-    eager harness's Python diluted what a cache gains ~9x on Qwen3-30B-A3B); the page cache: nothing is read from
+    eager harness's Python diluted what a cache gains, most on Qwen3-30B-A3B: docs/measurements.md); the page cache: nothing is read from
     files after the build (the profile's JSON at most).
 Out of its control: other work on the machine, the clocks and temperature of the CPU and GPU over the run, and
 which NUMA node holds the pages of the experts each placement leaves in RAM (they differ between placements).

@@ -12,10 +12,9 @@
 # Usage: [BUDGET_S=295] [QWEN_S=125] [ROUNDS=5] [TOKENS=20] [INTERVALS=16,1] [TRACES=conversation,no locality] \
 #   [CEILING=1] [EAGER=1] bash tests/perf/expert_cache_targets.sh    (CEILING=1: the bench's --ceiling, every expert
 #   resident; EAGER=1: its --eager, no CUDA graphs, as before session 38)
-# At 295 s session 37's run finished 4 pairs of Mixtral and 2 of Qwen3: each bench's time limit skipped the rest (a
-# pair takes 25-27 s; a shape's start, build, profile and traces 46-64 s). Cut down to ~180 s: the conversation trace
-# alone, 3 rounds of 7 timed steps (a range that holds the median 75% of the time, not 94%), each shape's cache every
-# 16 steps, its control (fixed against itself) and the ceiling (every expert resident):
+# The defaults do not finish every pair in 295 s (session 37's times: docs/measurements.md). Cut down: the
+# conversation trace alone, 3 rounds of 7 timed steps (a range that holds the median 75% of the time, not 94%), each
+# shape's cache every 16 steps, its control (fixed against itself) and the ceiling (every expert resident):
 #   BUDGET_S=195 QWEN_S=90 ROUNDS=3 TOKENS=10 INTERVALS=16 TRACES=conversation CEILING=1 \
 #     bash tests/perf/expert_cache_targets.sh
 set -uo pipefail

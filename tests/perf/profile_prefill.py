@@ -454,7 +454,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--no-trace", action="store_true", help="no profiled prefill (no tables, no trace)")
     parser.add_argument("--target", type=float, default=0.0, help="tok/s: the time outside the expert windows a "
-                        "prefill at this rate may take (issue 42's Mixtral prefill: 3407, 4x llama.cpp's 851.8)")
+                        "prefill at this rate may take (issue 42's Mixtral target, 4x llama.cpp's prefill: docs/measurements.md)")
     parser.add_argument("--compare", action="store_true", help="each shape's copies one by one (as before), then in "
                         "copy runs of one grouped launch, on one build")
     args = parser.parse_args(argv)
