@@ -191,22 +191,25 @@ def test_grouped_copies_keep_the_reference_tokens(tiny_checkpoint):
     assert engine.executor.stats.copied_experts > 0 and sum(grouped) == engine.executor.stats.copied_experts
 
 
+def expert_stack(fmt: str, experts: int, hidden: int, width: int) -> ExpertWeights:
+    """Random experts of `fmt`: bf16 scaled as a trained layer's (seeded), else packed (test_gpu_quant_kernel's)."""
+    if fmt != "bf16":
+        from tests.kernels.test_gpu_quant_kernel import random_experts
+
+        return random_experts(experts, hidden, width, fmt)
+    g = torch.Generator().manual_seed(0)
+    return ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
+                         (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(), hidden, width)
+
+
 def copied_steps(fmt: str, device: str):
     """Four steps (layers 0, 1, 2, then 0 again) in which every expert but the resident 0 and 5 is copied, computed
     with each copied expert alone and in copy runs of 3, 5 and the rest: (x, ids, the experts, {"alone": outputs,
     "grouped": outputs}). On CUDA the copies go on the copy stream, one event a run, the slots reused by the next step
     only after its kernels; on the CPU the simulated tier copies synchronously. 32 tokens an expert on average: q4_k's
     prefill route (bf16 scratch) for some experts, the tensor-core tiles for others."""
-    from tests.kernels.test_gpu_quant_kernel import random_experts
-
     hidden, width, experts, top_k, tokens = 512, 256, 16, 4, 128
-    if fmt == "bf16":
-        g = torch.Generator().manual_seed(0)
-        stack = ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
-                              (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(),
-                              hidden, width)
-    else:
-        stack = random_experts(experts, hidden, width, fmt)
+    stack = expert_stack(fmt, experts, hidden, width)
     banks = {layer: stack.pin_memory() if device == "cuda" else stack for layer in (0, 1, 2)}
     on_gpu = [[e in (0, 5) for e in range(experts)] for _ in banks]
     copy_all = lambda loads: ([], sorted(loads, key=lambda e: -loads[e]))  # noqa: E731
@@ -438,16 +441,8 @@ def test_small_resident_experts_past_the_decode_limit_on_the_gpu_compute_what_on
     launch, against one GEMM each; packed experts also against float64 within `rounding_bound`."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from tests.kernels.test_gpu_quant_kernel import random_experts
-
     hidden, width, experts, top_k, tokens = 512, 256, 16, 4, 512
-    if fmt == "bf16":
-        g = torch.Generator().manual_seed(0)
-        stack = ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
-                              (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(),
-                              hidden, width)
-    else:
-        stack = random_experts(experts, hidden, width, fmt)
+    stack = expert_stack(fmt, experts, hidden, width)
     banks = {0: stack.pin_memory()}
     on_gpu = [[e != 7 for e in range(experts)]]
     torch.manual_seed(2)
