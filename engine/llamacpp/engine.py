@@ -219,7 +219,7 @@ class LlamaCppEngine(EngineFace):
     def expert_stats(self) -> dict:
         """Where the experts are and, while counting, where the picks since load ran: a layer's experts compute
         where its tensors are. The picks are estimates: prompts counted whole, one decode step in
-        `expert_count_every` counted that many times."""
+        `count_every` counted that many times."""
         if not self.config.is_moe:
             return {}
         on_gpu, picks = self.expert_map()
@@ -229,7 +229,7 @@ class LlamaCppEngine(EngineFace):
                  "expert_gib_in_ram": round(self.placement.expert_bytes_in_ram / GIB, 3),
                  "expert_counts": self.llama.counter is not None}
         if self.llama.counter is not None:
-            stats["expert_count_every"] = self.llama.counter.every
+            stats["count_every"] = self.llama.counter.count_every
             gpu = sum(sum(row) for row, where in zip(picks, on_gpu) if any(where))
             cpu = sum(sum(row) for row, where in zip(picks, on_gpu) if not any(where))
             stats.update(experts_gpu=gpu, experts_cpu=cpu, gpu_hit_rate=gpu / (gpu + cpu) if gpu + cpu else None)

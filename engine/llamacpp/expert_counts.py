@@ -6,7 +6,7 @@ only; llama.cpp then computes the graph in pieces that end at them and hands eac
 counter adds its expert ids up. llama.cpp calls the callback for every node of every graph, so it is C
 (expert_counts.c, built at first use by kernels.native_build), with this module's Python callback where no compiler
 is found. Cutting the graph costs decode speed (a wait for the GPU at each MoE layer), so the counts are a sample:
-prompts are counted whole, decode one step in `DECODE_EVERY`, each of its picks counted that many times
+prompts are counted whole, decode one step in `COUNT_EVERY`, each of its picks counted that many times
 (`step_weight`); on the other steps the callback declines every node and llama.cpp runs the graph in one piece.
 """
 from __future__ import annotations
@@ -34,19 +34,19 @@ GGML_TYPE_I32 = 26  # ggml.h: the type of argsort's expert ids
 
 # Decode steps per counted one: the cost of counting (one step in this many cut at each MoE layer) against how
 # fast the heat map fills (several counted steps a second at the decode speeds the app sees).
-DECODE_EVERY = 8
+COUNT_EVERY = 8
 
 
-def step_weight(prefill: bool, decode_step: int, every: int) -> int:
+def step_weight(prefill: bool, decode_step: int, count_every: int) -> int:
     """What each router pick of a llama_decode step adds to the counts: 1 for a prompt's (counted whole: its graph
-    is long enough that the cuts cost nothing visible), `every` for the first of each `every` decode steps
-    (`decode_step` counts them from 0; the step stands for itself and the skipped ones after it), 0 for the others
-    (skipped: the callback declines every node)."""
-    if every < 1:
-        raise ValueError(f"count one decode step in {every}: must be at least 1")
+    is long enough that the cuts cost nothing visible), `count_every` for the first of each `count_every` decode
+    steps (`decode_step` counts them from 0; the step stands for itself and the skipped ones after it), 0 for the
+    others (skipped: the callback declines every node)."""
+    if count_every < 1:
+        raise ValueError(f"count one decode step in {count_every}: must be at least 1")
     if prefill:
         return 1
-    return every if decode_step % every == 0 else 0
+    return count_every if decode_step % count_every == 0 else 0
 
 
 def topk_layer(name: bytes) -> int | None:
@@ -105,14 +105,14 @@ class ExpertCounter:
     """Counts per (layer, expert) since it was made, a sample (`step_weight`): `snapshot()` copies them. A context
     made with `callback` and `user_data` as its cb_eval and cb_eval_user_data counts into it; `begin_step` before
     each llama_decode says what that step counts for. The callback runs on the thread that calls llama_decode (the
-    decode thread), snapshots on any. native: the C callback where it builds (else Python's). every: one decode
-    step in this many is counted (None: DECODE_EVERY)."""
+    decode thread), snapshots on any. native: the C callback where it builds (else Python's). count_every: one
+    decode step in this many is counted (None: COUNT_EVERY)."""
 
-    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True, every: int | None = None):
+    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True, count_every: int | None = None):
         self.counts = np.zeros((layers, experts), dtype=np.int64)
         self.tokens = np.zeros(layers, dtype=np.int64)  # tokens routed per layer, weighted as the counts
-        self.every = DECODE_EVERY if every is None else every
-        step_weight(False, 0, self.every)  # a bad `every` fails here, not in the decode thread
+        self.count_every = COUNT_EVERY if count_every is None else count_every
+        step_weight(False, 0, self.count_every)  # a bad `count_every` fails here, not in the decode thread
         self.steps = self.counted_steps = self.decode_steps = 0
         self._python_errors = self._python_reads = 0
         self._python_weight = 1
@@ -146,7 +146,7 @@ class ExpertCounter:
     def begin_step(self, prefill: bool) -> int:
         """Before a llama_decode of a prompt's tokens (prefill) or of decode tokens: sets and returns the weight of
         its picks (0: skipped). Decode thread only."""
-        weight = step_weight(prefill, self.decode_steps, self.every)
+        weight = step_weight(prefill, self.decode_steps, self.count_every)
         self.decode_steps += not prefill
         self.steps += 1
         self.counted_steps += weight > 0

@@ -4,9 +4,9 @@ read from its graph, against transformers' own routers on the same tiny random c
 Tiny Qwen3-MoE, gpt-oss and DeepSeek-V3 GGUFs (tests/gguf_from_hf.py: float32 weights, so both sides compute the
 same routing) decode three prompts together through the engine; transformers then runs each prompt and its reply
 teacher-forced with a hook on every router, and its picks, counted per layer and expert, must equal the engine's.
-The engine counts a sample (expert_counts.step_weight): the prompts whole, decode one step in EVERY (here 2, so
-that a few replies' counted and skipped steps both occur), each pick of a counted step EVERY times; the reference
-weighs each position alike, and a skipped step must not call the callback for any node.
+The engine counts a sample (expert_counts.step_weight): the prompts whole, decode one step in COUNT_EVERY (here 2,
+so that a few replies' counted and skipped steps both occur), each pick of a counted step COUNT_EVERY times; the
+reference weighs each position alike, and a skipped step must not call the callback for any node.
 llama.cpp computes the last layer of most architectures for the tokens whose logits it returns only, so there the
 counts cover the last prompt token and each generated one (gpt-oss, Qwen3.5 and Qwen3-Next drop the other tokens
 after it). On every family the tests write, the counts add up to tokens x top-k in each MoE layer.
@@ -30,13 +30,13 @@ NEW_TOKENS = 6
 # Families whose last layer llama.cpp runs for every token (the others: for the tokens whose logits it returns)
 WHOLE_LAST_LAYER = {"gpt-oss", "gpt-oss-mxfp4", "qwen35moe", "qwen3next"}
 COMPARED = ["qwen3moe", "gpt-oss", "deepseek2"]  # softmax, softmax over the top-k, grouped sigmoid with a bias
-EVERY = 2  # decode steps per counted one in these tests
+COUNT_EVERY = 2  # decode steps per counted one in these tests
 
 
 @pytest.fixture(autouse=True)
 def count_every_other_step(monkeypatch):
-    """EVERY for the engine's counters, each of which keeps a trace: (weight, nodes read before it) per step."""
-    monkeypatch.setattr(expert_counts, "DECODE_EVERY", EVERY)
+    """COUNT_EVERY for the engine's counters, each of which keeps a trace: (weight, nodes read before it) per step."""
+    monkeypatch.setattr(expert_counts, "COUNT_EVERY", COUNT_EVERY)
     begin = expert_counts.ExpertCounter.begin_step
 
     def traced(counter, prefill):
@@ -78,8 +78,9 @@ def test_the_compare_script_takes_only_a_sample_of_one_step_in_at_least_one(bad)
 
 def position_weights(prompt: int, fed: int) -> list[int]:
     """What each position of a prompt and its fed-back reply tokens counts for when its sequence decodes in
-    lockstep with the others: the prompt's 1, reply token j (fed by decode step j) EVERY on every EVERY-th step."""
-    return [1] * prompt + [EVERY if j % EVERY == 0 else 0 for j in range(fed)]
+    lockstep with the others: the prompt's 1, reply token j (fed by decode step j) COUNT_EVERY on every
+    COUNT_EVERY-th step."""
+    return [1] * prompt + [COUNT_EVERY if j % COUNT_EVERY == 0 else 0 for j in range(fed)]
 
 
 def test_topk_layer_reads_only_the_routers_choice():
@@ -145,7 +146,8 @@ def check_sums(family, cfg, requests, counter) -> list[int]:
     assert tokens.tolist() == expected, family
     assert counts.sum(axis=1).tolist() == [n * cfg.num_experts_per_tok for n in expected], family
     # the prompts' step and decode steps 0, 2, 4 of 5 counted; the skipped ones asked the callback for nothing
-    assert (counter.steps, counter.counted_steps) == (1 + NEW_TOKENS - 1, 1 + len(range(0, NEW_TOKENS - 1, EVERY)))
+    counted = 1 + len(range(0, NEW_TOKENS - 1, COUNT_EVERY))
+    assert (counter.steps, counter.counted_steps) == (1 + NEW_TOKENS - 1, counted)
     steps = reads_per_step(counter)
     assert all(reads == 0 for weight, reads in steps if weight == 0), (family, steps)
     assert all(reads > 0 and reads % len(moe) == 0 for weight, reads in steps if weight), (family, steps)
@@ -200,7 +202,7 @@ def test_counts_are_the_routers_picks_as_transformers_makes_them(family, tmp_pat
         assert popularity == [counts[i].tolist() for i in moe] and len(on_gpu) == len(moe)
         stats = engine.expert_stats()
         assert stats["expert_counts"] and stats["experts_cpu"] == int(counts.sum()) and stats["experts_gpu"] == 0
-        assert stats["expert_count_every"] == EVERY  # what the heat map's legend says
+        assert stats["count_every"] == COUNT_EVERY  # what the heat map's legend says
     finally:
         engine.close()
 

@@ -8,7 +8,7 @@ Usage (repo root):
 The issue's targets (#40), each printed with its ratio:
 - wrapper: decode (tg64) and prefill (pp512) through moedesk's engine with `--ncmoe N` layers' experts in RAM,
   over llama-bench `-ngl 99 -ncmoe N` on the same file (target >= 0.95x), with the engine counting the routers'
-  picks as the app does (prompts whole, one decode step in DECODE_EVERY), and again without (what counting
+  picks as the app does (prompts whole, one decode step in COUNT_EVERY), and again without (what counting
   costs); `--count-every 8,1` adds a line per further value (1: every step counted, as before issue 40's sample);
 - placement: for each GPU budget (GB of GPU memory for the whole model), llama-bench's decode at every -ncmoe that
   fits it (the sweep), and moedesk's automatic placement given that same budget (`--gpu-budget`, the whole GPU's:
@@ -120,17 +120,18 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--count-every", default=None,
                         help="count one decode step in this many, comma-separated: the first for the wrapper line, "
-                             "each further one a line of its own (default: the engine's DECODE_EVERY)")
+                             "each further one a line of its own (default: the engine's COUNT_EVERY)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
     from moedesk.engine.llamacpp import expert_counts
 
     try:
-        everies = [int(e) for e in args.count_every.split(",")] if args.count_every else [expert_counts.DECODE_EVERY]
+        count_everies = [int(e) for e in args.count_every.split(",")] if args.count_every \
+            else [expert_counts.COUNT_EVERY]
     except ValueError:
-        everies = []
-    if not everies or min(everies) < 1:
+        count_everies = []
+    if not count_everies or min(count_everies) < 1:
         parser.error(f"--count-every {args.count_every!r}: expected whole numbers >= 1 separated by commas, e.g. 8,1,32")
 
     from gguf import GGUFReader
@@ -154,20 +155,20 @@ def main() -> int:
     n = layers if args.ncmoe is None else args.ncmoe
     theirs = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens)
     # The engine as the app runs it counts the routers' picks (the heat map): its cost is the second line.
-    runs = [("wrapper", everies[0]), ("wrapper_uncounted", None)]
-    runs += [(f"wrapper_count_every_{e}", e) for e in everies[1:]]
-    for label, every in runs:
-        if every is not None:
-            expert_counts.DECODE_EVERY = every  # read by each counter the engine makes
-        mine = ours(gguf, n, None, args.prompt, args.tokens, args.threads, count_experts=every is not None)
-        report[label] = {"ncmoe": n, "llama_bench": theirs, "moedesk": mine, "expert_counts": every is not None,
-                         "count_every": every, "decode_ratio": round(mine["tg"] / theirs["tg"], 3),
+    runs = [("wrapper", count_everies[0]), ("wrapper_uncounted", None)]
+    runs += [(f"wrapper_count_every_{e}", e) for e in count_everies[1:]]
+    for label, count_every in runs:
+        if count_every is not None:
+            expert_counts.COUNT_EVERY = count_every  # read by each counter the engine makes
+        mine = ours(gguf, n, None, args.prompt, args.tokens, args.threads, count_experts=count_every is not None)
+        report[label] = {"ncmoe": n, "llama_bench": theirs, "moedesk": mine, "expert_counts": count_every is not None,
+                         "count_every": count_every, "decode_ratio": round(mine["tg"] / theirs["tg"], 3),
                          "prefill_ratio": round(mine["pp"] / theirs["pp"], 3)}
-        counting = f"on (1 decode step in {every})" if every is not None else "off"
+        counting = f"on (1 decode step in {count_every})" if count_every is not None else "off"
         print(f"{label}, -ncmoe {n}, expert counts {counting}: decode {mine['tg']:.1f} vs llama-bench "
               f"{theirs['tg']:.1f} tok/s = {report[label]['decode_ratio']:.3f}x; prefill {args.prompt} "
               f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x)")
-    expert_counts.DECODE_EVERY = everies[0]  # the placement runs below count as the wrapper line does
+    expert_counts.COUNT_EVERY = count_everies[0]  # the placement runs below count as the wrapper line does
 
     report["placement"] = []
     budgets = [float(b) for b in args.budgets.split(",")]

@@ -47,7 +47,7 @@ def test_a_sampled_map_says_its_counts_are_estimates():
     estimate and how it was made; an exact map (the native engine's) says neither."""
     hm = layout([[True, False]], [[40, 8]], width=40, labels=["L0"])
     exact = [line.plain for line in render_lines(hm, width=40)]
-    sampled = [line.plain for line in render_lines(hm, width=40, sample_every=8)]
+    sampled = [line.plain for line in render_lines(hm, width=40, count_every=8)]
     assert any(line.endswith("few → 40") for line in exact) and not any("estimated" in line for line in exact)
     assert any(line.endswith("few → ~40") for line in sampled)
     assert "estimated: prompts and 1 decode step in 8 counted" in sampled

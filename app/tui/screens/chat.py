@@ -94,11 +94,11 @@ def model_summary(engine) -> str:
            f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}{spread}"
 
 
-def sample_every(engine) -> int | None:
+def count_every(engine) -> int | None:
     """One decode step in how many the engine counts the routers' picks of (llama.cpp's sample); None: all."""
     if not engine.config.is_moe or not hasattr(engine, "expert_stats"):
         return None
-    return engine.expert_stats().get("expert_count_every")
+    return engine.expert_stats().get("count_every")
 
 
 def device_summary(expert_stats: dict) -> str:
@@ -318,7 +318,7 @@ class ChatScreen(Screen):
         self.sub_title = short_model_name(engine.name)
         self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
                              engine.device.type, *row_devices(engine))
-        self.stats.heatmap.sample_every = sample_every(engine)
+        self.stats.heatmap.count_every = count_every(engine)
         self.map_baseline = None  # another model's counts
         self.refresh_map()
         if self.ready:

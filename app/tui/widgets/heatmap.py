@@ -100,11 +100,11 @@ def cell_text(cell: Cell, width: int) -> Text:
 
 
 def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda", width: int = 80,
-                 sample_every: int | None = None) -> list[Text]:
+                 count_every: int | None = None) -> list[Text]:
     """The map as lines of styled text: the legend (first, so that it is on screen however many layers
-    follow), an expert-number header, then one line per layer. sample_every: the counts are estimates from one
+    follow), an expert-number header, then one line per layer. count_every: the counts are estimates from one
     decode step in this many (the legend says so)."""
-    lines = legend_lines(hm, device, width, sample_every) if legend else []
+    lines = legend_lines(hm, device, width, count_every) if legend else []
     if hm.rows:
         cells = len(hm.rows[0])
         header = Text(" " * hm.label_width, style="dim")
@@ -127,9 +127,9 @@ def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda"
 
 
 def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80,
-                 sample_every: int | None = None) -> list[Text]:
+                 count_every: int | None = None) -> list[Text]:
     """Only the places this map has, in words that are true of the machine: without a GPU the experts
-    are in RAM, and a GPU tier there is the one `--device cpu` simulates. sample_every: counts estimated from
+    are in RAM, and a GPU tier there is the one `--device cpu` simulates. count_every: counts estimated from
     a sample of the decode steps, said in the legend."""
     cells = [cell for row in hm.rows for cell in row]
     any_gpu = any(c.on_gpu for c in cells)
@@ -156,10 +156,10 @@ def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80,
             for level in range(1, 6):
                 ramp.append(" ", style=f"on {ramp_colours[level - 1]}")
             ramp.append(" ")
-    ramp.append(f"few → {'~' if sample_every else ''}{hm.max_count:,}")
+    ramp.append(f"few → {'~' if count_every else ''}{hm.max_count:,}")
     lines.append(ramp)
-    if sample_every:
-        lines.append(Text(f"estimated: prompts and 1 decode step in {sample_every} counted", style="dim"))
+    if count_every:
+        lines.append(Text(f"estimated: prompts and 1 decode step in {count_every} counted", style="dim"))
     if hm.bin_size > 1:
         lines.append(Text(f"one cell = {hm.bin_size} experts", style="dim"))
     return lines
@@ -191,7 +191,7 @@ class ExpertHeatMap(Widget):
         self.device = "cuda"  # the engine's device type: the legend's words depend on it
         self.devices: list[int] | None = None  # per row, the GPU holding the layer, where there are several
         self.device_names: tuple[str, ...] = ()
-        self.sample_every: int | None = None  # the engine counts one decode step in this many (None: all)
+        self.count_every: int | None = None  # the engine counts one decode step in this many (None: all)
 
     def update_map(self, on_gpu: list[list[bool]], popularity: list[list[int]],
                    labels: list[str] | None = None) -> None:
@@ -210,7 +210,7 @@ class ExpertHeatMap(Widget):
                 return [Text("not available: the server runs the model", style="dim")]
             return [Text("dense model: no experts to map", style="dim")]
         return render_lines(self.current_layout(width), device=self.device, width=width,
-                            sample_every=self.sample_every)
+                            count_every=self.count_every)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         return len(self._lines(width))
