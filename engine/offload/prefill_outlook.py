@@ -27,23 +27,20 @@ class LayerOutlook:
     copies: int
     ahead_link_ms: float = 0.0  # copies of this layer's experts made during the layer before (`prefetch_ahead`)
 
-    def window_ms(self, hidden_ms: float = 0.0) -> float:
-        """The layer's expert window: the later side, the GPU's less what of it `hidden_ms` of host work after the
-        CPU's call hides (the GPU runs on while the host scatters the results and queues the next layer)."""
-        return max(self.cpu_ms, self.gpu_ms - hidden_ms)
+    @property
+    def window_ms(self) -> float:
+        """The layer's expert window: the later of the CPU's call and the GPU's side."""
+        return max(self.cpu_ms, self.gpu_ms)
 
 
 @dataclass(frozen=True)
 class PrefillOutlook:
-    """A prefill of `tokens` tokens: its MoE layers' outlooks and the time no split moves (`fixed_ms`, whole prefill).
-
-    hidden_ms: host time a layer after the CPU's call ends before it next waits for the GPU (`LayerOutlook.window_ms`);
-    where the wait for the routing measures next to nothing, the GPU's side ended inside it."""
+    """A prefill of `tokens` tokens: its MoE layers' outlooks and the time no split moves (`fixed_ms`, the whole
+    prefill's)."""
 
     tokens: int
     layers: tuple[LayerOutlook, ...]
     fixed_ms: float
-    hidden_ms: float = 0.0
 
     @property
     def cpu_ms(self) -> float:
@@ -61,7 +58,7 @@ class PrefillOutlook:
     @property
     def expert_ms(self) -> float:
         """The layers' expert windows end to end (`LayerOutlook.window_ms`)."""
-        return sum(x.window_ms(self.hidden_ms) for x in self.layers)
+        return sum(x.window_ms for x in self.layers)
 
     @property
     def overlap_ms(self) -> float:
@@ -127,14 +124,14 @@ def prefetch_ahead(expected: dict[int, float], model, link_free_ms: float, slots
 
 
 def prefill_outlook(layers: Sequence[tuple[dict[int, int], float]], model, tokens: int, fixed_ms: float,
-                    hidden_ms: float = 0.0, **split) -> PrefillOutlook:
+                    **split) -> PrefillOutlook:
     """A prefill from each MoE layer's (offloaded loads, resident GPU ms); `split`: layer_outlook's options."""
     return PrefillOutlook(tokens, tuple(layer_outlook(loads, model, resident, **split) for loads, resident in layers),
-                          fixed_ms, hidden_ms)
+                          fixed_ms)
 
 
 def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expected: Sequence[dict[int, float]], model,
-                          tokens: int, fixed_ms: float, slots: int, hidden_ms: float = 0.0, **split) -> PrefillOutlook:
+                          tokens: int, fixed_ms: float, slots: int, **split) -> PrefillOutlook:
     """The same prefill with each layer's copies for the next one made during it (`prefetch_ahead`, from `expected`,
     one dict a layer): the link's free time in a layer is its share of `fixed_ms` and its window, less its own
     copies; the first layer gets nothing ahead."""
@@ -144,9 +141,9 @@ def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expect
         layer = layer_outlook(loads, model, resident, ahead=ahead, **split)
         done.append(layer)
         if i + 1 < len(layers):
-            free = fixed_a_layer + layer.window_ms(hidden_ms) - layer.link_ms
+            free = fixed_a_layer + layer.window_ms - layer.link_ms
             ahead = prefetch_ahead(expected[i + 1], model, free, slots)
-    return PrefillOutlook(tokens, tuple(done), fixed_ms, hidden_ms)
+    return PrefillOutlook(tokens, tuple(done), fixed_ms)
 
 
 def resident_gpu_ms(loads: Iterable[int], model, grouped_max: int, shape: tuple[int, int] | None = None) -> float:
