@@ -64,7 +64,7 @@ class SwapPrice:
     def from_model(cls, costs) -> "SwapPrice":
         """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
         return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms + costs.copy_launch_ms,
-                   resident_launch_ms=getattr(costs, "resident_launch_ms", 0.0))
+                   resident_launch_ms=costs.resident_launch_ms)
 
 
 @dataclass(frozen=True)
