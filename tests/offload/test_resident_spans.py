@@ -59,13 +59,18 @@ def run(device, stack, hidden, monkeypatch, spans_on: bool):
     return out, calls
 
 
+def bf16_stack(hidden: int, width: int, experts: int = 8) -> ExpertWeights:
+    """Random bf16 experts (seed 0), each projection scaled by one over the root of its input width."""
+    g = torch.Generator().manual_seed(0)
+    return ExpertWeights((torch.randn(experts, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
+                         (torch.randn(experts, hidden, width, generator=g) / width ** 0.5).bfloat16(), hidden, width)
+
+
 def test_spans_of_resident_slots_give_each_expert_its_rows(monkeypatch):
     """On the simulated tier, with spans forced (the CPU's grouped and one-expert paths round differently, so
     within bf16's rounding): each span's rows and ends line up with its experts, beside the copy run's ends."""
     hidden, width = 64, 32
-    g = torch.Generator().manual_seed(0)
-    stack = ExpertWeights((torch.randn(8, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
-                          (torch.randn(8, hidden, width, generator=g) / width ** 0.5).bfloat16(), hidden, width)
+    stack = bf16_stack(hidden, width)
     alone, calls_alone = run("cpu", stack, hidden, monkeypatch, spans_on=False)
     monkeypatch.setattr(oe, "grouped_alike", lambda x, w, sizes: True)
     monkeypatch.setattr(oe, "copy_run_limit", lambda hidden, width: 3)
@@ -81,9 +86,7 @@ def test_spans_of_resident_slots_give_each_expert_its_rows(monkeypatch):
 def test_no_spans_where_the_predicate_says_the_calls_differ(monkeypatch):
     """On the CPU the grouped path is not the one-expert path (grouped_alike is False there): one call an expert."""
     hidden, width = 64, 32
-    g = torch.Generator().manual_seed(0)
-    stack = ExpertWeights((torch.randn(8, 2 * width, hidden, generator=g) / hidden ** 0.5).bfloat16(),
-                          (torch.randn(8, hidden, width, generator=g) / width ** 0.5).bfloat16(), hidden, width)
+    stack = bf16_stack(hidden, width)
     _, calls = run("cpu", stack, hidden, monkeypatch, spans_on=True)
     assert calls == [1, 1, 1]
 
