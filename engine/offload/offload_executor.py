@@ -69,6 +69,8 @@ class StepStats:
     selections: int = 0  # (token, expert) pairs routed
     gpu_hits: int = 0  # of those, served by a resident expert
     swaps: int = 0  # experts the expert cache moved onto the GPU in place of others
+    ahead_copied: int = 0  # experts copied during the layer before theirs (`copy_ahead`)
+    ahead_used: int = 0  # of those, computed from their copy (their layer routed them a token)
 
     def since(self, earlier: "StepStats") -> "StepStats":
         """What was counted between `earlier` (a copy taken then) and now."""
@@ -89,6 +91,7 @@ class StepStats:
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
             "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
+            "experts_copied_ahead": self.ahead_copied, "experts_ahead_used": self.ahead_used,
         }
 
 
@@ -250,6 +253,60 @@ class OffloadExecutor:
         self._buffers: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}
         self._selection_counts: dict[int, tuple] = {}  # layer -> (its `selections` tensor, a numpy view)
+        self.copy_ahead: Callable[[int, int, int], list[int]] | None = None  # set by `copy_ahead_with`
+        self._ahead: tuple[int, dict] | None = None  # (layer, expert -> (slot, ready event)) copied ahead for it
+
+    def copy_ahead_with(self, plan: Callable[[int, int, int], list[int]] | None) -> None:
+        """During each host-decided step of a layer, copy experts of the next MoE layer into the staging slots the
+        layer's own copies leave (the last ones; no memory beyond the staging), on the copy stream after the layer's
+        own copies: the link idles through the mixer and routing between layers (engine.offload.prefill_outlook's
+        `prefetch_ahead`, which prices this). plan(next layer, tokens, free slots) -> the experts to copy; the next
+        layer computes those it routes tokens to from their copies before anything else, and its split sees the rest.
+        None: off."""
+        self._ahead = None
+        self.copy_ahead = plan
+
+    def _next_layer(self, layer: int) -> int | None:
+        later = [other for other in self.banks if other > layer]
+        return min(later) if later else None
+
+    def _start_ahead(self, layer: int, tokens: int, own_copies: int) -> None:
+        """Queue the copies `copy_ahead` plans for the MoE layer after `layer` (offloaded experts only) into the last
+        staging slots, as many as this layer's `own_copies` leave, each after the kernels that last read its slot."""
+        self._ahead = None
+        following = self._next_layer(layer)
+        free = len(self.staging) - own_copies
+        if following is None or free <= 0:
+            return
+        bank = self.banks[following]
+        planned = self.copy_ahead(following, tokens, free)
+        # The plan's order is its priority: the first that fit, then by id (neighbouring slots, neighbouring ids).
+        experts = sorted([e for e in dict.fromkeys(planned) if 0 <= e < len(bank.gpu_slot)
+                          and bank.gpu_slot[e] is None][:free])
+        if not experts:
+            return
+        started = {}
+        for slot, e in enumerate(experts, start=len(self.staging) - len(experts)):
+            if self.simulated:
+                self.staging[slot].copy_(bank.host.expert(e))
+                started[e] = (slot, None)
+            else:
+                started[e] = (slot, queue_copy(self.copy_stream, bank.host.expert(e), self.staging[slot],
+                                               after=self.slot_free[slot]))
+        self._ahead = (following, started)
+        self._stats.ahead_copied += len(experts)
+
+    def _landed_ahead(self, layer: int, offloaded: dict) -> dict:
+        """The experts copied ahead for `layer` that it routes tokens to (expert -> (slot, ready)), taken out of
+        `offloaded`; copies made for another layer (a step that went elsewhere) are dropped, their slots' bytes
+        and events left as they are."""
+        pending, self._ahead = self._ahead, None
+        if pending is None or pending[0] != layer:
+            return {}
+        landed = {e: where for e, where in pending[1].items() if e in offloaded}
+        for e in landed:
+            del offloaded[e]
+        return landed
 
     def set_placement(self, on_gpu) -> None:
         """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
@@ -566,6 +623,7 @@ class OffloadExecutor:
             active = [e for e in active if e not in on_gpu_already]
         resident = [e for e in active if bank.gpu_slot[e] is not None]
         offloaded = {e: count[e] for e in active if bank.gpu_slot[e] is None}
+        ahead = self._landed_ahead(moe.layer, offloaded) if self.copy_ahead is not None and not cpu_width else {}
         if cpu_width:  # the GPU computes the last rows of every expert (`width_split`), the CPU the first ones
             assert n == 1 and not zero_copy and not resident, "split rows are for a lone token, all experts offloaded"
             on_cpu, to_copy = active, []
@@ -613,8 +671,11 @@ class OffloadExecutor:
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
             run_sizes = self.copy_runs(offloaded, to_copy) if to_copy and self.copy_runs else None
-            gpu = self._queue_gpu(bank, x, k, pairs or _Pairs(experts_of, counts), resident, to_copy, run_sizes) \
-                if resident or to_copy else None
+            gpu = self._queue_gpu(bank, x, k, pairs or _Pairs(experts_of, counts), resident, to_copy, run_sizes,
+                                  ahead) if resident or to_copy or ahead else None
+            if self.copy_ahead is not None and not zero_copy and not cpu_width:
+                # After this layer's copies on the stream, while its CPU call runs and the next layer's mixer does.
+                self._start_ahead(moe.layer, n, len(to_copy))
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
             if background is not None:
@@ -645,7 +706,8 @@ class OffloadExecutor:
 
         s = self._stats
         s.gpu_experts += len(resident)
-        s.copied_experts += len(to_copy)
+        s.copied_experts += len(to_copy) + len(ahead)
+        s.ahead_used += len(ahead)
         s.cpu_experts += len(on_cpu)
         s.zero_copy_experts += zero_copy
         s.split_experts += len(on_cpu) if cpu_width else 0
@@ -655,11 +717,13 @@ class OffloadExecutor:
         return out
 
     def _queue_gpu(self, bank: LayerBank, x, k: int, pairs: "_Pairs", resident: list[int], to_copy,
-                   run_sizes: list[int] | None = None) -> tuple:
+                   run_sizes: list[int] | None = None, ahead: dict | None = None) -> tuple:
         """Queue the resident experts (one grouped launch per projection where `resident_grouped` says so: every
         expert at most GROUPED_MAX_TOKENS tokens, as in decode, or small experts; else one GEMM per expert) and the
         copied ones.
         run_sizes: the copied experts computed in copy runs of these sizes (`_queue_copy_runs`), None: one by one.
+        ahead: experts copied during the layer before (`_landed_ahead`), computed first: this layer's own copies may
+        reuse their slots (each copy waits for the compute that last read its slot, which must be queued by then).
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         resident_rows = pairs.of(resident)  # expert by expert in ascending id
         by_slot = sorted(resident, key=bank.gpu_slot.__getitem__)  # the GPU's work goes slot by slot
@@ -675,7 +739,8 @@ class OffloadExecutor:
         runs = _runs_by_id(to_copy, run_sizes) if to_copy and run_sizes else None
         if runs is not None:
             to_copy = [e for run in runs for e in run]  # slot order: each run's experts by id
-        pair_rows = np.concatenate([resident_rows] + [pairs.of([e]) for e in to_copy])
+        ahead = ahead or {}
+        pair_rows = np.concatenate([pairs.of([e]) for e in ahead] + [resident_rows] + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         parts = []  # int32 words of group ends: the resident experts', then each copy run's
         if grouped or spans:  # cumulative token counts per resident slot; slots hold resident experts in id order
@@ -698,14 +763,19 @@ class OffloadExecutor:
         index = index.to(self.device, non_blocking=True)
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)
         xs = x.index_select(0, token_rows)
+        ys, at = [], 0
+        for e, (slot, ready) in ahead.items():
+            n = pairs.count[e]
+            y, self.slot_free[slot] = compute_copied(xs[at:at + n], self.staging[slot], ready)
+            ys.append(y)
+            at += n
         if runs is None:
             copies = self._start_copies(bank, to_copy)
         else:  # the first run's copies before the resident experts' launch: the link starts at once
             copies = self._start_copies(bank, runs[0], first_slot=0)
-        ys, at = [], 0
         if grouped:
-            at = sum(sizes)
-            ys.append(grouped_experts_forward(xs[:at], bank.gpu, index[4 * m:4 * m + len(tokens)]))
+            ys.append(grouped_experts_forward(xs[at:at + sum(sizes)], bank.gpu, index[4 * m:4 * m + len(tokens)]))
+            at += sum(sizes)
         elif spans:
             word = 4 * m
             for a, b in spans:

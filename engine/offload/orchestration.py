@@ -11,6 +11,7 @@ the GPU.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -27,6 +28,7 @@ from moedesk.engine.offload.assignment import (RememberedSplit, assign_offloaded
                                                zero_copy_ranks)
 from moedesk.engine.offload.placement import LayerCosts, Placement, plan_placement
 from moedesk.engine.offload.popularity import estimated_popularity
+from moedesk.engine.offload.prefill_outlook import expected_loads, prefetch_ahead, prefill_step
 from moedesk.engine.offload.cpu_paths import apply_cpu_path
 from moedesk.engine.offload.profiler import (cached_profile, copy_launch_prefill_ms, copy_queue_prefill_ms,
                                              profile_expert, profile_key, profile_prefill_cpu, profile_zero_copy)
@@ -118,6 +120,7 @@ class ExpertOrchestra:
         orchestra = cls(executor, costs, first.expert_bytes, uniform, 0, warnings=warnings,
                         profile_key=key, profile=points, top_k=top_k)
         orchestra.group_copies(balanced and overlap and grouped_copies_wanted(), balanced)
+        orchestra.copy_ahead(balanced and copy_ahead_wanted())
         return orchestra
 
     def group_copies(self, on: bool, balanced: bool = True) -> None:
@@ -130,6 +133,24 @@ class ExpertOrchestra:
         host = next(iter(self.executor.banks.values())).host
         limit = copy_run_limit(host.hidden, host.width)
         self.executor.copy_runs = (lambda loads, copy: copy_runs(loads, copy, costs, limit)) if on else None
+
+    def copy_ahead(self, on: bool) -> None:
+        """Copy experts of the next layer during each prefill layer into the staging slots its own copies leave: those
+        `prefetch_ahead` picks from the calibrated popularity, the dearest on the CPU first, as many as the free slots
+        hold (the executor cannot know the link's free time in a layer before the layer ends, so the slots bound it).
+        Settable on a running model, for measuring both on one build."""
+        executor, costs, top_k = self.executor, self.costs, self.top_k
+        layers = sorted(executor.banks)
+
+        def plan(layer: int, tokens: int, room: int) -> list[int]:
+            slots_of = executor.banks[layer].gpu_slot
+            if not prefill_step(tokens, top_k, len(slots_of)):
+                return []
+            share = self.popularity[layers.index(layer)]
+            offloaded = [slot is None for slot in slots_of]
+            return prefetch_ahead(expected_loads(share, offloaded, tokens, top_k), costs, math.inf, room)
+
+        executor.copy_ahead_with(plan if on else None)
 
     def twin(self) -> "ExpertOrchestra":
         """Another orchestra over the same host experts, latency model and popularity, with an executor of its own
@@ -229,6 +250,12 @@ def measure_profile(first, top_k: int, device: torch.device, dtype: torch.dtype 
         points.update(copy_launch_prefill_ms(first, dtype, device))
         points.update(copy_queue_prefill_ms(first, device))
     return points
+
+
+def copy_ahead_wanted() -> bool:
+    """MOEDESK_COPY_AHEAD=1 copies experts of the next MoE layer during each prefill layer (`ExpertOrchestra
+    .copy_ahead`); off until the GPU measures it."""
+    return os.environ.get("MOEDESK_COPY_AHEAD", "").strip().lower() not in ("", "0", "false", "no")
 
 
 def grouped_copies_wanted() -> bool:

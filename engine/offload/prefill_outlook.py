@@ -9,6 +9,7 @@ expert copied back to back, `link_bound_ms`) can sit far from a layer-by-layer p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -115,12 +116,26 @@ def prefetch_ahead(expected: dict[int, float], model, link_free_ms: float, slots
 
     expected: expert id -> the tokens it expects in the next layer (its calibrated popularity's share of the prefill's
     selections). The link idles while a layer's mixer, routing and host work run (`PrefillOutlook.link_busy`), so a copy
-    made then costs the next layer only its compute; one whose expert gets no token costs nothing but the link."""
+    made then costs the next layer only its compute; one whose expert gets no token costs nothing but the link.
+    link_free_ms = inf: the slots alone bound it (the executor's plan, which cannot know a layer's free time ahead)."""
     link = model.copy_expert_ms
-    fits = slots if link <= 0 else min(slots, int(link_free_ms // link))
+    fits = slots if link <= 0 or math.isinf(link_free_ms) else min(slots, int(link_free_ms // link))
     order = sorted((e for e, n in expected.items() if n > 0),
                    key=lambda e: (-cpu_path_ms(max(1, round(expected[e])), model), e))
     return order[:max(0, fits)]
+
+
+def expected_loads(share: Sequence[float], offloaded: Sequence[bool], tokens: int, top_k: int) -> dict[int, float]:
+    """A layer's offloaded experts' expected tokens in a step of `tokens` tokens (`prefetch_ahead`'s `expected`):
+    each expert's share of the step's selections by its calibrated popularity `share`."""
+    total = sum(share) or 1.0
+    return {e: tokens * top_k * p / total for e, p in enumerate(share) if offloaded[e]}
+
+
+def prefill_step(tokens: int, top_k: int, experts: int) -> bool:
+    """Whether a step routes enough tokens an expert to copy ahead for (as copy runs start to pay,
+    GROUPED_COPIES_MIN_LOAD): a decode step's few tokens would take the link for experts it mostly never routes."""
+    return tokens * top_k >= GROUPED_COPIES_MIN_LOAD * experts
 
 
 def prefill_outlook(layers: Sequence[tuple[dict[int, int], float]], model, tokens: int, fixed_ms: float,
@@ -134,7 +149,8 @@ def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expect
                           tokens: int, fixed_ms: float, slots: int, **split) -> PrefillOutlook:
     """The same prefill with each layer's copies for the next one made during it (`prefetch_ahead`, from `expected`,
     one dict a layer): the link's free time in a layer is its share of `fixed_ms` and its window, less its own
-    copies; the first layer gets nothing ahead."""
+    copies; its free slots are the `slots` of the staging its own copies leave (as OffloadExecutor.copy_ahead_with
+    runs it); the first layer gets nothing ahead."""
     fixed_a_layer = fixed_ms / len(layers) if layers else 0.0
     done, ahead = [], []
     for i, (loads, resident) in enumerate(layers):
@@ -142,7 +158,7 @@ def prefill_outlook_ahead(layers: Sequence[tuple[dict[int, int], float]], expect
         done.append(layer)
         if i + 1 < len(layers):
             free = fixed_a_layer + layer.window_ms - layer.link_ms
-            ahead = prefetch_ahead(expected[i + 1], model, free, slots)
+            ahead = prefetch_ahead(expected[i + 1], model, free, max(0, slots - layer.copies))
     return PrefillOutlook(tokens, tuple(done), fixed_ms)
 
 

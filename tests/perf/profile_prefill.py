@@ -39,7 +39,7 @@ import torch
 
 from moedesk.bench.synthetic import measure_prefill, prepare_synthetic
 from moedesk.engine.offload.offload_executor import GROUPED_MAX_TOKENS
-from moedesk.engine.offload.prefill_outlook import (fixed_ms_for, link_bound_ms, prefill_outlook,
+from moedesk.engine.offload.prefill_outlook import (expected_loads, fixed_ms_for, link_bound_ms, prefill_outlook,
                                                     prefill_outlook_ahead, resident_gpu_ms, shared_bound_ms)
 
 DEFAULT_SHAPES = ("qwen3.5-35b-a3b:12", "gpt-oss-120b:8")
@@ -169,19 +169,21 @@ def outlook_of(bench, counts: dict, tokens: int):
 
 def outlook_ahead(bench, counts: dict, tokens: int, fixed_ms: float):
     """The same prefill with each layer's copies for the next made during it (prefetch_ahead), the next layer's
-    expected loads read from the calibrated popularity, the free staging slots those the layer's own copies leave."""
+    expected loads read from the calibrated popularity (expected_loads, as ExpertOrchestra.copy_ahead plans them), the
+    free staging slots those the layer's own copies leave."""
     executor, costs, popularity = bench.executor, bench.orchestra.costs, bench.orchestra.popularity
     layers, options = priced_layers(bench, counts), split_options(executor)
     top_k = bench.cfg.num_experts_per_tok
     expected = []
     for layer in sorted(counts):
-        slots = executor.banks[layer].gpu_slot
-        share = popularity[sorted(executor.banks).index(layer)]
-        total = sum(share) or 1.0
-        expected.append({e: tokens * top_k * p / total for e, p in enumerate(share) if slots[e] is None})
-    own = prefill_outlook(layers, costs, tokens, 0.0, **options).layers
-    room = len(executor.staging) - max((x.copies for x in own), default=0)
-    return prefill_outlook_ahead(layers, expected, costs, tokens, fixed_ms, max(0, room), **options)
+        offloaded = [slot is None for slot in executor.banks[layer].gpu_slot]
+        expected.append(expected_loads(popularity[sorted(executor.banks).index(layer)], offloaded, tokens, top_k))
+    return prefill_outlook_ahead(layers, expected, costs, tokens, fixed_ms, len(executor.staging), **options)
+
+
+def executor_copies_ahead(bench) -> bool:
+    executors = getattr(bench.executor, "executors", [bench.executor])  # a DeviceOrchestra's, or the one
+    return any(getattr(x, "copy_ahead", None) is not None for x in executors)
 
 
 def say_outlook(outlook, touched: list[int], marked, times, costs, args, say) -> None:
@@ -384,7 +386,8 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
         if clock.cuda:  # the simulated tier copies synchronously: nothing to make ahead
             ahead = outlook_ahead(bench, counts, args.tokens, times.wall - outlook.expert_ms)
             cpu, copied = ahead.counts()
-            say(f"with copies a layer ahead (prefetch_ahead on the calibrated popularity; not what runs): "
+            runs = "what runs" if executor_copies_ahead(bench) else "not what runs: MOEDESK_COPY_AHEAD=1 runs it"
+            say(f"with copies a layer ahead (prefetch_ahead on the calibrated popularity; {runs}): "
                 f"{ahead.tok_s:.0f} tok/s predicted against {ahead.tokens * 1e3 / times.wall:.0f} measured, windows "
                 f"{ahead.expert_ms:.1f} ms, {cpu} experts on the CPU, {copied} copied in their layer, link busy "
                 f"{100 * ahead.link_busy:.0f}%")
