@@ -103,6 +103,9 @@ def test_copies_made_a_layer_ahead_shorten_a_prefill_whose_link_idles():
     assert ahead.expert_ms == pytest.approx(2.0 + 0.5) and ahead.tok_s > today.tok_s
     assert ahead.link_ms == pytest.approx(today.link_ms)  # the same copies, made earlier
     assert prefill_outlook_ahead(layers, expected, LINEAR, 512, 6.0, slots=0).expert_ms == pytest.approx(4.0)
+    # The staging's slots less the layer's own copies: one slot, which layer 0's copy takes, leaves none for ahead.
+    assert prefill_outlook_ahead(layers, expected, LINEAR, 512, 6.0, slots=1).expert_ms == pytest.approx(4.0)
+    assert prefill_outlook_ahead(layers, expected, LINEAR, 512, 6.0, slots=2) == ahead
 
 
 def test_the_time_left_outside_the_experts_for_a_target():

@@ -93,8 +93,8 @@ def test_compare_measures_copies_one_by_one_then_grouped_on_one_build(tmp_path, 
 
 def test_the_outlook_with_copies_ahead_prices_each_layer_as_the_executor_splits_it():
     """outlook_ahead (printed on the GPU only): each layer's loads and resident GPU time as outlook_of reads them, the
-    next layer's expected loads from the calibrated popularity over its offloaded experts, the staging slots its own
-    copies leave, and the executor's split options (here no overlap, copies one by one) throughout."""
+    next layer's expected loads from the calibrated popularity over its offloaded experts (expected_loads), the staging
+    slots its own copies leave, and the executor's split options (here no overlap, copies one by one) throughout."""
     from moedesk.engine.offload.assignment import Costs
     from moedesk.engine.offload.prefill_outlook import prefill_outlook, prefill_outlook_ahead
 
@@ -112,6 +112,6 @@ def test_the_outlook_with_copies_ahead_prices_each_layer_as_the_executor_splits_
     assert outlook == prefill_outlook(layers, costs, 30, 0.0, **options) and sorted(by_layer) == [3, 5]
     assert sorted(touched) == [5, 10, 15, 15, 20]
     expected = [{1: 18.0, 2: 12.0, 3: 6.0}, {0: 15.0, 2: 15.0, 3: 15.0}]  # 30 tokens x top-2 by popularity
-    room = 3 - max(x.copies for x in outlook.layers)
+    # the three staging slots, of which each layer's own copies take theirs (as the executor copies ahead)
     assert pp.outlook_ahead(bench, counts, tokens=30, fixed_ms=4.0) == prefill_outlook_ahead(
-        layers, expected, costs, 30, 4.0, room, **options)
+        layers, expected, costs, 30, 4.0, 3, **options)

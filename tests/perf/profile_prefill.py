@@ -387,10 +387,12 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
             ahead = outlook_ahead(bench, counts, args.tokens, times.wall - outlook.expert_ms)
             cpu, copied = ahead.counts()
             runs = "what runs" if executor_copies_ahead(bench) else "not what runs: MOEDESK_COPY_AHEAD=1 runs it"
+            early = round(sum(x.ahead_link_ms for x in ahead.layers) / bench.orchestra.costs.copy_expert_ms)
             say(f"with copies a layer ahead (prefetch_ahead on the calibrated popularity; {runs}): "
                 f"{ahead.tok_s:.0f} tok/s predicted against {ahead.tokens * 1e3 / times.wall:.0f} measured, windows "
                 f"{ahead.expert_ms:.1f} ms, {cpu} experts on the CPU, {copied} copied in their layer, link busy "
-                f"{100 * ahead.link_busy:.0f}%")
+                f"{100 * ahead.link_busy:.0f}%, {early} copied ahead (the executor: {marked.ahead_copied}, "
+                f"{marked.ahead_used} of them routed a token)")
 
     device_ms = None
     if trace:
