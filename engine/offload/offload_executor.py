@@ -253,16 +253,20 @@ class OffloadExecutor:
         self._buffers: dict[str, torch.Tensor] = {}
         self._views: dict[tuple, torch.Tensor] = {}
         self._selection_counts: dict[int, tuple] = {}  # layer -> (its `selections` tensor, a numpy view)
-        self.copy_ahead: Callable[[int, int, int], list[int]] | None = None  # set by `copy_ahead_with`
+        self.copy_ahead: Callable[[int, int, int, float, int], list[int]] | None = None  # set by `copy_ahead_with`
         self._ahead: tuple[int, dict] | None = None  # (layer, expert -> (slot, ready event)) copied ahead for it
+        self._layer_start: tuple[int, float] | None = None  # the last host-decided layer and when its call began
+        self._last_layer_ms: float | None = None  # `_layer_ms`
 
-    def copy_ahead_with(self, plan: Callable[[int, int, int], list[int]] | None) -> None:
+    def copy_ahead_with(self, plan: Callable[[int, int, int, float, int], list[int]] | None) -> None:
         """During each host-decided step of a layer, copy experts of the next MoE layer into the staging slots the
         layer's own copies leave (the last ones; no memory beyond the staging), on the copy stream after the layer's
         own copies: the link idles through the mixer and routing between layers (engine.offload.prefill_outlook's
-        `prefetch_ahead`, which prices this). plan(next layer, tokens, free slots) -> the experts to copy; the next
-        layer computes those it routes tokens to from their copies before anything else, and its split sees the rest.
-        None: off."""
+        `prefetch_ahead`, which prices this). plan(next layer, tokens, free slots, layer ms, own copies) -> the experts
+        to copy, where layer ms is how long the layer before this one took from call to call on the host (`_layer_ms`;
+        the wait for each layer's routing makes it the GPU's layer time too): the link's time in this layer, its own
+        copies in it. Nothing is copied ahead before a layer's time was measured once. The next layer computes those it
+        routes tokens to from their copies before anything else, and its split sees the rest. None: off."""
         self._ahead = None
         self.copy_ahead = plan
 
@@ -270,16 +274,26 @@ class OffloadExecutor:
         later = [other for other in self.banks if other > layer]
         return min(later) if later else None
 
-    def _start_ahead(self, layer: int, tokens: int, own_copies: int) -> None:
+    def _layer_ms(self, layer: int, started: float) -> float | None:
+        """The host's time the layer before `layer` took, from the last host-decided layer's call to this one's
+        (spread over the layers between, run on the device alone); at a step's first layer, the last one measured
+        (None before any)."""
+        last, self._layer_start = self._layer_start, (layer, started)
+        if last is not None and last[0] < layer:
+            order = sorted(self.banks)
+            self._last_layer_ms = (started - last[1]) * 1e3 / (order.index(layer) - order.index(last[0]))
+        return self._last_layer_ms
+
+    def _start_ahead(self, layer: int, tokens: int, own_copies: int, layer_ms: float | None) -> None:
         """Queue the copies `copy_ahead` plans for the MoE layer after `layer` (offloaded experts only) into the last
         staging slots, as many as this layer's `own_copies` leave, each after the kernels that last read its slot."""
         self._ahead = None
         following = self._next_layer(layer)
         free = len(self.staging) - own_copies
-        if following is None or free <= 0:
+        if following is None or free <= 0 or layer_ms is None:
             return
         bank = self.banks[following]
-        planned = self.copy_ahead(following, tokens, free)
+        planned = self.copy_ahead(following, tokens, free, layer_ms, own_copies)
         # The plan's order is its priority: the first that fit, then by id (neighbouring slots, neighbouring ids).
         experts = sorted([e for e in dict.fromkeys(planned) if 0 <= e < len(bank.gpu_slot)
                           and bank.gpu_slot[e] is None][:free])
@@ -601,6 +615,7 @@ class OffloadExecutor:
             y = self.device_expert_outputs(moe, x, ids)
             return y if out is None else out.copy_(y)
         started = time.perf_counter()
+        layer_ms = self._layer_ms(moe.layer, started) if self.copy_ahead is not None else None
         bank = self.banks[moe.layer]
         if host is None:
             ids_host, x_host = ids.cpu(), None  # the one wait per layer: decisions need the routing
@@ -675,7 +690,7 @@ class OffloadExecutor:
                                   ahead) if resident or to_copy or ahead else None
             if self.copy_ahead is not None and not zero_copy and not cpu_width:
                 # After this layer's copies on the stream, while its CPU call runs and the next layer's mixer does.
-                self._start_ahead(moe.layer, n, len(to_copy))
+                self._start_ahead(moe.layer, n, len(to_copy), layer_ms)
         except BaseException:
             # The worker still writes host_y: a retry's call into the same buffer must not run beside it.
             if background is not None:
@@ -722,8 +737,8 @@ class OffloadExecutor:
         expert at most GROUPED_MAX_TOKENS tokens, as in decode, or small experts; else one GEMM per expert) and the
         copied ones.
         run_sizes: the copied experts computed in copy runs of these sizes (`_queue_copy_runs`), None: one by one.
-        ahead: experts copied during the layer before (`_landed_ahead`), computed first: this layer's own copies may
-        reuse their slots (each copy waits for the compute that last read its slot, which must be queued by then).
+        ahead: experts copied during the layer before (`_landed_ahead`), computed first (`_compute_ahead`): this layer's
+        own copies may reuse their slots (each copy waits for the compute that last read its slot, queued by then).
         Returns (pair rows on the device, their outputs) for the caller to scatter."""
         resident_rows = pairs.of(resident)  # expert by expert in ascending id
         by_slot = sorted(resident, key=bank.gpu_slot.__getitem__)  # the GPU's work goes slot by slot
@@ -740,7 +755,9 @@ class OffloadExecutor:
         if runs is not None:
             to_copy = [e for run in runs for e in run]  # slot order: each run's experts by id
         ahead = ahead or {}
-        pair_rows = np.concatenate([pairs.of([e]) for e in ahead] + [resident_rows] + [pairs.of([e]) for e in to_copy])
+        ahead_order = sorted(ahead, key=lambda e: ahead[e][0])  # slot order: spans of slots, one grouped launch each
+        pair_rows = np.concatenate([pairs.of([e]) for e in ahead_order] + [resident_rows]
+                                   + [pairs.of([e]) for e in to_copy])
         m = len(pair_rows)
         parts = []  # int32 words of group ends: the resident experts', then each copy run's
         if grouped or spans:  # cumulative token counts per resident slot; slots hold resident experts in id order
@@ -748,9 +765,14 @@ class OffloadExecutor:
             tokens[[bank.gpu_slot[e] for e in resident]] = sizes
             # Each span's ends from 0, from a 16-byte boundary (`_aligned`), as a copy run's.
             parts = [np.cumsum(tokens)] if grouped else [_aligned(np.cumsum(tokens[a:b])) for a, b in spans]
-        if runs is not None:  # each run's cumulative token counts per slot, from 0, after the resident ends
+        if runs is not None or ahead:  # each run's cumulative token counts per slot, from 0, after the resident ends
             parts = [_aligned(p) for p in parts]
-        resident_ends = sum(len(p) for p in parts)
+        ahead_tokens = {ahead[e][0]: pairs.count[e] for e in ahead_order}
+        ahead_spans = _slot_spans(list(ahead_tokens), copy_run_limit(self.staging_stack.hidden,
+                                                                     self.staging_stack.width)) if ahead else []
+        ahead_word = 4 * m + sum(len(p) for p in parts)
+        parts += [_aligned(np.cumsum([ahead_tokens.get(s, 0) for s in range(a, b)])) for a, b in ahead_spans]
+        resident_ends = sum(len(p) for p in parts)  # the resident experts' and the copies ahead's
         if runs is not None:
             parts += [_aligned(np.cumsum([pairs.count[e] for e in run])) for run in runs]
         ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
@@ -764,11 +786,8 @@ class OffloadExecutor:
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)
         xs = x.index_select(0, token_rows)
         ys, at = [], 0
-        for e, (slot, ready) in ahead.items():
-            n = pairs.count[e]
-            y, self.slot_free[slot] = compute_copied(xs[at:at + n], self.staging[slot], ready)
-            ys.append(y)
-            at += n
+        if ahead:
+            ys, at = self._compute_ahead(xs, ahead, ahead_tokens, ahead_spans, index[ahead_word:])
         if runs is None:
             copies = self._start_copies(bank, to_copy)
         else:  # the first run's copies before the resident experts' launch: the link starts at once
@@ -796,6 +815,27 @@ class OffloadExecutor:
             ys.append(y)
             at += n
         return rows, ys[0] if len(ys) == 1 else torch.cat(ys)
+
+    def _compute_ahead(self, xs, ahead: dict, tokens: dict, spans: list, ends) -> tuple[list, int]:
+        """The experts copied ahead (expert -> (slot, ready)) on xs's first rows, slot by slot: one grouped launch a
+        span of slots (`_slot_spans`; a slot between whose expert got no token counts zero rows) once every copy
+        landed; then the event after which their slots may take other copies. Returns (outputs, rows used).
+        tokens: slot -> rows; ends: each span's cumulative rows on the device, one after another (`_aligned`)."""
+        if not self.simulated:
+            current = torch.cuda.current_stream(self.device)
+            for _, ready in ahead.values():
+                current.wait_event(ready)
+        ys, at = [], 0
+        for a, b in spans:
+            sizes = [tokens.get(slot, 0) for slot in range(a, b)]
+            n = sum(sizes)
+            ys.append(self._compute_copy_run(xs[at:at + n], self.staging_stack.span(a, b), ends[:b - a], None, sizes))
+            ends, at = ends[_padded(b - a):], at + n
+        if not self.simulated:
+            done = torch.cuda.current_stream(self.device).record_event()
+            for slot in tokens:
+                self.slot_free[slot] = done
+        return ys, at
 
     def _queue_copy_runs(self, bank: LayerBank, xs, runs: list[list[int]], first: dict, pairs: "_Pairs", ends) -> list:
         """The copied experts' outputs, run by run: each copy run's experts sit in consecutive staging slots, and
@@ -829,7 +869,8 @@ class OffloadExecutor:
             return grouped_experts_forward(xs, stack, ends)
         out, at = [], 0
         for j, n in enumerate(sizes):
-            out.append(expert_forward(xs[at:at + n], stack.expert(j)))
+            if n:  # a slot between copied ahead whose expert got no token
+                out.append(expert_forward(xs[at:at + n], stack.expert(j)))
             at += n
         return torch.cat(out)
 

@@ -11,7 +11,6 @@ the GPU.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -137,18 +136,20 @@ class ExpertOrchestra:
     def copy_ahead(self, on: bool) -> None:
         """Copy experts of the next layer during each prefill layer into the staging slots its own copies leave: those
         `prefetch_ahead` picks from the calibrated popularity, the dearest on the CPU first, as many as the free slots
-        hold (the executor cannot know the link's free time in a layer before the layer ends, so the slots bound it).
+        and the link's free time hold; that time is the layer before's, less this layer's own copies (as
+        prefill_outlook_ahead prices it: a layer's share of the time outside the windows, and its window).
         Settable on a running model, for measuring both on one build."""
-        executor, costs, top_k = self.executor, self.costs, self.top_k
+        executor, top_k = self.executor, self.top_k
         layers = sorted(executor.banks)
 
-        def plan(layer: int, tokens: int, room: int) -> list[int]:
+        def plan(layer: int, tokens: int, room: int, layer_ms: float, own_copies: int) -> list[int]:
             slots_of = executor.banks[layer].gpu_slot
             if not prefill_step(tokens, top_k, len(slots_of)):
                 return []
             share = self.popularity[layers.index(layer)]
             offloaded = [slot is None for slot in slots_of]
-            return prefetch_ahead(expected_loads(share, offloaded, tokens, top_k), costs, math.inf, room)
+            free_ms = layer_ms - own_copies * self.costs.copy_expert_ms
+            return prefetch_ahead(expected_loads(share, offloaded, tokens, top_k), self.costs, free_ms, room)
 
         executor.copy_ahead_with(plan if on else None)
 

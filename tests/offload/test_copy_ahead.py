@@ -4,15 +4,17 @@ simulated tier, whatever the plan copies; and the plan the orchestra runs is the
 prices."""
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from moedesk.engine.offload import orchestration
-from moedesk.engine.offload.offload_executor import OffloadExecutor, stack_experts
+from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats, stack_experts
 from moedesk.engine.offload.prefill_outlook import expected_loads, prefetch_ahead, prefill_step
 from moedesk.engine.runtime import Engine
+from moedesk.kernels.expert_weights import ExpertWeights
 
 
 @pytest.fixture
@@ -24,6 +26,13 @@ def moe8(tiny_checkpoint):
 
 def copy_all(loads):
     return [], sorted(loads)
+
+
+def warmed(executor, banks, hidden: int):
+    """The executor after one step of the first two layers (its layer time measured once: `_layer_ms`), counts reset."""
+    two_layers(executor, banks, hidden, seed=99)
+    executor.stats = StepStats()
+    return executor
 
 
 def two_layers(executor, banks, hidden: int, tokens: int = 24, seed: int = 0, first=range(8), second=range(8)):
@@ -40,6 +49,8 @@ def two_layers(executor, banks, hidden: int, tokens: int = 24, seed: int = 0, fi
 
 
 def test_experts_copied_ahead_give_the_same_bytes_even_one_that_gets_no_token(moe8):
+    """Bit for bit on the simulated tier, where a span of slots copied ahead is computed expert by expert as copies
+    one by one are."""
     engine, banks = moe8
     hidden = engine.config.hidden_size
     nothing = [[False] * bank.num_experts for bank in banks.values()]
@@ -51,17 +62,19 @@ def test_experts_copied_ahead_give_the_same_bytes_even_one_that_gets_no_token(mo
     first, second = sorted(banks)[:2]
     asked = []
 
-    def plan(layer, tokens, slots):
-        asked.append((layer, tokens, slots))
+    def plan(layer, tokens, slots, layer_ms, own):
+        asked.append((layer, tokens, slots, own))
         return [5, 1, 3, 0] if layer == second else []  # more than fit; the third layer's none
 
     executor.copy_ahead_with(plan)
+    warmed(executor, banks, hidden)
+    asked.clear()
     got = two_layers(executor, banks, hidden, **route)
     for a, b in zip(got, reference):
         assert torch.equal(a, b)  # a copied-ahead expert is computed as a copied one: the same arithmetic
     staging = executor.staging
     assert len(staging) == banks[second].num_experts  # no slot beyond the staging there was
-    assert asked[0] == (second, 24, len(staging) - 5)
+    assert asked[0] == (second, 24, len(staging) - 5, 5)
     s = executor.stats
     assert s.ahead_copied == 3 and s.ahead_used == 2  # the plan's first three, 5 among them, which got no token
     assert s.copied_experts == plain.stats.copied_experts  # each routed expert once, copied in its layer or ahead
@@ -75,7 +88,8 @@ def test_an_expert_copied_ahead_that_gets_no_token_costs_nothing_but_its_copy(mo
     reference = two_layers(OffloadExecutor(banks, nothing, "cpu", copy_all), banks, hidden, **route)
     executor = OffloadExecutor(banks, nothing, "cpu", copy_all)
     second = sorted(banks)[1]
-    executor.copy_ahead_with(lambda layer, tokens, slots: [5, 6] if layer == second else [])
+    executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: [5, 6] if layer == second else [])
+    warmed(executor, banks, hidden)
     for a, b in zip(two_layers(executor, banks, hidden, **route), reference):
         assert torch.equal(a, b)
     assert (executor.stats.ahead_copied, executor.stats.ahead_used) == (2, 1)  # 5 routed no token
@@ -97,7 +111,9 @@ def test_the_cpus_split_sees_only_the_experts_not_copied_ahead(moe8):
 
     reference = two_layers(OffloadExecutor(banks, nothing, "cpu", lambda loads: (sorted(loads), [])), banks, hidden)
     executor = OffloadExecutor(banks, nothing, "cpu", half)
-    executor.copy_ahead_with(lambda layer, tokens, slots: [0, 2])
+    executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: [0, 2])
+    warmed(executor, banks, hidden)
+    seen.clear()
     got = two_layers(executor, banks, hidden)
     for a, b in zip(got, reference):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)  # the CPU's kernel is not the GPU's arithmetic
@@ -112,7 +128,8 @@ def test_a_wholly_resident_next_layer_gets_no_copies_and_a_full_staging_none(moe
     on_gpu = [[layer == second] * bank.num_experts for layer, bank in sorted(banks.items())]
     reference = two_layers(OffloadExecutor(banks, on_gpu, "cpu", copy_all), banks, hidden, first=range(4))
     executor = OffloadExecutor(banks, on_gpu, "cpu", copy_all)
-    executor.copy_ahead_with(lambda layer, tokens, slots: list(range(8)))
+    executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: list(range(8)))
+    warmed(executor, banks, hidden)
     for a, b in zip(two_layers(executor, banks, hidden, first=range(4)), reference):
         assert torch.equal(a, b)
     assert executor.stats.ahead_copied == 0  # every expert of the second layer is on the GPU already
@@ -120,7 +137,9 @@ def test_a_wholly_resident_next_layer_gets_no_copies_and_a_full_staging_none(moe
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     executor = OffloadExecutor(banks, nothing, "cpu", copy_all)
     asked = []
-    executor.copy_ahead_with(lambda layer, tokens, slots: asked.append(layer) or list(range(8)))
+    executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: asked.append(layer) or list(range(8)))
+    warmed(executor, banks, hidden)
+    asked.clear()
     executor.expert_outputs(SimpleNamespace(layer=first), torch.randn(8, hidden), torch.arange(16).view(8, 2) % 8)
     assert executor.stats.ahead_copied == 0 and asked == []
     # Step after step, as many as the free slots, in the same staging.
@@ -140,7 +159,8 @@ def test_copies_made_for_a_layer_that_does_not_run_next_are_dropped(moe8):
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     first = min(banks)
     executor = OffloadExecutor(banks, nothing, "cpu", lambda loads: (sorted(loads), []))
-    executor.copy_ahead_with(lambda layer, tokens, slots: [0, 1])
+    executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: [0, 1])
+    warmed(executor, banks, hidden)
     x = torch.randn(8, hidden)
     ids = torch.tensor([[0, 1]] * 8)
     moe = SimpleNamespace(layer=first)
@@ -164,7 +184,7 @@ def test_a_prefill_with_copies_ahead_keeps_the_reference_tokens(tiny_checkpoint)
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
     engine.executor = OffloadExecutor(banks, nothing, "cpu", half)
-    engine.executor.copy_ahead_with(lambda layer, tokens, slots: list(range(0, 8, 2)))
+    engine.executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: list(range(0, 8, 2)))
     [done] = engine.generate([Request(prompt, params)])
     assert done.token_ids == expected
     assert engine.executor.stats.ahead_used > 0
@@ -184,7 +204,6 @@ def test_the_plan_is_the_outlooks_expected_loads_on_prefill_steps_only():
 
 def test_the_switch_turns_the_orchestras_plan_on_and_it_reads_the_popularity(tmp_path, monkeypatch):
     from moedesk.engine.offload.orchestration import ExpertOrchestra
-    from moedesk.kernels.expert_weights import ExpertWeights
 
     hidden, width = 64, 32
     g = torch.Generator().manual_seed(0)
@@ -201,17 +220,52 @@ def test_the_switch_turns_the_orchestras_plan_on_and_it_reads_the_popularity(tmp
                                  top_k=2).executor.copy_ahead is None
     monkeypatch.setenv("MOEDESK_COPY_AHEAD", "1")
     orchestra = ExpertOrchestra.start(banks, torch.device("cpu"), ("test", (hidden, width)), tmp_path, top_k=2)
+    orchestra.costs = replace(orchestra.costs, copy_expert_ms=1.0)  # the plan reads the costs when asked
     executor = orchestra.executor
     orchestra.popularity = [[1.0] * 8, [0, 0, 0, 1, 0, 4, 0, 9]]
     executor.set_placement([[False] * 8, [e == 7 for e in range(8)]])
     plan = executor.copy_ahead
     # Expert 7 is resident and those of no popularity expect no token: 3 and 5 are left, in the order of their CPU
     # time as this machine's profile prices it (prefetch_ahead); one slot takes one; a decode step's token none.
-    assert sorted(plan(2, 512, 2)) == [3, 5] and plan(2, 512, 1) == plan(2, 512, 2)[:1] and plan(2, 1, 2) == []
-    x = torch.randn(64, hidden, generator=g)
-    for layer in (0, 2):  # the first layer routes experts 0-3 alone: its own copies leave at least four slots
-        ids = torch.stack([torch.randperm(4 if layer == 0 else 8, generator=g)[:2] for _ in range(64)])
-        executor.expert_outputs(SimpleNamespace(layer=layer), x, ids)
-    assert executor.stats.ahead_copied == 2 and executor.stats.ahead_used == 2
+    first = plan(2, 512, 2, 100.0, 0)
+    assert sorted(first) == [3, 5] and plan(2, 512, 1, 100.0, 0) == first[:1] and plan(2, 1, 2, 100.0, 0) == []
+    # The link's free time: the layer's 2.5 ms less its own copies (1 ms each) holds two, one, none.
+    assert [len(plan(2, 512, 8, 2.5, own)) for own in (0, 1, 2)] == [2, 1, 0]
     orchestra.copy_ahead(False)
     assert executor.copy_ahead is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("runs", [False, True])
+def test_on_the_gpu_copies_ahead_land_before_their_compute_and_are_not_overwritten(runs):
+    """CUDA, copy stream and events: step after step of three layers, each copying three experts of the next ahead
+    into the slots its own copies leave while the next layer's own copies (one by one or in runs) reuse the slots
+    the ahead copies' compute read; outputs those of the same executor without copies ahead (a copied-ahead span is
+    one grouped launch, where the reference computes each copied expert on its own or in its own runs: within bf16's
+    rounding; an overwritten slot would be another expert, far off)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hidden, width, experts, tokens = 256, 128, 8, 64
+    g = torch.Generator().manual_seed(3)
+    banks = {layer: ExpertWeights(torch.randn(experts, 2 * width, hidden, generator=g).bfloat16() / 16,
+                                  torch.randn(experts, hidden, width, generator=g).bfloat16() / 16, hidden,
+                                  width).pin_memory() for layer in range(3)}
+    nothing = [[False] * experts for _ in banks]
+    copy_runs = (lambda loads, copy: [len(copy)]) if runs else None
+    made = [OffloadExecutor(banks, nothing, "cuda", copy_all, copy_runs=copy_runs) for _ in range(2)]
+    made[1].copy_ahead_with(lambda layer, n, slots, layer_ms, own: [7, 6, 5, 0])
+    steps = []
+    for seed in range(4):
+        g.manual_seed(seed)
+        steps.append([(torch.randn(tokens, hidden, generator=g).bfloat16().cuda(),
+                       torch.stack([torch.randperm(experts if layer else 5, generator=g)[:2]
+                                    for _ in range(tokens)]).cuda()) for layer in range(3)])
+    outs = [[], []]
+    for i, executor in enumerate(made):
+        for step in steps:
+            for layer, (x, ids) in enumerate(step):
+                outs[i].append(executor.expert_outputs(SimpleNamespace(layer=layer), x, ids).float().cpu())
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+    assert made[1].stats.ahead_used > 0
