@@ -84,7 +84,8 @@ def optimistic_acceptance(alpha: float, evidence: float, z: float | None = None)
 
 
 def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma: int,
-               ledger: AutoLedger = AutoLedger(), evidence: int = 0, horizon: int = EXPLORE_HORIZON) -> int:
+               ledger: AutoLedger = AutoLedger(), evidence: int = 0, horizon: int = EXPLORE_HORIZON,
+               remaining: float | None = None) -> int:
     """The draft length of the next round in auto mode, 0 for a plain step.
 
     alpha is acceptance_estimate's, over `evidence` tested drafts (carried over from earlier requests of the same
@@ -129,8 +130,49 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
             if perf_model.step_ms(costs, batch, g) is not None}
     fits = [g for g in range(gamma, 0, -1) if g in loss and loss[g] <= room
             and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
+    if remaining is not None:  # the run's length known: the γ worth most over what is left (probe_value), if any is
+        accepted = max(0.0, alpha * (evidence + 2) - 1)  # acceptance_estimate's counts, its prior taken out
+        worth = {g: v for g in loss
+                 if (v := probe_value(costs, batch, g, accepted, evidence, remaining, max_gamma)) is not None and v > 0}
+        stretched = room + max(loss.values(), default=0.0)
+        fits = [g for g in worth if loss[g] <= stretched
+                and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
+        return max(fits, key=worth.get, default=0)
     again = [g for g in fits if opening or loss[g] + loss.get(1, 0.0) <= room]
     return (again or fits or [0])[0]
+
+
+def probe_value(costs: perf_model.StepCosts, batch: int, gamma: int, accepted: float, tested: float,
+                remaining: float, max_gamma: int, grid: int = 40) -> float | None:
+    """What probing `gamma` drafts now is expected to save, in ms against plain decoding, over the `remaining` new
+    tokens of the batch's longest row (value of information); None where the costs cannot price it.
+
+    Acceptance α is uncertain: Beta(accepted + 1, tested - accepted + 1), integrated on `grid` points. At each α the
+    probe round gains or loses T(B, 1)·tokens_per_step(α, γ) - step(γ) (no more tokens than are left); what it
+    teaches is worth, over the rounds left after it, drafting at the best length that pays at α by AUTO_MARGIN instead
+    of decoding plainly. One round does not reveal α: that worth is shrunk by the share of the evidence the probe adds
+    (its expected tested drafts over those plus the ones known and the prior's two). So a probe near the end of a
+    run, or one more where many drafts have been tested, is worth less than it costs; one early in a long run with
+    the draft in doubt, more."""
+    ar, step = costs.ar_ms(batch), perf_model.step_ms(costs, batch, gamma)
+    if ar is None or step is None or gamma < 1:
+        return None
+    steps = {g: perf_model.step_ms(costs, batch, g) for g in range(1, max_gamma + 1)}
+    total = value = 0.0
+    for i in range(grid):
+        a = (i + 0.5) / grid
+        weight = a ** accepted * (1 - a) ** max(0.0, tested - accepted)
+        # its tokens past the `remaining` are dropped: drafts beyond remaining - 1 gain nothing
+        made = perf_model.tokens_per_step(a, max(0, min(gamma, math.ceil(remaining) - 1)))
+        now = ar * made - step
+        # ms saved per plain step's worth of tokens by the best length that pays at a (0: plain)
+        rate = max([0.0] + [1 - t / (ar * perf_model.tokens_per_step(a, g)) for g, t in steps.items()
+                            if t is not None and ar * perf_model.tokens_per_step(a, g) >= t * (1 + AUTO_MARGIN)])
+        learnt = batch * perf_model.tokens_per_step(a, gamma - 1)  # drafts it tests: up to the first rejection
+        share = learnt / (learnt + tested + 2)
+        value += weight * (now + share * rate * ar * max(0.0, remaining - made))
+        total += weight
+    return value / total
 
 
 class _AtFloor:
@@ -195,7 +237,8 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
     """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
     graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
     draft length pay at this batch size, or where its first round, with the acceptance `counts` (accepted, tested)
-    known so far, would draft nothing (auto_gamma with min(horizon, EXPLORE_HORIZON)). The budget of a run no
+    known so far, would draft nothing (auto_gamma with min(horizon, EXPLORE_HORIZON), `horizon` tokens left to use
+    what a probe teaches). The budget of a run no
     longer than that horizon does not grow with its plain rounds, so such a run would draft nothing to its end,
     paying for the speculative path's rounds instead of plain steps (slower than plain on the GPU box:
     docs/measurements.md, "Speculation and the benches")."""
@@ -203,7 +246,7 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
         return True
     accepted, tested = counts
     return not auto_gamma(costs, batch, acceptance_estimate(accepted, tested), max_gamma, AutoLedger(), tested,
-                          min(horizon, EXPLORE_HORIZON))
+                          min(horizon, EXPLORE_HORIZON), horizon)
 
 
 def learn_acceptance(counts: tuple[float, float], accepted: float, tested: float,

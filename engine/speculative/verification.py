@@ -438,8 +438,10 @@ class SpeculativeBatch:
         accepted, tested = self.alpha_counts
         if self.mode == "auto":
             horizon = min(EXPLORE_HORIZON, max(r.params.max_new_tokens for r in active))
+            # the tokens the longest row may still take: what a probe's lesson could be used for (probe_value)
+            remaining = min(room, max(r.params.max_new_tokens - len(r.tokens) for r in active))
             gamma = auto_gamma(self.costs, len(active), acceptance_estimate(accepted, tested), self.draft_length,
-                               self.ledger, tested, horizon)
+                               self.ledger, tested, horizon, remaining)
         else:
             gamma = self.draft_length
         gamma = max(0, min(gamma, room))

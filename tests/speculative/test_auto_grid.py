@@ -43,7 +43,7 @@ def simulate(costs, batch: int, alpha: float, tokens: int, seed: int, gamma: int
     horizon = min(auto.EXPLORE_HORIZON, tokens)
     while made < batch * tokens:
         g = gamma if gamma is not None else auto.auto_gamma(costs, batch, auto.acceptance_estimate(accepted, tested),
-                                                            4, ledger, tested, horizon)
+                                                            4, ledger, tested, horizon, tokens - made / batch)
         takes = []
         for _ in range(batch):
             taken = 0
@@ -116,10 +116,13 @@ def gammas(costs, batch: int, phases, seed: int) -> list[list[int]]:
     """Auto's draft length each round of one run whose rows accept drafts at α, phase after phase of (α, rounds)."""
     rng = random.Random(seed)
     counts, ledger, chosen = (0, 0), auto.AutoLedger(), []
+    left = sum(rounds for _, rounds in phases)  # rounds left: at least as many tokens a row
     for alpha, rounds in phases:
         chosen.append([])
         for _ in range(rounds):
-            g = auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1])
+            g = auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts), 4, ledger, counts[1],
+                                remaining=left)
+            left -= 1
             takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
             ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, counts[1])
             counts = auto.learn_acceptance(counts, sum(takes), sum(t + (t < g) for t in takes), 0 if g else 1)

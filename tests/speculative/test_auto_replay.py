@@ -44,7 +44,7 @@ def table_of(batch: int, table: dict = TABLE) -> dict:
 
 
 def simulate(batch: int, alpha: float, tokens: int, seed: int, gamma: int | None = None, table: dict = TABLE,
-             rounds: dict = ROUNDS) -> tuple[float, list]:
+             rounds: dict = ROUNDS, remaining: bool = True) -> tuple[float, list]:
     """(speedup over plain decoding's true step, each round's γ) of `tokens` new tokens a row; gamma None: auto
     decides every round from a fresh start (draft lengths up to the table's), its RunningCosts timing each round
     as SpeculativeBatch does."""
@@ -54,7 +54,8 @@ def simulate(batch: int, alpha: float, tokens: int, seed: int, gamma: int | None
     while made < batch * tokens:
         g = gamma if gamma is not None else auto.auto_gamma(costs, batch, auto.acceptance_estimate(*counts),
                                                             len(true) - 1, ledger, counts[1],
-                                                            min(auto.EXPLORE_HORIZON, tokens))
+                                                            min(auto.EXPLORE_HORIZON, tokens),
+                                                            tokens - made / batch if remaining else None)
         takes = [next((t for t in range(g) if rng.random() >= alpha), g) for _ in range(batch)]
         costs.observe_round(batch, g, true[g + 1])
         ledger = ledger.book(costs, batch, g, 1 + sum(takes) / batch, counts[1])
