@@ -107,8 +107,11 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     of a short run (the estimate, updated every round, stops it where the draft is worse than it looked). So, in the
     costs' own model at a fixed B, probing costs at most EXPLORE_SHARE · max(n, horizon) · T(B, 1) over plain
     decoding's time, and the opening EXPLORE_SHARE · horizon · T(B, 1), whatever the acceptance; the batch passes
-    horizon = min(EXPLORE_HORIZON, its longest request). tests/speculative/test_auto_grid.py simulates auto against
-    the best fixed choice on the Mixtral and Qwen3 shapes' step times."""
+    horizon = min(EXPLORE_HORIZON, its longest request). Where the runner knows the longest row's tokens left
+    (`remaining`), a probe after the opening is the γ that fits the budget and worth most over them (probe_value), none
+    if none is worth its round; one worth it may go one round past the budget (a run whose first drafts were rejected
+    is not left plain to its end when enough tokens remain to use a good draft). tests/speculative/test_auto_grid.py
+    simulates auto against the best fixed choice on the Mixtral and Qwen3 shapes' step times."""
     ar = costs.ar_ms(batch)
     if ar is None:
         return 0
@@ -130,7 +133,7 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
             if perf_model.step_ms(costs, batch, g) is not None}
     fits = [g for g in range(gamma, 0, -1) if g in loss and loss[g] <= room
             and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
-    if remaining is not None:  # the run's length known: the γ worth most over what is left (probe_value), if any is
+    if remaining is not None and not opening:  # the run's length known: the γ worth most over what is left, if any
         accepted = max(0.0, alpha * (evidence + 2) - 1)  # acceptance_estimate's counts, its prior taken out
         worth = {g: v for g in loss
                  if (v := probe_value(costs, batch, g, accepted, evidence, remaining, max_gamma)) is not None and v > 0}
@@ -237,8 +240,8 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
     """Whether auto hands `batch` new requests, the longest asking `horizon` new tokens, to plain decoding (its CUDA
     graphs and all) instead of running rounds: where not even an optimistic acceptance (OPTIMISTIC_ALPHA) makes any
     draft length pay at this batch size, or where its first round, with the acceptance `counts` (accepted, tested)
-    known so far, would draft nothing (auto_gamma with min(horizon, EXPLORE_HORIZON), `horizon` tokens left to use
-    what a probe teaches). The budget of a run no
+    known so far, would draft nothing (auto_gamma with min(horizon, EXPLORE_HORIZON): that round is the opening probe,
+    which the budget decides, not probe_value). The budget of a run no
     longer than that horizon does not grow with its plain rounds, so such a run would draft nothing to its end,
     paying for the speculative path's rounds instead of plain steps (slower than plain on the GPU box:
     docs/measurements.md, "Speculation and the benches")."""
@@ -246,7 +249,7 @@ def auto_decodes_plainly(costs: perf_model.StepCosts, batch: int, max_gamma: int
         return True
     accepted, tested = counts
     return not auto_gamma(costs, batch, acceptance_estimate(accepted, tested), max_gamma, AutoLedger(), tested,
-                          min(horizon, EXPLORE_HORIZON), horizon)
+                          min(horizon, EXPLORE_HORIZON))
 
 
 def learn_acceptance(counts: tuple[float, float], accepted: float, tested: float,

@@ -10,14 +10,18 @@ from tests.speculative.test_auto_replay import SEEDS, fixed_choices, mean, simul
 
 def test_a_probe_is_worth_less_the_fewer_tokens_are_left():
     """Nothing known of the draft: the probe's worth grows with the tokens left to use what it teaches; with one left
-    it is a plain step's token at a verify's price, so no γ is worth it and auto decodes plainly."""
+    it is a plain step's token at a verify's price, so no γ is worth it and auto decodes plainly. The opening probe
+    stays the budget's (auto_decodes_plainly, which sends a run to the plain path, decides as it does); a probe after
+    it that taught nothing (no drafts tested) is priced over what is left."""
     for batch in (1, 16):
         costs = auto.RunningCosts(table_of(batch, TABLE))
         for gamma in range(1, 5):
             worth = [auto.probe_value(costs, batch, gamma, 0, 0, left, 4) for left in (1, 4, 8, 32, 96)]
             assert worth == sorted(worth) and worth[0] < 0 < worth[-1], (batch, gamma, worth)
-        assert auto.auto_gamma(costs, batch, auto.acceptance_estimate(0, 0), 4, horizon=32, remaining=32) == 4
-        assert auto.auto_gamma(costs, batch, auto.acceptance_estimate(0, 0), 4, horizon=32, remaining=1) == 0
+        prior, opened = auto.acceptance_estimate(0, 0), auto.AutoLedger(drafted=1)
+        assert auto.auto_gamma(costs, batch, prior, 4, horizon=32, remaining=1) == 4  # the opening
+        assert auto.auto_gamma(costs, batch, prior, 4, opened, horizon=32, remaining=32) > 0
+        assert auto.auto_gamma(costs, batch, prior, 4, opened, horizon=32, remaining=1) == 0
 
 
 def test_evidence_at_half_acceptance_leaves_nothing_worth_probing():
