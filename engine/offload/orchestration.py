@@ -166,7 +166,9 @@ class ExpertOrchestra:
                                    resident_to_cpu=old.resident_to_cpu, zero_copy_ranks=old.zero_copy_ranks,
                                    split_width=old.split_width, overlap_copies=old.overlap_copies,
                                    copy_runs=old.copy_runs)
-        return replace(self, executor=executor, placement=None, budget_bytes=0, warnings=[])
+        twin = replace(self, executor=executor, placement=None, budget_bytes=0, warnings=[])
+        twin.copy_ahead(old.copy_ahead is not None)  # a plan of its own: this one reads this executor's placement
+        return twin
 
     def cpu_path(self) -> str:
         """What computes this model's experts on the CPU, in words (kernels.experts.cpu_path of its first layer's

@@ -231,8 +231,10 @@ def test_the_switch_turns_the_orchestras_plan_on_and_it_reads_the_popularity(tmp
     assert sorted(first) == [3, 5] and plan(2, 512, 1, 100.0, 0) == first[:1] and plan(2, 1, 2, 100.0, 0) == []
     # The link's free time: the layer's 2.5 ms less its own copies (1 ms each) holds two, one, none.
     assert [len(plan(2, 512, 8, 2.5, own)) for own in (0, 1, 2)] == [2, 1, 0]
+    twin = orchestra.twin()  # nothing resident there: expert 7 is planned too, from the twin's own placement
+    assert sorted(twin.executor.copy_ahead(2, 512, 3, 100.0, 0)) == [3, 5, 7]
     orchestra.copy_ahead(False)
-    assert executor.copy_ahead is None
+    assert executor.copy_ahead is None and orchestra.twin().executor.copy_ahead is None
 
 
 @pytest.mark.gpu
