@@ -171,22 +171,12 @@ def test_copies_made_for_a_layer_that_does_not_run_next_are_dropped(moe8):
 
 
 def test_a_prefill_with_copies_ahead_keeps_the_reference_tokens(tiny_checkpoint):
-    from moedesk.engine.requests import Request, SamplingParams
-    from tests.reference import hf_greedy, hf_model
+    from tests.offload.test_copy_runs import greedy_offloaded
 
-    folder = tiny_checkpoint("qwen2_moe")
-    engine = Engine.load(str(folder), device="cpu", dtype="float32")
-    prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
-    params = SamplingParams(max_new_tokens=8, temperature=0)
-    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
-    expected = hf_greedy(hf_model(folder), prompt, 8, eos)
-    banks = stack_experts(engine.model, pinned=False)
-    nothing = [[False] * bank.num_experts for bank in banks.values()]
-    half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
-    engine.executor = OffloadExecutor(banks, nothing, "cpu", half)
-    engine.executor.copy_ahead_with(lambda layer, tokens, slots, layer_ms, own: list(range(0, 8, 2)))
-    [done] = engine.generate([Request(prompt, params)])
-    assert done.token_ids == expected
+    ahead = lambda executor: executor.copy_ahead_with(  # noqa: E731
+        lambda layer, tokens, slots, layer_ms, own: list(range(0, 8, 2)))
+    engine, tokens, expected = greedy_offloaded(tiny_checkpoint, 8, {}, ahead)
+    assert tokens == expected
     assert engine.executor.stats.ahead_used > 0
 
 

@@ -170,24 +170,33 @@ def test_grouped_copies_compute_what_copies_one_by_one_do(mixtral, resident):
         assert torch.equal(staged["grouped"].down[slot], host.down[e])
 
 
-def test_grouped_copies_keep_the_reference_tokens(tiny_checkpoint):
+def greedy_offloaded(tiny_checkpoint, new_tokens: int, executor_options: dict, setup=lambda executor: None):
+    """Tiny Qwen2-MoE with every expert offloaded, half of each step's on the CPU and half copied, decoded greedily
+    through an OffloadExecutor made with `executor_options` (and `setup` on it): (the engine, its tokens,
+    transformers' tokens for the same prompt)."""
     from moedesk.engine.requests import Request, SamplingParams
     from tests.reference import hf_greedy, hf_model
 
     folder = tiny_checkpoint("qwen2_moe")
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy")
-    params = SamplingParams(max_new_tokens=12, temperature=0)
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
-    expected = hf_greedy(hf_model(folder), prompt, 12, eos)
+    expected = hf_greedy(hf_model(folder), prompt, new_tokens, eos)
     banks = stack_experts(engine.model, pinned=False)
     nothing = [[False] * bank.num_experts for bank in banks.values()]
     half = lambda loads: (sorted(loads)[1::2], sorted(loads)[::2])  # noqa: E731
+    engine.executor = OffloadExecutor(banks, nothing, "cpu", half, **executor_options)
+    setup(engine.executor)
+    [done] = engine.generate([Request(prompt, SamplingParams(max_new_tokens=new_tokens, temperature=0))])
+    return engine, done.token_ids, expected
+
+
+def test_grouped_copies_keep_the_reference_tokens(tiny_checkpoint):
     grouped = []  # the steps whose copies went in copy runs: the path under test ran, not only one by one
-    engine.executor = OffloadExecutor(banks, nothing, "cpu", half, overlap_copies=True,
-                                      copy_runs=lambda loads, copy: grouped.append(len(copy)) or [1] * len(copy))
-    [done] = engine.generate([Request(prompt, params)])
-    assert done.token_ids == expected
+    engine, tokens, expected = greedy_offloaded(
+        tiny_checkpoint, 12, dict(overlap_copies=True,
+                                  copy_runs=lambda loads, copy: grouped.append(len(copy)) or [1] * len(copy)))
+    assert tokens == expected
     assert engine.executor.stats.copied_experts > 0 and sum(grouped) == engine.executor.stats.copied_experts
 
 
