@@ -212,11 +212,14 @@ def test_ctrl_c_on_a_real_process_exits_130_and_the_rerun_completes(model, tmp_p
     import time
     from pathlib import Path
 
+    from tests.ctrl_c import sigint_as_at_a_terminal
+
     lines = [{"id": f"q{i}", "prompt": f"The quick brown fox {i}", "max_new_tokens": 16} for i in range(120)]
     src, out = write_jsonl(tmp_path / "in.jsonl", lines), tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "moedesk", "batch", str(src), "-o", str(out), "--model", model, "--device",
                "cpu", "--temperature", "0", "--ignore-eos", "--batch-size", "4"]
-    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=Path(__file__).resolve().parents[2], stderr=subprocess.PIPE, text=True,
+                               preexec_fn=sigint_as_at_a_terminal)
     try:
         deadline = time.monotonic() + 60
         while not (out.exists() and out.stat().st_size > 0) and process.poll() is None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.ctrl_c import sigint_as_at_a_terminal
+
 REPO = Path(__file__).resolve().parents[2]
 
 # argv: repo, checkpoint, mode (exit, sigint, give-up), file of notes. Every forward first runs one native op of
@@ -69,7 +71,8 @@ else:
 def run(folder, tmp_path, mode):
     notes = tmp_path / "notes"
     process = subprocess.Popen([sys.executable, "-c", SCRIPT, str(REPO), str(folder), mode, str(notes)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=sigint_as_at_a_terminal)
     try:
         assert process.stdout.readline() == "generating\n"
         if mode == "sigint":
