@@ -135,8 +135,10 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
             and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
     if remaining is not None and not opening:  # the run's length known: the γ worth most over what is left, if any
         accepted = max(0.0, alpha * (evidence + 2) - 1)  # acceptance_estimate's counts, its prior taken out
+        grid = acceptance_grid(costs, batch, accepted, evidence, max_gamma)  # the same for every γ: made once
         worth = {g: v for g in loss
-                 if (v := probe_value(costs, batch, g, accepted, evidence, remaining, max_gamma)) is not None and v > 0}
+                 if (v := probe_value(costs, batch, g, accepted, evidence, remaining, max_gamma, grid)) is not None
+                 and v > 0}
         stretched = room + max(loss.values(), default=0.0)
         fits = [g for g in worth if loss[g] <= stretched
                 and perf_model.predicted_speedup(costs, batch, g, hopeful) >= 1.0 + PROBE_MARGIN]
@@ -146,36 +148,50 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
 
 
 def probe_value(costs: perf_model.StepCosts, batch: int, gamma: int, accepted: float, tested: float,
-                remaining: float, max_gamma: int, grid: int = 40) -> float | None:
+                remaining: float, max_gamma: int, grid: list[tuple[float, float, float]] | None = None) -> float | None:
     """What probing `gamma` drafts now is expected to save, in ms against plain decoding, over the `remaining` new
     tokens of the batch's longest row (value of information); None where the costs cannot price it.
 
-    Acceptance α is uncertain: Beta(accepted + 1, tested - accepted + 1), integrated on `grid` points. At each α the
-    probe round gains or loses T(B, 1)·tokens_per_step(α, γ) - step(γ) (no more tokens than are left); what it
-    teaches is worth, over the rounds left after it, drafting at the best length that pays at α by AUTO_MARGIN instead
-    of decoding plainly. One round does not reveal α: that worth is shrunk by the share of the evidence the probe adds
-    (its expected tested drafts over those plus the ones known and the prior's two). So a probe near the end of a
-    run, or one more where many drafts have been tested, is worth less than it costs; one early in a long run with
-    the draft in doubt, more."""
+    Acceptance α is uncertain: Beta(accepted + 1, tested - accepted + 1), integrated on `acceptance_grid`'s points
+    (`grid`: made there when not given). At each α the probe round gains or loses T(B, 1)·tokens_per_step(α, γ) -
+    step(γ) (no more tokens than are left); what it teaches is worth, over the rounds left after it, drafting at the
+    best length that pays at α by AUTO_MARGIN instead of decoding plainly. One round does not reveal α: that worth is
+    shrunk by the share of the evidence the probe adds (its expected tested drafts over those plus the ones known and
+    the prior's two). So a probe near the end of a run, or one more where many drafts have been tested, is worth less
+    than it costs; one early in a long run with the draft in doubt, more."""
     ar, step = costs.ar_ms(batch), perf_model.step_ms(costs, batch, gamma)
     if ar is None or step is None or gamma < 1:
         return None
-    steps = {g: perf_model.step_ms(costs, batch, g) for g in range(1, max_gamma + 1)}
+    if grid is None:
+        grid = acceptance_grid(costs, batch, accepted, tested, max_gamma)
     total = value = 0.0
-    for i in range(grid):
-        a = (i + 0.5) / grid
-        weight = a ** accepted * (1 - a) ** max(0.0, tested - accepted)
+    for a, weight, rate in grid:
         # its tokens past the `remaining` are dropped: drafts beyond remaining - 1 gain nothing
         made = perf_model.tokens_per_step(a, max(0, min(gamma, math.ceil(remaining) - 1)))
         now = ar * made - step
-        # ms saved per plain step's worth of tokens by the best length that pays at a (0: plain)
-        rate = max([0.0] + [1 - t / (ar * perf_model.tokens_per_step(a, g)) for g, t in steps.items()
-                            if t is not None and ar * perf_model.tokens_per_step(a, g) >= t * (1 + AUTO_MARGIN)])
         learnt = batch * perf_model.tokens_per_step(a, gamma - 1)  # drafts it tests: up to the first rejection
         share = learnt / (learnt + tested + 2)
         value += weight * (now + share * rate * ar * max(0.0, remaining - made))
         total += weight
     return value / total
+
+
+def acceptance_grid(costs: perf_model.StepCosts, batch: int, accepted: float, tested: float, max_gamma: int,
+                    points: int = 40) -> list[tuple[float, float, float]]:
+    """(α, its weight under Beta(accepted + 1, tested - accepted + 1) unnormalised, the ms saved per plain step's
+    worth of tokens by the best draft length that pays at α by AUTO_MARGIN, 0 for plain) on `points` midpoints: what
+    probe_value integrates, whatever γ it prices."""
+    ar = costs.ar_ms(batch)
+    steps = {g: perf_model.step_ms(costs, batch, g) for g in range(1, max_gamma + 1)}
+    grid = []
+    for i in range(points):
+        a = (i + 0.5) / points
+        weight = a ** accepted * (1 - a) ** max(0.0, tested - accepted)
+        plain = {g: ar * perf_model.tokens_per_step(a, g) for g in steps}  # plain decoding's ms for a round's tokens
+        rate = max([0.0] + [1 - t / plain[g] for g, t in steps.items()
+                            if t is not None and plain[g] >= t * (1 + AUTO_MARGIN)])
+        grid.append((a, weight, rate))
+    return grid
 
 
 class _AtFloor:
