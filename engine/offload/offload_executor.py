@@ -233,6 +233,8 @@ class OffloadExecutor:
         self.split_width = split_width
         self.simulated = self.device.type == "cpu"
         self.banks = {layer: LayerBank(w, [None] * w.num_experts) for layer, w in banks.items()}
+        self._order = sorted(self.banks)  # the MoE layers in model order, and each one's place in it
+        self._position = {layer: i for i, layer in enumerate(self._order)}
         any_bank = next(iter(self.banks.values())).host
         # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
         probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
@@ -271,8 +273,8 @@ class OffloadExecutor:
         self.copy_ahead = plan
 
     def _next_layer(self, layer: int) -> int | None:
-        later = [other for other in self.banks if other > layer]
-        return min(later) if later else None
+        i = self._position[layer] + 1
+        return self._order[i] if i < len(self._order) else None
 
     def _layer_ms(self, layer: int, started: float) -> float | None:
         """The host's time the layer before `layer` took, from the last host-decided layer's call to this one's
@@ -280,8 +282,8 @@ class OffloadExecutor:
         (None before any)."""
         last, self._layer_start = self._layer_start, (layer, started)
         if last is not None and last[0] < layer:
-            order = sorted(self.banks)
-            self._last_layer_ms = (started - last[1]) * 1e3 / (order.index(layer) - order.index(last[0]))
+            between = self._position[layer] - self._position[last[0]]
+            self._last_layer_ms = (started - last[1]) * 1e3 / between
         return self._last_layer_ms
 
     def _start_ahead(self, layer: int, tokens: int, own_copies: int, layer_ms: float | None) -> None:
@@ -358,9 +360,7 @@ class OffloadExecutor:
             self.cache = None
             return
         self.cache = ExpertCache(np.array(self.on_gpu(), dtype=bool), policy, scores, price, score_steps)
-        layers = sorted(self.banks)
-        mixed = [layers[i] for i in self.cache.mixed_layers]
-        self._row_of = {layer: i for i, layer in enumerate(layers)}
+        mixed = [self._order[i] for i in self.cache.mixed_layers]
         self._first_mixed = min(mixed) if mixed else None
         self._step_counts = np.zeros(self.cache.resident.shape, dtype=np.int64)
 
@@ -370,7 +370,7 @@ class OffloadExecutor:
         self._step_counts[:] = 0
         if not swaps:
             return
-        layers = sorted(self.banks)
+        layers = self._order
         if not self.simulated:  # the copies read slots the last step's kernels may still be reading
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream) if not self.simulated else _nothing():
@@ -878,7 +878,7 @@ class OffloadExecutor:
         if self.cache is not None and self._first_mixed is not None:
             if layer == self._first_mixed and self._step_counts.any():
                 self._end_step()  # a new step begins: the last one's routing is complete
-            self._step_counts[self._row_of[layer]] += counts
+            self._step_counts[self._position[layer]] += counts
         tensor, known = self._selections.get(layer), self._selection_counts.get(layer)
         if known is None or known[0] is not tensor:  # first count, or `selections` was cleared
             if tensor is None:
