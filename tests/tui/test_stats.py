@@ -55,6 +55,30 @@ def test_a_sampled_map_says_its_counts_are_estimates():
 
 
 @pytest.mark.anyio
+async def test_a_narrow_sampled_map_is_as_tall_as_its_wrapped_legend_and_keeps_its_last_layer():
+    """In a panel narrower than the sampled counts' note (the stats panel at 80x24), the note wraps onto two rows:
+    the map's height counts both, so its last layer stays on screen."""
+    from textual.app import App
+
+    class Narrow(App):
+        CSS = "ExpertHeatMap { width: 30; height: auto; }"
+
+        def compose(self):
+            yield ExpertHeatMap()
+
+    app = Narrow()
+    async with app.run_test(size=(40, 14)) as pilot:
+        heatmap = app.query_one(ExpertHeatMap)
+        heatmap.count_every = 8
+        heatmap.update_map([[False] * 8] * 4, [[3, 0, 5, 1, 0, 0, 2, 9]] * 4, ["L0", "L1", "L2", "L3"])
+        await pilot.pause()
+        lines = heatmap.render().plain.splitlines()
+        assert any(len(line) > 30 for line in lines)  # the note does not fit one row
+        assert heatmap.size.height == len(lines) + 1
+        assert "L3" in app.export_screenshot()
+
+
+@pytest.mark.anyio
 async def test_panel_shows_the_engines_map_and_reply_numbers(engine):
     app = MoedeskApp(engine, settings=greedy_settings())
     async with app.run_test(size=(100, 30)) as pilot:

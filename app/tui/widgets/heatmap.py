@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from rich.text import Text
+from textual.content import Content
 from textual.geometry import Size
 from textual.widget import Widget
 
@@ -213,7 +214,10 @@ class ExpertHeatMap(Widget):
                             count_every=self.count_every)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return len(self._lines(width))
+        # Rows as Textual wraps them: a legend line wider than a narrow panel (the sampled counts' note) takes two,
+        # and a height of one row a line cut the map's last layer off.
+        lines = self._lines(width)
+        return sum(len(Content.from_rich_text(line).wrap(width)) for line in lines) if width > 0 else len(lines)
 
     def render(self) -> Text:
         return Text("\n").join(self._lines(self.content_size.width))
