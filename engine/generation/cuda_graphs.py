@@ -202,8 +202,9 @@ class _Captured:
         self.features = features
         self.hidden: dict = {}  # feature -> its static tensor, written by the segment that computes it
         tokens = batch * length
-        on_device = getattr(executor, "runs_on_device", lambda layer: False)
-        self.moe_at = [i for i, block in enumerate(model.layers) if hasattr(block, "moe") and not on_device(block.moe.layer)]
+        runs_on_device = getattr(executor, "runs_on_device", lambda layer: False)
+        self.moe_at = [i for i, block in enumerate(model.layers)
+                       if hasattr(block, "moe") and not runs_on_device(block.moe.layer)]
         owner = spread.device_of_layer if spread is not None else (0,) * len(model.layers)
         self.segments = plan_segments(owner, self.moe_at)
         self.routed_by = [k for k, seg in enumerate(self.segments) if seg.routes]  # host-run layer j's segment

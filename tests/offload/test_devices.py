@@ -115,21 +115,25 @@ def test_a_layer_count_below_the_device_count_leaves_the_last_devices_empty():
 
 @pytest.mark.gpu
 def test_two_real_gpus_are_counted_and_planned(tmp_path, monkeypatch, capsys):
-    """On the two-GPU box: detection counts both, and `moedesk profile` plans and loads the demo over them."""
+    """On the two-GPU box: detection counts both, and `moedesk profile` plans and loads a tiny Mixtral over them
+    (budgets that leave each GPU some layers' weights and experts)."""
     import torch
 
     from moedesk.app.cli import main
     from moedesk.engine.hardware import cuda_device_count, detect_hardware
+    from tests.offload.test_device_orchestra import _budgets_holding
+    from tests.tiny_models import build
 
     if cuda_device_count() < 2:
         pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
     assert cuda_device_count() == torch.cuda.device_count() == len(detect_hardware().gpus)
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
-    figures = ",".join(["1"] * cuda_device_count())
-    assert main(["profile", "--model", "demo", "--context", "1024", "--gpu-budget", figures]) == 0
+    model = build("mixtral", tmp_path / "mixtral", num_hidden_layers=4)
+    figures = ",".join(f"{b:.6f}" for b in _budgets_holding(model, (3, 5), context=1024))
+    assert main(["profile", "--model", str(model), "--context", "1024", "--gpu-budget", figures]) == 0
     out = capsys.readouterr().out
-    assert f"per-device plan over {cuda_device_count()} GPUs, " in out and "  GPU 1: layers " in out
-    assert main(["profile", "--model", "demo", "--gpu-budget", figures + ",1"]) != 0
+    assert "per-device plan over 2 GPUs, " in out and "  GPU 1: layers " in out
+    assert main(["profile", "--model", str(model), "--gpu-budget", ",".join(["1"] * (cuda_device_count() + 1))]) != 0
     assert "names" in capsys.readouterr().err
 
 

@@ -27,8 +27,8 @@ rm -rf .whl && mkdir .whl
 python3 -m pip download -q -d .whl --only-binary :all: --python-version 3.12 --implementation cp --abi cp312 \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform any gguf platformdirs textual starlette uvicorn llguidance openai ollama jsonschema \
-  scikit-build-core pytest-textual-snapshot
-have="numpy|torch|httpx|httpcore|h11|anyio|idna|certifi|sniffio|pyyaml|tqdm|click|rich|markdown_it_py|mdurl|pygments|\
+  scikit-build-core pytest-textual-snapshot diskcache sniffio
+have="numpy|torch|httpx|httpcore|h11|anyio|idna|certifi|pyyaml|tqdm|click|rich|markdown_it_py|mdurl|pygments|\
 typing_extensions|attrs|jinja2|markupsafe|packaging|pathspec|pluggy|pytest|iniconfig|sentencepiece|requests|urllib3|\
 charset_normalizer|filelock|fsspec|huggingface_hub|hf_xet|safetensors|tokenizers|regex|psutil|scipy|setuptools|wheel"
 find .whl -name '*.whl' | grep -Ei "/($have)-[0-9]" | xargs -r rm
