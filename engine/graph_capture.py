@@ -16,12 +16,25 @@ import gc
 import torch
 
 
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The current GPU's capture stream, made at its first capture."""
+    index = torch.cuda.current_device()
+    if index not in _side_streams:
+        _side_streams[index] = torch.cuda.Stream(index)
+    return _side_streams[index]
+
+
 @contextlib.contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, pool=None, stream: torch.cuda.Stream | None = None):
     """`torch.cuda.graph(graph, pool, stream)` without a garbage collection inside it, in thread-local error mode:
     other threads' CUDA calls (another model freeing memory, a server's own work) cannot break the capture, only
-    this thread's. stream: on the graph's device; None is torch's one side stream, made on the first device that
-    captured, so a graph for another GPU names a stream of its own."""
+    this thread's. stream: on the graph's device; None takes a side stream of the current device (torch's own default
+    lives on whichever GPU captured first, and a capture there records another GPU's kernels into nothing: seen on
+    the two-GPU box)."""
+    stream = stream or _side_stream()
     collecting = gc.isenabled()
     gc.disable()
     try:

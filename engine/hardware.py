@@ -7,7 +7,6 @@ is tested on sample /proc/cpuinfo text instead of on whatever CPU runs the tests
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import platform
 from dataclasses import dataclass, field
@@ -118,22 +117,13 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@contextlib.contextmanager
 def on_device(device: torch.device):
     """Make `device` the current CUDA device while in the block (Triton launches on the current device, not on its
-    tensors'); nothing for any other device. Several GPUs run layers and experts on each under it.
+    tensors'); nothing for any other device. Several GPUs run layers and experts on each under it."""
+    import contextlib
 
-    torch.cuda.device alone can leave the switch pending: torch may only note a device whose context it believes
-    absent, so the thread's CUDA context stays the other GPU's and a Triton kernel is refused its pointers or, raw,
-    reads another GPU's memory (both seen on the two-GPU box). set_device drops that note and binds the device."""
     device = torch.device(device)
-    if device.type != "cuda":
-        yield
-        return
-    index = torch.cuda.current_device() if device.index is None else device.index
-    with torch.cuda.device(index):
-        torch.cuda.set_device(index)
-        yield
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _detect_gpus() -> tuple[GpuInfo, ...]:
