@@ -23,12 +23,18 @@ def llama_buffers(log) -> dict[tuple[str, str], int]:
     return found
 
 
+def in_ram(where: str) -> bool:
+    """Whether a buffer type's memory is the host's: the CPU's own (CPU, CPU_Mapped, CPU_REPACK..., and AMX, the
+    CPU backend's repacked weights on an AMX CPU, the one not named CPU_) or what a GPU backend pins for its
+    transfers (CUDA_Host)."""
+    return where.startswith("CPU") or where.endswith("_Host") or where == "AMX"
+
+
 def on_device(buffers: dict[tuple[str, str], int]) -> dict[str, int]:
-    """{what: bytes} of the buffers in the GPU's own memory: not the CPU's (CPU, CPU_Mapped, CPU_REPACK...) nor
-    the host memory a GPU backend pins for its transfers (CUDA_Host)."""
+    """{what: bytes} of the buffers in the GPU's own memory (every buffer type not `in_ram`)."""
     found: dict[str, int] = {}
     for (where, what), size in buffers.items():
-        if not (where.startswith("CPU") or where.endswith("_Host")):
+        if not in_ram(where):
             found[what] = found.get(what, 0) + size
     return found
 
@@ -41,5 +47,5 @@ def failed_gpu_bytes(log) -> int | None:
     ggml's allocators word it: "failed to allocate CUDA0 buffer of size 1073741824"); None when no GPU allocation
     failed (one in RAM did, or something else went wrong)."""
     sizes = [int(m.group(2)) for line in log if (m := _FAILED.search(line))
-             and not (m.group(1).startswith("CPU") or m.group(1).endswith("_Host"))]
+             and not in_ram(m.group(1))]
     return max(sizes, default=None)

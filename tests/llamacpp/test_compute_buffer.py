@@ -24,6 +24,7 @@ MIB = 2**20
 def test_llama_cpp_s_buffer_lines_are_read_by_where_and_what():
     log = ["load_tensors:        CUDA0 model buffer size =  3254.20 MiB",
            "load_tensors:   CPU_Mapped model buffer size =  4120.55 MiB",
+           "load_tensors:          AMX model buffer size =   320.00 MiB",  # an AMX CPU's repacked weights: RAM
            "llama_context:  CUDA_Host  output buffer size =     0.12 MiB",
            "llama_kv_cache:      CUDA0 KV buffer size =    18.00 MiB",
            "sched_reserve:      CUDA0 compute buffer size =   560.03 MiB",
