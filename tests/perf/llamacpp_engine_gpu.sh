@@ -39,7 +39,12 @@ compare)
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
     --expert-format q4_k --budgets "${BUDGETS:-3,5}" --count-every "${COUNT_EVERY:-8,1,32}" \
     --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
+  # Serve with every expert in RAM (0) and with every expert on the GPU (10 GiB holds the 7.25 GB file): four rows
+  # of top-2 read most of a layer's experts, so only the second can show four streams' gain over one.
   gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \
-    python3 tests/perf/bench_serve.py --model "$gguf" --engine llama.cpp --clients 4 2>&1 | tee "$OUT/serve.txt" | tail -n 8 ;;
+    for budget in ${SERVE_BUDGETS:-0 10}; do
+      python3 tests/perf/bench_serve.py --model "$gguf" --engine llama.cpp --clients 4 --gpu-budget "$budget" 2>&1 \
+        | tee "$OUT/serve_$budget.txt" | tail -n 8
+    done ;;
 *) echo "usage: $0 build|compare"; exit 2 ;;
 esac
