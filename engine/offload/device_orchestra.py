@@ -131,7 +131,13 @@ class DeviceOrchestra:
 
     @property
     def placement(self):
-        return self.parts[0].placement  # whether anything was placed yet; summary() counts every device
+        """None before anything was placed; then a device's placement, one keeping experts resident where any does:
+        an out-of-memory retry (Engine._can_free) asks whether experts can move, and GPU 0 may hold none while GPU 1
+        does. summary() counts every device."""
+        placed = [part.placement for part in self.parts]
+        if placed[0] is None:
+            return None
+        return next((p for p in placed if p is not None and p.experts_on_gpu), placed[0])
 
     def calibrate(self, halves) -> None:
         """estimated_popularity over the whole model's calibration (one evenness for all), shared out by layer."""

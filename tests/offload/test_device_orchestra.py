@@ -101,6 +101,15 @@ def test_out_of_memory_halves_every_devices_resident_experts(four_layers):
     assert any("GPU out of memory while generating" in w for w in engine.warnings)
 
 
+def test_out_of_memory_is_retried_where_only_a_later_device_keeps_experts(four_layers):
+    # The retry asks whether experts can move: the second GPU's count, though the first keeps none.
+    engine = Engine.load(str(four_layers), device="cpu", dtype="float32", offload=True, context_length=64,
+                         gpu_budget=_budgets_holding(four_layers, (0, 4)), devices=("cpu", "cpu"))
+    assert [d["experts_on_gpu"] for d in engine.expert_stats()["devices"]] == [0, 4]
+    assert engine._can_free() and engine._on_oom()
+    assert [d["experts_on_gpu"] for d in engine.expert_stats()["devices"]] == [0, 2]
+
+
 def test_a_dense_model_with_several_figures_runs_on_one_device_and_says_so(tiny_checkpoint):
     engine = Engine.load(str(tiny_checkpoint("llama")), device="cpu", dtype="float32", context_length=64,
                          gpu_budget=(1.0, 1.0), devices=("cpu", "cpu"))
