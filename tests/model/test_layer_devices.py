@@ -201,6 +201,53 @@ def test_graph_segments_over_several_devices_decode_as_one_device_eagerly(built,
     assert ids == [step[:, -1].argmax(-1).tolist() for step in got[::len(features) + 1]]
 
 
+@pytest.mark.parametrize("shape, owner", [("tiny-moe", (0, 0, 1, 1)), ("tiny-moe", (0, 1, 1, 2)),
+                                          ("tiny-qwen35", (0, 0, 1, 1))])
+def test_every_layer_and_expert_call_runs_under_its_own_devices_on_device(built, shape, owner, monkeypatch):
+    """Triton kernels launch on the current device, not on their tensors' (the two-GPU box refused cuda:1 pointers
+    launched from cuda:0): each layer, each call for its experts and the head run inside on_device of the device that
+    holds them, eager and in the graphs' segments, prompt and steps. The "cpu" devices here are equal, so each is told
+    apart by identity (the spread's own device objects)."""
+    import contextlib
+
+    from moedesk.engine.generation import cuda_graphs
+    from moedesk.engine.model import layer_devices
+
+    model = built(shape)
+    spread = spread_model(model, ["cpu"] * (max(owner) + 1), owner)
+    current, seen = [], []
+
+    @contextlib.contextmanager
+    def recording(device):
+        current.append(device)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def under(what, layer, fn):
+        def call(*args, **kwargs):
+            seen.append((what, layer, current[-1] if current else None))
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(layer_devices, "on_device", recording)
+    monkeypatch.setattr(cuda_graphs, "on_device", recording)
+    for i, block in enumerate(model.layers):
+        for name in ("forward", "before_experts", "after_experts"):
+            if hasattr(block, name):
+                monkeypatch.setattr(block, name, under(name, i, getattr(block, name)))
+    monkeypatch.setattr(model, "head", under("head", len(owner) - 1, model.head))
+    monkeypatch.setattr(LocalExecutor, "expert_outputs", lambda self, moe, *a, _run=LocalExecutor.expert_outputs, **k:
+                        under("experts", moe.layer, _run)(self, moe, *a, **k))
+    _decode(model, "cpu", steps=2)
+    _graphed_decode(model, "cpu", lambda m, c: GraphedDecode(m, c, capture=False), steps=2)
+    assert {what for what, _, _ in seen} >= {"forward", "head"} | ({"experts", "before_experts", "after_experts"}
+                                                                  if shape == "tiny-moe" else set())
+    wrong = [(what, layer) for what, layer, device in seen if device is not spread.devices[owner[layer]]]
+    assert wrong == []
+
+
 @pytest.mark.parametrize("shape, tree", [("tiny-moe", False), ("tiny-moe", True), ("tiny-qwen35", False)])
 def test_a_verify_forward_with_rows_and_a_tree_crosses_devices_in_segments(built, shape, tree):
     """A speculative verify forward through the segments over two devices: explicit cache rows, several tokens a
