@@ -189,9 +189,11 @@ class _Captured:
                  features: tuple, executor):
         self.model, self.cache = model, cache
         self.cache_key = _cache_key(cache, executor)
-        device = cache.device
         spread = self.spread = model.spread
-        self.devices = spread.devices if spread is not None else (device,)
+        self.devices = spread.devices if spread is not None else (cache.device,)
+        # The step's inputs sit with the embeddings (segment 0's device), not with the cache's first part: that is
+        # layer 0's device, another GPU where the first holds the embeddings alone.
+        device = self.devices[0]
         self.tokens = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.positions = torch.zeros(batch, length, dtype=torch.long, device=device)
         self.rows = torch.arange(batch, device=device) if with_rows else None

@@ -281,16 +281,18 @@ def test_a_verify_forward_with_rows_and_a_tree_crosses_devices_in_segments(built
 
 
 @pytest.mark.gpu
-def test_two_cuda_devices_replay_a_graph_per_device(monkeypatch):
+@pytest.mark.parametrize("owner", [(0, 0, 1, 1), (1, 1, 1, 1)])
+def test_two_cuda_devices_replay_a_graph_per_device(monkeypatch, owner):
     """On the two-GPU box: decode replayed from CUDA graphs captured on each GPU, into each GPU's pool, gives the eager
-    forward's logits and greedy ids, and every step replays graphs of both GPUs."""
+    forward's logits and greedy ids, and every step replays graphs of both GPUs. Every layer on cuda:1: the step's
+    inputs stay with the embeddings on cuda:0, not with the cache's first part."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (the GPU box's two-GPU kind)")
     model = synthetic_model(SHAPES["tiny-moe"], torch.float32, "cuda:0", pinned=False, context=64)[0]
     for moe in model.moe_blocks():
         moe.experts = moe.experts.to("cuda:0")  # beside the block's weights: spread_model moves them with it
     expected = _decode(model, "cuda:0")
-    spread_model(model, ["cuda:0", "cuda:1"], (0, 0, 1, 1))
+    spread_model(model, ["cuda:0", "cuda:1"], owner)
     replayed = []
     replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replayed.append(self) or replay(self))
