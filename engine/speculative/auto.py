@@ -37,6 +37,12 @@ PROBE_MARGIN = perf_model.SAFETY_MARGIN
 # How much cheaper than the table a plain step may run (plain_probe): about the least the GPU box's plain decoding
 # took against the table's T(B, 1) (docs/measurements.md, "Auto against chains on the Qwen3 shape").
 PLAIN_DOUBT = 0.7
+# Until this many drafts are tested, a plain probe waits while the gain would survive cheap plain steps at the
+# acceptance PLAIN_Z standard deviations above the estimate (plain_doubt_choice): early on, the estimate is dragged
+# toward the prior's half and every gain looks small enough to doubt. PLAIN_Z is picked on the replays of sessions 37
+# and 38 (docs/measurements.md, "Session 38: auto's opening at B = 1").
+PLAIN_EVIDENCE = 4 * MIN_EVIDENCE
+PLAIN_Z = 0.85
 # Tested drafts auto's running acceptance remembers (carried_counts), within a request and between requests.
 ACCEPTANCE_MEMORY = 64
 # Plain steps after which the evidence about a draft has halved (learn_acceptance): a draft auto stopped using is
@@ -94,7 +100,8 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     acceptance (optimistic_acceptance): near 1 before any evidence, near alpha once there is much of it, so a bad
     draft stops being probed on its own. With the evidence, two probes of the step costs (RunningCosts learns them
     from the rounds that ran): a longer draft whose verify has not been timed and may cost as little as a shorter
-    one's (cost_probe), and one plain round where the gain hinges on what a plain step costs (plain_probe).
+    one's (cost_probe), and one plain round where the gain hinges on what a plain step costs (plain_probe), not on an acceptance still
+    in doubt (plain_doubt_choice).
 
     The exploration budget (AutoLedger.room_ms: EXPLORE_SHARE of plain decoding's time so far, at least `horizon`
     steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
@@ -117,7 +124,8 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
         return 0
     if evidence >= MIN_EVIDENCE:  # exploit where the evidence says a draft length pays
         choice = perf_model.choose_draft_length(costs, batch, alpha, max_gamma, AUTO_MARGIN)
-        if choice.gamma and plain_probe(costs, batch, choice):
+        if choice.gamma and plain_probe(costs, batch, choice, plain_doubt_choice(costs, batch, alpha, evidence,
+                                                                                 max_gamma)):
             return 0
         gamma = cost_probe(costs, batch, alpha, max_gamma, choice, ledger.room_ms(ar, horizon)) or choice.gamma
         if gamma:
@@ -214,16 +222,30 @@ class _AtFloor:
         return self.costs.reject_ms(batch)
 
 
-def plain_probe(costs, batch: int, choice: perf_model.Choice) -> bool:
+def plain_doubt_choice(costs, batch: int, alpha: float, evidence: float, max_gamma: int) -> perf_model.Choice | None:
+    """The choice plain_probe must also find in doubt before a plain round is run: with fewer than PLAIN_EVIDENCE
+    drafts tested, the best draft length at the acceptance PLAIN_Z standard deviations above the estimate alpha; None
+    (the estimate's choice alone decides) once that many are. Why: a plain round costs a drafting round's gain, and
+    with a few drafts tested the estimate sits between the prior's half and the draft's real acceptance, so a good
+    draft's gain looked small enough to doubt and auto spent a round of a 32-token run timing plain decoding
+    (docs/measurements.md, "Session 38: auto's opening at B = 1")."""
+    if evidence >= PLAIN_EVIDENCE:
+        return None
+    return perf_model.choose_draft_length(costs, batch, optimistic_acceptance(alpha, evidence, PLAIN_Z), max_gamma,
+                                         AUTO_MARGIN)
+
+
+def plain_probe(costs, batch: int, choice: perf_model.Choice, hopeful: perf_model.Choice | None = None) -> bool:
     """Whether to run one plain round, to time it, before drafting on: where the chosen draft length's rounds were
     timed in this run but no plain round of about this batch size was, and the choice's predicted gain would vanish
     were plain steps PLAIN_DOUBT times the table's. Why: auto weighs drafting against the table's plain step, which
     was off either way from the plain decoding beside it on the GPU box (docs/measurements.md, "Auto against chains
     on the Qwen3 shape"); once a plain round is timed, RunningCosts prices verifying against it. One plain round
-    costs at most the choice's gain over one round."""
+    costs at most the choice's gain over one round. `hopeful` (plain_doubt_choice), where given, must be in that
+    doubt too."""
     timed = getattr(costs, "timed", None)
     return (timed is not None and not timed(batch, 1) and timed(batch, choice.gamma + 1)
-            and choice.speedup * PLAIN_DOUBT < 1.0 + AUTO_MARGIN)
+            and max(choice.speedup, hopeful.speedup if hopeful else 0.0) * PLAIN_DOUBT < 1.0 + AUTO_MARGIN)
 
 
 def cost_probe(costs, batch: int, alpha: float, max_gamma: int, choice: perf_model.Choice,
