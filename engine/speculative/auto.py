@@ -100,8 +100,8 @@ def auto_gamma(costs: perf_model.StepCosts, batch: int, alpha: float, max_gamma:
     acceptance (optimistic_acceptance): near 1 before any evidence, near alpha once there is much of it, so a bad
     draft stops being probed on its own. With the evidence, two probes of the step costs (RunningCosts learns them
     from the rounds that ran): a longer draft whose verify has not been timed and may cost as little as a shorter
-    one's (cost_probe), and one plain round where the gain hinges on what a plain step costs (plain_probe), not on an acceptance still
-    in doubt (plain_doubt_choice).
+    one's (cost_probe), and one plain round where the gain hinges on what a plain step costs (plain_probe), not on
+    an acceptance still in doubt (plain_doubt_choice).
 
     The exploration budget (AutoLedger.room_ms: EXPLORE_SHARE of plain decoding's time so far, at least `horizon`
     steps of it, less what earlier rounds lost, plus what they gained) bounds what probing can lose: a probe goes
