@@ -3,7 +3,7 @@ CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir l
 
 Usage (repo root):
     python3 tests/perf/compare_llamacpp_engine.py --llama-bench PATH/llama-bench [--gguf FILE | --shape mixtral-8x7b
-        --layers 8 --expert-format q4_k] [--ncmoe N] [--budgets 8,16,24] [--threads 16] [--json OUT.json]
+        --layers 8 --expert-format q4_k] [--ncmoe N] [--budgets 8,16,24] [--threads 16] [--reps 5] [--json OUT.json]
 
 The issue's targets (#40), each printed with its ratio:
 - wrapper: decode (tg64) and prefill (pp512) through moedesk's engine with `--ncmoe N` layers' experts in RAM,
@@ -32,12 +32,13 @@ sys.path.insert(0, str(REPO))
 GIB = 2**30
 
 
-def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int) -> dict:
-    """{"pp": tok/s of a prompt of `prompt` tokens, "tg": tok/s of `tokens` generated} from llama-bench's JSON."""
+def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int, reps: int = 2) -> dict:
+    """{"pp": tok/s of a prompt of `prompt` tokens, "tg": tok/s of `tokens` generated} from llama-bench's JSON, the
+    mean of `reps` runs."""
     # -fa 1: the engine keeps llama.cpp's own default, auto, which takes flash attention where it can (its
     # graph runs FLASH_ATTN_EXT); llama-bench is told the same.
     out = subprocess.run([binary, "-m", gguf, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads), "-fa", "1",
-                          "-p", str(prompt), "-n", str(tokens), "-r", "2", "-o", "json"],
+                          "-p", str(prompt), "-n", str(tokens), "-r", str(reps), "-o", "json"],
                          check=True, capture_output=True, text=True).stdout
     rates = {}
     for row in json.loads(out):
@@ -68,16 +69,26 @@ def loaded(gguf: str, ncmoe: int | None, budget_gib: float | None, context: int,
 
 
 def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, tokens: int, threads: int,
-         count_experts: bool = True) -> dict:
-    from moedesk.bench.llamacpp import measure
+         count_experts: bool = True, decodes: int = 1) -> dict:
+    """decodes: the decode measured this many times on the one load (the same prompt each time), "tg" their median
+    and "tg_runs" each: one run of 64 tokens moves by a few percent from one to the next."""
+    import statistics
+
+    from moedesk.bench.llamacpp import _prompt, measure
+    from moedesk.engine.requests import Request, SamplingParams
 
     engine, gpu = loaded(gguf, ncmoe, budget_gib, context_for(prompt, tokens), threads, count_experts)
     try:
         report = measure(engine, tokens, (prompt,), batch=1, log=lambda *a: None)
+        rates = {r["mode"]: r["tok_s"] for r in report["results"]}
+        runs = [rates["decode"]]
+        for _ in range(decodes - 1):  # as measure's decode: 32 prompt tokens, greedy, to the last token
+            done = engine.complete([Request(_prompt(32, engine.vocab_size, 0),
+                                            SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True))])
+            runs.append(done[0].stats["decode_tok_s"])
     finally:
         engine.close()
-    rates = {r["mode"]: r["tok_s"] for r in report["results"]}
-    return {"pp": rates["prefill"], "tg": rates["decode"], "ncmoe": engine.placement.cpu_moe,
+    return {"pp": rates["prefill"], "tg": statistics.median(runs), "tg_runs": runs, "ncmoe": engine.placement.cpu_moe,
             "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
 
 
@@ -121,6 +132,9 @@ def main() -> int:
     parser.add_argument("--count-every", default=None,
                         help="count one decode step in this many, comma-separated: the first for the wrapper line, "
                              "each further one a line of its own (default: the engine's COUNT_EVERY)")
+    parser.add_argument("--reps", type=int, default=5,
+                        help="llama-bench's -r, and the engine's decode runs per load (their median); llama-bench "
+                             "runs before and after the engine's lines, so a drift between the two shows")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -153,21 +167,29 @@ def main() -> int:
               "other_gib": round(sizes.other_bytes / GIB, 3)}
 
     n = layers if args.ncmoe is None else args.ncmoe
-    theirs = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens)
+    theirs = before = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
     # The engine as the app runs it counts the routers' picks (the heat map): its cost is the second line.
     runs = [("wrapper", count_everies[0]), ("wrapper_uncounted", None)]
     runs += [(f"wrapper_count_every_{e}", e) for e in count_everies[1:]]
     for label, count_every in runs:
         if count_every is not None:
             expert_counts.COUNT_EVERY = count_every  # read by each counter the engine makes
-        mine = ours(gguf, n, None, args.prompt, args.tokens, args.threads, count_experts=count_every is not None)
+        mine = ours(gguf, n, None, args.prompt, args.tokens, args.threads, count_experts=count_every is not None,
+                    decodes=args.reps)
         report[label] = {"ncmoe": n, "llama_bench": theirs, "moedesk": mine, "expert_counts": count_every is not None,
                          "count_every": count_every, "decode_ratio": round(mine["tg"] / theirs["tg"], 3),
                          "prefill_ratio": round(mine["pp"] / theirs["pp"], 3)}
         counting = f"on (1 decode step in {count_every})" if count_every is not None else "off"
         print(f"{label}, -ncmoe {n}, expert counts {counting}: decode {mine['tg']:.1f} vs llama-bench "
               f"{theirs['tg']:.1f} tok/s = {report[label]['decode_ratio']:.3f}x; prefill {args.prompt} "
-              f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x)")
+              f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x); "
+              f"the engine's decode runs {mine['tg_runs']}")
+    # llama-bench again: the ratios above are against its first run; a second that moved as much as the gap
+    # being looked for says the box drifted, not the engine.
+    after = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
+    report["llama_bench_after"] = after
+    print(f"llama-bench decode before the engine's lines {before['tg']:.1f}, after {after['tg']:.1f} tok/s "
+          f"({after['tg'] / before['tg']:.3f}x); prefill {before['pp']:.1f}, {after['pp']:.1f}")
     expert_counts.COUNT_EVERY = count_everies[0]  # the placement runs below count as the wrapper line does
 
     report["placement"] = []
