@@ -86,10 +86,48 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
             done = engine.complete([Request(_prompt(32, engine.vocab_size, 0),
                                             SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True))])
             runs.append(done[0].stats["decode_tok_s"])
+        bare = sorted(bare_decode(engine, tokens) for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
     finally:
         engine.close()
-    return {"pp": rates["prefill"], "tg": statistics.median(runs), "tg_runs": runs, "ncmoe": engine.placement.cpu_moe,
+    return {"pp": rates["prefill"], "tg": statistics.median(runs), "tg_runs": runs, "tg_bare": bare, "ncmoe": engine.placement.cpu_moe,
             "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
+
+
+def bare_decode(engine, tokens: int) -> float:
+    """tok/s of a bare loop on the engine's own llama.cpp context: llama_decode of one token, then its logits read
+    (the argmax its next token), `tokens` times after a 32-token prompt, as measure's decode runs. What is left
+    between this and llama-bench is the process (torch beside llama.cpp), not the wrapper's Python."""
+    import ctypes
+    import time
+
+    import numpy as np
+
+    from moedesk.bench.llamacpp import _prompt
+
+    llama, api = engine.llama, engine.api
+    batch, prompt = llama.batch, _prompt(32, engine.vocab_size, 0)
+    api.llama_memory_seq_rm(api.llama_get_memory(llama.ctx), 0, -1, -1)
+
+    def step(ids, start):
+        for j, token in enumerate(ids):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, j == len(ids) - 1
+            batch.seq_id[j][0] = 0
+        batch.n_tokens = len(ids)
+        if llama.counter is not None:  # counted as the engine's steps are: a prompt whole, one decode step in N
+            llama.counter.begin_step(len(ids) > 1)
+        if api.llama_decode(llama.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        row = ctypes.cast(api.llama_get_logits_ith(llama.ctx, len(ids) - 1), ctypes.POINTER(ctypes.c_float))
+        return int(np.argmax(np.ctypeslib.as_array(row, shape=(llama.n_vocab,))))
+
+    token = step(prompt, 0)
+    token = step([token], len(prompt))  # timed from the second token, as decode_tok_s is
+    start = time.perf_counter()
+    for i in range(tokens - 1):
+        token = step([token], len(prompt) + 1 + i)
+    rate = (tokens - 1) / (time.perf_counter() - start)
+    api.llama_memory_seq_rm(api.llama_get_memory(llama.ctx), 0, -1, -1)
+    return round(rate, 2)
 
 
 def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, dict]:
@@ -183,7 +221,8 @@ def main() -> int:
         print(f"{label}, -ncmoe {n}, expert counts {counting}: decode {mine['tg']:.1f} vs llama-bench "
               f"{theirs['tg']:.1f} tok/s = {report[label]['decode_ratio']:.3f}x; prefill {args.prompt} "
               f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x); "
-              f"the engine's decode runs {mine['tg_runs']}")
+              f"the engine's decode runs {mine['tg_runs']}; a bare llama_decode loop on its context "
+              f"{mine['tg_bare']} tok/s")
     # llama-bench again: the ratios above are against its first run; a second that moved as much as the gap
     # being looked for says the box drifted, not the engine.
     after = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
