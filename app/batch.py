@@ -189,6 +189,23 @@ def batch_size_for_memory(free_bytes: int, bytes_per_sequence: int, share: float
     return max(1, min(cap, int(free_bytes * share) // bytes_per_sequence))
 
 
+def batch_size_for_devices(room: list[tuple[int, int]], share: float = 0.5, cap: int = AUTO_BATCH_CAP) -> int:
+    """The batch every device holds: `room` is each device's (free bytes, bytes of its own layers' KV cache a
+    sequence), and a sequence needs its cache on each of them at once, so the least device's batch is the batch."""
+    return min((batch_size_for_memory(free, need, share, cap) for free, need in room), default=cap)
+
+
+def kv_bytes_by_device(cache) -> dict:
+    """The cache's bytes a position on each device it lives on: a model spread over GPUs keeps each run of layers'
+    cache on its own GPU (one kind of the cache per run); any other cache is all on its one device."""
+    kinds = getattr(cache, "kinds", None) or [cache]
+    found: dict = {}
+    for kind in kinds:
+        device = getattr(kind, "device", None)
+        found[device] = found.get(device, 0) + kind.bytes_per_position()
+    return found
+
+
 def free_memory_bytes(device) -> int:
     """Free memory where the KV cache lives: the GPU's, or the RAM available (within a container's limit)."""
     if device.type == "cuda":
@@ -201,8 +218,13 @@ def free_memory_bytes(device) -> int:
 
 
 def auto_batch_size(engine, positions: int) -> int:
-    """`positions`: the cache length one sequence may need (what the longest line asks for)."""
-    return batch_size_for_memory(free_memory_bytes(engine.device), engine.cache.bytes_per_position() * positions)
+    """`positions`: the cache length one sequence may need (what the longest line asks for). Each device the cache
+    lives on is asked for its own room against its own layers' share (one device: the engine's)."""
+    by_device = kv_bytes_by_device(engine.cache)
+    if len(by_device) == 1:  # one device, whatever the cache calls it: the engine's, as it always was
+        return batch_size_for_memory(free_memory_bytes(engine.device), engine.cache.bytes_per_position() * positions)
+    return batch_size_for_devices([(free_memory_bytes(device), per_position * positions)
+                                   for device, per_position in by_device.items()])
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:

@@ -452,7 +452,7 @@ def run_serve_command(args) -> int:
 
     import torch
 
-    from moedesk.app.batch import batch_size_for_memory, free_memory_bytes
+    from moedesk.app.batch import auto_batch_size
     from moedesk.app.server import run_server
 
     for flag, value in (("--port", args.port), ("--max-queue", args.max_queue), ("--batch-size", args.batch_size),
@@ -488,8 +488,7 @@ def run_serve_command(args) -> int:
         engine = load_engine(args, model=source, **({"progress": progress} if progress else {}))
         if args.prefill_chunk:
             engine.scheduler.prefill_chunk = args.prefill_chunk
-        batch_size = args.batch_size or batch_size_for_memory(
-            free_memory_bytes(engine.device), engine.cache.bytes_per_position() * engine.context_length)
+        batch_size = args.batch_size or auto_batch_size(engine, engine.context_length)  # each GPU's room
         # Every row's KV cache up front: grown later, it would be reallocated (and the CUDA graphs captured again)
         # while clients wait, once for each client that arrives beyond the rows so far.
         try:
