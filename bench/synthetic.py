@@ -227,6 +227,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     is learned from the routing they will see."""
     from moedesk.bench.budget import bench_dtype, bench_split
     from moedesk.engine.generation.scheduler import default_prefill_chunk
+    from moedesk.engine.hardware import use_device
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
     from moedesk.engine.load.synthetic import format_fallbacks, shape_config, synthetic_model
@@ -241,6 +242,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     on_cuda = device.type == "cuda"
     if on_cuda:
         leave_a_core_to_the_gpu_thread()
+        use_device(device)  # the bench measures on this thread: --device cuda:1 alone launches Triton there
     dtype = bench_dtype(device)
     cfg = shape_config(shape, layers)
     context = max(context, 32 + 16 + 1)  # the calibration below decodes 16 tokens past 32-token prompts

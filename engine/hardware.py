@@ -117,6 +117,21 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def thread_gpu(device) -> int | None:
+    """The GPU index a thread running `device`'s model must make current, or None: nothing to set (the CPU, or plain
+    "cuda", which is the current device). A new thread starts on GPU 0, and Triton launches on the current device."""
+    device = torch.device(device)
+    return device.index if device.type == "cuda" else None
+
+
+def use_device(device) -> None:
+    """Make `device` this thread's current GPU (thread_gpu): the loading thread and each thread that runs the model,
+    so that one GPU named cuda:1 works outside a spread too (a spread's runs are under `on_device`)."""
+    index = thread_gpu(device)
+    if index is not None and torch.cuda.current_device() != index:
+        torch.cuda.set_device(index)
+
+
 def on_device(device: torch.device):
     """Make `device` the current CUDA device while in the block (Triton launches on the current device, not on its
     tensors'); nothing for any other device. Several GPUs run layers and experts on each under it."""

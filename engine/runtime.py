@@ -11,6 +11,7 @@ from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
+from moedesk.engine.hardware import use_device
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
 from moedesk.engine.offload.gpu_budget import BudgetSplit, budget_holding, model_split, prefill_workspace_bytes
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
@@ -129,7 +130,8 @@ class Engine(EngineFace):
             devices = _plan_devices_for(torch_device, len(budgets)) if devices is None else \
                 [torch.device(d) for d in devices]
             torch_device = devices[0]
-        torch_dtype = resolve_dtype(dtype, torch_device)
+        torch_dtype = resolve_dtype(dtype, torch_device, devices if budgets else None)  # each GPU must have it
+        use_device(torch_device)  # the loading thread profiles and warms up on it: cuda:1 alone works too
         if gpu_budget is not None and gpu_budget < 0:
             raise MoedeskError(f"--gpu-budget {gpu_budget}: must be >= 0 GiB")
         context = context_length or DEFAULT_CONTEXT

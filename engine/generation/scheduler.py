@@ -41,6 +41,7 @@ from typing import Callable, Hashable, Iterable, Iterator, Protocol
 import torch
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.hardware import use_device
 from moedesk.engine.requests import Completion, Request, StreamChunk
 
 log = logging.getLogger("moedesk")
@@ -371,9 +372,8 @@ class Scheduler:
                 # A decoder per step (a few attribute copies): it always runs the engine's current executor,
                 # which placement and tests replace between generations.
                 decoder = self.make_decoder()
-                if not device_set and decoder.device.type == "cuda" and decoder.device.index is not None:
-                    # A new thread starts on device 0; plain "cuda" means the current device, which is that.
-                    torch.cuda.set_device(decoder.device)
+                if not device_set:
+                    use_device(decoder.device)  # a new thread starts on GPU 0 (engine.hardware.thread_gpu)
                 device_set = True
                 self._step(decoder, newcomers)
                 for running in list(self._jobs):

@@ -28,15 +28,28 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+def default_dtype(device_type: str, bf16_on_each_gpu) -> torch.dtype:
+    """The weights dtype when none is named: float32 on the CPU (16-bit matmuls are slow on most CPUs), bfloat16
+    where every GPU the model runs on has it (one layer's weights are one dtype wherever they run), else float16."""
+    if device_type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if all(bf16_on_each_gpu) else torch.float16
+
+
+def resolve_dtype(dtype: str | None, device: torch.device, devices=None) -> torch.dtype:
+    """`dtype` named, or the default for `device` and every one of `devices` (a spread's GPUs) it runs on."""
     if dtype is None:
-        # 16-bit matmuls are slow on most CPUs; GPUs want bfloat16 where they have it.
-        if device.type == "cpu":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        gpus = [torch.device(d) for d in (devices or [device]) if torch.device(d).type == "cuda"]
+        return default_dtype(device.type, (_bf16_supported(d) for d in gpus))
     if dtype not in DTYPES:
         raise MoedeskError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    # torch asks the current device: made `device` for the question ("cuda" stays the current one, as before)
+    with torch.cuda.device(device):
+        return torch.cuda.is_bf16_supported()
 
 
 def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_length: int | None = None,
