@@ -87,10 +87,17 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False,
     done in [0, 1], is called as each batch size is measured (not when the cache has them)."""
     from moedesk.engine.json_cache import cached_json
 
+    from moedesk.engine.hardware import on_device
+
     path, batches, graphs = _cache_entry(engine, batch, max_gamma)
-    measured = cached_json(path, lambda: measure_step_times(engine.model, engine.executor, engine.config,
-                                                           engine.device, engine.dtype, batches, max_gamma + 1,
-                                                           graphs=graphs, progress=progress), refresh)
+
+    def measure():
+        # the chat app measures on a worker thread of its own, whose current GPU is 0 (one GPU named cuda:1)
+        with on_device(engine.device):
+            return measure_step_times(engine.model, engine.executor, engine.config, engine.device, engine.dtype,
+                                      batches, max_gamma + 1, graphs=graphs, progress=progress)
+
+    measured = cached_json(path, measure, refresh)
     return _table(measured)
 
 

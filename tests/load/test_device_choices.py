@@ -73,3 +73,27 @@ def test_one_gpu_named_cuda_1_decodes_on_it():
     worker.start()
     worker.join()
     assert result["ids"] == run("cuda:0")
+
+
+def test_the_step_times_are_measured_on_the_engines_device(monkeypatch, tmp_path):
+    # The chat app measures auto's step times on a worker thread of its own: under on_device, not GPU 0.
+    import contextlib
+    import types
+
+    from moedesk.engine.speculative import step_times
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    inside = []
+
+    @contextlib.contextmanager
+    def on(device):
+        inside.append(device)
+        yield
+        inside.append(None)
+
+    monkeypatch.setattr(hardware, "on_device", on)
+    monkeypatch.setattr(step_times, "measure_step_times", lambda *a, **k: inside.append("measure") or {"1,1": 1.0})
+    engine = types.SimpleNamespace(orchestra=None, graphs=None, name="m", device=torch.device("cuda", 1),
+                                   dtype=torch.bfloat16, model=None, executor=None, config=None)
+    step_times.engine_step_times(engine, 1, 0)
+    assert inside == [torch.device("cuda", 1), "measure", None]
