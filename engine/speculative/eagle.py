@@ -216,7 +216,9 @@ class EagleHead(nn.Module):
             return self.lm_head(self.norm(hidden))
         if self.target_lm_head is None:
             raise RuntimeError("an EAGLE-1/2 head needs the target's LM head")
-        return F.linear(hidden, self.target_lm_head.to(hidden.dtype))
+        head = self.target_lm_head
+        # The target's head is shared where it lives (a spread's last GPU): the rows go there, the logits come back.
+        return F.linear(hidden.to(head.device), head.to(hidden.dtype)).to(hidden.device)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         if self.cfg.version != 3:

@@ -302,9 +302,11 @@ def draft_head(engine, path):
     heads = engine.draft_heads
     key = str(path)
     if key not in heads:
-        head = load_eagle_head(path, target_embed=engine.model.embed.weight.detach(),
-                               target_lm_head=engine.model.lm_head.weight.detach(), dtype=engine.dtype,
+        head = load_eagle_head(path, target_embed=engine.model.embed.weight.detach(), dtype=engine.dtype,
                                device=engine.device)
+        # Shared, not copied to the engine's device: on a spread it lives on the last GPU, where the plan counts it
+        # (a copy on GPU 0 would be memory no plan holds); on one GPU it is the same tensor as ever.
+        head.target_lm_head = engine.model.lm_head.weight.detach()
         if head.cfg.vocab_size != engine.config.vocab_size:
             raise MoedeskError(f"{path}: the draft head's vocabulary ({head.cfg.vocab_size}) is not the model's "
                                f"({engine.config.vocab_size})")
