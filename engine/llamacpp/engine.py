@@ -25,8 +25,8 @@ from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder, NoCon
 from moedesk.engine.llamacpp.expert_counts import ExpertCounter
 from moedesk.engine.llamacpp.library import cuda_hint, library, torch_first_hint
 from moedesk.engine.llamacpp.overrides import Overrides, experts_pattern, overridden_tensors
-from moedesk.engine.llamacpp.fit import (FIRST_SLOTS, Fit, Machine, cache_cells, gguf_shape, plan, read_header,
-                                        this_machine, value)
+from moedesk.engine.llamacpp.fit import (FIRST_SLOTS, Fit, Machine, cache_cells, gguf_shape, gpu_split, plan,
+                                        read_header, this_machine, value)
 from moedesk.engine.llamacpp.placement import GIB, Placement, backed_off, context_backed_off
 from moedesk.engine.llamacpp.vocab import LlamaVocab
 from moedesk.engine.model.config import ModelConfig
@@ -111,7 +111,9 @@ class LlamaCppEngine(EngineFace):
             if not fit.fits:
                 raise MoedeskError(fit.refusal(str(path)))
             mark = lib.log_mark()
-            handle, stopped = _load_file(lib, path, placement, progress)
+            # several GPUs: each takes the layers its room holds, not llama.cpp's count of layers by free memory
+            split = gpu_split(shape, placement, machine, fit.context)
+            handle, stopped = _load_file(lib, path, placement, progress, split)
             if stopped:
                 if handle:
                     api.llama_model_free(handle)
@@ -338,11 +340,18 @@ class _KVFace:
             raise MoedeskError("the llama.cpp engine is busy: its context cannot grow now")
 
 
-def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | None, list[BaseException]]:
-    """llama.cpp's model handle (None when it could not load) under `placement`, and what `progress` raised."""
+def _load_file(lib, path: Path, placement: Placement, progress,
+               split: tuple[int, ...] | None = None) -> tuple[int | None, list[BaseException]]:
+    """llama.cpp's model handle (None when it could not load) under `placement`, and what `progress` raised. split:
+    the layers each GPU takes (engine.llamacpp.fit.gpu_split; None: llama.cpp's own split)."""
     api = lib.api
     params = api.llama_model_default_params()
     params.n_gpu_layers = placement.gpu_layers
+    shares = None
+    if split and len(split) <= api.llama_max_devices():
+        # layer mode (the default) reads the ratios: GPU i takes the next split[i] of the offloaded layers
+        shares = (ctypes.c_float * api.llama_max_devices())(*split)
+        params.tensor_split = ctypes.cast(shares, type(params.tensor_split))
     no_devices = (ctypes.c_void_p * 1)()  # a list of none, its NULL end alone: llama.cpp's `--device none`
     if not placement.gpu_layers:
         # Nothing offloaded: no GPU device either, or a CUDA build would still compute large batches there (op
@@ -366,7 +375,7 @@ def _load_file(lib, path: Path, placement: Placement, progress) -> tuple[int | N
 
     params.progress_callback = callback = api.llama_progress_callback(on_progress)
     handle = api.llama_model_load_from_file(str(path).encode(), params)
-    del callback, overrides, no_devices  # llama.cpp reads them only while loading
+    del callback, overrides, no_devices, shares  # llama.cpp reads them only while loading
     return handle, stopped
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from moedesk.engine.interface import DEFAULT_CONTEXT
 from moedesk.engine.llamacpp.compute import GraphShape, activation_bytes, graph_shape, offload_copy_bytes
 from moedesk.engine.llamacpp.placement import (GGUFSizes, Placement, backed_off_budget, expert_budget, gguf_sizes,
-                                              place, ram_need)
+                                              layer_split, place, ram_need)
 from moedesk.engine.llamacpp.state import recurrent_layers, state_bytes_per_sequence
 from moedesk.engine.memory_fit import gib, shortfall
 from moedesk.engine.offload.gpu_budget import ContextBudgetError
@@ -70,8 +70,13 @@ class Machine:
     """What placement is decided for."""
 
     gpu: bool  # llama.cpp offloads to a GPU: its build has one, and --device is not cpu
-    gpu_free: int  # bytes free on that GPU (0: unknown)
+    gpu_free: int  # bytes free on the GPUs it spreads over, together (0: unknown)
     available: int  # bytes this process may still use (engine.host_memory: RAM, or a cgroup's room)
+    gpus: tuple[int, ...] = ()  # each GPU's free bytes, where there are several: llama.cpp spreads over them all
+
+    @property
+    def gpu_count(self) -> int:
+        return max(1, len(self.gpus))
 
 
 def llama_gpu() -> tuple[bool, int]:
@@ -84,17 +89,44 @@ def llama_gpu() -> tuple[bool, int]:
         gpu = any(kind in ("gpu", "igpu") for _, kind in library().devices())
     except MoedeskError:
         return False, 0
+    return gpu, sum(gpus_free()) if gpu else 0
+
+
+def gpus_free() -> tuple[int, ...]:
+    """Bytes free on each CUDA GPU torch sees: the GPUs llama.cpp's CUDA build spreads over (the same process and
+    CUDA_VISIBLE_DEVICES, so the same order); () without CUDA."""
     import torch
 
-    return gpu, int(torch.cuda.mem_get_info()[0]) if gpu and torch.cuda.is_available() else 0
+    if not torch.cuda.is_available():
+        return ()
+    return tuple(int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count()))
 
 
 def this_machine(device: str = "auto", available: int | None = None) -> Machine:
-    """This machine as the llama.cpp engine would load on it with `--device device`."""
+    """This machine as the llama.cpp engine would load on it with `--device device`: with several GPUs, all of them,
+    as llama.cpp spreads its layers over every GPU it sees (`gpu_split` says how many each takes)."""
     from moedesk.engine.host_memory import available_memory
 
     gpu, free = llama_gpu()
-    return Machine(gpu and device != "cpu", free, available_memory() if available is None else available)
+    gpu = gpu and device != "cpu"
+    each = gpus_free() if gpu else ()
+    return Machine(gpu, free, available_memory() if available is None else available, each if len(each) > 1 else ())
+
+
+def gpu_split(shape: GGUFShape, placement: Placement, machine: Machine, context: int) -> tuple[int, ...] | None:
+    """llama.cpp's tensor_split for `placement` on several GPUs: the layers (then the output layer) each GPU takes,
+    by bytes against each GPU's room once its own compute buffer is set aside (placement.layer_split); None on one
+    GPU, where llama.cpp's default is what the plan counts. A layer's share of the non-expert weights and cache is
+    taken as even; the output layer as large as the token embeddings (its shape, tied or not)."""
+    if len(machine.gpus) < 2 or not placement.gpu_layers:
+        return None
+    layers, sizes, cells = shape.layers, shape.sizes, cache_cells(context)
+    each_layer = (max(0, shape.other_on_gpu - sizes.input_bytes)
+                  + FIRST_SLOTS * (cells * shape.kv_per_position + shape.state_per_sequence)) // max(1, layers)
+    experts = list(sizes.expert_bytes) + [0] * max(0, layers - len(sizes.expert_bytes))
+    slots = [each_layer + (0 if i < placement.cpu_moe else experts[i]) for i in range(layers)] + [sizes.input_bytes]
+    compute = activation_bytes(shape.graph, cells) if shape.graph else 0
+    return layer_split(slots, [free - compute for free in machine.gpus])
 
 
 @dataclass(frozen=True)
@@ -163,7 +195,8 @@ def _placed(shape: GGUFShape, machine: Machine, context: int, gpu_budget: float 
     The budget is spent as llama.cpp spends the GPU: the non-expert weights it puts there, the cache and recurrent
     state, its compute buffer (one expert tensor's copy more once any layer's experts stay in RAM), then experts."""
     sizes, kv, cells, state = shape.sizes, shape.kv_per_position, cache_cells(context), shape.state_per_sequence
-    activations = activation_bytes(shape.graph, cells) if shape.graph else 0
+    # each GPU llama.cpp spreads over keeps a compute buffer of its own
+    activations = (activation_bytes(shape.graph, cells) if shape.graph else 0) * machine.gpu_count
     copy = offload_copy_bytes(shape.graph, cells) if shape.graph else 0
     budget = expert_budget(gpu_budget, machine.gpu_free, shape.other_on_gpu, kv, cells, activations, state) \
         if machine.gpu else 0

@@ -196,3 +196,26 @@ def context_backed_off(sizes: GGUFSizes, placement: Placement, short_bytes: int)
         if freed >= short_bytes:
             return layer + 1
     return len(sizes.expert_bytes)
+
+
+def layer_split(slot_bytes, rooms) -> tuple[int, ...]:
+    """How many consecutive slots (llama.cpp's layers, then its output layer) each GPU takes, in order, so that each
+    GPU's share of the bytes follows its share of the room: llama.cpp's own split counts layers by free memory, and a
+    layer whose experts stay in RAM is a small one. A slot goes to the GPU whose share its middle falls in."""
+    slot_bytes, rooms = [max(0, int(b)) for b in slot_bytes], [max(0, int(r)) for r in rooms]
+    total, room = sum(slot_bytes), sum(rooms)
+    if not rooms:
+        return ()
+    if room <= 0:
+        rooms, room = [1] * len(rooms), len(rooms)  # nothing known: an even split
+    ends, held = [], 0
+    for r in rooms:
+        held += r
+        ends.append(held / room * total)
+    counts, before, gpu = [0] * len(rooms), 0, 0
+    for size in slot_bytes:
+        while gpu < len(rooms) - 1 and before + size / 2 > ends[gpu]:
+            gpu += 1
+        counts[gpu] += 1
+        before += size
+    return tuple(counts)
