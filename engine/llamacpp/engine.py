@@ -113,7 +113,7 @@ class LlamaCppEngine(EngineFace):
             mark = lib.log_mark()
             # several GPUs: each takes the layers its room holds, not llama.cpp's count of layers by free memory
             split = gpu_split(shape, placement, machine, fit.context)
-            handle, stopped = _load_file(lib, path, placement, progress, split)
+            handle, stopped = _load_file(lib, path, placement, progress, split, machine.gpu_index)
             if stopped:
                 if handle:
                     api.llama_model_free(handle)
@@ -340,13 +340,18 @@ class _KVFace:
             raise MoedeskError("the llama.cpp engine is busy: its context cannot grow now")
 
 
-def _load_file(lib, path: Path, placement: Placement, progress,
-               split: tuple[int, ...] | None = None) -> tuple[int | None, list[BaseException]]:
+def _load_file(lib, path: Path, placement: Placement, progress, split: tuple[int, ...] | None = None,
+               gpu: int | None = None) -> tuple[int | None, list[BaseException]]:
     """llama.cpp's model handle (None when it could not load) under `placement`, and what `progress` raised. split:
-    the layers each GPU takes (engine.llamacpp.fit.gpu_split; None: llama.cpp's own split)."""
+    the layers each GPU takes (engine.llamacpp.fit.gpu_split; None: llama.cpp's own split). gpu: the one GPU
+    `--device cuda:N` names (Machine.gpu_index; None: every GPU llama.cpp sees)."""
     api = lib.api
     params = api.llama_model_default_params()
     params.n_gpu_layers = placement.gpu_layers
+    if gpu is not None and placement.gpu_layers:
+        # llama.cpp's single-GPU mode keeps main_gpu (an index into the GPUs it sees, CUDA's order) and drops the rest
+        params.split_mode = api.LLAMA_SPLIT_MODE_NONE
+        params.main_gpu = gpu
     shares = None
     if split and len(split) <= api.llama_max_devices():
         # layer mode (the default) reads the ratios: GPU i takes the next split[i] of the offloaded layers

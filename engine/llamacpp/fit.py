@@ -73,6 +73,7 @@ class Machine:
     gpu_free: int  # bytes free on the GPUs it spreads over, together (0: unknown)
     available: int  # bytes this process may still use (engine.host_memory: RAM, or a cgroup's room)
     gpus: tuple[int, ...] = ()  # each GPU's free bytes, where there are several: llama.cpp spreads over them all
+    gpu_index: int | None = None  # the one GPU `--device cuda:N` names, llama.cpp's alone (None: every GPU it sees)
 
     @property
     def gpu_count(self) -> int:
@@ -102,15 +103,30 @@ def gpus_free() -> tuple[int, ...]:
     return tuple(int(torch.cuda.mem_get_info(i)[0]) for i in range(torch.cuda.device_count()))
 
 
+def named_gpu(device: str) -> int | None:
+    """The GPU index `--device` names ("cuda:1": 1); None for "cuda" and "auto" (every GPU llama.cpp sees) and "cpu"."""
+    kind, _, index = str(device).partition(":")
+    return int(index) if kind == "cuda" and index.isdigit() else None
+
+
 def this_machine(device: str = "auto", available: int | None = None) -> Machine:
     """This machine as the llama.cpp engine would load on it with `--device device`: with several GPUs, all of them,
-    as llama.cpp spreads its layers over every GPU it sees (`gpu_split` says how many each takes)."""
+    as llama.cpp spreads its layers over every GPU it sees (`gpu_split` says how many each takes); `cuda:N` that GPU
+    alone, its free memory the fit's. MoedeskError (one line) for a GPU torch does not see."""
+    from moedesk.engine.errors import MoedeskError
     from moedesk.engine.host_memory import available_memory
 
     gpu, free = llama_gpu()
     gpu = gpu and device != "cpu"
     each = gpus_free() if gpu else ()
-    return Machine(gpu, free, available_memory() if available is None else available, each if len(each) > 1 else ())
+    index = named_gpu(device) if gpu else None
+    if index is not None and each:  # torch without CUDA sees none: the free memory stays unknown (0)
+        if index >= len(each):
+            raise MoedeskError(f"--device {device}: no such GPU here (cuda:0 to cuda:{len(each) - 1})")
+        each = (each[index],)
+        free = each[0]
+    available = available_memory() if available is None else available
+    return Machine(gpu, free, available, each if len(each) > 1 else (), index)
 
 
 def gpu_split(shape: GGUFShape, placement: Placement, machine: Machine, context: int) -> tuple[int, ...] | None:

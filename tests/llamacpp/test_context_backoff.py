@@ -54,9 +54,9 @@ def faked(monkeypatch):
     real_load, real_context = llama_engine._load_file, llama_engine._make_context
     failures, attempts, pinned = [], [], []
 
-    def load_file(lib, gguf, placement, progress, split=None):
+    def load_file(lib, gguf, placement, progress, split=None, gpu=None):
         pinned.append(placement.cpu_moe)
-        return real_load(lib, gguf, placement, progress, split)
+        return real_load(lib, gguf, placement, progress, split, gpu)
 
     def make_context(api, model, context, slots, batch_tokens, threads, offload_kv, counter):
         attempts.append((pinned[-1], offload_kv))
