@@ -40,11 +40,26 @@ def load_target(app) -> LoadTarget:
     else:
         gpu = torch.cuda.is_available()
     device = getattr(app, "load_device", None) or "auto"  # the device every load of this run is asked for
-    dtype = options.get("dtype")
-    if dtype is None:  # as engine.load.loader.resolve_dtype decides it
-        dtype = ("bfloat16" if torch.cuda.is_bf16_supported() else "float16") if gpu else "float32"
     budget = options.get("gpu_budget")
     budgets = tuple(budget) if isinstance(budget, (tuple, list)) and len(budget) > 1 else ()
     one = budget[0] if isinstance(budget, (tuple, list)) and len(budget) == 1 else None if budgets else budget
+    dtype = options.get("dtype") or (default_weights_dtype(device, len(budgets)) if gpu else "float32")
     return LoadTarget(options.get("expert_dtype") or "auto", dtype, gpu, budgets, one,
                       getattr(app, "context_length", None), device, options.get("engine") or "auto")
+
+
+def default_weights_dtype(device: str, spread: int = 0) -> str:
+    """The weights dtype a native load on the GPU picks when none is named, by the function the load asks
+    (engine.load.loader.resolve_dtype): of the GPU `device` names ("auto" and "cuda": the current one), or of every
+    GPU of a spread over `spread` of them (one --gpu-budget figure each), so that the screen and the load agree."""
+    import torch
+
+    from moedesk.engine.load.loader import resolve_dtype
+
+    first, spread_over = torch.device(device if device.startswith("cuda") else "cuda"), None
+    if spread > 1:
+        from moedesk.engine.runtime import _plan_devices_for  # the GPUs the load spreads over
+
+        spread_over = _plan_devices_for(first, spread)
+    chosen = resolve_dtype(None, first, spread_over)
+    return str(chosen).removeprefix("torch.")

@@ -1,5 +1,6 @@
 """Issue 45's device choices, decided on the CPU: the default dtype asks every GPU the model runs on (items 4), and a
-thread running one GPU named cuda:N makes it current (item 5), a no-op on plain "cuda" and on the CPU."""
+thread running one GPU named cuda:N makes it current (item 5), a no-op on plain "cuda" and on the CPU. The chat
+app's dtype preview asks the load's own function."""
 import threading
 
 import pytest
@@ -97,3 +98,54 @@ def test_the_step_times_are_measured_on_the_engines_device(monkeypatch, tmp_path
                                    dtype=torch.bfloat16, model=None, executor=None, config=None)
     step_times.engine_step_times(engine, 1, 0)
     assert inside == [torch.device("cuda", 1), "measure", None]
+
+
+class Stop(Exception):
+    pass
+
+
+@pytest.fixture
+def gpu_1_without_bf16(monkeypatch):
+    """Two GPUs as torch.cuda's capability calls see them: GPU 0 has bf16, GPU 1 (a pre-Ampere card) has not."""
+    current = {"gpu": 0}
+
+    class device:  # torch.cuda.device: the GPU the block's questions are asked of
+        def __init__(self, d):
+            self.index = torch.device(d).index
+
+        def __enter__(self):
+            self.before = current["gpu"]
+            if self.index is not None:
+                current["gpu"] = self.index
+
+        def __exit__(self, *exc):
+            current["gpu"] = self.before
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: current["gpu"] != 1)
+
+
+@pytest.mark.parametrize("device, budget, expected", [("cuda:1", None, "float16"), ("cuda:0", None, "bfloat16"),
+                                                      ("auto", None, "bfloat16"), ("auto", (8, 8), "float16")])
+def test_the_chat_apps_dtype_preview_is_the_loads_choice(gpu_1_without_bf16, monkeypatch, device, budget, expected):
+    # The Models screen's dtype is what the native load will pick: for a named cuda:1 that GPU's support, for a
+    # spread every GPU's, not the current GPU's alone
+    from moedesk.app.tui import MoedeskApp
+    from moedesk.app.tui.load_target import load_target
+    from moedesk.app.tui.settings import Settings
+    from moedesk.engine import runtime
+
+    app = MoedeskApp(settings=Settings(), device=device, gpu_budget=list(budget) if budget else None)
+    shown = load_target(app).weights_dtype
+    chosen = []
+
+    def resolve(*args):
+        chosen.append(str(resolve_dtype(*args)).removeprefix("torch."))
+        raise Stop  # the choice is made: nothing of the load needs a GPU past it
+
+    monkeypatch.setattr(runtime, "resolve_dtype", resolve)
+    with pytest.raises(Stop):
+        app.engine_factory("demo", None)
+    assert shown == chosen[0] == expected
