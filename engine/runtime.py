@@ -476,6 +476,14 @@ class Engine(EngineFace):
         return compile_response_format(response_format, self._grammar_tokenizer, self.vocab_size, eos)
 
 
+def default_weights_dtype(device: str, spread: int = 0) -> torch.dtype:
+    """The weights dtype a native load on the GPU picks when none is named (resolve_dtype): of the GPU `device` names
+    ("auto" and "cuda": the current one), or of every GPU a spread over `spread` of them runs on (one --gpu-budget
+    figure each). What the app previews before loading, so that the screen and the load agree."""
+    first = torch.device(device if device.startswith("cuda") else "cuda")
+    return resolve_dtype(None, first, _plan_devices_for(first, spread) if spread > 1 else None)
+
+
 def _plan_devices_for(device: torch.device, count: int) -> list[torch.device]:
     """The devices `count` budget figures stand for: the CUDA GPUs in order, or on the CPU the CPU `count` times
     (it stands in for the GPU tier there, as for one figure)."""

@@ -49,17 +49,9 @@ def load_target(app) -> LoadTarget:
 
 
 def default_weights_dtype(device: str, spread: int = 0) -> str:
-    """The weights dtype a native load on the GPU picks when none is named, by the function the load asks
-    (engine.load.loader.resolve_dtype): of the GPU `device` names ("auto" and "cuda": the current one), or of every
-    GPU of a spread over `spread` of them (one --gpu-budget figure each), so that the screen and the load agree."""
-    import torch
+    """The weights dtype a native load on the GPU picks when none is named, asked of the engine's door
+    (engine.runtime.default_weights_dtype: the named GPU, or every GPU of a spread over `spread`), so that the
+    screen and the load agree."""
+    from moedesk.engine import runtime
 
-    from moedesk.engine.load.loader import resolve_dtype
-
-    first, spread_over = torch.device(device if device.startswith("cuda") else "cuda"), None
-    if spread > 1:
-        from moedesk.engine.runtime import _plan_devices_for  # the GPUs the load spreads over
-
-        spread_over = _plan_devices_for(first, spread)
-    chosen = resolve_dtype(None, first, spread_over)
-    return str(chosen).removeprefix("torch.")
+    return str(runtime.default_weights_dtype(device, spread)).removeprefix("torch.")
