@@ -60,29 +60,16 @@ def test_model_params_match_llama_bench_ncmoe(monkeypatch):
     """-ngl 99 puts every layer and the output on the GPU (n_layers + 1 here); the first N layers' experts go to the
     CPU's buffer by the same tensors llama-bench's regex picks; repacking and pinned host memory as llama.cpp's
     defaults, as llama-bench leaves them."""
-    from moedesk.engine.llamacpp.library import library
+    from tests.llamacpp.test_gpu_split import fake_lib
 
-    lib, seen = library(), {}
+    seen = {}
 
-    def load(path, params):
+    def record(params):
         seen.update(gpu_layers=params.n_gpu_layers, extra=params.use_extra_bufts, no_host=params.no_host,
                     devices=params.devices, overrides=bool(params.tensor_buft_overrides))
-        return None
-
-    class Api:
-        def __getattr__(self, name):
-            return getattr(lib.api, name)
-
-        llama_model_load_from_file = staticmethod(load)
-
-    class Lib:
-        api = Api()
-
-        def cpu_buffer_type(self):
-            return lib.cpu_buffer_type()
 
     placement = Placement(gpu_layers=9, cpu_moe=8, layers=8, expert_bytes_in_ram=1, why="")
-    handle, stopped = llama_engine._load_file(Lib(), "x.gguf", placement, None)
+    handle, stopped = llama_engine._load_file(fake_lib(record), "x.gguf", placement, None)
     assert handle is None and not stopped
     defaults = lib.api.llama_model_default_params()
     assert seen == {"gpu_layers": 9, "extra": defaults.use_extra_bufts, "no_host": defaults.no_host,
