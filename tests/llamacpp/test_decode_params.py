@@ -60,9 +60,10 @@ def test_model_params_match_llama_bench_ncmoe(monkeypatch):
     """-ngl 99 puts every layer and the output on the GPU (n_layers + 1 here); the first N layers' experts go to the
     CPU's buffer by the same tensors llama-bench's regex picks; repacking and pinned host memory as llama.cpp's
     defaults, as llama-bench leaves them."""
+    from moedesk.engine.llamacpp.library import library
     from tests.llamacpp.test_gpu_split import fake_lib
 
-    seen = {}
+    lib, seen = library(), {}
 
     def record(params):
         seen.update(gpu_layers=params.n_gpu_layers, extra=params.use_extra_bufts, no_host=params.no_host,
