@@ -85,9 +85,8 @@ def engine_step_times(engine, batch: int, max_gamma: int, refresh: bool = False,
     """The engine's T(B, k) for B up to `batch` (powers of two, and `batch`) and k up to max_gamma + 1, measured
     once per machine, model, device, dtype and placement and cached beside the expert profile. progress(done),
     done in [0, 1], is called as each batch size is measured (not when the cache has them)."""
-    from moedesk.engine.json_cache import cached_json
-
     from moedesk.engine.hardware import on_device
+    from moedesk.engine.json_cache import cached_json
 
     path, batches, graphs = _cache_entry(engine, batch, max_gamma)
 
