@@ -80,7 +80,9 @@ def test_the_first_gpu_never_holds_the_second_gpus_weights(four_layers, monkeypa
     peak, orchestrate = [], Engine._orchestrate_devices
     monkeypatch.setattr(Engine, "_orchestrate_devices",
                         lambda self, *a: (peak.append(torch.cuda.max_memory_allocated(0)), orchestrate(self, *a)))
+    # What earlier tests left allocated on cuda:0 stays in its peak: the load's own rise is measured above it.
     torch.cuda.reset_peak_memory_stats(0)
+    before = torch.cuda.memory_allocated(0)
     engine = Engine.load(str(four_layers), device="cuda", dtype="float32", offload=True, context_length=64,
                          gpu_budget=budgets, devices=("cuda:0", "cuda:1"))
     owner = engine.model.spread.device_of_layer
@@ -91,7 +93,7 @@ def test_the_first_gpu_never_holds_the_second_gpus_weights(four_layers, monkeypa
                  if expected_device(name, owner, devices).index == 1)
     first = sum(p.numel() * p.element_size() for name, p in engine.model.named_parameters()
                 if p.device.index == 0)
-    assert second > 0 and len(peak) == 1 and peak[0] < first + second
+    assert second > 0 and len(peak) == 1 and peak[0] - before < first + second
 
 
 def test_a_tied_head_is_read_onto_the_last_layers_device_not_copied_from_the_first(tmp_path, monkeypatch):
