@@ -153,12 +153,15 @@ class Decoder:
             s.position += 1
         yield from self._accept(seqs, logits[:, -1])
 
-    def _accept(self, seqs, logits: torch.Tensor) -> Iterator[tuple[Sequence, int | None]]:
-        # Every unconstrained row at once, on the logits' device: greedy rows take the argmax, sampled ones
-        # their own draw (sample_tokens).
-        free = [i for i, s in enumerate(seqs) if s.constraint is None]
-        picked = dict(zip(free, sample_tokens(logits[free] if len(free) < len(seqs) else logits,
-                                              [seqs[i].params for i in free], [seqs[i].generator for i in free])))
+    def _accept(self, seqs, logits: torch.Tensor, picked: dict[int, int] | None = None
+                ) -> Iterator[tuple[Sequence, int | None]]:
+        """picked: the token of each unconstrained row, where the caller chose them already (None: chosen here)."""
+        if picked is None:
+            # Every unconstrained row at once, on the logits' device: greedy rows take the argmax, sampled ones
+            # their own draw (sample_tokens).
+            free = [i for i, s in enumerate(seqs) if s.constraint is None]
+            picked = dict(zip(free, sample_tokens(logits[free] if len(free) < len(seqs) else logits,
+                                                  [seqs[i].params for i in free], [seqs[i].generator for i in free])))
         now = time.perf_counter()
         for i, s in enumerate(seqs):
             if s.constraint is not None:

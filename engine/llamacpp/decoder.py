@@ -76,10 +76,10 @@ class LlamaContext:
         """Drop what sequence `seq_id` holds in the KV cache (its row starts a new request)."""
         self.api.llama_memory_seq_rm(self.api.llama_get_memory(self.ctx), seq_id, -1, -1)
 
-    def run(self, pieces: list[tuple[int, list[int], int, bool]], prefill: bool = False) -> torch.Tensor:
+    def run(self, pieces: list[tuple[int, list[int], int, bool]], prefill: bool = False) -> np.ndarray:
         """One llama_decode of (seq_id, tokens, first position, wants logits) pieces; the logits of each wanting
-        piece's last token, [wanting, vocab] float32. prefill: the pieces are prompts' tokens (the expert counter
-        counts every such step, a sample of the decode ones)."""
+        piece's last token, [wanting, vocab] float32 (numpy: torch is only for the rows that sample). prefill:
+        the pieces are prompts' tokens (the expert counter counts every such step, a sample of the decode ones)."""
         batch, n = self.batch, 0
         wanted = []
         for seq_id, tokens, start, logits in pieces:
@@ -104,7 +104,7 @@ class LlamaContext:
             if not pointer:  # NULL: llama.cpp has no logits for that token (its log says why)
                 raise MoedeskError(f"llama.cpp gave no logits for token {index} of a batch of {n}")
             rows[i] = np.ctypeslib.as_array(ctypes.cast(pointer, ctypes.POINTER(ctypes.c_float)), shape=(self.n_vocab,))
-        return torch.from_numpy(rows)
+        return rows
 
     def close(self) -> None:
         if self.ctx is not None:
@@ -172,6 +172,13 @@ class LlamaCppDecoder(Decoder):
         yield from self._accept(seqs, logits)
 
 
+    def _accept(self, seqs, logits: np.ndarray, picked=None) -> Iterator[tuple[Sequence, int | None]]:
+        if all(greedy_unconstrained(s) for s in seqs):
+            # No torch op between two llama_decode calls: a torch CPU op may start its OpenMP team (several rows
+            # do), whose threads then spin beside llama.cpp's own on the cores its experts need.
+            return super()._accept(seqs, logits, picked=dict(enumerate(greedy_tokens(logits))))
+        return super()._accept(seqs, torch.from_numpy(logits))
+
     def completion(self, s: Sequence):
         done = super().completion(s)
         gpu, cpu = self.experts_per_token
@@ -180,3 +187,13 @@ class LlamaCppDecoder(Decoder):
             done.stats["experts"] = {"experts_gpu": gpu * steps, "experts_cpu": cpu * steps,
                                      "gpu_hit_rate": gpu / (gpu + cpu)}
         return done
+
+
+def greedy_unconstrained(s: Sequence) -> bool:
+    """Whether `s` takes the argmax of its logits with no grammar: numpy alone chooses its token."""
+    return s.params.temperature == 0 and s.constraint is None
+
+
+def greedy_tokens(logits: np.ndarray) -> list[int]:
+    """Each row's argmax ([rows, vocab]), single-threaded; a tie or NaN picks the first, as torch.argmax does."""
+    return np.argmax(logits, axis=-1).tolist()
