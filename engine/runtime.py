@@ -13,7 +13,8 @@ from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.hardware import use_device
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
-from moedesk.engine.offload.gpu_budget import BudgetSplit, budget_holding, model_split, prefill_workspace_bytes
+from moedesk.engine.offload.gpu_budget import (BudgetSplit, ContextBudgetError, budget_holding, model_split,
+                                              prefill_workspace_bytes)
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
                                   leave_a_core_to_the_gpu_thread)
 from moedesk.engine.requests import Completion, Request, SamplingParams
@@ -21,6 +22,10 @@ from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
 from moedesk.engine.load.tokenizer import Tokenizer
 from moedesk.engine.interface import DEFAULT_CONTEXT, EngineFace
 FIRST_CACHE_LENGTH = 256  # positions of the KV cache's one row at load: requests grow it to what they need
+
+
+class UnreadBudgetError(ContextBudgetError):
+    """The GPU budget refused from the config alone, before any weight was read: auto may still take llama.cpp."""
 
 
 class Engine(EngineFace):
@@ -86,7 +91,7 @@ class Engine(EngineFace):
         expert_dtype: how routed experts are stored (auto: as the file has them, packed GGUF blocks included; bf16;
         int8 / int4: quantised while loading; engine.load.loader.expert_formats).
         """
-        from moedesk.engine.selection import after_refusal, choose_engine
+        from moedesk.engine.selection import after_budget_refusal, after_refusal, choose_engine
 
         if engine == "remote":
             from moedesk.engine.remote.engine import RemoteEngine
@@ -111,6 +116,10 @@ class Engine(EngineFace):
                 if choice is not None:
                     raise
                 choice = after_refusal(refusal)
+            except UnreadBudgetError as refusal:
+                if choice is not None:
+                    raise
+                choice = after_budget_refusal(model, refusal)
         if budgets and len(budgets) > 1:
             raise MoedeskError("--gpu-budget: one figure per GPU is planned for the native engine only; the llama.cpp "
                                "engine takes one figure")
@@ -147,8 +156,11 @@ class Engine(EngineFace):
 
             early = parse_config(checkpoint.config, checkpoint.path, tensors=checkpoint.shapes())
             if early.is_moe:
-                model_split(early, int(gpu_budget * GIB), min(context, early.max_position_embeddings),
-                            torch_dtype.itemsize, default_prefill_chunk(torch_device))
+                try:
+                    model_split(early, int(gpu_budget * GIB), min(context, early.max_position_embeddings),
+                                torch_dtype.itemsize, default_prefill_chunk(torch_device))
+                except ContextBudgetError as refusal:
+                    raise UnreadBudgetError(str(refusal)) from None
         owner: list = []  # the device index of each layer, once the banks say what an expert takes
 
         def layer_devices(model, cfg, banks):

@@ -50,6 +50,20 @@ def after_refusal(error: UnsupportedModelError, llama_cpp_problem=None) -> Choic
     return Choice("llama.cpp", path, f"llama.cpp: the native engine does not run it ({error.problem})")
 
 
+def after_budget_refusal(model: str, refusal: MoedeskError, llama_cpp_problem=None) -> Choice:
+    """auto, once the native engine found a GPU budget too small for a model's non-expert weights and KV cache: for a
+    GGUF, llama.cpp, which keeps the file's packed weights packed on the GPU (the native engine holds them in 16
+    bits) and can leave whole layers in RAM; otherwise the refusal again. The demo
+    stays native: llama.cpp would run its dense source file, another model."""
+    if model == "demo" or (llama_cpp_problem or _llama_cpp_problem)():
+        raise refusal
+    try:
+        path = _gguf_for_llama_cpp(model)
+    except MoedeskError:
+        raise refusal from None
+    return Choice("llama.cpp", path, f"llama.cpp: the native engine, with its 16-bit weights, does not fit ({refusal})")
+
+
 GGUF_ONLY = "the llama.cpp engine reads GGUF files only"
 
 

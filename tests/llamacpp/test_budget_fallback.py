@@ -1,0 +1,57 @@
+"""auto with a GPU budget too small for the native engine's 16-bit non-expert weights and KV cache: a GGUF goes to
+llama.cpp, which keeps the file's packed weights packed (GLM-4.5-Air's non-expert weights take ~12 GiB in 16 bits,
+more than an 8 GiB budget); `--engine native` keeps its refusal, and a model llama.cpp cannot take keeps it too.
+On the CPU the native engine's offload simulates the GPU tier, so its budget check runs as on a GPU."""
+import shutil
+
+import pytest
+
+from moedesk.engine.offload.gpu_budget import ContextBudgetError
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from tests.gguf_from_hf import build
+
+TOO_SMALL = 1e-5  # GiB: ~10 KB, below any model's embeddings
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return build("qwen3moe", tmp_path_factory.mktemp("qwen3moe") / "hf").gguf
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+
+
+def test_auto_takes_llama_cpp_where_the_native_weights_do_not_fit(tiny_gguf):
+    engine = Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, gpu_budget=TOO_SMALL,
+                         context_length=128)
+    try:
+        assert engine.kind == "llama.cpp", engine.why
+        assert "native engine, with its 16-bit weights, does not fit" in engine.why and "GPU budget" in engine.why
+        reply = engine.complete([Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))])[0]
+        assert len(reply.token_ids) == 4
+    finally:
+        engine.close()
+
+
+def test_native_asked_for_keeps_its_refusal(tiny_gguf):
+    with pytest.raises(ContextBudgetError, match="cannot hold the weights"):
+        Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, gpu_budget=TOO_SMALL,
+                    context_length=128, engine="native")
+
+
+def test_a_safetensors_model_keeps_the_native_refusal(tiny_gguf, tmp_path):
+    # the transformers checkpoint the GGUF was written from, without the GGUF: llama.cpp reads GGUF files only
+    folder = tmp_path / "safetensors"
+    shutil.copytree(tiny_gguf.parent, folder, ignore=shutil.ignore_patterns("*.gguf"))
+    with pytest.raises(ContextBudgetError, match="cannot hold the weights"):
+        Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=TOO_SMALL,
+                    context_length=128)
+
+
+def test_a_budget_that_fits_stays_native(tiny_gguf):
+    engine = Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, gpu_budget=1.0,
+                         context_length=128)
+    assert engine.kind == "native", engine.why
