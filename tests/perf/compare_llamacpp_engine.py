@@ -3,7 +3,8 @@ CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir l
 
 Usage (repo root):
     python3 tests/perf/compare_llamacpp_engine.py --llama-bench PATH/llama-bench [--gguf FILE | --shape mixtral-8x7b
-        --layers 8 --expert-format q4_k] [--ncmoe N] [--budgets 8,16,24] [--threads 16] [--reps 5] [--json OUT.json]
+        --layers 8 --expert-format q4_k] [--ncmoe N] [--budgets 8,16,24] [--threads 16] [--reps 5]
+        [--batched-bench PATH/llama-batched-bench] [--json OUT.json]
 
 The issue's targets (#40), each printed with its ratio:
 - wrapper: decode (tg64) and prefill (pp512) through moedesk's engine with `--ncmoe N` layers' experts in RAM,
@@ -17,7 +18,8 @@ The issue's targets (#40), each printed with its ratio:
   the comparison's context, within the budget (each N's figures are printed beside moedesk's estimate of them).
 Without --gguf the shape is written as a GGUF once (bench/synthetic_gguf.py, cached). A gpt-oss-120b-shape MXFP4
 file (first 8 layers) is not written here: pass one with --gguf. Four concurrent streams through serve:
-tests/perf/bench_serve.py --model FILE --engine llama.cpp --clients 4 (its "over one client" line).
+tests/perf/bench_serve.py --model FILE --engine llama.cpp --clients 4 (its "over one client" line); llama.cpp's own
+1 and 4 sequences beside it with --batched-bench.
 """
 from __future__ import annotations
 
@@ -45,6 +47,44 @@ def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, t
         key = "pp" if row.get("n_prompt") and not row.get("n_gen") else "tg"
         rates[key] = float(row["avg_ts"])
     return rates
+
+
+def batched_bench(binary: str, gguf: str, threads: int, prompt: int = 128, tokens: int = 64,
+                  parallel: tuple[int, ...] = (1, 4)) -> dict[int, float]:
+    """llama.cpp's own batched decode with every layer on the GPU (-ngl 99, as serve's 10 GiB budget places the
+    file): {sequences: their decode tok/s together} from llama-batched-bench, each sequence its own prompt of
+    `prompt` tokens and its own stream of cells (serve's), then `tokens` steps of all of them."""
+    out = subprocess.run([binary, "-m", gguf, "-ngl", "99", "-fa", "on", "-t", str(threads),
+                          "-c", str(max(parallel) * (prompt + tokens)), "-b", "2048", "-ub", "512",
+                          "-npp", str(prompt), "-ntg", str(tokens), "-npl", ",".join(map(str, parallel)),
+                          "--output-format", "jsonl"], check=True, capture_output=True, text=True)
+    return batched_rates(out.stdout + "\n" + out.stderr)
+
+
+def batched_rates(text: str) -> dict[int, float]:
+    """{sequences (pl): decode tok/s of them all (speed_tg)} from llama-batched-bench's JSONL lines in `text`."""
+    rates = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and "pl" in row and "speed_tg" in row:
+            rates[int(row["pl"])] = float(row["speed_tg"])
+    return rates
+
+
+def batched_line(rates: dict[int, float], prompt: int, tokens: int) -> str:
+    """The comparison's line for llama-batched-bench's rates: each count of sequences, and the most over one."""
+    if 1 not in rates or len(rates) < 2:
+        return f"llama-batched-bench gave no rates for one sequence and more: {rates}"
+    most = max(rates)
+    each = ", ".join(f"{n} {'sequence' if n == 1 else 'sequences'} {rate:.1f}" for n, rate in sorted(rates.items()))
+    return (f"llama-batched-bench -ngl 99 -npp {prompt} -ntg {tokens}: decode {each} tok/s; {most} over one "
+            f"{rates[most] / rates[1]:.2f}x (beside serve's own decode steps, 4 clients over 1)")
 
 
 def context_for(prompt: int, tokens: int) -> int:
@@ -79,8 +119,11 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
 
     engine, gpu = loaded(gguf, ncmoe, budget_gib, context_for(prompt, tokens), threads, count_experts)
     try:
-        report = measure(engine, tokens, (prompt,), batch=1, log=lambda *a: None)
-        rates = {r["mode"]: r["tok_s"] for r in report["results"]}
+        # The prompt twice: llama-bench times its prompt after a warm-up run of the same size, and a context's first
+        # prompt of a size pays once for what that size needs (kernels loaded on first use, the graph built).
+        report = measure(engine, tokens, (prompt, prompt), batch=1, log=lambda *a: None)
+        prefills = [r["tok_s"] for r in report["results"] if r["mode"] == "prefill"]
+        rates = {r["mode"]: r["tok_s"] for r in report["results"]}  # the prefill: the second, warm run
         runs = [rates["decode"]]
         for _ in range(decodes - 1):  # as measure's decode: 32 prompt tokens, greedy, to the last token
             done = engine.complete([Request(_prompt(32, engine.vocab_size, 0),
@@ -89,7 +132,7 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
         bare = sorted(bare_decode(engine, tokens) for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
     finally:
         engine.close()
-    return {"pp": rates["prefill"], "tg": statistics.median(runs), "tg_runs": runs, "tg_bare": bare, "ncmoe": engine.placement.cpu_moe,
+    return {"pp": rates["prefill"], "pp_runs": prefills, "tg": statistics.median(runs), "tg_runs": runs, "tg_bare": bare, "ncmoe": engine.placement.cpu_moe,
             "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
 
 
@@ -173,6 +216,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5,
                         help="llama-bench's -r, and the engine's decode runs per load (their median); llama-bench "
                              "runs before and after the engine's lines, so a drift between the two shows")
+    parser.add_argument("--batched-bench", default=None,
+                        help="llama.cpp's llama-batched-bench: a line of its decode at 1 and 4 sequences, every layer "
+                             "on the GPU (what serve's four clients are compared with)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -220,7 +266,8 @@ def main() -> int:
         counting = f"on (1 decode step in {count_every})" if count_every is not None else "off"
         print(f"{label}, -ncmoe {n}, expert counts {counting}: decode {mine['tg']:.1f} vs llama-bench "
               f"{theirs['tg']:.1f} tok/s = {report[label]['decode_ratio']:.3f}x; prefill {args.prompt} "
-              f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x); "
+              f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x; "
+              f"its runs, the first cold: {mine['pp_runs']}); "
               f"the engine's decode runs {mine['tg_runs']}; a bare llama_decode loop on its context "
               f"{mine['tg_bare']} tok/s")
     # llama-bench again: the ratios above are against its first run; a second that moved as much as the gap
@@ -229,6 +276,11 @@ def main() -> int:
     report["llama_bench_after"] = after
     print(f"llama-bench decode before the engine's lines {before['tg']:.1f}, after {after['tg']:.1f} tok/s "
           f"({after['tg'] / before['tg']:.3f}x); prefill {before['pp']:.1f}, {after['pp']:.1f}")
+    if args.batched_bench:
+        prompt_tokens, gen_tokens = 128, 64  # bench_serve.py's defaults, for its four clients beside one
+        rates = batched_bench(args.batched_bench, gguf, args.threads, prompt_tokens, gen_tokens)
+        report["batched_bench"] = {str(n): rate for n, rate in rates.items()}
+        print(batched_line(rates, prompt_tokens, gen_tokens))
     expert_counts.COUNT_EVERY = count_everies[0]  # the placement runs below count as the wrapper line does
 
     report["placement"] = []

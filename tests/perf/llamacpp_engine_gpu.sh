@@ -38,7 +38,7 @@ compare)
     2>&1 | tee "$OUT/pytest_llamacpp_fit.txt" | tail -n 5
   python3 tests/perf/compare_llamacpp_engine.py --llama-bench "$B/bin/llama-bench" --shape mixtral-8x7b --layers 8 \
     --expert-format q4_k --budgets "${BUDGETS:-3,5}" --count-every "${COUNT_EVERY:-8}" --reps "${REPS:-3}" \
-    --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
+    --batched-bench "$B/bin/llama-batched-bench" --json "$OUT/llamacpp_engine.json" 2>&1 | tee "$OUT/compare.txt"
   # Serve with every expert in RAM (0) and with every expert on the GPU (10 GiB holds the 7.25 GB file): four rows
   # of top-2 read most of a layer's experts, so only the second can show four streams' gain over one.
   gguf=$(python3 -c "import json; print(json.load(open('$OUT/llamacpp_engine.json'))['gguf'])") && \

@@ -1,0 +1,52 @@
+"""tests/perf/compare_llamacpp_engine.py's llama-batched-bench line: llama.cpp's own 4-over-1 decode ratio, printed
+beside serve's on the GPU box. Here its output is parsed from a stand-in that writes what the tool writes."""
+import importlib.util
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "perf" / "compare_llamacpp_engine.py"
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("compare_llamacpp_engine", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(pl: int, speed_tg: float) -> str:
+    # the fields llama-batched-bench's --output-format jsonl writes (tools/batched-bench), a few of them
+    return json.dumps({"n_kv_max": 768, "pp": 128, "tg": 64, "pl": pl, "n_kv": pl * 192, "t_tg": 64 * pl / speed_tg,
+                       "speed_tg": speed_tg, "speed": speed_tg})
+
+
+def test_rates_come_from_the_jsonl_lines_only(compare):
+    text = "\n".join(["main: n_kv_max = 768, n_batch = 2048", "|    PP |     TG |    B |", _row(1, 190.5),
+                      "{not json", _row(4, 402.25), "llama_perf_context_print: total time"])
+    assert compare.batched_rates(text) == {1: 190.5, 4: 402.25}
+
+
+def test_the_line_gives_four_over_one(compare):
+    line = compare.batched_line({1: 200.0, 4: 500.0}, 128, 64)
+    assert "1 sequence 200.0, 4 sequences 500.0 tok/s" in line and "4 over one 2.50x" in line
+    assert "no rates" in compare.batched_line({4: 500.0}, 128, 64)
+
+
+def test_the_tool_is_asked_for_one_and_four_sequences_on_the_gpu(compare, tmp_path):
+    args = tmp_path / "args.txt"
+    fake = tmp_path / "llama-batched-bench"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args}\necho 'main: loading'\n"
+                    f"echo '{_row(1, 150.0)}'\necho '{_row(4, 330.0)}'\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    rates = compare.batched_bench(str(fake), "model.gguf", 16)
+    assert rates == {1: 150.0, 4: 330.0}
+    asked = args.read_text().split()
+    value = lambda flag: asked[asked.index(flag) + 1]  # noqa: E731
+    assert value("-npl") == "1,4" and value("-ngl") == "99" and value("-m") == "model.gguf"
+    assert value("--output-format") == "jsonl" and value("-t") == "16"
+    assert int(value("-c")) >= 4 * (int(value("-npp")) + int(value("-ntg")))  # room for four sequences
+    assert "-ncmoe" not in asked  # every expert on the GPU, as serve's 10 GiB run
