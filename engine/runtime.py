@@ -151,16 +151,8 @@ class Engine(EngineFace):
         allocator = host_bank_allocator(torch_dtype, torch_device.type == "cuda", warnings) if offload else None
         _check_memory(checkpoint.path, str(torch_dtype).removeprefix("torch."), expert_dtype,
                       gpu=torch_device.type == "cuda")
-        if offload and gpu_budget:  # refuse a budget too small for the weights and the cache before reading them
-            from moedesk.engine.model.architectures import parse_config
-
-            early = parse_config(checkpoint.config, checkpoint.path, tensors=checkpoint.shapes())
-            if early.is_moe:
-                try:
-                    model_split(early, int(gpu_budget * GIB), min(context, early.max_position_embeddings),
-                                torch_dtype.itemsize, default_prefill_chunk(torch_device))
-                except ContextBudgetError as refusal:
-                    raise UnreadBudgetError(str(refusal)) from None
+        if offload and not budgets and gpu_budget != 0:
+            _check_gpu_holds_weights(checkpoint, gpu_budget, torch_device, torch_dtype, context)
         owner: list = []  # the device index of each layer, once the banks say what an expert takes
 
         def layer_devices(model, cfg, banks):
@@ -545,6 +537,40 @@ def available_ram() -> int:
     from moedesk.engine.host_memory import available_memory
 
     return available_memory()
+
+
+def _gpu_free_bytes(device: torch.device) -> int | None:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
+def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch.device, dtype: torch.dtype,
+                             context: int) -> None:
+    """Refuse (UnreadBudgetError, one line) before any weight is read where the GPU budget, or without one what the
+    GPU has free, cannot hold an MoE model's non-expert weights in 16 bits and the KV cache of its context: read
+    anyway, the load ended in a CUDA out-of-memory error."""
+    from moedesk.engine.memory_fit import gib
+    from moedesk.engine.model.architectures import parse_config
+
+    free = None if gpu_budget else _gpu_free_bytes(device)
+    if not gpu_budget and free is None:
+        return
+    early = parse_config(checkpoint.config, checkpoint.path, tensors=checkpoint.shapes())
+    if not early.is_moe:
+        return
+    context = min(context, early.max_position_embeddings)
+    piece = default_prefill_chunk(device)
+    if gpu_budget:
+        try:
+            model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece)
+        except ContextBudgetError as refusal:
+            raise UnreadBudgetError(str(refusal)) from None
+        return
+    whole = model_split(early, 2**62, context, dtype.itemsize, piece)
+    need = whole.weights + whole.kv_cache + whole.workspace
+    if need > free:
+        raise UnreadBudgetError(f"{device} has {gib(free)} free, less than the {gib(need)} this model's non-expert "
+                                f"weights in 16 bits and the KV cache of {context} positions take there; free GPU "
+                                f"memory, or use a shorter --context or --device cpu")
 
 
 def _check_memory(path, weights_dtype: str, expert_dtype: str, gpu: bool) -> None:

@@ -55,3 +55,21 @@ def test_a_budget_that_fits_stays_native(tiny_gguf):
     engine = Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, gpu_budget=1.0,
                          context_length=128)
     assert engine.kind == "native", engine.why
+
+
+def test_without_a_budget_the_gpus_free_memory_is_checked_before_reading(tiny_gguf, monkeypatch):
+    # No --gpu-budget: the GPU's free memory stands in for it (the CPU here plays a GPU with 1 KB free).
+    import moedesk.engine.load.loader as loader
+    import moedesk.engine.runtime as runtime
+
+    monkeypatch.setattr(runtime, "_gpu_free_bytes", lambda device: 1000)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights read before the refusal"))
+    monkeypatch.setattr(runtime, "load_model", loader.load_model)
+    with pytest.raises(ContextBudgetError, match=r"cpu has .* free, less than .* non-expert weights in 16 bits"):
+        Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, context_length=128,
+                    engine="native")
+    engine = Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, context_length=128)
+    try:
+        assert engine.kind == "llama.cpp" and "free, less than" in engine.why, engine.why
+    finally:
+        engine.close()
