@@ -125,6 +125,11 @@ class GraphedDecode:
         caller must run it eagerly (graphs broken, or a multi-token shape not captured). mask [B, 1, T, L] and
         slots [B, T] as the model takes them, for a tree; L may be shorter than the cache (the rest is hidden).
         features: as the model's, then (logits, {feature: [B, T, H]})."""
+        settle = getattr(executor, "settle", None)
+        if settle is not None:
+            # The expert cache's swaps decided during the last handed-over step, made now that its graph no longer
+            # waits on the host (OffloadExecutor._end_step); they make the graphs below stale.
+            settle()
         if self.broken is not None:
             return None
         if mask is not None and mask.shape[-1] > self.cache.length:

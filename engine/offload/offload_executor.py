@@ -245,6 +245,7 @@ class OffloadExecutor:
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
         self.cache: ExpertCache | None = None  # set by `follow_routing`
+        self._unapplied: list = []  # swaps the cache decided during a handed-over step, made by `settle`
         self.set_placement(on_gpu)
         slots = staging_slots or any_bank.num_experts
         # One stack, so that a run of slots is one grouped launch's experts; `staging` views its slots one by one.
@@ -326,6 +327,7 @@ class OffloadExecutor:
 
     def set_placement(self, on_gpu) -> None:
         """Make exactly the experts marked in on_gpu[layer_index][expert] resident on the device."""
+        self._unapplied = []  # swaps into the residency being replaced
         self._fold_tallies()
         self._tallies = {}
         self.placement_version += 1  # CUDA graphs that captured the old resident weights are stale
@@ -356,6 +358,7 @@ class OffloadExecutor:
         """Let the resident experts follow the routing (engine.offload.expert_cache): after each step the cache
         may swap experts of layers partly on the GPU, where `price` says a swap pays; None keeps the placement fixed.
         scores and score_steps: an earlier cache's, carried over a new placement."""
+        self._unapplied = []  # decided against the residency being replaced
         if policy is None:
             self.cache = None
             return
@@ -364,10 +367,20 @@ class OffloadExecutor:
         self._first_mixed = min(mixed) if mixed else None
         self._step_counts = np.zeros(self.cache.resident.shape, dtype=np.int64)
 
-    def _end_step(self) -> None:
-        """The step whose counts are in `_step_counts` is over: let the cache decide, and make its swaps."""
-        swaps = self.cache.observe(self._step_counts)
+    def _end_step(self, handed_over: bool = False) -> None:
+        """The step whose counts are in `_step_counts` is over: let the cache decide, and make its swaps, unless
+        handed_over: counted in a handed-over step (kernels.host_handoff), whose graph is waiting on this thread for
+        the layer's flag. Making them there reads the new slot maps onto the device, which waits for that graph: a
+        deadlock. They are made by `settle` before the next forward (engine.generation.cuda_graphs)."""
+        self._unapplied += self.cache.observe(self._step_counts)
         self._step_counts[:] = 0
+        if not handed_over:
+            self.settle()
+
+    def settle(self) -> None:
+        """Make the swaps the cache decided and has not made yet: copies, slot maps, a new placement version.
+        Called between forwards (CudaGraphs.forward) and at an eager step's counting, never inside a handed-over step."""
+        swaps, self._unapplied = self._unapplied, []
         if not swaps:
             return
         layers = self._order
@@ -526,7 +539,7 @@ class OffloadExecutor:
                     routed: float) -> None:
         """A host share's counts and times: experts_of the layer's routing, is_offloaded its map where the GPU
         computes the resident experts (None: every expert is the host's or zero-copy)."""
-        self._count(layer, np.bincount(experts_of, minlength=len(self.banks[layer].gpu_slot)))
+        self._count(layer, np.bincount(experts_of, minlength=len(self.banks[layer].gpu_slot)), handed_over=True)
         s, k = self._stats, len(experts_of)
         on_cpu = k - zero_copy  # a lone token's experts are distinct: its first ranks are the CPU's
         if is_offloaded is not None:
@@ -874,10 +887,13 @@ class OffloadExecutor:
             at += n
         return torch.cat(out)
 
-    def _count(self, layer: int, counts: np.ndarray) -> None:
+    def _count(self, layer: int, counts: np.ndarray, handed_over: bool = False) -> None:
+        """handed_over: counted by the host's side of a handed-over step (`_host_tally`), whose graph waits on it."""
         if self.cache is not None and self._first_mixed is not None:
+            if self._unapplied and not handed_over:
+                self.settle()  # an eager step after a handed-over one, with no forward between to settle them
             if layer == self._first_mixed and self._step_counts.any():
-                self._end_step()  # a new step begins: the last one's routing is complete
+                self._end_step(handed_over)  # a new step begins: the last one's routing is complete
             self._step_counts[self._position[layer]] += counts
         tensor, known = self._selections.get(layer), self._selection_counts.get(layer)
         if known is None or known[0] is not tensor:  # first count, or `selections` was cleared

@@ -510,3 +510,60 @@ def test_the_recorded_routing_is_the_one_transformers_chooses(arch, tiny_checkpo
     for layer, logits in enumerate(out.router_logits):
         theirs = torch.topk(logits.reshape(len(tokens), -1), k).indices.sort(dim=1).values
         assert np.sort(ours[layer], axis=1).tolist() == theirs.tolist(), layer
+
+
+def _one_mixed_layer_executor():
+    import torch
+
+    from moedesk.engine.offload.offload_executor import OffloadExecutor
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    g = torch.Generator().manual_seed(0)
+    stack = ExpertWeights(torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g), 8, 8)
+    executor = OffloadExecutor({0: stack}, [[True, False, False, False]], "cpu", lambda loads: (sorted(loads), []))
+    executor.follow_routing(CachePolicy(interval=1))  # unpriced: expert 1's selections beat the idle resident 0
+    return executor
+
+
+def test_swaps_decided_in_a_handed_over_step_wait_for_the_next_forward():
+    # The host's side of a handed-over step (`_host_tally`) runs while the step's graph waits for it: a swap made
+    # there reads new slot maps onto the device behind that graph, which hung the bench on the GPU (session 39).
+    executor = _one_mixed_layer_executor()
+    version = executor.placement_version
+    for _ in range(2):  # the second step's first count ends the first step, whose routing chose expert 1 thrice
+        executor._host_tally(0, np.array([1, 1, 1]), 0, False, np.array([False, True, True, True]), 0.0, 0.0)
+    assert executor.cache.resident.tolist() == [[False, True, False, False]]  # decided
+    assert executor.on_gpu() == [[True, False, False, False]] and executor.placement_version == version  # not made
+    executor.settle()  # what the graphs' next forward does first
+    assert executor.on_gpu() == [[False, True, False, False]] and executor.placement_version > version
+    assert executor.stats.swaps == 1
+    executor.settle()
+    assert executor.stats.swaps == 1  # made once
+
+
+def test_an_eager_step_makes_its_swaps_at_once_and_settles_a_handed_over_step_s():
+    executor = _one_mixed_layer_executor()
+    for _ in range(2):
+        executor._count(0, np.array([0, 3, 0, 0]))
+    assert executor.on_gpu() == [[False, True, False, False]]  # no graph waits on an eager step's host
+    executor = _one_mixed_layer_executor()
+    for _ in range(2):
+        executor._count(0, np.array([0, 3, 0, 0]), handed_over=True)
+    executor._count(0, np.array([0, 3, 0, 0]))  # an eager step next, with no forward between to settle
+    assert executor.on_gpu() == [[False, True, False, False]]
+    executor.set_placement([[True, False, False, False]])  # a new placement drops what was decided against the old
+    assert executor._unapplied == []
+
+
+def test_the_graphs_forward_settles_the_executor_s_swaps_first():
+    import torch
+
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    executor = _one_mixed_layer_executor()
+    for _ in range(2):
+        executor._count(0, np.array([0, 3, 0, 0]), handed_over=True)
+    graphs = GraphedDecode.__new__(GraphedDecode)  # only its start runs: graphs broken, the caller goes eager
+    graphs.broken = "off"
+    assert graphs.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), executor) is None
+    assert executor.on_gpu() == [[False, True, False, False]]
