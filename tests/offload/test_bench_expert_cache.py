@@ -103,7 +103,13 @@ def test_a_run_cut_by_its_time_limit_keeps_its_paired_rounds_and_the_control_str
     assert control["gpu_hit_rate"] == control["fixed_gpu_hit_rate"]  # the same placement on the same routing
     low, high = control["vs_fixed_range"]
     assert low <= 1.0 <= high
-    out_text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out_text = captured.out
+    # a line a turn on stderr: a run cut from outside shows where it was
+    turns = [line for line in captured.err.splitlines() if line.startswith("conversation, fixed again: ")]
+    assert len(turns) == 2 + 2 * (1 + 11) + 1  # placing, placed, the warm-up and 11 rounds of each side, the pair
+    assert turns[2].startswith("conversation, fixed again: warm-up round, fixed: ")
+    assert turns[-2].startswith("conversation, fixed again: round 11 of 11, fixed: ") and "0 swaps" in turns[-2]
     assert "skipped at the time limit: no locality, cache every 4, per expert" in out_text
     assert "conversation  fixed again" in out_text
     # expert_cache_targets.sh's tables, read from the file (and a file missing said so)

@@ -263,6 +263,7 @@ def main() -> int:
             report["skipped"].append(name)
             continue
         t = time.monotonic()
+        log(f"{name}: placing both, {elapsed:.0f} s into the run")
         popularity = np.add(*calibrations[pair.trace]).tolist()
         sides = {"fixed": bench.orchestra.twin(), "other": bench.orchestra.twin()}
         sides["fixed"].cache = None
@@ -280,8 +281,12 @@ def main() -> int:
             continue
         rounds = [{"round": r, "first": "fixed" if r % 2 == 0 else "other"} for r in range(1, args.rounds + 1)]
         totals = {side: type(bench.executor.stats)() for side in sides}
+        log(f"{name}: placed, {int(plan.on_gpu.sum())} experts resident, {time.monotonic() - t:.1f} s")
         for r, side in turns(args.rounds):
+            turn = time.monotonic()
             result, stats = one_round(sides[side], pair.trace, r)
+            # A line a turn: a run cut from outside shows the round and placement it was in.
+            log(progress_line(name, r, args.rounds, side, result.tok_s, stats.swaps, time.monotonic() - turn))
             if r == 0:
                 continue  # the warm-up round
             rounds[r - 1].update({f"{side}_tok_s": round(result.tok_s, 3),
@@ -326,6 +331,12 @@ def main() -> int:
     for name in report["same_as_fixed"]:
         print(f"not run, its placement is the fixed one: {name}")
     return 0
+
+
+def progress_line(name: str, r: int, rounds: int, side: str, tok_s: float, swaps: int, seconds: float) -> str:
+    """One turn done: round r of `rounds` (0, the warm-up), which placement, its rate and swaps over the timed steps."""
+    which = "warm-up round" if r == 0 else f"round {r} of {rounds}"
+    return f"{name}: {which}, {side}: {tok_s:.1f} tok/s, {swaps} swaps, {seconds:.1f} s"
 
 
 def _rate(stats) -> float | None:
