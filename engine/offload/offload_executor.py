@@ -378,8 +378,8 @@ class OffloadExecutor:
             self.settle()
 
     def settle(self) -> None:
-        """Make the swaps the cache decided and has not made yet: copies, slot maps, a new placement version.
-        Called between forwards (CudaGraphs.forward) and at an eager step's counting, never inside a handed-over step."""
+        """Make the swaps the cache decided and has not made yet: copies, slot maps, a new placement version. Called
+        between forwards (GraphedDecode.forward) and at an eager step's counting, never inside a handed-over step."""
         swaps, self._unapplied = self._unapplied, []
         if not swaps:
             return

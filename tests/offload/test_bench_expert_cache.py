@@ -234,3 +234,44 @@ def test_the_bench_decodes_through_the_graphs_where_the_engine_would_and_eagerly
         assert all(g.captured and g.broken is None for g in made)
         pair = report["pairs"][0]
         assert pair["selections"] == pair["fixed_selections"] == 3 * 4 * 2  # 3 timed steps, 4 MoE layers, top-2
+
+
+@pytest.mark.gpu
+def test_the_cache_swaps_in_handed_over_decode_steps_and_the_decode_goes_on(tmp_path, monkeypatch):
+    """Decode steps handed to the host (kernels.host_handoff), every layer partly resident, the cache deciding swaps
+    every 2 steps: the swaps are made between steps and the decode ends. Before session 39 the first swap hung the
+    step: its new slot maps were copied to the device behind the step's graph, which was waiting on the host."""
+    import torch
+
+    from moedesk.bench.synthetic import measure_decode, prepare_synthetic
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+    from moedesk.engine.offload.expert_cache import CachePolicy, SwapPrice
+    from moedesk.engine.offload.routing_trace import (CONVERSATION, TraceRouter, TraceShape, replace_router,
+                                                      synthetic_trace)
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    made = prepare_synthetic("tiny-moe", None, 0.0015, "cuda", 64 + 16, log=lambda *a: None)
+    executor, layers, cfg = made.executor, sorted(made.banks), made.cfg
+    experts = cfg.num_experts
+    executor.set_placement([[e < experts // 2 for e in range(experts)] for _ in layers])
+    executor.decide = lambda loads: (sorted(loads), [])  # offloaded experts on the CPU alone: the step is handed over
+    executor.follow_routing(CachePolicy(interval=2), price=SwapPrice(1.0, 0.0, 0.0))  # free copies: swaps happen
+    made_graphs = []
+
+    def graphed(model, cache):
+        made_graphs.append(GraphedDecode(model, cache))
+        return made_graphs[-1]
+
+    shape = TraceShape(len(layers), experts, cfg.num_experts_per_tok)
+    replace_router(made.model, TraceRouter(list(synthetic_trace(shape, 40, CONVERSATION, seed=5)), layers, shape.top_k))
+    version = executor.placement_version
+    try:
+        measure_decode(made.model, executor, cfg, made.device, made.dtype, 1, 16, graphs=graphed, warmup=1)
+    finally:
+        replace_router(made.model, None)
+    assert any(c.handoff is not None for g in made_graphs for c in g.captured.values())
+    assert executor.cache.swaps > 0 and executor.placement_version > version
+    executor.settle()  # the last step's, decided in its own handoff
+    assert executor.on_gpu() == executor.cache.resident.tolist()
