@@ -101,10 +101,42 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     return out
 
 
+
+def linear_applies(x: torch.Tensor, rows: torch.Tensor, fmt: str) -> bool:
+    """Whether `packed_linear` takes x and the packed matrix `rows` [R, row_bytes]: as `applies` for one expert
+    (one CUDA device, a format this module knows, x's dtype, Triton present, the fused kernels not turned off)."""
+    return (triton is not None and gpu_fused.wanted() and x.is_cuda and x.device == rows.device
+            and fmt in _FMT_ID and x.dtype in _DTYPES and rows.dtype == torch.uint8 and rows.dim() == 2)
+
+
+def packed_linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for one packed matrix W [R, k] held as its rows [R, row_bytes(k)] (a GGUF's attention
+    projection, shared expert, head): x [M, k] -> [M, R] in x's dtype, W read packed by the experts' kernel as a
+    one-expert group, each weight dequantised in float32 as kernels.quant_formats.dequantize does.
+
+    Meant for few rows of x (decode): the weights are read once for all M rows, in BT-token steps. Many rows
+    (prefill) are cheaper dequantised once and multiplied by cuBLAS (`dequantize_experts` then F.linear)."""
+    x = x.contiguous()
+    m, k = x.shape
+    r = rows.shape[0]
+    if rows.shape[1] != FORMATS[fmt].row_bytes(k):
+        raise ValueError(f"packed {fmt} rows of {rows.shape[1]} bytes do not hold {k} weights")
+    out = torch.empty(m, r, dtype=x.dtype, device=x.device)
+    if m == 0 or r == 0:
+        return out
+    ends = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    stack = rows.unsqueeze(0)
+    _launch(x, stack, fmt, ends, out, rows=r, k=k, gated=False, m=m, groups=1, dtype=x.dtype,
+            bias=None if bias is None else bias.unsqueeze(0))
+    return out
+
+
 # ---------------------------------------------------------------- choosing tiles
 
 # Rows per group (on average) from which prefill tiles and their route take over.
 _MANY = 32
+# Rows of x from which one packed matrix is cheaper dequantised and multiplied by cuBLAS than read by packed_linear.
+LINEAR_ROWS = _MANY
 # "fused": the tensor-core tiles of _packed_mm; "dequant": bf16 scratch and torch's grouped GEMM, the faster for
 # prefill (docs/measurements.md, "The GPU kernels").
 _PREFILL_ROUTE = "dequant"

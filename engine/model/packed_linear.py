@@ -1,0 +1,144 @@
+"""A linear layer whose weight stays packed (a GGUF's block quantisation) on its device: MOEDESK_PACKED_WEIGHTS=1.
+
+A GGUF's attention projections, shared experts, dense layers and head are held in 16 bits otherwise: several
+times their file size on the GPU, and read whole by every decode step. `PackedLinear` keeps the packed rows as a
+buffer and computes from them: on CUDA with few rows of input (decode, a speculative verify), the packed experts'
+kernel with one group (kernels.gpu_quant.packed_linear: each weight read once, packed); with many rows (prefill)
+and on the CPU, the rows dequantised a slice at a time and multiplied by torch (cuBLAS reads 16 bits faster than
+any packed kernel once a weight serves many rows). Both dequantise exactly as kernels.quant_formats.dequantize.
+
+Which weights: every nn.Linear the loader fills from a packed tensor (`packable`), except those read as a matrix
+rather than through forward: the router (scored in float32), a shared expert's one-row gate, MLA's kv_b_proj (its
+blocks are absorbed into the queries), Gated DeltaNet's input projections (fused by concatenating weights). The
+embedding table stays 16-bit (a lookup reads one row per token). The output head is packed: it is the largest
+matrix every decode step reads.
+"""
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moedesk.kernels import gpu_quant
+from moedesk.kernels.quant_formats import FORMATS, dequantize
+
+ENV = "MOEDESK_PACKED_WEIGHTS"
+# Weights read as matrices, not through their module's forward (see the module docstring).
+_UNPACKABLE = re.compile(r".*(moe\.router|shared_gate|attn\.wkv_b|attn\.in_qkv|attn\.in_z|attn\.in_b|attn\.in_a)"
+                         r"\.weight")
+# Weights dequantised at once on the many-rows route: bounds its scratch (64 MiB of float32).
+_DEQUANT_CHUNK = 1 << 24
+
+
+def wanted() -> bool:
+    """Whether a load keeps packed non-expert weights packed (read once per load by its caller)."""
+    return os.environ.get(ENV) == "1"
+
+
+def formats() -> tuple[str, ...]:
+    """The packed formats a PackedLinear computes from: those the GPU kernel reads."""
+    return gpu_quant.supported_formats()
+
+
+def packable(name: str) -> bool:
+    """Whether the model's parameter `name` (our name) may be held by a PackedLinear: a Linear's weight, other than
+    the embedding table and the weights read as matrices."""
+    return name.endswith(".weight") and not name.startswith("embed.") and not _UNPACKABLE.fullmatch(name)
+
+
+def route(on_cuda: bool, kernel: bool, rows: int) -> str:
+    """"kernel" (the packed GPU kernel) for few rows on CUDA where it applies, else "dequant"."""
+    return "kernel" if on_cuda and kernel and rows < gpu_quant.LINEAR_ROWS else "dequant"
+
+
+class PackedLinear(nn.Module):
+    """y = x W^T (+ bias) with W [out_features, in_features] held as packed rows [out_features, row_bytes]."""
+
+    def __init__(self, rows: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if fmt not in FORMATS or rows.dtype != torch.uint8 or rows.dim() != 2 \
+                or rows.shape[1] != FORMATS[fmt].row_bytes(in_features):
+            raise ValueError(f"{fmt} rows of {in_features} weights: got {rows.dtype} {tuple(rows.shape)}")
+        self.fmt, self.in_features, self.out_features = fmt, in_features, rows.shape[0]
+        self.register_buffer("packed", rows)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.fmt}, bias={self.bias is not None}"
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The matrix dequantised (a new 16-bit copy each time, in the bias's dtype or bf16): for the rare reader
+        of a head's matrix (EAGLE-1/2 draft heads), never for the forward."""
+        dtype = self.bias.dtype if self.bias is not None else torch.bfloat16
+        return dequantize(self.packed, self.fmt, self.in_features, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        kernel = gpu_quant.linear_applies(flat, self.packed, self.fmt)
+        if route(flat.is_cuda, kernel, flat.shape[0]) == "kernel":
+            y = gpu_quant.packed_linear(flat, self.packed, self.fmt, self.bias)
+        else:
+            y = self._dequantised(flat)
+        return y.view(*lead, self.out_features)
+
+    def _dequantised(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T through W dequantised a slice of rows at a time (the head's 16-bit copy would be hundreds of MiB)."""
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        step = max(1, _DEQUANT_CHUNK // self.in_features)
+        on_gpu = x.is_cuda and gpu_quant.linear_applies(x, self.packed, self.fmt)
+        for start in range(0, self.out_features, step):
+            rows = self.packed[start:start + step]
+            if on_gpu:
+                w = gpu_quant.dequantize_experts(rows.unsqueeze(0), self.fmt, self.in_features, dtype=x.dtype)[0]
+            else:
+                w = dequantize(rows, self.fmt, self.in_features, x.dtype)
+            bias = None if self.bias is None else self.bias[start:start + step].to(x.dtype)
+            out[:, start:start + step] = F.linear(x, w, bias)
+        return out
+
+    @classmethod
+    def joined(cls, parts: list["PackedLinear"]) -> "PackedLinear":
+        """One PackedLinear computing `parts` (one format, one input width) at once, their outputs side by side:
+        the rows concatenated (a packed row is self-contained). The parts' buffers become views of the joined
+        rows, so the bytes are held once."""
+        fmt, k = parts[0].fmt, parts[0].in_features
+        if any(p.fmt != fmt or p.in_features != k for p in parts):
+            raise ValueError("joined parts must share a format and an input width")
+        rows = torch.cat([p.packed for p in parts])
+        biases = [p.bias for p in parts]
+        bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        start = 0
+        for p in parts:
+            p.packed = rows[start:start + p.out_features]
+            start += p.out_features
+        return cls(rows, fmt, k, bias)
+
+
+def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in_features: int) -> PackedLinear:
+    """Put a PackedLinear of `rows` where the Linear owning parameter `name` is, keeping that Linear's bias (loaded
+    or not yet: the loader sets it on the new module like any parameter)."""
+    owner_name, _, _ = name.rpartition(".")
+    parent_name, _, leaf = owner_name.rpartition(".")
+    old = model.get_submodule(owner_name)
+    if rows.shape[0] != old.out_features or in_features != old.in_features:
+        raise ValueError(f"{name}: packed rows {tuple(rows.shape)} of {in_features} weights for a "
+                         f"{old.out_features} x {old.in_features} Linear")
+    packed = PackedLinear(rows, fmt, in_features)
+    packed.bias = old.bias
+    setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
+    return packed
+
+
+def packed_bytes(module: nn.Module) -> int:
+    """Bytes of the packed rows held by `module`'s PackedLinears (each storage once)."""
+    seen = {}
+    for m in module.modules():
+        if isinstance(m, PackedLinear):
+            storage = m.packed.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
