@@ -558,6 +558,26 @@ class GGUFCheckpoint:
         fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))
         return None if fmt is None else fmt.name
 
+    def read_packed_rows(self, name: str) -> torch.Tensor | None:
+        """A whole 2-D tensor's packed blocks as rows [R, row_bytes] (uint8, Hub row order: llama's q/k rows
+        un-permuted, a row's blocks being self-contained), for a weight kept packed (engine.model.packed_linear);
+        None where it is not stored in a packed format, is an expert's slice, or its conversion moves columns or
+        regroups heads (Qwen3.5's value-head tensors, a reshaped gate), which only its floats can undo."""
+        fmt = self.packed_format(name)
+        gguf_name, expert = self._index[name]
+        tensor = self._tensors[gguf_name]
+        leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if (fmt is None or expert is not None or len(tensor.shape) != 2 or leaf == "ffn_gate_inp_shexp"
+                or (self.arch == "qwen35moe" and leaf in _BY_VALUE_HEAD)):
+            return None
+        rows = int(tensor.shape[1])
+        out = torch.empty(rows, tensor.data.size // rows, dtype=torch.uint8)
+        self._read_into(tensor, None, out.numpy())
+        if self.arch in _PERMUTED_QK_ARCHS and leaf in ("attn_q", "attn_k"):
+            heads = self.config["num_attention_heads" if leaf == "attn_q" else "num_key_value_heads"]
+            out = _undo_rope_permutation(out, heads).contiguous()
+        return out
+
     def read_packed(self, name: str, out: torch.Tensor) -> None:
         """Copy a packed tensor's blocks ([rows, row_bytes], no layout change: experts are never permuted)
         into the uint8 tensor `out`, read from the file with plain reads rather than through the memory map,

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
+from moedesk.engine.model import packed_linear
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 from moedesk.engine.model.transformer import Rotary, Transformer
@@ -119,6 +120,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
                                               dtype=dtype, gate_up_format=formats[layer][0],
                                               down_format=formats[layer][1], device=device)
     total, done = len(plain) + len(experts), 0
+    keep_packed = packed_weights(checkpoint, model) if packed_linear.wanted() else None
     loaded = set()
     spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
     target = _parameter_device(device, spread)
@@ -129,6 +131,17 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
             release(name)
             continue
         where = target(ours)
+        if keep_packed is not None and keep_packed(name, ours):
+            rows = checkpoint.read_packed_rows(name)
+            if rows is not None:
+                _set_packed(model, path, name, ours, rows, checkpoint.packed_format(name), expected[ours].shape,
+                            where, model.parameter_dtype(ours, dtype))
+                del rows
+                release(name)
+                loaded.add(ours)
+                if progress:
+                    progress("load", done / total)
+                continue
         if dequantise_in is not None and spread is not None:
             dequantise_in(dtype, where)  # a quantised release's weight computed on the device it stays on
         tensor = checkpoint.get_tensor(name)
@@ -192,6 +205,33 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     model.rotary = Rotary(cfg, max_positions).to(device)
     model.fuse_projections()
     return model.eval(), cfg, banks
+
+
+def packed_weights(checkpoint, model: nn.Module) -> Callable[[str, str], bool] | None:
+    """MOEDESK_PACKED_WEIGHTS=1: whether a checkpoint tensor (its name, ours) is kept packed, by a PackedLinear in place
+    of its Linear (engine.model.packed_linear): a Linear's weight stored in a format the packed kernel reads. None for
+    checkpoints that cannot hand over packed rows (safetensors)."""
+    if not hasattr(checkpoint, "read_packed_rows"):
+        return None
+    formats = set(packed_linear.formats())
+
+    def keep(name: str, ours: str) -> bool:
+        fmt = checkpoint.packed_format(name)
+        if not packed_linear.packable(ours) or fmt not in formats:
+            return False
+        owner = model.get_submodule(ours.rpartition(".")[0])
+        return isinstance(owner, nn.Linear) and owner.in_features % packed_format(fmt).block == 0
+
+    return keep
+
+
+def _set_packed(model: nn.Module, path, name: str, ours: str, rows: torch.Tensor, fmt: str, shape, device,
+                dtype: torch.dtype) -> None:
+    out_features, in_features = shape
+    if rows.shape != (out_features, packed_format(fmt).row_bytes(in_features)):
+        raise CheckpointError(path, f"tensor {name} has {rows.shape[0]} {fmt} rows of {rows.shape[1]} bytes, the config "
+                                    f"implies {out_features} rows of {in_features} weights")
+    packed_linear.replace_linear(model, ours, rows.to(device), fmt, in_features, dtype)
 
 
 def _parameter_device(device: torch.device, layer_devices) -> Callable[[str], torch.device]:

@@ -76,9 +76,9 @@ def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> La
     home = model.embed.weight.device
     for block, d in zip(model.layers, spread.device_of_layer):
         device = spread.devices[d]
-        if not all(_same(p.device, device) for p in block.parameters()):
-            block.to(device)
-            if hasattr(block.attn, "qkv_weight"):
+        if not all(_same(t.device, device) for t in (*block.parameters(), *block.buffers())):
+            block.to(device)  # packed weights (engine.model.packed_linear) are buffers: they move too
+            if hasattr(block.attn, "qkv_weight") or "qkv_packed" in block.attn.__dict__:
                 # Moving copies q, k and v apart from their fused weight: fuse again so each is held once.
                 block.attn.fuse_projections()
         moe = getattr(block, "moe", None)
@@ -86,7 +86,8 @@ def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> La
             moe.experts = moe.experts.to(device)
     last = spread.head_device
     model.norm.to(last)
-    if model.lm_head.weight is model.embed.weight and last != home:
+    # (a packed head, engine.model.packed_linear, is never the table: its `weight` would be a dequantised copy)
+    if isinstance(model.lm_head, nn.Linear) and model.lm_head.weight is model.embed.weight and last != home:
         # A tied head reads the embedding table: the last device gets a copy of its own (as the plan counts it).
         # The loader makes it from the checkpoint there (engine.load.loader); this copy is for a model loaded whole.
         model.lm_head.weight = nn.Parameter(model.embed.weight.detach().to(last), requires_grad=False)

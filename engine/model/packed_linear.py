@@ -57,12 +57,14 @@ def route(on_cuda: bool, kernel: bool, rows: int) -> str:
 class PackedLinear(nn.Module):
     """y = x W^T (+ bias) with W [out_features, in_features] held as packed rows [out_features, row_bytes]."""
 
-    def __init__(self, rows: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None = None):
+    def __init__(self, rows: torch.Tensor, fmt: str, in_features: int, bias: torch.Tensor | None = None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if fmt not in FORMATS or rows.dtype != torch.uint8 or rows.dim() != 2 \
                 or rows.shape[1] != FORMATS[fmt].row_bytes(in_features):
             raise ValueError(f"{fmt} rows of {in_features} weights: got {rows.dtype} {tuple(rows.shape)}")
         self.fmt, self.in_features, self.out_features = fmt, in_features, rows.shape[0]
+        self.dtype = dtype  # the model's: what `weight` dequantises to
         self.register_buffer("packed", rows)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
@@ -71,10 +73,9 @@ class PackedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The matrix dequantised (a new 16-bit copy each time, in the bias's dtype or bf16): for the rare reader
-        of a head's matrix (EAGLE-1/2 draft heads), never for the forward."""
-        dtype = self.bias.dtype if self.bias is not None else torch.bfloat16
-        return dequantize(self.packed, self.fmt, self.in_features, dtype)
+        """The matrix dequantised (a new copy in the model's dtype each time): for the rare reader of a head's
+        matrix (EAGLE-1/2 draft heads), never for the forward."""
+        return dequantize(self.packed, self.fmt, self.in_features, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -115,11 +116,14 @@ class PackedLinear(nn.Module):
         start = 0
         for p in parts:
             p.packed = rows[start:start + p.out_features]
+            if bias is not None:
+                p.bias.data = bias[start:start + p.out_features]
             start += p.out_features
-        return cls(rows, fmt, k, bias)
+        return cls(rows, fmt, k, bias, parts[0].dtype)
 
 
-def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in_features: int) -> PackedLinear:
+def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in_features: int,
+                   dtype: torch.dtype = torch.bfloat16) -> PackedLinear:
     """Put a PackedLinear of `rows` where the Linear owning parameter `name` is, keeping that Linear's bias (loaded
     or not yet: the loader sets it on the new module like any parameter)."""
     owner_name, _, _ = name.rpartition(".")
@@ -128,17 +132,8 @@ def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in
     if rows.shape[0] != old.out_features or in_features != old.in_features:
         raise ValueError(f"{name}: packed rows {tuple(rows.shape)} of {in_features} weights for a "
                          f"{old.out_features} x {old.in_features} Linear")
-    packed = PackedLinear(rows, fmt, in_features)
+    packed = PackedLinear(rows, fmt, in_features, dtype=dtype)
     packed.bias = old.bias
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
     return packed
 
-
-def packed_bytes(module: nn.Module) -> int:
-    """Bytes of the packed rows held by `module`'s PackedLinears (each storage once)."""
-    seen = {}
-    for m in module.modules():
-        if isinstance(m, PackedLinear):
-            storage = m.packed.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())

@@ -24,6 +24,7 @@ from moedesk.engine.model.cache.recurrent import RecurrentState
 from moedesk.engine.model.delta_net import GatedDeltaNet, tree_parents
 from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.norm import RMSNorm
+from moedesk.engine.model.packed_linear import PackedLinear
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
 from moedesk.engine.model.sinks import sink_attention, window_mask
 from moedesk.kernels import gpu_decode_attention, gpu_fused
@@ -185,6 +186,13 @@ class Attention(nn.Module):
         see them as before."""
         projections = (self.wq, self.wk, self.wv)
         sizes = [p.out_features for p in projections]
+        if any(isinstance(p, PackedLinear) for p in projections):
+            # Packed (MOEDESK_PACKED_WEIGHTS): rows of one format join as they are; mixed formats (a Q4_K_M file's
+            # q6_k v) stay apart. Kept off the module tree: the parts' buffers become views of its rows.
+            if all(isinstance(p, PackedLinear) for p in projections) and len({p.fmt for p in projections}) == 1:
+                self.__dict__["qkv_packed"] = PackedLinear.joined(list(projections))
+                self.qkv_sizes = sizes
+            return
         # Both made before anything changes: running out of memory here leaves the module as it was.
         weight = torch.cat([p.weight.detach() for p in projections])
         bias = torch.cat([p.bias.detach() for p in projections]) if self.wq.bias is not None else None
@@ -201,6 +209,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         if hasattr(self, "qkv_weight"):
             q, k, v = F.linear(x, self.qkv_weight, self.qkv_bias).split(self.qkv_sizes, dim=-1)
+        elif "qkv_packed" in self.__dict__:
+            q, k, v = self.qkv_packed(x).split(self.qkv_sizes, dim=-1)
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if cfg.qk_norm == "full":

@@ -1,0 +1,100 @@
+"""MOEDESK_PACKED_WEIGHTS=1: a GGUF's packed non-expert weights stay packed (engine.model.packed_linear).
+
+The files are llama.cpp's own quantisations of a float32 Mixtral-style GGUF (tests/load/test_packed_experts.py):
+Q4_K_M mixes q4_k projections with q6_k ones (attn_v, the head), Q8_0 is q8_0 throughout; the embedding table stays
+16-bit either way. On the CPU a PackedLinear dequantises its rows exactly as the gguf package does at a plain load,
+so the flag changes no weight: greedy ids are equal and the logits equal to float32 summation order."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moedesk.engine.model.packed_linear import PackedLinear
+from moedesk.engine.requests import Request, SamplingParams
+from moedesk.engine.runtime import Engine
+from moedesk.kernels.quant_formats import FORMATS
+from tests.load.test_packed_experts import TEXT, quantised, teacher_forced_logits  # noqa: F401 -- the fixture
+
+pytest.importorskip("llama_cpp")
+pytest.importorskip("triton", reason="PackedLinear's module imports the GPU kernels' module")
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0)
+
+
+def packed_modules(engine) -> dict[str, PackedLinear]:
+    return {name: m for name, m in engine.model.named_modules() if isinstance(m, PackedLinear)}
+
+
+def greedy(engine, ids):
+    return engine.complete([Request(ids, GREEDY)])[0].token_ids
+
+
+@pytest.mark.parametrize("kind,formats", [("q4_k_m", {"q4_k", "q6_k"}), ("q8_0", {"q8_0"})])
+def test_packed_weights_give_the_same_greedy_ids(quantised, monkeypatch, kind, formats):
+    path = str(quantised("llama", kind))
+    plain = Engine.load(path, device="cpu", dtype="float32")
+    assert not packed_modules(plain)
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    packed = Engine.load(path, device="cpu", dtype="float32")
+    modules = packed_modules(packed)
+    layers = packed.config.num_layers
+    # every attention projection and the head; not the embedding table nor the routers
+    assert set(modules) == {f"layers.{i}.attn.{p}" for i in range(layers) for p in ("wq", "wk", "wv", "wo")} | {
+        "lm_head"}, sorted(modules)
+    assert {m.fmt for m in modules.values()} == formats
+    assert packed.model.embed.weight.dtype == torch.float32 and packed.model.layers[0].moe.router.weight.is_floating_point()
+    for name, m in modules.items():
+        dense = plain.model.get_submodule(name).weight
+        assert torch.equal(m.weight, dense), name  # llama's q/k rows un-permuted as the floats are
+
+    ids = plain.tokenizer.encode(TEXT)
+    exact, ours = teacher_forced_logits(plain, ids), teacher_forced_logits(packed, ids)
+    assert (ours - exact).abs().max() <= 1e-4 * exact.std()
+    assert torch.equal(ours.argmax(-1), exact.argmax(-1))
+    assert greedy(packed, ids[:8]) == greedy(plain, ids[:8])
+
+
+def test_packed_rows_are_the_files_bytes(quantised):
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(quantised("llama", "q8_0"))
+    rows = checkpoint.read_packed_rows("model.layers.0.self_attn.v_proj.weight")
+    assert rows.dtype == torch.uint8 and rows.shape[1] == FORMATS["q8_0"].row_bytes(256)
+    assert checkpoint.read_packed_rows("model.embed_tokens.weight") is not None  # packed; the loader keeps it 16-bit
+    assert checkpoint.read_packed_rows("model.layers.0.input_layernorm.weight") is None  # float32
+    assert checkpoint.read_packed_rows("model.layers.0.block_sparse_moe.experts.0.w1.weight") is None  # an expert
+    checkpoint.close()
+
+
+def test_fused_packed_projections_compute_the_same(quantised, monkeypatch):
+    """On CUDA the loader fuses q, k and v (Attention.fuse_projections); packed ones of one format join their rows,
+    the parts' buffers becoming views of them (held once). Fused here on the CPU by hand, as test_forward_seam does."""
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    engine = Engine.load(str(quantised("llama", "q8_0")), device="cpu", dtype="float32")
+    ids = engine.tokenizer.encode(TEXT)[:16]
+    before = teacher_forced_logits(engine, ids)
+    for block in engine.model.layers:
+        block.attn.fuse_projections()
+    attn = engine.model.layers[0].attn
+    assert isinstance(attn.qkv_packed, PackedLinear) and "qkv_packed" not in dict(attn.named_modules())
+    assert attn.wk.packed.data_ptr() == attn.qkv_packed.packed[attn.qkv_sizes[0]:].data_ptr()
+    fused = teacher_forced_logits(engine, ids)
+    assert (fused - before).abs().max() <= 1e-4 * before.std()
+    attn.qkv_packed.packed.zero_()  # the forward reads the joined rows: zero weights change the logits
+    assert not torch.equal(teacher_forced_logits(engine, ids), fused)
+
+
+def test_spread_layers_keep_their_packed_weights(quantised, monkeypatch):
+    """engine.model.layer_devices moves blocks whose weights are packed buffers, and leaves a packed head alone
+    (the CPU twice stands for two GPUs)."""
+    from moedesk.engine.model.layer_devices import spread_model
+
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    engine = Engine.load(str(quantised("llama", "q4_k_m")), device="cpu", dtype="float32")
+    ids = engine.tokenizer.encode(TEXT)[:16]
+    before = teacher_forced_logits(engine, ids)
+    spread_model(engine.model, ["cpu", "cpu"], [0, 1])
+    assert isinstance(engine.model.lm_head, PackedLinear)
+    cache = engine.model.new_cache(1, len(ids), engine.dtype, "cpu")  # a part per device's run of layers
+    logits = engine.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache, engine.executor)[0]
+    assert torch.equal(logits, before)
