@@ -74,7 +74,7 @@ def test_route_kernel_only_for_few_rows_on_cuda():
 def test_module_on_the_cpu_is_dequantise_then_linear(fmt, rows, k, monkeypatch):
     w = matrix(fmt, rows, k, seed=1)
     bias = torch.randn(rows)
-    layer = PackedLinear(w, fmt, k, bias)
+    layer = PackedLinear(w, fmt, k, bias, dtype=torch.float32)
     x = torch.randn(2, 5, k)
     expected = F.linear(x, dequantize(w, fmt, k), bias)
     assert torch.equal(layer(x), expected)
