@@ -16,6 +16,7 @@ import torch
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, Sequence
 from moedesk.engine.generation.runner import ModelRunner
+from moedesk.engine.llamacpp.library import quiet_debug
 from moedesk.engine.requests import Request
 
 # llama_decode's statuses (llama.h); -2 and -3 are ggml's allocation and computation failures.
@@ -94,7 +95,11 @@ class LlamaContext:
         batch.n_tokens = n
         if self.counter is not None:
             self.counter.begin_step(prefill)
-        code = self.api.llama_decode(self.ctx, batch)
+        quiet_debug(True)  # ggml-cuda's debug line per CUDA graph replayed stops in C, not at the GIL
+        try:
+            code = self.api.llama_decode(self.ctx, batch)
+        finally:
+            quiet_debug(False)
         if code != 0:
             raise MoedeskError(f"llama.cpp could not decode a batch of {n} tokens: "
                                f"{_DECODE_ERRORS.get(code, f'error {code}')}")

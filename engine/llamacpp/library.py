@@ -38,7 +38,14 @@ class _Library:
         self._partial, self.written = "", 0
         self._lock = threading.Lock()
         self._callback = api.llama_log_callback(self._log)  # kept: llama.cpp holds only the pointer
-        api.llama_log_set(self._callback, None)
+        self._filter, self._forward = _log_filter(), None
+        if self._filter is not None:
+            # log_filter.c in front: a decoding thread's debug lines stop in C (quiet_debug)
+            self._forward = _Forward(ctypes.cast(self._callback, ctypes.c_void_p).value, None)
+            api.llama_log_set(api.llama_log_callback(ctypes.cast(self._filter.moedesk_log, ctypes.c_void_p).value),
+                              ctypes.addressof(self._forward))
+        else:
+            api.llama_log_set(self._callback, None)
         api.llama_backend_init()
         self.ggml = _ggml(Path(llama_cpp.__file__).parent / "lib")
 
@@ -80,6 +87,36 @@ class _Library:
 
     def gpu_offload(self) -> bool:
         return bool(self.api.llama_supports_gpu_offload())
+
+
+class _Forward(ctypes.Structure):
+    """log_filter.c's `struct forward`: the Python callback it passes lines on to."""
+
+    _fields_ = [("log", ctypes.c_void_p), ("user_data", ctypes.c_void_p)]
+
+
+LOG_FILTER = Path(__file__).with_name("log_filter.c")
+
+
+def _log_filter():
+    """log_filter.c built and loaded; None where it cannot be built (every line then goes to Python)."""
+    from moedesk.kernels.native_build import BuildError, build_library, find_compiler
+
+    if find_compiler() is None:
+        return None
+    try:
+        filt = ctypes.CDLL(str(build_library(LOG_FILTER, ["-O2", "-std=gnu11", "-fPIC", "-shared", "-Wall"])))
+    except (BuildError, OSError):
+        return None
+    filt.moedesk_log_quiet.argtypes, filt.moedesk_log_quiet.restype = [ctypes.c_bool], None
+    return filt
+
+
+def quiet_debug(on: bool) -> None:
+    """While on, llama.cpp's debug lines written on this thread are dropped before Python: around a llama_decode,
+    where ggml-cuda writes one for each CUDA graph it replays. Other levels, and other threads, are kept."""
+    if _loaded is not None and _loaded._filter is not None:
+        _loaded._filter.moedesk_log_quiet(on)
 
 
 def _ggml(folder: Path):
