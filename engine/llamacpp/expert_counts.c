@@ -8,12 +8,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-// The first fields of ggml.h's struct ggml_tensor.
+// The first fields of ggml.h's struct ggml_tensor, up to its sources (GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10).
 struct tensor_head {
     int type;
     void *buffer;
     int64_t ne[4];
     size_t nb[4];
+    int op;
+    int32_t op_params[16];
+    int32_t flags;
+    const struct tensor_head *src[10];
 };
 
 enum { GGML_TYPE_I32 = 26 };
@@ -31,6 +35,7 @@ struct counter {
     size_t scratch_bytes;
     int64_t weight;   // what each pick of this step adds: the steps it stands for, 0 to skip the step
     int64_t reads;    // nodes read (each one cut llama.cpp's graph there)
+    const char *(*op_desc)(const void *tensor);
 };
 
 // The layer of a node named ffn_moe_topk-<layer>, or -1.
@@ -46,24 +51,58 @@ static int64_t topk_layer(const char *name) {
     return layer;
 }
 
+// The layer whose router's choice a node named `name` holds: ffn_moe_topk-<layer> itself, or the scheduler's copy
+// of it in another backend's split, "<backend>#ffn_moe_topk-<layer>#<copy>"; -1 for any other name.
+static int64_t ids_layer(const char *name) {
+    if (name == NULL) return -1;
+    const char *hash = strchr(name, '#');
+    if (hash == NULL) return topk_layer(name);
+    char inner[64];
+    const char *end = strchr(hash + 1, '#');
+    size_t n = end ? (size_t)(end - hash - 1) : strlen(hash + 1);
+    if (n >= sizeof inner) return -1;
+    memcpy(inner, hash + 1, n);
+    inner[n] = 0;
+    return topk_layer(inner);
+}
+
+static bool starts_with(const char *name, const char *prefix) {
+    return strncmp(name, prefix, strlen(prefix)) == 0;
+}
+
+// Where a layer's picks are read: its experts' first matrix product (ffn_moe_up, or ffn_moe_gate_up where the two
+// are one tensor), a MUL_MAT_ID whose ids (src[2]) are the router's choice. That node runs where the experts are,
+// so for experts in RAM the graph is cut in a CPU split, where the ids are the scheduler's host copy: a cut in a GPU
+// split makes ggml-cuda see that split's graph change, run it eagerly and capture it again on the steps after.
+// The layer and the ids tensor, or -1.
+static int64_t read_at(const struct counter *c, const void *tensor, const struct tensor_head **ids) {
+    const char *name = c->get_name(tensor);
+    if (name == NULL || !(starts_with(name, "ffn_moe_up") || starts_with(name, "ffn_moe_gate_up"))) return -1;
+    const char *op = c->op_desc(tensor);
+    const struct tensor_head *t = tensor;
+    if (op == NULL || strcmp(op, "MUL_MAT_ID") != 0 || t->src[2] == NULL) return -1;
+    *ids = t->src[2];
+    return ids_layer(c->get_name(t->src[2]));
+}
+
 bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
     struct counter *c = user_data;
     if (ask && c->weight == 0) return false;
-    int64_t layer = topk_layer(c->get_name(tensor));
+    const struct tensor_head *t = NULL;
+    int64_t layer = read_at(c, tensor, &t);
     if (ask || layer < 0) return layer >= 0;
-    const struct tensor_head *t = tensor;
     if (t->type != GGML_TYPE_I32 || layer >= c->layers || t->ne[2] * t->ne[3] != 1) {
         c->errors++;
         return true;  // false would stop the graph
     }
-    size_t size = c->nbytes(tensor);
+    size_t size = c->nbytes(t);
     if (size > c->scratch_bytes) {
         char *grown = realloc(c->scratch, size);
         if (grown == NULL) { c->errors++; return true; }
         c->scratch = grown, c->scratch_bytes = size;
     }
     c->reads++;
-    c->tensor_get(tensor, c->scratch, 0, size);  // copied from the GPU where llama.cpp computed it there
+    c->tensor_get(t, c->scratch, 0, size);  // copied from the GPU where the experts run there
     int64_t *row = c->counts + layer * c->experts;
     // [top-k, tokens]: a token's ids sit nb[1] bytes apart (a view of every expert's sorted ids).
     for (int64_t token = 0; token < t->ne[1]; token++) {

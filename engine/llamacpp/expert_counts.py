@@ -1,9 +1,11 @@
 """How often llama.cpp's routers picked each expert, per layer: read from its graph through the eval callback.
 
 llama.cpp names the router's choice `ffn_moe_topk-<layer>` in every MoE layer's graph ([top-k, tokens] int32, a
-view of the sorted expert ids). A context made with `ExpertCounter.callback` as its `cb_eval` asks for those nodes
-only; llama.cpp then computes the graph in pieces that end at them and hands each one over once computed, and the
-counter adds its expert ids up. llama.cpp calls the callback for every node of every graph, so it is C
+view of the sorted expert ids); the layer's first expert product (`ffn_moe_up`, a MUL_MAT_ID) takes it as its ids.
+A context made with `ExpertCounter.callback` as its `cb_eval` asks for those products only (`reads_picks`);
+llama.cpp then computes the graph in pieces that end at them and hands each one over once computed, and the
+counter adds up its ids. The product runs where the layer's experts are, so for experts in RAM the cut is in a CPU
+split, which has no CUDA graph to invalidate. llama.cpp calls the callback for every node of every graph, so it is C
 (expert_counts.c, built at first use by kernels.native_build), with this module's Python callback where no compiler
 is found. Cutting the graph costs decode speed (a wait for the GPU at each MoE layer), so the counts are a sample:
 prompts are counted whole, decode one step in `COUNT_EVERY`, each of its picks counted that many times
@@ -27,7 +29,8 @@ class TensorHead(ctypes.Structure):
     """The first fields of ggml.h's `struct ggml_tensor`: what reading a strided tensor needs beyond its name."""
 
     _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
-                ("nb", ctypes.c_size_t * 4)]
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10)]  # GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10
 
 
 GGML_TYPE_I32 = 26  # ggml.h: the type of argsort's expert ids
@@ -57,6 +60,22 @@ def topk_layer(name: bytes) -> int | None:
     return int(suffix) if suffix.isdigit() else None
 
 
+def ids_layer(name: bytes) -> int | None:
+    """The layer whose router's choice a node holds: `ffn_moe_topk-<layer>` itself, or the scheduler's copy of it in
+    another backend's split (`<backend>#ffn_moe_topk-<layer>#<copy>`); None for any other name."""
+    parts = name.split(b"#")
+    return topk_layer(parts[1] if len(parts) > 1 else name)
+
+
+def reads_picks(name: bytes, op: bytes | None) -> bool:
+    """Whether a node is where a layer's picks are read: its experts' first product (`ffn_moe_up`, or
+    `ffn_moe_gate_up` where gate and up are one tensor), a MUL_MAT_ID whose ids (src[2]) are the router's choice.
+    It runs where the experts are: for experts in RAM the graph is cut in a CPU split (the ids there are the
+    scheduler's host copy), where a cut at the choice itself fell in a GPU split, and ggml-cuda then ran that
+    split's changed graph eagerly and captured it again on the next steps."""
+    return (name.startswith(b"ffn_moe_up") or name.startswith(b"ffn_moe_gate_up")) and op == b"MUL_MAT_ID"
+
+
 def chosen_ids(raw: bytes, ne: tuple[int, ...], nb: tuple[int, ...]) -> np.ndarray:
     """The expert ids of a [top-k, tokens, ...] int32 tensor laid out with byte strides `nb`, read from `raw` (its
     bytes from its first element to its last, as ggml_nbytes counts them): [tokens, top-k]."""
@@ -74,7 +93,8 @@ class _Counter(ctypes.Structure):
     _fields_ = [("get_name", ctypes.c_void_p), ("nbytes", ctypes.c_void_p), ("tensor_get", ctypes.c_void_p),
                 ("layers", ctypes.c_int64), ("experts", ctypes.c_int64), ("counts", ctypes.c_void_p),
                 ("tokens", ctypes.c_void_p), ("errors", ctypes.c_int64), ("scratch", ctypes.c_void_p),
-                ("scratch_bytes", ctypes.c_size_t), ("weight", ctypes.c_int64), ("reads", ctypes.c_int64)]
+                ("scratch_bytes", ctypes.c_size_t), ("weight", ctypes.c_int64), ("reads", ctypes.c_int64),
+                ("op_desc", ctypes.c_void_p)]
 
 
 _native, _native_why = None, None
@@ -117,12 +137,14 @@ class ExpertCounter:
         self._python_errors = self._python_reads = 0
         self._python_weight = 1
         self._name, self._nbytes, self._get = ggml.ggml_get_name, ggml.ggml_nbytes, ggml.ggml_backend_tensor_get
+        self._op = ggml.ggml_op_desc
         lib, _ = native_library() if native else (None, None)
         self._lib, self._struct = lib, None
         if lib is not None:
             address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
             self._struct = _Counter(address(self._name), address(self._nbytes), address(self._get), layers, experts,
-                                    self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0, 1, 0)
+                                    self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0, 1, 0,
+                                    address(self._op))
             self.callback = api.ggml_backend_sched_eval_callback(address(lib.moedesk_count_experts))
             self.user_data = ctypes.addressof(self._struct)
         else:
@@ -159,16 +181,19 @@ class ExpertCounter:
         if ask and self._python_weight == 0:
             return False
         try:
-            layer = topk_layer(self._name(tensor))
+            layer = None
+            if reads_picks(self._name(tensor) or b"", self._op(tensor)):
+                ids = TensorHead.from_address(tensor).src[2]
+                layer = ids_layer(self._name(ids) or b"") if ids else None
             if ask or layer is None:
                 return layer is not None
-            head = TensorHead.from_address(tensor)
+            head = TensorHead.from_address(ids)
             if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
                 raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")
-            size = self._nbytes(tensor)
+            size = self._nbytes(ids)
             self._python_reads += 1
             raw = ctypes.create_string_buffer(size)
-            self._get(tensor, raw, 0, size)  # from the GPU where llama.cpp computed it there
+            self._get(ids, raw, 0, size)  # from the GPU where the experts run there
             ids = chosen_ids(raw.raw, tuple(head.ne), tuple(head.nb))
             experts = self.counts.shape[1]
             self.counts[layer] += self._python_weight * np.bincount(ids.ravel(), minlength=experts)[:experts]

@@ -132,6 +132,7 @@ def _ggml(folder: Path):
                                     ("ggml_backend_buft_name", ctypes.c_char_p, [p]),
                                     # what engine.llamacpp.expert_counts reads of a graph node
                                     ("ggml_get_name", ctypes.c_char_p, [p]), ("ggml_nbytes", size, [p]),
+                                    ("ggml_op_desc", ctypes.c_char_p, [p]),
                                     ("ggml_backend_tensor_get", None, [p, p, size, size])):
         function = getattr(lib, name)
         function.restype, function.argtypes = restype, argtypes

@@ -275,3 +275,17 @@ def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
     assert gpu.sum(axis=1).tolist() == cpu.sum(axis=1).tolist()
     assert np.minimum(gpu, cpu).sum() >= 0.95 * cpu.sum()
     assert stats["experts_cpu"] == int(gpu[0].sum()) and stats["experts_gpu"] == int(gpu[1:].sum())
+
+
+def test_the_picks_are_read_at_the_experts_first_product():
+    """Where the experts are in RAM that product is in a CPU split, whose ids are the scheduler's copy of the choice:
+    a cut there leaves the GPU's split, and its CUDA graph, whole."""
+    from moedesk.engine.llamacpp.expert_counts import ids_layer, reads_picks
+
+    assert ids_layer(b"ffn_moe_topk-3") == 3 and ids_layer(b"CPU#ffn_moe_topk-12#0") == 12
+    assert ids_layer(b"CUDA0#ffn_moe_probs-3#0") is None and ids_layer(b"ffn_moe_topk-3#") is None
+    assert reads_picks(b"ffn_moe_up-0", b"MUL_MAT_ID") and reads_picks(b"ffn_moe_gate_up-5", b"MUL_MAT_ID")
+    assert reads_picks(b"ffn_moe_up_scaled-1", b"MUL_MAT_ID")  # the same product, renamed where it has scales
+    assert not reads_picks(b"ffn_moe_up_biased-1", b"ADD_ID") and not reads_picks(b"ffn_moe_up-2", b"VIEW")
+    assert not reads_picks(b"ffn_moe_gate-0", b"MUL_MAT_ID") and not reads_picks(b"ffn_moe_down-0", b"MUL_MAT_ID")
+    assert not reads_picks(b"ffn_moe_topk-0", b"VIEW")
