@@ -33,6 +33,20 @@ def layer_weights(cfg: ModelConfig, layer: int) -> tuple[int, int]:
     return 3 * hidden * cfg.moe_intermediate_size * cfg.num_experts, attention + shared + hidden * cfg.num_experts
 
 
+def packed_savings(packed, dtype_bytes: int) -> dict:
+    """Bytes that weights kept packed (MOEDESK_PACKED_WEIGHTS: our name -> (format, rows, columns), as
+    engine.model.packed_linear.plan_of or engine.load.loader.packed_plan give them) hold less than in `dtype_bytes`,
+    per layer index, and "head" for the output head."""
+    from moedesk.kernels.quant_formats import packed_format
+
+    saved: dict = {}
+    for name, (fmt, rows, k) in (packed or {}).items():
+        part, _, rest = name.partition(".")
+        where = int(rest.partition(".")[0]) if part == "layers" else "head"
+        saved[where] = saved.get(where, 0) + rows * (k * dtype_bytes - packed_format(fmt).row_bytes(k))
+    return saved
+
+
 def model_bytes(cfg: ModelConfig, layers: int, dtype_bytes: int, expert_bits: float) -> int:
     """Bytes of the first `layers` layers plus the embeddings, the experts at `expert_bits` per weight."""
     total = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) * dtype_bytes

@@ -13,6 +13,7 @@ from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.hardware import use_device
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
+from moedesk.engine.model.packed_linear import plan_of
 from moedesk.engine.offload.gpu_budget import (BudgetSplit, ContextBudgetError, budget_holding, model_split,
                                               prefill_workspace_bytes)
 from moedesk.engine.offload.orchestration import (GIB, KV_ROWS_RESERVED, ExpertOrchestra, default_expert_budget, host_bank_allocator,
@@ -156,7 +157,8 @@ class Engine(EngineFace):
         owner: list = []  # the device index of each layer, once the banks say what an expert takes
 
         def layer_devices(model, cfg, banks):
-            owner[:] = _layer_owner(model, cfg, banks, budgets, torch_dtype, min(context, cfg.max_position_embeddings))
+            owner[:] = _layer_owner(model, cfg, banks, budgets, torch_dtype, min(context, cfg.max_position_embeddings),
+                                    _packed_plan(checkpoint, cfg))
             return [devices[d] for d in owner]
 
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype,
@@ -267,7 +269,7 @@ class Engine(EngineFace):
             # whole layers priced with the cache on too: each device's own placement (ExpertOrchestra.place) does so
             costs[d] = LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device)
         weights, kv, moe, first, last = _device_layer_sizes(self.model, cfg, self.dtype, self.context_length,
-                                                            len(budgets))
+                                                            len(budgets), plan_of(self.model))
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
@@ -297,7 +299,7 @@ class Engine(EngineFace):
         """How `budget` bytes of GPU would split for this model at its context, from the sizes of what it loaded
         (engine.offload.gpu_budget.model_split; ContextBudgetError when too small). The routed experts are no
         parameters of the model: its parameters and buffers are what stays on the GPU whatever the placement."""
-        held = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        held = held_bytes(self.model)
         return model_split(self.config, budget, self.context_length, self.dtype.itemsize,
                            self.scheduler.prefill_chunk or self.context_length, held, self.cache.bytes_per_position(),
                            getattr(self.cache, "bytes_per_row", lambda: 0)())
@@ -496,13 +498,37 @@ def _plan_devices_for(device: torch.device, count: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(count)]
 
 
-def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int):
+def held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, each byte once: views (fused q/k/v's parts, packed rows joined,
+    engine.model.packed_linear) lie inside the tensor they view. Per storage, the span its tensors cover (not the
+    storage's size: a tensor may view a little of a larger one)."""
+    spans: dict = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.numel() == 0:
+            continue
+        start = t.storage_offset() * t.element_size()
+        end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+        key = (t.untyped_storage().data_ptr(), t.device)
+        low, high = spans.get(key, (start, end))
+        spans[key] = (min(low, start), max(high, end))
+    return sum(high - low for low, high in spans.values())
+
+
+def _packed_plan(checkpoint, cfg) -> dict | None:
+    """What MOEDESK_PACKED_WEIGHTS=1 will keep packed of `checkpoint` (engine.load.loader.packed_plan); None when off."""
+    from moedesk.engine.load.loader import packed_plan
+    from moedesk.engine.model.packed_linear import wanted
+
+    return packed_plan(checkpoint, cfg) if wanted() else None
+
+
+def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int, packed: dict | None = None):
     """engine.offload.devices.layer_sizes for this model: per layer its weights and KV cache (the default budget's
     KV_ROWS_RESERVED sequences of the whole context) and whether its experts are routed, then the embeddings and
-    head."""
+    head; `packed`: its weights kept packed (engine.model.packed_linear.plan_of)."""
     from moedesk.engine.offload.devices import layer_sizes
 
-    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, KV_ROWS_RESERVED * context, devices)
+    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, KV_ROWS_RESERVED * context, devices, packed)
     routed = {moe.layer for moe in model.moe_blocks()}  # the layers whose popularity rows the orchestra has
     return weights, kv, [layer in routed for layer in range(cfg.num_layers)], first, last
 
@@ -518,12 +544,12 @@ def _measure_links(spread, hidden: int, dtype: torch.dtype) -> list:
 
 
 def _layer_owner(model, cfg, banks: dict, budgets: tuple[float, ...], dtype: torch.dtype,
-                 context: int) -> tuple[int, ...]:
+                 context: int, packed: dict | None = None) -> tuple[int, ...]:
     """The device index of each layer as the per-device plan splits them (by sizes, before the popularity that picks
     each device's experts), asked by the loader once the banks exist, before the other weights are read."""
     from moedesk.engine.offload.devices import plan_devices
 
-    weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets))
+    weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets), packed)
     bank = next(iter(banks.values()))
     # Planned once without popularity: the split is by sizes alone, and a figure too small for its layers' weights
     # and cache is refused here (BudgetError naming the GPU), before the profile and the calibration.
@@ -559,13 +585,14 @@ def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch
         return
     context = min(context, early.max_position_embeddings)
     piece = default_prefill_chunk(device)
+    packed = _packed_plan(checkpoint, early)  # MOEDESK_PACKED_WEIGHTS: those weights counted packed
     if gpu_budget:
         try:
-            model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece)
+            model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece, packed=packed)
         except ContextBudgetError as refusal:
             raise UnreadBudgetError(str(refusal)) from None
         return
-    whole = model_split(early, 2**62, context, dtype.itemsize, piece)
+    whole = model_split(early, 2**62, context, dtype.itemsize, piece, packed=packed)
     need = whole.weights + whole.kv_cache + whole.workspace
     if need > free:
         raise UnreadBudgetError(f"{device} has {gib(free)} free, less than the {gib(need)} this model's non-expert "

@@ -558,18 +558,28 @@ class GGUFCheckpoint:
         fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))
         return None if fmt is None else fmt.name
 
+    def packed_rows_format(self, name: str) -> str | None:
+        """The packed format `read_packed_rows` hands a tensor over in; None where it cannot (see there)."""
+        fmt = self.packed_format(name)
+        if fmt is None:
+            return None
+        gguf_name, expert = self._index[name]
+        leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if (expert is not None or len(self._tensors[gguf_name].shape) != 2 or leaf == "ffn_gate_inp_shexp"
+                or (self.arch == "qwen35moe" and leaf in _BY_VALUE_HEAD)):
+            return None
+        return fmt
+
     def read_packed_rows(self, name: str) -> torch.Tensor | None:
         """A whole 2-D tensor's packed blocks as rows [R, row_bytes] (uint8, Hub row order: llama's q/k rows
         un-permuted, a row's blocks being self-contained), for a weight kept packed (engine.model.packed_linear);
         None where it is not stored in a packed format, is an expert's slice, or its conversion moves columns or
         regroups heads (Qwen3.5's value-head tensors, a reshaped gate), which only its floats can undo."""
-        fmt = self.packed_format(name)
-        gguf_name, expert = self._index[name]
+        if self.packed_rows_format(name) is None:
+            return None
+        gguf_name, _ = self._index[name]
         tensor = self._tensors[gguf_name]
         leaf = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-        if (fmt is None or expert is not None or len(tensor.shape) != 2 or leaf == "ffn_gate_inp_shexp"
-                or (self.arch == "qwen35moe" and leaf in _BY_VALUE_HEAD)):
-            return None
         rows = int(tensor.shape[1])
         out = torch.empty(rows, tensor.data.size // rows, dtype=torch.uint8)
         self._read_into(tensor, None, out.numpy())

@@ -209,20 +209,43 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
 
 def packed_weights(checkpoint, model: nn.Module) -> Callable[[str, str], bool] | None:
     """MOEDESK_PACKED_WEIGHTS=1: whether a checkpoint tensor (its name, ours) is kept packed, by a PackedLinear in place
-    of its Linear (engine.model.packed_linear): a Linear's weight stored in a format the packed kernel reads. None for
-    checkpoints that cannot hand over packed rows (safetensors)."""
+    of its Linear (engine.model.packed_linear). None for checkpoints that cannot hand over packed rows (safetensors)."""
     if not hasattr(checkpoint, "read_packed_rows"):
         return None
-    formats = set(packed_linear.formats())
 
     def keep(name: str, ours: str) -> bool:
-        fmt = checkpoint.packed_format(name)
-        if not packed_linear.packable(ours) or fmt not in formats:
-            return False
         owner = model.get_submodule(ours.rpartition(".")[0])
-        return isinstance(owner, nn.Linear) and owner.in_features % packed_format(fmt).block == 0
+        return isinstance(owner, nn.Linear) and _packed_format(checkpoint, name, ours, owner.in_features) is not None
 
     return keep
+
+
+def _packed_format(checkpoint, name: str, ours: str, in_features: int) -> str | None:
+    """The format a weight stays packed in (a Linear's weight `ours` of `in_features` columns), or None."""
+    fmt = checkpoint.packed_rows_format(name)
+    if fmt is None or fmt not in packed_linear.formats() or not packed_linear.packable(ours):
+        return None
+    return fmt if in_features % packed_format(fmt).block == 0 else None
+
+
+def packed_plan(checkpoint, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """What MOEDESK_PACKED_WEIGHTS=1 keeps packed of `checkpoint`, before reading a weight: our name -> (format, rows,
+    columns), as engine.model.packed_linear.plan_of says of the loaded model (the GPU budget's early sizes)."""
+    if not hasattr(checkpoint, "packed_rows_format"):
+        return {}
+    rules, shapes, plan = weight_name_map(cfg), checkpoint.shapes(), {}
+    for name in checkpoint.keys():
+        if is_ignored_tensor(name, cfg):
+            continue
+        ours = map_weight_name(rules, name)
+        shape = shapes.get(name, ())
+        if ours is None or ROUTED_EXPERT.fullmatch(ours) or len(shape) != 2 \
+                or (ours == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        fmt = _packed_format(checkpoint, name, ours, shape[1])
+        if fmt is not None:
+            plan[ours] = (fmt, shape[0], shape[1])
+    return plan
 
 
 def _set_packed(model: nn.Module, path, name: str, ours: str, rows: torch.Tensor, fmt: str, shape, device,

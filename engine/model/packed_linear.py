@@ -137,3 +137,9 @@ def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
     return packed
 
+
+
+def plan_of(model: nn.Module) -> dict[str, tuple[str, int, int]]:
+    """The packed weights of a loaded model: parameter name it replaced -> (format, rows, columns)."""
+    return {f"{name}.weight": (m.fmt, m.out_features, m.in_features) for name, m in model.named_modules()
+            if isinstance(m, PackedLinear)}

@@ -73,17 +73,19 @@ class DevicePlan:
         return np.concatenate([p.on_gpu for p in self.placements], axis=0)
 
 
-def layer_sizes(cfg, dtype_bytes: int, positions: int,
-                devices: int = 1) -> tuple[list[int], list[int], list[bool], int, int]:
+def layer_sizes(cfg, dtype_bytes: int, positions: int, devices: int = 1,
+                packed: dict | None = None) -> tuple[list[int], list[int], list[bool], int, int]:
     """What plan_devices takes of a model config: per layer its non-expert weight bytes, its KV cache bytes for
     `positions` positions (rows x context) and whether it has routed experts; then the embeddings' and the output
-    head's bytes. A Gated DeltaNet layer's state is per sequence, small, and counted as none here."""
-    from moedesk.engine.memory_fit import layer_weights
+    head's bytes. A Gated DeltaNet layer's state is per sequence, small, and counted as none here. packed: weights
+    kept packed (engine.memory_fit.packed_savings), counted packed."""
+    from moedesk.engine.memory_fit import layer_weights, packed_savings
 
+    saved = packed_savings(packed, dtype_bytes)
     weights, kv, moe = [], [], []
     for layer in range(cfg.num_layers):
         experts, other = layer_weights(cfg, layer)
-        weights.append(other * dtype_bytes)
+        weights.append(max(0, other * dtype_bytes - saved.get(layer, 0)))  # (MLA's layers are modelled roughly)
         moe.append(experts > 0)
         if cfg.kv_lora_rank:
             per_position = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
@@ -93,7 +95,7 @@ def layer_sizes(cfg, dtype_bytes: int, positions: int,
     table = cfg.vocab_size * cfg.hidden_size * dtype_bytes
     # a tied head reads the embedding table: on a second device it needs a copy of its own
     head = table if devices > 1 or not cfg.tie_word_embeddings else 0
-    return weights, kv, moe, table, head
+    return weights, kv, moe, table, max(0, head - saved.get("head", 0))
 
 
 def split_layers(budgets: Sequence[int], layer_bytes: Sequence[int], first_bytes: int = 0,

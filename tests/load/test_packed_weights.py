@@ -98,3 +98,59 @@ def test_spread_layers_keep_their_packed_weights(quantised, monkeypatch):
     cache = engine.model.new_cache(1, len(ids), engine.dtype, "cpu")  # a part per device's run of layers
     logits = engine.model(torch.tensor([ids]), torch.arange(len(ids)).unsqueeze(0), cache, engine.executor)[0]
     assert torch.equal(logits, before)
+
+
+def test_packed_savings_by_layer_and_head():
+    from moedesk.engine.memory_fit import packed_savings
+
+    plan = {"layers.1.attn.wq.weight": ("q8_0", 64, 256), "layers.1.attn.wo.weight": ("q4_0", 8, 64),
+            "lm_head.weight": ("q4_k", 10, 256)}
+    # 16-bit rows of 256 weights are 512 bytes: q8_0's 272, q4_k's 144; q4_0's 64 weights 36 bytes against 128
+    assert packed_savings(plan, 2) == {1: 64 * (512 - 272) + 8 * (128 - 36), "head": 10 * (512 - 144)}
+    assert packed_savings(None, 2) == {}
+
+
+def test_budget_counts_the_packed_bytes(quantised, monkeypatch):
+    """The plan made from the file before reading a weight is what the load keeps packed; the budget's weights figure,
+    early (from the config) and once loaded (the model's own tensors), drops by what those weights save packed."""
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+    from moedesk.engine.load.loader import packed_plan
+    from moedesk.engine.memory_fit import packed_savings
+    from moedesk.engine.model.packed_linear import plan_of
+    from moedesk.engine.offload.devices import layer_sizes
+    from moedesk.engine.offload.gpu_budget import non_expert_bytes
+    from moedesk.engine.runtime import held_bytes
+
+    path = quantised("llama", "q4_k_m")
+    plain = Engine.load(str(path), device="cpu", dtype="float32")
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    packed = Engine.load(str(path), device="cpu", dtype="float32")
+    cfg, plan = packed.config, plan_of(packed.model)
+    checkpoint = GGUFCheckpoint(path)
+    assert packed_plan(checkpoint, cfg) == plan
+    checkpoint.close()
+
+    saved = packed_savings(plan, 4)  # float32 on the CPU
+    assert sum(saved.values()) > 0 and set(saved) == {0, 1, "head"}
+    assert held_bytes(plain.model) - held_bytes(packed.model) == sum(saved.values())
+    whole = 2 ** 40
+    assert plain.gpu_budget_split(whole).weights - packed.gpu_budget_split(whole).weights == sum(saved.values())
+    # early figures, from the config: bf16's 2 bytes a weight against q4_k's 4.5 and q6_k's 6.56 bits
+    assert non_expert_bytes(cfg, 2) - non_expert_bytes(cfg, 2, plan) == sum(packed_savings(plan, 2).values())
+    weights, _, _, _, head = layer_sizes(cfg, 2, 16, 2, plan)
+    plain_weights, _, _, _, plain_head = layer_sizes(cfg, 2, 16, 2)
+    assert [a - b for a, b in zip(plain_weights, weights)] == [packed_savings(plan, 2)[i] for i in range(2)]
+    assert plain_head - head == packed_savings(plan, 2)["head"]
+    ratio = sum(rows * FORMATS[fmt].row_bytes(k) for fmt, rows, k in plan.values()) / sum(
+        rows * k * 2 for _, rows, k in plan.values())
+    assert 4.5 / 16 <= ratio <= 6.6 / 16  # q4_k rows with q6_k ones (attn_v, the head)
+
+
+def test_held_bytes_counts_fused_views_once(quantised):
+    from moedesk.engine.runtime import held_bytes
+
+    engine = Engine.load(str(quantised("llama", "q8_0")), device="cpu", dtype="float32")
+    before = held_bytes(engine.model)
+    for block in engine.model.layers:
+        block.attn.fuse_projections()  # q, k and v become views of one fused weight (a buffer)
+    assert held_bytes(engine.model) == before
