@@ -24,16 +24,21 @@ def bench_dtype(device) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype, prefill_piece: int) -> BudgetSplit:
+def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype, prefill_piece: int,
+                expert_format: str = "dense") -> BudgetSplit:
     """The split of `budget` bytes for the bench's model of `cfg` built for `context` positions
     (ContextBudgetError, one line naming a context that fits, when its weights and cache alone do not fit)."""
+    from moedesk.engine.load.synthetic import packed_plan
+    from moedesk.engine.memory_fit import packed_savings
     from moedesk.engine.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(cfg, context)
-    # synthetic_model stores every parameter in `dtype` and keeps the rotary tables in float32, as built here.
+    # synthetic_model stores every parameter in `dtype` and keeps the rotary tables in float32, as built here; with
+    # MOEDESK_PACKED_WEIGHTS=1 and packed experts, its non-expert weights packed (synthetic.packed_plan).
     held = (sum(p.numel() for p in model.parameters()) * dtype.itemsize
-            + sum(b.numel() * b.element_size() for b in model.buffers()))
+            + sum(b.numel() * b.element_size() for b in model.buffers())
+            - sum(packed_savings(packed_plan(cfg, expert_format, model=model), dtype.itemsize).values()))
     cache = model.new_cache(1, 1, dtype, "meta")
     return model_split(cfg, budget, context, dtype.itemsize, prefill_piece, held, cache.bytes_per_position(),
                        cache.bytes_per_row())
@@ -62,7 +67,7 @@ def budget_for_experts(cfg: ModelConfig, count: int, context: int, expert_format
     from moedesk.engine.generation.scheduler import default_prefill_chunk
 
     dtype = bench_dtype(device)
-    whole = bench_split(cfg, 2**62, context, dtype, default_prefill_chunk(device))
+    whole = bench_split(cfg, 2**62, context, dtype, default_prefill_chunk(device), expert_format)
     fixed = whole.weights + whole.kv_cache + whole.workspace
     return (budget_holding(fixed, count * expert_bytes(cfg, expert_format, dtype)) + 16) / GIB  # 16: GiB's rounding
 
@@ -73,7 +78,7 @@ def layers_in_ram(cfg: ModelConfig, budget_gib: float, context: int, expert_form
     from moedesk.engine.generation.scheduler import default_prefill_chunk
 
     dtype = bench_dtype(device)
-    split = bench_split(cfg, int(budget_gib * GIB), context, dtype, default_prefill_chunk(device))
+    split = bench_split(cfg, int(budget_gib * GIB), context, dtype, default_prefill_chunk(device), expert_format)
     moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
     return moe_layers - planned_experts(split, expert_bytes(cfg, expert_format, dtype), cfg) // cfg.num_experts
 

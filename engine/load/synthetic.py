@@ -56,16 +56,30 @@ def _tile(out: torch.Tensor, block: torch.Tensor) -> None:
 
 
 def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, context: int = 4096, seed: int = 0,
-                    expert_format: str = DENSE):
+                    expert_format: str = DENSE, packed_weights: bool | None = None):
     """(model, banks): non-expert weights random on `device`; banks[layer] an ExpertWeights stack on the host,
     in `dtype` or, with expert_format, packed (kernels.quant_formats): a random block of weights quantised
     to that format and tiled, so the packed bytes are realistic (sane scales) without quantising the whole
-    model (k-quants, which moedesk does not quantise itself, tile random blocks with small scales)."""
+    model (k-quants, which moedesk does not quantise itself, tile random blocks with small scales).
+    packed_weights (default: MOEDESK_PACKED_WEIGHTS=1) with a packed expert_format: the non-expert weights a GGUF
+    of that quantisation keeps packed are packed likewise (`packed_plan`), as PackedLinears."""
+    from moedesk.engine.model.packed_linear import replace_linear
+
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(cfg, context)
+    plan = packed_plan(cfg, expert_format, packed_weights, model)
+    blocks = {}  # (format, k) -> a random block, tiled into every weight of that shape of row
     for name, param in list(model.named_parameters()):
+        if name in plan:
+            fmt, rows, k = plan[name]
+            if (fmt, k) not in blocks:
+                blocks[fmt, k] = _random_block(fmt, k, dtype, gen)
+            packed = torch.empty(rows, packed_format(fmt).row_bytes(k), dtype=torch.uint8)
+            _tile(packed, blocks[fmt, k])
+            replace_linear(model, name, packed.to(device), fmt, k, dtype)
+            continue
         if name.endswith("norm.weight"):
             value = torch.ones(param.shape, dtype=dtype)
         else:
@@ -86,6 +100,29 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
             _tile(stack, _random_block(fmt, k, dtype, gen))
         moe.experts = banks[moe.layer] = moe.join_expert_function(w)  # gpt-oss's biases and activation
     return model.eval(), banks
+
+
+def packed_plan(cfg: ModelConfig, expert_format: str, packed_weights: bool | None = None,
+                model: Transformer | None = None) -> dict[str, tuple[str, int, int]]:
+    """The non-expert weights synthetic_model packs: our name -> (format, rows, columns), every Linear weight a GGUF
+    keeps packed (engine.model.packed_linear.packable) in expert_format or its fallback for its rows
+    (format_for_rows); {} unless packed_weights (default: MOEDESK_PACKED_WEIGHTS=1) and expert_format is packed."""
+    from moedesk.engine.model import packed_linear
+
+    wanted = packed_linear.wanted() if packed_weights is None else packed_weights
+    if not wanted or expert_format == DENSE:
+        return {}
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(cfg, 1)
+    plan = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and packed_linear.packable(f"{name}.weight") \
+                and not (name == "lm_head" and cfg.tie_word_embeddings):
+            fmt = format_for_rows(expert_format, module.in_features)
+            if fmt in packed_linear.formats():
+                plan[f"{name}.weight"] = (fmt, module.out_features, module.in_features)
+    return plan
 
 
 def expert_formats(expert_format: str, hidden: int, width: int) -> tuple[str, str]:

@@ -154,3 +154,34 @@ def test_held_bytes_counts_fused_views_once(quantised):
     for block in engine.model.layers:
         block.attn.fuse_projections()  # q, k and v become views of one fused weight (a buffer)
     assert held_bytes(engine.model) == before
+
+
+@pytest.mark.parametrize("shape,fmt,packed_as", [("tiny-moe", "q8_0", {"q8_0"}), ("tiny-glm", "q4_0", {"q4_0"}),
+                                                 ("tiny-moe", "q4_k", {"q4_0"})])  # 64 columns: q4_k's fallback
+def test_synthetic_models_pack_their_non_expert_weights(shape, fmt, packed_as, monkeypatch):
+    """The benchmarks' random models (`moedesk bench`, profile_gpu_decode.py) with the flag and packed experts: the
+    weights a GGUF of that quantisation keeps packed are packed, and the bench's budget counts them packed."""
+    from moedesk.bench.budget import bench_split
+    from moedesk.engine.load.synthetic import SHAPES, packed_plan, synthetic_model
+    from moedesk.engine.memory_fit import packed_savings
+    from moedesk.engine.model.packed_linear import plan_of
+    from moedesk.engine.offload.expert_executor import LocalExecutor
+
+    cfg = SHAPES[shape]
+    model, _ = synthetic_model(cfg, torch.float32, "cpu", pinned=False, context=64, expert_format=fmt,
+                               packed_weights=True)
+    plan = plan_of(model)
+    assert plan == packed_plan(cfg, fmt, True) and {f for f, _, _ in plan.values()} == packed_as
+    assert "lm_head.weight" in plan and "layers.0.attn.wq.weight" in plan and "embed.weight" not in plan
+    assert not any(name.endswith("router.weight") for name in plan)
+    if shape == "tiny-glm":  # the dense first layer's MLP and the shared experts
+        assert "layers.0.mlp.down.weight" in plan and "layers.1.moe.shared.up.weight" in plan
+    cache = model.new_cache(1, 12, torch.float32, "cpu")
+    logits = model(torch.arange(12)[None], torch.arange(12)[None], cache, LocalExecutor())
+    assert torch.isfinite(logits).all()
+    assert packed_plan(cfg, fmt, False) == {} and packed_plan(cfg, "dense", True) == {}
+
+    plain = bench_split(cfg, 2 ** 40, 64, torch.float32, 16, fmt).weights
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    assert plain - bench_split(cfg, 2 ** 40, 64, torch.float32, 16, fmt).weights == sum(
+        packed_savings(plan, 4).values())
