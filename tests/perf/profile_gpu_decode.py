@@ -2,6 +2,7 @@
 
 Usage (GPU box, repo root): python3 tests/perf/profile_gpu_decode.py [SHAPE:LAYERS] [--expert-format q4_k]
     [--batch 1] [--steps 16] [--llama-bench PATH]
+(MOEDESK_PACKED_WEIGHTS=1 in front: the non-expert weights packed in --expert-format too, as llama.cpp keeps them.)
 Every expert resident on one GPU: the floor the GPU's own kernels set, where issue 45's second target (two GPUs
 against llama.cpp with every expert on them) is decided. Decode with CUDA graphs as the engine runs it, then
 torch.profiler over two decode runs that differ only in length, so prefill and graph capture cancel: GPU ms a step
@@ -24,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from moedesk.bench.synthetic import measure_decode  # noqa: E402
 from moedesk.engine.load.synthetic import shape_config, synthetic_model  # noqa: E402
+from moedesk.engine.model.packed_linear import PackedLinear  # noqa: E402
 from moedesk.engine.offload.offload_executor import OffloadExecutor  # noqa: E402
 
 # First match wins; names as Triton, cuBLAS and torch give their kernels.
@@ -87,7 +89,11 @@ def main() -> None:
     moe_layers = len(banks)
     touched = moe_layers * min(cfg.num_experts, cfg.num_experts_per_tok * args.batch)  # at most; one row reads top_k
     dense_bytes = sum(p.nbytes for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
-    read = {"packed experts": touched * expert_bytes, "dense GEMM": dense_bytes}
+    # MOEDESK_PACKED_WEIGHTS=1: the non-expert weights kept packed run the experts' kernel (_packed_mm) too
+    packed_weights = sum(m.packed.nbytes for m in model.modules() if isinstance(m, PackedLinear))
+    if packed_weights:
+        print(f"  (packed non-expert weights: {packed_weights / 1e9:.2f} GB a step, in the packed experts' class)")
+    read = {"packed experts": touched * expert_bytes + packed_weights, "dense GEMM": dense_bytes}
     for label, ms in sorted(per_step.items(), key=lambda item: -item[1]):
         rate_text = f", {read[label] / ms / 1e9:7.0f} GB/s of {read[label] / 1e9:.2f} GB" if label in read and ms else ""
         print(f"  {label:<15} {ms:7.3f} ms a step ({100 * ms / gpu_ms:4.1f}%){rate_text}")
