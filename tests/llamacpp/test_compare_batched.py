@@ -1,5 +1,6 @@
 """tests/perf/compare_llamacpp_engine.py's llama-batched-bench line: llama.cpp's own 4-over-1 decode ratio, printed
-beside serve's on the GPU box. Here its output is parsed from a stand-in that writes what the tool writes."""
+beside serve's on the GPU box. Here its output is parsed from a stand-in that writes what the tool writes. And the
+placement sweep cut to the least fitting -ncmoe values (--sweep-span), for the whole model's budgets."""
 import importlib.util
 import json
 import stat
@@ -50,3 +51,18 @@ def test_the_tool_is_asked_for_one_and_four_sequences_on_the_gpu(compare, tmp_pa
     assert value("--output-format") == "jsonl" and value("-t") == "16"
     assert int(value("-c")) >= 4 * (int(value("-npp")) + int(value("-ntg")))  # room for four sequences
     assert "-ncmoe" not in asked  # every expert on the GPU, as serve's 10 GiB run
+
+
+def test_the_sweep_span_times_the_least_fitting_ncmoe_and_the_next_n(compare, monkeypatch, capsys):
+    # --sweep-span 1 on a budget that fits -ncmoe 2 to 8: llama-bench at 2 and 3 only, the engine once
+    totals = {m: (10 - m) * 1e9 for m in range(9)}  # GPU bytes llama.cpp takes at each -ncmoe
+    monkeypatch.setattr(compare, "needs", lambda *a: {m: {"llama_cpp": {"total": t}} for m, t in totals.items()})
+    timed = []
+    monkeypatch.setattr(compare, "llama_bench", lambda binary, gguf, m, *a: timed.append(m) or {"tg": 50.0 - m})
+    monkeypatch.setattr(compare, "ours", lambda *a, **k: {"ncmoe": 2, "tg": 47.0, "why": "w", "gpu_bytes": 7e9})
+    args = type("Args", (), dict(budgets="8", prompt=512, tokens=64, threads=4, llama_bench="lb", sweep_span=1))
+    report = {}
+    compare.placement_lines(args, "m.gguf", None, report)
+    assert timed == [2, 3]
+    assert report["placement"][0]["best_ncmoe"] == 2 and report["placement"][0]["ratio"] == round(47 / 48, 3)
+    assert "best -ncmoe 2" in capsys.readouterr().out

@@ -4,7 +4,7 @@ CUDA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir l
 Usage (repo root):
     python3 tests/perf/compare_llamacpp_engine.py --llama-bench PATH/llama-bench [--gguf FILE | --shape mixtral-8x7b
         --layers 8 --expert-format q4_k] [--ncmoe N] [--budgets 8,16,24] [--threads 16] [--reps 5]
-        [--batched-bench PATH/llama-batched-bench] [--json OUT.json]
+        [--batched-bench PATH/llama-batched-bench] [--placement-only] [--sweep-span N] [--json OUT.json]
 
 The issue's targets (#40), each printed with its ratio:
 - wrapper: decode (tg64) and prefill (pp512) through moedesk's engine with `--ncmoe N` layers' experts in RAM,
@@ -16,7 +16,8 @@ The issue's targets (#40), each printed with its ratio:
   the N it chose and its decode) over the best of the sweep (target >= 0.95x). What fits is llama.cpp's own
   account: the model, KV and compute buffers it reports on the GPU when the engine loads the file with -ncmoe N at
   the comparison's context, within the budget (each N's figures are printed beside moedesk's estimate of them).
-Without --gguf the shape is written as a GGUF once (bench/synthetic_gguf.py, cached). A gpt-oss-120b-shape MXFP4
+The whole Mixtral shape at the issue's budgets, placement alone: --layers 32 --budgets 8,16,24 --placement-only
+--sweep-span 2. Without --gguf the shape is written as a GGUF once (bench/synthetic_gguf.py, cached). A gpt-oss-120b-shape MXFP4
 file (first 8 layers) is not written here: pass one with --gguf. Four concurrent streams through serve:
 tests/perf/bench_serve.py --model FILE --engine llama.cpp --clients 4 (its "over one client" line); llama.cpp's own
 1 and 4 sequences beside it with --batched-bench.
@@ -238,6 +239,12 @@ def main() -> int:
     parser.add_argument("--batched-bench", default=None,
                         help="llama.cpp's llama-batched-bench: a line of its decode at 1 and 4 sequences, every layer "
                              "on the GPU (what serve's four clients are compared with)")
+    parser.add_argument("--placement-only", action="store_true",
+                        help="only the placement sweep (the wrapper lines at every layer's experts in RAM take long "
+                             "on a whole model)")
+    parser.add_argument("--sweep-span", type=int, default=None,
+                        help="time only the N fitting -ncmoe values above the least that fits (default: every one; "
+                             "more experts in RAM never decoded faster in any sweep so far)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 
@@ -268,6 +275,19 @@ def main() -> int:
     layers = len(sizes.expert_bytes)
     report = {"gguf": gguf, "expert_gib_per_layer": round(sizes.expert_bytes[0] / GIB, 3),
               "other_gib": round(sizes.other_bytes / GIB, 3)}
+
+    if not args.placement_only:
+        wrapper_lines(args, gguf, layers, count_everies, report)
+    expert_counts.COUNT_EVERY = count_everies[0]  # the placement runs below count as the wrapper line does
+    placement_lines(args, gguf, shape, report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def wrapper_lines(args, gguf: str, layers: int, count_everies: list[int], report: dict) -> None:
+    """Decode and prefill through the engine over llama-bench at the same -ncmoe, with and without counting."""
+    from moedesk.engine.llamacpp import expert_counts
 
     n = layers if args.ncmoe is None else args.ncmoe
     theirs = before = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
@@ -300,8 +320,10 @@ def main() -> int:
         rates = batched_bench(args.batched_bench, gguf, args.threads, prompt_tokens, gen_tokens)
         report["batched_bench"] = {str(n): rate for n, rate in rates.items()}
         print(batched_line(rates, prompt_tokens, gen_tokens))
-    expert_counts.COUNT_EVERY = count_everies[0]  # the placement runs below count as the wrapper line does
 
+
+def placement_lines(args, gguf: str, shape, report: dict) -> None:
+    """For each budget, llama-bench at every fitting -ncmoe (the sweep) against the engine's own choice."""
     report["placement"] = []
     budgets = [float(b) for b in args.budgets.split(",")]
     # One definition of a budget for the sweep and the engine: GPU bytes for everything llama.cpp puts there.
@@ -309,7 +331,9 @@ def main() -> int:
     report["need_by_ncmoe"] = need
     for budget_gb in budgets:
         budget = int(budget_gb * 1e9)
-        fitting = [m for m in need if need[m]["llama_cpp"]["total"] <= budget]
+        fitting = sorted(m for m in need if need[m]["llama_cpp"]["total"] <= budget)
+        if args.sweep_span is not None:
+            fitting = fitting[:args.sweep_span + 1]
         if not fitting:
             print(f"budget {budget_gb:g} GB: llama.cpp needs more than that at every -ncmoe")
             continue
@@ -325,9 +349,6 @@ def main() -> int:
               f"{sweep[best]:.1f} tok/s; moedesk chose {auto['ncmoe']} ({auto['why']}; llama.cpp took "
               f"{auto['gpu_bytes'] / 1e9:.2f} GB of the GPU{'' if auto['gpu_bytes'] <= budget else ': OVER'}): "
               f"{auto['tg']:.1f} tok/s = {ratio:.3f}x (target >= 0.95x)")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
-    return 0
 
 
 if __name__ == "__main__":
