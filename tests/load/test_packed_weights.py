@@ -185,3 +185,24 @@ def test_synthetic_models_pack_their_non_expert_weights(shape, fmt, packed_as, m
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
     assert plain - bench_split(cfg, 2 ** 40, 64, torch.float32, 16, fmt).weights == sum(
         packed_savings(plan, 4).values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["q4_k_m", "q8_0"])
+def test_packed_weights_on_cuda_stay_close_to_16_bit(quantised, monkeypatch, kind):
+    """On the GPU the packed weights are read by the packed kernel (decode's rows) or dequantised for cuBLAS (a
+    prompt's): exact weights against the 16-bit load's bf16-rounded ones, both with bf16 activations, so the logits
+    differ by a few bf16 steps. q/k/v of one format (q8_0) are fused into one packed launch."""
+    path = str(quantised("llama", kind))
+    plain = Engine.load(path, device="cuda", dtype="bfloat16", offload=False)
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    packed = Engine.load(path, device="cuda", dtype="bfloat16", offload=False)
+    assert packed_modules(packed) and all(m.packed.is_cuda for m in packed_modules(packed).values())
+    assert ("qkv_packed" in packed.model.layers[0].attn.__dict__) == (kind == "q8_0")
+    ids = plain.tokenizer.encode(TEXT)
+    exact, ours = teacher_forced_logits(plain, ids), teacher_forced_logits(packed, ids)
+    assert (ours - exact).abs().max() <= 0.05 * exact.std(), (ours - exact).abs().max() / exact.std()
+    assert (ours.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+    assert greedy(packed, ids[:8]) == greedy(packed, ids[:8])  # decode (CUDA graphs) runs, and twice alike
+    held = packed.gpu_budget_split(2 ** 40).weights
+    assert held < plain.gpu_budget_split(2 ** 40).weights
