@@ -29,9 +29,10 @@ def greedy(engine, ids):
     return engine.complete([Request(ids, GREEDY)])[0].token_ids
 
 
-@pytest.mark.parametrize("kind,formats", [("q4_k_m", {"q4_k", "q6_k"}), ("q8_0", {"q8_0"})])
-def test_packed_weights_give_the_same_greedy_ids(quantised, monkeypatch, kind, formats):
-    path = str(quantised("llama", kind))
+@pytest.mark.parametrize("arch,kind,formats", [("llama", "q4_k_m", {"q4_k", "q6_k"}), ("llama", "q8_0", {"q8_0"}),
+                                               ("qwen3moe", "q4_k_m", {"q4_k", "q6_k"})])
+def test_packed_weights_give_the_same_greedy_ids(quantised, monkeypatch, arch, kind, formats):
+    path = str(quantised(arch, kind))
     plain = Engine.load(path, device="cpu", dtype="float32")
     assert not packed_modules(plain)
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
@@ -206,3 +207,31 @@ def test_packed_weights_on_cuda_stay_close_to_16_bit(quantised, monkeypatch, kin
     assert greedy(packed, ids[:8]) == greedy(packed, ids[:8])  # decode (CUDA graphs) runs, and twice alike
     held = packed.gpu_budget_split(2 ** 40).weights
     assert held < plain.gpu_budget_split(2 ** 40).weights
+
+
+def test_the_check_before_reading_counts_the_weights_packed(quantised, monkeypatch):
+    """A GPU budget that holds the weights packed but not in 16 bits: refused before reading a weight (auto then
+    takes llama.cpp) without the flag, accepted with it."""
+    from moedesk.engine.generation.scheduler import default_prefill_chunk
+    from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
+    from moedesk.engine.load.loader import packed_plan
+    from moedesk.engine.model.architectures import parse_config
+    from moedesk.engine.offload.gpu_budget import GIB, budget_holding, model_split
+    from moedesk.engine.runtime import UnreadBudgetError, _check_gpu_holds_weights
+
+    checkpoint = GGUFCheckpoint(quantised("llama", "q4_k_m"))
+    cfg = parse_config(checkpoint.config, checkpoint.path, tensors=checkpoint.shapes())
+    context, piece = 256, default_prefill_chunk(torch.device("cpu"))
+    packed = model_split(cfg, 2 ** 62, context, 2, piece, packed=packed_plan(checkpoint, cfg))
+    plain = model_split(cfg, 2 ** 62, context, 2, piece)
+    budget = budget_holding(packed.weights + packed.kv_cache + packed.workspace, 0) + 64
+    assert budget < budget_holding(plain.weights + plain.kv_cache + plain.workspace, 0)
+
+    def check():
+        _check_gpu_holds_weights(checkpoint, budget / GIB, torch.device("cpu"), torch.bfloat16, context)
+
+    with pytest.raises(UnreadBudgetError):
+        check()
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    check()
+    checkpoint.close()
