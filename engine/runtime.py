@@ -572,7 +572,7 @@ def _gpu_free_bytes(device: torch.device) -> int | None:
 def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch.device, dtype: torch.dtype,
                              context: int) -> None:
     """Refuse (UnreadBudgetError, one line) before any weight is read where the GPU budget, or without one what the
-    GPU has free, cannot hold an MoE model's non-expert weights in 16 bits and the KV cache of its context: read
+    GPU has free, cannot hold an MoE model's non-expert weights (16-bit, or packed where kept so) and the KV cache of its context: read
     anyway, the load ended in a CUDA out-of-memory error."""
     from moedesk.engine.memory_fit import gib
     from moedesk.engine.model.architectures import parse_config
@@ -596,8 +596,8 @@ def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch
     need = whole.weights + whole.kv_cache + whole.workspace
     if need > free:
         raise UnreadBudgetError(f"{device} has {gib(free)} free, less than the {gib(need)} this model's non-expert "
-                                f"weights in 16 bits and the KV cache of {context} positions take there; free GPU "
-                                f"memory, or use a shorter --context or --device cpu")
+                                f"weights and the KV cache of {context} positions take there; free GPU memory, or "
+                                f"use a shorter --context or --device cpu")
 
 
 def _check_memory(path, weights_dtype: str, expert_dtype: str, gpu: bool) -> None:

@@ -61,7 +61,7 @@ def after_budget_refusal(model: str, refusal: MoedeskError, llama_cpp_problem=No
         path = _gguf_for_llama_cpp(model)
     except MoedeskError:
         raise refusal from None
-    return Choice("llama.cpp", path, f"llama.cpp: the native engine, with its 16-bit weights, does not fit ({refusal})")
+    return Choice("llama.cpp", path, f"llama.cpp: the native engine does not fit the GPU ({refusal})")
 
 
 GGUF_ONLY = "the llama.cpp engine reads GGUF files only"

@@ -29,7 +29,7 @@ def test_auto_takes_llama_cpp_where_the_native_weights_do_not_fit(tiny_gguf):
                          context_length=128)
     try:
         assert engine.kind == "llama.cpp", engine.why
-        assert "native engine, with its 16-bit weights, does not fit" in engine.why and "GPU budget" in engine.why
+        assert "native engine does not fit the GPU" in engine.why and "GPU budget" in engine.why
         reply = engine.complete([Request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))])[0]
         assert len(reply.token_ids) == 4
     finally:
@@ -65,7 +65,7 @@ def test_without_a_budget_the_gpus_free_memory_is_checked_before_reading(tiny_gg
     monkeypatch.setattr(runtime, "_gpu_free_bytes", lambda device: 1000)
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("weights read before the refusal"))
     monkeypatch.setattr(runtime, "load_model", loader.load_model)
-    with pytest.raises(ContextBudgetError, match=r"cpu has .* free, less than .* non-expert weights in 16 bits"):
+    with pytest.raises(ContextBudgetError, match=r"cpu has .* free, less than .* non-expert weights and the KV cache"):
         Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, context_length=128,
                     engine="native")
     engine = Engine.load(str(tiny_gguf), device="cpu", dtype="float32", offload=True, context_length=128)
