@@ -572,8 +572,8 @@ def _gpu_free_bytes(device: torch.device) -> int | None:
 def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch.device, dtype: torch.dtype,
                              context: int) -> None:
     """Refuse (UnreadBudgetError, one line) before any weight is read where the GPU budget, or without one what the
-    GPU has free, cannot hold an MoE model's non-expert weights (16-bit, or packed where kept so) and the KV cache of its context: read
-    anyway, the load ended in a CUDA out-of-memory error."""
+    GPU has free, cannot hold an MoE model's non-expert weights (16-bit, or packed where kept so) and the KV cache of
+    its context: read anyway, the load ended in a CUDA out-of-memory error."""
     from moedesk.engine.memory_fit import gib
     from moedesk.engine.model.architectures import parse_config
 
