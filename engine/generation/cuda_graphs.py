@@ -128,7 +128,8 @@ class GraphedDecode:
         settle = getattr(executor, "settle", None)
         if settle is not None:
             # The expert cache's swaps decided during the last handed-over step, made now that its graph no longer
-            # waits on the host (OffloadExecutor._end_step); they make the graphs below stale.
+            # waits on the host (OffloadExecutor._end_step). They rewrite the slot maps the graphs read in place,
+            # queued before the replay below: the graphs stay valid (placement_version moves only with a layer's kind).
             settle()
         if self.broken is not None:
             return None

@@ -240,7 +240,8 @@ class OffloadExecutor:
         probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
         self.whole_layers_on_device = self.simulated or grouped_supported(probe, any_bank)
         self._selections: dict[int, torch.Tensor] = {} if selections is None else selections
-        self._slot_maps: dict[int, tuple] = {}  # layer -> (placement_version, its `_slots`)
+        # layer -> its `_slots`, made at each placement and rewritten in place by a swap: captured graphs read them
+        self._slot_maps: dict[int, tuple] = {}
         self._stats = StepStats()
         self._tallies: dict[int, torch.Tensor] = {}  # layer run on the device alone -> its counts there
         self.placement_version = 0
@@ -351,7 +352,8 @@ class OffloadExecutor:
         self._slot_maps = {}
         for layer, bank in self.banks.items():  # here, not at a capture: a graph cannot copy from unpinned memory
             if any(slot is not None for slot in bank.gpu_slot):
-                self._slots(layer)
+                slots, resident, offloaded, ids = self._new_slot_maps(bank.gpu_slot)
+                self._slot_maps[layer] = (slots.to(self.device), resident.to(self.device), offloaded, ids)
 
     def follow_routing(self, policy: CachePolicy | None, scores=None, price: SwapPrice | None = None,
                        score_steps: float | None = None) -> None:
@@ -378,12 +380,14 @@ class OffloadExecutor:
             self.settle()
 
     def settle(self) -> None:
-        """Make the swaps the cache decided and has not made yet: copies, slot maps, a new placement version. Called
+        """Make the swaps the cache decided and has not made yet: the copies, then the slot maps rewritten in place
+        (`_rewrite_slot_maps`), so that captured graphs and prepared host calls, which read them, stay valid. Called
         between forwards (GraphedDecode.forward) and at an eager step's counting, never inside a handed-over step."""
         swaps, self._unapplied = self._unapplied, []
         if not swaps:
             return
         layers = self._order
+        before = {layers[swap.layer]: _layer_kind(self.banks[layers[swap.layer]].gpu_slot) for swap in swaps}
         if not self.simulated:  # the copies read slots the last step's kernels may still be reading
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream) if not self.simulated else _nothing():
@@ -396,8 +400,33 @@ class OffloadExecutor:
             # A few experts' bytes every so many steps; the next step's kernels read the new slots.
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self._stats.swaps += len(swaps)
-        self.placement_version += 1  # captured graphs and prepared host calls hold the old maps
-        self._refresh_slot_maps()
+        for layer, kind in before.items():
+            if _layer_kind(self.banks[layer].gpu_slot) == kind:
+                self._rewrite_slot_maps(layer)
+            else:  # not from the cache, whose swaps keep a layer's count: the graphs baked the kind in, capture anew
+                self.placement_version += 1
+                self._refresh_slot_maps()
+                break
+
+    @staticmethod
+    def _new_slot_maps(gpu_slot: list) -> tuple:
+        """`_slots`' four maps of a layer whose experts sit in `gpu_slot` (expert -> slot or None)."""
+        slots = torch.tensor([s or 0 for s in gpu_slot], dtype=torch.int64)
+        offloaded = np.array([s is None for s in gpu_slot])
+        return slots, torch.from_numpy(~offloaded), offloaded, np.flatnonzero(offloaded).astype(np.int64)
+
+    def _rewrite_slot_maps(self, layer: int) -> None:
+        """The layer's slot maps rewritten in place after a swap within it (same count resident): the device's on the
+        current stream, after the swap's copies and before the next step's kernels or graph replay read them; the
+        host's (which a prepared host call points into: kernels.cpu_quant.prepare_routed) at once, between steps."""
+        slots, resident, offloaded, ids = self._slot_maps[layer]
+        new = self._new_slot_maps(self.banks[layer].gpu_slot)
+        for mine, fresh in zip((slots, resident), new):
+            if self.simulated:
+                mine.copy_(fresh)
+            else:  # from pinned memory, which torch keeps until the copy ran
+                mine.copy_(fresh.pin_memory(), non_blocking=True)
+        offloaded[:], ids[:] = new[2], new[3]
 
     def on_gpu(self) -> list[list[bool]]:
         return [[s is not None for s in bank.gpu_slot] for _, bank in sorted(self.banks.items())]
@@ -506,16 +535,9 @@ class OffloadExecutor:
 
     def _slots(self, layer: int) -> tuple:
         """(expert -> resident slot, or 0 when offloaded; expert -> resident), on the device for `device_share`;
-        expert -> offloaded and the offloaded experts' ids, numpy arrays for `host_share`."""
-        known = self._slot_maps.get(layer)
-        if known is None or known[0] != self.placement_version:
-            gpu_slot = self.banks[layer].gpu_slot
-            slots = torch.tensor([s or 0 for s in gpu_slot], dtype=torch.int64, device=self.device)
-            resident = torch.tensor([s is not None for s in gpu_slot], device=self.device)
-            offloaded = np.array([s is None for s in gpu_slot])
-            known = self._slot_maps[layer] = (self.placement_version, slots, resident, offloaded,
-                                              np.flatnonzero(offloaded))
-        return known[1:]
+        expert -> offloaded and the offloaded experts' ids, numpy arrays for `host_share`. The same objects from one
+        placement to the next: a swap rewrites their contents (`settle`)."""
+        return self._slot_maps[layer]
 
     def host_share(self, moe, host: HostRouting, out) -> None:
         """The CPU's part of a `host_only` layer of one token: its experts (all but the last `host.zero_copy`
@@ -559,7 +581,8 @@ class OffloadExecutor:
         """`host_share(moe, host, out)` for a captured step that repeats it on the same buffers every step, prepared
         once (kernels.experts.prepare_routed): what is left to do each time is the wait, the kernel's call and the
         counts: about half the Python that host_share spends beside the kernel's call (docs/measurements.md, "The
-        offload executor and the pinned banks"). Valid while the placement is (a capture is redone when it changes)."""
+        offload executor and the pinned banks"). Valid while the placement is (a capture is redone when it changes) and
+        across the expert cache's swaps, whose new offloaded ids it reads in place (`_rewrite_slot_maps`)."""
         layer, bank = moe.layer, self.banks[moe.layer]
         pair_expert = host.ids.view(-1)
         k = pair_expert.shape[0]
@@ -958,6 +981,12 @@ class OffloadExecutor:
                 self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n), non_blocking=True)
             ready = self.copy_stream.record_event()
         return {e: (slot, ready) for e, slot in zip(experts, slots)}
+
+
+def _layer_kind(gpu_slot: list) -> tuple[int, int]:
+    """What captured graphs bake in of a layer's residency: how many of its experts are resident, of how many (none:
+    host-run alone, maybe zero-copy; all: run on the device whole; some: handed over with a resident share)."""
+    return sum(slot is not None for slot in gpu_slot), len(gpu_slot)
 
 
 _ALIGN = 4  # int32 words: each copy run's ends start on a 16-byte boundary, as the resident ones do

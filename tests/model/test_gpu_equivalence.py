@@ -403,6 +403,46 @@ def test_handed_over_steps_with_resident_experts_match_all_on_gpu(arch, tiny_che
     assert all(executor.has_resident(offloaded.model.layers[i].moe.layer) for i in handed[0].moe_at)
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_expert_cache_swaps_keep_the_handed_over_graph_and_its_results(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    """A swap between handed-over decode steps rewrites the slot maps the captured graph reads, in place: the graph
+    is replayed, not captured again, and computes what the same residency decodes eagerly (up to bf16 ties: the
+    handed-over step computes resident experts with grouped launches, the eager one does not)."""
+    from moedesk.engine.offload.expert_cache import Swap
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch)
+    folder = tiny_checkpoint(arch)
+    graphed = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    executor = graphed.executor
+    executor.set_placement([[e % 2 == 0 for e in range(len(row))] for row in executor.on_gpu()])  # every layer half
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    ids = graphed.tokenizer.encode(PROMPTS[1])
+    graphed.generate([Request(ids, params)], 1)  # captures the batch-1 step
+    handed = {key: c for key, c in graphed.graphs.captured.items() if c.handoff is not None}
+    assert handed
+    captures, version = graphed.graphs.captures, executor.placement_version
+    # In every layer expert 0 out, expert 1 into its slot: the first resident slot now holds an odd expert.
+    executor._unapplied = [Swap(i, 0, 1) for i in range(len(executor.on_gpu()))]
+    executor.settle()
+    assert executor.placement_version == version and all(row[1] and not row[0] for row in executor.on_gpu())
+    [ours] = graphed.generate([Request(ids, params)], 1)
+    assert graphed.graphs.captures == captures  # replayed after the swap
+    assert all(graphed.graphs.captured[key] is c for key, c in handed.items())
+    monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
+    eager = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
+    assert eager.graphs is None
+    eager.executor.set_placement(executor.on_gpu())
+    [theirs] = eager.generate([Request(ids, params)], 1)
+    k = next((k for k, (a, b) in enumerate(zip(ours.token_ids, theirs.token_ids)) if a != b), None)
+    if k is not None:
+        prefix = ids + theirs.token_ids[:k]
+        cache = eager.model.new_cache(1, len(prefix), torch.bfloat16, "cuda")
+        logits = eager.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
+                             cache, eager.executor)[0, -1]
+        assert within_bf16_rounding(logits), f"token {k} differs and the eager run was not tied"
+
+
 def test_graphs_recaptured_after_placement_changes_keep_working(tiny_checkpoint, tmp_path, monkeypatch):
     """Every placement change makes the captured graphs stale; recapturing many times over, at several batch
     sizes, on the scheduler's thread, must neither turn graphs off nor leave the CUDA generator broken (a

@@ -535,7 +535,8 @@ def test_swaps_decided_in_a_handed_over_step_wait_for_the_next_forward():
     assert executor.cache.resident.tolist() == [[False, True, False, False]]  # decided
     assert executor.on_gpu() == [[True, False, False, False]] and executor.placement_version == version  # not made
     executor.settle()  # what the graphs' next forward does first
-    assert executor.on_gpu() == [[False, True, False, False]] and executor.placement_version > version
+    assert executor.on_gpu() == [[False, True, False, False]]
+    assert executor.placement_version == version  # rewritten in place: the captured graphs stay valid
     assert executor.stats.swaps == 1
     executor.settle()
     assert executor.stats.swaps == 1  # made once
@@ -567,3 +568,59 @@ def test_the_graphs_forward_settles_the_executor_s_swaps_first():
     graphs.broken = "off"
     assert graphs.forward(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), executor) is None
     assert executor.on_gpu() == [[False, True, False, False]]
+
+
+def _half_resident_executor(on_gpu):
+    import torch
+
+    from moedesk.engine.offload.offload_executor import OffloadExecutor
+    from moedesk.kernels.expert_weights import ExpertWeights
+
+    g = torch.Generator().manual_seed(1)
+    stack = ExpertWeights(torch.randn(4, 16, 8, generator=g), torch.randn(4, 8, 8, generator=g), 8, 8)
+    return OffloadExecutor({0: stack}, [on_gpu], "cpu", lambda loads: (sorted(loads), []))
+
+
+def test_a_swap_rewrites_the_slot_maps_in_place_and_computes_what_a_fresh_placement_does():
+    # Captured graphs read the device maps by address and a prepared host call the offloaded ids by pointer: a swap
+    # must change their contents, not the objects, and leave placement_version (the graphs' key) alone.
+    import torch
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.expert_executor import HostRouting
+
+    executor = _half_resident_executor([True, True, False, False])
+    before = executor._slots(0)
+    pointers = [t.data_ptr() for t in before[:2]]
+    version = executor.placement_version
+    executor._unapplied = [Swap(0, 0, 2)]  # expert 2 into expert 0's slot
+    executor.settle()
+    after = executor._slots(0)
+    assert all(a is b for a, b in zip(before, after)) and [t.data_ptr() for t in after[:2]] == pointers
+    assert executor.placement_version == version and executor.stats.swaps == 1
+    assert after[0].tolist() == [0, 1, 0, 0] and after[1].tolist() == [False, True, True, False]
+    assert after[2].tolist() == [True, False, False, True] and after[3].tolist() == [0, 3]
+    assert after[3].dtype == np.int64 and after[3].flags.c_contiguous  # what prepare_routed points into as it is
+    fresh = _half_resident_executor([False, True, True, False])
+    assert executor.on_gpu() == fresh.on_gpu()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 8, generator=g)
+    ids = torch.tensor([[0, 2], [1, 3], [2, 1]])
+    moe = SimpleNamespace(layer=0)
+    assert torch.equal(executor.expert_outputs(moe, x, ids), fresh.expert_outputs(moe, x, ids))
+    (y, mask), (y_fresh, mask_fresh) = executor.device_share(moe, x, ids), fresh.device_share(moe, x, ids)
+    assert torch.equal(mask, mask_fresh) and mask.tolist() == [False, True, True, False, True, True]
+    torch.testing.assert_close(y[mask], y_fresh[mask])  # the same experts in other slots: groups of other sizes
+    outs = []
+    for one in (executor, fresh):
+        out = torch.zeros(2, 8)
+        one.host_share(moe, HostRouting(x[:1], torch.tensor([[0, 3]]), SimpleNamespace(synchronize=lambda: None)), out)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]) and outs[0].abs().sum(dim=1).tolist()[0] > 0  # expert 0 now offloaded
+
+
+def test_a_layer_s_kind_is_what_a_swap_keeps():
+    from moedesk.engine.offload.offload_executor import _layer_kind
+
+    assert _layer_kind([0, None, 1, None]) == _layer_kind([None, 1, 0, None]) == (2, 4)  # a swap within the layer
+    assert _layer_kind([0, None, 1, None]) != _layer_kind([0, 2, 1, None])  # one more resident: graphs baked it in

@@ -170,6 +170,34 @@ def test_a_host_plan_is_host_share_prepared_once(zero_copy, cpu_width, resident)
     assert torch.equal(planned.selections[0], shared.selections[0])
 
 
+def test_a_host_plan_prepared_before_an_expert_cache_swap_computes_the_new_offloaded_experts():
+    # The plan points into the offloaded ids (kernels.cpu_quant.prepare_routed): a swap rewrites them in place, so the
+    # plan a capture prepared stays valid, as the graph does (no recapture).
+    from moedesk.engine.offload.expert_cache import Swap
+
+    moe = type("Moe", (), {"layer": 0})()
+    x, ids = torch.zeros(1, 64), torch.zeros(1, 3, dtype=torch.long)
+    planned, shared = _packed_executor(), _packed_executor()
+    planned.set_placement([[e == 4 for e in range(6)]])
+    shared.set_placement([[e == 1 for e in range(6)]])  # the residency after the swap, placed afresh
+    plan_out, share_out = torch.full((3, 64), float("nan")), torch.full((3, 64), float("nan"))
+    planned.simulated = shared.simulated = False
+    plan = planned.host_plan(moe, HostRouting(x, ids, _Flag()), plan_out)
+    assert not isinstance(plan, functools.partial)
+    planned.simulated = True  # the swap's copy on the CPU tier
+    planned._unapplied = [Swap(0, 4, 1)]
+    planned.settle()
+    planned.simulated = False
+    assert planned.on_gpu() == shared.on_gpu()
+    x.copy_(torch.randn(1, 64, generator=torch.Generator().manual_seed(3)))
+    ids.copy_(torch.tensor([[1, 3, 4]]))
+    plan()
+    shared.host_share(moe, HostRouting(x.clone(), ids.clone(), _Flag()), share_out)
+    assert torch.equal(plan_out[1:], share_out[1:]) and not plan_out[1:].isnan().any()  # 3 and 4: the host's now
+    assert plan_out[0].isnan().all()  # expert 1's row: the GPU's
+    assert (planned.stats.cpu_experts, planned.stats.gpu_experts) == (2, 1)
+
+
 def test_a_host_plan_for_16_bit_experts_is_host_share():
     moe = type("Moe", (), {"layer": 0})()
     plan = _executor().host_plan(moe, HostRouting(torch.zeros(1, 64), torch.zeros(1, 3, dtype=torch.long), _Flag()),

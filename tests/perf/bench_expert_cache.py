@@ -37,8 +37,8 @@ What else makes two identical placements time differently in one process, and wh
     during it;
   - CUDA graphs: on where the engine decodes with them (CUDA, MOEDESK_NO_CUDA_GRAPHS unset), for both placements:
     the trace router steps on the device (TraceRouter), so the captured steps replay the trace. Each round's first
-    decode step captures them (untimed), and a swap of the cache makes the next step capture again, which is the
-    engine's cost of a swap today and falls in the timed steps. --eager replays eagerly (before session 38: the
+    decode step captures them (untimed); a swap of the cache rewrites the slot maps the graphs read in place, so its
+    cost in the timed steps is its copies, not a capture (before session 39's in-place swaps it was). --eager replays eagerly (before session 38: the
     eager harness's Python diluted what a cache gains, most on Qwen3-30B-A3B: docs/measurements.md); the page cache: nothing is read from
     files after the build (the profile's JSON at most).
 Out of its control: other work on the machine, the clocks and temperature of the CPU and GPU over the run, and
