@@ -14,7 +14,10 @@ costs) a swap must pay: a decayed score is about the selections an expert will g
 must exceed the copy's price. The noise (what recent-use counts of equally used experts differ by) is the
 hysteresis: routing without locality then makes next to no swaps. A hit saves that price only where the executor
 launches the layer's GPU share; where the layer's hits a step would cost the CPU less than the launch, it computes
-them on the CPU and a swap into that layer buys nothing (`hits_launched`).
+them on the CPU and a swap into that layer buys nothing (`hits_launched`). A step handed over to the host inside the
+decode graphs (kernels.host_handoff) runs the resident share in the graph, with no launch: there every hit saves its
+price. A swap costs one expert's copy over the link: the executor rewrites the slot maps in place, so the captured
+graphs stay valid (no recapture), and the admitted expert is computed in the resident share (no launch of its own).
 
 Swaps stay within a layer (each layer's GPU slots are one tensor), so a layer whose every expert is resident never
 changes: it runs inside the decode graphs with no handoff, which the placement priced when it made it whole
@@ -25,7 +28,7 @@ the copies (engine.offload.offload_executor).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,7 +41,7 @@ class CachePolicy:
     swaps_per_step: int = 4  # across all layers, on average (unpriced)
     copy_ms_per_step: float = 1.0  # priced: the copies' time across all layers, on average (a few big experts, or
     # many small ones: Mixtral's 99 MB and Qwen3-30B-A3B's 2.6 MB Q4_K experts)
-    interval: int = 1  # steps between two rounds of swaps (each round changes the maps CUDA graphs captured)
+    interval: int = 1  # steps between two rounds of swaps
 
     def __post_init__(self):
         if (self.half_life <= 0 or self.margin < 1 or self.swaps_per_step < 0 or self.copy_ms_per_step < 0
@@ -52,7 +55,7 @@ class SwapPrice:
     """The placement's perf model as a swap sees it, in ms."""
 
     cpu_selection_ms: float  # one selection of an offloaded expert, one token (placement.LayerCosts.cpu_expert_ms)
-    copy_ms: float  # one expert onto the GPU: the copy and the host's queueing of it
+    copy_ms: float  # one expert onto the GPU: its bytes over the link
     # Standard deviations of the scores' noise a difference must clear (the hysteresis): two, as the pairs compared are
     # extremes (a layer's strongest outsiders against its weakest residents) of many noisy counts.
     noise_sigmas: float = 2.0
@@ -62,9 +65,15 @@ class SwapPrice:
 
     @classmethod
     def from_model(cls, costs) -> "SwapPrice":
-        """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
-        return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms + costs.copy_launch_ms,
-                   resident_launch_ms=costs.resident_launch_ms)
+        """From an engine.offload.latency_model.LatencyModel: its one-token figures. A swap's copy is its bytes alone
+        (`copy_expert_ms`): not `copy_launch_ms`, which adds a copied expert's own compute launch; a swapped-in expert
+        runs in its layer's resident share, and the slot maps are rewritten in place (no graph captured again)."""
+        return cls(costs.cpu_expert_ms(1), costs.copy_expert_ms, resident_launch_ms=costs.resident_launch_ms)
+
+    def in_graph(self) -> "SwapPrice":
+        """The price in a step handed over inside the decode graphs: the resident share runs in the graph, so no
+        launch on the host for hits to outweigh (`hits_launched` then holds for any hits)."""
+        return replace(self, resident_launch_ms=0.0)
 
 
 @dataclass(frozen=True)
@@ -98,9 +107,11 @@ class ExpertCache:
         self.swaps = 0
         self.steps = 0
 
-    def observe(self, counts: np.ndarray) -> list[Swap]:
+    def observe(self, counts: np.ndarray, in_graph: bool = False) -> list[Swap]:
         """Fold in one step's selections per [layer, expert]; the swaps to make now, best first.
-        `resident` already reflects them: the caller copies each admitted expert into its slot."""
+        `resident` already reflects them: the caller copies each admitted expert into its slot.
+        in_graph: the step was handed over inside the decode graphs, its resident shares launched by no host
+        (`SwapPrice.in_graph`)."""
         counts = np.asarray(counts)
         self.hits += int(counts[self.resident].sum())
         self.selections += int(counts.sum())
@@ -125,9 +136,10 @@ class ExpertCache:
         evict_score = np.take_along_axis(score, inside, axis=1)
         gain = swap_gain(admit_score, evict_score, self.policy, self.price)
         if self.price is not None:  # a layer whose hits, swaps made, still go to the CPU gains nothing from them
+            price = self.price.in_graph() if in_graph else self.price
             resident_after = np.where(on, score, 0.0).sum(axis=1, keepdims=True) + np.cumsum(
                 np.where(np.arange(n) < pairs, admit_score - evict_score, 0.0), axis=1)
-            gain = np.where(hits_launched(resident_after / self.score_steps, self.price), gain, -np.inf)
+            gain = np.where(hits_launched(resident_after / self.score_steps, price), gain, -np.inf)
         # A pair counts only while every stronger pair of its layer does too.
         good = (gain > 0) & (admit_score >= self.policy.min_score) & (np.arange(n) < pairs)
         good = np.cumprod(good, axis=1).astype(bool)
@@ -207,7 +219,7 @@ def replay(counts_per_step, resident: np.ndarray, policy: CachePolicy | None, pr
 
 def policy_from_env(value: str | None) -> CachePolicy | None:
     """MOEDESK_EXPERT_CACHE: unset, "" or "0" keeps the placement fixed; "1" the default policy; "N" rounds of
-    swaps every N steps (fewer re-captures of CUDA graphs)."""
+    swaps every N steps."""
     if not value or value == "0":
         return None
     try:

@@ -247,6 +247,7 @@ class OffloadExecutor:
         self.placement_version = 0
         self.cache: ExpertCache | None = None  # set by `follow_routing`
         self._unapplied: list = []  # swaps the cache decided during a handed-over step, made by `settle`
+        self._step_handed_over = False  # whether the step being counted for the cache was handed over
         self.set_placement(on_gpu)
         slots = staging_slots or any_bank.num_experts
         # One stack, so that a run of slots is one grouped launch's experts; `staging` views its slots one by one.
@@ -374,7 +375,7 @@ class OffloadExecutor:
         handed_over: counted in a handed-over step (kernels.host_handoff), whose graph is waiting on this thread for
         the layer's flag. Making them there reads the new slot maps onto the device, which waits for that graph: a
         deadlock. They are made by `settle` before the next forward (engine.generation.cuda_graphs)."""
-        self._unapplied += self.cache.observe(self._step_counts)
+        self._unapplied += self.cache.observe(self._step_counts, in_graph=self._step_handed_over)
         self._step_counts[:] = 0
         if not handed_over:
             self.settle()
@@ -918,6 +919,7 @@ class OffloadExecutor:
             if layer == self._first_mixed and self._step_counts.any():
                 self._end_step(handed_over)  # a new step begins: the last one's routing is complete
             self._step_counts[self._position[layer]] += counts
+            self._step_handed_over = handed_over
         tensor, known = self._selections.get(layer), self._selection_counts.get(layer)
         if known is None or known[0] is not tensor:  # first count, or `selections` was cleared
             if tensor is None:

@@ -624,3 +624,39 @@ def test_a_layer_s_kind_is_what_a_swap_keeps():
 
     assert _layer_kind([0, None, 1, None]) == _layer_kind([None, 1, 0, None]) == (2, 4)  # a swap within the layer
     assert _layer_kind([0, None, 1, None]) != _layer_kind([0, 2, 1, None])  # one more resident: graphs baked it in
+
+
+def test_a_swap_is_priced_at_its_copy_s_bytes_alone():
+    from types import SimpleNamespace
+
+    costs = SimpleNamespace(cpu_expert_ms=lambda tokens: 0.8 * tokens, copy_expert_ms=1.8, copy_launch_ms=0.2,
+                            resident_launch_ms=0.22)
+    assert SwapPrice.from_model(costs) == SwapPrice(0.8, 1.8, resident_launch_ms=0.22)
+
+
+def test_hits_in_a_handed_over_step_need_no_launch_to_pay():
+    # Two selections a step at 0.1 ms: 0.2 ms on the CPU, less than the eager resident launch (0.5 ms), so eagerly the
+    # CPU would take them and a swap buys nothing; handed over, the resident share runs in the graph, launched by none.
+    price = SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5)
+    assert price.in_graph() == replace(price, resident_launch_ms=0.0)
+    step = counts(1, 4, [(0, 1, 2)])
+    eager = ExpertCache(np.array([[True, False, False, False]]), CachePolicy(half_life=1e9), price=price)
+    assert eager.observe(step) == []
+    graphed = ExpertCache(np.array([[True, False, False, False]]), CachePolicy(half_life=1e9), price=price)
+    assert graphed.observe(step, in_graph=True) == [Swap(0, 0, 1)]
+
+
+def test_the_executor_prices_a_handed_over_step_s_swaps_in_the_graph():
+    executor = _one_mixed_layer_executor()
+    executor.follow_routing(CachePolicy(half_life=1e9),
+                            price=SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5))
+    offloaded = np.array([False, True, True, True])
+    for _ in range(2):  # the second step's first count ends the first, whose expert 1 had two selections
+        executor._count(0, np.array([0, 2, 0, 0]))
+    assert executor.cache.swaps == 0  # eager: 0.2 ms of hits do not pay the 0.5 ms launch
+    executor = _one_mixed_layer_executor()
+    executor.follow_routing(CachePolicy(half_life=1e9),
+                            price=SwapPrice(0.1, 0.0, noise_sigmas=0.0, resident_launch_ms=0.5))
+    for _ in range(2):
+        executor._host_tally(0, np.array([1, 1]), 0, False, offloaded, 0.0, 0.0)
+    assert executor.cache.swaps == 1 and executor.cache.resident.tolist() == [[False, True, False, False]]

@@ -73,9 +73,9 @@ class StepPrices:
         return LayerCosts(self.roundtrip_ms, self.resident_launch_ms, self.share_ms, True, self.call_ms)
 
     def swap_price(self) -> SwapPrice:
-        """As SwapPrice.from_model prices a swap: a selection's share against a copy and its launch, and the resident
-        launch a partly resident layer's hits must outweigh to save anything."""
-        return SwapPrice(self.share_ms, self.copy_ms + self.copy_launch_ms, resident_launch_ms=self.resident_launch_ms)
+        """As SwapPrice.from_model prices a swap: a selection's share against a copy's bytes over the link, and the
+        resident launch a partly resident layer's hits must outweigh to save anything."""
+        return SwapPrice(self.share_ms, self.copy_ms, resident_launch_ms=self.resident_launch_ms)
 
 
 def _q4_k_bytes(hidden: int, intermediate: int) -> int:
