@@ -38,9 +38,10 @@ What else makes two identical placements time differently in one process, and wh
   - CUDA graphs: on where the engine decodes with them (CUDA, MOEDESK_NO_CUDA_GRAPHS unset), for both placements:
     the trace router steps on the device (TraceRouter), so the captured steps replay the trace. Each round's first
     decode step captures them (untimed); a swap of the cache rewrites the slot maps the graphs read in place, so its
-    cost in the timed steps is its copies, not a capture (before session 39's in-place swaps it was). --eager replays eagerly (before session 38: the
-    eager harness's Python diluted what a cache gains, most on Qwen3-30B-A3B: docs/measurements.md); the page cache: nothing is read from
-    files after the build (the profile's JSON at most).
+    cost in the timed steps is its copies, not a capture (before session 39's in-place swaps it was). --eager
+    replays eagerly (before session 38: the eager harness's Python diluted what a cache gains, most on
+    Qwen3-30B-A3B: docs/measurements.md); the page cache: nothing is read from files after the build (the
+    profile's JSON at most).
 Out of its control: other work on the machine, the clocks and temperature of the CPU and GPU over the run, and
 which NUMA node holds the pages of the experts each placement leaves in RAM (they differ between placements).
 Both placements' copies are on the GPU at once, twice the budget (the H200 holds both; speed does not depend on
