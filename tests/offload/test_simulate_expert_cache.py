@@ -319,6 +319,7 @@ def test_the_routing_recorder_script_writes_a_trace_of_the_model_s_shape(tiny_ch
     from tests.perf import record_routing
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")  # what the script sets, undone after the test
     folder, out = tiny_checkpoint("mixtral"), tmp_path / "routing.jsonl"
     monkeypatch.setattr("sys.argv", ["record", str(folder), "--prompt", "Hi there", "--prompt", "def f(x):",
                                      "--max-new-tokens", "5", "--device", "cpu", "--out", str(out)])
@@ -333,6 +334,7 @@ def test_the_routing_recorder_says_in_one_line_where_it_cannot_write(tiny_checkp
     from tests.perf import record_routing
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")  # what the script sets, undone after the test
     out = tmp_path / "missing" / "routing.jsonl"
     monkeypatch.setattr("sys.argv", ["record", str(tiny_checkpoint("mixtral")), "--prompt", "Hi", "--device", "cpu",
                                      "--out", str(out)])
