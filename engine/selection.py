@@ -53,8 +53,8 @@ def after_refusal(error: UnsupportedModelError, llama_cpp_problem=None) -> Choic
 def after_budget_refusal(model: str, refusal: MoedeskError, llama_cpp_problem=None) -> Choice:
     """auto, once the native engine found a GPU budget too small for a model's non-expert weights and KV cache: for a
     GGUF, llama.cpp, which keeps the file's packed weights packed on the GPU (the native engine holds them in 16
-    bits) and can leave whole layers in RAM; otherwise the refusal again. The demo
-    stays native: llama.cpp would run its dense source file, another model."""
+    bits) and can leave whole layers in RAM; otherwise the refusal again. The demo stays native: llama.cpp would run
+    its dense source file, another model."""
     if model == "demo" or (llama_cpp_problem or _llama_cpp_problem)():
         raise refusal
     try:

@@ -101,7 +101,6 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     return out
 
 
-
 def linear_applies(x: torch.Tensor, rows: torch.Tensor, fmt: str) -> bool:
     """Whether `packed_linear` takes x and the packed matrix `rows` [R, row_bytes]: as `applies` for one expert
     (one CUDA device, a format this module knows, x's dtype, Triton present, the fused kernels not turned off)."""

@@ -176,7 +176,6 @@ class LlamaCppDecoder(Decoder):
             s.position += 1
         yield from self._accept(seqs, logits)
 
-
     def _accept(self, seqs, logits: np.ndarray, picked=None) -> Iterator[tuple[Sequence, int | None]]:
         if all(greedy_unconstrained(s) for s in seqs):
             # No torch op between two llama_decode calls: a torch CPU op may start its OpenMP team (several rows

@@ -183,17 +183,17 @@ class ExpertCounter:
         try:
             layer = None
             if reads_picks(self._name(tensor) or b"", self._op(tensor)):
-                ids = TensorHead.from_address(tensor).src[2]
-                layer = ids_layer(self._name(ids) or b"") if ids else None
+                node = TensorHead.from_address(tensor).src[2]  # the router's choice the product reads
+                layer = ids_layer(self._name(node) or b"") if node else None
             if ask or layer is None:
                 return layer is not None
-            head = TensorHead.from_address(ids)
+            head = TensorHead.from_address(node)
             if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
                 raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")
-            size = self._nbytes(ids)
+            size = self._nbytes(node)
             self._python_reads += 1
             raw = ctypes.create_string_buffer(size)
-            self._get(ids, raw, 0, size)  # from the GPU where the experts run there
+            self._get(node, raw, 0, size)  # from the GPU where the experts run there
             ids = chosen_ids(raw.raw, tuple(head.ne), tuple(head.nb))
             experts = self.counts.shape[1]
             self.counts[layer] += self._python_weight * np.bincount(ids.ravel(), minlength=experts)[:experts]

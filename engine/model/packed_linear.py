@@ -84,14 +84,14 @@ class PackedLinear(nn.Module):
         if route(flat.is_cuda, kernel, flat.shape[0]) == "kernel":
             y = gpu_quant.packed_linear(flat, self.packed, self.fmt, self.bias)
         else:
-            y = self._dequantised(flat)
+            y = self._dequantised(flat, on_gpu=kernel)
         return y.view(*lead, self.out_features)
 
-    def _dequantised(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T through W dequantised a slice of rows at a time (the head's 16-bit copy would be hundreds of MiB)."""
+    def _dequantised(self, x: torch.Tensor, on_gpu: bool) -> torch.Tensor:
+        """x W^T through W dequantised a slice of rows at a time (the head's 16-bit copy would be hundreds of MiB);
+        on_gpu: by the GPU kernel (gpu_quant.linear_applies), else kernels.quant_formats.dequantize."""
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
         step = max(1, _DEQUANT_CHUNK // self.in_features)
-        on_gpu = x.is_cuda and gpu_quant.linear_applies(x, self.packed, self.fmt)
         for start in range(0, self.out_features, step):
             rows = self.packed[start:start + step]
             if on_gpu:
@@ -136,7 +136,6 @@ def replace_linear(model: nn.Module, name: str, rows: torch.Tensor, fmt: str, in
     packed.bias = old.bias
     setattr(model.get_submodule(parent_name) if parent_name else model, leaf, packed)
     return packed
-
 
 
 def plan_of(model: nn.Module) -> dict[str, tuple[str, int, int]]:
