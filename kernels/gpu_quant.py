@@ -17,6 +17,11 @@ float16 scale and E2M1 codes for the integer nibbles.
 gpt-oss's experts (biases after both projections, the clamped SwiGLU: kernels.expert_weights) run in the same
 two launches: the bias is added to each float32 dot product and the activation is chosen at compile time.
 
+A few 16-bit rows against q4_k weights take an integer route instead (`_q8_mm`): x rounded to 8 bits per block of
+32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles split into two
+words of four weights by two mask operations and multiplied into four int8 x by one dp4a. The float32 path spends
+several instructions on every weight (unpack, convert, scale, multiply), which kept decode below the memory's rate.
+
 Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
 and the tokens split over programs, or, where measured faster, the experts dequantised to bf16 scratch
 and torch's grouped GEMM (`_PREFILL_ROUTE`).
@@ -25,7 +30,8 @@ Arithmetic: the weights are dequantised in float32 exactly as kernels.quant_form
 the activation between the projections stays float32, the output is rounded to x's dtype. The
 tensor-core tiles take their operands in bf16 (x in bf16 is exact, the weights and the float32
 activation round to 8 bits of mantissa), which stays inside what kernels.experts allows packed kernels
-(llama.cpp rounds the activations to 8-bit integers). Float32 x always takes the float32 path.
+(llama.cpp rounds the activations to 8-bit integers), as does the integer route's rounding of x to 8 bits.
+Float32 x always takes the float32 path.
 TRITON_INTERPRET=1 runs the kernels on the CPU, which is how CI checks them.
 """
 from __future__ import annotations
@@ -183,7 +189,13 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead of SwiGLU."""
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
-    cfg = dict(config or _OVERRIDE or _config(dtype, m, groups, units))
+    chosen = config or _OVERRIDE
+    # By default few rows per group take the integer route; a given tile takes it where it says Q8.
+    wanted = chosen.get("Q8", False) if chosen else -(-m // groups) <= _Q8_ROWS
+    if wanted and _q8_route(x, stack, fmt, dtype, m, groups):
+        return _launch_q8(x, stack, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
+                          glu=glu, config=chosen)
+    cfg = dict(chosen or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
@@ -209,6 +221,63 @@ def _half_operands(x, out) -> bool:
     # fp16 inputs keep fp16 on the tensor cores; the interpreter computes bf16 dots wrongly (numpy has no
     # bf16), so it checks that path's indexing in fp16.
     return x.dtype == torch.float16 or out.dtype == torch.float16 or _interpreted()
+
+
+# ---------------------------------------------------------------- few rows: x in 8-bit integers
+
+# Formats whose quants the integer route reads as 32-bit words: q4_k's blocks are 144 bytes and its quants sit 16
+# bytes in, so every word is aligned (q4_0's 18-byte and q6_k's 210-byte blocks are not).
+_Q8_FORMATS = ("q4_k",)
+# Rows per group up to which the integer route takes a launch: beyond, each program's weights, re-unpacked for every
+# token, cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
+_Q8_ROWS = 4
+# MOEDESK_Q8_ACTIVATIONS=0 keeps few-row launches on the float32 FMAs (for a side-by-side measurement).
+_Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
+
+
+def _q8_route(x, stack, fmt, dtype, m, groups) -> bool:
+    """Whether a launch can take the integer route: a format read in words, a 16-bit layer (float32 layers keep the
+    float32 path, exactly as the reference) and word-aligned experts."""
+    return (_Q8_WANTED and fmt in _Q8_FORMATS and dtype != torch.float32 and stack.data_ptr() % 16 == 0 and stack.stride(0) % 16 == 0 and stack.shape[-1] % 16 == 0)
+
+
+def _q8_config(per_group: int) -> dict:
+    bt = min(_Q8_ROWS, triton.next_power_of_2(max(per_group, 1)))
+    if _interpreted():
+        return dict(ROWS=64, NB=4, BT=bt, num_warps=1)
+    # One warp of 2 rows: the fastest tests/perf/bench_gpu_quant.py found on a Mixtral shape (docs/measurements.md,
+    # "Session 40"); the units a step shrink as the tokens grow, so that registers hold the step.
+    return dict(ROWS=2, NB=16 // bt, BT=bt, num_warps=1) if bt <= 2 else dict(ROWS=1, NB=8, BT=bt, num_warps=1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) as llama.cpp's q8_1 keeps activations: per block of 32, int8 q = round(x / d)
+    with d = max|x| / 127, and the block's sum d * sum(q) (what the k-quants' minimums multiply), so that a packed
+    product computes W @ (d * q) exactly as dequantising both would.
+    Returns (q [M, K] int8, d [M, K/32] float32, sums [M, K/32] float32)."""
+    m, k = x.shape
+    blocks = k // 32
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    d = torch.empty(m, blocks, dtype=torch.float32, device=x.device)
+    sums = torch.empty_like(d)
+    if m:
+        per = 64 if _interpreted() else 8
+        _q8_rows[(m, triton.cdiv(blocks, per))](x, x.stride(0), q, d, sums, blocks, BLOCKS=per)
+    return q, d, sums
+
+
+def _launch_q8(x, stack, ends, out, *, rows, k, gated, m, groups, bias, glu, config):
+    """`_launch` for few rows of x: x rounded to 8-bit integers per block of 32 (as llama.cpp's decode kernels do),
+    each word of four packed weight bytes unpacked with two mask operations and multiplied into four int8 x at once
+    (dp4a): an instruction or so a weight where the float32 path spends several."""
+    q, d, sums = quantize_rows(x)
+    cfg = {key: v for key, v in (config or _q8_config(-(-m // groups))).items() if key != "Q8"}
+    grid = (triton.cdiv(rows, cfg["ROWS"]), groups)
+    bias = None if bias is None else bias.contiguous()
+    _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends, out, out.stride(0),
+                 rows, stack.shape[-1], k // 64, out if bias is None else bias, 0 if bias is None else bias.stride(0),
+                 glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0,
+                 GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(), **cfg)
 
 
 # ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
@@ -483,6 +552,102 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=mask)
         tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=mask)
+
+
+    @triton.jit
+    def _q8_rows(x_ptr, x_stride, q_ptr, d_ptr, s_ptr, BLOCKS_ALL, BLOCKS: tl.constexpr):
+        r = tl.program_id(0)
+        b = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+        live = b < BLOCKS_ALL
+        cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+        v = tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=live[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(v), axis=1)
+        inv = tl.where(amax > 0, 127.0 / tl.where(amax > 0, amax, 1.0), 0.0)
+        q = tl.minimum(tl.maximum(tl.floor(v * inv[:, None] + 0.5), -127.0), 127.0)
+        tl.store(q_ptr + r.to(tl.int64) * BLOCKS_ALL * 32 + cols, q.to(tl.int8), mask=live[:, None])
+        tl.store(d_ptr + r.to(tl.int64) * BLOCKS_ALL + b, amax / 127.0, mask=live)
+        tl.store(s_ptr + r.to(tl.int64) * BLOCKS_ALL + b, tl.sum(q, axis=1) * (amax / 127.0), mask=live)
+
+    @triton.jit
+    def _dp4a(a, b, ASM: tl.constexpr):
+        """The sum of the four signed byte products of int32 words a and b: one dp4a on the GPU; in the
+        interpreter (which runs no assembly) from the bytes."""
+        a, b = tl.broadcast(a, b)
+        if ASM:
+            return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                             is_pure=True, pack=1)
+        s = tl.zeros(a.shape, dtype=tl.int32)
+        for byte in tl.static_range(4):
+            s += ((a << (24 - 8 * byte)) >> 24) * ((b << (24 - 8 * byte)) >> 24)
+        return s
+
+    @triton.jit
+    def _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row, rlive, UNITS,
+                    NB: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+        """[BT, ROWS] dot products of the 8-bit tokens `toks` (words at xw_ptr, block scales and sums at xd_ptr,
+        s_ptr) with q4_k rows `row` ([1, ROWS, 1, 1] byte pointers). A unit u is a block's pair of sub-blocks
+        2j, 2j + 1 (j = u % 4): 32 bytes, 8 words whose low nibbles are sub-block 2j's weights in column order
+        and whose high nibbles are sub-block 2j + 1's, so each word meets the x word of the same four columns."""
+        nb = tl.arange(0, NB)[None, None, :, None]
+        i = tl.arange(0, 8)[None, None, None, :]
+        t = toks[:, None, None, None].to(tl.int64)
+        tl4 = tlive[:, None, None, None]
+        rl = rlive[None, :, None, None]
+        acc = tl.zeros([BT, ROWS, NB, 1], dtype=tl.float32)  # summed over the units once, after the loop
+        zero = tl.zeros([BT, ROWS, NB, 8], dtype=tl.int32)
+        for u0 in range(0, UNITS, NB):
+            u = u0 + nb
+            ulive = u < UNITS
+            j = u % 4
+            base = row + (u // 4) * 144
+            wmask = rl & ulive
+            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=wmask & tl4, other=0)
+            lo = w & 0x0F0F0F0F
+            hi = (w >> 4) & 0x0F0F0F0F
+            xmask = tl4 & ulive & rl
+            xw = xw_ptr + t * xw_stride + u * 16 + i + zero
+            s0 = tl.sum(_dp4a(lo, tl.load(xw, mask=xmask, other=0), ASM), axis=3, keep_dims=True).to(tl.float32)
+            s1 = tl.sum(_dp4a(hi, tl.load(xw + 8, mask=xmask, other=0), ASM), axis=3, keep_dims=True).to(tl.float32)
+            xd = xd_ptr + t * xd_stride + 2 * u
+            xs = s_ptr + t * xd_stride + 2 * u
+            d = _f16(base, wmask)
+            dmin = _f16(base + 2, wmask)
+            sc0, m0 = _k_scale_min(base + 4, 2 * j, wmask)
+            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, wmask)
+            part = (d * sc0 * tl.load(xd, mask=xmask, other=0.0) * s0
+                    + d * sc1 * tl.load(xd + 1, mask=xmask, other=0.0) * s1
+                    - dmin * m0 * tl.load(xs, mask=xmask, other=0.0)
+                    - dmin * m1 * tl.load(xs + 1, mask=xmask, other=0.0))
+            acc += part
+        return tl.sum(tl.sum(acc, axis=3), axis=2)
+
+    @triton.jit
+    def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R,
+               ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, NB: tl.constexpr, ROWS: tl.constexpr,
+               BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+               ASM: tl.constexpr):
+        """_packed_mm for q4_k weights and x rounded to 8 bits (quantize_rows), BT tokens a step."""
+        g = tl.program_id(1)
+        start, end = group_span(ends_ptr, g)
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rlive = rows < R
+        row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[None, :, None, None]
+        bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
+        for t0 in range(start, end, BT):
+            toks = t0 + tl.arange(0, BT)
+            tlive = toks < end
+            acc = _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row, rlive, UNITS, NB, BT,
+                              ROWS, ASM)
+            if BIAS:
+                acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                up = _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row + R * ROW_BYTES, rlive,
+                                 UNITS, NB, BT, ROWS, ASM)
+                if BIAS:
+                    up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
+                acc = _gated(acc, up, alpha, limit, CLAMPED)
+            dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
+            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
 
 
 def supported_formats() -> tuple[str, ...]:

@@ -46,6 +46,19 @@ def main() -> int:
           dict(FMT=5, L=16, ROWS=16, NB=8, SKIP=True))
     count += 1
     print("gpu_quant: mxfp4 tiles and functions", flush=True)
+    for x_type in ("*bf16", "*fp32"):
+        build(gpu_quant._q8_rows, {"x_ptr": x_type, "x_stride": "i32", "q_ptr": "*i8", "d_ptr": "*fp32",
+                                   "s_ptr": "*fp32", "BLOCKS_ALL": "i32"}, dict(BLOCKS=8))
+        count += 1
+    q8 = {"xw_ptr": "*i32", "xw_stride": "i32", "xd_ptr": "*fp32", "s_ptr": "*fp32", "xd_stride": "i32", "w_ptr": "*u8",
+          "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32",
+          "ROW_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32",
+          "limit": "fp32"}
+    for tile in (dict(ROWS=4, NB=16, BT=1), dict(ROWS=4, NB=4, BT=4), dict(ROWS=4, NB=2, BT=8)):
+        for function in FUNCTIONS:
+            build(gpu_quant._q8_mm, q8, dict(ASM=True, **tile, **function), num_warps=2)
+            count += 1
+    print("gpu_quant: q4_k's integer route", flush=True)
     grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
                "ends_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32", "K": "i32", "SPLIT": "i32",
                "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}

@@ -297,6 +297,13 @@ SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
 # (per element in output RMS, norm-wise, per element relative): the bf16 output rounds each element by 2^-9
 # of itself; bf16 tensor-core operands add ~2^-9 of each dot product's terms, a few times that at outliers.
 BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)
+# q4_k's few rows take the integer route (test_gpu_quant_q8.py): x rounded to 8 bits in both projections, as
+# llama.cpp's decode kernels round it, errs by about 1% norm-wise (seen up to 1.1e-2 on an H200, 2026-11-30).
+Q8_TOLERANCE = (2 ** -3, 2 ** -5, 2 ** -7)
+
+
+def q8_route_taken(formats, sizes) -> bool:
+    return formats[0] == "q4_k" and -(-sum(sizes) // len(sizes)) <= gpu_quant._Q8_ROWS and gpu_quant._Q8_WANTED
 
 
 @pytest.mark.gpu
@@ -317,7 +324,8 @@ def test_real_shapes_on_cuda(shape, formats, sizes):
     # RMS off on an H100 (2026-11-25), norm-wise 4.3e-3, within the bound: outliers of bf16 operands, as the
     # prefill route's below. Every other format and the one-row route keep 2^-5.
     pair_with_tiles = len(formats) == 2 and max(sizes) > 1
-    assert_close(got, expected, *((2 ** -3, 2 ** -7, 2 ** -7) if pair_with_tiles else BF16_TOLERANCE))
+    tolerance = (2 ** -3, 2 ** -7, 2 ** -7) if pair_with_tiles else BF16_TOLERANCE
+    assert_close(got, expected, *(Q8_TOLERANCE if q8_route_taken(formats, sizes) else tolerance))
     if sum(sizes) >= 256 and gpu_quant._dequant_route_works(x):
         # The tensor-core prefill tiles, not the default on Hopper: bf16 operands in both projections; seen on
         # an H100 at 2^-7.8 norm-wise and 0.075 RMS at the worst element (a q4_k/q6_k pair).
@@ -353,8 +361,9 @@ def test_captured_in_a_cuda_graph():
     ends.copy_(ends_of(sizes, dev))
     graph.replay()
     # A q4_k/q6_k pair on the tensor-core tiles (2 rows per expert): test_real_shapes_on_cuda's bound for it. With
-    # BF16_TOLERANCE, 2 of 40 random x exceeded the per-element bound on an H200 (worst 1.08x of it).
-    assert_close(out, reference(x, w, sizes), 2 ** -3, 2 ** -7, 2 ** -7)
+    # BF16_TOLERANCE, 2 of 40 random x exceeded the per-element bound on an H200 (worst 1.08x of it). The gate/up
+    # projection (q4_k, 2 rows an expert) takes the integer route: its bound.
+    assert_close(out, reference(x, w, sizes), *Q8_TOLERANCE)
 
 
 @pytest.mark.gpu

@@ -45,8 +45,10 @@ def test_one_matrix_float32_rows(fmt, rows, k, m):
 
 @interpreted
 @pytest.mark.parametrize("fmt,rows,k", CASES)
-def test_one_matrix_tensor_core_tiles_with_bias(fmt, rows, k):
-    # 16-bit x of several rows: the tensor-core tiles (fp16 in the interpreter), the bias added in float32.
+def test_one_matrix_tensor_core_tiles_with_bias(fmt, rows, k, monkeypatch):
+    # 16-bit x of several rows: the tensor-core tiles (fp16 in the interpreter), the bias added in float32. q4_k's
+    # few rows take the integer route by default (test_gpu_quant_q8.py); here its tiles.
+    monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)
     w = matrix(fmt, rows, k, seed=7)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, k, generator=g).to(torch.float16)

@@ -119,13 +119,15 @@ def main():
                     if route == "dequant" and not gpu_quant._dequant_route_works(x):
                         continue
                     t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route=route), len(ws))
-                    name = route or ("fused/" + ("dot" if gpu_quant._config(x.dtype, m, g, 1)["DOT"] else "fma"))
+                    name = route or ("fused/" + ("q8" if gpu_quant._q8_route(x, ws[0].gate_up, fmt, x.dtype, m, g)
+                                                 and per <= gpu_quant._Q8_ROWS else
+                                                 "dot" if gpu_quant._config(x.dtype, m, g, 1)["DOT"] else "fma"))
                     print(f"{shape:8} {fmt:5} {case:8} {per:8d} {t * 1e6:9.1f} {packed_bytes / t / 1e9:7.0f} "
                           f"{tb * 1e6:9.1f} {g * 3 * h * f * 2 / tb / 1e9:9.0f} {tb / t:7.2f}  {name}", flush=True)
             del all_w
             torch.cuda.empty_cache()
     if not args.no_sweep:
-        sweep(dev)
+        sweep(dev, [f for f in ("q4_0", "q4_k") if f in args.formats.split(",")])
 
 
 def _fma(r, nb, wp, bt=1):
@@ -136,17 +138,25 @@ def _dot(r, nb, wp):
     return dict(ROWS=r, NB=nb, BT=16, DOT=True, SPLIT=1, num_warps=wp)
 
 
+def _q8(r, nb, bt, wp):  # q4_k's integer route (x in 8 bits); other formats ignore the key and take their default
+    return dict(Q8=True, ROWS=r, NB=nb, BT=bt, num_warps=wp)
+
+
 SWEEP = {
-    "decode": (1, [_fma(4, 16, 2), _fma(2, 16, 1), _fma(4, 32, 2), _fma(2, 32, 2), _fma(8, 16, 4), _fma(4, 8, 1)]),
-    "decode4": (4, [_fma(4, 16, 2, 4), _fma(8, 16, 4, 4), _fma(4, 8, 2, 4), _fma(2, 16, 1, 4), _dot(64, 4, 4)]),
-    "decode16": (16, [_fma(4, 16, 2, 4), _fma(8, 8, 4, 4), _dot(64, 4, 4), _dot(128, 4, 8), _dot(64, 2, 4)]),
+    "decode": (1, [_fma(4, 16, 2), _fma(4, 8, 1),
+                   _q8(2, 16, 1, 1), _q8(1, 16, 1, 1), _q8(2, 32, 1, 1), _q8(2, 8, 1, 1), _q8(1, 32, 1, 1),
+                   _q8(4, 8, 1, 1), _q8(2, 16, 1, 2), _q8(4, 16, 1, 2)]),
+    "decode4": (4, [_fma(4, 16, 2, 4), _dot(64, 4, 4),
+                    _q8(2, 4, 4, 1), _q8(1, 4, 4, 1), _q8(2, 2, 4, 1), _q8(1, 8, 4, 1), _q8(2, 8, 4, 2)]),
+    "decode16": (16, [_dot(64, 4, 4), _dot(64, 2, 4),
+                      _q8(2, 2, 8, 1), _q8(1, 2, 8, 1), _q8(1, 4, 8, 1), _q8(2, 4, 8, 2), _q8(2, 4, 4, 1)]),
 }
 
 
-def sweep(dev):
+def sweep(dev, formats):
     h, f = SHAPES["mixtral"]
     print("\nTile sweep, Mixtral shape (µs per call; GB/s of packed bytes)", flush=True)
-    for fmt in ("q4_0", "q4_k"):
+    for fmt in formats:
         all_w = stacks(8, h, f, fmt, dev)
         for case, (per, configs) in SWEEP.items():
             g = 2 if case == "prefill" else 8
@@ -155,6 +165,8 @@ def sweep(dev):
             x = torch.randn(sum(sizes), h, device=dev).to(torch.bfloat16)
             ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
             for cfg in configs:
+                if cfg.get("Q8") and fmt not in gpu_quant._Q8_FORMATS:
+                    continue
                 gpu_quant._OVERRIDE = cfg
                 try:
                     t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused"), len(ws))

@@ -29,7 +29,7 @@ from moedesk.engine.model.packed_linear import PackedLinear  # noqa: E402
 from moedesk.engine.offload.offload_executor import OffloadExecutor  # noqa: E402
 
 # First match wins; names as Triton, cuBLAS and torch give their kernels.
-CLASSES = [("packed experts", r"_packed_mm"),
+CLASSES = [("packed experts", r"_packed_mm|_q8_mm|_q8_rows"),
            ("attention", r"attention|attn|flash|sdpa|_combine|_write_cache|rotary|rope"),
            ("dense GEMM", r"gemm|gemv|cutlass|xmma|nvjet|cublas|sm90_"),
            ("routing", r"route|topk|top_k|softmax|sort"),
@@ -85,8 +85,8 @@ def main() -> None:
     gpu_ms = sum(per_step.values())
     print(f"{args.shape} {args.expert_format}, batch {args.batch}, every expert on the GPU: {rate.tok_s:.1f} tok/s, "
           f"{1e3 * args.batch / rate.tok_s:.2f} ms a step, of which {gpu_ms:.2f} ms in GPU kernels")
-    expert_bytes = sum(w.gate_up.nbytes + w.down.nbytes for w in banks) // cfg.num_experts  # a layer's expert
     moe_layers = len(banks)
+    expert_bytes = sum(w.gate_up.nbytes + w.down.nbytes for w in banks.values()) // (cfg.num_experts * moe_layers)
     touched = moe_layers * min(cfg.num_experts, cfg.num_experts_per_tok * args.batch)  # at most; one row reads top_k
     dense_bytes = sum(p.nbytes for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
     # MOEDESK_PACKED_WEIGHTS=1: the non-expert weights kept packed run the experts' kernel (_packed_mm) too
@@ -95,7 +95,7 @@ def main() -> None:
         print(f"  (packed non-expert weights: {packed_weights / 1e9:.2f} GB a step, in the packed experts' class)")
     read = {"packed experts": touched * expert_bytes + packed_weights, "dense GEMM": dense_bytes}
     for label, ms in sorted(per_step.items(), key=lambda item: -item[1]):
-        rate_text = f", {read[label] / ms / 1e9:7.0f} GB/s of {read[label] / 1e9:.2f} GB" if label in read and ms else ""
+        rate_text = f", {read[label] / ms / 1e6:7.0f} GB/s of {read[label] / 1e9:.2f} GB" if label in read and ms else ""
         print(f"  {label:<15} {ms:7.3f} ms a step ({100 * ms / gpu_ms:4.1f}%){rate_text}")
     if args.llama_bench:
         from moedesk.bench.synthetic_gguf import shape_gguf

@@ -1,0 +1,154 @@
+"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_k weights read a word
+of eight nibbles at a time and multiplied into four int8 x at once.
+
+The route computes W @ (d * q) for x's rounding (d * q), so against a float64 product with that rounded x it errs
+only by float32 summation order (1e-4 of the output's scale in the interpreter, where x and the output are float32).
+Against the exact x it errs by the rounding: each x within max|x| / 254 of its block, the dot products within about
+half a percent of their size, so the bf16 bound below (Q8_TOLERANCE) is looser than the float paths' norm-wise.
+"""
+import warnings
+
+import pytest
+import torch
+
+from moedesk.kernels.quant_formats import dequantize
+from tests.kernels.test_gpu_quant_kernel import Q8_TOLERANCE, assert_close, ends_of, interpreted, random_experts
+from tests.kernels.test_gpu_quant_kernel import random_stack
+from tests.kernels.test_gpu_quant_kernel import reference as experts_reference
+
+pytest.importorskip("triton", reason="Triton ships with CUDA builds of torch; CI installs it for these tests")
+from moedesk.kernels import gpu_quant  # noqa: E402
+
+def rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as quantize_rows rounds it, computed here in torch: d * round-half-up(x / d), d = max|x| / 127 a block."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.floor(blocks * inv + 0.5).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def linear_reference(x, stack, k):
+    """x [M, k] times the q4_k matrix stack [1, R, bytes] in float64."""
+    return x.double() @ dequantize(stack[0], "q4_k", k).double().T
+
+
+@interpreted
+def test_quantize_rows_rounds_each_block_of_32():
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1)) * torch.tensor([1.0, 20.0, 0.01])[:, None]
+    x[1, 32:64] = 0.0  # a block of zeros: scale 0, no division by it
+    q, d, sums = gpu_quant.quantize_rows(x)
+    assert q.dtype == torch.int8 and d.shape == sums.shape == (3, 3)
+    assert (q.abs().reshape(3, 3, 32).amax(-1)[d > 0] == 127).all()  # each block's largest |x| maps to 127
+    assert torch.equal(d[1, 1], torch.tensor(0.0)) and not q[1, 32:64].any()
+    assert torch.equal((q.float().reshape(3, 3, 32) * d[..., None]).reshape(3, 96), rounded(x))
+    torch.testing.assert_close(sums, q.float().reshape(3, 3, 32).sum(-1) * d)
+
+
+@interpreted
+@pytest.mark.parametrize("m,k,rows", [(1, 256, 96), (3, 512, 70), (8, 768, 64)])
+def test_integer_route_is_the_product_with_rounded_x(m, k, rows):
+    """One matrix, float32 x and output so that only the summation order differs: 1, 3 and 8 tokens a step
+    (BT 1, 4, 8), rows not a multiple of the tile, several units a step and a partial one."""
+    stack = random_stack(1, rows, k, "q4_k", seed=m)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    out = torch.empty(m, rows)
+    gpu_quant._launch_q8(x, stack, ends_of([m]), out, rows=rows, k=k, gated=False, m=m, groups=1, bias=None,
+                         glu=None, config=None)
+    assert_close(out, linear_reference(rounded(x), stack, k), 1e-4, 1e-5)
+    exact = linear_reference(x, stack, k)
+    assert (out.double() - exact).norm() > 1e-4 * exact.norm()  # the rounding is there: not the float path
+
+
+@interpreted
+def test_integer_route_adds_the_bias_in_float32():
+    stack = random_stack(1, 80, 256, "q4_k", seed=5)
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(2, 256, generator=g)
+    bias = torch.randn(1, 80, generator=g)
+    out = torch.empty(2, 80)
+    gpu_quant._launch_q8(x, stack, ends_of([2]), out, rows=80, k=256, gated=False, m=2, groups=1, bias=bias,
+                         glu=None, config=None)
+    assert_close(out, linear_reference(rounded(x), stack, 256) + bias.double(), 1e-4, 1e-5)
+
+
+@interpreted
+def test_grouped_experts_take_the_integer_route_for_few_rows_of_16_bit_x(monkeypatch):
+    calls = []
+    launch = gpu_quant._launch_q8
+    monkeypatch.setattr(gpu_quant, "_launch_q8", lambda *a, **kw: calls.append(kw["gated"]) or launch(*a, **kw))
+    sizes = [1, 0, 3, 2]
+    w = random_experts(4, 256, 256, "q4_k", seed=21)
+    x = torch.randn(sum(sizes), 256, generator=torch.Generator().manual_seed(22)).to(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = gpu_quant.grouped_experts_forward(x, w, ends_of(sizes))
+    assert calls == [True, False]  # both projections
+    assert got.dtype == torch.float16
+    assert_close(got, experts_reference(x, w, sizes), *Q8_TOLERANCE)
+    calls.clear()
+    monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)
+    gpu_quant.grouped_experts_forward(x, w, ends_of(sizes))
+    assert not calls
+
+
+def test_route_only_where_words_are_aligned():
+    stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
+    x = torch.zeros(4, 256)
+    assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16, m=4, groups=2)
+    assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32, m=4, groups=2)  # float32 layers stay exact
+    assert not gpu_quant._q8_route(x, stack, "q4_0", torch.bfloat16, m=4, groups=2)
+    assert not gpu_quant._q8_route(x, torch.zeros(4 + 2 * 8 * 144, dtype=torch.uint8)[4:].view(2, 8, 144), "q4_k", torch.bfloat16,
+                                   m=4, groups=2)  # not 16-byte aligned
+
+
+# ---------------------------------------------------------------- the GPU box: the dp4a assembly
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 5, 8])
+def test_integer_route_on_cuda_is_the_product_with_rounded_x(m):
+    dev = _cuda()
+    k, rows = 4096, 6144
+    stack = random_stack(1, rows, k, "q4_k", device=dev, seed=m)
+    x = torch.randn(m, k, device=dev).to(torch.bfloat16)
+    assert gpu_quant._q8_route(x, stack, "q4_k", x.dtype, m, 1)
+    got = gpu_quant.packed_linear(x, stack[0], "q4_k")
+    # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
+    assert_close(got, linear_reference(rounded(x), stack, k), 2 ** -8, 2 ** -8, 2 ** -8)
+    assert_close(got, linear_reference(x, stack, k), *Q8_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("formats", [("q4_k",), ("q4_k", "q6_k")])
+def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
+    dev = _cuda()
+    for sizes in ([1, 0, 1, 1, 2, 1, 1, 1], [4, 4, 0, 4, 4, 4, 4, 4]):
+        w = random_experts(len(sizes), 4096, 14336, *formats, device=dev, seed=31)
+        x = torch.randn(sum(sizes), 4096, device=dev).to(torch.bfloat16)
+        assert_close(gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev)), experts_reference(x, w, sizes),
+                     *Q8_TOLERANCE)
+
+
+@pytest.mark.gpu
+def test_integer_route_in_a_cuda_graph_follows_the_routing():
+    dev = _cuda()
+    w = random_experts(8, 2048, 768, "q4_k", device=dev, seed=41)
+    x = torch.randn(8, 2048, device=dev).to(torch.bfloat16)
+    ends = ends_of([1] * 8, dev)
+    gpu_quant.grouped_experts_forward(x, w, ends)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gpu_quant.grouped_experts_forward(x, w, ends)
+    sizes = [0, 3, 1, 0, 2, 0, 2, 0]
+    x.copy_(torch.randn(8, 2048, device=dev))
+    ends.copy_(ends_of(sizes, dev))
+    graph.replay()
+    assert_close(out, experts_reference(x, w, sizes), *Q8_TOLERANCE)
+
