@@ -111,13 +111,13 @@ def _cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 2, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
 def test_integer_route_on_cuda_is_the_product_with_rounded_x(m):
     dev = _cuda()
     k, rows = 4096, 6144
     stack = random_stack(1, rows, k, "q4_k", device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    assert gpu_quant._q8_route(x, stack, "q4_k", x.dtype, m, 1)
+    assert gpu_quant._q8_route(x, stack, "q4_k", x.dtype, m, 1) and m <= gpu_quant._Q8_ROWS
     got = gpu_quant.packed_linear(x, stack[0], "q4_k")
     # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
     assert_close(got, linear_reference(rounded(x), stack, k), 2 ** -8, 2 ** -8, 2 ** -8)
