@@ -245,9 +245,10 @@ def _q8_config(per_group: int) -> dict:
     bt = min(_Q8_ROWS, triton.next_power_of_2(max(per_group, 1)))
     if _interpreted():
         return dict(ROWS=64, NB=4, BT=bt, num_warps=1)
-    # One warp of 2 rows: the fastest tests/perf/bench_gpu_quant.py found on a Mixtral shape (docs/measurements.md,
-    # "Session 40"); the units a step shrink as the tokens grow, so that registers hold the step.
-    return dict(ROWS=2, NB=16 // bt, BT=bt, num_warps=1) if bt <= 2 else dict(ROWS=1, NB=8, BT=bt, num_warps=1)
+    # One warp of 2 rows x 16 units: the fastest tests/perf/bench_gpu_quant.py found on a Mixtral shape for one token
+    # (docs/measurements.md, "Session 40"); 32 units a step give each thread one unit's 8 words, whose unpacking
+    # and scales then serve every token of the step.
+    return dict(ROWS=2, NB=16, BT=bt, num_warps=1)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -582,73 +583,109 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row, rlive, UNITS,
-                    NB: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
-        """[BT, ROWS] dot products of the 8-bit tokens `toks` (words at xw_ptr, block scales and sums at xd_ptr,
-        s_ptr) with q4_k rows `row` ([1, ROWS, 1, 1] byte pointers). A unit u is a block's pair of sub-blocks
-        2j, 2j + 1 (j = u % 4): 32 bytes, 8 words whose low nibbles are sub-block 2j's weights in column order
-        and whose high nibbles are sub-block 2j + 1's, so each word meets the x word of the same four columns."""
-        nb = tl.arange(0, NB)[None, None, :, None]
-        i = tl.arange(0, 8)[None, None, None, :]
-        t = toks[:, None, None, None].to(tl.int64)
-        tl4 = tlive[:, None, None, None]
-        rl = rlive[None, :, None, None]
-        acc = tl.zeros([BT, ROWS, NB, 1], dtype=tl.float32)  # summed over the units once, after the loop
-        zero = tl.zeros([BT, ROWS, NB, 8], dtype=tl.int32)
+    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, u, i, zero, lo, hi, s0, s1, o0, o1,
+                  ASM: tl.constexpr):
+        """One token's share of a unit step ([ROWS, NB, 1]): its x words met with the unpacked weights lo and hi, its
+        block scales with the weights' (s0, s1 the sub-blocks' scales, o0, o1 their minimums). x's pointers take
+        the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled between them."""
+        t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
+        live = mask & (t < end)
+        xw = xw_ptr + t * xw_stride + u * 16 + i + zero
+        d0 = tl.sum(_dp4a(lo, tl.load(xw, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
+        d1 = tl.sum(_dp4a(hi, tl.load(xw + 8, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
+        xd = xd_ptr + t * xd_stride + 2 * u
+        xs = s_ptr + t * xd_stride + 2 * u
+        m = tl.sum(live.to(tl.int32), axis=2, keep_dims=True) > 0
+        return (s0 * tl.load(xd, mask=m, other=0.0) * d0 + s1 * tl.load(xd + 1, mask=m, other=0.0) * d1
+                - o0 * tl.load(xs, mask=m, other=0.0) - o1 * tl.load(xs + 1, mask=m, other=0.0))
+
+    @triton.jit
+    def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS, NB: tl.constexpr,
+                     BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+        """Dot products of the 8-bit tokens t0 .. t0 + BT - 1 (those below `end`; words at xw_ptr, block scales
+        and sums at xd_ptr, s_ptr) with q4_k rows `row` ([ROWS, 1, 1] byte pointers): four [ROWS] float32 vectors,
+        the ones past BT zero. A unit u is a block's pair of sub-blocks 2j, 2j + 1 (j = u % 4): 32 bytes, 8 words
+        whose low nibbles are sub-block 2j's weights in column order and whose high nibbles are sub-block 2j + 1's,
+        so each word meets the x word of the same four columns. Each unit's weights and scales are unpacked once
+        for all of the step's tokens."""
+        nb = tl.arange(0, NB)[None, :, None]
+        i = tl.arange(0, 8)[None, None, :]
+        rl = rlive[:, None, None]
+        zero = tl.zeros([ROWS, NB, 8], dtype=tl.int32)
+        acc0 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)  # per token, summed over the units after the loop
+        acc1 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
+        acc2 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
+        acc3 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
         for u0 in range(0, UNITS, NB):
             u = u0 + nb
             ulive = u < UNITS
             j = u % 4
             base = row + (u // 4) * 144
             wmask = rl & ulive
-            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=wmask & tl4, other=0)
+            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=wmask, other=0)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
-            xmask = tl4 & ulive & rl
-            xw = xw_ptr + t * xw_stride + u * 16 + i + zero
-            s0 = tl.sum(_dp4a(lo, tl.load(xw, mask=xmask, other=0), ASM), axis=3, keep_dims=True).to(tl.float32)
-            s1 = tl.sum(_dp4a(hi, tl.load(xw + 8, mask=xmask, other=0), ASM), axis=3, keep_dims=True).to(tl.float32)
-            xd = xd_ptr + t * xd_stride + 2 * u
-            xs = s_ptr + t * xd_stride + 2 * u
             d = _f16(base, wmask)
             dmin = _f16(base + 2, wmask)
             sc0, m0 = _k_scale_min(base + 4, 2 * j, wmask)
             sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, wmask)
-            part = (d * sc0 * tl.load(xd, mask=xmask, other=0.0) * s0
-                    + d * sc1 * tl.load(xd + 1, mask=xmask, other=0.0) * s1
-                    - dmin * m0 * tl.load(xs, mask=xmask, other=0.0)
-                    - dmin * m1 * tl.load(xs + 1, mask=xmask, other=0.0))
-            acc += part
-        return tl.sum(tl.sum(acc, axis=3), axis=2)
+            s0, s1, o0, o1 = d * sc0, d * sc1, dmin * m0, dmin * m1
+            xmask = wmask & (i < 8)
+            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, u, i, zero, lo,
+                              hi, s0, s1, o0, o1, ASM)
+            if BT > 1:
+                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, u, i,
+                                  zero, lo, hi, s0, s1, o0, o1, ASM)
+            if BT > 2:
+                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, u, i,
+                                  zero, lo, hi, s0, s1, o0, o1, ASM)
+                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, u, i,
+                                  zero, lo, hi, s0, s1, o0, o1, ASM)
+        return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
+                tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
+
+    @triton.jit
+    def _q8_out(acc, up, t, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED: tl.constexpr,
+                BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+        """Token t's outputs: the bias, the activation between gate and up where GATED, stored in out's dtype."""
+        if BIAS:
+            acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)
+        if GATED:
+            if BIAS:
+                up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)
+            acc = _gated(acc, up, alpha, limit, CLAMPED)
+        t = tl.zeros([1], dtype=tl.int64) + t
+        tl.store(out_ptr + t * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=rlive & (t < end))
 
     @triton.jit
     def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R,
                ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, NB: tl.constexpr, ROWS: tl.constexpr,
                BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
                ASM: tl.constexpr):
-        """_packed_mm for q4_k weights and x rounded to 8 bits (quantize_rows), BT tokens a step."""
+        """_packed_mm for q4_k weights and x rounded to 8 bits (quantize_rows), BT (1, 2 or 4) tokens a step."""
+        tl.static_assert(BT == 1 or BT == 2 or BT == 4)
         g = tl.program_id(1)
         start, end = group_span(ends_ptr, g)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
-        row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[None, :, None, None]
+        row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         for t0 in range(start, end, BT):
-            toks = t0 + tl.arange(0, BT)
-            tlive = toks < end
-            acc = _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row, rlive, UNITS, NB, BT,
-                              ROWS, ASM)
-            if BIAS:
-                acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)[None, :]
+            a0, a1, a2, a3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS,
+                                          NB, BT, ROWS, ASM)
+            u0, u1, u2, u3 = a0, a1, a2, a3  # the up projection's, where GATED
             if GATED:
-                up = _q8_row_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, toks, tlive, row + R * ROW_BYTES, rlive,
-                                 UNITS, NB, BT, ROWS, ASM)
-                if BIAS:
-                    up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)[None, :]
-                acc = _gated(acc, up, alpha, limit, CLAMPED)
-            dst = out_ptr + toks[:, None].to(tl.int64) * out_stride + rows[None, :]
-            tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
-
+                u0, u1, u2, u3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end,
+                                              row + R * ROW_BYTES, rlive, UNITS, NB, BT, ROWS, ASM)
+            _q8_out(a0, u0, t0, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS, CLAMPED)
+            if BT > 1:
+                _q8_out(a1, u1, t0 + 1, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
+                        CLAMPED)
+            if BT > 2:
+                _q8_out(a2, u2, t0 + 2, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
+                        CLAMPED)
+                _q8_out(a3, u3, t0 + 3, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
+                        CLAMPED)
 
 def supported_formats() -> tuple[str, ...]:
     return tuple(f for f in FORMATS if f in _FMT_ID)

@@ -54,7 +54,7 @@ def main() -> int:
           "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32",
           "ROW_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32",
           "limit": "fp32"}
-    for tile in (dict(ROWS=4, NB=16, BT=1), dict(ROWS=4, NB=4, BT=4), dict(ROWS=4, NB=2, BT=8)):
+    for tile in (dict(ROWS=2, NB=16, BT=1), dict(ROWS=2, NB=16, BT=2), dict(ROWS=2, NB=16, BT=4)):
         for function in FUNCTIONS:
             build(gpu_quant._q8_mm, q8, dict(ASM=True, **tile, **function), num_warps=2)
             count += 1

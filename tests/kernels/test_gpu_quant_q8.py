@@ -46,10 +46,10 @@ def test_quantize_rows_rounds_each_block_of_32():
 
 
 @interpreted
-@pytest.mark.parametrize("m,k,rows", [(1, 256, 96), (3, 512, 70), (8, 768, 64)])
+@pytest.mark.parametrize("m,k,rows", [(1, 256, 96), (2, 256, 40), (3, 512, 70), (8, 768, 64)])
 def test_integer_route_is_the_product_with_rounded_x(m, k, rows):
     """One matrix, float32 x and output so that only the summation order differs: 1, 3 and 8 tokens a step
-    (BT 1, 4, 8), rows not a multiple of the tile, several units a step and a partial one."""
+    (BT 1, 2, 4, 4 twice), rows not a multiple of the tile, several units a step and a partial one."""
     stack = random_stack(1, rows, k, "q4_k", seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
