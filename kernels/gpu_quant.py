@@ -17,10 +17,11 @@ float16 scale and E2M1 codes for the integer nibbles.
 gpt-oss's experts (biases after both projections, the clamped SwiGLU: kernels.expert_weights) run in the same
 two launches: the bias is added to each float32 dot product and the activation is chosen at compile time.
 
-A few 16-bit rows against q4_k weights take an integer route instead (`_q8_mm`): x rounded to 8 bits per block of
-32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles split into two
-words of four weights by two mask operations and multiplied into four int8 x by one dp4a. The float32 path spends
-several instructions on every weight (unpack, convert, scale, multiply), which kept decode below the memory's rate.
+A few 16-bit rows against q4_k, q4_0 or q8_0 weights take an integer route instead (`_q8_mm`): x rounded to 8 bits
+per block of 32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles split
+into two words of four weights by two mask operations (q8_0's bytes as they are) and multiplied into four int8 x by
+one dp4a. The float32 path spends several instructions on every weight (unpack, convert, scale, multiply), which
+kept decode below the memory's rate.
 
 Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
 and the tokens split over programs, or, where measured faster, the experts dequantised to bf16 scratch
@@ -193,7 +194,7 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
     wanted = chosen.get("Q8", False) if chosen else -(-m // groups) <= _Q8_ROWS
     if wanted and _q8_route(x, stack, fmt, dtype, m, groups):
-        return _launch_q8(x, stack, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
+        return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
                           glu=glu, config=chosen)
     cfg = dict(chosen or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
@@ -225,9 +226,10 @@ def _half_operands(x, out) -> bool:
 
 # ---------------------------------------------------------------- few rows: x in 8-bit integers
 
-# Formats whose quants the integer route reads as 32-bit words: q4_k's blocks are 144 bytes and its quants sit 16
-# bytes in, so every word is aligned (q4_0's 18-byte and q6_k's 210-byte blocks are not).
-_Q8_FORMATS = ("q4_k",)
+# Formats the integer route reads, and the byte alignment their loads need: q4_k's quants are read as words (its
+# 144-byte blocks keep them aligned), q4_0's and q8_0's as 16-bit halves joined into words (their 18- and 34-byte
+# blocks leave every other block's quants 2 bytes off a word). q6_k's scales and high bits cost more to gather.
+_Q8_FORMATS = {"q4_k": 16, "q4_0": 2, "q8_0": 2}
 # Rows per group up to which the integer route takes a launch: beyond, each program's weights, re-unpacked for every
 # token, cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
 _Q8_ROWS = 4
@@ -238,7 +240,9 @@ _Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
 def _q8_route(x, stack, fmt, dtype, m, groups) -> bool:
     """Whether a launch can take the integer route: a format read in words, a 16-bit layer (float32 layers keep the
     float32 path, exactly as the reference) and word-aligned experts."""
-    return (_Q8_WANTED and fmt in _Q8_FORMATS and dtype != torch.float32 and stack.data_ptr() % 16 == 0 and stack.stride(0) % 16 == 0 and stack.shape[-1] % 16 == 0)
+    align = _Q8_FORMATS.get(fmt)
+    return (_Q8_WANTED and align is not None and dtype != torch.float32
+            and all(n % align == 0 for n in (stack.data_ptr(), stack.stride(0), stack.shape[-1])))
 
 
 def _q8_config(per_group: int) -> dict:
@@ -267,7 +271,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, sums
 
 
-def _launch_q8(x, stack, ends, out, *, rows, k, gated, m, groups, bias, glu, config):
+def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config):
     """`_launch` for few rows of x: x rounded to 8-bit integers per block of 32 (as llama.cpp's decode kernels do),
     each word of four packed weight bytes unpacked with two mask operations and multiplied into four int8 x at once
     (dp4a): an instruction or so a weight where the float32 path spends several."""
@@ -276,9 +280,10 @@ def _launch_q8(x, stack, ends, out, *, rows, k, gated, m, groups, bias, glu, con
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups)
     bias = None if bias is None else bias.contiguous()
     _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends, out, out.stride(0),
-                 rows, stack.shape[-1], k // 64, out if bias is None else bias, 0 if bias is None else bias.stride(0),
-                 glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0,
-                 GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(), **cfg)
+                 rows, stack.shape[-1], k // (64 if fmt == "q4_k" else 32), out if bias is None else bias,
+                 0 if bias is None else bias.stride(0), glu.alpha if glu is not None else 0.0,
+                 glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt], W=8 if fmt == "q4_k" else 4, GATED=gated,
+                 BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(), **cfg)
 
 
 # ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
@@ -583,64 +588,92 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, u, i, zero, lo, hi, s0, s1, o0, o1,
-                  ASM: tl.constexpr):
-        """One token's share of a unit step ([ROWS, NB, 1]): its x words met with the unpacked weights lo and hi, its
-        block scales with the weights' (s0, s1 the sub-blocks' scales, o0, o1 their minimums). x's pointers take
-        the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled between them."""
-        t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
-        live = mask & (t < end)
-        xw = xw_ptr + t * xw_stride + u * 16 + i + zero
-        d0 = tl.sum(_dp4a(lo, tl.load(xw, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
-        d1 = tl.sum(_dp4a(hi, tl.load(xw + 8, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
-        xd = xd_ptr + t * xd_stride + 2 * u
-        xs = s_ptr + t * xd_stride + 2 * u
-        m = tl.sum(live.to(tl.int32), axis=2, keep_dims=True) > 0
-        return (s0 * tl.load(xd, mask=m, other=0.0) * d0 + s1 * tl.load(xd + 1, mask=m, other=0.0) * d1
-                - o0 * tl.load(xs, mask=m, other=0.0) - o1 * tl.load(xs + 1, mask=m, other=0.0))
+    def _halves(p, i, zero, mask):
+        """Words i of 16-bit-aligned bytes at p, each joined from two 16-bit halves (little-endian)."""
+        h = p.to(tl.pointer_type(tl.int16)) + 2 * i + zero
+        low = tl.load(h, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return low | (tl.load(h + 1, mask=mask, other=0).to(tl.int32) << 16)
 
     @triton.jit
-    def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS, NB: tl.constexpr,
-                     BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
+    def _q8_unit(row, u, i, zero, mask, FMT: tl.constexpr):
+        """Unit u of rows `row` ([ROWS, 1, 1] byte pointers) as two halves of W words of four signed bytes each
+        (lo, hi) and each half's scale and offset ([ROWS, NB, 1]): a half's dot product with x is
+        scale * (x's scale * its integer sum) - offset * (x's block sum). q4_k: a unit is a block's sub-blocks 2j
+        and 2j + 1 (j = u % 4), 8 words whose low nibbles are sub-block 2j's weights and high ones 2j + 1's. q4_0:
+        a block, whose 4 words' low nibbles are its first 16 columns and high ones its last 16, less 8 (an offset
+        of 8 scales, all on the first half). q8_0: a block, its first and last 16 bytes."""
+        if FMT == 2:
+            j = u % 4
+            base = row + (u // 4) * 144
+            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=mask, other=0)
+            lo = w & 0x0F0F0F0F
+            hi = (w >> 4) & 0x0F0F0F0F
+            d = _f16(base, mask)
+            dmin = _f16(base + 2, mask)
+            sc0, m0 = _k_scale_min(base + 4, 2 * j, mask)
+            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, mask)
+            return lo, hi, d * sc0, d * sc1, dmin * m0, dmin * m1
+        elif FMT == 0:
+            base = row + u * 18
+            w = _halves(base + 2, i, zero, mask)
+            d = _f16(base, mask)
+            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, d, d, 8.0 * d, 0.0 * d
+        else:
+            base = row + u * 34
+            d = _f16(base, mask)
+            return _halves(base + 2, i, zero, mask), _halves(base + 18, i, zero, mask), d, d, 0.0 * d, 0.0 * d
+
+    @triton.jit
+    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, u, i, zero, lo, hi, s0, s1, o0, o1,
+                  W: tl.constexpr, ASM: tl.constexpr):
+        """One token's share of a unit step ([ROWS, NB, 1]): its x words met with the unit's halves lo and hi
+        (`_q8_unit`), its block scales and sums with theirs. A unit's halves are x's words u * 2W + i and
+        u * 2W + W + i; with 8 words a half (q4_k) each half is a block of x, else the unit is one block. x's
+        pointers take the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled
+        between them."""
+        t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
+        live = mask & (t < end)
+        xw = xw_ptr + t * xw_stride + u * (2 * W) + i + zero
+        d0 = tl.sum(_dp4a(lo, tl.load(xw, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
+        d1 = tl.sum(_dp4a(hi, tl.load(xw + W, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
+        b0 = u * (2 if W == 8 else 1)
+        b1 = b0 + (1 if W == 8 else 0)
+        xd = xd_ptr + t * xd_stride
+        xs = s_ptr + t * xd_stride
+        m = tl.sum(live.to(tl.int32), axis=2, keep_dims=True) > 0
+        return (s0 * tl.load(xd + b0, mask=m, other=0.0) * d0 + s1 * tl.load(xd + b1, mask=m, other=0.0) * d1
+                - o0 * tl.load(xs + b0, mask=m, other=0.0) - o1 * tl.load(xs + b1, mask=m, other=0.0))
+
+    @triton.jit
+    def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS, FMT: tl.constexpr,
+                     W: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
         """Dot products of the 8-bit tokens t0 .. t0 + BT - 1 (those below `end`; words at xw_ptr, block scales
-        and sums at xd_ptr, s_ptr) with q4_k rows `row` ([ROWS, 1, 1] byte pointers): four [ROWS] float32 vectors,
-        the ones past BT zero. A unit u is a block's pair of sub-blocks 2j, 2j + 1 (j = u % 4): 32 bytes, 8 words
-        whose low nibbles are sub-block 2j's weights in column order and whose high nibbles are sub-block 2j + 1's,
-        so each word meets the x word of the same four columns. Each unit's weights and scales are unpacked once
-        for all of the step's tokens."""
+        and sums at xd_ptr, s_ptr) with packed rows `row` ([ROWS, 1, 1] byte pointers): four [ROWS] float32
+        vectors, the ones past BT zero. Each unit's weights and scales are unpacked once (`_q8_unit`) for all of
+        the step's tokens."""
         nb = tl.arange(0, NB)[None, :, None]
-        i = tl.arange(0, 8)[None, None, :]
+        i = tl.arange(0, W)[None, None, :]
         rl = rlive[:, None, None]
-        zero = tl.zeros([ROWS, NB, 8], dtype=tl.int32)
+        zero = tl.zeros([ROWS, NB, W], dtype=tl.int32)
         acc0 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)  # per token, summed over the units after the loop
         acc1 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
         acc2 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
         acc3 = tl.zeros([ROWS, NB, 1], dtype=tl.float32)
         for u0 in range(0, UNITS, NB):
             u = u0 + nb
-            ulive = u < UNITS
-            j = u % 4
-            base = row + (u // 4) * 144
-            wmask = rl & ulive
-            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=wmask, other=0)
-            lo = w & 0x0F0F0F0F
-            hi = (w >> 4) & 0x0F0F0F0F
-            d = _f16(base, wmask)
-            dmin = _f16(base + 2, wmask)
-            sc0, m0 = _k_scale_min(base + 4, 2 * j, wmask)
-            sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, wmask)
-            s0, s1, o0, o1 = d * sc0, d * sc1, dmin * m0, dmin * m1
-            xmask = wmask & (i < 8)
-            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, u, i, zero, lo,
-                              hi, s0, s1, o0, o1, ASM)
+            wmask = rl & (u < UNITS)
+            lo, hi, s0, s1, o0, o1 = _q8_unit(row, u, i, zero, wmask, FMT)
+            xmask = wmask & (i < W)
+            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, u, i, zero, lo, hi, s0,
+                              s1, o0, o1, W, ASM)
             if BT > 1:
-                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, u, i,
-                                  zero, lo, hi, s0, s1, o0, o1, ASM)
+                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, u, i, zero, lo,
+                                  hi, s0, s1, o0, o1, W, ASM)
             if BT > 2:
-                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, u, i,
-                                  zero, lo, hi, s0, s1, o0, o1, ASM)
-                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, u, i,
-                                  zero, lo, hi, s0, s1, o0, o1, ASM)
+                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, u, i, zero, lo,
+                                  hi, s0, s1, o0, o1, W, ASM)
+                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, u, i, zero, lo,
+                                  hi, s0, s1, o0, o1, W, ASM)
         return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
                 tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 
@@ -659,10 +692,11 @@ if triton is not None:
 
     @triton.jit
     def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R,
-               ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, NB: tl.constexpr, ROWS: tl.constexpr,
-               BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-               ASM: tl.constexpr):
-        """_packed_mm for q4_k weights and x rounded to 8 bits (quantize_rows), BT (1, 2 or 4) tokens a step."""
+               ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, W: tl.constexpr,
+               NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
+               CLAMPED: tl.constexpr, ASM: tl.constexpr):
+        """_packed_mm for q4_k, q4_0 or q8_0 weights (FMT; W words a half unit) and x rounded to 8 bits
+        (quantize_rows), BT (1, 2 or 4) tokens a step."""
         tl.static_assert(BT == 1 or BT == 2 or BT == 4)
         g = tl.program_id(1)
         start, end = group_span(ends_ptr, g)
@@ -672,11 +706,11 @@ if triton is not None:
         bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         for t0 in range(start, end, BT):
             a0, a1, a2, a3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS,
-                                          NB, BT, ROWS, ASM)
+                                          FMT, W, NB, BT, ROWS, ASM)
             u0, u1, u2, u3 = a0, a1, a2, a3  # the up projection's, where GATED
             if GATED:
                 u0, u1, u2, u3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end,
-                                              row + R * ROW_BYTES, rlive, UNITS, NB, BT, ROWS, ASM)
+                                              row + R * ROW_BYTES, rlive, UNITS, FMT, W, NB, BT, ROWS, ASM)
             _q8_out(a0, u0, t0, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS, CLAMPED)
             if BT > 1:
                 _q8_out(a1, u1, t0 + 1, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,

@@ -159,8 +159,10 @@ def test_every_format_one_row_at_a_time(formats, hidden, width):
 
 @interpreted
 @pytest.mark.parametrize("fmt", ["q4_0", "q6_k"])
-def test_few_rows_per_expert_and_fewer_groups_than_experts(fmt):
-    # Decode of a few tokens: 2-4 rows per expert (several tokens per pass), fp16, three groups of a stack of five.
+def test_few_rows_per_expert_and_fewer_groups_than_experts(fmt, monkeypatch):
+    # Decode of a few tokens: 2-4 rows per expert (several tokens per pass), fp16, three groups of a stack of five,
+    # on the float paths (q4_0's integer route: test_gpu_quant_q8.py).
+    monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)
     sizes = [2, 4, 3]
     w = random_experts(5, 256, 256, fmt, seed=3)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2)).to(torch.float16)
@@ -233,7 +235,8 @@ def test_dequantize_experts_skips_empty_groups():
 
 
 @interpreted
-def test_bf16_input_one_row_per_expert():
+def test_bf16_input_one_row_per_expert(monkeypatch):
+    monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)  # the float32 FMAs (the integer route: test_gpu_quant_q8.py)
     sizes = [1, 1]
     w = random_experts(2, 64, 32, "q8_0", seed=7)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -297,13 +300,15 @@ SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
 # (per element in output RMS, norm-wise, per element relative): the bf16 output rounds each element by 2^-9
 # of itself; bf16 tensor-core operands add ~2^-9 of each dot product's terms, a few times that at outliers.
 BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)
-# q4_k's few rows take the integer route (test_gpu_quant_q8.py): x rounded to 8 bits in both projections, as
-# llama.cpp's decode kernels round it, errs by about 1% norm-wise (seen up to 1.1e-2 on an H200, 2026-11-30).
+# q4_k's, q4_0's and q8_0's few rows take the integer route (test_gpu_quant_q8.py): x rounded to 8 bits in both
+# projections, as llama.cpp's decode kernels round it, errs by about 1% norm-wise (up to 1.1e-2 on an H200,
+# 2026-11-30).
 Q8_TOLERANCE = (2 ** -3, 2 ** -5, 2 ** -7)
 
 
 def q8_route_taken(formats, sizes) -> bool:
-    return formats[0] == "q4_k" and -(-sum(sizes) // len(sizes)) <= gpu_quant._Q8_ROWS and gpu_quant._Q8_WANTED
+    return (formats[0] in gpu_quant._Q8_FORMATS and -(-sum(sizes) // len(sizes)) <= gpu_quant._Q8_ROWS
+            and gpu_quant._Q8_WANTED)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_k weights read a word
-of eight nibbles at a time and multiplied into four int8 x at once.
+"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_k, q4_0 and q8_0 weights
+read a word of four bytes at a time and multiplied into four int8 x at once.
 
 The route computes W @ (d * q) for x's rounding (d * q), so against a float64 product with that rounded x it errs
 only by float32 summation order (1e-4 of the output's scale in the interpreter, where x and the output are float32).
@@ -28,9 +28,9 @@ def rounded(x: torch.Tensor) -> torch.Tensor:
     return (q * (amax / 127.0)).reshape(x.shape)
 
 
-def linear_reference(x, stack, k):
-    """x [M, k] times the q4_k matrix stack [1, R, bytes] in float64."""
-    return x.double() @ dequantize(stack[0], "q4_k", k).double().T
+def linear_reference(x, stack, k, fmt="q4_k"):
+    """x [M, k] times the packed matrix stack [1, R, bytes] in float64."""
+    return x.double() @ dequantize(stack[0], fmt, k).double().T
 
 
 @interpreted
@@ -46,17 +46,21 @@ def test_quantize_rows_rounds_each_block_of_32():
 
 
 @interpreted
-@pytest.mark.parametrize("m,k,rows", [(1, 256, 96), (2, 256, 40), (3, 512, 70), (8, 768, 64)])
-def test_integer_route_is_the_product_with_rounded_x(m, k, rows):
-    """One matrix, float32 x and output so that only the summation order differs: 1, 3 and 8 tokens a step
-    (BT 1, 2, 4, 4 twice), rows not a multiple of the tile, several units a step and a partial one."""
-    stack = random_stack(1, rows, k, "q4_k", seed=m)
+@pytest.mark.parametrize("fmt,m,k,rows", [("q4_k", 1, 256, 96), ("q4_k", 2, 256, 40), ("q4_k", 3, 512, 70),
+                                          ("q4_k", 8, 768, 64), ("q4_0", 1, 96, 50), ("q4_0", 3, 160, 33),
+                                          ("q8_0", 2, 96, 50), ("q8_0", 4, 224, 40)])
+def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows):
+    """One matrix, float32 x and output so that only the summation order differs: 1 to 8 tokens (BT 1, 2, 4 and 4
+    twice), rows not a multiple of the tile, several units a step and a partial one; q4_0's and q8_0's blocks of
+    18 and 34 bytes, every other one 2 bytes off a word."""
+    stack = random_stack(1, rows, k, fmt, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
-    gpu_quant._launch_q8(x, stack, ends_of([m]), out, rows=rows, k=k, gated=False, m=m, groups=1, bias=None,
+    assert gpu_quant._q8_route(x, stack, fmt, torch.bfloat16, m, 1)
+    gpu_quant._launch_q8(x, stack, fmt, ends_of([m]), out, rows=rows, k=k, gated=False, m=m, groups=1, bias=None,
                          glu=None, config=None)
-    assert_close(out, linear_reference(rounded(x), stack, k), 1e-4, 1e-5)
-    exact = linear_reference(x, stack, k)
+    assert_close(out, linear_reference(rounded(x), stack, k, fmt), 1e-4, 1e-5)
+    exact = linear_reference(x, stack, k, fmt)
     assert (out.double() - exact).norm() > 1e-4 * exact.norm()  # the rounding is there: not the float path
 
 
@@ -67,7 +71,7 @@ def test_integer_route_adds_the_bias_in_float32():
     x = torch.randn(2, 256, generator=g)
     bias = torch.randn(1, 80, generator=g)
     out = torch.empty(2, 80)
-    gpu_quant._launch_q8(x, stack, ends_of([2]), out, rows=80, k=256, gated=False, m=2, groups=1, bias=bias,
+    gpu_quant._launch_q8(x, stack, "q4_k", ends_of([2]), out, rows=80, k=256, gated=False, m=2, groups=1, bias=bias,
                          glu=None, config=None)
     assert_close(out, linear_reference(rounded(x), stack, 256) + bias.double(), 1e-4, 1e-5)
 
@@ -97,7 +101,10 @@ def test_route_only_where_words_are_aligned():
     x = torch.zeros(4, 256)
     assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16, m=4, groups=2)
     assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32, m=4, groups=2)  # float32 layers stay exact
-    assert not gpu_quant._q8_route(x, stack, "q4_0", torch.bfloat16, m=4, groups=2)
+    assert not gpu_quant._q8_route(x, stack, "q6_k", torch.bfloat16, m=4, groups=2)
+    odd = torch.zeros(1 + 2 * 8 * 18, dtype=torch.uint8)[1:].view(2, 8, 18)
+    assert not gpu_quant._q8_route(x, odd, "q4_0", torch.bfloat16, m=4, groups=2)  # halves need 2-byte alignment
+    assert gpu_quant._q8_route(x, torch.zeros(2, 8, 18, dtype=torch.uint8), "q4_0", torch.bfloat16, m=4, groups=2)
     assert not gpu_quant._q8_route(x, torch.zeros(4 + 2 * 8 * 144, dtype=torch.uint8)[4:].view(2, 8, 144), "q4_k", torch.bfloat16,
                                    m=4, groups=2)  # not 16-byte aligned
 
@@ -111,21 +118,22 @@ def _cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["q4_k", "q4_0", "q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
-def test_integer_route_on_cuda_is_the_product_with_rounded_x(m):
+def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m):
     dev = _cuda()
     k, rows = 4096, 6144
-    stack = random_stack(1, rows, k, "q4_k", device=dev, seed=m)
+    stack = random_stack(1, rows, k, fmt, device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    assert gpu_quant._q8_route(x, stack, "q4_k", x.dtype, m, 1) and m <= gpu_quant._Q8_ROWS
-    got = gpu_quant.packed_linear(x, stack[0], "q4_k")
+    assert gpu_quant._q8_route(x, stack, fmt, x.dtype, m, 1) and m <= gpu_quant._Q8_ROWS
+    got = gpu_quant.packed_linear(x, stack[0], fmt)
     # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
-    assert_close(got, linear_reference(rounded(x), stack, k), 2 ** -8, 2 ** -8, 2 ** -8)
-    assert_close(got, linear_reference(x, stack, k), *Q8_TOLERANCE)
+    assert_close(got, linear_reference(rounded(x), stack, k, fmt), 2 ** -8, 2 ** -8, 2 ** -8)
+    assert_close(got, linear_reference(x, stack, k, fmt), *Q8_TOLERANCE)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("formats", [("q4_k",), ("q4_k", "q6_k")])
+@pytest.mark.parametrize("formats", [("q4_k",), ("q4_k", "q6_k"), ("q4_0",), ("q8_0",)])
 def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
     dev = _cuda()
     for sizes in ([1, 0, 1, 1, 2, 1, 1, 1], [4, 4, 0, 4, 4, 4, 4, 4]):
