@@ -389,6 +389,17 @@ class _Captured:
             y, mask = resident
             self.expert_out.copy_(torch.where(mask[:, None], y, self.expert_out))
 
+    def _warm_device_shares(self, executor) -> None:
+        """The resident experts' grouped launch of each handed-over layer (`device_share`), run once before the
+        capture on `warm_up`'s routing: the eager step computes resident experts another way, so without this a
+        grouped kernel's first launch (Triton compiling and loading it) would fall inside the capture, which fails
+        and turns graphs off."""
+        for j, i in enumerate(self.moe_at):
+            moe = self.model.layers[i].moe
+            if executor.has_resident(moe.layer):
+                _, flat, _, ids = self.outputs[j]
+                executor.device_share(moe, flat, ids)
+
     def _plan_host_shares(self, executor) -> None:
         """The host's side of each handed-over layer, prepared once per capture (the executor's `host_plan`, where
         it has one): the same buffers every step, the layer's flag as `ready`."""
@@ -442,6 +453,8 @@ class _Captured:
     def capture(self, executor, pool: dict | None) -> None:
         """Capture each segment (after `warm_up`, whose inputs the static tensors still hold) on its device, into
         that device's pool (`pool`: torch device -> pool, None: fresh ones)."""
+        if self.handoff is not None:
+            self._warm_device_shares(executor)
         self.outputs, self.pool = [], dict(pool or {})
         if self.handoff is not None:
             self.handoff.warm_up(self.host_out, self.expert_out, self.host.x, self.host.ids)

@@ -121,3 +121,21 @@ def test_segments_run_the_models_own_layer_loop(tiny_checkpoint, monkeypatch):
     ends = moe + [len(model.layers)]
     assert spans == list(zip([0] + [i + 1 for i in moe], ends))
     torch.testing.assert_close(segmented, eager)
+
+
+def test_a_handed_over_capture_first_runs_each_resident_share_outside_it():
+    """The handed-over graph computes resident experts with a grouped launch that the eager warm-up step does not
+    make; its first launch (Triton compiling and loading the kernel) cannot fall inside a capture. So each layer
+    with resident experts runs `device_share` once, on the warm-up's routing, before the capture."""
+    from types import SimpleNamespace
+
+    from moedesk.engine.generation.cuda_graphs import _Captured
+
+    calls = []
+    executor = SimpleNamespace(has_resident=lambda layer: layer != 7,
+                               device_share=lambda moe, flat, ids: calls.append((moe.layer, flat, ids)))
+    layers = {2: SimpleNamespace(moe=SimpleNamespace(layer=5)), 4: SimpleNamespace(moe=SimpleNamespace(layer=7))}
+    captured = SimpleNamespace(moe_at=[2, 4], model=SimpleNamespace(layers=layers),
+                               outputs=[("x0", "flat0", "w0", "ids0"), ("x1", "flat1", "w1", "ids1"), ("logits",)])
+    _Captured._warm_device_shares(captured, executor)
+    assert calls == [(5, "flat0", "ids0")]  # layer 7 has nothing resident
