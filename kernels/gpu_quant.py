@@ -230,16 +230,16 @@ def _half_operands(x, out) -> bool:
 # 144-byte blocks keep them aligned), q4_0's and q8_0's as 16-bit halves joined into words (their 18- and 34-byte
 # blocks leave every other block's quants 2 bytes off a word). q6_k's scales and high bits cost more to gather.
 _Q8_FORMATS = {"q4_k": 16, "q4_0": 2, "q8_0": 2}
-# Rows per group up to which the integer route takes a launch: beyond, each program's weights, re-unpacked for every
-# token, cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
+# Rows per group up to which the integer route takes a launch (its steps hold up to 4 tokens): beyond, the weights
+# unpacked again every step cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
 _Q8_ROWS = 4
 # MOEDESK_Q8_ACTIVATIONS=0 keeps few-row launches on the float32 FMAs (for a side-by-side measurement).
 _Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
 
 
 def _q8_route(x, stack, fmt, dtype, m, groups) -> bool:
-    """Whether a launch can take the integer route: a format read in words, a 16-bit layer (float32 layers keep the
-    float32 path, exactly as the reference) and word-aligned experts."""
+    """Whether a launch can take the integer route: a format it reads, a 16-bit layer (float32 layers keep the
+    float32 path, exactly as the reference) and experts aligned as the format's loads need."""
     align = _Q8_FORMATS.get(fmt)
     return (_Q8_WANTED and align is not None and dtype != torch.float32
             and all(n % align == 0 for n in (stack.data_ptr(), stack.stride(0), stack.shape[-1])))
