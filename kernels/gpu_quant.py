@@ -17,10 +17,10 @@ float16 scale and E2M1 codes for the integer nibbles.
 gpt-oss's experts (biases after both projections, the clamped SwiGLU: kernels.expert_weights) run in the same
 two launches: the bias is added to each float32 dot product and the activation is chosen at compile time.
 
-A few 16-bit rows against q4_k, q4_0 or q8_0 weights take an integer route instead (`_q8_mm`): x rounded to 8 bits
-per block of 32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles split
-into two words of four weights by two mask operations (q8_0's bytes as they are) and multiplied into four int8 x by
-one dp4a. The float32 path spends several instructions on every weight (unpack, convert, scale, multiply), which
+A few 16-bit rows against q4_0, q8_0 or k-quant weights take an integer route instead (`_q8_mm`): x rounded to 8
+bits per block of 32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles
+split into two words of four weights by two mask operations (q8_0's bytes as they are; q5_k's and q6_k's high bits
+joined in) and multiplied into four int8 x by one dp4a. The float32 path spends several instructions on every weight (unpack, convert, scale, multiply), which
 kept decode below the memory's rate.
 
 Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
@@ -226,10 +226,11 @@ def _half_operands(x, out) -> bool:
 
 # ---------------------------------------------------------------- few rows: x in 8-bit integers
 
-# Formats the integer route reads, and the byte alignment their loads need: q4_k's quants are read as words (its
-# 144-byte blocks keep them aligned), q4_0's and q8_0's as 16-bit halves joined into words (their 18- and 34-byte
-# blocks leave every other block's quants 2 bytes off a word). q6_k's scales and high bits cost more to gather.
-_Q8_FORMATS = {"q4_k": 16, "q4_0": 2, "q8_0": 2}
+# Formats the integer route reads, and the byte alignment their loads need: q4_k's and q5_k's quants are read as
+# words (their 144- and 176-byte blocks keep them aligned), q4_0's, q8_0's and q6_k's as 16-bit halves joined into
+# words (their 18-, 34- and 210-byte blocks leave every other block's quants 2 bytes off a word).
+_Q8_FORMATS = {"q4_k": 16, "q5_k": 16, "q4_0": 2, "q8_0": 2, "q6_k": 2}
+_Q8_WORDS = {"q4_k": 8, "q5_k": 8}  # words a half unit (64-weight units); the others 4 (32-weight units)
 # Rows per group up to which the integer route takes a launch (its steps hold up to 4 tokens): beyond, the weights
 # unpacked again every step cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
 _Q8_ROWS = 4
@@ -276,13 +277,14 @@ def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu
     each word of four packed weight bytes unpacked with two mask operations and multiplied into four int8 x at once
     (dp4a): an instruction or so a weight where the float32 path spends several."""
     q, d, sums = quantize_rows(x)
+    words = _Q8_WORDS.get(fmt, 4)
     cfg = {key: v for key, v in (config or _q8_config(-(-m // groups))).items() if key != "Q8"}
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups)
     bias = None if bias is None else bias.contiguous()
     _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends, out, out.stride(0),
-                 rows, stack.shape[-1], k // (64 if fmt == "q4_k" else 32), out if bias is None else bias,
+                 rows, stack.shape[-1], k // (8 * words), out if bias is None else bias,
                  0 if bias is None else bias.stride(0), glu.alpha if glu is not None else 0.0,
-                 glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt], W=8 if fmt == "q4_k" else 4, GATED=gated,
+                 glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt], W=words, GATED=gated,
                  BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(), **cfg)
 
 
@@ -597,47 +599,84 @@ if triton is not None:
     @triton.jit
     def _q8_unit(row, u, i, zero, mask, FMT: tl.constexpr):
         """Unit u of rows `row` ([ROWS, 1, 1] byte pointers) as two halves of W words of four signed bytes each
-        (lo, hi) and each half's scale and offset ([ROWS, NB, 1]): a half's dot product with x is
-        scale * (x's scale * its integer sum) - offset * (x's block sum). q4_k: a unit is a block's sub-blocks 2j
-        and 2j + 1 (j = u % 4), 8 words whose low nibbles are sub-block 2j's weights and high ones 2j + 1's. q4_0:
-        a block, whose 4 words' low nibbles are its first 16 columns and high ones its last 16, less 8 (an offset
-        of 8 scales, all on the first half). q8_0: a block, its first and last 16 bytes."""
-        if FMT == 2:
+        (lo, hi), each half's scale and offset ([ROWS, NB, 1]) and the column of lo's first weight ([1, NB, 1];
+        hi's sits `_q8_span(FMT)` columns on): a half's dot product with x is scale * (x's scale * its integer sum)
+        - offset * (x's block sum).
+        - q4_k, q5_k: a block's sub-blocks 2j and 2j + 1 (j = u % 4), 8 words whose low nibbles are sub-block 2j's
+          weights and high ones 2j + 1's (q5_k: each with its fifth bit from the block's high-bit bytes).
+        - q4_0: a block, whose 4 words' low nibbles are its first 16 columns and high ones its last 16, less 8 (an
+          offset of 8 scales, all on the first half). q8_0: a block, its first and last 16 bytes.
+        - q6_k: 16 weights of a 128-column half (part p, sub-block s) and the 16 of the quarter two on, each 16
+          under a scale of its own, less 32 (taken off in integers: `_q8_token`)."""
+        if FMT == 2 or FMT == 3:
             j = u % 4
-            base = row + (u // 4) * 144
-            w = tl.load((base + 16 + j * 32).to(tl.pointer_type(tl.int32)) + i + zero, mask=mask, other=0)
+            blk = u // 4
+            base = row + blk * (144 if FMT == 2 else 176)
+            w = tl.load((base + (16 if FMT == 2 else 48) + j * 32).to(tl.pointer_type(tl.int32)) + i + zero,
+                        mask=mask, other=0)
             lo = w & 0x0F0F0F0F
             hi = (w >> 4) & 0x0F0F0F0F
+            if FMT == 3:
+                h = tl.load((base + 16).to(tl.pointer_type(tl.int32)) + i + zero, mask=mask, other=0)
+                lo |= ((h >> (2 * j)) & 0x01010101) << 4
+                hi |= ((h >> (2 * j + 1)) & 0x01010101) << 4
             d = _f16(base, mask)
             dmin = _f16(base + 2, mask)
             sc0, m0 = _k_scale_min(base + 4, 2 * j, mask)
             sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, mask)
-            return lo, hi, d * sc0, d * sc1, dmin * m0, dmin * m1
+            return lo, hi, d * sc0, d * sc1, dmin * m0, dmin * m1, blk * 256 + j * 64
         elif FMT == 0:
             base = row + u * 18
             w = _halves(base + 2, i, zero, mask)
             d = _f16(base, mask)
-            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, d, d, 8.0 * d, 0.0 * d
-        else:
+            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, d, d, 8.0 * d, 0.0 * d, u * 32
+        elif FMT == 1:
             base = row + u * 34
             d = _f16(base, mask)
-            return _halves(base + 2, i, zero, mask), _halves(base + 18, i, zero, mask), d, d, 0.0 * d, 0.0 * d
+            return (_halves(base + 2, i, zero, mask), _halves(base + 18, i, zero, mask), d, d, 0.0 * d, 0.0 * d,
+                    u * 32)
+        else:  # q6_k: the float path's units (`_planes`), read as words
+            blk = u // 8
+            half = (u // 4) % 2
+            p = (u // 2) % 2
+            sub = u % 2
+            base = row + blk * 210
+            ql = _halves(base + half * 64 + p * 32 + sub * 16, i, zero, mask)
+            qh = _halves(base + 128 + half * 32 + sub * 16, i, zero, mask)
+            lo = (ql & 0x0F0F0F0F) | (((qh >> (2 * p)) & 0x03030303) << 4)
+            hi = ((ql >> 4) & 0x0F0F0F0F) | (((qh >> (2 * p + 4)) & 0x03030303) << 4)
+            sp = (base + 192 + half * 8 + 2 * p + sub).to(tl.pointer_type(tl.int8))
+            d = _f16(base + 208, mask)
+            s0 = d * tl.load(sp, mask=mask, other=0).to(tl.float32)
+            s1 = d * tl.load(sp + 4, mask=mask, other=0).to(tl.float32)
+            return lo, hi, s0, s1, 0.0 * d, 0.0 * d, blk * 256 + half * 128 + p * 32 + sub * 16
 
     @triton.jit
-    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, u, i, zero, lo, hi, s0, s1, o0, o1,
-                  W: tl.constexpr, ASM: tl.constexpr):
+    def _q8_span(FMT: tl.constexpr):
+        """Columns from a unit's lo half to its hi half (`_q8_unit`)."""
+        return 32 if FMT == 2 or FMT == 3 else 64 if FMT == 4 else 16
+
+    @triton.jit
+    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, c0, i, zero, lo, hi, s0, s1, o0, o1,
+                  FMT: tl.constexpr, ASM: tl.constexpr):
         """One token's share of a unit step ([ROWS, NB, 1]): its x words met with the unit's halves lo and hi
-        (`_q8_unit`), its block scales and sums with theirs. A unit's halves are x's words u * 2W + i and
-        u * 2W + W + i; with 8 words a half (q4_k) each half is a block of x, else the unit is one block. x's
-        pointers take the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled
-        between them."""
+        (`_q8_unit`, lo's first column c0), its block scales and sums with theirs. x's pointers take the weights'
+        shape (zero), so that x and the weights share a layout and nothing is shuffled between them."""
         t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
         live = mask & (t < end)
-        xw = xw_ptr + t * xw_stride + u * (2 * W) + i + zero
-        d0 = tl.sum(_dp4a(lo, tl.load(xw, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
-        d1 = tl.sum(_dp4a(hi, tl.load(xw + W, mask=live, other=0), ASM), axis=2, keep_dims=True).to(tl.float32)
-        b0 = u * (2 if W == 8 else 1)
-        b1 = b0 + (1 if W == 8 else 0)
+        span = _q8_span(FMT)
+        xw = xw_ptr + t * xw_stride + c0 // 4 + i + zero
+        x0 = tl.load(xw, mask=live, other=0)
+        x1 = tl.load(xw + span // 4, mask=live, other=0)
+        d0 = _dp4a(lo, x0, ASM)
+        d1 = _dp4a(hi, x1, ASM)
+        if FMT == 4:  # q6_k's quants less 32: 32 x the half's sum of x, in the same integers
+            d0 -= _dp4a(zero + 0x20202020, x0, ASM)
+            d1 -= _dp4a(zero + 0x20202020, x1, ASM)
+        d0 = tl.sum(d0, axis=2, keep_dims=True).to(tl.float32)
+        d1 = tl.sum(d1, axis=2, keep_dims=True).to(tl.float32)
+        b0 = c0 // 32
+        b1 = (c0 + span) // 32
         xd = xd_ptr + t * xd_stride
         xs = s_ptr + t * xd_stride
         m = tl.sum(live.to(tl.int32), axis=2, keep_dims=True) > 0
@@ -662,18 +701,18 @@ if triton is not None:
         for u0 in range(0, UNITS, NB):
             u = u0 + nb
             wmask = rl & (u < UNITS)
-            lo, hi, s0, s1, o0, o1 = _q8_unit(row, u, i, zero, wmask, FMT)
+            lo, hi, s0, s1, o0, o1, c0 = _q8_unit(row, u, i, zero, wmask, FMT)
             xmask = wmask & (i < W)
-            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, u, i, zero, lo, hi, s0,
-                              s1, o0, o1, W, ASM)
+            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, c0, i, zero, lo, hi, s0,
+                              s1, o0, o1, FMT, ASM)
             if BT > 1:
-                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, u, i, zero, lo,
-                                  hi, s0, s1, o0, o1, W, ASM)
+                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, c0, i, zero, lo,
+                                  hi, s0, s1, o0, o1, FMT, ASM)
             if BT > 2:
-                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, u, i, zero, lo,
-                                  hi, s0, s1, o0, o1, W, ASM)
-                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, u, i, zero, lo,
-                                  hi, s0, s1, o0, o1, W, ASM)
+                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, c0, i, zero, lo,
+                                  hi, s0, s1, o0, o1, FMT, ASM)
+                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, c0, i, zero, lo,
+                                  hi, s0, s1, o0, o1, FMT, ASM)
         return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
                 tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 
@@ -695,7 +734,7 @@ if triton is not None:
                ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, W: tl.constexpr,
                NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
                CLAMPED: tl.constexpr, ASM: tl.constexpr):
-        """_packed_mm for q4_k, q4_0 or q8_0 weights (FMT; W words a half unit) and x rounded to 8 bits
+        """_packed_mm for weights of a format `_q8_unit` reads (FMT; W words a half unit) and x rounded to 8 bits
         (quantize_rows), BT (1, 2 or 4) tokens a step."""
         tl.static_assert(BT == 1 or BT == 2 or BT == 4)
         g = tl.program_id(1)

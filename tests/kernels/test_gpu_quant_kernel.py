@@ -300,14 +300,14 @@ SHAPES = {"mixtral": (4096, 14336), "qwen3": (2048, 768)}
 # (per element in output RMS, norm-wise, per element relative): the bf16 output rounds each element by 2^-9
 # of itself; bf16 tensor-core operands add ~2^-9 of each dot product's terms, a few times that at outliers.
 BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)
-# q4_k's, q4_0's and q8_0's few rows take the integer route (test_gpu_quant_q8.py): x rounded to 8 bits in both
+# q4_0's, q8_0's and the k-quants' few rows take the integer route (test_gpu_quant_q8.py): x rounded to 8 bits in both
 # projections, as llama.cpp's decode kernels round it, errs by about 1% norm-wise (up to 1.1e-2 on an H200,
 # 2026-11-30).
 Q8_TOLERANCE = (2 ** -3, 2 ** -5, 2 ** -7)
 
 
 def q8_route_taken(formats, sizes) -> bool:
-    return (formats[0] in gpu_quant._Q8_FORMATS and -(-sum(sizes) // len(sizes)) <= gpu_quant._Q8_ROWS
+    return (any(f in gpu_quant._Q8_FORMATS for f in formats) and -(-sum(sizes) // len(sizes)) <= gpu_quant._Q8_ROWS
             and gpu_quant._Q8_WANTED)
 
 

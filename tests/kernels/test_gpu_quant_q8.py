@@ -1,5 +1,5 @@
-"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_k, q4_0 and q8_0 weights
-read a word of four bytes at a time and multiplied into four int8 x at once.
+"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_0, q8_0 and k-quant
+weights read a word of four bytes at a time and multiplied into four int8 x at once.
 
 The route computes W @ (d * q) for x's rounding (d * q), so against a float64 product with that rounded x it errs
 only by float32 summation order (1e-4 of the output's scale in the interpreter, where x and the output are float32).
@@ -48,11 +48,12 @@ def test_quantize_rows_rounds_each_block_of_32():
 @interpreted
 @pytest.mark.parametrize("fmt,m,k,rows", [("q4_k", 1, 256, 96), ("q4_k", 2, 256, 40), ("q4_k", 3, 512, 70),
                                           ("q4_k", 8, 768, 64), ("q4_0", 1, 96, 50), ("q4_0", 3, 160, 33),
-                                          ("q8_0", 2, 96, 50), ("q8_0", 4, 224, 40)])
+                                          ("q8_0", 2, 96, 50), ("q8_0", 4, 224, 40), ("q5_k", 1, 256, 48),
+                                          ("q5_k", 4, 512, 33), ("q6_k", 1, 256, 48), ("q6_k", 3, 768, 37)])
 def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows):
     """One matrix, float32 x and output so that only the summation order differs: 1 to 8 tokens (BT 1, 2, 4 and 4
-    twice), rows not a multiple of the tile, several units a step and a partial one; q4_0's and q8_0's blocks of
-    18 and 34 bytes, every other one 2 bytes off a word."""
+    twice), rows not a multiple of the tile, several units a step and a partial one; q4_0's, q8_0's and q6_k's
+    blocks of 18, 34 and 210 bytes, every other one 2 bytes off a word; q5_k's fifth bits, q6_k's less 32."""
     stack = random_stack(1, rows, k, fmt, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
@@ -101,7 +102,7 @@ def test_route_only_where_words_are_aligned():
     x = torch.zeros(4, 256)
     assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16, m=4, groups=2)
     assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32, m=4, groups=2)  # float32 layers stay exact
-    assert not gpu_quant._q8_route(x, stack, "q6_k", torch.bfloat16, m=4, groups=2)
+    assert not gpu_quant._q8_route(x, stack, "mxfp4", torch.bfloat16, m=4, groups=2)
     odd = torch.zeros(1 + 2 * 8 * 18, dtype=torch.uint8)[1:].view(2, 8, 18)
     assert not gpu_quant._q8_route(x, odd, "q4_0", torch.bfloat16, m=4, groups=2)  # halves need 2-byte alignment
     assert gpu_quant._q8_route(x, torch.zeros(2, 8, 18, dtype=torch.uint8), "q4_0", torch.bfloat16, m=4, groups=2)
@@ -118,7 +119,7 @@ def _cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["q4_k", "q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
 def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m):
     dev = _cuda()
@@ -133,7 +134,7 @@ def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("formats", [("q4_k",), ("q4_k", "q6_k"), ("q4_0",), ("q8_0",)])
+@pytest.mark.parametrize("formats", [("q4_k",), ("q4_k", "q6_k"), ("q5_k",), ("q4_0",), ("q8_0",)])
 def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
     dev = _cuda()
     for sizes in ([1, 0, 1, 1, 2, 1, 1, 1], [4, 4, 0, 4, 4, 4, 4, 4]):

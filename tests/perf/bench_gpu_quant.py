@@ -127,7 +127,7 @@ def main():
             del all_w
             torch.cuda.empty_cache()
     if not args.no_sweep:
-        sweep(dev, [f for f in ("q4_0", "q4_k", "q8_0") if f in args.formats.split(",")])
+        sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0") if f in args.formats.split(",")])
 
 
 def _fma(r, nb, wp, bt=1):
