@@ -20,8 +20,8 @@ two launches: the bias is added to each float32 dot product and the activation i
 A few 16-bit rows against q4_0, q8_0 or k-quant weights take an integer route instead (`_q8_mm`): x rounded to 8
 bits per block of 32 as llama.cpp's decode kernels round it (`quantize_rows`), each 32-bit word of packed nibbles
 split into two words of four weights by two mask operations (q8_0's bytes as they are; q5_k's and q6_k's high bits
-joined in) and multiplied into four int8 x by one dp4a. The float32 path spends several instructions on every weight (unpack, convert, scale, multiply), which
-kept decode below the memory's rate.
+joined in) and multiplied into four int8 x by one dp4a. The float32 path spends several instructions on every
+weight (unpack, convert, scale, multiply), which kept decode below the memory's rate.
 
 Many tokens per expert (prefill, copied experts) take the same kernel with tensor-core tiles (`tl.dot`)
 and the tokens split over programs, or, where measured faster, the experts dequantised to bf16 scratch
@@ -192,8 +192,7 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     chosen = config or _OVERRIDE
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
-    wanted = chosen.get("Q8", False) if chosen else -(-m // groups) <= _Q8_ROWS
-    if wanted and _q8_route(x, stack, fmt, dtype, m, groups):
+    if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else _few_rows(m, groups)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
                           glu=glu, config=chosen)
     cfg = dict(chosen or _config(dtype, m, groups, units))
@@ -238,7 +237,16 @@ _Q8_ROWS = 4
 _Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
 
 
-def _q8_route(x, stack, fmt, dtype, m, groups) -> bool:
+def _few_rows(m: int, groups: int) -> bool:
+    return -(-m // groups) <= _Q8_ROWS
+
+
+def takes_q8(x, stack, fmt, m, groups) -> bool:
+    """Whether a launch of m rows over `groups` groups takes the integer route by default (tests, benchmarks)."""
+    return _q8_route(x, stack, fmt, x.dtype) and _few_rows(m, groups)
+
+
+def _q8_route(x, stack, fmt, dtype) -> bool:
     """Whether a launch can take the integer route: a format it reads, a 16-bit layer (float32 layers keep the
     float32 path, exactly as the reference) and experts aligned as the format's loads need."""
     align = _Q8_FORMATS.get(fmt)
@@ -561,7 +569,6 @@ if triton is not None:
         tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=mask)
         tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=mask)
 
-
     @triton.jit
     def _q8_rows(x_ptr, x_stride, q_ptr, d_ptr, s_ptr, BLOCKS_ALL, BLOCKS: tl.constexpr):
         r = tl.program_id(0)
@@ -663,9 +670,9 @@ if triton is not None:
         (`_q8_unit`, lo's first column c0), its block scales and sums with theirs. x's pointers take the weights'
         shape (zero), so that x and the weights share a layout and nothing is shuffled between them."""
         t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
-        live = mask & (t < end)
+        live = mask & (t < end)  # [ROWS, NB, 1]: the unit's and the token's
         span = _q8_span(FMT)
-        xw = xw_ptr + t * xw_stride + c0 // 4 + i + zero
+        xw = xw_ptr + t * xw_stride + (c0 >> 2) + i + zero
         x0 = tl.load(xw, mask=live, other=0)
         x1 = tl.load(xw + span // 4, mask=live, other=0)
         d0 = _dp4a(lo, x0, ASM)
@@ -675,13 +682,12 @@ if triton is not None:
             d1 -= _dp4a(zero + 0x20202020, x1, ASM)
         d0 = tl.sum(d0, axis=2, keep_dims=True).to(tl.float32)
         d1 = tl.sum(d1, axis=2, keep_dims=True).to(tl.float32)
-        b0 = c0 // 32
-        b1 = (c0 + span) // 32
+        b0 = c0 >> 5  # x's blocks of 32 (c0 >= 0: shifts, not signed division)
+        b1 = (c0 + span) >> 5
         xd = xd_ptr + t * xd_stride
         xs = s_ptr + t * xd_stride
-        m = tl.sum(live.to(tl.int32), axis=2, keep_dims=True) > 0
-        return (s0 * tl.load(xd + b0, mask=m, other=0.0) * d0 + s1 * tl.load(xd + b1, mask=m, other=0.0) * d1
-                - o0 * tl.load(xs + b0, mask=m, other=0.0) - o1 * tl.load(xs + b1, mask=m, other=0.0))
+        return (s0 * tl.load(xd + b0, mask=live, other=0.0) * d0 + s1 * tl.load(xd + b1, mask=live, other=0.0) * d1
+                - o0 * tl.load(xs + b0, mask=live, other=0.0) - o1 * tl.load(xs + b1, mask=live, other=0.0))
 
     @triton.jit
     def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS, FMT: tl.constexpr,
@@ -702,16 +708,15 @@ if triton is not None:
             u = u0 + nb
             wmask = rl & (u < UNITS)
             lo, hi, s0, s1, o0, o1, c0 = _q8_unit(row, u, i, zero, wmask, FMT)
-            xmask = wmask & (i < W)
-            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, xmask, c0, i, zero, lo, hi, s0,
+            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, wmask, c0, i, zero, lo, hi, s0,
                               s1, o0, o1, FMT, ASM)
             if BT > 1:
-                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, xmask, c0, i, zero, lo,
+                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, wmask, c0, i, zero, lo,
                                   hi, s0, s1, o0, o1, FMT, ASM)
             if BT > 2:
-                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, xmask, c0, i, zero, lo,
+                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, wmask, c0, i, zero, lo,
                                   hi, s0, s1, o0, o1, FMT, ASM)
-                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, xmask, c0, i, zero, lo,
+                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, wmask, c0, i, zero, lo,
                                   hi, s0, s1, o0, o1, FMT, ASM)
         return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
                 tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
@@ -759,6 +764,7 @@ if triton is not None:
                         CLAMPED)
                 _q8_out(a3, u3, t0 + 3, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
                         CLAMPED)
+
 
 def supported_formats() -> tuple[str, ...]:
     return tuple(f for f in FORMATS if f in _FMT_ID)

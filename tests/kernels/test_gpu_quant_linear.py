@@ -135,7 +135,7 @@ def test_module_on_cuda(fmt, m):
     assert route(True, gpu_quant.linear_applies(x, w, fmt), m) == ("kernel" if m < 32 else "dequant")
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
-    routed = gpu_quant._q8_route(x, w.unsqueeze(0), fmt, x.dtype, m, 1) and m <= gpu_quant._Q8_ROWS
+    routed = gpu_quant.takes_q8(x, w.unsqueeze(0), fmt, m, 1)
     assert_close(got, reference(x, w, fmt, k, bias), *(Q8_TOLERANCE if routed else BF16_TOLERANCE))
 
 

@@ -57,7 +57,7 @@ def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows):
     stack = random_stack(1, rows, k, fmt, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
-    assert gpu_quant._q8_route(x, stack, fmt, torch.bfloat16, m, 1)
+    assert gpu_quant._q8_route(x, stack, fmt, torch.bfloat16)
     gpu_quant._launch_q8(x, stack, fmt, ends_of([m]), out, rows=rows, k=k, gated=False, m=m, groups=1, bias=None,
                          glu=None, config=None)
     assert_close(out, linear_reference(rounded(x), stack, k, fmt), 1e-4, 1e-5)
@@ -100,14 +100,14 @@ def test_grouped_experts_take_the_integer_route_for_few_rows_of_16_bit_x(monkeyp
 def test_route_only_where_words_are_aligned():
     stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
     x = torch.zeros(4, 256)
-    assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16, m=4, groups=2)
-    assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32, m=4, groups=2)  # float32 layers stay exact
-    assert not gpu_quant._q8_route(x, stack, "mxfp4", torch.bfloat16, m=4, groups=2)
+    assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16)
+    assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32)  # float32 layers stay exact
+    assert not gpu_quant._q8_route(x, stack, "mxfp4", torch.bfloat16)
     odd = torch.zeros(1 + 2 * 8 * 18, dtype=torch.uint8)[1:].view(2, 8, 18)
-    assert not gpu_quant._q8_route(x, odd, "q4_0", torch.bfloat16, m=4, groups=2)  # halves need 2-byte alignment
-    assert gpu_quant._q8_route(x, torch.zeros(2, 8, 18, dtype=torch.uint8), "q4_0", torch.bfloat16, m=4, groups=2)
-    assert not gpu_quant._q8_route(x, torch.zeros(4 + 2 * 8 * 144, dtype=torch.uint8)[4:].view(2, 8, 144), "q4_k", torch.bfloat16,
-                                   m=4, groups=2)  # not 16-byte aligned
+    assert not gpu_quant._q8_route(x, odd, "q4_0", torch.bfloat16)  # halves need 2-byte alignment
+    assert gpu_quant._q8_route(x, torch.zeros(2, 8, 18, dtype=torch.uint8), "q4_0", torch.bfloat16)
+    shifted = torch.zeros(4 + 2 * 8 * 144, dtype=torch.uint8)[4:].view(2, 8, 144)
+    assert not gpu_quant._q8_route(x, shifted, "q4_k", torch.bfloat16)  # not 16-byte aligned
 
 
 # ---------------------------------------------------------------- the GPU box: the dp4a assembly
@@ -126,7 +126,7 @@ def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m):
     k, rows = 4096, 6144
     stack = random_stack(1, rows, k, fmt, device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    assert gpu_quant._q8_route(x, stack, fmt, x.dtype, m, 1) and m <= gpu_quant._Q8_ROWS
+    assert gpu_quant.takes_q8(x, stack, fmt, m, 1)
     got = gpu_quant.packed_linear(x, stack[0], fmt)
     # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
     assert_close(got, linear_reference(rounded(x), stack, k, fmt), 2 ** -8, 2 ** -8, 2 ** -8)

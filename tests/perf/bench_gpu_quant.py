@@ -119,8 +119,7 @@ def main():
                     if route == "dequant" and not gpu_quant._dequant_route_works(x):
                         continue
                     t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route=route), len(ws))
-                    name = route or ("fused/" + ("q8" if gpu_quant._q8_route(x, ws[0].gate_up, fmt, x.dtype, m, g)
-                                                 and per <= gpu_quant._Q8_ROWS else
+                    name = route or ("fused/" + ("q8" if gpu_quant.takes_q8(x, ws[0].gate_up, fmt, m, g) else
                                                  "dot" if gpu_quant._config(x.dtype, m, g, 1)["DOT"] else "fma"))
                     print(f"{shape:8} {fmt:5} {case:8} {per:8d} {t * 1e6:9.1f} {packed_bytes / t / 1e9:7.0f} "
                           f"{tb * 1e6:9.1f} {g * 3 * h * f * 2 / tb / 1e9:9.0f} {tb / t:7.2f}  {name}", flush=True)
