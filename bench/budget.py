@@ -35,7 +35,7 @@ def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype,
     with torch.device("meta"):
         model = Transformer(cfg, context)
     # synthetic_model stores every parameter in `dtype` and keeps the rotary tables in float32, as built here; with
-    # MOEDESK_PACKED_WEIGHTS=1 and packed experts, its non-expert weights packed (synthetic.packed_plan).
+    # packed experts on a GPU, its non-expert weights packed (synthetic.packed_plan).
     held = (sum(p.numel() for p in model.parameters()) * dtype.itemsize
             + sum(b.numel() * b.element_size() for b in model.buffers())
             - sum(packed_savings(packed_plan(cfg, expert_format, model=model), dtype.itemsize).values()))

@@ -158,7 +158,7 @@ class Engine(EngineFace):
 
         def layer_devices(model, cfg, banks):
             owner[:] = _layer_owner(model, cfg, banks, budgets, torch_dtype, min(context, cfg.max_position_embeddings),
-                                    _packed_plan(checkpoint, cfg))
+                                    _packed_plan(checkpoint, cfg, torch_device))
             return [devices[d] for d in owner]
 
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype,
@@ -514,12 +514,13 @@ def held_bytes(model: torch.nn.Module) -> int:
     return sum(high - low for low, high in spans.values())
 
 
-def _packed_plan(checkpoint, cfg) -> dict | None:
-    """What MOEDESK_PACKED_WEIGHTS=1 will keep packed of `checkpoint` (engine.load.loader.packed_plan); None when off."""
+def _packed_plan(checkpoint, cfg, device: torch.device) -> dict | None:
+    """What a load onto `device` will keep packed of `checkpoint` (engine.load.loader.packed_plan); None where packed
+    weights are not wanted (packed_linear.wanted)."""
     from moedesk.engine.load.loader import packed_plan
     from moedesk.engine.model.packed_linear import wanted
 
-    return packed_plan(checkpoint, cfg) if wanted() else None
+    return packed_plan(checkpoint, cfg) if wanted(device) else None
 
 
 def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int, packed: dict | None = None):
@@ -585,7 +586,7 @@ def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch
         return
     context = min(context, early.max_position_embeddings)
     piece = default_prefill_chunk(device)
-    packed = _packed_plan(checkpoint, early)  # MOEDESK_PACKED_WEIGHTS: those weights counted packed
+    packed = _packed_plan(checkpoint, early, device)  # weights kept packed, counted packed
     if gpu_budget:
         try:
             model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece, packed=packed)

@@ -120,7 +120,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
                                               dtype=dtype, gate_up_format=formats[layer][0],
                                               down_format=formats[layer][1], device=device)
     total, done = len(plain) + len(experts), 0
-    keep_packed = packed_weights(checkpoint, model) if packed_linear.wanted() else None
+    keep_packed = packed_weights(checkpoint, model) if packed_linear.wanted(device) else None
     loaded = set()
     spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
     target = _parameter_device(device, spread)
@@ -208,8 +208,9 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
 
 
 def packed_weights(checkpoint, model: nn.Module) -> Callable[[str, str], bool] | None:
-    """MOEDESK_PACKED_WEIGHTS=1: whether a checkpoint tensor (its name, ours) is kept packed, by a PackedLinear in place
-    of its Linear (engine.model.packed_linear). None for checkpoints that cannot hand over packed rows (safetensors)."""
+    """Where packed weights are wanted (packed_linear.wanted): whether a checkpoint tensor (its name, ours) is kept
+    packed, by a PackedLinear in place of its Linear (engine.model.packed_linear). None for checkpoints that cannot
+    hand over packed rows (safetensors)."""
     if not hasattr(checkpoint, "read_packed_rows"):
         return None
 
@@ -229,8 +230,9 @@ def _packed_format(checkpoint, name: str, ours: str, in_features: int) -> str | 
 
 
 def packed_plan(checkpoint, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """What MOEDESK_PACKED_WEIGHTS=1 keeps packed of `checkpoint`, before reading a weight: our name -> (format, rows,
-    columns), as engine.model.packed_linear.plan_of says of the loaded model (the GPU budget's early sizes)."""
+    """What a load that keeps packed weights (packed_linear.wanted) keeps packed of `checkpoint`, before reading a
+    weight: our name -> (format, rows, columns), as engine.model.packed_linear.plan_of says of the loaded model (the
+    GPU budget's early sizes)."""
     if not hasattr(checkpoint, "packed_rows_format"):
         return {}
     rules, shapes, plan = weight_name_map(cfg), checkpoint.shapes(), {}

@@ -61,15 +61,16 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
     in `dtype` or, with expert_format, packed (kernels.quant_formats): a random block of weights quantised
     to that format and tiled, so the packed bytes are realistic (sane scales) without quantising the whole
     model (k-quants, which moedesk does not quantise itself, tile random blocks with small scales).
-    packed_weights (default: MOEDESK_PACKED_WEIGHTS=1) with a packed expert_format: the non-expert weights a GGUF
-    of that quantisation keeps packed are packed likewise (`packed_plan`), as PackedLinears."""
+    packed_weights (default: as a load onto `device` would, packed_linear.wanted) with a packed expert_format: the
+    non-expert weights a GGUF of that quantisation keeps packed are packed likewise (`packed_plan`), as
+    PackedLinears."""
     from moedesk.engine.model.packed_linear import replace_linear
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = Transformer(cfg, context)
-    plan = packed_plan(cfg, expert_format, packed_weights, model)
+    plan = packed_plan(cfg, expert_format, packed_weights, model, device)
     blocks = {}  # (format, k) -> a random block, tiled into every weight of that shape of row
     for name, param in list(model.named_parameters()):
         if name in plan:
@@ -103,13 +104,13 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
 
 
 def packed_plan(cfg: ModelConfig, expert_format: str, packed_weights: bool | None = None,
-                model: Transformer | None = None) -> dict[str, tuple[str, int, int]]:
+                model: Transformer | None = None, device="cuda") -> dict[str, tuple[str, int, int]]:
     """The non-expert weights synthetic_model packs: our name -> (format, rows, columns), every Linear weight a GGUF
     keeps packed (engine.model.packed_linear.packable) in expert_format or its fallback for its rows
-    (format_for_rows); {} unless packed_weights (default: MOEDESK_PACKED_WEIGHTS=1) and expert_format is packed."""
+    (format_for_rows); {} unless packed_weights (default: packed_linear.wanted(device)) and expert_format is packed."""
     from moedesk.engine.model import packed_linear
 
-    wanted = packed_linear.wanted() if packed_weights is None else packed_weights
+    wanted = packed_linear.wanted(device) if packed_weights is None else packed_weights
     if not wanted or expert_format == DENSE:
         return {}
     if model is None:

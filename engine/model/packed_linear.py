@@ -1,4 +1,4 @@
-"""A linear layer whose weight stays packed (a GGUF's block quantisation) on its device: MOEDESK_PACKED_WEIGHTS=1.
+"""A linear layer whose weight stays packed (a GGUF's block quantisation) on its GPU (`wanted`).
 
 A GGUF's attention projections, shared experts, dense layers and head are held in 16 bits otherwise: several
 times their file size on the GPU, and read whole by every decode step. `PackedLinear` keeps the packed rows as a
@@ -33,9 +33,14 @@ _UNPACKABLE = re.compile(r".*(moe\.router|shared_gate|attn\.wkv_b|attn\.in_qkv|a
 _DEQUANT_CHUNK = 1 << 24
 
 
-def wanted() -> bool:
-    """Whether a load keeps packed non-expert weights packed (read once per load by its caller)."""
-    return os.environ.get(ENV) == "1"
+def wanted(device) -> bool:
+    """Whether a load onto `device` keeps packed non-expert weights packed (read once per load by its caller):
+    MOEDESK_PACKED_WEIGHTS=1 or 0 says; unset, on a GPU (smaller and, at a few rows, faster there) and not on the
+    CPU (which would dequantise every weight at every forward)."""
+    setting = os.environ.get(ENV)
+    if setting in ("0", "1"):
+        return setting == "1"
+    return torch.device(device).type == "cuda"
 
 
 def formats() -> tuple[str, ...]:

@@ -1,4 +1,5 @@
-"""MOEDESK_PACKED_WEIGHTS=1: a GGUF's packed non-expert weights stay packed (engine.model.packed_linear).
+"""A GGUF's packed non-expert weights stay packed (engine.model.packed_linear): on a GPU by default, anywhere with
+MOEDESK_PACKED_WEIGHTS=1.
 
 The files are llama.cpp's own quantisations of a float32 Mixtral-style GGUF (tests/load/test_packed_experts.py):
 Q4_K_M mixes q4_k projections with q6_k ones (attn_v, the head), Q8_0 is q8_0 throughout; the embedding table stays
@@ -101,6 +102,18 @@ def test_spread_layers_keep_their_packed_weights(quantised, monkeypatch):
     assert torch.equal(logits, before)
 
 
+@pytest.mark.parametrize("setting,device,expected", [(None, "cuda", True), (None, "cuda:1", True), (None, "cpu", False),
+                                                     ("0", "cuda", False), ("1", "cpu", True)])
+def test_packed_weights_are_wanted_on_a_gpu_unless_turned_off(monkeypatch, setting, device, expected):
+    from moedesk.engine.model.packed_linear import ENV, wanted
+
+    if setting is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, setting)
+    assert wanted(torch.device(device)) is expected
+
+
 def test_packed_savings_by_layer_and_head():
     from moedesk.engine.memory_fit import packed_savings
 
@@ -182,8 +195,9 @@ def test_synthetic_models_pack_their_non_expert_weights(shape, fmt, packed_as, m
     assert torch.isfinite(logits).all()
     assert packed_plan(cfg, fmt, False) == {} and packed_plan(cfg, "dense", True) == {}
 
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     plain = bench_split(cfg, 2 ** 40, 64, torch.float32, 16, fmt).weights
-    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    monkeypatch.delenv("MOEDESK_PACKED_WEIGHTS")  # the bench's budget is a GPU's: packed by default
     assert plain - bench_split(cfg, 2 ** 40, 64, torch.float32, 16, fmt).weights == sum(
         packed_savings(plan, 4).values())
 
@@ -195,8 +209,10 @@ def test_packed_weights_on_cuda_stay_close_to_16_bit(quantised, monkeypatch, kin
     prompt's): exact weights against the 16-bit load's bf16-rounded ones, both with bf16 activations, so the logits
     differ by a few bf16 steps. q/k/v of one format (q8_0) are fused into one packed launch."""
     path = str(quantised("llama", kind))
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     plain = Engine.load(path, device="cuda", dtype="bfloat16", offload=False)
-    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
+    assert not packed_modules(plain)
+    monkeypatch.delenv("MOEDESK_PACKED_WEIGHTS")  # on by default on a GPU
     packed = Engine.load(path, device="cuda", dtype="bfloat16", offload=False)
     assert packed_modules(packed) and all(m.packed.is_cuda for m in packed_modules(packed).values())
     assert ("qkv_packed" in packed.model.layers[0].attn.__dict__) == (kind == "q8_0")

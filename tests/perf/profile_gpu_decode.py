@@ -2,7 +2,8 @@
 
 Usage (GPU box, repo root): python3 tests/perf/profile_gpu_decode.py [SHAPE:LAYERS] [--expert-format q4_k]
     [--batch 1] [--steps 16] [--llama-bench PATH]
-(MOEDESK_PACKED_WEIGHTS=1 in front: the non-expert weights packed in --expert-format too, as llama.cpp keeps them.)
+(The non-expert weights are packed in --expert-format too, as llama.cpp keeps them; MOEDESK_PACKED_WEIGHTS=0 in
+front: in 16 bits.)
 Every expert resident on one GPU: the floor the GPU's own kernels set, where issue 45's second target (two GPUs
 against llama.cpp with every expert on them) is decided. Decode with CUDA graphs as the engine runs it, then
 torch.profiler over two decode runs that differ only in length, so prefill and graph capture cancel: GPU ms a step
@@ -89,7 +90,7 @@ def main() -> None:
     expert_bytes = sum(w.gate_up.nbytes + w.down.nbytes for w in banks.values()) // (cfg.num_experts * moe_layers)
     touched = moe_layers * min(cfg.num_experts, cfg.num_experts_per_tok * args.batch)  # at most; one row reads top_k
     dense_bytes = sum(p.nbytes for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
-    # MOEDESK_PACKED_WEIGHTS=1: the non-expert weights kept packed run the experts' kernel (_packed_mm) too
+    # The non-expert weights kept packed run the experts' kernel (_packed_mm) too
     packed_weights = sum(m.packed.nbytes for m in model.modules() if isinstance(m, PackedLinear))
     if packed_weights:
         print(f"  (packed non-expert weights: {packed_weights / 1e9:.2f} GB a step, in the packed experts' class)")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU box, from the repo root, in one device command (about 6 min): the GPU kernels' integer route measured
-# after the changes session 40 made without a GPU (docs/measurements.md, "Session 40: the integer route after the
-# run"). Run it after `tests/perf/llamacpp_engine_gpu.sh build`, which runs `pytest -m gpu` beside the build.
+# On the GPU box, from the repo root, in one device command (about 4 min): the GPU kernels' integer route for every
+# format it reads (docs/measurements.md, "Session 41 on the two-H200 box"). Run it after
+# `tests/perf/llamacpp_engine_gpu.sh build`, which runs `pytest -m gpu` beside the build.
 #   1. bench_gpu_quant.py on the Mixtral shape for every format the route reads, with the tile sweep
-#   2. profile_gpu_decode.py mixtral-8x7b:8 at batch 1 and 4, with MOEDESK_PACKED_WEIGHTS=1 and without, and batch 1
-#      with MOEDESK_Q8_ACTIVATIONS=0 (the float32 path) beside them
+#   2. profile_gpu_decode.py mixtral-8x7b:8 at batch 1 and 4, the non-expert weights packed (the default on a GPU)
+#      and in 16 bits (MOEDESK_PACKED_WEIGHTS=0), and batch 1 with MOEDESK_Q8_ACTIVATIONS=0 (the float32 path)
 # Carry .whl and .pylib. Leaves in $OUT: route_summary.txt (each step's exit and seconds, the profiles' heads, the
 # bench table) and route.tar.gz (every log).
 set -uo pipefail
@@ -18,13 +18,13 @@ step() {  # step NAME SECONDS COMMAND...: one step's output in $R/NAME.txt, its 
 step quant 260 python3 tests/perf/bench_gpu_quant.py --formats q4_k,q5_k,q6_k,q4_0,q8_0 --shapes mixtral
 for batch in 1 4; do
   step "profile_b$batch" 60 python3 tests/perf/profile_gpu_decode.py mixtral-8x7b:8 --batch "$batch"
-  MOEDESK_PACKED_WEIGHTS=1 step "profile_packed_b$batch" 60 python3 tests/perf/profile_gpu_decode.py mixtral-8x7b:8 \
+  MOEDESK_PACKED_WEIGHTS=0 step "profile_16bit_b$batch" 60 python3 tests/perf/profile_gpu_decode.py mixtral-8x7b:8 \
     --batch "$batch"
 done
 MOEDESK_Q8_ACTIVATIONS=0 step profile_float_b1 60 python3 tests/perf/profile_gpu_decode.py mixtral-8x7b:8
 {
   cat "$R/steps.txt"
-  for f in profile_b1 profile_packed_b1 profile_float_b1 profile_b4 profile_packed_b4; do
+  for f in profile_b1 profile_16bit_b1 profile_float_b1 profile_b4 profile_16bit_b4; do
     echo "== $f"; grep -A 7 "tok/s" "$R/$f.txt" | head -n 8
   done
   grep -E "^(shape|mixtral)" "$R/quant.txt"
