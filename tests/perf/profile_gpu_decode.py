@@ -1,7 +1,7 @@
 """Where a decode step's GPU time goes with every expert resident, kernel class by kernel class, beside llama.cpp.
 
 Usage (GPU box, repo root): python3 tests/perf/profile_gpu_decode.py [SHAPE:LAYERS] [--expert-format q4_k]
-    [--batch 1] [--steps 16] [--llama-bench PATH]
+    [--batch 1] [--steps 16] [--llama-bench PATH] [--timeline FILE]
 (The non-expert weights are packed in --expert-format too, as llama.cpp keeps them; MOEDESK_PACKED_WEIGHTS=0 in
 front: in 16 bits.)
 Every expert resident on one GPU: the floor the GPU's own kernels set, where issue 45's second target (two GPUs
@@ -10,7 +10,8 @@ torch.profiler over two decode runs that differ only in length, so prefill and g
 per kernel class (packed experts, dense GEMMs, attention, routing, copies, the rest), and what the packed experts
 and the dense weights were read at (the bytes a step reads once each, over the class's time). With --llama-bench,
 llama-bench on the same shape's GGUF (bench.synthetic_gguf, llama.cpp's quantiser: attention weights quantised
-too) with every layer and expert on the GPU, in the same run.
+too) with every layer and expert on the GPU, in the same run. With --timeline FILE, the last decode step's kernels
+in order, each with the GPU's idle time before it (where the host holds the step up), and the longest by name.
 """
 from __future__ import annotations
 
@@ -44,11 +45,14 @@ def kernel_class(name: str) -> str:
     return "the rest"
 
 
-def gpu_ms_by_class(run) -> dict[str, float]:
-    """GPU ms by kernel class over one call of `run`."""
+def gpu_ms_by_class(run, trace: str | None = None) -> dict[str, float]:
+    """GPU ms by kernel class over one call of `run`; trace: a path the profile is also written to (Chrome's
+    format), for `kernels_of`."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     totals: dict[str, float] = {}
     for event in prof.key_averages():
         us = getattr(event, "self_device_time_total", None)
@@ -60,6 +64,40 @@ def gpu_ms_by_class(run) -> dict[str, float]:
     return totals
 
 
+def kernels_of(trace: dict) -> list[tuple[float, float, str]]:
+    """(start µs, duration µs, name) of every kernel, copy and memset a Chrome trace holds, by start."""
+    return sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in trace.get("traceEvents", ())
+                  if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e)
+
+
+def last_step(kernels: list[tuple[float, float, str]], per_step: int) -> list[tuple[float, float, float, str]]:
+    """The last `per_step` kernels as one step's timeline: (µs from the step's first start, duration µs, idle µs
+    before it since the previous kernel ended, name)."""
+    step = kernels[-per_step:] if per_step > 0 else []
+    rows, end = [], None
+    for start, dur, name in step:
+        rows.append((start - step[0][0], dur, 0.0 if end is None else max(0.0, start - end), name))
+        end = start + dur if end is None else max(end, start + dur)
+    return rows
+
+
+def timeline_lines(rows: list[tuple[float, float, float, str]], top: int = 8) -> list[str]:
+    """A step's timeline in a few lines: its span against the GPU's busy time, the idle gaps, the longest kernels
+    (name, class, µs: where a class's time sits)."""
+    if not rows:
+        return ["  (no kernels in the step)"]
+    span = rows[-1][0] + rows[-1][1]
+    busy, idle = sum(r[1] for r in rows), sum(r[2] for r in rows)
+    lines = [f"  one step: {len(rows)} kernels over {span:.1f} µs, busy {busy:.1f} µs, idle between them "
+             f"{idle:.1f} µs ({sum(r[2] > 5 for r in rows)} gaps over 5 µs)"]
+    by_name: dict[str, list[float]] = {}
+    for _, dur, _, name in rows:
+        by_name.setdefault(name, []).append(dur)
+    for name, durs in sorted(by_name.items(), key=lambda item: -sum(item[1]))[:top]:
+        lines.append(f"    {sum(durs):8.1f} µs in {len(durs):3d} launches ({kernel_class(name)}): {name[:70]}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("shape", nargs="?", default="mixtral-8x7b:8")
@@ -67,6 +105,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=16, help="decode steps the two profiled runs differ by")
     parser.add_argument("--llama-bench", help="llama-bench to run on the same shape's GGUF, every layer on the GPU")
+    parser.add_argument("--timeline", help="write the last decode step's kernels here, one a line (start, duration "
+                                           "and idle µs before it, class, name), and print its summary")
     args = parser.parse_args()
     name, layers = args.shape.split(":")
     device = torch.device("cuda")
@@ -81,7 +121,9 @@ def main() -> None:
 
     decode(8)  # compiles the kernels
     rate = decode(64)
-    short, long = gpu_ms_by_class(lambda: decode(8)), gpu_ms_by_class(lambda: decode(8 + args.steps))
+    trace = f"{args.timeline}.trace.json" if args.timeline else None
+    short = gpu_ms_by_class(lambda: decode(8), trace and f"{trace}.short")
+    long = gpu_ms_by_class(lambda: decode(8 + args.steps), trace)
     per_step = {label: (long.get(label, 0.0) - short.get(label, 0.0)) / args.steps for label in long}
     gpu_ms = sum(per_step.values())
     print(f"{args.shape} {args.expert_format}, batch {args.batch}, every expert on the GPU: {rate.tok_s:.1f} tok/s, "
@@ -98,6 +140,8 @@ def main() -> None:
     for label, ms in sorted(per_step.items(), key=lambda item: -item[1]):
         rate_text = f", {read[label] / ms / 1e6:7.0f} GB/s of {read[label] / 1e9:.2f} GB" if label in read and ms else ""
         print(f"  {label:<15} {ms:7.3f} ms a step ({100 * ms / gpu_ms:4.1f}%){rate_text}")
+    if args.timeline:
+        write_timeline(trace, args.timeline, args.steps)
     if args.llama_bench:
         from moedesk.bench.synthetic_gguf import shape_gguf
         from moedesk.engine.load.demo import cache_root
@@ -109,6 +153,20 @@ def main() -> None:
         theirs = json.loads(done.stdout)[0]["avg_ts"]
         print(f"llama-bench -ngl 99 -ncmoe 0 on {gguf.name}: decode {theirs:.1f} tok/s; ours over it "
               f"{rate.tok_s / theirs:.2f}x" + ("" if args.batch == 1 else " (llama-bench decodes one sequence)"))
+
+
+def write_timeline(trace: str, path: str, steps: int) -> None:
+    """The last step of the long run (`trace`; the short run's beside it, `.short`) to `path`, and its summary
+    printed. A step's kernels: the long run's less the short run's, per step."""
+    with open(f"{trace}.short") as f:
+        short = len(kernels_of(json.load(f)))
+    with open(trace) as f:
+        kernels = kernels_of(json.load(f))
+    rows = last_step(kernels, (len(kernels) - short) // steps)
+    with open(path, "w") as f:
+        for offset, dur, gap, name in rows:
+            f.write(f"{offset:9.1f}\t{dur:8.1f}\t{gap:7.1f}\t{kernel_class(name)}\t{name}\n")
+    print("\n".join(timeline_lines(rows)))
 
 
 if __name__ == "__main__":
