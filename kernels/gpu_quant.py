@@ -254,14 +254,19 @@ def _q8_route(x, stack, fmt, dtype) -> bool:
             and all(n % align == 0 for n in (stack.data_ptr(), stack.stride(0), stack.shape[-1])))
 
 
-def _q8_config(per_group: int) -> dict:
+# One warp of ROWS rows x NB units a step, by (format, tokens a step): the fastest of tests/perf/bench_gpu_quant.py's
+# sweep on the Mixtral shape (docs/measurements.md, "Session 41"); 2 x 16 where no other was faster. The formats of
+# 32-weight units (q4_0, q8_0, q6_k) take one row of 32 units at one token; q4_k and q5_k one row at four.
+_Q8_TILES = {("q4_0", 1): (1, 32), ("q8_0", 1): (1, 32), ("q6_k", 1): (1, 32), ("q4_k", 4): (1, 16),
+             ("q5_k", 4): (1, 16)}
+
+
+def _q8_config(per_group: int, fmt: str) -> dict:
     bt = min(_Q8_ROWS, triton.next_power_of_2(max(per_group, 1)))
     if _interpreted():
         return dict(ROWS=64, NB=4, BT=bt, num_warps=1)
-    # One warp of 2 rows x 16 units: the fastest tests/perf/bench_gpu_quant.py found on a Mixtral shape for one token
-    # (docs/measurements.md, "Session 40"); 32 units a step give each thread one unit's 8 words, whose unpacking
-    # and scales then serve every token of the step.
-    return dict(ROWS=2, NB=16, BT=bt, num_warps=1)
+    rows, nb = _Q8_TILES.get((fmt, bt), (2, 16))
+    return dict(ROWS=rows, NB=nb, BT=bt, num_warps=1)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,7 +291,7 @@ def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu
     (dp4a): an instruction or so a weight where the float32 path spends several."""
     q, d, sums = quantize_rows(x)
     words = _Q8_WORDS.get(fmt, 4)
-    cfg = {key: v for key, v in (config or _q8_config(-(-m // groups))).items() if key != "Q8"}
+    cfg = {key: v for key, v in (config or _q8_config(-(-m // groups), fmt)).items() if key != "Q8"}
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups)
     bias = None if bias is None else bias.contiguous()
     _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends, out, out.stride(0),

@@ -63,6 +63,10 @@ def main() -> int:
             build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
                                              ROWS=2, NB=16, BT=bt, **FUNCTIONS[0]), num_warps=1)
             count += 1
+    for (fmt, bt), (rows, nb) in gpu_quant._Q8_TILES.items():  # the tiles chosen per format
+        build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
+                                         ROWS=rows, NB=nb, BT=bt, **FUNCTIONS[0]), num_warps=1)
+        count += 1
     print("gpu_quant: the integer route (q4_k, q5_k, q6_k, q4_0, q8_0)", flush=True)
     grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
                "ends_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32", "K": "i32", "SPLIT": "i32",

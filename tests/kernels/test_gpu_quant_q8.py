@@ -142,3 +142,16 @@ def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
         x = torch.randn(sum(sizes), 4096, device=dev).to(torch.bfloat16)
         assert_close(gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev)), experts_reference(x, w, sizes),
                      *Q8_TOLERANCE)
+
+
+def test_the_tiles_are_chosen_per_format_and_tokens_a_step(monkeypatch):
+    """On the GPU (not the interpreter's one big tile): the sweep's fastest tile where it named one, else 2 x 16; the
+    tokens a step rounded up to 1, 2 or 4."""
+    monkeypatch.setattr(gpu_quant, "_interpreted", lambda: False)
+    tile = lambda per_group, fmt: {k: gpu_quant._q8_config(per_group, fmt)[k] for k in ("ROWS", "NB", "BT")}  # noqa: E731
+    assert tile(1, "q4_0") == tile(1, "q6_k") == tile(1, "q8_0") == dict(ROWS=1, NB=32, BT=1)
+    assert tile(1, "q4_k") == tile(1, "q5_k") == dict(ROWS=2, NB=16, BT=1)
+    assert tile(3, "q4_k") == tile(4, "q5_k") == dict(ROWS=1, NB=16, BT=4)
+    assert tile(2, "q4_0") == tile(2, "q4_k") == dict(ROWS=2, NB=16, BT=2)
+    assert tile(4, "q4_0") == tile(9, "q8_0") == dict(ROWS=2, NB=16, BT=4)
+    assert gpu_quant._q8_config(1, "q4_0")["num_warps"] == 1
