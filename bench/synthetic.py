@@ -230,7 +230,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     from moedesk.engine.hardware import use_device
     from moedesk.engine.load.demo import cache_root
     from moedesk.engine.offload.orchestration import ExpertOrchestra, leave_a_core_to_the_gpu_thread
-    from moedesk.engine.load.synthetic import format_fallbacks, shape_config, synthetic_model
+    from moedesk.engine.load.synthetic import format_fallbacks, packed_plan, shape_config, synthetic_model
 
     device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                           ("cpu" if device == "auto" else device))
@@ -266,7 +266,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
         from moedesk.engine.model.layer_devices import spread_model
         from moedesk.engine.offload.device_orchestra import DeviceOrchestra
 
-        sizes = _device_sizes(cfg, dtype, context, budgets, banks)
+        sizes = _device_sizes(cfg, dtype, context, budgets, banks, packed_plan(cfg, expert_format, device=device))
         owner = spread_model(model, devices, _owner(budgets, banks, sizes)).device_of_layer
         orchestra = DeviceOrchestra.start(banks, devices, owner, ("bench", shape_key), cache_root(), reprofile,
                                           policy=policy, top_k=cfg.num_experts_per_tok, dtype=dtype)
@@ -315,12 +315,12 @@ def _bench_devices(device: torch.device, count: int) -> list[torch.device]:
     return [torch.device("cuda", i) for i in range(count)]
 
 
-def _device_sizes(cfg, dtype: torch.dtype, context: int, budgets, banks) -> tuple:
+def _device_sizes(cfg, dtype: torch.dtype, context: int, budgets, banks, packed: dict | None = None) -> tuple:
     """engine.offload.devices.layer_sizes at one sequence of `context` positions (the bench's), the MoE layers
-    being those with banks."""
+    being those with banks; packed: the non-expert weights synthetic_model keeps packed, counted packed."""
     from moedesk.engine.offload.devices import layer_sizes
 
-    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, context, len(budgets))
+    weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, context, len(budgets), packed)
     return weights, kv, [layer in banks for layer in range(cfg.num_layers)], first, last
 
 

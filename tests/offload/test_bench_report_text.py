@@ -133,3 +133,21 @@ def test_bench_spreads_the_layers_over_one_budget_per_device(capsys, monkeypatch
     assert cli.main([*args, "--gpu-budget", "1,1", "--engine", "llama.cpp"]) != 0
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "one --gpu-budget figure per GPU is for the native engine" in err
+
+
+def test_the_per_device_plan_counts_packed_weights_packed(capsys, monkeypatch, tmp_path):
+    """`bench --gpu-budget A,B` with packed experts: the non-expert weights synthetic_model keeps packed are counted
+    packed in each device's plan, so the same budgets hold more experts than with them in 16 bits."""
+    import json
+
+    import moedesk.app.cli as cli
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    args = ["bench", "--shape", "tiny-moe", "--layers", "2", "--device", "cpu", "--decode-tokens", "4",
+            "--prefill", "8", "--batch", "1", "--expert-format", "q8_0", "--gpu-budget", "0.0004,0.0004", "--json"]
+    held = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", setting)
+        assert cli.main(args) == 0
+        held[setting] = json.loads(capsys.readouterr().out)["experts_on_gpu"]
+    assert held["1"] > held["0"] > 0, held
