@@ -183,6 +183,16 @@ class EagleHead(nn.Module):
             self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.register_buffer("embed", embed, persistent=False)
         self.register_buffer("target_lm_head", target_lm_head, persistent=False)
+        self._target_head: tuple[nn.Module, ...] = ()  # a packed target head, run as is (`share_target_head`)
+
+    def share_target_head(self, lm_head: nn.Module) -> None:
+        """The target's LM head for an EAGLE-1/2 head, shared where it lives: a Linear's weight as the matrix; a
+        packed one (engine.model.packed_linear) through its own forward, with no 16-bit copy of the whole head
+        beside what the GPU budget holds. Kept in a tuple, so that moving or saving this head leaves it alone."""
+        if hasattr(lm_head, "packed"):
+            self.target_lm_head, self._target_head = None, (lm_head,)
+        else:
+            self.target_lm_head, self._target_head = lm_head.weight.detach(), ()
 
     def new_cache(self, batch: int, capacity: int) -> DraftCache:
         return DraftCache(batch, capacity, self.cfg, self.fc.weight.dtype, self.fc.weight.device)
@@ -214,6 +224,9 @@ class EagleHead(nn.Module):
         `to_target_ids` maps its ids)."""
         if self.cfg.version == 3:
             return self.lm_head(self.norm(hidden))
+        if self._target_head:
+            packed = self._target_head[0]
+            return packed(hidden.to(packed.packed.device)).to(hidden.device)
         if self.target_lm_head is None:
             raise RuntimeError("an EAGLE-1/2 head needs the target's LM head")
         head = self.target_lm_head

@@ -306,7 +306,7 @@ def draft_head(engine, path):
                                device=engine.device)
         # Shared, not copied to the engine's device: on a spread it lives on the last GPU, where the plan counts it
         # (a copy on GPU 0 would be memory no plan holds); on one GPU it is the same tensor as ever.
-        head.target_lm_head = engine.model.lm_head.weight.detach()
+        head.share_target_head(engine.model.lm_head)
         if head.cfg.vocab_size != engine.config.vocab_size:
             raise MoedeskError(f"{path}: the draft head's vocabulary ({head.cfg.vocab_size}) is not the model's "
                                f"({engine.config.vocab_size})")

@@ -370,3 +370,25 @@ def test_unusable_checkpoints_are_refused_with_one_line(tmp_path):
     save_eagle_head(head, tmp_path)
     save_file({**tensors, "layers.0.input_layernorm.weight": torch.ones(64)}, str(tmp_path / "model.safetensors"))
     load_eagle_head(tmp_path)
+
+
+def test_a_packed_target_head_is_run_as_it_is_not_copied(monkeypatch):
+    """A GGUF target's head kept packed (engine.model.packed_linear): an EAGLE-1/2 head computes its logits through
+    that module, as the target does, and never asks for the 16-bit matrix (a copy of the whole head)."""
+    from moedesk.engine.model.packed_linear import PackedLinear
+    from moedesk.kernels.quant_formats import dequantize, quantize
+
+    head = random_head(EAGLE1)
+    matrix = head.target_lm_head.clone()
+    rows = quantize(matrix, "q8_0")
+    packed = PackedLinear(rows, "q8_0", EAGLE1.hidden_size, dtype=torch.float32)
+    monkeypatch.setattr(PackedLinear, "weight", property(lambda self: pytest.fail("the head was dequantised whole")))
+    head.share_target_head(packed)
+    assert head.target_lm_head is None and not any(b is rows for b in head.buffers())
+    hidden = torch.randn(2, 3, EAGLE1.hidden_size, generator=torch.Generator().manual_seed(3))
+    expected = hidden @ dequantize(rows, "q8_0", EAGLE1.hidden_size).T
+    torch.testing.assert_close(head.logits(hidden), expected, rtol=1e-5, atol=1e-5)
+    plain = torch.nn.Linear(EAGLE1.hidden_size, VOCAB, bias=False)
+    head.share_target_head(plain)  # a 16-bit head: its weight shared as the matrix, the packed one dropped
+    assert head.target_lm_head.data_ptr() == plain.weight.data_ptr()
+    torch.testing.assert_close(head.logits(hidden), hidden @ plain.weight.detach().T)
