@@ -59,10 +59,22 @@ def test_the_sweep_span_times_the_least_fitting_ncmoe_and_the_next_n(compare, mo
     monkeypatch.setattr(compare, "needs", lambda *a: {m: {"llama_cpp": {"total": t}} for m, t in totals.items()})
     timed = []
     monkeypatch.setattr(compare, "llama_bench", lambda binary, gguf, m, *a: timed.append(m) or {"tg": 50.0 - m})
-    monkeypatch.setattr(compare, "ours", lambda *a, **k: {"ncmoe": 2, "tg": 47.0, "why": "w", "gpu_bytes": 7e9})
-    args = type("Args", (), dict(budgets="8", prompt=512, tokens=64, threads=4, llama_bench="lb", sweep_span=1))
+    engine_runs = []
+
+    def ours(*a, count_experts=True, decodes=1):
+        engine_runs.append((count_experts, decodes))
+        tg = 47.0 if count_experts else 48.0
+        return {"ncmoe": 2, "tg": tg, "tg_runs": [tg] * decodes, "why": "w", "gpu_bytes": 7e9}
+
+    monkeypatch.setattr(compare, "ours", ours)
+    args = type("Args", (), dict(budgets="8", prompt=512, tokens=64, threads=4, llama_bench="lb", sweep_span=1,
+                                 reps=3))
     report = {}
     compare.placement_lines(args, "m.gguf", None, report)
     assert timed == [2, 3]
-    assert report["placement"][0]["best_ncmoe"] == 2 and report["placement"][0]["ratio"] == round(47 / 48, 3)
-    assert "best -ncmoe 2" in capsys.readouterr().out
+    # the engine's choice timed as the wrapper's lines are (the median of --reps decodes), counted and not
+    assert engine_runs == [(True, 3), (False, 3)]
+    line = report["placement"][0]
+    assert line["best_ncmoe"] == 2 and line["ratio"] == round(47 / 48, 3) and line["uncounted_ratio"] == 1.0
+    out = capsys.readouterr().out
+    assert "best -ncmoe 2" in out and "expert counts off 48.0 = 1.000x" in out

@@ -13,7 +13,8 @@ The issue's targets (#40), each printed with its ratio:
   costs); `--count-every 8,1` adds a line per further value (1: every step counted, as before issue 40's sample);
 - placement: for each GPU budget (GB of GPU memory for the whole model), llama-bench's decode at every -ncmoe that
   fits it (the sweep), and moedesk's automatic placement given that same budget (`--gpu-budget`, the whole GPU's:
-  the N it chose and its decode) over the best of the sweep (target >= 0.95x). What fits is llama.cpp's own
+  the N it chose and its decode, the median of --reps runs, then again with the expert counts off) over the best
+  of the sweep (target >= 0.95x). What fits is llama.cpp's own
   account: the model, KV and compute buffers it reports on the GPU when the engine loads the file with -ncmoe N at
   the comparison's context, within the budget (each N's figures are printed beside moedesk's estimate of them).
 The whole Mixtral shape at the issue's budgets, placement alone: --layers 32 --budgets 8,16,24 --placement-only
@@ -340,15 +341,23 @@ def placement_lines(args, gguf: str, shape, report: dict) -> None:
         sweep = {m: llama_bench(args.llama_bench, gguf, m, args.threads, args.prompt, args.tokens)["tg"]
                  for m in fitting}
         best = max(sweep, key=sweep.get)
-        auto = ours(gguf, None, budget / GIB, args.prompt, args.tokens, args.threads)
+        # The median of --reps decodes, as the wrapper's lines; and again with the counts off: a counted step cuts
+        # the graph of every MoE layer whose experts are on the GPU (engine/llamacpp/expert_counts.py), which the
+        # wrapper's line (every expert in RAM) does not show.
+        auto = ours(gguf, None, budget / GIB, args.prompt, args.tokens, args.threads, decodes=args.reps)
+        uncounted = ours(gguf, None, budget / GIB, args.prompt, args.tokens, args.threads, count_experts=False,
+                         decodes=args.reps)
         ratio = auto["tg"] / sweep[best]
         report["placement"].append({"budget_gb": budget_gb, "sweep_tg": sweep, "best_ncmoe": best,
                                     "auto_ncmoe": auto["ncmoe"], "auto_tg": auto["tg"], "ratio": round(ratio, 3),
+                                    "auto_tg_runs": auto["tg_runs"], "uncounted_tg": uncounted["tg"],
+                                    "uncounted_ratio": round(uncounted["tg"] / sweep[best], 3),
                                     "auto_gpu_bytes": auto["gpu_bytes"], "auto_fits": auto["gpu_bytes"] <= budget})
         print(f"budget {budget_gb:g} GB: llama-bench decode by -ncmoe {sweep}; best -ncmoe {best} "
               f"{sweep[best]:.1f} tok/s; moedesk chose {auto['ncmoe']} ({auto['why']}; llama.cpp took "
               f"{auto['gpu_bytes'] / 1e9:.2f} GB of the GPU{'' if auto['gpu_bytes'] <= budget else ': OVER'}): "
-              f"{auto['tg']:.1f} tok/s = {ratio:.3f}x (target >= 0.95x)")
+              f"{auto['tg']:.1f} tok/s = {ratio:.3f}x (target >= 0.95x; runs {auto['tg_runs']}); expert counts off "
+              f"{uncounted['tg']:.1f} = {uncounted['tg'] / sweep[best]:.3f}x")
 
 
 if __name__ == "__main__":
