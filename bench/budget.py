@@ -25,8 +25,8 @@ def bench_dtype(device) -> torch.dtype:
 
 
 def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype, prefill_piece: int,
-                expert_format: str = "dense") -> BudgetSplit:
-    """The split of `budget` bytes for the bench's model of `cfg` built for `context` positions
+                expert_format: str = "dense", device="cuda") -> BudgetSplit:
+    """The split of `budget` bytes for the bench's model of `cfg` built on `device` for `context` positions
     (ContextBudgetError, one line naming a context that fits, when its weights and cache alone do not fit)."""
     from moedesk.engine.load.synthetic import packed_plan
     from moedesk.engine.memory_fit import packed_savings
@@ -35,10 +35,11 @@ def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype,
     with torch.device("meta"):
         model = Transformer(cfg, context)
     # synthetic_model stores every parameter in `dtype` and keeps the rotary tables in float32, as built here; with
-    # packed experts on a GPU, its non-expert weights packed (synthetic.packed_plan).
+    # packed experts on a GPU, its non-expert weights packed (synthetic.packed_plan: as a load onto `device`).
+    packed = packed_plan(cfg, expert_format, model=model, device=device)
     held = (sum(p.numel() for p in model.parameters()) * dtype.itemsize
             + sum(b.numel() * b.element_size() for b in model.buffers())
-            - sum(packed_savings(packed_plan(cfg, expert_format, model=model), dtype.itemsize).values()))
+            - sum(packed_savings(packed, dtype.itemsize).values()))
     cache = model.new_cache(1, 1, dtype, "meta")
     return model_split(cfg, budget, context, dtype.itemsize, prefill_piece, held, cache.bytes_per_position(),
                        cache.bytes_per_row())
@@ -67,7 +68,7 @@ def budget_for_experts(cfg: ModelConfig, count: int, context: int, expert_format
     from moedesk.engine.generation.scheduler import default_prefill_chunk
 
     dtype = bench_dtype(device)
-    whole = bench_split(cfg, 2**62, context, dtype, default_prefill_chunk(device), expert_format)
+    whole = bench_split(cfg, 2**62, context, dtype, default_prefill_chunk(device), expert_format, device)
     fixed = whole.weights + whole.kv_cache + whole.workspace
     return (budget_holding(fixed, count * expert_bytes(cfg, expert_format, dtype)) + 16) / GIB  # 16: GiB's rounding
 
@@ -78,7 +79,8 @@ def layers_in_ram(cfg: ModelConfig, budget_gib: float, context: int, expert_form
     from moedesk.engine.generation.scheduler import default_prefill_chunk
 
     dtype = bench_dtype(device)
-    split = bench_split(cfg, int(budget_gib * GIB), context, dtype, default_prefill_chunk(device), expert_format)
+    split = bench_split(cfg, int(budget_gib * GIB), context, dtype, default_prefill_chunk(device), expert_format,
+                        device)
     moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_layers)))
     return moe_layers - planned_experts(split, expert_bytes(cfg, expert_format, dtype), cfg) // cfg.num_experts
 

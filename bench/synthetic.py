@@ -247,7 +247,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     cfg = shape_config(shape, layers)
     context = max(context, 32 + 16 + 1)  # the calibration below decodes 16 tokens past 32-token prompts
     split = bench_split(cfg, int(gpu_budget_gib * 2**30), context, dtype, default_prefill_chunk(device),
-                        expert_format) \
+                        expert_format, device) \
         if not budgets and gpu_budget_gib > 0 else None
     _check_fits(cfg, shape, dtype, expert_format, on_cuda)
     t0 = time.perf_counter()

@@ -84,11 +84,18 @@ def test_a_budget_too_small_is_refused_in_one_line_before_the_model_is_built(mon
     assert "GPU budget cannot hold the weights" in line and "--gpu-budget" in line
 
 
-def test_llamacpp_keeps_in_ram_the_layers_whose_whole_experts_the_split_leaves_no_room_for():
-    """-ncmoe for llama.cpp at the bench's budget: 124 Mixtral experts at 16 GiB (above) are 15 whole layers of 8,
-    so 17 of 32 layers keep their experts in RAM; a bigger budget keeps fewer there, none when all fit."""
+def test_llamacpp_keeps_in_ram_the_layers_whose_whole_experts_the_split_leaves_no_room_for(monkeypatch):
+    """-ncmoe for llama.cpp at the bench's budget: 124 Mixtral experts at 16 GiB with 16-bit non-expert weights
+    (above) are 15 whole layers of 8, so 17 of 32 layers keep their experts in RAM. Packed in q4_k, as on a GPU by
+    default, attention and head save 1.4375 bytes a weight of their 1.47G: 2.1 GB, 21 experts of 99 MB more, 145 in
+    18 whole layers, so 14 stay in RAM. A bigger budget keeps fewer there, none when all fit."""
     cfg = shape_config("mixtral-8x7b")
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     assert layers_in_ram(cfg, 16, bench_context(), "q4_k") == 32 - 124 // 8
+    on_cpu = layers_in_ram(cfg, 16, bench_context(), "q4_k", device="cpu")  # float32 there
+    monkeypatch.delenv("MOEDESK_PACKED_WEIGHTS")
+    assert layers_in_ram(cfg, 16, bench_context(), "q4_k") == 32 - 145 // 8
+    assert layers_in_ram(cfg, 16, bench_context(), "q4_k", device="cpu") == on_cpu  # the CPU's model is not packed
     assert layers_in_ram(cfg, 24, bench_context(), "q4_k") < layers_in_ram(cfg, 16, bench_context(), "q4_k")
     assert layers_in_ram(cfg, 1000, bench_context(), "q4_k") == 0
     # A longer context's cache takes room from the experts: more layers stay in RAM.
