@@ -93,14 +93,16 @@ def grouped_alike(x: torch.Tensor, w: ExpertWeights, sizes) -> bool:
     return w.packed and gpu_quant.groups_alike(x, w, sizes)
 
 
-def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor) -> torch.Tensor:
+def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor,
+                            active: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
-    kernels.gpu_experts.grouped_experts_forward)."""
+    kernels.gpu_experts.grouped_experts_forward). active: the groups with rows, where known on the device
+    (kernels.gpu_fused.group_pairs): packed experts on the GPU launch for those alone."""
     if not w.packed:
         return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends, gate_up_bias=w.gate_up_bias,
                                                    down_bias=w.down_bias, glu=w.glu)
     if gpu_quant.applies(x, w):
-        return gpu_quant.grouped_experts_forward(x, w, ends)
+        return gpu_quant.grouped_experts_forward(x, w, ends, active=active)
     out = torch.empty_like(x)
     start = 0
     for g, end in enumerate(ends.tolist()):

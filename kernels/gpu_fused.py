@@ -128,6 +128,37 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -
     return weights, ids
 
 
+
+def group_fits(pairs: int, groups: int) -> bool:
+    """Whether `group_pairs` takes this many pairs and groups in its one program (a decode batch's, and a short
+    prefill's: the executor's grouped launches take up to 64 tokens an expert)."""
+    return 0 < pairs <= 1024 and 0 < groups <= 1024
+
+
+def group_pairs(keys: torch.Tensor, groups: int, k: int, tally: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch's (token, expert) pairs arranged for one grouped expert launch, from each pair's group `keys` [P]
+    (int64: its expert, or its resident slot; pair p is token p // k's): (order [P] int64, the pairs group by group
+    and in pair order within one, as a stable argsort gives them; rows [P] int64, order // k, the token each
+    arranged pair reads; ends [groups] int32, where each group's pairs end; active [min(P, groups)] int32, the
+    groups with pairs in ascending order, then -1s). tally [2, groups] int64, where given, gains each group's pairs
+    and, where it has any, a step.
+
+    Torch's chain for this (a stable sort and its copies, the counts, their cumulative sum, the casts) is a
+    dozen tiny launches, which at one token cost more than the work (docs/measurements.md, "Session 42: a decode
+    layer's routing bookkeeping in one kernel").
+    """
+    p = keys.numel()
+    order = torch.empty(p, dtype=torch.int64, device=keys.device)
+    rows = torch.empty_like(order)
+    ends = torch.empty(groups, dtype=torch.int32, device=keys.device)
+    active = torch.empty(min(p, groups), dtype=torch.int32, device=keys.device)
+    block_p = max(16, triton.next_power_of_2(p))
+    _group_pairs[(1,)](keys, order, rows, ends, active, order if tally is None else tally, p, groups, K=k,
+                       TALLY=tally is not None, BLOCK_P=block_p, BLOCK_G=max(16, triton.next_power_of_2(groups)),
+                       CHUNK=16 if block_p <= 256 else 4, num_warps=4 if block_p <= 256 else 8)
+    return order, rows, ends, active
+
 # Without this the compiler narrows a rounded product to a 16-bit multiply and contracts it with the
 # following add into one fused multiply-add: one rounding where torch has two (seen in the PTX).
 _EXACT = dict(enable_fp_fusion=False)
@@ -229,3 +260,36 @@ if triton is not None:
             else:
                 acc = (acc + term).to(dtype).to(tl.float32)
         tl.store(out_ptr + n * H + cols, acc.to(dtype), mask=inside)
+
+    @triton.jit
+    def _group_pairs(keys_ptr, order_ptr, rows_ptr, ends_ptr, active_ptr, tally_ptr, P, G, K: tl.constexpr,
+                     TALLY: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr, CHUNK: tl.constexpr):
+        # Pair p goes to the place of the pairs before it in the arrangement: those of a lower group, and those of
+        # its own group that come earlier. Counted against the pairs CHUNK at a time, so no [P, P] block is held.
+        pairs = tl.arange(0, BLOCK_P)
+        real = pairs < P
+        key = tl.load(keys_ptr + pairs, mask=real, other=G)  # padding: a group after every real one
+        groups = tl.arange(0, BLOCK_G)
+        place = tl.zeros([BLOCK_P], dtype=tl.int32)
+        counts = tl.zeros([BLOCK_G], dtype=tl.int32)
+        for start in range(0, P, CHUNK):
+            q = start + tl.arange(0, CHUNK)
+            other = tl.load(keys_ptr + q, mask=q < P, other=G)
+            same = (other[None, :] == key[:, None]) & (q[None, :] < pairs[:, None])
+            before = (other[None, :] < key[:, None]) | same
+            place += tl.sum(before.to(tl.int32), axis=1)
+            counts += tl.sum((other[None, :] == groups[:, None]).to(tl.int32), axis=1)
+        tl.store(order_ptr + place, pairs.to(tl.int64), mask=real)
+        tl.store(rows_ptr + place, (pairs // K).to(tl.int64), mask=real)
+        inside = groups < G
+        tl.store(ends_ptr + groups, tl.cumsum(counts, axis=0), mask=inside)
+        used = (counts > 0) & inside  # (group G counts the padding pairs)
+        listed = tl.sum(used.to(tl.int32), axis=0)
+        tl.store(active_ptr + tl.cumsum(used.to(tl.int32), axis=0) - 1, groups, mask=used)
+        rest = listed + groups
+        tl.store(active_ptr + rest, tl.full([BLOCK_G], -1, tl.int32), mask=rest < tl.minimum(P, G))
+        if TALLY:
+            selected = tl.load(tally_ptr + groups, mask=inside)
+            tl.store(tally_ptr + groups, selected + counts, mask=inside)
+            steps = tl.load(tally_ptr + G + groups, mask=inside)
+            tl.store(tally_ptr + G + groups, steps + (counts > 0).to(tl.int64), mask=inside)

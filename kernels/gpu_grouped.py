@@ -96,6 +96,20 @@ if triton is not None:
         return start, end
 
     @triton.jit
+    def launched_group(active_ptr, ends_ptr, ACTIVE: tl.constexpr):
+        """(group, start, end) of this program's group: program_id(1) itself, or where ACTIVE the group at that
+        place of the launch's list of groups with rows (-1 past its end: an empty span)."""
+        if ACTIVE:
+            listed = tl.load(active_ptr + tl.program_id(1))
+            g = tl.maximum(listed, 0)
+            start, end = group_span(ends_ptr, g)
+            end = tl.where(listed < 0, start, end)
+        else:
+            g = tl.program_id(1)
+            start, end = group_span(ends_ptr, g)
+        return g, start, end
+
+    @triton.jit
     def _gated_rounded(gate, up, alpha, limit, DTYPE: tl.constexpr, CLAMPED: tl.constexpr):
         """The activation between a dense expert's projections, gate and up already rounded to DTYPE and each
         step rounded to it as torch's ops round: silu(gate) * up, or where CLAMPED gpt-oss's

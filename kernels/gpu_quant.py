@@ -51,7 +51,7 @@ try:
 except ImportError:  # the CPU build of torch comes without Triton
     triton = None
 else:
-    from moedesk.kernels.gpu_grouped import group_span
+    from moedesk.kernels.gpu_grouped import launched_group
 
 _FMT_ID = {"q4_0": 0, "q8_0": 1, "q4_k": 2, "q5_k": 3, "q6_k": 4, "mxfp4": 5}
 _LANES = {"q4_0": 16, "q8_0": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16, "mxfp4": 16}  # L: bytes of a unit's run
@@ -83,12 +83,14 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
 
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor,
-                            route: str | None = None) -> torch.Tensor:
+                            route: str | None = None, active: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w`.
 
     x [M, H] (bf16, fp16 or fp32); ends [G] int32 on x's device, cumulative (empty groups repeat the
     previous end), G <= w.num_experts. Returns [M, H] in x's dtype. `route` forces "fused" or "dequant"
-    (tests and the benchmark); by default it follows the rows per group the shapes allow."""
+    (tests and the benchmark); by default it follows the rows per group the shapes allow. active: int32 on x's
+    device, every group with rows in ascending order and then -1s (kernels.gpu_fused.group_pairs): the packed
+    kernels launch programs for those alone, where a decode step's few tokens leave most of the G groups empty."""
     x = x.contiguous()
     m, h = x.shape
     g = ends.shape[0]
@@ -102,9 +104,9 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     act = torch.empty(m, f, dtype=torch.float32, device=x.device)
     # Both launches take the tiles of x's dtype: the float32 activation is an intermediate, not a float32 layer.
     _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g, dtype=x.dtype,
-            bias=w.gate_up_bias, glu=w.glu)
+            bias=w.gate_up_bias, glu=w.glu, active=active)
     _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g, dtype=x.dtype,
-            bias=w.down_bias)
+            bias=w.down_bias, active=active)
     return out
 
 
@@ -185,27 +187,30 @@ def _config(dtype: torch.dtype, m: int, g: int, units: int) -> dict:
 _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
-def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=None, glu=None, config=None):
+def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=None, glu=None, config=None,
+            active=None):
     """One projection of every group. bias: [>=groups, rows (x2 where gated)], added before the activation (gated)
-    or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead of SwiGLU."""
+    or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead of SwiGLU;
+    active: the groups with rows (`grouped_experts_forward`), the only ones given programs."""
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     chosen = config or _OVERRIDE
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
     if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else _few_rows(m, groups)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
-                          glu=glu, config=chosen)
+                          glu=glu, config=chosen, active=active)
     cfg = dict(chosen or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
-    grid = (triton.cdiv(rows, cfg["ROWS"]), groups, split)
+    grid = (triton.cdiv(rows, cfg["ROWS"]), groups if active is None else active.shape[0], split)
     bias = None if bias is None else bias.contiguous()
-    args = (x, x.stride(0), stack, stack.stride(0), ends, out, out.stride(0), rows, row_bytes, units, split,
+    args = (x, x.stride(0), stack, stack.stride(0), ends, ends if active is None else active, out, out.stride(0),
+            rows, row_bytes, units, split,
             out if bias is None else bias, 0 if bias is None else bias.stride(0),
             glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0)
     consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated,
-                  BIAS=bias is not None, CLAMPED=glu is not None)
+                  BIAS=bias is not None, CLAMPED=glu is not None, ACTIVE=active is not None)
     try:
         _packed_mm[grid](*args, **consts, **cfg)
     except triton.CompilationError:
@@ -285,20 +290,21 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, sums
 
 
-def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config):
+def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config, active=None):
     """`_launch` for few rows of x: x rounded to 8-bit integers per block of 32 (as llama.cpp's decode kernels do),
     each word of four packed weight bytes unpacked with two mask operations and multiplied into four int8 x at once
     (dp4a): an instruction or so a weight where the float32 path spends several."""
     q, d, sums = quantize_rows(x)
     words = _Q8_WORDS.get(fmt, 4)
     cfg = {key: v for key, v in (config or _q8_config(-(-m // groups), fmt)).items() if key != "Q8"}
-    grid = (triton.cdiv(rows, cfg["ROWS"]), groups)
+    grid = (triton.cdiv(rows, cfg["ROWS"]), groups if active is None else active.shape[0])
     bias = None if bias is None else bias.contiguous()
-    _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends, out, out.stride(0),
-                 rows, stack.shape[-1], k // (8 * words), out if bias is None else bias,
-                 0 if bias is None else bias.stride(0), glu.alpha if glu is not None else 0.0,
-                 glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt], W=words, GATED=gated,
-                 BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(), **cfg)
+    _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends,
+                 ends if active is None else active, out, out.stride(0), rows, stack.shape[-1], k // (8 * words),
+                 out if bias is None else bias, 0 if bias is None else bias.stride(0),
+                 glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt],
+                 W=words, GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(),
+                 ACTIVE=active is not None, **cfg)
 
 
 # ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
@@ -522,15 +528,15 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
+    def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, active_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
                    bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
                    ROWS: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr,
-                   BIAS: tl.constexpr, CLAMPED: tl.constexpr):
+                   BIAS: tl.constexpr, CLAMPED: tl.constexpr, ACTIVE: tl.constexpr):
         """out[t, r] = x[t] . W_g[r] (+ bias_g[r] where BIAS) for the tokens t of group g. GATED: W_g is [gate; up]
         (2R rows, the bias likewise) and out[t, r] = silu(gate) * up in float32, or where CLAMPED gpt-oss's
-        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit)."""
-        g = tl.program_id(1)
-        start, end = group_span(ends_ptr, g)
+        (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). ACTIVE: programs
+        only for the groups active_ptr lists (launched_group)."""
+        g, start, end = launched_group(active_ptr, ends_ptr, ACTIVE)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
         expert = w_ptr + g.to(tl.int64) * expert_stride
@@ -740,15 +746,14 @@ if triton is not None:
         tl.store(out_ptr + t * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=rlive & (t < end))
 
     @triton.jit
-    def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, out_ptr, out_stride, R,
-               ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, W: tl.constexpr,
+    def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, active_ptr, out_ptr,
+               out_stride, R, ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, W: tl.constexpr,
                NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
-               CLAMPED: tl.constexpr, ASM: tl.constexpr):
+               CLAMPED: tl.constexpr, ASM: tl.constexpr, ACTIVE: tl.constexpr):
         """_packed_mm for weights of a format `_q8_unit` reads (FMT; W words a half unit) and x rounded to 8 bits
         (quantize_rows), BT (1, 2 or 4) tokens a step."""
         tl.static_assert(BT == 1 or BT == 2 or BT == 4)
-        g = tl.program_id(1)
-        start, end = group_span(ends_ptr, g)
+        g, start, end = launched_group(active_ptr, ends_ptr, ACTIVE)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rlive = rows < R
         row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]

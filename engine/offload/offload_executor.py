@@ -33,7 +33,7 @@ import torch
 from moedesk.engine.offload.assignment import copy_run_limit, resident_grouped
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
-from moedesk.kernels import gpu_zero_copy
+from moedesk.kernels import gpu_fused, gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_alike, grouped_experts_forward,
                                      grouped_supported, prepare_routed)
@@ -196,11 +196,26 @@ class _Pairs:
         return self.order[chosen[self.expert_of_order]]
 
 
-def _grouped_pairs(x, k: int, order, counts, gpu: ExpertWeights):
-    """Row p of the result: token p // k through the resident slot its pair is grouped under, from device tensors
-    alone (one grouped launch): `order` lists the pairs by slot, `counts` how many each slot has."""
-    ys = grouped_experts_forward(x.index_select(0, order // k), gpu, counts.cumsum(0).to(torch.int32))
+def _grouped_pairs(x, slots, gpu: ExpertWeights, tally=None):
+    """Row p of the result: token p // K through resident slot slots.view(-1)[p] (slots [N, K]), from device
+    tensors alone, in one grouped launch. tally [2, slots of gpu], where given, gains each slot's pairs and, where
+    it has any, a step."""
+    order, rows, ends, active = _arrange(slots.view(-1), gpu.num_experts, slots.shape[1], tally)
+    ys = grouped_experts_forward(x.index_select(0, rows), gpu, ends, active)
     return torch.empty_like(ys).index_copy_(0, order, ys)
+
+
+def _arrange(keys, groups: int, k: int, tally=None):
+    """kernels.gpu_fused.group_pairs, by torch's ops where that kernel does not apply (and then no list of the
+    groups with pairs: None)."""
+    if keys.is_cuda and gpu_fused.wanted() and gpu_fused.group_fits(keys.numel(), groups):
+        return gpu_fused.group_pairs(keys, groups, k, tally)
+    order = torch.argsort(keys, stable=True)
+    counts = torch.zeros(groups, dtype=torch.int64, device=keys.device).scatter_add_(0, keys, torch.ones_like(keys))
+    if tally is not None:
+        tally[0] += counts
+        tally[1] += counts > 0
+    return order, order // k, counts.cumsum(0).to(torch.int32), None
 
 
 class OffloadExecutor:
@@ -458,14 +473,8 @@ class OffloadExecutor:
         it (a layer the CPU has no part in then costs no round trip). Counts go to a device tally that is
         folded into `stats` and `selections` when they are read."""
         bank, tally = self.banks[moe.layer], self._tallies[moe.layer]
-        k = ids.shape[1]
-        pair_expert = ids.view(-1)
-        order = torch.argsort(pair_expert, stable=True)  # pairs grouped by expert; slot = expert id here
-        per_expert = tally.view(2, -1)  # selections, and steps with any, of each expert
-        counts = torch.zeros_like(per_expert[0]).scatter_add_(0, pair_expert, torch.ones_like(pair_expert))
-        per_expert[0] += counts
-        per_expert[1] += counts > 0
-        return _grouped_pairs(x, k, order, counts, bank.gpu)
+        # Slot = expert id here; the tally gains each expert's selections, and steps with any.
+        return _grouped_pairs(x, ids, bank.gpu, tally.view(2, -1))
 
     def zero_copy_share(self, layer: int, batch: int, top_k: int) -> int:
         """How many of each token's last ranks a captured decode step has the GPU compute from the experts'
@@ -524,15 +533,8 @@ class OffloadExecutor:
         step): (y [N*K, H], mask [N*K]) with y's rows valid where mask is set (the pair's expert resident).
         Pairs of offloaded experts are computed with resident slot 0 and thrown away: at one token that is
         a few rows, cheaper than a launch shaped by the routing."""
-        bank = self.banks[moe.layer]
         slots, resident, _, _ = self._slots(moe.layer)
-        k = ids.shape[1]
-        pair_expert = ids.view(-1)
-        mask = resident[pair_expert]
-        pair_slot = slots[pair_expert]
-        counts = torch.zeros(bank.gpu.num_experts, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, pair_slot, torch.ones_like(pair_slot))
-        return _grouped_pairs(x, k, torch.argsort(pair_slot, stable=True), counts, bank.gpu), mask
+        return _grouped_pairs(x, slots[ids], self.banks[moe.layer].gpu), resident[ids.view(-1)]
 
     def _slots(self, layer: int) -> tuple:
         """(expert -> resident slot, or 0 when offloaded; expert -> resident), on the device for `device_share`;

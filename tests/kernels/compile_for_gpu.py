@@ -13,7 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from moedesk.kernels import gpu_grouped, gpu_quant, gpu_zero_copy
+from moedesk.kernels import gpu_fused, gpu_grouped, gpu_quant, gpu_zero_copy
 
 TARGET = GPUTarget("cuda", 90, 32)
 # gpt-oss's expert function as each launch takes it: none; biases and the clamped SwiGLU (gate/up); a bias (down).
@@ -33,14 +33,19 @@ def main() -> int:
         raise SystemExit("run with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled")
     count = 0
     packed = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32",
-              "out_ptr": "*fp32", "out_stride": "i32", "R": "i32", "ROW_BYTES": "i32", "UNITS": "i32", "SPLIT": "i32",
+              "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32", "ROW_BYTES": "i32", "UNITS": "i32", "SPLIT": "i32",
               "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}
     tiles = [dict(NB=16, ROWS=4, BT=1, DOT=False), dict(NB=16, ROWS=4, BT=4, DOT=False),
              dict(NB=2, ROWS=64, BT=16, DOT=True)]
     for tile in tiles:
         for function in FUNCTIONS:
-            build(gpu_quant._packed_mm, packed, dict(FMT=5, L=16, HALF=False, **tile, **function), num_warps=4)
+            build(gpu_quant._packed_mm, packed, dict(FMT=5, L=16, HALF=False, ACTIVE=False, **tile, **function),
+                  num_warps=4)
             count += 1
+    # A decode step's launch over the groups with rows alone (kernels.gpu_fused.group_pairs's list).
+    build(gpu_quant._packed_mm, packed, dict(FMT=5, L=16, HALF=False, ACTIVE=True, **tiles[0], **FUNCTIONS[1]),
+          num_warps=4)
+    count += 1
     build(gpu_quant._dequant, {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16",
                                "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
           dict(FMT=5, L=16, ROWS=16, NB=8, SKIP=True))
@@ -51,21 +56,21 @@ def main() -> int:
                                    "s_ptr": "*fp32", "BLOCKS_ALL": "i32"}, dict(BLOCKS=8))
         count += 1
     q8 = {"xw_ptr": "*i32", "xw_stride": "i32", "xd_ptr": "*fp32", "s_ptr": "*fp32", "xd_stride": "i32", "w_ptr": "*u8",
-          "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32",
+          "expert_stride": "i64", "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32",
           "ROW_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32",
           "limit": "fp32"}
     for tile in (dict(ROWS=2, NB=16, BT=1), dict(ROWS=2, NB=16, BT=2), dict(ROWS=2, NB=16, BT=4)):
         for function in FUNCTIONS:
-            build(gpu_quant._q8_mm, q8, dict(FMT=2, W=8, ASM=True, **tile, **function), num_warps=1)
+            build(gpu_quant._q8_mm, q8, dict(FMT=2, W=8, ASM=True, ACTIVE=False, **tile, **function), num_warps=1)
             count += 1
     for fmt in ("q5_k", "q4_0", "q8_0", "q6_k"):  # q5_k's fifth bits; the others' words joined from 16-bit halves
         for bt in (1, 4):
             build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
-                                             ROWS=2, NB=16, BT=bt, **FUNCTIONS[0]), num_warps=1)
+                                             ROWS=2, NB=16, BT=bt, ACTIVE=False, **FUNCTIONS[0]), num_warps=1)
             count += 1
     for (fmt, bt), (rows, nb) in gpu_quant._Q8_TILES.items():  # the tiles chosen per format
         build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
-                                         ROWS=rows, NB=nb, BT=bt, **FUNCTIONS[0]), num_warps=1)
+                                         ROWS=rows, NB=nb, BT=bt, ACTIVE=True, **FUNCTIONS[0]), num_warps=1)
         count += 1
     print("gpu_quant: the integer route (q4_k, q5_k, q6_k, q4_0, q8_0)", flush=True)
     grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
@@ -94,6 +99,13 @@ def main() -> int:
         build(gpu_zero_copy._packed_pairs, pairs, dict(K=4, FMT=5, L=16, NB=16, ROWS=4, **function), num_warps=2)
         count += 1
     print("gpu_zero_copy: dense and mxfp4 functions", flush=True)
+    arrange = {"keys_ptr": "*i64", "order_ptr": "*i64", "rows_ptr": "*i64", "ends_ptr": "*i32",
+               "active_ptr": "*i32", "tally_ptr": "*i64", "P": "i32", "G": "i32"}
+    for block_p, chunk, tally in ((16, 16, True), (1024, 4, False)):
+        build(gpu_fused._group_pairs, arrange, dict(K=2, TALLY=tally, BLOCK_P=block_p, BLOCK_G=256, CHUNK=chunk),
+              num_warps=4 if block_p <= 256 else 8)
+        count += 1
+    print("gpu_fused: the pairs' arrangement", flush=True)
     print(f"compiled {count}")
     return 0
 

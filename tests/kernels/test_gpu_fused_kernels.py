@@ -130,6 +130,41 @@ def test_route_many_tied_experts_interpreted(interpreted, n, e, k, renormalise):
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
 
+
+def _expected_arrangement(keys, groups, k):
+    order = torch.argsort(keys, stable=True)
+    return order, order // k, torch.bincount(keys, minlength=groups).cumsum(0).to(torch.int32)
+
+
+# Pairs: one token's two, a batch's, and over 256 (the narrower chunks); groups beyond 256 (DeepSeek's experts).
+@pytest.mark.parametrize("pairs,groups,k", [(1, 8, 1), (2, 8, 2), (37, 8, 1), (128, 128, 8), (300, 300, 4),
+                                            (1024, 16, 8)])
+def test_group_pairs_is_a_stable_sort_with_counts_interpreted(interpreted, pairs, groups, k):
+    g = torch.Generator().manual_seed(pairs + groups)
+    # Few distinct groups among many pairs: most groups hold several pairs, so the order within one is checked.
+    keys = torch.randint(0, min(groups, 1 + pairs // 3), (pairs,), generator=g)
+    tally = torch.randint(0, 5, (2, groups), generator=g)
+    before = tally.clone()
+    order, rows, ends, active = interpreted.group_pairs(keys, groups, k, tally)
+    expected = _expected_arrangement(keys, groups, k)
+    assert order.dtype == rows.dtype == torch.int64 and ends.dtype == active.dtype == torch.int32
+    for got, want in zip((order, rows, ends), expected):
+        assert torch.equal(got, want)
+    counts = torch.bincount(keys, minlength=groups)
+    assert torch.equal(tally, before + torch.stack([counts, (counts > 0).long()]))
+    listed = counts.nonzero().view(-1).tolist()
+    assert active.tolist() == listed + [-1] * (min(pairs, groups) - len(listed))
+
+
+def test_group_pairs_without_a_tally_writes_only_its_results(interpreted):
+    keys = torch.tensor([3, 0, 3, 1, 0, 3])
+    order, rows, ends, active = interpreted.group_pairs(keys, 5, 2)
+    assert order.tolist() == [1, 4, 3, 0, 2, 5]
+    assert rows.tolist() == [0, 2, 1, 0, 1, 2]
+    assert ends.tolist() == [2, 3, 3, 6, 6]
+    assert active.tolist() == [0, 1, 3, -1, -1]
+
+
 def test_route_ties_go_to_the_lower_id(interpreted):
     logits = torch.tensor([[0.0, 1.0, 1.0, -2.0, 1.0, 1.0], [5.0, 1.0, 1.0, 1.0, 1.0, 5.0]])
     weights, ids = interpreted.route(logits, 3, True, torch.float32)
@@ -189,6 +224,14 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
     x = torch.randn(7, 4096, device=dev, dtype=torch.bfloat16) * 4
     norm_weight = torch.randn(4096, device=dev, dtype=torch.bfloat16)
     fused_sum, fused_norm = gpu_fused.weighted_sum(y, weights), gpu_fused.rms_norm(x, norm_weight, 1e-5)
+    keys = torch.randint(0, 60, (512,), device=dev)
+    tally = torch.zeros(2, 64, dtype=torch.int64, device=dev)
+    arranged = gpu_fused.group_pairs(keys, 64, 8, tally)
+    listed = torch.bincount(keys, minlength=64).nonzero().view(-1).tolist()
+    assert arranged[3].tolist() == listed + [-1] * (64 - len(listed))  # 60 of the 64 groups at most
+    for got, want in zip(arranged, _expected_arrangement(keys, 64, 8)):
+        assert torch.equal(got, want)
+    assert torch.equal(tally[0], torch.bincount(keys, minlength=64))
     routes = []
     for n, e, k, renormalise, ties in ((1, 128, 8, True, False), (512, 128, 8, True, True), (16, 8, 2, True, True),
                                        (64, 64, 8, False, False), (3, 256, 8, True, True)):

@@ -97,6 +97,42 @@ def test_grouped_experts_take_the_integer_route_for_few_rows_of_16_bit_x(monkeyp
     assert not calls
 
 
+
+class _GridsOf:
+    """A kernel whose launches' grids are recorded."""
+
+    def __init__(self, kernel, grids):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@interpreted
+@pytest.mark.parametrize("kernel,dtype", [("_q8_mm", torch.float16), ("_packed_mm", torch.float32)])
+def test_a_launch_over_the_active_groups_alone_computes_the_same(monkeypatch, kernel, dtype):
+    """A decode step's launch with programs for the groups that have rows only (kernels.gpu_fused.group_pairs's
+    list): the same result as programs for every group, from fewer programs. float32 x takes the float path."""
+    grids = []
+    monkeypatch.setattr(gpu_quant, kernel, _GridsOf(getattr(gpu_quant, kernel), grids))
+    sizes = [1, 0, 3, 2, 0, 0]
+    w = random_experts(len(sizes), 256, 256, "q4_k", seed=23)
+    x = torch.randn(sum(sizes), 256, generator=torch.Generator().manual_seed(24)).to(dtype)
+    active = torch.tensor([0, 2, 3, -1, -1, -1], dtype=torch.int32)  # min(pairs, groups) places
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        every = gpu_quant.grouped_experts_forward(x, w, ends_of(sizes))
+        listed = gpu_quant.grouped_experts_forward(x, w, ends_of(sizes), active=active)
+    assert torch.equal(listed, every)
+    assert [grid[1] for grid in grids] == [6, 6, 6, 6]  # both projections, each way
+    grids.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        gpu_quant.grouped_experts_forward(x[:1], w, ends_of([1, 0, 0, 0, 0, 0]), active=active[:1])
+    assert [grid[1] for grid in grids] == [1, 1]
+
+
 def test_route_only_where_words_are_aligned():
     stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
     x = torch.zeros(4, 256)
