@@ -145,8 +145,8 @@ def group_pairs(keys: torch.Tensor, groups: int, k: int, tally: torch.Tensor | N
     and, where it has any, a step.
 
     Torch's chain for this (a stable sort and its copies, the counts, their cumulative sum, the casts) is a
-    dozen tiny launches, which at one token cost more than the work (docs/measurements.md, "Session 42: a decode
-    layer's routing bookkeeping in one kernel").
+    dozen tiny launches, which at one token cost more than the work (docs/measurements.md, "Session 42 on the H200
+    boxes").
     """
     p = keys.numel()
     order = torch.empty(p, dtype=torch.int64, device=keys.device)
