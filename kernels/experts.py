@@ -97,10 +97,10 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
                             active: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w` (see
     kernels.gpu_experts.grouped_experts_forward). active: the groups with rows, where known on the device
-    (kernels.gpu_fused.group_pairs): packed experts on the GPU launch for those alone."""
+    (kernels.gpu_fused.group_pairs): the Triton kernels launch for those alone."""
     if not w.packed:
         return gpu_experts.grouped_experts_forward(x, w.gate_up, w.down, ends, gate_up_bias=w.gate_up_bias,
-                                                   down_bias=w.down_bias, glu=w.glu)
+                                                   down_bias=w.down_bias, glu=w.glu, active=active)
     if gpu_quant.applies(x, w):
         return gpu_quant.grouped_experts_forward(x, w, ends, active=active)
     out = torch.empty_like(x)

@@ -40,18 +40,19 @@ def _torch_grouped(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 
 def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ends: torch.Tensor, *,
                             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                            glu=None) -> torch.Tensor:
+                            glu=None, active: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert of the stacks: group g is x[ends[g-1]:ends[g]] and uses gate_up[g], down[g].
 
     x [M, H]; gate_up [G, 2F, H]; down [G, H, F]; ends [G] int32 on x's device (cumulative, so empty
     groups repeat the previous end). Returns [M, H]. gate_up_bias [G, 2F], down_bias [G, H] and glu (a
-    ClampedSwiGLU) where the experts are gpt-oss's.
+    ClampedSwiGLU) where the experts are gpt-oss's. active: the groups with rows where known on the device
+    (kernels.gpu_fused.group_pairs), for the Triton kernel's launch (torch's grouped GEMM reads `ends` alone).
     """
     function = dict(gate_up_bias=gate_up_bias, down_bias=down_bias, glu=glu)
     if x.is_cuda:
         if not _torch_grouped(x, gate_up):
             if gpu_grouped.applies(x, gate_up):
-                return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends, **function)
+                return gpu_grouped.grouped_experts_forward(x, gate_up, down, ends, active=active, **function)
             return _per_expert(x, gate_up, down, ends.tolist(), **function)
     elif not grouped_supported(x, gate_up):
         return _per_expert(x, gate_up, down, ends.tolist(), **function)

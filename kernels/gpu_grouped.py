@@ -44,10 +44,11 @@ def applies(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
 
 def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ends: torch.Tensor, *,
                             gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
-                            glu=None) -> torch.Tensor:
+                            glu=None, active: torch.Tensor | None = None) -> torch.Tensor:
     """kernels.gpu_experts.grouped_experts_forward's contract: x [M, H] grouped by expert, gate_up [G', 2F, H],
     down [G', H, F] (G' >= G), ends [G] int32 on x's device, cumulative, and gpt-oss's biases [G', 2F] / [G', H]
-    and ClampedSwiGLU where given. Returns [M, H] in x's dtype."""
+    and ClampedSwiGLU where given; active: the groups with rows (kernels.gpu_quant.grouped_experts_forward), the
+    only ones given programs. Returns [M, H] in x's dtype."""
     x = x.contiguous()
     m, h = x.shape
     groups, f = ends.shape[0], down.shape[-1]
@@ -55,8 +56,9 @@ def grouped_experts_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     if m == 0 or groups == 0:
         return out
     act = torch.empty(m, f, dtype=x.dtype, device=x.device)
-    _launch(x, gate_up, ends, act, rows=f, k=h, gated=True, m=m, groups=groups, bias=gate_up_bias, glu=glu)
-    _launch(act, down, ends, out, rows=h, k=f, gated=False, m=m, groups=groups, bias=down_bias)
+    _launch(x, gate_up, ends, act, rows=f, k=h, gated=True, m=m, groups=groups, bias=gate_up_bias, glu=glu,
+            active=active)
+    _launch(act, down, ends, out, rows=h, k=f, gated=False, m=m, groups=groups, bias=down_bias, active=active)
     return out
 
 
@@ -75,16 +77,17 @@ def _config(m: int, groups: int, interpreted: bool) -> dict:
                 num_stages=3)
 
 
-def _launch(x, stack, ends, out, *, rows, k, gated, m, groups, bias=None, glu=None):
+def _launch(x, stack, ends, out, *, rows, k, gated, m, groups, bias=None, glu=None, active=None):
     cfg = _config(m, groups, os.environ.get("TRITON_INTERPRET") == "1")
     split = cfg.pop("SPLIT")
-    grid = (triton.cdiv(rows, cfg["BR"]), groups, split)
+    grid = (triton.cdiv(rows, cfg["BR"]), groups if active is None else active.shape[0], split)
     bias = None if bias is None else bias.contiguous()
-    _grouped_mm[grid](x, x.stride(0), stack, stack.stride(0), stack.stride(1), ends, out, out.stride(0), rows, k,
-                      split, out if bias is None else bias, 0 if bias is None else bias.stride(0),
-                      glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0,
-                      GATED=gated, FP32=FP32_DOT if x.dtype == torch.float32 else "", BIAS=bias is not None,
-                      CLAMPED=glu is not None, **cfg)
+    _grouped_mm[grid](x, x.stride(0), stack, stack.stride(0), stack.stride(1), ends,
+                      ends if active is None else active, out, out.stride(0), rows, k, split,
+                      out if bias is None else bias, 0 if bias is None else bias.stride(0),
+                      glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0, GATED=gated,
+                      FP32=FP32_DOT if x.dtype == torch.float32 else "", BIAS=bias is not None,
+                      CLAMPED=glu is not None, ACTIVE=active is not None, **cfg)
 
 
 if triton is not None:
@@ -140,13 +143,14 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _grouped_mm(x_ptr, x_stride, w_ptr, expert_stride, row_stride, ends_ptr, out_ptr, out_stride, R, K, SPLIT,
-                    bias_ptr, bias_stride, alpha, limit, GATED: tl.constexpr, FP32: tl.constexpr, BIAS: tl.constexpr,
-                    CLAMPED: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    def _grouped_mm(x_ptr, x_stride, w_ptr, expert_stride, row_stride, ends_ptr, active_ptr, out_ptr, out_stride, R,
+                    K, SPLIT, bias_ptr, bias_stride, alpha, limit, GATED: tl.constexpr, FP32: tl.constexpr,
+                    BIAS: tl.constexpr, CLAMPED: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr,
+                    ACTIVE: tl.constexpr):
         """out[t, r] = x[t] . W_g[r] (+ bias_g[r]) for the tokens t of group g; GATED: W_g is [gate; up] (2R rows,
-        the bias likewise) and out[t, r] = _gated_rounded(gate, up), rounded at each step to out's dtype."""
-        g = tl.program_id(1)
-        start, end = group_span(ends_ptr, g)
+        the bias likewise) and out[t, r] = _gated_rounded(gate, up), rounded at each step to out's dtype. ACTIVE:
+        programs only for the groups active_ptr lists (launched_group)."""
+        g, start, end = launched_group(active_ptr, ends_ptr, ACTIVE)
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
         rlive = rows < R
         w_row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * row_stride)[:, None]

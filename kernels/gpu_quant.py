@@ -528,10 +528,10 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, active_ptr, out_ptr, out_stride, R, ROW_BYTES, UNITS, SPLIT,
-                   bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, L: tl.constexpr, NB: tl.constexpr,
-                   ROWS: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr, GATED: tl.constexpr,
-                   BIAS: tl.constexpr, CLAMPED: tl.constexpr, ACTIVE: tl.constexpr):
+    def _packed_mm(x_ptr, x_stride, w_ptr, expert_stride, ends_ptr, active_ptr, out_ptr, out_stride, R, ROW_BYTES,
+                   UNITS, SPLIT, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, L: tl.constexpr,
+                   NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, DOT: tl.constexpr, HALF: tl.constexpr,
+                   GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, ACTIVE: tl.constexpr):
         """out[t, r] = x[t] . W_g[r] (+ bias_g[r] where BIAS) for the tokens t of group g. GATED: W_g is [gate; up]
         (2R rows, the bias likewise) and out[t, r] = silu(gate) * up in float32, or where CLAMPED gpt-oss's
         (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit). ACTIVE: programs

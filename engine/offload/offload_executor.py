@@ -815,12 +815,16 @@ class OffloadExecutor:
         if runs is not None:
             parts += [_aligned(np.cumsum([pairs.count[e] for e in run])) for run in runs]
         ends = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+        # The grouped launch's slots with tokens: its programs go to those alone (kernels.gpu_quant).
+        listed = np.flatnonzero(tokens) if grouped else np.zeros(0, dtype=np.int64)
         # One pinned buffer and one copy for every index the GPU needs (each torch op costs the host tens of
-        # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends.
-        index = self._buffer("gpu_index", (4 * m + len(ends),), torch.int32, pinned=not self.simulated)
+        # microseconds): the pairs' tokens and rows as int64 (two int32 words each), then int32 group ends, then
+        # the listed slots.
+        index = self._buffer("gpu_index", (4 * m + len(ends) + len(listed),), torch.int32, pinned=not self.simulated)
         words = index.numpy()
         words[:4 * m].view(np.int64)[:] = np.concatenate([pair_rows // k, pair_rows])
-        words[4 * m:] = ends
+        words[4 * m:4 * m + len(ends)] = ends
+        words[4 * m + len(ends):] = listed
         index = index.to(self.device, non_blocking=True)
         token_rows, rows = index[:4 * m].view(torch.int64).split(m)
         xs = x.index_select(0, token_rows)
@@ -832,7 +836,8 @@ class OffloadExecutor:
         else:  # the first run's copies before the resident experts' launch: the link starts at once
             copies = self._start_copies(bank, runs[0], first_slot=0)
         if grouped:
-            ys.append(grouped_experts_forward(xs[at:at + sum(sizes)], bank.gpu, index[4 * m:4 * m + len(tokens)]))
+            ys.append(grouped_experts_forward(xs[at:at + sum(sizes)], bank.gpu, index[4 * m:4 * m + len(tokens)],
+                                              index[4 * m + len(ends):] if len(listed) else None))
             at += sum(sizes)
         elif spans:
             word = 4 * m

@@ -33,7 +33,8 @@ def main() -> int:
         raise SystemExit("run with TRITON_INTERPRET unset: the interpreter's kernels cannot be compiled")
     count = 0
     packed = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32",
-              "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32", "ROW_BYTES": "i32", "UNITS": "i32", "SPLIT": "i32",
+              "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32", "ROW_BYTES": "i32",
+              "UNITS": "i32", "SPLIT": "i32",
               "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}
     tiles = [dict(NB=16, ROWS=4, BT=1, DOT=False), dict(NB=16, ROWS=4, BT=4, DOT=False),
              dict(NB=2, ROWS=64, BT=16, DOT=True)]
@@ -56,7 +57,8 @@ def main() -> int:
                                    "s_ptr": "*fp32", "BLOCKS_ALL": "i32"}, dict(BLOCKS=8))
         count += 1
     q8 = {"xw_ptr": "*i32", "xw_stride": "i32", "xd_ptr": "*fp32", "s_ptr": "*fp32", "xd_stride": "i32", "w_ptr": "*u8",
-          "expert_stride": "i64", "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32", "R": "i32",
+          "expert_stride": "i64", "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32",
+          "R": "i32",
           "ROW_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32",
           "limit": "fp32"}
     for tile in (dict(ROWS=2, NB=16, BT=1), dict(ROWS=2, NB=16, BT=2), dict(ROWS=2, NB=16, BT=4)):
@@ -74,11 +76,14 @@ def main() -> int:
         count += 1
     print("gpu_quant: the integer route (q4_k, q5_k, q6_k, q4_0, q8_0)", flush=True)
     grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
-               "ends_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32", "K": "i32", "SPLIT": "i32",
+               "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32",
+               "K": "i32", "SPLIT": "i32",
                "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32", "limit": "fp32"}
     for function in FUNCTIONS:
-        build(gpu_grouped._grouped_mm, grouped, dict(FP32="", BT=16, BR=64, BK=64, **function))
+        build(gpu_grouped._grouped_mm, grouped, dict(FP32="", BT=16, BR=64, BK=64, ACTIVE=False, **function))
         count += 1
+    build(gpu_grouped._grouped_mm, grouped, dict(FP32="", BT=16, BR=64, BK=64, ACTIVE=True, **FUNCTIONS[0]))
+    count += 1
     print("gpu_grouped: functions", flush=True)
     shapes = dict(H=2880, F=2880, K=4, ROWS=8)
     for bias, clamped in ((False, False), (True, True)):

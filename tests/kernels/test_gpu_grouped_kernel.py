@@ -43,6 +43,20 @@ def test_float32_equals_per_expert(sizes):
 
 
 @interpreted
+def test_a_launch_over_the_active_groups_alone_computes_the_same():
+    """Programs for the groups with rows only (kernels.gpu_fused.group_pairs's list, -1 past its end): the same
+    result as programs for every group."""
+    sizes = [2, 0, 0, 3, 0]
+    gate_up, down = stacks(len(sizes), 48, 40, torch.float32, "cpu", 5)
+    x = torch.randn(sum(sizes), 48, generator=torch.Generator().manual_seed(6))
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    every = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends)
+    listed = gpu_grouped.grouped_experts_forward(x, gate_up, down, ends, active=torch.tensor([0, 3, -1, -1, -1],
+                                                                                               dtype=torch.int32))
+    assert torch.equal(listed, every)
+    assert_close(every, per_expert(x, gate_up, down, sizes), 1e-5)
+
+@interpreted
 def test_float16_rounds_as_torch_does():
     got, ref = run([3, 1, 0, 18], 64, 72, torch.float16, "cpu")
     assert got.dtype == torch.float16

@@ -397,9 +397,10 @@ def test_a_prefills_resident_experts_over_the_decode_limit_compute_the_same_grou
     torch.manual_seed(1)
     x = torch.randn(tokens, engine.config.hidden_size)
     ids = torch.stack([torch.tensor([0, 3 + t % (experts - 3)]) for t in range(tokens)])  # expert 0: every token
-    launches = []
+    launches, listed = [], []
     real = oe.grouped_experts_forward
-    monkeypatch.setattr(oe, "grouped_experts_forward", lambda *a: launches.append(len(a[0])) or real(*a))
+    monkeypatch.setattr(oe, "grouped_experts_forward",
+                        lambda *a: launches.append(len(a[0])) or listed.append(a[3].tolist()) or real(*a))
     if not grouped_above:
         monkeypatch.setattr(oe, "resident_grouped", lambda sizes, *a: max(sizes) <= oe.GROUPED_MAX_TOKENS)
     executor = OffloadExecutor(banks, resident, "cpu", lambda loads: (sorted(loads), []))
@@ -410,6 +411,7 @@ def test_a_prefills_resident_experts_over_the_decode_limit_compute_the_same_grou
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     assert executor.stats.gpu_experts == 1  # expert 0 alone of the resident ones has tokens
     assert launches == ([tokens] if grouped_above else [])
+    assert listed == ([[executor.banks[layer].gpu_slot[0]]] if grouped_above else [])  # the launch's one slot with tokens
 
 
 def test_the_cpu_calls_time_beside_the_copies_queueing_is_the_calls_own(mixtral, monkeypatch):
