@@ -128,7 +128,6 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -
     return weights, ids
 
 
-
 def group_fits(pairs: int, groups: int) -> bool:
     """Whether `group_pairs` takes this many pairs and groups in its one program (a decode batch's, and a short
     prefill's: the executor's grouped launches take up to 64 tokens an expert)."""
@@ -158,6 +157,7 @@ def group_pairs(keys: torch.Tensor, groups: int, k: int, tally: torch.Tensor | N
                        TALLY=tally is not None, BLOCK_P=block_p, BLOCK_G=max(16, triton.next_power_of_2(groups)),
                        CHUNK=16 if block_p <= 256 else 4, num_warps=4 if block_p <= 256 else 8)
     return order, rows, ends, active
+
 
 # Without this the compiler narrows a rounded product to a 16-bit multiply and contracts it with the
 # following add into one fused multiply-add: one rounding where torch has two (seen in the PTX).
@@ -292,4 +292,4 @@ if triton is not None:
             selected = tl.load(tally_ptr + groups, mask=inside)
             tl.store(tally_ptr + groups, selected + counts, mask=inside)
             steps = tl.load(tally_ptr + G + groups, mask=inside)
-            tl.store(tally_ptr + G + groups, steps + (counts > 0).to(tl.int64), mask=inside)
+            tl.store(tally_ptr + G + groups, steps + used.to(tl.int64), mask=inside)
