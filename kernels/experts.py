@@ -112,6 +112,17 @@ def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tenso
     return out
 
 
+def grouped_pairs_forward(x: torch.Tensor, w: ExpertWeights, gather: torch.Tensor, scatter: torch.Tensor,
+                          ends: torch.Tensor, active: torch.Tensor | None = None) -> torch.Tensor:
+    """`grouped_experts_forward` of the rows x[gather] (x [N, H]), grouped row t returned as row scatter[t]: the
+    (token, expert) pairs of a step arranged by kernels.gpu_fused.group_pairs. Packed experts on the integer route
+    read and store those rows in their kernels; the others gather and scatter around the grouped call."""
+    if w.packed and gpu_quant.applies(x, w):
+        return gpu_quant.grouped_experts_forward(x, w, ends, active=active, gather=gather, scatter=scatter)
+    ys = grouped_experts_forward(x.index_select(0, gather), w, ends, active)
+    return torch.empty_like(ys).index_copy_(0, scatter, ys)
+
+
 def _function(w: ExpertWeights, e: int) -> tuple:
     """Expert e's (gate_up bias, down bias, activation), None where it has none."""
     return (None if w.gate_up_bias is None else w.gate_up_bias[e],

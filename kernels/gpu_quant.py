@@ -83,30 +83,36 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights) -> torch.Tensor:
 
 
 def grouped_experts_forward(x: torch.Tensor, w: ExpertWeights, ends: torch.Tensor,
-                            route: str | None = None, active: torch.Tensor | None = None) -> torch.Tensor:
+                            route: str | None = None, active: torch.Tensor | None = None,
+                            gather: torch.Tensor | None = None, scatter: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of x grouped by expert: group g is x[ends[g-1]:ends[g]] and uses expert g of `w`.
 
     x [M, H] (bf16, fp16 or fp32); ends [G] int32 on x's device, cumulative (empty groups repeat the
     previous end), G <= w.num_experts. Returns [M, H] in x's dtype. `route` forces "fused" or "dequant"
     (tests and the benchmark); by default it follows the rows per group the shapes allow. active: int32 on x's
     device, every group with rows in ascending order and then -1s (kernels.gpu_fused.group_pairs): the packed
-    kernels launch programs for those alone, where a decode step's few tokens leave most of the G groups empty."""
+    kernels launch programs for those alone, where a decode step's few tokens leave most of the G groups empty.
+    gather, scatter (int64 [M'] on x's device, where given): the grouped rows are x[gather] (M' of them, x then
+    [N, H]), and grouped row t is returned as row scatter[t] (a permutation of M' rows), as though x.index_select
+    and index_copy_ were around the call; the integer route's kernels read and store those rows themselves."""
     x = x.contiguous()
-    m, h = x.shape
+    h = x.shape[1]
+    m = x.shape[0] if gather is None else gather.shape[0]
     g = ends.shape[0]
-    out = torch.empty_like(x)
+    out = x.new_empty(m, h)
     if m == 0 or g == 0:
         return out
     route = route or _route(x, m, g)
     if route == "dequant":
-        return _dequant_route(x, w, ends, out)
+        y = _dequant_route(x if gather is None else x.index_select(0, gather), w, ends, torch.empty_like(out))
+        return y if scatter is None else out.index_copy_(0, scatter, y)
     f = w.width
     act = torch.empty(m, f, dtype=torch.float32, device=x.device)
     # Both launches take the tiles of x's dtype: the float32 activation is an intermediate, not a float32 layer.
     _launch(x, w.gate_up, w.gate_up_format, ends, act, rows=f, k=h, gated=True, m=m, groups=g, dtype=x.dtype,
-            bias=w.gate_up_bias, glu=w.glu, active=active)
+            bias=w.gate_up_bias, glu=w.glu, active=active, gather=gather)
     _launch(act, w.down, w.down_format, ends, out, rows=h, k=f, gated=False, m=m, groups=g, dtype=x.dtype,
-            bias=w.down_bias, active=active)
+            bias=w.down_bias, active=active, scatter=scatter)
     return out
 
 
@@ -132,11 +138,28 @@ def packed_linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, bias: torch.Ten
     out = torch.empty(m, r, dtype=x.dtype, device=x.device)
     if m == 0 or r == 0:
         return out
-    ends = torch.full((1,), m, dtype=torch.int32, device=x.device)
+    ends = _one_group_ends(m, x.device)
     stack = rows.unsqueeze(0)
     _launch(x, stack, fmt, ends, out, rows=r, k=k, gated=False, m=m, groups=1, dtype=x.dtype,
             bias=None if bias is None else bias.unsqueeze(0))
     return out
+
+
+_COUNTS: dict[torch.device, torch.Tensor] = {}  # device -> 1, 2, ..., _COUNTED (int32)
+_COUNTED = 4096
+
+
+def _one_group_ends(m: int, device: torch.device) -> torch.Tensor:
+    """ends [1] = m of a one-group launch: a view into a count kept on the device rather than a fill launched for
+    every packed matrix of every decode step. The count is made outside graph capture, whose pool would own it."""
+    counts = _COUNTS.get(device)
+    if counts is None:
+        if m > _COUNTED or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return torch.full((1,), m, dtype=torch.int32, device=device)
+        counts = _COUNTS[device] = torch.arange(1, _COUNTED + 1, dtype=torch.int32, device=device)
+    if m > _COUNTED:
+        return torch.full((1,), m, dtype=torch.int32, device=device)
+    return counts[m - 1:m]
 
 
 # ---------------------------------------------------------------- choosing tiles
@@ -188,17 +211,25 @@ _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
 def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=None, glu=None, config=None,
-            active=None):
-    """One projection of every group. bias: [>=groups, rows (x2 where gated)], added before the activation (gated)
-    or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead of SwiGLU;
-    active: the groups with rows (`grouped_experts_forward`), the only ones given programs."""
+            active=None, gather=None, scatter=None):
+    """One projection of every group: m launch rows. bias: [>=groups, rows (x2 where gated)], added before the
+    activation (gated) or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead
+    of SwiGLU; active: the groups with rows (`grouped_experts_forward`), the only ones given programs; gather: launch
+    row t is x's row gather[t] (else x's row t); scatter: launch row t goes to out's row scatter[t] (else row t)."""
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     chosen = config or _OVERRIDE
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
     if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else _few_rows(m, groups)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
-                          glu=glu, config=chosen, active=active)
+                          glu=glu, config=chosen, active=active, gather=gather, scatter=scatter)
+    if gather is not None:
+        x = x.index_select(0, gather)
+    if scatter is not None:
+        _launch(x, stack, fmt, ends, arranged := out.new_empty(m, out.shape[1]), rows=rows, k=k, gated=gated, m=m,
+                groups=groups, dtype=dtype, bias=bias, glu=glu, config=config, active=active)
+        out.index_copy_(0, scatter, arranged)
+        return
     cfg = dict(chosen or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
@@ -290,21 +321,24 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, sums
 
 
-def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config, active=None):
+def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config, active=None, gather=None,
+               scatter=None):
     """`_launch` for few rows of x: x rounded to 8-bit integers per block of 32 (as llama.cpp's decode kernels do),
     each word of four packed weight bytes unpacked with two mask operations and multiplied into four int8 x at once
-    (dp4a): an instruction or so a weight where the float32 path spends several."""
+    (dp4a): an instruction or so a weight where the float32 path spends several. gather, scatter: as `_launch`'s,
+    read and stored by the kernel itself (x's rows are rounded once however many pairs read them)."""
     q, d, sums = quantize_rows(x)
     words = _Q8_WORDS.get(fmt, 4)
     cfg = {key: v for key, v in (config or _q8_config(-(-m // groups), fmt)).items() if key != "Q8"}
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups if active is None else active.shape[0])
     bias = None if bias is None else bias.contiguous()
     _q8_mm[grid](q.view(torch.int32), k // 4, d, sums, k // 32, stack, stack.stride(0), ends,
-                 ends if active is None else active, out, out.stride(0), rows, stack.shape[-1], k // (8 * words),
+                 ends if active is None else active, out, out.stride(0), ends if gather is None else gather,
+                 ends if scatter is None else scatter, rows, stack.shape[-1], k // (8 * words),
                  out if bias is None else bias, 0 if bias is None else bias.stride(0),
                  glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt],
                  W=words, GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(),
-                 ACTIVE=active is not None, **cfg)
+                 ACTIVE=active is not None, GATHER=gather is not None, SCATTER=scatter is not None, **cfg)
 
 
 # ---------------------------------------------------------------- many rows: bf16 scratch and a grouped GEMM
@@ -675,15 +709,26 @@ if triton is not None:
         return 32 if FMT == 2 or FMT == 3 else 64 if FMT == 4 else 16
 
     @triton.jit
-    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, end, mask, c0, i, zero, lo, hi, s0, s1, o0, o1,
-                  FMT: tl.constexpr, ASM: tl.constexpr):
-        """One token's share of a unit step ([ROWS, NB, 1]): its x words met with the unit's halves lo and hi
-        (`_q8_unit`, lo's first column c0), its block scales and sums with theirs. x's pointers take the weights'
-        shape (zero), so that x and the weights share a layout and nothing is shuffled between them."""
+    def _q8_source(gather_ptr, t, end, GATHER: tl.constexpr):
+        """x's row of launch row t ([1, 1, 1]): gather[t] where GATHER (row 0 past `end`, where nothing is read),
+        else t itself."""
         t = tl.zeros([1, 1, 1], dtype=tl.int64) + t  # a loop counter, or a Python int in the interpreter
+        src = t
+        if GATHER:
+            src = tl.load(gather_ptr + t, mask=t < end, other=0).to(tl.int64)
+        return src
+
+    @triton.jit
+    def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, src, end, mask, c0, i, zero, lo, hi, s0, s1, o0,
+                  o1, FMT: tl.constexpr, ASM: tl.constexpr):
+        """One token's share of a unit step ([ROWS, NB, 1]): its x words (x's row src, launch row t) met with the
+        unit's halves lo and hi (`_q8_unit`, lo's first column c0), its block scales and sums with theirs. x's
+        pointers take the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled
+        between them."""
+        t = tl.zeros([1, 1, 1], dtype=tl.int64) + t
         live = mask & (t < end)  # [ROWS, NB, 1]: the unit's and the token's
         span = _q8_span(FMT)
-        xw = xw_ptr + t * xw_stride + (c0 >> 2) + i + zero
+        xw = xw_ptr + src * xw_stride + (c0 >> 2) + i + zero
         x0 = tl.load(xw, mask=live, other=0)
         x1 = tl.load(xw + span // 4, mask=live, other=0)
         d0 = _dp4a(lo, x0, ASM)
@@ -695,18 +740,19 @@ if triton is not None:
         d1 = tl.sum(d1, axis=2, keep_dims=True).to(tl.float32)
         b0 = c0 >> 5  # x's blocks of 32 (c0 >= 0: shifts, not signed division)
         b1 = (c0 + span) >> 5
-        xd = xd_ptr + t * xd_stride
-        xs = s_ptr + t * xd_stride
+        xd = xd_ptr + src * xd_stride
+        xs = s_ptr + src * xd_stride
         return (s0 * tl.load(xd + b0, mask=live, other=0.0) * d0 + s1 * tl.load(xd + b1, mask=live, other=0.0) * d1
                 - o0 * tl.load(xs + b0, mask=live, other=0.0) - o1 * tl.load(xs + b1, mask=live, other=0.0))
 
     @triton.jit
-    def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS, FMT: tl.constexpr,
-                     W: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr, ASM: tl.constexpr):
-        """Dot products of the 8-bit tokens t0 .. t0 + BT - 1 (those below `end`; words at xw_ptr, block scales
-        and sums at xd_ptr, s_ptr) with packed rows `row` ([ROWS, 1, 1] byte pointers): four [ROWS] float32
-        vectors, the ones past BT zero. Each unit's weights and scales are unpacked once (`_q8_unit`) for all of
-        the step's tokens."""
+    def _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, src0, src1, src2, src3, row, rlive, UNITS,
+                     FMT: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, BT: tl.constexpr, ROWS: tl.constexpr,
+                     ASM: tl.constexpr):
+        """Dot products of the 8-bit tokens of launch rows t0 .. t0 + BT - 1 (those below `end`; x's rows src0 ..
+        src3, words at xw_ptr, block scales and sums at xd_ptr, s_ptr) with packed rows `row` ([ROWS, 1, 1] byte
+        pointers): four [ROWS] float32 vectors, the ones past BT zero. Each unit's weights and scales are
+        unpacked once (`_q8_unit`) for all of the step's tokens."""
         nb = tl.arange(0, NB)[None, :, None]
         i = tl.arange(0, W)[None, None, :]
         rl = rlive[:, None, None]
@@ -719,23 +765,24 @@ if triton is not None:
             u = u0 + nb
             wmask = rl & (u < UNITS)
             lo, hi, s0, s1, o0, o1, c0 = _q8_unit(row, u, i, zero, wmask, FMT)
-            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, wmask, c0, i, zero, lo, hi, s0,
-                              s1, o0, o1, FMT, ASM)
+            acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, src0, end, wmask, c0, i, zero, lo,
+                              hi, s0, s1, o0, o1, FMT, ASM)
             if BT > 1:
-                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, end, wmask, c0, i, zero, lo,
-                                  hi, s0, s1, o0, o1, FMT, ASM)
+                acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, src1, end, wmask, c0, i, zero,
+                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
             if BT > 2:
-                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, end, wmask, c0, i, zero, lo,
-                                  hi, s0, s1, o0, o1, FMT, ASM)
-                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, end, wmask, c0, i, zero, lo,
-                                  hi, s0, s1, o0, o1, FMT, ASM)
+                acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, src2, end, wmask, c0, i, zero,
+                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
+                acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, src3, end, wmask, c0, i, zero,
+                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
         return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
                 tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 
     @triton.jit
-    def _q8_out(acc, up, t, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED: tl.constexpr,
-                BIAS: tl.constexpr, CLAMPED: tl.constexpr):
-        """Token t's outputs: the bias, the activation between gate and up where GATED, stored in out's dtype."""
+    def _q8_out(acc, up, t, end, rows, rlive, bias, R, out_ptr, out_stride, scatter_ptr, alpha, limit,
+                GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, SCATTER: tl.constexpr):
+        """Launch row t's outputs: the bias, the activation between gate and up where GATED, stored in out's dtype
+        at out's row t, or where SCATTER at row scatter[t]."""
         if BIAS:
             acc += tl.load(bias, mask=rlive, other=0.0).to(tl.float32)
         if GATED:
@@ -743,15 +790,20 @@ if triton is not None:
                 up += tl.load(bias + R, mask=rlive, other=0.0).to(tl.float32)
             acc = _gated(acc, up, alpha, limit, CLAMPED)
         t = tl.zeros([1], dtype=tl.int64) + t
-        tl.store(out_ptr + t * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=rlive & (t < end))
+        dst = t
+        if SCATTER:
+            dst = tl.load(scatter_ptr + t, mask=t < end, other=0).to(tl.int64)
+        tl.store(out_ptr + dst * out_stride + rows, acc.to(out_ptr.dtype.element_ty), mask=rlive & (t < end))
 
     @triton.jit
     def _q8_mm(xw_ptr, xw_stride, xd_ptr, s_ptr, xd_stride, w_ptr, expert_stride, ends_ptr, active_ptr, out_ptr,
-               out_stride, R, ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit, FMT: tl.constexpr, W: tl.constexpr,
-               NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, GATED: tl.constexpr, BIAS: tl.constexpr,
-               CLAMPED: tl.constexpr, ASM: tl.constexpr, ACTIVE: tl.constexpr):
+               out_stride, gather_ptr, scatter_ptr, R, ROW_BYTES, UNITS, bias_ptr, bias_stride, alpha, limit,
+               FMT: tl.constexpr, W: tl.constexpr, NB: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr,
+               GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, ASM: tl.constexpr,
+               ACTIVE: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr):
         """_packed_mm for weights of a format `_q8_unit` reads (FMT; W words a half unit) and x rounded to 8 bits
-        (quantize_rows), BT (1, 2 or 4) tokens a step."""
+        (quantize_rows), BT (1, 2 or 4) tokens a step. Where GATHER, launch row t reads x's row gather[t]; where
+        SCATTER, it is stored at out's row scatter[t] (`_launch_q8`)."""
         tl.static_assert(BT == 1 or BT == 2 or BT == 4)
         g, start, end = launched_group(active_ptr, ends_ptr, ACTIVE)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -759,21 +811,28 @@ if triton is not None:
         row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         for t0 in range(start, end, BT):
-            a0, a1, a2, a3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, row, rlive, UNITS,
-                                          FMT, W, NB, BT, ROWS, ASM)
+            # x's rows of the step's tokens, looked up once for both projections and every unit
+            src0 = _q8_source(gather_ptr, t0, end, GATHER)
+            src1 = _q8_source(gather_ptr, t0 + 1, end, GATHER)
+            src2 = _q8_source(gather_ptr, t0 + 2, end, GATHER)
+            src3 = _q8_source(gather_ptr, t0 + 3, end, GATHER)
+            a0, a1, a2, a3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, src0, src1, src2,
+                                          src3, row, rlive, UNITS, FMT, W, NB, BT, ROWS, ASM)
             u0, u1, u2, u3 = a0, a1, a2, a3  # the up projection's, where GATED
             if GATED:
-                u0, u1, u2, u3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end,
-                                              row + R * ROW_BYTES, rlive, UNITS, FMT, W, NB, BT, ROWS, ASM)
-            _q8_out(a0, u0, t0, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS, CLAMPED)
+                u0, u1, u2, u3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, src0, src1,
+                                              src2, src3, row + R * ROW_BYTES, rlive, UNITS, FMT, W, NB, BT, ROWS,
+                                              ASM)
+            _q8_out(a0, u0, t0, end, rows, rlive, bias, R, out_ptr, out_stride, scatter_ptr, alpha, limit, GATED,
+                    BIAS, CLAMPED, SCATTER)
             if BT > 1:
-                _q8_out(a1, u1, t0 + 1, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
-                        CLAMPED)
+                _q8_out(a1, u1, t0 + 1, end, rows, rlive, bias, R, out_ptr, out_stride, scatter_ptr, alpha, limit,
+                        GATED, BIAS, CLAMPED, SCATTER)
             if BT > 2:
-                _q8_out(a2, u2, t0 + 2, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
-                        CLAMPED)
-                _q8_out(a3, u3, t0 + 3, end, rows, rlive, bias, R, out_ptr, out_stride, alpha, limit, GATED, BIAS,
-                        CLAMPED)
+                _q8_out(a2, u2, t0 + 2, end, rows, rlive, bias, R, out_ptr, out_stride, scatter_ptr, alpha, limit,
+                        GATED, BIAS, CLAMPED, SCATTER)
+                _q8_out(a3, u3, t0 + 3, end, rows, rlive, bias, R, out_ptr, out_stride, scatter_ptr, alpha, limit,
+                        GATED, BIAS, CLAMPED, SCATTER)
 
 
 def supported_formats() -> tuple[str, ...]:

@@ -36,7 +36,7 @@ from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPr
 from moedesk.kernels import gpu_fused, gpu_zero_copy
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_alike, grouped_experts_forward,
-                                     grouped_supported, prepare_routed)
+                                     grouped_pairs_forward, grouped_supported, prepare_routed)
 
 # Above this many tokens on one resident expert, cuBLAS GEMMs per expert beat a grouped launch's savings on large
 # experts (EPS-MoE); below it, launches dominate. Small experts stay grouped above it too (`resident_grouped`).
@@ -201,8 +201,7 @@ def _grouped_pairs(x, slots, gpu: ExpertWeights, tally=None):
     tensors alone, in one grouped launch. tally [2, slots of gpu], where given, gains each slot's pairs and, where
     it has any, a step."""
     order, rows, ends, active = _arrange(slots.view(-1), gpu.num_experts, slots.shape[1], tally)
-    ys = grouped_experts_forward(x.index_select(0, rows), gpu, ends, active)
-    return torch.empty_like(ys).index_copy_(0, order, ys)
+    return grouped_pairs_forward(x, gpu, rows, order, ends, active)
 
 
 def _arrange(keys, groups: int, k: int, tally=None):

@@ -58,22 +58,26 @@ def main() -> int:
         count += 1
     q8 = {"xw_ptr": "*i32", "xw_stride": "i32", "xd_ptr": "*fp32", "s_ptr": "*fp32", "xd_stride": "i32", "w_ptr": "*u8",
           "expert_stride": "i64", "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*fp32", "out_stride": "i32",
-          "R": "i32",
+          "gather_ptr": "*i64", "scatter_ptr": "*i64", "R": "i32",
           "ROW_BYTES": "i32", "UNITS": "i32", "bias_ptr": "*bf16", "bias_stride": "i32", "alpha": "fp32",
           "limit": "fp32"}
     for tile in (dict(ROWS=2, NB=16, BT=1), dict(ROWS=2, NB=16, BT=2), dict(ROWS=2, NB=16, BT=4)):
         for function in FUNCTIONS:
-            build(gpu_quant._q8_mm, q8, dict(FMT=2, W=8, ASM=True, ACTIVE=False, **tile, **function), num_warps=1)
+            build(gpu_quant._q8_mm, q8, dict(FMT=2, W=8, ASM=True, ACTIVE=False, GATHER=False, SCATTER=False, **tile,
+                                             **function), num_warps=1)
             count += 1
     for fmt in ("q5_k", "q4_0", "q8_0", "q6_k"):  # q5_k's fifth bits; the others' words joined from 16-bit halves
         for bt in (1, 4):
             build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
-                                             ROWS=2, NB=16, BT=bt, ACTIVE=False, **FUNCTIONS[0]), num_warps=1)
+                                             ROWS=2, NB=16, BT=bt, ACTIVE=False, GATHER=False, SCATTER=False,
+                                             **FUNCTIONS[0]), num_warps=1)
             count += 1
-    for (fmt, bt), (rows, nb) in gpu_quant._Q8_TILES.items():  # the tiles chosen per format
-        build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
-                                         ROWS=rows, NB=nb, BT=bt, ACTIVE=True, **FUNCTIONS[0]), num_warps=1)
-        count += 1
+    for (fmt, bt), (rows, nb) in gpu_quant._Q8_TILES.items():  # the tiles chosen per format, as decode launches them
+        for gathered in (True, False):  # gate_up reads the tokens' rows, down stores the pairs' rows
+            build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
+                                             ROWS=rows, NB=nb, BT=bt, ACTIVE=True, GATHER=gathered,
+                                             SCATTER=not gathered, **FUNCTIONS[0]), num_warps=1)
+            count += 1
     print("gpu_quant: the integer route (q4_k, q5_k, q6_k, q4_0, q8_0)", flush=True)
     grouped = {"x_ptr": "*bf16", "x_stride": "i32", "w_ptr": "*bf16", "expert_stride": "i64", "row_stride": "i32",
                "ends_ptr": "*i32", "active_ptr": "*i32", "out_ptr": "*bf16", "out_stride": "i32", "R": "i32",

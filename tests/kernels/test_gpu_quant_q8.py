@@ -133,6 +133,39 @@ def test_a_launch_over_the_active_groups_alone_computes_the_same(monkeypatch, ke
     assert [grid[1] for grid in grids] == [1, 1]
 
 
+@interpreted
+@pytest.mark.parametrize("dtype,tokens", [(torch.float16, 3), (torch.float16, 7), (torch.float32, 3)])
+def test_gathered_and_scattered_rows_are_the_arranged_pairs_rows(monkeypatch, dtype, tokens):
+    """A decode step's (token, expert) pairs arranged by expert: the integer route's kernels read each pair's token
+    row and store its output at the pair's place themselves, and round each token's x once, not once a pair; the
+    same result as gathering and scattering around the call. float32 x takes the float path, gathered outside."""
+    grids = []
+    monkeypatch.setattr(gpu_quant, "_q8_rows", _GridsOf(gpu_quant._q8_rows, grids))
+    k, experts = 2, 4
+    keys = torch.randint(0, experts, (tokens * k,), generator=torch.Generator().manual_seed(tokens))
+    order = torch.argsort(keys, stable=True)
+    ends = torch.bincount(keys, minlength=experts).cumsum(0).to(torch.int32)
+    w = random_experts(experts, 256, 256, "q4_k", seed=25)
+    x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(26)).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        arranged = gpu_quant.grouped_experts_forward(x.index_select(0, order // k), w, ends)
+        got = gpu_quant.grouped_experts_forward(x, w, ends, gather=order // k, scatter=order)
+    assert torch.equal(got, torch.empty_like(arranged).index_copy_(0, order, arranged))
+    if dtype == torch.float16:  # gathered, the gate_up launch rounds x's tokens; down the pairs' activations
+        assert [grid[0] for grid in grids] == [tokens * k, tokens * k, tokens, tokens * k]
+
+
+def test_one_group_ends_are_views_of_a_count_made_once():
+    device = torch.device("cpu")
+    gpu_quant._COUNTS.pop(device, None)
+    first, again = gpu_quant._one_group_ends(3, device), gpu_quant._one_group_ends(70, device)
+    assert first.tolist() == [3] and again.tolist() == [70] and first.dtype == torch.int32
+    assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
+    assert gpu_quant._one_group_ends(gpu_quant._COUNTED + 1, device).tolist() == [gpu_quant._COUNTED + 1]
+    gpu_quant._COUNTS.pop(device)
+
+
 def test_route_only_where_words_are_aligned():
     stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
     x = torch.zeros(4, 256)
@@ -178,6 +211,22 @@ def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
         x = torch.randn(sum(sizes), 4096, device=dev).to(torch.bfloat16)
         assert_close(gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev)), experts_reference(x, w, sizes),
                      *Q8_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_qwen3_pairs_on_cuda_gathered_and_scattered_in_the_kernels(tokens):
+    """The compiled gather and scatter (Qwen3's 128 experts, 8 a token): the same as around the call, bit for bit."""
+    dev = _cuda()
+    k, experts = 8, 128
+    keys = torch.stack([torch.randperm(experts, device=dev)[:k] for _ in range(tokens)]).view(-1)
+    order = torch.argsort(keys, stable=True)
+    ends = torch.bincount(keys, minlength=experts).cumsum(0).to(torch.int32)
+    w = random_experts(experts, 2048, 768, "q4_k", "q6_k", device=dev, seed=33)
+    x = torch.randn(tokens, 2048, device=dev).to(torch.bfloat16)
+    arranged = gpu_quant.grouped_experts_forward(x.index_select(0, order // k), w, ends)
+    got = gpu_quant.grouped_experts_forward(x, w, ends, gather=order // k, scatter=order)
+    assert torch.equal(got, torch.empty_like(arranged).index_copy_(0, order, arranged))
 
 
 def test_the_tiles_are_chosen_per_format_and_tokens_a_step(monkeypatch):
