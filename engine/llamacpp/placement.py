@@ -95,8 +95,10 @@ def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes
     """GPU bytes for experts. A budget the user named is the whole GPU's, as for the native engine
     (engine.offload.gpu_budget): the other weights on the GPU, one sequence's KV cache at the whole context and its
     recurrent state (`state_per_sequence`: engine.llamacpp.state), llama.cpp's compute buffer (`compute_bytes`:
-    engine.llamacpp.compute) and slack first, experts the rest (ContextBudgetError naming a context that fits when
-    they do not); 0 keeps every expert in RAM. Else what is free once the same weights and compute buffer,
+    engine.llamacpp.compute) first, experts the rest (ContextBudgetError naming a context that fits when they do
+    not); 0 keeps every expert in RAM. No slack is kept inside a named budget, unlike the native engine's: llama.cpp
+    allocates each of those buffers whole, once, at the sizes above, and torch's allocator (whose fragmentation and
+    workspaces the native engine's slack is for) holds none of them. Else what is free once the same weights and compute buffer,
     KV_ROWS_RESERVED sequences' cache and state and the native engine's margin are set aside
     (engine.offload.orchestration.default_expert_budget)."""
     from moedesk.engine.offload.gpu_budget import split_gpu_budget
@@ -106,7 +108,7 @@ def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes
         return 0
     if gpu_budget_gib is not None:
         return split_gpu_budget(int(gpu_budget_gib * GIB), other_bytes, kv_per_position, context,
-                                compute_bytes, kv_per_row=state_per_sequence).experts
+                                compute_bytes, kv_per_row=state_per_sequence, slack=0.0).experts
     kv = KV_ROWS_RESERVED * (context * kv_per_position + state_per_sequence)
     return default_expert_budget(max(0, free_gpu_bytes - other_bytes - compute_bytes), kv)
 

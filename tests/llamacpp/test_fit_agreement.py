@@ -16,7 +16,6 @@ import moedesk.engine.llamacpp.fit as fit
 from moedesk.app.tui import MoedeskApp
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.load.gguf_split import open_gguf
-from moedesk.engine.offload.gpu_budget import SLACK
 from moedesk.engine.runtime import Engine
 from tests.gguf_from_hf import build
 from tests.gguf_split import split_gguf, with_metadata
@@ -195,7 +194,7 @@ async def test_a_named_budget_keeps_the_first_layers_experts_in_ram_on_both(gguf
     a room too small for those is refused by both."""
     parts, sizes = ggufs["long"], Sizes(ggufs["long"])
     layer = max(sizes.experts.values())
-    budget = (sizes.before_experts(512) + 1.5 * layer) / (1 - SLACK) / GIB
+    budget = (sizes.before_experts(512) + 1.5 * layer) / GIB  # no slack: llama.cpp's buffers are whole
     in_ram = sizes.in_ram(3)
     assert in_ram > sizes.embeddings + sum(sizes.experts.values()) - sizes.experts[max(sizes.experts)]
     options = {"context_length": 512, "gpu_budget": budget}
@@ -257,7 +256,7 @@ def test_what_the_plan_puts_on_the_gpu_is_what_llama_cpp_allocates(tmp_path):
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
     path = build("qwen3moe", tmp_path / "q").gguf
     sizes = Sizes([path])
-    budget = (sizes.before_experts(512) + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB
+    budget = (sizes.before_experts(512) + 1.5 * max(sizes.experts.values())) / GIB
     engine, log = loaded_with_log(path, context_length=512, gpu_budget=budget)
     try:
         buffers = llama_buffers(log)

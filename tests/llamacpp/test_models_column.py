@@ -13,7 +13,6 @@ from moedesk.app.tui import MoedeskApp
 from moedesk.app.tui.screens.models import brief, column_layout, plan_cell
 from moedesk.app.tui.settings import Settings
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.offload.gpu_budget import SLACK
 from moedesk.engine.runtime import Engine
 from tests.llamacpp.test_fit_agreement import GIB, Sizes, ggufs, machine, refusal, usable_between  # noqa: F401
 from tests.tui.conftest import tui_dirs  # noqa: F401 -- private data, config, cache and models folders
@@ -85,7 +84,7 @@ async def test_the_cell_is_the_loads_plan_and_follows_the_gpu_budget(ggufs, tui_
     RAM and GPU bytes of the plan the load then made, and those are the header's bytes where they go."""
     path, sizes = ggufs["long"][0], Sizes(ggufs["long"])
     layer = max(sizes.experts.values())
-    budget = round((sizes.before_experts(CONTEXT) + 1.5 * layer) / (1 - SLACK) / GIB, 6)
+    budget = round((sizes.before_experts(CONTEXT) + 1.5 * layer) / GIB, 6)
     machine(monkeypatch, tmp_path, 16 * GIB, gpu_free=8 * GIB)
     shutil.copy(path, tui_dirs["models"] / path.name)
     app = MoedeskApp(no_model, model="nothing", settings=Settings(gpu_budget_gib=budget), context_length=CONTEXT)
@@ -209,7 +208,7 @@ async def test_on_the_gpu_box_the_cell_is_what_the_load_then_plans(qwen3moe, tui
     if not library().gpu_offload():
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
     sizes = Sizes([qwen3moe])
-    budget = round((sizes.before_experts(CONTEXT) + 1.5 * max(sizes.experts.values())) / (1 - SLACK) / GIB, 6)
+    budget = round((sizes.before_experts(CONTEXT) + 1.5 * max(sizes.experts.values())) / GIB, 6)
     shutil.copy(qwen3moe, tui_dirs["models"] / "qwen3moe.gguf")
     app = MoedeskApp(no_model, model="nothing", context_length=CONTEXT, gpu_budget=budget, engine_kind="llama.cpp")
     async with app.run_test(size=(160, 50)) as pilot:

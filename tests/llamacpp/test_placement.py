@@ -30,12 +30,14 @@ def test_the_fewest_layers_in_ram_whose_remaining_experts_fit_the_budget(budget_
 
 
 def test_a_named_budget_is_the_whole_gpus_and_the_cache_of_the_context_comes_before_experts():
-    """As for the native engine: other weights, one sequence's cache at the context, 5% slack, then experts."""
-    from moedesk.engine.offload.gpu_budget import ContextBudgetError
+    """As for the native engine: other weights, one sequence's cache at the context, then experts; but no
+    allocator slack, since llama.cpp allocates its buffers whole (the native engine keeps 5% of the budget)."""
+    from moedesk.engine.offload.gpu_budget import ContextBudgetError, split_gpu_budget
 
     per = 128 * 1024  # Mixtral's f16 keys and values per position
     experts = expert_budget(16, 0, 3 * GIB, per, 32768)
-    assert experts == 16 * GIB - 3 * GIB - 4 * GIB - int(0.05 * 16 * GIB)
+    assert experts == 16 * GIB - 3 * GIB - 4 * GIB
+    assert experts - split_gpu_budget(16 * GIB, 3 * GIB, per, 32768, 0).experts == int(0.05 * 16 * GIB)
     assert expert_budget(16, 0, 3 * GIB, per, 8192) - experts == 3 * GIB  # a shorter context: more experts
     assert expert_budget(0, 0, 3 * GIB, per, 32768) == 0  # 0: every expert in RAM
     with pytest.raises(ContextBudgetError, match=r"at most \d+ or raise --gpu-budget"):
