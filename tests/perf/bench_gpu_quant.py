@@ -143,6 +143,9 @@ def _q8(r, nb, bt, wp):  # q4_k's integer route (x in 8 bits); other formats ign
 
 SWEEP = {
     "decode": (1, [_fma(4, 8, 1), _q8(2, 16, 1, 1), _q8(1, 32, 1, 1), _q8(2, 32, 1, 1), _q8(4, 16, 1, 2)]),
+    # one token's step as a resident Mixtral layer launches it: 2 of the 8 experts listed (group_pairs's `active`),
+    # a quarter of the programs above
+    "decode2": (1, [_q8(2, 16, 1, 1), _q8(1, 16, 1, 1), _q8(1, 32, 1, 1), _q8(1, 8, 1, 1), _q8(2, 8, 1, 1)]),
     "decode4": (4, [_dot(64, 4, 4), _q8(2, 16, 4, 1), _q8(4, 8, 4, 1), _q8(2, 8, 4, 1), _q8(1, 16, 4, 1),
                     _q8(4, 16, 4, 2)]),
     "decode16": (16, [_dot(64, 4, 4), _dot(64, 2, 4), _q8(2, 16, 4, 1), _q8(4, 8, 4, 1)]),
@@ -157,16 +160,19 @@ def sweep(dev, formats):
         for case, (per, configs) in SWEEP.items():
             g = 2 if case == "prefill" else 8
             ws = [w.select(list(range(g))) if g < 8 else w for w in all_w]
-            sizes = [per] * g
+            sizes = [per] * 2 + [0] * 6 if case == "decode2" else [per] * g
             x = torch.randn(sum(sizes), h, device=dev).to(torch.bfloat16)
             ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
+            active = torch.tensor([0, 1], dtype=torch.int32, device=dev) if case == "decode2" else None
+            read = ws[0].nbytes * sum(1 for n in sizes if n) // g  # the listed experts' bytes alone
             for cfg in configs:
                 if cfg.get("Q8") and fmt not in gpu_quant._Q8_FORMATS:
                     continue
                 gpu_quant._OVERRIDE = cfg
                 try:
-                    t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused"), len(ws))
-                    print(f"  {fmt} {case:8} {cfg}: {t * 1e6:9.1f} µs {ws[0].nbytes / t / 1e9:6.0f} GB/s", flush=True)
+                    t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused", active=active),
+                              len(ws))
+                    print(f"  {fmt} {case:8} {cfg}: {t * 1e6:9.1f} µs {read / t / 1e9:6.0f} GB/s", flush=True)
                 except Exception as e:
                     print(f"  {fmt} {case:8} {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
                 finally:
