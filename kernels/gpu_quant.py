@@ -223,11 +223,13 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else _few_rows(m, groups)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
                           glu=glu, config=chosen, active=active, gather=gather, scatter=scatter)
+    # The float kernels read and store rows in launch order: gather x before them, scatter their rows after.
     if gather is not None:
         x = x.index_select(0, gather)
     if scatter is not None:
-        _launch(x, stack, fmt, ends, arranged := out.new_empty(m, out.shape[1]), rows=rows, k=k, gated=gated, m=m,
-                groups=groups, dtype=dtype, bias=bias, glu=glu, config=config, active=active)
+        arranged = out.new_empty(m, out.shape[1])
+        _launch(x, stack, fmt, ends, arranged, rows=rows, k=k, gated=gated, m=m, groups=groups, dtype=dtype,
+                bias=bias, glu=glu, config=config, active=active)
         out.index_copy_(0, scatter, arranged)
         return
     cfg = dict(chosen or _config(dtype, m, groups, units))

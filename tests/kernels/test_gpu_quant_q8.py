@@ -216,7 +216,8 @@ def test_mixtral_experts_on_cuda_one_and_four_rows(formats):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 4])
 def test_qwen3_pairs_on_cuda_gathered_and_scattered_in_the_kernels(tokens):
-    """The compiled gather and scatter (Qwen3's 128 experts, 8 a token): the same as around the call, bit for bit."""
+    """The compiled gather and scatter (Qwen3's 128 experts, 8 a token): the same as around the call, bit for bit;
+    and the prefill route (Hopper), which gathers and scatters around its GEMMs, given the same arguments."""
     dev = _cuda()
     k, experts = 8, 128
     keys = torch.stack([torch.randperm(experts, device=dev)[:k] for _ in range(tokens)]).view(-1)
@@ -224,9 +225,10 @@ def test_qwen3_pairs_on_cuda_gathered_and_scattered_in_the_kernels(tokens):
     ends = torch.bincount(keys, minlength=experts).cumsum(0).to(torch.int32)
     w = random_experts(experts, 2048, 768, "q4_k", "q6_k", device=dev, seed=33)
     x = torch.randn(tokens, 2048, device=dev).to(torch.bfloat16)
-    arranged = gpu_quant.grouped_experts_forward(x.index_select(0, order // k), w, ends)
-    got = gpu_quant.grouped_experts_forward(x, w, ends, gather=order // k, scatter=order)
-    assert torch.equal(got, torch.empty_like(arranged).index_copy_(0, order, arranged))
+    for route in ("fused", "dequant") if gpu_quant._dequant_route_works(x) else ("fused",):
+        arranged = gpu_quant.grouped_experts_forward(x.index_select(0, order // k), w, ends, route=route)
+        got = gpu_quant.grouped_experts_forward(x, w, ends, route=route, gather=order // k, scatter=order)
+        assert torch.equal(got, torch.empty_like(arranged).index_copy_(0, order, arranged)), route
 
 
 def test_the_tiles_are_chosen_per_format_and_tokens_a_step(monkeypatch):
