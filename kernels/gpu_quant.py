@@ -153,11 +153,9 @@ def _one_group_ends(m: int, device: torch.device) -> torch.Tensor:
     """ends [1] = m of a one-group launch: a view into a count kept on the device rather than a fill launched for
     every packed matrix of every decode step. The count is made outside graph capture, whose pool would own it."""
     counts = _COUNTS.get(device)
-    if counts is None:
-        if m > _COUNTED or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return torch.full((1,), m, dtype=torch.int32, device=device)
+    if counts is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         counts = _COUNTS[device] = torch.arange(1, _COUNTED + 1, dtype=torch.int32, device=device)
-    if m > _COUNTED:
+    if counts is None or m > _COUNTED:
         return torch.full((1,), m, dtype=torch.int32, device=device)
     return counts[m - 1:m]
 
@@ -226,23 +224,18 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     # The float kernels read and store rows in launch order: gather x before them, scatter their rows after.
     if gather is not None:
         x = x.index_select(0, gather)
-    if scatter is not None:
-        arranged = out.new_empty(m, out.shape[1])
-        _launch(x, stack, fmt, ends, arranged, rows=rows, k=k, gated=gated, m=m, groups=groups, dtype=dtype,
-                bias=bias, glu=glu, config=config, active=active)
-        out.index_copy_(0, scatter, arranged)
-        return
+    target = out if scatter is None else out.new_empty(m, out.shape[1])
     cfg = dict(chosen or _config(dtype, m, groups, units))
     nb = cfg.pop("NB")
     split = cfg.pop("SPLIT")
     row_bytes = stack.shape[-1]
     grid = (triton.cdiv(rows, cfg["ROWS"]), groups if active is None else active.shape[0], split)
     bias = None if bias is None else bias.contiguous()
-    args = (x, x.stride(0), stack, stack.stride(0), ends, ends if active is None else active, out, out.stride(0),
-            rows, row_bytes, units, split,
-            out if bias is None else bias, 0 if bias is None else bias.stride(0),
+    args = (x, x.stride(0), stack, stack.stride(0), ends, ends if active is None else active, target,
+            target.stride(0), rows, row_bytes, units, split,
+            target if bias is None else bias, 0 if bias is None else bias.stride(0),
             glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0)
-    consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, out), GATED=gated,
+    consts = dict(FMT=_FMT_ID[fmt], L=lanes, NB=nb, HALF=_half_operands(x, target), GATED=gated,
                   BIAS=bias is not None, CLAMPED=glu is not None, ACTIVE=active is not None)
     try:
         _packed_mm[grid](*args, **consts, **cfg)
@@ -253,6 +246,8 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
         # token per pass computes the same, re-reading the program's rows from L1.
         cfg["BT"] = 1
         _packed_mm[grid](*args, **consts, **cfg)
+    if scatter is not None:
+        out.index_copy_(0, scatter, target)
 
 
 def _half_operands(x, out) -> bool:
@@ -813,11 +808,14 @@ if triton is not None:
         row = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None]
         bias = bias_ptr + g.to(tl.int64) * bias_stride + rows
         for t0 in range(start, end, BT):
-            # x's rows of the step's tokens, looked up once for both projections and every unit
+            # x's rows of the step's tokens, looked up once for both projections and every unit (the step's BT)
             src0 = _q8_source(gather_ptr, t0, end, GATHER)
-            src1 = _q8_source(gather_ptr, t0 + 1, end, GATHER)
-            src2 = _q8_source(gather_ptr, t0 + 2, end, GATHER)
-            src3 = _q8_source(gather_ptr, t0 + 3, end, GATHER)
+            src1, src2, src3 = src0, src0, src0
+            if BT > 1:
+                src1 = _q8_source(gather_ptr, t0 + 1, end, GATHER)
+            if BT > 2:
+                src2 = _q8_source(gather_ptr, t0 + 2, end, GATHER)
+                src3 = _q8_source(gather_ptr, t0 + 3, end, GATHER)
             a0, a1, a2, a3 = _q8_rows_dot(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, end, src0, src1, src2,
                                           src3, row, rlive, UNITS, FMT, W, NB, BT, ROWS, ASM)
             u0, u1, u2, u3 = a0, a1, a2, a3  # the up projection's, where GATED

@@ -98,8 +98,8 @@ def expert_budget(gpu_budget_gib: float | None, free_gpu_bytes: int, other_bytes
     engine.llamacpp.compute) first, experts the rest (ContextBudgetError naming a context that fits when they do
     not); 0 keeps every expert in RAM. No slack is kept inside a named budget, unlike the native engine's: llama.cpp
     allocates each of those buffers whole, once, at the sizes above, and torch's allocator (whose fragmentation and
-    workspaces the native engine's slack is for) holds none of them. Else what is free once the same weights and compute buffer,
-    KV_ROWS_RESERVED sequences' cache and state and the native engine's margin are set aside
+    workspaces the native engine's slack is for) holds none of them. Else what is free once the same weights and
+    compute buffer, KV_ROWS_RESERVED sequences' cache and state and the native engine's margin are set aside
     (engine.offload.orchestration.default_expert_budget)."""
     from moedesk.engine.offload.gpu_budget import split_gpu_budget
     from moedesk.engine.offload.orchestration import KV_ROWS_RESERVED, default_expert_budget
