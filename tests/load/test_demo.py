@@ -16,12 +16,9 @@ CHATS = ["What is the capital of France?", "Write a haiku about RAM.", "List thr
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("MOEDESK_CACHE_DIR", str(cache))
-    yield Engine.load("demo", device="cpu", dtype="float32"), cache
-    mp.undo()
+def demo(_private_cache):
+    # The session's cache, where other tests' demo loads find it: each build is 1.4 GB on the disk.
+    return Engine.load("demo", device="cpu", dtype="float32"), _private_cache
 
 
 def test_the_source_gguf_is_found_without_importing_its_package(monkeypatch):

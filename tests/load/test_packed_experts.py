@@ -148,9 +148,8 @@ def test_experts_quantised_at_load_stay_close_to_16_bit(tiny_checkpoint, arch, e
     assert error <= bound and agreement >= (0.95 if expert_dtype == "int8" else 0.75)
 
 
-def test_demo_int4_experts_keep_most_of_its_top_1(monkeypatch, tmp_path):
+def test_demo_int4_experts_keep_most_of_its_top_1():
     """The demo model (SmolLM2 upcycled) with q4_0 experts: top-1 agreement with its 16-bit self on a prompt."""
-    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     full = Engine.load("demo", device="cpu", dtype="float32")
     small = Engine.load("demo", device="cpu", dtype="float32", expert_dtype="int4")
     ids = full.tokenizer.encode("The capital of France is Paris. The capital of Germany is Berlin. The capital of")
