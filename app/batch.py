@@ -35,7 +35,7 @@ try:
 except ImportError:  # Windows: a lock file beside the output instead (see _lock_output)
     fcntl = None
 
-from moedesk.app import chat_request
+from moedesk.app import batch_openai, chat_request
 from moedesk.app.tui.conversation_lock import ConversationLock
 from moedesk.engine.decoding import DRAFT_LENGTH, DRAFT_WIDTH, SPECULATIVE_MODES, Decoding, decoding_options
 from moedesk.engine.errors import EngineUnavailable, MoedeskError
@@ -47,7 +47,8 @@ LINE_OVERRIDES = ("max_new_tokens", "temperature", "top_p", "seed")  # what one 
 # Every field a line sets: any other is reported once and ignored (_Run._request).
 # The chat fields (messages lines only) are the server's, checked by app/chat_request.py.
 CHAT_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort")
-LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "beams", "length_penalty", "response_format", *CHAT_FIELDS)
+LINE_FIELDS = ("id", *PROMPT_KINDS, *LINE_OVERRIDES, "stop", "beams", "length_penalty", "response_format",
+               *CHAT_FIELDS)
 # Widest beam search one line may ask for, as the server's (app/server.py, MAX_BEAMS): a search holds beams x
 # context of KV cache, and one wider than the engine's beam rows runs alone with all of them.
 MAX_LINE_BEAMS = 16
@@ -235,7 +236,8 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     # What a line may hold, where someone writing one looks first (the list is the one lines are checked against).
     parser.epilog = (f"Each line of IN.jsonl is a JSON object with an id and one of {', '.join(PROMPT_KINDS)}. "
                      f"It may also set: {', '.join(f for f in LINE_FIELDS if f != 'id' and f not in PROMPT_KINDS)}; "
-                     f"the flags above are the defaults for lines that do not.")
+                     f"the flags above are the defaults for lines that do not. A line of OpenAI's Batch API "
+                     f"(custom_id, url, body) runs as it is and gets OpenAI's output line.")
     parser.add_argument("input", metavar="IN.jsonl",
                         help="one JSON object per line: id plus one of prompt, messages, prompt_ids")
     parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",
@@ -463,14 +465,17 @@ def _read_written(f, out_path: Path) -> _Written:
                 written.unreadable += 1
                 continue
             written.records += 1
-            record_id = record.get("id")
+            if batch_openai.is_openai(record):
+                record_id, ok, error = batch_openai.written(record)
+            else:
+                record_id, ok, error = record.get("id"), "error" not in record, str(record.get("error", ""))
             if isinstance(record_id, str):
                 written.ids.add(record_id)
-                if "error" not in record:
+                if ok:
                     written.ok_ids.add(record_id)
             # Errors name their input line ("line 4: ..."): that is how lines without a usable
             # id, and repeated ids, are recognised on a rerun.
-            match = _LINE_PREFIX.match(str(record.get("error", "")))
+            match = _LINE_PREFIX.match(error)
             if match:
                 written.error_lines.add(int(match.group(1)))
     except OSError as e:
@@ -594,6 +599,7 @@ class _Line:
     id: str | None = None
     error: str | None = None
     by_number: bool = False  # no usable id, or a repeated one: a rerun recognises it by its line number
+    unknown_body: tuple[str, ...] = ()  # an OpenAI line's body fields that moedesk batch does not use
 
 
 class _BadLine(Exception):
@@ -611,11 +617,14 @@ class _Run:
     def __init__(self, engine, settings: BatchSettings, written: _Written, out, report: "_Report"):
         self.engine, self.settings, self.written, self.out, self.report = engine, settings, written, out, report
         self.pending: deque[int] = deque()  # line numbers not yet written, in input order
-        self.ready: dict[int, dict] = {}  # line number -> record waiting for the lines before it
+        # line number -> (record, succeeded, tokens) waiting for the lines before it
+        self.ready: dict[int, tuple[dict, bool, int]] = {}
         self.in_flight: dict[int, tuple[str, Request]] = {}  # line number -> (id, request) the engine holds
         self.beam_lines: dict[int, tuple[int, float]] = {}  # line number -> (beams, length penalty) of beam lines
         # line number -> how its reply is read (reply format, starts in reasoning, tools) for messages lines
         self.chat_lines: dict[int, tuple] = {}
+        self.openai_lines: dict[int, bool] = {}  # line number -> chat? of OpenAI Batch API lines (app/batch_openai.py)
+        self.model = getattr(engine, "name", "moedesk")  # what an OpenAI line's response names as its model
         self._line_decoding = None  # the decoding of lines that are not beam lines: None (plain) or speculative
         self.first_seen: dict[str, int] = {}  # id -> line it first appeared on
         self.ok = self.failed = self.skipped = self.failed_before = 0
@@ -686,7 +695,15 @@ class _Run:
             line.error = f"expected a JSON object, got {_json_type(obj)}"
             return line
         line.obj = obj
-        line_id = obj.get("id")
+        if batch_openai.is_openai(obj):
+            self.openai_lines[number] = obj.get("url") != "/v1/completions"
+            try:
+                line.obj, self.openai_lines[number], unknown = batch_openai.to_line(obj)
+            except ValueError as e:
+                line.id, line.error = batch_openai.custom_id(obj), str(e)
+                return line
+            line.unknown_body = tuple(f"body.{name}" for name in unknown)
+        line_id = line.obj.get("id")
         if not isinstance(line_id, str) or not line_id:
             line.error = "missing or non-string id" + (f" (got {_show(line_id)})" if "id" in obj else "")
             return line
@@ -697,6 +714,18 @@ class _Run:
             return line
         line.by_number = False
         return line
+
+    def _note_unknown(self, number: int, names: list[str], what: str, known: tuple[str, ...] = ()) -> None:
+        """Said once per name, and the line runs: datasets carry fields of their own (a category, a question id),
+        while a misspelt option ("temprature") would otherwise be dropped unseen. known: the names to suggest."""
+        for name in names:
+            if name in self.unknown_fields:
+                continue
+            self.unknown_fields.add(name)
+            guess = difflib.get_close_matches(name, known, 1, 0.6)
+            hint = f" (did you mean {_show(guess[0])}?)" if guess else ""
+            takes = f"; a line takes {', '.join(known)}" if known else ""
+            self.report.note(f"line {number}: field {_show(name)} is not one {what}, ignored{hint}{takes}")
 
     def _done_before(self, line: _Line) -> bool:
         """Whether an earlier run wrote this line's result; counts those that had failed."""
@@ -712,22 +741,15 @@ class _Run:
 
     def _request(self, line: _Line) -> Request:
         obj = line.obj
-        for key in obj:
-            if key not in LINE_FIELDS and key not in self.unknown_fields:
-                # Said once per name, and the line runs: datasets carry fields of their own (a category, a
-                # question id), while a misspelt option ("temprature") would otherwise be dropped unseen.
-                self.unknown_fields.add(key)
-                guess = difflib.get_close_matches(key, LINE_FIELDS, 1, 0.6)
-                self.report.note(f"line {line.number}: field {_show(key)} is not one a line sets, ignored"
-                                 f"{f' (did you mean {_show(guess[0])}?)' if guess else ''}; a line takes "
-                                 f"{', '.join(LINE_FIELDS)}")
+        self._note_unknown(line.number, [key for key in obj if key not in LINE_FIELDS], "a line sets", LINE_FIELDS)
+        self._note_unknown(line.number, line.unknown_body, "moedesk batch uses")
         kinds = [k for k in PROMPT_KINDS if k in obj]
         if len(kinds) != 1:
             found = f" (found {' and '.join(kinds)})" if kinds else ""
             raise _BadLine(f"give exactly one of prompt, messages, prompt_ids{found}")
         try:
-            params = self.settings.sampling_params(obj)
-        except ValueError as e:
+            params = replace(self.settings.sampling_params(obj), stop=chat_request.stop_strings(obj.get("stop")))
+        except ValueError as e:  # BadField among them
             raise _BadLine(str(e)) from None
         if kinds[0] != "messages" and any(obj.get(k) is not None for k in CHAT_FIELDS):
             raise _BadLine(f"{next(k for k in CHAT_FIELDS if obj.get(k) is not None)} needs a messages line")
@@ -766,6 +788,8 @@ class _Run:
         if beams > 1:
             if grammar is not None:
                 raise _BadLine("response_format cannot be combined with beam search")
+            if params.stop:
+                raise _BadLine("stop cannot be combined with beam search")
             self.beam_lines[line.number] = (beams, float(length_penalty))
         # The tag is the line number, not the id: unique even when ids repeat, and it finds the
         # line's place in the output order.
@@ -944,9 +968,13 @@ class _Run:
     def _finished(self, number: int, record: dict) -> None:
         self.beam_lines.pop(number, None)
         self.chat_lines.pop(number, None)
-        self.ready[number] = record
+        ok, tokens = "error" not in record, len(record.get("token_ids", ()))
+        chat = self.openai_lines.pop(number, None)
+        if chat is not None:  # an OpenAI Batch API line gets OpenAI's output line
+            record = batch_openai.output(record["id"], record, chat, self.model)
+        self.ready[number] = (record, ok, tokens)
         while self.pending and self.pending[0] in self.ready:
-            record = self.ready.pop(self.pending.popleft())
+            record, ok, tokens = self.ready.pop(self.pending.popleft())
             # One write per whole line, flushed at once: a crash or a full disk leaves at most a
             # partial last line, which the next run cuts off.
             try:
@@ -957,10 +985,9 @@ class _Run:
                     self.out.close()  # its buffer holds the line that did not fit: drop it, do not fail again
                 raise BatchOutputError(_cannot_write(getattr(self.out, "name", "the output"), e,
                                                      self.resumable)) from None
-            ok = "error" not in record
             self.ok += ok
             self.failed += not ok
-            self.report.line_done(len(record.get("token_ids", ())))
+            self.report.line_done(tokens)
 
     def check_finished(self, requests: Iterator[Request]) -> None:
         """After the engine returns: every request pulled must have come back."""

@@ -1,4 +1,4 @@
-"""The chat fields of an OpenAI-style request, checked and turned into what the chat template and the grammar
+"""The chat fields of an OpenAI-style request (and its stop strings), checked and turned into what the chat template and the grammar
 engine take: messages (tool calls and tool results included), `tools` / `tool_choice` / `parallel_tool_calls`,
 and the template's switches (`chat_template_kwargs`, `reasoning_effort`). Shared by `moedesk serve` (every API
 it speaks) and `moedesk batch`; pure functions, errors as BadField (one line, the field named).
@@ -21,6 +21,13 @@ REASONING_EFFORTS = ("minimal", "low", "medium", "high")
 MAX_FORCED_CALLS = 8
 # Variables the server itself hands every template: a request's chat_template_kwargs may not replace them.
 RESERVED_TEMPLATE_NAMES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+# OpenAI's API takes 4 stop strings; tools written for local servers send more (Continue's autocomplete about 10)
+# and vLLM's and llama.cpp's servers take them. The bounds keep the check of a streamed reply's held-back text
+# for a stop's start (on the event loop for every token; engine.generation.scheduler._held_back: strings x the
+# places a stop's first character occurs in its length's tail) well under a millisecond a token
+# (docs/measurements.md, "The server's stop strings").
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
 
 
 class BadField(ValueError):
@@ -194,3 +201,21 @@ def template_options(body: dict) -> dict:
                            "reasoning_effort")
         options = {**options, "reasoning_effort": effort}
     return dict(options)
+
+
+def stop_strings(value) -> tuple[str, ...]:
+    """A request's `stop` (chat or text): none, one string or a list of them, each of 1 to MAX_STOP_CHARS."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        stop = (value,)
+    elif isinstance(value, list) and all(isinstance(s, str) for s in value):
+        stop = tuple(value)
+    else:
+        raise BadField(f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop",
+                       "invalid_type")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise BadField(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(s == "" or len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadField(f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop")
+    return stop

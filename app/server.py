@@ -63,13 +63,6 @@ from moedesk.engine.requests import TEMPERATURE_MAX, Completion, Request, Sampli
 
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
-# OpenAI's API takes 4 stop strings; tools written for local servers send more (Continue's autocomplete about 10)
-# and vLLM's and llama.cpp's servers take them. The bounds keep the check of a streamed reply's held-back text
-# for a stop's start (on the event loop for every token; engine.generation.scheduler._held_back: strings x the
-# places a stop's first character occurs in its length's tail) well under a millisecond a token
-# (docs/measurements.md, "The server's stop strings").
-MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 256
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
@@ -515,21 +508,10 @@ class Server:
             seed = random.randrange(2**63)
         elif not 0 <= seed < 2**64:
             seed %= 2**64  # OpenAI takes any 64-bit seed, negative ones included
-        stop = body.get("stop")
-        if stop is None:
-            stop = ()
-        elif isinstance(stop, str):
-            stop = (stop,)
-        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-            stop = tuple(stop)
-        else:
-            raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop",
-                           "invalid_type")
-        if len(stop) > MAX_STOP_STRINGS:
-            raise ApiError(400, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop",
-                           "invalid_value")
-        if any(s == "" or len(s) > MAX_STOP_CHARS for s in stop):
-            raise ApiError(400, f"stop strings must have 1 to {MAX_STOP_CHARS} characters", "stop", "invalid_value")
+        try:
+            stop = chat_request.stop_strings(body.get("stop"))
+        except BadField as e:
+            raise ApiError(400, str(e), e.param, e.code) from None
         stream = _field(body, "stream", bool, default=False)
         options = body.get("stream_options")
         include_usage = False
