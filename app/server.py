@@ -8,7 +8,8 @@ or when its client goes away. Endpoints:
 - POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE]); each of
   these also without the /v1, as llama-server has them
 - POST /v1/responses (app/server_responses.py) and Ollama's /api/* (app/server_ollama.py), through the same
-  request path (Server.start, .finish, .pieces)
+  request path (Server.start, .finish, .pieces); /v1/files and /v1/batches (app/server_batches.py) run a JSONL
+  file of requests through it too
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
 
 A request's `model` picks one of the served models (app/model_registry.py): loaded on first use, one at a time,
@@ -48,7 +49,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moedesk.app import chat_request, server_ollama, server_responses
+from moedesk.app import chat_request, server_batches, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.host_check import allowed_hosts, host_name
 from moedesk.app.model_registry import UNSET, Entry, ModelBusy, ModelPool, NoRoom
@@ -175,7 +176,7 @@ class Server:
                 Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
                 Route(f"{prefix}/completions", self.completions, methods=["POST"]))),
             Route("/moedesk/stats", self.stats, methods=["GET"]),
-            *server_responses.routes(self), *server_ollama.routes(self),
+            *server_responses.routes(self), *server_batches.routes(self), *server_ollama.routes(self),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
             middleware=_cors(cors))
 
@@ -294,8 +295,13 @@ class Server:
 
     def _cut_open_jobs(self) -> None:
         for job in list(self.open_jobs):
-            job.handle.cancel()  # its row is freed at the next step
-            job.updates.put_nowait(CUT)
+            self.cut(job)
+
+    @staticmethod
+    def cut(job: Job) -> None:
+        """End an open job before its reply is done: its row is freed at the next step, and its reply fails as cut."""
+        job.handle.cancel()
+        job.updates.put_nowait(CUT)
 
     async def acquire(self, name: str) -> Entry:
         """The model `name` loaded and held for one request (ModelPool.release gives it back): 404 for an unknown
@@ -342,9 +348,10 @@ class Server:
             return Response(status_code=499)
         return JSONResponse(whole(done))
 
-    async def finish(self, http: HttpRequest, job: Job) -> Completion | None:
+    async def finish(self, http: HttpRequest | None, job: Job) -> Completion | None:
         """The completion of a plain (not streamed) job, parsed into job.reader.whole; None when the client went
-        away first (its row is freed); ApiError 500 when the engine failed it."""
+        away first (its row is freed; http None: a batch's line, with no client to leave); ApiError 500 when the
+        engine failed it, 503 when it was cut."""
         try:
             while True:
                 try:
@@ -353,7 +360,7 @@ class Server:
                         raise _stopping_error(cut=True)
                     break
                 except asyncio.TimeoutError:
-                    if await http.is_disconnected():
+                    if http is not None and await http.is_disconnected():
                         return None
         finally:
             job.handle.cancel()  # no-op once finished; frees the row if the client left or this task was cancelled
