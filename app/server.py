@@ -9,7 +9,7 @@ or when its client goes away. Endpoints:
   these also without the /v1, as llama-server has them
 - POST /v1/responses (app/server_responses.py) and Ollama's /api/* (app/server_ollama.py), through the same
   request path (Server.start, .finish, .pieces); /v1/files and /v1/batches (app/server_batches.py) run a JSONL
-  file of requests through it too
+  file of requests through it too; Anthropic's POST /v1/messages (app/server_anthropic.py) as well
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
 
 A request's `model` picks one of the served models (app/model_registry.py): loaded on first use, one at a time,
@@ -49,7 +49,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moedesk.app import chat_request, server_batches, server_ollama, server_responses
+from moedesk.app import chat_request, server_anthropic, server_batches, server_ollama, server_responses
 from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.host_check import allowed_hosts, host_name
 from moedesk.app.model_registry import UNSET, Entry, ModelBusy, ModelPool, NoRoom
@@ -176,7 +176,8 @@ class Server:
                 Route(f"{prefix}/chat/completions", self.chat_completions, methods=["POST"]),
                 Route(f"{prefix}/completions", self.completions, methods=["POST"]))),
             Route("/moedesk/stats", self.stats, methods=["GET"]),
-            *server_responses.routes(self), *server_batches.routes(self), *server_ollama.routes(self),
+            *server_responses.routes(self), *server_anthropic.routes(self), *server_batches.routes(self),
+            *server_ollama.routes(self),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
             middleware=_cors(cors))
 
@@ -447,11 +448,12 @@ class Server:
                                     "against DNS rebinding): start it with --allow-host NAME or --api-key KEY",
                                code="host_not_allowed")
             return
-        given = http.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
-            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' with the key the "
-                                "server was started with (--api-key)", code="invalid_api_key")
+        scheme, _, key = http.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            key = http.headers.get("x-api-key", "")  # as Anthropic's clients send it
+        if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "Incorrect or missing API key: send 'Authorization: Bearer KEY' (or 'x-api-key: KEY') "
+                                "with the key the server was started with (--api-key)", code="invalid_api_key")
 
     async def _json_body(self, http: HttpRequest) -> dict:
         declared = http.headers.get("content-length")
