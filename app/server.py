@@ -7,9 +7,10 @@ or when its client goes away. Endpoints:
 - GET  /v1/models, /v1/models/{id}
 - POST /v1/chat/completions, /v1/completions (plain or streamed as server-sent events ending in [DONE]); each of
   these also without the /v1, as llama-server has them
-- POST /v1/responses (app/server_responses.py) and Ollama's /api/* (app/server_ollama.py), through the same
-  request path (Server.start, .finish, .pieces); /v1/files and /v1/batches (app/server_batches.py) run a JSONL
-  file of requests through it too; Anthropic's POST /v1/messages (app/server_anthropic.py) as well
+- POST /v1/responses (app/server_responses.py), Anthropic's /v1/messages (app/server_anthropic.py) and Ollama's
+  /api/* (app/server_ollama.py), through the same request path (Server.start, .finish, .pieces); /v1/files and
+  /v1/batches (app/server_batches.py) run a JSONL file of requests through it; Ollama's /api/pull and /api/delete
+  (app/server_ollama_pull.py) download and remove models as `moedesk pull` and `rm` do
 - GET  /moedesk/stats (the scheduler's counters and the expert stats), GET /health (no key needed)
 
 A request's `model` picks one of the served models (app/model_registry.py): loaded on first use, one at a time,
@@ -49,7 +50,8 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from moedesk.app import chat_request, server_anthropic, server_batches, server_ollama, server_responses
+from moedesk.app import (chat_request, server_anthropic, server_batches, server_ollama, server_ollama_pull,
+                         server_responses)
 from moedesk.app.api_errors import ApiError, error_body
 from moedesk.app.host_check import allowed_hosts, host_name
 from moedesk.app.model_registry import UNSET, Entry, ModelBusy, ModelPool, NoRoom
@@ -177,7 +179,7 @@ class Server:
                 Route(f"{prefix}/completions", self.completions, methods=["POST"]))),
             Route("/moedesk/stats", self.stats, methods=["GET"]),
             *server_responses.routes(self), *server_anthropic.routes(self), *server_batches.routes(self),
-            *server_ollama.routes(self),
+            *server_ollama.routes(self), *server_ollama_pull.routes(self),
         ], exception_handlers={404: self._not_found, 405: self._not_allowed, 500: self._internal},
             middleware=_cors(cors))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import uuid
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -29,7 +30,8 @@ EFFORTS = {"xhigh": "high", "max": "high"}  # Anthropic's efforts beyond the cha
 
 def routes(server) -> list[Route]:
     api = MessagesApi(server)
-    return [Route("/v1/messages", api.create, methods=["POST"])]
+    return [Route("/v1/messages", api.create, methods=["POST"]),
+            Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"])]
 
 
 def _id(prefix: str) -> str:
@@ -73,6 +75,21 @@ class MessagesApi:
             [_tool_use(call.name, _input(call.arguments)) for call in whole.tool_calls]
         return JSONResponse({**head, "content": content, **self._stopped(done, whole.tool_calls, stops),
                              "usage": _usage(done.prompt_tokens, len(done.token_ids))})
+
+    async def count_tokens(self, http: HttpRequest) -> Response:
+        """The prompt's tokens as /v1/messages would feed them (the model loaded to read its template)."""
+        server = self.server
+        try:
+            server._authorise(http)
+            chat = chat_body({"max_tokens": 1, **await server._json_body(http)})
+            entry = await server.acquire(chat["model"])
+            try:
+                prepared = await run_in_threadpool(server._prepare, chat, True)
+            finally:
+                server.pool.release(entry)
+        except ApiError as e:
+            return error_response(e)
+        return JSONResponse({"input_tokens": len(prepared.request.prompt_ids)})
 
     def _stopped(self, done, calls, stops: tuple[str, ...]) -> dict:
         """stop_reason and stop_sequence: the stop string the reply ended at is the one its tokens go on with."""

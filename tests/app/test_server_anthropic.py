@@ -94,6 +94,8 @@ def test_tool_use_and_tool_results_map_both_ways(claude, gpt):
             {"id": "toolu_1", "type": "function", "function": {"name": "lookup", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}, {"role": "user", "content": "And?"}])
     assert back.usage.input_tokens == direct.usage.prompt_tokens
+    assert claude.messages.count_tokens(model="tiny", messages=turns, tools=[LOOKUP]).input_tokens == \
+        direct.usage.prompt_tokens
     assert [b.text for b in back.content if b.type == "text"] == [direct.choices[0].message.content]
 
 

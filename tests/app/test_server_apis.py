@@ -170,6 +170,7 @@ ROUTES = [("GET", "/v1/models", None), ("GET", "/v1/models/tiny", None), ("GET",
           ("POST", "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 1}),
           ("POST", "/v1/responses", {"model": "tiny", "input": "hi", "max_output_tokens": 1, "stream": True}),
           ("POST", "/v1/messages", {"model": "tiny", "max_tokens": 1, "messages": ASK}),
+          ("POST", "/v1/messages/count_tokens", {"model": "tiny", "messages": ASK}),
           ("POST", "/api/chat", {"model": "tiny", "messages": ASK}), ("POST", "/api/generate", {"model": "tiny"}),
           ("GET", "/api/tags", None), ("POST", "/api/show", {"model": "tiny"}), ("GET", "/api/ps", None),
           ("GET", "/api/version", None),
@@ -184,10 +185,12 @@ def test_the_key_test_covers_every_route_the_server_serves(engine):  # noqa: F81
     from moedesk.app.server import Server
 
     from tests.app.test_server_batches import BATCH_ROUTES  # forms and ids: their key is tested there
+    from tests.app.test_server_ollama_pull import PULL_ROUTES  # downloads: their key is tested there
 
     served = {(method, route.path.replace("{model_id:path}", "tiny")) for route in Server(engine).app.routes
               for method in route.methods - {"HEAD"}}
-    assert served - {("GET", "/health")} == {(method, path) for method, path, _ in ROUTES} | set(BATCH_ROUTES)
+    assert served - {("GET", "/health")} == {(method, path) for method, path, _ in ROUTES} | set(BATCH_ROUTES) \
+        | set(PULL_ROUTES)
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES)
