@@ -1,4 +1,5 @@
 import os
+import shutil
 
 import moedesk  # noqa: F401 -- first, as the CLI's import is: its C++ runtime preload precedes torch's
 import pytest
@@ -75,6 +76,33 @@ def _private_cache(tmp_path_factory):
         os.environ.pop("MOEDESK_CACHE_DIR", None)
     else:
         os.environ["MOEDESK_CACHE_DIR"] = before
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[_PASSED] = report.passed
+    return report
+
+
+_PASSED = pytest.StashKey[bool]()
+
+
+@pytest.fixture(autouse=True)
+def _empty_tmp_path_once_passed(request):
+    """A passed test's tmp_path is emptied as it ends: a run writes GBs of checkpoints (0.2-0.5 GB each), which
+    filled CI's disk. The folder itself stays: pytest's own removal ("failed" retention) let the next test of the
+    same name get the same path, and path-keyed caches (transformers models, profiles) then served it the last
+    test's model."""
+    path = request.getfixturevalue("tmp_path") if "tmp_path" in request.fixturenames else None
+    yield
+    if path is not None and request.node.stash.get(_PASSED, False):
+        for child in path.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
 
 
 @pytest.fixture(autouse=True)
