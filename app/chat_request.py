@@ -1,7 +1,8 @@
-"""The chat fields of an OpenAI-style request (and its stop strings), checked and turned into what the chat template and the grammar
-engine take: messages (tool calls and tool results included), `tools` / `tool_choice` / `parallel_tool_calls`,
-and the template's switches (`chat_template_kwargs`, `reasoning_effort`). Shared by `moedesk serve` (every API
-it speaks) and `moedesk batch`; pure functions, errors as BadField (one line, the field named).
+"""The chat fields of an OpenAI-style request (and its stop strings), checked and turned into what the chat
+template and the grammar engine take: messages (tool calls and tool results included), `tools` / `tool_choice` /
+`parallel_tool_calls`, and the template's switches (`chat_template_kwargs`, `reasoning_effort`). Shared by
+`moedesk serve` (every API it speaks) and `moedesk batch`; pure functions, errors as BadField (one line, the field
+named).
 
 With `tool_choice` "required" or a named function the reply is not left to the model's own markup: it is
 constrained (as vLLM does it) to a JSON list of calls, [{"name": ..., "arguments": {...}}], whose arguments

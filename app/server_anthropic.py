@@ -4,8 +4,9 @@ tools built on the anthropic client (coding agents among them) run on a local mo
 Text, `tools` with `tool_use` and `tool_result` blocks, `tool_choice`, `stop_sequences`, `system`, a thinking
 model's reasoning as `thinking` blocks (`thinking` enabled or disabled reaches the chat template as
 enable_thinking), `output_config` (`effort` as reasoning_effort, `format` as a JSON-schema response_format), and
-`temperature`, `top_p`, `top_k` where a client still sends them (the anthropic client now only as extra_body). Images, documents and server tools are refused. The request becomes the OpenAI chat body the
-server's one request path takes (Server.start), as the Responses API's does; errors come as Anthropic's
+`temperature`, `top_p`, `top_k` where a client still sends them (the anthropic client now only as extra_body).
+Images, documents and server tools are refused. The request becomes the OpenAI chat body the server's one request
+path takes (Server.start), as the Responses API's does; errors come as Anthropic's
 {"type": "error", "error": {"type", "message"}}. The key may come as `x-api-key`, as the anthropic client sends it.
 """
 from __future__ import annotations
@@ -73,7 +74,8 @@ class MessagesApi:
         content = ([{"type": "thinking", "thinking": whole.reasoning, "signature": ""}] if whole.reasoning else []) + \
             ([{"type": "text", "text": whole.content}] if whole.content or not whole.tool_calls else []) + \
             [_tool_use(call.name, _input(call.arguments)) for call in whole.tool_calls]
-        return JSONResponse({**head, "content": content, **self._stopped(done, whole.tool_calls, stops),
+        stopped = _stopped(done, whole.tool_calls, stops, job.reader.tokenizer)
+        return JSONResponse({**head, "content": content, **stopped,
                              "usage": _usage(done.prompt_tokens, len(done.token_ids))})
 
     async def count_tokens(self, http: HttpRequest) -> Response:
@@ -90,17 +92,6 @@ class MessagesApi:
         except ApiError as e:
             return error_response(e)
         return JSONResponse({"input_tokens": len(prepared.request.prompt_ids)})
-
-    def _stopped(self, done, calls, stops: tuple[str, ...]) -> dict:
-        """stop_reason and stop_sequence: the stop string the reply ended at is the one its tokens go on with."""
-        if calls:
-            return {"stop_reason": "tool_use", "stop_sequence": None}
-        if done.finish_reason == "length":
-            return {"stop_reason": "max_tokens", "stop_sequence": None}
-        tokenizer = self.server.engine.tokenizer if stops else None
-        after = tokenizer.decode(done.token_ids)[len(done.text):] if tokenizer is not None else ""
-        stop = next((s for s in stops if after.startswith(s)), None)
-        return {"stop_reason": "stop_sequence" if stop else "end_turn", "stop_sequence": stop}
 
     async def _events(self, job, head: dict, stops: tuple[str, ...]):
         blocks: list[str] = []  # the kind of each content block started, by index
@@ -152,11 +143,22 @@ class MessagesApi:
                     ending = ([] if blocks else text("text", "")) + close()
                     for chunk in ending:
                         yield chunk
-                    yield event("message_delta", delta=self._stopped(done, [None] * calls, stops),
+                    yield event("message_delta", delta=_stopped(done, [None] * calls, stops, job.reader.tokenizer),
                                 usage={"output_tokens": len(done.token_ids)})
                     yield event("message_stop")
         except ApiError as e:
             yield event("error", error=_error(e)["error"])
+
+
+def _stopped(done, calls, stops: tuple[str, ...], tokenizer) -> dict:
+    """stop_reason and stop_sequence: the stop string the reply ended at is the one its tokens go on with."""
+    if calls:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
+    if done.finish_reason == "length":
+        return {"stop_reason": "max_tokens", "stop_sequence": None}
+    after = tokenizer.decode(done.token_ids)[len(done.text):] if stops and tokenizer is not None else ""
+    stop = next((s for s in stops if after.startswith(s)), None)
+    return {"stop_reason": "stop_sequence" if stop else "end_turn", "stop_sequence": stop}
 
 
 def chat_body(body: dict) -> dict:

@@ -32,6 +32,7 @@ MAX_LINES = 50_000
 RETRY_S = 0.25  # a line turned away by a full queue or a model being swapped is submitted again after this
 RETRIED = ("queue_full", "model_busy")
 LIST_LIMIT = 100
+WORKERS = 8  # lines in flight while no model is loaded to size them by
 
 
 def routes(server) -> list[Route]:
@@ -330,8 +331,9 @@ class BatchesApi:
         batch.enter("cancelled" if batch.status == "cancelling" else "completed")
 
     def _workers(self) -> int:
-        """Lines in flight at once: the most a model's continuous batch decodes together."""
-        return max(entry.group.limit for entry in self.server.pool.entries)
+        """Lines in flight at once: the most a loaded model's continuous batch decodes together (before any model
+        is loaded, WORKERS: a line the queue turns away waits its turn anyway)."""
+        return max((e.group.limit for e in self.server.pool.entries if e.group is not None), default=WORKERS)
 
     async def _line(self, batch: Batch, body: dict) -> tuple[int, dict] | None:
         """One request line: (HTTP status, the response body the endpoint would have answered); None when a cancel

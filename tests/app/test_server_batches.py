@@ -176,3 +176,15 @@ def test_a_full_disk_fails_the_batch_with_the_reason_and_the_server_goes_on(clie
     assert batch.status == "failed" and "No space left on device" in batch.errors.data[0].message
     monkeypatch.undo()
     assert client.chat.completions.create(**body).choices[0].message.content is not None
+
+
+def test_lines_in_flight_follow_the_loaded_models_batch_and_an_unloaded_one_counts_not():
+    from types import SimpleNamespace
+
+    from moedesk.app.model_registry import Entry
+
+    def workers(*entries):
+        return server_batches.BatchesApi(SimpleNamespace(pool=SimpleNamespace(entries=list(entries))))._workers()
+
+    assert workers(Entry("a", "x")) == server_batches.WORKERS  # discovered in the caches, not loaded: no group
+    assert workers(Entry("a", "x"), Entry("b", "y", group=SimpleNamespace(limit=3))) == 3
