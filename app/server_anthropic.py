@@ -62,21 +62,11 @@ class MessagesApi:
             return error_response(e)
         head = {"id": _id("msg_"), "type": "message", "role": "assistant", "model": body.get("model")}
         stops = tuple(chat.get("stop") or ())
-        if job.prepared.stream:
-            return server.streaming(self._events(job, head, stops))
-        try:
-            done = await server.finish(http, job)
+        try:  # the server's own reply: streamed, or the whole once done (499 when the client left first)
+            return await server.reply(http, job, lambda: self._events(job, head, stops),
+                                      lambda done: _message(head, done, job.reader, stops))
         except ApiError as e:
             return error_response(e)
-        if done is None:
-            return Response(status_code=499)
-        whole = job.reader.whole
-        content = ([{"type": "thinking", "thinking": whole.reasoning, "signature": ""}] if whole.reasoning else []) + \
-            ([{"type": "text", "text": whole.content}] if whole.content or not whole.tool_calls else []) + \
-            [_tool_use(call.name, _input(call.arguments)) for call in whole.tool_calls]
-        stopped = _stopped(done, whole.tool_calls, stops, job.reader.tokenizer)
-        return JSONResponse({**head, "content": content, **stopped,
-                             "usage": _usage(done.prompt_tokens, len(done.token_ids))})
 
     async def count_tokens(self, http: HttpRequest) -> Response:
         """The prompt's tokens as /v1/messages would feed them (the model loaded to read its template)."""
@@ -148,6 +138,16 @@ class MessagesApi:
                     yield event("message_stop")
         except ApiError as e:
             yield event("error", error=_error(e)["error"])
+
+
+def _message(head: dict, done, reader, stops: tuple[str, ...]) -> dict:
+    """The whole reply as Anthropic's message: thinking, text and tool_use blocks."""
+    whole = reader.whole
+    content = ([{"type": "thinking", "thinking": whole.reasoning, "signature": ""}] if whole.reasoning else []) + \
+        ([{"type": "text", "text": whole.content}] if whole.content or not whole.tool_calls else []) + \
+        [_tool_use(call.name, _input(call.arguments)) for call in whole.tool_calls]
+    return {**head, "content": content, **_stopped(done, whole.tool_calls, stops, reader.tokenizer),
+            "usage": _usage(done.prompt_tokens, len(done.token_ids))}
 
 
 def _stopped(done, calls, stops: tuple[str, ...], tokenizer) -> dict:
