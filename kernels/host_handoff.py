@@ -63,8 +63,9 @@ def handoff_wanted() -> bool:
     """Whether decode may hand layers over this way: Triton and the native part there, and not turned off by
     MOEDESK_NO_HANDOFF=1 (which compares it with one graph per segment, or steps around a problem). Never with
     CUDA_LAUNCH_BLOCKING=1 (a debugging aid): a launch that returns only once its graph has run would wait
-    for a host that is still inside the launch."""
-    if any(_flag_set(name) for name in ("MOEDESK_NO_HANDOFF", "CUDA_LAUNCH_BLOCKING")):
+    for a host that is still inside the launch. Nor without decode graphs (MOEDESK_NO_CUDA_GRAPHS=1): nothing to
+    hand over from."""
+    if any(_flag_set(name) for name in ("MOEDESK_NO_HANDOFF", "CUDA_LAUNCH_BLOCKING", "MOEDESK_NO_CUDA_GRAPHS")):
         return False
     return triton is not None and native() is not None
 

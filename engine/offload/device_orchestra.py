@@ -121,6 +121,7 @@ class DeviceOrchestra:
             with on_device(device):  # the profile's kernels run on that GPU
                 parts.append(ExpertOrchestra.start(mine, device, profile_key_parts, cache_dir, reprofile, warnings,
                                                    policy, top_k, dtype, selections=selections))
+            parts[-1].executor.hands_over = False  # decode graphs over several devices hand nothing over
             owners.append(d)
             layers.append(sorted(mine))
         return cls(parts, devices, owners, layers)

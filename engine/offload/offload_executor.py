@@ -34,6 +34,7 @@ from moedesk.engine.offload.assignment import copy_run_limit, resident_grouped
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
 from moedesk.kernels import gpu_fused, gpu_zero_copy
+from moedesk.kernels.host_handoff import handoff_wanted
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_alike, grouped_experts_forward,
                                      grouped_pairs_forward, grouped_supported, prepare_routed)
@@ -253,6 +254,9 @@ class OffloadExecutor:
         # Whether a layer with every expert resident can run from device tensors alone (one grouped launch).
         probe = torch.empty((0, any_bank.hidden), dtype=any_bank.dense_dtype or torch.bfloat16, device=self.device)
         self.whole_layers_on_device = self.simulated or grouped_supported(probe, any_bank)
+        # Whether one-token decode steps may hand partly resident layers over (`host_only`, kernels.host_handoff):
+        # the graph then launches their resident experts, not the host. Never where layers spread over devices.
+        self.hands_over = not self.simulated and self.whole_layers_on_device and handoff_wanted()
         self._selections: dict[int, torch.Tensor] = {} if selections is None else selections
         # layer -> its `_slots`, made at each placement and rewritten in place by a swap: captured graphs read them
         self._slot_maps: dict[int, tuple] = {}

@@ -126,8 +126,9 @@ class LayerCosts:
 
     A layer whose experts are all resident runs inside the GPU's CUDA graphs (engine.generation.cuda_graphs)
     and costs none of this where the executor can run it from device tensors alone
-    (`whole_layer_skips_host`); any other layer pays the round trip of its routing and outputs, the
-    host's queueing of its resident experts when it has any, and its offloaded experts' CPU work.
+    (`whole_layer_skips_host`); any other layer pays the round trip of its routing and outputs, the CPU call
+    and its offloaded experts' CPU work, and the host's queueing of its resident experts when it has any, unless
+    the decode graph hands the layer over (`handed_over`, kernels.host_handoff): then the graph launches them.
     """
 
     roundtrip_ms: float  # routing to the host and expert outputs back
@@ -135,12 +136,13 @@ class LayerCosts:
     cpu_expert_ms: float  # one offloaded expert's share of the CPU's call, one token
     whole_layer_skips_host: bool = True  # False: a fully resident layer still pays the round trip and launch
     cpu_call_ms: float = 0.0  # the CPU call's own cost, once a layer with offloaded experts
+    handed_over: bool = False  # a partly resident layer's resident experts launched by the decode graph
 
     @classmethod
-    def from_model(cls, costs, whole_layer_skips_host: bool = True) -> "LayerCosts":
+    def from_model(cls, costs, whole_layer_skips_host: bool = True, handed_over: bool = False) -> "LayerCosts":
         """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
         return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1),
-                   whole_layer_skips_host, cpu_call_ms(costs, 1))
+                   whole_layer_skips_host, cpu_call_ms(costs, 1), handed_over)
 
 
 def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: LayerCosts) -> float:
@@ -155,6 +157,6 @@ def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: 
         mass = counts.sum()
         offloaded = counts[~resident].sum() / mass if mass > 0 else (~resident).mean()
         total += costs.roundtrip_ms + costs.cpu_call_ms + top_k * offloaded * costs.cpu_expert_ms
-        if resident.any():
+        if resident.any() and not costs.handed_over:
             total += costs.resident_launch_ms
     return total

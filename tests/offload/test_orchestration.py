@@ -191,7 +191,7 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed = []
-    executor = SimpleNamespace(whole_layers_on_device=on_device, set_placement=placed.append)
+    executor = SimpleNamespace(whole_layers_on_device=on_device, hands_over=False, set_placement=placed.append)
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06)
     popularity = np.full((12, 16), 100)
@@ -203,6 +203,26 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     assert plan.on_gpu.all(axis=1).sum() == (3 if on_device else 0)
 
 
+@pytest.mark.parametrize("hands_over", [True, False])
+def test_placement_prices_partly_resident_layers_as_the_executor_runs_them(hands_over):
+    # Skewed routing and a high resident launch (docs/measurements.md, "Session 45"): where decode hands partly
+    # resident layers over, the graph launches their experts and popularity order keeps every pick on the GPU.
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.orchestration import ExpertOrchestra
+
+    executor = SimpleNamespace(whole_layers_on_device=True, hands_over=hands_over, set_placement=lambda rows: None)
+    costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.041, resident_launch_ms=0.9,
+                            cpu_expert_ms=lambda tokens: 0.746, cpu_call_ms=lambda tokens: 0.169)
+    popularity = np.zeros((32, 8))
+    for layer in range(32):
+        popularity[layer, :4 + layer % 2] = 10 + np.arange(4 + layer % 2)
+    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0,
+                                top_k=2, cache=None)
+    plan = orchestra.place(151)
+    assert (plan.gpu_hit_rate(popularity) == 1.0) == hands_over
+
+
 def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_swaps_by_its_costs():
     # Costs that make whole layers pay on the device: the cache keeps them (no handoff, inside the graphs) and
     # follows the routing in the rest, its swaps priced by the same latency model; per expert only when asked.
@@ -212,7 +232,7 @@ def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_sw
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed, followed = [], []
-    executor = SimpleNamespace(whole_layers_on_device=True, set_placement=placed.append,
+    executor = SimpleNamespace(whole_layers_on_device=True, hands_over=False, set_placement=placed.append,
                                follow_routing=lambda policy, price: followed.append((policy, price)))
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06, copy_expert_ms=0.5, copy_launch_ms=0.02)

@@ -1,6 +1,7 @@
 """Placement by popularity and the per-step CPU/GPU split of offloaded experts, on hand-made numbers."""
 import itertools
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -47,6 +48,33 @@ def test_step_cost_on_a_hand_made_placement():
     # layer 0: all resident, free; layer 1: 40% offloaded; layer 2: everything offloaded, nothing resident.
     expected = (0.04 + 0.2 + 2 * 0.4 * 0.06) + (0.04 + 2 * 1.0 * 0.06)
     assert step_cost_ms(on_gpu, popularity, 2, COSTS) == pytest.approx(expected)
+
+
+def test_a_handed_over_layer_pays_no_resident_launch():
+    on_gpu = np.array([[True, False, False, False], [True] * 4])
+    popularity = np.array([[6, 2, 1, 1], [1, 1, 1, 1]])  # layer 0: 40% of the picks offloaded
+    eager = LayerCosts(roundtrip_ms=0.04, resident_launch_ms=0.2, cpu_expert_ms=0.06, cpu_call_ms=0.1)
+    handed = replace(eager, handed_over=True)
+    assert step_cost_ms(on_gpu, popularity, 2, handed) == pytest.approx(0.04 + 0.1 + 2 * 0.4 * 0.06)
+    assert step_cost_ms(on_gpu, popularity, 2, eager) == pytest.approx(0.04 + 0.1 + 2 * 0.4 * 0.06 + 0.2)
+
+
+@pytest.mark.parametrize("launch_ms", [0.3, 0.6, 0.9, 1.5])
+def test_skewed_routing_handed_over_keeps_every_pick_resident_whatever_the_launch_measured(launch_ms):
+    # Whole Mixtral Q4_K on one GPU at 16 GiB (docs/measurements.md, "Session 45"): 151 experts fit and the routing
+    # picks 4-5 experts a layer. Decode hands partly resident layers over, so popularity order, every pick
+    # resident, wins at any launch the profile measures; priced as eager launches (the old rule), a launch measured
+    # high enough chose 18 whole layers and left most picks on the CPU.
+    popularity = np.zeros((32, 8))
+    for layer in range(32):
+        popularity[layer, :4 + layer % 2] = 10 + np.arange(4 + layer % 2)
+    profile = LayerCosts(roundtrip_ms=0.041, resident_launch_ms=launch_ms, cpu_expert_ms=0.746, cpu_call_ms=0.169,
+                         handed_over=True)
+    plan = plan_placement(100, 32, 8, popularity, 151 * 100, 0, layer_costs=profile, top_k=2)
+    assert plan.experts_on_gpu == 151 and plan.gpu_hit_rate(popularity) == 1.0
+    eager = plan_placement(100, 32, 8, popularity, 151 * 100, 0, layer_costs=replace(profile, handed_over=False),
+                           top_k=2)
+    assert (eager.gpu_hit_rate(popularity) < 0.7) == (launch_ms >= 0.9)
 
 
 def test_evenly_routed_experts_fill_whole_layers():
