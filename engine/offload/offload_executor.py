@@ -522,11 +522,21 @@ class OffloadExecutor:
             return False  # no grouped launch for the resident share
         # Every expert of a layer has the same shape, so a decision depends only on how many are offloaded: all
         # of the token's, or with experts resident any number of them.
-        for offloaded in range(1 if resident else top_k, top_k + 1):
+        return self._cpu_takes_lone_token(1 if resident else top_k, top_k)
+
+    def _cpu_takes_lone_token(self, fewest: int, top_k: int) -> bool:
+        """Whether the per-step rule computes one token's offloaded experts on the CPU, whether `fewest` or up to
+        all `top_k` of them are offloaded (no copies, no resident expert moved)."""
+        for offloaded in range(fewest, top_k + 1):
             on_cpu, to_copy = self.decide({e: 1 for e in range(offloaded)})
             if to_copy or len(on_cpu) != offloaded:
                 return False
         return True
+
+    def hands_over_partly_resident(self, top_k: int) -> bool:
+        """Whether one-token decode steps hand a partly resident layer over (`host_only`), so that the graph, not
+        the host, launches its resident experts: what the placement prices such a layer at."""
+        return self.hands_over and self.decide is not None and self._cpu_takes_lone_token(1, top_k)
 
     def has_resident(self, layer: int) -> bool:
         return layer in self._slot_maps  # `set_placement` maps exactly the layers with resident experts

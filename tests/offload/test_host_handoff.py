@@ -225,6 +225,18 @@ def test_only_layers_with_no_host_decision_are_handed_over():
     assert not executor.host_only(0, 1, 2)
 
 
+def test_the_placement_is_told_a_partly_resident_layer_is_handed_over_exactly_when_host_only_says_so():
+    executor = _executor()
+    assert not executor.hands_over_partly_resident(2)  # simulated: no graphs, nothing handed over
+    for decide in (None, lambda loads: (sorted(loads)[1:], sorted(loads)[:1])):
+        executor = _executor(decide)
+        executor.simulated, executor.hands_over = False, True  # as on a GPU with the handoff built
+        executor.set_placement([[e == 3 for e in range(6)]])
+        assert executor.hands_over_partly_resident(2) == executor.host_only(0, 1, 2) == (decide is None)
+        executor.hands_over = False  # layers spread over devices (engine.offload.device_orchestra)
+        assert not executor.hands_over_partly_resident(2)
+
+
 def test_resident_experts_on_the_device_and_offloaded_ones_on_the_host_make_the_layer():
     executor = _executor()
     executor.set_placement([[e in (1, 4) for e in range(6)]])

@@ -191,7 +191,8 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed = []
-    executor = SimpleNamespace(whole_layers_on_device=on_device, hands_over=False, set_placement=placed.append)
+    executor = SimpleNamespace(whole_layers_on_device=on_device, hands_over_partly_resident=lambda top_k: False,
+                               set_placement=placed.append)
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06)
     popularity = np.full((12, 16), 100)
@@ -211,7 +212,8 @@ def test_placement_prices_partly_resident_layers_as_the_executor_runs_them(hands
 
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
-    executor = SimpleNamespace(whole_layers_on_device=True, hands_over=hands_over, set_placement=lambda rows: None)
+    executor = SimpleNamespace(whole_layers_on_device=True, hands_over_partly_resident=lambda top_k: hands_over,
+                               set_placement=lambda rows: None)
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.041, resident_launch_ms=0.9,
                             cpu_expert_ms=lambda tokens: 0.746, cpu_call_ms=lambda tokens: 0.169)
     popularity = np.zeros((32, 8))
@@ -232,7 +234,8 @@ def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_sw
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     placed, followed = [], []
-    executor = SimpleNamespace(whole_layers_on_device=True, hands_over=False, set_placement=placed.append,
+    executor = SimpleNamespace(whole_layers_on_device=True, hands_over_partly_resident=lambda top_k: False,
+                               set_placement=placed.append,
                                follow_routing=lambda policy, price: followed.append((policy, price)))
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06, copy_expert_ms=0.5, copy_launch_ms=0.02)
