@@ -67,6 +67,7 @@ from moedesk.engine.requests import TEMPERATURE_MAX, Completion, Request, Sampli
 MAX_BODY_BYTES = 8 << 20  # a prompt of a whole context is far less; more is a mistake or an attack
 DEFAULT_MAX_QUEUE = 64
 DISCONNECT_POLL_S = 0.5  # how often a plain (non-streamed) request checks that its client is still there
+MAX_CHOICES = 128  # OpenAI's limit on `n`
 MAX_BEAMS = 16  # a search holds beams x context of KV cache: one client must not take the GPU's memory
 EXTENSION_KEYS = ("speculative", "beams", "length_penalty")
 SHUTDOWN_GRACE_S = 5.0  # on SIGTERM or ctrl+c, replies being written get this long before each is ended
@@ -239,27 +240,62 @@ class Server:
     async def _complete(self, http: HttpRequest, chat: bool) -> Response:
         self._authorise(http)
         body = await self._json_body(http)
-        job = await self.start(body, chat)
+        jobs = await self.start_choices(body, chat)
         reply_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        return await self.reply(http, job, lambda: self._events(job, reply_id),
-                                lambda done: self._completion(job, done, reply_id))
+        if jobs[0].prepared.stream:
+            return self.streaming(self._events(jobs, reply_id))
+        tasks = [asyncio.ensure_future(self.finish(http, job)) for job in jobs]
+        try:
+            dones = await asyncio.gather(*tasks)
+        finally:
+            for task, job in zip(tasks, jobs):  # one failed, or the client left: the others' rows freed too
+                task.cancel()
+                job.handle.cancel()
+                job.release()
+        if any(done is None for done in dones):
+            return Response(status_code=499)
+        return JSONResponse(self.completions_body(jobs, dones, reply_id))
 
-    def _completion(self, job: Job, done: Completion, reply_id: str) -> dict:
-        """A whole chat or text completion, as OpenAI's API returns it."""
-        chat, whole = job.prepared.chat, job.reader.whole
-        if chat:
-            message = {"role": "assistant", "content": whole.content if whole.content or not whole.tool_calls
-                       else None, "refusal": None}
-            if whole.reasoning:
-                message["reasoning_content"] = whole.reasoning
-            if whole.tool_calls:
-                message["tool_calls"] = [_openai_call(call, i, reply_id)[1] for i, call in enumerate(whole.tool_calls)]
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _finish(done, whole)}
-        else:
-            choice = {"index": 0, "text": done.text, "logprobs": None, "finish_reason": _finish(done)}
+    async def start_choices(self, body: dict, chat: bool) -> list[Job]:
+        """OpenAI's `n`: one job a choice, each sampling on its own (with a `seed`, choice i takes seed + i, so the
+        reply is repeatable and its choices differ)."""
+        n = _field(body, "n", int, default=1, minimum=1, maximum=MAX_CHOICES)
+        if n == 1:
+            return [await self.start(body, chat)]
+        seed = _field(body, "seed", int, default=None)
+        jobs = []
+        try:
+            for i in range(n):
+                jobs.append(await self.start({**body, "n": 1, **({} if seed is None else {"seed": seed + i})}, chat))
+        except BaseException:
+            for job in jobs:
+                job.handle.cancel()
+                job.release()
+            raise
+        return jobs
+
+    def completions_body(self, jobs: list[Job], dones: list[Completion], reply_id: str) -> dict:
+        """A whole chat or text completion as OpenAI's API returns it, one choice a job; the `moedesk` field is the
+        first choice's."""
+        chat = jobs[0].prepared.chat
+        choices = []
+        for index, (job, done) in enumerate(zip(jobs, dones)):
+            whole = job.reader.whole
+            if chat:
+                message = {"role": "assistant", "content": whole.content if whole.content or not whole.tool_calls
+                           else None, "refusal": None}
+                if whole.reasoning:
+                    message["reasoning_content"] = whole.reasoning
+                if whole.tool_calls:
+                    message["tool_calls"] = [_openai_call(call, i, reply_id)[1]
+                                             for i, call in enumerate(whole.tool_calls)]
+                choices.append({"index": index, "message": message, "logprobs": None,
+                                "finish_reason": _finish(done, whole)})
+            else:
+                choices.append({"index": index, "text": done.text, "logprobs": None, "finish_reason": _finish(done)})
         return {"id": reply_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": job.prepared.model, "choices": [choice], "usage": _usage(done),
-                "moedesk": _extension(done)}
+                "created": int(time.time()), "model": jobs[0].prepared.model, "choices": choices,
+                "usage": _usage(*dones), "moedesk": _extension(dones[0])}
 
     # --- the request path every API shares ------------------------------------------------------
 
@@ -398,48 +434,56 @@ class Server:
         return StreamingResponse(events, media_type=media_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _events(self, job: Job, reply_id: str):
-        """Server-sent events: one chunk per piece of the reply, the last with finish_reason (and usage when
-        asked)."""
-        prepared = job.prepared
+    async def _events(self, jobs: list[Job], reply_id: str):
+        """Server-sent events: one chunk per piece of a choice's reply (the choices' chunks interleaved as they
+        come), each choice's last with its finish_reason; then the usage of them all when asked."""
+        prepared = jobs[0].prepared
         chat = prepared.chat
         head = {"id": reply_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": prepared.model}
+        dones: list[Completion | None] = [None] * len(jobs)
 
-        def chunk(delta: dict | None, finish: str | None = None, **extra) -> bytes:
+        def chunk(index: int, delta: dict | None, finish: str | None = None, **extra) -> bytes:
             if chat:
-                choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+                choice = {"index": index, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": (delta or {}).get("content", ""), "logprobs": None,
+                choice = {"index": index, "text": (delta or {}).get("content", ""), "logprobs": None,
                           "finish_reason": finish}
             if prepared.include_usage:
                 extra.setdefault("usage", None)
             return _sse({**head, "choices": [choice], **extra})
 
-        try:
+        async def choice_events(index: int, job: Job):
             if chat:
-                yield chunk({"role": "assistant", "content": None})  # null, not "": no delta's content is empty
+                yield chunk(index, {"role": "assistant", "content": None})  # null, not "": no delta's content is empty
             async for piece, done in self.pieces(job):
                 if piece.reasoning and chat:
-                    yield chunk({"reasoning_content": piece.reasoning})
+                    yield chunk(index, {"reasoning_content": piece.reasoning})
                 if piece.content:
-                    yield chunk({"content": piece.content})
+                    yield chunk(index, {"content": piece.content})
                 for delta in piece.call_deltas:  # OpenAI's: id, type and name first, then argument fragments
                     if delta.name is not None:
                         body = _openai_call(delta, delta.index, reply_id)[1]
                     else:
                         body = {"function": {"arguments": delta.arguments}}
-                    yield chunk({"tool_calls": [{"index": delta.index, **body}]})
+                    yield chunk(index, {"tool_calls": [{"index": delta.index, **body}]})
                 if done is not None:
-                    yield chunk(None, _finish(done, job.reader.whole), moedesk=_extension(done))
-                    if prepared.include_usage:
-                        yield _sse({**head, "choices": [], "usage": _usage(done)})
+                    dones[index] = done
+                    yield chunk(index, None, _finish(done, job.reader.whole), moedesk=_extension(done))
+
+        try:
+            async for event in _merged([choice_events(i, job) for i, job in enumerate(jobs)]):
+                yield event
+            if prepared.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(*dones)})
             yield b"data: [DONE]\n\n"
         except ApiError as error:
             yield _sse(error_body(error.message, error.kind, code=error.code))
             yield b"data: [DONE]\n\n"
         finally:
-            job.handle.cancel()  # the client went away mid-stream: its row is freed at the next step
+            for job in jobs:  # the client went away mid-stream: the rows are freed at the next step
+                job.handle.cancel()
+                job.release()
 
     # --- validation ---------------------------------------------------------------------------
 
@@ -798,14 +842,51 @@ def _openai_call(call, index: int, reply_id: str) -> tuple[int, dict]:
                    "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def _usage(done: Completion) -> dict:
-    usage = {"prompt_tokens": done.prompt_tokens, "completion_tokens": len(done.token_ids),
-             "total_tokens": done.prompt_tokens + len(done.token_ids)}
-    spec = done.stats.get("speculative") or {}
-    if "drafted" in spec:  # OpenAI's fields for predicted tokens: the drafts the model accepted and rejected
-        usage["completion_tokens_details"] = {"accepted_prediction_tokens": spec["accepted"],
-                                              "rejected_prediction_tokens": spec["drafted"] - spec["accepted"]}
+def _usage(*dones: Completion) -> dict:
+    """Usage of a reply's choices: their prompt (the same for every choice) once, their tokens together."""
+    prompt, tokens = dones[0].prompt_tokens, sum(len(done.token_ids) for done in dones)
+    usage = {"prompt_tokens": prompt, "completion_tokens": tokens, "total_tokens": prompt + tokens}
+    specs = [done.stats.get("speculative") or {} for done in dones]
+    if all("drafted" in spec for spec in specs):  # OpenAI's fields for predicted tokens: drafts accepted, rejected
+        accepted = sum(spec["accepted"] for spec in specs)
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": sum(s["drafted"] for s in specs) - accepted}
     return usage
+
+
+async def _merged(streams: list):
+    """The items of several async generators as each yields them; one's exception ends them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            await queue.put(error)
+        finally:
+            await stream.aclose()
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _extension(done: Completion) -> dict:

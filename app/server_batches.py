@@ -343,22 +343,25 @@ class BatchesApi:
             return 400, error_body("stream is not supported in a batch", "invalid_request_error", "stream")
         while True:
             try:
-                job = await server.start(body, chat)
+                jobs = await server.start_choices(body, chat)
                 break
             except ApiError as e:
                 if e.code not in RETRIED or batch.status == "cancelling" or server.stopping:
                     return e.status, error_body(e.message, e.kind, e.param, e.code)
                 await asyncio.sleep(RETRY_S)
-        batch.jobs.add(job)
+        batch.jobs.update(jobs)
         try:
-            done = await server.finish(None, job)
+            dones = [await server.finish(None, job) for job in jobs]
         except ApiError as e:
             if batch.status == "cancelling":
                 return None
             return e.status, error_body(e.message, e.kind, e.param, e.code)
         finally:
-            batch.jobs.discard(job)
-        return 200, server._completion(job, done, _id("chatcmpl-" if chat else "cmpl-"))
+            for job in jobs:  # a choice failed: the others' rows freed too
+                job.handle.cancel()
+                job.release()
+            batch.jobs.difference_update(jobs)
+        return 200, server.completions_body(jobs, dones, _id("chatcmpl-" if chat else "cmpl-"))
 
 
 def _page(data: list[dict], has_more: bool) -> JSONResponse:

@@ -91,6 +91,18 @@ def test_a_text_batch_runs_the_completions_endpoint(client):
     assert batch.error_file_id is None
 
 
+def test_a_line_with_several_choices_answers_as_the_server_does(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6,
+            "temperature": 1.0, "seed": 9, "n": 3}
+    upload = client.files.create(file=("n.jsonl", jsonl([line("n", body)])), purpose="batch")
+    batch = wait(client, client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h").id)
+    [record] = records(client, batch.output_file_id)
+    reply = ChatCompletion.model_validate(record["response"]["body"])
+    direct = client.chat.completions.create(**body)
+    assert [c.message.content for c in reply.choices] == [c.message.content for c in direct.choices]
+    assert [c.index for c in reply.choices] == [0, 1, 2] and reply.usage == direct.usage
+
+
 def test_a_file_with_bad_lines_fails_the_batch_naming_them(client):
     good = line("a", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]})
     upload = client.files.create(file=("bad.jsonl", jsonl(
