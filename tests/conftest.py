@@ -78,6 +78,53 @@ def _private_cache(tmp_path_factory):
         os.environ["MOEDESK_CACHE_DIR"] = before
 
 
+@pytest.fixture(scope="session")
+def llama_extra_buffers(_private_cache) -> bool:
+    """Whether llama.cpp keeps its extra CPU weight buffers (AMX, repacked) on this machine, as the engine decides
+    (engine.llamacpp.amx_probe); True without llama-cpp-python."""
+    try:
+        import llama_cpp
+    except (ImportError, OSError):
+        return True
+    from moedesk.engine.llamacpp.amx_probe import extra_buffers_safe
+
+    return extra_buffers_safe(_private_cache, getattr(llama_cpp, "__version__", "?"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _llama_cpp_as_the_engine_runs_it(llama_extra_buffers):
+    """Where llama.cpp's AMX kernels crash this machine the engine loads without its extra buffers; references built
+    with llama-cpp-python's own Llama then load the same way, so that they neither end the run nor compute with
+    other kernels than the engine's. A child process running llama-cpp-python does the same (LLAMA_OFF_CHILD)."""
+    if llama_extra_buffers:
+        yield
+        return
+    from llama_cpp import llama_cpp as api
+
+    default = api.llama_model_default_params
+
+    def without_extra_buffers():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    api.llama_model_default_params = without_extra_buffers
+    yield
+    api.llama_model_default_params = default
+
+
+# What a child process runs first, before its own llama-cpp-python code, where the engine turns the buffers off.
+LLAMA_OFF_CHILD = """
+from llama_cpp import llama_cpp as _api
+_default = _api.llama_model_default_params
+def _without_extra_buffers():
+    params = _default()
+    params.use_extra_bufts = False
+    return params
+_api.llama_model_default_params = _without_extra_buffers
+"""
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item, call):
     report = yield

@@ -19,6 +19,8 @@ from moedesk import libstdcxx
 from moedesk.engine.errors import CheckpointError, MoedeskError
 from moedesk.engine.memory_fit import shortfall
 from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
+from moedesk.engine.load.demo import cache_root
+from moedesk.engine.llamacpp.amx_probe import extra_buffers_safe
 from moedesk.engine.llamacpp.buffers import failed_gpu_bytes
 from moedesk.engine.llamacpp.compute import offload_copy_bytes
 from moedesk.engine.llamacpp.decoder import LlamaContext, LlamaCppDecoder, NoContext
@@ -95,6 +97,10 @@ class LlamaCppEngine(EngineFace):
             warnings.append(late)
         if device.startswith("cuda") and not use_gpu:
             warnings.append(f"--device {device}: llama.cpp has no GPU device here; it runs on the CPU")
+        extra_buffers = extra_buffers_safe(cache_root(), lib.version)
+        if not extra_buffers:
+            warnings.append("llama.cpp's AMX kernels crashed in a probe on this machine: its CPU work runs without "
+                            "them")
         reader = read_header(path)
         path = Path(reader.paths[0])  # of a split GGUF, the first part: llama.cpp loads the others from its name
         shape = gguf_shape(reader)
@@ -113,7 +119,7 @@ class LlamaCppEngine(EngineFace):
             mark = lib.log_mark()
             # several GPUs: each takes the layers its room holds, not llama.cpp's count of layers by free memory
             split = gpu_split(shape, placement, machine, fit.context)
-            handle, stopped = _load_file(lib, path, placement, progress, split, machine.gpu_index)
+            handle, stopped = _load_file(lib, path, placement, progress, split, machine.gpu_index, extra_buffers)
             if stopped:
                 if handle:
                     api.llama_model_free(handle)
@@ -341,12 +347,15 @@ class _KVFace:
 
 
 def _load_file(lib, path: Path, placement: Placement, progress, split: tuple[int, ...] | None = None,
-               gpu: int | None = None) -> tuple[int | None, list[BaseException]]:
+               gpu: int | None = None, extra_buffers: bool = True) -> tuple[int | None, list[BaseException]]:
     """llama.cpp's model handle (None when it could not load) under `placement`, and what `progress` raised. split:
     the layers each GPU takes (engine.llamacpp.fit.gpu_split; None: llama.cpp's own split). gpu: the one GPU
-    `--device cuda:N` names (Machine.gpu_index; None: every GPU llama.cpp sees)."""
+    `--device cuda:N` names (Machine.gpu_index; None: every GPU llama.cpp sees). extra_buffers False: no AMX or
+    repacked weight buffers (engine.llamacpp.amx_probe)."""
     api = lib.api
     params = api.llama_model_default_params()
+    if hasattr(params, "use_extra_bufts"):
+        params.use_extra_bufts = extra_buffers
     params.n_gpu_layers = placement.gpu_layers
     if gpu is not None and placement.gpu_layers:
         # llama.cpp's single-GPU mode keeps main_gpu (an index into the GPUs it sees, CUDA's order) and drops the rest

@@ -54,7 +54,7 @@ def faked(monkeypatch):
     real_load, real_context = llama_engine._load_file, llama_engine._make_context
     failures, attempts, pinned = [], [], []
 
-    def load_file(lib, gguf, placement, progress, split=None, gpu=None):
+    def load_file(lib, gguf, placement, progress, split=None, gpu=None, extra_buffers=True):
         pinned.append(placement.cpu_moe)
         return real_load(lib, gguf, placement, progress, split, gpu)
 

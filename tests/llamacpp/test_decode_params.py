@@ -73,8 +73,10 @@ def test_model_params_match_llama_bench_ncmoe(monkeypatch):
     handle, stopped = llama_engine._load_file(fake_lib(record), "x.gguf", placement, None)
     assert handle is None and not stopped
     defaults = lib.api.llama_model_default_params()
-    assert seen == {"gpu_layers": 9, "extra": defaults.use_extra_bufts, "no_host": defaults.no_host,
-                    "devices": None, "overrides": True}
+    # the extra buffers on, as llama.cpp's own default, unless its AMX kernels crash here (engine.llamacpp.amx_probe)
+    assert seen == {"gpu_layers": 9, "extra": True, "no_host": defaults.no_host, "devices": None, "overrides": True}
+    llama_engine._load_file(fake_lib(record), "x.gguf", placement, None, extra_buffers=False)
+    assert seen["extra"] is False
     # llama-bench's pattern for layer i: blk\.i\.ffn_(up|down|gate|gate_up)_(ch|)exps (common.h)
     pattern = experts_pattern(placement.cpu_expert_layers())
     for layer in range(8):

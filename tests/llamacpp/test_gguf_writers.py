@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import LLAMA_OFF_CHILD
+
 llama_cpp = pytest.importorskip("llama_cpp")
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +49,8 @@ print(model.metadata["general.architecture"], scores.shape[1], bool(np.isfinite(
 @pytest.mark.parametrize("shape, arch", [("qwen3.5-35b-a3b", "qwen35moe"), ("deepseek-v3", "deepseek2"),
                                          ("glm-4.5-air", "glm4moe"), ("gpt-oss-20b", "gpt-oss"),
                                          ("qwen3-30b-a3b", "qwen3moe")])
-def test_the_family_writer_at_toy_sizes_writes_what_llama_cpp_runs(tmp_path, shape, arch, monkeypatch):
+def test_the_family_writer_at_toy_sizes_writes_what_llama_cpp_runs(tmp_path, shape, arch, monkeypatch,
+                                                                   llama_extra_buffers):
     """make_family_gguf.py's files for llama-bench, with --tiny dimensions: llama.cpp loads them and computes finite,
     varied logits. The tensors llama.cpp's converter keeps in F32 (routers, the DeltaNet convolution) stay F32."""
     from gguf import GGMLQuantizationType, GGUFReader
@@ -60,7 +63,8 @@ def test_the_family_writer_at_toy_sizes_writes_what_llama_cpp_runs(tmp_path, sha
     types = {t.name: t.tensor_type for t in GGUFReader(out).tensors}
     kept = [n for n in types if n.endswith(("ffn_gate_inp.weight", "ssm_conv1d.weight"))]
     assert kept and all(types[n] == GGMLQuantizationType.F32 for n in kept)
-    ran = subprocess.run([sys.executable, "-c", RUN, str(out)], capture_output=True, text=True, timeout=300)
+    run = RUN if llama_extra_buffers else LLAMA_OFF_CHILD + RUN
+    ran = subprocess.run([sys.executable, "-c", run, str(out)], capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, f"llama.cpp exited with {ran.returncode}: {ran.stderr[-1500:]}"
     name, vocab, finite, spread = ran.stdout.split()[-4:]
     assert (name, vocab, finite) == (arch, "512", "True") and float(spread) > 0

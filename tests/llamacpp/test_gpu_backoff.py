@@ -31,7 +31,7 @@ def test_a_gpu_that_cannot_hold_the_planned_experts_keeps_half_of_them_in_ram_an
     monkeypatch.setattr(llama_engine, "this_machine", lambda device="auto": Machine(True, 8 * GIB, 64 * GIB))
     real, tried = llama_engine._load_file, []
 
-    def load_file(lib, gguf, placement, progress, split=None, gpu=None):
+    def load_file(lib, gguf, placement, progress, split=None, gpu=None, extra_buffers=True):
         tried.append(placement.cpu_moe)
         if len(tried) == 1:  # what llama.cpp's CUDA backend logs when the model buffer does not fit
             for line in CUDA_OOM:
@@ -67,7 +67,7 @@ def test_no_back_off_is_left_once_every_expert_is_in_ram(tmp_path, monkeypatch):
     monkeypatch.setattr(llama_engine, "this_machine", lambda device="auto": Machine(True, 8 * GIB, 64 * GIB))
     tried = []
 
-    def load_file(lib, gguf, placement, progress, split=None, gpu=None):
+    def load_file(lib, gguf, placement, progress, split=None, gpu=None, extra_buffers=True):
         tried.append(placement.cpu_moe)
         for line in CUDA_OOM:
             lib._log(4, line, None)

@@ -131,7 +131,7 @@ def test_the_engine_loads_on_the_gpu_its_machine_names(tmp_path, monkeypatch):
                         lambda device="auto": Machine(True, 8 * GIB, 64 * GIB, (), fit_module.named_gpu(device)))
     given = []
 
-    def load_file(lib, gguf, placement, progress, split=None, gpu=None):
+    def load_file(lib, gguf, placement, progress, split=None, gpu=None, extra_buffers=True):
         given.append((split, gpu))
         return None, []
 

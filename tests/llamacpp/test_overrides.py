@@ -109,7 +109,8 @@ def test_pinned_layers_experts_are_overridden_and_the_text_is_the_same(tiny_moe)
     assert all(buffer.startswith("CPU") for buffer in pinned.overridden.values())  # CPU, or its repacked form
     found = expert_buffers(pinned)
     assert set(found) == {f"blk.{i}.ffn_{p}_exps.weight" for i in range(3) for p in ("gate", "up", "down")}
-    assert all(found[name] == (buffer, True) for name, buffer in pinned.overridden.items())
+    # the buffer type named, or with the file memory-mapped and nothing repacked, its mapped form (CPU_Mapped)
+    assert all(found[name][0].startswith(buffer) and found[name][1] for name, buffer in pinned.overridden.items())
     assert greedy(pinned) == expected
     pinned.close()
 
