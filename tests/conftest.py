@@ -99,21 +99,14 @@ def _llama_cpp_as_the_engine_runs_it(llama_extra_buffers):
     if llama_extra_buffers:
         yield
         return
-    from llama_cpp import llama_cpp as api
-
-    default = api.llama_model_default_params
-
-    def without_extra_buffers():
-        params = default()
-        params.use_extra_bufts = False
-        return params
-
-    api.llama_model_default_params = without_extra_buffers
+    patched: dict = {}
+    exec(LLAMA_OFF_CHILD, patched)
     yield
-    api.llama_model_default_params = default
+    patched["_api"].llama_model_default_params = patched["_default"]
 
 
-# What a child process runs first, before its own llama-cpp-python code, where the engine turns the buffers off.
+# What a child process runs first, before its own llama-cpp-python code, where the engine turns the buffers off
+# (and this process, by the fixture above).
 LLAMA_OFF_CHILD = """
 from llama_cpp import llama_cpp as _api
 _default = _api.llama_model_default_params
