@@ -152,6 +152,11 @@ class Job:
     reader: ReplyReader
     release: object = None  # called once when the job is over: its model may unload
 
+    def end(self) -> None:
+        """Free its row (a no-op once finished) and release its model; safe to call again."""
+        self.handle.cancel()
+        self.release()
+
 
 class Server:
     """The HTTP front of a loaded engine, or of several models loaded one at a time (app.model_registry)."""
@@ -247,11 +252,11 @@ class Server:
         tasks = [asyncio.ensure_future(self.finish(http, job)) for job in jobs]
         try:
             dones = await asyncio.gather(*tasks)
-        finally:
-            for task, job in zip(tasks, jobs):  # one failed, or the client left: the others' rows freed too
+        except BaseException:
+            for task, job in zip(tasks, jobs):  # one failed: the others' rows are freed too
                 task.cancel()
-                job.handle.cancel()
-                job.release()
+                job.end()
+            raise
         if any(done is None for done in dones):
             return Response(status_code=499)
         return JSONResponse(self.completions_body(jobs, dones, reply_id))
@@ -269,8 +274,7 @@ class Server:
                 jobs.append(await self.start({**body, "n": 1, **({} if seed is None else {"seed": seed + i})}, chat))
         except BaseException:
             for job in jobs:
-                job.handle.cancel()
-                job.release()
+                job.end()
             raise
         return jobs
 
@@ -402,8 +406,7 @@ class Server:
                     if http is not None and await http.is_disconnected():
                         return None
         finally:
-            job.handle.cancel()  # no-op once finished; frees the row if the client left or this task was cancelled
-            job.release()
+            job.end()  # frees the row if the client left or this task was cancelled
         if update.error is not None:
             raise _engine_error(update.error)
         job.reader.last(update.completion)
@@ -426,8 +429,7 @@ class Server:
                 if piece.reasoning or piece.content or piece.tool_calls or piece.call_deltas:
                     yield piece, None
         finally:
-            job.handle.cancel()
-            job.release()
+            job.end()
 
     @staticmethod
     def streaming(events, media_type: str = "text/event-stream") -> StreamingResponse:
@@ -482,8 +484,7 @@ class Server:
             yield b"data: [DONE]\n\n"
         finally:
             for job in jobs:  # the client went away mid-stream: the rows are freed at the next step
-                job.handle.cancel()
-                job.release()
+                job.end()
 
     # --- validation ---------------------------------------------------------------------------
 

@@ -358,8 +358,7 @@ class BatchesApi:
             return e.status, error_body(e.message, e.kind, e.param, e.code)
         finally:
             for job in jobs:  # a choice failed: the others' rows freed too
-                job.handle.cancel()
-                job.release()
+                job.end()
             batch.jobs.difference_update(jobs)
         return 200, server.completions_body(jobs, dones, _id("chatcmpl-" if chat else "cmpl-"))
 

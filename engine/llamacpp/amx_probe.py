@@ -13,6 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from moedesk.engine.hardware import machine_fingerprint
+from moedesk.engine.json_cache import cached_json
+
 # The child: the demo's GGUF (SmolLM2, Q4_1: a type llama.cpp's AMX kernels take) through llama-cpp-python, one
 # prompt decoded, as the engine's first step would.
 CHILD = """
@@ -42,9 +45,6 @@ def extra_buffers_safe(cache_dir: Path, version: str, run=None) -> bool:
     status > 0: no demo file, say) decides nothing, and the buffers stay on."""
     if not cpu_advertises_amx():
         return True
-    from moedesk.engine.hardware import machine_fingerprint
-    from moedesk.engine.json_cache import cached_json
-
     path = Path(cache_dir) / f"llamacpp-extra-buffers-{machine_fingerprint()}-{version}.json"
     return bool(cached_json(path, lambda: {"safe": (run or _run_child)() >= 0})["safe"])
 
