@@ -5,8 +5,8 @@ tokens, 512 by default, which the engine keeps): f32 activations, of which the w
 token's, at reservation) or a feed-forward's intermediates, and the attention mask over the context. Where some
 layers' experts stay in RAM, its CUDA backend computes a prefill's expert products on the GPU all the same, copying
 the weight there first: the copy lives in the compute buffer, one tensor at a time (each in its own graph split),
-so the largest routed-expert tensor is reserved too. Pure functions of sizes, checked against llama.cpp's own
-"compute buffer size" lines (tests/llamacpp/test_compute_buffer.py).
+beside the activations live at that product, and is freed after it like any other node. Pure functions of sizes,
+checked against llama.cpp's own "compute buffer size" lines (tests/llamacpp/test_compute_buffer.py).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ UBATCH = 512  # llama.cpp's default micro-batch (n_ubatch), which engine.llamacp
 OFFLOAD_BATCH = 32  # from this many tokens on, llama.cpp's CUDA backend runs an op on a weight in RAM itself
 _ROUTED = re.compile(r"blk\.\d+\.ffn_(gate|up|gate_up)_(?:ch)?exps\.weight$")
 _DENSE = re.compile(r"blk\.\d+\.ffn_(gate|up)(_shexp)?\.weight$")
-_EXPERT = re.compile(r"blk\.\d+\.ffn_(?:gate|up|down|gate_up)_(?:ch)?exps\.")
+_EXPERT = re.compile(r"blk\.\d+\.ffn_(gate|up|down|gate_up)_(?:ch)?exps\.")
 
 
 @dataclass(frozen=True)
@@ -27,21 +27,27 @@ class GraphShape:
     vocab: int
     hidden: int
     ffn_floats: int  # floats per token that the widest feed-forward holds at once
-    largest_expert_tensor: int  # bytes of the largest routed-expert tensor (what a pinned layer's prefill copies)
+    routed_floats: int  # floats per token of one routed projection over every pick (picks x expert width)
+    picks: int  # routed experts a token runs
+    gate_up_bytes: int  # the largest routed gate or up (or fused gate_up) tensor: a pinned layer's copy
+    down_bytes: int  # the largest routed down tensor
 
 
 def graph_shape(tensors, experts_used: int) -> GraphShape:
     """tensors: objects with .name, .shape (GGUF order: fastest dimension first) and .n_bytes, as gguf's reader
     and engine.load.gguf_header give them; experts_used: the routers' picks per token (0: a dense model)."""
-    vocab = hidden = largest = 0
+    vocab = hidden = gate_up = down = 0
     routed: dict[str, int] = {}  # per layer: the expert width, counted once for gate and up
     dense: dict[str, int] = {}  # per layer: dense and shared-expert widths
     for t in tensors:
         name, shape = t.name, [int(n) for n in t.shape]
         if name == "token_embd.weight" and len(shape) == 2:
             hidden, vocab = shape
-        if _EXPERT.match(name):
-            largest = max(largest, int(t.n_bytes))
+        if m := _EXPERT.match(name):
+            if m.group(1) == "down":
+                down = max(down, int(t.n_bytes))
+            else:
+                gate_up = max(gate_up, int(t.n_bytes))
         layer = name.split(".")[1] if name.startswith("blk.") else ""
         if (m := _ROUTED.match(name)) and len(shape) == 3:
             routed[layer] = shape[1] // (2 if m.group(1) == "gate_up" else 1)
@@ -52,7 +58,9 @@ def graph_shape(tensors, experts_used: int) -> GraphShape:
     per_layer = [max(1, experts_used) * (3 * width + hidden) + 3 * dense.get(layer + "_shexp", 0)
                  for layer, width in routed.items()]
     per_layer += [3 * width + hidden for key, width in dense.items() if not key.endswith("_shexp")]
-    return GraphShape(vocab, hidden, max(per_layer, default=0), largest)
+    picks = max(1, experts_used) if routed else 0
+    return GraphShape(vocab, hidden, max(per_layer, default=0), picks * max(routed.values(), default=0), picks,
+                      gate_up, down)
 
 
 def micro_batch(context: int, ubatch: int = UBATCH) -> int:
@@ -65,10 +73,24 @@ def activation_bytes(shape: GraphShape, context: int, ubatch: int = UBATCH) -> i
     micro-batch against `context` positions."""
     tokens = micro_batch(context, ubatch)
     per_token = max(shape.vocab + 2 * shape.hidden, shape.ffn_floats + 3 * shape.hidden)
-    return 4 * tokens * per_token + 6 * tokens * context
+    return 4 * tokens * per_token + _mask_bytes(tokens, context)
+
+
+def _mask_bytes(tokens: int, context: int) -> int:
+    """The attention mask of a micro-batch against the context: f32, and its f16 copy."""
+    return 6 * tokens * context
 
 
 def offload_copy_bytes(shape: GraphShape, context: int, ubatch: int = UBATCH) -> int:
-    """What the GPU's compute buffer also holds when some layers' experts stay in RAM: the copy of one expert
-    tensor that a prefill's product runs on."""
-    return shape.largest_expert_tensor if micro_batch(context, ubatch) >= OFFLOAD_BATCH else 0
+    """How much more the GPU's compute buffer holds when some layers' experts stay in RAM: its peak is then the
+    copy of one expert tensor and what is live at that product, where it passes the graph's own widest point.
+    Live beside the up projection's copy: the gate's and up's outputs for every pick; beside the down's: its input
+    and its output for every pick. Both beside the layer's input, its normalised copy and one row more."""
+    tokens = micro_batch(context, ubatch)
+    if tokens < OFFLOAD_BATCH or not shape.picks:
+        return 0
+    beside = 3 * shape.hidden
+    at_up = shape.gate_up_bytes + 4 * tokens * (2 * shape.routed_floats + beside)
+    at_down = shape.down_bytes + 4 * tokens * (shape.routed_floats + shape.picks * shape.hidden + beside)
+    peak = max(at_up, at_down) + _mask_bytes(tokens, context)
+    return max(0, peak - activation_bytes(shape, context, ubatch))

@@ -143,13 +143,57 @@ def test_a_whole_gpu_budget_keeps_no_more_layers_experts_in_ram_than_it_must(bud
     assert need_on_gpu(shape, budget_gb, chosen) <= budget
     if chosen:
         assert need_on_gpu(shape, budget_gb, chosen - 1) > budget
-    # the compute buffer: the routed feed-forward of 512 tokens (two 14336-wide picks) and a pinned layer's Q6_K
-    # down experts copied for a prefill
+    # the compute buffer: the routed feed-forward of 512 tokens (two 14336-wide picks); with a layer pinned, its peak
+    # is the copy of a Q6_K down tensor beside that product's input and output for both picks
     graph, cells = shape.graph, 768  # llama.cpp's cache holds the 576 positions in a multiple of 256 cells
     assert activation_bytes(graph, cells) == 4 * 512 * (2 * (3 * FFN + HIDDEN) + 3 * HIDDEN) + 6 * 512 * cells
-    assert offload_copy_bytes(graph, cells) == int(HIDDEN * FFN * EXPERTS * Q6K)
+    at_down = int(HIDDEN * FFN * EXPERTS * Q6K) + 4 * 512 * (2 * FFN + 2 * HIDDEN + 3 * HIDDEN) + 6 * 512 * cells
+    assert activation_bytes(graph, cells) + offload_copy_bytes(graph, cells) == at_down
     assert fit.compute_bytes == activation_bytes(graph, cells) + (offload_copy_bytes(graph, cells) if chosen else 0)
     assert fit.gpu_bytes == shape.other_on_gpu + sum(shape.sizes.expert_bytes[chosen:]) + cells * shape.kv_per_position
+
+
+def mixtral_whole_q4_k(vocab: int = 340) -> GGUFShape:
+    """tests/perf/make_mixtral_q4k_gguf.py's file: 32 layers, every expert tensor Q4_K, the rest F16, the small
+    vocabulary of the GGUF tests."""
+    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
+    per_expert, kv_width = HIDDEN * FFN * EXPERTS, 1024
+    tensors = [tensor("token_embd.weight", (HIDDEN, vocab), 2 * HIDDEN * vocab),
+               tensor("output.weight", (HIDDEN, vocab), 2 * HIDDEN * vocab),
+               tensor("output_norm.weight", (HIDDEN,), 4 * HIDDEN)]
+    for layer in range(32):
+        p = f"blk.{layer}."
+        tensors += [tensor(p + "attn_norm.weight", (HIDDEN,), 4 * HIDDEN),
+                    tensor(p + "ffn_norm.weight", (HIDDEN,), 4 * HIDDEN),
+                    tensor(p + "attn_q.weight", (HIDDEN, HIDDEN), 2 * HIDDEN * HIDDEN),
+                    tensor(p + "attn_k.weight", (HIDDEN, kv_width), 2 * HIDDEN * kv_width),
+                    tensor(p + "attn_v.weight", (HIDDEN, kv_width), 2 * HIDDEN * kv_width),
+                    tensor(p + "attn_output.weight", (HIDDEN, HIDDEN), 2 * HIDDEN * HIDDEN),
+                    tensor(p + "ffn_gate_inp.weight", (HIDDEN, EXPERTS), 2 * HIDDEN * EXPERTS)]
+        tensors += [tensor(f"{p}ffn_{leaf}_exps.weight", dims, per_expert * Q4K)
+                    for leaf, dims in (("gate", (HIDDEN, FFN, EXPERTS)), ("up", (HIDDEN, FFN, EXPERTS)),
+                                       ("down", (FFN, HIDDEN, EXPERTS)))]
+    sizes = gguf_sizes((t.name, t.n_bytes) for t in tensors)
+    return GGUFShape(sizes, 32, 2 * 32 * kv_width * 2, 32768, False, graph_shape(tensors, 2))
+
+
+# llama.cpp's "CUDA0 compute buffer size" on the GPU box with some layers' experts in RAM, at 576 positions (768
+# cells): 464 MiB for the 8-layer Q4_K_M file (sessions 40 and 41, every -ncmoe from 3 to 8), 389 MiB for the whole
+# Q4_K file (session 45). The copy sits beside that product's activations, not beside the graph's widest point.
+@pytest.mark.parametrize("which,reported_mib", [("8 layers, Q4_K_M", 464), ("whole, Q4_K", 389)])
+def test_with_a_layer_pinned_the_estimate_is_llama_cpp_s_compute_buffer(which, reported_mib):
+    shape = mixtral_8l_q4_k_m() if which.startswith("8") else mixtral_whole_q4_k()
+    estimate = activation_bytes(shape.graph, 768) + offload_copy_bytes(shape.graph, 768)
+    assert reported_mib * MIB <= estimate <= (reported_mib + 4) * MIB, estimate / MIB
+
+
+def test_a_whole_mixtral_at_8_gb_keeps_the_layers_that_fit_on_the_gpu():
+    """Session 45: llama.cpp ran -ncmoe 26 within 8 GB (7,586 MiB of its buffers on the GPU), llama-bench's fastest
+    there; the plan kept 27 layers' experts in RAM while the compute buffer was counted 73 MiB high."""
+    shape = mixtral_whole_q4_k()
+    fit = plan(shape, H200, CONTEXT, 8e9 / GIB)
+    assert fit.placement.cpu_moe == 26, fit.placement.why
+    assert 7586 * MIB <= fit.gpu_total <= 7600 * MIB, fit.gpu_total / MIB
 
 
 def test_the_line_the_screens_show_counts_what_the_choice_counts():
