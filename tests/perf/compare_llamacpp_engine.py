@@ -137,10 +137,11 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
         # one team. The same loop on a new thread each run tells the two apart.
         fresh = sorted(on_new_thread(lambda: bare_decode(engine, tokens))
                        for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
+        prefill_bare = bare_prefill(engine, prompt, tokens, threads) if decodes > 1 else None
     finally:
         engine.close()
     return {"pp": rates["prefill"], "pp_runs": prefills, "tg": statistics.median(runs), "tg_runs": runs, "tg_bare": bare,
-            "tg_bare_new_thread": fresh, "ncmoe": engine.placement.cpu_moe,
+            "tg_bare_new_thread": fresh, "pp_bare": prefill_bare, "ncmoe": engine.placement.cpu_moe,
             "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
 
 
@@ -192,6 +193,54 @@ def bare_decode(engine, tokens: int) -> float:
     rate = (tokens - 1) / (time.perf_counter() - start)
     api.llama_memory_seq_rm(api.llama_get_memory(llama.ctx), 0, -1, -1)
     return round(rate, 2)
+
+
+def bare_prefill(engine, prompt: int, tokens: int, threads: int, runs: int = 3) -> dict:
+    """tok/s of one llama_decode of a `prompt`-token prompt (the median of `runs`, after one of the same size), on
+    the engine's own context and on a second context over the same model made as llama-bench makes its own (one
+    sequence, prompt + tokens positions, the sliding-window cache only as long as its window): the first against
+    the wrapper's prefill is the wrapper's Python; the second against the first is the context's settings."""
+    import statistics
+    import time
+
+    from moedesk.bench.llamacpp import _prompt
+
+    api, llama = engine.api, engine.llama
+    ids = _prompt(prompt, engine.vocab_size, prompt)
+
+    def timed(ctx, batch) -> float:
+        rates = []
+        for _ in range(runs + 1):
+            api.llama_memory_seq_rm(api.llama_get_memory(ctx), 0, -1, -1)
+            for j, token in enumerate(ids):
+                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, j, 1, j == len(ids) - 1
+                batch.seq_id[j][0] = 0
+            batch.n_tokens = len(ids)
+            if llama.counter is not None:
+                llama.counter.begin_step(True)
+            start = time.perf_counter()
+            if api.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            api.llama_get_logits_ith(ctx, len(ids) - 1)  # llama_decode returns once the logits are read back
+            rates.append(prompt / (time.perf_counter() - start))
+        api.llama_memory_seq_rm(api.llama_get_memory(ctx), 0, -1, -1)
+        return round(statistics.median(rates[1:]), 1)
+
+    found = {"engine_context": timed(llama.ctx, llama.batch)}
+    params = api.llama_context_default_params()  # llama-bench's to_llama_cparams
+    params.n_ctx, params.n_batch, params.n_ubatch = prompt + tokens, 2048, 512
+    params.n_threads = params.n_threads_batch = threads
+    params.flash_attn_type, params.swa_full = 1, False  # -fa 1, as llama_bench() runs it
+    ctx = api.llama_init_from_model(llama.model, params)
+    if not ctx:
+        return {**found, "bench_context": None}
+    batch = api.llama_batch_init(max(prompt, 1), 0, 1)
+    try:
+        found["bench_context"] = timed(ctx, batch)
+    finally:
+        api.llama_batch_free(batch)
+        api.llama_free(ctx)
+    return found
 
 
 def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, dict]:
@@ -309,7 +358,8 @@ def wrapper_lines(args, gguf: str, layers: int, count_everies: list[int], report
               f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x; "
               f"its runs, the first cold: {mine['pp_runs']}); "
               f"the engine's decode runs {mine['tg_runs']}; a bare llama_decode loop on its context "
-              f"{mine['tg_bare']} tok/s on the main thread, {mine['tg_bare_new_thread']} on a new thread each run")
+              f"{mine['tg_bare']} tok/s on the main thread, {mine['tg_bare_new_thread']} on a new thread each run; "
+              f"a bare prefill {mine['pp_bare']}")
     # llama-bench again: the ratios above are against its first run; a second that moved as much as the gap
     # being looked for says the box drifted, not the engine.
     after = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
