@@ -356,6 +356,11 @@ def _load_file(lib, path: Path, placement: Placement, progress, split: tuple[int
     params = api.llama_model_default_params()
     if hasattr(params, "use_extra_bufts"):
         params.use_extra_bufts = extra_buffers
+    if placement.page_locked:  # read, not mapped: the experts in RAM land in the GPU's page-locked memory
+        if hasattr(params, "load_mode"):
+            params.load_mode = api.LLAMA_LOAD_MODE_NONE
+        else:  # llama-cpp-python before llama.cpp's load modes
+            params.use_mmap = False
     params.n_gpu_layers = placement.gpu_layers
     if gpu is not None and placement.gpu_layers:
         # llama.cpp's single-GPU mode keeps main_gpu (an index into the GPUs it sees, CUDA's order) and drops the rest

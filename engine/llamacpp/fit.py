@@ -49,8 +49,7 @@ class GGUFShape:
 
 def gguf_shape(header) -> GGUFShape:
     """The shape of a GGUF from its metadata and tensor infos (gguf's reader, or a split GGUF's joined view)."""
-    part_of = getattr(header, "part_of", {})  # a split GGUF's (engine.load.gguf_split.Joined)
-    sizes = gguf_sizes((t.name, int(t.n_bytes), part_of.get(t.name, 0), int(t.data_offset)) for t in header.tensors)
+    sizes = gguf_sizes((t.name, int(t.n_bytes)) for t in header.tensors)
     layers = arch_value(header, "block_count") or len(sizes.expert_bytes)
     tied = not any(t.name == "output.weight" for t in header.tensors)
     arch = value(header, "general.architecture")

@@ -25,9 +25,6 @@ class GGUFSizes:
     expert_bytes: tuple[int, ...]  # per layer (0 for a layer without routed experts)
     other_bytes: int
     input_bytes: int = 0  # the token embeddings (in other_bytes): llama.cpp keeps them in RAM whatever it offloads
-    # [n]: bytes of the file llama.cpp maps for what it keeps in RAM beside a GPU with the first n layers' experts
-    # there (`mapped_bytes`); () where the tensors' offsets were not given
-    mapped: tuple[int, ...] = ()
 
     @property
     def total_bytes(self) -> int:
@@ -35,9 +32,7 @@ class GGUFSizes:
 
 
 def gguf_sizes(tensors) -> GGUFSizes:
-    """tensors: (name, n_bytes) of every tensor in the file, or (name, n_bytes, part, offset): then `mapped` too,
-    `part` being the file of a split GGUF that holds it and `offset` where its data starts in that file."""
-    tensors = [tuple(t) for t in tensors]
+    """tensors: (name, n_bytes, ...) of every tensor in the file."""
     per_layer: dict[int, int] = {}
     other = embeddings = 0
     for name, size, *_ in tensors:
@@ -48,34 +43,7 @@ def gguf_sizes(tensors) -> GGUFSizes:
             other += int(size)
             embeddings += int(size) if name.startswith("token_embd.") else 0
     layers = max(per_layer, default=-1) + 1
-    placed = all(len(t) == 4 for t in tensors)
-    return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other, embeddings,
-                     mapped_bytes(tensors, layers) if placed and tensors else ())
-
-
-def mapped_bytes(tensors, layers: int) -> tuple[int, ...]:
-    """[n] for n in 0..layers: the bytes llama.cpp maps for the tensors it keeps in RAM beside a GPU, the token
-    embeddings and the first n layers' experts, out of (name, n_bytes, part, offset). It maps one range a file, from
-    the first such tensor to the end of the last (llama_model_loader::get_mapping_range), and its load reads the
-    GPU's tensors between them through that range: the process holds those pages too."""
-    spans: dict[int, tuple[int, int]] = {}
-
-    def hold(part: int, offset: int, size: int) -> None:
-        low, high = spans.get(part, (offset, offset + size))
-        spans[part] = (min(low, offset), max(high, offset + size))
-
-    by_layer: dict[int, list[tuple]] = {}
-    for name, size, part, offset in tensors:
-        if name.startswith("token_embd."):
-            hold(part, offset, size)
-        elif m := EXPERT_TENSOR.match(name):
-            by_layer.setdefault(int(m.group(1)), []).append((part, offset, size))
-    found = []
-    for n in range(layers + 1):
-        found.append(sum(high - low for low, high in spans.values()))
-        for part, offset, size in by_layer.get(n, []):
-            hold(part, offset, size)
-    return tuple(found)
+    return GGUFSizes(tuple(per_layer.get(i, 0) for i in range(layers)), other, embeddings)
 
 
 def cpu_moe_layers(expert_bytes: tuple[int, ...], budget_bytes: int, pinned_extra: int = 0) -> int:
@@ -135,6 +103,14 @@ class Placement:
     expert_bytes_in_ram: int
     why: str
 
+    @property
+    def page_locked(self) -> bool:
+        """Whether llama.cpp reads the file into the GPU's page-locked host memory instead of mapping it: where
+        experts stay in RAM beside a GPU, a prefill computes them on the GPU all the same, copying each expert tensor
+        there first, and only from page-locked memory does that copy run at the link's full speed (a mapped file's
+        pages go through a staging copy: docs/measurements.md, "Session 46")."""
+        return self.gpu_layers > 0 and self.cpu_moe > 0
+
     def cpu_expert_layers(self) -> list[int]:
         """The layers whose experts are pinned to RAM by a buffer override."""
         return list(range(self.cpu_moe))
@@ -166,12 +142,11 @@ def ram_need(sizes: GGUFSizes, placement: Placement, kv_per_position: int, conte
              state_per_sequence: int = 0) -> int:
     """Bytes the process holds in RAM once llama.cpp has loaded the model under `placement`: without a GPU the
     whole file and the KV cache (and recurrent state) of `slots` sequences at `context` positions; with one, the
-    experts pinned to RAM and the token embeddings (the cache is on the GPU with the layers), and the GPU's weights
-    that lie between them in the file where the header's offsets say so (`GGUFSizes.mapped`)."""
+    experts kept in RAM and the token embeddings (the cache is on the GPU with the layers). Beside a GPU the file
+    is read, not mapped, wherever experts stay in RAM (`Placement.page_locked`), so no other tensor's pages stay
+    with them; with none there, only the embeddings' pages are mapped."""
     if not placement.gpu_layers:
         return sizes.total_bytes + slots * (context * kv_per_position + state_per_sequence)
-    if sizes.mapped:
-        return sizes.mapped[placement.cpu_moe]
     return placement.expert_bytes_in_ram + sizes.input_bytes
 
 

@@ -4,8 +4,6 @@ experts pinned to RAM and the token embeddings with one), against the RAM availa
 as tests/load/test_load_refusal.py fakes them. And a budget the GPU cannot hold is backed off, as native does."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from moedesk.engine.errors import MoedeskError
@@ -31,60 +29,45 @@ def test_ram_need_is_the_whole_file_and_cache_without_a_gpu_and_the_pinned_exper
 
 
 
-def laid_out(tensors, part_of=lambda name: 0):
-    """(name, n_bytes, part, offset): the tensors one after another in their files, in the order given."""
-    ends: dict[int, int] = {}
-    for name, size in tensors:
-        part = part_of(name)
-        yield name, size, part, ends.get(part, 0)
-        ends[part] = ends.get(part, 0) + size
+def test_beside_a_gpu_the_experts_kept_in_ram_are_read_into_page_locked_memory_and_nothing_else_stays():
+    """Where experts stay in RAM beside a GPU, llama.cpp reads the file (a prefill copies them to the GPU from
+    page-locked memory at the link's speed) instead of mapping it, so no GPU tensor's pages stay in RAM with them;
+    with every expert on the GPU the file stays mapped (only the embeddings' pages are held), and without a GPU too."""
+    sizes = gguf_sizes(TENSORS)
+    kept = place(sizes, 4, gpu=True, budget_bytes=0, cpu_moe=2)
+    assert kept.page_locked and ram_need(sizes, kept, kv_per_position=1000, context=4096) == 40 * MIB + 600 * MIB
+    none_kept = place(sizes, 4, gpu=True, budget_bytes=10 * GIB)
+    assert none_kept.cpu_moe == 0 and not none_kept.page_locked
+    assert ram_need(sizes, none_kept, kv_per_position=1000, context=4096) == 40 * MIB
+    assert not place(sizes, 4, gpu=False, budget_bytes=0, cpu_moe=2).page_locked
 
 
-def test_beside_a_gpu_the_ram_is_the_range_llama_cpp_maps_from_the_embeddings_to_the_last_pinned_expert():
-    """llama.cpp maps one range of the file for what it keeps in RAM, and reads the GPU's weights between through it:
-    laid out as its converter writes them (the embeddings, then each layer's attention and experts), pinning two
-    layers' experts holds the first layer's attention too; without offsets, the sum as before."""
-    layout = [("token_embd.weight", 40 * MIB)]
-    for layer in range(4):
-        layout += [(f"blk.{layer}.attn_q.weight", 4 * MIB)]
-        layout += [(f"blk.{layer}.ffn_{p}_exps.weight", 100 * MIB) for p in ("gate", "up", "down")]
-    layout += [("output.weight", 20 * MIB)]
-    sizes = gguf_sizes(laid_out(layout))
-    assert sizes.mapped == (40 * MIB, 344 * MIB, 648 * MIB, 952 * MIB, 1256 * MIB)
-    gpu = place(sizes, 4, gpu=True, budget_bytes=0, cpu_moe=2)
-    assert ram_need(sizes, gpu, kv_per_position=1000, context=4096) == 40 * MIB + 4 * MIB + 600 * MIB + 4 * MIB
-    assert ram_need(gguf_sizes(layout), gpu, kv_per_position=1000, context=4096) == 640 * MIB
-    cpu = place(sizes, 4, gpu=False, budget_bytes=0)
-    assert ram_need(sizes, cpu, kv_per_position=1000, context=4096) == 1276 * MIB + 4096 * 1000
+@pytest.mark.parametrize("cpu_moe,mode", [(1, "NONE"), (0, "AUTO")])
+def test_the_load_reads_the_file_exactly_where_experts_stay_beside_a_gpu(cpu_moe, mode, monkeypatch):
+    """What the load hands llama.cpp: load_mode NONE (read into its buffers, page-locked on a GPU build) where a layer's
+    experts stay in RAM beside a GPU, llama.cpp's default (mapped) otherwise."""
+    from types import SimpleNamespace
 
+    import moedesk.engine.llamacpp.engine as llama_engine
+    from moedesk.engine.llamacpp.library import library
+    from moedesk.engine.llamacpp.placement import Placement
 
-def test_a_split_gguf_is_mapped_a_range_a_file():
-    """Each part of a split GGUF is its own mapping: the embeddings in the first part, layer 1's experts in the second,
-    the attention of layer 1 (in the first) between neither."""
-    layout = [("token_embd.weight", 40 * MIB), ("blk.0.ffn_up_exps.weight", 100 * MIB),
-              ("blk.1.attn_q.weight", 4 * MIB), ("blk.1.ffn_up_exps.weight", 100 * MIB)]
-    sizes = gguf_sizes(laid_out(layout, lambda name: 1 if name == "blk.1.ffn_up_exps.weight" else 0))
-    assert sizes.mapped == (40 * MIB, 140 * MIB, 240 * MIB)
+    lib, given = library(), []
 
+    def load_from_file(path, params):
+        given.append(params.load_mode)
+        return None
 
-def test_the_plan_holds_what_lies_between_the_pinned_experts_of_a_real_gguf(tmp_path):
-    """The tiny Qwen3-MoE GGUF of the GPU box's test_fit_agreement (its converter writes every layer's attention
-    before any expert): with three of four layers' experts in RAM beside a GPU, the plan's RAM is the file from the
-    embeddings to the end of layer 2's experts, as its header's offsets say, which llama.cpp's CUDA build reports as
-    its CPU model buffer; more than the embeddings and experts alone by the attention and norms between."""
-    from gguf import GGUFReader
+    monkeypatch.setattr(lib, "api", SimpleNamespace(**{k: getattr(lib.api, k) for k in dir(lib.api) if k.isupper()},
+                                                    llama_model_default_params=lib.api.llama_model_default_params,
+                                                    llama_progress_callback=lib.api.llama_progress_callback,
+                                                    llama_max_devices=lib.api.llama_max_devices,
+                                                    llama_model_load_from_file=load_from_file))
+    monkeypatch.setattr(lib, "cpu_buffer_type", lambda: 0)
+    placement = Placement(gpu_layers=5, cpu_moe=cpu_moe, layers=4, expert_bytes_in_ram=cpu_moe, why="")
+    assert llama_engine._load_file(lib, "model.gguf", placement, None) == (None, [])
+    assert given == [getattr(lib.api, f"LLAMA_LOAD_MODE_{mode}")]
 
-    from moedesk.engine.llamacpp.fit import Machine, gguf_shape, plan
-
-    path = build("qwen3moe", tmp_path / "q").gguf
-    tensors = {t.name: (int(t.data_offset), int(t.n_bytes)) for t in GGUFReader(path).tensors}
-    first = tensors["token_embd.weight"][0]
-    last = max(offset + size for name, (offset, size) in tensors.items() if name.startswith("blk.2.ffn_"))
-    fit = plan(gguf_shape(GGUFReader(path)), Machine(True, 8 * GIB, 64 * GIB), 512, cpu_moe=3)
-    assert fit.placement.gpu_layers and fit.ram_bytes == last - first
-    between = sum(size for name, (offset, size) in tensors.items() if first < offset < last and not (
-        name.startswith("token_embd.") or re.match(r"blk\.[012]\.ffn_\w+_exps\.", name)))
-    assert between > 0 and fit.ram_bytes == fit.placement.expert_bytes_in_ram + tensors["token_embd.weight"][1] + between
 
 def test_a_gpu_that_cannot_allocate_keeps_half_its_expert_layers_in_ram_until_none_are_left():
     sizes = gguf_sizes(TENSORS)

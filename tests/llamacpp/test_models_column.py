@@ -92,7 +92,7 @@ async def test_the_cell_is_the_loads_plan_and_follows_the_gpu_budget(ggufs, tui_
         await models_screen(pilot)
         first = cell(await row_on_screen(pilot, path.name))
         planned = loaded_fit(path, gpu_budget=budget)
-        in_ram = sizes.in_ram(3)  # the embeddings, three layers' experts and the GPU's tensors between them
+        in_ram = sizes.in_ram(3)  # the embeddings and three layers' experts
         assert planned.fits and planned.ram_bytes == in_ram and planned.placement.cpu_moe == 3
         assert first == f"{brief(in_ram)}+{brief(planned.gpu_total)} GPU" == plan_cell(planned)
         assert planned.summary() in note(app)  # the note below says the same plan in words

@@ -45,7 +45,8 @@ class ExpertBuffers:
     def __init__(self, api, ggml):
         p = ctypes.c_void_p
         for name, restype, argtypes in (("ggml_backend_buffer_get_type", p, [p]),
-                                        ("ggml_backend_buft_get_device", p, [p])):
+                                        ("ggml_backend_buft_get_device", p, [p]),
+                                        ("ggml_backend_buft_is_host", ctypes.c_bool, [p])):
             getattr(ggml, name).restype, getattr(ggml, name).argtypes = restype, argtypes
         self.ggml, self.found, self.user_data = ggml, {}, None
         self.callback = api.ggml_backend_sched_eval_callback(self._on_node)
@@ -63,7 +64,9 @@ class ExpertBuffers:
                 device = self.ggml.ggml_backend_buft_get_device(buft)
                 # ggml-base's own CPU buffer types ("CPU", and "CPU_Mapped" over an mmapped file) have no device
                 # (a FIXME in ggml-backend.cpp), and ggml_backend_dev_type(NULL) aborts the process.
-                on_cpu = not device or self.ggml.ggml_backend_dev_type(device) == 0  # GGML_BACKEND_DEVICE_TYPE_CPU
+                # A GPU backend's page-locked host memory (CUDA_Host) has the GPU as its device: RAM all the same.
+                on_cpu = (not device or self.ggml.ggml_backend_dev_type(device) == 0  # GGML_BACKEND_DEVICE_TYPE_CPU
+                          or self.ggml.ggml_backend_buft_is_host(buft))
                 self.found[name.decode()] = (self.ggml.ggml_backend_buft_name(buft).decode(), on_cpu)
         return False
 
@@ -171,6 +174,8 @@ def test_on_a_cuda_build_device_cpu_leaves_the_gpu_alone(tiny_moe):
 
 @pytest.mark.gpu
 def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_moe):
+    from moedesk.engine.llamacpp.buffers import in_ram
+
     pinned = load(tiny_moe, cpu_moe=1, device="auto")
     assert pinned.device.type == "cuda", "llama-cpp-python without CUDA: " + " / ".join(pinned.warnings)
     assert set(pinned.overridden) == {f"blk.0.ffn_{p}_exps.weight" for p in ("gate", "up", "down")}
@@ -179,8 +184,9 @@ def test_on_the_gpu_pinned_layers_stay_in_ram_and_the_rest_go_to_the_gpu(tiny_mo
     found = expert_buffers(pinned)  # read back: the pinned layer's experts in RAM, the others in the GPU's memory
     assert {name: on_cpu for name, (_, on_cpu) in found.items()} == {
         f"blk.{i}.ffn_{p}_exps.weight": i == 0 for i in range(3) for p in ("gate", "up", "down")}
-    # What the load says it kept them in is what they are in: the CPU's buffer ("CPU_Mapped" over the file)
-    assert pinned.overridden and all(found[name][0].startswith(buffer) and buffer.startswith("CPU")
+    # What the load says it kept them in is what they are in: RAM, the GPU's page-locked memory (CUDA_Host: the
+    # file read, not mapped, so that a prefill copies them at the link's speed) or a CPU buffer of the CPU's own
+    assert pinned.overridden and all(found[name][0].startswith(buffer) and in_ram(buffer)
                                      for name, buffer in pinned.overridden.items()), (pinned.overridden, found)
     split = greedy(pinned)
     pinned.close()
