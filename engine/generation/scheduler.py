@@ -43,6 +43,7 @@ import torch
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.hardware import use_device
 from moedesk.engine.requests import Completion, Request, StreamChunk
+from moedesk.engine.openmp_pool import release_pool
 
 log = logging.getLogger("moedesk")
 
@@ -226,6 +227,8 @@ class Scheduler:
         """
         handle = Handle(request, group, sink, cancel)
         handle.kind = kind
+        if threading.current_thread() is not self._thread:
+            release_pool()  # this thread's OpenMP workers would throttle the decode thread's (engine.openmp_pool)
         with self._lock:
             if self._exiting:  # no thread may start now (_stop_at_exit has joined them): it ends here, cancelled
                 handle.done = True
