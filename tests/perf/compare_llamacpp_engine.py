@@ -131,17 +131,17 @@ def ours(gguf: str, ncmoe: int | None, budget_gib: float | None, prompt: int, to
             done = engine.complete([Request(_prompt(32, engine.vocab_size, 0),
                                             SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True))])
             runs.append(done[0].stats["decode_tok_s"])
-        bare = sorted(bare_decode(engine, tokens) for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
-        # The engine's decode thread is a new thread for each request, and llama.cpp's OpenMP team is a new one
-        # with it (libgomp keeps one per thread that starts a parallel region); this process's main thread keeps
-        # one team. The same loop on a new thread each run tells the two apart.
-        fresh = sorted(on_new_thread(lambda: bare_decode(engine, tokens))
-                       for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
-        prefill_bare = bare_prefill(engine, prompt, tokens, threads) if decodes > 1 else None
+        # The bare loops run on threads of their own that end with them, as the engine's decode thread does. Never
+        # on this process's main thread: llama.cpp's OpenMP team there would outlive the loop, and while a second
+        # thread's team lives, every later decode thread's runs at a fraction of its speed (libgomp throttles its
+        # waits once more threads than cores are its own: docs/measurements.md, "Session 46").
+        bare = sorted(on_new_thread(lambda: bare_decode(engine, tokens))
+                      for _ in range(decodes))[(decodes - 1) // 2] if decodes > 1 else None
+        prefill_bare = on_new_thread(lambda: bare_prefill(engine, prompt, tokens, threads)) if decodes > 1 else None
     finally:
         engine.close()
     return {"pp": rates["prefill"], "pp_runs": prefills, "tg": statistics.median(runs), "tg_runs": runs, "tg_bare": bare,
-            "tg_bare_new_thread": fresh, "pp_bare": prefill_bare, "ncmoe": engine.placement.cpu_moe,
+            "pp_bare": prefill_bare, "ncmoe": engine.placement.cpu_moe,
             "why": engine.placement.why, "warnings": report["warnings"], "gpu_bytes": sum(gpu.values())}
 
 
@@ -358,8 +358,7 @@ def wrapper_lines(args, gguf: str, layers: int, count_everies: list[int], report
               f"{mine['pp']:.1f} vs {theirs['pp']:.1f} = {report[label]['prefill_ratio']:.3f}x (target >= 0.95x; "
               f"its runs, the first cold: {mine['pp_runs']}); "
               f"the engine's decode runs {mine['tg_runs']}; a bare llama_decode loop on its context "
-              f"{mine['tg_bare']} tok/s on the main thread, {mine['tg_bare_new_thread']} on a new thread each run; "
-              f"a bare prefill {mine['pp_bare']}")
+              f"{mine['tg_bare']} tok/s; a bare prefill {mine['pp_bare']}")
     # llama-bench again: the ratios above are against its first run; a second that moved as much as the gap
     # being looked for says the box drifted, not the engine.
     after = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps)
