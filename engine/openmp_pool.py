@@ -5,9 +5,9 @@ CPU ops, through the process's one libgomp (the first libgomp.so.1 loaded, torch
 keeps a pool of worker threads for every thread that ever opened a region, for as long as that thread lives, and
 while the pools' threads outnumber the cores it cuts every barrier's spin to a few turns before sleeping. ggml
 meets a barrier after each node of its graph, so with the main thread's pool alive (left by a load's torch ops, or
-any parallel torch op there) llama.cpp's decode steps ran 3.2x slower and the native engine's 1.7x on a 2-core
-machine (docs/measurements.md, "Session 46"). OpenMP 5's omp_pause_resource_all frees the calling thread's pool;
-its next region makes a new one.
+any parallel torch op there) both engines' decode steps ran far slower on a small machine
+(docs/measurements.md, "Session 46"). OpenMP 5's omp_pause_resource_all frees the calling thread's pool; its next
+region makes a new one.
 """
 from __future__ import annotations
 
