@@ -36,13 +36,14 @@ sys.path.insert(0, str(REPO))
 GIB = 2**30
 
 
-def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int, reps: int = 2) -> dict:
+def llama_bench(binary: str, gguf: str, ncmoe: int, threads: int, prompt: int, tokens: int, reps: int = 2,
+                extra: tuple[str, ...] = ()) -> dict:
     """{"pp": tok/s of a prompt of `prompt` tokens, "tg": tok/s of `tokens` generated} from llama-bench's JSON, the
-    mean of `reps` runs."""
+    mean of `reps` runs. extra: more of llama-bench's options (`-lm none`: the file read, not mapped)."""
     # -fa 1: the engine keeps llama.cpp's own default, auto, which takes flash attention where it can (its
     # graph runs FLASH_ATTN_EXT); llama-bench is told the same.
     out = subprocess.run([binary, "-m", gguf, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads), "-fa", "1",
-                          "-p", str(prompt), "-n", str(tokens), "-r", str(reps), "-o", "json"],
+                          "-p", str(prompt), "-n", str(tokens), "-r", str(reps), "-o", "json", *extra],
                          check=True, capture_output=True, text=True).stdout
     rates = {}
     for row in json.loads(out):
@@ -365,6 +366,18 @@ def wrapper_lines(args, gguf: str, layers: int, count_everies: list[int], report
     report["llama_bench_after"] = after
     print(f"llama-bench decode before the engine's lines {before['tg']:.1f}, after {after['tg']:.1f} tok/s "
           f"({after['tg'] / before['tg']:.3f}x); prefill {before['pp']:.1f}, {after['pp']:.1f}")
+    # llama-bench maps the file by default, where the engine reads it once experts stay in RAM beside a GPU
+    # (engine.llamacpp.placement.Placement.page_locked): the same reading llama-bench does with -lm none.
+    try:
+        read = llama_bench(args.llama_bench, gguf, n, args.threads, args.prompt, args.tokens, args.reps, ("-lm", "none"))
+    except subprocess.CalledProcessError:  # a llama-bench before load modes
+        read = None
+    report["llama_bench_read"] = read
+    if read:
+        mine = report["wrapper"]["moedesk"]
+        print(f"llama-bench -lm none (the file read): decode {read['tg']:.1f}, prefill {read['pp']:.1f} tok/s; the "
+              f"engine's counted line over it: decode {mine['tg'] / read['tg']:.3f}x, prefill "
+              f"{mine['pp'] / read['pp']:.3f}x")
     if args.batched_bench:
         prompt_tokens, gen_tokens = 128, 64  # bench_serve.py's defaults, for its four clients beside one
         rates = batched_bench(args.batched_bench, gguf, args.threads, prompt_tokens, gen_tokens)
