@@ -12,7 +12,7 @@ region makes a new one.
 from __future__ import annotations
 
 import ctypes
-from functools import cache
+from functools import cache, wraps
 
 OMP_PAUSE_SOFT = 1  # omp.h's omp_pause_soft: the threads go, the settings stay
 
@@ -30,3 +30,16 @@ def release_pool() -> bool:
     refuses). True when libgomp took the call."""
     pause = _pause()
     return pause is not None and pause(OMP_PAUSE_SOFT) == 0
+
+
+def frees_pool(function):
+    """`function`, then the calling thread's OpenMP pool freed, whatever it returned or raised: for work a thread
+    that lives on does beside the decode thread (a load's torch ops, on an executor's thread that serve reuses)."""
+    @wraps(function)
+    def freeing(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        finally:
+            release_pool()
+
+    return freeing

@@ -12,6 +12,7 @@ from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.hardware import use_device
+from moedesk.engine.openmp_pool import frees_pool
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
 from moedesk.engine.model.packed_linear import plan_of
 from moedesk.engine.offload.gpu_budget import (BudgetSplit, ContextBudgetError, budget_holding, model_split,
@@ -64,6 +65,7 @@ class Engine(EngineFace):
         self.acceptance: dict = {}  # draft -> (accepted, tested) drafts auto measured (engine.speculative.auto)
 
     @classmethod
+    @frees_pool  # the load's torch ops leave a pool on this thread, which would throttle the decode thread's
     def load(cls, model: str, *, device: str = "auto", dtype: str | None = None,
              context_length: int | None = None, gpu_budget: float | tuple[float, ...] | None = None,
              offload: bool | None = None, reprofile: bool = False, progress=None, expert_dtype: str = "auto",

@@ -78,3 +78,27 @@ def test_submitting_frees_the_callers_pool_before_the_decode_thread_runs(two_tor
 
     start, with_pool, after = on_own_thread(work)
     assert with_pool == start + 1 and after == start
+
+
+def test_a_load_frees_the_pool_its_torch_work_left_on_the_loading_thread(two_torch_threads, tiny_checkpoint,
+                                                                          monkeypatch):
+    """serve loads on an executor's thread that lives on: the pool its torch work leaves there would throttle every
+    decode thread after it."""
+    import moedesk.engine.runtime as runtime
+
+    real, seen = runtime.Engine._load_native.__func__, {}
+
+    def loading(cls, *args, **kwargs):
+        engine = real(cls, *args, **kwargs)
+        parallel_torch_op()  # whatever the load itself ran, its thread has a pool now
+        seen["at_the_end"] = settled(seen["start"] + 1)
+        return engine
+
+    monkeypatch.setattr(runtime.Engine, "_load_native", classmethod(loading))
+
+    def work():
+        seen["start"] = threads_now()
+        Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+        return settled(seen["start"])
+
+    assert on_own_thread(work) == seen["start"] and seen["at_the_end"] == seen["start"] + 1
