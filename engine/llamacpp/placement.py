@@ -106,9 +106,9 @@ class Placement:
     @property
     def page_locked(self) -> bool:
         """Whether llama.cpp reads the file into the GPU's page-locked host memory instead of mapping it: where
-        experts stay in RAM beside a GPU, a prefill computes them on the GPU all the same, copying each expert tensor
-        there first, and only from page-locked memory does that copy run at the link's full speed (a mapped file's
-        pages go through a staging copy: docs/measurements.md, "Session 46")."""
+        experts stay in RAM beside a GPU, a prefill computes them on the GPU all the same, copying the experts it
+        routes to there first, and only from page-locked memory do those copies run at the link's full speed (a
+        mapped file's pages go through a staging copy: docs/measurements.md, "Session 46")."""
         return self.gpu_layers > 0 and self.cpu_moe > 0
 
     def cpu_expert_layers(self) -> list[int]:
