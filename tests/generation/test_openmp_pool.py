@@ -1,17 +1,22 @@
 """A thread that hands the decode thread work gives back its own OpenMP pool first (engine.openmp_pool): libgomp
-throttles every barrier's wait while the pools' threads outnumber the cores, and ggml's steps wait at one a node."""
+throttles every barrier's wait while the pools' threads outnumber the cores, and ggml's steps wait at one a node.
+
+Each case counts the process's threads, so it runs in a child interpreter of its own (this module run as a
+script), where no other test's threads come and go."""
+import json
 import os
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from moedesk.engine.openmp_pool import _pause, release_pool
-from moedesk.engine.requests import Request, SamplingParams
-from moedesk.engine.runtime import Engine
 
 pytestmark = pytest.mark.skipif(_pause() is None, reason="no libgomp with OpenMP 5's pause here")
+REPO = Path(__file__).resolve().parents[2]
 
 
 def threads_now() -> int:
@@ -26,64 +31,37 @@ def settled(expected: int, timeout: float = 5.0) -> int:
     return threads_now()
 
 
-def on_own_thread(work):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(work()))
-    thread.start()
-    thread.join()
-    return out[0]
-
-
-@pytest.fixture
-def two_torch_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def parallel_torch_op():
     a = torch.randn(256, 256)
     for _ in range(4):
         a @ a
 
 
-def test_a_threads_pool_outlives_its_parallel_op_until_released(two_torch_threads):
-    def work():
-        start = threads_now()
-        parallel_torch_op()
-        with_pool = settled(start + 1)
-        released = release_pool()
-        return start, with_pool, released, settled(start)
-
-    start, with_pool, released, after = on_own_thread(work)
-    assert with_pool == start + 1  # a second thread works for this one, and stays after the op
-    assert released and after == start
+def released_by_hand() -> dict:
+    start = threads_now()
+    parallel_torch_op()
+    with_pool = settled(start + 1)
+    return {"start": start, "with_pool": with_pool, "released": release_pool(), "after": settled(start)}
 
 
-def test_submitting_frees_the_callers_pool_before_the_decode_thread_runs(two_torch_threads, tiny_checkpoint):
-    engine = Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
+def released_by_submit(checkpoint: str) -> dict:
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+
+    engine = Engine.load(checkpoint, device="cpu", dtype="float32")
     request = Request(engine.tokenizer.encode("Experts live in RAM"),
                       SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
-
-    def work():
-        engine.scheduler.drain(10)
-        start = threads_now()
-        parallel_torch_op()
-        with_pool = settled(start + 1)
-        handle = engine.submit(request)
-        [u for u in handle.updates(timeout=30)]
-        engine.scheduler.drain(10)
-        return start, with_pool, settled(start)
-
-    start, with_pool, after = on_own_thread(work)
-    assert with_pool == start + 1 and after == start
+    engine.scheduler.drain(10)
+    start = settled(threads_now())
+    parallel_torch_op()
+    with_pool = settled(start + 1)
+    for _ in engine.submit(request).updates(timeout=30):
+        pass
+    engine.scheduler.drain(10)
+    return {"start": start, "with_pool": with_pool, "after": settled(start)}
 
 
-def test_a_load_frees_the_pool_its_torch_work_left_on_the_loading_thread(two_torch_threads, tiny_checkpoint,
-                                                                          monkeypatch):
-    """serve loads on an executor's thread that lives on: the pool its torch work leaves there would throttle every
-    decode thread after it."""
+def released_by_load(checkpoint: str) -> dict:
     import moedesk.engine.runtime as runtime
 
     real, seen = runtime.Engine._load_native.__func__, {}
@@ -94,11 +72,40 @@ def test_a_load_frees_the_pool_its_torch_work_left_on_the_loading_thread(two_tor
         seen["at_the_end"] = settled(seen["start"] + 1)
         return engine
 
-    monkeypatch.setattr(runtime.Engine, "_load_native", classmethod(loading))
+    runtime.Engine._load_native = classmethod(loading)
+    seen["start"] = threads_now()
+    runtime.Engine.load(checkpoint, device="cpu", dtype="float32")
+    return {**seen, "after": settled(seen["start"])}
 
-    def work():
-        seen["start"] = threads_now()
-        Engine.load(str(tiny_checkpoint("qwen3_moe")), device="cpu", dtype="float32")
-        return settled(seen["start"])
 
-    assert on_own_thread(work) == seen["start"] and seen["at_the_end"] == seen["start"] + 1
+CASES = {"by_hand": released_by_hand, "by_submit": released_by_submit, "by_load": released_by_load}
+
+
+def child(case: str, *args) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}  # torch's threads, two whatever the machine
+    done = subprocess.run([sys.executable, "-m", "tests.generation.test_openmp_pool", case, *map(str, args)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_threads_pool_outlives_its_parallel_op_until_released():
+    seen = child("by_hand")
+    assert seen["with_pool"] == seen["start"] + 1  # a second thread works for this one, and stays after the op
+    assert seen["released"] and seen["after"] == seen["start"]
+
+
+def test_submitting_frees_the_callers_pool_before_the_decode_thread_runs(tiny_checkpoint):
+    seen = child("by_submit", tiny_checkpoint("qwen3_moe"))
+    assert seen["with_pool"] == seen["start"] + 1 and seen["after"] == seen["start"]
+
+
+def test_a_load_frees_the_pool_its_torch_work_left_on_the_loading_thread(tiny_checkpoint):
+    """serve loads on an executor's thread that lives on: the pool its torch work leaves there would throttle every
+    decode thread after it."""
+    seen = child("by_load", tiny_checkpoint("qwen3_moe"))
+    assert seen["at_the_end"] == seen["start"] + 1 and seen["after"] == seen["start"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(CASES[sys.argv[1]](*sys.argv[2:])))
