@@ -52,7 +52,7 @@ def released_by_submit(checkpoint: str) -> dict:
     request = Request(engine.tokenizer.encode("Experts live in RAM"),
                       SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
     engine.scheduler.drain(10)
-    start = settled(threads_now())
+    start = threads_now()
     parallel_torch_op()
     with_pool = settled(start + 1)
     for _ in engine.submit(request).updates(timeout=30):

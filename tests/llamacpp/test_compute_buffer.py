@@ -102,8 +102,12 @@ Q4K, Q6K = 144 / 256, 210 / 256
 EMBEDDINGS = int(HIDDEN * VOCAB * Q4K)
 
 
+def tensor(name: str, shape: tuple, size) -> SimpleNamespace:
+    """A tensor info as gguf's reader gives one: what the plan reads of it."""
+    return SimpleNamespace(name=name, shape=shape, n_bytes=int(size))
+
+
 def mixtral_8l_q4_k_m() -> GGUFShape:
-    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
     per_expert = HIDDEN * FFN * EXPERTS
     tensors = [tensor("token_embd.weight", (HIDDEN, VOCAB), EMBEDDINGS),
                tensor("output.weight", (HIDDEN, VOCAB), HIDDEN * VOCAB * Q6K)]
@@ -156,7 +160,6 @@ def test_a_whole_gpu_budget_keeps_no_more_layers_experts_in_ram_than_it_must(bud
 def mixtral_whole_q4_k(vocab: int = 340) -> GGUFShape:
     """tests/perf/make_mixtral_q4k_gguf.py's file: 32 layers, every expert tensor Q4_K, the rest F16, the small
     vocabulary of the GGUF tests."""
-    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
     per_expert, kv_width = HIDDEN * FFN * EXPERTS, 1024
     tensors = [tensor("token_embd.weight", (HIDDEN, vocab), 2 * HIDDEN * vocab),
                tensor("output.weight", (HIDDEN, vocab), 2 * HIDDEN * vocab),
@@ -180,7 +183,6 @@ def mixtral_whole_q4_k(vocab: int = 340) -> GGUFShape:
 def gpt_oss_120b_8l() -> GGUFShape:
     """tests/perf/make_family_gguf.py's gpt-oss-120b file, its first 8 layers: MXFP4 experts (17 bytes a block of
     32), 128 of 2880 wide, four picks, a 201,088-token vocabulary (the graph's widest point: its logits)."""
-    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
     hidden, experts = 2880, 128
     tensors = [tensor("token_embd.weight", (hidden, 201088), 201088 * hidden * 2)]
     for layer in range(8):
@@ -206,7 +208,6 @@ def test_a_copy_too_small_for_the_routed_outputs_to_reuse_counts_on_top_of_the_w
     one (the graph alone) and the copy more: the hole the copy leaves is not reused by the wider tensors after it."""
     import tests.gguf_from_hf as hf
 
-    tensor = lambda name, shape, size: SimpleNamespace(name=name, shape=shape, n_bytes=int(size))  # noqa: E731
     hidden, width = hf.FAMILIES["qwen3moe"].config["hidden_size"], 1024
     tensors = [tensor("token_embd.weight", (hidden, 384), 4 * hidden * 384)]
     tensors += [tensor(f"blk.0.ffn_{leaf}_exps.weight", (hidden, width, 8), 4 * hidden * width * 8)

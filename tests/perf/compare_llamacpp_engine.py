@@ -159,6 +159,14 @@ def on_new_thread(work):
     return out[0]
 
 
+def fill(batch, ids: list[int], start: int) -> None:
+    """A llama_batch of sequence 0's `ids` at positions from `start`, the last one's logits wanted."""
+    for j, token in enumerate(ids):
+        batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, j == len(ids) - 1
+        batch.seq_id[j][0] = 0
+    batch.n_tokens = len(ids)
+
+
 def bare_decode(engine, tokens: int) -> float:
     """tok/s of a bare loop on the engine's own llama.cpp context: llama_decode of one token, then its logits read
     (the argmax its next token), `tokens` times after a 32-token prompt, as measure's decode runs. What is left
@@ -175,10 +183,7 @@ def bare_decode(engine, tokens: int) -> float:
     api.llama_memory_seq_rm(api.llama_get_memory(llama.ctx), 0, -1, -1)
 
     def step(ids, start):
-        for j, token in enumerate(ids):
-            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, start + j, 1, j == len(ids) - 1
-            batch.seq_id[j][0] = 0
-        batch.n_tokens = len(ids)
+        fill(batch, ids, start)
         if llama.counter is not None:  # counted as the engine's steps are: a prompt whole, one decode step in N
             llama.counter.begin_step(len(ids) > 1)
         if api.llama_decode(llama.ctx, batch) != 0:
@@ -213,10 +218,7 @@ def bare_prefill(engine, prompt: int, tokens: int, threads: int, runs: int = 3) 
         rates = []
         for _ in range(runs + 1):
             api.llama_memory_seq_rm(api.llama_get_memory(ctx), 0, -1, -1)
-            for j, token in enumerate(ids):
-                batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = token, j, 1, j == len(ids) - 1
-                batch.seq_id[j][0] = 0
-            batch.n_tokens = len(ids)
+            fill(batch, ids, 0)
             if llama.counter is not None:
                 llama.counter.begin_step(True)
             start = time.perf_counter()
