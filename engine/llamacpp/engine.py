@@ -140,7 +140,8 @@ class LlamaCppEngine(EngineFace):
                 context = min(fit.context, config.max_position_embeddings or fit.context)
                 threads = max(1, torch.get_num_threads())
                 batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
-                counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts) \
+                counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts,
+                                        on_gpu=placement.experts_on_gpu(config.num_layers)) \
                     if count_experts and config.is_moe else None
                 llama = _make_context(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv, counter)
             except BaseException:
@@ -238,6 +239,8 @@ class LlamaCppEngine(EngineFace):
                  "expert_counts": self.llama.counter is not None}
         if self.llama.counter is not None:
             stats["count_every"] = self.llama.counter.count_every
+            if any(map(any, on_gpu)):
+                stats["gpu_count_every"] = self.llama.counter.gpu_count_every
             gpu = sum(sum(row) for row, where in zip(picks, on_gpu) if any(where))
             cpu = sum(sum(row) for row, where in zip(picks, on_gpu) if not any(where))
             stats.update(experts_gpu=gpu, experts_cpu=cpu, gpu_hit_rate=gpu / (gpu + cpu) if gpu + cpu else None)
@@ -253,8 +256,9 @@ class LlamaCppEngine(EngineFace):
 
         def switch():
             old = self.llama.counter  # alive until the context that calls it is gone
-            self.llama.counter = ExpertCounter(self.api, lib.ggml, self.config.num_layers,
-                                               self.config.num_experts) if on else None
+            self.llama.counter = ExpertCounter(self.api, lib.ggml, self.config.num_layers, self.config.num_experts,
+                                               on_gpu=self.placement.experts_on_gpu(self.config.num_layers)) \
+                if on else None
             try:
                 self.llama.resize(self.llama.slots)
             except BaseException:

@@ -36,6 +36,8 @@ struct counter {
     int64_t weight;   // what each pick of this step adds: the steps it stands for, 0 to skip the step
     int64_t reads;    // nodes read (each one cut llama.cpp's graph there)
     const char *(*op_desc)(const void *tensor);
+    int64_t gpu_weight;      // the same for the layers whose experts are on the GPU (sampled more thinly)
+    const uint8_t *on_gpu;   // [layers]: 1 where the layer's experts are on the GPU
 };
 
 // The layer of a node named ffn_moe_topk-<layer>, or -1.
@@ -87,10 +89,12 @@ static int64_t read_at(const struct counter *c, const void *tensor, const struct
 
 bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
     struct counter *c = user_data;
-    if (ask && c->weight == 0) return false;
+    if (ask && c->weight == 0 && c->gpu_weight == 0) return false;
     const struct tensor_head *t = NULL;
     int64_t layer = read_at(c, tensor, &t);
-    if (ask || layer < 0) return layer >= 0;
+    if (layer < 0) return false;
+    int64_t weight = layer < c->layers && c->on_gpu[layer] ? c->gpu_weight : c->weight;
+    if (ask || weight == 0) return weight > 0 || !ask;  // false while computing would stop the graph
     if (t->type != GGML_TYPE_I32 || layer >= c->layers || t->ne[2] * t->ne[3] != 1) {
         c->errors++;
         return true;  // false would stop the graph
@@ -110,11 +114,11 @@ bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
         for (int64_t j = 0; j < t->ne[0]; j++) {
             int32_t id;
             memcpy(&id, ids + j * t->nb[0], sizeof id);
-            if (id >= 0 && id < c->experts) row[id] += c->weight;
+            if (id >= 0 && id < c->experts) row[id] += weight;
             else c->errors++;
         }
     }
-    c->tokens[layer] += t->ne[1] * c->weight;
+    c->tokens[layer] += t->ne[1] * weight;
     return true;
 }
 

@@ -10,11 +10,14 @@ split, which has no CUDA graph to invalidate. llama.cpp calls the callback for e
 is found. Cutting the graph costs decode speed (a wait for the GPU at each MoE layer), so the counts are a sample:
 prompts are counted whole, decode one step in `COUNT_EVERY`, each of its picks counted that many times
 (`step_weight`); on the other steps the callback declines every node and llama.cpp runs the graph in one piece.
+Layers whose experts are on the GPU are sampled more thinly (`GPU_COUNT_EVERY`): a cut there changes the GPU split's
+graph, and ggml-cuda runs it eagerly on that step and the next and captures it again on the one after.
 """
 from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +41,8 @@ GGML_TYPE_I32 = 26  # ggml.h: the type of argsort's expert ids
 # Decode steps per counted one: the cost of counting (one step in this many cut at each MoE layer) against how
 # fast the heat map fills (several counted steps a second at the decode speeds the app sees).
 COUNT_EVERY = 8
+# The same for layers whose experts are on the GPU, where a counted step costs the next two their CUDA graphs.
+GPU_COUNT_EVERY = 64
 
 
 def step_weight(prefill: bool, decode_step: int, count_every: int) -> int:
@@ -94,7 +99,7 @@ class _Counter(ctypes.Structure):
                 ("layers", ctypes.c_int64), ("experts", ctypes.c_int64), ("counts", ctypes.c_void_p),
                 ("tokens", ctypes.c_void_p), ("errors", ctypes.c_int64), ("scratch", ctypes.c_void_p),
                 ("scratch_bytes", ctypes.c_size_t), ("weight", ctypes.c_int64), ("reads", ctypes.c_int64),
-                ("op_desc", ctypes.c_void_p)]
+                ("op_desc", ctypes.c_void_p), ("gpu_weight", ctypes.c_int64), ("on_gpu", ctypes.c_void_p)]
 
 
 _native, _native_why = None, None
@@ -126,16 +131,22 @@ class ExpertCounter:
     made with `callback` and `user_data` as its cb_eval and cb_eval_user_data counts into it; `begin_step` before
     each llama_decode says what that step counts for. The callback runs on the thread that calls llama_decode (the
     decode thread), snapshots on any. native: the C callback where it builds (else Python's). count_every: one
-    decode step in this many is counted (None: COUNT_EVERY)."""
+    decode step in this many is counted (None: COUNT_EVERY); in the layers `on_gpu` marks (their experts are on the
+    GPU), one in `gpu_count_every` (None: GPU_COUNT_EVERY)."""
 
-    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True, count_every: int | None = None):
+    def __init__(self, api, ggml, layers: int, experts: int, native: bool = True, count_every: int | None = None,
+                 on_gpu: Sequence[bool] = (), gpu_count_every: int | None = None):
         self.counts = np.zeros((layers, experts), dtype=np.int64)
         self.tokens = np.zeros(layers, dtype=np.int64)  # tokens routed per layer, weighted as the counts
         self.count_every = COUNT_EVERY if count_every is None else count_every
-        step_weight(False, 0, self.count_every)  # a bad `count_every` fails here, not in the decode thread
+        self.gpu_count_every = GPU_COUNT_EVERY if gpu_count_every is None else gpu_count_every
+        for every in (self.count_every, self.gpu_count_every):
+            step_weight(False, 0, every)  # a bad interval fails here, not in the decode thread
+        self.on_gpu = np.zeros(layers, dtype=np.uint8)
+        self.on_gpu[:len(on_gpu)] = list(on_gpu)[:layers]
         self.steps = self.counted_steps = self.decode_steps = 0
         self._python_errors = self._python_reads = 0
-        self._python_weight = 1
+        self._python_weight = self._python_gpu_weight = self.gpu_weight = 1
         self._name, self._nbytes, self._get = ggml.ggml_get_name, ggml.ggml_nbytes, ggml.ggml_backend_tensor_get
         self._op = ggml.ggml_op_desc
         lib, _ = native_library() if native else (None, None)
@@ -144,7 +155,7 @@ class ExpertCounter:
             address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
             self._struct = _Counter(address(self._name), address(self._nbytes), address(self._get), layers, experts,
                                     self.counts.ctypes.data, self.tokens.ctypes.data, 0, None, 0, 1, 0,
-                                    address(self._op))
+                                    address(self._op), 1, self.on_gpu.ctypes.data)
             self.callback = api.ggml_backend_sched_eval_callback(address(lib.moedesk_count_experts))
             self.user_data = ctypes.addressof(self._struct)
         else:
@@ -166,27 +177,35 @@ class ExpertCounter:
         return self._struct.reads if self._struct is not None else self._python_reads
 
     def begin_step(self, prefill: bool) -> int:
-        """Before a llama_decode of a prompt's tokens (prefill) or of decode tokens: sets and returns the weight of
-        its picks (0: skipped). Decode thread only."""
+        """Before a llama_decode of a prompt's tokens (prefill) or of decode tokens: sets the weight of its picks
+        (0: skipped) and returns it for the layers whose experts are in RAM (`gpu_weight` has the others'). Decode
+        thread only."""
         weight = step_weight(prefill, self.decode_steps, self.count_every)
+        self.gpu_weight = step_weight(prefill, self.decode_steps, self.gpu_count_every)
         self.decode_steps += not prefill
         self.steps += 1
-        self.counted_steps += weight > 0
+        self.counted_steps += weight > 0 or (self.gpu_weight > 0 and bool(self.on_gpu.any()))
         if self._struct is not None:
-            self._struct.weight = weight
-        self._python_weight = weight
+            self._struct.weight, self._struct.gpu_weight = weight, self.gpu_weight
+        self._python_weight, self._python_gpu_weight = weight, self.gpu_weight
         return weight
 
+    def _layer_weight(self, layer: int) -> int:
+        return self._python_gpu_weight if 0 <= layer < len(self.on_gpu) and self.on_gpu[layer] else self._python_weight
+
     def _on_node(self, tensor, ask, user_data) -> bool:
-        if ask and self._python_weight == 0:
+        if ask and self._python_weight == 0 and self._python_gpu_weight == 0:
             return False
         try:
             layer = None
             if reads_picks(self._name(tensor) or b"", self._op(tensor)):
                 node = TensorHead.from_address(tensor).src[2]  # the router's choice the product reads
                 layer = ids_layer(self._name(node) or b"") if node else None
-            if ask or layer is None:
-                return layer is not None
+            if layer is None:
+                return False
+            weight = self._layer_weight(layer)
+            if ask or weight == 0:
+                return weight > 0 or not ask  # False while computing would stop the graph
             head = TensorHead.from_address(node)
             if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
                 raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")
@@ -196,8 +215,8 @@ class ExpertCounter:
             self._get(node, raw, 0, size)  # from the GPU where the experts run there
             ids = chosen_ids(raw.raw, tuple(head.ne), tuple(head.nb))
             experts = self.counts.shape[1]
-            self.counts[layer] += self._python_weight * np.bincount(ids.ravel(), minlength=experts)[:experts]
-            self.tokens[layer] += self._python_weight * ids.shape[0]
+            self.counts[layer] += weight * np.bincount(ids.ravel(), minlength=experts)[:experts]
+            self.tokens[layer] += weight * ids.shape[0]
         except Exception:  # noqa: BLE001 -- raising through llama.cpp's C frames would crash the process
             self._python_errors += 1
         return True  # in the compute phase False would stop the graph

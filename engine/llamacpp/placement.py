@@ -118,6 +118,10 @@ class Placement:
     def expert_layer_on_gpu(self, layer: int) -> bool:
         return self.gpu_layers > 0 and layer >= self.cpu_moe
 
+    def experts_on_gpu(self, layers: int) -> list[bool]:
+        """Per layer of `layers`: whether its experts are on the GPU."""
+        return [self.expert_layer_on_gpu(i) for i in range(layers)]
+
 
 def place(sizes: GGUFSizes, layers: int, gpu: bool, budget_bytes: int, cpu_moe: int | None = None,
           pinned_extra: int = 0) -> Placement:

@@ -249,16 +249,62 @@ def test_counting_switches_off_and_on_and_the_python_callback_counts_alike(tmp_p
         engine.close()
 
 
-@pytest.mark.gpu
 @pytest.mark.usefixtures("one_torch_thread")
-def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
-    """llama.cpp built with CUDA routes on the GPU: the counter copies the ids back (ggml_backend_tensor_get), and
-    they are the CPU's picks but for near-ties in the GPU's arithmetic; with one layer's experts pinned to RAM the
-    stats split the picks by where each layer's experts are."""
+@pytest.mark.parametrize("native", [True, False], ids=["C", "Python"])
+def test_layers_whose_experts_are_on_the_gpu_are_sampled_more_thinly_and_weighed_to_match(native, tmp_path):
+    """A counted decode step cuts the GPU split of each layer it reads (and costs ggml-cuda that split's CUDA graph
+    for two more steps), so layers marked on the GPU are read one decode step in `gpu_count_every`, each pick
+    counted that many times: on a step that counts neither kind no node is read, on each other step one per
+    layer of the kinds it counts, and each layer's tokens are the prompt's plus its own steps' weights. The marks
+    are what the counter is told; where the layers really are does not change what it reads."""
+    from moedesk.engine.llamacpp.expert_counts import ExpertCounter
+    from moedesk.engine.llamacpp.library import library
     from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
 
+    engine = Engine.load(str(build("qwen3moe", tmp_path / "q").gguf), engine="llama.cpp", context_length=128,
+                         count_experts=False)
+    layers = engine.config.num_layers
+    assert layers >= 3 and all(map(engine.config.is_moe_layer, range(layers)))
+    on_gpu = [True] + [False] * (layers - 1)
+
+    def thin():
+        engine.llama.counter = ExpertCounter(engine.api, library().ggml, layers, engine.config.num_experts,
+                                             native=native, count_every=2, on_gpu=on_gpu, gpu_count_every=3)
+        engine.llama.resize(engine.llama.slots)
+
+    try:
+        assert engine.scheduler.when_idle(thin)
+        prompt = engine.tokenizer.encode(PROMPTS[0])
+        engine.complete([Request(prompt, SamplingParams(max_new_tokens=9, temperature=0, ignore_eos=True))])
+        counter = engine.llama.counter
+        assert counter.native == native and counter.errors == 0 and counter.decode_steps >= 6
+        steps = reads_per_step(counter)
+        assert steps[0] == (1, layers)  # the prompt: every layer, whole
+        for step, (weight, reads) in enumerate(steps[1:]):
+            assert weight == step_weight(False, step, 2)
+            assert reads == (layers - 1) * (step % 2 == 0) + (step % 3 == 0), step
+        _, tokens = counter.snapshot()
+        decode = range(counter.decode_steps)
+        assert tokens[0] == len(prompt) + sum(step_weight(False, s, 3) for s in decode)
+        assert tokens[1] == len(prompt) + sum(step_weight(False, s, 2) for s in decode)
+    finally:
+        engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("one_torch_thread")
+def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path, monkeypatch):
+    """llama.cpp built with CUDA routes on the GPU: the counter copies the ids back (ggml_backend_tensor_get), and
+    they are the CPU's picks but for near-ties in the GPU's arithmetic; with one layer's experts pinned to RAM the
+    stats split the picks by where each layer's experts are, and the counter knows which layers' are on the GPU.
+    Those are sampled as often as the others here, so that both runs' counts compare."""
+    from moedesk.engine.requests import Request, SamplingParams
+    from moedesk.engine.runtime import Engine
+
+    monkeypatch.setattr(expert_counts, "GPU_COUNT_EVERY", COUNT_EVERY)
     built = build("qwen3moe", tmp_path / "q")
+    marks = {}
     counts = {}
     for device in ("cpu", "auto"):
         engine = Engine.load(str(built.gguf), engine="llama.cpp", device=device, context_length=128, cpu_moe=1)
@@ -268,6 +314,7 @@ def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
                                                                           ignore_eos=True)) for p in PROMPTS]
             engine.complete(requests)
             counts[device], _ = engine.llama.counter.snapshot()
+            marks[device] = engine.llama.counter.on_gpu.tolist()
             stats = engine.expert_stats()
         finally:
             engine.close()
@@ -275,6 +322,8 @@ def test_on_the_gpu_the_counts_are_read_from_its_memory(tmp_path):
     assert gpu.sum(axis=1).tolist() == cpu.sum(axis=1).tolist()
     assert np.minimum(gpu, cpu).sum() >= 0.95 * cpu.sum()
     assert stats["experts_cpu"] == int(gpu[0].sum()) and stats["experts_gpu"] == int(gpu[1:].sum())
+    assert marks == {"cpu": [0] * len(gpu), "auto": [0] + [1] * (len(gpu) - 1)}
+    assert stats["count_every"] == stats["gpu_count_every"] == COUNT_EVERY
 
 
 def test_the_picks_are_read_at_the_experts_first_product():

@@ -52,6 +52,9 @@ def test_a_sampled_map_says_its_counts_are_estimates():
     assert any(line.endswith("few → ~40") for line in sampled)
     assert "estimated: prompts and 1 decode step in 8 counted" in sampled
     assert len(sampled) == len(exact) + 1
+    # llama.cpp's layers with experts on the GPU are sampled more thinly: the legend gives both
+    thinner = [line.plain for line in render_lines(hm, width=40, count_every=8, gpu_count_every=64)]
+    assert "estimated: prompts and 1 decode step in 8 counted (1 in 64 on the GPU)" in thinner
 
 
 @pytest.mark.anyio

@@ -94,11 +94,13 @@ def model_summary(engine) -> str:
            f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}{spread}"
 
 
-def count_every(engine) -> int | None:
-    """One decode step in how many the engine counts the routers' picks of (llama.cpp's sample); None: all."""
+def count_every(engine) -> tuple[int | None, int | None]:
+    """One decode step in how many the engine counts the routers' picks of (llama.cpp's sample), in layers whose
+    experts are in RAM and on the GPU; None: all."""
     if not engine.config.is_moe or not hasattr(engine, "expert_stats"):
-        return None
-    return engine.expert_stats().get("count_every")
+        return None, None
+    stats = engine.expert_stats()
+    return stats.get("count_every"), stats.get("gpu_count_every")
 
 
 def device_summary(expert_stats: dict) -> str:
@@ -318,7 +320,7 @@ class ChatScreen(Screen):
         self.sub_title = short_model_name(engine.name)
         self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
                              engine.device.type, *row_devices(engine))
-        self.stats.heatmap.count_every = count_every(engine)
+        self.stats.heatmap.count_every, self.stats.heatmap.gpu_count_every = count_every(engine)
         self.map_baseline = None  # another model's counts
         self.refresh_map()
         if self.ready:
