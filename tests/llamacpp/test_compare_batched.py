@@ -57,6 +57,7 @@ def test_the_sweep_span_times_the_least_fitting_ncmoe_and_the_next_n(compare, mo
     # --sweep-span 1 on a budget that fits -ncmoe 2 to 8: llama-bench at 2 and 3 only, the engine once
     totals = {m: (10 - m) * 1e9 for m in range(9)}  # GPU bytes llama.cpp takes at each -ncmoe
     monkeypatch.setattr(compare, "needs", lambda *a: {m: {"llama_cpp": {"total": t}} for m, t in totals.items()})
+    assert not compare.swept_enough({m: {"llama_cpp": {"total": totals[m]}} for m in range(3)}, [int(8e9)], 1)
     timed = []
     monkeypatch.setattr(compare, "llama_bench", lambda binary, gguf, m, *a: timed.append(m) or {"tg": 50.0 - m})
     engine_runs = []
@@ -78,3 +79,25 @@ def test_the_sweep_span_times_the_least_fitting_ncmoe_and_the_next_n(compare, mo
     assert line["best_ncmoe"] == 2 and line["ratio"] == round(47 / 48, 3) and line["uncounted_ratio"] == 1.0
     out = capsys.readouterr().out
     assert "best -ncmoe 2" in out and "expert counts off 48.0 = 1.000x" in out
+
+
+def test_the_sweep_span_stops_the_loads_once_every_budget_has_its_values(compare, monkeypatch, capsys):
+    """needs() reads the whole file for each -ncmoe it loads (about ten seconds a load for a whole Mixtral): with a
+    span it loads from the least -ncmoe up until each budget has span + 1 values that fit, and no further."""
+    class Sizes:
+        expert_bytes = [1e9] * 8
+
+    shape = type("Shape", (), {"sizes": Sizes, "other_on_gpu": 1e9})
+    loads = []
+
+    def loaded(gguf, n, budget, context, threads, count_experts):
+        loads.append(n)
+        fit = type("Fit", (), {"gpu_bytes": 1, "compute_bytes": 1, "gpu_total": 2})
+        return type("Engine", (), {"fit": fit, "close": lambda self: None})(), {"model": (9 - n) * 1e9 + 5e8}
+
+    monkeypatch.setattr(compare, "loaded", loaded)
+    # totals 9.5 GB at -ncmoe 0 down to 1.5 at 8; n = 0's weights alone (9 GB) are over 8.5 GB: not loaded
+    found = compare.needs("m.gguf", shape, int(8.5e9), 512, 4, [int(8e9), int(5e9)], 1)
+    assert loads == [1, 2, 3, 4, 5, 6]  # 8 GB fits from n = 2 (2 and 3), 5 GB from n = 5 (5 and 6)
+    assert sorted(found) == list(range(7)) and found[0]["llama_cpp"]["not_loaded"]
+    assert compare.needs("m.gguf", shape, int(8.5e9), 512, 4) and loads[6:] == list(range(1, 9))  # no span: all

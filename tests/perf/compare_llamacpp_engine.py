@@ -246,13 +246,23 @@ def bare_prefill(engine, prompt: int, tokens: int, threads: int, runs: int = 3) 
     return found
 
 
-def needs(gguf: str, shape, most: int, context: int, threads: int) -> dict[int, dict]:
+def swept_enough(found: dict[int, dict], budgets: list[int], span: int) -> bool:
+    """Whether `found` (needs' entries so far, -ncmoe ascending) holds the `span` + 1 least -ncmoe values that fit
+    each budget (bytes): all that --sweep-span times, so larger ones need no load."""
+    return all(sum(f["llama_cpp"]["total"] <= budget for f in found.values()) > span for budget in budgets)
+
+
+def needs(gguf: str, shape, most: int, context: int, threads: int, budgets: list[int] = (),
+          span: int | None = None) -> dict[int, dict]:
     """For every -ncmoe N: what llama.cpp reports on the GPU with the engine loaded that way ("llama_cpp": model, KV,
     a hybrid model's recurrent state (RS), compute and their total), beside moedesk's estimate of the same
-    (fit.gpu_bytes, fit.compute_bytes). An N whose
-    weights alone exceed `most` bytes is not loaded (its total is those weights)."""
+    (fit.gpu_bytes, fit.compute_bytes). An N whose weights alone exceed `most` bytes is not loaded (its total is
+    those weights). With a `span`, it stops once the sweep of each of `budgets` has its values (`swept_enough`):
+    each load reads the whole file, about ten seconds for a whole Mixtral."""
     found = {}
     for n in range(len(shape.sizes.expert_bytes) + 1):
+        if span is not None and swept_enough(found, budgets, span):
+            break
         weights = shape.other_on_gpu + sum(shape.sizes.expert_bytes[n:])
         if weights > most:
             found[n] = {"llama_cpp": {"total": weights, "not_loaded": True}}
@@ -392,7 +402,8 @@ def placement_lines(args, gguf: str, shape, report: dict) -> None:
     report["placement"] = []
     budgets = [float(b) for b in args.budgets.split(",")]
     # One definition of a budget for the sweep and the engine: GPU bytes for everything llama.cpp puts there.
-    need = needs(gguf, shape, int(max(budgets) * 1e9), context_for(args.prompt, args.tokens), args.threads)
+    need = needs(gguf, shape, int(max(budgets) * 1e9), context_for(args.prompt, args.tokens), args.threads,
+                 [int(b * 1e9) for b in budgets], args.sweep_span)
     report["need_by_ncmoe"] = need
     for budget_gb in budgets:
         budget = int(budget_gb * 1e9)
