@@ -104,6 +104,12 @@ class Settings:
                           "generates (vLLM, SGLang, llama-server, another moedesk serve), the model's files here "
                           "give the tokenizer and chat template. Takes effect when a model is loaded.",
         choices=("auto", "native", "llama.cpp", "remote"))
+    expert_counts: bool = setting(
+        True, "Count expert picks", "The llama.cpp engine counts which experts its routers pick (prompts, and a "
+                                    "sample of the decode steps) for the stats panel's heat map; where experts are "
+                                    "on the GPU that costs some decode speed. Off: faster replies, no heat map. "
+                                    "moedesk's own engine counts at no cost either way. Takes effect when a model "
+                                    "is loaded.")
     remote_url: str = setting(
         "", "Remote URL", "The server the remote engine sends requests to, e.g. http://gpu-box:8000. Takes effect "
                           "when a model is loaded.")
@@ -171,7 +177,8 @@ class Settings:
         """The settings that shape a model load, as `Engine.load` takes them."""
         remote = {"url": self.remote_url.strip() or None, "api_key": self.remote_api_key.strip() or None}
         return {"gpu_budget": self.gpu_budget_gib, "dtype": self.engine_dtype, "expert_dtype": self.expert_dtype,
-                "engine": self.engine, **(remote if self.engine == "remote" else {})}
+                "engine": self.engine, "count_experts": self.expert_counts,
+                **(remote if self.engine == "remote" else {})}
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in FIELDS}

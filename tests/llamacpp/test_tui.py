@@ -64,6 +64,31 @@ async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
         engine.close()
 
 
+async def test_with_counting_off_the_heat_map_says_so_and_shows_no_picks(tmp_path):
+    """The Count expert picks setting off: the engine loads without the eval callback (no cost to decode), the
+    map shows which layers' experts are where and no pick, and its legend says why."""
+    from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
+    from tests.gguf_from_hf import build
+
+    built = build("qwen3moe", tmp_path / "q")
+    settings = greedy_settings(max_new_tokens=4, expert_counts=False, engine="llama.cpp")
+    app = MoedeskApp(model=str(built.gguf), device="cpu", settings=settings, context_length=256)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await wait_for(pilot, lambda: app.engine is not None and app.chat is not None and app.chat.ready)
+        try:
+            assert app.engine.kind == "llama.cpp" and app.engine.llama.counter is None
+            await say(pilot, "Hi")
+            await wait_idle(pilot, app)
+            app.chat.refresh_map()
+            heatmap = app.chat.query_one(ExpertHeatMap)
+            assert sum(c.count for row in heatmap.current_layout().rows for c in row) == 0
+            lines = heatmap.render().plain.splitlines()
+            assert "picks not counted: settings, Count expert picks" in lines
+            assert not any("estimated" in line for line in lines)
+        finally:
+            app.engine.close()
+
+
 async def test_escape_stops_a_reply_and_regenerate_gives_the_greedy_one(demo_llama, monkeypatch):
     monkeypatch.setattr(ChatScreen, "STREAM_INTERVAL_S", 0.0)
     monkeypatch.setattr(demo_llama, "stream", demo_llama.stream)  # undone after: the engine is the session's

@@ -55,6 +55,10 @@ def test_a_sampled_map_says_its_counts_are_estimates():
     # llama.cpp's layers with experts on the GPU are sampled more thinly: the legend gives both
     thinner = [line.plain for line in render_lines(hm, width=40, count_every=8, gpu_count_every=64)]
     assert "estimated: prompts and 1 decode step in 8 counted (1 in 64 on the GPU)" in thinner
+    # counting turned off (the Count expert picks setting): the map shows placement, and says why no use shows
+    off = [line.plain for line in render_lines(layout([[True, False]], [[0, 0]], width=40, labels=["L0"]), width=40,
+                                               counted=False)]
+    assert "picks not counted: settings, Count expert picks" in off and not any("estimated" in x for x in off)
 
 
 @pytest.mark.anyio

@@ -94,13 +94,13 @@ def model_summary(engine) -> str:
            f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}{spread}"
 
 
-def count_every(engine) -> tuple[int | None, int | None]:
+def count_every(engine) -> tuple[int | None, int | None, bool]:
     """One decode step in how many the engine counts the routers' picks of (llama.cpp's sample), in layers whose
-    experts are in RAM and on the GPU; None: all."""
+    experts are in RAM and on the GPU (None: all); and whether it counts at all (the Count expert picks setting)."""
     if not engine.config.is_moe or not hasattr(engine, "expert_stats"):
-        return None, None
+        return None, None, True
     stats = engine.expert_stats()
-    return stats.get("count_every"), stats.get("gpu_count_every")
+    return stats.get("count_every"), stats.get("gpu_count_every"), stats.get("expert_counts") is not False
 
 
 def device_summary(expert_stats: dict) -> str:
@@ -320,7 +320,8 @@ class ChatScreen(Screen):
         self.sub_title = short_model_name(engine.name)
         self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
                              engine.device.type, *row_devices(engine))
-        self.stats.heatmap.count_every, self.stats.heatmap.gpu_count_every = count_every(engine)
+        heatmap = self.stats.heatmap
+        heatmap.count_every, heatmap.gpu_count_every, heatmap.counted = count_every(engine)
         self.map_baseline = None  # another model's counts
         self.refresh_map()
         if self.ready:

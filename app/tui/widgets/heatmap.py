@@ -101,11 +101,13 @@ def cell_text(cell: Cell, width: int) -> Text:
 
 
 def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda", width: int = 80,
-                 count_every: int | None = None, gpu_count_every: int | None = None) -> list[Text]:
+                 count_every: int | None = None, gpu_count_every: int | None = None,
+                 counted: bool = True) -> list[Text]:
     """The map as lines of styled text: the legend (first, so that it is on screen however many layers
     follow), an expert-number header, then one line per layer. count_every: the counts are estimates from one
-    decode step in this many (the legend says so); gpu_count_every: the same where the experts are on the GPU."""
-    lines = legend_lines(hm, device, width, count_every, gpu_count_every) if legend else []
+    decode step in this many (the legend says so); gpu_count_every: the same where the experts are on the GPU.
+    counted False: the engine does not count picks (the setting), so the map shows where experts are and no use."""
+    lines = legend_lines(hm, device, width, count_every, gpu_count_every, counted) if legend else []
     if hm.rows:
         cells = len(hm.rows[0])
         header = Text(" " * hm.label_width, style="dim")
@@ -128,7 +130,8 @@ def render_lines(hm: HeatMapLayout, legend: bool = True, *, device: str = "cuda"
 
 
 def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80,
-                 count_every: int | None = None, gpu_count_every: int | None = None) -> list[Text]:
+                 count_every: int | None = None, gpu_count_every: int | None = None,
+                 counted: bool = True) -> list[Text]:
     """Only the places this map has, in words that are true of the machine: without a GPU the experts
     are in RAM, and a GPU tier there is the one `--device cpu` simulates. count_every: counts estimated from
     a sample of the decode steps, said in the legend."""
@@ -159,6 +162,8 @@ def legend_lines(hm: HeatMapLayout, device: str = "cuda", width: int = 80,
             ramp.append(" ")
     ramp.append(f"few → {'~' if count_every else ''}{hm.max_count:,}")
     lines.append(ramp)
+    if not counted:
+        lines.append(Text("picks not counted: settings, Count expert picks", style="dim"))
     if count_every:
         gpu = f" (1 in {gpu_count_every} on the GPU)" if gpu_count_every and gpu_count_every != count_every else ""
         lines.append(Text(f"estimated: prompts and 1 decode step in {count_every} counted{gpu}", style="dim"))
@@ -195,6 +200,7 @@ class ExpertHeatMap(Widget):
         self.device_names: tuple[str, ...] = ()
         self.count_every: int | None = None  # the engine counts one decode step in this many (None: all)
         self.gpu_count_every: int | None = None  # the same where the experts are on the GPU (None: as count_every)
+        self.counted = True  # False: the engine counts no picks (the setting), the map shows placement alone
 
     def update_map(self, on_gpu: list[list[bool]], popularity: list[list[int]],
                    labels: list[str] | None = None) -> None:
@@ -213,7 +219,8 @@ class ExpertHeatMap(Widget):
                 return [Text("not available: the server runs the model", style="dim")]
             return [Text("dense model: no experts to map", style="dim")]
         return render_lines(self.current_layout(width), device=self.device, width=width,
-                            count_every=self.count_every, gpu_count_every=self.gpu_count_every)
+                            count_every=self.count_every, gpu_count_every=self.gpu_count_every,
+                            counted=self.counted)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
         # Rows as Textual wraps them: a legend line wider than a narrow panel (the sampled counts' note) takes two,
