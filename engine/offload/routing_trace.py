@@ -139,6 +139,16 @@ def synthetic_trace(shape: TraceShape, steps: int, params: TraceParams, tokens: 
         yield chosen
 
 
+def calibration_halves(shape: TraceShape, params: TraceParams, steps: int = 300,
+                       seed: int = 99) -> list[list[list[int]]]:
+    """Selections per [layer, expert] of another conversation of the same model (`steps` positions of a trace of
+    `params`, seed apart from the replayed one's), in two halves: what the engine's calibration gives
+    ExpertOrchestra.calibrate, for a bench that replays traces in place of the model's routing."""
+    counts = [step_counts(s, shape.experts) for s in synthetic_trace(shape, steps, params, seed=seed)]
+    half = len(counts) // 2
+    return [sum(counts[:half]).tolist(), sum(counts[half:]).tolist()]
+
+
 class TraceRouter:
     """Replays a trace in place of the model's router (`replace_router`): each step's ids per layer,
     the trace's tokens repeated or cut to the step's, the trace itself repeated when it runs out. Expert

@@ -84,11 +84,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceParams, TraceRouter, TraceShape,
-                                                  replace_router, step_counts, synthetic_trace)
+from moedesk.engine.offload.routing_trace import (CONVERSATION, NO_LOCALITY, TraceRouter, TraceShape,
+                                                  calibration_halves, replace_router, synthetic_trace)
 
 TRACES = {"conversation": CONVERSATION, "no locality": NO_LOCALITY}
-CALIBRATION_STEPS = 300  # the other conversation popularity is calibrated from, in two halves
 CONTROL = "fixed again"
 CEILING = "every expert resident"
 
@@ -144,14 +143,6 @@ def fits(elapsed: float, limit: float | None, durations: list[float], margin: fl
     if limit is None:
         return True
     return elapsed + (max(durations) + margin if durations else 0.0) < limit
-
-
-def calibration_halves(shape: TraceShape, params: TraceParams, seed: int = 99) -> list[list[list[int]]]:
-    """Selections per [layer, expert] of another conversation of the same model, in two halves (as the engine's
-    calibration gives them to ExpertOrchestra.calibrate: prepare_synthetic's, in place of its calibration decodes)."""
-    counts = [step_counts(s, shape.experts) for s in synthetic_trace(shape, CALIBRATION_STEPS, params, seed=seed)]
-    half = len(counts) // 2
-    return [sum(counts[:half]).tolist(), sum(counts[half:]).tolist()]
 
 
 def write_json(path: str, report: dict) -> None:
