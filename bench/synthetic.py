@@ -363,28 +363,37 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
               decode_tokens: int = 64, prefill: tuple[int, ...] = (512, 2048), batch: int = 16,
               policy: str = "balanced", log=print,
               expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512,
-              feed: str = "random") -> dict:
+              feed: str = "random", routing: str = "model") -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound.
 
     feed: what every decode step feeds, calibration's included (bench.feed.fed_tokens): "random" tokens, as
     llama-bench does, or "greedy", the model's own choice.
+    routing: what routes the plain decode runs and calibrates popularity (bench.routing): "model", its own
+    routers, or a replayed trace, "no-locality" or "conversation".
 
     contexts: depths at which decode and a prefill piece of `context_chunk` tokens are measured again after that
     many tokens of context (bench.depth). The budget counts the KV cache of the whole context built (bench_context):
     the deepest run's when there are depths."""
     from moedesk.bench.depth import measure_at_depth
+    from moedesk.bench.routing import replayed, routing_calibration
+    from moedesk.engine.load.synthetic import shape_config
 
     load = CpuLoad()  # from the build on: a profile measured beside other work misplaces experts too
     room = bench_context(prefill, decode_tokens, contexts, context_chunk)
-    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format, feed=feed)
+    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format, feed=feed,
+                              calibration=routing_calibration(shape_config(shape, layers), routing))
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
+
+    def decode(sequences: int) -> BenchResult:
+        with replayed(model, cfg, sorted(bench.banks), routing, sequences, decode_tokens + 8):
+            return measure_decode(model, executor, cfg, device, dtype, sequences, decode_tokens, feed=feed)
 
     # Bounds: the offloaded experts each run really touched, read at the measured CPU bandwidth (decode)
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).
     read_bps, h2d_bps = profile["cpu_read_gbs"] * 1e9, profile["h2d_gbs"] * 1e9
     results = []
-    r = measure_decode(model, executor, cfg, device, dtype, 1, decode_tokens, feed=feed)
+    r = decode(1)
     r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, 1, expert_bytes, read_bps)
     results.append(r)
     for n in prefill:
@@ -395,7 +404,7 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
         r.experts = executor.stats.as_dict()
         results.append(r)
     if batch > 1:
-        r = measure_decode(model, executor, cfg, device, dtype, batch, decode_tokens, feed=feed)
+        r = decode(batch)
         r.bound_tok_s = traffic_bound(executor.stats, decode_tokens - 2, batch, expert_bytes, read_bps)
         results.append(r)
     for depth in contexts:
@@ -407,7 +416,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
                                 feed=feed, experts_touched=t.experts_touched),
                     BenchResult("prefill", t.chunk, 1, t.prefill_s, t.chunk / t.prefill_s, depth=depth)]
     executor.stats = type(executor.stats)()
-    return {**bench.header(), "feed": feed, "profile": dict(profile), "results": [x.as_dict() for x in results],
+    return {**bench.header(), "feed": feed, "routing": routing, "profile": dict(profile),
+            "results": [x.as_dict() for x in results],
             "other_cpu_share": round(load.others(), 3)}
 
 
@@ -426,6 +436,9 @@ def format_results(report: dict) -> str:
     if report.get("feed"):
         lines.append("decode steps feed " + ("random tokens, as llama-bench" if report["feed"] == "random" else
                                              "the model's own greedy choice"))
+    if report.get("routing", "model") != "model":
+        lines.append(f"plain decode routed by a replayed {report['routing']} trace (bench.routing); prefill by "
+                     "the model's routers")
     rows = []
     for r in report["results"]:
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"

@@ -19,7 +19,10 @@
 # within noise (it is eager either way).
 set -euo pipefail
 OUT=${OUT:-/tmp/multigpu}; mkdir -p "$OUT"
-ARGS=(--shape mixtral-8x7b --expert-format q4_k --prefill 512 --batch 16 --decode-tokens 64 --json)
+# ROUTING=no-locality (or conversation): the decode runs replay spread routing (bench/routing.py); the random
+# weights' own routers favour a few experts, which one GPU's share already holds.
+ARGS=(--shape mixtral-8x7b --expert-format q4_k --prefill 512 --batch 16 --decode-tokens 64 --routing "${ROUTING:-model}"
+      --json)
 case "${1:-}" in
 one) python -m moedesk.app.cli bench "${ARGS[@]}" --device cuda:0 --gpu-budget 16 > "$OUT/one_gpu.json" ;;
 two) python -m moedesk.app.cli bench "${ARGS[@]}" --device cuda --gpu-budget 16,16 > "$OUT/two_gpus.json" ;;

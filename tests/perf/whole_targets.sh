@@ -10,7 +10,9 @@
 # Targets: Mixtral decode >= 2x llama.cpp's best, prefill 512 >= 4x, 16 sequences >= 3x; Qwen3 decode >= 1.5x.
 # Needs llama-bench and llama-batched-bench in $LLB (tests/perf/llamacpp_engine_gpu.sh build). Leaves in $OUT:
 # whole_summary.txt (the sweep and the ratios) and whole_targets.tar.gz (every JSON and log).
-# Usage: [LLB=/tmp/llb] [SWEEP=3] bash tests/perf/whole_targets.sh [mixtral] [qwen3]   (both by default)
+# Usage: [LLB=/tmp/llb] [SWEEP=3] [ROUTING=model] bash tests/perf/whole_targets.sh [mixtral] [qwen3]   (both by default)
+# ROUTING=no-locality (or conversation): our plain decode runs replay spread routing (bench/routing.py), where the
+# random weights' own routers favour a few experts that the GPU then holds; llama-bench routes as its file does.
 set -uo pipefail
 . tests/perf/gpu_env.sh
 LLB=${LLB:-/tmp/llb}; SWEEP=${SWEEP:-3}; W=/tmp/whole; mkdir -p "$W"
@@ -54,7 +56,7 @@ PY
   rm -f "$W/$m.gguf"  # the disk and the page cache back for our banks
   clean
   timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format q4_k --gpu-budget "$gib" --prefill 512 \
-    --json > "$W/${m}_ours.json" 2> "$W/${m}_ours.log" || tail -n 5 "$W/${m}_ours.log"
+    --routing "${ROUTING:-model}" --json > "$W/${m}_ours.json" 2> "$W/${m}_ours.log" || tail -n 5 "$W/${m}_ours.log"
 done
 
 python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
