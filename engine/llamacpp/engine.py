@@ -140,9 +140,7 @@ class LlamaCppEngine(EngineFace):
                 context = min(fit.context, config.max_position_embeddings or fit.context)
                 threads = max(1, torch.get_num_threads())
                 batch_tokens = max(default_prefill_chunk(torch.device("cuda" if use_gpu else "cpu")), 512)
-                counter = ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts,
-                                        on_gpu=placement.experts_on_gpu(config.num_layers)) \
-                    if count_experts and config.is_moe else None
+                counter = _counter(api, lib, config, placement) if count_experts and config.is_moe else None
                 llama = _make_context(api, handle, context, FIRST_SLOTS, batch_tokens, threads, offload_kv, counter)
             except BaseException:
                 api.llama_model_free(handle)
@@ -256,9 +254,7 @@ class LlamaCppEngine(EngineFace):
 
         def switch():
             old = self.llama.counter  # alive until the context that calls it is gone
-            self.llama.counter = ExpertCounter(self.api, lib.ggml, self.config.num_layers, self.config.num_experts,
-                                               on_gpu=self.placement.experts_on_gpu(self.config.num_layers)) \
-                if on else None
+            self.llama.counter = _counter(self.api, lib, self.config, self.placement) if on else None
             try:
                 self.llama.resize(self.llama.slots)
             except BaseException:
@@ -400,6 +396,12 @@ def _load_file(lib, path: Path, placement: Placement, progress, split: tuple[int
     handle = api.llama_model_load_from_file(str(path).encode(), params)
     del callback, overrides, no_devices, shares  # llama.cpp reads them only while loading
     return handle, stopped
+
+
+def _counter(api, lib, config, placement: Placement) -> ExpertCounter:
+    """The routers' picks counter for a context, told which layers' experts the placement put on the GPU."""
+    return ExpertCounter(api, lib.ggml, config.num_layers, config.num_experts,
+                         on_gpu=placement.experts_on_gpu(config.num_layers))
 
 
 def _make_context(api, model, context: int, slots: int, batch_tokens: int, threads: int, offload_kv: bool,

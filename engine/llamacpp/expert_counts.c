@@ -94,7 +94,8 @@ bool moedesk_count_experts(void *tensor, bool ask, void *user_data) {
     int64_t layer = read_at(c, tensor, &t);
     if (layer < 0) return false;
     int64_t weight = layer < c->layers && c->on_gpu[layer] ? c->gpu_weight : c->weight;
-    if (ask || weight == 0) return weight > 0 || !ask;  // false while computing would stop the graph
+    if (ask) return weight > 0;
+    if (weight == 0) return true;  // not asked for this step; false while computing would stop the graph
     if (t->type != GGML_TYPE_I32 || layer >= c->layers || t->ne[2] * t->ne[3] != 1) {
         c->errors++;
         return true;  // false would stop the graph

@@ -142,11 +142,12 @@ class ExpertCounter:
         self.gpu_count_every = GPU_COUNT_EVERY if gpu_count_every is None else gpu_count_every
         for every in (self.count_every, self.gpu_count_every):
             step_weight(False, 0, every)  # a bad interval fails here, not in the decode thread
-        self.on_gpu = np.zeros(layers, dtype=np.uint8)
+        self.on_gpu = np.zeros(layers, dtype=np.uint8)  # the C callback reads it: kept with the counter
         self.on_gpu[:len(on_gpu)] = list(on_gpu)[:layers]
+        self._any_on_gpu = bool(self.on_gpu.any())
         self.steps = self.counted_steps = self.decode_steps = 0
         self._python_errors = self._python_reads = 0
-        self._python_weight = self._python_gpu_weight = self.gpu_weight = 1
+        self.weight = self.gpu_weight = 1  # this step's, for layers in RAM and on the GPU (begin_step)
         self._name, self._nbytes, self._get = ggml.ggml_get_name, ggml.ggml_nbytes, ggml.ggml_backend_tensor_get
         self._op = ggml.ggml_op_desc
         lib, _ = native_library() if native else (None, None)
@@ -180,21 +181,17 @@ class ExpertCounter:
         """Before a llama_decode of a prompt's tokens (prefill) or of decode tokens: sets the weight of its picks
         (0: skipped) and returns it for the layers whose experts are in RAM (`gpu_weight` has the others'). Decode
         thread only."""
-        weight = step_weight(prefill, self.decode_steps, self.count_every)
+        self.weight = step_weight(prefill, self.decode_steps, self.count_every)
         self.gpu_weight = step_weight(prefill, self.decode_steps, self.gpu_count_every)
         self.decode_steps += not prefill
         self.steps += 1
-        self.counted_steps += weight > 0 or (self.gpu_weight > 0 and bool(self.on_gpu.any()))
+        self.counted_steps += self.weight > 0 or (self.gpu_weight > 0 and self._any_on_gpu)
         if self._struct is not None:
-            self._struct.weight, self._struct.gpu_weight = weight, self.gpu_weight
-        self._python_weight, self._python_gpu_weight = weight, self.gpu_weight
-        return weight
-
-    def _layer_weight(self, layer: int) -> int:
-        return self._python_gpu_weight if 0 <= layer < len(self.on_gpu) and self.on_gpu[layer] else self._python_weight
+            self._struct.weight, self._struct.gpu_weight = self.weight, self.gpu_weight
+        return self.weight
 
     def _on_node(self, tensor, ask, user_data) -> bool:
-        if ask and self._python_weight == 0 and self._python_gpu_weight == 0:
+        if ask and self.weight == 0 and self.gpu_weight == 0:
             return False
         try:
             layer = None
@@ -203,9 +200,11 @@ class ExpertCounter:
                 layer = ids_layer(self._name(node) or b"") if node else None
             if layer is None:
                 return False
-            weight = self._layer_weight(layer)
-            if ask or weight == 0:
-                return weight > 0 or not ask  # False while computing would stop the graph
+            weight = self.gpu_weight if 0 <= layer < len(self.on_gpu) and self.on_gpu[layer] else self.weight
+            if ask:
+                return weight > 0
+            if weight == 0:
+                return True  # not asked for this step; False while computing would stop the graph
             head = TensorHead.from_address(node)
             if head.type != GGML_TYPE_I32 or not 0 <= layer < len(self.counts):
                 raise ValueError(f"ffn_moe_topk-{layer}: type {head.type}, not the expected int32 ids")

@@ -94,7 +94,7 @@ def model_summary(engine) -> str:
            f"{engine.device.type} · {dtype} · context {engine.context_length:,}\n{engine.why}{spread}"
 
 
-def count_every(engine) -> tuple[int | None, int | None, bool]:
+def count_sample(engine) -> tuple[int | None, int | None, bool]:
     """One decode step in how many the engine counts the routers' picks of (llama.cpp's sample), in layers whose
     experts are in RAM and on the GPU (None: all); and whether it counts at all (the Count expert picks setting)."""
     if not engine.config.is_moe or not hasattr(engine, "expert_stats"):
@@ -321,7 +321,7 @@ class ChatScreen(Screen):
         self.stats.set_model(model_summary(engine), engine.context_length, moe_layer_labels(engine),
                              engine.device.type, *row_devices(engine))
         heatmap = self.stats.heatmap
-        heatmap.count_every, heatmap.gpu_count_every, heatmap.counted = count_every(engine)
+        heatmap.count_every, heatmap.gpu_count_every, heatmap.counted = count_sample(engine)
         self.map_baseline = None  # another model's counts
         self.refresh_map()
         if self.ready:
