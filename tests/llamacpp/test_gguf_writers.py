@@ -68,3 +68,26 @@ def test_the_family_writer_at_toy_sizes_writes_what_llama_cpp_runs(tmp_path, sha
     assert ran.returncode == 0, f"llama.cpp exited with {ran.returncode}: {ran.stderr[-1500:]}"
     name, vocab, finite, spread = ran.stdout.split()[-4:]
     assert (name, vocab, finite) == (arch, "512", "True") and float(spread) > 0
+
+
+@pytest.mark.parametrize("shape", ["gpt-oss-20b", "glm-4.5-air"])
+def test_the_family_writer_spreads_routing_where_the_family_has_biases(tmp_path, shape, monkeypatch):
+    """The benches compare prefill against llama.cpp, which copies only the experts a prompt picks: its file must
+    route random tokens over the experts as the native bench's model does. Biases near 1 in every dimension (gpt-oss's
+    attention output and experts, GLM's q/k/v) gave each token the same residual, and tensors that all began at the
+    same random value made a router's first row a bias: every token then picked expert 0 and one or two others."""
+    from moedesk.engine.runtime import Engine
+    from moedesk.engine.requests import Request, SamplingParams
+    from tests.perf import make_family_gguf
+
+    out = tmp_path / f"{shape}.gguf"
+    monkeypatch.setattr(sys, "argv", ["make_family_gguf.py", shape, str(out), "3", "--tiny"])
+    make_family_gguf.main()
+    engine = Engine.load(str(out), engine="llama.cpp", device="cpu", count_experts=True)
+    prompt = np.random.default_rng(1).integers(300, 500, size=128).tolist()
+    engine.complete([Request(prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))])
+    picks = [np.array(row) for row in engine.expert_map()[1]]
+    assert len(picks) >= 2
+    for row in picks[:-1]:  # llama.cpp runs the last layer for the tokens whose logits it returns only (most families)
+        assert row.sum() == 128 * 2  # every prompt token's top-2: the counts are whole
+        assert (row > 0).sum() >= 6 and row.max() < 0.45 * row.sum(), row  # the old files: 2-3 of 8, one in every top-2

@@ -19,6 +19,7 @@ import argparse
 import os
 import re
 import sys
+import zlib
 
 import numpy as np
 import torch
@@ -94,6 +95,15 @@ rng = np.random.default_rng(0)
 values = (rng.standard_normal(1 << 24, dtype=np.float32) * 0.02)
 
 
+def drawn(name: str, n: int) -> np.ndarray:
+    """`n` of the random values for tensor `name`, from a place of its own in them: tensors that all began at the
+    same value were alike (a router's first row equal to a bias), so every token picked the same expert."""
+    start = zlib.crc32(name.encode()) % len(values)
+    if start + n <= len(values):
+        return values[start:start + n]
+    return tiled(n, np.concatenate((values[start:], values[:start])))
+
+
 def q4_k_block_row(k: int) -> np.ndarray:
     """One row of valid Q4_K blocks (144 bytes per 256 weights): random scales and nibbles, small d and dmin."""
     blocks = rng.integers(0, 256, size=(k // 256, 144), dtype=np.uint8)
@@ -155,14 +165,20 @@ def main() -> None:
         if ROUTED.fullmatch(name):
             data, qtype = packed(shape, expert_format)
             w.add_tensor(name, data, raw_dtype=qtype)
-        elif ALWAYS_F32.fullmatch(name):
-            w.add_tensor(name, tiled(int(np.prod(shape)), values).reshape(shape))
+            continue
+        data = drawn(name, int(np.prod(shape))).reshape(shape)
+        if ALWAYS_F32.fullmatch(name):
+            w.add_tensor(name, data)
         elif len(shape) >= 2 and name.endswith(".weight"):
-            w.add_tensor(name, tiled(int(np.prod(shape)), values).astype(np.float16).reshape(shape))
+            w.add_tensor(name, data.astype(np.float16))
         elif name.endswith(".ssm_a"):  # Gated DeltaNet's A = -exp(A_log): negative, or the state grows without bound
-            w.add_tensor(name, -np.abs(tiled(int(np.prod(shape)), values).reshape(shape)) - 0.5)
-        else:  # norms, biases, sinks: float32, as the converter keeps them
-            w.add_tensor(name, tiled(int(np.prod(shape)), values).reshape(shape) + 1.0)
+            w.add_tensor(name, -np.abs(data) - 0.5)
+        elif name.endswith(".bias"):  # centred, as engine/load/synthetic.py's: a bias near 1 in every dimension
+            # (attention's output, an expert's down projection) gives each token the same residual, so every
+            # token's router picks the same few experts, and llama.cpp's prefill copies only those
+            w.add_tensor(name, data)
+        else:  # norms, sinks: float32, as the converter keeps them
+            w.add_tensor(name, data + 1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
