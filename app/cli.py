@@ -206,9 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="what each decode step feeds: random tokens, as llama-bench does (default), or the "
                             "model's own greedy choice, whose trajectory decides which experts a run touches")
     bench.add_argument("--routing", choices=["model", "no-locality", "conversation"], default="model",
-                       help="what routes the plain decode runs: the synthetic model's own routers (default; random "
-                            "weights favour a few experts), or a replayed trace of spread routing, with no locality "
-                            "or with a conversation's recent-use locality (docs/expert-cache.md)")
+                       help="what routes the plain decode and prefill runs: the synthetic model's own routers "
+                            "(default; random weights favour a few experts), or a replayed trace of spread routing, "
+                            "with no locality or with a conversation's recent-use locality (docs/expert-cache.md)")
     bench.add_argument("--device", default="auto", help="cuda, cuda:N, cpu (the GPU tier simulated) or auto (default)")
     bench.add_argument("--expert-format", default="dense", choices=["dense", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"],
                        help="experts in 16 bits (dense, default) or packed in a GGUF block format")
@@ -369,8 +369,8 @@ def run_bench_command(args) -> int:
                            "search and llama.cpp's runs decode their own choices")
     if args.routing != "model" and (args.model or args.draft or args.prompts or args.speculative or args.beams
                                     or args.engine == "llama.cpp"):
-        raise MoedeskError("bench: --routing replays a trace in the native engine's plain decode runs; speculation, "
-                           "beam search and llama.cpp's runs route as the model does")
+        raise MoedeskError("bench: --routing replays a trace in the native engine's plain decode and prefill runs; "
+                           "speculation, beam search and llama.cpp's runs route as the model does")
     if isinstance(args.gpu_budget, tuple) and args.engine == "llama.cpp":
         raise MoedeskError("bench: one --gpu-budget figure per GPU is for the native engine; llama.cpp's split over "
                            "GPUs is its tensor split")

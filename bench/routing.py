@@ -1,12 +1,13 @@
-"""What routes a bench's plain decode runs: the synthetic model's own routers, or a replayed trace.
+"""What routes a bench's plain decode and prefill runs: the synthetic model's own routers, or a replayed trace.
 
 A random-weight model's routers send most tokens to a few experts a layer, more so in deeper layers, so a GPU that
 holds those few serves nearly every pick: a placement of popular experts looks better there than on a trained
 model, whose routing spreads over most experts. `--routing no-locality` replays engine.offload.routing_trace's
 trace with no skew and no reuse (each pick drawn afresh, every expert alike); `conversation` its preset with the
 recent-use locality measured on a real model (docs/expert-cache.md). Popularity is then calibrated from another
-trace of the same kind, as the app calibrates on other prompts than the ones it serves. Only the plain decode runs
-replay it: prefill and the depth runs route as the model does, since a trace step holds a few tokens' picks.
+trace of the same kind, as the app calibrates on other prompts than the ones it serves. The plain decode and prefill
+runs replay it (a prefill round is one trace step of the prompt's tokens, so a spread trace reaches most experts a
+layer, as a trained model's prompt does); the depth runs route as the model does.
 """
 from __future__ import annotations
 

@@ -368,8 +368,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
 
     feed: what every decode step feeds, calibration's included (bench.feed.fed_tokens): "random" tokens, as
     llama-bench does, or "greedy", the model's own choice.
-    routing: what routes the plain decode runs and calibrates popularity (bench.routing): "model", its own
-    routers, or a replayed trace, "no-locality" or "conversation".
+    routing: what routes the plain decode and prefill runs and calibrates popularity (bench.routing): "model", its
+    own routers, or a replayed trace, "no-locality" or "conversation".
 
     contexts: depths at which decode and a prefill piece of `context_chunk` tokens are measured again after that
     many tokens of context (bench.depth). The budget counts the KV cache of the whole context built (bench_context):
@@ -398,7 +398,8 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
     results.append(r)
     for n in prefill:
         executor.stats = type(executor.stats)()
-        r = measure_prefill(model, executor, cfg, device, dtype, n, repeat=3)
+        with replayed(model, cfg, sorted(bench.banks), routing, n, 3):  # a trace step a round: a prompt of n tokens
+            r = measure_prefill(model, executor, cfg, device, dtype, n, repeat=3)
         # Per run: the counts cover every round (a bound over fewer steps than ran overstated the % of bound).
         r.bound_tok_s = traffic_bound(executor.stats, r.rounds, n, expert_bytes, h2d_bps)
         r.experts = executor.stats.as_dict()
@@ -437,8 +438,8 @@ def format_results(report: dict) -> str:
         lines.append("decode steps feed " + ("random tokens, as llama-bench" if report["feed"] == "random" else
                                              "the model's own greedy choice"))
     if report.get("routing", "model") != "model":
-        lines.append(f"plain decode routed by a replayed {report['routing']} trace (bench.routing); prefill by "
-                     "the model's routers")
+        lines.append(f"decode and prefill routed by a replayed {report['routing']} trace (bench.routing); the "
+                     "context depths by the model's routers")
     rows = []
     for r in report["results"]:
         pct = f"{r['pct_of_bound']:.0f}" if r["pct_of_bound"] is not None else "-"

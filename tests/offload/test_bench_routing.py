@@ -1,5 +1,6 @@
-"""`moedesk bench --routing`: the plain decode runs routed by a replayed trace (bench/routing.py) in place of the
-random-weight model's routers, which favour a few experts; popularity calibrated from another trace of the same kind.
+"""`moedesk bench --routing`: the plain decode and prefill runs routed by a replayed trace (bench/routing.py) in place
+of the random-weight model's routers, which favour a few experts; popularity calibrated from another trace of the
+same kind.
 """
 import numpy as np
 import pytest
@@ -15,9 +16,9 @@ from moedesk.engine.offload.routing_trace import NO_LOCALITY, calibration_halves
 LAYERS = 2  # tiny-moe's first two: MoE layers of 8 experts, top 2
 
 
-def test_a_decode_run_touches_only_the_experts_its_trace_picks(monkeypatch):
-    """A trace that sends every token to experts 6 and 7: the plain decode runs (one sequence and a batch) touch
-    those two a layer and no other, while the prefill between them routes as the model does."""
+def test_decode_and_prefill_runs_touch_only_the_experts_their_trace_picks(monkeypatch):
+    """A trace that sends every token to experts 6 and 7: the plain decode runs (one sequence and a batch) and the
+    prefill between them (a trace step of the prompt's tokens a round) touch those two a layer and no other."""
     picked = []
 
     def two_experts(shape, steps, params, tokens=1, seed=0):
@@ -32,7 +33,9 @@ def test_a_decode_run_touches_only_the_experts_its_trace_picks(monkeypatch):
     decode, prefill, batched = report["results"]
     assert (decode["mode"], batched["mode"]) == ("decode", "batched_decode")
     assert decode["experts_touched"] == batched["experts_touched"] == 2 * LAYERS
-    assert picked == [(NO_LOCALITY, 1, routing.TRACE_SEED), (NO_LOCALITY, 2, routing.TRACE_SEED)]
+    assert prefill["experts"]["active_experts"] == 2 * LAYERS * prefill["rounds"]  # experts 6 and 7, each round
+    assert picked == [(NO_LOCALITY, 1, routing.TRACE_SEED), (NO_LOCALITY, 16, routing.TRACE_SEED),
+                      (NO_LOCALITY, 2, routing.TRACE_SEED)]
     assert report["routing"] == "no-locality"
     assert "routed by a replayed no-locality trace" in format_results(report)
 
