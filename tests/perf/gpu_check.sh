@@ -16,7 +16,8 @@ run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget "$(python3 -m m
 run qwen3_cpu --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --prefill 512
 python3 - "$OUT" <<'PY'
 import json, sys, glob, os
-for f in sorted(glob.glob(os.path.join(sys.argv[1], "*.json"))):
+names = ("mixtral_cpu_balanced", "mixtral_cpu_fiddler", "mixtral_2layers", "qwen3_cpu")  # not another script's
+for f in [os.path.join(sys.argv[1], n + ".json") for n in names if os.path.exists(os.path.join(sys.argv[1], n + ".json"))]:
     d = json.load(open(f))
     for r in d["results"]:
         b = r["bound_tok_s"]
