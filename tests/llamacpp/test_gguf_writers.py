@@ -76,17 +76,13 @@ def test_the_family_writer_spreads_routing_where_the_family_has_biases(tmp_path,
     route random tokens over the experts as the native bench's model does. Biases near 1 in every dimension (gpt-oss's
     attention output and experts, GLM's q/k/v) gave each token the same residual, and tensors that all began at the
     same random value made a router's first row a bias: every token then picked expert 0 and one or two others."""
-    from moedesk.engine.runtime import Engine
-    from moedesk.engine.requests import Request, SamplingParams
     from tests.perf import make_family_gguf
+    from tests.perf.prompt_picks import prompt_picks
 
     out = tmp_path / f"{shape}.gguf"
     monkeypatch.setattr(sys, "argv", ["make_family_gguf.py", shape, str(out), "3", "--tiny"])
     make_family_gguf.main()
-    engine = Engine.load(str(out), engine="llama.cpp", device="cpu", count_experts=True)
-    prompt = np.random.default_rng(1).integers(300, 500, size=128).tolist()
-    engine.complete([Request(prompt_ids=prompt, params=SamplingParams(max_new_tokens=1))])
-    picks = [np.array(row) for row in engine.expert_map()[1]]
+    picks = prompt_picks(str(out), tokens=128, seed=1)
     assert len(picks) >= 2
     for row in picks[:-1]:  # llama.cpp runs the last layer for the tokens whose logits it returns only (most families)
         assert row.sum() == 128 * 2  # every prompt token's top-2: the counts are whole

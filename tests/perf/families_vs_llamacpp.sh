@@ -35,6 +35,9 @@ family() {  # name shape layers our-format gguf-experts
       --json "$R/llamacpp_engine.json" > "$R/llamacpp_engine.txt" 2>&1 || echo "llama.cpp engine compare failed"
     tail -n 4 "$R/llamacpp_engine.txt"
   fi
+  # How many experts llama.cpp's prompt picks, which is what its prefill copies (counted on the CPU)
+  timeout 300 python3 tests/perf/prompt_picks.py "$f" --json "$R/${name}_picks.json" > "$R/${name}_picks.log" 2>&1 \
+    || echo "$name: the prompt's picks not counted"
   rm -f "$f"; clean
   python3 -m moedesk bench --shape "$shape" --layers "$L" --gpu-budget 0 --expert-format "$fmt" --prefill 512 \
     --decode-tokens 32 --batch 16 --json > "$R/${name}_ours.json" 2> "$R/${name}_ours.err" || echo "$name: ours failed"
@@ -69,6 +72,11 @@ for f in sorted(glob.glob(os.path.join(out, "*_ours.json"))):
         ratio = f"{r['tok_s'] / best:.2f}" if best else "-"
         print(f"{name:<15}{mode:<14}{r['tok_s']:>9.1f}{(ref or 0):>9.1f}{(other or 0):>9.1f}{ratio:>7}"
               f"{(r.get('pct_of_bound') or 0):>8.0f}%")
+    # the experts a 512-token prompt used on each side: llama.cpp's prefill copies those it uses
+    picks, pre = load(f"{out}/{name}_picks.json", lambda p: json.load(open(p))), mine.get("prefill")
+    if picks and pre and pre.get("experts"):
+        print(f"{name:<15}experts a prompt used: llama.cpp's file {sum(picks['used'])}, ours "
+              f"{pre['experts']['active_experts'] / pre['rounds']:.0f}, of {sum(picks['experts'])}")
 PY
   tar czf "$OUT/families.tgz" -C "$R" .
 }
