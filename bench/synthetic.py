@@ -387,7 +387,9 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
 
     def decode(sequences: int) -> BenchResult:
         with replayed(model, cfg, sorted(bench.banks), routing, sequences, decode_tokens + 8):
-            return measure_decode(model, executor, cfg, device, dtype, sequences, decode_tokens, feed=feed)
+            r = measure_decode(model, executor, cfg, device, dtype, sequences, decode_tokens, feed=feed)
+        r.experts = executor.stats.as_dict()  # the timed steps' split: what a run below its bound spent its time on
+        return r
 
     # Bounds: the offloaded experts each run really touched, read at the measured CPU bandwidth (decode)
     # or copied at the measured PCIe bandwidth (prefill, where the CPU may also take a share: >100% is possible).
@@ -447,19 +449,24 @@ def format_results(report: dict) -> str:
         rows.append([r["mode"], str(r["tokens"]), str(r["batch"]), str(r.get("depth", 0)), significant(r["tok_s"]),
                      spread_, significant(r["bound_tok_s"]), pct])
     lines += text_table(["mode", "tokens", "batch", "depth", "tok/s", "spread", "bound", "% bound"], rows)
-    lines += [prefill_split_line(r) for r in report["results"] if r.get("experts")]
+    lines += [split_line(r) for r in report["results"] if r.get("experts")]
     warning = busy_warning(report.get("other_cpu_share") or 0.0)
     if warning:
         lines.append(warning)
     return "\n".join(lines)
 
 
-def prefill_split_line(result: dict) -> str:
-    """Where a prefill's offloaded experts ran, per run: the split the CPU and the copies shared."""
-    e, rounds = result["experts"], result.get("rounds") or 1
-    return (f"prefill {result['tokens']}, per run: {e['experts_cpu'] / rounds:.0f} experts on the CPU, "
-            f"{e['experts_copied'] / rounds:.0f} copied, {e['experts_gpu'] / rounds:.0f} resident; "
-            f"{e['moe_ms'] / rounds:.1f} ms in the experts ({e['cpu_expert_ms'] / rounds:.1f} of it the CPU's call)")
+def split_line(result: dict) -> str:
+    """Where a run's offloaded experts ran, per prefill run or per decode step: the split the CPU and the copies
+    shared, and the resident experts beside them."""
+    e = result["experts"]
+    if result["mode"] == "prefill":
+        per, label = result.get("rounds") or 1, f"prefill {result['tokens']}, per run"
+    else:  # measure_decode times every step after the first
+        per, label = max(result["tokens"] - 2, 1), f"{result['mode'].replace('_', ' ')} of {result['batch']}, per step"
+    return (f"{label}: {e['experts_cpu'] / per:.0f} experts on the CPU, {e['experts_copied'] / per:.0f} copied, "
+            f"{e['experts_zero_copy'] / per:.0f} read zero-copy, {e['experts_gpu'] / per:.0f} resident; "
+            f"{e['moe_ms'] / per:.1f} ms in the experts ({e['cpu_expert_ms'] / per:.1f} of it the CPU's call)")
 
 
 def _experts_per_step(stats, steps: int) -> float:

@@ -95,6 +95,11 @@ def test_a_real_bench_reports_its_spread_and_the_machines_load():
     e = r["results"][1]["experts"]  # the prefill's split, per run, in words
     assert f"prefill 16, per run: {e['experts_cpu'] / 3:.0f} experts on the CPU, {e['experts_copied'] / 3:.0f} copied" \
         in text
+    for result in (r["results"][0], r["results"][2]):  # the decode runs' split, per timed step (6 tokens: 4 timed)
+        e = result["experts"]
+        assert e["experts_gpu"] + e["experts_cpu"] + e["experts_copied"] + e["experts_zero_copy"] > 0
+        label = "decode of 1" if result["batch"] == 1 else "batched decode of 2"
+        assert f"{label}, per step: {e['experts_cpu'] / 4:.0f} experts on the CPU" in text
 
 
 def test_every_bench_mode_warns_when_the_machine_was_busy(monkeypatch, capsys):
