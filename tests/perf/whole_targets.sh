@@ -76,9 +76,11 @@ for m in models:
     for n in sorted(sweep):
         print(f"  -ncmoe {n:>2}: {sweep[n].get('decode', 0):7.1f} / {sweep[n].get('prefill', 0):8.1f}")
     try:
-        ours = {r["mode"]: r for r in json.load(open(f"{w}/{m}_ours.json"))["results"]}
+        report = json.load(open(f"{w}/{m}_ours.json"))
+        ours = {r["mode"]: r for r in report["results"]}
     except (FileNotFoundError, ValueError):
         print("  moedesk: no result"); continue
+    print(f"  moedesk routed by {report.get('routing', 'model')}; {report.get('experts_on_gpu')} experts on the GPU")
     batched = None
     try:  # llama-batched-bench's S_TG t/s column on the 16-sequence row
         rows = [line for line in open(f"{w}/{m}_llama_batched.txt") if re.match(r"\|\s+128", line)]
