@@ -15,12 +15,14 @@ run mixtral_2layers --shape mixtral-8x7b --layers 8 --gpu-budget "$(python3 -m m
   --batch 1 --prefill 512
 run qwen3_cpu --shape qwen3-30b-a3b --layers 12 --gpu-budget 0 --prefill 512
 python3 - "$OUT" <<'PY'
-import json, sys, glob, os
-names = ("mixtral_cpu_balanced", "mixtral_cpu_fiddler", "mixtral_2layers", "qwen3_cpu")  # not another script's
-for f in [os.path.join(sys.argv[1], n + ".json") for n in names if os.path.exists(os.path.join(sys.argv[1], n + ".json"))]:
+import json, sys, os
+for name in ("mixtral_cpu_balanced", "mixtral_cpu_fiddler", "mixtral_2layers", "qwen3_cpu"):  # not another script's
+    f = os.path.join(sys.argv[1], name + ".json")
+    if not os.path.exists(f):
+        continue
     d = json.load(open(f))
     for r in d["results"]:
         b = r["bound_tok_s"]
-        print(f"{os.path.basename(f)[:-5]:<22}{r['mode']:<15}{r['tokens']:>6}{r['batch']:>4}{r['tok_s']:>9.1f}"
+        print(f"{name:<22}{r['mode']:<15}{r['tokens']:>6}{r['batch']:>4}{r['tok_s']:>9.1f}"
               f"{(b or 0):>9.1f}{(r['pct_of_bound'] or 0):>6.0f}%")
 PY
