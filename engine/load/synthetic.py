@@ -103,11 +103,17 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
     return model.eval(), banks
 
 
+# llama.cpp's MXFP4_MOE files (gpt-oss) hold only the experts in MXFP4, every other tensor in Q8_0
+# (its llama-quant.cpp); the other types of a file pack the rest in the experts' format or its fallback.
+NON_EXPERT_FORMAT = {"mxfp4": "q8_0"}
+
+
 def packed_plan(cfg: ModelConfig, expert_format: str, packed_weights: bool | None = None,
                 model: Transformer | None = None, device="cuda") -> dict[str, tuple[str, int, int]]:
     """The non-expert weights synthetic_model packs: our name -> (format, rows, columns), every Linear weight a GGUF
-    keeps packed (engine.model.packed_linear.packable) in expert_format or its fallback for its rows
-    (format_for_rows); {} unless packed_weights (default: packed_linear.wanted(device)) and expert_format is packed."""
+    keeps packed (engine.model.packed_linear.packable) in the format a GGUF of expert_format gives them
+    (NON_EXPERT_FORMAT, else expert_format) or its fallback for its rows (format_for_rows); {} unless packed_weights
+    (default: packed_linear.wanted(device)) and expert_format is packed."""
     from moedesk.engine.model import packed_linear
 
     wanted = packed_linear.wanted(device) if packed_weights is None else packed_weights
@@ -120,7 +126,7 @@ def packed_plan(cfg: ModelConfig, expert_format: str, packed_weights: bool | Non
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and packed_linear.packable(f"{name}.weight") \
                 and not (name == "lm_head" and cfg.tie_word_embeddings):
-            fmt = format_for_rows(expert_format, module.in_features)
+            fmt = format_for_rows(NON_EXPERT_FORMAT.get(expert_format, expert_format), module.in_features)
             if fmt in packed_linear.formats():
                 plan[f"{name}.weight"] = (fmt, module.out_features, module.in_features)
     return plan

@@ -171,7 +171,8 @@ def test_held_bytes_counts_fused_views_once(quantised):
 
 
 @pytest.mark.parametrize("shape,fmt,packed_as", [("tiny-moe", "q8_0", {"q8_0"}), ("tiny-glm", "q4_0", {"q4_0"}),
-                                                 ("tiny-moe", "q4_k", {"q4_0"})])  # 64 columns: q4_k's fallback
+                                                 ("tiny-moe", "q4_k", {"q4_0"}),  # 64 columns: q4_k's fallback
+                                                 ("tiny-moe", "mxfp4", {"q8_0"})])  # as llama.cpp's MXFP4_MOE
 def test_synthetic_models_pack_their_non_expert_weights(shape, fmt, packed_as, monkeypatch):
     """The benchmarks' random models (`moedesk bench`, profile_gpu_decode.py) with the flag and packed experts: the
     weights a GGUF of that quantisation keeps packed are packed, and the bench's budget counts them packed."""

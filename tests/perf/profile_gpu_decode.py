@@ -2,8 +2,8 @@
 
 Usage (GPU box, repo root): python3 tests/perf/profile_gpu_decode.py [SHAPE:LAYERS] [--expert-format q4_k]
     [--batch 1] [--steps 16] [--llama-bench PATH] [--timeline FILE]
-(The non-expert weights are packed in --expert-format too, as llama.cpp keeps them; MOEDESK_PACKED_WEIGHTS=0 in
-front: in 16 bits.)
+(The non-expert weights are packed as a GGUF of --expert-format keeps them, engine.load.synthetic.packed_plan;
+MOEDESK_PACKED_WEIGHTS=0 in front: in 16 bits.)
 Every expert resident on one GPU: the floor the GPU's own kernels set, where issue 45's second target (two GPUs
 against llama.cpp with every expert on them) is decided. Decode with CUDA graphs as the engine runs it, then
 torch.profiler over two decode runs that differ only in length, so prefill and graph capture cancel: GPU ms a step
