@@ -14,9 +14,9 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 export PYTHONPATH=/tmp/site:.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-if [ -n "${ENGINE_ON:-}" ]; then  # llama-cpp-python's package (.pylib) over the CUDA libraries built in $LLB/..
-  . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$LLB/.."
-fi
+# llama-cpp-python's package (.pylib) over the CUDA libraries built in $LLB/..: prompt_picks.py counts through it,
+# and ENGINE_ON's comparison runs on it.
+if [ -d .pylib/llama_cpp ]; then . tests/perf/llamacpp_libs.sh && install_llamacpp_libs "$LLB/.."; fi
 clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }
 family() {  # name shape layers our-format gguf-experts
   local name=$1 shape=$2 L=$3 fmt=$4 gexp=$5 f="$W/$1.gguf"
