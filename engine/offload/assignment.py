@@ -321,10 +321,13 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     """How a lone decoded token's `top_k` offloaded experts are shared between the CPU and the GPU, which reads
     its share of the weights from pinned RAM (kernels.gpu_zero_copy): (ranks, 0) — the GPU computes the last
     `ranks` experts whole, the CPU the others — or (0, width) — the GPU computes the last `width` of every
-    expert's intermediate width, the CPU the rest. The option whose measured time (the model's
-    `zero_copy_split_ms` and `split_width_ms`, engine.offload.profiler.profile_zero_copy) was the shortest, and
-    (0, 0) unless it beat the CPU alone by ZERO_COPY_MIN_GAIN, or nothing was measured
-    for this top_k.
+    expert's intermediate width, the CPU the rest. Each step away from the CPU alone must win by ZERO_COPY_MIN_GAIN
+    in its measured time (the model's `zero_copy_split_ms` and `split_width_ms`,
+    engine.offload.profiler.profile_zero_copy): the fastest whole-expert split against the CPU alone, then the
+    fastest width against that. (0, 0) where nothing was measured for this top_k.
+
+    Widths only on a clear lead: on gpt-oss a width profiled within 3% of one whole expert decoded 4-10% slower
+    than it on the same machine (docs/measurements.md, "Session 49").
 
     Measured, not predicted from one expert's costs: predicted from them (with the contention factors of copies), the
     split got both Mixtral and Qwen3 wrong (docs/measurements.md, "The placement's rules and the latency model").
@@ -334,10 +337,16 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     split = getattr(model, "zero_copy_split_ms", ())
     if getattr(model, "zero_copy_top_k", 0) != top_k or len(split) < 2:
         return 0, 0
-    options = [((g, 0), ms) for g, ms in enumerate(split)]
-    options += [((0, width), ms) for width, ms in getattr(model, "split_width_ms", ())]
-    (ranks, width), best = min(options, key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks, then less width
-    return (ranks, width) if best <= (1 - ZERO_COPY_MIN_GAIN) * split[0] else (0, 0)
+    keep = 1 - ZERO_COPY_MIN_GAIN
+    ranks, best = min(enumerate(split), key=lambda o: (o[1], o[0]))  # on a tie, fewer ranks
+    if best > keep * split[0]:
+        ranks, best = 0, split[0]
+    widths = getattr(model, "split_width_ms", ())
+    if widths:
+        width, ms = min(widths, key=lambda o: (o[1], o[0]))  # on a tie, less width
+        if ms <= keep * best:
+            return 0, width
+    return ranks, 0
 
 
 def lone_token_measured(loads: dict[int, int], model) -> bool:

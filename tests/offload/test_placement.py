@@ -604,3 +604,22 @@ def test_rows_split_when_they_beat_whole_experts():
     assert lone_token_split(2, measured((1.46, 2.1), ((3584, 1.42),))) == (0, 0)  # under 5% faster
     assert lone_token_split(8, mixtral) == (0, 0)  # measured for another top_k
     assert lone_token_split(2, measured((1.46,), ((3584, 1.1),))) == (0, 0)  # no CPU-alone time to beat
+
+
+def test_a_width_must_clearly_beat_whole_experts():
+    """Session 49's gpt-oss profiles (top-4, ms): one whole expert on the GPU 0.537, the best width 0.523; chosen,
+    the width decoded 10% slower than one whole expert on the same machine. A width takes over only where it leads
+    the best whole-expert option by ZERO_COPY_MIN_GAIN, as that option must lead the CPU alone."""
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.assignment import lone_token_split
+
+    def measured(split_ms, rows_ms):
+        return SimpleNamespace(zero_copy_split_ms=split_ms, zero_copy_top_k=len(split_ms) - 1, split_width_ms=rows_ms)
+
+    gpt_oss = measured((0.577, 0.537, 0.700, 0.94, 1.21), ((512, 0.55), (896, 0.523)))
+    assert lone_token_split(4, gpt_oss) == (1, 0)
+    assert lone_token_split(2, measured((0.577, 0.537, 0.700), ((896, 0.50),))) == (0, 896)  # 7% ahead
+    # no whole expert beats the CPU alone: the width is weighed against the CPU alone (session 49's Mixtral)
+    assert lone_token_split(2, measured((1.728, 2.257, 4.11), ((4352, 1.592), (5376, 1.837)))) == (0, 4352)
+    assert lone_token_split(2, measured((1.728, 2.257), ((4352, 1.70),))) == (0, 0)
