@@ -260,14 +260,18 @@ def _half_operands(x, out) -> bool:
 
 # Formats the integer route reads, and the byte alignment their loads need: q4_k's and q5_k's quants are read as
 # words (their 144- and 176-byte blocks keep them aligned), q4_0's, q8_0's and q6_k's as 16-bit halves joined into
-# words (their 18-, 34- and 210-byte blocks leave every other block's quants 2 bytes off a word).
-_Q8_FORMATS = {"q4_k": 16, "q5_k": 16, "q4_0": 2, "q8_0": 2, "q6_k": 2}
+# words (their 18-, 34- and 210-byte blocks leave every other block's quants 2 bytes off a word), mxfp4's a byte at
+# a time (its 17-byte blocks leave them at any offset).
+_Q8_FORMATS = {"q4_k": 16, "q5_k": 16, "q4_0": 2, "q8_0": 2, "q6_k": 2, "mxfp4": 1}
 _Q8_WORDS = {"q4_k": 8, "q5_k": 8}  # words a half unit (64-weight units); the others 4 (32-weight units)
 # Rows per group up to which the integer route takes a launch (its steps hold up to 4 tokens): beyond, the weights
 # unpacked again every step cost more than the tensor-core tiles (docs/measurements.md, "Session 40").
 _Q8_ROWS = 4
 # MOEDESK_Q8_ACTIVATIONS=0 keeps few-row launches on the float32 FMAs (for a side-by-side measurement).
 _Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
+# mxfp4 takes the route only with MOEDESK_Q8_MXFP4=1 until its GPU test and benchmark have run on the box
+# (docs/benchmarks.md's plan); the interpreter's tests turn it on where they check it.
+_Q8_MXFP4 = os.environ.get("MOEDESK_Q8_MXFP4") == "1"
 
 
 def _few_rows(m: int, groups: int) -> bool:
@@ -283,6 +287,8 @@ def _q8_route(x, stack, fmt, dtype) -> bool:
     """Whether a launch can take the integer route: a format it reads, a 16-bit layer (float32 layers keep the
     float32 path, exactly as the reference) and experts aligned as the format's loads need."""
     align = _Q8_FORMATS.get(fmt)
+    if fmt == "mxfp4" and not _Q8_MXFP4:
+        return False
     return (_Q8_WANTED and align is not None and dtype != torch.float32
             and all(n % align == 0 for n in (stack.data_ptr(), stack.stride(0), stack.shape[-1])))
 
@@ -646,17 +652,42 @@ if triton is not None:
         return low | (tl.load(h + 1, mask=mask, other=0).to(tl.int32) << 16)
 
     @triton.jit
+    def _bytes_word(p, i, zero, mask):
+        """Words i of bytes at p, at any alignment: four byte loads joined (little-endian)."""
+        b = p + 4 * i + zero
+        w = tl.load(b, mask=mask, other=0).to(tl.int32)
+        w |= tl.load(b + 1, mask=mask, other=0).to(tl.int32) << 8
+        w |= tl.load(b + 2, mask=mask, other=0).to(tl.int32) << 16
+        return w | (tl.load(b + 3, mask=mask, other=0).to(tl.int32) << 24)
+
+    @triton.jit
+    def _e2m1_bytes(c):
+        """Words of four E2M1 codes (a byte each, 0..15) as twice their values in bytes, split by sign: (the positive
+        values, 0 where negative; the negative ones' magnitudes, 0 where positive), so that a signed dot product is
+        the difference of two dp4a. Magnitude codes 0..7 give 0, 1, 2, 3, 4, 6, 8, 12: the code, plus its low two
+        bits from 4 on, plus 2 at 7. Bytes stay under 16, so no sum carries into the next byte."""
+        m = c & 0x07070707
+        from4 = ((m >> 2) & 0x01010101) * 255  # 0xFF in the bytes whose code is 4 or more
+        at7 = m & (m >> 1) & (m >> 2) & 0x01010101
+        v = m + ((m & 0x03030303) & from4) + (at7 << 1)
+        negative = v & (((c >> 3) & 0x01010101) * 255)
+        return v ^ negative, negative
+
+    @triton.jit
     def _q8_unit(row, u, i, zero, mask, FMT: tl.constexpr):
         """Unit u of rows `row` ([ROWS, 1, 1] byte pointers) as two halves of W words of four signed bytes each
         (lo, hi), each half's scale and offset ([ROWS, NB, 1]) and the column of lo's first weight ([1, NB, 1];
         hi's sits `_q8_span(FMT)` columns on): a half's dot product with x is scale * (x's scale * its integer sum)
-        - offset * (x's block sum).
+        - offset * (x's block sum). Last, mxfp4's negative weights' magnitudes (lo_neg, hi_neg; zero for the other
+        formats), whose products `_q8_token` takes off.
         - q4_k, q5_k: a block's sub-blocks 2j and 2j + 1 (j = u % 4), 8 words whose low nibbles are sub-block 2j's
           weights and high ones 2j + 1's (q5_k: each with its fifth bit from the block's high-bit bytes).
         - q4_0: a block, whose 4 words' low nibbles are its first 16 columns and high ones its last 16, less 8 (an
           offset of 8 scales, all on the first half). q8_0: a block, its first and last 16 bytes.
         - q6_k: 16 weights of a 128-column half (part p, sub-block s) and the 16 of the quarter two on, each 16
-          under a scale of its own, less 32 (taken off in integers: `_q8_token`)."""
+          under a scale of its own, less 32 (taken off in integers: `_q8_token`).
+        - mxfp4: a block, laid out as q4_0's, its codes as twice their E2M1 values (`_e2m1_bytes`) under the scale
+          2^(e - 128), as the float path reads them."""
         if FMT == 2 or FMT == 3:
             j = u % 4
             blk = u // 4
@@ -673,17 +704,24 @@ if triton is not None:
             dmin = _f16(base + 2, mask)
             sc0, m0 = _k_scale_min(base + 4, 2 * j, mask)
             sc1, m1 = _k_scale_min(base + 4, 2 * j + 1, mask)
-            return lo, hi, d * sc0, d * sc1, dmin * m0, dmin * m1, blk * 256 + j * 64
+            return lo, hi, d * sc0, d * sc1, dmin * m0, dmin * m1, blk * 256 + j * 64, zero, zero
         elif FMT == 0:
             base = row + u * 18
             w = _halves(base + 2, i, zero, mask)
             d = _f16(base, mask)
-            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, d, d, 8.0 * d, 0.0 * d, u * 32
+            return w & 0x0F0F0F0F, (w >> 4) & 0x0F0F0F0F, d, d, 8.0 * d, 0.0 * d, u * 32, zero, zero
         elif FMT == 1:
             base = row + u * 34
             d = _f16(base, mask)
             return (_halves(base + 2, i, zero, mask), _halves(base + 18, i, zero, mask), d, d, 0.0 * d, 0.0 * d,
-                    u * 32)
+                    u * 32, zero, zero)
+        elif FMT == 5:  # mxfp4: q4_0's nibble layout of E2M1 codes after an exponent, twice the values in integers
+            base = row + u * 17
+            w = _bytes_word(base + 1, i, zero, mask)
+            s = _e8m0_half(tl.load(base, mask=mask, other=0).to(tl.int32))
+            lo, lo_neg = _e2m1_bytes(w & 0x0F0F0F0F)
+            hi, hi_neg = _e2m1_bytes((w >> 4) & 0x0F0F0F0F)
+            return lo, hi, s, s, 0.0 * s, 0.0 * s, u * 32, lo_neg, hi_neg
         else:  # q6_k: the float path's units (`_planes`), read as words
             blk = u // 8
             half = (u // 4) % 2
@@ -698,7 +736,7 @@ if triton is not None:
             d = _f16(base + 208, mask)
             s0 = d * tl.load(sp, mask=mask, other=0).to(tl.float32)
             s1 = d * tl.load(sp + 4, mask=mask, other=0).to(tl.float32)
-            return lo, hi, s0, s1, 0.0 * d, 0.0 * d, blk * 256 + half * 128 + p * 32 + sub * 16
+            return lo, hi, s0, s1, 0.0 * d, 0.0 * d, blk * 256 + half * 128 + p * 32 + sub * 16, zero, zero
 
     @triton.jit
     def _q8_span(FMT: tl.constexpr):
@@ -717,7 +755,7 @@ if triton is not None:
 
     @triton.jit
     def _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t, src, end, mask, c0, i, zero, lo, hi, s0, s1, o0,
-                  o1, FMT: tl.constexpr, ASM: tl.constexpr):
+                  o1, lo_neg, hi_neg, FMT: tl.constexpr, ASM: tl.constexpr):
         """One token's share of a unit step ([ROWS, NB, 1]): its x words (x's row src, launch row t) met with the
         unit's halves lo and hi (`_q8_unit`, lo's first column c0), its block scales and sums with theirs. x's
         pointers take the weights' shape (zero), so that x and the weights share a layout and nothing is shuffled
@@ -733,6 +771,9 @@ if triton is not None:
         if FMT == 4:  # q6_k's quants less 32: 32 x the half's sum of x, in the same integers
             d0 -= _dp4a(zero + 0x20202020, x0, ASM)
             d1 -= _dp4a(zero + 0x20202020, x1, ASM)
+        if FMT == 5:  # mxfp4's negative weights
+            d0 -= _dp4a(lo_neg, x0, ASM)
+            d1 -= _dp4a(hi_neg, x1, ASM)
         d0 = tl.sum(d0, axis=2, keep_dims=True).to(tl.float32)
         d1 = tl.sum(d1, axis=2, keep_dims=True).to(tl.float32)
         b0 = c0 >> 5  # x's blocks of 32 (c0 >= 0: shifts, not signed division)
@@ -761,17 +802,17 @@ if triton is not None:
         for u0 in range(0, UNITS, NB):
             u = u0 + nb
             wmask = rl & (u < UNITS)
-            lo, hi, s0, s1, o0, o1, c0 = _q8_unit(row, u, i, zero, wmask, FMT)
+            lo, hi, s0, s1, o0, o1, c0, lo_neg, hi_neg = _q8_unit(row, u, i, zero, wmask, FMT)
             acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, src0, end, wmask, c0, i, zero, lo,
-                              hi, s0, s1, o0, o1, FMT, ASM)
+                              hi, s0, s1, o0, o1, lo_neg, hi_neg, FMT, ASM)
             if BT > 1:
                 acc1 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 1, src1, end, wmask, c0, i, zero,
-                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
+                                  lo, hi, s0, s1, o0, o1, lo_neg, hi_neg, FMT, ASM)
             if BT > 2:
                 acc2 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 2, src2, end, wmask, c0, i, zero,
-                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
+                                  lo, hi, s0, s1, o0, o1, lo_neg, hi_neg, FMT, ASM)
                 acc3 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0 + 3, src3, end, wmask, c0, i, zero,
-                                  lo, hi, s0, s1, o0, o1, FMT, ASM)
+                                  lo, hi, s0, s1, o0, o1, lo_neg, hi_neg, FMT, ASM)
         return (tl.sum(tl.sum(acc0, axis=2), axis=1), tl.sum(tl.sum(acc1, axis=2), axis=1),
                 tl.sum(tl.sum(acc2, axis=2), axis=1), tl.sum(tl.sum(acc3, axis=2), axis=1))
 

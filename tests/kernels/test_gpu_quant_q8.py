@@ -1,5 +1,5 @@
-"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_0, q8_0 and k-quant
-weights read a word of four bytes at a time and multiplied into four int8 x at once.
+"""kernels.gpu_quant's integer route: x rounded to 8 bits per block of 32 (quantize_rows), q4_0, q8_0, k-quant and
+mxfp4 weights read a word of four bytes at a time and multiplied into four int8 x at once.
 
 The route computes W @ (d * q) for x's rounding (d * q), so against a float64 product with that rounded x it errs
 only by float32 summation order (1e-4 of the output's scale in the interpreter, where x and the output are float32).
@@ -49,11 +49,14 @@ def test_quantize_rows_rounds_each_block_of_32():
 @pytest.mark.parametrize("fmt,m,k,rows", [("q4_k", 1, 256, 96), ("q4_k", 2, 256, 40), ("q4_k", 3, 512, 70),
                                           ("q4_k", 8, 768, 64), ("q4_0", 1, 96, 50), ("q4_0", 3, 160, 33),
                                           ("q8_0", 2, 96, 50), ("q8_0", 4, 224, 40), ("q5_k", 1, 256, 48),
-                                          ("q5_k", 4, 512, 33), ("q6_k", 1, 256, 48), ("q6_k", 3, 768, 37)])
-def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows):
+                                          ("q5_k", 4, 512, 33), ("q6_k", 1, 256, 48), ("q6_k", 3, 768, 37),
+                                          ("mxfp4", 1, 96, 50), ("mxfp4", 4, 160, 33)])
+def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows, monkeypatch):
     """One matrix, float32 x and output so that only the summation order differs: 1 to 8 tokens (BT 1, 2, 4 and 4
     twice), rows not a multiple of the tile, several units a step and a partial one; q4_0's, q8_0's and q6_k's
-    blocks of 18, 34 and 210 bytes, every other one 2 bytes off a word; q5_k's fifth bits, q6_k's less 32."""
+    blocks of 18, 34 and 210 bytes, every other one 2 bytes off a word; q5_k's fifth bits, q6_k's less 32; mxfp4's
+    17-byte blocks at every offset, its codes' signs and magnitudes (random bytes hold all 16)."""
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # asked for (MOEDESK_Q8_MXFP4=1) until run on the box
     stack = random_stack(1, rows, k, fmt, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
@@ -166,12 +169,43 @@ def test_one_group_ends_are_views_of_a_count_made_once():
     gpu_quant._COUNTS.pop(device)
 
 
-def test_route_only_where_words_are_aligned():
+@interpreted
+def test_e2m1_codes_become_twice_their_values_split_by_sign():
+    """Every code 0..15 in every byte of a word: the positive bytes minus the negative ones are twice E2M1's values
+    (kernels.quant_formats' table), and no byte carries into the next."""
+    import triton
+    import triton.language as tl
+
+    from moedesk.kernels.quant_formats import _FP4_TWICE
+
+    @triton.jit
+    def split(c_ptr, pos_ptr, neg_ptr):
+        i = tl.arange(0, 16)
+        pos, neg = gpu_quant._e2m1_bytes(tl.load(c_ptr + i))
+        tl.store(pos_ptr + i, pos)
+        tl.store(neg_ptr + i, neg)
+
+    codes = torch.arange(16, dtype=torch.int32)
+    words = codes | (codes.roll(5) << 8) | (codes.roll(11) << 16) | (codes.roll(3) << 24)  # each code in each byte
+    pos, neg = torch.empty_like(words), torch.empty_like(words)
+    split[(1,)](words, pos, neg)
+    twice = torch.tensor(_FP4_TWICE)
+    for byte, shift in enumerate((0, 5, 11, 3)):
+        p, n = (pos >> (8 * byte)) & 0xFF, (neg >> (8 * byte)) & 0xFF
+        assert torch.equal((p - n).float(), twice[codes.roll(shift)]), byte
+        assert not (p.bool() & n.bool()).any()
+
+
+def test_route_only_where_words_are_aligned(monkeypatch):
     stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
     x = torch.zeros(4, 256)
     assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16)
     assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32)  # float32 layers stay exact
-    assert not gpu_quant._q8_route(x, stack, "mxfp4", torch.bfloat16)
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", False)  # mxfp4 only where it is asked for
+    odd_mxfp4 = torch.zeros(1 + 2 * 8 * 17, dtype=torch.uint8)[1:].view(2, 8, 17)
+    assert not gpu_quant._q8_route(x, odd_mxfp4, "mxfp4", torch.bfloat16)
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)
+    assert gpu_quant._q8_route(x, odd_mxfp4, "mxfp4", torch.bfloat16)  # read a byte at a time: any alignment
     odd = torch.zeros(1 + 2 * 8 * 18, dtype=torch.uint8)[1:].view(2, 8, 18)
     assert not gpu_quant._q8_route(x, odd, "q4_0", torch.bfloat16)  # halves need 2-byte alignment
     assert gpu_quant._q8_route(x, torch.zeros(2, 8, 18, dtype=torch.uint8), "q4_0", torch.bfloat16)
@@ -188,10 +222,11 @@ def _cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
-def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m):
+def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m, monkeypatch):
     dev = _cuda()
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # asked for until this test has run on the box
     k, rows = 4096, 6144
     stack = random_stack(1, rows, k, fmt, device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)

@@ -126,7 +126,7 @@ def main():
             del all_w
             torch.cuda.empty_cache()
     if not args.no_sweep:
-        sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0") if f in args.formats.split(",")])
+        sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "mxfp4") if f in args.formats.split(",")])
 
 
 def _fma(r, nb, wp, bt=1):
@@ -166,7 +166,7 @@ def sweep(dev, formats):
             active = torch.tensor([0, 1], dtype=torch.int32, device=dev) if case == "decode2" else None
             read = ws[0].nbytes * sum(1 for n in sizes if n) // g  # the listed experts' bytes alone
             for cfg in configs:
-                if cfg.get("Q8") and fmt not in gpu_quant._Q8_FORMATS:
+                if cfg.get("Q8") and not gpu_quant._q8_route(x, ws[0].gate_up, fmt, x.dtype):  # mxfp4: MOEDESK_Q8_MXFP4
                     continue
                 gpu_quant._OVERRIDE = cfg
                 try:
