@@ -466,7 +466,8 @@ def split_line(result: dict) -> str:
         per, label = max(result["tokens"] - 2, 1), f"{result['mode'].replace('_', ' ')} of {result['batch']}, per step"
     return (f"{label}: {e['experts_cpu'] / per:.0f} experts on the CPU, {e['experts_copied'] / per:.0f} copied, "
             f"{e['experts_zero_copy'] / per:.0f} read zero-copy, {e['experts_gpu'] / per:.0f} resident; "
-            f"{e['moe_ms'] / per:.1f} ms in the experts ({e['cpu_expert_ms'] / per:.1f} of it the CPU's call)")
+            f"{e['moe_ms'] / per:.1f} ms in the experts ({e['cpu_expert_ms'] / per:.1f} of it the CPU's call, "
+            f"{e['gpu_wait_ms'] / per:.1f} waiting for the routing, {e.get('queue_ms', 0.0) / per:.1f} queueing)")
 
 
 def _experts_per_step(stats, steps: int) -> float:

@@ -66,6 +66,9 @@ class StepStats:
     split_experts: int = 0  # of the CPU's, those whose last rows the GPU computed from their pinned host copies
     cpu_ms: float = 0.0
     wait_ms: float = 0.0  # blocked on the GPU for the routing (the attention and router work before it)
+    # From the routing to the CPU's call: deciding the split, the CPU's tokens to the host, queueing the GPU's share
+    # (where the call runs on its worker beside the queueing, `overlap_copies`, the two overlap)
+    queue_ms: float = 0.0
     layer_ms: float = 0.0
     selections: int = 0  # (token, expert) pairs routed
     gpu_hits: int = 0  # of those, served by a resident expert
@@ -91,7 +94,7 @@ class StepStats:
             "experts_zero_copy": self.zero_copy_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
-            "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
+            "queue_ms": round(self.queue_ms, 3), "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
             "experts_copied_ahead": self.ahead_copied, "experts_ahead_used": self.ahead_used,
         }
 
@@ -675,7 +678,8 @@ class OffloadExecutor:
             if host.ready is not None:
                 host.ready.synchronize()
             ids_host, x_host = host.ids, host.x
-        self._stats.wait_ms += (time.perf_counter() - started) * 1e3
+        routed = time.perf_counter()
+        self._stats.wait_ms += (routed - started) * 1e3
         n, k = ids_host.shape
         pair_expert = ids_host.view(-1)
         experts_of = pair_expert.numpy()
@@ -749,6 +753,7 @@ class OffloadExecutor:
                 with contextlib.suppress(Exception):
                     background.join()
             raise
+        self._stats.queue_ms += (time.perf_counter() - routed) * 1e3
         if on_cpu:
             # cpu_ms: the CPU's call and its copy back, not the queueing of the GPU's share before it
             cpu_started = time.perf_counter()

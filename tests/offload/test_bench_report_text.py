@@ -100,6 +100,9 @@ def test_a_real_bench_reports_its_spread_and_the_machines_load():
         assert e["experts_gpu"] + e["experts_cpu"] + e["experts_copied"] + e["experts_zero_copy"] > 0
         label = "decode of 1" if result["batch"] == 1 else "batched decode of 2"
         assert f"{label}, per step: {e['experts_cpu'] / 4:.0f} experts on the CPU" in text
+        # the layers' host time besides the CPU's call and the wait: deciding, gathering, queueing the GPU's share
+        assert 0 < e["queue_ms"] <= e["moe_ms"] - e["gpu_wait_ms"]
+        assert f"{e['gpu_wait_ms'] / 4:.1f} waiting for the routing, {e['queue_ms'] / 4:.1f} queueing)" in text
 
 
 def test_every_bench_mode_warns_when_the_machine_was_busy(monkeypatch, capsys):
