@@ -6,9 +6,10 @@
 #   .llamacpp-py  the rest of that sdist, without vendor/ (tests/perf/llamacpp_python_cuda.sh builds it with pip)
 #   .pylib        its llama_cpp package, without libraries (tests/perf/llamacpp_libs.sh puts the box's build beside it)
 #   .whl          wheels for the box's Python 3.12 of what the project and its tests import and the box's image lacks
-# Usage: bash tests/perf/box_carry.sh [VERSION]   (default: the llama-cpp-python installed here)
+# Usage: bash tests/perf/box_carry.sh [VERSION]   (default: the llama-cpp-python installed here, in .venv or python3)
 set -euo pipefail
-version=${1:-$(python3 -c "import importlib.metadata as m; print(m.version('llama-cpp-python'))")}
+installed="import importlib.metadata as m; print(m.version('llama-cpp-python'))"
+version=${1:-$(.venv/bin/python -c "$installed" 2>/dev/null || python3 -c "$installed")}
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 python3 -m pip download -q --no-deps --no-binary :all: -d "$work" "llama-cpp-python==$version"
 tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
