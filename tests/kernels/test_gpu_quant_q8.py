@@ -69,6 +69,27 @@ def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows, monkeypatc
 
 
 @interpreted
+def test_gpt_oss_experts_on_the_integer_route(monkeypatch):
+    """mxfp4 experts with gpt-oss's biases and clamped SwiGLU at a limit that clips, a few rows each, through the
+    grouped call: both projections on the integer route, within its bound of the float64 reference."""
+    from tests.kernels.test_gpu_quant_kernel import gpt_oss_function
+
+    calls = []
+    launch = gpu_quant._launch_q8
+    monkeypatch.setattr(gpu_quant, "_launch_q8", lambda *a, **kw: calls.append(kw["gated"]) or launch(*a, **kw))
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)
+    sizes = [1, 0, 2, 1]
+    w = gpt_oss_function(random_experts(len(sizes), 96, 160, "mxfp4", seed=41), limit=0.75, dtype=torch.float16,
+                         seed=42)
+    x = torch.randn(sum(sizes), 96, generator=torch.Generator().manual_seed(43)).to(torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = gpu_quant.grouped_experts_forward(x, w, ends_of(sizes))
+    assert calls == [True, False]
+    assert_close(got, experts_reference(x, w, sizes), *Q8_TOLERANCE)
+
+
+@interpreted
 def test_integer_route_adds_the_bias_in_float32():
     stack = random_stack(1, 80, 256, "q4_k", seed=5)
     g = torch.Generator().manual_seed(6)
