@@ -94,8 +94,9 @@ class StepStats:
             "experts_zero_copy": self.zero_copy_experts, "experts_split": self.split_experts,
             "gpu_hit_rate": round(self.gpu_hits / self.selections, 4) if self.selections else None,
             "cpu_expert_ms": round(self.cpu_ms, 3), "gpu_wait_ms": round(self.wait_ms, 3),
-            "queue_ms": round(self.queue_ms, 3), "moe_ms": round(self.layer_ms, 3), "active_experts": total, "expert_swaps": self.swaps,
-            "experts_copied_ahead": self.ahead_copied, "experts_ahead_used": self.ahead_used,
+            "queue_ms": round(self.queue_ms, 3), "moe_ms": round(self.layer_ms, 3), "active_experts": total,
+            "expert_swaps": self.swaps, "experts_copied_ahead": self.ahead_copied,
+            "experts_ahead_used": self.ahead_used,
         }
 
 
