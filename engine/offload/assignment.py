@@ -326,8 +326,8 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     engine.offload.profiler.profile_zero_copy): the fastest whole-expert split against the CPU alone, then the
     fastest width against that. (0, 0) where nothing was measured for this top_k.
 
-    Widths only on a clear lead: on gpt-oss a width profiled within 3% of one whole expert decoded 4-10% slower
-    than it on the same machine (docs/measurements.md, "Session 49").
+    Widths only on a clear lead: on gpt-oss, widths profiled barely ahead of one whole expert decoded slower than it
+    on the same machine (docs/measurements.md, "Session 49").
 
     Measured, not predicted from one expert's costs: predicted from them (with the contention factors of copies), the
     split got both Mixtral and Qwen3 wrong (docs/measurements.md, "The placement's rules and the latency model").
