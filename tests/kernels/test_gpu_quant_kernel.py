@@ -413,4 +413,5 @@ def test_gpt_oss_experts_captured_in_a_cuda_graph():
     x.copy_(torch.randn(8, 2880, device=dev))
     ends.copy_(ends_of(sizes, dev))
     graph.replay()
-    assert_close(out, reference(x, w, sizes), 2 ** -3, 2 ** -7, 2 ** -7, what=f"replayed with sizes {sizes}: ")
+    bound = Q8_TOLERANCE if q8_route_taken(("mxfp4",), [1] * 8) else (2 ** -3, 2 ** -7, 2 ** -7)  # as captured
+    assert_close(out, reference(x, w, sizes), *bound, what=f"replayed with sizes {sizes}: ")

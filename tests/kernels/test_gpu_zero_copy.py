@@ -229,7 +229,7 @@ def test_zero_copy_gpt_oss_experts_equal_resident_ones_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     from moedesk.kernels import gpu_quant
-    from tests.kernels.test_gpu_quant_kernel import assert_close, gpt_oss_function, random_experts
+    from tests.kernels.test_gpu_quant_kernel import Q8_TOLERANCE, assert_close, gpt_oss_function, random_experts
 
     w = gpt_oss_function(random_experts(8, 2880, 2880, "mxfp4", seed=6), limit=1.0, dtype=torch.bfloat16, seed=7)
     assert not gpu_zero_copy.applies(torch.device("cuda"), w.pin_memory().with_function(w.gate_up_bias, w.down_bias,
@@ -242,6 +242,9 @@ def test_zero_copy_gpt_oss_experts_equal_resident_ones_on_cuda():
     gpu_zero_copy.zero_copy_experts(x, ids, 1, host, out)
     assert (out[0] == 0).all()
     resident = host.to("cuda")
+    # Where the resident kernel rounds x to 8 bits (mxfp4's integer route) and the streamed one does not: that
+    # route's bound (tests/kernels/test_gpu_quant_kernel.py's Q8_TOLERANCE).
+    bound = Q8_TOLERANCE if gpu_quant.takes_q8(x, resident.gate_up, "mxfp4", 1, 1) else (2 ** -7, 2 ** -8, 2 ** -7)
     for r in range(1, 4):
         expected = gpu_quant.expert_forward(x, resident.expert(int(ids[0, r])))
-        assert_close(out[r:r + 1].float(), expected.double(), 2 ** -7, 2 ** -8, 2 ** -7, what=f"rank {r}: ")
+        assert_close(out[r:r + 1].float(), expected.double(), *bound, what=f"rank {r}: ")
