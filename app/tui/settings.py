@@ -104,12 +104,14 @@ class Settings:
                           "generates (vLLM, SGLang, llama-server, another moedesk serve), the model's files here "
                           "give the tokenizer and chat template. Takes effect when a model is loaded.",
         choices=("auto", "native", "llama.cpp", "remote"))
+    # Off by default: llama.cpp waits after every piece of its graph once any eval callback is set, so counting
+    # slows every decode step, counted or not (docs/measurements.md, "Session 50").
     expert_counts: bool = setting(
-        True, "Count expert picks", "The llama.cpp engine counts which experts its routers pick (prompts, and a "
-                                    "sample of the decode steps) for the stats panel's heat map; where experts are "
-                                    "on the GPU that costs some decode speed. Off: faster replies, no heat map. "
-                                    "moedesk's own engine counts at no cost either way. Takes effect when a model "
-                                    "is loaded.")
+        False, "Count expert picks", "The llama.cpp engine counts which experts its routers pick (prompts, and a "
+                                     "sample of the decode steps) for the stats panel's heat map. That slows every "
+                                     "decode step a little. Off: faster replies; the heat map shows where experts "
+                                     "sit, not which were picked. moedesk's own engine counts at no cost either "
+                                     "way. Takes effect when a model is loaded.")
     remote_url: str = setting(
         "", "Remote URL", "The server the remote engine sends requests to, e.g. http://gpu-box:8000. Takes effect "
                           "when a model is loaded.")

@@ -65,13 +65,13 @@ async def test_the_heat_map_shows_the_picks_llama_cpp_counted(tmp_path):
 
 
 async def test_with_counting_off_the_heat_map_says_so_and_shows_no_picks(tmp_path):
-    """The Count expert picks setting off: the engine loads without the eval callback (no cost to decode), the
-    map shows which layers' experts are where and no pick, and its legend says why."""
+    """The Count expert picks setting off, its default: the engine loads without the eval callback (no cost to
+    decode), the map shows which layers' experts are where and no pick, and its legend says why."""
     from moedesk.app.tui.widgets.heatmap import ExpertHeatMap
     from tests.gguf_from_hf import build
 
     built = build("qwen3moe", tmp_path / "q")
-    settings = greedy_settings(max_new_tokens=4, expert_counts=False, engine="llama.cpp")
+    settings = greedy_settings(max_new_tokens=4, engine="llama.cpp")
     app = MoedeskApp(model=str(built.gguf), device="cpu", settings=settings, context_length=256)
     async with app.run_test(size=(160, 50)) as pilot:
         await wait_for(pilot, lambda: app.engine is not None and app.chat is not None and app.chat.ready)

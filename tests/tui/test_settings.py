@@ -157,8 +157,8 @@ def test_load_settings_reach_the_engine_at_each_load_and_flags_win(monkeypatch):
     counting = []
     monkeypatch.setattr(Engine, "load", classmethod(lambda cls, model, **kw: counting.append(kw["count_experts"])))
     MoedeskApp(model="demo", device="cpu", settings=Settings()).engine_factory("demo", None)
-    MoedeskApp(model="demo", device="cpu", settings=Settings(expert_counts=False)).engine_factory("demo", None)
-    assert counting == [True, False]  # the heat map's counts on by default; off, llama.cpp runs uncounted
+    MoedeskApp(model="demo", device="cpu", settings=Settings(expert_counts=True)).engine_factory("demo", None)
+    assert counting == [False, True]  # llama.cpp runs uncounted by default; on, the heat map gets its counts
 
 
 def test_context_and_reprofile_flags_reach_every_load(monkeypatch):
