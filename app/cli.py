@@ -179,10 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_models_commands(sub)  # list, rm, ps, pull
     add_decoding_arguments(serve, beams=False, where="of every request whose sampling allows it (a request's "
                                                       "\"moedesk\": {\"speculative\": ...} overrides it)")
-    bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape",
-                           description="Random-weight model of a real MoE shape, built in memory; prints tok/s and "
-                                       "the bound the measured bandwidths allow.")
-    bench.add_argument("--shape", default="mixtral-8x7b",
+    bench = sub.add_parser("bench", help="decode/prefill speed on a synthetic model of a real shape, or a GGUF file",
+                           description="Random-weight model of a real MoE shape, built in memory (or a GGUF file, "
+                                       "--gguf); prints tok/s and the bound the measured bandwidths allow.")
+    bench.add_argument("--shape", default=None,
                        help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, "
                             "qwen3.5-35b-a3b, tiny-moe, tiny-glm or tiny-qwen35")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="llama.cpp: the first N layers' experts in RAM, as llama.cpp's --n-cpu-moe (default: "
                             "as many as --gpu-budget leaves no room for)")
     bench.add_argument("--gguf", default=None, metavar="FILE",
-                       help="llama.cpp: measure this GGUF file instead of a shape")
+                       help="measure this GGUF file instead of a shape: its own weights and routing, through the "
+                            "native engine as the app loads it, or through llama.cpp with --engine llama.cpp")
     spec = bench.add_argument_group("speculative decoding and beam search (instead of the runs above)")
     spec.add_argument("--speculative", action="store_true",
                       help="T(B,k), the MoESD fit, and speculative vs plain decode with an oracle draft of chosen "
@@ -371,6 +372,18 @@ def run_bench_command(args) -> int:
                                     or args.engine == "llama.cpp"):
         raise MoedeskError("bench: --routing replays a trace in the native engine's plain decode and prefill runs; "
                            "speculation, beam search and llama.cpp's runs route as the model does")
+    if args.gguf and args.engine == "native":
+        shaped = [flag for flag, given in (("--shape", args.shape), ("--layers", args.layers),
+                                           ("--policy", args.policy != "balanced"),
+                                           ("--expert-format", args.expert_format != "dense"),
+                                           ("--routing", args.routing != "model")) if given]
+        if shaped:
+            raise MoedeskError(f"bench --gguf: {', '.join(shaped)} shape a synthetic model; the file's own layers, "
+                               f"formats and routers run as the engine loads them")
+        if args.model or args.draft or args.prompts or args.speculative or args.beams:
+            raise MoedeskError("bench --gguf: the native engine's plain decode and prefill runs on the file; "
+                               "speculation, beam search and a draft head's runs take a synthetic shape or --model")
+    args.shape = args.shape or "mixtral-8x7b"
     if isinstance(args.gpu_budget, tuple) and args.engine == "llama.cpp":
         raise MoedeskError("bench: one --gpu-budget figure per GPU is for the native engine; llama.cpp's split over "
                            "GPUs is its tensor split")
@@ -385,7 +398,8 @@ def run_bench_command(args) -> int:
         return code
     report = run_bench(args.shape, args.layers, args.gpu_budget, args.device, args.decode_tokens or 64,
                        tuple(args.prefill), args.batch, args.policy, log=log, expert_format=args.expert_format,
-                       contexts=tuple(args.context), feed=args.feed or "random", routing=args.routing)
+                       contexts=tuple(args.context), feed=args.feed or "random", routing=args.routing,
+                       model_file=args.gguf)
     print(json.dumps(report, indent=1) if args.json else format_results(report))
     return 0
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from moedesk.bench.report_text import text_table
-from moedesk.bench.synthetic import SyntheticBench, random_prompt
+from moedesk.bench.synthetic import BenchModel, random_prompt
 from moedesk.engine import json_read
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.generation.decoder import Decoder, synchronize
@@ -297,7 +297,7 @@ def timed_rounds(rounds) -> list:
 
 # --- measurements ----------------------------------------------------------------------------------
 
-def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: int, context: int):
+def plain_decode(bench: BenchModel, prompts: list[list[int]], new_tokens: int, context: int):
     """Greedy tokens of every prompt decoded together as the engine does (CUDA graphs where it uses them), and
     tok/s from the second decode step to the last (the first captures the graphs), as `moedesk bench` times
     batched decode."""
@@ -319,7 +319,7 @@ def plain_decode(bench: SyntheticBench, prompts: list[list[int]], new_tokens: in
     return [tokens[i] for i in range(b)], b * (new_tokens - 2) / seconds, 1000 * seconds / (new_tokens - 2)
 
 
-def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tokens: int, acceptance: float,
+def speculative_decode(bench: BenchModel, spec: Speculator, prompts, new_tokens: int, acceptance: float,
                        gamma: int, mode: str = "greedy", costs=None, seed: int = 0, references=None) -> dict:
     """One speculative run of `prompts` with the lookahead oracle at `acceptance`. tok/s counts the tokens the
     rounds emitted over their verify and accept time, rounds that captured CUDA graphs left out (timed_rounds):
@@ -353,7 +353,7 @@ def speculative_decode(bench: SyntheticBench, spec: Speculator, prompts, new_tok
                           for r in rounds]}
 
 
-def measure_speculative(bench: SyntheticBench, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
+def measure_speculative(bench: BenchModel, batches=(1, 4, 16, 32), acceptances=(0.5, 0.7, 0.8, 0.9),
                         gamma: int = 4, new_tokens: int = 32, repeat: int = 3, log=print) -> dict:
     """Everything `moedesk bench --speculative` reports, on a prepared synthetic model (bench.synthetic)."""
     if gamma < 1:

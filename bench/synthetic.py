@@ -6,6 +6,7 @@ result reads as "% of what this machine could do", not only as tokens per second
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 
 import torch
@@ -145,9 +146,9 @@ def traffic_bound(stats, steps: int, tokens_per_step: int, expert_bytes: int, by
 
 
 @dataclass
-class SyntheticBench:
-    """A synthetic model profiled, calibrated and placed as the app would place a real one: what every
-    `moedesk bench` measurement runs on."""
+class BenchModel:
+    """A model profiled, calibrated and placed as the app would place it: what every `moedesk bench` measurement runs
+    on. A synthetic one of a real shape (`prepare_synthetic`), or a model file the engine loaded (`prepare_file`)."""
     shape: str
     cfg: object
     model: object
@@ -209,7 +210,7 @@ def _check_fits(cfg, shape: str, dtype: torch.dtype, expert_format: str, on_cuda
 def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tuple[float, ...], device="auto",
                       context: int = 4096, policy: str = "balanced", log=print,
                       expert_format: str = "dense", reprofile: bool = True, calibration=None,
-                      feed: str = "random") -> SyntheticBench:
+                      feed: str = "random") -> BenchModel:
     """Build the synthetic model with room for `context` positions, profile, calibrate and place its experts.
 
     gpu_budget_gib: the whole GPU's, as a user's --gpu-budget: the non-expert weights, one sequence's KV cache of
@@ -300,8 +301,32 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
     log(f"placement: {resident} of {len(banks) * cfg.num_experts} experts on the GPU, {whole} whole layers "
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
-    return SyntheticBench(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
+    return BenchModel(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
                           parts, notes)
+
+
+def prepare_file(path: str, gpu_budget_gib: float, device="auto", context: int = 4096, log=print) -> BenchModel:
+    """A model file (a GGUF, or a checkpoint folder) loaded by the native engine as the app loads it: profiled,
+    calibrated on the calibration prompts and placed within `gpu_budget_gib` (the whole GPU's, as --gpu-budget), with
+    room for `context` positions. Its routers are the file's: llama-bench on the same file picks the same experts
+    for the same tokens, which two random models of one shape do not (tests/perf/families_vs_llamacpp.sh)."""
+    from moedesk.engine.errors import MoedeskError
+    from moedesk.engine.runtime import Engine
+
+    t0 = time.perf_counter()
+    engine = Engine.load(path, engine="native", device=device, context_length=context, gpu_budget=gpu_budget_gib,
+                         offload=True, reprofile=True)
+    if engine.orchestra is None:
+        raise MoedeskError(f"bench --gguf {path}: {engine.config.arch} has no routed experts to place")
+    executor = engine.executor
+    banks = {layer: bank.host for layer, bank in executor.banks.items()}  # each MoE layer's experts in RAM
+    on_gpu = executor.on_gpu()
+    resident, whole = sum(map(sum, on_gpu)), sum(all(row) for row in on_gpu)
+    log(f"loaded {Path(path).name} ({engine.config.arch} x{engine.config.num_layers} layers, experts "
+        f"{next(iter(banks.values())).describe()}) in {time.perf_counter() - t0:.1f}s; {resident} of "
+        f"{len(banks) * engine.config.num_experts} experts on the GPU, {whole} whole layers")
+    return BenchModel(Path(path).name, engine.config, engine.model, banks, engine.orchestra, engine.device,
+                      engine.dtype, "balanced", gpu_budget_gib, resident, whole)
 
 
 def _bench_devices(device: torch.device, count: int) -> list[torch.device]:
@@ -363,8 +388,11 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
               decode_tokens: int = 64, prefill: tuple[int, ...] = (512, 2048), batch: int = 16,
               policy: str = "balanced", log=print,
               expert_format: str = "dense", contexts: tuple[int, ...] = (), context_chunk: int = 512,
-              feed: str = "random", routing: str = "model") -> dict:
+              feed: str = "random", routing: str = "model", model_file: str | None = None) -> dict:
     """Build the synthetic model, profile, place, measure; return every figure and its bound.
+
+    model_file: a GGUF or checkpoint folder loaded by the native engine in its place (`prepare_file`; shape, layers,
+    policy, expert_format and routing are the file's and the engine's then).
 
     feed: what every decode step feeds, calibration's included (bench.feed.fed_tokens): "random" tokens, as
     llama-bench does, or "greedy", the model's own choice.
@@ -380,8 +408,9 @@ def run_bench(shape: str, layers: int | None, gpu_budget_gib: float | tuple[floa
 
     load = CpuLoad()  # from the build on: a profile measured beside other work misplaces experts too
     room = bench_context(prefill, decode_tokens, contexts, context_chunk)
-    bench = prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format, feed=feed,
-                              calibration=routing_calibration(shape_config(shape, layers), routing))
+    bench = prepare_file(model_file, gpu_budget_gib, device, room, log) if model_file else \
+        prepare_synthetic(shape, layers, gpu_budget_gib, device, room, policy, log, expert_format, feed=feed,
+                          calibration=routing_calibration(shape_config(shape, layers), routing))
     model, executor, cfg, device, dtype = bench.model, bench.executor, bench.cfg, bench.device, bench.dtype
     profile, expert_bytes = bench.profile, bench.orchestra.expert_bytes
 
@@ -474,7 +503,7 @@ def _experts_per_step(stats, steps: int) -> float:
     return round((stats.gpu_experts + stats.cpu_experts + stats.copied_experts + stats.zero_copy_experts) / steps, 1)
 
 
-def measure_beam(bench: SyntheticBench, beams: int = 8, new_tokens: int = 32, prompt: int = 32, rounds: int = 3,
+def measure_beam(bench: BenchModel, beams: int = 8, new_tokens: int = 32, prompt: int = 32, rounds: int = 3,
                  log=print) -> dict:
     """Beam search of `beams` hypotheses against batched decode of `beams` sequences, step for step, on the same
     executor and placement (issue 16's target: a beam step at most 1.2 batched steps). The rounds alternate the two,

@@ -38,6 +38,12 @@ family() {  # name shape layers our-format gguf-experts
   # How many experts llama.cpp's prompt picks, which is what its prefill copies (counted on the CPU)
   timeout 300 python3 tests/perf/prompt_picks.py "$f" --json "$R/${name}_picks.json" > "$R/${name}_picks.log" 2>&1 \
     || echo "$name: the prompt's picks not counted"
+  # Ours on the very file llama-bench read (bench --gguf): its routers pick the experts llama.cpp's pick, where a
+  # random model of the shape routes otherwise (docs/measurements.md, "Session 50"). FILE_BENCH=0 skips it.
+  clean
+  [ "${FILE_BENCH:-1}" = 0 ] || timeout 600 python3 -m moedesk bench --gguf "$f" --gpu-budget 0 --prefill 512 \
+    --decode-tokens 32 --batch 16 --json > "$R/${name}_file.json" 2> "$R/${name}_file.err" \
+    || echo "$name: ours on the file failed"
   rm -f "$f"; clean
   python3 -m moedesk bench --shape "$shape" --layers "$L" --gpu-budget 0 --expert-format "$fmt" --prefill 512 \
     --decode-tokens 32 --batch 16 --json > "$R/${name}_ours.json" 2> "$R/${name}_ours.err" || echo "$name: ours failed"
@@ -57,26 +63,32 @@ def batched16(path):  # llama-batched-bench's S_TG t/s column on the 16-sequence
     return float([l for l in open(path) if re.match(r"\|\s+128", l)][-1].split("|")[8])
 def ours(path):
     return {r["mode"]: r for r in json.load(open(path))["results"]}
-# llama.cpp: llama-bench's default (the file mapped), read (-lm none), and the ratio over the better of the two
-print(f"{'family':<15}{'case':<14}{'moedesk':>9}{'mapped':>9}{'read':>9}{'ratio':>7}{'% bound':>9}")
+# moedesk on the shape built in memory and on llama.cpp's own file (bench --gguf); llama.cpp: llama-bench's default
+# (the file mapped) and read (-lm none); the ratios over the better of those two
+print(f"{'family':<15}{'case':<14}{'moedesk':>9}{'on file':>9}{'mapped':>9}{'read':>9}{'ratio':>7}{'on file':>8}"
+      f"{'% bound':>9}")
 for f in sorted(glob.glob(os.path.join(out, "*_ours.json"))):
     name = os.path.basename(f)[:-len("_ours.json")]
-    mine, theirs = load(f, ours) or {}, load(f"{out}/{name}_llama.json", llama) or {}
+    mine, on_file = load(f, ours) or {}, load(f"{out}/{name}_file.json", ours) or {}
+    theirs = load(f"{out}/{name}_llama.json", llama) or {}
     read = load(f"{out}/{name}_llama_read.json", llama) or {}
     theirs["batched_decode"] = load(f"{out}/{name}_llama_batched.txt", batched16)
     for mode in ("decode", "prefill", "batched_decode"):
-        r, ref, other = mine.get(mode), theirs.get(mode), read.get(mode)
-        if r is None:
+        r, same, ref, other = mine.get(mode), on_file.get(mode), theirs.get(mode), read.get(mode)
+        if r is None and same is None:
             continue
         best = max(ref or 0, other or 0)
-        ratio = f"{r['tok_s'] / best:.2f}" if best else "-"
-        print(f"{name:<15}{mode:<14}{r['tok_s']:>9.1f}{(ref or 0):>9.1f}{(other or 0):>9.1f}{ratio:>7}"
-              f"{(r.get('pct_of_bound') or 0):>8.0f}%")
+        ratio = lambda x: f"{x['tok_s'] / best:.2f}" if x and best else "-"
+        tok_s = lambda x: x["tok_s"] if x else 0
+        print(f"{name:<15}{mode:<14}{tok_s(r):>9.1f}{tok_s(same):>9.1f}{(ref or 0):>9.1f}{(other or 0):>9.1f}"
+              f"{ratio(r):>7}{ratio(same):>8}{((r or {}).get('pct_of_bound') or 0):>8.0f}%")
     # the experts a 512-token prompt used on each side: llama.cpp's prefill copies those it uses
-    picks, pre = load(f"{out}/{name}_picks.json", lambda p: json.load(open(p))), mine.get("prefill")
-    if picks and pre and pre.get("experts"):
-        print(f"{name:<15}experts a prompt used: llama.cpp's file {sum(picks['used'])}, ours "
-              f"{pre['experts']['active_experts'] / pre['rounds']:.0f}, of {sum(picks['experts'])}")
+    picks = load(f"{out}/{name}_picks.json", lambda p: json.load(open(p)))
+    used = lambda run: (f"{run['experts']['active_experts'] / run['rounds']:.0f}"
+                        if run and run.get("experts") else "-")
+    if picks:
+        print(f"{name:<15}experts a prompt used: llama.cpp's file {sum(picks['used'])}, ours {used(mine.get('prefill'))}, "
+              f"ours on the file {used(on_file.get('prefill'))}, of {sum(picks['experts'])}")
 PY
   tar czf "$OUT/families.tgz" -C "$R" .
 }
