@@ -26,6 +26,27 @@ def mxfp4_rounds_activations() -> bool:
     return gpu_quant._Q8_MXFP4 and gpu_quant._Q8_WANTED
 
 
+def check_int8_logits(engine, exact, prompts_ids, new_tokens=16):
+    """Where x is rounded to int8 before the experts, a near-tie in a router or the logits flips a greedy run on this
+    tiny random model (its experts' outputs dwarf the residual stream), so the logits are checked teacher-forced along
+    float32 transformers' greedy tokens, with tests/model/test_families.py's bounds for the CPU's int8 kernel: the
+    mean error within 10% of the logits' spread and the same top-1 at 90% of positions."""
+    import numpy as np
+
+    from tests.model.test_gpu_equivalence import teacher_forced_logits
+
+    eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
+    errors, agreement = [], []
+    for prompt in prompts_ids:
+        ids = prompt + hf_greedy(exact, prompt, new_tokens, eos)
+        with torch.no_grad():
+            theirs = exact(torch.tensor([ids], device=next(exact.parameters()).device)).logits[0].float().cpu()
+        ours = teacher_forced_logits(engine, ids)
+        errors.append(float((ours - theirs).abs().mean() / theirs.std()))
+        agreement += (ours.argmax(-1) == theirs.argmax(-1)).tolist()
+    assert max(errors) <= 0.1 and np.mean(agreement) >= 0.9, (errors, np.mean(agreement))
+
+
 def load_on_gpu(folder, dtype, monkeypatch, tmp_path):
     """The engine with every expert resident, and the kernel calls it makes from then on; the reference path fails
     if taken (after the load: the start-up profile times the CPU's path, which may be the reference)."""
@@ -63,8 +84,11 @@ def test_gpt_oss_mxfp4_bf16_greedy_with_experts_packed_on_the_gpu(tiny_checkpoin
     engine, calls = load_on_gpu(folder, "bfloat16", monkeypatch, tmp_path)
     bank = next(iter(engine.executor.banks.values())).gpu
     assert bank.describe() == "mxfp4" and bank.gate_up.is_cuda and not bank.plain
-    check_greedy(engine, reference_mxfp4(folder, torch.bfloat16), [engine.tokenizer.encode(p) for p in PROMPTS],
-                 tied=within_int8_rounding if mxfp4_rounds_activations() else None)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    if mxfp4_rounds_activations():
+        check_int8_logits(engine, reference_mxfp4(folder, torch.float32), prompts)
+    else:
+        check_greedy(engine, reference_mxfp4(folder, torch.bfloat16), prompts)
     assert calls and set(calls) == {"gpu_quant.grouped_experts_forward"}, set(calls)
 
 

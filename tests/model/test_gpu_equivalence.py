@@ -71,10 +71,7 @@ def as_exact_as_reference(engine, ref, ref32, ids: list[int], engine32=None) -> 
                                         f"near-ties pinned to float32's"
 
 
-def check_greedy(engine, ref, prompts_ids, new_tokens=24, ref32=None, engine32=None, tied=None):
-    """`tied`: whether the reference's logits where the tokens part were a tie (within_bf16_rounding unless our
-    arithmetic rounds more, e.g. activations rounded to int8)."""
-    tied_at = tied or within_bf16_rounding
+def check_greedy(engine, ref, prompts_ids, new_tokens=24, ref32=None, engine32=None):
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0)
     eos = (engine.tokenizer.eos_token_ids if engine.tokenizer else frozenset()) | set(engine.config.eos_token_ids)
     done = {c.tag: c for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts_ids)], 4)}
@@ -89,7 +86,7 @@ def check_greedy(engine, ref, prompts_ids, new_tokens=24, ref32=None, engine32=N
         if diverge is None:
             continue
         # A tie in the logits, or (as exact as transformers, checked above) a tie inside a router.
-        tied = tied_at(hf_last_logits(ref, prompt + theirs[:diverge]))
+        tied = within_bf16_rounding(hf_last_logits(ref, prompt + theirs[:diverge]))
         assert tied or ref32 is not None, f"prompt {i}: token {diverge} differs and the reference was not tied"
 
 
