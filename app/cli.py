@@ -183,8 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Random-weight model of a real MoE shape, built in memory (or a GGUF file, "
                                        "--gguf); prints tok/s and the bound the measured bandwidths allow.")
     bench.add_argument("--shape", default=None,
-                       help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, deepseek-v3, "
-                            "qwen3.5-35b-a3b, tiny-moe, tiny-glm or tiny-qwen35")
+                       help="mixtral-8x7b (default), qwen3-30b-a3b, glm-4.5-air, gpt-oss-120b, gpt-oss-20b, "
+                            "deepseek-v3, qwen3.5-35b-a3b, minimax-m2, tiny-moe, tiny-glm or tiny-qwen35")
     bench.add_argument("--layers", type=int, default=None, metavar="N", help="keep the first N layers (default: all)")
     bench.add_argument("--gpu-budget", type=gpu_budget, default=0.0, metavar="GiB",
                        help="the whole GPU's, as the app's: the weights, the KV cache of the context the runs build "

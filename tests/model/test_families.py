@@ -402,7 +402,7 @@ def test_deepseek_v3_latent_attention_offloaded_and_its_switches(tiny_checkpoint
     assert [hasattr(b, "moe") for b in engine.model.layers] == [False, True, True]
 
 
-@pytest.mark.parametrize("shape", ["gpt-oss-120b", "deepseek-v3", "minimax-m2"])
+@pytest.mark.parametrize("shape", ["gpt-oss-120b", "gpt-oss-20b", "deepseek-v3", "minimax-m2"])
 def test_bench_shapes_of_gpt_oss_and_deepseek_build_and_run_at_a_cpu_size(shape):
     """The real shapes' switches (sinks and windows, biased MXFP4 experts; MLA and grouped routing) through the
     synthetic model the benchmark builds, shrunk to a size the CPU runs: its forward pass gives finite logits."""

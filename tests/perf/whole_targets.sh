@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root, in one device command: issue 42's whole-model targets against llama.cpp's best
 # -ncmoe for the same GPU budget. Mixtral-8x7B (32 layers) at 16 GiB and Qwen3-30B-A3B (48 layers) at 8 GiB, Q4_K
-# experts, random weights, both sides fed random tokens.
+# experts, and gpt-oss-20b (24 layers, MXFP4, all of it on a 16 GB GPU) at 16 GiB; random weights, both sides fed
+# random tokens.
 #   llama.cpp: the GGUF written quantised from the start (make_mixtral_q4k_gguf.py, make_family_gguf.py), then
 #     llama-bench -ngl 99 -fa 1 -t 16 -p 512 -n 64 at every -ncmoe from the least that fits the budget (our split of
 #     it, in whole layers: python3 -m moedesk.bench.budget --ncmoe) to SWEEP layers more, and with every expert in RAM;
 #     llama-batched-bench's 16 sequences at the best of them.
-#   moedesk: moedesk bench --gpu-budget G --expert-format q4_k --prefill 512 (decode, prefill 512, 16 sequences).
-# Targets: Mixtral decode >= 2x llama.cpp's best, prefill 512 >= 4x, 16 sequences >= 3x; Qwen3 decode >= 1.5x.
+#   moedesk: moedesk bench --gpu-budget G --expert-format F --prefill 512 (decode, prefill 512, 16 sequences).
+# Targets: Mixtral decode >= 2x llama.cpp's best, prefill 512 >= 4x, 16 sequences >= 3x; Qwen3 decode >= 1.5x;
+# gpt-oss-20b, issue 41's decode >= 1.5x (its MoE targets, here with every expert on the GPU).
 # Needs llama-bench and llama-batched-bench in $LLB (tests/perf/llamacpp_engine_gpu.sh build). Leaves in $OUT:
 # whole_summary.txt (the sweep and the ratios) and whole_targets.tar.gz (every JSON and log).
-# Usage: [LLB=/tmp/llb] [SWEEP=3] [ROUTING=model] bash tests/perf/whole_targets.sh [mixtral] [qwen3]   (both by default)
+# Usage: [LLB=/tmp/llb] [SWEEP=3] [ROUTING=model] bash tests/perf/whole_targets.sh [mixtral] [qwen3] [gpt-oss]
+# (mixtral and qwen3 by default)
 # ROUTING=no-locality (or conversation): our plain decode runs replay spread routing (bench/routing.py), where the
 # random weights' own routers favour a few experts that the GPU then holds; llama-bench routes as its file does.
 set -uo pipefail
@@ -23,14 +26,16 @@ clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }  # each
 
 for m in $MODELS; do
   case $m in
-    mixtral) shape=mixtral-8x7b; layers=32; gib=16
+    mixtral) shape=mixtral-8x7b; layers=32; gib=16; fmt=q4_k
              write=(python3 tests/perf/make_mixtral_q4k_gguf.py "$W/$m.gguf" 32) ;;
-    qwen3) shape=qwen3-30b-a3b; layers=48; gib=8
+    qwen3) shape=qwen3-30b-a3b; layers=48; gib=8; fmt=q4_k
            write=(python3 tests/perf/make_family_gguf.py qwen3-30b-a3b "$W/$m.gguf" 48) ;;
-    *) echo "unknown model $m (mixtral, qwen3)"; exit 2 ;;
+    gpt-oss) shape=gpt-oss-20b; layers=24; gib=16; fmt=mxfp4
+             write=(python3 tests/perf/make_family_gguf.py gpt-oss-20b "$W/$m.gguf" 24) ;;
+    *) echo "unknown model $m (mixtral, qwen3, gpt-oss)"; exit 2 ;;
   esac
   [ -f "$W/$m.gguf" ] || "${write[@]}" > "$W/${m}_write.log" 2>&1 || { tail -n 5 "$W/${m}_write.log"; continue; }
-  least=$(python3 -m moedesk.bench.budget --ncmoe "$shape" 0 "$gib" $((512 + 64 + 1)) q4_k)
+  least=$(python3 -m moedesk.bench.budget --ncmoe "$shape" 0 "$gib" $((512 + 64 + 1)) "$fmt")
   sweep=$(seq "$least" $((least + SWEEP > layers ? layers : least + SWEEP)); echo "$layers")
   echo "$m: llama-bench -ncmoe $(echo $sweep | tr ' ' ,) ($gib GiB fits $least and up)"
   clean
@@ -55,14 +60,15 @@ PY
     -c 8192 -b 2048 -ub 512 -npp 128 -ntg 32 -npl 16 2>&1 | grep -E '^\|' > "$W/${m}_llama_batched.txt"
   rm -f "$W/$m.gguf"  # the disk and the page cache back for our banks
   clean
-  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format q4_k --gpu-budget "$gib" --prefill 512 \
+  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format "$fmt" --gpu-budget "$gib" --prefill 512 \
     --routing "${ROUTING:-model}" --json > "$W/${m}_ours.json" 2> "$W/${m}_ours.log" || tail -n 5 "$W/${m}_ours.log"
 done
 
 python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
 import glob, json, re, sys
 w, models = sys.argv[1], sys.argv[2:]
-goals = {"mixtral": {"decode": 2.0, "prefill": 4.0, "batched_decode": 3.0}, "qwen3": {"decode": 1.5}}
+goals = {"mixtral": {"decode": 2.0, "prefill": 4.0, "batched_decode": 3.0}, "qwen3": {"decode": 1.5},
+         "gpt-oss": {"decode": 1.5}}
 for m in models:
     sweep = {}
     for path in glob.glob(f"{w}/{m}_llama_ncmoe*.json"):
