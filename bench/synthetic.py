@@ -6,8 +6,8 @@ result reads as "% of what this machine could do", not only as tokens per second
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -302,7 +302,7 @@ def prepare_synthetic(shape: str, layers: int | None, gpu_budget_gib: float | tu
         f"({policy} policy, popularity {100 * orchestra.evenness:.0f}% even); "
         f"in the decode graphs: {sum(map(executor.runs_on_device, sorted(banks)))} layers")
     return BenchModel(shape, cfg, model, banks, orchestra, device, dtype, policy, gpu_budget_gib, resident, whole,
-                          parts, notes)
+                      parts, notes)
 
 
 def prepare_file(path: str, gpu_budget_gib: float, device="auto", context: int = 4096, log=print) -> BenchModel:
