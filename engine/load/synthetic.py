@@ -183,22 +183,18 @@ def _from_hub_config(config: dict) -> ModelConfig:
 _YARN = {"rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096}
 # openai/gpt-oss-120b's config.json: sliding (128) and full layers alternating, 128 experts top-4, MXFP4 experts on
 # the Hub (--expert-format mxfp4).
-SHAPES["gpt-oss-120b"] = _from_hub_config({
+_GPT_OSS_120B = {
     "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
     "num_hidden_layers": 36, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
     "num_local_experts": 128, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
     "max_position_embeddings": 131072, "swiglu_limit": 7.0, "eos_token_id": 200002, "attention_bias": True,
     "rope_scaling": {**_YARN, "factor": 32.0, "truncate": False}, "rope_theta": 150000.0,
-    "layer_types": ["sliding_attention", "full_attention"] * 18})
+    "layer_types": ["sliding_attention", "full_attention"] * 18}
+SHAPES["gpt-oss-120b"] = _from_hub_config(_GPT_OSS_120B)
 # openai/gpt-oss-20b's config.json: the 120b's layer with 32 experts, 24 layers; its MXFP4 file fits a 16 GB GPU
 # whole.
-SHAPES["gpt-oss-20b"] = _from_hub_config({
-    "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880, "intermediate_size": 2880,
-    "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072, "swiglu_limit": 7.0, "eos_token_id": 200002, "attention_bias": True,
-    "rope_scaling": {**_YARN, "factor": 32.0, "truncate": False}, "rope_theta": 150000.0,
-    "layer_types": ["sliding_attention", "full_attention"] * 12})
+SHAPES["gpt-oss-20b"] = _from_hub_config({**_GPT_OSS_120B, "num_hidden_layers": 24, "num_local_experts": 32,
+                                          "layer_types": ["sliding_attention", "full_attention"] * 12})
 # deepseek-ai/DeepSeek-V3's config.json: MLA, 256 experts top-8 in 8 groups (4 kept), 3 dense first layers.
 SHAPES["deepseek-v3"] = _from_hub_config({
     "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
