@@ -269,9 +269,8 @@ _Q8_WORDS = {"q4_k": 8, "q5_k": 8}  # words a half unit (64-weight units); the o
 _Q8_ROWS = 4
 # MOEDESK_Q8_ACTIVATIONS=0 keeps few-row launches on the float32 FMAs (for a side-by-side measurement).
 _Q8_WANTED = os.environ.get("MOEDESK_Q8_ACTIVATIONS", "1") != "0"
-# mxfp4 takes the route only with MOEDESK_Q8_MXFP4=1 until its GPU test and benchmark have run on the box
-# (docs/benchmarks.md's plan); the interpreter's tests turn it on where they check it.
-_Q8_MXFP4 = os.environ.get("MOEDESK_Q8_MXFP4") == "1"
+# MOEDESK_Q8_MXFP4=0 keeps mxfp4 (gpt-oss) off the route alone, for a side-by-side measurement of that format.
+_Q8_MXFP4 = os.environ.get("MOEDESK_Q8_MXFP4", "1") != "0"
 
 
 def _few_rows(m: int, groups: int) -> bool:

@@ -56,7 +56,7 @@ def test_integer_route_is_the_product_with_rounded_x(fmt, m, k, rows, monkeypatc
     twice), rows not a multiple of the tile, several units a step and a partial one; q4_0's, q8_0's and q6_k's
     blocks of 18, 34 and 210 bytes, every other one 2 bytes off a word; q5_k's fifth bits, q6_k's less 32; mxfp4's
     17-byte blocks at every offset, its codes' signs and magnitudes (random bytes hold all 16)."""
-    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # asked for (MOEDESK_Q8_MXFP4=1) until run on the box
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # on unless MOEDESK_Q8_MXFP4=0
     stack = random_stack(1, rows, k, fmt, seed=m)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     out = torch.empty(m, rows)
@@ -222,7 +222,7 @@ def test_route_only_where_words_are_aligned(monkeypatch):
     x = torch.zeros(4, 256)
     assert gpu_quant._q8_route(x, stack, "q4_k", torch.bfloat16)
     assert not gpu_quant._q8_route(x, stack, "q4_k", torch.float32)  # float32 layers stay exact
-    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", False)  # mxfp4 only where it is asked for
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", False)  # MOEDESK_Q8_MXFP4=0: mxfp4 off the route
     odd_mxfp4 = torch.zeros(1 + 2 * 8 * 17, dtype=torch.uint8)[1:].view(2, 8, 17)
     assert not gpu_quant._q8_route(x, odd_mxfp4, "mxfp4", torch.bfloat16)
     monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)
@@ -247,7 +247,7 @@ def _cuda():
 @pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
 def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m, monkeypatch):
     dev = _cuda()
-    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # asked for until this test has run on the box
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # on unless MOEDESK_Q8_MXFP4=0
     k, rows = 4096, 6144
     stack = random_stack(1, rows, k, fmt, device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
