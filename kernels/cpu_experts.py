@@ -486,6 +486,20 @@ def get_num_threads() -> int:
     return _threads or default_num_threads()
 
 
+def call_beside_caller(fn):
+    """fn(), a call into these kernels made on a worker thread while the calling thread keeps busy (the offload
+    executor queueing a step's copies, `overlap_copies`): one thread fewer, so the two do not share a core."""
+    lib = _state.get("lib")
+    n = lib.moe_get_threads() if lib is not None else 1
+    if n < 2:
+        return fn()
+    lib.moe_set_threads(n - 1)
+    try:
+        return fn()
+    finally:
+        lib.moe_set_threads(n)
+
+
 def set_spin_us(us: int) -> None:
     """How long idle workers keep spinning for the next call before they sleep (default 20 ms).
 

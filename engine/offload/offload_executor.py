@@ -34,6 +34,7 @@ from moedesk.engine.offload.assignment import copy_run_limit, resident_grouped
 from moedesk.engine.offload.expert_executor import HostRouting
 from moedesk.engine.offload.expert_cache import CachePolicy, ExpertCache, SwapPrice
 from moedesk.kernels import gpu_fused, gpu_zero_copy
+from moedesk.kernels.cpu_experts import call_beside_caller
 from moedesk.kernels.host_handoff import handoff_wanted
 from moedesk.kernels.expert_weights import ExpertWeights
 from moedesk.kernels.experts import (expert_forward, experts_forward_routed, grouped_alike, grouped_experts_forward,
@@ -739,7 +740,7 @@ class OffloadExecutor:
             if to_copy and self.overlap_copies:
                 # The CPU's call starts now, beside the host's queueing of the copies (the native call lets go of the
                 # GIL): a prefill's many copies no longer hold its experts back (engine.offload.assignment's overlap).
-                background = _Background(cpu_call)
+                background = _Background(partial(call_beside_caller, cpu_call))  # this thread keeps a core
         # GPU work first: it is queued asynchronously and runs while the CPU computes below.
         try:
             run_sizes = self.copy_runs(offloaded, to_copy) if to_copy and self.copy_runs else None

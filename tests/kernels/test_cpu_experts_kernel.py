@@ -403,6 +403,23 @@ def test_thread_count_setting(monkeypatch):
         ce.set_num_threads(0)
 
 
+def test_a_call_beside_the_caller_leaves_it_a_core(native):
+    """The offload executor's CPU call on a worker thread while the caller queues copies: one thread fewer, and
+    the setting back afterwards, also when the call raises."""
+    lib = ce._lib()
+    ce.set_num_threads(4)
+    assert ce.call_beside_caller(lib.moe_get_threads) == 3
+    assert lib.moe_get_threads() == 4
+
+    def fails():
+        raise RuntimeError("the call failed")
+    with pytest.raises(RuntimeError):
+        ce.call_beside_caller(fails)
+    assert lib.moe_get_threads() == 4
+    ce.set_num_threads(1)  # nothing to give up
+    assert ce.call_beside_caller(lib.moe_get_threads) == 1
+
+
 def cut(gate_up, down, lo, hi):
     """Stacks cut to intermediate rows [lo, hi): gate and up rows, down columns; the experts a call with rows
     computes are cut(..., 0, rows)."""
