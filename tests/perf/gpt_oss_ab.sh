@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root, in one device command (~9 min): gpt-oss-120b's first 8 layers (MXFP4 experts in
 # RAM) decoded by this tree and an older one side by side (ab_bench.sh: a warm-up thrown away, then two rounds of
-# old, new and new with MOEDESK_Q8_MXFP4=1), then mxfp4's integer route against the float path in the experts kernel
+# old, new and new with MOEDESK_Q8_MXFP4=0, the float path), then mxfp4's integer route against the float path in the experts kernel
 # alone and in an all-resident decode step's profile.
 #   BASE=.baseline bash tests/perf/gpt_oss_ab.sh
 # BASE: the older tree (`git archive REV | tar -x -C .baseline`, carried). Leaves in $OUT: gpt_oss_ab.txt (the
@@ -10,7 +10,7 @@ set -uo pipefail
 . tests/perf/gpu_env.sh
 BASE=${BASE:?set BASE to the older tree}
 W=/tmp/gpt_oss_ab; mkdir -p "$W"
-OUT=$W WARMUP=1 ROUNDS=2 ALSO=MOEDESK_Q8_MXFP4=1 timeout 480 bash tests/perf/ab_bench.sh \
+OUT=$W WARMUP=1 ROUNDS=2 ALSO=MOEDESK_Q8_MXFP4=0 timeout 480 bash tests/perf/ab_bench.sh \
   "--shape gpt-oss-120b --layers 8 --expert-format mxfp4 --gpu-budget 0 --prefill 512" > "$W/ab.txt"
 for route in 0 1; do
   MOEDESK_Q8_MXFP4=$route timeout 120 python3 tests/perf/bench_gpu_quant.py --no-sweep --formats mxfp4 \
