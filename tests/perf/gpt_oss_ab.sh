@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU box, from the repo root, in one device command (~9 min): gpt-oss-120b's first 8 layers (MXFP4 experts in
 # RAM) decoded by this tree and an older one side by side (ab_bench.sh: a warm-up thrown away, then two rounds of
-# old, new and new with MOEDESK_Q8_MXFP4=0, the float path), then mxfp4's integer route against the float path in the experts kernel
-# alone and in an all-resident decode step's profile.
+# old, new and new with MOEDESK_Q8_MXFP4=0, the float path), then mxfp4's integer route against the float path in
+# the experts kernel alone and in an all-resident decode step's profile.
 #   BASE=.baseline bash tests/perf/gpt_oss_ab.sh
 # BASE: the older tree (`git archive REV | tar -x -C .baseline`, carried). Leaves in $OUT: gpt_oss_ab.txt (the
 # tables) and gpt_oss_ab.tar.gz (all).
