@@ -49,14 +49,22 @@ def _dense_heads(x: torch.Tensor) -> bool:
     return x.dim() == 4 and x.stride(3) == 1 and x.stride(2) == x.shape[3]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * (x / rms(x)) over the last dimension, normalised in float32 and rounded to x's dtype
-    before the weight (engine.model.norm.rms_norm's rounding)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bool = False,
+             offset: bool = False) -> torch.Tensor:
+    """weight * (x / rms(x)) over the last dimension, normalised in float32 and rounded to x's dtype where
+    engine.model.norm.rms_norm rounds: before the weight, or after it (`weight_first`: gpt-oss), or after a
+    scale of 1 + weight (`offset`: Qwen3-Next)."""
     d = x.shape[-1]
     out = torch.empty_like(x)
     block = triton.next_power_of_2(d)
-    _rms_norm[(x.numel() // d,)](x, weight, out, eps, D=d, BLOCK=block, num_warps=_warps(block), **_EXACT)
+    scale = _SCALE_OFFSET if offset else _SCALE_FIRST if weight_first else _SCALE_ROUNDED
+    _rms_norm[(x.numel() // d,)](x, weight, out, eps, D=d, SCALE=scale, BLOCK=block, num_warps=_warps(block),
+                                 **_EXACT)
     return out
+
+
+# How `_rms_norm` applies the weight: to the normalised row rounded to 16 bits, in float32, or as 1 + weight.
+_SCALE_ROUNDED, _SCALE_FIRST, _SCALE_OFFSET = 0, 1, 2
 
 
 def rotary_fits(head_dim: int) -> bool:
@@ -108,12 +116,14 @@ def route_fits(num_experts: int) -> bool:
     return num_experts <= 4096
 
 
-def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype,
+          softmax_of_top_k: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """engine.model.transformer.top_k_route: weights [N, k] in `dtype` and expert ids [N, k] (int64),
     each row in ascending expert order, from router logits [N, E].
 
     Softmax in float32, the k most probable experts, ties going to the lower id as in torch.topk on
-    CUDA, optionally divided by their sum. Torch takes six to seven kernels for this (softmax, top-k,
+    CUDA, optionally divided by their sum. `softmax_of_top_k`: engine.model.routing.top_k_softmax instead,
+    the k largest logits weighted by a softmax over those k alone (gpt-oss; `renormalise` is moot). Torch takes six to seven kernels for this (softmax, top-k,
     its sort, the sum, the division, the sort by id, the gather and the cast), between the attention and the
     CPU's experts at batch 1 (docs/measurements.md, "The GPU kernels").
     """
@@ -123,7 +133,7 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype) -
     block = triton.next_power_of_2(e)
     # One warp up to 512 experts: each of the 2 + 2k reductions is then warp shuffles, with no shared memory
     # round trip and barrier between warps (the former every-pair ranking held E^2 values in a program).
-    _route[(n,)](logits, weights, ids, e, K=k, RENORMALISE=renormalise, BLOCK=block,
+    _route[(n,)](logits, weights, ids, e, K=k, RENORMALISE=renormalise, OF_TOP_K=softmax_of_top_k, BLOCK=block,
                  num_warps=1 if block <= 512 else 4, **_EXACT)
     return weights, ids
 
@@ -170,16 +180,21 @@ def _warps(block: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < D
         x = tl.load(x_ptr + row * D + cols, mask=inside, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         dtype = out_ptr.dtype.element_ty
-        normed = (x * inv).to(dtype).to(tl.float32)
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        tl.store(out_ptr + row * D + cols, (w * normed).to(dtype), mask=inside)
+        if SCALE == 0:
+            out = w * (x * inv).to(dtype).to(tl.float32)
+        elif SCALE == 1:
+            out = w * (x * inv)
+        else:
+            out = (x * inv) * (1.0 + w)
+        tl.store(out_ptr + row * D + cols, out.to(dtype), mask=inside)
 
     @triton.jit
     def _norm_rotary(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, eps, heads, T, stride_b, stride_t, NORM: tl.constexpr,
@@ -220,7 +235,8 @@ if triton is not None:
         tl.store(v_cache + at + cols, tl.load(v_ptr + b * v_b + t * v_t + cols, mask=inside), mask=inside)
 
     @triton.jit
-    def _route(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, RENORMALISE: tl.constexpr, BLOCK: tl.constexpr):
+    def _route(logits_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, RENORMALISE: tl.constexpr, OF_TOP_K: tl.constexpr,
+               BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < E
@@ -230,16 +246,23 @@ if triton is not None:
         # k rounds of "the most probable left, the lower id among equals" (torch.topk's order on CUDA): O(k E)
         # work in a few registers a thread. Ranking the probabilities, not the logits, keeps torch's ties where
         # exp underflows to zero; padding (below every probability) is never picked while real experts are left.
-        left = tl.where(inside, p, -1.0)
+        if OF_TOP_K:  # torch ranks the logits themselves here; padding and the chosen sit at -inf
+            left = x
+            gone = -float("inf")
+        else:
+            left = tl.where(inside, p, -1.0)
+            gone = -2.0
         chosen = cols < 0
         for _ in tl.static_range(K):
             best = tl.max(left, axis=0)
             first = tl.min(tl.where(left == best, cols, BLOCK), axis=0)
             chosen = chosen | (cols == first)
-            left = tl.where(cols == first, -2.0, left)
+            left = tl.where(cols == first, gone, left)
         # Chosen experts are written in ascending id: each one's slot is the count of chosen below it.
         slot = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
-        if RENORMALISE:
+        if OF_TOP_K:  # the largest logit is among the chosen: e is exp(x - their max)
+            p = e / tl.sum(tl.where(chosen, e, 0.0), axis=0)
+        elif RENORMALISE:
             p = p / tl.sum(tl.where(chosen, p, 0.0), axis=0)
         tl.store(w_ptr + row * K + slot, p.to(w_ptr.dtype.element_ty), mask=chosen)
         tl.store(ids_ptr + row * K + slot, cols.to(tl.int64), mask=chosen)

@@ -13,8 +13,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bo
     # Normalise in float32 and cast back before the weight, as the reference implementations do,
     # so that 16-bit runs round at the same places. weight_first: gpt-oss's reference applies the weight in
     # float32 and rounds after it. offset: Qwen3-Next's scales by 1 + weight, in float32, then rounds.
-    if not weight_first and not offset and gpu_fused.applies(x, weight):
-        return gpu_fused.rms_norm(x, weight, eps)
+    if gpu_fused.applies(x, weight):
+        return gpu_fused.rms_norm(x, weight, eps, weight_first, offset)
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

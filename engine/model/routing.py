@@ -1,12 +1,13 @@
 """Router logits to expert weights and ids: the routing rules that are not a plain softmax over experts.
 
 Pure functions of tensors, so that each rule is tested against its reference without a model. Each
-returns (weights [N, k] float32, ids [N, k]) with every row in ascending expert id: the order
-`MoE.combine` adds in.
+returns (weights [N, k], ids [N, k]) with every row in ascending expert id: the order `MoE.combine` adds in.
 """
 from __future__ import annotations
 
 import torch
+
+from moedesk.kernels import gpu_fused
 
 
 def grouped_sigmoid_top_k(logits: torch.Tensor, correction: torch.Tensor, k: int, groups: int, top_groups: int,
@@ -37,6 +38,8 @@ def grouped_sigmoid_top_k(logits: torch.Tensor, correction: torch.Tensor, k: int
 def top_k_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss's routing: the k largest logits [N, E], weighted by a softmax over those k alone (in the logits'
     dtype, as the reference computes it)."""
+    if gpu_fused.applies(logits) and gpu_fused.route_fits(logits.shape[-1]):
+        return gpu_fused.route(logits, k, False, logits.dtype, softmax_of_top_k=True)
     values, ids = logits.topk(k, dim=-1)
     weights = values.softmax(dim=-1)  # before reordering: summed in the reference's order, so bit for bit
     ids, order = ids.sort(dim=-1)

@@ -114,7 +114,16 @@ def main() -> int:
         build(gpu_fused._group_pairs, arrange, dict(K=2, TALLY=tally, BLOCK_P=block_p, BLOCK_G=256, CHUNK=chunk),
               num_warps=4 if block_p <= 256 else 8)
         count += 1
-    print("gpu_fused: the pairs' arrangement", flush=True)
+    # gpt-oss's norm (weight first), Qwen3-Next's (1 + weight) and the others'; gpt-oss's softmax of the top k.
+    for scale in (0, 1, 2):
+        build(gpu_fused._rms_norm, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
+              dict(D=2880, SCALE=scale, BLOCK=4096), num_warps=4, enable_fp_fusion=False)
+        count += 1
+    for of_top_k in (False, True):
+        build(gpu_fused._route, {"logits_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "E": "i32"},
+              dict(K=4, RENORMALISE=not of_top_k, OF_TOP_K=of_top_k, BLOCK=32), num_warps=1, enable_fp_fusion=False)
+        count += 1
+    print("gpu_fused: the pairs' arrangement, the norms and the routes", flush=True)
     print(f"compiled {count}")
     return 0
 

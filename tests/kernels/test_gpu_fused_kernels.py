@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moedesk.engine.model.norm import rms_norm
+from moedesk.engine.model.routing import top_k_softmax
 from moedesk.engine.model.transformer import MoE, apply_rope, top_k_route
 from moedesk.kernels import gpu_fused
 
@@ -42,10 +43,16 @@ def _combine_inputs(n, k, h, dtype, device="cpu", seed=0):
 
 
 @pytest.mark.parametrize("rows,d", [(1, 64), (5, 576), (3, 2048)])  # 576: not a power of two
-def test_rms_norm_interpreted(interpreted, rows, d):
+@pytest.mark.parametrize("weight_first,offset", [(False, False), (True, False), (False, True)])
+def test_rms_norm_interpreted(interpreted, rows, d, weight_first, offset):
+    """The weight applied where each architecture's reference applies it: after rounding the normalised row, before
+    it (gpt-oss), or as 1 + weight (Qwen3-Next)."""
     g = torch.Generator().manual_seed(d)
     x, weight = torch.randn(rows, d, generator=g) * 3, torch.randn(d, generator=g)
-    torch.testing.assert_close(interpreted.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
+    got = interpreted.rms_norm(x, weight, 1e-6, weight_first, offset)
+    torch.testing.assert_close(got, rms_norm(x, weight, 1e-6, weight_first, offset), rtol=1e-6, atol=1e-6)
+    if offset:  # the other rules would give a different row
+        assert not torch.allclose(got, rms_norm(x, weight, 1e-6), rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("with_norm", [False, True])
@@ -129,6 +136,28 @@ def test_route_many_tied_experts_interpreted(interpreted, n, e, k, renormalise):
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
 
+
+
+@pytest.mark.parametrize("n,e,k", [(1, 32, 4), (5, 128, 4), (3, 60, 6), (2, 600, 8)])
+def test_top_k_softmax_interpreted(interpreted, n, e, k):
+    """gpt-oss's rule: the k largest logits, a softmax over those alone. Logits far below zero are ranked as they
+    are (a rule ranking probabilities or marking the chosen with a finite value would misplace them)."""
+    logits = _router_logits(n, e, torch.float32, seed=e) - 10
+    weights, ids = interpreted.route(logits, k, False, torch.float32, softmax_of_top_k=True)
+    expected_weights, expected_ids = top_k_softmax(logits, k)
+    assert ids.dtype == torch.int64 and torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(weights.sum(-1), torch.ones(n))
+
+
+def test_top_k_softmax_ties_go_to_the_lower_id(interpreted):
+    logits = torch.tensor([[-30.0, -20.0, -20.0, -40.0, -20.0], [-5.0, -9.0, -9.0, -9.0, -5.0]])
+    weights, ids = interpreted.route(logits, 2, False, torch.float32, softmax_of_top_k=True)
+    assert ids.tolist() == [[1, 2], [0, 4]]
+    assert weights.tolist() == [[0.5, 0.5], [0.5, 0.5]]
+    weights, ids = interpreted.route(logits, 3, False, torch.float32, softmax_of_top_k=True)
+    assert ids.tolist() == [[1, 2, 4], [0, 1, 4]]
+    assert weights[1, 0] == weights[1, 2] > weights[1, 1] > 0
 
 
 def _expected_arrangement(keys, groups, k):
@@ -224,6 +253,7 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
     x = torch.randn(7, 4096, device=dev, dtype=torch.bfloat16) * 4
     norm_weight = torch.randn(4096, device=dev, dtype=torch.bfloat16)
     fused_sum, fused_norm = gpu_fused.weighted_sum(y, weights), gpu_fused.rms_norm(x, norm_weight, 1e-5)
+    scaled_norms = {rule: gpu_fused.rms_norm(x, norm_weight, 1e-5, *rule) for rule in ((True, False), (False, True))}
     keys = torch.randint(0, 60, (512,), device=dev)
     tally = torch.zeros(2, 64, dtype=torch.int64, device=dev)
     arranged = gpu_fused.group_pairs(keys, 64, 8, tally)
@@ -237,6 +267,10 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
                                        (64, 64, 8, False, False), (3, 256, 8, True, True)):
         logits = _router_logits(n, e, torch.bfloat16, dev, seed=n + e, ties=ties)
         routes.append(((logits, k, renormalise), gpu_fused.route(logits, k, renormalise, torch.bfloat16)))
+    top_k_routes = []
+    for n, e, k, ties in ((1, 32, 4, False), (64, 32, 4, True), (3, 128, 4, False), (16, 128, 4, True)):
+        logits = _router_logits(n, e, torch.bfloat16, dev, seed=n + e + 1, ties=ties)
+        top_k_routes.append((logits, k, top_k_softmax(logits, k)))  # the fused kernel while it is on
 
     monkeypatch.setenv("MOEDESK_NO_FUSED_KERNELS", "1")  # engine.model.transformer's torch chains from here
     got, (rx, rw, rcos, rsin) = fused[False]
@@ -248,6 +282,15 @@ def test_bfloat16_on_cuda_rounds_like_torch(monkeypatch):
         # Both exps are within an ulp of float32, below a 16-bit weight's rounding step, almost always.
         assert (fused_weights != torch_weights).float().mean() < 0.01
         torch.testing.assert_close(fused_weights, torch_weights, rtol=2 ** -7, atol=2 ** -9)
+    for logits, k, (fused_weights, fused_ids) in top_k_routes:
+        torch_weights, torch_ids = top_k_softmax(logits, k)
+        assert torch.equal(fused_ids, torch_ids)
+        assert fused_weights.dtype == torch.bfloat16 and (fused_weights != torch_weights).float().mean() < 0.01
+        torch.testing.assert_close(fused_weights, torch_weights, rtol=2 ** -7, atol=2 ** -9)
+    for rule, fused_scaled in scaled_norms.items():
+        torch_scaled = rms_norm(x, norm_weight, 1e-5, *rule)
+        assert (fused_scaled != torch_scaled).float().mean() < 0.01
+        torch.testing.assert_close(fused_scaled, torch_scaled, rtol=2 ** -7, atol=2 ** -7)
     # A norm's summation order may move a value across a rounding boundary, rarely.
     got, (rx, rw, rcos, rsin) = fused[True]
     for a, b in ((got, apply_rope(rms_norm(rx, rw, 1e-6), rcos, rsin)), (fused_norm, rms_norm(x, norm_weight, 1e-5))):
