@@ -172,8 +172,9 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8, tied=None
             continue
         prefix = ids + theirs.token_ids[:k]
         cache = resident.model.new_cache(1, len(prefix), torch.bfloat16, "cuda")
-        logits = resident.model(torch.tensor([prefix], device="cuda"), torch.arange(len(prefix), device="cuda")[None],
-                                cache, resident.executor)[0, -1]
+        with torch.no_grad():  # as the engine runs: with a gradient wanted the fused kernels step aside
+            logits = resident.model(torch.tensor([prefix], device="cuda"),
+                                    torch.arange(len(prefix), device="cuda")[None], cache, resident.executor)[0, -1]
         assert tied(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
 
 
