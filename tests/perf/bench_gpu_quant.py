@@ -1,7 +1,7 @@
 """Packed experts on the GPU (kernels.gpu_quant) against the bf16 grouped GEMM, on real MoE shapes.
 
 Usage (repo root, GPU box):  python tests/perf/bench_gpu_quant.py [--no-sweep] [--formats q4_0,q4_k]
-                                 [--shapes mixtral,qwen3,gpt-oss]
+                                 [--shapes mixtral,qwen3,gpt-oss] [--sweep-shape mixtral] [--sweep-only]
 
 For Mixtral-8x7B (H=4096, F=14336), Qwen3-30B-A3B (H=2048, F=768) and gpt-oss-120b (H=F=2880) experts in every
 packed format (mxfp4 ones with gpt-oss's biases and clamped SwiGLU, as its experts compute):
@@ -10,7 +10,8 @@ Prints µs per call (gate/up and down together), the GB/s of packed expert bytes
 per call), and the bf16 grouped path (kernels.gpu_experts) at the same shapes. Calls are captured in a CUDA
 graph, as decode runs them, and cycle over enough copies of the stacks that the weights come from
 memory, not from the 50 MB L2. Then a sweep of tile sizes on Mixtral q4_0 and q4_k (what gpu_quant._config
-should be read from).
+should be read from), or with --sweep-shape gpt-oss on its shape, one token's 4 of 32 experts as gpt-oss-20b's
+decode launches them.
 """
 from __future__ import annotations
 
@@ -88,9 +89,13 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep-shape", default="mixtral", choices=sorted(SHAPES))
+    ap.add_argument("--sweep-only", action="store_true")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    if args.sweep_only:
+        return sweep(dev, args.formats.split(","), args.sweep_shape)
     print(f"{'shape':8} {'fmt':5} {'case':8} {'rows/exp':>8} {'µs':>9} {'GB/s':>7} {'bf16 µs':>9} {'bf16 GB/s':>9} "
           f"{'vs bf16':>7}  route", flush=True)
     bf16_time = {}
@@ -126,7 +131,8 @@ def main():
             del all_w
             torch.cuda.empty_cache()
     if not args.no_sweep:
-        sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "mxfp4") if f in args.formats.split(",")])
+        sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "mxfp4") if f in args.formats.split(",")],
+              args.sweep_shape)
 
 
 def _fma(r, nb, wp, bt=1):
@@ -150,20 +156,26 @@ SWEEP = {
                     _q8(4, 16, 4, 2)]),
     "decode16": (16, [_dot(64, 4, 4), _dot(64, 2, 4), _q8(2, 16, 4, 1), _q8(4, 8, 4, 1)]),
 }
+# gpt-oss-20b's decode: one token's 4 experts listed of the layer's 32 (here 4 of a stack of 8, the same programs)
+SWEEP_GPT_OSS = {"decode4of32": (1, [_q8(2, 16, 1, 1), _q8(1, 32, 1, 1), _q8(1, 16, 1, 1), _q8(2, 32, 1, 1),
+                                     _q8(2, 8, 1, 1), _q8(4, 8, 1, 1), _q8(4, 16, 1, 2), _q8(1, 64, 1, 1),
+                                     _q8(1, 64, 1, 2), _q8(2, 64, 1, 2)])}
+LISTED = {"decode2": 2, "decode4of32": 4}  # cases whose launch lists only the first few experts (`active`)
 
 
-def sweep(dev, formats):
-    h, f = SHAPES["mixtral"]
-    print("\nTile sweep, Mixtral shape (µs per call; GB/s of packed bytes)", flush=True)
+def sweep(dev, formats, shape="mixtral"):
+    h, f = SHAPES[shape]
+    print(f"\nTile sweep, {shape} shape (µs per call; GB/s of packed bytes)", flush=True)
     for fmt in formats:
         all_w = stacks(8, h, f, fmt, dev)
-        for case, (per, configs) in SWEEP.items():
+        for case, (per, configs) in (SWEEP_GPT_OSS if shape == "gpt-oss" else SWEEP).items():
             g = 2 if case == "prefill" else 8
             ws = [w.select(list(range(g))) if g < 8 else w for w in all_w]
-            sizes = [per] * 2 + [0] * 6 if case == "decode2" else [per] * g
+            listed = LISTED.get(case, g)
+            sizes = [per] * listed + [0] * (g - listed)
             x = torch.randn(sum(sizes), h, device=dev).to(torch.bfloat16)
             ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
-            active = torch.tensor([0, 1], dtype=torch.int32, device=dev) if case == "decode2" else None
+            active = torch.arange(listed, dtype=torch.int32, device=dev) if listed < g else None
             read = ws[0].nbytes * sum(1 for n in sizes if n) // g  # the listed experts' bytes alone
             for cfg in configs:
                 if cfg.get("Q8") and not gpu_quant._q8_route(x, ws[0].gate_up, fmt, x.dtype):  # mxfp4: MOEDESK_Q8_MXFP4
