@@ -58,7 +58,7 @@ def build_all() -> dict:
                                              BV=dc._BLOCK_VALUES), dc._WARPS)
     built["route 256 top-8"] = stack_bytes("route", gpu_fused._route, {
         "logits_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "E": "i32"},
-        dict(K=8, RENORMALISE=True, BLOCK=256), 1)
+        dict(K=8, RENORMALISE=True, OF_TOP_K=False, BLOCK=256), 1)
     return built
 
 
