@@ -293,10 +293,11 @@ def _q8_route(x, stack, fmt, dtype) -> bool:
 
 
 # One warp of ROWS rows x NB units a step, by (format, tokens a step): the fastest of tests/perf/bench_gpu_quant.py's
-# sweep on the Mixtral shape (docs/measurements.md, "Session 41"); 2 x 16 where no other was faster. The formats of
-# 32-weight units (q4_0, q8_0, q6_k) take one row of 32 units at one token; q4_k and q5_k one row at four.
-_Q8_TILES = {("q4_0", 1): (1, 32), ("q8_0", 1): (1, 32), ("q6_k", 1): (1, 32), ("q4_k", 4): (1, 16),
-             ("q5_k", 4): (1, 16)}
+# sweep on the Mixtral shape (docs/measurements.md, "Session 41"; mxfp4's on gpt-oss's, "Session 52"); 2 x 16 where
+# no other was faster. The formats of 32-weight units (q4_0, q8_0, q6_k, mxfp4) take one row of 32 units at one
+# token; q4_k and q5_k one row at four.
+_Q8_TILES = {("q4_0", 1): (1, 32), ("q8_0", 1): (1, 32), ("q6_k", 1): (1, 32), ("mxfp4", 1): (1, 32),
+             ("q4_k", 4): (1, 16), ("q5_k", 4): (1, 16)}
 
 
 def _q8_config(per_group: int, fmt: str) -> dict:
