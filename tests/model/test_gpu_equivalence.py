@@ -175,7 +175,22 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8, tied=None
         with torch.no_grad():  # as the engine runs: with a gradient wanted the fused kernels step aside
             logits = resident.model(torch.tensor([prefix], device="cuda"),
                                     torch.arange(len(prefix), device="cuda")[None], cache, resident.executor)[0, -1]
-        assert tied(logits), f"{prompt!r}: token {k} differs and the all-GPU run was not tied"
+        if tied(logits):
+            continue
+        router_tied, why = routers_tied(offloaded, resident, prefix)
+        assert router_tied, f"{prompt!r}: token {k} differs and the all-GPU run was not tied: {why}"
+
+
+def routers_tied(offloaded, resident, ids: list[int]) -> tuple[bool, str]:
+    """Whether, along ids, `offloaded` chose other experts than `resident` somewhere and only where `resident`'s
+    router was tied (decided by less than a bf16 step): one flipped expert moves every later logit more than
+    rounding does (tests/router_ties.py)."""
+    from tests.router_ties import TIE, flipped, routed_logits  # it imports this module
+
+    flips = flipped(routed_logits(offloaded, ids)[1], routed_logits(resident, ids)[1])
+    margins = [steps for tokens in flips.values() for _, steps in tokens.values()]
+    why = f"{len(margins)} router choices differ, by {sorted(round(m, 2) for m in margins)} bf16 steps"
+    return bool(margins) and max(margins) < TIE, why
 
 
 @pytest.mark.parametrize("resident_share,profile", [(0, "cpu"), (0.5, "cpu"), (1, "cpu"), (0.5, "copies")])
