@@ -67,3 +67,33 @@ def test_a_lost_choice_is_found_with_its_margin_and_pinned_back(tiny_checkpoint)
     found = flipped(lost_routes, exact)
     assert found[closest[0]][closest[1]][1] < TIE <= found[clearest[0]][clearest[1]][1]
     assert not torch.equal(lost, logits) and torch.equal(back, logits)
+
+
+def test_routers_tied_judges_the_first_choice_that_differs(tiny_checkpoint):
+    """check_matches_all_on_gpu's router check (gpt-oss's top-k router): two copies of one engine part nowhere; a copy
+    made to lose its closest choice (a tie) is accepted, though the flip moves later choices too; one made to lose its
+    clearest choice is not. In float32, whose scores come closer than a bf16 step."""
+    from tests.model.test_gpu_equivalence import routers_tied
+
+    folder = tiny_checkpoint("gpt_oss")
+    ours, resident = (Engine.load(str(folder), device="cpu", dtype="float32") for _ in range(2))
+    ids = ours.tokenizer.encode(" ".join(PROMPTS))  # enough tokens for a choice closer than a step
+    assert routers_tied(ours, resident, ids) == (False, "the routers chose the same experts")
+    routes = routed_logits(resident, ids)[1]
+    margin = lambda layer, t: routes[layer][1][t].item()
+    spots = [(layer, t) for layer in routes for t in range(len(ids))]
+    closest, clearest = min(spots, key=lambda s: margin(*s)), max(spots, key=lambda s: margin(*s))
+    assert margin(*closest) < TIE <= margin(*clearest)
+    own = {id(m) for m in ours.model.modules()}
+    for (layer, t), accepted in ((closest, True), (clearest, False)):
+        def runner_up(moe, x, original):  # in `ours` alone: the k-th expert swapped for the (k+1)-th
+            weights, chosen = original(moe, x)
+            if id(moe) in own and moe.layer == layer:
+                ranked = ranked_scores(moe, x)[0][t].topk(chosen.shape[1] + 1).indices
+                chosen = chosen.clone()
+                chosen[t] = torch.cat([ranked[:-2], ranked[-1:]]).sort().values
+            return weights, chosen
+
+        with patched_route(runner_up):
+            tied, why = routers_tied(ours, resident, ids)
+        assert tied == accepted and f"(token {t}, layer {layer})" in why, why
