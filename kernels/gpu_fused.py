@@ -123,9 +123,9 @@ def route(logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype,
 
     Softmax in float32, the k most probable experts, ties going to the lower id as in torch.topk on
     CUDA, optionally divided by their sum. `softmax_of_top_k`: engine.model.routing.top_k_softmax instead,
-    the k largest logits weighted by a softmax over those k alone (gpt-oss; `renormalise` is moot). Torch takes six to seven kernels for this (softmax, top-k,
-    its sort, the sum, the division, the sort by id, the gather and the cast), between the attention and the
-    CPU's experts at batch 1 (docs/measurements.md, "The GPU kernels").
+    the k largest logits weighted by a softmax over those k alone (gpt-oss; `renormalise` is moot). Torch takes
+    six to seven kernels for this (softmax, top-k, its sort, the sum, the division, the sort by id, the gather and
+    the cast), between the attention and the CPU's experts at batch 1 (docs/measurements.md, "The GPU kernels").
     """
     n, e = logits.shape
     weights = torch.empty(n, k, dtype=dtype, device=logits.device)
@@ -188,7 +188,7 @@ if triton is not None:
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         dtype = out_ptr.dtype.element_ty
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        if SCALE == 0:
+        if SCALE == 0:  # _SCALE_ROUNDED; then _SCALE_FIRST, _SCALE_OFFSET
             out = w * (x * inv).to(dtype).to(tl.float32)
         elif SCALE == 1:
             out = w * (x * inv)
