@@ -57,14 +57,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_first: bo
     d = x.shape[-1]
     out = torch.empty_like(x)
     block = triton.next_power_of_2(d)
-    scale = _SCALE_OFFSET if offset else _SCALE_FIRST if weight_first else _SCALE_ROUNDED
-    _rms_norm[(x.numel() // d,)](x, weight, out, eps, D=d, SCALE=scale, BLOCK=block, num_warps=_warps(block),
-                                 **_EXACT)
+    _rms_norm[(x.numel() // d,)](x, weight, out, eps, D=d, WEIGHT_FIRST=weight_first, OFFSET=offset, BLOCK=block,
+                                 num_warps=_warps(block), **_EXACT)
     return out
-
-
-# How `_rms_norm` applies the weight: to the normalised row rounded to 16 bits, in float32, or as 1 + weight.
-_SCALE_ROUNDED, _SCALE_FIRST, _SCALE_OFFSET = 0, 1, 2
 
 
 def rotary_fits(head_dim: int) -> bool:
@@ -180,7 +175,8 @@ def _warps(block: int) -> int:
 
 if triton is not None:
     @triton.jit
-    def _rms_norm(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm(x_ptr, w_ptr, out_ptr, eps, D: tl.constexpr, WEIGHT_FIRST: tl.constexpr, OFFSET: tl.constexpr,
+                  BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < D
@@ -188,12 +184,12 @@ if triton is not None:
         inv = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         dtype = out_ptr.dtype.element_ty
         w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-        if SCALE == 0:  # _SCALE_ROUNDED; then _SCALE_FIRST, _SCALE_OFFSET
-            out = w * (x * inv).to(dtype).to(tl.float32)
-        elif SCALE == 1:
+        if OFFSET:
+            out = (x * inv) * (1.0 + w)
+        elif WEIGHT_FIRST:
             out = w * (x * inv)
         else:
-            out = (x * inv) * (1.0 + w)
+            out = w * (x * inv).to(dtype).to(tl.float32)
         tl.store(out_ptr + row * D + cols, out.to(dtype), mask=inside)
 
     @triton.jit

@@ -115,9 +115,9 @@ def main() -> int:
               num_warps=4 if block_p <= 256 else 8)
         count += 1
     # gpt-oss's norm (weight first), Qwen3-Next's (1 + weight) and the others'; gpt-oss's softmax of the top k.
-    for scale in (0, 1, 2):
+    for weight_first, offset in ((False, False), (True, False), (False, True)):
         build(gpu_fused._rms_norm, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "eps": "fp32"},
-              dict(D=2880, SCALE=scale, BLOCK=4096), num_warps=4, enable_fp_fusion=False)
+              dict(D=2880, WEIGHT_FIRST=weight_first, OFFSET=offset, BLOCK=4096), num_warps=4, enable_fp_fusion=False)
         count += 1
     for of_top_k in (False, True):
         build(gpu_fused._route, {"logits_ptr": "*bf16", "w_ptr": "*bf16", "ids_ptr": "*i64", "E": "i32"},

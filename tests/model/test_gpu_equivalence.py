@@ -171,11 +171,7 @@ def check_matches_all_on_gpu(offloaded, resident, batch_size: int = 8, tied=None
             assert ours.token_ids == theirs.token_ids
             continue
         prefix = ids + theirs.token_ids[:k]
-        cache = resident.model.new_cache(1, len(prefix), torch.bfloat16, "cuda")
-        with torch.no_grad():  # as the engine runs: with a gradient wanted the fused kernels step aside
-            logits = resident.model(torch.tensor([prefix], device="cuda"),
-                                    torch.arange(len(prefix), device="cuda")[None], cache, resident.executor)[0, -1]
-        if tied(logits):
+        if tied(teacher_forced_logits(resident, prefix)[-1]):  # without a gradient, as the engine runs
             continue
         router_tied, why = routers_tied(offloaded, resident, prefix)
         assert router_tied, f"{prompt!r}: token {k} differs and the all-GPU run was not tied: {why}"
