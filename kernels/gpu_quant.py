@@ -141,7 +141,7 @@ def packed_linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, bias: torch.Ten
     ends = _one_group_ends(m, x.device)
     stack = rows.unsqueeze(0)
     _launch(x, stack, fmt, ends, out, rows=r, k=k, gated=False, m=m, groups=1, dtype=x.dtype,
-            bias=None if bias is None else bias.unsqueeze(0))
+            bias=None if bias is None else bias.unsqueeze(0), linear=True)
     return out
 
 
@@ -209,16 +209,18 @@ _OVERRIDE: dict | None = None  # the benchmark's tile sweep sets this
 
 
 def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=None, glu=None, config=None,
-            active=None, gather=None, scatter=None):
+            active=None, gather=None, scatter=None, linear=False):
     """One projection of every group: m launch rows. bias: [>=groups, rows (x2 where gated)], added before the
     activation (gated) or to the output; glu: the clamped activation of kernels.expert_weights.ClampedSwiGLU instead
     of SwiGLU; active: the groups with rows (`grouped_experts_forward`), the only ones given programs; gather: launch
-    row t is x's row gather[t] (else x's row t); scatter: launch row t goes to out's row scatter[t] (else row t)."""
+    row t is x's row gather[t] (else x's row t); scatter: launch row t goes to out's row scatter[t] (else row t);
+    linear: one packed matrix (`packed_linear`), whose route also weighs its size (`linear_takes_q8`)."""
     lanes = _LANES[fmt]
     units = k // (2 * lanes)  # along a row: units of 2 x L weights
     chosen = config or _OVERRIDE
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
-    if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else _few_rows(m, groups)):
+    if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else
+                                            _few_rows(m, groups) or linear and _linear_q8(x, m, rows)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
                           glu=glu, config=chosen, active=active, gather=gather, scatter=scatter)
     # The float kernels read and store rows in launch order: gather x before them, scatter their rows after.
@@ -277,9 +279,36 @@ def _few_rows(m: int, groups: int) -> bool:
     return -(-m // groups) <= _Q8_ROWS
 
 
-def takes_q8(x, stack, fmt, m, groups) -> bool:
-    """Whether a launch of m rows over `groups` groups takes the integer route by default (tests, benchmarks)."""
-    return _q8_route(x, stack, fmt, x.dtype) and _few_rows(m, groups)
+# One packed matrix (`packed_linear`) beyond _Q8_ROWS rows: the integer route's passes of 4 tokens beat the float
+# tiles up to _Q8_LINEAR_ROWS rows on any matrix, and below LINEAR_ROWS where those tiles' programs (a 64-row slice of
+# the matrix each, the whole row's length in sequence) number less than two per SM: the q/k/v and output projections
+# at 16 sequences, though not a head (docs/measurements.md, "Session 53").
+_Q8_LINEAR_ROWS = 8
+_FLOAT_TILE_ROWS = 64
+_PROGRAMS_PER_SM = 2
+
+
+def linear_takes_q8(m: int, rows: int, sms: int) -> bool:
+    """Whether `packed_linear` of m rows of x through a matrix of `rows` rows takes the integer route on a GPU of
+    `sms` SMs (x 16-bit, the format one the route reads)."""
+    return m <= _Q8_LINEAR_ROWS or m < LINEAR_ROWS and -(-rows // _FLOAT_TILE_ROWS) < _PROGRAMS_PER_SM * sms
+
+
+_SMS: dict[torch.device, int] = {}
+
+
+def _linear_q8(x: torch.Tensor, m: int, rows: int) -> bool:
+    if not x.is_cuda:  # the interpreter: the rows alone decide
+        return linear_takes_q8(m, rows, 0)
+    if x.device not in _SMS:
+        _SMS[x.device] = torch.cuda.get_device_properties(x.device).multi_processor_count
+    return linear_takes_q8(m, rows, _SMS[x.device])
+
+
+def takes_q8(x, stack, fmt, m, groups, linear: bool = False) -> bool:
+    """Whether a launch of m rows over `groups` groups takes the integer route by default (tests, benchmarks);
+    linear: the one matrix of `packed_linear`, stack its rows [R, row_bytes] or [1, R, row_bytes]."""
+    return _q8_route(x, stack, fmt, x.dtype) and (_few_rows(m, groups) or linear and _linear_q8(x, m, stack.shape[-2]))
 
 
 def _q8_route(x, stack, fmt, dtype) -> bool:

@@ -46,8 +46,8 @@ def test_one_matrix_float32_rows(fmt, rows, k, m):
 @interpreted
 @pytest.mark.parametrize("fmt,rows,k", CASES)
 def test_one_matrix_tensor_core_tiles_with_bias(fmt, rows, k, monkeypatch):
-    # 16-bit x of several rows: the tensor-core tiles (fp16 in the interpreter), the bias added in float32. q4_k's
-    # few rows take the integer route by default (test_gpu_quant_q8.py); here its tiles.
+    # 16-bit x of several rows: the tensor-core tiles (fp16 in the interpreter), the bias added in float32. Up to 8
+    # rows take the integer route by default (test_gpu_quant_q8.py); here the tiles.
     monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)
     w = matrix(fmt, rows, k, seed=7)
     g = torch.Generator().manual_seed(3)
@@ -56,6 +56,31 @@ def test_one_matrix_tensor_core_tiles_with_bias(fmt, rows, k, monkeypatch):
     got = gpu_quant.packed_linear(x, w, fmt, bias)
     assert got.dtype == torch.float16 and got.shape == (6, rows)
     assert_close(got, reference(x, w, fmt, k, bias), 2 ** -8, 2 ** -9, 2 ** -10)
+
+
+def test_integer_route_for_up_to_8_rows_and_beyond_for_matrices_too_small_for_the_float_tiles():
+    h200 = 132
+    assert gpu_quant.linear_takes_q8(8, 201088, h200)  # gpt-oss-20b's head at 8 sequences
+    assert not gpu_quant.linear_takes_q8(16, 201088, h200)  # ... at 16: 3,142 float programs
+    assert gpu_quant.linear_takes_q8(16, 5120, h200)  # its q/k/v projection: 80 float programs
+    assert gpu_quant.linear_takes_q8(31, 2880, h200)
+    assert not gpu_quant.linear_takes_q8(16, 32000, h200)  # Mixtral's head: 500 float programs
+    assert not gpu_quant.linear_takes_q8(gpu_quant.LINEAR_ROWS, 2880, h200)  # prefill: dequantised, cuBLAS
+    assert gpu_quant.linear_takes_q8(16, 6144, h200)  # its q/k/v projection: 96
+
+
+@interpreted
+@pytest.mark.parametrize("m,q8", [(6, True), (12, False)])
+def test_one_matrix_of_several_16_bit_rows_takes_the_integer_route_up_to_8(m, q8, monkeypatch):
+    calls = []
+    launch = gpu_quant._launch_q8
+    monkeypatch.setattr(gpu_quant, "_launch_q8", lambda *a, **kw: calls.append(kw["m"]) or launch(*a, **kw))
+    w = matrix("q8_0", 136, 160, seed=9)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m)).to(torch.float16)
+    got = gpu_quant.packed_linear(x, w, "q8_0")
+    assert calls == ([m] if q8 else [])
+    assert gpu_quant.takes_q8(x, w, "q8_0", m, 1, linear=True) == q8
+    assert_close(got, reference(x, w, "q8_0", 160), *(Q8_TOLERANCE if q8 else (2 ** -8, 2 ** -9, 2 ** -10)))
 
 
 def test_packed_linear_refuses_rows_of_another_width():
@@ -124,7 +149,7 @@ BF16_TOLERANCE = (2 ** -5, 2 ** -7, 2 ** -7)  # test_gpu_quant_kernel.py's, for 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "mxfp4"])
-@pytest.mark.parametrize("m", [1, 4, 200])
+@pytest.mark.parametrize("m", [1, 4, 8, 16, 200])
 def test_module_on_cuda(fmt, m):
     dev = torch.device("cuda")
     k, rows = (4096, 6144) if fmt != "mxfp4" else (2880, 5120)
@@ -135,7 +160,8 @@ def test_module_on_cuda(fmt, m):
     assert route(True, gpu_quant.linear_applies(x, w, fmt), m) == ("kernel" if m < 32 else "dequant")
     got = layer(x)
     assert got.dtype == torch.bfloat16 and got.shape == (m, rows)
-    routed = gpu_quant.takes_q8(x, w.unsqueeze(0), fmt, m, 1)
+    routed = gpu_quant.takes_q8(x, w.unsqueeze(0), fmt, m, 1, linear=True)
+    assert routed == (m <= 16)  # 80 or 96 programs of the float tiles, under 2 an SM on an H200
     assert_close(got, reference(x, w, fmt, k, bias), *(Q8_TOLERANCE if routed else BF16_TOLERANCE))
 
 

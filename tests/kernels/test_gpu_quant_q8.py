@@ -244,14 +244,14 @@ def _cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["q4_k", "q5_k", "q6_k", "q4_0", "q8_0", "mxfp4"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4])  # BT 1, 2 and 4; more rows take the tensor-core tiles
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 13])  # BT 1, 2 and 4; 13: four passes of 4, the last of one
 def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m, monkeypatch):
     dev = _cuda()
     monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)  # on unless MOEDESK_Q8_MXFP4=0
     k, rows = 4096, 6144
     stack = random_stack(1, rows, k, fmt, device=dev, seed=m)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
-    assert gpu_quant.takes_q8(x, stack, fmt, m, 1)
+    assert gpu_quant.takes_q8(x, stack, fmt, m, 1, linear=True)  # 13 rows: a matrix the float tiles leave idle SMs
     got = gpu_quant.packed_linear(x, stack[0], fmt)
     # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
     assert_close(got, linear_reference(rounded(x), stack, k, fmt), 2 ** -8, 2 ** -8, 2 ** -8)

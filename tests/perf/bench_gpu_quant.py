@@ -159,7 +159,10 @@ SWEEP = {
 # gpt-oss-20b's decode: one token's 4 experts listed of the layer's 32 (here 4 of a stack of 8, the same programs)
 SWEEP_GPT_OSS = {"decode4of32": (1, [_q8(2, 16, 1, 1), _q8(1, 32, 1, 1), _q8(1, 16, 1, 1), _q8(2, 32, 1, 1),
                                      _q8(2, 8, 1, 1), _q8(4, 8, 1, 1), _q8(4, 16, 1, 2), _q8(1, 64, 1, 1),
-                                     _q8(1, 64, 1, 2), _q8(2, 64, 1, 2)])}
+                                     _q8(1, 64, 1, 2), _q8(2, 64, 1, 2)]),
+                 # sixteen sequences' step: 64 pairs over the 32 experts, two rows each on average
+                 "batch16": (2, [_q8(2, 16, 2, 1), _q8(1, 32, 2, 1), _q8(1, 16, 2, 1), _q8(2, 32, 2, 1),
+                                 _q8(1, 32, 4, 1), _q8(2, 16, 4, 1), _q8(4, 16, 2, 2), _dot(64, 2, 4)])}
 LISTED = {"decode2": 2, "decode4of32": 4}  # cases whose launch lists only the first few experts (`active`)
 
 
