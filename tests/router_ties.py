@@ -61,19 +61,19 @@ def _steps(pairs: torch.Tensor) -> torch.Tensor:
     return (pairs[:, 0] - pairs[:, 1]) / (2.0 ** -7 * pairs[:, 0].abs().clamp(min=1.0))
 
 
-def routed_logits(engine, ids: list[int]) -> tuple[torch.Tensor, dict]:
+def routed_logits(engine, ids: list[int], prompt: int | None = None) -> tuple[torch.Tensor, dict]:
     """Teacher-forced logits along ids and each MoE layer's choices: {layer: (ids [N, k] ascending, margins [N])},
-    margins in bf16 steps (`margins`)."""
+    margins in bf16 steps (`margins`). prompt: as teacher_forced_logits's (the calls of a decode)."""
     seen = {}
 
     def route(moe, x, original):
         weights, chosen = original(moe, x)
-        seen[moe.layer] = (chosen.cpu(), margins(moe, x, chosen.shape[1]).cpu())
+        seen.setdefault(moe.layer, []).append((chosen.cpu(), margins(moe, x, chosen.shape[1]).cpu()))
         return weights, chosen
 
     with patched_route(route):
-        logits = teacher_forced_logits(engine, ids)
-    return logits, seen
+        logits = teacher_forced_logits(engine, ids, prompt)
+    return logits, {layer: tuple(torch.cat(parts) for parts in zip(*calls)) for layer, calls in seen.items()}
 
 
 def flipped(ours: dict, exact: dict) -> dict:

@@ -69,6 +69,23 @@ def test_a_lost_choice_is_found_with_its_margin_and_pinned_back(tiny_checkpoint)
     assert not torch.equal(lost, logits) and torch.equal(back, logits)
 
 
+def test_routes_of_a_decode_are_a_prefills_where_not_tied(tiny_checkpoint):
+    """routed_logits along a decode's calls (the prompt, then a token a call): a row per token, the logits and choices
+    a prefill of the same ids gives, up to float32's order of sums (a choice closer than a bf16 step may fall
+    either way)."""
+    folder = tiny_checkpoint("gpt_oss")
+    engine = Engine.load(str(folder), device="cpu", dtype="float32")
+    ids = engine.tokenizer.encode(" ".join(PROMPTS))
+    whole, routes = routed_logits(engine, ids)
+    stepped, stepped_routes = routed_logits(engine, ids, prompt=5)
+    assert stepped.shape == whole.shape and torch.allclose(stepped, whole, atol=1e-4, rtol=1e-4)
+    assert stepped_routes.keys() == routes.keys()
+    for layer, (chosen, steps) in routes.items():
+        clear = steps >= TIE
+        assert stepped_routes[layer][0].shape == chosen.shape and clear.sum() > len(ids) // 2
+        assert torch.equal(stepped_routes[layer][0][clear], chosen[clear])
+
+
 def test_routers_tied_judges_the_first_choice_that_differs(tiny_checkpoint):
     """check_matches_all_on_gpu's router check (gpt-oss's top-k router): two copies of one engine part nowhere; a copy
     made to lose its closest choice (a tie) is accepted, though the flip moves later choices too; one made to lose its
@@ -97,3 +114,19 @@ def test_routers_tied_judges_the_first_choice_that_differs(tiny_checkpoint):
         with patched_route(runner_up):
             tied, why = routers_tied(ours, resident, ids)
         assert tied == accepted and f"(token {t}, layer {layer})" in why, why
+
+
+def test_as_close_to_exact_accepts_another_rounding_and_refuses_a_worse_one(tiny_checkpoint):
+    """check_matches_all_on_gpu's last resort where two bf16 runs part: two copies of one bf16 engine are as close to
+    float32 as each other; a copy whose head is off by 3% (a wrong kernel's error, far above bf16's) is not."""
+    from tests.model.test_gpu_equivalence import as_close_to_exact
+
+    folder = tiny_checkpoint("gpt_oss")
+    exact = Engine.load(str(folder), device="cpu", dtype="float32")
+    ours, resident = (Engine.load(str(folder), device="cpu", dtype="bfloat16") for _ in range(2))
+    ids = ours.tokenizer.encode(" ".join(PROMPTS[:2]))
+    assert as_close_to_exact(ours, resident, exact, ids, len(ids) // 2)[0]
+    with torch.no_grad():
+        ours.model.lm_head.weight.mul_(1.03)
+    close, why = as_close_to_exact(ours, resident, exact, ids, len(ids) // 2)
+    assert not close and "offloaded" in why, why

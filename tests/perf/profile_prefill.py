@@ -197,6 +197,8 @@ def say_outlook(outlook, touched: list[int], marked, times, costs, args, say) ->
         f"both at once {outlook.overlap_ms:.1f} ms; the expert windows {windows:.1f} ms (measured calls "
         f"{sum(times.experts.values()):.1f}) of the {wall:.1f} ms prefill, outside them {wall - windows:.1f} ms; link "
         f"busy {100 * outlook.link_ms / wall:.0f}% of the prefill")
+    if not touched:  # every expert resident: nothing crosses the link
+        return
     link, shared = link_bound_ms(len(touched), costs.copy_expert_ms), shared_bound_ms(touched, costs)
     say(f"bounds on the {len(touched)} offloaded experts it touched: the link alone {link:.1f} ms "
         f"({1e3 * args.tokens / link:.0f} tok/s, the bench's), the CPU and the link sharing them {shared:.1f} ms")
