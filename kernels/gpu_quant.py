@@ -353,6 +353,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, sums
 
 
+def _q8_format_id(fmt: str) -> int:
+    return _MXFP4_SIGNED_ID if fmt == "mxfp4" and _MXFP4_LOOKUP else _FMT_ID[fmt]
+
+
 def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu, config, active=None, gather=None,
                scatter=None):
     """`_launch` for few rows of x: x rounded to 8-bit integers per block of 32 (as llama.cpp's decode kernels do),
@@ -368,7 +372,7 @@ def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu
                  ends if active is None else active, out, out.stride(0), ends if gather is None else gather,
                  ends if scatter is None else scatter, rows, stack.shape[-1], k // (8 * words),
                  out if bias is None else bias, 0 if bias is None else bias.stride(0),
-                 glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0, FMT=_FMT_ID[fmt],
+                 glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0, FMT=_q8_format_id(fmt),
                  W=words, GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ASM=not _interpreted(),
                  ACTIVE=active is not None, GATHER=gather is not None, SCATTER=scatter is not None, **cfg)
 
@@ -420,7 +424,40 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
 
 # ---------------------------------------------------------------- the kernels
 
+# The integer route's mxfp4 read with its codes looked up as signed bytes (`_e2m1_signed`) rather than split by sign
+# (`_e2m1_bytes`): fewer operations a weight, predicted faster where the route's arithmetic bounds it (docs/
+# measurements.md, "Session 53"); MOEDESK_Q8_MXFP4_LOOKUP=1 takes it until the GPU box has measured it.
+_MXFP4_LOOKUP = os.environ.get("MOEDESK_Q8_MXFP4_LOOKUP", "0") == "1"
+_MXFP4_SIGNED_ID = 6  # the kernels' FMT for that read
+
 if triton is not None:
+    _MXFP4_SIGNED = tl.constexpr(_MXFP4_SIGNED_ID)
+    # Twice the E2M1 values of codes 0-7 (0, 1, 2, 3 | 4, 6, 8, 12) and of 8-15 (their negatives) in four registers;
+    # each prmt picks four bytes by the low three bits of four selector nibbles (bit 3 clear: copied as they are).
+    # The codes' sign bits choose, per byte, the positive or the negative lookup; then the low nibbles' bytes and the
+    # high nibbles' are gathered into a word each.
+    _E2M1_LOOKUP = tl.constexpr("""{
+        .reg .b32 c0, c1, c2, c3, m, s, p, n, t0, t1;
+        mov.b32 c0, 0x03020100;
+        mov.b32 c1, 0x0C080604;
+        mov.b32 c2, 0xFDFEFF00;
+        mov.b32 c3, 0xF4F8FAFC;
+        and.b32 m, $2, 0x77777777;
+        and.b32 s, $2, 0x88888888;
+        shr.u32 s, s, 1;
+        or.b32 s, s, 0x32103210;
+        prmt.b32 p, c0, c1, m;
+        prmt.b32 n, c2, c3, m;
+        prmt.b32 t0, p, n, s;
+        shr.u32 m, m, 16;
+        shr.u32 s, s, 16;
+        prmt.b32 p, c0, c1, m;
+        prmt.b32 n, c2, c3, m;
+        prmt.b32 t1, p, n, s;
+        prmt.b32 $0, t0, t1, 0x6420;
+        prmt.b32 $1, t0, t1, 0x7531;
+    }""")
+
     @triton.jit
     def _gated(gate, up, alpha, limit, CLAMPED: tl.constexpr):
         """The activation between a packed expert's projections, in float32: silu(gate) * up, or where CLAMPED
@@ -703,7 +740,29 @@ if triton is not None:
         return v ^ negative, negative
 
     @triton.jit
-    def _q8_unit(row, u, i, zero, mask, FMT: tl.constexpr):
+    def _e2m1_signed(w, ASM: tl.constexpr):
+        """Words w of eight E2M1 codes (each byte's low nibble, then its high one) as two words of four signed bytes,
+        twice the codes' values: (the low nibbles', the high nibbles'), so that one dp4a takes a half's signs too.
+        On the GPU byte permutes (prmt) look the codes up in the 16 values held in four registers, as llama.cpp's
+        MXFP4 kernels do (_E2M1_LOOKUP); in the interpreter, from `_e2m1_bytes` a byte at a time."""
+        if ASM:
+            return tl.inline_asm_elementwise(_E2M1_LOOKUP, "=r,=r,r", [w], dtype=(tl.int32, tl.int32),
+                                             is_pure=True, pack=1)
+        lo, lo_neg = _e2m1_bytes(w & 0x0F0F0F0F)
+        hi, hi_neg = _e2m1_bytes((w >> 4) & 0x0F0F0F0F)
+        return _signed_bytes(lo, lo_neg), _signed_bytes(hi, hi_neg)
+
+    @triton.jit
+    def _signed_bytes(positive, negative):
+        """positive - negative byte by byte (each byte of one of them zero), as bytes in two's complement."""
+        word = positive * 0
+        for byte in tl.static_range(4):
+            b = ((positive >> (8 * byte)) & 255) - ((negative >> (8 * byte)) & 255)
+            word |= (b & 255) << (8 * byte)
+        return word
+
+    @triton.jit
+    def _q8_unit(row, u, i, zero, mask, FMT: tl.constexpr, ASM: tl.constexpr):
         """Unit u of rows `row` ([ROWS, 1, 1] byte pointers) as two halves of W words of four signed bytes each
         (lo, hi), each half's scale and offset ([ROWS, NB, 1]) and the column of lo's first weight ([1, NB, 1];
         hi's sits `_q8_span(FMT)` columns on): a half's dot product with x is scale * (x's scale * its integer sum)
@@ -715,8 +774,8 @@ if triton is not None:
           offset of 8 scales, all on the first half). q8_0: a block, its first and last 16 bytes.
         - q6_k: 16 weights of a 128-column half (part p, sub-block s) and the 16 of the quarter two on, each 16
           under a scale of its own, less 32 (taken off in integers: `_q8_token`).
-        - mxfp4: a block, laid out as q4_0's, its codes as twice their E2M1 values (`_e2m1_bytes`) under the scale
-          2^(e - 128), as the float path reads them."""
+        - mxfp4: a block, laid out as q4_0's, its codes as twice their E2M1 values (`_e2m1_bytes`; where FMT is
+          _MXFP4_SIGNED, `_e2m1_signed`) under the scale 2^(e - 128), as the float path reads them."""
         if FMT == 2 or FMT == 3:
             j = u % 4
             blk = u // 4
@@ -744,12 +803,17 @@ if triton is not None:
             d = _f16(base, mask)
             return (_halves(base + 2, i, zero, mask), _halves(base + 18, i, zero, mask), d, d, 0.0 * d, 0.0 * d,
                     u * 32, zero, zero)
-        elif FMT == 5:  # mxfp4: q4_0's nibble layout of E2M1 codes after an exponent, twice the values in integers
+        elif FMT == 5 or FMT == _MXFP4_SIGNED:  # mxfp4: q4_0's nibble layout of E2M1 codes after an exponent
             base = row + u * 17
             w = _bytes_word(base + 1, i, zero, mask)
             s = _e8m0_half(tl.load(base, mask=mask, other=0).to(tl.int32))
-            lo, lo_neg = _e2m1_bytes(w & 0x0F0F0F0F)
-            hi, hi_neg = _e2m1_bytes((w >> 4) & 0x0F0F0F0F)
+            if FMT == 5:  # twice the values in integers, the negative ones apart
+                lo, lo_neg = _e2m1_bytes(w & 0x0F0F0F0F)
+                hi, hi_neg = _e2m1_bytes((w >> 4) & 0x0F0F0F0F)
+            else:  # twice the values in signed bytes
+                lo, hi = _e2m1_signed(w, ASM)
+                lo_neg = zero
+                hi_neg = zero
             return lo, hi, s, s, 0.0 * s, 0.0 * s, u * 32, lo_neg, hi_neg
         else:  # q6_k: the float path's units (`_planes`), read as words
             blk = u // 8
@@ -831,7 +895,7 @@ if triton is not None:
         for u0 in range(0, UNITS, NB):
             u = u0 + nb
             wmask = rl & (u < UNITS)
-            lo, hi, s0, s1, o0, o1, c0, lo_neg, hi_neg = _q8_unit(row, u, i, zero, wmask, FMT)
+            lo, hi, s0, s1, o0, o1, c0, lo_neg, hi_neg = _q8_unit(row, u, i, zero, wmask, FMT, ASM)
             acc0 += _q8_token(xw_ptr, xw_stride, xd_ptr, xd_stride, s_ptr, t0, src0, end, wmask, c0, i, zero, lo,
                               hi, s0, s1, o0, o1, lo_neg, hi_neg, FMT, ASM)
             if BT > 1:

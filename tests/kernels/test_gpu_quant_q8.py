@@ -217,6 +217,53 @@ def test_e2m1_codes_become_twice_their_values_split_by_sign():
         assert not (p.bool() & n.bool()).any()
 
 
+@interpreted
+def test_e2m1_codes_looked_up_as_signed_bytes():
+    """`_e2m1_signed` (the interpreter's side of the prmt lookup): every code in every nibble of a word, the low
+    nibbles' word and the high nibbles' as signed bytes equal to twice E2M1's values."""
+    import triton
+    import triton.language as tl
+
+    from moedesk.kernels.quant_formats import _FP4_TWICE
+
+    @triton.jit
+    def look_up(w_ptr, lo_ptr, hi_ptr):
+        i = tl.arange(0, 16)
+        lo, hi = gpu_quant._e2m1_signed(tl.load(w_ptr + i), False)
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
+
+    codes = torch.arange(16, dtype=torch.int32)
+    shifts = (0, 9, 5, 14, 11, 2, 3, 7)  # nibble n of word i holds code (i - shift) mod 16
+    words = sum(codes.roll(shift) << (4 * n) for n, shift in enumerate(shifts)).to(torch.int32)
+    lo, hi = torch.empty_like(words), torch.empty_like(words)
+    look_up[(1,)](words, lo, hi)
+    twice = torch.tensor(_FP4_TWICE)
+    for n, shift in enumerate(shifts):
+        half = lo if n % 2 == 0 else hi
+        byte = ((half >> (8 * (n // 2))) & 0xFF).to(torch.uint8).view(torch.int8)
+        assert torch.equal(byte.float(), twice[codes.roll(shift)]), n
+
+
+@interpreted
+@pytest.mark.parametrize("m", [1, 3])
+def test_mxfp4_looked_up_sums_as_the_split_ones(m, monkeypatch):
+    """The integer route's mxfp4 read with its codes as signed bytes: the same integer sums, so the same bits out,
+    as the read that splits them by sign (mxfp4's 17-byte blocks at every offset, random codes of both signs)."""
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)
+    stack = random_stack(1, 40, 160, "mxfp4", seed=m)
+    x = torch.randn(m, 160, generator=torch.Generator().manual_seed(m + 50))
+    outs = []
+    for lookup in (False, True):
+        monkeypatch.setattr(gpu_quant, "_MXFP4_LOOKUP", lookup)
+        out = torch.empty(m, 40)
+        gpu_quant._launch_q8(x, stack, "mxfp4", ends_of([m]), out, rows=40, k=160, gated=False, m=m, groups=1,
+                             bias=None, glu=None, config=None)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[1], linear_reference(rounded(x), stack, 160, "mxfp4"), 1e-4, 1e-5)
+
+
 def test_route_only_where_words_are_aligned(monkeypatch):
     stack = torch.zeros(2, 8, 144, dtype=torch.uint8)
     x = torch.zeros(4, 256)
@@ -256,6 +303,23 @@ def test_integer_route_on_cuda_is_the_product_with_rounded_x(fmt, m, monkeypatch
     # Only the bf16 output's rounding (2^-9 of each element) and float32 order against the rounded x.
     assert_close(got, linear_reference(rounded(x), stack, k, fmt), 2 ** -8, 2 ** -8, 2 ** -8)
     assert_close(got, linear_reference(x, stack, k, fmt), *Q8_TOLERANCE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_mxfp4_looked_up_on_cuda_as_the_split_read(m, monkeypatch):
+    """The prmt lookup of mxfp4's codes (kernels.gpu_quant._E2M1_LOOKUP): the split read's bits, a launch of gpt-oss's
+    expert shape with 32 groups."""
+    dev = _cuda()
+    monkeypatch.setattr(gpu_quant, "_Q8_MXFP4", True)
+    sizes = [m if g % 3 == 0 else 0 for g in range(32)]
+    w = random_experts(32, 2880, 2880, "mxfp4", device=dev, seed=m)
+    x = torch.randn(sum(sizes), 2880, device=dev).to(torch.bfloat16)
+    outs = []
+    for lookup in (False, True):
+        monkeypatch.setattr(gpu_quant, "_MXFP4_LOOKUP", lookup)
+        outs.append(gpu_quant.grouped_experts_forward(x, w, ends_of(sizes, dev)))
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
