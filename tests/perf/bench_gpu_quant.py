@@ -169,6 +169,7 @@ LISTED = {"decode2": 2, "decode4of32": 4}  # cases whose launch lists only the f
 def sweep(dev, formats, shape="mixtral"):
     h, f = SHAPES[shape]
     print(f"\nTile sweep, {shape} shape (µs per call; GB/s of packed bytes)", flush=True)
+    default = gpu_quant._MXFP4_LOOKUP
     for fmt in formats:
         all_w = stacks(8, h, f, fmt, dev)
         for case, (per, configs) in (SWEEP_GPT_OSS if shape == "gpt-oss" else SWEEP).items():
@@ -180,18 +181,22 @@ def sweep(dev, formats, shape="mixtral"):
             ends = torch.tensor(sizes, device=dev).cumsum(0).to(torch.int32)
             active = torch.arange(listed, dtype=torch.int32, device=dev) if listed < g else None
             read = ws[0].nbytes * sum(1 for n in sizes if n) // g  # the listed experts' bytes alone
+            # mxfp4's integer route both ways: its codes split by sign, and looked up (MOEDESK_Q8_MXFP4_LOOKUP)
+            reads = [(False, ""), (True, " looked up")] if fmt == "mxfp4" else [(default, "")]
             for cfg in configs:
                 if cfg.get("Q8") and not gpu_quant._q8_route(x, ws[0].gate_up, fmt, x.dtype):  # mxfp4: MOEDESK_Q8_MXFP4
                     continue
-                gpu_quant._OVERRIDE = cfg
-                try:
-                    t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused", active=active),
-                              len(ws))
-                    print(f"  {fmt} {case:8} {cfg}: {t * 1e6:9.1f} µs {read / t / 1e9:6.0f} GB/s", flush=True)
-                except Exception as e:
-                    print(f"  {fmt} {case:8} {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-                finally:
-                    gpu_quant._OVERRIDE = None
+                for lookup, label in reads if cfg.get("Q8") else reads[:1]:
+                    gpu_quant._OVERRIDE, gpu_quant._MXFP4_LOOKUP = cfg, lookup
+                    try:
+                        t = timed(lambda i: gpu_quant.grouped_experts_forward(x, ws[i], ends, route="fused",
+                                                                              active=active), len(ws))
+                        print(f"  {fmt} {case:8} {cfg}{label}: {t * 1e6:9.1f} µs {read / t / 1e9:6.0f} GB/s",
+                              flush=True)
+                    except Exception as e:
+                        print(f"  {fmt} {case:8} {cfg}{label}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    finally:
+                        gpu_quant._OVERRIDE, gpu_quant._MXFP4_LOOKUP = None, default
         del all_w
         torch.cuda.empty_cache()
 
