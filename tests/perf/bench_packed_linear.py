@@ -5,7 +5,8 @@ Usage (repo root, GPU box): python tests/perf/bench_packed_linear.py [--shapes g
 For each of a model's packed non-expert matrices at `--rows` tokens (1: one sequence's decode step; 16: sixteen
 sequences'; gpt-oss-20b: the fused q/k/v projection, the output projection, the head), µs per call and the GB/s its
 packed bytes were read at, for the integer route's tiles (ROWS rows x NB units a program, num_warps; min(rows, 4)
-tokens a step) beside the route packed_linear takes by default and cuBLAS on the same matrix in bf16. Calls replay from a CUDA graph
+tokens a step) beside the route packed_linear takes by default, the matrix dequantised to bf16 and multiplied by cuBLAS
+(the engine's route from LINEAR_ROWS rows), and cuBLAS on the same matrix held in bf16. Calls replay from a CUDA graph
 and cycle over copies of the matrix so the weights come from memory, not from L2 (tests/perf/bench_gpu_quant.py's
 `timed`). The default tile is marked; the fastest per matrix is printed last.
 """
@@ -52,6 +53,10 @@ def main():
                 del dense
                 print(f"{shape} {fmt} {name} [{rows} x {k}]: {one.nbytes / 1e6:.1f} MB packed; cuBLAS bf16 "
                       f"{t_bf16 * 1e6:.1f} µs ({rows * k * 2 / t_bf16 / 1e9:.0f} GB/s)", flush=True)
+                # what the engine's PackedLinear does from LINEAR_ROWS rows: dequantised to bf16, then cuBLAS
+                t_dequant = timed(lambda i: F.linear(x, gpu_quant.dequantize_experts(copies[i][None], fmt, k)[0]),
+                                  len(copies))
+                print(f"  dequantised, then cuBLAS: {t_dequant * 1e6:8.1f} µs", flush=True)
                 t_default = timed(lambda i: gpu_quant.packed_linear(x, copies[i], fmt), len(copies))
                 route = "integer" if gpu_quant.takes_q8(x, one, fmt, args.rows, 1, linear=True) else "float"
                 print(f"  packed_linear as it chooses ({route} route): {t_default * 1e6:8.1f} µs "
@@ -76,7 +81,7 @@ def main():
                 tile = f"ROWS={r} NB={nb} warps={wp}" if r else f"the {route} route as chosen"
                 best.append(f"{shape} {fmt} {name} at {args.rows} rows: best {tile} {t * 1e6:.1f} µs "
                             f"{one.nbytes / t / 1e9:.0f} GB/s; as chosen {t_default * 1e6:.1f} µs; "
-                            f"cuBLAS bf16 {t_bf16 * 1e6:.1f} µs")
+                            f"dequantised + cuBLAS {t_dequant * 1e6:.1f} µs; cuBLAS bf16 {t_bf16 * 1e6:.1f} µs")
                 del copies
                 torch.cuda.empty_cache()
     print("\n" + "\n".join(best))
