@@ -220,7 +220,7 @@ def _launch(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, dtype, bias=
     chosen = config or _OVERRIDE
     # By default few rows per group take the integer route; a given tile takes it where it says Q8.
     if _q8_route(x, stack, fmt, dtype) and (chosen.get("Q8", False) if chosen else
-                                            _few_rows(m, groups) or linear and _linear_q8(x, m, rows)):
+                                            _q8_by_default(x, m, groups, rows, linear)):
         return _launch_q8(x, stack, fmt, ends, out, rows=rows, k=k, gated=gated, m=m, groups=groups, bias=bias,
                           glu=glu, config=chosen, active=active, gather=gather, scatter=scatter)
     # The float kernels read and store rows in launch order: gather x before them, scatter their rows after.
@@ -305,10 +305,15 @@ def _linear_q8(x: torch.Tensor, m: int, rows: int) -> bool:
     return linear_takes_q8(m, rows, _SMS[x.device])
 
 
+def _q8_by_default(x: torch.Tensor, m: int, groups: int, rows: int, linear: bool) -> bool:
+    """Whether rows of a launch the integer route can take are few enough that it does, untold by a tile."""
+    return _few_rows(m, groups) or linear and _linear_q8(x, m, rows)
+
+
 def takes_q8(x, stack, fmt, m, groups, linear: bool = False) -> bool:
     """Whether a launch of m rows over `groups` groups takes the integer route by default (tests, benchmarks);
     linear: the one matrix of `packed_linear`, stack its rows [R, row_bytes] or [1, R, row_bytes]."""
-    return _q8_route(x, stack, fmt, x.dtype) and (_few_rows(m, groups) or linear and _linear_q8(x, m, stack.shape[-2]))
+    return _q8_route(x, stack, fmt, x.dtype) and _q8_by_default(x, m, groups, stack.shape[-2], linear)
 
 
 def _q8_route(x, stack, fmt, dtype) -> bool:
