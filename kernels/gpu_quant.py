@@ -327,11 +327,11 @@ def _q8_route(x, stack, fmt, dtype) -> bool:
 
 
 # One warp of ROWS rows x NB units a step, by (format, tokens a step): the fastest of tests/perf/bench_gpu_quant.py's
-# sweep on the Mixtral shape (docs/measurements.md, "Session 41"; mxfp4's on gpt-oss's, "Session 52"); 2 x 16 where
-# no other was faster. The formats of 32-weight units (q4_0, q8_0, q6_k, mxfp4) take one row of 32 units at one
-# token; q4_k and q5_k one row at four.
+# sweep on the Mixtral shape (docs/measurements.md, "Session 41"; mxfp4's on gpt-oss's, "Sessions 52 and 54"); 2 x 16
+# where no other was faster. The formats of 32-weight units (q4_0, q8_0, q6_k, mxfp4) take one row of 32 units at one
+# token, mxfp4 two rows at two tokens; q4_k and q5_k one row at four.
 _Q8_TILES = {("q4_0", 1): (1, 32), ("q8_0", 1): (1, 32), ("q6_k", 1): (1, 32), ("mxfp4", 1): (1, 32),
-             ("q4_k", 4): (1, 16), ("q5_k", 4): (1, 16)}
+             ("mxfp4", 2): (2, 32), ("q4_k", 4): (1, 16), ("q5_k", 4): (1, 16)}
 
 
 def _q8_config(per_group: int, fmt: str) -> dict:
@@ -430,9 +430,9 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
 # ---------------------------------------------------------------- the kernels
 
 # The integer route's mxfp4 read with its codes looked up as signed bytes (`_e2m1_signed`) rather than split by sign
-# (`_e2m1_bytes`): fewer operations a weight, predicted faster where the route's arithmetic bounds it (docs/
-# measurements.md, "Session 53"); MOEDESK_Q8_MXFP4_LOOKUP=1 takes it until the GPU box has measured it.
-_MXFP4_LOOKUP = os.environ.get("MOEDESK_Q8_MXFP4_LOOKUP", "0") == "1"
+# (`_e2m1_bytes`): a fifth fewer instructions a weight, and whole gpt-oss-20b's step at 16 sequences a tenth shorter
+# (docs/measurements.md, "Session 54"); MOEDESK_Q8_MXFP4_LOOKUP=0 keeps the split read, for a side-by-side run.
+_MXFP4_LOOKUP = os.environ.get("MOEDESK_Q8_MXFP4_LOOKUP", "1") != "0"
 _MXFP4_SIGNED_ID = 6  # the kernels' FMT for that read
 
 if triton is not None:

@@ -72,14 +72,14 @@ def main() -> int:
                                              ROWS=2, NB=16, BT=bt, ACTIVE=False, GATHER=False, SCATTER=False,
                                              **FUNCTIONS[0]), num_warps=1)
             count += 1
-    for bt in (1, 2):  # mxfp4's codes looked up as signed bytes (MOEDESK_Q8_MXFP4_LOOKUP): the prmt assembly
-        build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._MXFP4_SIGNED_ID, W=4, ASM=True, ROWS=1, NB=32, BT=bt,
+    for bt in (1, 2):  # mxfp4's codes split by sign (MOEDESK_Q8_MXFP4_LOOKUP=0), beside the default's prmt lookup
+        build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID["mxfp4"], W=4, ASM=True, ROWS=1, NB=32, BT=bt,
                                          ACTIVE=True, GATHER=True, SCATTER=False, **FUNCTIONS[1]), num_warps=1)
         count += 1
     for (fmt, bt), (rows, nb) in gpu_quant._Q8_TILES.items():  # the tiles chosen per format, as decode launches them
         for gathered in (True, False):  # gate_up reads the tokens' rows, down stores the pairs' rows
-            build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._FMT_ID[fmt], W=gpu_quant._Q8_WORDS.get(fmt, 4), ASM=True,
-                                             ROWS=rows, NB=nb, BT=bt, ACTIVE=True, GATHER=gathered,
+            build(gpu_quant._q8_mm, q8, dict(FMT=gpu_quant._q8_format_id(fmt), W=gpu_quant._Q8_WORDS.get(fmt, 4),
+                                             ASM=True, ROWS=rows, NB=nb, BT=bt, ACTIVE=True, GATHER=gathered,
                                              SCATTER=not gathered, **FUNCTIONS[0]), num_warps=1)
             count += 1
     print("gpu_quant: the integer route (q4_k, q5_k, q6_k, q4_0, q8_0)", flush=True)

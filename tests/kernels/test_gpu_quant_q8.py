@@ -360,5 +360,6 @@ def test_the_tiles_are_chosen_per_format_and_tokens_a_step(monkeypatch):
     assert tile(1, "q4_k") == tile(1, "q5_k") == dict(ROWS=2, NB=16, BT=1)
     assert tile(3, "q4_k") == tile(4, "q5_k") == dict(ROWS=1, NB=16, BT=4)
     assert tile(2, "q4_0") == tile(2, "q4_k") == dict(ROWS=2, NB=16, BT=2)
+    assert tile(1, "mxfp4") == dict(ROWS=1, NB=32, BT=1) and tile(2, "mxfp4") == dict(ROWS=2, NB=32, BT=2)
     assert tile(4, "q4_0") == tile(9, "q8_0") == dict(ROWS=2, NB=16, BT=4)
     assert gpu_quant._q8_config(1, "q4_0")["num_warps"] == 1
