@@ -2,8 +2,10 @@
 
 A sink is a learned logit per head that joins each query's softmax and attends to nothing: the weights of the
 real keys then sum to less than one. Sliding layers see only the last `window` positions, themselves included.
-Both run here as a mask over the ordinary KV cache, in plain torch; a cache that keeps only the window is the
-model runner's (issue 41, item 0), and a fused kernel a later step.
+Both run here as a mask over the ordinary KV cache. Decode takes kernels.gpu_decode_attention; prefill of 16-bit
+CUDA tensors takes torch's memory-efficient attention, which never holds the [heads, T, L] scores and also returns
+each row's log-sum-exp, from which the sink's share follows (`with_sinks`); float32 and the CPU keep the plain torch
+arithmetic of the reference.
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+    if q.is_cuda and q.dtype != torch.float32 and q.shape[-1] % 8 == 0:  # the kernel's head sizes
+        return _efficient_sink_attention(q, k, v, mask, sinks)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
@@ -30,3 +34,21 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
     logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = logits.softmax(dim=-1)[..., :-1]
     return probs.to(v.dtype) @ v
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention over the keys alone, out [B, heads, T, D] with its rows' log-sum-exp of the scaled scores lse
+    [B, heads, T], as attention that also weighs each head's sink: the keys' weights shrink by
+    e^lse / (e^lse + e^sink) = sigmoid(lse - sink). A row with no key (lse = -inf) gives zeros, as the sink takes all."""
+    keep = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float().nan_to_num(0.0) * keep.unsqueeze(-1)).to(out.dtype)
+
+
+def _efficient_sink_attention(q, k, v, mask, sinks):
+    batch, heads, tokens, length = *q.shape[:3], k.shape[2]
+    # The mask as an additive bias, its rows padded to 16 elements as the kernel's loads need, shared by the heads.
+    bias = q.new_full((batch, 1, tokens, length + (-length % 16)), float("-inf"))[..., :length]
+    bias.masked_fill_(mask, 0.0)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, bias.expand(batch, heads, tokens, length), True, scale=q.shape[-1] ** -0.5)[:2]
+    return with_sinks(out, lse[..., :tokens], sinks)
