@@ -387,6 +387,12 @@ def _launch_q8(x, stack, fmt, ends, out, *, rows, k, gated, m, groups, bias, glu
 _grouped_mm = getattr(torch, "_grouped_mm", None)
 
 
+# _dequant's tile, ROWS weight rows x NB units a program: the fastest of tests/perf/bench_dequant.py's sweep on
+# gpt-oss-20b's experts, 4% ahead of the 16 x 8 before it (docs/measurements.md, "Session 54").
+_DEQUANT_TILE = dict(ROWS=16, NB=4, num_warps=4)
+_DEQUANT_OVERRIDE: dict | None = None  # bench_dequant's sweep sets this
+
+
 def _dequant_route_works(x: torch.Tensor) -> bool:
     return (_grouped_mm is not None and x.is_cuda and x.dtype == torch.bfloat16
             and torch.cuda.get_device_capability(x.device) == (9, 0))
@@ -401,10 +407,10 @@ def dequantize_experts(stack: torch.Tensor, fmt: str, k: int, ends: torch.Tensor
     out = torch.empty(g, r, k, dtype=dtype, device=stack.device)
     lanes = _LANES[fmt]
     units = k // (2 * lanes)
-    rows, nb = (32, 16) if _interpreted() else (16, 8)
-    grid = (triton.cdiv(r, rows), triton.cdiv(units, nb), g)
+    tile = dict(ROWS=32, NB=16) if _interpreted() else _DEQUANT_OVERRIDE or _DEQUANT_TILE
+    grid = (triton.cdiv(r, tile["ROWS"]), triton.cdiv(units, tile["NB"]), g)
     _dequant[grid](stack, stack.stride(0), ends if ends is not None else stack, out, r, k, stack.shape[-1], units,
-                   FMT=_FMT_ID[fmt], L=lanes, ROWS=rows, NB=nb, SKIP=ends is not None)
+                   FMT=_FMT_ID[fmt], L=lanes, SKIP=ends is not None, **tile)
     return out
 
 

@@ -47,9 +47,10 @@ def main() -> int:
     build(gpu_quant._packed_mm, packed, dict(FMT=5, L=16, HALF=False, ACTIVE=True, **tiles[0], **FUNCTIONS[1]),
           num_warps=4)
     count += 1
+    tile = dict(gpu_quant._DEQUANT_TILE)
     build(gpu_quant._dequant, {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16",
                                "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
-          dict(FMT=5, L=16, ROWS=16, NB=8, SKIP=True))
+          dict(FMT=5, L=16, SKIP=True, ROWS=tile["ROWS"], NB=tile["NB"]), num_warps=tile["num_warps"])
     count += 1
     print("gpu_quant: mxfp4 tiles and functions", flush=True)
     for x_type in ("*bf16", "*fp32"):

@@ -340,6 +340,23 @@ def test_real_shapes_on_cuda(shape, formats, sizes):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", sorted(gpu_quant._FMT_ID))
+def test_dequantize_experts_on_cuda_is_exact(fmt):
+    # The compiled tile over rows and units no tile divides (the last program of each masked, the empty second
+    # expert skipped), against the torch reference, in bf16 as the prefill route writes it.
+    dev = _cuda()
+    k = 32 * 91 if fmt in ("q4_0", "q8_0", "mxfp4") else 256 * 11
+    stack = random_stack(3, 77, k, fmt, device=dev, seed=9)
+    got = gpu_quant.dequantize_experts(stack, fmt, k, ends_of([5, 0, 9], dev))[[0, 2]].cpu()
+    reference = dequantize(stack.cpu(), fmt, k)[[0, 2]]
+    if fmt in ("q4_k", "q5_k"):  # scale * q - min: the GPU may fuse it into one FMA, a float32 rounding fewer
+        step = reference.abs() * 2.0 ** -7 + torch.finfo(torch.float32).tiny
+        assert ((got.float() - reference).abs() <= step).all()
+    else:
+        assert torch.equal(got, reference.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_float32_input_on_cuda():
     dev = _cuda()
     sizes = [2, 5, 0, 40]

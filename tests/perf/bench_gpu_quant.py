@@ -2,6 +2,7 @@
 
 Usage (repo root, GPU box):  python tests/perf/bench_gpu_quant.py [--no-sweep] [--formats q4_0,q4_k]
                                  [--shapes mixtral,qwen3,gpt-oss] [--sweep-shape mixtral] [--sweep-only]
+                                 [--sweep-cases decode4of32,batch16,prefill64]
 
 For Mixtral-8x7B (H=4096, F=14336), Qwen3-30B-A3B (H=2048, F=768) and gpt-oss-120b (H=F=2880) experts in every
 packed format (mxfp4 ones with gpt-oss's biases and clamped SwiGLU, as its experts compute):
@@ -91,11 +92,13 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep-shape", default="mixtral", choices=sorted(SHAPES))
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--sweep-cases", help="the sweep's cases, comma-separated (all of the shape's by default)")
     args = ap.parse_args()
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    cases = args.sweep_cases.split(",") if args.sweep_cases else None
     if args.sweep_only:
-        return sweep(dev, args.formats.split(","), args.sweep_shape)
+        return sweep(dev, args.formats.split(","), args.sweep_shape, cases)
     print(f"{'shape':8} {'fmt':5} {'case':8} {'rows/exp':>8} {'µs':>9} {'GB/s':>7} {'bf16 µs':>9} {'bf16 GB/s':>9} "
           f"{'vs bf16':>7}  route", flush=True)
     bf16_time = {}
@@ -132,15 +135,16 @@ def main():
             torch.cuda.empty_cache()
     if not args.no_sweep:
         sweep(dev, [f for f in ("q4_0", "q4_k", "q5_k", "q6_k", "q8_0", "mxfp4") if f in args.formats.split(",")],
-              args.sweep_shape)
+              args.sweep_shape, cases)
 
 
 def _fma(r, nb, wp, bt=1):
     return dict(ROWS=r, NB=nb, BT=bt, DOT=False, SPLIT=1, num_warps=wp)
 
 
-def _dot(r, nb, wp):
-    return dict(ROWS=r, NB=nb, BT=16, DOT=True, SPLIT=1, num_warps=wp)
+def _dot(r, nb, wp, bt=16, stages=None):
+    stages = {} if stages is None else {"num_stages": stages}
+    return dict(ROWS=r, NB=nb, BT=bt, DOT=True, SPLIT=1, num_warps=wp, **stages)
 
 
 def _q8(r, nb, bt, wp):  # q4_k's integer route (x in 8 bits); other formats ignore the key and take their default
@@ -162,17 +166,25 @@ SWEEP_GPT_OSS = {"decode4of32": (1, [_q8(2, 16, 1, 1), _q8(1, 32, 1, 1), _q8(1, 
                                      _q8(1, 64, 1, 2), _q8(2, 64, 1, 2)]),
                  # sixteen sequences' step: 64 pairs over the 32 experts, two rows each on average
                  "batch16": (2, [_q8(2, 16, 2, 1), _q8(1, 32, 2, 1), _q8(1, 16, 2, 1), _q8(2, 32, 2, 1),
-                                 _q8(1, 32, 4, 1), _q8(2, 16, 4, 1), _q8(4, 16, 2, 2), _dot(64, 2, 4)])}
+                                 _q8(1, 32, 4, 1), _q8(2, 16, 4, 1), _q8(4, 16, 2, 2), _dot(64, 2, 4)]),
+                 # a prefill's 64 rows on each expert, the tensor-core tiles' case (gpu_quant._config's from 32 rows
+                 # first): tokens, weight rows and units a step, warps, pipeline stages
+                 "prefill64": (64, [_dot(r, nb, wp, bt, st) for r, nb, bt, wp, st in (
+                     (128, 2, 128, 8, 3), (128, 2, 64, 8, 3), (128, 4, 64, 8, 3), (64, 4, 64, 4, 3),
+                     (128, 4, 64, 4, 3), (64, 8, 64, 4, 3), (128, 8, 64, 8, 2), (64, 2, 64, 4, 3),
+                     (256, 2, 64, 8, 3), (128, 4, 64, 8, 4))])}
 LISTED = {"decode2": 2, "decode4of32": 4}  # cases whose launch lists only the first few experts (`active`)
 
 
-def sweep(dev, formats, shape="mixtral"):
+def sweep(dev, formats, shape="mixtral", cases=None):
     h, f = SHAPES[shape]
     print(f"\nTile sweep, {shape} shape (µs per call; GB/s of packed bytes)", flush=True)
     default = gpu_quant._MXFP4_LOOKUP
     for fmt in formats:
         all_w = stacks(8, h, f, fmt, dev)
         for case, (per, configs) in (SWEEP_GPT_OSS if shape == "gpt-oss" else SWEEP).items():
+            if cases and case not in cases:
+                continue
             g = 2 if case == "prefill" else 8
             ws = [w.select(list(range(g))) if g < 8 else w for w in all_w]
             listed = LISTED.get(case, g)
