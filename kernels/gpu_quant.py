@@ -419,18 +419,46 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
     group = None if w.plain else torch.searchsorted(ends, torch.arange(x.shape[0], dtype=ends.dtype,
                                                                        device=ends.device), right=True)
     gate_up = dequantize_experts(w.gate_up, w.gate_up_format, w.hidden, ends, x.dtype)
-    h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends).float()
+    h = _grouped_mm(x, gate_up.transpose(1, 2), offs=ends)
     del gate_up
-    if w.gate_up_bias is not None:
-        h += w.gate_up_bias[group].float()
-    gate, up = h.chunk(2, dim=-1)
-    act = (w.glu(gate, up) if w.glu is not None else torch.nn.functional.silu(gate) * up).to(x.dtype)
+    if _FUSED_EPILOGUE:
+        act = x.new_empty(x.shape[0], w.width)
+        _epilogue(h, group, w.gate_up_bias, act, w.glu, gated=True)
+    else:
+        h = h.float()
+        if w.gate_up_bias is not None:
+            h += w.gate_up_bias[group].float()
+        gate, up = h.chunk(2, dim=-1)
+        act = (w.glu(gate, up) if w.glu is not None else torch.nn.functional.silu(gate) * up).to(x.dtype)
     down = dequantize_experts(w.down, w.down_format, w.width, ends, x.dtype)
     y = _grouped_mm(act, down.transpose(1, 2), offs=ends)
-    if w.down_bias is not None:
-        y = y.float() + w.down_bias[group].float()
-    out.copy_(y)
+    if w.down_bias is None:
+        out.copy_(y)
+    elif _FUSED_EPILOGUE:
+        _epilogue(y, group, w.down_bias, out, None, gated=False)
+    else:
+        out.copy_(y.float() + w.down_bias[group].float())
     return out
+
+
+# MOEDESK_FUSED_EPILOGUE=1: the dequant route's work between and after its GEMMs (the biases by each row's expert, the
+# activation, the casts) in one kernel a projection, where torch takes eight or so passes over [rows, 2F] in float32
+# (predicted 5 ms of whole gpt-oss-20b's 53 ms prefill; docs/measurements.md, "Session 54"). Off until measured.
+_FUSED_EPILOGUE = os.environ.get("MOEDESK_FUSED_EPILOGUE", "0") == "1"
+_EPILOGUE_TILE = (8, 256)  # rows x columns a program: 8 KB of 16-bit outputs
+
+
+def _epilogue(h: torch.Tensor, group: torch.Tensor | None, bias: torch.Tensor | None, out: torch.Tensor, glu,
+              gated: bool) -> None:
+    """out [M, N] = act(h + bias[group]) in float32, cast to out's dtype: with `gated`, h [M, 2N] is gate then up
+    and act silu(gate) * up (or glu, gpt-oss's clamped form); else h [M, N] and act the identity."""
+    m, n = out.shape
+    rows, cols = (16, 64) if _interpreted() else _EPILOGUE_TILE
+    _rows_epilogue[(triton.cdiv(m, rows), triton.cdiv(n, cols))](
+        h, h.stride(0), h if group is None else group, h if bias is None else bias,
+        0 if bias is None else bias.stride(0), out, out.stride(0), m, n,
+        glu.alpha if glu is not None else 0.0, glu.limit if glu is not None else 0.0,
+        GATED=gated, BIAS=bias is not None, CLAMPED=glu is not None, ROWS=rows, COLS=cols)
 
 
 # ---------------------------------------------------------------- the kernels
@@ -478,6 +506,28 @@ if triton is not None:
             up = tl.minimum(tl.maximum(up, -limit), limit)
             return (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
         return gate * tl.sigmoid(gate) * up
+
+    @triton.jit
+    def _rows_epilogue(h_ptr, h_stride, group_ptr, bias_ptr, bias_stride, out_ptr, out_stride, M, N, alpha, limit,
+                       GATED: tl.constexpr, BIAS: tl.constexpr, CLAMPED: tl.constexpr, ROWS: tl.constexpr,
+                       COLS: tl.constexpr):
+        """`_epilogue`: a tile of ROWS x COLS outputs, its rows' biases picked by group_ptr's expert per row."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * COLS + tl.arange(0, COLS)
+        live = (rows < M)[:, None] & (cols < N)[None, :]
+        src = h_ptr + rows.to(tl.int64)[:, None] * h_stride + cols[None, :]
+        acc = tl.load(src, mask=live, other=0.0).to(tl.float32)
+        if BIAS:
+            g = tl.load(group_ptr + rows, mask=rows < M, other=0).to(tl.int64)
+            b = bias_ptr + g[:, None] * bias_stride + cols[None, :]
+            acc += tl.load(b, mask=live, other=0.0).to(tl.float32)
+        if GATED:
+            up = tl.load(src + N, mask=live, other=0.0).to(tl.float32)
+            if BIAS:
+                up += tl.load(b + N, mask=live, other=0.0).to(tl.float32)
+            acc = _gated(acc, up, alpha, limit, CLAMPED)
+        dst = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+        tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
     def _f16(p, mask):

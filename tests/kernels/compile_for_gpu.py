@@ -52,6 +52,13 @@ def main() -> int:
                                "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
           dict(FMT=5, L=16, SKIP=True, ROWS=tile["ROWS"], NB=tile["NB"]), num_warps=tile["num_warps"])
     count += 1
+    for gated in (True, False):  # the prefill route's fused epilogue (MOEDESK_FUSED_EPILOGUE): gpt-oss's gate/up, down
+        build(gpu_quant._rows_epilogue, {"h_ptr": "*bf16", "h_stride": "i32", "group_ptr": "*i64", "bias_ptr": "*bf16",
+                                         "bias_stride": "i32", "out_ptr": "*bf16", "out_stride": "i32", "M": "i32",
+                                         "N": "i32", "alpha": "fp32", "limit": "fp32"},
+              dict(GATED=gated, BIAS=True, CLAMPED=gated, ROWS=gpu_quant._EPILOGUE_TILE[0],
+                   COLS=gpu_quant._EPILOGUE_TILE[1]))
+        count += 1
     print("gpu_quant: mxfp4 tiles and functions", flush=True)
     for x_type in ("*bf16", "*fp32"):
         build(gpu_quant._q8_rows, {"x_ptr": x_type, "x_stride": "i32", "q_ptr": "*i8", "d_ptr": "*fp32",

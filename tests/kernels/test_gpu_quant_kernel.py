@@ -235,6 +235,27 @@ def test_dequantize_experts_skips_empty_groups():
 
 
 @interpreted
+@pytest.mark.parametrize("fmt, gpt_oss", [("mxfp4", True), ("q4_0", False)])
+def test_dequant_routes_fused_epilogue_computes_as_torch_does(fmt, gpt_oss, monkeypatch):
+    # The prefill route (16-bit scratch and torch's grouped GEMM, which runs on the CPU too) with its biases,
+    # activation and casts in one kernel a projection (MOEDESK_FUSED_EPILOGUE) and in torch's ops: the same float32
+    # sums but for the sigmoid's last bits. In fp16, as the interpreter truncates bf16 where the GPU rounds it.
+    w = random_experts(3, 64, 96, fmt, seed=4)
+    if gpt_oss:
+        w = gpt_oss_function(w, limit=1.5, dtype=torch.float16)
+    sizes = [5, 0, 11]
+    x = torch.randn(sum(sizes), 64, generator=torch.Generator().manual_seed(1)).to(torch.float16)
+    ends = ends_of(sizes)
+    outs = []
+    for fused in (False, True):
+        monkeypatch.setattr(gpu_quant, "_FUSED_EPILOGUE", fused)
+        outs.append(gpu_quant._dequant_route(x, w, ends, torch.empty(x.shape, dtype=torch.float16)))
+    torch_ops, fused = outs
+    assert (fused == torch_ops).float().mean() > 0.95
+    torch.testing.assert_close(fused, torch_ops, rtol=2 ** -9, atol=2 ** -12)
+
+
+@interpreted
 def test_bf16_input_one_row_per_expert(monkeypatch):
     monkeypatch.setattr(gpu_quant, "_Q8_WANTED", False)  # the float32 FMAs (the integer route: test_gpu_quant_q8.py)
     sizes = [1, 1]
