@@ -1,6 +1,9 @@
 """Static instruction counts of the integer route's mxfp4 kernel, its codes split by sign or looked up (prmt), on any
 machine: the kernel compiled for sm90 (Triton's compiler, ptxas and cuobjdump need no GPU), then its SASS counted,
-whole and in the first loop over a row's units (one projection's inner loop).
+whole and in the first loop over a row's units (one projection's inner loop). Then the prefill route's mxfp4 dequant,
+the general kernel against mxfp4's own (a word of codes at a time): instructions a weight and the stores' widths,
+compiled with the integer arguments' divisibility by 16 that the JIT sees in gpt-oss's launch (it decides whether
+stores are vectors).
 
 Usage (repo root, TRITON_INTERPRET unset): python tests/perf/count_sass.py
 
@@ -58,7 +61,35 @@ def first_loop(code: list[tuple[int, str]]) -> list[str]:
     return []
 
 
+DEQUANT = {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16", "R": "i32", "K": "i32",
+           "ROW_BYTES": "i32", "UNITS": "i32"}
+DIVISIBLE = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # pointers, expert stride, R = 5760, K = 2880
+
+
+def dequant_sass(fn, constexprs: dict, num_warps: int) -> list[str]:
+    kernel = triton.compile(ASTSource(fn=fn, signature=DEQUANT, constexprs=constexprs, attrs=DIVISIBLE), target=TARGET,
+                            options=dict(num_warps=num_warps))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        text = subprocess.run([CUOBJDUMP, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return [ins for _, ins in LINE.findall(text)]
+
+
+def dequant_counts():
+    for rows, nb in ((16, 4), (16, 8), (32, 8)):
+        for fn, consts, name in ((gpu_quant._dequant, dict(FMT=5, L=16), "general"),
+                                 (gpu_quant._dequant_mxfp4, dict(ASM=True), "a word at a time")):
+            code = dequant_sass(fn, dict(SKIP=True, ROWS=rows, NB=nb, **consts), 4)
+            weights = rows * nb * 32 // 128
+            stores = collections.Counter(opcode(i) + i.split(opcode(i))[1].split()[0] for i in code if "STG" in i)
+            print(f"mxfp4 dequant, {rows} x {nb} tile, {name}: {len(code)} instructions for {weights} weights a "
+                  f"thread ({len(code) / weights:.1f} a weight), stores {dict(stores)}", flush=True)
+
+
 def main():
+    dequant_counts()
     for bt, (rows, nb) in ((1, (1, 32)), (2, (2, 16))):
         for fmt, name in ((gpu_quant._FMT_ID["mxfp4"], "split by sign"), (gpu_quant._MXFP4_SIGNED_ID, "looked up")):
             code = sass(fmt, bt, rows, nb)
