@@ -729,14 +729,17 @@ if triton is not None:
             tl.store(dst, acc.to(out_ptr.dtype.element_ty), mask=tlive[:, None] & rlive[None, :])
 
     @triton.jit
+    def _group_empty(ends_ptr, g):
+        """Whether group g of the groups ending at ends_ptr's counts has no rows (`dequantize_experts` skips it)."""
+        start = tl.where(g > 0, tl.load(ends_ptr + tl.maximum(g - 1, 0)), 0)
+        return tl.load(ends_ptr + g) == start
+
+    @triton.jit
     def _dequant(w_ptr, expert_stride, ends_ptr, out_ptr, R, K, ROW_BYTES, UNITS, FMT: tl.constexpr,
                  L: tl.constexpr, ROWS: tl.constexpr, NB: tl.constexpr, SKIP: tl.constexpr):
         g = tl.program_id(2)
         if SKIP:
-            end = tl.load(ends_ptr + g)
-            start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
-            start = tl.where(g > 0, start, 0)
-            if end == start:
+            if _group_empty(ends_ptr, g):
                 return
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rl = (rows < R)[:, None, None]
@@ -759,10 +762,7 @@ if triton is not None:
         together, where the general kernel spends tens of instructions and a 2-byte store on each weight."""
         g = tl.program_id(2)
         if SKIP:
-            end = tl.load(ends_ptr + g)
-            start = tl.load(ends_ptr + tl.maximum(g - 1, 0))
-            start = tl.where(g > 0, start, 0)
-            if end == start:
+            if _group_empty(ends_ptr, g):
                 return
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         u = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
