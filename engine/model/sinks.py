@@ -3,9 +3,9 @@
 A sink is a learned logit per head that joins each query's softmax and attends to nothing: the weights of the
 real keys then sum to less than one. Sliding layers see only the last `window` positions, themselves included.
 Both run here as a mask over the ordinary KV cache. Decode takes kernels.gpu_decode_attention; prefill of 16-bit
-CUDA tensors takes torch's memory-efficient attention, which never holds the [heads, T, L] scores and also returns
-each row's log-sum-exp, from which the sink's share follows (`with_sinks`); float32 and the CPU keep the plain torch
-arithmetic of the reference.
+CUDA tensors (whose mask comes additive, made once a forward) takes torch's memory-efficient attention, which never
+holds the [heads, T, L] scores and also returns each row's log-sum-exp, from which the sink's share follows
+(`with_sinks`); float32 and the CPU keep the plain torch arithmetic of the reference.
 """
 from __future__ import annotations
 
@@ -21,14 +21,17 @@ def window_mask(mask: torch.Tensor, positions: torch.Tensor, window: int) -> tor
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                    sinks: torch.Tensor) -> torch.Tensor:
-    """q [B, heads, T, D], k and v [B, kv_heads, L, D], mask [B, 1, T, L] bool, sinks [heads]: [B, heads, T, D]."""
+    """q [B, heads, T, D], k and v [B, kv_heads, L, D], mask [B, 1, T, L]: boolean (True: may attend) or additive (0
+    or -inf, as ForwardBatch.attention_mask makes it on CUDA), sinks [heads]: [B, heads, T, D]."""
     heads, kv_heads = q.shape[1], k.shape[1]
-    if heads != kv_heads:
-        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-    if q.is_cuda and q.dtype != torch.float32 and q.shape[-1] % 8 == 0:  # the kernel's head sizes
+    if heads != kv_heads:  # each key/value head for its group of query heads: one copy, not repeat_interleave's
+        b, _, length, d = k.shape
+        k, v = (t[:, :, None].expand(b, kv_heads, heads // kv_heads, length, d).reshape(b, heads, length, d)
+                for t in (k, v))
+    if q.is_cuda and mask.dtype != torch.bool and q.dtype != torch.float32 and q.shape[-1] % 8 == 0:  # its heads
         return _efficient_sink_attention(q, k, v, mask, sinks)
     scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
     logits = torch.cat([scores, sink], dim=-1)
     logits = logits - logits.amax(dim=-1, keepdim=True)
@@ -44,11 +47,8 @@ def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tor
     return (out.float().nan_to_num(0.0) * keep.unsqueeze(-1)).to(out.dtype)
 
 
-def _efficient_sink_attention(q, k, v, mask, sinks):
+def _efficient_sink_attention(q, k, v, bias, sinks):
     batch, heads, tokens, length = *q.shape[:3], k.shape[2]
-    # The mask as an additive bias, its rows padded to 16 elements as the kernel's loads need, shared by the heads.
-    bias = q.new_full((batch, 1, tokens, length + (-length % 16)), float("-inf"))[..., :length]
-    bias.masked_fill_(mask, 0.0)
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, bias.expand(batch, heads, tokens, length), True, scale=q.shape[-1] ** -0.5)[:2]
     return with_sinks(out, lse[..., :tokens], sinks)

@@ -246,8 +246,8 @@ class Attention(nn.Module):
             return self.wo(out if gate is None else out * torch.sigmoid(gate))
         keys, values = cache.write_and_read(layer, k, v, batch.rows, batch.slots, batch.kv_len, batch.write_rows)
         if cfg.attention_sinks:
-            mask = window_mask(batch.mask, batch.positions, self.window) if self.window else batch.mask
-            out = sink_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), mask, self.sinks)
+            out = sink_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                 batch.attention_mask(q.dtype, self.window), self.sinks)
             return self.wo(out.transpose(1, 2).reshape(B, T, -1))
         out = attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), batch.attention_mask(q.dtype),
                         cfg.num_kv_heads != cfg.num_heads)
@@ -418,7 +418,8 @@ class ForwardBatch:
         self.rows = rows  # cache rows of the batch's sequences; None = rows 0..B-1
         self.write_rows = write_rows(rows, positions.shape[0], positions.device)  # once, not in every layer
         self.executor = executor
-        self._additive = None  # attention_mask's, once made
+        self._additive = {}  # attention_mask's, once made per (dtype, window)
+        self._windowed = {}  # the boolean mask narrowed to each sliding window, once made
         self._key_lengths = None  # key_lengths', once made
         self._token_lengths = None  # token_lengths', once made
         self._real_mask = None  # real_mask's, once made
@@ -438,7 +439,7 @@ class ForwardBatch:
         for name, value in vars(self).items():
             if isinstance(value, torch.Tensor):
                 setattr(moved, name, value.to(device))
-        moved._additive = None  # made again there, in the queries' dtype
+        moved._additive, moved._windowed = {}, {}  # made again there, in the queries' dtype
         return moved
 
     @property
@@ -472,18 +473,24 @@ class ForwardBatch:
             self._real_mask = (torch.arange(length, device=self.lengths.device) < self.lengths.unsqueeze(1)).float()
         return self._real_mask
 
-    def attention_mask(self, dtype: torch.dtype) -> torch.Tensor:
-        """The mask as every layer's attention takes it. On CUDA, made once a forward what SDPA would make of the
-        boolean mask in every layer (0 where a token may attend, -inf elsewhere, in the queries' dtype; its rows
-        16-aligned as the memory-efficient kernel wants them): that conversion and padding were five small
-        kernels a layer. Elsewhere the boolean mask itself."""
-        if not self.mask.is_cuda:
-            return self.mask
-        if self._additive is None or self._additive.dtype != dtype:
-            *lead, length = self.mask.shape
-            bias = torch.full((*lead, -(-length // 16) * 16), float("-inf"), dtype=dtype, device=self.mask.device)
-            self._additive = bias[..., :length].masked_fill_(self.mask, 0.0)
-        return self._additive
+    def attention_mask(self, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+        """The mask as every layer's attention takes it, narrowed to the last `window` positions of each token where
+        window > 0 (gpt-oss's sliding layers: engine.model.sinks.window_mask). On CUDA, made once a forward what SDPA
+        would make of the boolean mask in every layer (0 where a token may attend, -inf elsewhere, in the queries'
+        dtype; its rows 16-aligned as the memory-efficient kernel wants them): that conversion and padding were five
+        small kernels a layer. Elsewhere the boolean mask itself."""
+        mask = self.mask
+        if window:
+            if window not in self._windowed:
+                self._windowed[window] = window_mask(self.mask, self.positions, window)
+            mask = self._windowed[window]
+        if not mask.is_cuda:
+            return mask
+        if (dtype, window) not in self._additive:
+            *lead, length = mask.shape
+            bias = torch.full((*lead, -(-length // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+            self._additive[dtype, window] = bias[..., :length].masked_fill_(mask, 0.0)
+        return self._additive[dtype, window]
 
 
 def parameter_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:

@@ -1,11 +1,12 @@
 """Attention with sinks (engine.model.sinks): the sink's share applied after attention over the keys alone, from the
-rows' log-sum-exp, against the plain softmax over keys and sink; on the GPU, torch's memory-efficient attention so
-composed against the plain arithmetic, with grouped heads, a sliding window, rows of a padded batch and a row that
-sees no key."""
+rows' log-sum-exp, against the plain softmax over keys and sink; the mask boolean or additive; on the GPU, torch's
+memory-efficient attention so composed against the plain arithmetic, with grouped heads, a sliding window, rows of a
+padded batch and a row that sees no key; and the forward's masks, windowed, made once."""
 import pytest
 import torch
 
 from moedesk.engine.model.sinks import sink_attention, window_mask, with_sinks
+from moedesk.engine.model.transformer import ForwardBatch
 
 
 def inputs(device, dtype, batch=2, heads=8, kv_heads=2, tokens=37, length=45, d=64, seed=0):
@@ -30,6 +31,22 @@ def test_the_sinks_share_from_the_log_sum_exp_is_the_softmax_over_keys_and_sink(
         out = scores.softmax(dim=-1) @ vr  # NaN in the row that sees no key
         torch.testing.assert_close(with_sinks(out, lse, sinks), sink_attention(q, k, v, m, sinks))
         assert with_sinks(out, lse, sinks)[1, :, 3].abs().max() == 0
+        assert torch.equal(sink_attention(q, k, v, additive(m, torch.float64), sinks), sink_attention(q, k, v, m, sinks))
+
+
+def additive(mask, dtype):
+    """mask as ForwardBatch.attention_mask makes it on CUDA: 0 or -inf in dtype, its rows 16-aligned."""
+    length = mask.shape[-1]
+    bias = torch.full((*mask.shape[:-1], -(-length // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+    return bias[..., :length].masked_fill_(mask, 0.0)
+
+
+def test_the_forwards_windowed_masks_are_made_once():
+    positions = torch.arange(10, 16).view(2, 3)
+    batch = ForwardBatch(positions, None, None, kv_len=16)
+    windowed = batch.attention_mask(torch.float32, 4)
+    assert torch.equal(windowed, window_mask(batch.mask, positions, 4)) and windowed.sum() == 6 * 4
+    assert batch.attention_mask(torch.float32, 4) is windowed and batch.attention_mask(torch.float32) is batch.mask
 
 
 @pytest.mark.gpu
@@ -41,7 +58,7 @@ def test_efficient_attention_with_sinks_on_cuda(window, dtype):
     q, k, v, mask, positions, sinks = inputs("cuda", dtype, seed=window)
     if window:
         mask = window_mask(mask, positions, window)
-    got = sink_attention(q, k, v, mask, sinks)  # 16-bit CUDA tensors: the efficient path
+    got = sink_attention(q, k, v, additive(mask, dtype), sinks)  # 16-bit CUDA tensors, additive mask: the kernel
     assert got.dtype == dtype
     expected = sink_attention(*(t.float() for t in (q, k, v)), mask, sinks.float())  # float32: the plain path
     live = mask.any(-1, keepdim=True).expand_as(got)  # every query of row 0, all but one of row 1
