@@ -751,8 +751,8 @@ if triton is not None:
         q0, s0, o0, c0, q1, s1, o1, c1 = _planes(row, u, l, umask, mask, FMT)
         dst = (out_ptr + g.to(tl.int64) * R * K + rows.to(tl.int64) * K)[:, None, None]
         dtype = out_ptr.dtype.element_ty
-        tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=umask)
-        tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=umask)
+        tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=mask)
+        tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=mask)
 
     @triton.jit
     def _dequant_mxfp4(w_ptr, expert_stride, ends_ptr, out_ptr, R, K, ROW_BYTES, UNITS, ROWS: tl.constexpr,
