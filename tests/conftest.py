@@ -1,9 +1,29 @@
+import importlib
 import os
 import shutil
+import sys
 
 import moedesk  # noqa: F401 -- first, as the CLI's import is: its C++ runtime preload precedes torch's
 import pytest
 import torch
+
+
+def _hub_kernels_first() -> None:
+    """Hugging Face's `kernels` package, where installed (transformers 5.25 requires it and imports it), loaded under
+    its own name before anything asks for it: while tests run, this checkout's root is on sys.path, and its kernels/
+    folder (moedesk.kernels) would be found first as a top-level `kernels`. Nothing of ours imports that name."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    try:
+        importlib.import_module("kernels")
+    except ImportError:  # not installed: transformers finds no `kernels` distribution and leaves the name alone
+        pass
+    finally:
+        sys.path[:] = saved
+
+
+_hub_kernels_first()
 
 # Without a GPU, Triton kernels run in Triton's CPU interpreter (tests/kernels/test_gpu_fused_kernels.py).
 # It must be chosen before Triton is first imported; the engine still uses them only for CUDA tensors.
