@@ -487,10 +487,16 @@ class ForwardBatch:
         if not mask.is_cuda:
             return mask
         if (dtype, window) not in self._additive:
-            *lead, length = mask.shape
-            bias = torch.full((*lead, -(-length // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
-            self._additive[dtype, window] = bias[..., :length].masked_fill_(mask, 0.0)
+            self._additive[dtype, window] = additive_mask(mask, dtype)
         return self._additive[dtype, window]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as 0 where it is True and -inf elsewhere, in `dtype`, its rows 16-aligned as torch's
+    memory-efficient attention kernel wants them."""
+    *lead, length = mask.shape
+    bias = torch.full((*lead, -(-length // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
+    return bias[..., :length].masked_fill_(mask, 0.0)
 
 
 def parameter_dtype(cfg: ModelConfig, name: str, dtype: torch.dtype) -> torch.dtype:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moedesk.engine.model.sinks import sink_attention, window_mask, with_sinks
-from moedesk.engine.model.transformer import ForwardBatch
+from moedesk.engine.model.transformer import ForwardBatch, additive_mask as additive
 
 
 def inputs(device, dtype, batch=2, heads=8, kv_heads=2, tokens=37, length=45, d=64, seed=0):
@@ -32,13 +32,6 @@ def test_the_sinks_share_from_the_log_sum_exp_is_the_softmax_over_keys_and_sink(
         torch.testing.assert_close(with_sinks(out, lse, sinks), sink_attention(q, k, v, m, sinks))
         assert with_sinks(out, lse, sinks)[1, :, 3].abs().max() == 0
         assert torch.equal(sink_attention(q, k, v, additive(m, torch.float64), sinks), sink_attention(q, k, v, m, sinks))
-
-
-def additive(mask, dtype):
-    """mask as ForwardBatch.attention_mask makes it on CUDA: 0 or -inf in dtype, its rows 16-aligned."""
-    length = mask.shape[-1]
-    bias = torch.full((*mask.shape[:-1], -(-length // 16) * 16), float("-inf"), dtype=dtype, device=mask.device)
-    return bias[..., :length].masked_fill_(mask, 0.0)
 
 
 def test_the_forwards_windowed_masks_are_made_once():
