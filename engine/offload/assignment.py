@@ -518,6 +518,32 @@ def _greedy(groups: _Groups, fiddler: list[int]) -> list[int]:
     return best
 
 
+def _equal_gpu_split(groups: _Groups) -> list[int]:
+    """The optimal counts when every copied expert costs the GPU the same (a prefill step's copy runs price each
+    copy's compute at 0: `Contended.gpu_expert_ms`). The GPU then finishes C copies at the same time whichever they
+    are (`_Groups.finish`'s pipeline in closed form), so for each C the CPU should keep the experts of least CPU
+    time: one pass over C, exact, where the greedy search's Python cost milliseconds a layer at a prefill's ~100
+    distinct loads."""
+    sizes, K = groups.sizes, len(groups.ids)
+    order = sorted(range(K), key=lambda k: (-groups.cpu[k], k))  # the CPU's costliest experts are copied first
+    g, d, busy, total = (groups.gpu[0] if K else 0.0), groups.copy_ms, groups.gpu_busy_ms, sum(sizes)
+    cpu = groups.cpu_base + sum(m * c for m, c in zip(sizes, groups.cpu))
+    best, best_c, copied = max(cpu + (groups.cpu_call if total else 0.0), busy), 0, 0
+    for k in order:
+        for _ in range(sizes[k]):
+            copied += 1
+            cpu -= groups.cpu[k]
+            gpu = max(busy + copied * g, d + copied * g, copied * d + g) + groups.copy_step
+            ms = max(cpu + (groups.cpu_call if copied < total else 0.0), gpu)
+            if ms < best - _EPS:
+                best, best_c = ms, copied
+    x = [0] * K
+    for k in order:
+        x[k] = min(sizes[k], best_c)
+        best_c -= x[k]
+    return x
+
+
 def _suffix_sums(values: list[float]) -> list[float]:
     """s[k] = sum(values[k:]), with s[len(values)] = 0."""
     return list(accumulate(reversed(values), initial=0.0))[::-1]
@@ -626,7 +652,8 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
     with prefix splits is exact in general; dynamic programming over load groups with
     dominance and bounds is, and stays fast (`_exact`). Larger steps (prefill over many
     experts) take the greedy split, which is never worse than all-CPU, all-GPU or Fiddler's
-    rule. `gpu_busy_ms`: how long the GPU is still busy with resident experts before it can
+    rule; or, where every copy costs the GPU the same (a prefill's copy runs), the exact one-pass split
+    (`_equal_gpu_split`). `gpu_busy_ms`: how long the GPU is still busy with resident experts before it can
     compute a copied one.
 
     Both read host memory, so a split is costed with the slowdowns measured while both run
@@ -665,16 +692,21 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
 
 def _best_split(active: dict[int, int], model: ExpertCosts, gpu_busy_ms: float, exact_limit: int) -> Assignment:
     launch = copy_launch_ms(model)
-    stay = {e: n for e, n in active.items() if cpu_path_ms(n, model) <= launch}  # copying costs the CPU more
+    path = {n: cpu_path_ms(n, model) for n in set(active.values())}  # per load: a prefill has ~100 experts
+    stay = {e: n for e, n in active.items() if path[n] <= launch}  # copying costs the CPU more
     movable = {e: n for e, n in active.items() if e not in stay}
     groups = _group(movable, model, gpu_busy_ms, mean_load(active))
     if stay:  # the CPU calls its kernel whatever is copied
-        groups.cpu_base += sum(cpu_path_ms(n, model) for n in stay.values()) + groups.cpu_call
+        groups.cpu_base += sum(path[n] for n in stay.values()) + groups.cpu_call
         groups.cpu_call = 0.0
-    fiddler = groups.counts_of({e for e, n in movable.items() if fiddler_rule(n, model) == "gpu"})
-    x = _greedy(groups, fiddler)
-    method = "greedy"
-    if math.prod(m + 1 for m in groups.sizes) <= exact_limit:
-        x, method = _exact(groups, x), "exact"
+    small = math.prod(m + 1 for m in groups.sizes) <= exact_limit
+    if not small and all(abs(g - groups.gpu[0]) <= _EPS for g in groups.gpu):  # a prefill's copy runs (GPU time 0)
+        x, method = _equal_gpu_split(groups), "exact"
+    else:
+        fiddler = groups.counts_of({e for e, n in movable.items() if fiddler_rule(n, model) == "gpu"})
+        x = _greedy(groups, fiddler)
+        method = "greedy"
+        if small:
+            x, method = _exact(groups, x), "exact"
     split = groups.assignment(x, method)
     return replace(split, cpu=tuple(sorted(split.cpu + tuple(stay)))) if stay else split

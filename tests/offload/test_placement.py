@@ -305,7 +305,8 @@ def test_remembered_split_forgets_when_full():
 
 
 def test_greedy_only_above_the_exact_limit():
-    table = Table(cpu={n: 1.0 + n for n in range(1, 41)}, gpu={n: 0.5 for n in range(1, 41)}, copy_expert_ms=2.0)
+    table = Table(cpu={n: 1.0 + n for n in range(1, 41)}, gpu={n: 0.5 + n / 100 for n in range(1, 41)},
+                  copy_expert_ms=2.0)
     sixteen_distinct = {e: e + 1 for e in range(16)}
     assert assign_offloaded(sixteen_distinct, table).method == "exact"
     assert assign_offloaded({e: e + 1 for e in range(40)}, table).method == "greedy"
@@ -623,3 +624,30 @@ def test_a_width_must_clearly_beat_whole_experts():
     # no whole expert beats the CPU alone: the width is weighed against the CPU alone (session 49's Mixtral)
     assert lone_token_split(2, measured((1.728, 2.257, 4.11), ((4352, 1.592), (5376, 1.837)))) == (0, 4352)
     assert lone_token_split(2, measured((1.728, 2.257), ((4352, 1.70),))) == (0, 0)
+
+
+def test_equal_gpu_times_are_split_exactly_in_one_pass():
+    # A prefill's copy runs price every copy's compute alike (0): the one-pass split must be the optimum.
+    rng = random.Random(11)
+    for _ in range(150):
+        loads, table, busy = random_case(rng, rng.randint(1, 10), rng.randint(1, 12))
+        g = rng.choice([0.0, rng.uniform(0, 3)])
+        model = _with_call(replace(table, gpu_ms=lambda n, g=g: g), rng.choice([0.0, rng.uniform(0, 3)]))
+        got = assign_offloaded(loads, model, busy, exact_limit=0)  # no search: the one-pass split is taken anyway
+        assert got.method == "exact"
+        assert got.makespan_ms == pytest.approx(brute_force(loads, model, busy, all_orders=False), abs=1e-9)
+        assert (got.cpu_finish_ms, got.gpu_finish_ms) == tuple(map(pytest.approx, finish_times(loads, got.copy, model, busy)))
+
+
+def test_a_prefills_many_loads_in_copy_runs_split_no_worse_than_the_greedy_search():
+    from moedesk.engine.offload.assignment import Contended, _greedy, _group, mean_load
+
+    rng = random.Random(12)
+    for _ in range(20):
+        loads, table, busy = random_case(rng, 60, 200)
+        model = _with_call(table, rng.uniform(0, 3), rng.uniform(0, 0.5))
+        got = assign_offloaded(loads, model, busy, overlap=True, grouped_copies=True)
+        contended = Contended(model, mean_load(loads), overlap=True, grouped_copies=True)
+        groups = _group(loads, contended, busy, mean_load(loads))
+        greedy = groups.makespan(_greedy(groups, [0] * len(groups.ids)))
+        assert got.method == "exact" and got.makespan_ms <= greedy + 1e-9
