@@ -391,10 +391,6 @@ _grouped_mm = getattr(torch, "_grouped_mm", None)
 # gpt-oss-20b's experts, 4% ahead of the 16 x 8 before it (docs/measurements.md, "Session 54").
 _DEQUANT_TILE = dict(ROWS=16, NB=4, num_warps=4)
 _DEQUANT_OVERRIDE: dict | None = None  # bench_dequant's sweep sets this
-# MOEDESK_MXFP4_WORDS=1: mxfp4 dequantised a word of eight codes at a time (`_dequant_mxfp4`): 12 instructions a
-# weight where `_dequant` takes 24, counted in its SASS (the same bits out). Off until the GPU box has measured it
-# (docs/measurements.md, "Session 54").
-_MXFP4_WORDS = os.environ.get("MOEDESK_MXFP4_WORDS", "0") == "1"
 
 
 def _dequant_route_works(x: torch.Tensor) -> bool:
@@ -413,11 +409,8 @@ def dequantize_experts(stack: torch.Tensor, fmt: str, k: int, ends: torch.Tensor
     units = k // (2 * lanes)
     tile = dict(ROWS=32, NB=16) if _interpreted() else _DEQUANT_OVERRIDE or _DEQUANT_TILE
     grid = (triton.cdiv(r, tile["ROWS"]), triton.cdiv(units, tile["NB"]), g)
-    args = (stack, stack.stride(0), ends if ends is not None else stack, out, r, k, stack.shape[-1], units)
-    if fmt == "mxfp4" and _MXFP4_WORDS:
-        _dequant_mxfp4[grid](*args, SKIP=ends is not None, ASM=not _interpreted(), **tile)
-    else:
-        _dequant[grid](*args, FMT=_FMT_ID[fmt], L=lanes, SKIP=ends is not None, **tile)
+    _dequant[grid](stack, stack.stride(0), ends if ends is not None else stack, out, r, k, stack.shape[-1], units,
+                   FMT=_FMT_ID[fmt], L=lanes, SKIP=ends is not None, **tile)
     return out
 
 
@@ -753,31 +746,6 @@ if triton is not None:
         dtype = out_ptr.dtype.element_ty
         tl.store(dst + c0, (s0 * q0 - o0).to(dtype), mask=mask)
         tl.store(dst + c1, (s1 * q1 - o1).to(dtype), mask=mask)
-
-    @triton.jit
-    def _dequant_mxfp4(w_ptr, expert_stride, ends_ptr, out_ptr, R, K, ROW_BYTES, UNITS, ROWS: tl.constexpr,
-                       NB: tl.constexpr, SKIP: tl.constexpr, ASM: tl.constexpr):
-        """`_dequant` for mxfp4, a word of eight codes at a time: its four bytes joined, the codes looked up as twice
-        their values in signed bytes (`_e2m1_signed`), and each thread's four consecutive columns of a plane stored
-        together, where the general kernel spends tens of instructions and a 2-byte store on each weight."""
-        g = tl.program_id(2)
-        if SKIP:
-            if _group_empty(ends_ptr, g):
-                return
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        u = tl.program_id(1) * NB + tl.arange(0, NB)[None, :, None]
-        i = tl.arange(0, 4)[None, None, :]  # a block's code words
-        live = (rows < R)[:, None, None] & (u < UNITS)
-        base = (w_ptr + g.to(tl.int64) * expert_stride + rows.to(tl.int64) * ROW_BYTES)[:, None, None] + u * 17
-        scale = _e8m0_half(tl.load(base, mask=live, other=0).to(tl.int32))[:, :, :, None]
-        lo, hi = _e2m1_signed(_bytes_word(base + 1, i, 0, live), ASM)
-        j = tl.arange(0, 4)[None, None, None, :]  # a word's bytes: its columns 4i + j, and 16 on
-        dst = ((out_ptr + g.to(tl.int64) * R * K + rows.to(tl.int64) * K)[:, None, None, None]
-               + (u * 32 + 4 * i)[:, :, :, None] + j)
-        dtype = out_ptr.dtype.element_ty
-        keep = live[:, :, :, None]
-        tl.store(dst, ((lo[:, :, :, None] << (24 - 8 * j)) >> 24).to(tl.float32) * scale, mask=keep)
-        tl.store(dst + 16, ((hi[:, :, :, None] << (24 - 8 * j)) >> 24).to(tl.float32) * scale, mask=keep)
 
     @triton.jit
     def _q8_rows(x_ptr, x_stride, q_ptr, d_ptr, s_ptr, BLOCKS_ALL, BLOCKS: tl.constexpr):

@@ -51,10 +51,7 @@ def main() -> int:
     build(gpu_quant._dequant, {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16",
                                "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
           dict(FMT=5, L=16, SKIP=True, ROWS=tile["ROWS"], NB=tile["NB"]), num_warps=tile["num_warps"])
-    build(gpu_quant._dequant_mxfp4, {"w_ptr": "*u8", "expert_stride": "i64", "ends_ptr": "*i32", "out_ptr": "*bf16",
-                                     "R": "i32", "K": "i32", "ROW_BYTES": "i32", "UNITS": "i32"},
-          dict(SKIP=True, ASM=True, ROWS=tile["ROWS"], NB=tile["NB"]), num_warps=tile["num_warps"])
-    count += 2
+    count += 1
     for gated in (True, False):  # the prefill route's fused epilogue (MOEDESK_FUSED_EPILOGUE): gpt-oss's gate/up, down
         build(gpu_quant._rows_epilogue, {"h_ptr": "*bf16", "h_stride": "i32", "group_ptr": "*i64", "bias_ptr": "*bf16",
                                          "bias_stride": "i32", "out_ptr": "*bf16", "out_stride": "i32", "M": "i32",

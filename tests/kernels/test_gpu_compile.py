@@ -21,4 +21,4 @@ def test_kernels_compile_for_sm90(tmp_path):
     run = subprocess.run([sys.executable, "-m", "tests.kernels.compile_for_gpu"], cwd=root, env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.strip().endswith("compiled 67"), run.stdout
+    assert run.stdout.strip().endswith("compiled 66"), run.stdout

@@ -204,12 +204,9 @@ def test_biases_and_clamp_apart_on_other_formats(fmt, biases, clamped):
 
 
 @interpreted
-@pytest.mark.parametrize("words", [False, True])
-def test_mxfp4_every_exponent_dequantises_exactly(words, monkeypatch):
+def test_mxfp4_every_exponent_dequantises_exactly():
     # One block per row, every E8M0 exponent 0..255 (0 and 1 give float32 subnormals; the largest codes at 254 and
-    # 255 overflow to infinity, as in the reference) and every E2M1 code, through the planes the matmul reads too;
-    # by the general kernel, and by mxfp4's own a word at a time.
-    monkeypatch.setattr(gpu_quant, "_MXFP4_WORDS", words)
+    # 255 overflow to infinity, as in the reference) and every E2M1 code, through the planes the matmul reads too.
     codes = torch.randint(0, 256, (256, 16), generator=torch.Generator().manual_seed(41), dtype=torch.uint8)
     codes[:16, 0] = torch.arange(16, dtype=torch.uint8) * 17  # every code in both nibbles
     stack = torch.cat([torch.arange(256, dtype=torch.uint8)[:, None], codes], dim=1)[None]  # [1, 256, 17]
@@ -221,9 +218,8 @@ def test_mxfp4_every_exponent_dequantises_exactly(words, monkeypatch):
 
 
 @interpreted
-@pytest.mark.parametrize("fmt, words", [(fmt, False) for fmt in sorted(gpu_quant._FMT_ID)] + [("mxfp4", True)])
-def test_dequantize_experts_is_exact(fmt, words, monkeypatch):
-    monkeypatch.setattr(gpu_quant, "_MXFP4_WORDS", words)
+@pytest.mark.parametrize("fmt", sorted(gpu_quant._FMT_ID))
+def test_dequantize_experts_is_exact(fmt):
     k = 64 if fmt in ("q4_0", "q8_0", "mxfp4") else 256
     stack = random_stack(2, 24, k, fmt, seed=5)
     got = gpu_quant.dequantize_experts(stack, fmt, k, dtype=torch.float32)
@@ -367,12 +363,10 @@ def test_real_shapes_on_cuda(shape, formats, sizes):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt, words", [(fmt, False) for fmt in sorted(gpu_quant._FMT_ID)] + [("mxfp4", True)])
-def test_dequantize_experts_on_cuda_is_exact(fmt, words, monkeypatch):
+@pytest.mark.parametrize("fmt", sorted(gpu_quant._FMT_ID))
+def test_dequantize_experts_on_cuda_is_exact(fmt):
     # The compiled tile over rows and units no tile divides (the last program of each masked, the empty second
-    # expert skipped), against the torch reference, in bf16 as the prefill route writes it; mxfp4 also through its
-    # own kernel, a word of codes at a time (MOEDESK_MXFP4_WORDS).
-    monkeypatch.setattr(gpu_quant, "_MXFP4_WORDS", words)
+    # expert skipped), against the torch reference, in bf16 as the prefill route writes it.
     dev = _cuda()
     k = 32 * 91 if fmt in ("q4_0", "q8_0", "mxfp4") else 256 * 11
     stack = random_stack(3, 77, k, fmt, device=dev, seed=9)

@@ -5,8 +5,7 @@ Usage (repo root, GPU box): python tests/perf/bench_dequant.py [--shapes gpt-oss
 
 For each shape's gate/up and down stacks (every expert of a layer, as a 512-token prefill routes to nearly all of
 them), µs per call and the GB/s of bf16 written, for a sweep of _dequant's tiles (ROWS weight rows x NB units a
-program, warps; mxfp4 also through its own kernel, a word of codes at a time, marked "words"); the default is
-marked. Calls replay from a CUDA
+program, warps); the default tile is marked. Calls replay from a CUDA
 graph (tests/perf/bench_gpu_quant.py's `timed`). Last, per shape, the tile fastest over both stacks together, and
 with --json every figure.
 """
@@ -41,7 +40,6 @@ def main():
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     figures, best = [], []
-    default_words = gpu_quant._MXFP4_WORDS
     for shape in args.shapes.split(","):
         fmt, stacks = SHAPES[shape]
         totals = {}
@@ -50,28 +48,23 @@ def main():
             written = experts * rows * k * 2
             print(f"{shape} {fmt} {name} [{experts} x {rows} x {k}]: {stack.nbytes / 1e6:.0f} MB packed, "
                   f"{written / 1e6:.0f} MB of bf16", flush=True)
-            # mxfp4 both ways: the general kernel, and its own a word of codes at a time (MOEDESK_MXFP4_WORDS)
-            for words in ((False, True) if fmt == "mxfp4" else (default_words,)):
-                for tile in TILES:
-                    gpu_quant._DEQUANT_OVERRIDE, gpu_quant._MXFP4_WORDS = tile, words
-                    try:
-                        t = timed(lambda i: gpu_quant.dequantize_experts(stack, fmt, k), 1, reps=8)
-                    except Exception as e:
-                        print(f"  {tile}{' words' if words else ''}: failed {type(e).__name__}: {str(e)[:160]}",
-                              flush=True)
-                        continue
-                    finally:
-                        gpu_quant._DEQUANT_OVERRIDE, gpu_quant._MXFP4_WORDS = None, default_words
-                    mark = " (default)" if tile == gpu_quant._DEQUANT_TILE and words == default_words else ""
-                    label = " words" if words else ""
-                    print(f"  {tile}{label}: {t * 1e6:8.1f} µs {written / t / 1e9:6.0f} GB/s written{mark}",
-                          flush=True)
-                    figures.append(dict(shape=shape, fmt=fmt, stack=name, tile=tile, words=words, us=t * 1e6))
-                    key = json.dumps(dict(tile, words=words), sort_keys=True)
-                    totals[key] = totals.get(key, 0.0) + t
+            for tile in TILES:
+                gpu_quant._DEQUANT_OVERRIDE = tile
+                try:
+                    t = timed(lambda i: gpu_quant.dequantize_experts(stack, fmt, k), 1, reps=8)
+                except Exception as e:
+                    print(f"  {tile}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
+                    continue
+                finally:
+                    gpu_quant._DEQUANT_OVERRIDE = None
+                mark = " (default)" if tile == gpu_quant._DEQUANT_TILE else ""
+                print(f"  {tile}: {t * 1e6:8.1f} µs {written / t / 1e9:6.0f} GB/s written{mark}", flush=True)
+                figures.append(dict(shape=shape, fmt=fmt, stack=name, tile=tile, us=t * 1e6))
+                key = json.dumps(tile, sort_keys=True)
+                totals[key] = totals.get(key, 0.0) + t
             del stack
             torch.cuda.empty_cache()
-        default = totals.get(json.dumps(dict(gpu_quant._DEQUANT_TILE, words=default_words), sort_keys=True))
+        default = totals.get(json.dumps(gpu_quant._DEQUANT_TILE, sort_keys=True))
         key, t = min(totals.items(), key=lambda kv: kv[1])
         best.append(dict(shape=shape, fmt=fmt, tile=json.loads(key), us=t * 1e6,
                          default_us=None if default is None else default * 1e6))

@@ -1,9 +1,8 @@
 """Static instruction counts of the integer route's mxfp4 kernel, its codes split by sign or looked up (prmt), on any
 machine: the kernel compiled for sm90 (Triton's compiler, ptxas and cuobjdump need no GPU), then its SASS counted,
-whole and in the first loop over a row's units (one projection's inner loop). Then the prefill route's mxfp4 dequant,
-the general kernel against mxfp4's own (a word of codes at a time): instructions a weight and the stores' widths,
-compiled with the integer arguments' divisibility by 16 that the JIT sees in gpt-oss's launch (it decides whether
-stores are vectors).
+whole and in the first loop over a row's units (one projection's inner loop). Then the prefill route's mxfp4 dequant:
+instructions a weight and the stores' widths, compiled with the integer arguments' divisibility by 16 that the JIT
+sees in gpt-oss's launch (it decides whether stores are vectors).
 
 Usage (repo root, TRITON_INTERPRET unset): python tests/perf/count_sass.py
 
@@ -79,13 +78,11 @@ def dequant_sass(fn, constexprs: dict, num_warps: int) -> list[str]:
 
 def dequant_counts():
     for rows, nb in ((16, 4), (16, 8), (32, 8)):
-        for fn, consts, name in ((gpu_quant._dequant, dict(FMT=5, L=16), "general"),
-                                 (gpu_quant._dequant_mxfp4, dict(ASM=True), "a word at a time")):
-            code = dequant_sass(fn, dict(SKIP=True, ROWS=rows, NB=nb, **consts), 4)
-            weights = rows * nb * 32 // 128
-            stores = collections.Counter(opcode(i) + i.split(opcode(i))[1].split()[0] for i in code if "STG" in i)
-            print(f"mxfp4 dequant, {rows} x {nb} tile, {name}: {len(code)} instructions for {weights} weights a "
-                  f"thread ({len(code) / weights:.1f} a weight), stores {dict(stores)}", flush=True)
+        code = dequant_sass(gpu_quant._dequant, dict(SKIP=True, ROWS=rows, NB=nb, FMT=5, L=16), 4)
+        weights = rows * nb * 32 // 128
+        stores = collections.Counter(opcode(i) + i.split(opcode(i))[1].split()[0] for i in code if "STG" in i)
+        print(f"mxfp4 dequant, {rows} x {nb} tile: {len(code)} instructions for {weights} weights a "
+              f"thread ({len(code) / weights:.1f} a weight), stores {dict(stores)}", flush=True)
 
 
 def main():
