@@ -52,6 +52,9 @@ SHAPES = {  # name: (experts in the stack, hidden, intermediate, experts per cal
     # all 8 experts of a Mixtral layer in one call: 16 sequences decoding together give each ~4 tokens
     "mixtral-layer": (16, 4096, 14336, 8),
     "gpt-oss-120b": (128, 2880, 2880, 4),
+    "qwen3.5-35b-a3b": (256, 2048, 512, 8),
+    # 16 sequences decoding together: ~40 of a layer's 256 small experts a call, ~3 tokens each
+    "qwen3.5-layer": (256, 2048, 512, 40),
 }
 # 7 MB of q4_0 that stays in the last-level cache: with one thread, the rate the instructions allow
 CACHED = {"cached": (4, 2048, 512, 4)}
@@ -146,7 +149,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--formats", default="q4_0,q8_0,q4_k,q5_k,q6_k")
     ap.add_argument("--paths", default=None, help="vnni,amx,avx2 (default: the ones this CPU has; amx: 8+ tokens per expert)")
-    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, mixtral-layer, tiny, cached")
+    ap.add_argument("--shapes", default="mixtral,qwen3-30b-a3b,tiny", help="mixtral, qwen3-30b-a3b, mixtral-layer, gpt-oss-120b, qwen3.5-35b-a3b, qwen3.5-layer, tiny, cached")
     ap.add_argument("--tokens", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--per-core", action="store_true", help="one thread (--threads 1)")
