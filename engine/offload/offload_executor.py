@@ -998,7 +998,7 @@ class OffloadExecutor:
         spans = _id_spans(experts)
         if self.simulated:
             for e, n, at in spans:
-                self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n))
+                self.staging_stack.copy_experts_(first + at, bank.host, e, n)
             return {e: (slot, None) for e, slot in zip(experts, slots)}
         with torch.cuda.stream(self.copy_stream):
             waited = set()
@@ -1007,7 +1007,7 @@ class OffloadExecutor:
                     self.copy_stream.wait_event(event)
                     waited.add(id(event))
             for e, n, at in spans:
-                self.staging_stack.span(first + at, first + at + n).copy_(bank.host.span(e, e + n), non_blocking=True)
+                self.staging_stack.copy_experts_(first + at, bank.host, e, n, non_blocking=True)
             ready = self.copy_stream.record_event()
         return {e: (slot, ready) for e, slot in zip(experts, slots)}
 

@@ -395,7 +395,7 @@ def copy_queue_prefill_ms(w: ExpertWeights, device, copies: int = 16, repeat: in
         with torch.cuda.stream(side):
             for i in range(copies):
                 e = (first + 2 * i) % w.num_experts
-                staging.span(i, i + 1).copy_(w.span(e, e + 1), non_blocking=True)
+                staging.copy_experts_(i, w, e, 1, non_blocking=True)
             side.record_event()
 
     return {"copy_queue_prefill_ms": _host_ms(queue_all, device, repeat) / copies}

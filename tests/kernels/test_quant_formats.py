@@ -105,6 +105,22 @@ def test_expert_weights_sizes_views_and_dense():
     assert torch.equal(picked.gate_up[0], w.gate_up[2])
 
 
+def test_copy_experts_moves_a_span_with_its_biases_and_nothing_else():
+    H, F = 64, 32
+    src = ExpertWeights.empty(5, H, F, dtype=torch.float32, gate_up_format="q8_0", down_format="q4_0")
+    src.gate_up.copy_(torch.randint(0, 256, src.gate_up.shape, dtype=torch.uint8))
+    src.down.copy_(torch.randint(0, 256, src.down.shape, dtype=torch.uint8))
+    src = src.with_function(torch.randn(5, 2 * F), torch.randn(5, H))
+    dst = ExpertWeights.empty(4, H, F, dtype=torch.float32, gate_up_format="q8_0", down_format="q4_0")
+    dst.gate_up.zero_(), dst.down.zero_()
+    dst = dst.with_function(torch.zeros(4, 2 * F), torch.zeros(4, H))
+    dst.copy_experts_(1, src, 2, 2)  # experts 2 and 3 into slots 1 and 2
+    for name in ("gate_up", "down", "gate_up_bias", "down_bias"):
+        got, expected = getattr(dst, name), getattr(src, name)
+        assert torch.equal(got[1:3], expected[2:4]), name
+        assert not got[0].any() and not got[3].any(), name
+
+
 def test_expert_weights_checks_shapes_and_dtypes():
     with pytest.raises(ValueError, match="do not fit"):
         ExpertWeights(torch.zeros(2, 8, 4), torch.zeros(2, 4, 5), hidden=4, width=4)
