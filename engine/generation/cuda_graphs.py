@@ -65,6 +65,12 @@ def graphs_wanted(device: torch.device) -> bool:
     return device.type == "cuda" and not disabled
 
 
+def shared_early_wanted() -> bool:
+    """MOEDESK_SHARED_EARLY=1: a handed-over step's shared experts computed while the host runs the routed ones, not
+    after; the same kernels on the same inputs. Off until the GPU box has measured it."""
+    return os.environ.get("MOEDESK_SHARED_EARLY", "").strip().lower() not in ("", "0", "false", "no")
+
+
 class Segment(NamedTuple):
     """A stretch of one step's work on one device, run (or captured) as a whole."""
     device: int  # plan index of its device (0, the embeddings' device, on one GPU)
@@ -274,6 +280,9 @@ class _Captured:
             self.handoff = Handoff(len(self.moe_at), device)
             self.host_out = torch.zeros(tokens * top_k, hidden, dtype=dtype, pin_memory=True)
         self.zero_copy_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Per handed-over layer: its shared expert's output, computed between the routing's signal and the wait for
+        # the host (`_hand_over`), for the next segment to add; filled and read while the step's graph is captured.
+        self.shared_early: dict[int, torch.Tensor] = {}
         self.outputs: list = []  # per segment: (x, flat, weights, ids) where it routes, x at a cut, the last: logits
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.pool: dict | None = None  # torch device -> its graphs' memory pool
@@ -286,6 +295,7 @@ class _Captured:
         for graph in [*self.graphs, *self.zero_copy_graphs.values()]:
             graph.reset()
         self.graphs, self.zero_copy_graphs, self.outputs, self.hidden, self.host_plans = [], {}, [], {}, []
+        self.shared_early = {}
 
     def _on(self, d: int):
         """Device d current while its segment or experts run (the eager forward's on_device); nothing on one GPU."""
@@ -311,7 +321,8 @@ class _Captured:
             y = self.expert_outs[d]
             if self.cpu_width[self.moe_index[seg.start]]:  # the host's rows of each expert plus the GPU's
                 y = (y.float() + self.split_outs[d]).to(y.dtype)
-            x = blocks[seg.start].after_experts(x_prev, flat_prev, blocks[seg.start].moe.combine(y, weights))
+            shared = self.shared_early.pop(self.moe_index[seg.start], None)
+            x = blocks[seg.start].after_experts(x_prev, flat_prev, blocks[seg.start].moe.combine(y, weights), shared)
         else:
             x = self.x_in[k]
         rope = self.ropes[d]
@@ -380,6 +391,10 @@ class _Captured:
         _, flat, _, ids = self.outputs[j]
         moe = self.model.layers[self.moe_at[j]].moe
         self.handoff.signal(j, (flat, self.host.x), (ids, self.host.ids))  # one device: segment j routes layer j
+        if shared_early_wanted():  # the shared expert needs no routing: the GPU computes it while the host works
+            shared = moe.shared_out(flat)
+            if shared is not None:
+                self.shared_early[j] = shared
         resident = executor.device_share(moe, flat, ids) if executor.has_resident(moe.layer) else None
         if self.zero_copy[j] or self.cpu_width[j]:
             self._zero_copy_share(j, executor, moe, flat, ids)
@@ -455,7 +470,7 @@ class _Captured:
         that device's pool (`pool`: torch device -> pool, None: fresh ones)."""
         if self.handoff is not None:
             self._warm_device_shares(executor)
-        self.outputs, self.pool = [], dict(pool or {})
+        self.outputs, self.pool, self.shared_early = [], dict(pool or {}), {}
         if self.handoff is not None:
             self.handoff.warm_up(self.host_out, self.expert_out, self.host.x, self.host.ids)
             graph = torch.cuda.CUDAGraph()

@@ -346,13 +346,21 @@ class MoE(nn.Module):
             out += weighted[:, j]
         return out
 
-    def finish(self, flat: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
-        """The layer's output from the routed experts' sum: plus the shared expert, where there is one."""
+    def shared_out(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output for tokens `flat` (gated where it is), None where the layer has none: it
+        needs no routing, so a handed-over decode step computes it on the GPU while the host runs the routed ones."""
+        if not self.cfg.shared_expert_intermediate_size:
+            return None
+        if self.cfg.shared_expert_gate:
+            return torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
+        return self.shared(flat)
+
+    def finish(self, flat: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output from the routed experts' sum: plus the shared expert, where there is one (`shared`:
+        its output, computed already)."""
         if not self.cfg.shared_expert_intermediate_size:
             return routed
-        if self.cfg.shared_expert_gate:
-            return routed + torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)
-        return routed + self.shared(flat)
+        return routed + (self.shared_out(flat) if shared is None else shared)
 
 
 class Block(nn.Module):
@@ -392,8 +400,8 @@ class Block(nn.Module):
         flat = self.mlp_norm(x).reshape(-1, x.shape[-1])
         return x, flat, *self.moe.route(flat)
 
-    def after_experts(self, x, flat, routed):
-        return x + self.moe.finish(flat, routed).view(x.shape)
+    def after_experts(self, x, flat, routed, shared=None):
+        return x + self.moe.finish(flat, routed, shared).view(x.shape)
 
 
 class ForwardBatch:

@@ -422,6 +422,44 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     assert run() == handed
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
+def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoint, tmp_path, monkeypatch):
+    """MOEDESK_SHARED_EARLY=1: a handed-over batch-1 step computes each layer's gated or plain shared expert
+    between the routing's signal to the host and the wait for its results, not after them. The same kernels on the
+    same inputs, so the tokens of the step in its usual order and of the segments run eagerly."""
+    from moedesk.engine.generation import cuda_graphs
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
+    pin_profile(monkeypatch)  # the CPU computes every expert in RAM: a step to hand over (check_graph_layout)
+    engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="bfloat16", gpu_budget=0)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    early, hand_over = [], cuda_graphs._Captured._hand_over
+
+    def spy(self, j, executor):
+        hand_over(self, j, executor)
+        early.append(j in self.shared_early)
+
+    monkeypatch.setattr(cuda_graphs._Captured, "_hand_over", spy)
+
+    def run(**graphs):
+        engine.graphs.release()
+        engine.runner.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
+        requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
+        return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
+
+    in_order = run()
+    assert early and not any(early)
+    early.clear()
+    monkeypatch.setenv("MOEDESK_SHARED_EARLY", "1")
+    beside = run()
+    [captured] = engine.graphs.captured.values()
+    check_graph_layout(captured, handoff=True, streams=False)
+    assert early and all(early) and not captured.shared_early  # each set by its layer's hand-over, read by the next
+    assert beside == in_order
+    assert run(capture=False) == in_order
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
 def test_handed_over_steps_with_resident_experts_match_all_on_gpu(arch, tiny_checkpoint, tmp_path, monkeypatch):
     """Batch-1 decode with half of the experts resident, handed over whole (kernels.host_handoff): the
