@@ -315,6 +315,16 @@ def test_garbage_collected_during_captures_breaks_none(tiny_checkpoint, tmp_path
     assert {batch: run(batch) for batch in (1, 3)} == captured
 
 
+def decode_one_at_a_time(engine, prompts, **graphs) -> dict:
+    """12 greedy tokens of each prompt at batch 1, through fresh decode graphs (`graphs`: GraphedDecode's options)."""
+    from moedesk.engine.generation.cuda_graphs import GraphedDecode
+
+    engine.graphs.release()
+    engine.runner.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
+    requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
+    return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
+
+
 def check_graph_layout(captured, handoff: bool, streams: bool) -> None:
     """A batch-1 decode step is one graph handing its MoE layers to the host (kernels.host_handoff), or, with
     MOEDESK_NO_HANDOFF, a graph per segment plus one per layer for the GPU's share read from RAM. The handoff
@@ -380,8 +390,6 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     error reaches the caller, and the next run is right again."""
     import time
 
-    from moedesk.engine.generation.cuda_graphs import GraphedDecode
-
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     pin_profile(monkeypatch)  # the CPU computes every expert in RAM: a step to hand over (check_graph_layout)
     engine = Engine.load(str(tiny_checkpoint(arch)), device="cuda", dtype="bfloat16", gpu_budget=0)
@@ -392,10 +400,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
     def run(**graphs):
-        engine.graphs.release()
-        engine.runner.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
-        requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
-        return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
+        return decode_one_at_a_time(engine, prompts, **graphs)
 
     handed = run()
     [captured] = engine.graphs.captured.values()
@@ -428,7 +433,6 @@ def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoi
     between the routing's signal to the host and the wait for its results, not after them. The same kernels on the
     same inputs, so the tokens of the step in its usual order and of the segments run eagerly."""
     from moedesk.engine.generation import cuda_graphs
-    from moedesk.engine.generation.cuda_graphs import GraphedDecode
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     pin_profile(monkeypatch)  # the CPU computes every expert in RAM: a step to hand over (check_graph_layout)
@@ -443,10 +447,7 @@ def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoi
     monkeypatch.setattr(cuda_graphs._Captured, "_hand_over", spy)
 
     def run(**graphs):
-        engine.graphs.release()
-        engine.runner.graphs = GraphedDecode(engine.model, engine.cache, **graphs)
-        requests = [Request(p, SamplingParams(max_new_tokens=12, temperature=0), tag=i) for i, p in enumerate(prompts)]
-        return {c.tag: c.token_ids for c in engine.generate(requests, 1)}
+        return decode_one_at_a_time(engine, prompts, **graphs)
 
     in_order = run()
     assert early and not any(early)
