@@ -670,14 +670,16 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         return _group(active, model, gpu_busy_ms).assignment([], "exact")
     if lone_token_measured(active, model):
         return assignment_for(active, [], model, gpu_busy_ms, "measured")
+    grouped_copies = grouped_copies and mean_load(active) >= GROUPED_COPIES_MIN_LOAD
     launch = copy_launch_ms(model)
-    if launch and all(cpu_path_ms(n, model) <= launch for n in set(active.values())):
-        # Every expert is cheaper on the CPU than queueing its copy (small experts at decode): no search.
-        # This runs for every layer of every step, where the search's Python would cost more than it saves.
+    if launch and not grouped_copies and all(cpu_path_ms(n, model) <= launch for n in set(active.values())):
+        # Every expert is cheaper on the CPU than queueing its copy and its launch (small experts at decode): no
+        # search. This runs for every layer of every step, where the search's Python would cost more than it saves.
+        # In copy runs (a prefill's) a copy costs the host its queueing alone, and the link may well be the faster
+        # side: a prefill of small experts routed evenly was all on the CPU, at 3-4x the split's predicted time.
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
-    grouped_copies = grouped_copies and mean_load(active) >= GROUPED_COPIES_MIN_LOAD
     contended = Contended(model, mean_load(active), overlap=overlap, grouped_copies=grouped_copies)
     split = _best_split(active, contended, gpu_busy_ms, exact_limit)
     if contended.factors == (1.0, 1.0):

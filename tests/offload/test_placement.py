@@ -9,7 +9,7 @@ import pytest
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.assignment import (
-    Assignment, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule, RememberedSplit,
+    Assignment, Contended, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule, RememberedSplit,
     cpu_path_ms, finish_times,
 )
 from moedesk.engine.offload.placement import BudgetError, LayerCosts, plan_placement, step_cost_ms
@@ -549,6 +549,20 @@ def test_all_experts_under_a_launch_skip_the_search(monkeypatch):
     monkeypatch.setattr(assignment, "_best_split", lambda *a: pytest.fail("searched"))
     got = assign_offloaded({3: 1, 9: 2}, _slowed(Costs(lambda n: 0.05 * n, lambda n: 0.07, 0.19), copy_launch_ms=0.2))
     assert got.cpu == (3, 9) and got.copy == () and got.makespan_ms == pytest.approx(0.15)
+
+
+def test_a_step_in_copy_runs_searches_though_each_expert_is_cheaper_than_a_lone_copys_launch():
+    # Each expert costs the CPU less than queueing a lone copy and its launch, so a decode step stays on the CPU
+    # unsearched; in copy runs a copy costs the host its queueing alone and the step one launch, so the faster link
+    # takes most of them (it was all-CPU, at four times the makespan).
+    model = _slowed(Costs(lambda n: 0.02 * n, lambda n: 0.01, 0.01), copy_launch_ms=0.5)
+    loads = {e: 8 for e in range(16)}
+    alone = assign_offloaded(loads, model, overlap=True)
+    assert alone.copy == () and alone.makespan_ms == pytest.approx(16 * 0.16)
+    got = assign_offloaded(loads, model, overlap=True, grouped_copies=True)
+    assert 10 <= len(got.copy) <= 14 and got.makespan_ms < alone.makespan_ms / 3
+    assert got.makespan_ms == pytest.approx(max(finish_times(loads, got.copy, Contended(
+        model, 8.0, overlap=True, grouped_copies=True))))
 
 
 class _WithResidentLaunch:
