@@ -676,7 +676,7 @@ def assign_offloaded(loads: dict[int, int], model: ExpertCosts, gpu_busy_ms: flo
         # Every expert is cheaper on the CPU than queueing its copy and its launch (small experts at decode): no
         # search. This runs for every layer of every step, where the search's Python would cost more than it saves.
         # In copy runs (a prefill's) a copy costs the host its queueing alone, and the link may well be the faster
-        # side: a prefill of small experts routed evenly was all on the CPU, at 3-4x the split's predicted time.
+        # side: a prefill of small experts routed evenly went all to the CPU (docs/measurements.md, "Session 55").
         return assignment_for(active, [], model, gpu_busy_ms, "exact")
     # The contention of a step where the CPU's experts have about the step's mean load: how far their
     # time is reads, which copies slow, rather than arithmetic, which they do not.
