@@ -177,11 +177,7 @@ class ExpertWeights:
                 mine[at:at + count].copy_(theirs[start:start + count], non_blocking=non_blocking)
 
     def copy_(self, other: "ExpertWeights", non_blocking: bool = False) -> "ExpertWeights":
-        self.gate_up.copy_(other.gate_up, non_blocking=non_blocking)
-        self.down.copy_(other.down, non_blocking=non_blocking)
-        for mine, theirs in ((self.gate_up_bias, other.gate_up_bias), (self.down_bias, other.down_bias)):
-            if mine is not None:
-                mine.copy_(theirs, non_blocking=non_blocking)
+        self.copy_experts_(0, other, 0, self.num_experts, non_blocking)
         return self
 
     def dense(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

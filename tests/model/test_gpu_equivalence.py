@@ -10,6 +10,7 @@ divergence is accepted only if our bf16 logits, teacher-forced along the referen
 to transformers' float32 logits as transformers' own bf16 logits are (median over positions).
 """
 import importlib.util
+from functools import partial
 
 import pytest
 import torch
@@ -399,8 +400,7 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
     executor.split_width = (lambda k: width - 32) if share == "rows" else (lambda k: 0)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
 
-    def run(**graphs):
-        return decode_one_at_a_time(engine, prompts, **graphs)
+    run = partial(decode_one_at_a_time, engine, prompts)
 
     handed = run()
     [captured] = engine.graphs.captured.values()
@@ -446,8 +446,7 @@ def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoi
 
     monkeypatch.setattr(cuda_graphs._Captured, "_hand_over", spy)
 
-    def run(**graphs):
-        return decode_one_at_a_time(engine, prompts, **graphs)
+    run = partial(decode_one_at_a_time, engine, prompts)
 
     in_order = run()
     assert early and not any(early)

@@ -9,8 +9,8 @@ import pytest
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.offload.latency_model import fit_latency_model
 from moedesk.engine.offload.assignment import (
-    Assignment, Contended, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule, RememberedSplit,
-    cpu_path_ms, finish_times,
+    Assignment, Contended, Costs, assign_offloaded, assignment_for, copy_order, fiddler_assign, fiddler_rule,
+    RememberedSplit, cpu_path_ms, finish_times,
 )
 from moedesk.engine.offload.placement import BudgetError, LayerCosts, plan_placement, step_cost_ms
 
@@ -654,7 +654,7 @@ def test_equal_gpu_times_are_split_exactly_in_one_pass():
 
 
 def test_a_prefills_many_loads_in_copy_runs_split_no_worse_than_the_greedy_search():
-    from moedesk.engine.offload.assignment import Contended, _greedy, _group, mean_load
+    from moedesk.engine.offload.assignment import _greedy, _group, mean_load
 
     rng = random.Random(12)
     for _ in range(20):
