@@ -66,9 +66,9 @@ def graphs_wanted(device: torch.device) -> bool:
 
 
 def shared_early_wanted() -> bool:
-    """MOEDESK_SHARED_EARLY=1: a handed-over step's shared experts computed while the host runs the routed ones, not
-    after; the same kernels on the same inputs. Off until the GPU box has measured it."""
-    return os.environ.get("MOEDESK_SHARED_EARLY", "").strip().lower() not in ("", "0", "false", "no")
+    """A handed-over step's shared experts computed while the host runs the routed ones, not after; the same kernels
+    on the same inputs (docs/measurements.md, "Session 56"). MOEDESK_SHARED_EARLY=0 computes them after."""
+    return os.environ.get("MOEDESK_SHARED_EARLY", "").strip().lower() not in ("0", "false", "no")
 
 
 class Segment(NamedTuple):

@@ -429,9 +429,9 @@ def test_handed_over_steps_compute_what_graph_per_segment_steps_do(arch, share, 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v3"])
 def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoint, tmp_path, monkeypatch):
-    """MOEDESK_SHARED_EARLY=1: a handed-over batch-1 step computes each layer's gated or plain shared expert
-    between the routing's signal to the host and the wait for its results, not after them. The same kernels on the
-    same inputs, so the tokens of the step in its usual order and of the segments run eagerly."""
+    """By default (MOEDESK_SHARED_EARLY=0 turns it off) a handed-over batch-1 step computes each layer's gated or plain
+    shared expert between the routing's signal to the host and the wait for its results, not after them. The same
+    kernels on the same inputs, so the tokens of the step in its usual order and of the segments run eagerly."""
     from moedesk.engine.generation import cuda_graphs
 
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
@@ -448,10 +448,11 @@ def test_shared_experts_beside_the_host_give_the_same_tokens(arch, tiny_checkpoi
 
     run = partial(decode_one_at_a_time, engine, prompts)
 
+    monkeypatch.setenv("MOEDESK_SHARED_EARLY", "0")
     in_order = run()
     assert early and not any(early)
     early.clear()
-    monkeypatch.setenv("MOEDESK_SHARED_EARLY", "1")
+    monkeypatch.delenv("MOEDESK_SHARED_EARLY")
     beside = run()
     [captured] = engine.graphs.captured.values()
     check_graph_layout(captured, handoff=True, streams=False)

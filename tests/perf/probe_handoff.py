@@ -5,9 +5,9 @@ Usage (GPU box, repo root): python3 tests/perf/probe_handoff.py [SHAPE:LAYERS:FO
 every expert in RAM and computed by the CPU, or with RESIDENT (a fraction) the first experts of every layer on the
 GPU; per round, decode once with the step as one handed-over graph and once with a graph per segment
 (MOEDESK_NO_HANDOFF=1), alternating, so drift hits both alike. --shared-early: the handed-over step with its layers'
-shared experts computed after the host's results, then beside the host's work (MOEDESK_SHARED_EARLY=1). Prints per
-variant the median tok/s and, per step, the executor's time split into the wait for the GPU's routing, the CPU
-experts' call and the rest.
+shared experts computed after the host's results (MOEDESK_SHARED_EARLY=0), then beside the host's work (the
+default). Prints per variant the median tok/s and, per step, the executor's time split into the wait for the GPU's
+routing, the CPU experts' call and the rest.
 """
 import argparse
 import os
@@ -25,7 +25,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("shapes", nargs="*", default=["qwen3-30b-a3b:12:q4_k", "mixtral-8x7b:8:q4_0"])
 parser.add_argument("--rounds", type=int, default=5)
 parser.add_argument("--tokens", type=int, default=48)
-parser.add_argument("--shared-early", action="store_true", help="handoff against handoff with MOEDESK_SHARED_EARLY=1")
+parser.add_argument("--shared-early", action="store_true",
+                    help="shared experts after the host (MOEDESK_SHARED_EARLY=0) against beside it")
 args = parser.parse_args()
 device = torch.device("cuda")
 leave_a_core_to_the_gpu_thread()
@@ -41,7 +42,7 @@ for spec in args.shapes:
     resident = round(share * cfg.num_experts)
     ex = OffloadExecutor(banks, [[e < resident for e in range(cfg.num_experts)] for _ in banks], device,
                          lambda loads: (sorted(loads), []))
-    variants = ({"handoff": {}, "shared early": {"MOEDESK_SHARED_EARLY": "1"}} if args.shared_early else
+    variants = ({"handoff": {"MOEDESK_SHARED_EARLY": "0"}, "shared early": {}} if args.shared_early else
                 {"handoff": {}, "graph per segment": {"MOEDESK_NO_HANDOFF": "1"}})
     results = {name: [] for name in variants}
     parts = {name: [] for name in results}
