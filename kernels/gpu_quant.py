@@ -441,10 +441,10 @@ def _dequant_route(x, w: ExpertWeights, ends, out):
     return out
 
 
-# MOEDESK_FUSED_EPILOGUE=1: the dequant route's work between and after its GEMMs (the biases by each row's expert, the
-# activation, the casts) in one kernel a projection, where torch takes eight or so passes over [rows, 2F] in float32
-# (predicted 5 ms of whole gpt-oss-20b's 53 ms prefill; docs/measurements.md, "Session 54"). Off until measured.
-_FUSED_EPILOGUE = os.environ.get("MOEDESK_FUSED_EPILOGUE", "0") == "1"
+# The dequant route's work between and after its GEMMs (the biases by each row's expert, the activation, the casts) in
+# one kernel a projection, where torch takes eight or so passes over [rows, 2F] in float32 (docs/measurements.md,
+# "Session 56"). MOEDESK_FUSED_EPILOGUE=0 takes torch's passes, for a side-by-side measurement.
+_FUSED_EPILOGUE = os.environ.get("MOEDESK_FUSED_EPILOGUE", "1") != "0"
 _EPILOGUE_TILE = (8, 256)  # rows x columns a program: 8 KB of 16-bit outputs
 
 
