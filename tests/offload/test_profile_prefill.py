@@ -70,6 +70,10 @@ def test_the_script_profiles_a_prefill_on_the_cpu_and_ends_with_one_row_a_shape(
     cpu, copied, resident = map(int, re.search(r"per prefill (\d+) experts on the CPU, (\d+) copied, (\d+) resident",
                                                out).groups())
     assert cpu + copied + resident > 0 and (cpu > 0) == (row["cpu"] > 0)
+    # Each timed round on its own, with its host times: a round that stalls shows apart from the best.
+    [rounds] = re.findall(r"the rounds, ms: (.*)", out)
+    ms = [float(x) for x in re.findall(r"([\d.]+) \(queueing [\d.]+, CPU call [\d.]+\)", rounds)]
+    assert len(ms) == 3 and min(ms) == pytest.approx(float(cells["ms"]), abs=0.1)
     # The outlook, priced from the marked prefill's own routing, makes the executor's splits.
     outlook = re.search(r"outlook from this prefill's routing .*?: (\d+) experts on the CPU, (\d+) copied \(the "
                         r"executor: (\d+), (\d+)\)", out)
@@ -79,11 +83,20 @@ def test_the_script_profiles_a_prefill_on_the_cpu_and_ends_with_one_row_a_shape(
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_compare_measures_copies_one_by_one_then_grouped_on_one_build(tmp_path, monkeypatch, capsys):
+    """--compare, on a replayed trace's routing (--routing): both measurements under the one replay."""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path / "cache"))
+    replays, replayed = [], pp.replayed
+
+    def recorded(model, cfg, layers, routing, tokens, steps):
+        replays.append((routing, tokens, steps, len(layers)))
+        return replayed(model, cfg, layers, routing, tokens, steps)
+
+    monkeypatch.setattr(pp, "replayed", recorded)
     rows = pp.main(["tiny-qwen35:4", "--device", "cpu", "--tokens", "48", "--expert-format", "dense", "--compare",
-                    "--no-trace"])
+                    "--no-trace", "--routing", "no-locality"])
     out = capsys.readouterr().out
+    assert replays == [("no-locality", 48, 6, 4)]
     assert [row["shape"] for row in rows] == ["tiny-qwen35:4/one-by-one", "tiny-qwen35:4/grouped"]
     assert all(row["tok/s"] > 0 and row["experts"] > 0 for row in rows)
     assert out.count("built tiny-qwen35") == 1 and "one by one: as before" in out and "grouped: one launch" in out

@@ -2,13 +2,14 @@
 gpt-oss-120b's first 8 (MXFP4) against llama.cpp on the H200 (docs/measurements.md, session 35); the target is 4x.
 
 Usage (GPU box, repo root): . tests/perf/gpu_env.sh; python3 tests/perf/profile_prefill.py [SHAPE:LAYERS ...]
-[--tokens 512] [--expert-format q4_k] [--gpu-budget 0] [--device cpu] [--no-trace]
+[--tokens 512] [--expert-format q4_k] [--gpu-budget 0] [--routing no-locality] [--device cpu] [--no-trace]
 (default qwen3.5-35b-a3b:12 gpt-oss-120b:8, each in its issue format: MXFP4 for gpt-oss, Q4_K for the others).
 Each shape is built, profiled, calibrated and placed as `moedesk bench` does it (bench.synthetic.prepare_synthetic),
 then:
-1. a warm prefill, three timed ones (tok/s: the best, as `moedesk bench` reports it) and the executor's counts over
-   them per prefill: experts on the CPU, copied, resident; the host's ms in the CPU experts' call, in the wait for
-   the GPU's routing and in the rest of the executor (bookkeeping, queueing the GPU's share and the copies);
+1. a warm prefill, three timed ones (tok/s: the best, as `moedesk bench` reports it; each round's ms with its host
+   queueing and CPU call) and the executor's counts over them per prefill: experts on the CPU, copied, resident; the
+   host's ms in the CPU experts' call, in the wait for the GPU's routing and in the rest of the executor
+   (bookkeeping, queueing the GPU's share and the copies);
 2. one prefill with marks at each layer's start and end, its token mixer's (attention, sliding attention, Gated
    DeltaNet, MLA) and its experts' (the executor's call): the wall time per layer kind (CUDA events on the GPU,
    so the GPU's timeline, idle gaps included);
@@ -37,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moedesk.bench.routing import ROUTINGS, replayed
 from moedesk.bench.synthetic import measure_prefill, prepare_synthetic
 from moedesk.engine.offload.offload_executor import GROUPED_MAX_TOKENS
 from moedesk.engine.offload.prefill_outlook import (expected_loads, fixed_ms_for, link_bound_ms, prefill_outlook,
@@ -330,15 +332,17 @@ def profile_shape(spec: str, args, say) -> list[ShapeResult]:
     say(f"copies at prefill: each queued with its compute {profile.get('copy_launch_prefill_ms')} ms (by tokens), "
         f"queued alone {profile.get('copy_queue_prefill_ms')} ms; CPU calls of {profile.get('cpu_prefill_experts')} "
         f"experts {profile.get('cpu_prefill_ms')} ms, path {profile.get('cpu_path')}")
-    if not args.compare:
-        results = [measure_shape(spec, fmt, bench, args, say, trace=not args.no_trace)]
-    else:
-        results = []
-        for grouped in (False, True):
-            bench.orchestra.group_copies(grouped)
-            say(f"\n--- {'grouped: one launch a copy run' if grouped else 'one by one: as before'}")
-            results.append(measure_shape(f"{spec}/{'grouped' if grouped else 'one-by-one'}", fmt, bench, args, say,
-                                         trace=grouped and not args.no_trace))
+    # A trace step a prefill (warm, three timed, marked, profiled), as the bench gives each of its rounds one
+    with replayed(bench.model, bench.cfg, sorted(bench.banks), args.routing, args.tokens, 6):
+        if not args.compare:
+            results = [measure_shape(spec, fmt, bench, args, say, trace=not args.no_trace)]
+        else:
+            results = []
+            for grouped in (False, True):
+                bench.orchestra.group_copies(grouped)
+                say(f"\n--- {'grouped: one launch a copy run' if grouped else 'one by one: as before'}")
+                results.append(measure_shape(f"{spec}/{'grouped' if grouped else 'one-by-one'}", fmt, bench, args,
+                                             say, trace=grouped and not args.no_trace))
     device = bench.device
     del bench
     gc.collect()
@@ -358,15 +362,21 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
 
     prefill()  # warm: the kernels' first calls, the executor's buffers at this size
     executor.stats = type(executor.stats)()
-    timed = prefill(repeat=3)
-    per_run = {k: v / timed.rounds if isinstance(v, (int, float)) and k != "gpu_hit_rate" else v
+    rounds = []
+    for _ in range(3):  # one at a time, so that a round which stalls shows with its own host times
+        before = executor.stats.copy()
+        rounds.append((prefill().seconds, executor.stats.since(before)))
+    best = min(seconds for seconds, _ in rounds)
+    per_run = {k: v / len(rounds) if isinstance(v, (int, float)) and k != "gpu_hit_rate" else v
                for k, v in executor.stats.as_dict().items()}
-    say(f"prefill {args.tokens}: {timed.tok_s:.0f} tok/s (best of {timed.rounds}, {1e3 * timed.seconds:.1f} ms); per "
+    say(f"prefill {args.tokens}: {args.tokens / best:.0f} tok/s (best of {len(rounds)}, {1e3 * best:.1f} ms); per "
         f"prefill {per_run['experts_cpu']:.0f} experts on the CPU, {per_run['experts_copied']:.0f} copied, "
         f"{per_run['experts_gpu']:.0f} resident; host ms in the executor {per_run['moe_ms']:.2f}: the CPU experts' "
         f"call {per_run['cpu_expert_ms']:.2f}, the wait for the GPU's routing {per_run['gpu_wait_ms']:.2f}, the rest "
         f"{per_run['moe_ms'] - per_run['cpu_expert_ms'] - per_run['gpu_wait_ms']:.2f} (below 0 where the CPU's call "
         f"ran beside the copies' queueing)")
+    say("the rounds, ms: " + ", ".join(f"{1e3 * seconds:.1f} (queueing {st.queue_ms:.1f}, CPU call {st.cpu_ms:.1f})"
+                                      for seconds, st in rounds))
 
     before = executor.stats.copy()
     with routed(executor) as counts:
@@ -411,8 +421,7 @@ def measure_shape(spec: str, fmt: str, bench, args, say, trace: bool) -> ShapeRe
         if clock.cuda:
             device_ms = expert_device_ms(prof.events())
             say("device ms inside the experts' calls: " + ", ".join(f"{k} {v:.2f}" for k, v in device_ms.items()))
-    return ShapeResult(spec, fmt, args.tokens, timed.tok_s, 1e3 * timed.seconds, per_run, split, times.wall,
-                       device_ms)
+    return ShapeResult(spec, fmt, args.tokens, args.tokens / best, 1e3 * best, per_run, split, times.wall, device_ms)
 
 
 SUMMARY_COLUMNS = ("shape", "format", "tok/s", "ms", *KINDS, "mlp", "moe", "experts", "cpu", "wait", "copies",
@@ -457,6 +466,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gpu-budget", type=float, default=0.0, help="GiB, as `moedesk bench --gpu-budget` (0: every "
                         "expert in RAM)")
     parser.add_argument("--policy", default="balanced")
+    parser.add_argument("--routing", choices=list(ROUTINGS), default="model",
+                        help="as `moedesk bench --routing`: the random weights' routers, or a replayed trace")
     parser.add_argument("--device", default="auto", help="cpu: the script itself on a tiny shape, no CUDA activity")
     parser.add_argument("--rows", type=int, default=15, help="rows of each profiler table")
     parser.add_argument("--no-trace", action="store_true", help="no profiled prefill (no tables, no trace)")
