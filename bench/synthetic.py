@@ -5,6 +5,7 @@ result reads as "% of what this machine could do", not only as tokens per second
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +37,7 @@ class BenchResult:
     experts: dict | None = None  # where the offloaded experts ran, summed over the rounds (StepStats.as_dict)
     feed: str | None = None  # decode: what each step fed, "random" tokens (as llama-bench) or "greedy" (its own)
     experts_touched: int | None = None  # decode: (layer, expert) pairs the timed steps selected at least once
+    slowest: dict | None = None  # its slowest rounds and its median one (`slowest`): where a stall was
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -94,7 +96,7 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
     generated = batch * (new_tokens - 1 - warmup)
     steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
     return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds,
-                       spread=spread(steps), noise=noise(steps), feed=feed,
+                       spread=spread(steps), noise=noise(steps), feed=feed, slowest=slowest(steps),
                        experts_touched=experts_touched(executor, before))
 
 
@@ -111,7 +113,8 @@ def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int 
         _sync(device)
         times.append(time.perf_counter() - start)
     best = min(times)
-    return BenchResult("prefill", length, 1, best, length / best, spread=spread(times), rounds=repeat)
+    return BenchResult("prefill", length, 1, best, length / best, spread=spread(times), rounds=repeat,
+                       slowest=slowest(times))
 
 
 def spread(times: list[float]) -> float | None:
@@ -122,6 +125,29 @@ def spread(times: list[float]) -> float | None:
     middle = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
                                                                  + ordered[len(ordered) // 2]) / 2
     return (ordered[-1] - ordered[0]) / middle if middle > 0 else None
+
+
+def slowest(times: list[float], count: int = 3) -> dict | None:
+    """A run's `count` slowest rounds as [round (from 0), ms], slowest first, beside its median round's ms: which
+    round a large spread came from. None for fewer than two rounds."""
+    if len(times) < 2:
+        return None
+    order = sorted(range(len(times)), key=lambda i: -times[i])[:count]
+    return {"median_ms": round(1e3 * statistics.median(times), 2),
+            "rounds": [[i, round(1e3 * times[i], 2)] for i in order]}
+
+
+def stall_line(result: dict) -> str | None:
+    """A line for a run whose slowest round took more than twice its median one (a stall, not noise); else None."""
+    worst = result.get("slowest")
+    if not worst or not worst["median_ms"]:
+        return None
+    (index, ms), median = worst["rounds"][0], worst["median_ms"]
+    if ms <= 2 * median:
+        return None
+    unit = "prefill" if result["mode"] == "prefill" else "step"
+    return (f"{result['mode'].replace('_', ' ')}: timed {unit} {index + 1} took {significant(ms)} ms, "
+            f"{ms / median:.1f}x the median {unit}'s {significant(median)} ms")
 
 
 def noise(times: list[float]) -> float | None:
@@ -482,6 +508,7 @@ def format_results(report: dict) -> str:
                      spread_, significant(r["bound_tok_s"]), pct])
     lines += text_table(["mode", "tokens", "batch", "depth", "tok/s", "spread", "bound", "% bound"], rows)
     lines += [split_line(r) for r in report["results"] if r.get("experts")]
+    lines += [line for line in map(stall_line, report["results"]) if line]
     warning = busy_warning(report.get("other_cpu_share") or 0.0)
     if warning:
         lines.append(warning)

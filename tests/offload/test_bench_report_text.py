@@ -11,7 +11,7 @@ import psutil
 from moedesk.bench.machine_load import BUSY_SHARE, CpuLoad, busy_warning, others_share
 from moedesk.bench.report_text import profile_line, significant, text_table
 from moedesk.bench.budget import budget_for_experts
-from moedesk.bench.synthetic import bench_context, format_results, spread
+from moedesk.bench.synthetic import bench_context, format_results, slowest, spread, stall_line
 from moedesk.engine.load.synthetic import shape_config
 
 # What the bench printed on this machine's CPU (issue 46): 17-digit floats in raw dicts.
@@ -65,6 +65,18 @@ def test_spread_of_rounds():
     assert spread([1.0]) is None
     assert spread([1.0, 1.1, 1.2]) == (1.2 - 1.0) / 1.1
     assert abs(spread([2.0, 1.0, 1.0, 3.0]) - 2.0 / 1.5) < 1e-12
+
+
+def test_the_slowest_rounds_say_where_a_spread_came_from_and_a_stall_gets_a_line():
+    assert slowest([0.1]) is None
+    steps = [0.15, 0.14, 1.3, 0.16, 0.15]
+    assert slowest(steps) == {"median_ms": 150.0, "rounds": [[2, 1300.0], [3, 160.0], [0, 150.0]]}
+    stalled = {"mode": "batched_decode", "slowest": slowest(steps)}
+    assert stall_line(stalled) == "batched decode: timed step 3 took 1300 ms, 8.7x the median step's 150 ms"
+    assert stall_line({"mode": "prefill", "slowest": slowest([0.3, 0.35, 0.5])}) is None  # within twice the median
+    assert stall_line({"mode": "decode", "slowest": None}) is None
+    text = format_results(report(results=[{**report()["results"][0], "slowest": slowest([0.1, 0.12, 2.5])}]))
+    assert text.splitlines()[-1] == "prefill: timed prefill 3 took 2500 ms, 20.8x the median prefill's 120 ms"
 
 
 def test_the_load_of_other_processes_is_measured():
