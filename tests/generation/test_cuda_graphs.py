@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted
+from moedesk.engine.generation.cuda_graphs import GraphedDecode, graphs_wanted, shared_early_wanted
 from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
@@ -49,6 +49,16 @@ def test_graphs_only_on_cuda_and_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("MOEDESK_NO_CUDA_GRAPHS", "1")
     assert not graphs_wanted(torch.device("cuda"))
     assert inspect.signature(ModelRunner).parameters["graphs"].default is False  # eager unless asked
+
+
+def test_shared_experts_run_beside_the_host_unless_turned_off(monkeypatch):
+    monkeypatch.delenv("MOEDESK_SHARED_EARLY", raising=False)
+    assert shared_early_wanted()  # measured faster on the box (docs/measurements.md, "Session 56")
+    for off in ("0", "false", "no"):
+        monkeypatch.setenv("MOEDESK_SHARED_EARLY", off)
+        assert not shared_early_wanted()
+    monkeypatch.setenv("MOEDESK_SHARED_EARLY", "1")
+    assert shared_early_wanted()
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])

@@ -237,6 +237,20 @@ def test_dequantize_experts_skips_empty_groups():
 
 
 @interpreted
+def test_the_fused_epilogue_is_the_default_and_can_be_turned_off():
+    import subprocess
+    import sys
+
+    def fused(value):
+        env = {k: v for k, v in os.environ.items() if k != "MOEDESK_FUSED_EPILOGUE"}
+        env.update({} if value is None else {"MOEDESK_FUSED_EPILOGUE": value})
+        out = subprocess.run([sys.executable, "-c", "from moedesk.kernels import gpu_quant; "
+                              "print(gpu_quant._FUSED_EPILOGUE)"], env=env, capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+
+    assert [fused(v) for v in (None, "1", "0")] == ["True", "True", "False"]  # docs/measurements.md, "Session 56"
+
+
 @pytest.mark.parametrize("fmt, gpt_oss", [("mxfp4", True), ("q4_0", False)])
 def test_dequant_routes_fused_epilogue_computes_as_torch_does(fmt, gpt_oss, monkeypatch):
     # The prefill route (16-bit scratch and torch's grouped GEMM, which runs on the CPU too) with its biases,
