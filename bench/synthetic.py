@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from moedesk.bench.feed import experts_touched, fed_tokens, selection_counts
+from moedesk.bench.kernel_builds import recorded_builds
 from moedesk.bench.machine_load import CpuLoad, busy_warning
 from moedesk.bench.report_text import profile_line, significant, text_table
 from moedesk.engine.generation.decoder import Decoder
@@ -38,6 +39,7 @@ class BenchResult:
     feed: str | None = None  # decode: what each step fed, "random" tokens (as llama-bench) or "greedy" (its own)
     experts_touched: int | None = None  # decode: (layer, expert) pairs the timed steps selected at least once
     slowest: dict | None = None  # its slowest rounds and its median one (`slowest`): where a stall was
+    kernel_builds: dict | None = None  # Triton's builds inside the timed rounds (bench.kernel_builds): a stall's cause
 
     @property
     def pct_of_bound(self) -> float | None:
@@ -81,23 +83,24 @@ def measure_decode(model, executor, cfg, device, dtype, batch: int, new_tokens: 
                         fed_tokens=fed_tokens(feed, new_tokens, cfg.vocab_size, seed + i)) for i in range(batch)]
     start, before = None, None
     step_ends = []  # when each timed step's last row came out: the steps' times are the rounds' spread
-    for seq, token in decoder.run(requests, batch_size=batch):
-        if start is None and len(seq.tokens) == 1 + warmup and seq.row == batch - 1:
-            _sync(device)
-            if hasattr(executor, "stats"):
-                executor.stats = type(executor.stats)()
-            before = selection_counts(executor)
-            start = time.perf_counter()  # every sequence has 1 + warmup tokens: the untimed decode steps are done
-            step_ends.append(start)
-        elif start is not None and seq.row == batch - 1:
-            step_ends.append(time.perf_counter())
-    _sync(device)
+    with recorded_builds() as builds:
+        for seq, token in decoder.run(requests, batch_size=batch):
+            if start is None and len(seq.tokens) == 1 + warmup and seq.row == batch - 1:
+                _sync(device)
+                if hasattr(executor, "stats"):
+                    executor.stats = type(executor.stats)()
+                before = selection_counts(executor)
+                start = time.perf_counter()  # every sequence has 1 + warmup tokens: the untimed steps are done
+                step_ends.append(start)
+            elif start is not None and seq.row == batch - 1:
+                step_ends.append(time.perf_counter())
+        _sync(device)
     seconds = time.perf_counter() - start
     generated = batch * (new_tokens - 1 - warmup)
     steps = [b - a for a, b in zip(step_ends, step_ends[1:])]
     return BenchResult("decode" if batch == 1 else "batched_decode", new_tokens, batch, seconds, generated / seconds,
                        spread=spread(steps), noise=noise(steps), feed=feed, slowest=slowest(steps),
-                       experts_touched=experts_touched(executor, before))
+                       experts_touched=experts_touched(executor, before), kernel_builds=builds.since(start))
 
 
 def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int = 0, repeat: int = 2) -> BenchResult:
@@ -106,15 +109,16 @@ def measure_prefill(model, executor, cfg, device, dtype, length: int, seed: int 
     positions = torch.arange(length, device=device)[None]
     last = torch.tensor([length - 1], device=device)
     times = []
-    for _ in range(repeat):
-        _sync(device)
-        start = time.perf_counter()
-        model(tokens, positions, cache, executor, logits_at=last)
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    with recorded_builds() as builds:
+        for _ in range(repeat):
+            _sync(device)
+            start = time.perf_counter()
+            model(tokens, positions, cache, executor, logits_at=last)
+            _sync(device)
+            times.append(time.perf_counter() - start)
     best = min(times)
     return BenchResult("prefill", length, 1, best, length / best, spread=spread(times), rounds=repeat,
-                       slowest=slowest(times))
+                       slowest=slowest(times), kernel_builds=builds.since(0.0))
 
 
 def spread(times: list[float]) -> float | None:
@@ -146,8 +150,11 @@ def stall_line(result: dict) -> str | None:
     if ms <= 2 * median:
         return None
     unit = "prefill" if result["mode"] == "prefill" else "step"
+    built = result.get("kernel_builds")
+    cause = (f"; Triton built {built['count']} kernel variants in the timed {unit}s, {significant(built['ms'])} ms "
+             f"({', '.join(built['kernels'])})") if built else ""
     return (f"{result['mode'].replace('_', ' ')}: timed {unit} {index + 1} took {significant(ms)} ms, "
-            f"{ms / median:.1f}x the median {unit}'s {significant(median)} ms")
+            f"{ms / median:.1f}x the median {unit}'s {significant(median)} ms{cause}")
 
 
 def noise(times: list[float]) -> float | None:

@@ -77,6 +77,10 @@ def test_the_slowest_rounds_say_where_a_spread_came_from_and_a_stall_gets_a_line
     assert stall_line({"mode": "decode", "slowest": None}) is None
     text = format_results(report(results=[{**report()["results"][0], "slowest": slowest([0.1, 0.12, 2.5])}]))
     assert text.splitlines()[-1] == "prefill: timed prefill 3 took 2500 ms, 20.8x the median prefill's 120 ms"
+    built = {"count": 2, "ms": 2301.5, "kernels": ["_packed_mm", "_q8_mm"]}
+    assert stall_line({**stalled, "kernel_builds": built}) == (
+        "batched decode: timed step 3 took 1300 ms, 8.7x the median step's 150 ms; Triton built 2 kernel variants in "
+        "the timed steps, 2300 ms (_packed_mm, _q8_mm)")
 
 
 def test_the_load_of_other_processes_is_measured():
