@@ -54,7 +54,9 @@ def recorded_builds():
     def on_built(**hook):
         started = pending.pop(id(hook["compile"]["key"]), None)
         if started is not None:
-            builds.done.append(Build(hook["fn"].name, started, 1e3 * (time.perf_counter() - started)))
+            # Triton names a kernel by its qualified name (`outer.<locals>._fill`); the report wants `_fill`.
+            name = hook["fn"].name.rsplit(".", 1)[-1]
+            builds.done.append(Build(name, started, 1e3 * (time.perf_counter() - started)))
         return before_built(**hook) if before_built else None
 
     runtime.jit_cache_hook, runtime.jit_post_compile_hook = on_miss, on_built
