@@ -120,7 +120,9 @@ class Contended:
 
 # From this many tokens an expert on average (a prefill chunk of a prompt, not a decode step's few), a step's copied
 # experts are computed in copy runs, one grouped launch each (OffloadExecutor's copy_runs); decode keeps one by one.
-GROUPED_COPIES_MIN_LOAD = 4.0
+# Sixteen sequences on a model's own skewed routing reach 4-5 tokens an expert, where the copy runs' price (measured on
+# prefills) chose copies that made the step slower than none (docs/measurements.md, "Session 58"): hence 8, not 4.
+GROUPED_COPIES_MIN_LOAD = 8.0
 MAX_COPY_RUNS = 4  # run counts tried, from the fewest the size limit allows up
 # A copy run of packed experts with many tokens is dequantised to bf16 scratch for torch's grouped GEMM
 # (kernels.gpu_quant): this much GPU memory at most, so that a small GPU's runs stay small.

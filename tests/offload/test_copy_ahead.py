@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moedesk.engine.offload import orchestration
+from moedesk.engine.offload.assignment import GROUPED_COPIES_MIN_LOAD
 from moedesk.engine.offload.offload_executor import OffloadExecutor, StepStats, stack_experts
 from moedesk.engine.offload.prefill_outlook import expected_loads, prefetch_ahead, prefill_step
 from moedesk.engine.runtime import Engine
@@ -184,8 +185,9 @@ def test_the_plan_is_the_outlooks_expected_loads_on_prefill_steps_only():
     share = [4.0, 0.0, 2.0, 2.0]
     offloaded = [True, True, True, False]
     assert expected_loads(share, offloaded, tokens=10, top_k=2) == {0: 10.0, 1: 0.0, 2: 5.0}
-    assert prefill_step(512, 2, 8) and not prefill_step(1, 2, 8) and not prefill_step(15, 2, 8)
-    assert prefill_step(16, 2, 8)
+    least = int(GROUPED_COPIES_MIN_LOAD * 8 / 2)  # the fewest tokens of a prefill step, 8 experts of which 2 a token
+    assert prefill_step(512, 2, 8) and not prefill_step(1, 2, 8) and not prefill_step(least - 1, 2, 8)
+    assert prefill_step(least, 2, 8)
     costs = SimpleNamespace(copy_expert_ms=1.0, cpu_expert_ms=lambda n: 0.1 * n, activation_roundtrip_ms=lambda n: 0.0)
     picked = prefetch_ahead(expected_loads(share, offloaded, 10, 2), costs, float("inf"), slots=1)
     assert picked == [0]  # the dearest on the CPU at its expected load; never 1 (no token expected)
