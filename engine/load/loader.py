@@ -1,6 +1,8 @@
 """Turn an opened checkpoint into a Transformer on a device, tensor by tensor."""
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 import re
 import time
@@ -125,6 +127,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
     target = _parameter_device(device, spread)
     clock = _lap(timings, "build", clock)
+    freed = FreedMemory()
     for name, ours in plain:
         done += 1
         if ours == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -158,10 +161,12 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         del tensor
         release(name)
         loaded.add(ours)
+        freed.loaded(expected[ours].numel() * model.parameter_dtype(ours, dtype).itemsize)
         if progress:
             progress("load", done / total)
     if dequantise_in is not None and spread is not None:
         dequantise_in(dtype, device)  # experts: dequantised where the load began, as on one device
+    freed.now()
     clock = _lap(timings, "plain", clock)
     filled = getattr(expert_banks, "filled", None) if banks else None
     finished = getattr(expert_banks, "done", None) if banks else None
@@ -315,14 +320,17 @@ def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, 
         release(name)
         return layer
 
-    count = 0
+    count, freed = 0, FreedMemory()
 
     def landed(layer):
         nonlocal count
         count += 1
         left[layer] -= 1
-        if left[layer] == 0 and filled:
-            filled(layer)
+        freed.loaded(moes[layer].experts.expert_bytes // len(_PROJECTIONS))
+        if left[layer] == 0:
+            freed.now()
+            if filled:
+                filled(layer)
         if progress:
             progress(count)
 
@@ -339,6 +347,40 @@ def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, 
             for future in futures:
                 future.cancel()
             raise
+
+
+# Weights' bytes loaded between two returns of the freed memory: often enough that temporaries never pile up, rarely
+# enough that a whole model's load pays little for the trims (docs/measurements.md, "Session 58").
+TRIM_EVERY_BYTES = 16 << 20
+
+
+class FreedMemory:
+    """Gives the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere) every
+    TRIM_EVERY_BYTES of weights loaded. A tensor's temporaries (a quantised release dequantised, then packed again) are
+    freed into the allocator's arenas, which keep them resident: without this the load's peak and the memory it left
+    wandered from run to run, past the bound tests/load/test_packed_memory.py holds them to."""
+
+    def __init__(self):
+        self.since = 0
+
+    def loaded(self, nbytes: int) -> None:
+        self.since += nbytes
+        if self.since >= TRIM_EVERY_BYTES:
+            self.now()
+
+    def now(self) -> None:
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+        self.since = 0
+
+
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
 
 
 def _lap(timings: dict, part: str, since: float) -> float:

@@ -361,3 +361,7 @@ def test_loading_a_compressed_tensors_release_peaks_within_a_tenth_of_the_model(
           f"({peak / m['packed']:.2f}x the model)")
     assert m["formats"] == formats and size > 200 * 2**20
     assert peak <= 1.1 * m["packed"] + m["kv"]
+    # The temporaries' pages go back to the system as the load goes (engine.load.loader.FreedMemory): what stays is
+    # the model, not the allocator's arenas (which the CUDA build of torch left well above it: docs/measurements.md,
+    # "Session 58").
+    assert m["after"] - m["before"] <= 1.03 * m["packed"] + m["kv"]
