@@ -27,6 +27,8 @@ read) so that all see the same machine state.
 then uses it). `--define ro=-DMQ_READ_ONLY` builds a kernel that makes the same reads of whole segments without the arithmetic
 (its results are wrong): the memory's ceiling for the kernel's traversal, beside which the kernel's own GB/s says
 how much of a call the instructions add.
+--uneven also times each packed case with the same tokens dealt unevenly (`uneven_loads`; rows marked ~), the even and
+uneven calls in turns: what a batch's skewed routing costs the kernel beyond its bytes.
 --per-core is --threads 1: on the GPU box at one token with all threads the 4-bit kernels were bound by
 instructions per core, so GB/s per core is the figure an instruction-level change moves.
 """
@@ -94,19 +96,36 @@ def bf16_stacks(E, H, F, pinned):
     return gate_up, down
 
 
-def calls_for(E, per_call, T, H, n, gen):
-    """n calls' (x, pair_expert): per_call distinct random experts, T tokens each, k = 1. Consecutive calls share
+def uneven_loads(per_call, T, gen):
+    """per_call token counts adding up to per_call x T, each from 1 to 4T, the rest dealt with Zipf weights (1 / rank):
+    a batch's skewed routing (a few experts take several times their share of its tokens; a batch of B sequences
+    gives an expert at most B), against `calls_for`'s T each."""
+    loads = torch.ones(per_call, dtype=torch.int64)
+    weights = 1 / torch.arange(1, per_call + 1, dtype=torch.float64)
+    for _ in range(per_call * (T - 1)):
+        e = int(torch.multinomial(weights, 1, generator=gen))
+        loads[e] += 1
+        if loads[e] == 4 * T:
+            weights[e] = 0
+    return loads.tolist()
+
+
+def calls_for(E, per_call, T, H, n, gen, uneven=False):
+    """n calls' (x, pair_expert): per_call distinct random experts, T tokens each (uneven, or a call's flag in a list
+    of n: as many tokens in all, dealt by `uneven_loads`), k = 1. Consecutive calls share
     no expert (the stack is dealt out in random order, reshuffled when it runs out), so a call never finds the
     weights of the call before it in the last-level cache (a 2-of-8 Mixtral call is 200 MB of q4_0; the GPU
     box's L3 holds half of that), as in decode, where a token's other layers come between."""
     calls, deck, last = [], [], set()
-    for _ in range(n):
+    flags = uneven if isinstance(uneven, list) else [uneven] * n
+    for flag in flags:
         if len(deck) < per_call:
             shuffled = torch.randperm(E, generator=gen).tolist()
             deck = [e for e in shuffled if e not in last] + [e for e in shuffled if e in last]
         experts, deck = torch.tensor(deck[:per_call]), deck[per_call:]
         last = set(experts.tolist())
-        pair_expert = experts.repeat_interleave(T)
+        loads = torch.tensor(uneven_loads(per_call, T, gen)) if flag else T
+        pair_expert = experts.repeat_interleave(loads)
         calls.append((torch.randn(pair_expert.numel(), H, generator=gen).to(torch.bfloat16), pair_expert))
     return calls
 
@@ -122,21 +141,21 @@ def timed(fn, calls, warmup=2):
     return statistics.median(times)
 
 
-def timed_builds(builds, fn, calls, warmup=2):
-    """Median seconds per call of fn on each build (name -> library), the builds taking turns call by call, each
-    on calls of its own (len(calls) = rounds x builds; consecutive calls share no expert, see calls_for) and in
-    an order that rotates every round, so that no build always runs right after the same other one."""
-    names = list(builds)
+def timed_builds(variants, fn, make_calls, rounds, warmup=2):
+    """Median seconds per call of fn in each variant (name -> (library, uneven)), the variants taking turns call by
+    call, in an order that rotates every round, so that no variant always runs right after the same other one.
+    make_calls(flags) gives one call per flag (uneven or not) in the order they run (calls_for: consecutive calls
+    share no expert)."""
+    names = list(variants)
+    order = [names[(j + r) % len(names)] for r in range(-warmup, rounds) for j in range(len(names))]
+    calls = make_calls([variants[name][1] for name in order])
     times = {name: [] for name in names}
-    rounds = len(calls) // len(names)
-    for r in range(-warmup, rounds):
-        for j in range(len(names)):
-            name = names[(j + r) % len(names)]
-            cq.use_library(builds[name])
-            t = time.perf_counter()
-            fn(*calls[(r % rounds) * len(names) + j])  # the warm-up rounds run the last rounds' calls
-            if r >= 0:
-                times[name].append(time.perf_counter() - t)
+    for i, (name, call) in enumerate(zip(order, calls)):
+        cq.use_library(variants[name][0])
+        t = time.perf_counter()
+        fn(*call)
+        if i >= warmup * len(names):
+            times[name].append(time.perf_counter() - t)
     return {name: statistics.median(v) for name, v in times.items()}
 
 
@@ -158,6 +177,8 @@ def main():
                     help="also measure cpu_quant.c built with these flags, alternating with the default build")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes and 3 calls: the script runs, numbers mean nothing")
     ap.add_argument("--no-bf16", action="store_true")
+    ap.add_argument("--uneven", action="store_true",
+                    help="also time each packed case with as many tokens dealt unevenly (rows marked ~), in turns")
     args = ap.parse_args()
     if not cq.available():
         sys.exit(f"packed kernel unavailable: {cq.unavailable_reason()}")
@@ -202,19 +223,21 @@ def main():
                 w = w.with_function(torch.randn(E, 2 * F).bfloat16(), torch.randn(E, H).bfloat16(),
                                     ClampedSwiGLU(alpha=1.702, limit=7.0))
             for path in paths:
-                rows = {b: [] for b in builds}
+                labels = {(b, u): (f"{fmt}/{b}" if b else fmt) + ("~" if u else "")
+                          for b in builds for u in ([False, True] if args.uneven else [False])}
+                rows = {label: [] for label in labels.values()}
                 for T in tokens:
-                    calls = calls_for(E, per_call, T, H, n_calls * len(builds), gen)
                     for lib in builds.values():
                         cq.use_library(lib)
                         cq.set_path(path)
-                    sec = timed_builds(builds, lambda x, pe: cq.experts_forward_routed(
-                        x, pe, 1, None, w, torch.empty(pe.numel(), H, dtype=torch.bfloat16)), calls)
-                    for b in builds:
-                        rows[b].append(f"{sec[b] * 1e3:9.3f} {per_call * w.expert_bytes / sec[b] / 1e9:6.1f}")
-                for b in builds:
-                    label = f"{fmt}/{b}" if b else fmt
-                    print(f"{label:>{width}} {path:>5} " + " ".join(rows[b]))
+                    variants = {label: (builds[b], u) for (b, u), label in labels.items()}
+                    sec = timed_builds(variants, lambda x, pe: cq.experts_forward_routed(
+                        x, pe, 1, None, w, torch.empty(pe.numel(), H, dtype=torch.bfloat16)),
+                        lambda flags: calls_for(E, per_call, T, H, len(flags), gen, uneven=flags), n_calls)
+                    for label in rows:
+                        rows[label].append(f"{sec[label] * 1e3:9.3f} {per_call * w.expert_bytes / sec[label] / 1e9:6.1f}")
+                for label in rows:
+                    print(f"{label:>{width}} {path:>5} " + " ".join(rows[label]))
             del w
     for lib in builds.values():
         cq.use_library(lib)
