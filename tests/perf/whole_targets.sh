@@ -17,6 +17,9 @@
 # (mixtral and qwen3 by default)
 # ROUTING=no-locality (or conversation): our plain decode runs replay spread routing (bench/routing.py), where the
 # random weights' own routers favour a few experts that the GPU then holds; llama-bench routes as its file does.
+# OURS_FIRST=1: ours on the shape also runs first, before the GGUF is written and llama.cpp runs (a summary line
+# beside the usual run): whether what runs before ours on the machine moves its figures (docs/measurements.md,
+# "Session 59").
 set -uo pipefail
 . tests/perf/gpu_env.sh
 LLB=${LLB:-/tmp/llb}; SWEEP=${SWEEP:-3}; W=/tmp/whole; mkdir -p "$W"
@@ -24,6 +27,11 @@ MODELS=${*:-mixtral qwen3}
 [ -x "$LLB/bin/llama-bench" ] && [ -x "$LLB/bin/llama-batched-bench" ] \
   || { echo "no llama-bench/llama-batched-bench in $LLB: run tests/perf/llamacpp_engine_gpu.sh build first"; exit 1; }
 clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }  # each side starts from a cold page cache
+
+ours() {  # ours on the model's shape built in memory, routed as ROUTING says: ours NAME (the loop's $m, $shape...)
+  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format "$fmt" --gpu-budget "$gib" --prefill 512 \
+    --routing "${ROUTING:-model}" --json > "$W/${m}_$1.json" 2> "$W/${m}_$1.log" || tail -n 5 "$W/${m}_$1.log"
+}
 
 for m in $MODELS; do
   case $m in
@@ -35,6 +43,7 @@ for m in $MODELS; do
              write=(python3 tests/perf/make_family_gguf.py gpt-oss-20b "$W/$m.gguf" 24) ;;
     *) echo "unknown model $m (mixtral, qwen3, gpt-oss)"; exit 2 ;;
   esac
+  [ "${OURS_FIRST:-0}" = 0 ] || { clean; ours ours_first; }
   [ -f "$W/$m.gguf" ] || "${write[@]}" > "$W/${m}_write.log" 2>&1 || { tail -n 5 "$W/${m}_write.log"; continue; }
   least=$(python3 -m moedesk.bench.budget --ncmoe "$shape" 0 "$gib" $((512 + 64 + 1)) "$fmt")
   sweep=$(seq "$least" $((least + SWEEP > layers ? layers : least + SWEEP)); echo "$layers")
@@ -66,8 +75,7 @@ PY
     --prefill 512 --json > "$W/${m}_file.json" 2> "$W/${m}_file.log" || tail -n 5 "$W/${m}_file.log"
   rm -f "$W/$m.gguf"  # the disk and the page cache back for our banks
   clean
-  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format "$fmt" --gpu-budget "$gib" --prefill 512 \
-    --routing "${ROUTING:-model}" --json > "$W/${m}_ours.json" 2> "$W/${m}_ours.log" || tail -n 5 "$W/${m}_ours.log"
+  ours ours
 done
 
 python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
@@ -97,6 +105,12 @@ for m in models:
     except (FileNotFoundError, ValueError, KeyError):
         on_file = {}
     print(f"  moedesk routed by {report.get('routing', 'model')}; {report.get('experts_on_gpu')} experts on the GPU")
+    try:  # OURS_FIRST: the same bench before llama.cpp ran on the machine
+        first = {r["mode"]: r["tok_s"] for r in json.load(open(f"{w}/{m}_ours_first.json"))["results"]}
+        print("  moedesk before llama.cpp ran: " + ", ".join(f"{mode} {first[mode]:.1f}" for mode in
+                                                             ("decode", "prefill", "batched_decode") if mode in first))
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
     batched = None
     try:  # llama-batched-bench's S_TG t/s column on the 16-sequence row
         rows = [line for line in open(f"{w}/{m}_llama_batched.txt") if re.match(r"\|\s+128", line)]
