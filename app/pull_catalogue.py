@@ -31,6 +31,13 @@ CATALOGUE: dict[str, CatalogueEntry] = {
                                    "OpenAI gpt-oss 120B, 128 experts, MXFP4 as released"),
     "glm-4.5-air": CatalogueEntry("unsloth/GLM-4.5-Air-GGUF", "Q4_K_M", "zai-org/GLM-4.5-Air",
                                   "GLM-4.5-Air 106B, 128 experts, 12B active"),
+    # Qwen3.5 and 3.6 as Ollama names them; their checkpoints are multimodal, moedesk runs the text model
+    "qwen3.5:35b": CatalogueEntry("unsloth/Qwen3.5-35B-A3B-GGUF", "Q4_K_M", "Qwen/Qwen3.5-35B-A3B",
+                                  "Qwen3.5 35B, 256 experts and a shared one, 3B active; text only"),
+    "qwen3.6:35b": CatalogueEntry("ggml-org/Qwen3.6-35B-A3B-GGUF", "Q4_K_M", "Qwen/Qwen3.6-35B-A3B",
+                                  "Qwen3.6 35B, 3B active; text only"),
+    "glm-4.7-flash": CatalogueEntry("unsloth/GLM-4.7-Flash-GGUF", "Q4_K_M", "zai-org/GLM-4.7-Flash",
+                                    "GLM-4.7-Flash, 3B active, latent attention (MLA)"),
     "mixtral:8x7b": CatalogueEntry("TheBloke/Mixtral-8x7B-Instruct-v0.1-GGUF", "Q4_K_M",
                                    "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B Instruct, 8 experts, top-2"),
 }

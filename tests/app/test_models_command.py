@@ -280,10 +280,24 @@ def test_catalogue_names_resolve_to_repos_and_quantisations():
                                                                                      "q8_0")
     assert pull_catalogue.resolve("gpt-oss:20b") == pull_catalogue.PullTarget("ggml-org/gpt-oss-20b-GGUF", "MXFP4")
     assert pull_catalogue.resolve("gpt-oss:120b:safetensors").repo_id == "openai/gpt-oss-120b"
+    assert pull_catalogue.resolve("qwen3.5:35b") == pull_catalogue.PullTarget("unsloth/Qwen3.5-35B-A3B-GGUF", "Q4_K_M")
+    assert pull_catalogue.resolve("Qwen3.6:35B:Q8_0") == pull_catalogue.PullTarget("ggml-org/Qwen3.6-35B-A3B-GGUF",
+                                                                                   "q8_0")
+    assert pull_catalogue.resolve("glm-4.7-flash:safetensors") == pull_catalogue.PullTarget("zai-org/GLM-4.7-Flash",
+                                                                                            "safetensors")
     assert pull_catalogue.resolve("Org/Repo:q4_k_m") == pull_catalogue.PullTarget("Org/Repo", "q4_k_m")
     assert pull_catalogue.resolve("Org/Repo") == pull_catalogue.PullTarget("Org/Repo", None)
     for name, entry in pull_catalogue.CATALOGUE.items():
         assert entry.gguf_repo.count("/") == 1 and entry.safetensors_repo.count("/") == 1, name
+
+
+def test_the_models_guide_lists_every_short_name_with_its_repos():
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in guide.splitlines() if line.startswith("| `")}
+    assert set(rows) == set(pull_catalogue.CATALOGUE)
+    for name, entry in pull_catalogue.CATALOGUE.items():
+        row = rows[name]
+        assert entry.gguf_repo in row and f"`{entry.default_tag.lower()}`" in row and entry.safetensors_repo in row
 
 
 def test_pull_of_an_unknown_short_name_is_one_line_and_exit_2(capsys):
