@@ -252,24 +252,6 @@ def run_ps(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
 # moedesk pull
 # ---------------------------------------------------------------------------------------------------------------
 
-def pick_choice(listing, tag: str | None):
-    """The DownloadChoice a pull's tag names in the repo's listing. Raises MoedeskError (one line) when there
-    is none, naming the tags there are."""
-    from moedesk.app.pull_catalogue import SAFETENSORS
-
-    if tag is None:
-        choice = listing.default_choice()
-    elif tag.lower() == SAFETENSORS:
-        choice = next((c for c in listing.choices if c.kind == "safetensors"), None)
-    else:
-        choice = next((c for c in listing.choices if c.kind == "gguf" and c.name.lower() == tag.lower()), None)
-    if choice is None:
-        tags = ", ".join(c.name.lower() for c in listing.choices) or "none: no .safetensors or .gguf weights"
-        asked = f":{tag}" if tag else " (several quantisations: add one as a tag)"
-        raise MoedeskError(f"pull {listing.repo_id}{asked}: no such choice; its tags: {tags}")
-    return choice
-
-
 def memory_line(listing, choice) -> str:
     """The loaded-memory estimate the download wizard shows, for this machine and the settings' dtypes."""
     from moedesk.app import download as dl
@@ -294,7 +276,7 @@ def run_pull(args: argparse.Namespace, stderr: TextIO | None = None, stdout: Tex
     """0: pulled (the --model value to stdout); 1: the download failed; 2: an unknown name or tag; 130:
     interrupted, partial files kept for the next pull."""
     from moedesk.app import download as dl
-    from moedesk.app.pull_catalogue import resolve
+    from moedesk.app.pull_catalogue import pick_choice, resolve
 
     stderr, stdout = stderr or sys.stderr, stdout or sys.stdout
 

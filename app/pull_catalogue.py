@@ -71,3 +71,19 @@ def resolve(name: str, catalogue: dict[str, CatalogueEntry] | None = None) -> Pu
     if tag == SAFETENSORS:
         return PullTarget(entry.safetensors_repo, SAFETENSORS)
     return PullTarget(entry.gguf_repo, tag)
+
+
+def pick_choice(listing, tag: str | None):
+    """The DownloadChoice a pull's tag names in the repo's listing. Raises MoedeskError (one line) when there
+    is none, naming the tags there are."""
+    if tag is None:
+        choice = listing.default_choice()
+    elif tag.lower() == SAFETENSORS:
+        choice = next((c for c in listing.choices if c.kind == "safetensors"), None)
+    else:
+        choice = next((c for c in listing.choices if c.kind == "gguf" and c.name.lower() == tag.lower()), None)
+    if choice is None:
+        tags = ", ".join(c.name.lower() for c in listing.choices) or "none: no .safetensors or .gguf weights"
+        asked = f":{tag}" if tag else " (several quantisations: add one as a tag)"
+        raise MoedeskError(f"pull {listing.repo_id}{asked}: no such choice; its tags: {tags}")
+    return choice

@@ -91,7 +91,7 @@ class PullApi:
 def _download(target, put, cancel: threading.Event) -> None:
     """The pull itself, on a thread: Ollama's progress lines through `put`, then None."""
     from moedesk.app import download as dl
-    from moedesk.app.models_command import pick_choice
+    from moedesk.app.pull_catalogue import pick_choice
 
     try:
         put({"status": "pulling manifest"})

@@ -240,6 +240,26 @@ async def test_lists_the_choices_with_sizes_and_what_fits(hub, engine, tmp_path)
 
 
 @pytest.mark.anyio
+async def test_a_pull_short_name_lists_its_repo_with_its_quantisation_highlighted(hub, engine, monkeypatch):
+    from moedesk.app import pull_catalogue
+
+    monkeypatch.setitem(pull_catalogue.CATALOGUE, "tiny:1b",
+                        pull_catalogue.CatalogueEntry(REPO, "Q8_0", REPO, "a test model"))
+    app = MoedeskApp(engine)
+    async with app.run_test(size=(100, 30)) as pilot:
+        screen = await open_wizard(pilot)
+        for typed, picked in (("tiny:1b", "Q8_0"), ("Tiny:1B:q4_k_m", "Q4_K_M"), ("tiny:1b:safetensors", "safetensors")):
+            await list_repo(pilot, screen, typed)
+            assert screen.listing.repo_id == REPO and screen.highlighted_choice().name == picked, typed
+            assert f"{REPO} @ " in status(screen) and "-error" not in screen.query_one("#download-status").classes
+        await list_repo(pilot, screen, "tiny:1b:q2_k")  # a tag the repo lacks: the default, and a word about it
+        assert screen.highlighted_choice().name == "safetensors" and "no q2_k here" in status(screen)
+        await list_repo(pilot, screen, "tiny:2b")  # neither a short name nor a repo id: one line naming the names
+        assert status(screen).startswith("'tiny:2b' is neither a repo id (OWNER/NAME) nor a short name moedesk knows")
+        assert "tiny:1b" in status(screen) and "-error" in screen.query_one("#download-status").classes
+
+
+@pytest.mark.anyio
 async def test_the_estimate_follows_the_expert_dtype_setting(hub, engine, tmp_path):
     """int4 from the settings: the tiny model's gate/up rows (64 wide) become q4_0, 18 bytes per 32 weights; its
     down rows (48 wide: not whole blocks) stay float32. F2 in the wizard to bf16 turns the experts 16-bit (float32

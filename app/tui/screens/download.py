@@ -1,5 +1,8 @@
 """The download wizard: a Hub repo id → its download choices with sizes → one choice into the HF cache.
 
+A `moedesk pull` short name (app.pull_catalogue: `qwen3.5:35b`, `glm-4.5-air:q8_0`) lists the repo it names, with
+the quantisation it names highlighted.
+
 `app.download` does the work and knows nothing of Textual; here it runs in thread workers. Listing
 answers with a message; download progress comes back through `call_from_thread`; every failure is
 one line in the status. Cancelling keeps the partial files, and downloading the same choice again
@@ -40,11 +43,12 @@ from textual.widgets import Button, Footer, Header, Input, OptionList, ProgressB
 from textual.widgets.option_list import Option
 
 from moedesk.app import download as dl
+from moedesk.app import pull_catalogue
 from moedesk.app.tui.catalog import estimate_line, gguf_engine_plan
 from moedesk.app.tui.load_target import LoadTarget, load_target
 from moedesk.app.tui.widgets.fit_view import FitView
 from moedesk.app.tui.widgets.load_panel import one_line
-from moedesk.engine.errors import UnsupportedModelError
+from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.selection import not_gguf
 
 
@@ -60,12 +64,26 @@ def repo_id_problem(repo_id: str) -> str | None:
         return "type a repo id first: OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B"
     if re.search(r"\s", repo_id):
         return f"{repo_id!r} has a space in it: a repo id is OWNER/NAME, e.g. Qwen/Qwen3-30B-A3B"
+    if ":" in repo_id and "/" not in repo_id:
+        return (f"{repo_id!r} is neither a repo id (OWNER/NAME) nor a short name moedesk knows "
+                f"({', '.join(pull_catalogue.CATALOGUE)})")
     if repo_id.count("/") > 1:
         return f"{repo_id!r} has more than one /: a repo id is OWNER/NAME (a path inside a repo cannot be listed)"
     if not REPO_ID.fullmatch(repo_id):
         return (f"{repo_id!r} is not a repo id: OWNER/NAME of letters, digits, - _ and . "
                 "(e.g. Qwen/Qwen3-30B-A3B)")
     return None
+
+
+def short_name(text: str) -> pull_catalogue.PullTarget | None:
+    """The repo and tag a `moedesk pull` short name stands for (`qwen3.5:35b`, `glm-4.5-air:q8_0`), None for
+    anything else (a repo id is listed as typed)."""
+    if "/" in text:
+        return None
+    try:
+        return pull_catalogue.resolve(text)
+    except MoedeskError:
+        return None
 
 
 def _unreachable(error: BaseException) -> bool:
@@ -194,14 +212,15 @@ class DownloadScreen(Screen[str | None]):
         self.weights: dict[str, object] = {}  # choice name -> ModelWeights or why not; absent: not read (yet)
         self._reading: set[str] = set()
         self.target: LoadTarget | None = None  # what the estimate shown is for
+        self.wanted: pull_catalogue.PullTarget | None = None  # what a short name typed asks for
 
     def compose(self) -> ComposeResult:
         repo_id, revision = self.initial
         yield Header()
         with Vertical(id="download-body"):
             with Horizontal(id="download-repo-row"):
-                yield Input(repo_id, placeholder="repo id on the Hugging Face Hub, e.g. Qwen/Qwen3-30B-A3B",
-                            id="download-repo")
+                yield Input(repo_id, placeholder="repo id on the Hugging Face Hub, e.g. Qwen/Qwen3-30B-A3B, or a "
+                                                 "short name: qwen3.5:35b", id="download-repo")
                 yield Input(revision, placeholder="revision: main", id="download-revision")
                 yield Button("List files", id="download-list")
             yield OptionList(id="download-choices")
@@ -277,6 +296,9 @@ class DownloadScreen(Screen[str | None]):
             return
         repo_id = self.query_one("#download-repo", Input).value.strip()
         revision = self.query_one("#download-revision", Input).value.strip() or None
+        self.wanted = short_name(repo_id)
+        if self.wanted is not None:
+            repo_id = self.wanted.repo_id
         problem = repo_id_problem(repo_id)
         if problem:
             self._status(problem, "error")
@@ -318,11 +340,16 @@ class DownloadScreen(Screen[str | None]):
             self._set_buttons()
             return
         self.choices.add_options(Option(choice_label(c), id=c.name) for c in listing.choices)
-        default = listing.default_choice()
+        default, missing = listing.default_choice(), ""
+        if self.wanted is not None:
+            try:
+                default = pull_catalogue.pick_choice(listing, self.wanted.tag)
+            except MoedeskError:
+                missing = f" · no {self.wanted.tag} here"
         self.choices.highlighted = listing.choices.index(default) if default is not None else 0
         self.choices.focus()
         self._set_buttons()
-        count = f"{len(listing.choices)} choice" + ("s" if len(listing.choices) != 1 else "")
+        count = f"{len(listing.choices)} choice" + ("s" if len(listing.choices) != 1 else "") + missing
         if listing.gated:
             self._status(f"{where}: {count} · gated model: accept its licence on the Hub and log in with "
                          "`hf auth login` first, or the download is refused", "warning")
