@@ -42,6 +42,9 @@ CATALOGUE: dict[str, CatalogueEntry] = {
                                    "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B Instruct, 8 experts, top-2"),
 }
 
+# Other names people type for the same models: Ollama's own tags, and the names with the active parameters spelt out.
+ALIASES = {"qwen3:30b": "qwen3:30b-a3b", "qwen3.5:35b-a3b": "qwen3.5:35b", "qwen3.6:35b-a3b": "qwen3.6:35b"}
+
 SAFETENSORS = "safetensors"
 
 
@@ -59,11 +62,11 @@ def resolve(name: str, catalogue: dict[str, CatalogueEntry] | None = None) -> Pu
         repo, _, tag = name.partition(":")
         return PullTarget(repo, tag or None)
     lowered = name.lower()
-    if lowered in catalogue:
-        entry, tag = catalogue[lowered], None
+    if ALIASES.get(lowered, lowered) in catalogue:
+        entry, tag = catalogue[ALIASES.get(lowered, lowered)], None
     else:
         base, _, tag = lowered.rpartition(":")
-        entry = catalogue.get(base) if base else None
+        entry = catalogue.get(ALIASES.get(base, base)) if base else None
         if entry is None or not tag:
             raise MoedeskError(f"pull {name}: not a model moedesk knows by name (known: {', '.join(catalogue)}); "
                                "or give a Hugging Face repo id, OWNER/NAME")

@@ -283,6 +283,9 @@ def test_catalogue_names_resolve_to_repos_and_quantisations():
     assert pull_catalogue.resolve("qwen3.5:35b") == pull_catalogue.PullTarget("unsloth/Qwen3.5-35B-A3B-GGUF", "Q4_K_M")
     assert pull_catalogue.resolve("Qwen3.6:35B:Q8_0") == pull_catalogue.PullTarget("ggml-org/Qwen3.6-35B-A3B-GGUF",
                                                                                    "q8_0")
+    for alias, name in (("qwen3:30b", "qwen3:30b-a3b"), ("Qwen3.5:35B-A3B", "qwen3.5:35b")):  # Ollama's and spelt out
+        assert pull_catalogue.resolve(alias) == pull_catalogue.resolve(name)
+        assert pull_catalogue.resolve(f"{alias}:q8_0") == pull_catalogue.resolve(f"{name}:q8_0")
     assert pull_catalogue.resolve("glm-4.7-flash:safetensors") == pull_catalogue.PullTarget("zai-org/GLM-4.7-Flash",
                                                                                             "safetensors")
     assert pull_catalogue.resolve("Org/Repo:q4_k_m") == pull_catalogue.PullTarget("Org/Repo", "q4_k_m")
