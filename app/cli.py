@@ -79,6 +79,19 @@ def decoding_flags(args) -> dict:
     return {k: v for k, v in flags.items() if v is not None}
 
 
+def model_specs(args: argparse.Namespace) -> None:
+    """--model's values as the engine loads them: a `moedesk pull` short name becomes the files it pulled
+    (app.pull_catalogue.local_model; one not pulled yet raises MoedeskError), anything else stays as typed."""
+    from moedesk.app.pull_catalogue import local_model
+
+    model = getattr(args, "model", None)
+    args.model_typed = model  # what serve names its models by
+    if isinstance(model, str):
+        args.model = local_model(model) or model
+    elif isinstance(model, list):
+        args.model = [local_model(m) or m for m in model]
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, several: bool = False,
                         key_flag: str = "--api-key") -> None:
     """The flags that say which model to load and how. engine: offer --engine (not where only the native engine
@@ -86,12 +99,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, engine: bool = True, se
     key_flag: the remote server's key (serve's own --api-key is the key it asks of its clients)."""
     if several:
         parser.add_argument("--model", action="append", default=None,
-                            help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF "
-                                 "cache; repeat it to serve several, the first loaded at start (default: demo)")
+                            help="'demo', a Hugging Face model folder, a .gguf file, a repo id in the local HF "
+                                 "cache, or a name `moedesk pull` fetched; repeat it to serve several, the first "
+                                 "loaded at start (default: demo)")
     else:
         parser.add_argument("--model", default="demo",
-                            help="'demo', a Hugging Face model folder, a .gguf file, or a repo id in the local HF "
-                                 "cache (default: demo)")
+                            help="'demo', a Hugging Face model folder, a .gguf file, a repo id in the local HF "
+                                 "cache, or a name `moedesk pull` fetched (default: demo)")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="weights and activations (default: the app's weights dtype setting for chat and batch, "
@@ -541,15 +555,18 @@ def serve_pool(args, sources: list[str], load, keep_alive):
     from moedesk.engine.load.size_estimate import summarize_path
     from moedesk.engine.selection import model_path
 
-    names = [args.model_name or sources[0], *sources[1:]]
+    from moedesk.app.pull_catalogue import local_model
+
+    typed = getattr(args, "model_typed", None) or sources  # a pulled short name is served by that name
+    names = [args.model_name or typed[0], *typed[1:]]
 
     def locate(name: str) -> str | None:
         own = models_dir() / name  # moedesk's own models folder, then what --model would find
         if "/" not in name.strip("/") and own.exists() and model_path(str(own)) is not None:
             return str(own)
         try:
-            return name if model_path(name) is not None else None
-        except Exception:  # noqa: BLE001 -- a name that is no model: unknown, not an error
+            return local_model(name) or (name if model_path(name) is not None else None)
+        except Exception:  # noqa: BLE001 -- a name that is no model (or a short name not pulled): unknown, not an error
             return None
 
     def discover() -> list[str]:
@@ -688,6 +705,7 @@ def main(argv=None) -> int:
         from moedesk.app.models_command import COMMANDS as model_commands
 
         commands.update(model_commands)
+        model_specs(args)
         return commands[args.command](args)
     except MoedeskError as e:
         print(f"moedesk: {e}", file=sys.stderr)

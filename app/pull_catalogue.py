@@ -9,6 +9,7 @@ when pulling (app.download.group_choices), so the table holds only repo ids and 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from moedesk.engine.errors import MoedeskError
@@ -90,3 +91,29 @@ def pick_choice(listing, tag: str | None):
         asked = f":{tag}" if tag else " (several quantisations: add one as a tag)"
         raise MoedeskError(f"pull {listing.repo_id}{asked}: no such choice; its tags: {tags}")
     return choice
+
+
+def local_model(name: str) -> str | None:
+    """What `--model NAME` loads when NAME is a short name pulled before (as `ollama run` takes what `ollama pull`
+    fetched): its quantisation's .gguf in the Hugging Face cache (a split one's first part), or for `:safetensors`
+    its repo id. None when NAME is no short name, or is a path on disk. Raises MoedeskError (one line) for a short
+    name whose files are not here yet."""
+    if "/" in name or os.path.exists(os.path.expanduser(name)):
+        return None
+    try:
+        target = resolve(name)
+    except MoedeskError:
+        return None
+    from moedesk.app.download import gguf_quant
+    from moedesk.engine.load.checkpoint import model_path
+
+    folder = model_path(target.repo_id)
+    if folder is not None and target.tag == SAFETENSORS:
+        if any(folder.glob("*.safetensors")):
+            return target.repo_id
+    elif folder is not None:
+        parts = sorted(p for p in folder.rglob("*.gguf")
+                       if not p.name.lower().startswith("mmproj") and gguf_quant(p.name).lower() == target.tag.lower())
+        if parts:
+            return str(parts[0])
+    raise MoedeskError(f"{name} is not on this computer yet: `moedesk pull {name}` downloads it")

@@ -330,6 +330,29 @@ def test_pull_resolves_a_short_name_and_resumes_an_interrupted_download(hub, cap
     assert Path(capsys.readouterr().out.strip()).name == "tiny-Q8_0.gguf"
 
 
+def test_a_pulled_short_name_is_what_model_loads(hub, capsys, tmp_path, monkeypatch):
+    # Before the pull: one line that says how to get it, for every command that takes --model.
+    for command in (["batch", "in.jsonl", "-o", "out.jsonl"], ["profile"], ["serve"]):
+        assert main([*command, "--model", "tiny:1b"]) == 2, command
+        assert one_line(capsys.readouterr().err) == (
+            "moedesk: tiny:1b is not on this computer yet: `moedesk pull tiny:1b` downloads it")
+    assert main(["pull", "tiny:1b"]) == 0
+    pulled = capsys.readouterr().out.strip()
+    assert pull_catalogue.local_model("tiny:1b") == pulled == pull_catalogue.local_model("TINY:1B:q4_k_m")
+    with pytest.raises(MoedeskError, match="tiny:1b:q8_0 is not on this computer yet"):
+        pull_catalogue.local_model("tiny:1b:q8_0")  # the repo is there, that quantisation is not
+    with pytest.raises(MoedeskError, match="tiny:1b:safetensors is not on this computer yet"):
+        pull_catalogue.local_model("tiny:1b:safetensors")
+    assert main(["pull", "tiny:1b:safetensors"]) == 0
+    assert pull_catalogue.local_model("tiny:1b:safetensors") == capsys.readouterr().out.strip() == "moe/tiny"
+    # Anything else is left to the loader as typed: paths, repo ids, other names; a folder of that name wins.
+    for other in ("demo", "moe/tiny-GGUF", "llama9:1b", str(tmp_path)):
+        assert pull_catalogue.local_model(other) is None
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny:1b").mkdir()
+    assert pull_catalogue.local_model("tiny:1b") is None
+
+
 def test_pull_shows_the_memory_estimate_before_downloading_safetensors(hub, tiny_checkpoint, capsys, monkeypatch):
     import torch
 

@@ -201,6 +201,40 @@ def test_serve_finds_models_in_the_local_caches_and_checks_its_flags(folders, tm
     assert pool.need(folders["beta"]) == summarize_path(folders["beta"]).estimate("auto", "float32").ram_bytes(False)
 
 
+def test_serve_names_a_pulled_short_name_by_that_name_and_finds_others_pulled(folders, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from moedesk.app import pull_catalogue
+    from moedesk.app.cli import model_specs
+
+    hub = tmp_path / "hub"
+    for repo, quant in (("org/tiny-GGUF", "Q4_K_M"), ("org/other-GGUF", "Q8_0")):  # what `moedesk pull` leaves
+        folder = hub / f"models--{repo.replace('/', '--')}"
+        (folder / "snapshots" / "abc123").mkdir(parents=True)
+        shutil.copy(tiny_gguf(tmp_path), folder / "snapshots" / "abc123" / f"tiny-{quant}.gguf")
+        (folder / "refs").mkdir()
+        (folder / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setenv("MOEDESK_MODELS_DIR", str(tmp_path / "no-models"))
+    for name, repo, quant in (("tiny:1b", "org/tiny-GGUF", "Q4_K_M"), ("other:2b", "org/other-GGUF", "Q8_0")):
+        monkeypatch.setitem(pull_catalogue.CATALOGUE, name, pull_catalogue.CatalogueEntry(repo, quant, "org/x", ""))
+    args = build_parser().parse_args(["serve", "--model", "tiny:1b", "--device", "cpu"])
+    model_specs(args)
+    pulled = str(hub / "models--org--tiny-GGUF" / "snapshots" / "abc123" / "tiny-Q4_K_M.gguf")
+    assert args.model == [pulled]
+    pool = serve_pool(args, args.model, load, 300)
+    assert [(e.name, e.source) for e in pool.entries] == [("tiny:1b", pulled)]
+    other = pool.find("other:2b:latest")  # pulled, not given to --model: found as Ollama finds what it pulled
+    assert other.name == "other:2b" and other.source.endswith("models--org--other-GGUF/snapshots/abc123/tiny-Q8_0.gguf")
+    assert pool.find("tiny:1b:q8_0") is None  # that quantisation was not pulled
+
+
+def tiny_gguf(tmp_path):
+    from tests.load.test_gguf_header import write_moe_gguf
+
+    return write_moe_gguf(tmp_path / "tiny.gguf", layers=(("q8_0", "q8_0"),), H=256, F=256)[0]
+
+
 def test_moedesk_serve_with_two_models_as_users_start_it(folders):
     """`moedesk serve --model A --model B --keep-alive 0` in a subprocess: the first loads at start and stays
     until used, the second on its first request, then each unloads after its request."""
