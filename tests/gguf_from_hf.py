@@ -1,5 +1,5 @@
-"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2,
-LFM2-MoE), written from tiny random transformers checkpoints with the gguf package: the test side of llama.cpp's
+"""Tiny GGUFs of 2026's MoE families (gpt-oss, Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, GLM-4.7-Flash, DeepSeek-V3,
+MiniMax-M2, LFM2-MoE), written from tiny random transformers checkpoints with the gguf package: the test side of llama.cpp's
 convert_hf_to_gguf.py.
 
 `build(family, folder)` saves a transformers checkpoint (its Hub layout: one tensor per expert) and writes
@@ -289,6 +289,16 @@ def _deepseek_v3_metadata(w, cfg: dict) -> None:
     _routed_metadata(w, cfg)
 
 
+def _glm4_moe_lite_metadata(w, cfg: dict) -> None:
+    """GLM-4.7-Flash, which llama.cpp's converter writes as deepseek2 (its Glm4MoeLiteModel): DeepSeek-V3's keys, the
+    dense first layers counted from the config's mlp_layer_types where transformers keeps them."""
+    types = cfg.get("mlp_layer_types") or []
+    dense = cfg.get("first_k_dense_replace")
+    if dense is None:
+        dense = next((i for i, t in enumerate(types) if t != "dense"), len(types))
+    _deepseek_v3_metadata(w, {**cfg, "first_k_dense_replace": dense})
+
+
 def _minimax_m2_tensors(cfg: dict, tensors: Tensors) -> Iterator[tuple[str, torch.Tensor]]:
     yield from _renamed_correction_bias(_stack_experts(tensors)).items()
 
@@ -381,6 +391,14 @@ FAMILIES = {
              norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16,
              v_head_dim=16, num_nextn_predict_layers=0),
         _deepseek_v3_metadata, _deepseek_v3_tensors),
+    "glm4-moe-lite": Family(
+        "deepseek2", "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM",
+        # GLM-4.7-Flash: DeepSeek-V3's MLA and routing under GLM's names, its dense layers in mlp_layer_types.
+        dict(MOE_COMMON, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+             n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.8, kv_lora_rank=32, q_lora_rank=48,
+             qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+             mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+        _glm4_moe_lite_metadata, _deepseek_v3_tensors),
     "minimax-m2": Family(
         "minimax-m2", "MiniMaxM2Config", "MiniMaxM2ForCausalLM",
         # MiniMax-M2's shape: q/k norms over all heads at once, half of each head rotated, sigmoid routing

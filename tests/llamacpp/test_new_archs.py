@@ -1,5 +1,6 @@
 """llama.cpp runs 2026's MoE families as transformers does: tiny random checkpoints of gpt-oss (float and, as
-released, MXFP4 experts), Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, DeepSeek-V3, MiniMax-M2 and LFM2-MoE, written as
+released, MXFP4 experts), Qwen3.5-MoE, Qwen3-Next, GLM-4.x-MoE, GLM-4.7-Flash (a deepseek2 file, as llama.cpp's
+converter writes it), DeepSeek-V3, MiniMax-M2 and LFM2-MoE, written as
 GGUF by tests/gguf_from_hf.py, through llama-cpp-python's bundled llama.cpp on the CPU, and through moedesk's
 Engine.
 
@@ -11,7 +12,7 @@ rotated one pair of Qwen3.5's rotary dims by position 0 kept the greedy ids of t
 logits 2e-2 apart. Flash attention (what moedesk's llama.cpp engine runs, as llama-server does) rounds
 differently: exact for gpt-oss, qwen35moe, qwen3next, deepseek2 and lfm2moe; 47 of 48 top-1 for glm4moe (one
 token whose group-limited routing is a near-tie, group scores 2e-5 apart, choosing the other group) and for
-minimax-m2 (one token whose two best logits are 1.4e-4 apart).
+minimax-m2 (one token whose two best logits are 1.4e-4 apart); 47 of 48 for GLM-4.7-Flash (not traced).
 """
 from __future__ import annotations
 
@@ -37,8 +38,8 @@ LOGIT_TOLERANCE = 5e-3  # observed: at most 1.5e-3 on logits of standard deviati
 # nibbles of a block in the Hub's order instead of GGUF's, 2.2 and no greedy token right).
 LOGIT_TOLERANCES = {"gpt-oss-mxfp4": 0.1}
 # Teacher-forced top-1 agreement with transformers under flash attention, per family (the issue's floor: 95%).
-FLASH_AGREEMENT = {"gpt-oss": 1.0, "qwen35moe": 1.0, "deepseek2": 1.0, "glm4moe": 0.95, "minimax-m2": 0.95,
-                   "qwen3next": 1.0, "lfm2moe": 1.0, "gpt-oss-mxfp4": 1.0}
+FLASH_AGREEMENT = {"gpt-oss": 1.0, "qwen35moe": 1.0, "deepseek2": 1.0, "glm4-moe-lite": 0.95, "glm4moe": 0.95,
+                   "minimax-m2": 0.95, "qwen3next": 1.0, "lfm2moe": 1.0, "gpt-oss-mxfp4": 1.0}
 # The writer's Qwen3-MoE is for tests of a thinking template on llama.cpp (test_reasoning.py); the native engine runs
 # it, and tests/load checks native GGUF reading.
 NEW_FAMILIES = sorted(set(FAMILIES) - {"qwen3moe"})
@@ -227,6 +228,8 @@ def routed_expert_bytes(config, mxfp4: bool = False) -> int:
     experts = next(getattr(config, k) for k in ("n_routed_experts", "num_experts", "num_local_experts")
                    if getattr(config, k, None))
     dense = getattr(config, "first_k_dense_replace", None) or getattr(config, "num_dense_layers", None) or 0
+    if getattr(config, "mlp_layer_types", None):  # GLM-4.7-Flash: a type per layer
+        dense = config.mlp_layer_types.count("dense")
     moe_layers = config.num_hidden_layers - dense
     return moe_layers * experts * 3 * h * f * 4
 
