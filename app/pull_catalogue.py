@@ -38,7 +38,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
     "qwen3.6:35b": CatalogueEntry("ggml-org/Qwen3.6-35B-A3B-GGUF", "Q4_K_M", "Qwen/Qwen3.6-35B-A3B",
                                   "Qwen3.6 35B, 3B active; text only"),
     "glm-4.7-flash": CatalogueEntry("unsloth/GLM-4.7-Flash-GGUF", "Q4_K_M", "zai-org/GLM-4.7-Flash",
-                                    "GLM-4.7-Flash, 3B active, latent attention (MLA)"),
+                                    "GLM-4.7-Flash, 64 experts, latent attention (MLA)"),
     "mixtral:8x7b": CatalogueEntry("TheBloke/Mixtral-8x7B-Instruct-v0.1-GGUF", "Q4_K_M",
                                    "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B Instruct, 8 experts, top-2"),
 }
