@@ -6,6 +6,9 @@ Without a tag the entry's default quantisation is taken, as Ollama's default tag
 Anything with a slash is a Hugging Face repo id instead (`OWNER/NAME[:TAG]`), pulled as `moedesk download`
 would. Which files a quantisation is (one file, or the parts of a split one) is read from the repo's listing
 when pulling (app.download.group_choices), so the table holds only repo ids and tags.
+
+Once pulled, the same name is a `--model` (`local_model`: the files in the Hugging Face cache), as `ollama run`
+takes what `ollama pull` fetched.
 """
 from __future__ import annotations
 
