@@ -108,7 +108,7 @@ def local_model(name: str) -> str | None:
     except MoedeskError:
         return None
     from moedesk.app.download import gguf_quant
-    from moedesk.engine.load.checkpoint import model_path
+    from moedesk.engine.selection import model_path
 
     folder = model_path(target.repo_id)
     if folder is not None and target.tag == SAFETENSORS:
