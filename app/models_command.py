@@ -37,14 +37,19 @@ def listed(model, requested: str = "auto") -> ListedModel:
     """A catalog.LocalModel as `moedesk list` shows it: the format from the file names, the engine from the
     architecture and the engine setting `requested` (catalog.row_engine, the Models screen's decision)."""
     from moedesk.app.download import gguf_quant
+    from moedesk.app.pull_catalogue import short_name
     from moedesk.app.tui.catalog import row_engine
 
     gguf = model.spec.endswith(".gguf")
-    fmt = f"GGUF {gguf_quant(Path(model.spec).name).upper()}" if gguf else "safetensors"
+    quant = gguf_quant(Path(model.spec).name) if gguf else ""
+    fmt = f"GGUF {quant.upper()}" if gguf else "safetensors"
     choice = row_engine(model, requested)
     name = model.spec
-    if model.source == "hf cache" and gguf:  # the repo id: what rm takes; the file is in the format column
-        name = "/".join(model.name.split("/")[:2])  # owner/repo, whatever sub-folder the file is in
+    if model.source == "hf cache" and gguf:
+        # A quantisation pulled by short name shows that name (what --model and rm take), else the repo id (what rm
+        # takes; the file is in the format column), whatever sub-folder the file is in
+        repo = "/".join(model.name.split("/")[:2])
+        name = short_name(repo, quant) or repo
     return ListedModel(name, fmt, model.size_bytes, model.arch, model.experts, choice.kind, model.source, model.note,
                        choice.why if choice.kind == "none" else "")
 

@@ -96,6 +96,15 @@ def pick_choice(listing, tag: str | None):
     return choice
 
 
+def short_name(repo_id: str, quant: str) -> str | None:
+    """The short name that pulls this quantisation of this GGUF repo (`qwen3.5:35b`, `qwen3.5:35b:q8_0`), None for a
+    repo the catalogue does not name: what `moedesk list` shows, and `--model` takes back (`local_model`)."""
+    for name, entry in CATALOGUE.items():
+        if entry.gguf_repo.lower() == repo_id.lower():
+            return name if quant.lower() == entry.default_tag.lower() else f"{name}:{quant.lower()}"
+    return None
+
+
 def local_model(name: str) -> str | None:
     """What `--model NAME` loads when NAME is a short name pulled before (as `ollama run` takes what `ollama pull`
     fetched): its quantisation's .gguf in the Hugging Face cache (a split one's first part), or for `:safetensors`

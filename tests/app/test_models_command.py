@@ -87,7 +87,8 @@ def test_list_shows_cached_models_with_size_format_arch_and_engine(hub, tiny_che
     assert tiny["where"] == "hf cache" and tiny["size_bytes"] == sum(len(d) for d in on_hub.values())
     config = json.loads(on_hub["config.json"])
     assert tiny["experts"] == f"{config['num_local_experts']} × top-{config['num_experts_per_tok']}"
-    gguf = listed["moe/tiny-GGUF"]
+    gguf = listed["tiny:1b"]  # a repo the catalogue names: by its short name, what --model takes back
+    assert pull_catalogue.local_model("tiny:1b").endswith("tiny-Q4_K_M.gguf")
     assert gguf["format"] == "GGUF Q4_K_M" and gguf["arch"] == "futuremoe" and gguf["engine"] == "llama.cpp"
     assert gguf["size_bytes"] == len(hub.repos["moe/tiny-GGUF"].files["tiny-Q4_K_M.gguf"])
     assert "demo" in listed
@@ -95,8 +96,13 @@ def test_list_shows_cached_models_with_size_format_arch_and_engine(hub, tiny_che
     assert main(["list"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].split() == ["NAME", "FORMAT", "SIZE", "ARCH", "EXPERTS", "ENGINE", "FROM"]
-    row = next(line for line in table if line.startswith("moe/tiny-GGUF "))
+    row = next(line for line in table if line.startswith("tiny:1b "))
     assert "GGUF Q4_K_M" in row and "futuremoe" in row and "llama.cpp" in row
+    download("moe/tiny-GGUF", include=["*Q8_0*"])  # another quantisation: its tag after the name
+    assert main(["list", "--json"]) == 0
+    names = [m["name"] for m in json.loads(capsys.readouterr().out)]
+    assert "tiny:1b" in names and "tiny:1b:q8_0" in names
+    assert pull_catalogue.short_name("org/not-named", "Q4_K_M") is None
 
 
 def lfm_repo() -> dict[str, bytes]:
@@ -144,7 +150,7 @@ def test_list_says_what_the_engine_setting_would_do_with_a_safetensors_checkpoin
     assert refusal("moe/tiny", "llama.cpp") == f"moe/tiny: {tiny['why']}"
     assert lfm["engine"] == "none" and "nor natively (unsupported architecture 'lfm2_moe'" in lfm["why"]
     assert refusal("moe/tiny-lfm2", "llama.cpp") == f"moe/tiny-lfm2: {lfm['why']}"
-    assert llama["moe/tiny-GGUF"]["engine"] == "llama.cpp" and llama["demo"]["engine"] == "llama.cpp"
+    assert llama["tiny:1b"]["engine"] == "llama.cpp" and llama["demo"]["engine"] == "llama.cpp"
     assert listed("--engine", "native")["moe/tiny-lfm2"]["why"] == auto["moe/tiny-lfm2"]["why"].split(", and ")[0]
 
     save_settings(Settings(engine="llama.cpp"))  # the app's setting is list's default
