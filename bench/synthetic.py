@@ -396,7 +396,8 @@ def _place_devices(orchestra, budgets, sizes):
 
     costs = [None] * len(budgets)
     for part, d in zip(orchestra.parts, orchestra.device_of_part):
-        costs[d] = None if part.cache else LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device)
+        costs[d] = None if part.cache else LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device,
+                                                                 splits_lone_tokens=part.executor.splits_lone_tokens)
     plan = plan_devices([int(b * 2**30) for b in budgets], orchestra.expert_bytes, len(orchestra.popularity[0]),
                         orchestra.popularity, *sizes, layer_costs=costs, top_k=orchestra.top_k)
     orchestra.place_plan(plan)

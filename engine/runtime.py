@@ -269,7 +269,8 @@ class Engine(EngineFace):
         costs = [None] * len(spread.devices)  # each device's placement priced by its own profile
         for part, d in zip(orchestra.parts, orchestra.device_of_part):
             # whole layers priced with the cache on too: each device's own placement (ExpertOrchestra.place) does so
-            costs[d] = LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device)
+            costs[d] = LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device,
+                                             splits_lone_tokens=part.executor.splits_lone_tokens)
         weights, kv, moe, first, last = _device_layer_sizes(self.model, cfg, self.dtype, self.context_length,
                                                             len(budgets), plan_of(self.model))
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,

@@ -351,6 +351,21 @@ def lone_token_split(top_k: int, model) -> tuple[int, int]:
     return ranks, 0
 
 
+def lone_token_saving_ms(model) -> float:
+    """What `lone_token_split` saves a lone token's layer step against the CPU alone, as the start-up profile timed
+    both (zero_copy_split_ms, split_width_ms at the profile's zero_copy_top_k): 0 where it keeps the CPU alone. The
+    executor splits only layers with no expert resident, so the placement weighs this against resident experts."""
+    split = getattr(model, "zero_copy_split_ms", ())
+    ranks, width = lone_token_split(getattr(model, "zero_copy_top_k", 0), model)
+    if width:
+        chosen = dict(model.split_width_ms)[width]
+    elif ranks:
+        chosen = split[ranks]
+    else:
+        return 0.0
+    return max(0.0, split[0] - chosen)
+
+
 def lone_token_measured(loads: dict[int, int], model) -> bool:
     """Whether the start-up profile measured the GPU's part in these loads directly, so that the CPU computes them
     all: one token an expert, no more experts than the profile's `zero_copy_top_k`, and its `zero_copy_split_ms`

@@ -538,6 +538,15 @@ class OffloadExecutor:
                 return False
         return True
 
+    @property
+    def splits_lone_tokens(self) -> bool:
+        """Whether one-token decode steps share a layer with nothing resident between the host and the GPU reading
+        from pinned RAM (`zero_copy_share`, `width_split`, as the profile chose): what the placement prices such a
+        layer at (engine.offload.placement.LayerCosts.lone_split_saving_ms)."""
+        if self.simulated or (self.zero_copy_ranks is None and self.split_width is None):
+            return False
+        return all(gpu_zero_copy.applies(self.device, bank.host) for bank in self.banks.values())
+
     def hands_over_partly_resident(self, top_k: int) -> bool:
         """Whether one-token decode steps hand a partly resident layer over (`host_only`), so that the graph, not
         the host, launches its resident experts: what the placement prices such a layer at."""

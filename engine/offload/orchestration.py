@@ -203,7 +203,8 @@ class ExpertOrchestra:
         layers, experts = len(self.popularity), len(self.popularity[0])
         executor = self.executor
         layer_costs = LayerCosts.from_model(self.costs, executor.whole_layers_on_device,
-                                            executor.hands_over_partly_resident(self.top_k)) if whole_layers else None
+                                            executor.hands_over_partly_resident(self.top_k),
+                                            executor.splits_lone_tokens) if whole_layers else None
         while True:
             plan = plan_placement(self.expert_bytes, layers, experts, self.popularity, max(0, budget_bytes), 0,
                                   layer_costs=layer_costs, top_k=self.top_k)

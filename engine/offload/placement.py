@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moedesk.engine.errors import MoedeskError
-from moedesk.engine.offload.assignment import cpu_call_ms
+from moedesk.engine.offload.assignment import cpu_call_ms, lone_token_saving_ms
 
 _EPS = 1e-12
 
@@ -76,7 +76,8 @@ def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popular
 
     With `layer_costs` (and the model's experts per token, top_k), the same bytes may instead go
     to whole layers first, the busiest ones, and the rest by popularity: a layer with every expert
-    resident never involves the host, which saves its fixed costs. The plan with the lowest
+    resident never involves the host, which saves its fixed costs; what whole layers leave over may go
+    by popularity, into one more layer, or nowhere (`_whole_layer_plans`). The plan with the lowest
     `step_cost_ms` wins; popularity alone wins ties. Routing that favours a few experts keeps
     popularity order; routing spread evenly gets whole layers. The prediction is only as good as
     `popularity` is a sample of the routing to come.
@@ -96,20 +97,45 @@ def plan_placement(expert_bytes: int, num_layers: int, num_experts: int, popular
     fits = min((budget_bytes - fixed) // expert_bytes, num_layers * num_experts)
     on_gpu = _most_popular(counts, fits)
     if layer_costs is not None:
-        # Whole layers first, as many as pays: a layer with every expert resident never waits for the host.
         best = step_cost_ms(on_gpu, counts, top_k, layer_costs)
-        by_traffic = np.argsort(-counts.sum(axis=1), kind="stable")
-        for full in range(1, fits // num_experts + 1):
-            layers = by_traffic[:full]
-            rest = counts.copy()
-            rest[layers] = -1  # taken already: ranked last, never chosen again below
-            candidate = _most_popular(rest, fits - full * num_experts)
-            candidate[layers] = True
+        for candidate in _whole_layer_plans(counts, fits, layer_costs.lone_split_saving_ms > 0):
             cost = step_cost_ms(candidate, counts, top_k, layer_costs)
             if cost < best - _EPS:
                 on_gpu, best = candidate, cost
     on_gpu.flags.writeable = False
     return Placement(on_gpu, int(expert_bytes), int(non_expert_bytes), int(reserve_bytes), int(budget_bytes))
+
+
+def _whole_layers(counts: np.ndarray, full: int) -> tuple[np.ndarray, np.ndarray]:
+    """The `full` busiest layers resident, and the counts with those layers ranked below every other expert."""
+    layers = np.argsort(-counts.sum(axis=1), kind="stable")[:full]
+    on_gpu = np.zeros(counts.shape, dtype=bool)
+    on_gpu[layers] = True
+    rest = counts.copy()
+    rest[layers] = -1
+    return on_gpu, rest
+
+
+def _whole_layer_plans(counts: np.ndarray, fits: int, split: bool):
+    """plan_placement's candidates beside popularity order, for `step_cost_ms` to choose from: 1 to all the whole
+    layers that fit, the busiest first (a layer with every expert resident never waits for the host), the rest of the
+    budget by popularity over the other layers. Where a lone token's layer is split with the GPU's zero-copy reads
+    (`split`), which runs only in layers with nothing resident, so that a few resident experts in every other layer
+    can cost more than they save (`LayerCosts.lone_split_saving_ms`): the most whole layers with the rest packed into
+    the next busiest layer, or left unused."""
+    per_layer = counts.shape[1]
+    most = fits // per_layer
+    for full in range(1, most + 1):
+        candidate, rest = _whole_layers(counts, full)
+        yield candidate | _most_popular(rest, fits - full * per_layer)
+    left = fits - most * per_layer
+    if split and left and most < counts.shape[0]:
+        whole, rest = _whole_layers(counts, most)
+        yield whole
+        packed = whole.copy()
+        nxt = int(np.argsort(-rest.sum(axis=1), kind="stable")[0])
+        packed[nxt, np.argsort(-counts[nxt], kind="stable")[:left]] = True
+        yield packed
 
 
 def _most_popular(counts: np.ndarray, fits: int) -> np.ndarray:
@@ -137,12 +163,16 @@ class LayerCosts:
     whole_layer_skips_host: bool = True  # False: a fully resident layer still pays the round trip and launch
     cpu_call_ms: float = 0.0  # the CPU call's own cost, once a layer with offloaded experts
     handed_over: bool = False  # a partly resident layer's resident experts launched by the decode graph
+    lone_split_saving_ms: float = 0.0  # a layer with nothing resident, its lone token shared with the GPU's zero-copy
 
     @classmethod
-    def from_model(cls, costs, whole_layer_skips_host: bool = True, handed_over: bool = False) -> "LayerCosts":
-        """From an engine.offload.latency_model.LatencyModel: its one-token figures."""
+    def from_model(cls, costs, whole_layer_skips_host: bool = True, handed_over: bool = False,
+                   splits_lone_tokens: bool = False) -> "LayerCosts":
+        """From an engine.offload.latency_model.LatencyModel: its one-token figures. splits_lone_tokens: the executor
+        shares a lone token's layer with nothing resident with the GPU reading from RAM (its `splits_lone_tokens`)."""
+        saving = lone_token_saving_ms(costs) if splits_lone_tokens else 0.0
         return cls(costs.activation_roundtrip_ms(1), costs.resident_launch_ms, costs.cpu_expert_ms(1),
-                   whole_layer_skips_host, cpu_call_ms(costs, 1), handed_over)
+                   whole_layer_skips_host, cpu_call_ms(costs, 1), handed_over, saving)
 
 
 def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: LayerCosts) -> float:
@@ -157,6 +187,8 @@ def step_cost_ms(on_gpu: np.ndarray, popularity: np.ndarray, top_k: int, costs: 
         mass = counts.sum()
         offloaded = counts[~resident].sum() / mass if mass > 0 else (~resident).mean()
         total += costs.roundtrip_ms + costs.cpu_call_ms + top_k * offloaded * costs.cpu_expert_ms
-        if resident.any() and not costs.handed_over:
+        if not resident.any():
+            total -= costs.lone_split_saving_ms
+        elif not costs.handed_over:
             total += costs.resident_launch_ms
     return total

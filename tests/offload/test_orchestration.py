@@ -192,7 +192,7 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
 
     placed = []
     executor = SimpleNamespace(whole_layers_on_device=on_device, hands_over_partly_resident=lambda top_k: False,
-                               set_placement=placed.append)
+                               splits_lone_tokens=False, set_placement=placed.append)
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06)
     popularity = np.full((12, 16), 100)
@@ -204,6 +204,27 @@ def test_whole_layers_only_where_the_executor_runs_them_without_the_host(on_devi
     assert plan.on_gpu.all(axis=1).sum() == (3 if on_device else 0)
 
 
+@pytest.mark.parametrize("splits", [True, False])
+def test_placement_keeps_layers_clear_for_the_lone_token_split_where_the_executor_makes_it(splits):
+    # Even routing and the GPU reading two of a lone token's 8 experts from RAM, which the executor does only in layers
+    # with nothing resident: what whole layers leave over goes into one layer, not a few into every other.
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.orchestration import ExpertOrchestra
+
+    executor = SimpleNamespace(whole_layers_on_device=True, hands_over_partly_resident=lambda top_k: True,
+                               splits_lone_tokens=splits, set_placement=lambda rows: None)
+    costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.035, resident_launch_ms=0.4,
+                            cpu_expert_ms=lambda tokens: 0.012, cpu_call_ms=lambda tokens: 0.1,
+                            zero_copy_split_ms=(0.2, 0.195, 0.178), zero_copy_top_k=8, split_width_ms=())
+    popularity = np.random.default_rng(1).poisson(1000, size=(12, 64)).astype(float)
+    orchestra = ExpertOrchestra(executor, costs, expert_bytes=1, popularity=popularity.tolist(), budget_bytes=0,
+                                top_k=8, cache=None)
+    plan = orchestra.place(3 * 64 + 40)
+    assert plan.experts_on_gpu == 3 * 64 + 40 and plan.on_gpu.all(axis=1).sum() == 3
+    assert (plan.on_gpu.any(axis=1).sum() == 4) == splits
+
+
 @pytest.mark.parametrize("hands_over", [True, False])
 def test_placement_prices_partly_resident_layers_as_the_executor_runs_them(hands_over):
     # Skewed routing and a high resident launch (docs/measurements.md, "Session 45"): where decode hands partly
@@ -213,7 +234,7 @@ def test_placement_prices_partly_resident_layers_as_the_executor_runs_them(hands
     from moedesk.engine.offload.orchestration import ExpertOrchestra
 
     executor = SimpleNamespace(whole_layers_on_device=True, hands_over_partly_resident=lambda top_k: hands_over,
-                               set_placement=lambda rows: None)
+                               splits_lone_tokens=False, set_placement=lambda rows: None)
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.041, resident_launch_ms=0.9,
                             cpu_expert_ms=lambda tokens: 0.746, cpu_call_ms=lambda tokens: 0.169)
     popularity = np.zeros((32, 8))
@@ -235,7 +256,7 @@ def test_a_cache_starts_from_the_fixed_placement_whole_layers_kept_and_prices_sw
 
     placed, followed = [], []
     executor = SimpleNamespace(whole_layers_on_device=True, hands_over_partly_resident=lambda top_k: False,
-                               set_placement=placed.append,
+                               splits_lone_tokens=False, set_placement=placed.append,
                                follow_routing=lambda policy, price: followed.append((policy, price)))
     costs = SimpleNamespace(activation_roundtrip_ms=lambda tokens: 0.3, resident_launch_ms=0.0,
                             cpu_expert_ms=lambda tokens: 0.06, copy_expert_ms=0.5, copy_launch_ms=0.02)

@@ -106,6 +106,76 @@ def test_whole_layers_pay_only_where_they_skip_the_host():
     assert step_cost_ms(whole, popularity, 8, skips) == pytest.approx(9 * (0.3 + 8 * 0.06))
 
 
+# Whole Qwen3-30B-A3B at 8 GiB routed evenly (docs/measurements.md, "Session 60"): 19 whole layers and 100 experts over,
+# the box's profile (a call 0.1 ms, a lone token's expert 0.012 ms of it, the GPU's zero-copy share saving 0.02 ms).
+QWEN3 = LayerCosts(roundtrip_ms=0.035, resident_launch_ms=0.4, cpu_expert_ms=0.012, cpu_call_ms=0.1, handed_over=True)
+
+
+def _sampled_even(layers=48, experts=128, seed=0):
+    return np.random.default_rng(seed).poisson(1000, size=(layers, experts)).astype(float)
+
+
+def test_a_layer_with_nothing_resident_keeps_the_lone_token_split():
+    popularity = np.array([[1, 1, 1, 1], [1, 1, 1, 1]])
+    on_gpu = np.array([[True, False, False, False], [False] * 4])
+    split = replace(COSTS, handed_over=True, lone_split_saving_ms=0.03)
+    # only layer 1, with nothing resident, is shared with the GPU's zero-copy reads
+    assert step_cost_ms(on_gpu, popularity, 2, split) == pytest.approx(
+        step_cost_ms(on_gpu, popularity, 2, replace(split, lone_split_saving_ms=0.0)) - 0.03)
+
+
+def test_experts_left_over_by_whole_layers_go_into_one_layer_where_the_split_pays():
+    popularity = _sampled_even()
+    fits = 19 * 128 + 100
+    spread = plan_placement(100, 48, 128, popularity, fits * 100, 0, layer_costs=QWEN3, top_k=8)
+    assert spread.on_gpu.all(axis=1).sum() == 19 and spread.on_gpu.any(axis=1).sum() > 20  # no split priced: spread
+    split = replace(QWEN3, lone_split_saving_ms=0.02)
+    packed = plan_placement(100, 48, 128, popularity, fits * 100, 0, layer_costs=split, top_k=8)
+    assert packed.experts_on_gpu == fits and packed.on_gpu.all(axis=1).sum() == 19
+    assert packed.on_gpu.any(axis=1).sum() == 20  # the 100 in one layer: the other 28 keep the split
+    assert step_cost_ms(packed.on_gpu, popularity, 8, split) < step_cost_ms(spread.on_gpu, popularity, 8, split) - 0.4
+
+
+def test_a_few_experts_left_over_stay_off_the_gpu_where_the_split_saves_more():
+    popularity = _sampled_even(layers=8, experts=128)
+    split = replace(QWEN3, lone_split_saving_ms=0.02)
+    # 5 experts over: in one layer they would take 5/128 of its 8 picks (0.004 ms), less than the split it loses
+    plan = plan_placement(100, 8, 128, popularity, (2 * 128 + 5) * 100, 0, layer_costs=split, top_k=8)
+    assert plan.experts_on_gpu == 2 * 128 and plan.on_gpu.all(axis=1).sum() == 2
+    more = plan_placement(100, 8, 128, popularity, (2 * 128 + 60) * 100, 0, layer_costs=split, top_k=8)
+    assert more.experts_on_gpu == 2 * 128 + 60 and more.on_gpu.any(axis=1).sum() == 3
+
+
+def test_the_saving_is_the_profiles_chosen_split_against_the_cpu_alone():
+    from types import SimpleNamespace
+
+    from moedesk.engine.offload.assignment import lone_token_saving_ms
+
+    ranks = SimpleNamespace(zero_copy_split_ms=(0.198, 0.1955, 0.178, 0.188, 0.242), zero_copy_top_k=8,
+                            split_width_ms=((256, 0.1877),))
+    assert lone_token_saving_ms(ranks) == pytest.approx(0.198 - 0.178)  # two whole experts; rows not 5% better
+    rows = replace_ns(ranks, split_width_ms=((256, 0.15),))
+    assert lone_token_saving_ms(rows) == pytest.approx(0.198 - 0.15)
+    flat = replace_ns(ranks, zero_copy_split_ms=(0.2, 0.199, 0.21), split_width_ms=())
+    assert lone_token_saving_ms(flat) == 0.0  # within ZERO_COPY_MIN_GAIN: the CPU alone
+    assert lone_token_saving_ms(SimpleNamespace()) == 0.0  # nothing measured
+
+
+def test_from_model_prices_the_split_only_where_the_executor_makes_it():
+    from moedesk.engine.offload.latency_model import LatencyModel
+
+    costs = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(0.69, 0.68, 0.6),
+                         zero_copy_top_k=2)
+    assert LayerCosts.from_model(costs, splits_lone_tokens=True).lone_split_saving_ms == pytest.approx(0.09)
+    assert LayerCosts.from_model(costs).lone_split_saving_ms == 0.0
+
+
+def replace_ns(ns, **changes):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{**vars(ns), **changes})
+
+
 def test_skewed_routing_keeps_popularity_order():
     # Two hot experts per layer take almost every token, and a CPU expert is slow (Mixtral's): popularity
     # covers them in every layer with the budget of one whole layer, and saves more.

@@ -54,6 +54,24 @@ def test_the_simulated_tier_never_splits():
     assert executor.width_split(0, 1, 2) == 0
 
 
+def test_the_executor_says_it_splits_lone_tokens_only_where_the_gpu_can_read_its_stacks():
+    # What the placement prices a layer with nothing resident at (placement.LayerCosts.lone_split_saving_ms).
+    split = dict(zero_copy_ranks=lambda k: 1, split_width=lambda k: 0)
+    on_cpu = OffloadExecutor({0: _bank(None)}, [[False] * 6], "cpu", lambda loads: (sorted(loads), []), **split)
+    assert not on_cpu.splits_lone_tokens  # no GPU to read them
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_executor_splits_lone_tokens_where_its_policy_and_pinned_stacks_allow():
+    split = dict(zero_copy_ranks=lambda k: 1, split_width=lambda k: 0)
+    pinned = _bank("q4_k").pin_memory()
+    assert OffloadExecutor({0: pinned}, [[False] * 6], "cuda", lambda loads: (sorted(loads), []),
+                           **split).splits_lone_tokens
+    assert not OffloadExecutor({0: pinned}, [[False] * 6], "cuda", lambda loads: (sorted(loads), [])).splits_lone_tokens
+    assert not OffloadExecutor({0: _bank("q4_k")}, [[False] * 6], "cuda", lambda loads: (sorted(loads), []),
+                               **split).splits_lone_tokens  # pageable stacks: the GPU cannot read them in place
+
+
 def test_split_candidates_leave_the_cpu_whole_granules():
     from types import SimpleNamespace
 
