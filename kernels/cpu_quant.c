@@ -106,6 +106,13 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210, 17};
 #define QUARTERS 1
 #endif
 
+/* Groups handed out most tokens first (BUSIEST_FIRST=0: in expert order, for measuring): with a batch's skewed
+ * routing a group's items cost in proportion to its tokens, and the costliest ones taken last would leave threads
+ * idle while one finishes them (docs/measurements.md, "Session 60"). */
+#ifndef BUSIEST_FIRST
+#define BUSIEST_FIRST 1
+#endif
+
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 
 /* ---------------------------------------------------------------- quantised activation rows */
@@ -1496,6 +1503,19 @@ static void run_job(void *arg, int tid) {
 
 /* ---------------------------------------------------------------- the pool and the call's state */
 
+static int by_key(const void *a, const void *b) {
+    const int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* order[gi] = the groups by descending tokens, ties in group order (keys: scratch of G int64). */
+static void busiest_first(const int64_t *offsets, int64_t G, int64_t *keys, int32_t *order) {
+    for (int64_t g = 0; g < G; g++)
+        keys[g] = BUSIEST_FIRST ? ((int64_t)(INT32_MAX - (offsets[g + 1] - offsets[g])) << 32) | g : g;
+    if (BUSIEST_FIRST) qsort(keys, (size_t)G, sizeof *keys, by_key);
+    for (int64_t gi = 0; gi < G; gi++) order[gi] = (int32_t)(keys[gi] & 0xffffffff);
+}
+
 typedef void (*run_fn)(pool_fn, void *, int, int);
 static run_fn pool_runner = pool_run;          /* cpu_experts' moe_pool_run once mq_use_pool was called */
 static int (*pool_threads)(void) = pool_get_threads;
@@ -1589,14 +1609,14 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->done1 = (_Atomic int32_t *)(base + at[5]);
     int64_t *tbase = (int64_t *)(base + at[7]);
     int32_t *row_gi = (int32_t *)(base + at[8]);
-    for (int64_t g = 0, t = 0; g < G; g++) {
-        groups[g] = (int32_t)g;
-        first[g] = offsets[g]; /* every group is native: scratch row i is pair i */
-        atomic_init(&j->done1[g], 0);
-        const int64_t n = offsets[g + 1] - offsets[g];
-        tbase[g] = tiles && n >= AMX_MIN ? t : -1;
-        t += tbase[g] >= 0 ? (n + AMX_T - 1) / AMX_T : 0;
-        for (int64_t i = offsets[g]; i < offsets[g + 1]; i++) row_gi[i] = (int32_t)g;
+    busiest_first(offsets, G, tbase, groups);
+    for (int64_t gi = 0, t = 0; gi < G; gi++) { /* gi: the order items are handed out in; groups[gi] the group */
+        const int64_t g = groups[gi], n = offsets[g + 1] - offsets[g];
+        first[gi] = offsets[g]; /* every group is native: scratch row i is pair i */
+        atomic_init(&j->done1[gi], 0);
+        tbase[gi] = tiles && n >= AMX_MIN ? t : -1;
+        t += tbase[gi] >= 0 ? (n + AMX_T - 1) / AMX_T : 0;
+        for (int64_t i = offsets[g]; i < offsets[g + 1]; i++) row_gi[i] = (int32_t)gi;
     }
     j->amx_gu = amx_gu;
     j->amx_d = amx_d;
