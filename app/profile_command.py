@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 
-def zero_copy_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
+def zero_copy_line(costs, top_k: int, chosen: tuple[int, int], layers: int | None = None) -> str | None:
     """The measured decode splits (engine.offload.profiler.profile_zero_copy) and the one `chosen` (the orchestra's
-    lone_token_split: whole experts, width); None if not measured."""
+    lone_token_split: whole experts, width); None if not measured. layers: how many MoE layers the split runs in
+    (the executor splits only layers with no expert resident), where the placement is known."""
     if not costs.zero_copy_split_ms:
         return None
     splits = " · ".join(f"{g}: {ms:.3f}" for g, ms in enumerate(costs.zero_copy_split_ms))
@@ -15,6 +16,9 @@ def zero_copy_line(costs, top_k: int, chosen: tuple[int, int]) -> str | None:
     ranks, width = chosen
     decision = f"decode reads {ranks} zero-copy" if ranks else \
         f"decode splits the width, the GPU the last {width}" if width else "decode reads none zero-copy"
+    if (ranks or width) and layers is not None:
+        decision += f" in the {layers} layers with no expert on the GPU" if layers else \
+            ", where a layer has no expert on the GPU: none here"
     return f"{line}; {decision}"
 
 
@@ -73,7 +77,9 @@ def run_profile(args, engine_loader, out=print) -> int:
     prefill = prefill_line(costs, orchestra.profile)
     if prefill:
         out(prefill)
-    zero_copy = zero_copy_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split())
+    on_gpu = engine.expert_map()[0]
+    clear = sum(not any(row) for row in on_gpu) if orchestra.executor.splits_lone_tokens else None
+    zero_copy = zero_copy_line(costs, cfg.num_experts_per_tok, orchestra.lone_token_split(), clear)
     if zero_copy:
         out(zero_copy)
     summary = orchestra.summary()
@@ -89,7 +95,6 @@ def run_profile(args, engine_loader, out=print) -> int:
     if summary["popularity_evenness"] is not None:
         out(f"popularity: {summary['popularity_evenness']:.0%} even routing mixed into the calibration counts "
             f"(how little one half of the calibration prompts predicted the other)")
-    on_gpu = engine.expert_map()[0]
     whole = sum(all(row) for row in on_gpu)
     if whole:
         out(f"{whole} whole layers on the GPU" + (" (run inside the decode graphs)"

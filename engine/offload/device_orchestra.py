@@ -48,6 +48,10 @@ class DeviceExecutors:
         return all(executor.whole_layers_on_device for executor in self.executors)
 
     @property
+    def splits_lone_tokens(self) -> bool:
+        return all(executor.splits_lone_tokens for executor in self.executors)
+
+    @property
     def banks(self) -> dict:
         return {layer: bank for executor in self.executors for layer, bank in executor.banks.items()}
 

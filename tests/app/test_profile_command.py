@@ -59,6 +59,13 @@ def test_zero_copy_line_shows_the_measured_splits_and_the_choice():
                               "0: 0.690 · 1: 0.680 · 2: 0.600; decode reads 2 zero-copy")
     assert line(costs, 2).endswith("decode reads none zero-copy")  # measured for another top-k
     assert line(LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2), 8) is None
+    # where the placement is known: the split runs only in layers with no expert resident
+    chosen = lone_token_split(8, costs)
+    assert zero_copy_line(costs, 8, chosen, 28).endswith("decode reads 2 zero-copy in the 28 layers with no expert on "
+                                                         "the GPU")
+    assert zero_copy_line(costs, 8, chosen, 0).endswith("decode reads 2 zero-copy, where a layer has no expert on the "
+                                                        "GPU: none here")
+    assert zero_copy_line(costs, 2, lone_token_split(2, costs), 28).endswith("decode reads none zero-copy")
     rows = LatencyModel(0.1, 0.01, 0.05, (1, 8), (0.2, 0.3), 0.2, zero_copy_split_ms=(1.46, 2.1), zero_copy_top_k=2,
                         split_width_ms=((1792, 1.3), (3584, 1.1)))
     assert line(rows, 2) == ("one token's 2 experts, n of them read by the GPU from RAM (n: ms) "
