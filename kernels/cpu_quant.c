@@ -108,7 +108,8 @@ static const int BLOCK_BYTES[NFMT] = {18, 34, 144, 176, 210, 17};
 
 /* Groups handed out most tokens first (BUSIEST_FIRST=0: in expert order, for measuring): with a batch's skewed
  * routing a group's items cost in proportion to its tokens, and the costliest ones taken last would leave threads
- * idle while one finishes them (docs/measurements.md, "Session 60"). */
+ * idle while one finishes them (docs/measurements.md, "Session 60"). BUSIEST_FIRST=2, for measuring: the busiest
+ * and the idlest in turns, so that items bound by arithmetic run beside items bound by memory. */
 #ifndef BUSIEST_FIRST
 #define BUSIEST_FIRST 1
 #endif
@@ -1513,7 +1514,10 @@ static void busiest_first(const int64_t *offsets, int64_t G, int64_t *keys, int3
     for (int64_t g = 0; g < G; g++)
         keys[g] = BUSIEST_FIRST ? ((int64_t)(INT32_MAX - (offsets[g + 1] - offsets[g])) << 32) | g : g;
     if (BUSIEST_FIRST) qsort(keys, (size_t)G, sizeof *keys, by_key);
-    for (int64_t gi = 0; gi < G; gi++) order[gi] = (int32_t)(keys[gi] & 0xffffffff);
+    for (int64_t gi = 0; gi < G; gi++) {
+        const int64_t at = BUSIEST_FIRST == 2 ? (gi % 2 ? G - 1 - gi / 2 : gi / 2) : gi;
+        order[gi] = (int32_t)(keys[at] & 0xffffffff);
+    }
 }
 
 typedef void (*run_fn)(pool_fn, void *, int, int);

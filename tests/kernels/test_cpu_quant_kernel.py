@@ -327,14 +327,15 @@ def test_result_does_not_depend_on_thread_count(path, threads):
 
 def test_the_busiest_experts_handed_out_first_give_the_same_bits(path):
     """Groups are handed out by descending tokens (BUSIEST_FIRST), not in expert order: a skewed call (1 to 20 tokens
-    an expert, the busiest neither first nor last, some past AMX_MIN) equals the expert-order build bit for bit."""
+    an expert, the busiest neither first nor last, some past AMX_MIN) equals the expert-order build bit for bit, and
+    so does the build that hands out the busiest and the idlest in turns (BUSIEST_FIRST=2)."""
     g = torch.Generator().manual_seed(13)
     w, _, _ = make_case("q4_k", "q6_k", 512, 256, 6, 1, 1, g)
     loads = [2, 20, 1, 9, 3, 12]  # tokens of experts 0..5
     pe = torch.tensor([e for e, n in enumerate(loads) for _ in range(n)])[torch.randperm(sum(loads), generator=g)]
     x = torch.randn(pe.numel(), 512, generator=g)
     results = []
-    for lib in (None, cq.build_variant(["-DBUSIEST_FIRST=0"])):
+    for lib in (None, cq.build_variant(["-DBUSIEST_FIRST=0"]), cq.build_variant(["-DBUSIEST_FIRST=2"])):
         before = cq.use_library(lib) if lib is not None else None
         try:
             if lib is not None:
@@ -346,7 +347,7 @@ def test_the_busiest_experts_handed_out_first_give_the_same_bits(path):
             if lib is not None:
                 cq._state["lib"] = before
                 cq.set_path(path)
-    assert torch.equal(results[0], results[1])
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
     check(results[0], x, pe, 1, None, w, torch.zeros(pe.numel(), 512))
 
 
