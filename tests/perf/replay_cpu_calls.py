@@ -6,9 +6,10 @@ Usage (GPU box, repo root): python3 tests/perf/replay_cpu_calls.py [SHAPE:LAYERS
 variant). Each call of kernels/cpu_quant.c's mq_routed_forward during the decode steps is recorded (its pairs, the
 experts it computes, its wall time); then the same calls run again one after another in the order they came, on
 the same weights, with nothing else running: once with the recorded tokens an expert (the routing's skew), once
-with as many tokens dealt evenly over the same experts. Prints ms a call for the three and the calls' shape
-(experts, tokens an expert: mean and largest). In situ above alone: the cost is beside the kernel (the GPU thread,
-the copies, the caches); alone above even: the skew.
+with as many tokens dealt evenly over the same experts, and once with each call started as long after the one before
+as in situ (paced: the kernel's threads as idle between calls). Prints ms a call for each and the calls' shape
+(experts, tokens an expert: mean and largest). In situ above paced: the cost is beside the kernel (the GPU thread,
+the copies); paced above alone: the threads waking, cold caches; alone above even: the skew.
 """
 import argparse
 import ctypes
@@ -51,9 +52,10 @@ class Recorder:
     def __call__(self, *a):
         t0 = time.perf_counter()
         rc = self.fn(*a)
-        ms = 1000 * (time.perf_counter() - t0)
+        t1 = time.perf_counter()
         if self.on:
-            self.calls.append((a, int64s(a[P_ARG], a[NP_ARG]), int64s(a[PICK_ARG], a[NPICK_ARG]), ms))
+            self.calls.append((a, int64s(a[P_ARG], a[NP_ARG]), int64s(a[PICK_ARG], a[NPICK_ARG]), 1000 * (t1 - t0),
+                               t0))
         return rc
 
 
@@ -67,10 +69,11 @@ def evened(pe, picked):
     return out
 
 
-def replay(calls, pes):
-    """ms of each call run alone, in order, on its own buffers (x random: the values do not move the time)."""
-    times = []
-    for (a, _, picked, _), pe in zip(calls, pes):
+def replay(calls, pes, paced=False):
+    """ms of each call run alone, in order, on its own buffers (x random: the values do not move the time). paced:
+    each call starts as long after the one before as it did in situ (the kernel's threads idle as long between)."""
+    times, last = [], None
+    for i, ((a, _, picked, _, _), pe) in enumerate(zip(calls, pes)):
         a = list(a)
         x = torch.randn(a[N_ARG], a[H_ARG], dtype=torch.float32 if a[XF32_ARG] else torch.bfloat16)
         out = torch.zeros(a[OROWS_ARG], a[H_ARG], dtype=torch.float32 if a[OF32_ARG] else torch.bfloat16)
@@ -79,7 +82,10 @@ def replay(calls, pes):
         a[X_ARG], a[XSTRIDE_ARG], a[P_ARG] = x.data_ptr(), x.stride(0), pe_t.data_ptr()
         a[OUT_ARG], a[OSTRIDE_ARG], a[INDEX_ARG] = out.data_ptr(), out.stride(0), index.data_ptr()
         a[PICK_ARG] = pick.ctypes.data if len(pick) else None
-        t0 = time.perf_counter()
+        if paced and i and calls[i][4] - calls[i - 1][4] < 0.1:
+            while time.perf_counter() - last < calls[i][4] - calls[i - 1][4]:
+                pass
+        t0 = last = time.perf_counter()
         cpu_quant._check_rc(recorder.fn(*a))
         times.append(1000 * (time.perf_counter() - t0))
     return times
@@ -105,7 +111,7 @@ print(f"{args.shape} {args.expert_format}, batch {args.batch}: {r.tok_s:.1f} tok
       f"kernel {cpu_quant.describe()}")
 
 sizes = []
-for a, pe, picked, _ in calls:
+for a, pe, picked, _, _ in calls:
     ids = picked if len(picked) else np.unique(pe[pe >= 0])
     per = np.array([(pe == e).sum() for e in ids])
     sizes.append((len(ids), per.mean(), per.max()))
@@ -115,9 +121,9 @@ print(f"experts a call: mean {statistics.mean(experts):.1f} (min {min(experts)},
       f"{statistics.median(s[2] for s in sizes):.0f}, max {max(s[2] for s in sizes)}")
 in_situ = [c[3] for c in calls]
 rounds = {"in situ": in_situ}
-for name in ("alone", "alone, even", "alone ", "alone, even "):  # two rounds each, in turns
+for name in ("alone", "alone, even", "alone, paced", "alone ", "alone, even ", "alone, paced "):  # in turns
     pes = [c[1] if "even" not in name else evened(c[1], c[2]) for c in calls]
-    rounds[name] = replay(calls, pes)
+    rounds[name] = replay(calls, pes, paced="paced" in name)
 print(f"\n{'calls':<14}{'median ms':>10}{'mean ms':>10}{'total ms':>10}")
 for name, t in rounds.items():
     print(f"{name:<14}{statistics.median(t):>10.3f}{statistics.mean(t):>10.3f}{sum(t):>10.1f}")
