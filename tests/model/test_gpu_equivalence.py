@@ -152,7 +152,10 @@ def test_offloaded_float32_greedy_on_cuda_at_every_budget(arch, tiny_checkpoint,
     for fits in (0, total // 2, total):
         engine = Engine.load(str(folder), device="cuda", dtype="float32",
                              gpu_budget=probe.gpu_budget_for_experts(fits))
-        assert engine.expert_stats()["experts_on_gpu"] == fits
+        # Half the budget may leave some of it unused: a layer kept clear of resident experts shares a lone token
+        # with the GPU's zero-copy reads (engine/offload/placement.py's _whole_layer_plans). It is still a mix.
+        on_gpu = engine.expert_stats()["experts_on_gpu"]
+        assert on_gpu == fits if fits in (0, total) else 0 < on_gpu <= fits < total, (on_gpu, fits)
         done = {c.tag: c.token_ids for c in engine.generate([Request(p, params, tag=i) for i, p in enumerate(prompts)], 2)}
         assert [done[i] for i in range(len(prompts))] == expected, fits
 
