@@ -22,6 +22,18 @@ def zero_copy_line(costs, top_k: int, chosen: tuple[int, int], layers: int | Non
     return f"{line}; {decision}"
 
 
+def placement_line(summary: dict) -> str:
+    """The orchestra's summary in a line: the experts on the GPU, the hit rate expected, and the room the plan left
+    free where it did (engine/offload/placement.py's `experts_room`)."""
+    hit, placed = summary["expected_gpu_hit_rate"], summary["experts_on_gpu"]
+    free = summary.get("experts_room", 0) - placed
+    return (f"placement at {summary['gpu_budget_gib']:.2f} GiB: {placed} of {summary['experts_total']} experts on the "
+            "GPU" + (f", expected GPU hit rate {hit:.0%}" if hit is not None
+                     else " (no popularity: the model has no tokenizer)")
+            + (f"; room for {free} more left free: a layer with no expert on the GPU shares a lone token with it, "
+               "which the profile timed faster" if free > 0 else ""))
+
+
 def contention_line(costs) -> str | None:
     """How much CPU experts and copies slowed each other at each measured token count; None if neither did."""
     if not any(cpu > 1 or copy > 1 for _, cpu, copy in costs.contention):
@@ -83,10 +95,7 @@ def run_profile(args, engine_loader, out=print) -> int:
     if zero_copy:
         out(zero_copy)
     summary = orchestra.summary()
-    hit = summary["expected_gpu_hit_rate"]
-    out(f"\nplacement at {summary['gpu_budget_gib']:.2f} GiB: {summary['experts_on_gpu']} of "
-        f"{summary['experts_total']} experts on the GPU"
-        + (f", expected GPU hit rate {hit:.0%}" if hit is not None else " (no popularity: the model has no tokenizer)"))
+    out("\n" + placement_line(summary))
     split = getattr(engine, "budget_split", None)  # where a named budget went before the experts
     if split is not None:
         out(f"GPU budget {_mib(split.budget)}: weights {_mib(split.weights)}, KV cache of {split.context} positions "

@@ -199,6 +199,7 @@ class DeviceOrchestra:
         hit = float(popularity[resident].sum() / popularity.sum()) if popularity.sum() > 0 else None
         return {
             "experts_on_gpu": on_gpu, "experts_total": int(popularity.size),
+            "experts_room": sum(p.experts_room for p in placed if p is not None),
             "gpu_budget_gib": round(sum(part.budget_bytes for part in self.parts) / GIB, 3),
             "expected_gpu_hit_rate": None if hit is None or all(p is None for p in placed) else round(hit, 4),
             "popularity_evenness": None if self.evenness is None else round(self.evenness, 4),

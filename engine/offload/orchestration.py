@@ -242,6 +242,7 @@ class ExpertOrchestra:
         total = len(self.popularity) * len(self.popularity[0])
         return {
             "experts_on_gpu": plan.experts_on_gpu if plan else 0, "experts_total": total,
+            "experts_room": plan.experts_room if plan else 0,
             "gpu_budget_gib": round(self.budget_bytes / GIB, 3),
             "expected_gpu_hit_rate": round(plan.gpu_hit_rate(self.popularity), 4) if plan and any(map(any, self.popularity)) else None,
             "popularity_evenness": None if self.evenness is None else round(self.evenness, 4),

@@ -36,6 +36,13 @@ class Placement:
         return int(self.on_gpu.sum())
 
     @property
+    def experts_room(self) -> int:
+        """How many experts the budget holds beside what comes first: more than `experts_on_gpu` where the plan left
+        room free because layers with nothing resident run faster (`_whole_layer_plans`)."""
+        left = max(self.budget_bytes - self.non_expert_bytes - self.reserve_bytes, 0)
+        return min(left // self.expert_bytes, self.on_gpu.size)
+
+    @property
     def expert_bytes_used(self) -> int:
         return self.experts_on_gpu * self.expert_bytes
 

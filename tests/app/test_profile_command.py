@@ -29,6 +29,7 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
                      r"32: [\d.]+ · 64: [\d.]+$", out, re.M)
     placed = re.search(r"(\d+) of 12 experts on the GPU", out)
     assert placed and int(placed.group(1)) == 2
+    assert "left free" not in out  # the CPU's simulated GPU splits no lone token: the plan fills its room
     assert re.search(r"^GPU budget [\d.]+ MiB: weights [\d.]+ MiB, KV cache of 512 positions [\d.]+ MiB, workspace", out,
                      re.M)  # where the budget went before the experts
     rows = re.findall(r"layer\s+\d+: ([.G]+)", out)
@@ -149,3 +150,16 @@ def test_gpu_budget_takes_one_figure_or_one_per_gpu(capsys):
             parser.parse_args(["profile", "--gpu-budget", bad])
         assert exit_.value.code == 2
         assert "--gpu-budget" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_placement_line_says_where_the_plan_left_room_free():
+    from moedesk.app.profile_command import placement_line
+
+    summary = {"gpu_budget_gib": 8.0, "experts_on_gpu": 2432, "experts_total": 6144, "experts_room": 2532,
+               "expected_gpu_hit_rate": 0.4}
+    assert placement_line(summary) == (
+        "placement at 8.00 GiB: 2432 of 6144 experts on the GPU, expected GPU hit rate 40%; room for 100 more left "
+        "free: a layer with no expert on the GPU shares a lone token with it, which the profile timed faster")
+    full = dict(summary, experts_on_gpu=2532, expected_gpu_hit_rate=None)
+    assert placement_line(full) == ("placement at 8.00 GiB: 2532 of 6144 experts on the GPU (no popularity: the model "
+                                    "has no tokenizer)")

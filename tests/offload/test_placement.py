@@ -142,8 +142,11 @@ def test_a_few_experts_left_over_stay_off_the_gpu_where_the_split_saves_more():
     # 5 experts over: in one layer they would take 5/128 of its 8 picks (0.004 ms), less than the split it loses
     plan = plan_placement(100, 8, 128, popularity, (2 * 128 + 5) * 100, 0, layer_costs=split, top_k=8)
     assert plan.experts_on_gpu == 2 * 128 and plan.on_gpu.all(axis=1).sum() == 2
+    assert plan.experts_room == 2 * 128 + 5  # what `moedesk profile` says was left free
     more = plan_placement(100, 8, 128, popularity, (2 * 128 + 60) * 100, 0, layer_costs=split, top_k=8)
-    assert more.experts_on_gpu == 2 * 128 + 60 and more.on_gpu.any(axis=1).sum() == 3
+    assert more.experts_on_gpu == more.experts_room == 2 * 128 + 60 and more.on_gpu.any(axis=1).sum() == 3
+    every = plan_placement(100, 8, 128, popularity, 10**6, 0, layer_costs=split, top_k=8)
+    assert every.experts_room == every.experts_on_gpu == 8 * 128  # room beyond every expert is not counted
 
 
 def test_the_saving_is_the_profiles_chosen_split_against_the_cpu_alone():
