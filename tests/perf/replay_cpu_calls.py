@@ -33,7 +33,7 @@ parser.add_argument("--expert-format", default="q4_k")
 parser.add_argument("--device", default="cuda", help="cpu: checks the script on a machine without a GPU")
 args = parser.parse_args()
 
-P_ARG, NP_ARG, K_ARG, PICK_ARG, NPICK_ARG, E_ARG = 5, 6, 7, 8, 9, 12  # mq_routed_forward's argument positions
+P_ARG, NP_ARG, PICK_ARG, NPICK_ARG, E_ARG = 5, 6, 8, 9, 12  # mq_routed_forward's argument positions
 X_ARG, N_ARG, XSTRIDE_ARG, XF32_ARG, H_ARG = 0, 1, 2, 3, 4
 OUT_ARG, OSTRIDE_ARG, OROWS_ARG, OF32_ARG, INDEX_ARG = 16, 17, 18, 19, 20
 
