@@ -46,11 +46,17 @@ except ImportError:  # the CPU build of torch comes without Triton
 _ROWS = 8  # rows of a weight per program: enough programs for two experts to fill the SMs' reads
 
 
+def wanted() -> bool:
+    """Whether zero-copy reads may be used: MOEDESK_NO_ZERO_COPY=1 turns them off (the profile then measures no split
+    and every offloaded expert of a lone token runs on the CPU), to compare decode with and without them."""
+    return os.environ.get("MOEDESK_NO_ZERO_COPY", "").strip().lower() in ("", "0", "false", "no")
+
+
 def applies(device: torch.device, w: ExpertWeights) -> bool:
     """Whether `zero_copy_experts` takes inputs on `device` and the stacks `w`: a CUDA device, the stacks in pinned
     host memory, dense (inputs in the stacks' dtype) or both halves in a format kernels.gpu_quant reads, Triton
-    there and the fused kernels not turned off."""
-    if not (gpu_fused.wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
+    there and neither the fused kernels nor zero-copy reads turned off."""
+    if not (gpu_fused.wanted() and wanted() and device.type == "cuda" and not w.gate_up.is_cuda and w.is_pinned()):
         return False
     if any(b is not None and not (b.is_contiguous() and (b.is_cuda or b.is_pinned()))
            for b in (w.gate_up_bias, w.down_bias)):

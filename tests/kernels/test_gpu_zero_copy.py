@@ -52,6 +52,17 @@ def test_applies_only_to_a_cuda_input_and_pinned_stacks():
 
 
 @pytest.mark.gpu
+def test_the_knob_turns_zero_copy_off(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, w = _stacks(2, 8, 16, torch.bfloat16, pinned=True)
+    cuda = torch.device("cuda")
+    assert gpu_zero_copy.applies(cuda, w)
+    monkeypatch.setenv("MOEDESK_NO_ZERO_COPY", "1")
+    assert not gpu_zero_copy.applies(cuda, w)
+
+
+@pytest.mark.gpu
 def test_zero_copy_experts_read_pinned_memory_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")

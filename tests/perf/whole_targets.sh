@@ -20,6 +20,8 @@
 # OURS_FIRST=1: ours on the shape also runs first, before the GGUF is written and llama.cpp runs (a summary line
 # beside the usual run): whether what runs before ours on the machine moves its figures (docs/measurements.md,
 # "Session 59").
+# VARIANT="NAME=VALUE ...": ours on the shape once more, after the usual run, under those environment variables (a
+# summary line with its ratios against the same llama.cpp run), e.g. VARIANT=MOEDESK_NO_ZERO_COPY=1.
 set -uo pipefail
 . tests/perf/gpu_env.sh
 LLB=${LLB:-/tmp/llb}; SWEEP=${SWEEP:-3}; W=/tmp/whole; mkdir -p "$W"
@@ -28,9 +30,10 @@ MODELS=${*:-mixtral qwen3}
   || { echo "no llama-bench/llama-batched-bench in $LLB: run tests/perf/llamacpp_engine_gpu.sh build first"; exit 1; }
 clean() { sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || true; }  # each side starts from a cold page cache
 
-ours() {  # ours on the model's shape built in memory, routed as ROUTING says: ours NAME (the loop's $m, $shape...)
-  timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format "$fmt" --gpu-budget "$gib" --prefill 512 \
-    --routing "${ROUTING:-model}" --json > "$W/${m}_$1.json" 2> "$W/${m}_$1.log" || tail -n 5 "$W/${m}_$1.log"
+ours() {  # ours on the model's shape built in memory, routed as ROUTING says: ours NAME [NAME=VALUE...] (the loop's
+  local name=$1; shift  # $m, $shape...; the assignments are the run's environment)
+  env "$@" timeout 400 python3 -m moedesk bench --shape "$shape" --expert-format "$fmt" --gpu-budget "$gib" --prefill 512 \
+    --routing "${ROUTING:-model}" --json > "$W/${m}_$name.json" 2> "$W/${m}_$name.log" || tail -n 5 "$W/${m}_$name.log"
 }
 
 for m in $MODELS; do
@@ -76,10 +79,12 @@ PY
   rm -f "$W/$m.gguf"  # the disk and the page cache back for our banks
   clean
   ours ours
+  # shellcheck disable=SC2086  # the assignments split on spaces
+  [ -z "${VARIANT:-}" ] || { clean; ours variant $VARIANT; }
 done
 
-python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
-import glob, json, re, sys
+VARIANT=${VARIANT:-} python3 - "$W" $MODELS <<'PY' | tee "$OUT/whole_summary.txt"
+import glob, json, os, re, sys
 w, models = sys.argv[1], sys.argv[2:]
 goals = {"mixtral": {"decode": 2.0, "prefill": 4.0, "batched_decode": 3.0}, "qwen3": {"decode": 1.5},
          "gpt-oss": {"decode": 1.5}}
@@ -131,5 +136,12 @@ for m in models:
         met = " ".join(f"met{which}" for which, x in (("", ratio), (" on file", same_ratio)) if goal and x >= goal)
         print(f"  {mode:<16}{r['tok_s']:>9.1f}{same or 0:>9.1f}{ref or 0:>12.1f}{ratio:>7.2f}{same_ratio:>8.2f}"
               f"{goal or 0:>6.1f}{r.get('pct_of_bound') or 0:>8.0f}%  {met}".rstrip())
+    try:  # VARIANT: the same bench under other settings, after the usual one
+        variant = {r["mode"]: r["tok_s"] for r in json.load(open(f"{w}/{m}_variant.json"))["results"]}
+        print(f"  moedesk with {os.environ['VARIANT']}: " + ", ".join(
+            f"{mode} {variant[mode]:.1f} ({variant[mode] / best[mode]:.2f}x)" for mode in
+            ("decode", "prefill", "batched_decode") if mode in variant and best.get(mode)))
+    except (FileNotFoundError, ValueError, KeyError):
+        pass
 PY
 tar czf "$OUT/whole_targets.tar.gz" -C "$W" --exclude='*.gguf' .
