@@ -30,6 +30,7 @@ def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype,
     (ContextBudgetError, one line naming a context that fits, when its weights and cache alone do not fit)."""
     from moedesk.engine.load.synthetic import packed_plan
     from moedesk.engine.memory_fit import packed_savings
+    from moedesk.engine.model.embedding import table_bytes, table_in_host
     from moedesk.engine.model.transformer import Transformer
 
     with torch.device("meta"):
@@ -39,7 +40,8 @@ def bench_split(cfg: ModelConfig, budget: int, context: int, dtype: torch.dtype,
     packed = packed_plan(cfg, expert_format, model=model, device=device)
     held = (sum(p.numel() for p in model.parameters()) * dtype.itemsize
             + sum(b.numel() * b.element_size() for b in model.buffers())
-            - sum(packed_savings(packed, dtype.itemsize).values()))
+            - sum(packed_savings(packed, dtype.itemsize).values())
+            - table_bytes(cfg, dtype.itemsize) * table_in_host(cfg, device))  # a GPU's bench pins its banks
     cache = model.new_cache(1, 1, dtype, "meta")
     return model_split(cfg, budget, context, dtype.itemsize, prefill_piece, held, cache.bytes_per_position(),
                        cache.bytes_per_row())

@@ -14,6 +14,7 @@ from moedesk.engine.generation.runner import ModelRunner
 from moedesk.engine.hardware import use_device
 from moedesk.engine.openmp_pool import frees_pool
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
+from moedesk.engine.model.embedding import table_in_host
 from moedesk.engine.model.packed_linear import plan_of
 from moedesk.engine.offload.gpu_budget import (BudgetSplit, ContextBudgetError, budget_holding, model_split,
                                               prefill_workspace_bytes)
@@ -160,7 +161,7 @@ class Engine(EngineFace):
 
         def layer_devices(model, cfg, banks):
             owner[:] = _layer_owner(model, cfg, banks, budgets, torch_dtype, min(context, cfg.max_position_embeddings),
-                                    _packed_plan(checkpoint, cfg, torch_device))
+                                    _packed_plan(checkpoint, cfg, torch_device), torch_device)
             return [devices[d] for d in owner]
 
         net, cfg, banks = load_model(checkpoint, torch_dtype, torch_device, context, progress, allocator, expert_dtype,
@@ -272,7 +273,7 @@ class Engine(EngineFace):
             costs[d] = LayerCosts.from_model(part.costs, part.executor.whole_layers_on_device,
                                              splits_lone_tokens=part.executor.splits_lone_tokens)
         weights, kv, moe, first, last = _device_layer_sizes(self.model, cfg, self.dtype, self.context_length,
-                                                            len(budgets), plan_of(self.model))
+                                                            len(budgets), plan_of(self.model), self.device)
         self.device_plan = plan_devices([int(b * GIB) for b in budgets], orchestra.expert_bytes,
                                         len(orchestra.popularity[0]), orchestra.popularity, weights, kv, moe, first,
                                         last, layer_costs=costs, top_k=orchestra.top_k)
@@ -504,10 +505,13 @@ def _plan_devices_for(device: torch.device, count: int) -> list[torch.device]:
 def held_bytes(model: torch.nn.Module) -> int:
     """Bytes of a model's parameters and buffers, each byte once: views (fused q/k/v's parts, packed rows joined,
     engine.model.packed_linear) lie inside the tensor they view. Per storage, the span its tensors cover (not the
-    storage's size: a tensor may view a little of a larger one)."""
+    storage's size: a tensor may view a little of a larger one). Not the token table where it lies in host memory
+    beside a GPU (engine.model.embedding): the budget is the GPU's."""
+    embed = getattr(model, "embed", None)
+    in_host = {id(embed.weight)} if getattr(embed, "in_host", False) else set()
     spans: dict = {}
     for t in (*model.parameters(), *model.buffers()):
-        if t.numel() == 0:
+        if t.numel() == 0 or id(t) in in_host:
             continue
         start = t.storage_offset() * t.element_size()
         end = start + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
@@ -526,13 +530,16 @@ def _packed_plan(checkpoint, cfg, device: torch.device) -> dict | None:
     return packed_plan(checkpoint, cfg) if wanted(device) else None
 
 
-def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int, packed: dict | None = None):
+def _device_layer_sizes(model, cfg, dtype: torch.dtype, context: int, devices: int, packed: dict | None,
+                        first_device):
     """engine.offload.devices.layer_sizes for this model: per layer its weights and KV cache (the default budget's
-    KV_ROWS_RESERVED sequences of the whole context) and whether its experts are routed, then the embeddings and
-    head; `packed`: its weights kept packed (engine.model.packed_linear.plan_of)."""
+    KV_ROWS_RESERVED sequences of the whole context) and whether its experts are routed, then the embeddings (none
+    where the table stays in host memory beside `first_device`) and head; `packed`: its weights kept packed
+    (engine.model.packed_linear.plan_of)."""
     from moedesk.engine.offload.devices import layer_sizes
 
     weights, kv, _, first, last = layer_sizes(cfg, dtype.itemsize, KV_ROWS_RESERVED * context, devices, packed)
+    first *= not table_in_host(cfg, first_device)
     routed = {moe.layer for moe in model.moe_blocks()}  # the layers whose popularity rows the orchestra has
     return weights, kv, [layer in routed for layer in range(cfg.num_layers)], first, last
 
@@ -548,12 +555,13 @@ def _measure_links(spread, hidden: int, dtype: torch.dtype) -> list:
 
 
 def _layer_owner(model, cfg, banks: dict, budgets: tuple[float, ...], dtype: torch.dtype,
-                 context: int, packed: dict | None = None) -> tuple[int, ...]:
+                 context: int, packed: dict | None, first_device) -> tuple[int, ...]:
     """The device index of each layer as the per-device plan splits them (by sizes, before the popularity that picks
     each device's experts), asked by the loader once the banks exist, before the other weights are read."""
     from moedesk.engine.offload.devices import plan_devices
 
-    weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets), packed)
+    weights, kv, moe, first, last = _device_layer_sizes(model, cfg, dtype, context, len(budgets), packed,
+                                                        first_device)
     bank = next(iter(banks.values()))
     # Planned once without popularity: the split is by sizes alone, and a figure too small for its layers' weights
     # and cache is refused here (BudgetError naming the GPU), before the profile and the calibration.
@@ -590,13 +598,15 @@ def _check_gpu_holds_weights(checkpoint, gpu_budget: float | None, device: torch
     context = min(context, early.max_position_embeddings)
     piece = default_prefill_chunk(device)
     packed = _packed_plan(checkpoint, early, device)  # weights kept packed, counted packed
+    in_host = table_in_host(early, device)  # the token table in RAM, not counted
     if gpu_budget:
         try:
-            model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece, packed=packed)
+            model_split(early, int(gpu_budget * GIB), context, dtype.itemsize, piece, packed=packed,
+                        table_in_host=in_host)
         except ContextBudgetError as refusal:
             raise UnreadBudgetError(str(refusal)) from None
         return
-    whole = model_split(early, 2**62, context, dtype.itemsize, piece, packed=packed)
+    whole = model_split(early, 2**62, context, dtype.itemsize, piece, packed=packed, table_in_host=in_host)
     need = whole.weights + whole.kv_cache + whole.workspace
     if need > free:
         raise UnreadBudgetError(f"{device} has {gib(free)} free, less than the {gib(need)} this model's non-expert "

@@ -676,7 +676,7 @@ def _scales(engine, sample_ids) -> tuple[float, float, float]:
     cache = engine.model.new_cache(1, len(ids), engine.dtype, engine.device)
     _, hidden = engine.model(tokens, positions, cache, engine.executor, features=(c.num_layers - 1, "final"))
     rms = lambda x: float(x.float().pow(2).mean(-1).sqrt().mean())  # noqa: E731
-    return rms(hidden["final"]), rms(hidden[c.num_layers - 1]), rms(engine.model.embed.weight[tokens[0]])
+    return rms(hidden["final"]), rms(hidden[c.num_layers - 1]), rms(engine.model.embed(tokens[0]))
 
 
 def _copy_last_layer(engine, head: EagleHead, feature: float, residual: float, embedding: float) -> None:

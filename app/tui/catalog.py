@@ -72,7 +72,9 @@ def estimate_line(estimate, gpu: bool, size: Callable[[int], str]) -> str:
         return f"~{size(estimate.other_bytes)} on the GPU" if gpu else f"~{size(estimate.other_bytes)} in RAM"
     experts = f"{estimate.experts_as} experts"
     if gpu:
-        return f"~{size(estimate.expert_bytes)} in RAM as {experts} + {size(estimate.other_bytes)} on the GPU"
+        table = " and the token table" if estimate.table_bytes else ""
+        return (f"~{size(estimate.ram_bytes(True))} in RAM as {experts}{table} + {size(estimate.gpu_bytes(True))} on "
+                f"the GPU")
     return f"~{size(estimate.total_bytes)} in RAM, {size(estimate.expert_bytes)} of it {experts}"
 
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from moedesk.engine.model.architectures import is_ignored_tensor, map_weight_name, parse_config, weight_name_map
 from moedesk.engine.model import packed_linear
+from moedesk.engine.model.embedding import keep_in_host, table_in_host
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 from moedesk.engine.model.transformer import Rotary, Transformer
@@ -126,6 +127,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     loaded = set()
     spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
     target = _parameter_device(device, spread)
+    host_table = bool(banks) and table_in_host(cfg, target("embed.weight"))
     clock = _lap(timings, "build", clock)
     freed = FreedMemory()
     for name, ours in plain:
@@ -150,7 +152,10 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)
-        _set_parameter(model, ours, tensor.to(device=where, dtype=model.parameter_dtype(ours, dtype)))
+        if ours == "embed.weight" and host_table:  # the table in pinned RAM, its rows read by the GPU
+            keep_in_host(model.embed, tensor.to(dtype=model.parameter_dtype(ours, dtype)), where)
+        else:
+            _set_parameter(model, ours, tensor.to(device=where, dtype=model.parameter_dtype(ours, dtype)))
         if ours == "embed.weight" and cfg.tie_word_embeddings and not _same_device(target("lm_head.weight"), where):
             # Layers spread over devices: a tied head is a copy of the table on the last layer's device, made here
             # from the checkpoint's tensor, never through the first device's copy.

@@ -28,6 +28,7 @@ from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, exp
 from moedesk.engine.model.architectures import (TEXT_MODELS, is_ignored_tensor, map_weight_name, parse_config,
                                                  text_config, weight_name_map)
 from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.model.embedding import table_bytes, table_stays_in_host
 from moedesk.engine.model.transformer import parameter_dtype
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import FORMATS
@@ -53,17 +54,19 @@ class MemoryEstimate:
     other_bytes: int  # the rest (attention, router, shared experts, embeddings): on the GPU when there is one
     expert_formats: tuple[str, ...]  # what the experts' stacks hold: "q4_0", "q6_k", "bf16"... (dense ones by dtype)
     weights_dtype: str  # what everything not packed is held in
+    # Of other_bytes, the token table where it stays in RAM beside a GPU (engine.model.embedding.table_stays_in_host)
+    table_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
         return self.expert_bytes + self.other_bytes
 
     def ram_bytes(self, gpu: bool) -> int:
-        # On a GPU only the experts stay in RAM (a dense model has none, and runs on the GPU whole).
-        return self.expert_bytes if gpu else self.total_bytes
+        # On a GPU only the experts and the token table stay in RAM (a dense model has none, and runs on the GPU whole).
+        return self.expert_bytes + self.table_bytes if gpu else self.total_bytes
 
     def gpu_bytes(self, gpu: bool) -> int:
-        return self.other_bytes if gpu else 0
+        return self.other_bytes - self.table_bytes if gpu else 0
 
     @property
     def experts_as(self) -> str:
@@ -122,7 +125,9 @@ class ModelWeights:
             expert_bytes += stack.nbytes
             formats.update(_SHORT_DTYPES[dtype_name] if f == DENSE else f for f in (gate_up, down))
         ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
-        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name)
+        table = table_bytes(cfg, element) if table_stays_in_host(cfg) else 0
+        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name,
+                              table_bytes=table)
 
 
 def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:

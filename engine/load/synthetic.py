@@ -11,6 +11,7 @@ from dataclasses import replace
 import torch
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
+from moedesk.engine.model.embedding import keep_in_host, table_in_host
 from moedesk.engine.model.transformer import Rotary, Transformer
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import QUANTIZE_TO, format_for_rows, packed_format, quantize
@@ -87,6 +88,9 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
             # Router weights stay well-scaled random so that routing is spread like a trained model's.
             std = 1.0 if name.endswith("router.weight") else 0.02
             value = (torch.randn(param.shape, generator=gen) * std).to(dtype)
+        if name == "embed.weight" and pinned and table_in_host(cfg, device):  # as a load with host banks keeps it
+            keep_in_host(model.embed, value, device)
+            continue
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.to(device), requires_grad=False))
     model.rotary = Rotary(cfg, context).to(device)

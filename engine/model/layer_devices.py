@@ -73,7 +73,7 @@ def spread_model(model, devices: Sequence, device_of_layer: Sequence[int]) -> La
     banks) and its final norm and head to the last layer's; the model then runs through the returned LayerDevices.
     A model the loader already put there (engine.load.loader.load_model's layer_devices) has nothing moved."""
     spread = LayerDevices(devices, device_of_layer)
-    home = model.embed.weight.device
+    home = model.embed.device
     for block, d in zip(model.layers, spread.device_of_layer):
         device = spread.devices[d]
         if not all(_same(t.device, device) for t in (*block.parameters(), *block.buffers())):

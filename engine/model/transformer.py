@@ -21,6 +21,7 @@ from moedesk.engine.model.cache.kv import KVCache
 from moedesk.engine.model.cache.layers import LayerCaches, own_kind
 from moedesk.engine.model.cache.positional import LatentCache, write_rows
 from moedesk.engine.model.cache.recurrent import RecurrentState
+from moedesk.engine.model.embedding import Embedding
 from moedesk.engine.model.delta_net import GatedDeltaNet, tree_parents
 from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.norm import RMSNorm
@@ -520,7 +521,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_weight_first, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -570,7 +571,7 @@ class Transformer(nn.Module):
     def fuse_projections(self) -> None:
         """Fuse what runs faster fused once the weights are in place (Attention.fuse_projections). On CUDA only:
         on the CPU the separate matmuls keep the reference's rounding exactly, and cost no kernel launches."""
-        if self.embed.weight.is_cuda:
+        if self.embed.device.type == "cuda":
             fuse_attention_projections(self.layers)
 
     @torch.inference_mode()

@@ -47,12 +47,14 @@ class BudgetSplit:
         return self.experts // expert_bytes if expert_bytes > 0 else 0
 
 
-def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int, packed: dict | None = None) -> int:
+def non_expert_bytes(cfg: ModelConfig, dtype_bytes: int, packed: dict | None = None,
+                     table_in_host: bool = False) -> int:
     """Bytes of the weights outside the routed experts, in 16 bits (or `dtype_bytes`) as the GPU holds them, less
-    what the weights in `packed` save staying packed (engine.memory_fit.packed_savings)."""
+    what the weights in `packed` save staying packed (engine.memory_fit.packed_savings), and less the token table
+    where it stays in host memory (engine.model.embedding)."""
     from moedesk.engine.memory_fit import layer_weights, packed_savings
 
-    total = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    total = cfg.vocab_size * cfg.hidden_size * ((1 if cfg.tie_word_embeddings else 2) - table_in_host)
     total += sum(layer_weights(cfg, layer)[1] for layer in range(cfg.num_layers))
     return total * dtype_bytes - sum(packed_savings(packed, dtype_bytes).values())
 
@@ -104,19 +106,21 @@ def split_gpu_budget(budget: int, weights: int, kv_per_position: int, context: i
 
 def model_split(cfg: ModelConfig, budget: int, context: int, dtype_bytes: int, prefill_piece: int,
                 weights: int | None = None, kv_per_position: int | None = None, kv_per_row: int = 0,
-                packed: dict | None = None) -> BudgetSplit:
+                packed: dict | None = None, table_in_host: bool = False) -> BudgetSplit:
     """An explicit --gpu-budget's split for a model: its non-expert weights, one sequence's KV cache at the whole
     context the engine reserves, a prefill piece's workspace at that depth, slack, then experts (ContextBudgetError
     when the fixed part does not fit). The loaded model's and cache's own sizes once they exist; before, a floor
     from the config (no norms, biases or sliding rings; for latent attention, whose projections layer_weights does
     not model, the embeddings alone): never more than the loaded sizes, so a refusal then is certain. packed: the
-    weights that will stay packed (MOEDESK_PACKED_WEIGHTS; engine.load.loader.packed_plan), counted packed."""
+    weights that will stay packed (MOEDESK_PACKED_WEIGHTS; engine.load.loader.packed_plan), counted packed;
+    table_in_host: the token table will stay in host memory (engine.model.embedding.table_in_host), not counted."""
     if weights is None:
         from moedesk.engine.memory_fit import packed_savings
 
         table = cfg.vocab_size * cfg.hidden_size * dtype_bytes
         head = 0 if cfg.tie_word_embeddings else table - packed_savings(packed, dtype_bytes).get("head", 0)
-        weights = table + head if cfg.kv_lora_rank else non_expert_bytes(cfg, dtype_bytes, packed)
+        weights = (table * (not table_in_host) + head if cfg.kv_lora_rank
+                   else non_expert_bytes(cfg, dtype_bytes, packed, table_in_host))
     per = kv_bytes_per_position(cfg, dtype_bytes) if kv_per_position is None else kv_per_position
 
     def at(positions: int) -> BudgetSplit:

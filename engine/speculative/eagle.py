@@ -51,6 +51,7 @@ from torch import nn
 from moedesk.engine import json_read
 from moedesk.engine.model.architectures import _parse_rope
 from moedesk.engine.model.config import RopeConfig
+from moedesk.engine.model.embedding import rows, shared_table
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
 from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.transformer import MLP, apply_rope, rope_inv_freq
@@ -208,7 +209,7 @@ class EagleHead(nn.Module):
         if self.embed is None:
             raise RuntimeError("the EAGLE head has no token embedding: load it with the target's")
         dtype = self.fc.weight.dtype
-        emb = F.embedding(tokens, self.embed).to(dtype)
+        emb = rows(self.embed, tokens).to(dtype)  # the target's table read where it lies
         features = features.to(dtype)
         if self.cfg.version == 3:
             h = self.fc(features) if from_target else features
@@ -380,7 +381,7 @@ def load_eagle_head(folder, target_embed: torch.Tensor | None = None, target_lm_
             state.update(whole_vocabulary_in_target_order(state))
     head.load_state_dict(state)
     head.to(device=device, dtype=dtype)  # buffers d2t/t2d keep their integer/bool dtypes
-    head.embed = embed.to(device=device, dtype=dtype)
+    head.embed = shared_table(embed, device, dtype)
     if target_lm_head is not None:
         head.target_lm_head = target_lm_head.to(device)
     return head

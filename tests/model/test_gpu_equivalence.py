@@ -15,6 +15,7 @@ from functools import partial
 import pytest
 import torch
 
+from moedesk.engine.model.embedding import table_stays_in_host
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
 from tests.pinned_profile import COPIES, HOST_ONLY, pin_profile
@@ -42,9 +43,8 @@ def within_int8_rounding(logits: torch.Tensor) -> bool:
 def teacher_forced_logits(engine, ids: list[int], prompt: int | None = None) -> torch.Tensor:
     """Logits [len(ids), V] along ids, in one call; or, given `prompt`, the first `prompt` ids in one call and each
     later one in a call of its own, as greedy decode at batch 1 runs them (the kernels its CUDA graphs replay)."""
-    weight = next(engine.model.parameters())
-    device = weight.device
-    cache = engine.model.new_cache(1, len(ids), weight.dtype, device)  # the model's own kinds (recurrent state too)
+    device = engine.device  # the token table may lie in pinned RAM beside it (engine.model.embedding)
+    cache = engine.model.new_cache(1, len(ids), engine.dtype, device)  # the model's own kinds (recurrent state too)
     cut = len(ids) if prompt is None else prompt
     calls = [(0, cut)] + [(t, t + 1) for t in range(cut, len(ids))]
     with torch.no_grad():
@@ -145,6 +145,9 @@ def test_offloaded_float32_greedy_on_cuda_at_every_budget(arch, tiny_checkpoint,
     params = SamplingParams(max_new_tokens=16, temperature=0)
     probe = Engine.load(str(folder), device="cuda", dtype="float32", gpu_budget=0)
     assert probe.orchestra is not None and probe.executor.banks[next(iter(probe.executor.banks))].host.is_pinned()
+    # The token table in pinned RAM beside the offloaded experts, its rows read by the GPU (engine.model.embedding)
+    embed = probe.model.embed
+    assert embed.in_host == table_stays_in_host(probe.config) and embed.in_host <= embed.weight.is_pinned()
     prompts = [probe.tokenizer.encode(p) for p in PROMPTS]
     eos = probe.tokenizer.eos_token_ids | set(probe.config.eos_token_ids)
     expected = [hf_greedy(ref, p, 16, eos) for p in prompts]
@@ -167,6 +170,7 @@ def test_offloaded_bf16_matches_all_on_gpu(arch, tiny_checkpoint, tmp_path, monk
     resident = Engine.load(str(folder), device="cuda", dtype="bfloat16", offload=False)
     offloaded = Engine.load(str(folder), device="cuda", dtype="bfloat16", gpu_budget=0)
     assert offloaded.expert_stats()["experts_on_gpu"] == 0
+    assert offloaded.model.embed.in_host and not resident.model.embed.in_host  # the table read from RAM, or not
     check_matches_all_on_gpu(offloaded, resident)
 
 
