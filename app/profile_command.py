@@ -34,6 +34,15 @@ def placement_line(summary: dict) -> str:
                "which the profile timed faster" if free > 0 else ""))
 
 
+def budget_line(split, table_in_ram: int = 0) -> str:
+    """Where a named GPU budget went before the experts (engine.offload.gpu_budget.BudgetSplit), and the token table's
+    bytes where they stay in RAM instead (engine.model.embedding)."""
+    line = (f"GPU budget {_mib(split.budget)}: weights {_mib(split.weights)}, KV cache of {split.context} positions "
+            f"{_mib(split.kv_cache)}, workspace {_mib(split.workspace)}, slack {_mib(split.slack)}, "
+            f"experts {_mib(split.experts)}")
+    return line + (f"; the token table ({_mib(table_in_ram)}) in RAM, a row read a token" if table_in_ram else "")
+
+
 def contention_line(costs) -> str | None:
     """How much CPU experts and copies slowed each other at each measured token count; None if neither did."""
     if not any(cpu > 1 or copy > 1 for _, cpu, copy in costs.contention):
@@ -98,9 +107,7 @@ def run_profile(args, engine_loader, out=print) -> int:
     out("\n" + placement_line(summary))
     split = getattr(engine, "budget_split", None)  # where a named budget went before the experts
     if split is not None:
-        out(f"GPU budget {_mib(split.budget)}: weights {_mib(split.weights)}, KV cache of {split.context} positions "
-            f"{_mib(split.kv_cache)}, workspace {_mib(split.workspace)}, slack {_mib(split.slack)}, "
-            f"experts {_mib(split.experts)}")
+        out(budget_line(split, getattr(engine, "table_in_ram_bytes", 0)))
     if summary["popularity_evenness"] is not None:
         out(f"popularity: {summary['popularity_evenness']:.0%} even routing mixed into the calibration counts "
             f"(how little one half of the calibration prompts predicted the other)")

@@ -299,6 +299,13 @@ class Engine(EngineFace):
                          f"link {link['gbs']:.1f} GB/s")
         return lines
 
+    @property
+    def table_in_ram_bytes(self) -> int:
+        """Bytes of the token table kept in pinned RAM beside the GPU (engine.model.embedding); 0 where the GPU, or
+        without one the CPU, holds it with the rest."""
+        embed = self.model.embed
+        return embed.weight.numel() * embed.weight.element_size() if embed.in_host else 0
+
     def gpu_budget_split(self, budget: int) -> BudgetSplit:
         """How `budget` bytes of GPU would split for this model at its context, from the sizes of what it loaded
         (engine.offload.gpu_budget.model_split; ContextBudgetError when too small). The routed experts are no

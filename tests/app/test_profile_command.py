@@ -163,3 +163,15 @@ def test_placement_line_says_where_the_plan_left_room_free():
     full = dict(summary, experts_on_gpu=2532, expected_gpu_hit_rate=None)
     assert placement_line(full) == ("placement at 8.00 GiB: 2532 of 6144 experts on the GPU (no popularity: the model "
                                     "has no tokenizer)")
+
+
+def test_budget_line_names_the_token_table_where_it_stays_in_ram():
+    from moedesk.app.profile_command import budget_line
+    from moedesk.engine.offload.gpu_budget import BudgetSplit
+
+    split = BudgetSplit(budget=8 * 2**30, weights=2**29, kv_cache=2**20, workspace=2**21, slack=2**25,
+                        experts=8 * 2**30 - 2**29 - 2**20 - 2**21 - 2**25, context=4096, rows=1)
+    line = budget_line(split)
+    assert line.startswith("GPU budget 8192.0 MiB: weights 512.0 MiB, KV cache of 4096 positions 1.0 MiB")
+    assert "token table" not in line
+    assert budget_line(split, 622 * 2**20) == line + "; the token table (622.0 MiB) in RAM, a row read a token"

@@ -87,3 +87,13 @@ def test_a_pinned_table_is_shared_with_a_head_on_the_gpu():
     assert shared_table(table, "cuda", torch.float32).is_cuda  # another dtype: a copy
     tokens = torch.tensor([[0, 31, 4]], device="cuda")
     assert torch.equal(rows(table, tokens).cpu(), F.embedding(tokens.cpu(), table))
+
+
+def test_the_engine_says_how_much_of_the_table_stays_in_ram(tiny_checkpoint):
+    from moedesk.engine.runtime import Engine
+
+    engine = Engine.load(str(tiny_checkpoint("mixtral")), device="cpu", dtype="float32", context_length=64)
+    assert engine.table_in_ram_bytes == 0  # without a GPU the CPU holds it with everything else
+    weight = engine.model.embed.weight
+    engine.model.embed.home = torch.device("cuda")  # as keep_in_host leaves it beside a GPU
+    assert engine.table_in_ram_bytes == weight.numel() * 4
