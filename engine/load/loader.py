@@ -127,7 +127,9 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     loaded = set()
     spread = layer_devices(model, cfg, banks) if layer_devices is not None and banks else None
     target = _parameter_device(device, spread)
-    host_table = bool(banks) and table_in_host(cfg, target("embed.weight"))
+    # The token table in pinned RAM where the banks pin theirs (engine.model.embedding), else on the device
+    pinned_copy = getattr(expert_banks, "pinned_copy", None) if banks else None
+    host_table = pinned_copy is not None and table_in_host(cfg, target("embed.weight"))
     clock = _lap(timings, "build", clock)
     freed = FreedMemory()
     for name, ours in plain:
@@ -152,9 +154,12 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         tensor = checkpoint.get_tensor(name)
         _check_shape(path, name, tensor.shape, expected[ours].shape)
         _check_dtype(path, name, tensor)
-        if ours == "embed.weight" and host_table:  # the table in pinned RAM, its rows read by the GPU
-            keep_in_host(model.embed, tensor.to(dtype=model.parameter_dtype(ours, dtype)), where)
-        else:
+        in_host = None
+        if ours == "embed.weight" and host_table:  # an exact-size pinned copy, its rows read by the GPU
+            in_host = pinned_copy(tensor.to(dtype=model.parameter_dtype(ours, dtype)))
+        if in_host is not None:
+            keep_in_host(model.embed, in_host, where)
+        else:  # (a refused lock leaves the table on the device)
             _set_parameter(model, ours, tensor.to(device=where, dtype=model.parameter_dtype(ours, dtype)))
         if ours == "embed.weight" and cfg.tie_word_embeddings and not _same_device(target("lm_head.weight"), where):
             # Layers spread over devices: a tied head is a copy of the table on the last layer's device, made here

@@ -89,7 +89,7 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
             std = 1.0 if name.endswith("router.weight") else 0.02
             value = (torch.randn(param.shape, generator=gen) * std).to(dtype)
         if name == "embed.weight" and pinned and table_in_host(cfg, device):  # as a load with host banks keeps it
-            keep_in_host(model.embed, value, device)
+            keep_in_host(model.embed, value.pin_memory(), device)  # torch's pinned memory, as the banks below
             continue
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.to(device), requires_grad=False))

@@ -71,6 +71,6 @@ def table_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
 
 
 def keep_in_host(embed: Embedding, table: torch.Tensor, device) -> None:
-    """Make `table` (any device) embed's table, in pinned host memory, its lookups landing on `device`."""
-    embed.weight = nn.Parameter(table.detach().to("cpu").pin_memory(), requires_grad=False)
+    """Make `table`, in pinned host memory, embed's table, its lookups landing on `device`."""
+    embed.weight = nn.Parameter(table, requires_grad=False)
     embed.home = torch.device(device)

@@ -188,6 +188,23 @@ class HostBanks:
         self.stats["allocate_s"] += time.perf_counter() - started
         return banks
 
+    def pinned_copy(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """`tensor` copied into an exact-size arena of its own, page-locked now (a GPU reads it in place: the token
+        table, engine.model.embedding); None where the banks are not pinned or the driver refuses the lock."""
+        if not self.pinned:
+            return None
+        if self._registrar is None:
+            self._registrar = CudaRegistrar()
+        arena = HostArena(tensor.numel() * tensor.element_size(), self.huge_pages)
+        copy = arena.take(tensor.shape, tensor.dtype)
+        copy.copy_(tensor)
+        try:
+            arena.register(self._registrar)
+        except PinError:
+            return None
+        self.stats["pinned_bytes"] += arena.nbytes
+        return copy
+
     def filled(self, layer: int) -> None:
         """The loader wrote every expert of `layer`: lock its arena in the background."""
         if not self.pinned:

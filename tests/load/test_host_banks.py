@@ -263,3 +263,27 @@ def test_registered_banks_copy_asynchronously_and_serve_the_zero_copy_kernel():
     del gate_up, down, staging, arena, bank
     gc.collect()  # unregisters; a failure there would surface at the next CUDA call
     torch.cuda.synchronize()
+
+
+def test_a_pinned_copy_takes_an_exact_arena_locked_at_once():
+    registrar = FakeRegistrar()
+    banks_of = HostBanks(torch.bfloat16, pinned=True, registrar=registrar)
+    table = torch.randn(1000, 72).to(torch.bfloat16)
+    copy = banks_of.pinned_copy(table)
+    assert torch.equal(copy, table) and copy.data_ptr() != table.data_ptr()
+    assert registrar.events == [("register", copy.data_ptr())]
+    assert registrar.snapshots[copy.data_ptr()][:table.nbytes] == table.view(torch.uint8).numpy().tobytes()
+    assert banks_of.stats["pinned_bytes"] == -(-table.nbytes // PAGE) * PAGE  # its size, not a power of two
+    assert HostBanks(torch.bfloat16, pinned=True, registrar=FakeRegistrar(refuse_from=0)).pinned_copy(table) is None
+    assert HostBanks(torch.bfloat16, pinned=False).pinned_copy(table) is None
+
+
+def test_the_loader_puts_the_token_table_in_a_pinned_copy_where_it_stays_in_host(tiny_checkpoint, monkeypatch):
+    from moedesk.engine.load import loader
+
+    monkeypatch.setattr(loader, "table_in_host", lambda cfg, device: True)  # as beside a GPU
+    registrar = FakeRegistrar()
+    model, _, _ = _load(tiny_checkpoint("mixtral"), HostBanks(torch.float32, pinned=True, registrar=registrar))
+    plain, _, _ = _load(tiny_checkpoint("mixtral"))
+    assert ("register", model.embed.weight.data_ptr()) in registrar.events
+    assert torch.equal(model.embed.weight, plain.embed.weight)
