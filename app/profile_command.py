@@ -115,8 +115,8 @@ def run_profile(args, engine_loader, out=print) -> int:
     if whole:
         out(f"{whole} whole layers on the GPU" + (" (run inside the decode graphs)"
                                                   if orchestra.executor.whole_layers_on_device else ""))
-    for layer, row in enumerate(on_gpu):
-        out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
+    for line in map_lines(on_gpu):
+        out(line)
     plan = engine.device_plan_lines()  # --gpu-budget named several GPUs
     if plan:
         out("")
@@ -136,11 +136,25 @@ def _layer_placement(engine, out) -> int:
     out(f"\nplacement per layer (a GGUF holds a layer's experts as one tensor): {stats.get('experts_on_gpu', 0)} of "
         f"{stats.get('experts_total', 0)} experts on the GPU, {stats.get('expert_gib_in_ram', 0):.2f} GiB of experts "
         f"in RAM")
-    for layer, row in enumerate(engine.expert_map()[0]):
-        out(f"  layer {layer:>3}: " + "".join("G" if flag else "." for flag in row))
+    for line in map_lines(engine.expert_map()[0]):
+        out(line)
     for warning in engine.warnings:
         out(f"warning: {warning}")
     return 0
+
+
+def map_lines(on_gpu) -> list[str]:
+    """A line per run of layers placed alike ("G": an expert on the GPU, ".": in RAM): a whole model's map is a few
+    lines, not one per layer, where whole layers or none of a layer sit on the GPU."""
+    rows = ["".join("G" if flag else "." for flag in row) for row in on_gpu]
+    lines, first = [], 0
+    for layer, row in enumerate(rows):
+        if layer + 1 < len(rows) and rows[layer + 1] == row:
+            continue
+        span = f"layer  {first:>3}" if first == layer else f"layers {first:>3}-{layer}"
+        lines.append(f"  {span + ':':<15} {row}")  # the maps aligned whatever the spans
+        first = layer + 1
+    return lines
 
 
 def _mib(n: int) -> str:

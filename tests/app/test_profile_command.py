@@ -32,8 +32,10 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     assert "left free" not in out  # the CPU's simulated GPU splits no lone token: the plan fills its room
     assert re.search(r"^GPU budget [\d.]+ MiB: weights [\d.]+ MiB, KV cache of 512 positions [\d.]+ MiB, workspace", out,
                      re.M)  # where the budget went before the experts
-    rows = re.findall(r"layer\s+\d+: ([.G]+)", out)
-    assert len(rows) == 3 and sum(r.count("G") for r in rows) == int(placed.group(1))
+    rows = [(int(first), int(last or first), row)
+            for first, last, row in re.findall(r"layers?\s+(\d+)(?:-(\d+))?:\s+([.G]+)$", out, re.M)]
+    assert [first for first, _, _ in rows][0] == 0 and rows[-1][1] == 2  # every layer, in runs
+    assert sum((last - first + 1) * row.count("G") for first, last, row in rows) == int(placed.group(1))
     even = re.search(r"popularity: (\d+)% even routing", out)
     assert even and 0 <= int(even.group(1)) <= 100
     assert "whole layers" not in out  # two experts: no layer whole
@@ -44,6 +46,19 @@ def test_profile_prints_hardware_latency_and_placement(tiny_checkpoint, tmp_path
     args[-1] = "1"  # room for every expert
     assert main(args) == 0
     assert "3 whole layers on the GPU (run inside the decode graphs)" in capsys.readouterr().out
+
+
+def test_map_lines_join_layers_placed_alike():
+    from moedesk.app.profile_command import map_lines
+
+    assert map_lines([[0, 0], [0, 0], [1, 0], [1, 1], [1, 1], [1, 1], [0, 0]]) == [
+        "  layers   0-1:   ..",
+        "  layer    2:     G.",
+        "  layers   3-5:   GG",
+        "  layer    6:     ..",
+    ]
+    assert map_lines([]) == []
+    assert map_lines([[1, 0, 1]] * 48) == ["  layers   0-47:  G.G"]
 
 
 def test_zero_copy_line_shows_the_measured_splits_and_the_choice():
