@@ -204,8 +204,8 @@ def test_profile_on_llama_cpp_says_which_engine_and_where_each_layers_experts_ar
     out = capsys.readouterr().out
     assert "engine: llama.cpp engine, as asked" in out and "on llama.cpp, no GPU for llama.cpp: all in RAM" in out
     assert "placement per layer" in out and "0 of 12 experts on the GPU" in out
-    assert [line.strip() for line in out.splitlines() if line.strip().startswith("layer")] == [
-        f"layer   {i}: ...." for i in range(3)]
+    # the three layers placed alike, in one line
+    assert [line.strip() for line in out.splitlines() if line.strip().startswith("layer")] == ["layers   0-2:   ...."]
 
 
 def test_the_load_reports_progress_and_a_progress_that_raises_cancels_it(tiny_moe):
