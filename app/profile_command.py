@@ -128,7 +128,7 @@ def run_profile(args, engine_loader, out=print) -> int:
 
 
 def _layer_placement(engine, out) -> int:
-    """Where an engine that places whole layers' experts (llama.cpp) put them, a line per MoE layer."""
+    """Where an engine that places whole layers' experts (llama.cpp) put them, its map (map_lines)."""
     stats = engine.expert_stats()
     if isinstance(stats.get("placement"), str):  # a remote server's: it does not report where experts are
         out(f"\nplacement: {stats['placement']}")
