@@ -11,6 +11,7 @@ from moedesk.engine.errors import MoedeskError, UnsupportedModelError
 from moedesk.engine.offload.expert_executor import LocalExecutor
 from moedesk.engine.generation.decoder import Decoder
 from moedesk.engine.generation.runner import ModelRunner
+from moedesk.engine.cpu_share import CpuShare
 from moedesk.engine.hardware import use_device
 from moedesk.engine.openmp_pool import frees_pool
 from moedesk.engine.load.loader import load_model, resolve_device, resolve_dtype
@@ -58,7 +59,8 @@ class Engine(EngineFace):
                                   graphs=graphs_wanted(torch.device(device)), can_free=self._can_free)
         self.runner.reserve(1, min(FIRST_CACHE_LENGTH, context_length))
         # Every generation goes through the scheduler's one decode thread, which owns the cache's rows.
-        self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device))
+        self.scheduler = Scheduler(self._decoder, prefill_chunk=default_prefill_chunk(device),
+                                   cpu_share=CpuShare(torch.set_num_threads, torch.get_num_threads))
         self._grammar_tokenizer = None
         self._beam: BeamSearch | None = None  # made at the first beam search; keeps its cache for the next
         self.draft_heads: dict = {}  # EAGLE heads by folder, loaded once (engine.speculative.eagle_drafter.draft_head)

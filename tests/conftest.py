@@ -30,6 +30,10 @@ _hub_kernels_first()
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A test's threads must not depend on what else runs on the machine (a server the test started, CI's neighbours):
+# the engines keep the threads their load chose. tests/generation/test_cpu_share.py turns the following on.
+os.environ.setdefault("MOEDESK_FOLLOW_CPU", "0")
+
 from tests import tiny_models  # noqa: E402  (after the interpreter is chosen)
 
 

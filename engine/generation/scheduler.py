@@ -192,12 +192,14 @@ class Scheduler:
 
     make_decoder() gives the engine.generation.decoder.Decoder to run (called for every step, so it sees the engine's
     current executor). max_rows caps the sequences decoding together (None: only the
-    groups cap them).
+    groups cap them). cpu_share: an engine.cpu_share.CpuShare that sets the CPU threads before each step (None: they
+    stay as they are).
     """
 
     def __init__(self, make_decoder: Callable[[], object], max_rows: int | None = None,
-                 prefill_chunk: int | None = PREFILL_CHUNK_CPU):
+                 prefill_chunk: int | None = PREFILL_CHUNK_CPU, cpu_share=None):
         self.make_decoder = make_decoder
+        self.cpu_share = cpu_share
         self.max_rows = max_rows
         self.prefill_chunk = prefill_chunk
         self._lock = threading.Condition()
@@ -378,6 +380,8 @@ class Scheduler:
                 if not device_set:
                     use_device(decoder.device)  # a new thread starts on GPU 0 (engine.hardware.thread_gpu)
                 device_set = True
+                if self.cpu_share is not None:
+                    self.cpu_share.follow()
                 self._step(decoder, newcomers)
                 for running in list(self._jobs):
                     self._step_job(running)

@@ -73,6 +73,11 @@ class LlamaContext:
             api.llama_free(self.ctx)
         self.ctx, self.slots = ctx, slots
 
+    def set_threads(self, threads: int) -> None:
+        """The threads of the steps that follow, for one token and for many (engine.cpu_share)."""
+        self.threads = threads
+        self.api.llama_set_n_threads(self.ctx, threads, threads)
+
     def forget(self, seq_id: int) -> None:
         """Drop what sequence `seq_id` holds in the KV cache (its row starts a new request)."""
         self.api.llama_memory_seq_rm(self.api.llama_get_memory(self.ctx), seq_id, -1, -1)

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from moedesk import libstdcxx
+from moedesk.engine.cpu_share import CpuShare
 from moedesk.engine.errors import CheckpointError, MoedeskError
 from moedesk.engine.memory_fit import shortfall
 from moedesk.engine.generation.scheduler import Scheduler, default_prefill_chunk
@@ -56,7 +57,8 @@ class LlamaCppEngine(EngineFace):
         self.orchestra = None
         self.warnings: list[str] = []
         self.cache = _KVFace(self)
-        self.scheduler = Scheduler(self._decoder, max_rows=context.slots, prefill_chunk=context.batch_tokens)
+        self.scheduler = Scheduler(self._decoder, max_rows=context.slots, prefill_chunk=context.batch_tokens,
+                                   cpu_share=CpuShare(context.set_threads, lambda: context.threads))
         self._grammar_tokenizer = None
         self.generation_defaults: dict = {}  # the model's own sampling defaults, where the user set none
         self.overridden: dict[str, str] = {}  # tensor -> buffer type, as llama.cpp's load log said

@@ -84,3 +84,16 @@ def test_model_params_match_llama_bench_ncmoe(monkeypatch):
             assert matches(pattern, f"blk.{layer}.ffn_{part}_exps.weight")
         assert not matches(pattern, f"blk.{layer}.ffn_gate_inp.weight")
         assert not matches(pattern, f"blk.{layer}.attn_q.weight")
+
+
+def test_llama_cpp_takes_the_thread_count_between_steps(demo_llama):
+    context = demo_llama.llama
+    assert demo_llama.scheduler.cpu_share.set_threads == context.set_threads
+    before = context.threads
+    try:
+        context.set_threads(2)
+        assert demo_llama.api.llama_n_threads(context.ctx) == 2
+        assert demo_llama.api.llama_n_threads_batch(context.ctx) == 2
+    finally:
+        context.set_threads(before)
+    assert demo_llama.api.llama_n_threads(context.ctx) == before
