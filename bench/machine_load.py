@@ -6,18 +6,11 @@ import time
 
 import psutil
 
+from moedesk.engine.cpu_share import cpu_seconds
+
 # Other processes taking this share of all cores' time make the figures unreliable: on a 2-core machine, one busy
 # neighbour at a fifth of a core.
 BUSY_SHARE = 0.10
-
-
-def _busy_seconds(t) -> float:
-    return t.user + t.system + getattr(t, "nice", 0.0) + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0) \
-        + getattr(t, "steal", 0.0)
-
-
-def _own_seconds(t) -> float:
-    return t.user + t.system  # this process's threads; a bench starts no worker processes
 
 
 def others_share(system_busy_s: float, own_s: float, wall_s: float, cores: int) -> float:
@@ -38,12 +31,10 @@ class CpuLoad:
     """Started at construction; `others()` is the share of the CPU other processes took since."""
 
     def __init__(self):
-        self._process = psutil.Process()
         self._wall = time.perf_counter()
-        self._system = _busy_seconds(psutil.cpu_times())
-        self._own = _own_seconds(self._process.cpu_times())
+        self._system, self._own = cpu_seconds()  # a bench starts no worker processes: its own time is its threads'
 
     def others(self) -> float:
-        return others_share(_busy_seconds(psutil.cpu_times()) - self._system,
-                            _own_seconds(self._process.cpu_times()) - self._own,
-                            time.perf_counter() - self._wall, psutil.cpu_count() or 1)
+        system, own = cpu_seconds()
+        return others_share(system - self._system, own - self._own, time.perf_counter() - self._wall,
+                            psutil.cpu_count() or 1)

@@ -25,7 +25,8 @@ def threads_for(most: int, cores: int, others_busy: float) -> int:
 
 
 def cpu_seconds() -> tuple[float, float]:
-    """(CPU seconds the whole machine has been busy, summed over its CPUs; CPU seconds this process has run)."""
+    """(CPU seconds the whole machine has been busy, summed over its CPUs; CPU seconds this process has run): what
+    the share follows, and what bench.machine_load reports a bench ran beside."""
     t = psutil.cpu_times()
     busy = sum(getattr(t, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq", "steal"))
     own = psutil.Process().cpu_times()
