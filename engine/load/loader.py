@@ -17,7 +17,7 @@ from moedesk.engine.model import packed_linear
 from moedesk.engine.model.embedding import keep_in_host, table_in_host
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
-from moedesk.engine.model.transformer import Rotary, Transformer
+from moedesk.engine.model.transformer import Transformer
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
@@ -217,7 +217,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         moe.experts = moe.join_expert_function(moe.experts)
         if moe.layer in banks:
             banks[moe.layer] = moe.join_expert_function(banks[moe.layer])
-    model.rotary = Rotary(cfg, max_positions).to(device)
+    model.rotary.to(device)  # its tables are real already (Rotary)
     model.fuse_projections()
     return model.eval(), cfg, banks
 

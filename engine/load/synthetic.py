@@ -12,7 +12,7 @@ import torch
 
 from moedesk.engine.model.config import ModelConfig, RopeConfig
 from moedesk.engine.model.embedding import keep_in_host, table_in_host
-from moedesk.engine.model.transformer import Rotary, Transformer
+from moedesk.engine.model.transformer import Transformer
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import QUANTIZE_TO, format_for_rows, packed_format, quantize
 
@@ -93,7 +93,7 @@ def synthetic_model(cfg: ModelConfig, dtype: torch.dtype, device, pinned: bool, 
             continue
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, torch.nn.Parameter(value.to(device), requires_grad=False))
-    model.rotary = Rotary(cfg, context).to(device)
+    model.rotary.to(device)  # its tables are real already (Rotary)
     model.fuse_projections()
     E, F_, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     banks = {}

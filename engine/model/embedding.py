@@ -23,6 +23,10 @@ class Embedding(nn.Embedding):
 
     home: torch.device | None = None
 
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:  # a meta build's table is the checkpoint's; its random draw imports torch._dynamo
+            super().reset_parameters()
+
     @property
     def device(self) -> torch.device:
         """Where lookups land: the model's first device, wherever the table lies."""

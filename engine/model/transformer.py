@@ -35,7 +35,8 @@ log = logging.getLogger("moedesk")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU inside a meta build too (Rotary says why).
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.kind == "linear":
         inv_freq = inv_freq / rope.factor
     elif rope.kind == "llama3":
@@ -64,19 +65,24 @@ def _yarn(rope: RopeConfig, dim: int) -> torch.Tensor:
     if rope.truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    span = high - low if high != low else 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / span).clamp(0, 1)
     kept = 1 - ramp
-    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    wavelengths = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim)
     return 1.0 / (rope.factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
 
 
 class Rotary(nn.Module):
-    """cos/sin tables for every position up to the context length, gathered per token."""
+    """cos/sin tables for every position up to the context length, gathered per token.
+
+    Computed on the CPU even where the model is built on the meta device (engine.load.loader): the tables are then
+    real from the start, and arithmetic on meta tensors runs torch's Python decompositions, whose first use imports
+    torch._dynamo, a slow part of every start (docs/measurements.md, "Session 65")."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         inv_freq = rope_inv_freq(cfg.rope, cfg.rope_dims)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device="cpu"), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * cfg.rope.attention_factor, persistent=False)
         self.register_buffer("sin", emb.sin() * cfg.rope.attention_factor, persistent=False)
