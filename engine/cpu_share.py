@@ -15,6 +15,7 @@ from typing import Callable
 import psutil
 
 INTERVAL_S = 1.0  # how often the machine is looked at: a program's use of a core is steady over seconds
+FIRST_WINDOW_S = 0.1  # the first measure's, from the engine's start: the CPU counters tick a hundred times a second
 
 
 def threads_for(most: int, cores: int, others_busy: float) -> int:
@@ -50,28 +51,43 @@ class CpuShare:
     set it). `follow()` is called before each step. MOEDESK_FOLLOW_CPU=0 keeps the engine's count."""
 
     def __init__(self, set_threads: Callable[[int], None], most: Callable[[], int], cores: int | None = None,
-                 interval_s: float = INTERVAL_S, clock=time.monotonic, sample=cpu_seconds):
+                 interval_s: float = INTERVAL_S, clock=time.monotonic, sample=cpu_seconds, sleep=time.sleep):
         self.set_threads, self._most = set_threads, most
         self.cores = cores if cores is not None else physical_cores()
         self.per_cpu = self.cores / (psutil.cpu_count() or self.cores)  # a logical CPU's busy time, in cores
-        self.interval_s, self.clock, self.sample = interval_s, clock, sample
+        self.interval_s, self.clock, self.sample, self.sleep = interval_s, clock, sample, sleep
         self.fixed = os.environ.get("MOEDESK_FOLLOW_CPU", "1").strip() == "0"
         self.most = self.threads = None  # the engine's count, and the one set (both known from the first step)
         self.others_busy = 0.0  # the latest measure, in cores
-        self._last: tuple[float, float, float] | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start the count (at the engine's start, not its first step: a first reply on a busy machine ran its
+        prefill with every thread, each barrier waiting for the thread another program held)."""
+        self._last = (self.clock(), *self.sample())
+        self.measured = False
 
     def follow(self) -> None:
         if self.fixed:
             return
+        if self.most is None:  # read at the first step, after the load set it
+            self.most = self.threads = max(1, self._most())
         now = self.clock()
-        if self._last is not None and now - self._last[0] < self.interval_s:
+        seconds = now - self._last[0]
+        window = self.interval_s if self.measured else min(FIRST_WINDOW_S, self.interval_s)
+        if not self.measured and seconds < window:
+            # The first step waits for a first measure (once, a tenth of a second at most): a batch's first step,
+            # a whole prefill, came before it and ran with every thread, however busy the machine.
+            self.sleep(window - seconds)
+            now = self.clock()
+            seconds = now - self._last[0]
+        elif seconds < window:
+            return
+        if seconds <= 0:  # a clock that did not move
             return
         busy, own = self.sample()
         last, self._last = self._last, (now, busy, own)
-        if last is None:  # the first look only starts the count
-            self.most = self.threads = max(1, self._most())
-            return
-        seconds = now - last[0]
+        self.measured = True
         self.others_busy = max(0.0, (busy - last[1]) - (own - last[2])) / seconds * self.per_cpu
         threads = threads_for(self.most, self.cores, self.others_busy)
         if threads != self.threads:

@@ -20,9 +20,11 @@ class Machine:
 
     def __init__(self):
         self.now, self.busy, self.own = 100.0, 5000.0, 10.0
+        self.others = 0.0  # what other programs keep busy while the share sleeps
 
     def run(self, seconds, others, own):
         self.now += seconds
+        self.others = others
         self.busy += (others + own) * seconds
         self.own += own * seconds
 
@@ -33,20 +35,23 @@ class Machine:
 def share_on(machine, set_threads, monkeypatch, most=4, cores=4, logical_cpus=4):
     monkeypatch.setenv("MOEDESK_FOLLOW_CPU", "1")
     monkeypatch.setattr("psutil.cpu_count", lambda logical=True: logical_cpus if logical else cores)
-    return CpuShare(set_threads, lambda: most, cores=cores, clock=lambda: machine.now, sample=machine.sample)
+    return CpuShare(set_threads, lambda: most, cores=cores, clock=lambda: machine.now, sample=machine.sample,
+                    sleep=lambda seconds: machine.run(seconds, others=machine.others, own=0.0))
 
 
 def test_the_share_follows_another_program_and_gives_its_cores_back(monkeypatch):
     machine, set_to = Machine(), []
-    share = share_on(machine, set_to.append, monkeypatch)
-    share.follow()  # the first look only starts the count
-    assert share.threads == 4 and set_to == []
-    machine.run(0.5, others=2.0, own=2.0)
-    share.follow()  # within the interval: nothing measured
-    assert set_to == [] and share.others_busy == 0.0
-    machine.run(0.6, others=2.0, own=2.0)
-    share.follow()
+    share = share_on(machine, set_to.append, monkeypatch)  # the count starts with the engine
+    machine.run(0.04, others=2.0, own=2.0)
+    share.follow()  # the first step waits out the first measure's tenth of a second
+    assert machine.now == pytest.approx(100.1)
     assert share.others_busy == pytest.approx(2.0, abs=0.01) and set_to == [2]
+    machine.run(0.5, others=0.0, own=4.0)
+    share.follow()  # within the interval after that: nothing measured
+    assert set_to == [2] and share.others_busy == pytest.approx(2.0, abs=0.01)
+    machine.run(0.5, others=4.0, own=0.0)
+    share.follow()
+    assert share.others_busy == pytest.approx(2.0, abs=0.01) and set_to == [2]  # over the whole second
     machine.run(1.0, others=2.0, own=2.0)
     share.follow()
     assert set_to == [2]  # told once
@@ -55,10 +60,17 @@ def test_the_share_follows_another_program_and_gives_its_cores_back(monkeypatch)
     assert set_to == [2, 4] and share.threads == 4
 
 
+def test_a_first_reply_on_a_busy_machine_starts_with_the_share(monkeypatch):
+    machine, set_to = Machine(), []
+    share = share_on(machine, set_to.append, monkeypatch)
+    machine.run(3.0, others=3.0, own=1.0)  # the load, the app's start, a user typing; another program busy
+    share.follow()  # the first reply's first step
+    assert set_to == [1]
+
+
 def test_logical_cpus_count_as_their_share_of_a_core(monkeypatch):
     machine, set_to = Machine(), []
     share = share_on(machine, set_to.append, monkeypatch, logical_cpus=8)
-    share.follow()
     machine.run(1.0, others=2.0, own=4.0)  # two hyperthreads busy: one core's worth
     share.follow()
     assert share.others_busy == pytest.approx(1.0) and set_to == [3]
@@ -98,17 +110,13 @@ def test_the_native_engines_decode_thread_takes_the_share(tiny_checkpoint, monke
 
     share.fixed, share.set_threads, share.interval_s = False, set_threads, 0.0
     share.cores, share.per_cpu, share.clock, share.sample = 4, 1.0, lambda: machine.now, machine.sample
-    share._most = lambda: 4
-
-    def step_on_a_busy_machine():
-        machine.run(1.0, others=3.0, own=1.0)
-        return machine.sample()
-
-    share.sample = step_on_a_busy_machine
+    share._most, share.most = (lambda: 4), None
+    share.start()  # as at the engine's start
+    machine.run(1.0, others=3.0, own=1.0)  # before the request, three cores busy elsewhere
     try:
         followed = next(engine.generate([request]))
     finally:
         torch.set_num_threads(before)
-    assert seen == [1]  # three cores busy elsewhere: one thread, from the second step on
+    assert seen == [1]  # three cores busy elsewhere: one thread, from the first step on
     assert followed.token_ids == alone.token_ids
 
