@@ -73,16 +73,14 @@ class CpuShare:
         if self.most is None:  # read at the first step, after the load set it
             self.most = self.threads = max(1, self._most())
         now = self.clock()
-        seconds = now - self._last[0]
-        window = self.interval_s if self.measured else min(FIRST_WINDOW_S, self.interval_s)
-        if not self.measured and seconds < window:
+        if not self.measured and now - self._last[0] < FIRST_WINDOW_S:
             # The first step waits for a first measure (once, a tenth of a second at most): a batch's first step,
             # a whole prefill, came before it and ran with every thread, however busy the machine.
-            self.sleep(window - seconds)
+            self.sleep(FIRST_WINDOW_S - (now - self._last[0]))
             now = self.clock()
-            seconds = now - self._last[0]
-        elif seconds < window:
+        elif now - self._last[0] < self.interval_s:
             return
+        seconds = now - self._last[0]
         if seconds <= 0:  # a clock that did not move
             return
         busy, own = self.sample()
