@@ -3,21 +3,25 @@ otherwise pays before any weight is read (engine.model.transformer.Rotary, engin
 import subprocess
 import sys
 
+import pytest
+
 from tests import tiny_models
 
 LOAD_EACH = """
 import sys
 from moedesk.engine.runtime import Engine
-for folder in sys.argv[1:]:
-    Engine.load(folder, device="cpu", dtype="float32").scheduler.close()
+device, folders = sys.argv[1], sys.argv[2:]
+for folder in folders:
+    Engine.load(folder, device=device, dtype="float32").scheduler.close()
     if "torch._dynamo" in sys.modules:
         sys.exit("torch._dynamo imported loading " + folder)
-print("loaded", len(sys.argv) - 1)
+print("loaded", len(folders))
 """
 
 
-def test_loading_every_family_leaves_torch_dynamo_unimported(tiny_checkpoint):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_loading_every_family_leaves_torch_dynamo_unimported(tiny_checkpoint, device):
     folders = [str(tiny_checkpoint(arch)) for arch in tiny_models.ARCHS]
-    done = subprocess.run([sys.executable, "-c", LOAD_EACH, *folders], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", LOAD_EACH, device, *folders], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["loaded", str(len(folders))]
