@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-from scipy.optimize import minimize_scalar
 
 
 def shares(counts: np.ndarray) -> np.ndarray:
@@ -50,6 +49,8 @@ def fitted_evenness(halves: Sequence[np.ndarray]) -> float:
         raise ValueError("need two halves of counts of the same shape")
     if not (halves[0].sum() > 0 and halves[1].sum() > 0):
         return 0.0
+    from scipy.optimize import minimize_scalar  # here, not at the top: a start that fits nothing skips its import
+
     result = minimize_scalar(lambda w: -held_out_log_likelihood(w, halves), bounds=(0.0, 1.0), method="bounded",
                              options={"xatol": 1e-4})
     return float(result.x)

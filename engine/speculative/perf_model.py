@@ -50,7 +50,6 @@ from dataclasses import dataclass, field
 from typing import Mapping, Protocol, Sequence
 
 import numpy as np
-from scipy.optimize import least_squares, nnls
 
 # Speculate only where the predicted speedup is at least 10%. Why that much: step times of one
 # machine of the GPU box moved by more than 10% between runs (docs/measurements.md, "Where a Qwen3 step
@@ -208,6 +207,8 @@ def _start_points(t, y, experts, top_k, ridge, count):
     # For fixed (λ, s) the target time is linear in (bias, k1, k2, k3) ≥ 0, so a non-negative least
     # squares solve gives each start of the nonlinear fit its best coefficients; the nonlinear
     # solver is local, so it starts from the `count` best of a grid of (λ, s).
+    from scipy.optimize import nnls  # the fits import scipy.optimize where they run: most starts never fit
+
     starts = []
     for lam in np.linspace(*LAMBDA_BOUNDS, 5):
         for s in (1.001, 1.02, 1.05, 1.1, 1.2, 1.4, 1.7, 2.0):
@@ -225,6 +226,8 @@ def fit_target_times(points: Sequence[StepTime], experts: int, top_k: int, ridge
     `lower` raises the lower bound of a time coefficient above 0 where its theoretical minimum is
     known (e.g. k2 ≥ the time to read one layer's expert at the measured bandwidth).
     """
+    from scipy.optimize import least_squares
+
     if len(points) < 6:
         raise ValueError(f"need at least 6 measured steps to fit 6 parameters, got {len(points)}")
     t = np.array([p.batch * p.tokens for p in points], dtype=float)
@@ -263,6 +266,8 @@ def fit_linear_times(points: Sequence[tuple[float, float]], basis) -> tuple[floa
     f = np.asarray(basis(x), dtype=float)
     if len(points) == 1:
         return float(y[0]), 0.0
+    from scipy.optimize import least_squares
+
     res = least_squares(lambda c: (c[0] + c[1] * f) / y - 1.0, x0=[y.min() / 2, 0.0], bounds=([0, 0], [np.inf, np.inf]),
                         method="trf")
     return float(res.x[0]), float(res.x[1])
