@@ -25,6 +25,7 @@ print("loaded", len(folders))
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_loading_every_family_leaves_slow_imports_out(tiny_checkpoint, device):
     folders = [str(tiny_checkpoint(arch)) for arch in tiny_models.ARCHS]
-    done = subprocess.run([sys.executable, "-c", LOAD_EACH, device, *folders], capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", LOAD_EACH, device, *folders], capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["loaded", str(len(folders))]
