@@ -48,7 +48,6 @@
 
 typedef uint16_t bf16;
 
-#define TILE 6          /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
 /* Software prefetch distance along each weight row. Past a row's end it lands on the rows the next iteration reads,
  * past the tensor's end it is harmless (the distances measured: docs/measurements.md, "The CPU experts kernel"). */
 #ifndef PREFETCH /* this, PREFETCH_HINT and SHORT_AHEAD: -D... to measure others (tests/perf/probe_kernel_trace.py) */
@@ -70,6 +69,18 @@ typedef uint16_t bf16;
 
 /* ---------------------------------------------------------------- arithmetic */
 
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+}
+
+#ifndef MOE_AVX2
+/* AVX-512: 16 lanes */
+#define TILE 6 /* tokens per register tile: 4 rows x 6 tokens = 24 accumulators */
+
 static inline __m512 bf16_even(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
 static inline __m512 bf16_odd(__m512i v) {
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000)));
@@ -84,14 +95,6 @@ static inline __m512 round_bf16(__m512 v) {
     r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000));
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
     return _mm512_castsi512_ps(r);
-}
-
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (bf16)(u >> 16);
 }
 
 /* exp(x) to about 1 ulp: x = n ln2 + r, |r| <= ln2/2, Taylor polynomial of degree 6, times 2^n. */
@@ -184,23 +187,6 @@ dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, int
     for (int t = 0; t < T; t++) _mm_storeu_ps(out + t * 4, sum4(acc[t]));
 }
 
-/* dot4 for 1..TILE tokens. */
-/* Prefetch distance in elements for rows of K elements read `rows` at a time (see SHORT_ROW_BYTES). */
-static inline int64_t prefetch_ahead(int64_t K, int rows) {
-    return K * (int64_t)sizeof(bf16) <= SHORT_ROW_BYTES ? SHORT_AHEAD * rows * K : PREFETCH / (int64_t)sizeof(bf16);
-}
-
-static void dot4_tile(const bf16 *const w[4], const float *const *xs, int n, int64_t K, int64_t ahead, float *out) {
-    switch (n) {
-    case 1: dot4(w, xs, 1, K, ahead, out); break;
-    case 2: dot4(w, xs, 2, K, ahead, out); break;
-    case 3: dot4(w, xs, 3, K, ahead, out); break;
-    case 4: dot4(w, xs, 4, K, ahead, out); break;
-    case 5: dot4(w, xs, 5, K, ahead, out); break;
-    default: dot4(w, xs, TILE, K, ahead, out); break;
-    }
-}
-
 /* A bf16 row of n elements into split fp32 (see dot4), zero-padded to a multiple of 32. */
 static void split_row(const bf16 *src, int64_t n, float *dst) {
     for (int64_t k = 0; k < n; k += 32, dst += 32) {
@@ -208,6 +194,181 @@ static void split_row(const bf16 *src, int64_t n, float *dst) {
         const __m512i v = _mm512_maskz_loadu_epi16(m, src + k);
         _mm512_storeu_ps(dst, bf16_even(v));
         _mm512_storeu_ps(dst + 16, bf16_odd(v));
+    }
+}
+
+/* act of the gate and up sums of values [f0, f1) (f0 a multiple of 32) into split act rows (see dot4), zero past f1
+ * in its last 32: act(0, 0) = 0. */
+static void act_split(const float *g_row, const float *u_row, int64_t f0, int64_t f1, float *act) {
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int64_t f = f0; f < f1; f += 32) {
+        const int64_t left = f1 - f;
+        const __mmask16 lo = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+        const __mmask16 hi = left >= 32 ? (__mmask16)0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
+        const __m512 a0 = act16(_mm512_maskz_loadu_ps(lo, g_row + f), _mm512_maskz_loadu_ps(lo, u_row + f));
+        const __m512 a1 = act16(_mm512_maskz_loadu_ps(hi, g_row + f + 16), _mm512_maskz_loadu_ps(hi, u_row + f + 16));
+        _mm512_storeu_ps(act + f, _mm512_permutex2var_ps(a0, even, a1));
+        _mm512_storeu_ps(act + f + 16, _mm512_permutex2var_ps(a0, odd, a1));
+    }
+}
+#else
+/* AVX2 and FMA, for CPUs without AVX-512 (most desktop CPUs): the same arithmetic and layouts 8 lanes at a time. A
+ * 64-byte chunk of a weight row is two 16-value halves; half h's even and odd values meet x's split values
+ * [8h, 8h + 8) and [16 + 8h, 16 + 8h + 8), and one accumulator per token and row sums all four products. */
+#ifndef TILE /* -DTILE=... to measure others */
+#define TILE 2 /* 4 rows x 2 tokens = 8 of the 16 ymm registers as accumulators, the rest for weights and x */
+#endif
+
+static inline __m256 bf16_even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+static inline __m256 bf16_odd(__m256i v) {
+    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000)));
+}
+
+/* torch's float -> bfloat16 rounding, kept in fp32 (the AVX-512 round_bf16's). */
+static inline __m256 round_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000));
+    const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* The AVX-512 exp16's polynomial; 2^n as two factors 2^(n/2) and 2^(n - n/2), each a normal float, so that
+ * |n| up to 145 rounds once to infinity or a denormal, as scalef does. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-100.f), _mm256_min_ps(_mm256_set1_ps(100.f), x)); /* NaN passes */
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+    const __m256i bias = _mm256_set1_epi32(127);
+    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
+}
+
+static inline __m256 silu8(__m256 x) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+}
+
+static inline __m256 act8(__m256 gate, __m256 up) {
+    return round_bf16(_mm256_mul_ps(round_bf16(silu8(round_bf16(gate))), round_bf16(up)));
+}
+
+static inline __m128 sum4(const __m256 a[4]) {
+    const __m256 y = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
+/* One 32-value chunk of 4 rows (w[r] + k, all 32 there) against T tokens. */
+static inline __attribute__((always_inline)) void
+dot4_step(__m256 acc[TILE][4], const bf16 *const w[4], const float *const *xs, const int T, int64_t k) {
+    for (int h = 0; h < 2; h++) {
+        __m256i v[4];
+        for (int r = 0; r < 4; r++) v[r] = _mm256_loadu_si256((const __m256i *)(w[r] + k + 16 * h));
+        for (int r = 0; r < 4; r++) {
+            const __m256 we = bf16_even(v[r]);
+            for (int t = 0; t < T; t++) acc[t][r] = _mm256_fmadd_ps(we, _mm256_loadu_ps(xs[t] + k + 8 * h), acc[t][r]);
+        }
+        for (int r = 0; r < 4; r++) {
+            const __m256 wo = bf16_odd(v[r]);
+            for (int t = 0; t < T; t++)
+                acc[t][r] = _mm256_fmadd_ps(wo, _mm256_loadu_ps(xs[t] + k + 16 + 8 * h), acc[t][r]);
+        }
+    }
+}
+
+/* The AVX-512 dot4's contract: out[t*4 + r] = dot(w[r][0:K], x_t) in fp32, x_t split and zero-padded. */
+static inline __attribute__((always_inline)) void
+dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, int64_t ahead, float *out) {
+    __m256 acc[TILE][4];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) acc[t][r] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[r] + k + ahead), PREFETCH_HINT);
+        dot4_step(acc, w, xs, T, k);
+    }
+    if (k < K) { /* tail: the row's last values staged in zeros, so nothing past the row is read */
+        _Alignas(32) bf16 buf[4][32] = {{0}};
+        const bf16 *b[4] = {buf[0], buf[1], buf[2], buf[3]};
+        for (int r = 0; r < 4; r++) memcpy(buf[r], w[r] + k, (size_t)(K - k) * sizeof(bf16));
+        const float *xk[TILE];
+        for (int t = 0; t < T; t++) xk[t] = xs[t] + k;
+        dot4_step(acc, b, xk, T, 0);
+    }
+    for (int t = 0; t < T; t++) _mm_storeu_ps(out + t * 4, sum4(acc[t]));
+}
+
+/* A bf16 row of n elements into split fp32 (see dot4), zero-padded to a multiple of 32. */
+static void split_row(const bf16 *src, int64_t n, float *dst) {
+    for (int64_t k = 0; k < n; k += 32, dst += 32) {
+        _Alignas(32) bf16 buf[32] = {0};
+        const bf16 *at = src + k;
+        if (n - k < 32) {
+            memcpy(buf, at, (size_t)(n - k) * sizeof(bf16));
+            at = buf;
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(at + 16 * h));
+            _mm256_storeu_ps(dst + 8 * h, bf16_even(v));
+            _mm256_storeu_ps(dst + 16 + 8 * h, bf16_odd(v));
+        }
+    }
+}
+
+/* act_split as the AVX-512 one computes it: act of values [f0, f1) into split act rows, zero past f1. */
+static void act_split(const float *g_row, const float *u_row, int64_t f0, int64_t f1, float *act) {
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int64_t f = f0; f < f1; f += 32) {
+        _Alignas(32) float g[32] = {0}, u[32] = {0};
+        const int64_t left = f1 - f < 32 ? f1 - f : 32;
+        memcpy(g, g_row + f, (size_t)left * sizeof(float));
+        memcpy(u, u_row + f, (size_t)left * sizeof(float));
+        for (int q = 0; q < 2; q++) { /* values 16q .. 16q + 15: evens to act[8q ..), odds to act[16 + 8q ..) */
+            const __m256 a0 = act8(_mm256_load_ps(g + 16 * q), _mm256_load_ps(u + 16 * q));
+            const __m256 a1 = act8(_mm256_load_ps(g + 16 * q + 8), _mm256_load_ps(u + 16 * q + 8));
+            const __m256 ev = _mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(2, 0, 2, 0));
+            const __m256 od = _mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(3, 1, 3, 1));
+            _mm256_storeu_ps(act + f + 8 * q, _mm256_permutevar8x32_ps(ev, order));
+            _mm256_storeu_ps(act + f + 16 + 8 * q, _mm256_permutevar8x32_ps(od, order));
+        }
+    }
+}
+#endif
+
+/* Prefetch distance in elements for rows of K elements read `rows` at a time (see SHORT_ROW_BYTES). */
+static inline int64_t prefetch_ahead(int64_t K, int rows) {
+    return K * (int64_t)sizeof(bf16) <= SHORT_ROW_BYTES ? SHORT_AHEAD * rows * K : PREFETCH / (int64_t)sizeof(bf16);
+}
+
+/* dot4 for 1..TILE tokens. */
+static void dot4_tile(const bf16 *const w[4], const float *const *xs, int n, int64_t K, int64_t ahead, float *out) {
+    switch (n < TILE ? n : TILE) {
+    case 1: dot4(w, xs, 1, K, ahead, out); break;
+#if TILE > 2
+    case 2: dot4(w, xs, 2, K, ahead, out); break;
+#endif
+#if TILE > 3
+    case 3: dot4(w, xs, 3, K, ahead, out); break;
+#endif
+#if TILE > 4
+    case 4: dot4(w, xs, 4, K, ahead, out); break;
+#endif
+#if TILE > 5
+    case 5: dot4(w, xs, 5, K, ahead, out); break;
+#endif
+    default: dot4(w, xs, TILE, K, ahead, out); break;
     }
 }
 
@@ -245,6 +406,7 @@ typedef struct {
 } Job;
 
 /* ---------------------------------------------------------------- AMX-BF16: groups of AMX_MIN+ tokens */
+#ifndef MOE_AVX2
 
 /*
  * out^T = W x^T on tiles: a C tile is 16 weight rows x 16 tokens of fp32 sums, and tdpbf16ps adds 32 values of
@@ -480,6 +642,13 @@ static void phase2_amx(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
         }
     }
 }
+#else
+/* The AVX2 build has no AMX path (a CPU with AMX has AVX-512, and the AVX-512 build): no group gets token tiles. */
+#define AMX_MIN 8
+#define AMX_T 16
+static int use_amx = 0;
+static inline int64_t amx_tile_bytes(int64_t K) { return 32 * round_up(K, 32); }
+#endif
 
 /*
  * Token tiles are the outer loop: the first tile streams the item's rows from DRAM and later
@@ -492,10 +661,12 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
     const int64_t Hp = (H + 31) / 32 * 32;
     const bf16 *gate = j->gate_up + j->eid[g] * 2 * F * H, *up = gate + F * H;
     const int64_t f0 = blk * j->FB, f1 = f0 + j->FB < R ? f0 + j->FB : R;
+#ifndef MOE_AVX2
     if (j->tbase[gi] >= 0) {
         phase1_amx(j, gi, f0, f1);
         return;
     }
+#endif
     float *gu = j->gu + r0 * 2 * R, s[4 * TILE];
     for (int64_t t0 = 0; t0 < n; t0 += TILE) {
         const int tn = n - t0 < TILE ? (int)(n - t0) : TILE;
@@ -517,21 +688,8 @@ static void phase1_item(const Job *j, int64_t gi, int64_t blk) {
         }
     }
     /* act in split layout: blocks start at multiples of 32, so each 32-chunk is this item's own */
-    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int64_t t = 0; t < n; t++) {
-        const float *g_row = gu + t * 2 * R, *u_row = g_row + R;
-        float *act = j->act + (r0 + t) * j->Fp;
-        for (int64_t f = f0; f < f1; f += 32) {
-            const int64_t left = f1 - f;
-            const __mmask16 lo = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
-            const __mmask16 hi = left >= 32 ? (__mmask16)0xffff : left <= 16 ? 0 : (__mmask16)((1u << (left - 16)) - 1);
-            const __m512 a0 = act16(_mm512_maskz_loadu_ps(lo, g_row + f), _mm512_maskz_loadu_ps(lo, u_row + f));
-            const __m512 a1 = act16(_mm512_maskz_loadu_ps(hi, g_row + f + 16), _mm512_maskz_loadu_ps(hi, u_row + f + 16));
-            _mm512_storeu_ps(act + f, _mm512_permutex2var_ps(a0, even, a1));
-            _mm512_storeu_ps(act + f + 16, _mm512_permutex2var_ps(a0, odd, a1));
-        }
-    }
+    for (int64_t t = 0; t < n; t++)
+        act_split(gu + t * 2 * R, gu + t * 2 * R + R, f0, f1, j->act + (r0 + t) * j->Fp);
 }
 
 /* Down-projection rows [h0, h1) of group gi over their first R values (rows F apart); h0 is a multiple of 4. */
@@ -584,14 +742,18 @@ static void split_rows(Job *j) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
         if (r >= j->rows_n) break;
         const bf16 *src = j->x_src + j->x_row[r] * j->x_stride;
-        const int64_t gi = j->row_gi[r], t = r - j->first[gi];
+#ifndef MOE_AVX2
+        const int64_t gi = j->row_gi[r];
         if (j->tbase[gi] >= 0) {
+            const int64_t t = r - j->first[gi];
             const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g];
             uint8_t *tile = amx_group_tiles(j->xt, j->xt_bytes, j, gi) + t / AMX_T * j->xt_bytes;
             amx_pack_row(src, j->H, tile, (int)(t % AMX_T), t == n - 1);
-        } else {
-            split_row(src, j->H, j->x + r * Hp);
+            atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
+            continue;
         }
+#endif
+        split_row(src, j->H, j->x + r * Hp);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -609,10 +771,12 @@ static void run_job(Job *j, int tid) {
         TRACE(if (!items++) first = now_ns());
         const int64_t k = i < j->n1 ? 0 : phase2_block(i, j->n1, j->coarse);
         const int64_t gi = i < j->n1 ? i / j->nb1 : k / j->nb2;
+#ifndef MOE_AVX2
         if (!tiles && j->tbase[gi] >= 0) {
             amx_begin();
             tiles = 1;
         }
+#endif
         if (i < j->n1) {
             phase1_item(j, gi, i % j->nb1);
             atomic_fetch_add_explicit(&j->done1[gi], 1, memory_order_release);
@@ -623,11 +787,20 @@ static void run_job(Job *j, int tid) {
             TRACE(wait += now_ns() - w);
             int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
             quarter_rows(i, j->coarse, j->tbase[gi] >= 0 ? 16 : 4, &h0, &h1); /* AMX: the A tiles' 16 rows */
-            if (h0 < h1 && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
-            else if (h0 < h1) phase2_item(j, gi, h0, h1);
+#ifndef MOE_AVX2
+            if (h0 < h1 && j->tbase[gi] >= 0) {
+                phase2_amx(j, gi, h0, h1);
+                continue;
+            }
+#endif
+            if (h0 < h1) phase2_item(j, gi, h0, h1);
         }
     }
+#ifndef MOE_AVX2
     if (tiles) amx_end();
+#else
+    (void)tiles;
+#endif
     TRACE(if (tid < TRACE_THREADS) {
         trace.first[tid] = first;
         trace.last[tid] = items ? now_ns() : 0;
@@ -823,7 +996,8 @@ void moe_set_spin_us(int64_t us) { pool_set_spin_us(us); }
 /* The pool for other kernels of this process (cpu_quant.c): threads <= 0 means moe_set_threads' setting. */
 void moe_pool_run(pool_fn fn, void *arg, int threads, int linger) { pool_run(fn, arg, threads, linger); }
 
-/* AVX512F/BW/VL present and the OS saves the opmask and zmm registers. */
+/* This build's instructions present and the OS saving their registers: AVX512F/BW/VL with the opmask and zmm
+ * registers, or in the AVX2 build AVX2 and FMA with the ymm registers. */
 int moe_cpu_supported(void);
 
 /* 0 where AMX-BF16 may be used: AMX-TILE and AMX-BF16 with the OS saving the tile state and Linux granting this
@@ -832,10 +1006,12 @@ int moe_cpu_supported(void);
 int moe_amx_status(void) {
     static int known, checked;
     if (checked) return known;
-#ifdef NATIVE_AMX_EMULATE
-    known = moe_cpu_supported() ? 0 : -3;
+    known = -3;
+#if defined(MOE_AVX2)
+#elif defined(NATIVE_AMX_EMULATE)
+    if (moe_cpu_supported()) known = 0;
 #else
-    known = !moe_cpu_supported() ? -3 : amx_os_status(1u << 22 /* AMX-BF16 */);
+    if (moe_cpu_supported()) known = amx_os_status(1u << 22 /* AMX-BF16 */);
 #endif
     checked = 1;
     return known;
@@ -843,14 +1019,19 @@ int moe_amx_status(void) {
 int moe_amx_supported(void) { return moe_amx_status() == 0; }
 
 /* 1: AMX for groups of AMX_MIN+ tokens and the FMAs for the rest, 0: the FMAs only. Returns the path in use
- * (AMX where the CPU or OS lacks it is refused for 0). */
+ * (AMX where the CPU or OS lacks it is refused for 0); the AVX2 build has one path, 2. */
+int moe_get_path(void);
 int moe_set_path(int path) {
     use_amx = path >= 1 && moe_amx_supported();
-    return use_amx;
+    return moe_get_path();
 }
+#ifdef MOE_AVX2
+int moe_get_path(void) { return 2; }
+#else
 int moe_get_path(void) { return use_amx; }
+#endif
 
-#ifdef NATIVE_AMX_EMULATE
+#if defined(NATIVE_AMX_EMULATE) && !defined(MOE_AVX2)
 /* The emulated build's count of tdpbf16ps done so far, for tests: which groups went to the tiles. */
 int64_t moe_amx_emulated_dps(void) { return atomic_load(&emu_dps); }
 #endif
@@ -860,8 +1041,13 @@ int moe_cpu_supported(void) {
     if (!__get_cpuid_count(1, 0, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
     unsigned lo, hi;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+#ifdef MOE_AVX2
+    if ((lo & 0x6) != 0x6 || !(c & (1u << 12))) return 0; /* XMM and YMM state; FMA */
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 5)); /* AVX2 */
+#else
     if ((lo & 0xe6) != 0xe6) return 0; /* XMM, YMM, opmask, ZMM_Hi256, Hi16_ZMM */
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
     const unsigned need = (1u << 16) | (1u << 30) | (1u << 31); /* F, BW, VL */
     return (b & need) == need;
+#endif
 }

@@ -9,7 +9,8 @@ Layout of a call: `rows` lists indices into `x`, grouped by expert; group g is
 rows[offsets[g]:offsets[g+1]] and uses expert expert_ids[g]; result row i is
 down_e @ (silu(gate_e @ x[rows[i]]) * (up_e @ x[rows[i]])) with gate_up[e] = [gate; up].
 
-Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, for groups of at most
+Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, or on one with AVX2 and FMA
+(most desktop CPUs: the same arithmetic in 8 lanes, built from the same source), for groups of at most
 max_native_tokens() tokens; everything else goes to `reference_experts_forward`, the engine's per-expert torch
 arithmetic. Why 32 on the FMA path: the kernel's FMAs read fewer bytes a second the more tokens share each weight, and
 past about 32 tokens torch's AMX matmuls, which keep their rate with more tokens, overtake them (docs/measurements.md,
@@ -18,7 +19,8 @@ MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
 
 Paths inside the kernel: "amx" (the default where the CPU has AMX-BF16 and Linux grants the tile state) computes the
 groups of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products in
-fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group. On AMX a group of 8 to 32 tokens takes about
+fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group; "avx2" is the build for CPUs without AVX-512 (MOEDESK_EXPERTS_PATH=avx2 chooses it
+where AVX-512 is there too). On AMX a group of 8 to 32 tokens takes about
 what one token does, the memory's speed (docs/measurements.md, "The CPU experts kernel"), so with AMX groups of up to
 AMX_MAX_TOKENS stay native. `amx_reason()` says what is missing where AMX is not used; MOEDESK_EXPERTS_PATH=avx512 (or
 `set_path("avx512")`) forces the FMAs, and set_path("amx") raises where AMX is missing.
@@ -41,6 +43,9 @@ import torch.nn.functional as F
 from moedesk.kernels.native_build import build_library, build_name, missing_cpu_flags, open_library
 
 NATIVE_MAX_TOKENS = 32  # the FMA path's limit
+# The AVX2 build outruns torch's bf16 matmuls, which lack AVX-512 there, at every size measured (docs/measurements.md,
+# "The CPU experts kernel on AVX2"): larger groups go through it in slices of this many tokens, bounding its scratch.
+AVX2_MAX_TOKENS = 64
 # With AMX-BF16 an expert stays near memory speed to 24-32 tokens and beats torch to 64 (docs/measurements.md, "The
 # CPU experts kernel")
 AMX_MAX_TOKENS = 64
@@ -58,8 +63,10 @@ def header_flag(paths: list[Path] = HEADERS) -> str:
 
 FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
          "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", header_flag()]
+AVX2_FLAGS = [*FLAGS[:6], "-mavx2", "-mfma", "-DMOE_AVX2", header_flag()]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-PATHS = ("avx512", "amx")  # moe_get_path's codes
+AVX2_CPU_FLAGS = ("avx2", "fma")
+PATHS = ("avx512", "amx", "avx2")  # moe_get_path's codes
 _ERRORS = {-1: "offsets must start at 0, end at len(rows) and not decrease",
            -2: "rows holds an index outside x", -3: "expert_ids holds an index outside the expert stack",
            -4: "out of memory for the kernel's scratch buffers", -5: "out_rows holds an index outside out",
@@ -184,7 +191,7 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
             raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
         if skipped.value:
             out_rows, x_rows, expert_ids, offsets = _index_parts(index, shape[0], shape[1])
-            _large_groups(x, x_rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, R)
+            _large_groups(lib, x, x_rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, R)
         return out
     experts_of = pair_expert.to("cpu", torch.int64).numpy()
     if P > x.shape[0] * k:
@@ -205,9 +212,20 @@ def experts_forward_routed(x, pair_expert, k: int, cpu_experts, gate_up, down, o
     return experts_forward(x, x_rows, expert_ids, offsets, gate_up, down, out=out, out_rows=out_rows, f_rows=R)
 
 
-def _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit: int, f_rows=None) -> None:
-    """The groups the kernel left alone (more than `limit` tokens), through torch's matmuls."""
+def _large_groups(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit: int, f_rows=None) -> None:
+    """The groups the kernel (`lib`) left alone, of more than `limit` tokens: through torch's matmuls, or with the AVX2
+    build through the kernel again, in slices of `limit` tokens."""
     big = [g for g, n in enumerate(offsets.diff().tolist()) if n > limit]
+    if PATHS[lib.moe_get_path()] == "avx2":
+        bounds = offsets.tolist()
+        for g in big:
+            for a in range(bounds[g], bounds[g + 1], limit):
+                b = min(a + limit, bounds[g + 1])
+                one = torch.tensor([0, b - a])
+                at = out[a:b] if out_rows is None else out
+                _native(lib, x, rows[a:b], expert_ids[g:g + 1], one, gate_up, down, at,
+                        None if out_rows is None else out_rows[a:b], limit, f_rows)
+        return
     reference_experts_forward(x, rows, expert_ids, offsets, gate_up, down, out, groups=big, out_rows=out_rows,
                               f_rows=f_rows)
 
@@ -282,7 +300,7 @@ def _native(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, nat
     if rc != 0:
         raise ValueError(_ERRORS.get(rc, f"native kernel error {rc}"))
     if skipped.value:
-        _large_groups(x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, f_rows)
+        _large_groups(lib, x, rows, expert_ids, offsets, gate_up, down, out, out_rows, limit, f_rows)
     if target is not out:
         target.copy_(out)
     return target
@@ -313,8 +331,22 @@ def _disabled() -> bool:
 
 @lru_cache(maxsize=1)
 def cpu_reason() -> str | None:
-    """Why this CPU cannot run the kernel, or None when it can."""
+    """Why this CPU cannot run the kernel (neither build), or None when it can."""
+    if avx512_reason() is None:
+        return None
+    return missing_cpu_flags(AVX2_CPU_FLAGS, "AVX2 and FMA")
+
+
+def avx512_reason() -> str | None:
+    """Why this CPU cannot run the AVX-512 build (nor its AMX path), or None when it can."""
     return missing_cpu_flags(CPU_FLAGS, "AVX-512")
+
+
+def _build_flags() -> list[str]:
+    """The build this process loads: AVX-512 where the CPU has it, unless MOEDESK_EXPERTS_PATH=avx2 asks for the
+    other; AVX2 elsewhere."""
+    wanted = os.environ.get("MOEDESK_EXPERTS_PATH", "").strip().lower()
+    return AVX2_FLAGS if wanted == "avx2" or avx512_reason() else FLAGS
 
 
 def unavailable_reason() -> str | None:
@@ -339,8 +371,10 @@ def describe() -> str:
     """What computes CPU experts here, for profiles' cache keys and `moedesk profile`."""
     reason = unavailable_reason()
     if reason is None:
-        amx = ", AMX-BF16 from 8 tokens" if get_path() == "amx" else ""
-        return (f"native AVX-512 kernel{amx}, {get_num_threads()} threads "
+        path = get_path()
+        isa = "AVX2" if path == "avx2" else "AVX-512"
+        amx = ", AMX-BF16 from 8 tokens" if path == "amx" else ""
+        return (f"native {isa} kernel{amx}, {get_num_threads()} threads "
                 f"(bf16, up to {max_native_tokens()} tokens per expert)")
     return f"torch ({reason})"
 
@@ -349,8 +383,9 @@ def _load() -> None:
     with _lock:
         if _state:
             return
-        lib, reason = open_library(SOURCE, FLAGS, cpu_reason(), "moe_cpu_supported",
-                                   "the OS does not enable AVX-512 state (XCR0)")
+        flags = _build_flags()
+        lib, reason = open_library(SOURCE, flags, cpu_reason(), "moe_cpu_supported",
+                                   f"the OS does not enable {'AVX' if flags is AVX2_FLAGS else 'AVX-512'} state (XCR0)")
         if reason is not None:
             _state["reason"] = reason
             return
@@ -382,7 +417,8 @@ def _configure(lib) -> None:
 
 
 def _wanted_path() -> int:
-    """MOEDESK_EXPERTS_PATH's path code; unset: amx (moe_set_path falls back to avx512 where AMX is missing)."""
+    """MOEDESK_EXPERTS_PATH's path code; unset: amx (moe_set_path falls back to avx512 where AMX is missing; the
+    AVX2 build has its one path whatever it is asked)."""
     wanted = os.environ.get("MOEDESK_EXPERTS_PATH", "").strip().lower()
     if wanted and wanted not in PATHS:
         raise ValueError(f"MOEDESK_EXPERTS_PATH must be one of {', '.join(PATHS)}, not {wanted!r}")
@@ -396,7 +432,8 @@ def max_native_tokens(lib=None) -> int:
         if not available():
             return NATIVE_MAX_TOKENS
         lib = _state["lib"]
-    return AMX_MAX_TOKENS if PATHS[lib.moe_get_path()] == "amx" else NATIVE_MAX_TOKENS
+    path = PATHS[lib.moe_get_path()]
+    return AMX_MAX_TOKENS if path == "amx" else AVX2_MAX_TOKENS if path == "avx2" else NATIVE_MAX_TOKENS
 
 
 def _lib():
@@ -426,10 +463,14 @@ def amx_reason() -> str | None:
 def set_path(name: str | None) -> str:
     """Pick the kernel's path: "amx" (AMX-BF16 tiles for experts with 8+ tokens, the FMAs for the rest),
     "avx512" (the FMAs only), or None for the default (MOEDESK_EXPERTS_PATH, else "amx" where it can run). Returns the path
-    in use; asking for AMX where the CPU or OS lacks it raises ValueError."""
+    in use; asking for AMX where the CPU or OS lacks it raises ValueError. The AVX2 build (MOEDESK_EXPERTS_PATH=avx2 at
+    the first call, or a CPU without AVX-512) has one path, "avx2"; the others are refused there, and "avx2" on the
+    AVX-512 build."""
     if name is not None and name not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)} or None, not {name!r}")
     lib = _lib()
+    if name is not None and (name == "avx2") != (get_path() == "avx2"):
+        raise ValueError(f"the {get_path()} build of the kernel is loaded: path {name!r} is the other build's")
     if name == "amx" and not lib.moe_amx_supported():
         raise ValueError(f"no AMX here: {amx_reason()}")
     lib.moe_set_path(_wanted_path() if name is None else PATHS.index(name))
@@ -444,7 +485,7 @@ def build_variant(defines: list[str]):
     """This kernel built with extra compiler flags (e.g. ["-DMOE_AMX_EMULATE"], ["-DAMX_MIN=4"]) and configured
     like the one in use, for tests and for measuring alternatives side by side. Hand it to `use_library` to route
     calls through it. Its thread pool is its own."""
-    lib = ctypes.CDLL(str(build_library(SOURCE, [*FLAGS, *defines])))
+    lib = ctypes.CDLL(str(build_library(SOURCE, [*(AVX2_FLAGS if get_path() == "avx2" else FLAGS), *defines])))
     _configure(lib)
     lib.moe_set_path(_lib().moe_get_path())
     return lib

@@ -1,7 +1,7 @@
 """kernels/cpu_experts' AMX-BF16 path (groups of 8+ tokens on tiles) against float64, torch's bf16 path and the
 AVX-512 path.
 
-On any CPU with AVX-512 the library built with -DMOE_AMX_EMULATE runs the AMX code with its tile instructions
+On any CPU with AVX-512 (the AVX2 build has no AMX path) the library built with -DMOE_AMX_EMULATE runs the AMX code with its tile instructions
 (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored) done in C, so the token tiles' pair layout, the staged
 row and K tails, the act epilogue and the work split are checked here; on a CPU with AMX-BF16 every test runs a
 second time on the real instructions (the `hardware` cases):
@@ -28,8 +28,8 @@ def amx(request, tmp_path_factory):
         mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
         mp.delenv("MOEDESK_EXPERTS_PATH", raising=False)
         mp.setenv("MOEDESK_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
-        if ce.cpu_reason() is not None or find_compiler() is None:
-            pytest.skip("the native kernel cannot be built here")
+        if ce.avx512_reason() is not None or find_compiler() is None:
+            pytest.skip("the AVX-512 build of the native kernel cannot be built here")
         ce._state.clear()
         assert ce.available(), ce.unavailable_reason()  # a failed build fails the tests, never skips them
         if request.param == "hardware":
@@ -194,8 +194,8 @@ def test_path_setting(amx, monkeypatch):
 def test_default_path_and_refusal(monkeypatch, tmp_path):
     """AMX where the CPU and OS have AMX-BF16, else AVX-512, whether by default or asked through the environment;
     asking set_path for AMX where it is missing raises."""
-    if ce.cpu_reason() is not None or find_compiler() is None:
-        pytest.skip("the native kernel cannot be built here")
+    if ce.avx512_reason() is not None or find_compiler() is None:
+        pytest.skip("the AVX-512 build of the native kernel cannot be built here")
     monkeypatch.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
     monkeypatch.setenv("MOEDESK_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MOEDESK_EXPERTS_PATH", raising=False)

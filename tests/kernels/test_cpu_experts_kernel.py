@@ -1,7 +1,8 @@
 """kernels/cpu_experts: the native kernel against float32 and torch's bf16 path, and the fallback.
 
-The native tests skip only where the kernel cannot exist (a CPU without AVX-512, no C compiler);
-a build failure on a machine that should build it fails them.
+The native tests run on each build of the kernel the CPU can run: AVX-512 (its default path, AMX where there is
+AMX) and AVX2, which a CPU with AVX-512 runs too. They skip only where a build cannot exist (a CPU without its
+instructions, no C compiler); a build failure on a machine that should build it fails them.
 """
 import os
 import select
@@ -10,10 +11,11 @@ import threading
 import psutil
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moedesk.kernels.cpu_experts import expert_forward
 from moedesk.kernels import cpu_experts as ce
-from moedesk.kernels.native_build import BuildError, build_library, find_compiler
+from moedesk.kernels.native_build import BuildError, build_library, find_compiler, missing_cpu_flags
 
 
 def make_case(E, H, F, counts, extra_rows=3, repeat=False, seed=0, dtype=torch.bfloat16):
@@ -46,19 +48,28 @@ def rel_err(a, ref):
     return float((a.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-@pytest.fixture(scope="module")
-def native(tmp_path_factory):
+@pytest.fixture(scope="module", params=["avx512", "avx2"])
+def native(request, tmp_path_factory):
+    """The kernel's build named by the parameter, loaded as this process's; yields its name."""
+    build = request.param
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("MOEDESK_NO_NATIVE_KERNELS", raising=False)
         mp.setenv("MOEDESK_CACHE_DIR", str(tmp_path_factory.mktemp("kernel-cache")))
-        reason = ce.cpu_reason()
+        reason = missing_cpu_flags(ce.CPU_FLAGS if build == "avx512" else ce.AVX2_CPU_FLAGS, build)
         if reason is not None:
-            pytest.skip(f"the native kernel needs AVX-512: {reason}")
+            pytest.skip(f"the {build} build of the native kernel cannot run here: {reason}")
         if find_compiler() is None:
             pytest.skip("no C compiler (cc, gcc, clang or $CC) to build the native kernel")
+        if build == "avx2":
+            mp.setenv("MOEDESK_EXPERTS_PATH", "avx2")
+        before = dict(ce._state)
+        ce._state.clear()
         assert ce.available(), ce.unavailable_reason()  # a failed build fails the tests, never skips them
-        yield
+        assert (ce.get_path() == "avx2") == (build == "avx2")
+        yield build
         ce.set_num_threads(None)
+    ce._state.clear()
+    ce._state.update(before)
 
 
 # bf16 rounds act to 8 bits before the down projection: relative errors of a few 1e-3 are what
@@ -112,12 +123,23 @@ def test_empty_calls(native):
             assert out.shape == (0, 40) and out.dtype == x.dtype
 
 
-def test_groups_above_threshold_take_torch_path(native):
-    args = make_case(4, 64, 48, [2, ce.max_native_tokens() + 1, 1])
-    got = ce.experts_forward(*args)
+@pytest.mark.parametrize("placed", ["in order", "at out_rows"])
+def test_groups_above_threshold(native, placed):
+    """The AVX-512 build leaves groups of more than max_native_tokens() to torch; the AVX2 build computes them itself,
+    in slices of that many tokens, each row as one call of the whole group would (every row's sums are its own)."""
+    limit = ce.max_native_tokens()
+    args = make_case(4, 64, 48, [2, 2 * limit + 3, 1])
+    M = args[1].shape[0]
+    a, b = 2, 2 + 2 * limit + 3
+    dest = torch.randperm(M + 2, generator=torch.Generator().manual_seed(1))[:M] if placed == "at out_rows" else None
+    out = torch.zeros(M + 2 if dest is not None else M, 64, dtype=torch.bfloat16)
+    got = ce.experts_forward(*args, out=out, out_rows=dest)
+    got = got if dest is None else got[dest]
     ref = ce.reference_experts_forward(*args)
-    a, b = 2, 2 + ce.max_native_tokens() + 1
-    assert torch.equal(got[a:b], ref[a:b])  # computed by torch itself
+    if native == "avx2":
+        assert torch.equal(got, ce.native_experts_forward(*args, native_max_tokens=1 << 30))
+    else:
+        assert torch.equal(got[a:b], ref[a:b])  # computed by torch itself
     assert rel_err(got, ref.float()) < 1e-2
 
 
@@ -250,6 +272,32 @@ def test_routed_call_rejects_bad_routing(native, monkeypatch, kernel):
         ce.experts_forward_routed(x[:3], ids.flatten(), 2, None, gate_up, down, out)
     with pytest.raises(ValueError, match="out_rows"):
         ce.experts_forward_routed(x, ids.flatten(), 2, None, gate_up, down, out[:7])
+
+
+def test_activation_at_the_edges_of_the_range(native):
+    """With identity experts, a token holding one value v (zeros elsewhere) gets act(v, v) = bf16(bf16(silu(v)) * v)
+    at v's place: the kernel's exp, silu and roundings against torch's bf16 ops where exp overflows (silu(-100) is
+    0, v silu(v) infinite), on denormals and on signed zeros. Special values equal, the rest within one bf16 step.
+    Each token is a group of its own, so every path computes it with the FMAs (AMX tiles flush denormals)."""
+    big = [3e38, 1e30, 1e10, 200.0, 88.0, 87.0]
+    small = [1e-38, 1e-40, 1e-45]
+    grid = torch.linspace(-100, 100, 384).tolist()
+    values = torch.tensor([*grid, *big, *[-v for v in big], *small, *[-v for v in small], 0.0, -0.0])
+    T, H = len(values), 32
+    x = torch.zeros(T, H)
+    x[torch.arange(T), torch.arange(T) % H] = values
+    x = x.to(torch.bfloat16)
+    eye = torch.eye(H, dtype=torch.bfloat16)
+    one_each = torch.arange(T), torch.zeros(T, dtype=torch.long), torch.arange(T + 1)
+    got = ce.native_experts_forward(x, *one_each, torch.cat([eye, eye])[None], eye[None])
+    got = got[torch.arange(T), torch.arange(T) % H]
+    v = values.to(torch.bfloat16)
+    want = F.silu(v) * v  # torch's bf16 ops, each rounded to bf16
+    finite = torch.isfinite(want) & (want != 0)
+    assert torch.equal(got[~finite], want[~finite]) and torch.equal(got.signbit(), want.signbit())
+    step = want[finite].float().abs() * 2 ** -7
+    assert bool(((got[finite].float() - want[finite].float()).abs() <= step).all())
+    assert int((got != want).sum()) <= 4  # exp to about an ulp: a rounding tie or two may go the other way
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
