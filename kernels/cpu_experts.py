@@ -9,21 +9,23 @@ Layout of a call: `rows` lists indices into `x`, grouped by expert; group g is
 rows[offsets[g]:offsets[g+1]] and uses expert expert_ids[g]; result row i is
 down_e @ (silu(gate_e @ x[rows[i]]) * (up_e @ x[rows[i]])) with gate_up[e] = [gate; up].
 
-Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, or on one with AVX2 and FMA
-(most desktop CPUs: the same arithmetic in 8 lanes, built from the same source), for groups of at most
+Dispatch: the native kernel takes bf16 CPU tensors on an x86-64 CPU with AVX512F/BW/VL, or with AVX2 and FMA (most
+desktop CPUs: the AVX2 build, the same arithmetic in 8 lanes from the same source), for groups of at most
 max_native_tokens() tokens; everything else goes to `reference_experts_forward`, the engine's per-expert torch
-arithmetic. Why 32 on the FMA path: the kernel's FMAs read fewer bytes a second the more tokens share each weight, and
-past about 32 tokens torch's AMX matmuls, which keep their rate with more tokens, overtake them (docs/measurements.md,
-"The CPU experts kernel"). tests/perf/bench_cpu_experts.py prints the crossover measured. Set
-MOEDESK_NO_NATIVE_KERNELS=1 to force the torch path.
+arithmetic, except on the AVX2 build, which computes larger groups itself in slices of that many tokens (torch's bf16
+matmuls without AVX-512 are slower at every size; docs/measurements.md, "The CPU experts kernel on AVX2"). Why 32 on
+the AVX-512 FMA path: the kernel's FMAs read fewer bytes a second the more tokens share each weight, and past about 32
+tokens torch's AMX matmuls, which keep their rate with more tokens, overtake them (docs/measurements.md, "The CPU
+experts kernel"). tests/perf/bench_cpu_experts.py prints the crossover measured. Set MOEDESK_NO_NATIVE_KERNELS=1 to
+force the torch path.
 
 Paths inside the kernel: "amx" (the default where the CPU has AMX-BF16 and Linux grants the tile state) computes the
 groups of 8 or more tokens (AMX_MIN in cpu_experts.c) with AMX-BF16 tiles, the same sums of exact bf16 products in
-fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group; "avx2" is the build for CPUs without AVX-512 (MOEDESK_EXPERTS_PATH=avx2 chooses it
-where AVX-512 is there too). On AMX a group of 8 to 32 tokens takes about
+fp32, and the rest with the FMAs; "avx512" uses the FMAs for every group. On AMX a group of 8 to 32 tokens takes about
 what one token does, the memory's speed (docs/measurements.md, "The CPU experts kernel"), so with AMX groups of up to
 AMX_MAX_TOKENS stay native. `amx_reason()` says what is missing where AMX is not used; MOEDESK_EXPERTS_PATH=avx512 (or
-`set_path("avx512")`) forces the FMAs, and set_path("amx") raises where AMX is missing.
+`set_path("avx512")`) forces the FMAs, and set_path("amx") raises where AMX is missing. "avx2" is the AVX2 build's one
+path: MOEDESK_EXPERTS_PATH=avx2 loads that build where AVX-512 is there too.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """kernels/cpu_experts' AMX-BF16 path (groups of 8+ tokens on tiles) against float64, torch's bf16 path and the
 AVX-512 path.
 
-On any CPU with AVX-512 (the AVX2 build has no AMX path) the library built with -DMOE_AMX_EMULATE runs the AMX code with its tile instructions
-(ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored) done in C, so the token tiles' pair layout, the staged
-row and K tails, the act epilogue and the work split are checked here; on a CPU with AMX-BF16 every test runs a
-second time on the real instructions (the `hardware` cases):
+On any CPU with AVX-512 (the AVX2 build has no AMX path) the library built with -DMOE_AMX_EMULATE runs the AMX
+code with its tile instructions (ldtilecfg, tilezero, tileloadd, tdpbf16ps, tilestored) done in C, so the token
+tiles' pair layout, the staged row and K tails, the act epilogue and the work split are checked here; on a CPU with
+AMX-BF16 every test runs a second time on the real instructions (the `hardware` cases):
 
     python -m pytest -q tests/kernels/test_cpu_experts_amx.py
 """

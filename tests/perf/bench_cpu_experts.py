@@ -11,11 +11,12 @@ of tokens per expert on one Mixtral expert, which is what kernels.cpu_experts.NA
 (the size above which a group goes to torch) should be read from. The experts live in pinned
 memory when CUDA is available, as in the engine. Needs only torch, psutil and numpy.
 
---paths avx512,amx measures the kernel's paths side by side (kernels.cpu_experts.set_path; amx: AMX-BF16 tiles
-for experts of 8+ tokens, where the CPU has them); --define NAME=-DFLAG[,-DFLAG...] (repeatable) also builds
-cpu_experts.c with those flags (its #ifndef'd knobs: AMX_MIN, PREFETCH, ITEM_BYTES, ...) and measures each path
-on it too. --table-tokens picks the tokens per call of the first table (80 = 16 sequences x 5 speculative
-tokens), --sweep-tokens the tokens per expert of the sweep.
+On a CPU without AVX-512 the kernel is its AVX2 build (path avx2; MOEDESK_EXPERTS_PATH=avx2 loads it on one
+with AVX-512 too). --paths avx512,amx measures the kernel's paths side by side (kernels.cpu_experts.set_path;
+amx: AMX-BF16 tiles for experts of 8+ tokens, where the CPU has them); --define NAME=-DFLAG[,-DFLAG...]
+(repeatable) also builds cpu_experts.c with those flags (its #ifndef'd knobs: AMX_MIN, PREFETCH, ITEM_BYTES, TILE
+on AVX2, ...) and measures each path on it too. --table-tokens picks the tokens per call of the first table (80 =
+16 sequences x 5 speculative tokens), --sweep-tokens the tokens per expert of the sweep.
 """
 from __future__ import annotations
 
@@ -212,7 +213,8 @@ def main():
         settle()
         ref = time_calls(ce.reference_experts_forward, batch)
         print(row + f"{statistics.median(ref) * 1e3:>10.2f}{nb / sum(ref) / 1e9:>7.1f}", flush=True)
-    print(f"(groups above kernels.cpu_experts.max_native_tokens() = {ce.max_native_tokens()} go to torch)")
+    rest = "the kernel again, in slices of that many" if ce.get_path() == "avx2" else "torch"
+    print(f"(groups above kernels.cpu_experts.max_native_tokens() = {ce.max_native_tokens()} go to {rest})")
 
 
 if __name__ == "__main__":
