@@ -216,6 +216,8 @@ static void act_split(const float *g_row, const float *u_row, int64_t f0, int64_
 /* AVX2 and FMA, for CPUs without AVX-512 (most desktop CPUs): the same arithmetic and layouts 8 lanes at a time. A
  * 64-byte chunk of a weight row is two 16-value halves; half h's even and odd values meet x's split values
  * [8h, 8h + 8) and [16 + 8h, 16 + 8h + 8), and one accumulator per token and row sums all four products. */
+#include "native_exp.h"
+
 #ifndef TILE /* -DTILE=... to measure others */
 #define TILE 2 /* 4 rows x 2 tokens = 8 of the 16 ymm registers as accumulators, the rest for weights and x */
 #endif
@@ -233,27 +235,6 @@ static inline __m256 round_bf16(__m256 v) {
     r = _mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000));
     const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-}
-
-/* The AVX-512 exp16's polynomial; 2^n as two factors 2^(n/2) and 2^(n - n/2), each a normal float, so that
- * |n| up to 145 rounds once to infinity or a denormal, as scalef does. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-100.f), _mm256_min_ps(_mm256_set1_ps(100.f), x)); /* NaN passes */
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i ni = _mm256_cvtps_epi32(n), n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
-    const __m256i bias = _mm256_set1_epi32(127);
-    p = _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23)));
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23)));
 }
 
 static inline __m256 silu8(__m256 x) {

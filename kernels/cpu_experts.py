@@ -53,7 +53,7 @@ AVX2_MAX_TOKENS = 64
 AMX_MAX_TOKENS = 64
 SOURCE = Path(__file__).with_name("cpu_experts.c")
 HEADERS = [Path(__file__).with_name(name) for name in ("native_pool.h", "native_call.h", "routed_pairs.h",
-                                                        "native_amx.h")]
+                                                        "native_amx.h", "native_exp.h")]
 
 
 def header_flag(paths: list[Path] = HEADERS) -> str:

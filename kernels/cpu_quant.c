@@ -80,6 +80,7 @@
 #include "native_pool.h"
 #include "native_call.h"
 #include "routed_pairs.h"
+#include "native_exp.h"
 #ifdef MQ_AMX_EMULATE
 #define NATIVE_AMX_EMULATE
 #endif
@@ -1246,25 +1247,6 @@ typedef struct {
     _Atomic int64_t rows_split;
     char pad[48];
 } Job;
-
-/* exp(x) to about 1 ulp on [-87, 88] (clamped there, NaN passes): x = n ln2 + r, |r| <= ln2/2, Taylor
- * polynomial of degree 6, times 2^n built in the exponent field. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.f), _mm256_min_ps(_mm256_set1_ps(88.f), x));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 /* act = silu(gate) * up in fp32, 8 at a time. */
 static inline __m256 act8(__m256 gate, __m256 up) {
