@@ -294,9 +294,10 @@ dot4(const bf16 *const w[4], const float *const *xs, const int T, int64_t K, int
 /* A bf16 row of n elements into split fp32 (see dot4), zero-padded to a multiple of 32. */
 static void split_row(const bf16 *src, int64_t n, float *dst) {
     for (int64_t k = 0; k < n; k += 32, dst += 32) {
-        _Alignas(32) bf16 buf[32] = {0};
+        _Alignas(32) bf16 buf[32];
         const bf16 *at = src + k;
-        if (n - k < 32) {
+        if (n - k < 32) { /* the row's last values staged in zeros, so nothing past it is read */
+            memset(buf, 0, sizeof buf);
             memcpy(buf, at, (size_t)(n - k) * sizeof(bf16));
             at = buf;
         }
@@ -312,13 +313,19 @@ static void split_row(const bf16 *src, int64_t n, float *dst) {
 static void act_split(const float *g_row, const float *u_row, int64_t f0, int64_t f1, float *act) {
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
     for (int64_t f = f0; f < f1; f += 32) {
-        _Alignas(32) float g[32] = {0}, u[32] = {0};
-        const int64_t left = f1 - f < 32 ? f1 - f : 32;
-        memcpy(g, g_row + f, (size_t)left * sizeof(float));
-        memcpy(u, u_row + f, (size_t)left * sizeof(float));
+        _Alignas(32) float gs[32], us[32];
+        const float *g = g_row + f, *u = u_row + f;
+        if (f1 - f < 32) { /* past f1: zeros, whose act is 0 */
+            memset(gs, 0, sizeof gs);
+            memset(us, 0, sizeof us);
+            memcpy(gs, g, (size_t)(f1 - f) * sizeof(float));
+            memcpy(us, u, (size_t)(f1 - f) * sizeof(float));
+            g = gs;
+            u = us;
+        }
         for (int q = 0; q < 2; q++) { /* values 16q .. 16q + 15: evens to act[8q ..), odds to act[16 + 8q ..) */
-            const __m256 a0 = act8(_mm256_load_ps(g + 16 * q), _mm256_load_ps(u + 16 * q));
-            const __m256 a1 = act8(_mm256_load_ps(g + 16 * q + 8), _mm256_load_ps(u + 16 * q + 8));
+            const __m256 a0 = act8(_mm256_loadu_ps(g + 16 * q), _mm256_loadu_ps(u + 16 * q));
+            const __m256 a1 = act8(_mm256_loadu_ps(g + 16 * q + 8), _mm256_loadu_ps(u + 16 * q + 8));
             const __m256 ev = _mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(2, 0, 2, 0));
             const __m256 od = _mm256_shuffle_ps(a0, a1, _MM_SHUFFLE(3, 1, 3, 1));
             _mm256_storeu_ps(act + f + 8 * q, _mm256_permutevar8x32_ps(ev, order));
@@ -724,15 +731,12 @@ static void split_rows(Job *j) {
         if (r >= j->rows_n) break;
         const bf16 *src = j->x_src + j->x_row[r] * j->x_stride;
 #ifndef MOE_AVX2
-        const int64_t gi = j->row_gi[r];
+        const int64_t gi = j->row_gi[r], t = r - j->first[gi];
         if (j->tbase[gi] >= 0) {
-            const int64_t t = r - j->first[gi];
             const int64_t g = j->groups[gi], n = j->off[g + 1] - j->off[g];
             uint8_t *tile = amx_group_tiles(j->xt, j->xt_bytes, j, gi) + t / AMX_T * j->xt_bytes;
             amx_pack_row(src, j->H, tile, (int)(t % AMX_T), t == n - 1);
-            atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
-            continue;
-        }
+        } else
 #endif
         split_row(src, j->H, j->x + r * Hp);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
@@ -769,10 +773,8 @@ static void run_job(Job *j, int tid) {
             int64_t h0 = (k % j->nb2) * j->HB, h1 = h0 + j->HB < j->H ? h0 + j->HB : j->H;
             quarter_rows(i, j->coarse, j->tbase[gi] >= 0 ? 16 : 4, &h0, &h1); /* AMX: the A tiles' 16 rows */
 #ifndef MOE_AVX2
-            if (h0 < h1 && j->tbase[gi] >= 0) {
-                phase2_amx(j, gi, h0, h1);
-                continue;
-            }
+            if (h0 < h1 && j->tbase[gi] >= 0) phase2_amx(j, gi, h0, h1);
+            else
 #endif
             if (h0 < h1) phase2_item(j, gi, h0, h1);
         }

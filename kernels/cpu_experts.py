@@ -63,9 +63,9 @@ def header_flag(paths: list[Path] = HEADERS) -> str:
     return f"-DMOEDESK_HEADERS={digest}"
 
 
-FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma", header_flag()]
-AVX2_FLAGS = [*FLAGS[:6], "-mavx2", "-mfma", "-DMOE_AVX2", header_flag()]
+_COMMON_FLAGS = ["-O3", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall", header_flag()]
+FLAGS = [*_COMMON_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mfma"]
+AVX2_FLAGS = [*_COMMON_FLAGS, "-mavx2", "-mfma", "-DMOE_AVX2"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 AVX2_CPU_FLAGS = ("avx2", "fma")
 PATHS = ("avx512", "amx", "avx2")  # moe_get_path's codes
@@ -434,8 +434,7 @@ def max_native_tokens(lib=None) -> int:
         if not available():
             return NATIVE_MAX_TOKENS
         lib = _state["lib"]
-    path = PATHS[lib.moe_get_path()]
-    return AMX_MAX_TOKENS if path == "amx" else AVX2_MAX_TOKENS if path == "avx2" else NATIVE_MAX_TOKENS
+    return {"amx": AMX_MAX_TOKENS, "avx2": AVX2_MAX_TOKENS}.get(PATHS[lib.moe_get_path()], NATIVE_MAX_TOKENS)
 
 
 def _lib():
