@@ -1,7 +1,8 @@
 """A load imports nothing slow it does not use: it builds its model on the meta device without importing
 torch._dynamo, which a start otherwise pays before any weight is read (engine.model.transformer.Rotary,
 engine.model.embedding.Embedding), and leaves scipy.optimize to the fits that need it (engine.offload.popularity,
-engine.speculative.perf_model)."""
+engine.speculative.perf_model). A load onto a GPU runs one: it places experts by a popularity fitted to the
+calibration's routing (engine.offload.popularity.fitted_evenness), so there only torch._dynamo is left out."""
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ from moedesk.engine.runtime import Engine
 device, folders = sys.argv[1], sys.argv[2:]
 for folder in folders:
     Engine.load(folder, device=device, dtype="float32").scheduler.close()
-    for slow in ("torch._dynamo", "scipy.optimize"):
+    for slow in ("torch._dynamo",) + (("scipy.optimize",) if device == "cpu" else ()):
         if slow in sys.modules:
             sys.exit(slow + " imported loading " + folder)
 print("loaded", len(folders))
