@@ -606,7 +606,7 @@ def serve_pool(args, sources: list[str], load, keep_alive):
                 if fit is not None:
                     return fit.ram_bytes
             weights = summarize_path(Path(path)) if path is not None else None
-            return weights.estimate(args.expert_dtype or "auto", dtype).ram_bytes(gpu) if weights else None
+            return weights.estimate(args.expert_dtype or "auto", dtype, gpu).ram_bytes(gpu) if weights else None
         except Exception:  # noqa: BLE001 -- what the estimate cannot read, the load reports in its own words
             return None
 

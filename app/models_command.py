@@ -273,7 +273,7 @@ def memory_line(listing, choice) -> str:
     except Exception as e:  # noqa: BLE001 -- an estimate is advice: one line says why there is none
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         return f"no estimate before downloading: {lines[0] if lines else type(e).__name__}"
-    estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
+    estimate = weights.estimate(target.expert_dtype, target.weights_dtype, target.gpu)
     return f"once loaded: {estimate_line(estimate, target.gpu, dl.format_bytes)} ({target.describe()})"
 
 

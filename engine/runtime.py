@@ -631,8 +631,8 @@ def _check_memory(path, weights_dtype: str, expert_dtype: str, gpu: bool) -> Non
 
     try:
         weights = summarize_path(path)
-        need = weights.estimate(expert_dtype, weights_dtype).ram_bytes(gpu)
-        smaller = {f"--expert-dtype {e}": weights.estimate(e, weights_dtype).ram_bytes(gpu)
+        need = weights.estimate(expert_dtype, weights_dtype, gpu).ram_bytes(gpu)
+        smaller = {f"--expert-dtype {e}": weights.estimate(e, weights_dtype, gpu).ram_bytes(gpu)
                    for e in ("int8", "int4") if e != expert_dtype}
     except Exception:  # noqa: BLE001 -- what the estimate cannot read, the load reports in its own words
         return

@@ -364,6 +364,12 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+def cpu_runs_it() -> bool:
+    """Whether this CPU can run a build of the kernel and it is not disabled, asked before any build: what a load
+    asks before keeping experts in bfloat16 for it (engine.load.loader.expert_stack_dtype)."""
+    return cpu_reason() is None and not _disabled()
+
+
 def build_id() -> str:
     """native_build.build_name of the library in use; "" without one."""
     return build_name(_state["lib"]) if available() else ""

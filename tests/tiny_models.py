@@ -109,9 +109,11 @@ def train_tokenizer(special_tokens: tuple[str, ...] = ()):
 
 
 def build(arch: str, folder: Path, seed: int = 0, chat_template: str | None = CHAT_TEMPLATE,
-          special_tokens: tuple[str, ...] = (), eos_token: str = "<|im_end|>", **config) -> Path:
+          special_tokens: tuple[str, ...] = (), eos_token: str = "<|im_end|>", stored: torch.dtype | None = None,
+          **config) -> Path:
     """Write a tiny checkpoint of `arch` (a key of ARCHS) into folder and return it (config: fields to change;
-    chat_template None: none written; special_tokens: the tokenizer's own after SPECIAL's, ids 3, 4, ...)."""
+    chat_template None: none written; special_tokens: the tokenizer's own after SPECIAL's, ids 3, 4, ...; stored:
+    the weights' dtype in the files, as released models store bfloat16; default float32)."""
     import transformers
 
     config_name, model_name, extra = ARCHS[arch]
@@ -123,7 +125,7 @@ def build(arch: str, folder: Path, seed: int = 0, chat_template: str | None = CH
             if name.endswith(RANDOMISED.get(arch, ())):
                 tensor.copy_(torch.randn_like(tensor) * 0.1)
     folder.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(folder)
+    (model if stored is None else model.to(stored)).save_pretrained(folder)
     tok = train_tokenizer(special_tokens)
     tok.save(str(folder / "tokenizer.json"))
     tokenizer_config = {"bos_token": "<|endoftext|>", "eos_token": eos_token}

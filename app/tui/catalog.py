@@ -41,9 +41,9 @@ class LocalModel:
     refusal: str | None = None
     config_read: bool = True
 
-    def estimate(self, expert_dtype: str, weights_dtype: str):
+    def estimate(self, expert_dtype: str, weights_dtype: str, gpu: bool = False):
         """The MemoryEstimate of loading it with these dtypes; None when its headers could not be sorted."""
-        return None if self.weights is None else self.weights.estimate(expert_dtype, weights_dtype)
+        return None if self.weights is None else self.weights.estimate(expert_dtype, weights_dtype, gpu)
 
     @property
     def experts(self) -> str:

@@ -75,6 +75,14 @@ class FusedExperts:
         known = self._experts.get(name)
         return "mxfp4" if known is not None and known[3] else None
 
+    def tensor_dtype(self, name: str) -> str:
+        """As SafetensorsCheckpoint.tensor_dtype; an expert's is its fused tensor's."""
+        known = self._experts.get(name)
+        if known is None:
+            return self.inner.tensor_dtype(name)
+        stem, _, part, packed = known
+        return self.inner.tensor_dtype(f"{stem}.{_PARTS[part][0]}" + ("_blocks" if packed else ""))
+
     def release(self, name: str) -> None:
         if name not in self._experts and name not in self._biases:
             self.inner.release(name)

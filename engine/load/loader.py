@@ -18,6 +18,7 @@ from moedesk.engine.model.embedding import keep_in_host, table_in_host
 from moedesk.engine.model.config import ModelConfig
 from moedesk.engine.errors import CheckpointError, MoedeskError, UnsupportedModelError
 from moedesk.engine.model.transformer import Transformer
+from moedesk.kernels import cpu_experts
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
 from moedesk.kernels.quant_formats import QUANTIZE_TO, packed_format, quantize
 
@@ -63,7 +64,8 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
 
     Routed experts become one `ExpertWeights` stack per MoE layer, in the formats `expert_formats` picks
     (`expert_dtype`: auto keeps packed GGUF blocks as they are; int8/int4 quantise float experts while
-    they load, one tensor at a time; bf16 keeps everything in `dtype`). expert_banks(model, formats) ->
+    they load, one tensor at a time; bf16 keeps everything in `dtype`, where auto may keep a float32 CPU load's
+    bfloat16 experts in bfloat16: `expert_stack_dtype`). expert_banks(model, formats) ->
     banks, when given, allocates those stacks in host memory (engine.offload.pinned_memory.HostBanks): expert
     tensors are written straight into them and only the rest goes to `device`. If expert_banks also has
     `filled(layer)` it is called once each layer's experts are all written, and `done(ok)` once at the end
@@ -119,8 +121,10 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
     else:
         banks = {}
         for layer, moe in moes.items():
+            stack_dtype = expert_stack_dtype(checkpoint, experts, layer, cfg, expert_dtype, formats[layer], dtype,
+                                             torch.device(device).type)
             moe.experts = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                              dtype=dtype, gate_up_format=formats[layer][0],
+                                              dtype=stack_dtype, gate_up_format=formats[layer][0],
                                               down_format=formats[layer][1], device=device)
     total, done = len(plain) + len(experts), 0
     keep_packed = packed_weights(checkpoint, model) if packed_linear.wanted(device) else None
@@ -194,7 +198,7 @@ def load_model(checkpoint, dtype: torch.dtype, device: torch.device, context_len
         quantised = {f for pair in formats.values() for f in pair} & set(QUANTIZE_TO.values())
         quantising_on_cpu = torch.device(device).type == "cpu" and bool(quantised)
         threads = 1 if quantising_on_cpu else _load_threads(checkpoint, threads)
-        _fill_experts(checkpoint, experts, moes, dtype, device, filled, threads, landed)
+        _fill_experts(checkpoint, experts, moes, device, filled, threads, landed)
     except BaseException:
         if finished:
             finished(False)
@@ -314,7 +318,7 @@ def _load_threads(checkpoint, threads: int | None) -> int:
     return default_load_threads() if threads is None else max(1, threads)
 
 
-def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, threads: int, progress) -> None:
+def _fill_experts(checkpoint, experts: dict, moes: dict, device, filled, threads: int, progress) -> None:
     """Every routed expert tensor into its layer's stack, layer after layer; filled(layer) once a layer is whole."""
     # Layer by layer, so each layer is finished (and can be page-locked) while the next one is read.
     order = sorted(experts.items())
@@ -326,7 +330,7 @@ def _fill_experts(checkpoint, experts: dict, moes: dict, dtype, device, filled, 
 
     def one(key, name):
         layer, e, proj = key
-        _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, dtype, device)
+        _load_expert_tensor(checkpoint, name, moes[layer].experts, e, proj, device)
         release(name)
         return layer
 
@@ -413,7 +417,7 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
     says: FP8 as int8 (q8_0 keeps the byte a weight the user downloaded, where 16-bit experts would double it,
     and rounds more finely than the FP8 blocks did), 4-bit integers as int4. int8 / int4: what would be dense
     is quantised to q8_0 / q4_0 instead (where its rows are whole blocks); packed experts stay as they are.
-    bf16: everything dense, in the model's dtype.
+    bf16: everything dense, in the model's dtype (float32 on the CPU: see `expert_stack_dtype` for auto's).
     """
     if expert_dtype == "auto":
         expert_dtype = _released_as(checkpoint, experts, layer, cfg.num_experts) or "auto"
@@ -434,6 +438,29 @@ def expert_formats(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expe
     return chosen[0], chosen[1]
 
 
+def expert_stack_dtype(checkpoint, experts: dict, layer: int, cfg: ModelConfig, expert_dtype: str,
+                       formats: tuple[str, str], dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype of a layer's dense expert stacks: the model's, except on a float32 CPU load with `--expert-dtype
+    auto`, where experts the checkpoint stores in bfloat16 stay in it if kernels/cpu_experts.c can compute them on
+    this CPU: half the bytes a token reads and half the RAM, nothing rounded (the executor casts each layer's tokens
+    to them and back; `--expert-dtype bf16` keeps float32's arithmetic). checkpoint: anything with
+    tensor_dtype(name) (a safetensors dtype name), or without it (kept in `dtype`)."""
+    plain = not cfg.expert_bias and not cfg.swiglu_limit  # what the kernel computes: down(silu(gate) * up)
+    if (expert_dtype != "auto" or device_type != "cpu" or dtype != torch.float32 or formats != (DENSE, DENSE)
+            or not plain or not cpu_experts.cpu_runs_it()):
+        return dtype
+    names = [experts[key] for key in ((layer, e, p) for e in range(cfg.num_experts) for p in _PROJECTIONS)
+             if key in experts]
+    return torch.bfloat16 if names and all(_stored_as(checkpoint, n) == "BF16" for n in names) else dtype
+
+
+def _stored_as(checkpoint, name: str) -> str | None:
+    try:
+        return checkpoint.tensor_dtype(name)
+    except (AttributeError, KeyError):  # a GGUF, or a name its file does not hold as such
+        return None
+
+
 def _released_as(checkpoint, experts: dict, layer: int, count: int) -> str | None:
     """The wider of what the checkpoint says a layer's quantised experts are released as (int8 over int4)."""
     released_as = getattr(checkpoint, "released_as", None)
@@ -443,7 +470,7 @@ def _released_as(checkpoint, experts: dict, layer: int, count: int) -> str | Non
     return "int8" if "int8" in found else "int4" if "int4" in found else None
 
 
-def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: str, dtype, device) -> None:
+def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: str, device) -> None:
     """One checkpoint tensor (an expert's gate, up or down) into its rows of the layer's stack: packed bytes
     copied as they are, float weights cast or quantised to the stack's format."""
     width = w.width
@@ -462,7 +489,7 @@ def _load_expert_tensor(checkpoint, name: str, w: ExpertWeights, e: int, proj: s
     _check_shape(checkpoint.path, name, tensor.shape, (rows.shape[0], k))
     _check_dtype(checkpoint.path, name, tensor)
     if fmt == DENSE:
-        rows.copy_(tensor.to(dtype))
+        rows.copy_(tensor.to(rows.dtype))  # the stack's: bfloat16 experts of a float32 CPU load stay bfloat16
     elif torch.device(device).type == "cpu":
         # A few rows at a time: quantize's float32 temporaries of a whole tensor were much of a load's peak.
         step = max(1, _QUANTIZE_CHUNK // k)

@@ -24,7 +24,7 @@ import torch
 
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
-from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats
+from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats, expert_stack_dtype
 from moedesk.engine.model.architectures import (TEXT_MODELS, is_ignored_tensor, map_weight_name, parse_config,
                                                  text_config, weight_name_map)
 from moedesk.engine.model.config import ModelConfig
@@ -98,21 +98,26 @@ class ModelWeights:
         fmt = self.stored[name]
         return fmt if fmt in FORMATS else None
 
+    def tensor_dtype(self, name: str) -> str:
+        """What `expert_stack_dtype` asks, as of a SafetensorsCheckpoint: a routed expert's stored form."""
+        return self.stored[name]
+
     def released_as(self, name: str) -> str | None:
         """What `expert_formats` asks a quantised release (engine.load.fp8_blocks, engine.load.compressed_tensors)."""
         return _RELEASED_AS.get(self.stored[name])
 
-    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
+    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16", gpu: bool = False) -> MemoryEstimate:
         """The weights' bytes once loaded with `--expert-dtype expert_dtype` and `--dtype weights_dtype`
-        (float32, bfloat16 or float16: what `auto` resolves to on the device that will load it)."""
+        (float32, bfloat16 or float16: what `auto` resolves to on the device that will load it), with a GPU or
+        on the CPU alone (where a float32 load keeps bfloat16 experts: engine.load.loader.expert_stack_dtype)."""
         if expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {', '.join(EXPERT_DTYPES)}")
-        key = (expert_dtype, weights_dtype)
+        key = (expert_dtype, weights_dtype, gpu)
         if key not in self._cache:
-            self._cache[key] = self._estimate(expert_dtype, DTYPES[weights_dtype], weights_dtype)
+            self._cache[key] = self._estimate(expert_dtype, DTYPES[weights_dtype], "cuda" if gpu else "cpu")
         return self._cache[key]
 
-    def _estimate(self, expert_dtype: str, dtype: torch.dtype, dtype_name: str) -> MemoryEstimate:
+    def _estimate(self, expert_dtype: str, dtype: torch.dtype, device_type: str) -> MemoryEstimate:
         cfg = self.config
         element = torch.empty((), dtype=dtype).element_size()
         expert_bytes, formats = 0, set()
@@ -120,14 +125,17 @@ class ModelWeights:
             if not cfg.is_moe_layer(layer):
                 continue
             gate_up, down = expert_formats(self, self.experts, layer, cfg, expert_dtype)
-            stack = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, dtype=dtype,
-                                        gate_up_format=gate_up, down_format=down, device="meta")
+            stack_dtype = expert_stack_dtype(self, self.experts, layer, cfg, expert_dtype, (gate_up, down), dtype,
+                                             device_type)
+            stack = ExpertWeights.empty(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                        dtype=stack_dtype, gate_up_format=gate_up, down_format=down, device="meta")
             expert_bytes += stack.nbytes
-            formats.update(_SHORT_DTYPES[dtype_name] if f == DENSE else f for f in (gate_up, down))
+            dense = _SHORT_DTYPES[str(stack_dtype).removeprefix("torch.")]
+            formats.update(dense if f == DENSE else f for f in (gate_up, down))
         ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
         table = table_bytes(cfg, element) if table_stays_in_host(cfg) else 0
-        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name,
-                              table_bytes=table)
+        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered,
+                              str(dtype).removeprefix("torch."), table_bytes=table)
 
 
 def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:
@@ -172,10 +180,10 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
 
 
 def estimate_memory(config: dict, tensors: Mapping[str, TensorInfo], expert_dtype: str = "auto",
-                    weights_dtype: str = "bfloat16") -> MemoryEstimate:
+                    weights_dtype: str = "bfloat16", gpu: bool = False) -> MemoryEstimate:
     """RAM for the experts and for the rest of a model loaded with these dtypes, from its config.json dict and
     its tensor list alone (see `summarize` and `ModelWeights.estimate`)."""
-    return summarize(config, tensors).estimate(expert_dtype, weights_dtype)
+    return summarize(config, tensors).estimate(expert_dtype, weights_dtype, gpu)
 
 
 # --- tensor lists from headers ------------------------------------------------------------------------
@@ -250,7 +258,7 @@ class FileWeights:
     # engine.llamacpp.fit.GGUFShape: what llama.cpp's placement needs of the header, to plan its load
     llama_shape: object = field(default=None, compare=False, repr=False)
 
-    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16") -> MemoryEstimate:
+    def estimate(self, expert_dtype: str = "auto", weights_dtype: str = "bfloat16", gpu: bool = False) -> MemoryEstimate:
         if expert_dtype not in EXPERT_DTYPES:
             raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {', '.join(EXPERT_DTYPES)}")
         return MemoryEstimate(self.expert_bytes, self.other_bytes, self.expert_formats, self.other_formats)

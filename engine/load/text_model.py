@@ -76,6 +76,9 @@ class TextModel:
     def packed_format(self, name: str):
         return self.inner.packed_format(self._names.get(name, name))
 
+    def tensor_dtype(self, name: str) -> str:
+        return self.inner.tensor_dtype(self._names.get(name, name))
+
     def read_packed(self, name: str, out) -> None:
         self.inner.read_packed(self._names.get(name, name), out)
 

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from moedesk.kernels.experts import expert_forward
+from moedesk.kernels.experts import expert_forward, experts_forward_routed
 
 
 @dataclass
@@ -57,7 +57,12 @@ class LocalExecutor:
         self.selections[moe.layer] = counts if seen is None else seen + counts
         if out is None:
             out = x.new_empty((pair_expert.shape[0], x.shape[1]))
+        w = moe.experts
+        if not w.packed and w.dense_dtype != x.dtype:  # a float32 CPU load's bfloat16 experts: the kernel's call
+            ours = experts_forward_routed(x.to(w.dense_dtype), pair_expert.cpu(), k, None, w,
+                                          x.new_empty(out.shape, dtype=w.dense_dtype))
+            return out.copy_(ours)
         for e in torch.nonzero(counts).flatten().tolist():
             pairs = torch.nonzero(pair_expert == e).flatten()
-            out[pairs] = expert_forward(x[pairs // k], moe.experts.expert(e))
+            out[pairs] = expert_forward(x[pairs // k], w.expert(e))
         return out

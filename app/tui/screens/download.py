@@ -158,7 +158,7 @@ def loaded_estimate(choice: dl.DownloadChoice, weights, target: LoadTarget) -> t
             return f"{fit} · {engine.why}", None
         if fit is not None:
             return f"{fit.line()} · {engine.why}", fit.ram_bytes + fit.gpu_total
-    estimate = weights.estimate(target.expert_dtype, target.weights_dtype)
+    estimate = weights.estimate(target.expert_dtype, target.weights_dtype, target.gpu)
     text = estimate_line(estimate, target.gpu, dl.format_bytes)
     return f"{text} · expert dtype {target.expert_dtype} (F2)", estimate.total_bytes
 

@@ -51,7 +51,7 @@ def memory_cell(model: LocalModel, target: LoadTarget, plan=ASK) -> str:
         return plan_cell(plan)
     if row_engine(model, target.engine).kind == "none":
         return WONT_LOAD
-    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
+    estimate = model.estimate(target.expert_dtype, target.weights_dtype, target.gpu)
     return "—" if estimate is None else f"~{human_size(estimate.total_bytes)}"
 
 
@@ -88,7 +88,7 @@ def memory_note(model: LocalModel, target: LoadTarget, available: int | None = N
     if plan is not None:
         line = plan if isinstance(plan, str) else plan.line()
         return " · ".join(part for part in (line, file, choice.why) if part)
-    estimate = model.estimate(target.expert_dtype, target.weights_dtype)
+    estimate = model.estimate(target.expert_dtype, target.weights_dtype, target.gpu)
     if estimate is None:
         why = f"no memory estimate: {model.estimate_error}" if model.estimate_error else ""
         return " · ".join(part for part in (file, why, choice.why) if part)
