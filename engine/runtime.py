@@ -334,7 +334,10 @@ class Engine(EngineFace):
         cfg = self.config
         shape = f"{cfg.num_experts} experts top-{cfg.num_experts_per_tok}" if cfg.is_moe else "dense"
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on {self.device.type} {dtype}"
+        # Experts held otherwise than the weights (packed, or a CPU load's bfloat16 ones): what decode reads most
+        held = sorted({moe.experts.describe() for moe in self.model.moe_blocks()} - {dtype})
+        experts = f", experts {'/'.join(held)}" if held else ""
+        return f"{self.name} ({cfg.arch}, {cfg.num_layers} layers, {shape}) on {self.device.type} {dtype}{experts}"
 
     def expert_map(self) -> tuple[list[list[bool]], list[list[int]]]:
         """Per MoE layer and expert: is its weight on a GPU, and how often it has been selected so far."""

@@ -46,6 +46,8 @@ def test_the_experts_stay_bf16_and_the_estimate_says_so(arch, bf16_checkpoint):
     assert on_cpu.expert_bytes == sum(w.nbytes for w in stacks)
     assert beside_gpu.expert_bytes == on_cpu.expert_bytes * (4 // expected.itemsize)  # pinned banks take the dtype
     assert on_cpu.experts_as == ("f32" if arch == "gpt_oss" else "bf16")
+    # `moedesk profile`, `batch` and `serve` name what the experts are held in where the weights' dtype does not
+    assert engine.description.endswith("on cpu float32" + ("" if arch == "gpt_oss" else ", experts bfloat16"))
 
 
 def test_float32_files_keep_float32_experts(tiny_checkpoint):
