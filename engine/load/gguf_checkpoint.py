@@ -558,6 +558,11 @@ class GGUFCheckpoint:
         fmt = BY_GGML_TYPE.get(int(self._tensors[gguf_name].tensor_type))
         return None if fmt is None else fmt.name
 
+    def tensor_dtype(self, name: str) -> str:
+        """A tensor's GGML type name (F32, F16, BF16, Q4_K...): BF16 and F32 are also safetensors' names for them."""
+        gguf_name, _ = self._index[name]
+        return GGMLQuantizationType(int(self._tensors[gguf_name].tensor_type)).name
+
     def packed_rows_format(self, name: str) -> str | None:
         """The packed format `read_packed_rows` hands a tensor over in; None where it cannot (see there)."""
         fmt = self.packed_format(name)

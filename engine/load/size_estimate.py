@@ -44,7 +44,8 @@ class TensorInfo:
 
     shape: tuple[int, ...]  # in the Hub's layout (one expert's slice for a GGUF's stacked experts)
     # A safetensors dtype (BF16, F32...), or a kernels.quant_formats name (q4_k...) for GGUF blocks that
-    # experts are computed from as they are; anything else is read as float and converted.
+    # experts are computed from as they are; any other GGUF tensor's GGML type name (BF16, F16, Q5_0...), read
+    # as float and converted.
     stored: str
 
 
@@ -235,8 +236,16 @@ def folder_tensors(folder) -> dict[str, TensorInfo]:
 
 def gguf_tensors(checkpoint) -> dict[str, TensorInfo]:
     """Every tensor of an opened `GGUFCheckpoint`, under the Hub's names (experts one by one), from its header."""
-    return {name: TensorInfo(shape, checkpoint.packed_format(name) or "float")
+    return {name: TensorInfo(shape, checkpoint.packed_format(name) or _gguf_type(checkpoint, name))
             for name, shape in checkpoint.shapes().items()}
+
+
+def _gguf_type(checkpoint, name: str) -> str:
+    """A float tensor's GGML type name (BF16...); "float" for a tensor the checkpoint joins or splits itself."""
+    try:
+        return checkpoint.tensor_dtype(name)
+    except KeyError:
+        return "float"
 
 
 # --- GGUFs llama.cpp runs --------------------------------------------------------------------------------

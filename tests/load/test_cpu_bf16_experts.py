@@ -12,7 +12,7 @@ from moedesk.engine.runtime import Engine
 from moedesk.kernels import cpu_experts
 from tests import tiny_models
 from tests.model.test_equivalence import PROMPTS
-from tests.model.test_gpu_equivalence import check_greedy
+from tests.model.test_gpu_equivalence import check_greedy, teacher_forced_logits
 from tests.reference import hf_greedy, hf_model
 
 needs_kernel = pytest.mark.skipif(not cpu_experts.cpu_runs_it(), reason="the CPU experts kernel does not run here")
@@ -92,3 +92,22 @@ def test_fused_experts_as_released_stay_bf16_too(tmp_path):
     assert summarize_path(tmp_path / "model").estimate("auto", "float32").expert_bytes == sum(w.nbytes for w in stacks)
     done = engine.generate([Request(engine.tokenizer.encode(PROMPTS[1]), SamplingParams(max_new_tokens=4))])
     assert len(next(iter(done)).token_ids) == 4
+
+
+@needs_kernel
+def test_a_gguf_s_bf16_experts_stay_bf16_too(tmp_path):
+    """A GGUF's BF16 experts as a safetensors checkpoint's: kept so on a float32 CPU load, their logits within bf16
+    rounding of the same weights computed in float32 (`--expert-dtype bf16`)."""
+    from tests.load.test_gguf_checkpoint import Q, write_tiny_mixtral
+
+    write_tiny_mixtral(tmp_path / "bf16.gguf", experts_as=Q.BF16)
+    ours = Engine.load(str(tmp_path / "bf16.gguf"), device="cpu", dtype="float32")
+    stacks = [moe.experts for moe in ours.model.moe_blocks()]
+    assert {w.dense_dtype for w in stacks} == {torch.bfloat16}
+    assert summarize_path(tmp_path / "bf16.gguf").estimate("auto", "float32").expert_bytes == \
+        sum(w.nbytes for w in stacks)
+    exact = Engine.load(str(tmp_path / "bf16.gguf"), device="cpu", dtype="float32", expert_dtype="bf16")
+    assert {moe.experts.dense_dtype for moe in exact.model.moe_blocks()} == {torch.float32}
+    ids = ours.tokenizer.encode(PROMPTS[2])
+    a, b = (teacher_forced_logits(engine, ids) for engine in (ours, exact))
+    assert 0 < ((a - b).norm() / b.norm()).item() < 1e-2  # rounded (the kernel ran), and by little

@@ -177,10 +177,11 @@ def spm_vocab():
     return pieces, scores, types
 
 
-def write_tiny_mixtral(path):
+def write_tiny_mixtral(path, experts_as=None):
     """A two-layer llama-architecture GGUF with 4 experts and a SentencePiece vocabulary, laid out as
-    llama.cpp writes one: q/k permuted, experts stacked, a Q8_0 embedding, an F16 output matrix.
-    Returns the Hub-layout arrays that went in."""
+    llama.cpp writes one: q/k permuted, experts stacked, a Q8_0 embedding, an F16 output matrix; the experts in
+    float32, or in `experts_as` (a GGML type gguf.quants quantises to, e.g. BF16). Returns the Hub-layout arrays
+    that went in (the experts as written: rounded to `experts_as`)."""
     rng = np.random.default_rng(0)
     H, F, E, L, heads, kv = 64, 96, 4, 2, 4, 2
     hd = H // heads
@@ -206,6 +207,9 @@ def write_tiny_mixtral(path):
         hub[h + "self_attn.k_proj.weight"] = k = rnd(kv * hd, H)
         hub[h + "block_sparse_moe.gate.weight"] = router = rnd(E, H, scale=0.8)  # decisive routing
         gate, up, down = rnd(E, F, H), rnd(E, F, H), rnd(E, H, F)
+        if experts_as is not None:
+            gate, up, down = (gguf.quants.dequantize(gguf.quants.quantize(t, experts_as), experts_as)
+                              for t in (gate, up, down))
         for e in range(E):
             for proj, stacked in (("w1", gate), ("w3", up), ("w2", down)):
                 hub[f"{h}block_sparse_moe.experts.{e}.{proj}.weight"] = stacked[e]
@@ -215,8 +219,12 @@ def write_tiny_mixtral(path):
         w.add_tensor(p + "attn_v.weight", rnd(kv * hd, H)); w.add_tensor(p + "attn_output.weight", rnd(H, H))
         w.add_tensor(p + "ffn_norm.weight", np.ones(H, dtype=np.float32))
         w.add_tensor(p + "ffn_gate_inp.weight", router)
-        w.add_tensor(p + "ffn_gate_exps.weight", gate); w.add_tensor(p + "ffn_up_exps.weight", up)
-        w.add_tensor(p + "ffn_down_exps.weight", down)
+        for leaf, stacked in (("gate", gate), ("up", up), ("down", down)):
+            if experts_as is None:
+                w.add_tensor(f"{p}ffn_{leaf}_exps.weight", stacked)
+            else:
+                w.add_tensor(f"{p}ffn_{leaf}_exps.weight", gguf.quants.quantize(stacked, experts_as),
+                             raw_dtype=experts_as)
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return hub
 

@@ -130,7 +130,7 @@ def test_the_estimate_from_the_header_equals_the_one_from_the_file(tmp_path):
     header = parse_header(file.read_bytes(), file)
     expected, got = summarize_path(file), summarize_gguf_header(header, file)
     assert got.config == expected.config and got.stored == expected.stored
-    assert set(got.stored.values()) == {"q4_0", "q8_0", "q4_k", "float"}
+    assert set(got.stored.values()) == {"q4_0", "q8_0", "q4_k", "F16"}  # a float one by its GGML type
     for dtype in ("auto", "bf16", "int8", "int4"):
         for weights in ("float32", "bfloat16"):
             assert got.estimate(dtype, weights) == expected.estimate(dtype, weights)
