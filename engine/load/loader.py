@@ -451,13 +451,14 @@ def expert_stack_dtype(checkpoint, experts: dict, layer: int, cfg: ModelConfig, 
         return dtype
     names = [experts[key] for key in ((layer, e, p) for e in range(cfg.num_experts) for p in _PROJECTIONS)
              if key in experts]
-    return torch.bfloat16 if names and all(_stored_as(checkpoint, n) == "BF16" for n in names) else dtype
+    return torch.bfloat16 if names and all(stored_as(checkpoint, n) == "BF16" for n in names) else dtype
 
 
-def _stored_as(checkpoint, name: str) -> str | None:
+def stored_as(checkpoint, name: str) -> str | None:
+    """checkpoint.tensor_dtype(name), or None where the checkpoint cannot say without reading."""
     try:
         return checkpoint.tensor_dtype(name)
-    except (AttributeError, KeyError):  # a GGUF, or a name its file does not hold as such
+    except (AttributeError, KeyError):  # no tensor_dtype, or a name the checkpoint joins or splits itself
         return None
 
 

@@ -24,7 +24,8 @@ import torch
 
 from moedesk.engine import json_read
 from moedesk.engine.errors import CheckpointError, UnsupportedModelError
-from moedesk.engine.load.loader import ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats, expert_stack_dtype
+from moedesk.engine.load.loader import (ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, expert_formats, expert_stack_dtype,
+                                       stored_as)
 from moedesk.engine.model.architectures import (TEXT_MODELS, is_ignored_tensor, map_weight_name, parse_config,
                                                  text_config, weight_name_map)
 from moedesk.engine.model.config import ModelConfig
@@ -115,11 +116,11 @@ class ModelWeights:
             raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {', '.join(EXPERT_DTYPES)}")
         key = (expert_dtype, weights_dtype, gpu)
         if key not in self._cache:
-            self._cache[key] = self._estimate(expert_dtype, DTYPES[weights_dtype], "cuda" if gpu else "cpu")
+            self._cache[key] = self._estimate(expert_dtype, weights_dtype, "cuda" if gpu else "cpu")
         return self._cache[key]
 
-    def _estimate(self, expert_dtype: str, dtype: torch.dtype, device_type: str) -> MemoryEstimate:
-        cfg = self.config
+    def _estimate(self, expert_dtype: str, dtype_name: str, device_type: str) -> MemoryEstimate:
+        cfg, dtype = self.config, DTYPES[dtype_name]
         element = torch.empty((), dtype=dtype).element_size()
         expert_bytes, formats = 0, set()
         for layer in range(cfg.num_layers):
@@ -135,8 +136,8 @@ class ModelWeights:
             formats.update(dense if f == DENSE else f for f in (gate_up, down))
         ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
         table = table_bytes(cfg, element) if table_stays_in_host(cfg) else 0
-        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered,
-                              str(dtype).removeprefix("torch."), table_bytes=table)
+        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name,
+                              table_bytes=table)
 
 
 def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:
@@ -236,16 +237,8 @@ def folder_tensors(folder) -> dict[str, TensorInfo]:
 
 def gguf_tensors(checkpoint) -> dict[str, TensorInfo]:
     """Every tensor of an opened `GGUFCheckpoint`, under the Hub's names (experts one by one), from its header."""
-    return {name: TensorInfo(shape, checkpoint.packed_format(name) or _gguf_type(checkpoint, name))
+    return {name: TensorInfo(shape, checkpoint.packed_format(name) or stored_as(checkpoint, name) or "float")
             for name, shape in checkpoint.shapes().items()}
-
-
-def _gguf_type(checkpoint, name: str) -> str:
-    """A float tensor's GGML type name (BF16...); "float" for a tensor the checkpoint joins or splits itself."""
-    try:
-        return checkpoint.tensor_dtype(name)
-    except KeyError:
-        return "float"
 
 
 # --- GGUFs llama.cpp runs --------------------------------------------------------------------------------
