@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from moedesk.kernels import cpu_quant
 from moedesk.kernels.experts import expert_forward, experts_forward_routed
 
 
@@ -41,7 +42,8 @@ class ExpertExecutor(Protocol):
 
 
 class LocalExecutor:
-    """Every active expert in turn, in ascending id order, where its weights live.
+    """Every active expert in turn, in ascending id order, where its weights live; on the CPU, a layer's packed or
+    bfloat16 experts in one call of their native kernel (kernels.experts.experts_forward_routed).
 
     Counts how often each (layer, expert) was selected: the popularity that placement uses.
     """
@@ -58,6 +60,8 @@ class LocalExecutor:
         if out is None:
             out = x.new_empty((pair_expert.shape[0], x.shape[1]))
         w = moe.experts
+        if w.packed and cpu_quant.applies(x, w):  # a CPU load's packed experts: the native kernel, one call a layer
+            return experts_forward_routed(x, pair_expert.cpu(), k, None, w, out)
         if not w.packed and w.dense_dtype != x.dtype:  # a float32 CPU load's bfloat16 experts: the kernel's call
             ours = experts_forward_routed(x.to(w.dense_dtype), pair_expert.cpu(), k, None, w,
                                           x.new_empty(out.shape, dtype=w.dense_dtype))

@@ -348,10 +348,11 @@ def native_packed_calls(monkeypatch, what: str) -> list[tuple[str, bool]]:
 
 def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tiny_checkpoint, tmp_path, monkeypatch):
     """A checkpoint whose experts are MXFP4 as released: moedesk keeps them packed (4.25 bits a weight) and computes
-    them, giving the tokens of transformers, which dequantises them on load (the local executor computes each expert
-    through dequantisation, exact to float32).
+    them, giving the tokens of transformers, which dequantises them on load (with the native kernels off, each expert
+    is computed through dequantisation, exact to float32).
 
-    With the experts in RAM (offloaded, every expert computed where it lives) they take the native packed kernel,
+    With the kernels on (a CPU load, and the experts in RAM offloaded, every expert computed where it lives) they take
+    the native packed kernel,
     biases and clamped SwiGLU included (kernels/cpu_quant.c), never the dequantising reference. That kernel rounds
     activations to int8 per 32 values, as llama.cpp's does: on this tiny random model, whose random experts' outputs
     are ~17x the residual stream, that is ~3% of each expert's output (measured 2.7-4.5%), enough to flip a near-tie
@@ -363,6 +364,7 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
     from moedesk.kernels import cpu_quant
 
     folder = mxfp4_checkpoint(tiny_checkpoint("gpt_oss"), tmp_path / "mxfp4")
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")  # the dequantising reference: exact to float32
     engine = Engine.load(str(folder), device="cpu", dtype="float32")
     stacks = engine.model.moe_blocks()[0].experts
     assert (stacks.gate_up_format, stacks.down_format) == ("mxfp4", "mxfp4") and not stacks.plain
@@ -372,15 +374,19 @@ def test_gpt_oss_mxfp4_experts_stay_packed_and_generate_the_reference_tokens(tin
     eos = engine.tokenizer.eos_token_ids | set(engine.config.eos_token_ids)
     expected = [hf_greedy(reference, p, 16, eos) for p in prompts]
     assert greedy(engine, prompts, 16) == expected
+    sequences = [prompt + continuation for prompt, continuation in zip(prompts, expected)]
+    exact = [teacher_forced(engine, ids) for ids in sequences]
 
+    monkeypatch.delenv("MOEDESK_NO_NATIVE_KERNELS")
     if not cpu_quant.available():
         pytest.skip(f"no native packed kernel here: {cpu_quant.unavailable_reason()}")
     in_ram = Engine.load(str(folder), device="cpu", dtype="float32", offload=True, gpu_budget=0)
     in_ram.executor.decide = lambda loads: (sorted(loads), [])  # every expert computed where it lives, in RAM
     calls = native_packed_calls(monkeypatch, "gpt-oss's MXFP4 experts")
-    sequences = [prompt + continuation for prompt, continuation in zip(prompts, expected)]
-    assert_int8_logits_close([(teacher_forced(in_ram, ids), teacher_forced(engine, ids)) for ids in sequences],
+    assert_int8_logits_close([(teacher_forced(in_ram, ids), ref) for ids, ref in zip(sequences, exact)],
                              "gpt-oss MXFP4 in RAM")
+    local = [teacher_forced(engine, ids) for ids in sequences]  # a CPU load's executor takes the kernel too
+    assert_int8_logits_close(list(zip(local, exact)), "gpt-oss MXFP4 on a CPU load")
     assert calls and set(calls) == {("mxfp4", False)} and in_ram.executor.stats.cpu_experts > 0
     # The estimate from the headers alone sizes the packed stacks as loaded: 17 bytes per 32 weights.
     from moedesk.engine.load.size_estimate import summarize_path
