@@ -37,23 +37,35 @@ def one(model: str, experts: str, tokens: int) -> dict:
                 decode_tok_s=round(tokens / (times[1] - times[0]), 2))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model")
+def parse_in_turns(doc: str, target: str, variants) -> argparse.Namespace:
+    """The command line of a script that measures `variants` of one load of `target` with `in_turns`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(target)
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--one", choices=("bfloat16", "float32"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--one", choices=variants, help=argparse.SUPPRESS)  # one variant, in this process
+    return p.parse_args()
+
+
+def in_turns(script: str, argv: list[str], variants, rounds: int) -> list[dict]:
+    """`script argv --one VARIANT` for each variant, `rounds` times in turns, each in a process of its own (a load's
+    memory and threads start clean): the JSON line each printed last, echoed as it comes."""
+    rows = []
+    for _ in range(rounds):
+        for variant in variants:
+            out = subprocess.run([sys.executable, script, *argv, "--one", variant], capture_output=True, text=True,
+                                 check=True).stdout
+            rows.append(json.loads(out.strip().splitlines()[-1]))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    args = parse_in_turns(__doc__, "model", ("bfloat16", "float32"))
     if args.one:
         print(json.dumps(one(args.model, args.one, args.tokens)))
         return
-    rows = []
-    for _ in range(args.rounds):
-        for experts in ("bfloat16", "float32"):
-            out = subprocess.run([sys.executable, __file__, args.model, "--tokens", str(args.tokens), "--one", experts],
-                                 capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = in_turns(__file__, [args.model, "--tokens", str(args.tokens)], ("bfloat16", "float32"), args.rounds)
     best = {e: max(r["decode_tok_s"] for r in rows if r["experts"] == e) for e in ("bfloat16", "float32")}
     rss = {e: min(r["rss_gib"] for r in rows if r["experts"] == e) for e in ("bfloat16", "float32")}
     print(f"decode, best of {args.rounds}: bf16 experts {best['bfloat16']} tok/s, float32 {best['float32']} tok/s "

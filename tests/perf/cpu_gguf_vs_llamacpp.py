@@ -14,11 +14,13 @@ timed as a (1 + tokens)-token generation less a 1-token one (native) or as `toke
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
+import os
 import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests.perf.cpu_bf16_experts import in_turns, parse_in_turns  # noqa: E402
 
 PROMPT = list(range(100, 164))
 
@@ -60,22 +62,11 @@ def llama_cpp(path: str, tokens: int) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("gguf")
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--one", choices=("native", "llama.cpp"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_in_turns(__doc__, "gguf", ("native", "llama.cpp"))
     if args.one:
         print(json.dumps((native if args.one == "native" else llama_cpp)(args.gguf, args.tokens)))
         return
-    rows = []
-    for _ in range(args.rounds):
-        for engine in ("native", "llama.cpp"):
-            out = subprocess.run([sys.executable, __file__, args.gguf, "--tokens", str(args.tokens), "--one", engine],
-                                 capture_output=True, text=True, check=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-            print(json.dumps(rows[-1]), flush=True)
+    rows = in_turns(__file__, [args.gguf, "--tokens", str(args.tokens)], ("native", "llama.cpp"), args.rounds)
     best = {e: {k: max(r[k] for r in rows if r["engine"] == e) for k in ("decode_tok_s", "prefill_tok_s")}
             for e in ("native", "llama.cpp")}
     print(f"best of {args.rounds}: decode {best['native']['decode_tok_s']} against {best['llama.cpp']['decode_tok_s']}"
