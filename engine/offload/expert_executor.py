@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import torch
 
-from moedesk.kernels import cpu_quant
 from moedesk.kernels.experts import expert_forward, experts_forward_routed
 
 
@@ -60,8 +59,8 @@ class LocalExecutor:
         if out is None:
             out = x.new_empty((pair_expert.shape[0], x.shape[1]))
         w = moe.experts
-        if w.packed and cpu_quant.applies(x, w):  # a CPU load's packed experts: the native kernel, one call a layer
-            return experts_forward_routed(x, pair_expert.cpu(), k, None, w, out)
+        if w.packed and x.is_cpu:  # a CPU load's packed experts: one routed call (the native kernel where it applies)
+            return experts_forward_routed(x, pair_expert, k, None, w, out)
         if not w.packed and w.dense_dtype != x.dtype:  # a float32 CPU load's bfloat16 experts: the kernel's call
             ours = experts_forward_routed(x.to(w.dense_dtype), pair_expert.cpu(), k, None, w,
                                           x.new_empty(out.shape, dtype=w.dense_dtype))
