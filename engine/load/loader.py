@@ -242,8 +242,10 @@ def packed_weights(checkpoint, model: nn.Module) -> Callable[[str, str], bool] |
 
 def _packed_format(checkpoint, name: str, ours: str, in_features: int) -> str | None:
     """The format a weight stays packed in (a Linear's weight `ours` of `in_features` columns), or None."""
+    if not packed_linear.packable(ours):  # first: a split checkpoint's derived names (Qwen3-Next's in_proj_b) are not
+        return None                       # the file's, and none of them is packable
     fmt = checkpoint.packed_rows_format(name)
-    if fmt is None or fmt not in packed_linear.formats() or not packed_linear.packable(ours):
+    if fmt is None or fmt not in packed_linear.formats():
         return None
     return fmt if in_features % packed_format(fmt).block == 0 else None
 
