@@ -1238,6 +1238,9 @@ typedef struct {
     const void *gu_bias, *d_bias;
     int bias_f32, glu;
     float alpha, limit;
+    /* linear 1 (mq_linear): one matrix, `down` [H][row_bytes(F)], no phase 1: phase 0 quantises the x rows (F
+     * values) straight into the act rows phase 2 reads */
+    int linear;
     /* R: the intermediate rows computed, [0, R) of F (the call's `rows`): gate / up rows [0, R), the first R
      * weights of each down row (d_row, from F, stays the stride); the act rows have R values */
     int64_t H, F, R, gu_row, d_row, xq_row, aq_row, out_stride, n1, coarse, total, FB, HB, nb1, nb2;
@@ -1429,25 +1432,29 @@ static void phase2_item(const Job *j, int64_t gi, int64_t h0, int64_t h1) {
     }
 }
 
-/* Phase 0: the x rows quantised, shared by whoever is there; act rows' padding. */
+/* Phase 0: the x rows quantised, shared by whoever is there; act rows' padding. A linear call's x rows (F values)
+ * are its act rows, in the layout of down's format. */
 static void quantize_rows(Job *j) {
-    const int64_t H = j->H;
+    const int64_t K = j->linear ? j->F : j->H;
+    const int amx = j->linear ? j->amx_d : j->amx_gu, qfmt = j->linear ? j->qfmt_d : j->qfmt_gu;
+    uint8_t *const rows = j->linear ? j->aq : j->xq, *const tiles = j->linear ? j->at : j->xt;
+    const int64_t row_bytes = j->linear ? j->aq_row : j->xq_row, tile_bytes = j->linear ? j->at_bytes : j->xt_bytes;
     _Alignas(32) float buf[32];
     for (;;) {
         const int64_t r = atomic_fetch_add_explicit(&j->next_row, 1, memory_order_relaxed);
         if (r >= j->rows_n) break;
-        uint8_t *row = j->xq + r * j->xq_row;
+        uint8_t *row = rows + r * row_bytes;
         const int64_t gi = j->row_gi[r], t = r - j->first[gi];
-        uint8_t *tile = j->amx_gu && j->tbase[gi] >= 0 ? amx_tile(j->xt, j->xt_bytes, j, gi, t) : NULL;
-        for (int64_t b = 0; b < H / 32; b++) {
+        uint8_t *tile = amx && j->tbase[gi] >= 0 ? amx_tile(tiles, tile_bytes, j, gi, t) : NULL;
+        for (int64_t b = 0; b < K / 32; b++) {
             const float *v = buf;
             if (j->x_f32) v = (const float *)j->x_src + j->x_row[r] * j->x_stride + 32 * b;
             else bf16_to_f32((const bf16 *)j->x_src + j->x_row[r] * j->x_stride + 32 * b, buf, 32);
-            if (tile) amx_quantize(v, tile, H, b, (int)(t % AMX_T));
-            else quantize_block(v, row, H, b, j->qfmt_gu);
+            if (tile) amx_quantize(v, tile, K, b, (int)(t % AMX_T));
+            else quantize_block(v, row, K, b, qfmt);
         }
-        if (!tile) qrow_pad(row, H);
-        if (!(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->R);
+        if (!tile) qrow_pad(row, K);
+        if (!j->linear && !(j->amx_d && j->tbase[gi] >= 0)) qrow_pad(j->aq + r * j->aq_row, j->R);
         atomic_fetch_add_explicit(&j->rows_split, 1, memory_order_release);
     }
     unsigned spins = 0;
@@ -1507,6 +1514,7 @@ static run_fn pool_runner = pool_run;          /* cpu_experts' moe_pool_run once
 static int (*pool_threads)(void) = pool_get_threads;
 
 static Job job; /* guarded by native_call.h's `call` */
+static int run_grouped(Job *j, int64_t *index, int64_t M, int64_t G);
 
 enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, BAD_FORMAT = -6, BAD_SHAPE = -7 };
 
@@ -1541,29 +1549,98 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     int64_t M, G;
     const int grouped = group_routed_pairs(pair_expert, P, k, chosen, n_chosen, E, index, &M, &G);
     if (grouped != 0) return grouped;
-    int64_t *out_rows = index, *rows = index + M, *expert_ids = index + 2 * M, *offsets = expert_ids + G;
     if (G == 0) return OK;
-
     pthread_mutex_lock(&call);
+    Job *j = &job;
+    j->linear = 0;
+    j->gate_up = gate_up;
+    j->down = down;
+    j->fmt_gu = fmt_gu;
+    j->fmt_d = fmt_d;
+    j->x_src = x;
+    j->x_stride = x_stride;
+    j->x_f32 = x_f32;
+    j->out = out;
+    j->out_stride = out_stride;
+    j->out_f32 = out_f32;
+    j->H = H;
+    j->F = F;
+    j->R = R;
+    j->gu_bias = gu_bias;
+    j->d_bias = d_bias;
+    j->bias_f32 = bias_f32;
+    j->glu = glu;
+    j->alpha = alpha;
+    j->limit = limit;
+    return run_grouped(j, index, M, G);
+}
+
+/*
+ * One matrix: out[n] = W x[n] (+ bias) for the N rows of x (K values each, x_stride elements apart),
+ * W [M][row_bytes(K)] packed in fmt, bias NULL or M values (bf16 or fp32: bias_f32); x and out bf16 or fp32 (x_f32, out_f32). A
+ * non-expert weight of a CPU load (engine/model/packed_linear.py): the routed call's phase 2 for one group of all N
+ * rows, its act rows quantised from x. index: int64 scratch of 2N + 3 entries. Returns OK or a negative error code.
+ */
+int mq_linear(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t K, const uint8_t *w, int64_t M, int fmt,
+              const void *bias, int bias_f32, void *out, int64_t out_stride, int out_f32, int64_t *index) {
+    if (fmt < 0 || fmt >= NFMT) return BAD_FORMAT;
+    if (K <= 0 || M <= 0 || K % BLOCK[fmt] || K % 32) return BAD_SHAPE;
+    if (N < 0) return BAD_ROW;
+    if (N == 0) return OK;
+    /* group_routed_pairs' layout for one group of all N rows, in order */
+    for (int64_t n = 0; n < N; n++) index[n] = index[N + n] = n;
+    index[2 * N] = 0;
+    index[2 * N + 1] = 0;
+    index[2 * N + 2] = N;
+    pthread_mutex_lock(&call);
+    Job *j = &job;
+    j->linear = 1;
+    j->gate_up = NULL;
+    j->down = w;
+    j->fmt_gu = j->fmt_d = fmt;
+    j->x_src = x;
+    j->x_stride = x_stride;
+    j->x_f32 = x_f32;
+    j->out = out;
+    j->out_stride = out_stride;
+    j->out_f32 = out_f32;
+    j->H = M;
+    j->F = j->R = K;
+    j->gu_bias = NULL;
+    j->d_bias = bias;
+    j->bias_f32 = bias_f32;
+    j->glu = 0;
+    j->alpha = j->limit = 0.f;
+    return run_grouped(j, index, N, 1);
+}
+
+/* The call planned and run, `call` held and the job's operands set: M pairs in G groups as group_routed_pairs laid
+ * them out in index. Releases `call`. */
+static int run_grouped(Job *j, int64_t *index, int64_t M, int64_t G) {
+    int64_t *out_rows = index, *rows = index + M, *expert_ids = index + 2 * M, *offsets = expert_ids + G;
+    const int64_t H = j->H, F = j->F, R = j->R;
+    const int fmt_gu = j->fmt_gu, fmt_d = j->fmt_d;
     int threads = pool_threads();
-    const int64_t gu_row = H / BLOCK[fmt_gu] * BLOCK_BYTES[fmt_gu], d_row = F / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d];
-    const int64_t xq_row = round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(R), 64);
+    const int64_t gu_row = j->linear ? 0 : H / BLOCK[fmt_gu] * BLOCK_BYTES[fmt_gu],
+                  d_row = F / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d];
+    const int64_t xq_row = j->linear ? 0 : round_up(qrow_bytes(H), 64), aq_row = round_up(qrow_bytes(R), 64);
     /* phase-1 blocks start at multiples of 32 so that each quantised act block has one writer; a phase-2 row
      * reads its first R / BLOCK blocks */
-    const int64_t FB = block_rows(R, 2 * gu_row, 32, G, threads, ITEM_BYTES),
+    const int64_t FB = j->linear ? R : block_rows(R, 2 * gu_row, 32, G, threads, ITEM_BYTES),
                   HB = block_rows(H, R / BLOCK[fmt_d] * BLOCK_BYTES[fmt_d], ROWS, G, threads, ITEM_BYTES);
-    const int64_t nb1 = (R + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
+    const int64_t nb1 = j->linear ? 0 : (R + FB - 1) / FB, nb2 = (H + HB - 1) / HB, total = G * (nb1 + nb2);
     if (threads > total) threads = (int)total;
     /* groups of AMX_MIN+ tokens go to the AMX tiles where the path and their formats allow */
-    const int amx_gu = use_amx && amx_format(fmt_gu), amx_d = use_amx && amx_format(fmt_d);
+    const int amx_gu = use_amx && !j->linear && amx_format(fmt_gu), amx_d = use_amx && amx_format(fmt_d);
     int64_t tiles = 0;
     for (int64_t g = 0; (amx_gu || amx_d) && g < G; g++)
         if (offsets[g + 1] - offsets[g] >= AMX_MIN) tiles += (offsets[g + 1] - offsets[g] + AMX_T - 1) / AMX_T;
     const int64_t xt_bytes = amx_tile_bytes(H), at_bytes = amx_tile_bytes(R);
+    const int64_t act_rows = j->linear ? 0 : M; /* fp32 gate / act and up rows: phase 1's */
     const size_t sizes[] = {
-        (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)M * (size_t)R * sizeof(float),
+        (size_t)(M * xq_row), (size_t)(M * aq_row), (size_t)act_rows * (size_t)R * sizeof(float),
         (size_t)G * sizeof(int64_t), (size_t)G * sizeof(int32_t), (size_t)G * sizeof(_Atomic int32_t),
-        (size_t)M * (size_t)R * sizeof(float), (size_t)G * sizeof(int64_t), (size_t)M * sizeof(int32_t),
+        (size_t)act_rows * (size_t)R * sizeof(float), (size_t)G * sizeof(int64_t), (size_t)M * sizeof(int32_t),
         (size_t)(amx_gu ? tiles * xt_bytes : 0), (size_t)(amx_d ? tiles * at_bytes : 0)};
     size_t at[11];
     char *base = scratch_parts(sizes, 11, at);
@@ -1571,20 +1648,10 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
         pthread_mutex_unlock(&call);
         return NO_MEMORY;
     }
-    Job *j = &job;
-    j->gate_up = gate_up;
-    j->down = down;
-    j->fmt_gu = fmt_gu;
-    j->fmt_d = fmt_d;
     j->qfmt_gu = use_vnni ? fmt_gu : LANE8 + fmt_gu;
     j->qfmt_d = use_vnni ? fmt_d : LANE8 + fmt_d;
-    j->x_f32 = x_f32;
-    j->out_f32 = out_f32;
-    j->out = out;
-    j->out_rows = out_rows;
-    j->x_src = x;
+    j->out_rows = j->linear ? NULL : out_rows;
     j->x_row = rows;
-    j->x_stride = x_stride;
     j->rows_n = M;
     j->xq = (uint8_t *)(base + at[0]);
     j->aq = (uint8_t *)(base + at[1]);
@@ -1616,20 +1683,10 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     j->first = first;
     j->off = offsets;
     j->eid = expert_ids;
-    j->H = H;
-    j->F = F;
-    j->R = R;
     j->gu_row = gu_row;
     j->d_row = d_row;
     j->xq_row = xq_row;
     j->aq_row = aq_row;
-    j->out_stride = out_stride;
-    j->gu_bias = gu_bias;
-    j->d_bias = d_bias;
-    j->bias_f32 = bias_f32;
-    j->glu = glu;
-    j->alpha = alpha;
-    j->limit = limit;
     j->FB = FB;
     j->HB = HB;
     j->nb1 = nb1;

@@ -119,6 +119,38 @@ def experts_forward_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out
     return target
 
 
+def linear_applies(x: torch.Tensor, rows: torch.Tensor, fmt: str) -> bool:
+    """Whether `linear` takes x and the packed matrix `rows` [M, row_bytes]: CPU tensors, x bf16 or float32, a
+    format of the kernel's, the library built for this CPU (as `applies`)."""
+    return (fmt in FORMAT_CODES and x.dtype in _FLOATS and x.is_cpu and rows.is_cpu and rows.dtype == torch.uint8
+            and not _disabled() and ("lib" in _state or (not _state and available())))
+
+
+def linear(x: torch.Tensor, rows: torch.Tensor, fmt: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for one packed matrix W [M, K] held as its rows [M, row_bytes(K)] (a CPU load's
+    attention projection, shared expert, head): x [N, K] -> [N, M] in x's dtype, in one native call that reads
+    each weight once for all N rows. The arithmetic is the experts' (x quantised to int8 per 32 values)."""
+    lib = _loaded()
+    k = x.shape[-1]
+    if x.dim() != 2 or rows.dim() != 2 or fmt not in FORMAT_CODES or k % max(32, FORMATS[fmt].block) \
+            or rows.shape[1] != FORMATS[fmt].row_bytes(k):
+        raise ValueError(f"{fmt} rows {tuple(rows.shape)} cannot multiply x {tuple(x.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if not rows.is_contiguous():
+        rows = rows.contiguous()
+    n, m = x.shape[0], rows.shape[0]
+    if bias is not None and (bias.dtype not in _FLOATS or not bias.is_contiguous() or not bias.is_cpu):
+        bias = bias.to("cpu", torch.float32).contiguous()
+    out = torch.empty(n, m, dtype=x.dtype)
+    index = torch.empty(2 * n + 3, dtype=torch.int64)
+    f32, bias_f32 = int(x.dtype is torch.float32), int(bias is not None and bias.dtype is torch.float32)
+    _check_rc(lib.mq_linear(x.data_ptr(), n, x.stride(0), f32, k, rows.data_ptr(), m, FORMAT_CODES[fmt],
+                            None if bias is None else bias.data_ptr(), bias_f32, out.data_ptr(), m, f32,
+                            index.data_ptr()))
+    return out
+
+
 def prepare_routed(x, pair_expert, k: int, chosen, w: ExpertWeights, out, index, *, rows: int | None = None):
     """`experts_forward_routed` checked and its arguments built once, as a function of no arguments that makes
     the call: for a caller that repeats it on the same buffers (a handed-over decode step's layers), whose
@@ -255,6 +287,8 @@ def _configure(lib) -> None:
                                       c_int, c_int, ptr, i64, i64, c_int, ptr, i64, ptr, ptr, c_int, c_int,
                                       ctypes.c_float, ctypes.c_float]
     lib.mq_routed_forward.restype = c_int
+    lib.mq_linear.argtypes = [ptr, i64, i64, c_int, i64, ptr, i64, c_int, ptr, c_int, ptr, i64, c_int, ptr]
+    lib.mq_linear.restype = c_int
     lib.mq_set_path.argtypes = [c_int]
     lib.mq_set_path.restype = c_int
     lib.mq_get_path.restype = c_int

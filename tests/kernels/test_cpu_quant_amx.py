@@ -121,6 +121,17 @@ def test_amx_rows_of_mxfp4(emulated):
     check(out, x, pe, 1, None, w, before, f_rows=64)
 
 
+@pytest.mark.parametrize("fmt,k", [("q4_0", 288), ("q4_k", 512), ("mxfp4", 320), ("q6_k", 256)])
+def test_amx_linear(emulated, fmt, k):
+    """cpu_quant.linear's rows quantised straight into token tiles (q6_k's into the VNNI layout), 20 rows: one full
+    tile and a partial one, against float64 (test_cpu_quant_linear.check)."""
+    from tests.kernels.test_cpu_quant_linear import case
+    from tests.kernels.test_cpu_quant_linear import check as check_linear
+
+    x, rows, bias = case(fmt, k, 36, 20, seed=("amx",))
+    check_linear(cq.linear(x, rows, fmt, bias), x, rows, fmt, bias)
+
+
 def test_the_amx_segments_probe_computes_what_the_vnni_tiles_do(tmp_path):
     """tests/perf/probe_amx_segments.c (an AMX-INT8 layout measured against the VNNI tiles and not kept) builds
     against this kernel's internals; emulated, its tiles give the VNNI tiles' results (it exits 1 when not)."""
