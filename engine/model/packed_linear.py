@@ -1,11 +1,13 @@
-"""A linear layer whose weight stays packed (a GGUF's block quantisation) on its GPU (`wanted`).
+"""A linear layer whose weight stays packed (a GGUF's block quantisation), on a GPU or the CPU (`wanted`).
 
-A GGUF's attention projections, shared experts, dense layers and head are held in 16 bits otherwise: several
-times their file size on the GPU, and read whole by every decode step. `PackedLinear` keeps the packed rows as a
-buffer and computes from them: on CUDA with few rows of input (decode, a speculative verify), the packed experts'
-kernel with one group (kernels.gpu_quant.packed_linear: each weight read once, packed); with many rows (prefill)
-and on the CPU, the rows dequantised a slice at a time and multiplied by torch (cuBLAS reads 16 bits faster than
-any packed kernel once a weight serves many rows). Both dequantise exactly as kernels.quant_formats.dequantize.
+A GGUF's attention projections, shared experts, dense layers and head are held in 16 bits otherwise (float32 on the
+CPU): several times their file size, and read whole by every decode step. `PackedLinear` keeps the packed rows as a
+buffer and computes from them: on the CPU, the packed experts' native kernel with one group (kernels.cpu_quant.linear:
+each weight read once, packed, x quantised to int8 per 32 values as for the experts); on CUDA with few rows of input
+(decode, a speculative verify), the GPU kernel with one group (kernels.gpu_quant.packed_linear); with many rows
+(prefill) on CUDA, and on the CPU where its kernel is not built, the rows dequantised a slice at a time and
+multiplied by torch (cuBLAS reads 16 bits faster than any packed kernel once a weight serves many rows). The GPU
+routes dequantise exactly as kernels.quant_formats.dequantize.
 
 Which weights: every nn.Linear the loader fills from a packed tensor (`packable`), except those read as a matrix
 rather than through forward: the router (scored in float32), a shared expert's one-row gate, MLA's kv_b_proj (its
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moedesk.kernels import gpu_quant
+from moedesk.kernels import cpu_quant, gpu_quant
 from moedesk.kernels.quant_formats import FORMATS, dequantize
 
 ENV = "MOEDESK_PACKED_WEIGHTS"
@@ -35,17 +37,18 @@ _DEQUANT_CHUNK = 1 << 24
 
 def wanted(device) -> bool:
     """Whether a load onto `device` keeps packed non-expert weights packed (read once per load by its caller):
-    MOEDESK_PACKED_WEIGHTS=1 or 0 says; unset, on a GPU (smaller and, at a few rows, faster there) and not on the
-    CPU (which would dequantise every weight at every forward)."""
+    MOEDESK_PACKED_WEIGHTS=1 or 0 says; unset, on a GPU (smaller and, at a few rows, faster there) and on the CPU
+    where the native packed kernel runs (without it each forward would dequantise every weight)."""
     setting = os.environ.get(ENV)
     if setting in ("0", "1"):
         return setting == "1"
-    return torch.device(device).type == "cuda"
+    kind = torch.device(device).type
+    return kind == "cuda" or (kind == "cpu" and cpu_quant.available())
 
 
 def formats() -> tuple[str, ...]:
-    """The packed formats a PackedLinear computes from: those the GPU kernel reads."""
-    return gpu_quant.supported_formats()
+    """The packed formats a PackedLinear computes from: those both the GPU and the CPU kernel read."""
+    return tuple(f for f in gpu_quant.supported_formats() if f in cpu_quant.FORMAT_CODES)
 
 
 def packable(name: str) -> bool:
@@ -55,8 +58,8 @@ def packable(name: str) -> bool:
 
 
 def route(on_cuda: bool, kernel: bool, rows: int) -> str:
-    """"kernel" (the packed GPU kernel) for few rows on CUDA where it applies, else "dequant"."""
-    return "kernel" if on_cuda and kernel and rows < gpu_quant.LINEAR_ROWS else "dequant"
+    """"kernel" (the packed kernel) where it applies, on CUDA for few rows only, else "dequant"."""
+    return "kernel" if kernel and (not on_cuda or rows < gpu_quant.LINEAR_ROWS) else "dequant"
 
 
 class PackedLinear(nn.Module):
@@ -85,11 +88,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        kernel = gpu_quant.linear_applies(flat, self.packed, self.fmt)
-        if route(flat.is_cuda, kernel, flat.shape[0]) == "kernel":
-            y = gpu_quant.packed_linear(flat, self.packed, self.fmt, self.bias)
+        if flat.is_cuda:
+            kernel = gpu_quant.linear_applies(flat, self.packed, self.fmt)
+            if route(True, kernel, flat.shape[0]) == "kernel":
+                y = gpu_quant.packed_linear(flat, self.packed, self.fmt, self.bias)
+            else:
+                y = self._dequantised(flat, on_gpu=kernel)
+        elif route(False, cpu_quant.linear_applies(flat, self.packed, self.fmt), flat.shape[0]) == "kernel":
+            y = cpu_quant.linear(flat, self.packed, self.fmt, self.bias)
         else:
-            y = self._dequantised(flat, on_gpu=kernel)
+            y = self._dequantised(flat, on_gpu=False)
         return y.view(*lead, self.out_features)
 
     def _dequantised(self, x: torch.Tensor, on_gpu: bool) -> torch.Tensor:

@@ -89,12 +89,13 @@ def test_packed_linear_refuses_rows_of_another_width():
         gpu_quant.packed_linear(torch.randn(1, 96), w, "q8_0")
 
 
-def test_route_kernel_only_for_few_rows_on_cuda():
+def test_route_kernel_for_few_rows_on_cuda_and_every_row_count_on_the_cpu():
     assert route(True, True, 1) == "kernel"
     assert route(True, True, gpu_quant.LINEAR_ROWS - 1) == "kernel"
     assert route(True, True, gpu_quant.LINEAR_ROWS) == "dequant"  # prefill: dequantised, cuBLAS
     assert route(True, False, 1) == "dequant"  # the kernel does not apply (no Triton, fused kernels off)
-    assert route(False, True, 1) == "dequant"  # the CPU
+    assert route(False, True, 1) == route(False, True, 4 * gpu_quant.LINEAR_ROWS) == "kernel"  # cpu_quant.linear
+    assert route(False, False, 1) == "dequant"  # the CPU kernel is not built here
 
 
 @pytest.mark.parametrize("fmt,rows,k", CASES)

@@ -1,10 +1,12 @@
-"""A GGUF's packed non-expert weights stay packed (engine.model.packed_linear): on a GPU by default, anywhere with
-MOEDESK_PACKED_WEIGHTS=1.
+"""A GGUF's packed non-expert weights stay packed (engine.model.packed_linear): on a GPU and on a CPU with the native
+packed kernel by default, anywhere with MOEDESK_PACKED_WEIGHTS=1, nowhere with MOEDESK_PACKED_WEIGHTS=0.
 
 The files are llama.cpp's own quantisations of a float32 Mixtral-style GGUF (tests/load/test_packed_experts.py):
 Q4_K_M mixes q4_k projections with q6_k ones (attn_v, the head), Q8_0 is q8_0 throughout; the embedding table stays
-16-bit either way. On the CPU a PackedLinear dequantises its rows exactly as the gguf package does at a plain load,
-so the flag changes no weight: greedy ids are equal and the logits equal to float32 summation order."""
+16-bit either way. On the CPU without the kernel (MOEDESK_NO_NATIVE_KERNELS=1) a PackedLinear dequantises its rows
+exactly as the gguf package does at a plain load, so packing changes no weight: greedy ids are equal and the logits
+equal to float32 summation order. With the kernel, x is quantised to int8 per 32 values as for the experts (and as
+llama.cpp does): the logits stay within that arithmetic's tolerance of the plain load's."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +15,7 @@ import torch
 from moedesk.engine.model.packed_linear import PackedLinear
 from moedesk.engine.requests import Request, SamplingParams
 from moedesk.engine.runtime import Engine
+from moedesk.kernels import cpu_quant
 from moedesk.kernels.quant_formats import FORMATS
 from tests.load.test_packed_experts import TEXT, quantised, teacher_forced_logits  # noqa: F401 -- the fixture
 
@@ -33,7 +36,9 @@ def greedy(engine, ids):
 @pytest.mark.parametrize("arch,kind,formats", [("llama", "q4_k_m", {"q4_k", "q6_k"}), ("llama", "q8_0", {"q8_0"}),
                                                ("qwen3moe", "q4_k_m", {"q4_k", "q6_k"})])
 def test_packed_weights_give_the_same_greedy_ids(quantised, monkeypatch, arch, kind, formats):
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")  # the dequantising route, exact
     path = str(quantised(arch, kind))
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     plain = Engine.load(path, device="cpu", dtype="float32")
     assert not packed_modules(plain)
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
@@ -54,6 +59,43 @@ def test_packed_weights_give_the_same_greedy_ids(quantised, monkeypatch, arch, k
     assert (ours - exact).abs().max() <= 1e-4 * exact.std()
     assert torch.equal(ours.argmax(-1), exact.argmax(-1))
     assert greedy(packed, ids[:8]) == greedy(plain, ids[:8])
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="the native packed kernel is not built for this CPU")
+@pytest.mark.parametrize("arch,kind", [("llama", "q4_k_m"), ("llama", "q8_0"), ("qwen3moe", "q4_k_m")])
+def test_cpu_load_computes_packed_weights_in_native_calls(quantised, monkeypatch, arch, kind):
+    """By default a CPU load keeps them packed and computes each in one native call, never dequantising them (which
+    a step would pay for every weight): within the int8 tolerance of the float32 load (test_packed_experts' bounds,
+    in units of the logits' spread: mean error 1%, none over 6%), and agreeing with llama.cpp's top-1 as closely."""
+    from moedesk.engine.model.packed_linear import ENV
+    from tests.load.test_packed_experts import llama_cpp_logits
+
+    path = str(quantised(arch, kind))
+    monkeypatch.setenv(ENV, "0")
+    plain = Engine.load(path, device="cpu", dtype="float32")
+    monkeypatch.delenv(ENV)
+    packed = Engine.load(path, device="cpu", dtype="float32")
+    modules = packed_modules(packed)
+    assert "lm_head" in modules and len(modules) == 4 * packed.config.num_layers + 1
+    calls = []
+    native = cpu_quant.linear
+    monkeypatch.setattr(cpu_quant, "linear", lambda *a, **kw: calls.append(1) or native(*a, **kw))
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a packed weight was dequantised on the CPU")
+
+    monkeypatch.setattr(PackedLinear, "_dequantised", refused)
+    ids = plain.tokenizer.encode(TEXT)
+    ours, exact = teacher_forced_logits(packed, ids), teacher_forced_logits(plain, ids)
+    assert len(calls) == len(modules)
+    error = (ours - exact).abs() / exact.std()
+    print(f"{arch} {kind}: mean error {error.mean():.4f}, max {error.max():.4f} of the logits' spread")
+    assert error.mean() <= 0.01 and error.max() <= 0.06, (error.mean(), error.max())
+    theirs = llama_cpp_logits(path, ids)
+    agreement = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    print(f"{arch} {kind}: top-1 agreement with llama.cpp {agreement:.3f} over {len(ids)} positions")
+    assert agreement >= 0.85, agreement
+    assert greedy(packed, ids[:8]) == greedy(packed, ids[:8])  # decode runs, and twice alike
 
 
 def test_packed_rows_are_the_files_bytes(quantised):
@@ -102,11 +144,17 @@ def test_spread_layers_keep_their_packed_weights(quantised, monkeypatch):
     assert torch.equal(logits, before)
 
 
-@pytest.mark.parametrize("setting,device,expected", [(None, "cuda", True), (None, "cuda:1", True), (None, "cpu", False),
-                                                     ("0", "cuda", False), ("1", "cpu", True)])
-def test_packed_weights_are_wanted_on_a_gpu_unless_turned_off(monkeypatch, setting, device, expected):
+@pytest.mark.parametrize("setting,device,kernel,expected", [
+    (None, "cuda", True, True), (None, "cuda:1", False, True), (None, "cpu", True, True), (None, "cpu", False, False),
+    ("0", "cuda", True, False), ("0", "cpu", True, False), ("1", "cpu", False, True)])
+def test_packed_weights_are_wanted_on_a_gpu_and_a_cpu_with_the_kernel(monkeypatch, setting, device, kernel, expected):
     from moedesk.engine.model.packed_linear import ENV, wanted
+    from moedesk.kernels import cpu_quant
 
+    if kernel and not cpu_quant.available():
+        pytest.skip(f"the packed CPU kernel is not here: {cpu_quant.unavailable_reason()}")
+    if not kernel:
+        monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")
     if setting is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
@@ -136,6 +184,7 @@ def test_budget_counts_the_packed_bytes(quantised, monkeypatch):
     from moedesk.engine.runtime import held_bytes
 
     path = quantised("llama", "q4_k_m")
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     plain = Engine.load(str(path), device="cpu", dtype="float32")
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
     packed = Engine.load(str(path), device="cpu", dtype="float32")
@@ -164,6 +213,7 @@ def test_held_bytes_counts_fused_views_once(quantised):
     from moedesk.engine.runtime import held_bytes
 
     engine = Engine.load(str(quantised("llama", "q8_0")), device="cpu", dtype="float32")
+    assert packed_modules(engine) or not cpu_quant.available()  # packed, where the CPU kernel computes them
     before = held_bytes(engine.model)
     for block in engine.model.layers:
         block.attn.fuse_projections()  # q, k and v become views of one fused weight (a buffer)
@@ -247,6 +297,7 @@ def test_the_check_before_reading_counts_the_weights_packed(quantised, monkeypat
     def check():
         _check_gpu_holds_weights(checkpoint, budget / GIB, torch.device("cpu"), torch.bfloat16, context)
 
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
     with pytest.raises(UnreadBudgetError):
         check()
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
