@@ -18,14 +18,21 @@ between their segments (a host-run layer's experts), and a copy that covers ever
 taken only while `can_free()` says an out-of-memory error would be retried (experts left on the GPU to move).
 
 `fork` (beam search) and `accept` (speculation) are the cache kind's row operations.
+
+On a CPU load whose matrices the native packed kernels compute (engine.model.packed_linear), a `step` runs torch's
+own ops (norms, attention over the cache, sampling) on one thread: the kernels' pool keeps its workers spinning
+between the layers' calls, and torch's OpenMP team on the same cores made both wait for each other.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.model.packed_linear import PackedLinear
+from moedesk.kernels import cpu_quant
 
 
 class ModelRunner:
@@ -49,6 +56,7 @@ class ModelRunner:
         self.advice = advice
         self.cache = None  # made by the first `reserve`
         self.graphs = None  # made with the cache, whose tensors its graphs read
+        self.one_thread_steps = native_matrices(model, self.device)  # see the module docstring
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` sequences of `length` positions, keeping what the cache holds (it only grows; a
@@ -93,8 +101,9 @@ class ModelRunner:
         if self.graphs is not None:
             out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
         if out is None:
-            out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
-                             features=features, drafts=True)
+            with one_torch_thread() if self.one_thread_steps else nullcontext():
+                out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
+                                 features=features, drafts=True)
         return out
 
     def fork(self, block: list[int], source: list[int], length: int) -> None:
@@ -131,6 +140,24 @@ class ModelRunner:
                 self.cache.restore(saved)
 
         return retrying_oom(attempt, self.on_oom, self.advice, undo)
+
+
+def native_matrices(model, device: torch.device) -> bool:
+    """Whether `model` on `device` has its matrices computed by the native CPU kernels: a CPU load holding packed
+    weights, with the kernel that computes them here."""
+    return (device.type == "cpu" and isinstance(model, torch.nn.Module)
+            and any(isinstance(m, PackedLinear) for m in model.modules()) and cpu_quant.available())
+
+
+@contextmanager
+def one_torch_thread():
+    """torch's intra-op threads set to one for the block, then back to what they were."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def retrying_oom(step, on_oom, advice: str, undo=None):

@@ -139,3 +139,39 @@ def test_a_stateful_cache_saves_the_touched_rows_once_and_puts_them_back_before_
     lone.reserve(1, 8)
     lone.step(torch.zeros(1, 1, dtype=torch.long), None, None)
     assert lone.cache.saves == []
+
+
+def test_steps_of_a_cpu_model_with_native_matrices_run_torch_on_one_thread():
+    """A CPU model holding packed weights (computed by the native kernels' pool) runs `step` with one torch thread
+    and puts the count back; prefills keep it, and a model without packed weights never changes it."""
+    from moedesk.engine.model.packed_linear import PackedLinear
+    from moedesk.kernels import cpu_quant
+    from moedesk.kernels.quant_formats import quantize
+
+    class Counting(torch.nn.Module):
+        def __init__(self, packed: bool):
+            super().__init__()
+            self.head = PackedLinear(quantize(torch.randn(4, 32), "q8_0"), "q8_0", 32) if packed else None
+            self.seen = []
+
+        def new_cache(self, rows, length, dtype, device):
+            return FakeCache(rows, length)
+
+        def forward(self, tokens, positions, cache, executor, **kwargs):
+            self.seen.append(torch.get_num_threads())
+            return "eager"
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for packed in (True, False):
+            model = Counting(packed)
+            runner = ModelRunner(model, "cpu", torch.float32, 16)
+            runner.reserve(1, 8)
+            runner.prefill(torch.zeros(1, 3), torch.zeros(1, 3), None)
+            runner.step(torch.zeros(1, 1), torch.zeros(1, 1), None)
+            one = packed and cpu_quant.available()
+            assert runner.one_thread_steps is one
+            assert model.seen == [2, 1 if one else 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
