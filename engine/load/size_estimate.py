@@ -29,6 +29,8 @@ from moedesk.engine.load.loader import (ROUTED_EXPERT, DTYPES, EXPERT_DTYPES, ex
 from moedesk.engine.model.architectures import (TEXT_MODELS, is_ignored_tensor, map_weight_name, parse_config,
                                                  text_config, weight_name_map)
 from moedesk.engine.model.config import ModelConfig
+from moedesk.engine.memory_fit import packed_savings
+from moedesk.engine.model import packed_linear
 from moedesk.engine.model.embedding import table_bytes, table_stays_in_host
 from moedesk.engine.model.transformer import parameter_dtype
 from moedesk.kernels.expert_weights import DENSE, ExpertWeights
@@ -89,6 +91,9 @@ class ModelWeights:
     experts: dict  # (layer, expert, "gate" | "up" | "down") -> checkpoint name, as the loader's own map
     stored: dict  # checkpoint name -> TensorInfo.stored, for the routed experts
     float32_params: int = 0  # parameters kept in float32 whatever the weights dtype (a sigmoid router's)
+    # Of other_params, what a load that keeps packed weights (engine.model.packed_linear.wanted) keeps packed: our
+    # name -> (format, rows, columns), as engine.load.loader.packed_plan says of the file
+    packed: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
     # Of a GGUF: its general.architecture and engine.llamacpp.fit.GGUFShape, so that a screen can plan the file
     # for the llama.cpp engine too where the engine setting asks for it
@@ -136,8 +141,10 @@ class ModelWeights:
             formats.update(dense if f == DENSE else f for f in (gate_up, down))
         ordered = tuple(sorted(formats, key=lambda f: (f not in FORMATS, f)))  # packed first: "q4_0/f32"
         table = table_bytes(cfg, element) if table_stays_in_host(cfg) else 0
-        return MemoryEstimate(expert_bytes, self.other_params * element + self.float32_params * 4, ordered, dtype_name,
-                              table_bytes=table)
+        other = self.other_params * element + self.float32_params * 4
+        if self.packed and packed_linear.wanted(device_type):
+            other -= sum(packed_savings(self.packed, element).values())
+        return MemoryEstimate(expert_bytes, other, ordered, dtype_name, table_bytes=table)
 
 
 def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json") -> ModelWeights:
@@ -163,7 +170,7 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
                    for name, (shape, packed, source) in apart.items()}
     cfg = parse_config(config, path, tensors={name: t.shape for name, t in tensors.items()})
     rules = weight_name_map(cfg)
-    other, float32, experts, stored = 0, 0, {}, {}
+    other, float32, experts, stored, packed = 0, 0, {}, {}, {}
     for name, info in tensors.items():
         if is_ignored_tensor(name, cfg):
             continue
@@ -178,7 +185,23 @@ def summarize(config: dict, tensors: Mapping[str, TensorInfo], path="config.json
             float32 += math.prod(info.shape)
         elif not (ours == "lm_head.weight" and cfg.tie_word_embeddings):  # the loader shares the embedding
             other += math.prod(info.shape)
-    return ModelWeights(cfg, other, experts, stored, float32)
+            if _kept_packed(cfg.arch, ours, info):
+                packed[ours] = (info.stored, *info.shape)
+    return ModelWeights(cfg, other, experts, stored, float32, packed=packed)
+
+
+# Qwen3.5-MoE's linear-attention output projection: its GGUF columns are regrouped by value head, which only its
+# floats can undo (engine.load.gguf_checkpoint's packed_rows_format keeps it unpacked)
+_REGROUPED = re.compile(r"layers\.\d+\.attn\.out\.weight")
+
+
+def _kept_packed(arch: str, ours: str, info: TensorInfo) -> bool:
+    """Whether a load that keeps packed weights keeps this non-expert tensor (our name) packed: the loader's rule
+    (engine.load.loader.packed_plan) from the header alone."""
+    fmt = info.stored
+    if fmt not in packed_linear.formats() or len(info.shape) != 2 or not packed_linear.packable(ours):
+        return False
+    return info.shape[1] % FORMATS[fmt].block == 0 and not (arch == "qwen3_5_moe" and _REGROUPED.fullmatch(ours))
 
 
 def estimate_memory(config: dict, tensors: Mapping[str, TensorInfo], expert_dtype: str = "auto",

@@ -98,6 +98,28 @@ def test_cpu_load_computes_packed_weights_in_native_calls(quantised, monkeypatch
     assert greedy(packed, ids[:8]) == greedy(packed, ids[:8])  # decode runs, and twice alike
 
 
+@pytest.mark.parametrize("arch,kind", [("llama", "q4_k_m"), ("qwen3moe", "q4_k_m"), ("llama", "q8_0")])
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_the_estimate_from_the_header_is_what_a_cpu_load_holds(quantised, monkeypatch, arch, kind, setting):
+    """The Models screen's estimate (and the RAM check before reading weights) counts the non-expert weights as the
+    load keeps them: packed where it keeps them packed (on the CPU by default where the kernel runs), else float32."""
+    from moedesk.engine.load.size_estimate import summarize_path
+    from moedesk.engine.model.packed_linear import ENV
+
+    if setting is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, setting)
+    path = quantised(arch, kind)
+    engine = Engine.load(str(path), device="cpu", dtype="float32")
+    held = sum(p.numel() * p.element_size() for p in engine.model.parameters()) + sum(
+        m.packed.nbytes for m in packed_modules(engine).values())
+    estimate = summarize_path(path).estimate("auto", "float32")
+    assert bool(packed_modules(engine)) == (setting is None and cpu_quant.available())
+    assert estimate.other_bytes == held
+    assert estimate.expert_bytes == sum(moe.experts.nbytes for moe in engine.model.moe_blocks())
+
+
 def test_packed_rows_are_the_files_bytes(quantised):
     from moedesk.engine.load.gguf_checkpoint import GGUFCheckpoint
 
