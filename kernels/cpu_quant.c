@@ -1516,6 +1516,21 @@ static int (*pool_threads)(void) = pool_get_threads;
 static Job job; /* guarded by native_call.h's `call` */
 static int run_grouped(Job *j, int64_t *index, int64_t M, int64_t G);
 
+/* `call` taken and the job's kind and rows in and out set; the caller sets its weights and shapes. */
+static Job *begin_job(int linear, const void *x, int64_t x_stride, int x_f32, void *out, int64_t out_stride,
+                      int out_f32) {
+    pthread_mutex_lock(&call);
+    Job *j = &job;
+    j->linear = linear;
+    j->x_src = x;
+    j->x_stride = x_stride;
+    j->x_f32 = x_f32;
+    j->out = out;
+    j->out_stride = out_stride;
+    j->out_f32 = out_f32;
+    return j;
+}
+
 enum { OK = 0, BAD_ROW = -2, BAD_EXPERT = -3, NO_MEMORY = -4, BAD_OUT_ROW = -5, BAD_FORMAT = -6, BAD_SHAPE = -7 };
 
 /*
@@ -1550,19 +1565,11 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
     const int grouped = group_routed_pairs(pair_expert, P, k, chosen, n_chosen, E, index, &M, &G);
     if (grouped != 0) return grouped;
     if (G == 0) return OK;
-    pthread_mutex_lock(&call);
-    Job *j = &job;
-    j->linear = 0;
+    Job *j = begin_job(0, x, x_stride, x_f32, out, out_stride, out_f32);
     j->gate_up = gate_up;
     j->down = down;
     j->fmt_gu = fmt_gu;
     j->fmt_d = fmt_d;
-    j->x_src = x;
-    j->x_stride = x_stride;
-    j->x_f32 = x_f32;
-    j->out = out;
-    j->out_stride = out_stride;
-    j->out_f32 = out_f32;
     j->H = H;
     j->F = F;
     j->R = R;
@@ -1577,9 +1584,10 @@ int mq_routed_forward(const void *x, int64_t N, int64_t x_stride, int x_f32, int
 
 /*
  * One matrix: out[n] = W x[n] (+ bias) for the N rows of x (K values each, x_stride elements apart),
- * W [M][row_bytes(K)] packed in fmt, bias NULL or M values (bf16 or fp32: bias_f32); x and out bf16 or fp32 (x_f32, out_f32). A
- * non-expert weight of a CPU load (engine/model/packed_linear.py): the routed call's phase 2 for one group of all N
- * rows, its act rows quantised from x. index: int64 scratch of 2N + 3 entries. Returns OK or a negative error code.
+ * W [M][row_bytes(K)] packed in fmt, bias NULL or M values (bf16 or fp32: bias_f32); x and out bf16 or fp32
+ * (x_f32, out_f32). A non-expert weight of a CPU load (engine/model/packed_linear.py): the routed call's phase 2 for
+ * one group of all N rows, its act rows quantised from x. index: int64 scratch of 2N + 3 entries. Returns OK or a
+ * negative error code.
  */
 int mq_linear(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t K, const uint8_t *w, int64_t M, int fmt,
               const void *bias, int bias_f32, void *out, int64_t out_stride, int out_f32, int64_t *index) {
@@ -1592,18 +1600,10 @@ int mq_linear(const void *x, int64_t N, int64_t x_stride, int x_f32, int64_t K, 
     index[2 * N] = 0;
     index[2 * N + 1] = 0;
     index[2 * N + 2] = N;
-    pthread_mutex_lock(&call);
-    Job *j = &job;
-    j->linear = 1;
+    Job *j = begin_job(1, x, x_stride, x_f32, out, out_stride, out_f32);
     j->gate_up = NULL;
     j->down = w;
     j->fmt_gu = j->fmt_d = fmt;
-    j->x_src = x;
-    j->x_stride = x_stride;
-    j->x_f32 = x_f32;
-    j->out = out;
-    j->out_stride = out_stride;
-    j->out_f32 = out_f32;
     j->H = M;
     j->F = j->R = K;
     j->gu_bias = NULL;

@@ -99,11 +99,16 @@ def test_route_kernel_for_few_rows_on_cuda_and_every_row_count_on_the_cpu():
 
 
 @pytest.mark.parametrize("fmt,rows,k", CASES)
-def test_module_on_the_cpu_is_dequantise_then_linear(fmt, rows, k, monkeypatch):
+def test_module_on_the_cpu_is_the_native_kernel_or_dequantise_then_linear(fmt, rows, k, monkeypatch):
+    from moedesk.kernels import cpu_quant
+
     w = matrix(fmt, rows, k, seed=1)
     bias = torch.randn(rows)
     layer = PackedLinear(w, fmt, k, bias, dtype=torch.float32)
     x = torch.randn(2, 5, k)
+    if cpu_quant.available():
+        assert torch.equal(layer(x), cpu_quant.linear(x.reshape(10, k), w, fmt, bias).view(2, 5, rows))
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")  # without the kernel: exact
     expected = F.linear(x, dequantize(w, fmt, k), bias)
     assert torch.equal(layer(x), expected)
     # dequantised a slice of rows at a time: the same dot products, BLAS may sum them in another order

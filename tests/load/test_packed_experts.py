@@ -128,6 +128,20 @@ def test_packed_gguf_experts_match_dequantised_weights_and_llama_cpp(quantised, 
     assert agreement >= 0.85, agreement
 
 
+def counted_native_calls(monkeypatch, function: str, owner, fallback: str, refusal: str) -> list:
+    """A list that grows by one at each call of cpu_quant.<function> from here on; owner.<fallback> (the route that
+    would dequantise instead) fails the test with `refusal`."""
+    calls = []
+    native = getattr(cpu_quant, function)
+    monkeypatch.setattr(cpu_quant, function, lambda *a, **kw: calls.append(1) or native(*a, **kw))
+
+    def refused(*args, **kwargs):
+        raise AssertionError(refusal)
+
+    monkeypatch.setattr(owner, fallback, refused)
+    return calls
+
+
 @pytest.mark.skipif(not cpu_quant.available(), reason="the native packed kernel is not built for this CPU")
 def test_cpu_load_computes_packed_experts_in_one_native_call_a_layer(quantised, monkeypatch):
     """A load on the CPU alone (LocalExecutor) hands each MoE layer's packed experts to the native kernel once a step,
@@ -136,14 +150,8 @@ def test_cpu_load_computes_packed_experts_in_one_native_call_a_layer(quantised, 
     from moedesk.kernels import experts as expert_kernels
 
     engine = Engine.load(str(quantised("qwen3moe", "q4_k_m")), device="cpu", dtype="float32")
-    calls = []
-    native = cpu_quant.experts_forward_routed
-    monkeypatch.setattr(cpu_quant, "experts_forward_routed", lambda *a, **kw: calls.append(1) or native(*a, **kw))
-
-    def refused(*args, **kwargs):
-        raise AssertionError("a packed expert went to the dequantising reference")
-
-    monkeypatch.setattr(expert_kernels, "_reference_one", refused)
+    calls = counted_native_calls(monkeypatch, "experts_forward_routed", expert_kernels, "_reference_one",
+                                 "a packed expert went to the dequantising reference")
     ids = engine.tokenizer.encode(TEXT)
     logits = teacher_forced_logits(engine, ids)
     assert torch.isfinite(logits).all()

@@ -68,7 +68,7 @@ def test_cpu_load_computes_packed_weights_in_native_calls(quantised, monkeypatch
     a step would pay for every weight): within the int8 tolerance of the float32 load (test_packed_experts' bounds,
     in units of the logits' spread: mean error 1%, none over 6%), and agreeing with llama.cpp's top-1 as closely."""
     from moedesk.engine.model.packed_linear import ENV
-    from tests.load.test_packed_experts import llama_cpp_logits
+    from tests.load.test_packed_experts import counted_native_calls, llama_cpp_logits
 
     path = str(quantised(arch, kind))
     monkeypatch.setenv(ENV, "0")
@@ -77,14 +77,8 @@ def test_cpu_load_computes_packed_weights_in_native_calls(quantised, monkeypatch
     packed = Engine.load(path, device="cpu", dtype="float32")
     modules = packed_modules(packed)
     assert "lm_head" in modules and len(modules) == 4 * packed.config.num_layers + 1
-    calls = []
-    native = cpu_quant.linear
-    monkeypatch.setattr(cpu_quant, "linear", lambda *a, **kw: calls.append(1) or native(*a, **kw))
-
-    def refused(*args, **kwargs):
-        raise AssertionError("a packed weight was dequantised on the CPU")
-
-    monkeypatch.setattr(PackedLinear, "_dequantised", refused)
+    calls = counted_native_calls(monkeypatch, "linear", PackedLinear, "_dequantised",
+                                 "a packed weight was dequantised on the CPU")
     ids = plain.tokenizer.encode(TEXT)
     ours, exact = teacher_forced_logits(packed, ids), teacher_forced_logits(plain, ids)
     assert len(calls) == len(modules)

@@ -386,6 +386,8 @@ def test_a_packed_target_head_is_run_as_it_is_not_copied(monkeypatch):
     head.share_target_head(packed)
     assert head.target_lm_head is None and not any(b is rows for b in head.buffers())
     hidden = torch.randn(2, 3, EAGLE1.hidden_size, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(head.logits(hidden), packed(hidden), rtol=1e-5, atol=1e-5)  # the target's arithmetic
+    monkeypatch.setenv("MOEDESK_NO_NATIVE_KERNELS", "1")  # which without the CPU kernel is the dequantised matrix's
     expected = hidden @ dequantize(rows, "q8_0", EAGLE1.hidden_size).T
     torch.testing.assert_close(head.logits(hidden), expected, rtol=1e-5, atol=1e-5)
     plain = torch.nn.Linear(EAGLE1.hidden_size, VOCAB, bias=False)
