@@ -34,6 +34,7 @@ import errno
 import hashlib
 import os
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -325,6 +326,7 @@ _lock = threading.Lock()
 _state: dict = {}  # "lib" or "reason", once the library was loaded or found impossible
 _threads: int | None = None
 _spin_us: int | None = None
+DEFAULT_SPIN_US = 20_000  # native_pool.h's spin_ns
 
 
 def _disabled() -> bool:
@@ -546,6 +548,18 @@ def call_beside_caller(fn):
         return fn()
     finally:
         lib.moe_set_threads(n)
+
+
+@contextmanager
+def not_spinning():
+    """Idle workers sleep at once for the block, then spin as set again: for work whose torch ops between the calls
+    need every core (a long prompt's attention on a CPU-only load)."""
+    before = _spin_us
+    set_spin_us(0)
+    try:
+        yield
+    finally:
+        set_spin_us(DEFAULT_SPIN_US if before is None else before)
 
 
 def set_spin_us(us: int) -> None:

@@ -19,9 +19,11 @@ taken only while `can_free()` says an out-of-memory error would be retried (expe
 
 `fork` (beam search) and `accept` (speculation) are the cache kind's row operations.
 
-On a CPU load whose matrices the native packed kernels compute (engine.model.packed_linear), a `step` runs torch's
-own ops (norms, attention over the cache, sampling) on one thread: the kernels' pool keeps its workers spinning
-between the layers' calls, and torch's OpenMP team on the same cores made both wait for each other.
+On a CPU load whose matrices the native packed kernels compute (engine.model.packed_linear), the kernels' pool and
+torch's OpenMP team (norms, attention, sampling between the layers' calls) share the cores, and each spins after its
+work: both waited for each other. So a forward of few tokens (a decode step, a short prompt) runs torch on one
+thread while the pool spins for the next call; a longer one, whose attention needs every core, gives torch every
+thread and lets the pool's workers sleep between calls (`cores_for`; docs/measurements.md, "Session 70").
 """
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ import torch
 
 from moedesk.engine.errors import MoedeskError
 from moedesk.engine.model.packed_linear import PackedLinear
-from moedesk.kernels import cpu_quant
+from moedesk.kernels import cpu_experts, cpu_quant
+
+# Tokens a forward up to which torch's ops take one thread beside the spinning pool; more take every thread with
+# the pool asleep between calls (the crossing measured, docs/measurements.md "Session 70")
+SHORT_FORWARD = 256
 
 
 class ModelRunner:
@@ -56,7 +62,7 @@ class ModelRunner:
         self.advice = advice
         self.cache = None  # made by the first `reserve`
         self.graphs = None  # made with the cache, whose tensors its graphs read
-        self.one_thread_steps = native_matrices(model, self.device)  # see the module docstring
+        self.native_cpu = native_matrices(model, self.device)  # see the module docstring
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` sequences of `length` positions, keeping what the cache holds (it only grows; a
@@ -87,8 +93,12 @@ class ModelRunner:
         """The model's forward, eagerly (`Transformer.forward`'s arguments), retried after an out-of-memory
         error: a retry writes the same keys and values at the same positions, and starts from the recurrent
         states the first attempt started from, so it computes what the first attempt would have."""
-        return self.retrying(lambda: self.model(tokens, positions, self.cache, executor, rows=rows,
-                                                logits_at=logits_at, features=features), (rows, tokens))
+        def forward():
+            with self.cores_for(tokens):
+                return self.model(tokens, positions, self.cache, executor, rows=rows, logits_at=logits_at,
+                                  features=features)
+
+        return self.retrying(forward, (rows, tokens))
 
     def step(self, tokens, positions, executor, rows=None, mask=None, slots=None, features: tuple = ()):
         """Every position's logits (and features) of tokens [B, T]: replayed from CUDA graphs where they are on
@@ -101,10 +111,16 @@ class ModelRunner:
         if self.graphs is not None:
             out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
         if out is None:
-            with one_torch_thread() if self.one_thread_steps else nullcontext():
+            with self.cores_for(tokens):
                 out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
                                  features=features, drafts=True)
         return out
+
+    def cores_for(self, tokens):
+        """How a forward of `tokens` [B, T] shares the cores with the native kernels' pool (module docstring)."""
+        if not self.native_cpu:
+            return nullcontext()
+        return one_torch_thread() if tokens.numel() <= SHORT_FORWARD else cpu_experts.not_spinning()
 
     def fork(self, block: list[int], source: list[int], length: int) -> None:
         """Row block[j] continues what row block[source[j]] holds, up to `length` positions (beam search)."""

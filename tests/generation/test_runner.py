@@ -141,12 +141,17 @@ def test_a_stateful_cache_saves_the_touched_rows_once_and_puts_them_back_before_
     assert lone.cache.saves == []
 
 
-def test_steps_of_a_cpu_model_with_native_matrices_run_torch_on_one_thread():
-    """A CPU model holding packed weights (computed by the native kernels' pool) runs `step` with one torch thread
-    and puts the count back; prefills keep it, and a model without packed weights never changes it."""
+def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_tokens(monkeypatch):
+    """A CPU model holding packed weights (computed by the native kernels' pool): forwards of few tokens (a step, a
+    short prompt) run torch on one thread, longer ones keep torch's threads and let the pool's workers sleep between
+    calls; both put the settings back. A model without packed weights never changes them."""
+    from moedesk.engine.generation import runner as runner_module
     from moedesk.engine.model.packed_linear import PackedLinear
-    from moedesk.kernels import cpu_quant
+    from moedesk.kernels import cpu_experts, cpu_quant
     from moedesk.kernels.quant_formats import quantize
+
+    spins = []
+    monkeypatch.setattr(cpu_experts, "set_spin_us", spins.append)
 
     class Counting(torch.nn.Module):
         def __init__(self, packed: bool):
@@ -158,20 +163,27 @@ def test_steps_of_a_cpu_model_with_native_matrices_run_torch_on_one_thread():
             return FakeCache(rows, length)
 
         def forward(self, tokens, positions, cache, executor, **kwargs):
-            self.seen.append(torch.get_num_threads())
+            self.seen.append((torch.get_num_threads(), len(spins)))
             return "eager"
 
+    long = runner_module.SHORT_FORWARD + 1
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for packed in (True, False):
+            spins.clear()
             model = Counting(packed)
             runner = ModelRunner(model, "cpu", torch.float32, 16)
             runner.reserve(1, 8)
             runner.prefill(torch.zeros(1, 3), torch.zeros(1, 3), None)
-            runner.step(torch.zeros(1, 1), torch.zeros(1, 1), None)
-            one = packed and cpu_quant.available()
-            assert runner.one_thread_steps is one
-            assert model.seen == [2, 1 if one else 2] and torch.get_num_threads() == 2
+            runner.prefill(torch.zeros(1, long), torch.zeros(1, long), None)
+            runner.step(torch.zeros(4, 1), torch.zeros(4, 1), None)
+            native = packed and cpu_quant.available()
+            assert runner.native_cpu is native
+            if native:  # one thread, then every thread with the pool told not to spin, then one thread again
+                assert model.seen == [(1, 0), (2, 1), (1, 2)] and spins == [0, cpu_experts.DEFAULT_SPIN_US]
+            else:
+                assert model.seen == [(2, 0)] * 3 and spins == []
+            assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
