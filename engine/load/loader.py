@@ -245,9 +245,7 @@ def _packed_format(checkpoint, name: str, ours: str, in_features: int) -> str | 
     if not packed_linear.packable(ours):  # first: a split checkpoint's derived names (Qwen3-Next's in_proj_b) are not
         return None                       # the file's, and none of them is packable
     fmt = checkpoint.packed_rows_format(name)
-    if fmt is None or fmt not in packed_linear.formats():
-        return None
-    return fmt if in_features % packed_format(fmt).block == 0 else None
+    return fmt if packed_linear.keeps(ours, fmt, in_features) else None
 
 
 def packed_plan(checkpoint, cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:

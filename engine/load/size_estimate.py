@@ -198,10 +198,8 @@ _REGROUPED = re.compile(r"layers\.\d+\.attn\.out\.weight")
 def _kept_packed(arch: str, ours: str, info: TensorInfo) -> bool:
     """Whether a load that keeps packed weights keeps this non-expert tensor (our name) packed: the loader's rule
     (engine.load.loader.packed_plan) from the header alone."""
-    fmt = info.stored
-    if fmt not in packed_linear.formats() or len(info.shape) != 2 or not packed_linear.packable(ours):
-        return False
-    return info.shape[1] % FORMATS[fmt].block == 0 and not (arch == "qwen3_5_moe" and _REGROUPED.fullmatch(ours))
+    return (len(info.shape) == 2 and packed_linear.keeps(ours, info.stored, info.shape[1])
+            and not (arch == "qwen3_5_moe" and _REGROUPED.fullmatch(ours)))
 
 
 def estimate_memory(config: dict, tensors: Mapping[str, TensorInfo], expert_dtype: str = "auto",

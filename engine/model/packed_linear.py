@@ -57,6 +57,12 @@ def packable(name: str) -> bool:
     return name.endswith(".weight") and not name.startswith("embed.") and not _UNPACKABLE.fullmatch(name)
 
 
+def keeps(name: str, fmt: str | None, in_features: int) -> bool:
+    """Whether a load that keeps packed weights keeps the parameter `name` (ours), stored in `fmt` with rows of
+    `in_features` weights, packed: a packable Linear weight, in a format the kernels read, of whole blocks."""
+    return packable(name) and fmt in formats() and in_features % FORMATS[fmt].block == 0
+
+
 def route(on_cuda: bool, kernel: bool, rows: int) -> str:
     """"kernel" (the packed kernel) where it applies, on CUDA for few rows only, else "dequant"."""
     return "kernel" if kernel and (not on_cuda or rows < gpu_quant.LINEAR_ROWS) else "dequant"
