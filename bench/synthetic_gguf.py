@@ -75,7 +75,7 @@ def write_f16(cfg: ModelConfig, path: Path) -> None:
 
     w = gguf.GGUFWriter(str(path), GGUF_ARCH[cfg.arch])
     w.add_name(f"{cfg.arch}-shape-random")
-    w.add_context_length(4096)
+    w.add_context_length(cfg.max_position_embeddings)  # a long prompt runs as deep as the real model allows
     w.add_embedding_length(H)
     w.add_block_count(cfg.num_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
