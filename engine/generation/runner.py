@@ -21,9 +21,9 @@ taken only while `can_free()` says an out-of-memory error would be retried (expe
 
 On a CPU load whose matrices the native packed kernels compute (engine.model.packed_linear), the kernels' pool and
 torch's OpenMP team (norms, attention, sampling between the layers' calls) share the cores, and each spins after its
-work: both waited for each other. So a forward of few tokens (a decode step, a short prompt) runs torch on one
-thread while the pool spins for the next call; a longer one, whose attention needs every core, gives torch every
-thread and lets the pool's workers sleep between calls (`cores_for`; docs/measurements.md, "Session 70").
+work: both waited for each other. So a forward of few tokens (a decode step, a short prompt) over a short context
+runs torch on one thread while the pool spins for the next call; a longer one, or one deep in a long context, whose
+attention needs every core, gives torch every thread and lets the pool's workers sleep between calls (`cores_for`).
 """
 from __future__ import annotations
 
@@ -39,6 +39,15 @@ from moedesk.kernels import cpu_experts, cpu_quant
 # Tokens a forward up to which torch's ops take one thread beside the spinning pool; more take every thread with
 # the pool asleep between calls (the crossing measured, docs/measurements.md "Session 70")
 SHORT_FORWARD = 256
+# Keys a row's attention reads (its context), on average over the forward's rows, from which a short forward's
+# attention wants every thread too: decode deep in a long chat (docs/measurements.md, "Session 71")
+LONG_CONTEXT = 2048
+
+
+def one_thread_forward(tokens: int, context: int) -> bool:
+    """Whether a forward of `tokens` tokens whose rows read `context` keys each on average runs torch on one thread
+    beside the spinning pool (else every thread, the pool asleep between calls)."""
+    return tokens <= SHORT_FORWARD and context < LONG_CONTEXT
 
 
 class ModelRunner:
@@ -94,7 +103,7 @@ class ModelRunner:
         error: a retry writes the same keys and values at the same positions, and starts from the recurrent
         states the first attempt started from, so it computes what the first attempt would have."""
         def forward():
-            with self.cores_for(tokens):
+            with self.cores_for(tokens, positions):
                 return self.model(tokens, positions, self.cache, executor, rows=rows, logits_at=logits_at,
                                   features=features)
 
@@ -111,16 +120,18 @@ class ModelRunner:
         if self.graphs is not None:
             out = self.graphs.forward(tokens, positions, executor, rows, mask=mask, slots=slots, features=features)
         if out is None:
-            with self.cores_for(tokens):
+            with self.cores_for(tokens, positions):
                 out = self.model(tokens, positions, self.cache, executor, rows=rows, mask=mask, slots=slots,
                                  features=features, drafts=True)
         return out
 
-    def cores_for(self, tokens):
-        """How a forward of `tokens` [B, T] shares the cores with the native kernels' pool (module docstring)."""
+    def cores_for(self, tokens, positions=None):
+        """How a forward of `tokens` [B, T] at `positions` [B, T] shares the cores with the native kernels' pool
+        (module docstring)."""
         if not self.native_cpu:
             return nullcontext()
-        return one_torch_thread() if tokens.numel() <= SHORT_FORWARD else cpu_experts.not_spinning()
+        context = 0 if positions is None else int(positions[:, -1].sum()) // positions.shape[0] + 1
+        return one_torch_thread() if one_thread_forward(tokens.numel(), context) else cpu_experts.not_spinning()
 
     def fork(self, block: list[int], source: list[int], length: int) -> None:
         """Row block[j] continues what row block[source[j]] holds, up to `length` positions (beam search)."""

@@ -143,8 +143,9 @@ def test_a_stateful_cache_saves_the_touched_rows_once_and_puts_them_back_before_
 
 def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_tokens(monkeypatch):
     """A CPU model holding packed weights (computed by the native kernels' pool): forwards of few tokens (a step, a
-    short prompt) run torch on one thread, longer ones keep torch's threads and let the pool's workers sleep between
-    calls; both put the settings back. A model without packed weights never changes them."""
+    short prompt) over a short context run torch on one thread; longer ones, and a step deep in a long context, keep
+    torch's threads and let the pool's workers sleep between calls; both put the settings back. A model without
+    packed weights never changes them."""
     from moedesk.engine.generation import runner as runner_module
     from moedesk.engine.model.packed_linear import PackedLinear
     from moedesk.kernels import cpu_experts, cpu_quant
@@ -178,12 +179,17 @@ def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_toke
             runner.prefill(torch.zeros(1, 3), torch.zeros(1, 3), None)
             runner.prefill(torch.zeros(1, long), torch.zeros(1, long), None)
             runner.step(torch.zeros(4, 1), torch.zeros(4, 1), None)
+            # two rows whose contexts average the crossing: one deep, one short
+            deep = torch.tensor([[2 * runner_module.LONG_CONTEXT - 2], [0]])
+            runner.step(torch.zeros(2, 1), deep, None)
+            runner.step(torch.zeros(2, 1), deep - 2, None)
             native = packed and cpu_quant.available()
             assert runner.native_cpu is native
-            if native:  # one thread, then every thread with the pool told not to spin, then one thread again
-                assert model.seen == [(1, 0), (2, 1), (1, 2)] and spins == [0, cpu_experts.DEFAULT_SPIN_US]
+            if native:  # one thread, every thread with the pool told not to spin, one thread, every, one again
+                assert model.seen == [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4)]
+                assert spins == [0, cpu_experts.DEFAULT_SPIN_US] * 2
             else:
-                assert model.seen == [(2, 0)] * 3 and spins == []
+                assert model.seen == [(2, 0)] * 5 and spins == []
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
