@@ -1,6 +1,6 @@
 /*
- * exp in 8 fp32 lanes (AVX2 and FMA), shared by cpu_experts.c's AVX2 build (silu, rounded to bf16 as torch rounds it)
- * and cpu_quant.c (silu and gpt-oss's clamped SwiGLU in fp32).
+ * exp in 8 fp32 lanes (AVX2 and FMA), shared by cpu_experts.c's AVX2 build (silu, rounded to bf16 as torch rounds it),
+ * cpu_quant.c (silu and gpt-oss's clamped SwiGLU in fp32) and cpu_attention.c (a decode step's softmax).
  */
 #ifndef MOEDESK_NATIVE_EXP_H
 #define MOEDESK_NATIVE_EXP_H
