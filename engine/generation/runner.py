@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from moedesk.engine.errors import MoedeskError
+from moedesk.engine.model.mla import LatentAttention
 from moedesk.engine.model.packed_linear import PackedLinear
 from moedesk.kernels import cpu_experts, cpu_quant
 
@@ -40,14 +41,15 @@ from moedesk.kernels import cpu_experts, cpu_quant
 # the pool asleep between calls (the crossing measured, docs/measurements.md "Session 70")
 SHORT_FORWARD = 256
 # Keys a row's attention reads (its context), on average over the forward's rows, from which a short forward's
-# attention wants every thread too: decode deep in a long chat (docs/measurements.md, "Session 71")
+# attention in torch wants every thread too: a few tokens deep in a long chat (docs/measurements.md, "Session 71")
 LONG_CONTEXT = 2048
 
 
-def one_thread_forward(tokens: int, context: int) -> bool:
+def one_thread_forward(tokens: int, context: int, pool_attention: bool) -> bool:
     """Whether a forward of `tokens` tokens whose rows read `context` keys each on average runs torch on one thread
-    beside the spinning pool (else every thread, the pool asleep between calls)."""
-    return tokens <= SHORT_FORWARD and context < LONG_CONTEXT
+    beside the spinning pool (else every thread, the pool asleep between calls). pool_attention: its attention runs
+    on the pool too (kernels/cpu_attention.py), at any depth."""
+    return tokens <= SHORT_FORWARD and (pool_attention or context < LONG_CONTEXT)
 
 
 class ModelRunner:
@@ -72,6 +74,8 @@ class ModelRunner:
         self.cache = None  # made by the first `reserve`
         self.graphs = None  # made with the cache, whose tensors its graphs read
         self.native_cpu = native_matrices(model, self.device)  # see the module docstring
+        # a decode step's attention on the pool in every layer that has one (Transformer's Attention.native_decode)
+        self.pool_decode = self.native_cpu and dtype == torch.float32 and pool_decode(model)
 
     def reserve(self, rows: int, length: int) -> None:
         """Room for `rows` sequences of `length` positions, keeping what the cache holds (it only grows; a
@@ -131,7 +135,8 @@ class ModelRunner:
         if not self.native_cpu:
             return nullcontext()
         context = 0 if positions is None else int(positions[:, -1].sum()) // positions.shape[0] + 1
-        return one_torch_thread() if one_thread_forward(tokens.numel(), context) else cpu_experts.not_spinning()
+        one = one_thread_forward(tokens.numel(), context, self.pool_decode and tokens.shape[1] == 1)
+        return one_torch_thread() if one else cpu_experts.not_spinning()
 
     def fork(self, block: list[int], source: list[int], length: int) -> None:
         """Row block[j] continues what row block[source[j]] holds, up to `length` positions (beam search)."""
@@ -174,6 +179,13 @@ def native_matrices(model, device: torch.device) -> bool:
     weights, with the kernel that computes them here."""
     return (device.type == "cpu" and isinstance(model, torch.nn.Module)
             and any(isinstance(m, PackedLinear) for m in model.modules()) and cpu_quant.available())
+
+
+def pool_decode(model) -> bool:
+    """Whether every attention layer of `model` computes a decode step on the native pool: those of the kind
+    engine.model.transformer.Attention says so of, and no other kind (MLA, which attends in torch)."""
+    attentions = [m for m in model.modules() if hasattr(m, "native_decode") or isinstance(m, LatentAttention)]
+    return bool(attentions) and all(getattr(m, "native_decode", False) for m in attentions)
 
 
 @contextmanager

@@ -28,7 +28,7 @@ from moedesk.engine.model.norm import RMSNorm
 from moedesk.engine.model.packed_linear import PackedLinear
 from moedesk.engine.model.routing import grouped_sigmoid_top_k, top_k_softmax
 from moedesk.engine.model.sinks import sink_attention, window_mask
-from moedesk.kernels import gpu_decode_attention, gpu_fused
+from moedesk.kernels import cpu_attention, gpu_decode_attention, gpu_fused
 from moedesk.kernels.expert_weights import ClampedSwiGLU, ExpertWeights
 
 log = logging.getLogger("moedesk")
@@ -211,6 +211,28 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
 
+    def _decode_kernel(self, q, own, layer: int, batch: "ForwardBatch"):
+        """The kernel that reads the cache in place for these few tokens a row (q [B, T, H, D]), or None (SDPA over
+        the cache read out). On the CPU only one token a row, without window or sinks, and only in a layer whose
+        projections the native kernels compute: its pool computes the attention too, where a float32 load keeps
+        the reference's arithmetic (SDPA's)."""
+        if not isinstance(own, KVCache):
+            return None
+        cache_k, T = own.k[own.index[layer]], q.shape[1]
+        if (self.cfg.attention_sinks or not self.window) and gpu_decode_attention.takes(q[:, 0], cache_k, T):
+            return gpu_decode_attention
+        if T == 1 and self.native_decode and cpu_attention.applies(q[:, 0], cache_k):
+            return cpu_attention
+        return None
+
+    @property
+    def native_decode(self) -> bool:
+        """Whether a float32 decode step's attention (one token a row) runs in kernels/cpu_attention.py: a CPU layer
+        whose projections the native kernels compute, without window or sinks (`_decode_kernel`)."""
+        cfg = self.cfg
+        return (("qkv_packed" in self.__dict__ or isinstance(self.wq, PackedLinear)) and not self.window
+                and not cfg.attention_sinks and cpu_attention.takes_heads(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim))
+
     def forward(self, x, rope, cache: KVCache, layer: int, batch: "ForwardBatch"):
         cfg = self.cfg
         B, T, _ = x.shape
@@ -236,14 +258,16 @@ class Attention(nn.Module):
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         # (Windows are applied with sinks only, gpt-oss's pair; the SDPA path below applies none.)
         own = own_kind(cache, layer)  # inside LayerCaches too: Qwen3.5's and gpt-oss's kinds, a device's layers
-        if (T <= FOLD_TOKENS and not batch.explicit_mask and (cfg.attention_sinks or not self.window)
-                and isinstance(own, KVCache) and gpu_decode_attention.takes(q[:, 0], own.k[own.index[layer]], T)):
+        kernel = self._decode_kernel(q, own, layer, batch) if T <= FOLD_TOKENS and not batch.explicit_mask else None
+        if kernel is not None:
             # Decode, or a speculative verify's chain, over the cache in place, split over its keys
-            # (kernels.gpu_decode_attention): a long context's keys are read by the whole GPU, not by one program
-            # per key/value head, and a window's alone.
+            # (kernels.gpu_decode_attention, kernels.cpu_attention): a long context's keys are read by every
+            # core, not by one per key/value head, and a window's alone.
             cache_k, cache_v = own.write(layer, k, v, batch.rows, batch.slots, batch.write_rows)
             sinks = self.sinks if cfg.attention_sinks else None
-            if T == 1:
+            if kernel is cpu_attention:
+                out = cpu_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths)
+            elif T == 1:
                 out = gpu_decode_attention.decode_attention(q[:, 0], cache_k, cache_v, batch.rows, batch.key_lengths,
                                                             self.window, sinks)
             else:

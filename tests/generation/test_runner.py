@@ -143,8 +143,9 @@ def test_a_stateful_cache_saves_the_touched_rows_once_and_puts_them_back_before_
 
 def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_tokens(monkeypatch):
     """A CPU model holding packed weights (computed by the native kernels' pool): forwards of few tokens (a step, a
-    short prompt) over a short context run torch on one thread; longer ones, and a step deep in a long context, keep
-    torch's threads and let the pool's workers sleep between calls; both put the settings back. A model without
+    short prompt) over a short context run torch on one thread; longer ones, and a step deep in a long context whose
+    attention torch computes, keep torch's threads and let the pool's workers sleep between calls; both put the
+    settings back. Where the pool computes a step's attention too, a deep step stays on one thread. A model without
     packed weights never changes them."""
     from moedesk.engine.generation import runner as runner_module
     from moedesk.engine.model.packed_linear import PackedLinear
@@ -154,10 +155,14 @@ def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_toke
     spins = []
     monkeypatch.setattr(cpu_experts, "set_spin_us", spins.append)
 
+    class PoolAttention(torch.nn.Module):
+        native_decode = True
+
     class Counting(torch.nn.Module):
-        def __init__(self, packed: bool):
+        def __init__(self, packed: bool, pool: bool):
             super().__init__()
             self.head = PackedLinear(quantize(torch.randn(4, 32), "q8_0"), "q8_0", 32) if packed else None
+            self.attn = PoolAttention() if pool else None
             self.seen = []
 
         def new_cache(self, rows, length, dtype, device):
@@ -171,9 +176,9 @@ def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_toke
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for packed in (True, False):
+        for packed, pool in ((True, False), (True, True), (False, False)):
             spins.clear()
-            model = Counting(packed)
+            model = Counting(packed, pool)
             runner = ModelRunner(model, "cpu", torch.float32, 16)
             runner.reserve(1, 8)
             runner.prefill(torch.zeros(1, 3), torch.zeros(1, 3), None)
@@ -183,13 +188,17 @@ def test_a_cpu_model_with_native_matrices_shares_the_cores_by_the_forward_s_toke
             deep = torch.tensor([[2 * runner_module.LONG_CONTEXT - 2], [0]])
             runner.step(torch.zeros(2, 1), deep, None)
             runner.step(torch.zeros(2, 1), deep - 2, None)
+            runner.step(torch.zeros(2, 2), torch.cat([deep, deep + 1], 1), None)  # a verify's chain: torch's attention
             native = packed and cpu_quant.available()
-            assert runner.native_cpu is native
-            if native:  # one thread, every thread with the pool told not to spin, one thread, every, one again
-                assert model.seen == [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4)]
+            assert runner.native_cpu is native and runner.pool_decode is (native and pool)
+            if native and pool:  # every thread only for the long prompt and the deep chain
+                assert model.seen == [(1, 0), (2, 1), (1, 2), (1, 2), (1, 2), (2, 3)]
                 assert spins == [0, cpu_experts.DEFAULT_SPIN_US] * 2
+            elif native:  # one thread, every thread with the pool told not to spin, one thread, every, one, every
+                assert model.seen == [(1, 0), (2, 1), (1, 2), (2, 3), (1, 4), (2, 5)]
+                assert spins == [0, cpu_experts.DEFAULT_SPIN_US] * 3
             else:
-                assert model.seen == [(2, 0)] * 5 and spins == []
+                assert model.seen == [(2, 0)] * 6 and spins == []
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -319,3 +319,38 @@ def test_the_check_before_reading_counts_the_weights_packed(quantised, monkeypat
     monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "1")
     check()
     checkpoint.close()
+
+
+@pytest.mark.skipif(not cpu_quant.available(), reason="the native packed kernel is not built for this CPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_cpu_load_decodes_attention_on_the_native_pool(quantised, monkeypatch, arch):
+    """A packed CPU load's decode steps take their attention from kernels/cpu_attention.py, over the cache in place:
+    every layer of every step, and the logits those of torch's attention over the cache read out, to float32
+    summation order. A float32 load (no packed weights) keeps torch's, the reference's arithmetic."""
+    from moedesk.engine.generation.runner import pool_decode
+    from moedesk.kernels import cpu_attention
+
+    if not cpu_attention.available():
+        pytest.skip(cpu_attention.unavailable_reason())
+    engine = Engine.load(str(quantised(arch, "q4_k_m")), device="cpu", dtype="float32")
+    assert pool_decode(engine.model)  # so a step stays on one torch thread at any depth (runner.cores_for)
+    model, ids = engine.model, torch.tensor([(engine.tokenizer.encode(TEXT) * 3)[:24]])
+    calls = []
+    kernel = cpu_attention.decode_attention
+    monkeypatch.setattr(cpu_attention, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+
+    def steps():
+        cache = model.new_cache(1, 32, torch.float32, "cpu")
+        positions = torch.arange(24).unsqueeze(0)
+        model(ids[:, :16], positions[:, :16], cache, engine.executor)
+        return torch.cat([model(ids[:, t:t + 1], positions[:, t:t + 1], cache, engine.executor)[:, -1]
+                          for t in range(16, 24)])
+
+    ours = steps()
+    assert len(calls) == 8 * engine.config.num_layers
+    monkeypatch.setattr(cpu_attention, "applies", lambda *a: False)
+    theirs = steps()
+    assert len(calls) == 8 * engine.config.num_layers  # none more: torch's attention
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.std(), (ours - theirs).abs().max()
+    monkeypatch.setenv("MOEDESK_PACKED_WEIGHTS", "0")
+    assert not pool_decode(Engine.load(str(quantised(arch, "q4_k_m")), device="cpu", dtype="float32").model)

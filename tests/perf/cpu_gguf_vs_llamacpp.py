@@ -11,7 +11,8 @@ print(shape_gguf(shape_config('qwen3-30b-a3b', 4), 'qwen3-30b-a3b', 'q4_k', Path
 
 --native: how the native engine's forwards share the cores (engine.generation.runner.cores_for): `auto` as it
 decides, `one` torch on one thread beside the spinning pool at every forward, `all` every torch thread with the
-pool asleep between calls; each a variant of its own in the turns.
+pool asleep between calls, `torch` as `auto` with a decode step's attention left to torch (not
+kernels/cpu_attention.py); each a variant of its own in the turns.
 
 Both are fed the same token ids (no tokenizer or template: the shape's file has a placeholder vocabulary); decode is
 the completion's own rate after its first token (native) or `tokens` single-token evaluations (llama.cpp), with as
@@ -42,8 +43,11 @@ def native(path: str, tokens: int, depth: int, share: str) -> dict:
     from moedesk.engine.requests import Request, SamplingParams
     from moedesk.engine.runtime import Engine
 
-    if share != "auto":  # cores_for's decision forced for every forward
-        runner.one_thread_forward = lambda tokens, context: share == "one"
+    if share == "torch":  # attention in torch everywhere (kernels/cpu_attention.py off), cores_for deciding
+        from moedesk.kernels import cpu_attention
+        cpu_attention.takes_heads = lambda *heads: False
+    elif share != "auto":  # cores_for's decision forced for every forward
+        runner.one_thread_forward = lambda *decision: share == "one"
     engine = Engine.load(path, device="cpu", context_length=depth + tokens + 16)
     start = time.perf_counter()
     [done] = engine.generate([Request(prompt(depth), SamplingParams(max_new_tokens=1 + tokens, temperature=0,
@@ -79,7 +83,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--depth", type=int, default=64)
-    p.add_argument("--native", default="auto", help="comma-separated: auto, one, all")
+    p.add_argument("--native", default="auto", help="comma-separated: auto, one, all, torch")
     p.add_argument("--one", help=argparse.SUPPRESS)  # one variant, in this process
     args = p.parse_args()
     if args.one:
