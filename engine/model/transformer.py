@@ -221,7 +221,7 @@ class Attention(nn.Module):
         cache_k, T = own.k[own.index[layer]], q.shape[1]
         if (self.cfg.attention_sinks or not self.window) and gpu_decode_attention.takes(q[:, 0], cache_k, T):
             return gpu_decode_attention
-        if T == 1 and self.native_decode and cpu_attention.applies(q[:, 0], cache_k):
+        if T == 1 and q.is_cpu and self.native_decode and cpu_attention.applies(q[:, 0], cache_k):
             return cpu_attention
         return None
 
