@@ -211,7 +211,7 @@ class Attention(nn.Module):
         self.register_buffer("qkv_weight", weight, persistent=False)
         self.register_buffer("qkv_bias", bias, persistent=False)
 
-    def _decode_kernel(self, q, own, layer: int, batch: "ForwardBatch"):
+    def _decode_kernel(self, q, own, layer: int):
         """The kernel that reads the cache in place for these few tokens a row (q [B, T, H, D]), or None (SDPA over
         the cache read out). On the CPU only one token a row, without window or sinks, and only in a layer whose
         projections the native kernels compute: its pool computes the attention too, where a float32 load keeps
@@ -258,7 +258,7 @@ class Attention(nn.Module):
         k = norm_and_rope(k, self.k_norm if head_norm else None, *rope)
         # (Windows are applied with sinks only, gpt-oss's pair; the SDPA path below applies none.)
         own = own_kind(cache, layer)  # inside LayerCaches too: Qwen3.5's and gpt-oss's kinds, a device's layers
-        kernel = self._decode_kernel(q, own, layer, batch) if T <= FOLD_TOKENS and not batch.explicit_mask else None
+        kernel = self._decode_kernel(q, own, layer) if T <= FOLD_TOKENS and not batch.explicit_mask else None
         if kernel is not None:
             # Decode, or a speculative verify's chain, over the cache in place, split over its keys
             # (kernels.gpu_decode_attention, kernels.cpu_attention): a long context's keys are read by every
