@@ -46,7 +46,14 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     if not (cache_k.is_contiguous() and cache_v.is_contiguous() and cache_k.shape == cache_v.shape):
         raise ValueError("the cache's keys and values must be contiguous and alike")
     q = q.contiguous()
-    lengths, rows, piece, pieces = _split(lengths, rows, b, tuple(cache_k.shape[:2]))
+    lengths = lengths.to(torch.int64).contiguous()
+    rows = None if rows is None else rows.to(torch.int64).contiguous()
+    longest = int(lengths.max())
+    if lengths.shape != (b,) or int(lengths.min()) < 1 or longest > cache_k.shape[1] or (
+            rows is not None and (rows.shape != (b,) or int(rows.min()) < 0 or int(rows.max()) >= cache_k.shape[0])):
+        raise ValueError(f"{b} rows of lengths {lengths.tolist()} do not fit a cache {tuple(cache_k.shape)}")
+    piece = lib.ca_piece(b, max(longest, 1), lib.ca_threads())
+    pieces = max(1, -(-longest // piece))
     part = torch.empty(b * pieces * heads * (d + 2), dtype=torch.float32)
     out = torch.empty_like(q)
     rc = lib.ca_decode(q.data_ptr(), b, kv_heads, heads // kv_heads, d, cache_k.data_ptr(), cache_v.data_ptr(),
@@ -55,27 +62,6 @@ def decode_attention(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tens
     if rc != 0:
         raise ValueError(f"decode attention cannot take q {tuple(q.shape)} over a cache {tuple(cache_k.shape)}")
     return out
-
-
-def _split(lengths, rows, b: int, cache: tuple[int, int]):
-    """lengths and rows as the kernel reads them, checked against the cache, and the keys a piece: once a forward,
-    not once a layer (every layer of a step passes the same two tensors; the last call's are held, so an identical
-    object is the same batch)."""
-    last = _state.get("split")
-    if last is not None and last[0] is lengths and last[1] is rows and last[2] == (b, cache):
-        return last[3]
-    given_lengths, given_rows = lengths, rows
-    lengths = lengths.to(torch.int64).contiguous()
-    rows = None if rows is None else rows.to(torch.int64).contiguous()
-    longest = int(lengths.max())
-    if lengths.shape != (b,) or int(lengths.min()) < 1 or longest > cache[1] or (
-            rows is not None and (rows.shape != (b,) or int(rows.min()) < 0 or int(rows.max()) >= cache[0])):
-        raise ValueError(f"{b} rows of lengths {lengths.tolist()} do not fit a cache {cache}")
-    lib = _state["lib"]
-    piece = lib.ca_piece(b, max(longest, 1), lib.ca_threads())
-    split = lengths, rows, piece, max(1, -(-longest // piece))
-    _state["split"] = given_lengths, given_rows, (b, cache), split
-    return split
 
 
 def available() -> bool:
